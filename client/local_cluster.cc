@@ -1,0 +1,206 @@
+#include "client/local_cluster.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+
+namespace trainyard::client {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string StateFile(const std::string& dir) { return dir + "/local.json"; }
+
+bool IsTrainyardProcess(pid_t pid) {
+  if (pid <= 0 || kill(pid, 0) != 0) return false;
+  std::ifstream in(absl::StrCat("/proc/", pid, "/cmdline"));
+  std::string cmdline((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return cmdline.find("trainyard") != std::string::npos;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string Tail(const std::string& text, size_t lines) {
+  size_t pos = text.size();
+  for (size_t n = 0; n <= lines && pos > 0; ++n) {
+    pos = text.rfind('\n', pos - 1);
+    if (pos == std::string::npos) return text;
+  }
+  return text.substr(pos + 1);
+}
+
+// Starts `argv` detached (own session), stdout and stderr to files; returns its pid.
+absl::StatusOr<pid_t> SpawnDaemon(const std::vector<std::string>& argv, const std::string& out,
+                                  const std::string& err) {
+  std::vector<char*> c_argv;
+  std::vector<std::string> copy = argv;
+  for (auto& a : copy) c_argv.push_back(a.data());
+  c_argv.push_back(nullptr);
+  const pid_t pid = fork();
+  if (pid < 0) return absl::InternalError(absl::StrCat("fork: ", strerror(errno)));
+  if (pid == 0) {
+    setsid();
+    const int in_fd = open("/dev/null", O_RDONLY);
+    const int out_fd = open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    const int err_fd = open(err.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+    if (in_fd < 0 || out_fd < 0 || err_fd < 0) _exit(126);
+    dup2(in_fd, STDIN_FILENO);
+    dup2(out_fd, STDOUT_FILENO);
+    dup2(err_fd, STDERR_FILENO);
+    for (int fd = 3; fd < 1024; ++fd) close(fd);
+    execv(c_argv[0], c_argv.data());
+    _exit(127);
+  }
+  return pid;
+}
+
+absl::Status Save(const LocalCluster& c) {
+  nlohmann::json j;
+  j["coordinator_address"] = c.coordinator_address;
+  for (const auto& p : c.processes) {
+    j["processes"].push_back(
+        {{"name", p.name}, {"pid", p.pid}, {"address", p.address}, {"log", p.log}});
+  }
+  const std::string path = StateFile(c.state_dir);
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << j.dump(2) << "\n";
+    if (!out) return absl::InternalError(absl::StrCat("cannot write ", tmp));
+  }
+  if (rename(tmp.c_str(), path.c_str()) != 0) {
+    return absl::InternalError(absl::StrCat("cannot write ", path, ": ", strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string SelfDir() {
+  std::error_code ec;
+  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  return ec ? std::string(".") : self.parent_path().string();
+}
+
+absl::StatusOr<LocalCluster> LocalStatus(const std::string& state_dir) {
+  const std::string text = ReadFile(StateFile(state_dir));
+  if (text.empty()) {
+    return absl::NotFoundError(absl::StrCat("no local cluster was started from ", state_dir));
+  }
+  LocalCluster c;
+  c.state_dir = state_dir;
+  try {
+    const auto j = nlohmann::json::parse(text);
+    c.coordinator_address = j.at("coordinator_address").get<std::string>();
+    for (const auto& p : j.at("processes")) {
+      LocalProcess lp;
+      lp.name = p.at("name").get<std::string>();
+      lp.pid = p.at("pid").get<pid_t>();
+      lp.address = p.at("address").get<std::string>();
+      lp.log = p.at("log").get<std::string>();
+      lp.alive = IsTrainyardProcess(lp.pid);
+      c.processes.push_back(lp);
+    }
+  } catch (const nlohmann::json::exception& e) {
+    return absl::DataLossError(absl::StrCat(StateFile(state_dir), ": unreadable: ", e.what()));
+  }
+  return c;
+}
+
+absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& options) {
+  if (auto existing = LocalStatus(options.state_dir); existing.ok()) {
+    for (const auto& p : existing->processes) {
+      if (p.alive) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("a local cluster is already running from ", options.state_dir, " (",
+                         p.name, " pid ", p.pid, " on ", p.address, "); `yard local down` first"));
+      }
+    }
+  }
+  std::error_code ec;
+  fs::create_directories(options.state_dir, ec);
+  if (ec) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--state-dir: cannot create ", options.state_dir, ": ", ec.message()));
+  }
+  const std::string bin = options.bin_dir + "/trainyard-coordinator";
+  if (access(bin.c_str(), X_OK) != 0) {
+    return absl::NotFoundError(absl::StrCat("cannot find ", bin));
+  }
+  LocalCluster c;
+  c.state_dir = options.state_dir;
+  LocalProcess coord;
+  coord.name = "coordinator";
+  coord.log = options.state_dir + "/coordinator.log";
+  const std::string out = options.state_dir + "/coordinator.out";
+  auto pid = SpawnDaemon({bin, "--listen", options.listen, "--state-dir", options.state_dir}, out,
+                         coord.log);
+  if (!pid.ok()) return pid.status();
+  coord.pid = *pid;
+  // The coordinator prints its bound address as its first line once it serves.
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (true) {
+    const std::string printed = ReadFile(out);
+    if (printed.find('\n') != std::string::npos) {
+      coord.address =
+          std::string(absl::StripAsciiWhitespace(printed.substr(0, printed.find('\n'))));
+      break;
+    }
+    int status = 0;
+    if (waitpid(coord.pid, &status, WNOHANG) == coord.pid) {
+      return absl::UnavailableError(absl::StrCat("the coordinator exited at start; ", coord.log,
+                                                 " ends with:\n", Tail(ReadFile(coord.log), 5)));
+    }
+    if (absl::Now() > deadline) {
+      kill(coord.pid, SIGKILL);
+      return absl::DeadlineExceededError(
+          absl::StrCat("the coordinator did not start within 30 s; see ", coord.log));
+    }
+    absl::SleepFor(absl::Milliseconds(20));  // a detached child: no event to wait on
+  }
+  coord.alive = true;
+  c.coordinator_address = coord.address;
+  c.processes.push_back(coord);
+  if (absl::Status s = Save(c); !s.ok()) return s;
+  return c;
+}
+
+absl::Status LocalDown(const std::string& state_dir, int grace_seconds) {
+  auto c = LocalStatus(state_dir);
+  if (!c.ok()) return c.status();
+  for (const auto& p : c->processes) {
+    if (p.alive) kill(p.pid, SIGTERM);
+  }
+  const absl::Time deadline = absl::Now() + absl::Seconds(grace_seconds);
+  for (const auto& p : c->processes) {
+    while (IsTrainyardProcess(p.pid) && absl::Now() < deadline) {
+      waitpid(p.pid, nullptr, WNOHANG);  // reaps it if it happens to be our child
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    if (IsTrainyardProcess(p.pid)) kill(p.pid, SIGKILL);
+  }
+  std::error_code ec;
+  fs::remove(StateFile(state_dir), ec);
+  return absl::OkStatus();
+}
+
+}  // namespace trainyard::client

@@ -1,0 +1,49 @@
+// `yard local up|down|status`: a coordinator (and, once workers exist, worker daemons) started
+// in the background on loopback with a state directory, recorded in STATE_DIR/local.json so
+// that later `yard local` calls find, check and stop them. Single-threaded.
+#ifndef TRAINYARD_CLIENT_LOCAL_CLUSTER_H_
+#define TRAINYARD_CLIENT_LOCAL_CLUSTER_H_
+
+#include <sys/types.h>
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace trainyard::client {
+
+struct LocalProcess {
+  std::string name;  // "coordinator"
+  pid_t pid = 0;
+  std::string address;  // what it serves on
+  std::string log;      // its stderr
+  bool alive = false;
+};
+
+struct LocalCluster {
+  std::string state_dir;
+  std::string coordinator_address;
+  std::vector<LocalProcess> processes;
+};
+
+struct LocalUpOptions {
+  std::string state_dir;
+  std::string listen = "127.0.0.1:7070";
+  std::string bin_dir;  // where trainyard-coordinator lives
+};
+
+// Starts the cluster and returns once the coordinator serves. FAILED_PRECONDITION if one is
+// already running from this state directory.
+absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& options);
+// SIGTERM to every process, SIGKILL after `grace_seconds`; NOT_FOUND if none was started.
+absl::Status LocalDown(const std::string& state_dir, int grace_seconds = 15);
+// What runs now; NOT_FOUND if nothing was started from this state directory.
+absl::StatusOr<LocalCluster> LocalStatus(const std::string& state_dir);
+
+// Directory of the running executable (to find its sibling programs).
+std::string SelfDir();
+
+}  // namespace trainyard::client
+
+#endif  // TRAINYARD_CLIENT_LOCAL_CLUSTER_H_

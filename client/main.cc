@@ -1,0 +1,357 @@
+// yard: the trainyard command line. Parses the verb and its flags, calls the coordinator through
+// YardClient, prints tables for people or JSON (-o json) for scripts. Exit code 0 on success,
+// non-zero with a one-line reason on stderr.
+#include <pwd.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+
+#include <CLI/CLI.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "client/local_cluster.h"
+#include "client/output.h"
+#include "client/yard_client.h"
+#include "common/spec.h"
+#include "common/version.h"
+
+namespace trainyard::client {
+namespace {
+
+// Exit codes of `yard wait` beyond 0 (succeeded) and 1 (error).
+constexpr int kExitJobFailed = 1;
+constexpr int kExitJobCancelled = 2;
+constexpr int kExitTimedOut = 3;
+
+struct Globals {
+  std::string coordinator;
+  std::string output = "table";
+  std::string user;
+  bool json() const { return output == "json"; }
+};
+
+std::string DefaultCoordinator() {
+  const char* env = std::getenv("TRAINYARD_COORDINATOR");
+  return env != nullptr && *env != '\0' ? env : "127.0.0.1:7070";
+}
+
+std::string DefaultUser() {
+  if (const char* u = std::getenv("USER"); u != nullptr && *u != '\0') return u;
+  if (const passwd* pw = getpwuid(getuid()); pw != nullptr) return pw->pw_name;
+  return "unknown";
+}
+
+std::string DefaultLocalStateDir() {
+  const char* home = std::getenv("HOME");
+  return absl::StrCat(home != nullptr ? home : ".", "/.trainyard/local");
+}
+
+int Fail(const absl::Status& s) {
+  std::string message(s.message());
+  std::replace(message.begin(), message.end(), '\n', ' ');
+  std::cerr << "yard: " << message << " (" << absl::StatusCodeToString(s.code()) << ")\n";
+  return 1;
+}
+
+int64_t NowMs() { return absl::ToUnixMillis(absl::Now()); }
+
+std::string Devices(const v1::Job& job) { return absl::StrCat(job.spec().resources().gpus()); }
+
+std::string PlacementText(const v1::Job& job) {
+  std::vector<std::string> parts;
+  for (const auto& p : job.placement()) {
+    parts.push_back(absl::StrCat(p.node_id(), "[", absl::StrJoin(p.device_indices(), ","),
+                                 "] ranks ", p.first_rank(), "-",
+                                 p.first_rank() + p.device_indices_size() - 1));
+  }
+  return parts.empty() ? "-" : absl::StrJoin(parts, "; ");
+}
+
+void PrintJob(const v1::Job& job) {
+  const auto& s = job.spec();
+  const auto& m = s.model();
+  const auto& t = s.train();
+  std::vector<std::pair<std::string, std::string>> f = {
+      {"id", job.id()},
+      {"name", s.name()},
+      {"owner", job.owner()},
+      {"state", v1::JobState_Name(job.state())},
+      {"message", job.message().empty() ? "-" : job.message()},
+      {"priority", absl::StrCat(s.priority())},
+      {"devices", Devices(job)},
+      {"attempt",
+       absl::StrCat(job.attempt(), " (restarts ", job.restarts(), " of ", s.max_restarts(), ")")},
+      {"placement", PlacementText(job)},
+      {"submitted", Ago(job.submit_time_ms(), NowMs())},
+      {"started", Ago(job.start_time_ms(), NowMs())},
+      {"ended", Ago(job.end_time_ms(), NowMs())},
+      {"model", absl::StrCat(m.kind(), " n_layer=", m.n_layer(), " n_head=", m.n_head(),
+                             " d_model=", m.d_model(), " seq_len=", m.seq_len(), " vocab=",
+                             m.vocab(), " (", HumanCount(ModelParameterCount(m)), " params)")},
+      {"data", absl::StrCat(s.data().path(), " (", s.data().format(), ")")},
+      {"train", absl::StrCat("steps=", t.steps(), " micro_batch=", t.micro_batch(),
+                             " grad_accum=", t.grad_accum(), " lr=", t.lr(), " warmup=", t.warmup(),
+                             " ", MixedPrecisionName(t.mixed_precision()))},
+      {"parallel", absl::StrCat(StrategyName(s.parallel().strategy()), " ",
+                                ShardingStrategyName(s.parallel().sharding_strategy()),
+                                " bucket_mb=", s.parallel().bucket_mb())},
+      {"max_runtime", s.max_runtime_seconds() == 0
+                          ? "-"
+                          : absl::FormatDuration(absl::Seconds(s.max_runtime_seconds()))},
+  };
+  if (job.backfilled()) f.push_back({"backfilled", "yes"});
+  std::cout << FormatFields(f);
+}
+
+int Submit(const Globals& g, const std::string& path) {
+  auto parsed = LoadJobSpecFile(path);
+  if (!parsed.ok()) return Fail(parsed.status());
+  v1::JobSpec spec = parsed->spec;
+  ApplyJobSpecDefaults(spec);
+  if (absl::Status s = ValidateJobSpec(spec); !s.ok()) {
+    return Fail(AnnotateWithLine(s, *parsed, path));
+  }
+  YardClient client(g.coordinator, g.user);
+  auto job = client.Submit(spec);
+  if (!job.ok()) return Fail(AnnotateWithLine(job.status(), *parsed, path));
+  if (g.json()) {
+    std::cout << ToJson(*job);
+  } else {
+    std::cout << job->id() << "\n";
+  }
+  return 0;
+}
+
+int List(const Globals& g, const std::vector<std::string>& states, const std::string& owner,
+         int limit) {
+  v1::ListJobsRequest request;
+  for (const auto& name : states) {
+    v1::JobState state;
+    std::string upper = name;
+    std::transform(upper.begin(), upper.end(), upper.begin(), ::toupper);
+    if (!v1::JobState_Parse(upper, &state) || state == v1::JOB_STATE_UNSPECIFIED) {
+      return Fail(
+          absl::InvalidArgumentError(absl::StrCat("--state: unknown job state '", name, "'")));
+    }
+    request.add_states(state);
+  }
+  request.set_owner(owner);
+  YardClient client(g.coordinator, g.user);
+  auto jobs = client.List(request, limit);
+  if (!jobs.ok()) return Fail(jobs.status());
+  if (g.json()) {
+    std::cout << ToJson(*jobs);
+    return 0;
+  }
+  std::vector<std::vector<std::string>> rows;
+  for (const auto& j : jobs->jobs()) {
+    rows.push_back({j.id(), j.spec().name(), j.owner(), v1::JobState_Name(j.state()),
+                    absl::StrCat(j.spec().priority()), Devices(j),
+                    Ago(j.submit_time_ms(), NowMs())});
+  }
+  std::cout << FormatTable({"ID", "NAME", "OWNER", "STATE", "PRIO", "DEVICES", "SUBMITTED"}, rows);
+  return 0;
+}
+
+int Describe(const Globals& g, const std::string& id) {
+  YardClient client(g.coordinator, g.user);
+  auto job = client.Get(NormalizeJobId(id));
+  if (!job.ok()) return Fail(job.status());
+  if (g.json()) {
+    std::cout << ToJson(*job);
+  } else {
+    PrintJob(*job);
+  }
+  return 0;
+}
+
+int Cancel(const Globals& g, const std::string& id, const std::string& reason) {
+  YardClient client(g.coordinator, g.user);
+  auto job = client.Cancel(NormalizeJobId(id), reason);
+  if (!job.ok()) return Fail(job.status());
+  if (g.json()) {
+    std::cout << ToJson(*job);
+  } else {
+    std::cout << job->id() << " " << v1::JobState_Name(job->state()) << "\n";
+  }
+  return 0;
+}
+
+int Wait(const Globals& g, const std::string& id, const std::string& timeout_text) {
+  absl::Duration timeout = absl::ZeroDuration();
+  if (!timeout_text.empty() && !absl::ParseDuration(timeout_text, &timeout)) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        "--timeout: expected a duration such as 90s or 1h, got '", timeout_text, "'")));
+  }
+  YardClient client(g.coordinator, g.user);
+  v1::JobState last = v1::JOB_STATE_UNSPECIFIED;
+  auto job = client.Watch(NormalizeJobId(id), timeout, [&](const v1::Job& j) {
+    if (j.state() != last && !g.json()) {
+      std::cerr << j.id() << " " << v1::JobState_Name(j.state())
+                << (j.message().empty() ? "" : ": " + j.message()) << "\n";
+    }
+    last = j.state();
+    return false;
+  });
+  if (!job.ok()) {
+    Fail(job.status());
+    return job.status().code() == absl::StatusCode::kDeadlineExceeded ? kExitTimedOut : 1;
+  }
+  if (g.json()) std::cout << ToJson(*job);
+  switch (job->state()) {
+    case v1::SUCCEEDED:
+      return 0;
+    case v1::CANCELLED:
+      return kExitJobCancelled;
+    default:
+      return kExitJobFailed;
+  }
+}
+
+int Nodes(const Globals& g) {
+  YardClient client(g.coordinator, g.user);
+  auto nodes = client.ListNodes();
+  if (!nodes.ok()) return Fail(nodes.status());
+  if (g.json()) {
+    std::cout << ToJson(*nodes);
+    return 0;
+  }
+  std::vector<std::vector<std::string>> rows;
+  for (const auto& n : nodes->nodes()) {
+    const std::string kind =
+        n.devices().empty() ? "-" : (n.devices(0).kind() == v1::CUDA_GPU ? "gpu" : "cpu-slot");
+    rows.push_back({n.id(), n.state() == v1::NODE_READY ? "READY" : "LOST",
+                    absl::StrCat(n.allocated_devices_size(), "/", n.devices_size(), " ", kind),
+                    HumanBytes(n.memory_bytes()), n.address().empty() ? "-" : n.address(),
+                    Ago(n.last_heartbeat_ms(), NowMs())});
+  }
+  std::cout << FormatTable({"NODE", "STATE", "DEVICES(USED/ALL)", "MEMORY", "ADDRESS", "HEARTBEAT"},
+                           rows);
+  return 0;
+}
+
+void PrintCluster(const Globals& g, const LocalCluster& c) {
+  if (g.json()) {
+    std::cout << "{\"state_dir\": \"" << c.state_dir << "\", \"coordinator_address\": \""
+              << c.coordinator_address << "\", \"processes\": [";
+    for (size_t i = 0; i < c.processes.size(); ++i) {
+      const auto& p = c.processes[i];
+      std::cout << (i ? ", " : "") << "{\"name\": \"" << p.name << "\", \"pid\": " << p.pid
+                << ", \"address\": \"" << p.address
+                << "\", \"alive\": " << (p.alive ? "true" : "false") << ", \"log\": \"" << p.log
+                << "\"}";
+    }
+    std::cout << "]}\n";
+    return;
+  }
+  std::vector<std::vector<std::string>> rows;
+  for (const auto& p : c.processes) {
+    rows.push_back(
+        {p.name, absl::StrCat(p.pid), p.alive ? "running" : "stopped", p.address, p.log});
+  }
+  std::cout << FormatTable({"PROCESS", "PID", "STATUS", "ADDRESS", "LOG"}, rows);
+}
+
+}  // namespace
+}  // namespace trainyard::client
+
+int main(int argc, char** argv) {
+  using namespace trainyard::client;
+  Globals g;
+  g.coordinator = DefaultCoordinator();
+  g.user = DefaultUser();
+
+  CLI::App app{"yard: submit and watch training jobs on a trainyard cluster"};
+  app.set_version_flag("--version", std::string("yard ") + trainyard::kVersion);
+  app.require_subcommand(1);
+  app.fallthrough();
+  app.add_option("--coordinator", g.coordinator,
+                 "coordinator HOST:PORT (env TRAINYARD_COORDINATOR)")
+      ->capture_default_str();
+  app.add_option("-o,--output", g.output, "output format")
+      ->check(CLI::IsMember({"table", "json"}))
+      ->capture_default_str();
+  app.add_option("--user", g.user, "user name sent with each call (env USER)")
+      ->capture_default_str();
+
+  int rc = 0;
+  std::string spec_path, job_id, reason, timeout, owner;
+  std::vector<std::string> states;
+  int limit = 0;
+
+  auto* submit = app.add_subcommand("submit", "submit a job from a YAML spec; prints its id");
+  submit->add_option("spec", spec_path, "job spec (YAML)")->required();
+  submit->callback([&] { rc = Submit(g, spec_path); });
+
+  auto* ls = app.add_subcommand("ls", "list jobs, newest first");
+  ls->add_option("--state", states, "only jobs in these states (repeatable)");
+  ls->add_option("--owner", owner, "only jobs of this user");
+  ls->add_option("--limit", limit, "at most this many jobs (0 = all)")->capture_default_str();
+  ls->callback([&] { rc = List(g, states, owner, limit); });
+
+  auto* describe = app.add_subcommand("describe", "show one job in full");
+  describe->add_option("job", job_id, "job id (job-7 or 7)")->required();
+  describe->callback([&] { rc = Describe(g, job_id); });
+
+  auto* cancel = app.add_subcommand("cancel", "cancel a waiting or running job");
+  cancel->add_option("job", job_id, "job id")->required();
+  cancel->add_option("--reason", reason, "recorded with the job");
+  cancel->callback([&] { rc = Cancel(g, job_id, reason); });
+
+  auto* wait = app.add_subcommand(
+      "wait", "wait until a job ends; exit 0 succeeded, 1 failed, 2 cancelled, 3 timed out");
+  wait->add_option("job", job_id, "job id")->required();
+  wait->add_option("--timeout", timeout, "give up after this long (e.g. 10m)");
+  wait->callback([&] { rc = Wait(g, job_id, timeout); });
+
+  auto* nodes = app.add_subcommand("nodes", "list worker nodes and their devices");
+  nodes->callback([&] { rc = Nodes(g); });
+
+  auto* local = app.add_subcommand("local", "run a cluster on this machine, on loopback");
+  local->require_subcommand(1);
+  LocalUpOptions up_options;
+  up_options.state_dir = DefaultLocalStateDir();
+  up_options.bin_dir = SelfDir();
+  local->add_option("--state-dir", up_options.state_dir, "state and logs of the local cluster")
+      ->capture_default_str();
+  auto* up = local->add_subcommand("up", "start a coordinator in the background");
+  up->add_option("--listen", up_options.listen, "coordinator HOST:PORT")->capture_default_str();
+  up->callback([&] {
+    auto c = LocalUp(up_options);
+    if (!c.ok()) {
+      rc = Fail(c.status());
+      return;
+    }
+    PrintCluster(g, *c);
+    if (!g.json()) {
+      std::cout << "\nexport TRAINYARD_COORDINATOR=" << c->coordinator_address << "\n";
+    }
+  });
+  auto* down = local->add_subcommand("down", "stop the local cluster");
+  down->callback([&] {
+    if (absl::Status s = LocalDown(up_options.state_dir); !s.ok()) {
+      rc = Fail(s);
+    } else if (!g.json()) {
+      std::cout << "stopped\n";
+    }
+  });
+  auto* status = local->add_subcommand("status", "show the local cluster's processes");
+  status->callback([&] {
+    auto c = LocalStatus(up_options.state_dir);
+    if (!c.ok()) {
+      rc = Fail(c.status());
+      return;
+    }
+    PrintCluster(g, *c);
+    for (const auto& p : c->processes) {
+      if (!p.alive) rc = 1;
+    }
+  });
+
+  CLI11_PARSE(app, argc, argv);
+  return rc;
+}

@@ -1,0 +1,30 @@
+// How `yard` prints: aligned tables and key-value blocks for people, JSON for scripts.
+#ifndef TRAINYARD_CLIENT_OUTPUT_H_
+#define TRAINYARD_CLIENT_OUTPUT_H_
+
+#include <google/protobuf/message.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace trainyard::client {
+
+// Columns padded to their widest cell; one line per row.
+std::string FormatTable(const std::vector<std::string>& headers,
+                        const std::vector<std::vector<std::string>>& rows);
+// "key:   value" lines with the values aligned.
+std::string FormatFields(const std::vector<std::pair<std::string, std::string>>& fields);
+// The message as indented JSON with proto field names and every field present.
+std::string ToJson(const google::protobuf::Message& message);
+// "42s ago", "3m ago", "2h ago", "5d ago"; "-" for 0.
+std::string Ago(int64_t unix_ms, int64_t now_ms);
+// "512.0 MiB", "16.0 GiB".
+std::string HumanBytes(int64_t bytes);
+// "1.2M", "110.0M", "7.0B".
+std::string HumanCount(int64_t n);
+
+}  // namespace trainyard::client
+
+#endif  // TRAINYARD_CLIENT_OUTPUT_H_

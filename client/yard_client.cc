@@ -1,0 +1,132 @@
+#include "client/yard_client.h"
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+namespace trainyard::client {
+
+std::string NormalizeJobId(const std::string& text) {
+  if (!text.empty() && std::all_of(text.begin(), text.end(),
+                                   [](unsigned char c) { return absl::ascii_isdigit(c); })) {
+    return absl::StrCat("job-", text);
+  }
+  return text;
+}
+
+YardClient::YardClient(const std::string& coordinator_address, std::string user)
+    : address_(coordinator_address), user_(std::move(user)) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  channel_ = grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), args);
+  jobs_ = v1::JobService::NewStub(channel_);
+  nodes_ = v1::NodeService::NewStub(channel_);
+}
+
+void YardClient::Prepare(grpc::ClientContext& ctx, absl::Duration timeout) const {
+  ctx.AddMetadata("x-trainyard-user", user_);
+  if (timeout != absl::ZeroDuration()) {
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  }
+}
+
+absl::Status YardClient::Convert(const grpc::Status& s) const {
+  if (s.ok()) return absl::OkStatus();
+  if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    return absl::UnavailableError(absl::StrCat("cannot reach the coordinator at ", address_, " (",
+                                               s.error_message(),
+                                               "); is it running? try `yard local up`"));
+  }
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+absl::StatusOr<v1::Job> YardClient::Submit(const v1::JobSpec& spec) {
+  grpc::ClientContext ctx;
+  Prepare(ctx);
+  v1::SubmitJobRequest request;
+  *request.mutable_spec() = spec;
+  v1::SubmitJobResponse response;
+  if (absl::Status s = Convert(jobs_->SubmitJob(&ctx, request, &response)); !s.ok()) return s;
+  return response.job();
+}
+
+absl::StatusOr<v1::Job> YardClient::Get(const std::string& job_id) {
+  grpc::ClientContext ctx;
+  Prepare(ctx);
+  v1::GetJobRequest request;
+  request.set_job_id(job_id);
+  v1::Job job;
+  if (absl::Status s = Convert(jobs_->GetJob(&ctx, request, &job)); !s.ok()) return s;
+  return job;
+}
+
+absl::StatusOr<v1::ListJobsResponse> YardClient::List(const v1::ListJobsRequest& request_in,
+                                                      int limit) {
+  v1::ListJobsRequest request = request_in;
+  v1::ListJobsResponse all;
+  while (true) {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    if (limit > 0) request.set_page_size(std::min(1000, limit - all.jobs_size()));
+    v1::ListJobsResponse page;
+    if (absl::Status s = Convert(jobs_->ListJobs(&ctx, request, &page)); !s.ok()) return s;
+    for (auto& job : *page.mutable_jobs()) *all.add_jobs() = std::move(job);
+    if (page.next_page_token().empty() || (limit > 0 && all.jobs_size() >= limit)) {
+      all.set_next_page_token(page.next_page_token());
+      return all;
+    }
+    request.set_page_token(page.next_page_token());
+  }
+}
+
+absl::StatusOr<v1::Job> YardClient::Cancel(const std::string& job_id, const std::string& reason) {
+  grpc::ClientContext ctx;
+  Prepare(ctx);
+  v1::CancelJobRequest request;
+  request.set_job_id(job_id);
+  request.set_reason(reason);
+  v1::Job job;
+  if (absl::Status s = Convert(jobs_->CancelJob(&ctx, request, &job)); !s.ok()) return s;
+  return job;
+}
+
+absl::StatusOr<v1::ListNodesResponse> YardClient::ListNodes() {
+  grpc::ClientContext ctx;
+  Prepare(ctx);
+  v1::ListNodesResponse response;
+  if (absl::Status s = Convert(nodes_->ListNodes(&ctx, {}, &response)); !s.ok()) return s;
+  return response;
+}
+
+absl::StatusOr<v1::Job> YardClient::Watch(const std::string& job_id, absl::Duration timeout,
+                                          const std::function<bool(const v1::Job&)>& on_event) {
+  grpc::ClientContext ctx;
+  Prepare(ctx, timeout);
+  v1::WatchJobRequest request;
+  request.set_job_id(job_id);
+  auto reader = jobs_->WatchJob(&ctx, request);
+  v1::JobEvent event;
+  v1::Job last;
+  bool stopped = false;
+  while (reader->Read(&event)) {
+    last = event.job();
+    if (on_event(last)) {
+      stopped = true;
+      ctx.TryCancel();
+      break;
+    }
+  }
+  const grpc::Status status = reader->Finish();
+  if (stopped) return last;
+  if (!status.ok()) {
+    if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+      return absl::DeadlineExceededError(absl::StrCat("job ", job_id, " still ",
+                                                      v1::JobState_Name(last.state()), " after ",
+                                                      absl::FormatDuration(timeout)));
+    }
+    return Convert(status);
+  }
+  return last;
+}
+
+}  // namespace trainyard::client

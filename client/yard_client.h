@@ -1,0 +1,50 @@
+// YardClient: the gRPC side of `yard`. Holds the channel and stubs, attaches the user's name to
+// every call, and turns gRPC errors into absl statuses with a one-line reason. One thread.
+#ifndef TRAINYARD_CLIENT_YARD_CLIENT_H_
+#define TRAINYARD_CLIENT_YARD_CLIENT_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "trainyard/v1/job.grpc.pb.h"
+#include "trainyard/v1/node.grpc.pb.h"
+
+namespace trainyard::client {
+
+class YardClient {
+ public:
+  YardClient(const std::string& coordinator_address, std::string user);
+
+  absl::StatusOr<v1::Job> Submit(const v1::JobSpec& spec);
+  absl::StatusOr<v1::Job> Get(const std::string& job_id);
+  // Follows next_page_token until `limit` jobs (0 = all) are collected.
+  absl::StatusOr<v1::ListJobsResponse> List(const v1::ListJobsRequest& request, int limit);
+  absl::StatusOr<v1::Job> Cancel(const std::string& job_id, const std::string& reason);
+  absl::StatusOr<v1::ListNodesResponse> ListNodes();
+  // Streams the job's events to `on_event` until the job ends or `on_event` returns true, and
+  // returns the last job seen; DEADLINE_EXCEEDED once `timeout` passes (zero = no limit).
+  absl::StatusOr<v1::Job> Watch(const std::string& job_id, absl::Duration timeout,
+                                const std::function<bool(const v1::Job&)>& on_event);
+
+ private:
+  void Prepare(grpc::ClientContext& ctx, absl::Duration timeout = absl::Seconds(30)) const;
+  absl::Status Convert(const grpc::Status& s) const;
+
+  std::string address_;
+  std::string user_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::JobService::Stub> jobs_;
+  std::unique_ptr<v1::NodeService::Stub> nodes_;
+};
+
+// "job-7" for "7"; anything else unchanged.
+std::string NormalizeJobId(const std::string& text);
+
+}  // namespace trainyard::client
+
+#endif  // TRAINYARD_CLIENT_YARD_CLIENT_H_

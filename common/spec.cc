@@ -1,0 +1,491 @@
+#include "common/spec.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <cmath>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <set>
+#include <sstream>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/time.h"
+#include "common/status_macros.h"
+
+namespace trainyard {
+namespace {
+
+using v1::JobSpec;
+
+// Walks one YAML document, recording field lines and reporting errors as FILE:LINE: message.
+class SpecParser {
+ public:
+  SpecParser(const std::string& filename, ParsedSpec& out) : filename_(filename), out_(out) {}
+
+  absl::Status Error(const YAML::Node& node, const std::string& message) const {
+    return absl::InvalidArgumentError(
+        absl::StrCat(filename_, ":", node.Mark().line + 1, ": ", message));
+  }
+
+  // Checks that `node` is a mapping whose keys are all in `known`.
+  absl::Status Mapping(const YAML::Node& node, const std::string& path,
+                       const std::set<std::string>& known) {
+    if (!node.IsMap()) {
+      return Error(node, absl::StrCat(path.empty() ? "the spec" : path, ": expected a mapping"));
+    }
+    for (const auto& kv : node) {
+      const std::string key = kv.first.as<std::string>();
+      const std::string field = path.empty() ? key : absl::StrCat(path, ".", key);
+      if (known.count(key) == 0) {
+        return Error(kv.first, absl::StrCat("unknown field '", field,
+                                            "' (known: ", absl::StrJoin(known, ", "), ")"));
+      }
+      out_.field_lines[field] = kv.first.Mark().line + 1;
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Scalar(const YAML::Node& node, const std::string& field, std::string& text) {
+    if (!node.IsScalar()) return Error(node, absl::StrCat(field, ": expected a scalar value"));
+    text = node.Scalar();
+    return absl::OkStatus();
+  }
+
+  template <typename Int>
+  absl::Status Integer(const YAML::Node& parent, const char* key, const std::string& path,
+                       Int& value) {
+    const YAML::Node node = parent[key];
+    if (!node) return absl::OkStatus();
+    const std::string field = Join(path, key);
+    std::string text;
+    RETURN_IF_ERROR(Scalar(node, field, text));
+    int64_t parsed = 0;
+    if (!absl::SimpleAtoi(text, &parsed) || parsed < std::numeric_limits<Int>::min() ||
+        (parsed > 0 && static_cast<uint64_t>(parsed) > std::numeric_limits<Int>::max())) {
+      return Error(node, absl::StrCat(field, ": expected an integer, got '", text, "'"));
+    }
+    value = static_cast<Int>(parsed);
+    return absl::OkStatus();
+  }
+
+  absl::Status Double(const YAML::Node& parent, const char* key, const std::string& path,
+                      double& value) {
+    const YAML::Node node = parent[key];
+    if (!node) return absl::OkStatus();
+    const std::string field = Join(path, key);
+    std::string text;
+    RETURN_IF_ERROR(Scalar(node, field, text));
+    if (!absl::SimpleAtod(text, &value) || !std::isfinite(value)) {
+      return Error(node, absl::StrCat(field, ": expected a number, got '", text, "'"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Bool(const YAML::Node& parent, const char* key, const std::string& path,
+                    bool& value) {
+    const YAML::Node node = parent[key];
+    if (!node) return absl::OkStatus();
+    const std::string field = Join(path, key);
+    std::string text;
+    RETURN_IF_ERROR(Scalar(node, field, text));
+    if (!absl::SimpleAtob(text, &value)) {
+      return Error(node, absl::StrCat(field, ": expected true or false, got '", text, "'"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status String(const YAML::Node& parent, const char* key, const std::string& path,
+                      std::string& value) {
+    const YAML::Node node = parent[key];
+    if (!node) return absl::OkStatus();
+    return Scalar(node, Join(path, key), value);
+  }
+
+  // A string from `names` (matched case-insensitively) mapped to its enum value.
+  template <typename Enum>
+  absl::Status Choice(const YAML::Node& parent, const char* key, const std::string& path,
+                      const std::vector<std::pair<std::string, Enum>>& names, Enum& value) {
+    const YAML::Node node = parent[key];
+    if (!node) return absl::OkStatus();
+    const std::string field = Join(path, key);
+    std::string text;
+    RETURN_IF_ERROR(Scalar(node, field, text));
+    std::vector<std::string> allowed;
+    for (const auto& [name, v] : names) {
+      if (absl::EqualsIgnoreCase(name, text)) {
+        value = v;
+        return absl::OkStatus();
+      }
+      allowed.push_back(name);
+    }
+    return Error(node, absl::StrCat(field, ": unknown value '", text, "' (one of ",
+                                    absl::StrJoin(allowed, ", "), ")"));
+  }
+
+  // Seconds as an integer, or an absl duration string such as "90m" or "2h30m".
+  absl::Status Duration(const YAML::Node& parent, const char* key, const std::string& path,
+                        int64_t& seconds) {
+    const YAML::Node node = parent[key];
+    if (!node) return absl::OkStatus();
+    const std::string field = Join(path, key);
+    std::string text;
+    RETURN_IF_ERROR(Scalar(node, field, text));
+    if (absl::SimpleAtoi(text, &seconds)) return absl::OkStatus();
+    absl::Duration d;
+    if (!absl::ParseDuration(text, &d)) {
+      return Error(node, absl::StrCat(field,
+                                      ": expected seconds or a duration such as '2h30m', "
+                                      "got '",
+                                      text, "'"));
+    }
+    seconds = absl::ToInt64Seconds(d);
+    return absl::OkStatus();
+  }
+
+  static std::string Join(const std::string& path, const char* key) {
+    return path.empty() ? std::string(key) : absl::StrCat(path, ".", key);
+  }
+
+ private:
+  std::string filename_;
+  ParsedSpec& out_;
+};
+
+absl::Status ParseDocument(const YAML::Node& root, SpecParser& p, JobSpec& spec) {
+  RETURN_IF_ERROR(p.Mapping(root, "",
+                            {"name", "priority", "resources", "model", "data", "train", "parallel",
+                             "checkpoint", "max_restarts", "max_runtime"}));
+  RETURN_IF_ERROR(p.String(root, "name", "", *spec.mutable_name()));
+  int32_t priority = 0;
+  RETURN_IF_ERROR(p.Integer(root, "priority", "", priority));
+  if (root["priority"]) {
+    // An explicit 0 must not read as "unset" and silently become the default.
+    if (priority == 0) return p.Error(root["priority"], "priority: must be in 1..100, got 0");
+    spec.set_priority(priority);
+  }
+  int32_t max_restarts = 0;
+  RETURN_IF_ERROR(p.Integer(root, "max_restarts", "", max_restarts));
+  spec.set_max_restarts(max_restarts);
+  int64_t max_runtime = 0;
+  RETURN_IF_ERROR(p.Duration(root, "max_runtime", "", max_runtime));
+  if (root["max_runtime"] && max_runtime <= 0) {
+    return p.Error(root["max_runtime"], "max_runtime: must be positive");
+  }
+  spec.set_max_runtime_seconds(max_runtime);
+
+  if (const YAML::Node n = root["resources"]) {
+    RETURN_IF_ERROR(p.Mapping(n, "resources", {"gpus"}));
+    int32_t gpus = 0;
+    RETURN_IF_ERROR(p.Integer(n, "gpus", "resources", gpus));
+    if (n["gpus"] && gpus <= 0) {
+      return p.Error(n["gpus"], absl::StrCat("resources.gpus: must be >= 1, got ", gpus));
+    }
+    spec.mutable_resources()->set_gpus(gpus);
+  }
+  if (const YAML::Node n = root["model"]) {
+    RETURN_IF_ERROR(p.Mapping(
+        n, "model",
+        {"kind", "n_layer", "n_head", "d_model", "seq_len", "vocab", "tie_weights", "d_hidden"}));
+    auto& m = *spec.mutable_model();
+    RETURN_IF_ERROR(p.String(n, "kind", "model", *m.mutable_kind()));
+    int32_t v = 0;
+    bool b = false;
+    RETURN_IF_ERROR(p.Integer(n, "n_layer", "model", v));
+    m.set_n_layer(v);
+    v = 0;
+    RETURN_IF_ERROR(p.Integer(n, "n_head", "model", v));
+    m.set_n_head(v);
+    v = 0;
+    RETURN_IF_ERROR(p.Integer(n, "d_model", "model", v));
+    m.set_d_model(v);
+    v = 0;
+    RETURN_IF_ERROR(p.Integer(n, "seq_len", "model", v));
+    m.set_seq_len(v);
+    v = 0;
+    RETURN_IF_ERROR(p.Integer(n, "vocab", "model", v));
+    m.set_vocab(v);
+    v = 0;
+    RETURN_IF_ERROR(p.Integer(n, "d_hidden", "model", v));
+    m.set_d_hidden(v);
+    RETURN_IF_ERROR(p.Bool(n, "tie_weights", "model", b));
+    m.set_tie_weights(b);
+  }
+  if (const YAML::Node n = root["data"]) {
+    RETURN_IF_ERROR(p.Mapping(n, "data", {"path", "format"}));
+    RETURN_IF_ERROR(p.String(n, "path", "data", *spec.mutable_data()->mutable_path()));
+    RETURN_IF_ERROR(p.String(n, "format", "data", *spec.mutable_data()->mutable_format()));
+  }
+  if (const YAML::Node n = root["train"]) {
+    RETURN_IF_ERROR(
+        p.Mapping(n, "train",
+                  {"steps", "micro_batch", "grad_accum", "lr", "warmup", "mixed_precision",
+                   "activation_checkpointing", "seed", "weight_decay", "grad_clip"}));
+    auto& t = *spec.mutable_train();
+    int64_t i64 = 0;
+    int32_t i32 = 0;
+    double d = 0;
+    bool b = false;
+    RETURN_IF_ERROR(p.Integer(n, "steps", "train", i64));
+    t.set_steps(i64);
+    RETURN_IF_ERROR(p.Integer(n, "micro_batch", "train", i32));
+    t.set_micro_batch(i32);
+    i32 = 0;
+    RETURN_IF_ERROR(p.Integer(n, "grad_accum", "train", i32));
+    t.set_grad_accum(i32);
+    RETURN_IF_ERROR(p.Double(n, "lr", "train", d));
+    t.set_lr(d);
+    i64 = 0;
+    RETURN_IF_ERROR(p.Integer(n, "warmup", "train", i64));
+    t.set_warmup(i64);
+    v1::MixedPrecision mp = v1::MIXED_PRECISION_UNSPECIFIED;
+    RETURN_IF_ERROR(p.Choice<v1::MixedPrecision>(n, "mixed_precision", "train",
+                                                 {{"fp32", v1::FP32}, {"bf16", v1::BF16}}, mp));
+    t.set_mixed_precision(mp);
+    RETURN_IF_ERROR(p.Bool(n, "activation_checkpointing", "train", b));
+    t.set_activation_checkpointing(b);
+    uint64_t seed = 0;
+    RETURN_IF_ERROR(p.Integer(n, "seed", "train", seed));
+    t.set_seed(seed);
+    d = 0;
+    RETURN_IF_ERROR(p.Double(n, "weight_decay", "train", d));
+    t.set_weight_decay(d);
+    d = 0;
+    RETURN_IF_ERROR(p.Double(n, "grad_clip", "train", d));
+    t.set_grad_clip(d);
+  }
+  if (const YAML::Node n = root["parallel"]) {
+    RETURN_IF_ERROR(p.Mapping(n, "parallel", {"strategy", "sharding_strategy", "bucket_mb"}));
+    auto& par = *spec.mutable_parallel();
+    v1::Strategy s = v1::STRATEGY_UNSPECIFIED;
+    RETURN_IF_ERROR(p.Choice<v1::Strategy>(
+        n, "strategy", "parallel", {{"ddp", v1::DDP}, {"fsdp", v1::FSDP}, {"offload", v1::OFFLOAD}},
+        s));
+    par.set_strategy(s);
+    v1::ShardingStrategy ss = v1::SHARDING_STRATEGY_UNSPECIFIED;
+    RETURN_IF_ERROR(p.Choice<v1::ShardingStrategy>(n, "sharding_strategy", "parallel",
+                                                   {{"FULL_SHARD", v1::FULL_SHARD},
+                                                    {"SHARD_GRAD_OP", v1::SHARD_GRAD_OP},
+                                                    {"NO_SHARD", v1::NO_SHARD},
+                                                    {"HYBRID_SHARD", v1::HYBRID_SHARD}},
+                                                   ss));
+    par.set_sharding_strategy(ss);
+    double mb = 0;
+    RETURN_IF_ERROR(p.Double(n, "bucket_mb", "parallel", mb));
+    par.set_bucket_mb(mb);
+  }
+  if (const YAML::Node n = root["checkpoint"]) {
+    RETURN_IF_ERROR(p.Mapping(n, "checkpoint", {"every_steps"}));
+    int64_t every = 0;
+    RETURN_IF_ERROR(p.Integer(n, "every_steps", "checkpoint", every));
+    spec.mutable_checkpoint()->set_every_steps(every);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FieldError(const std::string& field, const std::string& message) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", message));
+}
+
+absl::Status CheckRange(const std::string& field, int64_t value, int64_t lo, int64_t hi) {
+  if (value < lo || value > hi) {
+    return FieldError(field, absl::StrCat("must be in ", lo, "..", hi, ", got ", value));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckRequired(const std::string& field, int64_t value, int64_t lo, int64_t hi) {
+  if (value == 0 && lo > 0) return FieldError(field, "required");
+  return CheckRange(field, value, lo, hi);
+}
+
+}  // namespace
+
+absl::StatusOr<ParsedSpec> ParseJobSpecYaml(const std::string& yaml_text,
+                                            const std::string& filename) {
+  ParsedSpec parsed;
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml_text);
+  } catch (const YAML::ParserException& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(filename, ":", e.mark.line + 1, ": malformed YAML: ", e.msg));
+  }
+  if (!root || root.IsNull()) {
+    return absl::InvalidArgumentError(absl::StrCat(filename, ":1: the spec is empty"));
+  }
+  SpecParser parser(filename, parsed);
+  try {
+    RETURN_IF_ERROR(ParseDocument(root, parser, parsed.spec));
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(filename, ":", e.mark.line + 1, ": ", e.msg));
+  }
+  return parsed;
+}
+
+absl::StatusOr<ParsedSpec> LoadJobSpecFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot read the file"));
+  std::stringstream text;
+  text << in.rdbuf();
+  return ParseJobSpecYaml(text.str(), path);
+}
+
+void ApplyJobSpecDefaults(JobSpec& spec) {
+  if (spec.priority() == 0) spec.set_priority(50);
+  auto& m = *spec.mutable_model();
+  if (m.kind().empty()) m.set_kind("gpt");
+  if (m.kind() == "mlp" && m.d_hidden() == 0) m.set_d_hidden(4 * m.d_model());
+  auto& d = *spec.mutable_data();
+  if (d.format().empty()) d.set_format("bytes");
+  if (m.vocab() == 0 && d.format() == "bytes") m.set_vocab(256);
+  auto& t = *spec.mutable_train();
+  if (t.micro_batch() == 0) t.set_micro_batch(8);
+  if (t.grad_accum() == 0) t.set_grad_accum(1);
+  if (t.lr() == 0) t.set_lr(3e-4);
+  if (t.mixed_precision() == v1::MIXED_PRECISION_UNSPECIFIED) t.set_mixed_precision(v1::FP32);
+  if (t.seed() == 0) t.set_seed(1);
+  auto& p = *spec.mutable_parallel();
+  if (p.strategy() == v1::STRATEGY_UNSPECIFIED) p.set_strategy(v1::DDP);
+  if (p.sharding_strategy() == v1::SHARDING_STRATEGY_UNSPECIFIED) {
+    p.set_sharding_strategy(v1::FULL_SHARD);
+  }
+  if (p.bucket_mb() == 0) p.set_bucket_mb(25);
+}
+
+absl::Status ValidateJobSpec(const JobSpec& spec) {
+  if (spec.name().empty()) return FieldError("name", "required");
+  if (spec.name().size() > 128) {
+    return FieldError("name", absl::StrCat("at most 128 characters, got ", spec.name().size()));
+  }
+  for (char c : spec.name()) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.') {
+      return FieldError("name", absl::StrCat("only letters, digits, '-', '_' and '.' are allowed, "
+                                             "got '",
+                                             spec.name(), "'"));
+    }
+  }
+  RETURN_IF_ERROR(CheckRange("priority", spec.priority(), 1, 100));
+  RETURN_IF_ERROR(CheckRequired("resources.gpus", spec.resources().gpus(), 1, 4096));
+
+  const auto& m = spec.model();
+  if (m.kind() != "gpt" && m.kind() != "mlp") {
+    return FieldError("model.kind", absl::StrCat("unknown value '", m.kind(), "' (gpt or mlp)"));
+  }
+  RETURN_IF_ERROR(CheckRequired("model.n_layer", m.n_layer(), 1, 1024));
+  RETURN_IF_ERROR(CheckRequired("model.d_model", m.d_model(), 1, 65536));
+  RETURN_IF_ERROR(CheckRequired("model.seq_len", m.seq_len(), 1, 1 << 20));
+  RETURN_IF_ERROR(CheckRequired("model.vocab", m.vocab(), 1, 1 << 24));
+  if (m.kind() == "gpt") {
+    RETURN_IF_ERROR(CheckRequired("model.n_head", m.n_head(), 1, 1024));
+    if (m.d_model() % m.n_head() != 0) {
+      return FieldError("model.n_head", absl::StrCat("must divide model.d_model (", m.d_model(),
+                                                     "), got ", m.n_head()));
+    }
+  } else {
+    RETURN_IF_ERROR(CheckRequired("model.d_hidden", m.d_hidden(), 1, 1 << 20));
+  }
+
+  const auto& d = spec.data();
+  if (d.path().empty()) return FieldError("data.path", "required");
+  if (d.format() != "bytes" && d.format() != "uint16") {
+    return FieldError("data.format",
+                      absl::StrCat("unknown value '", d.format(), "' (bytes or uint16)"));
+  }
+  if (d.format() == "bytes" && m.vocab() < 256) {
+    return FieldError("model.vocab",
+                      absl::StrCat("must be >= 256 for data.format bytes, got ", m.vocab()));
+  }
+  if (d.format() == "uint16" && m.vocab() > 65536) {
+    return FieldError("model.vocab",
+                      absl::StrCat("must be <= 65536 for data.format uint16, got ", m.vocab()));
+  }
+
+  const auto& t = spec.train();
+  RETURN_IF_ERROR(CheckRequired("train.steps", t.steps(), 1, int64_t{1} << 40));
+  RETURN_IF_ERROR(CheckRange("train.micro_batch", t.micro_batch(), 1, 1 << 16));
+  RETURN_IF_ERROR(CheckRange("train.grad_accum", t.grad_accum(), 1, 1 << 16));
+  if (!(t.lr() > 0) || !std::isfinite(t.lr()) || t.lr() > 10) {
+    return FieldError("train.lr", absl::StrCat("must be in (0, 10], got ", t.lr()));
+  }
+  RETURN_IF_ERROR(CheckRange("train.warmup", t.warmup(), 0, t.steps()));
+  if (!v1::MixedPrecision_IsValid(t.mixed_precision()) ||
+      t.mixed_precision() == v1::MIXED_PRECISION_UNSPECIFIED) {
+    return FieldError("train.mixed_precision",
+                      absl::StrCat("unknown value ", t.mixed_precision(), " (fp32 or bf16)"));
+  }
+  if (t.weight_decay() < 0 || !std::isfinite(t.weight_decay())) {
+    return FieldError("train.weight_decay", absl::StrCat("must be >= 0, got ", t.weight_decay()));
+  }
+  if (t.grad_clip() < 0 || !std::isfinite(t.grad_clip())) {
+    return FieldError("train.grad_clip", absl::StrCat("must be >= 0, got ", t.grad_clip()));
+  }
+
+  const auto& p = spec.parallel();
+  if (!v1::Strategy_IsValid(p.strategy()) || p.strategy() == v1::STRATEGY_UNSPECIFIED) {
+    return FieldError("parallel.strategy",
+                      absl::StrCat("unknown value ", p.strategy(), " (ddp, fsdp or offload)"));
+  }
+  if (!v1::ShardingStrategy_IsValid(p.sharding_strategy()) ||
+      p.sharding_strategy() == v1::SHARDING_STRATEGY_UNSPECIFIED) {
+    return FieldError("parallel.sharding_strategy",
+                      absl::StrCat("unknown value ", p.sharding_strategy(),
+                                   " (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD)"));
+  }
+  if (!(p.bucket_mb() > 0) || p.bucket_mb() > 1024) {
+    return FieldError("parallel.bucket_mb",
+                      absl::StrCat("must be in (0, 1024], got ", p.bucket_mb()));
+  }
+  RETURN_IF_ERROR(
+      CheckRange("checkpoint.every_steps", spec.checkpoint().every_steps(), 0, int64_t{1} << 40));
+  RETURN_IF_ERROR(CheckRange("max_restarts", spec.max_restarts(), 0, 100));
+  RETURN_IF_ERROR(CheckRange("max_runtime", spec.max_runtime_seconds(), 0, int64_t{1} << 40));
+  return absl::OkStatus();
+}
+
+absl::Status AnnotateWithLine(const absl::Status& status, const ParsedSpec& parsed,
+                              const std::string& filename) {
+  if (status.ok()) return status;
+  const std::string message(status.message());
+  const size_t colon = message.find(':');
+  if (colon == std::string::npos) return status;
+  std::string field = message.substr(0, colon);
+  // The field itself may be absent (e.g. required); fall back to its closest present parent.
+  while (!field.empty()) {
+    auto it = parsed.field_lines.find(field);
+    if (it != parsed.field_lines.end()) {
+      return absl::Status(status.code(), absl::StrCat(filename, ":", it->second, ": ", message));
+    }
+    const size_t dot = field.rfind('.');
+    field = dot == std::string::npos ? "" : field.substr(0, dot);
+  }
+  return absl::Status(status.code(), absl::StrCat(filename, ": ", message));
+}
+
+std::string StrategyName(v1::Strategy s) { return absl::AsciiStrToLower(v1::Strategy_Name(s)); }
+
+std::string ShardingStrategyName(v1::ShardingStrategy s) { return v1::ShardingStrategy_Name(s); }
+
+std::string MixedPrecisionName(v1::MixedPrecision p) {
+  return absl::AsciiStrToLower(v1::MixedPrecision_Name(p));
+}
+
+int64_t ModelParameterCount(const v1::ModelSpec& m) {
+  const int64_t d = m.d_model(), v = m.vocab(), layers = m.n_layer();
+  if (m.kind() == "mlp") {
+    const int64_t h = m.d_hidden();
+    return v * d + layers * (d * h + h + h * d + d) + d * v + v;
+  }
+  // Token + position embeddings; per block two LayerNorms, qkv and output projections, a 4x MLP;
+  // a final LayerNorm; the head (shares the token embedding when tied).
+  const int64_t per_block =
+      2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d);
+  return v * d + int64_t{m.seq_len()} * d + layers * per_block + 2 * d +
+         (m.tie_weights() ? 0 : v * d);
+}
+
+}  // namespace trainyard

@@ -1,0 +1,52 @@
+// The job spec: YAML parsing (with file:line errors), defaults and validation. Shared by `yard`,
+// which validates before it sends, and the coordinator, which validates every SubmitJob again.
+// Pure functions; thread-safe.
+#ifndef TRAINYARD_COMMON_SPEC_H_
+#define TRAINYARD_COMMON_SPEC_H_
+
+#include <map>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "trainyard/v1/job.pb.h"
+
+namespace trainyard {
+
+struct ParsedSpec {
+  v1::JobSpec spec;
+  // 1-based line of every field that was present in the YAML, by dotted path ("model.n_head").
+  std::map<std::string, int> field_lines;
+};
+
+// Parses a YAML job spec. Errors are INVALID_ARGUMENT with "FILENAME:LINE: message" for malformed
+// YAML, unknown fields, and values of the wrong type. Does not apply defaults or validate ranges.
+absl::StatusOr<ParsedSpec> ParseJobSpecYaml(const std::string& yaml_text,
+                                            const std::string& filename);
+
+// Reads and parses a spec file; NOT_FOUND if it cannot be read.
+absl::StatusOr<ParsedSpec> LoadJobSpecFile(const std::string& path);
+
+// Fills unset optional fields with their defaults (priority 50, grad_accum 1, ddp, ...).
+// Fields that are required (name, resources.gpus, model sizes, data.path, train.steps) stay unset.
+void ApplyJobSpecDefaults(v1::JobSpec& spec);
+
+// Checks every field of a spec (after defaults). INVALID_ARGUMENT whose message starts with the
+// dotted field path, e.g. "model.n_head: must divide model.d_model (256), got 3".
+absl::Status ValidateJobSpec(const v1::JobSpec& spec);
+
+// If `status` names a field that `parsed` has a line for, prefixes "FILENAME:LINE: ".
+absl::Status AnnotateWithLine(const absl::Status& status, const ParsedSpec& parsed,
+                              const std::string& filename);
+
+// Names as written in specs and shown to users.
+std::string StrategyName(v1::Strategy s);                  // "ddp"
+std::string ShardingStrategyName(v1::ShardingStrategy s);  // "FULL_SHARD"
+std::string MixedPrecisionName(v1::MixedPrecision p);      // "fp32"
+
+// Number of parameters of the spec's model (embeddings included, tied head counted once).
+int64_t ModelParameterCount(const v1::ModelSpec& model);
+
+}  // namespace trainyard
+
+#endif  // TRAINYARD_COMMON_SPEC_H_

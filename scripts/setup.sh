@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Installs trainyard's build and test dependencies from Debian's archive (only what is missing)
+# and builds everything (Release) into ./build. Safe to run again: it does only what is needed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PACKAGES=(
+  cmake g++ make pkg-config git
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
+  prometheus-cpp-dev libsqlite3-dev libhwy-dev libcli11-dev libyaml-cpp-dev
+  nlohmann-json3-dev libspdlog-dev libgtest-dev libgmock-dev libbenchmark-dev
+  sqlite3 clang-format
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+jobs=$(nproc)
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build -j "$jobs"
+echo "setup: built into $(pwd)/build/bin"

@@ -1,0 +1,162 @@
+#include "server/coordinator/coordinator_server.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <spdlog/spdlog.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace trainyard::coordinator {
+
+CoordinatorServer::CoordinatorServer(CoordinatorOptions options)
+    : options_(std::move(options)),
+      clock_(options_.clock != nullptr ? *options_.clock : RealClock::Get()) {}
+
+absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
+    CoordinatorOptions options) {
+  if (options.state_dir.empty()) return absl::InvalidArgumentError("state_dir: required");
+  std::unique_ptr<CoordinatorServer> s(new CoordinatorServer(std::move(options)));
+  const std::string& dir = s->options_.state_dir;
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("state_dir: cannot create ", dir, ": ", ec.message()));
+  }
+  const std::string lock_path = dir + "/coordinator.lock";
+  s->lock_fd_ = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (s->lock_fd_ < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("state_dir: cannot open ", lock_path, ": ", strerror(errno)));
+  }
+  if (flock(s->lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("state_dir: ", dir, " is in use by another coordinator"));
+  }
+
+  ASSIGN_OR_RETURN(s->store_, OpenSqliteJobStore(dir + "/coordinator.db"));
+  s->nodes_ = std::make_unique<NodeRegistry>(*s->store_, s->clock_, s->options_.node_timeout);
+  s->rendezvous_ = std::make_unique<Rendezvous>();
+  s->jobs_ = std::make_unique<JobManager>(*s->store_, *s->nodes_, *s->rendezvous_, s->clock_);
+  ASSIGN_OR_RETURN(auto stored_nodes, s->store_->LoadNodes());
+  RETURN_IF_ERROR(s->nodes_->Load(stored_nodes));
+  ASSIGN_OR_RETURN(auto stored_jobs, s->store_->LoadJobs());
+  RETURN_IF_ERROR(s->jobs_->Load(stored_jobs));
+  spdlog::info("loaded {} jobs and {} nodes from {}", stored_jobs.size(), stored_nodes.size(), dir);
+
+  s->job_service_ = std::make_unique<JobServiceImpl>(*s->jobs_);
+  s->node_service_ =
+      std::make_unique<NodeServiceImpl>(*s->nodes_, *s->jobs_, s->options_.heartbeat_interval);
+  s->rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(*s->rendezvous_);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(s->options_.listen_address, grpc::InsecureServerCredentials(),
+                           &s->port_);
+  builder.SetMaxReceiveMessageSize(s->options_.max_message_bytes);
+  builder.SetMaxSendMessageSize(s->options_.max_message_bytes);
+  builder.RegisterService(s->job_service_.get());
+  builder.RegisterService(s->node_service_.get());
+  builder.RegisterService(s->rendezvous_service_.get());
+  s->server_ = builder.BuildAndStart();
+  if (s->server_ == nullptr || s->port_ == 0) {
+    return absl::UnavailableError(absl::StrCat("listen: cannot bind ", s->options_.listen_address));
+  }
+  const std::string& listen = s->options_.listen_address;
+  s->address_ = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", s->port_);
+  s->jobs_->SetCoordinatorAddress(s->address_);
+  s->jobs_->SetSchedulerWakeup([raw = s.get()] { raw->WakeScheduler(); });
+
+  if (s->options_.background_threads) {
+    s->scheduler_thread_ = std::thread([raw = s.get()] { raw->SchedulerLoop(); });
+    s->ticker_thread_ = std::thread([raw = s.get()] { raw->TickerLoop(); });
+    s->WakeScheduler();
+  }
+  return s;
+}
+
+CoordinatorServer::~CoordinatorServer() {
+  Shutdown();
+  if (lock_fd_ >= 0) close(lock_fd_);
+}
+
+void CoordinatorServer::WakeScheduler() {
+  absl::MutexLock lock(&mu_);
+  schedule_requested_ = true;
+}
+
+void CoordinatorServer::SchedulerLoop() {
+  absl::MutexLock lock(&mu_);
+  while (!stopping_) {
+    auto woken = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return schedule_requested_ || stopping_;
+    };
+    // A pass at least once a second: backfill windows move with time.
+    mu_.AwaitWithTimeout(absl::Condition(&woken), absl::Seconds(1));
+    if (stopping_) break;
+    schedule_requested_ = false;
+    mu_.Unlock();
+    const int placed = jobs_->SchedulePass();
+    if (placed > 0) spdlog::info("scheduler placed {} job(s)", placed);
+    mu_.Lock();
+  }
+}
+
+void CoordinatorServer::CheckNodeTimeouts() {
+  const std::vector<std::string> lost = nodes_->CheckTimeouts();
+  for (const auto& id : lost) spdlog::warn("node {} lost: no heartbeat", id);
+  jobs_->OnNodesLost(lost);
+}
+
+void CoordinatorServer::TickerLoop() {
+  const absl::Duration period = std::max(
+      absl::Milliseconds(100), std::min(options_.heartbeat_interval, options_.node_timeout / 4));
+  absl::MutexLock lock(&mu_);
+  while (!stopping_) {
+    mu_.AwaitWithTimeout(absl::Condition(&stopping_), period);
+    if (stopping_) break;
+    mu_.Unlock();
+    CheckNodeTimeouts();
+    mu_.Lock();
+  }
+}
+
+void CoordinatorServer::Shutdown() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) {
+      mu_.Await(absl::Condition(&stopped_));
+      return;
+    }
+    stopping_ = true;
+  }
+  if (server_ != nullptr) {
+    // Streams (watches, node sessions) are cancelled after the deadline.
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  }
+  if (scheduler_thread_.joinable()) scheduler_thread_.join();
+  if (ticker_thread_.joinable()) ticker_thread_.join();
+  if (server_ != nullptr) server_->Wait();
+  // Destroying the store drains its queue (every acknowledged write reaches the disk) and runs
+  // the last callbacks, which still use the managers: so the store goes first.
+  store_.reset();
+  absl::MutexLock lock(&mu_);
+  stopped_ = true;
+}
+
+void CoordinatorServer::Wait() {
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(&stopped_));
+}
+
+}  // namespace trainyard::coordinator

@@ -1,0 +1,92 @@
+// CoordinatorServer: creates and wires the coordinator's parts (JobStore, NodeRegistry,
+// Rendezvous, JobManager, the gRPC services) and runs its two background threads: the scheduler
+// loop (a pass whenever something changed, and once a second for backfill windows) and the
+// ticker that declares nodes lost. main.cc and in-process tests start it.
+//
+// Thread-safe: Shutdown may be called from any thread, once.
+#ifndef TRAINYARD_SERVER_COORDINATOR_COORDINATOR_SERVER_H_
+#define TRAINYARD_SERVER_COORDINATOR_COORDINATOR_SERVER_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/clock.h"
+#include "server/coordinator/job_manager.h"
+#include "server/coordinator/job_store.h"
+#include "server/coordinator/node_registry.h"
+#include "server/coordinator/rendezvous.h"
+#include "server/coordinator/services.h"
+
+namespace trainyard::coordinator {
+
+struct CoordinatorOptions {
+  std::string listen_address = "127.0.0.1:7070";  // port 0 picks a free port
+  std::string state_dir;                          // holds coordinator.db; created if missing
+  std::string metrics_address;                    // reserved for the Prometheus endpoint
+  absl::Duration node_timeout = absl::Seconds(10);
+  absl::Duration heartbeat_interval = absl::Seconds(2);
+  int max_message_bytes = 4 << 20;  // larger requests get RESOURCE_EXHAUSTED
+  const Clock* clock = nullptr;     // nullptr: the real clock
+  // When false, no background threads: tests drive passes and timeouts themselves.
+  bool background_threads = true;
+};
+
+class CoordinatorServer {
+ public:
+  // Opens the store (taking an exclusive lock on the state directory), reloads jobs and nodes,
+  // and starts serving. FAILED_PRECONDITION if another coordinator holds the state directory.
+  static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(CoordinatorOptions options);
+
+  ~CoordinatorServer();  // Shutdown()
+
+  // Stops accepting calls, ends streams, stops background threads, drains the store.
+  void Shutdown();
+  // Blocks until Shutdown has completed.
+  void Wait();
+
+  // "host:port" actually bound.
+  const std::string& address() const { return address_; }
+  int port() const { return port_; }
+
+  JobManager& jobs() { return *jobs_; }
+  NodeRegistry& nodes() { return *nodes_; }
+  // One round of the ticker's work: marks silent nodes lost and fails their attempts.
+  void CheckNodeTimeouts();
+
+ private:
+  explicit CoordinatorServer(CoordinatorOptions options);
+  void SchedulerLoop();
+  void TickerLoop();
+  void WakeScheduler();
+
+  CoordinatorOptions options_;
+  const Clock& clock_;
+  int lock_fd_ = -1;
+  std::unique_ptr<JobStore> store_;
+  std::unique_ptr<NodeRegistry> nodes_;
+  std::unique_ptr<Rendezvous> rendezvous_;
+  std::unique_ptr<JobManager> jobs_;
+  std::unique_ptr<JobServiceImpl> job_service_;
+  std::unique_ptr<NodeServiceImpl> node_service_;
+  std::unique_ptr<RendezvousServiceImpl> rendezvous_service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string address_;
+  int port_ = 0;
+
+  absl::Mutex mu_;
+  bool schedule_requested_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread scheduler_thread_;
+  std::thread ticker_thread_;
+};
+
+}  // namespace trainyard::coordinator
+
+#endif  // TRAINYARD_SERVER_COORDINATOR_COORDINATOR_SERVER_H_

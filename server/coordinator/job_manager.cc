@@ -1,0 +1,443 @@
+#include "server/coordinator/job_manager.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "common/check.h"
+#include "common/spec.h"
+#include "common/status_macros.h"
+#include "server/coordinator/job_state.h"
+#include "server/coordinator/scheduler.h"
+
+namespace trainyard::coordinator {
+namespace {
+
+int64_t NowMs(const Clock& clock) { return absl::ToUnixMillis(clock.Now()); }
+
+StoredJob ToStored(const v1::Job& job) {
+  return StoredJob{job.id(), job.seq(), job.owner(), v1::JobState_Name(job.state()),
+                   job.SerializeAsString()};
+}
+
+}  // namespace
+
+std::string JobIdForSeq(int64_t seq) { return absl::StrCat("job-", seq); }
+
+JobManager::JobManager(JobStore& store, NodeRegistry& nodes, Rendezvous& rendezvous,
+                       const Clock& clock)
+    : store_(store), nodes_(nodes), rendezvous_(rendezvous), clock_(clock) {}
+
+void JobManager::SetSchedulerWakeup(std::function<void()> wakeup) { wakeup_ = std::move(wakeup); }
+
+void JobManager::SetCoordinatorAddress(std::string address) {
+  coordinator_address_ = std::move(address);
+}
+
+void JobManager::WakeScheduler() {
+  if (wakeup_) wakeup_();
+}
+
+absl::Status JobManager::Load(const std::vector<StoredJob>& stored) {
+  absl::MutexLock lock(&mu_);
+  for (const StoredJob& s : stored) {
+    v1::Job job;
+    if (!job.ParseFromString(s.payload)) {
+      return absl::DataLossError(absl::StrCat("job ", s.id, ": unreadable record"));
+    }
+    next_seq_ = std::max(next_seq_, job.seq() + 1);
+    ids_by_seq_[job.seq()] = job.id();
+    if (!IsTerminal(job.state())) unfinished_.insert(job.id());
+    if (IsActive(job.state())) {
+      for (const auto& p : job.placement()) {
+        allocated_[p.node_id()].insert(p.device_indices().begin(), p.device_indices().end());
+      }
+      rendezvous_.OpenScope({job.id(), job.attempt()});
+    }
+    jobs_[job.id()] = std::move(job);
+  }
+  return absl::OkStatus();
+}
+
+v1::Job* JobManager::Find(const std::string& job_id) {
+  auto it = jobs_.find(job_id);
+  return it == jobs_.end() ? nullptr : &it->second;
+}
+
+void JobManager::Transition(v1::Job& job, v1::JobState to, std::string message) {
+  TY_CHECK(IsValidTransition(job.state(), to),
+           absl::StrCat("job ", job.id(), ": ", v1::JobState_Name(job.state()), " -> ",
+                        v1::JobState_Name(to)));
+  job.set_state(to);
+  job.set_message(std::move(message));
+  job.set_version(job.version() + 1);
+  if (IsTerminal(to)) {
+    job.set_end_time_ms(NowMs(clock_));
+    unfinished_.erase(job.id());
+    finished_ranks_.erase(job.id());
+  }
+}
+
+void JobManager::Persist(const v1::Job& job, std::function<void(absl::Status)> after) {
+  WriteBatch batch;
+  batch.put_jobs.push_back(ToStored(job));
+  store_.Commit(std::move(batch), [this, job, after = std::move(after)](absl::Status s) {
+    if (!s.ok()) {
+      spdlog::error("store: writing job {} failed: {}", job.id(), s.ToString());
+    } else {
+      NotifyWatchers(job);
+    }
+    if (after) after(s);
+  });
+}
+
+void JobManager::NotifyWatchers(const v1::Job& job) {
+  std::vector<std::shared_ptr<WatchCallback>> callbacks;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [handle, w] : watchers_) {
+      if (w.job_id == job.id()) callbacks.push_back(w.callback);
+    }
+  }
+  for (const auto& cb : callbacks) (*cb)(job);
+}
+
+void JobManager::Submit(const std::string& owner, v1::JobSpec spec, JobCallback done) {
+  ApplyJobSpecDefaults(spec);
+  if (absl::Status s = ValidateJobSpec(spec); !s.ok()) {
+    done(s);
+    return;
+  }
+  v1::Job job;
+  {
+    absl::MutexLock lock(&mu_);
+    const int64_t seq = next_seq_++;
+    job.set_id(JobIdForSeq(seq));
+    job.set_seq(seq);
+    job.set_owner(owner);
+    *job.mutable_spec() = std::move(spec);
+    job.set_state(v1::QUEUED);
+    job.set_submit_time_ms(NowMs(clock_));
+    job.set_world_size(job.spec().resources().gpus());
+    job.set_version(1);
+    WriteBatch batch;
+    batch.put_jobs.push_back(ToStored(job));
+    // The job becomes visible only once durable: a crash before that loses nothing acknowledged.
+    store_.Commit(std::move(batch), [this, job, done = std::move(done)](absl::Status s) {
+      if (!s.ok()) {
+        done(absl::Status(s.code(), absl::StrCat("storing the job failed: ", s.message())));
+        return;
+      }
+      {
+        absl::MutexLock lock(&mu_);
+        jobs_[job.id()] = job;
+        ids_by_seq_[job.seq()] = job.id();
+        unfinished_.insert(job.id());
+      }
+      done(job);
+      WakeScheduler();
+    });
+  }
+}
+
+absl::StatusOr<v1::Job> JobManager::Get(const std::string& job_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
+  return it->second;
+}
+
+absl::StatusOr<JobManager::ListResult> JobManager::List(const v1::ListJobsRequest& r) const {
+  if (r.page_size() < 0 || r.page_size() > 1000) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("page_size: must be in 0..1000, got ", r.page_size()));
+  }
+  int64_t before_seq = std::numeric_limits<int64_t>::max();
+  if (!r.page_token().empty() &&
+      (!absl::SimpleAtoi(r.page_token(), &before_seq) || before_seq < 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("page_token: malformed '", r.page_token(), "'"));
+  }
+  std::set<int> states;
+  for (int i = 0; i < r.states_size(); ++i) {
+    if (!v1::JobState_IsValid(r.states(i)) || r.states(i) == v1::JOB_STATE_UNSPECIFIED) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("states[", i, "]: unknown job state ", r.states(i)));
+    }
+    states.insert(r.states(i));
+  }
+  const size_t limit = r.page_size() == 0 ? 100 : static_cast<size_t>(r.page_size());
+  ListResult result;
+  absl::MutexLock lock(&mu_);
+  for (auto it = std::make_reverse_iterator(ids_by_seq_.lower_bound(before_seq));
+       it != ids_by_seq_.rend(); ++it) {
+    const v1::Job& job = jobs_.at(it->second);
+    if (!states.empty() && states.count(job.state()) == 0) continue;
+    if (!r.owner().empty() && job.owner() != r.owner()) continue;
+    if (result.jobs.size() == limit) {
+      result.next_page_token = absl::StrCat(result.jobs.back().seq());
+      break;
+    }
+    result.jobs.push_back(job);
+  }
+  return result;
+}
+
+void JobManager::Cancel(const std::string& job_id, const std::string& reason, JobCallback done) {
+  absl::MutexLock lock(&mu_);
+  v1::Job* job = Find(job_id);
+  if (job == nullptr) {
+    done(absl::NotFoundError(absl::StrCat("job ", job_id, " not found")));
+    return;
+  }
+  if (IsTerminal(job->state())) {
+    done(absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, " already ended in state ", v1::JobState_Name(job->state()))));
+    return;
+  }
+  const std::string message = reason.empty() ? "cancelled by user" : reason;
+  if (IsActive(job->state())) ReleaseAttempt(*job, message);
+  Transition(*job, v1::CANCELLED, message);
+  Persist(*job, [job = *job, done = std::move(done)](absl::Status s) {
+    if (s.ok()) {
+      done(job);
+    } else {
+      done(s);
+    }
+  });
+  WakeScheduler();
+}
+
+absl::StatusOr<int64_t> JobManager::Watch(const std::string& job_id, WatchCallback on_change,
+                                          v1::Job* current) {
+  absl::MutexLock lock(&mu_);
+  v1::Job* job = Find(job_id);
+  if (job == nullptr) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
+  *current = *job;
+  const int64_t handle = next_watch_handle_++;
+  watchers_[handle] = Watcher{job_id, std::make_shared<WatchCallback>(std::move(on_change))};
+  return handle;
+}
+
+void JobManager::Unwatch(int64_t handle) {
+  absl::MutexLock lock(&mu_);
+  watchers_.erase(handle);
+}
+
+void JobManager::ReleaseAttempt(v1::Job& job, const std::string& reason) {
+  v1::CoordinatorMessage cancel;
+  cancel.mutable_cancel()->set_job_id(job.id());
+  cancel.mutable_cancel()->set_attempt(job.attempt());
+  cancel.mutable_cancel()->set_reason(reason);
+  for (const auto& p : job.placement()) {
+    auto& held = allocated_[p.node_id()];
+    for (int d : p.device_indices()) held.erase(d);
+    if (held.empty()) allocated_.erase(p.node_id());
+    if (!reason.empty()) nodes_.Send(p.node_id(), cancel);
+  }
+  rendezvous_.CloseScope({job.id(), job.attempt()});
+  finished_ranks_.erase(job.id());
+}
+
+void JobManager::FailAttempt(v1::Job& job, const std::string& reason) {
+  ReleaseAttempt(job, reason);
+  if (job.restarts() < job.spec().max_restarts()) {
+    job.set_restarts(job.restarts() + 1);
+    job.clear_placement();
+    Transition(
+        job, v1::RESTARTING,
+        absl::StrCat(reason, " (restart ", job.restarts(), " of ", job.spec().max_restarts(), ")"));
+  } else {
+    Transition(job, v1::FAILED,
+               job.spec().max_restarts() == 0 ? reason
+                                              : absl::StrCat(reason, " (no restarts left of ",
+                                                             job.spec().max_restarts(), ")"));
+  }
+  Persist(job);
+  WakeScheduler();
+}
+
+int JobManager::SchedulePass() {
+  absl::MutexLock lock(&mu_);
+  ClusterSnapshot snapshot;
+  snapshot.now = clock_.Now();
+  std::vector<v1::Node> nodes = nodes_.List();
+  std::map<std::string, int> node_index;
+  for (const v1::Node& n : nodes) {
+    node_index[n.id()] = static_cast<int>(snapshot.nodes.size());
+    auto held = allocated_.find(n.id());
+    const int used = held == allocated_.end() ? 0 : static_cast<int>(held->second.size());
+    SchedNode sn;
+    sn.id = n.id();
+    sn.total_devices = n.devices_size();
+    sn.free_devices = std::max(0, n.devices_size() - used);
+    sn.schedulable = n.state() == v1::NODE_READY;
+    snapshot.nodes.push_back(std::move(sn));
+  }
+  for (const std::string& id : unfinished_) {
+    const v1::Job& job = jobs_.at(id);
+    const int64_t max_runtime_s = job.spec().max_runtime_seconds();
+    if (IsPending(job.state())) {
+      PendingJobInfo p;
+      p.id = id;
+      p.priority = job.spec().priority();
+      p.submit_seq = job.seq();
+      p.devices = job.spec().resources().gpus();
+      if (max_runtime_s > 0) p.max_runtime = absl::Seconds(max_runtime_s);
+      snapshot.pending.push_back(std::move(p));
+    } else if (IsActive(job.state())) {
+      RunningJobInfo r;
+      r.id = id;
+      for (const auto& pl : job.placement()) {
+        auto it = node_index.find(pl.node_id());
+        if (it != node_index.end()) r.grants.push_back({it->second, pl.device_indices_size()});
+      }
+      if (max_runtime_s > 0) {
+        r.expected_end = absl::FromUnixMillis(job.start_time_ms()) + absl::Seconds(max_runtime_s);
+      }
+      snapshot.running.push_back(std::move(r));
+    }
+  }
+  if (snapshot.pending.empty()) return 0;
+
+  const ScheduleResult result = Schedule(snapshot);
+  for (const Placement& placement : result.placements) {
+    v1::Job& job = jobs_.at(placement.job_id);
+    job.clear_placement();
+    int rank = 0;
+    for (const DeviceGrant& g : placement.grants) {
+      const v1::Node& node = nodes[g.node];
+      std::set<int>& held = allocated_[node.id()];
+      v1::RankPlacement* rp = job.add_placement();
+      rp->set_node_id(node.id());
+      rp->set_first_rank(rank);
+      for (const v1::Device& d : node.devices()) {
+        if (rp->device_indices_size() == g.devices) break;
+        if (held.insert(d.index()).second) rp->add_device_indices(d.index());
+      }
+      TY_CHECK(rp->device_indices_size() == g.devices,
+               absl::StrCat("scheduler over-allocated node ", node.id()));
+      rank += g.devices;
+    }
+    job.set_attempt(job.attempt() + 1);
+    job.set_world_size(rank);
+    job.set_start_time_ms(absl::ToUnixMillis(snapshot.now));
+    job.set_backfilled(placement.backfilled);
+    Transition(job, v1::RUNNING, "");
+    rendezvous_.OpenScope({job.id(), job.attempt()});
+    // Assignments go out once the placement is durable, so a restarted coordinator never
+    // forgets ranks it started.
+    Persist(job, [this, assignments = AssignmentsOf(job)](absl::Status s) {
+      if (!s.ok()) return;
+      for (const auto& [node_id, a] : assignments) {
+        v1::CoordinatorMessage m;
+        *m.mutable_assignment() = a;
+        // A node without a session gets it again through AssignmentsFor when it reconnects.
+        nodes_.Send(node_id, m);
+      }
+    });
+  }
+  return static_cast<int>(result.placements.size());
+}
+
+std::vector<std::pair<std::string, v1::Assignment>> JobManager::AssignmentsOf(
+    const v1::Job& job) const {
+  std::vector<std::pair<std::string, v1::Assignment>> out;
+  const std::string spec = job.spec().SerializeAsString();
+  for (const auto& p : job.placement()) {
+    v1::Assignment a;
+    a.set_job_id(job.id());
+    a.set_attempt(job.attempt());
+    a.set_world_size(job.world_size());
+    a.set_first_rank(p.first_rank());
+    *a.mutable_device_indices() = p.device_indices();
+    a.set_spec(spec);
+    a.set_coordinator_address(coordinator_address_);
+    out.emplace_back(p.node_id(), std::move(a));
+  }
+  return out;
+}
+
+std::vector<v1::Assignment> JobManager::AssignmentsFor(const std::string& node_id) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::Assignment> out;
+  for (const std::string& id : unfinished_) {
+    const v1::Job& job = jobs_.at(id);
+    if (!IsActive(job.state())) continue;
+    for (auto& [placed_on, a] : AssignmentsOf(job)) {
+      if (placed_on == node_id) out.push_back(std::move(a));
+    }
+  }
+  return out;
+}
+
+std::map<std::string, std::vector<int>> JobManager::AllocatedDevices() const {
+  absl::MutexLock lock(&mu_);
+  std::map<std::string, std::vector<int>> out;
+  for (const auto& [node, devices] : allocated_) out[node].assign(devices.begin(), devices.end());
+  return out;
+}
+
+void JobManager::OnNodesLost(const std::vector<std::string>& node_ids) {
+  if (node_ids.empty()) return;
+  absl::MutexLock lock(&mu_);
+  const std::set<std::string> lost(node_ids.begin(), node_ids.end());
+  std::vector<std::string> affected;
+  for (const std::string& id : unfinished_) {
+    const v1::Job& job = jobs_.at(id);
+    if (!IsActive(job.state())) continue;
+    for (const auto& p : job.placement()) {
+      if (lost.count(p.node_id()) > 0) {
+        affected.push_back(id);
+        break;
+      }
+    }
+  }
+  for (const std::string& id : affected) {
+    v1::Job& job = jobs_.at(id);
+    std::string lost_names;
+    for (const auto& p : job.placement()) {
+      if (lost.count(p.node_id()) > 0)
+        absl::StrAppend(&lost_names, lost_names.empty() ? "" : ", ", p.node_id());
+    }
+    FailAttempt(job, absl::StrCat("node ", lost_names, " lost (no heartbeat for ",
+                                  absl::FormatDuration(nodes_.node_timeout()), ")"));
+  }
+}
+
+void JobManager::OnRankStatus(const std::string& node_id, const v1::RankStatus& status) {
+  absl::MutexLock lock(&mu_);
+  v1::Job* job = Find(status.job_id());
+  const bool current =
+      job != nullptr && IsActive(job->state()) && status.attempt() == job->attempt();
+  if (!current) {
+    if (status.phase() != v1::RANK_EXITED) {
+      v1::CoordinatorMessage cancel;
+      cancel.mutable_cancel()->set_job_id(status.job_id());
+      cancel.mutable_cancel()->set_attempt(status.attempt());
+      cancel.mutable_cancel()->set_reason("attempt is no longer current");
+      nodes_.Send(node_id, cancel);
+    }
+    return;
+  }
+  if (status.phase() != v1::RANK_EXITED) return;
+  if (status.exit_code() == 0) {
+    std::set<int>& done_ranks = finished_ranks_[job->id()];
+    done_ranks.insert(status.rank());
+    if (static_cast<int>(done_ranks.size()) >= job->world_size()) {
+      ReleaseAttempt(*job, "");
+      Transition(*job, v1::SUCCEEDED, "");
+      Persist(*job);
+      WakeScheduler();
+    }
+    return;
+  }
+  std::string reason = absl::StrCat("rank ", status.rank(), " on node ", node_id,
+                                    " exited with code ", status.exit_code());
+  if (!status.message().empty()) absl::StrAppend(&reason, ": ", status.message());
+  FailAttempt(*job, reason);
+}
+
+}  // namespace trainyard::coordinator

@@ -1,0 +1,131 @@
+// JobManager: the coordinator's jobs. Holds every job in memory (the truth while running), writes
+// each change through the JobStore before acknowledging it, runs scheduling passes (snapshot →
+// pure Scheduler → placements), hands placements to nodes, and turns node and rank events into
+// state changes (restarts within max_restarts, failures with their reason). Knows nothing of gRPC.
+//
+// Thread-safe: called from gRPC callback threads, the store's commit thread, and the server's
+// scheduler and ticker threads. Lock order: mu_, then NodeRegistry's and Rendezvous's locks.
+// Store callbacks and watcher callbacks run without mu_ held.
+#ifndef TRAINYARD_SERVER_COORDINATOR_JOB_MANAGER_H_
+#define TRAINYARD_SERVER_COORDINATOR_JOB_MANAGER_H_
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/clock.h"
+#include "server/coordinator/job_store.h"
+#include "server/coordinator/node_registry.h"
+#include "server/coordinator/rendezvous.h"
+#include "trainyard/v1/job.pb.h"
+#include "trainyard/v1/node.pb.h"
+
+namespace trainyard::coordinator {
+
+class JobManager {
+ public:
+  using JobCallback = std::function<void(absl::StatusOr<v1::Job>)>;
+  using WatchCallback = std::function<void(const v1::Job&)>;
+
+  JobManager(JobStore& store, NodeRegistry& nodes, Rendezvous& rendezvous, const Clock& clock);
+
+  // Loads jobs saved by an earlier run (before serving). Running jobs keep their placement and
+  // wait for their nodes to come back; DATA_LOSS for an unreadable record.
+  absl::Status Load(const std::vector<StoredJob>& jobs);
+
+  // Called after every change that may let a waiting job start (set once, before serving).
+  void SetSchedulerWakeup(std::function<void()> wakeup);
+  // The address ranks use for rendezvous, put into assignments (set once, before serving).
+  void SetCoordinatorAddress(std::string address);
+
+  // Applies defaults, validates (INVALID_ARGUMENT naming the field), stores the job durably as
+  // QUEUED, then calls `done` with it. Nothing is stored on error.
+  void Submit(const std::string& owner, v1::JobSpec spec, JobCallback done);
+
+  absl::StatusOr<v1::Job> Get(const std::string& job_id) const;  // NOT_FOUND
+
+  struct ListResult {
+    std::vector<v1::Job> jobs;  // newest first
+    std::string next_page_token;
+  };
+  absl::StatusOr<ListResult> List(const v1::ListJobsRequest& request) const;
+
+  // Cancels a waiting or running job (its ranks are told to stop); `done` after it is durable.
+  // NOT_FOUND, or FAILED_PRECONDITION for a job that already ended.
+  void Cancel(const std::string& job_id, const std::string& reason, JobCallback done);
+
+  // Subscribes to a job's durable changes. Returns a handle for Unwatch and fills `current`
+  // with the job as it is now; callbacks may repeat a version already seen in `current`.
+  absl::StatusOr<int64_t> Watch(const std::string& job_id, WatchCallback on_change,
+                                v1::Job* current);
+  void Unwatch(int64_t handle);
+
+  // Asks the scheduler loop for a pass soon (after a node joins or comes back).
+  void RequestSchedulingPass() { WakeScheduler(); }
+  // One scheduling pass; returns how many jobs it placed.
+  int SchedulePass();
+
+  // Fails (or restarts, within max_restarts) every running attempt with ranks on these nodes.
+  void OnNodesLost(const std::vector<std::string>& node_ids);
+  // A rank's status from the node running it; stale attempts are told to stop.
+  void OnRankStatus(const std::string& node_id, const v1::RankStatus& status);
+  // Assignments of running attempts with ranks on `node_id`; resent when its session attaches.
+  std::vector<v1::Assignment> AssignmentsFor(const std::string& node_id) const;
+  // Device indices held by running attempts, by node id.
+  std::map<std::string, std::vector<int>> AllocatedDevices() const;
+
+ private:
+  struct Watcher {
+    std::string job_id;
+    std::shared_ptr<WatchCallback> callback;
+  };
+
+  v1::Job* Find(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves `job` to `to` (a broken transition is a bug: CHECK) and bumps its version.
+  void Transition(v1::Job& job, v1::JobState to, std::string message)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Queues `job` for the store; once durable, notifies watchers, then runs `after`.
+  void Persist(const v1::Job& job, std::function<void(absl::Status)> after = nullptr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Frees the devices of the job's current attempt, closes its rendezvous scope and tells its
+  // nodes to stop its ranks (with `reason`, unless empty).
+  void ReleaseAttempt(v1::Job& job, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends the current attempt as failed: RESTARTING within max_restarts, else FAILED.
+  void FailAttempt(v1::Job& job, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // (node id, assignment) for each node of the job's current placement.
+  std::vector<std::pair<std::string, v1::Assignment>> AssignmentsOf(const v1::Job& job) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void NotifyWatchers(const v1::Job& job);
+  void WakeScheduler();
+
+  JobStore& store_;
+  NodeRegistry& nodes_;
+  Rendezvous& rendezvous_;
+  const Clock& clock_;
+  std::function<void()> wakeup_;     // set before serving; immutable after
+  std::string coordinator_address_;  // set before serving; immutable after
+
+  mutable absl::Mutex mu_;
+  std::map<std::string, v1::Job> jobs_ ABSL_GUARDED_BY(mu_);
+  std::map<int64_t, std::string> ids_by_seq_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> unfinished_ ABSL_GUARDED_BY(mu_);  // ids of jobs not in a terminal state
+  std::map<std::string, std::set<int>> allocated_ ABSL_GUARDED_BY(mu_);  // node id → devices
+  // Ranks of the current attempt that exited successfully, by job id.
+  std::map<std::string, std::set<int>> finished_ranks_ ABSL_GUARDED_BY(mu_);
+  int64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
+  std::map<int64_t, Watcher> watchers_ ABSL_GUARDED_BY(mu_);
+  int64_t next_watch_handle_ ABSL_GUARDED_BY(mu_) = 1;
+};
+
+// "job-<seq>"; also accepts a bare number from users.
+std::string JobIdForSeq(int64_t seq);
+
+}  // namespace trainyard::coordinator
+
+#endif  // TRAINYARD_SERVER_COORDINATOR_JOB_MANAGER_H_

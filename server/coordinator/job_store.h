@@ -1,0 +1,97 @@
+// Durable storage for the coordinator's jobs and nodes, behind a small interface so that SQLite
+// (now) and PostgreSQL (later) pass one shared test suite (tests/job_store_test.cc).
+//
+// The store knows nothing of protobuf or job semantics: a job is a row with a few indexed columns
+// and an opaque payload (the serialized trainyard.v1.Job) that the JobManager owns.
+#ifndef TRAINYARD_SERVER_COORDINATOR_JOB_STORE_H_
+#define TRAINYARD_SERVER_COORDINATOR_JOB_STORE_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace trainyard::coordinator {
+
+struct StoredJob {
+  std::string id;       // primary key
+  int64_t seq = 0;      // submission sequence number, unique and increasing; LoadJobs orders by it
+  std::string owner;    // indexed, for listing by owner
+  std::string state;    // indexed, e.g. "QUEUED"
+  std::string payload;  // opaque bytes, stored and returned verbatim
+
+  bool operator==(const StoredJob& o) const {
+    return id == o.id && seq == o.seq && owner == o.owner && state == o.state &&
+           payload == o.payload;
+  }
+};
+
+struct StoredNode {
+  std::string id;       // primary key
+  std::string payload;  // opaque bytes, stored and returned verbatim
+
+  bool operator==(const StoredNode& o) const { return id == o.id && payload == o.payload; }
+};
+
+// A set of writes applied atomically: all of them are durable, or none.
+struct WriteBatch {
+  std::vector<StoredJob> put_jobs;        // insert or replace by id
+  std::vector<StoredNode> put_nodes;      // insert or replace by id
+  std::vector<std::string> delete_nodes;  // ids; deleting a missing id is not an error
+
+  bool empty() const { return put_jobs.empty() && put_nodes.empty() && delete_nodes.empty(); }
+};
+
+struct JobStoreStats {
+  int64_t batches = 0;       // WriteBatches committed
+  int64_t transactions = 0;  // durable commits (each one fsync); <= batches thanks to group commit
+  double last_commit_seconds = 0;  // wall time of the latest transaction, fsync included
+};
+
+// Thread-safe: every method may be called from any thread, concurrently.
+class JobStore {
+ public:
+  using DoneCallback = std::function<void(absl::Status)>;
+
+  virtual ~JobStore() = default;
+
+  // Queues `batch` and returns at once. `done` runs exactly once, on a thread owned by the store,
+  // after the batch is durable (OK) or has failed (an error, nothing of the batch applied).
+  // Batches are applied in the order of the calls. Batches queued while a transaction is being
+  // written share the next transaction and its fsync (group commit). `done` must not block long
+  // and must not call Commit synchronously (CommitSync) on the same store; it may call Commit.
+  virtual void Commit(WriteBatch batch, DoneCallback done) = 0;
+
+  // Commit, waiting for the result.
+  absl::Status CommitSync(WriteBatch batch);
+
+  // Every job, ordered by seq ascending.
+  virtual absl::StatusOr<std::vector<StoredJob>> LoadJobs() = 0;
+  // Every node, ordered by id.
+  virtual absl::StatusOr<std::vector<StoredNode>> LoadNodes() = 0;
+
+  virtual JobStoreStats Stats() const = 0;
+};
+
+struct SqliteJobStoreOptions {
+  // When false, each batch gets a transaction of its own (one fsync each); for benchmarks only.
+  bool group_commit = true;
+};
+
+// Opens (creating if needed) the SQLite database at `path`: WAL journal, synchronous=FULL, schema
+// versioned by PRAGMA user_version and migrated forward on open. Errors: a path that cannot be
+// opened, or a database written by a newer schema version (FAILED_PRECONDITION).
+absl::StatusOr<std::unique_ptr<JobStore>> OpenSqliteJobStore(
+    const std::string& path, const SqliteJobStoreOptions& options = {});
+
+// A store that keeps everything in memory; durability ends with the process. For unit tests of
+// logic above the store, and as a second backend that the shared store test suite runs.
+std::unique_ptr<JobStore> NewInMemoryJobStore();
+
+}  // namespace trainyard::coordinator
+
+#endif  // TRAINYARD_SERVER_COORDINATOR_JOB_STORE_H_

@@ -1,0 +1,68 @@
+// trainyard-coordinator: parses flags, starts a CoordinatorServer, prints the bound address on the
+// first line of stdout, and shuts down cleanly on SIGTERM or SIGINT.
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+
+#include <CLI/CLI.hpp>
+
+#include "common/server_main.h"
+#include "common/version.h"
+#include "server/coordinator/coordinator_server.h"
+
+int main(int argc, char** argv) {
+  trainyard::BlockTerminationSignals();
+  const char* home = std::getenv("HOME");
+  trainyard::coordinator::CoordinatorOptions options;
+  options.state_dir = std::string(home != nullptr ? home : ".") + "/.trainyard";
+  std::string node_timeout = "10s";
+  std::string heartbeat_interval = "2s";
+
+  CLI::App app{"trainyard-coordinator: the trainyard control plane (jobs, scheduling, nodes)"};
+  app.set_version_flag("--version", std::string("trainyard-coordinator ") + trainyard::kVersion);
+  app.add_option("--listen", options.listen_address,
+                 "HOST:PORT to serve gRPC on; port 0 picks a free one (printed on stdout)")
+      ->capture_default_str();
+  app.add_option("--state-dir", options.state_dir, "directory for the job database")
+      ->capture_default_str();
+  app.add_option("--metrics-address", options.metrics_address,
+                 "HOST:PORT for the Prometheus /metrics endpoint (reserved)");
+  app.add_option("--node-timeout", node_timeout,
+                 "a node silent for this long is lost and its jobs restart or fail")
+      ->capture_default_str();
+  app.add_option("--heartbeat-interval", heartbeat_interval, "heartbeat period asked of nodes")
+      ->capture_default_str();
+  app.add_option("--max-message-bytes", options.max_message_bytes, "largest gRPC message accepted")
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  spdlog::set_default_logger(spdlog::stderr_color_mt("coordinator"));
+  auto timeout = trainyard::ParseFlagDuration("--node-timeout", node_timeout);
+  auto interval = trainyard::ParseFlagDuration("--heartbeat-interval", heartbeat_interval);
+  for (const auto* d : {&timeout, &interval}) {
+    if (!d->ok()) {
+      std::cerr << "trainyard-coordinator: " << d->status().message() << "\n";
+      return 2;
+    }
+  }
+  options.node_timeout = *timeout;
+  options.heartbeat_interval = *interval;
+
+  auto server = trainyard::coordinator::CoordinatorServer::Start(options);
+  if (!server.ok()) {
+    std::cerr << "trainyard-coordinator: " << server.status().message() << "\n";
+    return 1;
+  }
+  std::printf("%s\n", (*server)->address().c_str());
+  std::fflush(stdout);
+  spdlog::info("serving on {} (state in {})", (*server)->address(), options.state_dir);
+
+  const int sig = trainyard::WaitForTerminationSignal();
+  spdlog::info("signal {}: shutting down", sig);
+  (*server)->Shutdown();
+  spdlog::info("stopped");
+  return 0;
+}

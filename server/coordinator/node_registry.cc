@@ -1,0 +1,172 @@
+#include "server/coordinator/node_registry.h"
+
+#include <set>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace trainyard::coordinator {
+namespace {
+
+int64_t ToUnixMs(absl::Time t) { return absl::ToUnixMillis(t); }
+
+absl::Status FieldError(const std::string& field, const std::string& message) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", message));
+}
+
+}  // namespace
+
+absl::Status ValidateRegisterNodeRequest(const v1::RegisterNodeRequest& r) {
+  if (r.node_id().empty()) return FieldError("node_id", "required");
+  if (r.node_id().size() > 128) return FieldError("node_id", "at most 128 characters");
+  for (char c : r.node_id()) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.') {
+      return FieldError("node_id", absl::StrCat("only letters, digits, '-', '_' and '.' are "
+                                                "allowed, got '",
+                                                r.node_id(), "'"));
+    }
+  }
+  if (r.devices().empty()) return FieldError("devices", "at least one device is required");
+  if (r.devices_size() > 1024) return FieldError("devices", "at most 1024 devices");
+  std::set<int> indices;
+  for (int i = 0; i < r.devices_size(); ++i) {
+    const auto& d = r.devices(i);
+    const std::string field = absl::StrCat("devices[", i, "]");
+    if (d.index() < 0) return FieldError(field + ".index", "must be >= 0");
+    if (!indices.insert(d.index()).second) {
+      return FieldError(field + ".index", absl::StrCat("duplicate device index ", d.index()));
+    }
+    if (!v1::DeviceKind_IsValid(d.kind()) || d.kind() == v1::DEVICE_KIND_UNSPECIFIED) {
+      return FieldError(field + ".kind", absl::StrCat("unknown device kind ", d.kind()));
+    }
+    if (d.memory_bytes() < 0) return FieldError(field + ".memory_bytes", "must be >= 0");
+  }
+  if (r.memory_bytes() < 0) return FieldError("memory_bytes", "must be >= 0");
+  return absl::OkStatus();
+}
+
+NodeRegistry::NodeRegistry(JobStore& store, const Clock& clock, absl::Duration node_timeout)
+    : store_(store), clock_(clock), node_timeout_(node_timeout) {}
+
+absl::Status NodeRegistry::Load(const std::vector<StoredNode>& stored) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_.Now();
+  for (const StoredNode& s : stored) {
+    Entry entry;
+    if (!entry.node.ParseFromString(s.payload)) {
+      return absl::DataLossError(absl::StrCat("node ", s.id, ": unreadable record"));
+    }
+    entry.last_heartbeat = now;
+    nodes_[s.id] = std::move(entry);
+  }
+  return absl::OkStatus();
+}
+
+void NodeRegistry::Register(const v1::RegisterNodeRequest& request,
+                            std::function<void(absl::StatusOr<v1::Node>)> done) {
+  if (absl::Status s = ValidateRegisterNodeRequest(request); !s.ok()) {
+    done(s);
+    return;
+  }
+  v1::Node node;
+  WriteBatch batch;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = clock_.Now();
+    Entry& entry = nodes_[request.node_id()];
+    node.set_id(request.node_id());
+    node.set_hostname(request.hostname());
+    node.set_address(request.address());
+    *node.mutable_devices() = request.devices();
+    node.set_memory_bytes(request.memory_bytes());
+    *node.mutable_labels() = request.labels();
+    node.set_state(v1::NODE_READY);
+    node.set_registered_time_ms(ToUnixMs(now));
+    node.set_last_heartbeat_ms(ToUnixMs(now));
+    entry.node = node;
+    entry.last_heartbeat = now;
+    batch.put_nodes.push_back({node.id(), node.SerializeAsString()});
+  }
+  store_.Commit(std::move(batch), [node, done = std::move(done)](absl::Status s) {
+    if (!s.ok()) {
+      done(s);
+    } else {
+      done(node);
+    }
+  });
+}
+
+absl::Status NodeRegistry::Heartbeat(const std::string& node_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = nodes_.find(node_id);
+  if (it == nodes_.end()) return absl::NotFoundError(absl::StrCat("node ", node_id, " not found"));
+  it->second.last_heartbeat = clock_.Now();
+  return absl::OkStatus();
+}
+
+std::vector<std::string> NodeRegistry::CheckTimeouts() {
+  std::vector<std::string> lost;
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_.Now();
+  for (auto& [id, entry] : nodes_) {
+    if (entry.node.state() == v1::NODE_READY && now - entry.last_heartbeat > node_timeout_) {
+      entry.node.set_state(v1::NODE_LOST);
+      lost.push_back(id);
+    }
+  }
+  return lost;
+}
+
+absl::Status NodeRegistry::AttachSession(const std::string& node_id,
+                                         std::shared_ptr<NodeSessionSink> sink) {
+  absl::MutexLock lock(&mu_);
+  auto it = nodes_.find(node_id);
+  if (it == nodes_.end()) {
+    return absl::NotFoundError(absl::StrCat("node ", node_id, " is not registered"));
+  }
+  it->second.session = std::move(sink);
+  it->second.last_heartbeat = clock_.Now();
+  it->second.node.set_state(v1::NODE_READY);
+  return absl::OkStatus();
+}
+
+void NodeRegistry::DetachSession(const std::string& node_id, const NodeSessionSink* sink) {
+  absl::MutexLock lock(&mu_);
+  auto it = nodes_.find(node_id);
+  if (it != nodes_.end() && it->second.session.get() == sink) it->second.session.reset();
+}
+
+bool NodeRegistry::Send(const std::string& node_id, const v1::CoordinatorMessage& message) {
+  std::shared_ptr<NodeSessionSink> sink;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = nodes_.find(node_id);
+    if (it == nodes_.end() || it->second.session == nullptr) return false;
+    sink = it->second.session;
+  }
+  sink->Send(message);
+  return true;
+}
+
+std::vector<v1::Node> NodeRegistry::List() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::Node> out;
+  out.reserve(nodes_.size());
+  for (const auto& [id, entry] : nodes_) {
+    out.push_back(entry.node);
+    out.back().set_last_heartbeat_ms(ToUnixMs(entry.last_heartbeat));
+  }
+  return out;
+}
+
+absl::StatusOr<v1::Node> NodeRegistry::Get(const std::string& node_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = nodes_.find(node_id);
+  if (it == nodes_.end()) return absl::NotFoundError(absl::StrCat("node ", node_id, " not found"));
+  v1::Node node = it->second.node;
+  node.set_last_heartbeat_ms(ToUnixMs(it->second.last_heartbeat));
+  return node;
+}
+
+}  // namespace trainyard::coordinator

@@ -1,0 +1,89 @@
+// NodeRegistry: the worker nodes the coordinator knows, their devices, liveness and session
+// streams. Heartbeat timeouts use the injected Clock, so tests advance a FakeClock instead of
+// sleeping. Knows nothing of jobs: the JobManager asks it for a view of the nodes and reacts to
+// the nodes it reports lost. Owned by CoordinatorServer.
+//
+// Thread-safe: called from gRPC callback threads, the store's commit thread and the server's
+// ticker. Lock order: JobManager::mu_ before NodeRegistry::mu_; never calls out while locked.
+#ifndef TRAINYARD_SERVER_COORDINATOR_NODE_REGISTRY_H_
+#define TRAINYARD_SERVER_COORDINATOR_NODE_REGISTRY_H_
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/clock.h"
+#include "server/coordinator/job_store.h"
+#include "trainyard/v1/node.pb.h"
+
+namespace trainyard::coordinator {
+
+// Where the coordinator writes messages for one connected node (a session stream's reactor).
+// Thread-safe; Send must not block.
+class NodeSessionSink {
+ public:
+  virtual ~NodeSessionSink() = default;
+  virtual void Send(const v1::CoordinatorMessage& message) = 0;
+};
+
+class NodeRegistry {
+ public:
+  NodeRegistry(JobStore& store, const Clock& clock, absl::Duration node_timeout);
+
+  // Loads nodes saved by an earlier run. Their heartbeat clock starts now: a node that does not
+  // come back within the node timeout is reported lost by the next CheckTimeouts.
+  absl::Status Load(const std::vector<StoredNode>& nodes);
+
+  // Validates and registers (or re-registers) a node; `done` gets the node once it is durable.
+  // INVALID_ARGUMENT names the bad field.
+  void Register(const v1::RegisterNodeRequest& request,
+                std::function<void(absl::StatusOr<v1::Node>)> done);
+
+  // Records a heartbeat now. NOT_FOUND for an unknown node.
+  absl::Status Heartbeat(const std::string& node_id);
+
+  // Marks READY nodes whose last heartbeat is older than the node timeout LOST; returns their ids.
+  std::vector<std::string> CheckTimeouts();
+
+  // Attaches the session stream of a registered node (replacing an older one) and counts as a
+  // heartbeat; a LOST node becomes READY again. NOT_FOUND for an unknown node.
+  absl::Status AttachSession(const std::string& node_id, std::shared_ptr<NodeSessionSink> sink);
+  // Detaches `sink` if it is still the node's current session.
+  void DetachSession(const std::string& node_id, const NodeSessionSink* sink);
+
+  // Sends to the node's session; false if the node has none.
+  bool Send(const std::string& node_id, const v1::CoordinatorMessage& message);
+
+  // All nodes, ordered by id.
+  std::vector<v1::Node> List() const;
+  absl::StatusOr<v1::Node> Get(const std::string& node_id) const;
+
+  absl::Duration node_timeout() const { return node_timeout_; }
+
+ private:
+  struct Entry {
+    v1::Node node;
+    absl::Time last_heartbeat;
+    std::shared_ptr<NodeSessionSink> session;
+  };
+
+  JobStore& store_;
+  const Clock& clock_;
+  const absl::Duration node_timeout_;
+
+  mutable absl::Mutex mu_;
+  std::map<std::string, Entry> nodes_ ABSL_GUARDED_BY(mu_);
+};
+
+// Checks a registration: node_id, devices (unique non-negative indices, known kinds), memory.
+absl::Status ValidateRegisterNodeRequest(const v1::RegisterNodeRequest& request);
+
+}  // namespace trainyard::coordinator
+
+#endif  // TRAINYARD_SERVER_COORDINATOR_NODE_REGISTRY_H_

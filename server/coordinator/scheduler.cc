@@ -1,0 +1,276 @@
+// Implementation of Schedule(): gang placement with packing and EASY backfill (see scheduler.h).
+//
+// Nodes are indexed by free-device count (one ordered bucket per count), so that finding the
+// best-fit node or the node with the most free devices costs O(D + log N) instead of a scan over
+// all N nodes. Everything here is local to one call: no state survives between calls.
+#include "server/coordinator/scheduler.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <optional>
+#include <set>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "absl/time/time.h"
+
+namespace trainyard::coordinator {
+namespace {
+
+// Free devices of the schedulable nodes, indexed by count. Nodes outside the index (not
+// schedulable) have 0 free devices as far as placement is concerned.
+class FreeIndex {
+ public:
+  // `free_devices[n]` must be in [0, max_free_devices]; nodes with `indexed[n] == false` are left
+  // out of the index.
+  FreeIndex(const std::vector<int>& free_devices, const std::vector<bool>& indexed,
+            int max_free_devices)
+      : free_(free_devices.size(), 0), buckets_(max_free_devices + 1) {
+    for (size_t n = 0; n < free_devices.size(); ++n) {
+      if (indexed[n]) Set(static_cast<int>(n), free_devices[n]);
+    }
+  }
+
+  int64_t total() const { return total_; }
+  int free(int node) const { return free_[node]; }
+
+  // Sets the free-device count of an indexed node; `value` in [0, max_free_devices].
+  void Set(int node, int value) {
+    const int old = free_[node];
+    if (old == value) return;
+    if (old > 0) buckets_[old].erase(node);
+    if (value > 0) buckets_[value].insert(node);
+    free_[node] = value;
+    total_ += value - old;
+  }
+
+  // Picks `devices` devices by the packing rule, takes them out of the index and returns the
+  // grants in rank order. Requires 0 < devices <= total().
+  std::vector<DeviceGrant> Take(int devices) {
+    std::vector<DeviceGrant> grants;
+    int remaining = devices;
+    while (remaining > 0) {
+      // Best fit: the smallest free count that still holds the remainder.
+      int fit = remaining < static_cast<int>(buckets_.size()) ? remaining : -1;
+      while (fit >= 0 && fit < static_cast<int>(buckets_.size()) && buckets_[fit].empty()) ++fit;
+      if (fit >= 0 && fit < static_cast<int>(buckets_.size())) {
+        const int node = *buckets_[fit].begin();
+        grants.push_back({node, remaining});
+        Set(node, fit - remaining);
+        break;
+      }
+      // No single node holds the remainder: take the node with the most free devices whole.
+      int most = static_cast<int>(buckets_.size()) - 1;
+      while (most > 0 && buckets_[most].empty()) --most;
+      if (most == 0) break;  // unreachable when devices <= total()
+      const int node = *buckets_[most].begin();
+      grants.push_back({node, most});
+      Set(node, 0);
+      remaining -= most;
+    }
+    return grants;
+  }
+
+ private:
+  std::vector<int> free_;               // per node
+  std::vector<std::set<int>> buckets_;  // buckets_[f]: indexed nodes with f > 0 free devices
+  int64_t total_ = 0;
+};
+
+// The blocked head job's reservation and what backfill must leave it.
+struct HeadReservation {
+  absl::Time start;
+  std::vector<DeviceGrant> grants;
+  // Per node of `grants`: projected free devices at `start`, minus what backfill of kind (b) took.
+  std::vector<int> projected_free_at_start;
+};
+
+struct Release {
+  absl::Time at;
+  int node;
+  int devices;
+};
+
+// Earliest start of a `devices`-sized job given the current free devices and the releases of
+// running jobs and of jobs placed in this pass; nullopt when it never fits on known releases.
+std::optional<HeadReservation> ComputeReservation(
+    const ClusterSnapshot& snapshot, const std::vector<bool>& usable,
+    const std::vector<int>& total_devices, int max_devices_per_node, const FreeIndex& index,
+    const std::vector<Placement>& placements,
+    const std::vector<std::optional<absl::Time>>& placement_ends, int devices) {
+  const int num_nodes = static_cast<int>(snapshot.nodes.size());
+  std::vector<Release> releases;
+  auto add_releases = [&](const std::vector<DeviceGrant>& grants, absl::Time end) {
+    const absl::Time at = std::max(end, snapshot.now);
+    for (const DeviceGrant& g : grants) {
+      if (g.node < 0 || g.node >= num_nodes || !usable[g.node] || g.devices <= 0) continue;
+      releases.push_back({at, g.node, g.devices});
+    }
+  };
+  for (const RunningJobInfo& job : snapshot.running) {
+    if (job.expected_end.has_value()) add_releases(job.grants, *job.expected_end);
+  }
+  for (size_t i = 0; i < placements.size(); ++i) {
+    if (placement_ends[i].has_value()) add_releases(placements[i].grants, *placement_ends[i]);
+  }
+  std::sort(releases.begin(), releases.end(), [](const Release& a, const Release& b) {
+    return std::tie(a.at, a.node) < std::tie(b.at, b.node);
+  });
+
+  std::vector<int> projected(num_nodes);
+  for (int n = 0; n < num_nodes; ++n) projected[n] = index.free(n);
+  int64_t projected_total = index.total();
+  size_t e = 0;
+  std::optional<absl::Time> start;
+  while (e < releases.size()) {
+    const absl::Time t = releases[e].at;
+    for (; e < releases.size() && releases[e].at == t; ++e) {
+      const Release& r = releases[e];
+      // Clamp: a snapshot whose grants exceed a node's size must not conjure devices.
+      const int added = std::min(r.devices, total_devices[r.node] - projected[r.node]);
+      projected[r.node] += added;
+      projected_total += added;
+    }
+    if (projected_total >= devices) {
+      start = t;
+      break;
+    }
+  }
+  if (!start.has_value()) return std::nullopt;
+
+  HeadReservation reservation;
+  reservation.start = *start;
+  FreeIndex at_start(projected, usable, max_devices_per_node);
+  reservation.grants = at_start.Take(devices);
+  for (const DeviceGrant& g : reservation.grants) {
+    reservation.projected_free_at_start.push_back(projected[g.node]);
+  }
+  return reservation;
+}
+
+}  // namespace
+
+ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
+  ScheduleResult result;
+  const int num_nodes = static_cast<int>(snapshot.nodes.size());
+
+  // Sanitized node state: counts clamped to [0, total]; non-schedulable nodes left out.
+  std::vector<int> total_devices(num_nodes, 0);
+  std::vector<int> free_devices(num_nodes, 0);
+  std::vector<bool> usable(num_nodes, false);
+  int max_devices_per_node = 0;
+  int64_t schedulable_capacity = 0;
+  for (int n = 0; n < num_nodes; ++n) {
+    const SchedNode& node = snapshot.nodes[n];
+    total_devices[n] = std::max(0, node.total_devices);
+    if (!node.schedulable) continue;
+    usable[n] = true;
+    free_devices[n] = std::clamp(node.free_devices, 0, total_devices[n]);
+    max_devices_per_node = std::max(max_devices_per_node, total_devices[n]);
+    schedulable_capacity += total_devices[n];
+  }
+  FreeIndex index(free_devices, usable, max_devices_per_node);
+
+  std::vector<int> order(snapshot.pending.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int a, int b) {
+    const PendingJobInfo& x = snapshot.pending[a];
+    const PendingJobInfo& y = snapshot.pending[b];
+    if (x.priority != y.priority) return x.priority > y.priority;
+    if (x.submit_seq != y.submit_seq) return x.submit_seq < y.submit_seq;
+    if (x.id != y.id) return x.id < y.id;
+    return a < b;
+  });
+
+  // Expected end of each placement of this pass (parallel to result.placements).
+  std::vector<std::optional<absl::Time>> placement_ends;
+  auto place = [&](const PendingJobInfo& job, std::vector<DeviceGrant> grants, bool backfilled) {
+    result.placements.push_back({job.id, std::move(grants), backfilled});
+    placement_ends.push_back(job.max_runtime.has_value()
+                                 ? std::optional<absl::Time>(snapshot.now + *job.max_runtime)
+                                 : std::nullopt);
+  };
+
+  enum class Phase { kInOrder, kBackfill, kStopped };
+  Phase phase = Phase::kInOrder;
+  std::optional<HeadReservation> head;
+  std::vector<int> head_slot;  // per node: index into head->grants, or -1
+  // Devices of the head's nodes that backfill of kind (b) may not use; recomputed when stale.
+  int64_t head_protected = 0;
+  bool head_protected_stale = true;
+  auto spare_on = [&](size_t h) {
+    const DeviceGrant& g = head->grants[h];
+    return std::max(0, std::min(index.free(g.node), head->projected_free_at_start[h] - g.devices));
+  };
+
+  for (int i : order) {
+    const PendingJobInfo& job = snapshot.pending[i];
+    if (job.devices <= 0 || job.devices > schedulable_capacity) {
+      result.unplaceable.push_back(job.id);
+      continue;
+    }
+    if (phase == Phase::kStopped) continue;
+    const bool fits_now = job.devices <= index.total();
+
+    if (phase == Phase::kInOrder) {
+      if (fits_now) {
+        place(job, index.Take(job.devices), /*backfilled=*/false);
+        continue;
+      }
+      head = ComputeReservation(snapshot, usable, total_devices, max_devices_per_node, index,
+                                result.placements, placement_ends, job.devices);
+      if (!head.has_value()) {
+        phase = Phase::kStopped;  // unknown start: backfill could delay the head forever
+        continue;
+      }
+      result.reservation = Reservation{job.id, head->start, head->grants};
+      head_slot.assign(num_nodes, -1);
+      for (size_t h = 0; h < head->grants.size(); ++h) {
+        head_slot[head->grants[h].node] = static_cast<int>(h);
+      }
+      phase = Phase::kBackfill;
+      continue;
+    }
+
+    // Backfill behind the head.
+    if (!fits_now) continue;
+    if (job.max_runtime.has_value() && snapshot.now + *job.max_runtime <= head->start) {
+      // (a) Done before the head starts: its devices are back by then.
+      place(job, index.Take(job.devices), /*backfilled=*/true);
+      head_protected_stale = true;
+      continue;
+    }
+    // (b) Pack only on devices the head's reservation leaves spare.
+    if (head_protected_stale) {
+      head_protected = 0;
+      for (size_t h = 0; h < head->grants.size(); ++h) {
+        head_protected += index.free(head->grants[h].node) - spare_on(h);
+      }
+      head_protected_stale = false;
+    }
+    if (job.devices > index.total() - head_protected) continue;
+    std::vector<int> hidden(head->grants.size());
+    for (size_t h = 0; h < head->grants.size(); ++h) {
+      const int node = head->grants[h].node;
+      hidden[h] = index.free(node) - spare_on(h);
+      index.Set(node, index.free(node) - hidden[h]);
+    }
+    std::vector<DeviceGrant> grants = index.Take(job.devices);
+    for (size_t h = 0; h < head->grants.size(); ++h) {
+      const int node = head->grants[h].node;
+      index.Set(node, index.free(node) + hidden[h]);
+    }
+    for (const DeviceGrant& g : grants) {
+      const int h = head_slot[g.node];
+      if (h >= 0) head->projected_free_at_start[h] -= g.devices;
+    }
+    place(job, std::move(grants), /*backfilled=*/true);
+    head_protected_stale = true;
+  }
+  return result;
+}
+
+}  // namespace trainyard::coordinator

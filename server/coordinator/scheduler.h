@@ -1,0 +1,107 @@
+// The coordinator's placement policy: given a snapshot of the cluster (nodes, running jobs, queued
+// jobs) it decides which queued jobs start now, on which devices, and when the first blocked job
+// is expected to start.
+//
+// Called by the coordinator's scheduling loop, which builds a ClusterSnapshot under its own lock,
+// calls Schedule() and then applies the placements. Schedule() is pure logic: no I/O, no clock
+// reads (time comes from snapshot.now), no locks, no threads, no global state. It may be called
+// from any thread, concurrently, on distinct or shared (const) snapshots.
+//
+// Policy, in short: gang placement (all devices of a job at once or none), strict order by priority
+// then submission, packing onto as few nodes as possible (best fit on one node when possible), and
+// EASY backfill behind the first blocked job (only that job's reservation is protected).
+#ifndef TRAINYARD_SERVER_COORDINATOR_SCHEDULER_H_
+#define TRAINYARD_SERVER_COORDINATOR_SCHEDULER_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+
+namespace trainyard::coordinator {
+
+struct SchedNode {
+  std::string id;
+  int total_devices = 0;
+  // Devices not held by any running job. A value outside [0, total_devices] is a caller bug;
+  // Schedule() clamps it into that range (it never trusts it to over-allocate).
+  int free_devices = 0;
+  bool schedulable = true;  // false: node lost/draining; nothing new is placed on it
+};
+
+struct DeviceGrant {
+  int node = 0;     // index into ClusterSnapshot::nodes
+  int devices = 0;  // how many devices of that node
+};
+
+struct RunningJobInfo {
+  std::string id;
+  std::vector<DeviceGrant> grants;
+  // start + max_runtime; nullopt = unknown (runs "forever"). A time before snapshot.now (an overdue
+  // job) is projected to end at now.
+  std::optional<absl::Time> expected_end;
+};
+
+struct PendingJobInfo {
+  std::string id;
+  int priority = 50;       // 1..100, higher goes first
+  int64_t submit_seq = 0;  // lower (earlier) goes first among equal priority; ties broken by id
+  int devices = 1;         // gang size: all or nothing; <= 0 is invalid and reported unplaceable
+  std::optional<absl::Duration> max_runtime;  // from the spec; nullopt = unknown
+};
+
+struct ClusterSnapshot {
+  absl::Time now;
+  std::vector<SchedNode> nodes;
+  std::vector<RunningJobInfo> running;
+  std::vector<PendingJobInfo> pending;  // any order
+};
+
+struct Placement {
+  std::string job_id;
+  // Devices sum to the job's size; order = rank order. Each node appears once, so the ranks on one
+  // node are contiguous.
+  std::vector<DeviceGrant> grants;
+  bool backfilled = false;  // started ahead of a higher-ranked blocked job
+};
+
+struct Reservation {  // where and when the blocked head job will start
+  std::string job_id;
+  absl::Time start;
+  std::vector<DeviceGrant> grants;
+};
+
+struct ScheduleResult {
+  std::vector<Placement> placements;       // in decision order
+  std::optional<Reservation> reservation;  // the blocked head job's, when its start is computable
+  // Pending jobs needing more devices than all schedulable nodes have in total (or <= 0 devices),
+  // in scheduling order. They are skipped and never block other jobs.
+  std::vector<std::string> unplaceable;
+};
+
+// Decides which pending jobs start now. Pure and deterministic: same snapshot, same result
+// (independent of the order of snapshot.pending).
+//
+// Jobs are taken by priority (descending), then submit_seq (ascending), then id. Each job that fits
+// in the free devices of schedulable nodes is placed: on the single node with the fewest free
+// devices that holds it (lowest index on ties), else on the nodes with the most free devices first
+// (lowest index on ties), the last one chosen by best fit for the remainder, which uses the fewest
+// nodes possible.
+//
+// The first job that does not fit is the head. Its reservation is the earliest time at which the
+// projected free devices (running jobs released at expected_end, jobs placed in this pass at
+// now + max_runtime) hold it, with grants packed as above on the projected free devices. If that
+// time cannot be computed (devices held by jobs of unknown end), nothing after the head is placed.
+// Otherwise a later job is backfilled now if it fits now and either ends by the reservation start
+// (now + max_runtime <= start), or is packed only on devices the head's reservation does not need.
+// Backfill never delays the head's reservation.
+//
+// Cost: O(P log P + R log R + N log N + placed * (D + log N)) for P pending, R running grants,
+// N nodes, D = max devices per node.
+ScheduleResult Schedule(const ClusterSnapshot& snapshot);
+
+}  // namespace trainyard::coordinator
+
+#endif  // TRAINYARD_SERVER_COORDINATOR_SCHEDULER_H_

@@ -1,0 +1,94 @@
+// The coordinator's gRPC adapters: thin translations between trainyard.v1 messages and the
+// managers (JobManager, NodeRegistry, Rendezvous), on gRPC's callback API. They own no state
+// beyond their in-flight streams. Created and owned by CoordinatorServer; gRPC's threads call them.
+#ifndef TRAINYARD_SERVER_COORDINATOR_SERVICES_H_
+#define TRAINYARD_SERVER_COORDINATOR_SERVICES_H_
+
+#include "server/coordinator/job_manager.h"
+#include "server/coordinator/node_registry.h"
+#include "server/coordinator/rendezvous.h"
+#include "trainyard/v1/job.grpc.pb.h"
+#include "trainyard/v1/node.grpc.pb.h"
+#include "trainyard/v1/rendezvous.grpc.pb.h"
+
+namespace trainyard::coordinator {
+
+// Call metadata key carrying the caller's user name.
+inline constexpr char kUserMetadataKey[] = "x-trainyard-user";
+
+class JobServiceImpl final : public v1::JobService::CallbackService {
+ public:
+  explicit JobServiceImpl(JobManager& jobs) : jobs_(jobs) {}
+
+  grpc::ServerUnaryReactor* SubmitJob(grpc::CallbackServerContext* ctx,
+                                      const v1::SubmitJobRequest* request,
+                                      v1::SubmitJobResponse* response) override;
+  grpc::ServerUnaryReactor* GetJob(grpc::CallbackServerContext* ctx,
+                                   const v1::GetJobRequest* request, v1::Job* response) override;
+  grpc::ServerUnaryReactor* ListJobs(grpc::CallbackServerContext* ctx,
+                                     const v1::ListJobsRequest* request,
+                                     v1::ListJobsResponse* response) override;
+  grpc::ServerUnaryReactor* CancelJob(grpc::CallbackServerContext* ctx,
+                                      const v1::CancelJobRequest* request,
+                                      v1::Job* response) override;
+  grpc::ServerWriteReactor<v1::JobEvent>* WatchJob(grpc::CallbackServerContext* ctx,
+                                                   const v1::WatchJobRequest* request) override;
+
+ private:
+  JobManager& jobs_;
+};
+
+class NodeServiceImpl final : public v1::NodeService::CallbackService {
+ public:
+  NodeServiceImpl(NodeRegistry& nodes, JobManager& jobs, absl::Duration heartbeat_interval)
+      : nodes_(nodes), jobs_(jobs), heartbeat_interval_(heartbeat_interval) {}
+
+  grpc::ServerUnaryReactor* RegisterNode(grpc::CallbackServerContext* ctx,
+                                         const v1::RegisterNodeRequest* request,
+                                         v1::RegisterNodeResponse* response) override;
+  grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage>* Session(
+      grpc::CallbackServerContext* ctx) override;
+  grpc::ServerUnaryReactor* ListNodes(grpc::CallbackServerContext* ctx,
+                                      const v1::ListNodesRequest* request,
+                                      v1::ListNodesResponse* response) override;
+
+ private:
+  NodeRegistry& nodes_;
+  JobManager& jobs_;
+  const absl::Duration heartbeat_interval_;
+};
+
+class RendezvousServiceImpl final : public v1::RendezvousService::CallbackService {
+ public:
+  explicit RendezvousServiceImpl(Rendezvous& rendezvous) : rdzv_(rendezvous) {}
+
+  grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* ctx, const v1::SetRequest* request,
+                                v1::SetResponse* response) override;
+  grpc::ServerUnaryReactor* Get(grpc::CallbackServerContext* ctx, const v1::GetRequest* request,
+                                v1::GetResponse* response) override;
+  grpc::ServerUnaryReactor* Add(grpc::CallbackServerContext* ctx, const v1::AddRequest* request,
+                                v1::AddResponse* response) override;
+  grpc::ServerUnaryReactor* CompareSet(grpc::CallbackServerContext* ctx,
+                                       const v1::CompareSetRequest* request,
+                                       v1::CompareSetResponse* response) override;
+  grpc::ServerUnaryReactor* Check(grpc::CallbackServerContext* ctx, const v1::CheckRequest* request,
+                                  v1::CheckResponse* response) override;
+  grpc::ServerUnaryReactor* DeleteKey(grpc::CallbackServerContext* ctx,
+                                      const v1::DeleteKeyRequest* request,
+                                      v1::DeleteKeyResponse* response) override;
+  grpc::ServerUnaryReactor* NumKeys(grpc::CallbackServerContext* ctx,
+                                    const v1::NumKeysRequest* request,
+                                    v1::NumKeysResponse* response) override;
+  grpc::ServerUnaryReactor* Wait(grpc::CallbackServerContext* ctx, const v1::WaitRequest* request,
+                                 v1::WaitResponse* response) override;
+  grpc::ServerUnaryReactor* Barrier(grpc::CallbackServerContext* ctx,
+                                    const v1::BarrierRequest* request,
+                                    v1::BarrierResponse* response) override;
+
+ private:
+  Rendezvous& rdzv_;
+};
+
+}  // namespace trainyard::coordinator
+
+#endif  // TRAINYARD_SERVER_COORDINATOR_SERVICES_H_

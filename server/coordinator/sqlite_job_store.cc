@@ -1,0 +1,450 @@
+// The SQLite JobStore backend (OpenSqliteJobStore, declared in job_store.h): the coordinator's
+// durable record of jobs and nodes.
+//
+// Called by the coordinator's JobManager (writes, and loads at startup) and by the shared store
+// tests. Owns two connections to one database file (WAL, synchronous=FULL): a write connection
+// used only by the commit thread, and a read connection for loads. Owns the commit thread, which
+// drains the queue of batches and writes them with group commit (many batches, one transaction,
+// one fsync).
+#include <sqlite3.h>
+
+#include <deque>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/status_macros.h"
+#include "server/coordinator/job_store.h"
+
+namespace trainyard::coordinator {
+namespace {
+
+// Schema migrations, in order: kMigrations[i] takes the database from user_version i to i + 1.
+// Append only; never edit a migration that has shipped.
+constexpr const char* kMigrations[] = {
+    // Version 1.
+    "CREATE TABLE jobs ("
+    "  id TEXT PRIMARY KEY,"
+    "  seq INTEGER NOT NULL UNIQUE,"
+    "  owner TEXT NOT NULL,"
+    "  state TEXT NOT NULL,"
+    "  payload BLOB NOT NULL);"
+    "CREATE INDEX jobs_owner ON jobs(owner);"
+    "CREATE INDEX jobs_state ON jobs(state);"
+    "CREATE TABLE nodes ("
+    "  id TEXT PRIMARY KEY,"
+    "  payload BLOB NOT NULL);",
+};
+constexpr int kSchemaVersion = sizeof(kMigrations) / sizeof(kMigrations[0]);
+
+// How long a connection waits for a lock held by another connection (e.g. a second process on
+// the same file, or a checkpoint) before failing with SQLITE_BUSY.
+constexpr int kBusyTimeoutMs = 10'000;
+
+struct DbCloser {
+  void operator()(sqlite3* db) const { sqlite3_close_v2(db); }
+};
+using DbPtr = std::unique_ptr<sqlite3, DbCloser>;
+
+struct StmtFinalizer {
+  void operator()(sqlite3_stmt* stmt) const { sqlite3_finalize(stmt); }
+};
+using StmtPtr = std::unique_ptr<sqlite3_stmt, StmtFinalizer>;
+
+absl::StatusCode CodeFor(int rc) {
+  switch (rc & 0xff) {
+    case SQLITE_CONSTRAINT:
+      return (rc == SQLITE_CONSTRAINT_UNIQUE || rc == SQLITE_CONSTRAINT_PRIMARYKEY)
+                 ? absl::StatusCode::kAlreadyExists
+                 : absl::StatusCode::kInvalidArgument;
+    case SQLITE_BUSY:
+    case SQLITE_LOCKED:
+    case SQLITE_FULL:
+    case SQLITE_IOERR:
+    case SQLITE_CANTOPEN:
+      return absl::StatusCode::kUnavailable;
+    case SQLITE_PERM:
+    case SQLITE_READONLY:
+    case SQLITE_AUTH:
+      return absl::StatusCode::kPermissionDenied;
+    case SQLITE_CORRUPT:
+    case SQLITE_NOTADB:
+      return absl::StatusCode::kDataLoss;
+    default:
+      return absl::StatusCode::kInternal;
+  }
+}
+
+// A status for SQLite result code `rc`, with the connection's message and `context`.
+absl::Status SqliteError(sqlite3* db, int rc, const std::string& context) {
+  const char* message = db != nullptr ? sqlite3_errmsg(db) : sqlite3_errstr(rc);
+  return absl::Status(CodeFor(rc), absl::StrCat(context, ": ", message, " (sqlite code ", rc, ")"));
+}
+
+absl::Status Exec(sqlite3* db, const char* sql) {
+  char* error = nullptr;
+  const int rc = sqlite3_exec(db, sql, nullptr, nullptr, &error);
+  if (rc == SQLITE_OK) return absl::OkStatus();
+  absl::Status status(CodeFor(sqlite3_extended_errcode(db)),
+                      absl::StrCat(sql, ": ", error != nullptr ? error : sqlite3_errstr(rc)));
+  sqlite3_free(error);
+  return status;
+}
+
+absl::StatusOr<StmtPtr> Prepare(sqlite3* db, const char* sql) {
+  sqlite3_stmt* stmt = nullptr;
+  const int rc = sqlite3_prepare_v3(db, sql, -1, SQLITE_PREPARE_PERSISTENT, &stmt, nullptr);
+  if (rc != SQLITE_OK) return SqliteError(db, rc, absl::StrCat("prepare ", sql));
+  return StmtPtr(stmt);
+}
+
+// Runs a statement that returns at most one row, and returns that row's first column as an int.
+absl::StatusOr<int64_t> QueryInt(sqlite3* db, const char* sql) {
+  ASSIGN_OR_RETURN(StmtPtr stmt, Prepare(db, sql));
+  const int rc = sqlite3_step(stmt.get());
+  if (rc != SQLITE_ROW) return SqliteError(db, rc, sql);
+  return sqlite3_column_int64(stmt.get(), 0);
+}
+
+absl::StatusOr<std::string> QueryText(sqlite3* db, const char* sql) {
+  ASSIGN_OR_RETURN(StmtPtr stmt, Prepare(db, sql));
+  const int rc = sqlite3_step(stmt.get());
+  if (rc != SQLITE_ROW) return SqliteError(db, rc, sql);
+  const unsigned char* text = sqlite3_column_text(stmt.get(), 0);
+  return std::string(text != nullptr ? reinterpret_cast<const char*>(text) : "");
+}
+
+absl::StatusOr<DbPtr> OpenConnection(const std::string& path) {
+  sqlite3* raw = nullptr;
+  const int rc =
+      sqlite3_open_v2(path.c_str(), &raw,
+                      SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX, nullptr);
+  DbPtr db(raw);  // sqlite3_open_v2 returns a handle to close even when it fails
+  if (rc != SQLITE_OK) {
+    return SqliteError(db.get(), rc, absl::StrCat("cannot open job store database ", path));
+  }
+  sqlite3_extended_result_codes(db.get(), 1);
+  sqlite3_busy_timeout(db.get(), kBusyTimeoutMs);
+  // journal_mode=WAL persists in the file; synchronous is per connection. With WAL and FULL, every
+  // commit fsyncs the WAL before it returns, so a committed batch survives a crash or power loss.
+  ASSIGN_OR_RETURN(std::string mode, QueryText(db.get(), "PRAGMA journal_mode=WAL"));
+  if (mode != "wal") {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job store database ", path, " cannot use WAL journal mode (got ", mode, ")"));
+  }
+  RETURN_IF_ERROR(Exec(db.get(), "PRAGMA synchronous=FULL"));
+  return db;
+}
+
+// Brings the schema of `db` up to kSchemaVersion, in one transaction.
+absl::Status Migrate(sqlite3* db, const std::string& path) {
+  RETURN_IF_ERROR(Exec(db, "BEGIN IMMEDIATE"));
+  absl::Status status = [&]() -> absl::Status {
+    // Read inside the write transaction, so that two processes opening a new file do not both
+    // run the migrations.
+    ASSIGN_OR_RETURN(const int64_t version, QueryInt(db, "PRAGMA user_version"));
+    if (version > kSchemaVersion) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job store database ", path, " has schema version ", version,
+                       ", newer than the latest version this build knows (", kSchemaVersion, ")"));
+    }
+    for (int64_t v = version; v < kSchemaVersion; ++v) {
+      RETURN_IF_ERROR(Exec(db, kMigrations[v]));
+    }
+    if (version < kSchemaVersion) {
+      RETURN_IF_ERROR(Exec(db, absl::StrCat("PRAGMA user_version=", kSchemaVersion).c_str()));
+    }
+    return Exec(db, "COMMIT");
+  }();
+  if (!status.ok() && !sqlite3_get_autocommit(db)) Exec(db, "ROLLBACK").IgnoreError();
+  return status;
+}
+
+// Binds `value` as a blob; an empty string becomes a zero-length blob, never NULL.
+int BindBlob(sqlite3_stmt* stmt, int index, const std::string& value) {
+  if (value.empty()) return sqlite3_bind_zeroblob(stmt, index, 0);
+  return sqlite3_bind_blob64(stmt, index, value.data(), value.size(), SQLITE_STATIC);
+}
+
+int BindText(sqlite3_stmt* stmt, int index, const std::string& value) {
+  return sqlite3_bind_text64(stmt, index, value.data(), value.size(), SQLITE_STATIC, SQLITE_UTF8);
+}
+
+std::string ColumnBytes(sqlite3_stmt* stmt, int column) {
+  const void* data = sqlite3_column_blob(stmt, column);  // NULL for a zero-length value
+  const int size = sqlite3_column_bytes(stmt, column);
+  if (data == nullptr || size <= 0) return std::string();
+  return std::string(static_cast<const char*>(data), static_cast<size_t>(size));
+}
+
+// Resets a statement (ending its implicit read transaction) and clears its bindings on scope
+// exit, so that a reused statement never holds a stale snapshot or dangling blob pointers.
+class ScopedReset {
+ public:
+  explicit ScopedReset(sqlite3_stmt* stmt) : stmt_(stmt) {}
+  ~ScopedReset() {
+    sqlite3_reset(stmt_);
+    sqlite3_clear_bindings(stmt_);
+  }
+  ScopedReset(const ScopedReset&) = delete;
+  ScopedReset& operator=(const ScopedReset&) = delete;
+
+ private:
+  sqlite3_stmt* stmt_;
+};
+
+// Steps a write statement to completion.
+absl::Status StepDone(sqlite3* db, sqlite3_stmt* stmt, const std::string& context) {
+  const int rc = sqlite3_step(stmt);
+  if (rc != SQLITE_DONE) return SqliteError(db, sqlite3_extended_errcode(db), context);
+  return absl::OkStatus();
+}
+
+// Commit() and Stats() may be called from any thread; writes run only on the commit thread, which
+// also runs the callbacks; LoadJobs/LoadNodes may be called from any thread (one at a time on the
+// read connection), including from a callback.
+class SqliteJobStore final : public JobStore {
+ public:
+  static absl::StatusOr<std::unique_ptr<JobStore>> Open(const std::string& path,
+                                                        const SqliteJobStoreOptions& options) {
+    ASSIGN_OR_RETURN(DbPtr write_db, OpenConnection(path));
+    RETURN_IF_ERROR(Migrate(write_db.get(), path));
+    ASSIGN_OR_RETURN(DbPtr read_db, OpenConnection(path));
+    std::unique_ptr<SqliteJobStore> store(
+        new SqliteJobStore(options, std::move(write_db), std::move(read_db)));
+    RETURN_IF_ERROR(store->PrepareStatements());
+    store->commit_thread_ = std::thread([s = store.get()] { s->CommitLoop(); });
+    return store;
+  }
+
+  // Writes every queued batch and runs its callback, then closes the database.
+  ~SqliteJobStore() override {
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    if (commit_thread_.joinable()) commit_thread_.join();
+  }
+
+  void Commit(WriteBatch batch, DoneCallback done) override {
+    absl::MutexLock lock(&mu_);
+    queue_.push_back({std::move(batch), std::move(done)});
+  }
+
+  absl::StatusOr<std::vector<StoredJob>> LoadJobs() override {
+    absl::MutexLock lock(&read_mu_);
+    sqlite3_stmt* stmt = select_jobs_.get();
+    ScopedReset reset(stmt);
+    std::vector<StoredJob> jobs;
+    int rc;
+    while ((rc = sqlite3_step(stmt)) == SQLITE_ROW) {
+      StoredJob job;
+      job.id = ColumnBytes(stmt, 0);
+      job.seq = sqlite3_column_int64(stmt, 1);
+      job.owner = ColumnBytes(stmt, 2);
+      job.state = ColumnBytes(stmt, 3);
+      job.payload = ColumnBytes(stmt, 4);
+      jobs.push_back(std::move(job));
+    }
+    if (rc != SQLITE_DONE) return SqliteError(read_db_.get(), rc, "load jobs");
+    return jobs;
+  }
+
+  absl::StatusOr<std::vector<StoredNode>> LoadNodes() override {
+    absl::MutexLock lock(&read_mu_);
+    sqlite3_stmt* stmt = select_nodes_.get();
+    ScopedReset reset(stmt);
+    std::vector<StoredNode> nodes;
+    int rc;
+    while ((rc = sqlite3_step(stmt)) == SQLITE_ROW) {
+      nodes.push_back({ColumnBytes(stmt, 0), ColumnBytes(stmt, 1)});
+    }
+    if (rc != SQLITE_DONE) return SqliteError(read_db_.get(), rc, "load nodes");
+    return nodes;
+  }
+
+  JobStoreStats Stats() const override {
+    absl::MutexLock lock(&mu_);
+    return stats_;
+  }
+
+ private:
+  struct Pending {
+    WriteBatch batch;
+    DoneCallback done;
+  };
+
+  SqliteJobStore(const SqliteJobStoreOptions& options, DbPtr write_db, DbPtr read_db)
+      : options_(options), write_db_(std::move(write_db)), read_db_(std::move(read_db)) {}
+
+  absl::Status PrepareStatements() {
+    sqlite3* w = write_db_.get();
+    ASSIGN_OR_RETURN(begin_, Prepare(w, "BEGIN IMMEDIATE"));
+    ASSIGN_OR_RETURN(commit_, Prepare(w, "COMMIT"));
+    ASSIGN_OR_RETURN(rollback_, Prepare(w, "ROLLBACK"));
+    // Not INSERT OR REPLACE: that would silently delete another job holding the same seq. Here a
+    // seq collision with a different id fails the statement (and the batch).
+    ASSIGN_OR_RETURN(put_job_, Prepare(w,
+                                       "INSERT INTO jobs(id, seq, owner, state, payload) "
+                                       "VALUES(?1, ?2, ?3, ?4, ?5) ON CONFLICT(id) DO UPDATE SET "
+                                       "seq = excluded.seq, owner = excluded.owner, "
+                                       "state = excluded.state, payload = excluded.payload"));
+    ASSIGN_OR_RETURN(put_node_,
+                     Prepare(w,
+                             "INSERT INTO nodes(id, payload) VALUES(?1, ?2) "
+                             "ON CONFLICT(id) DO UPDATE SET payload = excluded.payload"));
+    ASSIGN_OR_RETURN(delete_node_, Prepare(w, "DELETE FROM nodes WHERE id = ?1"));
+    sqlite3* r = read_db_.get();
+    {
+      absl::MutexLock lock(&read_mu_);
+      ASSIGN_OR_RETURN(select_jobs_,
+                       Prepare(r, "SELECT id, seq, owner, state, payload FROM jobs ORDER BY seq"));
+      ASSIGN_OR_RETURN(select_nodes_, Prepare(r, "SELECT id, payload FROM nodes ORDER BY id"));
+    }
+    return absl::OkStatus();
+  }
+
+  void CommitLoop() {
+    while (true) {
+      std::vector<Pending> pending;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(
+            +[](SqliteJobStore* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) {
+              return s->stopping_ || !s->queue_.empty();
+            },
+            this));
+        if (queue_.empty()) return;  // stopping, and everything queued has been written
+        // With group commit, everything queued while the previous transaction was written shares
+        // the next one; without, one batch at a time.
+        const size_t take = options_.group_commit ? queue_.size() : 1;
+        for (size_t i = 0; i < take; ++i) {
+          pending.push_back(std::move(queue_.front()));
+          queue_.pop_front();
+        }
+      }
+      std::vector<absl::Status> results = WriteGroup(pending);
+      for (size_t i = 0; i < pending.size(); ++i) pending[i].done(std::move(results[i]));
+    }
+  }
+
+  // Writes `pending` in one transaction or, if that fails, each batch in a transaction of its
+  // own, so that one bad batch does not fail the others. Returns each batch's status, in order,
+  // and updates stats_ before the callbacks run.
+  std::vector<absl::Status> WriteGroup(const std::vector<Pending>& pending) {
+    std::vector<absl::Status> results(pending.size());
+    std::vector<size_t> to_write;  // an empty batch needs no transaction and cannot fail
+    for (size_t i = 0; i < pending.size(); ++i) {
+      if (!pending[i].batch.empty()) to_write.push_back(i);
+    }
+    if (!to_write.empty()) {
+      std::vector<const WriteBatch*> batches;
+      for (size_t i : to_write) batches.push_back(&pending[i].batch);
+      absl::Status group_status = RunTransaction(batches);
+      if (!group_status.ok()) {
+        if (to_write.size() == 1) {
+          results[to_write[0]] = std::move(group_status);
+        } else {
+          for (size_t i : to_write) results[i] = RunTransaction({&pending[i].batch});
+        }
+      }
+    }
+    int64_t committed = 0;
+    for (const absl::Status& status : results) committed += status.ok() ? 1 : 0;
+    absl::MutexLock lock(&mu_);
+    stats_.batches += committed;
+    return results;
+  }
+
+  // Writes `batches` in one BEGIN IMMEDIATE..COMMIT transaction (one fsync). On error nothing of
+  // them is applied.
+  absl::Status RunTransaction(const std::vector<const WriteBatch*>& batches) {
+    sqlite3* db = write_db_.get();
+    const absl::Time start = absl::Now();
+    absl::Status status = [&]() -> absl::Status {
+      {
+        ScopedReset reset(begin_.get());
+        RETURN_IF_ERROR(StepDone(db, begin_.get(), "begin transaction"));
+      }
+      for (const WriteBatch* batch : batches) RETURN_IF_ERROR(WriteBatchRows(*batch));
+      ScopedReset reset(commit_.get());
+      return StepDone(db, commit_.get(), "commit transaction");
+    }();
+    if (!status.ok()) {
+      if (!sqlite3_get_autocommit(db)) {
+        ScopedReset reset(rollback_.get());
+        sqlite3_step(rollback_.get());  // fails only if no transaction is open
+      }
+      return status;
+    }
+    absl::MutexLock lock(&mu_);
+    ++stats_.transactions;
+    stats_.last_commit_seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    return absl::OkStatus();
+  }
+
+  absl::Status WriteBatchRows(const WriteBatch& batch) {
+    sqlite3* db = write_db_.get();
+    for (const StoredJob& job : batch.put_jobs) {
+      sqlite3_stmt* stmt = put_job_.get();
+      ScopedReset reset(stmt);
+      BindText(stmt, 1, job.id);
+      sqlite3_bind_int64(stmt, 2, job.seq);
+      BindText(stmt, 3, job.owner);
+      BindText(stmt, 4, job.state);
+      BindBlob(stmt, 5, job.payload);
+      RETURN_IF_ERROR(StepDone(db, stmt, absl::StrCat("put job ", job.id, " seq ", job.seq)));
+    }
+    for (const StoredNode& node : batch.put_nodes) {
+      sqlite3_stmt* stmt = put_node_.get();
+      ScopedReset reset(stmt);
+      BindText(stmt, 1, node.id);
+      BindBlob(stmt, 2, node.payload);
+      RETURN_IF_ERROR(StepDone(db, stmt, absl::StrCat("put node ", node.id)));
+    }
+    for (const std::string& id : batch.delete_nodes) {
+      sqlite3_stmt* stmt = delete_node_.get();
+      ScopedReset reset(stmt);
+      BindText(stmt, 1, id);
+      RETURN_IF_ERROR(StepDone(db, stmt, absl::StrCat("delete node ", id)));
+    }
+    return absl::OkStatus();
+  }
+
+  const SqliteJobStoreOptions options_;
+
+  // Used only by the commit thread once the store is open. Declared before the statements so that
+  // they are finalized first.
+  DbPtr write_db_;
+  StmtPtr begin_, commit_, rollback_, put_job_, put_node_, delete_node_;
+
+  absl::Mutex read_mu_;  // serializes loads on the read connection
+  DbPtr read_db_;
+  StmtPtr select_jobs_ ABSL_GUARDED_BY(read_mu_);
+  StmtPtr select_nodes_ ABSL_GUARDED_BY(read_mu_);
+
+  mutable absl::Mutex mu_;
+  std::deque<Pending> queue_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  JobStoreStats stats_ ABSL_GUARDED_BY(mu_);
+
+  std::thread commit_thread_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<JobStore>> OpenSqliteJobStore(const std::string& path,
+                                                             const SqliteJobStoreOptions& options) {
+  return SqliteJobStore::Open(path, options);
+}
+
+}  // namespace trainyard::coordinator

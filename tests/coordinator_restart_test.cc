@@ -1,0 +1,145 @@
+// Kills a real trainyard-coordinator process with SIGKILL after jobs were submitted, cancelled and
+// placed, restarts it on the same state directory, and checks that every job is back exactly as
+// acknowledged, and that the restarted coordinator carries on (node timeouts, new submissions).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <signal.h>
+
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/yard_client.h"
+#include "tests/testing/subprocess.h"
+#include "trainyard/v1/node.grpc.pb.h"
+
+namespace trainyard {
+namespace {
+
+using testing::BinPath;
+using ::testing::HasSubstr;
+using testing::Subprocess;
+using testing::TempDir;
+
+struct Coordinator {
+  std::unique_ptr<Subprocess> process;
+  std::string address;
+};
+
+Coordinator StartCoordinator(const std::string& state_dir, const std::string& node_timeout) {
+  Coordinator c;
+  auto p = Subprocess::Start({BinPath("trainyard-coordinator"), "--listen", "127.0.0.1:0",
+                              "--state-dir", state_dir, "--node-timeout", node_timeout,
+                              "--heartbeat-interval", "0.25"});
+  EXPECT_TRUE(p.ok()) << p.status();
+  if (!p.ok()) return c;
+  c.process = std::move(*p);
+  auto line = c.process->ReadLine(absl::Seconds(30));
+  EXPECT_TRUE(line.has_value()) << "the coordinator printed no address";
+  c.address = line.value_or("");
+  return c;
+}
+
+v1::JobSpec Spec(const std::string& name, int devices, int priority) {
+  v1::JobSpec s;
+  s.set_name(name);
+  s.set_priority(priority);
+  s.mutable_resources()->set_gpus(devices);
+  auto* m = s.mutable_model();
+  m->set_n_layer(2);
+  m->set_n_head(2);
+  m->set_d_model(32 * (1 + devices));
+  m->set_seq_len(16);
+  s.mutable_data()->set_path("/usr/share/common-licenses/GPL-3");
+  s.mutable_train()->set_steps(100 + priority);
+  s.set_max_restarts(1);
+  return s;
+}
+
+std::map<std::string, v1::Job> AllJobs(client::YardClient& client) {
+  auto list = client.List({}, 0);
+  EXPECT_TRUE(list.ok()) << list.status();
+  std::map<std::string, v1::Job> out;
+  if (list.ok()) {
+    for (const auto& j : list->jobs()) out[j.id()] = j;
+  }
+  return out;
+}
+
+TEST(CoordinatorRestartTest, EveryAcknowledgedJobAndStateSurvivesSigkill) {
+  TempDir dir;
+  const std::string state = dir.path() + "/state";
+  Coordinator c = StartCoordinator(state, "30s");
+  ASSERT_FALSE(c.address.empty());
+  client::YardClient alice(c.address, "alice"), bob(c.address, "bob");
+
+  auto first = alice.Submit(Spec("first", 2, 90));
+  auto second = bob.Submit(Spec("second", 2, 80));
+  ASSERT_TRUE(first.ok() && second.ok());
+  for (int i = 0; i < 20; ++i) {
+    auto& who = i % 3 == 0 ? bob : alice;
+    ASSERT_TRUE(who.Submit(Spec(absl::StrCat("j", i), 1 + i % 3, 10 + i)).ok());
+  }
+  for (const char* id : {"job-5", "job-9", "job-13"}) ASSERT_TRUE(alice.Cancel(id, "test").ok());
+
+  // A node with 4 devices joins: the two high-priority jobs start on it.
+  auto channel = grpc::CreateChannel(c.address, grpc::InsecureChannelCredentials());
+  auto nodes = v1::NodeService::NewStub(channel);
+  {
+    grpc::ClientContext ctx;
+    v1::RegisterNodeRequest r;
+    r.set_node_id("n1");
+    for (int i = 0; i < 4; ++i) {
+      r.add_devices()->set_index(i);
+      r.mutable_devices(i)->set_kind(v1::CPU_SLOT);
+    }
+    v1::RegisterNodeResponse resp;
+    ASSERT_TRUE(nodes->RegisterNode(&ctx, r, &resp).ok());
+  }
+  // Watch events are sent once a change is durable, so RUNNING here is on disk.
+  for (const auto& job : {*first, *second}) {
+    auto seen = alice.Watch(job.id(), absl::Seconds(30),
+                            [](const v1::Job& j) { return j.state() == v1::RUNNING; });
+    ASSERT_TRUE(seen.ok()) << seen.status();
+  }
+  std::map<std::string, v1::Job> before = AllJobs(alice);
+  ASSERT_EQ(before.size(), 22u);
+  ASSERT_EQ(before["job-1"].state(), v1::RUNNING);
+  ASSERT_EQ(before["job-2"].state(), v1::RUNNING);
+  ASSERT_EQ(before["job-5"].state(), v1::CANCELLED);
+
+  c.process->Signal(SIGKILL);
+  ASSERT_TRUE(c.process->Wait(absl::Seconds(10)).has_value());
+
+  // Restarted with a short node timeout: the node does not come back.
+  Coordinator r = StartCoordinator(state, "3s");
+  ASSERT_FALSE(r.address.empty());
+  client::YardClient again(r.address, "alice");
+  std::map<std::string, v1::Job> after = AllJobs(again);
+  ASSERT_EQ(after.size(), before.size());
+  for (const auto& [id, job] : before) {
+    ASSERT_EQ(after.count(id), 1u) << id << " is missing after the restart";
+    EXPECT_EQ(after[id].SerializeAsString(), job.SerializeAsString())
+        << id << " changed:\n"
+        << job.DebugString() << "\nvs\n"
+        << after[id].DebugString();
+  }
+  // The running jobs' node never re-registers: they restart (max_restarts 1).
+  auto j1 = again.Watch("job-1", absl::Seconds(30),
+                        [](const v1::Job& j) { return j.state() != v1::RUNNING; });
+  ASSERT_TRUE(j1.ok()) << j1.status();
+  EXPECT_EQ(j1->state(), v1::RESTARTING);
+  EXPECT_THAT(j1->message(), HasSubstr("node n1 lost"));
+  // Ids continue after the highest stored one.
+  auto next = again.Submit(Spec("after", 1, 50));
+  ASSERT_TRUE(next.ok());
+  EXPECT_EQ(next->id(), "job-23");
+  r.process->Signal(SIGTERM);
+  auto status = r.process->Wait(absl::Seconds(20));
+  ASSERT_TRUE(status.has_value());
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0);
+}
+
+}  // namespace
+}  // namespace trainyard

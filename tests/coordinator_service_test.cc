@@ -1,0 +1,701 @@
+// The coordinator's gRPC API end to end, in process: a real CoordinatorServer on a free loopback
+// port with a real SQLite store in a temp dir, a FakeClock, and no background threads, so each
+// test decides when scheduling passes and heartbeat checks happen.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <grpcpp/grpcpp.h>
+
+#include <deque>
+#include <future>
+#include <thread>
+
+#include "absl/time/clock.h"
+#include "common/clock.h"
+#include "server/coordinator/coordinator_server.h"
+#include "tests/testing/grpc_probe.h"
+#include "tests/testing/subprocess.h"
+#include "trainyard/v1/job.grpc.pb.h"
+#include "trainyard/v1/node.grpc.pb.h"
+#include "trainyard/v1/rendezvous.grpc.pb.h"
+
+namespace trainyard::coordinator {
+namespace {
+
+using ::testing::Contains;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+using NodeStream = grpc::ClientReaderWriter<v1::NodeMessage, v1::CoordinatorMessage>;
+
+v1::JobSpec Spec(int devices, const std::string& name = "job", int max_restarts = 0) {
+  v1::JobSpec s;
+  s.set_name(name);
+  s.mutable_resources()->set_gpus(devices);
+  auto* m = s.mutable_model();
+  m->set_kind("gpt");
+  m->set_n_layer(2);
+  m->set_n_head(2);
+  m->set_d_model(32);
+  m->set_seq_len(16);
+  m->set_vocab(256);
+  s.mutable_data()->set_path("/usr/share/common-licenses/GPL-3");
+  s.mutable_train()->set_steps(10);
+  s.set_max_restarts(max_restarts);
+  return s;
+}
+
+class CoordinatorServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    CoordinatorOptions o;
+    o.listen_address = "127.0.0.1:0";
+    o.state_dir = dir_.path() + "/state";
+    o.clock = &clock_;
+    o.background_threads = false;
+    o.node_timeout = absl::Seconds(10);
+    auto s = CoordinatorServer::Start(o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    server_ = std::move(*s);
+    channel_ = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
+    jobs_ = v1::JobService::NewStub(channel_);
+    nodes_ = v1::NodeService::NewStub(channel_);
+    rdzv_ = v1::RendezvousService::NewStub(channel_);
+  }
+
+  void TearDown() override {
+    if (server_) server_->Shutdown();
+  }
+
+  static void Prepare(grpc::ClientContext& ctx, const std::string& user = "alice") {
+    if (!user.empty()) ctx.AddMetadata("x-trainyard-user", user);
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
+  }
+
+  grpc::Status Submit(const v1::JobSpec& spec, v1::Job* job, const std::string& user = "alice") {
+    grpc::ClientContext ctx;
+    Prepare(ctx, user);
+    v1::SubmitJobRequest r;
+    *r.mutable_spec() = spec;
+    v1::SubmitJobResponse resp;
+    grpc::Status s = jobs_->SubmitJob(&ctx, r, &resp);
+    if (job != nullptr) *job = resp.job();
+    return s;
+  }
+
+  v1::Job MustSubmit(const v1::JobSpec& spec, const std::string& user = "alice") {
+    v1::Job job;
+    grpc::Status s = Submit(spec, &job, user);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return job;
+  }
+
+  grpc::Status Get(const std::string& id, v1::Job* job) {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::GetJobRequest r;
+    r.set_job_id(id);
+    return jobs_->GetJob(&ctx, r, job);
+  }
+
+  grpc::Status Cancel(const std::string& id, v1::Job* job = nullptr) {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::CancelJobRequest r;
+    r.set_job_id(id);
+    v1::Job out;
+    grpc::Status s = jobs_->CancelJob(&ctx, r, &out);
+    if (job != nullptr) *job = out;
+    return s;
+  }
+
+  v1::ListJobsResponse List(v1::ListJobsRequest r, grpc::Status* status = nullptr) {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::ListJobsResponse resp;
+    grpc::Status s = jobs_->ListJobs(&ctx, r, &resp);
+    if (status != nullptr) *status = s;
+    return resp;
+  }
+
+  // Watches `id` until its state is `state` (or the stream ends); returns the last job seen.
+  v1::Job WaitForState(const std::string& id, v1::JobState state) {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::WatchJobRequest r;
+    r.set_job_id(id);
+    auto reader = jobs_->WatchJob(&ctx, r);
+    v1::JobEvent e;
+    v1::Job last;
+    while (reader->Read(&e)) {
+      last = e.job();
+      if (last.state() == state) {
+        ctx.TryCancel();
+        break;
+      }
+    }
+    reader->Finish();
+    return last;
+  }
+
+  grpc::Status Register(const std::string& node_id, int devices) {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::RegisterNodeRequest r;
+    r.set_node_id(node_id);
+    r.set_hostname("localhost");
+    r.set_memory_bytes(int64_t{8} << 30);
+    for (int i = 0; i < devices; ++i) {
+      auto* d = r.add_devices();
+      d->set_index(i);
+      d->set_kind(v1::CPU_SLOT);
+    }
+    v1::RegisterNodeResponse resp;
+    return nodes_->RegisterNode(&ctx, r, &resp);
+  }
+
+  // A node's session: registered, hello sent. Owns its context.
+  struct Session {
+    std::unique_ptr<grpc::ClientContext> ctx = std::make_unique<grpc::ClientContext>();
+    std::unique_ptr<NodeStream> stream;
+    int64_t heartbeat_seq = 0;
+    std::deque<v1::CoordinatorMessage> pending;  // commands read while waiting for an ack
+
+    // The next message that is not a heartbeat ack.
+    v1::CoordinatorMessage NextCommand() {
+      v1::CoordinatorMessage m;
+      if (!pending.empty()) {
+        m = pending.front();
+        pending.pop_front();
+        return m;
+      }
+      while (stream->Read(&m)) {
+        if (!m.has_heartbeat_ack()) return m;
+      }
+      ADD_FAILURE() << "session ended";
+      return m;
+    }
+    // Sends a heartbeat and waits until the coordinator acknowledged it (i.e. processed it).
+    void Heartbeat() {
+      v1::NodeMessage hb;
+      hb.mutable_heartbeat()->set_seq(++heartbeat_seq);
+      ASSERT_TRUE(stream->Write(hb));
+      v1::CoordinatorMessage m;
+      while (stream->Read(&m)) {
+        if (!m.has_heartbeat_ack()) {
+          pending.push_back(m);
+        } else if (m.heartbeat_ack().seq() == heartbeat_seq) {
+          return;
+        }
+      }
+      FAIL() << "no heartbeat ack";
+    }
+    void ReportExit(const v1::Assignment& a, int rank, int exit_code) {
+      v1::NodeMessage m;
+      auto* rs = m.mutable_rank_status();
+      rs->set_job_id(a.job_id());
+      rs->set_attempt(a.attempt());
+      rs->set_rank(rank);
+      rs->set_phase(v1::RANK_EXITED);
+      rs->set_exit_code(exit_code);
+      ASSERT_TRUE(stream->Write(m));
+    }
+  };
+
+  std::unique_ptr<Session> Connect(const std::string& node_id, int devices) {
+    EXPECT_TRUE(Register(node_id, devices).ok());
+    auto s = std::make_unique<Session>();
+    Prepare(*s->ctx);
+    s->stream = nodes_->Session(s->ctx.get());
+    v1::NodeMessage hello;
+    hello.mutable_hello()->set_node_id(node_id);
+    EXPECT_TRUE(s->stream->Write(hello));
+    s->Heartbeat();  // the session is attached once its first heartbeat is acknowledged
+    return s;
+  }
+
+  testing::TempDir dir_;
+  FakeClock clock_;
+  std::unique_ptr<CoordinatorServer> server_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::JobService::Stub> jobs_;
+  std::unique_ptr<v1::NodeService::Stub> nodes_;
+  std::unique_ptr<v1::RendezvousService::Stub> rdzv_;
+};
+
+TEST_F(CoordinatorServiceTest, SubmitStoresAQueuedJobThatGetReturns) {
+  v1::Job job = MustSubmit(Spec(2, "first"));
+  EXPECT_EQ(job.id(), "job-1");
+  EXPECT_EQ(job.owner(), "alice");
+  EXPECT_EQ(job.state(), v1::QUEUED);
+  EXPECT_EQ(job.spec().priority(), 50);  // default applied
+  EXPECT_EQ(job.spec().parallel().strategy(), v1::DDP);
+  v1::Job got;
+  ASSERT_TRUE(Get(job.id(), &got).ok());
+  EXPECT_EQ(got.spec().name(), "first");
+  EXPECT_EQ(got.state(), v1::QUEUED);
+  EXPECT_EQ(MustSubmit(Spec(1)).id(), "job-2");
+}
+
+TEST_F(CoordinatorServiceTest, SubmitWithoutUserIsUnauthenticated) {
+  grpc::Status s = Submit(Spec(1), nullptr, /*user=*/"");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_THAT(s.error_message(), HasSubstr("x-trainyard-user"));
+}
+
+TEST_F(CoordinatorServiceTest, BadSpecsAreRejectedNamingTheFieldAndNothingIsStored) {
+  struct Case {
+    std::function<void(v1::JobSpec&)> mutate;
+    std::string field;
+  };
+  const std::vector<Case> cases = {
+      {[](v1::JobSpec& s) { s.mutable_resources()->set_gpus(0); }, "resources.gpus"},
+      {[](v1::JobSpec& s) { s.mutable_resources()->set_gpus(-2); }, "resources.gpus"},
+      {[](v1::JobSpec& s) { s.mutable_model()->set_n_head(3); }, "model.n_head"},
+      {[](v1::JobSpec& s) { s.set_priority(101); }, "priority"},
+      {[](v1::JobSpec& s) { s.set_priority(-5); }, "priority"},
+      {[](v1::JobSpec& s) { s.mutable_parallel()->set_strategy(static_cast<v1::Strategy>(17)); },
+       "parallel.strategy"},
+      {[](v1::JobSpec& s) { s.mutable_model()->set_kind("lstm"); }, "model.kind"},
+      {[](v1::JobSpec& s) { s.mutable_data()->clear_path(); }, "data.path"},
+      {[](v1::JobSpec& s) { s.set_name("bad name!"); }, "name"},
+  };
+  for (const Case& c : cases) {
+    v1::JobSpec spec = Spec(1);
+    c.mutate(spec);
+    grpc::Status s = Submit(spec, nullptr);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.field;
+    EXPECT_THAT(s.error_message(), StartsWith(c.field + ":"));
+  }
+  EXPECT_EQ(List({}).jobs_size(), 0);
+}
+
+TEST_F(CoordinatorServiceTest, OversizedRequestIsResourceExhaustedAndNothingIsStored) {
+  v1::JobSpec spec = Spec(1);
+  spec.set_name(std::string(5 << 20, 'a'));  // over the 4 MiB limit
+  grpc::Status s = Submit(spec, nullptr);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(List({}).jobs_size(), 0);
+}
+
+TEST_F(CoordinatorServiceTest, UnknownJobIsNotFound) {
+  v1::Job job;
+  grpc::Status s = Get("job-404", &job);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(s.error_message(), HasSubstr("job-404"));
+  EXPECT_EQ(Cancel("job-404").error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(Get("", &job).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+TEST_F(CoordinatorServiceTest, CancellingAFinishedJobIsFailedPrecondition) {
+  v1::Job job = MustSubmit(Spec(1));
+  v1::Job cancelled;
+  ASSERT_TRUE(Cancel(job.id(), &cancelled).ok());
+  EXPECT_EQ(cancelled.state(), v1::CANCELLED);
+  EXPECT_THAT(cancelled.message(), HasSubstr("cancelled by alice"));
+  grpc::Status again = Cancel(job.id());
+  EXPECT_EQ(again.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(again.error_message(), HasSubstr("CANCELLED"));
+}
+
+TEST_F(CoordinatorServiceTest, ListFiltersByStateAndOwnerAndPagesNewestFirst) {
+  for (int i = 0; i < 5; ++i) MustSubmit(Spec(1), "alice");
+  for (int i = 0; i < 2; ++i) MustSubmit(Spec(1), "bob");
+  ASSERT_TRUE(Cancel("job-2").ok());
+
+  v1::ListJobsRequest r;
+  r.set_page_size(3);
+  std::vector<std::string> ids;
+  while (true) {
+    v1::ListJobsResponse page = List(r);
+    EXPECT_LE(page.jobs_size(), 3);
+    for (const auto& j : page.jobs()) ids.push_back(j.id());
+    if (page.next_page_token().empty()) break;
+    r.set_page_token(page.next_page_token());
+  }
+  EXPECT_THAT(ids, ElementsAre("job-7", "job-6", "job-5", "job-4", "job-3", "job-2", "job-1"));
+
+  v1::ListJobsRequest by_owner;
+  by_owner.set_owner("bob");
+  EXPECT_EQ(List(by_owner).jobs_size(), 2);
+  v1::ListJobsRequest by_state;
+  by_state.add_states(v1::CANCELLED);
+  v1::ListJobsResponse cancelled = List(by_state);
+  ASSERT_EQ(cancelled.jobs_size(), 1);
+  EXPECT_EQ(cancelled.jobs(0).id(), "job-2");
+
+  grpc::Status s;
+  v1::ListJobsRequest bad_token;
+  bad_token.set_page_token("xyz");
+  List(bad_token, &s);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), StartsWith("page_token:"));
+  v1::ListJobsRequest big;
+  big.set_page_size(5000);
+  List(big, &s);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), StartsWith("page_size:"));
+  v1::ListJobsRequest bad_state;
+  bad_state.add_states(static_cast<v1::JobState>(99));
+  List(bad_state, &s);
+  EXPECT_THAT(s.error_message(), StartsWith("states[0]:"));
+}
+
+TEST_F(CoordinatorServiceTest, WatchStreamsTheCurrentStateThenChangesUntilTheEnd) {
+  v1::Job job = MustSubmit(Spec(1));
+  grpc::ClientContext ctx;
+  Prepare(ctx);
+  v1::WatchJobRequest r;
+  r.set_job_id(job.id());
+  auto reader = jobs_->WatchJob(&ctx, r);
+  v1::JobEvent e;
+  ASSERT_TRUE(reader->Read(&e));
+  EXPECT_EQ(e.job().state(), v1::QUEUED);
+  ASSERT_TRUE(Cancel(job.id()).ok());
+  ASSERT_TRUE(reader->Read(&e));
+  EXPECT_EQ(e.job().state(), v1::CANCELLED);
+  EXPECT_FALSE(reader->Read(&e));  // the stream ends after a terminal state
+  EXPECT_TRUE(reader->Finish().ok());
+}
+
+TEST_F(CoordinatorServiceTest, WatchingAnUnknownJobIsNotFound) {
+  grpc::ClientContext ctx;
+  Prepare(ctx);
+  v1::WatchJobRequest r;
+  r.set_job_id("job-9");
+  auto reader = jobs_->WatchJob(&ctx, r);
+  v1::JobEvent e;
+  EXPECT_FALSE(reader->Read(&e));
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(CoordinatorServiceTest, PlacedGangReachesItsNodeAndSucceedsWhenAllRanksExitCleanly) {
+  auto node = Connect("n1", 2);
+  v1::Job job = MustSubmit(Spec(2));
+  EXPECT_EQ(server_->jobs().SchedulePass(), 1);
+  v1::CoordinatorMessage m = node->NextCommand();
+  ASSERT_TRUE(m.has_assignment());
+  const v1::Assignment a = m.assignment();
+  EXPECT_EQ(a.job_id(), job.id());
+  EXPECT_EQ(a.attempt(), 1);
+  EXPECT_EQ(a.world_size(), 2);
+  EXPECT_EQ(a.first_rank(), 0);
+  EXPECT_THAT(a.device_indices(), ElementsAre(0, 1));
+  EXPECT_EQ(a.coordinator_address(), server_->address());
+  v1::JobSpec sent;
+  ASSERT_TRUE(sent.ParseFromString(a.spec()));
+  EXPECT_EQ(sent.name(), "job");
+
+  v1::Job running;
+  ASSERT_TRUE(Get(job.id(), &running).ok());
+  EXPECT_EQ(running.state(), v1::RUNNING);
+  EXPECT_EQ(running.attempt(), 1);
+  ASSERT_EQ(running.placement_size(), 1);
+  EXPECT_EQ(running.placement(0).node_id(), "n1");
+
+  grpc::ClientContext ctx;
+  Prepare(ctx);
+  v1::ListNodesResponse nodes;
+  ASSERT_TRUE(nodes_->ListNodes(&ctx, {}, &nodes).ok());
+  ASSERT_EQ(nodes.nodes_size(), 1);
+  EXPECT_EQ(nodes.nodes(0).allocated_devices_size(), 2);
+
+  node->ReportExit(a, 0, 0);
+  node->ReportExit(a, 1, 0);
+  EXPECT_EQ(WaitForState(job.id(), v1::SUCCEEDED).state(), v1::SUCCEEDED);
+}
+
+TEST_F(CoordinatorServiceTest, GangSpansNodesWhenNoSingleNodeFitsAndWaitsWhenNothingFits) {
+  auto n1 = Connect("n1", 2);
+  auto n2 = Connect("n2", 2);
+  v1::Job big = MustSubmit(Spec(4, "big"));
+  v1::Job too_big = MustSubmit(Spec(5, "too-big"));
+  EXPECT_EQ(server_->jobs().SchedulePass(), 1);
+  v1::Assignment a1 = n1->NextCommand().assignment();
+  v1::Assignment a2 = n2->NextCommand().assignment();
+  EXPECT_EQ(a1.job_id(), big.id());
+  EXPECT_EQ(a2.job_id(), big.id());
+  EXPECT_EQ(a1.world_size(), 4);
+  EXPECT_EQ(a1.device_indices_size() + a2.device_indices_size(), 4);
+  EXPECT_THAT((std::vector<int>{a1.first_rank(), a2.first_rank()}),
+              ::testing::UnorderedElementsAre(0, 2));
+  v1::Job waiting;
+  ASSERT_TRUE(Get(too_big.id(), &waiting).ok());
+  EXPECT_EQ(waiting.state(), v1::QUEUED);
+}
+
+TEST_F(CoordinatorServiceTest, HigherPriorityJobIsPlacedFirst) {
+  auto node = Connect("n1", 1);
+  v1::JobSpec low = Spec(1, "low");
+  low.set_priority(10);
+  v1::JobSpec high = Spec(1, "high");
+  high.set_priority(90);
+  MustSubmit(low);
+  v1::Job h = MustSubmit(high);
+  EXPECT_EQ(server_->jobs().SchedulePass(), 1);
+  EXPECT_EQ(node->NextCommand().assignment().job_id(), h.id());
+}
+
+TEST_F(CoordinatorServiceTest, SilentNodeIsLostAndItsJobRestartsThenFailsWithoutRestartsLeft) {
+  auto node = Connect("n1", 2);
+  v1::Job job = MustSubmit(Spec(2, "job", /*max_restarts=*/1));
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  node->NextCommand();
+
+  // Heartbeats keep it alive past the timeout measured from registration.
+  clock_.Advance(absl::Seconds(6));
+  node->Heartbeat();
+  clock_.Advance(absl::Seconds(6));
+  server_->CheckNodeTimeouts();
+  v1::Job j;
+  ASSERT_TRUE(Get(job.id(), &j).ok());
+  EXPECT_EQ(j.state(), v1::RUNNING);
+
+  clock_.Advance(absl::Seconds(11));
+  server_->CheckNodeTimeouts();
+  j = WaitForState(job.id(), v1::RESTARTING);
+  EXPECT_EQ(j.state(), v1::RESTARTING);
+  EXPECT_THAT(j.message(), HasSubstr("node n1 lost"));
+  EXPECT_EQ(j.restarts(), 1);
+  EXPECT_EQ(j.placement_size(), 0);
+  grpc::ClientContext ctx;
+  Prepare(ctx);
+  v1::ListNodesResponse nodes;
+  ASSERT_TRUE(nodes_->ListNodes(&ctx, {}, &nodes).ok());
+  EXPECT_EQ(nodes.nodes(0).state(), v1::NODE_LOST);
+  EXPECT_EQ(nodes.nodes(0).allocated_devices_size(), 0);
+
+  // The node comes back; the job's second attempt starts there, and is lost again.
+  auto again = Connect("n1", 2);
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  EXPECT_EQ(again->NextCommand().assignment().attempt(), 2);
+  clock_.Advance(absl::Seconds(11));
+  server_->CheckNodeTimeouts();
+  j = WaitForState(job.id(), v1::FAILED);
+  EXPECT_EQ(j.state(), v1::FAILED);
+  EXPECT_THAT(j.message(), HasSubstr("no restarts left"));
+}
+
+TEST_F(CoordinatorServiceTest, RankFailureRestartsTheJobWithTheExitCode) {
+  auto node = Connect("n1", 2);
+  v1::Job job = MustSubmit(Spec(2, "job", /*max_restarts=*/2));
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  const v1::Assignment a = node->NextCommand().assignment();
+  node->ReportExit(a, 1, 3);
+  v1::Job j = WaitForState(job.id(), v1::RESTARTING);
+  EXPECT_THAT(j.message(), HasSubstr("rank 1 on node n1 exited with code 3"));
+  // The other rank is told to stop.
+  v1::CoordinatorMessage cancel = node->NextCommand();
+  ASSERT_TRUE(cancel.has_cancel());
+  EXPECT_EQ(cancel.cancel().job_id(), job.id());
+  EXPECT_EQ(cancel.cancel().attempt(), 1);
+}
+
+TEST_F(CoordinatorServiceTest, CancellingARunningJobStopsItsRanksAndFreesItsDevices) {
+  auto node = Connect("n1", 2);
+  v1::Job job = MustSubmit(Spec(2));
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  node->NextCommand();
+  ASSERT_TRUE(Cancel(job.id()).ok());
+  v1::CoordinatorMessage m = node->NextCommand();
+  ASSERT_TRUE(m.has_cancel());
+  EXPECT_EQ(m.cancel().job_id(), job.id());
+  v1::Job next = MustSubmit(Spec(2, "next"));
+  EXPECT_EQ(server_->jobs().SchedulePass(), 1);
+  EXPECT_EQ(node->NextCommand().assignment().job_id(), next.id());
+}
+
+TEST_F(CoordinatorServiceTest, BadNodeRegistrationsAndSessionsAreRejected) {
+  grpc::ClientContext ctx;
+  Prepare(ctx);
+  v1::RegisterNodeRequest r;
+  v1::RegisterNodeResponse resp;
+  grpc::Status s = nodes_->RegisterNode(&ctx, r, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), StartsWith("node_id:"));
+
+  grpc::ClientContext ctx2;
+  Prepare(ctx2);
+  r.set_node_id("n1");
+  r.add_devices()->set_kind(v1::CPU_SLOT);
+  r.add_devices()->set_kind(v1::CPU_SLOT);  // index 0 twice
+  s = nodes_->RegisterNode(&ctx2, r, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), StartsWith("devices[1].index: duplicate"));
+
+  // A session that does not start with hello, and one for a node never registered.
+  for (bool hello : {false, true}) {
+    grpc::ClientContext sctx;
+    Prepare(sctx);
+    auto stream = nodes_->Session(&sctx);
+    v1::NodeMessage m;
+    if (hello) {
+      m.mutable_hello()->set_node_id("ghost");
+    } else {
+      m.mutable_heartbeat()->set_seq(1);
+    }
+    stream->Write(m);
+    stream->WritesDone();
+    v1::CoordinatorMessage in;
+    while (stream->Read(&in)) {
+    }
+    grpc::Status fs = stream->Finish();
+    EXPECT_EQ(fs.error_code(),
+              hello ? grpc::StatusCode::NOT_FOUND : grpc::StatusCode::INVALID_ARGUMENT);
+  }
+}
+
+TEST_F(CoordinatorServiceTest, RendezvousIsScopedToTheRunningAttemptAndBlocksUntilSet) {
+  auto node = Connect("n1", 2);
+  v1::Job job = MustSubmit(Spec(2));
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  node->NextCommand();
+  v1::RendezvousScope scope;
+  scope.set_job_id(job.id());
+  scope.set_attempt(1);
+
+  // A blocked Get returns once another rank sets the key.
+  auto getter = std::async(std::launch::async, [&] {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::GetRequest r;
+    *r.mutable_scope() = scope;
+    r.set_key("master");
+    r.set_timeout_ms(10000);
+    v1::GetResponse resp;
+    grpc::Status s = rdzv_->Get(&ctx, r, &resp);
+    return s.ok() ? resp.value() : "error: " + s.error_message();
+  });
+  {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::SetRequest r;
+    *r.mutable_scope() = scope;
+    r.set_key("master");
+    r.set_value("127.0.0.1:29500");
+    v1::SetResponse resp;
+    ASSERT_TRUE(rdzv_->Set(&ctx, r, &resp).ok());
+  }
+  EXPECT_EQ(getter.get(), "127.0.0.1:29500");
+
+  // Add counts; a missing key times out; another attempt is not running.
+  for (int expected : {1, 2}) {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::AddRequest r;
+    *r.mutable_scope() = scope;
+    r.set_key("count");
+    r.set_delta(1);
+    v1::AddResponse resp;
+    ASSERT_TRUE(rdzv_->Add(&ctx, r, &resp).ok());
+    EXPECT_EQ(resp.value(), expected);
+  }
+  {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::GetRequest r;
+    *r.mutable_scope() = scope;
+    r.set_key("never");
+    r.set_timeout_ms(100);
+    v1::GetResponse resp;
+    EXPECT_EQ(rdzv_->Get(&ctx, r, &resp).error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  }
+  {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::SetRequest r;
+    *r.mutable_scope() = scope;
+    r.mutable_scope()->set_attempt(2);
+    r.set_key("k");
+    v1::SetResponse resp;
+    grpc::Status s = rdzv_->Set(&ctx, r, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(s.error_message(), HasSubstr("attempt 2 is not running"));
+  }
+  // Two ranks meet at a barrier.
+  auto enter = [&](int rank) {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::BarrierRequest r;
+    *r.mutable_scope() = scope;
+    r.set_name("init");
+    r.set_rank(rank);
+    r.set_world_size(2);
+    r.set_timeout_ms(10000);
+    v1::BarrierResponse resp;
+    return rdzv_->Barrier(&ctx, r, &resp).error_code();
+  };
+  auto rank0 = std::async(std::launch::async, enter, 0);
+  EXPECT_EQ(enter(1), grpc::StatusCode::OK);
+  EXPECT_EQ(rank0.get(), grpc::StatusCode::OK);
+  {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::BarrierRequest r;
+    *r.mutable_scope() = scope;
+    r.set_name("init2");
+    r.set_rank(5);
+    r.set_world_size(2);
+    v1::BarrierResponse resp;
+    grpc::Status s = rdzv_->Barrier(&ctx, r, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(s.error_message(), StartsWith("rank:"));
+  }
+  // When the attempt ends, its keys go with it.
+  ASSERT_TRUE(Cancel(job.id()).ok());
+  grpc::ClientContext ctx;
+  Prepare(ctx);
+  v1::CheckRequest r;
+  *r.mutable_scope() = scope;
+  r.add_keys("master");
+  v1::CheckResponse resp;
+  EXPECT_EQ(rdzv_->Check(&ctx, r, &resp).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+}
+
+TEST_F(CoordinatorServiceTest, HealthAndReflectionAreServed) {
+  auto health = testing::HealthCheck(channel_);
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, "SERVING");
+  auto services = testing::ReflectionServices(channel_);
+  ASSERT_TRUE(services.ok()) << services.status();
+  EXPECT_THAT(*services, Contains("trainyard.v1.JobService"));
+  EXPECT_THAT(*services, Contains("trainyard.v1.NodeService"));
+  EXPECT_THAT(*services, Contains("trainyard.v1.RendezvousService"));
+  EXPECT_THAT(*services, Contains("grpc.health.v1.Health"));
+}
+
+TEST_F(CoordinatorServiceTest, SecondCoordinatorOnTheSameStateDirIsRefused) {
+  CoordinatorOptions o;
+  o.listen_address = "127.0.0.1:0";
+  o.state_dir = dir_.path() + "/state";
+  o.background_threads = false;
+  auto second = CoordinatorServer::Start(o);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(second.status().message()), HasSubstr("in use"));
+}
+
+TEST_F(CoordinatorServiceTest, StateSurvivesAShutdownAndRestartInProcess) {
+  MustSubmit(Spec(1, "a"));
+  v1::Job b = MustSubmit(Spec(1, "b"));
+  ASSERT_TRUE(Cancel(b.id()).ok());
+  ASSERT_TRUE(Register("n1", 3).ok());
+  server_->Shutdown();
+  server_.reset();
+  SetUp();
+  v1::Job a2, b2;
+  ASSERT_TRUE(Get("job-1", &a2).ok());
+  ASSERT_TRUE(Get("job-2", &b2).ok());
+  EXPECT_EQ(a2.state(), v1::QUEUED);
+  EXPECT_EQ(b2.state(), v1::CANCELLED);
+  EXPECT_EQ(MustSubmit(Spec(1, "c")).id(), "job-3");  // ids continue
+  grpc::ClientContext ctx;
+  Prepare(ctx);
+  v1::ListNodesResponse nodes;
+  ASSERT_TRUE(nodes_->ListNodes(&ctx, {}, &nodes).ok());
+  ASSERT_EQ(nodes.nodes_size(), 1);
+  EXPECT_EQ(nodes.nodes(0).devices_size(), 3);
+}
+
+}  // namespace
+}  // namespace trainyard::coordinator

@@ -1,0 +1,627 @@
+// Tests of the JobStore backends: one shared suite (JobStoreTest) that every backend runs through
+// a factory, followed by SQLite-only tests (schema, errors, group commit accounting). A new
+// backend (e.g. PostgreSQL) joins the shared suite by adding a Backend to kBackends.
+#include "server/coordinator/job_store.h"
+
+#include <sqlite3.h>
+
+#include <atomic>
+#include <cstdint>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <ostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/blocking_counter.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/subprocess.h"
+
+namespace trainyard::coordinator {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using ::trainyard::testing::TempDir;
+
+StoredJob Job(int64_t seq, std::string payload = "", std::string owner = "alice",
+              std::string state = "QUEUED") {
+  return StoredJob{absl::StrCat("job-", seq), seq, std::move(owner), std::move(state),
+                   payload.empty() ? absl::StrCat("payload-", seq) : std::move(payload)};
+}
+
+WriteBatch PutJobs(std::vector<StoredJob> jobs) {
+  WriteBatch batch;
+  batch.put_jobs = std::move(jobs);
+  return batch;
+}
+
+WriteBatch PutNodes(std::vector<StoredNode> nodes) {
+  WriteBatch batch;
+  batch.put_nodes = std::move(nodes);
+  return batch;
+}
+
+// Every byte value, NULs included, and a NUL at both ends.
+std::string BinaryPayload() {
+  std::string payload(1, '\0');
+  for (int i = 0; i < 256; ++i) payload.push_back(static_cast<char>(i));
+  payload.push_back('\0');
+  return payload;
+}
+
+std::vector<int64_t> Seqs(const std::vector<StoredJob>& jobs) {
+  std::vector<int64_t> seqs;
+  for (const StoredJob& job : jobs) seqs.push_back(job.seq);
+  return seqs;
+}
+
+// Parks the store's callback thread inside the callback of a first batch, so that batches
+// committed meanwhile queue up behind it; Release() lets it go on. Used to make grouping
+// deterministic. One test thread uses it.
+class CallbackThreadParker {
+ public:
+  CallbackThreadParker(JobStore& store, WriteBatch first) {
+    store.Commit(std::move(first), [this](absl::Status status) {
+      first_status_ = std::move(status);
+      parked_.Notify();
+      release_.WaitForNotification();
+    });
+    parked_.WaitForNotification();
+  }
+  ~CallbackThreadParker() { Release(); }
+
+  void Release() {
+    if (!release_.HasBeenNotified()) release_.Notify();
+  }
+  const absl::Status& first_status() const { return first_status_; }
+
+ private:
+  absl::Status first_status_;
+  absl::Notification parked_;
+  absl::Notification release_;
+};
+
+// Collects the statuses of asynchronous commits; Wait() returns once all `count` have arrived.
+// Callbacks run on the store's thread; the test thread calls Wait and statuses.
+class Results {
+ public:
+  explicit Results(int count) : statuses_(count), pending_(count) {}
+
+  JobStore::DoneCallback Callback(int index) {
+    return [this, index](absl::Status status) {
+      {
+        absl::MutexLock lock(&mu_);
+        statuses_[index] = std::move(status);
+      }
+      pending_.DecrementCount();
+    };
+  }
+  void Wait() { pending_.Wait(); }
+  std::vector<absl::Status> statuses() {
+    absl::MutexLock lock(&mu_);
+    return statuses_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<absl::Status> statuses_ ABSL_GUARDED_BY(mu_);
+  absl::BlockingCounter pending_;
+};
+
+struct Backend {
+  std::string name;
+  // Opens the store kept in `dir`; opening again on the same dir sees the same data if `durable`.
+  std::function<absl::StatusOr<std::unique_ptr<JobStore>>(const std::string& dir)> open;
+  bool durable = false;
+};
+
+// So that gtest names the backend instead of dumping its bytes.
+void PrintTo(const Backend& backend, std::ostream* os) { *os << backend.name; }
+
+const Backend kBackends[] = {
+    {"Sqlite", [](const std::string& dir) { return OpenSqliteJobStore(dir + "/jobs.db"); },
+     /*durable=*/true},
+    {"InMemory",
+     [](const std::string& dir) -> absl::StatusOr<std::unique_ptr<JobStore>> {
+       return NewInMemoryJobStore();
+     },
+     /*durable=*/false},
+};
+
+class JobStoreTest : public ::testing::TestWithParam<Backend> {
+ protected:
+  void SetUp() override {
+    ASSERT_FALSE(dir_.path().empty());
+    Reopen();
+  }
+
+  void Reopen() {
+    store_.reset();
+    auto store = GetParam().open(dir_.path());
+    ASSERT_TRUE(store.ok()) << store.status();
+    store_ = std::move(*store);
+  }
+
+  std::vector<StoredJob> LoadJobs() {
+    auto jobs = store_->LoadJobs();
+    EXPECT_TRUE(jobs.ok()) << jobs.status();
+    return jobs.ok() ? *jobs : std::vector<StoredJob>{};
+  }
+
+  std::vector<StoredNode> LoadNodes() {
+    auto nodes = store_->LoadNodes();
+    EXPECT_TRUE(nodes.ok()) << nodes.status();
+    return nodes.ok() ? *nodes : std::vector<StoredNode>{};
+  }
+
+  TempDir dir_;
+  std::unique_ptr<JobStore> store_;
+};
+
+TEST_P(JobStoreTest, RoundTripsJobsAndNodesWithBinaryPayloads) {
+  const StoredJob binary_job{"job-1", 1, "alice", "QUEUED", BinaryPayload()};
+  const StoredJob nul_only_job{"job-2", 2, "bob", "RUNNING", std::string(3, '\0')};
+  const StoredJob empty_job{"job-3", 3, "carol", "FAILED", ""};
+  const StoredNode binary_node{"node-a", BinaryPayload()};
+  const StoredNode empty_node{"node-b", ""};
+  WriteBatch batch;
+  batch.put_jobs = {binary_job, nul_only_job, empty_job};
+  batch.put_nodes = {binary_node, empty_node};
+  ASSERT_TRUE(store_->CommitSync(batch).ok());
+
+  EXPECT_THAT(LoadJobs(), ElementsAre(binary_job, nul_only_job, empty_job));
+  EXPECT_THAT(LoadNodes(), ElementsAre(binary_node, empty_node));
+  EXPECT_EQ(LoadJobs()[0].payload.size(), 258u);
+}
+
+TEST_P(JobStoreTest, EmptyStoreLoadsNothing) {
+  EXPECT_THAT(LoadJobs(), IsEmpty());
+  EXPECT_THAT(LoadNodes(), IsEmpty());
+}
+
+TEST_P(JobStoreTest, PutJobWithExistingIdReplacesItAndFreesItsOldSeq) {
+  ASSERT_TRUE(store_->CommitSync(PutJobs({Job(1, "v1")})).ok());
+  const StoredJob replaced{"job-1", 5, "alice", "RUNNING", "v2"};
+  ASSERT_TRUE(store_->CommitSync(PutJobs({replaced})).ok());
+  EXPECT_THAT(LoadJobs(), ElementsAre(replaced));
+
+  // Seq 1 is free again once job-1 moved to seq 5.
+  ASSERT_TRUE(store_->CommitSync(PutJobs({{"job-other", 1, "bob", "QUEUED", "x"}})).ok());
+  EXPECT_THAT(Seqs(LoadJobs()), ElementsAre(1, 5));
+}
+
+TEST_P(JobStoreTest, PutNodeWithExistingIdReplacesItsPayload) {
+  ASSERT_TRUE(store_->CommitSync(PutNodes({{"node-a", "old"}, {"node-b", "b"}})).ok());
+  ASSERT_TRUE(store_->CommitSync(PutNodes({{"node-a", "new"}})).ok());
+  EXPECT_THAT(LoadNodes(), ElementsAre(StoredNode{"node-a", "new"}, StoredNode{"node-b", "b"}));
+}
+
+TEST_P(JobStoreTest, DeleteNodeRemovesOnlyThatNodeAndIgnoresMissingIds) {
+  ASSERT_TRUE(store_->CommitSync(PutNodes({{"node-a", "a"}, {"node-b", "b"}})).ok());
+  WriteBatch batch;
+  batch.delete_nodes = {"node-a", "node-never-existed"};
+  ASSERT_TRUE(store_->CommitSync(batch).ok());
+  EXPECT_THAT(LoadNodes(), ElementsAre(StoredNode{"node-b", "b"}));
+}
+
+TEST_P(JobStoreTest, BatchAppliesPutsBeforeDeletesOfTheSameNode) {
+  WriteBatch batch;
+  batch.put_nodes = {{"node-a", "a"}, {"node-b", "b"}};
+  batch.delete_nodes = {"node-a"};
+  ASSERT_TRUE(store_->CommitSync(batch).ok());
+  EXPECT_THAT(LoadNodes(), ElementsAre(StoredNode{"node-b", "b"}));
+}
+
+TEST_P(JobStoreTest, LoadJobsOrdersBySeqNotByIdOrCommitOrder) {
+  ASSERT_TRUE(store_->CommitSync(PutJobs({{"a", 30, "u", "QUEUED", "p"}})).ok());
+  ASSERT_TRUE(
+      store_->CommitSync(PutJobs({{"b", 10, "u", "QUEUED", "p"}, {"c", 20, "u", "QUEUED", "p"}}))
+          .ok());
+  ASSERT_TRUE(store_->CommitSync(PutJobs({{"d", -5, "u", "QUEUED", "p"}})).ok());
+  const std::vector<StoredJob> jobs = LoadJobs();
+  EXPECT_THAT(Seqs(jobs), ElementsAre(-5, 10, 20, 30));
+  ASSERT_EQ(jobs.size(), 4u);
+  EXPECT_EQ(jobs[0].id, "d");
+  EXPECT_EQ(jobs[3].id, "a");
+}
+
+TEST_P(JobStoreTest, LoadNodesOrdersById) {
+  ASSERT_TRUE(store_->CommitSync(PutNodes({{"n3", "3"}, {"n1", "1"}, {"n2", "2"}})).ok());
+  EXPECT_THAT(LoadNodes(),
+              ElementsAre(StoredNode{"n1", "1"}, StoredNode{"n2", "2"}, StoredNode{"n3", "3"}));
+}
+
+TEST_P(JobStoreTest, BatchWithDuplicateSeqFailsAsAWholeAndAppliesNothing) {
+  const StoredJob existing = Job(1, "existing");
+  ASSERT_TRUE(store_->CommitSync(PutJobs({existing})).ok());
+
+  // Two new jobs with the same seq, plus other writes that must not survive the failure.
+  WriteBatch within;
+  within.put_jobs = {Job(2), {"job-dup", 2, "bob", "QUEUED", "x"}};
+  within.put_nodes = {{"node-a", "a"}};
+  const absl::Status within_status = store_->CommitSync(within);
+  EXPECT_FALSE(within_status.ok());
+
+  // A new job taking the seq of an existing one, after a replacement of that existing job.
+  WriteBatch against_existing;
+  against_existing.put_jobs = {{"job-1", 1, "alice", "RUNNING", "changed"},
+                               Job(3),
+                               {"job-thief", 1, "mallory", "QUEUED", "x"}};
+  const absl::Status against_status = store_->CommitSync(against_existing);
+  EXPECT_FALSE(against_status.ok());
+
+  EXPECT_THAT(LoadJobs(), ElementsAre(existing));
+  EXPECT_THAT(LoadNodes(), IsEmpty());
+  // The store stays usable.
+  ASSERT_TRUE(store_->CommitSync(PutJobs({Job(2)})).ok());
+  EXPECT_THAT(Seqs(LoadJobs()), ElementsAre(1, 2));
+}
+
+TEST_P(JobStoreTest, FailingBatchDoesNotFailBatchesQueuedBesideIt) {
+  ASSERT_TRUE(store_->CommitSync(PutJobs({Job(1)})).ok());
+  Results results(3);
+  {
+    // Park the callback thread so that the three batches below are written together.
+    CallbackThreadParker parker(*store_, PutJobs({Job(2)}));
+    store_->Commit(PutJobs({Job(3)}), results.Callback(0));
+    store_->Commit(PutJobs({Job(4), {"job-dup", 1, "bob", "QUEUED", "x"}}), results.Callback(1));
+    store_->Commit(PutJobs({Job(5)}), results.Callback(2));
+    parker.Release();
+    results.Wait();
+    EXPECT_TRUE(parker.first_status().ok()) << parker.first_status();
+  }
+  const std::vector<absl::Status> statuses = results.statuses();
+  EXPECT_TRUE(statuses[0].ok()) << statuses[0];
+  EXPECT_FALSE(statuses[1].ok());
+  EXPECT_TRUE(statuses[2].ok()) << statuses[2];
+  EXPECT_THAT(Seqs(LoadJobs()), ElementsAre(1, 2, 3, 5));
+}
+
+TEST_P(JobStoreTest, EmptyBatchSucceeds) {
+  EXPECT_TRUE(store_->CommitSync(WriteBatch{}).ok());
+  EXPECT_THAT(LoadJobs(), IsEmpty());
+}
+
+TEST_P(JobStoreTest, CallbacksRunExactlyOnceInCommitOrder) {
+  constexpr int kBatches = 300;
+  absl::Mutex mu;
+  std::vector<int> order;
+  std::vector<int> calls(kBatches, 0);
+  absl::BlockingCounter pending(kBatches);
+  for (int i = 0; i < kBatches; ++i) {
+    // Every fifth batch fails (seq 0 is taken by job-0), so failures are ordered too.
+    WriteBatch batch = PutJobs({Job(i)});
+    if (i % 5 == 4) batch.put_jobs.push_back({absl::StrCat("dup-", i), 0, "u", "QUEUED", "x"});
+    store_->Commit(std::move(batch), [&, i](absl::Status status) {
+      absl::MutexLock lock(&mu);
+      order.push_back(i);
+      ++calls[i];
+      EXPECT_EQ(status.ok(), i % 5 != 4) << "batch " << i << ": " << status;
+      pending.DecrementCount();
+    });
+  }
+  pending.Wait();
+  store_.reset();  // after this no callback can run any more
+  std::vector<int> expected_order(kBatches);
+  for (int i = 0; i < kBatches; ++i) expected_order[i] = i;
+  EXPECT_EQ(order, expected_order);
+  EXPECT_EQ(calls, std::vector<int>(kBatches, 1));
+}
+
+TEST_P(JobStoreTest, CallbackMayCommitAgain) {
+  absl::Notification second_done;
+  absl::Status second_status;
+  store_->Commit(PutJobs({Job(1)}), [&](absl::Status status) {
+    EXPECT_TRUE(status.ok()) << status;
+    store_->Commit(PutJobs({Job(2)}), [&](absl::Status status) {
+      second_status = status;
+      second_done.Notify();
+    });
+  });
+  second_done.WaitForNotification();
+  EXPECT_TRUE(second_status.ok()) << second_status;
+  EXPECT_THAT(Seqs(LoadJobs()), ElementsAre(1, 2));
+}
+
+TEST_P(JobStoreTest, ConcurrentCommitsFromEightThreadsAllLand) {
+  constexpr int kThreads = 8;
+  constexpr int kBatchesPerThread = 50;
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kBatchesPerThread; ++i) {
+        WriteBatch batch = PutJobs({Job(t * 1000 + i)});
+        batch.put_nodes = {{absl::StrCat("node-", t), absl::StrCat(i)}};
+        if (!store_->CommitSync(std::move(batch)).ok()) ++failures;
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+
+  std::vector<int64_t> expected_seqs;
+  for (int t = 0; t < kThreads; ++t) {
+    for (int i = 0; i < kBatchesPerThread; ++i) expected_seqs.push_back(t * 1000 + i);
+  }
+  EXPECT_EQ(Seqs(LoadJobs()), expected_seqs);
+  const std::vector<StoredNode> nodes = LoadNodes();
+  ASSERT_EQ(nodes.size(), static_cast<size_t>(kThreads));
+  for (const StoredNode& node : nodes) EXPECT_EQ(node.payload, "49") << node.id;
+  const JobStoreStats stats = store_->Stats();
+  EXPECT_EQ(stats.batches, kThreads * kBatchesPerThread);
+  EXPECT_GE(stats.transactions, 1);
+  EXPECT_LE(stats.transactions, stats.batches);
+}
+
+TEST_P(JobStoreTest, LoadsSeeEveryBatchWhoseCallbackRan) {
+  constexpr int kBatches = 200;
+  constexpr int kMinLoads = 20;
+  std::atomic<int> acked{0};
+  std::atomic<bool> stop{false};
+  std::atomic<int> loads{0};
+  // A reader that checks that each load holds at least every batch acknowledged before it began.
+  std::thread reader([&] {
+    do {
+      const int acked_before = acked.load();
+      auto jobs = store_->LoadJobs();
+      ASSERT_TRUE(jobs.ok()) << jobs.status();
+      ASSERT_GE(static_cast<int>(jobs->size()), acked_before);
+      ++loads;
+    } while (!stop.load() || loads.load() < kMinLoads);
+  });
+  absl::BlockingCounter pending(kBatches);
+  for (int i = 0; i < kBatches; ++i) {
+    store_->Commit(PutJobs({Job(i)}), [&, i](absl::Status status) {
+      EXPECT_TRUE(status.ok()) << status;
+      ++acked;
+      if (i % 10 == 0) {  // a load from inside the callback sees the batch being acknowledged
+        auto jobs = store_->LoadJobs();
+        EXPECT_TRUE(jobs.ok() && jobs->size() >= static_cast<size_t>(i + 1)) << "batch " << i;
+      }
+      pending.DecrementCount();
+    });
+  }
+  pending.Wait();
+  stop = true;
+  reader.join();
+  EXPECT_GE(loads.load(), kMinLoads);
+  EXPECT_EQ(LoadJobs().size(), static_cast<size_t>(kBatches));
+}
+
+TEST_P(JobStoreTest, ReopenSeesEverythingCommitted) {
+  if (!GetParam().durable) GTEST_SKIP() << GetParam().name << " is not durable";
+  const StoredJob job1 = Job(1, BinaryPayload());
+  const StoredJob job2{"job-2", 2, "bob", "RUNNING", "p2"};
+  ASSERT_TRUE(store_->CommitSync(PutJobs({job1, job2})).ok());
+  ASSERT_TRUE(store_->CommitSync(PutNodes({{"node-a", "a"}, {"node-b", "b"}})).ok());
+  WriteBatch batch;
+  batch.delete_nodes = {"node-a"};
+  ASSERT_TRUE(store_->CommitSync(batch).ok());
+
+  Reopen();
+  EXPECT_THAT(LoadJobs(), ElementsAre(job1, job2));
+  EXPECT_THAT(LoadNodes(), ElementsAre(StoredNode{"node-b", "b"}));
+  // And it takes new writes after reopening.
+  ASSERT_TRUE(store_->CommitSync(PutJobs({Job(3)})).ok());
+  Reopen();
+  EXPECT_THAT(Seqs(LoadJobs()), ElementsAre(1, 2, 3));
+}
+
+TEST_P(JobStoreTest, DestructorCommitsQueuedBatchesAndRunsEveryCallback) {
+  constexpr int kBatches = 100;
+  std::atomic<int> ok{0};
+  std::atomic<int> failed{0};
+  {
+    CallbackThreadParker parker(*store_, PutJobs({Job(0)}));
+    for (int i = 1; i <= kBatches; ++i) {
+      store_->Commit(PutJobs({Job(i)}),
+                     [&](absl::Status status) { ++(status.ok() ? ok : failed); });
+    }
+    // The batches are all still queued: the callback thread is parked. Destroy the store while it
+    // is released; the destructor must write and acknowledge all of them.
+    parker.Release();
+    store_.reset();
+  }
+  EXPECT_EQ(ok.load(), kBatches);
+  EXPECT_EQ(failed.load(), 0);
+  if (GetParam().durable) {
+    Reopen();
+    EXPECT_EQ(LoadJobs().size(), static_cast<size_t>(kBatches + 1));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllBackends, JobStoreTest, ::testing::ValuesIn(kBackends),
+                         [](const ::testing::TestParamInfo<Backend>& info) {
+                           return info.param.name;
+                         });
+
+// ---- SQLite only ----
+
+// Runs `sql` on the database at `path` with a connection of its own; returns the first column of
+// the first row (empty if none), or "error: ...".
+std::string QuerySqlite(const std::string& path, const std::string& sql) {
+  sqlite3* db = nullptr;
+  std::string result;
+  if (sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READWRITE, nullptr) != SQLITE_OK) {
+    result = absl::StrCat("error: ", sqlite3_errmsg(db));
+    sqlite3_close_v2(db);
+    return result;
+  }
+  sqlite3_stmt* stmt = nullptr;
+  if (sqlite3_prepare_v2(db, sql.c_str(), -1, &stmt, nullptr) != SQLITE_OK) {
+    result = absl::StrCat("error: ", sqlite3_errmsg(db));
+  } else {
+    const int rc = sqlite3_step(stmt);
+    if (rc == SQLITE_ROW) {
+      const unsigned char* text = sqlite3_column_text(stmt, 0);
+      result = text != nullptr ? reinterpret_cast<const char*>(text) : "";
+    } else if (rc != SQLITE_DONE) {
+      result = absl::StrCat("error: ", sqlite3_errmsg(db));
+    }
+  }
+  sqlite3_finalize(stmt);
+  sqlite3_close_v2(db);
+  return result;
+}
+
+class SqliteJobStoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_FALSE(dir_.path().empty()); }
+
+  std::unique_ptr<JobStore> Open(SqliteJobStoreOptions options = {}) {
+    auto store = OpenSqliteJobStore(db_path_, options);
+    EXPECT_TRUE(store.ok()) << store.status();
+    return store.ok() ? std::move(*store) : nullptr;
+  }
+
+  // Commits batches 1..count (one job each) while the callback thread is parked in the callback
+  // of batch 0, so that all of them are queued before any is written; waits for all of them.
+  std::vector<absl::Status> CommitQueuedBehindParked(JobStore& store,
+                                                     std::vector<WriteBatch> batches) {
+    Results results(static_cast<int>(batches.size()));
+    CallbackThreadParker parker(store, PutJobs({Job(0)}));
+    for (size_t i = 0; i < batches.size(); ++i) {
+      store.Commit(std::move(batches[i]), results.Callback(static_cast<int>(i)));
+    }
+    parker.Release();
+    results.Wait();
+    EXPECT_TRUE(parker.first_status().ok()) << parker.first_status();
+    return results.statuses();
+  }
+
+  TempDir dir_;
+  const std::string db_path_ = dir_.path() + "/jobs.db";
+};
+
+TEST_F(SqliteJobStoreTest, GroupsBatchesQueuedDuringATransactionIntoOneTransaction) {
+  auto store = Open();
+  ASSERT_NE(store, nullptr);
+  std::vector<WriteBatch> batches;
+  for (int i = 1; i <= 10; ++i) batches.push_back(PutJobs({Job(i)}));
+  for (const absl::Status& status : CommitQueuedBehindParked(*store, std::move(batches))) {
+    EXPECT_TRUE(status.ok()) << status;
+  }
+  const JobStoreStats stats = store->Stats();
+  EXPECT_EQ(stats.batches, 11);
+  EXPECT_EQ(stats.transactions, 2);  // batch 0 alone, then batches 1..10 together
+  EXPECT_GT(stats.last_commit_seconds, 0);
+  EXPECT_EQ(store->LoadJobs()->size(), 11u);
+}
+
+TEST_F(SqliteJobStoreTest, WithoutGroupCommitEachBatchGetsItsOwnTransaction) {
+  auto store = Open({/*group_commit=*/false});
+  ASSERT_NE(store, nullptr);
+  std::vector<WriteBatch> batches;
+  for (int i = 1; i <= 10; ++i) batches.push_back(PutJobs({Job(i)}));
+  for (const absl::Status& status : CommitQueuedBehindParked(*store, std::move(batches))) {
+    EXPECT_TRUE(status.ok()) << status;
+  }
+  const JobStoreStats stats = store->Stats();
+  EXPECT_EQ(stats.batches, 11);
+  EXPECT_EQ(stats.transactions, 11);
+}
+
+TEST_F(SqliteJobStoreTest, BadBatchInAGroupFallsBackToOneTransactionPerBatch) {
+  auto store = Open();
+  ASSERT_NE(store, nullptr);
+  std::vector<WriteBatch> batches;
+  batches.push_back(PutJobs({Job(1)}));
+  batches.push_back(PutJobs({Job(2), {"job-dup", 1, "bob", "QUEUED", "x"}}));  // seq 1 twice
+  batches.push_back(PutJobs({Job(3)}));
+  const std::vector<absl::Status> statuses = CommitQueuedBehindParked(*store, std::move(batches));
+  ASSERT_EQ(statuses.size(), 3u);
+  EXPECT_TRUE(statuses[0].ok()) << statuses[0];
+  EXPECT_EQ(statuses[1].code(), absl::StatusCode::kAlreadyExists) << statuses[1];
+  EXPECT_THAT(statuses[1].message(), HasSubstr("job-dup"));
+  EXPECT_TRUE(statuses[2].ok()) << statuses[2];
+  const JobStoreStats stats = store->Stats();
+  EXPECT_EQ(stats.batches, 3);  // the parked batch and the two good ones
+  // The parked batch alone; then, after the group of three failed, one for each good batch (the
+  // bad batch's own transaction was rolled back).
+  EXPECT_EQ(stats.transactions, 3);
+  EXPECT_THAT(Seqs(*store->LoadJobs()), ElementsAre(0, 1, 3));
+}
+
+TEST_F(SqliteJobStoreTest, CreatesSchemaVersion1InWalModeWithIndexes) {
+  ASSERT_NE(Open(), nullptr);
+  EXPECT_EQ(QuerySqlite(db_path_, "PRAGMA user_version"), "1");
+  EXPECT_EQ(QuerySqlite(db_path_, "PRAGMA journal_mode"), "wal");
+  EXPECT_EQ(QuerySqlite(db_path_,
+                        "SELECT group_concat(name, ',') FROM (SELECT name FROM sqlite_master "
+                        "WHERE type = 'index' AND name NOT LIKE 'sqlite_autoindex%' "
+                        "ORDER BY name)"),
+            "jobs_owner,jobs_state");
+}
+
+TEST_F(SqliteJobStoreTest, StoresJobColumnsAndBinaryPayloadsAsBlobs) {
+  {
+    auto store = Open();
+    ASSERT_NE(store, nullptr);
+    ASSERT_TRUE(
+        store->CommitSync(PutJobs({{"job-7", 7, "alice", "RUNNING", BinaryPayload()}})).ok());
+  }
+  EXPECT_EQ(QuerySqlite(db_path_,
+                        "SELECT owner || '/' || state || '/' || typeof(payload) || '/' || "
+                        "length(payload) FROM jobs WHERE seq = 7"),
+            "alice/RUNNING/blob/258");
+  EXPECT_EQ(QuerySqlite(db_path_, "SELECT count(*) FROM jobs WHERE owner = 'alice'"), "1");
+}
+
+TEST_F(SqliteJobStoreTest, ReopeningTheCurrentVersionKeepsTheData) {
+  {
+    auto store = Open();
+    ASSERT_NE(store, nullptr);
+    ASSERT_TRUE(store->CommitSync(PutJobs({Job(1)})).ok());
+  }
+  auto store = Open();
+  ASSERT_NE(store, nullptr);
+  EXPECT_THAT(*store->LoadJobs(), ElementsAre(Job(1)));
+  EXPECT_EQ(QuerySqlite(db_path_, "PRAGMA user_version"), "1");
+}
+
+TEST_F(SqliteJobStoreTest, RefusesDatabaseWithNewerSchemaVersion) {
+  ASSERT_NE(Open(), nullptr);
+  ASSERT_EQ(QuerySqlite(db_path_, "PRAGMA user_version = 99"), "");
+  auto store = OpenSqliteJobStore(db_path_);
+  ASSERT_FALSE(store.ok());
+  EXPECT_EQ(store.status().code(), absl::StatusCode::kFailedPrecondition) << store.status();
+  EXPECT_THAT(store.status().message(), HasSubstr("schema version 99"));
+  EXPECT_THAT(store.status().message(), HasSubstr("(1)"));
+  EXPECT_EQ(QuerySqlite(db_path_, "PRAGMA user_version"), "99");  // left untouched
+}
+
+TEST_F(SqliteJobStoreTest, ReturnsErrorForPathInMissingDirectory) {
+  const std::string path = dir_.path() + "/no/such/dir/jobs.db";
+  auto store = OpenSqliteJobStore(path);
+  ASSERT_FALSE(store.ok());
+  EXPECT_THAT(store.status().message(), HasSubstr(path));
+}
+
+TEST_F(SqliteJobStoreTest, ReturnsErrorForPathThatIsADirectory) {
+  auto store = OpenSqliteJobStore(dir_.path());
+  ASSERT_FALSE(store.ok());
+  EXPECT_THAT(store.status().message(), HasSubstr(dir_.path()));
+}
+
+TEST_F(SqliteJobStoreTest, ReturnsErrorForFileThatIsNotADatabase) {
+  {
+    std::ofstream out(db_path_, std::ios::binary);
+    out << std::string(8192, 'x');
+  }
+  auto store = OpenSqliteJobStore(db_path_);
+  ASSERT_FALSE(store.ok());
+  EXPECT_EQ(store.status().code(), absl::StatusCode::kDataLoss) << store.status();
+}
+
+}  // namespace
+}  // namespace trainyard::coordinator

@@ -1,0 +1,529 @@
+// Unit tests for the coordinator's Scheduler (server/coordinator/scheduler.h): gang placement,
+// ordering, packing, EASY backfill and edge cases, plus a seeded randomized test that checks the
+// invariants on a few hundred random snapshots against an independent simulation.
+#include "server/coordinator/scheduler.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <random>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace trainyard::coordinator {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::IsEmpty;
+
+const absl::Time kNow = absl::FromUnixSeconds(1'700'000'000);
+
+// Grants as (node, devices) pairs, for comparison and printing.
+std::vector<std::pair<int, int>> Pairs(const std::vector<DeviceGrant>& grants) {
+  std::vector<std::pair<int, int>> pairs;
+  for (const DeviceGrant& g : grants) pairs.emplace_back(g.node, g.devices);
+  return pairs;
+}
+
+MATCHER_P2(Grant, node, devices, "") { return arg.node == node && arg.devices == devices; }
+
+// A cluster of schedulable nodes with `total_devices` each and the given free counts.
+ClusterSnapshot Cluster(const std::vector<int>& free_devices, int total_devices = 8) {
+  ClusterSnapshot s;
+  s.now = kNow;
+  for (size_t n = 0; n < free_devices.size(); ++n) {
+    s.nodes.push_back({"node" + std::to_string(n), total_devices, free_devices[n], true});
+  }
+  return s;
+}
+
+PendingJobInfo Job(const std::string& id, int devices, int priority = 50, int64_t submit_seq = 0,
+                   std::optional<absl::Duration> max_runtime = std::nullopt) {
+  PendingJobInfo job;
+  job.id = id;
+  job.devices = devices;
+  job.priority = priority;
+  job.submit_seq = submit_seq;
+  job.max_runtime = max_runtime;
+  return job;
+}
+
+RunningJobInfo Running(const std::string& id, std::vector<DeviceGrant> grants,
+                       std::optional<absl::Time> expected_end) {
+  return {id, std::move(grants), expected_end};
+}
+
+std::vector<std::string> PlacedIds(const ScheduleResult& r) {
+  std::vector<std::string> ids;
+  for (const Placement& p : r.placements) ids.push_back(p.job_id);
+  return ids;
+}
+
+TEST(SchedulerTest, EmptySnapshotYieldsNothing) {
+  ScheduleResult r = Schedule(ClusterSnapshot{});
+  EXPECT_THAT(r.placements, IsEmpty());
+  EXPECT_FALSE(r.reservation.has_value());
+  EXPECT_THAT(r.unplaceable, IsEmpty());
+
+  ClusterSnapshot no_nodes;
+  no_nodes.pending.push_back(Job("a", 1));
+  r = Schedule(no_nodes);
+  EXPECT_THAT(r.placements, IsEmpty());
+  EXPECT_THAT(r.unplaceable, ElementsAre("a"));
+}
+
+TEST(SchedulerTest, GangJobIsPlacedWhollyOrNotAtAll) {
+  ClusterSnapshot s = Cluster({3, 2});
+  s.pending.push_back(Job("six", 6));
+  ScheduleResult r = Schedule(s);
+  EXPECT_THAT(r.placements, IsEmpty());
+  EXPECT_THAT(r.unplaceable, IsEmpty());  // 16 devices exist; they are just not free
+
+  s.pending = {Job("five", 5)};
+  r = Schedule(s);
+  ASSERT_EQ(r.placements.size(), 1u);
+  EXPECT_THAT(r.placements[0].grants, ElementsAre(Grant(0, 3), Grant(1, 2)));
+  EXPECT_FALSE(r.placements[0].backfilled);
+}
+
+TEST(SchedulerTest, HigherPriorityIsPlacedFirst) {
+  ClusterSnapshot s = Cluster({8});
+  s.pending = {Job("p10", 1, 10, 1), Job("p90", 1, 90, 2), Job("p50", 1, 50, 3)};
+  EXPECT_THAT(PlacedIds(Schedule(s)), ElementsAre("p90", "p50", "p10"));
+
+  // Only room for one: the higher priority wins although submitted later.
+  s = Cluster({4});
+  s.pending = {Job("low", 4, 10, 1), Job("high", 4, 90, 2)};
+  EXPECT_THAT(PlacedIds(Schedule(s)), ElementsAre("high"));
+}
+
+TEST(SchedulerTest, EqualPriorityFollowsSubmissionOrder) {
+  ClusterSnapshot s = Cluster({8});
+  s.pending = {Job("c", 1, 50, 3), Job("a", 1, 50, 1), Job("b", 1, 50, 2)};
+  EXPECT_THAT(PlacedIds(Schedule(s)), ElementsAre("a", "b", "c"));
+
+  s = Cluster({2});
+  s.pending = {Job("later", 2, 50, 5), Job("earlier", 2, 50, 2)};
+  EXPECT_THAT(PlacedIds(Schedule(s)), ElementsAre("earlier"));
+}
+
+TEST(SchedulerTest, SingleNodeJobUsesBestFitNode) {
+  ClusterSnapshot s = Cluster({6, 3, 8, 3});
+  s.pending = {Job("three", 3, 50, 1), Job("five", 5, 50, 2)};
+  ScheduleResult r = Schedule(s);
+  ASSERT_EQ(r.placements.size(), 2u);
+  // Fewest free that fits; tie between nodes 1 and 3 goes to the lower index.
+  EXPECT_THAT(r.placements[0].grants, ElementsAre(Grant(1, 3)));
+  // 6 free on node 0 is a tighter fit than 8 on node 2.
+  EXPECT_THAT(r.placements[1].grants, ElementsAre(Grant(0, 5)));
+}
+
+TEST(SchedulerTest, MultiNodeJobUsesFewestNodes) {
+  ClusterSnapshot s = Cluster({2, 8, 5, 8, 1});
+  s.pending = {Job("thirteen", 13)};
+  ScheduleResult r = Schedule(s);
+  ASSERT_EQ(r.placements.size(), 1u);
+  // Most free first (node 1), then the best fit for the remaining 5 (node 2), not node 3.
+  EXPECT_THAT(r.placements[0].grants, ElementsAre(Grant(1, 8), Grant(2, 5)));
+}
+
+TEST(SchedulerTest, FragmentedFreeDevicesHostGangUpToTheirSum) {
+  ClusterSnapshot s = Cluster({2, 2, 2, 2});
+  s.pending = {Job("eight", 8)};
+  ScheduleResult r = Schedule(s);
+  ASSERT_EQ(r.placements.size(), 1u);
+  EXPECT_THAT(r.placements[0].grants,
+              ElementsAre(Grant(0, 2), Grant(1, 2), Grant(2, 2), Grant(3, 2)));
+
+  s.pending = {Job("nine", 9)};
+  r = Schedule(s);
+  EXPECT_THAT(r.placements, IsEmpty());
+  EXPECT_THAT(r.unplaceable, IsEmpty());
+}
+
+// Node 0: 4 free, 4 held until now+1h. Node 1: full, held forever. A head job of 8 can start on
+// node 0 at now+1h.
+ClusterSnapshot HeadWaitsOneHourOnNode0() {
+  ClusterSnapshot s = Cluster({4, 0});
+  s.running = {Running("r1", {{0, 4}}, kNow + absl::Hours(1)),
+               Running("r2", {{1, 8}}, std::nullopt)};
+  s.pending = {Job("head", 8, 90, 1)};
+  return s;
+}
+
+TEST(SchedulerTest, ShortJobIsBackfilledWhileHeadWaits) {
+  ClusterSnapshot s = HeadWaitsOneHourOnNode0();
+  s.pending.push_back(Job("short", 4, 10, 2, absl::Minutes(30)));
+  ScheduleResult r = Schedule(s);
+  ASSERT_EQ(r.placements.size(), 1u);
+  EXPECT_EQ(r.placements[0].job_id, "short");
+  EXPECT_TRUE(r.placements[0].backfilled);
+  EXPECT_THAT(r.placements[0].grants, ElementsAre(Grant(0, 4)));
+  ASSERT_TRUE(r.reservation.has_value());
+  EXPECT_EQ(r.reservation->job_id, "head");
+  EXPECT_EQ(r.reservation->start, kNow + absl::Hours(1));
+  EXPECT_THAT(r.reservation->grants, ElementsAre(Grant(0, 8)));
+}
+
+TEST(SchedulerTest, JobEndingExactlyAtReservationIsBackfilled) {
+  ClusterSnapshot s = HeadWaitsOneHourOnNode0();
+  s.pending.push_back(Job("exact", 4, 10, 2, absl::Hours(1)));
+  EXPECT_THAT(PlacedIds(Schedule(s)), ElementsAre("exact"));
+}
+
+TEST(SchedulerTest, LongJobThatWouldDelayHeadIsNotBackfilled) {
+  ClusterSnapshot s = HeadWaitsOneHourOnNode0();
+  s.pending.push_back(Job("long", 4, 10, 2, absl::Hours(2)));
+  s.pending.push_back(Job("unknown", 1, 10, 3));
+  ScheduleResult r = Schedule(s);
+  EXPECT_THAT(r.placements, IsEmpty());
+  ASSERT_TRUE(r.reservation.has_value());
+  EXPECT_EQ(r.reservation->start, kNow + absl::Hours(1));
+}
+
+TEST(SchedulerTest, JobWithoutRuntimeIsBackfilledOnDevicesHeadDoesNotNeed) {
+  // Free now: node 0 has 4, node 2 has 5 (9 total). Head of 10 starts at now+1h on node 0 (8) and
+  // node 2 (2), leaving 3 spare devices on node 2.
+  ClusterSnapshot s = Cluster({4, 0, 5});
+  s.running = {Running("r1", {{0, 4}}, kNow + absl::Hours(1)),
+               Running("r2", {{1, 8}}, std::nullopt), Running("r3", {{2, 3}}, std::nullopt)};
+  s.pending = {Job("head", 10, 90, 1), Job("x", 2, 10, 2), Job("y", 4, 10, 3), Job("z", 1, 10, 4)};
+  ScheduleResult r = Schedule(s);
+  ASSERT_TRUE(r.reservation.has_value());
+  EXPECT_EQ(r.reservation->start, kNow + absl::Hours(1));
+  EXPECT_THAT(r.reservation->grants, ElementsAre(Grant(0, 8), Grant(2, 2)));
+  // x would best-fit on node 0 (4 free) but goes to node 2; y (4) does not fit in the 1 spare
+  // device left; z (1) does.
+  ASSERT_EQ(r.placements.size(), 2u);
+  EXPECT_EQ(r.placements[0].job_id, "x");
+  EXPECT_THAT(r.placements[0].grants, ElementsAre(Grant(2, 2)));
+  EXPECT_TRUE(r.placements[0].backfilled);
+  EXPECT_EQ(r.placements[1].job_id, "z");
+  EXPECT_THAT(r.placements[1].grants, ElementsAre(Grant(2, 1)));
+}
+
+TEST(SchedulerTest, NoBackfillWhenHeadStartIsUnknown) {
+  ClusterSnapshot s = Cluster({4});
+  s.running = {Running("forever", {{0, 4}}, std::nullopt)};
+  s.pending = {Job("head", 8, 90, 1), Job("tiny", 1, 10, 2, absl::Minutes(1))};
+  ScheduleResult r = Schedule(s);
+  EXPECT_THAT(r.placements, IsEmpty());
+  EXPECT_FALSE(r.reservation.has_value());
+  EXPECT_THAT(r.unplaceable, IsEmpty());
+}
+
+TEST(SchedulerTest, ReservationCountsJobsPlacedInSamePass) {
+  ClusterSnapshot s = Cluster({8});
+  s.pending = {Job("first", 8, 90, 1, absl::Hours(1)), Job("second", 8, 80, 2)};
+  ScheduleResult r = Schedule(s);
+  EXPECT_THAT(PlacedIds(r), ElementsAre("first"));
+  ASSERT_TRUE(r.reservation.has_value());
+  EXPECT_EQ(r.reservation->job_id, "second");
+  EXPECT_EQ(r.reservation->start, kNow + absl::Hours(1));
+  EXPECT_THAT(r.reservation->grants, ElementsAre(Grant(0, 8)));
+}
+
+TEST(SchedulerTest, OverdueRunningJobIsProjectedToEndNow) {
+  ClusterSnapshot s = Cluster({0});
+  s.running = {Running("overdue", {{0, 8}}, kNow - absl::Minutes(10))};
+  s.pending = {Job("head", 8)};
+  ScheduleResult r = Schedule(s);
+  EXPECT_THAT(r.placements, IsEmpty());
+  ASSERT_TRUE(r.reservation.has_value());
+  EXPECT_EQ(r.reservation->start, kNow);
+}
+
+TEST(SchedulerTest, UnplaceableJobDoesNotBlockOthers) {
+  ClusterSnapshot s = Cluster({8, 8, 8});
+  s.nodes[2].schedulable = false;
+  s.pending = {Job("huge", 17, 100, 1), Job("zero", 0, 100, 2), Job("fits", 16, 10, 3)};
+  ScheduleResult r = Schedule(s);
+  EXPECT_THAT(r.unplaceable, ElementsAre("huge", "zero"));
+  ASSERT_EQ(r.placements.size(), 1u);
+  EXPECT_EQ(r.placements[0].job_id, "fits");
+  EXPECT_FALSE(r.placements[0].backfilled);
+  EXPECT_FALSE(r.reservation.has_value());
+}
+
+TEST(SchedulerTest, NonSchedulableNodesAreIgnored) {
+  ClusterSnapshot s = Cluster({8, 2});
+  s.nodes[0].schedulable = false;
+  s.running = {Running("r", {{1, 6}}, kNow + absl::Hours(1))};
+  s.pending = {Job("two", 2, 90, 1), Job("four", 4, 50, 2)};
+  ScheduleResult r = Schedule(s);
+  ASSERT_EQ(r.placements.size(), 1u);
+  EXPECT_THAT(r.placements[0].grants, ElementsAre(Grant(1, 2)));
+  ASSERT_TRUE(r.reservation.has_value());
+  EXPECT_EQ(r.reservation->job_id, "four");
+  EXPECT_THAT(r.reservation->grants, ElementsAre(Grant(1, 4)));
+}
+
+TEST(SchedulerTest, FreeOutsideZeroToTotalIsClamped) {
+  ClusterSnapshot s = Cluster({10, -3}, /*total_devices=*/4);
+  s.pending = {Job("five", 5, 90, 1), Job("four", 4, 50, 2), Job("one", 1, 10, 3)};
+  ScheduleResult r = Schedule(s);
+  // Capacity is 8, so "five" is placeable, but only node 0's 4 (not 10) devices are free.
+  EXPECT_THAT(r.unplaceable, IsEmpty());
+  EXPECT_FALSE(r.reservation.has_value());  // no running job will ever free node 1
+  EXPECT_THAT(r.placements, IsEmpty());     // "five" blocks with an unknown start
+
+  s.pending = {Job("four", 4, 50, 2), Job("one", 1, 10, 3)};
+  r = Schedule(s);
+  EXPECT_THAT(PlacedIds(r), ElementsAre("four"));
+  EXPECT_THAT(r.placements[0].grants, ElementsAre(Grant(0, 4)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Randomized checks.
+
+ClusterSnapshot RandomSnapshot(std::mt19937& rng) {
+  auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  ClusterSnapshot s;
+  s.now = kNow;
+  const int num_nodes = uniform(0, 10);
+  std::vector<int> free;
+  for (int n = 0; n < num_nodes; ++n) {
+    const int total = uniform(1, 8);
+    s.nodes.push_back({"n" + std::to_string(n), total, total, uniform(0, 9) != 0});
+    free.push_back(total);
+  }
+  const int num_running = num_nodes == 0 ? 0 : uniform(0, 12);
+  for (int j = 0; j < num_running; ++j) {
+    RunningJobInfo job;
+    job.id = "r" + std::to_string(j);
+    const int spans = uniform(1, 2);
+    for (int k = 0; k < spans; ++k) {
+      const int n = uniform(0, num_nodes - 1);
+      if (free[n] == 0) continue;
+      const int take = uniform(1, free[n]);
+      free[n] -= take;
+      job.grants.push_back({n, take});
+    }
+    if (job.grants.empty()) continue;
+    if (uniform(0, 3) != 0) job.expected_end = kNow + absl::Minutes(uniform(-20, 180));
+    s.running.push_back(job);
+  }
+  for (int n = 0; n < num_nodes; ++n) {
+    s.nodes[n].free_devices = free[n];
+    if (uniform(0, 29) == 0) s.nodes[n].free_devices = s.nodes[n].total_devices + 3;  // bug input
+  }
+  const int num_pending = uniform(0, 15);
+  for (int j = 0; j < num_pending; ++j) {
+    std::optional<absl::Duration> runtime;
+    if (uniform(0, 1) == 0) runtime = absl::Minutes(uniform(1, 200));
+    s.pending.push_back(
+        Job("p" + std::to_string(j), uniform(1, 20), 10 * uniform(1, 3), uniform(0, 6), runtime));
+  }
+  return s;
+}
+
+void ExpectSameResult(const ScheduleResult& a, const ScheduleResult& b) {
+  ASSERT_EQ(a.placements.size(), b.placements.size());
+  for (size_t i = 0; i < a.placements.size(); ++i) {
+    EXPECT_EQ(a.placements[i].job_id, b.placements[i].job_id);
+    EXPECT_EQ(Pairs(a.placements[i].grants), Pairs(b.placements[i].grants));
+    EXPECT_EQ(a.placements[i].backfilled, b.placements[i].backfilled);
+  }
+  ASSERT_EQ(a.reservation.has_value(), b.reservation.has_value());
+  if (a.reservation.has_value()) {
+    EXPECT_EQ(a.reservation->job_id, b.reservation->job_id);
+    EXPECT_EQ(a.reservation->start, b.reservation->start);
+    EXPECT_EQ(Pairs(a.reservation->grants), Pairs(b.reservation->grants));
+  }
+  EXPECT_EQ(a.unplaceable, b.unplaceable);
+}
+
+TEST(SchedulerTest, ScheduleIsDeterministicRegardlessOfPendingOrder) {
+  std::mt19937 rng(7);
+  for (int iter = 0; iter < 100; ++iter) {
+    ClusterSnapshot s = RandomSnapshot(rng);
+    const ScheduleResult first = Schedule(s);
+    ExpectSameResult(first, Schedule(s));
+    std::shuffle(s.pending.begin(), s.pending.end(), rng);
+    ExpectSameResult(first, Schedule(s));
+  }
+}
+
+// Per-node free devices at `at` if all running jobs and `placements` end as expected, starting from
+// `free_now` (after the placements). Mirrors the documented projection, written independently.
+std::vector<int> ProjectFree(const ClusterSnapshot& s, std::vector<int> free_now,
+                             const std::vector<const Placement*>& placements,
+                             const std::map<std::string, const PendingJobInfo*>& by_id,
+                             absl::Time at) {
+  auto release = [&](const std::vector<DeviceGrant>& grants, absl::Time end) {
+    if (std::max(end, s.now) > at) return;
+    for (const DeviceGrant& g : grants) {
+      if (!s.nodes[g.node].schedulable) continue;
+      free_now[g.node] = std::min(s.nodes[g.node].total_devices, free_now[g.node] + g.devices);
+    }
+  };
+  for (const RunningJobInfo& r : s.running) {
+    if (r.expected_end.has_value()) release(r.grants, *r.expected_end);
+  }
+  for (const Placement* p : placements) {
+    const PendingJobInfo& job = *by_id.at(p->job_id);
+    if (job.max_runtime.has_value()) release(p->grants, s.now + *job.max_runtime);
+  }
+  return free_now;
+}
+
+int Sum(const std::vector<int>& v) {
+  int total = 0;
+  for (int x : v) total += x;
+  return total;
+}
+
+void CheckInvariants(const ClusterSnapshot& s, const ScheduleResult& r) {
+  std::map<std::string, const PendingJobInfo*> by_id;
+  for (const PendingJobInfo& j : s.pending) by_id[j.id] = &j;
+  std::vector<const PendingJobInfo*> order;
+  for (const PendingJobInfo& j : s.pending) order.push_back(&j);
+  std::sort(order.begin(), order.end(), [](const PendingJobInfo* a, const PendingJobInfo* b) {
+    if (a->priority != b->priority) return a->priority > b->priority;
+    if (a->submit_seq != b->submit_seq) return a->submit_seq < b->submit_seq;
+    return a->id < b->id;
+  });
+  int capacity = 0;
+  std::vector<int> free(s.nodes.size(), 0);
+  for (size_t n = 0; n < s.nodes.size(); ++n) {
+    if (!s.nodes[n].schedulable) continue;
+    capacity += s.nodes[n].total_devices;
+    free[n] = std::clamp(s.nodes[n].free_devices, 0, s.nodes[n].total_devices);
+  }
+
+  // Unplaceable: exactly the oversized jobs, in order.
+  std::vector<std::string> expected_unplaceable;
+  std::vector<const PendingJobInfo*> placeable;
+  for (const PendingJobInfo* j : order) {
+    if (j->devices > capacity) {
+      expected_unplaceable.push_back(j->id);
+    } else {
+      placeable.push_back(j);
+    }
+  }
+  EXPECT_EQ(r.unplaceable, expected_unplaceable);
+
+  // Gangs are whole, on schedulable nodes, never over-allocating a node.
+  std::set<std::string> placed;
+  for (const Placement& p : r.placements) {
+    ASSERT_TRUE(placed.insert(p.job_id).second) << "placed twice: " << p.job_id;
+    int devices = 0;
+    std::set<int> nodes;
+    for (const DeviceGrant& g : p.grants) {
+      ASSERT_GE(g.node, 0);
+      ASSERT_LT(g.node, static_cast<int>(s.nodes.size()));
+      EXPECT_TRUE(s.nodes[g.node].schedulable);
+      EXPECT_GT(g.devices, 0);
+      EXPECT_TRUE(nodes.insert(g.node).second) << "node listed twice in " << p.job_id;
+      devices += g.devices;
+      free[g.node] -= g.devices;
+      EXPECT_GE(free[g.node], 0) << "node " << g.node << " over-allocated by " << p.job_id;
+    }
+    EXPECT_EQ(devices, by_id.at(p.job_id)->devices) << p.job_id;
+  }
+
+  // In-order placements are a prefix of the order; the head follows; backfills come after it.
+  size_t k = 0;
+  for (; k < r.placements.size() && !r.placements[k].backfilled; ++k) {
+    ASSERT_LT(k, placeable.size());
+    EXPECT_EQ(r.placements[k].job_id, placeable[k]->id);
+  }
+  const size_t in_order = k;
+  for (; k < r.placements.size(); ++k) EXPECT_TRUE(r.placements[k].backfilled);
+  if (in_order == placeable.size()) {
+    EXPECT_FALSE(r.reservation.has_value());
+    EXPECT_EQ(r.placements.size(), in_order);
+    return;
+  }
+  const PendingJobInfo& head = *placeable[in_order];
+  EXPECT_EQ(placed.count(head.id), 0u);
+
+  // Independently recompute the head's earliest start from the in-order state only.
+  std::vector<int> free_in_order = free;
+  std::vector<const Placement*> in_order_placements, all_placements;
+  for (size_t i = 0; i < r.placements.size(); ++i) {
+    all_placements.push_back(&r.placements[i]);
+    if (i < in_order) {
+      in_order_placements.push_back(&r.placements[i]);
+    } else {
+      for (const DeviceGrant& g : r.placements[i].grants) free_in_order[g.node] += g.devices;
+    }
+  }
+  EXPECT_LT(Sum(free_in_order), head.devices) << "head fitted but was not placed";
+  std::vector<absl::Time> times;
+  for (const RunningJobInfo& rj : s.running) {
+    if (rj.expected_end.has_value()) times.push_back(std::max(*rj.expected_end, s.now));
+  }
+  for (const Placement* p : in_order_placements) {
+    const PendingJobInfo& j = *by_id.at(p->job_id);
+    if (j.max_runtime.has_value()) times.push_back(s.now + *j.max_runtime);
+  }
+  std::sort(times.begin(), times.end());
+  std::optional<absl::Time> earliest;
+  for (absl::Time t : times) {
+    if (Sum(ProjectFree(s, free_in_order, in_order_placements, by_id, t)) >= head.devices) {
+      earliest = t;
+      break;
+    }
+  }
+  ASSERT_EQ(r.reservation.has_value(), earliest.has_value());
+  if (!earliest.has_value()) {
+    EXPECT_EQ(r.placements.size(), in_order) << "backfill past a head with unknown start";
+    return;
+  }
+  EXPECT_EQ(r.reservation->job_id, head.id);
+  EXPECT_EQ(r.reservation->start, *earliest);
+
+  // The head's grants still fit at its start with every backfill in place: not delayed.
+  const std::vector<int> at_start =
+      ProjectFree(s, free, all_placements, by_id, r.reservation->start);
+  int reserved = 0;
+  for (const DeviceGrant& g : r.reservation->grants) {
+    EXPECT_TRUE(s.nodes[g.node].schedulable);
+    EXPECT_LE(g.devices, at_start[g.node]) << "backfill delays head on node " << g.node;
+    reserved += g.devices;
+  }
+  EXPECT_EQ(reserved, head.devices);
+
+  // Dropping the backfilled jobs does not change the reservation either.
+  ClusterSnapshot without = s;
+  without.pending.clear();
+  for (const PendingJobInfo& j : s.pending) {
+    bool backfilled = false;
+    for (const Placement& p : r.placements) backfilled |= p.backfilled && p.job_id == j.id;
+    if (!backfilled) without.pending.push_back(j);
+  }
+  const ScheduleResult r2 = Schedule(without);
+  ASSERT_TRUE(r2.reservation.has_value());
+  EXPECT_EQ(r2.reservation->start, r.reservation->start);
+}
+
+TEST(SchedulerTest, RandomSnapshotsKeepInvariants) {
+  std::mt19937 rng(42);
+  int backfills = 0, reservations = 0, placements = 0;
+  for (int iter = 0; iter < 500; ++iter) {
+    const ClusterSnapshot s = RandomSnapshot(rng);
+    const ScheduleResult r = Schedule(s);
+    SCOPED_TRACE("iteration " + std::to_string(iter));
+    CheckInvariants(s, r);
+    if (HasFatalFailure()) return;
+    placements += r.placements.size();
+    reservations += r.reservation.has_value();
+    for (const Placement& p : r.placements) backfills += p.backfilled;
+  }
+  // The generator must exercise the interesting paths, or the checks above prove little.
+  // (With seed 42: 478 placements, 281 reservations, 106 backfills.)
+  EXPECT_GT(placements, 300);
+  EXPECT_GT(reservations, 100);
+  EXPECT_GT(backfills, 50);
+}
+
+}  // namespace
+}  // namespace trainyard::coordinator

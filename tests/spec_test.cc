@@ -1,0 +1,220 @@
+// Job spec: YAML parsing with file:line errors, defaults, and validation naming the field.
+#include "common/spec.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+namespace trainyard {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+
+constexpr char kValid[] = R"(name: char-gpt
+priority: 50
+resources: {gpus: 2}
+model: {kind: gpt, n_layer: 4, n_head: 4, d_model: 256, seq_len: 128, vocab: 256}
+data: {path: /usr/share/common-licenses/GPL-3, format: bytes}
+train: {steps: 300, micro_batch: 8, grad_accum: 1, lr: 3.0e-4, warmup: 30, mixed_precision: fp32, activation_checkpointing: false, seed: 1}
+parallel: {strategy: ddp, sharding_strategy: FULL_SHARD, bucket_mb: 25}
+checkpoint: {every_steps: 100}
+max_restarts: 3
+)";
+
+v1::JobSpec ValidSpec() {
+  auto parsed = ParseJobSpecYaml(kValid, "spec.yaml");
+  EXPECT_TRUE(parsed.ok()) << parsed.status();
+  v1::JobSpec spec = parsed->spec;
+  ApplyJobSpecDefaults(spec);
+  return spec;
+}
+
+// Validates `spec` after `mutate` and returns the error message.
+template <typename F>
+std::string ErrorAfter(F mutate) {
+  v1::JobSpec spec = ValidSpec();
+  mutate(spec);
+  absl::Status s = ValidateJobSpec(spec);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  return std::string(s.message());
+}
+
+TEST(SpecTest, ParsesTheBriefExampleIntoEveryField) {
+  v1::JobSpec spec = ValidSpec();
+  EXPECT_EQ(spec.name(), "char-gpt");
+  EXPECT_EQ(spec.priority(), 50);
+  EXPECT_EQ(spec.resources().gpus(), 2);
+  EXPECT_EQ(spec.model().kind(), "gpt");
+  EXPECT_EQ(spec.model().n_layer(), 4);
+  EXPECT_EQ(spec.model().n_head(), 4);
+  EXPECT_EQ(spec.model().d_model(), 256);
+  EXPECT_EQ(spec.model().seq_len(), 128);
+  EXPECT_EQ(spec.model().vocab(), 256);
+  EXPECT_EQ(spec.data().path(), "/usr/share/common-licenses/GPL-3");
+  EXPECT_EQ(spec.train().steps(), 300);
+  EXPECT_DOUBLE_EQ(spec.train().lr(), 3.0e-4);
+  EXPECT_EQ(spec.train().warmup(), 30);
+  EXPECT_EQ(spec.train().mixed_precision(), v1::FP32);
+  EXPECT_EQ(spec.parallel().strategy(), v1::DDP);
+  EXPECT_EQ(spec.parallel().sharding_strategy(), v1::FULL_SHARD);
+  EXPECT_DOUBLE_EQ(spec.parallel().bucket_mb(), 25);
+  EXPECT_EQ(spec.checkpoint().every_steps(), 100);
+  EXPECT_EQ(spec.max_restarts(), 3);
+  EXPECT_TRUE(ValidateJobSpec(spec).ok());
+}
+
+TEST(SpecTest, ExampleFileInTheRepoIsValid) {
+  auto parsed = LoadJobSpecFile(std::string(TRAINYARD_SOURCE_DIR) + "/examples/char-gpt.yaml");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  v1::JobSpec spec = parsed->spec;
+  ApplyJobSpecDefaults(spec);
+  EXPECT_TRUE(ValidateJobSpec(spec).ok());
+}
+
+TEST(SpecTest, DefaultsFillOptionalFieldsOnly) {
+  auto parsed = ParseJobSpecYaml(
+      "name: x\nresources: {gpus: 1}\nmodel: {n_layer: 1, n_head: 1, d_model: 8, seq_len: 4}\n"
+      "data: {path: /tmp/x}\ntrain: {steps: 5}\n",
+      "min.yaml");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  v1::JobSpec spec = parsed->spec;
+  ApplyJobSpecDefaults(spec);
+  EXPECT_EQ(spec.priority(), 50);
+  EXPECT_EQ(spec.model().kind(), "gpt");
+  EXPECT_EQ(spec.model().vocab(), 256);
+  EXPECT_EQ(spec.data().format(), "bytes");
+  EXPECT_EQ(spec.train().grad_accum(), 1);
+  EXPECT_EQ(spec.train().micro_batch(), 8);
+  EXPECT_EQ(spec.parallel().strategy(), v1::DDP);
+  EXPECT_DOUBLE_EQ(spec.parallel().bucket_mb(), 25);
+  EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+}
+
+TEST(SpecTest, MalformedYamlReportsFileAndLine) {
+  auto parsed = ParseJobSpecYaml("name: x\nresources: {gpus: 2\nmodel: {}\n", "bad.yaml");
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(parsed.status().message()), StartsWith("bad.yaml:"));
+  EXPECT_THAT(std::string(parsed.status().message()), HasSubstr("malformed YAML"));
+}
+
+TEST(SpecTest, UnknownFieldReportsItsLineAndPath) {
+  auto parsed = ParseJobSpecYaml("name: x\nmodel:\n  kind: gpt\n  n_heads: 4\n", "s.yaml");
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_THAT(std::string(parsed.status().message()),
+              StartsWith("s.yaml:4: unknown field 'model.n_heads'"));
+}
+
+TEST(SpecTest, WrongTypeReportsFieldAndLine) {
+  auto parsed = ParseJobSpecYaml("name: x\npriority: high\n", "s.yaml");
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_THAT(std::string(parsed.status().message()),
+              StartsWith("s.yaml:2: priority: expected an integer, got 'high'"));
+}
+
+TEST(SpecTest, ExplicitZeroGpusIsRejectedAtItsLine) {
+  auto parsed = ParseJobSpecYaml("name: x\nresources:\n  gpus: 0\n", "s.yaml");
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_THAT(std::string(parsed.status().message()),
+              StartsWith("s.yaml:3: resources.gpus: must be >= 1, got 0"));
+}
+
+TEST(SpecTest, UnknownStrategyIsRejectedWithTheChoices) {
+  auto parsed = ParseJobSpecYaml("name: x\nparallel: {strategy: zero3}\n", "s.yaml");
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_THAT(std::string(parsed.status().message()),
+              HasSubstr("parallel.strategy: unknown value 'zero3' (one of ddp, fsdp, offload)"));
+}
+
+TEST(SpecTest, DurationsAcceptSecondsOrUnits) {
+  auto a = ParseJobSpecYaml("max_runtime: 90\n", "s.yaml");
+  auto b = ParseJobSpecYaml("max_runtime: 1h30m\n", "s.yaml");
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->spec.max_runtime_seconds(), 90);
+  EXPECT_EQ(b->spec.max_runtime_seconds(), 5400);
+  EXPECT_FALSE(ParseJobSpecYaml("max_runtime: soon\n", "s.yaml").ok());
+}
+
+TEST(SpecTest, EmptyFileIsAnError) {
+  auto parsed = ParseJobSpecYaml("", "empty.yaml");
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_THAT(std::string(parsed.status().message()), StartsWith("empty.yaml:1:"));
+}
+
+TEST(SpecTest, MissingFileIsNotFound) {
+  EXPECT_EQ(LoadJobSpecFile("/nonexistent/spec.yaml").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(SpecTest, ValidationNamesTheField) {
+  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.mutable_resources()->set_gpus(0); }),
+              StartsWith("resources.gpus: required"));
+  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.mutable_model()->set_n_head(3); }),
+              StartsWith("model.n_head: must divide model.d_model (256), got 3"));
+  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.set_priority(101); }),
+              StartsWith("priority: must be in 1..100, got 101"));
+  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.set_priority(-1); }),
+              StartsWith("priority: must be in 1..100"));
+  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) {
+                s.mutable_parallel()->set_strategy(static_cast<v1::Strategy>(42));
+              }),
+              StartsWith("parallel.strategy: unknown value 42"));
+  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) {
+                s.mutable_parallel()->set_sharding_strategy(static_cast<v1::ShardingStrategy>(9));
+              }),
+              StartsWith("parallel.sharding_strategy: unknown value 9"));
+  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.set_name(""); }), StartsWith("name: required"));
+  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.set_name("a b"); }), StartsWith("name: only"));
+  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.set_name(std::string(200, 'a')); }),
+              StartsWith("name: at most 128"));
+  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.mutable_model()->set_kind("rnn"); }),
+              StartsWith("model.kind: unknown value 'rnn'"));
+  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.mutable_model()->set_vocab(100); }),
+              StartsWith("model.vocab: must be >= 256 for data.format bytes"));
+  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.mutable_data()->set_path(""); }),
+              StartsWith("data.path: required"));
+  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.mutable_data()->set_format("csv"); }),
+              StartsWith("data.format: unknown value 'csv'"));
+  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.mutable_train()->set_steps(0); }),
+              StartsWith("train.steps: required"));
+  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.mutable_train()->set_lr(-1); }),
+              StartsWith("train.lr: must be in (0, 10]"));
+  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.mutable_train()->set_warmup(1000); }),
+              StartsWith("train.warmup: must be in 0..300"));
+  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.mutable_parallel()->set_bucket_mb(-5); }),
+              StartsWith("parallel.bucket_mb: must be in (0, 1024]"));
+  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.set_max_restarts(1000); }),
+              StartsWith("max_restarts: must be in 0..100"));
+}
+
+TEST(SpecTest, ValidationErrorsPointAtTheLineOfTheField) {
+  const std::string text =
+      "name: x\nresources: {gpus: 1}\nmodel:\n  n_layer: 2\n  n_head: 3\n"
+      "  d_model: 8\n  seq_len: 4\ndata: {path: /x}\ntrain: {steps: 5}\n";
+  auto parsed = ParseJobSpecYaml(text, "s.yaml");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  v1::JobSpec spec = parsed->spec;
+  ApplyJobSpecDefaults(spec);
+  absl::Status s = AnnotateWithLine(ValidateJobSpec(spec), *parsed, "s.yaml");
+  EXPECT_THAT(std::string(s.message()), StartsWith("s.yaml:5: model.n_head: must divide"));
+}
+
+TEST(SpecTest, ParameterCountMatchesHandComputedGpt) {
+  v1::ModelSpec m;
+  m.set_kind("gpt");
+  m.set_n_layer(4);
+  m.set_n_head(4);
+  m.set_d_model(256);
+  m.set_seq_len(128);
+  m.set_vocab(256);
+  // embeddings 256*256 + 128*256; per block 12*d^2 + 13*d; final LayerNorm 2*d; untied head.
+  const int64_t d = 256;
+  const int64_t expected = 256 * d + 128 * d + 4 * (12 * d * d + 13 * d) + 2 * d + 256 * d;
+  EXPECT_EQ(ModelParameterCount(m), expected);
+  m.set_tie_weights(true);
+  EXPECT_EQ(ModelParameterCount(m), expected - 256 * d);
+}
+
+}  // namespace
+}  // namespace trainyard
