@@ -9,6 +9,7 @@
 #include <iostream>
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -236,16 +237,17 @@ int Nodes(const Globals& g) {
 
 void PrintCluster(const Globals& g, const LocalCluster& c) {
   if (g.json()) {
-    std::cout << "{\"state_dir\": \"" << c.state_dir << "\", \"coordinator_address\": \""
-              << c.coordinator_address << "\", \"processes\": [";
-    for (size_t i = 0; i < c.processes.size(); ++i) {
-      const auto& p = c.processes[i];
-      std::cout << (i ? ", " : "") << "{\"name\": \"" << p.name << "\", \"pid\": " << p.pid
-                << ", \"address\": \"" << p.address
-                << "\", \"alive\": " << (p.alive ? "true" : "false") << ", \"log\": \"" << p.log
-                << "\"}";
+    nlohmann::json j = {{"state_dir", c.state_dir},
+                        {"coordinator_address", c.coordinator_address},
+                        {"processes", nlohmann::json::array()}};
+    for (const auto& p : c.processes) {
+      j["processes"].push_back({{"name", p.name},
+                                {"pid", p.pid},
+                                {"address", p.address},
+                                {"alive", p.alive},
+                                {"log", p.log}});
     }
-    std::cout << "]}\n";
+    std::cout << j.dump(1) << "\n";
     return;
   }
   std::vector<std::vector<std::string>> rows;
@@ -348,7 +350,10 @@ int main(int argc, char** argv) {
     }
     PrintCluster(g, *c);
     for (const auto& p : c->processes) {
-      if (!p.alive) rc = 1;
+      if (!p.alive && rc == 0) {
+        rc = Fail(absl::UnavailableError(
+            absl::StrCat(p.name, " (pid ", p.pid, ") is not running; see ", p.log)));
+      }
     }
   });
 

@@ -8,6 +8,9 @@
 #include <limits>
 #include <set>
 #include <sstream>
+#include <string_view>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -303,6 +306,54 @@ absl::Status CheckRequired(const std::string& field, int64_t value, int64_t lo, 
   return CheckRange(field, value, lo, hi);
 }
 
+// 1-based line of the innermost '{' or '[' that is never closed, or 0 if none is found. yaml-cpp
+// reports an unclosed flow collection where it gave up (often the end of the file), not where the
+// collection opened. A light scan: an opening bracket counts where a token may start (after the
+// line start, ':', ',', '-', '[' or '{'); quoted scalars and comments are skipped.
+int UnclosedFlowLine(const std::string& text) {
+  std::vector<std::pair<char, int>> open;  // bracket, line
+  int line = 1;
+  char last = '\n';  // last character that is not a blank
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    const bool after_blank =
+        i == 0 || text[i - 1] == ' ' || text[i - 1] == '\t' || text[i - 1] == '\n';
+    const bool token_start = std::string_view("\n:,-[{").find(last) != std::string_view::npos;
+    if (c == '\n') {
+      ++line;
+      last = '\n';
+    } else if (c == ' ' || c == '\t' || c == '\r') {
+      continue;
+    } else if (c == '#' && after_blank) {
+      while (i + 1 < text.size() && text[i + 1] != '\n') ++i;
+    } else if ((c == '\'' || c == '"') && token_start) {
+      for (++i; i < text.size(); ++i) {
+        if (text[i] == '\n') ++line;
+        if (c == '"' && text[i] == '\\') {
+          ++i;
+        } else if (text[i] == c) {
+          if (c == '\'' && i + 1 < text.size() && text[i + 1] == '\'') {
+            ++i;  // '' is an escaped quote
+          } else {
+            break;
+          }
+        }
+      }
+      if (i >= text.size()) return 0;  // unterminated quote: a different error
+      last = c;
+    } else if ((c == '{' || c == '[') && token_start) {
+      open.emplace_back(c, line);
+      last = c;
+    } else if ((c == '}' || c == ']') && !open.empty()) {
+      open.pop_back();
+      last = c;
+    } else {
+      last = c;
+    }
+  }
+  return open.empty() ? 0 : open.back().second;
+}
+
 }  // namespace
 
 absl::StatusOr<ParsedSpec> ParseJobSpecYaml(const std::string& yaml_text,
@@ -312,8 +363,18 @@ absl::StatusOr<ParsedSpec> ParseJobSpecYaml(const std::string& yaml_text,
   try {
     root = YAML::Load(yaml_text);
   } catch (const YAML::ParserException& e) {
+    int line = e.mark.line + 1;
+    std::string message = e.msg;
+    if (e.msg == YAML::ErrorMsg::END_OF_MAP_FLOW || e.msg == YAML::ErrorMsg::END_OF_SEQ_FLOW) {
+      if (const int opened = UnclosedFlowLine(yaml_text); opened > 0) {
+        line = opened;
+        absl::StrAppend(&message, " (the ",
+                        e.msg == YAML::ErrorMsg::END_OF_MAP_FLOW ? "'{'" : "'['",
+                        " on this line is never closed)");
+      }
+    }
     return absl::InvalidArgumentError(
-        absl::StrCat(filename, ":", e.mark.line + 1, ": malformed YAML: ", e.msg));
+        absl::StrCat(filename, ":", line, ": malformed YAML: ", message));
   }
   if (!root || root.IsNull()) {
     return absl::InvalidArgumentError(absl::StrCat(filename, ":1: the spec is empty"));

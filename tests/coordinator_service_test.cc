@@ -358,15 +358,23 @@ TEST_F(CoordinatorServiceTest, WatchStreamsTheCurrentStateThenChangesUntilTheEnd
   EXPECT_TRUE(reader->Finish().ok());
 }
 
-TEST_F(CoordinatorServiceTest, WatchingAnUnknownJobIsNotFound) {
-  grpc::ClientContext ctx;
-  Prepare(ctx);
-  v1::WatchJobRequest r;
-  r.set_job_id("job-9");
-  auto reader = jobs_->WatchJob(&ctx, r);
-  v1::JobEvent e;
-  EXPECT_FALSE(reader->Read(&e));
-  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::NOT_FOUND);
+TEST_F(CoordinatorServiceTest, WatchingAnUnknownJobIsNotFoundAndNoIdIsInvalid) {
+  for (const std::string id : {"job-9", ""}) {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::WatchJobRequest r;
+    r.set_job_id(id);
+    auto reader = jobs_->WatchJob(&ctx, r);
+    v1::JobEvent e;
+    EXPECT_FALSE(reader->Read(&e));
+    grpc::Status s = reader->Finish();
+    if (id.empty()) {
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+      EXPECT_THAT(s.error_message(), StartsWith("job_id:"));
+    } else {
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND);
+    }
+  }
 }
 
 TEST_F(CoordinatorServiceTest, PlacedGangReachesItsNodeAndSucceedsWhenAllRanksExitCleanly) {
@@ -446,13 +454,13 @@ TEST_F(CoordinatorServiceTest, SilentNodeIsLostAndItsJobRestartsThenFailsWithout
   clock_.Advance(absl::Seconds(6));
   node->Heartbeat();
   clock_.Advance(absl::Seconds(6));
-  server_->CheckNodeTimeouts();
+  server_->Tick();
   v1::Job j;
   ASSERT_TRUE(Get(job.id(), &j).ok());
   EXPECT_EQ(j.state(), v1::RUNNING);
 
   clock_.Advance(absl::Seconds(11));
-  server_->CheckNodeTimeouts();
+  server_->Tick();
   j = WaitForState(job.id(), v1::RESTARTING);
   EXPECT_EQ(j.state(), v1::RESTARTING);
   EXPECT_THAT(j.message(), HasSubstr("node n1 lost"));
@@ -470,10 +478,64 @@ TEST_F(CoordinatorServiceTest, SilentNodeIsLostAndItsJobRestartsThenFailsWithout
   ASSERT_EQ(server_->jobs().SchedulePass(), 1);
   EXPECT_EQ(again->NextCommand().assignment().attempt(), 2);
   clock_.Advance(absl::Seconds(11));
-  server_->CheckNodeTimeouts();
+  server_->Tick();
   j = WaitForState(job.id(), v1::FAILED);
   EXPECT_EQ(j.state(), v1::FAILED);
   EXPECT_THAT(j.message(), HasSubstr("no restarts left"));
+}
+
+TEST_F(CoordinatorServiceTest, JobPastItsMaxRuntimeFailsAndFreesItsDevices) {
+  auto node = Connect("n1", 1);
+  v1::JobSpec spec = Spec(1, "limited", /*max_restarts=*/3);
+  spec.set_max_runtime_seconds(60);
+  v1::Job job = MustSubmit(spec);
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  node->NextCommand();
+  clock_.Advance(absl::Seconds(59));
+  node->Heartbeat();
+  server_->Tick();
+  v1::Job j;
+  ASSERT_TRUE(Get(job.id(), &j).ok());
+  EXPECT_EQ(j.state(), v1::RUNNING);
+  clock_.Advance(absl::Seconds(2));
+  node->Heartbeat();
+  server_->Tick();
+  j = WaitForState(job.id(), v1::FAILED);
+  EXPECT_EQ(j.state(), v1::FAILED);  // no restart: the limit belongs to the job
+  EXPECT_THAT(j.message(), HasSubstr("exceeded max_runtime of 1m"));
+  v1::CoordinatorMessage m = node->NextCommand();
+  ASSERT_TRUE(m.has_cancel());
+  EXPECT_EQ(m.cancel().job_id(), job.id());
+}
+
+TEST_F(CoordinatorServiceTest, ShortJobIsBackfilledAheadOfABlockedBiggerJob) {
+  auto node = Connect("n1", 2);
+  v1::JobSpec running = Spec(1, "running");
+  running.set_max_runtime_seconds(600);
+  MustSubmit(running);
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  node->NextCommand();
+  v1::JobSpec head = Spec(2, "head");  // waits for the running job's device
+  head.set_priority(90);
+  v1::JobSpec short_job = Spec(1, "short");
+  short_job.set_priority(10);
+  short_job.set_max_runtime_seconds(300);  // ends before the head can start
+  v1::JobSpec long_job = Spec(1, "long");
+  long_job.set_priority(20);
+  long_job.set_max_runtime_seconds(3600);  // would delay the head: must wait
+  v1::Job h = MustSubmit(head);
+  v1::Job l = MustSubmit(long_job);
+  v1::Job s = MustSubmit(short_job);
+  EXPECT_EQ(server_->jobs().SchedulePass(), 1);
+  const v1::Assignment a = node->NextCommand().assignment();
+  EXPECT_EQ(a.job_id(), s.id());
+  v1::Job got;
+  ASSERT_TRUE(Get(s.id(), &got).ok());
+  EXPECT_TRUE(got.backfilled());
+  ASSERT_TRUE(Get(h.id(), &got).ok());
+  EXPECT_EQ(got.state(), v1::QUEUED);
+  ASSERT_TRUE(Get(l.id(), &got).ok());
+  EXPECT_EQ(got.state(), v1::QUEUED);
 }
 
 TEST_F(CoordinatorServiceTest, RankFailureRestartsTheJobWithTheExitCode) {

@@ -96,8 +96,16 @@ TEST(SpecTest, MalformedYamlReportsFileAndLine) {
   auto parsed = ParseJobSpecYaml("name: x\nresources: {gpus: 2\nmodel: {}\n", "bad.yaml");
   ASSERT_FALSE(parsed.ok());
   EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(parsed.status().message()), StartsWith("bad.yaml:"));
-  EXPECT_THAT(std::string(parsed.status().message()), HasSubstr("malformed YAML"));
+  // The line where the unclosed '{' opened, not the end of the file where yaml-cpp gave up.
+  EXPECT_THAT(std::string(parsed.status().message()), StartsWith("bad.yaml:2: malformed YAML"));
+  EXPECT_THAT(std::string(parsed.status().message()), HasSubstr("never closed"));
+}
+
+TEST(SpecTest, UnclosedFlowSequenceReportsTheLineItOpened) {
+  auto parsed = ParseJobSpecYaml(
+      "# a [ in a comment\nname: 'x [y'\ndata: {path: /a}\nextra: [1, 2\nmore: 3\n", "s.yaml");
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_THAT(std::string(parsed.status().message()), StartsWith("s.yaml:4: malformed YAML"));
 }
 
 TEST(SpecTest, UnknownFieldReportsItsLineAndPath) {

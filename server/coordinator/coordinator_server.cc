@@ -43,7 +43,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
         absl::StrCat("state_dir: ", dir, " is in use by another coordinator"));
   }
 
-  ASSIGN_OR_RETURN(s->store_, OpenSqliteJobStore(dir + "/coordinator.db"));
+  SqliteJobStoreOptions store_options;
+  store_options.group_commit = s->options_.group_commit;
+  ASSIGN_OR_RETURN(s->store_, OpenSqliteJobStore(dir + "/coordinator.db", store_options));
   s->nodes_ = std::make_unique<NodeRegistry>(*s->store_, s->clock_, s->options_.node_timeout);
   s->rendezvous_ = std::make_unique<Rendezvous>();
   s->jobs_ = std::make_unique<JobManager>(*s->store_, *s->nodes_, *s->rendezvous_, s->clock_);
@@ -112,10 +114,13 @@ void CoordinatorServer::SchedulerLoop() {
   }
 }
 
-void CoordinatorServer::CheckNodeTimeouts() {
+void CoordinatorServer::Tick() {
   const std::vector<std::string> lost = nodes_->CheckTimeouts();
   for (const auto& id : lost) spdlog::warn("node {} lost: no heartbeat", id);
   jobs_->OnNodesLost(lost);
+  if (const int ended = jobs_->EnforceRuntimeLimits(); ended > 0) {
+    spdlog::info("{} job(s) exceeded their max_runtime", ended);
+  }
 }
 
 void CoordinatorServer::TickerLoop() {
@@ -126,7 +131,7 @@ void CoordinatorServer::TickerLoop() {
     mu_.AwaitWithTimeout(absl::Condition(&stopping_), period);
     if (stopping_) break;
     mu_.Unlock();
-    CheckNodeTimeouts();
+    Tick();
     mu_.Lock();
   }
 }

@@ -35,6 +35,8 @@ struct CoordinatorOptions {
   const Clock* clock = nullptr;     // nullptr: the real clock
   // When false, no background threads: tests drive passes and timeouts themselves.
   bool background_threads = true;
+  // Share one fsync among concurrent writes. Off only to measure what it buys (bench/).
+  bool group_commit = true;
 };
 
 class CoordinatorServer {
@@ -55,9 +57,11 @@ class CoordinatorServer {
   int port() const { return port_; }
 
   JobManager& jobs() { return *jobs_; }
+  JobStoreStats Stats() const { return store_->Stats(); }
   NodeRegistry& nodes() { return *nodes_; }
-  // One round of the ticker's work: marks silent nodes lost and fails their attempts.
-  void CheckNodeTimeouts();
+  // One round of the ticker's work: marks silent nodes lost and fails their attempts, and ends
+  // jobs past their max_runtime.
+  void Tick();
 
  private:
   explicit CoordinatorServer(CoordinatorOptions options);

@@ -380,6 +380,31 @@ std::map<std::string, std::vector<int>> JobManager::AllocatedDevices() const {
   return out;
 }
 
+int JobManager::EnforceRuntimeLimits() {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_.Now();
+  std::vector<std::string> expired;
+  for (const std::string& id : unfinished_) {
+    const v1::Job& job = jobs_.at(id);
+    const int64_t limit_s = job.spec().max_runtime_seconds();
+    if (IsActive(job.state()) && limit_s > 0 &&
+        now - absl::FromUnixMillis(job.start_time_ms()) > absl::Seconds(limit_s)) {
+      expired.push_back(id);
+    }
+  }
+  for (const std::string& id : expired) {
+    v1::Job& job = jobs_.at(id);
+    const std::string reason =
+        absl::StrCat("exceeded max_runtime of ",
+                     absl::FormatDuration(absl::Seconds(job.spec().max_runtime_seconds())));
+    ReleaseAttempt(job, reason);
+    Transition(job, v1::FAILED, reason);
+    Persist(job);
+  }
+  if (!expired.empty()) WakeScheduler();
+  return static_cast<int>(expired.size());
+}
+
 void JobManager::OnNodesLost(const std::vector<std::string>& node_ids) {
   if (node_ids.empty()) return;
   absl::MutexLock lock(&mu_);

@@ -71,6 +71,10 @@ class JobManager {
   // One scheduling pass; returns how many jobs it placed.
   int SchedulePass();
 
+  // Fails running jobs that ran past their spec's max_runtime (as Slurm's time limit does: no
+  // restart, the limit belongs to the job). The scheduler's backfill relies on it. Returns how
+  // many it ended.
+  int EnforceRuntimeLimits();
   // Fails (or restarts, within max_restarts) every running attempt with ranks on these nodes.
   void OnNodesLost(const std::vector<std::string>& node_ids);
   // A rank's status from the node running it; stale attempts are told to stop.

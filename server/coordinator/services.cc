@@ -302,6 +302,15 @@ grpc::ServerUnaryReactor* JobServiceImpl::CancelJob(grpc::CallbackServerContext*
 
 grpc::ServerWriteReactor<v1::JobEvent>* JobServiceImpl::WatchJob(
     grpc::CallbackServerContext* ctx, const v1::WatchJobRequest* request) {
+  if (request->job_id().empty()) {
+    // A reactor that only finishes: there is nothing to watch.
+    class Rejected final : public grpc::ServerWriteReactor<v1::JobEvent> {
+     public:
+      Rejected() { Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "job_id: required")); }
+      void OnDone() override { delete this; }
+    };
+    return new Rejected();
+  }
   return new WatchReactor(jobs_, request->job_id());
 }
 

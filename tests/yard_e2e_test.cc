@@ -1,0 +1,573 @@
+// End-to-end tests of the `yard` command line: the real `yard` binary against a real
+// trainyard-coordinator on a free loopback port with its state in a temp dir, one coordinator per
+// test. Checks what scripts rely on: exit codes, stdout (tables and -o json), and the one-line
+// reason on stderr. Also drives `yard local up|status|down`, whose daemon leaves the test's
+// process group, so a guard stops it even when an assertion fails.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <signal.h>
+
+#include <algorithm>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "common/version.h"
+#include "tests/testing/subprocess.h"
+
+namespace trainyard {
+namespace {
+
+using ::testing::AllOf;
+using testing::BinPath;
+using testing::CommandResult;
+using ::testing::ContainsRegex;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using testing::RunCommand;
+using ::testing::StartsWith;
+using testing::Subprocess;
+using testing::TempDir;
+using json = nlohmann::json;
+
+constexpr absl::Duration kCommandTimeout = absl::Seconds(30);
+
+std::string CharGptSpec() { return absl::StrCat(TRAINYARD_SOURCE_DIR, "/examples/char-gpt.yaml"); }
+
+std::vector<std::string> Lines(const std::string& text) {
+  return absl::StrSplit(text, '\n', absl::SkipEmpty());
+}
+
+// What every failing yard call must look like: non-zero exit, nothing on stdout, and exactly one
+// line on stderr.
+void ExpectOneLineFailure(const CommandResult& r) {
+  EXPECT_NE(r.exit_code, 0) << "stdout: " << r.out;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "stderr: " << r.err;
+  EXPECT_FALSE(r.err.empty() || r.err.back() != '\n') << "stderr: " << r.err;
+}
+
+json ParseJson(const std::string& text) {
+  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  EXPECT_FALSE(j.is_discarded()) << "not JSON: " << text;
+  return j;
+}
+
+// Ids of the jobs in `yard ls -o json` output, in the printed order.
+std::vector<std::string> JobIds(const json& list) {
+  std::vector<std::string> ids;
+  if (!list.is_object() || !list.contains("jobs")) return ids;
+  for (const auto& job : list["jobs"]) ids.push_back(job.value("id", ""));
+  return ids;
+}
+
+bool IsTrainyardProcess(pid_t pid) {
+  if (pid <= 0 || kill(pid, 0) != 0) return false;
+  std::ifstream in(absl::StrCat("/proc/", pid, "/cmdline"));
+  std::string cmdline((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return cmdline.find("trainyard") != std::string::npos;  // empty for a zombie
+}
+
+// Waits up to `timeout` for `pid` to stop being a live trainyard process. The `yard local`
+// daemon is not our child (it was reparented), so there is no exit to wait on: poll.
+bool WaitUntilGone(pid_t pid, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (IsTrainyardProcess(pid)) {
+    if (absl::Now() > deadline) return false;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return true;
+}
+
+// Stops whatever `yard local up` started from `state_dir` when it goes out of scope: first
+// `yard local down`, then SIGKILL to every pid still recorded in STATE_DIR/local.json.
+class LocalClusterGuard {
+ public:
+  explicit LocalClusterGuard(std::string state_dir) : state_dir_(std::move(state_dir)) {}
+  LocalClusterGuard(const LocalClusterGuard&) = delete;
+  LocalClusterGuard& operator=(const LocalClusterGuard&) = delete;
+
+  ~LocalClusterGuard() {
+    const std::vector<pid_t> pids = RecordedPids();  // `down` deletes the record
+    RunCommand({BinPath("yard"), "local", "--state-dir", state_dir_, "down"}, {}, kCommandTimeout);
+    for (pid_t pid : pids) {
+      if (!WaitUntilGone(pid, absl::Seconds(5))) kill(pid, SIGKILL);
+    }
+  }
+
+ private:
+  std::vector<pid_t> RecordedPids() const {
+    std::ifstream in(state_dir_ + "/local.json");
+    std::stringstream text;
+    text << in.rdbuf();
+    std::vector<pid_t> pids;
+    json j = json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.contains("processes")) return pids;
+    for (const auto& p : j["processes"]) {
+      if (p.contains("pid") && p["pid"].is_number_integer()) pids.push_back(p["pid"].get<pid_t>());
+    }
+    return pids;
+  }
+
+  std::string state_dir_;
+};
+
+// `yard` with no coordinator: for the calls that do not need one.
+CommandResult YardAlone(const std::vector<std::string>& args,
+                        const std::vector<std::string>& extra_env = {}) {
+  std::vector<std::string> argv = {BinPath("yard")};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return RunCommand(argv, extra_env, kCommandTimeout);
+}
+
+class YardE2eTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto p = Subprocess::Start({BinPath("trainyard-coordinator"), "--listen", "127.0.0.1:0",
+                                "--state-dir", dir_.path() + "/state"});
+    ASSERT_TRUE(p.ok()) << p.status();
+    coordinator_ = std::move(*p);
+    auto line = coordinator_->ReadLine(absl::Seconds(30));
+    ASSERT_TRUE(line.has_value()) << "the coordinator printed no address";
+    address_ = *line;
+    ASSERT_THAT(address_, StartsWith("127.0.0.1:"));
+  }
+
+  // `yard --coordinator ADDRESS ARGS...`.
+  CommandResult Yard(const std::vector<std::string>& args) {
+    std::vector<std::string> argv = {"--coordinator", address_};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return YardAlone(argv);
+  }
+
+  // `yard ARGS...` with TRAINYARD_COORDINATOR=ADDRESS.
+  CommandResult YardViaEnv(const std::vector<std::string>& args) {
+    return YardAlone(args, {"TRAINYARD_COORDINATOR=" + address_});
+  }
+
+  // Submits examples/char-gpt.yaml as `user`; its job id.
+  std::string SubmitCharGpt(const std::string& user = "alice") {
+    CommandResult r = Yard({"--user", user, "submit", CharGptSpec()});
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return r.out.empty() ? "" : r.out.substr(0, r.out.find('\n'));
+  }
+
+  std::vector<std::string> ListedIds(const std::vector<std::string>& ls_args = {}) {
+    std::vector<std::string> args = {"ls", "-o", "json"};
+    args.insert(args.end(), ls_args.begin(), ls_args.end());
+    CommandResult r = Yard(args);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return JobIds(ParseJson(r.out));
+  }
+
+  std::string WriteSpec(const std::string& name, const std::string& text) {
+    const std::string path = dir_.path() + "/" + name;
+    std::ofstream(path) << text;
+    return path;
+  }
+
+  TempDir dir_;
+  std::unique_ptr<Subprocess> coordinator_;
+  std::string address_;
+};
+
+// A complete valid spec in block style, one field per line, so errors have known lines; `model`
+// fields start on line 5.
+std::string BlockSpec(const std::string& model_fields) {
+  return absl::StrCat(
+      "name: e2e\n"   // 1
+      "resources:\n"  // 2
+      "  gpus: 1\n"   // 3
+      "model:\n",     // 4
+      model_fields,   // 5...
+      "data:\n"       //
+      "  path: /usr/share/common-licenses/GPL-3\n"
+      "train:\n"
+      "  steps: 10\n");
+}
+
+TEST(YardCliTest, VersionPrintsNameAndVersion) {
+  CommandResult r = YardAlone({"--version"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, absl::StrCat("yard ", kVersion, "\n"));
+}
+
+TEST(YardCliTest, HelpListsEveryVerb) {
+  CommandResult r = YardAlone({"--help"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  for (const char* verb : {"submit", "ls", "describe", "cancel", "wait", "nodes", "local"}) {
+    EXPECT_THAT(r.out, ContainsRegex(absl::StrCat("\n  ", verb, " "))) << verb;
+  }
+  EXPECT_THAT(r.out, HasSubstr("--coordinator"));
+}
+
+TEST(YardCliTest, NoVerbFails) {
+  CommandResult r = YardAlone({});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.err, HasSubstr("subcommand"));
+}
+
+TEST(YardCliTest, UnreachableCoordinatorFailsWithOneLineReason) {
+  CommandResult r = YardAlone({"--coordinator", "127.0.0.1:1", "ls"});
+  ExpectOneLineFailure(r);
+  EXPECT_THAT(r.err, AllOf(StartsWith("yard: "), HasSubstr("cannot reach the coordinator"),
+                           HasSubstr("127.0.0.1:1")));
+}
+
+TEST_F(YardE2eTest, SubmitPrintsSequentialJobIdsWithFlagOrEnvironment) {
+  CommandResult first = Yard({"submit", CharGptSpec()});
+  EXPECT_EQ(first.exit_code, 0) << first.err;
+  EXPECT_EQ(first.out, "job-1\n");
+  CommandResult second = YardViaEnv({"submit", CharGptSpec()});
+  EXPECT_EQ(second.exit_code, 0) << second.err;
+  EXPECT_EQ(second.out, "job-2\n");
+  EXPECT_THAT(ListedIds(), ElementsAre("job-2", "job-1"));
+}
+
+TEST_F(YardE2eTest, CoordinatorFlagOverridesEnvironment) {
+  CommandResult r =
+      YardAlone({"--coordinator", address_, "nodes"}, {"TRAINYARD_COORDINATOR=127.0.0.1:1"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, StartsWith("NODE"));
+}
+
+TEST_F(YardE2eTest, SubmitWithJsonOutputPrintsTheQueuedJob) {
+  CommandResult r = Yard({"--user", "alice", "submit", CharGptSpec(), "-o", "json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  json job = ParseJson(r.out);
+  EXPECT_EQ(job.value("id", ""), "job-1");
+  EXPECT_EQ(job.value("state", ""), "QUEUED");
+  EXPECT_EQ(job.value("owner", ""), "alice");
+  EXPECT_EQ(job["spec"].value("name", ""), "char-gpt");
+  EXPECT_EQ(job["spec"]["model"].value("n_head", 0), 4);
+}
+
+TEST_F(YardE2eTest, MalformedYamlNamesFileAndLineAndStoresNothing) {
+  const std::string path = WriteSpec("malformed.yaml",
+                                     "name: broken\n"
+                                     "priority: 50\n"
+                                     "resources: {gpus: 2\n"
+                                     "model: {kind: gpt, n_layer: 2}\n");
+  CommandResult r = Yard({"submit", path});
+  ExpectOneLineFailure(r);
+  EXPECT_THAT(r.err, StartsWith(absl::StrCat("yard: ", path, ":3: malformed YAML")));
+  EXPECT_THAT(ListedIds(), IsEmpty());
+}
+
+TEST_F(YardE2eTest, HeadsNotDividingModelWidthNamesFieldAndLineAndStoresNothing) {
+  const std::string path = WriteSpec("heads.yaml", BlockSpec("  n_layer: 2\n"   // 5
+                                                             "  n_head: 3\n"    // 6
+                                                             "  d_model: 64\n"  // 7
+                                                             "  seq_len: 16\n"));
+  CommandResult r = Yard({"submit", path});
+  ExpectOneLineFailure(r);
+  EXPECT_THAT(r.err, StartsWith(absl::StrCat("yard: ", path, ":6: model.n_head: must divide")));
+  EXPECT_THAT(r.err, HasSubstr("INVALID_ARGUMENT"));
+  EXPECT_THAT(ListedIds(), IsEmpty());
+}
+
+TEST_F(YardE2eTest, ZeroGpusNamesResourcesGpusAndStoresNothing) {
+  const std::string path =
+      WriteSpec("gpus.yaml",
+                "name: e2e\nresources:\n  gpus: 0\nmodel: {n_layer: 2, n_head: 2, d_model: 64, "
+                "seq_len: 16}\ndata: {path: /usr/share/common-licenses/GPL-3}\n"
+                "train: {steps: 10}\n");
+  CommandResult r = Yard({"submit", path});
+  ExpectOneLineFailure(r);
+  EXPECT_THAT(r.err, StartsWith(absl::StrCat("yard: ", path, ":3: resources.gpus")));
+  EXPECT_THAT(ListedIds(), IsEmpty());
+}
+
+TEST_F(YardE2eTest, UnknownFieldNamesItAndItsLineAndStoresNothing) {
+  const std::string path = WriteSpec("unknown.yaml", BlockSpec("  n_layer: 2\n"   // 5
+                                                               "  n_heads: 2\n"   // 6
+                                                               "  d_model: 64\n"  // 7
+                                                               "  seq_len: 16\n"));
+  CommandResult r = Yard({"submit", path});
+  ExpectOneLineFailure(r);
+  EXPECT_THAT(r.err, StartsWith(absl::StrCat("yard: ", path, ":6: unknown field 'model.n_heads'")));
+  EXPECT_THAT(ListedIds(), IsEmpty());
+}
+
+TEST_F(YardE2eTest, MissingSpecFileNamesThePathAndStoresNothing) {
+  const std::string path = dir_.path() + "/no-such-spec.yaml";
+  CommandResult r = Yard({"submit", path});
+  ExpectOneLineFailure(r);
+  EXPECT_THAT(r.err, AllOf(HasSubstr(path), HasSubstr("NOT_FOUND")));
+  EXPECT_THAT(ListedIds(), IsEmpty());
+}
+
+TEST_F(YardE2eTest, ValidBlockSpecIsAccepted) {
+  // The block-style base of the rejection tests above is itself valid.
+  const std::string path = WriteSpec("ok.yaml", BlockSpec("  n_layer: 2\n"
+                                                          "  n_head: 2\n"
+                                                          "  d_model: 64\n"
+                                                          "  seq_len: 16\n"));
+  CommandResult r = Yard({"submit", path});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "job-1\n");
+}
+
+TEST_F(YardE2eTest, LsPrintsHeaderAndOneRowPerJobNewestFirst) {
+  for (int i = 0; i < 3; ++i) SubmitCharGpt();
+  CommandResult r = Yard({"ls"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::vector<std::string> lines = Lines(r.out);
+  ASSERT_EQ(lines.size(), 4u) << r.out;
+  EXPECT_THAT(lines[0], ContainsRegex("^ID +NAME +OWNER +STATE "));
+  EXPECT_THAT(lines[1], ContainsRegex("^job-3 +char-gpt +alice +QUEUED "));
+  EXPECT_THAT(lines[2], StartsWith("job-2 "));
+  EXPECT_THAT(lines[3], StartsWith("job-1 "));
+}
+
+TEST_F(YardE2eTest, LsJsonListsEveryJobNewestFirst) {
+  EXPECT_THAT(ListedIds(), IsEmpty());
+  SubmitCharGpt();
+  SubmitCharGpt();
+  CommandResult r = YardViaEnv({"ls", "-o", "json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  json list = ParseJson(r.out);
+  EXPECT_THAT(JobIds(list), ElementsAre("job-2", "job-1"));
+  ASSERT_TRUE(list["jobs"].is_array());
+  EXPECT_EQ(list["jobs"][0].value("state", ""), "QUEUED");
+  EXPECT_EQ(list["jobs"][0]["spec"].value("name", ""), "char-gpt");
+}
+
+TEST_F(YardE2eTest, LsFiltersByStateCaseInsensitively) {
+  SubmitCharGpt();
+  SubmitCharGpt();
+  ASSERT_EQ(Yard({"cancel", "job-1"}).exit_code, 0);
+  EXPECT_THAT(ListedIds({"--state", "QUEUED"}), ElementsAre("job-2"));
+  EXPECT_THAT(ListedIds({"--state", "cancelled"}), ElementsAre("job-1"));
+  EXPECT_THAT(ListedIds({"--state", "queued", "--state", "CANCELLED"}),
+              ElementsAre("job-2", "job-1"));
+  EXPECT_THAT(ListedIds({"--state", "RUNNING"}), IsEmpty());
+}
+
+TEST_F(YardE2eTest, LsFiltersByOwner) {
+  SubmitCharGpt("alice");
+  SubmitCharGpt("bob");
+  SubmitCharGpt("alice");
+  EXPECT_THAT(ListedIds({"--owner", "bob"}), ElementsAre("job-2"));
+  EXPECT_THAT(ListedIds({"--owner", "alice"}), ElementsAre("job-3", "job-1"));
+  EXPECT_THAT(ListedIds({"--owner", "carol"}), IsEmpty());
+  CommandResult table = Yard({"ls", "--owner", "bob"});
+  ASSERT_EQ(table.exit_code, 0) << table.err;
+  ASSERT_EQ(Lines(table.out).size(), 2u) << table.out;
+  EXPECT_THAT(Lines(table.out)[1], ContainsRegex("^job-2 +char-gpt +bob +QUEUED "));
+}
+
+TEST_F(YardE2eTest, LsLimitReturnsTheNewestJobs) {
+  for (int i = 0; i < 3; ++i) SubmitCharGpt();
+  EXPECT_THAT(ListedIds({"--limit", "1"}), ElementsAre("job-3"));
+  EXPECT_THAT(ListedIds({"--limit", "2"}), ElementsAre("job-3", "job-2"));
+}
+
+TEST_F(YardE2eTest, LsRejectsUnknownState) {
+  CommandResult r = Yard({"ls", "--state", "bogus"});
+  ExpectOneLineFailure(r);
+  EXPECT_THAT(r.err, AllOf(HasSubstr("--state"), HasSubstr("bogus")));
+}
+
+TEST_F(YardE2eTest, DescribeAcceptsNumericAndPrefixedIds) {
+  ASSERT_EQ(SubmitCharGpt(), "job-1");
+  for (const char* id : {"1", "job-1"}) {
+    CommandResult r = Yard({"describe", id});
+    ASSERT_EQ(r.exit_code, 0) << id << ": " << r.err;
+    EXPECT_THAT(r.out, ContainsRegex("(^|\n)id: +job-1\n")) << id;
+    EXPECT_THAT(r.out, ContainsRegex("\nstate: +QUEUED\n")) << id;
+    EXPECT_THAT(r.out, ContainsRegex("\nowner: +alice\n")) << id;
+    EXPECT_THAT(r.out, ContainsRegex("\nmodel: +gpt n_layer=4 n_head=4 d_model=256 seq_len=128 "
+                                     "vocab=256 \\(3\\.3M params\\)\n"))
+        << id;
+  }
+}
+
+TEST_F(YardE2eTest, DescribeJsonIncludesTheSpec) {
+  SubmitCharGpt();
+  CommandResult r = YardViaEnv({"-o", "json", "describe", "1"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  json job = ParseJson(r.out);
+  EXPECT_EQ(job.value("id", ""), "job-1");
+  EXPECT_EQ(job.value("state", ""), "QUEUED");
+  const json& spec = job["spec"];
+  EXPECT_EQ(spec.value("name", ""), "char-gpt");
+  EXPECT_EQ(spec.value("priority", 0), 50);
+  EXPECT_EQ(spec["resources"].value("gpus", 0), 2);
+  EXPECT_EQ(spec["model"].value("d_model", 0), 256);
+  EXPECT_EQ(spec["data"].value("path", ""), "/usr/share/common-licenses/GPL-3");
+}
+
+TEST_F(YardE2eTest, DescribeUnknownJobFailsWithNotFound) {
+  SubmitCharGpt();
+  CommandResult r = Yard({"describe", "42"});
+  ExpectOneLineFailure(r);
+  EXPECT_THAT(r.err, AllOf(StartsWith("yard: "), HasSubstr("job-42"), HasSubstr("NOT_FOUND")));
+}
+
+TEST_F(YardE2eTest, CancelPrintsIdAndNewState) {
+  SubmitCharGpt();
+  CommandResult r = Yard({"cancel", "job-1"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "job-1 CANCELLED\n");
+  EXPECT_THAT(ListedIds({"--state", "CANCELLED"}), ElementsAre("job-1"));
+}
+
+TEST_F(YardE2eTest, CancellingAnEndedJobFailsWithFailedPrecondition) {
+  SubmitCharGpt();
+  ASSERT_EQ(Yard({"cancel", "1"}).exit_code, 0);
+  CommandResult r = Yard({"cancel", "1"});
+  ExpectOneLineFailure(r);
+  EXPECT_THAT(r.err, AllOf(HasSubstr("job-1"), HasSubstr("FAILED_PRECONDITION")));
+}
+
+TEST_F(YardE2eTest, WaitOnCancelledJobExitsTwo) {
+  SubmitCharGpt();
+  ASSERT_EQ(Yard({"cancel", "job-1"}).exit_code, 0);
+  CommandResult r = Yard({"wait", "job-1"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("job-1 CANCELLED"));
+}
+
+TEST_F(YardE2eTest, WaitOnQueuedJobTimesOutWithExitThree) {
+  SubmitCharGpt();
+  SubmitCharGpt();
+  const absl::Time start = absl::Now();
+  CommandResult r = Yard({"wait", "job-2", "--timeout", "300ms"});
+  EXPECT_EQ(r.exit_code, 3) << r.err;
+  EXPECT_LT(absl::Now() - start, kCommandTimeout);
+  EXPECT_THAT(r.err, AllOf(HasSubstr("job-2"), HasSubstr("DEADLINE_EXCEEDED")));
+}
+
+TEST_F(YardE2eTest, WaitWithJsonOutputPrintsTheFinalJob) {
+  SubmitCharGpt();
+  ASSERT_EQ(Yard({"cancel", "job-1", "--reason", "e2e test"}).exit_code, 0);
+  CommandResult r = Yard({"-o", "json", "wait", "1"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  json job = ParseJson(r.out);
+  EXPECT_EQ(job.value("id", ""), "job-1");
+  EXPECT_EQ(job.value("state", ""), "CANCELLED");
+  EXPECT_THAT(job.value("message", ""), HasSubstr("e2e test"));
+}
+
+TEST_F(YardE2eTest, WaitRejectsMalformedTimeout) {
+  SubmitCharGpt();
+  CommandResult r = Yard({"wait", "job-1", "--timeout", "soon"});
+  ExpectOneLineFailure(r);
+  EXPECT_THAT(r.err, AllOf(HasSubstr("--timeout"), HasSubstr("soon")));
+}
+
+TEST_F(YardE2eTest, NodesPrintsHeaderAndEmptyJsonWithoutWorkers) {
+  CommandResult table = Yard({"nodes"});
+  EXPECT_EQ(table.exit_code, 0) << table.err;
+  ASSERT_EQ(Lines(table.out).size(), 1u) << table.out;
+  EXPECT_THAT(table.out, ContainsRegex("^NODE +STATE +DEVICES"));
+  CommandResult js = YardViaEnv({"nodes", "-o", "json"});
+  EXPECT_EQ(js.exit_code, 0) << js.err;
+  json nodes = ParseJson(js.out);
+  ASSERT_TRUE(nodes.is_object()) << js.out;
+  EXPECT_TRUE(!nodes.contains("nodes") || nodes["nodes"].empty()) << js.out;
+}
+
+TEST(YardLocalTest, UpStatusDownLifecycle) {
+  TempDir dir;
+  const std::string state_dir = dir.path() + "/local";
+  LocalClusterGuard guard(state_dir);  // destroyed before `dir`
+  auto local = [&](const std::vector<std::string>& args) {
+    std::vector<std::string> argv = {"local", "--state-dir", state_dir};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return YardAlone(argv);
+  };
+
+  CommandResult up = local({"up", "--listen", "127.0.0.1:0", "-o", "json"});
+  ASSERT_EQ(up.exit_code, 0) << up.err;
+  json cluster = ParseJson(up.out);
+  ASSERT_TRUE(cluster.is_object()) << up.out;
+  const std::string address = cluster.value("coordinator_address", "");
+  ASSERT_THAT(address, StartsWith("127.0.0.1:"));
+  EXPECT_NE(address, "127.0.0.1:0");
+  EXPECT_EQ(cluster.value("state_dir", ""), state_dir);
+  ASSERT_EQ(cluster["processes"].size(), 1u) << up.out;
+  const json& coordinator = cluster["processes"][0];
+  EXPECT_EQ(coordinator.value("name", ""), "coordinator");
+  EXPECT_EQ(coordinator.value("address", ""), address);
+  EXPECT_TRUE(coordinator.value("alive", false));
+  const pid_t pid = coordinator.value("pid", 0);
+  ASSERT_GT(pid, 0);
+  EXPECT_TRUE(IsTrainyardProcess(pid));
+
+  CommandResult ls = YardAlone({"--coordinator", address, "ls"});
+  EXPECT_EQ(ls.exit_code, 0) << ls.err;
+  EXPECT_THAT(ls.out, StartsWith("ID "));
+
+  CommandResult status = local({"status"});
+  EXPECT_EQ(status.exit_code, 0) << status.err;
+  EXPECT_THAT(status.out,
+              ContainsRegex(absl::StrCat("\ncoordinator +", pid, " +running +", address)));
+
+  CommandResult again = local({"up", "--listen", "127.0.0.1:0"});
+  ExpectOneLineFailure(again);
+  EXPECT_THAT(again.err, AllOf(HasSubstr("already running"), HasSubstr(absl::StrCat(pid))));
+  EXPECT_TRUE(IsTrainyardProcess(pid)) << "a refused `up` must leave the running one alone";
+
+  CommandResult down = local({"down"});
+  EXPECT_EQ(down.exit_code, 0) << down.err;
+  EXPECT_EQ(down.out, "stopped\n");
+  EXPECT_TRUE(WaitUntilGone(pid, absl::Seconds(10))) << "coordinator pid " << pid << " survived";
+
+  CommandResult after = local({"status"});
+  ExpectOneLineFailure(after);
+  EXPECT_THAT(after.err, HasSubstr(state_dir));
+}
+
+TEST(YardLocalTest, StatusFailsWithOneLineReasonWhenTheCoordinatorDied) {
+  TempDir dir;
+  const std::string state_dir = dir.path() + "/local";
+  LocalClusterGuard guard(state_dir);
+  CommandResult up =
+      YardAlone({"-o", "json", "local", "--state-dir", state_dir, "up", "--listen", "127.0.0.1:0"});
+  ASSERT_EQ(up.exit_code, 0) << up.err;
+  const json cluster = ParseJson(up.out);
+  ASSERT_TRUE(cluster.is_object() && cluster.contains("processes")) << up.out;
+  ASSERT_EQ(cluster["processes"].size(), 1u) << up.out;
+  const pid_t pid = cluster["processes"][0].value("pid", 0);
+  ASSERT_GT(pid, 0);
+  ASSERT_EQ(kill(pid, SIGKILL), 0);
+  ASSERT_TRUE(WaitUntilGone(pid, absl::Seconds(10)));
+
+  CommandResult status = YardAlone({"local", "--state-dir", state_dir, "status"});
+  ExpectOneLineFailure(status);
+  EXPECT_THAT(status.err, AllOf(HasSubstr("not running"), HasSubstr(absl::StrCat(pid))));
+  EXPECT_THAT(status.out, ContainsRegex(absl::StrCat("\ncoordinator +", pid, " +stopped ")));
+
+  // A dead cluster can be restarted after `down`.
+  CommandResult down = YardAlone({"local", "--state-dir", state_dir, "down"});
+  EXPECT_EQ(down.exit_code, 0) << down.err;
+  CommandResult restarted =
+      YardAlone({"local", "--state-dir", state_dir, "up", "--listen", "127.0.0.1:0"});
+  EXPECT_EQ(restarted.exit_code, 0) << restarted.err;
+  EXPECT_THAT(restarted.out, HasSubstr("export TRAINYARD_COORDINATOR=127.0.0.1:"));
+}
+
+TEST(YardLocalTest, JsonOutputStaysValidForStateDirsWithQuotes) {
+  TempDir dir;
+  const std::string state_dir = dir.path() + "/odd \"name\" \\ dir";
+  LocalClusterGuard guard(state_dir);
+  CommandResult up =
+      YardAlone({"local", "--state-dir", state_dir, "up", "--listen", "127.0.0.1:0", "-o", "json"});
+  ASSERT_EQ(up.exit_code, 0) << up.err;
+  const json cluster = ParseJson(up.out);
+  ASSERT_TRUE(cluster.is_object()) << up.out;
+  EXPECT_EQ(cluster.value("state_dir", ""), state_dir);
+  CommandResult status = YardAlone({"local", "--state-dir", state_dir, "status", "-o", "json"});
+  EXPECT_EQ(status.exit_code, 0) << status.err;
+  EXPECT_EQ(ParseJson(status.out).value("state_dir", ""), state_dir);
+}
+
+}  // namespace
+}  // namespace trainyard
