@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "client/yard_client.h"
 
 namespace trainyard::client {
 namespace {
@@ -181,17 +182,74 @@ absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& options) {
   c.coordinator_address = coord.address;
   c.processes.push_back(coord);
   if (absl::Status s = Save(c); !s.ok()) return s;
+
+  const std::string worker_bin = options.bin_dir + "/trainyard-worker";
+  if (options.workers > 0 && access(worker_bin.c_str(), X_OK) != 0) {
+    return absl::NotFoundError(absl::StrCat("cannot find ", worker_bin));
+  }
+  for (int i = 1; i <= options.workers; ++i) {
+    LocalProcess w;
+    const std::string node = absl::StrCat("local-", i);
+    w.name = absl::StrCat("worker ", node);
+    w.address = c.coordinator_address;
+    w.log = absl::StrCat(options.state_dir, "/worker-", i, ".log");
+    std::vector<std::string> argv = {worker_bin,
+                                     "--coordinator",
+                                     c.coordinator_address,
+                                     "--node-id",
+                                     node,
+                                     "--cpu-slots",
+                                     absl::StrCat(options.slots_per_worker),
+                                     "--work-dir",
+                                     absl::StrCat(options.state_dir, "/worker-", i)};
+    if (options.threads_per_slot > 0) {
+      argv.push_back("--threads-per-slot");
+      argv.push_back(absl::StrCat(options.threads_per_slot));
+    }
+    auto wpid = SpawnDaemon(argv, absl::StrCat(options.state_dir, "/worker-", i, ".out"), w.log);
+    if (!wpid.ok()) return wpid.status();
+    w.pid = *wpid;
+    w.alive = true;
+    c.processes.push_back(w);
+    if (absl::Status s = Save(c); !s.ok()) return s;
+  }
+  // Ready once every worker has registered.
+  YardClient client(c.coordinator_address, "yard-local");
+  const absl::Time workers_deadline = absl::Now() + absl::Seconds(30);
+  while (options.workers > 0) {
+    auto nodes = client.ListNodes();
+    int ready = 0;
+    if (nodes.ok()) {
+      for (const auto& n : nodes->nodes()) ready += n.state() == v1::NODE_READY && n.connected();
+    }
+    if (ready >= options.workers) break;
+    for (const auto& p : c.processes) {
+      int status = 0;
+      if (p.pid != coord.pid && waitpid(p.pid, &status, WNOHANG) == p.pid) {
+        return absl::UnavailableError(absl::StrCat(p.name, " exited at start; ", p.log,
+                                                   " ends with:\n", Tail(ReadFile(p.log), 5)));
+      }
+    }
+    if (absl::Now() > workers_deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat(ready, " of ", options.workers,
+                       " workers registered within 30 s; see their logs in ", options.state_dir));
+    }
+    absl::SleepFor(absl::Milliseconds(50));  // polling the coordinator's view of the nodes
+  }
   return c;
 }
 
 absl::Status LocalDown(const std::string& state_dir, int grace_seconds) {
   auto c = LocalStatus(state_dir);
   if (!c.ok()) return c.status();
-  for (const auto& p : c->processes) {
-    if (p.alive) kill(p.pid, SIGTERM);
-  }
-  const absl::Time deadline = absl::Now() + absl::Seconds(grace_seconds);
-  for (const auto& p : c->processes) {
+  // Workers first (they stop their ranks, which may still talk to the coordinator), then the
+  // coordinator.
+  for (auto it = c->processes.rbegin(); it != c->processes.rend(); ++it) {
+    const LocalProcess& p = *it;
+    if (!p.alive) continue;
+    kill(p.pid, SIGTERM);
+    const absl::Time deadline = absl::Now() + absl::Seconds(grace_seconds);
     while (IsTrainyardProcess(p.pid) && absl::Now() < deadline) {
       waitpid(p.pid, nullptr, WNOHANG);  // reaps it if it happens to be our child
       absl::SleepFor(absl::Milliseconds(20));

@@ -30,13 +30,18 @@ struct LocalCluster {
 struct LocalUpOptions {
   std::string state_dir;
   std::string listen = "127.0.0.1:7070";
-  std::string bin_dir;  // where trainyard-coordinator lives
+  std::string bin_dir;       // where trainyard-coordinator and trainyard-worker live
+  int workers = 0;           // worker daemons, named local-1, local-2, ...
+  int slots_per_worker = 1;  // CPU slots (ranks) of each worker
+  int threads_per_slot = 0;  // 0: the worker's default (cores / slots)
 };
 
-// Starts the cluster and returns once the coordinator serves. FAILED_PRECONDITION if one is
+// Starts the cluster and returns once the coordinator serves and every worker has registered.
+// FAILED_PRECONDITION if one is
 // already running from this state directory.
 absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& options);
-// SIGTERM to every process, SIGKILL after `grace_seconds`; NOT_FOUND if none was started.
+// SIGTERM to every process (workers first, so they stop their ranks while the coordinator still
+// listens), SIGKILL after `grace_seconds`; NOT_FOUND if none was started.
 absl::Status LocalDown(const std::string& state_dir, int grace_seconds = 15);
 // What runs now; NOT_FOUND if nothing was started from this state directory.
 absl::StatusOr<LocalCluster> LocalStatus(const std::string& state_dir);

@@ -6,12 +6,14 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <iostream>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "client/local_cluster.h"
@@ -225,13 +227,105 @@ int Nodes(const Globals& g) {
   for (const auto& n : nodes->nodes()) {
     const std::string kind =
         n.devices().empty() ? "-" : (n.devices(0).kind() == v1::CUDA_GPU ? "gpu" : "cpu-slot");
-    rows.push_back({n.id(), n.state() == v1::NODE_READY ? "READY" : "LOST",
+    const std::string state = n.state() != v1::NODE_READY ? "LOST"
+                              : n.connected()             ? "READY"
+                                                          : "READY (reconnecting)";
+    rows.push_back({n.id(), state,
                     absl::StrCat(n.allocated_devices_size(), "/", n.devices_size(), " ", kind),
                     HumanBytes(n.memory_bytes()), n.address().empty() ? "-" : n.address(),
                     Ago(n.last_heartbeat_ms(), NowMs())});
   }
   std::cout << FormatTable({"NODE", "STATE", "DEVICES(USED/ALL)", "MEMORY", "ADDRESS", "HEARTBEAT"},
                            rows);
+  return 0;
+}
+
+int Checkpoint(const Globals& g, const std::string& id) {
+  YardClient client(g.coordinator, g.user);
+  auto job = client.Checkpoint(NormalizeJobId(id));
+  if (!job.ok()) return Fail(job.status());
+  if (g.json()) {
+    std::cout << ToJson(*job);
+  } else {
+    std::cout << job->id() << " " << v1::JobState_Name(job->state()) << "\n";
+  }
+  return 0;
+}
+
+int Logs(const Globals& g, const std::string& id, bool follow, int tail) {
+  YardClient client(g.coordinator, g.user);
+  absl::Status s = client.Logs(NormalizeJobId(id), follow, tail, [&](const v1::LogLine& l) {
+    if (g.json()) {
+      std::cout
+          << nlohmann::json{{"attempt", l.attempt()}, {"rank", l.rank()}, {"text", l.text()}}.dump()
+          << "\n";
+    } else {
+      std::cout << "[rank " << l.rank() << "] " << l.text() << "\n";
+    }
+    std::cout.flush();
+  });
+  return s.ok() ? 0 : Fail(s);
+}
+
+// One status line: "step 120/300 [=======>       ] 40% ETA 1m12s loss 2.3100 tok/s 12.3K".
+std::string ProgressLine(const v1::StepReport& r, double seconds_per_step) {
+  const int width = 24;
+  const double frac = r.total_steps() > 0 ? double(r.step()) / r.total_steps() : 0;
+  const int filled = static_cast<int>(frac * width);
+  std::string bar(width, ' ');
+  for (int i = 0; i < filled && i < width; ++i) bar[i] = '=';
+  if (filled < width) bar[filled] = '>';
+  const double eta_s = std::max<double>(0, (r.total_steps() - r.step()) * seconds_per_step);
+  return absl::StrFormat("step %d/%d [%s] %3.0f%% ETA %s loss %.4f tok/s %s", r.step(),
+                         r.total_steps(), bar, 100 * frac,
+                         absl::FormatDuration(absl::Seconds(static_cast<int64_t>(eta_s))), r.loss(),
+                         HumanCount(static_cast<int64_t>(r.tokens_per_second())));
+}
+
+int Metrics(const Globals& g, const std::string& id, bool follow) {
+  YardClient client(g.coordinator, g.user);
+  const bool tty = isatty(STDOUT_FILENO);
+  nlohmann::json series = nlohmann::json::array();
+  std::vector<std::vector<std::string>> rows;
+  std::deque<double> recent;  // seconds of the last steps, for the ETA
+  absl::Status s = client.Metrics(NormalizeJobId(id), follow, [&](const v1::StepReport& r) {
+    if (g.json()) {
+      series.push_back({{"step", r.step()},
+                        {"total_steps", r.total_steps()},
+                        {"loss", r.loss()},
+                        {"lr", r.lr()},
+                        {"tokens_per_second", r.tokens_per_second()},
+                        {"step_seconds", r.step_seconds()},
+                        {"grad_norm", r.grad_norm()},
+                        {"resident_bytes", r.resident_bytes()},
+                        {"time_ms", r.time_ms()}});
+      return;
+    }
+    if (!follow) {
+      rows.push_back({absl::StrCat(r.step()), absl::StrFormat("%.4f", r.loss()),
+                      absl::StrFormat("%.2e", r.lr()), absl::StrFormat("%.3f", r.grad_norm()),
+                      HumanCount(static_cast<int64_t>(r.tokens_per_second())),
+                      absl::StrFormat("%.0f", 1000 * r.step_seconds()),
+                      HumanBytes(r.resident_bytes())});
+      return;
+    }
+    recent.push_back(r.step_seconds());
+    if (recent.size() > 20) recent.pop_front();
+    double mean = 0;
+    for (double x : recent) mean += x / recent.size();
+    if (tty) {
+      std::cout << "\r\033[K" << ProgressLine(r, mean) << std::flush;
+    } else {
+      std::cout << ProgressLine(r, mean) << "\n" << std::flush;
+    }
+  });
+  if (follow && tty && !g.json()) std::cout << "\n";
+  if (!s.ok()) return Fail(s);
+  if (g.json()) {
+    std::cout << series.dump(1) << "\n";
+  } else if (!follow) {
+    std::cout << FormatTable({"STEP", "LOSS", "LR", "GRAD_NORM", "TOK/S", "STEP_MS", "RSS"}, rows);
+  }
   return 0;
 }
 
@@ -310,6 +404,24 @@ int main(int argc, char** argv) {
   wait->add_option("--timeout", timeout, "give up after this long (e.g. 10m)");
   wait->callback([&] { rc = Wait(g, job_id, timeout); });
 
+  bool follow = false;
+  int tail = 0;
+  auto* logs = app.add_subcommand("logs", "print a job's output, every rank prefixed");
+  logs->add_option("job", job_id, "job id")->required();
+  logs->add_flag("-f,--follow", follow, "keep printing until the job ends");
+  logs->add_option("--tail", tail, "only the last N lines (0 = all kept)")->capture_default_str();
+  logs->callback([&] { rc = Logs(g, job_id, follow, tail); });
+
+  auto* metrics = app.add_subcommand(
+      "metrics", "a job's training metrics: a table, or with -f a live progress bar and ETA");
+  metrics->add_option("job", job_id, "job id")->required();
+  metrics->add_flag("-f,--follow", follow, "keep updating until the job ends");
+  metrics->callback([&] { rc = Metrics(g, job_id, follow); });
+
+  auto* checkpoint = app.add_subcommand("checkpoint", "ask a running job to write a checkpoint");
+  checkpoint->add_option("job", job_id, "job id")->required();
+  checkpoint->callback([&] { rc = Checkpoint(g, job_id); });
+
   auto* nodes = app.add_subcommand("nodes", "list worker nodes and their devices");
   nodes->callback([&] { rc = Nodes(g); });
 
@@ -322,6 +434,15 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   auto* up = local->add_subcommand("up", "start a coordinator in the background");
   up->add_option("--listen", up_options.listen, "coordinator HOST:PORT")->capture_default_str();
+  up->add_option("--workers", up_options.workers, "worker daemons to start")
+      ->check(CLI::Range(0, 64))
+      ->capture_default_str();
+  up->add_option("--slots", up_options.slots_per_worker, "CPU slots of each worker")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+  up->add_option("--threads-per-slot", up_options.threads_per_slot,
+                 "threads of each rank (0: cores / slots)")
+      ->capture_default_str();
   up->callback([&] {
     auto c = LocalUp(up_options);
     if (!c.ok()) {

@@ -130,3 +130,44 @@ absl::StatusOr<v1::Job> YardClient::Watch(const std::string& job_id, absl::Durat
 }
 
 }  // namespace trainyard::client
+
+namespace trainyard::client {
+
+absl::StatusOr<v1::Job> YardClient::Checkpoint(const std::string& job_id) {
+  grpc::ClientContext ctx;
+  Prepare(ctx);
+  v1::CheckpointJobRequest request;
+  request.set_job_id(job_id);
+  v1::Job job;
+  if (absl::Status s = Convert(jobs_->CheckpointJob(&ctx, request, &job)); !s.ok()) return s;
+  return job;
+}
+
+absl::Status YardClient::Logs(const std::string& job_id, bool follow, int tail,
+                              const std::function<void(const v1::LogLine&)>& on_line) {
+  grpc::ClientContext ctx;
+  Prepare(ctx, follow ? absl::ZeroDuration() : absl::Seconds(60));
+  v1::StreamLogsRequest request;
+  request.set_job_id(job_id);
+  request.set_follow(follow);
+  request.set_tail(tail);
+  auto reader = jobs_->StreamLogs(&ctx, request);
+  v1::LogLine line;
+  while (reader->Read(&line)) on_line(line);
+  return Convert(reader->Finish());
+}
+
+absl::Status YardClient::Metrics(const std::string& job_id, bool follow,
+                                 const std::function<void(const v1::StepReport&)>& on_step) {
+  grpc::ClientContext ctx;
+  Prepare(ctx, follow ? absl::ZeroDuration() : absl::Seconds(60));
+  v1::StreamMetricsRequest request;
+  request.set_job_id(job_id);
+  request.set_follow(follow);
+  auto reader = jobs_->StreamMetrics(&ctx, request);
+  v1::StepReport step;
+  while (reader->Read(&step)) on_step(step);
+  return Convert(reader->Finish());
+}
+
+}  // namespace trainyard::client

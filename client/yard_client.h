@@ -26,6 +26,14 @@ class YardClient {
   absl::StatusOr<v1::ListJobsResponse> List(const v1::ListJobsRequest& request, int limit);
   absl::StatusOr<v1::Job> Cancel(const std::string& job_id, const std::string& reason);
   absl::StatusOr<v1::ListNodesResponse> ListNodes();
+  absl::StatusOr<v1::Job> Checkpoint(const std::string& job_id);
+  // Streams the job's log lines (the last `tail`, 0 = all kept) to `on_line`; with `follow`,
+  // until the job ends.
+  absl::Status Logs(const std::string& job_id, bool follow, int tail,
+                    const std::function<void(const v1::LogLine&)>& on_line);
+  // Streams the job's step reports to `on_step`; with `follow`, until the job ends.
+  absl::Status Metrics(const std::string& job_id, bool follow,
+                       const std::function<void(const v1::StepReport&)>& on_step);
   // Streams the job's events to `on_event` until the job ends or `on_event` returns true, and
   // returns the last job seen; DEADLINE_EXCEEDED once `timeout` passes (zero = no limit).
   absl::StatusOr<v1::Job> Watch(const std::string& job_id, absl::Duration timeout,

@@ -97,6 +97,12 @@ TEST(CoordinatorRestartTest, EveryAcknowledgedJobAndStateSurvivesSigkill) {
     v1::RegisterNodeResponse resp;
     ASSERT_TRUE(nodes->RegisterNode(&ctx, r, &resp).ok());
   }
+  // Only nodes with an open session get ranks.
+  grpc::ClientContext session_ctx;
+  auto session = nodes->Session(&session_ctx);
+  v1::NodeMessage hello;
+  hello.mutable_hello()->set_node_id("n1");
+  ASSERT_TRUE(session->Write(hello));
   // Watch events are sent once a change is durable, so RUNNING here is on disk.
   for (const auto& job : {*first, *second}) {
     auto seen = alice.Watch(job.id(), absl::Seconds(30),

@@ -18,6 +18,7 @@
 #include "trainyard/v1/job.grpc.pb.h"
 #include "trainyard/v1/node.grpc.pb.h"
 #include "trainyard/v1/rendezvous.grpc.pb.h"
+#include "trainyard/v1/trainer.grpc.pb.h"
 
 namespace trainyard::coordinator {
 namespace {
@@ -61,6 +62,7 @@ class CoordinatorServiceTest : public ::testing::Test {
     jobs_ = v1::JobService::NewStub(channel_);
     nodes_ = v1::NodeService::NewStub(channel_);
     rdzv_ = v1::RendezvousService::NewStub(channel_);
+    trainer_ = v1::TrainerService::NewStub(channel_);
   }
 
   void TearDown() override {
@@ -221,6 +223,7 @@ class CoordinatorServiceTest : public ::testing::Test {
   std::unique_ptr<v1::JobService::Stub> jobs_;
   std::unique_ptr<v1::NodeService::Stub> nodes_;
   std::unique_ptr<v1::RendezvousService::Stub> rdzv_;
+  std::unique_ptr<v1::TrainerService::Stub> trainer_;
 };
 
 TEST_F(CoordinatorServiceTest, SubmitStoresAQueuedJobThatGetReturns) {
@@ -714,6 +717,128 @@ TEST_F(CoordinatorServiceTest, RendezvousIsScopedToTheRunningAttemptAndBlocksUnt
   EXPECT_EQ(rdzv_->Check(&ctx, r, &resp).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
 }
 
+TEST_F(CoordinatorServiceTest, StepReportsFeedMetricsAndCarryCheckpointRequestsUntilReported) {
+  auto node = Connect("n1", 1);
+  v1::Job job = MustSubmit(Spec(1));
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  const v1::Assignment a = node->NextCommand().assignment();
+  EXPECT_EQ(a.checkpoint_dir(), dir_.path() + "/state/checkpoints/" + job.id());
+
+  auto report = [&](int64_t step, int attempt, v1::TrainerCommands* commands) {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::StepReport r;
+    r.set_job_id(job.id());
+    r.set_attempt(attempt);
+    r.set_step(step);
+    r.set_total_steps(10);
+    r.set_loss(5.0 - step);
+    return trainer_->ReportStep(&ctx, r, commands);
+  };
+  v1::TrainerCommands commands;
+  ASSERT_TRUE(report(1, 1, &commands).ok());
+  EXPECT_FALSE(commands.checkpoint_requested());
+  EXPECT_EQ(report(2, 7, &commands).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(report(0, 1, &commands).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+
+  {  // yard checkpoint → CHECKPOINTING; the next report asks the ranks for one
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::CheckpointJobRequest r;
+    r.set_job_id(job.id());
+    v1::Job j;
+    ASSERT_TRUE(jobs_->CheckpointJob(&ctx, r, &j).ok());
+    EXPECT_EQ(j.state(), v1::CHECKPOINTING);
+  }
+  ASSERT_TRUE(report(2, 1, &commands).ok());
+  EXPECT_TRUE(commands.checkpoint_requested());
+  {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::CheckpointReport r;
+    r.set_job_id(job.id());
+    r.set_attempt(1);
+    r.set_step(2);
+    r.set_path("/ckpt/step-2");
+    r.set_bytes(1234);
+    ASSERT_TRUE(trainer_->ReportCheckpoint(&ctx, r, &commands).ok());
+    EXPECT_FALSE(commands.checkpoint_requested());
+  }
+  v1::Job j = WaitForState(job.id(), v1::RUNNING);
+  EXPECT_EQ(j.last_checkpoint().step(), 2);
+  EXPECT_EQ(j.last_checkpoint().path(), "/ckpt/step-2");
+  EXPECT_EQ(j.step(), 2);
+  ASSERT_TRUE(report(3, 1, &commands).ok());
+  EXPECT_FALSE(commands.checkpoint_requested());
+
+  // The metrics stream has every accepted report, in order.
+  grpc::ClientContext ctx;
+  Prepare(ctx);
+  v1::StreamMetricsRequest r;
+  r.set_job_id(job.id());
+  auto reader = jobs_->StreamMetrics(&ctx, r);
+  std::vector<int64_t> steps;
+  v1::StepReport step;
+  while (reader->Read(&step)) steps.push_back(step.step());
+  EXPECT_TRUE(reader->Finish().ok());
+  EXPECT_THAT(steps, ElementsAre(1, 2, 3));
+}
+
+TEST_F(CoordinatorServiceTest, CheckpointingAJobThatIsNotRunningIsFailedPrecondition) {
+  v1::Job job = MustSubmit(Spec(1));
+  grpc::ClientContext ctx;
+  Prepare(ctx);
+  v1::CheckpointJobRequest r;
+  r.set_job_id(job.id());
+  v1::Job j;
+  grpc::Status s = jobs_->CheckpointJob(&ctx, r, &j);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("QUEUED"));
+}
+
+TEST_F(CoordinatorServiceTest, FollowedLogsStreamRankLinesAndEndWithTheJob) {
+  auto node = Connect("n1", 2);
+  v1::Job job = MustSubmit(Spec(2));
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  const v1::Assignment a = node->NextCommand().assignment();
+  grpc::ClientContext ctx;
+  Prepare(ctx);
+  v1::StreamLogsRequest r;
+  r.set_job_id(job.id());
+  r.set_follow(true);
+  auto reader = jobs_->StreamLogs(&ctx, r);
+  for (int rank : {0, 1}) {
+    v1::NodeMessage m;
+    auto* l = m.mutable_logs();
+    l->set_job_id(job.id());
+    l->set_attempt(1);
+    l->set_rank(rank);
+    l->add_lines(absl::StrCat("line a from ", rank));
+    l->add_lines(absl::StrCat("line b from ", rank));
+    ASSERT_TRUE(node->stream->Write(m));
+  }
+  std::vector<std::string> got;
+  v1::LogLine line;
+  for (int i = 0; i < 4 && reader->Read(&line); ++i) {
+    got.push_back(absl::StrCat(line.rank(), ":", line.text()));
+  }
+  EXPECT_THAT(
+      got, ElementsAre("0:line a from 0", "0:line b from 0", "1:line a from 1", "1:line b from 1"));
+  node->ReportExit(a, 0, 0);
+  node->ReportExit(a, 1, 0);
+  EXPECT_FALSE(reader->Read(&line));  // the stream ends with the job
+  EXPECT_TRUE(reader->Finish().ok());
+
+  grpc::ClientContext tail_ctx;
+  Prepare(tail_ctx);
+  r.set_follow(false);
+  r.set_tail(1);
+  auto tail = jobs_->StreamLogs(&tail_ctx, r);
+  ASSERT_TRUE(tail->Read(&line));
+  EXPECT_EQ(line.text(), "line b from 1");
+  EXPECT_FALSE(tail->Read(&line));
+}
+
 TEST_F(CoordinatorServiceTest, HealthAndReflectionAreServed) {
   auto health = testing::HealthCheck(channel_);
   ASSERT_TRUE(health.ok()) << health.status();
@@ -723,6 +848,7 @@ TEST_F(CoordinatorServiceTest, HealthAndReflectionAreServed) {
   EXPECT_THAT(*services, Contains("trainyard.v1.JobService"));
   EXPECT_THAT(*services, Contains("trainyard.v1.NodeService"));
   EXPECT_THAT(*services, Contains("trainyard.v1.RendezvousService"));
+  EXPECT_THAT(*services, Contains("trainyard.v1.TrainerService"));
   EXPECT_THAT(*services, Contains("grpc.health.v1.Health"));
 }
 

@@ -55,9 +55,12 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   RETURN_IF_ERROR(s->jobs_->Load(stored_jobs));
   spdlog::info("loaded {} jobs and {} nodes from {}", stored_jobs.size(), stored_nodes.size(), dir);
 
-  s->job_service_ = std::make_unique<JobServiceImpl>(*s->jobs_);
-  s->node_service_ =
-      std::make_unique<NodeServiceImpl>(*s->nodes_, *s->jobs_, s->options_.heartbeat_interval);
+  s->logs_ = std::make_unique<JobLogs>(/*max_records_per_job=*/50'000);
+  s->metrics_ = std::make_unique<JobMetrics>(/*max_records_per_job=*/200'000);
+  s->job_service_ = std::make_unique<JobServiceImpl>(*s->jobs_, *s->logs_, *s->metrics_);
+  s->trainer_service_ = std::make_unique<TrainerServiceImpl>(*s->jobs_, *s->metrics_);
+  s->node_service_ = std::make_unique<NodeServiceImpl>(*s->nodes_, *s->jobs_, *s->logs_,
+                                                       s->options_.heartbeat_interval);
   s->rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(*s->rendezvous_);
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -70,6 +73,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   builder.RegisterService(s->job_service_.get());
   builder.RegisterService(s->node_service_.get());
   builder.RegisterService(s->rendezvous_service_.get());
+  builder.RegisterService(s->trainer_service_.get());
   s->server_ = builder.BuildAndStart();
   if (s->server_ == nullptr || s->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("listen: cannot bind ", s->options_.listen_address));
@@ -77,6 +81,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   const std::string& listen = s->options_.listen_address;
   s->address_ = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", s->port_);
   s->jobs_->SetCoordinatorAddress(s->address_);
+  s->jobs_->SetCheckpointRoot(s->options_.checkpoint_root.empty()
+                                  ? std::filesystem::absolute(dir + "/checkpoints").string()
+                                  : s->options_.checkpoint_root);
   s->jobs_->SetSchedulerWakeup([raw = s.get()] { raw->WakeScheduler(); });
 
   if (s->options_.background_threads) {

@@ -29,6 +29,7 @@ struct CoordinatorOptions {
   std::string listen_address = "127.0.0.1:7070";  // port 0 picks a free port
   std::string state_dir;                          // holds coordinator.db; created if missing
   std::string metrics_address;                    // reserved for the Prometheus endpoint
+  std::string checkpoint_root;  // jobs' checkpoints (ROOT/JOB_ID); default STATE_DIR/checkpoints
   absl::Duration node_timeout = absl::Seconds(10);
   absl::Duration heartbeat_interval = absl::Seconds(2);
   int max_message_bytes = 4 << 20;  // larger requests get RESOURCE_EXHAUSTED
@@ -76,7 +77,10 @@ class CoordinatorServer {
   std::unique_ptr<NodeRegistry> nodes_;
   std::unique_ptr<Rendezvous> rendezvous_;
   std::unique_ptr<JobManager> jobs_;
+  std::unique_ptr<JobLogs> logs_;
+  std::unique_ptr<JobMetrics> metrics_;
   std::unique_ptr<JobServiceImpl> job_service_;
+  std::unique_ptr<TrainerServiceImpl> trainer_service_;
   std::unique_ptr<NodeServiceImpl> node_service_;
   std::unique_ptr<RendezvousServiceImpl> rendezvous_service_;
   std::unique_ptr<grpc::Server> server_;

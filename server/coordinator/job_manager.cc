@@ -37,6 +37,8 @@ void JobManager::SetCoordinatorAddress(std::string address) {
   coordinator_address_ = std::move(address);
 }
 
+void JobManager::SetCheckpointRoot(std::string root) { checkpoint_root_ = std::move(root); }
+
 void JobManager::WakeScheduler() {
   if (wakeup_) wakeup_();
 }
@@ -50,6 +52,7 @@ absl::Status JobManager::Load(const std::vector<StoredJob>& stored) {
     }
     next_seq_ = std::max(next_seq_, job.seq() + 1);
     ids_by_seq_[job.seq()] = job.id();
+    durable_version_[job.id()] = job.version();
     if (!IsTerminal(job.state())) unfinished_.insert(job.id());
     if (IsActive(job.state())) {
       for (const auto& p : job.placement()) {
@@ -97,7 +100,11 @@ void JobManager::Persist(const v1::Job& job, std::function<void(absl::Status)> a
 void JobManager::NotifyWatchers(const v1::Job& job) {
   std::vector<std::shared_ptr<WatchCallback>> callbacks;
   {
+    // Recording the durable version and collecting watchers under one lock: a concurrent Watch
+    // either sees this version as durable or is among the watchers notified of it.
     absl::MutexLock lock(&mu_);
+    int64_t& durable = durable_version_[job.id()];
+    durable = std::max(durable, job.version());
     for (const auto& [handle, w] : watchers_) {
       if (w.job_id == job.id()) callbacks.push_back(w.callback);
     }
@@ -136,6 +143,7 @@ void JobManager::Submit(const std::string& owner, v1::JobSpec spec, JobCallback 
         jobs_[job.id()] = job;
         ids_by_seq_[job.seq()] = job.id();
         unfinished_.insert(job.id());
+        durable_version_[job.id()] = job.version();
       }
       done(job);
       WakeScheduler();
@@ -210,12 +218,86 @@ void JobManager::Cancel(const std::string& job_id, const std::string& reason, Jo
   WakeScheduler();
 }
 
+absl::StatusOr<v1::Job*> JobManager::FindRunningAttempt(const std::string& job_id, int attempt) {
+  v1::Job* job = Find(job_id);
+  if (job == nullptr) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
+  if (!IsActive(job->state()) || job->attempt() != attempt) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, " attempt ", attempt, " is not running"));
+  }
+  return job;
+}
+
+v1::TrainerCommands JobManager::CommandsFor(const v1::Job& job) const {
+  v1::TrainerCommands commands;
+  commands.set_checkpoint_requested(job.state() == v1::CHECKPOINTING);
+  return commands;
+}
+
+void JobManager::RequestCheckpoint(const std::string& job_id, JobCallback done) {
+  absl::MutexLock lock(&mu_);
+  v1::Job* job = Find(job_id);
+  if (job == nullptr) {
+    done(absl::NotFoundError(absl::StrCat("job ", job_id, " not found")));
+    return;
+  }
+  if (job->state() == v1::CHECKPOINTING) {
+    done(*job);  // already asked; the ranks have not answered yet
+    return;
+  }
+  if (job->state() != v1::RUNNING) {
+    done(absl::FailedPreconditionError(absl::StrCat("job ", job_id, " is ",
+                                                    v1::JobState_Name(job->state()),
+                                                    "; only a RUNNING job can checkpoint")));
+    return;
+  }
+  Transition(*job, v1::CHECKPOINTING, "checkpoint requested");
+  Persist(*job, [job = *job, done = std::move(done)](absl::Status s) {
+    if (s.ok()) {
+      done(job);
+    } else {
+      done(s);
+    }
+  });
+}
+
+absl::StatusOr<v1::TrainerCommands> JobManager::OnStepReport(const v1::StepReport& report) {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(v1::Job * job, FindRunningAttempt(report.job_id(), report.attempt()));
+  // Progress is kept in memory only: a write per step would cost more than it is worth. It is
+  // stored with the next durable change of the job.
+  job->set_step(report.step());
+  job->set_loss(report.loss());
+  return CommandsFor(*job);
+}
+
+absl::StatusOr<v1::TrainerCommands> JobManager::OnCheckpointReport(
+    const v1::CheckpointReport& report) {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(v1::Job * job, FindRunningAttempt(report.job_id(), report.attempt()));
+  v1::CheckpointInfo* info = job->mutable_last_checkpoint();
+  info->set_step(report.step());
+  info->set_path(report.path());
+  info->set_bytes(report.bytes());
+  info->set_time_ms(NowMs(clock_));
+  info->set_attempt(report.attempt());
+  if (job->step() < report.step()) job->set_step(report.step());
+  if (job->state() == v1::CHECKPOINTING) {
+    Transition(*job, v1::RUNNING, "");
+  } else {
+    job->set_version(job->version() + 1);
+  }
+  Persist(*job);
+  return CommandsFor(*job);
+}
+
 absl::StatusOr<int64_t> JobManager::Watch(const std::string& job_id, WatchCallback on_change,
-                                          v1::Job* current) {
+                                          v1::Job* current, bool* current_durable) {
   absl::MutexLock lock(&mu_);
   v1::Job* job = Find(job_id);
   if (job == nullptr) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
   *current = *job;
+  *current_durable = job->version() <= durable_version_[job_id];
   const int64_t handle = next_watch_handle_++;
   watchers_[handle] = Watcher{job_id, std::make_shared<WatchCallback>(std::move(on_change))};
   return handle;
@@ -273,7 +355,9 @@ int JobManager::SchedulePass() {
     sn.id = n.id();
     sn.total_devices = n.devices_size();
     sn.free_devices = std::max(0, n.devices_size() - used);
-    sn.schedulable = n.state() == v1::NODE_READY;
+    // A node loaded after a coordinator restart keeps its running jobs but gets no new ranks
+    // until its worker is back on a session.
+    sn.schedulable = n.state() == v1::NODE_READY && n.connected();
     snapshot.nodes.push_back(std::move(sn));
   }
   for (const std::string& id : unfinished_) {
@@ -355,6 +439,8 @@ std::vector<std::pair<std::string, v1::Assignment>> JobManager::AssignmentsOf(
     *a.mutable_device_indices() = p.device_indices();
     a.set_spec(spec);
     a.set_coordinator_address(coordinator_address_);
+    if (!checkpoint_root_.empty())
+      a.set_checkpoint_dir(absl::StrCat(checkpoint_root_, "/", job.id()));
     out.emplace_back(p.node_id(), std::move(a));
   }
   return out;

@@ -25,6 +25,7 @@
 #include "server/coordinator/rendezvous.h"
 #include "trainyard/v1/job.pb.h"
 #include "trainyard/v1/node.pb.h"
+#include "trainyard/v1/trainer.pb.h"
 
 namespace trainyard::coordinator {
 
@@ -43,6 +44,9 @@ class JobManager {
   void SetSchedulerWakeup(std::function<void()> wakeup);
   // The address ranks use for rendezvous, put into assignments (set once, before serving).
   void SetCoordinatorAddress(std::string address);
+  // Where jobs' checkpoints live: ROOT/JOB_ID, shared by the job's attempts so a restarted
+  // attempt resumes (set once, before serving; empty: the worker picks a local folder).
+  void SetCheckpointRoot(std::string root);
 
   // Applies defaults, validates (INVALID_ARGUMENT naming the field), stores the job durably as
   // QUEUED, then calls `done` with it. Nothing is stored on error.
@@ -60,10 +64,20 @@ class JobManager {
   // NOT_FOUND, or FAILED_PRECONDITION for a job that already ended.
   void Cancel(const std::string& job_id, const std::string& reason, JobCallback done);
 
+  // Asks a running job for a checkpoint: RUNNING → CHECKPOINTING until its ranks report one.
+  // NOT_FOUND, or FAILED_PRECONDITION if the job is not running.
+  void RequestCheckpoint(const std::string& job_id, JobCallback done);
+  // A step report from a job's rank 0: updates the job's progress and returns its pending
+  // commands. FAILED_PRECONDITION for an attempt that is not the job's running one.
+  absl::StatusOr<v1::TrainerCommands> OnStepReport(const v1::StepReport& report);
+  // A checkpoint written by a job's ranks: recorded durably; CHECKPOINTING → RUNNING.
+  absl::StatusOr<v1::TrainerCommands> OnCheckpointReport(const v1::CheckpointReport& report);
+
   // Subscribes to a job's durable changes. Returns a handle for Unwatch and fills `current`
-  // with the job as it is now; callbacks may repeat a version already seen in `current`.
+  // with the job as it is now, and `current_durable` with whether that state is on disk yet (if
+  // not, `on_change` receives it once it is). Callbacks may repeat a version already seen.
   absl::StatusOr<int64_t> Watch(const std::string& job_id, WatchCallback on_change,
-                                v1::Job* current);
+                                v1::Job* current, bool* current_durable);
   void Unwatch(int64_t handle);
 
   // Asks the scheduler loop for a pass soon (after a node joins or comes back).
@@ -91,6 +105,10 @@ class JobManager {
   };
 
   v1::Job* Find(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The job if `attempt` is its running attempt; else NOT_FOUND or FAILED_PRECONDITION.
+  absl::StatusOr<v1::Job*> FindRunningAttempt(const std::string& job_id, int attempt)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::TrainerCommands CommandsFor(const v1::Job& job) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves `job` to `to` (a broken transition is a bug: CHECK) and bumps its version.
   void Transition(v1::Job& job, v1::JobState to, std::string message)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -114,6 +132,7 @@ class JobManager {
   const Clock& clock_;
   std::function<void()> wakeup_;     // set before serving; immutable after
   std::string coordinator_address_;  // set before serving; immutable after
+  std::string checkpoint_root_;      // set before serving; immutable after
 
   mutable absl::Mutex mu_;
   std::map<std::string, v1::Job> jobs_ ABSL_GUARDED_BY(mu_);
@@ -124,6 +143,9 @@ class JobManager {
   std::map<std::string, std::set<int>> finished_ranks_ ABSL_GUARDED_BY(mu_);
   int64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<int64_t, Watcher> watchers_ ABSL_GUARDED_BY(mu_);
+  // Highest version of each job known to be on disk. Reads (Get, List) may be a few ms ahead of
+  // the disk; watch events never are.
+  std::map<std::string, int64_t> durable_version_ ABSL_GUARDED_BY(mu_);
   int64_t next_watch_handle_ ABSL_GUARDED_BY(mu_) = 1;
 };
 

@@ -30,6 +30,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--metrics-address", options.metrics_address,
                  "HOST:PORT for the Prometheus /metrics endpoint (reserved)");
+  app.add_option(
+      "--checkpoint-root", options.checkpoint_root,
+      "where jobs' checkpoints live, seen by every worker (default STATE_DIR/checkpoints)");
   app.add_option("--node-timeout", node_timeout,
                  "a node silent for this long is lost and its jobs restart or fail")
       ->capture_default_str();

@@ -156,6 +156,7 @@ std::vector<v1::Node> NodeRegistry::List() const {
   for (const auto& [id, entry] : nodes_) {
     out.push_back(entry.node);
     out.back().set_last_heartbeat_ms(ToUnixMs(entry.last_heartbeat));
+    out.back().set_connected(entry.session != nullptr);
   }
   return out;
 }
@@ -166,6 +167,7 @@ absl::StatusOr<v1::Node> NodeRegistry::Get(const std::string& node_id) const {
   if (it == nodes_.end()) return absl::NotFoundError(absl::StrCat("node ", node_id, " not found"));
   v1::Node node = it->second.node;
   node.set_last_heartbeat_ms(ToUnixMs(it->second.last_heartbeat));
+  node.set_connected(it->second.session != nullptr);
   return node;
 }
 

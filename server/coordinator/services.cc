@@ -100,16 +100,18 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
         queue_(std::make_shared<Queue>(this)),
         last_version_(std::make_shared<State>()) {
     v1::Job current;
+    bool durable = false;
     auto handle = jobs_.Watch(
         job_id,
         [queue = queue_, state = last_version_](const v1::Job& job) { Deliver(queue, state, job); },
-        &current);
+        &current, &durable);
     if (!handle.ok()) {
       queue_->FinishWhenDrained(ToGrpcStatus(handle.status()));
       return;
     }
     handle_ = *handle;
-    Deliver(queue_, last_version_, current);
+    // A state not yet on disk arrives through the callback once it is.
+    if (durable) Deliver(queue_, last_version_, current);
   }
 
   void OnWriteDone(bool ok) override { queue_->OnWriteDone(ok); }
@@ -151,8 +153,8 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
 class SessionReactor final
     : public grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage> {
  public:
-  SessionReactor(NodeRegistry& nodes, JobManager& jobs)
-      : nodes_(nodes), jobs_(jobs), sink_(std::make_shared<Sink>(this)) {
+  SessionReactor(NodeRegistry& nodes, JobManager& jobs, JobLogs& logs)
+      : nodes_(nodes), jobs_(jobs), logs_(logs), sink_(std::make_shared<Sink>(this)) {
     StartRead(&incoming_);
   }
 
@@ -188,6 +190,18 @@ class SessionReactor final
       sink_->Send(ack);
     } else if (incoming_.has_rank_status()) {
       jobs_.OnRankStatus(node_id_, incoming_.rank_status());
+    } else if (incoming_.has_logs()) {
+      const v1::LogLines& in = incoming_.logs();
+      std::vector<v1::LogLine> lines;
+      lines.reserve(in.lines_size());
+      for (const std::string& text : in.lines()) {
+        v1::LogLine l;
+        l.set_attempt(in.attempt());
+        l.set_rank(in.rank());
+        l.set_text(text);
+        lines.push_back(std::move(l));
+      }
+      logs_.Append(in.job_id(), std::move(lines));
     }
     StartRead(&incoming_);
   }
@@ -219,10 +233,73 @@ class SessionReactor final
 
   NodeRegistry& nodes_;
   JobManager& jobs_;
+  JobLogs& logs_;
   std::shared_ptr<Sink> sink_;
   v1::NodeMessage incoming_;
   std::string node_id_;  // set by hello; only the reactor's own callbacks touch it
 };
+
+// StreamLogs / StreamMetrics: the records kept so far, then (with follow) each new one until the
+// job ends.
+template <typename T>
+class SeriesReactor final : public grpc::ServerWriteReactor<T> {
+ public:
+  SeriesReactor(JobManager& jobs, JobSeries<T>& series, const std::string& job_id, size_t tail,
+                bool follow)
+      : jobs_(jobs), series_(series), queue_(std::make_shared<Queue>(this)) {
+    v1::Job current;
+    bool durable = false;
+    auto watch = jobs_.Watch(
+        job_id,
+        [queue = queue_](const v1::Job& job) {
+          if (IsTerminal(job.state())) queue->FinishWhenDrained(grpc::Status::OK);
+        },
+        &current, &durable);
+    if (!watch.ok()) {
+      queue_->FinishWhenDrained(ToGrpcStatus(watch.status()));
+      return;
+    }
+    watch_ = *watch;
+    std::vector<T> backlog;
+    subscription_ =
+        series_.Subscribe(job_id, tail, &backlog, [queue = queue_](const std::vector<T>& records) {
+          for (const T& r : records) queue->Push(r);
+        });
+    for (T& r : backlog) queue_->Push(std::move(r));
+    if (!follow || (durable && IsTerminal(current.state()))) {
+      queue_->FinishWhenDrained(grpc::Status::OK);
+    }
+  }
+
+  void OnWriteDone(bool ok) override { queue_->OnWriteDone(ok); }
+  void OnCancel() override {
+    queue_->FinishWhenDrained(grpc::Status(grpc::StatusCode::CANCELLED, "stream cancelled"));
+  }
+  void OnDone() override {
+    if (watch_ != 0) jobs_.Unwatch(watch_);
+    if (subscription_ != 0) series_.Unsubscribe(subscription_);
+    queue_->Close();
+    delete this;
+  }
+
+ private:
+  using Queue = WriteQueue<grpc::ServerWriteReactor<T>, T>;
+  JobManager& jobs_;
+  JobSeries<T>& series_;
+  std::shared_ptr<Queue> queue_;
+  int64_t watch_ = 0;
+  int64_t subscription_ = 0;
+};
+
+template <typename T>
+grpc::ServerWriteReactor<T>* RejectStream(grpc::Status status) {
+  class Rejected final : public grpc::ServerWriteReactor<T> {
+   public:
+    explicit Rejected(grpc::Status s) { this->Finish(std::move(s)); }
+    void OnDone() override { delete this; }
+  };
+  return new Rejected(std::move(status));
+}
 
 absl::StatusOr<ScopeId> ParseScope(const v1::RendezvousScope& scope) {
   if (scope.job_id().empty()) return absl::InvalidArgumentError("scope.job_id: required");
@@ -303,15 +380,75 @@ grpc::ServerUnaryReactor* JobServiceImpl::CancelJob(grpc::CallbackServerContext*
 grpc::ServerWriteReactor<v1::JobEvent>* JobServiceImpl::WatchJob(
     grpc::CallbackServerContext* ctx, const v1::WatchJobRequest* request) {
   if (request->job_id().empty()) {
-    // A reactor that only finishes: there is nothing to watch.
-    class Rejected final : public grpc::ServerWriteReactor<v1::JobEvent> {
-     public:
-      Rejected() { Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "job_id: required")); }
-      void OnDone() override { delete this; }
-    };
-    return new Rejected();
+    return RejectStream<v1::JobEvent>(
+        grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "job_id: required"));
   }
   return new WatchReactor(jobs_, request->job_id());
+}
+
+grpc::ServerWriteReactor<v1::LogLine>* JobServiceImpl::StreamLogs(
+    grpc::CallbackServerContext* ctx, const v1::StreamLogsRequest* request) {
+  if (request->job_id().empty()) {
+    return RejectStream<v1::LogLine>(
+        grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "job_id: required"));
+  }
+  if (request->tail() < 0) {
+    return RejectStream<v1::LogLine>(
+        grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                     absl::StrCat("tail: must be >= 0, got ", request->tail())));
+  }
+  return new SeriesReactor<v1::LogLine>(jobs_, logs_, request->job_id(),
+                                        static_cast<size_t>(request->tail()), request->follow());
+}
+
+grpc::ServerWriteReactor<v1::StepReport>* JobServiceImpl::StreamMetrics(
+    grpc::CallbackServerContext* ctx, const v1::StreamMetricsRequest* request) {
+  if (request->job_id().empty()) {
+    return RejectStream<v1::StepReport>(
+        grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "job_id: required"));
+  }
+  return new SeriesReactor<v1::StepReport>(jobs_, metrics_, request->job_id(), 0,
+                                           request->follow());
+}
+
+grpc::ServerUnaryReactor* JobServiceImpl::CheckpointJob(grpc::CallbackServerContext* ctx,
+                                                        const v1::CheckpointJobRequest* request,
+                                                        v1::Job* response) {
+  if (request->job_id().empty()) return Done(ctx, absl::InvalidArgumentError("job_id: required"));
+  auto* reactor = ctx->DefaultReactor();
+  jobs_.RequestCheckpoint(request->job_id(), [reactor, response](absl::StatusOr<v1::Job> job) {
+    if (job.ok()) *response = *std::move(job);
+    reactor->Finish(ToGrpcStatus(job.status()));
+  });
+  return reactor;
+}
+
+// ---- TrainerService ----
+
+grpc::ServerUnaryReactor* TrainerServiceImpl::ReportStep(grpc::CallbackServerContext* ctx,
+                                                         const v1::StepReport* request,
+                                                         v1::TrainerCommands* response) {
+  if (request->job_id().empty()) return Done(ctx, absl::InvalidArgumentError("job_id: required"));
+  if (request->step() < 1) {
+    return Done(
+        ctx, absl::InvalidArgumentError(absl::StrCat("step: must be >= 1, got ", request->step())));
+  }
+  auto commands = jobs_.OnStepReport(*request);
+  if (commands.ok()) {
+    *response = *commands;
+    metrics_.Append(request->job_id(), {*request});
+  }
+  return Done(ctx, commands.status());
+}
+
+grpc::ServerUnaryReactor* TrainerServiceImpl::ReportCheckpoint(grpc::CallbackServerContext* ctx,
+                                                               const v1::CheckpointReport* request,
+                                                               v1::TrainerCommands* response) {
+  if (request->job_id().empty()) return Done(ctx, absl::InvalidArgumentError("job_id: required"));
+  if (request->path().empty()) return Done(ctx, absl::InvalidArgumentError("path: required"));
+  auto commands = jobs_.OnCheckpointReport(*request);
+  if (commands.ok()) *response = *commands;
+  return Done(ctx, commands.status());
 }
 
 // ---- NodeService ----
@@ -334,7 +471,7 @@ grpc::ServerUnaryReactor* NodeServiceImpl::RegisterNode(grpc::CallbackServerCont
 
 grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage>* NodeServiceImpl::Session(
     grpc::CallbackServerContext* ctx) {
-  return new SessionReactor(nodes_, jobs_);
+  return new SessionReactor(nodes_, jobs_, logs_);
 }
 
 grpc::ServerUnaryReactor* NodeServiceImpl::ListNodes(grpc::CallbackServerContext* ctx,

@@ -5,20 +5,26 @@
 #define TRAINYARD_SERVER_COORDINATOR_SERVICES_H_
 
 #include "server/coordinator/job_manager.h"
+#include "server/coordinator/job_series.h"
 #include "server/coordinator/node_registry.h"
 #include "server/coordinator/rendezvous.h"
 #include "trainyard/v1/job.grpc.pb.h"
 #include "trainyard/v1/node.grpc.pb.h"
 #include "trainyard/v1/rendezvous.grpc.pb.h"
+#include "trainyard/v1/trainer.grpc.pb.h"
 
 namespace trainyard::coordinator {
 
 // Call metadata key carrying the caller's user name.
 inline constexpr char kUserMetadataKey[] = "x-trainyard-user";
 
+using JobLogs = JobSeries<v1::LogLine>;
+using JobMetrics = JobSeries<v1::StepReport>;
+
 class JobServiceImpl final : public v1::JobService::CallbackService {
  public:
-  explicit JobServiceImpl(JobManager& jobs) : jobs_(jobs) {}
+  JobServiceImpl(JobManager& jobs, JobLogs& logs, JobMetrics& metrics)
+      : jobs_(jobs), logs_(logs), metrics_(metrics) {}
 
   grpc::ServerUnaryReactor* SubmitJob(grpc::CallbackServerContext* ctx,
                                       const v1::SubmitJobRequest* request,
@@ -33,15 +39,41 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
                                       v1::Job* response) override;
   grpc::ServerWriteReactor<v1::JobEvent>* WatchJob(grpc::CallbackServerContext* ctx,
                                                    const v1::WatchJobRequest* request) override;
+  grpc::ServerWriteReactor<v1::LogLine>* StreamLogs(grpc::CallbackServerContext* ctx,
+                                                    const v1::StreamLogsRequest* request) override;
+  grpc::ServerWriteReactor<v1::StepReport>* StreamMetrics(
+      grpc::CallbackServerContext* ctx, const v1::StreamMetricsRequest* request) override;
+  grpc::ServerUnaryReactor* CheckpointJob(grpc::CallbackServerContext* ctx,
+                                          const v1::CheckpointJobRequest* request,
+                                          v1::Job* response) override;
 
  private:
   JobManager& jobs_;
+  JobLogs& logs_;
+  JobMetrics& metrics_;
+};
+
+class TrainerServiceImpl final : public v1::TrainerService::CallbackService {
+ public:
+  TrainerServiceImpl(JobManager& jobs, JobMetrics& metrics) : jobs_(jobs), metrics_(metrics) {}
+
+  grpc::ServerUnaryReactor* ReportStep(grpc::CallbackServerContext* ctx,
+                                       const v1::StepReport* request,
+                                       v1::TrainerCommands* response) override;
+  grpc::ServerUnaryReactor* ReportCheckpoint(grpc::CallbackServerContext* ctx,
+                                             const v1::CheckpointReport* request,
+                                             v1::TrainerCommands* response) override;
+
+ private:
+  JobManager& jobs_;
+  JobMetrics& metrics_;
 };
 
 class NodeServiceImpl final : public v1::NodeService::CallbackService {
  public:
-  NodeServiceImpl(NodeRegistry& nodes, JobManager& jobs, absl::Duration heartbeat_interval)
-      : nodes_(nodes), jobs_(jobs), heartbeat_interval_(heartbeat_interval) {}
+  NodeServiceImpl(NodeRegistry& nodes, JobManager& jobs, JobLogs& logs,
+                  absl::Duration heartbeat_interval)
+      : nodes_(nodes), jobs_(jobs), logs_(logs), heartbeat_interval_(heartbeat_interval) {}
 
   grpc::ServerUnaryReactor* RegisterNode(grpc::CallbackServerContext* ctx,
                                          const v1::RegisterNodeRequest* request,
@@ -55,6 +87,7 @@ class NodeServiceImpl final : public v1::NodeService::CallbackService {
  private:
   NodeRegistry& nodes_;
   JobManager& jobs_;
+  JobLogs& logs_;
   const absl::Duration heartbeat_interval_;
 };
 

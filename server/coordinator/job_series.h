@@ -1,0 +1,87 @@
+// JobSeries<T>: per-job append-only records (log lines, step metrics) kept in memory with a cap,
+// with subscribers that get the backlog and then every new record, for `yard logs -f` and
+// `yard metrics -f`. Records do not survive a coordinator restart (the worker keeps each rank's
+// full log on its node). Thread-safe; subscriber callbacks run on the appending thread, outside
+// the lock, in append order per job.
+#ifndef TRAINYARD_SERVER_COORDINATOR_JOB_SERIES_H_
+#define TRAINYARD_SERVER_COORDINATOR_JOB_SERIES_H_
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+
+namespace trainyard::coordinator {
+
+template <typename T>
+class JobSeries {
+ public:
+  using Callback = std::function<void(const std::vector<T>&)>;
+
+  explicit JobSeries(size_t max_records_per_job) : max_records_(max_records_per_job) {}
+
+  void Append(const std::string& job_id, std::vector<T> records) {
+    std::vector<std::shared_ptr<Callback>> callbacks;
+    {
+      absl::MutexLock lock(&mu_);
+      Series& s = series_[job_id];
+      for (const T& r : records) s.records.push_back(r);
+      while (s.records.size() > max_records_) s.records.pop_front();
+      for (const auto& [handle, cb] : s.subscribers) callbacks.push_back(cb);
+      // Delivery happens outside the lock, but in order: appends for one job come from one
+      // stream (a node session or a rank's reports), so they do not race each other.
+    }
+    for (const auto& cb : callbacks) (*cb)(records);
+  }
+
+  // Returns a handle for Unsubscribe and fills `backlog` with the kept records (the last `tail`
+  // of them, or all for tail 0); `on_records` gets every later append.
+  int64_t Subscribe(const std::string& job_id, size_t tail, std::vector<T>* backlog,
+                    Callback on_records) {
+    absl::MutexLock lock(&mu_);
+    Series& s = series_[job_id];
+    const size_t skip = tail == 0 || tail >= s.records.size() ? 0 : s.records.size() - tail;
+    backlog->assign(s.records.begin() + skip, s.records.end());
+    const int64_t handle = next_handle_++;
+    s.subscribers[handle] = std::make_shared<Callback>(std::move(on_records));
+    handles_[handle] = job_id;
+    return handle;
+  }
+
+  void Unsubscribe(int64_t handle) {
+    absl::MutexLock lock(&mu_);
+    auto it = handles_.find(handle);
+    if (it == handles_.end()) return;
+    series_[it->second].subscribers.erase(handle);
+    handles_.erase(it);
+  }
+
+  std::vector<T> Snapshot(const std::string& job_id) const {
+    absl::MutexLock lock(&mu_);
+    auto it = series_.find(job_id);
+    if (it == series_.end()) return {};
+    return {it->second.records.begin(), it->second.records.end()};
+  }
+
+ private:
+  struct Series {
+    std::deque<T> records;
+    std::map<int64_t, std::shared_ptr<Callback>> subscribers;
+  };
+
+  const size_t max_records_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, Series> series_ ABSL_GUARDED_BY(mu_);
+  std::map<int64_t, std::string> handles_ ABSL_GUARDED_BY(mu_);
+  int64_t next_handle_ ABSL_GUARDED_BY(mu_) = 1;
+};
+
+}  // namespace trainyard::coordinator
+
+#endif  // TRAINYARD_SERVER_COORDINATOR_JOB_SERIES_H_

@@ -1,0 +1,65 @@
+// A rank program for the worker daemon's tests, standing in for trainyard-trainer where a test
+// needs a rank to misbehave on purpose. It takes the trainer's command line and acts out the job's
+// name: "succeed" (print lines, exit 0), "fail-rank-1" (rank 1 prints to stderr and exits 3),
+// "hang" (print "ready", wait for SIGTERM), "ignore-term" (ignore SIGTERM, wait to be killed),
+// "spawn-child" (start a grandchild that sleeps, then hang). Each rank writes its pid (and its
+// grandchild's) to pids-rank-R in its working directory, so tests can check that none survive.
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "trainyard/v1/job.pb.h"
+
+int main(int argc, char** argv) {
+  std::string spec_path;
+  int rank = -1, world = 0;
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (!std::strcmp(argv[i], "--spec")) spec_path = argv[i + 1];
+    if (!std::strcmp(argv[i], "--rank")) rank = std::atoi(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--world-size")) world = std::atoi(argv[i + 1]);
+  }
+  std::ifstream in(spec_path, std::ios::binary);
+  std::stringstream bytes;
+  bytes << in.rdbuf();
+  trainyard::v1::JobSpec spec;
+  if (!spec.ParseFromString(bytes.str()) || rank < 0) {
+    std::fprintf(stderr, "test_rank: bad arguments\n");
+    return 64;
+  }
+  const std::string mode = spec.name();
+  std::ofstream pids("pids-rank-" + std::to_string(rank));
+  pids << getpid() << "\n";
+  std::printf("hello from rank %d of %d (%s)\n", rank, world, mode.c_str());
+  std::fflush(stdout);
+
+  if (mode == "succeed") {
+    std::printf("rank %d done\n", rank);
+    return 0;
+  }
+  if (mode == "fail-rank-1") {
+    if (rank == 1) {
+      std::fprintf(stderr, "boom: rank 1 failed on purpose\n");
+      return 3;
+    }
+    pause();  // the other ranks wait until they are stopped
+    return 0;
+  }
+  if (mode == "ignore-term") signal(SIGTERM, SIG_IGN);
+  if (mode == "spawn-child") {
+    const pid_t child = fork();
+    if (child == 0) {
+      for (;;) pause();
+    }
+    pids << child << "\n";
+  }
+  pids.flush();
+  std::printf("ready\n");
+  std::fflush(stdout);
+  for (;;) pause();
+}

@@ -1,0 +1,277 @@
+// The worker daemon end to end: real trainyard-coordinator and trainyard-worker processes on
+// loopback, the worker running test_rank (tests/test_rank.cc) as its rank program so each test can
+// make ranks succeed, crash, hang or ignore SIGTERM. Checks launch, log relay, exit reporting,
+// restarts, cancel (SIGTERM, then SIGKILL), worker shutdown without orphans, and reconnection
+// after a coordinator restart.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "client/yard_client.h"
+#include "tests/testing/subprocess.h"
+
+namespace trainyard {
+namespace {
+
+using testing::BinPath;
+using ::testing::HasSubstr;
+using testing::Subprocess;
+using testing::TempDir;
+using testing::TestBinPath;
+
+bool Alive(pid_t pid) {
+  std::ifstream stat(absl::StrCat("/proc/", pid, "/stat"));
+  std::string line;
+  if (!std::getline(stat, line)) return false;
+  const size_t close = line.rfind(')');
+  return close != std::string::npos && close + 2 < line.size() && line[close + 2] != 'Z';
+}
+
+// Waits (bounded) until none of `pids` runs; a process exit has no event we can wait on here.
+bool AllGone(const std::vector<pid_t>& pids, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    bool any = false;
+    for (pid_t p : pids) any = any || Alive(p);
+    if (!any) return true;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return false;
+}
+
+v1::JobSpec Spec(const std::string& mode, int devices, int max_restarts = 0) {
+  v1::JobSpec s;
+  s.set_name(mode);
+  s.mutable_resources()->set_gpus(devices);
+  auto* m = s.mutable_model();
+  m->set_n_layer(1);
+  m->set_n_head(1);
+  m->set_d_model(8);
+  m->set_seq_len(4);
+  s.mutable_data()->set_path("/usr/share/common-licenses/GPL-3");
+  s.mutable_train()->set_steps(1);
+  s.set_max_restarts(max_restarts);
+  return s;
+}
+
+class WorkerE2eTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    StartCoordinator("127.0.0.1:0");
+    ASSERT_FALSE(address_.empty());
+    StartWorker();
+    WaitForReadyNodes(1);
+  }
+
+  void StartCoordinator(const std::string& listen) {
+    auto p = Subprocess::Start({BinPath("trainyard-coordinator"), "--listen", listen, "--state-dir",
+                                dir_.path() + "/state", "--heartbeat-interval", "0.2",
+                                "--node-timeout", "5s"});
+    ASSERT_TRUE(p.ok()) << p.status();
+    coordinator_ = std::move(*p);
+    address_ = coordinator_->ReadLine(absl::Seconds(30)).value_or("");
+    client_ = std::make_unique<client::YardClient>(address_, "alice");
+  }
+
+  void StartWorker() {
+    auto p = Subprocess::Start({BinPath("trainyard-worker"), "--coordinator", address_, "--node-id",
+                                "w1", "--cpu-slots", "2", "--trainer", TestBinPath("test_rank"),
+                                "--work-dir", work_dir(), "--stop-grace", "1s"});
+    ASSERT_TRUE(p.ok()) << p.status();
+    worker_ = std::move(*p);
+  }
+
+  std::string work_dir() const { return dir_.path() + "/work"; }
+
+  void WaitForReadyNodes(int n) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (absl::Now() < deadline) {
+      auto nodes = client_->ListNodes();
+      int ready = 0;
+      if (nodes.ok()) {
+        for (const auto& node : nodes->nodes()) {
+          ready += node.state() == v1::NODE_READY && node.connected();
+        }
+      }
+      if (ready >= n) return;
+      absl::SleepFor(absl::Milliseconds(20));  // no watch API for nodes
+    }
+    FAIL() << "worker did not register";
+  }
+
+  v1::Job WaitFor(const std::string& id, std::function<bool(const v1::Job&)> done) {
+    auto job = client_->Watch(id, absl::Seconds(60), std::move(done));
+    EXPECT_TRUE(job.ok()) << job.status();
+    return job.value_or(v1::Job());
+  }
+
+  std::vector<std::string> Logs(const std::string& id) {
+    std::vector<std::string> lines;
+    EXPECT_TRUE(client_
+                    ->Logs(id, false, 0,
+                           [&](const v1::LogLine& l) {
+                             lines.push_back(absl::StrCat(l.rank(), ": ", l.text()));
+                           })
+                    .ok());
+    return lines;
+  }
+
+  // Follows the job's logs until `want` lines containing "ready" arrived.
+  void WaitForReadyLines(const std::string& id, int want) {
+    int seen = 0;
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("x-trainyard-user", "alice");
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    auto channel = grpc::CreateChannel(address_, grpc::InsecureChannelCredentials());
+    auto stub = v1::JobService::NewStub(channel);
+    v1::StreamLogsRequest r;
+    r.set_job_id(id);
+    r.set_follow(true);
+    auto reader = stub->StreamLogs(&ctx, r);
+    v1::LogLine line;
+    while (seen < want && reader->Read(&line)) seen += line.text() == "ready";
+    ctx.TryCancel();
+    reader->Finish();
+    ASSERT_EQ(seen, want);
+  }
+
+  // Pids that ranks (and their children) of `job` attempt `attempt` recorded.
+  std::vector<pid_t> RankPids(const std::string& job, int attempt) {
+    std::vector<pid_t> pids;
+    const std::string dir = absl::StrCat(work_dir(), "/", job, "/attempt-", attempt);
+    for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+      if (entry.path().filename().string().rfind("pids-rank-", 0) != 0) continue;
+      std::ifstream in(entry.path());
+      pid_t p;
+      while (in >> p) pids.push_back(p);
+    }
+    return pids;
+  }
+
+  TempDir dir_;
+  std::unique_ptr<Subprocess> coordinator_;
+  std::unique_ptr<Subprocess> worker_;
+  std::string address_;
+  std::unique_ptr<client::YardClient> client_;
+};
+
+TEST_F(WorkerE2eTest, RanksRunTheirLogsReachTheCoordinatorAndTheJobSucceeds) {
+  auto job = client_->Submit(Spec("succeed", 2));
+  ASSERT_TRUE(job.ok()) << job.status();
+  v1::Job done = WaitFor(job->id(), [](const v1::Job& j) { return false; });
+  EXPECT_EQ(done.state(), v1::SUCCEEDED) << done.message();
+  const std::vector<std::string> logs = Logs(job->id());
+  EXPECT_THAT(logs, ::testing::Contains("0: hello from rank 0 of 2 (succeed)"));
+  EXPECT_THAT(logs, ::testing::Contains("1: hello from rank 1 of 2 (succeed)"));
+  EXPECT_THAT(logs, ::testing::Contains("1: rank 1 done"));
+  // Each rank's full log also stays on the worker.
+  std::ifstream log(work_dir() + "/" + job->id() + "/attempt-1/rank-1.log");
+  std::string first;
+  std::getline(log, first);
+  EXPECT_EQ(first, "hello from rank 1 of 2 (succeed)");
+}
+
+TEST_F(WorkerE2eTest, YardPrintsLogsPrefixedByRankAndRefusesToCheckpointAnEndedJob) {
+  auto job = client_->Submit(Spec("succeed", 2));
+  ASSERT_TRUE(job.ok());
+  ASSERT_EQ(WaitFor(job->id(), [](const v1::Job&) { return false; }).state(), v1::SUCCEEDED);
+  auto logs = testing::RunCommand({BinPath("yard"), "--coordinator", address_, "logs", job->id()});
+  EXPECT_EQ(logs.exit_code, 0) << logs.err;
+  EXPECT_THAT(logs.out, HasSubstr("[rank 0] hello from rank 0 of 2 (succeed)\n"));
+  EXPECT_THAT(logs.out, HasSubstr("[rank 1] rank 1 done\n"));
+  auto tail = testing::RunCommand(
+      {BinPath("yard"), "--coordinator", address_, "logs", job->id(), "--tail", "1", "-f"});
+  EXPECT_EQ(tail.exit_code, 0) << tail.err;  // -f on an ended job returns at once
+  EXPECT_EQ(std::count(tail.out.begin(), tail.out.end(), '\n'), 1);
+  auto metrics = testing::RunCommand(
+      {BinPath("yard"), "--coordinator", address_, "metrics", job->id(), "-o", "json"});
+  EXPECT_EQ(metrics.exit_code, 0) << metrics.err;
+  EXPECT_EQ(metrics.out, "[]\n");  // test_rank reports no steps
+  auto ckpt =
+      testing::RunCommand({BinPath("yard"), "--coordinator", address_, "checkpoint", job->id()});
+  EXPECT_NE(ckpt.exit_code, 0);
+  EXPECT_THAT(ckpt.err, HasSubstr("FAILED_PRECONDITION"));
+}
+
+TEST_F(WorkerE2eTest, CrashingRankRestartsTheJobThenFailsItWithTheExitCodeAndLastLines) {
+  auto job = client_->Submit(Spec("fail-rank-1", 2, /*max_restarts=*/1));
+  ASSERT_TRUE(job.ok());
+  v1::Job failed = WaitFor(job->id(), [](const v1::Job& j) { return false; });
+  EXPECT_EQ(failed.state(), v1::FAILED);
+  EXPECT_EQ(failed.attempt(), 2);
+  EXPECT_EQ(failed.restarts(), 1);
+  EXPECT_THAT(failed.message(), HasSubstr("rank 1 on node w1 exited with code 3"));
+  EXPECT_THAT(failed.message(), HasSubstr("boom: rank 1 failed on purpose"));
+  // The surviving rank 0 of each attempt was stopped.
+  EXPECT_TRUE(AllGone(RankPids(job->id(), 1), absl::Seconds(10)));
+  EXPECT_TRUE(AllGone(RankPids(job->id(), 2), absl::Seconds(10)));
+}
+
+TEST_F(WorkerE2eTest, CancelStopsRanksEvenThoseIgnoringSigterm) {
+  auto polite = client_->Submit(Spec("hang", 1));
+  auto stubborn = client_->Submit(Spec("ignore-term", 1));
+  ASSERT_TRUE(polite.ok() && stubborn.ok());
+  WaitForReadyLines(polite->id(), 1);
+  WaitForReadyLines(stubborn->id(), 1);
+  const std::vector<pid_t> polite_pids = RankPids(polite->id(), 1);
+  const std::vector<pid_t> stubborn_pids = RankPids(stubborn->id(), 1);
+  ASSERT_EQ(polite_pids.size(), 1u);
+  ASSERT_EQ(stubborn_pids.size(), 1u);
+  ASSERT_TRUE(client_->Cancel(polite->id(), "test").ok());
+  ASSERT_TRUE(client_->Cancel(stubborn->id(), "test").ok());
+  EXPECT_TRUE(AllGone(polite_pids, absl::Seconds(10)));
+  EXPECT_TRUE(AllGone(stubborn_pids, absl::Seconds(10)));  // SIGKILL after the 1 s grace
+  // The freed slots take the next job.
+  auto next = client_->Submit(Spec("succeed", 2));
+  ASSERT_TRUE(next.ok());
+  EXPECT_EQ(WaitFor(next->id(), [](const v1::Job&) { return false; }).state(), v1::SUCCEEDED);
+}
+
+TEST_F(WorkerE2eTest, StoppingTheWorkerLeavesNoRankOrGrandchildBehind) {
+  auto job = client_->Submit(Spec("spawn-child", 2));
+  ASSERT_TRUE(job.ok());
+  WaitForReadyLines(job->id(), 2);
+  const std::vector<pid_t> pids = RankPids(job->id(), 1);
+  ASSERT_EQ(pids.size(), 4u);  // two ranks, a grandchild each
+  worker_->Signal(SIGTERM);
+  auto status = worker_->Wait(absl::Seconds(20));
+  ASSERT_TRUE(status.has_value());
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0);
+  EXPECT_TRUE(AllGone(pids, absl::Seconds(10)));
+}
+
+TEST_F(WorkerE2eTest, KilledWorkerTakesItsRanksWithIt) {
+  auto job = client_->Submit(Spec("hang", 2));
+  ASSERT_TRUE(job.ok());
+  WaitForReadyLines(job->id(), 2);
+  const std::vector<pid_t> pids = RankPids(job->id(), 1);
+  ASSERT_EQ(pids.size(), 2u);
+  kill(worker_->pid(), SIGKILL);  // the worker alone: its ranks have their own process groups
+  ASSERT_TRUE(worker_->Wait(absl::Seconds(10)).has_value());
+  EXPECT_TRUE(AllGone(pids, absl::Seconds(10)));
+}
+
+TEST_F(WorkerE2eTest, WorkerReconnectsAfterTheCoordinatorRestarts) {
+  const std::string listen = address_;
+  coordinator_->Signal(SIGTERM);
+  ASSERT_TRUE(coordinator_->Wait(absl::Seconds(20)).has_value());
+  StartCoordinator(listen);  // same address and state
+  ASSERT_EQ(address_, listen);
+  WaitForReadyNodes(1);
+  auto job = client_->Submit(Spec("succeed", 2));
+  ASSERT_TRUE(job.ok());
+  const v1::Job done = WaitFor(job->id(), [](const v1::Job&) { return false; });
+  EXPECT_EQ(done.state(), v1::SUCCEEDED) << done.message();
+}
+
+}  // namespace
+}  // namespace trainyard

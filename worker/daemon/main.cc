@@ -1,0 +1,90 @@
+// trainyard-worker: the node daemon of a GPU (or CPU) host. Parses flags, runs a WorkerDaemon until
+// SIGTERM or SIGINT, then stops every rank it started (no orphans) and exits.
+#include <unistd.h>
+
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <iostream>
+#include <thread>
+
+#include <CLI/CLI.hpp>
+
+#include "common/server_main.h"
+#include "common/version.h"
+#include "worker/daemon/worker_daemon.h"
+
+int main(int argc, char** argv) {
+  trainyard::BlockTerminationSignals();
+  trainyard::worker::WorkerOptions options;
+  const char* env = std::getenv("TRAINYARD_COORDINATOR");
+  if (env != nullptr && *env != '\0') options.coordinator = env;
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  options.node_id = host;
+  std::string work_dir, stop_grace = "10s", metrics_address;
+  int threads_per_slot = 0;
+  std::error_code ec;
+  const auto self_dir = std::filesystem::read_symlink("/proc/self/exe", ec).parent_path();
+  options.supervisor.trainer_path = (self_dir / "trainyard-trainer").string();
+
+  CLI::App app{"trainyard-worker: runs trainer ranks on this host for a trainyard coordinator"};
+  app.set_version_flag("--version", std::string("trainyard-worker ") + trainyard::kVersion);
+  app.add_option("--coordinator", options.coordinator,
+                 "coordinator HOST:PORT (env TRAINYARD_COORDINATOR)")
+      ->capture_default_str();
+  app.add_option("--node-id", options.node_id, "stable name of this node")->capture_default_str();
+  app.add_option("--cpu-slots", options.cpu_slots, "CPU slots offered (one rank each)")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  app.add_option("--threads-per-slot", threads_per_slot,
+                 "threads of each rank (default: cores / slots)");
+  app.add_option("--work-dir", work_dir,
+                 "spec files and rank logs (default ~/.trainyard/worker-NODE_ID)");
+  app.add_option("--trainer", options.supervisor.trainer_path, "the trainyard-trainer binary")
+      ->capture_default_str();
+  app.add_option("--stop-grace", stop_grace, "SIGTERM to SIGKILL delay when stopping a rank")
+      ->capture_default_str();
+  app.add_option("--metrics-address", metrics_address,
+                 "HOST:PORT for the Prometheus /metrics endpoint (reserved)");
+  CLI11_PARSE(app, argc, argv);
+
+  spdlog::set_default_logger(spdlog::stderr_color_mt("worker"));
+  auto grace = trainyard::ParseFlagDuration("--stop-grace", stop_grace);
+  if (!grace.ok()) {
+    std::cerr << "trainyard-worker: " << grace.status().message() << "\n";
+    return 2;
+  }
+  options.supervisor.stop_grace = *grace;
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  options.supervisor.threads_per_rank =
+      threads_per_slot > 0 ? threads_per_slot : std::max(1, cores / options.cpu_slots);
+  if (work_dir.empty()) {
+    const char* home = std::getenv("HOME");
+    work_dir = std::string(home != nullptr ? home : ".") + "/.trainyard/worker-" + options.node_id;
+  }
+  std::filesystem::create_directories(work_dir, ec);
+  if (ec) {
+    std::cerr << "trainyard-worker: --work-dir: cannot create " << work_dir << ": " << ec.message()
+              << "\n";
+    return 2;
+  }
+  options.supervisor.work_dir = work_dir;
+
+  trainyard::worker::WorkerDaemon daemon(options);
+  std::thread signals([&daemon] {
+    const int sig = trainyard::WaitForTerminationSignal();
+    spdlog::info("signal {}: shutting down", sig);
+    daemon.Shutdown();
+  });
+  spdlog::info("worker {} for {} ({} slot(s), {} thread(s) each, trainer {})", options.node_id,
+               options.coordinator, options.cpu_slots, options.supervisor.threads_per_rank,
+               options.supervisor.trainer_path);
+  daemon.Run();
+  spdlog::info("stopped");
+  // The signal thread waits in sigwait; nothing more to clean up.
+  signals.detach();
+  return 0;
+}

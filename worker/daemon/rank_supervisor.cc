@@ -1,0 +1,298 @@
+#include "worker/daemon/rank_supervisor.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+
+extern char** environ;
+
+namespace trainyard::worker {
+namespace {
+
+int ExitCodeOf(int wait_status) {
+  if (WIFEXITED(wait_status)) return WEXITSTATUS(wait_status);
+  if (WIFSIGNALED(wait_status)) return 128 + WTERMSIG(wait_status);
+  return -1;
+}
+
+}  // namespace
+
+RankSupervisor::RankSupervisor(SupervisorOptions options, std::function<void(v1::NodeMessage)> send)
+    : options_(std::move(options)),
+      send_(std::move(send)),
+      supervisor_([this] { SupervisorLoop(); }) {}
+
+RankSupervisor::~RankSupervisor() {
+  StopAll();
+  supervisor_.join();
+  absl::MutexLock lock(&mu_);
+  for (auto& t : finished_readers_) t.join();
+}
+
+void RankSupervisor::Launch(const v1::Assignment& assignment) {
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return;
+  launches_.push_back({assignment});
+}
+
+void RankSupervisor::Stop(const std::string& job_id, int attempt, const std::string& reason) {
+  absl::MutexLock lock(&mu_);
+  for (auto& [key, rank] : ranks_) {
+    if (std::get<0>(key) != job_id || (attempt != 0 && std::get<1>(key) != attempt)) continue;
+    if (rank.stopping) continue;
+    rank.stopping = true;
+    rank.kill_at = absl::Now() + options_.stop_grace;
+    kill(-rank.pid, SIGTERM);
+  }
+  // A launch still queued for that attempt is dropped.
+  for (auto it = launches_.begin(); it != launches_.end();) {
+    const auto& a = it->assignment;
+    if (a.job_id() == job_id && (attempt == 0 || a.attempt() == attempt)) {
+      it = launches_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void RankSupervisor::StopAll() {
+  absl::MutexLock lock(&mu_);
+  stopping_ = true;
+  launches_.clear();
+  for (auto& [key, rank] : ranks_) {
+    if (rank.stopping) continue;
+    rank.stopping = true;
+    rank.kill_at = absl::Now() + options_.stop_grace;
+    kill(-rank.pid, SIGTERM);
+  }
+  auto all_exited = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ranks_.empty(); };
+  mu_.Await(absl::Condition(&all_exited));
+}
+
+std::vector<v1::RankStatus> RankSupervisor::Running() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::RankStatus> out;
+  for (const auto& [key, rank] : ranks_) {
+    v1::RankStatus s;
+    s.set_job_id(std::get<0>(key));
+    s.set_attempt(std::get<1>(key));
+    s.set_rank(std::get<2>(key));
+    s.set_phase(v1::RANK_RUNNING);
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+int RankSupervisor::running_count() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(ranks_.size());
+}
+
+void RankSupervisor::SupervisorLoop() {
+  absl::MutexLock lock(&mu_);
+  while (true) {
+    absl::Time wake = absl::Now() + absl::Seconds(1);
+    for (const auto& [key, rank] : ranks_) wake = std::min(wake, rank.kill_at);
+    auto has_work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return !launches_.empty() || !finished_readers_.empty() || (stopping_ && ranks_.empty());
+    };
+    mu_.AwaitWithDeadline(absl::Condition(&has_work), wake);
+
+    while (!launches_.empty()) {
+      const v1::Assignment a = launches_.front().assignment;
+      launches_.pop_front();
+      for (int i = 0; i < a.device_indices_size(); ++i) {
+        Start(a, a.first_rank() + i, a.device_indices(i));
+      }
+    }
+    const absl::Time now = absl::Now();
+    for (auto& [key, rank] : ranks_) {
+      if (rank.kill_at <= now) {
+        kill(-rank.pid, SIGKILL);
+        rank.kill_at = absl::InfiniteFuture();
+      }
+    }
+    std::vector<std::thread> done;
+    done.swap(finished_readers_);
+    if (!done.empty()) {
+      mu_.Unlock();
+      for (auto& t : done) t.join();
+      mu_.Lock();
+    }
+    if (stopping_ && ranks_.empty() && launches_.empty()) break;
+  }
+}
+
+void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
+  const RankKey key{a.job_id(), a.attempt(), rank};
+  if (ranks_.count(key) > 0) return;  // already running: a resent assignment
+
+  namespace fs = std::filesystem;
+  const std::string dir =
+      absl::StrCat(options_.work_dir, "/", a.job_id(), "/attempt-", a.attempt());
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  const std::string spec_path = dir + "/spec.pb";
+  {
+    std::ofstream out(spec_path, std::ios::binary | std::ios::trunc);
+    out << a.spec();
+  }
+  const std::string checkpoint_dir =
+      a.checkpoint_dir().empty() ? absl::StrCat(options_.work_dir, "/", a.job_id(), "/checkpoints")
+                                 : a.checkpoint_dir();
+  fs::create_directories(checkpoint_dir, ec);
+
+  std::vector<std::string> argv = {options_.trainer_path,
+                                   "--spec",
+                                   spec_path,
+                                   "--job-id",
+                                   a.job_id(),
+                                   "--attempt",
+                                   absl::StrCat(a.attempt()),
+                                   "--rank",
+                                   absl::StrCat(rank),
+                                   "--world-size",
+                                   absl::StrCat(a.world_size()),
+                                   "--coordinator",
+                                   a.coordinator_address(),
+                                   "--checkpoint-dir",
+                                   checkpoint_dir,
+                                   "--threads",
+                                   absl::StrCat(options_.threads_per_rank)};
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
+  env.push_back(absl::StrCat("OMP_NUM_THREADS=", options_.threads_per_rank));
+  env.push_back(absl::StrCat("TRAINYARD_JOB_ID=", a.job_id()));
+  env.push_back(absl::StrCat("TRAINYARD_DEVICE=", device));
+  std::vector<char*> c_argv, c_env;
+  for (auto& s : argv) c_argv.push_back(s.data());
+  c_argv.push_back(nullptr);
+  for (auto& s : env) c_env.push_back(s.data());
+  c_env.push_back(nullptr);
+
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) {
+    ReportExit(key, 127, absl::StrCat("cannot create a pipe: ", strerror(errno)));
+    return;
+  }
+  const pid_t parent = getpid();
+  const pid_t pid = fork();
+  if (pid == 0) {
+    // Only async-signal-safe calls until exec.
+    setpgid(0, 0);
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(127);
+    dup2(fds[1], STDOUT_FILENO);
+    dup2(fds[1], STDERR_FILENO);
+    const int devnull = open("/dev/null", O_RDONLY);
+    if (devnull >= 0) dup2(devnull, STDIN_FILENO);
+    if (chdir(dir.c_str()) != 0) _exit(127);
+    execve(c_argv[0], c_argv.data(), c_env.data());
+    const char msg[] = "cannot execute the trainer\n";
+    (void)!write(STDERR_FILENO, msg, sizeof(msg) - 1);
+    _exit(127);
+  }
+  close(fds[1]);
+  if (pid < 0) {
+    close(fds[0]);
+    ReportExit(key, 127, absl::StrCat("fork: ", strerror(errno)));
+    return;
+  }
+  setpgid(pid, pid);
+  Rank& r = ranks_[key];
+  r.pid = pid;
+  r.out_fd = fds[0];
+  r.reader = std::thread([this, key, fd = fds[0], pid] { ReadOutput(key, fd, pid); });
+
+  v1::NodeMessage m;
+  auto* s = m.mutable_rank_status();
+  s->set_job_id(a.job_id());
+  s->set_attempt(a.attempt());
+  s->set_rank(rank);
+  s->set_phase(v1::RANK_RUNNING);
+  send_(m);
+}
+
+void RankSupervisor::ReadOutput(RankKey key, int fd, pid_t pid) {
+  const auto& [job_id, attempt, rank] = key;
+  std::ofstream log(
+      absl::StrCat(options_.work_dir, "/", job_id, "/attempt-", attempt, "/rank-", rank, ".log"),
+      std::ios::app);
+  std::deque<std::string> last;
+  std::string partial;
+  char buf[8192];
+  auto flush = [&](std::vector<std::string>& lines) {
+    if (lines.empty()) return;
+    v1::NodeMessage m;
+    auto* l = m.mutable_logs();
+    l->set_job_id(job_id);
+    l->set_attempt(attempt);
+    l->set_rank(rank);
+    for (auto& line : lines) l->add_lines(std::move(line));
+    lines.clear();
+    send_(m);
+  };
+  auto take = [&](std::string line, std::vector<std::string>& batch) {
+    log << line << "\n";
+    last.push_back(line);
+    if (static_cast<int>(last.size()) > options_.failure_log_lines) last.pop_front();
+    batch.push_back(std::move(line));
+  };
+  while (true) {
+    const ssize_t n = read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    partial.append(buf, static_cast<size_t>(n));
+    std::vector<std::string> batch;
+    size_t start = 0, nl;
+    while ((nl = partial.find('\n', start)) != std::string::npos) {
+      take(partial.substr(start, nl - start), batch);
+      start = nl + 1;
+    }
+    partial.erase(0, start);
+    flush(batch);
+    log.flush();
+  }
+  std::vector<std::string> batch;
+  if (!partial.empty()) take(partial, batch);
+  flush(batch);
+  close(fd);
+
+  int wait_status = 0;
+  while (waitpid(pid, &wait_status, 0) < 0 && errno == EINTR) {
+  }
+  kill(-pid, SIGKILL);  // anything the rank left behind in its group
+  const int code = ExitCodeOf(wait_status);
+  ReportExit(key, code, code == 0 ? "" : absl::StrJoin(last.begin(), last.end(), "\n"));
+  absl::MutexLock lock(&mu_);
+  auto it = ranks_.find(key);
+  if (it != ranks_.end()) {
+    finished_readers_.push_back(std::move(it->second.reader));
+    ranks_.erase(it);
+  }
+}
+
+void RankSupervisor::ReportExit(const RankKey& key, int exit_code, const std::string& message) {
+  v1::NodeMessage m;
+  auto* s = m.mutable_rank_status();
+  s->set_job_id(std::get<0>(key));
+  s->set_attempt(std::get<1>(key));
+  s->set_rank(std::get<2>(key));
+  s->set_phase(v1::RANK_EXITED);
+  s->set_exit_code(exit_code);
+  s->set_message(message);
+  send_(m);
+}
+
+}  // namespace trainyard::worker

@@ -1,0 +1,85 @@
+// RankSupervisor: starts one trainyard-trainer process per assigned rank, in a process group of
+// its own that dies with the worker (PR_SET_PDEATHSIG), relays its output line by line, reports
+// its exit, and stops it on request: SIGTERM to the group, SIGKILL after a grace period.
+//
+// Thread-safe. Processes are forked only from the supervisor's own long-lived thread, because the
+// death signal fires when the forking *thread* exits. One reader thread per rank relays output.
+#ifndef TRAINYARD_WORKER_DAEMON_RANK_SUPERVISOR_H_
+#define TRAINYARD_WORKER_DAEMON_RANK_SUPERVISOR_H_
+
+#include <sys/types.h>
+
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "trainyard/v1/node.pb.h"
+
+namespace trainyard::worker {
+
+struct SupervisorOptions {
+  std::string trainer_path;  // the trainyard-trainer binary
+  std::string work_dir;      // per-attempt folders with the spec and each rank's log
+  int threads_per_rank = 1;  // torch / OpenMP threads of each rank
+  absl::Duration stop_grace = absl::Seconds(10);  // SIGTERM → SIGKILL
+  int failure_log_lines = 8;  // last output lines sent with a failed rank's exit
+};
+
+class RankSupervisor {
+ public:
+  // `send` receives log lines and rank status for the coordinator; it must not block long.
+  RankSupervisor(SupervisorOptions options, std::function<void(v1::NodeMessage)> send);
+  ~RankSupervisor();  // StopAll(), then joins every thread
+
+  // Starts the assignment's ranks that are not already running (assignments are resent on
+  // reconnect). Failures to start are reported as rank exits with code 127.
+  void Launch(const v1::Assignment& assignment);
+  // Stops the ranks of one job attempt (attempt 0: every attempt of the job).
+  void Stop(const std::string& job_id, int attempt, const std::string& reason);
+  // Stops every rank and waits until all have exited.
+  void StopAll();
+  // RANK_RUNNING status of every live rank (sent after a reconnect).
+  std::vector<v1::RankStatus> Running() const;
+  int running_count() const;
+
+ private:
+  using RankKey = std::tuple<std::string, int, int>;  // job, attempt, rank
+  struct Rank {
+    pid_t pid = 0;
+    int out_fd = -1;
+    bool stopping = false;
+    absl::Time kill_at = absl::InfiniteFuture();
+    std::thread reader;
+  };
+  struct LaunchRequest {
+    v1::Assignment assignment;
+  };
+
+  void SupervisorLoop();
+  void Start(const v1::Assignment& a, int rank, int device) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReadOutput(RankKey key, int fd, pid_t pid);
+  void ReportExit(const RankKey& key, int exit_code, const std::string& message);
+
+  const SupervisorOptions options_;
+  const std::function<void(v1::NodeMessage)> send_;
+
+  mutable absl::Mutex mu_;
+  std::map<RankKey, Rank> ranks_ ABSL_GUARDED_BY(mu_);
+  std::deque<LaunchRequest> launches_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::thread> finished_readers_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread supervisor_;
+};
+
+}  // namespace trainyard::worker
+
+#endif  // TRAINYARD_WORKER_DAEMON_RANK_SUPERVISOR_H_

@@ -1,0 +1,67 @@
+// WorkerDaemon: a node of the cluster. Registers its devices (CPU slots here), keeps a session
+// stream to the coordinator (heartbeats, logs and rank status up; assignments and cancels down),
+// reconnects with backoff when the coordinator goes away, and hands ranks to a RankSupervisor.
+//
+// Thread-safe: Run() on the main thread until Shutdown() from any thread. Messages for the
+// coordinator queue in an outbox that survives reconnects (log lines beyond a cap are dropped;
+// rank exits never are).
+#ifndef TRAINYARD_WORKER_DAEMON_WORKER_DAEMON_H_
+#define TRAINYARD_WORKER_DAEMON_WORKER_DAEMON_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <deque>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "trainyard/v1/node.grpc.pb.h"
+#include "worker/daemon/rank_supervisor.h"
+
+namespace trainyard::worker {
+
+struct WorkerOptions {
+  std::string coordinator = "127.0.0.1:7070";
+  std::string node_id;  // stable name; default: the host name
+  std::string address;  // shown in `yard nodes`
+  int cpu_slots = 1;    // devices offered; each runs one rank
+  SupervisorOptions supervisor;
+  absl::Duration max_backoff = absl::Seconds(5);
+};
+
+class WorkerDaemon {
+ public:
+  explicit WorkerDaemon(WorkerOptions options);
+  ~WorkerDaemon();
+
+  // Serves until Shutdown(); then stops every rank (SIGTERM, SIGKILL after the grace period).
+  void Run();
+  void Shutdown();
+
+ private:
+  // One registration + session; returns when the session ends.
+  void RunSession();
+  // Queues a message for the coordinator (from supervisor threads too).
+  void Send(v1::NodeMessage message);
+  // Drains the outbox and sends heartbeats into `stream` until the session ends.
+  void WriterLoop(grpc::ClientReaderWriter<v1::NodeMessage, v1::CoordinatorMessage>* stream,
+                  absl::Duration heartbeat_interval);
+
+  const WorkerOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::NodeService::Stub> stub_;
+  std::unique_ptr<RankSupervisor> supervisor_;
+
+  absl::Mutex mu_;
+  std::deque<v1::NodeMessage> outbox_ ABSL_GUARDED_BY(mu_);
+  int outbox_log_messages_ ABSL_GUARDED_BY(mu_) = 0;
+  bool session_open_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::ClientContext* session_ctx_ ABSL_GUARDED_BY(mu_) = nullptr;
+};
+
+}  // namespace trainyard::worker
+
+#endif  // TRAINYARD_WORKER_DAEMON_WORKER_DAEMON_H_
