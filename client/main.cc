@@ -172,9 +172,8 @@ int Describe(const Globals& g, const std::string& id) {
   return 0;
 }
 
-int Cancel(const Globals& g, const std::string& id, const std::string& reason) {
-  YardClient client(g.coordinator, g.user);
-  auto job = client.Cancel(NormalizeJobId(id), reason);
+// Prints a job that a verb changed ("job-7 CANCELLED"), or its JSON; or fails with the error.
+int PrintChangedJob(const Globals& g, const absl::StatusOr<v1::Job>& job) {
   if (!job.ok()) return Fail(job.status());
   if (g.json()) {
     std::cout << ToJson(*job);
@@ -182,6 +181,11 @@ int Cancel(const Globals& g, const std::string& id, const std::string& reason) {
     std::cout << job->id() << " " << v1::JobState_Name(job->state()) << "\n";
   }
   return 0;
+}
+
+int Cancel(const Globals& g, const std::string& id, const std::string& reason) {
+  YardClient client(g.coordinator, g.user);
+  return PrintChangedJob(g, client.Cancel(NormalizeJobId(id), reason));
 }
 
 int Wait(const Globals& g, const std::string& id, const std::string& timeout_text) {
@@ -242,14 +246,7 @@ int Nodes(const Globals& g) {
 
 int Checkpoint(const Globals& g, const std::string& id) {
   YardClient client(g.coordinator, g.user);
-  auto job = client.Checkpoint(NormalizeJobId(id));
-  if (!job.ok()) return Fail(job.status());
-  if (g.json()) {
-    std::cout << ToJson(*job);
-  } else {
-    std::cout << job->id() << " " << v1::JobState_Name(job->state()) << "\n";
-  }
-  return 0;
+  return PrintChangedJob(g, client.Checkpoint(NormalizeJobId(id)));
 }
 
 int Logs(const Globals& g, const std::string& id, bool follow, int tail) {
@@ -290,7 +287,8 @@ int Metrics(const Globals& g, const std::string& id, bool follow) {
   std::deque<double> recent;  // seconds of the last steps, for the ETA
   absl::Status s = client.Metrics(NormalizeJobId(id), follow, [&](const v1::StepReport& r) {
     if (g.json()) {
-      series.push_back({{"step", r.step()},
+      series.push_back({{"attempt", r.attempt()},
+                        {"step", r.step()},
                         {"total_steps", r.total_steps()},
                         {"loss", r.loss()},
                         {"lr", r.lr()},

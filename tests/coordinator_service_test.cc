@@ -480,6 +480,8 @@ TEST_F(CoordinatorServiceTest, SilentNodeIsLostAndItsJobRestartsThenFailsWithout
   auto again = Connect("n1", 2);
   ASSERT_EQ(server_->jobs().SchedulePass(), 1);
   EXPECT_EQ(again->NextCommand().assignment().attempt(), 2);
+  ASSERT_TRUE(Get(job.id(), &j).ok());
+  EXPECT_THAT(j.message(), StartsWith("restarted: node n1 lost"));
   clock_.Advance(absl::Seconds(11));
   server_->Tick();
   j = WaitForState(job.id(), v1::FAILED);

@@ -409,7 +409,9 @@ int JobManager::SchedulePass() {
     job.set_world_size(rank);
     job.set_start_time_ms(absl::ToUnixMillis(snapshot.now));
     job.set_backfilled(placement.backfilled);
-    Transition(job, v1::RUNNING, "");
+    // After a restart, `yard describe` still says why the previous attempt ended.
+    Transition(job, v1::RUNNING,
+               job.state() == v1::RESTARTING ? absl::StrCat("restarted: ", job.message()) : "");
     rendezvous_.OpenScope({job.id(), job.attempt()});
     // Assignments go out once the placement is durable, so a restarted coordinator never
     // forgets ranks it started.

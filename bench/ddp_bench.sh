@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# tokens/s of trainyard's DDP (1 and 2 ranks, through the real product path: a local cluster,
+# `yard submit`, the step reports in `yard metrics`) against PyTorch DDP (Debian python3-torch,
+# Gloo, bench/ddp_reference.py) with the same GPT, batch, sequence length and threads, in one run.
+#
+#   bash bench/ddp_bench.sh [STEPS] [REPS]     # defaults 30 timed steps (+5 warm-up), 3 reps
+set -euo pipefail
+cd "$(dirname "$0")/.."
+steps=${1:-30}
+reps=${2:-3}
+warmup=5
+yard=build/bin/yard
+state=$(mktemp -d /tmp/trainyard-ddp-bench-XXXXXX)
+export TRAINYARD_COORDINATOR=127.0.0.1:${TRAINYARD_BENCH_PORT:-7079}
+cleanup() { $yard local --state-dir "$state" down >/dev/null 2>&1 || true; rm -rf "$state"; }
+trap cleanup EXIT
+
+$yard local --state-dir "$state" up --listen "$TRAINYARD_COORDINATOR" --workers 1 --slots 2 \
+  --threads-per-slot 1 >/dev/null
+
+median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
+
+# trainyard: median tokens/s over the timed steps of one job.
+trainyard_run() {
+  local ranks=$1 spec="$state/spec-$ranks.yaml"
+  cat >"$spec" <<SPEC
+name: ddp-bench-$ranks
+resources: {gpus: $ranks}
+model: {kind: gpt, n_layer: 4, n_head: 4, d_model: 256, seq_len: 128, vocab: 256}
+data: {path: /usr/share/common-licenses/GPL-3, format: bytes}
+train: {steps: $((steps + warmup)), micro_batch: 8, lr: 3.0e-4, warmup: 0, seed: 1}
+parallel: {strategy: ddp, bucket_mb: 25}
+SPEC
+  local job
+  job=$($yard submit "$spec")
+  $yard wait "$job" >/dev/null 2>&1 || { echo "job $job failed: $($yard describe "$job" | grep message)" >&2; exit 1; }
+  $yard metrics "$job" -o json | /usr/bin/python3 -c "
+import json, statistics, sys
+steps = [s for s in json.load(sys.stdin) if s['step'] > $warmup]
+print(statistics.median(s['tokens_per_second'] for s in steps))"
+}
+
+pytorch_run() {
+  /usr/bin/python3 bench/ddp_reference.py --world-size "$1" --threads 1 --steps "$steps" \
+    --warmup "$warmup" --micro-batch 8 --seq-len 128 --d-model 256 --n-layer 4 --n-head 4 \
+    | awk '/tokens_per_second/ {print $2}'
+}
+
+printf "GPT n_layer 4, d_model 256, seq_len 128, micro_batch 8 per rank, fp32, 1 thread per rank;\n"
+printf "median tokens/s over %d timed steps, median of %d reps, runs interleaved\n\n" "$steps" "$reps"
+printf "| ranks | trainyard tok/s | PyTorch DDP tok/s | trainyard / PyTorch | goal |\n"
+printf "|-------|-----------------|-------------------|---------------------|------|\n"
+for ranks in 1 2; do
+  ours=(); theirs=()
+  for ((r = 0; r < reps; r++)); do
+    ours+=("$(trainyard_run "$ranks")")
+    theirs+=("$(pytorch_run "$ranks")")
+  done
+  o=$(printf "%s\n" "${ours[@]}" | median)
+  t=$(printf "%s\n" "${theirs[@]}" | median)
+  ratio=$(awk -v o="$o" -v t="$t" 'BEGIN {printf "%.2f", o / t}')
+  goal=$(awk -v r="$ratio" 'BEGIN {print (r >= 1.1 ? "met (>= 1.1x)" : "NOT met (< 1.1x)")}')
+  printf "| %5d | %15.0f | %17.0f | %19s | %s |\n" "$ranks" "$o" "$t" "${ratio}x" "$goal"
+done

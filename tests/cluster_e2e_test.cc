@@ -1,0 +1,196 @@
+// The whole product on one machine: `yard local up --workers 2 --slots 1` (a coordinator and two
+// worker daemons on loopback), a small character-level GPT submitted with `yard submit`, trained
+// by two real trainyard-trainer ranks over Gloo. Checks that the loss falls, that logs and
+// metrics reach `yard`, that `yard cancel` stops a running job's ranks, and that `yard local down`
+// leaves no process behind.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <dirent.h>
+#include <signal.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "tests/testing/subprocess.h"
+
+namespace trainyard {
+namespace {
+
+using testing::BinPath;
+using testing::CommandResult;
+using ::testing::HasSubstr;
+using testing::RunCommand;
+using testing::TempDir;
+
+// Pids of live processes whose command line contains every one of `needles`.
+std::vector<pid_t> ProcessesWith(const std::vector<std::string>& needles) {
+  std::vector<pid_t> out;
+  DIR* proc = opendir("/proc");
+  if (proc == nullptr) return out;
+  while (dirent* e = readdir(proc)) {
+    const pid_t pid = static_cast<pid_t>(atoi(e->d_name));
+    if (pid <= 0) continue;
+    std::ifstream in(absl::StrCat("/proc/", pid, "/cmdline"));
+    std::string cmdline((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::replace(cmdline.begin(), cmdline.end(), '\0', ' ');
+    bool all = !cmdline.empty();
+    for (const auto& n : needles) all = all && cmdline.find(n) != std::string::npos;
+    if (all) out.push_back(pid);
+  }
+  closedir(proc);
+  return out;
+}
+
+// Waits (bounded) until no process matches; exits of unrelated processes give no event.
+bool NoneLeft(const std::vector<std::string>& needles, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    if (ProcessesWith(needles).empty()) return true;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  return ProcessesWith(needles).empty();
+}
+
+class ClusterE2eTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    state_ = dir_.path() + "/cluster";
+    CommandResult up =
+        Yard({"local", "--state-dir", state_, "up", "--listen", "127.0.0.1:0", "--workers", "2",
+              "--slots", "1", "--threads-per-slot", "1", "-o", "json"});
+    ASSERT_EQ(up.exit_code, 0) << up.err;
+    address_ = nlohmann::json::parse(up.out).at("coordinator_address").get<std::string>();
+  }
+
+  void TearDown() override {
+    Yard({"local", "--state-dir", state_, "down"});
+    // Anything still running from this cluster would be a leak: fail, then clean up.
+    const auto left = ProcessesWith({state_});
+    EXPECT_TRUE(left.empty()) << left.size() << " processes left behind";
+    for (pid_t p : left) kill(p, SIGKILL);
+  }
+
+  CommandResult Yard(std::vector<std::string> args, absl::Duration timeout = absl::Seconds(60)) {
+    std::vector<std::string> argv = {BinPath("yard")};
+    if (!address_.empty()) {
+      argv.push_back("--coordinator");
+      argv.push_back(address_);
+    }
+    argv.insert(argv.end(), args.begin(), args.end());
+    return RunCommand(argv, {}, timeout);
+  }
+
+  std::string WriteSpec(const std::string& name, int steps) {
+    const std::string path = dir_.path() + "/" + name + ".yaml";
+    std::ofstream(path) << "name: " << name << "\n"
+                        << "resources: {gpus: 2}\n"
+                        << "model: {kind: gpt, n_layer: 2, n_head: 2, d_model: 64, seq_len: 32, "
+                           "vocab: 256}\n"
+                        << "data: {path: /usr/share/common-licenses/GPL-3, format: bytes}\n"
+                        << "train: {steps: " << steps
+                        << ", micro_batch: 8, lr: 3.0e-3, warmup: 5, seed: 1}\n"
+                        << "parallel: {strategy: ddp}\n"
+                        << "checkpoint: {every_steps: 0}\n";
+    return path;
+  }
+
+  TempDir dir_;
+  std::string state_;
+  std::string address_;
+};
+
+TEST_F(ClusterE2eTest, TrainsACharGptWithFallingLossAndStreamsLogsAndMetrics) {
+  CommandResult submit = Yard({"submit", WriteSpec("char-gpt", 60)});
+  ASSERT_EQ(submit.exit_code, 0) << submit.err;
+  const std::string job(absl::StripAsciiWhitespace(submit.out));
+  CommandResult wait = Yard({"wait", job}, absl::Seconds(600));
+  ASSERT_EQ(wait.exit_code, 0) << wait.err << Yard({"describe", job}).out;
+
+  CommandResult metrics = Yard({"metrics", job, "-o", "json"});
+  ASSERT_EQ(metrics.exit_code, 0) << metrics.err;
+  const auto series = nlohmann::json::parse(metrics.out);
+  ASSERT_EQ(series.size(), 60u);
+  double first = 0, last = 0;
+  for (int i = 0; i < 5; ++i) first += series[i]["loss"].get<double>() / 5;
+  for (int i = 55; i < 60; ++i) last += series[i]["loss"].get<double>() / 5;
+  EXPECT_LT(last, 0.75 * first) << "loss did not fall: " << first << " -> " << last;
+  EXPECT_GT(series[59]["tokens_per_second"].get<double>(), 0);
+
+  CommandResult logs = Yard({"logs", job});
+  ASSERT_EQ(logs.exit_code, 0) << logs.err;
+  EXPECT_THAT(logs.out, HasSubstr("[rank 0] "));
+  EXPECT_THAT(logs.out, HasSubstr("[rank 1] "));
+  EXPECT_THAT(logs.out, HasSubstr("step 60/60"));
+
+  CommandResult nodes = Yard({"nodes", "-o", "json"});
+  EXPECT_EQ(nlohmann::json::parse(nodes.out).at("nodes").size(), 2u);
+}
+
+TEST_F(ClusterE2eTest, CheckpointsOnRequestResumesAfterAKilledRankAndCancelStopsTheRanks) {
+  const std::string spec = WriteSpec("long", 100000);
+  {  // one restart allowed
+    std::ofstream(spec, std::ios::app) << "max_restarts: 1\n";
+  }
+  CommandResult submit = Yard({"submit", spec});
+  ASSERT_EQ(submit.exit_code, 0) << submit.err;
+  const std::string job(absl::StripAsciiWhitespace(submit.out));
+  // `yard metrics -f` prints a line per step when stdout is not a terminal: the first one
+  // means both ranks are training.
+  {
+    auto follow = testing::Subprocess::Start(
+        {BinPath("yard"), "--coordinator", address_, "metrics", "-f", job});
+    ASSERT_TRUE(follow.ok());
+    auto line = (*follow)->ReadLine(absl::Seconds(300));
+    ASSERT_TRUE(line.has_value()) << Yard({"describe", job}).out;
+    EXPECT_THAT(*line, HasSubstr("step 1/100000"));
+  }
+  const std::string job_arg = "--job-id " + job + " ";
+  EXPECT_EQ(ProcessesWith({"trainyard-trainer", job_arg}).size(), 2u);
+
+  // A checkpoint on request is written by the ranks and recorded by the coordinator.
+  CommandResult ckpt = Yard({"checkpoint", job});
+  ASSERT_EQ(ckpt.exit_code, 0) << ckpt.err;
+  EXPECT_EQ(ckpt.out, job + " CHECKPOINTING\n");
+  int64_t checkpoint_step = 0;
+  const absl::Time deadline = absl::Now() + absl::Seconds(120);
+  while (checkpoint_step == 0 && absl::Now() < deadline) {
+    const auto described = nlohmann::json::parse(Yard({"describe", job, "-o", "json"}).out);
+    if (described.contains("last_checkpoint")) {
+      checkpoint_step = std::stoll(described["last_checkpoint"]["step"].get<std::string>());
+    }
+    if (checkpoint_step == 0) absl::SleepFor(absl::Milliseconds(100));  // no event for this
+  }
+  ASSERT_GT(checkpoint_step, 0) << "no checkpoint recorded";
+
+  // Killing one rank fails the attempt; the next one resumes after the checkpoint.
+  const auto rank1 = ProcessesWith({"trainyard-trainer", job_arg, "--rank 1 "});
+  ASSERT_EQ(rank1.size(), 1u);
+  kill(rank1[0], SIGKILL);
+  int64_t first_step_of_attempt2 = 0;
+  const absl::Time resume_deadline = absl::Now() + absl::Seconds(300);
+  while (first_step_of_attempt2 == 0 && absl::Now() < resume_deadline) {
+    for (const auto& s : nlohmann::json::parse(Yard({"metrics", job, "-o", "json"}).out)) {
+      if (s["attempt"].get<int>() == 2) {
+        first_step_of_attempt2 = s["step"].get<int64_t>();
+        break;
+      }
+    }
+    if (first_step_of_attempt2 == 0) absl::SleepFor(absl::Milliseconds(200));
+  }
+  EXPECT_EQ(first_step_of_attempt2, checkpoint_step + 1);
+  const auto described = nlohmann::json::parse(Yard({"describe", job, "-o", "json"}).out);
+  EXPECT_EQ(described["attempt"].get<int>(), 2);
+  EXPECT_THAT(described["message"].get<std::string>(), HasSubstr("exited with code 137"));
+
+  CommandResult cancel = Yard({"cancel", job});
+  ASSERT_EQ(cancel.exit_code, 0) << cancel.err;
+  EXPECT_EQ(cancel.out, job + " CANCELLED\n");
+  EXPECT_TRUE(NoneLeft({"trainyard-trainer", job_arg}, absl::Seconds(30)));
+}
+
+}  // namespace
+}  // namespace trainyard
