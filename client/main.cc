@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <deque>
 #include <iostream>
+#include <limits>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -19,6 +20,7 @@
 #include "client/local_cluster.h"
 #include "client/output.h"
 #include "client/yard_client.h"
+#include "common/memory_estimate.h"
 #include "common/spec.h"
 #include "common/version.h"
 
@@ -217,6 +219,89 @@ int Wait(const Globals& g, const std::string& id, const std::string& timeout_tex
     default:
       return kExitJobFailed;
   }
+}
+
+int EstimateMemoryVerb(const Globals& g, const std::string& path, int world, int per_node,
+                       const std::string& device_memory) {
+  auto parsed = LoadJobSpecFile(path);
+  if (!parsed.ok()) return Fail(parsed.status());
+  v1::JobSpec spec = parsed->spec;
+  ApplyJobSpecDefaults(spec);
+  if (absl::Status s = ValidateJobSpec(spec); !s.ok()) {
+    return Fail(AnnotateWithLine(s, *parsed, path));
+  }
+  if (world <= 0) world = spec.resources().gpus();
+  if (per_node <= 0) per_node = world;
+  // The devices to judge against: --device-memory, else the largest device the coordinator's
+  // ready nodes offer, else unknown.
+  int64_t device_bytes = 0;
+  std::string device_source = "unknown (no --device-memory and no coordinator reachable)";
+  if (!device_memory.empty()) {
+    auto bytes = ParseBytes(device_memory);
+    if (!bytes.has_value() || *bytes <= 0) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat(
+          "--device-memory: expected a size such as 16GiB or 80G, got '", device_memory, "'")));
+    }
+    device_bytes = *bytes;
+    device_source = "--device-memory";
+  } else {
+    YardClient client(g.coordinator, g.user);
+    if (auto nodes = client.ListNodes(); nodes.ok()) {
+      for (const auto& n : nodes->nodes()) {
+        if (n.state() != v1::NODE_READY || n.devices().empty()) continue;
+        int64_t smallest = std::numeric_limits<int64_t>::max();
+        for (const auto& d : n.devices()) smallest = std::min(smallest, d.memory_bytes());
+        device_bytes = std::max(device_bytes, smallest);
+      }
+      if (device_bytes > 0) device_source = "the largest device of the cluster's ready nodes";
+    }
+  }
+  const auto estimates = EstimateAllStrategies(spec, world, per_node);
+  if (g.json()) {
+    nlohmann::json out = {{"parameters", ModelParameterCount(spec.model())},
+                          {"largest_unit_parameters", LargestUnitParameters(spec.model())},
+                          {"world_size", world},
+                          {"device_memory_bytes", device_bytes},
+                          {"estimates", nlohmann::json::array()}};
+    for (const auto& e : estimates) {
+      out["estimates"].push_back({{"strategy", e.Name()},
+                                  {"precision", MixedPrecisionName(e.precision)},
+                                  {"parameters_bytes", e.parameters},
+                                  {"gradients_bytes", e.gradients},
+                                  {"optimizer_bytes", e.optimizer},
+                                  {"activations_bytes", e.activations},
+                                  {"total_bytes", e.total()},
+                                  {"offloaded_bytes", e.offloaded},
+                                  {"fits", device_bytes > 0 && e.total() <= device_bytes}});
+    }
+    std::cout << out.dump(1) << "\n";
+    return 0;
+  }
+  const MemoryEstimate mine = EstimateMemory(spec, world, per_node);
+  std::cout << spec.name() << ": " << spec.model().kind() << ", "
+            << HumanCount(ModelParameterCount(spec.model())) << " parameters, largest unit "
+            << HumanCount(LargestUnitParameters(spec.model())) << "; " << world << " rank(s), "
+            << per_node << " per node; micro_batch " << spec.train().micro_batch() << ", seq_len "
+            << spec.model().seq_len() << "\n";
+  std::cout << "device memory: "
+            << (device_bytes > 0 ? absl::StrCat(HumanBytes(device_bytes), " (", device_source, ")")
+                                 : device_source)
+            << "\n\n";
+  std::vector<std::vector<std::string>> rows;
+  for (const auto& e : estimates) {
+    const bool is_spec = e.Name() == mine.Name() && e.precision == mine.precision;
+    rows.push_back({absl::StrCat(e.Name(), is_spec ? " *" : ""), MixedPrecisionName(e.precision),
+                    HumanBytes(e.parameters), HumanBytes(e.gradients), HumanBytes(e.optimizer),
+                    HumanBytes(e.activations), HumanBytes(e.total()),
+                    e.offloaded > 0 ? HumanBytes(e.offloaded) : "-",
+                    device_bytes == 0 ? "?" : (e.total() <= device_bytes ? "yes" : "no")});
+  }
+  std::cout << FormatTable({"STRATEGY", "PRECISION", "PARAMETERS", "GRADIENTS", "OPTIMIZER",
+                            "ACTIVATIONS", "TOTAL/RANK", "ON PS", "FITS"},
+                           rows);
+  std::cout << "\n* the spec's own strategy. Bytes per rank; ON PS: optimizer state held by "
+               "parameter servers.\n";
+  return 0;
 }
 
 int Nodes(const Globals& g) {
@@ -419,6 +504,18 @@ int main(int argc, char** argv) {
   auto* checkpoint = app.add_subcommand("checkpoint", "ask a running job to write a checkpoint");
   checkpoint->add_option("job", job_id, "job id")->required();
   checkpoint->callback([&] { rc = Checkpoint(g, job_id); });
+
+  int world = 0, per_node = 0;
+  std::string device_memory;
+  auto* estimate = app.add_subcommand(
+      "estimate-memory", "memory per rank of a spec under every strategy and precision");
+  estimate->add_option("spec", spec_path, "job spec (YAML)")->required();
+  estimate->add_option("--world-size", world, "ranks (default: the spec's resources.gpus)");
+  estimate->add_option("--ranks-per-node", per_node, "ranks sharing a node (default: all)");
+  estimate->add_option("--device-memory", device_memory,
+                       "memory of one device, e.g. 80GiB (default: ask the coordinator)");
+  estimate->callback(
+      [&] { rc = EstimateMemoryVerb(g, spec_path, world, per_node, device_memory); });
 
   auto* nodes = app.add_subcommand("nodes", "list worker nodes and their devices");
   nodes->callback([&] { rc = Nodes(g); });

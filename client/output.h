@@ -5,6 +5,7 @@
 #include <google/protobuf/message.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -22,6 +23,8 @@ std::string ToJson(const google::protobuf::Message& message);
 std::string Ago(int64_t unix_ms, int64_t now_ms);
 // "512.0 MiB", "16.0 GiB".
 std::string HumanBytes(int64_t bytes);
+// "16GiB", "80G", "512MiB", "1.5GB" or plain bytes; nullopt if malformed.
+std::optional<int64_t> ParseBytes(const std::string& text);
 // "1.2M", "110.0M", "7.0B".
 std::string HumanCount(int64_t n);
 

@@ -841,6 +841,41 @@ TEST_F(CoordinatorServiceTest, FollowedLogsStreamRankLinesAndEndWithTheJob) {
   EXPECT_FALSE(tail->Read(&line));
 }
 
+TEST_F(CoordinatorServiceTest, JobThatFitsNoNodesMemoryIsRejectedNamingAStrategyThatFits) {
+  {  // 4 devices of 1 GiB each
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::RegisterNodeRequest r;
+    r.set_node_id("small");
+    for (int i = 0; i < 4; ++i) {
+      auto* d = r.add_devices();
+      d->set_index(i);
+      d->set_kind(v1::CUDA_GPU);
+      d->set_memory_bytes(int64_t{1} << 30);
+    }
+    v1::RegisterNodeResponse resp;
+    ASSERT_TRUE(nodes_->RegisterNode(&ctx, r, &resp).ok());
+  }
+  v1::JobSpec big = Spec(4, "bert-sized");  // ~109M parameters: 1.6 GiB of state under DDP
+  big.mutable_model()->set_n_layer(12);
+  big.mutable_model()->set_n_head(12);
+  big.mutable_model()->set_d_model(768);
+  big.mutable_model()->set_seq_len(128);
+  big.mutable_model()->set_vocab(30522);
+  big.mutable_data()->set_format("uint16");
+  big.mutable_train()->set_micro_batch(1);
+  grpc::Status s = Submit(big, nullptr);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), StartsWith("parallel.strategy: ddp fp32 needs "));
+  EXPECT_THAT(s.error_message(), HasSubstr("the largest device of any node has 1.00 GiB"));
+  EXPECT_THAT(s.error_message(), HasSubstr("fsdp FULL_SHARD would fit"));
+  EXPECT_EQ(List({}).jobs_size(), 0);
+  // The same model sharded fits.
+  big.mutable_parallel()->set_strategy(v1::FSDP);
+  big.mutable_parallel()->set_sharding_strategy(v1::FULL_SHARD);
+  EXPECT_TRUE(Submit(big, nullptr).ok());
+}
+
 TEST_F(CoordinatorServiceTest, HealthAndReflectionAreServed) {
   auto health = testing::HealthCheck(channel_);
   ASSERT_TRUE(health.ok()) << health.status();

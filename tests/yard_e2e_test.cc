@@ -474,6 +474,29 @@ TEST_F(YardE2eTest, NodesPrintsHeaderAndEmptyJsonWithoutWorkers) {
   EXPECT_TRUE(!nodes.contains("nodes") || nodes["nodes"].empty()) << js.out;
 }
 
+TEST_F(YardE2eTest, EstimateMemoryTabulatesEveryStrategyAndSaysWhichFit) {
+  CommandResult table =
+      Yard({"estimate-memory", CharGptSpec(), "--device-memory", "130MiB", "--world-size", "2"});
+  EXPECT_EQ(table.exit_code, 0) << table.err;
+  EXPECT_THAT(table.out, HasSubstr("3.3M parameters"));
+  EXPECT_THAT(table.out, ContainsRegex("ddp \\* +fp32 .* no\n"));  // 140.7 MiB per rank
+  EXPECT_THAT(table.out, ContainsRegex("fsdp FULL_SHARD +fp32 .* yes\n"));
+  EXPECT_THAT(table.out, ContainsRegex("offload +bf16 .* yes\n"));
+
+  CommandResult js =
+      Yard({"estimate-memory", CharGptSpec(), "--device-memory", "1MiB", "-o", "json"});
+  EXPECT_EQ(js.exit_code, 0) << js.err;
+  json out = ParseJson(js.out);
+  ASSERT_EQ(out["estimates"].size(), 12u) << js.out;
+  // 256*256 + 128*256 (embeddings) + 4 * (12*256^2 + 13*256) + 2*256 + 256*256 (head)
+  EXPECT_EQ(out["parameters"].get<int64_t>(), 3'323'392);
+  for (const auto& e : out["estimates"]) EXPECT_FALSE(e["fits"].get<bool>()) << e;
+
+  CommandResult bad = Yard({"estimate-memory", CharGptSpec(), "--device-memory", "lots"});
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_THAT(bad.err, HasSubstr("--device-memory"));
+}
+
 TEST(YardLocalTest, UpStatusDownLifecycle) {
   TempDir dir;
   const std::string state_dir = dir.path() + "/local";

@@ -7,7 +7,9 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/check.h"
+#include "common/memory_estimate.h"
 #include "common/spec.h"
 #include "common/status_macros.h"
 #include "server/coordinator/job_state.h"
@@ -112,9 +114,48 @@ void JobManager::NotifyWatchers(const v1::Job& job) {
   for (const auto& cb : callbacks) (*cb)(job);
 }
 
+absl::Status JobManager::CheckFitsSomeNode(const v1::JobSpec& spec) const {
+  // The largest device any ready node offers (a node's smallest device counts for it), and the
+  // most devices on one node (the HYBRID_SHARD group). Devices of unknown size are not judged.
+  int64_t device_bytes = 0;
+  int ranks_per_node = 1;
+  for (const v1::Node& n : nodes_.List()) {
+    if (n.state() != v1::NODE_READY || n.devices().empty()) continue;
+    int64_t smallest = std::numeric_limits<int64_t>::max();
+    for (const auto& d : n.devices()) smallest = std::min(smallest, d.memory_bytes());
+    device_bytes = std::max(device_bytes, smallest);
+    ranks_per_node = std::max(ranks_per_node, n.devices_size());
+  }
+  if (device_bytes <= 0) return absl::OkStatus();
+  const int world = spec.resources().gpus();
+  const MemoryEstimate e = EstimateMemory(spec, world, ranks_per_node);
+  if (e.total() <= device_bytes) return absl::OkStatus();
+  auto gib = [](int64_t b) { return absl::StrFormat("%.2f GiB", b / double(int64_t{1} << 30)); };
+  std::string message = absl::StrCat(
+      "parallel.strategy: ", e.Name(), " ", MixedPrecisionName(e.precision), " needs ",
+      gib(e.total()), " per rank (parameters ", gib(e.parameters), ", gradients ", gib(e.gradients),
+      ", optimizer ", gib(e.optimizer), ", activations ", gib(e.activations),
+      ") but the largest device of any node has ", gib(device_bytes));
+  const MemoryEstimate* best = nullptr;
+  for (const MemoryEstimate& other : EstimateAllStrategies(spec, world, ranks_per_node)) {
+    if (other.precision != e.precision || other.total() > device_bytes) continue;
+    if (best == nullptr || other.total() < best->total()) best = &other;
+  }
+  if (best != nullptr) {
+    absl::StrAppend(&message, "; ", best->Name(), " would fit (", gib(best->total()), " per rank)");
+  } else {
+    absl::StrAppend(&message, "; no strategy fits at this precision and world size");
+  }
+  return absl::InvalidArgumentError(message);
+}
+
 void JobManager::Submit(const std::string& owner, v1::JobSpec spec, JobCallback done) {
   ApplyJobSpecDefaults(spec);
   if (absl::Status s = ValidateJobSpec(spec); !s.ok()) {
+    done(s);
+    return;
+  }
+  if (absl::Status s = CheckFitsSomeNode(spec); !s.ok()) {
     done(s);
     return;
   }

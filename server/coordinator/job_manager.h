@@ -48,8 +48,9 @@ class JobManager {
   // attempt resumes (set once, before serving; empty: the worker picks a local folder).
   void SetCheckpointRoot(std::string root);
 
-  // Applies defaults, validates (INVALID_ARGUMENT naming the field), stores the job durably as
-  // QUEUED, then calls `done` with it. Nothing is stored on error.
+  // Applies defaults, validates (INVALID_ARGUMENT naming the field) and checks that the model fits
+  // some node's devices, stores the job durably as QUEUED, then calls `done` with it. Nothing is
+  // stored on error.
   void Submit(const std::string& owner, v1::JobSpec spec, JobCallback done);
 
   absl::StatusOr<v1::Job> Get(const std::string& job_id) const;  // NOT_FOUND
@@ -105,6 +106,10 @@ class JobManager {
   };
 
   v1::Job* Find(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // INVALID_ARGUMENT if the job's estimated memory per rank (common/memory_estimate.h) exceeds
+  // every ready node's devices, naming a strategy that would fit. Nodes with devices of unknown
+  // size (0 bytes), or no nodes at all, are not judged.
+  absl::Status CheckFitsSomeNode(const v1::JobSpec& spec) const ABSL_LOCKS_EXCLUDED(mu_);
   // The job if `attempt` is its running attempt; else NOT_FOUND or FAILED_PRECONDITION.
   absl::StatusOr<v1::Job*> FindRunningAttempt(const std::string& job_id, int attempt)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

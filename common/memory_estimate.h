@@ -1,0 +1,51 @@
+// Memory per rank of a training job under each parallel strategy and precision, as `yard
+// estimate-memory` prints it and the coordinator checks it at submit. Pure functions.
+//
+// Model state follows the ZeRO paper's accounting per parameter: fp32 training keeps 4 bytes of
+// weights, 4 of gradients and 8 of Adam moments; bf16 mixed precision keeps 2 + 2 and 12 of
+// optimizer state (fp32 master weights + moments). FSDP shards these over the shard group and adds
+// the largest unit while it is gathered. Activations follow Korthikanti et al. (2022), "Reducing
+// Activation Recomputation in Large Transformer Models": s*b*h*(34 + 5*a*s/h) bytes per layer at
+// 2 bytes per value, plus the logits; with activation checkpointing only each layer's input and
+// one layer's activations stay alive.
+#ifndef TRAINYARD_COMMON_MEMORY_ESTIMATE_H_
+#define TRAINYARD_COMMON_MEMORY_ESTIMATE_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "trainyard/v1/job.pb.h"
+
+namespace trainyard {
+
+struct MemoryEstimate {
+  v1::Strategy strategy = v1::DDP;
+  v1::ShardingStrategy sharding = v1::SHARDING_STRATEGY_UNSPECIFIED;  // FSDP only
+  v1::MixedPrecision precision = v1::FP32;
+  // Bytes on each rank's device.
+  int64_t parameters = 0;
+  int64_t gradients = 0;
+  int64_t optimizer = 0;
+  int64_t activations = 0;
+  int64_t total() const { return parameters + gradients + optimizer + activations; }
+  // Bytes of optimizer state and master weights held off the device (offload), whole job.
+  int64_t offloaded = 0;
+
+  std::string Name() const;  // "ddp", "fsdp FULL_SHARD", "offload"
+};
+
+// Parameters of the largest FSDP unit (a transformer block, or the embedding if larger).
+int64_t LargestUnitParameters(const v1::ModelSpec& model);
+
+// The estimate for `spec` as written (its strategy, sharding and precision), on `world_size`
+// ranks of which `ranks_per_node` share a node (the HYBRID_SHARD group).
+MemoryEstimate EstimateMemory(const v1::JobSpec& spec, int world_size, int ranks_per_node);
+
+// Every strategy (DDP, each FSDP sharding strategy, offload) for both precisions.
+std::vector<MemoryEstimate> EstimateAllStrategies(const v1::JobSpec& spec, int world_size,
+                                                  int ranks_per_node);
+
+}  // namespace trainyard
+
+#endif  // TRAINYARD_COMMON_MEMORY_ESTIMATE_H_

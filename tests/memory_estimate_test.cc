@@ -1,0 +1,111 @@
+// Memory estimates checked against figures computed by hand for a BERT-base-sized GPT.
+#include "common/memory_estimate.h"
+
+#include <gtest/gtest.h>
+
+#include "common/spec.h"
+
+namespace trainyard {
+namespace {
+
+// 12 layers, d_model 768, 12 heads, seq_len 512, vocab 30522, tied head: 108,890,112 parameters
+// = 30522*768 + 512*768 (embeddings) + 12 * (12*768^2 + 13*768) (blocks) + 2*768 (final norm).
+constexpr int64_t kParams = 108'890'112;
+
+v1::JobSpec BertBaseSized(v1::Strategy strategy, v1::ShardingStrategy sharding,
+                          v1::MixedPrecision precision) {
+  v1::JobSpec s;
+  auto* m = s.mutable_model();
+  m->set_kind("gpt");
+  m->set_n_layer(12);
+  m->set_n_head(12);
+  m->set_d_model(768);
+  m->set_seq_len(512);
+  m->set_vocab(30522);
+  m->set_tie_weights(true);
+  s.mutable_train()->set_micro_batch(8);
+  s.mutable_train()->set_mixed_precision(precision);
+  s.mutable_parallel()->set_strategy(strategy);
+  s.mutable_parallel()->set_sharding_strategy(sharding);
+  return s;
+}
+
+TEST(MemoryEstimateTest, BertBaseSizedModelHasTheHandCountedParameters) {
+  EXPECT_EQ(ModelParameterCount(BertBaseSized(v1::DDP, v1::FULL_SHARD, v1::FP32).model()), kParams);
+  // The largest FSDP unit is the embedding (30522 + 512) * 768, larger than a block.
+  EXPECT_EQ(LargestUnitParameters(BertBaseSized(v1::DDP, v1::FULL_SHARD, v1::FP32).model()),
+            23'834'112);
+}
+
+TEST(MemoryEstimateTest, DdpKeepsSixteenBytesPerParameterOnEveryRank) {
+  const MemoryEstimate e = EstimateMemory(BertBaseSized(v1::DDP, v1::FULL_SHARD, v1::FP32), 4, 4);
+  EXPECT_EQ(e.parameters, 4 * kParams);  // 435,560,448
+  EXPECT_EQ(e.gradients, 4 * kParams);
+  EXPECT_EQ(e.optimizer, 8 * kParams);  // Adam m and v
+  EXPECT_EQ(e.parameters + e.gradients + e.optimizer, 1'742'241'792);
+  EXPECT_EQ(e.Name(), "ddp");
+}
+
+TEST(MemoryEstimateTest, Bf16MixedPrecisionUsesTwoTwoTwelve) {
+  const MemoryEstimate e = EstimateMemory(BertBaseSized(v1::DDP, v1::FULL_SHARD, v1::BF16), 4, 4);
+  EXPECT_EQ(e.parameters, 2 * kParams);
+  EXPECT_EQ(e.gradients, 2 * kParams);
+  EXPECT_EQ(e.optimizer, 12 * kParams);  // fp32 master weights + m + v
+}
+
+TEST(MemoryEstimateTest, FullShardDividesStateByWorldSizeAndAddsOneGatheredUnit) {
+  const MemoryEstimate e = EstimateMemory(BertBaseSized(v1::FSDP, v1::FULL_SHARD, v1::FP32), 4, 4);
+  const int64_t shard = 27'222'528;  // kParams / 4
+  const int64_t unit = 23'834'112;
+  EXPECT_EQ(e.parameters, 4 * shard + 4 * unit);  // 204,226,560
+  EXPECT_EQ(e.gradients, 4 * shard + 4 * unit);
+  EXPECT_EQ(e.optimizer, 8 * shard);  // 217,780,224
+  EXPECT_EQ(e.Name(), "fsdp FULL_SHARD");
+}
+
+TEST(MemoryEstimateTest, ShardGradOpKeepsFullParametersButShardsTheRest) {
+  const MemoryEstimate e =
+      EstimateMemory(BertBaseSized(v1::FSDP, v1::SHARD_GRAD_OP, v1::FP32), 4, 4);
+  EXPECT_EQ(e.parameters, 4 * kParams);
+  EXPECT_EQ(e.optimizer, 8 * 27'222'528);
+}
+
+TEST(MemoryEstimateTest, NoShardIsDdpAndHybridShardsWithinTheNode) {
+  const MemoryEstimate no_shard =
+      EstimateMemory(BertBaseSized(v1::FSDP, v1::NO_SHARD, v1::FP32), 4, 4);
+  EXPECT_EQ(no_shard.optimizer, 8 * kParams);
+  const MemoryEstimate hybrid =
+      EstimateMemory(BertBaseSized(v1::FSDP, v1::HYBRID_SHARD, v1::FP32), 8, 2);
+  EXPECT_EQ(hybrid.optimizer, 8 * (kParams / 2));  // sharded over the 2 ranks of a node
+}
+
+TEST(MemoryEstimateTest, OffloadMovesOptimizerStateOffTheDevice) {
+  const MemoryEstimate e =
+      EstimateMemory(BertBaseSized(v1::OFFLOAD, v1::FULL_SHARD, v1::FP32), 4, 4);
+  EXPECT_EQ(e.optimizer, 0);
+  EXPECT_EQ(e.offloaded, 16 * kParams);  // fp32 master, m, v and gradient staging on the PS
+}
+
+TEST(MemoryEstimateTest, ActivationsFollowKorthikantiAndShrinkWithCheckpointing) {
+  v1::JobSpec spec = BertBaseSized(v1::DDP, v1::FULL_SHARD, v1::FP32);
+  // Per layer s*b*h*(34 + 5*a*s/h) = 512*8*768*(34 + 40) = 232,783,872 bytes at 2 bytes a value,
+  // doubled for fp32; plus fp32 logits and their gradient, 512*8*30522*8.
+  const int64_t per_layer = 232'783'872 * 2;
+  const int64_t logits = 1'000'144'896;
+  EXPECT_EQ(EstimateMemory(spec, 1, 1).activations, 12 * per_layer + logits);
+  spec.mutable_train()->set_activation_checkpointing(true);
+  EXPECT_EQ(EstimateMemory(spec, 1, 1).activations, 12 * 512 * 8 * 768 * 4 + per_layer + logits);
+}
+
+TEST(MemoryEstimateTest, AllStrategiesCoverEveryStrategyForBothPrecisions) {
+  const auto all = EstimateAllStrategies(BertBaseSized(v1::DDP, v1::FULL_SHARD, v1::FP32), 4, 4);
+  ASSERT_EQ(all.size(), 12u);
+  EXPECT_EQ(all[0].Name(), "ddp");
+  EXPECT_EQ(all[5].Name(), "offload");
+  EXPECT_EQ(all[6].precision, v1::BF16);
+  // FULL_SHARD needs less per rank than DDP.
+  EXPECT_LT(all[1].total(), all[0].total());
+}
+
+}  // namespace
+}  // namespace trainyard
