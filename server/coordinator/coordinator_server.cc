@@ -43,12 +43,21 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
         absl::StrCat("state_dir: ", dir, " is in use by another coordinator"));
   }
 
+  s->metrics_prom_ = std::make_unique<CoordinatorMetrics>();
+  if (!s->options_.metrics_address.empty()) {
+    ASSIGN_OR_RETURN(s->metrics_endpoint_, MetricsEndpoint::Start(s->options_.metrics_address,
+                                                                  s->metrics_prom_->registry()));
+  }
   SqliteJobStoreOptions store_options;
   store_options.group_commit = s->options_.group_commit;
+  store_options.on_commit = [m = s->metrics_prom_.get()](double seconds) {
+    m->ObserveStoreCommit(seconds);
+  };
   ASSIGN_OR_RETURN(s->store_, OpenSqliteJobStore(dir + "/coordinator.db", store_options));
   s->nodes_ = std::make_unique<NodeRegistry>(*s->store_, s->clock_, s->options_.node_timeout);
   s->rendezvous_ = std::make_unique<Rendezvous>();
   s->jobs_ = std::make_unique<JobManager>(*s->store_, *s->nodes_, *s->rendezvous_, s->clock_);
+  s->jobs_->SetMetrics(s->metrics_prom_.get());
   ASSIGN_OR_RETURN(auto stored_nodes, s->store_->LoadNodes());
   RETURN_IF_ERROR(s->nodes_->Load(stored_nodes));
   ASSIGN_OR_RETURN(auto stored_jobs, s->store_->LoadJobs());
@@ -58,7 +67,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s->logs_ = std::make_unique<JobLogs>(/*max_records_per_job=*/50'000);
   s->metrics_ = std::make_unique<JobMetrics>(/*max_records_per_job=*/200'000);
   s->job_service_ = std::make_unique<JobServiceImpl>(*s->jobs_, *s->logs_, *s->metrics_);
-  s->trainer_service_ = std::make_unique<TrainerServiceImpl>(*s->jobs_, *s->metrics_);
+  s->trainer_service_ =
+      std::make_unique<TrainerServiceImpl>(*s->jobs_, *s->metrics_, s->metrics_prom_.get());
   s->node_service_ = std::make_unique<NodeServiceImpl>(*s->nodes_, *s->jobs_, *s->logs_,
                                                        s->options_.heartbeat_interval);
   s->rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(*s->rendezvous_);
@@ -70,6 +80,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
                            &s->port_);
   builder.SetMaxReceiveMessageSize(s->options_.max_message_bytes);
   builder.SetMaxSendMessageSize(s->options_.max_message_bytes);
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(s->metrics_prom_->InterceptorFactory());
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   builder.RegisterService(s->job_service_.get());
   builder.RegisterService(s->node_service_.get());
   builder.RegisterService(s->rendezvous_service_.get());
@@ -115,7 +128,9 @@ void CoordinatorServer::SchedulerLoop() {
     if (stopping_) break;
     schedule_requested_ = false;
     mu_.Unlock();
+    const absl::Time start = absl::Now();
     const int placed = jobs_->SchedulePass();
+    metrics_prom_->ObserveSchedulingPass(absl::ToDoubleSeconds(absl::Now() - start));
     if (placed > 0) spdlog::info("scheduler placed {} job(s)", placed);
     mu_.Lock();
   }
@@ -128,6 +143,8 @@ void CoordinatorServer::Tick() {
   if (const int ended = jobs_->EnforceRuntimeLimits(); ended > 0) {
     spdlog::info("{} job(s) exceeded their max_runtime", ended);
   }
+  metrics_prom_->Refresh(jobs_->CountByState(), jobs_->NodesWithAllocations(),
+                         jobs_->RunningJobs());
 }
 
 void CoordinatorServer::TickerLoop() {

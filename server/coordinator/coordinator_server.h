@@ -17,6 +17,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
+#include "common/metrics_endpoint.h"
+#include "server/coordinator/coordinator_metrics.h"
 #include "server/coordinator/job_manager.h"
 #include "server/coordinator/job_store.h"
 #include "server/coordinator/node_registry.h"
@@ -28,7 +30,7 @@ namespace trainyard::coordinator {
 struct CoordinatorOptions {
   std::string listen_address = "127.0.0.1:7070";  // port 0 picks a free port
   std::string state_dir;                          // holds coordinator.db; created if missing
-  std::string metrics_address;                    // reserved for the Prometheus endpoint
+  std::string metrics_address;  // HOST:PORT of the Prometheus /metrics endpoint; empty: none
   std::string checkpoint_root;  // jobs' checkpoints (ROOT/JOB_ID); default STATE_DIR/checkpoints
   absl::Duration node_timeout = absl::Seconds(10);
   absl::Duration heartbeat_interval = absl::Seconds(2);
@@ -55,6 +57,10 @@ class CoordinatorServer {
 
   // "host:port" actually bound.
   const std::string& address() const { return address_; }
+  // "host:port" of /metrics, empty if not serving metrics.
+  std::string metrics_address() const {
+    return metrics_endpoint_ ? metrics_endpoint_->bound_address() : std::string();
+  }
   int port() const { return port_; }
 
   JobManager& jobs() { return *jobs_; }
@@ -73,6 +79,8 @@ class CoordinatorServer {
   CoordinatorOptions options_;
   const Clock& clock_;
   int lock_fd_ = -1;
+  std::unique_ptr<CoordinatorMetrics> metrics_prom_;
+  std::unique_ptr<MetricsEndpoint> metrics_endpoint_;
   std::unique_ptr<JobStore> store_;
   std::unique_ptr<NodeRegistry> nodes_;
   std::unique_ptr<Rendezvous> rendezvous_;

@@ -448,6 +448,12 @@ int JobManager::SchedulePass() {
     }
     job.set_attempt(job.attempt() + 1);
     job.set_world_size(rank);
+    if (metrics_ != nullptr) {
+      metrics_->ObservePlacement(
+          placement.backfilled,
+          absl::ToDoubleSeconds(snapshot.now - absl::FromUnixMillis(job.submit_time_ms())),
+          /*first_start=*/job.attempt() == 1);
+    }
     job.set_start_time_ms(absl::ToUnixMillis(snapshot.now));
     job.set_backfilled(placement.backfilled);
     // After a restart, `yard describe` still says why the previous attempt ended.
@@ -502,10 +508,31 @@ std::vector<v1::Assignment> JobManager::AssignmentsFor(const std::string& node_i
   return out;
 }
 
-std::map<std::string, std::vector<int>> JobManager::AllocatedDevices() const {
+std::vector<v1::Node> JobManager::NodesWithAllocations() const {
   absl::MutexLock lock(&mu_);
-  std::map<std::string, std::vector<int>> out;
-  for (const auto& [node, devices] : allocated_) out[node].assign(devices.begin(), devices.end());
+  std::vector<v1::Node> nodes = nodes_.List();
+  for (v1::Node& node : nodes) {
+    auto it = allocated_.find(node.id());
+    if (it != allocated_.end()) {
+      node.mutable_allocated_devices()->Add(it->second.begin(), it->second.end());
+    }
+  }
+  return nodes;
+}
+
+std::map<v1::JobState, int> JobManager::CountByState() const {
+  absl::MutexLock lock(&mu_);
+  std::map<v1::JobState, int> counts;
+  for (const auto& [id, job] : jobs_) ++counts[job.state()];
+  return counts;
+}
+
+std::vector<std::string> JobManager::RunningJobs() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::string> out;
+  for (const std::string& id : unfinished_) {
+    if (IsActive(jobs_.at(id).state())) out.push_back(id);
+  }
   return out;
 }
 

@@ -20,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/clock.h"
+#include "server/coordinator/coordinator_metrics.h"
 #include "server/coordinator/job_store.h"
 #include "server/coordinator/node_registry.h"
 #include "server/coordinator/rendezvous.h"
@@ -96,8 +97,13 @@ class JobManager {
   void OnRankStatus(const std::string& node_id, const v1::RankStatus& status);
   // Assignments of running attempts with ranks on `node_id`; resent when its session attaches.
   std::vector<v1::Assignment> AssignmentsFor(const std::string& node_id) const;
-  // Device indices held by running attempts, by node id.
-  std::map<std::string, std::vector<int>> AllocatedDevices() const;
+  // Every node with the device indices running attempts hold on it.
+  std::vector<v1::Node> NodesWithAllocations() const;
+  // For metrics: how many jobs are in each state, and which jobs run.
+  std::map<v1::JobState, int> CountByState() const;
+  std::vector<std::string> RunningJobs() const;
+  // Where placements are counted (set once, before serving; may stay null).
+  void SetMetrics(CoordinatorMetrics* metrics) { metrics_ = metrics; }
 
  private:
   struct Watcher {
@@ -135,9 +141,10 @@ class JobManager {
   NodeRegistry& nodes_;
   Rendezvous& rendezvous_;
   const Clock& clock_;
-  std::function<void()> wakeup_;     // set before serving; immutable after
-  std::string coordinator_address_;  // set before serving; immutable after
-  std::string checkpoint_root_;      // set before serving; immutable after
+  std::function<void()> wakeup_;           // set before serving; immutable after
+  std::string coordinator_address_;        // set before serving; immutable after
+  std::string checkpoint_root_;            // set before serving; immutable after
+  CoordinatorMetrics* metrics_ = nullptr;  // set before serving; immutable after
 
   mutable absl::Mutex mu_;
   std::map<std::string, v1::Job> jobs_ ABSL_GUARDED_BY(mu_);

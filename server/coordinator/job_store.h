@@ -80,6 +80,8 @@ class JobStore {
 struct SqliteJobStoreOptions {
   // When false, each batch gets a transaction of its own (one fsync each); for benchmarks only.
   bool group_commit = true;
+  // Called on the commit thread after each durable transaction with its duration (for metrics).
+  std::function<void(double seconds)> on_commit;
 };
 
 // Opens (creating if needed) the SQLite database at `path`: WAL journal, synchronous=FULL, schema

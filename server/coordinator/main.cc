@@ -29,7 +29,8 @@ int main(int argc, char** argv) {
   app.add_option("--state-dir", options.state_dir, "directory for the job database")
       ->capture_default_str();
   app.add_option("--metrics-address", options.metrics_address,
-                 "HOST:PORT for the Prometheus /metrics endpoint (reserved)");
+                 "HOST:PORT of the Prometheus /metrics endpoint (port 0: a free one, printed "
+                 "on the second line of stdout)");
   app.add_option(
       "--checkpoint-root", options.checkpoint_root,
       "where jobs' checkpoints live, seen by every worker (default STATE_DIR/checkpoints)");
@@ -60,6 +61,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::printf("%s\n", (*server)->address().c_str());
+  if (!(*server)->metrics_address().empty()) {
+    std::printf("metrics %s\n", (*server)->metrics_address().c_str());
+  }
   std::fflush(stdout);
   spdlog::info("serving on {} (state in {})", (*server)->address(), options.state_dir);
 

@@ -437,6 +437,7 @@ grpc::ServerUnaryReactor* TrainerServiceImpl::ReportStep(grpc::CallbackServerCon
   if (commands.ok()) {
     *response = *commands;
     metrics_.Append(request->job_id(), {*request});
+    if (prometheus_ != nullptr) prometheus_->ObserveStep(*request);
   }
   return Done(ctx, commands.status());
 }
@@ -477,14 +478,7 @@ grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage>* NodeServiceImp
 grpc::ServerUnaryReactor* NodeServiceImpl::ListNodes(grpc::CallbackServerContext* ctx,
                                                      const v1::ListNodesRequest* request,
                                                      v1::ListNodesResponse* response) {
-  const auto allocated = jobs_.AllocatedDevices();
-  for (v1::Node& node : nodes_.List()) {
-    auto it = allocated.find(node.id());
-    if (it != allocated.end()) {
-      node.mutable_allocated_devices()->Add(it->second.begin(), it->second.end());
-    }
-    *response->add_nodes() = std::move(node);
-  }
+  for (v1::Node& node : jobs_.NodesWithAllocations()) *response->add_nodes() = std::move(node);
   return Done(ctx, absl::OkStatus());
 }
 

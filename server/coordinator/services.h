@@ -55,7 +55,9 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
 
 class TrainerServiceImpl final : public v1::TrainerService::CallbackService {
  public:
-  TrainerServiceImpl(JobManager& jobs, JobMetrics& metrics) : jobs_(jobs), metrics_(metrics) {}
+  // `prometheus` may be null.
+  TrainerServiceImpl(JobManager& jobs, JobMetrics& metrics, CoordinatorMetrics* prometheus)
+      : jobs_(jobs), metrics_(metrics), prometheus_(prometheus) {}
 
   grpc::ServerUnaryReactor* ReportStep(grpc::CallbackServerContext* ctx,
                                        const v1::StepReport* request,
@@ -67,6 +69,7 @@ class TrainerServiceImpl final : public v1::TrainerService::CallbackService {
  private:
   JobManager& jobs_;
   JobMetrics& metrics_;
+  CoordinatorMetrics* prometheus_;
 };
 
 class NodeServiceImpl final : public v1::NodeService::CallbackService {

@@ -386,9 +386,13 @@ class SqliteJobStore final : public JobStore {
       }
       return status;
     }
-    absl::MutexLock lock(&mu_);
-    ++stats_.transactions;
-    stats_.last_commit_seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    {
+      absl::MutexLock lock(&mu_);
+      ++stats_.transactions;
+      stats_.last_commit_seconds = seconds;
+    }
+    if (options_.on_commit) options_.on_commit(seconds);
     return absl::OkStatus();
   }
 

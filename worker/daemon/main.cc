@@ -5,6 +5,7 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
@@ -12,6 +13,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "common/metrics_endpoint.h"
 #include "common/server_main.h"
 #include "common/version.h"
 #include "worker/daemon/worker_daemon.h"
@@ -48,7 +50,8 @@ int main(int argc, char** argv) {
   app.add_option("--stop-grace", stop_grace, "SIGTERM to SIGKILL delay when stopping a rank")
       ->capture_default_str();
   app.add_option("--metrics-address", metrics_address,
-                 "HOST:PORT for the Prometheus /metrics endpoint (reserved)");
+                 "HOST:PORT of the Prometheus /metrics endpoint (port 0: a free one, printed "
+                 "on stdout)");
   CLI11_PARSE(app, argc, argv);
 
   spdlog::set_default_logger(spdlog::stderr_color_mt("worker"));
@@ -74,6 +77,18 @@ int main(int argc, char** argv) {
   options.supervisor.work_dir = work_dir;
 
   trainyard::worker::WorkerDaemon daemon(options);
+  std::unique_ptr<trainyard::MetricsEndpoint> metrics;
+  if (!metrics_address.empty()) {
+    auto endpoint = trainyard::MetricsEndpoint::Start(metrics_address, daemon.registry());
+    if (!endpoint.ok()) {
+      std::cerr << "trainyard-worker: " << endpoint.status().message() << "\n";
+      return 2;
+    }
+    metrics = std::move(*endpoint);
+    // Like the servers' bound address: scripts and tests read it from stdout.
+    std::printf("metrics %s\n", metrics->bound_address().c_str());
+    std::fflush(stdout);
+  }
   std::thread signals([&daemon] {
     const int sig = trainyard::WaitForTerminationSignal();
     spdlog::info("signal {}: shutting down", sig);

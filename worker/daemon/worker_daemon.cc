@@ -22,7 +22,38 @@ int64_t PhysicalMemoryBytes() {
 
 }  // namespace
 
-WorkerDaemon::WorkerDaemon(WorkerOptions options) : options_(std::move(options)) {
+WorkerDaemon::WorkerDaemon(WorkerOptions options)
+    : options_(std::move(options)),
+      devices_(prometheus::BuildGauge()
+                   .Name("trainyard_worker_devices")
+                   .Help("Devices this worker offers (total) and runs ranks on (allocated)")
+                   .Register(*registry_)),
+      running_ranks_(prometheus::BuildGauge()
+                         .Name("trainyard_worker_running_ranks")
+                         .Help("Trainer ranks running on this worker")
+                         .Register(*registry_)
+                         .Add({})),
+      rank_exits_(prometheus::BuildCounter()
+                      .Name("trainyard_worker_rank_exits_total")
+                      .Help("Rank exits by reason: success (0), failure, killed (by a signal)")
+                      .Register(*registry_)),
+      heartbeat_rtt_(prometheus::BuildHistogram()
+                         .Name("trainyard_worker_heartbeat_rtt_seconds")
+                         .Help("Round trip of a heartbeat to the coordinator and its ack")
+                         .Register(*registry_)
+                         .Add({}, prometheus::Histogram::BucketBoundaries{0.0005, 0.001, 0.0025,
+                                                                          0.005, 0.01, 0.025, 0.05,
+                                                                          0.1, 0.25, 0.5, 1, 2.5})),
+      connected_(prometheus::BuildGauge()
+                     .Name("trainyard_worker_connected")
+                     .Help("1 while the session with the coordinator is open")
+                     .Register(*registry_)
+                     .Add({})) {
+  for (const char* reason : {"success", "failure", "killed"}) {
+    rank_exits_.Add({{"reason", reason}});
+  }
+  devices_.Add({{"state", "total"}}).Set(options_.cpu_slots);
+  devices_.Add({{"state", "allocated"}}).Set(0);
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
   channel_ =
@@ -40,7 +71,21 @@ void WorkerDaemon::Shutdown() {
   if (session_ctx_ != nullptr) session_ctx_->TryCancel();
 }
 
+void WorkerDaemon::RecordRankExit(int exit_code) {
+  const char* reason = exit_code == 0 ? "success" : exit_code >= 128 ? "killed" : "failure";
+  rank_exits_.Add({{"reason", reason}}).Increment();
+}
+
+void WorkerDaemon::RefreshGauges() {
+  const int running = supervisor_ ? supervisor_->running_count() : 0;
+  running_ranks_.Set(running);
+  devices_.Add({{"state", "allocated"}}).Set(std::min(running, options_.cpu_slots));
+}
+
 void WorkerDaemon::Send(v1::NodeMessage message) {
+  if (message.has_rank_status() && message.rank_status().phase() == v1::RANK_EXITED) {
+    RecordRankExit(message.rank_status().exit_code());
+  }
   absl::MutexLock lock(&mu_);
   if (message.has_logs()) {
     if (outbox_log_messages_ >= kMaxQueuedLogMessages) return;  // coordinator unreachable
@@ -120,6 +165,7 @@ void WorkerDaemon::RunSession() {
       absl::MutexLock lock(&mu_);
       session_open_ = true;
     }
+    connected_.Set(1);
     std::thread writer([&] { WriterLoop(stream.get(), interval); });
     v1::CoordinatorMessage in;
     while (stream->Read(&in)) {
@@ -128,6 +174,13 @@ void WorkerDaemon::RunSession() {
         spdlog::info("assignment: {} attempt {} ranks {}..{} of {}", a.job_id(), a.attempt(),
                      a.first_rank(), a.first_rank() + a.device_indices_size() - 1, a.world_size());
         supervisor_->Launch(a);
+      } else if (in.has_heartbeat_ack()) {
+        absl::MutexLock lock(&mu_);
+        auto it = heartbeats_in_flight_.find(in.heartbeat_ack().seq());
+        if (it != heartbeats_in_flight_.end()) {
+          heartbeat_rtt_.Observe(absl::ToDoubleSeconds(absl::Now() - it->second));
+          heartbeats_in_flight_.erase(heartbeats_in_flight_.begin(), std::next(it));
+        }
       } else if (in.has_cancel()) {
         spdlog::info("stop {} attempt {}: {}", in.cancel().job_id(), in.cancel().attempt(),
                      in.cancel().reason());
@@ -137,7 +190,9 @@ void WorkerDaemon::RunSession() {
     {
       absl::MutexLock lock(&mu_);
       session_open_ = false;
+      heartbeats_in_flight_.clear();
     }
+    connected_.Set(0);
     writer.join();
   }
   const grpc::Status s = stream->Finish();
@@ -165,7 +220,11 @@ void WorkerDaemon::WriterLoop(
     if (absl::Now() >= next_heartbeat) {
       m.mutable_heartbeat()->set_seq(++seq);
       m.mutable_heartbeat()->set_sent_time_ms(absl::ToUnixMillis(absl::Now()));
+      heartbeats_in_flight_[seq] = absl::Now();
       next_heartbeat = absl::Now() + heartbeat_interval;
+      mu_.Unlock();
+      RefreshGauges();  // once per heartbeat interval
+      mu_.Lock();
     } else if (!outbox_.empty()) {
       m = std::move(outbox_.front());
       outbox_.pop_front();

@@ -10,7 +10,13 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <prometheus/counter.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
 #include <deque>
+#include <map>
 #include <memory>
 #include <string>
 
@@ -40,6 +46,9 @@ class WorkerDaemon {
   void Run();
   void Shutdown();
 
+  // The worker's Prometheus metrics (trainyard_worker_*), for its /metrics endpoint.
+  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+
  private:
   // One registration + session; returns when the session ends.
   void RunSession();
@@ -49,7 +58,17 @@ class WorkerDaemon {
   void WriterLoop(grpc::ClientReaderWriter<v1::NodeMessage, v1::CoordinatorMessage>* stream,
                   absl::Duration heartbeat_interval);
 
+  // Counts a rank exit by reason and refreshes the device and rank gauges.
+  void RecordRankExit(int exit_code);
+  void RefreshGauges();
+
   const WorkerOptions options_;
+  std::shared_ptr<prometheus::Registry> registry_ = std::make_shared<prometheus::Registry>();
+  prometheus::Family<prometheus::Gauge>& devices_;
+  prometheus::Gauge& running_ranks_;
+  prometheus::Family<prometheus::Counter>& rank_exits_;
+  prometheus::Histogram& heartbeat_rtt_;
+  prometheus::Gauge& connected_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::NodeService::Stub> stub_;
   std::unique_ptr<RankSupervisor> supervisor_;
@@ -60,6 +79,7 @@ class WorkerDaemon {
   bool session_open_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   grpc::ClientContext* session_ctx_ ABSL_GUARDED_BY(mu_) = nullptr;
+  std::map<int64_t, absl::Time> heartbeats_in_flight_ ABSL_GUARDED_BY(mu_);  // seq → sent
 };
 
 }  // namespace trainyard::worker

@@ -1,0 +1,256 @@
+#include "server/coordinator/coordinator_metrics.h"
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+
+namespace trainyard::coordinator {
+namespace {
+
+using prometheus::Histogram;
+
+Histogram::BucketBoundaries LatencyBuckets() {
+  return {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10};
+}
+
+Histogram::BucketBoundaries WaitBuckets() {
+  return {1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400};
+}
+
+// "/trainyard.v1.JobService/SubmitJob" → "JobService/SubmitJob". Methods outside our services
+// and gRPC's own collapse into "other", so unknown method names cannot grow the label set.
+std::string MethodLabel(const char* full) {
+  absl::string_view m(full == nullptr ? "" : full);
+  if (absl::ConsumePrefix(&m, "/trainyard.v1.")) return std::string(m);
+  if (absl::StartsWith(m, "/grpc.health.") || absl::StartsWith(m, "/grpc.reflection.")) {
+    return std::string(m.substr(1));
+  }
+  return "other";
+}
+
+class RpcInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  RpcInterceptor(CoordinatorMetrics* metrics, std::string method)
+      : metrics_(metrics), method_(std::move(method)), start_(absl::Now()) {}
+
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(
+            grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
+      const grpc::Status status = methods->GetSendStatus();
+      metrics_->ObserveRpc(
+          method_, absl::StatusCodeToString(static_cast<absl::StatusCode>(status.error_code())),
+          absl::ToDoubleSeconds(absl::Now() - start_));
+    }
+    methods->Proceed();
+  }
+
+ private:
+  CoordinatorMetrics* metrics_;
+  std::string method_;
+  absl::Time start_;
+};
+
+class RpcInterceptorFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  explicit RpcInterceptorFactory(CoordinatorMetrics* metrics) : metrics_(metrics) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override {
+    return new RpcInterceptor(metrics_, MethodLabel(info->method()));
+  }
+
+ private:
+  CoordinatorMetrics* metrics_;
+};
+
+}  // namespace
+
+CoordinatorMetrics::CoordinatorMetrics()
+    : registry_(std::make_shared<prometheus::Registry>()),
+      jobs_(prometheus::BuildGauge()
+                .Name("trainyard_jobs")
+                .Help("Jobs in each state")
+                .Register(*registry_)),
+      queue_wait_(prometheus::BuildHistogram()
+                      .Name("trainyard_job_queue_wait_seconds")
+                      .Help("Time from submission to a job's first start")
+                      .Register(*registry_)
+                      .Add({}, WaitBuckets())),
+      scheduling_pass_(prometheus::BuildHistogram()
+                           .Name("trainyard_scheduling_pass_seconds")
+                           .Help("Duration of one scheduling pass")
+                           .Register(*registry_)
+                           .Add({}, LatencyBuckets())),
+      placements_(prometheus::BuildCounter()
+                      .Name("trainyard_placements_total")
+                      .Help("Job attempts placed on nodes, by kind (normal or backfill)")
+                      .Register(*registry_)),
+      nodes_(prometheus::BuildGauge()
+                 .Name("trainyard_nodes")
+                 .Help("Worker nodes by state (ready or lost)")
+                 .Register(*registry_)),
+      devices_(prometheus::BuildGauge()
+                   .Name("trainyard_devices")
+                   .Help("Devices of ready nodes per pool, allocated and total")
+                   .Register(*registry_)),
+      rpc_requests_(prometheus::BuildCounter()
+                        .Name("trainyard_rpc_requests_total")
+                        .Help("RPCs served, by method and status code")
+                        .Register(*registry_)),
+      rpc_duration_(prometheus::BuildHistogram()
+                        .Name("trainyard_rpc_duration_seconds")
+                        .Help("RPC duration by method (streams: their whole life)")
+                        .Register(*registry_)),
+      store_commit_(prometheus::BuildHistogram()
+                        .Name("trainyard_store_commit_seconds")
+                        .Help("Duration of one durable store transaction, fsync included")
+                        .Register(*registry_)
+                        .Add({}, LatencyBuckets())),
+      job_loss_(prometheus::BuildGauge()
+                    .Name("trainyard_job_loss")
+                    .Help("Latest training loss of a running job")
+                    .Register(*registry_)),
+      job_tokens_per_second_(prometheus::BuildGauge()
+                                 .Name("trainyard_job_tokens_per_second")
+                                 .Help("Latest tokens/s of a running job (all ranks)")
+                                 .Register(*registry_)),
+      job_step_seconds_(prometheus::BuildGauge()
+                            .Name("trainyard_job_step_seconds")
+                            .Help("Duration of a running job's latest optimizer step")
+                            .Register(*registry_)),
+      job_step_(prometheus::BuildGauge()
+                    .Name("trainyard_job_step")
+                    .Help("Optimizer steps a running job has completed")
+                    .Register(*registry_)),
+      job_total_steps_(prometheus::BuildGauge()
+                           .Name("trainyard_job_total_steps")
+                           .Help("Optimizer steps a running job will run in all")
+                           .Register(*registry_)),
+      job_grad_norm_(prometheus::BuildGauge()
+                         .Name("trainyard_job_grad_norm")
+                         .Help("Global gradient norm of a running job's latest step")
+                         .Register(*registry_)),
+      job_resident_bytes_(prometheus::BuildGauge()
+                              .Name("trainyard_job_resident_bytes")
+                              .Help("Resident memory of a running job's rank 0")
+                              .Register(*registry_)) {
+  for (int s = v1::JobState_MIN; s <= v1::JobState_MAX; ++s) {
+    if (s == v1::JOB_STATE_UNSPECIFIED || !v1::JobState_IsValid(s)) continue;
+    jobs_.Add({{"state", v1::JobState_Name(static_cast<v1::JobState>(s))}});
+  }
+  nodes_.Add({{"state", "ready"}});
+  nodes_.Add({{"state", "lost"}});
+  placements_.Add({{"kind", "normal"}});
+  placements_.Add({{"kind", "backfill"}});
+}
+
+void CoordinatorMetrics::Refresh(const std::map<v1::JobState, int>& jobs_by_state,
+                                 const std::vector<v1::Node>& nodes,
+                                 const std::vector<std::string>& running_jobs) {
+  for (int s = v1::JobState_MIN; s <= v1::JobState_MAX; ++s) {
+    if (s == v1::JOB_STATE_UNSPECIFIED || !v1::JobState_IsValid(s)) continue;
+    auto it = jobs_by_state.find(static_cast<v1::JobState>(s));
+    jobs_.Add({{"state", v1::JobState_Name(static_cast<v1::JobState>(s))}})
+        .Set(it == jobs_by_state.end() ? 0 : it->second);
+  }
+  int ready = 0, lost = 0;
+  std::map<std::string, std::pair<int, int>> pools;  // pool → (allocated, total)
+  for (const v1::Node& n : nodes) {
+    if (n.state() != v1::NODE_READY) {
+      ++lost;
+      continue;
+    }
+    ++ready;
+    auto label = n.labels().find("pool");
+    auto& pool = pools[label == n.labels().end() ? "default" : label->second];
+    pool.first += n.allocated_devices_size();
+    pool.second += n.devices_size();
+  }
+  nodes_.Add({{"state", "ready"}}).Set(ready);
+  nodes_.Add({{"state", "lost"}}).Set(lost);
+
+  absl::MutexLock lock(&mu_);
+  for (auto& [pool, gauges] : pool_devices_) {
+    if (pools.count(pool) == 0) {
+      gauges.first->Set(0);
+      gauges.second->Set(0);
+    }
+  }
+  for (const auto& [pool, counts] : pools) {
+    auto it = pool_devices_.find(pool);
+    if (it == pool_devices_.end()) {
+      it =
+          pool_devices_
+              .emplace(pool, std::make_pair(&devices_.Add({{"pool", pool}, {"state", "allocated"}}),
+                                            &devices_.Add({{"pool", pool}, {"state", "total"}})))
+              .first;
+    }
+    it->second.first->Set(counts.first);
+    it->second.second->Set(counts.second);
+  }
+  // Training series exist only while their job runs, so cardinality stays bounded.
+  const std::set<std::string> running(running_jobs.begin(), running_jobs.end());
+  for (auto it = job_series_.begin(); it != job_series_.end();) {
+    if (running.count(it->first) > 0) {
+      ++it;
+      continue;
+    }
+    const JobSeries& s = it->second;
+    job_loss_.Remove(s.loss);
+    job_tokens_per_second_.Remove(s.tokens_per_second);
+    job_step_seconds_.Remove(s.step_seconds);
+    job_step_.Remove(s.step);
+    job_total_steps_.Remove(s.total_steps);
+    job_grad_norm_.Remove(s.grad_norm);
+    job_resident_bytes_.Remove(s.resident_bytes);
+    it = job_series_.erase(it);
+  }
+}
+
+void CoordinatorMetrics::ObservePlacement(bool backfilled, double queue_wait_seconds,
+                                          bool first_start) {
+  placements_.Add({{"kind", backfilled ? "backfill" : "normal"}}).Increment();
+  if (first_start) queue_wait_.Observe(queue_wait_seconds);
+}
+
+void CoordinatorMetrics::ObserveSchedulingPass(double seconds) {
+  scheduling_pass_.Observe(seconds);
+}
+
+void CoordinatorMetrics::ObserveStoreCommit(double seconds) { store_commit_.Observe(seconds); }
+
+void CoordinatorMetrics::ObserveRpc(const std::string& method, const std::string& code,
+                                    double seconds) {
+  rpc_requests_.Add({{"method", method}, {"code", code}}).Increment();
+  rpc_duration_.Add({{"method", method}}, LatencyBuckets()).Observe(seconds);
+}
+
+void CoordinatorMetrics::ObserveStep(const v1::StepReport& r) {
+  absl::MutexLock lock(&mu_);
+  auto it = job_series_.find(r.job_id());
+  if (it == job_series_.end()) {
+    const prometheus::Labels labels = {{"job", r.job_id()}};
+    it = job_series_
+             .emplace(r.job_id(),
+                      JobSeries{&job_loss_.Add(labels), &job_tokens_per_second_.Add(labels),
+                                &job_step_seconds_.Add(labels), &job_step_.Add(labels),
+                                &job_total_steps_.Add(labels), &job_grad_norm_.Add(labels),
+                                &job_resident_bytes_.Add(labels)})
+             .first;
+  }
+  const JobSeries& s = it->second;
+  s.loss->Set(r.loss());
+  s.tokens_per_second->Set(r.tokens_per_second());
+  s.step_seconds->Set(r.step_seconds());
+  s.step->Set(static_cast<double>(r.step()));
+  s.total_steps->Set(static_cast<double>(r.total_steps()));
+  s.grad_norm->Set(r.grad_norm());
+  s.resident_bytes->Set(static_cast<double>(r.resident_bytes()));
+}
+
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>
+CoordinatorMetrics::InterceptorFactory() {
+  return std::make_unique<RpcInterceptorFactory>(this);
+}
+
+}  // namespace trainyard::coordinator

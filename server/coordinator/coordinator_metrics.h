@@ -1,0 +1,85 @@
+// CoordinatorMetrics: the coordinator's Prometheus metrics (names in dashboards/README.md).
+// Gauges that describe state (jobs by state, nodes, devices, running jobs' training figures) are
+// set by Refresh() from the managers, on the ticker; events (placements, queue waits, scheduling
+// passes, RPCs, store commits) are recorded as they happen. Also the gRPC server interceptor that
+// counts RPCs by method and code. Thread-safe (prometheus-cpp metrics are).
+#ifndef TRAINYARD_SERVER_COORDINATOR_COORDINATOR_METRICS_H_
+#define TRAINYARD_SERVER_COORDINATOR_COORDINATOR_METRICS_H_
+
+#include <grpcpp/support/server_interceptor.h>
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "trainyard/v1/job.pb.h"
+#include "trainyard/v1/node.pb.h"
+#include "trainyard/v1/trainer.pb.h"
+
+namespace trainyard::coordinator {
+
+class CoordinatorMetrics {
+ public:
+  CoordinatorMetrics();
+
+  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+
+  // State gauges: job counts by state, the nodes (with their allocated devices), and the ids of
+  // running jobs (training series of every other job are removed).
+  void Refresh(const std::map<v1::JobState, int>& jobs_by_state, const std::vector<v1::Node>& nodes,
+               const std::vector<std::string>& running_jobs);
+  void ObservePlacement(bool backfilled, double queue_wait_seconds, bool first_start);
+  void ObserveSchedulingPass(double seconds);
+  void ObserveStoreCommit(double seconds);
+  void ObserveRpc(const std::string& method, const std::string& code, double seconds);
+  void ObserveStep(const v1::StepReport& report);
+
+  // Creates an interceptor per RPC that calls ObserveRpc when the RPC sends its status.
+  std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> InterceptorFactory();
+
+ private:
+  struct JobSeries {
+    prometheus::Gauge* loss;
+    prometheus::Gauge* tokens_per_second;
+    prometheus::Gauge* step_seconds;
+    prometheus::Gauge* step;
+    prometheus::Gauge* total_steps;
+    prometheus::Gauge* grad_norm;
+    prometheus::Gauge* resident_bytes;
+  };
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Gauge>& jobs_;
+  prometheus::Histogram& queue_wait_;
+  prometheus::Histogram& scheduling_pass_;
+  prometheus::Family<prometheus::Counter>& placements_;
+  prometheus::Family<prometheus::Gauge>& nodes_;
+  prometheus::Family<prometheus::Gauge>& devices_;
+  prometheus::Family<prometheus::Counter>& rpc_requests_;
+  prometheus::Family<prometheus::Histogram>& rpc_duration_;
+  prometheus::Histogram& store_commit_;
+  prometheus::Family<prometheus::Gauge>& job_loss_;
+  prometheus::Family<prometheus::Gauge>& job_tokens_per_second_;
+  prometheus::Family<prometheus::Gauge>& job_step_seconds_;
+  prometheus::Family<prometheus::Gauge>& job_step_;
+  prometheus::Family<prometheus::Gauge>& job_total_steps_;
+  prometheus::Family<prometheus::Gauge>& job_grad_norm_;
+  prometheus::Family<prometheus::Gauge>& job_resident_bytes_;
+
+  absl::Mutex mu_;
+  std::map<std::string, JobSeries> job_series_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::pair<prometheus::Gauge*, prometheus::Gauge*>> pool_devices_
+      ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace trainyard::coordinator
+
+#endif  // TRAINYARD_SERVER_COORDINATOR_COORDINATOR_METRICS_H_

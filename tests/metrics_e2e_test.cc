@@ -1,0 +1,164 @@
+// The Prometheus endpoints of a real coordinator and a real worker (test_rank ranks): after a job
+// runs, both /metrics pages carry the expected series and values, training series of a job exist
+// only while it runs, and `promtool check metrics` accepts both pages.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "client/yard_client.h"
+#include "tests/testing/http_get.h"
+#include "tests/testing/subprocess.h"
+#include "trainyard/v1/trainer.grpc.pb.h"
+
+namespace trainyard {
+namespace {
+
+using testing::BinPath;
+using ::testing::HasSubstr;
+using testing::HttpGet;
+using testing::Subprocess;
+using testing::TempDir;
+
+// The value of the sample `series` (name with labels as exposed) on a /metrics page; nullopt if
+// absent.
+std::optional<double> Sample(const std::string& page, const std::string& series) {
+  for (absl::string_view line : absl::StrSplit(page, '\n')) {
+    if (!absl::StartsWith(line, series + " ")) continue;
+    double v = 0;
+    if (absl::SimpleAtod(line.substr(series.size() + 1), &v)) return v;
+  }
+  return std::nullopt;
+}
+
+v1::JobSpec Spec(const std::string& mode, int devices) {
+  v1::JobSpec s;
+  s.set_name(mode);
+  s.mutable_resources()->set_gpus(devices);
+  auto* m = s.mutable_model();
+  m->set_n_layer(1);
+  m->set_n_head(1);
+  m->set_d_model(8);
+  m->set_seq_len(4);
+  s.mutable_data()->set_path("/usr/share/common-licenses/GPL-3");
+  s.mutable_train()->set_steps(10);
+  return s;
+}
+
+class MetricsE2eTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto c = Subprocess::Start({BinPath("trainyard-coordinator"), "--listen", "127.0.0.1:0",
+                                "--state-dir", dir_.path() + "/state", "--metrics-address",
+                                "127.0.0.1:0", "--heartbeat-interval", "0.2"});
+    ASSERT_TRUE(c.ok()) << c.status();
+    coordinator_ = std::move(*c);
+    address_ = coordinator_->ReadLine(absl::Seconds(30)).value_or("");
+    const std::string metrics_line = coordinator_->ReadLine(absl::Seconds(30)).value_or("");
+    ASSERT_TRUE(absl::StartsWith(metrics_line, "metrics ")) << metrics_line;
+    coordinator_metrics_ = metrics_line.substr(8);
+    auto w = Subprocess::Start({BinPath("trainyard-worker"), "--coordinator", address_, "--node-id",
+                                "w1", "--cpu-slots", "2", "--trainer",
+                                testing::TestBinPath("test_rank"), "--work-dir",
+                                dir_.path() + "/work", "--metrics-address", "127.0.0.1:0"});
+    ASSERT_TRUE(w.ok()) << w.status();
+    worker_ = std::move(*w);
+    const std::string worker_line = worker_->ReadLine(absl::Seconds(30)).value_or("");
+    ASSERT_TRUE(absl::StartsWith(worker_line, "metrics ")) << worker_line;
+    worker_metrics_ = worker_line.substr(8);
+    client_ = std::make_unique<client::YardClient>(address_, "alice");
+  }
+
+  // Scrapes `endpoint` until `series` has `value` (gauges refresh on the coordinator's ticker and
+  // the worker's heartbeat); returns the last page.
+  std::string ScrapeUntil(const std::string& endpoint, const std::string& series,
+                          std::optional<double> value) {
+    std::string page;
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (absl::Now() < deadline) {
+      auto got = HttpGet(endpoint, "/metrics");
+      EXPECT_TRUE(got.ok()) << got.status();
+      page = got.value_or("");
+      if (Sample(page, series) == value) return page;
+      absl::SleepFor(absl::Milliseconds(50));  // the next refresh; no event to wait on
+    }
+    ADD_FAILURE() << series << " never became " << (value ? std::to_string(*value) : "absent")
+                  << "\n"
+                  << page;
+    return page;
+  }
+
+  void ExpectPromtoolAccepts(const std::string& page) {
+    const std::string path = dir_.path() + "/page.txt";
+    std::ofstream(path) << page;
+    auto r = testing::RunCommand({"/bin/sh", "-c", "promtool check metrics < " + path});
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  }
+
+  TempDir dir_;
+  std::unique_ptr<Subprocess> coordinator_, worker_;
+  std::string address_, coordinator_metrics_, worker_metrics_;
+  std::unique_ptr<client::YardClient> client_;
+};
+
+TEST_F(MetricsE2eTest, CoordinatorAndWorkerExportWhatHappened) {
+  auto job = client_->Submit(Spec("succeed", 2));
+  ASSERT_TRUE(job.ok()) << job.status();
+  ASSERT_EQ(
+      client_->Watch(job->id(), absl::Seconds(60), [](const v1::Job&) { return false; })->state(),
+      v1::SUCCEEDED);
+
+  const std::string c = ScrapeUntil(coordinator_metrics_, "trainyard_jobs{state=\"SUCCEEDED\"}", 1);
+  EXPECT_EQ(Sample(c, "trainyard_jobs{state=\"QUEUED\"}"), 0);
+  EXPECT_EQ(Sample(c, "trainyard_placements_total{kind=\"normal\"}"), 1);
+  EXPECT_EQ(Sample(c, "trainyard_rpc_requests_total{code=\"OK\",method=\"JobService/SubmitJob\"}"),
+            1);
+  EXPECT_EQ(Sample(c, "trainyard_nodes{state=\"ready\"}"), 1);
+  EXPECT_EQ(Sample(c, "trainyard_devices{pool=\"default\",state=\"total\"}"), 2);
+  EXPECT_EQ(Sample(c, "trainyard_job_queue_wait_seconds_count"), 1);
+  EXPECT_GE(Sample(c, "trainyard_store_commit_seconds_count").value_or(0), 3);
+  EXPECT_GE(Sample(c, "trainyard_scheduling_pass_seconds_count").value_or(0), 1);
+  ExpectPromtoolAccepts(c);
+
+  const std::string w =
+      ScrapeUntil(worker_metrics_, "trainyard_worker_rank_exits_total{reason=\"success\"}", 2);
+  EXPECT_EQ(Sample(w, "trainyard_worker_devices{state=\"total\"}"), 2);
+  EXPECT_EQ(Sample(w, "trainyard_worker_connected"), 1);
+  EXPECT_GE(Sample(w, "trainyard_worker_heartbeat_rtt_seconds_count").value_or(0), 1);
+  ExpectPromtoolAccepts(w);
+}
+
+TEST_F(MetricsE2eTest, TrainingSeriesExistWhileTheJobRuns) {
+  auto job = client_->Submit(Spec("hang", 1));
+  ASSERT_TRUE(job.ok());
+  ASSERT_TRUE(client_
+                  ->Watch(job->id(), absl::Seconds(60),
+                          [](const v1::Job& j) { return j.state() == v1::RUNNING; })
+                  .ok());
+  // What rank 0 of a trainer reports after a step.
+  auto trainer = v1::TrainerService::NewStub(
+      grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  v1::StepReport r;
+  r.set_job_id(job->id());
+  r.set_attempt(1);
+  r.set_step(7);
+  r.set_total_steps(10);
+  r.set_loss(2.5);
+  r.set_tokens_per_second(1234);
+  v1::TrainerCommands commands;
+  ASSERT_TRUE(trainer->ReportStep(&ctx, r, &commands).ok());
+  const std::string series = "trainyard_job_loss{job=\"" + job->id() + "\"}";
+  const std::string page = ScrapeUntil(coordinator_metrics_, series, 2.5);
+  EXPECT_EQ(Sample(page, "trainyard_job_step{job=\"" + job->id() + "\"}"), 7);
+  EXPECT_EQ(Sample(page, "trainyard_job_tokens_per_second{job=\"" + job->id() + "\"}"), 1234);
+  ASSERT_TRUE(client_->Cancel(job->id(), "done").ok());
+  ScrapeUntil(coordinator_metrics_, series, std::nullopt);  // removed with the job
+}
+
+}  // namespace
+}  // namespace trainyard
