@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -78,8 +79,11 @@ absl::Status Save(const LocalCluster& c) {
   nlohmann::json j;
   j["coordinator_address"] = c.coordinator_address;
   for (const auto& p : c.processes) {
-    j["processes"].push_back(
-        {{"name", p.name}, {"pid", p.pid}, {"address", p.address}, {"log", p.log}});
+    j["processes"].push_back({{"name", p.name},
+                              {"pid", p.pid},
+                              {"address", p.address},
+                              {"log", p.log},
+                              {"metrics_address", p.metrics_address}});
   }
   const std::string path = StateFile(c.state_dir);
   const std::string tmp = path + ".tmp";
@@ -92,6 +96,22 @@ absl::Status Save(const LocalCluster& c) {
     return absl::InternalError(absl::StrCat("cannot write ", path, ": ", strerror(errno)));
   }
   return absl::OkStatus();
+}
+
+// Complete lines of a daemon's stdout so far.
+std::vector<std::string> PrintedLines(const std::string& text) {
+  std::vector<std::string> lines;
+  size_t start = 0, nl;
+  while ((nl = text.find('\n', start)) != std::string::npos) {
+    lines.push_back(std::string(absl::StripAsciiWhitespace(text.substr(start, nl - start))));
+    start = nl + 1;
+  }
+  return lines;
+}
+
+// "metrics 127.0.0.1:9100" → "127.0.0.1:9100"; "" otherwise.
+std::string MetricsAddressIn(const std::string& line) {
+  return line.rfind("metrics ", 0) == 0 ? line.substr(8) : std::string();
 }
 
 }  // namespace
@@ -118,6 +138,7 @@ absl::StatusOr<LocalCluster> LocalStatus(const std::string& state_dir) {
       lp.pid = p.at("pid").get<pid_t>();
       lp.address = p.at("address").get<std::string>();
       lp.log = p.at("log").get<std::string>();
+      lp.metrics_address = p.value("metrics_address", "");
       lp.alive = IsTrainyardProcess(lp.pid);
       c.processes.push_back(lp);
     }
@@ -153,17 +174,24 @@ absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& options) {
   coord.name = "coordinator";
   coord.log = options.state_dir + "/coordinator.log";
   const std::string out = options.state_dir + "/coordinator.out";
-  auto pid = SpawnDaemon({bin, "--listen", options.listen, "--state-dir", options.state_dir}, out,
-                         coord.log);
+  std::vector<std::string> coord_argv = {bin, "--listen", options.listen, "--state-dir",
+                                         options.state_dir};
+  if (options.metrics) {
+    coord_argv.push_back("--metrics-address");
+    coord_argv.push_back("127.0.0.1:0");
+  }
+  auto pid = SpawnDaemon(coord_argv, out, coord.log);
   if (!pid.ok()) return pid.status();
   coord.pid = *pid;
   // The coordinator prints its bound address as its first line once it serves.
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
   while (true) {
     const std::string printed = ReadFile(out);
-    if (printed.find('\n') != std::string::npos) {
-      coord.address =
-          std::string(absl::StripAsciiWhitespace(printed.substr(0, printed.find('\n'))));
+    // The bound address on the first line, then "metrics ADDRESS" when serving metrics.
+    const std::vector<std::string> lines = PrintedLines(printed);
+    if (lines.size() >= (options.metrics ? 2u : 1u)) {
+      coord.address = lines[0];
+      if (options.metrics) coord.metrics_address = MetricsAddressIn(lines[1]);
       break;
     }
     int status = 0;
@@ -202,13 +230,34 @@ absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& options) {
                                      absl::StrCat(options.slots_per_worker),
                                      "--work-dir",
                                      absl::StrCat(options.state_dir, "/worker-", i)};
-    if (options.threads_per_slot > 0) {
-      argv.push_back("--threads-per-slot");
-      argv.push_back(absl::StrCat(options.threads_per_slot));
+    // The workers share this machine: split its cores among all their slots.
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    const int threads = options.threads_per_slot > 0
+                            ? options.threads_per_slot
+                            : std::max(1, cores / (options.workers * options.slots_per_worker));
+    argv.push_back("--threads-per-slot");
+    argv.push_back(absl::StrCat(threads));
+    if (options.metrics) {
+      argv.push_back("--metrics-address");
+      argv.push_back("127.0.0.1:0");
     }
-    auto wpid = SpawnDaemon(argv, absl::StrCat(options.state_dir, "/worker-", i, ".out"), w.log);
+    const std::string worker_out = absl::StrCat(options.state_dir, "/worker-", i, ".out");
+    auto wpid = SpawnDaemon(argv, worker_out, w.log);
     if (!wpid.ok()) return wpid.status();
     w.pid = *wpid;
+    if (options.metrics) {  // its first line says where
+      const absl::Time metrics_deadline = absl::Now() + absl::Seconds(30);
+      while (w.metrics_address.empty()) {
+        const std::vector<std::string> lines = PrintedLines(ReadFile(worker_out));
+        if (!lines.empty()) w.metrics_address = MetricsAddressIn(lines[0]);
+        if (!w.metrics_address.empty()) break;
+        if (absl::Now() > metrics_deadline || waitpid(w.pid, nullptr, WNOHANG) == w.pid) {
+          return absl::UnavailableError(
+              absl::StrCat(w.name, " did not serve metrics; see ", w.log));
+        }
+        absl::SleepFor(absl::Milliseconds(20));  // a detached child: no event to wait on
+      }
+    }
     w.alive = true;
     c.processes.push_back(w);
     if (absl::Status s = Save(c); !s.ok()) return s;

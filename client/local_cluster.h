@@ -16,8 +16,9 @@ namespace trainyard::client {
 struct LocalProcess {
   std::string name;  // "coordinator"
   pid_t pid = 0;
-  std::string address;  // what it serves on
-  std::string log;      // its stderr
+  std::string address;          // what it serves on
+  std::string log;              // its stderr
+  std::string metrics_address;  // its Prometheus /metrics endpoint, if serving one
   bool alive = false;
 };
 
@@ -33,7 +34,8 @@ struct LocalUpOptions {
   std::string bin_dir;       // where trainyard-coordinator and trainyard-worker live
   int workers = 0;           // worker daemons, named local-1, local-2, ...
   int slots_per_worker = 1;  // CPU slots (ranks) of each worker
-  int threads_per_slot = 0;  // 0: the worker's default (cores / slots)
+  int threads_per_slot = 0;  // 0: this machine's cores / (workers * slots)
+  bool metrics = false;      // every process serves /metrics on a free loopback port
 };
 
 // Starts the cluster and returns once the coordinator serves and every worker has registered.

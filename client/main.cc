@@ -422,17 +422,18 @@ void PrintCluster(const Globals& g, const LocalCluster& c) {
                                 {"pid", p.pid},
                                 {"address", p.address},
                                 {"alive", p.alive},
-                                {"log", p.log}});
+                                {"log", p.log},
+                                {"metrics_address", p.metrics_address}});
     }
     std::cout << j.dump(1) << "\n";
     return;
   }
   std::vector<std::vector<std::string>> rows;
   for (const auto& p : c.processes) {
-    rows.push_back(
-        {p.name, absl::StrCat(p.pid), p.alive ? "running" : "stopped", p.address, p.log});
+    rows.push_back({p.name, absl::StrCat(p.pid), p.alive ? "running" : "stopped", p.address,
+                    p.metrics_address.empty() ? "-" : p.metrics_address, p.log});
   }
-  std::cout << FormatTable({"PROCESS", "PID", "STATUS", "ADDRESS", "LOG"}, rows);
+  std::cout << FormatTable({"PROCESS", "PID", "STATUS", "ADDRESS", "METRICS", "LOG"}, rows);
 }
 
 }  // namespace
@@ -535,8 +536,10 @@ int main(int argc, char** argv) {
   up->add_option("--slots", up_options.slots_per_worker, "CPU slots of each worker")
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
+  up->add_flag("--metrics", up_options.metrics,
+               "every process serves Prometheus /metrics on a free loopback port (see status)");
   up->add_option("--threads-per-slot", up_options.threads_per_slot,
-                 "threads of each rank (0: cores / slots)")
+                 "threads of each rank (0: cores / (workers * slots))")
       ->capture_default_str();
   up->callback([&] {
     auto c = LocalUp(up_options);

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The main job: sets everything up, starts a local cluster on loopback, submits
-# examples/char-gpt.yaml and shows it in the queue, then stops the cluster.
+# The main job: sets everything up, starts a local cluster on loopback (a coordinator and two
+# worker daemons with one CPU slot each), trains examples/char-gpt.yaml with 2-rank DDP over Gloo
+# while showing its progress, prints the loss before and after and a sample of generated text,
+# then stops the cluster.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -11,21 +13,26 @@ export TRAINYARD_COORDINATOR=127.0.0.1:${TRAINYARD_EXAMPLE_PORT:-7071}
 $yard local --state-dir "$state_dir" down >/dev/null 2>&1 || true
 trap '$yard local --state-dir "$state_dir" down >/dev/null 2>&1 || true' EXIT
 
-echo "== yard local up"
-$yard local --state-dir "$state_dir" up --listen "$TRAINYARD_COORDINATOR"
+echo "== yard local up --workers 2 --slots 1"
+$yard local --state-dir "$state_dir" up --listen "$TRAINYARD_COORDINATOR" --workers 2 --slots 1
+echo
+echo "== yard nodes"
+$yard nodes
 echo
 echo "== yard submit examples/char-gpt.yaml"
 job=$($yard submit examples/char-gpt.yaml)
 echo "$job"
 echo
-echo "== yard ls"
-$yard ls
+echo "== yard metrics -f $job"
+$yard metrics -f "$job"
 echo
-echo "== yard describe $job"
-$yard describe "$job"
+if ! $yard wait "$job"; then
+  $yard describe "$job"
+  exit 1
+fi
 echo
-echo "== yard nodes"
-$yard nodes
+echo "== loss, first and last steps (yard metrics $job)"
+$yard metrics "$job" | sed -n '1,2p;$p'
 echo
-echo "The job waits in the queue: no worker daemon has joined this cluster yet."
-echo "Stopping the local cluster (yard local down)."
+echo "== a sample of generated text (yard logs $job)"
+$yard logs "$job" | grep -A3 "sample (temperature" | sed "s/^\[rank 0\] //"

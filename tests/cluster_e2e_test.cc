@@ -148,8 +148,9 @@ TEST_F(ClusterE2eTest, CheckpointsOnRequestResumesAfterAKilledRankAndCancelStops
     ASSERT_TRUE(line.has_value()) << Yard({"describe", job}).out;
     EXPECT_THAT(*line, HasSubstr("step 1/100000"));
   }
+  // The job id alone is not unique across tests running in parallel; the state dir is.
   const std::string job_arg = "--job-id " + job + " ";
-  EXPECT_EQ(ProcessesWith({"trainyard-trainer", job_arg}).size(), 2u);
+  EXPECT_EQ(ProcessesWith({"trainyard-trainer", job_arg, state_}).size(), 2u);
 
   // A checkpoint on request is written by the ranks and recorded by the coordinator.
   CommandResult ckpt = Yard({"checkpoint", job});
@@ -167,7 +168,7 @@ TEST_F(ClusterE2eTest, CheckpointsOnRequestResumesAfterAKilledRankAndCancelStops
   ASSERT_GT(checkpoint_step, 0) << "no checkpoint recorded";
 
   // Killing one rank fails the attempt; the next one resumes after the checkpoint.
-  const auto rank1 = ProcessesWith({"trainyard-trainer", job_arg, "--rank 1 "});
+  const auto rank1 = ProcessesWith({"trainyard-trainer", job_arg, "--rank 1 ", state_});
   ASSERT_EQ(rank1.size(), 1u);
   kill(rank1[0], SIGKILL);
   int64_t first_step_of_attempt2 = 0;
@@ -189,7 +190,7 @@ TEST_F(ClusterE2eTest, CheckpointsOnRequestResumesAfterAKilledRankAndCancelStops
   CommandResult cancel = Yard({"cancel", job});
   ASSERT_EQ(cancel.exit_code, 0) << cancel.err;
   EXPECT_EQ(cancel.out, job + " CANCELLED\n");
-  EXPECT_TRUE(NoneLeft({"trainyard-trainer", job_arg}, absl::Seconds(30)));
+  EXPECT_TRUE(NoneLeft({"trainyard-trainer", job_arg, state_}, absl::Seconds(30)));
 }
 
 }  // namespace

@@ -1,0 +1,477 @@
+// trainyard-trainer end to end: an in-process coordinator (real gRPC on loopback, real SQLite in a
+// temp dir, no background threads) places each job on a registered node, which opens the job
+// attempt's rendezvous scope; the test then starts real trainer processes that build their Gloo
+// group through it. Checks DDP against a single rank, checkpoint/resume (also after SIGKILL), and
+// bad input. Tiny models and one thread per rank keep each test within a minute on 2 cores.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <cmath>
+#include <fstream>
+
+#include <grpcpp/grpcpp.h>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/clock.h"
+#include "server/coordinator/coordinator_server.h"
+#include "tests/testing/subprocess.h"
+#include "trainyard/v1/job.grpc.pb.h"
+#include "trainyard/v1/node.grpc.pb.h"
+#include "worker/trainer/param_dump.h"
+
+namespace trainyard {
+namespace {
+
+using ::testing::HasSubstr;
+using NodeStream = grpc::ClientReaderWriter<v1::NodeMessage, v1::CoordinatorMessage>;
+using trainer::DumpedParam;
+
+constexpr absl::Duration kRunTimeout = absl::Seconds(120);
+
+v1::JobSpec TinySpec(int ranks, int micro_batch) {
+  v1::JobSpec s;
+  s.set_name("tiny");
+  s.mutable_resources()->set_gpus(ranks);
+  auto* m = s.mutable_model();
+  m->set_kind("gpt");
+  m->set_n_layer(2);
+  m->set_n_head(2);
+  m->set_d_model(32);
+  m->set_seq_len(16);
+  m->set_vocab(256);
+  s.mutable_data()->set_path("/usr/share/common-licenses/GPL-3");
+  auto* t = s.mutable_train();
+  t->set_steps(10);
+  t->set_micro_batch(micro_batch);
+  t->set_lr(1e-3);
+  t->set_warmup(3);
+  t->set_seed(11);
+  t->set_weight_decay(0.1);
+  t->set_grad_clip(1.0);
+  s.mutable_parallel()->set_bucket_mb(0.01);  // several buckets even for this model
+  return s;
+}
+
+struct Job {
+  std::string id;
+  int attempt = 0;
+  std::string spec_path;
+  std::string checkpoint_dir;
+};
+
+struct RunResult {
+  std::vector<std::string> lines;  // rank 0's stdout
+  std::vector<int> exit_codes;     // per rank; -1 if killed or still running
+};
+
+class TrainerE2eTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    coordinator::CoordinatorOptions o;
+    o.listen_address = "127.0.0.1:0";
+    o.state_dir = dir_.path() + "/state";
+    o.clock = &clock_;
+    o.background_threads = false;
+    auto s = coordinator::CoordinatorServer::Start(o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    server_ = std::move(*s);
+    channel_ = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
+    jobs_ = v1::JobService::NewStub(channel_);
+    nodes_ = v1::NodeService::NewStub(channel_);
+    ConnectNode("n1", 8);
+  }
+
+  void TearDown() override {
+    if (session_ctx_) session_ctx_->TryCancel();
+    if (server_) server_->Shutdown();
+  }
+
+  static void Prepare(grpc::ClientContext& ctx) {
+    ctx.AddMetadata("x-trainyard-user", "alice");
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
+  }
+
+  // Registers a node with `devices` CPU slots and opens its session (hello, then a heartbeat that
+  // the coordinator acknowledges once the session is attached).
+  void ConnectNode(const std::string& node_id, int devices) {
+    {
+      grpc::ClientContext ctx;
+      Prepare(ctx);
+      v1::RegisterNodeRequest r;
+      r.set_node_id(node_id);
+      r.set_hostname("localhost");
+      r.set_memory_bytes(int64_t{8} << 30);
+      for (int i = 0; i < devices; ++i) {
+        auto* d = r.add_devices();
+        d->set_index(i);
+        d->set_kind(v1::CPU_SLOT);
+      }
+      v1::RegisterNodeResponse resp;
+      ASSERT_TRUE(nodes_->RegisterNode(&ctx, r, &resp).ok());
+    }
+    session_ctx_ = std::make_unique<grpc::ClientContext>();
+    Prepare(*session_ctx_);
+    session_ctx_->set_deadline(absl::ToChronoTime(absl::Now() + absl::Minutes(30)));
+    session_ = nodes_->Session(session_ctx_.get());
+    v1::NodeMessage hello;
+    hello.mutable_hello()->set_node_id(node_id);
+    ASSERT_TRUE(session_->Write(hello));
+    v1::NodeMessage hb;
+    hb.mutable_heartbeat()->set_seq(1);
+    ASSERT_TRUE(session_->Write(hb));
+    v1::CoordinatorMessage m;
+    while (session_->Read(&m)) {
+      if (m.has_heartbeat_ack() && m.heartbeat_ack().seq() == 1) return;
+    }
+    FAIL() << "no heartbeat ack";
+  }
+
+  // Submits `spec` and runs a scheduling pass, so the job is RUNNING with its rendezvous scope
+  // open; writes the spec (as the coordinator stored it) for the trainers.
+  Job StartJob(const v1::JobSpec& spec, const std::string& name) {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::SubmitJobRequest r;
+    *r.mutable_spec() = spec;
+    v1::SubmitJobResponse resp;
+    grpc::Status s = jobs_->SubmitJob(&ctx, r, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(server_->jobs().SchedulePass(), 1);
+    v1::Job job;
+    grpc::ClientContext get_ctx;
+    Prepare(get_ctx);
+    v1::GetJobRequest g;
+    g.set_job_id(resp.job().id());
+    EXPECT_TRUE(jobs_->GetJob(&get_ctx, g, &job).ok());
+    EXPECT_EQ(job.state(), v1::RUNNING);
+    Job out{job.id(), job.attempt(), dir_.path() + "/" + name + ".spec",
+            dir_.path() + "/" + name + "-ckpt"};
+    std::ofstream f(out.spec_path, std::ios::binary);
+    f << job.spec().SerializeAsString();
+    return out;
+  }
+
+  std::vector<std::string> Argv(const Job& job, int rank, int world,
+                                const std::vector<std::string>& extra) {
+    std::vector<std::string> argv = {testing::BinPath("trainyard-trainer"),
+                                     "--spec",
+                                     job.spec_path,
+                                     "--job-id",
+                                     job.id,
+                                     "--attempt",
+                                     std::to_string(job.attempt),
+                                     "--rank",
+                                     std::to_string(rank),
+                                     "--world-size",
+                                     std::to_string(world),
+                                     "--coordinator",
+                                     server_->address(),
+                                     "--checkpoint-dir",
+                                     job.checkpoint_dir,
+                                     "--threads",
+                                     "1"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return argv;
+  }
+
+  std::vector<std::unique_ptr<testing::Subprocess>> Launch(
+      const Job& job, int world, const std::vector<std::string>& rank0_extra) {
+    std::vector<std::unique_ptr<testing::Subprocess>> procs;
+    for (int r = 0; r < world; ++r) {
+      auto p = testing::Subprocess::Start(
+          Argv(job, r, world, r == 0 ? rank0_extra : std::vector<std::string>{}));
+      EXPECT_TRUE(p.ok()) << p.status();
+      if (p.ok()) procs.push_back(std::move(*p));
+    }
+    return procs;
+  }
+
+  // Reads every rank's stdout to EOF (so no pipe fills up), then reaps them.
+  static RunResult Finish(std::vector<std::unique_ptr<testing::Subprocess>>& procs,
+                          std::vector<std::string> rank0_lines = {}) {
+    RunResult result;
+    result.lines = std::move(rank0_lines);
+    for (size_t r = 0; r < procs.size(); ++r) {
+      while (auto line = procs[r]->ReadLine(kRunTimeout)) {
+        if (r == 0) result.lines.push_back(*line);
+      }
+      std::optional<int> status = procs[r]->Wait(absl::Seconds(30));
+      result.exit_codes.push_back(status.has_value() && WIFEXITED(*status) ? WEXITSTATUS(*status)
+                                                                           : -1);
+    }
+    return result;
+  }
+
+  RunResult Run(const Job& job, int world, const std::vector<std::string>& rank0_extra) {
+    auto procs = Launch(job, world, rank0_extra);
+    return Finish(procs);
+  }
+
+  static std::string Joined(const RunResult& r) { return absl::StrJoin(r.lines, "\n"); }
+
+  static std::vector<DumpedParam> ReadDump(const std::string& path) {
+    auto params = trainer::ReadParamDump(path);
+    EXPECT_TRUE(params.ok()) << params.status();
+    return params.ok() ? *params : std::vector<DumpedParam>{};
+  }
+
+  // Loss by step from a --metrics-file.
+  static std::map<int64_t, double> ReadLosses(const std::string& path) {
+    std::map<int64_t, double> out;
+    std::ifstream f(path);
+    std::string line;
+    while (std::getline(f, line)) {
+      auto j = nlohmann::json::parse(line);
+      out[j.at("step").get<int64_t>()] = j.at("loss").get<double>();
+    }
+    return out;
+  }
+
+  // ||a - b|| / ||b|| over values [begin, end) of one parameter.
+  static double RelativeDifference(const DumpedParam& a, const DumpedParam& b, size_t begin,
+                                   size_t end) {
+    double diff = 0, norm = 0;
+    for (size_t k = begin; k < end; ++k) {
+      const double d = double{a.values[k]} - b.values[k];
+      diff += d * d;
+      norm += double{b.values[k]} * b.values[k];
+    }
+    return norm == 0 ? std::sqrt(diff) : std::sqrt(diff / norm);
+  }
+
+  // Every parameter of `a` equals `b`'s within ||a - b|| / ||b|| <= tolerance. With
+  // `skip_key_bias`, the key third of each qkv bias is left out: softmax is invariant to it, so its
+  // true gradient is exactly zero and what it gets is rounding noise, which Adam normalizes into
+  // lr-sized steps that differ with the summation order (1 rank vs 2). Its query and value thirds
+  // are still checked.
+  static void ExpectSameParams(const std::vector<DumpedParam>& a, const std::vector<DumpedParam>& b,
+                               double tolerance, bool skip_key_bias = false) {
+    ASSERT_EQ(a.size(), b.size());
+    ASSERT_FALSE(a.empty());
+    for (size_t i = 0; i < a.size(); ++i) {
+      ASSERT_EQ(a[i].name, b[i].name);
+      ASSERT_EQ(a[i].shape, b[i].shape) << a[i].name;
+      const size_t n = a[i].values.size();
+      if (skip_key_bias && absl::EndsWith(a[i].name, ".qkv.bias")) {
+        EXPECT_LE(RelativeDifference(a[i], b[i], 0, n / 3), tolerance) << a[i].name << " (q)";
+        EXPECT_LE(RelativeDifference(a[i], b[i], 2 * n / 3, n), tolerance) << a[i].name << " (v)";
+        continue;
+      }
+      EXPECT_LE(RelativeDifference(a[i], b[i], 0, n), tolerance) << a[i].name;
+    }
+  }
+
+  testing::TempDir dir_;
+  FakeClock clock_;
+  std::unique_ptr<coordinator::CoordinatorServer> server_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::JobService::Stub> jobs_;
+  std::unique_ptr<v1::NodeService::Stub> nodes_;
+  std::unique_ptr<grpc::ClientContext> session_ctx_;
+  std::unique_ptr<NodeStream> session_;
+};
+
+struct Variant {
+  std::string name;
+  int grad_accum;
+  bool activation_checkpointing;
+  bool tie_weights;
+};
+
+void PrintTo(const Variant& v, std::ostream* os) { *os << v.name; }
+
+class DdpEquivalenceTest : public TrainerE2eTest, public ::testing::WithParamInterface<Variant> {};
+
+// Two ranks with micro-batch B/2 each train exactly what one rank with micro-batch B trains.
+TEST_P(DdpEquivalenceTest, TwoRanksMatchOneRankWithTheWholeBatch) {
+  const Variant& v = GetParam();
+  auto with_variant = [&v](v1::JobSpec s) {
+    s.mutable_train()->set_grad_accum(v.grad_accum);
+    s.mutable_train()->set_activation_checkpointing(v.activation_checkpointing);
+    s.mutable_model()->set_tie_weights(v.tie_weights);
+    return s;
+  };
+  const Job two = StartJob(with_variant(TinySpec(2, 4)), "two");
+  const Job one = StartJob(with_variant(TinySpec(1, 8)), "one");
+  const std::string two_dump = dir_.path() + "/two.params";
+  const std::string one_dump = dir_.path() + "/one.params";
+
+  RunResult r2 = Run(two, 2, {"--dump-params", two_dump});
+  EXPECT_THAT(r2.exit_codes, ::testing::ElementsAre(0, 0)) << Joined(r2);
+  EXPECT_THAT(Joined(r2), HasSubstr("step 10/10"));
+  RunResult r1 = Run(one, 1, {"--dump-params", one_dump});
+  EXPECT_THAT(r1.exit_codes, ::testing::ElementsAre(0)) << Joined(r1);
+
+  const auto p2 = ReadDump(two_dump), p1 = ReadDump(one_dump);
+  ExpectSameParams(p2, p1, 1e-5, /*skip_key_bias=*/true);
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, DdpEquivalenceTest,
+                         ::testing::Values(Variant{"Plain", 1, false, false},
+                                           Variant{"GradAccum2", 2, false, true},
+                                           Variant{"ActivationCheckpointing", 1, true, false}),
+                         [](const auto& info) { return info.param.name; });
+
+TEST_F(TrainerE2eTest, LossFallsOverTraining) {
+  v1::JobSpec spec = TinySpec(2, 8);
+  spec.mutable_train()->set_steps(40);
+  const Job job = StartJob(spec, "falls");
+  const std::string metrics = dir_.path() + "/falls.jsonl";
+  RunResult r = Run(job, 2, {"--metrics-file", metrics});
+  EXPECT_THAT(r.exit_codes, ::testing::ElementsAre(0, 0)) << Joined(r);
+  const auto losses = ReadLosses(metrics);
+  ASSERT_EQ(losses.size(), 40u);
+  double first = 0, last = 0;
+  for (int s = 1; s <= 5; ++s) first += losses.at(s);
+  for (int s = 36; s <= 40; ++s) last += losses.at(s);
+  EXPECT_LT(last, first - 5 * 0.5)
+      << "mean loss of the first and last 5 steps: " << first / 5 << " -> " << last / 5;
+}
+
+// 20 steps straight equal 10 steps, a checkpoint, and a new process for the other 10.
+TEST_F(TrainerE2eTest, ResumeFromCheckpointReproducesEveryLoss) {
+  v1::JobSpec spec = TinySpec(1, 8);
+  spec.mutable_train()->set_steps(20);
+  const Job straight = StartJob(spec, "straight");
+  const Job split = StartJob(spec, "split");
+  const std::string straight_metrics = dir_.path() + "/straight.jsonl";
+  const std::string split_metrics = dir_.path() + "/split.jsonl";
+
+  RunResult a =
+      Run(straight, 1,
+          {"--metrics-file", straight_metrics, "--dump-params", dir_.path() + "/straight.params"});
+  ASSERT_THAT(a.exit_codes, ::testing::ElementsAre(0)) << Joined(a);
+  RunResult b1 = Run(split, 1, {"--metrics-file", split_metrics, "--stop-after-steps", "10"});
+  ASSERT_THAT(b1.exit_codes, ::testing::ElementsAre(0)) << Joined(b1);
+  EXPECT_THAT(Joined(b1), HasSubstr("checkpoint step 10"));
+  EXPECT_THAT(Joined(b1), ::testing::Not(HasSubstr("step 11/20")));
+  RunResult b2 = Run(
+      split, 1, {"--metrics-file", split_metrics, "--dump-params", dir_.path() + "/split.params"});
+  ASSERT_THAT(b2.exit_codes, ::testing::ElementsAre(0)) << Joined(b2);
+  EXPECT_THAT(Joined(b2), HasSubstr("resumed from"));
+
+  const auto expected = ReadLosses(straight_metrics), got = ReadLosses(split_metrics);
+  ASSERT_EQ(expected.size(), 20u);
+  ASSERT_EQ(got.size(), 20u);
+  for (const auto& [step, loss] : expected) EXPECT_NEAR(got.at(step), loss, 1e-6) << step;
+  ExpectSameParams(ReadDump(dir_.path() + "/split.params"),
+                   ReadDump(dir_.path() + "/straight.params"), 1e-6);
+}
+
+// A rank SIGKILLed after its step-10 checkpoint resumes from it (or from a later one it wrote
+// before the signal landed) and still reproduces the straight run.
+TEST_F(TrainerE2eTest, ResumeAfterSigkillReproducesEveryLoss) {
+  v1::JobSpec spec = TinySpec(1, 8);
+  spec.mutable_train()->set_steps(20);
+  spec.mutable_checkpoint()->set_every_steps(10);
+  const Job straight = StartJob(spec, "straight");
+  const Job killed = StartJob(spec, "killed");
+  const std::string straight_metrics = dir_.path() + "/straight.jsonl";
+  const std::string killed_metrics = dir_.path() + "/killed.jsonl";
+  const std::string resumed_metrics = dir_.path() + "/resumed.jsonl";
+
+  RunResult a =
+      Run(straight, 1,
+          {"--metrics-file", straight_metrics, "--dump-params", dir_.path() + "/straight.params"});
+  ASSERT_THAT(a.exit_codes, ::testing::ElementsAre(0)) << Joined(a);
+
+  auto procs = Launch(killed, 1, {"--metrics-file", killed_metrics});
+  ASSERT_EQ(procs.size(), 1u);
+  bool saw_checkpoint = false;
+  while (auto line = procs[0]->ReadLine(kRunTimeout)) {
+    if (absl::StartsWith(*line, "checkpoint step 10 ")) {
+      saw_checkpoint = true;
+      procs[0]->Signal(SIGKILL);
+      break;
+    }
+  }
+  ASSERT_TRUE(saw_checkpoint);
+  std::optional<int> status = procs[0]->Wait(absl::Seconds(30));
+  ASSERT_TRUE(status.has_value());
+
+  RunResult b =
+      Run(killed, 1,
+          {"--metrics-file", resumed_metrics, "--dump-params", dir_.path() + "/killed.params"});
+  ASSERT_THAT(b.exit_codes, ::testing::ElementsAre(0)) << Joined(b);
+  EXPECT_THAT(Joined(b), HasSubstr("resumed from"));
+
+  const auto expected = ReadLosses(straight_metrics);
+  const auto before = ReadLosses(killed_metrics), after = ReadLosses(resumed_metrics);
+  ASSERT_GE(before.size(), 10u);
+  for (const auto& [step, loss] : before) {
+    EXPECT_NEAR(loss, expected.at(step), 1e-6) << step;
+  }
+  if (after.empty()) {
+    EXPECT_EQ(before.size(), 20u);  // it reached the end before the signal
+  }
+  for (const auto& [step, loss] : after) {
+    EXPECT_GT(step, 10);
+    EXPECT_NEAR(loss, expected.at(step), 1e-6) << step;
+  }
+  ExpectSameParams(ReadDump(dir_.path() + "/killed.params"),
+                   ReadDump(dir_.path() + "/straight.params"), 1e-6);
+}
+
+TEST_F(TrainerE2eTest, SigtermCheckpointsAndExitsZeroOnEveryRank) {
+  v1::JobSpec spec = TinySpec(2, 4);
+  spec.mutable_train()->set_steps(100000);
+  const Job job = StartJob(spec, "term");
+  auto procs = Launch(job, 2, {});
+  ASSERT_EQ(procs.size(), 2u);
+  std::vector<std::string> lines;
+  while (auto line = procs[0]->ReadLine(kRunTimeout)) {
+    lines.push_back(*line);
+    if (absl::StartsWith(*line, "step 3/")) break;
+  }
+  procs[1]->Signal(SIGTERM);  // one rank is enough: the ranks agree on it
+  RunResult r = Finish(procs, lines);
+  EXPECT_THAT(r.exit_codes, ::testing::ElementsAre(0, 0)) << Joined(r);
+  EXPECT_THAT(Joined(r), HasSubstr("(SIGTERM)"));
+  std::ifstream latest(job.checkpoint_dir + "/latest");
+  std::string name;
+  latest >> name;
+  EXPECT_TRUE(absl::StartsWith(name, "step-")) << name;
+}
+
+TEST_F(TrainerE2eTest, MissingDataPathFailsFastNamingIt) {
+  v1::JobSpec spec = TinySpec(1, 8);
+  const std::string missing = dir_.path() + "/no-such-file.txt";
+  spec.mutable_data()->set_path(missing);
+  const Job job = StartJob(spec, "missing");
+  testing::CommandResult r = testing::RunCommand(Argv(job, 0, 1, {}), {}, absl::Seconds(60));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr(missing));
+  EXPECT_THAT(r.err, HasSubstr("data.path"));
+}
+
+TEST_F(TrainerE2eTest, SeqLenLongerThanTheDataFailsWithAClearMessage) {
+  const std::string small = dir_.path() + "/small.txt";
+  std::ofstream(small) << "just a few bytes";
+  v1::JobSpec spec = TinySpec(1, 8);
+  spec.mutable_data()->set_path(small);
+  spec.mutable_model()->set_seq_len(64);
+  const Job job = StartJob(spec, "small");
+  testing::CommandResult r = testing::RunCommand(Argv(job, 0, 1, {}), {}, absl::Seconds(60));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("model.seq_len: 64 needs at least 65 tokens"));
+  EXPECT_THAT(r.err, HasSubstr(small));
+}
+
+TEST_F(TrainerE2eTest, AnswersHelpAndVersion) {
+  testing::CommandResult v =
+      testing::RunCommand({testing::BinPath("trainyard-trainer"), "--version"});
+  EXPECT_EQ(v.exit_code, 0);
+  EXPECT_THAT(v.out, HasSubstr("trainyard-trainer"));
+  testing::CommandResult h = testing::RunCommand({testing::BinPath("trainyard-trainer"), "--help"});
+  EXPECT_EQ(h.exit_code, 0);
+  EXPECT_THAT(h.out, HasSubstr("--checkpoint-dir"));
+}
+
+}  // namespace
+}  // namespace trainyard

@@ -1,0 +1,227 @@
+// Unit tests of trainyard-trainer's pure parts and models, in process: parameter counts against
+// common/spec.h, the LR schedule, the sampler's sharding, activation checkpointing's gradients,
+// the bucketed gradient reducer on one rank, and the parameter-dump format.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <set>
+
+#include "common/spec.h"
+#include "tests/testing/subprocess.h"
+#include "worker/trainer/communicator.h"
+#include "worker/trainer/data.h"
+#include "worker/trainer/ddp.h"
+#include "worker/trainer/model.h"
+#include "worker/trainer/param_dump.h"
+
+namespace trainyard::trainer {
+namespace {
+
+v1::ModelSpec Gpt(int n_layer, int d_model, int n_head, int seq_len, int vocab, bool tie) {
+  v1::ModelSpec m;
+  m.set_kind("gpt");
+  m.set_n_layer(n_layer);
+  m.set_d_model(d_model);
+  m.set_n_head(n_head);
+  m.set_seq_len(seq_len);
+  m.set_vocab(vocab);
+  m.set_tie_weights(tie);
+  return m;
+}
+
+int64_t Numel(torch::nn::Module& model) {
+  int64_t n = 0;
+  for (const auto& p : model.parameters()) n += p.numel();
+  return n;
+}
+
+TEST(ModelTest, GptParameterCountMatchesSpecFormula) {
+  for (const v1::ModelSpec& m : {Gpt(2, 32, 2, 16, 256, false), Gpt(2, 32, 2, 16, 256, true),
+                                 Gpt(4, 64, 4, 128, 300, true), Gpt(1, 48, 3, 7, 1000, false)}) {
+    auto model = BuildModel(m, {}, 1);
+    EXPECT_EQ(Numel(*model), ModelParameterCount(m)) << m.ShortDebugString();
+  }
+}
+
+TEST(ModelTest, MlpParameterCountMatchesSpecFormula) {
+  for (int layers : {1, 3}) {
+    v1::ModelSpec m;
+    m.set_kind("mlp");
+    m.set_n_layer(layers);
+    m.set_d_model(32);
+    m.set_d_hidden(96);
+    m.set_seq_len(16);
+    m.set_vocab(256);
+    auto model = BuildModel(m, {}, 1);
+    EXPECT_EQ(Numel(*model), ModelParameterCount(m)) << m.ShortDebugString();
+  }
+}
+
+TEST(ModelTest, SameSeedSameParameters) {
+  auto a = BuildModel(Gpt(2, 32, 2, 16, 256, false), {}, 7);
+  auto b = BuildModel(Gpt(2, 32, 2, 16, 256, false), {}, 7);
+  auto c = BuildModel(Gpt(2, 32, 2, 16, 256, false), {}, 8);
+  auto pa = a->parameters(), pb = b->parameters(), pc = c->parameters();
+  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(pa[i].equal(pb[i]));
+  EXPECT_FALSE(pa[0].equal(pc[0]));
+}
+
+torch::Tensor Windows(int batch, int seq_len, int vocab) {
+  torch::manual_seed(3);
+  return torch::randint(vocab, {batch, seq_len + 1}, torch::kLong);
+}
+
+TEST(ModelTest, ActivationCheckpointingGivesTheSameLossAndGradients) {
+  const v1::ModelSpec m = Gpt(3, 32, 4, 16, 256, true);
+  auto plain = BuildModel(m, {}, 5);
+  ModelOptions ckpt_options;
+  ckpt_options.activation_checkpointing = true;
+  auto ckpt = BuildModel(m, ckpt_options, 5);
+  const torch::Tensor batch = Windows(4, 16, 256);
+  torch::Tensor l1 = plain->Loss(batch);
+  torch::Tensor l2 = ckpt->Loss(batch);
+  l1.backward();
+  l2.backward();
+  EXPECT_EQ(l1.item<float>(), l2.item<float>());
+  auto p1 = plain->named_parameters(), p2 = ckpt->named_parameters();
+  ASSERT_EQ(p1.size(), p2.size());
+  for (const auto& item : p1) {
+    const torch::Tensor g1 = item.value().grad(), g2 = p2[item.key()].grad();
+    ASSERT_TRUE(g1.defined() && g2.defined()) << item.key();
+    EXPECT_TRUE(torch::allclose(g1, g2, /*rtol=*/1e-6, /*atol=*/1e-9)) << item.key();
+  }
+}
+
+TEST(ModelTest, Bf16LossIsCloseToFp32) {
+  const v1::ModelSpec m = Gpt(2, 32, 2, 16, 256, false);
+  ModelOptions bf16;
+  bf16.bf16 = true;
+  auto a = BuildModel(m, {}, 5);
+  auto b = BuildModel(m, bf16, 5);
+  const torch::Tensor batch = Windows(4, 16, 256);
+  const float fp32_loss = a->Loss(batch).item<float>();
+  torch::Tensor bf16_loss = b->Loss(batch);
+  EXPECT_NEAR(bf16_loss.item<float>(), fp32_loss, 0.02 * fp32_loss);
+  bf16_loss.backward();
+  for (const auto& p : b->parameters()) {
+    ASSERT_TRUE(p.grad().defined());
+    EXPECT_EQ(p.grad().scalar_type(), torch::kFloat);  // fp32 master gradients
+  }
+}
+
+TEST(ScheduleTest, WarmsUpLinearlyThenDecaysToATenth) {
+  EXPECT_DOUBLE_EQ(LearningRate(0, 100, 10, 1e-3), 1e-4);
+  EXPECT_DOUBLE_EQ(LearningRate(4, 100, 10, 1e-3), 5e-4);
+  EXPECT_DOUBLE_EQ(LearningRate(9, 100, 10, 1e-3), 1e-3);
+  EXPECT_DOUBLE_EQ(LearningRate(10, 100, 10, 1e-3), 1e-3);
+  EXPECT_NEAR(LearningRate(55, 100, 10, 1e-3), 0.55e-3, 1e-12);  // halfway down the cosine
+  EXPECT_NEAR(LearningRate(100, 100, 10, 1e-3), 1e-4, 1e-12);
+  EXPECT_NEAR(LearningRate(0, 50, 0, 2e-3), 2e-3, 1e-12);  // no warmup
+  EXPECT_GT(LearningRate(30, 100, 10, 1e-3), LearningRate(31, 100, 10, 1e-3));
+}
+
+TEST(SamplerTest, RankShardsAreDisjointAndCoverTheGlobalBatch) {
+  const int world = 4, micro = 3, accum = 2;
+  std::vector<DistributedSampler> ranks;
+  for (int r = 0; r < world; ++r) ranks.emplace_back(100, 9, micro, accum, world, r);
+  DistributedSampler global(100, 9, micro, accum, world, 0);
+  for (int64_t step : {0, 1, 4, 7}) {  // step 4 crosses into the second epoch (24 per step)
+    std::vector<int64_t> joined;
+    for (int r = 0; r < world; ++r) {
+      for (int m = 0; m < accum; ++m) {
+        auto part = ranks[r].MicroBatch(step, m);
+        EXPECT_EQ(part.size(), static_cast<size_t>(micro));
+        joined.insert(joined.end(), part.begin(), part.end());
+      }
+    }
+    EXPECT_EQ(joined, global.GlobalBatch(step)) << step;
+    if (step == 0) {
+      EXPECT_EQ(std::set<int64_t>(joined.begin(), joined.end()).size(), joined.size());
+    }
+  }
+}
+
+TEST(SamplerTest, EachEpochIsAPermutationThatDependsOnSeedAndEpoch) {
+  DistributedSampler s(50, 1, 5, 1, 1, 0);
+  std::vector<int64_t> e0, e1;
+  for (int i = 0; i < 50; ++i) e0.push_back(s.StreamAt(i));
+  for (int i = 50; i < 100; ++i) e1.push_back(s.StreamAt(i));
+  std::vector<int64_t> sorted0 = e0, sorted1 = e1;
+  std::sort(sorted0.begin(), sorted0.end());
+  std::sort(sorted1.begin(), sorted1.end());
+  for (int i = 0; i < 50; ++i) {
+    EXPECT_EQ(sorted0[i], i);
+    EXPECT_EQ(sorted1[i], i);
+  }
+  EXPECT_NE(e0, e1);
+  DistributedSampler other_seed(50, 2, 5, 1, 1, 0);
+  EXPECT_NE(other_seed.StreamAt(0) * 100 + other_seed.StreamAt(1),
+            s.StreamAt(0) * 100 + s.StreamAt(1));
+}
+
+TEST(SamplerTest, SingleRankWithWholeBatchEqualsTwoRanksWithHalves) {
+  DistributedSampler one(40, 3, 8, 1, 1, 0);
+  DistributedSampler r0(40, 3, 4, 1, 2, 0), r1(40, 3, 4, 1, 2, 1);
+  for (int64_t step = 0; step < 6; ++step) {
+    auto a = r0.MicroBatch(step, 0), b = r1.MicroBatch(step, 0);
+    a.insert(a.end(), b.begin(), b.end());
+    EXPECT_EQ(a, one.MicroBatch(step, 0));
+  }
+}
+
+TEST(DataTest, NumSamplesCountsNonOverlappingWindows) {
+  EXPECT_EQ(NumSamples(33, 32), 1);
+  EXPECT_EQ(NumSamples(32, 32), 0);
+  EXPECT_EQ(NumSamples(65, 32), 2);
+  EXPECT_EQ(NumSamples(64, 32), 1);
+}
+
+TEST(DataTest, Uint16TokensAtOrAboveVocabAreRejectedNamingTheFile) {
+  testing::TempDir dir;
+  const std::string path = dir.path() + "/tokens.bin";
+  {
+    std::ofstream f(path, std::ios::binary);
+    const uint16_t tokens[] = {1, 2, 300, 4};
+    f.write(reinterpret_cast<const char*>(tokens), sizeof(tokens));
+  }
+  auto ok = TokenData::Load(path, "uint16", 301);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->tokens(), (std::vector<int32_t>{1, 2, 300, 4}));
+  auto bad = TokenData::Load(path, "uint16", 300);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()), ::testing::HasSubstr(path));
+  auto missing = TokenData::Load(dir.path() + "/nope", "bytes", 256);
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(GradientReducerTest, OneRankKeepsGradientsAndSplitsBuckets) {
+  auto comm = MakeLocalCommunicator();
+  auto model = BuildModel(Gpt(2, 32, 2, 16, 256, false), {}, 1);
+  // 10 KiB buckets: several of them for this ~35k-parameter model.
+  GradientReducer reducer(model->parameters(), *comm, 0.01, 0.01);
+  EXPECT_GT(reducer.num_buckets(), 5);
+  EXPECT_EQ(reducer.bytes_per_step(), Numel(*model) * 4);
+  reducer.Prepare(true);
+  model->Loss(Windows(2, 16, 256)).backward();
+  std::vector<torch::Tensor> before;
+  for (const auto& p : model->parameters()) before.push_back(p.grad().clone());
+  reducer.Finish();
+  auto params = model->parameters();
+  for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(params[i].grad().equal(before[i]));
+}
+
+TEST(ParamDumpTest, RoundTrips) {
+  testing::TempDir dir;
+  std::vector<DumpedParam> params = {{"b", {2, 2}, {1, 2, 3, 4}}, {"a", {3}, {5, 6, 7}}};
+  ASSERT_TRUE(WriteParamDump(dir.path() + "/d", params).ok());
+  auto read = ReadParamDump(dir.path() + "/d");
+  ASSERT_TRUE(read.ok()) << read.status();
+  ASSERT_EQ(read->size(), 2u);
+  EXPECT_EQ((*read)[0].name, "a");  // sorted by name
+  EXPECT_EQ((*read)[1].shape, (std::vector<int64_t>{2, 2}));
+  EXPECT_EQ((*read)[1].values, (std::vector<float>{1, 2, 3, 4}));
+}
+
+}  // namespace
+}  // namespace trainyard::trainer

@@ -1,0 +1,165 @@
+// WriteCheckpoint / LoadLatestCheckpoint (see checkpoint.h).
+#include "worker/trainer/checkpoint.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "common/status_macros.h"
+
+namespace trainyard::trainer {
+namespace {
+
+namespace fs = std::filesystem;
+
+absl::Status Errno(const std::string& what, const std::string& path) {
+  return absl::InternalError(absl::StrCat(what, " '", path, "': ", std::strerror(errno)));
+}
+
+// fsyncs a file or a directory.
+absl::Status Sync(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Errno("cannot open", path);
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  if (rc != 0) return Errno("cannot fsync", path);
+  return absl::OkStatus();
+}
+
+absl::Status WriteFile(const std::string& path, const std::string& content) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f << content;
+  f.close();
+  if (!f) return Errno("cannot write", path);
+  return Sync(path);
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return Errno("cannot read", path);
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> SortedParameters(torch::nn::Module& model) {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (const auto& item : model.named_parameters()) out.emplace_back(item.key(), item.value());
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  return out;
+}
+
+at::Generator DefaultGenerator() { return at::detail::getDefaultCPUGenerator(); }
+
+absl::Status WriteStepDirectory(const std::string& tmp, int64_t step, torch::nn::Module& model,
+                                torch::optim::Optimizer& optimizer) {
+  try {
+    torch::serialize::OutputArchive archive;
+    for (const auto& [name, p] : SortedParameters(model)) archive.write(name, p.detach());
+    archive.save_to(tmp + "/model.pt");
+    torch::save(optimizer, tmp + "/optimizer.pt");
+    torch::Tensor rng;
+    {
+      at::Generator generator = DefaultGenerator();
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      rng = generator.get_state();
+    }
+    torch::save(rng, tmp + "/rng.pt");
+  } catch (const c10::Error& e) {
+    return absl::InternalError(
+        absl::StrCat("cannot save the checkpoint to '", tmp, "': ", e.what_without_backtrace()));
+  }
+  for (const char* file : {"/model.pt", "/optimizer.pt", "/rng.pt"}) {
+    RETURN_IF_ERROR(Sync(tmp + file));
+  }
+  RETURN_IF_ERROR(WriteFile(tmp + "/meta.json", absl::StrCat("{\"step\": ", step, "}\n")));
+  return Sync(tmp);
+}
+
+int64_t DirectoryBytes(const std::string& path) {
+  int64_t bytes = 0;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(path, ec)) {
+    if (entry.is_regular_file(ec)) bytes += static_cast<int64_t>(entry.file_size(ec));
+  }
+  return bytes;
+}
+
+}  // namespace
+
+absl::StatusOr<CheckpointInfo> WriteCheckpoint(const std::string& dir, int64_t step,
+                                               torch::nn::Module& model,
+                                               torch::optim::Optimizer& optimizer) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return absl::InternalError(absl::StrCat("cannot create '", dir, "': ", ec.message()));
+  const std::string name = absl::StrCat("step-", step);
+  const std::string final_path = dir + "/" + name;
+  if (!fs::exists(final_path + "/meta.json")) {
+    const std::string tmp = absl::StrCat(dir, "/.", name, ".tmp-", ::getpid());
+    fs::remove_all(tmp, ec);
+    fs::create_directories(tmp, ec);
+    if (ec) return absl::InternalError(absl::StrCat("cannot create '", tmp, "': ", ec.message()));
+    RETURN_IF_ERROR(WriteStepDirectory(tmp, step, model, optimizer));
+    fs::remove_all(final_path, ec);  // an incomplete leftover (no meta.json) cannot be named
+    if (::rename(tmp.c_str(), final_path.c_str()) != 0) return Errno("cannot rename", tmp);
+    RETURN_IF_ERROR(Sync(dir));
+  }
+  const std::string latest_tmp = absl::StrCat(dir, "/.latest.tmp-", ::getpid());
+  RETURN_IF_ERROR(WriteFile(latest_tmp, name + "\n"));
+  if (::rename(latest_tmp.c_str(), (dir + "/latest").c_str()) != 0) {
+    return Errno("cannot rename", latest_tmp);
+  }
+  RETURN_IF_ERROR(Sync(dir));
+  return CheckpointInfo{step, final_path, DirectoryBytes(final_path)};
+}
+
+absl::StatusOr<std::optional<CheckpointInfo>> LoadLatestCheckpoint(
+    const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
+  const std::string latest = dir + "/latest";
+  if (!fs::exists(latest)) return std::nullopt;
+  ASSIGN_OR_RETURN(std::string content, ReadFile(latest));
+  absl::string_view name = absl::StripAsciiWhitespace(content);
+  const std::string path = absl::StrCat(dir, "/", name);
+  int64_t step = 0;
+  if (!absl::ConsumePrefix(&name, "step-") || !absl::SimpleAtoi(name, &step) || step < 0) {
+    return absl::DataLossError(absl::StrCat("'", latest, "' does not name a checkpoint"));
+  }
+  try {
+    torch::serialize::InputArchive archive;
+    archive.load_from(path + "/model.pt");
+    torch::NoGradGuard no_grad;
+    for (auto& [param_name, p] : SortedParameters(model)) {
+      torch::Tensor saved;
+      archive.read(param_name, saved);
+      if (!saved.sizes().equals(p.sizes())) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("checkpoint '", path, "' does not fit the model: ", param_name));
+      }
+      p.copy_(saved);
+    }
+    torch::load(optimizer, path + "/optimizer.pt");
+    torch::Tensor rng;
+    torch::load(rng, path + "/rng.pt");
+    at::Generator generator = DefaultGenerator();
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(rng);
+  } catch (const c10::Error& e) {
+    return absl::DataLossError(
+        absl::StrCat("cannot load checkpoint '", path, "': ", e.what_without_backtrace()));
+  }
+  return CheckpointInfo{step, path, DirectoryBytes(path)};
+}
+
+}  // namespace trainyard::trainer

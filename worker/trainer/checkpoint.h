@@ -1,0 +1,44 @@
+// Checkpoints of a DDP job: rank 0 writes DIR/step-<N>/ (model.pt: every parameter by name;
+// optimizer.pt: AdamW state; rng.pt: the CPU generator; meta.json: {"step": N}) into a temp
+// directory, fsyncs every file and the directory, renames it into place and fsyncs DIR, then
+// replaces DIR/latest (the text "step-<N>\n") by write-temp, fsync, rename, fsync DIR. A crash
+// at any point leaves `latest` naming the previous complete checkpoint. Every rank loads
+// DIR/latest on start, which assumes that the ranks share DIR (true of the local cluster and of
+// shared filesystems; a multi-node cluster without one needs a copy step).
+//
+// The data position is the step itself (the sampler is a pure function of it), so the step is the
+// whole training state besides model, optimizer and RNG. Functions only; the training thread
+// calls them. LibTorch errors come back as INTERNAL statuses naming the file.
+#ifndef TRAINYARD_WORKER_TRAINER_CHECKPOINT_H_
+#define TRAINYARD_WORKER_TRAINER_CHECKPOINT_H_
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace trainyard::trainer {
+
+struct CheckpointInfo {
+  int64_t step = 0;
+  std::string path;  // DIR/step-<N>
+  int64_t bytes = 0;
+};
+
+// Writes the checkpoint of `step` (optimizer steps completed). If DIR/step-<N> already exists
+// complete (written by an earlier attempt at the same step: training is deterministic, so it is
+// the same state) it is kept and only `latest` moves.
+absl::StatusOr<CheckpointInfo> WriteCheckpoint(const std::string& dir, int64_t step,
+                                               torch::nn::Module& model,
+                                               torch::optim::Optimizer& optimizer);
+
+// Loads DIR/latest into `model` and `optimizer` and restores the RNG; nullopt when there is none.
+absl::StatusOr<std::optional<CheckpointInfo>> LoadLatestCheckpoint(
+    const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer);
+
+}  // namespace trainyard::trainer
+
+#endif  // TRAINYARD_WORKER_TRAINER_CHECKPOINT_H_

@@ -1,0 +1,101 @@
+// LocalCommunicator and GlooCommunicator (see communicator.h).
+#include "worker/trainer/communicator.h"
+
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include "absl/strings/str_cat.h"
+
+namespace trainyard::trainer {
+namespace {
+
+class DoneHandle : public CommHandle {
+ public:
+  void Wait() override {}
+};
+
+class LocalCommunicator : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int world_size() const override { return 1; }
+  std::unique_ptr<CommHandle> AllReduceSum(std::vector<torch::Tensor>) override {
+    return std::make_unique<DoneHandle>();
+  }
+  void Broadcast(std::vector<torch::Tensor>, int) override {}
+  void Barrier() override {}
+};
+
+class GlooHandle : public CommHandle {
+ public:
+  explicit GlooHandle(std::vector<c10::intrusive_ptr<c10d::Work>> works)
+      : works_(std::move(works)) {}
+  void Wait() override {
+    for (auto& w : works_) w->wait();
+    works_.clear();
+  }
+
+ private:
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+};
+
+class GlooCommunicator : public Communicator {
+ public:
+  explicit GlooCommunicator(c10::intrusive_ptr<c10d::ProcessGroupGloo> pg) : pg_(std::move(pg)) {}
+
+  int rank() const override { return pg_->getRank(); }
+  int world_size() const override { return pg_->getSize(); }
+
+  std::unique_ptr<CommHandle> AllReduceSum(std::vector<torch::Tensor> tensors) override {
+    // A Gloo allreduce of several tensors means one tensor per device; issue one per tensor.
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    for (auto& t : tensors) {
+      std::vector<at::Tensor> one{t};
+      works.push_back(pg_->allreduce(one));
+    }
+    return std::make_unique<GlooHandle>(std::move(works));
+  }
+
+  void Broadcast(std::vector<torch::Tensor> tensors, int root) override {
+    c10d::BroadcastOptions options;
+    options.rootRank = root;
+    for (auto& t : tensors) {
+      std::vector<at::Tensor> one{t};
+      pg_->broadcast(one, options)->wait();
+    }
+  }
+
+  void Barrier() override { pg_->barrier()->wait(); }
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
+};
+
+}  // namespace
+
+std::unique_ptr<CommHandle> Communicator::AllReduceAverage(std::vector<torch::Tensor> tensors) {
+  if (world_size() > 1) {
+    for (auto& t : tensors) t.div_(world_size());
+  }
+  return AllReduceSum(std::move(tensors));
+}
+
+std::unique_ptr<Communicator> MakeLocalCommunicator() {
+  return std::make_unique<LocalCommunicator>();
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(
+    c10::intrusive_ptr<c10d::Store> store, int rank, int world_size, const std::string& hostname,
+    std::chrono::milliseconds timeout) {
+  try {
+    store->setTimeout(timeout);
+    auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
+    options->threads = 2;
+    auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world_size, options);
+    return std::make_unique<GlooCommunicator>(std::move(pg));
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("cannot build the Gloo group (rank ", rank, " of ",
+                                               world_size, ", ", hostname, "): ", e.what()));
+  }
+}
+
+}  // namespace trainyard::trainer

@@ -1,0 +1,61 @@
+// Communicator: the collectives the training loop needs (all-reduce, broadcast, barrier), behind
+// an interface so that NCCL can join Gloo without touching the loop. MakeLocalCommunicator serves
+// world size 1 without a process group; MakeGlooCommunicator builds a c10d::ProcessGroupGloo on a
+// store (the CoordinatorStore in production).
+//
+// Every rank must issue the same collectives in the same order. Failures (a peer died, a timeout)
+// are thrown as c10::Error; the trainer's boundary turns them into a status. One training thread
+// calls a Communicator; handles may be waited on from that thread only.
+#ifndef TRAINYARD_WORKER_TRAINER_COMMUNICATOR_H_
+#define TRAINYARD_WORKER_TRAINER_COMMUNICATOR_H_
+
+#include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace trainyard::trainer {
+
+// An operation in flight.
+class CommHandle {
+ public:
+  virtual ~CommHandle() = default;
+  // Blocks until the operation completed; its tensors may then be read and written again.
+  virtual void Wait() = 0;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+
+  // Starts summing each tensor (dense, contiguous, CPU) in place over all ranks and returns at
+  // once. The tensors must not be touched until the handle's Wait() returns.
+  virtual std::unique_ptr<CommHandle> AllReduceSum(std::vector<torch::Tensor> tensors) = 0;
+  // Like AllReduceSum, leaving the mean over ranks (divides by world size first, as DDP does).
+  std::unique_ptr<CommHandle> AllReduceAverage(std::vector<torch::Tensor> tensors);
+  // Copies `root`'s tensors into every other rank's, in place; blocks.
+  virtual void Broadcast(std::vector<torch::Tensor> tensors, int root) = 0;
+  // Returns once every rank has entered.
+  virtual void Barrier() = 0;
+};
+
+// World size 1: every collective is the identity.
+std::unique_ptr<Communicator> MakeLocalCommunicator();
+
+// A Gloo process group over `store`; its transport listens on `hostname` (an address of this host
+// that the other ranks can reach). Blocks until every rank has joined or `timeout` passes.
+absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(
+    c10::intrusive_ptr<c10d::Store> store, int rank, int world_size, const std::string& hostname,
+    std::chrono::milliseconds timeout);
+
+}  // namespace trainyard::trainer
+
+#endif  // TRAINYARD_WORKER_TRAINER_COMMUNICATOR_H_

@@ -1,0 +1,99 @@
+// trainyard-trainer: one training rank. The worker daemon starts one per assigned device with the
+// job spec (binary trainyard.v1.JobSpec; a .yaml/.yml file is accepted for manual runs), the
+// rank's place in the job and the coordinator's address. Exit codes: 0 done (or stopped
+// gracefully), 2 bad spec or data, 1 anything else; the reason is one line on stderr and stdout.
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include <CLI/CLI.hpp>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/spec.h"
+#include "common/version.h"
+#include "worker/trainer/trainer.h"
+
+namespace trainyard::trainer {
+namespace {
+
+absl::StatusOr<v1::JobSpec> LoadSpec(const std::string& path) {
+  v1::JobSpec spec;
+  if (absl::EndsWith(path, ".yaml") || absl::EndsWith(path, ".yml")) {
+    auto parsed = LoadJobSpecFile(path);
+    if (!parsed.ok()) return parsed.status();
+    spec = parsed->spec;
+    ApplyJobSpecDefaults(spec);
+    absl::Status s = ValidateJobSpec(spec);
+    if (!s.ok()) return AnnotateWithLine(s, *parsed, path);
+    return spec;
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("--spec: cannot read '", path, "'"));
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  if (!spec.ParseFromString(buffer.str())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--spec: '", path, "' is not a binary trainyard.v1.JobSpec"));
+  }
+  ApplyJobSpecDefaults(spec);
+  absl::Status s = ValidateJobSpec(spec);
+  if (!s.ok()) return s;
+  return spec;
+}
+
+int Fail(const absl::Status& s) {
+  std::string message(s.message());
+  std::replace(message.begin(), message.end(), '\n', ' ');
+  const std::string line = absl::StrCat("trainyard-trainer: error: ", message);
+  std::cout << line << std::endl;
+  std::cerr << line << std::endl;
+  const bool bad_input =
+      s.code() == absl::StatusCode::kInvalidArgument || s.code() == absl::StatusCode::kNotFound;
+  return bad_input ? 2 : 1;
+}
+
+int Main(int argc, char** argv) {
+  InstallSigtermHandler();  // graceful stop: finish the step, checkpoint, exit 0
+
+  CLI::App app{"trainyard-trainer: one rank of a trainyard training job (LibTorch, DDP over Gloo)"};
+  app.set_version_flag("--version", std::string("trainyard-trainer ") + kVersion);
+  std::string spec_path;
+  TrainerOptions o;
+  app.add_option("--spec", spec_path, "job spec: binary trainyard.v1.JobSpec, or .yaml/.yml")
+      ->required();
+  app.add_option("--job-id", o.job_id, "job id (rendezvous scope)")->required();
+  app.add_option("--attempt", o.attempt, "job attempt (rendezvous scope)")->required();
+  app.add_option("--rank", o.rank, "this rank")->required()->check(CLI::NonNegativeNumber);
+  app.add_option("--world-size", o.world_size, "number of ranks")
+      ->required()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--coordinator", o.coordinator, "coordinator HOST:PORT")->required();
+  app.add_option("--checkpoint-dir", o.checkpoint_dir, "checkpoint directory shared by all ranks")
+      ->required();
+  app.add_option("--threads", o.threads, "torch intra-op threads")
+      ->required()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--metrics-file", o.metrics_file, "rank 0 appends a JSON line per step");
+  app.add_option("--dump-params", o.dump_params, "write all parameters here at the end");
+  app.add_option("--stop-after-steps", o.stop_after_steps,
+                 "checkpoint and exit 0 after this many steps of this run");
+  app.add_option("--gloo-host", o.gloo_hostname,
+                 "address of this host that Gloo listens on (default 127.0.0.1)");
+  CLI11_PARSE(app, argc, argv);
+  if (o.rank >= o.world_size) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--rank ", o.rank, " must be below --world-size ", o.world_size)));
+  }
+  auto spec = LoadSpec(spec_path);
+  if (!spec.ok()) return Fail(spec.status());
+  o.spec = *std::move(spec);
+  absl::Status s = RunTrainer(o);
+  if (!s.ok()) return Fail(s);
+  return 0;
+}
+
+}  // namespace
+}  // namespace trainyard::trainer
+
+int main(int argc, char** argv) { return trainyard::trainer::Main(argc, argv); }

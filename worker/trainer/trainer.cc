@@ -1,0 +1,440 @@
+// RunTrainer (see trainer.h): setup, the step loop, and the rank-0 reporter that talks to the
+// coordinator's TrainerService from its own thread so that a slow or missing coordinator never
+// stalls training.
+#include "worker/trainer/trainer.h"
+
+#include <signal.h>
+
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <deque>
+#include <fstream>
+#include <iostream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "common/grpc_status.h"
+#include "common/status_macros.h"
+#include "trainyard/v1/trainer.grpc.pb.h"
+#include "worker/trainer/checkpoint.h"
+#include "worker/trainer/communicator.h"
+#include "worker/trainer/coordinator_store.h"
+#include "worker/trainer/data.h"
+#include "worker/trainer/ddp.h"
+#include "worker/trainer/model.h"
+#include "worker/trainer/param_dump.h"
+
+namespace trainyard::trainer {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point since) {
+  return std::chrono::duration<double>(Clock::now() - since).count();
+}
+
+void Log(const std::string& line) {
+  std::cout << line << std::endl;  // flushed: the worker ships lines as they come
+}
+
+volatile std::sig_atomic_t sigterm_received = 0;
+
+void OnSigterm(int) { sigterm_received = 1; }
+
+// True once SIGTERM arrived (see InstallSigtermHandler). Consumes it.
+bool TakeSigterm() {
+  if (sigterm_received == 0) return false;
+  sigterm_received = 0;
+  return true;
+}
+
+int64_t ResidentBytes() {
+  std::ifstream f("/proc/self/statm");
+  int64_t pages = 0, resident = 0;
+  f >> pages >> resident;
+  return resident * ::sysconf(_SC_PAGESIZE);
+}
+
+int64_t UnixMillis() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// Rank 0's link to TrainerService. Reports go through a queue to a thread; the commands in the
+// replies accumulate until the loop takes them. Failures are logged once and otherwise ignored.
+// Thread-safe: the training thread enqueues and takes; the reporter thread sends.
+class Reporter {
+ public:
+  explicit Reporter(std::shared_ptr<grpc::Channel> channel)
+      : stub_(v1::TrainerService::NewStub(channel)), thread_([this] { Loop(); }) {}
+
+  // Sends at most the latest queued report (so exit takes at most one call's deadline, also when
+  // the coordinator is gone), then joins the thread.
+  ~Reporter() {
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+      while (queue_.size() > 1) queue_.pop_front();
+    }
+    thread_.join();
+  }
+
+  void ReportStep(v1::StepReport report) {
+    absl::MutexLock lock(&mu_);
+    if (queue_.size() > 100) queue_.pop_front();  // never grow without bound
+    queue_.push_back(std::move(report));
+  }
+
+  // Synchronous (checkpoints are rare and the coordinator should know before a stop). The
+  // coordinator repeats checkpoint_requested in every reply until it has this report, so a
+  // request seen in the reply to a step report sent before it is already served: it is dropped.
+  void ReportCheckpoint(const v1::CheckpointReport& report) {
+    {
+      absl::MutexLock lock(&mu_);
+      checkpointed_step_ = report.step();
+      pending_.set_checkpoint_requested(false);
+    }
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::TrainerCommands commands;
+    Handle(stub_->ReportCheckpoint(&ctx, report, &commands), commands, "ReportCheckpoint",
+           report.step() + 1);
+  }
+
+  // Commands received since the last call.
+  v1::TrainerCommands TakeCommands() {
+    absl::MutexLock lock(&mu_);
+    v1::TrainerCommands out = pending_;
+    pending_.Clear();
+    return out;
+  }
+
+ private:
+  void Loop() {
+    while (true) {
+      v1::StepReport report;
+      {
+        absl::MutexLock lock(&mu_);
+        auto ready = [this] { return stopping_ || !queue_.empty(); };
+        mu_.Await(absl::Condition(&ready));
+        if (queue_.empty()) return;
+        report = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+      v1::TrainerCommands commands;
+      Handle(stub_->ReportStep(&ctx, report, &commands), commands, "ReportStep", report.step());
+    }
+  }
+
+  // `step`: the last step the coordinator knew of when it replied.
+  void Handle(const grpc::Status& s, const v1::TrainerCommands& commands, const char* call,
+              int64_t step) {
+    absl::MutexLock lock(&mu_);
+    if (s.ok()) {
+      if (commands.checkpoint_requested() && step > checkpointed_step_) {
+        pending_.set_checkpoint_requested(true);
+      }
+      if (commands.stop_requested()) pending_.set_stop_requested(true);
+      return;
+    }
+    if (s.error_code() == grpc::StatusCode::FAILED_PRECONDITION) {
+      // Not the job's running attempt any more: stop gracefully.
+      pending_.set_stop_requested(true);
+    }
+    if (!warned_) {
+      warned_ = true;
+      Log(absl::StrCat("warning: ", call, " to the coordinator failed (", s.error_code(), ": ",
+                       s.error_message(), "); training goes on, further failures are not logged"));
+    }
+  }
+
+  std::unique_ptr<v1::TrainerService::Stub> stub_;
+  absl::Mutex mu_;
+  std::deque<v1::StepReport> queue_ ABSL_GUARDED_BY(mu_);
+  v1::TrainerCommands pending_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool warned_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t checkpointed_step_ ABSL_GUARDED_BY(mu_) = -1;  // last checkpoint reported
+  std::thread thread_;
+};
+
+// The windows of `samples` as a [batch, seq_len + 1] int64 tensor.
+torch::Tensor MakeBatch(const TokenData& data, const std::vector<int64_t>& samples, int seq_len) {
+  torch::Tensor batch =
+      torch::empty({static_cast<int64_t>(samples.size()), seq_len + 1}, torch::kLong);
+  auto acc = batch.accessor<int64_t, 2>();
+  const std::vector<int32_t>& tokens = data.tokens();
+  for (size_t i = 0; i < samples.size(); ++i) {
+    const int64_t start = samples[i] * seq_len;
+    for (int j = 0; j <= seq_len; ++j) acc[i][j] = tokens[start + j];
+  }
+  return batch;
+}
+
+absl::Status WriteDump(const std::string& path, torch::nn::Module& model) {
+  std::vector<DumpedParam> params;
+  for (const auto& item : model.named_parameters()) {
+    torch::Tensor t = item.value().detach().to(torch::kFloat).contiguous();
+    DumpedParam p;
+    p.name = item.key();
+    p.shape.assign(t.sizes().begin(), t.sizes().end());
+    p.values.assign(t.data_ptr<float>(), t.data_ptr<float>() + t.numel());
+    params.push_back(std::move(p));
+  }
+  return WriteParamDump(path, std::move(params));
+}
+
+absl::Status Train(const TrainerOptions& o) {
+  const v1::JobSpec& spec = o.spec;
+  const v1::ModelSpec& m = spec.model();
+  const v1::TrainSpec& t = spec.train();
+  const bool rank0 = o.rank == 0;
+
+  // Bad input fails here, before this rank makes the others wait at the rendezvous.
+  if (spec.parallel().strategy() != v1::DDP) {
+    return absl::InvalidArgumentError(
+        "parallel.strategy: only ddp is implemented by this trainer so far");
+  }
+  ASSIGN_OR_RETURN(TokenData data,
+                   TokenData::Load(spec.data().path(), spec.data().format(), m.vocab()));
+  const int64_t num_samples = NumSamples(data.size(), m.seq_len());
+  if (num_samples < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model.seq_len: ", m.seq_len(), " needs at least ", m.seq_len() + 1,
+                     " tokens, but data.path '", spec.data().path(), "' has only ", data.size()));
+  }
+
+  torch::set_num_threads(o.threads);
+  auto channel = grpc::CreateChannel(o.coordinator, grpc::InsecureChannelCredentials());
+  std::unique_ptr<Communicator> comm;
+  if (o.world_size == 1) {
+    comm = MakeLocalCommunicator();
+  } else {
+    auto store = c10::make_intrusive<CoordinatorStore>(channel, o.job_id, o.attempt,
+                                                       std::chrono::minutes(5));
+    ASSIGN_OR_RETURN(comm, MakeGlooCommunicator(store, o.rank, o.world_size, o.gloo_hostname,
+                                                std::chrono::minutes(5)));
+  }
+
+  ModelOptions model_options;
+  model_options.bf16 = t.mixed_precision() == v1::BF16;
+  model_options.activation_checkpointing = t.activation_checkpointing();
+  std::shared_ptr<LanguageModel> model = BuildModel(m, model_options, t.seed());
+  std::vector<torch::Tensor> params = model->parameters();
+  // betas (0.9, 0.95) as in GPT-3 / nanoGPT; weight decay on every parameter.
+  torch::optim::AdamW optimizer(
+      params, torch::optim::AdamWOptions(t.lr()).betas({0.9, 0.95}).weight_decay(t.weight_decay()));
+
+  int64_t step = 0;
+  if (!o.checkpoint_dir.empty()) {
+    ASSIGN_OR_RETURN(auto loaded, LoadLatestCheckpoint(o.checkpoint_dir, *model, optimizer));
+    if (loaded.has_value()) {
+      step = loaded->step;
+      Log(absl::StrCat("resumed from ", loaded->path, " at step ", step));
+    }
+  }
+  // Like DDP: every rank starts from rank 0's parameters.
+  comm->Broadcast(params, 0);
+
+  std::unique_ptr<GradientReducer> reducer;
+  if (o.world_size > 1) {
+    // The first bucket is 1 MiB like PyTorch's, or smaller when the buckets are.
+    const double bucket_mb = spec.parallel().bucket_mb();
+    reducer = std::make_unique<GradientReducer>(params, *comm, bucket_mb, std::min(1.0, bucket_mb));
+  }
+  std::unique_ptr<Reporter> reporter;
+  if (rank0 && !o.job_id.empty()) reporter = std::make_unique<Reporter>(channel);
+  std::ofstream metrics;
+  if (rank0 && !o.metrics_file.empty()) {
+    metrics.open(o.metrics_file, std::ios::app);
+    if (!metrics) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--metrics-file: cannot open '", o.metrics_file, "'"));
+    }
+  }
+
+  const int64_t total_steps = t.steps();
+  const int grad_accum = t.grad_accum();
+  DistributedSampler sampler(num_samples, t.seed(), t.micro_batch(), grad_accum, o.world_size,
+                             o.rank);
+  const int64_t params_count = [&] {
+    int64_t n = 0;
+    for (const auto& p : params) n += p.numel();
+    return n;
+  }();
+  Log(absl::StrFormat(
+      "trainer rank %d/%d: %s model, %d parameters, %d tokens (%d samples), global batch %d, "
+      "%d buckets, steps %d..%d",
+      o.rank, o.world_size, m.kind(), params_count, data.size(), num_samples,
+      sampler.global_batch(), reducer ? reducer->num_buckets() : 0, step, total_steps));
+
+  const int64_t run_start_step = step;
+  while (step < total_steps) {
+    const auto step_start = Clock::now();
+    double loss_sum = 0, backward_s = 0, comm_wait_s = 0;
+    for (int micro = 0; micro < grad_accum; ++micro) {
+      if (reducer) reducer->Prepare(micro == grad_accum - 1);
+      torch::Tensor batch = MakeBatch(data, sampler.MicroBatch(step, micro), m.seq_len());
+      torch::Tensor loss = model->Loss(batch) / grad_accum;
+      const auto backward_start = Clock::now();
+      loss.backward();
+      backward_s += Seconds(backward_start);
+      loss_sum += loss.item<double>();
+    }
+    if (reducer) comm_wait_s = reducer->Finish();
+
+    double sq = 0;
+    for (const auto& p : params) {
+      if (p.grad().defined()) sq += p.grad().pow(2).sum().item<double>();
+    }
+    const double grad_norm = std::sqrt(sq);
+    if (t.grad_clip() > 0 && grad_norm > t.grad_clip()) {
+      torch::NoGradGuard no_grad;
+      const double scale = t.grad_clip() / (grad_norm + 1e-6);
+      for (auto& p : params) {
+        if (p.grad().defined()) p.mutable_grad().mul_(scale);
+      }
+    }
+    const double lr = LearningRate(step, total_steps, t.warmup(), t.lr());
+    for (auto& group : optimizer.param_groups()) {
+      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+    }
+    optimizer.step();
+    optimizer.zero_grad();
+    ++step;
+
+    // One tiny all-reduce per step: the global mean loss, and the flags every rank must agree on
+    // (coordinator commands reach rank 0 only; SIGTERM may reach any rank).
+    v1::TrainerCommands commands;
+    if (reporter) commands = reporter->TakeCommands();
+    torch::Tensor agree =
+        torch::tensor({loss_sum, commands.checkpoint_requested() ? 1.0 : 0.0,
+                       commands.stop_requested() ? 1.0 : 0.0, TakeSigterm() ? 1.0 : 0.0},
+                      torch::kDouble);
+    comm->AllReduceSum({agree})->Wait();
+    const double loss = agree[0].item<double>() / o.world_size;
+    const bool checkpoint_requested = agree[1].item<double>() > 0;
+    const bool stop_requested = agree[2].item<double>() > 0;
+    const bool sigterm = agree[3].item<double>() > 0;
+    const double step_s = Seconds(step_start);
+    const double tokens_per_s =
+        sampler.global_batch() * model->TokensPerWindow() / std::max(step_s, 1e-9);
+
+    if (rank0) {
+      Log(absl::StrFormat(
+          "step %d/%d loss %.4f lr %.2e grad_norm %.2f tok/s %.0f step_ms %.0f backward_ms %.0f "
+          "comm_wait_ms %.1f allreduce_bytes %d",
+          step, total_steps, loss, lr, grad_norm, tokens_per_s, step_s * 1e3, backward_s * 1e3,
+          comm_wait_s * 1e3, reducer ? reducer->bytes_per_step() : 0));
+      if (metrics.is_open()) {
+        nlohmann::json line = {{"step", step},
+                               {"loss", loss},
+                               {"lr", lr},
+                               {"grad_norm", grad_norm},
+                               {"tokens_per_second", tokens_per_s},
+                               {"step_seconds", step_s},
+                               {"backward_seconds", backward_s},
+                               {"comm_wait_seconds", comm_wait_s},
+                               {"allreduce_bytes", reducer ? reducer->bytes_per_step() : 0}};
+        metrics << line.dump() << std::endl;
+      }
+      if (reporter) {
+        v1::StepReport r;
+        r.set_job_id(o.job_id);
+        r.set_attempt(o.attempt);
+        r.set_rank(o.rank);
+        r.set_step(step);
+        r.set_total_steps(total_steps);
+        r.set_loss(loss);
+        r.set_lr(lr);
+        r.set_tokens_per_second(tokens_per_s);
+        r.set_step_seconds(step_s);
+        r.set_grad_norm(grad_norm);
+        r.set_resident_bytes(ResidentBytes());
+        r.set_time_ms(UnixMillis());
+        reporter->ReportStep(std::move(r));
+      }
+    }
+
+    const bool stop_after = o.stop_after_steps > 0 && step - run_start_step >= o.stop_after_steps;
+    const bool stop = stop_requested || sigterm || stop_after;
+    const int64_t every = spec.checkpoint().every_steps();
+    const bool checkpoint =
+        !o.checkpoint_dir.empty() &&
+        (stop || checkpoint_requested || step == total_steps || (every > 0 && step % every == 0));
+    if (checkpoint) {
+      if (rank0) {
+        ASSIGN_OR_RETURN(CheckpointInfo info,
+                         WriteCheckpoint(o.checkpoint_dir, step, *model, optimizer));
+        Log(absl::StrCat("checkpoint step ", info.step, " path ", info.path, " bytes ",
+                         info.bytes));
+        if (reporter) {
+          v1::CheckpointReport r;
+          r.set_job_id(o.job_id);
+          r.set_attempt(o.attempt);
+          r.set_step(info.step);
+          r.set_path(info.path);
+          r.set_bytes(info.bytes);
+          reporter->ReportCheckpoint(r);
+        }
+      }
+      comm->Barrier();  // no rank runs ahead of (or exits before) a durable checkpoint
+    }
+    if (stop) {
+      Log(absl::StrCat("stopping after step ", step, " (",
+                       sigterm          ? "SIGTERM"
+                       : stop_requested ? "stop requested"
+                                        : "--stop-after-steps",
+                       ")"));
+      break;
+    }
+  }
+
+  if (!o.dump_params.empty()) RETURN_IF_ERROR(WriteDump(o.dump_params, *model));
+  // What the model learned, for people: rank 0 of a finished byte-level run writes a sample.
+  if (rank0 && step == total_steps && spec.data().format() == "bytes") {
+    const std::string prompt = "The ";
+    model->eval();
+    const std::vector<int64_t> sampled =
+        Generate(*model, std::vector<int64_t>(prompt.begin(), prompt.end()), 240,
+                 /*temperature=*/0.8, spec.train().seed(), spec.model().seq_len());
+    std::string text = prompt;
+    for (int64_t token : sampled) text.push_back(static_cast<char>(token & 0xff));
+    Log("sample (temperature 0.8):");
+    for (absl::string_view line : absl::StrSplit(text, '\n')) Log(absl::StrCat("| ", line));
+  }
+  Log(absl::StrCat("trainer rank ", o.rank, " done at step ", step));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void InstallSigtermHandler() {
+  struct sigaction action = {};
+  action.sa_handler = OnSigterm;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  sigaction(SIGTERM, &action, nullptr);
+}
+
+absl::Status RunTrainer(const TrainerOptions& options) {
+  try {
+    return Train(options);
+  } catch (const c10::Error& e) {
+    std::string what = e.what_without_backtrace();
+    std::replace(what.begin(), what.end(), '\n', ' ');
+    return absl::InternalError(absl::StrCat("rank ", options.rank, ": LibTorch: ", what));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("rank ", options.rank, ": ", e.what()));
+  }
+}
+
+}  // namespace trainyard::trainer

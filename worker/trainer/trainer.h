@@ -1,0 +1,47 @@
+// The training rank: RunTrainer is everything `trainyard-trainer` does after parsing its flags.
+// It loads the data (failing fast on bad input, before any rendezvous), joins the job attempt's
+// process group through the coordinator's rendezvous, builds the model and AdamW, resumes from
+// DIR/latest, and runs the optimizer steps with DDP gradient averaging, reporting each step to the
+// coordinator (rank 0) and checkpointing when the spec, the coordinator, SIGTERM or
+// --stop-after-steps ask.
+//
+// Called once, from main's thread. SIGTERM is caught by a handler (InstallSigtermHandler, which
+// main calls first) that sets a flag; the loop polls it between steps, so the ranks agree on it,
+// finish the step, checkpoint and exit 0. (Blocking the signal is not enough: LibTorch and Gloo
+// may start threads before main runs, and one of them would take the default action.)
+#ifndef TRAINYARD_WORKER_TRAINER_TRAINER_H_
+#define TRAINYARD_WORKER_TRAINER_TRAINER_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "trainyard/v1/job.pb.h"
+
+namespace trainyard::trainer {
+
+struct TrainerOptions {
+  v1::JobSpec spec;  // defaults applied and validated
+  std::string job_id;
+  int attempt = 1;
+  int rank = 0;
+  int world_size = 1;
+  std::string coordinator;       // host:port of the coordinator
+  std::string checkpoint_dir;    // shared by all ranks
+  int threads = 1;               // torch intra-op threads
+  std::string metrics_file;      // rank 0 appends one JSON line per step; empty = none
+  std::string dump_params;       // parameters written here at the end; empty = none
+  int64_t stop_after_steps = 0;  // > 0: checkpoint and exit 0 after this many steps of this run
+  std::string gloo_hostname = "127.0.0.1";  // address the Gloo transport listens on
+};
+
+// Makes SIGTERM set a flag that the training loop polls.
+void InstallSigtermHandler();
+
+// Runs training to the end (or to a graceful stop). INVALID_ARGUMENT / NOT_FOUND for bad spec or
+// data; other codes for failures of the run itself. Messages are one line, fit for users.
+absl::Status RunTrainer(const TrainerOptions& options);
+
+}  // namespace trainyard::trainer
+
+#endif  // TRAINYARD_WORKER_TRAINER_TRAINER_H_
