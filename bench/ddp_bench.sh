@@ -34,10 +34,18 @@ SPEC
   local job
   job=$($yard submit "$spec")
   $yard wait "$job" >/dev/null 2>&1 || { echo "job $job failed: $($yard describe "$job" | grep message)" >&2; exit 1; }
-  $yard metrics "$job" -o json | /usr/bin/python3 -c "
+  # "TOKENS_PER_S BACKWARD_MS COMM_WAIT_MS", medians over the timed steps (rank 0's log lines).
+  local tps
+  tps=$($yard metrics "$job" -o json | /usr/bin/python3 -c "
 import json, statistics, sys
 steps = [s for s in json.load(sys.stdin) if s['step'] > $warmup]
-print(statistics.median(s['tokens_per_second'] for s in steps))"
+print(statistics.median(s['tokens_per_second'] for s in steps))")
+  $yard logs "$job" | /usr/bin/python3 -c "
+import re, statistics, sys
+rows = [m.groups() for m in (re.search(r'step (\d+)/\d+ .*backward_ms ([\d.]+) comm_wait_ms ([\d.]+)', l)
+                             for l in sys.stdin if l.startswith('[rank 0]')) if m]
+rows = [(float(b), float(c)) for s, b, c in rows if int(s) > $warmup]
+print($tps, statistics.median(b for b, _ in rows), statistics.median(c for _, c in rows))"
 }
 
 pytorch_run() {
@@ -48,17 +56,22 @@ pytorch_run() {
 
 printf "GPT n_layer 4, d_model 256, seq_len 128, micro_batch 8 per rank, fp32, 1 thread per rank;\n"
 printf "median tokens/s over %d timed steps, median of %d reps, runs interleaved\n\n" "$steps" "$reps"
-printf "| ranks | trainyard tok/s | PyTorch DDP tok/s | trainyard / PyTorch | goal |\n"
-printf "|-------|-----------------|-------------------|---------------------|------|\n"
+printf "| ranks | trainyard tok/s | PyTorch DDP tok/s | trainyard / PyTorch | goal | backward ms | comm wait after backward ms |\n"
+printf "|-------|-----------------|-------------------|---------------------|------|-------------|------------------------------|\n"
 for ranks in 1 2; do
-  ours=(); theirs=()
+  ours=(); theirs=(); backward=(); wait_ms=()
   for ((r = 0; r < reps; r++)); do
-    ours+=("$(trainyard_run "$ranks")")
+    read -r tps bwd cw < <(trainyard_run "$ranks")
+    ours+=("$tps"); backward+=("$bwd"); wait_ms+=("$cw")
     theirs+=("$(pytorch_run "$ranks")")
   done
   o=$(printf "%s\n" "${ours[@]}" | median)
   t=$(printf "%s\n" "${theirs[@]}" | median)
+  b=$(printf "%s\n" "${backward[@]}" | median)
+  c=$(printf "%s\n" "${wait_ms[@]}" | median)
   ratio=$(awk -v o="$o" -v t="$t" 'BEGIN {printf "%.2f", o / t}')
   goal=$(awk -v r="$ratio" 'BEGIN {print (r >= 1.1 ? "met (>= 1.1x)" : "NOT met (< 1.1x)")}')
-  printf "| %5d | %15.0f | %17.0f | %19s | %s |\n" "$ranks" "$o" "$t" "${ratio}x" "$goal"
+  printf "| %5d | %15.0f | %17.0f | %19s | %s | %11.0f | %28.1f |\n" "$ranks" "$o" "$t" "${ratio}x" "$goal" "$b" "$c"
 done
+printf "\nbackward ms: rank 0's backward pass, all-reduces of full buckets running meanwhile (1 rank:\n"
+printf "no communication). comm wait: time after backward spent waiting for the last all-reduces.\n"
