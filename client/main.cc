@@ -113,15 +113,10 @@ void PrintJob(const v1::Job& job) {
 }
 
 int Submit(const Globals& g, const std::string& path) {
-  auto parsed = LoadJobSpecFile(path);
+  auto parsed = LoadValidJobSpecFile(path);
   if (!parsed.ok()) return Fail(parsed.status());
-  v1::JobSpec spec = parsed->spec;
-  ApplyJobSpecDefaults(spec);
-  if (absl::Status s = ValidateJobSpec(spec); !s.ok()) {
-    return Fail(AnnotateWithLine(s, *parsed, path));
-  }
   YardClient client(g.coordinator, g.user);
-  auto job = client.Submit(spec);
+  auto job = client.Submit(parsed->spec);
   if (!job.ok()) return Fail(AnnotateWithLine(job.status(), *parsed, path));
   if (g.json()) {
     std::cout << ToJson(*job);
@@ -223,13 +218,9 @@ int Wait(const Globals& g, const std::string& id, const std::string& timeout_tex
 
 int EstimateMemoryVerb(const Globals& g, const std::string& path, int world, int per_node,
                        const std::string& device_memory) {
-  auto parsed = LoadJobSpecFile(path);
+  auto parsed = LoadValidJobSpecFile(path);
   if (!parsed.ok()) return Fail(parsed.status());
-  v1::JobSpec spec = parsed->spec;
-  ApplyJobSpecDefaults(spec);
-  if (absl::Status s = ValidateJobSpec(spec); !s.ok()) {
-    return Fail(AnnotateWithLine(s, *parsed, path));
-  }
+  const v1::JobSpec& spec = parsed->spec;
   if (world <= 0) world = spec.resources().gpus();
   if (per_node <= 0) per_node = world;
   // The devices to judge against: --device-memory, else the largest device the coordinator's

@@ -68,7 +68,8 @@ class SpecParser {
     std::string text;
     RETURN_IF_ERROR(Scalar(node, field, text));
     int64_t parsed = 0;
-    if (!absl::SimpleAtoi(text, &parsed) || parsed < std::numeric_limits<Int>::min() ||
+    if (!absl::SimpleAtoi(text, &parsed) ||
+        parsed < static_cast<int64_t>(std::numeric_limits<Int>::min()) ||
         (parsed > 0 && static_cast<uint64_t>(parsed) > std::numeric_limits<Int>::max())) {
       return Error(node, absl::StrCat(field, ": expected an integer, got '", text, "'"));
     }
@@ -394,6 +395,15 @@ absl::StatusOr<ParsedSpec> LoadJobSpecFile(const std::string& path) {
   std::stringstream text;
   text << in.rdbuf();
   return ParseJobSpecYaml(text.str(), path);
+}
+
+absl::StatusOr<ParsedSpec> LoadValidJobSpecFile(const std::string& path) {
+  ASSIGN_OR_RETURN(ParsedSpec parsed, LoadJobSpecFile(path));
+  ApplyJobSpecDefaults(parsed.spec);
+  if (absl::Status s = ValidateJobSpec(parsed.spec); !s.ok()) {
+    return AnnotateWithLine(s, parsed, path);
+  }
+  return parsed;
 }
 
 void ApplyJobSpecDefaults(JobSpec& spec) {

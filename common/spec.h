@@ -27,6 +27,10 @@ absl::StatusOr<ParsedSpec> ParseJobSpecYaml(const std::string& yaml_text,
 // Reads and parses a spec file; NOT_FOUND if it cannot be read.
 absl::StatusOr<ParsedSpec> LoadJobSpecFile(const std::string& path);
 
+// LoadJobSpecFile, then ApplyJobSpecDefaults and ValidateJobSpec on the spec; a validation error
+// carries the file and line of the field (AnnotateWithLine).
+absl::StatusOr<ParsedSpec> LoadValidJobSpecFile(const std::string& path);
+
 // Fills unset optional fields with their defaults (priority 50, grad_accum 1, ddp, ...).
 // Fields that are required (name, resources.gpus, model sizes, data.path, train.steps) stay unset.
 void ApplyJobSpecDefaults(v1::JobSpec& spec);

@@ -519,7 +519,9 @@ TEST_F(SqliteJobStoreTest, GroupsBatchesQueuedDuringATransactionIntoOneTransacti
 }
 
 TEST_F(SqliteJobStoreTest, WithoutGroupCommitEachBatchGetsItsOwnTransaction) {
-  auto store = Open({/*group_commit=*/false});
+  SqliteJobStoreOptions options;
+  options.group_commit = false;
+  auto store = Open(options);
   ASSERT_NE(store, nullptr);
   std::vector<WriteBatch> batches;
   for (int i = 1; i <= 10; ++i) batches.push_back(PutJobs({Job(i)}));

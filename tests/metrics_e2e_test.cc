@@ -13,6 +13,7 @@
 #include "client/yard_client.h"
 #include "tests/testing/http_get.h"
 #include "tests/testing/subprocess.h"
+#include "tests/testing/tiny_spec.h"
 #include "trainyard/v1/trainer.grpc.pb.h"
 
 namespace trainyard {
@@ -33,20 +34,6 @@ std::optional<double> Sample(const std::string& page, const std::string& series)
     if (absl::SimpleAtod(line.substr(series.size() + 1), &v)) return v;
   }
   return std::nullopt;
-}
-
-v1::JobSpec Spec(const std::string& mode, int devices) {
-  v1::JobSpec s;
-  s.set_name(mode);
-  s.mutable_resources()->set_gpus(devices);
-  auto* m = s.mutable_model();
-  m->set_n_layer(1);
-  m->set_n_head(1);
-  m->set_d_model(8);
-  m->set_seq_len(4);
-  s.mutable_data()->set_path("/usr/share/common-licenses/GPL-3");
-  s.mutable_train()->set_steps(10);
-  return s;
 }
 
 class MetricsE2eTest : public ::testing::Test {
@@ -106,7 +93,7 @@ class MetricsE2eTest : public ::testing::Test {
 };
 
 TEST_F(MetricsE2eTest, CoordinatorAndWorkerExportWhatHappened) {
-  auto job = client_->Submit(Spec("succeed", 2));
+  auto job = client_->Submit(testing::TinySpec("succeed", 2));
   ASSERT_TRUE(job.ok()) << job.status();
   ASSERT_EQ(
       client_->Watch(job->id(), absl::Seconds(60), [](const v1::Job&) { return false; })->state(),
@@ -133,7 +120,7 @@ TEST_F(MetricsE2eTest, CoordinatorAndWorkerExportWhatHappened) {
 }
 
 TEST_F(MetricsE2eTest, TrainingSeriesExistWhileTheJobRuns) {
-  auto job = client_->Submit(Spec("hang", 1));
+  auto job = client_->Submit(testing::TinySpec("hang", 1));
   ASSERT_TRUE(job.ok());
   ASSERT_TRUE(client_
                   ->Watch(job->id(), absl::Seconds(60),

@@ -18,6 +18,7 @@
 #include "absl/time/clock.h"
 #include "client/yard_client.h"
 #include "tests/testing/subprocess.h"
+#include "tests/testing/tiny_spec.h"
 
 namespace trainyard {
 namespace {
@@ -46,21 +47,6 @@ bool AllGone(const std::vector<pid_t>& pids, absl::Duration timeout) {
     absl::SleepFor(absl::Milliseconds(20));
   }
   return false;
-}
-
-v1::JobSpec Spec(const std::string& mode, int devices, int max_restarts = 0) {
-  v1::JobSpec s;
-  s.set_name(mode);
-  s.mutable_resources()->set_gpus(devices);
-  auto* m = s.mutable_model();
-  m->set_n_layer(1);
-  m->set_n_head(1);
-  m->set_d_model(8);
-  m->set_seq_len(4);
-  s.mutable_data()->set_path("/usr/share/common-licenses/GPL-3");
-  s.mutable_train()->set_steps(1);
-  s.set_max_restarts(max_restarts);
-  return s;
 }
 
 class WorkerE2eTest : public ::testing::Test {
@@ -165,7 +151,7 @@ class WorkerE2eTest : public ::testing::Test {
 };
 
 TEST_F(WorkerE2eTest, RanksRunTheirLogsReachTheCoordinatorAndTheJobSucceeds) {
-  auto job = client_->Submit(Spec("succeed", 2));
+  auto job = client_->Submit(testing::TinySpec("succeed", 2));
   ASSERT_TRUE(job.ok()) << job.status();
   v1::Job done = WaitFor(job->id(), [](const v1::Job& j) { return false; });
   EXPECT_EQ(done.state(), v1::SUCCEEDED) << done.message();
@@ -181,7 +167,7 @@ TEST_F(WorkerE2eTest, RanksRunTheirLogsReachTheCoordinatorAndTheJobSucceeds) {
 }
 
 TEST_F(WorkerE2eTest, YardPrintsLogsPrefixedByRankAndRefusesToCheckpointAnEndedJob) {
-  auto job = client_->Submit(Spec("succeed", 2));
+  auto job = client_->Submit(testing::TinySpec("succeed", 2));
   ASSERT_TRUE(job.ok());
   ASSERT_EQ(WaitFor(job->id(), [](const v1::Job&) { return false; }).state(), v1::SUCCEEDED);
   auto logs = testing::RunCommand({BinPath("yard"), "--coordinator", address_, "logs", job->id()});
@@ -203,7 +189,7 @@ TEST_F(WorkerE2eTest, YardPrintsLogsPrefixedByRankAndRefusesToCheckpointAnEndedJ
 }
 
 TEST_F(WorkerE2eTest, CrashingRankRestartsTheJobThenFailsItWithTheExitCodeAndLastLines) {
-  auto job = client_->Submit(Spec("fail-rank-1", 2, /*max_restarts=*/1));
+  auto job = client_->Submit(testing::TinySpec("fail-rank-1", 2, /*max_restarts=*/1));
   ASSERT_TRUE(job.ok());
   v1::Job failed = WaitFor(job->id(), [](const v1::Job& j) { return false; });
   EXPECT_EQ(failed.state(), v1::FAILED);
@@ -217,8 +203,8 @@ TEST_F(WorkerE2eTest, CrashingRankRestartsTheJobThenFailsItWithTheExitCodeAndLas
 }
 
 TEST_F(WorkerE2eTest, CancelStopsRanksEvenThoseIgnoringSigterm) {
-  auto polite = client_->Submit(Spec("hang", 1));
-  auto stubborn = client_->Submit(Spec("ignore-term", 1));
+  auto polite = client_->Submit(testing::TinySpec("hang", 1));
+  auto stubborn = client_->Submit(testing::TinySpec("ignore-term", 1));
   ASSERT_TRUE(polite.ok() && stubborn.ok());
   WaitForReadyLines(polite->id(), 1);
   WaitForReadyLines(stubborn->id(), 1);
@@ -231,13 +217,13 @@ TEST_F(WorkerE2eTest, CancelStopsRanksEvenThoseIgnoringSigterm) {
   EXPECT_TRUE(AllGone(polite_pids, absl::Seconds(10)));
   EXPECT_TRUE(AllGone(stubborn_pids, absl::Seconds(10)));  // SIGKILL after the 1 s grace
   // The freed slots take the next job.
-  auto next = client_->Submit(Spec("succeed", 2));
+  auto next = client_->Submit(testing::TinySpec("succeed", 2));
   ASSERT_TRUE(next.ok());
   EXPECT_EQ(WaitFor(next->id(), [](const v1::Job&) { return false; }).state(), v1::SUCCEEDED);
 }
 
 TEST_F(WorkerE2eTest, StoppingTheWorkerLeavesNoRankOrGrandchildBehind) {
-  auto job = client_->Submit(Spec("spawn-child", 2));
+  auto job = client_->Submit(testing::TinySpec("spawn-child", 2));
   ASSERT_TRUE(job.ok());
   WaitForReadyLines(job->id(), 2);
   const std::vector<pid_t> pids = RankPids(job->id(), 1);
@@ -250,7 +236,7 @@ TEST_F(WorkerE2eTest, StoppingTheWorkerLeavesNoRankOrGrandchildBehind) {
 }
 
 TEST_F(WorkerE2eTest, KilledWorkerTakesItsRanksWithIt) {
-  auto job = client_->Submit(Spec("hang", 2));
+  auto job = client_->Submit(testing::TinySpec("hang", 2));
   ASSERT_TRUE(job.ok());
   WaitForReadyLines(job->id(), 2);
   const std::vector<pid_t> pids = RankPids(job->id(), 1);
@@ -267,7 +253,7 @@ TEST_F(WorkerE2eTest, WorkerReconnectsAfterTheCoordinatorRestarts) {
   StartCoordinator(listen);  // same address and state
   ASSERT_EQ(address_, listen);
   WaitForReadyNodes(1);
-  auto job = client_->Submit(Spec("succeed", 2));
+  auto job = client_->Submit(testing::TinySpec("succeed", 2));
   ASSERT_TRUE(job.ok());
   const v1::Job done = WaitFor(job->id(), [](const v1::Job&) { return false; });
   EXPECT_EQ(done.state(), v1::SUCCEEDED) << done.message();

@@ -20,13 +20,9 @@ namespace {
 absl::StatusOr<v1::JobSpec> LoadSpec(const std::string& path) {
   v1::JobSpec spec;
   if (absl::EndsWith(path, ".yaml") || absl::EndsWith(path, ".yml")) {
-    auto parsed = LoadJobSpecFile(path);
+    auto parsed = LoadValidJobSpecFile(path);
     if (!parsed.ok()) return parsed.status();
-    spec = parsed->spec;
-    ApplyJobSpecDefaults(spec);
-    absl::Status s = ValidateJobSpec(spec);
-    if (!s.ok()) return AnnotateWithLine(s, *parsed, path);
-    return spec;
+    return parsed->spec;
   }
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("--spec: cannot read '", path, "'"));
