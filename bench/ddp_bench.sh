@@ -11,14 +11,11 @@ reps=${2:-3}
 warmup=5
 yard=build/bin/yard
 state=$(mktemp -d /tmp/trainyard-ddp-bench-XXXXXX)
-export TRAINYARD_COORDINATOR=127.0.0.1:${TRAINYARD_BENCH_PORT:-7079}
 cleanup() { $yard local --state-dir "$state" down >/dev/null 2>&1 || true; rm -rf "$state"; }
 trap cleanup EXIT
 
-$yard local --state-dir "$state" up --listen "$TRAINYARD_COORDINATOR" --workers 1 --slots 2 \
-  --threads-per-slot 1 >/dev/null
-
-median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
+source scripts/lib/cluster.sh
+local_cluster_up "$yard" "$state" --workers 1 --slots 2 --threads-per-slot 1 >/dev/null
 
 # trainyard: median tokens/s over the timed steps of one job.
 trainyard_run() {
@@ -36,10 +33,7 @@ SPEC
   $yard wait "$job" >/dev/null 2>&1 || { echo "job $job failed: $($yard describe "$job" | grep message)" >&2; exit 1; }
   # "TOKENS_PER_S BACKWARD_MS COMM_WAIT_MS", medians over the timed steps (rank 0's log lines).
   local tps
-  tps=$($yard metrics "$job" -o json | /usr/bin/python3 -c "
-import json, statistics, sys
-steps = [s for s in json.load(sys.stdin) if s['step'] > $warmup]
-print(statistics.median(s['tokens_per_second'] for s in steps))")
+  tps=$(job_tokens_per_second "$yard" "$job" "$warmup")
   $yard logs "$job" | /usr/bin/python3 -c "
 import re, statistics, sys
 rows = [m.groups() for m in (re.search(r'step (\d+)/\d+ .*backward_ms ([\d.]+) comm_wait_ms ([\d.]+)', l)

@@ -20,12 +20,8 @@ cleanup() {
 }
 trap cleanup EXIT
 
-up=$($yard local --state-dir "$state" up --listen 127.0.0.1:0 --workers 1 --slots 2 --metrics -o json)
-read -r address cm wm < <(/usr/bin/python3 -c '
-import json, sys
-c = json.loads(sys.argv[1]); p = {x["name"]: x for x in c["processes"]}
-print(c["coordinator_address"], p["coordinator"]["metrics_address"], p["worker local-1"]["metrics_address"])' "$up")
-export TRAINYARD_COORDINATOR="$address"
+source scripts/lib/cluster.sh
+local_cluster_up "$yard" "$state" --workers 1 --slots 2 --metrics
 
 cat >"$tmp/spec.yaml" <<SPEC
 name: scrape-bench
@@ -39,18 +35,16 @@ global: {scrape_interval: 1s}
 scrape_configs:
   - job_name: trainyard-coordinator
     honor_labels: true
-    static_configs: [{targets: ["$cm"]}]
+    static_configs: [{targets: ["$COORDINATOR_METRICS"]}]
   - job_name: trainyard-worker
-    static_configs: [{targets: ["$wm"]}]
+    static_configs: [{targets: ["$WORKER_METRICS"]}]
 PROM
 
 run_job() {
   local job
   job=$($yard submit "$tmp/spec.yaml")
-  $yard wait "$job" >/dev/null
-  $yard metrics "$job" -o json | /usr/bin/python3 -c "
-import json, statistics, sys
-print(statistics.median(s['tokens_per_second'] for s in json.load(sys.stdin) if s['step'] > $warmup))"
+  $yard wait "$job" >/dev/null 2>&1
+  job_tokens_per_second "$yard" "$job" "$warmup"
 }
 start_prometheus() {
   local port
@@ -62,7 +56,6 @@ start_prometheus() {
   echo "prometheus did not start" >&2; exit 1
 }
 stop_prometheus() { kill "$prom_pid"; wait "$prom_pid" 2>/dev/null || true; prom_pid=""; }
-median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 
 without=(); with=()
 for ((r = 0; r < reps; r++)); do

@@ -11,8 +11,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/yard_client.h"
+#include "tests/testing/node_session.h"
 #include "tests/testing/subprocess.h"
-#include "trainyard/v1/node.grpc.pb.h"
 
 namespace trainyard {
 namespace {
@@ -83,26 +83,10 @@ TEST(CoordinatorRestartTest, EveryAcknowledgedJobAndStateSurvivesSigkill) {
   }
   for (const char* id : {"job-5", "job-9", "job-13"}) ASSERT_TRUE(alice.Cancel(id, "test").ok());
 
-  // A node with 4 devices joins: the two high-priority jobs start on it.
-  auto channel = grpc::CreateChannel(c.address, grpc::InsecureChannelCredentials());
-  auto nodes = v1::NodeService::NewStub(channel);
-  {
-    grpc::ClientContext ctx;
-    v1::RegisterNodeRequest r;
-    r.set_node_id("n1");
-    for (int i = 0; i < 4; ++i) {
-      r.add_devices()->set_index(i);
-      r.mutable_devices(i)->set_kind(v1::CPU_SLOT);
-    }
-    v1::RegisterNodeResponse resp;
-    ASSERT_TRUE(nodes->RegisterNode(&ctx, r, &resp).ok());
-  }
-  // Only nodes with an open session get ranks.
-  grpc::ClientContext session_ctx;
-  auto session = nodes->Session(&session_ctx);
-  v1::NodeMessage hello;
-  hello.mutable_hello()->set_node_id("n1");
-  ASSERT_TRUE(session->Write(hello));
+  // A node with 4 devices joins (only nodes with an open session get ranks): the two
+  // high-priority jobs start on it.
+  auto node = testing::NodeSession::Connect(
+      grpc::CreateChannel(c.address, grpc::InsecureChannelCredentials()), "n1", 4);
   // Watch events are sent once a change is durable, so RUNNING here is on disk.
   for (const auto& job : {*first, *second}) {
     auto seen = alice.Watch(job.id(), absl::Seconds(30),

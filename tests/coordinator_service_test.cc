@@ -6,7 +6,6 @@
 
 #include <grpcpp/grpcpp.h>
 
-#include <deque>
 #include <future>
 #include <thread>
 
@@ -14,6 +13,7 @@
 #include "common/clock.h"
 #include "server/coordinator/coordinator_server.h"
 #include "tests/testing/grpc_probe.h"
+#include "tests/testing/node_session.h"
 #include "tests/testing/subprocess.h"
 #include "trainyard/v1/job.grpc.pb.h"
 #include "trainyard/v1/node.grpc.pb.h"
@@ -27,7 +27,6 @@ using ::testing::Contains;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
-using NodeStream = grpc::ClientReaderWriter<v1::NodeMessage, v1::CoordinatorMessage>;
 
 v1::JobSpec Spec(int devices, const std::string& name = "job", int max_restarts = 0) {
   v1::JobSpec s;
@@ -156,64 +155,8 @@ class CoordinatorServiceTest : public ::testing::Test {
     return nodes_->RegisterNode(&ctx, r, &resp);
   }
 
-  // A node's session: registered, hello sent. Owns its context.
-  struct Session {
-    std::unique_ptr<grpc::ClientContext> ctx = std::make_unique<grpc::ClientContext>();
-    std::unique_ptr<NodeStream> stream;
-    int64_t heartbeat_seq = 0;
-    std::deque<v1::CoordinatorMessage> pending;  // commands read while waiting for an ack
-
-    // The next message that is not a heartbeat ack.
-    v1::CoordinatorMessage NextCommand() {
-      v1::CoordinatorMessage m;
-      if (!pending.empty()) {
-        m = pending.front();
-        pending.pop_front();
-        return m;
-      }
-      while (stream->Read(&m)) {
-        if (!m.has_heartbeat_ack()) return m;
-      }
-      ADD_FAILURE() << "session ended";
-      return m;
-    }
-    // Sends a heartbeat and waits until the coordinator acknowledged it (i.e. processed it).
-    void Heartbeat() {
-      v1::NodeMessage hb;
-      hb.mutable_heartbeat()->set_seq(++heartbeat_seq);
-      ASSERT_TRUE(stream->Write(hb));
-      v1::CoordinatorMessage m;
-      while (stream->Read(&m)) {
-        if (!m.has_heartbeat_ack()) {
-          pending.push_back(m);
-        } else if (m.heartbeat_ack().seq() == heartbeat_seq) {
-          return;
-        }
-      }
-      FAIL() << "no heartbeat ack";
-    }
-    void ReportExit(const v1::Assignment& a, int rank, int exit_code) {
-      v1::NodeMessage m;
-      auto* rs = m.mutable_rank_status();
-      rs->set_job_id(a.job_id());
-      rs->set_attempt(a.attempt());
-      rs->set_rank(rank);
-      rs->set_phase(v1::RANK_EXITED);
-      rs->set_exit_code(exit_code);
-      ASSERT_TRUE(stream->Write(m));
-    }
-  };
-
-  std::unique_ptr<Session> Connect(const std::string& node_id, int devices) {
-    EXPECT_TRUE(Register(node_id, devices).ok());
-    auto s = std::make_unique<Session>();
-    Prepare(*s->ctx);
-    s->stream = nodes_->Session(s->ctx.get());
-    v1::NodeMessage hello;
-    hello.mutable_hello()->set_node_id(node_id);
-    EXPECT_TRUE(s->stream->Write(hello));
-    s->Heartbeat();  // the session is attached once its first heartbeat is acknowledged
-    return s;
+  std::unique_ptr<testing::NodeSession> Connect(const std::string& node_id, int devices) {
+    return testing::NodeSession::Connect(channel_, node_id, devices);
   }
 
   testing::TempDir dir_;
@@ -817,7 +760,7 @@ TEST_F(CoordinatorServiceTest, FollowedLogsStreamRankLinesAndEndWithTheJob) {
     l->set_rank(rank);
     l->add_lines(absl::StrCat("line a from ", rank));
     l->add_lines(absl::StrCat("line b from ", rank));
-    ASSERT_TRUE(node->stream->Write(m));
+    ASSERT_TRUE(node->Write(m));
   }
   std::vector<std::string> got;
   v1::LogLine line;

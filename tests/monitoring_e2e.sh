@@ -18,14 +18,8 @@ cleanup() {
 }
 trap cleanup EXIT
 
-up=$("$yard" local --state-dir "$state" up --listen 127.0.0.1:0 --workers 1 --slots 2 --metrics -o json)
-read -r address coordinator_metrics worker_metrics < <(/usr/bin/python3 -c '
-import json, sys
-c = json.loads(sys.argv[1])
-procs = {p["name"]: p for p in c["processes"]}
-print(c["coordinator_address"], procs["coordinator"]["metrics_address"],
-      procs["worker local-1"]["metrics_address"])' "$up")
-export TRAINYARD_COORDINATOR="$address"
+source "$repo/scripts/lib/cluster.sh"
+local_cluster_up "$yard" "$state" --workers 1 --slots 2 --metrics
 
 cat >"$tmp/spec.yaml" <<SPEC
 name: monitoring-e2e
@@ -46,4 +40,4 @@ fi
 
 # Fails (and the trap stops the cluster) unless every expression has data.
 bash "$repo/tests/prometheus_dashboards_e2e.sh" --job "$job" --skip-ps --timeout 90 \
-  "coordinator=$coordinator_metrics" "worker=$worker_metrics"
+  "coordinator=$COORDINATOR_METRICS" "worker=$WORKER_METRICS"

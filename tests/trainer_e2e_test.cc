@@ -20,6 +20,7 @@
 #include "absl/strings/str_join.h"
 #include "common/clock.h"
 #include "server/coordinator/coordinator_server.h"
+#include "tests/testing/node_session.h"
 #include "tests/testing/subprocess.h"
 #include "trainyard/v1/job.grpc.pb.h"
 #include "trainyard/v1/node.grpc.pb.h"
@@ -29,7 +30,6 @@ namespace trainyard {
 namespace {
 
 using ::testing::HasSubstr;
-using NodeStream = grpc::ClientReaderWriter<v1::NodeMessage, v1::CoordinatorMessage>;
 using trainer::DumpedParam;
 
 constexpr absl::Duration kRunTimeout = absl::Seconds(120);
@@ -83,53 +83,17 @@ class TrainerE2eTest : public ::testing::Test {
     server_ = std::move(*s);
     channel_ = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
     jobs_ = v1::JobService::NewStub(channel_);
-    nodes_ = v1::NodeService::NewStub(channel_);
-    ConnectNode("n1", 8);
+    node_ = testing::NodeSession::Connect(channel_, "n1", 8);
   }
 
   void TearDown() override {
-    if (session_ctx_) session_ctx_->TryCancel();
+    node_.reset();
     if (server_) server_->Shutdown();
   }
 
   static void Prepare(grpc::ClientContext& ctx) {
     ctx.AddMetadata("x-trainyard-user", "alice");
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
-  }
-
-  // Registers a node with `devices` CPU slots and opens its session (hello, then a heartbeat that
-  // the coordinator acknowledges once the session is attached).
-  void ConnectNode(const std::string& node_id, int devices) {
-    {
-      grpc::ClientContext ctx;
-      Prepare(ctx);
-      v1::RegisterNodeRequest r;
-      r.set_node_id(node_id);
-      r.set_hostname("localhost");
-      r.set_memory_bytes(int64_t{8} << 30);
-      for (int i = 0; i < devices; ++i) {
-        auto* d = r.add_devices();
-        d->set_index(i);
-        d->set_kind(v1::CPU_SLOT);
-      }
-      v1::RegisterNodeResponse resp;
-      ASSERT_TRUE(nodes_->RegisterNode(&ctx, r, &resp).ok());
-    }
-    session_ctx_ = std::make_unique<grpc::ClientContext>();
-    Prepare(*session_ctx_);
-    session_ctx_->set_deadline(absl::ToChronoTime(absl::Now() + absl::Minutes(30)));
-    session_ = nodes_->Session(session_ctx_.get());
-    v1::NodeMessage hello;
-    hello.mutable_hello()->set_node_id(node_id);
-    ASSERT_TRUE(session_->Write(hello));
-    v1::NodeMessage hb;
-    hb.mutable_heartbeat()->set_seq(1);
-    ASSERT_TRUE(session_->Write(hb));
-    v1::CoordinatorMessage m;
-    while (session_->Read(&m)) {
-      if (m.has_heartbeat_ack() && m.heartbeat_ack().seq() == 1) return;
-    }
-    FAIL() << "no heartbeat ack";
   }
 
   // Submits `spec` and runs a scheduling pass, so the job is RUNNING with its rendezvous scope
@@ -272,9 +236,7 @@ class TrainerE2eTest : public ::testing::Test {
   std::unique_ptr<coordinator::CoordinatorServer> server_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::JobService::Stub> jobs_;
-  std::unique_ptr<v1::NodeService::Stub> nodes_;
-  std::unique_ptr<grpc::ClientContext> session_ctx_;
-  std::unique_ptr<NodeStream> session_;
+  std::unique_ptr<testing::NodeSession> node_;  // keeps the node connected
 };
 
 struct Variant {

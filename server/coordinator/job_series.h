@@ -62,13 +62,6 @@ class JobSeries {
     handles_.erase(it);
   }
 
-  std::vector<T> Snapshot(const std::string& job_id) const {
-    absl::MutexLock lock(&mu_);
-    auto it = series_.find(job_id);
-    if (it == series_.end()) return {};
-    return {it->second.records.begin(), it->second.records.end()};
-  }
-
  private:
   struct Series {
     std::deque<T> records;

@@ -161,14 +161,4 @@ std::vector<v1::Node> NodeRegistry::List() const {
   return out;
 }
 
-absl::StatusOr<v1::Node> NodeRegistry::Get(const std::string& node_id) const {
-  absl::MutexLock lock(&mu_);
-  auto it = nodes_.find(node_id);
-  if (it == nodes_.end()) return absl::NotFoundError(absl::StrCat("node ", node_id, " not found"));
-  v1::Node node = it->second.node;
-  node.set_last_heartbeat_ms(ToUnixMs(it->second.last_heartbeat));
-  node.set_connected(it->second.session != nullptr);
-  return node;
-}
-
 }  // namespace trainyard::coordinator

@@ -62,7 +62,6 @@ class NodeRegistry {
 
   // All nodes, ordered by id.
   std::vector<v1::Node> List() const;
-  absl::StatusOr<v1::Node> Get(const std::string& node_id) const;
 
   absl::Duration node_timeout() const { return node_timeout_; }
 

@@ -43,10 +43,10 @@ RankSupervisor::~RankSupervisor() {
 void RankSupervisor::Launch(const v1::Assignment& assignment) {
   absl::MutexLock lock(&mu_);
   if (stopping_) return;
-  launches_.push_back({assignment});
+  launches_.push_back(assignment);
 }
 
-void RankSupervisor::Stop(const std::string& job_id, int attempt, const std::string& reason) {
+void RankSupervisor::Stop(const std::string& job_id, int attempt) {
   absl::MutexLock lock(&mu_);
   for (auto& [key, rank] : ranks_) {
     if (std::get<0>(key) != job_id || (attempt != 0 && std::get<1>(key) != attempt)) continue;
@@ -57,7 +57,7 @@ void RankSupervisor::Stop(const std::string& job_id, int attempt, const std::str
   }
   // A launch still queued for that attempt is dropped.
   for (auto it = launches_.begin(); it != launches_.end();) {
-    const auto& a = it->assignment;
+    const v1::Assignment& a = *it;
     if (a.job_id() == job_id && (attempt == 0 || a.attempt() == attempt)) {
       it = launches_.erase(it);
     } else {
@@ -110,7 +110,7 @@ void RankSupervisor::SupervisorLoop() {
     mu_.AwaitWithDeadline(absl::Condition(&has_work), wake);
 
     while (!launches_.empty()) {
-      const v1::Assignment a = launches_.front().assignment;
+      const v1::Assignment a = launches_.front();
       launches_.pop_front();
       for (int i = 0; i < a.device_indices_size(); ++i) {
         Start(a, a.first_rank() + i, a.device_indices(i));
@@ -212,7 +212,6 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
   setpgid(pid, pid);
   Rank& r = ranks_[key];
   r.pid = pid;
-  r.out_fd = fds[0];
   r.reader = std::thread([this, key, fd = fds[0], pid] { ReadOutput(key, fd, pid); });
 
   v1::NodeMessage m;

@@ -44,7 +44,7 @@ class RankSupervisor {
   // reconnect). Failures to start are reported as rank exits with code 127.
   void Launch(const v1::Assignment& assignment);
   // Stops the ranks of one job attempt (attempt 0: every attempt of the job).
-  void Stop(const std::string& job_id, int attempt, const std::string& reason);
+  void Stop(const std::string& job_id, int attempt);
   // Stops every rank and waits until all have exited.
   void StopAll();
   // RANK_RUNNING status of every live rank (sent after a reconnect).
@@ -55,13 +55,9 @@ class RankSupervisor {
   using RankKey = std::tuple<std::string, int, int>;  // job, attempt, rank
   struct Rank {
     pid_t pid = 0;
-    int out_fd = -1;
     bool stopping = false;
     absl::Time kill_at = absl::InfiniteFuture();
     std::thread reader;
-  };
-  struct LaunchRequest {
-    v1::Assignment assignment;
   };
 
   void SupervisorLoop();
@@ -74,7 +70,7 @@ class RankSupervisor {
 
   mutable absl::Mutex mu_;
   std::map<RankKey, Rank> ranks_ ABSL_GUARDED_BY(mu_);
-  std::deque<LaunchRequest> launches_ ABSL_GUARDED_BY(mu_);
+  std::deque<v1::Assignment> launches_ ABSL_GUARDED_BY(mu_);
   std::vector<std::thread> finished_readers_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread supervisor_;

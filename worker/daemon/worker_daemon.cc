@@ -184,7 +184,7 @@ void WorkerDaemon::RunSession() {
       } else if (in.has_cancel()) {
         spdlog::info("stop {} attempt {}: {}", in.cancel().job_id(), in.cancel().attempt(),
                      in.cancel().reason());
-        supervisor_->Stop(in.cancel().job_id(), in.cancel().attempt(), in.cancel().reason());
+        supervisor_->Stop(in.cancel().job_id(), in.cancel().attempt());
       }
     }
     {

@@ -1,0 +1,31 @@
+# Shell helpers shared by bench/*.sh and tests/monitoring_e2e.sh; source it. Python is Debian's
+# /usr/bin/python3 (stdlib only).
+
+# The median of the numbers on stdin, one per line.
+median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
+
+# local_cluster_up YARD STATE_DIR [ARGS of `yard local up`...]: starts a local cluster on a free
+# loopback port and sets CLUSTER_ADDRESS (exported as TRAINYARD_COORDINATOR), COORDINATOR_METRICS
+# and WORKER_METRICS (the first worker's; both empty without --metrics).
+local_cluster_up() {
+  local yard=$1 state=$2 up
+  shift 2
+  up=$("$yard" local --state-dir "$state" up --listen 127.0.0.1:0 -o json "$@")
+  read -r CLUSTER_ADDRESS COORDINATOR_METRICS WORKER_METRICS < <(/usr/bin/python3 -c '
+import json, sys
+c = json.loads(sys.argv[1])
+procs = {p["name"]: p for p in c["processes"]}
+worker = procs.get("worker local-1", {})
+print(c["coordinator_address"], procs["coordinator"].get("metrics_address") or "-",
+      worker.get("metrics_address") or "-")' "$up")
+  if [ "$COORDINATOR_METRICS" = "-" ]; then COORDINATOR_METRICS=""; fi
+  if [ "$WORKER_METRICS" = "-" ]; then WORKER_METRICS=""; fi
+  export TRAINYARD_COORDINATOR="$CLUSTER_ADDRESS"
+}
+
+# job_tokens_per_second YARD JOB WARMUP: the median tokens/s of the job's steps after WARMUP.
+job_tokens_per_second() {
+  "$1" metrics "$2" -o json | /usr/bin/python3 -c "
+import json, statistics, sys
+print(statistics.median(s['tokens_per_second'] for s in json.load(sys.stdin) if s['step'] > $3))"
+}
