@@ -95,9 +95,9 @@ class MetricsE2eTest : public ::testing::Test {
 TEST_F(MetricsE2eTest, CoordinatorAndWorkerExportWhatHappened) {
   auto job = client_->Submit(testing::TinySpec("succeed", 2));
   ASSERT_TRUE(job.ok()) << job.status();
-  ASSERT_EQ(
-      client_->Watch(job->id(), absl::Seconds(60), [](const v1::Job&) { return false; })->state(),
-      v1::SUCCEEDED);
+  auto done = client_->Watch(job->id(), absl::Seconds(120), [](const v1::Job&) { return false; });
+  ASSERT_TRUE(done.ok()) << done.status();
+  ASSERT_EQ(done->state(), v1::SUCCEEDED) << done->message();
 
   const std::string c = ScrapeUntil(coordinator_metrics_, "trainyard_jobs{state=\"SUCCEEDED\"}", 1);
   EXPECT_EQ(Sample(c, "trainyard_jobs{state=\"QUEUED\"}"), 0);
