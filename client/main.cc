@@ -310,13 +310,17 @@ int Nodes(const Globals& g) {
     const std::string state = n.state() != v1::NODE_READY ? "LOST"
                               : n.connected()             ? "READY"
                                                           : "READY (reconnecting)";
-    rows.push_back({n.id(), state,
-                    absl::StrCat(n.allocated_devices_size(), "/", n.devices_size(), " ", kind),
-                    HumanBytes(n.memory_bytes()), n.address().empty() ? "-" : n.address(),
-                    Ago(n.last_heartbeat_ms(), NowMs())});
+    const bool ps = n.role() == v1::PARAMETER_SERVER;
+    // Parameter servers: shard memory held by running offload jobs / offered.
+    rows.push_back(
+        {n.id(), ps ? "ps" : "worker", state,
+         ps ? "-" : absl::StrCat(n.allocated_devices_size(), "/", n.devices_size(), " ", kind),
+         ps ? absl::StrCat(HumanBytes(n.reserved_bytes()), "/", HumanBytes(n.memory_bytes()))
+            : HumanBytes(n.memory_bytes()),
+         n.address().empty() ? "-" : n.address(), Ago(n.last_heartbeat_ms(), NowMs())});
   }
-  std::cout << FormatTable({"NODE", "STATE", "DEVICES(USED/ALL)", "MEMORY", "ADDRESS", "HEARTBEAT"},
-                           rows);
+  std::cout << FormatTable(
+      {"NODE", "ROLE", "STATE", "DEVICES(USED/ALL)", "MEMORY", "ADDRESS", "HEARTBEAT"}, rows);
   return 0;
 }
 

@@ -819,6 +819,124 @@ TEST_F(CoordinatorServiceTest, JobThatFitsNoNodesMemoryIsRejectedNamingAStrategy
   EXPECT_TRUE(Submit(big, nullptr).ok());
 }
 
+v1::JobSpec OffloadSpec(const std::string& name) {
+  v1::JobSpec s = Spec(1, name);
+  s.mutable_parallel()->set_strategy(v1::OFFLOAD);
+  return s;
+}
+
+// 42,368 parameters x 18 bytes.
+constexpr int64_t kOffloadSpecPsBytes = 762624;
+
+TEST_F(CoordinatorServiceTest, OffloadJobsNeedParameterServersWithRoomAndNothingIsStoredOtherwise) {
+  auto worker = Connect("n1", 1);
+  grpc::Status s = Submit(OffloadSpec("none"), nullptr);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("none is registered"));
+  auto ps = testing::NodeSession::ConnectParameterServer(channel_, "ps1", kOffloadSpecPsBytes - 1,
+                                                         "127.0.0.1:9");
+  s = Submit(OffloadSpec("small"), nullptr);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("parallel.strategy: offload needs"));
+  EXPECT_THAT(s.error_message(), HasSubstr("42368 parameters x 18 bytes"));
+  EXPECT_EQ(List({}).jobs_size(), 0);
+}
+
+TEST_F(CoordinatorServiceTest, OffloadJobIsSplitOverParameterServersAndWaitsForTheirMemory) {
+  auto worker = Connect("n1", 2);
+  // Together they hold one job's state, not two.
+  auto ps1 = testing::NodeSession::ConnectParameterServer(channel_, "ps1", 500000, "127.0.0.1:11");
+  auto ps2 = testing::NodeSession::ConnectParameterServer(channel_, "ps2", 500000, "127.0.0.1:12");
+  v1::Job first = MustSubmit(OffloadSpec("first"));
+  v1::Job second = MustSubmit(OffloadSpec("second"));
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+
+  const v1::Assignment a = worker->NextCommand().assignment();
+  EXPECT_EQ(a.job_id(), first.id());
+  ASSERT_EQ(a.ps_ranges_size(), 2);
+  EXPECT_EQ(a.ps_ranges(0).address(), "127.0.0.1:11");
+  EXPECT_EQ(a.ps_ranges(0).begin(), 0);
+  EXPECT_EQ(a.ps_ranges(0).end(), a.ps_ranges(1).begin());
+  EXPECT_EQ(a.ps_ranges(1).end(), 42368);
+  EXPECT_EQ(a.ps_ranges(0).end() - a.ps_ranges(0).begin(), 21184);  // balanced
+
+  v1::Job j;
+  ASSERT_TRUE(Get(second.id(), &j).ok());
+  EXPECT_EQ(j.state(), v1::QUEUED);
+  EXPECT_THAT(j.message(), HasSubstr("waiting for parameter-server memory"));
+  {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::ListNodesResponse nodes;
+    ASSERT_TRUE(nodes_->ListNodes(&ctx, {}, &nodes).ok());
+    ASSERT_EQ(nodes.nodes_size(), 3);
+    for (const auto& n : nodes.nodes()) {
+      if (n.id() == "n1") continue;
+      EXPECT_EQ(n.role(), v1::PARAMETER_SERVER);
+      EXPECT_EQ(n.reserved_bytes(), 21184 * 18) << n.id();
+    }
+  }
+
+  // Cancelling the first job tells both servers to drop its shards; the second job then fits.
+  ASSERT_TRUE(Cancel(first.id()).ok());
+  for (auto* ps : {ps1.get(), ps2.get()}) {
+    const v1::CoordinatorMessage m = ps->NextCommand();
+    ASSERT_TRUE(m.has_cancel());
+    EXPECT_EQ(m.cancel().job_id(), first.id());
+  }
+  worker->NextCommand();  // the cancel of its ranks
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  ASSERT_TRUE(Get(second.id(), &j).ok());
+  EXPECT_EQ(j.state(), v1::RUNNING);
+  EXPECT_EQ(j.ps_placement_size(), 2);
+}
+
+TEST_F(CoordinatorServiceTest, LostParameterServerFailsTheAttemptNamingIt) {
+  auto worker = Connect("n1", 1);
+  auto ps = testing::NodeSession::ConnectParameterServer(channel_, "ps1", int64_t{1} << 30,
+                                                         "127.0.0.1:11");
+  v1::Job job = MustSubmit(OffloadSpec("job"));
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  worker->NextCommand();
+  clock_.Advance(absl::Seconds(6));
+  worker->Heartbeat();
+  clock_.Advance(absl::Seconds(6));
+  worker->Heartbeat();
+  server_->Tick();  // ps1 was silent for 12 s, the worker for 6
+  v1::Job j = WaitForState(job.id(), v1::FAILED);
+  EXPECT_EQ(j.state(), v1::FAILED);
+  EXPECT_THAT(j.message(), HasSubstr("parameter server ps1 lost"));
+  EXPECT_THAT(j.message(), ::testing::Not(HasSubstr("node n1")));
+}
+
+TEST_F(CoordinatorServiceTest, BadParameterServerRegistrationsNameTheField) {
+  auto reg = [&](v1::RegisterNodeRequest r) {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::RegisterNodeResponse resp;
+    return nodes_->RegisterNode(&ctx, r, &resp);
+  };
+  v1::RegisterNodeRequest r;
+  r.set_node_id("ps1");
+  r.set_role(v1::PARAMETER_SERVER);
+  r.set_address("127.0.0.1:1");
+  grpc::Status s = reg(r);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("memory_bytes"));
+  r.set_memory_bytes(1 << 20);
+  r.add_devices()->set_kind(v1::CPU_SLOT);
+  s = reg(r);
+  EXPECT_THAT(s.error_message(), HasSubstr("devices"));
+  r.clear_devices();
+  r.clear_address();
+  s = reg(r);
+  EXPECT_THAT(s.error_message(), HasSubstr("address"));
+  r.set_address("127.0.0.1:1");
+  r.set_role(static_cast<v1::NodeRole>(7));
+  s = reg(r);
+  EXPECT_THAT(s.error_message(), HasSubstr("role"));
+}
+
 TEST_F(CoordinatorServiceTest, HealthAndReflectionAreServed) {
   auto health = testing::HealthCheck(channel_);
   ASSERT_TRUE(health.ok()) << health.status();

@@ -466,7 +466,7 @@ TEST_F(YardE2eTest, NodesPrintsHeaderAndEmptyJsonWithoutWorkers) {
   CommandResult table = Yard({"nodes"});
   EXPECT_EQ(table.exit_code, 0) << table.err;
   ASSERT_EQ(Lines(table.out).size(), 1u) << table.out;
-  EXPECT_THAT(table.out, ContainsRegex("^NODE +STATE +DEVICES"));
+  EXPECT_THAT(table.out, ContainsRegex("^NODE +ROLE +STATE +DEVICES"));
   CommandResult js = YardViaEnv({"nodes", "-o", "json"});
   EXPECT_EQ(js.exit_code, 0) << js.err;
   json nodes = ParseJson(js.out);

@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "common/check.h"
 #include "common/memory_estimate.h"
+#include "common/ps_layout.h"
 #include "common/spec.h"
 #include "common/status_macros.h"
 #include "server/coordinator/job_state.h"
@@ -149,6 +150,49 @@ absl::Status JobManager::CheckFitsSomeNode(const v1::JobSpec& spec) const {
   return absl::InvalidArgumentError(message);
 }
 
+absl::Status JobManager::CheckFitsParameterServers(const v1::JobSpec& spec) const {
+  if (spec.parallel().strategy() != v1::OFFLOAD) return absl::OkStatus();
+  int64_t capacity = 0;
+  int servers = 0;
+  for (const v1::Node& n : nodes_.List()) {
+    if (n.role() != v1::PARAMETER_SERVER || n.state() != v1::NODE_READY) continue;
+    capacity += n.memory_bytes();
+    ++servers;
+  }
+  const int64_t params = ModelParameterCount(spec.model());
+  const int64_t need = params * kPsBytesPerParam;
+  if (need <= capacity) return absl::OkStatus();
+  auto gib = [](int64_t b) { return absl::StrFormat("%.2f GiB", b / double(int64_t{1} << 30)); };
+  if (servers == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("parallel.strategy: offload needs parameter servers (", gib(need), " for ",
+                     params, " parameters) but none is registered; start trainyard-ps"));
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("parallel.strategy: offload needs ", gib(need), " on parameter servers (",
+                   params, " parameters x ", kPsBytesPerParam, " bytes) but the ", servers,
+                   " registered parameter server(s) offer ", gib(capacity), " in all"));
+}
+
+std::vector<PsCapacity> JobManager::ParameterServerCapacity() const {
+  std::map<std::string, int64_t> reserved;
+  for (const std::string& id : unfinished_) {
+    const v1::Job& job = jobs_.at(id);
+    if (!IsActive(job.state())) continue;
+    for (const v1::PsRange& r : job.ps_placement()) {
+      reserved[r.node_id()] += (r.end() - r.begin()) * kPsBytesPerParam;
+    }
+  }
+  std::vector<PsCapacity> out;
+  for (const v1::Node& n : nodes_.List()) {
+    if (n.role() != v1::PARAMETER_SERVER || n.state() != v1::NODE_READY || !n.connected()) {
+      continue;
+    }
+    out.push_back({n.id(), n.address(), n.memory_bytes() - reserved[n.id()]});
+  }
+  return out;
+}
+
 void JobManager::Submit(const std::string& owner, v1::JobSpec spec, JobCallback done) {
   ApplyJobSpecDefaults(spec);
   if (absl::Status s = ValidateJobSpec(spec); !s.ok()) {
@@ -156,6 +200,10 @@ void JobManager::Submit(const std::string& owner, v1::JobSpec spec, JobCallback 
     return;
   }
   if (absl::Status s = CheckFitsSomeNode(spec); !s.ok()) {
+    done(s);
+    return;
+  }
+  if (absl::Status s = CheckFitsParameterServers(spec); !s.ok()) {
     done(s);
     return;
   }
@@ -360,6 +408,9 @@ void JobManager::ReleaseAttempt(v1::Job& job, const std::string& reason) {
     if (held.empty()) allocated_.erase(p.node_id());
     if (!reason.empty()) nodes_.Send(p.node_id(), cancel);
   }
+  // Parameter servers free the attempt's shards (their memory is free here at once).
+  for (const v1::PsRange& r : job.ps_placement()) nodes_.Send(r.node_id(), cancel);
+  job.clear_ps_placement();
   rendezvous_.CloseScope({job.id(), job.attempt()});
   finished_ranks_.erase(job.id());
 }
@@ -428,9 +479,31 @@ int JobManager::SchedulePass() {
   if (snapshot.pending.empty()) return 0;
 
   const ScheduleResult result = Schedule(snapshot);
+  int placed = 0;
   for (const Placement& placement : result.placements) {
     v1::Job& job = jobs_.at(placement.job_id);
+    // Offload jobs also need room on the parameter servers; without it they keep waiting (the
+    // devices the scheduler picked stay free for others).
+    std::vector<v1::PsRange> ps_ranges;
+    if (job.spec().parallel().strategy() == v1::OFFLOAD) {
+      auto ranges = PlaceOnParameterServers(ModelParameterCount(job.spec().model()),
+                                            kPsBytesPerParam, ParameterServerCapacity());
+      if (!ranges.ok()) {
+        const std::string why =
+            absl::StrCat("waiting for parameter-server memory: ", ranges.status().message());
+        if (job.message() != why) {
+          job.set_message(why);
+          job.set_version(job.version() + 1);
+          Persist(job);
+        }
+        continue;
+      }
+      ps_ranges = *std::move(ranges);
+    }
+    ++placed;
     job.clear_placement();
+    job.clear_ps_placement();
+    for (v1::PsRange& r : ps_ranges) *job.add_ps_placement() = std::move(r);
     int rank = 0;
     for (const DeviceGrant& g : placement.grants) {
       const v1::Node& node = nodes[g.node];
@@ -472,7 +545,7 @@ int JobManager::SchedulePass() {
       }
     });
   }
-  return static_cast<int>(result.placements.size());
+  return placed;
 }
 
 std::vector<std::pair<std::string, v1::Assignment>> JobManager::AssignmentsOf(
@@ -490,6 +563,7 @@ std::vector<std::pair<std::string, v1::Assignment>> JobManager::AssignmentsOf(
     a.set_coordinator_address(coordinator_address_);
     if (!checkpoint_root_.empty())
       a.set_checkpoint_dir(absl::StrCat(checkpoint_root_, "/", job.id()));
+    *a.mutable_ps_ranges() = job.ps_placement();
     out.emplace_back(p.node_id(), std::move(a));
   }
   return out;
@@ -516,6 +590,17 @@ std::vector<v1::Node> JobManager::NodesWithAllocations() const {
     if (it != allocated_.end()) {
       node.mutable_allocated_devices()->Add(it->second.begin(), it->second.end());
     }
+  }
+  std::map<std::string, int64_t> reserved;
+  for (const std::string& id : unfinished_) {
+    const v1::Job& job = jobs_.at(id);
+    if (!IsActive(job.state())) continue;
+    for (const v1::PsRange& r : job.ps_placement()) {
+      reserved[r.node_id()] += (r.end() - r.begin()) * kPsBytesPerParam;
+    }
+  }
+  for (v1::Node& node : nodes) {
+    if (node.role() == v1::PARAMETER_SERVER) node.set_reserved_bytes(reserved[node.id()]);
   }
   return nodes;
 }
@@ -569,21 +654,27 @@ void JobManager::OnNodesLost(const std::vector<std::string>& node_ids) {
   for (const std::string& id : unfinished_) {
     const v1::Job& job = jobs_.at(id);
     if (!IsActive(job.state())) continue;
-    for (const auto& p : job.placement()) {
-      if (lost.count(p.node_id()) > 0) {
-        affected.push_back(id);
-        break;
-      }
-    }
+    bool hit = false;
+    for (const auto& p : job.placement()) hit = hit || lost.count(p.node_id()) > 0;
+    for (const auto& r : job.ps_placement()) hit = hit || lost.count(r.node_id()) > 0;
+    if (hit) affected.push_back(id);
   }
   for (const std::string& id : affected) {
     v1::Job& job = jobs_.at(id);
-    std::string lost_names;
+    std::string lost_names, lost_ps;
     for (const auto& p : job.placement()) {
       if (lost.count(p.node_id()) > 0)
         absl::StrAppend(&lost_names, lost_names.empty() ? "" : ", ", p.node_id());
     }
-    FailAttempt(job, absl::StrCat("node ", lost_names, " lost (no heartbeat for ",
+    for (const auto& r : job.ps_placement()) {
+      if (lost.count(r.node_id()) > 0)
+        absl::StrAppend(&lost_ps, lost_ps.empty() ? "" : ", ", r.node_id());
+    }
+    const std::string what =
+        lost_names.empty() ? absl::StrCat("parameter server ", lost_ps)
+                           : absl::StrCat("node ", lost_names,
+                                          lost_ps.empty() ? "" : " and parameter server ", lost_ps);
+    FailAttempt(job, absl::StrCat(what, " lost (no heartbeat for ",
                                   absl::FormatDuration(nodes_.node_timeout()), ")"));
   }
 }

@@ -23,6 +23,7 @@
 #include "server/coordinator/coordinator_metrics.h"
 #include "server/coordinator/job_store.h"
 #include "server/coordinator/node_registry.h"
+#include "server/coordinator/ps_placement.h"
 #include "server/coordinator/rendezvous.h"
 #include "trainyard/v1/job.pb.h"
 #include "trainyard/v1/node.pb.h"
@@ -116,6 +117,11 @@ class JobManager {
   // every ready node's devices, naming a strategy that would fit. Nodes with devices of unknown
   // size (0 bytes), or no nodes at all, are not judged.
   absl::Status CheckFitsSomeNode(const v1::JobSpec& spec) const ABSL_LOCKS_EXCLUDED(mu_);
+  // For offload jobs: INVALID_ARGUMENT when the ready parameter servers together have too little
+  // memory for the job's optimizer state, FAILED_PRECONDITION when none is registered.
+  absl::Status CheckFitsParameterServers(const v1::JobSpec& spec) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Connected, ready parameter servers and their memory not held by running offload jobs.
+  std::vector<PsCapacity> ParameterServerCapacity() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The job if `attempt` is its running attempt; else NOT_FOUND or FAILED_PRECONDITION.
   absl::StatusOr<v1::Job*> FindRunningAttempt(const std::string& job_id, int attempt)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

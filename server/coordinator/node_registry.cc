@@ -27,6 +27,19 @@ absl::Status ValidateRegisterNodeRequest(const v1::RegisterNodeRequest& r) {
                                                 r.node_id(), "'"));
     }
   }
+  if (!v1::NodeRole_IsValid(r.role())) {
+    return FieldError("role", absl::StrCat("unknown node role ", r.role()));
+  }
+  if (r.role() == v1::PARAMETER_SERVER) {
+    if (!r.devices().empty()) return FieldError("devices", "a parameter server offers no devices");
+    if (r.memory_bytes() <= 0) {
+      return FieldError("memory_bytes", "a parameter server must offer memory for shards");
+    }
+    if (r.address().empty()) {
+      return FieldError("address", "a parameter server must say where trainers reach it");
+    }
+    return absl::OkStatus();
+  }
   if (r.devices().empty()) return FieldError("devices", "at least one device is required");
   if (r.devices_size() > 1024) return FieldError("devices", "at most 1024 devices");
   std::set<int> indices;
@@ -81,6 +94,7 @@ void NodeRegistry::Register(const v1::RegisterNodeRequest& request,
     *node.mutable_devices() = request.devices();
     node.set_memory_bytes(request.memory_bytes());
     *node.mutable_labels() = request.labels();
+    node.set_role(request.role() == v1::PARAMETER_SERVER ? v1::PARAMETER_SERVER : v1::WORKER);
     node.set_state(v1::NODE_READY);
     node.set_registered_time_ms(ToUnixMs(now));
     node.set_last_heartbeat_ms(ToUnixMs(now));

@@ -23,19 +23,38 @@ class NodeSession {
   // attached and the node can get ranks.
   static std::unique_ptr<NodeSession> Connect(const std::shared_ptr<grpc::Channel>& channel,
                                               const std::string& node_id, int devices) {
+    v1::RegisterNodeRequest r;
+    r.set_node_id(node_id);
+    r.set_hostname("localhost");
+    r.set_memory_bytes(int64_t{8} << 30);
+    for (int i = 0; i < devices; ++i) {
+      v1::Device* d = r.add_devices();
+      d->set_index(i);
+      d->set_kind(v1::CPU_SLOT);
+    }
+    return ConnectWith(channel, r);
+  }
+
+  // A parameter server offering `memory_bytes` for shards at `address`.
+  static std::unique_ptr<NodeSession> ConnectParameterServer(
+      const std::shared_ptr<grpc::Channel>& channel, const std::string& node_id,
+      int64_t memory_bytes, const std::string& address) {
+    v1::RegisterNodeRequest r;
+    r.set_node_id(node_id);
+    r.set_hostname("localhost");
+    r.set_address(address);
+    r.set_memory_bytes(memory_bytes);
+    r.set_role(v1::PARAMETER_SERVER);
+    return ConnectWith(channel, r);
+  }
+
+  static std::unique_ptr<NodeSession> ConnectWith(const std::shared_ptr<grpc::Channel>& channel,
+                                                  const v1::RegisterNodeRequest& r) {
     auto stub = v1::NodeService::NewStub(channel);
+    const std::string& node_id = r.node_id();
     {
       grpc::ClientContext ctx;
       Prepare(ctx, absl::Seconds(20));
-      v1::RegisterNodeRequest r;
-      r.set_node_id(node_id);
-      r.set_hostname("localhost");
-      r.set_memory_bytes(int64_t{8} << 30);
-      for (int i = 0; i < devices; ++i) {
-        v1::Device* d = r.add_devices();
-        d->set_index(i);
-        d->set_kind(v1::CPU_SLOT);
-      }
       v1::RegisterNodeResponse resp;
       const grpc::Status s = stub->RegisterNode(&ctx, r, &resp);
       EXPECT_TRUE(s.ok()) << s.error_message();

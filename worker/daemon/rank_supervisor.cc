@@ -170,6 +170,16 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
                                    checkpoint_dir,
                                    "--threads",
                                    absl::StrCat(options_.threads_per_rank)};
+  // Offload jobs: where the optimizer state lives, as ADDRESS=BEGIN:END,... in order.
+  if (a.ps_ranges_size() > 0) {
+    std::string ranges;
+    for (const v1::PsRange& r : a.ps_ranges()) {
+      absl::StrAppend(&ranges, ranges.empty() ? "" : ",", r.address(), "=", r.begin(), ":",
+                      r.end());
+    }
+    argv.push_back("--ps");
+    argv.push_back(ranges);
+  }
   std::vector<std::string> env;
   for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
   env.push_back(absl::StrCat("OMP_NUM_THREADS=", options_.threads_per_rank));

@@ -21,6 +21,7 @@ class LocalCommunicator : public Communicator {
     return std::make_unique<DoneHandle>();
   }
   void Broadcast(std::vector<torch::Tensor>, int) override {}
+  std::vector<torch::Tensor> AllGather(const torch::Tensor& in) override { return {in.clone()}; }
   void Barrier() override {}
 };
 
@@ -63,6 +64,13 @@ class GlooCommunicator : public Communicator {
     }
   }
 
+  std::vector<torch::Tensor> AllGather(const torch::Tensor& in) override {
+    std::vector<std::vector<at::Tensor>> out(1);
+    for (int r = 0; r < world_size(); ++r) out[0].push_back(torch::empty_like(in));
+    std::vector<at::Tensor> input{in.contiguous()};
+    pg_->allgather(out, input)->wait();
+    return out[0];
+  }
   void Barrier() override { pg_->barrier()->wait(); }
 
  private:

@@ -43,6 +43,10 @@ class Communicator {
   std::unique_ptr<CommHandle> AllReduceAverage(std::vector<torch::Tensor> tensors);
   // Copies `root`'s tensors into every other rank's, in place; blocks.
   virtual void Broadcast(std::vector<torch::Tensor> tensors, int root) = 0;
+  // Every rank contributes `in` (same shape everywhere); returns world_size() tensors, rank r's
+  // contribution at index r. Blocks. (Gloo's list form: Debian's LibTorch has no flat
+  // _allgather_base.)
+  virtual std::vector<torch::Tensor> AllGather(const torch::Tensor& in) = 0;
   // Returns once every rank has entered.
   virtual void Barrier() = 0;
 };

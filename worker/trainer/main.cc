@@ -76,6 +76,8 @@ int Main(int argc, char** argv) {
                  "checkpoint and exit 0 after this many steps of this run");
   app.add_option("--gloo-host", o.gloo_hostname,
                  "address of this host that Gloo listens on (default 127.0.0.1)");
+  app.add_option("--ps", o.ps_ranges,
+                 "offload: parameter-server ranges ADDRESS=BEGIN:END,... (from the coordinator)");
   CLI11_PARSE(app, argc, argv);
   if (o.rank >= o.world_size) {
     return Fail(absl::InvalidArgumentError(

@@ -27,6 +27,7 @@
 #include "worker/trainer/data.h"
 #include "worker/trainer/ddp.h"
 #include "worker/trainer/model.h"
+#include "worker/trainer/offload.h"
 #include "worker/trainer/param_dump.h"
 
 namespace trainyard::trainer {
@@ -199,9 +200,19 @@ absl::Status Train(const TrainerOptions& o) {
   const bool rank0 = o.rank == 0;
 
   // Bad input fails here, before this rank makes the others wait at the rendezvous.
-  if (spec.parallel().strategy() != v1::DDP) {
+  const bool offload = spec.parallel().strategy() == v1::OFFLOAD;
+  if (spec.parallel().strategy() != v1::DDP && !offload) {
     return absl::InvalidArgumentError(
-        "parallel.strategy: only ddp is implemented by this trainer so far");
+        "parallel.strategy: only ddp and offload are implemented by this trainer so far");
+  }
+  std::vector<PsRangeRef> ps_ranges;
+  if (offload) {
+    if (o.ps_ranges.empty()) {
+      return absl::InvalidArgumentError(
+          "parallel.strategy: offload needs parameter-server ranges (--ps), which the "
+          "coordinator assigns");
+    }
+    ASSIGN_OR_RETURN(ps_ranges, ParsePsRanges(o.ps_ranges));
   }
   ASSIGN_OR_RETURN(TokenData data,
                    TokenData::Load(spec.data().path(), spec.data().format(), m.vocab()));
@@ -243,6 +254,21 @@ absl::Status Train(const TrainerOptions& o) {
   }
   // Like DDP: every rank starts from rank 0's parameters.
   comm->Broadcast(params, 0);
+  // Offload: the optimizer lives on the parameter servers; `optimizer` only carries its state
+  // into and out of checkpoints.
+  std::unique_ptr<OffloadOptimizer> offloaded;
+  if (offload) {
+    OffloadConfig config;
+    config.job_id = o.job_id;
+    config.attempt = o.attempt;
+    config.beta1 = 0.9;
+    config.beta2 = 0.95;
+    config.eps = 1e-8;
+    config.weight_decay = t.weight_decay();
+    ASSIGN_OR_RETURN(offloaded,
+                     OffloadOptimizer::Create(params, *comm, std::move(ps_ranges), config));
+    RETURN_IF_ERROR(offloaded->Initialize(step, optimizer));
+  }
 
   std::unique_ptr<GradientReducer> reducer;
   if (o.world_size > 1) {
@@ -296,19 +322,25 @@ absl::Status Train(const TrainerOptions& o) {
       if (p.grad().defined()) sq += p.grad().pow(2).sum().item<double>();
     }
     const double grad_norm = std::sqrt(sq);
-    if (t.grad_clip() > 0 && grad_norm > t.grad_clip()) {
-      torch::NoGradGuard no_grad;
-      const double scale = t.grad_clip() / (grad_norm + 1e-6);
-      for (auto& p : params) {
-        if (p.grad().defined()) p.mutable_grad().mul_(scale);
-      }
-    }
+    const double clip_scale =
+        t.grad_clip() > 0 && grad_norm > t.grad_clip() ? t.grad_clip() / (grad_norm + 1e-6) : 1.0;
     const double lr = LearningRate(step, total_steps, t.warmup(), t.lr());
-    for (auto& group : optimizer.param_groups()) {
-      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+    if (offloaded) {
+      // The parameter servers scale the gradients (clipping) as they apply AdamW.
+      RETURN_IF_ERROR(offloaded->Step(step + 1, lr, clip_scale));
+    } else {
+      if (clip_scale != 1.0) {
+        torch::NoGradGuard no_grad;
+        for (auto& p : params) {
+          if (p.grad().defined()) p.mutable_grad().mul_(clip_scale);
+        }
+      }
+      for (auto& group : optimizer.param_groups()) {
+        static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+      }
+      optimizer.step();
+      optimizer.zero_grad();
     }
-    optimizer.step();
-    optimizer.zero_grad();
     ++step;
 
     // One tiny all-reduce per step: the global mean loss, and the flags every rank must agree on
@@ -372,6 +404,8 @@ absl::Status Train(const TrainerOptions& o) {
         (stop || checkpoint_requested || step == total_steps || (every > 0 && step % every == 0));
     if (checkpoint) {
       if (rank0) {
+        // Offload: the servers hold the optimizer state; bring it into the DDP-format files.
+        if (offloaded) RETURN_IF_ERROR(offloaded->ReadIntoShadow(step, optimizer));
         ASSIGN_OR_RETURN(CheckpointInfo info,
                          WriteCheckpoint(o.checkpoint_dir, step, *model, optimizer));
         Log(absl::StrCat("checkpoint step ", info.step, " path ", info.path, " bytes ",

@@ -33,6 +33,7 @@ struct TrainerOptions {
   std::string dump_params;       // parameters written here at the end; empty = none
   int64_t stop_after_steps = 0;  // > 0: checkpoint and exit 0 after this many steps of this run
   std::string gloo_hostname = "127.0.0.1";  // address the Gloo transport listens on
+  std::string ps_ranges;  // offload: "ADDRESS=BEGIN:END,..." (parameter-server ranges)
 };
 
 // Makes SIGTERM set a flag that the training loop polls.

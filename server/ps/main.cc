@@ -1,0 +1,59 @@
+// trainyard-ps: a parameter-server shard. Parses flags, starts a PsServer, prints the bound
+// address on the first line of stdout (and "metrics ADDR" on the second with --metrics-address),
+// registers with the coordinator and serves until SIGTERM or SIGINT.
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include <cstdio>
+#include <iostream>
+
+#include <CLI/CLI.hpp>
+
+#include "common/server_main.h"
+#include "common/version.h"
+#include "server/ps/ps_server.h"
+
+int main(int argc, char** argv) {
+  trainyard::BlockTerminationSignals();
+  trainyard::ps::PsOptions options;
+  CLI::App app{
+      "trainyard-ps: a parameter-server shard holding offload jobs' fp32 master weights and "
+      "AdamW state, updated with a vectorized CPU AdamW"};
+  app.set_version_flag("--version", std::string("trainyard-ps ") + trainyard::kVersion);
+  app.add_option("--listen", options.listen_address,
+                 "HOST:PORT to serve gRPC on; port 0 picks a free one (printed on stdout)")
+      ->capture_default_str();
+  app.add_option("--coordinator", options.coordinator,
+                 "coordinator HOST:PORT to register with (empty: standalone)");
+  app.add_option("--node-id", options.node_id, "stable name (default ps-HOSTNAME-PORT)");
+  app.add_option("--advertise", options.advertise,
+                 "address trainers dial (default: the bound address)");
+  app.add_option("--memory-bytes", options.capacity_bytes,
+                 "memory offered to shards, 18 bytes per parameter (default: half the host's)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--threads", options.threads, "AdamW threads (default: every core)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--metrics-address", options.metrics_address,
+                 "HOST:PORT of the Prometheus /metrics endpoint (port 0: a free one)");
+  app.add_option("--max-message-bytes", options.max_message_bytes, "largest gRPC message")
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  spdlog::set_default_logger(spdlog::stderr_color_mt("ps"));
+  auto server = trainyard::ps::PsServer::Start(options);
+  if (!server.ok()) {
+    std::cerr << "trainyard-ps: " << server.status().message() << "\n";
+    return 1;
+  }
+  std::printf("%s\n", (*server)->address().c_str());
+  if (!(*server)->metrics_address().empty()) {
+    std::printf("metrics %s\n", (*server)->metrics_address().c_str());
+  }
+  std::fflush(stdout);
+  spdlog::info("serving on {} as {}", (*server)->address(), (*server)->node_id());
+  const int sig = trainyard::WaitForTerminationSignal();
+  spdlog::info("signal {}: shutting down", sig);
+  (*server)->Shutdown();
+  spdlog::info("stopped");
+  return 0;
+}

@@ -1,0 +1,225 @@
+#include "server/ps/ps_server.h"
+
+#include <unistd.h>
+
+#include <prometheus/counter.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <spdlog/spdlog.h>
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include "absl/strings/str_cat.h"
+#include "trainyard/v1/node.grpc.pb.h"
+
+namespace trainyard::ps {
+namespace {
+
+int64_t PhysicalMemoryBytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? int64_t{pages} * page : 0;
+}
+
+std::string HostName() {
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  return host;
+}
+
+}  // namespace
+
+PsServer::PsServer(PsOptions options) : options_(std::move(options)) {}
+
+absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(PsOptions options) {
+  if (options.capacity_bytes < 0) {
+    return absl::InvalidArgumentError("--memory-bytes: negative");
+  }
+  if (options.capacity_bytes == 0) options.capacity_bytes = PhysicalMemoryBytes() / 2;
+  if (options.threads <= 0) {
+    options.threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  }
+  std::unique_ptr<PsServer> s(new PsServer(std::move(options)));
+  auto& histogram =
+      prometheus::BuildHistogram()
+          .Name("trainyard_ps_adam_step_seconds")
+          .Help("Time of one AdamW update of a range")
+          .Register(*s->registry_)
+          .Add({}, prometheus::Histogram::BucketBoundaries{0.0005, 0.001, 0.0025, 0.005, 0.01,
+                                                           0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5});
+  auto& pushed = prometheus::BuildCounter()
+                     .Name("trainyard_ps_pushed_bytes_total")
+                     .Help("Gradient bytes received")
+                     .Register(*s->registry_)
+                     .Add({});
+  auto& pulled = prometheus::BuildCounter()
+                     .Name("trainyard_ps_pulled_bytes_total")
+                     .Help("Parameter bytes sent")
+                     .Register(*s->registry_)
+                     .Add({});
+  s->resident_bytes_ = &prometheus::BuildGauge()
+                            .Name("trainyard_ps_resident_bytes")
+                            .Help("Bytes held by the shards of running jobs")
+                            .Register(*s->registry_)
+                            .Add({});
+  s->capacity_bytes_ = &prometheus::BuildGauge()
+                            .Name("trainyard_ps_capacity_bytes")
+                            .Help("Memory this parameter server offers to shards")
+                            .Register(*s->registry_)
+                            .Add({});
+  s->jobs_ = &prometheus::BuildGauge()
+                  .Name("trainyard_ps_jobs")
+                  .Help("Jobs with a shard here")
+                  .Register(*s->registry_)
+                  .Add({});
+
+  s->pool_ = std::make_unique<adam::ThreadPool>(s->options_.threads);
+  s->shards_ = std::make_unique<ShardManager>(s->options_.capacity_bytes, *s->pool_);
+  s->service_ =
+      std::make_unique<ParameterServiceImpl>(*s->shards_, PsMetrics{&pushed, &pulled, &histogram});
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(s->options_.listen_address, grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(s->options_.max_message_bytes);
+  builder.SetMaxSendMessageSize(s->options_.max_message_bytes);
+  builder.RegisterService(s->service_.get());
+  s->server_ = builder.BuildAndStart();
+  if (s->server_ == nullptr || port == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("--listen: cannot bind ", s->options_.listen_address));
+  }
+  const std::string& listen = s->options_.listen_address;
+  s->address_ = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);
+  if (s->options_.advertise.empty()) s->options_.advertise = s->address_;
+  if (s->options_.node_id.empty()) s->options_.node_id = absl::StrCat("ps-", HostName(), "-", port);
+  if (!s->options_.metrics_address.empty()) {
+    auto endpoint = MetricsEndpoint::Start(s->options_.metrics_address, s->registry_);
+    if (!endpoint.ok()) return endpoint.status();
+    s->metrics_endpoint_ = *std::move(endpoint);
+  }
+  s->RefreshGauges();
+  s->registration_thread_ = std::thread([raw = s.get()] { raw->RegistrationLoop(); });
+  return s;
+}
+
+PsServer::~PsServer() { Shutdown(); }
+
+const std::string& PsServer::metrics_address() const {
+  static const std::string kNone;
+  return metrics_endpoint_ ? metrics_endpoint_->bound_address() : kNone;
+}
+
+void PsServer::Shutdown() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    stopping_ = true;
+    if (session_ctx_ != nullptr) session_ctx_->TryCancel();
+  }
+  if (registration_thread_.joinable()) registration_thread_.join();
+  if (server_) server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+}
+
+void PsServer::RefreshGauges() {
+  resident_bytes_->Set(static_cast<double>(shards_->reserved_bytes()));
+  capacity_bytes_->Set(static_cast<double>(shards_->capacity_bytes()));
+  jobs_->Set(shards_->List().shards_size());
+}
+
+void PsServer::RegistrationLoop() {
+  absl::Duration backoff = absl::Milliseconds(100);
+  while (true) {
+    const absl::Time started = absl::Now();
+    if (!options_.coordinator.empty()) RunSession();
+    if (absl::Now() - started > absl::Seconds(10)) backoff = absl::Milliseconds(100);
+    absl::MutexLock lock(&mu_);
+    if (stopping_) break;
+    // Without a coordinator this only refreshes the gauges every second.
+    const absl::Duration pause = options_.coordinator.empty() ? absl::Seconds(1) : backoff;
+    mu_.AwaitWithTimeout(absl::Condition(&stopping_), pause);
+    if (stopping_) break;
+    mu_.Unlock();
+    RefreshGauges();
+    mu_.Lock();
+    if (!options_.coordinator.empty()) backoff = std::min(backoff * 2, options_.max_backoff);
+  }
+}
+
+void PsServer::RunSession() {
+  auto channel = grpc::CreateChannel(options_.coordinator, grpc::InsecureChannelCredentials());
+  auto stub = v1::NodeService::NewStub(channel);
+  v1::RegisterNodeRequest request;
+  request.set_node_id(options_.node_id);
+  request.set_hostname(HostName());
+  request.set_address(options_.advertise);
+  request.set_memory_bytes(options_.capacity_bytes);
+  request.set_role(v1::PARAMETER_SERVER);
+  v1::RegisterNodeResponse registered;
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    const grpc::Status s = stub->RegisterNode(&ctx, request, &registered);
+    if (!s.ok()) {
+      spdlog::warn("cannot register with {}: {}", options_.coordinator, s.error_message());
+      return;
+    }
+  }
+  const absl::Duration interval =
+      absl::Milliseconds(std::max<int64_t>(50, registered.heartbeat_interval_ms()));
+  spdlog::info("registered as {} ({} bytes for shards); heartbeat every {}", options_.node_id,
+               options_.capacity_bytes, absl::FormatDuration(interval));
+
+  grpc::ClientContext ctx;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    session_ctx_ = &ctx;
+  }
+  auto stream = stub->Session(&ctx);
+  v1::NodeMessage hello;
+  hello.mutable_hello()->set_node_id(options_.node_id);
+  if (stream->Write(hello)) {
+    absl::Mutex write_mu;
+    bool open = true;
+    std::thread heartbeats([&] {
+      int64_t seq = 0;
+      absl::MutexLock lock(&write_mu);
+      while (open) {
+        v1::NodeMessage m;
+        m.mutable_heartbeat()->set_seq(++seq);
+        m.mutable_heartbeat()->set_sent_time_ms(absl::ToUnixMillis(absl::Now()));
+        if (!stream->Write(m)) break;
+        write_mu.Unlock();
+        RefreshGauges();
+        write_mu.Lock();
+        write_mu.AwaitWithTimeout(absl::Condition(
+                                      +[](bool* o) { return !*o; }, &open),
+                                  interval);
+      }
+    });
+    v1::CoordinatorMessage in;
+    while (stream->Read(&in)) {
+      if (in.has_cancel() && shards_->Drop(in.cancel().job_id(), in.cancel().attempt())) {
+        spdlog::info("dropped the shard of {}: {}", in.cancel().job_id(), in.cancel().reason());
+      }
+    }
+    {
+      absl::MutexLock lock(&write_mu);
+      open = false;
+    }
+    heartbeats.join();
+  }
+  const grpc::Status s = stream->Finish();
+  {
+    absl::MutexLock lock(&mu_);
+    session_ctx_ = nullptr;
+  }
+  spdlog::warn("session with {} ended: {}", options_.coordinator,
+               s.ok() ? std::string("closed") : s.error_message());
+}
+
+}  // namespace trainyard::ps

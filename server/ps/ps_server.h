@@ -1,0 +1,81 @@
+// PsServer: one trainyard-ps process. Owns the ShardManager, the AdamW thread pool, the gRPC
+// server (ParameterServerService, health, reflection) and the /metrics endpoint, and keeps the
+// server registered with the coordinator as a PARAMETER_SERVER node: register, then a session
+// stream with heartbeats, re-established with backoff when the coordinator goes away. The
+// coordinator's "cancel" for a job on that stream frees the job's shard.
+//
+// Thread-safe: Start on the main thread, Shutdown from any thread (once).
+#ifndef TRAINYARD_SERVER_PS_PS_SERVER_H_
+#define TRAINYARD_SERVER_PS_PS_SERVER_H_
+
+#include <grpcpp/grpcpp.h>
+#include <prometheus/registry.h>
+
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/metrics_endpoint.h"
+#include "server/adam/thread_pool.h"
+#include "server/ps/ps_service.h"
+#include "server/ps/shard_manager.h"
+
+namespace trainyard::ps {
+
+struct PsOptions {
+  std::string listen_address = "127.0.0.1:7080";
+  std::string coordinator;      // HOST:PORT; empty: serve without registering
+  std::string node_id;          // default: ps-<hostname>-<port>
+  std::string advertise;        // address trainers dial; default: the bound address
+  int64_t capacity_bytes = 0;   // memory for shards; 0 = half the host's memory
+  int threads = 0;              // AdamW threads; 0 = every core
+  std::string metrics_address;  // empty: no /metrics
+  int max_message_bytes = 64 << 20;
+  absl::Duration max_backoff = absl::Seconds(5);
+};
+
+class PsServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<PsServer>> Start(PsOptions options);
+  ~PsServer();
+
+  const std::string& address() const { return address_; }
+  const std::string& metrics_address() const;
+  const std::string& node_id() const { return options_.node_id; }
+  ShardManager& shards() { return *shards_; }
+
+  // Stops registering, then the gRPC server (in-flight calls finish).
+  void Shutdown();
+
+ private:
+  explicit PsServer(PsOptions options);
+  void RegistrationLoop();
+  // One registration + session; returns when the session ends.
+  void RunSession();
+  void RefreshGauges();
+
+  PsOptions options_;
+  std::shared_ptr<prometheus::Registry> registry_ = std::make_shared<prometheus::Registry>();
+  prometheus::Gauge* resident_bytes_ = nullptr;
+  prometheus::Gauge* capacity_bytes_ = nullptr;
+  prometheus::Gauge* jobs_ = nullptr;
+  std::unique_ptr<adam::ThreadPool> pool_;
+  std::unique_ptr<ShardManager> shards_;
+  std::unique_ptr<ParameterServiceImpl> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<MetricsEndpoint> metrics_endpoint_;
+  std::string address_;
+  std::thread registration_thread_;
+
+  absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::ClientContext* session_ctx_ ABSL_GUARDED_BY(mu_) = nullptr;
+};
+
+}  // namespace trainyard::ps
+
+#endif  // TRAINYARD_SERVER_PS_PS_SERVER_H_

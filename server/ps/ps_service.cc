@@ -1,0 +1,147 @@
+#include "server/ps/ps_service.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "common/grpc_status.h"
+
+namespace trainyard::ps {
+namespace {
+
+constexpr int64_t kDefaultChunkElements = int64_t{1} << 20;
+constexpr int64_t kMaxChunkElements = int64_t{16} << 20;
+
+absl::Status CheckChunkElements(int64_t n) {
+  if (n < 0 || n > kMaxChunkElements) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk_elements: ", n, " is not in [0, ", kMaxChunkElements, "]"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+grpc::Status ParameterServiceImpl::InitShard(grpc::ServerContext* ctx,
+                                             grpc::ServerReader<v1::InitShardChunk>* reader,
+                                             v1::InitShardResponse* response) {
+  v1::InitShardChunk chunk;
+  if (!reader->Read(&chunk)) {
+    return ToGrpcStatus(absl::InvalidArgumentError("header: the stream carried no message"));
+  }
+  if (!chunk.has_header()) {
+    return ToGrpcStatus(absl::InvalidArgumentError("header: missing from the first message"));
+  }
+  const v1::InitShardChunk::Header header = chunk.header();
+  if (absl::Status s = shards_.BeginInit(header); !s.ok()) return ToGrpcStatus(s);
+  do {
+    if (chunk.params().empty() && chunk.m().empty() && chunk.v().empty()) continue;
+    absl::Status s = shards_.InitChunk(header.job_id(), header.attempt(), chunk.offset(),
+                                       chunk.params(), chunk.m(), chunk.v());
+    if (!s.ok()) {
+      shards_.Drop(header.job_id());  // a half-initialized shard is useless; free its memory
+      return ToGrpcStatus(s);
+    }
+  } while (reader->Read(&chunk));
+  if (absl::Status s = shards_.FinishInit(header.job_id(), header.attempt()); !s.ok()) {
+    shards_.Drop(header.job_id());
+    return ToGrpcStatus(s);
+  }
+  response->set_reserved_bytes((header.end() - header.begin()) * kBytesPerParam);
+  return grpc::Status::OK;
+}
+
+grpc::Status ParameterServiceImpl::PushGradients(grpc::ServerContext* ctx,
+                                                 grpc::ServerReader<v1::GradientChunk>* reader,
+                                                 v1::PushGradientsResponse* response) {
+  v1::GradientChunk chunk;
+  while (reader->Read(&chunk)) {
+    auto r = shards_.Push(chunk.job_id(), chunk.attempt(), chunk.step(), chunk.offset(),
+                          chunk.format(), chunk.data());
+    if (!r.ok()) return ToGrpcStatus(r.status());
+    if (metrics_.pushed_bytes != nullptr) metrics_.pushed_bytes->Increment(chunk.data().size());
+    response->set_elements_staged(response->elements_staged() + r->staged);
+    response->set_elements_duplicate(response->elements_duplicate() + r->duplicate);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status ParameterServiceImpl::UpdateAndPull(grpc::ServerContext* ctx,
+                                                 const v1::UpdateAndPullRequest* request,
+                                                 grpc::ServerWriter<v1::ParameterChunk>* writer) {
+  if (absl::Status s = CheckChunkElements(request->chunk_elements()); !s.ok()) {
+    return ToGrpcStatus(s);
+  }
+  if (request->begin() >= request->end()) {
+    return ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("begin/end: [", request->begin(), ", ", request->end(), ") is empty")));
+  }
+  const v1::WireFormat format = request->format() == v1::WIRE_BF16 ? v1::WIRE_BF16 : v1::WIRE_FP32;
+  if (request->has_update()) {
+    const absl::Time start = absl::Now();
+    absl::Status s =
+        shards_.Update(request->job_id(), request->attempt(), request->step(), request->begin(),
+                       request->end(), request->update().lr(), request->update().grad_scale());
+    if (!s.ok()) return ToGrpcStatus(s);
+    if (metrics_.adam_step_seconds != nullptr) {
+      metrics_.adam_step_seconds->Observe(absl::ToDoubleSeconds(absl::Now() - start));
+    }
+  }
+  const int64_t chunk =
+      request->chunk_elements() > 0 ? request->chunk_elements() : kDefaultChunkElements;
+  const absl::Duration wait =
+      request->wait_ms() > 0 ? absl::Milliseconds(request->wait_ms()) : absl::ZeroDuration();
+  v1::ParameterChunk out;
+  for (int64_t a = request->begin(); a < request->end(); a += chunk) {
+    const int64_t b = std::min(request->end(), a + chunk);
+    out.Clear();
+    out.set_offset(a);
+    out.set_format(format);
+    absl::Status s = shards_.ReadParams(request->job_id(), request->attempt(), request->step(), a,
+                                        b, format, wait, out.mutable_data());
+    if (!s.ok()) return ToGrpcStatus(s);
+    if (metrics_.pulled_bytes != nullptr) metrics_.pulled_bytes->Increment(out.data().size());
+    if (!writer->Write(out)) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status ParameterServiceImpl::ReadShardState(grpc::ServerContext* ctx,
+                                                  const v1::ReadShardStateRequest* request,
+                                                  grpc::ServerWriter<v1::ShardStateChunk>* writer) {
+  if (absl::Status s = CheckChunkElements(request->chunk_elements()); !s.ok()) {
+    return ToGrpcStatus(s);
+  }
+  auto range = shards_.RangeOf(request->job_id(), request->attempt());
+  if (!range.ok()) return ToGrpcStatus(range.status());
+  const int64_t chunk =
+      request->chunk_elements() > 0 ? request->chunk_elements() : kDefaultChunkElements;
+  v1::ShardStateChunk out;
+  for (int64_t a = range->first; a < range->second; a += chunk) {
+    const int64_t b = std::min(range->second, a + chunk);
+    absl::Status s =
+        shards_.ReadState(request->job_id(), request->attempt(), request->step(), a, b, &out);
+    if (!s.ok()) return ToGrpcStatus(s);
+    if (!writer->Write(out)) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status ParameterServiceImpl::DropJob(grpc::ServerContext* ctx,
+                                           const v1::DropJobRequest* request,
+                                           v1::DropJobResponse* response) {
+  if (request->job_id().empty()) {
+    return ToGrpcStatus(absl::InvalidArgumentError("job_id: empty"));
+  }
+  response->set_dropped(shards_.Drop(request->job_id()));
+  return grpc::Status::OK;
+}
+
+grpc::Status ParameterServiceImpl::ListShards(grpc::ServerContext* ctx,
+                                              const v1::ListShardsRequest* request,
+                                              v1::ListShardsResponse* response) {
+  *response = shards_.List();
+  return grpc::Status::OK;
+}
+
+}  // namespace trainyard::ps

@@ -1,0 +1,51 @@
+// ParameterServiceImpl: the gRPC adapter of a parameter server: translates
+// trainyard.v1.ParameterServerService calls into ShardManager calls and counts bytes for metrics.
+//
+// The synchronous API on purpose: handlers block on AdamW updates (tens of milliseconds over big
+// ranges) and on pulls waiting for a step, which the callback API's reactions must not do; the
+// server's thread pool bounds the concurrency instead. Thread-safe.
+#ifndef TRAINYARD_SERVER_PS_PS_SERVICE_H_
+#define TRAINYARD_SERVER_PS_PS_SERVICE_H_
+
+#include <prometheus/counter.h>
+#include <prometheus/histogram.h>
+
+#include "server/ps/shard_manager.h"
+#include "trainyard/v1/ps.grpc.pb.h"
+
+namespace trainyard::ps {
+
+struct PsMetrics {
+  prometheus::Counter* pushed_bytes = nullptr;
+  prometheus::Counter* pulled_bytes = nullptr;
+  prometheus::Histogram* adam_step_seconds = nullptr;
+};
+
+class ParameterServiceImpl final : public v1::ParameterServerService::Service {
+ public:
+  // `shards` must outlive the service; `metrics` members may be null.
+  ParameterServiceImpl(ShardManager& shards, PsMetrics metrics)
+      : shards_(shards), metrics_(metrics) {}
+
+  grpc::Status InitShard(grpc::ServerContext* ctx, grpc::ServerReader<v1::InitShardChunk>* reader,
+                         v1::InitShardResponse* response) override;
+  grpc::Status PushGradients(grpc::ServerContext* ctx,
+                             grpc::ServerReader<v1::GradientChunk>* reader,
+                             v1::PushGradientsResponse* response) override;
+  grpc::Status UpdateAndPull(grpc::ServerContext* ctx, const v1::UpdateAndPullRequest* request,
+                             grpc::ServerWriter<v1::ParameterChunk>* writer) override;
+  grpc::Status ReadShardState(grpc::ServerContext* ctx, const v1::ReadShardStateRequest* request,
+                              grpc::ServerWriter<v1::ShardStateChunk>* writer) override;
+  grpc::Status DropJob(grpc::ServerContext* ctx, const v1::DropJobRequest* request,
+                       v1::DropJobResponse* response) override;
+  grpc::Status ListShards(grpc::ServerContext* ctx, const v1::ListShardsRequest* request,
+                          v1::ListShardsResponse* response) override;
+
+ private:
+  ShardManager& shards_;
+  const PsMetrics metrics_;
+};
+
+}  // namespace trainyard::ps
+
+#endif  // TRAINYARD_SERVER_PS_PS_SERVICE_H_

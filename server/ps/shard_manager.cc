@@ -1,0 +1,422 @@
+#include "server/ps/shard_manager.h"
+
+#include <algorithm>
+#include <cstring>
+#include <iterator>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "server/adam/cpu_adam.h"
+
+namespace trainyard::ps {
+
+struct ShardManager::Shard {
+  Shard(const v1::InitShardChunk::Header& h)
+      : job_id(h.job_id()),
+        attempt(h.attempt()),
+        begin(h.begin()),
+        end(h.end()),
+        adamw(h.adamw()),
+        has_optimizer_state(h.has_optimizer_state()),
+        params(end - begin),
+        m(end - begin),
+        v(end - begin),
+        grads(end - begin),
+        params_bf16(end - begin),
+        applied(begin, end, h.step()),
+        next_init_offset(begin) {}
+
+  int64_t size() const { return end - begin; }
+
+  const std::string job_id;
+  const int attempt;
+  const int64_t begin, end;
+  const v1::AdamWHyperparameters adamw;
+  const bool has_optimizer_state;
+
+  absl::Mutex mu;
+  absl::CondVar changed;  // an update finished
+  // Element i of the range is at index i - begin. Written under mu, except by an update, which
+  // owns the elements it marked as updating.
+  std::vector<float> params, m, v, grads;
+  std::vector<uint16_t> params_bf16;
+  StepIntervals applied ABSL_GUARDED_BY(mu);
+  struct Staged {
+    int64_t size;
+    int64_t step;
+  };
+  std::map<int64_t, Staged> staged ABSL_GUARDED_BY(mu);  // gradient chunks by first element
+  bool ready ABSL_GUARDED_BY(mu) = false;
+  int64_t next_init_offset ABSL_GUARDED_BY(mu);
+};
+
+namespace {
+
+absl::Status CheckSubrange(const char* what, int64_t a, int64_t b, int64_t begin, int64_t end) {
+  if (a >= b || a < begin || b > end) {
+    return absl::OutOfRangeError(absl::StrCat(what, ": [", a, ", ", b,
+                                              ") is empty or outside this shard's range [", begin,
+                                              ", ", end, ")"));
+  }
+  return absl::OkStatus();
+}
+
+int64_t ElementBytes(v1::WireFormat format) { return format == v1::WIRE_BF16 ? 2 : 4; }
+
+}  // namespace
+
+ShardManager::ShardManager(int64_t capacity_bytes, adam::ThreadPool& pool)
+    : capacity_bytes_(capacity_bytes), pool_(pool) {}
+
+absl::Status ShardManager::BeginInit(const v1::InitShardChunk::Header& h) {
+  if (h.job_id().empty()) return absl::InvalidArgumentError("header.job_id: empty");
+  if (h.attempt() < 1) return absl::InvalidArgumentError("header.attempt: must be at least 1");
+  if (h.begin() < 0 || h.end() <= h.begin() || h.end() > h.total_params()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("header.begin/end: [", h.begin(), ", ", h.end(),
+                     ") is not a non-empty range inside total_params ", h.total_params()));
+  }
+  if (h.step() < 0) return absl::InvalidArgumentError("header.step: negative");
+  const auto& a = h.adamw();
+  if (!(a.beta1() >= 0 && a.beta1() < 1) || !(a.beta2() >= 0 && a.beta2() < 1)) {
+    return absl::InvalidArgumentError("header.adamw.beta1/beta2: must be in [0, 1)");
+  }
+  if (!(a.eps() > 0)) return absl::InvalidArgumentError("header.adamw.eps: must be positive");
+  if (!(a.weight_decay() >= 0)) {
+    return absl::InvalidArgumentError("header.adamw.weight_decay: negative");
+  }
+  const int64_t bytes = (h.end() - h.begin()) * kBytesPerParam;
+  {
+    absl::MutexLock lock(&mu_);
+    auto old = shards_.find(h.job_id());
+    const int64_t freed = old == shards_.end() ? 0 : old->second->size() * kBytesPerParam;
+    if (reserved_bytes_ - freed + bytes > capacity_bytes_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "job ", h.job_id(), " needs ", bytes, " bytes for ", h.end() - h.begin(),
+          " parameters but this parameter server has ", capacity_bytes_ - reserved_bytes_ + freed,
+          " of ", capacity_bytes_, " free"));
+    }
+    if (old != shards_.end()) shards_.erase(old);
+    reserved_bytes_ += bytes - freed;
+  }
+  // Allocate outside the lock (zero-filling gigabytes takes a while).
+  auto shard = std::make_shared<Shard>(h);
+  absl::MutexLock lock(&mu_);
+  shards_[h.job_id()] = std::move(shard);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<ShardManager::Shard>> ShardManager::Initializing(
+    const std::string& job_id, int attempt) const {
+  absl::MutexLock lock(&mu_);
+  auto it = shards_.find(job_id);
+  if (it == shards_.end()) {
+    return absl::NotFoundError(absl::StrCat("job_id: no shard of job '", job_id, "' here"));
+  }
+  if (it->second->attempt != attempt) {
+    return absl::FailedPreconditionError(absl::StrCat("attempt: ", attempt, " is not attempt ",
+                                                      it->second->attempt, " of job ", job_id));
+  }
+  return it->second;
+}
+
+absl::StatusOr<std::shared_ptr<ShardManager::Shard>> ShardManager::Ready(const std::string& job_id,
+                                                                         int attempt) const {
+  auto shard = Initializing(job_id, attempt);
+  if (!shard.ok()) return shard.status();
+  absl::MutexLock lock(&(*shard)->mu);
+  if (!(*shard)->ready) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, " attempt ", attempt, ": shard not initialized yet"));
+  }
+  return shard;
+}
+
+absl::Status ShardManager::InitChunk(const std::string& job_id, int attempt, int64_t offset,
+                                     absl::string_view params, absl::string_view m,
+                                     absl::string_view v) {
+  auto found = Initializing(job_id, attempt);
+  if (!found.ok()) return found.status();
+  Shard& s = **found;
+  absl::MutexLock lock(&s.mu);
+  if (s.ready) return absl::FailedPreconditionError("shard already initialized");
+  if (params.size() % 4 != 0 || params.empty()) {
+    return absl::InvalidArgumentError("params: not a non-empty whole number of fp32 values");
+  }
+  const int64_t n = params.size() / 4;
+  if (s.has_optimizer_state ? (m.size() != params.size() || v.size() != params.size())
+                            : (!m.empty() || !v.empty())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "m/v: ", s.has_optimizer_state ? "must have as many bytes as params" : "not expected"));
+  }
+  if (offset != s.next_init_offset) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("offset: expected ", s.next_init_offset, " (chunks in order), got ", offset));
+  }
+  if (offset + n > s.end) {
+    return absl::OutOfRangeError(
+        absl::StrCat("params: chunk at ", offset, " of ", n, " runs past the range end ", s.end));
+  }
+  const int64_t i = offset - s.begin;
+  std::memcpy(&s.params[i], params.data(), n * 4);
+  if (s.has_optimizer_state) {
+    std::memcpy(&s.m[i], m.data(), n * 4);
+    std::memcpy(&s.v[i], v.data(), n * 4);
+  }
+  adam::FloatToBf16(&s.params[i], &s.params_bf16[i], n);
+  s.next_init_offset += n;
+  return absl::OkStatus();
+}
+
+absl::Status ShardManager::FinishInit(const std::string& job_id, int attempt) {
+  auto found = Initializing(job_id, attempt);
+  if (!found.ok()) return found.status();
+  Shard& s = **found;
+  absl::MutexLock lock(&s.mu);
+  if (s.next_init_offset != s.end) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("params: got ", s.next_init_offset - s.begin, " of ", s.size(), " elements"));
+  }
+  s.ready = true;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ShardManager::PushResult> ShardManager::Push(const std::string& job_id, int attempt,
+                                                            int64_t step, int64_t offset,
+                                                            v1::WireFormat format,
+                                                            absl::string_view data) {
+  auto found = Ready(job_id, attempt);
+  if (!found.ok()) return found.status();
+  Shard& s = **found;
+  const int64_t element_bytes = ElementBytes(format);
+  if (data.empty() || data.size() % element_bytes != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("data: ", data.size(), " bytes is not a non-empty whole number of ",
+                     format == v1::WIRE_BF16 ? "bf16" : "fp32", " values"));
+  }
+  const int64_t n = data.size() / element_bytes;
+  if (step < 1) return absl::InvalidArgumentError("step: must be at least 1");
+  RETURN_IF_ERROR(CheckSubrange("offset", offset, offset + n, s.begin, s.end));
+
+  absl::MutexLock lock(&s.mu);
+  const StepIntervals::Summary at = s.applied.Summarize(offset, offset + n);
+  if (at.min_step >= step) return PushResult{0, n};  // applied already: a late retry
+  if (at.updating || at.min_step != step - 1 || at.max_step != step - 1) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("step: gradients of step ", step, " for [", offset, ", ", offset + n,
+                     ") but the range is at step ", at.min_step,
+                     at.min_step == at.max_step ? "" : absl::StrCat("..", at.max_step),
+                     at.updating ? " (updating)" : ""));
+  }
+  // Chunks of this step that overlap [offset, offset + n).
+  auto it = s.staged.upper_bound(offset);
+  if (it != s.staged.begin()) --it;
+  for (; it != s.staged.end() && it->first < offset + n; ++it) {
+    const int64_t a = it->first, b = it->first + it->second.size;
+    if (b <= offset) continue;
+    if (a == offset && b == offset + n && it->second.step == step) return PushResult{0, n};
+    return absl::InvalidArgumentError(absl::StrCat(
+        "offset: chunk [", offset, ", ", offset + n, ") of step ", step, " overlaps chunk [", a,
+        ", ", b, ") of step ", it->second.step, " already pushed"));
+  }
+  float* dst = &s.grads[offset - s.begin];
+  if (format == v1::WIRE_BF16) {
+    adam::Bf16ToFloat(reinterpret_cast<const uint16_t*>(data.data()), dst, n);
+  } else {
+    std::memcpy(dst, data.data(), n * 4);
+  }
+  s.staged[offset] = Shard::Staged{n, step};
+  return PushResult{n, 0};
+}
+
+absl::Status ShardManager::Update(const std::string& job_id, int attempt, int64_t step,
+                                  int64_t begin, int64_t end, float lr, float grad_scale) {
+  auto found = Ready(job_id, attempt);
+  if (!found.ok()) return found.status();
+  Shard& s = **found;
+  RETURN_IF_ERROR(CheckSubrange("begin/end", begin, end, s.begin, s.end));
+  if (step < 1) return absl::InvalidArgumentError("step: must be at least 1");
+  if (!(lr >= 0)) return absl::InvalidArgumentError("update.lr: must be non-negative");
+  if (grad_scale == 0) grad_scale = 1;
+  if (!(grad_scale > 0)) return absl::InvalidArgumentError("update.grad_scale: must be positive");
+  {
+    absl::MutexLock lock(&s.mu);
+    StepIntervals::Summary at = s.applied.Summarize(begin, end);
+    while (at.updating) {  // a concurrent retry of the same update: wait for its outcome
+      s.changed.Wait(&s.mu);
+      at = s.applied.Summarize(begin, end);
+    }
+    if (at.min_step == step && at.max_step == step) return absl::OkStatus();
+    if (at.min_step != step - 1 || at.max_step != step - 1) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "step: update ", step, " of [", begin, ", ", end, ") but the range is at step ",
+          at.min_step, at.min_step == at.max_step ? "" : absl::StrCat("..", at.max_step)));
+    }
+    int64_t staged = 0;
+    auto first = s.staged.lower_bound(begin);
+    if (first != s.staged.begin()) {
+      auto before = std::prev(first);
+      if (before->first + before->second.size > begin) {
+        return absl::InvalidArgumentError(absl::StrCat("begin: ", begin, " cuts the pushed chunk [",
+                                                       before->first, ", ",
+                                                       before->first + before->second.size, ")"));
+      }
+    }
+    auto last = first;
+    for (; last != s.staged.end() && last->first < end; ++last) {
+      if (last->first + last->second.size > end) {
+        return absl::InvalidArgumentError(absl::StrCat("end: ", end, " cuts the pushed chunk [",
+                                                       last->first, ", ",
+                                                       last->first + last->second.size, ")"));
+      }
+      if (last->second.step == step) staged += last->second.size;
+    }
+    if (staged != end - begin) {
+      return absl::FailedPreconditionError(absl::StrCat("step ", step, ": gradients of ", staged,
+                                                        " of the ", end - begin, " elements of [",
+                                                        begin, ", ", end, ") pushed"));
+    }
+    s.staged.erase(first, last);
+    s.applied.Set(begin, end, step - 1, /*updating=*/true);
+  }
+
+  adam::AdamWConfig c;
+  c.lr = lr;
+  c.beta1 = s.adamw.beta1();
+  c.beta2 = s.adamw.beta2();
+  c.eps = s.adamw.eps();
+  c.weight_decay = s.adamw.weight_decay();
+  c.step = step;
+  c.grad_scale = grad_scale;
+  const int64_t i = begin - s.begin;
+  const absl::Time start = absl::Now();
+  {
+    absl::MutexLock compute(&compute_mu_);
+    adam::AdamWStepParallel(pool_, c, &s.params[i], &s.m[i], &s.v[i], &s.grads[i],
+                            &s.params_bf16[i], end - begin);
+  }
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  {
+    absl::MutexLock lock(&s.mu);
+    s.applied.Set(begin, end, step, /*updating=*/false);
+    s.changed.SignalAll();
+  }
+  absl::MutexLock lock(&mu_);
+  ++updates_applied_;
+  elements_updated_ += end - begin;
+  update_seconds_ += seconds;
+  return absl::OkStatus();
+}
+
+absl::Status ShardManager::ReadParams(const std::string& job_id, int attempt, int64_t step,
+                                      int64_t begin, int64_t end, v1::WireFormat format,
+                                      absl::Duration wait, std::string* out) {
+  auto found = Ready(job_id, attempt);
+  if (!found.ok()) return found.status();
+  Shard& s = **found;
+  RETURN_IF_ERROR(CheckSubrange("begin/end", begin, end, s.begin, s.end));
+  const absl::Time deadline = absl::Now() + wait;
+  absl::MutexLock lock(&s.mu);
+  StepIntervals::Summary at = s.applied.Summarize(begin, end);
+  while (at.updating || at.min_step < step) {
+    const bool timed_out = s.changed.WaitWithDeadline(&s.mu, deadline);
+    at = s.applied.Summarize(begin, end);
+    if (timed_out && (at.updating || at.min_step < step)) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("step: [", begin, ", ", end, ") did not reach step ", step, " within ",
+                       absl::FormatDuration(wait), " (it is at step ", at.min_step, ")"));
+    }
+  }
+  if (at.max_step != step) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step: [", begin, ", ", end, ") is already at step ", at.max_step, ", past ", step));
+  }
+  const int64_t i = begin - s.begin, n = end - begin;
+  const size_t old_size = out->size();
+  if (format == v1::WIRE_BF16) {
+    out->resize(old_size + n * 2);
+    std::memcpy(out->data() + old_size, &s.params_bf16[i], n * 2);
+  } else {
+    out->resize(old_size + n * 4);
+    std::memcpy(out->data() + old_size, &s.params[i], n * 4);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ShardManager::ReadState(const std::string& job_id, int attempt, int64_t step,
+                                     int64_t begin, int64_t end, v1::ShardStateChunk* out) {
+  auto found = Ready(job_id, attempt);
+  if (!found.ok()) return found.status();
+  Shard& s = **found;
+  RETURN_IF_ERROR(CheckSubrange("begin/end", begin, end, s.begin, s.end));
+  absl::MutexLock lock(&s.mu);
+  const StepIntervals::Summary at = s.applied.Summarize(begin, end);
+  if (at.updating || at.min_step != step || at.max_step != step) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step: state of [", begin, ", ", end, ") asked at step ", step, " but it is at step ",
+        at.min_step, at.min_step == at.max_step ? "" : absl::StrCat("..", at.max_step)));
+  }
+  const int64_t i = begin - s.begin, n = end - begin;
+  out->set_offset(begin);
+  out->set_params(reinterpret_cast<const char*>(&s.params[i]), n * 4);
+  out->set_m(reinterpret_cast<const char*>(&s.m[i]), n * 4);
+  out->set_v(reinterpret_cast<const char*>(&s.v[i]), n * 4);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::pair<int64_t, int64_t>> ShardManager::RangeOf(const std::string& job_id,
+                                                                  int attempt) const {
+  auto found = Ready(job_id, attempt);
+  if (!found.ok()) return found.status();
+  return std::make_pair((*found)->begin, (*found)->end);
+}
+
+bool ShardManager::Drop(const std::string& job_id, int up_to_attempt) {
+  absl::MutexLock lock(&mu_);
+  auto it = shards_.find(job_id);
+  if (it == shards_.end() || it->second->attempt > up_to_attempt) return false;
+  reserved_bytes_ -= it->second->size() * kBytesPerParam;
+  shards_.erase(it);
+  return true;
+}
+
+v1::ListShardsResponse ShardManager::List() const {
+  std::vector<std::shared_ptr<Shard>> shards;
+  v1::ListShardsResponse r;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, s] : shards_) shards.push_back(s);
+    r.set_capacity_bytes(capacity_bytes_);
+    r.set_reserved_bytes(reserved_bytes_);
+  }
+  for (const auto& s : shards) {
+    v1::ShardInfo* info = r.add_shards();
+    info->set_job_id(s->job_id);
+    info->set_attempt(s->attempt);
+    info->set_begin(s->begin);
+    info->set_end(s->end);
+    info->set_reserved_bytes(s->size() * kBytesPerParam);
+    absl::MutexLock lock(&s->mu);
+    info->set_step(s->applied.Summarize(s->begin, s->end).min_step);
+  }
+  return r;
+}
+
+int64_t ShardManager::reserved_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return reserved_bytes_;
+}
+int64_t ShardManager::updates_applied() const {
+  absl::MutexLock lock(&mu_);
+  return updates_applied_;
+}
+int64_t ShardManager::elements_updated() const {
+  absl::MutexLock lock(&mu_);
+  return elements_updated_;
+}
+double ShardManager::update_seconds() const {
+  absl::MutexLock lock(&mu_);
+  return update_seconds_;
+}
+
+}  // namespace trainyard::ps

@@ -1,0 +1,119 @@
+// ShardManager: the optimizer state a parameter server holds. For each offload job placed on this
+// shard, one contiguous range [begin, end) of the job's flat parameter vector: fp32 master
+// weights, AdamW's m and v, a gradient staging buffer and a bfloat16 copy of the weights (written
+// by the same pass as the update, for bf16 pulls): 18 bytes per parameter, reserved against the
+// server's capacity.
+//
+// The protocol of one optimizer step (see proto/trainyard/v1/ps.proto): Push stages gradient
+// chunks (each element once per step; an identical retry is counted as a duplicate and ignored);
+// Update applies AdamW to a sub-range whose gradients are all staged, once (a repeated Update is a
+// no-op); ReadParams returns a chunk only when every element of it is exactly at the asked step.
+// Every call names the attempt: calls from another attempt than the shard's are refused, the
+// shard unchanged. Knows nothing of gRPC.
+//
+// Thread-safe: called from the gRPC server's threads. Each job's shard has its own lock; AdamW runs
+// outside it (the range is marked as updating meanwhile) on the shared thread pool, one update at
+// a time.
+#ifndef TRAINYARD_SERVER_PS_SHARD_MANAGER_H_
+#define TRAINYARD_SERVER_PS_SHARD_MANAGER_H_
+
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/ps_layout.h"
+#include "server/adam/thread_pool.h"
+#include "server/ps/step_intervals.h"
+#include "trainyard/v1/ps.pb.h"
+
+namespace trainyard::ps {
+
+inline constexpr int64_t kBytesPerParam = kPsBytesPerParam;
+
+class ShardManager {
+ public:
+  // `pool` runs the AdamW updates and must outlive the manager.
+  ShardManager(int64_t capacity_bytes, adam::ThreadPool& pool);
+
+  // Starts (re)initializing a job's range from `header`, replacing any state of the job. The
+  // range is not usable until every element arrived through InitChunk and FinishInit.
+  // INVALID_ARGUMENT names a bad header field; RESOURCE_EXHAUSTED when it does not fit.
+  absl::Status BeginInit(const v1::InitShardChunk::Header& header);
+  // Chunks must come in order from `begin`. `m` and `v` are empty unless the header said
+  // has_optimizer_state; all sizes are multiples of 4 bytes and equal.
+  absl::Status InitChunk(const std::string& job_id, int attempt, int64_t offset,
+                         absl::string_view params, absl::string_view m, absl::string_view v);
+  absl::Status FinishInit(const std::string& job_id, int attempt);
+
+  struct PushResult {
+    int64_t staged = 0;
+    int64_t duplicate = 0;
+  };
+  // Stages gradients of `step` for [offset, offset + n). NOT_FOUND for an unknown job;
+  // FAILED_PRECONDITION for a stale attempt, a range not initialized, or a step that does not
+  // follow the range's; OUT_OF_RANGE for elements outside the range; INVALID_ARGUMENT for a size
+  // that is not whole elements or a chunk overlapping a different one of the same step.
+  absl::StatusOr<PushResult> Push(const std::string& job_id, int attempt, int64_t step,
+                                  int64_t offset, v1::WireFormat format, absl::string_view data);
+
+  // Applies step `step` to [begin, end): every element's gradients must be staged (else
+  // FAILED_PRECONDITION saying how many are), and the range must be at step - 1, or already at
+  // `step` (then nothing happens). grad_scale multiplies the gradients (clipping).
+  absl::Status Update(const std::string& job_id, int attempt, int64_t step, int64_t begin,
+                      int64_t end, float lr, float grad_scale);
+
+  // Appends the parameters of [begin, end) after update `step`, in `format`, to `out`. Waits up to
+  // `wait` for the range to reach the step; DEADLINE_EXCEEDED after that, FAILED_PRECONDITION
+  // if some element is already past it.
+  absl::Status ReadParams(const std::string& job_id, int attempt, int64_t step, int64_t begin,
+                          int64_t end, v1::WireFormat format, absl::Duration wait,
+                          std::string* out);
+
+  // The full state of [begin, end) (for checkpoints): params, m, v as fp32 bytes. The range
+  // must be at exactly `step`.
+  absl::Status ReadState(const std::string& job_id, int attempt, int64_t step, int64_t begin,
+                         int64_t end, v1::ShardStateChunk* out);
+
+  // Where the job's range lies: FAILED_PRECONDITION for a stale attempt or a shard not ready.
+  absl::StatusOr<std::pair<int64_t, int64_t>> RangeOf(const std::string& job_id, int attempt) const;
+
+  // Frees a job's state if its attempt is at most `up_to_attempt`; false if there was none.
+  bool Drop(const std::string& job_id, int up_to_attempt = std::numeric_limits<int>::max());
+  v1::ListShardsResponse List() const;
+
+  int64_t capacity_bytes() const { return capacity_bytes_; }
+  int64_t reserved_bytes() const;
+  // Totals for metrics.
+  int64_t updates_applied() const;
+  int64_t elements_updated() const;
+  double update_seconds() const;
+
+ private:
+  struct Shard;
+  // The job's shard if it belongs to `attempt` and is initialized.
+  absl::StatusOr<std::shared_ptr<Shard>> Ready(const std::string& job_id, int attempt) const;
+  absl::StatusOr<std::shared_ptr<Shard>> Initializing(const std::string& job_id, int attempt) const;
+
+  const int64_t capacity_bytes_;
+  adam::ThreadPool& pool_;
+  absl::Mutex compute_mu_;  // one AdamW update at a time: each already uses every thread
+
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<Shard>> shards_ ABSL_GUARDED_BY(mu_);
+  int64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t updates_applied_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t elements_updated_ ABSL_GUARDED_BY(mu_) = 0;
+  double update_seconds_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace trainyard::ps
+
+#endif  // TRAINYARD_SERVER_PS_SHARD_MANAGER_H_

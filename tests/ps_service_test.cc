@@ -1,0 +1,535 @@
+// trainyard-ps's ParameterServerService over real gRPC on loopback (an in-process PsServer with
+// no coordinator): the step protocol (push, update-and-pull, reads), its idempotence, every
+// bad-input path with the shard left unchanged, and the AdamW results against a double-precision
+// reference. Also the pure pieces: StepIntervals and the coordinator's range placement.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <random>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+
+#include "server/coordinator/ps_placement.h"
+#include "server/ps/ps_server.h"
+#include "server/ps/step_intervals.h"
+#include "trainyard/v1/ps.grpc.pb.h"
+
+namespace trainyard {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr float kBeta1 = 0.9f, kBeta2 = 0.95f, kEps = 1e-8f, kWeightDecay = 0.1f;
+
+std::string Bytes(const std::vector<float>& v, size_t begin, size_t end) {
+  return std::string(reinterpret_cast<const char*>(v.data() + begin), (end - begin) * 4);
+}
+
+std::vector<float> Floats(const std::string& bytes) {
+  std::vector<float> out(bytes.size() / 4);
+  std::memcpy(out.data(), bytes.data(), out.size() * 4);
+  return out;
+}
+
+// torch.optim.AdamW's update of one element, in double.
+struct RefAdamW {
+  std::vector<double> p, m, v;
+  void Step(const std::vector<float>& g, int64_t step, double lr, double scale) {
+    const double bc1 = 1 - std::pow(double{kBeta1}, step), bc2 = 1 - std::pow(double{kBeta2}, step);
+    for (size_t i = 0; i < p.size(); ++i) {
+      const double gi = double{g[i]} * scale;
+      p[i] *= 1 - lr * kWeightDecay;
+      m[i] = kBeta1 * m[i] + (1 - kBeta1) * gi;
+      v[i] = kBeta2 * v[i] + (1 - kBeta2) * gi * gi;
+      p[i] -= lr / bc1 * m[i] / (std::sqrt(v[i]) / std::sqrt(bc2) + kEps);
+    }
+  }
+};
+
+class PsServiceTest : public ::testing::Test {
+ protected:
+  static constexpr int64_t kTotal = 10000;
+  // The server holds [kBegin, kEnd) of a kTotal-parameter job.
+  static constexpr int64_t kBegin = 1000, kEnd = 7001;
+
+  void SetUp() override {
+    ps::PsOptions o;
+    o.listen_address = "127.0.0.1:0";
+    o.capacity_bytes = 1 << 20;  // room for ~58k parameters
+    o.threads = 2;
+    auto s = ps::PsServer::Start(o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    server_ = std::move(*s);
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(64 << 20);
+    stub_ = v1::ParameterServerService::NewStub(
+        grpc::CreateCustomChannel(server_->address(), grpc::InsecureChannelCredentials(), args));
+    std::mt19937 rng(7);
+    std::normal_distribution<float> normal(0, 1);
+    init_.resize(kTotal);
+    for (float& x : init_) x = normal(rng);
+    ref_.p.assign(init_.begin() + kBegin, init_.begin() + kEnd);
+    ref_.m.assign(kEnd - kBegin, 0);
+    ref_.v.assign(kEnd - kBegin, 0);
+  }
+
+  void TearDown() override {
+    if (server_) server_->Shutdown();
+  }
+
+  static v1::InitShardChunk::Header Header(const std::string& job, int attempt) {
+    v1::InitShardChunk::Header h;
+    h.set_job_id(job);
+    h.set_attempt(attempt);
+    h.set_begin(kBegin);
+    h.set_end(kEnd);
+    h.set_total_params(kTotal);
+    h.mutable_adamw()->set_beta1(kBeta1);
+    h.mutable_adamw()->set_beta2(kBeta2);
+    h.mutable_adamw()->set_eps(kEps);
+    h.mutable_adamw()->set_weight_decay(kWeightDecay);
+    return h;
+  }
+
+  // Sends the header, then `chunks` of the initial weights in order.
+  grpc::Status Init(const v1::InitShardChunk::Header& h, int64_t chunk = 1500) {
+    grpc::ClientContext ctx;
+    v1::InitShardResponse r;
+    auto w = stub_->InitShard(&ctx, &r);
+    v1::InitShardChunk c;
+    *c.mutable_header() = h;
+    w->Write(c);
+    // Headers the server must refuse may name ranges beyond the test's weights: no chunks then.
+    const int64_t end = std::min<int64_t>(h.end(), init_.size());
+    for (int64_t a = h.begin(); a < end; a += chunk) {
+      c.Clear();
+      c.set_offset(a);
+      c.set_params(Bytes(init_, a, std::min(end, a + chunk)));
+      if (!w->Write(c)) break;
+    }
+    w->WritesDone();
+    return w->Finish();
+  }
+
+  grpc::Status Push(const std::string& job, int attempt, int64_t step, int64_t a, int64_t b,
+                    const std::vector<float>& grads, v1::PushGradientsResponse* r = nullptr,
+                    v1::WireFormat format = v1::WIRE_FP32) {
+    grpc::ClientContext ctx;
+    v1::PushGradientsResponse local;
+    auto w = stub_->PushGradients(&ctx, r != nullptr ? r : &local);
+    v1::GradientChunk c;
+    c.set_job_id(job);
+    c.set_attempt(attempt);
+    c.set_step(step);
+    c.set_offset(a);
+    c.set_format(format);
+    if (format == v1::WIRE_BF16) {
+      std::string data;
+      for (int64_t i = a; i < b; ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, &grads[i - kBegin], 4);
+        const uint16_t hi = static_cast<uint16_t>(bits >> 16);  // exact: the test's grads are bf16
+        data.append(reinterpret_cast<const char*>(&hi), 2);
+      }
+      c.set_data(data);
+    } else {
+      c.set_data(std::string(reinterpret_cast<const char*>(&grads[a - kBegin]), (b - a) * 4));
+    }
+    w->Write(c);
+    w->WritesDone();
+    return w->Finish();
+  }
+
+  // UpdateAndPull; the pulled fp32 values (or bf16 bit patterns widened) in `out`.
+  grpc::Status UpdateAndPull(const std::string& job, int attempt, int64_t step, int64_t a,
+                             int64_t b, std::optional<float> lr, std::vector<float>* out,
+                             v1::WireFormat format = v1::WIRE_FP32, int64_t wait_ms = 0) {
+    grpc::ClientContext ctx;
+    v1::UpdateAndPullRequest r;
+    r.set_job_id(job);
+    r.set_attempt(attempt);
+    r.set_step(step);
+    r.set_begin(a);
+    r.set_end(b);
+    r.set_format(format);
+    r.set_chunk_elements(1000);
+    r.set_wait_ms(wait_ms);
+    if (lr) {
+      r.mutable_update()->set_lr(*lr);
+      r.mutable_update()->set_grad_scale(0.5f);
+    }
+    auto reader = stub_->UpdateAndPull(&ctx, r);
+    v1::ParameterChunk c;
+    if (out) out->clear();
+    while (reader->Read(&c)) {
+      if (!out) continue;
+      if (c.format() == v1::WIRE_BF16) {
+        for (size_t i = 0; i + 1 < c.data().size(); i += 2) {
+          uint16_t hi;
+          std::memcpy(&hi, c.data().data() + i, 2);
+          const uint32_t bits = uint32_t{hi} << 16;
+          float f;
+          std::memcpy(&f, &bits, 4);
+          out->push_back(f);
+        }
+      } else {
+        auto f = Floats(c.data());
+        out->insert(out->end(), f.begin(), f.end());
+      }
+    }
+    return reader->Finish();
+  }
+
+  std::vector<float> Gradients(int seed) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal(0, 1);
+    std::vector<float> g(kEnd - kBegin);
+    for (float& x : g) {
+      // Values exactly representable in bf16, so fp32 and bf16 pushes carry the same numbers.
+      uint32_t bits;
+      const float f = normal(rng);
+      std::memcpy(&bits, &f, 4);
+      bits &= 0xffff0000u;
+      std::memcpy(&x, &bits, 4);
+    }
+    return g;
+  }
+
+  // max |got - want| / max(|want|, 1): relative for weights of magnitude 1 and more, absolute
+  // below, where fp32 rounding of values near zero would make a relative measure meaningless.
+  static double MaxRelativeError(const std::vector<float>& got, const std::vector<double>& want,
+                                 size_t offset = 0) {
+    double worst = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      const double w = want[offset + i];
+      worst = std::max(worst, std::abs(got[i] - w) / std::max(std::abs(w), 1.0));
+    }
+    return worst;
+  }
+
+  std::unique_ptr<ps::PsServer> server_;
+  std::unique_ptr<v1::ParameterServerService::Stub> stub_;
+  std::vector<float> init_;
+  RefAdamW ref_;
+};
+
+TEST_F(PsServiceTest, TenStepsFromTwoPushersMatchDoublePrecisionAdamW) {
+  ASSERT_TRUE(Init(Header("job-1", 1)).ok());
+  const int64_t mid = 4000;  // two "ranks" own [kBegin, mid) and [mid, kEnd)
+  for (int64_t step = 1; step <= 10; ++step) {
+    const std::vector<float> g = Gradients(static_cast<int>(step));
+    const float lr = 1e-2f * step;
+    // Rank 1 pushes in two chunks (one in bf16), rank 0 in one.
+    ASSERT_TRUE(Push("job-1", 1, step, mid, 5500, g).ok());
+    ASSERT_TRUE(Push("job-1", 1, step, 5500, kEnd, g, nullptr, v1::WIRE_BF16).ok());
+    ASSERT_TRUE(Push("job-1", 1, step, kBegin, mid, g).ok());
+    std::vector<float> lo, hi;
+    ASSERT_TRUE(UpdateAndPull("job-1", 1, step, kBegin, mid, lr, &lo).ok());
+    ASSERT_TRUE(UpdateAndPull("job-1", 1, step, mid, kEnd, lr, &hi).ok());
+    ref_.Step(g, step, lr, 0.5);
+    ASSERT_EQ(lo.size(), size_t(mid - kBegin));
+    ASSERT_EQ(hi.size(), size_t(kEnd - mid));
+    EXPECT_LE(MaxRelativeError(lo, ref_.p, 0), 1e-5) << "step " << step;
+    EXPECT_LE(MaxRelativeError(hi, ref_.p, mid - kBegin), 1e-5) << "step " << step;
+  }
+  // bf16 pulls are the fp32 parameters rounded to nearest even.
+  std::vector<float> fp32, bf16;
+  ASSERT_TRUE(UpdateAndPull("job-1", 1, 10, kBegin, kEnd, std::nullopt, &fp32).ok());
+  ASSERT_TRUE(UpdateAndPull("job-1", 1, 10, kBegin, kEnd, std::nullopt, &bf16, v1::WIRE_BF16).ok());
+  ASSERT_EQ(fp32.size(), bf16.size());
+  for (size_t i = 0; i < fp32.size(); ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &fp32[i], 4);
+    const uint32_t rounded = (bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff0000u;
+    float want;
+    std::memcpy(&want, &rounded, 4);
+    ASSERT_EQ(bf16[i], want) << i;
+  }
+}
+
+TEST_F(PsServiceTest, RetriedPushesAndUpdatesChangeNothing) {
+  ASSERT_TRUE(Init(Header("job-1", 1)).ok());
+  const std::vector<float> g = Gradients(1);
+  v1::PushGradientsResponse first, again;
+  ASSERT_TRUE(Push("job-1", 1, 1, kBegin, kEnd, g, &first).ok());
+  ASSERT_TRUE(Push("job-1", 1, 1, kBegin, kEnd, g, &again).ok());
+  EXPECT_EQ(first.elements_staged(), kEnd - kBegin);
+  EXPECT_EQ(again.elements_staged(), 0);
+  EXPECT_EQ(again.elements_duplicate(), kEnd - kBegin);
+  std::vector<float> once, twice;
+  ASSERT_TRUE(UpdateAndPull("job-1", 1, 1, kBegin, kEnd, 1e-2f, &once).ok());
+  ASSERT_TRUE(UpdateAndPull("job-1", 1, 1, kBegin, kEnd, 1e-2f, &twice).ok());
+  EXPECT_EQ(once, twice);
+  // A push of step 1 arriving late, after its update: counted as a duplicate, nothing changes.
+  v1::PushGradientsResponse late;
+  ASSERT_TRUE(Push("job-1", 1, 1, kBegin, kEnd, Gradients(99), &late).ok());
+  EXPECT_EQ(late.elements_duplicate(), kEnd - kBegin);
+  std::vector<float> after;
+  ASSERT_TRUE(UpdateAndPull("job-1", 1, 1, kBegin, kEnd, std::nullopt, &after).ok());
+  EXPECT_EQ(after, once);
+}
+
+TEST_F(PsServiceTest, APullWaitsForItsStepAndNeverSeesAHalfUpdatedRange) {
+  ASSERT_TRUE(Init(Header("job-1", 1)).ok());
+  const std::vector<float> g = Gradients(3);
+  std::vector<float> pulled;
+  grpc::Status pull_status;
+  std::thread reader([&] {
+    pull_status = UpdateAndPull("job-1", 1, 1, kBegin, kEnd, std::nullopt, &pulled, v1::WIRE_FP32,
+                                /*wait_ms=*/30000);
+  });
+  ASSERT_TRUE(Push("job-1", 1, 1, kBegin, kEnd, g).ok());
+  std::vector<float> updated;
+  ASSERT_TRUE(UpdateAndPull("job-1", 1, 1, kBegin, kEnd, 1e-2f, &updated).ok());
+  reader.join();
+  ASSERT_TRUE(pull_status.ok()) << pull_status.error_message();
+  EXPECT_EQ(pulled, updated);
+  // Without waiting, a step not reached yet is DEADLINE_EXCEEDED; a step already passed is
+  // FAILED_PRECONDITION.
+  grpc::Status s = UpdateAndPull("job-1", 1, 2, kBegin, kEnd, std::nullopt, nullptr);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_THAT(s.error_message(), HasSubstr("did not reach step 2"));
+  ASSERT_TRUE(Push("job-1", 1, 2, kBegin, kEnd, g).ok());
+  ASSERT_TRUE(UpdateAndPull("job-1", 1, 2, kBegin, kEnd, 1e-2f, nullptr).ok());
+  s = UpdateAndPull("job-1", 1, 1, kBegin, kEnd, std::nullopt, nullptr);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("already at step 2"));
+}
+
+TEST_F(PsServiceTest, BadRequestsGetPreciseErrorsAndLeaveTheShardUnchanged) {
+  ASSERT_TRUE(Init(Header("job-1", 2)).ok());
+  const std::vector<float> g = Gradients(5);
+  auto expect = [](const grpc::Status& s, grpc::StatusCode code, const std::string& text) {
+    EXPECT_EQ(s.error_code(), code) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr(text));
+  };
+  expect(Push("job-9", 2, 1, kBegin, kEnd, g), grpc::StatusCode::NOT_FOUND, "job_id");
+  expect(Push("job-1", 1, 1, kBegin, kEnd, g), grpc::StatusCode::FAILED_PRECONDITION,
+         "attempt: 1 is not attempt 2");
+  expect(Push("job-1", 2, 1, kEnd - 10, kEnd + 10, std::vector<float>(g.size() + 10)),
+         grpc::StatusCode::OUT_OF_RANGE, "outside this shard's range");
+  expect(Push("job-1", 2, 3, kBegin, kEnd, g), grpc::StatusCode::FAILED_PRECONDITION,
+         "gradients of step 3");
+  expect(UpdateAndPull("job-1", 2, 1, kBegin, kEnd, 1e-2f, nullptr),
+         grpc::StatusCode::FAILED_PRECONDITION, "gradients of 0 of the 6001 elements");
+  ASSERT_TRUE(Push("job-1", 2, 1, kBegin, 3000, g).ok());
+  expect(Push("job-1", 2, 1, 2000, 4000, g), grpc::StatusCode::INVALID_ARGUMENT,
+         "overlaps chunk [1000, 3000)");
+  expect(UpdateAndPull("job-1", 2, 1, kBegin, 2000, 1e-2f, nullptr),
+         grpc::StatusCode::INVALID_ARGUMENT, "cuts the pushed chunk");
+  expect(UpdateAndPull("job-1", 2, 1, kBegin, kEnd, -1.0f, nullptr),
+         grpc::StatusCode::INVALID_ARGUMENT, "update.lr");
+  {  // a push whose bytes are not whole values
+    grpc::ClientContext ctx;
+    v1::PushGradientsResponse r;
+    auto w = stub_->PushGradients(&ctx, &r);
+    v1::GradientChunk c;
+    c.set_job_id("job-1");
+    c.set_attempt(2);
+    c.set_step(1);
+    c.set_offset(kBegin);
+    c.set_data("abc");
+    w->Write(c);
+    w->WritesDone();
+    expect(w->Finish(), grpc::StatusCode::INVALID_ARGUMENT, "data: 3 bytes");
+  }
+  // Nothing above changed the weights: they are still the initial ones at step 0.
+  std::vector<float> now;
+  ASSERT_TRUE(UpdateAndPull("job-1", 2, 0, kBegin, kEnd, std::nullopt, &now).ok());
+  EXPECT_EQ(now, std::vector<float>(init_.begin() + kBegin, init_.begin() + kEnd));
+  // The pushed half plus the rest make step 1 complete.
+  ASSERT_TRUE(Push("job-1", 2, 1, 3000, kEnd, g).ok());
+  ASSERT_TRUE(UpdateAndPull("job-1", 2, 1, kBegin, kEnd, 1e-2f, nullptr).ok());
+}
+
+TEST_F(PsServiceTest, InitRejectsBadHeadersChunksAndJobsThatDoNotFit) {
+  auto h = Header("job-1", 1);
+  h.set_end(kTotal + 1);
+  grpc::Status s = Init(h);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("header.begin/end"));
+  h = Header("job-1", 1);
+  h.mutable_adamw()->set_beta1(1.5f);
+  s = Init(h);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("header.adamw.beta1"));
+  {  // chunks out of order
+    grpc::ClientContext ctx;
+    v1::InitShardResponse r;
+    auto w = stub_->InitShard(&ctx, &r);
+    v1::InitShardChunk c;
+    *c.mutable_header() = Header("job-2", 1);
+    w->Write(c);
+    c.Clear();
+    c.set_offset(kBegin + 8);
+    c.set_params(Bytes(init_, kBegin + 8, kBegin + 16));
+    w->Write(c);
+    w->WritesDone();
+    s = w->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(s.error_message(), HasSubstr("offset: expected 1000"));
+  }
+  // A range beyond the server's capacity (1 MiB / 18 bytes).
+  h = Header("big", 1);
+  h.set_begin(0);
+  h.set_end(kTotal * 10);
+  h.set_total_params(kTotal * 10);
+  s = Init(h);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(s.error_message(), HasSubstr("bytes"));
+  // Nothing failed above stays reserved; a good init works.
+  grpc::ClientContext ctx;
+  v1::ListShardsResponse list;
+  ASSERT_TRUE(stub_->ListShards(&ctx, {}, &list).ok());
+  EXPECT_EQ(list.shards_size(), 0);
+  EXPECT_EQ(list.reserved_bytes(), 0);
+  ASSERT_TRUE(Init(Header("job-1", 1)).ok());
+  grpc::ClientContext ctx2;
+  ASSERT_TRUE(stub_->ListShards(&ctx2, {}, &list).ok());
+  EXPECT_EQ(list.reserved_bytes(), (kEnd - kBegin) * kPsBytesPerParam);
+}
+
+TEST_F(PsServiceTest, StateReadsBackAndAResumedShardContinuesIdentically) {
+  ASSERT_TRUE(Init(Header("job-1", 1)).ok());
+  for (int64_t step = 1; step <= 3; ++step) {
+    ASSERT_TRUE(Push("job-1", 1, step, kBegin, kEnd, Gradients(step)).ok());
+    ASSERT_TRUE(UpdateAndPull("job-1", 1, step, kBegin, kEnd, 1e-2f, nullptr).ok());
+  }
+  // Read the state at step 3 (as a checkpoint does), then restore it as attempt 2.
+  grpc::ClientContext ctx;
+  v1::ReadShardStateRequest r;
+  r.set_job_id("job-1");
+  r.set_attempt(1);
+  r.set_step(3);
+  r.set_chunk_elements(2500);
+  auto reader = stub_->ReadShardState(&ctx, r);
+  std::vector<v1::ShardStateChunk> state;
+  v1::ShardStateChunk c;
+  while (reader->Read(&c)) state.push_back(c);
+  ASSERT_TRUE(reader->Finish().ok());
+  ASSERT_EQ(state.size(), 3u);
+
+  // Step 4 on the original.
+  std::vector<float> original;
+  ASSERT_TRUE(Push("job-1", 1, 4, kBegin, kEnd, Gradients(4)).ok());
+  ASSERT_TRUE(UpdateAndPull("job-1", 1, 4, kBegin, kEnd, 1e-2f, &original).ok());
+
+  {
+    grpc::ClientContext init_ctx;
+    v1::InitShardResponse resp;
+    auto w = stub_->InitShard(&init_ctx, &resp);
+    v1::InitShardChunk chunk;
+    auto h = Header("job-1", 2);
+    h.set_step(3);
+    h.set_has_optimizer_state(true);
+    *chunk.mutable_header() = h;
+    w->Write(chunk);
+    for (const auto& s : state) {
+      chunk.Clear();
+      chunk.set_offset(s.offset());
+      chunk.set_params(s.params());
+      chunk.set_m(s.m());
+      chunk.set_v(s.v());
+      w->Write(chunk);
+    }
+    w->WritesDone();
+    ASSERT_TRUE(w->Finish().ok());
+  }
+  // The old attempt is gone; the new one redoes step 4 to the same bits.
+  EXPECT_EQ(Push("job-1", 1, 5, kBegin, kEnd, Gradients(5)).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+  std::vector<float> resumed;
+  ASSERT_TRUE(Push("job-1", 2, 4, kBegin, kEnd, Gradients(4)).ok());
+  ASSERT_TRUE(UpdateAndPull("job-1", 2, 4, kBegin, kEnd, 1e-2f, &resumed).ok());
+  EXPECT_EQ(resumed, original);
+}
+
+TEST(StepIntervalsTest, TracksRunsAndMergesEqualNeighbours) {
+  ps::StepIntervals s(10, 100, 0);
+  s.Set(20, 30, 1, false);
+  s.Set(40, 50, 1, true);
+  EXPECT_EQ(s.runs(), 5);
+  auto sum = s.Summarize(15, 45);
+  EXPECT_EQ(sum.min_step, 0);
+  EXPECT_EQ(sum.max_step, 1);
+  EXPECT_TRUE(sum.updating);
+  sum = s.Summarize(20, 30);
+  EXPECT_EQ(sum.min_step, 1);
+  EXPECT_FALSE(sum.updating);
+  s.Set(40, 50, 1, false);
+  s.Set(30, 40, 1, false);
+  EXPECT_EQ(s.runs(), 3);  // [10,20) 0, [20,50) 1, [50,100) 0
+  s.Set(10, 100, 2, false);
+  EXPECT_EQ(s.runs(), 1);
+  EXPECT_EQ(s.Summarize(99, 100).min_step, 2);
+}
+
+TEST(PsPlacementTest, SplitsEvenlyWhenEveryServerHasRoom) {
+  auto r = coordinator::PlaceOnParameterServers(
+      1000, 18, {{"a", "a:1", 1 << 20}, {"b", "b:1", 1 << 20}, {"c", "c:1", 1 << 20}});
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->size(), 3u);
+  EXPECT_EQ((*r)[0].begin(), 0);
+  EXPECT_EQ((*r)[0].end(), 334);
+  EXPECT_EQ((*r)[1].begin(), 334);
+  EXPECT_EQ((*r)[2].end(), 1000);
+  for (const auto& x : *r) EXPECT_LE(x.end() - x.begin(), 334);
+}
+
+TEST(PsPlacementTest, ASmallServerTakesWhatItHoldsAndTheOthersShareTheRest) {
+  auto r = coordinator::PlaceOnParameterServers(
+      1000, 10, {{"small", "s:1", 1000}, {"big1", "b:1", 100000}, {"big2", "c:1", 100000}});
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->size(), 3u);
+  EXPECT_EQ((*r)[0].end() - (*r)[0].begin(), 100);
+  EXPECT_EQ((*r)[1].end() - (*r)[1].begin(), 450);
+  EXPECT_EQ((*r)[2].end() - (*r)[2].begin(), 450);
+  EXPECT_EQ((*r)[2].end(), 1000);
+}
+
+TEST(PsPlacementTest, RandomCapacitiesAlwaysTileTheWholeVector) {
+  std::mt19937 rng(3);
+  for (int trial = 0; trial < 500; ++trial) {
+    std::vector<coordinator::PsCapacity> servers;
+    const int n = 1 + static_cast<int>(rng() % 6);
+    for (int i = 0; i < n; ++i) {
+      servers.push_back({absl::StrCat("s", i), "x:1", static_cast<int64_t>(rng() % 20000)});
+    }
+    const int64_t total = 1 + rng() % 5000;
+    auto r = coordinator::PlaceOnParameterServers(total, 18, servers);
+    int64_t capacity = 0;
+    for (const auto& s : servers) capacity += s.free_bytes / 18;
+    if (capacity < total) {
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+      continue;
+    }
+    ASSERT_TRUE(r.ok()) << r.status();
+    int64_t next = 0;
+    for (const auto& x : *r) {
+      EXPECT_EQ(x.begin(), next);
+      EXPECT_GT(x.end(), x.begin());
+      for (const auto& s : servers) {
+        if (s.node_id == x.node_id()) {
+          EXPECT_LE((x.end() - x.begin()) * 18, s.free_bytes);
+        }
+      }
+      next = x.end();
+    }
+    EXPECT_EQ(next, total);
+  }
+}
+
+TEST(PsPlacementTest, RefusesWhenTheServersAreTooSmall) {
+  auto r = coordinator::PlaceOnParameterServers(1000, 18, {{"a", "a:1", 9000}, {"b", "b:1", 8999}});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("18000 bytes"));
+}
+
+}  // namespace
+}  // namespace trainyard

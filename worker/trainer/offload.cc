@@ -1,0 +1,323 @@
+// OffloadOptimizer (see offload.h).
+#include "worker/trainer/offload.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <cstring>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/grpc_status.h"
+#include "common/status_macros.h"
+#include "trainyard/v1/ps.grpc.pb.h"
+
+namespace trainyard::trainer {
+namespace {
+
+constexpr int64_t kChunkElements = int64_t{1} << 20;  // 4 MiB fp32 messages
+constexpr int kMaxMessageBytes = 64 << 20;
+
+std::string StateKey(const torch::Tensor& p) {
+  return c10::guts::to_string(p.unsafeGetTensorImpl());
+}
+
+// Runs fn(i) for each i in [0, n) on its own thread; the first error wins.
+absl::Status RunParallel(size_t n, const std::function<absl::Status(size_t)>& fn) {
+  std::vector<absl::Status> results(n);
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < n; ++i) threads.emplace_back([&, i] { results[i] = fn(i); });
+  for (auto& t : threads) t.join();
+  for (auto& s : results) {
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+struct OffloadOptimizer::Server {
+  PsRangeRef range;
+  std::unique_ptr<v1::ParameterServerService::Stub> stub;
+
+  absl::Status Annotate(const grpc::Status& s, const char* what) const {
+    absl::Status status = FromGrpcStatus(s);
+    return absl::Status(status.code(), absl::StrCat("parameter server ", range.address, " (", what,
+                                                    "): ", status.message()));
+  }
+};
+
+absl::StatusOr<std::vector<PsRangeRef>> ParsePsRanges(const std::string& flag) {
+  std::vector<PsRangeRef> out;
+  int64_t next = 0;
+  for (absl::string_view item : absl::StrSplit(flag, ',', absl::SkipEmpty())) {
+    std::vector<absl::string_view> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
+    std::vector<absl::string_view> be =
+        kv.size() == 2 ? absl::StrSplit(kv[1], ':') : std::vector<absl::string_view>{};
+    PsRangeRef r;
+    if (kv.size() != 2 || kv[0].empty() || be.size() != 2 || !absl::SimpleAtoi(be[0], &r.begin) ||
+        !absl::SimpleAtoi(be[1], &r.end)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--ps: expected ADDRESS=BEGIN:END,..., got '", item, "'"));
+    }
+    if (r.begin != next || r.end <= r.begin) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--ps: ranges must be non-empty and contiguous from 0; '", item,
+                       "' should begin at ", next));
+    }
+    r.address = std::string(kv[0]);
+    next = r.end;
+    out.push_back(std::move(r));
+  }
+  if (out.empty()) return absl::InvalidArgumentError("--ps: no parameter-server ranges");
+  return out;
+}
+
+OffloadOptimizer::OffloadOptimizer(std::vector<torch::Tensor> params, Communicator& comm,
+                                   OffloadConfig config)
+    : params_(std::move(params)), comm_(comm), config_(std::move(config)) {}
+
+OffloadOptimizer::~OffloadOptimizer() = default;
+
+absl::StatusOr<std::unique_ptr<OffloadOptimizer>> OffloadOptimizer::Create(
+    std::vector<torch::Tensor> params, Communicator& comm, std::vector<PsRangeRef> ranges,
+    OffloadConfig config) {
+  std::unique_ptr<OffloadOptimizer> o(
+      new OffloadOptimizer(std::move(params), comm, std::move(config)));
+  for (const auto& p : o->params_) o->total_ += p.numel();
+  if (ranges.empty() || ranges.back().end != o->total_) {
+    return absl::InvalidArgumentError(absl::StrCat("--ps: the ranges cover ",
+                                                   ranges.empty() ? 0 : ranges.back().end,
+                                                   " parameters but the model has ", o->total_));
+  }
+  const int world = comm.world_size();
+  o->slice_ = (o->total_ + world - 1) / world;
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  args.SetMaxSendMessageSize(kMaxMessageBytes);
+  for (PsRangeRef& r : ranges) {
+    auto server = std::make_unique<Server>();
+    server->stub = v1::ParameterServerService::NewStub(
+        grpc::CreateCustomChannel(r.address, grpc::InsecureChannelCredentials(), args));
+    server->range = std::move(r);
+    o->servers_.push_back(std::move(server));
+  }
+  return o;
+}
+
+std::pair<int64_t, int64_t> OffloadOptimizer::OwnedSlice() const {
+  const int64_t a = std::min(total_, comm_.rank() * slice_);
+  return {a, std::min(total_, a + slice_)};
+}
+
+torch::Tensor OffloadOptimizer::Flatten(bool grads) const {
+  std::vector<torch::Tensor> parts;
+  for (const auto& p : params_) {
+    if (grads) {
+      parts.push_back(p.grad().defined() ? p.grad().reshape(-1) : torch::zeros({p.numel()}));
+    } else {
+      parts.push_back(p.detach().reshape(-1));
+    }
+  }
+  return torch::cat(parts).to(torch::kFloat).contiguous();
+}
+
+void OffloadOptimizer::Unflatten(const torch::Tensor& flat) {
+  torch::NoGradGuard no_grad;
+  int64_t offset = 0;
+  for (auto& p : params_) {
+    p.copy_(flat.narrow(0, offset, p.numel()).view_as(p));
+    offset += p.numel();
+  }
+}
+
+absl::Status OffloadOptimizer::Initialize(int64_t step, torch::optim::Optimizer& shadow) {
+  if (comm_.rank() == 0) {
+    const torch::Tensor flat = Flatten(false);
+    // After a resume the shadow optimizer holds m and v (a fresh one has no state).
+    torch::Tensor m, v;
+    bool has_state = !shadow.state().empty();
+    if (has_state) {
+      std::vector<torch::Tensor> ms, vs;
+      for (const auto& p : params_) {
+        auto it = shadow.state().find(StateKey(p));
+        if (it == shadow.state().end()) {
+          ms.push_back(torch::zeros({p.numel()}));
+          vs.push_back(torch::zeros({p.numel()}));
+          continue;
+        }
+        auto& st = static_cast<torch::optim::AdamWParamState&>(*it->second);
+        ms.push_back(st.exp_avg().reshape(-1));
+        vs.push_back(st.exp_avg_sq().reshape(-1));
+      }
+      m = torch::cat(ms).contiguous();
+      v = torch::cat(vs).contiguous();
+    }
+    RETURN_IF_ERROR(RunParallel(servers_.size(), [&](size_t i) -> absl::Status {
+      const Server& s = *servers_[i];
+      grpc::ClientContext ctx;
+      v1::InitShardResponse response;
+      auto writer = s.stub->InitShard(&ctx, &response);
+      v1::InitShardChunk chunk;
+      auto* h = chunk.mutable_header();
+      h->set_job_id(config_.job_id);
+      h->set_attempt(config_.attempt);
+      h->set_begin(s.range.begin);
+      h->set_end(s.range.end);
+      h->set_total_params(total_);
+      h->mutable_adamw()->set_beta1(config_.beta1);
+      h->mutable_adamw()->set_beta2(config_.beta2);
+      h->mutable_adamw()->set_eps(config_.eps);
+      h->mutable_adamw()->set_weight_decay(config_.weight_decay);
+      h->set_step(step);
+      h->set_has_optimizer_state(has_state);
+      bool ok = writer->Write(chunk);
+      for (int64_t a = s.range.begin; ok && a < s.range.end; a += kChunkElements) {
+        const int64_t n = std::min(kChunkElements, s.range.end - a);
+        chunk.Clear();
+        chunk.set_offset(a);
+        chunk.set_params(reinterpret_cast<const char*>(flat.data_ptr<float>() + a), n * 4);
+        if (has_state) {
+          chunk.set_m(reinterpret_cast<const char*>(m.data_ptr<float>() + a), n * 4);
+          chunk.set_v(reinterpret_cast<const char*>(v.data_ptr<float>() + a), n * 4);
+        }
+        ok = writer->Write(chunk);
+      }
+      writer->WritesDone();
+      const grpc::Status st = writer->Finish();
+      return st.ok() ? absl::OkStatus() : s.Annotate(st, "init");
+    }));
+  }
+  comm_.Barrier();  // no rank pushes before every shard is initialized
+  return absl::OkStatus();
+}
+
+absl::Status OffloadOptimizer::Step(int64_t step, double lr, double grad_scale) {
+  const torch::Tensor grads = Flatten(true);
+  const auto [a, b] = OwnedSlice();
+  torch::Tensor mine = torch::zeros({slice_});  // padded: every rank gathers the same size
+  std::vector<int64_t> pushed(servers_.size(), 0), pulled(servers_.size(), 0);
+  RETURN_IF_ERROR(RunParallel(servers_.size(), [&](size_t i) -> absl::Status {
+    const Server& s = *servers_[i];
+    const int64_t lo = std::max(a, s.range.begin), hi = std::min(b, s.range.end);
+    if (lo >= hi) return absl::OkStatus();
+    {
+      grpc::ClientContext ctx;
+      v1::PushGradientsResponse response;
+      auto writer = s.stub->PushGradients(&ctx, &response);
+      v1::GradientChunk chunk;
+      chunk.set_job_id(config_.job_id);
+      chunk.set_attempt(config_.attempt);
+      chunk.set_step(step);
+      chunk.set_format(v1::WIRE_FP32);
+      bool ok = true;
+      for (int64_t x = lo; ok && x < hi; x += kChunkElements) {
+        const int64_t n = std::min(kChunkElements, hi - x);
+        chunk.set_offset(x);
+        chunk.set_data(reinterpret_cast<const char*>(grads.data_ptr<float>() + x), n * 4);
+        pushed[i] += n * 4;
+        ok = writer->Write(chunk);
+      }
+      writer->WritesDone();
+      const grpc::Status st = writer->Finish();
+      if (!st.ok()) return s.Annotate(st, "push");
+    }
+    grpc::ClientContext ctx;
+    v1::UpdateAndPullRequest request;
+    request.set_job_id(config_.job_id);
+    request.set_attempt(config_.attempt);
+    request.set_step(step);
+    request.set_begin(lo);
+    request.set_end(hi);
+    request.mutable_update()->set_lr(static_cast<float>(lr));
+    request.mutable_update()->set_grad_scale(static_cast<float>(grad_scale));
+    request.set_format(v1::WIRE_FP32);
+    request.set_chunk_elements(kChunkElements);
+    auto reader = s.stub->UpdateAndPull(&ctx, request);
+    v1::ParameterChunk chunk;
+    int64_t received = 0;
+    while (reader->Read(&chunk)) {
+      const int64_t n = static_cast<int64_t>(chunk.data().size()) / 4;
+      if (chunk.offset() < lo || chunk.offset() + n > hi) {
+        ctx.TryCancel();
+        reader->Finish();
+        return absl::InternalError(absl::StrCat("parameter server ", s.range.address,
+                                                " sent a chunk outside [", lo, ", ", hi, ")"));
+      }
+      std::memcpy(mine.data_ptr<float>() + (chunk.offset() - a), chunk.data().data(), n * 4);
+      received += n;
+      pulled[i] += chunk.data().size();
+    }
+    const grpc::Status st = reader->Finish();
+    if (!st.ok()) return s.Annotate(st, "update and pull");
+    if (received != hi - lo) {
+      return absl::InternalError(absl::StrCat("parameter server ", s.range.address, " sent ",
+                                              received, " of ", hi - lo, " parameters"));
+    }
+    return absl::OkStatus();
+  }));
+  pushed_bytes_ = pulled_bytes_ = 0;
+  for (size_t i = 0; i < servers_.size(); ++i) {
+    pushed_bytes_ += pushed[i];
+    pulled_bytes_ += pulled[i];
+  }
+  const torch::Tensor whole = torch::cat(comm_.AllGather(mine)).narrow(0, 0, total_);
+  Unflatten(whole);
+  for (auto& p : params_) {
+    if (p.grad().defined()) p.mutable_grad().zero_();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status OffloadOptimizer::ReadIntoShadow(int64_t step, torch::optim::Optimizer& shadow) {
+  torch::Tensor master = torch::empty({total_}), m = torch::empty({total_}),
+                v = torch::empty({total_});
+  RETURN_IF_ERROR(RunParallel(servers_.size(), [&](size_t i) -> absl::Status {
+    const Server& s = *servers_[i];
+    grpc::ClientContext ctx;
+    v1::ReadShardStateRequest request;
+    request.set_job_id(config_.job_id);
+    request.set_attempt(config_.attempt);
+    request.set_step(step);
+    request.set_chunk_elements(kChunkElements);
+    auto reader = s.stub->ReadShardState(&ctx, request);
+    v1::ShardStateChunk chunk;
+    int64_t received = 0;
+    while (reader->Read(&chunk)) {
+      const int64_t n = static_cast<int64_t>(chunk.params().size()) / 4;
+      if (chunk.offset() < s.range.begin || chunk.offset() + n > s.range.end ||
+          chunk.m().size() != chunk.params().size() || chunk.v().size() != chunk.params().size()) {
+        ctx.TryCancel();
+        reader->Finish();
+        return absl::InternalError(
+            absl::StrCat("parameter server ", s.range.address, " sent a malformed state chunk"));
+      }
+      std::memcpy(master.data_ptr<float>() + chunk.offset(), chunk.params().data(), n * 4);
+      std::memcpy(m.data_ptr<float>() + chunk.offset(), chunk.m().data(), n * 4);
+      std::memcpy(v.data_ptr<float>() + chunk.offset(), chunk.v().data(), n * 4);
+      received += n;
+    }
+    const grpc::Status st = reader->Finish();
+    if (!st.ok()) return s.Annotate(st, "read state");
+    if (received != s.range.end - s.range.begin) {
+      return absl::InternalError(absl::StrCat("parameter server ", s.range.address, " sent ",
+                                              received, " of ", s.range.end - s.range.begin,
+                                              " state elements"));
+    }
+    return absl::OkStatus();
+  }));
+  Unflatten(master);
+  int64_t offset = 0;
+  for (const auto& p : params_) {
+    auto state = std::make_unique<torch::optim::AdamWParamState>();
+    state->step(step);
+    state->exp_avg(m.narrow(0, offset, p.numel()).view_as(p).clone());
+    state->exp_avg_sq(v.narrow(0, offset, p.numel()).view_as(p).clone());
+    shadow.state()[StateKey(p)] = std::move(state);
+    offset += p.numel();
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace trainyard::trainer
