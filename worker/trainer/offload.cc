@@ -2,7 +2,11 @@
 #include "worker/trainer/offload.h"
 
 #include <grpcpp/grpcpp.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 
+#include <chrono>
+#include <cmath>
 #include <cstring>
 #include <thread>
 
@@ -74,18 +78,42 @@ absl::StatusOr<std::vector<PsRangeRef>> ParsePsRanges(const std::string& flag) {
   return out;
 }
 
+class OffloadOptimizer::Hook : public torch::autograd::FunctionPostHook {
+ public:
+  Hook(OffloadOptimizer* owner, int param) : owner_(owner), param_(param) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    owner_->MarkReady(param_);
+    return outputs;
+  }
+
+ private:
+  OffloadOptimizer* owner_;
+  int param_;
+};
+
 OffloadOptimizer::OffloadOptimizer(std::vector<torch::Tensor> params, Communicator& comm,
                                    OffloadConfig config)
     : params_(std::move(params)), comm_(comm), config_(std::move(config)) {}
 
-OffloadOptimizer::~OffloadOptimizer() = default;
+OffloadOptimizer::~OffloadOptimizer() {
+  for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  if (pusher_.joinable()) pusher_.join();
+}
 
 absl::StatusOr<std::unique_ptr<OffloadOptimizer>> OffloadOptimizer::Create(
     std::vector<torch::Tensor> params, Communicator& comm, std::vector<PsRangeRef> ranges,
-    OffloadConfig config) {
+    OffloadConfig config, double bucket_mb) {
   std::unique_ptr<OffloadOptimizer> o(
       new OffloadOptimizer(std::move(params), comm, std::move(config)));
-  for (const auto& p : o->params_) o->total_ += p.numel();
+  for (const auto& p : o->params_) {
+    o->offsets_.push_back(o->total_);
+    o->total_ += p.numel();
+  }
   if (ranges.empty() || ranges.back().end != o->total_) {
     return absl::InvalidArgumentError(absl::StrCat("--ps: the ranges cover ",
                                                    ranges.empty() ? 0 : ranges.back().end,
@@ -103,7 +131,160 @@ absl::StatusOr<std::unique_ptr<OffloadOptimizer>> OffloadOptimizer::Create(
     server->range = std::move(r);
     o->servers_.push_back(std::move(server));
   }
+  // Buckets in reverse registration order (the order backward produces gradients), as DDP's:
+  // each a contiguous range of the flat vector of about bucket_mb.
+  const int n = static_cast<int>(o->params_.size());
+  const int64_t cap = std::max<int64_t>(1, static_cast<int64_t>(bucket_mb * (1 << 20)) / 4);
+  o->bucket_of_.assign(n, 0);
+  for (int i = n - 1; i >= 0; --i) {
+    const int64_t numel = o->params_[i].numel();
+    if (o->buckets_.empty() || (o->buckets_.back().end - o->buckets_.back().begin > 0 &&
+                                o->buckets_.back().end - o->buckets_.back().begin + numel > cap)) {
+      Bucket b;
+      b.end = o->offsets_[i] + numel;
+      b.begin = b.end;
+      b.last_param = i;
+      o->buckets_.push_back(b);
+    }
+    Bucket& b = o->buckets_.back();
+    b.begin = o->offsets_[i];
+    b.first_param = i;
+    o->bucket_of_[i] = static_cast<int>(o->buckets_.size()) - 1;
+  }
+  o->grads_ = torch::zeros({o->total_}, torch::kFloat);
+  o->ready_.assign(n, false);
+  for (int i = 0; i < n; ++i) {
+    auto accumulator = torch::autograd::impl::grad_accumulator(o->params_[i]);
+    o->hook_keys_.push_back(accumulator->add_post_hook(std::make_unique<Hook>(o.get(), i)));
+    o->accumulators_.push_back(std::move(accumulator));
+  }
+  o->pusher_ = std::thread([raw = o.get()] { raw->PusherLoop(); });
   return o;
+}
+
+void OffloadOptimizer::Prepare(bool sync, int64_t step) {
+  sync_ = sync;
+  step_ = step;
+  if (!sync) return;
+  std::fill(ready_.begin(), ready_.end(), false);
+  for (Bucket& b : buckets_) b.pending = b.last_param - b.first_param + 1;
+  next_launch_ = 0;
+  pushed_bytes_ = 0;
+  absl::MutexLock lock(&mu_);
+  pushed_buckets_ = 0;
+  push_status_ = absl::OkStatus();
+}
+
+void OffloadOptimizer::MarkReady(int param) {
+  if (!sync_ || ready_[param]) return;
+  ready_[param] = true;
+  const torch::Tensor& grad = params_[param].grad();
+  torch::NoGradGuard no_grad;
+  grads_.narrow(0, offsets_[param], grad.numel()).copy_(grad.reshape({-1}));
+  --buckets_[bucket_of_[param]].pending;
+  LaunchReady();
+}
+
+void OffloadOptimizer::LaunchReady() {
+  while (next_launch_ < num_buckets() && buckets_[next_launch_].pending == 0) {
+    const Bucket& b = buckets_[next_launch_];
+    std::unique_ptr<CommHandle> handle =
+        comm_.AllReduceAverage({grads_.narrow(0, b.begin, b.end - b.begin)});
+    absl::MutexLock lock(&mu_);
+    queue_.emplace_back(next_launch_, std::move(handle));
+    ++next_launch_;
+  }
+}
+
+void OffloadOptimizer::PusherLoop() {
+  while (true) {
+    std::pair<int, std::unique_ptr<CommHandle>> item;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](OffloadOptimizer* o)
+               ABSL_EXCLUSIVE_LOCKS_REQUIRED(o->mu_) { return o->stop_ || !o->queue_.empty(); },
+          this));
+      if (queue_.empty()) return;  // stopping
+      item = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    absl::Status s;
+    try {
+      item.second->Wait();
+      s = PushBucket(buckets_[item.first]);
+    } catch (const std::exception& e) {
+      s = absl::UnavailableError(absl::StrCat("gradient all-reduce failed: ", e.what()));
+    }
+    absl::MutexLock lock(&mu_);
+    if (push_status_.ok()) push_status_ = s;
+    ++pushed_buckets_;
+  }
+}
+
+absl::Status OffloadOptimizer::PushBucket(const Bucket& bucket) {
+  const auto [a, b] = OwnedSlice();
+  const int64_t lo = std::max(a, bucket.begin), hi = std::min(b, bucket.end);
+  for (const auto& server : servers_) {
+    const Server& s = *server;
+    const int64_t x0 = std::max(lo, s.range.begin), x1 = std::min(hi, s.range.end);
+    if (x0 >= x1) continue;
+    grpc::ClientContext ctx;
+    v1::PushGradientsResponse response;
+    auto writer = s.stub->PushGradients(&ctx, &response);
+    v1::GradientChunk chunk;
+    chunk.set_job_id(config_.job_id);
+    chunk.set_attempt(config_.attempt);
+    chunk.set_step(step_);
+    chunk.set_format(v1::WIRE_FP32);
+    bool ok = true;
+    for (int64_t x = x0; ok && x < x1; x += kChunkElements) {
+      const int64_t n = std::min(kChunkElements, x1 - x);
+      chunk.set_offset(x);
+      chunk.set_data(reinterpret_cast<const char*>(grads_.data_ptr<float>() + x), n * 4);
+      pushed_bytes_ += n * 4;
+      ok = writer->Write(chunk);
+    }
+    writer->WritesDone();
+    const grpc::Status st = writer->Finish();
+    if (!st.ok()) return s.Annotate(st, "push");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<double> OffloadOptimizer::FinishBackward(double* waited_s) {
+  {
+    torch::NoGradGuard no_grad;
+    for (int i = 0; i < static_cast<int>(params_.size()); ++i) {
+      if (ready_[i]) continue;
+      torch::Tensor dst = grads_.narrow(0, offsets_[i], params_[i].numel());
+      if (params_[i].grad().defined()) {
+        dst.copy_(params_[i].grad().reshape({-1}));
+      } else {
+        dst.zero_();
+      }
+      ready_[i] = true;
+      --buckets_[bucket_of_[i]].pending;
+    }
+  }
+  LaunchReady();
+  const auto start = std::chrono::steady_clock::now();
+  absl::Status status;
+  {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(
+        +[](OffloadOptimizer* o) ABSL_EXCLUSIVE_LOCKS_REQUIRED(o->mu_) {
+          return o->pushed_buckets_ == o->num_buckets();
+        },
+        this));
+    status = push_status_;
+  }
+  if (waited_s != nullptr) {
+    *waited_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  sync_ = false;
+  if (!status.ok()) return status;
+  return std::sqrt(grads_.pow(2).sum().item<double>());
 }
 
 std::pair<int64_t, int64_t> OffloadOptimizer::OwnedSlice() const {
@@ -111,15 +292,9 @@ std::pair<int64_t, int64_t> OffloadOptimizer::OwnedSlice() const {
   return {a, std::min(total_, a + slice_)};
 }
 
-torch::Tensor OffloadOptimizer::Flatten(bool grads) const {
+torch::Tensor OffloadOptimizer::Flatten() const {
   std::vector<torch::Tensor> parts;
-  for (const auto& p : params_) {
-    if (grads) {
-      parts.push_back(p.grad().defined() ? p.grad().reshape(-1) : torch::zeros({p.numel()}));
-    } else {
-      parts.push_back(p.detach().reshape(-1));
-    }
-  }
+  for (const auto& p : params_) parts.push_back(p.detach().reshape(-1));
   return torch::cat(parts).to(torch::kFloat).contiguous();
 }
 
@@ -134,7 +309,7 @@ void OffloadOptimizer::Unflatten(const torch::Tensor& flat) {
 
 absl::Status OffloadOptimizer::Initialize(int64_t step, torch::optim::Optimizer& shadow) {
   if (comm_.rank() == 0) {
-    const torch::Tensor flat = Flatten(false);
+    const torch::Tensor flat = Flatten();
     // After a resume the shadow optimizer holds m and v (a fresh one has no state).
     torch::Tensor m, v;
     bool has_state = !shadow.state().empty();
@@ -193,41 +368,19 @@ absl::Status OffloadOptimizer::Initialize(int64_t step, torch::optim::Optimizer&
   return absl::OkStatus();
 }
 
-absl::Status OffloadOptimizer::Step(int64_t step, double lr, double grad_scale) {
-  const torch::Tensor grads = Flatten(true);
+absl::Status OffloadOptimizer::Step(double lr, double grad_scale) {
   const auto [a, b] = OwnedSlice();
   torch::Tensor mine = torch::zeros({slice_});  // padded: every rank gathers the same size
-  std::vector<int64_t> pushed(servers_.size(), 0), pulled(servers_.size(), 0);
+  std::vector<int64_t> pulled(servers_.size(), 0);
   RETURN_IF_ERROR(RunParallel(servers_.size(), [&](size_t i) -> absl::Status {
     const Server& s = *servers_[i];
     const int64_t lo = std::max(a, s.range.begin), hi = std::min(b, s.range.end);
     if (lo >= hi) return absl::OkStatus();
-    {
-      grpc::ClientContext ctx;
-      v1::PushGradientsResponse response;
-      auto writer = s.stub->PushGradients(&ctx, &response);
-      v1::GradientChunk chunk;
-      chunk.set_job_id(config_.job_id);
-      chunk.set_attempt(config_.attempt);
-      chunk.set_step(step);
-      chunk.set_format(v1::WIRE_FP32);
-      bool ok = true;
-      for (int64_t x = lo; ok && x < hi; x += kChunkElements) {
-        const int64_t n = std::min(kChunkElements, hi - x);
-        chunk.set_offset(x);
-        chunk.set_data(reinterpret_cast<const char*>(grads.data_ptr<float>() + x), n * 4);
-        pushed[i] += n * 4;
-        ok = writer->Write(chunk);
-      }
-      writer->WritesDone();
-      const grpc::Status st = writer->Finish();
-      if (!st.ok()) return s.Annotate(st, "push");
-    }
     grpc::ClientContext ctx;
     v1::UpdateAndPullRequest request;
     request.set_job_id(config_.job_id);
     request.set_attempt(config_.attempt);
-    request.set_step(step);
+    request.set_step(step_);
     request.set_begin(lo);
     request.set_end(hi);
     request.mutable_update()->set_lr(static_cast<float>(lr));
@@ -257,11 +410,8 @@ absl::Status OffloadOptimizer::Step(int64_t step, double lr, double grad_scale) 
     }
     return absl::OkStatus();
   }));
-  pushed_bytes_ = pulled_bytes_ = 0;
-  for (size_t i = 0; i < servers_.size(); ++i) {
-    pushed_bytes_ += pushed[i];
-    pulled_bytes_ += pulled[i];
-  }
+  pulled_bytes_ = 0;
+  for (int64_t p : pulled) pulled_bytes_ += p;
   const torch::Tensor whole = torch::cat(comm_.AllGather(mine)).narrow(0, 0, total_);
   Unflatten(whole);
   for (auto& p : params_) {

@@ -1,25 +1,33 @@
 // Offload: the ZeRO-Offload data flow with the optimizer on parameter servers
-// (parallel.strategy: offload). After the synchronizing backward (gradients averaged over the
-// data-parallel ranks by the GradientReducer), rank r owns slice r of the flat parameter vector
-// (every parameter in registration order, split into world_size equal slices). It pushes its
-// slice's gradients to the parameter servers holding it, asks each to apply AdamW for the step
-// (UpdateAndPull) and receives the updated fp32 parameters; an all-gather of the slices gives
-// every rank the whole model again.
+// (parallel.strategy: offload). Rank r owns slice r of the flat parameter vector (every parameter
+// in registration order, split into world_size equal slices). During the synchronizing backward,
+// gradients land in one flat buffer through AccumulateGrad hooks; buckets (contiguous ranges
+// of it, filled in reverse registration order like DDP's) are all-reduced (averaged) as soon as
+// they are complete, and a pusher thread sends the rank's part of each reduced bucket to the
+// parameter servers holding it while backward goes on. After backward, each rank asks the
+// servers to apply AdamW to its slice (UpdateAndPull) and receives the updated fp32 parameters;
+// an all-gather of the slices gives every rank the whole model again.
 //
 // Checkpoints keep the DDP format: before saving, rank 0 reads the servers' master weights, m and
 // v into the model and a shadow torch AdamW (ReadIntoShadow); on resume, Initialize sends the
-// loaded state back. Called from the training thread only.
+// loaded state back. Called from the training thread only (backward on CPU runs the hooks there);
+// the pusher thread is internal.
 #ifndef TRAINYARD_WORKER_TRAINER_OFFLOAD_H_
 #define TRAINYARD_WORKER_TRAINER_OFFLOAD_H_
 
 #include <torch/torch.h>
 
+#include <atomic>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "worker/trainer/communicator.h"
 
 namespace trainyard::trainer {
@@ -43,47 +51,88 @@ struct OffloadConfig {
 class OffloadOptimizer {
  public:
   // `params` in registration order; `comm` must outlive this. The ranges must cover exactly the
-  // parameters' element count (else Create fails with INVALID_ARGUMENT).
+  // parameters' element count (else Create fails with INVALID_ARGUMENT). Gradients are reduced
+  // and pushed in buckets of about `bucket_mb`.
   static absl::StatusOr<std::unique_ptr<OffloadOptimizer>> Create(std::vector<torch::Tensor> params,
                                                                   Communicator& comm,
                                                                   std::vector<PsRangeRef> ranges,
-                                                                  OffloadConfig config);
+                                                                  OffloadConfig config,
+                                                                  double bucket_mb);
   ~OffloadOptimizer();
 
   // Every rank: rank 0 sends the current parameters (and the shadow optimizer's m and v if it has
   // state, i.e. after a resume) as the servers' initial state at `step`; then all ranks meet.
   absl::Status Initialize(int64_t step, torch::optim::Optimizer& shadow);
 
-  // After the synchronizing backward (grads averaged): pushes this rank's slice, applies step
-  // `step` (1-based) with `lr` and gradient scale `grad_scale` on the servers, pulls the slice
-  // back and all-gathers the parameters into the model. Clears the gradients.
-  absl::Status Step(int64_t step, double lr, double grad_scale);
+  // Before each backward: `sync` on the last micro-step of optimizer step `step` (1-based), whose
+  // backward then reduces and pushes the gradients.
+  void Prepare(bool sync, int64_t step);
+  // After the synchronizing backward: reduces and pushes what backward did not (unused
+  // parameters count as zero), waits for every push. Returns the global norm of the averaged
+  // gradients; `waited_s` gets the seconds spent waiting after backward.
+  absl::StatusOr<double> FinishBackward(double* waited_s);
+  // Applies the step on the servers with `lr` and gradient scale `grad_scale` (clipping), pulls
+  // this rank's slice back and all-gathers the parameters into the model. Clears the gradients.
+  absl::Status Step(double lr, double grad_scale);
 
   // Rank 0: copies the servers' master weights into the parameters and their m, v (at `step`)
   // into `shadow`'s AdamW state, so a DDP-format checkpoint can be written.
   absl::Status ReadIntoShadow(int64_t step, torch::optim::Optimizer& shadow);
 
   int64_t num_params() const { return total_; }
+  int num_buckets() const { return static_cast<int>(buckets_.size()); }
   // Bytes this rank sent to and received from the parameter servers in the last step.
   int64_t pushed_bytes() const { return pushed_bytes_; }
   int64_t pulled_bytes() const { return pulled_bytes_; }
 
  private:
   struct Server;
+  struct Bucket {
+    int64_t begin = 0, end = 0;  // flat elements [begin, end): params first_param..last_param
+    int first_param = 0, last_param = 0;
+    int pending = 0;  // gradients not yet copied in this step
+  };
+  class Hook;
   OffloadOptimizer(std::vector<torch::Tensor> params, Communicator& comm, OffloadConfig config);
+
+  void MarkReady(int param);
+  // Launches consecutive complete buckets starting at next_launch_ (training thread).
+  void LaunchReady();
+  // The pusher thread: waits for each launched bucket's reduction and pushes this rank's part.
+  void PusherLoop();
+  absl::Status PushBucket(const Bucket& bucket);
 
   // [begin, end) of this rank's slice, clipped to the parameters.
   std::pair<int64_t, int64_t> OwnedSlice() const;
-  torch::Tensor Flatten(bool grads) const;
+  torch::Tensor Flatten() const;  // the parameters
   void Unflatten(const torch::Tensor& flat);
 
   std::vector<torch::Tensor> params_;
+  std::vector<int64_t> offsets_;  // flat offset of each parameter
   Communicator& comm_;
   const OffloadConfig config_;
   std::vector<std::unique_ptr<Server>> servers_;
   int64_t total_ = 0;
-  int64_t slice_ = 0;  // elements per rank (the last slice is padded)
-  int64_t pushed_bytes_ = 0, pulled_bytes_ = 0;
+  int64_t slice_ = 0;    // elements per rank (the last slice is padded)
+  torch::Tensor grads_;  // flat fp32 gradients, averaged once their bucket is reduced
+  std::vector<Bucket> buckets_;
+  std::vector<int> bucket_of_;  // parameter -> bucket
+  std::vector<bool> ready_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<uintptr_t> hook_keys_;
+  bool sync_ = false;
+  int64_t step_ = 0;  // the optimizer step being computed
+  int next_launch_ = 0;
+  std::atomic<int64_t> pushed_bytes_{0};
+  int64_t pulled_bytes_ = 0;
+
+  // Launched buckets travel to the pusher thread with their reduction's handle.
+  absl::Mutex mu_;
+  std::deque<std::pair<int, std::unique_ptr<CommHandle>>> queue_ ABSL_GUARDED_BY(mu_);
+  int pushed_buckets_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status push_status_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread pusher_;
 };
 
 }  // namespace trainyard::trainer

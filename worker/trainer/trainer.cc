@@ -265,13 +265,13 @@ absl::Status Train(const TrainerOptions& o) {
     config.beta2 = 0.95;
     config.eps = 1e-8;
     config.weight_decay = t.weight_decay();
-    ASSIGN_OR_RETURN(offloaded,
-                     OffloadOptimizer::Create(params, *comm, std::move(ps_ranges), config));
+    ASSIGN_OR_RETURN(offloaded, OffloadOptimizer::Create(params, *comm, std::move(ps_ranges),
+                                                         config, spec.parallel().bucket_mb()));
     RETURN_IF_ERROR(offloaded->Initialize(step, optimizer));
   }
 
   std::unique_ptr<GradientReducer> reducer;
-  if (o.world_size > 1) {
+  if (o.world_size > 1 && !offload) {
     // The first bucket is 1 MiB like PyTorch's, or smaller when the buckets are.
     const double bucket_mb = spec.parallel().bucket_mb();
     reducer = std::make_unique<GradientReducer>(params, *comm, bucket_mb, std::min(1.0, bucket_mb));
@@ -300,7 +300,9 @@ absl::Status Train(const TrainerOptions& o) {
       "trainer rank %d/%d: %s model, %d parameters, %d tokens (%d samples), global batch %d, "
       "%d buckets, steps %d..%d",
       o.rank, o.world_size, m.kind(), params_count, data.size(), num_samples,
-      sampler.global_batch(), reducer ? reducer->num_buckets() : 0, step, total_steps));
+      sampler.global_batch(),
+      reducer ? reducer->num_buckets() : (offloaded ? offloaded->num_buckets() : 0), step,
+      total_steps));
 
   const int64_t run_start_step = step;
   while (step < total_steps) {
@@ -308,6 +310,7 @@ absl::Status Train(const TrainerOptions& o) {
     double loss_sum = 0, backward_s = 0, comm_wait_s = 0;
     for (int micro = 0; micro < grad_accum; ++micro) {
       if (reducer) reducer->Prepare(micro == grad_accum - 1);
+      if (offloaded) offloaded->Prepare(micro == grad_accum - 1, step + 1);
       torch::Tensor batch = MakeBatch(data, sampler.MicroBatch(step, micro), m.seq_len());
       torch::Tensor loss = model->Loss(batch) / grad_accum;
       const auto backward_start = Clock::now();
@@ -317,17 +320,22 @@ absl::Status Train(const TrainerOptions& o) {
     }
     if (reducer) comm_wait_s = reducer->Finish();
 
-    double sq = 0;
-    for (const auto& p : params) {
-      if (p.grad().defined()) sq += p.grad().pow(2).sum().item<double>();
+    double grad_norm = 0;
+    if (offloaded) {
+      ASSIGN_OR_RETURN(grad_norm, offloaded->FinishBackward(&comm_wait_s));
+    } else {
+      double sq = 0;
+      for (const auto& p : params) {
+        if (p.grad().defined()) sq += p.grad().pow(2).sum().item<double>();
+      }
+      grad_norm = std::sqrt(sq);
     }
-    const double grad_norm = std::sqrt(sq);
     const double clip_scale =
         t.grad_clip() > 0 && grad_norm > t.grad_clip() ? t.grad_clip() / (grad_norm + 1e-6) : 1.0;
     const double lr = LearningRate(step, total_steps, t.warmup(), t.lr());
     if (offloaded) {
       // The parameter servers scale the gradients (clipping) as they apply AdamW.
-      RETURN_IF_ERROR(offloaded->Step(step + 1, lr, clip_scale));
+      RETURN_IF_ERROR(offloaded->Step(lr, clip_scale));
     } else {
       if (clip_scale != 1.0) {
         torch::NoGradGuard no_grad;
@@ -363,9 +371,12 @@ absl::Status Train(const TrainerOptions& o) {
     if (rank0) {
       Log(absl::StrFormat(
           "step %d/%d loss %.4f lr %.2e grad_norm %.2f tok/s %.0f step_ms %.0f backward_ms %.0f "
-          "comm_wait_ms %.1f allreduce_bytes %d",
+          "comm_wait_ms %.1f allreduce_bytes %d%s",
           step, total_steps, loss, lr, grad_norm, tokens_per_s, step_s * 1e3, backward_s * 1e3,
-          comm_wait_s * 1e3, reducer ? reducer->bytes_per_step() : 0));
+          comm_wait_s * 1e3, reducer ? reducer->bytes_per_step() : 0,
+          offloaded ? absl::StrFormat(" ps_push_bytes %d ps_pull_bytes %d",
+                                      offloaded->pushed_bytes(), offloaded->pulled_bytes())
+                    : ""));
       if (metrics.is_open()) {
         nlohmann::json line = {{"step", step},
                                {"loss", loss},
