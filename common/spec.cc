@@ -263,7 +263,8 @@ absl::Status ParseDocument(const YAML::Node& root, SpecParser& p, JobSpec& spec)
     t.set_grad_clip(d);
   }
   if (const YAML::Node n = root["parallel"]) {
-    RETURN_IF_ERROR(p.Mapping(n, "parallel", {"strategy", "sharding_strategy", "bucket_mb"}));
+    RETURN_IF_ERROR(
+        p.Mapping(n, "parallel", {"strategy", "sharding_strategy", "bucket_mb", "delayed_update"}));
     auto& par = *spec.mutable_parallel();
     v1::Strategy s = v1::STRATEGY_UNSPECIFIED;
     RETURN_IF_ERROR(p.Choice<v1::Strategy>(
@@ -281,6 +282,9 @@ absl::Status ParseDocument(const YAML::Node& root, SpecParser& p, JobSpec& spec)
     double mb = 0;
     RETURN_IF_ERROR(p.Double(n, "bucket_mb", "parallel", mb));
     par.set_bucket_mb(mb);
+    bool delayed = false;
+    RETURN_IF_ERROR(p.Bool(n, "delayed_update", "parallel", delayed));
+    par.set_delayed_update(delayed);
   }
   if (const YAML::Node n = root["checkpoint"]) {
     RETURN_IF_ERROR(p.Mapping(n, "checkpoint", {"every_steps"}));
@@ -510,6 +514,9 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   if (!(p.bucket_mb() > 0) || p.bucket_mb() > 1024) {
     return FieldError("parallel.bucket_mb",
                       absl::StrCat("must be in (0, 1024], got ", p.bucket_mb()));
+  }
+  if (p.delayed_update() && p.strategy() != v1::OFFLOAD) {
+    return FieldError("parallel.delayed_update", "only applies to strategy offload");
   }
   RETURN_IF_ERROR(
       CheckRange("checkpoint.every_steps", spec.checkpoint().every_steps(), 0, int64_t{1} << 40));

@@ -192,6 +192,8 @@ TEST(SpecTest, ValidationNamesTheField) {
               StartsWith("train.warmup: must be in 0..300"));
   EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.mutable_parallel()->set_bucket_mb(-5); }),
               StartsWith("parallel.bucket_mb: must be in (0, 1024]"));
+  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.mutable_parallel()->set_delayed_update(true); }),
+              StartsWith("parallel.delayed_update: only applies to strategy offload"));
   EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.set_max_restarts(1000); }),
               StartsWith("max_restarts: must be in 0..100"));
 }

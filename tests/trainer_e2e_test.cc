@@ -547,6 +547,44 @@ TEST_F(OffloadE2eTest, ResumeFromCheckpointReproducesEveryLoss) {
   for (const auto& [step, loss] : expected) EXPECT_NEAR(got.at(step), loss, 1e-6) << step;
 }
 
+// delayed_update: step t's update overlaps step t+1, which computes with the parameters of
+// step t-1. So step 1 and 2 both see the initial weights: step 1's loss equals the immediate
+// run's, step 2's does not (the immediate run has applied update 1 by then), and training still
+// converges.
+TEST_F(OffloadE2eTest, DelayedUpdateLagsOneStepAndStillTrains) {
+  v1::JobSpec immediate = OffloadSpec(2, 4);
+  immediate.mutable_train()->set_steps(40);
+  v1::JobSpec delayed = immediate;
+  delayed.mutable_parallel()->set_delayed_update(true);
+  const Job a = StartJob(immediate, "immediate");
+  const Job b = StartJob(delayed, "delayed");
+  const std::string a_metrics = dir_.path() + "/immediate.jsonl";
+  const std::string b_metrics = dir_.path() + "/delayed.jsonl";
+  for (const auto& [job, metrics] : {std::pair{a, a_metrics}, std::pair{b, b_metrics}}) {
+    std::vector<std::unique_ptr<testing::Subprocess>> procs;
+    const std::string ps = PsFlag(job);
+    for (int r = 0; r < 2; ++r) {
+      std::vector<std::string> extra = {"--ps", ps};
+      if (r == 0) extra.insert(extra.end(), {"--metrics-file", metrics});
+      auto p = testing::Subprocess::Start(Argv(job, r, 2, extra));
+      ASSERT_TRUE(p.ok()) << p.status();
+      procs.push_back(std::move(*p));
+    }
+    RunResult r = Finish(procs);
+    ASSERT_THAT(r.exit_codes, ::testing::ElementsAre(0, 0)) << Joined(r);
+  }
+  const auto la = ReadLosses(a_metrics), lb = ReadLosses(b_metrics);
+  ASSERT_EQ(la.size(), 40u);
+  ASSERT_EQ(lb.size(), 40u);
+  EXPECT_NEAR(lb.at(1), la.at(1), 1e-6);
+  EXPECT_GT(std::abs(lb.at(2) - la.at(2)), 1e-4);
+  double first = 0, last = 0;
+  for (int s = 1; s <= 5; ++s) first += lb.at(s);
+  for (int s = 36; s <= 40; ++s) last += lb.at(s);
+  EXPECT_LT(last, first - 5 * 0.5)
+      << "mean loss of the first and last 5 steps: " << first / 5 << " -> " << last / 5;
+}
+
 TEST_F(OffloadE2eTest, RangesThatDoNotCoverTheModelFailFast) {
   const Job job = StartJob(OffloadSpec(1, 8), "short");
   std::string ps = PsFlag(job);

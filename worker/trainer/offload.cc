@@ -170,9 +170,6 @@ void OffloadOptimizer::Prepare(bool sync, int64_t step) {
   for (Bucket& b : buckets_) b.pending = b.last_param - b.first_param + 1;
   next_launch_ = 0;
   pushed_bytes_ = 0;
-  absl::MutexLock lock(&mu_);
-  pushed_buckets_ = 0;
-  push_status_ = absl::OkStatus();
 }
 
 void OffloadOptimizer::MarkReady(int param) {
@@ -190,15 +187,20 @@ void OffloadOptimizer::LaunchReady() {
     const Bucket& b = buckets_[next_launch_];
     std::unique_ptr<CommHandle> handle =
         comm_.AllReduceAverage({grads_.narrow(0, b.begin, b.end - b.begin)});
+    Task task;
+    task.bucket = next_launch_;
+    task.step = step_;
+    task.handle = std::move(handle);
     absl::MutexLock lock(&mu_);
-    queue_.emplace_back(next_launch_, std::move(handle));
+    queue_.push_back(std::move(task));
+    ++tasks_queued_;
     ++next_launch_;
   }
 }
 
 void OffloadOptimizer::PusherLoop() {
   while (true) {
-    std::pair<int, std::unique_ptr<CommHandle>> item;
+    Task task;
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
@@ -206,23 +208,40 @@ void OffloadOptimizer::PusherLoop() {
                ABSL_EXCLUSIVE_LOCKS_REQUIRED(o->mu_) { return o->stop_ || !o->queue_.empty(); },
           this));
       if (queue_.empty()) return;  // stopping
-      item = std::move(queue_.front());
+      task = std::move(queue_.front());
       queue_.pop_front();
     }
     absl::Status s;
     try {
-      item.second->Wait();
-      s = PushBucket(buckets_[item.first]);
+      if (task.update) {
+        s = UpdateAndPull(task.step, task.lr, task.grad_scale, pending_slice_);
+      } else {
+        task.handle->Wait();
+        s = PushBucket(buckets_[task.bucket], task.step);
+      }
     } catch (const std::exception& e) {
       s = absl::UnavailableError(absl::StrCat("gradient all-reduce failed: ", e.what()));
     }
     absl::MutexLock lock(&mu_);
     if (push_status_.ok()) push_status_ = s;
-    ++pushed_buckets_;
+    ++tasks_done_;
   }
 }
 
-absl::Status OffloadOptimizer::PushBucket(const Bucket& bucket) {
+absl::Status OffloadOptimizer::Drain() {
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(
+      +[](OffloadOptimizer* o)
+           ABSL_EXCLUSIVE_LOCKS_REQUIRED(o->mu_) { return o->tasks_done_ == o->tasks_queued_; },
+      this));
+  return push_status_;
+}
+
+void OffloadOptimizer::GatherIntoModel(const torch::Tensor& slice) {
+  Unflatten(torch::cat(comm_.AllGather(slice)).narrow(0, 0, total_));
+}
+
+absl::Status OffloadOptimizer::PushBucket(const Bucket& bucket, int64_t step) {
   const auto [a, b] = OwnedSlice();
   const int64_t lo = std::max(a, bucket.begin), hi = std::min(b, bucket.end);
   for (const auto& server : servers_) {
@@ -235,7 +254,7 @@ absl::Status OffloadOptimizer::PushBucket(const Bucket& bucket) {
     v1::GradientChunk chunk;
     chunk.set_job_id(config_.job_id);
     chunk.set_attempt(config_.attempt);
-    chunk.set_step(step_);
+    chunk.set_step(step);
     chunk.set_format(v1::WIRE_FP32);
     bool ok = true;
     for (int64_t x = x0; ok && x < x1; x += kChunkElements) {
@@ -269,20 +288,16 @@ absl::StatusOr<double> OffloadOptimizer::FinishBackward(double* waited_s) {
   }
   LaunchReady();
   const auto start = std::chrono::steady_clock::now();
-  absl::Status status;
-  {
-    absl::MutexLock lock(&mu_);
-    mu_.Await(absl::Condition(
-        +[](OffloadOptimizer* o) ABSL_EXCLUSIVE_LOCKS_REQUIRED(o->mu_) {
-          return o->pushed_buckets_ == o->num_buckets();
-        },
-        this));
-    status = push_status_;
-  }
+  const absl::Status status = Drain();
   if (waited_s != nullptr) {
     *waited_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
   sync_ = false;
+  // delayed_update: the previous step's parameters, pulled during this backward, join the model.
+  if (status.ok() && pending_) {
+    GatherIntoModel(pending_slice_);
+    pending_ = false;
+  }
   if (!status.ok()) return status;
   return std::sqrt(grads_.pow(2).sum().item<double>());
 }
@@ -368,9 +383,9 @@ absl::Status OffloadOptimizer::Initialize(int64_t step, torch::optim::Optimizer&
   return absl::OkStatus();
 }
 
-absl::Status OffloadOptimizer::Step(double lr, double grad_scale) {
+absl::Status OffloadOptimizer::UpdateAndPull(int64_t step, double lr, double grad_scale,
+                                             torch::Tensor& mine) {
   const auto [a, b] = OwnedSlice();
-  torch::Tensor mine = torch::zeros({slice_});  // padded: every rank gathers the same size
   std::vector<int64_t> pulled(servers_.size(), 0);
   RETURN_IF_ERROR(RunParallel(servers_.size(), [&](size_t i) -> absl::Status {
     const Server& s = *servers_[i];
@@ -380,7 +395,7 @@ absl::Status OffloadOptimizer::Step(double lr, double grad_scale) {
     v1::UpdateAndPullRequest request;
     request.set_job_id(config_.job_id);
     request.set_attempt(config_.attempt);
-    request.set_step(step_);
+    request.set_step(step);
     request.set_begin(lo);
     request.set_end(hi);
     request.mutable_update()->set_lr(static_cast<float>(lr));
@@ -410,13 +425,39 @@ absl::Status OffloadOptimizer::Step(double lr, double grad_scale) {
     }
     return absl::OkStatus();
   }));
-  pulled_bytes_ = 0;
-  for (int64_t p : pulled) pulled_bytes_ += p;
-  const torch::Tensor whole = torch::cat(comm_.AllGather(mine)).narrow(0, 0, total_);
-  Unflatten(whole);
+  int64_t total = 0;
+  for (int64_t p : pulled) total += p;
+  pulled_bytes_ = total;
+  return absl::OkStatus();
+}
+
+absl::Status OffloadOptimizer::Step(double lr, double grad_scale) {
+  if (!pending_slice_.defined()) pending_slice_ = torch::zeros({slice_});
   for (auto& p : params_) {
     if (p.grad().defined()) p.mutable_grad().zero_();
   }
+  if (config_.delayed_update) {
+    Task task;
+    task.update = true;
+    task.step = step_;
+    task.lr = lr;
+    task.grad_scale = grad_scale;
+    pending_ = true;
+    absl::MutexLock lock(&mu_);
+    queue_.push_back(std::move(task));
+    ++tasks_queued_;
+    return absl::OkStatus();
+  }
+  RETURN_IF_ERROR(UpdateAndPull(step_, lr, grad_scale, pending_slice_));
+  GatherIntoModel(pending_slice_);
+  return absl::OkStatus();
+}
+
+absl::Status OffloadOptimizer::Flush() {
+  if (!pending_) return absl::OkStatus();
+  RETURN_IF_ERROR(Drain());
+  GatherIntoModel(pending_slice_);
+  pending_ = false;
   return absl::OkStatus();
 }
 

@@ -46,6 +46,9 @@ struct OffloadConfig {
   std::string job_id;
   int attempt = 1;
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0;
+  // Step t's update and pull run on the pusher thread while step t+1 computes with the
+  // parameters of step t-1; they reach the model after step t+1's backward.
+  bool delayed_update = false;
 };
 
 class OffloadOptimizer {
@@ -73,7 +76,12 @@ class OffloadOptimizer {
   absl::StatusOr<double> FinishBackward(double* waited_s);
   // Applies the step on the servers with `lr` and gradient scale `grad_scale` (clipping), pulls
   // this rank's slice back and all-gathers the parameters into the model. Clears the gradients.
+  // With delayed_update the update and pull only start here, and the parameters arrive in the
+  // next FinishBackward (or Flush).
   absl::Status Step(double lr, double grad_scale);
+  // delayed_update: waits for the update in flight and brings its parameters into the model
+  // (before a checkpoint and at the end). A no-op otherwise.
+  absl::Status Flush();
 
   // Rank 0: copies the servers' master weights into the parameters and their m, v (at `step`)
   // into `shadow`'s AdamW state, so a DDP-format checkpoint can be written.
@@ -100,7 +108,14 @@ class OffloadOptimizer {
   void LaunchReady();
   // The pusher thread: waits for each launched bucket's reduction and pushes this rank's part.
   void PusherLoop();
-  absl::Status PushBucket(const Bucket& bucket);
+  absl::Status PushBucket(const Bucket& bucket, int64_t step);
+  // Applies `step` to this rank's slice on every server holding part of it and pulls the result
+  // into `slice` (slice_ elements, from the slice's start).
+  absl::Status UpdateAndPull(int64_t step, double lr, double grad_scale, torch::Tensor& slice);
+  // Waits until the pusher finished every task queued so far; its first error, if any.
+  absl::Status Drain();
+  // All-gathers the slices and copies the whole vector into the parameters.
+  void GatherIntoModel(const torch::Tensor& slice);
 
   // [begin, end) of this rank's slice, clipped to the parameters.
   std::pair<int64_t, int64_t> OwnedSlice() const;
@@ -124,13 +139,26 @@ class OffloadOptimizer {
   int64_t step_ = 0;  // the optimizer step being computed
   int next_launch_ = 0;
   std::atomic<int64_t> pushed_bytes_{0};
-  int64_t pulled_bytes_ = 0;
+  std::atomic<int64_t> pulled_bytes_{0};
 
-  // Launched buckets travel to the pusher thread with their reduction's handle.
+  // delayed_update: the slice pulled by the update in flight (or done), not yet in the model.
+  torch::Tensor pending_slice_;
+  bool pending_ = false;
+
+  // Work for the pusher thread: a launched bucket with its reduction's handle, or (delayed
+  // update) the update-and-pull of a step.
+  struct Task {
+    int bucket = -1;
+    std::unique_ptr<CommHandle> handle;
+    bool update = false;
+    int64_t step = 0;
+    double lr = 0, grad_scale = 1;
+  };
   absl::Mutex mu_;
-  std::deque<std::pair<int, std::unique_ptr<CommHandle>>> queue_ ABSL_GUARDED_BY(mu_);
-  int pushed_buckets_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::Status push_status_ ABSL_GUARDED_BY(mu_);
+  std::deque<Task> queue_ ABSL_GUARDED_BY(mu_);
+  int64_t tasks_queued_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t tasks_done_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status push_status_ ABSL_GUARDED_BY(mu_);  // the first failure; fatal for the run
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread pusher_;
 };

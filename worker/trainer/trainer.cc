@@ -265,6 +265,7 @@ absl::Status Train(const TrainerOptions& o) {
     config.beta2 = 0.95;
     config.eps = 1e-8;
     config.weight_decay = t.weight_decay();
+    config.delayed_update = spec.parallel().delayed_update();
     ASSIGN_OR_RETURN(offloaded, OffloadOptimizer::Create(params, *comm, std::move(ps_ranges),
                                                          config, spec.parallel().bucket_mb()));
     RETURN_IF_ERROR(offloaded->Initialize(step, optimizer));
@@ -414,6 +415,8 @@ absl::Status Train(const TrainerOptions& o) {
         !o.checkpoint_dir.empty() &&
         (stop || checkpoint_requested || step == total_steps || (every > 0 && step % every == 0));
     if (checkpoint) {
+      // delayed_update: the checkpoint holds the parameters after `step`'s update (every rank).
+      if (offloaded) RETURN_IF_ERROR(offloaded->Flush());
       if (rank0) {
         // Offload: the servers hold the optimizer state; bring it into the DDP-format files.
         if (offloaded) RETURN_IF_ERROR(offloaded->ReadIntoShadow(step, optimizer));
@@ -443,6 +446,7 @@ absl::Status Train(const TrainerOptions& o) {
     }
   }
 
+  if (offloaded) RETURN_IF_ERROR(offloaded->Flush());
   if (!o.dump_params.empty()) RETURN_IF_ERROR(WriteDump(o.dump_params, *model));
   // What the model learned, for people: rank 0 of a finished byte-level run writes a sample.
   if (rank0 && step == total_steps && spec.data().format() == "bytes") {
