@@ -262,16 +262,46 @@ absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& options) {
     c.processes.push_back(w);
     if (absl::Status s = Save(c); !s.ok()) return s;
   }
-  // Ready once every worker has registered.
+  const std::string ps_bin = options.bin_dir + "/trainyard-ps";
+  if (options.parameter_servers > 0 && access(ps_bin.c_str(), X_OK) != 0) {
+    return absl::NotFoundError(absl::StrCat("cannot find ", ps_bin));
+  }
+  for (int i = 1; i <= options.parameter_servers; ++i) {
+    LocalProcess ps;
+    ps.name = absl::StrCat("parameter server local-ps-", i);
+    ps.address = c.coordinator_address;
+    ps.log = absl::StrCat(options.state_dir, "/ps-", i, ".log");
+    std::vector<std::string> argv = {ps_bin,
+                                     "--listen",
+                                     "127.0.0.1:0",
+                                     "--coordinator",
+                                     c.coordinator_address,
+                                     "--node-id",
+                                     absl::StrCat("local-ps-", i),
+                                     "--threads",
+                                     "1"};
+    if (options.ps_memory_bytes > 0) {
+      argv.push_back("--memory-bytes");
+      argv.push_back(absl::StrCat(options.ps_memory_bytes));
+    }
+    auto ppid = SpawnDaemon(argv, absl::StrCat(options.state_dir, "/ps-", i, ".out"), ps.log);
+    if (!ppid.ok()) return ppid.status();
+    ps.pid = *ppid;
+    ps.alive = true;
+    c.processes.push_back(ps);
+    if (absl::Status s = Save(c); !s.ok()) return s;
+  }
+  // Ready once every worker and parameter server has registered.
   YardClient client(c.coordinator_address, "yard-local");
   const absl::Time workers_deadline = absl::Now() + absl::Seconds(30);
-  while (options.workers > 0) {
+  const int expected = options.workers + options.parameter_servers;
+  while (expected > 0) {
     auto nodes = client.ListNodes();
     int ready = 0;
     if (nodes.ok()) {
       for (const auto& n : nodes->nodes()) ready += n.state() == v1::NODE_READY && n.connected();
     }
-    if (ready >= options.workers) break;
+    if (ready >= expected) break;
     for (const auto& p : c.processes) {
       int status = 0;
       if (p.pid != coord.pid && waitpid(p.pid, &status, WNOHANG) == p.pid) {
@@ -281,8 +311,8 @@ absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& options) {
     }
     if (absl::Now() > workers_deadline) {
       return absl::DeadlineExceededError(
-          absl::StrCat(ready, " of ", options.workers,
-                       " workers registered within 30 s; see their logs in ", options.state_dir));
+          absl::StrCat(ready, " of ", expected, " nodes registered within 30 s; see their logs in ",
+                       options.state_dir));
     }
     absl::SleepFor(absl::Milliseconds(50));  // polling the coordinator's view of the nodes
   }

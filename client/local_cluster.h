@@ -31,11 +31,13 @@ struct LocalCluster {
 struct LocalUpOptions {
   std::string state_dir;
   std::string listen = "127.0.0.1:7070";
-  std::string bin_dir;       // where trainyard-coordinator and trainyard-worker live
-  int workers = 0;           // worker daemons, named local-1, local-2, ...
-  int slots_per_worker = 1;  // CPU slots (ranks) of each worker
-  int threads_per_slot = 0;  // 0: this machine's cores / (workers * slots)
-  bool metrics = false;      // every process serves /metrics on a free loopback port
+  std::string bin_dir;          // where trainyard-coordinator and trainyard-worker live
+  int workers = 0;              // worker daemons, named local-1, local-2, ...
+  int slots_per_worker = 1;     // CPU slots (ranks) of each worker
+  int threads_per_slot = 0;     // 0: this machine's cores / (workers * slots)
+  int parameter_servers = 0;    // trainyard-ps shards, named local-ps-1, ... (offload jobs)
+  int64_t ps_memory_bytes = 0;  // each; 0: trainyard-ps's default (half the host's memory)
+  bool metrics = false;         // every process serves /metrics on a free loopback port
 };
 
 // Starts the cluster and returns once the coordinator serves and every worker has registered.

@@ -536,6 +536,13 @@ int main(int argc, char** argv) {
   up->add_option("--threads-per-slot", up_options.threads_per_slot,
                  "threads of each rank (0: cores / (workers * slots))")
       ->capture_default_str();
+  up->add_option("--ps", up_options.parameter_servers,
+                 "parameter servers to start (for parallel.strategy: offload)")
+      ->check(CLI::Range(0, 16))
+      ->capture_default_str();
+  up->add_option("--ps-memory-bytes", up_options.ps_memory_bytes,
+                 "memory each parameter server offers (0: half this machine's)")
+      ->check(CLI::NonNegativeNumber);
   up->callback([&] {
     auto c = LocalUp(up_options);
     if (!c.ok()) {

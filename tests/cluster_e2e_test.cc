@@ -59,15 +59,25 @@ class ClusterE2eTest : public ::testing::Test {
  protected:
   void SetUp() override {
     state_ = dir_.path() + "/cluster";
-    CommandResult up =
-        Yard({"local", "--state-dir", state_, "up", "--listen", "127.0.0.1:0", "--workers", "2",
-              "--slots", "1", "--threads-per-slot", "1", "-o", "json"});
+    std::vector<std::string> args = {
+        "local",     "--state-dir", state_,    "up", "--listen",           "127.0.0.1:0",
+        "--workers", "2",           "--slots", "1",  "--threads-per-slot", "1",
+        "-o",        "json"};
+    const std::vector<std::string> extra = ExtraUpFlags();
+    args.insert(args.end(), extra.begin(), extra.end());
+    CommandResult up = Yard(args);
     ASSERT_EQ(up.exit_code, 0) << up.err;
     address_ = nlohmann::json::parse(up.out).at("coordinator_address").get<std::string>();
   }
 
+  virtual std::vector<std::string> ExtraUpFlags() const { return {}; }
+
   void TearDown() override {
     Yard({"local", "--state-dir", state_, "down"});
+    // Parameter servers carry the coordinator's address, not the state dir.
+    const auto servers = ProcessesWith({"trainyard-ps", address_});
+    EXPECT_TRUE(servers.empty()) << servers.size() << " parameter servers left behind";
+    for (pid_t p : servers) kill(p, SIGKILL);
     // Anything still running from this cluster would be a leak: fail, then clean up.
     const auto left = ProcessesWith({state_});
     EXPECT_TRUE(left.empty()) << left.size() << " processes left behind";
@@ -84,7 +94,7 @@ class ClusterE2eTest : public ::testing::Test {
     return RunCommand(argv, {}, timeout);
   }
 
-  std::string WriteSpec(const std::string& name, int steps) {
+  std::string WriteSpec(const std::string& name, int steps, const std::string& strategy = "ddp") {
     const std::string path = dir_.path() + "/" + name + ".yaml";
     std::ofstream(path) << "name: " << name << "\n"
                         << "resources: {gpus: 2}\n"
@@ -93,7 +103,7 @@ class ClusterE2eTest : public ::testing::Test {
                         << "data: {path: /usr/share/common-licenses/GPL-3, format: bytes}\n"
                         << "train: {steps: " << steps
                         << ", micro_batch: 8, lr: 3.0e-3, warmup: 5, seed: 1}\n"
-                        << "parallel: {strategy: ddp}\n"
+                        << "parallel: {strategy: " << strategy << "}\n"
                         << "checkpoint: {every_steps: 0}\n";
     return path;
   }
@@ -191,6 +201,45 @@ TEST_F(ClusterE2eTest, CheckpointsOnRequestResumesAfterAKilledRankAndCancelStops
   ASSERT_EQ(cancel.exit_code, 0) << cancel.err;
   EXPECT_EQ(cancel.out, job + " CANCELLED\n");
   EXPECT_TRUE(NoneLeft({"trainyard-trainer", job_arg, state_}, absl::Seconds(30)));
+}
+
+// The product path of an offload job: `yard local up --ps 2` starts two parameter servers, the
+// coordinator splits the job's optimizer state over them, the ranks train through them, and the
+// servers' memory is free again once the job ends.
+class OffloadClusterE2eTest : public ClusterE2eTest {
+ protected:
+  std::vector<std::string> ExtraUpFlags() const override {
+    return {"--ps", "2", "--ps-memory-bytes", "268435456"};
+  }
+};
+
+TEST_F(OffloadClusterE2eTest, TrainsThroughTwoParameterServersAndFreesThemAfterwards) {
+  CommandResult nodes = Yard({"nodes"});
+  EXPECT_THAT(nodes.out, ::testing::ContainsRegex("local-ps-1 +ps +READY"));
+  EXPECT_THAT(nodes.out, ::testing::ContainsRegex("local-ps-2 +ps +READY"));
+  CommandResult submit = Yard({"submit", WriteSpec("offload", 40, "offload")});
+  ASSERT_EQ(submit.exit_code, 0) << submit.err;
+  const std::string job(absl::StripAsciiWhitespace(submit.out));
+  CommandResult wait = Yard({"wait", job}, absl::Seconds(600));
+  ASSERT_EQ(wait.exit_code, 0) << wait.err << Yard({"describe", job}).out;
+
+  const auto series = nlohmann::json::parse(Yard({"metrics", job, "-o", "json"}).out);
+  ASSERT_EQ(series.size(), 40u);
+  double first = 0, last = 0;
+  for (int i = 0; i < 5; ++i) first += series[i]["loss"].get<double>() / 5;
+  for (int i = 35; i < 40; ++i) last += series[i]["loss"].get<double>() / 5;
+  EXPECT_LT(last, 0.8 * first) << "loss did not fall: " << first << " -> " << last;
+  EXPECT_THAT(Yard({"logs", job}).out, HasSubstr("ps_push_bytes"));
+
+  const auto listed = nlohmann::json::parse(Yard({"nodes", "-o", "json"}).out).at("nodes");
+  int servers = 0;
+  for (const auto& n : listed) {
+    if (n.value("role", "") != "PARAMETER_SERVER") continue;
+    ++servers;
+    EXPECT_TRUE(!n.contains("reserved_bytes") || n["reserved_bytes"] == "0")
+        << "shard memory still held: " << n.dump();
+  }
+  EXPECT_EQ(servers, 2);
 }
 
 }  // namespace
