@@ -284,9 +284,27 @@ absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& options) {
       argv.push_back("--memory-bytes");
       argv.push_back(absl::StrCat(options.ps_memory_bytes));
     }
-    auto ppid = SpawnDaemon(argv, absl::StrCat(options.state_dir, "/ps-", i, ".out"), ps.log);
+    if (options.metrics) {
+      argv.push_back("--metrics-address");
+      argv.push_back("127.0.0.1:0");
+    }
+    const std::string ps_out = absl::StrCat(options.state_dir, "/ps-", i, ".out");
+    auto ppid = SpawnDaemon(argv, ps_out, ps.log);
     if (!ppid.ok()) return ppid.status();
     ps.pid = *ppid;
+    if (options.metrics) {  // its second line says where
+      const absl::Time metrics_deadline = absl::Now() + absl::Seconds(30);
+      while (ps.metrics_address.empty()) {
+        const std::vector<std::string> lines = PrintedLines(ReadFile(ps_out));
+        if (lines.size() >= 2) ps.metrics_address = MetricsAddressIn(lines[1]);
+        if (!ps.metrics_address.empty()) break;
+        if (absl::Now() > metrics_deadline || waitpid(ps.pid, nullptr, WNOHANG) == ps.pid) {
+          return absl::UnavailableError(
+              absl::StrCat(ps.name, " did not serve metrics; see ", ps.log));
+        }
+        absl::SleepFor(absl::Milliseconds(20));  // a detached child: no event to wait on
+      }
+    }
     ps.alive = true;
     c.processes.push_back(ps);
     if (absl::Status s = Save(c); !s.ok()) return s;

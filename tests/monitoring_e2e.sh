@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Monitoring end to end: a local cluster with /metrics on every process (`yard local up
-# --metrics`, 1 worker with 2 slots), a real 2-rank training job, and a real Prometheus scraping it
-# every second; every PromQL expression of the dashboards must return data, and every alert rule
-# must evaluate (tests/prometheus_dashboards_e2e.sh). The parameter-server dashboard is skipped:
-# no parameter server exists yet. Cleans up its cluster and temp dir whatever happens.
+# --metrics`, 1 worker with 2 slots, 1 parameter server), a real 2-rank offload training job
+# (so the parameter server works too), and a real Prometheus scraping them every second; every
+# PromQL expression of the three dashboards must return data, and every alert rule must evaluate
+# (tests/prometheus_dashboards_e2e.sh). Cleans up its cluster and temp dir whatever happens.
 #
 # usage: tests/monitoring_e2e.sh BIN_DIR
 set -euo pipefail
@@ -19,7 +19,8 @@ cleanup() {
 trap cleanup EXIT
 
 source "$repo/scripts/lib/cluster.sh"
-local_cluster_up "$yard" "$state" --workers 1 --slots 2 --metrics
+local_cluster_up "$yard" "$state" --workers 1 --slots 2 --ps 1 --ps-memory-bytes 268435456 \
+  --metrics
 
 cat >"$tmp/spec.yaml" <<SPEC
 name: monitoring-e2e
@@ -27,6 +28,7 @@ resources: {gpus: 2}
 model: {kind: gpt, n_layer: 2, n_head: 2, d_model: 64, seq_len: 32, vocab: 256}
 data: {path: /usr/share/common-licenses/GPL-3, format: bytes}
 train: {steps: 1000000, micro_batch: 4, lr: 1.0e-3, warmup: 10, seed: 1}
+parallel: {strategy: offload}
 SPEC
 job=$("$yard" submit "$tmp/spec.yaml")
 
@@ -39,5 +41,5 @@ if [[ "$first" != step* ]]; then
 fi
 
 # Fails (and the trap stops the cluster) unless every expression has data.
-bash "$repo/tests/prometheus_dashboards_e2e.sh" --job "$job" --skip-ps --timeout 90 \
-  "coordinator=$COORDINATOR_METRICS" "worker=$WORKER_METRICS"
+bash "$repo/tests/prometheus_dashboards_e2e.sh" --job "$job" --timeout 90 \
+  "coordinator=$COORDINATOR_METRICS" "worker=$WORKER_METRICS" "ps=$PS_METRICS"

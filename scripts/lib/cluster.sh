@@ -5,21 +5,24 @@
 median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 
 # local_cluster_up YARD STATE_DIR [ARGS of `yard local up`...]: starts a local cluster on a free
-# loopback port and sets CLUSTER_ADDRESS (exported as TRAINYARD_COORDINATOR), COORDINATOR_METRICS
-# and WORKER_METRICS (the first worker's; both empty without --metrics).
+# loopback port and sets CLUSTER_ADDRESS (exported as TRAINYARD_COORDINATOR), COORDINATOR_METRICS,
+# WORKER_METRICS (the first worker's) and PS_METRICS (the first parameter server's); all empty
+# without --metrics.
 local_cluster_up() {
   local yard=$1 state=$2 up
   shift 2
   up=$("$yard" local --state-dir "$state" up --listen 127.0.0.1:0 -o json "$@")
-  read -r CLUSTER_ADDRESS COORDINATOR_METRICS WORKER_METRICS < <(/usr/bin/python3 -c '
+  read -r CLUSTER_ADDRESS COORDINATOR_METRICS WORKER_METRICS PS_METRICS < <(/usr/bin/python3 -c '
 import json, sys
 c = json.loads(sys.argv[1])
 procs = {p["name"]: p for p in c["processes"]}
 worker = procs.get("worker local-1", {})
+ps = procs.get("parameter server local-ps-1", {})
 print(c["coordinator_address"], procs["coordinator"].get("metrics_address") or "-",
-      worker.get("metrics_address") or "-")' "$up")
+      worker.get("metrics_address") or "-", ps.get("metrics_address") or "-")' "$up")
   if [ "$COORDINATOR_METRICS" = "-" ]; then COORDINATOR_METRICS=""; fi
   if [ "$WORKER_METRICS" = "-" ]; then WORKER_METRICS=""; fi
+  if [ "$PS_METRICS" = "-" ]; then PS_METRICS=""; fi
   export TRAINYARD_COORDINATOR="$CLUSTER_ADDRESS"
 }
 
