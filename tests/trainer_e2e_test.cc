@@ -585,6 +585,27 @@ TEST_F(OffloadE2eTest, DelayedUpdateLagsOneStepAndStillTrains) {
       << "mean loss of the first and last 5 steps: " << first / 5 << " -> " << last / 5;
 }
 
+// A parameter server that dies mid-run fails the ranks at once with a reason naming it (the
+// coordinator then fails or restarts the attempt; CoordinatorServiceTest covers that part).
+TEST_F(OffloadE2eTest, KilledServerFailsTheRanksNamingIt) {
+  v1::JobSpec spec = OffloadSpec(1, 8);
+  spec.mutable_train()->set_steps(1000000);
+  const Job job = StartJob(spec, "killed");
+  auto procs = Launch(job, 1, {"--ps", PsFlag(job)});
+  ASSERT_EQ(procs.size(), 1u);
+  std::vector<std::string> lines;
+  while (auto line = procs[0]->ReadLine(kRunTimeout)) {
+    lines.push_back(*line);
+    if (absl::StartsWith(*line, "step 3/")) break;
+  }
+  ps_[1]->Signal(SIGKILL);
+  ASSERT_TRUE(ps_[1]->Wait(absl::Seconds(30)).has_value());
+  ps_.pop_back();  // reaped
+  RunResult r = Finish(procs, lines);
+  EXPECT_THAT(r.exit_codes, ::testing::ElementsAre(1)) << Joined(r);
+  EXPECT_THAT(Joined(r), ::testing::ContainsRegex("error: parameter server 127.0.0.1:[0-9]+"));
+}
+
 TEST_F(OffloadE2eTest, RangesThatDoNotCoverTheModelFailFast) {
   const Job job = StartJob(OffloadSpec(1, 8), "short");
   std::string ps = PsFlag(job);
