@@ -56,10 +56,12 @@ grpc::Status ParameterServiceImpl::PushGradients(grpc::ServerContext* ctx,
                                                  v1::PushGradientsResponse* response) {
   v1::GradientChunk chunk;
   while (reader->Read(&chunk)) {
+    const double bytes = static_cast<double>(chunk.data().size());
+    // The received bytes move into the shard's staging: no copy.
     auto r = shards_.Push(chunk.job_id(), chunk.attempt(), chunk.step(), chunk.offset(),
-                          chunk.format(), chunk.data());
+                          chunk.format(), std::move(*chunk.mutable_data()));
     if (!r.ok()) return ToGrpcStatus(r.status());
-    if (metrics_.pushed_bytes != nullptr) metrics_.pushed_bytes->Increment(chunk.data().size());
+    if (metrics_.pushed_bytes != nullptr) metrics_.pushed_bytes->Increment(bytes);
     response->set_elements_staged(response->elements_staged() + r->staged);
     response->set_elements_duplicate(response->elements_duplicate() + r->duplicate);
   }

@@ -21,7 +21,6 @@ struct ShardManager::Shard {
         params(end - begin),
         m(end - begin),
         v(end - begin),
-        grads(end - begin),
         params_bf16(end - begin),
         applied(begin, end, h.step()),
         next_init_offset(begin) {}
@@ -38,12 +37,16 @@ struct ShardManager::Shard {
   absl::CondVar changed;  // an update finished
   // Element i of the range is at index i - begin. Written under mu, except by an update, which
   // owns the elements it marked as updating.
-  std::vector<float> params, m, v, grads;
+  std::vector<float> params, m, v;
   std::vector<uint16_t> params_bf16;
   StepIntervals applied ABSL_GUARDED_BY(mu);
+  // A pushed chunk, kept as the bytes gRPC received (no copy), fp32 or bf16; the update reads
+  // its gradients from there.
   struct Staged {
     int64_t size;
     int64_t step;
+    v1::WireFormat format;
+    std::string data;
   };
   std::map<int64_t, Staged> staged ABSL_GUARDED_BY(mu);  // gradient chunks by first element
   bool ready ABSL_GUARDED_BY(mu) = false;
@@ -184,7 +187,7 @@ absl::Status ShardManager::FinishInit(const std::string& job_id, int attempt) {
 absl::StatusOr<ShardManager::PushResult> ShardManager::Push(const std::string& job_id, int attempt,
                                                             int64_t step, int64_t offset,
                                                             v1::WireFormat format,
-                                                            absl::string_view data) {
+                                                            std::string data) {
   auto found = Ready(job_id, attempt);
   if (!found.ok()) return found.status();
   Shard& s = **found;
@@ -219,13 +222,8 @@ absl::StatusOr<ShardManager::PushResult> ShardManager::Push(const std::string& j
         "offset: chunk [", offset, ", ", offset + n, ") of step ", step, " overlaps chunk [", a,
         ", ", b, ") of step ", it->second.step, " already pushed"));
   }
-  float* dst = &s.grads[offset - s.begin];
-  if (format == v1::WIRE_BF16) {
-    adam::Bf16ToFloat(reinterpret_cast<const uint16_t*>(data.data()), dst, n);
-  } else {
-    std::memcpy(dst, data.data(), n * 4);
-  }
-  s.staged[offset] = Shard::Staged{n, step};
+  s.staged[offset] = Shard::Staged{n, step, format == v1::WIRE_BF16 ? v1::WIRE_BF16 : v1::WIRE_FP32,
+                                   std::move(data)};
   return PushResult{n, 0};
 }
 
@@ -239,6 +237,7 @@ absl::Status ShardManager::Update(const std::string& job_id, int attempt, int64_
   if (!(lr >= 0)) return absl::InvalidArgumentError("update.lr: must be non-negative");
   if (grad_scale == 0) grad_scale = 1;
   if (!(grad_scale > 0)) return absl::InvalidArgumentError("update.grad_scale: must be positive");
+  std::vector<std::pair<int64_t, Shard::Staged>> chunks;  // the gradients, by first element
   {
     absl::MutexLock lock(&s.mu);
     StepIntervals::Summary at = s.applied.Summarize(begin, end);
@@ -276,6 +275,7 @@ absl::Status ShardManager::Update(const std::string& job_id, int attempt, int64_
                                                         " of the ", end - begin, " elements of [",
                                                         begin, ", ", end, ") pushed"));
     }
+    for (auto it = first; it != last; ++it) chunks.emplace_back(it->first, std::move(it->second));
     s.staged.erase(first, last);
     s.applied.Set(begin, end, step - 1, /*updating=*/true);
   }
@@ -288,12 +288,21 @@ absl::Status ShardManager::Update(const std::string& job_id, int attempt, int64_
   c.weight_decay = s.adamw.weight_decay();
   c.step = step;
   c.grad_scale = grad_scale;
-  const int64_t i = begin - s.begin;
   const absl::Time start = absl::Now();
   {
     absl::MutexLock compute(&compute_mu_);
-    adam::AdamWStepParallel(pool_, c, &s.params[i], &s.m[i], &s.v[i], &s.grads[i],
-                            &s.params_bf16[i], end - begin);
+    for (const auto& [offset, chunk] : chunks) {
+      const int64_t i = offset - s.begin;
+      if (chunk.format == v1::WIRE_BF16) {
+        adam::AdamWStepBf16GradParallel(pool_, c, &s.params[i], &s.m[i], &s.v[i],
+                                        reinterpret_cast<const uint16_t*>(chunk.data.data()),
+                                        &s.params_bf16[i], chunk.size);
+      } else {
+        adam::AdamWStepParallel(pool_, c, &s.params[i], &s.m[i], &s.v[i],
+                                reinterpret_cast<const float*>(chunk.data.data()),
+                                &s.params_bf16[i], chunk.size);
+      }
+    }
   }
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   {

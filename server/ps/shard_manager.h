@@ -1,8 +1,8 @@
 // ShardManager: the optimizer state a parameter server holds. For each offload job placed on this
 // shard, one contiguous range [begin, end) of the job's flat parameter vector: fp32 master
-// weights, AdamW's m and v, a gradient staging buffer and a bfloat16 copy of the weights (written
-// by the same pass as the update, for bf16 pulls): 18 bytes per parameter, reserved against the
-// server's capacity.
+// weights, AdamW's m and v, the pushed gradients until their update (kept in the buffers gRPC
+// received them in) and a bfloat16 copy of the weights (written by the same pass as the update,
+// for bf16 pulls): 18 bytes per parameter, reserved against the server's capacity.
 //
 // The protocol of one optimizer step (see proto/trainyard/v1/ps.proto): Push stages gradient
 // chunks (each element once per step; an identical retry is counted as a duplicate and ignored);
@@ -61,8 +61,9 @@ class ShardManager {
   // FAILED_PRECONDITION for a stale attempt, a range not initialized, or a step that does not
   // follow the range's; OUT_OF_RANGE for elements outside the range; INVALID_ARGUMENT for a size
   // that is not whole elements or a chunk overlapping a different one of the same step.
+  // `data` is kept as it is until the update (no copy): pass the received bytes by move.
   absl::StatusOr<PushResult> Push(const std::string& job_id, int attempt, int64_t step,
-                                  int64_t offset, v1::WireFormat format, absl::string_view data);
+                                  int64_t offset, v1::WireFormat format, std::string data);
 
   // Applies step `step` to [begin, end): every element's gradients must be staged (else
   // FAILED_PRECONDITION saying how many are), and the range must be at step - 1, or already at
