@@ -6,6 +6,9 @@
 
 #include <fstream>
 #include <set>
+#include <thread>
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include "common/spec.h"
 #include "tests/testing/subprocess.h"
@@ -209,6 +212,51 @@ TEST(GradientReducerTest, OneRankKeepsGradientsAndSplitsBuckets) {
   reducer.Finish();
   auto params = model->parameters();
   for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(params[i].grad().equal(before[i]));
+}
+
+// Two real Gloo ranks in one process (threads, a shared in-memory store).
+template <typename Fn>
+void RunTwoGlooRanks(Fn fn) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < 2; ++rank) {
+    threads.emplace_back([&, rank] {
+      auto comm = MakeGlooCommunicator(store, rank, 2, "127.0.0.1", std::chrono::seconds(30));
+      ASSERT_TRUE(comm.ok()) << comm.status();
+      fn(**comm);
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+TEST(CommunicatorTest, RingReduceScatterSumsEachRanksChunkWithUnevenCounts) {
+  for (const std::vector<int64_t>& counts :
+       {std::vector<int64_t>{5, 3}, std::vector<int64_t>{0, 7}, std::vector<int64_t>{4, 0}}) {
+    RunTwoGlooRanks([&](Communicator& comm) {
+      const int64_t total = counts[0] + counts[1];
+      // Rank r holds (r + 1) * (i + 1) at element i: the sum is 3 * (i + 1).
+      torch::Tensor flat =
+          torch::arange(1, total + 1, torch::kFloat) * static_cast<float>(comm.rank() + 1);
+      torch::Tensor mine = comm.ReduceScatterSum(flat, counts);
+      const int64_t first = comm.rank() == 0 ? 0 : counts[0];
+      ASSERT_EQ(mine.numel(), counts[comm.rank()]);
+      for (int64_t i = 0; i < mine.numel(); ++i) {
+        EXPECT_EQ(mine[i].item<float>(), 3.0f * (first + i + 1)) << "rank " << comm.rank();
+      }
+      // Bandwidth-optimal: each rank sends only the other rank's chunk.
+      EXPECT_EQ(comm.bytes_sent(), counts[1 - comm.rank()] * 4);
+    });
+  }
+}
+
+TEST(CommunicatorTest, AllGatherReturnsEveryRanksTensorInRankOrder) {
+  RunTwoGlooRanks([](Communicator& comm) {
+    auto parts = comm.AllGather(torch::full({3}, static_cast<float>(comm.rank() + 10)));
+    ASSERT_EQ(parts.size(), 2u);
+    EXPECT_TRUE(parts[0].equal(torch::full({3}, 10.0f)));
+    EXPECT_TRUE(parts[1].equal(torch::full({3}, 11.0f)));
+    EXPECT_EQ(comm.bytes_sent(), 3 * 4);
+  });
 }
 
 TEST(ParamDumpTest, RoundTrips) {

@@ -23,6 +23,9 @@ class LocalCommunicator : public Communicator {
   void Broadcast(std::vector<torch::Tensor>, int) override {}
   std::vector<torch::Tensor> AllGather(const torch::Tensor& in) override { return {in.clone()}; }
   void Barrier() override {}
+
+ protected:
+  void SendRecv(const torch::Tensor&, int, torch::Tensor&, int, int) override {}
 };
 
 class GlooHandle : public CommHandle {
@@ -69,9 +72,21 @@ class GlooCommunicator : public Communicator {
     for (int r = 0; r < world_size(); ++r) out[0].push_back(torch::empty_like(in));
     std::vector<at::Tensor> input{in.contiguous()};
     pg_->allgather(out, input)->wait();
+    bytes_sent_ += in.numel() * in.element_size() * (world_size() - 1);
     return out[0];
   }
   void Barrier() override { pg_->barrier()->wait(); }
+
+ protected:
+  void SendRecv(const torch::Tensor& send, int to, torch::Tensor& recv, int from,
+                int tag) override {
+    std::vector<at::Tensor> out{send}, in{recv};
+    c10::intrusive_ptr<c10d::Work> sent, received;
+    if (send.numel() > 0) sent = pg_->send(out, to, tag);
+    if (recv.numel() > 0) received = pg_->recv(in, from, tag);
+    if (sent) sent->wait();
+    if (received) received->wait();
+  }
 
  private:
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
@@ -84,6 +99,32 @@ std::unique_ptr<CommHandle> Communicator::AllReduceAverage(std::vector<torch::Te
     for (auto& t : tensors) t.div_(world_size());
   }
   return AllReduceSum(std::move(tensors));
+}
+
+torch::Tensor Communicator::ReduceScatterSum(torch::Tensor& flat,
+                                             const std::vector<int64_t>& counts) {
+  const int n = world_size(), r = rank();
+  TORCH_CHECK(static_cast<int>(counts.size()) == n, "ReduceScatterSum: one count per rank");
+  std::vector<int64_t> begin(n + 1, 0);
+  for (int i = 0; i < n; ++i) begin[i + 1] = begin[i] + counts[i];
+  TORCH_CHECK(flat.dim() == 1 && flat.numel() == begin[n] && flat.is_contiguous(),
+              "ReduceScatterSum: flat must be 1-D, contiguous, of sum(counts) elements");
+  auto chunk = [&](int i) {
+    i = ((i % n) + n) % n;
+    return flat.narrow(0, begin[i], counts[i]);
+  };
+  // Step s: send the partial sum of chunk r-s-1 to the right, receive chunk r-s-2 from the left
+  // and add it in. After n-1 steps chunk r holds the sum over all ranks.
+  const int tag = next_tag_;
+  next_tag_ += n;
+  for (int s = 0; s < n - 1; ++s) {
+    const int send_i = r - s - 1, recv_i = r - s - 2;
+    torch::Tensor incoming = torch::empty_like(chunk(recv_i));
+    SendRecv(chunk(send_i), (r + 1) % n, incoming, (r + n - 1) % n, tag + s);
+    chunk(recv_i).add_(incoming);
+    bytes_sent_ += chunk(send_i).numel() * flat.element_size();
+  }
+  return chunk(r);
 }
 
 std::unique_ptr<Communicator> MakeLocalCommunicator() {

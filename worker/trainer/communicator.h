@@ -4,8 +4,9 @@
 // store (the CoordinatorStore in production).
 //
 // Every rank must issue the same collectives in the same order. Failures (a peer died, a timeout)
-// are thrown as c10::Error; the trainer's boundary turns them into a status. One training thread
-// calls a Communicator; handles may be waited on from that thread only.
+// are thrown as c10::Error; the trainer's boundary turns them into a status. One thread at a time
+// calls a Communicator (the training thread, or the offload pusher while the training thread waits
+// for it); handles are waited on by the thread that started them.
 #ifndef TRAINYARD_WORKER_TRAINER_COMMUNICATOR_H_
 #define TRAINYARD_WORKER_TRAINER_COMMUNICATOR_H_
 
@@ -47,8 +48,28 @@ class Communicator {
   // contribution at index r. Blocks. (Gloo's list form: Debian's LibTorch has no flat
   // _allgather_base.)
   virtual std::vector<torch::Tensor> AllGather(const torch::Tensor& in) = 0;
+  // Reduce-scatter (sum) of `flat`, the same size on every rank, cut into world_size()
+  // consecutive chunks of `counts[r]` elements (counts may differ and be 0): returns this rank's
+  // chunk summed over all ranks. Blocks. Gloo in Debian's LibTorch has no reduce_scatter; this is
+  // the ring algorithm over send/recv: world_size - 1 steps, each rank sending
+  // sum(counts) - counts[rank] elements in all (the bandwidth-optimal volume). `flat` is used as
+  // scratch space.
+  torch::Tensor ReduceScatterSum(torch::Tensor& flat, const std::vector<int64_t>& counts);
   // Returns once every rank has entered.
   virtual void Barrier() = 0;
+
+  // Bytes this rank sent through ReduceScatterSum and AllGather so far.
+  int64_t bytes_sent() const { return bytes_sent_; }
+
+ protected:
+  // Sends `send` to rank `to` while receiving `recv` from rank `from` (same tag on both ends);
+  // blocks until both are done.
+  virtual void SendRecv(const torch::Tensor& send, int to, torch::Tensor& recv, int from,
+                        int tag) = 0;
+  int64_t bytes_sent_ = 0;
+
+ private:
+  int next_tag_ = 0;
 };
 
 // World size 1: every collective is the identity.

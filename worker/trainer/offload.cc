@@ -184,13 +184,9 @@ void OffloadOptimizer::MarkReady(int param) {
 
 void OffloadOptimizer::LaunchReady() {
   while (next_launch_ < num_buckets() && buckets_[next_launch_].pending == 0) {
-    const Bucket& b = buckets_[next_launch_];
-    std::unique_ptr<CommHandle> handle =
-        comm_.AllReduceAverage({grads_.narrow(0, b.begin, b.end - b.begin)});
     Task task;
     task.bucket = next_launch_;
     task.step = step_;
-    task.handle = std::move(handle);
     absl::MutexLock lock(&mu_);
     queue_.push_back(std::move(task));
     ++tasks_queued_;
@@ -216,7 +212,7 @@ void OffloadOptimizer::PusherLoop() {
       if (task.update) {
         s = UpdateAndPull(task.step, task.lr, task.grad_scale, pending_slice_);
       } else {
-        task.handle->Wait();
+        ReduceBucket(buckets_[task.bucket]);
         s = PushBucket(buckets_[task.bucket], task.step);
       }
     } catch (const std::exception& e) {
@@ -226,6 +222,20 @@ void OffloadOptimizer::PusherLoop() {
     if (push_status_.ok()) push_status_ = s;
     ++tasks_done_;
   }
+}
+
+void OffloadOptimizer::ReduceBucket(const Bucket& bucket) {
+  const int world = comm_.world_size();
+  if (world == 1) return;
+  // Each rank's part of the bucket, in rank order (the slices are consecutive).
+  std::vector<int64_t> counts(world, 0);
+  for (int r = 0; r < world; ++r) {
+    const int64_t a = std::min(total_, r * slice_), b = std::min(total_, a + slice_);
+    counts[r] = std::max<int64_t>(0, std::min(b, bucket.end) - std::max(a, bucket.begin));
+  }
+  torch::Tensor flat = grads_.narrow(0, bucket.begin, bucket.end - bucket.begin);
+  torch::Tensor mine = comm_.ReduceScatterSum(flat, counts);  // a view into grads_
+  mine.div_(world);
 }
 
 absl::Status OffloadOptimizer::Drain() {
@@ -299,7 +309,12 @@ absl::StatusOr<double> OffloadOptimizer::FinishBackward(double* waited_s) {
     pending_ = false;
   }
   if (!status.ok()) return status;
-  return std::sqrt(grads_.pow(2).sum().item<double>());
+  // Each rank has the mean gradients of its slice only: sum the squares over the ranks.
+  const auto [a, b] = OwnedSlice();
+  torch::Tensor sq =
+      torch::full({1}, grads_.narrow(0, a, b - a).pow(2).sum().item<double>(), torch::kDouble);
+  comm_.AllReduceSum({sq})->Wait();
+  return std::sqrt(sq.item<double>());
 }
 
 std::pair<int64_t, int64_t> OffloadOptimizer::OwnedSlice() const {

@@ -1,10 +1,12 @@
 // Offload: the ZeRO-Offload data flow with the optimizer on parameter servers
 // (parallel.strategy: offload). Rank r owns slice r of the flat parameter vector (every parameter
 // in registration order, split into world_size equal slices). During the synchronizing backward,
-// gradients land in one flat buffer through AccumulateGrad hooks; buckets (contiguous ranges
-// of it, filled in reverse registration order like DDP's) are all-reduced (averaged) as soon as
-// they are complete, and a pusher thread sends the rank's part of each reduced bucket to the
-// parameter servers holding it while backward goes on. After backward, each rank asks the
+// gradients land in one flat buffer through AccumulateGrad hooks; as soon as a bucket (a
+// contiguous range of it, filled in reverse registration order like DDP's) is complete, a pusher
+// thread reduce-scatters it (ring over Gloo send/recv: each rank ends up with the mean of its own
+// part only, half an all-reduce's traffic) and sends that part to the parameter servers holding
+// it, while backward goes on. The pusher is the only thread issuing collectives until
+// FinishBackward has drained it. After backward, each rank asks the
 // servers to apply AdamW to its slice (UpdateAndPull) and receives the updated fp32 parameters;
 // an all-gather of the slices gives every rank the whole model again.
 //
@@ -104,10 +106,12 @@ class OffloadOptimizer {
   OffloadOptimizer(std::vector<torch::Tensor> params, Communicator& comm, OffloadConfig config);
 
   void MarkReady(int param);
-  // Launches consecutive complete buckets starting at next_launch_ (training thread).
+  // Hands consecutive complete buckets, from next_launch_ on, to the pusher (training thread).
   void LaunchReady();
-  // The pusher thread: waits for each launched bucket's reduction and pushes this rank's part.
+  // The pusher thread: reduces each launched bucket and pushes this rank's part.
   void PusherLoop();
+  // Reduce-scatter of the bucket: this rank's part of grads_ becomes the mean over the ranks.
+  void ReduceBucket(const Bucket& bucket);
   absl::Status PushBucket(const Bucket& bucket, int64_t step);
   // Applies `step` to this rank's slice on every server holding part of it and pulls the result
   // into `slice` (slice_ elements, from the slice's start).
@@ -145,11 +149,10 @@ class OffloadOptimizer {
   torch::Tensor pending_slice_;
   bool pending_ = false;
 
-  // Work for the pusher thread: a launched bucket with its reduction's handle, or (delayed
-  // update) the update-and-pull of a step.
+  // Work for the pusher thread: a complete bucket to reduce and push, or (delayed update) the
+  // update-and-pull of a step.
   struct Task {
     int bucket = -1;
-    std::unique_ptr<CommHandle> handle;
     bool update = false;
     int64_t step = 0;
     double lr = 0, grad_scale = 1;
