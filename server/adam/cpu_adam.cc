@@ -9,10 +9,14 @@
 //   v.mul_(b2).addcmul_(g, g, 1-b2)      v = fma(f(1-b2) * g, g, v * f(b2))
 //   (v.sqrt() / bc2_sqrt).add_(eps)      denom = sqrt(v) / f(sqrt(1 - b2^step)) + f(eps)
 //   p.addcdiv_(m, denom, -step_size)     p = p + (f(-lr / (1 - b1^step)) * m) / denom
-// Targets without FMA (SSE4, SSSE3, SCALAR) round the two fma()s twice; results then differ from
-// PyTorch's by an ulp here and there. The bias corrections are computed once per call, in
-// double. Tails shorter than a vector go through the same vector code on padded copies, so an
-// element's result never depends on where a range starts or ends (AdamWStepParallel relies on it).
+// (PyTorch 2.x writes the m update as m.lerp_(g, 1-b1); 1.13 does not.) On AVX3 and AVX2 the
+// results are bit for bit PyTorch 1.13's (tests/cpu_adam_test.cc checks 100003 elements over 10
+// steps). Targets without FMA (SSE4, SSSE3, SCALAR) round the two fma()s twice; their results
+// then differ from PyTorch's by an ulp here and there.
+//
+// The bias corrections are computed once per call, in double. Tails shorter than a vector go
+// through the same vector code on padded copies, so an element's result never depends on where a
+// range starts or ends (AdamWStepParallel relies on it).
 #include "server/adam/cpu_adam.h"
 
 #include <cmath>

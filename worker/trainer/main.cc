@@ -2,6 +2,8 @@
 // job spec (binary trainyard.v1.JobSpec; a .yaml/.yml file is accepted for manual runs), the
 // rank's place in the job and the coordinator's address. Exit codes: 0 done (or stopped
 // gracefully), 2 bad spec or data, 1 anything else; the reason is one line on stderr and stdout.
+#include <malloc.h>
+
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -50,6 +52,11 @@ int Fail(const absl::Status& s) {
 }
 
 int Main(int argc, char** argv) {
+  // Multi-MiB gradient and parameter messages: keep freed buffers in the heap instead of handing
+  // them back to the kernel, or every message touches fresh pages (page faults dominated the
+  // push/pull time in bench/ps_transfer_bench: 2-5x slower).
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
   InstallSigtermHandler();  // graceful stop: finish the step, checkpoint, exit 0
 
   CLI::App app{"trainyard-trainer: one rank of a trainyard training job (LibTorch, DDP over Gloo)"};

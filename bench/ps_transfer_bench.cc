@@ -1,0 +1,987 @@
+// Benchmark of the parameter server's transfer path (issue #5): gradients pushed and parameters
+// pulled over gRPC between a client and k trainyard-ps processes on loopback, against a plain TCP
+// socket moving the same bytes over k connections, in one run.
+//
+// For each k in --shards: (a) the anchor: k TCP connections on 127.0.0.1, one sender and one
+// receiver thread each, moving the job's fp32 bytes split in k contiguous parts with 4 MiB
+// send/recv calls from and into big arrays, one way, and "push + pull" (the same bytes sent, then
+// sent back); (b) trainyard: k trainyard-ps processes (--threads 1) holding contiguous ranges of
+// a job of --params parameters, each range initialized once; then per step, as the offload
+// trainer does it (worker/trainer/offload.cc): PushGradients of every range (one stream per
+// shard, all shards at once from threads), UpdateAndPull with `update` of every range, then a pure
+// pull (UpdateAndPull without update, wait_ms 0, of the step just applied), which is the transfer
+// without the AdamW update. Steps in WIRE_FP32 and in WIRE_BF16 (half the bytes). The anchor and
+// the steps alternate round by round; the table shows medians after --warmup rounds.
+//
+// Two clients: `--client stub` talks like offload.cc (generated stub, protobuf messages, 4 MiB
+// chunks); `--client zero-copy` sends the same messages through a generic stub with the gradient
+// bytes as a slice pointing into the gradient array and decodes pulled chunks straight into the
+// parameter array. `--tune-malloc` sets glibc malloc's thresholds for this process and for the
+// trainyard-ps children (GLIBC_TUNABLES), see kPsMallocTunables.
+//
+// Run through bench/ps_transfer_bench.sh, or: ps_transfer_bench [--params N] [--reps N]
+// [--warmup N] [--shards 1,2,3,4] [--ps PATH] [--client stub|zero-copy] [--tune-malloc]
+// [--chunk-elements N] [--lookahead-bytes N] [--bdp-probe 0|1] [--no-bf16] [--label TEXT]
+// [--rows-only] [--ps-logs]. The trainyard-ps processes die with this process
+// (PR_SET_PDEATHSIG) and are otherwise always stopped with SIGTERM (SIGKILL after 20 s) and reaped.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <malloc.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <google/protobuf/io/coded_stream.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/support/proto_buffer_reader.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/grpc_status.h"
+#include "common/ps_layout.h"
+#include "common/status_macros.h"
+#include "server/adam/cpu_adam.h"
+#include "trainyard/v1/ps.grpc.pb.h"
+
+namespace trainyard::bench {
+namespace {
+
+constexpr int64_t kSocketIoBytes = int64_t{4} << 20;  // per send/recv call of the anchor
+constexpr int kMaxMessageBytes = 64 << 20;            // as the offload trainer's channel
+constexpr double kGoalOfSocket = 0.7;
+constexpr double kStopTimeoutSeconds = 20;
+constexpr char kJobId[] = "ps-transfer-bench";
+// --tune-malloc: glibc malloc keeps freed memory for reuse instead of handing it back to the
+// kernel (a fixed mmap threshold at its 32 MiB maximum, trimming only above 1 GiB), so that the
+// buffers gRPC and protobuf allocate for every received message stop costing a page fault per
+// 4 KiB page. The same settings for this process (mallopt) and the trainyard-ps children:
+constexpr int kMmapThresholdBytes = 32 << 20;
+constexpr int kTrimThresholdBytes = 1 << 30;
+constexpr char kPsMallocTunables[] =
+    "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824";
+
+struct Flags {
+  int64_t params = int64_t{64} << 20;
+  int reps = 5;
+  int warmup = 1;
+  std::vector<int> shards = {1, 2, 3, 4};
+  std::string ps_binary;  // default: trainyard-ps next to this binary
+  bool zero_copy_client = false;
+  bool tune_malloc = false;
+  int64_t chunk_elements = int64_t{1} << 20;  // offload.cc's: 4 MiB fp32 messages
+  int lookahead_bytes = 0;                    // 0: gRPC's default
+  int bdp_probe = -1;                         // -1: gRPC's default
+  bool bf16 = true;
+  std::string label;  // the table's first column; default: the client and malloc settings
+  bool rows_only = false;
+  bool ps_logs = false;
+};
+
+std::string DefaultPsBinary() {
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n <= 0) return "trainyard-ps";
+  const std::string path(self, n);
+  return path.substr(0, path.rfind('/') + 1) + "trainyard-ps";
+}
+
+Flags ParseFlags(int argc, char** argv) {
+  Flags flags;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const bool has_value = i + 1 < argc;
+    bool ok = true;
+    if (arg == "--tune-malloc") {
+      flags.tune_malloc = true;
+    } else if (arg == "--no-bf16") {
+      flags.bf16 = false;
+    } else if (arg == "--rows-only") {
+      flags.rows_only = true;
+    } else if (arg == "--ps-logs") {
+      flags.ps_logs = true;
+    } else if (!has_value) {
+      ok = false;
+    } else if (arg == "--params") {
+      ok = absl::SimpleAtoi(argv[++i], &flags.params) && flags.params > 0;
+    } else if (arg == "--reps") {
+      ok = absl::SimpleAtoi(argv[++i], &flags.reps) && flags.reps > 0;
+    } else if (arg == "--warmup") {
+      ok = absl::SimpleAtoi(argv[++i], &flags.warmup) && flags.warmup >= 0;
+    } else if (arg == "--shards") {
+      flags.shards.clear();
+      for (absl::string_view s : absl::StrSplit(argv[++i], ',')) {
+        int k = 0;
+        ok = ok && absl::SimpleAtoi(s, &k) && k > 0;
+        flags.shards.push_back(k);
+      }
+    } else if (arg == "--ps") {
+      flags.ps_binary = argv[++i];
+    } else if (arg == "--client") {
+      const std::string client = argv[++i];
+      ok = client == "stub" || client == "zero-copy";
+      flags.zero_copy_client = client == "zero-copy";
+    } else if (arg == "--chunk-elements") {
+      ok = absl::SimpleAtoi(argv[++i], &flags.chunk_elements) && flags.chunk_elements > 0 &&
+           flags.chunk_elements <= (int64_t{16} << 20);
+    } else if (arg == "--lookahead-bytes") {
+      ok = absl::SimpleAtoi(argv[++i], &flags.lookahead_bytes) && flags.lookahead_bytes >= 0;
+    } else if (arg == "--bdp-probe") {
+      ok = absl::SimpleAtoi(argv[++i], &flags.bdp_probe) &&
+           (flags.bdp_probe == 0 || flags.bdp_probe == 1);
+    } else if (arg == "--label") {
+      flags.label = argv[++i];
+    } else {
+      ok = false;
+    }
+    if (!ok) {
+      std::fprintf(stderr,
+                   "usage: %s [--params N] [--reps N] [--warmup N] [--shards 1,2,3,4] [--ps PATH] "
+                   "[--client stub|zero-copy] [--tune-malloc] [--chunk-elements N] "
+                   "[--lookahead-bytes N] [--bdp-probe 0|1] [--no-bf16] [--label TEXT] "
+                   "[--rows-only] [--ps-logs]\n",
+                   argv[0]);
+      std::exit(2);
+    }
+  }
+  if (flags.ps_binary.empty()) flags.ps_binary = DefaultPsBinary();
+  if (flags.label.empty()) {
+    flags.label = absl::StrCat(flags.zero_copy_client ? "zero-copy client" : "stub client",
+                               flags.tune_malloc ? ", malloc tuned" : "");
+  }
+  return flags;
+}
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+double Median(std::vector<double> x) {
+  if (x.empty()) return 0;
+  std::sort(x.begin(), x.end());
+  const size_t mid = x.size() / 2;
+  return x.size() % 2 ? x[mid] : 0.5 * (x[mid - 1] + x[mid]);
+}
+
+absl::Status ErrnoError(absl::string_view what) {
+  return absl::InternalError(absl::StrCat(what, ": ", std::strerror(errno)));
+}
+
+// Runs fn(i) for each i in [0, n) on its own thread; the first error wins.
+absl::Status RunParallel(int n, const std::function<absl::Status(int)>& fn) {
+  std::vector<absl::Status> results(n);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < n; ++i) threads.emplace_back([&, i] { results[i] = fn(i); });
+  for (std::thread& t : threads) t.join();
+  for (const absl::Status& s : results) RETURN_IF_ERROR(s);
+  return absl::OkStatus();
+}
+
+// The first element of part i of [0, total) cut into k contiguous parts.
+int64_t PartBegin(int64_t total, int k, int i) { return total * i / k; }
+
+// ---- The anchor: plain TCP on loopback. ----
+
+// A connected socket pair (client end, server end) over 127.0.0.1, closed on destruction.
+class TcpConnection {
+ public:
+  static absl::StatusOr<std::unique_ptr<TcpConnection>> Open() {
+    const int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (listener < 0) return ErrnoError("socket");
+    std::unique_ptr<TcpConnection> c(new TcpConnection);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(addr);
+    absl::Status status;
+    if (bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+        listen(listener, 1) != 0 ||
+        getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+      status = ErrnoError("bind/listen");
+    } else if ((c->client_fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) < 0 ||
+               connect(c->client_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      status = ErrnoError("connect");
+    } else if ((c->server_fd_ = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC)) < 0) {
+      status = ErrnoError("accept");
+    }
+    close(listener);
+    if (!status.ok()) return status;
+    return c;
+  }
+  ~TcpConnection() {
+    if (client_fd_ >= 0) close(client_fd_);
+    if (server_fd_ >= 0) close(server_fd_);
+  }
+  int client_fd() const { return client_fd_; }
+  int server_fd() const { return server_fd_; }
+
+ private:
+  TcpConnection() = default;
+  int client_fd_ = -1;
+  int server_fd_ = -1;
+};
+
+absl::Status SendAll(int fd, const char* p, int64_t bytes) {
+  while (bytes > 0) {
+    const ssize_t n = send(fd, p, std::min(bytes, kSocketIoBytes), MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return ErrnoError("send");
+    p += n;
+    bytes -= n;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RecvAll(int fd, char* p, int64_t bytes) {
+  while (bytes > 0) {
+    const ssize_t n = recv(fd, p, std::min(bytes, kSocketIoBytes), 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return n == 0 ? absl::InternalError("recv: peer closed") : ErrnoError("recv");
+    p += n;
+    bytes -= n;
+  }
+  return absl::OkStatus();
+}
+
+// Seconds to move `bytes` from `src` to `dst` over k fresh connections (part i of the arrays over
+// connection i, its sender and receiver on their own threads; the connections are opened before
+// the clock starts), and, with `round_trip`, back from `dst` into `back` once each part arrived.
+absl::StatusOr<double> SocketTransfer(int k, const char* src, char* dst, char* back, int64_t bytes,
+                                      bool round_trip) {
+  std::vector<std::unique_ptr<TcpConnection>> connections;
+  for (int i = 0; i < k; ++i) {
+    ASSIGN_OR_RETURN(auto c, TcpConnection::Open());
+    connections.push_back(std::move(c));
+  }
+  const auto start = Clock::now();
+  RETURN_IF_ERROR(RunParallel(2 * k, [&](int t) -> absl::Status {
+    const int i = t / 2;
+    const int64_t a = PartBegin(bytes, k, i), n = PartBegin(bytes, k, i + 1) - a;
+    const TcpConnection& c = *connections[i];
+    if (t % 2 == 0) {  // the "trainer"
+      RETURN_IF_ERROR(SendAll(c.client_fd(), src + a, n));
+      if (round_trip) RETURN_IF_ERROR(RecvAll(c.client_fd(), back + a, n));
+    } else {  // the "parameter server"
+      RETURN_IF_ERROR(RecvAll(c.server_fd(), dst + a, n));
+      if (round_trip) RETURN_IF_ERROR(SendAll(c.server_fd(), dst + a, n));
+    }
+    return absl::OkStatus();
+  }));
+  return Seconds(start);
+}
+
+// ---- trainyard-ps processes. ----
+
+// A trainyard-ps child process in its own process group that dies with this process
+// (PR_SET_PDEATHSIG). Stopped with SIGTERM (SIGKILL after kStopTimeoutSeconds) and reaped on
+// destruction. Used by the main thread only.
+class PsProcess {
+ public:
+  // The child inherits this process's environment; its stderr goes to ours with `show_logs`.
+  static absl::StatusOr<std::unique_ptr<PsProcess>> Start(const std::string& binary,
+                                                          int64_t memory_bytes, bool show_logs) {
+    if (access(binary.c_str(), X_OK) != 0) {
+      return absl::NotFoundError(absl::StrCat("--ps: cannot run ", binary));
+    }
+    int out[2];
+    if (pipe2(out, O_CLOEXEC) != 0) return ErrnoError("pipe");
+    std::vector<std::string> args = {binary,
+                                     "--listen",
+                                     "127.0.0.1:0",
+                                     "--threads",
+                                     "1",
+                                     "--memory-bytes",
+                                     absl::StrCat(memory_bytes)};
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    const pid_t parent = getpid();
+    const pid_t pid = fork();
+    if (pid < 0) {
+      close(out[0]);
+      close(out[1]);
+      return ErrnoError("fork");
+    }
+    if (pid == 0) {
+      setpgid(0, 0);
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != parent) _exit(127);
+      dup2(out[1], STDOUT_FILENO);
+      const int devnull = open("/dev/null", O_RDWR);
+      dup2(devnull, STDIN_FILENO);
+      if (!show_logs) dup2(devnull, STDERR_FILENO);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    setpgid(pid, pid);
+    close(out[1]);
+    std::unique_ptr<PsProcess> p(new PsProcess(pid, out[0]));
+    ASSIGN_OR_RETURN(p->address_, p->ReadFirstLine(/*timeout_ms=*/20000));
+    return p;
+  }
+
+  ~PsProcess() {
+    Terminate();
+    int status = 0;
+    const auto start = Clock::now();
+    while (waitpid(pid_, &status, WNOHANG) == 0) {
+      if (Seconds(start) > kStopTimeoutSeconds) {
+        std::fprintf(stderr, "trainyard-ps %d still running %.0f s after SIGTERM: SIGKILL\n", pid_,
+                     kStopTimeoutSeconds);
+        kill(-pid_, SIGKILL);
+        waitpid(pid_, &status, 0);
+        break;
+      }
+      usleep(10000);
+    }
+    close(stdout_fd_);
+  }
+
+  const std::string& address() const { return address_; }
+  pid_t pid() const { return pid_; }
+
+  // Sends SIGTERM (once); the destructor waits for the exit.
+  void Terminate() {
+    if (!terminated_) kill(-pid_, SIGTERM);
+    terminated_ = true;
+  }
+
+ private:
+  PsProcess(pid_t pid, int stdout_fd) : pid_(pid), stdout_fd_(stdout_fd) {}
+
+  // The bound address: the first line of its stdout.
+  absl::StatusOr<std::string> ReadFirstLine(int timeout_ms) {
+    std::string line;
+    const auto start = Clock::now();
+    while (true) {
+      const int left_ms = timeout_ms - static_cast<int>(Seconds(start) * 1000);
+      pollfd pfd{stdout_fd_, POLLIN, 0};
+      const int r = left_ms > 0 ? poll(&pfd, 1, left_ms) : 0;
+      if (r < 0 && errno == EINTR) continue;
+      char c = 0;
+      if (r <= 0 || read(stdout_fd_, &c, 1) != 1) {
+        return absl::UnavailableError(absl::StrCat(
+            "trainyard-ps (pid ", pid_, ") printed no address; --ps-logs shows its stderr"));
+      }
+      if (c == '\n') return line;
+      line.push_back(c);
+    }
+  }
+
+  const pid_t pid_;
+  const int stdout_fd_;
+  bool terminated_ = false;
+  std::string address_;
+};
+
+// trainyard-ps processes that all get SIGTERM before any is waited for: one takes up to ~10 s to
+// exit after SIGTERM once it has served calls (gRPC 1.51's grpc_shutdown joins an executor thread
+// sleeping in epoll_wait), so stopping them one by one would cost that many times over.
+// Used by the main thread only.
+class PsFleet {
+ public:
+  ~PsFleet() { TerminateAll(); }  // then each member waits for its process
+  void Add(std::unique_ptr<PsProcess> p) { processes_.push_back(std::move(p)); }
+  void TerminateAll() {
+    for (auto& p : processes_) p->Terminate();
+  }
+
+ private:
+  std::vector<std::unique_ptr<PsProcess>> processes_;
+};
+
+// ---- The client. ----
+
+// One call through a generic stub on its own completion queue, each operation waited for in turn
+// (the synchronous API has no generic client-streaming calls). Used by one thread.
+class AsyncCall {
+ public:
+  AsyncCall(grpc::GenericStub& stub, const std::string& method)
+      : call_(stub.PrepareCall(&ctx_, method, &cq_)) {
+    call_->StartCall(this);
+    started_ = Wait();
+  }
+  ~AsyncCall() {
+    if (!finished_) {
+      Cancel();
+      Finish();
+    }
+    cq_.Shutdown();
+    void* tag = nullptr;
+    bool ok = false;
+    while (cq_.Next(&tag, &ok)) {
+    }
+  }
+
+  bool started() const { return started_; }
+  // Each returns false once the call is over (Read: no more messages).
+  bool Write(const grpc::ByteBuffer& message) {
+    call_->Write(message, this);
+    return Wait();
+  }
+  bool WritesDone() {
+    call_->WritesDone(this);
+    return Wait();
+  }
+  bool Read(grpc::ByteBuffer* message) {
+    call_->Read(message, this);
+    return Wait();
+  }
+  void Cancel() { ctx_.TryCancel(); }
+  grpc::Status Finish() {
+    finished_ = true;
+    grpc::Status status;
+    call_->Finish(&status, this);
+    Wait();
+    return status;
+  }
+
+ private:
+  bool Wait() {
+    void* tag = nullptr;
+    bool ok = false;
+    return cq_.Next(&tag, &ok) && ok;
+  }
+
+  grpc::ClientContext ctx_;
+  grpc::CompletionQueue cq_;
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call_;
+  bool started_ = false;
+  bool finished_ = false;
+};
+
+constexpr uint32_t kWireVarint = 0, kWireLengthDelimited = 2;  // protobuf wire types
+
+void AppendVarint(uint64_t v, std::string* out) {
+  for (; v >= 0x80; v >>= 7) out->push_back(static_cast<char>(v | 0x80));
+  out->push_back(static_cast<char>(v));
+}
+
+// Decodes a ParameterChunk (protobuf writes offset before data) and copies its data into `params`
+// (the job's vector of `element_bytes` elements) at its offset, which must lie in [begin, end).
+// Adds the chunk's elements to `received`.
+absl::Status DecodeParameterChunk(grpc::ByteBuffer* message, int64_t begin, int64_t end,
+                                  int64_t element_bytes, void* params, int64_t* received) {
+  const absl::Status malformed = absl::InternalError("pull: a malformed ParameterChunk");
+  grpc::ProtoBufferReader reader(message);
+  google::protobuf::io::CodedInputStream in(&reader);
+  uint64_t offset = 0;
+  while (const uint32_t tag = in.ReadTag()) {
+    const uint32_t field = tag >> 3, wire_type = tag & 7;
+    uint64_t value = 0;
+    uint32_t bytes = 0;
+    if (wire_type == kWireVarint) {
+      if (!in.ReadVarint64(&value)) return malformed;
+      if (field == v1::ParameterChunk::kOffsetFieldNumber) offset = value;
+    } else if (wire_type == kWireLengthDelimited && field == v1::ParameterChunk::kDataFieldNumber) {
+      const int64_t a = static_cast<int64_t>(offset);
+      if (!in.ReadVarint32(&bytes) || bytes % element_bytes != 0 || a < begin ||
+          a + bytes / element_bytes > end) {
+        return absl::InternalError("pull: a chunk outside the range or in another format");
+      }
+      if (!in.ReadRaw(static_cast<char*>(params) + a * element_bytes, static_cast<int>(bytes))) {
+        return malformed;
+      }
+      *received += bytes / element_bytes;
+    } else if (wire_type != kWireLengthDelimited || !in.ReadVarint32(&bytes) ||
+               !in.Skip(static_cast<int>(bytes))) {
+      return malformed;
+    }
+  }
+  return in.ConsumedEntireMessage() ? absl::OkStatus() : malformed;
+}
+
+// One range of the job on one trainyard-ps, spoken to as the offload trainer does (--client stub)
+// or with fewer copies (--client zero-copy). Each method is called by one thread at a time.
+class ShardClient {
+ public:
+  ShardClient(const std::string& address, int64_t begin, int64_t end, const Flags& flags)
+      : begin_(begin),
+        end_(end),
+        chunk_elements_(flags.chunk_elements),
+        zero_copy_(flags.zero_copy_client) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(kMaxMessageBytes);
+    args.SetMaxSendMessageSize(kMaxMessageBytes);
+    if (flags.lookahead_bytes > 0) {
+      args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, flags.lookahead_bytes);
+    }
+    if (flags.bdp_probe >= 0) args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, flags.bdp_probe);
+    auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    stub_ = v1::ParameterServerService::NewStub(channel);
+    generic_ = std::make_unique<grpc::GenericStub>(channel);
+  }
+
+  // Initializes the range at step 0 from `params` (the whole job's fp32 vector).
+  absl::Status Init(int64_t total, const float* params) {
+    grpc::ClientContext ctx;
+    v1::InitShardResponse response;
+    auto writer = stub_->InitShard(&ctx, &response);
+    v1::InitShardChunk chunk;
+    auto* h = chunk.mutable_header();
+    h->set_job_id(kJobId);
+    h->set_attempt(1);
+    h->set_begin(begin_);
+    h->set_end(end_);
+    h->set_total_params(total);
+    h->mutable_adamw()->set_beta1(0.9f);
+    h->mutable_adamw()->set_beta2(0.999f);
+    h->mutable_adamw()->set_eps(1e-8f);
+    h->mutable_adamw()->set_weight_decay(0.01f);
+    bool ok = writer->Write(chunk);
+    for (int64_t a = begin_; ok && a < end_; a += chunk_elements_) {
+      const int64_t n = std::min(chunk_elements_, end_ - a);
+      chunk.Clear();
+      chunk.set_offset(a);
+      chunk.set_params(reinterpret_cast<const char*>(params + a), n * 4);
+      ok = writer->Write(chunk);
+    }
+    writer->WritesDone();
+    return Check(writer->Finish(), "init");
+  }
+
+  // PushGradients of step `step` for the whole range from `grads` (the job's vector of fp32 or
+  // bf16 elements, as `format` says).
+  absl::Status Push(int64_t step, v1::WireFormat format, const void* grads) {
+    return zero_copy_ ? PushZeroCopy(step, format, grads) : PushStub(step, format, grads);
+  }
+
+  // UpdateAndPull of step `step` (with `update`: apply it first) of the whole range into `params`
+  // (the job's vector of fp32 or bf16 elements, as `format` says). Sets `first_chunk` to when
+  // the first chunk arrived (after the update, when there is one).
+  absl::Status Pull(int64_t step, bool update, v1::WireFormat format, void* params,
+                    Clock::time_point* first_chunk) {
+    return zero_copy_ ? PullZeroCopy(step, update, format, params, first_chunk)
+                      : PullStub(step, update, format, params, first_chunk);
+  }
+
+  // Pulls step `step` (already applied) in fp32 through the stub into `a` and through the
+  // zero-copy path into `b` (the job's vectors) and compares the range: a check of the
+  // hand-written decoding.
+  absl::Status CheckZeroCopyPull(int64_t step, float* a, float* b) {
+    Clock::time_point first_chunk;
+    RETURN_IF_ERROR(PullStub(step, false, v1::WIRE_FP32, a, &first_chunk));
+    RETURN_IF_ERROR(PullZeroCopy(step, false, v1::WIRE_FP32, b, &first_chunk));
+    if (std::memcmp(a + begin_, b + begin_, (end_ - begin_) * sizeof(float)) == 0) {
+      return absl::OkStatus();
+    }
+    return absl::InternalError(
+        absl::StrCat("the zero-copy pull of [", begin_, ", ", end_, ") differs from the stub's"));
+  }
+
+ private:
+  static int64_t ElementBytes(v1::WireFormat format) { return format == v1::WIRE_BF16 ? 2 : 4; }
+
+  v1::UpdateAndPullRequest PullRequest(int64_t step, bool update, v1::WireFormat format) const {
+    v1::UpdateAndPullRequest request;
+    request.set_job_id(kJobId);
+    request.set_attempt(1);
+    request.set_step(step);
+    request.set_begin(begin_);
+    request.set_end(end_);
+    if (update) request.mutable_update()->set_lr(1e-4f);
+    request.set_format(format);
+    request.set_chunk_elements(chunk_elements_);
+    request.set_wait_ms(0);
+    return request;
+  }
+
+  absl::Status CheckCount(const char* what, int64_t elements) const {
+    if (elements == end_ - begin_) return absl::OkStatus();
+    return absl::InternalError(absl::StrCat(what, ": ", elements, " of ", end_ - begin_,
+                                            " elements of [", begin_, ", ", end_, ")"));
+  }
+
+  // As offload.cc: one GradientChunk reused, its data copied in by set_data.
+  absl::Status PushStub(int64_t step, v1::WireFormat format, const void* grads) {
+    const int64_t element_bytes = ElementBytes(format);
+    grpc::ClientContext ctx;
+    v1::PushGradientsResponse response;
+    auto writer = stub_->PushGradients(&ctx, &response);
+    v1::GradientChunk chunk;
+    chunk.set_job_id(kJobId);
+    chunk.set_attempt(1);
+    chunk.set_step(step);
+    chunk.set_format(format);
+    bool ok = true;
+    for (int64_t a = begin_; ok && a < end_; a += chunk_elements_) {
+      const int64_t n = std::min(chunk_elements_, end_ - a);
+      chunk.set_offset(a);
+      chunk.set_data(static_cast<const char*>(grads) + a * element_bytes, n * element_bytes);
+      ok = writer->Write(chunk);
+    }
+    writer->WritesDone();
+    RETURN_IF_ERROR(Check(writer->Finish(), "push"));
+    return CheckCount("push: staged", response.elements_staged());
+  }
+
+  // The same messages on the wire: a small serialized header (every field but data) followed by
+  // the data field's tag and length, then the data as a slice pointing into `grads`.
+  absl::Status PushZeroCopy(int64_t step, v1::WireFormat format, const void* grads) {
+    const int64_t element_bytes = ElementBytes(format);
+    AsyncCall call(*generic_, "/trainyard.v1.ParameterServerService/PushGradients");
+    v1::GradientChunk header;
+    header.set_job_id(kJobId);
+    header.set_attempt(1);
+    header.set_step(step);
+    header.set_format(format);
+    bool ok = call.started();
+    for (int64_t a = begin_; ok && a < end_; a += chunk_elements_) {
+      const int64_t bytes = std::min(chunk_elements_, end_ - a) * element_bytes;
+      header.set_offset(a);
+      std::string prefix = header.SerializeAsString();
+      AppendVarint((v1::GradientChunk::kDataFieldNumber << 3) | kWireLengthDelimited, &prefix);
+      AppendVarint(static_cast<uint64_t>(bytes), &prefix);
+      const grpc::Slice slices[2] = {
+          grpc::Slice(prefix), grpc::Slice(static_cast<const char*>(grads) + a * element_bytes,
+                                           bytes, grpc::Slice::STATIC_SLICE)};
+      ok = call.Write(grpc::ByteBuffer(slices, 2));
+    }
+    call.WritesDone();
+    grpc::ByteBuffer reply;
+    call.Read(&reply);
+    RETURN_IF_ERROR(Check(call.Finish(), "push"));
+    v1::PushGradientsResponse response;
+    if (!grpc::SerializationTraits<v1::PushGradientsResponse>::Deserialize(&reply, &response)
+             .ok()) {
+      return absl::InternalError("push: a malformed PushGradientsResponse");
+    }
+    return CheckCount("push: staged", response.elements_staged());
+  }
+
+  // As offload.cc: each ParameterChunk parsed by protobuf, then copied into place.
+  absl::Status PullStub(int64_t step, bool update, v1::WireFormat format, void* params,
+                        Clock::time_point* first_chunk) {
+    const int64_t element_bytes = ElementBytes(format);
+    grpc::ClientContext ctx;
+    auto reader = stub_->UpdateAndPull(&ctx, PullRequest(step, update, format));
+    v1::ParameterChunk chunk;
+    int64_t received = 0;
+    while (reader->Read(&chunk)) {
+      if (received == 0) *first_chunk = Clock::now();
+      const int64_t n = static_cast<int64_t>(chunk.data().size()) / element_bytes;
+      if (chunk.offset() < begin_ || chunk.offset() + n > end_ || chunk.format() != format) {
+        ctx.TryCancel();
+        reader->Finish();
+        return absl::InternalError("pull: a chunk outside the range or in another format");
+      }
+      std::memcpy(static_cast<char*>(params) + chunk.offset() * element_bytes, chunk.data().data(),
+                  chunk.data().size());
+      received += n;
+    }
+    RETURN_IF_ERROR(Check(reader->Finish(), "pull"));
+    return CheckCount("pull", received);
+  }
+
+  // Each ParameterChunk decoded from gRPC's buffers straight into place.
+  absl::Status PullZeroCopy(int64_t step, bool update, v1::WireFormat format, void* params,
+                            Clock::time_point* first_chunk) {
+    const std::string request = PullRequest(step, update, format).SerializeAsString();
+    const grpc::Slice slice(request);
+    AsyncCall call(*generic_, "/trainyard.v1.ParameterServerService/UpdateAndPull");
+    const bool sent =
+        call.started() && call.Write(grpc::ByteBuffer(&slice, 1)) && call.WritesDone();
+    grpc::ByteBuffer message;
+    int64_t received = 0;
+    absl::Status decoded;
+    while (sent && decoded.ok() && call.Read(&message)) {
+      if (received == 0) *first_chunk = Clock::now();
+      decoded =
+          DecodeParameterChunk(&message, begin_, end_, ElementBytes(format), params, &received);
+    }
+    if (!decoded.ok()) call.Cancel();
+    const grpc::Status finished = call.Finish();
+    RETURN_IF_ERROR(decoded);
+    RETURN_IF_ERROR(Check(finished, "pull"));
+    return CheckCount("pull", received);
+  }
+
+  absl::Status Check(const grpc::Status& s, absl::string_view what) const {
+    if (s.ok()) return absl::OkStatus();
+    const absl::Status status = FromGrpcStatus(s);
+    return absl::Status(status.code(),
+                        absl::StrCat(what, " [", begin_, ", ", end_, "): ", status.message()));
+  }
+
+  const int64_t begin_, end_, chunk_elements_;
+  const bool zero_copy_;
+  std::unique_ptr<v1::ParameterServerService::Stub> stub_;
+  std::unique_ptr<grpc::GenericStub> generic_;  // on the same channel
+};
+
+// ---- The benchmark. ----
+
+// Per timed round, seconds.
+// CPU time of this process and of `pids` (user + system, all threads), seconds.
+double CpuSeconds(const std::vector<pid_t>& pids) {
+  static const double ticks_per_second = static_cast<double>(sysconf(_SC_CLK_TCK));
+  double ticks = 0;
+  auto add = [&](const std::string& path) {
+    FILE* f = std::fopen(path.c_str(), "r");
+    if (f == nullptr) return;
+    char buf[1024];
+    const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+    std::fclose(f);
+    buf[n] = 0;
+    // Fields 14 and 15 (utime, stime) follow the command, which ends at the last ')'.
+    const char* p = std::strrchr(buf, ')');
+    unsigned long long utime = 0, stime = 0;
+    if (p != nullptr && std::sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu",
+                                    &utime, &stime) == 2) {
+      ticks += static_cast<double>(utime + stime);
+    }
+  };
+  add("/proc/self/stat");
+  for (pid_t pid : pids) add(absl::StrCat("/proc/", pid, "/stat"));
+  return ticks / ticks_per_second;
+}
+
+// Seconds of wall time and of CPU time (this process and the shards) of a kind of phase, summed
+// over the timed rounds: CPU / wall is how many cores it kept busy.
+struct Busy {
+  double wall = 0, cpu = 0;
+  double cores() const { return wall > 0 ? cpu / wall : 0; }
+};
+
+// Per timed round, seconds.
+struct FormatTimes {
+  std::vector<double> push, update_pull, pull, adam;
+  Busy push_busy, pull_busy;
+};
+
+struct ShardCountResult {
+  int k = 0;
+  std::vector<double> socket_one_way, socket_round_trip;
+  Busy socket_busy;
+  FormatTimes fp32, bf16;
+};
+
+struct Buffers {
+  std::vector<float> params, grads, pulled;
+  std::vector<uint16_t> grads_bf16, pulled_bf16;
+  std::vector<char> socket_dst;
+};
+
+// Starts k trainyard-ps processes (added to `fleet`, which stops them) and measures.
+absl::StatusOr<ShardCountResult> RunShardCount(const Flags& flags, int k, Buffers& b,
+                                               PsFleet& fleet) {
+  const int64_t total = flags.params;
+  ShardCountResult result;
+  result.k = k;
+  std::vector<std::unique_ptr<ShardClient>> clients;
+  std::vector<pid_t> pids;
+  for (int i = 0; i < k; ++i) {
+    const int64_t begin = PartBegin(total, k, i), end = PartBegin(total, k, i + 1);
+    ASSIGN_OR_RETURN(auto server,
+                     PsProcess::Start(flags.ps_binary, (end - begin) * kPsBytesPerParam + (1 << 20),
+                                      flags.ps_logs));
+    clients.push_back(std::make_unique<ShardClient>(server->address(), begin, end, flags));
+    pids.push_back(server->pid());
+    fleet.Add(std::move(server));
+  }
+  RETURN_IF_ERROR(RunParallel(k, [&](int i) { return clients[i]->Init(total, b.params.data()); }));
+
+  int64_t step = 0;
+  // One optimizer step: push, update and pull, pure pull; each phase on k threads at once.
+  auto run_step = [&](v1::WireFormat format, FormatTimes* times) -> absl::Status {
+    const bool bf16 = format == v1::WIRE_BF16;
+    const void* grads = bf16 ? static_cast<const void*>(b.grads_bf16.data()) : b.grads.data();
+    void* pulled = bf16 ? static_cast<void*>(b.pulled_bf16.data()) : b.pulled.data();
+    ++step;
+    std::vector<Clock::time_point> first_chunk(k);
+    // Seconds to the end of the phase, and to the last shard's first pulled chunk.
+    auto phase = [&](const std::function<absl::Status(int)>& fn) -> absl::StatusOr<double> {
+      const auto start = Clock::now();
+      RETURN_IF_ERROR(RunParallel(k, fn));
+      return Seconds(start);
+    };
+    auto latest_first_chunk = [&](Clock::time_point start) {
+      return std::chrono::duration<double>(
+                 *std::max_element(first_chunk.begin(), first_chunk.end()) - start)
+          .count();
+    };
+    double cpu = CpuSeconds(pids);
+    ASSIGN_OR_RETURN(const double push,
+                     phase([&](int i) { return clients[i]->Push(step, format, grads); }));
+    const double push_cpu = CpuSeconds(pids) - cpu;
+    auto start = Clock::now();
+    ASSIGN_OR_RETURN(const double update_pull, phase([&](int i) {
+                       return clients[i]->Pull(step, true, format, pulled, &first_chunk[i]);
+                     }));
+    const double update_first = latest_first_chunk(start);
+    start = Clock::now();
+    cpu = CpuSeconds(pids);
+    ASSIGN_OR_RETURN(const double pull, phase([&](int i) {
+                       return clients[i]->Pull(step, false, format, pulled, &first_chunk[i]);
+                     }));
+    const double pull_cpu = CpuSeconds(pids) - cpu;
+    const double pull_first = latest_first_chunk(start);
+    if (times != nullptr) {
+      times->push_busy.wall += push;
+      times->push_busy.cpu += push_cpu;
+      times->pull_busy.wall += pull;
+      times->pull_busy.cpu += pull_cpu;
+      times->push.push_back(push);
+      times->update_pull.push_back(update_pull);
+      times->pull.push_back(pull);
+      times->adam.push_back(update_first - pull_first);
+    }
+    return absl::OkStatus();
+  };
+
+  const int64_t fp32_bytes = total * 4;
+  char* src = reinterpret_cast<char*>(b.grads.data());
+  char* back = reinterpret_cast<char*>(b.pulled.data());
+  for (int round = 0; round < flags.warmup + flags.reps; ++round) {
+    const bool timed = round >= flags.warmup;
+    const double cpu = CpuSeconds({});
+    ASSIGN_OR_RETURN(const double one_way,
+                     SocketTransfer(k, src, b.socket_dst.data(), back, fp32_bytes, false));
+    const double socket_cpu = CpuSeconds({}) - cpu;
+    ASSIGN_OR_RETURN(const double round_trip,
+                     SocketTransfer(k, src, b.socket_dst.data(), back, fp32_bytes, true));
+    RETURN_IF_ERROR(run_step(v1::WIRE_FP32, timed ? &result.fp32 : nullptr));
+    if (flags.bf16) RETURN_IF_ERROR(run_step(v1::WIRE_BF16, timed ? &result.bf16 : nullptr));
+    if (timed) {
+      result.socket_one_way.push_back(one_way);
+      result.socket_busy.wall += one_way;
+      result.socket_busy.cpu += socket_cpu;
+      result.socket_round_trip.push_back(round_trip);
+    }
+  }
+  if (flags.zero_copy_client) {
+    float* check = reinterpret_cast<float*>(b.socket_dst.data());
+    RETURN_IF_ERROR(RunParallel(
+        k, [&](int i) { return clients[i]->CheckZeroCopyPull(step, b.pulled.data(), check); }));
+  }
+  return result;
+}
+
+void PrintTable(const Flags& flags, const std::vector<ShardCountResult>& results) {
+  if (!flags.rows_only) {
+    std::printf(
+        "| setup | shards | wire | socket GB/s | push GB/s | push / socket | pull GB/s | pull / "
+        "socket | socket push+pull GB/s | push+pull GB/s | / socket | cores busy: socket, push, "
+        "pull | AdamW ms | step ms | goal: push and pull >= 70%% of socket |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  }
+  const double fp32_bytes = 4.0 * static_cast<double>(flags.params);
+  for (const ShardCountResult& r : results) {
+    const double socket = fp32_bytes / Median(r.socket_one_way) / 1e9;
+    const double socket_round_trip = 2 * fp32_bytes / Median(r.socket_round_trip) / 1e9;
+    for (const bool bf16 : {false, true}) {
+      if (bf16 && !flags.bf16) continue;
+      const FormatTimes& t = bf16 ? r.bf16 : r.fp32;
+      const double bytes = bf16 ? fp32_bytes / 2 : fp32_bytes;
+      std::vector<double> push_pull, step;
+      for (size_t i = 0; i < t.push.size(); ++i) {
+        push_pull.push_back(t.push[i] + t.pull[i]);
+        step.push_back(t.push[i] + t.update_pull[i]);
+      }
+      const double push = bytes / Median(t.push) / 1e9;
+      const double pull = bytes / Median(t.pull) / 1e9;
+      const double both = 2 * bytes / Median(push_pull) / 1e9;
+      const bool met = push >= kGoalOfSocket * socket && pull >= kGoalOfSocket * socket;
+      std::printf(
+          "| %s | %d | %s | %.2f | %.2f | %.0f%% | %.2f | %.0f%% | %.2f | %.2f | %.0f%% | %.1f, "
+          "%.1f, %.1f | %.0f | %.0f | %s |\n",
+          flags.label.c_str(), r.k, bf16 ? "bf16" : "fp32", socket, push, 100 * push / socket, pull,
+          100 * pull / socket, socket_round_trip, both, 100 * both / socket_round_trip,
+          r.socket_busy.cores(), t.push_busy.cores(), t.pull_busy.cores(), 1e3 * Median(t.adam),
+          1e3 * Median(step), met ? "met" : "NOT met");
+    }
+  }
+  if (flags.rows_only) return;
+  std::printf(
+      "\nGB/s: bytes on the wire (fp32 4, bf16 2 per parameter, %.0f MB fp32 each way; 1 GB = 1e9 "
+      "B) / median seconds; socket: the fp32 bytes over k plain TCP connections, one way. push: "
+      "PushGradients of every range; "
+      "pull: UpdateAndPull without update (the transfer alone); push+pull: their sum, against the "
+      "socket sending the bytes and receiving them back. cores busy: CPU seconds (this process and "
+      "the shards, from /proc) / wall seconds over the rounds (%u cores here). AdamW ms: time to "
+      "the last shard's first "
+      "pulled chunk with update minus without (k processes, 1 AdamW thread each). step ms: push + "
+      "UpdateAndPull with update.\n",
+      fp32_bytes / 1e6, std::thread::hardware_concurrency());
+}
+
+int Main(int argc, char** argv) {
+  const Flags flags = ParseFlags(argc, argv);
+  if (flags.tune_malloc) {
+    mallopt(M_MMAP_THRESHOLD, kMmapThresholdBytes);
+    mallopt(M_TRIM_THRESHOLD, kTrimThresholdBytes);
+    setenv("GLIBC_TUNABLES", kPsMallocTunables, 1);  // inherited by the trainyard-ps children
+  }
+  if (!flags.rows_only) {
+    std::string shard_list;
+    for (int k : flags.shards) absl::StrAppend(&shard_list, shard_list.empty() ? "" : ",", k);
+    std::printf(
+        "parameter server push/pull vs plain TCP on loopback: %lld params (%.0f MiB fp32), shards "
+        "%s, %lld-element chunks, median of %d rounds after %d warm-up\n\n",
+        static_cast<long long>(flags.params), 4.0 * flags.params / (1 << 20), shard_list.c_str(),
+        static_cast<long long>(flags.chunk_elements), flags.reps, flags.warmup);
+    std::fflush(stdout);
+  }
+
+  const int64_t n = flags.params;
+  Buffers b;
+  b.params.resize(n);
+  b.grads.resize(n);
+  b.pulled.resize(n);
+  b.grads_bf16.resize(n);
+  b.pulled_bf16.resize(n);
+  b.socket_dst.resize(n * 4);
+  uint32_t state = 12345;
+  for (int64_t i = 0; i < n; ++i) {
+    state = state * 1664525u + 1013904223u;
+    const float r = static_cast<float>(state >> 8) / static_cast<float>(1 << 24) - 0.5f;
+    b.params[i] = r;
+    b.grads[i] = 0.01f * r + 1e-3f;
+  }
+  adam::FloatToBf16(b.grads.data(), b.grads_bf16.data(), n);
+
+  PsFleet fleet;  // after the buffers: stopped and reaped first, on every return
+  std::vector<ShardCountResult> results;
+  for (int k : flags.shards) {
+    const auto start = Clock::now();
+    auto r = RunShardCount(flags, k, b, fleet);
+    fleet.TerminateAll();  // they exit while the next shard count runs
+    if (!r.ok()) {
+      std::fprintf(stderr, "%d shard(s): %s\n", k, r.status().ToString().c_str());
+      return 1;
+    }
+    std::fprintf(stderr, "%s: %d shard(s) measured in %.1f s\n", flags.label.c_str(), k,
+                 Seconds(start));
+    results.push_back(*std::move(r));
+  }
+  PrintTable(flags, results);
+  std::fflush(stdout);
+  return 0;
+}
+
+}  // namespace
+}  // namespace trainyard::bench
+
+int main(int argc, char** argv) { return trainyard::bench::Main(argc, argv); }
