@@ -145,12 +145,15 @@ class TrainerE2eTest : public ::testing::Test {
     return argv;
   }
 
+  // Starts every rank; `rank0_extra` flags go to rank 0 only, `every_rank_extra` to all.
   std::vector<std::unique_ptr<testing::Subprocess>> Launch(
-      const Job& job, int world, const std::vector<std::string>& rank0_extra) {
+      const Job& job, int world, const std::vector<std::string>& rank0_extra,
+      const std::vector<std::string>& every_rank_extra = {}) {
     std::vector<std::unique_ptr<testing::Subprocess>> procs;
     for (int r = 0; r < world; ++r) {
-      auto p = testing::Subprocess::Start(
-          Argv(job, r, world, r == 0 ? rank0_extra : std::vector<std::string>{}));
+      std::vector<std::string> extra = every_rank_extra;
+      if (r == 0) extra.insert(extra.end(), rank0_extra.begin(), rank0_extra.end());
+      auto p = testing::Subprocess::Start(Argv(job, r, world, extra));
       EXPECT_TRUE(p.ok()) << p.status();
       if (p.ok()) procs.push_back(std::move(*p));
     }
@@ -173,8 +176,9 @@ class TrainerE2eTest : public ::testing::Test {
     return result;
   }
 
-  RunResult Run(const Job& job, int world, const std::vector<std::string>& rank0_extra) {
-    auto procs = Launch(job, world, rank0_extra);
+  RunResult Run(const Job& job, int world, const std::vector<std::string>& rank0_extra,
+                const std::vector<std::string>& every_rank_extra = {}) {
+    auto procs = Launch(job, world, rank0_extra, every_rank_extra);
     return Finish(procs);
   }
 
@@ -500,15 +504,7 @@ TEST_F(OffloadE2eTest, TwoRanksTwoServersMatchDdp) {
   const std::string offload_dump = dir_.path() + "/offload.params";
   const std::string ddp_dump = dir_.path() + "/ddp.params";
 
-  std::vector<std::unique_ptr<testing::Subprocess>> procs;
-  for (int r = 0; r < 2; ++r) {
-    std::vector<std::string> extra = {"--ps", ps};
-    if (r == 0) extra.insert(extra.end(), {"--dump-params", offload_dump});
-    auto p = testing::Subprocess::Start(Argv(offload, r, 2, extra));
-    ASSERT_TRUE(p.ok()) << p.status();
-    procs.push_back(std::move(*p));
-  }
-  RunResult ro = Finish(procs);
+  RunResult ro = Run(offload, 2, {"--dump-params", offload_dump}, {"--ps", ps});
   EXPECT_THAT(ro.exit_codes, ::testing::ElementsAre(0, 0)) << Joined(ro);
   EXPECT_THAT(Joined(ro), HasSubstr("step 10/10"));
   RunResult rd = Run(ddp, 2, {"--dump-params", ddp_dump});
@@ -561,16 +557,7 @@ TEST_F(OffloadE2eTest, DelayedUpdateLagsOneStepAndStillTrains) {
   const std::string a_metrics = dir_.path() + "/immediate.jsonl";
   const std::string b_metrics = dir_.path() + "/delayed.jsonl";
   for (const auto& [job, metrics] : {std::pair{a, a_metrics}, std::pair{b, b_metrics}}) {
-    std::vector<std::unique_ptr<testing::Subprocess>> procs;
-    const std::string ps = PsFlag(job);
-    for (int r = 0; r < 2; ++r) {
-      std::vector<std::string> extra = {"--ps", ps};
-      if (r == 0) extra.insert(extra.end(), {"--metrics-file", metrics});
-      auto p = testing::Subprocess::Start(Argv(job, r, 2, extra));
-      ASSERT_TRUE(p.ok()) << p.status();
-      procs.push_back(std::move(*p));
-    }
-    RunResult r = Finish(procs);
+    RunResult r = Run(job, 2, {"--metrics-file", metrics}, {"--ps", PsFlag(job)});
     ASSERT_THAT(r.exit_codes, ::testing::ElementsAre(0, 0)) << Joined(r);
   }
   const auto la = ReadLosses(a_metrics), lb = ReadLosses(b_metrics);

@@ -174,7 +174,7 @@ absl::Status JobManager::CheckFitsParameterServers(const v1::JobSpec& spec) cons
                    " registered parameter server(s) offer ", gib(capacity), " in all"));
 }
 
-std::vector<PsCapacity> JobManager::ParameterServerCapacity() const {
+std::map<std::string, int64_t> JobManager::ReservedPsBytes() const {
   std::map<std::string, int64_t> reserved;
   for (const std::string& id : unfinished_) {
     const v1::Job& job = jobs_.at(id);
@@ -183,6 +183,11 @@ std::vector<PsCapacity> JobManager::ParameterServerCapacity() const {
       reserved[r.node_id()] += (r.end() - r.begin()) * kPsBytesPerParam;
     }
   }
+  return reserved;
+}
+
+std::vector<PsCapacity> JobManager::ParameterServerCapacity() const {
+  std::map<std::string, int64_t> reserved = ReservedPsBytes();
   std::vector<PsCapacity> out;
   for (const v1::Node& n : nodes_.List()) {
     if (n.role() != v1::PARAMETER_SERVER || n.state() != v1::NODE_READY || !n.connected()) {
@@ -591,14 +596,7 @@ std::vector<v1::Node> JobManager::NodesWithAllocations() const {
       node.mutable_allocated_devices()->Add(it->second.begin(), it->second.end());
     }
   }
-  std::map<std::string, int64_t> reserved;
-  for (const std::string& id : unfinished_) {
-    const v1::Job& job = jobs_.at(id);
-    if (!IsActive(job.state())) continue;
-    for (const v1::PsRange& r : job.ps_placement()) {
-      reserved[r.node_id()] += (r.end() - r.begin()) * kPsBytesPerParam;
-    }
-  }
+  std::map<std::string, int64_t> reserved = ReservedPsBytes();
   for (v1::Node& node : nodes) {
     if (node.role() == v1::PARAMETER_SERVER) node.set_reserved_bytes(reserved[node.id()]);
   }

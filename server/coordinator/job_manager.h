@@ -120,6 +120,8 @@ class JobManager {
   // For offload jobs: INVALID_ARGUMENT when the ready parameter servers together have too little
   // memory for the job's optimizer state, FAILED_PRECONDITION when none is registered.
   absl::Status CheckFitsParameterServers(const v1::JobSpec& spec) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Bytes running offload jobs hold on each parameter server, by node id.
+  std::map<std::string, int64_t> ReservedPsBytes() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Connected, ready parameter servers and their memory not held by running offload jobs.
   std::vector<PsCapacity> ParameterServerCapacity() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The job if `attempt` is its running attempt; else NOT_FOUND or FAILED_PRECONDITION.

@@ -131,21 +131,18 @@ void PsServer::RefreshGauges() {
 }
 
 void PsServer::RegistrationLoop() {
+  // With a coordinator: register and hold a session, again after a pause that grows while the
+  // coordinator stays away. Without one: only refresh the gauges every second.
   absl::Duration backoff = absl::Milliseconds(100);
   while (true) {
     const absl::Time started = absl::Now();
     if (!options_.coordinator.empty()) RunSession();
     if (absl::Now() - started > absl::Seconds(10)) backoff = absl::Milliseconds(100);
-    absl::MutexLock lock(&mu_);
-    if (stopping_) break;
-    // Without a coordinator this only refreshes the gauges every second.
-    const absl::Duration pause = options_.coordinator.empty() ? absl::Seconds(1) : backoff;
-    mu_.AwaitWithTimeout(absl::Condition(&stopping_), pause);
-    if (stopping_) break;
-    mu_.Unlock();
     RefreshGauges();
-    mu_.Lock();
-    if (!options_.coordinator.empty()) backoff = std::min(backoff * 2, options_.max_backoff);
+    const absl::Duration pause = options_.coordinator.empty() ? absl::Seconds(1) : backoff;
+    absl::MutexLock lock(&mu_);
+    if (mu_.AwaitWithTimeout(absl::Condition(&stopping_), pause)) break;
+    backoff = std::min(backoff * 2, options_.max_backoff);
   }
 }
 

@@ -288,7 +288,6 @@ absl::Status ShardManager::Update(const std::string& job_id, int attempt, int64_
   c.weight_decay = s.adamw.weight_decay();
   c.step = step;
   c.grad_scale = grad_scale;
-  const absl::Time start = absl::Now();
   {
     absl::MutexLock compute(&compute_mu_);
     for (const auto& [offset, chunk] : chunks) {
@@ -304,16 +303,9 @@ absl::Status ShardManager::Update(const std::string& job_id, int attempt, int64_
       }
     }
   }
-  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
-  {
-    absl::MutexLock lock(&s.mu);
-    s.applied.Set(begin, end, step, /*updating=*/false);
-    s.changed.SignalAll();
-  }
-  absl::MutexLock lock(&mu_);
-  ++updates_applied_;
-  elements_updated_ += end - begin;
-  update_seconds_ += seconds;
+  absl::MutexLock lock(&s.mu);
+  s.applied.Set(begin, end, step, /*updating=*/false);
+  s.changed.SignalAll();
   return absl::OkStatus();
 }
 
@@ -415,17 +407,4 @@ int64_t ShardManager::reserved_bytes() const {
   absl::MutexLock lock(&mu_);
   return reserved_bytes_;
 }
-int64_t ShardManager::updates_applied() const {
-  absl::MutexLock lock(&mu_);
-  return updates_applied_;
-}
-int64_t ShardManager::elements_updated() const {
-  absl::MutexLock lock(&mu_);
-  return elements_updated_;
-}
-double ShardManager::update_seconds() const {
-  absl::MutexLock lock(&mu_);
-  return update_seconds_;
-}
-
 }  // namespace trainyard::ps

@@ -92,10 +92,6 @@ class ShardManager {
 
   int64_t capacity_bytes() const { return capacity_bytes_; }
   int64_t reserved_bytes() const;
-  // Totals for metrics.
-  int64_t updates_applied() const;
-  int64_t elements_updated() const;
-  double update_seconds() const;
 
  private:
   struct Shard;
@@ -110,9 +106,6 @@ class ShardManager {
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Shard>> shards_ ABSL_GUARDED_BY(mu_);
   int64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t updates_applied_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t elements_updated_ ABSL_GUARDED_BY(mu_) = 0;
-  double update_seconds_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace trainyard::ps

@@ -89,7 +89,6 @@ class OffloadOptimizer {
   // into `shadow`'s AdamW state, so a DDP-format checkpoint can be written.
   absl::Status ReadIntoShadow(int64_t step, torch::optim::Optimizer& shadow);
 
-  int64_t num_params() const { return total_; }
   int num_buckets() const { return static_cast<int>(buckets_.size()); }
   // Bytes this rank sent to and received from the parameter servers in the last step.
   int64_t pushed_bytes() const { return pushed_bytes_; }
