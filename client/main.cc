@@ -376,6 +376,8 @@ int Metrics(const Globals& g, const std::string& id, bool follow) {
                         {"step_seconds", r.step_seconds()},
                         {"grad_norm", r.grad_norm()},
                         {"resident_bytes", r.resident_bytes()},
+                        {"model_state_peak_bytes", r.model_state_peak_bytes()},
+                        {"comm_bytes", r.comm_bytes()},
                         {"time_ms", r.time_ms()}});
       return;
     }
@@ -384,7 +386,7 @@ int Metrics(const Globals& g, const std::string& id, bool follow) {
                       absl::StrFormat("%.2e", r.lr()), absl::StrFormat("%.3f", r.grad_norm()),
                       HumanCount(static_cast<int64_t>(r.tokens_per_second())),
                       absl::StrFormat("%.0f", 1000 * r.step_seconds()),
-                      HumanBytes(r.resident_bytes())});
+                      HumanBytes(r.resident_bytes()), HumanBytes(r.model_state_peak_bytes())});
       return;
     }
     recent.push_back(r.step_seconds());
@@ -402,7 +404,8 @@ int Metrics(const Globals& g, const std::string& id, bool follow) {
   if (g.json()) {
     std::cout << series.dump(1) << "\n";
   } else if (!follow) {
-    std::cout << FormatTable({"STEP", "LOSS", "LR", "GRAD_NORM", "TOK/S", "STEP_MS", "RSS"}, rows);
+    std::cout << FormatTable(
+        {"STEP", "LOSS", "LR", "GRAD_NORM", "TOK/S", "STEP_MS", "RSS", "MODEL_STATE"}, rows);
   }
   return 0;
 }

@@ -264,7 +264,10 @@ absl::Status ParseDocument(const YAML::Node& root, SpecParser& p, JobSpec& spec)
   }
   if (const YAML::Node n = root["parallel"]) {
     RETURN_IF_ERROR(
-        p.Mapping(n, "parallel", {"strategy", "sharding_strategy", "bucket_mb", "delayed_update"}));
+        p.Mapping(n, "parallel",
+                  {"strategy", "sharding_strategy", "bucket_mb", "delayed_update",
+                   "auto_wrap_policy", "min_num_params", "backward_prefetch", "forward_prefetch",
+                   "max_gathered_units", "cpu_ram_efficient_loading"}));
     auto& par = *spec.mutable_parallel();
     v1::Strategy s = v1::STRATEGY_UNSPECIFIED;
     RETURN_IF_ERROR(p.Choice<v1::Strategy>(
@@ -285,6 +288,34 @@ absl::Status ParseDocument(const YAML::Node& root, SpecParser& p, JobSpec& spec)
     bool delayed = false;
     RETURN_IF_ERROR(p.Bool(n, "delayed_update", "parallel", delayed));
     par.set_delayed_update(delayed);
+    v1::WrapPolicy wrap = v1::WRAP_POLICY_UNSPECIFIED;
+    RETURN_IF_ERROR(
+        p.Choice<v1::WrapPolicy>(n, "auto_wrap_policy", "parallel",
+                                 {{"TRANSFORMER_BASED_WRAP", v1::TRANSFORMER_BASED_WRAP},
+                                  {"SIZE_BASED_WRAP", v1::SIZE_BASED_WRAP}},
+                                 wrap));
+    par.set_auto_wrap_policy(wrap);
+    int64_t min_params = 0;
+    RETURN_IF_ERROR(p.Integer(n, "min_num_params", "parallel", min_params));
+    par.set_min_num_params(min_params);
+    v1::BackwardPrefetch prefetch = v1::BACKWARD_PREFETCH_UNSPECIFIED;
+    RETURN_IF_ERROR(p.Choice<v1::BackwardPrefetch>(n, "backward_prefetch", "parallel",
+                                                   {{"BACKWARD_PRE", v1::BACKWARD_PRE},
+                                                    {"BACKWARD_POST", v1::BACKWARD_POST},
+                                                    {"NO_PREFETCH", v1::NO_PREFETCH}},
+                                                   prefetch));
+    par.set_backward_prefetch(prefetch);
+    bool forward_prefetch = false;
+    RETURN_IF_ERROR(p.Bool(n, "forward_prefetch", "parallel", forward_prefetch));
+    par.set_forward_prefetch(forward_prefetch);
+    int32_t max_gathered = 0;
+    RETURN_IF_ERROR(p.Integer(n, "max_gathered_units", "parallel", max_gathered));
+    par.set_max_gathered_units(max_gathered);
+    if (n["cpu_ram_efficient_loading"]) {
+      bool efficient = true;
+      RETURN_IF_ERROR(p.Bool(n, "cpu_ram_efficient_loading", "parallel", efficient));
+      par.set_cpu_ram_efficient_loading(efficient);
+    }
   }
   if (const YAML::Node n = root["checkpoint"]) {
     RETURN_IF_ERROR(p.Mapping(n, "checkpoint", {"every_steps"}));
@@ -430,6 +461,15 @@ void ApplyJobSpecDefaults(JobSpec& spec) {
     p.set_sharding_strategy(v1::FULL_SHARD);
   }
   if (p.bucket_mb() == 0) p.set_bucket_mb(25);
+  if (p.auto_wrap_policy() == v1::WRAP_POLICY_UNSPECIFIED) {
+    p.set_auto_wrap_policy(v1::TRANSFORMER_BASED_WRAP);
+  }
+  if (p.min_num_params() == 0) p.set_min_num_params(100'000'000);  // PyTorch's default
+  if (p.backward_prefetch() == v1::BACKWARD_PREFETCH_UNSPECIFIED) {
+    p.set_backward_prefetch(v1::BACKWARD_PRE);
+  }
+  if (p.max_gathered_units() == 0) p.set_max_gathered_units(2);
+  if (!p.has_cpu_ram_efficient_loading()) p.set_cpu_ram_efficient_loading(true);
 }
 
 absl::Status ValidateJobSpec(const JobSpec& spec) {
@@ -518,6 +558,20 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   if (p.delayed_update() && p.strategy() != v1::OFFLOAD) {
     return FieldError("parallel.delayed_update", "only applies to strategy offload");
   }
+  if (!v1::WrapPolicy_IsValid(p.auto_wrap_policy()) ||
+      p.auto_wrap_policy() == v1::WRAP_POLICY_UNSPECIFIED) {
+    return FieldError("parallel.auto_wrap_policy",
+                      absl::StrCat("unknown value ", p.auto_wrap_policy(),
+                                   " (TRANSFORMER_BASED_WRAP or SIZE_BASED_WRAP)"));
+  }
+  RETURN_IF_ERROR(CheckRange("parallel.min_num_params", p.min_num_params(), 1, int64_t{1} << 50));
+  if (!v1::BackwardPrefetch_IsValid(p.backward_prefetch()) ||
+      p.backward_prefetch() == v1::BACKWARD_PREFETCH_UNSPECIFIED) {
+    return FieldError("parallel.backward_prefetch",
+                      absl::StrCat("unknown value ", p.backward_prefetch(),
+                                   " (BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH)"));
+  }
+  RETURN_IF_ERROR(CheckRange("parallel.max_gathered_units", p.max_gathered_units(), 1, 1024));
   RETURN_IF_ERROR(
       CheckRange("checkpoint.every_steps", spec.checkpoint().every_steps(), 0, int64_t{1} << 40));
   RETURN_IF_ERROR(CheckRange("max_restarts", spec.max_restarts(), 0, 100));

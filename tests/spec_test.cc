@@ -89,7 +89,40 @@ TEST(SpecTest, DefaultsFillOptionalFieldsOnly) {
   EXPECT_EQ(spec.train().micro_batch(), 8);
   EXPECT_EQ(spec.parallel().strategy(), v1::DDP);
   EXPECT_DOUBLE_EQ(spec.parallel().bucket_mb(), 25);
+  EXPECT_EQ(spec.parallel().auto_wrap_policy(), v1::TRANSFORMER_BASED_WRAP);
+  EXPECT_EQ(spec.parallel().min_num_params(), 100'000'000);
+  EXPECT_EQ(spec.parallel().backward_prefetch(), v1::BACKWARD_PRE);
+  EXPECT_FALSE(spec.parallel().forward_prefetch());
+  EXPECT_EQ(spec.parallel().max_gathered_units(), 2);
+  EXPECT_TRUE(spec.parallel().cpu_ram_efficient_loading());
   EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+}
+
+TEST(SpecTest, ParsesTheFsdpKnobs) {
+  auto parsed = ParseJobSpecYaml(
+      "name: x\nparallel:\n  strategy: fsdp\n  sharding_strategy: HYBRID_SHARD\n"
+      "  auto_wrap_policy: SIZE_BASED_WRAP\n  min_num_params: 5000\n"
+      "  backward_prefetch: BACKWARD_POST\n  forward_prefetch: true\n"
+      "  max_gathered_units: 3\n  cpu_ram_efficient_loading: false\n",
+      "f.yaml");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  v1::JobSpec spec = parsed->spec;
+  ApplyJobSpecDefaults(spec);
+  const v1::ParallelSpec& p = spec.parallel();
+  EXPECT_EQ(p.strategy(), v1::FSDP);
+  EXPECT_EQ(p.sharding_strategy(), v1::HYBRID_SHARD);
+  EXPECT_EQ(p.auto_wrap_policy(), v1::SIZE_BASED_WRAP);
+  EXPECT_EQ(p.min_num_params(), 5000);
+  EXPECT_EQ(p.backward_prefetch(), v1::BACKWARD_POST);
+  EXPECT_TRUE(p.forward_prefetch());
+  EXPECT_EQ(p.max_gathered_units(), 3);
+  EXPECT_FALSE(p.cpu_ram_efficient_loading());
+
+  auto bad = ParseJobSpecYaml("name: x\nparallel: {backward_prefetch: SOMETIMES}\n", "b.yaml");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.status().message()),
+              HasSubstr("parallel.backward_prefetch: unknown value 'SOMETIMES' (one of "
+                        "BACKWARD_PRE, BACKWARD_POST, NO_PREFETCH)"));
 }
 
 TEST(SpecTest, MalformedYamlReportsFileAndLine) {
@@ -194,6 +227,18 @@ TEST(SpecTest, ValidationNamesTheField) {
               StartsWith("parallel.bucket_mb: must be in (0, 1024]"));
   EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.mutable_parallel()->set_delayed_update(true); }),
               StartsWith("parallel.delayed_update: only applies to strategy offload"));
+  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) {
+                s.mutable_parallel()->set_auto_wrap_policy(static_cast<v1::WrapPolicy>(7));
+              }),
+              StartsWith("parallel.auto_wrap_policy: unknown value 7"));
+  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.mutable_parallel()->set_min_num_params(-3); }),
+              StartsWith("parallel.min_num_params: must be in 1.."));
+  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) {
+                s.mutable_parallel()->set_backward_prefetch(static_cast<v1::BackwardPrefetch>(8));
+              }),
+              StartsWith("parallel.backward_prefetch: unknown value 8"));
+  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.mutable_parallel()->set_max_gathered_units(-1); }),
+              StartsWith("parallel.max_gathered_units: must be in 1..1024, got -1"));
   EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.set_max_restarts(1000); }),
               StartsWith("max_restarts: must be in 0..100"));
 }

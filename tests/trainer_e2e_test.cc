@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 
 #include <grpcpp/grpcpp.h>
@@ -601,6 +602,222 @@ TEST_F(OffloadE2eTest, RangesThatDoNotCoverTheModelFailFast) {
       testing::RunCommand(Argv(job, 0, 1, {"--ps", ps}), {}, absl::Seconds(60));
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.err, HasSubstr("--ps: the ranges cover"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// FSDP
+
+struct FsdpVariant {
+  std::string name;
+  v1::ShardingStrategy sharding;
+  v1::BackwardPrefetch backward_prefetch;
+  bool forward_prefetch;
+  int world = 2;        // ranks of the FSDP run
+  int local_world = 0;  // --local-world-size (HYBRID_SHARD: ranks per node)
+  int grad_accum = 1;
+  bool activation_checkpointing = false;
+  bool tie_weights = false;
+  v1::WrapPolicy wrap = v1::TRANSFORMER_BASED_WRAP;
+  int64_t min_num_params = 0;
+  bool rank0_loading = true;
+  std::string model = "gpt";
+};
+
+void PrintTo(const FsdpVariant& v, std::ostream* os) { *os << v.name; }
+
+v1::JobSpec FsdpSpec(const FsdpVariant& v, int ranks, int micro_batch) {
+  v1::JobSpec s = TinySpec(ranks, micro_batch);
+  s.mutable_model()->set_kind(v.model);
+  s.mutable_model()->set_n_layer(3);
+  if (v.model == "mlp") s.mutable_model()->set_d_hidden(48);
+  s.mutable_model()->set_tie_weights(v.tie_weights);
+  s.mutable_train()->set_grad_accum(v.grad_accum);
+  s.mutable_train()->set_activation_checkpointing(v.activation_checkpointing);
+  auto* p = s.mutable_parallel();
+  p->set_strategy(v1::FSDP);
+  p->set_sharding_strategy(v.sharding);
+  p->set_backward_prefetch(v.backward_prefetch);
+  p->set_forward_prefetch(v.forward_prefetch);
+  p->set_auto_wrap_policy(v.wrap);
+  if (v.min_num_params > 0) p->set_min_num_params(v.min_num_params);
+  p->set_cpu_ram_efficient_loading(v.rank0_loading);
+  return s;
+}
+
+class FsdpEquivalenceTest : public TrainerE2eTest,
+                            public ::testing::WithParamInterface<FsdpVariant> {};
+
+// N FSDP ranks with micro-batch 8/N each train what one DDP rank with micro-batch 8 trains.
+TEST_P(FsdpEquivalenceTest, MatchesOneDdpRankWithTheWholeBatch) {
+  const FsdpVariant& v = GetParam();
+  v1::JobSpec reference = FsdpSpec(v, 1, 8);
+  reference.mutable_parallel()->set_strategy(v1::DDP);
+  const Job fsdp = StartJob(FsdpSpec(v, v.world, 8 / v.world), "fsdp");
+  const Job ddp = StartJob(reference, "ddp");
+  const std::string fsdp_dump = dir_.path() + "/fsdp.params";
+  const std::string ddp_dump = dir_.path() + "/ddp.params";
+  std::vector<std::string> every_rank;
+  if (v.local_world > 0) every_rank = {"--local-world-size", std::to_string(v.local_world)};
+
+  RunResult rf = Run(fsdp, v.world, {"--dump-params", fsdp_dump}, every_rank);
+  EXPECT_THAT(rf.exit_codes, ::testing::Each(0)) << Joined(rf);
+  EXPECT_THAT(Joined(rf), HasSubstr("step 10/10"));
+  if (v.sharding != v1::NO_SHARD) {
+    EXPECT_THAT(Joined(rf),
+                HasSubstr(absl::StrCat("fsdp ", v1::ShardingStrategy_Name(v.sharding))));
+  }
+  RunResult rd = Run(ddp, 1, {"--dump-params", ddp_dump});
+  EXPECT_THAT(rd.exit_codes, ::testing::ElementsAre(0)) << Joined(rd);
+
+  ExpectSameParams(ReadDump(fsdp_dump), ReadDump(ddp_dump), 1e-5, /*skip_key_bias=*/true);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Strategies, FsdpEquivalenceTest,
+    ::testing::Values(
+        FsdpVariant{"FullShard", v1::FULL_SHARD, v1::NO_PREFETCH, false},
+        FsdpVariant{"FullShardPrefetch", v1::FULL_SHARD, v1::BACKWARD_PRE, true},
+        FsdpVariant{"FullShardBackwardPost", v1::FULL_SHARD, v1::BACKWARD_POST, false},
+        FsdpVariant{"ShardGradOp", v1::SHARD_GRAD_OP, v1::NO_PREFETCH, false},
+        FsdpVariant{"ShardGradOpPrefetch", v1::SHARD_GRAD_OP, v1::BACKWARD_PRE, true},
+        FsdpVariant{"NoShard", v1::NO_SHARD, v1::BACKWARD_PRE, false},
+        FsdpVariant{"HybridShard2x2", v1::HYBRID_SHARD, v1::NO_PREFETCH, false, 4, 2},
+        FsdpVariant{"HybridShard2x2Prefetch", v1::HYBRID_SHARD, v1::BACKWARD_PRE, true, 4, 2},
+        FsdpVariant{"FullShardAccumCheckpointTied", v1::FULL_SHARD, v1::BACKWARD_PRE, true, 2, 0, 2,
+                    true, true},
+        FsdpVariant{"SizeBasedWrapEveryRankBuilds", v1::FULL_SHARD, v1::BACKWARD_PRE, false, 2, 0,
+                    1, false, false, v1::SIZE_BASED_WRAP, 20000, false},
+        FsdpVariant{"MlpFullShardPrefetch", v1::FULL_SHARD, v1::BACKWARD_PRE, true, 2, 0, 1, false,
+                    false, v1::TRANSFORMER_BASED_WRAP, 0, true, "mlp"}),
+    [](const auto& info) { return info.param.name; });
+
+// The model-state bytes FULL_SHARD keeps on a rank: its shards (parameters, gradients, AdamW's two
+// moments) plus the largest working set gathered at once, which without prefetch is the root unit
+// (kept from forward to the end of backward) and one block, each with its parameters and, during
+// backward, its unsharded gradient. A test of the tracker's figure against that count, and against
+// DDP's whole model state.
+TEST_F(TrainerE2eTest, FsdpPeakModelStateIsTheShardsPlusOneGatheredUnit) {
+  FsdpVariant v{"memory", v1::FULL_SHARD, v1::NO_PREFETCH, false};
+  v1::JobSpec spec = FsdpSpec(v, 2, 4);
+  spec.mutable_model()->set_n_layer(6);
+  spec.mutable_model()->set_d_model(64);
+  spec.mutable_model()->set_n_head(4);
+  spec.mutable_model()->set_tie_weights(true);
+  spec.mutable_parallel()->set_max_gathered_units(1);
+  spec.mutable_train()->set_steps(3);
+  const Job job = StartJob(spec, "memory");
+  const std::string metrics = dir_.path() + "/memory.jsonl";
+  RunResult r = Run(job, 2, {"--metrics-file", metrics});
+  ASSERT_THAT(r.exit_codes, ::testing::ElementsAre(0, 0)) << Joined(r);
+
+  const int64_t d = 64, w = 2;
+  auto padded = [w](int64_t n) { return (n + w - 1) / w * w; };
+  const int64_t root = padded(256 * d + 16 * d + 2 * d);  // tok_emb (tied head), pos_emb, ln_f
+  const int64_t block = padded(12 * d * d + 13 * d);
+  const int64_t params = root + 6 * block;
+  const int64_t shards = 16 * params / w;
+  const int64_t expected = shards + 8 * root + 8 * block;
+  int64_t peak = 0;
+  std::ifstream f(metrics);
+  std::string line;
+  while (std::getline(f, line)) {
+    peak = std::max(peak, nlohmann::json::parse(line).at("model_state_peak_bytes").get<int64_t>());
+  }
+  std::cout << "FSDP FULL_SHARD peak model state " << peak << " bytes, expected " << expected
+            << " (shards " << shards << " + root and one block unit, parameters and gradients "
+            << 8 * (root + block) << "); DDP " << 16 * params << "\n";
+  EXPECT_NEAR(static_cast<double>(peak), static_cast<double>(expected), 0.1 * expected)
+      << "shards " << shards << ", root unit " << 4 * root << ", block unit " << 4 * block;
+  EXPECT_LT(peak, 16 * params * 3 / 4) << "well below DDP's whole model state";
+}
+
+// FSDP sharded checkpoints: 20 steps straight equal 10 steps, a sharded checkpoint and 10 more in
+// new processes; the same checkpoint also resumes on another world size (reshard on load) and,
+// consolidated, as a DDP job.
+TEST_F(TrainerE2eTest, FsdpShardedCheckpointResumesSameAndOtherWorldSizes) {
+  FsdpVariant v{"ckpt", v1::FULL_SHARD, v1::BACKWARD_PRE, true};
+  v1::JobSpec spec = FsdpSpec(v, 2, 4);
+  spec.mutable_train()->set_steps(20);
+  const Job straight = StartJob(spec, "straight");
+  const Job split = StartJob(spec, "split");
+  const std::string straight_metrics = dir_.path() + "/straight.jsonl";
+  const std::string split_metrics = dir_.path() + "/split.jsonl";
+
+  RunResult a = Run(straight, 2, {"--metrics-file", straight_metrics});
+  ASSERT_THAT(a.exit_codes, ::testing::ElementsAre(0, 0)) << Joined(a);
+  RunResult b1 = Run(split, 2, {"--metrics-file", split_metrics}, {"--stop-after-steps", "10"});
+  ASSERT_THAT(b1.exit_codes, ::testing::ElementsAre(0, 0)) << Joined(b1);
+  EXPECT_THAT(Joined(b1), HasSubstr("checkpoint step 10"));
+  const std::string step10 = split.checkpoint_dir + "/step-10";
+  EXPECT_TRUE(std::filesystem::exists(step10 + "/shard-0-of-2.pt"));
+  EXPECT_TRUE(std::filesystem::exists(step10 + "/shard-1-of-2.pt"));
+  EXPECT_TRUE(std::filesystem::exists(step10 + "/manifest.json"));
+  // Copies of the step-10 checkpoint for the other two resumptions.
+  const std::string reshard_dir = dir_.path() + "/reshard-ckpt";
+  std::filesystem::create_directories(reshard_dir);
+  std::filesystem::copy(step10, reshard_dir + "/step-10");
+  std::filesystem::copy(split.checkpoint_dir + "/latest", reshard_dir + "/latest");
+
+  // The next attempt (a new rendezvous scope: a job's attempt builds its Gloo groups once).
+  Job resumed = StartJob(spec, "resumed");
+  resumed.checkpoint_dir = split.checkpoint_dir;
+  RunResult b2 = Run(resumed, 2, {"--metrics-file", split_metrics});
+  ASSERT_THAT(b2.exit_codes, ::testing::ElementsAre(0, 0)) << Joined(b2);
+  EXPECT_THAT(Joined(b2), HasSubstr("resumed from"));
+  const auto expected = ReadLosses(straight_metrics), got = ReadLosses(split_metrics);
+  ASSERT_EQ(expected.size(), 20u);
+  ASSERT_EQ(got.size(), 20u);
+  for (const auto& [step, loss] : expected) EXPECT_NEAR(got.at(step), loss, 1e-6) << step;
+
+  // Reshard on load: one FSDP rank with the whole batch resumes the two-rank checkpoint.
+  v1::JobSpec one_spec = FsdpSpec(v, 1, 8);
+  one_spec.mutable_train()->set_steps(20);
+  const Job one = StartJob(one_spec, "one");
+  Job resharded = one;
+  resharded.checkpoint_dir = reshard_dir;
+  const std::string one_metrics = dir_.path() + "/one.jsonl";
+  RunResult c = Run(resharded, 1, {"--metrics-file", one_metrics});
+  ASSERT_THAT(c.exit_codes, ::testing::ElementsAre(0)) << Joined(c);
+  EXPECT_THAT(Joined(c), HasSubstr("resumed from"));
+  const auto one_losses = ReadLosses(one_metrics);
+  ASSERT_EQ(one_losses.size(), 10u);
+  for (const auto& [step, loss] : one_losses) EXPECT_NEAR(loss, expected.at(step), 1e-5) << step;
+
+  // Consolidated into a DDP checkpoint, it resumes a DDP job.
+  const std::string consolidated = dir_.path() + "/consolidated";
+  testing::CommandResult k =
+      testing::RunCommand({testing::BinPath("trainyard-trainer"), "--consolidate-checkpoint",
+                           step10, "--out", consolidated},
+                          {}, absl::Seconds(60));
+  ASSERT_EQ(k.exit_code, 0) << k.out << k.err;
+  v1::JobSpec ddp_spec = one_spec;
+  ddp_spec.mutable_parallel()->set_strategy(v1::DDP);
+  Job ddp = StartJob(ddp_spec, "ddp");
+  ddp.checkpoint_dir = consolidated;
+  const std::string ddp_metrics = dir_.path() + "/ddp.jsonl";
+  RunResult d = Run(ddp, 1, {"--metrics-file", ddp_metrics});
+  ASSERT_THAT(d.exit_codes, ::testing::ElementsAre(0)) << Joined(d);
+  EXPECT_THAT(Joined(d), HasSubstr("resumed from"));
+  const auto ddp_losses = ReadLosses(ddp_metrics);
+  ASSERT_EQ(ddp_losses.size(), 10u);
+  for (const auto& [step, loss] : ddp_losses) EXPECT_NEAR(loss, expected.at(step), 1e-5) << step;
+
+  // A DDP job cannot read the sharded one as it is: it says so and what to do.
+  Job wrong = ddp;
+  wrong.checkpoint_dir = split.checkpoint_dir;
+  testing::CommandResult e = testing::RunCommand(Argv(wrong, 0, 1, {}), {}, absl::Seconds(60));
+  EXPECT_EQ(e.exit_code, 1);
+  EXPECT_THAT(e.err, HasSubstr("is sharded"));
+  EXPECT_THAT(e.err, HasSubstr("--consolidate-checkpoint"));
+}
+
+TEST_F(TrainerE2eTest, HybridShardOnUnevenNodesFailsFast) {
+  FsdpVariant v{"uneven", v1::HYBRID_SHARD, v1::BACKWARD_PRE, false};
+  const Job job = StartJob(FsdpSpec(v, 3, 2), "uneven");
+  testing::CommandResult r =
+      testing::RunCommand(Argv(job, 0, 3, {"--local-world-size", "2"}), {}, absl::Seconds(60));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("HYBRID_SHARD needs the same number of ranks on every node"));
 }
 
 TEST_F(TrainerE2eTest, AnswersHelpAndVersion) {

@@ -15,11 +15,14 @@
 #include "worker/trainer/communicator.h"
 #include "worker/trainer/data.h"
 #include "worker/trainer/ddp.h"
+#include "worker/trainer/fsdp.h"
 #include "worker/trainer/model.h"
 #include "worker/trainer/param_dump.h"
 
 namespace trainyard::trainer {
 namespace {
+
+using ::testing::ElementsAre;
 
 v1::ModelSpec Gpt(int n_layer, int d_model, int n_head, int seq_len, int vocab, bool tie) {
   v1::ModelSpec m;
@@ -257,6 +260,69 @@ TEST(CommunicatorTest, AllGatherReturnsEveryRanksTensorInRankOrder) {
     EXPECT_TRUE(parts[1].equal(torch::full({3}, 11.0f)));
     EXPECT_EQ(comm.bytes_sent(), 3 * 4);
   });
+}
+
+TEST(CommunicatorTest, AllGatherIntoFillsConsecutiveChunksOfOneBuffer) {
+  RunTwoGlooRanks([](Communicator& comm) {
+    torch::Tensor flat = torch::zeros({6});
+    comm.AllGatherInto(torch::full({3}, static_cast<float>(comm.rank() + 1)),
+                       {flat.narrow(0, 0, 3), flat.narrow(0, 3, 3)});
+    EXPECT_TRUE(flat.equal(torch::tensor({1.0f, 1.0f, 1.0f, 2.0f, 2.0f, 2.0f})));
+    EXPECT_EQ(comm.bytes_sent(), 3 * 4);
+  });
+}
+
+TEST(FsdpWrapTest, TransformerPolicyMakesEveryBlockAUnit) {
+  EXPECT_THAT(WrapBlocks({10, 10, 10}, v1::TRANSFORMER_BASED_WRAP, 1000),
+              ElementsAre(std::pair(0, 0), std::pair(1, 1), std::pair(2, 2)));
+}
+
+TEST(FsdpWrapTest, SizePolicyGroupsBlocksAndLeavesTheRestToTheRoot) {
+  // 4 + 4 reaches 8; 9 alone does; the last 3 never reach it and stay in the root.
+  EXPECT_THAT(WrapBlocks({4, 4, 9, 3}, v1::SIZE_BASED_WRAP, 8),
+              ElementsAre(std::pair(0, 1), std::pair(2, 2)));
+  EXPECT_THAT(WrapBlocks({4, 4}, v1::SIZE_BASED_WRAP, 100), ::testing::IsEmpty());
+}
+
+TEST(ModelTest, BlockOfNamesEachParametersBlock) {
+  auto gpt = BuildModel(Gpt(2, 32, 2, 16, 256, false), {}, 1);
+  EXPECT_EQ(gpt->NumBlocks(), 2);
+  std::set<int> blocks;
+  for (const auto& item : gpt->named_parameters()) blocks.insert(gpt->BlockOf(item.key()));
+  EXPECT_THAT(blocks, ElementsAre(-1, 0, 1));
+  EXPECT_EQ(gpt->BlockOf("blocks.1.qkv.weight"), 1);
+  EXPECT_EQ(gpt->BlockOf("tok_emb.weight"), -1);
+  v1::ModelSpec mlp = Gpt(3, 16, 1, 8, 256, false);
+  mlp.set_kind("mlp");
+  mlp.set_d_hidden(24);
+  auto m = BuildModel(mlp, {}, 1);
+  EXPECT_EQ(m->NumBlocks(), 3);
+  EXPECT_EQ(m->BlockOf("up2.weight"), 2);
+  EXPECT_EQ(m->BlockOf("down0.bias"), 0);
+  EXPECT_EQ(m->BlockOf("head.weight"), -1);
+}
+
+TEST(ModelTest, UnmaterializedModelHasShapesButNoBytes) {
+  ModelOptions options;
+  options.materialize = false;
+  auto model = BuildModel(Gpt(2, 32, 2, 16, 256, false), options, 1);
+  auto full = BuildModel(Gpt(2, 32, 2, 16, 256, false), {}, 1);
+  auto a = model->named_parameters(), b = full->named_parameters();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].value().sizes(), b[i].value().sizes()) << a[i].key();
+    EXPECT_EQ(a[i].value().storage().nbytes(), 0u) << a[i].key();
+  }
+}
+
+TEST(ModelTest, FreedStorageComesBackForEveryViewThatSharesIt) {
+  torch::Tensor flat = torch::arange(6, torch::kFloat);
+  torch::Tensor view = flat.narrow(0, 2, 2).view({1, 2});
+  FreeStorage(flat);
+  EXPECT_EQ(view.storage().nbytes(), 0u);
+  AllocateStorage(flat, 6 * sizeof(float));
+  flat.copy_(torch::arange(10, 16, torch::kFloat));
+  EXPECT_TRUE(view.equal(torch::tensor({{12.0f, 13.0f}})));
 }
 
 TEST(ParamDumpTest, RoundTrips) {

@@ -169,7 +169,9 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
                                    "--checkpoint-dir",
                                    checkpoint_dir,
                                    "--threads",
-                                   absl::StrCat(options_.threads_per_rank)};
+                                   absl::StrCat(options_.threads_per_rank),
+                                   "--local-world-size",
+                                   absl::StrCat(a.device_indices_size())};
   // Offload jobs: where the optimizer state lives, as ADDRESS=BEGIN:END,... in order.
   if (a.ps_ranges_size() > 0) {
     std::string ranges;
@@ -185,6 +187,9 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
   env.push_back(absl::StrCat("OMP_NUM_THREADS=", options_.threads_per_rank));
   env.push_back(absl::StrCat("TRAINYARD_JOB_ID=", a.job_id()));
   env.push_back(absl::StrCat("TRAINYARD_DEVICE=", device));
+  // torchrun's names, for code that looks for them.
+  env.push_back(absl::StrCat("LOCAL_RANK=", rank - a.first_rank()));
+  env.push_back(absl::StrCat("LOCAL_WORLD_SIZE=", a.device_indices_size()));
   std::vector<char*> c_argv, c_env;
   for (auto& s : argv) c_argv.push_back(s.data());
   c_argv.push_back(nullptr);

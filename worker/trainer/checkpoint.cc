@@ -27,8 +27,9 @@ absl::Status Errno(const std::string& what, const std::string& path) {
   return absl::InternalError(absl::StrCat(what, " '", path, "': ", std::strerror(errno)));
 }
 
-// fsyncs a file or a directory.
-absl::Status Sync(const std::string& path) {
+}  // namespace
+
+absl::Status SyncPath(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return Errno("cannot open", path);
   const int rc = ::fsync(fd);
@@ -37,13 +38,15 @@ absl::Status Sync(const std::string& path) {
   return absl::OkStatus();
 }
 
-absl::Status WriteFile(const std::string& path, const std::string& content) {
+absl::Status WriteSyncedFile(const std::string& path, const std::string& content) {
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
   f << content;
   f.close();
   if (!f) return Errno("cannot write", path);
-  return Sync(path);
+  return SyncPath(path);
 }
+
+namespace {
 
 absl::StatusOr<std::string> ReadFile(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
@@ -62,6 +65,22 @@ std::vector<std::pair<std::string, torch::Tensor>> SortedParameters(torch::nn::M
 
 at::Generator DefaultGenerator() { return at::detail::getDefaultCPUGenerator(); }
 
+}  // namespace
+
+torch::Tensor SaveRngState() {
+  at::Generator generator = DefaultGenerator();
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  return generator.get_state();
+}
+
+void RestoreRngState(const torch::Tensor& state) {
+  at::Generator generator = DefaultGenerator();
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  generator.set_state(state);
+}
+
+namespace {
+
 absl::Status WriteStepDirectory(const std::string& tmp, int64_t step, torch::nn::Module& model,
                                 torch::optim::Optimizer& optimizer) {
   try {
@@ -69,23 +88,19 @@ absl::Status WriteStepDirectory(const std::string& tmp, int64_t step, torch::nn:
     for (const auto& [name, p] : SortedParameters(model)) archive.write(name, p.detach());
     archive.save_to(tmp + "/model.pt");
     torch::save(optimizer, tmp + "/optimizer.pt");
-    torch::Tensor rng;
-    {
-      at::Generator generator = DefaultGenerator();
-      std::lock_guard<std::mutex> lock(generator.mutex());
-      rng = generator.get_state();
-    }
-    torch::save(rng, tmp + "/rng.pt");
+    torch::save(SaveRngState(), tmp + "/rng.pt");
   } catch (const c10::Error& e) {
     return absl::InternalError(
         absl::StrCat("cannot save the checkpoint to '", tmp, "': ", e.what_without_backtrace()));
   }
   for (const char* file : {"/model.pt", "/optimizer.pt", "/rng.pt"}) {
-    RETURN_IF_ERROR(Sync(tmp + file));
+    RETURN_IF_ERROR(SyncPath(tmp + file));
   }
-  RETURN_IF_ERROR(WriteFile(tmp + "/meta.json", absl::StrCat("{\"step\": ", step, "}\n")));
-  return Sync(tmp);
+  RETURN_IF_ERROR(WriteSyncedFile(tmp + "/meta.json", absl::StrCat("{\"step\": ", step, "}\n")));
+  return SyncPath(tmp);
 }
+
+}  // namespace
 
 int64_t DirectoryBytes(const std::string& path) {
   int64_t bytes = 0;
@@ -96,7 +111,27 @@ int64_t DirectoryBytes(const std::string& path) {
   return bytes;
 }
 
-}  // namespace
+absl::Status PublishLatest(const std::string& dir, const std::string& name) {
+  const std::string latest_tmp = absl::StrCat(dir, "/.latest.tmp-", ::getpid());
+  RETURN_IF_ERROR(WriteSyncedFile(latest_tmp, name + "\n"));
+  if (::rename(latest_tmp.c_str(), (dir + "/latest").c_str()) != 0) {
+    return Errno("cannot rename", latest_tmp);
+  }
+  return SyncPath(dir);
+}
+
+absl::StatusOr<std::optional<CheckpointInfo>> FindLatestCheckpoint(const std::string& dir) {
+  const std::string latest = dir + "/latest";
+  if (!fs::exists(latest)) return std::nullopt;
+  ASSIGN_OR_RETURN(std::string content, ReadFile(latest));
+  absl::string_view name = absl::StripAsciiWhitespace(content);
+  const std::string path = absl::StrCat(dir, "/", name);
+  int64_t step = 0;
+  if (!absl::ConsumePrefix(&name, "step-") || !absl::SimpleAtoi(name, &step) || step < 0) {
+    return absl::DataLossError(absl::StrCat("'", latest, "' does not name a checkpoint"));
+  }
+  return CheckpointInfo{step, path, DirectoryBytes(path)};
+}
 
 absl::StatusOr<CheckpointInfo> WriteCheckpoint(const std::string& dir, int64_t step,
                                                torch::nn::Module& model,
@@ -114,27 +149,23 @@ absl::StatusOr<CheckpointInfo> WriteCheckpoint(const std::string& dir, int64_t s
     RETURN_IF_ERROR(WriteStepDirectory(tmp, step, model, optimizer));
     fs::remove_all(final_path, ec);  // an incomplete leftover (no meta.json) cannot be named
     if (::rename(tmp.c_str(), final_path.c_str()) != 0) return Errno("cannot rename", tmp);
-    RETURN_IF_ERROR(Sync(dir));
+    RETURN_IF_ERROR(SyncPath(dir));
   }
-  const std::string latest_tmp = absl::StrCat(dir, "/.latest.tmp-", ::getpid());
-  RETURN_IF_ERROR(WriteFile(latest_tmp, name + "\n"));
-  if (::rename(latest_tmp.c_str(), (dir + "/latest").c_str()) != 0) {
-    return Errno("cannot rename", latest_tmp);
-  }
-  RETURN_IF_ERROR(Sync(dir));
+  RETURN_IF_ERROR(PublishLatest(dir, name));
   return CheckpointInfo{step, final_path, DirectoryBytes(final_path)};
 }
 
 absl::StatusOr<std::optional<CheckpointInfo>> LoadLatestCheckpoint(
     const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
-  const std::string latest = dir + "/latest";
-  if (!fs::exists(latest)) return std::nullopt;
-  ASSIGN_OR_RETURN(std::string content, ReadFile(latest));
-  absl::string_view name = absl::StripAsciiWhitespace(content);
-  const std::string path = absl::StrCat(dir, "/", name);
-  int64_t step = 0;
-  if (!absl::ConsumePrefix(&name, "step-") || !absl::SimpleAtoi(name, &step) || step < 0) {
-    return absl::DataLossError(absl::StrCat("'", latest, "' does not name a checkpoint"));
+  ASSIGN_OR_RETURN(std::optional<CheckpointInfo> latest, FindLatestCheckpoint(dir));
+  if (!latest.has_value()) return std::nullopt;
+  const std::string& path = latest->path;
+  const int64_t step = latest->step;
+  if (fs::exists(path + "/manifest.json")) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint '", path,
+                     "' is sharded (written by strategy fsdp): resume it with fsdp, or "
+                     "consolidate it first with trainyard-trainer --consolidate-checkpoint"));
   }
   try {
     torch::serialize::InputArchive archive;
@@ -152,9 +183,7 @@ absl::StatusOr<std::optional<CheckpointInfo>> LoadLatestCheckpoint(
     torch::load(optimizer, path + "/optimizer.pt");
     torch::Tensor rng;
     torch::load(rng, path + "/rng.pt");
-    at::Generator generator = DefaultGenerator();
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    generator.set_state(rng);
+    RestoreRngState(rng);
   } catch (const c10::Error& e) {
     return absl::DataLossError(
         absl::StrCat("cannot load checkpoint '", path, "': ", e.what_without_backtrace()));

@@ -39,6 +39,17 @@ absl::StatusOr<CheckpointInfo> WriteCheckpoint(const std::string& dir, int64_t s
 absl::StatusOr<std::optional<CheckpointInfo>> LoadLatestCheckpoint(
     const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer);
 
+// Building blocks shared with the sharded checkpoints (fsdp_checkpoint.h).
+absl::Status SyncPath(const std::string& path);  // fsync of a file or directory
+absl::Status WriteSyncedFile(const std::string& path, const std::string& content);
+// Replaces DIR/latest by the text "<name>\n": write-temp, fsync, rename, fsync DIR.
+absl::Status PublishLatest(const std::string& dir, const std::string& name);
+// The checkpoint DIR/latest names (its step and DIR/step-<N>); nullopt when there is none.
+absl::StatusOr<std::optional<CheckpointInfo>> FindLatestCheckpoint(const std::string& dir);
+int64_t DirectoryBytes(const std::string& path);  // of the regular files directly in it
+torch::Tensor SaveRngState();
+void RestoreRngState(const torch::Tensor& state);
+
 }  // namespace trainyard::trainer
 
 #endif  // TRAINYARD_WORKER_TRAINER_CHECKPOINT_H_

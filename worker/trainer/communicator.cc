@@ -1,6 +1,7 @@
 // LocalCommunicator and GlooCommunicator (see communicator.h).
 #include "worker/trainer/communicator.h"
 
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include "absl/strings/str_cat.h"
@@ -22,6 +23,9 @@ class LocalCommunicator : public Communicator {
   }
   void Broadcast(std::vector<torch::Tensor>, int) override {}
   std::vector<torch::Tensor> AllGather(const torch::Tensor& in) override { return {in.clone()}; }
+  void AllGatherInto(const torch::Tensor& in, std::vector<torch::Tensor> outs) override {
+    outs.at(0).copy_(in);
+  }
   void Barrier() override {}
 
  protected:
@@ -74,6 +78,13 @@ class GlooCommunicator : public Communicator {
     pg_->allgather(out, input)->wait();
     bytes_sent_ += in.numel() * in.element_size() * (world_size() - 1);
     return out[0];
+  }
+  void AllGatherInto(const torch::Tensor& in, std::vector<torch::Tensor> outs) override {
+    TORCH_CHECK(static_cast<int>(outs.size()) == world_size(), "AllGatherInto: one out per rank");
+    std::vector<std::vector<at::Tensor>> out{std::move(outs)};
+    std::vector<at::Tensor> input{in.contiguous()};
+    pg_->allgather(out, input)->wait();
+    bytes_sent_ += in.numel() * in.element_size() * (world_size() - 1);
   }
   void Barrier() override { pg_->barrier()->wait(); }
 
@@ -145,6 +156,14 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(
     return absl::UnavailableError(absl::StrCat("cannot build the Gloo group (rank ", rank, " of ",
                                                world_size, ", ", hostname, "): ", e.what()));
   }
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> MakeSubgroupCommunicator(
+    c10::intrusive_ptr<c10d::Store> store, const std::string& name, int group_rank, int group_size,
+    const std::string& hostname, std::chrono::milliseconds timeout) {
+  if (group_size == 1) return MakeLocalCommunicator();
+  return MakeGlooCommunicator(c10::make_intrusive<c10d::PrefixStore>(name, std::move(store)),
+                              group_rank, group_size, hostname, timeout);
 }
 
 }  // namespace trainyard::trainer

@@ -48,6 +48,9 @@ class Communicator {
   // contribution at index r. Blocks. (Gloo's list form: Debian's LibTorch has no flat
   // _allgather_base.)
   virtual std::vector<torch::Tensor> AllGather(const torch::Tensor& in) = 0;
+  // Like AllGather, writing rank r's contribution into outs[r] (contiguous, in's shape; e.g.
+  // consecutive chunks of one flat buffer). Blocks.
+  virtual void AllGatherInto(const torch::Tensor& in, std::vector<torch::Tensor> outs) = 0;
   // Reduce-scatter (sum) of `flat`, the same size on every rank, cut into world_size()
   // consecutive chunks of `counts[r]` elements (counts may differ and be 0): returns this rank's
   // chunk summed over all ranks. Blocks. Gloo in Debian's LibTorch has no reduce_scatter; this is
@@ -58,7 +61,8 @@ class Communicator {
   // Returns once every rank has entered.
   virtual void Barrier() = 0;
 
-  // Bytes this rank sent through ReduceScatterSum and AllGather so far.
+  // Bytes this rank sent through ReduceScatterSum, AllGather and AllGatherInto so far (all-gather
+  // counted as Gloo's ring sends it: (world_size - 1) times the contribution).
   int64_t bytes_sent() const { return bytes_sent_; }
 
  protected:
@@ -80,6 +84,12 @@ std::unique_ptr<Communicator> MakeLocalCommunicator();
 absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(
     c10::intrusive_ptr<c10d::Store> store, int rank, int world_size, const std::string& hostname,
     std::chrono::milliseconds timeout);
+
+// A group of some of the ranks (its own Gloo process group, its keys under `name` in `store`):
+// `group_rank` of `group_size`. Every member calls it with the same name. Size 1 needs no group.
+absl::StatusOr<std::unique_ptr<Communicator>> MakeSubgroupCommunicator(
+    c10::intrusive_ptr<c10d::Store> store, const std::string& name, int group_rank, int group_size,
+    const std::string& hostname, std::chrono::milliseconds timeout);
 
 }  // namespace trainyard::trainer
 

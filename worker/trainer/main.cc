@@ -59,6 +59,22 @@ int Main(int argc, char** argv) {
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
   InstallSigtermHandler();  // graceful stop: finish the step, checkpoint, exit 0
 
+  // A tool mode without a job: a sharded FSDP checkpoint as a DDP one.
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) != "--consolidate-checkpoint") continue;
+    CLI::App tool{
+        "trainyard-trainer --consolidate-checkpoint: a sharded (fsdp) checkpoint as a "
+        "consolidated (ddp) one"};
+    std::string sharded, out;
+    tool.add_option("--consolidate-checkpoint", sharded, "the sharded checkpoint: DIR/step-N")
+        ->required();
+    tool.add_option("--out", out, "checkpoint directory to write step-N and latest into")
+        ->required();
+    CLI11_PARSE(tool, argc, argv);
+    absl::Status s = RunConsolidate(sharded, out);
+    return s.ok() ? 0 : Fail(s);
+  }
+
   CLI::App app{"trainyard-trainer: one rank of a trainyard training job (LibTorch, DDP over Gloo)"};
   app.set_version_flag("--version", std::string("trainyard-trainer ") + kVersion);
   std::string spec_path;
@@ -85,6 +101,9 @@ int Main(int argc, char** argv) {
                  "address of this host that Gloo listens on (default 127.0.0.1)");
   app.add_option("--ps", o.ps_ranges,
                  "offload: parameter-server ranges ADDRESS=BEGIN:END,... (from the coordinator)");
+  app.add_option("--local-world-size", o.local_world_size,
+                 "ranks of this job on this node (consecutive ranks share a node; default: all)")
+      ->check(CLI::NonNegativeNumber);
   CLI11_PARSE(app, argc, argv);
   if (o.rank >= o.world_size) {
     return Fail(absl::InvalidArgumentError(

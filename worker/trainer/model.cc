@@ -1,7 +1,13 @@
 // GptModel, MlpModel and the activation-checkpointing autograd function (see model.h).
 #include "worker/trainer/model.h"
 
+#include <c10/core/CPUAllocator.h>
+
 #include <cmath>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 
 namespace trainyard::trainer {
 namespace {
@@ -19,6 +25,15 @@ torch::Tensor Dense(const torch::Tensor& x, const torch::Tensor& weight, const t
 
 torch::Tensor Dense(const torch::Tensor& x, torch::nn::Linear& linear, bool bf16) {
   return Dense(x, linear->weight, linear->bias, bf16);
+}
+
+// A freshly built module, its parameters' storage freed unless options.materialize.
+template <typename M>
+M Keep(M module, const ModelOptions& options) {
+  if (!options.materialize) {
+    for (const auto& p : module->parameters()) FreeStorage(p);
+  }
+  return module;
 }
 
 class BlockImpl : public torch::nn::Module {
@@ -93,17 +108,29 @@ class GptModel : public LanguageModel {
   GptModel(const v1::ModelSpec& spec, const ModelOptions& options)
       : options_(options), tie_weights_(spec.tie_weights()), seq_len_(spec.seq_len()) {
     const int64_t d = spec.d_model(), v = spec.vocab();
-    tok_emb_ = register_module("tok_emb", torch::nn::Embedding(v, d));
-    pos_emb_ = register_module("pos_emb", torch::nn::Embedding(spec.seq_len(), d));
+    tok_emb_ = register_module("tok_emb", Keep(torch::nn::Embedding(v, d), options));
+    pos_emb_ = register_module("pos_emb", Keep(torch::nn::Embedding(spec.seq_len(), d), options));
     blocks_ = register_module("blocks", torch::nn::ModuleList());
     for (int i = 0; i < spec.n_layer(); ++i) {
-      blocks_->push_back(Block(d, spec.n_head(), options.bf16));
+      blocks_->push_back(Keep(Block(d, spec.n_head(), options.bf16), options));
     }
-    ln_f_ = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+    ln_f_ = register_module("ln_f",
+                            Keep(torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})), options));
     if (!tie_weights_) {
-      head_ =
-          register_module("head", torch::nn::Linear(torch::nn::LinearOptions(d, v).bias(false)));
+      head_ = register_module(
+          "head", Keep(torch::nn::Linear(torch::nn::LinearOptions(d, v).bias(false)), options));
     }
+  }
+
+  int NumBlocks() const override { return static_cast<int>(blocks_->size()); }
+
+  // "blocks.<i>.<...>"
+  int BlockOf(const std::string& name) const override {
+    absl::string_view rest = name;
+    int block = -1;
+    if (!absl::ConsumePrefix(&rest, "blocks.")) return -1;
+    const std::vector<absl::string_view> parts = absl::StrSplit(rest, absl::MaxSplits('.', 1));
+    return absl::SimpleAtoi(parts[0], &block) ? block : -1;
   }
 
   torch::Tensor Loss(const torch::Tensor& windows) override {
@@ -126,9 +153,11 @@ class GptModel : public LanguageModel {
     const int64_t t = inputs.size(1);
     torch::Tensor x = tok_emb_(inputs) + pos_emb_(torch::arange(t, torch::kLong));
     const bool checkpoint = options_.activation_checkpointing && torch::GradMode::is_enabled();
-    for (const auto& module : *blocks_) {
-      auto* block = module->as<BlockImpl>();
+    for (size_t i = 0; i < blocks_->size(); ++i) {
+      auto* block = (*blocks_)[i]->as<BlockImpl>();
+      if (hooks_ != nullptr) hooks_->BeforeBlock(static_cast<int>(i));
       x = checkpoint ? CheckpointedBlock::apply(x, block) : block->forward(x);
+      if (hooks_ != nullptr) hooks_->AfterBlock(static_cast<int>(i), x);
     }
     x = ln_f_(x);
     return tie_weights_ ? Dense(x, tok_emb_->weight, torch::Tensor(), options_.bf16)
@@ -150,12 +179,25 @@ class MlpModel : public LanguageModel {
   MlpModel(const v1::ModelSpec& spec, const ModelOptions& options)
       : options_(options), seq_len_(spec.seq_len()) {
     const int64_t d = spec.d_model(), v = spec.vocab(), h = spec.d_hidden();
-    tok_emb_ = register_module("tok_emb", torch::nn::Embedding(v, d));
+    tok_emb_ = register_module("tok_emb", Keep(torch::nn::Embedding(v, d), options));
     for (int i = 0; i < spec.n_layer(); ++i) {
-      up_.push_back(register_module("up" + std::to_string(i), torch::nn::Linear(d, h)));
-      down_.push_back(register_module("down" + std::to_string(i), torch::nn::Linear(h, d)));
+      up_.push_back(
+          register_module("up" + std::to_string(i), Keep(torch::nn::Linear(d, h), options)));
+      down_.push_back(
+          register_module("down" + std::to_string(i), Keep(torch::nn::Linear(h, d), options)));
     }
-    head_ = register_module("head", torch::nn::Linear(d, v));
+    head_ = register_module("head", Keep(torch::nn::Linear(d, v), options));
+  }
+
+  int NumBlocks() const override { return static_cast<int>(up_.size()); }
+
+  // "up<i>.<...>" and "down<i>.<...>": residual block i.
+  int BlockOf(const std::string& name) const override {
+    absl::string_view rest = name;
+    if (!absl::ConsumePrefix(&rest, "up") && !absl::ConsumePrefix(&rest, "down")) return -1;
+    const std::vector<absl::string_view> parts = absl::StrSplit(rest, absl::MaxSplits('.', 1));
+    int block = -1;
+    return absl::SimpleAtoi(parts[0], &block) ? block : -1;
   }
 
   torch::Tensor Loss(const torch::Tensor& windows) override {
@@ -172,7 +214,9 @@ class MlpModel : public LanguageModel {
   torch::Tensor Logits(const torch::Tensor& contexts) {
     torch::Tensor x = tok_emb_(contexts).mean(1);  // [b, d]
     for (size_t i = 0; i < up_.size(); ++i) {
+      if (hooks_ != nullptr) hooks_->BeforeBlock(static_cast<int>(i));
       x = x + Dense(F::gelu(Dense(x, up_[i], options_.bf16)), down_[i], options_.bf16);
+      if (hooks_ != nullptr) hooks_->AfterBlock(static_cast<int>(i), x);
     }
     return Dense(x, head_, options_.bf16);
   }
@@ -214,8 +258,20 @@ std::shared_ptr<LanguageModel> BuildModel(const v1::ModelSpec& spec, const Model
   } else {
     model = std::make_shared<GptModel>(spec, options);
   }
-  Initialize(*model);
+  if (options.materialize) Initialize(*model);
   return model;
+}
+
+void FreeStorage(const torch::Tensor& t) {
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  storage->set_nbytes(0);
+}
+
+void AllocateStorage(const torch::Tensor& t, int64_t bytes) {
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(c10::GetCPUAllocator()->allocate(bytes));
+  storage->set_nbytes(bytes);
 }
 
 std::vector<int64_t> Generate(LanguageModel& model, const std::vector<int64_t>& prompt, int length,

@@ -29,10 +29,31 @@ struct ModelOptions {
   bool bf16 = false;
   // Recompute each GPT block in backward instead of keeping its activations.
   bool activation_checkpointing = false;
+  // false: build the modules but leave every parameter without storage (right shape, zero bytes,
+  // not to be read) and skip the initialization; a rank that receives its FSDP shards from rank 0
+  // builds its model so, one module at a time, and never holds the whole model.
+  bool materialize = true;
+};
+
+// Called by the models around each block's forward (FSDP gathers and frees units here).
+class BlockHooks {
+ public:
+  virtual ~BlockHooks() = default;
+  virtual void BeforeBlock(int block) = 0;
+  // `output`: what block `block` returned; the hook may register a gradient hook on it.
+  virtual void AfterBlock(int block, const torch::Tensor& output) = 0;
 };
 
 class LanguageModel : public torch::nn::Module {
  public:
+  // The repeated blocks (GPT blocks, MLP residual blocks), run in index order by forward.
+  virtual int NumBlocks() const = 0;
+  // The block a parameter (by its name in named_parameters()) belongs to; -1 for the rest
+  // (embeddings, final norm, head: FSDP's root unit).
+  virtual int BlockOf(const std::string& param_name) const = 0;
+  // nullptr: none. Not owned; must outlive the forward passes that use it.
+  void set_block_hooks(BlockHooks* hooks) { hooks_ = hooks; }
+
   // Mean next-token cross-entropy of `windows` ([batch, seq_len + 1] int64 tokens): the GPT
   // predicts every position of the window, the MLP only the last token.
   virtual torch::Tensor Loss(const torch::Tensor& windows) = 0;
@@ -41,7 +62,16 @@ class LanguageModel : public torch::nn::Module {
   // Logits [vocab] of the token that follows `context` ([1, t] int64, t >= 1); only the last
   // seq_len tokens of the context are used.
   virtual torch::Tensor NextTokenLogits(const torch::Tensor& context) = 0;
+
+ protected:
+  BlockHooks* hooks_ = nullptr;
 };
+
+// Frees a tensor's storage in place: the tensor (and every view and saved copy that shares the
+// storage) keeps its shape but holds zero bytes until AllocateStorage gives it memory again.
+void FreeStorage(const torch::Tensor& t);
+// Gives a freed storage `bytes` of fresh, uninitialized CPU memory.
+void AllocateStorage(const torch::Tensor& t, int64_t bytes);
 
 // Samples `length` tokens after `prompt` (temperature sampling, drawn from `seed`), without
 // gradients. For showing what a trained model learned.

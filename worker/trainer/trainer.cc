@@ -26,6 +26,8 @@
 #include "worker/trainer/coordinator_store.h"
 #include "worker/trainer/data.h"
 #include "worker/trainer/ddp.h"
+#include "worker/trainer/fsdp.h"
+#include "worker/trainer/fsdp_checkpoint.h"
 #include "worker/trainer/model.h"
 #include "worker/trainer/offload.h"
 #include "worker/trainer/param_dump.h"
@@ -200,10 +202,17 @@ absl::Status Train(const TrainerOptions& o) {
   const bool rank0 = o.rank == 0;
 
   // Bad input fails here, before this rank makes the others wait at the rendezvous.
-  const bool offload = spec.parallel().strategy() == v1::OFFLOAD;
-  if (spec.parallel().strategy() != v1::DDP && !offload) {
-    return absl::InvalidArgumentError(
-        "parallel.strategy: only ddp and offload are implemented by this trainer so far");
+  const v1::ParallelSpec& par = spec.parallel();
+  const bool offload = par.strategy() == v1::OFFLOAD;
+  // FSDP's NO_SHARD keeps whole parameters, gradients and optimizer state on every rank and
+  // all-reduces the gradients: DDP, which runs it.
+  const bool fsdp_on = par.strategy() == v1::FSDP && par.sharding_strategy() != v1::NO_SHARD;
+  const bool hybrid = fsdp_on && par.sharding_strategy() == v1::HYBRID_SHARD;
+  const int local_world = o.local_world_size > 0 ? o.local_world_size : o.world_size;
+  if (hybrid && (local_world > o.world_size || o.world_size % local_world != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "parallel.sharding_strategy: HYBRID_SHARD needs the same number of ranks on every node; ",
+        o.world_size, " ranks do not split into nodes of ", local_world));
   }
   std::vector<PsRangeRef> ps_ranges;
   if (offload) {
@@ -226,6 +235,8 @@ absl::Status Train(const TrainerOptions& o) {
   torch::set_num_threads(o.threads);
   auto channel = grpc::CreateChannel(o.coordinator, grpc::InsecureChannelCredentials());
   std::unique_ptr<Communicator> comm;
+  // FSDP: the ranks a shard is spread over and the ranks that hold the same shard.
+  std::unique_ptr<Communicator> shard_comm, replica_comm;
   if (o.world_size == 1) {
     comm = MakeLocalCommunicator();
   } else {
@@ -233,27 +244,88 @@ absl::Status Train(const TrainerOptions& o) {
                                                        std::chrono::minutes(5));
     ASSIGN_OR_RETURN(comm, MakeGlooCommunicator(store, o.rank, o.world_size, o.gloo_hostname,
                                                 std::chrono::minutes(5)));
+    if (fsdp_on) {
+      // Every rank builds its own groups, also without HYBRID_SHARD: the FSDP communication
+      // thread must not share a process group with the training thread's collectives.
+      const int group = hybrid ? local_world : o.world_size;
+      ASSIGN_OR_RETURN(shard_comm,
+                       MakeSubgroupCommunicator(store, absl::StrCat("fsdp-shard-", o.rank / group),
+                                                o.rank % group, group, o.gloo_hostname,
+                                                std::chrono::minutes(5)));
+      if (hybrid) {
+        ASSIGN_OR_RETURN(replica_comm,
+                         MakeSubgroupCommunicator(
+                             store, absl::StrCat("fsdp-replica-", o.rank % group), o.rank / group,
+                             o.world_size / group, o.gloo_hostname, std::chrono::minutes(5)));
+      }
+    }
+  }
+  if (fsdp_on && !shard_comm) shard_comm = MakeLocalCommunicator();
+  if (hybrid) {
+    // Every node must hold the same number of ranks (consecutive ones).
+    torch::Tensor sizes =
+        torch::tensor({double(local_world), double(local_world) * local_world}, torch::kDouble);
+    comm->AllReduceSum({sizes})->Wait();
+    const double sum = sizes[0].item<double>(), sum_sq = sizes[1].item<double>();
+    if (std::abs(sum * sum - sum_sq * o.world_size) > 0.5) {
+      return absl::InvalidArgumentError(
+          "parallel.sharding_strategy: HYBRID_SHARD needs the same number of ranks on every "
+          "node, and the ranks of this job are spread unevenly");
+    }
   }
 
   ModelOptions model_options;
   model_options.bf16 = t.mixed_precision() == v1::BF16;
   model_options.activation_checkpointing = t.activation_checkpointing();
+  // FSDP with cpu_ram_efficient_loading: only rank 0 holds the whole model, the others receive
+  // their shards from it.
+  const bool from_rank0 = fsdp_on && par.cpu_ram_efficient_loading() && o.world_size > 1;
+  model_options.materialize = !from_rank0 || rank0;
   std::shared_ptr<LanguageModel> model = BuildModel(m, model_options, t.seed());
   std::vector<torch::Tensor> params = model->parameters();
   // betas (0.9, 0.95) as in GPT-3 / nanoGPT; weight decay on every parameter.
-  torch::optim::AdamW optimizer(
-      params, torch::optim::AdamWOptions(t.lr()).betas({0.9, 0.95}).weight_decay(t.weight_decay()));
-
+  AdamHyper adam{t.lr(), 0.9, 0.95, 1e-8, t.weight_decay()};
+  std::unique_ptr<FsdpModel> fsdp;
+  std::unique_ptr<torch::optim::AdamW> optimizer_holder;
   int64_t step = 0;
-  if (!o.checkpoint_dir.empty()) {
-    ASSIGN_OR_RETURN(auto loaded, LoadLatestCheckpoint(o.checkpoint_dir, *model, optimizer));
-    if (loaded.has_value()) {
-      step = loaded->step;
-      Log(absl::StrCat("resumed from ", loaded->path, " at step ", step));
+  if (fsdp_on) {
+    FsdpConfig config;
+    config.sharding = par.sharding_strategy();
+    config.wrap = par.auto_wrap_policy();
+    config.min_num_params = par.min_num_params();
+    config.backward_prefetch = par.backward_prefetch();
+    config.forward_prefetch = par.forward_prefetch();
+    config.max_gathered_units = par.max_gathered_units();
+    config.beta1 = adam.beta1;
+    config.beta2 = adam.beta2;
+    config.eps = adam.eps;
+    config.weight_decay = adam.weight_decay;
+    ASSIGN_OR_RETURN(fsdp, FsdpModel::Create(*model, *comm, *shard_comm, replica_comm.get(), config,
+                                             from_rank0));
+    if (!o.checkpoint_dir.empty()) {
+      ASSIGN_OR_RETURN(auto loaded, LoadLatestShardedCheckpoint(o.checkpoint_dir, *fsdp));
+      if (loaded.has_value()) {
+        step = loaded->step;
+        Log(absl::StrCat("resumed from ", loaded->path, " at step ", step));
+      }
     }
+  } else {
+    optimizer_holder =
+        std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(adam.lr)
+                                                          .betas({adam.beta1, adam.beta2})
+                                                          .eps(adam.eps)
+                                                          .weight_decay(adam.weight_decay));
+    if (!o.checkpoint_dir.empty()) {
+      ASSIGN_OR_RETURN(auto loaded,
+                       LoadLatestCheckpoint(o.checkpoint_dir, *model, *optimizer_holder));
+      if (loaded.has_value()) {
+        step = loaded->step;
+        Log(absl::StrCat("resumed from ", loaded->path, " at step ", step));
+      }
+    }
+    // Like DDP: every rank starts from rank 0's parameters.
+    comm->Broadcast(params, 0);
   }
-  // Like DDP: every rank starts from rank 0's parameters.
-  comm->Broadcast(params, 0);
   // Offload: the optimizer lives on the parameter servers; `optimizer` only carries its state
   // into and out of checkpoints.
   std::unique_ptr<OffloadOptimizer> offloaded;
@@ -268,11 +340,11 @@ absl::Status Train(const TrainerOptions& o) {
     config.delayed_update = spec.parallel().delayed_update();
     ASSIGN_OR_RETURN(offloaded, OffloadOptimizer::Create(params, *comm, std::move(ps_ranges),
                                                          config, spec.parallel().bucket_mb()));
-    RETURN_IF_ERROR(offloaded->Initialize(step, optimizer));
+    RETURN_IF_ERROR(offloaded->Initialize(step, *optimizer_holder));
   }
 
   std::unique_ptr<GradientReducer> reducer;
-  if (o.world_size > 1 && !offload) {
+  if (o.world_size > 1 && !offload && !fsdp) {
     // The first bucket is 1 MiB like PyTorch's, or smaller when the buckets are.
     const double bucket_mb = spec.parallel().bucket_mb();
     reducer = std::make_unique<GradientReducer>(params, *comm, bucket_mb, std::min(1.0, bucket_mb));
@@ -299,23 +371,34 @@ absl::Status Train(const TrainerOptions& o) {
   }();
   Log(absl::StrFormat(
       "trainer rank %d/%d: %s model, %d parameters, %d tokens (%d samples), global batch %d, "
-      "%d buckets, steps %d..%d",
+      "%d buckets, %s, steps %d..%d",
       o.rank, o.world_size, m.kind(), params_count, data.size(), num_samples,
       sampler.global_batch(),
-      reducer ? reducer->num_buckets() : (offloaded ? offloaded->num_buckets() : 0), step,
-      total_steps));
+      reducer ? reducer->num_buckets() : (offloaded ? offloaded->num_buckets() : 0),
+      fsdp ? absl::StrFormat("fsdp %s: %d units, shard group %d",
+                             v1::ShardingStrategy_Name(par.sharding_strategy()), fsdp->num_units(),
+                             fsdp->shard_count())
+           : std::string(v1::Strategy_Name(par.strategy())),
+      step, total_steps));
 
+  // Model-state bytes of DDP (and offload's device side): weights and gradients, and AdamW's
+  // moments on the device unless offloaded.
+  const int64_t dense_state_bytes = params_count * int64_t{4} * (offload ? 2 : 4);
   const int64_t run_start_step = step;
   while (step < total_steps) {
     const auto step_start = Clock::now();
+    const int64_t bytes_before = fsdp ? fsdp->bytes_sent() : comm->bytes_sent();
     double loss_sum = 0, backward_s = 0, comm_wait_s = 0;
     for (int micro = 0; micro < grad_accum; ++micro) {
       if (reducer) reducer->Prepare(micro == grad_accum - 1);
       if (offloaded) offloaded->Prepare(micro == grad_accum - 1, step + 1);
+      if (fsdp) fsdp->BeginForward();
       torch::Tensor batch = MakeBatch(data, sampler.MicroBatch(step, micro), m.seq_len());
       torch::Tensor loss = model->Loss(batch) / grad_accum;
+      if (fsdp) fsdp->WatchLoss(loss);
       const auto backward_start = Clock::now();
       loss.backward();
+      if (fsdp) comm_wait_s += fsdp->FinishBackward();
       backward_s += Seconds(backward_start);
       loss_sum += loss.item<double>();
     }
@@ -324,6 +407,8 @@ absl::Status Train(const TrainerOptions& o) {
     double grad_norm = 0;
     if (offloaded) {
       ASSIGN_OR_RETURN(grad_norm, offloaded->FinishBackward(&comm_wait_s));
+    } else if (fsdp) {
+      grad_norm = fsdp->GradNorm();
     } else {
       double sq = 0;
       for (const auto& p : params) {
@@ -337,7 +422,10 @@ absl::Status Train(const TrainerOptions& o) {
     if (offloaded) {
       // The parameter servers scale the gradients (clipping) as they apply AdamW.
       RETURN_IF_ERROR(offloaded->Step(lr, clip_scale));
+    } else if (fsdp) {
+      fsdp->Step(lr, clip_scale);
     } else {
+      torch::optim::AdamW& optimizer = *optimizer_holder;
       if (clip_scale != 1.0) {
         torch::NoGradGuard no_grad;
         for (auto& p : params) {
@@ -368,13 +456,20 @@ absl::Status Train(const TrainerOptions& o) {
     const double step_s = Seconds(step_start);
     const double tokens_per_s =
         sampler.global_batch() * model->TokensPerWindow() / std::max(step_s, 1e-9);
+    // Bytes sent for this step's gradients and parameters (all-reduce: the ring's 2(n-1)/n).
+    const int64_t comm_bytes =
+        fsdp      ? fsdp->bytes_sent() - bytes_before
+        : reducer ? (comm->bytes_sent() - bytes_before) +
+                        2 * reducer->bytes_per_step() * (o.world_size - 1) / o.world_size
+                  : comm->bytes_sent() - bytes_before;
+    const int64_t model_state_bytes = fsdp ? fsdp->peak_bytes() : dense_state_bytes;
 
     if (rank0) {
       Log(absl::StrFormat(
           "step %d/%d loss %.4f lr %.2e grad_norm %.2f tok/s %.0f step_ms %.0f backward_ms %.0f "
-          "comm_wait_ms %.1f allreduce_bytes %d%s",
+          "comm_wait_ms %.1f allreduce_bytes %d comm_bytes %d model_state_peak_bytes %d%s",
           step, total_steps, loss, lr, grad_norm, tokens_per_s, step_s * 1e3, backward_s * 1e3,
-          comm_wait_s * 1e3, reducer ? reducer->bytes_per_step() : 0,
+          comm_wait_s * 1e3, reducer ? reducer->bytes_per_step() : 0, comm_bytes, model_state_bytes,
           offloaded ? absl::StrFormat(" ps_push_bytes %d ps_pull_bytes %d",
                                       offloaded->pushed_bytes(), offloaded->pulled_bytes())
                     : ""));
@@ -387,7 +482,9 @@ absl::Status Train(const TrainerOptions& o) {
                                {"step_seconds", step_s},
                                {"backward_seconds", backward_s},
                                {"comm_wait_seconds", comm_wait_s},
-                               {"allreduce_bytes", reducer ? reducer->bytes_per_step() : 0}};
+                               {"allreduce_bytes", reducer ? reducer->bytes_per_step() : 0},
+                               {"comm_bytes", comm_bytes},
+                               {"model_state_peak_bytes", model_state_bytes}};
         metrics << line.dump() << std::endl;
       }
       if (reporter) {
@@ -403,6 +500,8 @@ absl::Status Train(const TrainerOptions& o) {
         r.set_step_seconds(step_s);
         r.set_grad_norm(grad_norm);
         r.set_resident_bytes(ResidentBytes());
+        r.set_model_state_peak_bytes(model_state_bytes);
+        r.set_comm_bytes(comm_bytes);
         r.set_time_ms(UnixMillis());
         reporter->ReportStep(std::move(r));
       }
@@ -414,7 +513,25 @@ absl::Status Train(const TrainerOptions& o) {
     const bool checkpoint =
         !o.checkpoint_dir.empty() &&
         (stop || checkpoint_requested || step == total_steps || (every > 0 && step % every == 0));
-    if (checkpoint) {
+    if (checkpoint && fsdp) {
+      // Every rank writes its shard; rank 0 the manifest.
+      ASSIGN_OR_RETURN(CheckpointInfo info,
+                       WriteShardedCheckpoint(o.checkpoint_dir, step, *fsdp, *comm, adam));
+      if (rank0) {
+        Log(absl::StrCat("checkpoint step ", info.step, " path ", info.path, " bytes ", info.bytes,
+                         " (sharded)"));
+        if (reporter) {
+          v1::CheckpointReport r;
+          r.set_job_id(o.job_id);
+          r.set_attempt(o.attempt);
+          r.set_step(info.step);
+          r.set_path(info.path);
+          r.set_bytes(info.bytes);
+          reporter->ReportCheckpoint(r);
+        }
+      }
+    } else if (checkpoint) {
+      torch::optim::AdamW& optimizer = *optimizer_holder;
       // delayed_update: the checkpoint holds the parameters after `step`'s update (every rank).
       if (offloaded) RETURN_IF_ERROR(offloaded->Flush());
       if (rank0) {
@@ -447,6 +564,8 @@ absl::Status Train(const TrainerOptions& o) {
   }
 
   if (offloaded) RETURN_IF_ERROR(offloaded->Flush());
+  // FSDP: every rank takes part in gathering the whole model for the dump and the sample.
+  if (fsdp) fsdp->GatherFullParameters();
   if (!o.dump_params.empty()) RETURN_IF_ERROR(WriteDump(o.dump_params, *model));
   // What the model learned, for people: rank 0 of a finished byte-level run writes a sample.
   if (rank0 && step == total_steps && spec.data().format() == "bytes") {
@@ -465,6 +584,17 @@ absl::Status Train(const TrainerOptions& o) {
 }
 
 }  // namespace
+
+absl::Status RunConsolidate(const std::string& sharded, const std::string& out_dir) {
+  try {
+    ASSIGN_OR_RETURN(CheckpointInfo info, ConsolidateShardedCheckpoint(sharded, out_dir));
+    Log(absl::StrCat("consolidated step ", info.step, " into ", info.path, " (", info.bytes,
+                     " bytes)"));
+    return absl::OkStatus();
+  } catch (const c10::Error& e) {
+    return absl::InternalError(absl::StrCat("LibTorch: ", e.what_without_backtrace()));
+  }
+}
 
 void InstallSigtermHandler() {
   struct sigaction action = {};

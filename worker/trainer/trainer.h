@@ -3,7 +3,8 @@
 // process group through the coordinator's rendezvous, builds the model and AdamW, resumes from
 // DIR/latest, and runs the optimizer steps with DDP gradient averaging, reporting each step to the
 // coordinator (rank 0) and checkpointing when the spec, the coordinator, SIGTERM or
-// --stop-after-steps ask.
+// --stop-after-steps ask. Strategies: ddp (and fsdp NO_SHARD, which behaves as DDP), fsdp
+// (FsdpModel, sharded checkpoints) and offload (OffloadOptimizer, parameter servers).
 //
 // Called once, from main's thread. SIGTERM is caught by a handler (InstallSigtermHandler, which
 // main calls first) that sets a flag; the loop polls it between steps, so the ranks agree on it,
@@ -34,6 +35,9 @@ struct TrainerOptions {
   int64_t stop_after_steps = 0;  // > 0: checkpoint and exit 0 after this many steps of this run
   std::string gloo_hostname = "127.0.0.1";  // address the Gloo transport listens on
   std::string ps_ranges;  // offload: "ADDRESS=BEGIN:END,..." (parameter-server ranges)
+  // Ranks of the job on this rank's node (consecutive ranks share a node); 0 = all of them.
+  // HYBRID_SHARD shards within a node and replicates across nodes.
+  int local_world_size = 0;
 };
 
 // Makes SIGTERM set a flag that the training loop polls.
@@ -42,6 +46,10 @@ void InstallSigtermHandler();
 // Runs training to the end (or to a graceful stop). INVALID_ARGUMENT / NOT_FOUND for bad spec or
 // data; other codes for failures of the run itself. Messages are one line, fit for users.
 absl::Status RunTrainer(const TrainerOptions& options);
+
+// `trainyard-trainer --consolidate-checkpoint DIR/step-N --out OUT`: a sharded FSDP checkpoint as
+// a DDP one in OUT (see fsdp_checkpoint.h).
+absl::Status RunConsolidate(const std::string& sharded, const std::string& out_dir);
 
 }  // namespace trainyard::trainer
 

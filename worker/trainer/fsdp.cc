@@ -1,0 +1,459 @@
+// FsdpModel (see fsdp.h).
+#include "worker/trainer/fsdp.h"
+
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <chrono>
+#include <deque>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+
+namespace trainyard::trainer {
+
+// Runs communication tasks one at a time, in the order they were enqueued.
+class FsdpModel::CommThread {
+ public:
+  CommThread() : thread_([this] { Loop(); }) {}
+  ~CommThread() {
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    thread_.join();
+  }
+
+  std::shared_future<void> Enqueue(std::function<void()> fn) {
+    auto task = std::make_shared<std::packaged_task<void()>>(std::move(fn));
+    std::shared_future<void> done = task->get_future().share();
+    absl::MutexLock lock(&mu_);
+    queue_.push_back(std::move(task));
+    return done;
+  }
+
+ private:
+  void Loop() {
+    while (true) {
+      std::shared_ptr<std::packaged_task<void()>> task;
+      {
+        absl::MutexLock lock(&mu_);
+        auto ready = [this] { return stopping_ || !queue_.empty(); };
+        mu_.Await(absl::Condition(&ready));
+        if (queue_.empty()) return;
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      (*task)();  // an exception lands in the task's future
+    }
+  }
+
+  absl::Mutex mu_;
+  std::deque<std::shared_ptr<std::packaged_task<void()>>> queue_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+class FsdpModel::GradHook : public torch::autograd::FunctionPostHook {
+ public:
+  GradHook(FsdpModel* fsdp, int param) : fsdp_(fsdp), param_(param) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    fsdp_->OnGradReady(param_);
+    return outputs;
+  }
+
+ private:
+  FsdpModel* fsdp_;
+  int param_;
+};
+
+std::vector<std::pair<int, int>> WrapBlocks(const std::vector<int64_t>& block_params,
+                                            v1::WrapPolicy policy, int64_t min_num_params) {
+  std::vector<std::pair<int, int>> out;
+  const int n = static_cast<int>(block_params.size());
+  if (policy != v1::SIZE_BASED_WRAP) {
+    for (int b = 0; b < n; ++b) out.emplace_back(b, b);
+    return out;
+  }
+  int first = 0;
+  int64_t sum = 0;
+  for (int b = 0; b < n; ++b) {
+    sum += block_params[b];
+    if (sum >= min_num_params) {
+      out.emplace_back(first, b);
+      first = b + 1;
+      sum = 0;
+    }
+  }
+  return out;  // blocks first..n-1 (too few parameters for a unit) stay in the root
+}
+
+FsdpModel::FsdpModel(LanguageModel& model, Communicator& world, Communicator& shard,
+                     Communicator* replica, const FsdpConfig& config)
+    : model_(model), world_(world), shard_(shard), replica_(replica), config_(config) {}
+
+FsdpModel::~FsdpModel() {
+  model_.set_block_hooks(nullptr);
+  for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
+  comm_thread_.reset();  // finishes what is queued first
+}
+
+absl::StatusOr<std::unique_ptr<FsdpModel>> FsdpModel::Create(
+    LanguageModel& model, Communicator& world, Communicator& shard, Communicator* replica,
+    const FsdpConfig& config, bool from_rank0) {
+  if (config.sharding != v1::FULL_SHARD && config.sharding != v1::SHARD_GRAD_OP &&
+      config.sharding != v1::HYBRID_SHARD) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("parallel.sharding_strategy: FsdpModel does not run ",
+                     v1::ShardingStrategy_Name(config.sharding), " (NO_SHARD runs as DDP)"));
+  }
+  if (shard.world_size() * (replica ? replica->world_size() : 1) != world.world_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "FSDP groups: ", shard.world_size(), " shards x ", replica ? replica->world_size() : 1,
+        " replicas do not make the world of ", world.world_size(), " ranks"));
+  }
+  std::unique_ptr<FsdpModel> fsdp(new FsdpModel(model, world, shard, replica, config));
+  absl::Status s = fsdp->Build(from_rank0);
+  if (!s.ok()) return s;
+  return fsdp;
+}
+
+absl::Status FsdpModel::Build(bool from_rank0) {
+  torch::NoGradGuard no_grad;
+  const auto named = model_.named_parameters();
+  const int nblocks = model_.NumBlocks();
+  std::vector<int64_t> block_params(nblocks, 0);
+  std::vector<int> block_of_param;
+  for (const auto& item : named) {
+    const int b = model_.BlockOf(item.key());
+    if (b >= nblocks) {
+      return absl::InternalError(absl::StrCat("parameter ", item.key(), " names block ", b));
+    }
+    block_of_param.push_back(b);
+    if (b >= 0) block_params[b] += item.value().numel();
+    params_.push_back(item.value());
+  }
+  unit_of_block_.assign(nblocks, 0);
+  units_.emplace_back();  // the root
+  for (const auto& [first, last] : WrapBlocks(block_params, config_.wrap, config_.min_num_params)) {
+    Unit u;
+    u.first_block = first;
+    u.last_block = last;
+    for (int b = first; b <= last; ++b) unit_of_block_[b] = static_cast<int>(units_.size());
+    units_.push_back(std::move(u));
+  }
+  unit_of_param_.resize(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const int b = block_of_param[i];
+    unit_of_param_[i] = b < 0 ? 0 : unit_of_block_[b];
+    units_[unit_of_param_[i]].params.push_back(static_cast<int>(i));
+  }
+
+  const int S = shard_.world_size(), me = shard_.rank();
+  layout_.units.resize(units_.size());
+  int64_t shard_total = 0;
+  for (size_t ui = 0; ui < units_.size(); ++ui) {
+    Unit& u = units_[ui];
+    for (int p : u.params) {
+      u.offsets.push_back(u.numel);
+      FsdpLayout::Param lp;
+      lp.name = named[p].key();
+      lp.shape.assign(params_[p].sizes().begin(), params_[p].sizes().end());
+      lp.offset = u.numel;
+      lp.index = p;
+      layout_.units[ui].params.push_back(std::move(lp));
+      u.numel += params_[p].numel();
+    }
+    layout_.units[ui].numel = u.numel;
+    u.padded = (u.numel + S - 1) / S * S;
+    u.shard_numel = u.padded / S;
+    shard_total += u.shard_numel;
+
+    // Fill the flat buffer (on rank 0, or everywhere), hand it around, keep this rank's shard.
+    u.full = torch::zeros({u.padded}, torch::kFloat);
+    const bool has_values = !from_rank0 || world_.rank() == 0;
+    if (has_values) {
+      for (size_t k = 0; k < u.params.size(); ++k) {
+        const torch::Tensor& p = params_[u.params[k]];
+        u.full.narrow(0, u.offsets[k], p.numel()).copy_(p.reshape({-1}));
+      }
+    }
+    if (from_rank0 && u.padded > 0) world_.Broadcast({u.full}, 0);
+    u.shard = u.full.narrow(0, me * u.shard_numel, u.shard_numel).clone().set_requires_grad(true);
+    u.shard.mutable_grad() = torch::zeros_like(u.shard);
+    for (size_t k = 0; k < u.params.size(); ++k) {
+      torch::Tensor& p = params_[u.params[k]];
+      p.set_data(u.full.narrow(0, u.offsets[k], p.numel()).view(p.sizes()));
+    }
+    FreeStorage(u.full);  // sharded until first use
+  }
+  Track(2 * shard_total * static_cast<int64_t>(sizeof(float)));  // parameter + gradient shards
+
+  for (size_t i = 0; i < params_.size(); ++i) {
+    // Keep the accumulator alive: the variable holds it only weakly.
+    auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
+    hook_keys_.push_back(
+        accumulator->add_post_hook(std::make_unique<GradHook>(this, static_cast<int>(i))));
+    accumulators_.push_back(std::move(accumulator));
+  }
+  std::vector<torch::Tensor> shards;
+  for (Unit& u : units_) {
+    if (u.shard_numel > 0) shards.push_back(u.shard);
+  }
+  optimizer_ =
+      std::make_unique<torch::optim::AdamW>(shards, torch::optim::AdamWOptions(1e-3)
+                                                        .betas({config_.beta1, config_.beta2})
+                                                        .eps(config_.eps)
+                                                        .weight_decay(config_.weight_decay));
+  comm_thread_ = std::make_unique<CommThread>();
+  model_.set_block_hooks(this);
+  return absl::OkStatus();
+}
+
+void FsdpModel::Track(int64_t delta_bytes) {
+  const int64_t now = current_bytes_.fetch_add(delta_bytes) + delta_bytes;
+  int64_t peak = peak_bytes_.load();
+  while (now > peak && !peak_bytes_.compare_exchange_weak(peak, now)) {
+  }
+}
+
+int FsdpModel::GatheredBlockUnits() const {
+  int n = 0;
+  for (size_t i = 1; i < units_.size(); ++i) n += units_[i].gathered != Gathered::kNo;
+  return n;
+}
+
+void FsdpModel::StartGather(int ui) {
+  Unit& u = units_[ui];
+  if (u.gathered != Gathered::kNo || u.padded == 0) {
+    if (u.padded == 0) u.gathered = Gathered::kYes;
+    return;
+  }
+  const int64_t bytes = u.padded * static_cast<int64_t>(sizeof(float));
+  AllocateStorage(u.full, bytes);
+  Track(bytes);
+  u.gathered = Gathered::kInFlight;
+  ++gathers_;
+  u.gather_done = comm_thread_->Enqueue([this, ui] {
+    Unit& unit = units_[ui];
+    std::vector<torch::Tensor> outs;
+    for (int r = 0; r < shard_.world_size(); ++r) {
+      outs.push_back(unit.full.narrow(0, r * unit.shard_numel, unit.shard_numel));
+    }
+    shard_.AllGatherInto(unit.shard.detach(), std::move(outs));
+  });
+}
+
+void FsdpModel::EnsureGathered(int ui) {
+  StartGather(ui);
+  Unit& u = units_[ui];
+  if (u.gathered == Gathered::kInFlight) {
+    u.gather_done.get();  // rethrows a failed all-gather
+    u.gathered = Gathered::kYes;
+  }
+}
+
+void FsdpModel::Prefetch(int ui) {
+  if (ui <= 0 || ui >= num_units()) return;
+  if (units_[ui].gathered != Gathered::kNo) return;
+  if (GatheredBlockUnits() >= config_.max_gathered_units) return;
+  StartGather(ui);
+}
+
+void FsdpModel::Release(int ui) {
+  Unit& u = units_[ui];
+  if (u.gathered == Gathered::kNo || u.padded == 0) return;
+  if (u.gathered == Gathered::kInFlight) u.gather_done.get();
+  FreeStorage(u.full);
+  Track(-u.padded * static_cast<int64_t>(sizeof(float)));
+  u.gathered = Gathered::kNo;
+}
+
+void FsdpModel::BeginForward() {
+  if (!hooks_on_) return;
+  for (Unit& u : units_) {
+    u.pending_grads = static_cast<int>(u.params.size());
+    u.reduced = false;
+  }
+  reductions_.clear();
+  EnsureGathered(0);
+}
+
+void FsdpModel::BeforeBlock(int block) {
+  const int ui = unit_of_block_[block];
+  if (ui == 0 || block != units_[ui].first_block) return;
+  EnsureGathered(ui);
+  if (config_.forward_prefetch) Prefetch(ui + 1);
+}
+
+void FsdpModel::AfterBlock(int block, const torch::Tensor& output) {
+  const int ui = unit_of_block_[block];
+  if (ui == 0 || block != units_[ui].last_block) return;
+  const bool training = torch::GradMode::is_enabled() && output.requires_grad();
+  if (training) {
+    output.register_hook([this, ui](const torch::Tensor&) { PreBackward(ui); });
+  }
+  if (!training || config_.sharding != v1::SHARD_GRAD_OP) Release(ui);
+}
+
+void FsdpModel::WatchLoss(const torch::Tensor& loss) {
+  if (!hooks_on_ || !loss.requires_grad()) return;
+  loss.register_hook([this](const torch::Tensor&) { PreBackward(0); });
+}
+
+// Gradients of the unit's parameters accumulate into views of one zeroed flat buffer.
+void FsdpModel::PrepareGradients(int ui) {
+  Unit& u = units_[ui];
+  if (u.grad.defined()) return;
+  u.grad = torch::zeros({u.padded}, torch::kFloat);
+  Track(u.padded * static_cast<int64_t>(sizeof(float)));
+  for (size_t k = 0; k < u.params.size(); ++k) {
+    torch::Tensor& p = params_[u.params[k]];
+    p.mutable_grad() = u.grad.narrow(0, u.offsets[k], p.numel()).view(p.sizes());
+  }
+}
+
+void FsdpModel::PreBackward(int ui) {
+  EnsureGathered(ui);
+  PrepareGradients(ui);
+  if (config_.backward_prefetch == v1::BACKWARD_PRE) Prefetch(ui - 1);
+}
+
+void FsdpModel::OnGradReady(int param) {
+  const int ui = unit_of_param_[param];
+  Unit& u = units_[ui];
+  if (!hooks_on_ || u.reduced) return;
+  if (--u.pending_grads == 0) PostBackward(ui);
+}
+
+void FsdpModel::PostBackward(int ui) {
+  Unit& u = units_[ui];
+  u.reduced = true;
+  if (config_.backward_prefetch == v1::BACKWARD_POST) Prefetch(ui - 1);
+  torch::NoGradGuard no_grad;
+  if (!u.grad.defined()) PrepareGradients(ui);  // no hook ran: nothing used the unit
+  for (size_t k = 0; k < u.params.size(); ++k) {
+    torch::Tensor& p = params_[u.params[k]];
+    torch::Tensor view = u.grad.narrow(0, u.offsets[k], p.numel());
+    // Autograd may have replaced the view (a gradient that arrived before the buffer existed).
+    if (p.grad().defined() && p.grad().data_ptr() != view.data_ptr()) {
+      view.copy_(p.grad().reshape({-1}));
+    }
+    p.mutable_grad() = torch::Tensor();
+  }
+  Release(ui);
+  const int world = world_.world_size();
+  torch::Tensor grad = std::move(u.grad);
+  u.grad = torch::Tensor();
+  reductions_.push_back(comm_thread_->Enqueue([this, ui, grad, world]() mutable {
+    torch::NoGradGuard no_grad_here;
+    Unit& unit = units_[ui];
+    torch::Tensor mine;
+    if (unit.padded > 0) {
+      mine = shard_.ReduceScatterSum(grad,
+                                     std::vector<int64_t>(shard_.world_size(), unit.shard_numel));
+      if (replica_ != nullptr) replica_->AllReduceSum({mine})->Wait();
+      unit.shard.mutable_grad().add_(mine, 1.0 / world);
+    }
+    mine = torch::Tensor();
+    grad = torch::Tensor();
+    Track(-unit.padded * static_cast<int64_t>(sizeof(float)));
+  }));
+}
+
+double FsdpModel::FinishBackward() {
+  if (!hooks_on_) return 0;
+  // Units whose gradients did not all arrive (parameters the loss did not use), last first, as
+  // backward would have reached them.
+  for (int ui = num_units() - 1; ui >= 0; --ui) {
+    if (!units_[ui].reduced) PostBackward(ui);
+  }
+  const auto start = std::chrono::steady_clock::now();
+  for (auto& done : reductions_) done.get();  // rethrows a failed reduce-scatter
+  reductions_.clear();
+  for (int ui = 0; ui < num_units(); ++ui) Release(ui);
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+double FsdpModel::GradNorm() {
+  torch::NoGradGuard no_grad;
+  double sq = 0;
+  for (Unit& u : units_) {
+    if (u.shard_numel > 0) sq += u.shard.grad().pow(2).sum().item<double>();
+  }
+  torch::Tensor t = torch::tensor({sq}, torch::kDouble);
+  shard_.AllReduceSum({t})->Wait();
+  return std::sqrt(t.item<double>());
+}
+
+void FsdpModel::Step(double lr, double clip_scale) {
+  torch::NoGradGuard no_grad;
+  if (clip_scale != 1.0) {
+    for (Unit& u : units_) u.shard.mutable_grad().mul_(clip_scale);
+  }
+  for (auto& group : optimizer_->param_groups()) {
+    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+  }
+  optimizer_->step();
+  if (!adam_counted_) {
+    adam_counted_ = true;
+    int64_t shard_total = 0;
+    for (const Unit& u : units_) shard_total += u.shard_numel;
+    Track(2 * shard_total * static_cast<int64_t>(sizeof(float)));  // exp_avg, exp_avg_sq
+  }
+  for (Unit& u : units_) u.shard.mutable_grad().zero_();
+}
+
+void FsdpModel::GatherFullParameters() {
+  hooks_on_ = false;
+  model_.set_block_hooks(nullptr);
+  for (int ui = 0; ui < num_units(); ++ui) StartGather(ui);
+  for (int ui = 0; ui < num_units(); ++ui) EnsureGathered(ui);
+}
+
+int64_t FsdpModel::bytes_sent() const {
+  return shard_.bytes_sent() + (replica_ != nullptr ? replica_->bytes_sent() : 0);
+}
+
+FsdpShardState FsdpModel::ExportState() {
+  FsdpShardState out;
+  for (Unit& u : units_) {
+    out.params.push_back(u.shard.detach());
+    torch::Tensor m, v;
+    auto it = optimizer_->state().find(c10::guts::to_string(u.shard.unsafeGetTensorImpl()));
+    if (it != optimizer_->state().end()) {
+      auto& st = static_cast<torch::optim::AdamWParamState&>(*it->second);
+      m = st.exp_avg();
+      v = st.exp_avg_sq();
+      out.adam_step = st.step();
+    }
+    out.exp_avg.push_back(m);
+    out.exp_avg_sq.push_back(v);
+  }
+  return out;
+}
+
+void FsdpModel::ImportState(const FsdpShardState& state) {
+  torch::NoGradGuard no_grad;
+  const bool has_moments = adam_counted_;
+  for (size_t ui = 0; ui < units_.size(); ++ui) {
+    Unit& u = units_[ui];
+    u.shard.copy_(state.params[ui]);
+    if (u.shard_numel == 0 || !state.exp_avg[ui].defined()) continue;
+    auto st = std::make_unique<torch::optim::AdamWParamState>();
+    st->step(state.adam_step);
+    st->exp_avg(state.exp_avg[ui].clone());
+    st->exp_avg_sq(state.exp_avg_sq[ui].clone());
+    optimizer_->state()[c10::guts::to_string(u.shard.unsafeGetTensorImpl())] = std::move(st);
+    adam_counted_ = true;
+  }
+  if (adam_counted_ && !has_moments) {
+    int64_t shard_total = 0;
+    for (const Unit& u : units_) shard_total += u.shard_numel;
+    Track(2 * shard_total * static_cast<int64_t>(sizeof(float)));
+  }
+}
+
+}  // namespace trainyard::trainer

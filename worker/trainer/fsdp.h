@@ -1,0 +1,202 @@
+// FsdpModel: PyTorch-FSDP-style fully sharded data parallelism for a LanguageModel.
+//
+// Units: the wrap policy groups the model's blocks into units (TRANSFORMER_BASED_WRAP: one block
+// each; SIZE_BASED_WRAP: consecutive blocks until min_num_params); everything else (embeddings,
+// final norm, head, blocks left over) is the root unit, unit 0. Each unit's parameters live in one
+// flat fp32 buffer padded to a multiple of the shard group's size; a rank keeps only its shard
+// (1/S of it) between uses, and the module's parameters are views of the flat buffer, whose
+// storage is allocated while the unit is gathered and freed otherwise (saved autograd tensors
+// share that storage, so a unit gathered again before its backward serves them too).
+//
+// Per micro-step: BeginForward gathers the root (kept until the end of its backward, as PyTorch
+// keeps the root unsharded); each block unit is gathered before its first block runs forward
+// (and, with forward_prefetch, the next one starts gathering), freed after its last block under
+// FULL_SHARD / HYBRID_SHARD or kept until after its backward under SHARD_GRAD_OP. A hook on the
+// unit's output gathers it again before its backward (BACKWARD_PRE also starts gathering the unit
+// whose backward comes next); gradients accumulate straight into a flat buffer of the unit; once
+// all of them are in (BACKWARD_POST starts the next gather here), the unit is freed and its
+// gradient reduce-scattered (then, under HYBRID_SHARD, all-reduced over the replicas), divided by
+// the world size and added to the rank's gradient shard. Block units gathered at once never
+// exceed max_gathered_units: a prefetch that would go over it is skipped.
+//
+// All communication runs on one thread in the order the training thread asks for it, which is the
+// same on every rank; the training thread overlaps compute with it and waits only for what it
+// needs. AdamW (torch::optim::AdamW, so the same arithmetic as DDP's) updates only the shards.
+//
+// Model-state memory: the tracker counts the bytes of the shards (parameters, gradients, Adam
+// moments once they exist) plus gathered parameters and unsharded gradients as they are allocated
+// and freed; peak_bytes() is what `yard metrics` shows as model_state_peak_bytes.
+//
+// Thread-safety: one training thread calls everything; the hooks run on it (CPU autograd).
+#ifndef TRAINYARD_WORKER_TRAINER_FSDP_H_
+#define TRAINYARD_WORKER_TRAINER_FSDP_H_
+
+#include <torch/torch.h>
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <future>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "trainyard/v1/job.pb.h"
+#include "worker/trainer/communicator.h"
+#include "worker/trainer/model.h"
+
+namespace trainyard::trainer {
+
+struct FsdpConfig {
+  v1::ShardingStrategy sharding = v1::FULL_SHARD;  // FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD
+  v1::WrapPolicy wrap = v1::TRANSFORMER_BASED_WRAP;
+  int64_t min_num_params = 100'000'000;  // SIZE_BASED_WRAP
+  v1::BackwardPrefetch backward_prefetch = v1::BACKWARD_PRE;
+  bool forward_prefetch = false;
+  int max_gathered_units = 2;
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0;
+};
+
+// Block units under a wrap policy: each entry is the blocks [first, last] of one unit, in order.
+// Blocks not listed belong to the root. `block_params`: parameters of each block.
+std::vector<std::pair<int, int>> WrapBlocks(const std::vector<int64_t>& block_params,
+                                            v1::WrapPolicy policy, int64_t min_num_params);
+
+// Where each parameter sits in its unit's flat buffer (the sharded checkpoint's manifest).
+struct FsdpLayout {
+  struct Param {
+    std::string name;
+    std::vector<int64_t> shape;
+    int64_t offset = 0;  // elements into the unit's flat buffer
+    int index = 0;       // position in model.named_parameters()
+  };
+  struct Unit {
+    int64_t numel = 0;  // unpadded
+    std::vector<Param> params;
+  };
+  std::vector<Unit> units;  // unit 0 is the root
+};
+
+// One rank's optimizer-visible state: per unit its parameter shard and AdamW moments (padded
+// shard length; moments undefined before the first step).
+struct FsdpShardState {
+  std::vector<torch::Tensor> params, exp_avg, exp_avg_sq;
+  int64_t adam_step = 0;
+};
+
+class FsdpModel : public BlockHooks {
+ public:
+  // `world`: every rank. `shard`: the ranks the shards are spread over (all of them, or under
+  // HYBRID_SHARD the node's); `replica`: the ranks that hold the same shard as this one
+  // (HYBRID_SHARD across nodes; nullptr otherwise). With `from_rank0`, rank 0 of `world` holds the
+  // initialized model and the others' parameters may be unmaterialized (ModelOptions::materialize =
+  // false): each rank receives its shards, one unit at a time. Otherwise every rank's model holds
+  // the same values already. The communicators and the model must outlive this object.
+  static absl::StatusOr<std::unique_ptr<FsdpModel>> Create(LanguageModel& model,
+                                                           Communicator& world, Communicator& shard,
+                                                           Communicator* replica,
+                                                           const FsdpConfig& config,
+                                                           bool from_rank0);
+  ~FsdpModel() override;
+
+  FsdpModel(const FsdpModel&) = delete;
+  FsdpModel& operator=(const FsdpModel&) = delete;
+
+  // Before each micro-step's forward.
+  void BeginForward();
+  // After the forward, before backward: gathers the root's gradients when backward starts.
+  void WatchLoss(const torch::Tensor& loss);
+  // After each micro-step's backward: reduce-scatters what backward left (gradients that never
+  // came count as zero), waits for all of it and frees every gathered unit. Returns the seconds
+  // spent waiting. The gradient shards accumulate over micro-steps.
+  double FinishBackward();
+  // The global gradient norm (the shards' gradients all-reduced over the shard group).
+  double GradNorm();
+  // AdamW on the shards: gradients scaled by `clip_scale`, learning rate `lr`; then zeroes the
+  // gradient shards.
+  void Step(double lr, double clip_scale);
+  // Gathers every unit for good and turns the hooks off: the model then holds its full
+  // parameters (for the final dump and sample). Every rank must call it.
+  void GatherFullParameters();
+
+  const FsdpLayout& layout() const { return layout_; }
+  int shard_rank() const { return shard_.rank(); }
+  int shard_count() const { return shard_.world_size(); }
+  // True on the ranks that write the shards of a checkpoint (replica 0).
+  bool writes_shards() const { return replica_ == nullptr || replica_->rank() == 0; }
+  FsdpShardState ExportState();
+  // Installs shards (and moments, when defined) of this rank's padded shard length.
+  void ImportState(const FsdpShardState& state);
+  int64_t shard_numel(int unit) const { return units_[unit].shard_numel; }
+  int64_t padded_numel(int unit) const { return units_[unit].padded; }
+
+  int num_units() const { return static_cast<int>(units_.size()); }
+  // Bytes this rank sent (all-gathers and reduce-scatters) and gathers issued, since the start.
+  int64_t bytes_sent() const;
+  int64_t gathers() const { return gathers_; }
+  // Model-state bytes now and at their peak (see the file comment).
+  int64_t current_bytes() const { return current_bytes_.load(); }
+  int64_t peak_bytes() const { return peak_bytes_.load(); }
+
+  // BlockHooks.
+  void BeforeBlock(int block) override;
+  void AfterBlock(int block, const torch::Tensor& output) override;
+
+ private:
+  enum class Gathered { kNo, kInFlight, kYes };
+  struct Unit {
+    std::vector<int> params;  // indices into params_
+    std::vector<int64_t> offsets;
+    int64_t numel = 0, padded = 0, shard_numel = 0;
+    int first_block = -1, last_block = -1;  // -1 for the root
+    torch::Tensor full;                     // [padded]; storage only while gathered
+    torch::Tensor shard;                    // [shard_numel], the optimizer's parameter
+    torch::Tensor grad;                     // [padded] unsharded gradient during backward
+    Gathered gathered = Gathered::kNo;
+    std::shared_future<void> gather_done;
+    int pending_grads = 0;
+    bool reduced = false;  // this micro-step
+  };
+  class CommThread;
+  class GradHook;
+
+  FsdpModel(LanguageModel& model, Communicator& world, Communicator& shard, Communicator* replica,
+            const FsdpConfig& config);
+  absl::Status Build(bool from_rank0);
+
+  void StartGather(int unit);
+  void EnsureGathered(int unit);
+  void Prefetch(int unit);
+  void Release(int unit);
+  int GatheredBlockUnits() const;
+  void PrepareGradients(int unit);
+  void PreBackward(int unit);
+  void OnGradReady(int param);
+  void PostBackward(int unit);
+  void Track(int64_t delta_bytes);
+
+  LanguageModel& model_;
+  Communicator& world_;
+  Communicator& shard_;
+  Communicator* replica_;
+  FsdpConfig config_;
+  std::vector<torch::Tensor> params_;
+  std::vector<int> unit_of_param_;
+  std::vector<int> unit_of_block_;
+  std::vector<Unit> units_;
+  FsdpLayout layout_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<uintptr_t> hook_keys_;
+  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::unique_ptr<CommThread> comm_thread_;
+  std::vector<std::shared_future<void>> reductions_;  // this micro-step's, in order
+  bool hooks_on_ = true;
+  bool adam_counted_ = false;
+  int64_t gathers_ = 0;
+  std::atomic<int64_t> current_bytes_{0}, peak_bytes_{0};
+};
+
+}  // namespace trainyard::trainer
+
+#endif  // TRAINYARD_WORKER_TRAINER_FSDP_H_

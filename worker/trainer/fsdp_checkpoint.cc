@@ -1,0 +1,359 @@
+// Sharded FSDP checkpoints (see fsdp_checkpoint.h).
+#include "worker/trainer/fsdp_checkpoint.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace trainyard::trainer {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+constexpr char kFormat[] = "trainyard-fsdp-v1";
+
+std::string ShardFile(const std::string& dir, int rank, int count) {
+  return absl::StrCat(dir, "/shard-", rank, "-of-", count, ".pt");
+}
+
+// Every rank learns whether any rank failed; all return the first failure they know of.
+absl::Status Agree(Communicator& world, absl::Status mine) {
+  torch::Tensor failed = torch::tensor({mine.ok() ? 0.0 : 1.0}, torch::kDouble);
+  world.AllReduceSum({failed})->Wait();
+  if (!mine.ok()) return mine;
+  if (failed.item<double>() > 0) {
+    return absl::InternalError("another rank failed to write its checkpoint shard");
+  }
+  return absl::OkStatus();
+}
+
+json ManifestJson(const FsdpModel& fsdp, int64_t step, const AdamHyper& adam) {
+  json units = json::array();
+  for (const FsdpLayout::Unit& u : fsdp.layout().units) {
+    json params = json::array();
+    for (const FsdpLayout::Param& p : u.params) {
+      params.push_back(
+          {{"name", p.name}, {"shape", p.shape}, {"offset", p.offset}, {"index", p.index}});
+    }
+    units.push_back({{"numel", u.numel}, {"params", params}});
+  }
+  return {{"format", kFormat},
+          {"step", step},
+          {"shard_count", fsdp.shard_count()},
+          {"adam",
+           {{"lr", adam.lr},
+            {"beta1", adam.beta1},
+            {"beta2", adam.beta2},
+            {"eps", adam.eps},
+            {"weight_decay", adam.weight_decay}}},
+          {"units", units}};
+}
+
+struct Manifest {
+  int64_t step = 0;
+  int shard_count = 0;
+  AdamHyper adam;
+  FsdpLayout layout;
+};
+
+absl::StatusOr<Manifest> ReadManifest(const std::string& path) {
+  const std::string file = path + "/manifest.json";
+  std::ifstream f(file);
+  if (!f) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint '", path, "' has no manifest.json: it is not a sharded (fsdp) checkpoint"));
+  }
+  try {
+    json j = json::parse(f);
+    if (j.at("format").get<std::string>() != kFormat) {
+      return absl::DataLossError(absl::StrCat("'", file, "': unknown format"));
+    }
+    Manifest m;
+    m.step = j.at("step").get<int64_t>();
+    m.shard_count = j.at("shard_count").get<int>();
+    if (m.shard_count < 1) return absl::DataLossError(absl::StrCat("'", file, "': shard_count"));
+    const json& a = j.at("adam");
+    m.adam = AdamHyper{a.at("lr").get<double>(), a.at("beta1").get<double>(),
+                       a.at("beta2").get<double>(), a.at("eps").get<double>(),
+                       a.at("weight_decay").get<double>()};
+    for (const json& ju : j.at("units")) {
+      FsdpLayout::Unit u;
+      u.numel = ju.at("numel").get<int64_t>();
+      for (const json& jp : ju.at("params")) {
+        FsdpLayout::Param p;
+        p.name = jp.at("name").get<std::string>();
+        p.shape = jp.at("shape").get<std::vector<int64_t>>();
+        p.offset = jp.at("offset").get<int64_t>();
+        p.index = jp.at("index").get<int>();
+        u.params.push_back(std::move(p));
+      }
+      m.layout.units.push_back(std::move(u));
+    }
+    return m;
+  } catch (const json::exception& e) {
+    return absl::DataLossError(absl::StrCat("'", file, "': ", e.what()));
+  }
+}
+
+// The first difference between a checkpoint's layout and the model's, or "".
+std::string LayoutDifference(const FsdpLayout& saved, const FsdpLayout& model) {
+  if (saved.units.size() != model.units.size()) {
+    return absl::StrCat(saved.units.size(), " units saved, the model has ", model.units.size());
+  }
+  for (size_t u = 0; u < saved.units.size(); ++u) {
+    const auto& a = saved.units[u];
+    const auto& b = model.units[u];
+    if (a.params.size() != b.params.size() || a.numel != b.numel) {
+      return absl::StrCat("unit ", u, " differs (", a.numel, " vs ", b.numel, " elements)");
+    }
+    for (size_t k = 0; k < a.params.size(); ++k) {
+      if (a.params[k].name != b.params[k].name || a.params[k].shape != b.params[k].shape ||
+          a.params[k].offset != b.params[k].offset) {
+        return absl::StrCat("parameter ", b.params[k].name, " differs");
+      }
+    }
+  }
+  return "";
+}
+
+// Copies the elements of `old_shard` (shard `k` of `old_count` over a unit of `numel`) that fall
+// into `new_shard` (shard `me` of `new_count`).
+void CopyOverlap(const torch::Tensor& old_shard, int k, int old_count, torch::Tensor& new_shard,
+                 int me, int new_count, int64_t numel) {
+  const int64_t os = (numel + old_count - 1) / old_count;
+  const int64_t ns = (numel + new_count - 1) / new_count;
+  const int64_t begin = std::max(k * os, me * ns);
+  const int64_t end = std::min({(k + 1) * os, (me + 1) * ns, numel});
+  if (begin >= end) return;
+  new_shard.narrow(0, begin - me * ns, end - begin)
+      .copy_(old_shard.narrow(0, begin - k * os, end - begin));
+}
+
+}  // namespace
+
+absl::StatusOr<CheckpointInfo> WriteShardedCheckpoint(const std::string& dir, int64_t step,
+                                                      FsdpModel& fsdp, Communicator& world,
+                                                      const AdamHyper& adam) {
+  const bool rank0 = world.rank() == 0;
+  const std::string name = absl::StrCat("step-", step);
+  const std::string final_path = dir + "/" + name;
+  const std::string tmp = absl::StrCat(dir, "/.", name, ".tmp");
+  // Written before by an earlier attempt at the same step (deterministic: the same state)?
+  const bool exists = fs::exists(final_path + "/meta.json");
+  world.Barrier();  // nobody renames before everyone has looked
+  if (!exists) {
+    absl::Status s;
+    if (rank0) {
+      std::error_code ec;
+      fs::remove_all(tmp, ec);
+      fs::create_directories(tmp, ec);
+      if (ec) s = absl::InternalError(absl::StrCat("cannot create '", tmp, "': ", ec.message()));
+    }
+    RETURN_IF_ERROR(Agree(world, s));
+    if (fsdp.writes_shards()) {
+      const std::string file = ShardFile(tmp, fsdp.shard_rank(), fsdp.shard_count());
+      try {
+        FsdpShardState state = fsdp.ExportState();
+        torch::serialize::OutputArchive archive;
+        for (size_t u = 0; u < state.params.size(); ++u) {
+          archive.write(absl::StrCat("u", u, ".param"), state.params[u]);
+          if (state.exp_avg[u].defined()) {
+            archive.write(absl::StrCat("u", u, ".exp_avg"), state.exp_avg[u]);
+            archive.write(absl::StrCat("u", u, ".exp_avg_sq"), state.exp_avg_sq[u]);
+          }
+        }
+        archive.write("adam_step", torch::tensor({state.adam_step}, torch::kLong));
+        if (rank0) archive.write("rng", SaveRngState());
+        archive.save_to(file);
+        s = SyncPath(file);
+      } catch (const c10::Error& e) {
+        s = absl::InternalError(
+            absl::StrCat("cannot save '", file, "': ", e.what_without_backtrace()));
+      }
+    }
+    RETURN_IF_ERROR(Agree(world, s));
+    if (rank0) {
+      s = WriteSyncedFile(tmp + "/manifest.json", ManifestJson(fsdp, step, adam).dump(1) + "\n");
+      if (s.ok()) s = WriteSyncedFile(tmp + "/meta.json", absl::StrCat("{\"step\": ", step, "}\n"));
+      if (s.ok()) s = SyncPath(tmp);
+      if (s.ok()) {
+        std::error_code ec;
+        fs::remove_all(final_path, ec);  // an incomplete leftover (no meta.json)
+        if (::rename(tmp.c_str(), final_path.c_str()) != 0) {
+          s = absl::InternalError(absl::StrCat("cannot rename '", tmp, "'"));
+        }
+      }
+      if (s.ok()) s = SyncPath(dir);
+    }
+    RETURN_IF_ERROR(Agree(world, s));
+  }
+  absl::Status s = rank0 ? PublishLatest(dir, name) : absl::OkStatus();
+  RETURN_IF_ERROR(Agree(world, s));
+  return CheckpointInfo{step, final_path, DirectoryBytes(final_path)};
+}
+
+absl::StatusOr<std::optional<CheckpointInfo>> LoadLatestShardedCheckpoint(const std::string& dir,
+                                                                          FsdpModel& fsdp) {
+  ASSIGN_OR_RETURN(std::optional<CheckpointInfo> latest, FindLatestCheckpoint(dir));
+  if (!latest.has_value()) return std::nullopt;
+  const std::string& path = latest->path;
+  ASSIGN_OR_RETURN(Manifest m, ReadManifest(path));
+  const std::string diff = LayoutDifference(m.layout, fsdp.layout());
+  if (!diff.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint '", path, "' does not fit the model: ", diff));
+  }
+  const int me = fsdp.shard_rank(), count = fsdp.shard_count();
+  const int units = fsdp.num_units();
+  FsdpShardState state;
+  for (int u = 0; u < units; ++u) state.params.push_back(torch::zeros({fsdp.shard_numel(u)}));
+  bool moments = false;
+  try {
+    for (int k = 0; k < m.shard_count; ++k) {
+      // Same shard count: only this rank's own file overlaps.
+      if (m.shard_count == count && k != me) continue;
+      torch::serialize::InputArchive archive;
+      archive.load_from(ShardFile(path, k, m.shard_count));
+      torch::Tensor step_t;
+      archive.read("adam_step", step_t);
+      state.adam_step = step_t.item<int64_t>();
+      torch::Tensor rng;
+      if (k == 0 && archive.try_read("rng", rng)) RestoreRngState(rng);
+      for (int u = 0; u < units; ++u) {
+        const int64_t numel = fsdp.layout().units[u].numel;
+        torch::Tensor t;
+        archive.read(absl::StrCat("u", u, ".param"), t);
+        CopyOverlap(t, k, m.shard_count, state.params[u], me, count, numel);
+        torch::Tensor ea, eas;
+        if (archive.try_read(absl::StrCat("u", u, ".exp_avg"), ea) &&
+            archive.try_read(absl::StrCat("u", u, ".exp_avg_sq"), eas)) {
+          if (state.exp_avg.size() < static_cast<size_t>(units)) {
+            moments = true;
+            for (int v = 0; v < units; ++v) {
+              state.exp_avg.push_back(torch::zeros({fsdp.shard_numel(v)}));
+              state.exp_avg_sq.push_back(torch::zeros({fsdp.shard_numel(v)}));
+            }
+          }
+          CopyOverlap(ea, k, m.shard_count, state.exp_avg[u], me, count, numel);
+          CopyOverlap(eas, k, m.shard_count, state.exp_avg_sq[u], me, count, numel);
+        }
+      }
+    }
+  } catch (const c10::Error& e) {
+    return absl::DataLossError(
+        absl::StrCat("cannot load checkpoint '", path, "': ", e.what_without_backtrace()));
+  }
+  if (!moments) {
+    state.exp_avg.assign(units, torch::Tensor());
+    state.exp_avg_sq.assign(units, torch::Tensor());
+  }
+  fsdp.ImportState(state);
+  return latest;
+}
+
+absl::StatusOr<CheckpointInfo> ConsolidateShardedCheckpoint(const std::string& sharded,
+                                                            const std::string& out_dir) {
+  ASSIGN_OR_RETURN(Manifest m, ReadManifest(sharded));
+  const size_t units = m.layout.units.size();
+  std::vector<torch::Tensor> flat(units), flat_m(units), flat_v(units);
+  for (size_t u = 0; u < units; ++u) {
+    flat[u] = torch::zeros({m.layout.units[u].numel});
+    flat_m[u] = torch::zeros_like(flat[u]);
+    flat_v[u] = torch::zeros_like(flat[u]);
+  }
+  int64_t adam_step = 0;
+  torch::Tensor rng;
+  bool moments = false;
+  const std::string name = absl::StrCat("step-", m.step);
+  const std::string tmp = absl::StrCat(out_dir, "/.", name, ".tmp-", ::getpid());
+  const std::string final_path = out_dir + "/" + name;
+  try {
+    for (int k = 0; k < m.shard_count; ++k) {
+      torch::serialize::InputArchive archive;
+      archive.load_from(ShardFile(sharded, k, m.shard_count));
+      torch::Tensor step_t;
+      archive.read("adam_step", step_t);
+      adam_step = step_t.item<int64_t>();
+      if (k == 0) archive.read("rng", rng);
+      for (size_t u = 0; u < units; ++u) {
+        const int64_t numel = m.layout.units[u].numel;
+        torch::Tensor t, ea, eas;
+        archive.read(absl::StrCat("u", u, ".param"), t);
+        CopyOverlap(t, k, m.shard_count, flat[u], 0, 1, numel);
+        if (archive.try_read(absl::StrCat("u", u, ".exp_avg"), ea) &&
+            archive.try_read(absl::StrCat("u", u, ".exp_avg_sq"), eas)) {
+          moments = true;
+          CopyOverlap(ea, k, m.shard_count, flat_m[u], 0, 1, numel);
+          CopyOverlap(eas, k, m.shard_count, flat_v[u], 0, 1, numel);
+        }
+      }
+    }
+    // Parameters in model registration order, as the DDP trainer's optimizer lists them.
+    int total = 0;
+    for (const auto& u : m.layout.units) total += static_cast<int>(u.params.size());
+    std::vector<torch::Tensor> params(total), exp_avg(total), exp_avg_sq(total);
+    std::vector<std::string> names(total);
+    for (size_t u = 0; u < units; ++u) {
+      for (const FsdpLayout::Param& p : m.layout.units[u].params) {
+        int64_t n = 1;
+        for (int64_t d : p.shape) n *= d;
+        auto cut = [&](const torch::Tensor& f) {
+          return f.narrow(0, p.offset, n).view(p.shape).clone();
+        };
+        params.at(p.index) = cut(flat[u]).set_requires_grad(true);
+        exp_avg.at(p.index) = cut(flat_m[u]);
+        exp_avg_sq.at(p.index) = cut(flat_v[u]);
+        names.at(p.index) = p.name;
+      }
+    }
+    std::error_code ec;
+    fs::create_directories(out_dir, ec);
+    fs::remove_all(tmp, ec);
+    fs::create_directories(tmp, ec);
+    if (ec) return absl::InternalError(absl::StrCat("cannot create '", tmp, "': ", ec.message()));
+    torch::serialize::OutputArchive model;
+    for (int i = 0; i < total; ++i) model.write(names[i], params[i].detach());
+    model.save_to(tmp + "/model.pt");
+    torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(m.adam.lr)
+                                              .betas({m.adam.beta1, m.adam.beta2})
+                                              .eps(m.adam.eps)
+                                              .weight_decay(m.adam.weight_decay));
+    if (moments) {
+      for (int i = 0; i < total; ++i) {
+        auto st = std::make_unique<torch::optim::AdamWParamState>();
+        st->step(adam_step);
+        st->exp_avg(exp_avg[i]);
+        st->exp_avg_sq(exp_avg_sq[i]);
+        optimizer.state()[c10::guts::to_string(params[i].unsafeGetTensorImpl())] = std::move(st);
+      }
+    }
+    torch::save(optimizer, tmp + "/optimizer.pt");
+    torch::save(rng, tmp + "/rng.pt");
+  } catch (const c10::Error& e) {
+    return absl::DataLossError(
+        absl::StrCat("cannot consolidate '", sharded, "': ", e.what_without_backtrace()));
+  }
+  for (const char* file : {"/model.pt", "/optimizer.pt", "/rng.pt"}) {
+    RETURN_IF_ERROR(SyncPath(tmp + file));
+  }
+  RETURN_IF_ERROR(WriteSyncedFile(tmp + "/meta.json", absl::StrCat("{\"step\": ", m.step, "}\n")));
+  RETURN_IF_ERROR(SyncPath(tmp));
+  std::error_code ec;
+  fs::remove_all(final_path, ec);
+  if (::rename(tmp.c_str(), final_path.c_str()) != 0) {
+    return absl::InternalError(absl::StrCat("cannot rename '", tmp, "'"));
+  }
+  RETURN_IF_ERROR(SyncPath(out_dir));
+  RETURN_IF_ERROR(PublishLatest(out_dir, name));
+  return CheckpointInfo{m.step, final_path, DirectoryBytes(final_path)};
+}
+
+}  // namespace trainyard::trainer

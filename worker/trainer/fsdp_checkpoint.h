@@ -1,0 +1,54 @@
+// Sharded checkpoints of an FSDP job. DIR/step-<N>/ holds
+//   shard-<r>-of-<S>.pt  per shard rank r: each unit's parameter shard and AdamW moments
+//                        ("u<i>.param", "u<i>.exp_avg", "u<i>.exp_avg_sq"), "adam_step", and in
+//                        shard 0's the CPU RNG state ("rng");
+//   manifest.json        format, step, shard count, AdamW hyper-parameters and the layout: each
+//                        unit's element count and each parameter's name, shape, offset, index;
+//   meta.json            {"step": N}.
+// Writing follows checkpoint.h's rules: every shard writer (replica 0 under HYBRID_SHARD) writes
+// its file into DIR/.step-<N>.tmp and fsyncs it; rank 0 then writes the manifest and meta,
+// fsyncs the directory, renames it into place, fsyncs DIR and moves DIR/latest. A crash at any
+// point leaves `latest` naming the previous complete checkpoint.
+//
+// Loading with the same shard count reads one file per rank; with another count (reshard on
+// load: a job resumed on a different world size) each rank reads, one old file at a time, the
+// parts of every old shard that overlap its new one. ConsolidateShardedCheckpoint turns a sharded
+// checkpoint into a DDP one (model.pt, optimizer.pt, rng.pt), loadable by any strategy's
+// LoadLatestCheckpoint. All functions are collective where they take a Communicator.
+#ifndef TRAINYARD_WORKER_TRAINER_FSDP_CHECKPOINT_H_
+#define TRAINYARD_WORKER_TRAINER_FSDP_CHECKPOINT_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "worker/trainer/checkpoint.h"
+#include "worker/trainer/communicator.h"
+#include "worker/trainer/fsdp.h"
+
+namespace trainyard::trainer {
+
+// Hyper-parameters a consolidated checkpoint's optimizer needs (the DDP trainer's AdamW).
+struct AdamHyper {
+  double lr = 0, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0;
+};
+
+// Every rank calls it after the step's optimizer update; `world` is every rank.
+absl::StatusOr<CheckpointInfo> WriteShardedCheckpoint(const std::string& dir, int64_t step,
+                                                      FsdpModel& fsdp, Communicator& world,
+                                                      const AdamHyper& adam);
+
+// Loads DIR/latest into `fsdp`'s shards (and the RNG); nullopt when there is none.
+// FAILED_PRECONDITION for a checkpoint of another model or a DDP-format one.
+absl::StatusOr<std::optional<CheckpointInfo>> LoadLatestShardedCheckpoint(const std::string& dir,
+                                                                          FsdpModel& fsdp);
+
+// Writes the consolidated checkpoint of `sharded` (a DIR/step-<N>) as OUT/step-<N> and points
+// OUT/latest at it.
+absl::StatusOr<CheckpointInfo> ConsolidateShardedCheckpoint(const std::string& sharded,
+                                                            const std::string& out_dir);
+
+}  // namespace trainyard::trainer
+
+#endif  // TRAINYARD_WORKER_TRAINER_FSDP_CHECKPOINT_H_
