@@ -12,6 +12,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
@@ -201,6 +202,34 @@ TEST_F(ClusterE2eTest, CheckpointsOnRequestResumesAfterAKilledRankAndCancelStops
   ASSERT_EQ(cancel.exit_code, 0) << cancel.err;
   EXPECT_EQ(cancel.out, job + " CANCELLED\n");
   EXPECT_TRUE(NoneLeft({"trainyard-trainer", job_arg, state_}, absl::Seconds(30)));
+}
+
+// FSDP through the product path: the workers tell each rank how many of the job's ranks share its
+// node, which HYBRID_SHARD shards within (here one rank per worker: replicas across the two).
+TEST_F(ClusterE2eTest, TrainsWithFsdpFullAndHybridShardAndReportsModelState) {
+  for (const auto& [sharding, group] :
+       std::vector<std::pair<std::string, int>>{{"FULL_SHARD", 2}, {"HYBRID_SHARD", 1}}) {
+    const std::string name = absl::AsciiStrToLower(sharding);
+    CommandResult submit =
+        Yard({"submit", WriteSpec(name, 30, "fsdp, sharding_strategy: " + sharding)});
+    ASSERT_EQ(submit.exit_code, 0) << submit.err;
+    const std::string job(absl::StripAsciiWhitespace(submit.out));
+    CommandResult wait = Yard({"wait", job}, absl::Seconds(600));
+    ASSERT_EQ(wait.exit_code, 0) << wait.err << Yard({"describe", job}).out;
+    const std::string logs = Yard({"logs", job}).out;
+    EXPECT_THAT(logs, HasSubstr(absl::StrCat("fsdp ", sharding, ": 3 units, shard group ", group)));
+    EXPECT_THAT(logs, HasSubstr("(sharded)"));  // the final checkpoint
+
+    const auto series = nlohmann::json::parse(Yard({"metrics", job, "-o", "json"}).out);
+    ASSERT_EQ(series.size(), 30u);
+    double first = 0, last = 0;
+    for (int i = 0; i < 5; ++i) first += series[i]["loss"].get<double>() / 5;
+    for (int i = 25; i < 30; ++i) last += series[i]["loss"].get<double>() / 5;
+    EXPECT_LT(last, 0.8 * first) << sharding << " loss did not fall: " << first << " -> " << last;
+    EXPECT_GT(series[29]["model_state_peak_bytes"].get<int64_t>(), 0);
+    EXPECT_GT(series[29]["comm_bytes"].get<int64_t>(), 0);
+    EXPECT_THAT(Yard({"metrics", job}).out, HasSubstr("MODEL_STATE"));
+  }
 }
 
 // The product path of an offload job: `yard local up --ps 2` starts two parameter servers, the

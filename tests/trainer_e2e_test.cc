@@ -683,6 +683,7 @@ INSTANTIATE_TEST_SUITE_P(
         FsdpVariant{"NoShard", v1::NO_SHARD, v1::BACKWARD_PRE, false},
         FsdpVariant{"HybridShard2x2", v1::HYBRID_SHARD, v1::NO_PREFETCH, false, 4, 2},
         FsdpVariant{"HybridShard2x2Prefetch", v1::HYBRID_SHARD, v1::BACKWARD_PRE, true, 4, 2},
+        FsdpVariant{"HybridShardOneRankPerNode", v1::HYBRID_SHARD, v1::BACKWARD_PRE, false, 2, 1},
         FsdpVariant{"FullShardAccumCheckpointTied", v1::FULL_SHARD, v1::BACKWARD_PRE, true, 2, 0, 2,
                     true, true},
         FsdpVariant{"SizeBasedWrapEveryRankBuilds", v1::FULL_SHARD, v1::BACKWARD_PRE, false, 2, 0,

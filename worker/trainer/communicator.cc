@@ -55,9 +55,11 @@ class GlooCommunicator : public Communicator {
   std::unique_ptr<CommHandle> AllReduceSum(std::vector<torch::Tensor> tensors) override {
     // A Gloo allreduce of several tensors means one tensor per device; issue one per tensor.
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    const int n = world_size();
     for (auto& t : tensors) {
       std::vector<at::Tensor> one{t};
       works.push_back(pg_->allreduce(one));
+      bytes_sent_ += 2 * (n - 1) * t.numel() * t.element_size() / n;  // as a ring sends it
     }
     return std::make_unique<GlooHandle>(std::move(works));
   }

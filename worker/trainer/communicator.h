@@ -61,8 +61,9 @@ class Communicator {
   // Returns once every rank has entered.
   virtual void Barrier() = 0;
 
-  // Bytes this rank sent through ReduceScatterSum, AllGather and AllGatherInto so far (all-gather
-  // counted as Gloo's ring sends it: (world_size - 1) times the contribution).
+  // Bytes this rank sent through AllReduceSum, ReduceScatterSum, AllGather and AllGatherInto so
+  // far: all-reduce counted as a ring sends it (2 (n - 1) / n of the tensor), all-gather as
+  // Gloo's ring does ((n - 1) times the contribution).
   int64_t bytes_sent() const { return bytes_sent_; }
 
  protected:

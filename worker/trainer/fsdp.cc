@@ -183,11 +183,18 @@ absl::Status FsdpModel::Build(bool from_rank0) {
     if (from_rank0 && u.padded > 0) world_.Broadcast({u.full}, 0);
     u.shard = u.full.narrow(0, me * u.shard_numel, u.shard_numel).clone().set_requires_grad(true);
     u.shard.mutable_grad() = torch::zeros_like(u.shard);
+    // A shard group of one (one rank, or HYBRID_SHARD with one rank per node): the shard is
+    // the whole unit, so the parameters are views of it and nothing is ever gathered or freed.
+    if (S == 1) u.full = u.shard.detach();
     for (size_t k = 0; k < u.params.size(); ++k) {
       torch::Tensor& p = params_[u.params[k]];
       p.set_data(u.full.narrow(0, u.offsets[k], p.numel()).view(p.sizes()));
     }
-    FreeStorage(u.full);  // sharded until first use
+    if (S == 1) {
+      u.gathered = Gathered::kYes;
+    } else {
+      FreeStorage(u.full);  // sharded until first use
+    }
   }
   Track(2 * shard_total * static_cast<int64_t>(sizeof(float)));  // parameter + gradient shards
 
@@ -220,6 +227,7 @@ void FsdpModel::Track(int64_t delta_bytes) {
 }
 
 int FsdpModel::GatheredBlockUnits() const {
+  if (shard_.world_size() == 1) return 0;  // always whole, never counted
   int n = 0;
   for (size_t i = 1; i < units_.size(); ++i) n += units_[i].gathered != Gathered::kNo;
   return n;
@@ -264,7 +272,7 @@ void FsdpModel::Prefetch(int ui) {
 
 void FsdpModel::Release(int ui) {
   Unit& u = units_[ui];
-  if (u.gathered == Gathered::kNo || u.padded == 0) return;
+  if (u.gathered == Gathered::kNo || u.padded == 0 || shard_.world_size() == 1) return;
   if (u.gathered == Gathered::kInFlight) u.gather_done.get();
   FreeStorage(u.full);
   Track(-u.padded * static_cast<int64_t>(sizeof(float)));

@@ -439,6 +439,8 @@ absl::Status Train(const TrainerOptions& o) {
       optimizer.zero_grad();
     }
     ++step;
+    // Bytes this rank sent for the step's gradients and parameters.
+    const int64_t comm_bytes = (fsdp ? fsdp->bytes_sent() : comm->bytes_sent()) - bytes_before;
 
     // One tiny all-reduce per step: the global mean loss, and the flags every rank must agree on
     // (coordinator commands reach rank 0 only; SIGTERM may reach any rank).
@@ -456,12 +458,6 @@ absl::Status Train(const TrainerOptions& o) {
     const double step_s = Seconds(step_start);
     const double tokens_per_s =
         sampler.global_batch() * model->TokensPerWindow() / std::max(step_s, 1e-9);
-    // Bytes sent for this step's gradients and parameters (all-reduce: the ring's 2(n-1)/n).
-    const int64_t comm_bytes =
-        fsdp      ? fsdp->bytes_sent() - bytes_before
-        : reducer ? (comm->bytes_sent() - bytes_before) +
-                        2 * reducer->bytes_per_step() * (o.world_size - 1) / o.world_size
-                  : comm->bytes_sent() - bytes_before;
     const int64_t model_state_bytes = fsdp ? fsdp->peak_bytes() : dense_state_bytes;
 
     if (rank0) {
