@@ -684,6 +684,8 @@ INSTANTIATE_TEST_SUITE_P(
         FsdpVariant{"HybridShard2x2", v1::HYBRID_SHARD, v1::NO_PREFETCH, false, 4, 2},
         FsdpVariant{"HybridShard2x2Prefetch", v1::HYBRID_SHARD, v1::BACKWARD_PRE, true, 4, 2},
         FsdpVariant{"HybridShardOneRankPerNode", v1::HYBRID_SHARD, v1::BACKWARD_PRE, false, 2, 1},
+        FsdpVariant{"HybridShardOneRankPerNodeAccum", v1::HYBRID_SHARD, v1::BACKWARD_PRE, false, 2,
+                    1, 3},
         FsdpVariant{"FullShardAccumCheckpointTied", v1::FULL_SHARD, v1::BACKWARD_PRE, true, 2, 0, 2,
                     true, true},
         FsdpVariant{"SizeBasedWrapEveryRankBuilds", v1::FULL_SHARD, v1::BACKWARD_PRE, false, 2, 0,
@@ -730,6 +732,37 @@ TEST_F(TrainerE2eTest, FsdpPeakModelStateIsTheShardsPlusOneGatheredUnit) {
   EXPECT_NEAR(static_cast<double>(peak), static_cast<double>(expected), 0.1 * expected)
       << "shards " << shards << ", root unit " << 4 * root << ", block unit " << 4 * block;
   EXPECT_LT(peak, 16 * params * 3 / 4) << "well below DDP's whole model state";
+}
+
+// HYBRID_SHARD with one rank per node shards over a group of one: nothing is gathered and the
+// gradients accumulate in place, so a rank holds exactly DDP's model state and no more.
+TEST_F(TrainerE2eTest, HybridShardWithOneRankPerNodeHoldsWhatDdpHolds) {
+  FsdpVariant v{"hybrid-memory", v1::HYBRID_SHARD, v1::BACKWARD_PRE, true, 2, 1, 2};
+  v1::JobSpec spec = FsdpSpec(v, 2, 4);
+  spec.mutable_model()->set_n_layer(6);
+  spec.mutable_model()->set_d_model(64);
+  spec.mutable_model()->set_n_head(4);
+  spec.mutable_model()->set_tie_weights(true);
+  spec.mutable_train()->set_steps(3);
+  const Job job = StartJob(spec, "hybrid-memory");
+  const std::string metrics = dir_.path() + "/hybrid-memory.jsonl";
+  RunResult r = Run(job, 2, {"--metrics-file", metrics}, {"--local-world-size", "1"});
+  ASSERT_THAT(r.exit_codes, ::testing::ElementsAre(0, 0)) << Joined(r);
+  EXPECT_THAT(Joined(r), HasSubstr("fsdp HYBRID_SHARD: 7 units, shard group 1"));
+
+  const int64_t d = 64;
+  const int64_t params = (256 * d + 16 * d + 2 * d) + 6 * (12 * d * d + 13 * d);
+  int64_t peak = 0;
+  std::ifstream f(metrics);
+  std::string line;
+  while (std::getline(f, line)) {
+    const auto report = nlohmann::json::parse(line);
+    peak = std::max(peak, report.at("model_state_peak_bytes").get<int64_t>());
+    // One ring all-reduce of the gradients per step, none on the accumulation micro-step:
+    // 2 (n - 1) / n of the 4-byte gradients with n = 2.
+    EXPECT_EQ(report.at("comm_bytes").get<int64_t>(), 4 * params) << line;
+  }
+  EXPECT_EQ(peak, 16 * params) << "DDP's parameters, gradients and Adam moments";
 }
 
 // FSDP sharded checkpoints: 20 steps straight equal 10 steps, a sharded checkpoint and 10 more in

@@ -279,8 +279,9 @@ void FsdpModel::Release(int ui) {
   u.gathered = Gathered::kNo;
 }
 
-void FsdpModel::BeginForward() {
+void FsdpModel::BeginForward(bool sync_gradients) {
   if (!hooks_on_) return;
+  sync_gradients_ = sync_gradients;
   for (Unit& u : units_) {
     u.pending_grads = static_cast<int>(u.params.size());
     u.reduced = false;
@@ -311,12 +312,18 @@ void FsdpModel::WatchLoss(const torch::Tensor& loss) {
   loss.register_hook([this](const torch::Tensor&) { PreBackward(0); });
 }
 
-// Gradients of the unit's parameters accumulate into views of one zeroed flat buffer.
+// Gradients of the unit's parameters accumulate into views of one flat buffer: a zeroed one per
+// micro-step, reduce-scattered after it; with a shard group of one, the gradient shard itself
+// (the whole unit), reduced across replicas only on the last micro-step.
 void FsdpModel::PrepareGradients(int ui) {
   Unit& u = units_[ui];
   if (u.grad.defined()) return;
-  u.grad = torch::zeros({u.padded}, torch::kFloat);
-  Track(u.padded * static_cast<int64_t>(sizeof(float)));
+  if (shard_.world_size() == 1) {
+    u.grad = u.shard.grad();
+  } else {
+    u.grad = torch::zeros({u.padded}, torch::kFloat);
+    Track(u.padded * static_cast<int64_t>(sizeof(float)));
+  }
   for (size_t k = 0; k < u.params.size(); ++k) {
     torch::Tensor& p = params_[u.params[k]];
     p.mutable_grad() = u.grad.narrow(0, u.offsets[k], p.numel()).view(p.sizes());
@@ -355,6 +362,18 @@ void FsdpModel::PostBackward(int ui) {
   const int world = world_.world_size();
   torch::Tensor grad = std::move(u.grad);
   u.grad = torch::Tensor();
+  if (shard_.world_size() == 1) {
+    // The gradients accumulated in place: like DDP's no_sync, nothing to send before the last
+    // micro-step, then one all-reduce across the replicas and the average.
+    if (!sync_gradients_ || u.padded == 0 || world == 1) return;
+    reductions_.push_back(comm_thread_->Enqueue([this, ui, world] {
+      torch::NoGradGuard no_grad_here;
+      torch::Tensor g = units_[ui].shard.grad();
+      replica_->AllReduceSum({g})->Wait();
+      g.div_(world);
+    }));
+    return;
+  }
   reductions_.push_back(comm_thread_->Enqueue([this, ui, grad, world]() mutable {
     torch::NoGradGuard no_grad_here;
     Unit& unit = units_[ui];

@@ -17,7 +17,10 @@
 // all of them are in (BACKWARD_POST starts the next gather here), the unit is freed and its
 // gradient reduce-scattered (then, under HYBRID_SHARD, all-reduced over the replicas), divided by
 // the world size and added to the rank's gradient shard. Block units gathered at once never
-// exceed max_gathered_units: a prefetch that would go over it is skipped.
+// exceed max_gathered_units: a prefetch that would go over it is skipped. A shard group of one
+// (one rank, or HYBRID_SHARD with one rank per node) never gathers: the parameters are views of
+// the shard and the gradients accumulate in the gradient shard, all-reduced over the replicas on
+// a step's last micro-step; so it holds what DDP holds (PyTorch runs NO_SHARD there).
 //
 // All communication runs on one thread in the order the training thread asks for it, which is the
 // same on every rank; the training thread overlaps compute with it and waits only for what it
@@ -103,8 +106,9 @@ class FsdpModel : public BlockHooks {
   FsdpModel(const FsdpModel&) = delete;
   FsdpModel& operator=(const FsdpModel&) = delete;
 
-  // Before each micro-step's forward.
-  void BeginForward();
+  // Before each micro-step's forward; `sync_gradients` on the last micro-step of a step (with a
+  // shard group of one, gradients are only reduced then, as under DDP's no_sync).
+  void BeginForward(bool sync_gradients = true);
   // After the forward, before backward: gathers the root's gradients when backward starts.
   void WatchLoss(const torch::Tensor& loss);
   // After each micro-step's backward: reduce-scatters what backward left (gradients that never
@@ -192,6 +196,7 @@ class FsdpModel : public BlockHooks {
   std::unique_ptr<CommThread> comm_thread_;
   std::vector<std::shared_future<void>> reductions_;  // this micro-step's, in order
   bool hooks_on_ = true;
+  bool sync_gradients_ = true;
   bool adam_counted_ = false;
   int64_t gathers_ = 0;
   std::atomic<int64_t> current_bytes_{0}, peak_bytes_{0};

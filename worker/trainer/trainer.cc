@@ -392,7 +392,7 @@ absl::Status Train(const TrainerOptions& o) {
     for (int micro = 0; micro < grad_accum; ++micro) {
       if (reducer) reducer->Prepare(micro == grad_accum - 1);
       if (offloaded) offloaded->Prepare(micro == grad_accum - 1, step + 1);
-      if (fsdp) fsdp->BeginForward();
+      if (fsdp) fsdp->BeginForward(micro == grad_accum - 1);
       torch::Tensor batch = MakeBatch(data, sampler.MicroBatch(step, micro), m.seq_len());
       torch::Tensor loss = model->Loss(batch) / grad_accum;
       if (fsdp) fsdp->WatchLoss(loss);
