@@ -6,6 +6,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <csignal>
 #include <future>
 #include <thread>
 
@@ -117,6 +118,19 @@ class CoordinatorServiceTest : public ::testing::Test {
     grpc::Status s = jobs_->ListJobs(&ctx, r, &resp);
     if (status != nullptr) *status = s;
     return resp;
+  }
+
+  // The node as `yard nodes` lists it (an empty node when it is not listed).
+  v1::Node Node(const std::string& id) {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::ListNodesResponse resp;
+    EXPECT_TRUE(nodes_->ListNodes(&ctx, {}, &resp).ok());
+    for (const v1::Node& n : resp.nodes()) {
+      if (n.id() == id) return n;
+    }
+    ADD_FAILURE() << "no node " << id;
+    return {};
   }
 
   // Watches `id` until its state is `state` (or the stream ends); returns the last job seen.
@@ -417,10 +431,12 @@ TEST_F(CoordinatorServiceTest, SilentNodeIsLostAndItsJobRestartsThenFailsWithout
   v1::ListNodesResponse nodes;
   ASSERT_TRUE(nodes_->ListNodes(&ctx, {}, &nodes).ok());
   EXPECT_EQ(nodes.nodes(0).state(), v1::NODE_LOST);
-  EXPECT_EQ(nodes.nodes(0).allocated_devices_size(), 0);
+  // Its ranks may still run (cut off, not dead): their devices stay held until the node is back.
+  EXPECT_EQ(nodes.nodes(0).allocated_devices_size(), 2);
 
-  // The node comes back; the job's second attempt starts there, and is lost again.
+  // The node comes back running nothing; the job's second attempt starts there, and is lost again.
   auto again = Connect("n1", 2);
+  EXPECT_EQ(Node("n1").allocated_devices_size(), 0);
   ASSERT_EQ(server_->jobs().SchedulePass(), 1);
   EXPECT_EQ(again->NextCommand().assignment().attempt(), 2);
   ASSERT_TRUE(Get(job.id(), &j).ok());
@@ -430,6 +446,35 @@ TEST_F(CoordinatorServiceTest, SilentNodeIsLostAndItsJobRestartsThenFailsWithout
   j = WaitForState(job.id(), v1::FAILED);
   EXPECT_EQ(j.state(), v1::FAILED);
   EXPECT_THAT(j.message(), HasSubstr("no restarts left"));
+}
+
+// A node cut off long enough to be lost comes back with a rank of the old attempt still running:
+// the coordinator stops it, and its device waits for its exit before the next attempt gets it.
+TEST_F(CoordinatorServiceTest, ANodeBackWithAStaleRankStopsItAndHoldsItsDeviceUntilItExits) {
+  auto node = Connect("n1", 2);
+  v1::Job job = MustSubmit(Spec(2, "job", /*max_restarts=*/1));
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  const v1::Assignment a = node->NextCommand().assignment();
+  clock_.Advance(absl::Seconds(11));
+  server_->Tick();
+  ASSERT_EQ(WaitForState(job.id(), v1::RESTARTING).state(), v1::RESTARTING);
+
+  v1::RankStatus stale;
+  stale.set_job_id(job.id());
+  stale.set_attempt(a.attempt());
+  stale.set_rank(1);
+  stale.set_phase(v1::RANK_RUNNING);
+  auto again = testing::NodeSession::Connect(channel_, "n1", 2, {stale});
+  v1::CoordinatorMessage m = again->NextCommand();
+  ASSERT_TRUE(m.has_cancel()) << m.DebugString();
+  EXPECT_EQ(m.cancel().attempt(), a.attempt());
+  EXPECT_EQ(Node("n1").allocated_devices_size(), 1) << "rank 0 is gone, rank 1 still runs";
+  EXPECT_EQ(server_->jobs().SchedulePass(), 0);
+
+  again->ReportExit(a, 1, 128 + SIGTERM);
+  again->Heartbeat();
+  EXPECT_EQ(server_->jobs().SchedulePass(), 1);
+  EXPECT_EQ(again->NextCommand().assignment().attempt(), a.attempt() + 1);
 }
 
 TEST_F(CoordinatorServiceTest, JobPastItsMaxRuntimeFailsAndFreesItsDevices) {
@@ -501,18 +546,62 @@ TEST_F(CoordinatorServiceTest, RankFailureRestartsTheJobWithTheExitCode) {
   EXPECT_EQ(cancel.cancel().attempt(), 1);
 }
 
-TEST_F(CoordinatorServiceTest, CancellingARunningJobStopsItsRanksAndFreesItsDevices) {
+// The devices of a cancelled job are free once its ranks have reported their exit, not before:
+// a rank still shutting down may hold its GPU's memory.
+TEST_F(CoordinatorServiceTest, CancellingARunningJobStopsItsRanksAndFreesItsDevicesOnceTheyExit) {
   auto node = Connect("n1", 2);
   v1::Job job = MustSubmit(Spec(2));
   ASSERT_EQ(server_->jobs().SchedulePass(), 1);
-  node->NextCommand();
+  const v1::Assignment a = node->NextCommand().assignment();
   ASSERT_TRUE(Cancel(job.id()).ok());
   v1::CoordinatorMessage m = node->NextCommand();
   ASSERT_TRUE(m.has_cancel());
   EXPECT_EQ(m.cancel().job_id(), job.id());
   v1::Job next = MustSubmit(Spec(2, "next"));
+  EXPECT_EQ(server_->jobs().SchedulePass(), 0) << "ranks still stopping";
+  EXPECT_EQ(Node("n1").allocated_devices_size(), 2);
+
+  node->ReportExit(a, 0, 128 + SIGTERM);
+  node->Heartbeat();  // processed
+  EXPECT_EQ(server_->jobs().SchedulePass(), 0) << "rank 1 still stopping";
+  EXPECT_EQ(Node("n1").allocated_devices_size(), 1);
+  node->ReportExit(a, 1, 128 + SIGKILL);
+  node->Heartbeat();
   EXPECT_EQ(server_->jobs().SchedulePass(), 1);
   EXPECT_EQ(node->NextCommand().assignment().job_id(), next.id());
+}
+
+// A failed rank's own device is free at once; its peers' devices once they have stopped; and a
+// rank that never reports its exit (its worker died with it) gives its device back after a minute.
+TEST_F(CoordinatorServiceTest, AFailedAttemptsDevicesFreeAsItsRanksExitOrAfterTheDrainTimeout) {
+  auto node = Connect("n1", 2);
+  v1::Job job = MustSubmit(Spec(2));
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  const v1::Assignment a = node->NextCommand().assignment();
+  node->ReportExit(a, 1, 3);
+  EXPECT_TRUE(node->NextCommand().has_cancel());  // rank 0 is told to stop
+  EXPECT_EQ(WaitForState(job.id(), v1::FAILED).state(), v1::FAILED);
+
+  EXPECT_EQ(Node("n1").allocated_devices_size(), 1);
+  v1::Job one = MustSubmit(Spec(1, "one"));
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1) << "rank 1's device is free";
+  EXPECT_EQ(node->NextCommand().assignment().job_id(), one.id());
+  v1::Job two = MustSubmit(Spec(2, "two"));
+  EXPECT_EQ(server_->jobs().SchedulePass(), 0);
+
+  clock_.Advance(absl::Seconds(59));
+  node->Heartbeat();
+  ASSERT_TRUE(Cancel(one.id()).ok());  // its rank never reports either
+  EXPECT_TRUE(node->NextCommand().has_cancel());
+  EXPECT_EQ(server_->jobs().SchedulePass(), 0);
+  clock_.Advance(absl::Seconds(2));
+  node->Heartbeat();
+  EXPECT_EQ(server_->jobs().SchedulePass(), 0) << "only rank 0 of the first job timed out";
+  EXPECT_EQ(Node("n1").allocated_devices_size(), 1);
+  clock_.Advance(absl::Seconds(59));
+  node->Heartbeat();
+  EXPECT_EQ(server_->jobs().SchedulePass(), 1);
+  EXPECT_EQ(node->NextCommand().assignment().job_id(), two.id());
 }
 
 TEST_F(CoordinatorServiceTest, BadNodeRegistrationsAndSessionsAreRejected) {

@@ -21,6 +21,10 @@ namespace {
 
 int64_t NowMs(const Clock& clock) { return absl::ToUnixMillis(clock.Now()); }
 
+// How long the devices of a stopped rank stay allocated when its exit is never reported (a worker
+// that died with its ranks): longer than a worker's SIGTERM → SIGKILL grace (10 s by default).
+constexpr absl::Duration kDrainTimeout = absl::Seconds(60);
+
 StoredJob ToStored(const v1::Job& job) {
   return StoredJob{job.id(), job.seq(), job.owner(), v1::JobState_Name(job.state()),
                    job.SerializeAsString()};
@@ -407,9 +411,19 @@ void JobManager::ReleaseAttempt(v1::Job& job, const std::string& reason) {
   cancel.mutable_cancel()->set_job_id(job.id());
   cancel.mutable_cancel()->set_attempt(job.attempt());
   cancel.mutable_cancel()->set_reason(reason);
+  const std::set<int>& exited = finished_ranks_[job.id()];
+  const absl::Time drain_deadline = clock_.Now() + kDrainTimeout;
   for (const auto& p : job.placement()) {
     auto& held = allocated_[p.node_id()];
-    for (int d : p.device_indices()) held.erase(d);
+    for (int i = 0; i < p.device_indices_size(); ++i) {
+      const int rank = p.first_rank() + i;
+      if (reason.empty() || exited.count(rank) > 0) {
+        held.erase(p.device_indices(i));
+      } else {  // still running: the device is free once the rank reports its exit
+        draining_[{job.id(), job.attempt(), rank}] =
+            DrainingRank{p.node_id(), p.device_indices(i), drain_deadline};
+      }
+    }
     if (held.empty()) allocated_.erase(p.node_id());
     if (!reason.empty()) nodes_.Send(p.node_id(), cancel);
   }
@@ -418,6 +432,13 @@ void JobManager::ReleaseAttempt(v1::Job& job, const std::string& reason) {
   job.clear_ps_placement();
   rendezvous_.CloseScope({job.id(), job.attempt()});
   finished_ranks_.erase(job.id());
+}
+
+void JobManager::FreeDevice(const std::string& node_id, int device) {
+  auto held = allocated_.find(node_id);
+  if (held == allocated_.end()) return;
+  held->second.erase(device);
+  if (held->second.empty()) allocated_.erase(held);
 }
 
 void JobManager::FailAttempt(v1::Job& job, const std::string& reason) {
@@ -442,6 +463,17 @@ int JobManager::SchedulePass() {
   absl::MutexLock lock(&mu_);
   ClusterSnapshot snapshot;
   snapshot.now = clock_.Now();
+  for (auto it = draining_.begin(); it != draining_.end();) {
+    if (it->second.deadline > snapshot.now) {
+      ++it;
+      continue;
+    }
+    const auto& [job_id, attempt, rank] = it->first;
+    spdlog::warn("rank {} of {} attempt {} on node {} never reported its exit; device {} freed",
+                 rank, job_id, attempt, it->second.node_id, it->second.device);
+    FreeDevice(it->second.node_id, it->second.device);
+    it = draining_.erase(it);
+  }
   std::vector<v1::Node> nodes = nodes_.List();
   std::map<std::string, int> node_index;
   for (const v1::Node& n : nodes) {
@@ -677,13 +709,41 @@ void JobManager::OnNodesLost(const std::vector<std::string>& node_ids) {
   }
 }
 
+void JobManager::OnNodeHello(const std::string& node_id,
+                             const google::protobuf::RepeatedPtrField<v1::RankStatus>& running) {
+  {
+    absl::MutexLock lock(&mu_);
+    std::set<std::tuple<std::string, int, int>> alive;
+    for (const v1::RankStatus& r : running) alive.insert({r.job_id(), r.attempt(), r.rank()});
+    bool freed = false;
+    for (auto it = draining_.begin(); it != draining_.end();) {
+      if (it->second.node_id != node_id || alive.count(it->first) > 0) {
+        ++it;
+        continue;
+      }
+      FreeDevice(node_id, it->second.device);
+      it = draining_.erase(it);
+      freed = true;
+    }
+    if (freed) WakeScheduler();
+  }
+  for (const v1::RankStatus& r : running) OnRankStatus(node_id, r);
+}
+
 void JobManager::OnRankStatus(const std::string& node_id, const v1::RankStatus& status) {
   absl::MutexLock lock(&mu_);
   v1::Job* job = Find(status.job_id());
   const bool current =
       job != nullptr && IsActive(job->state()) && status.attempt() == job->attempt();
   if (!current) {
-    if (status.phase() != v1::RANK_EXITED) {
+    if (status.phase() == v1::RANK_EXITED) {
+      auto draining = draining_.find({status.job_id(), status.attempt(), status.rank()});
+      if (draining != draining_.end() && draining->second.node_id == node_id) {
+        FreeDevice(node_id, draining->second.device);
+        draining_.erase(draining);
+        WakeScheduler();
+      }
+    } else {
       v1::CoordinatorMessage cancel;
       cancel.mutable_cancel()->set_job_id(status.job_id());
       cancel.mutable_cancel()->set_attempt(status.attempt());
@@ -704,6 +764,7 @@ void JobManager::OnRankStatus(const std::string& node_id, const v1::RankStatus& 
     }
     return;
   }
+  finished_ranks_[job->id()].insert(status.rank());  // its device is free at once
   std::string reason = absl::StrCat("rank ", status.rank(), " on node ", node_id,
                                     " exited with code ", status.exit_code());
   if (!status.message().empty()) absl::StrAppend(&reason, ": ", status.message());

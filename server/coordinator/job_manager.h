@@ -14,6 +14,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -96,6 +97,10 @@ class JobManager {
   void OnNodesLost(const std::vector<std::string>& node_ids);
   // A rank's status from the node running it; stale attempts are told to stop.
   void OnRankStatus(const std::string& node_id, const v1::RankStatus& status);
+  // A node's session opened, `running` being the ranks it runs: stops the stale ones and frees the
+  // devices of stopped ranks that it no longer runs.
+  void OnNodeHello(const std::string& node_id,
+                   const google::protobuf::RepeatedPtrField<v1::RankStatus>& running);
   // Assignments of running attempts with ranks on `node_id`; resent when its session attaches.
   std::vector<v1::Assignment> AssignmentsFor(const std::string& node_id) const;
   // Every node with the device indices running attempts hold on it.
@@ -137,6 +142,7 @@ class JobManager {
   // Frees the devices of the job's current attempt, closes its rendezvous scope and tells its
   // nodes to stop its ranks (with `reason`, unless empty).
   void ReleaseAttempt(v1::Job& job, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FreeDevice(const std::string& node_id, int device) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends the current attempt as failed: RESTARTING within max_restarts, else FAILED.
   void FailAttempt(v1::Job& job, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // (node id, assignment) for each node of the job's current placement.
@@ -159,8 +165,19 @@ class JobManager {
   std::map<int64_t, std::string> ids_by_seq_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> unfinished_ ABSL_GUARDED_BY(mu_);  // ids of jobs not in a terminal state
   std::map<std::string, std::set<int>> allocated_ ABSL_GUARDED_BY(mu_);  // node id → devices
-  // Ranks of the current attempt that exited successfully, by job id.
+  // Ranks of the current attempt that have exited, by job id (all successfully, until one fails
+  // and ends the attempt).
   std::map<std::string, std::set<int>> finished_ranks_ ABSL_GUARDED_BY(mu_);
+  // Ranks of an ended attempt that were told to stop but have not reported their exit yet: their
+  // devices stay allocated until the exit report, so that no new rank shares a device with one
+  // that is still shutting down (a GPU's memory). Freed at `deadline` if no report ever comes.
+  struct DrainingRank {
+    std::string node_id;
+    int device = 0;
+    absl::Time deadline;
+  };
+  // (job id, attempt, rank) → its device.
+  std::map<std::tuple<std::string, int, int>, DrainingRank> draining_ ABSL_GUARDED_BY(mu_);
   int64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<int64_t, Watcher> watchers_ ABSL_GUARDED_BY(mu_);
   // Highest version of each job known to be on disk. Reads (Get, List) may be a few ms ahead of

@@ -174,6 +174,7 @@ class SessionReactor final
         return;
       }
       node_id_ = incoming_.hello().node_id();
+      jobs_.OnNodeHello(node_id_, incoming_.hello().running());
       jobs_.RequestSchedulingPass();
       for (const v1::Assignment& a : jobs_.AssignmentsFor(node_id_)) {
         v1::CoordinatorMessage m;

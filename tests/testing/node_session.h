@@ -20,9 +20,10 @@ class NodeSession {
  public:
   // Registers `node_id` with `devices` CPU slots (of unknown memory), opens its session with a
   // hello and returns once the coordinator acknowledged a first heartbeat, i.e. the session is
-  // attached and the node can get ranks.
+  // attached and the node can get ranks. `running`: the ranks its hello says it runs.
   static std::unique_ptr<NodeSession> Connect(const std::shared_ptr<grpc::Channel>& channel,
-                                              const std::string& node_id, int devices) {
+                                              const std::string& node_id, int devices,
+                                              const std::vector<v1::RankStatus>& running = {}) {
     v1::RegisterNodeRequest r;
     r.set_node_id(node_id);
     r.set_hostname("localhost");
@@ -32,7 +33,7 @@ class NodeSession {
       d->set_index(i);
       d->set_kind(v1::CPU_SLOT);
     }
-    return ConnectWith(channel, r);
+    return ConnectWith(channel, r, running);
   }
 
   // A parameter server offering `memory_bytes` for shards at `address`.
@@ -49,7 +50,8 @@ class NodeSession {
   }
 
   static std::unique_ptr<NodeSession> ConnectWith(const std::shared_ptr<grpc::Channel>& channel,
-                                                  const v1::RegisterNodeRequest& r) {
+                                                  const v1::RegisterNodeRequest& r,
+                                                  const std::vector<v1::RankStatus>& running = {}) {
     auto stub = v1::NodeService::NewStub(channel);
     const std::string& node_id = r.node_id();
     {
@@ -64,6 +66,7 @@ class NodeSession {
     session->stream_ = stub->Session(&session->ctx_);
     v1::NodeMessage hello;
     hello.mutable_hello()->set_node_id(node_id);
+    for (const v1::RankStatus& rank : running) *hello.mutable_hello()->add_running() = rank;
     EXPECT_TRUE(session->stream_->Write(hello));
     session->Heartbeat();
     return session;

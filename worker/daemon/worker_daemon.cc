@@ -153,14 +153,11 @@ void WorkerDaemon::RunSession() {
   auto stream = stub_->Session(&ctx);
   v1::NodeMessage hello;
   hello.mutable_hello()->set_node_id(options_.node_id);
+  // Ranks still running from before a reconnect: the coordinator stops stale ones.
+  for (v1::RankStatus& r : supervisor_->Running())
+    *hello.mutable_hello()->add_running() = std::move(r);
   bool ok = stream->Write(hello);
   if (ok) {
-    // Ranks still running from before a reconnect: the coordinator stops stale ones.
-    for (const v1::RankStatus& r : supervisor_->Running()) {
-      v1::NodeMessage m;
-      *m.mutable_rank_status() = r;
-      Send(std::move(m));
-    }
     {
       absl::MutexLock lock(&mu_);
       session_open_ = true;
