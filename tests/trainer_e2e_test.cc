@@ -594,6 +594,29 @@ TEST_F(OffloadE2eTest, KilledServerFailsTheRanksNamingIt) {
   EXPECT_THAT(Joined(r), ::testing::ContainsRegex("error: parameter server 127.0.0.1:[0-9]+"));
 }
 
+// A parameter server that stops answering without closing its connections (SIGSTOP: a hung host)
+// fails the rank once a call passes --ps-rpc-timeout, naming the server; the job never stalls.
+TEST_F(OffloadE2eTest, StoppedServerTimesOutAndFailsTheRanksNamingIt) {
+  v1::JobSpec spec = OffloadSpec(1, 8);
+  spec.mutable_train()->set_steps(1000000);
+  const Job job = StartJob(spec, "stopped");
+  auto procs = Launch(job, 1, {"--ps", PsFlag(job), "--ps-rpc-timeout", "2"});
+  ASSERT_EQ(procs.size(), 1u);
+  std::vector<std::string> lines;
+  while (auto line = procs[0]->ReadLine(kRunTimeout)) {
+    lines.push_back(*line);
+    if (absl::StartsWith(*line, "step 3/")) break;
+  }
+  ps_[1]->Signal(SIGSTOP);
+  const absl::Time stopped = absl::Now();
+  RunResult r = Finish(procs, lines);
+  ps_[1]->Signal(SIGCONT);  // so that the fixture can stop it
+  EXPECT_THAT(r.exit_codes, ::testing::ElementsAre(1)) << Joined(r);
+  EXPECT_THAT(Joined(r), ::testing::ContainsRegex("error: parameter server 127.0.0.1:[0-9]+ "
+                                                  "\\([a-z ]+\\): Deadline Exceeded"));
+  EXPECT_LT(absl::Now() - stopped, absl::Seconds(10)) << "one deadline, not one per queued call";
+}
+
 TEST_F(OffloadE2eTest, RangesThatDoNotCoverTheModelFailFast) {
   const Job job = StartJob(OffloadSpec(1, 8), "short");
   std::string ps = PsFlag(job);

@@ -13,6 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
 #include "trainyard/v1/ps.grpc.pb.h"
@@ -197,6 +198,7 @@ void OffloadOptimizer::LaunchReady() {
 void OffloadOptimizer::PusherLoop() {
   while (true) {
     Task task;
+    bool failed;
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
@@ -206,10 +208,14 @@ void OffloadOptimizer::PusherLoop() {
       if (queue_.empty()) return;  // stopping
       task = std::move(queue_.front());
       queue_.pop_front();
+      failed = !push_status_.ok();
     }
     absl::Status s;
     try {
-      if (task.update) {
+      if (failed) {
+        // The step has failed already: another call to a server that timed out would only add
+        // its deadline to the time until the rank reports the failure.
+      } else if (task.update) {
         s = UpdateAndPull(task.step, task.lr, task.grad_scale, pending_slice_);
       } else {
         ReduceBucket(buckets_[task.bucket]);
@@ -259,6 +265,7 @@ absl::Status OffloadOptimizer::PushBucket(const Bucket& bucket, int64_t step) {
     const int64_t x0 = std::max(lo, s.range.begin), x1 = std::min(hi, s.range.end);
     if (x0 >= x1) continue;
     grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + config_.rpc_timeout));
     v1::PushGradientsResponse response;
     auto writer = s.stub->PushGradients(&ctx, &response);
     v1::GradientChunk chunk;
@@ -362,6 +369,7 @@ absl::Status OffloadOptimizer::Initialize(int64_t step, torch::optim::Optimizer&
     RETURN_IF_ERROR(RunParallel(servers_.size(), [&](size_t i) -> absl::Status {
       const Server& s = *servers_[i];
       grpc::ClientContext ctx;
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + config_.rpc_timeout));
       v1::InitShardResponse response;
       auto writer = s.stub->InitShard(&ctx, &response);
       v1::InitShardChunk chunk;
@@ -407,6 +415,7 @@ absl::Status OffloadOptimizer::UpdateAndPull(int64_t step, double lr, double gra
     const int64_t lo = std::max(a, s.range.begin), hi = std::min(b, s.range.end);
     if (lo >= hi) return absl::OkStatus();
     grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + config_.rpc_timeout));
     v1::UpdateAndPullRequest request;
     request.set_job_id(config_.job_id);
     request.set_attempt(config_.attempt);
@@ -482,6 +491,7 @@ absl::Status OffloadOptimizer::ReadIntoShadow(int64_t step, torch::optim::Optimi
   RETURN_IF_ERROR(RunParallel(servers_.size(), [&](size_t i) -> absl::Status {
     const Server& s = *servers_[i];
     grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + config_.rpc_timeout));
     v1::ReadShardStateRequest request;
     request.set_job_id(config_.job_id);
     request.set_attempt(config_.attempt);

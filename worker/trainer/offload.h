@@ -30,6 +30,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "worker/trainer/communicator.h"
 
 namespace trainyard::trainer {
@@ -51,6 +52,9 @@ struct OffloadConfig {
   // Step t's update and pull run on the pusher thread while step t+1 computes with the
   // parameters of step t-1; they reach the model after step t+1's backward.
   bool delayed_update = false;
+  // Deadline of every call to a parameter server: one that hangs (stopped, cut off) fails the
+  // rank with DEADLINE_EXCEEDED naming it instead of stalling the job.
+  absl::Duration rpc_timeout = absl::Minutes(5);
 };
 
 class OffloadOptimizer {

@@ -338,6 +338,7 @@ absl::Status Train(const TrainerOptions& o) {
     config.eps = 1e-8;
     config.weight_decay = t.weight_decay();
     config.delayed_update = spec.parallel().delayed_update();
+    config.rpc_timeout = absl::Seconds(o.ps_rpc_timeout_s);
     ASSIGN_OR_RETURN(offloaded, OffloadOptimizer::Create(params, *comm, std::move(ps_ranges),
                                                          config, spec.parallel().bucket_mb()));
     RETURN_IF_ERROR(offloaded->Initialize(step, *optimizer_holder));
