@@ -449,15 +449,25 @@ TEST_F(CoordinatorServiceTest, SilentNodeIsLostAndItsJobRestartsThenFailsWithout
 }
 
 // A node cut off long enough to be lost comes back with a rank of the old attempt still running:
-// the coordinator stops it, and its device waits for its exit before the next attempt gets it.
+// the coordinator stops it, and its device waits for its exit before the next attempt gets it,
+// however long the node was away.
 TEST_F(CoordinatorServiceTest, ANodeBackWithAStaleRankStopsItAndHoldsItsDeviceUntilItExits) {
   auto node = Connect("n1", 2);
   v1::Job job = MustSubmit(Spec(2, "job", /*max_restarts=*/1));
   ASSERT_EQ(server_->jobs().SchedulePass(), 1);
   const v1::Assignment a = node->NextCommand().assignment();
+  node.reset();  // cut off
+  for (absl::Time give_up = absl::Now() + absl::Seconds(10);
+       Node("n1").connected() && absl::Now() < give_up;) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
   clock_.Advance(absl::Seconds(11));
   server_->Tick();
   ASSERT_EQ(WaitForState(job.id(), v1::RESTARTING).state(), v1::RESTARTING);
+  // Away for longer than the drain timeout: without a session, nothing times out.
+  clock_.Advance(absl::Minutes(5));
+  EXPECT_EQ(server_->jobs().SchedulePass(), 0);
+  EXPECT_EQ(Node("n1").allocated_devices_size(), 2);
 
   v1::RankStatus stale;
   stale.set_job_id(job.id());

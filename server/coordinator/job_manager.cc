@@ -21,8 +21,8 @@ namespace {
 
 int64_t NowMs(const Clock& clock) { return absl::ToUnixMillis(clock.Now()); }
 
-// How long the devices of a stopped rank stay allocated when its exit is never reported (a worker
-// that died with its ranks): longer than a worker's SIGTERM → SIGKILL grace (10 s by default).
+// How long the devices of a stopped rank on a connected node stay allocated when its exit is never
+// reported (a lost message): longer than a worker's SIGTERM → SIGKILL grace (10 s by default).
 constexpr absl::Duration kDrainTimeout = absl::Seconds(60);
 
 StoredJob ToStored(const v1::Job& job) {
@@ -463,8 +463,15 @@ int JobManager::SchedulePass() {
   absl::MutexLock lock(&mu_);
   ClusterSnapshot snapshot;
   snapshot.now = clock_.Now();
+  std::vector<v1::Node> nodes = nodes_.List();
+  // Ranks that never reported their exit. Not on a node without a session: its ranks may still
+  // run (cut off, not dead), and its hello settles them when it is back.
+  std::set<std::string> connected;
+  for (const v1::Node& n : nodes) {
+    if (n.connected()) connected.insert(n.id());
+  }
   for (auto it = draining_.begin(); it != draining_.end();) {
-    if (it->second.deadline > snapshot.now) {
+    if (it->second.deadline > snapshot.now || connected.count(it->second.node_id) == 0) {
       ++it;
       continue;
     }
@@ -474,7 +481,6 @@ int JobManager::SchedulePass() {
     FreeDevice(it->second.node_id, it->second.device);
     it = draining_.erase(it);
   }
-  std::vector<v1::Node> nodes = nodes_.List();
   std::map<std::string, int> node_index;
   for (const v1::Node& n : nodes) {
     node_index[n.id()] = static_cast<int>(snapshot.nodes.size());
@@ -717,7 +723,12 @@ void JobManager::OnNodeHello(const std::string& node_id,
     for (const v1::RankStatus& r : running) alive.insert({r.job_id(), r.attempt(), r.rank()});
     bool freed = false;
     for (auto it = draining_.begin(); it != draining_.end();) {
-      if (it->second.node_id != node_id || alive.count(it->first) > 0) {
+      if (it->second.node_id != node_id) {
+        ++it;
+        continue;
+      }
+      if (alive.count(it->first) > 0) {  // told to stop (again) now: a new grace to report it
+        it->second.deadline = clock_.Now() + kDrainTimeout;
         ++it;
         continue;
       }

@@ -47,23 +47,31 @@ void RankSupervisor::Launch(const v1::Assignment& assignment) {
 }
 
 void RankSupervisor::Stop(const std::string& job_id, int attempt) {
-  absl::MutexLock lock(&mu_);
-  for (auto& [key, rank] : ranks_) {
-    if (std::get<0>(key) != job_id || (attempt != 0 && std::get<1>(key) != attempt)) continue;
-    if (rank.stopping) continue;
-    rank.stopping = true;
-    rank.kill_at = absl::Now() + options_.stop_grace;
-    kill(-rank.pid, SIGTERM);
-  }
-  // A launch still queued for that attempt is dropped.
-  for (auto it = launches_.begin(); it != launches_.end();) {
-    const v1::Assignment& a = *it;
-    if (a.job_id() == job_id && (attempt == 0 || a.attempt() == attempt)) {
-      it = launches_.erase(it);
-    } else {
-      ++it;
+  std::vector<RankKey> dropped;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [key, rank] : ranks_) {
+      if (std::get<0>(key) != job_id || (attempt != 0 && std::get<1>(key) != attempt)) continue;
+      if (rank.stopping) continue;
+      rank.stopping = true;
+      rank.kill_at = absl::Now() + options_.stop_grace;
+      kill(-rank.pid, SIGTERM);
+    }
+    // A launch still queued for that attempt is dropped.
+    for (auto it = launches_.begin(); it != launches_.end();) {
+      const v1::Assignment& a = *it;
+      if (a.job_id() == job_id && (attempt == 0 || a.attempt() == attempt)) {
+        for (int i = 0; i < a.device_indices_size(); ++i) {
+          dropped.emplace_back(a.job_id(), a.attempt(), a.first_rank() + i);
+        }
+        it = launches_.erase(it);
+      } else {
+        ++it;
+      }
     }
   }
+  // Reported like any rank's end: the coordinator holds their devices until it hears of it.
+  for (const RankKey& key : dropped) ReportExit(key, 128 + SIGTERM, "stopped before it started");
 }
 
 void RankSupervisor::StopAll() {
@@ -90,6 +98,16 @@ std::vector<v1::RankStatus> RankSupervisor::Running() const {
     s.set_rank(std::get<2>(key));
     s.set_phase(v1::RANK_RUNNING);
     out.push_back(std::move(s));
+  }
+  for (const v1::Assignment& a : launches_) {  // not started yet
+    for (int i = 0; i < a.device_indices_size(); ++i) {
+      v1::RankStatus s;
+      s.set_job_id(a.job_id());
+      s.set_attempt(a.attempt());
+      s.set_rank(a.first_rank() + i);
+      s.set_phase(v1::RANK_STARTING);
+      out.push_back(std::move(s));
+    }
   }
   return out;
 }

@@ -47,7 +47,8 @@ class RankSupervisor {
   void Stop(const std::string& job_id, int attempt);
   // Stops every rank and waits until all have exited.
   void StopAll();
-  // RANK_RUNNING status of every live rank (sent after a reconnect).
+  // The status of every live rank (RANK_RUNNING) and of every rank of a launch still queued
+  // (RANK_STARTING): the hello of a session lists them.
   std::vector<v1::RankStatus> Running() const;
   int running_count() const;
 

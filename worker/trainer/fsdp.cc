@@ -324,9 +324,13 @@ void FsdpModel::PrepareGradients(int ui) {
     u.grad = torch::zeros({u.padded}, torch::kFloat);
     Track(u.padded * static_cast<int64_t>(sizeof(float)));
   }
+  torch::NoGradGuard no_grad;
   for (size_t k = 0; k < u.params.size(); ++k) {
     torch::Tensor& p = params_[u.params[k]];
-    p.mutable_grad() = u.grad.narrow(0, u.offsets[k], p.numel()).view(p.sizes());
+    torch::Tensor view = u.grad.narrow(0, u.offsets[k], p.numel()).view(p.sizes());
+    // A gradient autograd stored before the buffer existed is kept.
+    if (p.grad().defined()) view.add_(p.grad());
+    p.mutable_grad() = view;
   }
 }
 
@@ -352,9 +356,10 @@ void FsdpModel::PostBackward(int ui) {
   for (size_t k = 0; k < u.params.size(); ++k) {
     torch::Tensor& p = params_[u.params[k]];
     torch::Tensor view = u.grad.narrow(0, u.offsets[k], p.numel());
-    // Autograd may have replaced the view (a gradient that arrived before the buffer existed).
+    // Autograd may have stored a gradient of its own (one that arrived while the parameter had
+    // none): it adds to what the buffer holds (earlier micro-steps, with a shard group of one).
     if (p.grad().defined() && p.grad().data_ptr() != view.data_ptr()) {
-      view.copy_(p.grad().reshape({-1}));
+      view.add_(p.grad().reshape({-1}));
     }
     p.mutable_grad() = torch::Tensor();
   }

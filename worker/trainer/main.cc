@@ -103,7 +103,7 @@ int Main(int argc, char** argv) {
                  "offload: parameter-server ranges ADDRESS=BEGIN:END,... (from the coordinator)");
   app.add_option("--ps-rpc-timeout", o.ps_rpc_timeout_s,
                  "offload: seconds one call to a parameter server may take (a push, an update and "
-                 "pull) before the rank fails naming the server (default 300)")
+                 "pull) before the rank fails naming the server (default 120)")
       ->check(CLI::PositiveNumber);
   app.add_option("--local-world-size", o.local_world_size,
                  "ranks of this job on this node (consecutive ranks share a node; default: all)")

@@ -54,7 +54,7 @@ struct OffloadConfig {
   bool delayed_update = false;
   // Deadline of every call to a parameter server: one that hangs (stopped, cut off) fails the
   // rank with DEADLINE_EXCEEDED naming it instead of stalling the job.
-  absl::Duration rpc_timeout = absl::Minutes(5);
+  absl::Duration rpc_timeout = absl::Minutes(2);
 };
 
 class OffloadOptimizer {

@@ -34,8 +34,10 @@ struct TrainerOptions {
   std::string dump_params;       // parameters written here at the end; empty = none
   int64_t stop_after_steps = 0;  // > 0: checkpoint and exit 0 after this many steps of this run
   std::string gloo_hostname = "127.0.0.1";  // address the Gloo transport listens on
-  std::string ps_ranges;          // offload: "ADDRESS=BEGIN:END,..." (parameter-server ranges)
-  double ps_rpc_timeout_s = 300;  // offload: deadline of each call to a parameter server
+  std::string ps_ranges;  // offload: "ADDRESS=BEGIN:END,..." (parameter-server ranges)
+  // Offload: deadline of each call to a parameter server; below the collectives' 5-minute
+  // timeout, so that a hung server fails its ranks by name before their peers time out.
+  double ps_rpc_timeout_s = 120;
   // Ranks of the job on this rank's node (consecutive ranks share a node); 0 = all of them.
   // HYBRID_SHARD shards within a node and replicates across nodes.
   int local_world_size = 0;
