@@ -10,12 +10,8 @@ steps=${1:-30}
 reps=${2:-3}
 warmup=5
 yard=build/bin/yard
-state=$(mktemp -d /tmp/trainyard-ddp-bench-XXXXXX)
-cleanup() { $yard local --state-dir "$state" down >/dev/null 2>&1 || true; rm -rf "$state"; }
-trap cleanup EXIT
-
 source scripts/lib/cluster.sh
-local_cluster_up "$yard" "$state" --workers 1 --slots 2 --threads-per-slot 1 >/dev/null
+bench_cluster_up ddp-bench --workers 1 --slots 2 --threads-per-slot 1
 
 # trainyard: median tokens/s over the timed steps of one job.
 trainyard_run() {

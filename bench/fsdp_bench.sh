@@ -15,12 +15,8 @@ steps=${1:-20}
 reps=${2:-3}
 warmup=5
 yard=build/bin/yard
-state=$(mktemp -d /tmp/trainyard-fsdp-bench-XXXXXX)
-cleanup() { $yard local --state-dir "$state" down >/dev/null 2>&1 || true; rm -rf "$state"; }
-trap cleanup EXIT
-
 source scripts/lib/cluster.sh
-local_cluster_up "$yard" "$state" --workers 2 --slots 1 --threads-per-slot 1 >/dev/null
+bench_cluster_up fsdp-bench --workers 2 --slots 1 --threads-per-slot 1
 
 n_layer=4 d_model=256 seq_len=128 vocab=256 world=2
 

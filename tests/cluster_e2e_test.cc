@@ -109,25 +109,38 @@ class ClusterE2eTest : public ::testing::Test {
     return path;
   }
 
+  // Submits `spec` and waits for the job to succeed; returns its id, or "" after a failure.
+  std::string SubmitAndWait(const std::string& spec) {
+    CommandResult submit = Yard({"submit", spec});
+    EXPECT_EQ(submit.exit_code, 0) << submit.err;
+    if (submit.exit_code != 0) return "";
+    std::string job(absl::StripAsciiWhitespace(submit.out));
+    CommandResult wait = Yard({"wait", job}, absl::Seconds(600));
+    EXPECT_EQ(wait.exit_code, 0) << wait.err << Yard({"describe", job}).out;
+    return wait.exit_code == 0 ? job : "";
+  }
+
+  // The mean loss of steps [begin, end) of a `yard metrics -o json` series.
+  static double MeanLoss(const nlohmann::json& series, int begin, int end) {
+    double sum = 0;
+    for (int i = begin; i < end; ++i) sum += series[i]["loss"].get<double>();
+    return sum / (end - begin);
+  }
+
   TempDir dir_;
   std::string state_;
   std::string address_;
 };
 
 TEST_F(ClusterE2eTest, TrainsACharGptWithFallingLossAndStreamsLogsAndMetrics) {
-  CommandResult submit = Yard({"submit", WriteSpec("char-gpt", 60)});
-  ASSERT_EQ(submit.exit_code, 0) << submit.err;
-  const std::string job(absl::StripAsciiWhitespace(submit.out));
-  CommandResult wait = Yard({"wait", job}, absl::Seconds(600));
-  ASSERT_EQ(wait.exit_code, 0) << wait.err << Yard({"describe", job}).out;
+  const std::string job = SubmitAndWait(WriteSpec("char-gpt", 60));
+  ASSERT_FALSE(job.empty());
 
   CommandResult metrics = Yard({"metrics", job, "-o", "json"});
   ASSERT_EQ(metrics.exit_code, 0) << metrics.err;
   const auto series = nlohmann::json::parse(metrics.out);
   ASSERT_EQ(series.size(), 60u);
-  double first = 0, last = 0;
-  for (int i = 0; i < 5; ++i) first += series[i]["loss"].get<double>() / 5;
-  for (int i = 55; i < 60; ++i) last += series[i]["loss"].get<double>() / 5;
+  const double first = MeanLoss(series, 0, 5), last = MeanLoss(series, 55, 60);
   EXPECT_LT(last, 0.75 * first) << "loss did not fall: " << first << " -> " << last;
   EXPECT_GT(series[59]["tokens_per_second"].get<double>(), 0);
 
@@ -210,21 +223,16 @@ TEST_F(ClusterE2eTest, TrainsWithFsdpFullAndHybridShardAndReportsModelState) {
   for (const auto& [sharding, group] :
        std::vector<std::pair<std::string, int>>{{"FULL_SHARD", 2}, {"HYBRID_SHARD", 1}}) {
     const std::string name = absl::AsciiStrToLower(sharding);
-    CommandResult submit =
-        Yard({"submit", WriteSpec(name, 30, "fsdp, sharding_strategy: " + sharding)});
-    ASSERT_EQ(submit.exit_code, 0) << submit.err;
-    const std::string job(absl::StripAsciiWhitespace(submit.out));
-    CommandResult wait = Yard({"wait", job}, absl::Seconds(600));
-    ASSERT_EQ(wait.exit_code, 0) << wait.err << Yard({"describe", job}).out;
+    const std::string job =
+        SubmitAndWait(WriteSpec(name, 30, "fsdp, sharding_strategy: " + sharding));
+    ASSERT_FALSE(job.empty()) << sharding;
     const std::string logs = Yard({"logs", job}).out;
     EXPECT_THAT(logs, HasSubstr(absl::StrCat("fsdp ", sharding, ": 3 units, shard group ", group)));
     EXPECT_THAT(logs, HasSubstr("(sharded)"));  // the final checkpoint
 
     const auto series = nlohmann::json::parse(Yard({"metrics", job, "-o", "json"}).out);
     ASSERT_EQ(series.size(), 30u);
-    double first = 0, last = 0;
-    for (int i = 0; i < 5; ++i) first += series[i]["loss"].get<double>() / 5;
-    for (int i = 25; i < 30; ++i) last += series[i]["loss"].get<double>() / 5;
+    const double first = MeanLoss(series, 0, 5), last = MeanLoss(series, 25, 30);
     EXPECT_LT(last, 0.8 * first) << sharding << " loss did not fall: " << first << " -> " << last;
     EXPECT_GT(series[29]["model_state_peak_bytes"].get<int64_t>(), 0);
     EXPECT_GT(series[29]["comm_bytes"].get<int64_t>(), 0);
@@ -246,17 +254,12 @@ TEST_F(OffloadClusterE2eTest, TrainsThroughTwoParameterServersAndFreesThemAfterw
   CommandResult nodes = Yard({"nodes"});
   EXPECT_THAT(nodes.out, ::testing::ContainsRegex("local-ps-1 +ps +READY"));
   EXPECT_THAT(nodes.out, ::testing::ContainsRegex("local-ps-2 +ps +READY"));
-  CommandResult submit = Yard({"submit", WriteSpec("offload", 40, "offload")});
-  ASSERT_EQ(submit.exit_code, 0) << submit.err;
-  const std::string job(absl::StripAsciiWhitespace(submit.out));
-  CommandResult wait = Yard({"wait", job}, absl::Seconds(600));
-  ASSERT_EQ(wait.exit_code, 0) << wait.err << Yard({"describe", job}).out;
+  const std::string job = SubmitAndWait(WriteSpec("offload", 40, "offload"));
+  ASSERT_FALSE(job.empty());
 
   const auto series = nlohmann::json::parse(Yard({"metrics", job, "-o", "json"}).out);
   ASSERT_EQ(series.size(), 40u);
-  double first = 0, last = 0;
-  for (int i = 0; i < 5; ++i) first += series[i]["loss"].get<double>() / 5;
-  for (int i = 35; i < 40; ++i) last += series[i]["loss"].get<double>() / 5;
+  const double first = MeanLoss(series, 0, 5), last = MeanLoss(series, 35, 40);
   EXPECT_LT(last, 0.8 * first) << "loss did not fall: " << first << " -> " << last;
   EXPECT_THAT(Yard({"logs", job}).out, HasSubstr("ps_push_bytes"));
 

@@ -191,13 +191,19 @@ class TrainerE2eTest : public ::testing::Test {
     return params.ok() ? *params : std::vector<DumpedParam>{};
   }
 
+  // The step reports of a --metrics-file, in order.
+  static std::vector<nlohmann::json> ReadReports(const std::string& path) {
+    std::vector<nlohmann::json> out;
+    std::ifstream f(path);
+    std::string line;
+    while (std::getline(f, line)) out.push_back(nlohmann::json::parse(line));
+    return out;
+  }
+
   // Loss by step from a --metrics-file.
   static std::map<int64_t, double> ReadLosses(const std::string& path) {
     std::map<int64_t, double> out;
-    std::ifstream f(path);
-    std::string line;
-    while (std::getline(f, line)) {
-      auto j = nlohmann::json::parse(line);
+    for (const auto& j : ReadReports(path)) {
       out[j.at("step").get<int64_t>()] = j.at("loss").get<double>();
     }
     return out;
@@ -472,6 +478,25 @@ class OffloadE2eTest : public TrainerE2eTest {
     TrainerE2eTest::TearDown();
   }
 
+  // One rank of a long offload job through the servers, started with `flags` and read until its
+  // third step (its lines so far in `lines`).
+  std::vector<std::unique_ptr<testing::Subprocess>> RunPastThirdStep(
+      const std::string& name, const std::vector<std::string>& flags,
+      std::vector<std::string>* lines) {
+    v1::JobSpec spec = OffloadSpec(1, 8);
+    spec.mutable_train()->set_steps(1000000);
+    const Job job = StartJob(spec, name);
+    std::vector<std::string> all = {"--ps", PsFlag(job)};
+    all.insert(all.end(), flags.begin(), flags.end());
+    auto procs = Launch(job, 1, all);
+    EXPECT_EQ(procs.size(), 1u);
+    while (auto line = procs[0]->ReadLine(kRunTimeout)) {
+      lines->push_back(*line);
+      if (absl::StartsWith(*line, "step 3/")) break;
+    }
+    return procs;
+  }
+
   // The --ps flag from the job's placement, as the worker builds it.
   std::string PsFlag(const Job& job) {
     grpc::ClientContext ctx;
@@ -576,16 +601,9 @@ TEST_F(OffloadE2eTest, DelayedUpdateLagsOneStepAndStillTrains) {
 // A parameter server that dies mid-run fails the ranks at once with a reason naming it (the
 // coordinator then fails or restarts the attempt; CoordinatorServiceTest covers that part).
 TEST_F(OffloadE2eTest, KilledServerFailsTheRanksNamingIt) {
-  v1::JobSpec spec = OffloadSpec(1, 8);
-  spec.mutable_train()->set_steps(1000000);
-  const Job job = StartJob(spec, "killed");
-  auto procs = Launch(job, 1, {"--ps", PsFlag(job)});
-  ASSERT_EQ(procs.size(), 1u);
   std::vector<std::string> lines;
-  while (auto line = procs[0]->ReadLine(kRunTimeout)) {
-    lines.push_back(*line);
-    if (absl::StartsWith(*line, "step 3/")) break;
-  }
+  auto procs = RunPastThirdStep("killed", {}, &lines);
+  ASSERT_EQ(procs.size(), 1u);
   ps_[1]->Signal(SIGKILL);
   ASSERT_TRUE(ps_[1]->Wait(absl::Seconds(30)).has_value());
   ps_.pop_back();  // reaped
@@ -597,16 +615,9 @@ TEST_F(OffloadE2eTest, KilledServerFailsTheRanksNamingIt) {
 // A parameter server that stops answering without closing its connections (SIGSTOP: a hung host)
 // fails the rank once a call passes --ps-rpc-timeout, naming the server; the job never stalls.
 TEST_F(OffloadE2eTest, StoppedServerTimesOutAndFailsTheRanksNamingIt) {
-  v1::JobSpec spec = OffloadSpec(1, 8);
-  spec.mutable_train()->set_steps(1000000);
-  const Job job = StartJob(spec, "stopped");
-  auto procs = Launch(job, 1, {"--ps", PsFlag(job), "--ps-rpc-timeout", "2"});
-  ASSERT_EQ(procs.size(), 1u);
   std::vector<std::string> lines;
-  while (auto line = procs[0]->ReadLine(kRunTimeout)) {
-    lines.push_back(*line);
-    if (absl::StartsWith(*line, "step 3/")) break;
-  }
+  auto procs = RunPastThirdStep("stopped", {"--ps-rpc-timeout", "2"}, &lines);
+  ASSERT_EQ(procs.size(), 1u);
   ps_[1]->Signal(SIGSTOP);
   const absl::Time stopped = absl::Now();
   RunResult r = Finish(procs, lines);
@@ -722,15 +733,19 @@ INSTANTIATE_TEST_SUITE_P(
 // (kept from forward to the end of backward) and one block, each with its parameters and, during
 // backward, its unsharded gradient. A test of the tracker's figure against that count, and against
 // DDP's whole model state.
-TEST_F(TrainerE2eTest, FsdpPeakModelStateIsTheShardsPlusOneGatheredUnit) {
-  FsdpVariant v{"memory", v1::FULL_SHARD, v1::NO_PREFETCH, false};
+// The model of the memory tests: 6 blocks of d_model 64, tied head; 3 steps of micro-batch 4.
+v1::JobSpec MemorySpec(const FsdpVariant& v) {
   v1::JobSpec spec = FsdpSpec(v, 2, 4);
   spec.mutable_model()->set_n_layer(6);
   spec.mutable_model()->set_d_model(64);
   spec.mutable_model()->set_n_head(4);
   spec.mutable_model()->set_tie_weights(true);
-  spec.mutable_parallel()->set_max_gathered_units(1);
   spec.mutable_train()->set_steps(3);
+  return spec;
+}
+
+TEST_F(TrainerE2eTest, FsdpPeakModelStateIsTheShardsPlusOneGatheredUnit) {
+  v1::JobSpec spec = MemorySpec({"memory", v1::FULL_SHARD, v1::NO_PREFETCH, false});
   const Job job = StartJob(spec, "memory");
   const std::string metrics = dir_.path() + "/memory.jsonl";
   RunResult r = Run(job, 2, {"--metrics-file", metrics});
@@ -744,10 +759,8 @@ TEST_F(TrainerE2eTest, FsdpPeakModelStateIsTheShardsPlusOneGatheredUnit) {
   const int64_t shards = 16 * params / w;
   const int64_t expected = shards + 8 * root + 8 * block;
   int64_t peak = 0;
-  std::ifstream f(metrics);
-  std::string line;
-  while (std::getline(f, line)) {
-    peak = std::max(peak, nlohmann::json::parse(line).at("model_state_peak_bytes").get<int64_t>());
+  for (const auto& report : ReadReports(metrics)) {
+    peak = std::max(peak, report.at("model_state_peak_bytes").get<int64_t>());
   }
   std::cout << "FSDP FULL_SHARD peak model state " << peak << " bytes, expected " << expected
             << " (shards " << shards << " + root and one block unit, parameters and gradients "
@@ -760,14 +773,9 @@ TEST_F(TrainerE2eTest, FsdpPeakModelStateIsTheShardsPlusOneGatheredUnit) {
 // HYBRID_SHARD with one rank per node shards over a group of one: nothing is gathered and the
 // gradients accumulate in place, so a rank holds exactly DDP's model state and no more.
 TEST_F(TrainerE2eTest, HybridShardWithOneRankPerNodeHoldsWhatDdpHolds) {
-  FsdpVariant v{"hybrid-memory", v1::HYBRID_SHARD, v1::BACKWARD_PRE, true, 2, 1, 2};
-  v1::JobSpec spec = FsdpSpec(v, 2, 4);
-  spec.mutable_model()->set_n_layer(6);
-  spec.mutable_model()->set_d_model(64);
-  spec.mutable_model()->set_n_head(4);
-  spec.mutable_model()->set_tie_weights(true);
-  spec.mutable_train()->set_steps(3);
-  const Job job = StartJob(spec, "hybrid-memory");
+  const Job job =
+      StartJob(MemorySpec({"hybrid-memory", v1::HYBRID_SHARD, v1::BACKWARD_PRE, true, 2, 1, 2}),
+               "hybrid-memory");
   const std::string metrics = dir_.path() + "/hybrid-memory.jsonl";
   RunResult r = Run(job, 2, {"--metrics-file", metrics}, {"--local-world-size", "1"});
   ASSERT_THAT(r.exit_codes, ::testing::ElementsAre(0, 0)) << Joined(r);
@@ -776,14 +784,11 @@ TEST_F(TrainerE2eTest, HybridShardWithOneRankPerNodeHoldsWhatDdpHolds) {
   const int64_t d = 64;
   const int64_t params = (256 * d + 16 * d + 2 * d) + 6 * (12 * d * d + 13 * d);
   int64_t peak = 0;
-  std::ifstream f(metrics);
-  std::string line;
-  while (std::getline(f, line)) {
-    const auto report = nlohmann::json::parse(line);
+  for (const auto& report : ReadReports(metrics)) {
     peak = std::max(peak, report.at("model_state_peak_bytes").get<int64_t>());
     // One ring all-reduce of the gradients per step, none on the accumulation micro-step:
     // 2 (n - 1) / n of the 4-byte gradients with n = 2.
-    EXPECT_EQ(report.at("comm_bytes").get<int64_t>(), 4 * params) << line;
+    EXPECT_EQ(report.at("comm_bytes").get<int64_t>(), 4 * params) << report;
   }
   EXPECT_EQ(peak, 16 * params) << "DDP's parameters, gradients and Adam moments";
 }

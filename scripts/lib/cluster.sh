@@ -26,6 +26,16 @@ print(c["coordinator_address"], procs["coordinator"].get("metrics_address") or "
   export TRAINYARD_COORDINATOR="$CLUSTER_ADDRESS"
 }
 
+# bench_cluster_up NAME [ARGS of `yard local up`...]: a benchmark's local cluster (see
+# local_cluster_up) in a fresh state dir, set as $state; stopped and removed when the script exits.
+# Uses $yard.
+bench_cluster_up() {
+  state=$(mktemp -d "/tmp/trainyard-$1-XXXXXX")
+  shift
+  trap '"$yard" local --state-dir "$state" down >/dev/null 2>&1 || true; rm -rf "$state"' EXIT
+  local_cluster_up "$yard" "$state" "$@" >/dev/null
+}
+
 # job_tokens_per_second YARD JOB WARMUP: the median tokens/s of the job's steps after WARMUP.
 job_tokens_per_second() {
   "$1" metrics "$2" -o json | /usr/bin/python3 -c "

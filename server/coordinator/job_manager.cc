@@ -414,17 +414,15 @@ void JobManager::ReleaseAttempt(v1::Job& job, const std::string& reason) {
   const std::set<int>& exited = finished_ranks_[job.id()];
   const absl::Time drain_deadline = clock_.Now() + kDrainTimeout;
   for (const auto& p : job.placement()) {
-    auto& held = allocated_[p.node_id()];
     for (int i = 0; i < p.device_indices_size(); ++i) {
       const int rank = p.first_rank() + i;
       if (reason.empty() || exited.count(rank) > 0) {
-        held.erase(p.device_indices(i));
+        FreeDevice(p.node_id(), p.device_indices(i));
       } else {  // still running: the device is free once the rank reports its exit
         draining_[{job.id(), job.attempt(), rank}] =
             DrainingRank{p.node_id(), p.device_indices(i), drain_deadline};
       }
     }
-    if (held.empty()) allocated_.erase(p.node_id());
     if (!reason.empty()) nodes_.Send(p.node_id(), cancel);
   }
   // Parameter servers free the attempt's shards (their memory is free here at once).
@@ -439,6 +437,11 @@ void JobManager::FreeDevice(const std::string& node_id, int device) {
   if (held == allocated_.end()) return;
   held->second.erase(device);
   if (held->second.empty()) allocated_.erase(held);
+}
+
+JobManager::DrainingMap::iterator JobManager::EndDraining(DrainingMap::iterator it) {
+  FreeDevice(it->second.node_id, it->second.device);
+  return draining_.erase(it);
 }
 
 void JobManager::FailAttempt(v1::Job& job, const std::string& reason) {
@@ -478,8 +481,7 @@ int JobManager::SchedulePass() {
     const auto& [job_id, attempt, rank] = it->first;
     spdlog::warn("rank {} of {} attempt {} on node {} never reported its exit; device {} freed",
                  rank, job_id, attempt, it->second.node_id, it->second.device);
-    FreeDevice(it->second.node_id, it->second.device);
-    it = draining_.erase(it);
+    it = EndDraining(it);
   }
   std::map<std::string, int> node_index;
   for (const v1::Node& n : nodes) {
@@ -732,8 +734,7 @@ void JobManager::OnNodeHello(const std::string& node_id,
         ++it;
         continue;
       }
-      FreeDevice(node_id, it->second.device);
-      it = draining_.erase(it);
+      it = EndDraining(it);
       freed = true;
     }
     if (freed) WakeScheduler();
@@ -750,8 +751,7 @@ void JobManager::OnRankStatus(const std::string& node_id, const v1::RankStatus& 
     if (status.phase() == v1::RANK_EXITED) {
       auto draining = draining_.find({status.job_id(), status.attempt(), status.rank()});
       if (draining != draining_.end() && draining->second.node_id == node_id) {
-        FreeDevice(node_id, draining->second.device);
-        draining_.erase(draining);
+        EndDraining(draining);
         WakeScheduler();
       }
     } else {

@@ -143,6 +143,14 @@ class JobManager {
   // nodes to stop its ranks (with `reason`, unless empty).
   void ReleaseAttempt(v1::Job& job, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeDevice(const std::string& node_id, int device) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  struct DrainingRank {
+    std::string node_id;
+    int device = 0;
+    absl::Time deadline;  // freed then if no exit report came
+  };
+  using DrainingMap = std::map<std::tuple<std::string, int, int>, DrainingRank>;
+  // Frees a draining rank's device and forgets the rank; returns the next entry.
+  DrainingMap::iterator EndDraining(DrainingMap::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends the current attempt as failed: RESTARTING within max_restarts, else FAILED.
   void FailAttempt(v1::Job& job, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // (node id, assignment) for each node of the job's current placement.
@@ -170,14 +178,8 @@ class JobManager {
   std::map<std::string, std::set<int>> finished_ranks_ ABSL_GUARDED_BY(mu_);
   // Ranks of an ended attempt that were told to stop but have not reported their exit yet: their
   // devices stay allocated until the exit report, so that no new rank shares a device with one
-  // that is still shutting down (a GPU's memory). Freed at `deadline` if no report ever comes.
-  struct DrainingRank {
-    std::string node_id;
-    int device = 0;
-    absl::Time deadline;
-  };
-  // (job id, attempt, rank) → its device.
-  std::map<std::tuple<std::string, int, int>, DrainingRank> draining_ ABSL_GUARDED_BY(mu_);
+  // that is still shutting down (a GPU's memory).
+  DrainingMap draining_ ABSL_GUARDED_BY(mu_);  // (job id, attempt, rank) → its device
   int64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<int64_t, Watcher> watchers_ ABSL_GUARDED_BY(mu_);
   // Highest version of each job known to be on disk. Reads (Get, List) may be a few ms ahead of

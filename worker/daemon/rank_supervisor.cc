@@ -91,22 +91,19 @@ void RankSupervisor::StopAll() {
 std::vector<v1::RankStatus> RankSupervisor::Running() const {
   absl::MutexLock lock(&mu_);
   std::vector<v1::RankStatus> out;
+  auto add = [&out](const std::string& job_id, int attempt, int rank, v1::RankPhase phase) {
+    v1::RankStatus& s = out.emplace_back();
+    s.set_job_id(job_id);
+    s.set_attempt(attempt);
+    s.set_rank(rank);
+    s.set_phase(phase);
+  };
   for (const auto& [key, rank] : ranks_) {
-    v1::RankStatus s;
-    s.set_job_id(std::get<0>(key));
-    s.set_attempt(std::get<1>(key));
-    s.set_rank(std::get<2>(key));
-    s.set_phase(v1::RANK_RUNNING);
-    out.push_back(std::move(s));
+    add(std::get<0>(key), std::get<1>(key), std::get<2>(key), v1::RANK_RUNNING);
   }
   for (const v1::Assignment& a : launches_) {  // not started yet
     for (int i = 0; i < a.device_indices_size(); ++i) {
-      v1::RankStatus s;
-      s.set_job_id(a.job_id());
-      s.set_attempt(a.attempt());
-      s.set_rank(a.first_rank() + i);
-      s.set_phase(v1::RANK_STARTING);
-      out.push_back(std::move(s));
+      add(a.job_id(), a.attempt(), a.first_rank() + i, v1::RANK_STARTING);
     }
   }
   return out;

@@ -13,6 +13,7 @@
 #include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -64,14 +65,15 @@ class Communicator {
   // Bytes this rank sent through AllReduceSum, ReduceScatterSum, AllGather and AllGatherInto so
   // far: all-reduce counted as a ring sends it (2 (n - 1) / n of the tensor), all-gather as
   // Gloo's ring does ((n - 1) times the contribution).
-  int64_t bytes_sent() const { return bytes_sent_; }
+  int64_t bytes_sent() const { return bytes_sent_.load(); }
 
  protected:
   // Sends `send` to rank `to` while receiving `recv` from rank `from` (same tag on both ends);
   // blocks until both are done.
   virtual void SendRecv(const torch::Tensor& send, int to, torch::Tensor& recv, int from,
                         int tag) = 0;
-  int64_t bytes_sent_ = 0;
+  // Collectives run on communication threads too (FSDP, offload), while the trainer reads this.
+  std::atomic<int64_t> bytes_sent_{0};
 
  private:
   int next_tag_ = 0;

@@ -185,12 +185,12 @@ absl::Status FsdpModel::Build(bool from_rank0) {
     u.shard.mutable_grad() = torch::zeros_like(u.shard);
     // A shard group of one (one rank, or HYBRID_SHARD with one rank per node): the shard is
     // the whole unit, so the parameters are views of it and nothing is ever gathered or freed.
-    if (S == 1) u.full = u.shard.detach();
+    if (single_shard()) u.full = u.shard.detach();
     for (size_t k = 0; k < u.params.size(); ++k) {
       torch::Tensor& p = params_[u.params[k]];
       p.set_data(u.full.narrow(0, u.offsets[k], p.numel()).view(p.sizes()));
     }
-    if (S == 1) {
+    if (single_shard()) {
       u.gathered = Gathered::kYes;
     } else {
       FreeStorage(u.full);  // sharded until first use
@@ -227,7 +227,7 @@ void FsdpModel::Track(int64_t delta_bytes) {
 }
 
 int FsdpModel::GatheredBlockUnits() const {
-  if (shard_.world_size() == 1) return 0;  // always whole, never counted
+  if (single_shard()) return 0;  // always whole, never counted
   int n = 0;
   for (size_t i = 1; i < units_.size(); ++i) n += units_[i].gathered != Gathered::kNo;
   return n;
@@ -272,7 +272,7 @@ void FsdpModel::Prefetch(int ui) {
 
 void FsdpModel::Release(int ui) {
   Unit& u = units_[ui];
-  if (u.gathered == Gathered::kNo || u.padded == 0 || shard_.world_size() == 1) return;
+  if (u.gathered == Gathered::kNo || u.padded == 0 || single_shard()) return;
   if (u.gathered == Gathered::kInFlight) u.gather_done.get();
   FreeStorage(u.full);
   Track(-u.padded * static_cast<int64_t>(sizeof(float)));
@@ -318,7 +318,7 @@ void FsdpModel::WatchLoss(const torch::Tensor& loss) {
 void FsdpModel::PrepareGradients(int ui) {
   Unit& u = units_[ui];
   if (u.grad.defined()) return;
-  if (shard_.world_size() == 1) {
+  if (single_shard()) {
     u.grad = u.shard.grad();
   } else {
     u.grad = torch::zeros({u.padded}, torch::kFloat);
@@ -367,7 +367,7 @@ void FsdpModel::PostBackward(int ui) {
   const int world = world_.world_size();
   torch::Tensor grad = std::move(u.grad);
   u.grad = torch::Tensor();
-  if (shard_.world_size() == 1) {
+  if (single_shard()) {
     // The gradients accumulated in place: like DDP's no_sync, nothing to send before the last
     // micro-step, then one all-reduce across the replicas and the average.
     if (!sync_gradients_ || u.padded == 0 || world == 1) return;

@@ -179,6 +179,8 @@ class FsdpModel : public BlockHooks {
   void OnGradReady(int param);
   void PostBackward(int unit);
   void Track(int64_t delta_bytes);
+  // A shard group of one: the shard is the whole unit, never gathered nor freed.
+  bool single_shard() const { return shard_.world_size() == 1; }
 
   LanguageModel& model_;
   Communicator& world_;

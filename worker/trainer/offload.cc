@@ -40,6 +40,11 @@ absl::Status RunParallel(size_t n, const std::function<absl::Status(size_t)>& fn
   return absl::OkStatus();
 }
 
+// Every call to a parameter server has a deadline (OffloadConfig::rpc_timeout).
+void SetDeadline(grpc::ClientContext& ctx, absl::Duration timeout) {
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+}
+
 }  // namespace
 
 struct OffloadOptimizer::Server {
@@ -265,7 +270,7 @@ absl::Status OffloadOptimizer::PushBucket(const Bucket& bucket, int64_t step) {
     const int64_t x0 = std::max(lo, s.range.begin), x1 = std::min(hi, s.range.end);
     if (x0 >= x1) continue;
     grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + config_.rpc_timeout));
+    SetDeadline(ctx, config_.rpc_timeout);
     v1::PushGradientsResponse response;
     auto writer = s.stub->PushGradients(&ctx, &response);
     v1::GradientChunk chunk;
@@ -369,7 +374,7 @@ absl::Status OffloadOptimizer::Initialize(int64_t step, torch::optim::Optimizer&
     RETURN_IF_ERROR(RunParallel(servers_.size(), [&](size_t i) -> absl::Status {
       const Server& s = *servers_[i];
       grpc::ClientContext ctx;
-      ctx.set_deadline(absl::ToChronoTime(absl::Now() + config_.rpc_timeout));
+      SetDeadline(ctx, config_.rpc_timeout);
       v1::InitShardResponse response;
       auto writer = s.stub->InitShard(&ctx, &response);
       v1::InitShardChunk chunk;
@@ -415,7 +420,7 @@ absl::Status OffloadOptimizer::UpdateAndPull(int64_t step, double lr, double gra
     const int64_t lo = std::max(a, s.range.begin), hi = std::min(b, s.range.end);
     if (lo >= hi) return absl::OkStatus();
     grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + config_.rpc_timeout));
+    SetDeadline(ctx, config_.rpc_timeout);
     v1::UpdateAndPullRequest request;
     request.set_job_id(config_.job_id);
     request.set_attempt(config_.attempt);
@@ -491,7 +496,7 @@ absl::Status OffloadOptimizer::ReadIntoShadow(int64_t step, torch::optim::Optimi
   RETURN_IF_ERROR(RunParallel(servers_.size(), [&](size_t i) -> absl::Status {
     const Server& s = *servers_[i];
     grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + config_.rpc_timeout));
+    SetDeadline(ctx, config_.rpc_timeout);
     v1::ReadShardStateRequest request;
     request.set_job_id(config_.job_id);
     request.set_attempt(config_.attempt);

@@ -386,9 +386,11 @@ absl::Status Train(const TrainerOptions& o) {
   // moments on the device unless offloaded.
   const int64_t dense_state_bytes = params_count * int64_t{4} * (offload ? 2 : 4);
   const int64_t run_start_step = step;
+  // Bytes this rank sent for gradients and parameters so far.
+  auto bytes_sent = [&] { return fsdp ? fsdp->bytes_sent() : comm->bytes_sent(); };
   while (step < total_steps) {
     const auto step_start = Clock::now();
-    const int64_t bytes_before = fsdp ? fsdp->bytes_sent() : comm->bytes_sent();
+    const int64_t bytes_before = bytes_sent();
     double loss_sum = 0, backward_s = 0, comm_wait_s = 0;
     for (int micro = 0; micro < grad_accum; ++micro) {
       if (reducer) reducer->Prepare(micro == grad_accum - 1);
@@ -440,8 +442,7 @@ absl::Status Train(const TrainerOptions& o) {
       optimizer.zero_grad();
     }
     ++step;
-    // Bytes this rank sent for the step's gradients and parameters.
-    const int64_t comm_bytes = (fsdp ? fsdp->bytes_sent() : comm->bytes_sent()) - bytes_before;
+    const int64_t comm_bytes = bytes_sent() - bytes_before;  // before the flags' all-reduce
 
     // One tiny all-reduce per step: the global mean loss, and the flags every rank must agree on
     // (coordinator commands reach rank 0 only; SIGTERM may reach any rank).
