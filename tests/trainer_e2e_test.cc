@@ -146,15 +146,18 @@ class TrainerE2eTest : public ::testing::Test {
     return argv;
   }
 
-  // Starts every rank; `rank0_extra` flags go to rank 0 only, `every_rank_extra` to all.
+  // Starts every rank; `rank0_extra` flags go to rank 0 only, `every_rank_extra` to all,
+  // `extra_env`
+  // ("K=V") into every rank's environment.
   std::vector<std::unique_ptr<testing::Subprocess>> Launch(
       const Job& job, int world, const std::vector<std::string>& rank0_extra,
-      const std::vector<std::string>& every_rank_extra = {}) {
+      const std::vector<std::string>& every_rank_extra = {},
+      const std::vector<std::string>& extra_env = {}) {
     std::vector<std::unique_ptr<testing::Subprocess>> procs;
     for (int r = 0; r < world; ++r) {
       std::vector<std::string> extra = every_rank_extra;
       if (r == 0) extra.insert(extra.end(), rank0_extra.begin(), rank0_extra.end());
-      auto p = testing::Subprocess::Start(Argv(job, r, world, extra));
+      auto p = testing::Subprocess::Start(Argv(job, r, world, extra), extra_env);
       EXPECT_TRUE(p.ok()) << p.status();
       if (p.ok()) procs.push_back(std::move(*p));
     }
@@ -178,8 +181,9 @@ class TrainerE2eTest : public ::testing::Test {
   }
 
   RunResult Run(const Job& job, int world, const std::vector<std::string>& rank0_extra,
-                const std::vector<std::string>& every_rank_extra = {}) {
-    auto procs = Launch(job, world, rank0_extra, every_rank_extra);
+                const std::vector<std::string>& every_rank_extra = {},
+                const std::vector<std::string>& extra_env = {}) {
+    auto procs = Launch(job, world, rank0_extra, every_rank_extra, extra_env);
     return Finish(procs);
   }
 
@@ -890,6 +894,28 @@ TEST_F(TrainerE2eTest, AnswersHelpAndVersion) {
   testing::CommandResult h = testing::RunCommand({testing::BinPath("trainyard-trainer"), "--help"});
   EXPECT_EQ(h.exit_code, 0);
   EXPECT_THAT(h.out, HasSubstr("--checkpoint-dir"));
+}
+
+// Each rank logs which BLAS kernels do its matmuls (they can halve a step's speed), and so does
+// --version; OPENBLAS_CORETYPE is reported as the environment's choice.
+TEST_F(TrainerE2eTest, ReportsItsBlasKernels) {
+  const std::string trainer = testing::BinPath("trainyard-trainer");
+  testing::CommandResult v =
+      testing::RunCommand({"/usr/bin/env", "-u", "OPENBLAS_CORETYPE", trainer, "--version"});
+  ASSERT_EQ(v.exit_code, 0) << v.out;
+  EXPECT_THAT(v.out, ::testing::ContainsRegex("BLAS: OpenBLAS .*; kernels [A-Za-z0-9]+\n"));
+  EXPECT_THAT(v.out, ::testing::Not(HasSubstr("OPENBLAS_CORETYPE")));
+
+  // Prescott: OpenBLAS's SSE3 kernels, which every x86-64 CPU runs.
+  testing::CommandResult chosen =
+      testing::RunCommand({trainer, "--version"}, {"OPENBLAS_CORETYPE=Prescott"});
+  ASSERT_EQ(chosen.exit_code, 0) << chosen.out;
+  EXPECT_THAT(chosen.out, HasSubstr("kernels Prescott (set by OPENBLAS_CORETYPE)"));
+
+  const Job job = StartJob(TinySpec(1, 4), "blas");
+  RunResult r = Run(job, 1, {}, {}, {"OPENBLAS_CORETYPE=Prescott"});
+  EXPECT_THAT(r.exit_codes, ::testing::ElementsAre(0)) << Joined(r);
+  EXPECT_THAT(Joined(r), HasSubstr("kernels Prescott (set by OPENBLAS_CORETYPE)"));
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/spec.h"
 #include "common/version.h"
+#include "worker/trainer/blas.h"
 #include "worker/trainer/trainer.h"
 
 namespace trainyard::trainer {
@@ -52,6 +53,7 @@ int Fail(const absl::Status& s) {
 }
 
 int Main(int argc, char** argv) {
+  const std::string blas = DescribeBlas();
   // Multi-MiB gradient and parameter messages: keep freed buffers in the heap instead of handing
   // them back to the kernel, or every message touches fresh pages (page faults dominated the
   // push/pull time in bench/ps_transfer_bench: 2-5x slower).
@@ -76,7 +78,7 @@ int Main(int argc, char** argv) {
   }
 
   CLI::App app{"trainyard-trainer: one rank of a trainyard training job (LibTorch, DDP over Gloo)"};
-  app.set_version_flag("--version", std::string("trainyard-trainer ") + kVersion);
+  app.set_version_flag("--version", absl::StrCat("trainyard-trainer ", kVersion, "\n", blas));
   std::string spec_path;
   TrainerOptions o;
   app.add_option("--spec", spec_path, "job spec: binary trainyard.v1.JobSpec, or .yaml/.yml")
@@ -116,6 +118,7 @@ int Main(int argc, char** argv) {
   auto spec = LoadSpec(spec_path);
   if (!spec.ok()) return Fail(spec.status());
   o.spec = *std::move(spec);
+  std::cout << blas << std::endl;
   absl::Status s = RunTrainer(o);
   if (!s.ok()) return Fail(s);
   return 0;
