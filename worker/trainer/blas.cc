@@ -24,9 +24,9 @@ std::string OpenBlasCall(const char* symbol) {
 std::string DescribeBlas() {
   const std::string core = OpenBlasCall("openblas_get_corename");
   if (core.empty()) return "BLAS: not OpenBLAS";
-  return absl::StrCat("BLAS: ", OpenBlasCall("openblas_get_config"), "; kernels ", core,
-                      std::getenv("OPENBLAS_CORETYPE") != nullptr ? " (set by OPENBLAS_CORETYPE)"
-                                                                  : "");
+  return absl::StrCat(
+      "BLAS: ", OpenBlasCall("openblas_get_config"), "; kernels ", core,
+      std::getenv("OPENBLAS_CORETYPE") != nullptr ? " (set by OPENBLAS_CORETYPE)" : "");
 }
 
 }  // namespace trainyard::trainer
