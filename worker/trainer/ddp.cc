@@ -114,8 +114,7 @@ double GradientReducer::Finish() {
   for (int i = 0; i < static_cast<int>(params_.size()); ++i) {
     const Slot& slot = slots_[i];
     torch::Tensor mean = buckets_[slot.bucket].buffer.narrow(0, slot.offset, params_[i].numel());
-    if (!params_[i].grad().defined()) params_[i].mutable_grad() = torch::zeros_like(params_[i]);
-    params_[i].mutable_grad().copy_(mean.view_as(params_[i]));
+    params_[i].mutable_grad() = mean.view_as(params_[i]);
   }
   sync_ = false;
   return waited;

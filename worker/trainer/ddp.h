@@ -4,7 +4,11 @@
 // parameter's AccumulateGrad node copies the gradient into its bucket's flat buffer; once a
 // bucket is complete it is all-reduced asynchronously while backward goes on. Buckets are
 // launched strictly in index order, so every rank issues the same collectives in the same order.
-// Finish() waits for them all and writes the averaged gradients back into param.grad().
+// Finish() waits for them all and makes each param.grad() a view of its averaged slice of the
+// bucket (PyTorch's gradient_as_bucket_view: no copy back). Callers should set the gradients to
+// none (undefined) after the optimizer step, so that the next backward hands its gradients over
+// (one copy into the bucket per step); if they do not, backward accumulates into the bucket views,
+// which still gives the right sums.
 //
 // Gradient accumulation: only the backward after Prepare(sync = true) communicates.
 // Called from the training thread only (CPU backward runs its hooks on the calling thread).
@@ -34,7 +38,7 @@ class GradientReducer {
   // Call before each backward: `sync` when it is the last micro-step of the optimizer step.
   void Prepare(bool sync);
   // After the synchronizing backward: launches buckets whose gradients never arrived (unused
-  // parameters count as zero), waits for every all-reduce and copies the means into the grads.
+  // parameters count as zero), waits for every all-reduce and points the grads at the means.
   // Returns the seconds spent waiting.
   double Finish();
 

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "worker/trainer/fused_adamw.h"
 
 namespace trainyard::trainer {
 
@@ -422,13 +423,7 @@ double FsdpModel::GradNorm() {
 
 void FsdpModel::Step(double lr, double clip_scale) {
   torch::NoGradGuard no_grad;
-  if (clip_scale != 1.0) {
-    for (Unit& u : units_) u.shard.mutable_grad().mul_(clip_scale);
-  }
-  for (auto& group : optimizer_->param_groups()) {
-    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
-  }
-  optimizer_->step();
+  FusedAdamWStep(*optimizer_, lr, clip_scale);
   if (!adam_counted_) {
     adam_counted_ = true;
     int64_t shard_total = 0;

@@ -24,7 +24,7 @@
 //
 // All communication runs on one thread in the order the training thread asks for it, which is the
 // same on every rank; the training thread overlaps compute with it and waits only for what it
-// needs. AdamW (torch::optim::AdamW, so the same arithmetic as DDP's) updates only the shards.
+// needs. AdamW (FusedAdamWStep on a torch::optim::AdamW's state, as DDP) updates only the shards.
 //
 // Model-state memory: the tracker counts the bytes of the shards (parameters, gradients, Adam
 // moments once they exist) plus gathered parameters and unsharded gradients as they are allocated

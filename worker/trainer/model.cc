@@ -57,12 +57,20 @@ class BlockImpl : public torch::nn::Module {
   torch::Tensor Attention(const torch::Tensor& x) {
     const int64_t b = x.size(0), t = x.size(1), d = x.size(2), hd = d / n_head_;
     auto qkv = Dense(x, qkv_, bf16_).view({b, t, 3, n_head_, hd}).permute({2, 0, 3, 1, 4});
-    torch::Tensor q = qkv[0], k = qkv[1], v = qkv[2];  // [b, h, t, hd]
-    torch::Tensor scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(double(hd));
-    const torch::Tensor future = torch::ones({t, t}, torch::kBool).triu(1);
-    scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
-    torch::Tensor y = torch::matmul(torch::softmax(scores, -1), v);
-    y = y.transpose(1, 2).contiguous().view({b, t, d});
+    // [b * h, t, hd] each
+    torch::Tensor q = qkv[0].reshape({b * n_head_, t, hd}),
+                  k = qkv[1].reshape({b * n_head_, t, hd}),
+                  v = qkv[2].reshape({b * n_head_, t, hd});
+    // softmax(q k^T / sqrt(hd) + causal mask) in one batched GEMM: the scale is its alpha and the
+    // mask (0, or -inf above the diagonal) its C, so no separate passes for the division and the
+    // masking, forward or backward.
+    const torch::Tensor mask = torch::full({t, t}, -std::numeric_limits<float>::infinity(),
+                                           x.options().requires_grad(false))
+                                   .triu(1);
+    torch::Tensor scores = torch::baddbmm(mask, q, k.transpose(1, 2), /*beta=*/1,
+                                          /*alpha=*/1.0 / std::sqrt(double(hd)));
+    torch::Tensor y = torch::bmm(torch::softmax(scores, -1), v);
+    y = y.view({b, n_head_, t, hd}).transpose(1, 2).contiguous().view({b, t, d});
     return Dense(y, proj_, bf16_);
   }
 

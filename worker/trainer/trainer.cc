@@ -28,6 +28,7 @@
 #include "worker/trainer/ddp.h"
 #include "worker/trainer/fsdp.h"
 #include "worker/trainer/fsdp_checkpoint.h"
+#include "worker/trainer/fused_adamw.h"
 #include "worker/trainer/model.h"
 #include "worker/trainer/offload.h"
 #include "worker/trainer/param_dump.h"
@@ -415,7 +416,9 @@ absl::Status Train(const TrainerOptions& o) {
     } else {
       double sq = 0;
       for (const auto& p : params) {
-        if (p.grad().defined()) sq += p.grad().pow(2).sum().item<double>();
+        if (!p.grad().defined()) continue;
+        const double n = p.grad().norm().item<double>();  // one pass, no temporary
+        sq += n * n;
       }
       grad_norm = std::sqrt(sq);
     }
@@ -428,18 +431,10 @@ absl::Status Train(const TrainerOptions& o) {
     } else if (fsdp) {
       fsdp->Step(lr, clip_scale);
     } else {
-      torch::optim::AdamW& optimizer = *optimizer_holder;
-      if (clip_scale != 1.0) {
-        torch::NoGradGuard no_grad;
-        for (auto& p : params) {
-          if (p.grad().defined()) p.mutable_grad().mul_(clip_scale);
-        }
-      }
-      for (auto& group : optimizer.param_groups()) {
-        static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
-      }
-      optimizer.step();
-      optimizer.zero_grad();
+      FusedAdamWStep(*optimizer_holder, lr, clip_scale);
+      // zero_grad(set_to_none=True): the next backward hands its gradients over instead of
+      // adding them to zeros (and the reducer's bucket views are dropped).
+      for (auto& p : params) p.mutable_grad() = torch::Tensor();
     }
     ++step;
     const int64_t comm_bytes = bytes_sent() - bytes_before;  // before the flags' all-reduce
