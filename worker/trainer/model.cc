@@ -56,7 +56,10 @@ class BlockImpl : public torch::nn::Module {
  private:
   torch::Tensor Attention(const torch::Tensor& x) {
     const int64_t b = x.size(0), t = x.size(1), d = x.size(2), hd = d / n_head_;
-    auto qkv = Dense(x, qkv_, bf16_).view({b, t, 3, n_head_, hd}).permute({2, 0, 3, 1, 4});
+    // unbind, not qkv[i]: its backward stacks the three gradients in one pass, where three
+    // selects would each zero a buffer of all three and then add them up.
+    const std::vector<torch::Tensor> qkv =
+        Dense(x, qkv_, bf16_).view({b, t, 3, n_head_, hd}).permute({2, 0, 3, 1, 4}).unbind(0);
     // [b * h, t, hd] each
     torch::Tensor q = qkv[0].reshape({b * n_head_, t, hd}),
                   k = qkv[1].reshape({b * n_head_, t, hd}),
