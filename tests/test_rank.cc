@@ -2,8 +2,11 @@
 // needs a rank to misbehave on purpose. It takes the trainer's command line and acts out the job's
 // name: "succeed" (print lines, exit 0), "fail-rank-1" (rank 1 prints to stderr and exits 3),
 // "hang" (print "ready", wait for SIGTERM), "ignore-term" (ignore SIGTERM, wait to be killed),
-// "spawn-child" (start a grandchild that sleeps, then hang). Each rank writes its pid (and its
-// grandchild's) to pids-rank-R in its working directory, so tests can check that none survive.
+// "spawn-child" (start a grandchild that sleeps, then hang), "print-devices" (print the device it
+// was given: --device, TRAINYARD_DEVICE, CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS; exit 0). Asked
+// `--supported-devices`, it answers TEST_RANK_SUPPORTED_DEVICES (default "cpu"). Each rank writes
+// its pid (and its grandchild's) to pids-rank-R in its working directory, so tests can check that
+// none survive.
 #include <signal.h>
 #include <unistd.h>
 
@@ -17,12 +20,18 @@
 #include "trainyard/v1/job.pb.h"
 
 int main(int argc, char** argv) {
-  std::string spec_path;
+  if (argc == 2 && !std::strcmp(argv[1], "--supported-devices")) {
+    const char* devices = std::getenv("TEST_RANK_SUPPORTED_DEVICES");
+    std::printf("%s\n", devices != nullptr ? devices : "cpu");
+    return 0;
+  }
+  std::string spec_path, device = "(none)";
   int rank = -1, world = 0;
   for (int i = 1; i + 1 < argc; ++i) {
     if (!std::strcmp(argv[i], "--spec")) spec_path = argv[i + 1];
     if (!std::strcmp(argv[i], "--rank")) rank = std::atoi(argv[i + 1]);
     if (!std::strcmp(argv[i], "--world-size")) world = std::atoi(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--device")) device = argv[i + 1];
   }
   std::ifstream in(spec_path, std::ios::binary);
   std::stringstream bytes;
@@ -38,6 +47,18 @@ int main(int argc, char** argv) {
   std::printf("hello from rank %d of %d (%s)\n", rank, world, mode.c_str());
   std::fflush(stdout);
 
+  if (mode == "print-devices") {
+    auto env = [](const char* name) -> std::string {
+      const char* v = std::getenv(name);
+      return v != nullptr ? std::string("'") + v + "'" : "unset";
+    };
+    std::printf(
+        "rank %d: --device %s TRAINYARD_DEVICE=%s CUDA_VISIBLE_DEVICES=%s "
+        "OMP_NUM_THREADS=%s\n",
+        rank, device.c_str(), env("TRAINYARD_DEVICE").c_str(), env("CUDA_VISIBLE_DEVICES").c_str(),
+        env("OMP_NUM_THREADS").c_str());
+    return 0;
+  }
   if (mode == "succeed") {
     std::printf("rank %d done\n", rank);
     return 0;

@@ -441,6 +441,20 @@ TEST_F(TrainerE2eTest, SeqLenLongerThanTheDataFailsWithAClearMessage) {
   EXPECT_THAT(r.err, HasSubstr(small));
 }
 
+// The worker offers GPUs only to a trainer that lists cuda; this one trains on CPU only, and a
+// rank that is given a GPU anyway (worker --gpus all) fails at once, saying so.
+TEST_F(TrainerE2eTest, SaysItTrainsOnCpuOnlyAndRefusesAGpu) {
+  testing::CommandResult devices =
+      testing::RunCommand({testing::BinPath("trainyard-trainer"), "--supported-devices"});
+  EXPECT_EQ(devices.exit_code, 0) << devices.err;
+  EXPECT_EQ(devices.out, "cpu\n");
+  const Job job = StartJob(TinySpec(1, 8), "on-gpu");
+  testing::CommandResult r =
+      testing::RunCommand(Argv(job, 0, 1, {"--device", "cuda"}), {}, absl::Seconds(60));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("--device cuda: this trainer trains on CPU only"));
+}
+
 // Offload jobs: two real trainyard-ps processes registered with the coordinator, which places
 // the job's optimizer state on them; the trainers get the ranges as the worker would pass them.
 class OffloadE2eTest : public TrainerE2eTest {

@@ -68,15 +68,40 @@ class WorkerE2eTest : public ::testing::Test {
     client_ = std::make_unique<client::YardClient>(address_, "alice");
   }
 
-  void StartWorker() {
-    auto p = Subprocess::Start({BinPath("trainyard-worker"), "--coordinator", address_, "--node-id",
-                                "w1", "--cpu-slots", "2", "--trainer", TestBinPath("test_rank"),
-                                "--work-dir", work_dir(), "--stop-grace", "1s"});
+  // A worker with 2 CPU slots running test_rank, plus `args`, with `env` added to its environment.
+  void StartWorker(const std::vector<std::string>& args = {},
+                   const std::vector<std::string>& env = {}) {
+    std::vector<std::string> argv = {BinPath("trainyard-worker"),
+                                     "--coordinator",
+                                     address_,
+                                     "--node-id",
+                                     "w1",
+                                     "--cpu-slots",
+                                     "2",
+                                     "--trainer",
+                                     TestBinPath("test_rank"),
+                                     "--work-dir",
+                                     work_dir(),
+                                     "--stop-grace",
+                                     "1s"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    auto p = Subprocess::Start(argv, env);
     ASSERT_TRUE(p.ok()) << p.status();
     worker_ = std::move(*p);
   }
 
   std::string work_dir() const { return dir_.path() + "/work"; }
+
+  // The devices node w1 registered.
+  std::vector<v1::Device> Devices() {
+    auto nodes = client_->ListNodes();
+    EXPECT_TRUE(nodes.ok()) << nodes.status();
+    if (!nodes.ok()) return {};
+    for (const auto& node : nodes->nodes()) {
+      if (node.id() == "w1") return {node.devices().begin(), node.devices().end()};
+    }
+    return {};
+  }
 
   void WaitForReadyNodes(int n) {
     const absl::Time deadline = absl::Now() + absl::Seconds(30);
@@ -257,6 +282,153 @@ TEST_F(WorkerE2eTest, WorkerReconnectsAfterTheCoordinatorRestarts) {
   ASSERT_TRUE(job.ok());
   const v1::Job done = WaitFor(job->id(), [](const v1::Job&) { return false; });
   EXPECT_EQ(done.state(), v1::SUCCEEDED) << done.message();
+}
+
+// GPU hosts, with tests/fake_cuda_driver.cc standing in for libcuda.so.1 (these hosts have no GPU):
+// each test starts its own worker.
+class WorkerGpuE2eTest : public WorkerE2eTest {
+ protected:
+  void SetUp() override {
+    StartCoordinator("127.0.0.1:0");
+    ASSERT_FALSE(address_.empty());
+  }
+
+  static std::string FakeDriver() { return TestBinPath("libfake_cuda.so"); }
+
+  static std::string FakeUuid(int device) {
+    return absl::StrCat("GPU-a0a1a2a3-a4a5-a6a7-a8a9-aaabacadae0", device);
+  }
+
+  // Waits until node w1 is connected with `n` devices of `kind`.
+  std::vector<v1::Device> WaitForDevices(v1::DeviceKind kind, int n) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    std::vector<v1::Device> devices;
+    while (absl::Now() < deadline) {
+      devices = Devices();
+      if (static_cast<int>(devices.size()) == n &&
+          std::all_of(devices.begin(), devices.end(),
+                      [&](const v1::Device& d) { return d.kind() == kind; })) {
+        return devices;
+      }
+      absl::SleepFor(absl::Milliseconds(20));  // no watch API for nodes
+    }
+    ADD_FAILURE() << "node w1 did not register " << n << " devices of kind " << kind;
+    return devices;
+  }
+
+  // The lines the ranks of a print-devices job over `ranks` devices printed.
+  std::vector<std::string> PrintedDevices(int ranks) {
+    auto job = client_->Submit(testing::TinySpec("print-devices", ranks));
+    EXPECT_TRUE(job.ok()) << job.status();
+    if (!job.ok()) return {};
+    const v1::Job done = WaitFor(job->id(), [](const v1::Job&) { return false; });
+    EXPECT_EQ(done.state(), v1::SUCCEEDED) << done.message();
+    std::vector<std::string> lines;
+    for (const std::string& l : Logs(job->id())) {
+      if (l.find(": --device ") != std::string::npos) lines.push_back(l);
+    }
+    std::sort(lines.begin(), lines.end());
+    return lines;
+  }
+};
+
+TEST_F(WorkerGpuE2eTest, OffersEachGpuAndGivesEachRankOnlyItsOwn) {
+  // --gpus all: the GPUs whatever the trainer says; the worker's own OMP_NUM_THREADS must not
+  // reach the ranks.
+  StartWorker({"--gpus", "all", "--cuda-library", FakeDriver(), "--threads-per-slot", "3"},
+              {"FAKE_CUDA_DEVICES=2", "OMP_NUM_THREADS=7"});
+  const std::vector<v1::Device> devices = WaitForDevices(v1::CUDA_GPU, 2);
+  ASSERT_EQ(devices.size(), 2u);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(devices[i].index(), i);
+    EXPECT_EQ(devices[i].name(), absl::StrCat("Fake GPU ", i, " (", FakeUuid(i), ")"));
+    EXPECT_EQ(devices[i].memory_bytes(), int64_t{81559} << 20);
+  }
+  auto nodes = testing::RunCommand({BinPath("yard"), "--coordinator", address_, "nodes"});
+  EXPECT_THAT(nodes.out, HasSubstr("0/2 gpu"));
+
+  // Two ranks, one per GPU, in either order: each sees its own GPU only, by UUID.
+  const std::vector<std::string> lines = PrintedDevices(2);
+  ASSERT_EQ(lines.size(), 2u);
+  std::vector<std::string> devices_seen;
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_THAT(lines[r], HasSubstr(absl::StrCat(r, ": rank ", r, ": --device cuda ")));
+    EXPECT_THAT(lines[r], HasSubstr("OMP_NUM_THREADS='3'"));
+    for (int d = 0; d < 2; ++d) {
+      const std::string want =
+          absl::StrCat("TRAINYARD_DEVICE='", d, "' CUDA_VISIBLE_DEVICES='", FakeUuid(d), "'");
+      if (lines[r].find(want) != std::string::npos) devices_seen.push_back(want);
+    }
+  }
+  std::sort(devices_seen.begin(), devices_seen.end());
+  EXPECT_EQ(devices_seen.size(), 2u);
+  EXPECT_EQ(std::unique(devices_seen.begin(), devices_seen.end()), devices_seen.end())
+      << "two ranks on one GPU";
+}
+
+TEST_F(WorkerGpuE2eTest, AutoOffersGpusOnlyToATrainerThatTrainsOnThem) {
+  // The trainer answers --supported-devices: "cpu cuda" gets the GPUs.
+  StartWorker({"--cuda-library", FakeDriver()},
+              {"FAKE_CUDA_DEVICES=3", "TEST_RANK_SUPPORTED_DEVICES=cpu cuda"});
+  EXPECT_EQ(WaitForDevices(v1::CUDA_GPU, 3).size(), 3u);
+  worker_->Signal(SIGTERM);
+  ASSERT_TRUE(worker_->Wait(absl::Seconds(20)).has_value());
+
+  // A CPU-only trainer (test_rank's default answer, and trainyard-trainer's today): CPU slots, and
+  // their ranks see no GPU even where the worker's environment names one.
+  StartWorker({"--cuda-library", FakeDriver(), "--threads-per-slot", "3"},
+              {"FAKE_CUDA_DEVICES=3", "CUDA_VISIBLE_DEVICES=0"});
+  EXPECT_EQ(WaitForDevices(v1::CPU_SLOT, 2).size(), 2u);
+  for (const std::string& line : PrintedDevices(2)) {
+    EXPECT_THAT(line, HasSubstr("--device cpu "));
+    EXPECT_THAT(line, HasSubstr("CUDA_VISIBLE_DEVICES='' OMP_NUM_THREADS='3'"));
+  }
+}
+
+TEST_F(WorkerGpuE2eTest, AutoUsesCpuSlotsWhenTheDriverFails) {
+  StartWorker({"--cuda-library", FakeDriver()},
+              {"FAKE_CUDA_INIT_ERROR=1", "TEST_RANK_SUPPORTED_DEVICES=cpu cuda"});
+  EXPECT_EQ(WaitForDevices(v1::CPU_SLOT, 2).size(), 2u);
+}
+
+TEST_F(WorkerGpuE2eTest, GpusAllRefusesToStartWithoutGpus) {
+  const std::vector<std::string> base = {
+      BinPath("trainyard-worker"), "--coordinator", address_,   "--trainer",
+      TestBinPath("test_rank"),    "--work-dir",    work_dir(), "--gpus"};
+  auto with = [&](std::vector<std::string> extra, std::vector<std::string> env) {
+    std::vector<std::string> argv = base;
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return testing::RunCommand(argv, env, absl::Seconds(30));
+  };
+  auto no_driver = with({"all", "--cuda-library", dir_.path() + "/no-such-libcuda.so.1"}, {});
+  EXPECT_EQ(no_driver.exit_code, 2);
+  EXPECT_THAT(no_driver.err, HasSubstr("--gpus all: no CUDA driver: "));
+  EXPECT_THAT(no_driver.err, HasSubstr("no-such-libcuda.so.1"));
+  auto no_gpu = with({"all", "--cuda-library", FakeDriver()}, {"FAKE_CUDA_DEVICES=0"});
+  EXPECT_EQ(no_gpu.exit_code, 2);
+  EXPECT_THAT(no_gpu.err, HasSubstr("--gpus all: the CUDA driver shows no GPU"));
+  auto failing = with({"all", "--cuda-library", FakeDriver()}, {"FAKE_CUDA_INIT_ERROR=1"});
+  EXPECT_EQ(failing.exit_code, 2);
+  EXPECT_THAT(failing.err,
+              HasSubstr("--gpus all: CUDA driver: cuInit: no CUDA-capable device is detected"));
+  auto bad = with({"some"}, {});
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_THAT(bad.err, HasSubstr("--gpus"));
+}
+
+TEST_F(WorkerGpuE2eTest, JobLargerThanTheGpusMemoryIsRefusedAtSubmit) {
+  StartWorker({"--gpus", "all", "--cuda-library", FakeDriver()},
+              {"FAKE_CUDA_DEVICES=2", "FAKE_CUDA_MEMORY_MIB=64"});
+  WaitForDevices(v1::CUDA_GPU, 2);
+  v1::JobSpec spec = testing::TinySpec("print-devices", 2);
+  spec.mutable_model()->set_n_layer(8);
+  spec.mutable_model()->set_d_model(512);
+  spec.mutable_model()->set_n_head(8);
+  auto job = client_->Submit(spec);
+  ASSERT_FALSE(job.ok());
+  EXPECT_EQ(job.status().code(), absl::StatusCode::kInvalidArgument) << job.status();
+  EXPECT_THAT(std::string(job.status().message()),
+              HasSubstr("but the largest device of any node has 0.06 GiB"));
 }
 
 }  // namespace

@@ -13,10 +13,37 @@
 
 #include <CLI/CLI.hpp>
 
+#include "absl/algorithm/container.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
 #include "common/metrics_endpoint.h"
 #include "common/server_main.h"
 #include "common/version.h"
+#include "worker/daemon/cuda_devices.h"
 #include "worker/daemon/worker_daemon.h"
+
+namespace {
+
+// The devices `trainer` can train on, from `trainyard-trainer --supported-devices` ("cpu", or
+// "cpu cuda" for a trainer built with a CUDA path).
+std::vector<std::string> TrainerDevices(const std::string& trainer) {
+  const std::string command = absl::StrCat("'", absl::StrReplaceAll(trainer, {{"'", "'\\''"}}),
+                                           "' --supported-devices 2>/dev/null");
+  std::vector<std::string> devices;
+  FILE* out = popen(command.c_str(), "r");
+  if (out == nullptr) return devices;
+  char line[256] = {0};
+  if (std::fgets(line, sizeof(line), out) != nullptr) {
+    devices = absl::StrSplit(line, absl::ByAnyChar(" \n"), absl::SkipEmpty());
+  }
+  pclose(out);
+  return devices;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   trainyard::BlockTerminationSignals();
@@ -26,7 +53,8 @@ int main(int argc, char** argv) {
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);
   options.node_id = host;
-  std::string work_dir, stop_grace = "10s", metrics_address;
+  std::string work_dir, stop_grace = "10s", metrics_address, gpus = "auto",
+                        cuda_library = "libcuda.so.1";
   int threads_per_slot = 0;
   std::error_code ec;
   const auto self_dir = std::filesystem::read_symlink("/proc/self/exe", ec).parent_path();
@@ -41,8 +69,16 @@ int main(int argc, char** argv) {
   app.add_option("--cpu-slots", options.cpu_slots, "CPU slots offered (one rank each)")
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();
+  app.add_option("--gpus", gpus,
+                 "auto: this host's CUDA GPUs if the trainer can train on them, else --cpu-slots; "
+                 "all: every GPU the CUDA driver shows (it applies CUDA_VISIBLE_DEVICES); none: "
+                 "CPU slots only")
+      ->check(CLI::IsMember({"auto", "all", "none"}))
+      ->capture_default_str();
+  app.add_option("--cuda-library", cuda_library, "the CUDA driver library to list GPUs with")
+      ->capture_default_str();
   app.add_option("--threads-per-slot", threads_per_slot,
-                 "threads of each rank (default: cores / slots)");
+                 "threads of each rank (default: cores / devices)");
   app.add_option("--work-dir", work_dir,
                  "spec files and rank logs (default ~/.trainyard/worker-NODE_ID)");
   app.add_option("--trainer", options.supervisor.trainer_path, "the trainyard-trainer binary")
@@ -61,9 +97,39 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.supervisor.stop_grace = *grace;
+  if (gpus != "none") {
+    auto found = trainyard::worker::ListCudaDevices(cuda_library);
+    if (gpus == "all" && (!found.ok() || found->empty())) {
+      std::cerr << "trainyard-worker: --gpus all: "
+                << (found.ok() ? "the CUDA driver shows no GPU" : found.status().message()) << "\n";
+      return 2;
+    }
+    if (!found.ok() && !absl::IsNotFound(found.status())) {
+      spdlog::warn("{}: offering CPU slots", std::string(found.status().message()));
+    } else if (found.ok() && !found->empty()) {
+      const std::vector<std::string> trainer_devices =
+          gpus == "all" ? std::vector<std::string>{}
+                        : TrainerDevices(options.supervisor.trainer_path);
+      if (gpus == "all" || absl::c_linear_search(trainer_devices, "cuda")) {
+        options.gpus = *std::move(found);
+      } else {
+        spdlog::warn(
+            "{} CUDA GPU(s) here, but {} trains on [{}] only: offering {} CPU slot(s) "
+            "(--gpus all offers the GPUs anyway)",
+            found->size(), options.supervisor.trainer_path, absl::StrJoin(trainer_devices, ", "),
+            options.cpu_slots);
+      }
+    }
+  }
+  for (const auto& gpu : options.gpus) {
+    spdlog::info("GPU {}: {}, {}, {} MiB", gpu.ordinal, gpu.name, gpu.uuid, gpu.memory_bytes >> 20);
+    options.supervisor.gpu_uuids.push_back(gpu.uuid);
+  }
+  const int devices =
+      options.gpus.empty() ? options.cpu_slots : static_cast<int>(options.gpus.size());
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   options.supervisor.threads_per_rank =
-      threads_per_slot > 0 ? threads_per_slot : std::max(1, cores / options.cpu_slots);
+      threads_per_slot > 0 ? threads_per_slot : std::max(1, cores / devices);
   if (work_dir.empty()) {
     const char* home = std::getenv("HOME");
     work_dir = std::string(home != nullptr ? home : ".") + "/.trainyard/worker-" + options.node_id;
@@ -94,9 +160,9 @@ int main(int argc, char** argv) {
     spdlog::info("signal {}: shutting down", sig);
     daemon.Shutdown();
   });
-  spdlog::info("worker {} for {} ({} slot(s), {} thread(s) each, trainer {})", options.node_id,
-               options.coordinator, options.cpu_slots, options.supervisor.threads_per_rank,
-               options.supervisor.trainer_path);
+  spdlog::info("worker {} for {} ({} {}, {} thread(s) each, trainer {})", options.node_id,
+               options.coordinator, devices, options.gpus.empty() ? "CPU slot(s)" : "CUDA GPU(s)",
+               options.supervisor.threads_per_rank, options.supervisor.trainer_path);
   daemon.Run();
   spdlog::info("stopped");
   // The signal thread waits in sigwait; nothing more to clean up.

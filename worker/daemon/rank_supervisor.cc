@@ -6,10 +6,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <string_view>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -152,6 +154,11 @@ void RankSupervisor::SupervisorLoop() {
 void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
   const RankKey key{a.job_id(), a.attempt(), rank};
   if (ranks_.count(key) > 0) return;  // already running: a resent assignment
+  if (!options_.gpu_uuids.empty() &&
+      (device < 0 || device >= static_cast<int>(options_.gpu_uuids.size()))) {
+    ReportExit(key, 127, absl::StrCat("no GPU with index ", device, " on this worker"));
+    return;
+  }
 
   namespace fs = std::filesystem;
   const std::string dir =
@@ -186,7 +193,9 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
                                    "--threads",
                                    absl::StrCat(options_.threads_per_rank),
                                    "--local-world-size",
-                                   absl::StrCat(a.device_indices_size())};
+                                   absl::StrCat(a.device_indices_size()),
+                                   "--device",
+                                   options_.gpu_uuids.empty() ? "cpu" : "cuda"};
   // Offload jobs: where the optimizer state lives, as ADDRESS=BEGIN:END,... in order.
   if (a.ps_ranges_size() > 0) {
     std::string ranges;
@@ -197,14 +206,26 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
     argv.push_back("--ps");
     argv.push_back(ranges);
   }
-  std::vector<std::string> env;
-  for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
-  env.push_back(absl::StrCat("OMP_NUM_THREADS=", options_.threads_per_rank));
-  env.push_back(absl::StrCat("TRAINYARD_JOB_ID=", a.job_id()));
-  env.push_back(absl::StrCat("TRAINYARD_DEVICE=", device));
-  // torchrun's names, for code that looks for them.
-  env.push_back(absl::StrCat("LOCAL_RANK=", rank - a.first_rank()));
-  env.push_back(absl::StrCat("LOCAL_WORLD_SIZE=", a.device_indices_size()));
+  // The rank's own settings, then the worker's environment without the names they set (getenv
+  // finds the first of duplicates, so an inherited OMP_NUM_THREADS would otherwise win).
+  std::vector<std::string> env = {
+      absl::StrCat("OMP_NUM_THREADS=", options_.threads_per_rank),
+      absl::StrCat("TRAINYARD_JOB_ID=", a.job_id()), absl::StrCat("TRAINYARD_DEVICE=", device),
+      // Its own GPU only, named by UUID: numbering then does not depend on the order CUDA
+      // enumerates in (CUDA_DEVICE_ORDER), and the rank finds it as cuda:0. No GPU for CPU slots.
+      absl::StrCat("CUDA_VISIBLE_DEVICES=",
+                   options_.gpu_uuids.empty() ? "" : options_.gpu_uuids[device]),
+      // torchrun's names, for code that looks for them.
+      absl::StrCat("LOCAL_RANK=", rank - a.first_rank()),
+      absl::StrCat("LOCAL_WORLD_SIZE=", a.device_indices_size())};
+  const size_t own = env.size();
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string_view entry(*e);
+    const bool overridden = std::any_of(env.begin(), env.begin() + own, [&](const std::string& o) {
+      return entry.substr(0, entry.find('=') + 1) == o.substr(0, o.find('=') + 1);
+    });
+    if (!overridden) env.emplace_back(entry);
+  }
   std::vector<char*> c_argv, c_env;
   for (auto& s : argv) c_argv.push_back(s.data());
   c_argv.push_back(nullptr);

@@ -52,7 +52,7 @@ WorkerDaemon::WorkerDaemon(WorkerOptions options)
   for (const char* reason : {"success", "failure", "killed"}) {
     rank_exits_.Add({{"reason", reason}});
   }
-  devices_.Add({{"state", "total"}}).Set(options_.cpu_slots);
+  devices_.Add({{"state", "total"}}).Set(device_count());
   devices_.Add({{"state", "allocated"}}).Set(0);
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
@@ -79,7 +79,7 @@ void WorkerDaemon::RecordRankExit(int exit_code) {
 void WorkerDaemon::RefreshGauges() {
   const int running = supervisor_ ? supervisor_->running_count() : 0;
   running_ranks_.Set(running);
-  devices_.Add({{"state", "allocated"}}).Set(std::min(running, options_.cpu_slots));
+  devices_.Add({{"state", "allocated"}}).Set(std::min(running, device_count()));
 }
 
 void WorkerDaemon::Send(v1::NodeMessage message) {
@@ -122,7 +122,14 @@ void WorkerDaemon::RunSession() {
   request.set_hostname(host);
   request.set_address(options_.address);
   request.set_memory_bytes(PhysicalMemoryBytes());
-  for (int i = 0; i < options_.cpu_slots; ++i) {
+  for (const CudaDevice& gpu : options_.gpus) {
+    v1::Device* d = request.add_devices();
+    d->set_index(request.devices_size() - 1);
+    d->set_kind(v1::CUDA_GPU);
+    d->set_name(absl::StrCat(gpu.name, " (", gpu.uuid, ")"));
+    d->set_memory_bytes(gpu.memory_bytes);
+  }
+  for (int i = 0; options_.gpus.empty() && i < options_.cpu_slots; ++i) {
     v1::Device* d = request.add_devices();
     d->set_index(i);
     d->set_kind(v1::CPU_SLOT);
@@ -141,8 +148,9 @@ void WorkerDaemon::RunSession() {
   }
   const absl::Duration interval =
       absl::Milliseconds(std::max<int64_t>(50, registered.heartbeat_interval_ms()));
-  spdlog::info("registered as {} with {} slot(s); heartbeat every {}", options_.node_id,
-               options_.cpu_slots, absl::FormatDuration(interval));
+  spdlog::info("registered as {} with {} {}; heartbeat every {}", options_.node_id, device_count(),
+               options_.gpus.empty() ? "CPU slot(s)" : "CUDA GPU(s)",
+               absl::FormatDuration(interval));
 
   grpc::ClientContext ctx;
   {

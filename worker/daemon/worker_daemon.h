@@ -1,6 +1,7 @@
-// WorkerDaemon: a node of the cluster. Registers its devices (CPU slots here), keeps a session
-// stream to the coordinator (heartbeats, logs and rank status up; assignments and cancels down),
-// reconnects with backoff when the coordinator goes away, and hands ranks to a RankSupervisor.
+// WorkerDaemon: a node of the cluster. Registers its devices (CUDA GPUs or CPU slots), keeps a
+// session stream to the coordinator (heartbeats, logs and rank status up; assignments and cancels
+// down), reconnects with backoff when the coordinator goes away, and hands ranks to a
+// RankSupervisor.
 //
 // Thread-safe: Run() on the main thread until Shutdown() from any thread. Messages for the
 // coordinator queue in an outbox that survives reconnects (log lines beyond a cap are dropped;
@@ -19,20 +20,23 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "trainyard/v1/node.grpc.pb.h"
+#include "worker/daemon/cuda_devices.h"
 #include "worker/daemon/rank_supervisor.h"
 
 namespace trainyard::worker {
 
 struct WorkerOptions {
   std::string coordinator = "127.0.0.1:7070";
-  std::string node_id;  // stable name; default: the host name
-  std::string address;  // shown in `yard nodes`
-  int cpu_slots = 1;    // devices offered; each runs one rank
+  std::string node_id;           // stable name; default: the host name
+  std::string address;           // shown in `yard nodes`
+  int cpu_slots = 1;             // devices offered when `gpus` is empty; each runs one rank
+  std::vector<CudaDevice> gpus;  // offered instead of CPU slots when not empty, one rank each
   SupervisorOptions supervisor;
   absl::Duration max_backoff = absl::Seconds(5);
 };
@@ -60,6 +64,9 @@ class WorkerDaemon {
 
   // Counts a rank exit by reason and refreshes the device and rank gauges.
   void RecordRankExit(int exit_code);
+  int device_count() const {
+    return options_.gpus.empty() ? options_.cpu_slots : static_cast<int>(options_.gpus.size());
+  }
   void RefreshGauges();
 
   const WorkerOptions options_;

@@ -61,6 +61,13 @@ int Main(int argc, char** argv) {
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
   InstallSigtermHandler();  // graceful stop: finish the step, checkpoint, exit 0
 
+  // What the worker asks before offering GPUs: the devices this trainer can train on. CPU only so
+  // far; "cuda" joins once a CUDA path exists (a CUDA LibTorch, the model, DDP buckets and the
+  // optimizer on the device, an NCCL Communicator).
+  if (argc == 2 && std::string(argv[1]) == "--supported-devices") {
+    std::cout << "cpu" << std::endl;
+    return 0;
+  }
   // A tool mode without a job: a sharded FSDP checkpoint as a DDP one.
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) != "--consolidate-checkpoint") continue;
@@ -110,7 +117,16 @@ int Main(int argc, char** argv) {
   app.add_option("--local-world-size", o.local_world_size,
                  "ranks of this job on this node (consecutive ranks share a node; default: all)")
       ->check(CLI::NonNegativeNumber);
+  std::string device = "cpu";
+  app.add_option("--device", device, "the device the worker gave this rank: cpu or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  if (device == "cuda") {
+    return Fail(absl::FailedPreconditionError(
+        "--device cuda: this trainer trains on CPU only (trainyard-trainer --supported-devices); "
+        "start the worker with --gpus none or --gpus auto to offer CPU slots"));
+  }
   if (o.rank >= o.world_size) {
     return Fail(absl::InvalidArgumentError(
         absl::StrCat("--rank ", o.rank, " must be below --world-size ", o.world_size)));
