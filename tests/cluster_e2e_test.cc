@@ -215,6 +215,20 @@ TEST_F(ClusterE2eTest, CheckpointsOnRequestResumesAfterAKilledRankAndCancelStops
   ASSERT_EQ(cancel.exit_code, 0) << cancel.err;
   EXPECT_EQ(cancel.out, job + " CANCELLED\n");
   EXPECT_TRUE(NoneLeft({"trainyard-trainer", job_arg, state_}, absl::Seconds(30)));
+  // The ranks got the cancel's SIGTERM (not only the SIGKILL after the grace): they finished
+  // their step, checkpointed and stopped. Their last lines may still be on the way.
+  std::string logs;
+  const absl::Time logs_deadline = absl::Now() + absl::Seconds(30);
+  while (logs.find("(SIGTERM)") == std::string::npos && absl::Now() < logs_deadline) {
+    logs = Yard({"logs", job}).out;
+    if (logs.find("(SIGTERM)") == std::string::npos) absl::SleepFor(absl::Milliseconds(100));
+  }
+  const size_t stop = logs.find(" (SIGTERM)");
+  ASSERT_NE(stop, std::string::npos) << logs;
+  const size_t step_at = logs.rfind("stopping after step ", stop);
+  ASSERT_NE(step_at, std::string::npos);
+  const std::string stop_step = logs.substr(step_at + 20, stop - step_at - 20);
+  EXPECT_THAT(logs, HasSubstr(absl::StrCat("checkpoint step ", stop_step, " path ")));
 }
 
 // FSDP through the product path: the workers tell each rank how many of the job's ranks share its

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <type_traits>
 
+static_assert(CUDA_VERSION >= 11040, "cuDeviceGetUuid_v2 needs CUDA 11.4 or later");
 static_assert(sizeof(CUresult) == sizeof(int) && CUDA_SUCCESS == 0);
 static_assert(std::is_same_v<CUdevice, int>);
 static_assert(sizeof(CUuuid) == 16);

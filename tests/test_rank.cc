@@ -1,9 +1,10 @@
 // A rank program for the worker daemon's tests, standing in for trainyard-trainer where a test
 // needs a rank to misbehave on purpose. It takes the trainer's command line and acts out the job's
 // name: "succeed" (print lines, exit 0), "fail-rank-1" (rank 1 prints to stderr and exits 3),
-// "hang" (print "ready", wait for SIGTERM), "ignore-term" (ignore SIGTERM, wait to be killed),
-// "spawn-child" (start a grandchild that sleeps, then hang), "print-devices" (print the device it
-// was given: --device, TRAINYARD_DEVICE, CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS; exit 0). Asked
+// "hang" (print "ready", wait for SIGTERM, print "stopping on SIGTERM", exit 0), "ignore-term"
+// (ignore SIGTERM, wait to be killed), "spawn-child" (start a grandchild that sleeps, then hang),
+// "print-devices" (print the device it was given: --device, TRAINYARD_DEVICE, CUDA_VISIBLE_DEVICES,
+// OMP_NUM_THREADS; exit 0). Asked
 // `--supported-devices`, it answers TEST_RANK_SUPPORTED_DEVICES (default "cpu"). Each rank writes
 // its pid (and its grandchild's) to pids-rank-R in its working directory, so tests can check that
 // none survive.
@@ -72,6 +73,13 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (mode == "ignore-term") signal(SIGTERM, SIG_IGN);
+  if (mode == "hang") {  // says that SIGTERM reached it, then exits
+    signal(SIGTERM, [](int) {
+      const char msg[] = "stopping on SIGTERM\n";
+      (void)!write(STDOUT_FILENO, msg, sizeof(msg) - 1);
+      _exit(0);
+    });
+  }
   if (mode == "spawn-child") {
     const pid_t child = fork();
     if (child == 0) {

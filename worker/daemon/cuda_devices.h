@@ -1,6 +1,8 @@
 // The NVIDIA GPUs of this host, as the CUDA driver sees them. The driver library (libcuda.so.1)
 // is opened at run time, so the worker builds and runs on hosts without a driver or toolkit; the
 // driver applies the worker's own CUDA_VISIBLE_DEVICES, as it does for any CUDA program.
+// Not handled: MIG. CUDA shows a process one MIG instance unless CUDA_VISIBLE_DEVICES names
+// several, and their UUIDs are written MIG-..., not GPU-...; listing them needs NVML.
 #ifndef TRAINYARD_WORKER_DAEMON_CUDA_DEVICES_H_
 #define TRAINYARD_WORKER_DAEMON_CUDA_DEVICES_H_
 

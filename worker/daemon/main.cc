@@ -1,12 +1,19 @@
 // trainyard-worker: the node daemon of a GPU (or CPU) host. Parses flags, runs a WorkerDaemon until
 // SIGTERM or SIGINT, then stops every rank it started (no orphans) and exits.
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <thread>
@@ -25,22 +32,68 @@
 #include "worker/daemon/cuda_devices.h"
 #include "worker/daemon/worker_daemon.h"
 
+extern char** environ;
+
 namespace {
 
 // The devices `trainer` can train on, from `trainyard-trainer --supported-devices` ("cpu", or
-// "cpu cuda" for a trainer built with a CUDA path).
-std::vector<std::string> TrainerDevices(const std::string& trainer) {
-  const std::string command = absl::StrCat("'", absl::StrReplaceAll(trainer, {{"'", "'\\''"}}),
-                                           "' --supported-devices 2>/dev/null");
-  std::vector<std::string> devices;
-  FILE* out = popen(command.c_str(), "r");
-  if (out == nullptr) return devices;
-  char line[256] = {0};
-  if (std::fgets(line, sizeof(line), out) != nullptr) {
-    devices = absl::StrSplit(line, absl::ByAnyChar(" \n"), absl::SkipEmpty());
+// "cpu cuda" for a trainer built with a CUDA path). An error when it cannot run, fails, or does
+// not answer within a minute.
+absl::StatusOr<std::vector<std::string>> TrainerDevices(const std::string& trainer) {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) {
+    return absl::InternalError(absl::StrCat("pipe: ", std::strerror(errno)));
   }
-  pclose(out);
-  return devices;
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
+  posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, "/dev/null", O_WRONLY, 0);
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  sigset_t no_signals;
+  sigemptyset(&no_signals);
+  posix_spawnattr_setsigmask(&attr, &no_signals);  // not the worker's blocked SIGTERM
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK);
+  std::string path = trainer, flag = "--supported-devices";
+  char* argv[] = {path.data(), flag.data(), nullptr};
+  pid_t pid = 0;
+  const int spawned = posix_spawn(&pid, path.c_str(), &actions, &attr, argv, environ);
+  posix_spawn_file_actions_destroy(&actions);
+  posix_spawnattr_destroy(&attr);
+  close(fds[1]);
+  if (spawned != 0) {
+    close(fds[0]);
+    return absl::FailedPreconditionError(absl::StrCat("cannot run it: ", std::strerror(spawned)));
+  }
+  std::string out;
+  bool timed_out = false;
+  const absl::Time deadline = absl::Now() + absl::Minutes(1);
+  while (true) {
+    pollfd p = {fds[0], POLLIN, 0};
+    const int ms = static_cast<int>(absl::ToInt64Milliseconds(deadline - absl::Now()));
+    if (ms <= 0 || (poll(&p, 1, ms) == 0)) {
+      timed_out = true;
+      kill(pid, SIGKILL);
+      break;
+    }
+    char buf[256];
+    const ssize_t n = read(fds[0], buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    out.append(buf, n);
+  }
+  close(fds[0]);
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (timed_out) return absl::DeadlineExceededError("--supported-devices: no answer in a minute");
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--supported-devices: ", WIFEXITED(status)
+                                     ? absl::StrCat("exit code ", WEXITSTATUS(status))
+                                     : absl::StrCat("killed by signal ", WTERMSIG(status))));
+  }
+  return std::vector<std::string>(absl::StrSplit(out, absl::ByAnyChar(" \n"), absl::SkipEmpty()));
 }
 
 }  // namespace
@@ -104,19 +157,29 @@ int main(int argc, char** argv) {
                 << (found.ok() ? "the CUDA driver shows no GPU" : found.status().message()) << "\n";
       return 2;
     }
-    if (!found.ok() && !absl::IsNotFound(found.status())) {
-      spdlog::warn("{}: offering CPU slots", std::string(found.status().message()));
-    } else if (found.ok() && !found->empty()) {
-      const std::vector<std::string> trainer_devices =
-          gpus == "all" ? std::vector<std::string>{}
-                        : TrainerDevices(options.supervisor.trainer_path);
-      if (gpus == "all" || absl::c_linear_search(trainer_devices, "cuda")) {
+    if (!found.ok()) {
+      // No driver library is an ordinary CPU host; a driver that fails is worth a warning.
+      const std::string why(found.status().message());
+      if (absl::IsNotFound(found.status())) {
+        spdlog::info("{}: offering CPU slots", why);
+      } else {
+        spdlog::warn("{}: offering CPU slots", why);
+      }
+    } else if (gpus == "all") {
+      options.gpus = *std::move(found);
+    } else if (!found->empty()) {
+      auto trainer_devices = TrainerDevices(options.supervisor.trainer_path);
+      if (trainer_devices.ok() && absl::c_linear_search(*trainer_devices, "cuda")) {
         options.gpus = *std::move(found);
       } else {
         spdlog::warn(
-            "{} CUDA GPU(s) here, but {} trains on [{}] only: offering {} CPU slot(s) "
-            "(--gpus all offers the GPUs anyway)",
-            found->size(), options.supervisor.trainer_path, absl::StrJoin(trainer_devices, ", "),
+            "{} CUDA GPU(s) here, but {} {}: offering {} CPU slot(s) (--gpus all offers the GPUs "
+            "anyway)",
+            found->size(), options.supervisor.trainer_path,
+            trainer_devices.ok()
+                ? absl::StrCat("trains on [", absl::StrJoin(*trainer_devices, ", "), "] only")
+                : absl::StrCat("did not say which devices it trains on (",
+                               trainer_devices.status().message(), ")"),
             options.cpu_slots);
       }
     }

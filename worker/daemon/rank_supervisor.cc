@@ -193,9 +193,12 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
                                    "--threads",
                                    absl::StrCat(options_.threads_per_rank),
                                    "--local-world-size",
-                                   absl::StrCat(a.device_indices_size()),
-                                   "--device",
-                                   options_.gpu_uuids.empty() ? "cpu" : "cuda"};
+                                   absl::StrCat(a.device_indices_size())};
+  // Only for GPUs, so trainers that predate the flag still run on CPU slots.
+  if (!options_.gpu_uuids.empty()) {
+    argv.push_back("--device");
+    argv.push_back("cuda");
+  }
   // Offload jobs: where the optimizer state lives, as ADDRESS=BEGIN:END,... in order.
   if (a.ps_ranges_size() > 0) {
     std::string ranges;
@@ -237,6 +240,8 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
     ReportExit(key, 127, absl::StrCat("cannot create a pipe: ", strerror(errno)));
     return;
   }
+  sigset_t no_signals;
+  sigemptyset(&no_signals);
   const pid_t parent = getpid();
   const pid_t pid = fork();
   if (pid == 0) {
@@ -244,10 +249,14 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
     setpgid(0, 0);
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (getppid() != parent) _exit(127);
+    // The worker blocks SIGTERM and SIGINT (a thread waits for them) and exec keeps a blocked
+    // mask: unblocked, or the rank's graceful stop on SIGTERM would never run.
+    sigprocmask(SIG_SETMASK, &no_signals, nullptr);
     dup2(fds[1], STDOUT_FILENO);
     dup2(fds[1], STDERR_FILENO);
     const int devnull = open("/dev/null", O_RDONLY);
     if (devnull >= 0) dup2(devnull, STDIN_FILENO);
+    close_range(3, ~0U, 0);  // nothing else of the worker's (sockets, driver files) leaks in
     if (chdir(dir.c_str()) != 0) _exit(127);
     execve(c_argv[0], c_argv.data(), c_env.data());
     const char msg[] = "cannot execute the trainer\n";

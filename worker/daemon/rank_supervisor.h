@@ -34,7 +34,7 @@ struct SupervisorOptions {
   int failure_log_lines = 8;  // last output lines sent with a failed rank's exit
   // UUIDs of the CUDA GPUs offered, by device index; empty: the devices are CPU slots. A rank on
   // a GPU sees only its own (CUDA_VISIBLE_DEVICES) and gets `--device cuda`; one on a CPU slot
-  // sees none and gets `--device cpu`.
+  // sees none.
   std::vector<std::string> gpu_uuids;
 };
 
