@@ -101,6 +101,58 @@ TEST(ModelTest, ActivationCheckpointingGivesTheSameLossAndGradients) {
   }
 }
 
+// The GPT's logits against a plain, unoptimized transformer in double precision computed from the
+// same parameters: full [t, t] scores with the causal mask, per-head softmax. The model works
+// out attention in query blocks that skip the masked upper-right part, so the prefixes of every
+// length (odd and even, below and above the blocking threshold) check that shortcut too.
+torch::Tensor ReferenceGptLogits(LanguageModel& model, const v1::ModelSpec& m,
+                                 const torch::Tensor& tokens) {
+  auto p = model.named_parameters();
+  auto P = [&](const std::string& name) { return p[name].detach().to(torch::kDouble); };
+  auto Ln = [&](const torch::Tensor& x, const std::string& name) {
+    return torch::layer_norm(x, {m.d_model()}, P(name + ".weight"), P(name + ".bias"), 1e-5);
+  };
+  auto Lin = [&](const torch::Tensor& x, const std::string& name) {
+    return torch::linear(x, P(name + ".weight"),
+                         p.contains(name + ".bias") ? P(name + ".bias") : torch::Tensor());
+  };
+  const int64_t t = tokens.size(0), d = m.d_model(), h = m.n_head(), hd = d / h;
+  torch::Tensor x =
+      P("tok_emb.weight").index_select(0, tokens) + P("pos_emb.weight").narrow(0, 0, t);
+  const torch::Tensor future = torch::ones({t, t}, torch::kBool).triu(1);
+  for (int i = 0; i < m.n_layer(); ++i) {
+    const std::string block = "blocks." + std::to_string(i);
+    const torch::Tensor qkv = Lin(Ln(x, block + ".ln1"), block + ".qkv");  // [t, 3d]
+    std::vector<torch::Tensor> heads;
+    for (int64_t j = 0; j < h; ++j) {
+      const torch::Tensor q = qkv.narrow(1, j * hd, hd), k = qkv.narrow(1, d + j * hd, hd),
+                          v = qkv.narrow(1, 2 * d + j * hd, hd);
+      const torch::Tensor scores =
+          (q.matmul(k.t()) / std::sqrt(double(hd))).masked_fill(future, -INFINITY);
+      heads.push_back(torch::softmax(scores, -1).matmul(v));
+    }
+    x = x + Lin(torch::cat(heads, 1), block + ".proj");
+    x = x + Lin(torch::gelu(Lin(Ln(x, block + ".ln2"), block + ".fc")), block + ".fc_out");
+  }
+  return Lin(Ln(x, "ln_f"), "head");  // [t, vocab]
+}
+
+TEST(ModelTest, GptLogitsMatchAPlainCausalTransformerAtEveryPrefixLength) {
+  const v1::ModelSpec m = Gpt(2, 32, 4, 64, 256, false);
+  auto model = BuildModel(m, {}, 7);
+  torch::NoGradGuard no_grad;
+  const torch::Tensor tokens = Windows(1, 63, 256).view({-1});  // 64 tokens
+  const torch::Tensor reference = ReferenceGptLogits(*model, m, tokens);
+  for (int64_t len = 1; len <= 64; ++len) {
+    const torch::Tensor logits = model->NextTokenLogits(tokens.narrow(0, 0, len).view({1, len}));
+    const torch::Tensor want = ReferenceGptLogits(*model, m, tokens.narrow(0, 0, len))[len - 1];
+    EXPECT_TRUE(torch::allclose(logits.to(torch::kDouble), want, /*rtol=*/1e-5, /*atol=*/1e-5))
+        << "prefix " << len << ": max diff " << (logits - want).abs().max().item<double>();
+    // Causal: what comes after a position does not change its logits.
+    EXPECT_TRUE(torch::allclose(want, reference[len - 1], 1e-9, 1e-9)) << "prefix " << len;
+  }
+}
+
 TEST(ModelTest, Bf16LossIsCloseToFp32) {
   const v1::ModelSpec m = Gpt(2, 32, 2, 16, 256, false);
   ModelOptions bf16;
