@@ -71,7 +71,7 @@ class WorkerE2eTest : public ::testing::Test {
 
   // A worker with 2 CPU slots running test_rank, plus `args`, with `env` added to its environment.
   void StartWorker(const std::vector<std::string>& args = {},
-                   const std::vector<std::string>& env = {}) {
+                   const std::vector<std::string>& env = {}, const std::string& stop_grace = "1s") {
     std::vector<std::string> argv = {BinPath("trainyard-worker"),
                                      "--coordinator",
                                      address_,
@@ -84,7 +84,7 @@ class WorkerE2eTest : public ::testing::Test {
                                      "--work-dir",
                                      work_dir(),
                                      "--stop-grace",
-                                     "1s"};
+                                     stop_grace};
     argv.insert(argv.end(), args.begin(), args.end());
     auto p = Subprocess::Start(argv, env);
     ASSERT_TRUE(p.ok()) << p.status();
@@ -292,15 +292,65 @@ TEST_F(WorkerE2eTest, WorkerReconnectsAfterTheCoordinatorRestarts) {
   EXPECT_EQ(done.state(), v1::SUCCEEDED) << done.message();
 }
 
-// GPU hosts, with tests/fake_cuda_driver.cc standing in for libcuda.so.1 (these hosts have no GPU):
-// each test starts its own worker.
-class WorkerGpuE2eTest : public WorkerE2eTest {
+// Tests that start their own worker.
+class OwnWorkerE2eTest : public WorkerE2eTest {
  protected:
   void SetUp() override {
     StartCoordinator("127.0.0.1:0");
     ASSERT_FALSE(address_.empty());
   }
 
+  // Waits until node w1 holds `n` devices (allocated to ranks, or kept for ranks still stopping);
+  // false if it does not within 30 s.
+  bool HoldsDevices(int n) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    int held = -1;
+    while (absl::Now() < deadline) {
+      auto nodes = client_->ListNodes();
+      if (nodes.ok()) {
+        for (const auto& node : nodes->nodes()) {
+          if (node.id() == "w1" && node.connected()) held = node.allocated_devices_size();
+        }
+      }
+      if (held == n) return true;
+      absl::SleepFor(absl::Milliseconds(20));  // no watch API for nodes
+    }
+    return false;
+  }
+};
+
+TEST_F(OwnWorkerE2eTest, RestartedCoordinatorKeepsTheDeviceOfARankStillStopping) {
+  StartWorker({"--gpus", "none"}, {}, /*stop_grace=*/"120s");
+  WaitForReadyNodes(1);
+  auto job = client_->Submit(testing::TinySpec("ignore-term", 1));
+  ASSERT_TRUE(job.ok());
+  WaitForReadyLines(job->id(), 1);
+  const std::vector<pid_t> pids = RankPids(job->id(), 1);
+  ASSERT_EQ(pids.size(), 1u);
+  ASSERT_TRUE(client_->Cancel(job->id(), "test").ok());  // SIGTERM, which it ignores
+  ASSERT_TRUE(HoldsDevices(1)) << "the stopping rank's device was freed before the restart";
+
+  // The coordinator restarts while the rank is still stopping: the worker's hello lists the rank
+  // with its device, and the new coordinator keeps that device taken.
+  const std::string listen = address_;
+  coordinator_->Signal(SIGTERM);
+  ASSERT_TRUE(coordinator_->Wait(absl::Seconds(20)).has_value());
+  StartCoordinator(listen);
+  ASSERT_EQ(address_, listen);
+  WaitForReadyNodes(1);
+  ASSERT_TRUE(HoldsDevices(1)) << "the restarted coordinator freed the stopping rank's device";
+
+  // Once the rank is gone the device is free: a job needing both slots runs.
+  kill(pids[0], SIGKILL);
+  ASSERT_TRUE(HoldsDevices(0)) << "the device stayed taken after the rank exited";
+  auto next = client_->Submit(testing::TinySpec("succeed", 2));
+  ASSERT_TRUE(next.ok());
+  EXPECT_EQ(WaitFor(next->id(), [](const v1::Job&) { return false; }).state(), v1::SUCCEEDED);
+}
+
+// GPU hosts, with tests/fake_cuda_driver.cc standing in for libcuda.so.1 (these hosts have no GPU).
+class WorkerGpuE2eTest : public OwnWorkerE2eTest {
+ protected:
   static std::string FakeDriver() { return TestBinPath("libfake_cuda.so"); }
 
   static std::string FakeUuid(int device) {

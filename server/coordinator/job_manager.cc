@@ -738,6 +738,23 @@ void JobManager::OnNodeHello(const std::string& node_id,
       freed = true;
     }
     if (freed) WakeScheduler();
+    // Ranks of attempts that are no longer current and that this coordinator does not know to
+    // be draining (it restarted since they were told to stop): their devices stay taken until
+    // they report their exit, as for any draining rank, so no new rank shares them meanwhile.
+    for (const v1::RankStatus& r : running) {
+      const v1::Job* job = Find(r.job_id());
+      const bool current =
+          job != nullptr && IsActive(job->state()) && r.attempt() == job->attempt();
+      const std::tuple<std::string, int, int> key{r.job_id(), r.attempt(), r.rank()};
+      if (current || !r.has_device() || draining_.count(key) > 0) continue;
+      std::set<int>& held = allocated_[node_id];
+      if (!held.insert(r.device()).second) {
+        spdlog::warn("node {} still runs rank {} of {} attempt {} on device {}, which is taken",
+                     node_id, r.rank(), r.job_id(), r.attempt(), r.device());
+        continue;
+      }
+      draining_[key] = DrainingRank{node_id, r.device(), clock_.Now() + kDrainTimeout};
+    }
   }
   for (const v1::RankStatus& r : running) OnRankStatus(node_id, r);
 }

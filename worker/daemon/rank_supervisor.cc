@@ -93,19 +93,21 @@ void RankSupervisor::StopAll() {
 std::vector<v1::RankStatus> RankSupervisor::Running() const {
   absl::MutexLock lock(&mu_);
   std::vector<v1::RankStatus> out;
-  auto add = [&out](const std::string& job_id, int attempt, int rank, v1::RankPhase phase) {
+  auto add = [&out](const std::string& job_id, int attempt, int rank, int device,
+                    v1::RankPhase phase) {
     v1::RankStatus& s = out.emplace_back();
     s.set_job_id(job_id);
     s.set_attempt(attempt);
     s.set_rank(rank);
+    s.set_device(device);
     s.set_phase(phase);
   };
   for (const auto& [key, rank] : ranks_) {
-    add(std::get<0>(key), std::get<1>(key), std::get<2>(key), v1::RANK_RUNNING);
+    add(std::get<0>(key), std::get<1>(key), std::get<2>(key), rank.device, v1::RANK_RUNNING);
   }
   for (const v1::Assignment& a : launches_) {  // not started yet
     for (int i = 0; i < a.device_indices_size(); ++i) {
-      add(a.job_id(), a.attempt(), a.first_rank() + i, v1::RANK_STARTING);
+      add(a.job_id(), a.attempt(), a.first_rank() + i, a.device_indices(i), v1::RANK_STARTING);
     }
   }
   return out;
@@ -272,6 +274,7 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
   setpgid(pid, pid);
   Rank& r = ranks_[key];
   r.pid = pid;
+  r.device = device;
   r.reader = std::thread([this, key, fd = fds[0], pid] { ReadOutput(key, fd, pid); });
 
   v1::NodeMessage m;

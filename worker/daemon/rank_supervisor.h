@@ -60,6 +60,7 @@ class RankSupervisor {
   using RankKey = std::tuple<std::string, int, int>;  // job, attempt, rank
   struct Rank {
     pid_t pid = 0;
+    int device = 0;
     bool stopping = false;
     absl::Time kill_at = absl::InfiniteFuture();
     std::thread reader;
