@@ -260,6 +260,7 @@ struct Variant {
   int grad_accum;
   bool activation_checkpointing;
   bool tie_weights;
+  bool one_rank_per_node = false;  // all-reduce through Gloo, not shared memory
 };
 
 void PrintTo(const Variant& v, std::ostream* os) { *os << v.name; }
@@ -280,9 +281,16 @@ TEST_P(DdpEquivalenceTest, TwoRanksMatchOneRankWithTheWholeBatch) {
   const std::string two_dump = dir_.path() + "/two.params";
   const std::string one_dump = dir_.path() + "/one.params";
 
-  RunResult r2 = Run(two, 2, {"--dump-params", two_dump});
+  std::vector<std::string> every_rank;
+  if (v.one_rank_per_node) every_rank = {"--local-world-size", "1"};
+  RunResult r2 = Run(two, 2, {"--dump-params", two_dump}, every_rank);
   EXPECT_THAT(r2.exit_codes, ::testing::ElementsAre(0, 0)) << Joined(r2);
   EXPECT_THAT(Joined(r2), HasSubstr("step 10/10"));
+  EXPECT_THAT(Joined(r2),
+              HasSubstr(v.one_rank_per_node
+                            ? "collectives: gloo\n"
+                            : "collectives: gloo; fp32 all-reduce through shared memory (2 ranks "
+                              "on this host)"));
   RunResult r1 = Run(one, 1, {"--dump-params", one_dump});
   EXPECT_THAT(r1.exit_codes, ::testing::ElementsAre(0)) << Joined(r1);
 
@@ -293,7 +301,8 @@ TEST_P(DdpEquivalenceTest, TwoRanksMatchOneRankWithTheWholeBatch) {
 INSTANTIATE_TEST_SUITE_P(Variants, DdpEquivalenceTest,
                          ::testing::Values(Variant{"Plain", 1, false, false},
                                            Variant{"GradAccum2", 2, false, true},
-                                           Variant{"ActivationCheckpointing", 1, true, false}),
+                                           Variant{"ActivationCheckpointing", 1, true, false},
+                                           Variant{"OverGloo", 1, false, false, true}),
                          [](const auto& info) { return info.param.name; });
 
 TEST_F(TrainerE2eTest, LossFallsOverTraining) {

@@ -5,6 +5,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <set>
 #include <thread>
@@ -20,6 +25,7 @@
 #include "worker/trainer/fused_adamw.h"
 #include "worker/trainer/model.h"
 #include "worker/trainer/param_dump.h"
+#include "worker/trainer/shm_allreduce.h"
 
 namespace trainyard::trainer {
 namespace {
@@ -336,6 +342,110 @@ void RunTwoGlooRanks(Fn fn) {
     });
   }
   for (auto& t : threads) t.join();
+}
+
+// A rendezvous through files in a directory: works across threads and forked processes alike.
+ShmAllReduce::Rendezvous FileRendezvous(const std::string& dir) {
+  auto path = [dir](std::string key) {
+    std::replace(key.begin(), key.end(), '/', '_');
+    return dir + "/" + key;
+  };
+  ShmAllReduce::Rendezvous r;
+  r.set = [path](const std::string& key, const std::string& value) {
+    std::ofstream(path(key) + ".tmp") << value;
+    std::filesystem::rename(path(key) + ".tmp", path(key));
+  };
+  r.get = [path](const std::string& key) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (!std::filesystem::exists(path(key)) && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(1));  // a file appearing has no event to wait on
+    }
+    std::ifstream in(path(key));
+    std::string value;
+    std::getline(in, value);
+    return value;
+  };
+  return r;
+}
+
+TEST(ShmAllReduceTest, SumsEveryRanksArraysOverSeveralChunks) {
+  testing::TempDir dir;
+  constexpr int kRanks = 3;
+  constexpr int64_t kChunk = 64;
+  const std::vector<int64_t> sizes = {0, 1, kChunk, 2 * kChunk + 37, 1000};
+  std::vector<std::vector<std::vector<float>>> data(kRanks);
+  std::vector<std::thread> ranks;
+  std::vector<absl::Status> status(kRanks);
+  for (int r = 0; r < kRanks; ++r) {
+    ranks.emplace_back([&, r] {
+      auto shm =
+          ShmAllReduce::Create(FileRendezvous(dir.path()), r, kRanks, absl::Seconds(30), kChunk);
+      if (!shm.ok()) {
+        status[r] = shm.status();
+        return;
+      }
+      for (int64_t n : sizes) {
+        std::vector<float>& v = data[r].emplace_back(n);
+        for (int64_t i = 0; i < n; ++i) v[i] = float((r + 1) * 1000 + i % 97);  // exact sums
+        if (status[r].ok()) status[r] = (*shm)->SumInPlace(v.data(), n);
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_TRUE(status[r].ok()) << "rank " << r << ": " << status[r];
+    for (size_t k = 0; k < sizes.size(); ++k) {
+      for (int64_t i = 0; i < sizes[k]; ++i) {
+        ASSERT_EQ(data[r][k][i], float(6000 + 3 * (i % 97)))
+            << "rank " << r << " size " << sizes[k] << " element " << i;
+      }
+    }
+  }
+  // Rank 0 removed the segment's name once all had it mapped.
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
+    EXPECT_EQ(entry.path().filename().string().find(absl::StrCat("trainyard-allreduce-", getpid())),
+              std::string::npos)
+        << entry.path();
+  }
+}
+
+TEST(ShmAllReduceTest, APeerThatNeverComesTimesOut) {
+  testing::TempDir dir;
+  std::unique_ptr<ShmAllReduce> idle;
+  std::thread peer([&] {
+    idle = *ShmAllReduce::Create(FileRendezvous(dir.path()), 1, 2, absl::Milliseconds(300), 64);
+  });
+  auto shm = ShmAllReduce::Create(FileRendezvous(dir.path()), 0, 2, absl::Milliseconds(300), 64);
+  peer.join();
+  ASSERT_TRUE(shm.ok()) << shm.status();
+  std::vector<float> v(10, 1.0f);
+  const absl::Status s = (*shm)->SumInPlace(v.data(), 10);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("did not arrive within 300ms"));
+  EXPECT_EQ((*shm)->SumInPlace(v.data(), 10).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(ShmAllReduceTest, APeerProcessThatDiedFailsTheOthersAtOnce) {
+  testing::TempDir dir;
+  const pid_t child = fork();
+  if (child == 0) {  // rank 1: maps the segment, then exits without taking part
+    auto shm =
+        ShmAllReduce::Create(FileRendezvous(dir.path()), 1, 2, absl::Seconds(60), /*chunk=*/64);
+    _exit(shm.ok() ? 0 : 1);
+  }
+  ASSERT_GT(child, 0);
+  auto shm = ShmAllReduce::Create(FileRendezvous(dir.path()), 0, 2, absl::Seconds(60), 64);
+  int child_status = 0;
+  ASSERT_EQ(waitpid(child, &child_status, 0), child);
+  ASSERT_TRUE(WIFEXITED(child_status) && WEXITSTATUS(child_status) == 0);
+  ASSERT_TRUE(shm.ok()) << shm.status();
+  std::vector<float> v(10, 1.0f);
+  const absl::Time start = absl::Now();
+  const absl::Status s = (*shm)->SumInPlace(v.data(), 10);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10)) << "waited for the timeout, not the pid";
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+  EXPECT_THAT(std::string(s.message()),
+              ::testing::HasSubstr(absl::StrCat("rank 1 of this host (pid ", child, ") is gone")));
 }
 
 TEST(CommunicatorTest, RingReduceScatterSumsEachRanksChunkWithUnevenCounts) {

@@ -4,7 +4,16 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
+#include <condition_variable>
+#include <deque>
+#include <future>
+#include <iostream>
+#include <mutex>
+#include <optional>
+#include <thread>
+
 #include "absl/strings/str_cat.h"
+#include "worker/trainer/shm_allreduce.h"
 
 namespace trainyard::trainer {
 namespace {
@@ -18,6 +27,7 @@ class LocalCommunicator : public Communicator {
  public:
   int rank() const override { return 0; }
   int world_size() const override { return 1; }
+  std::string Describe() const override { return "none (one rank)"; }
   std::unique_ptr<CommHandle> AllReduceSum(std::vector<torch::Tensor>) override {
     return std::make_unique<DoneHandle>();
   }
@@ -32,36 +42,115 @@ class LocalCommunicator : public Communicator {
   void SendRecv(const torch::Tensor&, int, torch::Tensor&, int, int) override {}
 };
 
+// Runs shared-memory all-reduces one after the other on a thread of its own, so that they
+// overlap the caller's work as Gloo's do.
+class ShmWorker {
+ public:
+  explicit ShmWorker(std::unique_ptr<ShmAllReduce> shm)
+      : shm_(std::move(shm)), thread_([this] { Loop(); }) {}
+  ~ShmWorker() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+
+  // Sums each tensor (fp32, contiguous, CPU) in place over the host's ranks.
+  std::future<absl::Status> Submit(std::vector<torch::Tensor> tensors) {
+    Job job{std::move(tensors), {}};
+    std::future<absl::Status> done = job.done.get_future();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      jobs_.push_back(std::move(job));
+    }
+    cv_.notify_one();
+    return done;
+  }
+
+ private:
+  struct Job {
+    std::vector<torch::Tensor> tensors;
+    std::promise<absl::Status> done;
+  };
+
+  void Loop() {
+    while (true) {
+      Job job;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
+        if (jobs_.empty()) return;
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+      absl::Status status;
+      for (torch::Tensor& t : job.tensors) {
+        if (status.ok()) status = shm_->SumInPlace(t.data_ptr<float>(), t.numel());
+      }
+      job.done.set_value(status);
+    }
+  }
+
+  std::unique_ptr<ShmAllReduce> shm_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job> jobs_;
+  bool stopping_ = false;
+  std::thread thread_;  // last: starts once the rest is built
+};
+
 class GlooHandle : public CommHandle {
  public:
-  explicit GlooHandle(std::vector<c10::intrusive_ptr<c10d::Work>> works)
-      : works_(std::move(works)) {}
+  GlooHandle(std::vector<c10::intrusive_ptr<c10d::Work>> works,
+             std::optional<std::future<absl::Status>> shm = std::nullopt)
+      : works_(std::move(works)), shm_(std::move(shm)) {}
   void Wait() override {
     for (auto& w : works_) w->wait();
     works_.clear();
+    if (shm_.has_value()) {
+      const absl::Status s = shm_->get();
+      shm_.reset();
+      TORCH_CHECK(s.ok(), std::string(s.message()));
+    }
   }
 
  private:
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+  std::optional<std::future<absl::Status>> shm_;
 };
 
 class GlooCommunicator : public Communicator {
  public:
-  explicit GlooCommunicator(c10::intrusive_ptr<c10d::ProcessGroupGloo> pg) : pg_(std::move(pg)) {}
+  GlooCommunicator(c10::intrusive_ptr<c10d::ProcessGroupGloo> pg, std::unique_ptr<ShmAllReduce> shm)
+      : pg_(std::move(pg)), shm_(shm ? std::make_unique<ShmWorker>(std::move(shm)) : nullptr) {}
 
   int rank() const override { return pg_->getRank(); }
   int world_size() const override { return pg_->getSize(); }
+  std::string Describe() const override {
+    return shm_ ? absl::StrCat("gloo; fp32 all-reduce through shared memory (", world_size(),
+                               " ranks on this host)")
+                : "gloo";
+  }
 
   std::unique_ptr<CommHandle> AllReduceSum(std::vector<torch::Tensor> tensors) override {
     // A Gloo allreduce of several tensors means one tensor per device; issue one per tensor.
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    std::vector<torch::Tensor> shared;
     const int n = world_size();
     for (auto& t : tensors) {
+      bytes_sent_ += 2 * (n - 1) * t.numel() * t.element_size() / n;  // as a ring sends it
+      if (shm_ && t.scalar_type() == torch::kFloat && t.is_contiguous() && t.device().is_cpu()) {
+        shared.push_back(t);
+        continue;
+      }
       std::vector<at::Tensor> one{t};
       works.push_back(pg_->allreduce(one));
-      bytes_sent_ += 2 * (n - 1) * t.numel() * t.element_size() / n;  // as a ring sends it
     }
-    return std::make_unique<GlooHandle>(std::move(works));
+    std::optional<std::future<absl::Status>> done;
+    if (!shared.empty()) done = shm_->Submit(std::move(shared));
+    return std::make_unique<GlooHandle>(std::move(works), std::move(done));
   }
 
   void Broadcast(std::vector<torch::Tensor> tensors, int root) override {
@@ -103,6 +192,7 @@ class GlooCommunicator : public Communicator {
 
  private:
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
+  std::unique_ptr<ShmWorker> shm_;
 };
 
 }  // namespace
@@ -146,14 +236,32 @@ std::unique_ptr<Communicator> MakeLocalCommunicator() {
 
 absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(
     c10::intrusive_ptr<c10d::Store> store, int rank, int world_size, const std::string& hostname,
-    std::chrono::milliseconds timeout) {
+    std::chrono::milliseconds timeout, bool same_host) {
   try {
     store->setTimeout(timeout);
     auto options = c10d::ProcessGroupGloo::Options::create(timeout);
     options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
     options->threads = 2;
     auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world_size, options);
-    return std::make_unique<GlooCommunicator>(std::move(pg));
+    std::unique_ptr<ShmAllReduce> shm;
+    if (same_host) {
+      ShmAllReduce::Rendezvous rendezvous;
+      rendezvous.set = [&store](const std::string& key, const std::string& value) {
+        store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+      };
+      rendezvous.get = [&store](const std::string& key) {
+        const std::vector<uint8_t> value = store->get(key);
+        return std::string(value.begin(), value.end());
+      };
+      auto made = ShmAllReduce::Create(rendezvous, rank, world_size,
+                                       absl::FromChrono(std::chrono::milliseconds(timeout)));
+      if (made.ok()) {
+        shm = *std::move(made);
+      } else {
+        std::cout << made.status().message() << "; all-reduce through Gloo" << std::endl;
+      }
+    }
+    return std::make_unique<GlooCommunicator>(std::move(pg), std::move(shm));
   } catch (const std::exception& e) {
     return absl::UnavailableError(absl::StrCat("cannot build the Gloo group (rank ", rank, " of ",
                                                world_size, ", ", hostname, "): ", e.what()));
@@ -165,7 +273,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeSubgroupCommunicator(
     const std::string& hostname, std::chrono::milliseconds timeout) {
   if (group_size == 1) return MakeLocalCommunicator();
   return MakeGlooCommunicator(c10::make_intrusive<c10d::PrefixStore>(name, std::move(store)),
-                              group_rank, group_size, hostname, timeout);
+                              group_rank, group_size, hostname, timeout, /*same_host=*/false);
 }
 
 }  // namespace trainyard::trainer

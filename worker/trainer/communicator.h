@@ -37,6 +37,8 @@ class Communicator {
 
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
+  // What carries the collectives, for the rank's log.
+  virtual std::string Describe() const = 0;
 
   // Starts summing each tensor (dense, contiguous, CPU) in place over all ranks and returns at
   // once. The tensors must not be touched until the handle's Wait() returns.
@@ -84,9 +86,12 @@ std::unique_ptr<Communicator> MakeLocalCommunicator();
 
 // A Gloo process group over `store`; its transport listens on `hostname` (an address of this host
 // that the other ranks can reach). Blocks until every rank has joined or `timeout` passes.
+// `same_host`: every rank runs on this host, so fp32 all-reduces go through shared memory
+// (ShmAllReduce, on a thread of their own) instead of Gloo; if the segment cannot be made, all
+// ranks stay with Gloo. Every rank must pass the same value.
 absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(
     c10::intrusive_ptr<c10d::Store> store, int rank, int world_size, const std::string& hostname,
-    std::chrono::milliseconds timeout);
+    std::chrono::milliseconds timeout, bool same_host = false);
 
 // A group of some of the ranks (its own Gloo process group, its keys under `name` in `store`):
 // `group_rank` of `group_size`. Every member calls it with the same name. Size 1 needs no group.

@@ -243,8 +243,11 @@ absl::Status Train(const TrainerOptions& o) {
   } else {
     auto store = c10::make_intrusive<CoordinatorStore>(channel, o.job_id, o.attempt,
                                                        std::chrono::minutes(5));
+    // All ranks on this host (the worker says how many of the job's ranks it runs): gradients
+    // are summed through shared memory instead of loopback TCP.
     ASSIGN_OR_RETURN(comm, MakeGlooCommunicator(store, o.rank, o.world_size, o.gloo_hostname,
-                                                std::chrono::minutes(5)));
+                                                std::chrono::minutes(5),
+                                                /*same_host=*/local_world == o.world_size));
     if (fsdp_on) {
       // Every rank builds its own groups, also without HYBRID_SHARD: the FSDP communication
       // thread must not share a process group with the training thread's collectives.
@@ -382,6 +385,7 @@ absl::Status Train(const TrainerOptions& o) {
                              fsdp->shard_count())
            : std::string(v1::Strategy_Name(par.strategy())),
       step, total_steps));
+  Log(absl::StrCat("collectives: ", comm->Describe()));
 
   // Model-state bytes of DDP (and offload's device side): weights and gradients, and AdamW's
   // moments on the device unless offloaded.
