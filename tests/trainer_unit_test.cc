@@ -425,6 +425,25 @@ TEST(ShmAllReduceTest, APeerThatNeverComesTimesOut) {
   EXPECT_EQ((*shm)->SumInPlace(v.data(), 10).code(), absl::StatusCode::kFailedPrecondition);
 }
 
+TEST(ShmAllReduceTest, AbortEndsAWaitForAPeerThatStaysAway) {
+  testing::TempDir dir;
+  std::unique_ptr<ShmAllReduce> idle;
+  std::thread peer([&] {
+    idle = *ShmAllReduce::Create(FileRendezvous(dir.path()), 1, 2, absl::Seconds(60), 64);
+  });
+  auto shm = ShmAllReduce::Create(FileRendezvous(dir.path()), 0, 2, absl::Seconds(60), 64);
+  peer.join();
+  ASSERT_TRUE(shm.ok()) << shm.status();
+  std::vector<float> v(10, 1.0f);
+  absl::Status s;
+  const absl::Time start = absl::Now();
+  std::thread waiter([&] { s = (*shm)->SumInPlace(v.data(), 10); });
+  (*shm)->Abort();  // before or during the wait: either way it ends
+  waiter.join();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+}
+
 TEST(ShmAllReduceTest, APeerProcessThatDiedFailsTheOthersAtOnce) {
   testing::TempDir dir;
   const pid_t child = fork();

@@ -48,11 +48,13 @@ class ShmWorker {
  public:
   explicit ShmWorker(std::unique_ptr<ShmAllReduce> shm)
       : shm_(std::move(shm)), thread_([this] { Loop(); }) {}
+  // Work nobody waited for is abandoned: a barrier in progress gives up, queued work fails.
   ~ShmWorker() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       stopping_ = true;
     }
+    shm_->Abort();
     cv_.notify_one();
     thread_.join();
   }
@@ -81,7 +83,10 @@ class ShmWorker {
       {
         std::unique_lock<std::mutex> lock(mu_);
         cv_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
-        if (jobs_.empty()) return;
+        if (stopping_) {
+          for (Job& j : jobs_) j.done.set_value(absl::CancelledError("communicator destroyed"));
+          return;
+        }
         job = std::move(jobs_.front());
         jobs_.pop_front();
       }

@@ -96,10 +96,16 @@ absl::StatusOr<std::unique_ptr<ShmAllReduce>> ShmAllReduce::Create(const Rendezv
   if (base != MAP_FAILED) {
     static_cast<Header*>(base)->pids[rank].store(getpid(), std::memory_order_release);
   }
-  rendezvous.set(absl::StrCat(kNameKey, "/mapped-", rank), base != MAP_FAILED ? "1" : "0");
   bool all_mapped = true;
-  for (int r = 0; r < world_size; ++r) {
-    all_mapped = rendezvous.get(absl::StrCat(kNameKey, "/mapped-", r)) == "1" && all_mapped;
+  try {
+    rendezvous.set(absl::StrCat(kNameKey, "/mapped-", rank), base != MAP_FAILED ? "1" : "0");
+    for (int r = 0; r < world_size; ++r) {
+      all_mapped = rendezvous.get(absl::StrCat(kNameKey, "/mapped-", r)) == "1" && all_mapped;
+    }
+  } catch (...) {  // the store gave up (a rank died, the attempt ended): leave nothing behind
+    if (rank == 0 && !name.empty()) shm_unlink(name.c_str());
+    if (base != MAP_FAILED) munmap(base, bytes);
+    throw;
   }
   if (rank == 0 && !name.empty()) shm_unlink(name.c_str());  // every rank holds it mapped now
   if (!all_mapped) {
@@ -144,6 +150,10 @@ absl::Status ShmAllReduce::Barrier() {
     syscall(SYS_futex, reinterpret_cast<uint32_t*>(&h->generation), FUTEX_WAIT, gen, &wait, nullptr,
             0);
     if (h->generation.load(std::memory_order_acquire) != gen) break;
+    if (aborted_.load()) {
+      broken_ = true;
+      return absl::CancelledError("shared-memory all-reduce: abandoned while waiting");
+    }
     for (int r = 0; r < world_; ++r) {
       const pid_t pid = h->pids[r].load(std::memory_order_acquire);
       if (r != rank_ && pid > 0 && kill(pid, 0) != 0 && errno == ESRCH) {

@@ -10,14 +10,17 @@
 // on a futex; a waiting rank checks that its peers' processes still exist, so a rank that died
 // fails the others at once instead of at the timeout.
 //
-// Rank 0 creates the segment and removes its name once every rank has mapped it: nothing is left
-// in /dev/shm, also when ranks crash. Not thread-safe: one thread at a time calls SumInPlace, and
-// every rank must make the same calls in the same order.
+// Rank 0 creates the segment and removes its name once every rank has mapped it (or when the
+// rendezvous fails): nothing is left in /dev/shm, unless rank 0 is killed in that window. A peer
+// counts as gone when its pid no longer exists; a zombie not yet reaped still counts as alive
+// (the worker reaps its ranks at once). Not thread-safe: one thread at a time calls SumInPlace,
+// Abort from any thread; every rank must make the same calls in the same order.
 #ifndef TRAINYARD_WORKER_TRAINER_SHM_ALLREDUCE_H_
 #define TRAINYARD_WORKER_TRAINER_SHM_ALLREDUCE_H_
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -49,6 +52,9 @@ class ShmAllReduce {
   // Sums data[0, n) over all ranks, in place. DeadlineExceeded or Aborted (a peer's process is
   // gone) leave the segment unusable: the job's attempt is over.
   absl::Status SumInPlace(float* data, int64_t n);
+  // Makes a SumInPlace waiting in a barrier (now or later) return Cancelled within ~20 ms: for
+  // tearing down while a peer no longer takes part.
+  void Abort() { aborted_.store(true); }
 
   int64_t segment_bytes() const { return bytes_; }
 
@@ -68,6 +74,7 @@ class ShmAllReduce {
   absl::Duration timeout_;
   int64_t calls_ = 0;  // chunks done, for alternating the result buffers
   bool broken_ = false;
+  std::atomic<bool> aborted_{false};
 };
 
 }  // namespace trainyard::trainer
