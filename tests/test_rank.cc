@@ -3,12 +3,15 @@
 // name: "succeed" (print lines, exit 0), "fail-rank-1" (rank 1 prints to stderr and exits 3),
 // "hang" (print "ready", wait for SIGTERM, print "stopping on SIGTERM", exit 0), "ignore-term"
 // (ignore SIGTERM, wait to be killed), "spawn-child" (start a grandchild that sleeps, then hang),
+// "leave-shm" (create /dev/shm/trainyard-allreduce-PID-test, exit 9),
 // "print-devices" (print the device it was given: --device, TRAINYARD_DEVICE, CUDA_VISIBLE_DEVICES,
 // OMP_NUM_THREADS; exit 0). Asked
 // `--supported-devices`, it answers TEST_RANK_SUPPORTED_DEVICES (default "cpu"). Each rank writes
 // its pid (and its grandchild's) to pids-rank-R in its working directory, so tests can check that
 // none survive.
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -59,6 +62,12 @@ int main(int argc, char** argv) {
         rank, device.c_str(), env("TRAINYARD_DEVICE").c_str(), env("CUDA_VISIBLE_DEVICES").c_str(),
         env("OMP_NUM_THREADS").c_str());
     return 0;
+  }
+  if (mode == "leave-shm") {  // dies holding a named all-reduce segment, as rank 0 might
+    const std::string name = "/trainyard-allreduce-" + std::to_string(getpid()) + "-test";
+    const int fd = shm_open(name.c_str(), O_CREAT | O_RDWR, 0600);
+    std::printf("created %s\n", fd >= 0 ? name.c_str() : "nothing");
+    return 9;
   }
   if (mode == "succeed") {
     std::printf("rank %d done\n", rank);

@@ -228,6 +228,22 @@ TEST_F(WorkerE2eTest, CrashingRankRestartsTheJobThenFailsItWithTheExitCodeAndLas
   EXPECT_TRUE(AllGone(RankPids(job->id(), 2), absl::Seconds(10)));
 }
 
+// A trainer that dies between creating its all-reduce segment and its peers mapping it (when the
+// name is removed) would leave the name in /dev/shm; the worker removes it when the rank exits.
+TEST_F(WorkerE2eTest, ARankThatDiesLeavesNoSharedMemoryBehind) {
+  auto job = client_->Submit(testing::TinySpec("leave-shm", 1));
+  ASSERT_TRUE(job.ok());
+  const v1::Job failed = WaitFor(job->id(), [](const v1::Job&) { return false; });
+  EXPECT_EQ(failed.state(), v1::FAILED);
+  EXPECT_THAT(failed.message(), HasSubstr("exited with code 9"));
+  const std::vector<std::string> logs = Logs(job->id());
+  ASSERT_EQ(RankPids(job->id(), 1).size(), 1u);
+  const std::string name =
+      absl::StrCat("/trainyard-allreduce-", RankPids(job->id(), 1)[0], "-test");
+  EXPECT_THAT(logs, ::testing::Contains("0: created " + name));
+  EXPECT_FALSE(std::filesystem::exists("/dev/shm" + name));
+}
+
 TEST_F(WorkerE2eTest, CancelStopsRanksEvenThoseIgnoringSigterm) {
   auto polite = client_->Submit(testing::TinySpec("hang", 1));
   auto stubborn = client_->Submit(testing::TinySpec("ignore-term", 1));

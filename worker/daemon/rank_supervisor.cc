@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -21,6 +22,17 @@ extern char** environ;
 
 namespace trainyard::worker {
 namespace {
+
+// The all-reduce segment a trainer of rank 0 names /dev/shm/trainyard-allreduce-PID-... exists
+// only until every rank has mapped it; if that rank died in between, its name would stay.
+void RemoveSharedMemoryOf(pid_t pid) {
+  const std::string prefix = absl::StrCat("trainyard-allreduce-", pid, "-");
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(prefix, 0) == 0) shm_unlink(("/" + name).c_str());
+  }
+}
 
 int ExitCodeOf(int wait_status) {
   if (WIFEXITED(wait_status)) return WEXITSTATUS(wait_status);
@@ -335,6 +347,7 @@ void RankSupervisor::ReadOutput(RankKey key, int fd, pid_t pid) {
   while (waitpid(pid, &wait_status, 0) < 0 && errno == EINTR) {
   }
   kill(-pid, SIGKILL);  // anything the rank left behind in its group
+  RemoveSharedMemoryOf(pid);
   const int code = ExitCodeOf(wait_status);
   ReportExit(key, code, code == 0 ? "" : absl::StrJoin(last.begin(), last.end(), "\n"));
   absl::MutexLock lock(&mu_);

@@ -11,7 +11,8 @@
 // fails the others at once instead of at the timeout.
 //
 // Rank 0 creates the segment and removes its name once every rank has mapped it (or when the
-// rendezvous fails): nothing is left in /dev/shm, unless rank 0 is killed in that window. A peer
+// rendezvous fails); if rank 0 is killed in that window, the worker removes the name when it
+// reaps the rank (the name carries rank 0's pid). A peer
 // counts as gone when its pid no longer exists; a zombie not yet reaped still counts as alive
 // (the worker reaps its ranks at once). Not thread-safe: one thread at a time calls SumInPlace,
 // Abort from any thread; every rank must make the same calls in the same order.
