@@ -24,6 +24,7 @@
 #include "worker/trainer/fsdp.h"
 #include "worker/trainer/fused_adamw.h"
 #include "worker/trainer/model.h"
+#include "worker/trainer/onednn_linear.h"
 #include "worker/trainer/param_dump.h"
 #include "worker/trainer/shm_allreduce.h"
 
@@ -157,6 +158,72 @@ TEST(ModelTest, GptLogitsMatchAPlainCausalTransformerAtEveryPrefixLength) {
     // Causal: what comes after a position does not change its logits.
     EXPECT_TRUE(torch::allclose(want, reference[len - 1], 1e-9, 1e-9)) << "prefix " << len;
   }
+}
+
+// The oneDNN Linear against torch::linear (OpenBLAS) in double precision: output and the three
+// gradients, for a 3-D input with bias, a 2-D one without, a transposed (non-contiguous) input,
+// an input that needs no gradient, and a weight that is a view (as a tied head's or FSDP's).
+TEST(OneDnnLinearTest, MatchesTorchLinearForwardAndBackward) {
+  ASSERT_TRUE(OneDnnLinearEnabled()) << "TRAINYARD_MATMUL=blas is set: nothing here is oneDNN";
+  torch::manual_seed(3);
+  struct Case {
+    std::string name;
+    torch::Tensor x, w, b;
+  };
+  const torch::Tensor storage = torch::randn({2, 48, 40});
+  std::vector<Case> cases = {
+      {"3-D input, bias", torch::randn({3, 17, 40}), torch::randn({24, 40}), torch::randn({24})},
+      {"2-D input, no bias", torch::randn({50, 40}), torch::randn({8, 40}), torch::Tensor()},
+      {"transposed input", torch::randn({40, 33}).t(), torch::randn({16, 40}), torch::randn({16})},
+      {"weight is a view", torch::randn({5, 40}), storage[1].narrow(0, 4, 30), torch::randn({30})},
+  };
+  for (Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const bool x_needs_grad = c.name != "2-D input, no bias";
+    torch::Tensor x = c.x.detach().requires_grad_(x_needs_grad);
+    torch::Tensor w = c.w.detach().requires_grad_(true);
+    torch::Tensor b = c.b.defined() ? c.b.detach().requires_grad_(true) : c.b;
+    torch::Tensor xd = c.x.to(torch::kDouble).requires_grad_(x_needs_grad);
+    torch::Tensor wd = c.w.to(torch::kDouble).requires_grad_(true);
+    torch::Tensor bd = c.b.defined() ? c.b.to(torch::kDouble).requires_grad_(true) : c.b;
+
+    const torch::Tensor y = Linear(x, w, b);
+    const torch::Tensor want = torch::linear(xd, wd, bd);
+    ASSERT_EQ(y.sizes(), want.sizes());
+    EXPECT_TRUE(torch::allclose(y.to(torch::kDouble), want, 1e-5, 1e-5));
+
+    const torch::Tensor dy = torch::randn(y.sizes());
+    y.backward(dy);
+    want.backward(dy.to(torch::kDouble));
+    EXPECT_TRUE(torch::allclose(w.grad().to(torch::kDouble), wd.grad(), 1e-5, 1e-4));
+    if (b.defined()) {
+      EXPECT_TRUE(torch::allclose(b.grad().to(torch::kDouble), bd.grad(), 1e-5, 1e-4));
+    }
+    if (x_needs_grad) {
+      ASSERT_EQ(x.grad().sizes(), x.sizes());
+      EXPECT_TRUE(torch::allclose(x.grad().to(torch::kDouble), xd.grad(), 1e-5, 1e-4));
+    } else {
+      EXPECT_FALSE(x.grad().defined());
+    }
+  }
+}
+
+TEST(OneDnnLinearTest, FallsBackToTorchForOtherDtypesAndWrongShapes) {
+  const torch::Tensor xd = torch::randn({4, 6}, torch::kDouble),
+                      wd = torch::randn({3, 6}, torch::kDouble);
+  EXPECT_TRUE(torch::equal(Linear(xd, wd, torch::Tensor()), torch::linear(xd, wd)));
+  // torch's own error for mismatched sizes, not a oneDNN one.
+  EXPECT_THROW(Linear(torch::randn({4, 5}), torch::randn({3, 6}), torch::Tensor()), c10::Error);
+}
+
+// The GEMMs of the model's shapes run on a JIT kernel, not oneDNN's slow reference loops.
+TEST(OneDnnLinearTest, ModelShapesUseJitKernels) {
+  for (const auto& [in, out] : std::vector<std::pair<int64_t, int64_t>>{
+           {256, 768}, {256, 256}, {256, 1024}, {1024, 256}, {256, 96}, {32, 256}}) {
+    const std::string impls = LinearImplementations(1024, in, out, true);
+    EXPECT_THAT(impls, ::testing::Not(::testing::HasSubstr("ref"))) << in << " -> " << out;
+  }
+  EXPECT_THAT(DescribeLinearMatmuls(), ::testing::StartsWith("Linear matmuls: oneDNN "));
 }
 
 TEST(ModelTest, Bf16LossIsCloseToFp32) {

@@ -1,6 +1,8 @@
 // GptModel, MlpModel and the activation-checkpointing autograd function (see model.h).
 #include "worker/trainer/model.h"
 
+#include "worker/trainer/onednn_linear.h"
+
 #include <c10/core/CPUAllocator.h>
 
 #include <cmath>
@@ -14,10 +16,10 @@ namespace {
 
 namespace F = torch::nn::functional;
 
-// y = x W^T + b, in bf16 when asked (autograd casts the gradients back to fp32).
+// y = x W^T + b, in bf16 when asked (autograd casts the gradients back to fp32); fp32 on oneDNN.
 torch::Tensor Dense(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
                     bool bf16) {
-  if (!bf16) return torch::linear(x, weight, bias);
+  if (!bf16) return Linear(x, weight, bias);
   const auto b16 = torch::kBFloat16;
   return torch::linear(x.to(b16), weight.to(b16), bias.defined() ? bias.to(b16) : bias)
       .to(torch::kFloat);
