@@ -47,11 +47,11 @@ pytorch_run() {
 printf "GPT n_layer 4, d_model 256, seq_len 128, micro_batch 8 per rank, fp32, 1 thread per rank;\n"
 printf "median tokens/s over %d timed steps, median of %d reps, runs interleaved\n" "$steps" "$reps"
 # The matmuls decide most of a step's time. PyTorch does them all in OpenBLAS, with the kernels it
-# picked for the CPU (or OPENBLAS_CORETYPE forced); trainyard does its Linear layers' in oneDNN
-# (TRAINYARD_MATMUL=blas: in OpenBLAS too, as PyTorch) and the rest (attention) in OpenBLAS.
+# picked for the CPU (or OPENBLAS_CORETYPE forced); trainyard does them in oneDNN (Linear layers
+# and attention; TRAINYARD_MATMUL=blas: in OpenBLAS, as PyTorch).
 version=$(build/bin/trainyard-trainer --version)
 printf "%s; OPENBLAS_CORETYPE=%s\n%s; TRAINYARD_MATMUL=%s\n\n" "$(grep '^BLAS' <<<"$version")" \
-  "${OPENBLAS_CORETYPE-(unset)}" "$(grep '^Linear matmuls' <<<"$version")" "${TRAINYARD_MATMUL-(unset)}"
+  "${OPENBLAS_CORETYPE-(unset)}" "$(grep '^Matmuls' <<<"$version")" "${TRAINYARD_MATMUL-(unset)}"
 printf "| ranks | trainyard tok/s | PyTorch DDP tok/s | trainyard / PyTorch | goal | backward ms | comm wait after backward ms |\n"
 printf "|-------|-----------------|-------------------|---------------------|------|-------------|------------------------------|\n"
 for ranks in 1 2; do

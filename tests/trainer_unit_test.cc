@@ -24,7 +24,7 @@
 #include "worker/trainer/fsdp.h"
 #include "worker/trainer/fused_adamw.h"
 #include "worker/trainer/model.h"
-#include "worker/trainer/onednn_linear.h"
+#include "worker/trainer/onednn_matmul.h"
 #include "worker/trainer/param_dump.h"
 #include "worker/trainer/shm_allreduce.h"
 
@@ -163,8 +163,8 @@ TEST(ModelTest, GptLogitsMatchAPlainCausalTransformerAtEveryPrefixLength) {
 // The oneDNN Linear against torch::linear (OpenBLAS) in double precision: output and the three
 // gradients, for a 3-D input with bias, a 2-D one without, a transposed (non-contiguous) input,
 // an input that needs no gradient, and a weight that is a view (as a tied head's or FSDP's).
-TEST(OneDnnLinearTest, MatchesTorchLinearForwardAndBackward) {
-  ASSERT_TRUE(OneDnnLinearEnabled()) << "TRAINYARD_MATMUL=blas is set: nothing here is oneDNN";
+TEST(OneDnnMatmulTest, MatchesTorchLinearForwardAndBackward) {
+  ASSERT_TRUE(OneDnnMatmulsEnabled()) << "TRAINYARD_MATMUL=blas is set: nothing here is oneDNN";
   torch::manual_seed(3);
   struct Case {
     std::string name;
@@ -208,22 +208,63 @@ TEST(OneDnnLinearTest, MatchesTorchLinearForwardAndBackward) {
   }
 }
 
-TEST(OneDnnLinearTest, FallsBackToTorchForOtherDtypesAndWrongShapes) {
+// BatchedMatmul against torch::baddbmm in double: the attention's products on narrowed and
+// transposed views, with and without a mask, and the gradients of both factors.
+TEST(OneDnnMatmulTest, BatchedMatmulMatchesBaddbmmForwardAndBackward) {
+  torch::manual_seed(4);
+  const torch::Tensor qkv = torch::randn({6, 40, 16});  // [batch * heads, t, head_dim]
+  const torch::Tensor mask = torch::full({40, 40}, -std::numeric_limits<float>::infinity()).triu(1);
+  for (const int64_t row : {0, 20}) {
+    SCOPED_TRACE(row);
+    const int64_t rows = 20, keys = row + rows;
+    torch::Tensor q = qkv.clone().requires_grad_(true), k = qkv.clone().requires_grad_(true);
+    torch::Tensor qd = qkv.to(torch::kDouble).requires_grad_(true),
+                  kd = qkv.to(torch::kDouble).requires_grad_(true);
+    const torch::Tensor m = mask.slice(0, row, keys).slice(1, 0, keys);
+    // scores = q k^T / 4 + mask, then p v with p = softmax(scores) and v = k.
+    const torch::Tensor scores =
+        BatchedMatmul(q.narrow(1, row, rows), k.narrow(1, 0, keys).transpose(1, 2), 0.25, m);
+    const torch::Tensor scores_d = torch::baddbmm(m.to(torch::kDouble), qd.narrow(1, row, rows),
+                                                  kd.narrow(1, 0, keys).transpose(1, 2), 1, 0.25);
+    EXPECT_TRUE(torch::allclose(scores.to(torch::kDouble), scores_d, 1e-5, 1e-5));
+    const torch::Tensor y =
+        BatchedMatmul(torch::softmax(scores, -1), k.narrow(1, 0, keys), 1.0, torch::Tensor());
+    const torch::Tensor y_d = torch::bmm(torch::softmax(scores_d, -1), kd.narrow(1, 0, keys));
+    EXPECT_TRUE(torch::allclose(y.to(torch::kDouble), y_d, 1e-5, 1e-5));
+    const torch::Tensor dy = torch::randn(y.sizes());
+    y.backward(dy);
+    y_d.backward(dy.to(torch::kDouble));
+    EXPECT_TRUE(torch::allclose(q.grad().to(torch::kDouble), qd.grad(), 1e-5, 1e-4));
+    EXPECT_TRUE(torch::allclose(k.grad().to(torch::kDouble), kd.grad(), 1e-5, 1e-4));
+  }
+}
+
+TEST(OneDnnMatmulTest, FallsBackToTorchForOtherDtypesAndWrongShapes) {
   const torch::Tensor xd = torch::randn({4, 6}, torch::kDouble),
                       wd = torch::randn({3, 6}, torch::kDouble);
   EXPECT_TRUE(torch::equal(Linear(xd, wd, torch::Tensor()), torch::linear(xd, wd)));
   // torch's own error for mismatched sizes, not a oneDNN one.
   EXPECT_THROW(Linear(torch::randn({4, 5}), torch::randn({3, 6}), torch::Tensor()), c10::Error);
+  EXPECT_THROW(BatchedMatmul(torch::randn({2, 4, 5}), torch::randn({2, 6, 3}), 1, torch::Tensor()),
+               c10::Error);
+  EXPECT_THROW(
+      BatchedMatmul(torch::randn({2, 4, 5}), torch::randn({2, 5, 3}), 1, torch::zeros({3, 4})),
+      c10::Error);
 }
 
 // The GEMMs of the model's shapes run on a JIT kernel, not oneDNN's slow reference loops.
-TEST(OneDnnLinearTest, ModelShapesUseJitKernels) {
+TEST(OneDnnMatmulTest, ModelShapesUseJitKernels) {
   for (const auto& [in, out] : std::vector<std::pair<int64_t, int64_t>>{
            {256, 768}, {256, 256}, {256, 1024}, {1024, 256}, {256, 96}, {32, 256}}) {
     const std::string impls = LinearImplementations(1024, in, out, true);
     EXPECT_THAT(impls, ::testing::Not(::testing::HasSubstr("ref"))) << in << " -> " << out;
   }
-  EXPECT_THAT(DescribeLinearMatmuls(), ::testing::StartsWith("Linear matmuls: oneDNN "));
+  // The bench model's attention: 8 sequences x 4 heads, t 128, head_dim 64, two query blocks.
+  EXPECT_THAT(AttentionImplementations(32, 128, 64, 0, 64),
+              ::testing::Not(::testing::HasSubstr("ref")));
+  EXPECT_THAT(AttentionImplementations(32, 128, 64, 64, 64),
+              ::testing::Not(::testing::HasSubstr("ref")));
+  EXPECT_THAT(DescribeMatmuls(), ::testing::StartsWith("Matmuls: oneDNN "));
 }
 
 TEST(ModelTest, Bf16LossIsCloseToFp32) {

@@ -15,7 +15,7 @@
 #include "common/spec.h"
 #include "common/version.h"
 #include "worker/trainer/blas.h"
-#include "worker/trainer/onednn_linear.h"
+#include "worker/trainer/onednn_matmul.h"
 #include "worker/trainer/trainer.h"
 
 namespace trainyard::trainer {
@@ -54,7 +54,7 @@ int Fail(const absl::Status& s) {
 }
 
 int Main(int argc, char** argv) {
-  const std::string blas = absl::StrCat(DescribeBlas(), "\n", DescribeLinearMatmuls());
+  const std::string blas = absl::StrCat(DescribeBlas(), "\n", DescribeMatmuls());
   // Multi-MiB gradient and parameter messages: keep freed buffers in the heap instead of handing
   // them back to the kernel, or every message touches fresh pages (page faults dominated the
   // push/pull time in bench/ps_transfer_bench: 2-5x slower).

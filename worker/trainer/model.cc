@@ -1,7 +1,7 @@
 // GptModel, MlpModel and the activation-checkpointing autograd function (see model.h).
 #include "worker/trainer/model.h"
 
-#include "worker/trainer/onednn_linear.h"
+#include "worker/trainer/onednn_matmul.h"
 
 #include <c10/core/CPUAllocator.h>
 
@@ -80,10 +80,10 @@ class BlockImpl : public torch::nn::Module {
     for (int64_t row = 0; row < t; row += half) {
       const int64_t rows = std::min(half, t - row), keys = row + rows;
       torch::Tensor scores =
-          torch::baddbmm(mask.slice(0, row, keys).slice(1, 0, keys), q.narrow(1, row, rows),
-                         k.narrow(1, 0, keys).transpose(1, 2),
-                         /*beta=*/1, /*alpha=*/scale);
-      torch::Tensor y = torch::bmm(torch::softmax(scores, -1), v.narrow(1, 0, keys));
+          BatchedMatmul(q.narrow(1, row, rows), k.narrow(1, 0, keys).transpose(1, 2), scale,
+                        mask.slice(0, row, keys).slice(1, 0, keys));
+      torch::Tensor y =
+          BatchedMatmul(torch::softmax(scores, -1), v.narrow(1, 0, keys), 1.0, torch::Tensor());
       blocks.push_back(y.view({b, n_head_, rows, hd}).transpose(1, 2));
     }
     // One copy puts the blocks side by side as [b, t, h * hd].

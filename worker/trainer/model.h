@@ -9,8 +9,8 @@
 //    predicts the token after the context.
 // Parameter counts equal common/spec.h ModelParameterCount.
 //
-// fp32: every Linear (and the tied head) runs its three matmuls on oneDNN (onednn_linear.h), the
-// attention's batched matmuls on LibTorch's BLAS.
+// fp32: every Linear (and the tied head) and the attention's batched products run their matmuls,
+// forward and backward, on oneDNN (onednn_matmul.h).
 // bf16: every Linear (and the tied head) runs its matmul in bfloat16 on bf16 copies of its input
 // and weights, with fp32 master weights and fp32 everywhere else (LayerNorm, softmax, loss).
 //
