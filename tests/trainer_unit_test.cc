@@ -517,36 +517,43 @@ TEST(ShmAllReduceTest, SumsEveryRanksArraysOverSeveralChunks) {
   }
 }
 
+// Rank 0 and rank 1 of a 2-rank segment in `dir`, rank 1 never calling SumInPlace.
+struct PairWithIdlePeer {
+  std::unique_ptr<ShmAllReduce> shm, idle;
+};
+PairWithIdlePeer ConnectWithIdlePeer(const std::string& dir, absl::Duration timeout) {
+  PairWithIdlePeer pair;
+  std::thread peer(
+      [&] { pair.idle = *ShmAllReduce::Create(FileRendezvous(dir), 1, 2, timeout, 64); });
+  auto shm = ShmAllReduce::Create(FileRendezvous(dir), 0, 2, timeout, 64);
+  peer.join();
+  EXPECT_TRUE(shm.ok()) << shm.status();
+  if (shm.ok()) pair.shm = *std::move(shm);
+  return pair;
+}
+
 TEST(ShmAllReduceTest, APeerThatNeverComesTimesOut) {
   testing::TempDir dir;
-  std::unique_ptr<ShmAllReduce> idle;
-  std::thread peer([&] {
-    idle = *ShmAllReduce::Create(FileRendezvous(dir.path()), 1, 2, absl::Milliseconds(300), 64);
-  });
-  auto shm = ShmAllReduce::Create(FileRendezvous(dir.path()), 0, 2, absl::Milliseconds(300), 64);
-  peer.join();
-  ASSERT_TRUE(shm.ok()) << shm.status();
+  PairWithIdlePeer pair = ConnectWithIdlePeer(dir.path(), absl::Milliseconds(300));
+  ASSERT_NE(pair.shm, nullptr);
+  auto& shm = pair.shm;
   std::vector<float> v(10, 1.0f);
-  const absl::Status s = (*shm)->SumInPlace(v.data(), 10);
+  const absl::Status s = shm->SumInPlace(v.data(), 10);
   EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
   EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("did not arrive within 300ms"));
-  EXPECT_EQ((*shm)->SumInPlace(v.data(), 10).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(shm->SumInPlace(v.data(), 10).code(), absl::StatusCode::kFailedPrecondition);
 }
 
 TEST(ShmAllReduceTest, AbortEndsAWaitForAPeerThatStaysAway) {
   testing::TempDir dir;
-  std::unique_ptr<ShmAllReduce> idle;
-  std::thread peer([&] {
-    idle = *ShmAllReduce::Create(FileRendezvous(dir.path()), 1, 2, absl::Seconds(60), 64);
-  });
-  auto shm = ShmAllReduce::Create(FileRendezvous(dir.path()), 0, 2, absl::Seconds(60), 64);
-  peer.join();
-  ASSERT_TRUE(shm.ok()) << shm.status();
+  PairWithIdlePeer pair = ConnectWithIdlePeer(dir.path(), absl::Seconds(60));
+  ASSERT_NE(pair.shm, nullptr);
+  auto& shm = pair.shm;
   std::vector<float> v(10, 1.0f);
   absl::Status s;
   const absl::Time start = absl::Now();
-  std::thread waiter([&] { s = (*shm)->SumInPlace(v.data(), 10); });
-  (*shm)->Abort();  // before or during the wait: either way it ends
+  std::thread waiter([&] { s = shm->SumInPlace(v.data(), 10); });
+  shm->Abort();  // before or during the wait: either way it ends
   waiter.join();
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
   EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;

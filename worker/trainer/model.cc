@@ -1,8 +1,6 @@
 // GptModel, MlpModel and the activation-checkpointing autograd function (see model.h).
 #include "worker/trainer/model.h"
 
-#include "worker/trainer/onednn_matmul.h"
-
 #include <c10/core/CPUAllocator.h>
 
 #include <cmath>
@@ -10,6 +8,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "worker/trainer/onednn_matmul.h"
 
 namespace trainyard::trainer {
 namespace {

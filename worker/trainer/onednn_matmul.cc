@@ -1,4 +1,4 @@
-// Linear on oneDNN's matmul (see onednn_matmul.h).
+// The model's matmuls on oneDNN (see onednn_matmul.h).
 #include "worker/trainer/onednn_matmul.h"
 
 #include <ATen/autocast_mode.h>
@@ -127,23 +127,18 @@ class OneDnn {
 // strides (2-D tensors: a batch of one).
 GemmShape ShapeOf(const torch::Tensor& a, const torch::Tensor& b, bool bias, float alpha,
                   bool accumulate) {
-  const bool batched = a.dim() == 3;
-  const torch::Tensor a3 = batched ? a : a.unsqueeze(0), b3 = batched ? b : b.unsqueeze(0);
-  GemmShape shape{a3.size(0),
-                  a3.size(1),
-                  a3.size(2),
-                  b3.size(2),
-                  {a3.stride(0), a3.stride(1), a3.stride(2)},
-                  {b3.stride(0), b3.stride(1), b3.stride(2)}};
   // A batch of one: its batch stride means nothing; the element count keeps oneDNN's checks happy.
-  if (!batched) {
-    shape.a_strides[0] = shape.m * shape.k;
-    shape.b_strides[0] = shape.k * shape.n;
-  }
-  shape.bias = bias;
-  shape.alpha = alpha;
-  shape.accumulate = accumulate;
-  return shape;
+  const int64_t i = a.dim() - 2;  // the first matrix dimension: 1 batched, 0 not
+  const int64_t m = a.size(i), k = a.size(i + 1), n = b.size(i + 1);
+  return {i == 1 ? a.size(0) : 1,
+          m,
+          k,
+          n,
+          {i == 1 ? a.stride(0) : m * k, a.stride(i), a.stride(i + 1)},
+          {i == 1 ? b.stride(0) : k * n, b.stride(i), b.stride(i + 1)},
+          bias,
+          alpha,
+          accumulate};
 }
 
 // out[i] = alpha a[i] b[i] (+ bias) (+ out[i] when accumulate): a [batch, m, k], b [batch, k, n]
@@ -269,26 +264,17 @@ bool ReadEnabled() {
 }
 
 std::string IsaName(dnnl::cpu_isa isa) {
-  switch (isa) {
-    case dnnl::cpu_isa::sse41:
-      return "sse41";
-    case dnnl::cpu_isa::avx:
-      return "avx";
-    case dnnl::cpu_isa::avx2:
-      return "avx2";
-    case dnnl::cpu_isa::avx2_vnni:
-      return "avx2_vnni";
-    case dnnl::cpu_isa::avx512_core:
-      return "avx512_core";
-    case dnnl::cpu_isa::avx512_core_vnni:
-      return "avx512_core_vnni";
-    case dnnl::cpu_isa::avx512_core_bf16:
-      return "avx512_core_bf16";
-    case dnnl::cpu_isa::avx512_core_amx:
-      return "avx512_core_amx";
-    default:
-      return "isa " + std::to_string(static_cast<int>(isa));
-  }
+  static const std::map<dnnl::cpu_isa, std::string> kNames = {
+      {dnnl::cpu_isa::sse41, "sse41"},
+      {dnnl::cpu_isa::avx, "avx"},
+      {dnnl::cpu_isa::avx2, "avx2"},
+      {dnnl::cpu_isa::avx2_vnni, "avx2_vnni"},
+      {dnnl::cpu_isa::avx512_core, "avx512_core"},
+      {dnnl::cpu_isa::avx512_core_vnni, "avx512_core_vnni"},
+      {dnnl::cpu_isa::avx512_core_bf16, "avx512_core_bf16"},
+      {dnnl::cpu_isa::avx512_core_amx, "avx512_core_amx"}};
+  auto it = kNames.find(isa);
+  return it != kNames.end() ? it->second : absl::StrCat("isa ", static_cast<int>(isa));
 }
 
 }  // namespace
