@@ -13,11 +13,12 @@
 // without the AdamW update. Steps in WIRE_FP32 and in WIRE_BF16 (half the bytes). The anchor and
 // the steps alternate round by round; the table shows medians after --warmup rounds.
 //
-// Two clients: `--client stub` talks like offload.cc (generated stub, protobuf messages, 4 MiB
-// chunks); `--client zero-copy` sends the same messages through a generic stub with the gradient
-// bytes as a slice pointing into the gradient array and decodes pulled chunks straight into the
-// parameter array. `--tune-malloc` sets glibc malloc's thresholds for this process and for the
-// trainyard-ps children (GLIBC_TUNABLES), see kPsMallocTunables.
+// Two clients: `--client zero-copy` is the offload trainer's (server/ps/ps_client.h: a generic
+// stub, the gradient bytes sent as a slice pointing into the gradient array, pulled chunks decoded
+// straight into the parameter array); `--client stub` sends the same messages through the
+// generated stub and protobuf classes (4 MiB chunks), as offload.cc did before. `--tune-malloc`
+// sets glibc malloc in this process as the offload trainer sets it (worker/trainer/main.cc); the
+// trainyard-ps children always run as shipped (server/ps/main.cc sets theirs).
 //
 // Run through bench/ps_transfer_bench.sh, or: ps_transfer_bench [--params N] [--reps N]
 // [--warmup N] [--shards 1,2,3,4] [--ps PATH] [--client stub|zero-copy] [--tune-malloc]
@@ -35,10 +36,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <google/protobuf/io/coded_stream.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
-#include <grpcpp/support/proto_buffer_reader.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -62,6 +61,7 @@
 #include "common/ps_layout.h"
 #include "common/status_macros.h"
 #include "server/adam/cpu_adam.h"
+#include "server/ps/ps_client.h"
 #include "trainyard/v1/ps.grpc.pb.h"
 
 namespace trainyard::bench {
@@ -73,13 +73,11 @@ constexpr double kGoalOfSocket = 0.7;
 constexpr double kStopTimeoutSeconds = 20;
 constexpr char kJobId[] = "ps-transfer-bench";
 // --tune-malloc: glibc malloc keeps freed memory for reuse instead of handing it back to the
-// kernel (a fixed mmap threshold at its 32 MiB maximum, trimming only above 1 GiB), so that the
-// buffers gRPC and protobuf allocate for every received message stop costing a page fault per
-// 4 KiB page. The same settings for this process (mallopt) and the trainyard-ps children:
+// kernel (a fixed mmap threshold at its 32 MiB maximum, trimming only above 1 GiB, one arena), so
+// that the buffers gRPC allocates for every received message stop costing a page fault per 4 KiB
+// page. What an offload trainer rank and trainyard-ps set.
 constexpr int kMmapThresholdBytes = 32 << 20;
 constexpr int kTrimThresholdBytes = 1 << 30;
-constexpr char kPsMallocTunables[] =
-    "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824";
 
 struct Flags {
   int64_t params = int64_t{64} << 20;
@@ -414,107 +412,9 @@ class PsFleet {
 
 // ---- The client. ----
 
-// One call through a generic stub on its own completion queue, each operation waited for in turn
-// (the synchronous API has no generic client-streaming calls). Used by one thread.
-class AsyncCall {
- public:
-  AsyncCall(grpc::GenericStub& stub, const std::string& method)
-      : call_(stub.PrepareCall(&ctx_, method, &cq_)) {
-    call_->StartCall(this);
-    started_ = Wait();
-  }
-  ~AsyncCall() {
-    if (!finished_) {
-      Cancel();
-      Finish();
-    }
-    cq_.Shutdown();
-    void* tag = nullptr;
-    bool ok = false;
-    while (cq_.Next(&tag, &ok)) {
-    }
-  }
-
-  bool started() const { return started_; }
-  // Each returns false once the call is over (Read: no more messages).
-  bool Write(const grpc::ByteBuffer& message) {
-    call_->Write(message, this);
-    return Wait();
-  }
-  bool WritesDone() {
-    call_->WritesDone(this);
-    return Wait();
-  }
-  bool Read(grpc::ByteBuffer* message) {
-    call_->Read(message, this);
-    return Wait();
-  }
-  void Cancel() { ctx_.TryCancel(); }
-  grpc::Status Finish() {
-    finished_ = true;
-    grpc::Status status;
-    call_->Finish(&status, this);
-    Wait();
-    return status;
-  }
-
- private:
-  bool Wait() {
-    void* tag = nullptr;
-    bool ok = false;
-    return cq_.Next(&tag, &ok) && ok;
-  }
-
-  grpc::ClientContext ctx_;
-  grpc::CompletionQueue cq_;
-  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call_;
-  bool started_ = false;
-  bool finished_ = false;
-};
-
-constexpr uint32_t kWireVarint = 0, kWireLengthDelimited = 2;  // protobuf wire types
-
-void AppendVarint(uint64_t v, std::string* out) {
-  for (; v >= 0x80; v >>= 7) out->push_back(static_cast<char>(v | 0x80));
-  out->push_back(static_cast<char>(v));
-}
-
-// Decodes a ParameterChunk (protobuf writes offset before data) and copies its data into `params`
-// (the job's vector of `element_bytes` elements) at its offset, which must lie in [begin, end).
-// Adds the chunk's elements to `received`.
-absl::Status DecodeParameterChunk(grpc::ByteBuffer* message, int64_t begin, int64_t end,
-                                  int64_t element_bytes, void* params, int64_t* received) {
-  const absl::Status malformed = absl::InternalError("pull: a malformed ParameterChunk");
-  grpc::ProtoBufferReader reader(message);
-  google::protobuf::io::CodedInputStream in(&reader);
-  uint64_t offset = 0;
-  while (const uint32_t tag = in.ReadTag()) {
-    const uint32_t field = tag >> 3, wire_type = tag & 7;
-    uint64_t value = 0;
-    uint32_t bytes = 0;
-    if (wire_type == kWireVarint) {
-      if (!in.ReadVarint64(&value)) return malformed;
-      if (field == v1::ParameterChunk::kOffsetFieldNumber) offset = value;
-    } else if (wire_type == kWireLengthDelimited && field == v1::ParameterChunk::kDataFieldNumber) {
-      const int64_t a = static_cast<int64_t>(offset);
-      if (!in.ReadVarint32(&bytes) || bytes % element_bytes != 0 || a < begin ||
-          a + bytes / element_bytes > end) {
-        return absl::InternalError("pull: a chunk outside the range or in another format");
-      }
-      if (!in.ReadRaw(static_cast<char*>(params) + a * element_bytes, static_cast<int>(bytes))) {
-        return malformed;
-      }
-      *received += bytes / element_bytes;
-    } else if (wire_type != kWireLengthDelimited || !in.ReadVarint32(&bytes) ||
-               !in.Skip(static_cast<int>(bytes))) {
-      return malformed;
-    }
-  }
-  return in.ConsumedEntireMessage() ? absl::OkStatus() : malformed;
-}
-
-// One range of the job on one trainyard-ps, spoken to as the offload trainer does (--client stub)
-// or with fewer copies (--client zero-copy). Each method is called by one thread at a time.
+// One range of the job on one trainyard-ps, spoken to as the offload trainer does (--client
+// zero-copy) or through the generated stub (--client stub). Each method is called by one thread
+// at a time.
 class ShardClient {
  public:
   ShardClient(const std::string& address, int64_t begin, int64_t end, const Flags& flags)
@@ -614,7 +514,7 @@ class ShardClient {
                                             " elements of [", begin_, ", ", end_, ")"));
   }
 
-  // As offload.cc: one GradientChunk reused, its data copied in by set_data.
+  // One GradientChunk reused, its data copied in by set_data.
   absl::Status PushStub(int64_t step, v1::WireFormat format, const void* grads) {
     const int64_t element_bytes = ElementBytes(format);
     grpc::ClientContext ctx;
@@ -637,41 +537,23 @@ class ShardClient {
     return CheckCount("push: staged", response.elements_staged());
   }
 
-  // The same messages on the wire: a small serialized header (every field but data) followed by
-  // the data field's tag and length, then the data as a slice pointing into `grads`.
+  // As offload.cc: server/ps/ps_client.h.
   absl::Status PushZeroCopy(int64_t step, v1::WireFormat format, const void* grads) {
-    const int64_t element_bytes = ElementBytes(format);
-    AsyncCall call(*generic_, "/trainyard.v1.ParameterServerService/PushGradients");
     v1::GradientChunk header;
     header.set_job_id(kJobId);
     header.set_attempt(1);
     header.set_step(step);
     header.set_format(format);
-    bool ok = call.started();
-    for (int64_t a = begin_; ok && a < end_; a += chunk_elements_) {
-      const int64_t bytes = std::min(chunk_elements_, end_ - a) * element_bytes;
-      header.set_offset(a);
-      std::string prefix = header.SerializeAsString();
-      AppendVarint((v1::GradientChunk::kDataFieldNumber << 3) | kWireLengthDelimited, &prefix);
-      AppendVarint(static_cast<uint64_t>(bytes), &prefix);
-      const grpc::Slice slices[2] = {
-          grpc::Slice(prefix), grpc::Slice(static_cast<const char*>(grads) + a * element_bytes,
-                                           bytes, grpc::Slice::STATIC_SLICE)};
-      ok = call.Write(grpc::ByteBuffer(slices, 2));
-    }
-    call.WritesDone();
-    grpc::ByteBuffer reply;
-    call.Read(&reply);
-    RETURN_IF_ERROR(Check(call.Finish(), "push"));
     v1::PushGradientsResponse response;
-    if (!grpc::SerializationTraits<v1::PushGradientsResponse>::Deserialize(&reply, &response)
-             .ok()) {
-      return absl::InternalError("push: a malformed PushGradientsResponse");
-    }
+    RETURN_IF_ERROR(Check(
+        ps::PushGradientsZeroCopy(
+            *generic_, header, static_cast<const char*>(grads) + begin_ * ElementBytes(format),
+            begin_, end_, chunk_elements_, absl::InfiniteDuration(), &response),
+        "push"));
     return CheckCount("push: staged", response.elements_staged());
   }
 
-  // As offload.cc: each ParameterChunk parsed by protobuf, then copied into place.
+  // Each ParameterChunk parsed by protobuf, then copied into place.
   absl::Status PullStub(int64_t step, bool update, v1::WireFormat format, void* params,
                         Clock::time_point* first_chunk) {
     const int64_t element_bytes = ElementBytes(format);
@@ -695,27 +577,14 @@ class ShardClient {
     return CheckCount("pull", received);
   }
 
-  // Each ParameterChunk decoded from gRPC's buffers straight into place.
+  // As offload.cc: server/ps/ps_client.h.
   absl::Status PullZeroCopy(int64_t step, bool update, v1::WireFormat format, void* params,
                             Clock::time_point* first_chunk) {
-    const std::string request = PullRequest(step, update, format).SerializeAsString();
-    const grpc::Slice slice(request);
-    AsyncCall call(*generic_, "/trainyard.v1.ParameterServerService/UpdateAndPull");
-    const bool sent =
-        call.started() && call.Write(grpc::ByteBuffer(&slice, 1)) && call.WritesDone();
-    grpc::ByteBuffer message;
-    int64_t received = 0;
-    absl::Status decoded;
-    while (sent && decoded.ok() && call.Read(&message)) {
-      if (received == 0) *first_chunk = Clock::now();
-      decoded =
-          DecodeParameterChunk(&message, begin_, end_, ElementBytes(format), params, &received);
-    }
-    if (!decoded.ok()) call.Cancel();
-    const grpc::Status finished = call.Finish();
-    RETURN_IF_ERROR(decoded);
-    RETURN_IF_ERROR(Check(finished, "pull"));
-    return CheckCount("pull", received);
+    return Check(
+        ps::UpdateAndPullZeroCopy(*generic_, PullRequest(step, update, format),
+                                  static_cast<char*>(params) + begin_ * ElementBytes(format),
+                                  absl::InfiniteDuration(), [&] { *first_chunk = Clock::now(); }),
+        "pull");
   }
 
   absl::Status Check(const grpc::Status& s, absl::string_view what) const {
@@ -932,7 +801,7 @@ int Main(int argc, char** argv) {
   if (flags.tune_malloc) {
     mallopt(M_MMAP_THRESHOLD, kMmapThresholdBytes);
     mallopt(M_TRIM_THRESHOLD, kTrimThresholdBytes);
-    setenv("GLIBC_TUNABLES", kPsMallocTunables, 1);  // inherited by the trainyard-ps children
+    mallopt(M_ARENA_MAX, 1);  // before any other thread allocates
   }
   if (!flags.rows_only) {
     std::string shard_list;

@@ -316,6 +316,8 @@ TEST_F(PsServiceTest, BadRequestsGetPreciseErrorsAndLeaveTheShardUnchanged) {
          grpc::StatusCode::OUT_OF_RANGE, "outside this shard's range");
   expect(Push("job-1", 2, 3, kBegin, kEnd, g), grpc::StatusCode::FAILED_PRECONDITION,
          "gradients of step 3");
+  expect(Push("job-1", 2, 1, kBegin, kEnd, g, nullptr, static_cast<v1::WireFormat>(7)),
+         grpc::StatusCode::INVALID_ARGUMENT, "GradientChunk.format: unknown wire format 7");
   expect(UpdateAndPull("job-1", 2, 1, kBegin, kEnd, 1e-2f, nullptr),
          grpc::StatusCode::FAILED_PRECONDITION, "gradients of 0 of the 6001 elements");
   ASSERT_TRUE(Push("job-1", 2, 1, kBegin, 3000, g).ok());

@@ -39,7 +39,9 @@ struct AdamWConfig {
 //   v = beta2 * v + (1 - beta2) * g * g
 //   param = param - lr / (1 - beta1^step) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
 // `param_bf16` may be nullptr; otherwise the updated params are also written there as bfloat16
-// (round to nearest even), in the same pass. No alignment is required; ranges must not overlap.
+// (round to nearest even), in the same pass. No alignment is required, not even of `grad` to its
+// element size (trainyard-ps reads pushed gradients where gRPC received them); ranges must not
+// overlap.
 void AdamWStep(const AdamWConfig& c, float* param, float* m, float* v, const float* grad,
                uint16_t* param_bf16, int64_t n);
 

@@ -5,9 +5,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/grpc_status.h"
+#include "server/ps/ps_wire.h"
 
 namespace trainyard::ps {
 namespace {
+
+// The generated service's methods, in the order of ps.proto (the index MarkMethodGeneric takes).
+constexpr int kPushGradientsIndex = 1;
+constexpr int kUpdateAndPullIndex = 2;
 
 constexpr int64_t kDefaultChunkElements = int64_t{1} << 20;
 constexpr int64_t kMaxChunkElements = int64_t{16} << 20;
@@ -21,6 +26,33 @@ absl::Status CheckChunkElements(int64_t n) {
 }
 
 }  // namespace
+
+ParameterServiceImpl::ParameterServiceImpl(ShardManager& shards, PsMetrics metrics)
+    : shards_(shards), metrics_(metrics) {
+  // The two bulk methods get handlers on byte buffers instead of the generated ones (the same
+  // synchronous threads serve them). "Streamed" is gRPC's name for replacing a handler: the
+  // server then treats the method as bidirectional streaming, which needs no change of clients.
+  MarkMethodStreamed(
+      kPushGradientsIndex,
+      new grpc::internal::ClientStreamingHandler<ParameterServiceImpl, grpc::ByteBuffer,
+                                                 v1::PushGradientsResponse>(
+          [](ParameterServiceImpl* service, grpc::ServerContext* ctx,
+             grpc::ServerReader<grpc::ByteBuffer>* reader, v1::PushGradientsResponse* response) {
+            return service->PushGradientBuffers(ctx, reader, response);
+          },
+          this));
+  MarkMethodStreamed(
+      kUpdateAndPullIndex,
+      new grpc::internal::SplitServerStreamingHandler<v1::UpdateAndPullRequest, grpc::ByteBuffer>(
+          [this](grpc::ServerContext* ctx,
+                 grpc::ServerSplitStreamer<v1::UpdateAndPullRequest, grpc::ByteBuffer>* stream) {
+            v1::UpdateAndPullRequest request;
+            if (!stream->Read(&request)) {
+              return ToGrpcStatus(absl::InvalidArgumentError("UpdateAndPullRequest: none sent"));
+            }
+            return UpdateAndPullBuffers(ctx, request, stream);
+          }));
+}
 
 grpc::Status ParameterServiceImpl::InitShard(grpc::ServerContext* ctx,
                                              grpc::ServerReader<v1::InitShardChunk>* reader,
@@ -51,15 +83,17 @@ grpc::Status ParameterServiceImpl::InitShard(grpc::ServerContext* ctx,
   return grpc::Status::OK;
 }
 
-grpc::Status ParameterServiceImpl::PushGradients(grpc::ServerContext* ctx,
-                                                 grpc::ServerReader<v1::GradientChunk>* reader,
-                                                 v1::PushGradientsResponse* response) {
-  v1::GradientChunk chunk;
-  while (reader->Read(&chunk)) {
-    const double bytes = static_cast<double>(chunk.data().size());
-    // The received bytes move into the shard's staging: no copy.
-    auto r = shards_.Push(chunk.job_id(), chunk.attempt(), chunk.step(), chunk.offset(),
-                          chunk.format(), std::move(*chunk.mutable_data()));
+grpc::Status ParameterServiceImpl::PushGradientBuffers(grpc::ServerContext* ctx,
+                                                       grpc::ServerReader<grpc::ByteBuffer>* reader,
+                                                       v1::PushGradientsResponse* response) {
+  grpc::ByteBuffer message;
+  while (reader->Read(&message)) {
+    auto chunk = DecodeGradientChunk(message);
+    if (!chunk.ok()) return ToGrpcStatus(chunk.status());
+    const double bytes = static_cast<double>(chunk->data.size());
+    // The received slices are staged as they are: no copy.
+    auto r = shards_.Push(chunk->job_id, chunk->attempt, chunk->step, chunk->offset, chunk->format,
+                          std::move(chunk->data));
     if (!r.ok()) return ToGrpcStatus(r.status());
     if (metrics_.pushed_bytes != nullptr) metrics_.pushed_bytes->Increment(bytes);
     response->set_elements_staged(response->elements_staged() + r->staged);
@@ -68,42 +102,43 @@ grpc::Status ParameterServiceImpl::PushGradients(grpc::ServerContext* ctx,
   return grpc::Status::OK;
 }
 
-grpc::Status ParameterServiceImpl::UpdateAndPull(grpc::ServerContext* ctx,
-                                                 const v1::UpdateAndPullRequest* request,
-                                                 grpc::ServerWriter<v1::ParameterChunk>* writer) {
-  if (absl::Status s = CheckChunkElements(request->chunk_elements()); !s.ok()) {
+grpc::Status ParameterServiceImpl::UpdateAndPullBuffers(
+    grpc::ServerContext* ctx, const v1::UpdateAndPullRequest& request,
+    grpc::ServerSplitStreamer<v1::UpdateAndPullRequest, grpc::ByteBuffer>* writer) {
+  if (absl::Status s = CheckChunkElements(request.chunk_elements()); !s.ok()) {
     return ToGrpcStatus(s);
   }
-  if (request->begin() >= request->end()) {
+  if (request.begin() >= request.end()) {
     return ToGrpcStatus(absl::InvalidArgumentError(
-        absl::StrCat("begin/end: [", request->begin(), ", ", request->end(), ") is empty")));
+        absl::StrCat("begin/end: [", request.begin(), ", ", request.end(), ") is empty")));
   }
-  const v1::WireFormat format = request->format() == v1::WIRE_BF16 ? v1::WIRE_BF16 : v1::WIRE_FP32;
-  if (request->has_update()) {
+  const v1::WireFormat format = request.format() == v1::WIRE_BF16 ? v1::WIRE_BF16 : v1::WIRE_FP32;
+  if (request.has_update()) {
     const absl::Time start = absl::Now();
     absl::Status s =
-        shards_.Update(request->job_id(), request->attempt(), request->step(), request->begin(),
-                       request->end(), request->update().lr(), request->update().grad_scale());
+        shards_.Update(request.job_id(), request.attempt(), request.step(), request.begin(),
+                       request.end(), request.update().lr(), request.update().grad_scale());
     if (!s.ok()) return ToGrpcStatus(s);
     if (metrics_.adam_step_seconds != nullptr) {
       metrics_.adam_step_seconds->Observe(absl::ToDoubleSeconds(absl::Now() - start));
     }
   }
   const int64_t chunk =
-      request->chunk_elements() > 0 ? request->chunk_elements() : kDefaultChunkElements;
+      request.chunk_elements() > 0 ? request.chunk_elements() : kDefaultChunkElements;
   const absl::Duration wait =
-      request->wait_ms() > 0 ? absl::Milliseconds(request->wait_ms()) : absl::ZeroDuration();
-  v1::ParameterChunk out;
-  for (int64_t a = request->begin(); a < request->end(); a += chunk) {
-    const int64_t b = std::min(request->end(), a + chunk);
-    out.Clear();
-    out.set_offset(a);
-    out.set_format(format);
-    absl::Status s = shards_.ReadParams(request->job_id(), request->attempt(), request->step(), a,
-                                        b, format, wait, out.mutable_data());
+      request.wait_ms() > 0 ? absl::Milliseconds(request.wait_ms()) : absl::ZeroDuration();
+  for (int64_t a = request.begin(); a < request.end(); a += chunk) {
+    const int64_t b = std::min(request.end(), a + chunk);
+    // The shard writes the parameters straight into the slice that is sent.
+    grpc::Slice data(static_cast<size_t>((b - a) * WireElementBytes(format)));
+    absl::Status s =
+        shards_.ReadParams(request.job_id(), request.attempt(), request.step(), a, b, format, wait,
+                           reinterpret_cast<char*>(const_cast<uint8_t*>(data.begin())));
     if (!s.ok()) return ToGrpcStatus(s);
-    if (metrics_.pulled_bytes != nullptr) metrics_.pulled_bytes->Increment(out.data().size());
-    if (!writer->Write(out)) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+    if (metrics_.pulled_bytes != nullptr) metrics_.pulled_bytes->Increment(data.size());
+    if (!writer->Write(EncodeParameterChunk(a, format, std::move(data)))) {
+      return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+    }
   }
   return grpc::Status::OK;
 }

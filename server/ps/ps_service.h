@@ -1,6 +1,10 @@
 // ParameterServiceImpl: the gRPC adapter of a parameter server: translates
 // trainyard.v1.ParameterServerService calls into ShardManager calls and counts bytes for metrics.
 //
+// PushGradients and UpdateAndPull, the bulk transfers, take and give gRPC's byte buffers
+// (ps_wire.h): pushed gradients stay in the slices they arrived in and pulled parameters are
+// copied once, from the shard into the slice that is sent. The others use the generated classes.
+//
 // The synchronous API on purpose: handlers block on AdamW updates (tens of milliseconds over big
 // ranges) and on pulls waiting for a step, which the callback API's reactions must not do; the
 // server's thread pool bounds the concurrency instead. Thread-safe.
@@ -24,16 +28,10 @@ struct PsMetrics {
 class ParameterServiceImpl final : public v1::ParameterServerService::Service {
  public:
   // `shards` must outlive the service; `metrics` members may be null.
-  ParameterServiceImpl(ShardManager& shards, PsMetrics metrics)
-      : shards_(shards), metrics_(metrics) {}
+  ParameterServiceImpl(ShardManager& shards, PsMetrics metrics);
 
   grpc::Status InitShard(grpc::ServerContext* ctx, grpc::ServerReader<v1::InitShardChunk>* reader,
                          v1::InitShardResponse* response) override;
-  grpc::Status PushGradients(grpc::ServerContext* ctx,
-                             grpc::ServerReader<v1::GradientChunk>* reader,
-                             v1::PushGradientsResponse* response) override;
-  grpc::Status UpdateAndPull(grpc::ServerContext* ctx, const v1::UpdateAndPullRequest* request,
-                             grpc::ServerWriter<v1::ParameterChunk>* writer) override;
   grpc::Status ReadShardState(grpc::ServerContext* ctx, const v1::ReadShardStateRequest* request,
                               grpc::ServerWriter<v1::ShardStateChunk>* writer) override;
   grpc::Status DropJob(grpc::ServerContext* ctx, const v1::DropJobRequest* request,
@@ -42,6 +40,14 @@ class ParameterServiceImpl final : public v1::ParameterServerService::Service {
                           v1::ListShardsResponse* response) override;
 
  private:
+  // The handlers of PushGradients and UpdateAndPull, on byte buffers.
+  grpc::Status PushGradientBuffers(grpc::ServerContext* ctx,
+                                   grpc::ServerReader<grpc::ByteBuffer>* reader,
+                                   v1::PushGradientsResponse* response);
+  grpc::Status UpdateAndPullBuffers(
+      grpc::ServerContext* ctx, const v1::UpdateAndPullRequest& request,
+      grpc::ServerSplitStreamer<v1::UpdateAndPullRequest, grpc::ByteBuffer>* writer);
+
   ShardManager& shards_;
   const PsMetrics metrics_;
 };

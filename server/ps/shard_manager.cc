@@ -1,7 +1,9 @@
 #include "server/ps/shard_manager.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
+#include <deque>
 #include <iterator>
 
 #include "absl/strings/str_cat.h"
@@ -46,7 +48,7 @@ struct ShardManager::Shard {
     int64_t size;
     int64_t step;
     v1::WireFormat format;
-    std::string data;
+    ReceivedBytes data;
   };
   std::map<int64_t, Staged> staged ABSL_GUARDED_BY(mu);  // gradient chunks by first element
   bool ready ABSL_GUARDED_BY(mu) = false;
@@ -64,7 +66,50 @@ absl::Status CheckSubrange(const char* what, int64_t a, int64_t b, int64_t begin
   return absl::OkStatus();
 }
 
-int64_t ElementBytes(v1::WireFormat format) { return format == v1::WIRE_BF16 ? 2 : 4; }
+// A stretch of whole gradient elements of a pushed chunk: `n` of them, for the shard's elements
+// from index `i`, read from `grad` (any alignment; fp32 or bf16 as `bf16` says).
+struct GradRun {
+  int64_t i;
+  const char* grad;
+  int64_t n;
+  bool bf16;
+};
+
+// Cuts `data`, the gradients of the shard's elements from index `i`, into runs of whole elements
+// of at most adam::kParallelChunk. An element split between two pieces is put together in
+// `spill` (a deque: the addresses of its entries stay put).
+void AppendRuns(const ReceivedBytes& data, bool bf16, int64_t i, std::vector<GradRun>* runs,
+                std::deque<std::array<char, 4>>* spill) {
+  const size_t element_bytes = bf16 ? 2 : 4;
+  size_t partial = 0;  // bytes of an element begun in an earlier piece, at spill->back()
+  for (absl::string_view piece : data.pieces) {
+    const char* p = piece.data();
+    size_t left = piece.size();
+    if (partial > 0) {
+      const size_t take = std::min(left, element_bytes - partial);
+      std::memcpy(spill->back().data() + partial, p, take);
+      partial += take;
+      p += take;
+      left -= take;
+      if (partial < element_bytes) continue;
+      runs->push_back({i++, spill->back().data(), 1, bf16});
+      partial = 0;
+    }
+    for (int64_t whole = left / element_bytes; whole > 0;) {
+      const int64_t n = std::min(whole, adam::kParallelChunk);
+      runs->push_back({i, p, n, bf16});
+      i += n;
+      p += n * element_bytes;
+      left -= n * element_bytes;
+      whole -= n;
+    }
+    if (left > 0) {
+      spill->emplace_back();
+      std::memcpy(spill->back().data(), p, left);
+      partial = left;
+    }
+  }
+}
 
 }  // namespace
 
@@ -187,17 +232,18 @@ absl::Status ShardManager::FinishInit(const std::string& job_id, int attempt) {
 absl::StatusOr<ShardManager::PushResult> ShardManager::Push(const std::string& job_id, int attempt,
                                                             int64_t step, int64_t offset,
                                                             v1::WireFormat format,
-                                                            std::string data) {
+                                                            ReceivedBytes data) {
   auto found = Ready(job_id, attempt);
   if (!found.ok()) return found.status();
   Shard& s = **found;
-  const int64_t element_bytes = ElementBytes(format);
-  if (data.empty() || data.size() % element_bytes != 0) {
+  const int64_t element_bytes = WireElementBytes(format);
+  const size_t size = data.size();
+  if (size == 0 || size % element_bytes != 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("data: ", data.size(), " bytes is not a non-empty whole number of ",
+        absl::StrCat("data: ", size, " bytes is not a non-empty whole number of ",
                      format == v1::WIRE_BF16 ? "bf16" : "fp32", " values"));
   }
-  const int64_t n = data.size() / element_bytes;
+  const int64_t n = size / element_bytes;
   if (step < 1) return absl::InvalidArgumentError("step: must be at least 1");
   RETURN_IF_ERROR(CheckSubrange("offset", offset, offset + n, s.begin, s.end));
 
@@ -288,20 +334,31 @@ absl::Status ShardManager::Update(const std::string& job_id, int attempt, int64_
   c.weight_decay = s.adamw.weight_decay();
   c.step = step;
   c.grad_scale = grad_scale;
+  // The gradients are read where gRPC received them: in runs of whole elements, spread over the
+  // pool (element-wise, so the result does not depend on how the bytes were cut).
+  std::vector<GradRun> runs;
+  std::deque<std::array<char, 4>> spill;
+  for (const auto& [offset, chunk] : chunks) {
+    AppendRuns(chunk.data, chunk.format == v1::WIRE_BF16, offset - s.begin, &runs, &spill);
+  }
+  const int64_t grain = std::max<int64_t>(
+      1, adam::kParallelChunk * static_cast<int64_t>(runs.size()) / (end - begin));
   {
     absl::MutexLock compute(&compute_mu_);
-    for (const auto& [offset, chunk] : chunks) {
-      const int64_t i = offset - s.begin;
-      if (chunk.format == v1::WIRE_BF16) {
-        adam::AdamWStepBf16GradParallel(pool_, c, &s.params[i], &s.m[i], &s.v[i],
-                                        reinterpret_cast<const uint16_t*>(chunk.data.data()),
-                                        &s.params_bf16[i], chunk.size);
-      } else {
-        adam::AdamWStepParallel(pool_, c, &s.params[i], &s.m[i], &s.v[i],
-                                reinterpret_cast<const float*>(chunk.data.data()),
-                                &s.params_bf16[i], chunk.size);
+    pool_.ParallelFor(static_cast<int64_t>(runs.size()), grain, [&](int64_t a, int64_t b) {
+      for (int64_t r = a; r < b; ++r) {
+        const GradRun& run = runs[r];
+        const int64_t i = run.i;
+        if (run.bf16) {
+          adam::AdamWStepBf16Grad(c, &s.params[i], &s.m[i], &s.v[i],
+                                  reinterpret_cast<const uint16_t*>(run.grad), &s.params_bf16[i],
+                                  run.n);
+        } else {
+          adam::AdamWStep(c, &s.params[i], &s.m[i], &s.v[i],
+                          reinterpret_cast<const float*>(run.grad), &s.params_bf16[i], run.n);
+        }
       }
-    }
+    });
   }
   absl::MutexLock lock(&s.mu);
   s.applied.Set(begin, end, step, /*updating=*/false);
@@ -311,7 +368,7 @@ absl::Status ShardManager::Update(const std::string& job_id, int attempt, int64_
 
 absl::Status ShardManager::ReadParams(const std::string& job_id, int attempt, int64_t step,
                                       int64_t begin, int64_t end, v1::WireFormat format,
-                                      absl::Duration wait, std::string* out) {
+                                      absl::Duration wait, char* out) {
   auto found = Ready(job_id, attempt);
   if (!found.ok()) return found.status();
   Shard& s = **found;
@@ -333,13 +390,10 @@ absl::Status ShardManager::ReadParams(const std::string& job_id, int attempt, in
         "step: [", begin, ", ", end, ") is already at step ", at.max_step, ", past ", step));
   }
   const int64_t i = begin - s.begin, n = end - begin;
-  const size_t old_size = out->size();
   if (format == v1::WIRE_BF16) {
-    out->resize(old_size + n * 2);
-    std::memcpy(out->data() + old_size, &s.params_bf16[i], n * 2);
+    std::memcpy(out, &s.params_bf16[i], n * 2);
   } else {
-    out->resize(old_size + n * 4);
-    std::memcpy(out->data() + old_size, &s.params[i], n * 4);
+    std::memcpy(out, &s.params[i], n * 4);
   }
   return absl::OkStatus();
 }

@@ -1,8 +1,9 @@
 // ShardManager: the optimizer state a parameter server holds. For each offload job placed on this
 // shard, one contiguous range [begin, end) of the job's flat parameter vector: fp32 master
 // weights, AdamW's m and v, the pushed gradients until their update (kept in the buffers gRPC
-// received them in) and a bfloat16 copy of the weights (written by the same pass as the update,
-// for bf16 pulls): 18 bytes per parameter, reserved against the server's capacity.
+// received them in: the update reads them there) and a bfloat16 copy of the weights (written by the
+// same pass as the update, for bf16 pulls): 18 bytes per parameter, reserved against the server's
+// capacity.
 //
 // The protocol of one optimizer step (see proto/trainyard/v1/ps.proto): Push stages gradient
 // chunks (each element once per step; an identical retry is counted as a duplicate and ignored);
@@ -32,6 +33,7 @@
 #include "common/ps_layout.h"
 #include "server/adam/thread_pool.h"
 #include "server/ps/step_intervals.h"
+#include "server/ps/wire_types.h"
 #include "trainyard/v1/ps.pb.h"
 
 namespace trainyard::ps {
@@ -61,9 +63,10 @@ class ShardManager {
   // FAILED_PRECONDITION for a stale attempt, a range not initialized, or a step that does not
   // follow the range's; OUT_OF_RANGE for elements outside the range; INVALID_ARGUMENT for a size
   // that is not whole elements or a chunk overlapping a different one of the same step.
-  // `data` is kept as it is until the update (no copy): pass the received bytes by move.
+  // `data` is kept as it is until the update, which reads the gradients from its pieces (no
+  // copy).
   absl::StatusOr<PushResult> Push(const std::string& job_id, int attempt, int64_t step,
-                                  int64_t offset, v1::WireFormat format, std::string data);
+                                  int64_t offset, v1::WireFormat format, ReceivedBytes data);
 
   // Applies step `step` to [begin, end): every element's gradients must be staged (else
   // FAILED_PRECONDITION saying how many are), and the range must be at step - 1, or already at
@@ -71,12 +74,12 @@ class ShardManager {
   absl::Status Update(const std::string& job_id, int attempt, int64_t step, int64_t begin,
                       int64_t end, float lr, float grad_scale);
 
-  // Appends the parameters of [begin, end) after update `step`, in `format`, to `out`. Waits up to
-  // `wait` for the range to reach the step; DEADLINE_EXCEEDED after that, FAILED_PRECONDITION
-  // if some element is already past it.
+  // Writes the parameters of [begin, end) after update `step`, in `format`, to `out`, which must
+  // have room for (end - begin) * WireElementBytes(format) bytes. Waits up to `wait` for the
+  // range to reach the step; DEADLINE_EXCEEDED after that, FAILED_PRECONDITION if some element is
+  // already past it.
   absl::Status ReadParams(const std::string& job_id, int attempt, int64_t step, int64_t begin,
-                          int64_t end, v1::WireFormat format, absl::Duration wait,
-                          std::string* out);
+                          int64_t end, v1::WireFormat format, absl::Duration wait, char* out);
 
   // The full state of [begin, end) (for checkpoints): params, m, v as fp32 bytes. The range
   // must be at exactly `step`.

@@ -60,6 +60,16 @@ int Main(int argc, char** argv) {
   // push/pull time in bench/ps_transfer_bench: 2-5x slower).
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  // An offload rank (--ps) receives pulled parameters on gRPC's threads: one arena, or glibc unmaps
+  // each thread arena's heap as soon as it empties and every message faults in fresh pages (see
+  // server/ps/main.cc). Set before any other thread allocates (glibc reads it once); other
+  // strategies keep glibc's per-thread arenas.
+  for (int i = 1; i < argc; ++i) {
+    if (absl::StartsWith(argv[i], "--ps=") || std::string(argv[i]) == "--ps") {
+      mallopt(M_ARENA_MAX, 1);
+      break;
+    }
+  }
   InstallSigtermHandler();  // graceful stop: finish the step, checkpoint, exit 0
 
   // What the worker asks before offering GPUs: the devices this trainer can train on. CPU only so

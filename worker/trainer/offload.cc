@@ -16,6 +16,7 @@
 #include "absl/time/clock.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
+#include "server/ps/ps_client.h"
 #include "trainyard/v1/ps.grpc.pb.h"
 
 namespace trainyard::trainer {
@@ -50,6 +51,8 @@ void SetDeadline(grpc::ClientContext& ctx, absl::Duration timeout) {
 struct OffloadOptimizer::Server {
   PsRangeRef range;
   std::unique_ptr<v1::ParameterServerService::Stub> stub;
+  // The same channel for the bulk calls, on byte buffers (server/ps/ps_client.h).
+  std::unique_ptr<grpc::GenericStub> generic;
 
   absl::Status Annotate(const grpc::Status& s, const char* what) const {
     absl::Status status = FromGrpcStatus(s);
@@ -132,8 +135,9 @@ absl::StatusOr<std::unique_ptr<OffloadOptimizer>> OffloadOptimizer::Create(
   args.SetMaxSendMessageSize(kMaxMessageBytes);
   for (PsRangeRef& r : ranges) {
     auto server = std::make_unique<Server>();
-    server->stub = v1::ParameterServerService::NewStub(
-        grpc::CreateCustomChannel(r.address, grpc::InsecureChannelCredentials(), args));
+    auto channel = grpc::CreateCustomChannel(r.address, grpc::InsecureChannelCredentials(), args);
+    server->stub = v1::ParameterServerService::NewStub(channel);
+    server->generic = std::make_unique<grpc::GenericStub>(channel);
     server->range = std::move(r);
     o->servers_.push_back(std::move(server));
   }
@@ -269,26 +273,18 @@ absl::Status OffloadOptimizer::PushBucket(const Bucket& bucket, int64_t step) {
     const Server& s = *server;
     const int64_t x0 = std::max(lo, s.range.begin), x1 = std::min(hi, s.range.end);
     if (x0 >= x1) continue;
-    grpc::ClientContext ctx;
-    SetDeadline(ctx, config_.rpc_timeout);
+    // Sent from grads_ itself: it does not change until the push returns.
+    v1::GradientChunk header;
+    header.set_job_id(config_.job_id);
+    header.set_attempt(config_.attempt);
+    header.set_step(step);
+    header.set_format(v1::WIRE_FP32);
     v1::PushGradientsResponse response;
-    auto writer = s.stub->PushGradients(&ctx, &response);
-    v1::GradientChunk chunk;
-    chunk.set_job_id(config_.job_id);
-    chunk.set_attempt(config_.attempt);
-    chunk.set_step(step);
-    chunk.set_format(v1::WIRE_FP32);
-    bool ok = true;
-    for (int64_t x = x0; ok && x < x1; x += kChunkElements) {
-      const int64_t n = std::min(kChunkElements, x1 - x);
-      chunk.set_offset(x);
-      chunk.set_data(reinterpret_cast<const char*>(grads_.data_ptr<float>() + x), n * 4);
-      pushed_bytes_ += n * 4;
-      ok = writer->Write(chunk);
-    }
-    writer->WritesDone();
-    const grpc::Status st = writer->Finish();
+    const grpc::Status st =
+        ps::PushGradientsZeroCopy(*s.generic, header, grads_.data_ptr<float>() + x0, x0, x1,
+                                  kChunkElements, config_.rpc_timeout, &response);
     if (!st.ok()) return s.Annotate(st, "push");
+    pushed_bytes_ += (x1 - x0) * 4;
   }
   return absl::OkStatus();
 }
@@ -419,8 +415,6 @@ absl::Status OffloadOptimizer::UpdateAndPull(int64_t step, double lr, double gra
     const Server& s = *servers_[i];
     const int64_t lo = std::max(a, s.range.begin), hi = std::min(b, s.range.end);
     if (lo >= hi) return absl::OkStatus();
-    grpc::ClientContext ctx;
-    SetDeadline(ctx, config_.rpc_timeout);
     v1::UpdateAndPullRequest request;
     request.set_job_id(config_.job_id);
     request.set_attempt(config_.attempt);
@@ -431,27 +425,11 @@ absl::Status OffloadOptimizer::UpdateAndPull(int64_t step, double lr, double gra
     request.mutable_update()->set_grad_scale(static_cast<float>(grad_scale));
     request.set_format(v1::WIRE_FP32);
     request.set_chunk_elements(kChunkElements);
-    auto reader = s.stub->UpdateAndPull(&ctx, request);
-    v1::ParameterChunk chunk;
-    int64_t received = 0;
-    while (reader->Read(&chunk)) {
-      const int64_t n = static_cast<int64_t>(chunk.data().size()) / 4;
-      if (chunk.offset() < lo || chunk.offset() + n > hi) {
-        ctx.TryCancel();
-        reader->Finish();
-        return absl::InternalError(absl::StrCat("parameter server ", s.range.address,
-                                                " sent a chunk outside [", lo, ", ", hi, ")"));
-      }
-      std::memcpy(mine.data_ptr<float>() + (chunk.offset() - a), chunk.data().data(), n * 4);
-      received += n;
-      pulled[i] += chunk.data().size();
-    }
-    const grpc::Status st = reader->Finish();
+    // Decoded from gRPC's buffers straight into this rank's slice.
+    const grpc::Status st = ps::UpdateAndPullZeroCopy(
+        *s.generic, request, mine.data_ptr<float>() + (lo - a), config_.rpc_timeout);
     if (!st.ok()) return s.Annotate(st, "update and pull");
-    if (received != hi - lo) {
-      return absl::InternalError(absl::StrCat("parameter server ", s.range.address, " sent ",
-                                              received, " of ", hi - lo, " parameters"));
-    }
+    pulled[i] = (hi - lo) * 4;
     return absl::OkStatus();
   }));
   int64_t total = 0;
