@@ -31,6 +31,16 @@ grpc::ByteBuffer Cut(const std::string& bytes, const std::vector<size_t>& cuts) 
   return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
+std::string Flat(const grpc::ByteBuffer& message) {
+  std::vector<grpc::Slice> slices;
+  EXPECT_TRUE(message.Dump(&slices).ok());
+  std::string bytes;
+  for (const grpc::Slice& s : slices) {
+    bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  return bytes;
+}
+
 std::string Joined(const ReceivedBytes& data) {
   std::string out;
   for (absl::string_view piece : data.pieces) out.append(piece.data(), piece.size());
@@ -116,34 +126,23 @@ TEST(PsWireTest, FieldsInAnyOrderRepeatedAndUnknownAreReadAsProtobufReadsThem) {
 }
 
 TEST(PsWireTest, MalformedGradientChunksGetErrorsNamingTheField) {
-  const auto error = [](const std::string& bytes) {
-    return DecodeGradientChunk(Cut(bytes, {bytes.size() / 2})).status();
-  };
   const std::string good = SampleChunk().SerializeAsString();
-  // Cut off inside the data.
-  absl::Status s = error(good.substr(0, good.size() - 5));
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(s.message(), HasSubstr("GradientChunk.data: truncated"));
-  // A varint that never ends.
-  s = error(std::string("\x18\xff\xff", 3));
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(s.message(), HasSubstr("GradientChunk.step: truncated varint"));
-  // step (3) as length-delimited.
-  s = error(std::string("\x1a\x01\x00", 3));
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(s.message(), HasSubstr("GradientChunk.step: wrong wire type"));
-  // An unknown wire format.
-  s = error(std::string("\x28\x07", 2));
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(s.message(), HasSubstr("GradientChunk.format: unknown wire format 7"));
-  // A group (wire type 3) of an unknown field.
-  s = error(std::string("\x4b\x4c", 2));
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(s.message(), HasSubstr("unsupported wire type"));
-  // Field number 0.
-  s = error(std::string("\x00\x01", 2));
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(s.message(), HasSubstr("field number 0"));
+  const struct {
+    std::string bytes;
+    const char* error;
+  } cases[] = {
+      {good.substr(0, good.size() - 5), "GradientChunk.data: truncated"},  // cut inside the data
+      {std::string("\x18\xff\xff", 3), "GradientChunk.step: truncated varint"},
+      {std::string("\x1a\x01\x00", 3), "GradientChunk.step: wrong wire type"},  // as bytes
+      {std::string("\x28\x07", 2), "GradientChunk.format: unknown wire format 7"},
+      {std::string("\x4b\x4c", 2), "unsupported wire type"},  // a group of an unknown field
+      {std::string("\x00\x01", 2), "field number 0"},
+  };
+  for (const auto& c : cases) {
+    const absl::Status s = DecodeGradientChunk(Cut(c.bytes, {c.bytes.size() / 2})).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.error;
+    EXPECT_THAT(s.message(), HasSubstr(c.error));
+  }
 }
 
 TEST(PsWireTest, EncodedGradientChunkIsWhatProtobufSerializes) {
@@ -151,12 +150,9 @@ TEST(PsWireTest, EncodedGradientChunkIsWhatProtobufSerializes) {
   v1::GradientChunk header = want;
   header.clear_data();
   grpc::ByteBuffer message = EncodeGradientChunk(header, want.data().data(), want.data().size());
+  EXPECT_EQ(Flat(message), want.SerializeAsString());
   std::vector<grpc::Slice> slices;
   ASSERT_TRUE(message.Dump(&slices).ok());
-  std::string bytes;
-  for (const grpc::Slice& s : slices)
-    bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  EXPECT_EQ(bytes, want.SerializeAsString());
   // The data slice is the caller's memory, not a copy.
   ASSERT_EQ(slices.size(), 2u);
   EXPECT_EQ(reinterpret_cast<const char*>(slices[1].begin()), want.data().data());
@@ -165,13 +161,8 @@ TEST(PsWireTest, EncodedGradientChunkIsWhatProtobufSerializes) {
 TEST(PsWireTest, ParameterChunkRoundTripsThroughProtobufAndIntoPlace) {
   std::string data(12, '\0');
   for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(100 + i);
-  grpc::ByteBuffer message =
-      EncodeParameterChunk(1002, v1::WIRE_FP32, grpc::Slice(data.data(), data.size()));
-  std::vector<grpc::Slice> slices;
-  ASSERT_TRUE(message.Dump(&slices).ok());
-  std::string bytes;
-  for (const grpc::Slice& s : slices)
-    bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  const std::string bytes =
+      Flat(EncodeParameterChunk(1002, v1::WIRE_FP32, grpc::Slice(data.data(), data.size())));
   v1::ParameterChunk parsed;
   ASSERT_TRUE(parsed.ParseFromString(bytes));
   EXPECT_EQ(parsed.offset(), 1002);
