@@ -48,7 +48,8 @@ ParameterServiceImpl::ParameterServiceImpl(ShardManager& shards, PsMetrics metri
                  grpc::ServerSplitStreamer<v1::UpdateAndPullRequest, grpc::ByteBuffer>* stream) {
             v1::UpdateAndPullRequest request;
             if (!stream->Read(&request)) {
-              return ToGrpcStatus(absl::InvalidArgumentError("UpdateAndPullRequest: none sent"));
+              return ToGrpcStatus(absl::InvalidArgumentError(
+                  "UpdateAndPullRequest: none sent, or it does not parse"));
             }
             return UpdateAndPullBuffers(ctx, request, stream);
           }));

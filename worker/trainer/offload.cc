@@ -269,10 +269,15 @@ void OffloadOptimizer::GatherIntoModel(const torch::Tensor& slice) {
 absl::Status OffloadOptimizer::PushBucket(const Bucket& bucket, int64_t step) {
   const auto [a, b] = OwnedSlice();
   const int64_t lo = std::max(a, bucket.begin), hi = std::min(b, bucket.end);
+  std::vector<const Server*> targets;  // the servers holding part of [lo, hi)
   for (const auto& server : servers_) {
-    const Server& s = *server;
+    if (std::max(lo, server->range.begin) < std::min(hi, server->range.end)) {
+      targets.push_back(server.get());
+    }
+  }
+  const auto push = [&](size_t i) -> absl::Status {
+    const Server& s = *targets[i];
     const int64_t x0 = std::max(lo, s.range.begin), x1 = std::min(hi, s.range.end);
-    if (x0 >= x1) continue;
     // Sent from grads_ itself: it does not change until the push returns.
     v1::GradientChunk header;
     header.set_job_id(config_.job_id);
@@ -285,8 +290,10 @@ absl::Status OffloadOptimizer::PushBucket(const Bucket& bucket, int64_t step) {
                                   kChunkElements, config_.rpc_timeout, &response);
     if (!st.ok()) return s.Annotate(st, "push");
     pushed_bytes_ += (x1 - x0) * 4;
-  }
-  return absl::OkStatus();
+    return absl::OkStatus();
+  };
+  // A bucket spanning several servers is pushed to them at once.
+  return targets.size() == 1 ? push(0) : RunParallel(targets.size(), push);
 }
 
 absl::StatusOr<double> OffloadOptimizer::FinishBackward(double* waited_s) {
