@@ -10,7 +10,7 @@
 namespace trainyard::ps {
 namespace {
 
-// The generated service's methods, in the order of ps.proto (the index MarkMethodGeneric takes).
+// The generated service's methods, in the order of ps.proto (the index MarkMethodStreamed takes).
 constexpr int kPushGradientsIndex = 1;
 constexpr int kUpdateAndPullIndex = 2;
 
