@@ -62,6 +62,7 @@
 #include "common/status_macros.h"
 #include "server/adam/cpu_adam.h"
 #include "server/ps/ps_client.h"
+#include "server/ps/wire_types.h"
 #include "trainyard/v1/ps.grpc.pb.h"
 
 namespace trainyard::bench {
@@ -492,8 +493,6 @@ class ShardClient {
   }
 
  private:
-  static int64_t ElementBytes(v1::WireFormat format) { return format == v1::WIRE_BF16 ? 2 : 4; }
-
   v1::UpdateAndPullRequest PullRequest(int64_t step, bool update, v1::WireFormat format) const {
     v1::UpdateAndPullRequest request;
     request.set_job_id(kJobId);
@@ -516,7 +515,7 @@ class ShardClient {
 
   // One GradientChunk reused, its data copied in by set_data.
   absl::Status PushStub(int64_t step, v1::WireFormat format, const void* grads) {
-    const int64_t element_bytes = ElementBytes(format);
+    const int64_t element_bytes = ps::WireElementBytes(format);
     grpc::ClientContext ctx;
     v1::PushGradientsResponse response;
     auto writer = stub_->PushGradients(&ctx, &response);
@@ -545,18 +544,19 @@ class ShardClient {
     header.set_step(step);
     header.set_format(format);
     v1::PushGradientsResponse response;
-    RETURN_IF_ERROR(Check(
-        ps::PushGradientsZeroCopy(
-            *generic_, header, static_cast<const char*>(grads) + begin_ * ElementBytes(format),
-            begin_, end_, chunk_elements_, absl::InfiniteDuration(), &response),
-        "push"));
+    RETURN_IF_ERROR(
+        Check(ps::PushGradientsZeroCopy(
+                  *generic_, header,
+                  static_cast<const char*>(grads) + begin_ * ps::WireElementBytes(format), begin_,
+                  end_, chunk_elements_, absl::InfiniteDuration(), &response),
+              "push"));
     return CheckCount("push: staged", response.elements_staged());
   }
 
   // Each ParameterChunk parsed by protobuf, then copied into place.
   absl::Status PullStub(int64_t step, bool update, v1::WireFormat format, void* params,
                         Clock::time_point* first_chunk) {
-    const int64_t element_bytes = ElementBytes(format);
+    const int64_t element_bytes = ps::WireElementBytes(format);
     grpc::ClientContext ctx;
     auto reader = stub_->UpdateAndPull(&ctx, PullRequest(step, update, format));
     v1::ParameterChunk chunk;
@@ -580,11 +580,11 @@ class ShardClient {
   // As offload.cc: server/ps/ps_client.h.
   absl::Status PullZeroCopy(int64_t step, bool update, v1::WireFormat format, void* params,
                             Clock::time_point* first_chunk) {
-    return Check(
-        ps::UpdateAndPullZeroCopy(*generic_, PullRequest(step, update, format),
-                                  static_cast<char*>(params) + begin_ * ElementBytes(format),
-                                  absl::InfiniteDuration(), [&] { *first_chunk = Clock::now(); }),
-        "pull");
+    return Check(ps::UpdateAndPullZeroCopy(
+                     *generic_, PullRequest(step, update, format),
+                     static_cast<char*>(params) + begin_ * ps::WireElementBytes(format),
+                     absl::InfiniteDuration(), [&] { *first_chunk = Clock::now(); }),
+                 "pull");
   }
 
   absl::Status Check(const grpc::Status& s, absl::string_view what) const {

@@ -113,7 +113,7 @@ grpc::Status ParameterServiceImpl::UpdateAndPullBuffers(
     return ToGrpcStatus(absl::InvalidArgumentError(
         absl::StrCat("begin/end: [", request.begin(), ", ", request.end(), ") is empty")));
   }
-  const v1::WireFormat format = request.format() == v1::WIRE_BF16 ? v1::WIRE_BF16 : v1::WIRE_FP32;
+  const v1::WireFormat format = NormalizedWireFormat(request.format());
   if (request.has_update()) {
     const absl::Time start = absl::Now();
     absl::Status s =

@@ -36,22 +36,20 @@ class SliceReader {
     return false;  // more than 10 bytes
   }
 
-  // Appends the next `n` bytes to `pieces` as views into the slices; false if there are fewer.
-  bool ReadPieces(uint64_t n, std::vector<absl::string_view>* pieces) {
+  // Passes over the next `n` bytes, appending them to `pieces` (if not null) as views into the
+  // slices; false if there are fewer.
+  bool Take(uint64_t n, std::vector<absl::string_view>* pieces) {
     while (n > 0) {
       if (done()) return false;
       const grpc::Slice& slice = slices_[slice_];
       const size_t take = std::min<uint64_t>(n, slice.size() - offset_);
-      pieces->emplace_back(reinterpret_cast<const char*>(slice.begin()) + offset_, take);
+      if (pieces != nullptr) {
+        pieces->emplace_back(reinterpret_cast<const char*>(slice.begin()) + offset_, take);
+      }
       Advance(take);
       n -= take;
     }
     return true;
-  }
-
-  bool Skip(uint64_t n) {
-    std::vector<absl::string_view> ignored;
-    return ReadPieces(n, &ignored);
   }
 
  private:
@@ -74,6 +72,40 @@ class SliceReader {
   size_t position_ = 0;
 };
 
+// One field of a message as read: a varint's value, a length-delimited field's bytes (views into
+// the slices); fixed-width fields are passed over.
+struct Field {
+  uint64_t number = 0;  // 0 while the tag is not read
+  int wire_type = 0;
+  uint64_t varint = 0;
+  std::vector<absl::string_view> bytes;
+};
+
+// Reads the next field into `f`: nullptr, or what is wrong with it.
+const char* ReadField(SliceReader& in, Field* f) {
+  f->number = 0;
+  f->bytes.clear();
+  uint64_t tag;
+  if (!in.ReadVarint(&tag)) return "truncated varint";
+  if ((tag >> 3) == 0) return "field number 0";
+  f->number = tag >> 3;
+  f->wire_type = static_cast<int>(tag & 7);
+  switch (f->wire_type) {
+    case kVarint:
+      return in.ReadVarint(&f->varint) ? nullptr : "truncated varint";
+    case kLengthDelimited: {
+      uint64_t length;
+      if (!in.ReadVarint(&length)) return "truncated length";
+      return in.Take(length, &f->bytes) ? nullptr : "truncated";
+    }
+    case kFixed64:
+    case kFixed32:
+      return in.Take(f->wire_type == kFixed64 ? 8 : 4, nullptr) ? nullptr : "truncated";
+    default:
+      return "unsupported wire type";
+  }
+}
+
 // The decoder below names GradientChunk's fields by number.
 static_assert(v1::GradientChunk::kJobIdFieldNumber == 1 &&
               v1::GradientChunk::kAttemptFieldNumber == 2 &&
@@ -93,75 +125,51 @@ void AppendVarint(uint64_t value, std::string* out) {
 }  // namespace
 
 absl::StatusOr<PushedChunk> DecodeGradientChunk(const grpc::ByteBuffer& message) {
+  static constexpr const char* kNames[] = {"tag",    "job_id", "attempt", "step",
+                                           "offset", "format", "data"};
   auto slices = std::make_shared<std::vector<grpc::Slice>>();
   if (!message.Dump(slices.get()).ok()) {
     return absl::InvalidArgumentError("GradientChunk: unreadable message");
   }
   SliceReader in(*slices);
   PushedChunk chunk;
-  const auto malformed = [&](const char* field, const char* what) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("GradientChunk.", field, ": ", what, " at byte ", in.position()));
-  };
+  Field f;
   while (!in.done()) {
-    uint64_t tag;
-    if (!in.ReadVarint(&tag)) return malformed("tag", "truncated varint");
-    const uint64_t field = tag >> 3;
-    const int wire_type = static_cast<int>(tag & 7);
-    const char* name = field == 1   ? "job_id"
-                       : field == 2 ? "attempt"
-                       : field == 3 ? "step"
-                       : field == 4 ? "offset"
-                       : field == 5 ? "format"
-                       : field == 6 ? "data"
-                                    : "(unknown field)";
-    if (field == 0) return malformed("tag", "field number 0");
-    const bool known = field <= 6;
-    const int expected = field == 1 || field == 6 ? kLengthDelimited : kVarint;
-    if (known && wire_type != expected) return malformed(name, "wrong wire type");
-    if (wire_type == kVarint) {
-      uint64_t value;
-      if (!in.ReadVarint(&value)) return malformed(name, "truncated varint");
-      switch (field) {
-        case 2:
-          chunk.attempt = static_cast<int32_t>(value);
-          break;
-        case 3:
-          chunk.step = static_cast<int64_t>(value);
-          break;
-        case 4:
-          chunk.offset = static_cast<int64_t>(value);
-          break;
-        case 5: {
-          const auto format = static_cast<int32_t>(value);
-          if (!v1::WireFormat_IsValid(format)) {
-            return absl::InvalidArgumentError(
-                absl::StrCat("GradientChunk.format: unknown wire format ", format));
-          }
-          chunk.format = static_cast<v1::WireFormat>(format);
-          break;
-        }
-        default:
-          break;  // unknown: skipped
-      }
-    } else if (wire_type == kLengthDelimited) {
-      uint64_t length;
-      if (!in.ReadVarint(&length)) return malformed(name, "truncated length");
-      if (field == 1) {
-        std::vector<absl::string_view> pieces;
-        if (!in.ReadPieces(length, &pieces)) return malformed(name, "truncated");
+    const char* error = ReadField(in, &f);
+    const char* name = f.number <= 6 ? kNames[f.number] : "(unknown field)";
+    const bool known = f.number >= 1 && f.number <= 6;
+    const int expected = f.number == 1 || f.number == 6 ? kLengthDelimited : kVarint;
+    if (error == nullptr && known && f.wire_type != expected) error = "wrong wire type";
+    if (error != nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("GradientChunk.", name, ": ", error, " at byte ", in.position()));
+    }
+    switch (f.number) {
+      case 1:
         chunk.job_id.clear();
-        for (absl::string_view piece : pieces) chunk.job_id.append(piece.data(), piece.size());
-      } else if (field == 6) {
-        chunk.data.pieces.clear();
-        if (!in.ReadPieces(length, &chunk.data.pieces)) return malformed(name, "truncated");
-      } else if (!in.Skip(length)) {
-        return malformed(name, "truncated");
-      }
-    } else if (wire_type == kFixed64 || wire_type == kFixed32) {
-      if (!in.Skip(wire_type == kFixed64 ? 8 : 4)) return malformed(name, "truncated");
-    } else {
-      return malformed(name, "unsupported wire type");
+        for (absl::string_view piece : f.bytes) chunk.job_id.append(piece.data(), piece.size());
+        break;
+      case 2:
+        chunk.attempt = static_cast<int32_t>(f.varint);
+        break;
+      case 3:
+        chunk.step = static_cast<int64_t>(f.varint);
+        break;
+      case 4:
+        chunk.offset = static_cast<int64_t>(f.varint);
+        break;
+      case 5:
+        if (!v1::WireFormat_IsValid(static_cast<int32_t>(f.varint))) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "GradientChunk.format: unknown wire format ", static_cast<int32_t>(f.varint)));
+        }
+        chunk.format = static_cast<v1::WireFormat>(f.varint);
+        break;
+      case 6:
+        chunk.data.pieces = std::move(f.bytes);
+        break;
+      default:
+        break;  // unknown: skipped
     }
   }
   chunk.data.owner = std::move(slices);
@@ -209,47 +217,29 @@ absl::Status DecodeParameterChunkInto(const grpc::ByteBuffer& message, v1::WireF
   std::vector<grpc::Slice> slices;
   if (!message.Dump(&slices).ok()) return absl::InternalError("ParameterChunk: unreadable");
   SliceReader in(slices);
-  const auto malformed = [&](const char* what) {
-    return absl::InternalError(absl::StrCat("ParameterChunk: ", what, " at byte ", in.position()));
-  };
   uint64_t offset = 0, chunk_format = v1::WIRE_FORMAT_UNSPECIFIED;
   std::vector<absl::string_view> data;
+  Field f;
   while (!in.done()) {
-    uint64_t tag, value;
-    if (!in.ReadVarint(&tag)) return malformed("truncated tag");
-    const uint64_t field = tag >> 3;
-    switch (static_cast<int>(tag & 7)) {
-      case kVarint:
-        if (!in.ReadVarint(&value)) return malformed("truncated varint");
-        if (field == v1::ParameterChunk::kOffsetFieldNumber) offset = value;
-        if (field == v1::ParameterChunk::kFormatFieldNumber) chunk_format = value;
-        break;
-      case kLengthDelimited:
-        if (!in.ReadVarint(&value)) return malformed("truncated length");
-        if (field == v1::ParameterChunk::kDataFieldNumber) {
-          data.clear();
-          if (!in.ReadPieces(value, &data)) return malformed("truncated data");
-        } else if (!in.Skip(value)) {
-          return malformed("truncated field");
-        }
-        break;
-      case kFixed64:
-      case kFixed32:
-        if (!in.Skip((tag & 7) == kFixed64 ? 8 : 4)) return malformed("truncated field");
-        break;
-      default:
-        return malformed("unsupported wire type");
+    if (const char* error = ReadField(in, &f)) {
+      return absl::InternalError(
+          absl::StrCat("ParameterChunk: ", error, " at byte ", in.position()));
+    }
+    if (f.wire_type == kVarint && f.number == v1::ParameterChunk::kOffsetFieldNumber) {
+      offset = f.varint;
+    } else if (f.wire_type == kVarint && f.number == v1::ParameterChunk::kFormatFieldNumber) {
+      chunk_format = f.varint;
+    } else if (f.wire_type == kLengthDelimited &&
+               f.number == v1::ParameterChunk::kDataFieldNumber) {
+      data = std::move(f.bytes);
     }
   }
-  const auto as_fp32 = [](uint64_t f) {
-    return f == v1::WIRE_BF16 ? v1::WIRE_BF16 : v1::WIRE_FP32;
-  };
   const int64_t element_bytes = WireElementBytes(format);
   size_t bytes = 0;
   for (absl::string_view piece : data) bytes += piece.size();
   const int64_t a = static_cast<int64_t>(offset), n = static_cast<int64_t>(bytes) / element_bytes;
-  if (as_fp32(chunk_format) != as_fp32(format) || bytes % element_bytes != 0 || a < begin ||
-      a + n > end) {
+  if (NormalizedWireFormat(static_cast<int>(chunk_format)) != NormalizedWireFormat(format) ||
+      bytes % element_bytes != 0 || a < begin || a + n > end) {
     return absl::InternalError(absl::StrCat("ParameterChunk: [", a, ", ", a + n, ") in format ",
                                             chunk_format, " is not whole elements of format ",
                                             static_cast<int>(format), " inside [", begin, ", ", end,

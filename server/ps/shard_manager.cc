@@ -268,8 +268,7 @@ absl::StatusOr<ShardManager::PushResult> ShardManager::Push(const std::string& j
         "offset: chunk [", offset, ", ", offset + n, ") of step ", step, " overlaps chunk [", a,
         ", ", b, ") of step ", it->second.step, " already pushed"));
   }
-  s.staged[offset] = Shard::Staged{n, step, format == v1::WIRE_BF16 ? v1::WIRE_BF16 : v1::WIRE_FP32,
-                                   std::move(data)};
+  s.staged[offset] = Shard::Staged{n, step, NormalizedWireFormat(format), std::move(data)};
   return PushResult{n, 0};
 }
 

@@ -14,6 +14,11 @@
 
 namespace trainyard::ps {
 
+// What a message's `format` means: WIRE_BF16, or WIRE_FP32 for anything else (UNSPECIFIED too).
+inline v1::WireFormat NormalizedWireFormat(int format) {
+  return format == v1::WIRE_BF16 ? v1::WIRE_BF16 : v1::WIRE_FP32;
+}
+
 // Bytes per element on the wire: 2 for WIRE_BF16, else 4.
 inline int64_t WireElementBytes(v1::WireFormat format) { return format == v1::WIRE_BF16 ? 2 : 4; }
 

@@ -37,22 +37,24 @@ class OneDnn {
 
   // False (nothing written) when oneDNN has only its reference loops for the shape.
   bool Gemm(const GemmShape& s, const float* a, const float* b, const float* bias, float* c) {
-    dnnl::matmul* primitive = Primitive(s);
-    if (primitive == nullptr) return false;
-    const Descs d = DescsOf(s);
+    const Cached* cached = Lookup(s);
+    if (cached == nullptr) return false;
+    const Descs& d = cached->descs;
     std::unordered_map<int, memory> args = {
         {DNNL_ARG_SRC, memory(d.a, engine_, const_cast<float*>(a))},
         {DNNL_ARG_WEIGHTS, memory(d.b, engine_, const_cast<float*>(b))},
         {DNNL_ARG_DST, memory(d.c, engine_, c)}};
     if (s.bias) args.emplace(DNNL_ARG_BIAS, memory(d.bias, engine_, const_cast<float*>(bias)));
-    dnnl::stream stream(engine_);
-    primitive->execute(stream, args);
+    thread_local dnnl::stream stream(engine_);  // in-order, for this thread's calls
+    cached->primitive.execute(stream, args);
     stream.wait();
     return true;
   }
 
   // The implementation oneDNN picks for a shape, e.g. "brg:avx512_core".
-  std::string Implementation(const GemmShape& s) { return PrimitiveDesc(s).impl_info_str(); }
+  std::string Implementation(const GemmShape& s) {
+    return PrimitiveDesc(s, DescsOf(s)).impl_info_str();
+  }
 
  private:
   OneDnn() : engine_(dnnl::engine::kind::cpu, 0) {}
@@ -70,8 +72,13 @@ class OneDnn {
         memory::desc({1, 1, s.n}, f32, {s.n, s.n, 1})};
   }
 
-  dnnl::matmul::primitive_desc PrimitiveDesc(const GemmShape& s) {
-    const Descs d = DescsOf(s);
+  // A shape's primitive and the memory descriptors its calls use.
+  struct Cached {
+    dnnl::matmul primitive;
+    Descs descs;
+  };
+
+  dnnl::matmul::primitive_desc PrimitiveDesc(const GemmShape& s, const Descs& d) {
     dnnl::primitive_attr attr;
     if (s.alpha != 1) attr.set_output_scales(0, {s.alpha});
     if (s.accumulate) {
@@ -106,21 +113,25 @@ class OneDnn {
   }
 
   // The cached primitive for a shape, or nullptr when oneDNN would run its reference loops.
-  dnnl::matmul* Primitive(const GemmShape& s) {
+  const Cached* Lookup(const GemmShape& s) {
     const Key key = KeyOf(s);
     std::lock_guard<std::mutex> lock(mu_);
     auto it = cache_.find(key);
     if (it == cache_.end()) {
-      dnnl::matmul::primitive_desc pd = PrimitiveDesc(s);
+      Descs d = DescsOf(s);
+      dnnl::matmul::primitive_desc pd = PrimitiveDesc(s, d);
       const bool reference = std::string(pd.impl_info_str()).rfind("ref", 0) == 0;
-      it = cache_.emplace(key, reference ? std::nullopt : std::optional(dnnl::matmul(pd))).first;
+      it = cache_
+               .emplace(key, reference ? std::nullopt
+                                       : std::optional<Cached>(Cached{dnnl::matmul(pd), d}))
+               .first;
     }
     return it->second.has_value() ? &*it->second : nullptr;
   }
 
   dnnl::engine engine_;
   std::mutex mu_;
-  std::map<Key, std::optional<dnnl::matmul>> cache_;  // node-based: pointers stay valid
+  std::map<Key, std::optional<Cached>> cache_;  // node-based: pointers stay valid
 };
 
 // The GemmShape of out = alpha a b (+ bias) (+ out): a [batch, m, k], b [batch, k, n] of any
@@ -301,8 +312,8 @@ torch::Tensor BatchedMatmul(const torch::Tensor& a, const torch::Tensor& b, doub
       (addend.defined() &&
        (addend.dim() != 2 || addend.size(0) != a.size(1) || addend.size(1) != b.size(2)))) {
     // torch's own results, and its errors for wrong shapes.
-    return addend.defined() ? torch::baddbmm(addend, a, b, /*beta=*/1, alpha)
-                            : torch::bmm(a, b).mul(alpha);
+    if (addend.defined()) return torch::baddbmm(addend, a, b, /*beta=*/1, alpha);
+    return alpha == 1 ? torch::bmm(a, b) : torch::bmm(a, b).mul(alpha);
   }
   return BatchedMatmulFunction::apply(
       a, b, alpha, addend.defined() ? c10::optional<torch::Tensor>(addend) : c10::nullopt);
