@@ -5,13 +5,15 @@
 // For each k in --shards: (a) the anchor: k TCP connections on 127.0.0.1, one sender and one
 // receiver thread each, moving the job's fp32 bytes split in k contiguous parts with 4 MiB
 // send/recv calls from and into big arrays, one way, and "push + pull" (the same bytes sent, then
-// sent back); (b) trainyard: k trainyard-ps processes (--threads 1) holding contiguous ranges of
-// a job of --params parameters, each range initialized once; then per step, as the offload
-// trainer does it (worker/trainer/offload.cc): PushGradients of every range (one stream per
-// shard, all shards at once from threads), UpdateAndPull with `update` of every range, then a pure
-// pull (UpdateAndPull without update, wait_ms 0, of the step just applied), which is the transfer
-// without the AdamW update. Steps in WIRE_FP32 and in WIRE_BF16 (half the bytes). The anchor and
-// the steps alternate round by round; the table shows medians after --warmup rounds.
+// sent back), with the TCP congestion control the gRPC connections use (--tcp-congestion, default
+// $TRAINYARD_TCP_CONGESTION, else the host's); (b) trainyard: k trainyard-ps processes (--threads
+// 1) holding contiguous ranges of a job of --params parameters, each range initialized once; then
+// per step, as the offload trainer does it (worker/trainer/offload.cc): PushGradients of every
+// range (one stream per shard, all shards at once from threads), UpdateAndPull with `update` of
+// every range, then a pure pull (UpdateAndPull without update, wait_ms 0, of the step just
+// applied), which is the transfer without the AdamW update. Steps in WIRE_FP32 and in WIRE_BF16
+// (half the bytes). The anchor and the steps alternate round by round; the table shows medians
+// after --warmup rounds.
 //
 // Two clients: `--client zero-copy` is the offload trainer's (server/ps/ps_client.h: a generic
 // stub, the gradient bytes sent as a slice pointing into the gradient array, pulled chunks decoded
@@ -23,12 +25,14 @@
 // Run through bench/ps_transfer_bench.sh, or: ps_transfer_bench [--params N] [--reps N]
 // [--warmup N] [--shards 1,2,3,4] [--ps PATH] [--client stub|zero-copy] [--tune-malloc]
 // [--chunk-elements N] [--lookahead-bytes N] [--bdp-probe 0|1] [--no-bf16] [--label TEXT]
-// [--rows-only] [--ps-logs]. The trainyard-ps processes die with this process
-// (PR_SET_PDEATHSIG) and are otherwise always stopped with SIGTERM (SIGKILL after 20 s) and reaped.
+// [--rows-only] [--ps-logs] [--tcp-congestion NAME]. The trainyard-ps processes die with this
+// process (PR_SET_PDEATHSIG) and are otherwise always stopped with SIGTERM (SIGKILL after 20 s) and
+// reaped.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <malloc.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -62,6 +66,7 @@
 #include "common/status_macros.h"
 #include "server/adam/cpu_adam.h"
 #include "server/ps/ps_client.h"
+#include "server/ps/tcp_congestion.h"
 #include "server/ps/wire_types.h"
 #include "trainyard/v1/ps.grpc.pb.h"
 
@@ -95,6 +100,9 @@ struct Flags {
   std::string label;  // the table's first column; default: the client and malloc settings
   bool rows_only = false;
   bool ps_logs = false;
+  // TCP congestion control of every connection, the anchor's and gRPC's (client and shards);
+  // empty: the host's. Default: $TRAINYARD_TCP_CONGESTION, as trainyard-ps and the trainer.
+  std::string tcp_congestion;
 };
 
 std::string DefaultPsBinary() {
@@ -107,6 +115,7 @@ std::string DefaultPsBinary() {
 
 Flags ParseFlags(int argc, char** argv) {
   Flags flags;
+  if (const char* env = std::getenv(ps::kTcpCongestionEnv)) flags.tcp_congestion = env;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     const bool has_value = i + 1 < argc;
@@ -150,6 +159,8 @@ Flags ParseFlags(int argc, char** argv) {
            (flags.bdp_probe == 0 || flags.bdp_probe == 1);
     } else if (arg == "--label") {
       flags.label = argv[++i];
+    } else if (arg == "--tcp-congestion") {
+      flags.tcp_congestion = argv[++i];
     } else {
       ok = false;
     }
@@ -158,7 +169,7 @@ Flags ParseFlags(int argc, char** argv) {
                    "usage: %s [--params N] [--reps N] [--warmup N] [--shards 1,2,3,4] [--ps PATH] "
                    "[--client stub|zero-copy] [--tune-malloc] [--chunk-elements N] "
                    "[--lookahead-bytes N] [--bdp-probe 0|1] [--no-bf16] [--label TEXT] "
-                   "[--rows-only] [--ps-logs]\n",
+                   "[--rows-only] [--ps-logs] [--tcp-congestion NAME]\n",
                    argv[0]);
       std::exit(2);
     }
@@ -206,7 +217,8 @@ int64_t PartBegin(int64_t total, int k, int i) { return total * i / k; }
 // A connected socket pair (client end, server end) over 127.0.0.1, closed on destruction.
 class TcpConnection {
  public:
-  static absl::StatusOr<std::unique_ptr<TcpConnection>> Open() {
+  // `congestion`: the TCP congestion control of both ends; empty: the host's.
+  static absl::StatusOr<std::unique_ptr<TcpConnection>> Open(const std::string& congestion) {
     const int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (listener < 0) return ErrnoError("socket");
     std::unique_ptr<TcpConnection> c(new TcpConnection);
@@ -215,11 +227,18 @@ class TcpConnection {
     addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     socklen_t len = sizeof(addr);
     absl::Status status;
-    if (bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-        listen(listener, 1) != 0 ||
-        getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    auto set_congestion = [&](int fd) {
+      return congestion.empty() ||
+             setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, congestion.data(), congestion.size()) == 0;
+    };
+    if (!set_congestion(listener)) {
+      status = ErrnoError("TCP_CONGESTION");
+    } else if (bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+               listen(listener, 1) != 0 ||
+               getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
       status = ErrnoError("bind/listen");
     } else if ((c->client_fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) < 0 ||
+               !set_congestion(c->client_fd_) ||
                connect(c->client_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
       status = ErrnoError("connect");
     } else if ((c->server_fd_ = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC)) < 0) {
@@ -268,10 +287,10 @@ absl::Status RecvAll(int fd, char* p, int64_t bytes) {
 // connection i, its sender and receiver on their own threads; the connections are opened before
 // the clock starts), and, with `round_trip`, back from `dst` into `back` once each part arrived.
 absl::StatusOr<double> SocketTransfer(int k, const char* src, char* dst, char* back, int64_t bytes,
-                                      bool round_trip) {
+                                      bool round_trip, const std::string& congestion) {
   std::vector<std::unique_ptr<TcpConnection>> connections;
   for (int i = 0; i < k; ++i) {
-    ASSIGN_OR_RETURN(auto c, TcpConnection::Open());
+    ASSIGN_OR_RETURN(auto c, TcpConnection::Open(congestion));
     connections.push_back(std::move(c));
   }
   const auto start = Clock::now();
@@ -299,8 +318,11 @@ absl::StatusOr<double> SocketTransfer(int k, const char* src, char* dst, char* b
 class PsProcess {
  public:
   // The child inherits this process's environment; its stderr goes to ours with `show_logs`.
+  // `tcp_congestion` is passed as its --tcp-congestion (empty: the host's).
   static absl::StatusOr<std::unique_ptr<PsProcess>> Start(const std::string& binary,
-                                                          int64_t memory_bytes, bool show_logs) {
+                                                          int64_t memory_bytes,
+                                                          const std::string& tcp_congestion,
+                                                          bool show_logs) {
     if (access(binary.c_str(), X_OK) != 0) {
       return absl::NotFoundError(absl::StrCat("--ps: cannot run ", binary));
     }
@@ -312,7 +334,9 @@ class PsProcess {
                                      "--threads",
                                      "1",
                                      "--memory-bytes",
-                                     absl::StrCat(memory_bytes)};
+                                     absl::StrCat(memory_bytes),
+                                     "--tcp-congestion",
+                                     tcp_congestion};
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -430,6 +454,7 @@ class ShardClient {
       args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, flags.lookahead_bytes);
     }
     if (flags.bdp_probe >= 0) args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, flags.bdp_probe);
+    ps::SetTcpCongestion(&args, flags.tcp_congestion);
     auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
     stub_ = v1::ParameterServerService::NewStub(channel);
     generic_ = std::make_unique<grpc::GenericStub>(channel);
@@ -665,7 +690,7 @@ absl::StatusOr<ShardCountResult> RunShardCount(const Flags& flags, int k, Buffer
     const int64_t begin = PartBegin(total, k, i), end = PartBegin(total, k, i + 1);
     ASSIGN_OR_RETURN(auto server,
                      PsProcess::Start(flags.ps_binary, (end - begin) * kPsBytesPerParam + (1 << 20),
-                                      flags.ps_logs));
+                                      flags.tcp_congestion, flags.ps_logs));
     clients.push_back(std::make_unique<ShardClient>(server->address(), begin, end, flags));
     pids.push_back(server->pid());
     fleet.Add(std::move(server));
@@ -726,11 +751,12 @@ absl::StatusOr<ShardCountResult> RunShardCount(const Flags& flags, int k, Buffer
   for (int round = 0; round < flags.warmup + flags.reps; ++round) {
     const bool timed = round >= flags.warmup;
     const double cpu = CpuSeconds({});
-    ASSIGN_OR_RETURN(const double one_way,
-                     SocketTransfer(k, src, b.socket_dst.data(), back, fp32_bytes, false));
+    ASSIGN_OR_RETURN(const double one_way, SocketTransfer(k, src, b.socket_dst.data(), back,
+                                                          fp32_bytes, false, flags.tcp_congestion));
     const double socket_cpu = CpuSeconds({}) - cpu;
-    ASSIGN_OR_RETURN(const double round_trip,
-                     SocketTransfer(k, src, b.socket_dst.data(), back, fp32_bytes, true));
+    ASSIGN_OR_RETURN(
+        const double round_trip,
+        SocketTransfer(k, src, b.socket_dst.data(), back, fp32_bytes, true, flags.tcp_congestion));
     RETURN_IF_ERROR(run_step(v1::WIRE_FP32, timed ? &result.fp32 : nullptr));
     if (flags.bf16) RETURN_IF_ERROR(run_step(v1::WIRE_BF16, timed ? &result.bf16 : nullptr));
     if (timed) {
@@ -751,11 +777,16 @@ absl::StatusOr<ShardCountResult> RunShardCount(const Flags& flags, int k, Buffer
 void PrintTable(const Flags& flags, const std::vector<ShardCountResult>& results) {
   if (!flags.rows_only) {
     std::printf(
-        "| setup | shards | wire | socket GB/s | push GB/s | push / socket | pull GB/s | pull / "
+        "| setup | TCP | shards | wire | socket GB/s | push GB/s | push / socket | pull GB/s | "
+        "pull / "
         "socket | socket push+pull GB/s | push+pull GB/s | / socket | cores busy: socket, push, "
         "pull | AdamW ms | step ms | goal: push and pull >= 70%% of socket |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   }
+  // The congestion control every connection of the run used.
+  const std::string tcp = flags.tcp_congestion.empty()
+                              ? ps::HostTcpCongestion().value_or("unknown") + " (host)"
+                              : flags.tcp_congestion;
   const double fp32_bytes = 4.0 * static_cast<double>(flags.params);
   for (const ShardCountResult& r : results) {
     const double socket = fp32_bytes / Median(r.socket_one_way) / 1e9;
@@ -774,18 +805,20 @@ void PrintTable(const Flags& flags, const std::vector<ShardCountResult>& results
       const double both = 2 * bytes / Median(push_pull) / 1e9;
       const bool met = push >= kGoalOfSocket * socket && pull >= kGoalOfSocket * socket;
       std::printf(
-          "| %s | %d | %s | %.2f | %.2f | %.0f%% | %.2f | %.0f%% | %.2f | %.2f | %.0f%% | %.1f, "
+          "| %s | %s | %d | %s | %.2f | %.2f | %.0f%% | %.2f | %.0f%% | %.2f | %.2f | %.0f%% | "
+          "%.1f, "
           "%.1f, %.1f | %.0f | %.0f | %s |\n",
-          flags.label.c_str(), r.k, bf16 ? "bf16" : "fp32", socket, push, 100 * push / socket, pull,
-          100 * pull / socket, socket_round_trip, both, 100 * both / socket_round_trip,
-          r.socket_busy.cores(), t.push_busy.cores(), t.pull_busy.cores(), 1e3 * Median(t.adam),
-          1e3 * Median(step), met ? "met" : "NOT met");
+          flags.label.c_str(), tcp.c_str(), r.k, bf16 ? "bf16" : "fp32", socket, push,
+          100 * push / socket, pull, 100 * pull / socket, socket_round_trip, both,
+          100 * both / socket_round_trip, r.socket_busy.cores(), t.push_busy.cores(),
+          t.pull_busy.cores(), 1e3 * Median(t.adam), 1e3 * Median(step), met ? "met" : "NOT met");
     }
   }
   if (flags.rows_only) return;
   std::printf(
       "\nGB/s: bytes on the wire (fp32 4, bf16 2 per parameter, %.0f MB fp32 each way; 1 GB = 1e9 "
-      "B) / median seconds; socket: the fp32 bytes over k plain TCP connections, one way. push: "
+      "B) / median seconds; socket: the fp32 bytes over k plain TCP connections, one way. TCP: the "
+      "congestion control of every connection in the row, the socket's and gRPC's alike. push: "
       "PushGradients of every range; "
       "pull: UpdateAndPull without update (the transfer alone); push+pull: their sum, against the "
       "socket sending the bytes and receiving them back. cores busy: CPU seconds (this process and "
@@ -798,6 +831,10 @@ void PrintTable(const Flags& flags, const std::vector<ShardCountResult>& results
 
 int Main(int argc, char** argv) {
   const Flags flags = ParseFlags(argc, argv);
+  if (absl::Status s = ps::CheckTcpCongestion(flags.tcp_congestion, "--tcp-congestion"); !s.ok()) {
+    std::fprintf(stderr, "ps_transfer_bench: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
   if (flags.tune_malloc) {
     mallopt(M_MMAP_THRESHOLD, kMmapThresholdBytes);
     mallopt(M_TRIM_THRESHOLD, kTrimThresholdBytes);

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Parameter-server push + pull throughput over gRPC against a plain TCP socket on loopback, 1 to 4
 # trainyard-ps shards (issue #5), as one markdown table. Runs bench/ps_transfer_bench.cc three
-# times, each with its own socket anchor: as shipped (the offload trainer's zero-copy client and
-# malloc settings), the generated stub client with the same malloc settings, and the stub client
-# with glibc's malloc defaults in the client (how offload.cc talked before). trainyard-ps always
-# runs as shipped.
+# times, each with its own socket anchor using the same TCP congestion control as the gRPC
+# connections of its rows: as shipped (the offload trainer's zero-copy client and malloc
+# settings) with the host's congestion control, as shipped with `--tcp-congestion reno` on every
+# connection (trainyard-ps --tcp-congestion, trainer --ps-tcp-congestion), and the generated stub
+# client (how offload.cc talked before the zero-copy client) with the host's.
 #
 #   bash bench/ps_transfer_bench.sh [BIN_DIR] [REPS] [PARAMS]   # build/bin, 5 rounds, 32 Mi params
 set -euo pipefail
@@ -20,11 +21,12 @@ run() {
     --ps "$bin/trainyard-ps" "$@"
 }
 
-shipped=$(run --client zero-copy --tune-malloc --label "as shipped (zero-copy client)")
-stub=$(run --client stub --tune-malloc --label "stub client" --rows-only)
-untuned=$(run --client stub --label "stub client, client malloc defaults" --rows-only)
+# --tcp-congestion "" is the host's default even where TRAINYARD_TCP_CONGESTION is set.
+shipped=$(run --client zero-copy --tune-malloc --tcp-congestion "" --label "as shipped")
+reno=$(run --client zero-copy --tune-malloc --tcp-congestion reno --label "as shipped" --rows-only)
+stub=$(run --client stub --tune-malloc --tcp-congestion "" --label "stub client" --rows-only)
 
 # The first run's text up to the end of its table, the other runs' rows, then the first's notes.
 printf '%s\n' "$shipped" | awk '/^\|/ {table = 1} table && !/^\|/ {exit} {print}'
-printf '%s\n' "$stub" "$untuned"
+printf '%s\n' "$reno" "$stub"
 printf '%s\n' "$shipped" | awk '/^\|/ {table = 1} table && !/^\|/ {notes = 1} notes {print}'

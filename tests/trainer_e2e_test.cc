@@ -557,7 +557,10 @@ TEST_F(OffloadE2eTest, TwoRanksTwoServersMatchDdp) {
   const std::string offload_dump = dir_.path() + "/offload.params";
   const std::string ddp_dump = dir_.path() + "/ddp.params";
 
-  RunResult ro = Run(offload, 2, {"--dump-params", offload_dump}, {"--ps", ps});
+  // The ranks' server connections with reno rather than the host's congestion control: the
+  // option changes nothing but the TCP behaviour (tests/tcp_congestion_test.cc checks the sockets).
+  RunResult ro =
+      Run(offload, 2, {"--dump-params", offload_dump}, {"--ps", ps, "--ps-tcp-congestion", "reno"});
   EXPECT_THAT(ro.exit_codes, ::testing::ElementsAre(0, 0)) << Joined(ro);
   EXPECT_THAT(Joined(ro), HasSubstr("step 10/10"));
   RunResult rd = Run(ddp, 2, {"--dump-params", ddp_dump});
@@ -663,6 +666,15 @@ TEST_F(OffloadE2eTest, RangesThatDoNotCoverTheModelFailFast) {
       testing::RunCommand(Argv(job, 0, 1, {"--ps", ps}), {}, absl::Seconds(60));
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.err, HasSubstr("--ps: the ranges cover"));
+}
+
+TEST_F(OffloadE2eTest, UnknownTcpCongestionFailsFastNamingTheFlag) {
+  const Job job = StartJob(OffloadSpec(1, 8), "short");
+  testing::CommandResult r = testing::RunCommand(
+      Argv(job, 0, 1, {"--ps", PsFlag(job), "--ps-tcp-congestion", "no-such-cc"}), {},
+      absl::Seconds(60));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("--ps-tcp-congestion: \"no-such-cc\" is not a congestion control"));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@
 #include "common/server_main.h"
 #include "common/version.h"
 #include "server/ps/ps_server.h"
+#include "server/ps/tcp_congestion.h"
 
 int main(int argc, char** argv) {
   trainyard::BlockTerminationSignals();
@@ -48,6 +49,11 @@ int main(int argc, char** argv) {
                  "HOST:PORT of the Prometheus /metrics endpoint (port 0: a free one)");
   app.add_option("--max-message-bytes", options.max_message_bytes, "largest gRPC message")
       ->capture_default_str();
+  app.add_option("--tcp-congestion", options.tcp_congestion,
+                 "TCP congestion control of trainer connections, e.g. reno or cubic (default: "
+                 "the host's; a host default of bbr without the fq qdisc paces every "
+                 "connection, which halved throughput on loopback in bench/RESULTS.md)")
+      ->envname(trainyard::ps::kTcpCongestionEnv);
   CLI11_PARSE(app, argc, argv);
 
   spdlog::set_default_logger(spdlog::stderr_color_mt("ps"));
@@ -61,7 +67,11 @@ int main(int argc, char** argv) {
     std::printf("metrics %s\n", (*server)->metrics_address().c_str());
   }
   std::fflush(stdout);
-  spdlog::info("serving on {} as {}", (*server)->address(), (*server)->node_id());
+  spdlog::info("serving on {} as {}; TCP congestion control {}", (*server)->address(),
+               (*server)->node_id(),
+               options.tcp_congestion.empty()
+                   ? trainyard::ps::HostTcpCongestion().value_or("unknown") + " (the host's)"
+                   : options.tcp_congestion);
   const int sig = trainyard::WaitForTerminationSignal();
   spdlog::info("signal {}: shutting down", sig);
   (*server)->Shutdown();  // registration stopped, in-flight calls finished

@@ -11,6 +11,8 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "server/ps/tcp_congestion.h"
 #include "trainyard/v1/node.grpc.pb.h"
 
 namespace trainyard::ps {
@@ -36,6 +38,7 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(PsOptions options) {
   if (options.capacity_bytes < 0) {
     return absl::InvalidArgumentError("--memory-bytes: negative");
   }
+  RETURN_IF_ERROR(CheckTcpCongestion(options.tcp_congestion, "--tcp-congestion"));
   if (options.capacity_bytes == 0) options.capacity_bytes = PhysicalMemoryBytes() / 2;
   if (options.threads <= 0) {
     options.threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
@@ -87,6 +90,9 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(PsOptions options) {
   builder.SetMaxReceiveMessageSize(s->options_.max_message_bytes);
   builder.SetMaxSendMessageSize(s->options_.max_message_bytes);
   builder.RegisterService(s->service_.get());
+  if (!s->options_.tcp_congestion.empty()) {
+    builder.SetOption(TcpCongestionOption(s->options_.tcp_congestion));
+  }
   s->server_ = builder.BuildAndStart();
   if (s->server_ == nullptr || port == 0) {
     return absl::UnavailableError(

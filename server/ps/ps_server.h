@@ -35,6 +35,7 @@ struct PsOptions {
   int threads = 0;              // AdamW threads; 0 = every core
   std::string metrics_address;  // empty: no /metrics
   int max_message_bytes = 64 << 20;
+  std::string tcp_congestion;  // of the listening and accepted sockets; empty: the host's
   absl::Duration max_backoff = absl::Seconds(5);
 };
 

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/spec.h"
 #include "common/version.h"
+#include "server/ps/tcp_congestion.h"
 #include "worker/trainer/blas.h"
 #include "worker/trainer/onednn_matmul.h"
 #include "worker/trainer/trainer.h"
@@ -125,6 +126,10 @@ int Main(int argc, char** argv) {
                  "offload: seconds one call to a parameter server may take (a push, an update and "
                  "pull) before the rank fails naming the server (default 120)")
       ->check(CLI::PositiveNumber);
+  app.add_option("--ps-tcp-congestion", o.ps_tcp_congestion,
+                 "offload: TCP congestion control of the connections to parameter servers, e.g. "
+                 "reno or cubic (default: the host's; see trainyard-ps --tcp-congestion)")
+      ->envname(trainyard::ps::kTcpCongestionEnv);
   app.add_option("--local-world-size", o.local_world_size,
                  "ranks of this job on this node (consecutive ranks share a node; default: all)")
       ->check(CLI::NonNegativeNumber);

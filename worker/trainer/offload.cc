@@ -17,6 +17,7 @@
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
 #include "server/ps/ps_client.h"
+#include "server/ps/tcp_congestion.h"
 #include "trainyard/v1/ps.grpc.pb.h"
 
 namespace trainyard::trainer {
@@ -133,6 +134,8 @@ absl::StatusOr<std::unique_ptr<OffloadOptimizer>> OffloadOptimizer::Create(
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kMaxMessageBytes);
   args.SetMaxSendMessageSize(kMaxMessageBytes);
+  RETURN_IF_ERROR(ps::CheckTcpCongestion(o->config_.tcp_congestion, "--ps-tcp-congestion"));
+  ps::SetTcpCongestion(&args, o->config_.tcp_congestion);
   for (PsRangeRef& r : ranges) {
     auto server = std::make_unique<Server>();
     auto channel = grpc::CreateCustomChannel(r.address, grpc::InsecureChannelCredentials(), args);

@@ -55,6 +55,9 @@ struct OffloadConfig {
   // Deadline of every call to a parameter server: one that hangs (stopped, cut off) fails the
   // rank with DEADLINE_EXCEEDED naming it instead of stalling the job.
   absl::Duration rpc_timeout = absl::Minutes(2);
+  // TCP congestion control of the connections to the servers; empty: the host's
+  // (server/ps/tcp_congestion.h).
+  std::string tcp_congestion;
 };
 
 class OffloadOptimizer {

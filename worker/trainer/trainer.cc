@@ -343,6 +343,7 @@ absl::Status Train(const TrainerOptions& o) {
     config.weight_decay = t.weight_decay();
     config.delayed_update = spec.parallel().delayed_update();
     config.rpc_timeout = absl::Seconds(o.ps_rpc_timeout_s);
+    config.tcp_congestion = o.ps_tcp_congestion;
     ASSIGN_OR_RETURN(offloaded, OffloadOptimizer::Create(params, *comm, std::move(ps_ranges),
                                                          config, spec.parallel().bucket_mb()));
     RETURN_IF_ERROR(offloaded->Initialize(step, *optimizer_holder));
