@@ -237,9 +237,11 @@ class TcpConnection {
                listen(listener, 1) != 0 ||
                getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
       status = ErrnoError("bind/listen");
-    } else if ((c->client_fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) < 0 ||
-               !set_congestion(c->client_fd_) ||
-               connect(c->client_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    } else if ((c->client_fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) < 0) {
+      status = ErrnoError("socket");
+    } else if (!set_congestion(c->client_fd_)) {
+      status = ErrnoError("TCP_CONGESTION");
+    } else if (connect(c->client_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
       status = ErrnoError("connect");
     } else if ((c->server_fd_ = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC)) < 0) {
       status = ErrnoError("accept");

@@ -563,6 +563,7 @@ TEST_F(OffloadE2eTest, TwoRanksTwoServersMatchDdp) {
       Run(offload, 2, {"--dump-params", offload_dump}, {"--ps", ps, "--ps-tcp-congestion", "reno"});
   EXPECT_THAT(ro.exit_codes, ::testing::ElementsAre(0, 0)) << Joined(ro);
   EXPECT_THAT(Joined(ro), HasSubstr("step 10/10"));
+  EXPECT_THAT(Joined(ro), HasSubstr("parameter-server connections: TCP congestion control reno"));
   RunResult rd = Run(ddp, 2, {"--dump-params", ddp_dump});
   EXPECT_THAT(rd.exit_codes, ::testing::ElementsAre(0, 0)) << Joined(rd);
 

@@ -22,8 +22,8 @@
 // gRPC's socket mutator (src/core/lib/iomgr/socket_mutator.h) is the one way to set options on
 // the sockets gRPC opens. Its public headers name the type and the channel argument but leave the
 // definition internal, so the layout is declared here as gRPC 1.51 (Debian 12) defines it; it has
-// not changed since mutate_fd_2 was added in 1.33. Only mutate_fd is used: gRPC calls it when
-// mutate_fd_2 is null.
+// not changed since mutate_fd_2 was added in 1.33. mutate_fd_2 must be set: without it gRPC
+// mutates client connections and listeners but skips the connections a server accepts.
 typedef enum {
   GRPC_FD_CLIENT_CONNECTION_USAGE,
   GRPC_FD_SERVER_LISTENER_USAGE,
@@ -88,13 +88,17 @@ bool MutateFd(int fd, grpc_socket_mutator* m) {
   return true;  // false would make gRPC drop the connection
 }
 
+bool MutateFd2(const grpc_mutate_socket_info* info, grpc_socket_mutator* m) {
+  return MutateFd(info->fd, m);
+}
+
 int Compare(grpc_socket_mutator* a, grpc_socket_mutator* b) {
   return std::strcmp(Cast(a)->name, Cast(b)->name);
 }
 
 void Destroy(grpc_socket_mutator* m) { delete Cast(m); }
 
-constexpr grpc_socket_mutator_vtable kVtable = {MutateFd, Compare, Destroy, nullptr};
+constexpr grpc_socket_mutator_vtable kVtable = {MutateFd, Compare, Destroy, MutateFd2};
 
 // A new mutator holding one reference, which the channel arguments take over.
 grpc_socket_mutator* NewMutator(const std::string& name) {

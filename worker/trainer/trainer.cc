@@ -20,6 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
+#include "server/ps/tcp_congestion.h"
 #include "trainyard/v1/trainer.grpc.pb.h"
 #include "worker/trainer/checkpoint.h"
 #include "worker/trainer/communicator.h"
@@ -346,6 +347,12 @@ absl::Status Train(const TrainerOptions& o) {
     config.tcp_congestion = o.ps_tcp_congestion;
     ASSIGN_OR_RETURN(offloaded, OffloadOptimizer::Create(params, *comm, std::move(ps_ranges),
                                                          config, spec.parallel().bucket_mb()));
+    if (o.rank == 0) {
+      Log(absl::StrCat("parameter-server connections: TCP congestion control ",
+                       o.ps_tcp_congestion.empty()
+                           ? ps::HostTcpCongestion().value_or("unknown") + " (the host's)"
+                           : o.ps_tcp_congestion));
+    }
     RETURN_IF_ERROR(offloaded->Initialize(step, *optimizer_holder));
   }
 
