@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -15,8 +16,10 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "server/adam/thread_pool.h"
 #include "server/coordinator/ps_placement.h"
 #include "server/ps/ps_server.h"
+#include "server/ps/shard_manager.h"
 #include "server/ps/step_intervals.h"
 #include "trainyard/v1/ps.grpc.pb.h"
 
@@ -52,6 +55,22 @@ struct RefAdamW {
   }
 };
 
+// The header of [begin, end) of a `total`-parameter job, with the hyperparameters above.
+v1::InitShardChunk::Header ShardHeader(const std::string& job, int attempt, int64_t begin,
+                                       int64_t end, int64_t total) {
+  v1::InitShardChunk::Header h;
+  h.set_job_id(job);
+  h.set_attempt(attempt);
+  h.set_begin(begin);
+  h.set_end(end);
+  h.set_total_params(total);
+  h.mutable_adamw()->set_beta1(kBeta1);
+  h.mutable_adamw()->set_beta2(kBeta2);
+  h.mutable_adamw()->set_eps(kEps);
+  h.mutable_adamw()->set_weight_decay(kWeightDecay);
+  return h;
+}
+
 class PsServiceTest : public ::testing::Test {
  protected:
   static constexpr int64_t kTotal = 10000;
@@ -84,17 +103,7 @@ class PsServiceTest : public ::testing::Test {
   }
 
   static v1::InitShardChunk::Header Header(const std::string& job, int attempt) {
-    v1::InitShardChunk::Header h;
-    h.set_job_id(job);
-    h.set_attempt(attempt);
-    h.set_begin(kBegin);
-    h.set_end(kEnd);
-    h.set_total_params(kTotal);
-    h.mutable_adamw()->set_beta1(kBeta1);
-    h.mutable_adamw()->set_beta2(kBeta2);
-    h.mutable_adamw()->set_eps(kEps);
-    h.mutable_adamw()->set_weight_decay(kWeightDecay);
-    return h;
+    return ShardHeader(job, attempt, kBegin, kEnd, kTotal);
   }
 
   // Sends the header, then `chunks` of the initial weights in order.
@@ -450,6 +459,203 @@ TEST_F(PsServiceTest, StateReadsBackAndAResumedShardContinuesIdentically) {
   ASSERT_TRUE(Push("job-1", 2, 4, kBegin, kEnd, Gradients(4)).ok());
   ASSERT_TRUE(UpdateAndPull("job-1", 2, 4, kBegin, kEnd, 1e-2f, &resumed).ok());
   EXPECT_EQ(resumed, original);
+}
+
+std::string Filled(int64_t n, float value) { return Bytes(std::vector<float>(n, value), 0, n); }
+
+// Pulls send parameters from where the shard holds them (LendParams): an update of lent elements
+// waits until they are returned, so no pull sends a value of the next step.
+TEST(ShardManagerTest, LentParametersHoldBackUpdatesOfTheirElementsAndOutliveADrop) {
+  constexpr int64_t kN = 1000;
+  adam::ThreadPool pool(1);
+  ps::ShardManager shards(1 << 20, pool);
+  ASSERT_TRUE(shards.BeginInit(ShardHeader("job-1", 1, 0, kN, kN)).ok());
+  ASSERT_TRUE(shards.InitChunk("job-1", 1, 0, Filled(kN, 1.0f), "", "").ok());
+  ASSERT_TRUE(shards.FinishInit("job-1", 1).ok());
+  ASSERT_TRUE(
+      shards.Push("job-1", 1, 1, 0, v1::WIRE_FP32, ps::ReceivedBytes::Own(Filled(kN, 0.5f))).ok());
+
+  auto lent = shards.LendParams("job-1", 1, 0, 100, 200, v1::WIRE_FP32, absl::ZeroDuration());
+  ASSERT_TRUE(lent.ok()) << lent.status();
+  ASSERT_EQ((*lent)->bytes(), 400u);
+  EXPECT_EQ(std::string((*lent)->data(), 400), Filled(100, 1.0f));
+  // An update of a range holding lent elements waits for them; at its deadline it gives up and
+  // leaves the shard as it was (the lent values, the range's step, the staged gradients).
+  absl::Status s =
+      shards.Update("job-1", 1, 1, 0, kN, 1e-2f, 1.0f, absl::Now() + absl::Milliseconds(50));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_THAT(s.message(), HasSubstr("[0, 1000)"));
+  EXPECT_THAT(s.message(), HasSubstr("still sending"));
+  EXPECT_EQ(std::string((*lent)->data(), 400), Filled(100, 1.0f));
+  std::string params(kN * 4, '\0');
+  ASSERT_TRUE(
+      shards.ReadParams("job-1", 1, 0, 0, kN, v1::WIRE_FP32, absl::ZeroDuration(), params.data())
+          .ok());
+  EXPECT_EQ(params, Filled(kN, 1.0f));
+  // Returning them lets a waiting update go on, with the gradients it was refused with.
+  std::thread update([&] { s = shards.Update("job-1", 1, 1, 0, kN, 1e-2f, 1.0f); });
+  lent->reset();
+  update.join();
+  ASSERT_TRUE(s.ok()) << s;
+  ASSERT_TRUE(
+      shards.ReadParams("job-1", 1, 1, 0, kN, v1::WIRE_FP32, absl::ZeroDuration(), params.data())
+          .ok());
+  EXPECT_EQ(Floats(params), std::vector<float>(kN, Floats(params)[0]));
+  EXPECT_LT(Floats(params)[0], 1.0f);
+
+  // Lent elements hold back only updates that would write them.
+  for (int64_t a : {0, 100}) {
+    const int64_t b = a == 0 ? 100 : kN;
+    ASSERT_TRUE(
+        shards.Push("job-1", 1, 2, a, v1::WIRE_FP32, ps::ReceivedBytes::Own(Filled(b - a, 0.5f)))
+            .ok());
+  }
+  lent = shards.LendParams("job-1", 1, 1, 0, 100, v1::WIRE_BF16, absl::ZeroDuration());
+  ASSERT_TRUE(lent.ok()) << lent.status();
+  EXPECT_EQ((*lent)->bytes(), 200u);
+  EXPECT_TRUE(shards.Update("job-1", 1, 2, 100, kN, 1e-2f, 1.0f, absl::Now()).ok());
+  EXPECT_EQ(shards.Update("job-1", 1, 2, 0, 100, 1e-2f, 1.0f, absl::Now()).code(),
+            absl::StatusCode::kDeadlineExceeded);
+  // A dropped job's lent elements stay readable until they are returned.
+  const std::string sent((*lent)->data(), 200);
+  EXPECT_TRUE(shards.Drop("job-1"));
+  EXPECT_EQ(shards.reserved_bytes(), 0);
+  EXPECT_EQ(std::string((*lent)->data(), 200), sent);
+  lent->reset();
+}
+
+// The same over gRPC: a pull whose reader stops keeps the chunks gRPC has not sent lent. An
+// update of the range meanwhile waits (here past its deadline) or, if it came between two chunks,
+// ends the pull with FAILED_PRECONDITION: either way every chunk the pull delivers holds the
+// parameters of the step it asked for.
+TEST(PsLentPullTest, AStalledPullDeliversItsStepEvenWhenAnUpdateOfItsRangeArrives) {
+  constexpr int64_t kN = int64_t{8} << 20;  // 32 MB of fp32: far more than the connection buffers
+  constexpr int64_t kChunk = int64_t{1} << 18;
+  ps::PsOptions o;
+  o.listen_address = "127.0.0.1:0";
+  o.capacity_bytes = int64_t{256} << 20;
+  o.threads = 2;
+  auto server = ps::PsServer::Start(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  args.SetMaxSendMessageSize(64 << 20);
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);  // the stream window stays small
+  auto stub = v1::ParameterServerService::NewStub(
+      grpc::CreateCustomChannel((*server)->address(), grpc::InsecureChannelCredentials(), args));
+
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0, 1);
+  std::vector<float> init(kN);
+  for (float& x : init) x = normal(rng);
+  {
+    grpc::ClientContext ctx;
+    v1::InitShardResponse r;
+    auto w = stub->InitShard(&ctx, &r);
+    v1::InitShardChunk c;
+    *c.mutable_header() = ShardHeader("job-1", 1, 0, kN, kN);
+    ASSERT_TRUE(w->Write(c));
+    for (int64_t a = 0; a < kN; a += kChunk * 8) {
+      c.Clear();
+      c.set_offset(a);
+      c.set_params(Bytes(init, a, std::min(kN, a + kChunk * 8)));
+      ASSERT_TRUE(w->Write(c));
+    }
+    w->WritesDone();
+    ASSERT_TRUE(w->Finish().ok());
+  }
+  auto push = [&](int64_t step) {
+    grpc::ClientContext ctx;
+    v1::PushGradientsResponse r;
+    auto w = stub->PushGradients(&ctx, &r);
+    for (int64_t a = 0; a < kN; a += kChunk * 8) {
+      v1::GradientChunk c;
+      c.set_job_id("job-1");
+      c.set_attempt(1);
+      c.set_step(step);
+      c.set_offset(a);
+      c.set_data(Bytes(init, a, std::min(kN, a + kChunk * 8)));  // any gradients will do
+      EXPECT_TRUE(w->Write(c));
+    }
+    w->WritesDone();
+    return w->Finish();
+  };
+  auto request = [](int64_t step, bool update) {
+    v1::UpdateAndPullRequest r;
+    r.set_job_id("job-1");
+    r.set_attempt(1);
+    r.set_step(step);
+    r.set_begin(0);
+    r.set_end(kN);
+    r.set_chunk_elements(kChunk);
+    if (update) r.mutable_update()->set_lr(1e-2f);
+    return r;
+  };
+  // Reads a pull's chunks into `params`; how many elements came.
+  auto read = [](grpc::ClientReader<v1::ParameterChunk>* reader, std::vector<float>* params) {
+    int64_t n = 0;
+    for (v1::ParameterChunk c; reader->Read(&c);) {
+      std::memcpy(&(*params)[c.offset()], c.data().data(), c.data().size());
+      n += c.data().size() / 4;
+    }
+    return n;
+  };
+
+  ASSERT_TRUE(push(1).ok());
+  std::vector<float> step1(kN);
+  {
+    grpc::ClientContext ctx;
+    auto reader = stub->UpdateAndPull(&ctx, request(1, true));
+    ASSERT_EQ(read(reader.get(), &step1), kN);
+    ASSERT_TRUE(reader->Finish().ok());
+  }
+  ASSERT_NE(step1, init);
+  ASSERT_TRUE(push(2).ok());
+
+  // A pull of step 1 whose reader takes one chunk, then stops while update 2 of the range comes.
+  grpc::ClientContext pull_ctx;
+  auto pull = stub->UpdateAndPull(&pull_ctx, request(1, false));
+  std::vector<float> pulled(kN, std::nanf(""));
+  v1::ParameterChunk first;
+  ASSERT_TRUE(pull->Read(&first));
+  ASSERT_EQ(first.offset(), 0);
+  std::memcpy(pulled.data(), first.data().data(), first.data().size());
+  grpc::Status update;
+  std::vector<float> step2(kN);
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+    auto reader = stub->UpdateAndPull(&ctx, request(2, true));
+    read(reader.get(), &step2);
+    update = reader->Finish();
+  }
+  const int64_t received = first.data().size() / 4 + read(pull.get(), &pulled);
+  const grpc::Status pull_status = pull->Finish();
+  if (update.ok()) {
+    EXPECT_EQ(pull_status.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+        << pull_status.error_message();
+  } else {
+    EXPECT_EQ(update.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << update.error_message();
+    EXPECT_TRUE(pull_status.ok() ||
+                pull_status.error_code() == grpc::StatusCode::FAILED_PRECONDITION)
+        << pull_status.error_message();
+  }
+  int64_t wrong = 0;
+  for (int64_t i = 0; i < kN; ++i) {
+    if (!std::isnan(pulled[i]) && pulled[i] != step1[i]) ++wrong;
+  }
+  EXPECT_EQ(wrong, 0) << "of " << received << " elements pulled for step 1";
+  EXPECT_GE(received, kChunk);
+
+  // Update 2 happens, once.
+  {
+    grpc::ClientContext ctx;
+    auto reader = stub->UpdateAndPull(&ctx, request(2, true));
+    ASSERT_EQ(read(reader.get(), &step2), kN);
+    ASSERT_TRUE(reader->Finish().ok());
+  }
+  EXPECT_NE(step2, step1);
+  (*server)->Shutdown();
 }
 
 TEST(StepIntervalsTest, TracksRunsAndMergesEqualNeighbours) {

@@ -1,6 +1,8 @@
 #include "server/ps/ps_service.h"
 
 #include <algorithm>
+#include <chrono>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
@@ -23,6 +25,22 @@ absl::Status CheckChunkElements(int64_t n) {
         absl::StrCat("chunk_elements: ", n, " is not in [0, ", kMaxChunkElements, "]"));
   }
   return absl::OkStatus();
+}
+
+// The call's deadline; InfiniteFuture when it has none.
+absl::Time CallDeadline(const grpc::ServerContext& ctx) {
+  const auto deadline = ctx.deadline();
+  return deadline == std::chrono::system_clock::time_point::max() ? absl::InfiniteFuture()
+                                                                  : absl::FromChrono(deadline);
+}
+
+// A slice that sends the lent parameters from where the shard holds them; gRPC returns them to
+// the shard (destroying `lent`) once the bytes are written to the socket.
+grpc::Slice LentSlice(std::unique_ptr<ShardManager::LentParams> lent) {
+  ShardManager::LentParams* p = lent.release();
+  return grpc::Slice(
+      const_cast<char*>(p->data()), p->bytes(),
+      [](void* user_data) { delete static_cast<ShardManager::LentParams*>(user_data); }, p);
 }
 
 }  // namespace
@@ -116,9 +134,9 @@ grpc::Status ParameterServiceImpl::UpdateAndPullBuffers(
   const v1::WireFormat format = NormalizedWireFormat(request.format());
   if (request.has_update()) {
     const absl::Time start = absl::Now();
-    absl::Status s =
-        shards_.Update(request.job_id(), request.attempt(), request.step(), request.begin(),
-                       request.end(), request.update().lr(), request.update().grad_scale());
+    absl::Status s = shards_.Update(request.job_id(), request.attempt(), request.step(),
+                                    request.begin(), request.end(), request.update().lr(),
+                                    request.update().grad_scale(), CallDeadline(*ctx));
     if (!s.ok()) return ToGrpcStatus(s);
     if (metrics_.adam_step_seconds != nullptr) {
       metrics_.adam_step_seconds->Observe(absl::ToDoubleSeconds(absl::Now() - start));
@@ -130,12 +148,10 @@ grpc::Status ParameterServiceImpl::UpdateAndPullBuffers(
       request.wait_ms() > 0 ? absl::Milliseconds(request.wait_ms()) : absl::ZeroDuration();
   for (int64_t a = request.begin(); a < request.end(); a += chunk) {
     const int64_t b = std::min(request.end(), a + chunk);
-    // The shard writes the parameters straight into the slice that is sent.
-    grpc::Slice data(static_cast<size_t>((b - a) * WireElementBytes(format)));
-    absl::Status s =
-        shards_.ReadParams(request.job_id(), request.attempt(), request.step(), a, b, format, wait,
-                           reinterpret_cast<char*>(const_cast<uint8_t*>(data.begin())));
-    if (!s.ok()) return ToGrpcStatus(s);
+    auto lent =
+        shards_.LendParams(request.job_id(), request.attempt(), request.step(), a, b, format, wait);
+    if (!lent.ok()) return ToGrpcStatus(lent.status());
+    grpc::Slice data = LentSlice(*std::move(lent));
     if (metrics_.pulled_bytes != nullptr) metrics_.pulled_bytes->Increment(data.size());
     if (!writer->Write(EncodeParameterChunk(a, format, std::move(data)))) {
       return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");

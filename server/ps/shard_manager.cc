@@ -36,7 +36,7 @@ struct ShardManager::Shard {
   const bool has_optimizer_state;
 
   absl::Mutex mu;
-  absl::CondVar changed;  // an update finished
+  absl::CondVar changed;  // an update finished or a lent range came back
   // Element i of the range is at index i - begin. Written under mu, except by an update, which
   // owns the elements it marked as updating.
   std::vector<float> params, m, v;
@@ -53,7 +53,23 @@ struct ShardManager::Shard {
   std::map<int64_t, Staged> staged ABSL_GUARDED_BY(mu);  // gradient chunks by first element
   bool ready ABSL_GUARDED_BY(mu) = false;
   int64_t next_init_offset ABSL_GUARDED_BY(mu);
+  // Ranges of params / params_bf16 lent out to pulls (first element -> end): no update writes
+  // them until they come back. A few at a time (the chunks gRPC has not sent yet).
+  std::multimap<int64_t, int64_t> lent ABSL_GUARDED_BY(mu);
+
+  bool Lent(int64_t a, int64_t b) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    for (auto it = lent.begin(); it != lent.end() && it->first < b; ++it) {
+      if (it->second > a) return true;
+    }
+    return false;
+  }
 };
+
+ShardManager::LentParams::~LentParams() {
+  absl::MutexLock lock(&shard_->mu);
+  shard_->lent.erase(entry_);
+  shard_->changed.SignalAll();
+}
 
 namespace {
 
@@ -273,7 +289,8 @@ absl::StatusOr<ShardManager::PushResult> ShardManager::Push(const std::string& j
 }
 
 absl::Status ShardManager::Update(const std::string& job_id, int attempt, int64_t step,
-                                  int64_t begin, int64_t end, float lr, float grad_scale) {
+                                  int64_t begin, int64_t end, float lr, float grad_scale,
+                                  absl::Time deadline) {
   auto found = Ready(job_id, attempt);
   if (!found.ok()) return found.status();
   Shard& s = **found;
@@ -285,16 +302,26 @@ absl::Status ShardManager::Update(const std::string& job_id, int attempt, int64_
   std::vector<std::pair<int64_t, Shard::Staged>> chunks;  // the gradients, by first element
   {
     absl::MutexLock lock(&s.mu);
-    StepIntervals::Summary at = s.applied.Summarize(begin, end);
-    while (at.updating) {  // a concurrent retry of the same update: wait for its outcome
-      s.changed.Wait(&s.mu);
-      at = s.applied.Summarize(begin, end);
-    }
-    if (at.min_step == step && at.max_step == step) return absl::OkStatus();
-    if (at.min_step != step - 1 || at.max_step != step - 1) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "step: update ", step, " of [", begin, ", ", end, ") but the range is at step ",
-          at.min_step, at.min_step == at.max_step ? "" : absl::StrCat("..", at.max_step)));
+    for (bool timed_out = false;;) {
+      const StepIntervals::Summary at = s.applied.Summarize(begin, end);
+      if (at.updating) {  // a concurrent retry of the same update: wait for its outcome
+        s.changed.Wait(&s.mu);
+        continue;
+      }
+      if (at.min_step == step && at.max_step == step) return absl::OkStatus();
+      if (at.min_step != step - 1 || at.max_step != step - 1) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "step: update ", step, " of [", begin, ", ", end, ") but the range is at step ",
+            at.min_step, at.min_step == at.max_step ? "" : absl::StrCat("..", at.max_step)));
+      }
+      if (!s.Lent(begin, end)) break;
+      // A pull of step - 1 is still sending these parameters from where they lie.
+      if (timed_out) {
+        return absl::DeadlineExceededError(absl::StrCat("begin/end: update ", step, " of [", begin,
+                                                        ", ", end, ") waited for pulls of step ",
+                                                        step - 1, " still sending the range"));
+      }
+      timed_out = s.changed.WaitWithDeadline(&s.mu, deadline);
     }
     int64_t staged = 0;
     auto first = s.staged.lower_bound(begin);
@@ -365,9 +392,9 @@ absl::Status ShardManager::Update(const std::string& job_id, int attempt, int64_
   return absl::OkStatus();
 }
 
-absl::Status ShardManager::ReadParams(const std::string& job_id, int attempt, int64_t step,
-                                      int64_t begin, int64_t end, v1::WireFormat format,
-                                      absl::Duration wait, char* out) {
+absl::StatusOr<std::unique_ptr<ShardManager::LentParams>> ShardManager::LendParams(
+    const std::string& job_id, int attempt, int64_t step, int64_t begin, int64_t end,
+    v1::WireFormat format, absl::Duration wait) {
   auto found = Ready(job_id, attempt);
   if (!found.ok()) return found.status();
   Shard& s = **found;
@@ -389,11 +416,18 @@ absl::Status ShardManager::ReadParams(const std::string& job_id, int attempt, in
         "step: [", begin, ", ", end, ") is already at step ", at.max_step, ", past ", step));
   }
   const int64_t i = begin - s.begin, n = end - begin;
-  if (format == v1::WIRE_BF16) {
-    std::memcpy(out, &s.params_bf16[i], n * 2);
-  } else {
-    std::memcpy(out, &s.params[i], n * 4);
-  }
+  const char* data = format == v1::WIRE_BF16 ? reinterpret_cast<const char*>(&s.params_bf16[i])
+                                             : reinterpret_cast<const char*>(&s.params[i]);
+  return std::unique_ptr<LentParams>(new LentParams(*std::move(found), s.lent.emplace(begin, end),
+                                                    data, n * WireElementBytes(format)));
+}
+
+absl::Status ShardManager::ReadParams(const std::string& job_id, int attempt, int64_t step,
+                                      int64_t begin, int64_t end, v1::WireFormat format,
+                                      absl::Duration wait, char* out) {
+  auto lent = LendParams(job_id, attempt, step, begin, end, format, wait);
+  if (!lent.ok()) return lent.status();
+  std::memcpy(out, (*lent)->data(), (*lent)->bytes());
   return absl::OkStatus();
 }
 

@@ -8,7 +8,8 @@
 // The protocol of one optimizer step (see proto/trainyard/v1/ps.proto): Push stages gradient
 // chunks (each element once per step; an identical retry is counted as a duplicate and ignored);
 // Update applies AdamW to a sub-range whose gradients are all staged, once (a repeated Update is a
-// no-op); ReadParams returns a chunk only when every element of it is exactly at the asked step.
+// no-op); LendParams / ReadParams return a chunk only when every element of it is exactly at the
+// asked step, and an update waits while a lent chunk (a pull gRPC is still sending) overlaps it.
 // Every call names the attempt: calls from another attempt than the shard's are refused, the
 // shard unchanged. Knows nothing of gRPC.
 //
@@ -70,14 +71,24 @@ class ShardManager {
 
   // Applies step `step` to [begin, end): every element's gradients must be staged (else
   // FAILED_PRECONDITION saying how many are), and the range must be at step - 1, or already at
-  // `step` (then nothing happens). grad_scale multiplies the gradients (clipping).
+  // `step` (then nothing happens). grad_scale multiplies the gradients (clipping). Waits until no
+  // element of the range is lent out (LendParams), until `deadline`: DEADLINE_EXCEEDED after it,
+  // the shard unchanged.
   absl::Status Update(const std::string& job_id, int attempt, int64_t step, int64_t begin,
-                      int64_t end, float lr, float grad_scale);
+                      int64_t end, float lr, float grad_scale,
+                      absl::Time deadline = absl::InfiniteFuture());
 
-  // Writes the parameters of [begin, end) after update `step`, in `format`, to `out`, which must
-  // have room for (end - begin) * WireElementBytes(format) bytes. Waits up to `wait` for the
-  // range to reach the step; DEADLINE_EXCEEDED after that, FAILED_PRECONDITION if some element is
-  // already past it.
+  // The parameters of [begin, end) after update `step`, in `format`, lent out read-only where the
+  // shard holds them (no copy) until the LentParams is destroyed: an update that would write any
+  // of these elements waits until then. Keeps the shard's memory alive even if the job is dropped
+  // meanwhile. Waits up to `wait` for the range to reach the step; DEADLINE_EXCEEDED after that,
+  // FAILED_PRECONDITION if some element is already past it.
+  class LentParams;
+  absl::StatusOr<std::unique_ptr<LentParams>> LendParams(const std::string& job_id, int attempt,
+                                                         int64_t step, int64_t begin, int64_t end,
+                                                         v1::WireFormat format,
+                                                         absl::Duration wait);
+  // LendParams, copied to `out` (room for (end - begin) * WireElementBytes(format) bytes).
   absl::Status ReadParams(const std::string& job_id, int attempt, int64_t step, int64_t begin,
                           int64_t end, v1::WireFormat format, absl::Duration wait, char* out);
 
@@ -109,6 +120,27 @@ class ShardManager {
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Shard>> shards_ ABSL_GUARDED_BY(mu_);
   int64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+class ShardManager::LentParams {
+ public:
+  LentParams(const LentParams&) = delete;
+  LentParams& operator=(const LentParams&) = delete;
+  ~LentParams();  // returns the range: updates of it may go on
+
+  const char* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  friend class ShardManager;
+  LentParams(std::shared_ptr<Shard> shard, std::multimap<int64_t, int64_t>::iterator entry,
+             const char* data, size_t bytes)
+      : shard_(std::move(shard)), entry_(entry), data_(data), bytes_(bytes) {}
+
+  std::shared_ptr<Shard> shard_;
+  std::multimap<int64_t, int64_t>::iterator entry_;  // in shard_->lent
+  const char* data_;
+  size_t bytes_;
 };
 
 }  // namespace trainyard::ps
