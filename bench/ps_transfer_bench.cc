@@ -103,6 +103,9 @@ struct Flags {
   // TCP congestion control of every connection, the anchor's and gRPC's (client and shards);
   // empty: the host's. Default: $TRAINYARD_TCP_CONGESTION, as trainyard-ps and the trainer.
   std::string tcp_congestion;
+  // The anchor's receivers recv into a bounce buffer and copy out, as a receiver that cannot
+  // receive in place (any RPC library's client) must: a diagnostic anchor, not the goal's.
+  bool anchor_copies = false;
 };
 
 std::string DefaultPsBinary() {
@@ -128,6 +131,8 @@ Flags ParseFlags(int argc, char** argv) {
       flags.rows_only = true;
     } else if (arg == "--ps-logs") {
       flags.ps_logs = true;
+    } else if (arg == "--anchor-copies") {
+      flags.anchor_copies = true;
     } else if (!has_value) {
       ok = false;
     } else if (arg == "--params") {
@@ -169,7 +174,7 @@ Flags ParseFlags(int argc, char** argv) {
                    "usage: %s [--params N] [--reps N] [--warmup N] [--shards 1,2,3,4] [--ps PATH] "
                    "[--client stub|zero-copy] [--tune-malloc] [--chunk-elements N] "
                    "[--lookahead-bytes N] [--bdp-probe 0|1] [--no-bf16] [--label TEXT] "
-                   "[--rows-only] [--ps-logs] [--tcp-congestion NAME]\n",
+                   "[--rows-only] [--ps-logs] [--tcp-congestion NAME] [--anchor-copies]\n",
                    argv[0]);
       std::exit(2);
     }
@@ -274,11 +279,13 @@ absl::Status SendAll(int fd, const char* p, int64_t bytes) {
   return absl::OkStatus();
 }
 
-absl::Status RecvAll(int fd, char* p, int64_t bytes) {
+// With `bounce` (kSocketIoBytes), receives there and copies each piece to `p`.
+absl::Status RecvAll(int fd, char* p, int64_t bytes, char* bounce = nullptr) {
   while (bytes > 0) {
-    const ssize_t n = recv(fd, p, std::min(bytes, kSocketIoBytes), 0);
+    const ssize_t n = recv(fd, bounce != nullptr ? bounce : p, std::min(bytes, kSocketIoBytes), 0);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) return n == 0 ? absl::InternalError("recv: peer closed") : ErrnoError("recv");
+    if (bounce != nullptr) std::memcpy(p, bounce, n);
     p += n;
     bytes -= n;
   }
@@ -288,9 +295,13 @@ absl::Status RecvAll(int fd, char* p, int64_t bytes) {
 // Seconds to move `bytes` from `src` to `dst` over k fresh connections (part i of the arrays over
 // connection i, its sender and receiver on their own threads; the connections are opened before
 // the clock starts), and, with `round_trip`, back from `dst` into `back` once each part arrived.
+// With `receiver_copies`, every receiver copies out of a bounce buffer (Flags::anchor_copies).
 absl::StatusOr<double> SocketTransfer(int k, const char* src, char* dst, char* back, int64_t bytes,
-                                      bool round_trip, const std::string& congestion) {
+                                      bool round_trip, const std::string& congestion,
+                                      bool receiver_copies) {
   std::vector<std::unique_ptr<TcpConnection>> connections;
+  std::vector<std::vector<char>> bounce(receiver_copies ? 2 * k : 0,
+                                        std::vector<char>(kSocketIoBytes, 1));
   for (int i = 0; i < k; ++i) {
     ASSIGN_OR_RETURN(auto c, TcpConnection::Open(congestion));
     connections.push_back(std::move(c));
@@ -300,11 +311,12 @@ absl::StatusOr<double> SocketTransfer(int k, const char* src, char* dst, char* b
     const int i = t / 2;
     const int64_t a = PartBegin(bytes, k, i), n = PartBegin(bytes, k, i + 1) - a;
     const TcpConnection& c = *connections[i];
+    char* const b = receiver_copies ? bounce[t].data() : nullptr;
     if (t % 2 == 0) {  // the "trainer"
       RETURN_IF_ERROR(SendAll(c.client_fd(), src + a, n));
-      if (round_trip) RETURN_IF_ERROR(RecvAll(c.client_fd(), back + a, n));
+      if (round_trip) RETURN_IF_ERROR(RecvAll(c.client_fd(), back + a, n, b));
     } else {  // the "parameter server"
-      RETURN_IF_ERROR(RecvAll(c.server_fd(), dst + a, n));
+      RETURN_IF_ERROR(RecvAll(c.server_fd(), dst + a, n, b));
       if (round_trip) RETURN_IF_ERROR(SendAll(c.server_fd(), dst + a, n));
     }
     return absl::OkStatus();
@@ -753,12 +765,13 @@ absl::StatusOr<ShardCountResult> RunShardCount(const Flags& flags, int k, Buffer
   for (int round = 0; round < flags.warmup + flags.reps; ++round) {
     const bool timed = round >= flags.warmup;
     const double cpu = CpuSeconds({});
-    ASSIGN_OR_RETURN(const double one_way, SocketTransfer(k, src, b.socket_dst.data(), back,
-                                                          fp32_bytes, false, flags.tcp_congestion));
+    ASSIGN_OR_RETURN(const double one_way,
+                     SocketTransfer(k, src, b.socket_dst.data(), back, fp32_bytes, false,
+                                    flags.tcp_congestion, flags.anchor_copies));
     const double socket_cpu = CpuSeconds({}) - cpu;
-    ASSIGN_OR_RETURN(
-        const double round_trip,
-        SocketTransfer(k, src, b.socket_dst.data(), back, fp32_bytes, true, flags.tcp_congestion));
+    ASSIGN_OR_RETURN(const double round_trip,
+                     SocketTransfer(k, src, b.socket_dst.data(), back, fp32_bytes, true,
+                                    flags.tcp_congestion, flags.anchor_copies));
     RETURN_IF_ERROR(run_step(v1::WIRE_FP32, timed ? &result.fp32 : nullptr));
     if (flags.bf16) RETURN_IF_ERROR(run_step(v1::WIRE_BF16, timed ? &result.bf16 : nullptr));
     if (timed) {
@@ -813,13 +826,19 @@ void PrintTable(const Flags& flags, const std::vector<ShardCountResult>& results
           flags.label.c_str(), tcp.c_str(), r.k, bf16 ? "bf16" : "fp32", socket, push,
           100 * push / socket, pull, 100 * pull / socket, socket_round_trip, both,
           100 * both / socket_round_trip, r.socket_busy.cores(), t.push_busy.cores(),
-          t.pull_busy.cores(), 1e3 * Median(t.adam), 1e3 * Median(step), met ? "met" : "NOT met");
+          t.pull_busy.cores(), 1e3 * Median(t.adam), 1e3 * Median(step),
+          flags.anchor_copies ? "n/a (socket copies on receive)"
+          : met               ? "met"
+                              : "NOT met");
     }
   }
   if (flags.rows_only) return;
   std::printf(
       "\nGB/s: bytes on the wire (fp32 4, bf16 2 per parameter, %.0f MB fp32 each way; 1 GB = 1e9 "
-      "B) / median seconds; socket: the fp32 bytes over k plain TCP connections, one way. TCP: the "
+      "B) / median seconds; socket: the fp32 bytes over k plain TCP connections, one way (with "
+      "--anchor-copies, rows marked n/a: each receiver recv()s into a 4 MiB buffer and copies out, "
+      "as a receiver that cannot receive in place must; a diagnostic, not the goal's anchor). TCP: "
+      "the "
       "congestion control of every connection in the row, the socket's and gRPC's alike. push: "
       "PushGradients of every range; "
       "pull: UpdateAndPull without update (the transfer alone); push+pull: their sum, against the "

@@ -4,8 +4,10 @@
 # times, each with its own socket anchor using the same TCP congestion control as the gRPC
 # connections of its rows: as shipped (the offload trainer's zero-copy client and malloc
 # settings) with the host's congestion control, as shipped with `--tcp-congestion reno` on every
-# connection (trainyard-ps --tcp-congestion, trainer --ps-tcp-congestion), and the generated stub
-# client (how offload.cc talked before the zero-copy client) with the host's.
+# connection (trainyard-ps --tcp-congestion, trainer --ps-tcp-congestion), the generated stub
+# client (how offload.cc talked before the zero-copy client) with the host's, and, as a
+# diagnostic, as shipped with reno against a socket whose receivers copy what they receive once
+# more (--anchor-copies: what any receiver that cannot receive in place pays).
 #
 #   bash bench/ps_transfer_bench.sh [BIN_DIR] [REPS] [PARAMS]   # build/bin, 5 rounds, 32 Mi params
 set -euo pipefail
@@ -25,8 +27,11 @@ run() {
 shipped=$(run --client zero-copy --tune-malloc --tcp-congestion "" --label "as shipped")
 reno=$(run --client zero-copy --tune-malloc --tcp-congestion reno --label "as shipped" --rows-only)
 stub=$(run --client stub --tune-malloc --tcp-congestion "" --label "stub client" --rows-only)
+# Diagnostic: as shipped with reno, against a socket whose receivers copy out of a bounce buffer.
+copies=$(run --client zero-copy --tune-malloc --tcp-congestion reno --anchor-copies \
+  --label "as shipped, vs socket + receive copy" --rows-only)
 
 # The first run's text up to the end of its table, the other runs' rows, then the first's notes.
 printf '%s\n' "$shipped" | awk '/^\|/ {table = 1} table && !/^\|/ {exit} {print}'
-printf '%s\n' "$reno" "$stub"
+printf '%s\n' "$reno" "$stub" "$copies"
 printf '%s\n' "$shipped" | awk '/^\|/ {table = 1} table && !/^\|/ {notes = 1} notes {print}'
