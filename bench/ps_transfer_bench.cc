@@ -231,28 +231,28 @@ class TcpConnection {
     addr.sin_family = AF_INET;
     addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     socklen_t len = sizeof(addr);
-    absl::Status status;
-    auto set_congestion = [&](int fd) {
-      return congestion.empty() ||
-             setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, congestion.data(), congestion.size()) == 0;
+    auto connect_pair = [&]() -> absl::Status {
+      RETURN_IF_ERROR(ps::SetSocketTcpCongestion(listener, congestion));
+      if (bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+          listen(listener, 1) != 0 ||
+          getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+        return ErrnoError("bind/listen");
+      }
+      if ((c->client_fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) < 0) {
+        return ErrnoError("socket");
+      }
+      RETURN_IF_ERROR(ps::SetSocketTcpCongestion(c->client_fd_, congestion));
+      if (connect(c->client_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+        return ErrnoError("connect");
+      }
+      if ((c->server_fd_ = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC)) < 0) {
+        return ErrnoError("accept");
+      }
+      return absl::OkStatus();
     };
-    if (!set_congestion(listener)) {
-      status = ErrnoError("TCP_CONGESTION");
-    } else if (bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-               listen(listener, 1) != 0 ||
-               getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-      status = ErrnoError("bind/listen");
-    } else if ((c->client_fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) < 0) {
-      status = ErrnoError("socket");
-    } else if (!set_congestion(c->client_fd_)) {
-      status = ErrnoError("TCP_CONGESTION");
-    } else if (connect(c->client_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-      status = ErrnoError("connect");
-    } else if ((c->server_fd_ = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC)) < 0) {
-      status = ErrnoError("accept");
-    }
+    const absl::Status status = connect_pair();
     close(listener);
-    if (!status.ok()) return status;
+    RETURN_IF_ERROR(status);
     return c;
   }
   ~TcpConnection() {

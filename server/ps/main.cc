@@ -68,10 +68,7 @@ int main(int argc, char** argv) {
   }
   std::fflush(stdout);
   spdlog::info("serving on {} as {}; TCP congestion control {}", (*server)->address(),
-               (*server)->node_id(),
-               options.tcp_congestion.empty()
-                   ? trainyard::ps::HostTcpCongestion().value_or("unknown") + " (the host's)"
-                   : options.tcp_congestion);
+               (*server)->node_id(), trainyard::ps::TcpCongestionInUse(options.tcp_congestion));
   const int sig = trainyard::WaitForTerminationSignal();
   spdlog::info("signal {}: shutting down", sig);
   (*server)->Shutdown();  // registration stopped, in-flight calls finished

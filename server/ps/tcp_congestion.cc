@@ -77,12 +77,10 @@ bool MutateFd(int fd, grpc_socket_mutator* m) {
   if (getsockopt(fd, SOL_SOCKET, SO_PROTOCOL, &protocol, &len) != 0 || protocol != IPPROTO_TCP) {
     return true;  // a Unix socket, say: nothing to set
   }
-  const char* name = Cast(m)->name;
-  if (setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name, std::strlen(name)) != 0) {
+  if (absl::Status s = SetSocketTcpCongestion(fd, Cast(m)->name); !s.ok()) {
     static std::atomic<bool> warned{false};
     if (!warned.exchange(true)) {
-      spdlog::warn("tcp congestion control {}: cannot set it on a socket ({}); it keeps the host's",
-                   name, std::strerror(errno));
+      spdlog::warn("{}: cannot set it on a socket; it keeps the host's", std::string(s.message()));
     }
   }
   return true;  // false would make gRPC drop the connection
@@ -136,19 +134,33 @@ absl::Status CheckTcpCongestion(const std::string& name, const std::string& flag
   }
   const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
-  const int rc = setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name.data(), name.size());
-  const int error = errno;
+  const absl::Status set = SetSocketTcpCongestion(fd, name);
   close(fd);
-  if (rc == 0) return absl::OkStatus();
-  if (error == EPERM) {
+  if (set.ok()) return absl::OkStatus();
+  if (set.code() == absl::StatusCode::kPermissionDenied) {
     return absl::InvalidArgumentError(
         absl::StrCat(flag, ": \"", name, "\" is not allowed for this process (allowed: ",
                      ReadSysctl("/proc/sys/net/ipv4/tcp_allowed_congestion_control"),
                      "); run as root or add it to net.ipv4.tcp_allowed_congestion_control"));
   }
   return absl::InvalidArgumentError(absl::StrCat(
-      flag, ": \"", name, "\" is not a congestion control this kernel has (", std::strerror(error),
+      flag, ": \"", name, "\" is not a congestion control this kernel has (", set.message(),
       "; available: ", ReadSysctl("/proc/sys/net/ipv4/tcp_available_congestion_control"), ")"));
+}
+
+std::string TcpCongestionInUse(const std::string& name) {
+  if (!name.empty()) return name;
+  return HostTcpCongestion().value_or("unknown") + " (the host's)";
+}
+
+absl::Status SetSocketTcpCongestion(int fd, const std::string& name) {
+  if (name.empty() || setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name.data(), name.size()) == 0) {
+    return absl::OkStatus();
+  }
+  const int error = errno;
+  const std::string message = absl::StrCat("TCP_CONGESTION ", name, ": ", std::strerror(error));
+  return error == EPERM ? absl::PermissionDeniedError(message)
+                        : absl::InvalidArgumentError(message);
 }
 
 absl::StatusOr<std::string> SocketTcpCongestion(int fd) {

@@ -33,6 +33,13 @@ absl::StatusOr<std::string> HostTcpCongestion();
 // process is not allowed to use it (not root and not in tcp_allowed_congestion_control).
 absl::Status CheckTcpCongestion(const std::string& name, const std::string& flag);
 
+// `name`, or when it is empty the host's default marked as such ("bbr (the host's)"): what a
+// process's connections use, for its log.
+std::string TcpCongestionInUse(const std::string& name);
+
+// Sets `name` on TCP socket `fd`; empty `name`: nothing. The error names TCP_CONGESTION and errno.
+absl::Status SetSocketTcpCongestion(int fd, const std::string& name);
+
 // The congestion control of connected or listening TCP socket `fd`.
 absl::StatusOr<std::string> SocketTcpCongestion(int fd);
 

@@ -349,9 +349,7 @@ absl::Status Train(const TrainerOptions& o) {
                                                          config, spec.parallel().bucket_mb()));
     if (o.rank == 0) {
       Log(absl::StrCat("parameter-server connections: TCP congestion control ",
-                       o.ps_tcp_congestion.empty()
-                           ? ps::HostTcpCongestion().value_or("unknown") + " (the host's)"
-                           : o.ps_tcp_congestion));
+                       ps::TcpCongestionInUse(o.ps_tcp_congestion)));
     }
     RETURN_IF_ERROR(offloaded->Initialize(step, *optimizer_holder));
   }
