@@ -492,8 +492,22 @@ TEST(ShardManagerTest, LentParametersHoldBackUpdatesOfTheirElementsAndOutliveADr
       shards.ReadParams("job-1", 1, 0, 0, kN, v1::WIRE_FP32, absl::ZeroDuration(), params.data())
           .ok());
   EXPECT_EQ(params, Filled(kN, 1.0f));
-  // Returning them lets a waiting update go on, with the gradients it was refused with.
+  // What is wrong with an update's gradients is reported at once, lent elements or not.
+  s = shards.Update("job-1", 1, 1, 0, 500, 1e-2f, 1.0f, absl::InfiniteFuture());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("end: 500 cuts the pushed chunk [0, 1000)"));
+  // While an update waits for lent elements, new pulls of its range are refused (it goes first);
+  // returning the lent ones lets it go on, with the gradients it was refused with before.
   std::thread update([&] { s = shards.Update("job-1", 1, 1, 0, kN, 1e-2f, 1.0f); });
+  for (;;) {  // until the update waits
+    auto r = shards.LendParams("job-1", 1, 0, 150, 160, v1::WIRE_FP32, absl::ZeroDuration());
+    if (!r.ok()) {
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+      EXPECT_THAT(r.status().message(), HasSubstr("[150, 160) is being updated to step 1"));
+      break;
+    }
+    std::this_thread::yield();
+  }
   lent->reset();
   update.join();
   ASSERT_TRUE(s.ok()) << s;
@@ -516,12 +530,14 @@ TEST(ShardManagerTest, LentParametersHoldBackUpdatesOfTheirElementsAndOutliveADr
   EXPECT_TRUE(shards.Update("job-1", 1, 2, 100, kN, 1e-2f, 1.0f, absl::Now()).ok());
   EXPECT_EQ(shards.Update("job-1", 1, 2, 0, 100, 1e-2f, 1.0f, absl::Now()).code(),
             absl::StatusCode::kDeadlineExceeded);
-  // A dropped job's lent elements stay readable until they are returned.
+  // A dropped job's lent elements stay readable until they are returned, and its memory stays
+  // reserved until then.
   const std::string sent((*lent)->data(), 200);
   EXPECT_TRUE(shards.Drop("job-1"));
-  EXPECT_EQ(shards.reserved_bytes(), 0);
+  EXPECT_EQ(shards.reserved_bytes(), kN * ps::kBytesPerParam);
   EXPECT_EQ(std::string((*lent)->data(), 200), sent);
   lent->reset();
+  EXPECT_EQ(shards.reserved_bytes(), 0);
 }
 
 // The same over gRPC: a pull whose reader stops keeps the chunks gRPC has not sent lent. An

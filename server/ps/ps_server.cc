@@ -89,6 +89,11 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(PsOptions options) {
   builder.AddListeningPort(s->options_.listen_address, grpc::InsecureServerCredentials(), &port);
   builder.SetMaxReceiveMessageSize(s->options_.max_message_bytes);
   builder.SetMaxSendMessageSize(s->options_.max_message_bytes);
+  // Pings on connections with calls in flight, so a client that vanished (host down, half-open
+  // connection) ends its calls: a pull it left holds its range against updates until then.
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 20000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   builder.RegisterService(s->service_.get());
   if (!s->options_.tcp_congestion.empty()) {
     builder.SetOption(TcpCongestionOption(s->options_.tcp_congestion));

@@ -27,11 +27,17 @@ absl::Status CheckChunkElements(int64_t n) {
   return absl::OkStatus();
 }
 
-// The call's deadline; InfiniteFuture when it has none.
-absl::Time CallDeadline(const grpc::ServerContext& ctx) {
+// The longest an update waits for pulls still sending its range (a client that stopped reading
+// them), whatever the call's deadline.
+constexpr absl::Duration kMaxLentWait = absl::Seconds(60);
+
+// How long an update may wait for lent elements: the call's deadline, at most kMaxLentWait.
+absl::Time LentWaitDeadline(const grpc::ServerContext& ctx) {
+  const absl::Time cap = absl::Now() + kMaxLentWait;
   const auto deadline = ctx.deadline();
-  return deadline == std::chrono::system_clock::time_point::max() ? absl::InfiniteFuture()
-                                                                  : absl::FromChrono(deadline);
+  return deadline == std::chrono::system_clock::time_point::max()
+             ? cap
+             : std::min(cap, absl::FromChrono(deadline));
 }
 
 // A slice that sends the lent parameters from where the shard holds them; gRPC returns them to
@@ -136,7 +142,7 @@ grpc::Status ParameterServiceImpl::UpdateAndPullBuffers(
     const absl::Time start = absl::Now();
     absl::Status s = shards_.Update(request.job_id(), request.attempt(), request.step(),
                                     request.begin(), request.end(), request.update().lr(),
-                                    request.update().grad_scale(), CallDeadline(*ctx));
+                                    request.update().grad_scale(), LentWaitDeadline(*ctx));
     if (!s.ok()) return ToGrpcStatus(s);
     if (metrics_.adam_step_seconds != nullptr) {
       metrics_.adam_step_seconds->Observe(absl::ToDoubleSeconds(absl::Now() - start));

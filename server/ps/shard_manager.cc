@@ -5,6 +5,7 @@
 #include <cstring>
 #include <deque>
 #include <iterator>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -56,14 +57,71 @@ struct ShardManager::Shard {
   // Ranges of params / params_bf16 lent out to pulls (first element -> end): no update writes
   // them until they come back. A few at a time (the chunks gRPC has not sent yet).
   std::multimap<int64_t, int64_t> lent ABSL_GUARDED_BY(mu);
+  // Ranges an update waits to write (for lent elements to come back): no new lends of them.
+  std::multimap<int64_t, int64_t> pending_updates ABSL_GUARDED_BY(mu);
 
-  bool Lent(int64_t a, int64_t b) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    for (auto it = lent.begin(); it != lent.end() && it->first < b; ++it) {
-      if (it->second > a) return true;
-    }
-    return false;
-  }
+  // Registers [a, b) in pending_updates for its lifetime; constructed and destroyed under mu.
+  class PendingUpdate {
+   public:
+    PendingUpdate(Shard& s, int64_t a, int64_t b)
+        : shard_(s), entry_(s.pending_updates.emplace(a, b)) {}
+    ~PendingUpdate() { shard_.pending_updates.erase(entry_); }
+
+   private:
+    Shard& shard_;
+    std::multimap<int64_t, int64_t>::iterator entry_;
+  };
+
+  // The staged chunks [first, last) holding the gradients of `step` for exactly [begin, end), or
+  // why they do not: a chunk cut by begin or end (INVALID_ARGUMENT), elements not pushed yet
+  // (FAILED_PRECONDITION).
+  using StagedIt = std::map<int64_t, Staged>::iterator;
+  using StagedRange = std::pair<StagedIt, StagedIt>;
+  absl::StatusOr<StagedRange> StagedFor(int64_t begin, int64_t end, int64_t step)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 };
+
+namespace {
+
+// Whether a range of `ranges` (first element -> end) overlaps [a, b).
+bool Overlaps(const std::multimap<int64_t, int64_t>& ranges, int64_t a, int64_t b) {
+  for (auto it = ranges.begin(); it != ranges.end() && it->first < b; ++it) {
+    if (it->second > a) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+absl::StatusOr<ShardManager::Shard::StagedRange> ShardManager::Shard::StagedFor(int64_t begin,
+                                                                                int64_t end,
+                                                                                int64_t step) {
+  int64_t pushed = 0;
+  auto first = staged.lower_bound(begin);
+  if (first != staged.begin()) {
+    auto before = std::prev(first);
+    if (before->first + before->second.size > begin) {
+      return absl::InvalidArgumentError(absl::StrCat("begin: ", begin, " cuts the pushed chunk [",
+                                                     before->first, ", ",
+                                                     before->first + before->second.size, ")"));
+    }
+  }
+  auto last = first;
+  for (; last != staged.end() && last->first < end; ++last) {
+    if (last->first + last->second.size > end) {
+      return absl::InvalidArgumentError(absl::StrCat("end: ", end, " cuts the pushed chunk [",
+                                                     last->first, ", ",
+                                                     last->first + last->second.size, ")"));
+    }
+    if (last->second.step == step) pushed += last->second.size;
+  }
+  if (pushed != end - begin) {
+    return absl::FailedPreconditionError(absl::StrCat("step ", step, ": gradients of ", pushed,
+                                                      " of the ", end - begin, " elements of [",
+                                                      begin, ", ", end, ") pushed"));
+  }
+  return StagedRange(first, last);
+}
 
 ShardManager::LentParams::~LentParams() {
   absl::MutexLock lock(&shard_->mu);
@@ -153,18 +211,27 @@ absl::Status ShardManager::BeginInit(const v1::InitShardChunk::Header& h) {
   {
     absl::MutexLock lock(&mu_);
     auto old = shards_.find(h.job_id());
-    const int64_t freed = old == shards_.end() ? 0 : old->second->size() * kBytesPerParam;
-    if (reserved_bytes_ - freed + bytes > capacity_bytes_) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "job ", h.job_id(), " needs ", bytes, " bytes for ", h.end() - h.begin(),
-          " parameters but this parameter server has ", capacity_bytes_ - reserved_bytes_ + freed,
-          " of ", capacity_bytes_, " free"));
+    // A shard replaced frees its memory at once unless something still holds it (a pull sending
+    // from it, an update running on it): then when that lets go.
+    const int64_t freed = old != shards_.end() && old->second.use_count() == 1
+                              ? old->second->size() * kBytesPerParam
+                              : 0;
+    const int64_t reserved = *reserved_bytes_;
+    if (reserved - freed + bytes > capacity_bytes_) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("job ", h.job_id(), " needs ", bytes, " bytes for ", h.end() - h.begin(),
+                       " parameters but this parameter server has ",
+                       capacity_bytes_ - reserved + freed, " of ", capacity_bytes_, " free"));
     }
     if (old != shards_.end()) shards_.erase(old);
-    reserved_bytes_ += bytes - freed;
+    *reserved_bytes_ += bytes;
   }
-  // Allocate outside the lock (zero-filling gigabytes takes a while).
-  auto shard = std::make_shared<Shard>(h);
+  // Allocate outside the lock (zero-filling gigabytes takes a while). The last holder of the
+  // shard returns its bytes.
+  std::shared_ptr<Shard> shard(new Shard(h), [reserved = reserved_bytes_, bytes](Shard* s) {
+    delete s;
+    *reserved -= bytes;
+  });
   absl::MutexLock lock(&mu_);
   shards_[h.job_id()] = std::move(shard);
   return absl::OkStatus();
@@ -302,6 +369,8 @@ absl::Status ShardManager::Update(const std::string& job_id, int attempt, int64_
   std::vector<std::pair<int64_t, Shard::Staged>> chunks;  // the gradients, by first element
   {
     absl::MutexLock lock(&s.mu);
+    Shard::StagedRange staged;
+    std::optional<Shard::PendingUpdate> pending;  // while it waits for lent elements
     for (bool timed_out = false;;) {
       const StepIntervals::Summary at = s.applied.Summarize(begin, end);
       if (at.updating) {  // a concurrent retry of the same update: wait for its outcome
@@ -314,39 +383,19 @@ absl::Status ShardManager::Update(const std::string& job_id, int attempt, int64_
             "step: update ", step, " of [", begin, ", ", end, ") but the range is at step ",
             at.min_step, at.min_step == at.max_step ? "" : absl::StrCat("..", at.max_step)));
       }
-      if (!s.Lent(begin, end)) break;
-      // A pull of step - 1 is still sending these parameters from where they lie.
+      ASSIGN_OR_RETURN(staged, s.StagedFor(begin, end, step));
+      if (!Overlaps(s.lent, begin, end)) break;
+      // A pull of step - 1 is still sending these parameters from where they lie. New pulls of
+      // them are refused meanwhile (the update goes first).
       if (timed_out) {
         return absl::DeadlineExceededError(absl::StrCat("begin/end: update ", step, " of [", begin,
                                                         ", ", end, ") waited for pulls of step ",
                                                         step - 1, " still sending the range"));
       }
+      if (!pending) pending.emplace(s, begin, end);
       timed_out = s.changed.WaitWithDeadline(&s.mu, deadline);
     }
-    int64_t staged = 0;
-    auto first = s.staged.lower_bound(begin);
-    if (first != s.staged.begin()) {
-      auto before = std::prev(first);
-      if (before->first + before->second.size > begin) {
-        return absl::InvalidArgumentError(absl::StrCat("begin: ", begin, " cuts the pushed chunk [",
-                                                       before->first, ", ",
-                                                       before->first + before->second.size, ")"));
-      }
-    }
-    auto last = first;
-    for (; last != s.staged.end() && last->first < end; ++last) {
-      if (last->first + last->second.size > end) {
-        return absl::InvalidArgumentError(absl::StrCat("end: ", end, " cuts the pushed chunk [",
-                                                       last->first, ", ",
-                                                       last->first + last->second.size, ")"));
-      }
-      if (last->second.step == step) staged += last->second.size;
-    }
-    if (staged != end - begin) {
-      return absl::FailedPreconditionError(absl::StrCat("step ", step, ": gradients of ", staged,
-                                                        " of the ", end - begin, " elements of [",
-                                                        begin, ", ", end, ") pushed"));
-    }
+    const auto [first, last] = staged;
     for (auto it = first; it != last; ++it) chunks.emplace_back(it->first, std::move(it->second));
     s.staged.erase(first, last);
     s.applied.Set(begin, end, step - 1, /*updating=*/true);
@@ -415,6 +464,10 @@ absl::StatusOr<std::unique_ptr<ShardManager::LentParams>> ShardManager::LendPara
     return absl::FailedPreconditionError(absl::StrCat(
         "step: [", begin, ", ", end, ") is already at step ", at.max_step, ", past ", step));
   }
+  if (Overlaps(s.pending_updates, begin, end)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step: [", begin, ", ", end, ") is being updated to step ", step + 1, ", past ", step));
+  }
   const int64_t i = begin - s.begin, n = end - begin;
   const char* data = format == v1::WIRE_BF16 ? reinterpret_cast<const char*>(&s.params_bf16[i])
                                              : reinterpret_cast<const char*>(&s.params[i]);
@@ -463,8 +516,7 @@ bool ShardManager::Drop(const std::string& job_id, int up_to_attempt) {
   absl::MutexLock lock(&mu_);
   auto it = shards_.find(job_id);
   if (it == shards_.end() || it->second->attempt > up_to_attempt) return false;
-  reserved_bytes_ -= it->second->size() * kBytesPerParam;
-  shards_.erase(it);
+  shards_.erase(it);  // its bytes are returned when nothing holds it any more
   return true;
 }
 
@@ -475,7 +527,7 @@ v1::ListShardsResponse ShardManager::List() const {
     absl::MutexLock lock(&mu_);
     for (const auto& [id, s] : shards_) shards.push_back(s);
     r.set_capacity_bytes(capacity_bytes_);
-    r.set_reserved_bytes(reserved_bytes_);
+    r.set_reserved_bytes(*reserved_bytes_);
   }
   for (const auto& s : shards) {
     v1::ShardInfo* info = r.add_shards();
@@ -490,8 +542,5 @@ v1::ListShardsResponse ShardManager::List() const {
   return r;
 }
 
-int64_t ShardManager::reserved_bytes() const {
-  absl::MutexLock lock(&mu_);
-  return reserved_bytes_;
-}
+int64_t ShardManager::reserved_bytes() const { return *reserved_bytes_; }
 }  // namespace trainyard::ps

@@ -19,6 +19,7 @@
 #ifndef TRAINYARD_SERVER_PS_SHARD_MANAGER_H_
 #define TRAINYARD_SERVER_PS_SHARD_MANAGER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <map>
@@ -71,9 +72,9 @@ class ShardManager {
 
   // Applies step `step` to [begin, end): every element's gradients must be staged (else
   // FAILED_PRECONDITION saying how many are), and the range must be at step - 1, or already at
-  // `step` (then nothing happens). grad_scale multiplies the gradients (clipping). Waits until no
-  // element of the range is lent out (LendParams), until `deadline`: DEADLINE_EXCEEDED after it,
-  // the shard unchanged.
+  // `step` (then nothing happens). grad_scale multiplies the gradients (clipping). Then waits
+  // until no element of the range is lent out (LendParams), refusing new lends of it meanwhile,
+  // until `deadline`: DEADLINE_EXCEEDED after it, the shard unchanged.
   absl::Status Update(const std::string& job_id, int attempt, int64_t step, int64_t begin,
                       int64_t end, float lr, float grad_scale,
                       absl::Time deadline = absl::InfiniteFuture());
@@ -82,7 +83,8 @@ class ShardManager {
   // shard holds them (no copy) until the LentParams is destroyed: an update that would write any
   // of these elements waits until then. Keeps the shard's memory alive even if the job is dropped
   // meanwhile. Waits up to `wait` for the range to reach the step; DEADLINE_EXCEEDED after that,
-  // FAILED_PRECONDITION if some element is already past it.
+  // FAILED_PRECONDITION if some element is already past it or an update of some element to the
+  // next step is waiting for lent elements to come back (updates go first).
   class LentParams;
   absl::StatusOr<std::unique_ptr<LentParams>> LendParams(const std::string& job_id, int attempt,
                                                          int64_t step, int64_t begin, int64_t end,
@@ -100,7 +102,8 @@ class ShardManager {
   // Where the job's range lies: FAILED_PRECONDITION for a stale attempt or a shard not ready.
   absl::StatusOr<std::pair<int64_t, int64_t>> RangeOf(const std::string& job_id, int attempt) const;
 
-  // Frees a job's state if its attempt is at most `up_to_attempt`; false if there was none.
+  // Frees a job's state if its attempt is at most `up_to_attempt`; false if there was none. Its
+  // bytes stay reserved while something still holds it (a pull sending from it: LendParams).
   bool Drop(const std::string& job_id, int up_to_attempt = std::numeric_limits<int>::max());
   v1::ListShardsResponse List() const;
 
@@ -119,7 +122,10 @@ class ShardManager {
 
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Shard>> shards_ ABSL_GUARDED_BY(mu_);
-  int64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // The bytes of every shard not yet freed, those dropped but still held (by a pull sending from
+  // one, say) included; shared with each shard's deleter, which returns its bytes.
+  const std::shared_ptr<std::atomic<int64_t>> reserved_bytes_ =
+      std::make_shared<std::atomic<int64_t>>(0);
 };
 
 class ShardManager::LentParams {
