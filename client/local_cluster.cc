@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -19,6 +20,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "client/yard_client.h"
+#include "server/ps/tcp_congestion.h"
 
 namespace trainyard::client {
 namespace {
@@ -50,13 +52,30 @@ std::string Tail(const std::string& text, size_t lines) {
   return text.substr(pos + 1);
 }
 
-// Starts `argv` detached (own session), stdout and stderr to files; returns its pid.
-absl::StatusOr<pid_t> SpawnDaemon(const std::vector<std::string>& argv, const std::string& out,
-                                  const std::string& err) {
+// Starts `argv` detached (own session), stdout and stderr to files; returns its pid. Each of
+// `env` is set in its environment, or unset where the value is empty.
+absl::StatusOr<pid_t> SpawnDaemon(
+    const std::vector<std::string>& argv, const std::string& out, const std::string& err,
+    const std::vector<std::pair<std::string, std::string>>& env = {}) {
   std::vector<char*> c_argv;
   std::vector<std::string> copy = argv;
   for (auto& a : copy) c_argv.push_back(a.data());
   c_argv.push_back(nullptr);
+  // The child's environment, built here: after fork only async-signal-safe calls.
+  std::vector<std::string> environment;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry(*e);
+    const std::string name = entry.substr(0, entry.find('='));
+    if (std::none_of(env.begin(), env.end(), [&](const auto& v) { return v.first == name; })) {
+      environment.push_back(entry);
+    }
+  }
+  for (const auto& [name, value] : env) {
+    if (!value.empty()) environment.push_back(absl::StrCat(name, "=", value));
+  }
+  std::vector<char*> c_envp;
+  for (auto& e : environment) c_envp.push_back(e.data());
+  c_envp.push_back(nullptr);
   const pid_t pid = fork();
   if (pid < 0) return absl::InternalError(absl::StrCat("fork: ", strerror(errno)));
   if (pid == 0) {
@@ -69,7 +88,7 @@ absl::StatusOr<pid_t> SpawnDaemon(const std::vector<std::string>& argv, const st
     dup2(out_fd, STDOUT_FILENO);
     dup2(err_fd, STDERR_FILENO);
     for (int fd = 3; fd < 1024; ++fd) close(fd);
-    execv(c_argv[0], c_argv.data());
+    execve(c_argv[0], c_argv.data(), c_envp.data());
     _exit(127);
   }
   return pid;
@@ -149,6 +168,10 @@ absl::StatusOr<LocalCluster> LocalStatus(const std::string& state_dir) {
 }
 
 absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& options) {
+  if (absl::Status s = ps::CheckTcpCongestion(options.tcp_congestion, "--tcp-congestion");
+      !s.ok()) {
+    return s;
+  }
   if (auto existing = LocalStatus(options.state_dir); existing.ok()) {
     for (const auto& p : existing->processes) {
       if (p.alive) {
@@ -211,6 +234,9 @@ absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& options) {
   c.processes.push_back(coord);
   if (absl::Status s = Save(c); !s.ok()) return s;
 
+  // Workers pass it on to their ranks.
+  const std::vector<std::pair<std::string, std::string>> congestion_env = {
+      {ps::kTcpCongestionEnv, options.tcp_congestion}};
   const std::string worker_bin = options.bin_dir + "/trainyard-worker";
   if (options.workers > 0 && access(worker_bin.c_str(), X_OK) != 0) {
     return absl::NotFoundError(absl::StrCat("cannot find ", worker_bin));
@@ -242,7 +268,7 @@ absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& options) {
       argv.push_back("127.0.0.1:0");
     }
     const std::string worker_out = absl::StrCat(options.state_dir, "/worker-", i, ".out");
-    auto wpid = SpawnDaemon(argv, worker_out, w.log);
+    auto wpid = SpawnDaemon(argv, worker_out, w.log, congestion_env);
     if (!wpid.ok()) return wpid.status();
     w.pid = *wpid;
     if (options.metrics) {  // its first line says where
@@ -289,7 +315,7 @@ absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& options) {
       argv.push_back("127.0.0.1:0");
     }
     const std::string ps_out = absl::StrCat(options.state_dir, "/ps-", i, ".out");
-    auto ppid = SpawnDaemon(argv, ps_out, ps.log);
+    auto ppid = SpawnDaemon(argv, ps_out, ps.log, congestion_env);
     if (!ppid.ok()) return ppid.status();
     ps.pid = *ppid;
     if (options.metrics) {  // its second line says where

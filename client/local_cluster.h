@@ -38,6 +38,9 @@ struct LocalUpOptions {
   int parameter_servers = 0;    // trainyard-ps shards, named local-ps-1, ... (offload jobs)
   int64_t ps_memory_bytes = 0;  // each; 0: trainyard-ps's default (half the host's memory)
   bool metrics = false;         // every process serves /metrics on a free loopback port
+  // TCP congestion control of the parameter-server connections (trainyard-ps and the workers'
+  // ranks get it as TRAINYARD_TCP_CONGESTION); empty: the host's default.
+  std::string tcp_congestion;
 };
 
 // Starts the cluster and returns once the coordinator serves and every worker has registered.

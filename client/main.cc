@@ -23,6 +23,7 @@
 #include "common/memory_estimate.h"
 #include "common/spec.h"
 #include "common/version.h"
+#include "server/ps/tcp_congestion.h"
 
 namespace trainyard::client {
 namespace {
@@ -546,6 +547,13 @@ int main(int argc, char** argv) {
   up->add_option("--ps-memory-bytes", up_options.ps_memory_bytes,
                  "memory each parameter server offers (0: half this machine's)")
       ->check(CLI::NonNegativeNumber);
+  // On loopback, pacing (BBR without fq, say) only costs: reno unless the environment says.
+  const char* congestion_env = std::getenv(trainyard::ps::kTcpCongestionEnv);
+  up_options.tcp_congestion = congestion_env != nullptr ? congestion_env : "reno";
+  up->add_option("--tcp-congestion", up_options.tcp_congestion,
+                 "TCP congestion control of the parameter-server connections (\"\": the host's; "
+                 "default $TRAINYARD_TCP_CONGESTION, else reno)")
+      ->capture_default_str();
   up->callback([&] {
     auto c = LocalUp(up_options);
     if (!c.ok()) {

@@ -11,6 +11,7 @@
 
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
@@ -259,6 +260,10 @@ TEST_F(ClusterE2eTest, TrainsWithFsdpFullAndHybridShardAndReportsModelState) {
 // servers' memory is free again once the job ends.
 class OffloadClusterE2eTest : public ClusterE2eTest {
  protected:
+  void SetUp() override {
+    unsetenv("TRAINYARD_TCP_CONGESTION");  // the cluster's default, whatever this shell exports
+    ClusterE2eTest::SetUp();
+  }
   std::vector<std::string> ExtraUpFlags() const override {
     return {"--ps", "2", "--ps-memory-bytes", "268435456"};
   }
@@ -275,7 +280,17 @@ TEST_F(OffloadClusterE2eTest, TrainsThroughTwoParameterServersAndFreesThemAfterw
   ASSERT_EQ(series.size(), 40u);
   const double first = MeanLoss(series, 0, 5), last = MeanLoss(series, 35, 40);
   EXPECT_LT(last, 0.8 * first) << "loss did not fall: " << first << " -> " << last;
-  EXPECT_THAT(Yard({"logs", job}).out, HasSubstr("ps_push_bytes"));
+  const std::string logs = Yard({"logs", job}).out;
+  EXPECT_THAT(logs, HasSubstr("ps_push_bytes"));
+  // A local cluster's parameter-server connections use reno (no pacing on loopback): the servers
+  // and the ranks (through their worker's environment) say so.
+  EXPECT_THAT(logs, HasSubstr("parameter-server connections: TCP congestion control reno"));
+  for (int i : {1, 2}) {
+    std::ifstream log(absl::StrCat(state_, "/ps-", i, ".log"));
+    std::stringstream text;
+    text << log.rdbuf();
+    EXPECT_THAT(text.str(), HasSubstr("TCP congestion control reno"));
+  }
 
   const auto listed = nlohmann::json::parse(Yard({"nodes", "-o", "json"}).out).at("nodes");
   int servers = 0;

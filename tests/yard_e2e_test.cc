@@ -9,6 +9,7 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -575,6 +576,18 @@ TEST(YardLocalTest, StatusFailsWithOneLineReasonWhenTheCoordinatorDied) {
       YardAlone({"local", "--state-dir", state_dir, "up", "--listen", "127.0.0.1:0"});
   EXPECT_EQ(restarted.exit_code, 0) << restarted.err;
   EXPECT_THAT(restarted.out, HasSubstr("export TRAINYARD_COORDINATOR=127.0.0.1:"));
+}
+
+TEST(YardLocalTest, UpRefusesAnUnknownTcpCongestionControlAndStartsNothing) {
+  TempDir dir;
+  const std::string state_dir = dir.path() + "/local";
+  LocalClusterGuard guard(state_dir);
+  CommandResult up = YardAlone({"local", "--state-dir", state_dir, "up", "--listen", "127.0.0.1:0",
+                                "--tcp-congestion", "no-such-cc"});
+  ExpectOneLineFailure(up);
+  EXPECT_THAT(up.err, AllOf(HasSubstr("--tcp-congestion: \"no-such-cc\" is not a congestion"),
+                            HasSubstr("INVALID_ARGUMENT")));
+  EXPECT_FALSE(std::filesystem::exists(state_dir)) << "nothing may start";
 }
 
 TEST(YardLocalTest, JsonOutputStaysValidForStateDirsWithQuotes) {
