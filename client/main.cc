@@ -555,6 +555,12 @@ int main(int argc, char** argv) {
                  "default $TRAINYARD_TCP_CONGESTION, else reno)")
       ->capture_default_str();
   up->callback([&] {
+    // The default falls back to the host's where reno cannot be set (a sandbox's network stack);
+    // a name the user chose is checked by LocalUp and refused.
+    if (congestion_env == nullptr && up->count("--tcp-congestion") == 0 &&
+        !trainyard::ps::CheckTcpCongestion(up_options.tcp_congestion, "").ok()) {
+      up_options.tcp_congestion.clear();
+    }
     auto c = LocalUp(up_options);
     if (!c.ok()) {
       rc = Fail(c.status());
