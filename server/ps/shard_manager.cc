@@ -490,13 +490,20 @@ absl::Status ShardManager::ReadState(const std::string& job_id, int attempt, int
   if (!found.ok()) return found.status();
   Shard& s = **found;
   RETURN_IF_ERROR(CheckSubrange("begin/end", begin, end, s.begin, s.end));
-  absl::MutexLock lock(&s.mu);
-  const StepIntervals::Summary at = s.applied.Summarize(begin, end);
-  if (at.updating || at.min_step != step || at.max_step != step) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "step: state of [", begin, ", ", end, ") asked at step ", step, " but it is at step ",
-        at.min_step, at.min_step == at.max_step ? "" : absl::StrCat("..", at.max_step)));
+  std::multimap<int64_t, int64_t>::iterator entry;
+  {
+    absl::MutexLock lock(&s.mu);
+    const StepIntervals::Summary at = s.applied.Summarize(begin, end);
+    if (at.updating || at.min_step != step || at.max_step != step) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "step: state of [", begin, ", ", end, ") asked at step ", step, " but it is at step ",
+          at.min_step, at.min_step == at.max_step ? "" : absl::StrCat("..", at.max_step)));
+    }
+    entry = s.lent.emplace(begin, end);
   }
+  // Copied outside the lock (up to 12 bytes of a chunk's every element), the range lent
+  // meanwhile: updates of it wait, pushes and other ranges go on.
+  const LentParams lent(*std::move(found), entry, nullptr, 0);
   const int64_t i = begin - s.begin, n = end - begin;
   out->set_offset(begin);
   out->set_params(reinterpret_cast<const char*>(&s.params[i]), n * 4);

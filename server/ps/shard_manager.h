@@ -95,7 +95,8 @@ class ShardManager {
                           int64_t end, v1::WireFormat format, absl::Duration wait, char* out);
 
   // The full state of [begin, end) (for checkpoints): params, m, v as fp32 bytes. The range
-  // must be at exactly `step`.
+  // must be at exactly `step`. Copied outside the shard's lock, the range lent meanwhile (updates
+  // of it wait).
   absl::Status ReadState(const std::string& job_id, int attempt, int64_t step, int64_t begin,
                          int64_t end, v1::ShardStateChunk* out);
 
