@@ -2,8 +2,9 @@
 // trainyard.v1.ParameterServerService calls into ShardManager calls and counts bytes for metrics.
 //
 // PushGradients and UpdateAndPull, the bulk transfers, take and give gRPC's byte buffers
-// (ps_wire.h): pushed gradients stay in the slices they arrived in and pulled parameters are
-// copied once, from the shard into the slice that is sent. The others use the generated classes.
+// (ps_wire.h): pushed gradients stay in the slices they arrived in and pulled parameters are sent
+// from where the shard holds them (ShardManager::LendParams), lent until gRPC has written them.
+// The others use the generated classes.
 //
 // The synchronous API on purpose: handlers block on AdamW updates (tens of milliseconds over big
 // ranges) and on pulls waiting for a step, which the callback API's reactions must not do; the

@@ -196,10 +196,6 @@ grpc::ByteBuffer EncodeParameterChunk(int64_t offset, v1::WireFormat format, grp
   return grpc::ByteBuffer(slices, slices[1].size() > 0 ? 2 : 1);
 }
 
-}  // namespace trainyard::ps
-
-namespace trainyard::ps {
-
 grpc::ByteBuffer EncodeGradientChunk(const v1::GradientChunk& header, const void* data,
                                      size_t bytes) {
   std::string prefix = header.SerializeAsString();
@@ -218,7 +214,7 @@ absl::Status DecodeParameterChunkInto(const grpc::ByteBuffer& message, v1::WireF
   if (!message.Dump(&slices).ok()) return absl::InternalError("ParameterChunk: unreadable");
   SliceReader in(slices);
   uint64_t offset = 0, chunk_format = v1::WIRE_FORMAT_UNSPECIFIED;
-  std::vector<absl::string_view> data;
+  ReceivedBytes data;  // views into `slices`
   Field f;
   while (!in.done()) {
     if (const char* error = ReadField(in, &f)) {
@@ -231,12 +227,11 @@ absl::Status DecodeParameterChunkInto(const grpc::ByteBuffer& message, v1::WireF
       chunk_format = f.varint;
     } else if (f.wire_type == kLengthDelimited &&
                f.number == v1::ParameterChunk::kDataFieldNumber) {
-      data = std::move(f.bytes);
+      data.pieces = std::move(f.bytes);
     }
   }
   const int64_t element_bytes = WireElementBytes(format);
-  size_t bytes = 0;
-  for (absl::string_view piece : data) bytes += piece.size();
+  const size_t bytes = data.size();
   const int64_t a = static_cast<int64_t>(offset), n = static_cast<int64_t>(bytes) / element_bytes;
   if (NormalizedWireFormat(static_cast<int>(chunk_format)) != NormalizedWireFormat(format) ||
       bytes % element_bytes != 0 || a < begin || a + n > end) {
@@ -246,7 +241,7 @@ absl::Status DecodeParameterChunkInto(const grpc::ByteBuffer& message, v1::WireF
                                             ")"));
   }
   char* dst = static_cast<char*>(out) + (a - begin) * element_bytes;
-  for (absl::string_view piece : data) {
+  for (absl::string_view piece : data.pieces) {
     std::memcpy(dst, piece.data(), piece.size());
     dst += piece.size();
   }

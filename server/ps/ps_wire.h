@@ -1,7 +1,7 @@
 // The two bulk messages of trainyard.v1.ParameterServerService, decoded and encoded by hand on
 // gRPC's byte buffers so that protobuf never copies their payload: a pushed GradientChunk's `data`
 // stays in the slices gRPC received it in (the update reads the gradients there), and a
-// ParameterChunk is a few header bytes plus the slice the shard wrote the parameters into. The
+// ParameterChunk is a few header bytes plus a slice pointing at the shard's parameters. The
 // bytes on the wire are exactly those of the generated classes, so clients may use either.
 #ifndef TRAINYARD_SERVER_PS_PS_WIRE_H_
 #define TRAINYARD_SERVER_PS_PS_WIRE_H_
