@@ -10,7 +10,7 @@ PACKAGES=(
   prometheus-cpp-dev libsqlite3-dev libhwy-dev libcli11-dev libyaml-cpp-dev
   nlohmann-json3-dev libspdlog-dev libgtest-dev libgmock-dev libbenchmark-dev
   sqlite3 clang-format prometheus
-  libtorch-dev libgloo-dev libdnnl-dev libopenblas0-pthread python3-torch
+  libtorch-dev libgloo-dev libdnnl-dev ocl-icd-opencl-dev libopenblas0-pthread python3-torch
 )
 
 missing=()
