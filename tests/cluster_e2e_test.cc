@@ -285,6 +285,9 @@ TEST_F(OffloadClusterE2eTest, TrainsThroughTwoParameterServersAndFreesThemAfterw
   // A local cluster's parameter-server connections use reno (no pacing on loopback): the servers
   // and the ranks (through their worker's environment) say so.
   EXPECT_THAT(logs, HasSubstr("parameter-server connections: TCP congestion control reno"));
+  // Both servers' shares go through their TCP data planes.
+  EXPECT_THAT(logs, ::testing::ContainsRegex("parameter-server transfers: [0-9.:]+: data plane "
+                                             "[0-9.:]+, [0-9.:]+: data plane [0-9.:]+"));
   for (int i : {1, 2}) {
     std::ifstream log(absl::StrCat(state_, "/ps-", i, ".log"));
     std::stringstream text;

@@ -1,7 +1,9 @@
 // trainyard-ps's ParameterServerService over real gRPC on loopback (an in-process PsServer with
 // no coordinator): the step protocol (push, update-and-pull, reads), its idempotence, every
 // bad-input path with the shard left unchanged, and the AdamW results against a double-precision
-// reference. Also the pure pieces: StepIntervals and the coordinator's range placement.
+// reference. Each PsServiceTest runs twice: pushes and pulls over the gRPC calls, and over the
+// server's TCP data plane (DataPlaneClient), which must behave the same. Also the pure pieces:
+// StepIntervals and the coordinator's range placement.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -16,11 +18,14 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "common/grpc_status.h"
 #include "server/adam/thread_pool.h"
 #include "server/coordinator/ps_placement.h"
+#include "server/ps/data_plane_client.h"
 #include "server/ps/ps_server.h"
 #include "server/ps/shard_manager.h"
 #include "server/ps/step_intervals.h"
+#include "tests/testing/ps_shard.h"
 #include "trainyard/v1/ps.grpc.pb.h"
 
 namespace trainyard {
@@ -28,17 +33,13 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr float kBeta1 = 0.9f, kBeta2 = 0.95f, kEps = 1e-8f, kWeightDecay = 0.1f;
-
-std::string Bytes(const std::vector<float>& v, size_t begin, size_t end) {
-  return std::string(reinterpret_cast<const char*>(v.data() + begin), (end - begin) * 4);
-}
-
-std::vector<float> Floats(const std::string& bytes) {
-  std::vector<float> out(bytes.size() / 4);
-  std::memcpy(out.data(), bytes.data(), out.size() * 4);
-  return out;
-}
+using testing::Bytes;
+using testing::Floats;
+using testing::kBeta1;
+using testing::kBeta2;
+using testing::kEps;
+using testing::kWeightDecay;
+using testing::ShardHeader;
 
 // torch.optim.AdamW's update of one element, in double.
 struct RefAdamW {
@@ -55,23 +56,28 @@ struct RefAdamW {
   }
 };
 
-// The header of [begin, end) of a `total`-parameter job, with the hyperparameters above.
-v1::InitShardChunk::Header ShardHeader(const std::string& job, int attempt, int64_t begin,
-                                       int64_t end, int64_t total) {
-  v1::InitShardChunk::Header h;
-  h.set_job_id(job);
-  h.set_attempt(attempt);
-  h.set_begin(begin);
-  h.set_end(end);
-  h.set_total_params(total);
-  h.mutable_adamw()->set_beta1(kBeta1);
-  h.mutable_adamw()->set_beta2(kBeta2);
-  h.mutable_adamw()->set_eps(kEps);
-  h.mutable_adamw()->set_weight_decay(kWeightDecay);
-  return h;
+// How PsServiceTest pushes and pulls.
+enum class Transport { kGrpc, kDataPlane };
+
+std::string TransportName(const ::testing::TestParamInfo<Transport>& info) {
+  return info.param == Transport::kGrpc ? "Grpc" : "DataPlane";
 }
 
-class PsServiceTest : public ::testing::Test {
+// bf16 bit patterns widened to the floats they stand for.
+std::vector<float> WidenBf16(const char* data, size_t bytes) {
+  std::vector<float> out;
+  for (size_t i = 0; i + 1 < bytes; i += 2) {
+    uint16_t hi;
+    std::memcpy(&hi, data + i, 2);
+    const uint32_t bits = uint32_t{hi} << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    out.push_back(f);
+  }
+  return out;
+}
+
+class PsServiceTest : public ::testing::TestWithParam<Transport> {
  protected:
   static constexpr int64_t kTotal = 10000;
   // The server holds [kBegin, kEnd) of a kTotal-parameter job.
@@ -89,6 +95,8 @@ class PsServiceTest : public ::testing::Test {
     args.SetMaxReceiveMessageSize(64 << 20);
     stub_ = v1::ParameterServerService::NewStub(
         grpc::CreateCustomChannel(server_->address(), grpc::InsecureChannelCredentials(), args));
+    ASSERT_FALSE(server_->data_plane_address().empty());
+    data_plane_ = std::make_unique<ps::DataPlaneClient>(server_->data_plane_address(), "");
     std::mt19937 rng(7);
     std::normal_distribution<float> normal(0, 1);
     init_.resize(kTotal);
@@ -126,12 +134,12 @@ class PsServiceTest : public ::testing::Test {
     return w->Finish();
   }
 
+  // Pushes the gradients of [a, b) (grads[0] is element kBegin's) in one chunk.
   grpc::Status Push(const std::string& job, int attempt, int64_t step, int64_t a, int64_t b,
                     const std::vector<float>& grads, v1::PushGradientsResponse* r = nullptr,
                     v1::WireFormat format = v1::WIRE_FP32) {
-    grpc::ClientContext ctx;
     v1::PushGradientsResponse local;
-    auto w = stub_->PushGradients(&ctx, r != nullptr ? r : &local);
+    if (r == nullptr) r = &local;
     v1::GradientChunk c;
     c.set_job_id(job);
     c.set_attempt(attempt);
@@ -150,6 +158,12 @@ class PsServiceTest : public ::testing::Test {
     } else {
       c.set_data(std::string(reinterpret_cast<const char*>(&grads[a - kBegin]), (b - a) * 4));
     }
+    if (GetParam() == Transport::kDataPlane) {
+      return ToGrpcStatus(
+          data_plane_->Push(c, c.data().data(), a, b, /*chunk_elements=*/0, absl::Seconds(30), r));
+    }
+    grpc::ClientContext ctx;
+    auto w = stub_->PushGradients(&ctx, r);
     w->Write(c);
     w->WritesDone();
     return w->Finish();
@@ -173,20 +187,23 @@ class PsServiceTest : public ::testing::Test {
       r.mutable_update()->set_lr(*lr);
       r.mutable_update()->set_grad_scale(0.5f);
     }
+    if (out) out->clear();
+    if (GetParam() == Transport::kDataPlane) {
+      std::string data((b - a) * (format == v1::WIRE_BF16 ? 2 : 4), '\0');
+      const absl::Status status = data_plane_->UpdateAndPull(
+          r, data.data(), absl::Seconds(30) + absl::Milliseconds(wait_ms));
+      if (status.ok() && out) {
+        *out = format == v1::WIRE_BF16 ? WidenBf16(data.data(), data.size()) : Floats(data);
+      }
+      return ToGrpcStatus(status);
+    }
     auto reader = stub_->UpdateAndPull(&ctx, r);
     v1::ParameterChunk c;
-    if (out) out->clear();
     while (reader->Read(&c)) {
       if (!out) continue;
       if (c.format() == v1::WIRE_BF16) {
-        for (size_t i = 0; i + 1 < c.data().size(); i += 2) {
-          uint16_t hi;
-          std::memcpy(&hi, c.data().data() + i, 2);
-          const uint32_t bits = uint32_t{hi} << 16;
-          float f;
-          std::memcpy(&f, &bits, 4);
-          out->push_back(f);
-        }
+        auto f = WidenBf16(c.data().data(), c.data().size());
+        out->insert(out->end(), f.begin(), f.end());
       } else {
         auto f = Floats(c.data());
         out->insert(out->end(), f.begin(), f.end());
@@ -224,11 +241,12 @@ class PsServiceTest : public ::testing::Test {
 
   std::unique_ptr<ps::PsServer> server_;
   std::unique_ptr<v1::ParameterServerService::Stub> stub_;
+  std::unique_ptr<ps::DataPlaneClient> data_plane_;
   std::vector<float> init_;
   RefAdamW ref_;
 };
 
-TEST_F(PsServiceTest, TenStepsFromTwoPushersMatchDoublePrecisionAdamW) {
+TEST_P(PsServiceTest, TenStepsFromTwoPushersMatchDoublePrecisionAdamW) {
   ASSERT_TRUE(Init(Header("job-1", 1)).ok());
   const int64_t mid = 4000;  // two "ranks" own [kBegin, mid) and [mid, kEnd)
   for (int64_t step = 1; step <= 10; ++step) {
@@ -262,7 +280,7 @@ TEST_F(PsServiceTest, TenStepsFromTwoPushersMatchDoublePrecisionAdamW) {
   }
 }
 
-TEST_F(PsServiceTest, RetriedPushesAndUpdatesChangeNothing) {
+TEST_P(PsServiceTest, RetriedPushesAndUpdatesChangeNothing) {
   ASSERT_TRUE(Init(Header("job-1", 1)).ok());
   const std::vector<float> g = Gradients(1);
   v1::PushGradientsResponse first, again;
@@ -284,7 +302,7 @@ TEST_F(PsServiceTest, RetriedPushesAndUpdatesChangeNothing) {
   EXPECT_EQ(after, once);
 }
 
-TEST_F(PsServiceTest, APullWaitsForItsStepAndNeverSeesAHalfUpdatedRange) {
+TEST_P(PsServiceTest, APullWaitsForItsStepAndNeverSeesAHalfUpdatedRange) {
   ASSERT_TRUE(Init(Header("job-1", 1)).ok());
   const std::vector<float> g = Gradients(3);
   std::vector<float> pulled;
@@ -311,7 +329,7 @@ TEST_F(PsServiceTest, APullWaitsForItsStepAndNeverSeesAHalfUpdatedRange) {
   EXPECT_THAT(s.error_message(), HasSubstr("already at step 2"));
 }
 
-TEST_F(PsServiceTest, BadRequestsGetPreciseErrorsAndLeaveTheShardUnchanged) {
+TEST_P(PsServiceTest, BadRequestsGetPreciseErrorsAndLeaveTheShardUnchanged) {
   ASSERT_TRUE(Init(Header("job-1", 2)).ok());
   const std::vector<float> g = Gradients(5);
   auto expect = [](const grpc::Status& s, grpc::StatusCode code, const std::string& text) {
@@ -326,7 +344,7 @@ TEST_F(PsServiceTest, BadRequestsGetPreciseErrorsAndLeaveTheShardUnchanged) {
   expect(Push("job-1", 2, 3, kBegin, kEnd, g), grpc::StatusCode::FAILED_PRECONDITION,
          "gradients of step 3");
   expect(Push("job-1", 2, 1, kBegin, kEnd, g, nullptr, static_cast<v1::WireFormat>(7)),
-         grpc::StatusCode::INVALID_ARGUMENT, "GradientChunk.format: unknown wire format 7");
+         grpc::StatusCode::INVALID_ARGUMENT, "format: unknown wire format 7");
   expect(UpdateAndPull("job-1", 2, 1, kBegin, kEnd, 1e-2f, nullptr),
          grpc::StatusCode::FAILED_PRECONDITION, "gradients of 0 of the 6001 elements");
   ASSERT_TRUE(Push("job-1", 2, 1, kBegin, 3000, g).ok());
@@ -336,7 +354,9 @@ TEST_F(PsServiceTest, BadRequestsGetPreciseErrorsAndLeaveTheShardUnchanged) {
          grpc::StatusCode::INVALID_ARGUMENT, "cuts the pushed chunk");
   expect(UpdateAndPull("job-1", 2, 1, kBegin, kEnd, -1.0f, nullptr),
          grpc::StatusCode::INVALID_ARGUMENT, "update.lr");
-  {  // a push whose bytes are not whole values
+  // A push whose bytes are not whole values: gRPC only (a data-plane push's size follows from
+  // its range; tests/ps_data_plane_test.cc has its malformed requests).
+  if (GetParam() == Transport::kGrpc) {
     grpc::ClientContext ctx;
     v1::PushGradientsResponse r;
     auto w = stub_->PushGradients(&ctx, &r);
@@ -359,7 +379,7 @@ TEST_F(PsServiceTest, BadRequestsGetPreciseErrorsAndLeaveTheShardUnchanged) {
   ASSERT_TRUE(UpdateAndPull("job-1", 2, 1, kBegin, kEnd, 1e-2f, nullptr).ok());
 }
 
-TEST_F(PsServiceTest, InitRejectsBadHeadersChunksAndJobsThatDoNotFit) {
+TEST_P(PsServiceTest, InitRejectsBadHeadersChunksAndJobsThatDoNotFit) {
   auto h = Header("job-1", 1);
   h.set_end(kTotal + 1);
   grpc::Status s = Init(h);
@@ -406,7 +426,7 @@ TEST_F(PsServiceTest, InitRejectsBadHeadersChunksAndJobsThatDoNotFit) {
   EXPECT_EQ(list.reserved_bytes(), (kEnd - kBegin) * kPsBytesPerParam);
 }
 
-TEST_F(PsServiceTest, StateReadsBackAndAResumedShardContinuesIdentically) {
+TEST_P(PsServiceTest, StateReadsBackAndAResumedShardContinuesIdentically) {
   ASSERT_TRUE(Init(Header("job-1", 1)).ok());
   for (int64_t step = 1; step <= 3; ++step) {
     ASSERT_TRUE(Push("job-1", 1, step, kBegin, kEnd, Gradients(step)).ok());
@@ -460,6 +480,9 @@ TEST_F(PsServiceTest, StateReadsBackAndAResumedShardContinuesIdentically) {
   ASSERT_TRUE(UpdateAndPull("job-1", 2, 4, kBegin, kEnd, 1e-2f, &resumed).ok());
   EXPECT_EQ(resumed, original);
 }
+
+INSTANTIATE_TEST_SUITE_P(Transports, PsServiceTest,
+                         ::testing::Values(Transport::kGrpc, Transport::kDataPlane), TransportName);
 
 std::string Filled(int64_t n, float value) { return Bytes(std::vector<float>(n, value), 0, n); }
 
@@ -538,6 +561,42 @@ TEST(ShardManagerTest, LentParametersHoldBackUpdatesOfTheirElementsAndOutliveADr
   EXPECT_EQ(std::string((*lent)->data(), 200), sent);
   lent->reset();
   EXPECT_EQ(shards.reserved_bytes(), 0);
+}
+
+// Close (a stopping server) ends the waits of calls at once with UNAVAILABLE: an update waiting
+// for lent elements, a pull waiting for its step, now and later; calls that need no wait go on.
+TEST(ShardManagerTest, CloseEndsEveryWaitOfACall) {
+  constexpr int64_t kN = 1000;
+  adam::ThreadPool pool(1);
+  ps::ShardManager shards(1 << 20, pool);
+  ASSERT_TRUE(shards.BeginInit(ShardHeader("job-1", 1, 0, kN, kN)).ok());
+  ASSERT_TRUE(shards.InitChunk("job-1", 1, 0, Filled(kN, 1.0f), "", "").ok());
+  ASSERT_TRUE(shards.FinishInit("job-1", 1).ok());
+  ASSERT_TRUE(
+      shards.Push("job-1", 1, 1, 0, v1::WIRE_FP32, ps::ReceivedBytes::Own(Filled(kN, 0.5f))).ok());
+  auto lent = shards.LendParams("job-1", 1, 0, 0, 10, v1::WIRE_FP32, absl::ZeroDuration());
+  ASSERT_TRUE(lent.ok()) << lent.status();
+  absl::Status update;
+  std::thread updater([&] { update = shards.Update("job-1", 1, 1, 0, kN, 1e-2f, 1.0f); });
+  for (;;) {  // until the update waits for the lent elements
+    auto r = shards.LendParams("job-1", 1, 0, 500, 510, v1::WIRE_FP32, absl::ZeroDuration());
+    if (!r.ok()) break;
+    std::this_thread::yield();
+  }
+  shards.Close();
+  updater.join();
+  EXPECT_EQ(update.code(), absl::StatusCode::kUnavailable) << update;
+  EXPECT_THAT(update.message(), HasSubstr("shutting down"));
+  // A pull of a step not reached would wait: it ends at once instead.
+  std::string params(kN * 4, '\0');
+  absl::Status pull =
+      shards.ReadParams("job-1", 1, 1, 0, kN, v1::WIRE_FP32, absl::Hours(1), params.data());
+  EXPECT_EQ(pull.code(), absl::StatusCode::kUnavailable) << pull;
+  // Nothing changed, and what needs no wait still works.
+  lent->reset();
+  ASSERT_TRUE(
+      shards.ReadParams("job-1", 1, 0, 0, kN, v1::WIRE_FP32, absl::Hours(1), params.data()).ok());
+  EXPECT_EQ(params, Filled(kN, 1.0f));
 }
 
 // The same over gRPC: a pull whose reader stops keeps the chunks gRPC has not sent lent. An

@@ -466,6 +466,8 @@ TEST_F(TrainerE2eTest, SaysItTrainsOnCpuOnlyAndRefusesAGpu) {
 
 // Offload jobs: two real trainyard-ps processes registered with the coordinator, which places
 // the job's optimizer state on them; the trainers get the ranges as the worker would pass them.
+// The first server has its TCP data plane (what ranks push and pull through by default), the
+// second has it off, so every job here also shows the fallback to gRPC.
 class OffloadE2eTest : public TrainerE2eTest {
  protected:
   void SetUp() override {
@@ -474,9 +476,12 @@ class OffloadE2eTest : public TrainerE2eTest {
       auto p = testing::Subprocess::Start({testing::BinPath("trainyard-ps"), "--listen",
                                            "127.0.0.1:0", "--coordinator", server_->address(),
                                            "--node-id", absl::StrCat("ps", i), "--memory-bytes",
-                                           absl::StrCat(int64_t{1} << 30), "--threads", "1"});
+                                           absl::StrCat(int64_t{1} << 30), "--threads", "1",
+                                           "--data-listen", i == 0 ? "127.0.0.1:0" : "off"});
       ASSERT_TRUE(p.ok()) << p.status();
-      ASSERT_TRUE((*p)->ReadLine(absl::Seconds(30)).has_value());
+      auto address = (*p)->ReadLine(absl::Seconds(30));
+      ASSERT_TRUE(address.has_value());
+      ps_addresses_.push_back(*address);
       ps_.push_back(std::move(*p));
     }
     // Both registered with their sessions attached (only connected servers get shards).
@@ -547,6 +552,7 @@ class OffloadE2eTest : public TrainerE2eTest {
   }
 
   std::vector<std::unique_ptr<testing::Subprocess>> ps_;
+  std::vector<std::string> ps_addresses_;  // their gRPC addresses, in the order of ps_
 };
 
 // The optimizer on two parameter servers trains exactly what DDP's local AdamW trains.
@@ -564,6 +570,11 @@ TEST_F(OffloadE2eTest, TwoRanksTwoServersMatchDdp) {
   EXPECT_THAT(ro.exit_codes, ::testing::ElementsAre(0, 0)) << Joined(ro);
   EXPECT_THAT(Joined(ro), HasSubstr("step 10/10"));
   EXPECT_THAT(Joined(ro), HasSubstr("parameter-server connections: TCP congestion control reno"));
+  // The first server's share through its data plane, the second's over gRPC.
+  EXPECT_THAT(Joined(ro), ::testing::ContainsRegex(absl::StrCat(
+                              "parameter-server transfers: ", ps_addresses_[0],
+                              ": data plane 127\\.0\\.0\\.1:[0-9]+, ", ps_addresses_[1],
+                              ": gRPC \\(the server's data plane is off\\)")));
   RunResult rd = Run(ddp, 2, {"--dump-params", ddp_dump});
   EXPECT_THAT(rd.exit_codes, ::testing::ElementsAre(0, 0)) << Joined(rd);
 
@@ -630,33 +641,44 @@ TEST_F(OffloadE2eTest, DelayedUpdateLagsOneStepAndStillTrains) {
 }
 
 // A parameter server that dies mid-run fails the ranks at once with a reason naming it (the
-// coordinator then fails or restarts the attempt; CoordinatorServiceTest covers that part).
+// coordinator then fails or restarts the attempt; CoordinatorServiceTest covers that part). The
+// first server: its share goes through the data plane.
 TEST_F(OffloadE2eTest, KilledServerFailsTheRanksNamingIt) {
   std::vector<std::string> lines;
   auto procs = RunPastThirdStep("killed", {}, &lines);
   ASSERT_EQ(procs.size(), 1u);
-  ps_[1]->Signal(SIGKILL);
-  ASSERT_TRUE(ps_[1]->Wait(absl::Seconds(30)).has_value());
-  ps_.pop_back();  // reaped
+  ps_[0]->Signal(SIGKILL);
+  ASSERT_TRUE(ps_[0]->Wait(absl::Seconds(30)).has_value());
+  ps_.erase(ps_.begin());  // reaped
   RunResult r = Finish(procs, lines);
   EXPECT_THAT(r.exit_codes, ::testing::ElementsAre(1)) << Joined(r);
-  EXPECT_THAT(Joined(r), ::testing::ContainsRegex("error: parameter server 127.0.0.1:[0-9]+"));
+  EXPECT_THAT(Joined(r), HasSubstr(absl::StrCat("error: parameter server ", ps_addresses_[0])));
 }
 
 // A parameter server that stops answering without closing its connections (SIGSTOP: a hung host)
 // fails the rank once a call passes --ps-rpc-timeout, naming the server; the job never stalls.
+// Through the data plane (the first server) and over gRPC (the second).
 TEST_F(OffloadE2eTest, StoppedServerTimesOutAndFailsTheRanksNamingIt) {
-  std::vector<std::string> lines;
-  auto procs = RunPastThirdStep("stopped", {"--ps-rpc-timeout", "2"}, &lines);
-  ASSERT_EQ(procs.size(), 1u);
-  ps_[1]->Signal(SIGSTOP);
-  const absl::Time stopped = absl::Now();
-  RunResult r = Finish(procs, lines);
-  ps_[1]->Signal(SIGCONT);  // so that the fixture can stop it
-  EXPECT_THAT(r.exit_codes, ::testing::ElementsAre(1)) << Joined(r);
-  EXPECT_THAT(Joined(r), ::testing::ContainsRegex("error: parameter server 127.0.0.1:[0-9]+ "
-                                                  "\\([a-z ]+\\): Deadline Exceeded"));
-  EXPECT_LT(absl::Now() - stopped, absl::Seconds(10)) << "one deadline, not one per queued call";
+  for (const int stopped : {0, 1}) {
+    std::vector<std::string> lines;
+    auto procs =
+        RunPastThirdStep(absl::StrCat("stopped-", stopped), {"--ps-rpc-timeout", "2"}, &lines);
+    ASSERT_EQ(procs.size(), 1u);
+    ps_[stopped]->Signal(SIGSTOP);
+    const absl::Time since = absl::Now();
+    RunResult r = Finish(procs, lines);
+    ps_[stopped]->Signal(SIGCONT);  // so that the next round and the fixture can use it
+    EXPECT_THAT(r.exit_codes, ::testing::ElementsAre(1)) << Joined(r);
+    const std::string reason =
+        stopped == 0 ? "data plane 127\\.0\\.0\\.1:[0-9]+: [a-z]+ \\([0-9]+ of [0-9]+ bytes "
+                       "[a-z]+\\): deadline exceeded"
+                     : "Deadline Exceeded";
+    EXPECT_THAT(Joined(r), ::testing::ContainsRegex(absl::StrCat("error: parameter server ",
+                                                                 ps_addresses_[stopped],
+                                                                 " \\([a-z ]+\\): ", reason)))
+        << stopped;
+    EXPECT_LT(absl::Now() - since, absl::Seconds(10)) << "one deadline, not one per queued call";
+  }
 }
 
 TEST_F(OffloadE2eTest, RangesThatDoNotCoverTheModelFailFast) {
@@ -669,13 +691,17 @@ TEST_F(OffloadE2eTest, RangesThatDoNotCoverTheModelFailFast) {
   EXPECT_THAT(r.err, HasSubstr("--ps: the ranges cover"));
 }
 
-TEST_F(OffloadE2eTest, UnknownTcpCongestionFailsFastNamingTheFlag) {
+TEST_F(OffloadE2eTest, UnknownTcpCongestionOrTransportFailsFastNamingTheFlag) {
   const Job job = StartJob(OffloadSpec(1, 8), "short");
   testing::CommandResult r = testing::RunCommand(
       Argv(job, 0, 1, {"--ps", PsFlag(job), "--ps-tcp-congestion", "no-such-cc"}), {},
       absl::Seconds(60));
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.err, HasSubstr("--ps-tcp-congestion: \"no-such-cc\" is not a congestion control"));
+  r = testing::RunCommand(Argv(job, 0, 1, {"--ps", PsFlag(job), "--ps-transport", "udp"}), {},
+                          absl::Seconds(60));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.err, HasSubstr("--ps-transport"));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -49,6 +49,10 @@ int main(int argc, char** argv) {
                  "HOST:PORT of the Prometheus /metrics endpoint (port 0: a free one)");
   app.add_option("--max-message-bytes", options.max_message_bytes, "largest gRPC message")
       ->capture_default_str();
+  app.add_option("--data-listen", options.data_listen_address,
+                 "HOST:PORT of the TCP data plane that trainers push gradients to and pull "
+                 "parameters from, off gRPC (default: the --listen host, a free port, told to "
+                 "trainers through GetDataPlane; \"off\": none, trainers use gRPC)");
   app.add_option("--tcp-congestion", options.tcp_congestion,
                  "TCP congestion control of trainer connections, e.g. reno or cubic (default: "
                  "the host's; a host default of bbr without the fq qdisc paces every "
@@ -67,8 +71,11 @@ int main(int argc, char** argv) {
     std::printf("metrics %s\n", (*server)->metrics_address().c_str());
   }
   std::fflush(stdout);
-  spdlog::info("serving on {} as {}; TCP congestion control {}", (*server)->address(),
-               (*server)->node_id(), trainyard::ps::TcpCongestionInUse(options.tcp_congestion));
+  spdlog::info("serving on {} as {}; data plane {}; TCP congestion control {}",
+               (*server)->address(), (*server)->node_id(),
+               (*server)->data_plane_address().empty() ? std::string("off")
+                                                       : (*server)->data_plane_address(),
+               trainyard::ps::TcpCongestionInUse(options.tcp_congestion));
   const int sig = trainyard::WaitForTerminationSignal();
   spdlog::info("signal {}: shutting down", sig);
   (*server)->Shutdown();  // registration stopped, in-flight calls finished

@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+
 #include <prometheus/counter.h>
 #include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
@@ -13,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "server/ps/tcp_congestion.h"
+#include "server/ps/tcp_io.h"
 #include "trainyard/v1/node.grpc.pb.h"
 
 namespace trainyard::ps {
@@ -79,8 +82,26 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(PsOptions options) {
 
   s->pool_ = std::make_unique<adam::ThreadPool>(s->options_.threads);
   s->shards_ = std::make_unique<ShardManager>(s->options_.capacity_bytes, *s->pool_);
+  const PsMetrics metrics{&pushed, &pulled, &histogram};
+  std::string listen_host, advertise_host;
+  int unused_port = 0;
+  RETURN_IF_ERROR(
+      SplitHostPort(s->options_.listen_address, "--listen", &listen_host, &unused_port));
+  if (!s->options_.advertise.empty()) {
+    RETURN_IF_ERROR(
+        SplitHostPort(s->options_.advertise, "--advertise", &advertise_host, &unused_port));
+  }
+  if (s->options_.data_listen_address != "off") {
+    DataPlaneOptions data;
+    data.listen_address = s->options_.data_listen_address.empty() ? JoinHostPort(listen_host, 0)
+                                                                  : s->options_.data_listen_address;
+    data.tcp_congestion = s->options_.tcp_congestion;
+    ASSIGN_OR_RETURN(s->data_plane_, DataPlaneServer::Start(data, *s->shards_, metrics));
+    s->data_plane_address_ =
+        JoinHostPort(advertise_host.empty() ? listen_host : advertise_host, s->data_plane_->port());
+  }
   s->service_ =
-      std::make_unique<ParameterServiceImpl>(*s->shards_, PsMetrics{&pushed, &pulled, &histogram});
+      std::make_unique<ParameterServiceImpl>(*s->shards_, metrics, s->data_plane_address_);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -132,7 +153,11 @@ void PsServer::Shutdown() {
     if (session_ctx_ != nullptr) session_ctx_->TryCancel();
   }
   if (registration_thread_.joinable()) registration_thread_.join();
-  if (server_) server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  // Calls waiting (for a step, for lent elements) end now; the others get 5 s.
+  if (shards_) shards_->Close();
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  if (server_) server_->Shutdown(absl::ToChronoTime(deadline));
+  if (data_plane_) data_plane_->Shutdown(std::max(absl::ZeroDuration(), deadline - absl::Now()));
 }
 
 void PsServer::RefreshGauges() {

@@ -1,5 +1,6 @@
 // PsServer: one trainyard-ps process. Owns the ShardManager, the AdamW thread pool, the gRPC
-// server (ParameterServerService, health, reflection) and the /metrics endpoint, and keeps the
+// server (ParameterServerService, health, reflection), the TCP data plane (DataPlaneServer: the
+// bulk transfers off gRPC) and the /metrics endpoint, and keeps the
 // server registered with the coordinator as a PARAMETER_SERVER node: register, then a session
 // stream with heartbeats, re-established with backoff when the coordinator goes away. The
 // coordinator's "cancel" for a job on that stream frees the job's shard.
@@ -21,6 +22,7 @@
 #include "absl/time/time.h"
 #include "common/metrics_endpoint.h"
 #include "server/adam/thread_pool.h"
+#include "server/ps/data_plane_server.h"
 #include "server/ps/ps_service.h"
 #include "server/ps/shard_manager.h"
 
@@ -36,6 +38,9 @@ struct PsOptions {
   std::string metrics_address;  // empty: no /metrics
   int max_message_bytes = 64 << 20;
   std::string tcp_congestion;  // of the listening and accepted sockets; empty: the host's
+  // HOST:PORT of the TCP data plane; empty: the --listen host on a free port; "off": none
+  // (trainers then push and pull over gRPC).
+  std::string data_listen_address;
   absl::Duration max_backoff = absl::Seconds(5);
 };
 
@@ -45,11 +50,14 @@ class PsServer {
   ~PsServer();
 
   const std::string& address() const { return address_; }
+  // What trainers dial for the data plane (the advertised host, the bound port); empty: none.
+  const std::string& data_plane_address() const { return data_plane_address_; }
   const std::string& metrics_address() const;
   const std::string& node_id() const { return options_.node_id; }
   ShardManager& shards() { return *shards_; }
 
-  // Stops registering, then the gRPC server (in-flight calls finish).
+  // Stops registering, then the gRPC server and the data plane (in-flight calls get 5 s to
+  // finish).
   void Shutdown();
 
  private:
@@ -66,6 +74,8 @@ class PsServer {
   prometheus::Gauge* jobs_ = nullptr;
   std::unique_ptr<adam::ThreadPool> pool_;
   std::unique_ptr<ShardManager> shards_;
+  std::unique_ptr<DataPlaneServer> data_plane_;
+  std::string data_plane_address_;
   std::unique_ptr<ParameterServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<MetricsEndpoint> metrics_endpoint_;

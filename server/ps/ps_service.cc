@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/grpc_status.h"
+#include "server/ps/data_plane_wire.h"
 #include "server/ps/ps_wire.h"
 
 namespace trainyard::ps {
@@ -16,9 +17,6 @@ namespace {
 constexpr int kPushGradientsIndex = 1;
 constexpr int kUpdateAndPullIndex = 2;
 
-constexpr int64_t kDefaultChunkElements = int64_t{1} << 20;
-constexpr int64_t kMaxChunkElements = int64_t{16} << 20;
-
 absl::Status CheckChunkElements(int64_t n) {
   if (n < 0 || n > kMaxChunkElements) {
     return absl::InvalidArgumentError(
@@ -26,10 +24,6 @@ absl::Status CheckChunkElements(int64_t n) {
   }
   return absl::OkStatus();
 }
-
-// The longest an update waits for pulls still sending its range (a client that stopped reading
-// them), whatever the call's deadline.
-constexpr absl::Duration kMaxLentWait = absl::Seconds(60);
 
 // How long an update may wait for lent elements: the call's deadline, at most kMaxLentWait.
 absl::Time LentWaitDeadline(const grpc::ServerContext& ctx) {
@@ -51,8 +45,9 @@ grpc::Slice LentSlice(std::unique_ptr<ShardManager::LentParams> lent) {
 
 }  // namespace
 
-ParameterServiceImpl::ParameterServiceImpl(ShardManager& shards, PsMetrics metrics)
-    : shards_(shards), metrics_(metrics) {
+ParameterServiceImpl::ParameterServiceImpl(ShardManager& shards, PsMetrics metrics,
+                                           std::string data_plane_address)
+    : shards_(shards), metrics_(metrics), data_plane_address_(std::move(data_plane_address)) {
   // The two bulk methods get handlers on byte buffers instead of the generated ones (the same
   // synchronous threads serve them). "Streamed" is gRPC's name for replacing a handler: the
   // server then treats the method as bidirectional streaming, which needs no change of clients.
@@ -201,6 +196,16 @@ grpc::Status ParameterServiceImpl::ListShards(grpc::ServerContext* ctx,
                                               const v1::ListShardsRequest* request,
                                               v1::ListShardsResponse* response) {
   *response = shards_.List();
+  return grpc::Status::OK;
+}
+
+grpc::Status ParameterServiceImpl::GetDataPlane(grpc::ServerContext* ctx,
+                                                const v1::GetDataPlaneRequest* request,
+                                                v1::DataPlaneInfo* response) {
+  if (!data_plane_address_.empty()) {
+    response->set_address(data_plane_address_);
+    response->set_version(kDataPlaneVersion);
+  }
   return grpc::Status::OK;
 }
 

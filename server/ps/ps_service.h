@@ -15,10 +15,17 @@
 #include <prometheus/counter.h>
 #include <prometheus/histogram.h>
 
+#include <string>
+
+#include "absl/time/time.h"
 #include "server/ps/shard_manager.h"
 #include "trainyard/v1/ps.grpc.pb.h"
 
 namespace trainyard::ps {
+
+// The longest an update waits for pulls still sending its range (a client that stopped reading
+// them), whatever the call's deadline; the data plane's updates too.
+inline constexpr absl::Duration kMaxLentWait = absl::Seconds(60);
 
 struct PsMetrics {
   prometheus::Counter* pushed_bytes = nullptr;
@@ -28,8 +35,10 @@ struct PsMetrics {
 
 class ParameterServiceImpl final : public v1::ParameterServerService::Service {
  public:
-  // `shards` must outlive the service; `metrics` members may be null.
-  ParameterServiceImpl(ShardManager& shards, PsMetrics metrics);
+  // `shards` must outlive the service; `metrics` members may be null. `data_plane_address`:
+  // what GetDataPlane answers (empty: no data plane).
+  ParameterServiceImpl(ShardManager& shards, PsMetrics metrics,
+                       std::string data_plane_address = "");
 
   grpc::Status InitShard(grpc::ServerContext* ctx, grpc::ServerReader<v1::InitShardChunk>* reader,
                          v1::InitShardResponse* response) override;
@@ -39,6 +48,8 @@ class ParameterServiceImpl final : public v1::ParameterServerService::Service {
                        v1::DropJobResponse* response) override;
   grpc::Status ListShards(grpc::ServerContext* ctx, const v1::ListShardsRequest* request,
                           v1::ListShardsResponse* response) override;
+  grpc::Status GetDataPlane(grpc::ServerContext* ctx, const v1::GetDataPlaneRequest* request,
+                            v1::DataPlaneInfo* response) override;
 
  private:
   // The handlers of PushGradients and UpdateAndPull, on byte buffers.
@@ -51,6 +62,7 @@ class ParameterServiceImpl final : public v1::ParameterServerService::Service {
 
   ShardManager& shards_;
   const PsMetrics metrics_;
+  const std::string data_plane_address_;
 };
 
 }  // namespace trainyard::ps

@@ -374,6 +374,7 @@ absl::Status ShardManager::Update(const std::string& job_id, int attempt, int64_
     for (bool timed_out = false;;) {
       const StepIntervals::Summary at = s.applied.Summarize(begin, end);
       if (at.updating) {  // a concurrent retry of the same update: wait for its outcome
+        RETURN_IF_ERROR(ClosedError());
         s.changed.Wait(&s.mu);
         continue;
       }
@@ -392,6 +393,7 @@ absl::Status ShardManager::Update(const std::string& job_id, int attempt, int64_
                                                         ", ", end, ") waited for pulls of step ",
                                                         step - 1, " still sending the range"));
       }
+      RETURN_IF_ERROR(ClosedError());
       if (!pending) pending.emplace(s, begin, end);
       timed_out = s.changed.WaitWithDeadline(&s.mu, deadline);
     }
@@ -452,6 +454,7 @@ absl::StatusOr<std::unique_ptr<ShardManager::LentParams>> ShardManager::LendPara
   absl::MutexLock lock(&s.mu);
   StepIntervals::Summary at = s.applied.Summarize(begin, end);
   while (at.updating || at.min_step < step) {
+    RETURN_IF_ERROR(ClosedError());
     const bool timed_out = s.changed.WaitWithDeadline(&s.mu, deadline);
     at = s.applied.Summarize(begin, end);
     if (timed_out && (at.updating || at.min_step < step)) {
@@ -550,4 +553,24 @@ v1::ListShardsResponse ShardManager::List() const {
 }
 
 int64_t ShardManager::reserved_bytes() const { return *reserved_bytes_; }
+
+absl::Status ShardManager::ClosedError() const {
+  if (!closed_) return absl::OkStatus();
+  return absl::UnavailableError("this parameter server is shutting down");
+}
+
+void ShardManager::Close() {
+  closed_ = true;
+  std::vector<std::shared_ptr<Shard>> shards;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, s] : shards_) shards.push_back(s);
+  }
+  // A waiter checks closed_ under its shard's lock before it waits: woken here, it sees it.
+  for (const auto& s : shards) {
+    absl::MutexLock lock(&s->mu);
+    s->changed.SignalAll();
+  }
+}
+
 }  // namespace trainyard::ps

@@ -108,6 +108,11 @@ class ShardManager {
   bool Drop(const std::string& job_id, int up_to_attempt = std::numeric_limits<int>::max());
   v1::ListShardsResponse List() const;
 
+  // Ends every wait of a call (a pull waiting for its step, an update waiting for lent elements
+  // or for a concurrent retry of itself) with UNAVAILABLE, now and from then on: what a stopping
+  // server does so that no call outlives it by a wait. Everything else goes on working.
+  void Close();
+
   int64_t capacity_bytes() const { return capacity_bytes_; }
   int64_t reserved_bytes() const;
 
@@ -116,10 +121,13 @@ class ShardManager {
   // The job's shard if it belongs to `attempt` and is initialized.
   absl::StatusOr<std::shared_ptr<Shard>> Ready(const std::string& job_id, int attempt) const;
   absl::StatusOr<std::shared_ptr<Shard>> Initializing(const std::string& job_id, int attempt) const;
+  // UNAVAILABLE once Close() was called.
+  absl::Status ClosedError() const;
 
   const int64_t capacity_bytes_;
   adam::ThreadPool& pool_;
-  absl::Mutex compute_mu_;  // one AdamW update at a time: each already uses every thread
+  absl::Mutex compute_mu_;           // one AdamW update at a time: each already uses every thread
+  std::atomic<bool> closed_{false};  // Close() was called
 
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Shard>> shards_ ABSL_GUARDED_BY(mu_);

@@ -130,6 +130,12 @@ int Main(int argc, char** argv) {
                  "offload: TCP congestion control of the connections to parameter servers, e.g. "
                  "reno or cubic (default: the host's; see trainyard-ps --tcp-congestion)")
       ->envname(trainyard::ps::kTcpCongestionEnv);
+  app.add_option("--ps-transport", o.ps_transport,
+                 "offload: how gradients and parameters travel: tcp (each parameter server's "
+                 "TCP data plane where it has one, else gRPC) or grpc (always gRPC)")
+      ->check(CLI::IsMember({"tcp", "grpc"}))
+      ->envname("TRAINYARD_PS_TRANSPORT")
+      ->capture_default_str();
   app.add_option("--local-world-size", o.local_world_size,
                  "ranks of this job on this node (consecutive ranks share a node; default: all)")
       ->check(CLI::NonNegativeNumber);

@@ -16,6 +16,7 @@
 #include "absl/time/clock.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
+#include "server/ps/data_plane_client.h"
 #include "server/ps/ps_client.h"
 #include "server/ps/tcp_congestion.h"
 #include "trainyard/v1/ps.grpc.pb.h"
@@ -54,11 +55,41 @@ struct OffloadOptimizer::Server {
   std::unique_ptr<v1::ParameterServerService::Stub> stub;
   // The same channel for the bulk calls, on byte buffers (server/ps/ps_client.h).
   std::unique_ptr<grpc::GenericStub> generic;
+  // The server's TCP data plane, which carries pushes and pulls when set.
+  std::unique_ptr<ps::DataPlaneClient> data_plane;
+  std::string transport_note;  // why gRPC carries them otherwise
+
+  // Asks the server for its data plane (OffloadConfig::transport "tcp").
+  absl::Status ConnectDataPlane(const OffloadConfig& config) {
+    grpc::ClientContext ctx;
+    SetDeadline(ctx, config.rpc_timeout);
+    v1::DataPlaneInfo info;
+    const grpc::Status st = stub->GetDataPlane(&ctx, v1::GetDataPlaneRequest(), &info);
+    if (st.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
+      transport_note = "the server has no data plane (an older trainyard-ps)";
+      return absl::OkStatus();
+    }
+    if (!st.ok()) return Annotate(st, "data plane");
+    if (info.address().empty()) {
+      transport_note = "the server's data plane is off";
+      return absl::OkStatus();
+    }
+    if (info.version() != ps::kDataPlaneVersion) {
+      transport_note = absl::StrCat("the server's data plane speaks version ", info.version(),
+                                    ", not ", ps::kDataPlaneVersion);
+      return absl::OkStatus();
+    }
+    data_plane = std::make_unique<ps::DataPlaneClient>(info.address(), config.tcp_congestion);
+    return absl::OkStatus();
+  }
+
+  absl::Status Annotate(const absl::Status& s, const char* what) const {
+    return absl::Status(
+        s.code(), absl::StrCat("parameter server ", range.address, " (", what, "): ", s.message()));
+  }
 
   absl::Status Annotate(const grpc::Status& s, const char* what) const {
-    absl::Status status = FromGrpcStatus(s);
-    return absl::Status(status.code(), absl::StrCat("parameter server ", range.address, " (", what,
-                                                    "): ", status.message()));
+    return Annotate(FromGrpcStatus(s), what);
   }
 };
 
@@ -129,6 +160,10 @@ absl::StatusOr<std::unique_ptr<OffloadOptimizer>> OffloadOptimizer::Create(
                                                    ranges.empty() ? 0 : ranges.back().end,
                                                    " parameters but the model has ", o->total_));
   }
+  if (o->config_.transport != "tcp" && o->config_.transport != "grpc") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--ps-transport: '", o->config_.transport, "' is neither tcp nor grpc"));
+  }
   const int world = comm.world_size();
   o->slice_ = (o->total_ + world - 1) / world;
   grpc::ChannelArguments args;
@@ -142,6 +177,11 @@ absl::StatusOr<std::unique_ptr<OffloadOptimizer>> OffloadOptimizer::Create(
     server->stub = v1::ParameterServerService::NewStub(channel);
     server->generic = std::make_unique<grpc::GenericStub>(channel);
     server->range = std::move(r);
+    if (o->config_.transport == "tcp") {
+      RETURN_IF_ERROR(server->ConnectDataPlane(o->config_));
+    } else {
+      server->transport_note = "--ps-transport grpc";
+    }
     o->servers_.push_back(std::move(server));
   }
   // Buckets in reverse registration order (the order backward produces gradients), as DDP's:
@@ -288,10 +328,16 @@ absl::Status OffloadOptimizer::PushBucket(const Bucket& bucket, int64_t step) {
     header.set_step(step);
     header.set_format(v1::WIRE_FP32);
     v1::PushGradientsResponse response;
-    const grpc::Status st =
-        ps::PushGradientsZeroCopy(*s.generic, header, grads_.data_ptr<float>() + x0, x0, x1,
-                                  kChunkElements, config_.rpc_timeout, &response);
-    if (!st.ok()) return s.Annotate(st, "push");
+    const float* data = grads_.data_ptr<float>() + x0;
+    if (s.data_plane) {
+      const absl::Status st =
+          s.data_plane->Push(header, data, x0, x1, kChunkElements, config_.rpc_timeout, &response);
+      if (!st.ok()) return s.Annotate(st, "push");
+    } else {
+      const grpc::Status st = ps::PushGradientsZeroCopy(
+          *s.generic, header, data, x0, x1, kChunkElements, config_.rpc_timeout, &response);
+      if (!st.ok()) return s.Annotate(st, "push");
+    }
     pushed_bytes_ += (x1 - x0) * 4;
     return absl::OkStatus();
   };
@@ -333,6 +379,16 @@ absl::StatusOr<double> OffloadOptimizer::FinishBackward(double* waited_s) {
       torch::full({1}, grads_.narrow(0, a, b - a).pow(2).sum().item<double>(), torch::kDouble);
   comm_.AllReduceSum({sq})->Wait();
   return std::sqrt(sq.item<double>());
+}
+
+std::string OffloadOptimizer::TransportSummary() const {
+  std::string out;
+  for (const auto& s : servers_) {
+    absl::StrAppend(&out, out.empty() ? "" : ", ", s->range.address, ": ",
+                    s->data_plane ? absl::StrCat("data plane ", s->data_plane->address())
+                                  : absl::StrCat("gRPC (", s->transport_note, ")"));
+  }
+  return out;
 }
 
 std::pair<int64_t, int64_t> OffloadOptimizer::OwnedSlice() const {
@@ -435,10 +491,16 @@ absl::Status OffloadOptimizer::UpdateAndPull(int64_t step, double lr, double gra
     request.mutable_update()->set_grad_scale(static_cast<float>(grad_scale));
     request.set_format(v1::WIRE_FP32);
     request.set_chunk_elements(kChunkElements);
-    // Decoded from gRPC's buffers straight into this rank's slice.
-    const grpc::Status st = ps::UpdateAndPullZeroCopy(
-        *s.generic, request, mine.data_ptr<float>() + (lo - a), config_.rpc_timeout);
-    if (!st.ok()) return s.Annotate(st, "update and pull");
+    // Received straight into this rank's slice (over gRPC: decoded from its buffers).
+    float* out = mine.data_ptr<float>() + (lo - a);
+    if (s.data_plane) {
+      const absl::Status st = s.data_plane->UpdateAndPull(request, out, config_.rpc_timeout);
+      if (!st.ok()) return s.Annotate(st, "update and pull");
+    } else {
+      const grpc::Status st =
+          ps::UpdateAndPullZeroCopy(*s.generic, request, out, config_.rpc_timeout);
+      if (!st.ok()) return s.Annotate(st, "update and pull");
+    }
     pulled[i] = (hi - lo) * 4;
     return absl::OkStatus();
   }));

@@ -58,6 +58,9 @@ struct OffloadConfig {
   // TCP congestion control of the connections to the servers; empty: the host's
   // (server/ps/tcp_congestion.h).
   std::string tcp_congestion;
+  // How pushes and pulls travel: "tcp", each server's data plane (server/ps/data_plane_wire.h)
+  // where it offers one, else gRPC; "grpc", always the gRPC calls.
+  std::string transport = "tcp";
 };
 
 class OffloadOptimizer {
@@ -97,6 +100,9 @@ class OffloadOptimizer {
   absl::Status ReadIntoShadow(int64_t step, torch::optim::Optimizer& shadow);
 
   int num_buckets() const { return static_cast<int>(buckets_.size()); }
+  // How each server is spoken to, for the rank's log: "ADDRESS: data plane HOST:PORT" or
+  // "ADDRESS: gRPC (...)", comma-separated.
+  std::string TransportSummary() const;
   // Bytes this rank sent to and received from the parameter servers in the last step.
   int64_t pushed_bytes() const { return pushed_bytes_; }
   int64_t pulled_bytes() const { return pulled_bytes_; }

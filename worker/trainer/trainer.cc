@@ -345,11 +345,13 @@ absl::Status Train(const TrainerOptions& o) {
     config.delayed_update = spec.parallel().delayed_update();
     config.rpc_timeout = absl::Seconds(o.ps_rpc_timeout_s);
     config.tcp_congestion = o.ps_tcp_congestion;
+    config.transport = o.ps_transport;
     ASSIGN_OR_RETURN(offloaded, OffloadOptimizer::Create(params, *comm, std::move(ps_ranges),
                                                          config, spec.parallel().bucket_mb()));
     if (o.rank == 0) {
       Log(absl::StrCat("parameter-server connections: TCP congestion control ",
                        ps::TcpCongestionInUse(o.ps_tcp_congestion)));
+      Log(absl::StrCat("parameter-server transfers: ", offloaded->TransportSummary()));
     }
     RETURN_IF_ERROR(offloaded->Initialize(step, *optimizer_holder));
   }

@@ -38,7 +38,8 @@ struct TrainerOptions {
   // Offload: deadline of each call to a parameter server; below the collectives' 5-minute
   // timeout, so that a hung server fails its ranks by name before their peers time out.
   double ps_rpc_timeout_s = 120;
-  std::string ps_tcp_congestion;  // empty: the host's
+  std::string ps_tcp_congestion;     // empty: the host's
+  std::string ps_transport = "tcp";  // OffloadConfig::transport
   // Ranks of the job on this rank's node (consecutive ranks share a node); 0 = all of them.
   // HYBRID_SHARD shards within a node and replicates across nodes.
   int local_world_size = 0;

@@ -1,0 +1,71 @@
+// DataPlaneClient: the client side of one trainyard-ps data plane (data_plane_wire.h), what the
+// offload trainer and bench/ps_transfer_bench push gradients and pull parameters with when the
+// server offers one. Gradients are sent from the caller's array and parameters received into the
+// caller's array, nothing copied in between.
+//
+// Keeps a pool of connections: a call takes an idle one or opens one, and gives it back when it
+// ended cleanly, so concurrent calls each have their own. A call that fails on a connection the
+// pool kept from earlier, before any byte of an answer came, is tried once more on a new one (the
+// server may have closed the old one; pushes and updates are idempotent).
+//
+// Thread-safe.
+#ifndef TRAINYARD_SERVER_PS_DATA_PLANE_CLIENT_H_
+#define TRAINYARD_SERVER_PS_DATA_PLANE_CLIENT_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/ps/data_plane_wire.h"
+#include "server/ps/tcp_io.h"
+#include "trainyard/v1/ps.pb.h"
+
+namespace trainyard::ps {
+
+class DataPlaneClient {
+ public:
+  // `address`: HOST:PORT of the data plane (GetDataPlane's answer); `tcp_congestion` of its
+  // connections (empty: the host's).
+  DataPlaneClient(std::string address, std::string tcp_congestion);
+
+  const std::string& address() const { return address_; }
+
+  // As PushGradientsZeroCopy (ps_client.h): the gradients of [begin, end), element `begin` at
+  // `data`, in header.format(), staged in chunks of `chunk_elements`. The server's status, or
+  // UNAVAILABLE / DEADLINE_EXCEEDED for the connection.
+  absl::Status Push(const v1::GradientChunk& header, const void* data, int64_t begin, int64_t end,
+                    int64_t chunk_elements, absl::Duration timeout,
+                    v1::PushGradientsResponse* response);
+
+  // As UpdateAndPullZeroCopy (ps_client.h): runs `request` and receives the parameters of
+  // [request.begin(), request.end()) into `out`; `on_first_byte`, if set, runs when the answer
+  // starts to arrive (after the update). INTERNAL for an answer of the wrong size.
+  absl::Status UpdateAndPull(const v1::UpdateAndPullRequest& request, void* out,
+                             absl::Duration timeout,
+                             const std::function<void()>& on_first_byte = nullptr);
+
+ private:
+  // One call on one connection. `payload`: a push's gradients; `out`: where a pull's data goes.
+  // `*answered` tells whether any byte of the response arrived; `*keep` whether the connection
+  // may serve another call.
+  absl::Status CallOnce(int fd, const DataPlaneRequest& request, const void* payload, void* out,
+                        absl::Time deadline, const std::function<void()>& on_first_byte,
+                        DataPlaneResponse* response, bool* answered, bool* keep);
+  absl::Status Call(const DataPlaneRequest& request, const void* payload, void* out,
+                    absl::Duration timeout, const std::function<void()>& on_first_byte,
+                    DataPlaneResponse* response);
+
+  const std::string address_;
+  const std::string tcp_congestion_;
+  absl::Mutex mu_;
+  std::vector<UniqueFd> idle_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace trainyard::ps
+
+#endif  // TRAINYARD_SERVER_PS_DATA_PLANE_CLIENT_H_

@@ -1,0 +1,273 @@
+#include "server/ps/data_plane_server.h"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/status_macros.h"
+
+namespace trainyard::ps {
+namespace {
+
+// A lingering close reads at most this much, for at most this long.
+constexpr size_t kLingerBytes = size_t{256} << 20;
+constexpr absl::Duration kLingerTime = absl::Seconds(2);
+
+}  // namespace
+
+DataPlaneServer::DataPlaneServer(DataPlaneOptions options, ShardManager& shards, PsMetrics metrics)
+    : options_(std::move(options)), shards_(shards), metrics_(metrics) {}
+
+absl::StatusOr<std::unique_ptr<DataPlaneServer>> DataPlaneServer::Start(DataPlaneOptions options,
+                                                                        ShardManager& shards,
+                                                                        PsMetrics metrics) {
+  std::unique_ptr<DataPlaneServer> s(new DataPlaneServer(std::move(options), shards, metrics));
+  ASSIGN_OR_RETURN(s->listener_, TcpListen(s->options_.listen_address, s->options_.tcp_congestion,
+                                           "--data-listen", &s->port_));
+  s->wakeup_ = UniqueFd(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!s->wakeup_.valid()) {
+    return absl::InternalError(absl::StrCat("eventfd: ", std::strerror(errno)));
+  }
+  s->accept_thread_ = std::thread([raw = s.get()] { raw->AcceptLoop(); });
+  return s;
+}
+
+DataPlaneServer::~DataPlaneServer() { Shutdown(absl::ZeroDuration()); }
+
+void DataPlaneServer::Shutdown(absl::Duration grace) {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (accept_thread_.joinable()) {
+    const uint64_t one = 1;
+    if (write(wakeup_.get(), &one, sizeof(one)) != sizeof(one)) {
+      spdlog::warn("data plane: cannot wake the accept loop: {}", std::strerror(errno));
+    }
+    accept_thread_.join();
+  }
+  std::vector<std::thread> threads;
+  {
+    absl::MutexLock lock(&mu_);
+    // Idle connections close now (their threads wait for a next call that will not come).
+    for (Connection& c : connections_) {
+      if (!c.busy && c.fd.valid()) shutdown(c.fd.get(), SHUT_RDWR);
+    }
+    // Calls in progress get the grace period.
+    mu_.AwaitWithTimeout(absl::Condition(
+                             +[](std::list<Connection>* cs) {
+                               return std::none_of(cs->begin(), cs->end(),
+                                                   [](const Connection& c) { return c.busy; });
+                             },
+                             &connections_),
+                         grace);
+    for (Connection& c : connections_) {
+      if (c.fd.valid()) shutdown(c.fd.get(), SHUT_RDWR);
+      if (c.thread.joinable()) threads.push_back(std::move(c.thread));
+    }
+  }
+  for (std::thread& t : threads) t.join();
+  absl::MutexLock lock(&mu_);
+  connections_.clear();
+}
+
+void DataPlaneServer::ReapDone() {
+  std::vector<std::thread> ended;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = connections_.begin(); it != connections_.end();) {
+      if (!it->done) {
+        ++it;
+        continue;
+      }
+      ended.push_back(std::move(it->thread));
+      it = connections_.erase(it);
+    }
+  }
+  for (std::thread& t : ended) t.join();
+}
+
+void DataPlaneServer::AcceptLoop() {
+  while (true) {
+    pollfd fds[2] = {{listener_.get(), POLLIN, 0}, {wakeup_.get(), POLLIN, 0}};
+    const int r = poll(fds, 2, -1);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) {
+      spdlog::error("data plane: poll: {}", std::strerror(errno));
+      return;
+    }
+    if (fds[1].revents != 0) return;  // Shutdown
+    UniqueFd fd(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (!fd.valid()) {
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        spdlog::warn("data plane: accept: {}", std::strerror(errno));
+        absl::SleepFor(absl::Milliseconds(10));  // until a connection ends and frees a descriptor
+      }
+      continue;  // EAGAIN, EINTR, ECONNABORTED: the next one
+    }
+    ReapDone();
+    if (absl::Status s = PrepareTcpSocket(fd.get(), options_.tcp_congestion); !s.ok()) {
+      spdlog::warn("data plane: a new connection: {}", std::string(s.message()));
+      continue;
+    }
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    if (static_cast<int>(connections_.size()) >= options_.max_connections) {
+      // Told why, then closed; best effort, the socket's buffer takes a response.
+      SendAll(fd.get(),
+              EncodeResponse({absl::ResourceExhaustedError(absl::StrCat(
+                                  "this parameter server serves at most ", options_.max_connections,
+                                  " data-plane connections")),
+                              /*closing=*/true}),
+              IoLimit::Idle(absl::Seconds(1)))
+          .IgnoreError();
+      continue;
+    }
+    Connection& c = connections_.emplace_back();
+    c.fd = std::move(fd);
+    c.thread = std::thread([this, &c] { Serve(&c); });
+  }
+}
+
+bool DataPlaneServer::SetBusy(Connection* c, bool busy) {
+  absl::MutexLock lock(&mu_);
+  c->busy = busy;
+  return !stopping_;
+}
+
+void DataPlaneServer::Serve(Connection* c) {
+  int fd;
+  {
+    absl::MutexLock lock(&mu_);
+    fd = c->fd.get();
+  }
+  const IoLimit limit = IoLimit::Idle(options_.io_timeout);
+  while (true) {
+    char header[kRequestHeaderBytes];
+    // An idle connection waits for its next call as long as it stays open (TCP keepalive finds
+    // a peer that vanished); once a call began, every byte has the idle limit.
+    if (!RecvAll(fd, header, 1, IoLimit()).ok()) break;
+    const bool stopping = !SetBusy(c, true);
+    bool keep = false;
+    if (!stopping) {
+      if (absl::Status s = RecvAll(fd, header + 1, kRequestHeaderBytes - 1, limit); s.ok()) {
+        uint32_t job_id_bytes = 0;
+        auto request =
+            DecodeRequestHeader(absl::string_view(header, kRequestHeaderBytes), &job_id_bytes);
+        if (!request.ok()) {
+          RespondAndLinger(fd, request.status());
+        } else {
+          request->job_id.resize(job_id_bytes);
+          keep = RecvAll(fd, request->job_id.data(), job_id_bytes, limit).ok() &&
+                 ServeCall(fd, *request);
+        }
+      }
+    }
+    if (!SetBusy(c, false) || !keep) break;
+  }
+  absl::MutexLock lock(&mu_);
+  c->fd.reset();
+  c->done = true;
+}
+
+bool DataPlaneServer::ServeCall(int fd, const DataPlaneRequest& request) {
+  return request.op == DataPlaneOp::kPush ? ServePush(fd, request)
+                                          : ServeUpdateAndPull(fd, request);
+}
+
+bool DataPlaneServer::Respond(int fd, const DataPlaneResponse& response) {
+  return SendAll(fd, EncodeResponse(response), IoLimit::Idle(options_.io_timeout)).ok();
+}
+
+void DataPlaneServer::RespondAndLinger(int fd, const absl::Status& status) {
+  if (!Respond(fd, {status, /*closing=*/true})) return;
+  shutdown(fd, SHUT_WR);
+  DiscardUntilClosed(fd, kLingerBytes, {absl::Now() + kLingerTime, absl::Seconds(1)});
+}
+
+bool DataPlaneServer::ServePush(int fd, const DataPlaneRequest& r) {
+  const IoLimit limit = IoLimit::Idle(options_.io_timeout);
+  const int64_t element_bytes = WireElementBytes(r.format);
+  // Where the job's range lies, before any payload is received: a push for an unknown job, a
+  // stale attempt or elements outside the range has its payload read and dropped.
+  absl::Status error;
+  if (auto range = shards_.RangeOf(r.job_id, r.attempt); !range.ok()) {
+    error = range.status();
+  } else if (r.begin < range->first || r.end > range->second) {
+    error = absl::OutOfRangeError(absl::StrCat("offset: [", r.begin, ", ", r.end,
+                                               ") is empty or outside this shard's range [",
+                                               range->first, ", ", range->second, ")"));
+  }
+  if (!error.ok()) {
+    return Discard(fd, r.payload_bytes(), limit).ok() && Respond(fd, {error});
+  }
+  const int64_t chunk = r.chunk_elements > 0 ? r.chunk_elements : kDefaultChunkElements;
+  int64_t staged = 0, duplicate = 0;
+  for (int64_t a = r.begin; a < r.end; a += chunk) {
+    const size_t bytes = std::min(chunk, r.end - a) * element_bytes;
+    if (!error.ok()) {  // the rest of a push that failed: read and dropped
+      if (!Discard(fd, bytes, limit).ok()) return false;
+      continue;
+    }
+    // Received straight into the buffer the shard stages; the update reads it there.
+    std::shared_ptr<char> buffer(new char[bytes], std::default_delete<char[]>());
+    if (absl::Status s = RecvAll(fd, buffer.get(), bytes, limit); !s.ok()) {
+      spdlog::debug("data plane: push of job {} cut off: {}", r.job_id, std::string(s.message()));
+      return false;
+    }
+    const absl::string_view data(buffer.get(), bytes);
+    auto pushed = shards_.Push(r.job_id, r.attempt, r.step, a, r.format,
+                               ReceivedBytes{{data}, std::move(buffer)});
+    if (!pushed.ok()) {
+      error = pushed.status();
+      continue;
+    }
+    staged += pushed->staged;
+    duplicate += pushed->duplicate;
+    if (metrics_.pushed_bytes != nullptr) metrics_.pushed_bytes->Increment(bytes);
+  }
+  return Respond(fd, {error, false, error.ok() ? staged : 0, error.ok() ? duplicate : 0});
+}
+
+bool DataPlaneServer::ServeUpdateAndPull(int fd, const DataPlaneRequest& r) {
+  if (r.update) {
+    const absl::Time start = absl::Now();
+    // Waits for lent elements until the caller's time limit, kMaxLentWait at most.
+    const absl::Duration limit =
+        r.timeout_ms > 0 ? std::min(kMaxLentWait, absl::Milliseconds(r.timeout_ms)) : kMaxLentWait;
+    absl::Status s = shards_.Update(r.job_id, r.attempt, r.step, r.begin, r.end, r.lr, r.grad_scale,
+                                    start + limit);
+    if (!s.ok()) return Respond(fd, {s});
+    if (metrics_.adam_step_seconds != nullptr) {
+      metrics_.adam_step_seconds->Observe(absl::ToDoubleSeconds(absl::Now() - start));
+    }
+  }
+  // The whole range lent until its last byte is in the socket: one step's values throughout.
+  auto lent = shards_.LendParams(r.job_id, r.attempt, r.step, r.begin, r.end, r.format,
+                                 absl::Milliseconds(r.wait_ms));
+  if (!lent.ok()) return Respond(fd, {lent.status()});
+  const std::string header =
+      EncodeResponse({absl::OkStatus(), false, static_cast<int64_t>((*lent)->bytes()), 0});
+  const iovec pieces[2] = {{const_cast<char*>(header.data()), header.size()},
+                           {const_cast<char*>((*lent)->data()), (*lent)->bytes()}};
+  if (absl::Status s = SendAll(fd, pieces, IoLimit::Idle(options_.io_timeout)); !s.ok()) {
+    spdlog::debug("data plane: pull of job {} cut off: {}", r.job_id, std::string(s.message()));
+    return false;
+  }
+  if (metrics_.pulled_bytes != nullptr) {
+    metrics_.pulled_bytes->Increment(static_cast<double>((*lent)->bytes()));
+  }
+  return true;
+}
+
+}  // namespace trainyard::ps
