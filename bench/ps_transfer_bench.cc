@@ -1,29 +1,34 @@
 // Benchmark of the parameter server's transfer path (issue #5): gradients pushed and parameters
-// pulled over gRPC between a client and k trainyard-ps processes on loopback, against a plain TCP
-// socket moving the same bytes over k connections, in one run.
+// pulled between a client and k trainyard-ps processes on loopback, over each server's TCP data
+// plane or over gRPC, against a plain TCP socket moving the same bytes over k connections, in one
+// run.
 //
-// For each k in --shards: (a) the anchor: k TCP connections on 127.0.0.1, one sender and one
-// receiver thread each, moving the job's fp32 bytes split in k contiguous parts with 4 MiB
-// send/recv calls from and into big arrays, one way, and "push + pull" (the same bytes sent, then
-// sent back), with the TCP congestion control the gRPC connections use (--tcp-congestion, default
-// $TRAINYARD_TCP_CONGESTION, else the host's); (b) trainyard: k trainyard-ps processes (--threads
-// 1) holding contiguous ranges of a job of --params parameters, each range initialized once; then
-// per step, as the offload trainer does it (worker/trainer/offload.cc): PushGradients of every
-// range (one stream per shard, all shards at once from threads), UpdateAndPull with `update` of
-// every range, then a pure pull (UpdateAndPull without update, wait_ms 0, of the step just
+// For each k in --shards: (a) the anchor: k TCP connections on 127.0.0.1 to a peer process (this
+// binary, --anchor-peer), opened once and used every round, a sender and a receiver thread each,
+// moving the job's fp32 bytes split in k
+// contiguous parts with 4 MiB send/recv calls from and into big arrays, one way, and "push +
+// pull" (the same bytes sent, then sent back), with the TCP congestion control trainyard's
+// connections use (--tcp-congestion, default $TRAINYARD_TCP_CONGESTION, else the host's); (b)
+// trainyard: k trainyard-ps processes (--threads 1) holding contiguous ranges of a job of
+// --params parameters, each range initialized once; then per step, as the offload trainer does it
+// (worker/trainer/offload.cc): a push of every range (all shards at once from threads), an
+// update-and-pull of every range, then a pure pull (no update, wait_ms 0, of the step just
 // applied), which is the transfer without the AdamW update. Steps in WIRE_FP32 and in WIRE_BF16
 // (half the bytes). The anchor and the steps alternate round by round; the table shows medians
 // after --warmup rounds.
 //
-// Two clients: `--client zero-copy` is the offload trainer's (server/ps/ps_client.h: a generic
-// stub, the gradient bytes sent as a slice pointing into the gradient array, pulled chunks decoded
-// straight into the parameter array); `--client stub` sends the same messages through the
-// generated stub and protobuf classes (4 MiB chunks), as offload.cc did before. `--tune-malloc`
-// sets glibc malloc in this process as the offload trainer sets it (worker/trainer/main.cc); the
-// trainyard-ps children always run as shipped (server/ps/main.cc sets theirs).
+// Three clients: `--client tcp` is the offload trainer's default, each server's TCP data plane
+// (server/ps/data_plane_client.h: gradients sent from the gradient array, parameters received
+// into the parameter array, no copy in between); `--client zero-copy` is the trainer's gRPC path
+// (server/ps/ps_client.h: a generic stub, the gradient bytes sent as a slice pointing into the
+// gradient array, pulled chunks decoded straight into the parameter array); `--client stub`
+// sends the same messages through the generated stub and protobuf classes (4 MiB chunks), as
+// offload.cc did before. `--tune-malloc` sets glibc malloc in this process as the offload
+// trainer sets it (worker/trainer/main.cc); the trainyard-ps children always run as shipped
+// (server/ps/main.cc sets theirs).
 //
 // Run through bench/ps_transfer_bench.sh, or: ps_transfer_bench [--params N] [--reps N]
-// [--warmup N] [--shards 1,2,3,4] [--ps PATH] [--client stub|zero-copy] [--tune-malloc]
+// [--warmup N] [--shards 1,2,3,4] [--ps PATH] [--client stub|zero-copy|tcp] [--tune-malloc]
 // [--chunk-elements N] [--lookahead-bytes N] [--bdp-probe 0|1] [--no-bf16] [--label TEXT]
 // [--rows-only] [--ps-logs] [--tcp-congestion NAME]. The trainyard-ps processes die with this
 // process (PR_SET_PDEATHSIG) and are otherwise always stopped with SIGTERM (SIGKILL after 20 s) and
@@ -65,6 +70,7 @@
 #include "common/ps_layout.h"
 #include "common/status_macros.h"
 #include "server/adam/cpu_adam.h"
+#include "server/ps/data_plane_client.h"
 #include "server/ps/ps_client.h"
 #include "server/ps/tcp_congestion.h"
 #include "server/ps/wire_types.h"
@@ -91,7 +97,8 @@ struct Flags {
   int warmup = 1;
   std::vector<int> shards = {1, 2, 3, 4};
   std::string ps_binary;  // default: trainyard-ps next to this binary
-  bool zero_copy_client = false;
+  enum class Client { kStub, kZeroCopy, kDataPlane };
+  Client client = Client::kStub;
   bool tune_malloc = false;
   int64_t chunk_elements = int64_t{1} << 20;  // offload.cc's: 4 MiB fp32 messages
   int lookahead_bytes = 0;                    // 0: gRPC's default
@@ -100,12 +107,18 @@ struct Flags {
   std::string label;  // the table's first column; default: the client and malloc settings
   bool rows_only = false;
   bool ps_logs = false;
-  // TCP congestion control of every connection, the anchor's and gRPC's (client and shards);
+  // TCP congestion control of every connection, the anchor's and trainyard's (client, shards);
   // empty: the host's. Default: $TRAINYARD_TCP_CONGESTION, as trainyard-ps and the trainer.
   std::string tcp_congestion;
   // The anchor's receivers recv into a bounce buffer and copy out, as a receiver that cannot
   // receive in place (any RPC library's client) must: a diagnostic anchor, not the goal's.
   bool anchor_copies = false;
+  // Both ends of the anchor's connections in this process instead of a peer process: a
+  // diagnostic (the anchor before this flag existed).
+  bool anchor_in_process = false;
+  // --anchor-peer K: run as the anchor's peer process (AnchorPeer), with --anchor-bytes.
+  int anchor_peer = 0;
+  int64_t anchor_bytes = 0;
 };
 
 std::string DefaultPsBinary() {
@@ -133,6 +146,12 @@ Flags ParseFlags(int argc, char** argv) {
       flags.ps_logs = true;
     } else if (arg == "--anchor-copies") {
       flags.anchor_copies = true;
+    } else if (arg == "--anchor-in-process") {
+      flags.anchor_in_process = true;
+    } else if (arg == "--anchor-peer" && has_value) {
+      ok = absl::SimpleAtoi(argv[++i], &flags.anchor_peer) && flags.anchor_peer > 0;
+    } else if (arg == "--anchor-bytes" && has_value) {
+      ok = absl::SimpleAtoi(argv[++i], &flags.anchor_bytes) && flags.anchor_bytes > 0;
     } else if (!has_value) {
       ok = false;
     } else if (arg == "--params") {
@@ -152,8 +171,10 @@ Flags ParseFlags(int argc, char** argv) {
       flags.ps_binary = argv[++i];
     } else if (arg == "--client") {
       const std::string client = argv[++i];
-      ok = client == "stub" || client == "zero-copy";
-      flags.zero_copy_client = client == "zero-copy";
+      ok = client == "stub" || client == "zero-copy" || client == "tcp";
+      flags.client = client == "tcp"         ? Flags::Client::kDataPlane
+                     : client == "zero-copy" ? Flags::Client::kZeroCopy
+                                             : Flags::Client::kStub;
     } else if (arg == "--chunk-elements") {
       ok = absl::SimpleAtoi(argv[++i], &flags.chunk_elements) && flags.chunk_elements > 0 &&
            flags.chunk_elements <= (int64_t{16} << 20);
@@ -172,16 +193,19 @@ Flags ParseFlags(int argc, char** argv) {
     if (!ok) {
       std::fprintf(stderr,
                    "usage: %s [--params N] [--reps N] [--warmup N] [--shards 1,2,3,4] [--ps PATH] "
-                   "[--client stub|zero-copy] [--tune-malloc] [--chunk-elements N] "
+                   "[--client stub|zero-copy|tcp] [--tune-malloc] [--chunk-elements N] "
                    "[--lookahead-bytes N] [--bdp-probe 0|1] [--no-bf16] [--label TEXT] "
-                   "[--rows-only] [--ps-logs] [--tcp-congestion NAME] [--anchor-copies]\n",
+                   "[--rows-only] [--ps-logs] [--tcp-congestion NAME] [--anchor-copies] "
+                   "[--anchor-in-process]\n",
                    argv[0]);
       std::exit(2);
     }
   }
   if (flags.ps_binary.empty()) flags.ps_binary = DefaultPsBinary();
   if (flags.label.empty()) {
-    flags.label = absl::StrCat(flags.zero_copy_client ? "zero-copy client" : "stub client",
+    flags.label = absl::StrCat(flags.client == Flags::Client::kDataPlane  ? "data plane"
+                               : flags.client == Flags::Client::kZeroCopy ? "zero-copy client"
+                                                                          : "stub client",
                                flags.tune_malloc ? ", malloc tuned" : "");
   }
   return flags;
@@ -261,6 +285,10 @@ class TcpConnection {
   }
   int client_fd() const { return client_fd_; }
   int server_fd() const { return server_fd_; }
+  void CloseServerEnd() {
+    if (server_fd_ >= 0) close(server_fd_);
+    server_fd_ = -1;
+  }
 
  private:
   TcpConnection() = default;
@@ -292,20 +320,123 @@ absl::Status RecvAll(int fd, char* p, int64_t bytes, char* bounce = nullptr) {
   return absl::OkStatus();
 }
 
-// Seconds to move `bytes` from `src` to `dst` over k fresh connections (part i of the arrays over
-// connection i, its sender and receiver on their own threads; the connections are opened before
-// the clock starts), and, with `round_trip`, back from `dst` into `back` once each part arrived.
-// With `receiver_copies`, every receiver copies out of a bounce buffer (Flags::anchor_copies).
-absl::StatusOr<double> SocketTransfer(int k, const char* src, char* dst, char* back, int64_t bytes,
-                                      bool round_trip, const std::string& congestion,
-                                      bool receiver_copies) {
-  std::vector<std::unique_ptr<TcpConnection>> connections;
+// The fds the anchor's peer process gets its connections' ends on: kPeerFirstFd, kPeerFirstFd+1,
+// and so on.
+constexpr int kPeerFirstFd = 3;
+// A round's command to the peer, one byte on each connection before its part: receive the part
+// and acknowledge it with one byte, or receive it and send it back.
+constexpr char kOneWay = 'o', kRoundTrip = 'r';
+
+// The anchor's receiving side (the "parameter server" end of each connection) in a process of its
+// own, as trainyard-ps is: this binary run with --anchor-peer. Without it (--anchor-in-process)
+// both ends are threads of the bench process, which on the 2-core VM kept a single connection
+// at about one busy core. Used by the main thread only.
+class AnchorPeer {
+ public:
+  // Opens k connections with `congestion`, hands their server ends to a new peer process that
+  // receives parts of `bytes` (with `copies`, through a bounce buffer) and keeps the client ends.
+  static absl::StatusOr<std::unique_ptr<AnchorPeer>> Start(int k, int64_t bytes,
+                                                           const std::string& congestion,
+                                                           bool copies) {
+    std::unique_ptr<AnchorPeer> p(new AnchorPeer);
+    for (int i = 0; i < k; ++i) {
+      ASSIGN_OR_RETURN(auto c, TcpConnection::Open(congestion));
+      p->connections_.push_back(std::move(c));
+    }
+    char self[4096];
+    const ssize_t len = readlink("/proc/self/exe", self, sizeof(self) - 1);
+    if (len <= 0) return ErrnoError("readlink /proc/self/exe");
+    std::vector<std::string> args = {std::string(self, len), "--anchor-peer", absl::StrCat(k),
+                                     "--anchor-bytes", absl::StrCat(bytes)};
+    if (copies) args.push_back("--anchor-copies");
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    const pid_t parent = getpid();
+    const pid_t pid = fork();
+    if (pid < 0) return ErrnoError("fork");
+    if (pid == 0) {  // only async-signal-safe calls until exec
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != parent) _exit(127);
+      // The server ends onto kPeerFirstFd..: first out of the way (above every fd in use), then
+      // into place; dup2 clears FD_CLOEXEC.
+      constexpr int kHigh = 1000;
+      for (int i = 0; i < k; ++i) dup2(p->connections_[i]->server_fd(), kHigh + i);
+      for (int i = 0; i < k; ++i) dup2(kHigh + i, kPeerFirstFd + i);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    p->pid_ = pid;
+    for (auto& c : p->connections_) c->CloseServerEnd();
+    return p;
+  }
+
+  ~AnchorPeer() {
+    connections_.clear();  // the peer reads the end of every stream and exits
+    int status = 0;
+    if (pid_ > 0) waitpid(pid_, &status, 0);
+  }
+
+  pid_t pid() const { return pid_; }
+
+  // Seconds to move `bytes` from `src` to the peer over the k connections (part i over
+  // connection i, each on its own thread) and, with `round_trip`, back into `back`. With `bounce`
+  // buffers (kSocketIoBytes each, one per connection), this side receives through them.
+  absl::StatusOr<double> Transfer(const char* src, char* back, int64_t bytes, bool round_trip,
+                                  std::vector<std::vector<char>>* bounce) {
+    const int k = static_cast<int>(connections_.size());
+    const auto start = Clock::now();
+    RETURN_IF_ERROR(RunParallel(k, [&](int i) -> absl::Status {
+      const int64_t a = PartBegin(bytes, k, i), n = PartBegin(bytes, k, i + 1) - a;
+      const int fd = connections_[i]->client_fd();
+      const char command = round_trip ? kRoundTrip : kOneWay;
+      RETURN_IF_ERROR(SendAll(fd, &command, 1));
+      RETURN_IF_ERROR(SendAll(fd, src + a, n));
+      char ack;
+      return round_trip ? RecvAll(fd, back + a, n, bounce->empty() ? nullptr : (*bounce)[i].data())
+                        : RecvAll(fd, &ack, 1);
+    }));
+    return Seconds(start);
+  }
+
+ private:
+  AnchorPeer() = default;
+  std::vector<std::unique_ptr<TcpConnection>> connections_;
+  pid_t pid_ = -1;
+};
+
+// --anchor-peer K: the peer process of AnchorPeer. Serves the connections on fds kPeerFirstFd..
+// until each reaches its end: per round, one command byte, then the part into its own array
+// (touched before the first round), acknowledged or sent back.
+int AnchorPeerMain(int k, int64_t bytes, bool copies) {
+  std::vector<char> dst(bytes, 1);
+  std::vector<std::vector<char>> bounce(copies ? k : 0, std::vector<char>(kSocketIoBytes, 1));
+  const absl::Status s = RunParallel(k, [&](int i) -> absl::Status {
+    const int fd = kPeerFirstFd + i;
+    const int64_t a = PartBegin(bytes, k, i), n = PartBegin(bytes, k, i + 1) - a;
+    char* const b = copies ? bounce[i].data() : nullptr;
+    for (char command; recv(fd, &command, 1, MSG_WAITALL) == 1;) {
+      RETURN_IF_ERROR(RecvAll(fd, dst.data() + a, n, b));
+      const char ack = 'k';
+      RETURN_IF_ERROR(command == kRoundTrip ? SendAll(fd, dst.data() + a, n)
+                                            : SendAll(fd, &ack, 1));
+    }
+    return absl::OkStatus();
+  });
+  if (!s.ok()) std::fprintf(stderr, "anchor peer: %s\n", std::string(s.message()).c_str());
+  return s.ok() ? 0 : 1;
+}
+
+// --anchor-in-process: seconds to move `bytes` from `src` to `dst` over the k `connections`,
+// both ends in this process (part i over connection i, its sender and receiver on their own
+// threads), and, with `round_trip`, back from `dst` into `back`. With `receiver_copies`, every
+// receiver copies out of a bounce buffer (Flags::anchor_copies).
+absl::StatusOr<double> InProcessTransfer(
+    const std::vector<std::unique_ptr<TcpConnection>>& connections, const char* src, char* dst,
+    char* back, int64_t bytes, bool round_trip, bool receiver_copies) {
+  const int k = static_cast<int>(connections.size());
   std::vector<std::vector<char>> bounce(receiver_copies ? 2 * k : 0,
                                         std::vector<char>(kSocketIoBytes, 1));
-  for (int i = 0; i < k; ++i) {
-    ASSIGN_OR_RETURN(auto c, TcpConnection::Open(congestion));
-    connections.push_back(std::move(c));
-  }
   const auto start = Clock::now();
   RETURN_IF_ERROR(RunParallel(2 * k, [&](int t) -> absl::Status {
     const int i = t / 2;
@@ -451,16 +582,17 @@ class PsFleet {
 
 // ---- The client. ----
 
-// One range of the job on one trainyard-ps, spoken to as the offload trainer does (--client
-// zero-copy) or through the generated stub (--client stub). Each method is called by one thread
-// at a time.
+// One range of the job on one trainyard-ps, spoken to as the offload trainer does (--client tcp:
+// the data plane; --client zero-copy: its gRPC path) or through the generated stub (--client
+// stub). Each method is called by one thread at a time.
 class ShardClient {
  public:
   ShardClient(const std::string& address, int64_t begin, int64_t end, const Flags& flags)
       : begin_(begin),
         end_(end),
         chunk_elements_(flags.chunk_elements),
-        zero_copy_(flags.zero_copy_client) {
+        client_(flags.client),
+        tcp_congestion_(flags.tcp_congestion) {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(kMaxMessageBytes);
     args.SetMaxSendMessageSize(kMaxMessageBytes);
@@ -499,13 +631,28 @@ class ShardClient {
       ok = writer->Write(chunk);
     }
     writer->WritesDone();
-    return Check(writer->Finish(), "init");
+    RETURN_IF_ERROR(Check(writer->Finish(), "init"));
+    if (client_ != Flags::Client::kDataPlane) return absl::OkStatus();
+    grpc::ClientContext info_ctx;
+    v1::DataPlaneInfo info;
+    RETURN_IF_ERROR(Check(stub_->GetDataPlane(&info_ctx, {}, &info), "get data plane"));
+    if (info.address().empty()) return absl::FailedPreconditionError("no data plane");
+    data_plane_ = std::make_unique<ps::DataPlaneClient>(info.address(), tcp_congestion_);
+    return absl::OkStatus();
   }
 
   // PushGradients of step `step` for the whole range from `grads` (the job's vector of fp32 or
   // bf16 elements, as `format` says).
   absl::Status Push(int64_t step, v1::WireFormat format, const void* grads) {
-    return zero_copy_ ? PushZeroCopy(step, format, grads) : PushStub(step, format, grads);
+    switch (client_) {
+      case Flags::Client::kDataPlane:
+        return PushDataPlane(step, format, grads);
+      case Flags::Client::kZeroCopy:
+        return PushZeroCopy(step, format, grads);
+      case Flags::Client::kStub:
+        break;
+    }
+    return PushStub(step, format, grads);
   }
 
   // UpdateAndPull of step `step` (with `update`: apply it first) of the whole range into `params`
@@ -513,22 +660,29 @@ class ShardClient {
   // the first chunk arrived (after the update, when there is one).
   absl::Status Pull(int64_t step, bool update, v1::WireFormat format, void* params,
                     Clock::time_point* first_chunk) {
-    return zero_copy_ ? PullZeroCopy(step, update, format, params, first_chunk)
-                      : PullStub(step, update, format, params, first_chunk);
+    switch (client_) {
+      case Flags::Client::kDataPlane:
+        return PullDataPlane(step, update, format, params, first_chunk);
+      case Flags::Client::kZeroCopy:
+        return PullZeroCopy(step, update, format, params, first_chunk);
+      case Flags::Client::kStub:
+        break;
+    }
+    return PullStub(step, update, format, params, first_chunk);
   }
 
-  // Pulls step `step` (already applied) in fp32 through the stub into `a` and through the
-  // zero-copy path into `b` (the job's vectors) and compares the range: a check of the
-  // hand-written decoding.
-  absl::Status CheckZeroCopyPull(int64_t step, float* a, float* b) {
+  // Pulls step `step` (already applied) in fp32 through the stub into `a` and through this
+  // client's path into `b` (the job's vectors) and compares the range: a check of the
+  // hand-written decoding and of the data plane.
+  absl::Status CheckPullAgainstStub(int64_t step, float* a, float* b) {
     Clock::time_point first_chunk;
     RETURN_IF_ERROR(PullStub(step, false, v1::WIRE_FP32, a, &first_chunk));
-    RETURN_IF_ERROR(PullZeroCopy(step, false, v1::WIRE_FP32, b, &first_chunk));
+    RETURN_IF_ERROR(Pull(step, false, v1::WIRE_FP32, b, &first_chunk));
     if (std::memcmp(a + begin_, b + begin_, (end_ - begin_) * sizeof(float)) == 0) {
       return absl::OkStatus();
     }
     return absl::InternalError(
-        absl::StrCat("the zero-copy pull of [", begin_, ", ", end_, ") differs from the stub's"));
+        absl::StrCat("the pull of [", begin_, ", ", end_, ") differs from the stub's"));
   }
 
  private:
@@ -592,6 +746,31 @@ class ShardClient {
     return CheckCount("push: staged", response.elements_staged());
   }
 
+  // As offload.cc by default: server/ps/data_plane_client.h.
+  absl::Status PushDataPlane(int64_t step, v1::WireFormat format, const void* grads) {
+    v1::GradientChunk header;
+    header.set_job_id(kJobId);
+    header.set_attempt(1);
+    header.set_step(step);
+    header.set_format(format);
+    v1::PushGradientsResponse response;
+    RETURN_IF_ERROR(Annotate(
+        data_plane_->Push(header,
+                          static_cast<const char*>(grads) + begin_ * ps::WireElementBytes(format),
+                          begin_, end_, chunk_elements_, absl::InfiniteDuration(), &response),
+        "push"));
+    return CheckCount("push: staged", response.elements_staged());
+  }
+
+  absl::Status PullDataPlane(int64_t step, bool update, v1::WireFormat format, void* params,
+                             Clock::time_point* first_chunk) {
+    return Annotate(data_plane_->UpdateAndPull(
+                        PullRequest(step, update, format),
+                        static_cast<char*>(params) + begin_ * ps::WireElementBytes(format),
+                        absl::InfiniteDuration(), [&] { *first_chunk = Clock::now(); }),
+                    "pull");
+  }
+
   // Each ParameterChunk parsed by protobuf, then copied into place.
   absl::Status PullStub(int64_t step, bool update, v1::WireFormat format, void* params,
                         Clock::time_point* first_chunk) {
@@ -627,14 +806,17 @@ class ShardClient {
   }
 
   absl::Status Check(const grpc::Status& s, absl::string_view what) const {
-    if (s.ok()) return absl::OkStatus();
-    const absl::Status status = FromGrpcStatus(s);
-    return absl::Status(status.code(),
-                        absl::StrCat(what, " [", begin_, ", ", end_, "): ", status.message()));
+    return Annotate(FromGrpcStatus(s), what);
+  }
+  absl::Status Annotate(const absl::Status& s, absl::string_view what) const {
+    if (s.ok()) return s;
+    return absl::Status(s.code(), absl::StrCat(what, " [", begin_, ", ", end_, "): ", s.message()));
   }
 
   const int64_t begin_, end_, chunk_elements_;
-  const bool zero_copy_;
+  const Flags::Client client_;
+  const std::string tcp_congestion_;
+  std::unique_ptr<ps::DataPlaneClient> data_plane_;  // --client tcp, after Init
   std::unique_ptr<v1::ParameterServerService::Stub> stub_;
   std::unique_ptr<grpc::GenericStub> generic_;  // on the same channel
 };
@@ -762,16 +944,34 @@ absl::StatusOr<ShardCountResult> RunShardCount(const Flags& flags, int k, Buffer
   const int64_t fp32_bytes = total * 4;
   char* src = reinterpret_cast<char*>(b.grads.data());
   char* back = reinterpret_cast<char*>(b.pulled.data());
+  // The anchor's connections, opened once and warm in every round: to a peer process, or (as a
+  // diagnostic) with both ends here.
+  std::unique_ptr<AnchorPeer> peer;
+  std::vector<std::unique_ptr<TcpConnection>> in_process;
+  std::vector<std::vector<char>> bounce(flags.anchor_copies ? k : 0,
+                                        std::vector<char>(kSocketIoBytes, 1));
+  if (flags.anchor_in_process) {
+    for (int i = 0; i < k; ++i) {
+      ASSIGN_OR_RETURN(auto c, TcpConnection::Open(flags.tcp_congestion));
+      in_process.push_back(std::move(c));
+    }
+  } else {
+    ASSIGN_OR_RETURN(peer,
+                     AnchorPeer::Start(k, fp32_bytes, flags.tcp_congestion, flags.anchor_copies));
+  }
+  const std::vector<pid_t> anchor_pids =
+      peer ? std::vector<pid_t>{peer->pid()} : std::vector<pid_t>{};
+  auto socket_transfer = [&](bool round_trip) -> absl::StatusOr<double> {
+    if (peer) return peer->Transfer(src, back, fp32_bytes, round_trip, &bounce);
+    return InProcessTransfer(in_process, src, b.socket_dst.data(), back, fp32_bytes, round_trip,
+                             flags.anchor_copies);
+  };
   for (int round = 0; round < flags.warmup + flags.reps; ++round) {
     const bool timed = round >= flags.warmup;
-    const double cpu = CpuSeconds({});
-    ASSIGN_OR_RETURN(const double one_way,
-                     SocketTransfer(k, src, b.socket_dst.data(), back, fp32_bytes, false,
-                                    flags.tcp_congestion, flags.anchor_copies));
-    const double socket_cpu = CpuSeconds({}) - cpu;
-    ASSIGN_OR_RETURN(const double round_trip,
-                     SocketTransfer(k, src, b.socket_dst.data(), back, fp32_bytes, true,
-                                    flags.tcp_congestion, flags.anchor_copies));
+    const double cpu = CpuSeconds(anchor_pids);
+    ASSIGN_OR_RETURN(const double one_way, socket_transfer(false));
+    const double socket_cpu = CpuSeconds(anchor_pids) - cpu;
+    ASSIGN_OR_RETURN(const double round_trip, socket_transfer(true));
     RETURN_IF_ERROR(run_step(v1::WIRE_FP32, timed ? &result.fp32 : nullptr));
     if (flags.bf16) RETURN_IF_ERROR(run_step(v1::WIRE_BF16, timed ? &result.bf16 : nullptr));
     if (timed) {
@@ -781,10 +981,10 @@ absl::StatusOr<ShardCountResult> RunShardCount(const Flags& flags, int k, Buffer
       result.socket_round_trip.push_back(round_trip);
     }
   }
-  if (flags.zero_copy_client) {
+  if (flags.client != Flags::Client::kStub) {
     float* check = reinterpret_cast<float*>(b.socket_dst.data());
     RETURN_IF_ERROR(RunParallel(
-        k, [&](int i) { return clients[i]->CheckZeroCopyPull(step, b.pulled.data(), check); }));
+        k, [&](int i) { return clients[i]->CheckPullAgainstStub(step, b.pulled.data(), check); }));
   }
   return result;
 }
@@ -834,24 +1034,26 @@ void PrintTable(const Flags& flags, const std::vector<ShardCountResult>& results
   }
   if (flags.rows_only) return;
   std::printf(
-      "\nGB/s: bytes on the wire (fp32 4, bf16 2 per parameter, %.0f MB fp32 each way; 1 GB = 1e9 "
-      "B) / median seconds; socket: the fp32 bytes over k plain TCP connections, one way (with "
-      "--anchor-copies, rows marked n/a: each receiver recv()s into a 4 MiB buffer and copies out, "
-      "as a receiver that cannot receive in place must; a diagnostic, not the goal's anchor). TCP: "
-      "the "
-      "congestion control of every connection in the row, the socket's and gRPC's alike. push: "
-      "PushGradients of every range; "
-      "pull: UpdateAndPull without update (the transfer alone); push+pull: their sum, against the "
-      "socket sending the bytes and receiving them back. cores busy: CPU seconds (this process and "
-      "the shards, from /proc) / wall seconds over the rounds (%u cores here). AdamW ms: time to "
-      "the last shard's first "
-      "pulled chunk with update minus without (k processes, 1 AdamW thread each). step ms: push + "
-      "UpdateAndPull with update.\n",
+      "\nGB/s: bytes on the wire (fp32 4, bf16 2 per parameter, %.0f MB fp32 each way; 1 GB = "
+      "1e9 B) / median seconds. socket: the fp32 bytes over k plain TCP connections, one way, "
+      "sender and receiver on their own threads, the connections opened once and warm (with "
+      "--anchor-copies, rows marked n/a: each receiver recv()s into a 4 MiB buffer and copies "
+      "out; a diagnostic, not the goal's anchor). TCP: the congestion control of every "
+      "connection in the row, the socket's and trainyard's alike. push: every range's gradients "
+      "pushed (PushGradients, or a data-plane push); pull: every range's parameters pulled "
+      "without an update (the transfer alone); push+pull: their sum, against the socket sending "
+      "the bytes and receiving them back. cores busy: CPU seconds (this process and the shards, "
+      "from /proc) / wall seconds over the rounds (%u cores here). AdamW ms: time to the last "
+      "shard's first pulled byte with update minus without (k processes, 1 AdamW thread each). "
+      "step ms: push + update-and-pull.\n",
       fp32_bytes / 1e6, std::thread::hardware_concurrency());
 }
 
 int Main(int argc, char** argv) {
   const Flags flags = ParseFlags(argc, argv);
+  if (flags.anchor_peer > 0) {
+    return AnchorPeerMain(flags.anchor_peer, flags.anchor_bytes, flags.anchor_copies);
+  }
   if (absl::Status s = ps::CheckTcpCongestion(flags.tcp_congestion, "--tcp-congestion"); !s.ok()) {
     std::fprintf(stderr, "ps_transfer_bench: %s\n", std::string(s.message()).c_str());
     return 2;
