@@ -7,8 +7,12 @@
 #include <gtest/gtest.h>
 #include <sys/socket.h>
 
+#include <poll.h>
+
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <random>
 #include <thread>
 
@@ -85,6 +89,15 @@ TEST(DataPlaneWireTest, RequestsRoundTrip) {
                                 &job_id_bytes);
   ASSERT_TRUE(out.ok()) << out.status();
   EXPECT_EQ(out->format, v1::WIRE_FP32);
+}
+
+TEST(DataPlaneWireTest, AWildcardDataPlaneHostIsDialledAtTheGrpcHost) {
+  EXPECT_EQ(*ps::DataPlaneDialAddress("10.0.0.5:7081", "ps-1.example:7080"), "10.0.0.5:7081");
+  EXPECT_EQ(*ps::DataPlaneDialAddress("0.0.0.0:7081", "ps-1.example:7080"), "ps-1.example:7081");
+  EXPECT_EQ(*ps::DataPlaneDialAddress("[::]:7081", "[fd00::5]:7080"), "[fd00::5]:7081");
+  auto bad = ps::DataPlaneDialAddress("no-port", "ps-1.example:7080");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("GetDataPlane.address"));
 }
 
 // Each case overwrites the bytes of one field of a good header.
@@ -190,6 +203,16 @@ bool ClosedByServer(int fd) {
   return s.code() == absl::StatusCode::kUnavailable && received == 0;
 }
 
+// Elements of a range whose pull cannot sit whole in a connection's buffers while its reader
+// stalls: twice what the server's send buffer may grow to (tcp_wmem's maximum), 8 Mi at least.
+// The stalled reader keeps its receive buffer small (SO_RCVBUF).
+int64_t StallingRangeElements() {
+  std::ifstream f("/proc/sys/net/ipv4/tcp_wmem");
+  int64_t min_bytes = 0, default_bytes = 0, max_bytes = 0;
+  f >> min_bytes >> default_bytes >> max_bytes;
+  return std::max<int64_t>(int64_t{8} << 20, 2 * max_bytes / 4);
+}
+
 // A PsServer with its data plane holding [0, kN) of job-1, attempt 1.
 class DataPlaneServerTest : public ::testing::Test {
  protected:
@@ -273,6 +296,31 @@ class DataPlaneServerTest : public ::testing::Test {
     return params;
   }
 
+  // Restarts the server with a job of `n` elements, applies step 1 and pushes step 2's
+  // gradients; then starts a pull of step 1 on a raw connection whose reader stalls after the
+  // answer's header (its receive buffer small). `*step1`: the parameters after step 1.
+  ps::UniqueFd StallAPullOfStep1(int64_t n, std::vector<float>* step1) {
+    server_->Shutdown();
+    server_.reset();
+    StartServer("127.0.0.1:0", n);
+    const std::vector<float> grads(n, 0.25f);
+    *step1 = Step(1, grads);
+    EXPECT_NE(*step1, init_);
+    v1::PushGradientsResponse pushed;
+    EXPECT_TRUE(client_->Push(PushHeader(2), grads.data(), 0, n, 0, kTimeout, &pushed).ok());
+    ps::UniqueFd fd = Connect();
+    const int small = 64 << 10;
+    EXPECT_EQ(setsockopt(fd.get(), SOL_SOCKET, SO_RCVBUF, &small, sizeof(small)), 0);
+    EXPECT_TRUE(ps::SendAll(fd.get(),
+                            ps::EncodeRequest(Request(DataPlaneOp::kUpdateAndPull, 1, 0, n)),
+                            ps::IoLimit::Until(absl::Now() + kTimeout))
+                    .ok());
+    const DataPlaneResponse head = ReadResponse(fd.get());
+    EXPECT_TRUE(head.status.ok()) << head.status;
+    EXPECT_EQ(head.count_a, n * 4);
+    return fd;
+  }
+
   std::unique_ptr<ps::PsServer> server_;
   std::unique_ptr<v1::ParameterServerService::Stub> stub_;
   std::unique_ptr<ps::DataPlaneClient> client_;
@@ -338,16 +386,49 @@ TEST_F(DataPlaneServerTest, MalformedHeadersAreAnsweredThenTheConnectionCloses) 
     EXPECT_TRUE(ClosedByServer(fd.get())) << error;
   }
   // A refused push whose payload is still on its way (8 MB, more than the socket buffers hold):
-  // the client reads the answer, not a reset connection.
-  v1::GradientChunk h = PushHeader(1, static_cast<v1::WireFormat>(5));
-  std::vector<float> big(int64_t{2} << 20, 1.0f);
-  v1::PushGradientsResponse response;
-  const absl::Status s = client_->Push(h, big.data(), 0, big.size(), 0, kTimeout, &response);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_THAT(s.message(), HasSubstr("request.format: unknown wire format 5"));
+  // the sender gets through all of it and reads the answer, not a reset connection.
+  {
+    DataPlaneRequest r = Request(DataPlaneOp::kPush, 1, 0, int64_t{2} << 20);
+    std::string bytes = ps::EncodeRequest(r);
+    bytes[6] = 5;  // format
+    bytes += std::string((int64_t{2} << 20) * 4, '\1');
+    ps::UniqueFd fd = Connect();
+    ASSERT_TRUE(ps::SendAll(fd.get(), bytes, ps::IoLimit::Until(absl::Now() + kTimeout)).ok());
+    const DataPlaneResponse answer = ReadResponse(fd.get());
+    EXPECT_EQ(answer.status.code(), absl::StatusCode::kInvalidArgument) << answer.status;
+    EXPECT_THAT(answer.status.message(), HasSubstr("request.format: unknown wire format 5"));
+    EXPECT_TRUE(ClosedByServer(fd.get()));
+  }
   // Still serving.
   const std::vector<float> after = Step(1, std::vector<float>(kN, 0.5f));
   EXPECT_NE(after, init_);
+}
+
+// What the server would refuse, the client refuses before sending a byte: a format that would
+// not survive the one-byte encoding (258 would read as bf16 and desynchronise the connection), a
+// range whose size would come out negative; the connection it keeps still serves.
+TEST_F(DataPlaneServerTest, TheClientRefusesWhatTheServerWouldNamingTheField) {
+  std::vector<float> params(kN);
+  ASSERT_TRUE(client_->UpdateAndPull(PullRequest(0, false, 0, kN), params.data(), kTimeout).ok());
+  v1::PushGradientsResponse pushed;
+  absl::Status s = client_->Push(PushHeader(1, static_cast<v1::WireFormat>(258)), params.data(), 0,
+                                 kN, 0, kTimeout, &pushed);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("request.format: unknown wire format 258"));
+  s = client_->Push(PushHeader(1), params.data(), 10, 5, 0, kTimeout, &pushed);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("request.begin/end: [10, 5)"));
+  v1::UpdateAndPullRequest pull = PullRequest(0, false, 0, kN);
+  pull.set_chunk_elements(int64_t{1} << 30);
+  s = client_->UpdateAndPull(pull, params.data(), kTimeout);
+  EXPECT_THAT(s.message(), HasSubstr("request.chunk_elements"));
+  pull = PullRequest(0, false, 0, kN);
+  pull.set_job_id("");
+  s = client_->UpdateAndPull(pull, params.data(), kTimeout);
+  EXPECT_THAT(s.message(), HasSubstr("request.job_id: empty"));
+  // Nothing reached the shard; the kept connection answers the next call.
+  ASSERT_TRUE(client_->UpdateAndPull(PullRequest(0, false, 0, kN), params.data(), kTimeout).ok());
+  EXPECT_EQ(params, init_);
 }
 
 // Errors of the step protocol (unknown job, stale attempt, elements outside the range) are
@@ -451,109 +532,177 @@ TEST_F(DataPlaneServerTest, APushCutOffMidwayStagesOnlyItsWholeChunks) {
 }
 
 // A pull lends its whole range until its last byte is sent: while its reader stalls, an update
-// of the range waits (here past the caller's time limit, which the server honours), and every
+// of the range waits (here until the caller's time limit, which the server honours), and every
 // element the pull delivers is the step it asked for.
 TEST_F(DataPlaneServerTest, AStalledPullDeliversItsStepWhileAnUpdateOfItsRangeWaits) {
-  constexpr int64_t kBig = int64_t{8} << 20;  // 32 MB of fp32: far more than socket buffers
-  server_->Shutdown();
-  server_.reset();
-  StartServer("127.0.0.1:0", kBig);
-  const std::vector<float> grads(kBig, 0.25f);
-  const std::vector<float> step1 = Step(1, grads);
-  ASSERT_NE(step1, init_);
-  v1::PushGradientsResponse pushed;
-  ASSERT_TRUE(client_->Push(PushHeader(2), grads.data(), 0, kBig, 0, kTimeout, &pushed).ok());
-
-  ps::UniqueFd stalled = Connect();
+  const int64_t n = StallingRangeElements();
+  std::vector<float> step1;
+  ps::UniqueFd stalled = StallAPullOfStep1(n, &step1);
   const ps::IoLimit limit = ps::IoLimit::Until(absl::Now() + kTimeout);
-  ASSERT_TRUE(ps::SendAll(stalled.get(),
-                          ps::EncodeRequest(Request(DataPlaneOp::kUpdateAndPull, 1, 0, kBig)),
-                          limit)
-                  .ok());
-  const DataPlaneResponse head = ReadResponse(stalled.get());
-  ASSERT_TRUE(head.status.ok()) << head.status;
-  ASSERT_EQ(head.count_a, kBig * 4);
-  std::vector<float> pulled(kBig, std::nanf(""));
+  std::vector<float> pulled(n, std::nanf(""));
   char* out = reinterpret_cast<char*>(pulled.data());
   ASSERT_TRUE(ps::RecvAll(stalled.get(), out, 1 << 20, limit).ok());
 
-  std::vector<float> step2(kBig);
-  absl::Status update =
-      client_->UpdateAndPull(PullRequest(2, true, 0, kBig), step2.data(), absl::Milliseconds(300));
-  EXPECT_EQ(update.code(), absl::StatusCode::kDeadlineExceeded) << update;
+  // Update 2 of the range with a 300 ms limit, its answer awaited far longer: the server gives
+  // up at the caller's limit, saying why.
+  {
+    ps::UniqueFd fd = Connect();
+    DataPlaneRequest update = Request(DataPlaneOp::kUpdateAndPull, 2, 0, n);
+    update.update = true;
+    update.lr = 1e-2f;
+    update.timeout_ms = 300;
+    ASSERT_TRUE(ps::SendAll(fd.get(), ps::EncodeRequest(update), limit).ok());
+    const DataPlaneResponse r = ReadResponse(fd.get());
+    EXPECT_EQ(r.status.code(), absl::StatusCode::kDeadlineExceeded) << r.status;
+    EXPECT_THAT(r.status.message(), HasSubstr("waited for pulls of step 1 still sending"));
+  }
 
-  ASSERT_TRUE(ps::RecvAll(stalled.get(), out + (1 << 20), kBig * 4 - (1 << 20), limit).ok());
+  ASSERT_TRUE(ps::RecvAll(stalled.get(), out + (1 << 20), n * 4 - (1 << 20), limit).ok());
   EXPECT_EQ(pulled, step1);
-  // With the range back, update 2 goes through (once: a retry is a no-op).
-  ASSERT_TRUE(client_->UpdateAndPull(PullRequest(2, true, 0, kBig), step2.data(), kTimeout).ok());
+  // With the range back, update 2 goes through.
+  std::vector<float> step2(n);
+  ASSERT_TRUE(client_->UpdateAndPull(PullRequest(2, true, 0, n), step2.data(), kTimeout).ok());
   EXPECT_NE(step2, step1);
 }
 
-// The call's deadline fails it on the client; the connection, whose answer may still come, is not
-// kept, so the next call gets its own answer.
-TEST_F(DataPlaneServerTest, AClientDeadlineFailsTheCallAndTheNextCallIsServed) {
-  std::vector<float> params(kN);
-  v1::UpdateAndPullRequest waiting = PullRequest(1, false, 0, kN);
-  waiting.set_wait_ms(2000);
-  absl::Status s = client_->UpdateAndPull(waiting, params.data(), absl::Milliseconds(100));
+// A peer that answers as scripted, on a listening socket of its own: the client's connection
+// handling, seen from the other end.
+class ScriptedPeer {
+ public:
+  struct Answer {
+    DataPlaneResponse response;
+    std::string data;                             // after the response (count_a bytes, for a pull)
+    absl::Duration delay = absl::ZeroDuration();  // before it
+  };
+  // An answer with `status` and, for a pull, `data`, sent after `delay`.
+  static Answer Answering(absl::Status status, std::string data = "",
+                          absl::Duration delay = absl::ZeroDuration()) {
+    Answer a;
+    a.response.status = std::move(status);
+    a.response.count_a = static_cast<int64_t>(data.size());
+    a.data = std::move(data);
+    a.delay = delay;
+    return a;
+  }
+  // `answers[i]` answers the single call of the i-th connection, which is then closed; a
+  // connection beyond the script is closed unanswered.
+  explicit ScriptedPeer(std::vector<Answer> answers) : answers_(std::move(answers)) {
+    int port = 0;
+    auto listener = ps::TcpListen("127.0.0.1:0", "", "peer", &port);
+    EXPECT_TRUE(listener.ok()) << listener.status();
+    listener_ = *std::move(listener);
+    address_ = absl::StrCat("127.0.0.1:", port);
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~ScriptedPeer() {
+    stop_ = true;
+    thread_.join();
+  }
+  const std::string& address() const { return address_; }
+  int connections() const { return connections_; }
+
+ private:
+  void Run() {
+    while (!stop_) {
+      pollfd p{listener_.get(), POLLIN, 0};
+      if (poll(&p, 1, 20) <= 0) continue;
+      ps::UniqueFd fd(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      if (!fd.valid()) continue;
+      const int i = connections_++;
+      if (i >= static_cast<int>(answers_.size())) continue;
+      const ps::IoLimit limit = ps::IoLimit::Until(absl::Now() + kTimeout);
+      char header[ps::kRequestHeaderBytes];
+      uint32_t job_id_bytes = 0;
+      if (!ps::RecvAll(fd.get(), header, sizeof(header), limit).ok()) continue;
+      auto request =
+          ps::DecodeRequestHeader(absl::string_view(header, sizeof(header)), &job_id_bytes);
+      if (!request.ok() || !ps::Discard(fd.get(), job_id_bytes, limit).ok()) continue;
+      absl::SleepFor(answers_[i].delay);
+      ps::SendAll(fd.get(), ps::EncodeResponse(answers_[i].response) + answers_[i].data, limit)
+          .IgnoreError();
+      // Closed only once the client has the answer and sent its next call (or left): then the
+      // client meets a connection the peer closed, as after a server restart.
+      char next;
+      ps::RecvAll(fd.get(), &next, 1, limit).IgnoreError();
+    }
+  }
+
+  const std::vector<Answer> answers_;
+  ps::UniqueFd listener_;
+  std::string address_;
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> connections_{0};
+};
+
+// The call's deadline fails it on the client, and the connection, whose answer may still come,
+// is not kept: the next call goes to a new connection and gets its own answer.
+TEST(DataPlaneClientTest, AClientDeadlineFailsTheCallAndItsConnectionIsNotKept) {
+  const float late = 1.0f, fresh = 2.0f;
+  ScriptedPeer peer({ScriptedPeer::Answering(absl::OkStatus(),
+                                             std::string(reinterpret_cast<const char*>(&late), 4),
+                                             absl::Milliseconds(500)),
+                     ScriptedPeer::Answering(
+                         absl::OkStatus(), std::string(reinterpret_cast<const char*>(&fresh), 4))});
+  ps::DataPlaneClient client(peer.address(), "");
+  v1::UpdateAndPullRequest pull;
+  pull.set_job_id("job-1");
+  pull.set_end(1);
+  float value = 0;
+  absl::Status s = client.UpdateAndPull(pull, &value, absl::Milliseconds(100));
   EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
   EXPECT_THAT(s.message(),
-              HasSubstr(absl::StrCat("data plane ", server_->data_plane_address(), ": recv")));
-  ASSERT_TRUE(client_->UpdateAndPull(PullRequest(0, false, 0, kN), params.data(), kTimeout).ok());
-  EXPECT_EQ(params, init_);
+              HasSubstr(absl::StrCat("data plane ", peer.address(),
+                                     ": recv (0 of 32 bytes received): deadline exceeded")));
+  ASSERT_TRUE(client.UpdateAndPull(pull, &value, kTimeout).ok());
+  EXPECT_EQ(value, fresh);
+  EXPECT_EQ(peer.connections(), 2);
 }
 
-// A kept connection the server closed meanwhile (here: a restarted server on the same port) is
-// replaced once: the call reaches the new server, which answers it (it has no such job).
-TEST_F(DataPlaneServerTest, AKeptConnectionTheServerClosedIsReplacedOnce) {
-  std::vector<float> params(kN);
-  ASSERT_TRUE(client_->UpdateAndPull(PullRequest(0, false, 0, kN), params.data(), kTimeout).ok());
-  const std::string address = server_->data_plane_address();
-  auto client = std::move(client_);  // holds the kept connection
-  server_->Shutdown();
-  server_.reset();
-  ps::PsOptions o;
-  o.listen_address = "127.0.0.1:0";
-  o.data_listen_address = address;
-  o.capacity_bytes = 1 << 20;
-  auto s = ps::PsServer::Start(o);
-  ASSERT_TRUE(s.ok()) << s.status();
-  server_ = std::move(*s);
-  const absl::Status status =
-      client->UpdateAndPull(PullRequest(0, false, 0, kN), params.data(), kTimeout);
-  EXPECT_EQ(status.code(), absl::StatusCode::kNotFound) << status;
-  EXPECT_THAT(status.message(), HasSubstr("job_id: no shard of job 'job-1'"));
+// A kept connection that the server closed meanwhile is replaced once: the call is tried again on
+// a new connection, which answers it. A call that got an answer, even UNAVAILABLE, is not tried
+// again.
+TEST(DataPlaneClientTest, AKeptConnectionTheServerClosedIsReplacedOnce) {
+  ScriptedPeer peer(
+      {ScriptedPeer::Answering(absl::OkStatus(), std::string(4, '\0')),
+       ScriptedPeer::Answering(absl::NotFoundError("job_id: no shard of job 'job-1' here")),
+       ScriptedPeer::Answering(absl::UnavailableError("this parameter server is shutting down"))});
+  ps::DataPlaneClient client(peer.address(), "");
+  v1::UpdateAndPullRequest pull;
+  pull.set_job_id("job-1");
+  pull.set_end(1);
+  float value = 0;
+  ASSERT_TRUE(client.UpdateAndPull(pull, &value, kTimeout).ok());
+  EXPECT_EQ(peer.connections(), 1);
+  // The kept connection is closed under it: the call goes to a second connection.
+  absl::Status s = client.UpdateAndPull(pull, &value, kTimeout);
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
+  EXPECT_EQ(peer.connections(), 2);
+  // The second connection was kept (NOT_FOUND does not close it) and is closed too; the third
+  // answers UNAVAILABLE, which the client returns as it is, without a fourth try.
+  s = client.UpdateAndPull(pull, &value, kTimeout);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_THAT(s.message(), HasSubstr("shutting down"));
+  EXPECT_EQ(peer.connections(), 3);
 }
 
 // Shutdown ends a call waiting for lent elements at once (UNAVAILABLE: shutting down) and closes
 // a connection whose reader stalls after the grace period; nothing outlives Shutdown.
 TEST_F(DataPlaneServerTest, ShutdownEndsWaitingCallsAndClosesStalledConnections) {
-  constexpr int64_t kBig = int64_t{8} << 20;
-  server_->Shutdown();
-  server_.reset();
-  StartServer("127.0.0.1:0", kBig);
-  const std::vector<float> grads(kBig, 0.5f);
-  Step(1, grads);
-  v1::PushGradientsResponse pushed;
-  ASSERT_TRUE(client_->Push(PushHeader(2), grads.data(), 0, kBig, 0, kTimeout, &pushed).ok());
-  ps::UniqueFd stalled = Connect();
-  const ps::IoLimit limit = ps::IoLimit::Until(absl::Now() + kTimeout);
-  ASSERT_TRUE(ps::SendAll(stalled.get(),
-                          ps::EncodeRequest(Request(DataPlaneOp::kUpdateAndPull, 1, 0, kBig)),
-                          limit)
-                  .ok());
-  ASSERT_TRUE(ReadResponse(stalled.get()).status.ok());
+  const int64_t n = StallingRangeElements();
+  std::vector<float> step1;
+  ps::UniqueFd stalled = StallAPullOfStep1(n, &step1);
 
   absl::Status update;
   std::thread updater([&] {
-    std::vector<float> out(kBig);
-    update = client_->UpdateAndPull(PullRequest(2, true, 0, kBig), out.data(), kTimeout);
+    std::vector<float> out(n);
+    update = client_->UpdateAndPull(PullRequest(2, true, 0, n), out.data(), kTimeout);
   });
   // The update waits once new pulls of its range are refused for it.
   ps::DataPlaneClient probe(server_->data_plane_address(), "");
   std::vector<float> one(1);
   absl::Status seen;
-  for (int i = 0; i < 10000; ++i) {
+  for (const absl::Time deadline = absl::Now() + kTimeout; absl::Now() < deadline;) {
     seen = probe.UpdateAndPull(PullRequest(1, false, 0, 1), one.data(), kTimeout);
     if (absl::IsFailedPrecondition(seen)) break;
   }
@@ -563,9 +712,11 @@ TEST_F(DataPlaneServerTest, ShutdownEndsWaitingCallsAndClosesStalledConnections)
   EXPECT_EQ(update.code(), absl::StatusCode::kUnavailable) << update;
   EXPECT_THAT(update.message(), HasSubstr("shutting down"));
   // The stalled pull's connection is gone before all its bytes came.
-  std::vector<char> rest(kBig * 4);
+  std::vector<char> rest(n * 4);
   size_t received = 0;
-  EXPECT_EQ(ps::RecvAll(stalled.get(), rest.data(), rest.size(), limit, &received).code(),
+  EXPECT_EQ(ps::RecvAll(stalled.get(), rest.data(), rest.size(),
+                        ps::IoLimit::Until(absl::Now() + kTimeout), &received)
+                .code(),
             absl::StatusCode::kUnavailable);
   EXPECT_LT(received, rest.size());
 }
@@ -601,7 +752,7 @@ TEST(DataPlaneConnectionsTest, MoreConnectionsThanTheLimitAreRefused) {
   EXPECT_THAT(r.status.message(), HasSubstr("at most 1 data-plane connections"));
   EXPECT_TRUE(r.closing);
   EXPECT_TRUE(ClosedByServer(second->get()));
-  (*server)->Shutdown(absl::ZeroDuration());
+  (*server)->Shutdown(absl::Now());
 }
 
 }  // namespace

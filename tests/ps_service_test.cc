@@ -16,6 +16,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 #include "common/grpc_status.h"
@@ -563,6 +564,51 @@ TEST(ShardManagerTest, LentParametersHoldBackUpdatesOfTheirElementsAndOutliveADr
   EXPECT_EQ(shards.reserved_bytes(), 0);
 }
 
+// Until an update of a range holding [a, b) waits for lent elements: new pulls of [a, b) at step 0
+// are refused then ("being updated"). False if that did not happen within 30 s.
+bool WaitUntilUpdatePending(ps::ShardManager& shards, const std::string& job, int64_t a,
+                            int64_t b) {
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(30); absl::Now() < deadline;) {
+    auto r = shards.LendParams(job, 1, 0, a, b, v1::WIRE_FP32, absl::ZeroDuration());
+    if (!r.ok()) return absl::StrContains(r.status().message(), "is being updated");
+    std::this_thread::yield();
+  }
+  return false;
+}
+
+// A shard dropped (the job cancelled) or replaced (a new attempt's init) ends the calls waiting
+// on it at once, FAILED_PRECONDITION naming what happened, instead of leaving them to their
+// deadline.
+TEST(ShardManagerTest, DroppingOrReplacingAShardEndsTheCallsWaitingOnIt) {
+  constexpr int64_t kN = 1000;
+  adam::ThreadPool pool(1);
+  ps::ShardManager shards(1 << 20, pool);
+  for (const bool replace : {false, true}) {
+    ASSERT_TRUE(shards.BeginInit(ShardHeader("job-1", 1, 0, kN, kN)).ok());
+    ASSERT_TRUE(shards.InitChunk("job-1", 1, 0, Filled(kN, 1.0f), "", "").ok());
+    ASSERT_TRUE(shards.FinishInit("job-1", 1).ok());
+    ASSERT_TRUE(
+        shards.Push("job-1", 1, 1, 0, v1::WIRE_FP32, ps::ReceivedBytes::Own(Filled(kN, 0.5f)))
+            .ok());
+    auto lent = shards.LendParams("job-1", 1, 0, 0, 10, v1::WIRE_FP32, absl::ZeroDuration());
+    ASSERT_TRUE(lent.ok()) << lent.status();
+    absl::Status update;
+    std::thread updater([&] { update = shards.Update("job-1", 1, 1, 0, kN, 1e-2f, 1.0f); });
+    ASSERT_TRUE(WaitUntilUpdatePending(shards, "job-1", 500, 510));
+    if (replace) {
+      ASSERT_TRUE(shards.BeginInit(ShardHeader("job-1", 2, 0, kN, kN)).ok());
+    } else {
+      ASSERT_TRUE(shards.Drop("job-1"));
+    }
+    updater.join();
+    EXPECT_EQ(update.code(), absl::StatusCode::kFailedPrecondition) << update;
+    EXPECT_THAT(update.message(), HasSubstr("job-1 attempt 1 was dropped or replaced"));
+    lent->reset();
+    shards.Drop("job-1");
+  }
+  EXPECT_EQ(shards.reserved_bytes(), 0);
+}
+
 // Close (a stopping server) ends the waits of calls at once with UNAVAILABLE: an update waiting
 // for lent elements, a pull waiting for its step, now and later; calls that need no wait go on.
 TEST(ShardManagerTest, CloseEndsEveryWaitOfACall) {
@@ -578,11 +624,7 @@ TEST(ShardManagerTest, CloseEndsEveryWaitOfACall) {
   ASSERT_TRUE(lent.ok()) << lent.status();
   absl::Status update;
   std::thread updater([&] { update = shards.Update("job-1", 1, 1, 0, kN, 1e-2f, 1.0f); });
-  for (;;) {  // until the update waits for the lent elements
-    auto r = shards.LendParams("job-1", 1, 0, 500, 510, v1::WIRE_FP32, absl::ZeroDuration());
-    if (!r.ok()) break;
-    std::this_thread::yield();
-  }
+  ASSERT_TRUE(WaitUntilUpdatePending(shards, "job-1", 500, 510));
   shards.Close();
   updater.join();
   EXPECT_EQ(update.code(), absl::StatusCode::kUnavailable) << update;

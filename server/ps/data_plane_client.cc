@@ -10,6 +10,18 @@
 
 namespace trainyard::ps {
 
+absl::StatusOr<std::string> DataPlaneDialAddress(const std::string& data_plane_address,
+                                                 const std::string& grpc_address) {
+  std::string host, grpc_host;
+  int port = 0, grpc_port = 0;
+  RETURN_IF_ERROR(SplitHostPort(data_plane_address, "GetDataPlane.address", &host, &port));
+  const bool wildcard = host == "0.0.0.0" || host == "::";
+  if (wildcard && SplitHostPort(grpc_address, "address", &grpc_host, &grpc_port).ok()) {
+    return JoinHostPort(grpc_host, port);
+  }
+  return data_plane_address;
+}
+
 DataPlaneClient::DataPlaneClient(std::string address, std::string tcp_congestion)
     : address_(std::move(address)), tcp_congestion_(std::move(tcp_congestion)) {}
 
@@ -63,6 +75,9 @@ absl::Status DataPlaneClient::Call(const DataPlaneRequest& request, const void* 
   if (timeout != absl::InfiniteDuration()) {
     r.timeout_ms = std::max<int64_t>(1, absl::ToInt64Milliseconds(timeout));
   }
+  // What the server would refuse is refused here, before a byte goes (and before a size computed
+  // from a bad range or format could be sent).
+  RETURN_IF_ERROR(ValidateRequest(r, r.job_id.size()));
   for (int attempt = 0;; ++attempt) {
     UniqueFd fd;
     {
@@ -102,7 +117,7 @@ absl::Status DataPlaneClient::Push(const v1::GradientChunk& header, const void* 
                                    v1::PushGradientsResponse* response) {
   DataPlaneRequest r;
   r.op = DataPlaneOp::kPush;
-  r.format = header.format();  // as given: the server refuses one it does not know
+  r.format = header.format();  // as given: ValidateRequest refuses one it does not know
   r.job_id = header.job_id();
   r.attempt = header.attempt();
   r.step = header.step();

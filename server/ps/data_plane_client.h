@@ -4,9 +4,11 @@
 // caller's array, nothing copied in between.
 //
 // Keeps a pool of connections: a call takes an idle one or opens one, and gives it back when it
-// ended cleanly, so concurrent calls each have their own. A call that fails on a connection the
-// pool kept from earlier, before any byte of an answer came, is tried once more on a new one (the
-// server may have closed the old one; pushes and updates are idempotent).
+// ended cleanly, so concurrent calls each have their own. A call that fails with UNAVAILABLE (the
+// connection closed or reset) on a connection the pool kept from earlier, before any byte of an
+// answer came, is tried once more on a new one (the server may have closed the old one; pushes
+// and updates are idempotent). A request the server would refuse (ValidateRequest) is refused
+// here with the same INVALID_ARGUMENT, nothing sent.
 //
 // Thread-safe.
 #ifndef TRAINYARD_SERVER_PS_DATA_PLANE_CLIENT_H_
@@ -19,6 +21,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/ps/data_plane_wire.h"
@@ -26,6 +29,13 @@
 #include "trainyard/v1/ps.pb.h"
 
 namespace trainyard::ps {
+
+// The address to dial for a data plane that GetDataPlane named `data_plane_address`, of a server
+// reached over gRPC at `grpc_address`: the same, unless its host is a wildcard (a server
+// listening on every interface without --advertise), then the gRPC address's host with the data
+// plane's port. INVALID_ARGUMENT naming GetDataPlane.address when it is not HOST:PORT.
+absl::StatusOr<std::string> DataPlaneDialAddress(const std::string& data_plane_address,
+                                                 const std::string& grpc_address);
 
 class DataPlaneClient {
  public:
@@ -43,8 +53,8 @@ class DataPlaneClient {
                     v1::PushGradientsResponse* response);
 
   // As UpdateAndPullZeroCopy (ps_client.h): runs `request` and receives the parameters of
-  // [request.begin(), request.end()) into `out`; `on_first_byte`, if set, runs when the answer
-  // starts to arrive (after the update). INTERNAL for an answer of the wrong size.
+  // [request.begin(), request.end()) into `out`; `on_first_byte`, if set, runs when the answer's
+  // header arrived (after the update). INTERNAL for an answer of the wrong size.
   absl::Status UpdateAndPull(const v1::UpdateAndPullRequest& request, void* out,
                              absl::Duration timeout,
                              const std::function<void()>& on_first_byte = nullptr);

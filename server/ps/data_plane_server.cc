@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <system_error>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -22,6 +23,8 @@ namespace {
 // A lingering close reads at most this much, for at most this long.
 constexpr size_t kLingerBytes = size_t{256} << 20;
 constexpr absl::Duration kLingerTime = absl::Seconds(2);
+// Shorter for a connection refused over the limit: the accept thread lingers.
+constexpr absl::Duration kRefusalLingerTime = absl::Milliseconds(200);
 
 }  // namespace
 
@@ -42,9 +45,9 @@ absl::StatusOr<std::unique_ptr<DataPlaneServer>> DataPlaneServer::Start(DataPlan
   return s;
 }
 
-DataPlaneServer::~DataPlaneServer() { Shutdown(absl::ZeroDuration()); }
+DataPlaneServer::~DataPlaneServer() { Shutdown(absl::Now()); }
 
-void DataPlaneServer::Shutdown(absl::Duration grace) {
+void DataPlaneServer::StopAccepting() {
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
@@ -55,7 +58,12 @@ void DataPlaneServer::Shutdown(absl::Duration grace) {
       spdlog::warn("data plane: cannot wake the accept loop: {}", std::strerror(errno));
     }
     accept_thread_.join();
+    listener_.reset();  // new connections are refused, not left waiting in the backlog
   }
+}
+
+void DataPlaneServer::Shutdown(absl::Time deadline) {
+  StopAccepting();
   std::vector<std::thread> threads;
   {
     absl::MutexLock lock(&mu_);
@@ -63,14 +71,14 @@ void DataPlaneServer::Shutdown(absl::Duration grace) {
     for (Connection& c : connections_) {
       if (!c.busy && c.fd.valid()) shutdown(c.fd.get(), SHUT_RDWR);
     }
-    // Calls in progress get the grace period.
-    mu_.AwaitWithTimeout(absl::Condition(
-                             +[](std::list<Connection>* cs) {
-                               return std::none_of(cs->begin(), cs->end(),
-                                                   [](const Connection& c) { return c.busy; });
-                             },
-                             &connections_),
-                         grace);
+    // Calls in progress get until the deadline.
+    mu_.AwaitWithDeadline(absl::Condition(
+                              +[](std::list<Connection>* cs) {
+                                return std::none_of(cs->begin(), cs->end(),
+                                                    [](const Connection& c) { return c.busy; });
+                              },
+                              &connections_),
+                          deadline);
     for (Connection& c : connections_) {
       if (c.fd.valid()) shutdown(c.fd.get(), SHUT_RDWR);
       if (c.thread.joinable()) threads.push_back(std::move(c.thread));
@@ -120,23 +128,35 @@ void DataPlaneServer::AcceptLoop() {
       spdlog::warn("data plane: a new connection: {}", std::string(s.message()));
       continue;
     }
-    absl::MutexLock lock(&mu_);
-    if (stopping_) return;
-    if (static_cast<int>(connections_.size()) >= options_.max_connections) {
-      // Told why, then closed; best effort, the socket's buffer takes a response.
-      SendAll(fd.get(),
-              EncodeResponse({absl::ResourceExhaustedError(absl::StrCat(
-                                  "this parameter server serves at most ", options_.max_connections,
-                                  " data-plane connections")),
-                              /*closing=*/true}),
-              IoLimit::Idle(absl::Seconds(1)))
-          .IgnoreError();
-      continue;
+    bool full = false;
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) return;
+      full = static_cast<int>(connections_.size()) >= options_.max_connections;
+      if (!full) {
+        Connection& c = connections_.emplace_back();
+        c.fd = std::move(fd);
+        try {
+          c.thread = std::thread([this, &c] { Serve(&c); });
+        } catch (const std::system_error& e) {
+          spdlog::warn("data plane: no thread for a new connection: {}", e.what());
+          fd = std::move(c.fd);
+          connections_.pop_back();
+          full = true;
+        }
+      }
     }
-    Connection& c = connections_.emplace_back();
-    c.fd = std::move(fd);
-    c.thread = std::thread([this, &c] { Serve(&c); });
+    if (full) Refuse(std::move(fd));
   }
+}
+
+void DataPlaneServer::Refuse(UniqueFd fd) {
+  // Told why (after what it may have sent already is read for a moment), then closed.
+  RespondAndLinger(fd.get(),
+                   absl::ResourceExhaustedError(
+                       absl::StrCat("this parameter server serves at most ",
+                                    options_.max_connections, " data-plane connections")),
+                   kRefusalLingerTime);
 }
 
 bool DataPlaneServer::SetBusy(Connection* c, bool busy) {
@@ -165,7 +185,7 @@ void DataPlaneServer::Serve(Connection* c) {
         auto request =
             DecodeRequestHeader(absl::string_view(header, kRequestHeaderBytes), &job_id_bytes);
         if (!request.ok()) {
-          RespondAndLinger(fd, request.status());
+          RespondAndLinger(fd, request.status(), kLingerTime);
         } else {
           request->job_id.resize(job_id_bytes);
           keep = RecvAll(fd, request->job_id.data(), job_id_bytes, limit).ok() &&
@@ -189,10 +209,10 @@ bool DataPlaneServer::Respond(int fd, const DataPlaneResponse& response) {
   return SendAll(fd, EncodeResponse(response), IoLimit::Idle(options_.io_timeout)).ok();
 }
 
-void DataPlaneServer::RespondAndLinger(int fd, const absl::Status& status) {
+void DataPlaneServer::RespondAndLinger(int fd, const absl::Status& status, absl::Duration linger) {
   if (!Respond(fd, {status, /*closing=*/true})) return;
   shutdown(fd, SHUT_WR);
-  DiscardUntilClosed(fd, kLingerBytes, {absl::Now() + kLingerTime, absl::Seconds(1)});
+  DiscardUntilClosed(fd, kLingerBytes, {absl::Now() + linger, absl::Seconds(1)});
 }
 
 bool DataPlaneServer::ServePush(int fd, const DataPlaneRequest& r) {
@@ -253,8 +273,10 @@ bool DataPlaneServer::ServeUpdateAndPull(int fd, const DataPlaneRequest& r) {
     }
   }
   // The whole range lent until its last byte is in the socket: one step's values throughout.
+  // Waits for the step no longer than the caller does.
+  const int64_t wait_ms = r.timeout_ms > 0 ? std::min(r.wait_ms, r.timeout_ms) : r.wait_ms;
   auto lent = shards_.LendParams(r.job_id, r.attempt, r.step, r.begin, r.end, r.format,
-                                 absl::Milliseconds(r.wait_ms));
+                                 absl::Milliseconds(wait_ms));
   if (!lent.ok()) return Respond(fd, {lent.status()});
   const std::string header =
       EncodeResponse({absl::OkStatus(), false, static_cast<int64_t>((*lent)->bytes()), 0});

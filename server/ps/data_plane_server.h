@@ -45,13 +45,18 @@ class DataPlaneServer {
   static absl::StatusOr<std::unique_ptr<DataPlaneServer>> Start(DataPlaneOptions options,
                                                                 ShardManager& shards,
                                                                 PsMetrics metrics);
-  ~DataPlaneServer();  // Shutdown(0) if not done
+  ~DataPlaneServer();  // Shutdown(now) if not done
 
   int port() const { return port_; }
 
-  // Stops accepting and closes idle connections at once; calls in progress get until `grace`
-  // to finish, then their connections are closed too. Returns when every thread has ended.
-  void Shutdown(absl::Duration grace);
+  // Stops accepting: the listening socket is closed, so new connections are refused. Idempotent.
+  void StopAccepting();
+  // StopAccepting, then closes idle connections at once; calls in progress get until `deadline`
+  // to finish, then their connections are closed too. Returns when every thread has ended. A
+  // closed connection does not interrupt a call waiting inside the ShardManager (for a step, for
+  // lent elements): the owner ends those first with ShardManager::Close, or they run out their
+  // wait (at most the caller's timeout_ms, kMaxLentWait for updates).
+  void Shutdown(absl::Time deadline);
 
  private:
   struct Connection {
@@ -73,7 +78,9 @@ class DataPlaneServer {
   // Sends `status` with the closing flag, then reads and drops what the peer still sends for a
   // little while (a lingering close), so that a peer still sending its request reads the answer
   // instead of a reset connection.
-  void RespondAndLinger(int fd, const absl::Status& status);
+  void RespondAndLinger(int fd, const absl::Status& status, absl::Duration linger);
+  // Refuses a connection beyond max_connections, on the accept thread.
+  void Refuse(UniqueFd fd);
   // Joins the threads of connections that ended. Called with mu_ not held.
   void ReapDone();
   // Moves a connection into or out of a call; false when the server is stopping.

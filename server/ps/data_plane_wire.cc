@@ -70,6 +70,31 @@ std::string EncodeRequest(const DataPlaneRequest& r) {
   return out;
 }
 
+absl::Status ValidateRequest(const DataPlaneRequest& r, size_t job_id_bytes) {
+  if (r.op != DataPlaneOp::kPush && r.op != DataPlaneOp::kUpdateAndPull) {
+    return Invalid("op", absl::StrCat("unknown operation ", static_cast<int>(r.op)));
+  }
+  if (!v1::WireFormat_IsValid(r.format)) {
+    return Invalid("format", absl::StrCat("unknown wire format ", static_cast<int>(r.format)));
+  }
+  if (job_id_bytes == 0) return Invalid("job_id", "empty");
+  if (job_id_bytes > kMaxJobIdBytes) {
+    return Invalid("job_id", absl::StrCat(job_id_bytes, " bytes, more than ", kMaxJobIdBytes));
+  }
+  if (r.begin < 0 || r.end <= r.begin || r.end - r.begin > kMaxRequestElements) {
+    return Invalid("begin/end",
+                   absl::StrCat("[", r.begin, ", ", r.end, ") is empty, negative or more than ",
+                                kMaxRequestElements, " elements"));
+  }
+  if (r.chunk_elements < 0 || r.chunk_elements > kMaxChunkElements) {
+    return Invalid("chunk_elements",
+                   absl::StrCat(r.chunk_elements, " is not in [0, ", kMaxChunkElements, "]"));
+  }
+  if (r.wait_ms < 0) return Invalid("wait_ms", absl::StrCat(r.wait_ms, " is negative"));
+  if (r.timeout_ms < 0) return Invalid("timeout_ms", absl::StrCat(r.timeout_ms, " is negative"));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<DataPlaneRequest> DecodeRequestHeader(absl::string_view h, uint32_t* job_id_bytes) {
   if (h.size() != kRequestHeaderBytes) {
     return Invalid("header", absl::StrCat(h.size(), " bytes, not ", kRequestHeaderBytes));
@@ -78,52 +103,30 @@ absl::StatusOr<DataPlaneRequest> DecodeRequestHeader(absl::string_view h, uint32
     return Invalid("magic", absl::StrCat("0x", absl::Hex(Get<uint32_t>(h, 0)),
                                          " is not a trainyard-ps data-plane request"));
   }
-  DataPlaneRequest r;
   if (const uint8_t version = Get<uint8_t>(h, kReqVersion); version != kDataPlaneVersion) {
     return Invalid("version", absl::StrCat(version, " is not supported (this server speaks ",
                                            kDataPlaneVersion, ")"));
   }
-  const uint8_t op = Get<uint8_t>(h, kReqOp);
-  if (op != static_cast<uint8_t>(DataPlaneOp::kPush) &&
-      op != static_cast<uint8_t>(DataPlaneOp::kUpdateAndPull)) {
-    return Invalid("op", absl::StrCat("unknown operation ", op));
-  }
-  r.op = static_cast<DataPlaneOp>(op);
-  const uint8_t format = Get<uint8_t>(h, kReqFormat);
-  if (!v1::WireFormat_IsValid(format)) {
-    return Invalid("format", absl::StrCat("unknown wire format ", format));
-  }
-  r.format = NormalizedWireFormat(format);
   const uint8_t flags = Get<uint8_t>(h, kReqFlags);
   if ((flags & ~kUpdateFlag) != 0) {
     return Invalid("flags", absl::StrCat("unknown bits in 0x", absl::Hex(flags)));
   }
+  DataPlaneRequest r;
+  r.op = static_cast<DataPlaneOp>(Get<uint8_t>(h, kReqOp));
+  r.format = static_cast<v1::WireFormat>(Get<uint8_t>(h, kReqFormat));
   r.update = (flags & kUpdateFlag) != 0;
   r.attempt = Get<int32_t>(h, kReqAttempt);
   *job_id_bytes = Get<uint32_t>(h, kReqJobIdBytes);
-  if (*job_id_bytes == 0) return Invalid("job_id", "empty");
-  if (*job_id_bytes > kMaxJobIdBytes) {
-    return Invalid("job_id", absl::StrCat(*job_id_bytes, " bytes, more than ", kMaxJobIdBytes));
-  }
   r.step = Get<int64_t>(h, kReqStep);
   r.begin = Get<int64_t>(h, kReqBegin);
   r.end = Get<int64_t>(h, kReqEnd);
-  if (r.begin < 0 || r.end <= r.begin || r.end - r.begin > kMaxRequestElements) {
-    return Invalid("begin/end",
-                   absl::StrCat("[", r.begin, ", ", r.end, ") is empty, negative or more than ",
-                                kMaxRequestElements, " elements"));
-  }
   r.chunk_elements = Get<int64_t>(h, kReqChunkElements);
-  if (r.chunk_elements < 0 || r.chunk_elements > kMaxChunkElements) {
-    return Invalid("chunk_elements",
-                   absl::StrCat(r.chunk_elements, " is not in [0, ", kMaxChunkElements, "]"));
-  }
   r.lr = Get<float>(h, kReqLr);
   r.grad_scale = Get<float>(h, kReqGradScale);
   r.wait_ms = Get<int64_t>(h, kReqWaitMs);
-  if (r.wait_ms < 0) return Invalid("wait_ms", absl::StrCat(r.wait_ms, " is negative"));
   r.timeout_ms = Get<int64_t>(h, kReqTimeoutMs);
-  if (r.timeout_ms < 0) return Invalid("timeout_ms", absl::StrCat(r.timeout_ms, " is negative"));
+  if (absl::Status s = ValidateRequest(r, *job_id_bytes); !s.ok()) return s;
+  r.format = NormalizedWireFormat(r.format);
   return r;
 }
 

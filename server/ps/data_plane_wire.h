@@ -24,8 +24,10 @@
 // The semantics are those of the gRPC calls (proto/trainyard/v1/ps.proto): a push stages its
 // gradients in chunks of chunk_elements (0: 1 Mi), each of which a retry finds as a duplicate;
 // a pull sends [begin, end) at step `step` whole or not at all. A request whose header does not
-// decode gets INVALID_ARGUMENT naming the field and the connection is closed; every other error
-// leaves it usable.
+// decode gets INVALID_ARGUMENT naming the field and the connection is closed (the answer's
+// closing flag says so); so is a connection beyond the server's limit (RESOURCE_EXHAUSTED) and
+// one whose transfer broke off. Errors of the step protocol (unknown job, stale attempt, wrong
+// step, ...) leave it usable.
 #ifndef TRAINYARD_SERVER_PS_DATA_PLANE_WIRE_H_
 #define TRAINYARD_SERVER_PS_DATA_PLANE_WIRE_H_
 
@@ -74,13 +76,19 @@ struct DataPlaneRequest {
   int64_t payload_bytes() const;
 };
 
-// The header and job_id of `request` (kRequestHeaderBytes + job_id.size() bytes).
+// What the server accepts of a request whose job_id has `job_id_bytes` bytes: INVALID_ARGUMENT
+// naming the field ("request.format: ...") for an unknown op or format, an empty or too long
+// job_id, an empty, negative or too large [begin, end), a chunk_elements outside [0,
+// kMaxChunkElements], a negative wait_ms or timeout_ms. Clients check before they send.
+absl::Status ValidateRequest(const DataPlaneRequest& request, size_t job_id_bytes);
+
+// The header and job_id of `request` (kRequestHeaderBytes + job_id.size() bytes). `request`
+// must pass ValidateRequest (a format or op above 255 would not survive the encoding).
 std::string EncodeRequest(const DataPlaneRequest& request);
 
 // Decodes a request header (exactly kRequestHeaderBytes); the caller then reads `*job_id_bytes`
-// bytes into the result's job_id. INVALID_ARGUMENT naming the field ("request.format: ...") for
-// a wrong magic or version, an unknown op or format, an empty or too long job_id, an empty or
-// too large [begin, end), a chunk_elements, wait_ms or timeout_ms out of bounds.
+// bytes into the result's job_id. INVALID_ARGUMENT naming the field for a wrong size, magic or
+// version, unknown flag bits, and whatever ValidateRequest refuses.
 absl::StatusOr<DataPlaneRequest> DecodeRequestHeader(absl::string_view header,
                                                      uint32_t* job_id_bytes);
 

@@ -153,11 +153,13 @@ void PsServer::Shutdown() {
     if (session_ctx_ != nullptr) session_ctx_->TryCancel();
   }
   if (registration_thread_.joinable()) registration_thread_.join();
-  // Calls waiting (for a step, for lent elements) end now; the others get 5 s.
+  // Calls waiting (for a step, for lent elements) end now; the others get 5 s, on gRPC and on
+  // the data plane alike (which stops accepting first).
   if (shards_) shards_->Close();
   const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  if (data_plane_) data_plane_->StopAccepting();
   if (server_) server_->Shutdown(absl::ToChronoTime(deadline));
-  if (data_plane_) data_plane_->Shutdown(std::max(absl::ZeroDuration(), deadline - absl::Now()));
+  if (data_plane_) data_plane_->Shutdown(deadline);
 }
 
 void PsServer::RefreshGauges() {

@@ -53,6 +53,8 @@ struct ShardManager::Shard {
   };
   std::map<int64_t, Staged> staged ABSL_GUARDED_BY(mu);  // gradient chunks by first element
   bool ready ABSL_GUARDED_BY(mu) = false;
+  // Dropped or replaced by a new attempt: calls waiting on it end (no step will come).
+  bool dropped ABSL_GUARDED_BY(mu) = false;
   int64_t next_init_offset ABSL_GUARDED_BY(mu);
   // Ranges of params / params_bf16 lent out to pulls (first element -> end): no update writes
   // them until they come back. A few at a time (the chunks gRPC has not sent yet).
@@ -208,6 +210,7 @@ absl::Status ShardManager::BeginInit(const v1::InitShardChunk::Header& h) {
     return absl::InvalidArgumentError("header.adamw.weight_decay: negative");
   }
   const int64_t bytes = (h.end() - h.begin()) * kBytesPerParam;
+  std::shared_ptr<Shard> replaced;
   {
     absl::MutexLock lock(&mu_);
     auto old = shards_.find(h.job_id());
@@ -223,9 +226,13 @@ absl::Status ShardManager::BeginInit(const v1::InitShardChunk::Header& h) {
                        " parameters but this parameter server has ",
                        capacity_bytes_ - reserved + freed, " of ", capacity_bytes_, " free"));
     }
-    if (old != shards_.end()) shards_.erase(old);
+    if (old != shards_.end()) {
+      replaced = std::move(old->second);
+      shards_.erase(old);
+    }
     *reserved_bytes_ += bytes;
   }
+  if (replaced) MarkDropped(*replaced);
   // Allocate outside the lock (zero-filling gigabytes takes a while). The last holder of the
   // shard returns its bytes.
   std::shared_ptr<Shard> shard(new Shard(h), [reserved = reserved_bytes_, bytes](Shard* s) {
@@ -374,7 +381,7 @@ absl::Status ShardManager::Update(const std::string& job_id, int attempt, int64_
     for (bool timed_out = false;;) {
       const StepIntervals::Summary at = s.applied.Summarize(begin, end);
       if (at.updating) {  // a concurrent retry of the same update: wait for its outcome
-        RETURN_IF_ERROR(ClosedError());
+        RETURN_IF_ERROR(WaitError(s));
         s.changed.Wait(&s.mu);
         continue;
       }
@@ -393,7 +400,7 @@ absl::Status ShardManager::Update(const std::string& job_id, int attempt, int64_
                                                         ", ", end, ") waited for pulls of step ",
                                                         step - 1, " still sending the range"));
       }
-      RETURN_IF_ERROR(ClosedError());
+      RETURN_IF_ERROR(WaitError(s));
       if (!pending) pending.emplace(s, begin, end);
       timed_out = s.changed.WaitWithDeadline(&s.mu, deadline);
     }
@@ -454,7 +461,7 @@ absl::StatusOr<std::unique_ptr<ShardManager::LentParams>> ShardManager::LendPara
   absl::MutexLock lock(&s.mu);
   StepIntervals::Summary at = s.applied.Summarize(begin, end);
   while (at.updating || at.min_step < step) {
-    RETURN_IF_ERROR(ClosedError());
+    RETURN_IF_ERROR(WaitError(s));
     const bool timed_out = s.changed.WaitWithDeadline(&s.mu, deadline);
     at = s.applied.Summarize(begin, end);
     if (timed_out && (at.updating || at.min_step < step)) {
@@ -523,11 +530,22 @@ absl::StatusOr<std::pair<int64_t, int64_t>> ShardManager::RangeOf(const std::str
 }
 
 bool ShardManager::Drop(const std::string& job_id, int up_to_attempt) {
-  absl::MutexLock lock(&mu_);
-  auto it = shards_.find(job_id);
-  if (it == shards_.end() || it->second->attempt > up_to_attempt) return false;
-  shards_.erase(it);  // its bytes are returned when nothing holds it any more
+  std::shared_ptr<Shard> dropped;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = shards_.find(job_id);
+    if (it == shards_.end() || it->second->attempt > up_to_attempt) return false;
+    dropped = std::move(it->second);
+    shards_.erase(it);  // its bytes are returned when nothing holds it any more
+  }
+  MarkDropped(*dropped);
   return true;
+}
+
+void ShardManager::MarkDropped(Shard& s) {
+  absl::MutexLock lock(&s.mu);
+  s.dropped = true;
+  s.changed.SignalAll();
 }
 
 v1::ListShardsResponse ShardManager::List() const {
@@ -554,9 +572,14 @@ v1::ListShardsResponse ShardManager::List() const {
 
 int64_t ShardManager::reserved_bytes() const { return *reserved_bytes_; }
 
-absl::Status ShardManager::ClosedError() const {
-  if (!closed_) return absl::OkStatus();
-  return absl::UnavailableError("this parameter server is shutting down");
+absl::Status ShardManager::WaitError(const Shard& s) const {
+  if (closed_) return absl::UnavailableError("this parameter server is shutting down");
+  if (s.dropped) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("attempt: the shard of job ", s.job_id, " attempt ", s.attempt,
+                     " was dropped or replaced while this call waited"));
+  }
+  return absl::OkStatus();
 }
 
 void ShardManager::Close() {

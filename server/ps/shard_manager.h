@@ -105,6 +105,8 @@ class ShardManager {
 
   // Frees a job's state if its attempt is at most `up_to_attempt`; false if there was none. Its
   // bytes stay reserved while something still holds it (a pull sending from it: LendParams).
+  // Calls waiting on it (for a step, for lent elements) end with FAILED_PRECONDITION, as they do
+  // when a new attempt's BeginInit replaces it.
   bool Drop(const std::string& job_id, int up_to_attempt = std::numeric_limits<int>::max());
   v1::ListShardsResponse List() const;
 
@@ -121,8 +123,11 @@ class ShardManager {
   // The job's shard if it belongs to `attempt` and is initialized.
   absl::StatusOr<std::shared_ptr<Shard>> Ready(const std::string& job_id, int attempt) const;
   absl::StatusOr<std::shared_ptr<Shard>> Initializing(const std::string& job_id, int attempt) const;
-  // UNAVAILABLE once Close() was called.
-  absl::Status ClosedError() const;
+  // Why a call must stop waiting on `s`: UNAVAILABLE once Close() was called,
+  // FAILED_PRECONDITION once `s` was dropped or replaced. Called with s.mu held.
+  absl::Status WaitError(const Shard& s) const;
+  // Marks a shard taken out of shards_ as dropped and wakes the calls waiting on it.
+  static void MarkDropped(Shard& s);
 
   const int64_t capacity_bytes_;
   adam::ThreadPool& pool_;

@@ -79,7 +79,9 @@ struct OffloadOptimizer::Server {
                                     ", not ", ps::kDataPlaneVersion);
       return absl::OkStatus();
     }
-    data_plane = std::make_unique<ps::DataPlaneClient>(info.address(), config.tcp_congestion);
+    auto address = ps::DataPlaneDialAddress(info.address(), range.address);
+    if (!address.ok()) return Annotate(address.status(), "data plane");
+    data_plane = std::make_unique<ps::DataPlaneClient>(*address, config.tcp_congestion);
     return absl::OkStatus();
   }
 
