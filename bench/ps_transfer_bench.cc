@@ -700,6 +700,16 @@ class ShardClient {
     return request;
   }
 
+  // Every field of a push but its data and offset.
+  static v1::GradientChunk PushHeader(int64_t step, v1::WireFormat format) {
+    v1::GradientChunk header;
+    header.set_job_id(kJobId);
+    header.set_attempt(1);
+    header.set_step(step);
+    header.set_format(format);
+    return header;
+  }
+
   absl::Status CheckCount(const char* what, int64_t elements) const {
     if (elements == end_ - begin_) return absl::OkStatus();
     return absl::InternalError(absl::StrCat(what, ": ", elements, " of ", end_ - begin_,
@@ -731,11 +741,7 @@ class ShardClient {
 
   // As offload.cc: server/ps/ps_client.h.
   absl::Status PushZeroCopy(int64_t step, v1::WireFormat format, const void* grads) {
-    v1::GradientChunk header;
-    header.set_job_id(kJobId);
-    header.set_attempt(1);
-    header.set_step(step);
-    header.set_format(format);
+    const v1::GradientChunk header = PushHeader(step, format);
     v1::PushGradientsResponse response;
     RETURN_IF_ERROR(
         Check(ps::PushGradientsZeroCopy(
@@ -748,11 +754,7 @@ class ShardClient {
 
   // As offload.cc by default: server/ps/data_plane_client.h.
   absl::Status PushDataPlane(int64_t step, v1::WireFormat format, const void* grads) {
-    v1::GradientChunk header;
-    header.set_job_id(kJobId);
-    header.set_attempt(1);
-    header.set_step(step);
-    header.set_format(format);
+    const v1::GradientChunk header = PushHeader(step, format);
     v1::PushGradientsResponse response;
     RETURN_IF_ERROR(Annotate(
         data_plane_->Push(header,

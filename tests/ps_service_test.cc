@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 
 #include "common/grpc_status.h"
+#include "common/status_macros.h"
 #include "server/adam/thread_pool.h"
 #include "server/coordinator/ps_placement.h"
 #include "server/ps/data_plane_client.h"
@@ -487,17 +488,23 @@ INSTANTIATE_TEST_SUITE_P(Transports, PsServiceTest,
 
 std::string Filled(int64_t n, float value) { return Bytes(std::vector<float>(n, value), 0, n); }
 
+// job-1 attempt 1 holding [0, n) of n parameters, all 1.0, with step 1's gradients (all 0.5)
+// pushed.
+absl::Status InitAndPushStep1(ps::ShardManager& shards, int64_t n) {
+  RETURN_IF_ERROR(shards.BeginInit(ShardHeader("job-1", 1, 0, n, n)));
+  RETURN_IF_ERROR(shards.InitChunk("job-1", 1, 0, Filled(n, 1.0f), "", ""));
+  RETURN_IF_ERROR(shards.FinishInit("job-1", 1));
+  return shards.Push("job-1", 1, 1, 0, v1::WIRE_FP32, ps::ReceivedBytes::Own(Filled(n, 0.5f)))
+      .status();
+}
+
 // Pulls send parameters from where the shard holds them (LendParams): an update of lent elements
 // waits until they are returned, so no pull sends a value of the next step.
 TEST(ShardManagerTest, LentParametersHoldBackUpdatesOfTheirElementsAndOutliveADrop) {
   constexpr int64_t kN = 1000;
   adam::ThreadPool pool(1);
   ps::ShardManager shards(1 << 20, pool);
-  ASSERT_TRUE(shards.BeginInit(ShardHeader("job-1", 1, 0, kN, kN)).ok());
-  ASSERT_TRUE(shards.InitChunk("job-1", 1, 0, Filled(kN, 1.0f), "", "").ok());
-  ASSERT_TRUE(shards.FinishInit("job-1", 1).ok());
-  ASSERT_TRUE(
-      shards.Push("job-1", 1, 1, 0, v1::WIRE_FP32, ps::ReceivedBytes::Own(Filled(kN, 0.5f))).ok());
+  ASSERT_TRUE(InitAndPushStep1(shards, kN).ok());
 
   auto lent = shards.LendParams("job-1", 1, 0, 100, 200, v1::WIRE_FP32, absl::ZeroDuration());
   ASSERT_TRUE(lent.ok()) << lent.status();
@@ -584,12 +591,7 @@ TEST(ShardManagerTest, DroppingOrReplacingAShardEndsTheCallsWaitingOnIt) {
   adam::ThreadPool pool(1);
   ps::ShardManager shards(1 << 20, pool);
   for (const bool replace : {false, true}) {
-    ASSERT_TRUE(shards.BeginInit(ShardHeader("job-1", 1, 0, kN, kN)).ok());
-    ASSERT_TRUE(shards.InitChunk("job-1", 1, 0, Filled(kN, 1.0f), "", "").ok());
-    ASSERT_TRUE(shards.FinishInit("job-1", 1).ok());
-    ASSERT_TRUE(
-        shards.Push("job-1", 1, 1, 0, v1::WIRE_FP32, ps::ReceivedBytes::Own(Filled(kN, 0.5f)))
-            .ok());
+    ASSERT_TRUE(InitAndPushStep1(shards, kN).ok());
     auto lent = shards.LendParams("job-1", 1, 0, 0, 10, v1::WIRE_FP32, absl::ZeroDuration());
     ASSERT_TRUE(lent.ok()) << lent.status();
     absl::Status update;
@@ -615,11 +617,7 @@ TEST(ShardManagerTest, CloseEndsEveryWaitOfACall) {
   constexpr int64_t kN = 1000;
   adam::ThreadPool pool(1);
   ps::ShardManager shards(1 << 20, pool);
-  ASSERT_TRUE(shards.BeginInit(ShardHeader("job-1", 1, 0, kN, kN)).ok());
-  ASSERT_TRUE(shards.InitChunk("job-1", 1, 0, Filled(kN, 1.0f), "", "").ok());
-  ASSERT_TRUE(shards.FinishInit("job-1", 1).ok());
-  ASSERT_TRUE(
-      shards.Push("job-1", 1, 1, 0, v1::WIRE_FP32, ps::ReceivedBytes::Own(Filled(kN, 0.5f))).ok());
+  ASSERT_TRUE(InitAndPushStep1(shards, kN).ok());
   auto lent = shards.LendParams("job-1", 1, 0, 0, 10, v1::WIRE_FP32, absl::ZeroDuration());
   ASSERT_TRUE(lent.ok()) << lent.status();
   absl::Status update;
