@@ -116,16 +116,22 @@ struct Flags {
   // Both ends of the anchor's connections in this process instead of a peer process: a
   // diagnostic (the anchor before this flag existed).
   bool anchor_in_process = false;
-  // --anchor-peer K: run as the anchor's peer process (AnchorPeer), with --anchor-bytes.
-  int anchor_peer = 0;
+  // --anchor-peer FD,FD,...: run as the anchor's peer process (AnchorPeer) on these inherited
+  // connections, with --anchor-bytes.
+  std::vector<int> anchor_peer_fds;
   int64_t anchor_bytes = 0;
 };
 
-std::string DefaultPsBinary() {
+// This binary's path; empty if /proc does not tell.
+std::string SelfPath() {
   char self[4096];
   const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
-  if (n <= 0) return "trainyard-ps";
-  const std::string path(self, n);
+  return n > 0 ? std::string(self, n) : std::string();
+}
+
+std::string DefaultPsBinary() {
+  const std::string path = SelfPath();
+  if (path.empty()) return "trainyard-ps";
   return path.substr(0, path.rfind('/') + 1) + "trainyard-ps";
 }
 
@@ -149,7 +155,11 @@ Flags ParseFlags(int argc, char** argv) {
     } else if (arg == "--anchor-in-process") {
       flags.anchor_in_process = true;
     } else if (arg == "--anchor-peer" && has_value) {
-      ok = absl::SimpleAtoi(argv[++i], &flags.anchor_peer) && flags.anchor_peer > 0;
+      for (absl::string_view fd : absl::StrSplit(argv[++i], ',')) {
+        int n = -1;
+        ok = ok && absl::SimpleAtoi(fd, &n) && n >= 0;
+        flags.anchor_peer_fds.push_back(n);
+      }
     } else if (arg == "--anchor-bytes" && has_value) {
       ok = absl::SimpleAtoi(argv[++i], &flags.anchor_bytes) && flags.anchor_bytes > 0;
     } else if (!has_value) {
@@ -320,9 +330,6 @@ absl::Status RecvAll(int fd, char* p, int64_t bytes, char* bounce = nullptr) {
   return absl::OkStatus();
 }
 
-// The fds the anchor's peer process gets its connections' ends on: kPeerFirstFd, kPeerFirstFd+1,
-// and so on.
-constexpr int kPeerFirstFd = 3;
 // A round's command to the peer, one byte on each connection before its part: receive the part
 // and acknowledge it with one byte, or receive it and send it back.
 constexpr char kOneWay = 'o', kRoundTrip = 'r';
@@ -343,11 +350,13 @@ class AnchorPeer {
       ASSIGN_OR_RETURN(auto c, TcpConnection::Open(congestion));
       p->connections_.push_back(std::move(c));
     }
-    char self[4096];
-    const ssize_t len = readlink("/proc/self/exe", self, sizeof(self) - 1);
-    if (len <= 0) return ErrnoError("readlink /proc/self/exe");
-    std::vector<std::string> args = {std::string(self, len), "--anchor-peer", absl::StrCat(k),
-                                     "--anchor-bytes", absl::StrCat(bytes)};
+    const std::string self = SelfPath();
+    if (self.empty()) return ErrnoError("readlink /proc/self/exe");
+    std::string fds;
+    for (const auto& c : p->connections_)
+      absl::StrAppend(&fds, fds.empty() ? "" : ",", c->server_fd());
+    std::vector<std::string> args = {self, "--anchor-peer", fds, "--anchor-bytes",
+                                     absl::StrCat(bytes)};
     if (copies) args.push_back("--anchor-copies");
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
@@ -358,11 +367,8 @@ class AnchorPeer {
     if (pid == 0) {  // only async-signal-safe calls until exec
       prctl(PR_SET_PDEATHSIG, SIGKILL);
       if (getppid() != parent) _exit(127);
-      // The server ends onto kPeerFirstFd..: first out of the way (above every fd in use), then
-      // into place; dup2 clears FD_CLOEXEC.
-      constexpr int kHigh = 1000;
-      for (int i = 0; i < k; ++i) dup2(p->connections_[i]->server_fd(), kHigh + i);
-      for (int i = 0; i < k; ++i) dup2(kHigh + i, kPeerFirstFd + i);
+      // The server ends survive the exec; every other fd closes there (all are CLOEXEC).
+      for (const auto& c : p->connections_) fcntl(c->server_fd(), F_SETFD, 0);
       execv(argv[0], argv.data());
       _exit(127);
     }
@@ -405,14 +411,15 @@ class AnchorPeer {
   pid_t pid_ = -1;
 };
 
-// --anchor-peer K: the peer process of AnchorPeer. Serves the connections on fds kPeerFirstFd..
+// --anchor-peer FDS: the peer process of AnchorPeer. Serves the connections on `fds`
 // until each reaches its end: per round, one command byte, then the part into its own array
 // (touched before the first round), acknowledged or sent back.
-int AnchorPeerMain(int k, int64_t bytes, bool copies) {
+int AnchorPeerMain(const std::vector<int>& fds, int64_t bytes, bool copies) {
+  const int k = static_cast<int>(fds.size());
   std::vector<char> dst(bytes, 1);
   std::vector<std::vector<char>> bounce(copies ? k : 0, std::vector<char>(kSocketIoBytes, 1));
   const absl::Status s = RunParallel(k, [&](int i) -> absl::Status {
-    const int fd = kPeerFirstFd + i;
+    const int fd = fds[i];
     const int64_t a = PartBegin(bytes, k, i), n = PartBegin(bytes, k, i + 1) - a;
     char* const b = copies ? bounce[i].data() : nullptr;
     for (char command; recv(fd, &command, 1, MSG_WAITALL) == 1;) {
@@ -1053,8 +1060,8 @@ void PrintTable(const Flags& flags, const std::vector<ShardCountResult>& results
 
 int Main(int argc, char** argv) {
   const Flags flags = ParseFlags(argc, argv);
-  if (flags.anchor_peer > 0) {
-    return AnchorPeerMain(flags.anchor_peer, flags.anchor_bytes, flags.anchor_copies);
+  if (!flags.anchor_peer_fds.empty()) {
+    return AnchorPeerMain(flags.anchor_peer_fds, flags.anchor_bytes, flags.anchor_copies);
   }
   if (absl::Status s = ps::CheckTcpCongestion(flags.tcp_congestion, "--tcp-congestion"); !s.ok()) {
     std::fprintf(stderr, "ps_transfer_bench: %s\n", std::string(s.message()).c_str());

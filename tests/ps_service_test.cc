@@ -93,10 +93,7 @@ class PsServiceTest : public ::testing::TestWithParam<Transport> {
     auto s = ps::PsServer::Start(o);
     ASSERT_TRUE(s.ok()) << s.status();
     server_ = std::move(*s);
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(64 << 20);
-    stub_ = v1::ParameterServerService::NewStub(
-        grpc::CreateCustomChannel(server_->address(), grpc::InsecureChannelCredentials(), args));
+    stub_ = testing::PsStub(server_->address());
     ASSERT_FALSE(server_->data_plane_address().empty());
     data_plane_ = std::make_unique<ps::DataPlaneClient>(server_->data_plane_address(), "");
     std::mt19937 rng(7);

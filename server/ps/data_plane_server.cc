@@ -218,16 +218,9 @@ void DataPlaneServer::RespondAndLinger(int fd, const absl::Status& status, absl:
 bool DataPlaneServer::ServePush(int fd, const DataPlaneRequest& r) {
   const IoLimit limit = IoLimit::Idle(options_.io_timeout);
   const int64_t element_bytes = WireElementBytes(r.format);
-  // Where the job's range lies, before any payload is received: a push for an unknown job, a
-  // stale attempt or elements outside the range has its payload read and dropped.
-  absl::Status error;
-  if (auto range = shards_.RangeOf(r.job_id, r.attempt); !range.ok()) {
-    error = range.status();
-  } else if (r.begin < range->first || r.end > range->second) {
-    error = absl::OutOfRangeError(absl::StrCat("offset: [", r.begin, ", ", r.end,
-                                               ") is empty or outside this shard's range [",
-                                               range->first, ", ", range->second, ")"));
-  }
+  // Checked before any payload is received: a push for an unknown job, a stale attempt or
+  // elements outside the range has its payload read and dropped.
+  absl::Status error = shards_.CheckPushRange(r.job_id, r.attempt, r.begin, r.end);
   if (!error.ok()) {
     return Discard(fd, r.payload_bytes(), limit).ok() && Respond(fd, {error});
   }
@@ -256,17 +249,16 @@ bool DataPlaneServer::ServePush(int fd, const DataPlaneRequest& r) {
     duplicate += pushed->duplicate;
     if (metrics_.pushed_bytes != nullptr) metrics_.pushed_bytes->Increment(bytes);
   }
-  return Respond(fd, {error, false, error.ok() ? staged : 0, error.ok() ? duplicate : 0});
+  return Respond(fd, {error, false, staged, duplicate});
 }
 
 bool DataPlaneServer::ServeUpdateAndPull(int fd, const DataPlaneRequest& r) {
   if (r.update) {
     const absl::Time start = absl::Now();
-    // Waits for lent elements until the caller's time limit, kMaxLentWait at most.
-    const absl::Duration limit =
-        r.timeout_ms > 0 ? std::min(kMaxLentWait, absl::Milliseconds(r.timeout_ms)) : kMaxLentWait;
-    absl::Status s = shards_.Update(r.job_id, r.attempt, r.step, r.begin, r.end, r.lr, r.grad_scale,
-                                    start + limit);
+    absl::Status s =
+        shards_.Update(r.job_id, r.attempt, r.step, r.begin, r.end, r.lr, r.grad_scale,
+                       LentWaitDeadline(r.timeout_ms > 0 ? start + absl::Milliseconds(r.timeout_ms)
+                                                         : absl::InfiniteFuture()));
     if (!s.ok()) return Respond(fd, {s});
     if (metrics_.adam_step_seconds != nullptr) {
       metrics_.adam_step_seconds->Observe(absl::ToDoubleSeconds(absl::Now() - start));

@@ -2,8 +2,6 @@
 
 #include <unistd.h>
 
-#include <algorithm>
-
 #include <prometheus/counter.h>
 #include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
@@ -124,8 +122,7 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(PsOptions options) {
     return absl::UnavailableError(
         absl::StrCat("--listen: cannot bind ", s->options_.listen_address));
   }
-  const std::string& listen = s->options_.listen_address;
-  s->address_ = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);
+  s->address_ = JoinHostPort(listen_host, port);
   if (s->options_.advertise.empty()) s->options_.advertise = s->address_;
   if (s->options_.node_id.empty()) s->options_.node_id = absl::StrCat("ps-", HostName(), "-", port);
   if (!s->options_.metrics_address.empty()) {

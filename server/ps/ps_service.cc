@@ -25,13 +25,11 @@ absl::Status CheckChunkElements(int64_t n) {
   return absl::OkStatus();
 }
 
-// How long an update may wait for lent elements: the call's deadline, at most kMaxLentWait.
-absl::Time LentWaitDeadline(const grpc::ServerContext& ctx) {
-  const absl::Time cap = absl::Now() + kMaxLentWait;
+// The call's deadline; InfiniteFuture for none.
+absl::Time CallDeadline(const grpc::ServerContext& ctx) {
   const auto deadline = ctx.deadline();
-  return deadline == std::chrono::system_clock::time_point::max()
-             ? cap
-             : std::min(cap, absl::FromChrono(deadline));
+  return deadline == std::chrono::system_clock::time_point::max() ? absl::InfiniteFuture()
+                                                                  : absl::FromChrono(deadline);
 }
 
 // A slice that sends the lent parameters from where the shard holds them; gRPC returns them to
@@ -135,9 +133,9 @@ grpc::Status ParameterServiceImpl::UpdateAndPullBuffers(
   const v1::WireFormat format = NormalizedWireFormat(request.format());
   if (request.has_update()) {
     const absl::Time start = absl::Now();
-    absl::Status s = shards_.Update(request.job_id(), request.attempt(), request.step(),
-                                    request.begin(), request.end(), request.update().lr(),
-                                    request.update().grad_scale(), LentWaitDeadline(*ctx));
+    absl::Status s = shards_.Update(
+        request.job_id(), request.attempt(), request.step(), request.begin(), request.end(),
+        request.update().lr(), request.update().grad_scale(), LentWaitDeadline(CallDeadline(*ctx)));
     if (!s.ok()) return ToGrpcStatus(s);
     if (metrics_.adam_step_seconds != nullptr) {
       metrics_.adam_step_seconds->Observe(absl::ToDoubleSeconds(absl::Now() - start));

@@ -15,8 +15,10 @@
 #include <prometheus/counter.h>
 #include <prometheus/histogram.h>
 
+#include <algorithm>
 #include <string>
 
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "server/ps/shard_manager.h"
 #include "trainyard/v1/ps.grpc.pb.h"
@@ -26,6 +28,12 @@ namespace trainyard::ps {
 // The longest an update waits for pulls still sending its range (a client that stopped reading
 // them), whatever the call's deadline; the data plane's updates too.
 inline constexpr absl::Duration kMaxLentWait = absl::Seconds(60);
+
+// How long an update may wait for lent elements: until the caller's deadline, kMaxLentWait at
+// most.
+inline absl::Time LentWaitDeadline(absl::Time caller_deadline) {
+  return std::min(absl::Now() + kMaxLentWait, caller_deadline);
+}
 
 struct PsMetrics {
   prometheus::Counter* pushed_bytes = nullptr;

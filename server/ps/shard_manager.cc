@@ -232,7 +232,10 @@ absl::Status ShardManager::BeginInit(const v1::InitShardChunk::Header& h) {
     }
     *reserved_bytes_ += bytes;
   }
-  if (replaced) MarkDropped(*replaced);
+  if (replaced) {
+    MarkDropped(*replaced);
+    replaced.reset();  // freed now if nothing else holds it, before the new one is allocated
+  }
   // Allocate outside the lock (zero-filling gigabytes takes a while). The last holder of the
   // shard returns its bytes.
   std::shared_ptr<Shard> shard(new Shard(h), [reserved = reserved_bytes_, bytes](Shard* s) {
@@ -520,6 +523,13 @@ absl::Status ShardManager::ReadState(const std::string& job_id, int attempt, int
   out->set_m(reinterpret_cast<const char*>(&s.m[i]), n * 4);
   out->set_v(reinterpret_cast<const char*>(&s.v[i]), n * 4);
   return absl::OkStatus();
+}
+
+absl::Status ShardManager::CheckPushRange(const std::string& job_id, int attempt, int64_t begin,
+                                          int64_t end) const {
+  auto found = Ready(job_id, attempt);
+  if (!found.ok()) return found.status();
+  return CheckSubrange("offset", begin, end, (*found)->begin, (*found)->end);
 }
 
 absl::StatusOr<std::pair<int64_t, int64_t>> ShardManager::RangeOf(const std::string& job_id,

@@ -100,6 +100,11 @@ class ShardManager {
   absl::Status ReadState(const std::string& job_id, int attempt, int64_t step, int64_t begin,
                          int64_t end, v1::ShardStateChunk* out);
 
+  // OK when the job's shard is ready for `attempt` and holds [begin, end): the checks Push makes
+  // first (NOT_FOUND, FAILED_PRECONDITION; OUT_OF_RANGE naming offset), nothing staged.
+  absl::Status CheckPushRange(const std::string& job_id, int attempt, int64_t begin,
+                              int64_t end) const;
+
   // Where the job's range lies: FAILED_PRECONDITION for a stale attempt or a shard not ready.
   absl::StatusOr<std::pair<int64_t, int64_t>> RangeOf(const std::string& job_id, int attempt) const;
 

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -86,6 +87,22 @@ absl::Status WaitReady(int fd, short events, const IoLimit& limit, absl::Time la
   }
 }
 
+using AddrInfoList = std::unique_ptr<addrinfo, void (*)(addrinfo*)>;
+
+// The TCP addresses of `host` and `port` (`passive`: to listen on). UNAVAILABLE saying why a name
+// does not resolve.
+absl::StatusOr<AddrInfoList> Resolve(const std::string& host, int port, bool passive) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = passive ? AI_PASSIVE : 0;
+  addrinfo* found = nullptr;
+  if (const int r = getaddrinfo(host.c_str(), absl::StrCat(port).c_str(), &hints, &found); r != 0) {
+    return absl::UnavailableError(absl::StrCat("cannot resolve '", host, "': ", gai_strerror(r)));
+  }
+  return AddrInfoList(found, freeaddrinfo);
+}
+
 absl::Status SetIntOption(int fd, int level, int name, int value, absl::string_view what) {
   if (setsockopt(fd, level, name, &value, sizeof(value)) != 0) return ErrnoStatus(what, errno);
   return absl::OkStatus();
@@ -119,19 +136,13 @@ absl::StatusOr<UniqueFd> TcpListen(const std::string& address, const std::string
   std::string host;
   int port = 0;
   RETURN_IF_ERROR(SplitHostPort(address, flag, &host, &port));
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE;
-  addrinfo* found = nullptr;
-  const std::string service = absl::StrCat(port);
-  if (const int r = getaddrinfo(host.c_str(), service.c_str(), &hints, &found); r != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(flag, ": cannot resolve '", host, "': ", gai_strerror(r)));
+  auto found = Resolve(host, port, /*passive=*/true);
+  if (!found.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": ", found.status().message()));
   }
   absl::Status last = absl::UnavailableError(absl::StrCat(flag, ": no address for ", address));
   UniqueFd fd;
-  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+  for (addrinfo* a = found->get(); a != nullptr; a = a->ai_next) {
     UniqueFd s(socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
     if (!s.valid()) {
       last = ErrnoStatus(absl::StrCat(flag, ": socket"), errno);
@@ -150,7 +161,6 @@ absl::StatusOr<UniqueFd> TcpListen(const std::string& address, const std::string
     fd = std::move(s);
     break;
   }
-  freeaddrinfo(found);
   if (!fd.valid()) return last;
   sockaddr_storage bound{};
   socklen_t len = sizeof(bound);
@@ -184,18 +194,13 @@ absl::StatusOr<UniqueFd> TcpConnect(const std::string& address, const std::strin
   std::string host;
   int port = 0;
   RETURN_IF_ERROR(SplitHostPort(address, "address", &host, &port));
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  const std::string service = absl::StrCat(port);
-  if (const int r = getaddrinfo(host.c_str(), service.c_str(), &hints, &found); r != 0) {
-    return absl::UnavailableError(
-        absl::StrCat("connect: cannot resolve '", host, "': ", gai_strerror(r)));
+  auto found = Resolve(host, port, /*passive=*/false);
+  if (!found.ok()) {
+    return absl::UnavailableError(absl::StrCat("connect: ", found.status().message()));
   }
   absl::Status last = absl::UnavailableError(absl::StrCat("connect: no address for '", host, "'"));
   UniqueFd fd;
-  for (addrinfo* a = found; a != nullptr && !fd.valid(); a = a->ai_next) {
+  for (addrinfo* a = found->get(); a != nullptr && !fd.valid(); a = a->ai_next) {
     UniqueFd s(socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
     if (!s.valid()) {
       last = ErrnoStatus("connect: socket", errno);
@@ -223,7 +228,6 @@ absl::StatusOr<UniqueFd> TcpConnect(const std::string& address, const std::strin
     }
     fd = std::move(s);
   }
-  freeaddrinfo(found);
   if (!fd.valid()) return last;
   return fd;
 }

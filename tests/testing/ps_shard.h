@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -31,6 +32,14 @@ inline v1::InitShardChunk::Header ShardHeader(const std::string& job, int attemp
   h.mutable_adamw()->set_eps(kEps);
   h.mutable_adamw()->set_weight_decay(kWeightDecay);
   return h;
+}
+
+// A stub of the ParameterServerService at `address` that takes replies up to 64 MiB.
+inline std::unique_ptr<v1::ParameterServerService::Stub> PsStub(const std::string& address) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  return v1::ParameterServerService::NewStub(
+      grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
 }
 
 // Elements [begin, end) of `v` as fp32 bytes.

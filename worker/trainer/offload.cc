@@ -85,6 +85,25 @@ struct OffloadOptimizer::Server {
     return absl::OkStatus();
   }
 
+  // The two bulk calls, over the data plane when there is one, else gRPC; `data` / `out` hold
+  // the elements of the call's range.
+  absl::Status Push(const v1::GradientChunk& header, const float* data, int64_t begin, int64_t end,
+                    absl::Duration timeout) const {
+    v1::PushGradientsResponse response;
+    const absl::Status st =
+        data_plane ? data_plane->Push(header, data, begin, end, kChunkElements, timeout, &response)
+                   : FromGrpcStatus(ps::PushGradientsZeroCopy(*generic, header, data, begin, end,
+                                                              kChunkElements, timeout, &response));
+    return st.ok() ? st : Annotate(st, "push");
+  }
+  absl::Status UpdateAndPull(const v1::UpdateAndPullRequest& request, float* out,
+                             absl::Duration timeout) const {
+    const absl::Status st =
+        data_plane ? data_plane->UpdateAndPull(request, out, timeout)
+                   : FromGrpcStatus(ps::UpdateAndPullZeroCopy(*generic, request, out, timeout));
+    return st.ok() ? st : Annotate(st, "update and pull");
+  }
+
   absl::Status Annotate(const absl::Status& s, const char* what) const {
     return absl::Status(
         s.code(), absl::StrCat("parameter server ", range.address, " (", what, "): ", s.message()));
@@ -329,17 +348,7 @@ absl::Status OffloadOptimizer::PushBucket(const Bucket& bucket, int64_t step) {
     header.set_attempt(config_.attempt);
     header.set_step(step);
     header.set_format(v1::WIRE_FP32);
-    v1::PushGradientsResponse response;
-    const float* data = grads_.data_ptr<float>() + x0;
-    if (s.data_plane) {
-      const absl::Status st =
-          s.data_plane->Push(header, data, x0, x1, kChunkElements, config_.rpc_timeout, &response);
-      if (!st.ok()) return s.Annotate(st, "push");
-    } else {
-      const grpc::Status st = ps::PushGradientsZeroCopy(
-          *s.generic, header, data, x0, x1, kChunkElements, config_.rpc_timeout, &response);
-      if (!st.ok()) return s.Annotate(st, "push");
-    }
+    RETURN_IF_ERROR(s.Push(header, grads_.data_ptr<float>() + x0, x0, x1, config_.rpc_timeout));
     pushed_bytes_ += (x1 - x0) * 4;
     return absl::OkStatus();
   };
@@ -494,15 +503,8 @@ absl::Status OffloadOptimizer::UpdateAndPull(int64_t step, double lr, double gra
     request.set_format(v1::WIRE_FP32);
     request.set_chunk_elements(kChunkElements);
     // Received straight into this rank's slice (over gRPC: decoded from its buffers).
-    float* out = mine.data_ptr<float>() + (lo - a);
-    if (s.data_plane) {
-      const absl::Status st = s.data_plane->UpdateAndPull(request, out, config_.rpc_timeout);
-      if (!st.ok()) return s.Annotate(st, "update and pull");
-    } else {
-      const grpc::Status st =
-          ps::UpdateAndPullZeroCopy(*s.generic, request, out, config_.rpc_timeout);
-      if (!st.ok()) return s.Annotate(st, "update and pull");
-    }
+    RETURN_IF_ERROR(
+        s.UpdateAndPull(request, mine.data_ptr<float>() + (lo - a), config_.rpc_timeout));
     pulled[i] = (hi - lo) * 4;
     return absl::OkStatus();
   }));
