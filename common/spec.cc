@@ -606,18 +606,70 @@ std::string MixedPrecisionName(v1::MixedPrecision p) {
   return absl::AsciiStrToLower(v1::MixedPrecision_Name(p));
 }
 
+ModelConfig ToModelConfig(const v1::ModelSpec& m) {
+  ModelConfig c;
+  c.kind = m.kind();
+  c.n_layer = m.n_layer();
+  c.n_head = m.n_head();
+  c.d_model = m.d_model();
+  c.seq_len = m.seq_len();
+  c.vocab = m.vocab();
+  c.tie_weights = m.tie_weights();
+  c.d_hidden = m.d_hidden();
+  return c;
+}
+
 int64_t ModelParameterCount(const v1::ModelSpec& m) {
-  const int64_t d = m.d_model(), v = m.vocab(), layers = m.n_layer();
-  if (m.kind() == "mlp") {
-    const int64_t h = m.d_hidden();
-    return v * d + layers * (d * h + h + h * d + d) + d * v + v;
+  return ModelParameterCount(ToModelConfig(m));
+}
+
+JobConfig ToJobConfig(const v1::JobSpec& spec) {
+  JobConfig c;
+  c.model = ToModelConfig(spec.model());
+  c.data.path = spec.data().path();
+  c.data.format = spec.data().format();
+  const v1::TrainSpec& t = spec.train();
+  c.train.steps = t.steps();
+  c.train.micro_batch = t.micro_batch();
+  c.train.grad_accum = t.grad_accum();
+  c.train.lr = t.lr();
+  c.train.warmup = t.warmup();
+  c.train.precision = t.mixed_precision() == v1::BF16 ? Precision::kBf16 : Precision::kFp32;
+  c.train.activation_checkpointing = t.activation_checkpointing();
+  c.train.seed = t.seed();
+  c.train.weight_decay = t.weight_decay();
+  c.train.grad_clip = t.grad_clip();
+  const v1::ParallelSpec& p = spec.parallel();
+  c.parallel.strategy = p.strategy() == v1::FSDP      ? Strategy::kFsdp
+                        : p.strategy() == v1::OFFLOAD ? Strategy::kOffload
+                                                      : Strategy::kDdp;
+  switch (p.sharding_strategy()) {
+    case v1::SHARD_GRAD_OP:
+      c.parallel.sharding = Sharding::kShardGradOp;
+      break;
+    case v1::NO_SHARD:
+      c.parallel.sharding = Sharding::kNoShard;
+      break;
+    case v1::HYBRID_SHARD:
+      c.parallel.sharding = Sharding::kHybridShard;
+      break;
+    default:
+      c.parallel.sharding = Sharding::kFullShard;
   }
-  // Token + position embeddings; per block two LayerNorms, qkv and output projections, a 4x MLP;
-  // a final LayerNorm; the head (shares the token embedding when tied).
-  const int64_t per_block =
-      2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d);
-  return v * d + int64_t{m.seq_len()} * d + layers * per_block + 2 * d +
-         (m.tie_weights() ? 0 : v * d);
+  c.parallel.bucket_mb = p.bucket_mb();
+  c.parallel.delayed_update = p.delayed_update();
+  c.parallel.wrap = p.auto_wrap_policy() == v1::SIZE_BASED_WRAP ? WrapPolicy::kSizeBased
+                                                                : WrapPolicy::kTransformerBased;
+  c.parallel.min_num_params = p.min_num_params();
+  c.parallel.backward_prefetch =
+      p.backward_prefetch() == v1::BACKWARD_POST ? BackwardPrefetch::kBackwardPost
+      : p.backward_prefetch() == v1::NO_PREFETCH ? BackwardPrefetch::kNoPrefetch
+                                                 : BackwardPrefetch::kBackwardPre;
+  c.parallel.forward_prefetch = p.forward_prefetch();
+  c.parallel.max_gathered_units = p.max_gathered_units();
+  c.parallel.cpu_ram_efficient_loading = p.cpu_ram_efficient_loading();
+  c.checkpoint_every_steps = spec.checkpoint().every_steps();
+  return c;
 }
 
 }  // namespace trainyard

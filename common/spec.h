@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/job_config.h"
 #include "trainyard/v1/job.pb.h"
 
 namespace trainyard {
@@ -50,6 +51,10 @@ std::string MixedPrecisionName(v1::MixedPrecision p);      // "fp32"
 
 // Number of parameters of the spec's model (embeddings included, tied head counted once).
 int64_t ModelParameterCount(const v1::ModelSpec& model);
+
+// What a training rank reads of a spec (defaults applied and validated), without protobuf: the
+// trainer's LibTorch side takes this (common/job_config.h).
+JobConfig ToJobConfig(const v1::JobSpec& spec);
 
 }  // namespace trainyard
 

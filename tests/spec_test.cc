@@ -125,6 +125,72 @@ TEST(SpecTest, ParsesTheFsdpKnobs) {
                         "BACKWARD_PRE, BACKWARD_POST, NO_PREFETCH)"));
 }
 
+TEST(SpecTest, JobConfigCarriesEveryFieldTheTrainerReads) {
+  auto parsed = ParseJobSpecYaml(
+      "name: x\nresources: {gpus: 2}\n"
+      "model: {kind: mlp, n_layer: 3, n_head: 2, d_model: 64, seq_len: 32, vocab: 300,"
+      " tie_weights: true, d_hidden: 96}\n"
+      "data: {path: /tmp/tokens, format: uint16}\n"
+      "train: {steps: 7, micro_batch: 4, grad_accum: 3, lr: 0.01, warmup: 2,"
+      " mixed_precision: bf16, activation_checkpointing: true, seed: 9, weight_decay: 0.1,"
+      " grad_clip: 1.5}\n"
+      "parallel: {strategy: fsdp, sharding_strategy: SHARD_GRAD_OP, bucket_mb: 4,"
+      " auto_wrap_policy: SIZE_BASED_WRAP, min_num_params: 123, backward_prefetch: NO_PREFETCH,"
+      " forward_prefetch: true, max_gathered_units: 5, cpu_ram_efficient_loading: false}\n"
+      "checkpoint: {every_steps: 11}\n",
+      "f.yaml");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  v1::JobSpec spec = parsed->spec;
+  ApplyJobSpecDefaults(spec);
+  const JobConfig c = ToJobConfig(spec);
+  EXPECT_EQ(c.model.kind, "mlp");
+  EXPECT_EQ(c.model.n_layer, 3);
+  EXPECT_EQ(c.model.n_head, 2);
+  EXPECT_EQ(c.model.d_model, 64);
+  EXPECT_EQ(c.model.seq_len, 32);
+  EXPECT_EQ(c.model.vocab, 300);
+  EXPECT_TRUE(c.model.tie_weights);
+  EXPECT_EQ(c.model.d_hidden, 96);
+  EXPECT_EQ(c.data.path, "/tmp/tokens");
+  EXPECT_EQ(c.data.format, "uint16");
+  EXPECT_EQ(c.train.steps, 7);
+  EXPECT_EQ(c.train.micro_batch, 4);
+  EXPECT_EQ(c.train.grad_accum, 3);
+  EXPECT_DOUBLE_EQ(c.train.lr, 0.01);
+  EXPECT_EQ(c.train.warmup, 2);
+  EXPECT_EQ(c.train.precision, Precision::kBf16);
+  EXPECT_TRUE(c.train.activation_checkpointing);
+  EXPECT_EQ(c.train.seed, 9u);
+  EXPECT_DOUBLE_EQ(c.train.weight_decay, 0.1);
+  EXPECT_DOUBLE_EQ(c.train.grad_clip, 1.5);
+  EXPECT_EQ(c.parallel.strategy, Strategy::kFsdp);
+  EXPECT_EQ(c.parallel.sharding, Sharding::kShardGradOp);
+  EXPECT_DOUBLE_EQ(c.parallel.bucket_mb, 4);
+  EXPECT_EQ(c.parallel.wrap, WrapPolicy::kSizeBased);
+  EXPECT_EQ(c.parallel.min_num_params, 123);
+  EXPECT_EQ(c.parallel.backward_prefetch, BackwardPrefetch::kNoPrefetch);
+  EXPECT_TRUE(c.parallel.forward_prefetch);
+  EXPECT_EQ(c.parallel.max_gathered_units, 5);
+  EXPECT_FALSE(c.parallel.cpu_ram_efficient_loading);
+  EXPECT_EQ(c.checkpoint_every_steps, 11);
+  EXPECT_EQ(ModelParameterCount(c.model), ModelParameterCount(spec.model()));
+  EXPECT_STREQ(Name(c.parallel.sharding), "SHARD_GRAD_OP");
+  EXPECT_STREQ(Name(c.parallel.backward_prefetch), "NO_PREFETCH");
+
+  // Defaults reach the trainer as such: ddp, FULL_SHARD, BACKWARD_PRE, rank-0 loading, fp32.
+  auto plain = ParseJobSpecYaml("name: y\n", "g.yaml");
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  v1::JobSpec defaults = plain->spec;
+  ApplyJobSpecDefaults(defaults);
+  const JobConfig d = ToJobConfig(defaults);
+  EXPECT_EQ(d.parallel.strategy, Strategy::kDdp);
+  EXPECT_EQ(d.parallel.sharding, Sharding::kFullShard);
+  EXPECT_EQ(d.parallel.backward_prefetch, BackwardPrefetch::kBackwardPre);
+  EXPECT_TRUE(d.parallel.cpu_ram_efficient_loading);
+  EXPECT_EQ(d.train.precision, Precision::kFp32);
+  EXPECT_EQ(d.train.grad_accum, 1);
+}
+
 TEST(SpecTest, MalformedYamlReportsFileAndLine) {
   auto parsed = ParseJobSpecYaml("name: x\nresources: {gpus: 2\nmodel: {}\n", "bad.yaml");
   ASSERT_FALSE(parsed.ok());

@@ -1,7 +1,7 @@
 // Unit tests of trainyard-trainer's pure parts and models, in process: parameter counts against
-// common/spec.h, the LR schedule, the sampler's sharding, activation checkpointing's gradients,
-// the bucketed gradient reducer on one rank, the fused AdamW against torch::optim::AdamW, and the
-// parameter-dump format.
+// common/job_config.h, the LR schedule, the sampler's sharding, activation checkpointing's
+// gradients, the bucketed gradient reducer on one rank, the fused AdamW against
+// torch::optim::AdamW, and the parameter-dump format.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -16,7 +16,7 @@
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
-#include "common/spec.h"
+#include "common/job_config.h"
 #include "tests/testing/subprocess.h"
 #include "worker/trainer/communicator.h"
 #include "worker/trainer/data.h"
@@ -33,16 +33,23 @@ namespace {
 
 using ::testing::ElementsAre;
 
-v1::ModelSpec Gpt(int n_layer, int d_model, int n_head, int seq_len, int vocab, bool tie) {
-  v1::ModelSpec m;
-  m.set_kind("gpt");
-  m.set_n_layer(n_layer);
-  m.set_d_model(d_model);
-  m.set_n_head(n_head);
-  m.set_seq_len(seq_len);
-  m.set_vocab(vocab);
-  m.set_tie_weights(tie);
+ModelConfig Gpt(int n_layer, int d_model, int n_head, int seq_len, int vocab, bool tie) {
+  ModelConfig m;
+  m.kind = "gpt";
+  m.n_layer = n_layer;
+  m.d_model = d_model;
+  m.n_head = n_head;
+  m.seq_len = seq_len;
+  m.vocab = vocab;
+  m.tie_weights = tie;
   return m;
+}
+
+// For failure messages.
+std::string Describe(const ModelConfig& m) {
+  return m.kind + " n_layer " + std::to_string(m.n_layer) + " d_model " +
+         std::to_string(m.d_model) + " seq_len " + std::to_string(m.seq_len) + " vocab " +
+         std::to_string(m.vocab) + (m.tie_weights ? " tied" : "");
 }
 
 int64_t Numel(torch::nn::Module& model) {
@@ -52,24 +59,24 @@ int64_t Numel(torch::nn::Module& model) {
 }
 
 TEST(ModelTest, GptParameterCountMatchesSpecFormula) {
-  for (const v1::ModelSpec& m : {Gpt(2, 32, 2, 16, 256, false), Gpt(2, 32, 2, 16, 256, true),
-                                 Gpt(4, 64, 4, 128, 300, true), Gpt(1, 48, 3, 7, 1000, false)}) {
+  for (const ModelConfig& m : {Gpt(2, 32, 2, 16, 256, false), Gpt(2, 32, 2, 16, 256, true),
+                               Gpt(4, 64, 4, 128, 300, true), Gpt(1, 48, 3, 7, 1000, false)}) {
     auto model = BuildModel(m, {}, 1);
-    EXPECT_EQ(Numel(*model), ModelParameterCount(m)) << m.ShortDebugString();
+    EXPECT_EQ(Numel(*model), ModelParameterCount(m)) << Describe(m);
   }
 }
 
 TEST(ModelTest, MlpParameterCountMatchesSpecFormula) {
   for (int layers : {1, 3}) {
-    v1::ModelSpec m;
-    m.set_kind("mlp");
-    m.set_n_layer(layers);
-    m.set_d_model(32);
-    m.set_d_hidden(96);
-    m.set_seq_len(16);
-    m.set_vocab(256);
+    ModelConfig m;
+    m.kind = "mlp";
+    m.n_layer = layers;
+    m.d_model = 32;
+    m.d_hidden = 96;
+    m.seq_len = 16;
+    m.vocab = 256;
     auto model = BuildModel(m, {}, 1);
-    EXPECT_EQ(Numel(*model), ModelParameterCount(m)) << m.ShortDebugString();
+    EXPECT_EQ(Numel(*model), ModelParameterCount(m)) << Describe(m);
   }
 }
 
@@ -88,7 +95,7 @@ torch::Tensor Windows(int batch, int seq_len, int vocab) {
 }
 
 TEST(ModelTest, ActivationCheckpointingGivesTheSameLossAndGradients) {
-  const v1::ModelSpec m = Gpt(3, 32, 4, 16, 256, true);
+  const ModelConfig m = Gpt(3, 32, 4, 16, 256, true);
   auto plain = BuildModel(m, {}, 5);
   ModelOptions ckpt_options;
   ckpt_options.activation_checkpointing = true;
@@ -112,22 +119,22 @@ TEST(ModelTest, ActivationCheckpointingGivesTheSameLossAndGradients) {
 // same parameters: full [t, t] scores with the causal mask, per-head softmax. The model works
 // out attention in query blocks that skip the masked upper-right part, so the prefixes of every
 // length (odd and even, below and above the blocking threshold) check that shortcut too.
-torch::Tensor ReferenceGptLogits(LanguageModel& model, const v1::ModelSpec& m,
+torch::Tensor ReferenceGptLogits(LanguageModel& model, const ModelConfig& m,
                                  const torch::Tensor& tokens) {
   auto p = model.named_parameters();
   auto P = [&](const std::string& name) { return p[name].detach().to(torch::kDouble); };
   auto Ln = [&](const torch::Tensor& x, const std::string& name) {
-    return torch::layer_norm(x, {m.d_model()}, P(name + ".weight"), P(name + ".bias"), 1e-5);
+    return torch::layer_norm(x, {m.d_model}, P(name + ".weight"), P(name + ".bias"), 1e-5);
   };
   auto Lin = [&](const torch::Tensor& x, const std::string& name) {
     return torch::linear(x, P(name + ".weight"),
                          p.contains(name + ".bias") ? P(name + ".bias") : torch::Tensor());
   };
-  const int64_t t = tokens.size(0), d = m.d_model(), h = m.n_head(), hd = d / h;
+  const int64_t t = tokens.size(0), d = m.d_model, h = m.n_head, hd = d / h;
   torch::Tensor x =
       P("tok_emb.weight").index_select(0, tokens) + P("pos_emb.weight").narrow(0, 0, t);
   const torch::Tensor future = torch::ones({t, t}, torch::kBool).triu(1);
-  for (int i = 0; i < m.n_layer(); ++i) {
+  for (int i = 0; i < m.n_layer; ++i) {
     const std::string block = "blocks." + std::to_string(i);
     const torch::Tensor qkv = Lin(Ln(x, block + ".ln1"), block + ".qkv");  // [t, 3d]
     std::vector<torch::Tensor> heads;
@@ -145,7 +152,7 @@ torch::Tensor ReferenceGptLogits(LanguageModel& model, const v1::ModelSpec& m,
 }
 
 TEST(ModelTest, GptLogitsMatchAPlainCausalTransformerAtEveryPrefixLength) {
-  const v1::ModelSpec m = Gpt(2, 32, 4, 64, 256, false);
+  const ModelConfig m = Gpt(2, 32, 4, 64, 256, false);
   auto model = BuildModel(m, {}, 7);
   torch::NoGradGuard no_grad;
   const torch::Tensor tokens = Windows(1, 63, 256).view({-1});  // 64 tokens
@@ -268,7 +275,7 @@ TEST(OneDnnMatmulTest, ModelShapesUseJitKernels) {
 }
 
 TEST(ModelTest, Bf16LossIsCloseToFp32) {
-  const v1::ModelSpec m = Gpt(2, 32, 2, 16, 256, false);
+  const ModelConfig m = Gpt(2, 32, 2, 16, 256, false);
   ModelOptions bf16;
   bf16.bf16 = true;
   auto a = BuildModel(m, {}, 5);
@@ -623,15 +630,15 @@ TEST(CommunicatorTest, AllGatherIntoFillsConsecutiveChunksOfOneBuffer) {
 }
 
 TEST(FsdpWrapTest, TransformerPolicyMakesEveryBlockAUnit) {
-  EXPECT_THAT(WrapBlocks({10, 10, 10}, v1::TRANSFORMER_BASED_WRAP, 1000),
+  EXPECT_THAT(WrapBlocks({10, 10, 10}, WrapPolicy::kTransformerBased, 1000),
               ElementsAre(std::pair(0, 0), std::pair(1, 1), std::pair(2, 2)));
 }
 
 TEST(FsdpWrapTest, SizePolicyGroupsBlocksAndLeavesTheRestToTheRoot) {
   // 4 + 4 reaches 8; 9 alone does; the last 3 never reach it and stay in the root.
-  EXPECT_THAT(WrapBlocks({4, 4, 9, 3}, v1::SIZE_BASED_WRAP, 8),
+  EXPECT_THAT(WrapBlocks({4, 4, 9, 3}, WrapPolicy::kSizeBased, 8),
               ElementsAre(std::pair(0, 1), std::pair(2, 2)));
-  EXPECT_THAT(WrapBlocks({4, 4}, v1::SIZE_BASED_WRAP, 100), ::testing::IsEmpty());
+  EXPECT_THAT(WrapBlocks({4, 4}, WrapPolicy::kSizeBased, 100), ::testing::IsEmpty());
 }
 
 TEST(ModelTest, BlockOfNamesEachParametersBlock) {
@@ -642,9 +649,9 @@ TEST(ModelTest, BlockOfNamesEachParametersBlock) {
   EXPECT_THAT(blocks, ElementsAre(-1, 0, 1));
   EXPECT_EQ(gpt->BlockOf("blocks.1.qkv.weight"), 1);
   EXPECT_EQ(gpt->BlockOf("tok_emb.weight"), -1);
-  v1::ModelSpec mlp = Gpt(3, 16, 1, 8, 256, false);
-  mlp.set_kind("mlp");
-  mlp.set_d_hidden(24);
+  ModelConfig mlp = Gpt(3, 16, 1, 8, 256, false);
+  mlp.kind = "mlp";
+  mlp.d_hidden = 24;
   auto m = BuildModel(mlp, {}, 1);
   EXPECT_EQ(m->NumBlocks(), 3);
   EXPECT_EQ(m->BlockOf("up2.weight"), 2);

@@ -1,5 +1,6 @@
 // FsdpModel (see fsdp.h).
 #include "worker/trainer/fsdp.h"
+#include "worker/trainer/torch_compat.h"
 
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -71,10 +72,10 @@ class FsdpModel::GradHook : public torch::autograd::FunctionPostHook {
 };
 
 std::vector<std::pair<int, int>> WrapBlocks(const std::vector<int64_t>& block_params,
-                                            v1::WrapPolicy policy, int64_t min_num_params) {
+                                            WrapPolicy policy, int64_t min_num_params) {
   std::vector<std::pair<int, int>> out;
   const int n = static_cast<int>(block_params.size());
-  if (policy != v1::SIZE_BASED_WRAP) {
+  if (policy != WrapPolicy::kSizeBased) {
     for (int b = 0; b < n; ++b) out.emplace_back(b, b);
     return out;
   }
@@ -104,11 +105,11 @@ FsdpModel::~FsdpModel() {
 absl::StatusOr<std::unique_ptr<FsdpModel>> FsdpModel::Create(
     LanguageModel& model, Communicator& world, Communicator& shard, Communicator* replica,
     const FsdpConfig& config, bool from_rank0) {
-  if (config.sharding != v1::FULL_SHARD && config.sharding != v1::SHARD_GRAD_OP &&
-      config.sharding != v1::HYBRID_SHARD) {
+  if (config.sharding != Sharding::kFullShard && config.sharding != Sharding::kShardGradOp &&
+      config.sharding != Sharding::kHybridShard) {
     return absl::InvalidArgumentError(
-        absl::StrCat("parallel.sharding_strategy: FsdpModel does not run ",
-                     v1::ShardingStrategy_Name(config.sharding), " (NO_SHARD runs as DDP)"));
+        absl::StrCat("parallel.sharding_strategy: FsdpModel does not run ", Name(config.sharding),
+                     " (NO_SHARD runs as DDP)"));
   }
   if (shard.world_size() * (replica ? replica->world_size() : 1) != world.world_size()) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -305,7 +306,7 @@ void FsdpModel::AfterBlock(int block, const torch::Tensor& output) {
   if (training) {
     output.register_hook([this, ui](const torch::Tensor&) { PreBackward(ui); });
   }
-  if (!training || config_.sharding != v1::SHARD_GRAD_OP) Release(ui);
+  if (!training || config_.sharding != Sharding::kShardGradOp) Release(ui);
 }
 
 void FsdpModel::WatchLoss(const torch::Tensor& loss) {
@@ -338,7 +339,7 @@ void FsdpModel::PrepareGradients(int ui) {
 void FsdpModel::PreBackward(int ui) {
   EnsureGathered(ui);
   PrepareGradients(ui);
-  if (config_.backward_prefetch == v1::BACKWARD_PRE) Prefetch(ui - 1);
+  if (config_.backward_prefetch == BackwardPrefetch::kBackwardPre) Prefetch(ui - 1);
 }
 
 void FsdpModel::OnGradReady(int param) {
@@ -351,7 +352,7 @@ void FsdpModel::OnGradReady(int param) {
 void FsdpModel::PostBackward(int ui) {
   Unit& u = units_[ui];
   u.reduced = true;
-  if (config_.backward_prefetch == v1::BACKWARD_POST) Prefetch(ui - 1);
+  if (config_.backward_prefetch == BackwardPrefetch::kBackwardPost) Prefetch(ui - 1);
   torch::NoGradGuard no_grad;
   if (!u.grad.defined()) PrepareGradients(ui);  // no hook ran: nothing used the unit
   for (size_t k = 0; k < u.params.size(); ++k) {
@@ -449,7 +450,7 @@ FsdpShardState FsdpModel::ExportState() {
   for (Unit& u : units_) {
     out.params.push_back(u.shard.detach());
     torch::Tensor m, v;
-    auto it = optimizer_->state().find(c10::guts::to_string(u.shard.unsafeGetTensorImpl()));
+    auto it = optimizer_->state().find(OptimizerStateKey(u.shard));
     if (it != optimizer_->state().end()) {
       auto& st = static_cast<torch::optim::AdamWParamState&>(*it->second);
       m = st.exp_avg();
@@ -473,7 +474,7 @@ void FsdpModel::ImportState(const FsdpShardState& state) {
     st->step(state.adam_step);
     st->exp_avg(state.exp_avg[ui].clone());
     st->exp_avg_sq(state.exp_avg_sq[ui].clone());
-    optimizer_->state()[c10::guts::to_string(u.shard.unsafeGetTensorImpl())] = std::move(st);
+    optimizer_->state()[OptimizerStateKey(u.shard)] = std::move(st);
     adam_counted_ = true;
   }
   if (adam_counted_ && !has_moments) {

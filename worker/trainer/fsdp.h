@@ -45,17 +45,17 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "trainyard/v1/job.pb.h"
+#include "common/job_config.h"
 #include "worker/trainer/communicator.h"
 #include "worker/trainer/model.h"
 
 namespace trainyard::trainer {
 
 struct FsdpConfig {
-  v1::ShardingStrategy sharding = v1::FULL_SHARD;  // FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD
-  v1::WrapPolicy wrap = v1::TRANSFORMER_BASED_WRAP;
+  Sharding sharding = Sharding::kFullShard;  // FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD
+  WrapPolicy wrap = WrapPolicy::kTransformerBased;
   int64_t min_num_params = 100'000'000;  // SIZE_BASED_WRAP
-  v1::BackwardPrefetch backward_prefetch = v1::BACKWARD_PRE;
+  BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
   bool forward_prefetch = false;
   int max_gathered_units = 2;
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0;
@@ -64,7 +64,7 @@ struct FsdpConfig {
 // Block units under a wrap policy: each entry is the blocks [first, last] of one unit, in order.
 // Blocks not listed belong to the root. `block_params`: parameters of each block.
 std::vector<std::pair<int, int>> WrapBlocks(const std::vector<int64_t>& block_params,
-                                            v1::WrapPolicy policy, int64_t min_num_params);
+                                            WrapPolicy policy, int64_t min_num_params);
 
 // Where each parameter sits in its unit's flat buffer (the sharded checkpoint's manifest).
 struct FsdpLayout {

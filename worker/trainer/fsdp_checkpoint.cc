@@ -1,5 +1,6 @@
 // Sharded FSDP checkpoints (see fsdp_checkpoint.h).
 #include "worker/trainer/fsdp_checkpoint.h"
+#include "worker/trainer/torch_compat.h"
 
 #include <unistd.h>
 
@@ -332,7 +333,7 @@ absl::StatusOr<CheckpointInfo> ConsolidateShardedCheckpoint(const std::string& s
         st->step(adam_step);
         st->exp_avg(exp_avg[i]);
         st->exp_avg_sq(exp_avg_sq[i]);
-        optimizer.state()[c10::guts::to_string(params[i].unsafeGetTensorImpl())] = std::move(st);
+        optimizer.state()[OptimizerStateKey(params[i])] = std::move(st);
       }
     }
     torch::save(optimizer, tmp + "/optimizer.pt");

@@ -1,5 +1,6 @@
 // FusedAdamWStep (see fused_adamw.h).
 #include "worker/trainer/fused_adamw.h"
+#include "worker/trainer/torch_compat.h"
 
 #include <ATen/Parallel.h>
 
@@ -15,7 +16,7 @@ void FusedAdamWStep(torch::optim::AdamW& optimizer, double lr, double grad_scale
       if (!p.grad().defined()) continue;
       TORCH_CHECK(p.scalar_type() == torch::kFloat && p.is_contiguous(),
                   "FusedAdamWStep: parameters must be contiguous fp32");
-      auto& slot = optimizer.state()[c10::guts::to_string(p.unsafeGetTensorImpl())];
+      auto& slot = optimizer.state()[OptimizerStateKey(p)];
       if (slot == nullptr) {
         auto st = std::make_unique<torch::optim::AdamWParamState>();
         st->step(0);

@@ -2,6 +2,8 @@
 // job spec (binary trainyard.v1.JobSpec; a .yaml/.yml file is accepted for manual runs), the
 // rank's place in the job and the coordinator's address. Exit codes: 0 done (or stopped
 // gracefully), 2 bad spec or data, 1 anything else; the reason is one line on stderr and stdout.
+// Control side: flags and the protobuf spec are read here; the training runs behind trainer.h,
+// whose plain header is all this file sees of the LibTorch side.
 #include <malloc.h>
 
 #include <fstream>
@@ -15,8 +17,6 @@
 #include "common/spec.h"
 #include "common/version.h"
 #include "server/ps/tcp_congestion.h"
-#include "worker/trainer/blas.h"
-#include "worker/trainer/onednn_matmul.h"
 #include "worker/trainer/trainer.h"
 
 namespace trainyard::trainer {
@@ -55,7 +55,7 @@ int Fail(const absl::Status& s) {
 }
 
 int Main(int argc, char** argv) {
-  const std::string blas = absl::StrCat(DescribeBlas(), "\n", DescribeMatmuls());
+  const std::string blas = DescribeCompute();
   // Multi-MiB gradient and parameter messages: keep freed buffers in the heap instead of handing
   // them back to the kernel, or every message touches fresh pages (page faults dominated the
   // push/pull time in bench/ps_transfer_bench: 2-5x slower).
@@ -73,11 +73,9 @@ int Main(int argc, char** argv) {
   }
   InstallSigtermHandler();  // graceful stop: finish the step, checkpoint, exit 0
 
-  // What the worker asks before offering GPUs: the devices this trainer can train on. CPU only so
-  // far; "cuda" joins once a CUDA path exists (a CUDA LibTorch, the model, DDP buckets and the
-  // optimizer on the device, an NCCL Communicator).
+  // What the worker asks before offering GPUs: the devices this trainer can train on.
   if (argc == 2 && std::string(argv[1]) == "--supported-devices") {
-    std::cout << "cpu" << std::endl;
+    std::cout << SupportedDevices() << std::endl;
     return 0;
   }
   // A tool mode without a job: a sharded FSDP checkpoint as a DDP one.
@@ -155,7 +153,7 @@ int Main(int argc, char** argv) {
   }
   auto spec = LoadSpec(spec_path);
   if (!spec.ok()) return Fail(spec.status());
-  o.spec = *std::move(spec);
+  o.job = ToJobConfig(*spec);
   std::cout << blas << std::endl;
   absl::Status s = RunTrainer(o);
   if (!s.ok()) return Fail(s);

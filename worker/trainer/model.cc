@@ -129,14 +129,14 @@ class CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
 
 class GptModel : public LanguageModel {
  public:
-  GptModel(const v1::ModelSpec& spec, const ModelOptions& options)
-      : options_(options), tie_weights_(spec.tie_weights()), seq_len_(spec.seq_len()) {
-    const int64_t d = spec.d_model(), v = spec.vocab();
+  GptModel(const ModelConfig& spec, const ModelOptions& options)
+      : options_(options), tie_weights_(spec.tie_weights), seq_len_(spec.seq_len) {
+    const int64_t d = spec.d_model, v = spec.vocab;
     tok_emb_ = register_module("tok_emb", Keep(torch::nn::Embedding(v, d), options));
-    pos_emb_ = register_module("pos_emb", Keep(torch::nn::Embedding(spec.seq_len(), d), options));
+    pos_emb_ = register_module("pos_emb", Keep(torch::nn::Embedding(spec.seq_len, d), options));
     blocks_ = register_module("blocks", torch::nn::ModuleList());
-    for (int i = 0; i < spec.n_layer(); ++i) {
-      blocks_->push_back(Keep(Block(d, spec.n_head(), options.bf16), options));
+    for (int i = 0; i < spec.n_layer; ++i) {
+      blocks_->push_back(Keep(Block(d, spec.n_head, options.bf16), options));
     }
     ln_f_ = register_module("ln_f",
                             Keep(torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})), options));
@@ -200,11 +200,11 @@ class GptModel : public LanguageModel {
 
 class MlpModel : public LanguageModel {
  public:
-  MlpModel(const v1::ModelSpec& spec, const ModelOptions& options)
-      : options_(options), seq_len_(spec.seq_len()) {
-    const int64_t d = spec.d_model(), v = spec.vocab(), h = spec.d_hidden();
+  MlpModel(const ModelConfig& spec, const ModelOptions& options)
+      : options_(options), seq_len_(spec.seq_len) {
+    const int64_t d = spec.d_model, v = spec.vocab, h = spec.d_hidden;
     tok_emb_ = register_module("tok_emb", Keep(torch::nn::Embedding(v, d), options));
-    for (int i = 0; i < spec.n_layer(); ++i) {
+    for (int i = 0; i < spec.n_layer; ++i) {
       up_.push_back(
           register_module("up" + std::to_string(i), Keep(torch::nn::Linear(d, h), options)));
       down_.push_back(
@@ -273,11 +273,11 @@ void Initialize(torch::nn::Module& model) {
 
 }  // namespace
 
-std::shared_ptr<LanguageModel> BuildModel(const v1::ModelSpec& spec, const ModelOptions& options,
+std::shared_ptr<LanguageModel> BuildModel(const ModelConfig& spec, const ModelOptions& options,
                                           uint64_t seed) {
   torch::manual_seed(seed);
   std::shared_ptr<LanguageModel> model;
-  if (spec.kind() == "mlp") {
+  if (spec.kind == "mlp") {
     model = std::make_shared<MlpModel>(spec, options);
   } else {
     model = std::make_shared<GptModel>(spec, options);

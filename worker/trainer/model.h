@@ -7,7 +7,7 @@
 //  - "mlp": the mean of the context's token embeddings, n_layer residual blocks
 //    (Linear d_model->d_hidden, GELU, Linear d_hidden->d_model), a Linear head with bias that
 //    predicts the token after the context.
-// Parameter counts equal common/spec.h ModelParameterCount.
+// Parameter counts equal common/job_config.h ModelParameterCount.
 //
 // fp32: every Linear (and the tied head) and the attention's batched products run their matmuls,
 // forward and backward, on oneDNN (onednn_matmul.h).
@@ -23,7 +23,7 @@
 #include <memory>
 #include <vector>
 
-#include "trainyard/v1/job.pb.h"
+#include "common/job_config.h"
 
 namespace trainyard::trainer {
 
@@ -81,7 +81,7 @@ std::vector<int64_t> Generate(LanguageModel& model, const std::vector<int64_t>& 
                               double temperature, uint64_t seed, int64_t seq_len);
 
 // Builds model.kind with its parameters drawn from `seed`.
-std::shared_ptr<LanguageModel> BuildModel(const v1::ModelSpec& spec, const ModelOptions& options,
+std::shared_ptr<LanguageModel> BuildModel(const ModelConfig& spec, const ModelOptions& options,
                                           uint64_t seed);
 
 }  // namespace trainyard::trainer

@@ -1,7 +1,6 @@
 // OffloadOptimizer (see offload.h).
 #include "worker/trainer/offload.h"
 
-#include <grpcpp/grpcpp.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -10,135 +9,11 @@
 #include <cstring>
 #include <thread>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
-#include "absl/time/clock.h"
-#include "common/grpc_status.h"
 #include "common/status_macros.h"
-#include "server/ps/data_plane_client.h"
-#include "server/ps/ps_client.h"
-#include "server/ps/tcp_congestion.h"
-#include "trainyard/v1/ps.grpc.pb.h"
+#include "worker/trainer/torch_compat.h"
 
 namespace trainyard::trainer {
-namespace {
-
-constexpr int64_t kChunkElements = int64_t{1} << 20;  // 4 MiB fp32 messages
-constexpr int kMaxMessageBytes = 64 << 20;
-
-std::string StateKey(const torch::Tensor& p) {
-  return c10::guts::to_string(p.unsafeGetTensorImpl());
-}
-
-// Runs fn(i) for each i in [0, n) on its own thread; the first error wins.
-absl::Status RunParallel(size_t n, const std::function<absl::Status(size_t)>& fn) {
-  std::vector<absl::Status> results(n);
-  std::vector<std::thread> threads;
-  for (size_t i = 0; i < n; ++i) threads.emplace_back([&, i] { results[i] = fn(i); });
-  for (auto& t : threads) t.join();
-  for (auto& s : results) {
-    if (!s.ok()) return s;
-  }
-  return absl::OkStatus();
-}
-
-// Every call to a parameter server has a deadline (OffloadConfig::rpc_timeout).
-void SetDeadline(grpc::ClientContext& ctx, absl::Duration timeout) {
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
-}
-
-}  // namespace
-
-struct OffloadOptimizer::Server {
-  PsRangeRef range;
-  std::unique_ptr<v1::ParameterServerService::Stub> stub;
-  // The same channel for the bulk calls, on byte buffers (server/ps/ps_client.h).
-  std::unique_ptr<grpc::GenericStub> generic;
-  // The server's TCP data plane, which carries pushes and pulls when set.
-  std::unique_ptr<ps::DataPlaneClient> data_plane;
-  std::string transport_note;  // why gRPC carries them otherwise
-
-  // Asks the server for its data plane (OffloadConfig::transport "tcp").
-  absl::Status ConnectDataPlane(const OffloadConfig& config) {
-    grpc::ClientContext ctx;
-    SetDeadline(ctx, config.rpc_timeout);
-    v1::DataPlaneInfo info;
-    const grpc::Status st = stub->GetDataPlane(&ctx, v1::GetDataPlaneRequest(), &info);
-    if (st.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
-      transport_note = "the server has no data plane (an older trainyard-ps)";
-      return absl::OkStatus();
-    }
-    if (!st.ok()) return Annotate(st, "data plane");
-    if (info.address().empty()) {
-      transport_note = "the server's data plane is off";
-      return absl::OkStatus();
-    }
-    if (info.version() != ps::kDataPlaneVersion) {
-      transport_note = absl::StrCat("the server's data plane speaks version ", info.version(),
-                                    ", not ", ps::kDataPlaneVersion);
-      return absl::OkStatus();
-    }
-    auto address = ps::DataPlaneDialAddress(info.address(), range.address);
-    if (!address.ok()) return Annotate(address.status(), "data plane");
-    data_plane = std::make_unique<ps::DataPlaneClient>(*address, config.tcp_congestion);
-    return absl::OkStatus();
-  }
-
-  // The two bulk calls, over the data plane when there is one, else gRPC; `data` / `out` hold
-  // the elements of the call's range.
-  absl::Status Push(const v1::GradientChunk& header, const float* data, int64_t begin, int64_t end,
-                    absl::Duration timeout) const {
-    v1::PushGradientsResponse response;
-    const absl::Status st =
-        data_plane ? data_plane->Push(header, data, begin, end, kChunkElements, timeout, &response)
-                   : FromGrpcStatus(ps::PushGradientsZeroCopy(*generic, header, data, begin, end,
-                                                              kChunkElements, timeout, &response));
-    return st.ok() ? st : Annotate(st, "push");
-  }
-  absl::Status UpdateAndPull(const v1::UpdateAndPullRequest& request, float* out,
-                             absl::Duration timeout) const {
-    const absl::Status st =
-        data_plane ? data_plane->UpdateAndPull(request, out, timeout)
-                   : FromGrpcStatus(ps::UpdateAndPullZeroCopy(*generic, request, out, timeout));
-    return st.ok() ? st : Annotate(st, "update and pull");
-  }
-
-  absl::Status Annotate(const absl::Status& s, const char* what) const {
-    return absl::Status(
-        s.code(), absl::StrCat("parameter server ", range.address, " (", what, "): ", s.message()));
-  }
-
-  absl::Status Annotate(const grpc::Status& s, const char* what) const {
-    return Annotate(FromGrpcStatus(s), what);
-  }
-};
-
-absl::StatusOr<std::vector<PsRangeRef>> ParsePsRanges(const std::string& flag) {
-  std::vector<PsRangeRef> out;
-  int64_t next = 0;
-  for (absl::string_view item : absl::StrSplit(flag, ',', absl::SkipEmpty())) {
-    std::vector<absl::string_view> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
-    std::vector<absl::string_view> be =
-        kv.size() == 2 ? absl::StrSplit(kv[1], ':') : std::vector<absl::string_view>{};
-    PsRangeRef r;
-    if (kv.size() != 2 || kv[0].empty() || be.size() != 2 || !absl::SimpleAtoi(be[0], &r.begin) ||
-        !absl::SimpleAtoi(be[1], &r.end)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--ps: expected ADDRESS=BEGIN:END,..., got '", item, "'"));
-    }
-    if (r.begin != next || r.end <= r.begin) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--ps: ranges must be non-empty and contiguous from 0; '", item,
-                       "' should begin at ", next));
-    }
-    r.address = std::string(kv[0]);
-    next = r.end;
-    out.push_back(std::move(r));
-  }
-  if (out.empty()) return absl::InvalidArgumentError("--ps: no parameter-server ranges");
-  return out;
-}
 
 class OffloadOptimizer::Hook : public torch::autograd::FunctionPostHook {
  public:
@@ -181,30 +56,9 @@ absl::StatusOr<std::unique_ptr<OffloadOptimizer>> OffloadOptimizer::Create(
                                                    ranges.empty() ? 0 : ranges.back().end,
                                                    " parameters but the model has ", o->total_));
   }
-  if (o->config_.transport != "tcp" && o->config_.transport != "grpc") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--ps-transport: '", o->config_.transport, "' is neither tcp nor grpc"));
-  }
   const int world = comm.world_size();
   o->slice_ = (o->total_ + world - 1) / world;
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(kMaxMessageBytes);
-  args.SetMaxSendMessageSize(kMaxMessageBytes);
-  RETURN_IF_ERROR(ps::CheckTcpCongestion(o->config_.tcp_congestion, "--ps-tcp-congestion"));
-  ps::SetTcpCongestion(&args, o->config_.tcp_congestion);
-  for (PsRangeRef& r : ranges) {
-    auto server = std::make_unique<Server>();
-    auto channel = grpc::CreateCustomChannel(r.address, grpc::InsecureChannelCredentials(), args);
-    server->stub = v1::ParameterServerService::NewStub(channel);
-    server->generic = std::make_unique<grpc::GenericStub>(channel);
-    server->range = std::move(r);
-    if (o->config_.transport == "tcp") {
-      RETURN_IF_ERROR(server->ConnectDataPlane(o->config_));
-    } else {
-      server->transport_note = "--ps-transport grpc";
-    }
-    o->servers_.push_back(std::move(server));
-  }
+  ASSIGN_OR_RETURN(o->servers_, ParameterServers::Connect(std::move(ranges), o->config_.servers));
   // Buckets in reverse registration order (the order backward produces gradients), as DDP's:
   // each a contiguous range of the flat vector of about bucket_mb.
   const int n = static_cast<int>(o->params_.size());
@@ -333,27 +187,11 @@ void OffloadOptimizer::GatherIntoModel(const torch::Tensor& slice) {
 absl::Status OffloadOptimizer::PushBucket(const Bucket& bucket, int64_t step) {
   const auto [a, b] = OwnedSlice();
   const int64_t lo = std::max(a, bucket.begin), hi = std::min(b, bucket.end);
-  std::vector<const Server*> targets;  // the servers holding part of [lo, hi)
-  for (const auto& server : servers_) {
-    if (std::max(lo, server->range.begin) < std::min(hi, server->range.end)) {
-      targets.push_back(server.get());
-    }
-  }
-  const auto push = [&](size_t i) -> absl::Status {
-    const Server& s = *targets[i];
-    const int64_t x0 = std::max(lo, s.range.begin), x1 = std::min(hi, s.range.end);
-    // Sent from grads_ itself: it does not change until the push returns.
-    v1::GradientChunk header;
-    header.set_job_id(config_.job_id);
-    header.set_attempt(config_.attempt);
-    header.set_step(step);
-    header.set_format(v1::WIRE_FP32);
-    RETURN_IF_ERROR(s.Push(header, grads_.data_ptr<float>() + x0, x0, x1, config_.rpc_timeout));
-    pushed_bytes_ += (x1 - x0) * 4;
-    return absl::OkStatus();
-  };
-  // A bucket spanning several servers is pushed to them at once.
-  return targets.size() == 1 ? push(0) : RunParallel(targets.size(), push);
+  if (lo >= hi) return absl::OkStatus();
+  // Sent from grads_ itself: it does not change until the push returns.
+  RETURN_IF_ERROR(servers_->Push(step, grads_.data_ptr<float>() + lo, lo, hi));
+  pushed_bytes_ += (hi - lo) * 4;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<double> OffloadOptimizer::FinishBackward(double* waited_s) {
@@ -392,16 +230,6 @@ absl::StatusOr<double> OffloadOptimizer::FinishBackward(double* waited_s) {
   return std::sqrt(sq.item<double>());
 }
 
-std::string OffloadOptimizer::TransportSummary() const {
-  std::string out;
-  for (const auto& s : servers_) {
-    absl::StrAppend(&out, out.empty() ? "" : ", ", s->range.address, ": ",
-                    s->data_plane ? absl::StrCat("data plane ", s->data_plane->address())
-                                  : absl::StrCat("gRPC (", s->transport_note, ")"));
-  }
-  return out;
-}
-
 std::pair<int64_t, int64_t> OffloadOptimizer::OwnedSlice() const {
   const int64_t a = std::min(total_, comm_.rank() * slice_);
   return {a, std::min(total_, a + slice_)};
@@ -431,7 +259,7 @@ absl::Status OffloadOptimizer::Initialize(int64_t step, torch::optim::Optimizer&
     if (has_state) {
       std::vector<torch::Tensor> ms, vs;
       for (const auto& p : params_) {
-        auto it = shadow.state().find(StateKey(p));
+        auto it = shadow.state().find(OptimizerStateKey(p));
         if (it == shadow.state().end()) {
           ms.push_back(torch::zeros({p.numel()}));
           vs.push_back(torch::zeros({p.numel()}));
@@ -444,41 +272,9 @@ absl::Status OffloadOptimizer::Initialize(int64_t step, torch::optim::Optimizer&
       m = torch::cat(ms).contiguous();
       v = torch::cat(vs).contiguous();
     }
-    RETURN_IF_ERROR(RunParallel(servers_.size(), [&](size_t i) -> absl::Status {
-      const Server& s = *servers_[i];
-      grpc::ClientContext ctx;
-      SetDeadline(ctx, config_.rpc_timeout);
-      v1::InitShardResponse response;
-      auto writer = s.stub->InitShard(&ctx, &response);
-      v1::InitShardChunk chunk;
-      auto* h = chunk.mutable_header();
-      h->set_job_id(config_.job_id);
-      h->set_attempt(config_.attempt);
-      h->set_begin(s.range.begin);
-      h->set_end(s.range.end);
-      h->set_total_params(total_);
-      h->mutable_adamw()->set_beta1(config_.beta1);
-      h->mutable_adamw()->set_beta2(config_.beta2);
-      h->mutable_adamw()->set_eps(config_.eps);
-      h->mutable_adamw()->set_weight_decay(config_.weight_decay);
-      h->set_step(step);
-      h->set_has_optimizer_state(has_state);
-      bool ok = writer->Write(chunk);
-      for (int64_t a = s.range.begin; ok && a < s.range.end; a += kChunkElements) {
-        const int64_t n = std::min(kChunkElements, s.range.end - a);
-        chunk.Clear();
-        chunk.set_offset(a);
-        chunk.set_params(reinterpret_cast<const char*>(flat.data_ptr<float>() + a), n * 4);
-        if (has_state) {
-          chunk.set_m(reinterpret_cast<const char*>(m.data_ptr<float>() + a), n * 4);
-          chunk.set_v(reinterpret_cast<const char*>(v.data_ptr<float>() + a), n * 4);
-        }
-        ok = writer->Write(chunk);
-      }
-      writer->WritesDone();
-      const grpc::Status st = writer->Finish();
-      return st.ok() ? absl::OkStatus() : s.Annotate(st, "init");
-    }));
+    RETURN_IF_ERROR(servers_->InitShards(step, flat.data_ptr<float>(),
+                                         has_state ? m.data_ptr<float>() : nullptr,
+                                         has_state ? v.data_ptr<float>() : nullptr));
   }
   comm_.Barrier();  // no rank pushes before every shard is initialized
   return absl::OkStatus();
@@ -487,30 +283,9 @@ absl::Status OffloadOptimizer::Initialize(int64_t step, torch::optim::Optimizer&
 absl::Status OffloadOptimizer::UpdateAndPull(int64_t step, double lr, double grad_scale,
                                              torch::Tensor& mine) {
   const auto [a, b] = OwnedSlice();
-  std::vector<int64_t> pulled(servers_.size(), 0);
-  RETURN_IF_ERROR(RunParallel(servers_.size(), [&](size_t i) -> absl::Status {
-    const Server& s = *servers_[i];
-    const int64_t lo = std::max(a, s.range.begin), hi = std::min(b, s.range.end);
-    if (lo >= hi) return absl::OkStatus();
-    v1::UpdateAndPullRequest request;
-    request.set_job_id(config_.job_id);
-    request.set_attempt(config_.attempt);
-    request.set_step(step);
-    request.set_begin(lo);
-    request.set_end(hi);
-    request.mutable_update()->set_lr(static_cast<float>(lr));
-    request.mutable_update()->set_grad_scale(static_cast<float>(grad_scale));
-    request.set_format(v1::WIRE_FP32);
-    request.set_chunk_elements(kChunkElements);
-    // Received straight into this rank's slice (over gRPC: decoded from its buffers).
-    RETURN_IF_ERROR(
-        s.UpdateAndPull(request, mine.data_ptr<float>() + (lo - a), config_.rpc_timeout));
-    pulled[i] = (hi - lo) * 4;
-    return absl::OkStatus();
-  }));
-  int64_t total = 0;
-  for (int64_t p : pulled) total += p;
-  pulled_bytes_ = total;
+  if (a < b)
+    RETURN_IF_ERROR(servers_->UpdateAndPull(step, lr, grad_scale, a, b, mine.data_ptr<float>()));
+  pulled_bytes_ = (b - a) * 4;
   return absl::OkStatus();
 }
 
@@ -547,41 +322,8 @@ absl::Status OffloadOptimizer::Flush() {
 absl::Status OffloadOptimizer::ReadIntoShadow(int64_t step, torch::optim::Optimizer& shadow) {
   torch::Tensor master = torch::empty({total_}), m = torch::empty({total_}),
                 v = torch::empty({total_});
-  RETURN_IF_ERROR(RunParallel(servers_.size(), [&](size_t i) -> absl::Status {
-    const Server& s = *servers_[i];
-    grpc::ClientContext ctx;
-    SetDeadline(ctx, config_.rpc_timeout);
-    v1::ReadShardStateRequest request;
-    request.set_job_id(config_.job_id);
-    request.set_attempt(config_.attempt);
-    request.set_step(step);
-    request.set_chunk_elements(kChunkElements);
-    auto reader = s.stub->ReadShardState(&ctx, request);
-    v1::ShardStateChunk chunk;
-    int64_t received = 0;
-    while (reader->Read(&chunk)) {
-      const int64_t n = static_cast<int64_t>(chunk.params().size()) / 4;
-      if (chunk.offset() < s.range.begin || chunk.offset() + n > s.range.end ||
-          chunk.m().size() != chunk.params().size() || chunk.v().size() != chunk.params().size()) {
-        ctx.TryCancel();
-        reader->Finish();
-        return absl::InternalError(
-            absl::StrCat("parameter server ", s.range.address, " sent a malformed state chunk"));
-      }
-      std::memcpy(master.data_ptr<float>() + chunk.offset(), chunk.params().data(), n * 4);
-      std::memcpy(m.data_ptr<float>() + chunk.offset(), chunk.m().data(), n * 4);
-      std::memcpy(v.data_ptr<float>() + chunk.offset(), chunk.v().data(), n * 4);
-      received += n;
-    }
-    const grpc::Status st = reader->Finish();
-    if (!st.ok()) return s.Annotate(st, "read state");
-    if (received != s.range.end - s.range.begin) {
-      return absl::InternalError(absl::StrCat("parameter server ", s.range.address, " sent ",
-                                              received, " of ", s.range.end - s.range.begin,
-                                              " state elements"));
-    }
-    return absl::OkStatus();
-  }));
+  RETURN_IF_ERROR(servers_->ReadState(step, master.data_ptr<float>(), m.data_ptr<float>(),
+                                      v.data_ptr<float>()));
   Unflatten(master);
   int64_t offset = 0;
   for (const auto& p : params_) {
@@ -589,7 +331,7 @@ absl::Status OffloadOptimizer::ReadIntoShadow(int64_t step, torch::optim::Optimi
     state->step(step);
     state->exp_avg(m.narrow(0, offset, p.numel()).view_as(p).clone());
     state->exp_avg_sq(v.narrow(0, offset, p.numel()).view_as(p).clone());
-    shadow.state()[StateKey(p)] = std::move(state);
+    shadow.state()[OptimizerStateKey(p)] = std::move(state);
     offset += p.numel();
   }
   return absl::OkStatus();

@@ -30,37 +30,17 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "absl/time/time.h"
 #include "worker/trainer/communicator.h"
+#include "worker/trainer/parameter_servers.h"
 
 namespace trainyard::trainer {
 
-struct PsRangeRef {
-  std::string address;
-  int64_t begin = 0;
-  int64_t end = 0;
-};
-
-// Parses --ps "ADDRESS=BEGIN:END,..." (contiguous ranges from 0, in order). INVALID_ARGUMENT
-// names what is wrong.
-absl::StatusOr<std::vector<PsRangeRef>> ParsePsRanges(const std::string& flag);
-
 struct OffloadConfig {
-  std::string job_id;
-  int attempt = 1;
-  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0;
+  // The job, the servers' AdamW and how to reach them.
+  PsClientConfig servers;
   // Step t's update and pull run on the pusher thread while step t+1 computes with the
   // parameters of step t-1; they reach the model after step t+1's backward.
   bool delayed_update = false;
-  // Deadline of every call to a parameter server: one that hangs (stopped, cut off) fails the
-  // rank with DEADLINE_EXCEEDED naming it instead of stalling the job.
-  absl::Duration rpc_timeout = absl::Minutes(2);
-  // TCP congestion control of the connections to the servers; empty: the host's
-  // (server/ps/tcp_congestion.h).
-  std::string tcp_congestion;
-  // How pushes and pulls travel: "tcp", each server's data plane (server/ps/data_plane_wire.h)
-  // where it offers one, else gRPC; "grpc", always the gRPC calls.
-  std::string transport = "tcp";
 };
 
 class OffloadOptimizer {
@@ -100,15 +80,13 @@ class OffloadOptimizer {
   absl::Status ReadIntoShadow(int64_t step, torch::optim::Optimizer& shadow);
 
   int num_buckets() const { return static_cast<int>(buckets_.size()); }
-  // How each server is spoken to, for the rank's log: "ADDRESS: data plane HOST:PORT" or
-  // "ADDRESS: gRPC (...)", comma-separated.
-  std::string TransportSummary() const;
+  // The servers' connections, for the rank's log (ParameterServers).
+  const ParameterServers& servers() const { return *servers_; }
   // Bytes this rank sent to and received from the parameter servers in the last step.
   int64_t pushed_bytes() const { return pushed_bytes_; }
   int64_t pulled_bytes() const { return pulled_bytes_; }
 
  private:
-  struct Server;
   struct Bucket {
     int64_t begin = 0, end = 0;  // flat elements [begin, end): params first_param..last_param
     int first_param = 0, last_param = 0;
@@ -142,7 +120,7 @@ class OffloadOptimizer {
   std::vector<int64_t> offsets_;  // flat offset of each parameter
   Communicator& comm_;
   const OffloadConfig config_;
-  std::vector<std::unique_ptr<Server>> servers_;
+  std::unique_ptr<ParameterServers> servers_;
   int64_t total_ = 0;
   int64_t slice_ = 0;    // elements per rank (the last slice is padded)
   torch::Tensor grads_;  // flat fp32 gradients, averaged once their bucket is reduced

@@ -1,9 +1,9 @@
-// Precompiled header of the trainer targets: the LibTorch and gRPC headers that every trainer
-// file includes. Only CMake's target_precompile_headers includes this file.
+// Precompiled header of the trainer's LibTorch side (trainyard_trainer): the LibTorch headers that
+// every such file includes. No gRPC or protobuf: see worker/CMakeLists.txt. Only CMake's
+// target_precompile_headers includes this file.
 #ifndef TRAINYARD_WORKER_TRAINER_PCH_H_
 #define TRAINYARD_WORKER_TRAINER_PCH_H_
 
-#include <grpcpp/grpcpp.h>
 #include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>

@@ -8,7 +8,6 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
-#include <deque>
 #include <fstream>
 #include <iostream>
 #include <thread>
@@ -18,10 +17,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
-#include "common/grpc_status.h"
 #include "common/status_macros.h"
-#include "server/ps/tcp_congestion.h"
-#include "trainyard/v1/trainer.grpc.pb.h"
+#include "worker/trainer/blas.h"
 #include "worker/trainer/checkpoint.h"
 #include "worker/trainer/communicator.h"
 #include "worker/trainer/coordinator_store.h"
@@ -32,7 +29,10 @@
 #include "worker/trainer/fused_adamw.h"
 #include "worker/trainer/model.h"
 #include "worker/trainer/offload.h"
+#include "worker/trainer/onednn_matmul.h"
 #include "worker/trainer/param_dump.h"
+#include "worker/trainer/reporter.h"
+#include "worker/trainer/torch_compat.h"
 
 namespace trainyard::trainer {
 namespace {
@@ -71,106 +71,6 @@ int64_t UnixMillis() {
       .count();
 }
 
-// Rank 0's link to TrainerService. Reports go through a queue to a thread; the commands in the
-// replies accumulate until the loop takes them. Failures are logged once and otherwise ignored.
-// Thread-safe: the training thread enqueues and takes; the reporter thread sends.
-class Reporter {
- public:
-  explicit Reporter(std::shared_ptr<grpc::Channel> channel)
-      : stub_(v1::TrainerService::NewStub(channel)), thread_([this] { Loop(); }) {}
-
-  // Sends at most the latest queued report (so exit takes at most one call's deadline, also when
-  // the coordinator is gone), then joins the thread.
-  ~Reporter() {
-    {
-      absl::MutexLock lock(&mu_);
-      stopping_ = true;
-      while (queue_.size() > 1) queue_.pop_front();
-    }
-    thread_.join();
-  }
-
-  void ReportStep(v1::StepReport report) {
-    absl::MutexLock lock(&mu_);
-    if (queue_.size() > 100) queue_.pop_front();  // never grow without bound
-    queue_.push_back(std::move(report));
-  }
-
-  // Synchronous (checkpoints are rare and the coordinator should know before a stop). The
-  // coordinator repeats checkpoint_requested in every reply until it has this report, so a
-  // request seen in the reply to a step report sent before it is already served: it is dropped.
-  void ReportCheckpoint(const v1::CheckpointReport& report) {
-    {
-      absl::MutexLock lock(&mu_);
-      checkpointed_step_ = report.step();
-      pending_.set_checkpoint_requested(false);
-    }
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    v1::TrainerCommands commands;
-    Handle(stub_->ReportCheckpoint(&ctx, report, &commands), commands, "ReportCheckpoint",
-           report.step() + 1);
-  }
-
-  // Commands received since the last call.
-  v1::TrainerCommands TakeCommands() {
-    absl::MutexLock lock(&mu_);
-    v1::TrainerCommands out = pending_;
-    pending_.Clear();
-    return out;
-  }
-
- private:
-  void Loop() {
-    while (true) {
-      v1::StepReport report;
-      {
-        absl::MutexLock lock(&mu_);
-        auto ready = [this] { return stopping_ || !queue_.empty(); };
-        mu_.Await(absl::Condition(&ready));
-        if (queue_.empty()) return;
-        report = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-      v1::TrainerCommands commands;
-      Handle(stub_->ReportStep(&ctx, report, &commands), commands, "ReportStep", report.step());
-    }
-  }
-
-  // `step`: the last step the coordinator knew of when it replied.
-  void Handle(const grpc::Status& s, const v1::TrainerCommands& commands, const char* call,
-              int64_t step) {
-    absl::MutexLock lock(&mu_);
-    if (s.ok()) {
-      if (commands.checkpoint_requested() && step > checkpointed_step_) {
-        pending_.set_checkpoint_requested(true);
-      }
-      if (commands.stop_requested()) pending_.set_stop_requested(true);
-      return;
-    }
-    if (s.error_code() == grpc::StatusCode::FAILED_PRECONDITION) {
-      // Not the job's running attempt any more: stop gracefully.
-      pending_.set_stop_requested(true);
-    }
-    if (!warned_) {
-      warned_ = true;
-      Log(absl::StrCat("warning: ", call, " to the coordinator failed (", s.error_code(), ": ",
-                       s.error_message(), "); training goes on, further failures are not logged"));
-    }
-  }
-
-  std::unique_ptr<v1::TrainerService::Stub> stub_;
-  absl::Mutex mu_;
-  std::deque<v1::StepReport> queue_ ABSL_GUARDED_BY(mu_);
-  v1::TrainerCommands pending_ ABSL_GUARDED_BY(mu_);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  bool warned_ ABSL_GUARDED_BY(mu_) = false;
-  int64_t checkpointed_step_ ABSL_GUARDED_BY(mu_) = -1;  // last checkpoint reported
-  std::thread thread_;
-};
-
 // The windows of `samples` as a [batch, seq_len + 1] int64 tensor.
 torch::Tensor MakeBatch(const TokenData& data, const std::vector<int64_t>& samples, int seq_len) {
   torch::Tensor batch =
@@ -198,18 +98,18 @@ absl::Status WriteDump(const std::string& path, torch::nn::Module& model) {
 }
 
 absl::Status Train(const TrainerOptions& o) {
-  const v1::JobSpec& spec = o.spec;
-  const v1::ModelSpec& m = spec.model();
-  const v1::TrainSpec& t = spec.train();
+  const JobConfig& spec = o.job;
+  const ModelConfig& m = spec.model;
+  const TrainConfig& t = spec.train;
   const bool rank0 = o.rank == 0;
 
   // Bad input fails here, before this rank makes the others wait at the rendezvous.
-  const v1::ParallelSpec& par = spec.parallel();
-  const bool offload = par.strategy() == v1::OFFLOAD;
+  const ParallelConfig& par = spec.parallel;
+  const bool offload = par.strategy == Strategy::kOffload;
   // FSDP's NO_SHARD keeps whole parameters, gradients and optimizer state on every rank and
   // all-reduces the gradients: DDP, which runs it.
-  const bool fsdp_on = par.strategy() == v1::FSDP && par.sharding_strategy() != v1::NO_SHARD;
-  const bool hybrid = fsdp_on && par.sharding_strategy() == v1::HYBRID_SHARD;
+  const bool fsdp_on = par.strategy == Strategy::kFsdp && par.sharding != Sharding::kNoShard;
+  const bool hybrid = fsdp_on && par.sharding == Sharding::kHybridShard;
   const int local_world = o.local_world_size > 0 ? o.local_world_size : o.world_size;
   if (hybrid && (local_world > o.world_size || o.world_size % local_world != 0)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -225,25 +125,24 @@ absl::Status Train(const TrainerOptions& o) {
     }
     ASSIGN_OR_RETURN(ps_ranges, ParsePsRanges(o.ps_ranges));
   }
-  ASSIGN_OR_RETURN(TokenData data,
-                   TokenData::Load(spec.data().path(), spec.data().format(), m.vocab()));
-  const int64_t num_samples = NumSamples(data.size(), m.seq_len());
+  ASSIGN_OR_RETURN(TokenData data, TokenData::Load(spec.data.path, spec.data.format, m.vocab));
+  const int64_t num_samples = NumSamples(data.size(), m.seq_len);
   if (num_samples < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("model.seq_len: ", m.seq_len(), " needs at least ", m.seq_len() + 1,
-                     " tokens, but data.path '", spec.data().path(), "' has only ", data.size()));
+    return absl::InvalidArgumentError(absl::StrCat("model.seq_len: ", m.seq_len, " needs at least ",
+                                                   m.seq_len + 1, " tokens, but data.path '",
+                                                   spec.data.path, "' has only ", data.size()));
   }
 
   torch::set_num_threads(o.threads);
-  auto channel = grpc::CreateChannel(o.coordinator, grpc::InsecureChannelCredentials());
   std::unique_ptr<Communicator> comm;
   // FSDP: the ranks a shard is spread over and the ranks that hold the same shard.
   std::unique_ptr<Communicator> shard_comm, replica_comm;
   if (o.world_size == 1) {
     comm = MakeLocalCommunicator();
   } else {
-    auto store = c10::make_intrusive<CoordinatorStore>(channel, o.job_id, o.attempt,
-                                                       std::chrono::minutes(5));
+    auto store = c10::make_intrusive<CoordinatorStore>(
+        std::make_shared<RendezvousClient>(o.coordinator, o.job_id, o.attempt),
+        std::chrono::minutes(5));
     // All ranks on this host (the worker says how many of the job's ranks it runs): gradients
     // are summed through shared memory instead of loopback TCP.
     ASSIGN_OR_RETURN(comm, MakeGlooCommunicator(store, o.rank, o.world_size, o.gloo_hostname,
@@ -280,27 +179,27 @@ absl::Status Train(const TrainerOptions& o) {
   }
 
   ModelOptions model_options;
-  model_options.bf16 = t.mixed_precision() == v1::BF16;
-  model_options.activation_checkpointing = t.activation_checkpointing();
+  model_options.bf16 = t.precision == Precision::kBf16;
+  model_options.activation_checkpointing = t.activation_checkpointing;
   // FSDP with cpu_ram_efficient_loading: only rank 0 holds the whole model, the others receive
   // their shards from it.
-  const bool from_rank0 = fsdp_on && par.cpu_ram_efficient_loading() && o.world_size > 1;
+  const bool from_rank0 = fsdp_on && par.cpu_ram_efficient_loading && o.world_size > 1;
   model_options.materialize = !from_rank0 || rank0;
-  std::shared_ptr<LanguageModel> model = BuildModel(m, model_options, t.seed());
+  std::shared_ptr<LanguageModel> model = BuildModel(m, model_options, t.seed);
   std::vector<torch::Tensor> params = model->parameters();
   // betas (0.9, 0.95) as in GPT-3 / nanoGPT; weight decay on every parameter.
-  AdamHyper adam{t.lr(), 0.9, 0.95, 1e-8, t.weight_decay()};
+  AdamHyper adam{t.lr, 0.9, 0.95, 1e-8, t.weight_decay};
   std::unique_ptr<FsdpModel> fsdp;
   std::unique_ptr<torch::optim::AdamW> optimizer_holder;
   int64_t step = 0;
   if (fsdp_on) {
     FsdpConfig config;
-    config.sharding = par.sharding_strategy();
-    config.wrap = par.auto_wrap_policy();
-    config.min_num_params = par.min_num_params();
-    config.backward_prefetch = par.backward_prefetch();
-    config.forward_prefetch = par.forward_prefetch();
-    config.max_gathered_units = par.max_gathered_units();
+    config.sharding = par.sharding;
+    config.wrap = par.wrap;
+    config.min_num_params = par.min_num_params;
+    config.backward_prefetch = par.backward_prefetch;
+    config.forward_prefetch = par.forward_prefetch;
+    config.max_gathered_units = par.max_gathered_units;
     config.beta1 = adam.beta1;
     config.beta2 = adam.beta2;
     config.eps = adam.eps;
@@ -336,22 +235,22 @@ absl::Status Train(const TrainerOptions& o) {
   std::unique_ptr<OffloadOptimizer> offloaded;
   if (offload) {
     OffloadConfig config;
-    config.job_id = o.job_id;
-    config.attempt = o.attempt;
-    config.beta1 = 0.9;
-    config.beta2 = 0.95;
-    config.eps = 1e-8;
-    config.weight_decay = t.weight_decay();
-    config.delayed_update = spec.parallel().delayed_update();
-    config.rpc_timeout = absl::Seconds(o.ps_rpc_timeout_s);
-    config.tcp_congestion = o.ps_tcp_congestion;
-    config.transport = o.ps_transport;
+    config.servers.job_id = o.job_id;
+    config.servers.attempt = o.attempt;
+    config.servers.beta1 = adam.beta1;
+    config.servers.beta2 = adam.beta2;
+    config.servers.eps = adam.eps;
+    config.servers.weight_decay = adam.weight_decay;
+    config.servers.rpc_timeout = absl::Seconds(o.ps_rpc_timeout_s);
+    config.servers.tcp_congestion = o.ps_tcp_congestion;
+    config.servers.transport = o.ps_transport;
+    config.delayed_update = par.delayed_update;
     ASSIGN_OR_RETURN(offloaded, OffloadOptimizer::Create(params, *comm, std::move(ps_ranges),
-                                                         config, spec.parallel().bucket_mb()));
+                                                         config, par.bucket_mb));
     if (o.rank == 0) {
       Log(absl::StrCat("parameter-server connections: TCP congestion control ",
-                       ps::TcpCongestionInUse(o.ps_tcp_congestion)));
-      Log(absl::StrCat("parameter-server transfers: ", offloaded->TransportSummary()));
+                       offloaded->servers().TcpCongestionInUse()));
+      Log(absl::StrCat("parameter-server transfers: ", offloaded->servers().TransportSummary()));
     }
     RETURN_IF_ERROR(offloaded->Initialize(step, *optimizer_holder));
   }
@@ -359,11 +258,13 @@ absl::Status Train(const TrainerOptions& o) {
   std::unique_ptr<GradientReducer> reducer;
   if (o.world_size > 1 && !offload && !fsdp) {
     // The first bucket is 1 MiB like PyTorch's, or smaller when the buckets are.
-    const double bucket_mb = spec.parallel().bucket_mb();
+    const double bucket_mb = par.bucket_mb;
     reducer = std::make_unique<GradientReducer>(params, *comm, bucket_mb, std::min(1.0, bucket_mb));
   }
   std::unique_ptr<Reporter> reporter;
-  if (rank0 && !o.job_id.empty()) reporter = std::make_unique<Reporter>(channel);
+  if (rank0 && !o.job_id.empty()) {
+    reporter = std::make_unique<Reporter>(o.coordinator, o.job_id, o.attempt, o.rank, &Log);
+  }
   std::ofstream metrics;
   if (rank0 && !o.metrics_file.empty()) {
     metrics.open(o.metrics_file, std::ios::app);
@@ -373,10 +274,9 @@ absl::Status Train(const TrainerOptions& o) {
     }
   }
 
-  const int64_t total_steps = t.steps();
-  const int grad_accum = t.grad_accum();
-  DistributedSampler sampler(num_samples, t.seed(), t.micro_batch(), grad_accum, o.world_size,
-                             o.rank);
+  const int64_t total_steps = t.steps;
+  const int grad_accum = t.grad_accum;
+  DistributedSampler sampler(num_samples, t.seed, t.micro_batch, grad_accum, o.world_size, o.rank);
   const int64_t params_count = [&] {
     int64_t n = 0;
     for (const auto& p : params) n += p.numel();
@@ -385,13 +285,11 @@ absl::Status Train(const TrainerOptions& o) {
   Log(absl::StrFormat(
       "trainer rank %d/%d: %s model, %d parameters, %d tokens (%d samples), global batch %d, "
       "%d buckets, %s, steps %d..%d",
-      o.rank, o.world_size, m.kind(), params_count, data.size(), num_samples,
-      sampler.global_batch(),
+      o.rank, o.world_size, m.kind, params_count, data.size(), num_samples, sampler.global_batch(),
       reducer ? reducer->num_buckets() : (offloaded ? offloaded->num_buckets() : 0),
-      fsdp ? absl::StrFormat("fsdp %s: %d units, shard group %d",
-                             v1::ShardingStrategy_Name(par.sharding_strategy()), fsdp->num_units(),
-                             fsdp->shard_count())
-           : std::string(v1::Strategy_Name(par.strategy())),
+      fsdp ? absl::StrFormat("fsdp %s: %d units, shard group %d", Name(par.sharding),
+                             fsdp->num_units(), fsdp->shard_count())
+           : std::string(Name(par.strategy)),
       step, total_steps));
   Log(absl::StrCat("collectives: ", comm->Describe()));
 
@@ -409,7 +307,7 @@ absl::Status Train(const TrainerOptions& o) {
       if (reducer) reducer->Prepare(micro == grad_accum - 1);
       if (offloaded) offloaded->Prepare(micro == grad_accum - 1, step + 1);
       if (fsdp) fsdp->BeginForward(micro == grad_accum - 1);
-      torch::Tensor batch = MakeBatch(data, sampler.MicroBatch(step, micro), m.seq_len());
+      torch::Tensor batch = MakeBatch(data, sampler.MicroBatch(step, micro), m.seq_len);
       torch::Tensor loss = model->Loss(batch) / grad_accum;
       if (fsdp) fsdp->WatchLoss(loss);
       const auto backward_start = Clock::now();
@@ -435,8 +333,8 @@ absl::Status Train(const TrainerOptions& o) {
       grad_norm = std::sqrt(sq);
     }
     const double clip_scale =
-        t.grad_clip() > 0 && grad_norm > t.grad_clip() ? t.grad_clip() / (grad_norm + 1e-6) : 1.0;
-    const double lr = LearningRate(step, total_steps, t.warmup(), t.lr());
+        t.grad_clip > 0 && grad_norm > t.grad_clip ? t.grad_clip / (grad_norm + 1e-6) : 1.0;
+    const double lr = LearningRate(step, total_steps, t.warmup, t.lr);
     if (offloaded) {
       // The parameter servers scale the gradients (clipping) as they apply AdamW.
       RETURN_IF_ERROR(offloaded->Step(lr, clip_scale));
@@ -453,11 +351,11 @@ absl::Status Train(const TrainerOptions& o) {
 
     // One tiny all-reduce per step: the global mean loss, and the flags every rank must agree on
     // (coordinator commands reach rank 0 only; SIGTERM may reach any rank).
-    v1::TrainerCommands commands;
+    TrainerCommands commands;
     if (reporter) commands = reporter->TakeCommands();
     torch::Tensor agree =
-        torch::tensor({loss_sum, commands.checkpoint_requested() ? 1.0 : 0.0,
-                       commands.stop_requested() ? 1.0 : 0.0, TakeSigterm() ? 1.0 : 0.0},
+        torch::tensor({loss_sum, commands.checkpoint_requested ? 1.0 : 0.0,
+                       commands.stop_requested ? 1.0 : 0.0, TakeSigterm() ? 1.0 : 0.0},
                       torch::kDouble);
     comm->AllReduceSum({agree})->Wait();
     const double loss = agree[0].item<double>() / o.world_size;
@@ -493,28 +391,25 @@ absl::Status Train(const TrainerOptions& o) {
         metrics << line.dump() << std::endl;
       }
       if (reporter) {
-        v1::StepReport r;
-        r.set_job_id(o.job_id);
-        r.set_attempt(o.attempt);
-        r.set_rank(o.rank);
-        r.set_step(step);
-        r.set_total_steps(total_steps);
-        r.set_loss(loss);
-        r.set_lr(lr);
-        r.set_tokens_per_second(tokens_per_s);
-        r.set_step_seconds(step_s);
-        r.set_grad_norm(grad_norm);
-        r.set_resident_bytes(ResidentBytes());
-        r.set_model_state_peak_bytes(model_state_bytes);
-        r.set_comm_bytes(comm_bytes);
-        r.set_time_ms(UnixMillis());
-        reporter->ReportStep(std::move(r));
+        StepReport r;
+        r.step = step;
+        r.total_steps = total_steps;
+        r.loss = loss;
+        r.lr = lr;
+        r.tokens_per_second = tokens_per_s;
+        r.step_seconds = step_s;
+        r.grad_norm = grad_norm;
+        r.resident_bytes = ResidentBytes();
+        r.model_state_peak_bytes = model_state_bytes;
+        r.comm_bytes = comm_bytes;
+        r.time_ms = UnixMillis();
+        reporter->ReportStep(r);
       }
     }
 
     const bool stop_after = o.stop_after_steps > 0 && step - run_start_step >= o.stop_after_steps;
     const bool stop = stop_requested || sigterm || stop_after;
-    const int64_t every = spec.checkpoint().every_steps();
+    const int64_t every = spec.checkpoint_every_steps;
     const bool checkpoint =
         !o.checkpoint_dir.empty() &&
         (stop || checkpoint_requested || step == total_steps || (every > 0 && step % every == 0));
@@ -526,13 +421,7 @@ absl::Status Train(const TrainerOptions& o) {
         Log(absl::StrCat("checkpoint step ", info.step, " path ", info.path, " bytes ", info.bytes,
                          " (sharded)"));
         if (reporter) {
-          v1::CheckpointReport r;
-          r.set_job_id(o.job_id);
-          r.set_attempt(o.attempt);
-          r.set_step(info.step);
-          r.set_path(info.path);
-          r.set_bytes(info.bytes);
-          reporter->ReportCheckpoint(r);
+          reporter->ReportCheckpoint({info.step, info.path, info.bytes});
         }
       }
     } else if (checkpoint) {
@@ -547,13 +436,7 @@ absl::Status Train(const TrainerOptions& o) {
         Log(absl::StrCat("checkpoint step ", info.step, " path ", info.path, " bytes ",
                          info.bytes));
         if (reporter) {
-          v1::CheckpointReport r;
-          r.set_job_id(o.job_id);
-          r.set_attempt(o.attempt);
-          r.set_step(info.step);
-          r.set_path(info.path);
-          r.set_bytes(info.bytes);
-          reporter->ReportCheckpoint(r);
+          reporter->ReportCheckpoint({info.step, info.path, info.bytes});
         }
       }
       comm->Barrier();  // no rank runs ahead of (or exits before) a durable checkpoint
@@ -573,12 +456,12 @@ absl::Status Train(const TrainerOptions& o) {
   if (fsdp) fsdp->GatherFullParameters();
   if (!o.dump_params.empty()) RETURN_IF_ERROR(WriteDump(o.dump_params, *model));
   // What the model learned, for people: rank 0 of a finished byte-level run writes a sample.
-  if (rank0 && step == total_steps && spec.data().format() == "bytes") {
+  if (rank0 && step == total_steps && spec.data.format == "bytes") {
     const std::string prompt = "The ";
     model->eval();
     const std::vector<int64_t> sampled =
         Generate(*model, std::vector<int64_t>(prompt.begin(), prompt.end()), 240,
-                 /*temperature=*/0.8, spec.train().seed(), spec.model().seq_len());
+                 /*temperature=*/0.8, t.seed, m.seq_len);
     std::string text = prompt;
     for (int64_t token : sampled) text.push_back(static_cast<char>(token & 0xff));
     Log("sample (temperature 0.8):");
@@ -599,6 +482,16 @@ absl::Status RunConsolidate(const std::string& sharded, const std::string& out_d
   } catch (const c10::Error& e) {
     return absl::InternalError(absl::StrCat("LibTorch: ", e.what_without_backtrace()));
   }
+}
+
+std::string DescribeCompute() {
+  return absl::StrCat("LibTorch ", TorchVersionString(), "\n", DescribeBlas(), "\n",
+                      DescribeMatmuls());
+}
+
+std::string SupportedDevices() {
+  // "cuda" joins once the training path runs on the device (issue: the GPU trainer).
+  return "cpu";
 }
 
 void InstallSigtermHandler() {

@@ -1,8 +1,10 @@
-// The training rank: RunTrainer is everything `trainyard-trainer` does after parsing its flags.
-// It loads the data (failing fast on bad input, before any rendezvous), joins the job attempt's
-// process group through the coordinator's rendezvous, builds the model and AdamW, resumes from
-// DIR/latest, and runs the optimizer steps with DDP gradient averaging, reporting each step to the
-// coordinator (rank 0) and checkpointing when the spec, the coordinator, SIGTERM or
+// The training rank (LibTorch side; no gRPC or protobuf in this header or its .cc, which reach
+// the coordinator through reporter.h and rendezvous_client.h): RunTrainer is everything
+// `trainyard-trainer` does after parsing its flags. It loads the data (failing fast on bad input,
+// before any rendezvous), joins the job attempt's process group through the coordinator's
+// rendezvous, builds the model and AdamW, resumes from DIR/latest, and runs the optimizer steps
+// with DDP gradient averaging, reporting each step to the coordinator (rank 0) and checkpointing
+// when the spec, the coordinator, SIGTERM or
 // --stop-after-steps ask. Strategies: ddp (and fsdp NO_SHARD, which behaves as DDP), fsdp
 // (FsdpModel, sharded checkpoints) and offload (OffloadOptimizer, parameter servers).
 //
@@ -17,12 +19,12 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "trainyard/v1/job.pb.h"
+#include "common/job_config.h"
 
 namespace trainyard::trainer {
 
 struct TrainerOptions {
-  v1::JobSpec spec;  // defaults applied and validated
+  JobConfig job;  // from a spec with defaults applied and validated (common/spec.h ToJobConfig)
   std::string job_id;
   int attempt = 1;
   int rank = 0;
@@ -55,6 +57,14 @@ absl::Status RunTrainer(const TrainerOptions& options);
 // `trainyard-trainer --consolidate-checkpoint DIR/step-N --out OUT`: a sharded FSDP checkpoint as
 // a DDP one in OUT (see fsdp_checkpoint.h).
 absl::Status RunConsolidate(const std::string& sharded, const std::string& out_dir);
+
+// What computes: the LibTorch version, the BLAS and the matmul kernels (for --version and the
+// rank's log), one line each.
+std::string DescribeCompute();
+
+// The devices this rank can train on, as `trainyard-trainer --supported-devices` tells the
+// worker: "cpu", and "cuda" after it when this LibTorch was built with CUDA and sees a GPU.
+std::string SupportedDevices();
 
 }  // namespace trainyard::trainer
 

@@ -1,0 +1,63 @@
+// Names and the parameter count of JobConfig (see job_config.h).
+#include "common/job_config.h"
+
+namespace trainyard {
+
+const char* Name(Strategy s) {
+  switch (s) {
+    case Strategy::kDdp:
+      return "ddp";
+    case Strategy::kFsdp:
+      return "fsdp";
+    case Strategy::kOffload:
+      return "offload";
+  }
+  return "?";
+}
+
+const char* Name(Sharding s) {
+  switch (s) {
+    case Sharding::kFullShard:
+      return "FULL_SHARD";
+    case Sharding::kShardGradOp:
+      return "SHARD_GRAD_OP";
+    case Sharding::kNoShard:
+      return "NO_SHARD";
+    case Sharding::kHybridShard:
+      return "HYBRID_SHARD";
+  }
+  return "?";
+}
+
+const char* Name(WrapPolicy p) {
+  return p == WrapPolicy::kSizeBased ? "SIZE_BASED_WRAP" : "TRANSFORMER_BASED_WRAP";
+}
+
+const char* Name(BackwardPrefetch p) {
+  switch (p) {
+    case BackwardPrefetch::kBackwardPre:
+      return "BACKWARD_PRE";
+    case BackwardPrefetch::kBackwardPost:
+      return "BACKWARD_POST";
+    case BackwardPrefetch::kNoPrefetch:
+      return "NO_PREFETCH";
+  }
+  return "?";
+}
+
+const char* Name(Precision p) { return p == Precision::kBf16 ? "bf16" : "fp32"; }
+
+int64_t ModelParameterCount(const ModelConfig& m) {
+  const int64_t d = m.d_model, v = m.vocab, layers = m.n_layer;
+  if (m.kind == "mlp") {
+    const int64_t h = m.d_hidden;
+    return v * d + layers * (d * h + h + h * d + d) + d * v + v;
+  }
+  // Token + position embeddings; per block two LayerNorms, qkv and output projections, a 4x MLP;
+  // a final LayerNorm; the head (shares the token embedding when tied).
+  const int64_t per_block =
+      2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d);
+  return v * d + int64_t{m.seq_len} * d + layers * per_block + 2 * d + (m.tie_weights ? 0 : v * d);
+}
+
+}  // namespace trainyard
