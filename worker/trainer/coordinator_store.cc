@@ -21,6 +21,12 @@ T ValueOrThrow(absl::StatusOr<T> s) {
   return *std::move(s);
 }
 
+// The timeout to send: the store's, or 30 s when it has none.
+std::chrono::milliseconds Effective(std::chrono::milliseconds timeout) {
+  return timeout == c10d::Store::kNoTimeout ? std::chrono::milliseconds(std::chrono::seconds(30))
+                                            : timeout;
+}
+
 }  // namespace
 
 CoordinatorStore::CoordinatorStore(std::shared_ptr<RendezvousClient> client,
@@ -32,12 +38,6 @@ c10::intrusive_ptr<c10d::Store> CoordinatorStore::clone() {
   return c10::make_intrusive<CoordinatorStore>(client_, timeout_);
 }
 #endif
-
-// The timeout to send: the store's, or 30 s when it has none.
-static std::chrono::milliseconds Effective(std::chrono::milliseconds timeout) {
-  return timeout == c10d::Store::kNoTimeout ? std::chrono::milliseconds(std::chrono::seconds(30))
-                                            : timeout;
-}
 
 void CoordinatorStore::set(const std::string& key, const std::vector<uint8_t>& value) {
   ThrowIfError(client_->Set(key, ToString(value)));

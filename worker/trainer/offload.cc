@@ -6,7 +6,6 @@
 
 #include <chrono>
 #include <cmath>
-#include <cstring>
 #include <thread>
 
 #include "absl/strings/str_cat.h"

@@ -36,12 +36,13 @@ struct RendezvousClient::Stub {
   }
 };
 
-RendezvousClient::RendezvousClient(const std::string& coordinator, std::string job_id, int attempt)
-    : stub_(std::make_unique<Stub>()), job_id_(std::move(job_id)), attempt_(attempt) {
+RendezvousClient::RendezvousClient(const std::string& coordinator, const std::string& job_id,
+                                   int attempt)
+    : stub_(std::make_unique<Stub>()) {
   stub_->stub = v1::RendezvousService::NewStub(
       grpc::CreateChannel(coordinator, grpc::InsecureChannelCredentials()));
-  stub_->scope.set_job_id(job_id_);
-  stub_->scope.set_attempt(attempt_);
+  stub_->scope.set_job_id(job_id);
+  stub_->scope.set_attempt(attempt);
 }
 
 RendezvousClient::~RendezvousClient() = default;
@@ -146,20 +147,6 @@ absl::Status RendezvousClient::Wait(const std::vector<std::string>& keys,
   r.set_timeout_ms(timeout.count());
   v1::WaitResponse resp;
   return stub_->Check(stub_->stub->Wait(&ctx, r, &resp), "Wait", keys.empty() ? "" : keys.front());
-}
-
-absl::Status RendezvousClient::Barrier(const std::string& name, int rank, int world_size,
-                                       std::chrono::milliseconds timeout) {
-  grpc::ClientContext ctx;
-  Prepare(ctx, timeout);
-  v1::BarrierRequest r;
-  *r.mutable_scope() = stub_->scope;
-  r.set_name(name);
-  r.set_rank(rank);
-  r.set_world_size(world_size);
-  r.set_timeout_ms(timeout.count());
-  v1::BarrierResponse resp;
-  return stub_->Check(stub_->stub->Barrier(&ctx, r, &resp), "Barrier", name);
 }
 
 }  // namespace trainyard::trainer

@@ -1,5 +1,5 @@
-// RendezvousClient: the coordinator's RendezvousService (a key-value store and barriers scoped to
-// one job attempt) for a training rank. The trainer's gRPC side: its header names no gRPC or
+// RendezvousClient: the coordinator's RendezvousService (a key-value store scoped to one job
+// attempt) for a training rank. The trainer's gRPC side: its header names no gRPC or
 // protobuf type, so the LibTorch side (CoordinatorStore, the c10d::Store over it) can include it.
 // The coordinator closes the scope when the attempt ends, which fails blocked calls.
 //
@@ -22,7 +22,7 @@ class RendezvousClient {
  public:
   // `coordinator`: HOST:PORT. Calls wait for the channel to connect (ranks may start before the
   // coordinator accepts), within their deadline.
-  RendezvousClient(const std::string& coordinator, std::string job_id, int attempt);
+  RendezvousClient(const std::string& coordinator, const std::string& job_id, int attempt);
   ~RendezvousClient();
 
   // Errors carry the RPC's code and a message naming the call, key, job and attempt. Calls that
@@ -39,18 +39,10 @@ class RendezvousClient {
   absl::StatusOr<int64_t> NumKeys();
   // Blocks until every key exists.
   absl::Status Wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout);
-  // Returns once `world_size` ranks have entered `name`.
-  absl::Status Barrier(const std::string& name, int rank, int world_size,
-                       std::chrono::milliseconds timeout);
-
-  const std::string& job_id() const { return job_id_; }
-  int attempt() const { return attempt_; }
 
  private:
   struct Stub;
   std::unique_ptr<Stub> stub_;
-  const std::string job_id_;
-  const int attempt_;
 };
 
 }  // namespace trainyard::trainer
