@@ -72,6 +72,19 @@ Result RunOnce(bool group_commit, int clients, double seconds, const std::string
   std::atomic<bool> go{false}, stop{false};
   std::atomic<int64_t> errors{0};
   std::vector<std::vector<double>> latencies(clients);
+  // One user (and API token) per client, made before the clock starts.
+  std::vector<std::string> tokens;
+  for (int c = 0; c < clients; ++c) {
+    const std::string user = absl::StrFormat("user%d", c);
+    auto created = (*server)->identities().CreateUser(user, v1::USER);
+    auto token = (*server)->identities().CreateToken(user, "", 0, "bench");
+    if (!created.ok() || !token.ok()) {
+      std::fprintf(stderr, "users: %s %s\n", created.status().ToString().c_str(),
+                   token.status().ToString().c_str());
+      std::exit(1);
+    }
+    tokens.push_back("Bearer " + token->text);
+  }
   std::vector<std::thread> threads;
   for (int c = 0; c < clients; ++c) {
     threads.emplace_back([&, c] {
@@ -81,7 +94,7 @@ Result RunOnce(bool group_commit, int clients, double seconds, const std::string
       auto stub = v1::JobService::NewStub(channel);
       auto submit = [&](int i) {
         grpc::ClientContext ctx;
-        ctx.AddMetadata("x-trainyard-user", absl::StrFormat("user%d", c));
+        ctx.AddMetadata("authorization", tokens[c]);
         v1::SubmitJobRequest r;
         *r.mutable_spec() = Spec(i);
         v1::SubmitJobResponse resp;

@@ -20,6 +20,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "client/yard_client.h"
+#include "common/credentials.h"
 #include "server/ps/tcp_congestion.h"
 
 namespace trainyard::client {
@@ -28,6 +29,23 @@ namespace {
 namespace fs = std::filesystem;
 
 std::string StateFile(const std::string& dir) { return dir + "/local.json"; }
+
+// Saves `token` at `path` for later yard calls, unless the token there already works with this
+// coordinator; another token there is kept as PATH.bak.
+absl::Status SaveTokenForYard(const std::string& coordinator, const std::string& token,
+                              const std::string& path) {
+  auto existing = ReadSecretFile(path);
+  if (existing.ok()) {
+    if (*existing == token || YardClient(coordinator, *existing).WhoAmI().ok()) {
+      return absl::OkStatus();
+    }
+    std::error_code ec;
+    fs::rename(path, path + ".bak", ec);
+    if (ec)
+      return absl::UnavailableError(absl::StrCat(path, ": cannot keep as .bak: ", ec.message()));
+  }
+  return WriteSecretFile(path, token);
+}
 
 bool IsTrainyardProcess(pid_t pid) {
   if (pid <= 0 || kill(pid, 0) != 0) return false;
@@ -97,6 +115,7 @@ absl::StatusOr<pid_t> SpawnDaemon(
 absl::Status Save(const LocalCluster& c) {
   nlohmann::json j;
   j["coordinator_address"] = c.coordinator_address;
+  j["admin_token_file"] = c.admin_token_file;
   for (const auto& p : c.processes) {
     j["processes"].push_back({{"name", p.name},
                               {"pid", p.pid},
@@ -151,6 +170,7 @@ absl::StatusOr<LocalCluster> LocalStatus(const std::string& state_dir) {
   try {
     const auto j = nlohmann::json::parse(text);
     c.coordinator_address = j.at("coordinator_address").get<std::string>();
+    c.admin_token_file = j.value("admin_token_file", std::string());
     for (const auto& p : j.at("processes")) {
       LocalProcess lp;
       lp.name = p.at("name").get<std::string>();
@@ -234,6 +254,23 @@ absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& options) {
   c.processes.push_back(coord);
   if (absl::Status s = Save(c); !s.ok()) return s;
 
+  // The local admin made by the coordinator at its first start; each daemon gets a node token.
+  c.admin_token_file = options.state_dir + "/admin.token";
+  auto admin_token = ReadSecretFile(c.admin_token_file);
+  if (!admin_token.ok()) return admin_token.status();
+  YardClient admin(c.coordinator_address, *admin_token);
+  auto node_token_file = [&](const std::string& node) -> absl::StatusOr<std::string> {
+    const std::string path = absl::StrCat(options.state_dir, "/", node, ".token");
+    if (ReadSecretFile(path).ok()) return path;  // from an earlier `up` of this state directory
+    v1::CreateTokenRequest request;
+    request.set_node(node);
+    request.set_description("yard local up");
+    auto created = admin.CreateToken(request);
+    if (!created.ok()) return created.status();
+    if (absl::Status s = WriteSecretFile(path, created->token()); !s.ok()) return s;
+    return path;
+  };
+
   // Workers pass it on to their ranks.
   const std::vector<std::pair<std::string, std::string>> congestion_env = {
       {ps::kTcpCongestionEnv, options.tcp_congestion}};
@@ -256,6 +293,10 @@ absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& options) {
                                      absl::StrCat(options.slots_per_worker),
                                      "--work-dir",
                                      absl::StrCat(options.state_dir, "/worker-", i)};
+    auto token_file = node_token_file(node);
+    if (!token_file.ok()) return token_file.status();
+    argv.push_back("--token-file");
+    argv.push_back(*token_file);
     // The workers share this machine: split its cores among all their slots.
     const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     const int threads = options.threads_per_slot > 0
@@ -306,6 +347,10 @@ absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& options) {
                                      absl::StrCat("local-ps-", i),
                                      "--threads",
                                      "1"};
+    auto token_file = node_token_file(absl::StrCat("local-ps-", i));
+    if (!token_file.ok()) return token_file.status();
+    argv.push_back("--token-file");
+    argv.push_back(*token_file);
     if (options.ps_memory_bytes > 0) {
       argv.push_back("--memory-bytes");
       argv.push_back(absl::StrCat(options.ps_memory_bytes));
@@ -335,8 +380,16 @@ absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& options) {
     c.processes.push_back(ps);
     if (absl::Status s = Save(c); !s.ok()) return s;
   }
+  if (!options.save_token_to.empty()) {
+    if (absl::Status s =
+            SaveTokenForYard(c.coordinator_address, *admin_token, options.save_token_to);
+        !s.ok()) {
+      return s;
+    }
+    c.saved_token_to = options.save_token_to;
+  }
   // Ready once every worker and parameter server has registered.
-  YardClient client(c.coordinator_address, "yard-local");
+  YardClient& client = admin;
   const absl::Time workers_deadline = absl::Now() + absl::Seconds(30);
   const int expected = options.workers + options.parameter_servers;
   while (expected > 0) {

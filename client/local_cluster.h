@@ -25,6 +25,8 @@ struct LocalProcess {
 struct LocalCluster {
   std::string state_dir;
   std::string coordinator_address;
+  std::string admin_token_file;  // the local admin's token (STATE_DIR/admin.token)
+  std::string saved_token_to;    // where LocalUp saved it for yard, if it did
   std::vector<LocalProcess> processes;
 };
 
@@ -41,9 +43,15 @@ struct LocalUpOptions {
   // TCP congestion control of the parameter-server connections (trainyard-ps and the workers'
   // ranks get it as TRAINYARD_TCP_CONGESTION); empty: the host's default.
   std::string tcp_congestion;
+  // Where yard looks for a token: LocalUp saves the local admin's token there unless the file
+  // already holds a token this coordinator accepts; a file with another token is kept as .bak.
+  // Empty: save nothing.
+  std::string save_token_to;
 };
 
 // Starts the cluster and returns once the coordinator serves and every worker has registered.
+// The coordinator makes the local admin (STATE_DIR/admin.token); each worker and parameter server
+// gets a node token of its own (STATE_DIR/NAME.token, mode 0600, given by --token-file).
 // FAILED_PRECONDITION if one is
 // already running from this state directory.
 absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& options);

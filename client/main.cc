@@ -1,7 +1,6 @@
 // yard: the trainyard command line. Parses the verb and its flags, calls the coordinator through
 // YardClient, prints tables for people or JSON (-o json) for scripts. Exit code 0 on success,
 // non-zero with a one-line reason on stderr.
-#include <pwd.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -13,6 +12,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -20,6 +20,7 @@
 #include "client/local_cluster.h"
 #include "client/output.h"
 #include "client/yard_client.h"
+#include "common/credentials.h"
 #include "common/memory_estimate.h"
 #include "common/spec.h"
 #include "common/version.h"
@@ -33,22 +34,28 @@ constexpr int kExitJobFailed = 1;
 constexpr int kExitJobCancelled = 2;
 constexpr int kExitTimedOut = 3;
 
+// Where `yard login` and `yard local up` save a token, and where yard looks last:
+// $XDG_CONFIG_HOME/trainyard/token, else ~/.config/trainyard/token.
+std::string DefaultTokenFile() {
+  if (const char* xdg = std::getenv("XDG_CONFIG_HOME"); xdg != nullptr && *xdg != '\0') {
+    return absl::StrCat(xdg, "/trainyard/token");
+  }
+  const char* home = std::getenv("HOME");
+  return absl::StrCat(home != nullptr ? home : ".", "/.config/trainyard/token");
+}
+
 struct Globals {
   std::string coordinator;
   std::string output = "table";
-  std::string user;
+  std::string token_file;  // --token-file, env TRAINYARD_TOKEN_FILE
   bool json() const { return output == "json"; }
+  // --token-file, else $TRAINYARD_TOKEN, else the saved one.
+  absl::StatusOr<std::string> Token() const { return FindToken(token_file, DefaultTokenFile()); }
 };
 
 std::string DefaultCoordinator() {
   const char* env = std::getenv("TRAINYARD_COORDINATOR");
   return env != nullptr && *env != '\0' ? env : "127.0.0.1:7070";
-}
-
-std::string DefaultUser() {
-  if (const char* u = std::getenv("USER"); u != nullptr && *u != '\0') return u;
-  if (const passwd* pw = getpwuid(getuid()); pw != nullptr) return pw->pw_name;
-  return "unknown";
 }
 
 std::string DefaultLocalStateDir() {
@@ -116,7 +123,7 @@ void PrintJob(const v1::Job& job) {
 int Submit(const Globals& g, const std::string& path) {
   auto parsed = LoadValidJobSpecFile(path);
   if (!parsed.ok()) return Fail(parsed.status());
-  YardClient client(g.coordinator, g.user);
+  YardClient client(g.coordinator, g.Token());
   auto job = client.Submit(parsed->spec);
   if (!job.ok()) return Fail(AnnotateWithLine(job.status(), *parsed, path));
   if (g.json()) {
@@ -141,7 +148,7 @@ int List(const Globals& g, const std::vector<std::string>& states, const std::st
     request.add_states(state);
   }
   request.set_owner(owner);
-  YardClient client(g.coordinator, g.user);
+  YardClient client(g.coordinator, g.Token());
   auto jobs = client.List(request, limit);
   if (!jobs.ok()) return Fail(jobs.status());
   if (g.json()) {
@@ -159,7 +166,7 @@ int List(const Globals& g, const std::vector<std::string>& states, const std::st
 }
 
 int Describe(const Globals& g, const std::string& id) {
-  YardClient client(g.coordinator, g.user);
+  YardClient client(g.coordinator, g.Token());
   auto job = client.Get(NormalizeJobId(id));
   if (!job.ok()) return Fail(job.status());
   if (g.json()) {
@@ -182,7 +189,7 @@ int PrintChangedJob(const Globals& g, const absl::StatusOr<v1::Job>& job) {
 }
 
 int Cancel(const Globals& g, const std::string& id, const std::string& reason) {
-  YardClient client(g.coordinator, g.user);
+  YardClient client(g.coordinator, g.Token());
   return PrintChangedJob(g, client.Cancel(NormalizeJobId(id), reason));
 }
 
@@ -192,7 +199,7 @@ int Wait(const Globals& g, const std::string& id, const std::string& timeout_tex
     return Fail(absl::InvalidArgumentError(absl::StrCat(
         "--timeout: expected a duration such as 90s or 1h, got '", timeout_text, "'")));
   }
-  YardClient client(g.coordinator, g.user);
+  YardClient client(g.coordinator, g.Token());
   v1::JobState last = v1::JOB_STATE_UNSPECIFIED;
   auto job = client.Watch(NormalizeJobId(id), timeout, [&](const v1::Job& j) {
     if (j.state() != last && !g.json()) {
@@ -237,7 +244,7 @@ int EstimateMemoryVerb(const Globals& g, const std::string& path, int world, int
     device_bytes = *bytes;
     device_source = "--device-memory";
   } else {
-    YardClient client(g.coordinator, g.user);
+    YardClient client(g.coordinator, g.Token());
     if (auto nodes = client.ListNodes(); nodes.ok()) {
       for (const auto& n : nodes->nodes()) {
         if (n.state() != v1::NODE_READY || n.devices().empty()) continue;
@@ -297,7 +304,7 @@ int EstimateMemoryVerb(const Globals& g, const std::string& path, int world, int
 }
 
 int Nodes(const Globals& g) {
-  YardClient client(g.coordinator, g.user);
+  YardClient client(g.coordinator, g.Token());
   auto nodes = client.ListNodes();
   if (!nodes.ok()) return Fail(nodes.status());
   if (g.json()) {
@@ -326,12 +333,12 @@ int Nodes(const Globals& g) {
 }
 
 int Checkpoint(const Globals& g, const std::string& id) {
-  YardClient client(g.coordinator, g.user);
+  YardClient client(g.coordinator, g.Token());
   return PrintChangedJob(g, client.Checkpoint(NormalizeJobId(id)));
 }
 
 int Logs(const Globals& g, const std::string& id, bool follow, int tail) {
-  YardClient client(g.coordinator, g.user);
+  YardClient client(g.coordinator, g.Token());
   absl::Status s = client.Logs(NormalizeJobId(id), follow, tail, [&](const v1::LogLine& l) {
     if (g.json()) {
       std::cout
@@ -361,7 +368,7 @@ std::string ProgressLine(const v1::StepReport& r, double seconds_per_step) {
 }
 
 int Metrics(const Globals& g, const std::string& id, bool follow) {
-  YardClient client(g.coordinator, g.user);
+  YardClient client(g.coordinator, g.Token());
   const bool tty = isatty(STDOUT_FILENO);
   nlohmann::json series = nlohmann::json::array();
   std::vector<std::vector<std::string>> rows;
@@ -411,10 +418,172 @@ int Metrics(const Globals& g, const std::string& id, bool follow) {
   return 0;
 }
 
+std::string RoleName(v1::Role role) { return role == v1::ADMIN ? "admin" : "user"; }
+
+std::string TimeOrDash(int64_t unix_ms) {
+  return unix_ms == 0 ? "-"
+                      : absl::FormatTime("%Y-%m-%d %H:%M:%S", absl::FromUnixMillis(unix_ms),
+                                         absl::LocalTimeZone());
+}
+
+// `yard login`: reads a token from standard input (never from argv), checks it with the
+// coordinator and saves it (mode 0600) where yard looks for it.
+int Login(const Globals& g, const std::string& save_to) {
+  if (isatty(STDIN_FILENO)) std::cerr << "paste your token and press Enter: " << std::flush;
+  std::string line;
+  std::getline(std::cin, line);
+  const std::string token(absl::StripAsciiWhitespace(line));
+  if (token.empty()) return Fail(absl::InvalidArgumentError("no token on standard input"));
+  YardClient client(g.coordinator, token);
+  auto me = client.WhoAmI();
+  if (!me.ok()) return Fail(me.status());
+  if (me->user().empty() || !me->node().empty()) {
+    return Fail(absl::InvalidArgumentError("that is not a user's API token"));
+  }
+  if (absl::Status s = WriteSecretFile(save_to, token); !s.ok()) return Fail(s);
+  std::cout << "logged in to " << g.coordinator << " as " << me->user() << " ("
+            << RoleName(me->role()) << "); token saved to " << save_to << "\n";
+  return 0;
+}
+
+int WhoAmI(const Globals& g) {
+  YardClient client(g.coordinator, g.Token());
+  auto me = client.WhoAmI();
+  if (!me.ok()) return Fail(me.status());
+  if (g.json()) {
+    std::cout << ToJson(*me);
+  } else if (!me->node().empty()) {
+    std::cout << "node " << me->node() << " (token " << me->token_id() << " of " << me->user()
+              << ")\n";
+  } else {
+    std::cout << me->user() << " (" << RoleName(me->role()) << ", token " << me->token_id()
+              << ")\n";
+  }
+  return 0;
+}
+
+void PrintUsers(const Globals& g, const std::vector<v1::User>& users) {
+  if (g.json()) {
+    nlohmann::json j = nlohmann::json::array();
+    for (const auto& u : users) j.push_back(nlohmann::json::parse(ToJson(u)));
+    std::cout << j.dump(1) << "\n";
+    return;
+  }
+  std::vector<std::vector<std::string>> rows;
+  for (const auto& u : users) {
+    rows.push_back({u.name(), RoleName(u.role()), u.disabled() ? "disabled" : "enabled",
+                    TimeOrDash(u.created_time_ms())});
+  }
+  std::cout << FormatTable({"USER", "ROLE", "STATE", "CREATED"}, rows);
+}
+
+int UserAdd(const Globals& g, const std::string& name, bool admin) {
+  YardClient client(g.coordinator, g.Token());
+  auto user = client.CreateUser(name, admin ? v1::ADMIN : v1::USER);
+  if (!user.ok()) return Fail(user.status());
+  PrintUsers(g, {*user});
+  return 0;
+}
+
+int UserList(const Globals& g) {
+  YardClient client(g.coordinator, g.Token());
+  auto users = client.ListUsers();
+  if (!users.ok()) return Fail(users.status());
+  PrintUsers(g, {users->users().begin(), users->users().end()});
+  return 0;
+}
+
+int UserDisable(const Globals& g, const std::string& name, bool enable) {
+  YardClient client(g.coordinator, g.Token());
+  auto user = client.DisableUser(name, enable);
+  if (!user.ok()) return Fail(user.status());
+  PrintUsers(g, {*user});
+  return 0;
+}
+
+struct TokenCreateArgs {
+  std::string user, node, ttl, description, out;
+};
+
+// Prints the new token once (or, with --out, writes it to a 0600 file and prints its id).
+int TokenCreate(const Globals& g, const TokenCreateArgs& a) {
+  v1::CreateTokenRequest request;
+  request.set_user(a.user);
+  request.set_node(a.node);
+  request.set_description(a.description);
+  if (!a.ttl.empty()) {
+    absl::Duration ttl;
+    if (!absl::ParseDuration(a.ttl, &ttl) || ttl <= absl::ZeroDuration()) {
+      return Fail(absl::InvalidArgumentError(
+          absl::StrCat("--ttl: not a positive duration (e.g. 720h): ", a.ttl)));
+    }
+    request.set_ttl_seconds(absl::ToInt64Seconds(ttl));
+  }
+  YardClient client(g.coordinator, g.Token());
+  auto created = client.CreateToken(request);
+  if (!created.ok()) return Fail(created.status());
+  if (!a.out.empty()) {
+    if (absl::Status s = WriteSecretFile(a.out, created->token()); !s.ok()) return Fail(s);
+  }
+  if (g.json()) {
+    nlohmann::json j = nlohmann::json::parse(ToJson(created->info()));
+    if (a.out.empty()) j["token"] = created->token();
+    std::cout << j.dump(1) << "\n";
+  } else if (a.out.empty()) {
+    std::cout << created->token() << "\n";
+    std::cerr << "token " << created->info().id() << " for "
+              << (a.node.empty() ? created->info().user() : "node " + a.node)
+              << ": shown this once; keep it in a file only you can read (yard login < FILE)\n";
+  } else {
+    std::cout << created->info().id() << "\n";
+  }
+  return 0;
+}
+
+int TokenList(const Globals& g, const std::string& user, bool all) {
+  YardClient client(g.coordinator, g.Token());
+  auto tokens = client.ListTokens(user, all);
+  if (!tokens.ok()) return Fail(tokens.status());
+  if (g.json()) {
+    std::cout << ToJson(*tokens);
+    return 0;
+  }
+  std::vector<std::vector<std::string>> rows;
+  const int64_t now = NowMs();
+  for (const auto& t : tokens->tokens()) {
+    std::string state = "valid";
+    if (t.revoked()) {
+      state = "revoked";
+    } else if (t.expires_time_ms() != 0 && t.expires_time_ms() <= now) {
+      state = "expired";
+    }
+    rows.push_back({t.id(), t.user(), t.node().empty() ? "-" : t.node(), state,
+                    TimeOrDash(t.created_time_ms()), TimeOrDash(t.expires_time_ms()),
+                    t.description().empty() ? "-" : t.description()});
+  }
+  std::cout << FormatTable({"ID", "USER", "NODE", "STATE", "CREATED", "EXPIRES", "DESCRIPTION"},
+                           rows);
+  return 0;
+}
+
+int TokenRevoke(const Globals& g, const std::string& id) {
+  YardClient client(g.coordinator, g.Token());
+  auto token = client.RevokeToken(id);
+  if (!token.ok()) return Fail(token.status());
+  if (g.json()) {
+    std::cout << ToJson(*token);
+  } else {
+    std::cout << "revoked " << token->id() << "\n";
+  }
+  return 0;
+}
+
 void PrintCluster(const Globals& g, const LocalCluster& c) {
   if (g.json()) {
     nlohmann::json j = {{"state_dir", c.state_dir},
                         {"coordinator_address", c.coordinator_address},
+                        {"admin_token_file", c.admin_token_file},
+                        {"saved_token_to", c.saved_token_to},
                         {"processes", nlohmann::json::array()}};
     for (const auto& p : c.processes) {
       j["processes"].push_back({{"name", p.name},
@@ -433,6 +602,11 @@ void PrintCluster(const Globals& g, const LocalCluster& c) {
                     p.metrics_address.empty() ? "-" : p.metrics_address, p.log});
   }
   std::cout << FormatTable({"PROCESS", "PID", "STATUS", "ADDRESS", "METRICS", "LOG"}, rows);
+  if (!c.admin_token_file.empty()) {
+    std::cout << "\nlocal admin's token: " << c.admin_token_file;
+    if (!c.saved_token_to.empty()) std::cout << " (yard uses it: " << c.saved_token_to << ")";
+    std::cout << "\n";
+  }
 }
 
 }  // namespace
@@ -442,7 +616,6 @@ int main(int argc, char** argv) {
   using namespace trainyard::client;
   Globals g;
   g.coordinator = DefaultCoordinator();
-  g.user = DefaultUser();
 
   CLI::App app{"yard: submit and watch training jobs on a trainyard cluster"};
   app.set_version_flag("--version", std::string("yard ") + trainyard::kVersion);
@@ -454,8 +627,11 @@ int main(int argc, char** argv) {
   app.add_option("-o,--output", g.output, "output format")
       ->check(CLI::IsMember({"table", "json"}))
       ->capture_default_str();
-  app.add_option("--user", g.user, "user name sent with each call (env USER)")
-      ->capture_default_str();
+  app.add_option("--token-file", g.token_file,
+                 "file holding your API token (mode 0600; env TRAINYARD_TOKEN_FILE); else env "
+                 "TRAINYARD_TOKEN, else " +
+                     DefaultTokenFile())
+      ->envname("TRAINYARD_TOKEN_FILE");
 
   int rc = 0;
   std::string spec_path, job_id, reason, timeout, owner;
@@ -520,11 +696,62 @@ int main(int argc, char** argv) {
   auto* nodes = app.add_subcommand("nodes", "list worker nodes and their devices");
   nodes->callback([&] { rc = Nodes(g); });
 
+  auto* login = app.add_subcommand(
+      "login", "check a token read from standard input and save it where yard looks for it");
+  std::string save_to = DefaultTokenFile();
+  login->add_option("--save-to", save_to, "where to save it")->capture_default_str();
+  login->callback([&] { rc = Login(g, save_to); });
+
+  auto* whoami = app.add_subcommand("whoami", "the user (or node) of your token");
+  whoami->callback([&] { rc = WhoAmI(g); });
+
+  auto* admin = app.add_subcommand("admin", "users and tokens (admins; a user: its own tokens)");
+  admin->require_subcommand(1);
+  auto* user_cmd = admin->add_subcommand("user", "users of the cluster (admins)");
+  user_cmd->require_subcommand(1);
+  std::string name;
+  bool as_admin = false, enable = false;
+  auto* user_add = user_cmd->add_subcommand("add", "create a user");
+  user_add->add_option("name", name, "user name, like a Unix account")->required();
+  user_add->add_flag("--admin", as_admin, "an admin: sees and controls every job");
+  user_add->callback([&] { rc = UserAdd(g, name, as_admin); });
+  auto* user_ls = user_cmd->add_subcommand("ls", "list users");
+  user_ls->callback([&] { rc = UserList(g); });
+  auto* user_disable =
+      user_cmd->add_subcommand("disable", "refuse every token of a user (--enable: lift it)");
+  user_disable->add_option("name", name, "user name")->required();
+  user_disable->add_flag("--enable", enable, "enable the user again");
+  user_disable->callback([&] { rc = UserDisable(g, name, enable); });
+
+  auto* token_cmd = admin->add_subcommand("token", "API tokens and node tokens");
+  token_cmd->require_subcommand(1);
+  TokenCreateArgs token_args;
+  auto* token_create = token_cmd->add_subcommand(
+      "create", "create a token and print it once (yours; --user or --node: admins)");
+  token_create->add_option("--user", token_args.user, "for this user (default: you)");
+  token_create->add_option("--node", token_args.node,
+                           "a node token for this node name (workers, parameter servers)");
+  token_create->add_option("--ttl", token_args.ttl, "expires after this long (e.g. 720h)");
+  token_create->add_option("--description", token_args.description, "shown by ls");
+  token_create->add_option("--out", token_args.out,
+                           "write it to this file (mode 0600) instead of printing it");
+  token_create->callback([&] { rc = TokenCreate(g, token_args); });
+  std::string token_user, token_id;
+  bool all_tokens = false;
+  auto* token_ls = token_cmd->add_subcommand("ls", "list tokens (never their secrets)");
+  token_ls->add_option("--user", token_user, "this user's (admins)");
+  token_ls->add_flag("--all", all_tokens, "every user's (admins)");
+  token_ls->callback([&] { rc = TokenList(g, token_user, all_tokens); });
+  auto* token_revoke = token_cmd->add_subcommand("revoke", "revoke a token by its id");
+  token_revoke->add_option("id", token_id, "token id (from ls)")->required();
+  token_revoke->callback([&] { rc = TokenRevoke(g, token_id); });
+
   auto* local = app.add_subcommand("local", "run a cluster on this machine, on loopback");
   local->require_subcommand(1);
   LocalUpOptions up_options;
   up_options.state_dir = DefaultLocalStateDir();
   up_options.bin_dir = SelfDir();
+  up_options.save_token_to = DefaultTokenFile();
   local->add_option("--state-dir", up_options.state_dir, "state and logs of the local cluster")
       ->capture_default_str();
   auto* up = local->add_subcommand("up", "start a coordinator in the background");

@@ -3,6 +3,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/credentials.h"
 
 namespace trainyard::client {
 
@@ -14,20 +15,23 @@ std::string NormalizeJobId(const std::string& text) {
   return text;
 }
 
-YardClient::YardClient(const std::string& coordinator_address, std::string user)
-    : address_(coordinator_address), user_(std::move(user)) {
+YardClient::YardClient(const std::string& coordinator_address, absl::StatusOr<std::string> token)
+    : address_(coordinator_address), token_(std::move(token)) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
   channel_ = grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), args);
   jobs_ = v1::JobService::NewStub(channel_);
   nodes_ = v1::NodeService::NewStub(channel_);
+  identity_ = v1::IdentityService::NewStub(channel_);
 }
 
-void YardClient::Prepare(grpc::ClientContext& ctx, absl::Duration timeout) const {
-  ctx.AddMetadata("x-trainyard-user", user_);
+absl::Status YardClient::Prepare(grpc::ClientContext& ctx, absl::Duration timeout) const {
+  if (!token_.ok()) return token_.status();
+  ctx.AddMetadata(kAuthorizationMetadata, absl::StrCat("Bearer ", *token_));
   if (timeout != absl::ZeroDuration()) {
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   }
+  return absl::OkStatus();
 }
 
 absl::Status YardClient::Convert(const grpc::Status& s) const {
@@ -42,7 +46,7 @@ absl::Status YardClient::Convert(const grpc::Status& s) const {
 
 absl::StatusOr<v1::Job> YardClient::Submit(const v1::JobSpec& spec) {
   grpc::ClientContext ctx;
-  Prepare(ctx);
+  if (absl::Status s = Prepare(ctx); !s.ok()) return s;
   v1::SubmitJobRequest request;
   *request.mutable_spec() = spec;
   v1::SubmitJobResponse response;
@@ -52,7 +56,7 @@ absl::StatusOr<v1::Job> YardClient::Submit(const v1::JobSpec& spec) {
 
 absl::StatusOr<v1::Job> YardClient::Get(const std::string& job_id) {
   grpc::ClientContext ctx;
-  Prepare(ctx);
+  if (absl::Status s = Prepare(ctx); !s.ok()) return s;
   v1::GetJobRequest request;
   request.set_job_id(job_id);
   v1::Job job;
@@ -66,7 +70,7 @@ absl::StatusOr<v1::ListJobsResponse> YardClient::List(const v1::ListJobsRequest&
   v1::ListJobsResponse all;
   while (true) {
     grpc::ClientContext ctx;
-    Prepare(ctx);
+    if (absl::Status s = Prepare(ctx); !s.ok()) return s;
     if (limit > 0) request.set_page_size(std::min(1000, limit - all.jobs_size()));
     v1::ListJobsResponse page;
     if (absl::Status s = Convert(jobs_->ListJobs(&ctx, request, &page)); !s.ok()) return s;
@@ -81,7 +85,7 @@ absl::StatusOr<v1::ListJobsResponse> YardClient::List(const v1::ListJobsRequest&
 
 absl::StatusOr<v1::Job> YardClient::Cancel(const std::string& job_id, const std::string& reason) {
   grpc::ClientContext ctx;
-  Prepare(ctx);
+  if (absl::Status s = Prepare(ctx); !s.ok()) return s;
   v1::CancelJobRequest request;
   request.set_job_id(job_id);
   request.set_reason(reason);
@@ -92,7 +96,7 @@ absl::StatusOr<v1::Job> YardClient::Cancel(const std::string& job_id, const std:
 
 absl::StatusOr<v1::ListNodesResponse> YardClient::ListNodes() {
   grpc::ClientContext ctx;
-  Prepare(ctx);
+  if (absl::Status s = Prepare(ctx); !s.ok()) return s;
   v1::ListNodesResponse response;
   if (absl::Status s = Convert(nodes_->ListNodes(&ctx, {}, &response)); !s.ok()) return s;
   return response;
@@ -101,7 +105,7 @@ absl::StatusOr<v1::ListNodesResponse> YardClient::ListNodes() {
 absl::StatusOr<v1::Job> YardClient::Watch(const std::string& job_id, absl::Duration timeout,
                                           const std::function<bool(const v1::Job&)>& on_event) {
   grpc::ClientContext ctx;
-  Prepare(ctx, timeout);
+  if (absl::Status s = Prepare(ctx, timeout); !s.ok()) return s;
   v1::WatchJobRequest request;
   request.set_job_id(job_id);
   auto reader = jobs_->WatchJob(&ctx, request);
@@ -135,7 +139,7 @@ namespace trainyard::client {
 
 absl::StatusOr<v1::Job> YardClient::Checkpoint(const std::string& job_id) {
   grpc::ClientContext ctx;
-  Prepare(ctx);
+  if (absl::Status s = Prepare(ctx); !s.ok()) return s;
   v1::CheckpointJobRequest request;
   request.set_job_id(job_id);
   v1::Job job;
@@ -146,7 +150,8 @@ absl::StatusOr<v1::Job> YardClient::Checkpoint(const std::string& job_id) {
 absl::Status YardClient::Logs(const std::string& job_id, bool follow, int tail,
                               const std::function<void(const v1::LogLine&)>& on_line) {
   grpc::ClientContext ctx;
-  Prepare(ctx, follow ? absl::ZeroDuration() : absl::Seconds(60));
+  if (absl::Status s = Prepare(ctx, follow ? absl::ZeroDuration() : absl::Seconds(60)); !s.ok())
+    return s;
   v1::StreamLogsRequest request;
   request.set_job_id(job_id);
   request.set_follow(follow);
@@ -160,7 +165,8 @@ absl::Status YardClient::Logs(const std::string& job_id, bool follow, int tail,
 absl::Status YardClient::Metrics(const std::string& job_id, bool follow,
                                  const std::function<void(const v1::StepReport&)>& on_step) {
   grpc::ClientContext ctx;
-  Prepare(ctx, follow ? absl::ZeroDuration() : absl::Seconds(60));
+  if (absl::Status s = Prepare(ctx, follow ? absl::ZeroDuration() : absl::Seconds(60)); !s.ok())
+    return s;
   v1::StreamMetricsRequest request;
   request.set_job_id(job_id);
   request.set_follow(follow);
@@ -168,6 +174,80 @@ absl::Status YardClient::Metrics(const std::string& job_id, bool follow,
   v1::StepReport step;
   while (reader->Read(&step)) on_step(step);
   return Convert(reader->Finish());
+}
+
+// ---- IdentityService ----
+
+absl::StatusOr<v1::WhoAmIResponse> YardClient::WhoAmI() {
+  grpc::ClientContext ctx;
+  if (absl::Status s = Prepare(ctx); !s.ok()) return s;
+  v1::WhoAmIResponse response;
+  if (absl::Status s = Convert(identity_->WhoAmI(&ctx, {}, &response)); !s.ok()) return s;
+  return response;
+}
+
+absl::StatusOr<v1::User> YardClient::CreateUser(const std::string& name, v1::Role role) {
+  grpc::ClientContext ctx;
+  if (absl::Status s = Prepare(ctx); !s.ok()) return s;
+  v1::CreateUserRequest request;
+  request.set_name(name);
+  request.set_role(role);
+  v1::User user;
+  if (absl::Status s = Convert(identity_->CreateUser(&ctx, request, &user)); !s.ok()) return s;
+  return user;
+}
+
+absl::StatusOr<v1::ListUsersResponse> YardClient::ListUsers() {
+  grpc::ClientContext ctx;
+  if (absl::Status s = Prepare(ctx); !s.ok()) return s;
+  v1::ListUsersResponse response;
+  if (absl::Status s = Convert(identity_->ListUsers(&ctx, {}, &response)); !s.ok()) return s;
+  return response;
+}
+
+absl::StatusOr<v1::User> YardClient::DisableUser(const std::string& name, bool enable) {
+  grpc::ClientContext ctx;
+  if (absl::Status s = Prepare(ctx); !s.ok()) return s;
+  v1::DisableUserRequest request;
+  request.set_name(name);
+  request.set_enable(enable);
+  v1::User user;
+  if (absl::Status s = Convert(identity_->DisableUser(&ctx, request, &user)); !s.ok()) return s;
+  return user;
+}
+
+absl::StatusOr<v1::CreateTokenResponse> YardClient::CreateToken(
+    const v1::CreateTokenRequest& request) {
+  grpc::ClientContext ctx;
+  if (absl::Status s = Prepare(ctx); !s.ok()) return s;
+  v1::CreateTokenResponse response;
+  if (absl::Status s = Convert(identity_->CreateToken(&ctx, request, &response)); !s.ok()) {
+    return s;
+  }
+  return response;
+}
+
+absl::StatusOr<v1::ListTokensResponse> YardClient::ListTokens(const std::string& user, bool all) {
+  grpc::ClientContext ctx;
+  if (absl::Status s = Prepare(ctx); !s.ok()) return s;
+  v1::ListTokensRequest request;
+  request.set_user(user);
+  request.set_all(all);
+  v1::ListTokensResponse response;
+  if (absl::Status s = Convert(identity_->ListTokens(&ctx, request, &response)); !s.ok()) {
+    return s;
+  }
+  return response;
+}
+
+absl::StatusOr<v1::TokenInfo> YardClient::RevokeToken(const std::string& id) {
+  grpc::ClientContext ctx;
+  if (absl::Status s = Prepare(ctx); !s.ok()) return s;
+  v1::RevokeTokenRequest request;
+  request.set_id(id);
+  v1::TokenInfo info;
+  if (absl::Status s = Convert(identity_->RevokeToken(&ctx, request, &info)); !s.ok()) return s;
+  return info;
 }
 
 }  // namespace trainyard::client

@@ -1,5 +1,6 @@
-// YardClient: the gRPC side of `yard`. Holds the channel and stubs, attaches the user's name to
-// every call, and turns gRPC errors into absl statuses with a one-line reason. One thread.
+// YardClient: the gRPC side of `yard`. Holds the channel and stubs, attaches the user's API token
+// to every call ("authorization: Bearer ..."), and turns gRPC errors into absl statuses with a
+// one-line reason. One thread.
 #ifndef TRAINYARD_CLIENT_YARD_CLIENT_H_
 #define TRAINYARD_CLIENT_YARD_CLIENT_H_
 
@@ -11,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "trainyard/v1/identity.grpc.pb.h"
 #include "trainyard/v1/job.grpc.pb.h"
 #include "trainyard/v1/node.grpc.pb.h"
 
@@ -18,7 +20,9 @@ namespace trainyard::client {
 
 class YardClient {
  public:
-  YardClient(const std::string& coordinator_address, std::string user);
+  // `token`: the caller's API token; when it is an error (none found, a file others can read),
+  // every call fails with that error before reaching the coordinator.
+  YardClient(const std::string& coordinator_address, absl::StatusOr<std::string> token);
 
   absl::StatusOr<v1::Job> Submit(const v1::JobSpec& spec);
   absl::StatusOr<v1::Job> Get(const std::string& job_id);
@@ -39,15 +43,24 @@ class YardClient {
   absl::StatusOr<v1::Job> Watch(const std::string& job_id, absl::Duration timeout,
                                 const std::function<bool(const v1::Job&)>& on_event);
 
+  absl::StatusOr<v1::WhoAmIResponse> WhoAmI();
+  absl::StatusOr<v1::User> CreateUser(const std::string& name, v1::Role role);
+  absl::StatusOr<v1::ListUsersResponse> ListUsers();
+  absl::StatusOr<v1::User> DisableUser(const std::string& name, bool enable);
+  absl::StatusOr<v1::CreateTokenResponse> CreateToken(const v1::CreateTokenRequest& request);
+  absl::StatusOr<v1::ListTokensResponse> ListTokens(const std::string& user, bool all);
+  absl::StatusOr<v1::TokenInfo> RevokeToken(const std::string& id);
+
  private:
-  void Prepare(grpc::ClientContext& ctx, absl::Duration timeout = absl::Seconds(30)) const;
+  absl::Status Prepare(grpc::ClientContext& ctx, absl::Duration timeout = absl::Seconds(30)) const;
   absl::Status Convert(const grpc::Status& s) const;
 
   std::string address_;
-  std::string user_;
+  absl::StatusOr<std::string> token_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::JobService::Stub> jobs_;
   std::unique_ptr<v1::NodeService::Stub> nodes_;
+  std::unique_ptr<v1::IdentityService::Stub> identity_;
 };
 
 // "job-7" for "7"; anything else unchanged.

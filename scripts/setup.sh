@@ -9,7 +9,7 @@ PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   prometheus-cpp-dev libsqlite3-dev libhwy-dev libcli11-dev libyaml-cpp-dev
   nlohmann-json3-dev libspdlog-dev libgtest-dev libgmock-dev libbenchmark-dev
-  sqlite3 clang-format prometheus
+  sqlite3 clang-format prometheus libssl-dev openssl
   libtorch-dev libgloo-dev libdnnl-dev ocl-icd-opencl-dev libopenblas0-pthread python3-torch
 )
 

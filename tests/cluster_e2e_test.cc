@@ -9,14 +9,17 @@
 #include <dirent.h>
 #include <signal.h>
 
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "common/credentials.h"
 #include "tests/testing/subprocess.h"
 
 namespace trainyard {
@@ -25,6 +28,8 @@ namespace {
 using testing::BinPath;
 using testing::CommandResult;
 using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using ::testing::Not;
 using testing::RunCommand;
 using testing::TempDir;
 
@@ -93,7 +98,13 @@ class ClusterE2eTest : public ::testing::Test {
       argv.push_back(address_);
     }
     argv.insert(argv.end(), args.begin(), args.end());
-    return RunCommand(argv, {}, timeout);
+    return RunCommand(argv, YardEnv(), timeout);
+  }
+
+  // A HOME of its own: `yard local up` saves the local admin's token there, where the later
+  // calls find it, as they would after the README's command.
+  std::vector<std::string> YardEnv() const {
+    return {"HOME=" + dir_.path(), "XDG_CONFIG_HOME=", "TRAINYARD_TOKEN=", "TRAINYARD_TOKEN_FILE="};
   }
 
   std::string WriteSpec(const std::string& name, int steps, const std::string& strategy = "ddp") {
@@ -153,6 +164,35 @@ TEST_F(ClusterE2eTest, TrainsACharGptWithFallingLossAndStreamsLogsAndMetrics) {
 
   CommandResult nodes = Yard({"nodes", "-o", "json"});
   EXPECT_EQ(nlohmann::json::parse(nodes.out).at("nodes").size(), 2u);
+
+  // Secrets stay in their 0600 files: no log (the coordinator's, the workers', the ranks' output
+  // relayed into them), no database page, no checkpoint and no `yard describe` holds a token's
+  // secret or a job credential.
+  std::vector<std::string> secrets = {"tyj."};
+  for (const char* name : {"admin.token", "local-1.token", "local-2.token"}) {
+    auto token = ReadSecretFile(state_ + "/" + name);
+    ASSERT_TRUE(token.ok()) << token.status();
+    secrets.push_back(token->substr(token->rfind('.') + 1));
+  }
+  CommandResult describe = Yard({"describe", job, "-o", "json"});
+  for (const std::string& secret : secrets) {
+    EXPECT_THAT(describe.out, Not(HasSubstr(secret)));
+  }
+  int files = 0;
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(state_)) {
+    const std::string path = entry.path().string();
+    if (!entry.is_regular_file() || absl::EndsWith(path, ".token") ||
+        absl::EndsWith(path, "/job-credential.key")) {
+      continue;
+    }
+    std::ifstream in(path, std::ios::binary);
+    const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    for (const std::string& secret : secrets) {
+      EXPECT_EQ(bytes.find(secret), std::string::npos) << path << " holds a secret";
+    }
+    ++files;
+  }
+  EXPECT_GT(files, 5);  // coordinator.log, worker logs, coordinator.db, checkpoints, ...
 }
 
 TEST_F(ClusterE2eTest, CheckpointsOnRequestResumesAfterAKilledRankAndCancelStopsTheRanks) {
@@ -167,7 +207,7 @@ TEST_F(ClusterE2eTest, CheckpointsOnRequestResumesAfterAKilledRankAndCancelStops
   // means both ranks are training.
   {
     auto follow = testing::Subprocess::Start(
-        {BinPath("yard"), "--coordinator", address_, "metrics", "-f", job});
+        {BinPath("yard"), "--coordinator", address_, "metrics", "-f", job}, YardEnv());
     ASSERT_TRUE(follow.ok());
     auto line = (*follow)->ReadLine(absl::Seconds(300));
     ASSERT_TRUE(line.has_value()) << Yard({"describe", job}).out;
@@ -176,6 +216,10 @@ TEST_F(ClusterE2eTest, CheckpointsOnRequestResumesAfterAKilledRankAndCancelStops
   // The job id alone is not unique across tests running in parallel; the state dir is.
   const std::string job_arg = "--job-id " + job + " ";
   EXPECT_EQ(ProcessesWith({"trainyard-trainer", job_arg, state_}).size(), 2u);
+  // The ranks got their job credential in the environment: no command line on this machine
+  // holds a credential.
+  EXPECT_THAT(ProcessesWith({"tyj."}), IsEmpty());
+  EXPECT_THAT(ProcessesWith({"tyt."}), IsEmpty());
 
   // A checkpoint on request is written by the ranks and recorded by the coordinator.
   CommandResult ckpt = Yard({"checkpoint", job});

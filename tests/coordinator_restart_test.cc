@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/yard_client.h"
+#include "tests/testing/identity.h"
 #include "tests/testing/node_session.h"
 #include "tests/testing/subprocess.h"
 
@@ -72,7 +73,12 @@ TEST(CoordinatorRestartTest, EveryAcknowledgedJobAndStateSurvivesSigkill) {
   const std::string state = dir.path() + "/state";
   Coordinator c = StartCoordinator(state, "30s");
   ASSERT_FALSE(c.address.empty());
-  client::YardClient alice(c.address, "alice"), bob(c.address, "bob");
+  // Users and their tokens are durable too: alice's token still works after the restart.
+  const auto channel = grpc::CreateChannel(c.address, grpc::InsecureChannelCredentials());
+  const std::string admin_token = testing::AdminToken(state);
+  const std::string alice_token = testing::CreateToken(channel, admin_token, "alice");
+  client::YardClient admin(c.address, admin_token), alice(c.address, alice_token),
+      bob(c.address, testing::CreateToken(channel, admin_token, "bob"));
 
   auto first = alice.Submit(Spec("first", 2, 90));
   auto second = bob.Submit(Spec("second", 2, 80));
@@ -81,19 +87,19 @@ TEST(CoordinatorRestartTest, EveryAcknowledgedJobAndStateSurvivesSigkill) {
     auto& who = i % 3 == 0 ? bob : alice;
     ASSERT_TRUE(who.Submit(Spec(absl::StrCat("j", i), 1 + i % 3, 10 + i)).ok());
   }
-  for (const char* id : {"job-5", "job-9", "job-13"}) ASSERT_TRUE(alice.Cancel(id, "test").ok());
+  for (const char* id : {"job-5", "job-9", "job-13"}) ASSERT_TRUE(admin.Cancel(id, "test").ok());
 
   // A node with 4 devices joins (only nodes with an open session get ranks): the two
   // high-priority jobs start on it.
   auto node = testing::NodeSession::Connect(
-      grpc::CreateChannel(c.address, grpc::InsecureChannelCredentials()), "n1", 4);
+      channel, testing::CreateToken(channel, admin_token, "admin", "n1"), "n1", 4);
   // Watch events are sent once a change is durable, so RUNNING here is on disk.
   for (const auto& job : {*first, *second}) {
-    auto seen = alice.Watch(job.id(), absl::Seconds(30),
+    auto seen = admin.Watch(job.id(), absl::Seconds(30),
                             [](const v1::Job& j) { return j.state() == v1::RUNNING; });
     ASSERT_TRUE(seen.ok()) << seen.status();
   }
-  std::map<std::string, v1::Job> before = AllJobs(alice);
+  std::map<std::string, v1::Job> before = AllJobs(admin);
   ASSERT_EQ(before.size(), 22u);
   ASSERT_EQ(before["job-1"].state(), v1::RUNNING);
   ASSERT_EQ(before["job-2"].state(), v1::RUNNING);
@@ -105,8 +111,9 @@ TEST(CoordinatorRestartTest, EveryAcknowledgedJobAndStateSurvivesSigkill) {
   // Restarted with a short node timeout: the node does not come back.
   Coordinator r = StartCoordinator(state, "3s");
   ASSERT_FALSE(r.address.empty());
-  client::YardClient again(r.address, "alice");
-  std::map<std::string, v1::Job> after = AllJobs(again);
+  client::YardClient again(r.address, alice_token);
+  client::YardClient admin_again(r.address, testing::AdminToken(state));
+  std::map<std::string, v1::Job> after = AllJobs(admin_again);
   ASSERT_EQ(after.size(), before.size());
   for (const auto& [id, job] : before) {
     ASSERT_EQ(after.count(id), 1u) << id << " is missing after the restart";

@@ -13,6 +13,7 @@
 #include "absl/time/clock.h"
 #include "common/clock.h"
 #include "server/coordinator/coordinator_server.h"
+#include "tests/testing/coordinator_tokens.h"
 #include "tests/testing/grpc_probe.h"
 #include "tests/testing/node_session.h"
 #include "tests/testing/subprocess.h"
@@ -58,6 +59,7 @@ class CoordinatorServiceTest : public ::testing::Test {
     auto s = CoordinatorServer::Start(o);
     ASSERT_TRUE(s.ok()) << s.status();
     server_ = std::move(*s);
+    tokens_ = std::make_unique<testing::CoordinatorTokens>(server_->identities());
     channel_ = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
     jobs_ = v1::JobService::NewStub(channel_);
     nodes_ = v1::NodeService::NewStub(channel_);
@@ -69,8 +71,12 @@ class CoordinatorServiceTest : public ::testing::Test {
     if (server_) server_->Shutdown();
   }
 
-  static void Prepare(grpc::ClientContext& ctx, const std::string& user = "alice") {
-    if (!user.empty()) ctx.AddMetadata("x-trainyard-user", user);
+  // A call as `user` (with a token of that user; empty: no credential at all).
+  void Prepare(grpc::ClientContext& ctx, const std::string& user = "alice") {
+    PrepareToken(ctx, user.empty() ? std::string() : tokens_->User(user));
+  }
+  void PrepareToken(grpc::ClientContext& ctx, const std::string& token) {
+    testing::Authorize(ctx, token);
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
   }
 
@@ -111,9 +117,10 @@ class CoordinatorServiceTest : public ::testing::Test {
     return s;
   }
 
-  v1::ListJobsResponse List(v1::ListJobsRequest r, grpc::Status* status = nullptr) {
+  v1::ListJobsResponse List(v1::ListJobsRequest r, grpc::Status* status = nullptr,
+                            const std::string& user = "alice") {
     grpc::ClientContext ctx;
-    Prepare(ctx);
+    Prepare(ctx, user);
     v1::ListJobsResponse resp;
     grpc::Status s = jobs_->ListJobs(&ctx, r, &resp);
     if (status != nullptr) *status = s;
@@ -155,7 +162,7 @@ class CoordinatorServiceTest : public ::testing::Test {
 
   grpc::Status Register(const std::string& node_id, int devices) {
     grpc::ClientContext ctx;
-    Prepare(ctx);
+    PrepareToken(ctx, tokens_->Node(node_id));
     v1::RegisterNodeRequest r;
     r.set_node_id(node_id);
     r.set_hostname("localhost");
@@ -170,12 +177,13 @@ class CoordinatorServiceTest : public ::testing::Test {
   }
 
   std::unique_ptr<testing::NodeSession> Connect(const std::string& node_id, int devices) {
-    return testing::NodeSession::Connect(channel_, node_id, devices);
+    return testing::NodeSession::Connect(channel_, tokens_->Node(node_id), node_id, devices);
   }
 
   testing::TempDir dir_;
   FakeClock clock_;
   std::unique_ptr<CoordinatorServer> server_;
+  std::unique_ptr<testing::CoordinatorTokens> tokens_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::JobService::Stub> jobs_;
   std::unique_ptr<v1::NodeService::Stub> nodes_;
@@ -200,7 +208,7 @@ TEST_F(CoordinatorServiceTest, SubmitStoresAQueuedJobThatGetReturns) {
 TEST_F(CoordinatorServiceTest, SubmitWithoutUserIsUnauthenticated) {
   grpc::Status s = Submit(Spec(1), nullptr, /*user=*/"");
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED);
-  EXPECT_THAT(s.error_message(), HasSubstr("x-trainyard-user"));
+  EXPECT_THAT(s.error_message(), HasSubstr("authorization: Bearer"));
 }
 
 TEST_F(CoordinatorServiceTest, BadSpecsAreRejectedNamingTheFieldAndNothingIsStored) {
@@ -263,11 +271,11 @@ TEST_F(CoordinatorServiceTest, ListFiltersByStateAndOwnerAndPagesNewestFirst) {
   for (int i = 0; i < 2; ++i) MustSubmit(Spec(1), "bob");
   ASSERT_TRUE(Cancel("job-2").ok());
 
-  v1::ListJobsRequest r;
+  v1::ListJobsRequest r;  // an admin's view: every owner's jobs
   r.set_page_size(3);
   std::vector<std::string> ids;
   while (true) {
-    v1::ListJobsResponse page = List(r);
+    v1::ListJobsResponse page = List(r, nullptr, "admin");
     EXPECT_LE(page.jobs_size(), 3);
     for (const auto& j : page.jobs()) ids.push_back(j.id());
     if (page.next_page_token().empty()) break;
@@ -277,7 +285,7 @@ TEST_F(CoordinatorServiceTest, ListFiltersByStateAndOwnerAndPagesNewestFirst) {
 
   v1::ListJobsRequest by_owner;
   by_owner.set_owner("bob");
-  EXPECT_EQ(List(by_owner).jobs_size(), 2);
+  EXPECT_EQ(List(by_owner, nullptr, "admin").jobs_size(), 2);
   v1::ListJobsRequest by_state;
   by_state.add_states(v1::CANCELLED);
   v1::ListJobsResponse cancelled = List(by_state);
@@ -474,7 +482,7 @@ TEST_F(CoordinatorServiceTest, ANodeBackWithAStaleRankStopsItAndHoldsItsDeviceUn
   stale.set_attempt(a.attempt());
   stale.set_rank(1);
   stale.set_phase(v1::RANK_RUNNING);
-  auto again = testing::NodeSession::Connect(channel_, "n1", 2, {stale});
+  auto again = testing::NodeSession::Connect(channel_, tokens_->Node("n1"), "n1", 2, {stale});
   v1::CoordinatorMessage m = again->NextCommand();
   ASSERT_TRUE(m.has_cancel()) << m.DebugString();
   EXPECT_EQ(m.cancel().attempt(), a.attempt());
@@ -616,7 +624,7 @@ TEST_F(CoordinatorServiceTest, AFailedAttemptsDevicesFreeAsItsRanksExitOrAfterTh
 
 TEST_F(CoordinatorServiceTest, BadNodeRegistrationsAndSessionsAreRejected) {
   grpc::ClientContext ctx;
-  Prepare(ctx);
+  PrepareToken(ctx, tokens_->Node("n1"));
   v1::RegisterNodeRequest r;
   v1::RegisterNodeResponse resp;
   grpc::Status s = nodes_->RegisterNode(&ctx, r, &resp);
@@ -624,7 +632,7 @@ TEST_F(CoordinatorServiceTest, BadNodeRegistrationsAndSessionsAreRejected) {
   EXPECT_THAT(s.error_message(), StartsWith("node_id:"));
 
   grpc::ClientContext ctx2;
-  Prepare(ctx2);
+  PrepareToken(ctx2, tokens_->Node("n1"));
   r.set_node_id("n1");
   r.add_devices()->set_kind(v1::CPU_SLOT);
   r.add_devices()->set_kind(v1::CPU_SLOT);  // index 0 twice
@@ -635,7 +643,7 @@ TEST_F(CoordinatorServiceTest, BadNodeRegistrationsAndSessionsAreRejected) {
   // A session that does not start with hello, and one for a node never registered.
   for (bool hello : {false, true}) {
     grpc::ClientContext sctx;
-    Prepare(sctx);
+    PrepareToken(sctx, tokens_->Node("ghost"));
     auto stream = nodes_->Session(&sctx);
     v1::NodeMessage m;
     if (hello) {
@@ -662,11 +670,12 @@ TEST_F(CoordinatorServiceTest, RendezvousIsScopedToTheRunningAttemptAndBlocksUnt
   v1::RendezvousScope scope;
   scope.set_job_id(job.id());
   scope.set_attempt(1);
+  const std::string rank_token = tokens_->Job(job.id(), 1);
 
   // A blocked Get returns once another rank sets the key.
   auto getter = std::async(std::launch::async, [&] {
     grpc::ClientContext ctx;
-    Prepare(ctx);
+    PrepareToken(ctx, rank_token);
     v1::GetRequest r;
     *r.mutable_scope() = scope;
     r.set_key("master");
@@ -677,7 +686,7 @@ TEST_F(CoordinatorServiceTest, RendezvousIsScopedToTheRunningAttemptAndBlocksUnt
   });
   {
     grpc::ClientContext ctx;
-    Prepare(ctx);
+    PrepareToken(ctx, rank_token);
     v1::SetRequest r;
     *r.mutable_scope() = scope;
     r.set_key("master");
@@ -690,7 +699,7 @@ TEST_F(CoordinatorServiceTest, RendezvousIsScopedToTheRunningAttemptAndBlocksUnt
   // Add counts; a missing key times out; another attempt is not running.
   for (int expected : {1, 2}) {
     grpc::ClientContext ctx;
-    Prepare(ctx);
+    PrepareToken(ctx, rank_token);
     v1::AddRequest r;
     *r.mutable_scope() = scope;
     r.set_key("count");
@@ -701,7 +710,7 @@ TEST_F(CoordinatorServiceTest, RendezvousIsScopedToTheRunningAttemptAndBlocksUnt
   }
   {
     grpc::ClientContext ctx;
-    Prepare(ctx);
+    PrepareToken(ctx, rank_token);
     v1::GetRequest r;
     *r.mutable_scope() = scope;
     r.set_key("never");
@@ -711,7 +720,7 @@ TEST_F(CoordinatorServiceTest, RendezvousIsScopedToTheRunningAttemptAndBlocksUnt
   }
   {
     grpc::ClientContext ctx;
-    Prepare(ctx);
+    PrepareToken(ctx, tokens_->Job(job.id(), 2));  // that attempt's own credential
     v1::SetRequest r;
     *r.mutable_scope() = scope;
     r.mutable_scope()->set_attempt(2);
@@ -724,7 +733,7 @@ TEST_F(CoordinatorServiceTest, RendezvousIsScopedToTheRunningAttemptAndBlocksUnt
   // Two ranks meet at a barrier.
   auto enter = [&](int rank) {
     grpc::ClientContext ctx;
-    Prepare(ctx);
+    PrepareToken(ctx, rank_token);
     v1::BarrierRequest r;
     *r.mutable_scope() = scope;
     r.set_name("init");
@@ -739,7 +748,7 @@ TEST_F(CoordinatorServiceTest, RendezvousIsScopedToTheRunningAttemptAndBlocksUnt
   EXPECT_EQ(rank0.get(), grpc::StatusCode::OK);
   {
     grpc::ClientContext ctx;
-    Prepare(ctx);
+    PrepareToken(ctx, rank_token);
     v1::BarrierRequest r;
     *r.mutable_scope() = scope;
     r.set_name("init2");
@@ -753,7 +762,7 @@ TEST_F(CoordinatorServiceTest, RendezvousIsScopedToTheRunningAttemptAndBlocksUnt
   // When the attempt ends, its keys go with it.
   ASSERT_TRUE(Cancel(job.id()).ok());
   grpc::ClientContext ctx;
-  Prepare(ctx);
+  PrepareToken(ctx, rank_token);
   v1::CheckRequest r;
   *r.mutable_scope() = scope;
   r.add_keys("master");
@@ -770,7 +779,7 @@ TEST_F(CoordinatorServiceTest, StepReportsFeedMetricsAndCarryCheckpointRequestsU
 
   auto report = [&](int64_t step, int attempt, v1::TrainerCommands* commands) {
     grpc::ClientContext ctx;
-    Prepare(ctx);
+    PrepareToken(ctx, tokens_->Job(job.id(), attempt));
     v1::StepReport r;
     r.set_job_id(job.id());
     r.set_attempt(attempt);
@@ -798,7 +807,7 @@ TEST_F(CoordinatorServiceTest, StepReportsFeedMetricsAndCarryCheckpointRequestsU
   EXPECT_TRUE(commands.checkpoint_requested());
   {
     grpc::ClientContext ctx;
-    Prepare(ctx);
+    PrepareToken(ctx, tokens_->Job(job.id(), 1));
     v1::CheckpointReport r;
     r.set_job_id(job.id());
     r.set_attempt(1);
@@ -886,7 +895,7 @@ TEST_F(CoordinatorServiceTest, FollowedLogsStreamRankLinesAndEndWithTheJob) {
 TEST_F(CoordinatorServiceTest, JobThatFitsNoNodesMemoryIsRejectedNamingAStrategyThatFits) {
   {  // 4 devices of 1 GiB each
     grpc::ClientContext ctx;
-    Prepare(ctx);
+    PrepareToken(ctx, tokens_->Node("small"));
     v1::RegisterNodeRequest r;
     r.set_node_id("small");
     for (int i = 0; i < 4; ++i) {
@@ -932,8 +941,8 @@ TEST_F(CoordinatorServiceTest, OffloadJobsNeedParameterServersWithRoomAndNothing
   grpc::Status s = Submit(OffloadSpec("none"), nullptr);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_THAT(s.error_message(), HasSubstr("none is registered"));
-  auto ps = testing::NodeSession::ConnectParameterServer(channel_, "ps1", kOffloadSpecPsBytes - 1,
-                                                         "127.0.0.1:9");
+  auto ps = testing::NodeSession::ConnectParameterServer(channel_, tokens_->Node("ps1"), "ps1",
+                                                         kOffloadSpecPsBytes - 1, "127.0.0.1:9");
   s = Submit(OffloadSpec("small"), nullptr);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(s.error_message(), HasSubstr("parallel.strategy: offload needs"));
@@ -944,8 +953,10 @@ TEST_F(CoordinatorServiceTest, OffloadJobsNeedParameterServersWithRoomAndNothing
 TEST_F(CoordinatorServiceTest, OffloadJobIsSplitOverParameterServersAndWaitsForTheirMemory) {
   auto worker = Connect("n1", 2);
   // Together they hold one job's state, not two.
-  auto ps1 = testing::NodeSession::ConnectParameterServer(channel_, "ps1", 500000, "127.0.0.1:11");
-  auto ps2 = testing::NodeSession::ConnectParameterServer(channel_, "ps2", 500000, "127.0.0.1:12");
+  auto ps1 = testing::NodeSession::ConnectParameterServer(channel_, tokens_->Node("ps1"), "ps1",
+                                                          500000, "127.0.0.1:11");
+  auto ps2 = testing::NodeSession::ConnectParameterServer(channel_, tokens_->Node("ps2"), "ps2",
+                                                          500000, "127.0.0.1:12");
   v1::Job first = MustSubmit(OffloadSpec("first"));
   v1::Job second = MustSubmit(OffloadSpec("second"));
   ASSERT_EQ(server_->jobs().SchedulePass(), 1);
@@ -992,8 +1003,8 @@ TEST_F(CoordinatorServiceTest, OffloadJobIsSplitOverParameterServersAndWaitsForT
 
 TEST_F(CoordinatorServiceTest, LostParameterServerFailsTheAttemptNamingIt) {
   auto worker = Connect("n1", 1);
-  auto ps = testing::NodeSession::ConnectParameterServer(channel_, "ps1", int64_t{1} << 30,
-                                                         "127.0.0.1:11");
+  auto ps = testing::NodeSession::ConnectParameterServer(channel_, tokens_->Node("ps1"), "ps1",
+                                                         int64_t{1} << 30, "127.0.0.1:11");
   v1::Job job = MustSubmit(OffloadSpec("job"));
   ASSERT_EQ(server_->jobs().SchedulePass(), 1);
   worker->NextCommand();
@@ -1011,7 +1022,7 @@ TEST_F(CoordinatorServiceTest, LostParameterServerFailsTheAttemptNamingIt) {
 TEST_F(CoordinatorServiceTest, BadParameterServerRegistrationsNameTheField) {
   auto reg = [&](v1::RegisterNodeRequest r) {
     grpc::ClientContext ctx;
-    Prepare(ctx);
+    PrepareToken(ctx, tokens_->Node(r.node_id()));
     v1::RegisterNodeResponse resp;
     return nodes_->RegisterNode(&ctx, r, &resp);
   };

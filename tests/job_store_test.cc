@@ -398,6 +398,36 @@ TEST_P(JobStoreTest, LoadsSeeEveryBatchWhoseCallbackRan) {
   EXPECT_EQ(LoadJobs().size(), static_cast<size_t>(kBatches));
 }
 
+TEST_P(JobStoreTest, RecordsRoundTripByKindOrderedByIdAndReplaceById) {
+  WriteBatch batch;
+  batch.put_records = {{"user", "bob", "b"},
+                       {"token", "00ff", BinaryPayload()},
+                       {"user", "alice", "a"},
+                       {"user", "carol", ""}};
+  ASSERT_TRUE(store_->CommitSync(batch).ok());
+  WriteBatch replace;
+  replace.put_records = {{"user", "bob", "b2"}};
+  ASSERT_TRUE(store_->CommitSync(replace).ok());
+
+  auto users = store_->LoadRecords("user");
+  ASSERT_TRUE(users.ok()) << users.status();
+  EXPECT_THAT(*users,
+              ElementsAre(StoredRecord{"user", "alice", "a"}, StoredRecord{"user", "bob", "b2"},
+                          StoredRecord{"user", "carol", ""}));
+  EXPECT_THAT(*store_->LoadRecords("token"),
+              ElementsAre(StoredRecord{"token", "00ff", BinaryPayload()}));
+  EXPECT_THAT(*store_->LoadRecords("account"), IsEmpty());
+}
+
+TEST_P(JobStoreTest, BatchWithDuplicateSeqAppliesNoneOfItsRecords) {
+  ASSERT_TRUE(store_->CommitSync(PutJobs({Job(1)})).ok());
+  WriteBatch batch;
+  batch.put_jobs = {{"job-other", 1, "bob", "QUEUED", "x"}};
+  batch.put_records = {{"user", "bob", "b"}};
+  EXPECT_FALSE(store_->CommitSync(batch).ok());
+  EXPECT_THAT(*store_->LoadRecords("user"), IsEmpty());
+}
+
 // Only the backends that keep their data across opening: the in-memory store starts empty.
 class DurableJobStoreTest : public JobStoreTest {};
 
@@ -410,9 +440,15 @@ TEST_P(DurableJobStoreTest, ReopenSeesEverythingCommitted) {
   batch.delete_nodes = {"node-a"};
   ASSERT_TRUE(store_->CommitSync(batch).ok());
 
+  WriteBatch records;
+  records.put_records = {{"token", "t1", BinaryPayload()}};
+  ASSERT_TRUE(store_->CommitSync(records).ok());
+
   Reopen();
   EXPECT_THAT(LoadJobs(), ElementsAre(job1, job2));
   EXPECT_THAT(LoadNodes(), ElementsAre(StoredNode{"node-b", "b"}));
+  EXPECT_THAT(*store_->LoadRecords("token"),
+              ElementsAre(StoredRecord{"token", "t1", BinaryPayload()}));
   // And it takes new writes after reopening.
   ASSERT_TRUE(store_->CommitSync(PutJobs({Job(3)})).ok());
   Reopen();
@@ -570,9 +606,9 @@ TEST_F(SqliteJobStoreTest, BadBatchInAGroupFallsBackToOneTransactionPerBatch) {
   EXPECT_THAT(Seqs(*store->LoadJobs()), ElementsAre(0, 1, 3));
 }
 
-TEST_F(SqliteJobStoreTest, CreatesSchemaVersion1InWalModeWithIndexes) {
+TEST_F(SqliteJobStoreTest, CreatesSchemaVersion2InWalModeWithIndexes) {
   ASSERT_NE(Open(), nullptr);
-  EXPECT_EQ(QuerySqlite(db_path_, "PRAGMA user_version"), "1");
+  EXPECT_EQ(QuerySqlite(db_path_, "PRAGMA user_version"), "2");
   EXPECT_EQ(QuerySqlite(db_path_, "PRAGMA journal_mode"), "wal");
   EXPECT_EQ(QuerySqlite(db_path_,
                         "SELECT group_concat(name, ',') FROM (SELECT name FROM sqlite_master "
@@ -604,7 +640,33 @@ TEST_F(SqliteJobStoreTest, ReopeningTheCurrentVersionKeepsTheData) {
   auto store = Open();
   ASSERT_NE(store, nullptr);
   EXPECT_THAT(*store->LoadJobs(), ElementsAre(Job(1)));
-  EXPECT_EQ(QuerySqlite(db_path_, "PRAGMA user_version"), "1");
+  EXPECT_EQ(QuerySqlite(db_path_, "PRAGMA user_version"), "2");
+}
+
+TEST_F(SqliteJobStoreTest, MigratesAVersion1DatabaseKeepingItsJobs) {
+  // The schema of version 1, as an older coordinator left it, with one job.
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open(db_path_.c_str(), &db), SQLITE_OK);
+  ASSERT_EQ(sqlite3_exec(db,
+                         "CREATE TABLE jobs (id TEXT PRIMARY KEY, seq INTEGER NOT NULL UNIQUE, "
+                         "owner TEXT NOT NULL, state TEXT NOT NULL, payload BLOB NOT NULL); "
+                         "CREATE INDEX jobs_owner ON jobs(owner); "
+                         "CREATE INDEX jobs_state ON jobs(state); "
+                         "CREATE TABLE nodes (id TEXT PRIMARY KEY, payload BLOB NOT NULL); "
+                         "INSERT INTO jobs VALUES('job-1', 1, 'alice', 'QUEUED', x'00'); "
+                         "PRAGMA user_version = 1;",
+                         nullptr, nullptr, nullptr),
+            SQLITE_OK);
+  sqlite3_close_v2(db);
+  auto store = Open();
+  ASSERT_NE(store, nullptr);
+  EXPECT_EQ(QuerySqlite(db_path_, "PRAGMA user_version"), "2");
+  EXPECT_THAT(*store->LoadJobs(),
+              ElementsAre(StoredJob{"job-1", 1, "alice", "QUEUED", std::string(1, '\0')}));
+  WriteBatch batch;
+  batch.put_records = {{"user", "alice", "a"}};
+  ASSERT_TRUE(store->CommitSync(batch).ok());
+  EXPECT_THAT(*store->LoadRecords("user"), ElementsAre(StoredRecord{"user", "alice", "a"}));
 }
 
 TEST_F(SqliteJobStoreTest, RefusesDatabaseWithNewerSchemaVersion) {
@@ -614,7 +676,7 @@ TEST_F(SqliteJobStoreTest, RefusesDatabaseWithNewerSchemaVersion) {
   ASSERT_FALSE(store.ok());
   EXPECT_EQ(store.status().code(), absl::StatusCode::kFailedPrecondition) << store.status();
   EXPECT_THAT(store.status().message(), HasSubstr("schema version 99"));
-  EXPECT_THAT(store.status().message(), HasSubstr("(1)"));
+  EXPECT_THAT(store.status().message(), HasSubstr("(2)"));
   EXPECT_EQ(QuerySqlite(db_path_, "PRAGMA user_version"), "99");  // left untouched
 }
 

@@ -12,6 +12,7 @@
 #include "absl/time/clock.h"
 #include "client/yard_client.h"
 #include "tests/testing/http_get.h"
+#include "tests/testing/identity.h"
 #include "tests/testing/subprocess.h"
 #include "tests/testing/tiny_spec.h"
 #include "trainyard/v1/trainer.grpc.pb.h"
@@ -48,16 +49,23 @@ class MetricsE2eTest : public ::testing::Test {
     const std::string metrics_line = coordinator_->ReadLine(absl::Seconds(30)).value_or("");
     ASSERT_TRUE(absl::StartsWith(metrics_line, "metrics ")) << metrics_line;
     coordinator_metrics_ = metrics_line.substr(8);
-    auto w = Subprocess::Start({BinPath("trainyard-worker"), "--coordinator", address_, "--node-id",
-                                "w1", "--cpu-slots", "2", "--trainer",
-                                testing::TestBinPath("test_rank"), "--work-dir",
-                                dir_.path() + "/work", "--metrics-address", "127.0.0.1:0"});
+    const auto channel = grpc::CreateChannel(address_, grpc::InsecureChannelCredentials());
+    admin_token_ = testing::AdminToken(dir_.path() + "/state");
+    const std::string node_token = dir_.path() + "/w1.token";
+    ASSERT_TRUE(
+        WriteSecretFile(node_token, testing::CreateToken(channel, admin_token_, "admin", "w1"))
+            .ok());
+    auto w = Subprocess::Start(
+        {BinPath("trainyard-worker"), "--coordinator", address_, "--node-id", "w1", "--cpu-slots",
+         "2", "--trainer", testing::TestBinPath("test_rank"), "--work-dir", dir_.path() + "/work",
+         "--metrics-address", "127.0.0.1:0", "--token-file", node_token});
     ASSERT_TRUE(w.ok()) << w.status();
     worker_ = std::move(*w);
     const std::string worker_line = worker_->ReadLine(absl::Seconds(30)).value_or("");
     ASSERT_TRUE(absl::StartsWith(worker_line, "metrics ")) << worker_line;
     worker_metrics_ = worker_line.substr(8);
-    client_ = std::make_unique<client::YardClient>(address_, "alice");
+    client_ = std::make_unique<client::YardClient>(
+        address_, testing::CreateToken(channel, admin_token_, "alice"));
   }
 
   // Scrapes `endpoint` until `series` has `value` (gauges refresh on the coordinator's ticker and
@@ -88,7 +96,7 @@ class MetricsE2eTest : public ::testing::Test {
 
   TempDir dir_;
   std::unique_ptr<Subprocess> coordinator_, worker_;
-  std::string address_, coordinator_metrics_, worker_metrics_;
+  std::string address_, coordinator_metrics_, worker_metrics_, admin_token_;
   std::unique_ptr<client::YardClient> client_;
 };
 
@@ -130,6 +138,10 @@ TEST_F(MetricsE2eTest, TrainingSeriesExistWhileTheJobRuns) {
   auto trainer = v1::TrainerService::NewStub(
       grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
+  // The attempt's job credential, as its worker got it (signed with the state directory's key).
+  auto key = ReadSecretFile(dir_.path() + "/state/job-credential.key");
+  ASSERT_TRUE(key.ok()) << key.status();
+  testing::Authorize(ctx, MakeJobCredential(*key, job->id(), 1));
   v1::StepReport r;
   r.set_job_id(job->id());
   r.set_attempt(1);
@@ -145,6 +157,26 @@ TEST_F(MetricsE2eTest, TrainingSeriesExistWhileTheJobRuns) {
   EXPECT_EQ(Sample(page, "trainyard_job_tokens_per_second{job=\"" + job->id() + "\"}"), 1234);
   ASSERT_TRUE(client_->Cancel(job->id(), "done").ok());
   ScrapeUntil(coordinator_metrics_, series, std::nullopt);  // removed with the job
+}
+
+TEST_F(MetricsE2eTest, RefusedCallsAreCountedByMethodAndReason) {
+  const std::string unauthenticated =
+      "trainyard_auth_refusals_total{method=\"JobService/GetJob\",reason=\"UNAUTHENTICATED\"}";
+  const std::string denied =
+      "trainyard_auth_refusals_total{method=\"IdentityService/ListUsers\",reason=\"PERMISSION_"
+      "DENIED\"}";
+  {  // no credential at all, written by hand: YardClient would not send the call
+    auto stub =
+        v1::JobService::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    v1::GetJobRequest r;
+    r.set_job_id("job-1");
+    v1::Job job;
+    ASSERT_EQ(stub->GetJob(&ctx, r, &job).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  }
+  ASSERT_EQ(client_->ListUsers().status().code(), absl::StatusCode::kPermissionDenied);
+  const std::string page = ScrapeUntil(coordinator_metrics_, denied, 1);
+  EXPECT_EQ(Sample(page, unauthenticated), 1);
 }
 
 }  // namespace

@@ -5,7 +5,8 @@
 // (ignore SIGTERM, wait to be killed), "spawn-child" (start a grandchild that sleeps, then hang),
 // "leave-shm" (create /dev/shm/trainyard-allreduce-PID-test, exit 9),
 // "print-devices" (print the device it was given: --device, TRAINYARD_DEVICE, CUDA_VISIBLE_DEVICES,
-// OMP_NUM_THREADS; exit 0). Asked
+// OMP_NUM_THREADS; exit 0), "print-credentials" (say whether the job credential of its attempt
+// and the worker's node token reached its environment, never their values; exit 0). Asked
 // `--supported-devices`, it answers TEST_RANK_SUPPORTED_DEVICES (default "cpu"). Each rank writes
 // its pid (and its grandchild's) to pids-rank-R in its working directory, so tests can check that
 // none survive.
@@ -29,13 +30,15 @@ int main(int argc, char** argv) {
     std::printf("%s\n", devices != nullptr ? devices : "cpu");
     return 0;
   }
-  std::string spec_path, device = "(none)";
+  std::string spec_path, device = "(none)", job_id, attempt;
   int rank = -1, world = 0;
   for (int i = 1; i + 1 < argc; ++i) {
     if (!std::strcmp(argv[i], "--spec")) spec_path = argv[i + 1];
     if (!std::strcmp(argv[i], "--rank")) rank = std::atoi(argv[i + 1]);
     if (!std::strcmp(argv[i], "--world-size")) world = std::atoi(argv[i + 1]);
     if (!std::strcmp(argv[i], "--device")) device = argv[i + 1];
+    if (!std::strcmp(argv[i], "--job-id")) job_id = argv[i + 1];
+    if (!std::strcmp(argv[i], "--attempt")) attempt = argv[i + 1];
   }
   std::ifstream in(spec_path, std::ios::binary);
   std::stringstream bytes;
@@ -61,6 +64,16 @@ int main(int argc, char** argv) {
         "OMP_NUM_THREADS=%s\n",
         rank, device.c_str(), env("TRAINYARD_DEVICE").c_str(), env("CUDA_VISIBLE_DEVICES").c_str(),
         env("OMP_NUM_THREADS").c_str());
+    return 0;
+  }
+  if (mode == "print-credentials") {  // what of the worker's secrets reached the rank (not them)
+    const char* credential = std::getenv("TRAINYARD_JOB_CREDENTIAL");
+    const std::string prefix = "tyj." + job_id + "." + attempt + ".";
+    std::printf("rank %d: job credential %s; node token %s\n", rank,
+                credential == nullptr                           ? "unset"
+                : std::string(credential).rfind(prefix, 0) == 0 ? "of this attempt"
+                                                                : "of another attempt",
+                std::getenv("TRAINYARD_TOKEN") != nullptr ? "set" : "unset");
     return 0;
   }
   if (mode == "leave-shm") {  // dies holding a named all-reduce segment, as rank 0 might

@@ -21,6 +21,7 @@
 #include "absl/strings/str_join.h"
 #include "common/clock.h"
 #include "server/coordinator/coordinator_server.h"
+#include "tests/testing/coordinator_tokens.h"
 #include "tests/testing/node_session.h"
 #include "tests/testing/subprocess.h"
 #include "trainyard/v1/job.grpc.pb.h"
@@ -85,7 +86,8 @@ class TrainerE2eTest : public ::testing::Test {
     server_ = std::move(*s);
     channel_ = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
     jobs_ = v1::JobService::NewStub(channel_);
-    node_ = testing::NodeSession::Connect(channel_, "n1", 8);
+    tokens_ = std::make_unique<testing::CoordinatorTokens>(server_->identities());
+    node_ = testing::NodeSession::Connect(channel_, tokens_->Node("n1"), "n1", 8);
   }
 
   void TearDown() override {
@@ -93,8 +95,8 @@ class TrainerE2eTest : public ::testing::Test {
     if (server_) server_->Shutdown();
   }
 
-  static void Prepare(grpc::ClientContext& ctx) {
-    ctx.AddMetadata("x-trainyard-user", "alice");
+  void Prepare(grpc::ClientContext& ctx) {
+    testing::Authorize(ctx, tokens_->User("alice"));
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
   }
 
@@ -157,7 +159,10 @@ class TrainerE2eTest : public ::testing::Test {
     for (int r = 0; r < world; ++r) {
       std::vector<std::string> extra = every_rank_extra;
       if (r == 0) extra.insert(extra.end(), rank0_extra.begin(), rank0_extra.end());
-      auto p = testing::Subprocess::Start(Argv(job, r, world, extra), extra_env);
+      // The job credential, as the worker hands it to a rank.
+      std::vector<std::string> env = extra_env;
+      env.push_back(absl::StrCat(kJobCredentialEnv, "=", tokens_->Job(job.id, job.attempt)));
+      auto p = testing::Subprocess::Start(Argv(job, r, world, extra), env);
       EXPECT_TRUE(p.ok()) << p.status();
       if (p.ok()) procs.push_back(std::move(*p));
     }
@@ -250,6 +255,7 @@ class TrainerE2eTest : public ::testing::Test {
   testing::TempDir dir_;
   FakeClock clock_;
   std::unique_ptr<coordinator::CoordinatorServer> server_;
+  std::unique_ptr<testing::CoordinatorTokens> tokens_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::JobService::Stub> jobs_;
   std::unique_ptr<testing::NodeSession> node_;  // keeps the node connected
@@ -473,11 +479,13 @@ class OffloadE2eTest : public TrainerE2eTest {
   void SetUp() override {
     TrainerE2eTest::SetUp();
     for (int i = 0; i < 2; ++i) {
-      auto p = testing::Subprocess::Start({testing::BinPath("trainyard-ps"), "--listen",
-                                           "127.0.0.1:0", "--coordinator", server_->address(),
-                                           "--node-id", absl::StrCat("ps", i), "--memory-bytes",
-                                           absl::StrCat(int64_t{1} << 30), "--threads", "1",
-                                           "--data-listen", i == 0 ? "127.0.0.1:0" : "off"});
+      auto p = testing::Subprocess::Start(
+          {testing::BinPath("trainyard-ps"), "--listen", "127.0.0.1:0", "--coordinator",
+           server_->address(), "--node-id", absl::StrCat("ps", i), "--memory-bytes",
+           absl::StrCat(int64_t{1} << 30), "--threads", "1", "--data-listen",
+           i == 0 ? "127.0.0.1:0" : "off"},
+          // its node token: environment, never argv
+          {absl::StrCat(kTokenEnv, "=", tokens_->Node(absl::StrCat("ps", i)))});
       ASSERT_TRUE(p.ok()) << p.status();
       auto address = (*p)->ReadLine(absl::Seconds(30));
       ASSERT_TRUE(address.has_value());

@@ -18,6 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "client/yard_client.h"
+#include "tests/testing/identity.h"
 #include "tests/testing/subprocess.h"
 #include "tests/testing/tiny_spec.h"
 
@@ -25,7 +26,9 @@ namespace trainyard {
 namespace {
 
 using testing::BinPath;
+using ::testing::Contains;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using testing::Subprocess;
 using testing::TempDir;
 using testing::TestBinPath;
@@ -66,8 +69,19 @@ class WorkerE2eTest : public ::testing::Test {
     ASSERT_TRUE(p.ok()) << p.status();
     coordinator_ = std::move(*p);
     address_ = coordinator_->ReadLine(absl::Seconds(30)).value_or("");
-    client_ = std::make_unique<client::YardClient>(address_, "alice");
+    // Tokens made once: they outlive coordinator restarts on the same state directory.
+    if (alice_token_.empty()) {
+      const auto channel = grpc::CreateChannel(address_, grpc::InsecureChannelCredentials());
+      const std::string admin = testing::AdminToken(dir_.path() + "/state");
+      alice_token_ = testing::CreateToken(channel, admin, "alice");
+      ASSERT_TRUE(
+          WriteSecretFile(node_token_file(), testing::CreateToken(channel, admin, "admin", "w1"))
+              .ok());
+    }
+    client_ = std::make_unique<client::YardClient>(address_, alice_token_);
   }
+
+  std::string node_token_file() const { return dir_.path() + "/w1.token"; }
 
   // A worker with 2 CPU slots running test_rank, plus `args`, with `env` added to its environment.
   void StartWorker(const std::vector<std::string>& args = {},
@@ -84,7 +98,9 @@ class WorkerE2eTest : public ::testing::Test {
                                      "--work-dir",
                                      work_dir(),
                                      "--stop-grace",
-                                     stop_grace};
+                                     stop_grace,
+                                     "--token-file",
+                                     node_token_file()};
     argv.insert(argv.end(), args.begin(), args.end());
     auto p = Subprocess::Start(argv, env);
     ASSERT_TRUE(p.ok()) << p.status();
@@ -141,7 +157,7 @@ class WorkerE2eTest : public ::testing::Test {
   void WaitForReadyLines(const std::string& id, int want) {
     int seen = 0;
     grpc::ClientContext ctx;
-    ctx.AddMetadata("x-trainyard-user", "alice");
+    testing::Authorize(ctx, alice_token_);
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
     auto channel = grpc::CreateChannel(address_, grpc::InsecureChannelCredentials());
     auto stub = v1::JobService::NewStub(channel);
@@ -173,6 +189,7 @@ class WorkerE2eTest : public ::testing::Test {
   std::unique_ptr<Subprocess> coordinator_;
   std::unique_ptr<Subprocess> worker_;
   std::string address_;
+  std::string alice_token_;
   std::unique_ptr<client::YardClient> client_;
 };
 
@@ -196,22 +213,46 @@ TEST_F(WorkerE2eTest, YardPrintsLogsPrefixedByRankAndRefusesToCheckpointAnEndedJ
   auto job = client_->Submit(testing::TinySpec("succeed", 2));
   ASSERT_TRUE(job.ok());
   ASSERT_EQ(WaitFor(job->id(), [](const v1::Job&) { return false; }).state(), v1::SUCCEEDED);
-  auto logs = testing::RunCommand({BinPath("yard"), "--coordinator", address_, "logs", job->id()});
+  const std::vector<std::string> env = {"TRAINYARD_TOKEN=" + alice_token_};  // never argv
+  auto logs =
+      testing::RunCommand({BinPath("yard"), "--coordinator", address_, "logs", job->id()}, env);
   EXPECT_EQ(logs.exit_code, 0) << logs.err;
   EXPECT_THAT(logs.out, HasSubstr("[rank 0] hello from rank 0 of 2 (succeed)\n"));
   EXPECT_THAT(logs.out, HasSubstr("[rank 1] rank 1 done\n"));
   auto tail = testing::RunCommand(
-      {BinPath("yard"), "--coordinator", address_, "logs", job->id(), "--tail", "1", "-f"});
+      {BinPath("yard"), "--coordinator", address_, "logs", job->id(), "--tail", "1", "-f"}, env);
   EXPECT_EQ(tail.exit_code, 0) << tail.err;  // -f on an ended job returns at once
   EXPECT_EQ(std::count(tail.out.begin(), tail.out.end(), '\n'), 1);
   auto metrics = testing::RunCommand(
-      {BinPath("yard"), "--coordinator", address_, "metrics", job->id(), "-o", "json"});
+      {BinPath("yard"), "--coordinator", address_, "metrics", job->id(), "-o", "json"}, env);
   EXPECT_EQ(metrics.exit_code, 0) << metrics.err;
   EXPECT_EQ(metrics.out, "[]\n");  // test_rank reports no steps
-  auto ckpt =
-      testing::RunCommand({BinPath("yard"), "--coordinator", address_, "checkpoint", job->id()});
+  auto ckpt = testing::RunCommand(
+      {BinPath("yard"), "--coordinator", address_, "checkpoint", job->id()}, env);
   EXPECT_NE(ckpt.exit_code, 0);
   EXPECT_THAT(ckpt.err, HasSubstr("FAILED_PRECONDITION"));
+}
+
+TEST_F(WorkerE2eTest, RanksGetTheirAttemptsJobCredentialButNotTheWorkersNodeToken) {
+  // This worker has its node token in the environment, where ranks would inherit it.
+  worker_->Signal(SIGTERM);
+  ASSERT_TRUE(worker_->Wait(absl::Seconds(30)).has_value());
+  auto token = ReadSecretFile(node_token_file());
+  ASSERT_TRUE(token.ok()) << token.status();
+  std::vector<std::string> args = {"--gpus", "none"};
+  StartWorker(args, {"TRAINYARD_TOKEN=" + *token});
+  WaitForReadyNodes(1);
+
+  auto job = client_->Submit(testing::TinySpec("print-credentials", 2));
+  ASSERT_TRUE(job.ok()) << job.status();
+  ASSERT_EQ(WaitFor(job->id(), [](const v1::Job&) { return false; }).state(), v1::SUCCEEDED);
+  const std::vector<std::string> lines = Logs(job->id());
+  for (int rank : {0, 1}) {
+    EXPECT_THAT(lines,
+                Contains(absl::StrCat(rank, ": rank ", rank,
+                                      ": job credential of this attempt; node token unset")));
+  }
+  for (const std::string& line : lines) EXPECT_THAT(line, Not(HasSubstr("tyj.")));
 }
 
 TEST_F(WorkerE2eTest, CrashingRankRestartsTheJobThenFailsItWithTheExitCodeAndLastLines) {
@@ -418,7 +459,8 @@ TEST_F(WorkerGpuE2eTest, OffersEachGpuAndGivesEachRankOnlyItsOwn) {
     EXPECT_EQ(devices[i].name(), absl::StrCat("Fake GPU ", i, " (", FakeUuid(i), ")"));
     EXPECT_EQ(devices[i].memory_bytes(), int64_t{81559} << 20);
   }
-  auto nodes = testing::RunCommand({BinPath("yard"), "--coordinator", address_, "nodes"});
+  auto nodes = testing::RunCommand({BinPath("yard"), "--coordinator", address_, "nodes"},
+                                   {"TRAINYARD_TOKEN=" + alice_token_});
   EXPECT_THAT(nodes.out, HasSubstr("0/2 gpu"));
 
   // Two ranks, one per GPU, in either order: each sees its own GPU only, by UUID.

@@ -18,7 +18,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "common/credentials.h"
 #include "common/version.h"
+#include "tests/testing/identity.h"
 #include "tests/testing/subprocess.h"
 
 namespace trainyard {
@@ -118,12 +120,22 @@ class LocalClusterGuard {
   std::string state_dir_;
 };
 
+// The HOME of every yard this test process runs (where `yard local up` saves the local admin's
+// token and yard looks for one): never the real one.
+const std::string& YardHome() {
+  static TempDir* home = new TempDir();
+  return home->path();
+}
+
 // `yard` with no coordinator: for the calls that do not need one.
 CommandResult YardAlone(const std::vector<std::string>& args,
                         const std::vector<std::string>& extra_env = {}) {
   std::vector<std::string> argv = {BinPath("yard")};
   argv.insert(argv.end(), args.begin(), args.end());
-  return RunCommand(argv, extra_env, kCommandTimeout);
+  std::vector<std::string> env = {"HOME=" + YardHome(),
+                                  "XDG_CONFIG_HOME=", "TRAINYARD_TOKEN=", "TRAINYARD_TOKEN_FILE="};
+  env.insert(env.end(), extra_env.begin(), extra_env.end());
+  return RunCommand(argv, env, kCommandTimeout);
 }
 
 class YardE2eTest : public ::testing::Test {
@@ -139,29 +151,43 @@ class YardE2eTest : public ::testing::Test {
     ASSERT_THAT(address_, StartsWith("127.0.0.1:"));
   }
 
-  // `yard --coordinator ADDRESS ARGS...`.
-  CommandResult Yard(const std::vector<std::string>& args) {
-    std::vector<std::string> argv = {"--coordinator", address_};
+  // A file (mode 0600) holding a token of `user`, created with the admin's token on first use.
+  std::string TokenFile(const std::string& user) {
+    const std::string path = dir_.path() + "/" + user + ".token";
+    if (!std::filesystem::exists(path)) {
+      const auto channel = grpc::CreateChannel(address_, grpc::InsecureChannelCredentials());
+      EXPECT_TRUE(WriteSecretFile(path, testing::CreateToken(channel, AdminToken(), user)).ok());
+    }
+    return path;
+  }
+  std::string AdminToken() const { return testing::AdminToken(dir_.path() + "/state"); }
+
+  // `yard --coordinator ADDRESS --token-file USER.token ARGS...`.
+  CommandResult YardAs(const std::string& user, const std::vector<std::string>& args) {
+    std::vector<std::string> argv = {"--coordinator", address_, "--token-file", TokenFile(user)};
     argv.insert(argv.end(), args.begin(), args.end());
     return YardAlone(argv);
   }
+  CommandResult Yard(const std::vector<std::string>& args) { return YardAs("alice", args); }
 
-  // `yard ARGS...` with TRAINYARD_COORDINATOR=ADDRESS.
+  // `yard ARGS...` with TRAINYARD_COORDINATOR=ADDRESS and alice's TRAINYARD_TOKEN_FILE.
   CommandResult YardViaEnv(const std::vector<std::string>& args) {
-    return YardAlone(args, {"TRAINYARD_COORDINATOR=" + address_});
+    return YardAlone(
+        args, {"TRAINYARD_COORDINATOR=" + address_, "TRAINYARD_TOKEN_FILE=" + TokenFile("alice")});
   }
 
   // Submits examples/char-gpt.yaml as `user`; its job id.
   std::string SubmitCharGpt(const std::string& user = "alice") {
-    CommandResult r = Yard({"--user", user, "submit", CharGptSpec()});
+    CommandResult r = YardAs(user, {"submit", CharGptSpec()});
     EXPECT_EQ(r.exit_code, 0) << r.err;
     return r.out.empty() ? "" : r.out.substr(0, r.out.find('\n'));
   }
 
-  std::vector<std::string> ListedIds(const std::vector<std::string>& ls_args = {}) {
+  std::vector<std::string> ListedIds(const std::vector<std::string>& ls_args = {},
+                                     const std::string& user = "alice") {
     std::vector<std::string> args = {"ls", "-o", "json"};
     args.insert(args.end(), ls_args.begin(), ls_args.end());
-    CommandResult r = Yard(args);
+    CommandResult r = YardAs(user, args);
     EXPECT_EQ(r.exit_code, 0) << r.err;
     return JobIds(ParseJson(r.out));
   }
@@ -214,7 +240,8 @@ TEST(YardCliTest, NoVerbFails) {
 }
 
 TEST(YardCliTest, UnreachableCoordinatorFailsWithOneLineReason) {
-  CommandResult r = YardAlone({"--coordinator", "127.0.0.1:1", "ls"});
+  CommandResult r =
+      YardAlone({"--coordinator", "127.0.0.1:1", "ls"}, {"TRAINYARD_TOKEN=tyt.any.token"});
   ExpectOneLineFailure(r);
   EXPECT_THAT(r.err, AllOf(StartsWith("yard: "), HasSubstr("cannot reach the coordinator"),
                            HasSubstr("127.0.0.1:1")));
@@ -232,13 +259,14 @@ TEST_F(YardE2eTest, SubmitPrintsSequentialJobIdsWithFlagOrEnvironment) {
 
 TEST_F(YardE2eTest, CoordinatorFlagOverridesEnvironment) {
   CommandResult r =
-      YardAlone({"--coordinator", address_, "nodes"}, {"TRAINYARD_COORDINATOR=127.0.0.1:1"});
+      YardAlone({"--coordinator", address_, "--token-file", TokenFile("alice"), "nodes"},
+                {"TRAINYARD_COORDINATOR=127.0.0.1:1"});
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_THAT(r.out, StartsWith("NODE"));
 }
 
 TEST_F(YardE2eTest, SubmitWithJsonOutputPrintsTheQueuedJob) {
-  CommandResult r = Yard({"--user", "alice", "submit", CharGptSpec(), "-o", "json"});
+  CommandResult r = Yard({"submit", CharGptSpec(), "-o", "json"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   json job = ParseJson(r.out);
   EXPECT_EQ(job.value("id", ""), "job-1");
@@ -354,10 +382,11 @@ TEST_F(YardE2eTest, LsFiltersByOwner) {
   SubmitCharGpt("alice");
   SubmitCharGpt("bob");
   SubmitCharGpt("alice");
-  EXPECT_THAT(ListedIds({"--owner", "bob"}), ElementsAre("job-2"));
-  EXPECT_THAT(ListedIds({"--owner", "alice"}), ElementsAre("job-3", "job-1"));
-  EXPECT_THAT(ListedIds({"--owner", "carol"}), IsEmpty());
-  CommandResult table = Yard({"ls", "--owner", "bob"});
+  // An admin lists any owner's jobs.
+  EXPECT_THAT(ListedIds({"--owner", "bob"}, "admin"), ElementsAre("job-2"));
+  EXPECT_THAT(ListedIds({"--owner", "alice"}, "admin"), ElementsAre("job-3", "job-1"));
+  EXPECT_THAT(ListedIds({"--owner", "carol"}, "admin"), IsEmpty());
+  CommandResult table = YardAs("admin", {"ls", "--owner", "bob"});
   ASSERT_EQ(table.exit_code, 0) << table.err;
   ASSERT_EQ(Lines(table.out).size(), 2u) << table.out;
   EXPECT_THAT(Lines(table.out)[1], ContainsRegex("^job-2 +char-gpt +bob +QUEUED "));

@@ -7,10 +7,13 @@ median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a
 # local_cluster_up YARD STATE_DIR [ARGS of `yard local up`...]: starts a local cluster on a free
 # loopback port and sets CLUSTER_ADDRESS (exported as TRAINYARD_COORDINATOR), COORDINATOR_METRICS,
 # WORKER_METRICS (the first worker's) and PS_METRICS (the first parameter server's); all empty
-# without --metrics.
+# without --metrics. Exports TRAINYARD_TOKEN_FILE, the cluster's admin token.
 local_cluster_up() {
   local yard=$1 state=$2 up
   shift 2
+  # This cluster's admin token for every later yard call; the user's saved token stays untouched
+  # (`yard local up` saves to $XDG_CONFIG_HOME/trainyard/token).
+  export XDG_CONFIG_HOME="$state/config" TRAINYARD_TOKEN_FILE="$state/admin.token"
   up=$("$yard" local --state-dir "$state" up --listen 127.0.0.1:0 -o json "$@")
   read -r CLUSTER_ADDRESS COORDINATOR_METRICS WORKER_METRICS PS_METRICS < <(/usr/bin/python3 -c '
 import json, sys

@@ -97,6 +97,11 @@ CoordinatorMetrics::CoordinatorMetrics()
                         .Name("trainyard_rpc_requests_total")
                         .Help("RPCs served, by method and status code")
                         .Register(*registry_)),
+      auth_refusals_(prometheus::BuildCounter()
+                         .Name("trainyard_auth_refusals_total")
+                         .Help("Calls refused for their credential, by method and reason "
+                               "(UNAUTHENTICATED: none or invalid; PERMISSION_DENIED: not allowed)")
+                         .Register(*registry_)),
       rpc_duration_(prometheus::BuildHistogram()
                         .Name("trainyard_rpc_duration_seconds")
                         .Help("RPC duration by method (streams: their whole life)")
@@ -223,6 +228,9 @@ void CoordinatorMetrics::ObserveRpc(const std::string& method, const std::string
                                     double seconds) {
   rpc_requests_.Add({{"method", method}, {"code", code}}).Increment();
   rpc_duration_.Add({{"method", method}}, LatencyBuckets()).Observe(seconds);
+  if (code == "UNAUTHENTICATED" || code == "PERMISSION_DENIED") {
+    auth_refusals_.Add({{"method", method}, {"reason", code}}).Increment();
+  }
 }
 
 void CoordinatorMetrics::ObserveStep(const v1::StepReport& r) {

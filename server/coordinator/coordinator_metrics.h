@@ -64,6 +64,7 @@ class CoordinatorMetrics {
   prometheus::Family<prometheus::Gauge>& nodes_;
   prometheus::Family<prometheus::Gauge>& devices_;
   prometheus::Family<prometheus::Counter>& rpc_requests_;
+  prometheus::Family<prometheus::Counter>& auth_refusals_;
   prometheus::Family<prometheus::Histogram>& rpc_duration_;
   prometheus::Histogram& store_commit_;
   prometheus::Family<prometheus::Gauge>& job_loss_;

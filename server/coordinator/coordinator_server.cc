@@ -13,9 +13,23 @@
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
+#include "common/credentials.h"
 #include "common/status_macros.h"
 
 namespace trainyard::coordinator {
+namespace {
+
+// The key that signs job credentials: read, or made on first start.
+absl::StatusOr<std::string> JobCredentialKey(const std::string& state_dir) {
+  const std::string path = state_dir + "/job-credential.key";
+  auto key = ReadSecretFile(path);
+  if (key.ok() || !absl::IsNotFound(key.status())) return key;
+  const std::string fresh = Base64Url(RandomBytes(32));
+  RETURN_IF_ERROR(WriteSecretFile(path, fresh));
+  return fresh;
+}
+
+}  // namespace
 
 CoordinatorServer::CoordinatorServer(CoordinatorOptions options)
     : options_(std::move(options)),
@@ -54,10 +68,23 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     m->ObserveStoreCommit(seconds);
   };
   ASSIGN_OR_RETURN(s->store_, OpenSqliteJobStore(dir + "/coordinator.db", store_options));
+  ASSIGN_OR_RETURN(std::string job_key, JobCredentialKey(dir));
+  s->identities_ = std::make_unique<IdentityRegistry>(*s->store_, s->clock_, std::move(job_key));
+  RETURN_IF_ERROR(s->identities_->Load());
+  ASSIGN_OR_RETURN(std::optional<std::string> admin_token, s->identities_->BootstrapAdmin());
+  if (admin_token.has_value()) {
+    RETURN_IF_ERROR(WriteSecretFile(s->admin_token_path(), *admin_token));
+    spdlog::info("created user admin; its token is in {} (readable only by this account)",
+                 s->admin_token_path());
+  }
   s->nodes_ = std::make_unique<NodeRegistry>(*s->store_, s->clock_, s->options_.node_timeout);
   s->rendezvous_ = std::make_unique<Rendezvous>();
   s->jobs_ = std::make_unique<JobManager>(*s->store_, *s->nodes_, *s->rendezvous_, s->clock_);
   s->jobs_->SetMetrics(s->metrics_prom_.get());
+  s->jobs_->SetJobCredentials(
+      [ids = s->identities_.get()](const std::string& job, int32_t attempt) {
+        return ids->JobCredentialFor(job, attempt);
+      });
   ASSIGN_OR_RETURN(auto stored_nodes, s->store_->LoadNodes());
   RETURN_IF_ERROR(s->nodes_->Load(stored_nodes));
   ASSIGN_OR_RETURN(auto stored_jobs, s->store_->LoadJobs());
@@ -66,12 +93,14 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
 
   s->logs_ = std::make_unique<JobLogs>(/*max_records_per_job=*/50'000);
   s->metrics_ = std::make_unique<JobMetrics>(/*max_records_per_job=*/200'000);
-  s->job_service_ = std::make_unique<JobServiceImpl>(*s->jobs_, *s->logs_, *s->metrics_);
+  const IdentityRegistry& ids = *s->identities_;
+  s->job_service_ = std::make_unique<JobServiceImpl>(*s->jobs_, *s->logs_, *s->metrics_, ids);
   s->trainer_service_ =
-      std::make_unique<TrainerServiceImpl>(*s->jobs_, *s->metrics_, s->metrics_prom_.get());
+      std::make_unique<TrainerServiceImpl>(*s->jobs_, *s->metrics_, s->metrics_prom_.get(), ids);
   s->node_service_ = std::make_unique<NodeServiceImpl>(*s->nodes_, *s->jobs_, *s->logs_,
-                                                       s->options_.heartbeat_interval);
-  s->rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(*s->rendezvous_);
+                                                       s->options_.heartbeat_interval, ids);
+  s->rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(*s->rendezvous_, ids);
+  s->identity_service_ = std::make_unique<IdentityServiceImpl>(*s->identities_);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -87,6 +116,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   builder.RegisterService(s->node_service_.get());
   builder.RegisterService(s->rendezvous_service_.get());
   builder.RegisterService(s->trainer_service_.get());
+  builder.RegisterService(s->identity_service_.get());
   s->server_ = builder.BuildAndStart();
   if (s->server_ == nullptr || s->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("listen: cannot bind ", s->options_.listen_address));

@@ -19,6 +19,7 @@
 #include "common/clock.h"
 #include "common/metrics_endpoint.h"
 #include "server/coordinator/coordinator_metrics.h"
+#include "server/coordinator/identity.h"
 #include "server/coordinator/job_manager.h"
 #include "server/coordinator/job_store.h"
 #include "server/coordinator/node_registry.h"
@@ -44,8 +45,11 @@ struct CoordinatorOptions {
 
 class CoordinatorServer {
  public:
-  // Opens the store (taking an exclusive lock on the state directory), reloads jobs and nodes,
-  // and starts serving. FAILED_PRECONDITION if another coordinator holds the state directory.
+  // Opens the store (taking an exclusive lock on the state directory), reloads jobs, nodes, users
+  // and tokens, and starts serving. On first start (no user yet) creates the user "admin" and
+  // writes its token to admin_token_path() (mode 0600). Job credentials are signed with the key
+  // in STATE_DIR/job-credential.key (0600; made on first start). FAILED_PRECONDITION if another
+  // coordinator holds the state directory.
   static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(CoordinatorOptions options);
 
   ~CoordinatorServer();  // Shutdown()
@@ -64,6 +68,9 @@ class CoordinatorServer {
   int port() const { return port_; }
 
   JobManager& jobs() { return *jobs_; }
+  IdentityRegistry& identities() { return *identities_; }
+  // STATE_DIR/admin.token: the first admin's token, readable only by the coordinator's account.
+  std::string admin_token_path() const { return options_.state_dir + "/admin.token"; }
   JobStoreStats Stats() const { return store_->Stats(); }
   NodeRegistry& nodes() { return *nodes_; }
   // One round of the ticker's work: marks silent nodes lost and fails their attempts, and ends
@@ -82,6 +89,7 @@ class CoordinatorServer {
   std::unique_ptr<CoordinatorMetrics> metrics_prom_;
   std::unique_ptr<MetricsEndpoint> metrics_endpoint_;
   std::unique_ptr<JobStore> store_;
+  std::unique_ptr<IdentityRegistry> identities_;
   std::unique_ptr<NodeRegistry> nodes_;
   std::unique_ptr<Rendezvous> rendezvous_;
   std::unique_ptr<JobManager> jobs_;
@@ -91,6 +99,7 @@ class CoordinatorServer {
   std::unique_ptr<TrainerServiceImpl> trainer_service_;
   std::unique_ptr<NodeServiceImpl> node_service_;
   std::unique_ptr<RendezvousServiceImpl> rendezvous_service_;
+  std::unique_ptr<IdentityServiceImpl> identity_service_;
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
   int port_ = 0;

@@ -40,6 +40,11 @@ JobManager::JobManager(JobStore& store, NodeRegistry& nodes, Rendezvous& rendezv
 
 void JobManager::SetSchedulerWakeup(std::function<void()> wakeup) { wakeup_ = std::move(wakeup); }
 
+void JobManager::SetJobCredentials(
+    std::function<std::string(const std::string& job_id, int32_t attempt)> credential_for) {
+  credential_for_ = std::move(credential_for);
+}
+
 void JobManager::SetCoordinatorAddress(std::string address) {
   coordinator_address_ = std::move(address);
 }
@@ -606,6 +611,7 @@ std::vector<std::pair<std::string, v1::Assignment>> JobManager::AssignmentsOf(
     *a.mutable_device_indices() = p.device_indices();
     a.set_spec(spec);
     a.set_coordinator_address(coordinator_address_);
+    if (credential_for_) a.set_job_credential(credential_for_(job.id(), job.attempt()));
     if (!checkpoint_root_.empty())
       a.set_checkpoint_dir(absl::StrCat(checkpoint_root_, "/", job.id()));
     *a.mutable_ps_ranges() = job.ps_placement();

@@ -47,6 +47,9 @@ class JobManager {
   void SetSchedulerWakeup(std::function<void()> wakeup);
   // The address ranks use for rendezvous, put into assignments (set once, before serving).
   void SetCoordinatorAddress(std::string address);
+  // Makes the job credential of an attempt, put into its assignments (set once, before serving).
+  void SetJobCredentials(
+      std::function<std::string(const std::string& job_id, int32_t attempt)> credential_for);
   // Where jobs' checkpoints live: ROOT/JOB_ID, shared by the job's attempts so a restarted
   // attempt resumes (set once, before serving; empty: the worker picks a local folder).
   void SetCheckpointRoot(std::string root);
@@ -163,8 +166,9 @@ class JobManager {
   NodeRegistry& nodes_;
   Rendezvous& rendezvous_;
   const Clock& clock_;
-  std::function<void()> wakeup_;           // set before serving; immutable after
-  std::string coordinator_address_;        // set before serving; immutable after
+  std::function<void()> wakeup_;     // set before serving; immutable after
+  std::string coordinator_address_;  // set before serving; immutable after
+  std::function<std::string(const std::string&, int32_t)> credential_for_;  // likewise
   std::string checkpoint_root_;            // set before serving; immutable after
   CoordinatorMetrics* metrics_ = nullptr;  // set before serving; immutable after
 

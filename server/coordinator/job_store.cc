@@ -32,8 +32,8 @@ absl::Status JobStore::CommitSync(WriteBatch batch) {
 
 namespace {
 
-// Keeps jobs and nodes in maps and enforces the same constraints as the SQL schema (unique id,
-// unique seq), so that a batch that SQLite would reject is rejected here too.
+// Keeps jobs, nodes and records in maps and enforces the same constraints as the SQL schema (unique
+// id, unique seq), so that a batch that SQLite would reject is rejected here too.
 //
 // Commit() may be called from any thread; batches are applied, and their callbacks run, in call
 // order on the store's own apply thread (never inline), as the JobStore contract requires.
@@ -70,6 +70,16 @@ class InMemoryJobStore final : public JobStore {
     nodes.reserve(nodes_.size());
     for (const auto& [id, payload] : nodes_) nodes.push_back({id, payload});
     return nodes;
+  }
+
+  absl::StatusOr<std::vector<StoredRecord>> LoadRecords(const std::string& kind) override {
+    absl::MutexLock lock(&data_mu_);
+    std::vector<StoredRecord> records;
+    for (auto it = records_.lower_bound({kind, ""});
+         it != records_.end() && it->first.first == kind; ++it) {
+      records.push_back({kind, it->first.second, it->second});
+    }
+    return records;
   }
 
   JobStoreStats Stats() const override {
@@ -139,6 +149,7 @@ class InMemoryJobStore final : public JobStore {
     // Nodes cannot fail, so they are applied only once the jobs have succeeded.
     for (const StoredNode& node : batch.put_nodes) nodes_[node.id] = node.payload;
     for (const std::string& id : batch.delete_nodes) nodes_.erase(id);
+    for (const StoredRecord& r : batch.put_records) records_[{r.kind, r.id}] = r.payload;
     return absl::OkStatus();
   }
 
@@ -167,6 +178,8 @@ class InMemoryJobStore final : public JobStore {
   std::map<std::string, StoredJob> jobs_ ABSL_GUARDED_BY(data_mu_);     // by id
   std::map<int64_t, std::string> seq_to_id_ ABSL_GUARDED_BY(data_mu_);  // seq -> job id
   std::map<std::string, std::string> nodes_ ABSL_GUARDED_BY(data_mu_);  // id -> payload
+  std::map<std::pair<std::string, std::string>, std::string> records_
+      ABSL_GUARDED_BY(data_mu_);  // (kind, id) -> payload
   JobStoreStats stats_ ABSL_GUARDED_BY(data_mu_);
 
   std::thread apply_thread_;  // last: starts after the fields above are constructed

@@ -37,13 +37,27 @@ struct StoredNode {
   bool operator==(const StoredNode& o) const { return id == o.id && payload == o.payload; }
 };
 
+// Any other durable record (users, API tokens, ...): a payload keyed by (kind, id).
+struct StoredRecord {
+  std::string kind;     // e.g. "user", "token"
+  std::string id;       // unique within its kind
+  std::string payload;  // opaque bytes, stored and returned verbatim
+
+  bool operator==(const StoredRecord& o) const {
+    return kind == o.kind && id == o.id && payload == o.payload;
+  }
+};
+
 // A set of writes applied atomically: all of them are durable, or none.
 struct WriteBatch {
   std::vector<StoredJob> put_jobs;        // insert or replace by id
   std::vector<StoredNode> put_nodes;      // insert or replace by id
   std::vector<std::string> delete_nodes;  // ids; deleting a missing id is not an error
+  std::vector<StoredRecord> put_records;  // insert or replace by (kind, id)
 
-  bool empty() const { return put_jobs.empty() && put_nodes.empty() && delete_nodes.empty(); }
+  bool empty() const {
+    return put_jobs.empty() && put_nodes.empty() && delete_nodes.empty() && put_records.empty();
+  }
 };
 
 struct JobStoreStats {
@@ -73,6 +87,8 @@ class JobStore {
   virtual absl::StatusOr<std::vector<StoredJob>> LoadJobs() = 0;
   // Every node, ordered by id.
   virtual absl::StatusOr<std::vector<StoredNode>> LoadNodes() = 0;
+  // Every record of `kind`, ordered by id.
+  virtual absl::StatusOr<std::vector<StoredRecord>> LoadRecords(const std::string& kind) = 0;
 
   virtual JobStoreStats Stats() const = 0;
 };

@@ -76,6 +76,18 @@ absl::Status NodeRegistry::Load(const std::vector<StoredNode>& stored) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// A second daemon with the same node id, while the first holds its session.
+absl::Status AlreadyConnected(const std::string& node_id) {
+  return absl::AlreadyExistsError(absl::StrCat(
+      "node_id: node ", node_id,
+      " already has a session open (another daemon with the same node id?); refused while it "
+      "is connected"));
+}
+
+}  // namespace
+
 void NodeRegistry::Register(const v1::RegisterNodeRequest& request,
                             std::function<void(absl::StatusOr<v1::Node>)> done) {
   if (absl::Status s = ValidateRegisterNodeRequest(request); !s.ok()) {
@@ -86,8 +98,16 @@ void NodeRegistry::Register(const v1::RegisterNodeRequest& request,
   WriteBatch batch;
   {
     absl::MutexLock lock(&mu_);
+    if (auto it = nodes_.find(request.node_id()); it != nodes_.end() &&
+                                                  it->second.session != nullptr &&
+                                                  it->second.node.state() != v1::NODE_LOST) {
+      done(AlreadyConnected(request.node_id()));
+      return;
+    }
     const absl::Time now = clock_.Now();
     Entry& entry = nodes_[request.node_id()];
+    // A LOST node's old session (a half-open connection, say) gives way to the one to come.
+    if (entry.node.state() == v1::NODE_LOST) entry.session.reset();
     node.set_id(request.node_id());
     node.set_hostname(request.hostname());
     node.set_address(request.address());
@@ -138,6 +158,10 @@ absl::Status NodeRegistry::AttachSession(const std::string& node_id,
   auto it = nodes_.find(node_id);
   if (it == nodes_.end()) {
     return absl::NotFoundError(absl::StrCat("node ", node_id, " is not registered"));
+  }
+  // A LOST node's session may be a half-open connection that never closes: a new one replaces it.
+  if (it->second.session != nullptr && it->second.node.state() != v1::NODE_LOST) {
+    return AlreadyConnected(node_id);
   }
   it->second.session = std::move(sink);
   it->second.last_heartbeat = clock_.Now();

@@ -41,7 +41,8 @@ class NodeRegistry {
   absl::Status Load(const std::vector<StoredNode>& nodes);
 
   // Validates and registers (or re-registers) a node; `done` gets the node once it is durable.
-  // INVALID_ARGUMENT names the bad field.
+  // INVALID_ARGUMENT names the bad field; ALREADY_EXISTS while the node's session is open
+  // (and the node not LOST).
   void Register(const v1::RegisterNodeRequest& request,
                 std::function<void(absl::StatusOr<v1::Node>)> done);
 
@@ -51,8 +52,9 @@ class NodeRegistry {
   // Marks READY nodes whose last heartbeat is older than the node timeout LOST; returns their ids.
   std::vector<std::string> CheckTimeouts();
 
-  // Attaches the session stream of a registered node (replacing an older one) and counts as a
-  // heartbeat; a LOST node becomes READY again. NOT_FOUND for an unknown node.
+  // Attaches the session stream of a registered node and counts as a heartbeat; a LOST node
+  // becomes READY again. NOT_FOUND for an unknown node, ALREADY_EXISTS while another session of
+  // the node is open and the node is not LOST (a second daemon never takes a live node over).
   absl::Status AttachSession(const std::string& node_id, std::shared_ptr<NodeSessionSink> sink);
   // Detaches `sink` if it is still the node's current session.
   void DetachSession(const std::string& node_id, const NodeSessionSink* sink);

@@ -3,8 +3,12 @@
 #include <deque>
 #include <optional>
 
+#include <spdlog/spdlog.h>
+
 #include "absl/strings/str_cat.h"
+#include "common/credentials.h"
 #include "common/grpc_status.h"
+#include "common/status_macros.h"
 #include "server/coordinator/job_state.h"
 
 namespace trainyard::coordinator {
@@ -16,14 +20,99 @@ grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx, const absl::Sta
   return reactor;
 }
 
-absl::StatusOr<std::string> CallerUser(grpc::CallbackServerContext* ctx) {
+// The principal of the call's "authorization: Bearer <credential>" metadata.
+absl::StatusOr<Principal> Authenticate(grpc::CallbackServerContext* ctx,
+                                       const IdentityRegistry& identities) {
   const auto& md = ctx->client_metadata();
-  auto it = md.find(kUserMetadataKey);
-  if (it == md.end() || it->second.empty()) {
+  auto it = md.find(kAuthorizationMetadata);
+  if (it == md.end()) {
     return absl::UnauthenticatedError(
-        absl::StrCat("missing call metadata '", kUserMetadataKey, "' naming the user"));
+        "no credential: send call metadata \"authorization: Bearer <token>\" (yard: "
+        "--token-file, TRAINYARD_TOKEN or yard login)");
   }
-  return std::string(it->second.data(), it->second.size());
+  ASSIGN_OR_RETURN(std::string credential,
+                   BearerCredential(absl::string_view(it->second.data(), it->second.size())));
+  return identities.Authenticate(credential);
+}
+
+// Logs a refusal (the audit log keeps them) and passes it on.
+absl::Status Refused(const char* method, const std::string& who, absl::Status status) {
+  spdlog::warn("audit: {} {} refused: {} ({})", who, method, std::string(status.message()),
+               absl::StatusCodeToString(status.code()));
+  return status;
+}
+
+// A user's (or admin's) API token: node tokens and job credentials may not make user calls.
+absl::StatusOr<Principal> AuthenticateUser(grpc::CallbackServerContext* ctx,
+                                           const IdentityRegistry& identities, const char* method) {
+  auto p = Authenticate(ctx, identities);
+  if (!p.ok()) return Refused(method, "anonymous", p.status());
+  if (p->kind != Principal::Kind::kUser) {
+    return Refused(method, p->Describe(),
+                   absl::PermissionDeniedError(absl::StrCat(
+                       method, " needs a user's API token; the call carried a ",
+                       p->kind == Principal::Kind::kNode ? "node token" : "job credential")));
+  }
+  return p;
+}
+
+absl::StatusOr<Principal> AuthenticateAdmin(grpc::CallbackServerContext* ctx,
+                                            const IdentityRegistry& identities,
+                                            const char* method) {
+  ASSIGN_OR_RETURN(Principal p, AuthenticateUser(ctx, identities, method));
+  if (!p.IsAdmin()) {
+    return Refused(method, p.Describe(),
+                   absl::PermissionDeniedError(
+                       absl::StrCat(method, " is for admins; ", p.user, " is not one")));
+  }
+  return p;
+}
+
+// The ranks of one attempt, with that attempt's job credential.
+absl::Status AuthenticateRank(grpc::CallbackServerContext* ctx, const IdentityRegistry& identities,
+                              const char* method, const std::string& job_id, int32_t attempt) {
+  auto p = Authenticate(ctx, identities);
+  if (!p.ok()) return Refused(method, "anonymous", p.status());
+  if (p->kind != Principal::Kind::kJob) {
+    return Refused(method, p->Describe(),
+                   absl::PermissionDeniedError(absl::StrCat(
+                       method, " is for a job's ranks, with the job credential of its attempt")));
+  }
+  if (p->job_id != job_id || p->attempt != attempt) {
+    return Refused(method, p->Describe(),
+                   absl::PermissionDeniedError(absl::StrCat("the job credential is for ", p->job_id,
+                                                            " attempt ", p->attempt, ", not for ",
+                                                            job_id, " attempt ", attempt)));
+  }
+  return absl::OkStatus();
+}
+
+// A node token; for `node_id` (when not empty) only if the token is bound to that node.
+absl::StatusOr<Principal> AuthenticateNode(grpc::CallbackServerContext* ctx,
+                                           const IdentityRegistry& identities, const char* method,
+                                           const std::string& node_id) {
+  auto p = Authenticate(ctx, identities);
+  if (!p.ok()) return Refused(method, "anonymous", p.status());
+  if (p->kind != Principal::Kind::kNode) {
+    return Refused(method, p->Describe(),
+                   absl::PermissionDeniedError(absl::StrCat(
+                       method, " needs a node token (yard admin token create --node NAME)")));
+  }
+  if (!node_id.empty() && p->node != node_id) {
+    return Refused(method, p->Describe(),
+                   absl::PermissionDeniedError(absl::StrCat("node_id: the node token is for node ",
+                                                            p->node, ", not ", node_id)));
+  }
+  return p;
+}
+
+// What a call that changes something did, and for whom.
+void Audit(const Principal& who, const char* method, const std::string& target,
+           const absl::Status& result) {
+  spdlog::info("audit: {} {} {} -> {}", who.Describe(), method, target,
+               result.ok()
+                   ? std::string("OK")
+                   : absl::StrCat(absl::StatusCodeToString(result.code()), ": ", result.message()));
 }
 
 // Serializes writes on a streaming reactor: gRPC allows one write in flight at a time. Shared
@@ -153,8 +242,13 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
 class SessionReactor final
     : public grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage> {
  public:
-  SessionReactor(NodeRegistry& nodes, JobManager& jobs, JobLogs& logs)
-      : nodes_(nodes), jobs_(jobs), logs_(logs), sink_(std::make_shared<Sink>(this)) {
+  // `token_node`: the node the caller's node token is bound to; hello must name it.
+  SessionReactor(NodeRegistry& nodes, JobManager& jobs, JobLogs& logs, std::string token_node)
+      : nodes_(nodes),
+        jobs_(jobs),
+        logs_(logs),
+        token_node_(std::move(token_node)),
+        sink_(std::make_shared<Sink>(this)) {
     StartRead(&incoming_);
   }
 
@@ -167,6 +261,14 @@ class SessionReactor final
       if (!incoming_.has_hello() || incoming_.hello().node_id().empty()) {
         End(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                          "hello.node_id: the first message of a session must be hello"));
+        return;
+      }
+      if (incoming_.hello().node_id() != token_node_) {
+        spdlog::warn("audit: node {} Session refused: hello names node {}", token_node_,
+                     incoming_.hello().node_id());
+        End(grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                         absl::StrCat("hello.node_id: the node token is for node ", token_node_,
+                                      ", not ", incoming_.hello().node_id())));
         return;
       }
       if (absl::Status s = nodes_.AttachSession(incoming_.hello().node_id(), sink_); !s.ok()) {
@@ -235,6 +337,7 @@ class SessionReactor final
   NodeRegistry& nodes_;
   JobManager& jobs_;
   JobLogs& logs_;
+  const std::string token_node_;
   std::shared_ptr<Sink> sink_;
   v1::NodeMessage incoming_;
   std::string node_id_;  // set by hello; only the reactor's own callbacks touch it
@@ -328,24 +431,41 @@ absl::Status CheckKey(const std::string& key) {
 
 // ---- JobService ----
 
+absl::StatusOr<v1::Job> JobServiceImpl::AccessibleJob(grpc::CallbackServerContext* ctx,
+                                                      const std::string& job_id, const char* method,
+                                                      Principal* caller) const {
+  ASSIGN_OR_RETURN(*caller, AuthenticateUser(ctx, identities_, method));
+  if (job_id.empty()) return absl::InvalidArgumentError("job_id: required");
+  ASSIGN_OR_RETURN(v1::Job job, jobs_.Get(job_id));
+  if (job.owner() != caller->user && !caller->IsAdmin()) {
+    return Refused(method, caller->Describe(),
+                   absl::PermissionDeniedError(absl::StrCat(job_id, " belongs to ", job.owner(),
+                                                            "; only its owner and admins may ",
+                                                            method, " it")));
+  }
+  return job;
+}
+
 grpc::ServerUnaryReactor* JobServiceImpl::SubmitJob(grpc::CallbackServerContext* ctx,
                                                     const v1::SubmitJobRequest* request,
                                                     v1::SubmitJobResponse* response) {
-  auto user = CallerUser(ctx);
+  auto user = AuthenticateUser(ctx, identities_, "SubmitJob");
   if (!user.ok()) return Done(ctx, user.status());
   auto* reactor = ctx->DefaultReactor();
-  jobs_.Submit(*user, request->spec(), [reactor, response](absl::StatusOr<v1::Job> job) {
-    if (job.ok()) *response->mutable_job() = *std::move(job);
-    reactor->Finish(ToGrpcStatus(job.status()));
-  });
+  jobs_.Submit(user->user, request->spec(),
+               [reactor, response, who = *user](absl::StatusOr<v1::Job> job) {
+                 Audit(who, "SubmitJob", job.ok() ? job->id() : "-", job.status());
+                 if (job.ok()) *response->mutable_job() = *std::move(job);
+                 reactor->Finish(ToGrpcStatus(job.status()));
+               });
   return reactor;
 }
 
 grpc::ServerUnaryReactor* JobServiceImpl::GetJob(grpc::CallbackServerContext* ctx,
                                                  const v1::GetJobRequest* request,
                                                  v1::Job* response) {
-  if (request->job_id().empty()) return Done(ctx, absl::InvalidArgumentError("job_id: required"));
-  auto job = jobs_.Get(request->job_id());
+  Principal caller;
+  auto job = AccessibleJob(ctx, request->job_id(), "GetJob", &caller);
   if (job.ok()) *response = *std::move(job);
   return Done(ctx, job.status());
 }
@@ -353,7 +473,21 @@ grpc::ServerUnaryReactor* JobServiceImpl::GetJob(grpc::CallbackServerContext* ct
 grpc::ServerUnaryReactor* JobServiceImpl::ListJobs(grpc::CallbackServerContext* ctx,
                                                    const v1::ListJobsRequest* request,
                                                    v1::ListJobsResponse* response) {
-  auto result = jobs_.List(*request);
+  auto caller = AuthenticateUser(ctx, identities_, "ListJobs");
+  if (!caller.ok()) return Done(ctx, caller.status());
+  v1::ListJobsRequest scoped = *request;
+  if (!caller->IsAdmin()) {
+    if (scoped.owner().empty()) {
+      scoped.set_owner(caller->user);
+    } else if (scoped.owner() != caller->user) {
+      return Done(
+          ctx,
+          Refused("ListJobs", caller->Describe(),
+                  absl::PermissionDeniedError(absl::StrCat(
+                      "owner: only admins may list another user's jobs (", scoped.owner(), ")"))));
+    }
+  }
+  auto result = jobs_.List(scoped);
   if (result.ok()) {
     for (auto& job : result->jobs) *response->add_jobs() = std::move(job);
     response->set_next_page_token(result->next_page_token);
@@ -364,34 +498,36 @@ grpc::ServerUnaryReactor* JobServiceImpl::ListJobs(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* JobServiceImpl::CancelJob(grpc::CallbackServerContext* ctx,
                                                     const v1::CancelJobRequest* request,
                                                     v1::Job* response) {
-  if (request->job_id().empty()) return Done(ctx, absl::InvalidArgumentError("job_id: required"));
-  auto user = CallerUser(ctx);
-  if (!user.ok()) return Done(ctx, user.status());
+  Principal caller;
+  auto job = AccessibleJob(ctx, request->job_id(), "CancelJob", &caller);
+  if (!job.ok()) return Done(ctx, job.status());
   auto* reactor = ctx->DefaultReactor();
-  const std::string reason = request->reason().empty()
-                                 ? absl::StrCat("cancelled by ", *user)
-                                 : absl::StrCat("cancelled by ", *user, ": ", request->reason());
-  jobs_.Cancel(request->job_id(), reason, [reactor, response](absl::StatusOr<v1::Job> job) {
-    if (job.ok()) *response = *std::move(job);
-    reactor->Finish(ToGrpcStatus(job.status()));
-  });
+  const std::string reason = request->reason().empty() ? absl::StrCat("cancelled by ", caller.user)
+                                                       : absl::StrCat("cancelled by ", caller.user,
+                                                                      ": ", request->reason());
+  jobs_.Cancel(request->job_id(), reason,
+               [reactor, response, caller, id = request->job_id()](absl::StatusOr<v1::Job> job) {
+                 Audit(caller, "CancelJob", id, job.status());
+                 if (job.ok()) *response = *std::move(job);
+                 reactor->Finish(ToGrpcStatus(job.status()));
+               });
   return reactor;
 }
 
 grpc::ServerWriteReactor<v1::JobEvent>* JobServiceImpl::WatchJob(
     grpc::CallbackServerContext* ctx, const v1::WatchJobRequest* request) {
-  if (request->job_id().empty()) {
-    return RejectStream<v1::JobEvent>(
-        grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "job_id: required"));
+  Principal caller;
+  if (auto job = AccessibleJob(ctx, request->job_id(), "WatchJob", &caller); !job.ok()) {
+    return RejectStream<v1::JobEvent>(ToGrpcStatus(job.status()));
   }
   return new WatchReactor(jobs_, request->job_id());
 }
 
 grpc::ServerWriteReactor<v1::LogLine>* JobServiceImpl::StreamLogs(
     grpc::CallbackServerContext* ctx, const v1::StreamLogsRequest* request) {
-  if (request->job_id().empty()) {
-    return RejectStream<v1::LogLine>(
-        grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "job_id: required"));
+  Principal caller;
+  if (auto job = AccessibleJob(ctx, request->job_id(), "StreamLogs", &caller); !job.ok()) {
+    return RejectStream<v1::LogLine>(ToGrpcStatus(job.status()));
   }
   if (request->tail() < 0) {
     return RejectStream<v1::LogLine>(
@@ -404,9 +540,9 @@ grpc::ServerWriteReactor<v1::LogLine>* JobServiceImpl::StreamLogs(
 
 grpc::ServerWriteReactor<v1::StepReport>* JobServiceImpl::StreamMetrics(
     grpc::CallbackServerContext* ctx, const v1::StreamMetricsRequest* request) {
-  if (request->job_id().empty()) {
-    return RejectStream<v1::StepReport>(
-        grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "job_id: required"));
+  Principal caller;
+  if (auto job = AccessibleJob(ctx, request->job_id(), "StreamMetrics", &caller); !job.ok()) {
+    return RejectStream<v1::StepReport>(ToGrpcStatus(job.status()));
   }
   return new SeriesReactor<v1::StepReport>(jobs_, metrics_, request->job_id(), 0,
                                            request->follow());
@@ -415,9 +551,13 @@ grpc::ServerWriteReactor<v1::StepReport>* JobServiceImpl::StreamMetrics(
 grpc::ServerUnaryReactor* JobServiceImpl::CheckpointJob(grpc::CallbackServerContext* ctx,
                                                         const v1::CheckpointJobRequest* request,
                                                         v1::Job* response) {
-  if (request->job_id().empty()) return Done(ctx, absl::InvalidArgumentError("job_id: required"));
+  Principal caller;
+  auto job = AccessibleJob(ctx, request->job_id(), "CheckpointJob", &caller);
+  if (!job.ok()) return Done(ctx, job.status());
   auto* reactor = ctx->DefaultReactor();
-  jobs_.RequestCheckpoint(request->job_id(), [reactor, response](absl::StatusOr<v1::Job> job) {
+  jobs_.RequestCheckpoint(request->job_id(), [reactor, response, caller,
+                                              id = request->job_id()](absl::StatusOr<v1::Job> job) {
+    Audit(caller, "CheckpointJob", id, job.status());
     if (job.ok()) *response = *std::move(job);
     reactor->Finish(ToGrpcStatus(job.status()));
   });
@@ -429,6 +569,11 @@ grpc::ServerUnaryReactor* JobServiceImpl::CheckpointJob(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* TrainerServiceImpl::ReportStep(grpc::CallbackServerContext* ctx,
                                                          const v1::StepReport* request,
                                                          v1::TrainerCommands* response) {
+  if (absl::Status s =
+          AuthenticateRank(ctx, identities_, "ReportStep", request->job_id(), request->attempt());
+      !s.ok()) {
+    return Done(ctx, s);
+  }
   if (request->job_id().empty()) return Done(ctx, absl::InvalidArgumentError("job_id: required"));
   if (request->step() < 1) {
     return Done(
@@ -446,6 +591,11 @@ grpc::ServerUnaryReactor* TrainerServiceImpl::ReportStep(grpc::CallbackServerCon
 grpc::ServerUnaryReactor* TrainerServiceImpl::ReportCheckpoint(grpc::CallbackServerContext* ctx,
                                                                const v1::CheckpointReport* request,
                                                                v1::TrainerCommands* response) {
+  if (absl::Status s = AuthenticateRank(ctx, identities_, "ReportCheckpoint", request->job_id(),
+                                        request->attempt());
+      !s.ok()) {
+    return Done(ctx, s);
+  }
   if (request->job_id().empty()) return Done(ctx, absl::InvalidArgumentError("job_id: required"));
   if (request->path().empty()) return Done(ctx, absl::InvalidArgumentError("path: required"));
   auto commands = jobs_.OnCheckpointReport(*request);
@@ -458,8 +608,12 @@ grpc::ServerUnaryReactor* TrainerServiceImpl::ReportCheckpoint(grpc::CallbackSer
 grpc::ServerUnaryReactor* NodeServiceImpl::RegisterNode(grpc::CallbackServerContext* ctx,
                                                         const v1::RegisterNodeRequest* request,
                                                         v1::RegisterNodeResponse* response) {
+  auto caller = AuthenticateNode(ctx, identities_, "RegisterNode", request->node_id());
+  if (!caller.ok()) return Done(ctx, caller.status());
   auto* reactor = ctx->DefaultReactor();
-  nodes_.Register(*request, [this, reactor, response](absl::StatusOr<v1::Node> node) {
+  nodes_.Register(*request, [this, reactor, response, who = *caller,
+                             id = request->node_id()](absl::StatusOr<v1::Node> node) {
+    Audit(who, "RegisterNode", id, node.status());
     if (node.ok()) {
       *response->mutable_node() = *std::move(node);
       response->set_heartbeat_interval_ms(absl::ToInt64Milliseconds(heartbeat_interval_));
@@ -473,22 +627,40 @@ grpc::ServerUnaryReactor* NodeServiceImpl::RegisterNode(grpc::CallbackServerCont
 
 grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage>* NodeServiceImpl::Session(
     grpc::CallbackServerContext* ctx) {
-  return new SessionReactor(nodes_, jobs_, logs_);
+  // The node's name is checked against hello's node_id when hello arrives.
+  auto caller = AuthenticateNode(ctx, identities_, "Session", "");
+  if (!caller.ok()) {
+    class Rejected final : public grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage> {
+     public:
+      explicit Rejected(grpc::Status s) { Finish(std::move(s)); }
+      void OnDone() override { delete this; }
+    };
+    return new Rejected(ToGrpcStatus(caller.status()));
+  }
+  return new SessionReactor(nodes_, jobs_, logs_, caller->node);
 }
 
 grpc::ServerUnaryReactor* NodeServiceImpl::ListNodes(grpc::CallbackServerContext* ctx,
                                                      const v1::ListNodesRequest* request,
                                                      v1::ListNodesResponse* response) {
+  if (auto caller = AuthenticateUser(ctx, identities_, "ListNodes"); !caller.ok()) {
+    return Done(ctx, caller.status());
+  }
   for (v1::Node& node : jobs_.NodesWithAllocations()) *response->add_nodes() = std::move(node);
   return Done(ctx, absl::OkStatus());
 }
 
 // ---- RendezvousService ----
 
-#define TY_SCOPE_OR_FINISH(var, scope_msg)                 \
-  auto var##_or = ParseScope(scope_msg);                   \
-  if (!var##_or.ok()) return Done(ctx, var##_or.status()); \
-  const ScopeId var = *var##_or
+// Parses the scope and checks that the caller holds the job credential of that attempt.
+#define TY_SCOPE_OR_FINISH(var, scope_msg)                                                       \
+  auto var##_or = ParseScope(scope_msg);                                                         \
+  if (!var##_or.ok()) return Done(ctx, var##_or.status());                                       \
+  const ScopeId var = *var##_or;                                                                 \
+  if (absl::Status auth = AuthenticateRank(ctx, identities_, __func__, var.job_id, var.attempt); \
+      !auth.ok()) {                                                                              \
+    return Done(ctx, auth);                                                                      \
+  }
 
 grpc::ServerUnaryReactor* RendezvousServiceImpl::Set(grpc::CallbackServerContext* ctx,
                                                      const v1::SetRequest* r, v1::SetResponse*) {
@@ -586,5 +758,118 @@ grpc::ServerUnaryReactor* RendezvousServiceImpl::Barrier(grpc::CallbackServerCon
 }
 
 #undef TY_SCOPE_OR_FINISH
+
+// ---- IdentityService ----
+
+grpc::ServerUnaryReactor* IdentityServiceImpl::WhoAmI(grpc::CallbackServerContext* ctx,
+                                                      const v1::WhoAmIRequest*,
+                                                      v1::WhoAmIResponse* response) {
+  auto p = Authenticate(ctx, identities_);
+  if (!p.ok()) return Done(ctx, Refused("WhoAmI", "anonymous", p.status()));
+  response->set_user(p->user);
+  response->set_role(p->kind == Principal::Kind::kJob ? v1::ROLE_UNSPECIFIED : p->role);
+  response->set_node(p->node);
+  response->set_job_id(p->job_id);
+  response->set_attempt(p->attempt);
+  response->set_token_id(p->token_id);
+  return Done(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* IdentityServiceImpl::CreateUser(grpc::CallbackServerContext* ctx,
+                                                          const v1::CreateUserRequest* request,
+                                                          v1::User* response) {
+  auto caller = AuthenticateAdmin(ctx, identities_, "CreateUser");
+  if (!caller.ok()) return Done(ctx, caller.status());
+  auto user = identities_.CreateUser(request->name(), request->role());
+  Audit(*caller, "CreateUser", request->name(), user.status());
+  if (user.ok()) *response = *std::move(user);
+  return Done(ctx, user.status());
+}
+
+grpc::ServerUnaryReactor* IdentityServiceImpl::ListUsers(grpc::CallbackServerContext* ctx,
+                                                         const v1::ListUsersRequest*,
+                                                         v1::ListUsersResponse* response) {
+  auto caller = AuthenticateAdmin(ctx, identities_, "ListUsers");
+  if (!caller.ok()) return Done(ctx, caller.status());
+  for (v1::User& u : identities_.ListUsers()) *response->add_users() = std::move(u);
+  return Done(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* IdentityServiceImpl::DisableUser(grpc::CallbackServerContext* ctx,
+                                                           const v1::DisableUserRequest* request,
+                                                           v1::User* response) {
+  auto caller = AuthenticateAdmin(ctx, identities_, "DisableUser");
+  if (!caller.ok()) return Done(ctx, caller.status());
+  auto user = identities_.SetDisabled(request->name(), !request->enable());
+  Audit(*caller, request->enable() ? "EnableUser" : "DisableUser", request->name(), user.status());
+  if (user.ok()) *response = *std::move(user);
+  return Done(ctx, user.status());
+}
+
+grpc::ServerUnaryReactor* IdentityServiceImpl::CreateToken(grpc::CallbackServerContext* ctx,
+                                                           const v1::CreateTokenRequest* request,
+                                                           v1::CreateTokenResponse* response) {
+  auto caller = AuthenticateUser(ctx, identities_, "CreateToken");
+  if (!caller.ok()) return Done(ctx, caller.status());
+  const std::string user = request->user().empty() ? caller->user : request->user();
+  if (!caller->IsAdmin() && (user != caller->user || !request->node().empty())) {
+    return Done(ctx, Refused("CreateToken", caller->Describe(),
+                             absl::PermissionDeniedError(
+                                 request->node().empty()
+                                     ? absl::StrCat("user: only admins may create tokens for "
+                                                    "another user (",
+                                                    user, ")")
+                                     : std::string("node: only admins may create node tokens"))));
+  }
+  auto token = identities_.CreateToken(user, request->node(), request->ttl_seconds(),
+                                       request->description());
+  // The token's id only: its secret goes to the caller and nowhere else.
+  Audit(*caller, "CreateToken",
+        absl::StrCat(user, request->node().empty() ? "" : " node " + request->node(), " ",
+                     token.ok() ? token->info.id() : "-"),
+        token.status());
+  if (token.ok()) {
+    response->set_token(token->text);
+    *response->mutable_info() = token->info;
+  }
+  return Done(ctx, token.status());
+}
+
+grpc::ServerUnaryReactor* IdentityServiceImpl::ListTokens(grpc::CallbackServerContext* ctx,
+                                                          const v1::ListTokensRequest* request,
+                                                          v1::ListTokensResponse* response) {
+  auto caller = AuthenticateUser(ctx, identities_, "ListTokens");
+  if (!caller.ok()) return Done(ctx, caller.status());
+  std::string user = request->user().empty() ? caller->user : request->user();
+  if (request->all()) user.clear();
+  if (!caller->IsAdmin() && user != caller->user) {
+    return Done(
+        ctx,
+        Refused("ListTokens", caller->Describe(),
+                absl::PermissionDeniedError("user: only admins may list other users' tokens")));
+  }
+  for (v1::TokenInfo& t : identities_.ListTokens(user)) *response->add_tokens() = std::move(t);
+  return Done(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* IdentityServiceImpl::RevokeToken(grpc::CallbackServerContext* ctx,
+                                                           const v1::RevokeTokenRequest* request,
+                                                           v1::TokenInfo* response) {
+  auto caller = AuthenticateUser(ctx, identities_, "RevokeToken");
+  if (!caller.ok()) return Done(ctx, caller.status());
+  if (request->id().empty()) return Done(ctx, absl::InvalidArgumentError("id: required"));
+  auto existing = identities_.GetToken(request->id());
+  if (!existing.ok()) return Done(ctx, existing.status());
+  if (!caller->IsAdmin() && existing->user() != caller->user) {
+    return Done(ctx, Refused("RevokeToken", caller->Describe(),
+                             absl::PermissionDeniedError(absl::StrCat(
+                                 "id: token ", request->id(), " belongs to ", existing->user(),
+                                 "; only its user and admins may revoke it"))));
+  }
+  auto token = identities_.RevokeToken(request->id());
+  Audit(*caller, "RevokeToken", request->id(), token.status());
+  if (token.ok()) *response = *std::move(token);
+  return Done(ctx, token.status());
+}
 
 }  // namespace trainyard::coordinator

@@ -1,13 +1,19 @@
 // The coordinator's gRPC adapters: thin translations between trainyard.v1 messages and the
-// managers (JobManager, NodeRegistry, Rendezvous), on gRPC's callback API. They own no state
-// beyond their in-flight streams. Created and owned by CoordinatorServer; gRPC's threads call them.
+// managers (JobManager, NodeRegistry, Rendezvous, IdentityRegistry), on gRPC's callback API. Each
+// call is authenticated first (the "authorization" metadata, IdentityRegistry::Authenticate) and
+// authorized by the rules in the protos' service comments; a refused call changes nothing and
+// ends with UNAUTHENTICATED or PERMISSION_DENIED naming what was missing. Calls that change
+// something are written to the audit log (user, method, job, result). They own no state beyond
+// their in-flight streams. Created and owned by CoordinatorServer; gRPC's threads call them.
 #ifndef TRAINYARD_SERVER_COORDINATOR_SERVICES_H_
 #define TRAINYARD_SERVER_COORDINATOR_SERVICES_H_
 
+#include "server/coordinator/identity.h"
 #include "server/coordinator/job_manager.h"
 #include "server/coordinator/job_series.h"
 #include "server/coordinator/node_registry.h"
 #include "server/coordinator/rendezvous.h"
+#include "trainyard/v1/identity.grpc.pb.h"
 #include "trainyard/v1/job.grpc.pb.h"
 #include "trainyard/v1/node.grpc.pb.h"
 #include "trainyard/v1/rendezvous.grpc.pb.h"
@@ -15,16 +21,14 @@
 
 namespace trainyard::coordinator {
 
-// Call metadata key carrying the caller's user name.
-inline constexpr char kUserMetadataKey[] = "x-trainyard-user";
-
 using JobLogs = JobSeries<v1::LogLine>;
 using JobMetrics = JobSeries<v1::StepReport>;
 
 class JobServiceImpl final : public v1::JobService::CallbackService {
  public:
-  JobServiceImpl(JobManager& jobs, JobLogs& logs, JobMetrics& metrics)
-      : jobs_(jobs), logs_(logs), metrics_(metrics) {}
+  JobServiceImpl(JobManager& jobs, JobLogs& logs, JobMetrics& metrics,
+                 const IdentityRegistry& identities)
+      : jobs_(jobs), logs_(logs), metrics_(metrics), identities_(identities) {}
 
   grpc::ServerUnaryReactor* SubmitJob(grpc::CallbackServerContext* ctx,
                                       const v1::SubmitJobRequest* request,
@@ -48,16 +52,22 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
                                           v1::Job* response) override;
 
  private:
+  // The job, if the caller may see and control it: its owner or an admin.
+  absl::StatusOr<v1::Job> AccessibleJob(grpc::CallbackServerContext* ctx, const std::string& job_id,
+                                        const char* method, Principal* caller) const;
+
   JobManager& jobs_;
   JobLogs& logs_;
   JobMetrics& metrics_;
+  const IdentityRegistry& identities_;
 };
 
 class TrainerServiceImpl final : public v1::TrainerService::CallbackService {
  public:
   // `prometheus` may be null.
-  TrainerServiceImpl(JobManager& jobs, JobMetrics& metrics, CoordinatorMetrics* prometheus)
-      : jobs_(jobs), metrics_(metrics), prometheus_(prometheus) {}
+  TrainerServiceImpl(JobManager& jobs, JobMetrics& metrics, CoordinatorMetrics* prometheus,
+                     const IdentityRegistry& identities)
+      : jobs_(jobs), metrics_(metrics), prometheus_(prometheus), identities_(identities) {}
 
   grpc::ServerUnaryReactor* ReportStep(grpc::CallbackServerContext* ctx,
                                        const v1::StepReport* request,
@@ -70,13 +80,18 @@ class TrainerServiceImpl final : public v1::TrainerService::CallbackService {
   JobManager& jobs_;
   JobMetrics& metrics_;
   CoordinatorMetrics* prometheus_;
+  const IdentityRegistry& identities_;
 };
 
 class NodeServiceImpl final : public v1::NodeService::CallbackService {
  public:
   NodeServiceImpl(NodeRegistry& nodes, JobManager& jobs, JobLogs& logs,
-                  absl::Duration heartbeat_interval)
-      : nodes_(nodes), jobs_(jobs), logs_(logs), heartbeat_interval_(heartbeat_interval) {}
+                  absl::Duration heartbeat_interval, const IdentityRegistry& identities)
+      : nodes_(nodes),
+        jobs_(jobs),
+        logs_(logs),
+        heartbeat_interval_(heartbeat_interval),
+        identities_(identities) {}
 
   grpc::ServerUnaryReactor* RegisterNode(grpc::CallbackServerContext* ctx,
                                          const v1::RegisterNodeRequest* request,
@@ -92,11 +107,13 @@ class NodeServiceImpl final : public v1::NodeService::CallbackService {
   JobManager& jobs_;
   JobLogs& logs_;
   const absl::Duration heartbeat_interval_;
+  const IdentityRegistry& identities_;
 };
 
 class RendezvousServiceImpl final : public v1::RendezvousService::CallbackService {
  public:
-  explicit RendezvousServiceImpl(Rendezvous& rendezvous) : rdzv_(rendezvous) {}
+  RendezvousServiceImpl(Rendezvous& rendezvous, const IdentityRegistry& identities)
+      : rdzv_(rendezvous), identities_(identities) {}
 
   grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* ctx, const v1::SetRequest* request,
                                 v1::SetResponse* response) override;
@@ -123,6 +140,37 @@ class RendezvousServiceImpl final : public v1::RendezvousService::CallbackServic
 
  private:
   Rendezvous& rdzv_;
+  const IdentityRegistry& identities_;
+};
+
+class IdentityServiceImpl final : public v1::IdentityService::CallbackService {
+ public:
+  explicit IdentityServiceImpl(IdentityRegistry& identities) : identities_(identities) {}
+
+  grpc::ServerUnaryReactor* WhoAmI(grpc::CallbackServerContext* ctx,
+                                   const v1::WhoAmIRequest* request,
+                                   v1::WhoAmIResponse* response) override;
+  grpc::ServerUnaryReactor* CreateUser(grpc::CallbackServerContext* ctx,
+                                       const v1::CreateUserRequest* request,
+                                       v1::User* response) override;
+  grpc::ServerUnaryReactor* ListUsers(grpc::CallbackServerContext* ctx,
+                                      const v1::ListUsersRequest* request,
+                                      v1::ListUsersResponse* response) override;
+  grpc::ServerUnaryReactor* DisableUser(grpc::CallbackServerContext* ctx,
+                                        const v1::DisableUserRequest* request,
+                                        v1::User* response) override;
+  grpc::ServerUnaryReactor* CreateToken(grpc::CallbackServerContext* ctx,
+                                        const v1::CreateTokenRequest* request,
+                                        v1::CreateTokenResponse* response) override;
+  grpc::ServerUnaryReactor* ListTokens(grpc::CallbackServerContext* ctx,
+                                       const v1::ListTokensRequest* request,
+                                       v1::ListTokensResponse* response) override;
+  grpc::ServerUnaryReactor* RevokeToken(grpc::CallbackServerContext* ctx,
+                                        const v1::RevokeTokenRequest* request,
+                                        v1::TokenInfo* response) override;
+
+ private:
+  IdentityRegistry& identities_;
 };
 
 }  // namespace trainyard::coordinator

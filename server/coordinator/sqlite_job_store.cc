@@ -43,6 +43,12 @@ constexpr const char* kMigrations[] = {
     "CREATE TABLE nodes ("
     "  id TEXT PRIMARY KEY,"
     "  payload BLOB NOT NULL);",
+    // Version 2: users, API tokens and other keyed records.
+    "CREATE TABLE records ("
+    "  kind TEXT NOT NULL,"
+    "  id TEXT NOT NULL,"
+    "  payload BLOB NOT NULL,"
+    "  PRIMARY KEY (kind, id));",
 };
 constexpr int kSchemaVersion = sizeof(kMigrations) / sizeof(kMigrations[0]);
 
@@ -272,6 +278,20 @@ class SqliteJobStore final : public JobStore {
     return nodes;
   }
 
+  absl::StatusOr<std::vector<StoredRecord>> LoadRecords(const std::string& kind) override {
+    absl::MutexLock lock(&read_mu_);
+    sqlite3_stmt* stmt = select_records_.get();
+    ScopedReset reset(stmt);
+    BindText(stmt, 1, kind);
+    std::vector<StoredRecord> records;
+    int rc;
+    while ((rc = sqlite3_step(stmt)) == SQLITE_ROW) {
+      records.push_back({kind, ColumnBytes(stmt, 0), ColumnBytes(stmt, 1)});
+    }
+    if (rc != SQLITE_DONE) return SqliteError(read_db_.get(), rc, "load " + kind + " records");
+    return records;
+  }
+
   JobStoreStats Stats() const override {
     absl::MutexLock lock(&mu_);
     return stats_;
@@ -303,12 +323,18 @@ class SqliteJobStore final : public JobStore {
                              "INSERT INTO nodes(id, payload) VALUES(?1, ?2) "
                              "ON CONFLICT(id) DO UPDATE SET payload = excluded.payload"));
     ASSIGN_OR_RETURN(delete_node_, Prepare(w, "DELETE FROM nodes WHERE id = ?1"));
+    ASSIGN_OR_RETURN(put_record_,
+                     Prepare(w,
+                             "INSERT INTO records(kind, id, payload) VALUES(?1, ?2, ?3) "
+                             "ON CONFLICT(kind, id) DO UPDATE SET payload = excluded.payload"));
     sqlite3* r = read_db_.get();
     {
       absl::MutexLock lock(&read_mu_);
       ASSIGN_OR_RETURN(select_jobs_,
                        Prepare(r, "SELECT id, seq, owner, state, payload FROM jobs ORDER BY seq"));
       ASSIGN_OR_RETURN(select_nodes_, Prepare(r, "SELECT id, payload FROM nodes ORDER BY id"));
+      ASSIGN_OR_RETURN(select_records_,
+                       Prepare(r, "SELECT id, payload FROM records WHERE kind = ?1 ORDER BY id"));
     }
     return absl::OkStatus();
   }
@@ -421,6 +447,14 @@ class SqliteJobStore final : public JobStore {
       BindText(stmt, 1, id);
       RETURN_IF_ERROR(StepDone(db, stmt, absl::StrCat("delete node ", id)));
     }
+    for (const StoredRecord& record : batch.put_records) {
+      sqlite3_stmt* stmt = put_record_.get();
+      ScopedReset reset(stmt);
+      BindText(stmt, 1, record.kind);
+      BindText(stmt, 2, record.id);
+      BindBlob(stmt, 3, record.payload);
+      RETURN_IF_ERROR(StepDone(db, stmt, absl::StrCat("put ", record.kind, " ", record.id)));
+    }
     return absl::OkStatus();
   }
 
@@ -429,12 +463,13 @@ class SqliteJobStore final : public JobStore {
   // Used only by the commit thread once the store is open. Declared before the statements so that
   // they are finalized first.
   DbPtr write_db_;
-  StmtPtr begin_, commit_, rollback_, put_job_, put_node_, delete_node_;
+  StmtPtr begin_, commit_, rollback_, put_job_, put_node_, delete_node_, put_record_;
 
   absl::Mutex read_mu_;  // serializes loads on the read connection
   DbPtr read_db_;
   StmtPtr select_jobs_ ABSL_GUARDED_BY(read_mu_);
   StmtPtr select_nodes_ ABSL_GUARDED_BY(read_mu_);
+  StmtPtr select_records_ ABSL_GUARDED_BY(read_mu_);
 
   mutable absl::Mutex mu_;
   std::deque<Pending> queue_ ABSL_GUARDED_BY(mu_);

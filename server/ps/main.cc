@@ -12,6 +12,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "common/credentials.h"
 #include "common/server_main.h"
 #include "common/version.h"
 #include "server/ps/ps_server.h"
@@ -58,9 +59,21 @@ int main(int argc, char** argv) {
                  "the host's; a host default of bbr without the fq qdisc paces every "
                  "connection, which halved throughput on loopback in bench/RESULTS.md)")
       ->envname(trainyard::ps::kTcpCongestionEnv);
+  std::string token_file;
+  app.add_option("--token-file", token_file,
+                 "file holding this server's node token for --coordinator (yard admin token "
+                 "create --node NAME; mode 0600); default: env TRAINYARD_TOKEN");
   CLI11_PARSE(app, argc, argv);
 
   spdlog::set_default_logger(spdlog::stderr_color_mt("ps"));
+  if (!options.coordinator.empty()) {
+    auto token = trainyard::FindToken(token_file, "");
+    if (!token.ok()) {
+      std::cerr << "trainyard-ps: " << token.status().message() << "\n";
+      return 2;
+    }
+    options.token = *std::move(token);
+  }
   auto server = trainyard::ps::PsServer::Start(options);
   if (!server.ok()) {
     std::cerr << "trainyard-ps: " << server.status().message() << "\n";

@@ -11,6 +11,7 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/credentials.h"
 #include "common/status_macros.h"
 #include "server/ps/tcp_congestion.h"
 #include "server/ps/tcp_io.h"
@@ -194,6 +195,7 @@ void PsServer::RunSession() {
   {
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    ctx.AddMetadata(kAuthorizationMetadata, "Bearer " + options_.token);
     const grpc::Status s = stub->RegisterNode(&ctx, request, &registered);
     if (!s.ok()) {
       spdlog::warn("cannot register with {}: {}", options_.coordinator, s.error_message());
@@ -206,6 +208,7 @@ void PsServer::RunSession() {
                options_.capacity_bytes, absl::FormatDuration(interval));
 
   grpc::ClientContext ctx;
+  ctx.AddMetadata(kAuthorizationMetadata, "Bearer " + options_.token);
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return;

@@ -31,6 +31,7 @@ namespace trainyard::ps {
 struct PsOptions {
   std::string listen_address = "127.0.0.1:7080";
   std::string coordinator;      // HOST:PORT; empty: serve without registering
+  std::string token;            // node token sent to the coordinator (identity.proto)
   std::string node_id;          // default: ps-<hostname>-<port>
   std::string advertise;        // address trainers dial; default: the bound address
   int64_t capacity_bytes = 0;   // memory for shards; 0 = half the host's memory

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "absl/time/clock.h"
+#include "tests/testing/identity.h"
 #include "trainyard/v1/node.grpc.pb.h"
 
 namespace trainyard::testing {
@@ -21,8 +22,10 @@ class NodeSession {
   // Registers `node_id` with `devices` CPU slots (of unknown memory), opens its session with a
   // hello and returns once the coordinator acknowledged a first heartbeat, i.e. the session is
   // attached and the node can get ranks. `running`: the ranks its hello says it runs.
+  // `token`: the node's node token.
   static std::unique_ptr<NodeSession> Connect(const std::shared_ptr<grpc::Channel>& channel,
-                                              const std::string& node_id, int devices,
+                                              const std::string& token, const std::string& node_id,
+                                              int devices,
                                               const std::vector<v1::RankStatus>& running = {}) {
     v1::RegisterNodeRequest r;
     r.set_node_id(node_id);
@@ -33,36 +36,37 @@ class NodeSession {
       d->set_index(i);
       d->set_kind(v1::CPU_SLOT);
     }
-    return ConnectWith(channel, r, running);
+    return ConnectWith(channel, token, r, running);
   }
 
   // A parameter server offering `memory_bytes` for shards at `address`.
   static std::unique_ptr<NodeSession> ConnectParameterServer(
-      const std::shared_ptr<grpc::Channel>& channel, const std::string& node_id,
-      int64_t memory_bytes, const std::string& address) {
+      const std::shared_ptr<grpc::Channel>& channel, const std::string& token,
+      const std::string& node_id, int64_t memory_bytes, const std::string& address) {
     v1::RegisterNodeRequest r;
     r.set_node_id(node_id);
     r.set_hostname("localhost");
     r.set_address(address);
     r.set_memory_bytes(memory_bytes);
     r.set_role(v1::PARAMETER_SERVER);
-    return ConnectWith(channel, r);
+    return ConnectWith(channel, token, r);
   }
 
   static std::unique_ptr<NodeSession> ConnectWith(const std::shared_ptr<grpc::Channel>& channel,
+                                                  const std::string& token,
                                                   const v1::RegisterNodeRequest& r,
                                                   const std::vector<v1::RankStatus>& running = {}) {
     auto stub = v1::NodeService::NewStub(channel);
     const std::string& node_id = r.node_id();
     {
       grpc::ClientContext ctx;
-      Prepare(ctx, absl::Seconds(20));
+      Prepare(ctx, token, absl::Seconds(20));
       v1::RegisterNodeResponse resp;
       const grpc::Status s = stub->RegisterNode(&ctx, r, &resp);
       EXPECT_TRUE(s.ok()) << s.error_message();
     }
     std::unique_ptr<NodeSession> session(new NodeSession());
-    Prepare(session->ctx_, absl::Minutes(10));
+    Prepare(session->ctx_, token, absl::Minutes(10));
     session->stream_ = stub->Session(&session->ctx_);
     v1::NodeMessage hello;
     hello.mutable_hello()->set_node_id(node_id);
@@ -121,8 +125,8 @@ class NodeSession {
  private:
   NodeSession() = default;
 
-  static void Prepare(grpc::ClientContext& ctx, absl::Duration timeout) {
-    ctx.AddMetadata("x-trainyard-user", "test-node");
+  static void Prepare(grpc::ClientContext& ctx, const std::string& token, absl::Duration timeout) {
+    Authorize(ctx, token);
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   }
 

@@ -26,6 +26,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
+#include "common/credentials.h"
 #include "common/metrics_endpoint.h"
 #include "common/server_main.h"
 #include "common/version.h"
@@ -141,6 +142,10 @@ int main(int argc, char** argv) {
   app.add_option("--metrics-address", metrics_address,
                  "HOST:PORT of the Prometheus /metrics endpoint (port 0: a free one, printed "
                  "on stdout)");
+  std::string token_file;
+  app.add_option("--token-file", token_file,
+                 "file holding this node's node token (yard admin token create --node NAME; "
+                 "mode 0600); default: env TRAINYARD_TOKEN");
   CLI11_PARSE(app, argc, argv);
 
   spdlog::set_default_logger(spdlog::stderr_color_mt("worker"));
@@ -184,6 +189,13 @@ int main(int argc, char** argv) {
       }
     }
   }
+  // The node token, once the devices are settled (their errors come first).
+  auto token = trainyard::FindToken(token_file, "");
+  if (!token.ok()) {
+    std::cerr << "trainyard-worker: " << token.status().message() << "\n";
+    return 2;
+  }
+  options.token = *std::move(token);
   for (const auto& gpu : options.gpus) {
     spdlog::info("GPU {}: {}, {}, {} MiB", gpu.ordinal, gpu.name, gpu.uuid, gpu.memory_bytes >> 20);
     options.supervisor.gpu_uuids.push_back(gpu.uuid);

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "common/credentials.h"
 
 extern char** environ;
 
@@ -234,10 +235,14 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
                    options_.gpu_uuids.empty() ? "" : options_.gpu_uuids[device]),
       // torchrun's names, for code that looks for them.
       absl::StrCat("LOCAL_RANK=", rank - a.first_rank()),
-      absl::StrCat("LOCAL_WORLD_SIZE=", a.device_indices_size())};
+      absl::StrCat("LOCAL_WORLD_SIZE=", a.device_indices_size()),
+      // The attempt's credential for the rendezvous and reports: environment only, never argv.
+      absl::StrCat(kJobCredentialEnv, "=", a.job_credential())};
   const size_t own = env.size();
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string_view entry(*e);
+    // The worker's own node token stays with the worker.
+    if (entry.substr(0, entry.find('=')) == kTokenEnv) continue;
     const bool overridden = std::any_of(env.begin(), env.begin() + own, [&](const std::string& o) {
       return entry.substr(0, entry.find('=') + 1) == o.substr(0, o.find('=') + 1);
     });

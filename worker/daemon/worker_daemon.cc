@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/credentials.h"
 
 namespace trainyard::worker {
 namespace {
@@ -140,6 +141,7 @@ void WorkerDaemon::RunSession() {
   {
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    ctx.AddMetadata(kAuthorizationMetadata, "Bearer " + options_.token);
     const grpc::Status s = stub_->RegisterNode(&ctx, request, &registered);
     if (!s.ok()) {
       spdlog::warn("cannot register with {}: {}", options_.coordinator, s.error_message());
@@ -153,6 +155,7 @@ void WorkerDaemon::RunSession() {
                absl::FormatDuration(interval));
 
   grpc::ClientContext ctx;
+  ctx.AddMetadata(kAuthorizationMetadata, "Bearer " + options_.token);
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return;

@@ -33,6 +33,7 @@ namespace trainyard::worker {
 
 struct WorkerOptions {
   std::string coordinator = "127.0.0.1:7070";
+  std::string token;             // this node's node token (identity.proto); sent on every call
   std::string node_id;           // stable name; default: the host name
   std::string address;           // shown in `yard nodes`
   int cpu_slots = 1;             // devices offered when `gpus` is empty; each runs one rank

@@ -4,6 +4,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/credentials.h"
 #include "common/grpc_status.h"
 #include "trainyard/v1/rendezvous.grpc.pb.h"
 
@@ -15,7 +16,10 @@ constexpr std::chrono::milliseconds kUnaryTimeout = std::chrono::seconds(30);
 
 // A context whose deadline is the call's own timeout plus a margin for the round trip. Ranks may
 // start before the coordinator's port accepts: wait for the channel, within the deadline.
+// Each call carries the attempt's job credential, which the worker put in the environment.
 void Prepare(grpc::ClientContext& ctx, std::chrono::milliseconds timeout) {
+  static const std::string bearer = BearerFromEnv(kJobCredentialEnv);
+  if (!bearer.empty()) ctx.AddMetadata(kAuthorizationMetadata, bearer);
   ctx.set_deadline(std::chrono::system_clock::now() + timeout + std::chrono::seconds(5));
   ctx.set_wait_for_ready(true);
 }

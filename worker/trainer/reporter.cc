@@ -9,6 +9,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/credentials.h"
 #include "trainyard/v1/trainer.grpc.pb.h"
 
 namespace trainyard::trainer {
@@ -19,6 +20,7 @@ class Reporter::Impl {
        void (*log)(const std::string&))
       : stub_(v1::TrainerService::NewStub(
             grpc::CreateChannel(coordinator, grpc::InsecureChannelCredentials()))),
+        bearer_(BearerFromEnv(kJobCredentialEnv)),
         job_id_(std::move(job_id)),
         attempt_(attempt),
         rank_(rank),
@@ -68,6 +70,7 @@ class Reporter::Impl {
     r.set_path(c.path);
     r.set_bytes(c.bytes);
     grpc::ClientContext ctx;
+    Authorize(ctx);
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     v1::TrainerCommands commands;
     Handle(stub_->ReportCheckpoint(&ctx, r, &commands), commands, "ReportCheckpoint", c.step + 1);
@@ -81,6 +84,11 @@ class Reporter::Impl {
   }
 
  private:
+  // The attempt's job credential, which the worker put in the environment.
+  void Authorize(grpc::ClientContext& ctx) const {
+    if (!bearer_.empty()) ctx.AddMetadata(kAuthorizationMetadata, bearer_);
+  }
+
   void Loop() {
     while (true) {
       v1::StepReport report;
@@ -95,6 +103,7 @@ class Reporter::Impl {
         queue_.pop_front();
       }
       grpc::ClientContext ctx;
+      Authorize(ctx);
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
       v1::TrainerCommands commands;
       Handle(stub_->ReportStep(&ctx, report, &commands), commands, "ReportStep", report.step());
@@ -124,6 +133,7 @@ class Reporter::Impl {
   }
 
   std::unique_ptr<v1::TrainerService::Stub> stub_;
+  const std::string bearer_;
   const std::string job_id_;
   const int attempt_;
   const int rank_;

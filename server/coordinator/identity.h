@@ -1,0 +1,105 @@
+// IdentityRegistry: the coordinator's users and API tokens (durable, in the JobStore as "user" and
+// "token" records), and the key that signs job credentials (a file in the state directory). It
+// turns the credential of a call into a Principal; the gRPC adapters decide what that principal
+// may do (services.cc). Tokens are kept only as the SHA-256 of their secret.
+//
+// Thread-safe. Mutations are written to the store before they take effect (CommitSync, so never
+// call them on the store's commit thread); a failed write changes nothing.
+#ifndef TRAINYARD_SERVER_COORDINATOR_IDENTITY_H_
+#define TRAINYARD_SERVER_COORDINATOR_IDENTITY_H_
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "common/clock.h"
+#include "server/coordinator/job_store.h"
+#include "trainyard/v1/identity.pb.h"
+
+namespace trainyard::coordinator {
+
+// Who makes a call.
+struct Principal {
+  enum class Kind { kUser, kNode, kJob };
+  Kind kind = Kind::kUser;
+  std::string user;  // kUser: the user; kNode: the user the node token was issued by
+  v1::Role role = v1::USER;
+  std::string node;      // kNode
+  std::string job_id;    // kJob
+  int32_t attempt = 0;   // kJob
+  std::string token_id;  // kUser, kNode
+
+  bool IsAdmin() const { return kind == Kind::kUser && role == v1::ADMIN; }
+  // "user alice", "admin root", "node w1", "job job-3 attempt 1": for messages and the audit log.
+  std::string Describe() const;
+};
+
+class IdentityRegistry {
+ public:
+  // `job_key` signs job credentials (MakeJobCredential).
+  IdentityRegistry(JobStore& store, const Clock& clock, std::string job_key);
+
+  // Loads users and tokens saved by an earlier run (before serving). DATA_LOSS for an
+  // unreadable record.
+  absl::Status Load();
+  // With no user at all, creates the user "admin" (ADMIN) and a token for it, and returns the
+  // token's text (to be written where only the coordinator's account can read it); nullopt when
+  // users exist.
+  absl::StatusOr<std::optional<std::string>> BootstrapAdmin();
+
+  // The principal of `credential` (a token's text or a job credential). UNAUTHENTICATED, with
+  // what was wrong (malformed, unknown, wrong secret, expired, revoked, user disabled or gone),
+  // never echoing the secret.
+  absl::StatusOr<Principal> Authenticate(absl::string_view credential) const;
+
+  // INVALID_ARGUMENT for a bad name or role, ALREADY_EXISTS for a taken name.
+  absl::StatusOr<v1::User> CreateUser(const std::string& name, v1::Role role);
+  std::vector<v1::User> ListUsers() const;  // by name
+  // NOT_FOUND; FAILED_PRECONDITION when it would disable the last enabled admin.
+  absl::StatusOr<v1::User> SetDisabled(const std::string& name, bool disabled);
+  absl::StatusOr<v1::User> GetUser(const std::string& name) const;
+
+  struct NewToken {
+    std::string text;  // the whole secret, shown once
+    v1::TokenInfo info;
+  };
+  // A token of `user` (node tokens: bound to `node`). NOT_FOUND for an unknown user,
+  // INVALID_ARGUMENT for a bad node name or a negative ttl.
+  absl::StatusOr<NewToken> CreateToken(const std::string& user, const std::string& node,
+                                       int64_t ttl_seconds, const std::string& description);
+  // Every token of `user` (empty: every user's), by creation time.
+  std::vector<v1::TokenInfo> ListTokens(const std::string& user) const;
+  absl::StatusOr<v1::TokenInfo> GetToken(const std::string& id) const;  // NOT_FOUND
+  // Revokes it (revoking twice is not an error); NOT_FOUND.
+  absl::StatusOr<v1::TokenInfo> RevokeToken(const std::string& id);
+
+  // The credential of one attempt of a job, for its ranks.
+  std::string JobCredentialFor(const std::string& job_id, int32_t attempt) const;
+
+ private:
+  absl::Status Persist(const std::vector<StoredRecord>& records);
+
+  JobStore& store_;
+  const Clock& clock_;
+  const std::string job_key_;
+
+  absl::Mutex write_mu_;  // serializes mutations: check, write to the store, apply
+  mutable absl::Mutex mu_;
+  std::map<std::string, v1::User> users_ ABSL_GUARDED_BY(mu_);          // by name
+  std::map<std::string, v1::StoredToken> tokens_ ABSL_GUARDED_BY(mu_);  // by id
+};
+
+// A user name has a Unix account name's shape, "[a-z_][a-z0-9_.-]{0,31}"; a node name a
+// hostname's, "[A-Za-z0-9_][A-Za-z0-9_.-]{0,62}". INVALID_ARGUMENT naming `field`.
+absl::Status CheckUserName(const std::string& field, const std::string& name);
+absl::Status CheckNodeName(const std::string& field, const std::string& name);
+
+}  // namespace trainyard::coordinator
+
+#endif  // TRAINYARD_SERVER_COORDINATOR_IDENTITY_H_

@@ -1,0 +1,553 @@
+// Who may call what, over the wire: every RPC of every coordinator service, called with every kind
+// of credential (none, malformed, expired, revoked, a disabled user's, another user's, the
+// owner's, an admin's, a node token, the job credential of another job or attempt, the attempt's
+// own). Each gets the expected code; a refused call changes nothing (jobs, users, tokens, nodes and
+// the rendezvous keys are compared before and after).
+//
+// In process: a real CoordinatorServer on a loopback port with a SQLite store, a FakeClock and no
+// background threads.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <grpcpp/grpcpp.h>
+
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/clock.h"
+#include "server/coordinator/coordinator_server.h"
+#include "tests/testing/coordinator_tokens.h"
+#include "tests/testing/node_session.h"
+#include "tests/testing/subprocess.h"
+#include "tests/testing/tiny_spec.h"
+#include "trainyard/v1/identity.grpc.pb.h"
+#include "trainyard/v1/job.grpc.pb.h"
+#include "trainyard/v1/node.grpc.pb.h"
+#include "trainyard/v1/rendezvous.grpc.pb.h"
+#include "trainyard/v1/trainer.grpc.pb.h"
+
+namespace trainyard::coordinator {
+namespace {
+
+using grpc::StatusCode;
+
+// The credentials every RPC is tried with.
+const std::vector<std::string> kCredentials = {
+    "none",  "malformed", "expired", "revoked",   "disabled",      "other_user",
+    "owner", "admin",     "node",    "other_job", "other_attempt", "own_job"};
+
+// Who an RPC admits; every other valid credential gets PERMISSION_DENIED, and "none",
+// "malformed", "expired", "revoked" and "disabled" get UNAUTHENTICATED whatever the RPC.
+enum class Admits {
+  kUsers,       // any user: owner, other_user, admin
+  kOwnerAdmin,  // the job's owner and admins
+  kAdmins,      // admins only
+  kNode,        // the node's own node token
+  kOwnJob,      // the attempt's own job credential
+  kAnyone,      // any valid credential (WhoAmI)
+};
+
+bool Admitted(Admits admits, const std::string& credential) {
+  switch (admits) {
+    case Admits::kUsers:
+      return credential == "owner" || credential == "other_user" || credential == "admin";
+    case Admits::kOwnerAdmin:
+      return credential == "owner" || credential == "admin";
+    case Admits::kAdmins:
+      return credential == "admin";
+    case Admits::kNode:
+      return credential == "node";
+    case Admits::kOwnJob:
+      return credential == "own_job";
+    case Admits::kAnyone:
+      return credential == "owner" || credential == "other_user" || credential == "admin" ||
+             credential == "node" || credential == "other_job" || credential == "other_attempt" ||
+             credential == "own_job";
+  }
+  return false;
+}
+
+StatusCode Expected(Admits admits, const std::string& credential) {
+  if (credential == "none" || credential == "malformed" || credential == "expired" ||
+      credential == "revoked" || credential == "disabled") {
+    return StatusCode::UNAUTHENTICATED;
+  }
+  return Admitted(admits, credential) ? StatusCode::OK : StatusCode::PERMISSION_DENIED;
+}
+
+class AuthorizationTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    CoordinatorOptions o;
+    o.listen_address = "127.0.0.1:0";
+    o.state_dir = dir_.path() + "/state";
+    o.clock = &clock_;
+    o.background_threads = false;
+    auto s = CoordinatorServer::Start(o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    server_ = std::move(*s);
+    tokens_ = std::make_unique<testing::CoordinatorTokens>(server_->identities());
+    channel_ = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
+    jobs_ = v1::JobService::NewStub(channel_);
+    nodes_ = v1::NodeService::NewStub(channel_);
+    rdzv_ = v1::RendezvousService::NewStub(channel_);
+    trainer_ = v1::TrainerService::NewStub(channel_);
+    identity_ = v1::IdentityService::NewStub(channel_);
+    IdentityRegistry& ids = server_->identities();
+
+    node_ = testing::NodeSession::Connect(channel_, tokens_->Node("n1"), "n1", 2);
+    // alice's job and bob's, both running attempt 1 on n1.
+    job_ = Submit(tokens_->User("alice"));
+    other_job_ = Submit(tokens_->User("bob"));
+    ASSERT_EQ(server_->jobs().SchedulePass(), 2);
+
+    credentials_["none"] = "";
+    credentials_["malformed"] = "tyt.not-a-token";
+    auto expiring = ids.CreateToken("alice", "", 60, "expires");
+    ASSERT_TRUE(expiring.ok());
+    credentials_["expired"] = expiring->text;
+    auto revoked = ids.CreateToken("alice", "", 0, "revoked");
+    ASSERT_TRUE(revoked.ok());
+    ASSERT_TRUE(ids.RevokeToken(revoked->info.id()).ok());
+    credentials_["revoked"] = revoked->text;
+    credentials_["disabled"] = tokens_->User("dave");
+    ASSERT_TRUE(ids.SetDisabled("dave", true).ok());
+    credentials_["other_user"] = tokens_->User("bob");
+    credentials_["owner"] = tokens_->User("alice");
+    credentials_["admin"] = tokens_->User("admin");
+    credentials_["node"] = tokens_->Node("n1");
+    credentials_["other_job"] = tokens_->Job(other_job_, 1);
+    credentials_["other_attempt"] = tokens_->Job(job_, 2);
+    credentials_["own_job"] = tokens_->Job(job_, 1);
+    // A token for alice to revoke, and a user for admins to disable.
+    auto spare = ids.CreateToken("alice", "", 0, "to revoke");
+    ASSERT_TRUE(spare.ok());
+    spare_token_id_ = spare->info.id();
+    ASSERT_TRUE(ids.CreateUser("erin", v1::USER).ok());
+    clock_.Advance(absl::Minutes(2));  // the expiring token has expired
+  }
+
+  void TearDown() override {
+    node_.reset();
+    if (server_) server_->Shutdown();
+  }
+
+  std::string Submit(const std::string& token) {
+    grpc::ClientContext ctx;
+    Prepare(ctx, token);
+    v1::SubmitJobRequest r;
+    *r.mutable_spec() = testing::TinySpec("succeed", 1);
+    v1::SubmitJobResponse resp;
+    const grpc::Status s = jobs_->SubmitJob(&ctx, r, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return resp.job().id();
+  }
+
+  static void Prepare(grpc::ClientContext& ctx, const std::string& token) {
+    testing::Authorize(ctx, token);
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
+  }
+
+  template <typename Reader, typename Message>
+  static grpc::Status FinishStream(grpc::ClientContext& ctx, Reader& reader, Message& m) {
+    // A stream the caller may read yields a first message; one it may not ends with the refusal.
+    if (reader->Read(&m)) {
+      ctx.TryCancel();
+      reader->Finish().IgnoreError();
+      return grpc::Status::OK;
+    }
+    return reader->Finish();
+  }
+
+  // Everything a call could change, as bytes.
+  std::string Fingerprint() {
+    std::string out;
+    v1::ListJobsRequest all;
+    all.set_page_size(1000);
+    auto jobs = server_->jobs().List(all);
+    EXPECT_TRUE(jobs.ok());
+    for (const auto& j : jobs->jobs) out += j.SerializeAsString();
+    for (const auto& u : server_->identities().ListUsers()) out += u.SerializeAsString();
+    for (const auto& t : server_->identities().ListTokens("")) out += t.SerializeAsString();
+    for (const auto& n : server_->nodes().List()) out += n.SerializeAsString();
+    grpc::ClientContext ctx;
+    Prepare(ctx, credentials_["own_job"]);
+    v1::NumKeysRequest r;
+    r.mutable_scope()->set_job_id(job_);
+    r.mutable_scope()->set_attempt(1);
+    v1::NumKeysResponse keys;
+    EXPECT_TRUE(rdzv_->NumKeys(&ctx, r, &keys).ok());
+    return absl::StrCat(out, "keys=", keys.num_keys());
+  }
+
+  struct Rpc {
+    std::string name;
+    Admits admits;
+    std::function<grpc::Status(const std::string& token)> call;
+    bool mutates = false;  // allowed calls change state: they run after every refusal
+  };
+
+  std::vector<Rpc> Rpcs() {
+    const std::string job = job_;
+    auto scope = [job](auto* request) {
+      request->mutable_scope()->set_job_id(job);
+      request->mutable_scope()->set_attempt(1);
+    };
+    std::vector<Rpc> rpcs;
+    auto unary = [&](std::string name, Admits admits, bool mutates,
+                     std::function<grpc::Status(grpc::ClientContext&)> f) {
+      rpcs.push_back({std::move(name), admits,
+                      [f](const std::string& token) {
+                        grpc::ClientContext ctx;
+                        Prepare(ctx, token);
+                        return f(ctx);
+                      },
+                      mutates});
+    };
+    // JobService.
+    unary("SubmitJob", Admits::kUsers, true, [&](grpc::ClientContext& ctx) {
+      v1::SubmitJobRequest r;
+      *r.mutable_spec() = testing::TinySpec("succeed", 1);
+      v1::SubmitJobResponse resp;
+      return jobs_->SubmitJob(&ctx, r, &resp);
+    });
+    unary("GetJob", Admits::kOwnerAdmin, false, [&, job](grpc::ClientContext& ctx) {
+      v1::GetJobRequest r;
+      r.set_job_id(job);
+      v1::Job resp;
+      return jobs_->GetJob(&ctx, r, &resp);
+    });
+    unary("ListJobs", Admits::kUsers, false, [&](grpc::ClientContext& ctx) {
+      v1::ListJobsResponse resp;
+      return jobs_->ListJobs(&ctx, {}, &resp);
+    });
+    unary("CheckpointJob", Admits::kOwnerAdmin, true, [&, job](grpc::ClientContext& ctx) {
+      v1::CheckpointJobRequest r;
+      r.set_job_id(job);
+      v1::Job resp;
+      return jobs_->CheckpointJob(&ctx, r, &resp);
+    });
+    rpcs.push_back({"WatchJob", Admits::kOwnerAdmin, [&, job](const std::string& token) {
+                      grpc::ClientContext ctx;
+                      Prepare(ctx, token);
+                      v1::WatchJobRequest r;
+                      r.set_job_id(job);
+                      auto reader = jobs_->WatchJob(&ctx, r);
+                      v1::JobEvent e;
+                      return FinishStream(ctx, reader, e);
+                    }});
+    rpcs.push_back({"StreamLogs", Admits::kOwnerAdmin, [&, job](const std::string& token) {
+                      grpc::ClientContext ctx;
+                      Prepare(ctx, token);
+                      v1::StreamLogsRequest r;
+                      r.set_job_id(job);
+                      auto reader = jobs_->StreamLogs(&ctx, r);
+                      v1::LogLine l;
+                      return FinishStream(ctx, reader, l);
+                    }});
+    rpcs.push_back({"StreamMetrics", Admits::kOwnerAdmin, [&, job](const std::string& token) {
+                      grpc::ClientContext ctx;
+                      Prepare(ctx, token);
+                      v1::StreamMetricsRequest r;
+                      r.set_job_id(job);
+                      auto reader = jobs_->StreamMetrics(&ctx, r);
+                      v1::StepReport m;
+                      return FinishStream(ctx, reader, m);
+                    }});
+    // NodeService.
+    unary("ListNodes", Admits::kUsers, false, [&](grpc::ClientContext& ctx) {
+      v1::ListNodesResponse resp;
+      return nodes_->ListNodes(&ctx, {}, &resp);
+    });
+    unary("RegisterNode", Admits::kNode, true, [&](grpc::ClientContext& ctx) {
+      v1::RegisterNodeRequest r;
+      r.set_node_id("n1");
+      r.set_hostname("localhost");
+      auto* d = r.add_devices();
+      d->set_kind(v1::CPU_SLOT);
+      v1::RegisterNodeResponse resp;
+      const grpc::Status s = nodes_->RegisterNode(&ctx, r, &resp);
+      // n1's session is open: its own token gets past authorization to ALREADY_EXISTS.
+      return s.error_code() == StatusCode::ALREADY_EXISTS ? grpc::Status::OK : s;
+    });
+    rpcs.push_back({"Session", Admits::kNode, [&](const std::string& token) {
+                      grpc::ClientContext ctx;
+                      Prepare(ctx, token);
+                      auto stream = nodes_->Session(&ctx);
+                      v1::NodeMessage hello;
+                      hello.mutable_hello()->set_node_id("n1");
+                      stream->Write(hello);
+                      stream->WritesDone();
+                      v1::CoordinatorMessage m;
+                      while (stream->Read(&m)) {
+                      }
+                      const grpc::Status s = stream->Finish();
+                      return s.error_code() == StatusCode::ALREADY_EXISTS ? grpc::Status::OK : s;
+                    }});
+    // RendezvousService: the scope of alice's job, attempt 1.
+    unary("Set", Admits::kOwnJob, true, [&, scope](grpc::ClientContext& ctx) {
+      v1::SetRequest r;
+      scope(&r);
+      r.set_key("k");
+      r.set_value("v");
+      v1::SetResponse resp;
+      return rdzv_->Set(&ctx, r, &resp);
+    });
+    unary("Get", Admits::kOwnJob, false, [&, scope](grpc::ClientContext& ctx) {
+      v1::GetRequest r;
+      scope(&r);
+      r.set_key("absent");
+      r.set_timeout_ms(1);
+      v1::GetResponse resp;
+      const grpc::Status s = rdzv_->Get(&ctx, r, &resp);
+      return s.error_code() == StatusCode::DEADLINE_EXCEEDED ? grpc::Status::OK : s;
+    });
+    unary("Add", Admits::kOwnJob, true, [&, scope](grpc::ClientContext& ctx) {
+      v1::AddRequest r;
+      scope(&r);
+      r.set_key("n");
+      r.set_delta(1);
+      v1::AddResponse resp;
+      return rdzv_->Add(&ctx, r, &resp);
+    });
+    unary("CompareSet", Admits::kOwnJob, true, [&, scope](grpc::ClientContext& ctx) {
+      v1::CompareSetRequest r;
+      scope(&r);
+      r.set_key("c");
+      r.set_desired("x");
+      v1::CompareSetResponse resp;
+      return rdzv_->CompareSet(&ctx, r, &resp);
+    });
+    unary("Check", Admits::kOwnJob, false, [&, scope](grpc::ClientContext& ctx) {
+      v1::CheckRequest r;
+      scope(&r);
+      r.add_keys("k");
+      v1::CheckResponse resp;
+      return rdzv_->Check(&ctx, r, &resp);
+    });
+    unary("DeleteKey", Admits::kOwnJob, true, [&, scope](grpc::ClientContext& ctx) {
+      v1::DeleteKeyRequest r;
+      scope(&r);
+      r.set_key("absent");
+      v1::DeleteKeyResponse resp;
+      return rdzv_->DeleteKey(&ctx, r, &resp);
+    });
+    unary("NumKeys", Admits::kOwnJob, false, [&, scope](grpc::ClientContext& ctx) {
+      v1::NumKeysRequest r;
+      scope(&r);
+      v1::NumKeysResponse resp;
+      return rdzv_->NumKeys(&ctx, r, &resp);
+    });
+    unary("Wait", Admits::kOwnJob, false, [&, scope](grpc::ClientContext& ctx) {
+      v1::WaitRequest r;
+      scope(&r);
+      r.add_keys("absent");
+      r.set_timeout_ms(1);
+      v1::WaitResponse resp;
+      const grpc::Status s = rdzv_->Wait(&ctx, r, &resp);
+      return s.error_code() == StatusCode::DEADLINE_EXCEEDED ? grpc::Status::OK : s;
+    });
+    unary("Barrier", Admits::kOwnJob, false, [&, scope](grpc::ClientContext& ctx) {
+      v1::BarrierRequest r;
+      scope(&r);
+      r.set_name("b");
+      r.set_rank(0);
+      r.set_world_size(2);
+      r.set_timeout_ms(1);
+      v1::BarrierResponse resp;
+      const grpc::Status s = rdzv_->Barrier(&ctx, r, &resp);
+      return s.error_code() == StatusCode::DEADLINE_EXCEEDED ? grpc::Status::OK : s;
+    });
+    // TrainerService: alice's job, attempt 1.
+    unary("ReportStep", Admits::kOwnJob, true, [&, job](grpc::ClientContext& ctx) {
+      v1::StepReport r;
+      r.set_job_id(job);
+      r.set_attempt(1);
+      r.set_step(1);
+      r.set_total_steps(10);
+      v1::TrainerCommands resp;
+      return trainer_->ReportStep(&ctx, r, &resp);
+    });
+    unary("ReportCheckpoint", Admits::kOwnJob, true, [&, job](grpc::ClientContext& ctx) {
+      v1::CheckpointReport r;
+      r.set_job_id(job);
+      r.set_attempt(1);
+      r.set_step(1);
+      r.set_path("/ckpt/step-1");
+      v1::TrainerCommands resp;
+      return trainer_->ReportCheckpoint(&ctx, r, &resp);
+    });
+    // IdentityService.
+    unary("WhoAmI", Admits::kAnyone, false, [&](grpc::ClientContext& ctx) {
+      v1::WhoAmIResponse resp;
+      return identity_->WhoAmI(&ctx, {}, &resp);
+    });
+    unary("CreateUser", Admits::kAdmins, true, [&](grpc::ClientContext& ctx) {
+      v1::CreateUserRequest r;
+      r.set_name("frank");
+      v1::User resp;
+      return identity_->CreateUser(&ctx, r, &resp);
+    });
+    unary("ListUsers", Admits::kAdmins, false, [&](grpc::ClientContext& ctx) {
+      v1::ListUsersResponse resp;
+      return identity_->ListUsers(&ctx, {}, &resp);
+    });
+    unary("DisableUser", Admits::kAdmins, true, [&](grpc::ClientContext& ctx) {
+      v1::DisableUserRequest r;
+      r.set_name("erin");
+      v1::User resp;
+      return identity_->DisableUser(&ctx, r, &resp);
+    });
+    unary("CreateToken", Admits::kUsers, true, [&](grpc::ClientContext& ctx) {
+      v1::CreateTokenResponse resp;
+      return identity_->CreateToken(&ctx, {}, &resp);  // for the caller
+    });
+    unary("ListTokens", Admits::kUsers, false, [&](grpc::ClientContext& ctx) {
+      v1::ListTokensResponse resp;
+      return identity_->ListTokens(&ctx, {}, &resp);  // the caller's
+    });
+    const std::string spare = spare_token_id_;
+    unary("RevokeToken", Admits::kOwnerAdmin, true, [&, spare](grpc::ClientContext& ctx) {
+      v1::RevokeTokenRequest r;
+      r.set_id(spare);  // alice's
+      v1::TokenInfo resp;
+      return identity_->RevokeToken(&ctx, r, &resp);
+    });
+    // Last: it ends alice's job, and with it the rendezvous scope.
+    unary("CancelJob", Admits::kOwnerAdmin, true, [&, job](grpc::ClientContext& ctx) {
+      v1::CancelJobRequest r;
+      r.set_job_id(job);
+      v1::Job resp;
+      const grpc::Status s = jobs_->CancelJob(&ctx, r, &resp);
+      // The second allowed caller finds it cancelled already.
+      return s.error_code() == StatusCode::FAILED_PRECONDITION ? grpc::Status::OK : s;
+    });
+    return rpcs;
+  }
+
+  testing::TempDir dir_;
+  FakeClock clock_;
+  std::unique_ptr<CoordinatorServer> server_;
+  std::unique_ptr<testing::CoordinatorTokens> tokens_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::JobService::Stub> jobs_;
+  std::unique_ptr<v1::NodeService::Stub> nodes_;
+  std::unique_ptr<v1::RendezvousService::Stub> rdzv_;
+  std::unique_ptr<v1::TrainerService::Stub> trainer_;
+  std::unique_ptr<v1::IdentityService::Stub> identity_;
+  std::unique_ptr<testing::NodeSession> node_;
+  std::string job_, other_job_, spare_token_id_;
+  std::map<std::string, std::string> credentials_;
+};
+
+TEST_F(AuthorizationTest, EveryRpcGetsTheExpectedCodeForEveryCredentialAndRefusalsChangeNothing) {
+  const std::vector<Rpc> rpcs = Rpcs();
+  ASSERT_EQ(rpcs.size(), 29u) << "every RPC of JobService (8), NodeService (3), "
+                                 "RendezvousService (9), TrainerService (2), IdentityService (7)";
+  // Refusals first, each checked to change nothing; then the calls that are let through (those
+  // that change something last, CancelJob at the very end).
+  for (const Rpc& rpc : rpcs) {
+    for (const std::string& credential : kCredentials) {
+      const StatusCode expected = Expected(rpc.admits, credential);
+      if (expected == StatusCode::OK) continue;
+      const std::string before = Fingerprint();
+      const grpc::Status s = rpc.call(credentials_[credential]);
+      EXPECT_EQ(s.error_code(), expected)
+          << rpc.name << " with " << credential << ": " << s.error_message();
+      EXPECT_FALSE(s.error_message().empty()) << rpc.name << " with " << credential;
+      EXPECT_EQ(Fingerprint(), before) << rpc.name << " with " << credential << " changed state";
+    }
+  }
+  for (bool mutating : {false, true}) {
+    for (const Rpc& rpc : rpcs) {
+      if (rpc.mutates != mutating) continue;
+      for (const std::string& credential : kCredentials) {
+        if (Expected(rpc.admits, credential) != StatusCode::OK) continue;
+        const grpc::Status s = rpc.call(credentials_[credential]);
+        EXPECT_TRUE(s.ok()) << rpc.name << " with " << credential << ": " << s.error_code() << " "
+                            << s.error_message();
+      }
+    }
+  }
+}
+
+TEST_F(AuthorizationTest, RefusalsSayWhatWasMissing) {
+  auto get = [&](const std::string& credential) {
+    grpc::ClientContext ctx;
+    Prepare(ctx, credentials_[credential]);
+    v1::GetJobRequest r;
+    r.set_job_id(job_);
+    v1::Job resp;
+    return jobs_->GetJob(&ctx, r, &resp).error_message();
+  };
+  using ::testing::HasSubstr;
+  EXPECT_THAT(get("none"), HasSubstr("no credential"));
+  EXPECT_THAT(get("expired"), HasSubstr("has expired"));
+  EXPECT_THAT(get("revoked"), HasSubstr("was revoked"));
+  EXPECT_THAT(get("disabled"), HasSubstr("user dave is disabled"));
+  EXPECT_THAT(get("other_user"), HasSubstr("belongs to alice"));
+  EXPECT_THAT(get("node"), HasSubstr("needs a user's API token"));
+  // Never the secret of what was sent.
+  const std::string expired = credentials_["expired"];
+  EXPECT_THAT(get("expired"), ::testing::Not(HasSubstr(expired.substr(expired.rfind('.') + 1))));
+}
+
+TEST_F(AuthorizationTest, ListJobsShowsTheCallersOwnJobsAndEveryOwnersOnlyToAdmins) {
+  auto list = [&](const std::string& credential, const std::string& owner,
+                  std::vector<std::string>* ids) {
+    grpc::ClientContext ctx;
+    Prepare(ctx, credentials_[credential]);
+    v1::ListJobsRequest r;
+    r.set_owner(owner);
+    v1::ListJobsResponse resp;
+    const grpc::Status s = jobs_->ListJobs(&ctx, r, &resp);
+    for (const auto& j : resp.jobs()) ids->push_back(j.id());
+    return s.error_code();
+  };
+  std::vector<std::string> ids;
+  EXPECT_EQ(list("owner", "", &ids), StatusCode::OK);
+  EXPECT_THAT(ids, ::testing::ElementsAre(job_));
+  ids.clear();
+  EXPECT_EQ(list("owner", "bob", &ids), StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(list("admin", "", &ids), StatusCode::OK);
+  EXPECT_THAT(ids, ::testing::ElementsAre(other_job_, job_));
+  ids.clear();
+  EXPECT_EQ(list("admin", "bob", &ids), StatusCode::OK);
+  EXPECT_THAT(ids, ::testing::ElementsAre(other_job_));
+}
+
+TEST_F(AuthorizationTest, ANodeRegistersOnlyAsItselfAndASecondDaemonIsRefusedWhileTheFirstIsOn) {
+  // n1's token cannot register n2.
+  {
+    grpc::ClientContext ctx;
+    Prepare(ctx, credentials_["node"]);
+    v1::RegisterNodeRequest r;
+    r.set_node_id("n2");
+    r.add_devices()->set_kind(v1::CPU_SLOT);
+    v1::RegisterNodeResponse resp;
+    const grpc::Status s = nodes_->RegisterNode(&ctx, r, &resp);
+    EXPECT_EQ(s.error_code(), StatusCode::PERMISSION_DENIED);
+    EXPECT_THAT(s.error_message(), ::testing::HasSubstr("node token is for node n1, not n2"));
+  }
+  // A second daemon as n1 (same token) while the first holds its session.
+  grpc::ClientContext ctx;
+  Prepare(ctx, credentials_["node"]);
+  auto stream = nodes_->Session(&ctx);
+  v1::NodeMessage hello;
+  hello.mutable_hello()->set_node_id("n1");
+  stream->Write(hello);
+  v1::CoordinatorMessage m;
+  EXPECT_FALSE(stream->Read(&m));
+  const grpc::Status s = stream->Finish();
+  EXPECT_EQ(s.error_code(), StatusCode::ALREADY_EXISTS);
+  EXPECT_THAT(s.error_message(), ::testing::HasSubstr("already has a session open"));
+  // The first is still the node's session: it gets its heartbeat acks.
+  node_->Heartbeat();
+}
+
+}  // namespace
+}  // namespace trainyard::coordinator
