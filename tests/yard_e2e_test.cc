@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -15,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
@@ -33,6 +35,7 @@ using ::testing::ContainsRegex;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
+using ::testing::Not;
 using testing::RunCommand;
 using ::testing::StartsWith;
 using testing::Subprocess;
@@ -438,6 +441,112 @@ TEST_F(YardE2eTest, DescribeUnknownJobFailsWithNotFound) {
   CommandResult r = Yard({"describe", "42"});
   ExpectOneLineFailure(r);
   EXPECT_THAT(r.err, AllOf(StartsWith("yard: "), HasSubstr("job-42"), HasSubstr("NOT_FOUND")));
+}
+
+TEST_F(YardE2eTest, AnotherUsersJobIsPrivateButAdminsSeeIt) {
+  const std::string job = SubmitCharGpt("alice");
+  for (const std::vector<std::string>& verb :
+       std::vector<std::vector<std::string>>{{"describe", job},
+                                             {"cancel", job},
+                                             {"logs", job},
+                                             {"metrics", job},
+                                             {"checkpoint", job},
+                                             {"wait", job, "--timeout", "1s"}}) {
+    CommandResult r = YardAs("bob", verb);
+    ExpectOneLineFailure(r);
+    EXPECT_THAT(r.err, AllOf(HasSubstr("belongs to alice"), HasSubstr("PERMISSION_DENIED")))
+        << verb[0];
+  }
+  EXPECT_THAT(ListedIds({}, "bob"), IsEmpty());
+  CommandResult others = YardAs("bob", {"ls", "--owner", "alice"});
+  ExpectOneLineFailure(others);
+  EXPECT_THAT(others.err, HasSubstr("PERMISSION_DENIED"));
+  // Nothing changed; the owner and an admin see it.
+  CommandResult mine = Yard({"describe", job, "-o", "json"});
+  ASSERT_EQ(mine.exit_code, 0) << mine.err;
+  EXPECT_EQ(ParseJson(mine.out).value("state", ""), "QUEUED");
+  EXPECT_EQ(YardAs("admin", {"describe", job}).exit_code, 0);
+  EXPECT_THAT(ListedIds({}, "admin"), ElementsAre(job));
+}
+
+TEST_F(YardE2eTest, AdminsManageUsersAndTokensAndRevokedOrDisabledTokensStopWorking) {
+  CommandResult add = YardAs("admin", {"admin", "user", "add", "carol"});
+  ASSERT_EQ(add.exit_code, 0) << add.err;
+  EXPECT_THAT(Lines(add.out).back(), ContainsRegex("^carol +user +enabled "));
+  CommandResult not_admin = Yard({"admin", "user", "add", "mallory"});
+  ExpectOneLineFailure(not_admin);
+  EXPECT_THAT(not_admin.err, AllOf(HasSubstr("for admins"), HasSubstr("PERMISSION_DENIED")));
+  CommandResult bad_name = YardAs("admin", {"admin", "user", "add", "Carol!"});
+  ExpectOneLineFailure(bad_name);
+  EXPECT_THAT(bad_name.err, AllOf(StartsWith("yard: name:"), HasSubstr("INVALID_ARGUMENT")));
+
+  const std::string carol = dir_.path() + "/carol.token";
+  CommandResult created =
+      YardAs("admin", {"admin", "token", "create", "--user", "carol", "--out", carol});
+  ASSERT_EQ(created.exit_code, 0) << created.err;
+  const std::string id(absl::StripAsciiWhitespace(created.out));
+  auto secret = ReadSecretFile(carol);  // refuses a file others can read: it was written 0600
+  ASSERT_TRUE(secret.ok()) << secret.status();
+  auto as_carol = [&](const std::vector<std::string>& args) {
+    std::vector<std::string> argv = {"--coordinator", address_, "--token-file", carol};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return YardAlone(argv);
+  };
+  CommandResult who = as_carol({"whoami"});
+  ASSERT_EQ(who.exit_code, 0) << who.err;
+  EXPECT_EQ(who.out, absl::StrCat("carol (user, token ", id, ")\n"));
+  CommandResult listed = as_carol({"admin", "token", "ls"});
+  ASSERT_EQ(listed.exit_code, 0) << listed.err;
+  EXPECT_THAT(listed.out, ContainsRegex(absl::StrCat("\n", id, " +carol +- +valid ")));
+  EXPECT_THAT(listed.out, Not(HasSubstr(secret->substr(secret->rfind('.') + 1))));
+
+  // Disabled, then enabled again; revoked for good.
+  ASSERT_EQ(YardAs("admin", {"admin", "user", "disable", "carol"}).exit_code, 0);
+  CommandResult disabled = as_carol({"ls"});
+  ExpectOneLineFailure(disabled);
+  EXPECT_THAT(disabled.err, AllOf(HasSubstr("carol is disabled"), HasSubstr("UNAUTHENTICATED")));
+  ASSERT_EQ(YardAs("admin", {"admin", "user", "disable", "carol", "--enable"}).exit_code, 0);
+  EXPECT_EQ(as_carol({"ls"}).exit_code, 0);
+  CommandResult revoke = as_carol({"admin", "token", "revoke", id});  // her own
+  ASSERT_EQ(revoke.exit_code, 0) << revoke.err;
+  CommandResult revoked = as_carol({"ls"});
+  ExpectOneLineFailure(revoked);
+  EXPECT_THAT(revoked.err, AllOf(HasSubstr("was revoked"), HasSubstr("UNAUTHENTICATED")));
+}
+
+TEST_F(YardE2eTest, LoginSavesOnlyAVerifiedUserTokenAndTokenFilesOthersCanReadAreRefused) {
+  const std::string saved = dir_.path() + "/saved/token";
+  auto login = [&](const std::string& input) {
+    const std::string in = dir_.path() + "/login-input";
+    std::ofstream(in) << input << "\n";
+    return testing::RunCommand(
+        {"/bin/sh", "-c",
+         absl::StrCat("exec \"$0\" --coordinator ", address_, " login --save-to \"$1\" < \"$2\""),
+         BinPath("yard"), saved, in},
+        {"HOME=" + YardHome()}, kCommandTimeout);
+  };
+  CommandResult garbage = login("tyt.0123456789abcdef.not-the-secret");
+  ExpectOneLineFailure(garbage);
+  EXPECT_THAT(garbage.err, HasSubstr("UNAUTHENTICATED"));
+  EXPECT_FALSE(std::filesystem::exists(saved));
+
+  auto alice = ReadSecretFile(TokenFile("alice"));
+  ASSERT_TRUE(alice.ok());
+  CommandResult ok = login(*alice);
+  ASSERT_EQ(ok.exit_code, 0) << ok.err;
+  EXPECT_THAT(ok.out, HasSubstr("as alice (user)"));
+  EXPECT_EQ(*ReadSecretFile(saved), *alice);
+  EXPECT_EQ(YardAlone({"--coordinator", address_, "--token-file", saved, "ls"}).exit_code, 0);
+
+  ASSERT_EQ(chmod(saved.c_str(), 0644), 0);
+  CommandResult open_file = YardAlone({"--coordinator", address_, "--token-file", saved, "ls"});
+  ExpectOneLineFailure(open_file);
+  EXPECT_THAT(open_file.err, AllOf(HasSubstr("chmod 600"), HasSubstr("PERMISSION_DENIED")));
+  // Without any token, the reason says where yard looked.
+  CommandResult none = YardAlone({"--coordinator", address_, "ls"},
+                                 {"XDG_CONFIG_HOME=" + dir_.path() + "/nothing-saved"});
+  ExpectOneLineFailure(none);
+  EXPECT_THAT(none.err, AllOf(HasSubstr("no token"), HasSubstr("yard login")));
 }
 
 TEST_F(YardE2eTest, CancelPrintsIdAndNewState) {
