@@ -288,6 +288,14 @@ class AuthorizationTest : public ::testing::Test {
                       const grpc::Status s = stream->Finish();
                       return s.error_code() == StatusCode::ALREADY_EXISTS ? grpc::Status::OK : s;
                     }});
+    unary("VerifyJobCredential", Admits::kNode, false, [&, job](grpc::ClientContext& ctx) {
+      v1::VerifyJobCredentialRequest r;
+      r.set_credential(tokens_->Job(job, 1));
+      v1::VerifyJobCredentialResponse resp;
+      const grpc::Status s = nodes_->VerifyJobCredential(&ctx, r, &resp);
+      // n1 is a worker: its node token gets past authentication to "holds no range".
+      return s.error_message().find("holds no range") != std::string::npos ? grpc::Status::OK : s;
+    });
     // RendezvousService: the scope of alice's job, attempt 1.
     unary("Set", Admits::kOwnJob, true, [&, scope](grpc::ClientContext& ctx) {
       v1::SetRequest r;
@@ -446,7 +454,7 @@ class AuthorizationTest : public ::testing::Test {
 
 TEST_F(AuthorizationTest, EveryRpcGetsTheExpectedCodeForEveryCredentialAndRefusalsChangeNothing) {
   const std::vector<Rpc> rpcs = Rpcs();
-  ASSERT_EQ(rpcs.size(), 29u) << "every RPC of JobService (8), NodeService (3), "
+  ASSERT_EQ(rpcs.size(), 30u) << "every RPC of JobService (8), NodeService (4), "
                                  "RendezvousService (9), TrainerService (2), IdentityService (7)";
   // Refusals first, each checked to change nothing; then the calls that are let through (those
   // that change something last, CancelJob at the very end).
@@ -547,6 +555,60 @@ TEST_F(AuthorizationTest, ANodeRegistersOnlyAsItselfAndASecondDaemonIsRefusedWhi
   EXPECT_THAT(s.error_message(), ::testing::HasSubstr("already has a session open"));
   // The first is still the node's session: it gets its heartbeat acks.
   node_->Heartbeat();
+}
+
+TEST_F(AuthorizationTest, AParameterServerVerifiesOnlyCredentialsOfAttemptsWithARangeOnIt) {
+  auto ps1 = testing::NodeSession::ConnectParameterServer(channel_, tokens_->Node("ps1"), "ps1",
+                                                          int64_t{1} << 30, "127.0.0.1:9");
+  auto ps2 = testing::NodeSession::ConnectParameterServer(channel_, tokens_->Node("ps2"), "ps2",
+                                                          int64_t{1} << 30, "127.0.0.1:10");
+  // An offload job: its state goes to the servers connected now.
+  v1::JobSpec spec = testing::TinySpec("succeed", 1);
+  spec.mutable_parallel()->set_strategy(v1::OFFLOAD);
+  grpc::ClientContext submit_ctx;
+  Prepare(submit_ctx, credentials_["owner"]);
+  v1::SubmitJobRequest submit;
+  *submit.mutable_spec() = spec;
+  v1::SubmitJobResponse submitted;
+  ASSERT_TRUE(jobs_->SubmitJob(&submit_ctx, submit, &submitted).ok());
+  auto n2 = testing::NodeSession::Connect(channel_, tokens_->Node("n2"), "n2", 1);  // n1 is full
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  auto job = server_->jobs().Get(submitted.job().id());
+  ASSERT_TRUE(job.ok());
+  ASSERT_GE(job->ps_placement_size(), 1) << job->DebugString();
+  const std::string holder = job->ps_placement(0).node_id();
+  // A server that joined after the placement holds nothing of it.
+  const std::string other = "ps3";
+  auto ps3 = testing::NodeSession::ConnectParameterServer(channel_, tokens_->Node(other), other,
+                                                          int64_t{1} << 30, "127.0.0.1:11");
+
+  auto verify = [&](const std::string& node, const std::string& credential) {
+    grpc::ClientContext ctx;
+    Prepare(ctx, tokens_->Node(node));
+    v1::VerifyJobCredentialRequest r;
+    r.set_credential(credential);
+    v1::VerifyJobCredentialResponse resp;
+    const grpc::Status s = nodes_->VerifyJobCredential(&ctx, r, &resp);
+    if (s.ok()) EXPECT_EQ(resp.job_id(), job->id());
+    return s.error_code();
+  };
+  const std::string own = tokens_->Job(job->id(), job->attempt());
+  EXPECT_EQ(verify(holder, own), StatusCode::OK);
+  EXPECT_EQ(verify(other, own), StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(verify(holder, tokens_->Job(job->id(), job->attempt() + 1)),
+            StatusCode::FAILED_PRECONDITION);
+  std::string forged = own;
+  forged.back() = forged.back() == 'A' ? 'B' : 'A';
+  EXPECT_EQ(verify(holder, forged), StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(verify(holder, credentials_["owner"]), StatusCode::UNAUTHENTICATED);
+  // A user may not ask.
+  grpc::ClientContext ctx;
+  Prepare(ctx, credentials_["admin"]);
+  v1::VerifyJobCredentialRequest r;
+  r.set_credential(own);
+  v1::VerifyJobCredentialResponse resp;
+  EXPECT_EQ(nodes_->VerifyJobCredential(&ctx, r, &resp).error_code(),
+            StatusCode::PERMISSION_DENIED);
 }
 
 }  // namespace

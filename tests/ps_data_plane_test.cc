@@ -57,18 +57,21 @@ DataPlaneRequest FullRequest() {
   r.grad_scale = 0.25f;
   r.wait_ms = 1500;
   r.timeout_ms = 120000;
+  r.credential = "tyj.job-7.3.credential";
   return r;
 }
 
 TEST(DataPlaneWireTest, RequestsRoundTrip) {
   const DataPlaneRequest in = FullRequest();
   const std::string bytes = ps::EncodeRequest(in);
-  ASSERT_EQ(bytes.size(), ps::kRequestHeaderBytes + in.job_id.size());
-  uint32_t job_id_bytes = 0;
-  auto out = ps::DecodeRequestHeader(bytes.substr(0, ps::kRequestHeaderBytes), &job_id_bytes);
+  ASSERT_EQ(bytes.size(), ps::kRequestHeaderBytes + in.job_id.size() + in.credential.size());
+  uint32_t job_id_bytes = 0, credential_bytes = 0;
+  auto out = ps::DecodeRequestHeader(bytes.substr(0, ps::kRequestHeaderBytes), &job_id_bytes,
+                                     &credential_bytes);
   ASSERT_TRUE(out.ok()) << out.status();
   EXPECT_EQ(job_id_bytes, in.job_id.size());
-  EXPECT_EQ(bytes.substr(ps::kRequestHeaderBytes), in.job_id);
+  EXPECT_EQ(credential_bytes, in.credential.size());
+  EXPECT_EQ(bytes.substr(ps::kRequestHeaderBytes), in.job_id + in.credential);
   EXPECT_EQ(out->op, in.op);
   EXPECT_EQ(out->format, in.format);
   EXPECT_EQ(out->attempt, in.attempt);
@@ -86,7 +89,7 @@ TEST(DataPlaneWireTest, RequestsRoundTrip) {
   DataPlaneRequest unspecified = in;
   unspecified.format = v1::WIRE_FORMAT_UNSPECIFIED;
   out = ps::DecodeRequestHeader(ps::EncodeRequest(unspecified).substr(0, ps::kRequestHeaderBytes),
-                                &job_id_bytes);
+                                &job_id_bytes, &credential_bytes);
   ASSERT_TRUE(out.ok()) << out.status();
   EXPECT_EQ(out->format, v1::WIRE_FP32);
 }
@@ -116,7 +119,7 @@ std::string Le(T value) {
 TEST(DataPlaneWireTest, MalformedRequestHeadersAreRefusedNamingTheField) {
   const std::vector<BadHeader> cases = {
       {"magic", 0, "GET ", "request.magic: 0x20544547 is not a trainyard-ps data-plane request"},
-      {"version", 4, Le<uint8_t>(2), "request.version: 2 is not supported"},
+      {"version", 4, Le<uint8_t>(1), "request.version: 1 is not supported"},
       {"op", 5, Le<uint8_t>(9), "request.op: unknown operation 9"},
       {"format", 6, Le<uint8_t>(7), "request.format: unknown wire format 7"},
       {"flags", 7, Le<uint8_t>(0x81), "request.flags: unknown bits in 0x81"},
@@ -129,19 +132,22 @@ TEST(DataPlaneWireTest, MalformedRequestHeadersAreRefusedNamingTheField) {
       {"negative chunk", 40, Le<int64_t>(-1), "request.chunk_elements: -1"},
       {"wait", 56, Le<int64_t>(-5), "request.wait_ms: -5 is negative"},
       {"timeout", 64, Le<int64_t>(-5), "request.timeout_ms: -5 is negative"},
+      {"credential", 72, Le<uint32_t>(4096), "request.credential: 4096 bytes, more than 2048"},
   };
   const std::string good = ps::EncodeRequest(FullRequest()).substr(0, ps::kRequestHeaderBytes);
   for (const BadHeader& c : cases) {
     std::string header = good;
     header.replace(c.offset, c.bytes.size(), c.bytes);
-    uint32_t job_id_bytes = 0;
-    auto r = ps::DecodeRequestHeader(header, &job_id_bytes);
+    uint32_t job_id_bytes = 0, credential_bytes = 0;
+    auto r = ps::DecodeRequestHeader(header, &job_id_bytes, &credential_bytes);
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << c.name;
     EXPECT_THAT(r.status().message(), HasSubstr(c.error)) << c.name;
   }
-  uint32_t job_id_bytes = 0;
-  EXPECT_THAT(ps::DecodeRequestHeader(good.substr(0, 10), &job_id_bytes).status().message(),
-              HasSubstr("request.header: 10 bytes, not 72"));
+  uint32_t job_id_bytes = 0, credential_bytes = 0;
+  EXPECT_THAT(ps::DecodeRequestHeader(good.substr(0, 10), &job_id_bytes, &credential_bytes)
+                  .status()
+                  .message(),
+              HasSubstr("request.header: 10 bytes, not 80"));
 }
 
 TEST(DataPlaneWireTest, ResponsesRoundTripAndMalformedOnesAreInternal) {
@@ -609,11 +615,13 @@ class ScriptedPeer {
       if (i >= static_cast<int>(answers_.size())) continue;
       const ps::IoLimit limit = ps::IoLimit::Until(absl::Now() + kTimeout);
       char header[ps::kRequestHeaderBytes];
-      uint32_t job_id_bytes = 0;
+      uint32_t job_id_bytes = 0, credential_bytes = 0;
       if (!ps::RecvAll(fd.get(), header, sizeof(header), limit).ok()) continue;
-      auto request =
-          ps::DecodeRequestHeader(absl::string_view(header, sizeof(header)), &job_id_bytes);
-      if (!request.ok() || !ps::Discard(fd.get(), job_id_bytes, limit).ok()) continue;
+      auto request = ps::DecodeRequestHeader(absl::string_view(header, sizeof(header)),
+                                             &job_id_bytes, &credential_bytes);
+      if (!request.ok() || !ps::Discard(fd.get(), job_id_bytes + credential_bytes, limit).ok()) {
+        continue;
+      }
       absl::SleepFor(answers_[i].delay);
       ps::SendAll(fd.get(), ps::EncodeResponse(answers_[i].response) + answers_[i].data, limit)
           .IgnoreError();

@@ -21,6 +21,7 @@
 #include "absl/strings/str_join.h"
 #include "common/clock.h"
 #include "server/coordinator/coordinator_server.h"
+#include "server/ps/data_plane_client.h"
 #include "tests/testing/coordinator_tokens.h"
 #include "tests/testing/node_session.h"
 #include "tests/testing/subprocess.h"
@@ -33,6 +34,7 @@ namespace trainyard {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using trainer::DumpedParam;
 
 constexpr absl::Duration kRunTimeout = absl::Seconds(120);
@@ -687,6 +689,80 @@ TEST_F(OffloadE2eTest, StoppedServerTimesOutAndFailsTheRanksNamingIt) {
         << stopped;
     EXPECT_LT(absl::Now() - since, absl::Seconds(10)) << "one deadline, not one per queued call";
   }
+}
+
+// Servers registered with the coordinator admit a call on a job's shard only with the job
+// credential of its attempt, over gRPC and on the data plane alike.
+TEST_F(OffloadE2eTest, ServersAdmitOnlyTheJobCredentialOfTheAttempt) {
+  const Job job = StartJob(OffloadSpec(1, 8), "guarded");
+  v1::Job placed;
+  {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::GetJobRequest g;
+    g.set_job_id(job.id);
+    ASSERT_TRUE(jobs_->GetJob(&ctx, g, &placed).ok());
+  }
+  ASSERT_EQ(placed.ps_placement_size(), 2);
+  const v1::PsRange& range = placed.ps_placement(0);  // on ps0, which has a data plane
+  const std::string own = tokens_->Job(job.id, job.attempt);
+  std::string forged = own;
+  forged.back() = forged.back() == 'A' ? 'B' : 'A';
+  const std::vector<std::pair<std::string, grpc::StatusCode>> refused = {
+      {"", grpc::StatusCode::UNAUTHENTICATED},
+      {"tyj.garbage", grpc::StatusCode::UNAUTHENTICATED},
+      {forged, grpc::StatusCode::UNAUTHENTICATED},
+      {tokens_->Job(job.id, job.attempt + 1), grpc::StatusCode::PERMISSION_DENIED},
+      {tokens_->Job("job-999", 1), grpc::StatusCode::PERMISSION_DENIED},
+      {tokens_->User("alice"), grpc::StatusCode::UNAUTHENTICATED},
+  };
+  auto stub = v1::ParameterServerService::NewStub(
+      grpc::CreateChannel(range.address(), grpc::InsecureChannelCredentials()));
+  auto read_state = [&](const std::string& credential) {
+    grpc::ClientContext ctx;
+    testing::Authorize(ctx, credential);
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
+    v1::ReadShardStateRequest r;
+    r.set_job_id(job.id);
+    r.set_attempt(job.attempt);
+    auto reader = stub->ReadShardState(&ctx, r);
+    v1::ShardStateChunk chunk;
+    while (reader->Read(&chunk)) {
+    }
+    return reader->Finish();
+  };
+  v1::DataPlaneInfo info;
+  {
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub->GetDataPlane(&ctx, {}, &info).ok());  // open: it names an address only
+    ASSERT_FALSE(info.address().empty());
+  }
+  const int64_t elements = std::min<int64_t>(range.end() - range.begin(), 1024);
+  std::vector<float> gradients(elements, 0.5f);
+  auto push = [&](const std::string& credential) {
+    ps::DataPlaneClient client(info.address(), "", credential);
+    v1::GradientChunk header;
+    header.set_job_id(job.id);
+    header.set_attempt(job.attempt);
+    header.set_step(1);
+    header.set_format(v1::WIRE_FP32);
+    v1::PushGradientsResponse response;
+    return client.Push(header, gradients.data(), range.begin(), range.begin() + elements, 0,
+                       absl::Seconds(20), &response);
+  };
+  for (const auto& [credential, code] : refused) {
+    const grpc::Status s = read_state(credential);
+    EXPECT_EQ(s.error_code(), code) << "gRPC: " << s.error_message();
+    EXPECT_THAT(s.error_message(), Not(HasSubstr(own.substr(own.rfind('.') + 1))));
+    const absl::Status d = push(credential);
+    EXPECT_EQ(static_cast<int>(d.code()), static_cast<int>(code)) << "data plane: " << d;
+  }
+  // The attempt's own credential gets past the door (no shard yet: the rank never started).
+  const grpc::Status s = read_state(own);
+  EXPECT_NE(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << s.error_message();
+  EXPECT_NE(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+  const absl::Status d = push(own);
+  EXPECT_FALSE(absl::IsUnauthenticated(d) || absl::IsPermissionDenied(d)) << d;
 }
 
 TEST_F(OffloadE2eTest, RangesThatDoNotCoverTheModelFailFast) {

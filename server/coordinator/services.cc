@@ -1,5 +1,6 @@
 #include "server/coordinator/services.h"
 
+#include <algorithm>
 #include <deque>
 #include <optional>
 
@@ -647,6 +648,40 @@ grpc::ServerUnaryReactor* NodeServiceImpl::ListNodes(grpc::CallbackServerContext
     return Done(ctx, caller.status());
   }
   for (v1::Node& node : jobs_.NodesWithAllocations()) *response->add_nodes() = std::move(node);
+  return Done(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* NodeServiceImpl::VerifyJobCredential(
+    grpc::CallbackServerContext* ctx, const v1::VerifyJobCredentialRequest* request,
+    v1::VerifyJobCredentialResponse* response) {
+  auto caller = AuthenticateNode(ctx, identities_, "VerifyJobCredential", "");
+  if (!caller.ok()) return Done(ctx, caller.status());
+  auto rank = identities_.Authenticate(request->credential());
+  if (!rank.ok() || rank->kind != Principal::Kind::kJob) {
+    return Done(ctx,
+                Refused("VerifyJobCredential", caller->Describe(),
+                        absl::UnauthenticatedError(absl::StrCat(
+                            "credential: ", rank.ok() ? "not a job credential"
+                                                      : std::string(rank.status().message())))));
+  }
+  auto job = jobs_.Get(rank->job_id);
+  if (!job.ok()) return Done(ctx, job.status());
+  if (job->attempt() != rank->attempt || !IsActive(job->state())) {
+    return Done(ctx, absl::FailedPreconditionError(absl::StrCat(
+                         rank->job_id, " attempt ", rank->attempt, " is not running (attempt ",
+                         job->attempt(), " is ", v1::JobState_Name(job->state()), ")")));
+  }
+  const bool holds_range =
+      std::any_of(job->ps_placement().begin(), job->ps_placement().end(),
+                  [&](const v1::PsRange& r) { return r.node_id() == caller->node; });
+  if (!holds_range) {
+    return Done(ctx, Refused("VerifyJobCredential", caller->Describe(),
+                             absl::PermissionDeniedError(
+                                 absl::StrCat("node ", caller->node, " holds no range of ",
+                                              rank->job_id, " attempt ", rank->attempt))));
+  }
+  response->set_job_id(rank->job_id);
+  response->set_attempt(rank->attempt);
   return Done(ctx, absl::OkStatus());
 }
 

@@ -101,6 +101,9 @@ class NodeServiceImpl final : public v1::NodeService::CallbackService {
   grpc::ServerUnaryReactor* ListNodes(grpc::CallbackServerContext* ctx,
                                       const v1::ListNodesRequest* request,
                                       v1::ListNodesResponse* response) override;
+  grpc::ServerUnaryReactor* VerifyJobCredential(grpc::CallbackServerContext* ctx,
+                                                const v1::VerifyJobCredentialRequest* request,
+                                                v1::VerifyJobCredentialResponse* response) override;
 
  private:
   NodeRegistry& nodes_;

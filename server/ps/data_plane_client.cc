@@ -22,8 +22,11 @@ absl::StatusOr<std::string> DataPlaneDialAddress(const std::string& data_plane_a
   return data_plane_address;
 }
 
-DataPlaneClient::DataPlaneClient(std::string address, std::string tcp_congestion)
-    : address_(std::move(address)), tcp_congestion_(std::move(tcp_congestion)) {}
+DataPlaneClient::DataPlaneClient(std::string address, std::string tcp_congestion,
+                                 std::string credential)
+    : address_(std::move(address)),
+      tcp_congestion_(std::move(tcp_congestion)),
+      credential_(std::move(credential)) {}
 
 absl::Status DataPlaneClient::CallOnce(int fd, const DataPlaneRequest& request, const void* payload,
                                        void* out, absl::Time deadline,
@@ -119,6 +122,7 @@ absl::Status DataPlaneClient::Push(const v1::GradientChunk& header, const void* 
   r.op = DataPlaneOp::kPush;
   r.format = header.format();  // as given: ValidateRequest refuses one it does not know
   r.job_id = header.job_id();
+  r.credential = credential_;
   r.attempt = header.attempt();
   r.step = header.step();
   r.begin = begin;
@@ -138,6 +142,7 @@ absl::Status DataPlaneClient::UpdateAndPull(const v1::UpdateAndPullRequest& requ
   r.op = DataPlaneOp::kUpdateAndPull;
   r.format = request.format();
   r.job_id = request.job_id();
+  r.credential = credential_;
   r.attempt = request.attempt();
   r.step = request.step();
   r.begin = request.begin();

@@ -40,8 +40,8 @@ absl::StatusOr<std::string> DataPlaneDialAddress(const std::string& data_plane_a
 class DataPlaneClient {
  public:
   // `address`: HOST:PORT of the data plane (GetDataPlane's answer); `tcp_congestion` of its
-  // connections (empty: the host's).
-  DataPlaneClient(std::string address, std::string tcp_congestion);
+  // connections (empty: the host's); `credential`: the job credential every request carries.
+  DataPlaneClient(std::string address, std::string tcp_congestion, std::string credential = "");
 
   const std::string& address() const { return address_; }
 
@@ -72,6 +72,7 @@ class DataPlaneClient {
 
   const std::string address_;
   const std::string tcp_congestion_;
+  const std::string credential_;
   absl::Mutex mu_;
   std::vector<UniqueFd> idle_ ABSL_GUARDED_BY(mu_);
 };

@@ -181,15 +181,28 @@ void DataPlaneServer::Serve(Connection* c) {
     bool keep = false;
     if (!stopping) {
       if (absl::Status s = RecvAll(fd, header + 1, kRequestHeaderBytes - 1, limit); s.ok()) {
-        uint32_t job_id_bytes = 0;
-        auto request =
-            DecodeRequestHeader(absl::string_view(header, kRequestHeaderBytes), &job_id_bytes);
+        uint32_t job_id_bytes = 0, credential_bytes = 0;
+        auto request = DecodeRequestHeader(absl::string_view(header, kRequestHeaderBytes),
+                                           &job_id_bytes, &credential_bytes);
         if (!request.ok()) {
           RespondAndLinger(fd, request.status(), kLingerTime);
         } else {
           request->job_id.resize(job_id_bytes);
-          keep = RecvAll(fd, request->job_id.data(), job_id_bytes, limit).ok() &&
-                 ServeCall(fd, *request);
+          request->credential.resize(credential_bytes);
+          if (RecvAll(fd, request->job_id.data(), job_id_bytes, limit).ok() &&
+              RecvAll(fd, request->credential.data(), credential_bytes, limit).ok()) {
+            // A refused call's payload is not read: its connection closes.
+            absl::Status allowed =
+                options_.authorizer == nullptr
+                    ? absl::OkStatus()
+                    : options_.authorizer->Authorize(request->credential, request->job_id,
+                                                     request->attempt);
+            if (allowed.ok()) {
+              keep = ServeCall(fd, *request);
+            } else {
+              RespondAndLinger(fd, allowed, kLingerTime);
+            }
+          }
         }
       }
     }

@@ -23,6 +23,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/ps/data_plane_wire.h"
+#include "server/ps/job_authorizer.h"
 #include "server/ps/ps_service.h"
 #include "server/ps/shard_manager.h"
 #include "server/ps/tcp_io.h"
@@ -36,6 +37,9 @@ struct DataPlaneOptions {
   absl::Duration io_timeout = absl::Seconds(60);
   // More connections at once are refused (RESOURCE_EXHAUSTED, then closed).
   int max_connections = 1024;
+  // Decides each call by its job credential (null: every call); must outlive the server. A
+  // refused call is answered with the refusal and its connection closed.
+  JobAuthorizer* authorizer = nullptr;
 };
 
 class DataPlaneServer {

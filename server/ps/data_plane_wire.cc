@@ -21,7 +21,7 @@ constexpr uint32_t kClosingFlag = 1;
 constexpr size_t kReqVersion = 4, kReqOp = 5, kReqFormat = 6, kReqFlags = 7, kReqAttempt = 8,
                  kReqJobIdBytes = 12, kReqStep = 16, kReqBegin = 24, kReqEnd = 32,
                  kReqChunkElements = 40, kReqLr = 48, kReqGradScale = 52, kReqWaitMs = 56,
-                 kReqTimeoutMs = 64;
+                 kReqTimeoutMs = 64, kReqCredentialBytes = 72;
 // Field offsets of the response header.
 constexpr size_t kRespCode = 4, kRespMessageBytes = 8, kRespFlags = 12, kRespCountA = 16,
                  kRespCountB = 24;
@@ -66,7 +66,9 @@ std::string EncodeRequest(const DataPlaneRequest& r) {
   Put<float>(out, kReqGradScale, r.grad_scale);
   Put<int64_t>(out, kReqWaitMs, r.wait_ms);
   Put<int64_t>(out, kReqTimeoutMs, r.timeout_ms);
+  Put<uint32_t>(out, kReqCredentialBytes, static_cast<uint32_t>(r.credential.size()));
   out += r.job_id;
+  out += r.credential;
   return out;
 }
 
@@ -95,7 +97,8 @@ absl::Status ValidateRequest(const DataPlaneRequest& r, size_t job_id_bytes) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<DataPlaneRequest> DecodeRequestHeader(absl::string_view h, uint32_t* job_id_bytes) {
+absl::StatusOr<DataPlaneRequest> DecodeRequestHeader(absl::string_view h, uint32_t* job_id_bytes,
+                                                     uint32_t* credential_bytes) {
   if (h.size() != kRequestHeaderBytes) {
     return Invalid("header", absl::StrCat(h.size(), " bytes, not ", kRequestHeaderBytes));
   }
@@ -125,6 +128,11 @@ absl::StatusOr<DataPlaneRequest> DecodeRequestHeader(absl::string_view h, uint32
   r.grad_scale = Get<float>(h, kReqGradScale);
   r.wait_ms = Get<int64_t>(h, kReqWaitMs);
   r.timeout_ms = Get<int64_t>(h, kReqTimeoutMs);
+  *credential_bytes = Get<uint32_t>(h, kReqCredentialBytes);
+  if (*credential_bytes > kMaxCredentialBytes) {
+    return Invalid("credential",
+                   absl::StrCat(*credential_bytes, " bytes, more than ", kMaxCredentialBytes));
+  }
   if (absl::Status s = ValidateRequest(r, *job_id_bytes); !s.ok()) return s;
   r.format = NormalizedWireFormat(r.format);
   return r;

@@ -13,8 +13,10 @@
 //
 //   request   kRequestHeaderBytes: magic "TYPS", version, op, format, flags (bit 0: update),
 //             attempt, job_id bytes, step, begin, end, chunk_elements, lr, grad_scale, wait_ms,
-//             timeout_ms;
-//             then the job_id; then, for a push, the gradients of [begin, end) in `format`.
+//             timeout_ms, credential bytes, 4 reserved;
+//             then the job_id; then the caller's job credential (identity.proto; the server
+//             accepts a request only for the job and attempt it was issued for); then, for a
+//             push, the gradients of [begin, end) in `format`.
 //   response  kResponseHeaderBytes: magic "TYPR", status code, message bytes, flags (bit 0: the
 //             server closes the connection after this response), then two counts: for a push
 //             the elements staged and the duplicates, for a pull the bytes of data that follow;
@@ -42,10 +44,11 @@
 
 namespace trainyard::ps {
 
-inline constexpr uint8_t kDataPlaneVersion = 1;
-inline constexpr size_t kRequestHeaderBytes = 72;
+inline constexpr uint8_t kDataPlaneVersion = 2;  // 2: the job credential
+inline constexpr size_t kRequestHeaderBytes = 80;
 inline constexpr size_t kResponseHeaderBytes = 32;
 inline constexpr uint32_t kMaxJobIdBytes = 1024;
+inline constexpr uint32_t kMaxCredentialBytes = 2048;
 inline constexpr uint32_t kMaxStatusMessageBytes = 64 << 10;
 // Largest [begin, end) of one request (2^40 elements: no job comes near, and the byte counts
 // stay far from overflowing).
@@ -71,6 +74,8 @@ struct DataPlaneRequest {
   // The caller's time limit (0: none): an update waits for lent elements no longer, as a gRPC
   // call's deadline bounds it.
   int64_t timeout_ms = 0;
+  // The caller's job credential ("tyj...."); never logged.
+  std::string credential;
 
   // Bytes of [begin, end) in `format`: a push's payload, a successful pull's data.
   int64_t payload_bytes() const;
@@ -82,15 +87,18 @@ struct DataPlaneRequest {
 // kMaxChunkElements], a negative wait_ms or timeout_ms. Clients check before they send.
 absl::Status ValidateRequest(const DataPlaneRequest& request, size_t job_id_bytes);
 
-// The header and job_id of `request` (kRequestHeaderBytes + job_id.size() bytes). `request`
+// The header, job_id and credential of `request` (kRequestHeaderBytes + job_id.size() +
+// credential.size() bytes). `request`
 // must pass ValidateRequest (a format or op above 255 would not survive the encoding).
 std::string EncodeRequest(const DataPlaneRequest& request);
 
 // Decodes a request header (exactly kRequestHeaderBytes); the caller then reads `*job_id_bytes`
+// of job_id and `*credential_bytes` of credential
 // bytes into the result's job_id. INVALID_ARGUMENT naming the field for a wrong size, magic or
 // version, unknown flag bits, and whatever ValidateRequest refuses.
 absl::StatusOr<DataPlaneRequest> DecodeRequestHeader(absl::string_view header,
-                                                     uint32_t* job_id_bytes);
+                                                     uint32_t* job_id_bytes,
+                                                     uint32_t* credential_bytes);
 
 struct DataPlaneResponse {
   absl::Status status;

@@ -1,12 +1,16 @@
 #include "server/ps/ps_client.h"
 
 #include <grpcpp/completion_queue.h>
+#include <grpcpp/create_channel.h>
 #include <grpcpp/impl/codegen/proto_utils.h>
+#include <grpcpp/security/credentials.h>
 #include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/client_interceptor.h>
 
 #include <algorithm>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "server/ps/ps_wire.h"
@@ -138,6 +142,51 @@ grpc::Status UpdateAndPullZeroCopy(grpc::GenericStub& stub, const v1::UpdateAndP
                      " elements of [", request.begin(), ", ", request.end(), ") arrived"));
   }
   return grpc::Status::OK;
+}
+
+namespace {
+
+// Adds the "authorization" metadata to every call of its channel.
+class AuthorizationInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  explicit AuthorizationInterceptor(const std::string* value) : value_(value) {}
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(
+            grpc::experimental::InterceptionHookPoints::PRE_SEND_INITIAL_METADATA)) {
+      methods->GetSendInitialMetadata()->insert({"authorization", *value_});
+    }
+    methods->Proceed();
+  }
+
+ private:
+  const std::string* value_;
+};
+
+class AuthorizationInterceptorFactory final
+    : public grpc::experimental::ClientInterceptorFactoryInterface {
+ public:
+  explicit AuthorizationInterceptorFactory(std::string value) : value_(std::move(value)) {}
+  grpc::experimental::Interceptor* CreateClientInterceptor(
+      grpc::experimental::ClientRpcInfo*) override {
+    return new AuthorizationInterceptor(&value_);
+  }
+
+ private:
+  const std::string value_;  // outlives the channel's calls: the channel owns the factory
+};
+
+}  // namespace
+
+std::shared_ptr<grpc::Channel> CreatePsChannel(const std::string& address,
+                                               const grpc::ChannelArguments& args,
+                                               const std::string& authorization) {
+  if (authorization.empty()) {
+    return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  }
+  std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> factories;
+  factories.push_back(std::make_unique<AuthorizationInterceptorFactory>(authorization));
+  return grpc::experimental::CreateCustomChannelWithInterceptors(
+      address, grpc::InsecureChannelCredentials(), args, std::move(factories));
 }
 
 }  // namespace trainyard::ps

@@ -9,10 +9,14 @@
 #ifndef TRAINYARD_SERVER_PS_PS_CLIENT_H_
 #define TRAINYARD_SERVER_PS_PS_CLIENT_H_
 
+#include <grpcpp/channel.h>
 #include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/support/channel_arguments.h>
 
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <string>
 
 #include "absl/time/time.h"
 #include "trainyard/v1/ps.pb.h"
@@ -35,6 +39,12 @@ grpc::Status PushGradientsZeroCopy(grpc::GenericStub& stub, const v1::GradientCh
 grpc::Status UpdateAndPullZeroCopy(grpc::GenericStub& stub, const v1::UpdateAndPullRequest& request,
                                    void* out, absl::Duration timeout,
                                    const std::function<void()>& on_first_chunk = nullptr);
+
+// A channel to a parameter server at `address` whose every call carries `authorization` as its
+// "authorization" metadata (e.g. "Bearer <job credential>"; empty: none).
+std::shared_ptr<grpc::Channel> CreatePsChannel(const std::string& address,
+                                               const grpc::ChannelArguments& args,
+                                               const std::string& authorization);
 
 }  // namespace trainyard::ps
 

@@ -90,8 +90,19 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(PsOptions options) {
     RETURN_IF_ERROR(
         SplitHostPort(s->options_.advertise, "--advertise", &advertise_host, &unused_port));
   }
+  // Calls on a job's shard need the job credential of its attempt, checked with the
+  // coordinator; a standalone server has no one to check with.
+  if (s->options_.coordinator.empty()) {
+    spdlog::warn("standalone (no --coordinator): every call is admitted without a job credential");
+    s->authorizer_ = NewOpenJobAuthorizer();
+  } else {
+    s->authorizer_ = NewCoordinatorJobAuthorizer(
+        grpc::CreateChannel(s->options_.coordinator, grpc::InsecureChannelCredentials()),
+        s->options_.token);
+  }
   if (s->options_.data_listen_address != "off") {
     DataPlaneOptions data;
+    data.authorizer = s->authorizer_.get();
     data.listen_address = s->options_.data_listen_address.empty() ? JoinHostPort(listen_host, 0)
                                                                   : s->options_.data_listen_address;
     data.tcp_congestion = s->options_.tcp_congestion;
@@ -99,8 +110,8 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(PsOptions options) {
     s->data_plane_address_ =
         JoinHostPort(advertise_host.empty() ? listen_host : advertise_host, s->data_plane_->port());
   }
-  s->service_ =
-      std::make_unique<ParameterServiceImpl>(*s->shards_, metrics, s->data_plane_address_);
+  s->service_ = std::make_unique<ParameterServiceImpl>(*s->shards_, metrics, s->data_plane_address_,
+                                                       s->authorizer_.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

@@ -23,6 +23,7 @@
 #include "common/metrics_endpoint.h"
 #include "server/adam/thread_pool.h"
 #include "server/ps/data_plane_server.h"
+#include "server/ps/job_authorizer.h"
 #include "server/ps/ps_service.h"
 #include "server/ps/shard_manager.h"
 
@@ -75,6 +76,7 @@ class PsServer {
   prometheus::Gauge* jobs_ = nullptr;
   std::unique_ptr<adam::ThreadPool> pool_;
   std::unique_ptr<ShardManager> shards_;
+  std::unique_ptr<JobAuthorizer> authorizer_;  // before the servers that use it
   std::unique_ptr<DataPlaneServer> data_plane_;
   std::string data_plane_address_;
   std::unique_ptr<ParameterServiceImpl> service_;

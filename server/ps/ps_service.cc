@@ -44,8 +44,12 @@ grpc::Slice LentSlice(std::unique_ptr<ShardManager::LentParams> lent) {
 }  // namespace
 
 ParameterServiceImpl::ParameterServiceImpl(ShardManager& shards, PsMetrics metrics,
-                                           std::string data_plane_address)
-    : shards_(shards), metrics_(metrics), data_plane_address_(std::move(data_plane_address)) {
+                                           std::string data_plane_address,
+                                           JobAuthorizer* authorizer)
+    : shards_(shards),
+      metrics_(metrics),
+      data_plane_address_(std::move(data_plane_address)),
+      authorizer_(authorizer) {
   // The two bulk methods get handlers on byte buffers instead of the generated ones (the same
   // synchronous threads serve them). "Streamed" is gRPC's name for replacing a handler: the
   // server then treats the method as bidirectional streaming, which needs no change of clients.
@@ -72,6 +76,12 @@ ParameterServiceImpl::ParameterServiceImpl(ShardManager& shards, PsMetrics metri
           }));
 }
 
+absl::Status ParameterServiceImpl::Authorize(const grpc::ServerContext& ctx,
+                                             const std::string& job_id, int32_t attempt) const {
+  if (authorizer_ == nullptr) return absl::OkStatus();
+  return authorizer_->Authorize(CallCredential(ctx), job_id, attempt);
+}
+
 grpc::Status ParameterServiceImpl::InitShard(grpc::ServerContext* ctx,
                                              grpc::ServerReader<v1::InitShardChunk>* reader,
                                              v1::InitShardResponse* response) {
@@ -83,6 +93,9 @@ grpc::Status ParameterServiceImpl::InitShard(grpc::ServerContext* ctx,
     return ToGrpcStatus(absl::InvalidArgumentError("header: missing from the first message"));
   }
   const v1::InitShardChunk::Header header = chunk.header();
+  if (absl::Status s = Authorize(*ctx, header.job_id(), header.attempt()); !s.ok()) {
+    return ToGrpcStatus(s);
+  }
   if (absl::Status s = shards_.BeginInit(header); !s.ok()) return ToGrpcStatus(s);
   do {
     if (chunk.params().empty() && chunk.m().empty() && chunk.v().empty()) continue;
@@ -105,9 +118,18 @@ grpc::Status ParameterServiceImpl::PushGradientBuffers(grpc::ServerContext* ctx,
                                                        grpc::ServerReader<grpc::ByteBuffer>* reader,
                                                        v1::PushGradientsResponse* response) {
   grpc::ByteBuffer message;
+  std::string authorized_job;  // the (job, attempt) the stream's credential was checked for
+  int32_t authorized_attempt = 0;
   while (reader->Read(&message)) {
     auto chunk = DecodeGradientChunk(message);
     if (!chunk.ok()) return ToGrpcStatus(chunk.status());
+    if (chunk->job_id != authorized_job || chunk->attempt != authorized_attempt) {
+      if (absl::Status s = Authorize(*ctx, chunk->job_id, chunk->attempt); !s.ok()) {
+        return ToGrpcStatus(s);
+      }
+      authorized_job = chunk->job_id;
+      authorized_attempt = chunk->attempt;
+    }
     const double bytes = static_cast<double>(chunk->data.size());
     // The received slices are staged as they are: no copy.
     auto r = shards_.Push(chunk->job_id, chunk->attempt, chunk->step, chunk->offset, chunk->format,
@@ -123,6 +145,9 @@ grpc::Status ParameterServiceImpl::PushGradientBuffers(grpc::ServerContext* ctx,
 grpc::Status ParameterServiceImpl::UpdateAndPullBuffers(
     grpc::ServerContext* ctx, const v1::UpdateAndPullRequest& request,
     grpc::ServerSplitStreamer<v1::UpdateAndPullRequest, grpc::ByteBuffer>* writer) {
+  if (absl::Status s = Authorize(*ctx, request.job_id(), request.attempt()); !s.ok()) {
+    return ToGrpcStatus(s);
+  }
   if (absl::Status s = CheckChunkElements(request.chunk_elements()); !s.ok()) {
     return ToGrpcStatus(s);
   }
@@ -162,6 +187,9 @@ grpc::Status ParameterServiceImpl::UpdateAndPullBuffers(
 grpc::Status ParameterServiceImpl::ReadShardState(grpc::ServerContext* ctx,
                                                   const v1::ReadShardStateRequest* request,
                                                   grpc::ServerWriter<v1::ShardStateChunk>* writer) {
+  if (absl::Status s = Authorize(*ctx, request->job_id(), request->attempt()); !s.ok()) {
+    return ToGrpcStatus(s);
+  }
   if (absl::Status s = CheckChunkElements(request->chunk_elements()); !s.ok()) {
     return ToGrpcStatus(s);
   }
@@ -186,6 +214,7 @@ grpc::Status ParameterServiceImpl::DropJob(grpc::ServerContext* ctx,
   if (request->job_id().empty()) {
     return ToGrpcStatus(absl::InvalidArgumentError("job_id: empty"));
   }
+  if (absl::Status s = Authorize(*ctx, request->job_id(), 0); !s.ok()) return ToGrpcStatus(s);
   response->set_dropped(shards_.Drop(request->job_id()));
   return grpc::Status::OK;
 }

@@ -20,6 +20,7 @@
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "server/ps/job_authorizer.h"
 #include "server/ps/shard_manager.h"
 #include "trainyard/v1/ps.grpc.pb.h"
 
@@ -44,9 +45,12 @@ struct PsMetrics {
 class ParameterServiceImpl final : public v1::ParameterServerService::Service {
  public:
   // `shards` must outlive the service; `metrics` members may be null. `data_plane_address`:
-  // what GetDataPlane answers (empty: no data plane).
-  ParameterServiceImpl(ShardManager& shards, PsMetrics metrics,
-                       std::string data_plane_address = "");
+  // what GetDataPlane answers (empty: no data plane). `authorizer` (null: admit every call)
+  // decides the calls on a job's shard (InitShard, PushGradients, UpdateAndPull,
+  // ReadShardState, DropJob) by the caller's job credential; ListShards and GetDataPlane are
+  // open. It must outlive the service.
+  ParameterServiceImpl(ShardManager& shards, PsMetrics metrics, std::string data_plane_address = "",
+                       JobAuthorizer* authorizer = nullptr);
 
   grpc::Status InitShard(grpc::ServerContext* ctx, grpc::ServerReader<v1::InitShardChunk>* reader,
                          v1::InitShardResponse* response) override;
@@ -68,9 +72,14 @@ class ParameterServiceImpl final : public v1::ParameterServerService::Service {
       grpc::ServerContext* ctx, const v1::UpdateAndPullRequest& request,
       grpc::ServerSplitStreamer<v1::UpdateAndPullRequest, grpc::ByteBuffer>* writer);
 
+  // OK if the call's job credential admits `job_id` attempt `attempt` (0: any).
+  absl::Status Authorize(const grpc::ServerContext& ctx, const std::string& job_id,
+                         int32_t attempt) const;
+
   ShardManager& shards_;
   const PsMetrics metrics_;
   const std::string data_plane_address_;
+  JobAuthorizer* const authorizer_;  // null: every call
 };
 
 }  // namespace trainyard::ps

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "common/credentials.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
 #include "server/ps/data_plane_client.h"
@@ -73,7 +74,9 @@ struct ParameterServers::Server {
     }
     auto address = ps::DataPlaneDialAddress(info.address(), range.address);
     if (!address.ok()) return Annotate(address.status(), "data plane");
-    data_plane = std::make_unique<ps::DataPlaneClient>(*address, config.tcp_congestion);
+    const char* credential = std::getenv(kJobCredentialEnv);
+    data_plane = std::make_unique<ps::DataPlaneClient>(*address, config.tcp_congestion,
+                                                       credential != nullptr ? credential : "");
     return absl::OkStatus();
   }
 
@@ -126,7 +129,8 @@ absl::StatusOr<std::unique_ptr<ParameterServers>> ParameterServers::Connect(
   ps::SetTcpCongestion(&args, out->config_.tcp_congestion);
   for (PsRangeRef& r : ranges) {
     auto server = std::make_unique<Server>();
-    auto channel = grpc::CreateCustomChannel(r.address, grpc::InsecureChannelCredentials(), args);
+    // Every call carries the attempt's job credential, which the worker put in the environment.
+    auto channel = ps::CreatePsChannel(r.address, args, BearerFromEnv(kJobCredentialEnv));
     server->stub = v1::ParameterServerService::NewStub(channel);
     server->generic = std::make_unique<grpc::GenericStub>(channel);
     server->range = std::move(r);

@@ -1,0 +1,95 @@
+#include "server/ps/job_authorizer.h"
+
+#include <set>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "common/credentials.h"
+#include "common/grpc_status.h"
+#include "trainyard/v1/node.grpc.pb.h"
+
+namespace trainyard::ps {
+namespace {
+
+class OpenJobAuthorizer final : public JobAuthorizer {
+ public:
+  absl::Status Authorize(absl::string_view, const std::string&, int32_t) override {
+    return absl::OkStatus();
+  }
+};
+
+class CoordinatorJobAuthorizer final : public JobAuthorizer {
+ public:
+  CoordinatorJobAuthorizer(std::shared_ptr<grpc::Channel> channel, std::string node_token)
+      : stub_(v1::NodeService::NewStub(std::move(channel))),
+        bearer_("Bearer " + std::move(node_token)) {}
+
+  absl::Status Authorize(absl::string_view credential, const std::string& job_id,
+                         int32_t attempt) override {
+    if (credential.empty()) {
+      return absl::UnauthenticatedError(
+          "no job credential: a rank sends its attempt's (TRAINYARD_JOB_CREDENTIAL)");
+    }
+    auto parsed = ParseJobCredential(credential);
+    if (!parsed.ok()) return absl::UnauthenticatedError(parsed.status().message());
+    if (parsed->job_id != job_id || (attempt != 0 && parsed->attempt != attempt)) {
+      return absl::PermissionDeniedError(absl::StrCat("the job credential is for ", parsed->job_id,
+                                                      " attempt ", parsed->attempt, ", not for ",
+                                                      job_id, " attempt ", attempt));
+    }
+    const std::string key = Sha256(credential);
+    {
+      absl::MutexLock lock(&mu_);
+      if (accepted_.count(key) != 0) return absl::OkStatus();
+    }
+    grpc::ClientContext ctx;
+    ctx.AddMetadata(kAuthorizationMetadata, bearer_);
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    v1::VerifyJobCredentialRequest request;
+    request.set_credential(std::string(credential));
+    v1::VerifyJobCredentialResponse response;
+    const grpc::Status s = stub_->VerifyJobCredential(&ctx, request, &response);
+    if (!s.ok()) {
+      const absl::Status status = FromGrpcStatus(s);
+      return absl::Status(status.code(),
+                          absl::StrCat("the coordinator refused the job credential for ", job_id,
+                                       " attempt ", parsed->attempt, ": ", status.message()));
+    }
+    absl::MutexLock lock(&mu_);
+    if (accepted_.size() >= kMaxRemembered) accepted_.clear();  // old attempts' go with them
+    accepted_.insert(key);
+    return absl::OkStatus();
+  }
+
+ private:
+  static constexpr size_t kMaxRemembered = 4096;
+
+  std::unique_ptr<v1::NodeService::Stub> stub_;
+  const std::string bearer_;
+  absl::Mutex mu_;
+  std::set<std::string> accepted_ ABSL_GUARDED_BY(mu_);  // SHA-256 of accepted credentials
+};
+
+}  // namespace
+
+std::unique_ptr<JobAuthorizer> NewOpenJobAuthorizer() {
+  return std::make_unique<OpenJobAuthorizer>();
+}
+
+std::unique_ptr<JobAuthorizer> NewCoordinatorJobAuthorizer(std::shared_ptr<grpc::Channel> channel,
+                                                           std::string node_token) {
+  return std::make_unique<CoordinatorJobAuthorizer>(std::move(channel), std::move(node_token));
+}
+
+std::string CallCredential(const grpc::ServerContext& ctx) {
+  const auto& md = ctx.client_metadata();
+  auto it = md.find(kAuthorizationMetadata);
+  if (it == md.end()) return std::string();
+  auto credential = BearerCredential(absl::string_view(it->second.data(), it->second.size()));
+  return credential.ok() ? *credential : std::string();
+}
+
+}  // namespace trainyard::ps
