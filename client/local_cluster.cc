@@ -1,6 +1,7 @@
 #include "client/local_cluster.h"
 
 #include <fcntl.h>
+#include <pwd.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -259,6 +260,16 @@ absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& options) {
   auto admin_token = ReadSecretFile(c.admin_token_file);
   if (!admin_token.ok()) return admin_token.status();
   YardClient admin(c.coordinator_address, *admin_token);
+  // The local admin's jobs run as the account that started the cluster (workers running as root
+  // run each rank as its owner's account, and there is no Unix account "admin").
+  const std::string user_map = options.state_dir + "/user-map";
+  {
+    const passwd* me = getpwuid(geteuid());
+    std::ofstream map(user_map, std::ios::trunc);
+    map << "# trainyard user -> Unix account (trainyard-worker --user-map)\n"
+        << "admin " << (me != nullptr ? me->pw_name : "root") << "\n";
+    if (!map) return absl::UnavailableError(absl::StrCat("cannot write ", user_map));
+  }
   auto node_token_file = [&](const std::string& node) -> absl::StatusOr<std::string> {
     const std::string path = absl::StrCat(options.state_dir, "/", node, ".token");
     if (ReadSecretFile(path).ok()) return path;  // from an earlier `up` of this state directory
@@ -297,6 +308,8 @@ absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& options) {
     if (!token_file.ok()) return token_file.status();
     argv.push_back("--token-file");
     argv.push_back(*token_file);
+    argv.push_back("--user-map");
+    argv.push_back(user_map);
     // The workers share this machine: split its cores among all their slots.
     const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     const int threads = options.threads_per_slot > 0

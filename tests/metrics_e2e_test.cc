@@ -3,6 +3,8 @@
 // only while it runs, and `promtool check metrics` accepts both pages.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <pwd.h>
+#include <unistd.h>
 
 #include <fstream>
 
@@ -52,13 +54,15 @@ class MetricsE2eTest : public ::testing::Test {
     const auto channel = grpc::CreateChannel(address_, grpc::InsecureChannelCredentials());
     admin_token_ = testing::AdminToken(dir_.path() + "/state");
     const std::string node_token = dir_.path() + "/w1.token";
+    const std::string user_map = dir_.path() + "/user-map";  // alice runs as this account
+    std::ofstream(user_map) << "alice " << getpwuid(geteuid())->pw_name << "\n";
     ASSERT_TRUE(
         WriteSecretFile(node_token, testing::CreateToken(channel, admin_token_, "admin", "w1"))
             .ok());
     auto w = Subprocess::Start(
         {BinPath("trainyard-worker"), "--coordinator", address_, "--node-id", "w1", "--cpu-slots",
          "2", "--trainer", testing::TestBinPath("test_rank"), "--work-dir", dir_.path() + "/work",
-         "--metrics-address", "127.0.0.1:0", "--token-file", node_token});
+         "--metrics-address", "127.0.0.1:0", "--token-file", node_token, "--user-map", user_map});
     ASSERT_TRUE(w.ok()) << w.status();
     worker_ = std::move(*w);
     const std::string worker_line = worker_->ReadLine(absl::Seconds(30)).value_or("");

@@ -66,6 +66,62 @@ std::vector<std::string> PlacedIds(const ScheduleResult& r) {
   return ids;
 }
 
+PendingJobInfo OwnedJob(const std::string& id, int devices, const std::string& owner,
+                        int64_t submit_seq = 0) {
+  PendingJobInfo job = Job(id, devices, 50, submit_seq);
+  job.owner = owner;
+  return job;
+}
+
+TEST(SchedulerTest, ANodeThatTakesOnlySomeOwnersGetsOnlyTheirJobs) {
+  // node0 is any owner's; node1 runs ranks only as alice (a worker without root, say). Both are
+  // empty: bob's two jobs must share node0 though node1 would be the better fit for the second.
+  ClusterSnapshot s = Cluster({8, 8});
+  s.nodes[1].owners = {"alice"};
+  s.pending = {OwnedJob("bob-a", 5, "bob", 1), OwnedJob("alice-a", 8, "alice", 2),
+               OwnedJob("bob-b", 3, "bob", 3), OwnedJob("bob-c", 1, "bob", 4)};
+  ScheduleResult r = Schedule(s);
+  EXPECT_THAT(PlacedIds(r), ElementsAre("bob-a", "alice-a", "bob-b"));
+  for (const Placement& p : r.placements) {
+    ASSERT_EQ(p.grants.size(), 1u) << p.job_id;
+    EXPECT_EQ(p.grants[0].node, p.job_id == "alice-a" ? 1 : 0) << p.job_id;
+  }
+  // bob-c waits for node0 (node1's devices are all alice's anyway), with no known start.
+  EXPECT_FALSE(r.reservation.has_value());
+  EXPECT_THAT(r.unplaceable, IsEmpty());
+}
+
+TEST(SchedulerTest, AJobLargerThanTheNodesItMayUseIsUnplaceable) {
+  ClusterSnapshot s = Cluster({8, 8}, 8);
+  s.nodes[1].owners = {"alice"};
+  s.pending = {OwnedJob("bob-12", 12, "bob"), OwnedJob("alice-12", 12, "alice", 1)};
+  ScheduleResult r = Schedule(s);
+  EXPECT_THAT(r.unplaceable, ElementsAre("bob-12"));
+  ASSERT_THAT(PlacedIds(r), ElementsAre("alice-12"));
+}
+
+TEST(SchedulerTest, ARestrictedNodeIsLeftOutOfOtherOwnersReservations) {
+  // bob's 6-device job waits; node1 (alice's only) has its devices free now, but they must not
+  // count towards bob's reservation: it starts when node0's running job ends.
+  ClusterSnapshot s = Cluster({0, 8}, 8);
+  s.nodes[1].owners = {"alice"};
+  s.running = {Running("r", {{0, 8}}, kNow + absl::Hours(2))};
+  s.pending = {OwnedJob("bob", 6, "bob")};
+  ScheduleResult r = Schedule(s);
+  EXPECT_THAT(r.placements, IsEmpty());
+  ASSERT_TRUE(r.reservation.has_value());
+  EXPECT_EQ(r.reservation->start, kNow + absl::Hours(2));
+  ASSERT_EQ(r.reservation->grants.size(), 1u);
+  EXPECT_EQ(r.reservation->grants[0].node, 0);
+  // alice's job backfills onto her node at once, and bob's reservation stays.
+  s.pending.push_back(OwnedJob("alice", 8, "alice", 1));
+  r = Schedule(s);
+  ASSERT_THAT(PlacedIds(r), ElementsAre("alice"));
+  EXPECT_EQ(r.placements[0].grants[0].node, 1);
+  ASSERT_TRUE(r.reservation.has_value());
+  EXPECT_EQ(r.reservation->job_id, "bob");
+}
+
 TEST(SchedulerTest, EmptySnapshotYieldsNothing) {
   ScheduleResult r = Schedule(ClusterSnapshot{});
   EXPECT_THAT(r.placements, IsEmpty());

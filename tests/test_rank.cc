@@ -6,7 +6,9 @@
 // "leave-shm" (create /dev/shm/trainyard-allreduce-PID-test, exit 9),
 // "print-devices" (print the device it was given: --device, TRAINYARD_DEVICE, CUDA_VISIBLE_DEVICES,
 // OMP_NUM_THREADS; exit 0), "print-credentials" (say whether the job credential of its attempt
-// and the worker's node token reached its environment, never their values; exit 0). Asked
+// and the worker's node token reached its environment, never their values; exit 0),
+// "print-identity" (print its uid, gid and USER), "read-data" (read data.path, exit 3 naming it
+// when it cannot). Asked
 // `--supported-devices`, it answers TEST_RANK_SUPPORTED_DEVICES (default "cpu"). Each rank writes
 // its pid (and its grandchild's) to pids-rank-R in its working directory, so tests can check that
 // none survive.
@@ -15,6 +17,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -74,6 +77,23 @@ int main(int argc, char** argv) {
                 : std::string(credential).rfind(prefix, 0) == 0 ? "of this attempt"
                                                                 : "of another attempt",
                 std::getenv("TRAINYARD_TOKEN") != nullptr ? "set" : "unset");
+    return 0;
+  }
+  if (mode == "print-identity") {  // the account it runs as
+    const char* user = std::getenv("USER");
+    std::printf("rank %d: uid %d gid %d USER=%s\n", rank, static_cast<int>(getuid()),
+                static_cast<int>(getgid()), user != nullptr ? user : "unset");
+    return 0;
+  }
+  if (mode == "read-data") {  // reads data.path as the trainer would, failing as it does
+    std::ifstream data(spec.data().path(), std::ios::binary);
+    char byte;
+    if (!data || !data.read(&byte, 1)) {
+      std::fprintf(stderr, "data.path: cannot read %s: %s\n", spec.data().path().c_str(),
+                   std::strerror(errno));
+      return 3;
+    }
+    std::printf("rank %d: read %s\n", rank, spec.data().path().c_str());
     return 0;
   }
   if (mode == "leave-shm") {  // dies holding a named all-reduce segment, as rank 0 might

@@ -6,7 +6,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <pwd.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include <algorithm>
@@ -25,8 +27,10 @@
 namespace trainyard {
 namespace {
 
+using ::testing::AllOf;
 using testing::BinPath;
 using ::testing::Contains;
+using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::Not;
 using testing::Subprocess;
@@ -83,9 +87,33 @@ class WorkerE2eTest : public ::testing::Test {
 
   std::string node_token_file() const { return dir_.path() + "/w1.token"; }
 
+  // alice's ranks run as `alice_account_` (default: this test's own account; as root, the
+  // worker switches to it).
+  std::string UserMap() const {
+    const std::string path = dir_.path() + "/user-map";
+    std::ofstream(path) << "alice "
+                        << (alice_account_.empty() ? getpwuid(geteuid())->pw_name : alice_account_)
+                        << "\n";
+    return path;
+  }
+
+  // Stops the worker of SetUp (its session ends with it).
+  void StopWorker() {
+    worker_->Signal(SIGTERM);
+    ASSERT_TRUE(worker_->Wait(absl::Seconds(30)).has_value());
+  }
+
+  std::unique_ptr<client::YardClient> ClientOf(const std::string& user) {
+    const auto channel = grpc::CreateChannel(address_, grpc::InsecureChannelCredentials());
+    return std::make_unique<client::YardClient>(
+        address_, testing::CreateToken(channel, testing::AdminToken(dir_.path() + "/state"), user));
+  }
+
   // A worker with 2 CPU slots running test_rank, plus `args`, with `env` added to its environment.
+  // `prefix`: a command that starts the worker (e.g. setpriv as another account).
   void StartWorker(const std::vector<std::string>& args = {},
-                   const std::vector<std::string>& env = {}, const std::string& stop_grace = "1s") {
+                   const std::vector<std::string>& env = {}, const std::string& stop_grace = "1s",
+                   const std::vector<std::string>& prefix = {}) {
     std::vector<std::string> argv = {BinPath("trainyard-worker"),
                                      "--coordinator",
                                      address_,
@@ -100,8 +128,11 @@ class WorkerE2eTest : public ::testing::Test {
                                      "--stop-grace",
                                      stop_grace,
                                      "--token-file",
-                                     node_token_file()};
+                                     node_token_file(),
+                                     "--user-map",
+                                     UserMap()};
     argv.insert(argv.end(), args.begin(), args.end());
+    argv.insert(argv.begin(), prefix.begin(), prefix.end());
     auto p = Subprocess::Start(argv, env);
     ASSERT_TRUE(p.ok()) << p.status();
     worker_ = std::move(*p);
@@ -190,6 +221,7 @@ class WorkerE2eTest : public ::testing::Test {
   std::unique_ptr<Subprocess> worker_;
   std::string address_;
   std::string alice_token_;
+  std::string alice_account_;  // empty: this test's own
   std::unique_ptr<client::YardClient> client_;
 };
 
@@ -253,6 +285,81 @@ TEST_F(WorkerE2eTest, RanksGetTheirAttemptsJobCredentialButNotTheWorkersNodeToke
                                       ": job credential of this attempt; node token unset")));
   }
   for (const std::string& line : lines) EXPECT_THAT(line, Not(HasSubstr("tyj.")));
+}
+
+// As root, the worker runs each rank as its owner's Unix account (here alice -> nobody): the rank
+// has that uid, reads only what that account may, and a user without an account gets no rank.
+TEST_F(WorkerE2eTest, RanksRunAsTheirOwnersAccountAndReadOnlyWhatItMay) {
+  if (geteuid() != 0) GTEST_SKIP() << "switching ranks to another account needs root";
+  ASSERT_EQ(chmod(dir_.path().c_str(), 0755), 0);  // the ranks' folders are below it
+  StopWorker();
+  alice_account_ = "nobody";
+  StartWorker({"--gpus", "none"});
+  WaitForReadyNodes(1);
+
+  auto identity = client_->Submit(testing::TinySpec("print-identity", 2));
+  ASSERT_TRUE(identity.ok()) << identity.status();
+  ASSERT_EQ(WaitFor(identity->id(), [](const v1::Job&) { return false; }).state(), v1::SUCCEEDED);
+  const std::vector<std::string> lines = Logs(identity->id());
+  for (int rank : {0, 1}) {
+    EXPECT_THAT(lines,
+                Contains(absl::StrCat(rank, ": rank ", rank, ": uid 65534 gid 65534 USER=nobody")));
+  }
+  struct stat st {};
+  ASSERT_EQ(stat((work_dir() + "/" + identity->id() + "/attempt-1").c_str(), &st), 0);
+  EXPECT_EQ(st.st_uid, 65534u) << "the rank's folder is its owner's";
+
+  v1::JobSpec secret = testing::TinySpec("read-data", 1);
+  secret.mutable_data()->set_path("/etc/shadow");
+  auto reader = client_->Submit(secret);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  const v1::Job failed = WaitFor(reader->id(), [](const v1::Job&) { return false; });
+  EXPECT_EQ(failed.state(), v1::FAILED);
+  EXPECT_THAT(failed.message(),
+              AllOf(HasSubstr("cannot read /etc/shadow"), HasSubstr("Permission denied")));
+
+  // bob has no Unix account here and no mapping.
+  auto bob = ClientOf("bob");
+  auto orphan = bob->Submit(testing::TinySpec("print-identity", 1));
+  ASSERT_TRUE(orphan.ok()) << orphan.status();
+  auto orphan_end =
+      bob->Watch(orphan->id(), absl::Seconds(60), [](const v1::Job&) { return false; });
+  ASSERT_TRUE(orphan_end.ok()) << orphan_end.status();
+  EXPECT_EQ(orphan_end->state(), v1::FAILED);
+  EXPECT_THAT(orphan_end->message(), HasSubstr("no Unix account bob for user bob"));
+}
+
+// A worker that is not root runs every rank as itself, so it takes only the jobs of the users
+// mapped to its account: the scheduler places nothing else on it.
+TEST_F(WorkerE2eTest, AWorkerWithoutRootTakesOnlyItsAccountsJobs) {
+  if (geteuid() != 0) GTEST_SKIP() << "starting the worker as another account needs root";
+  ASSERT_EQ(chmod(dir_.path().c_str(), 0755), 0);
+  StopWorker();
+  // As nobody: its token and folder are nobody's; alice is mapped to it.
+  ASSERT_EQ(chown(node_token_file().c_str(), 65534, 65534), 0);
+  std::filesystem::create_directories(work_dir());
+  ASSERT_EQ(chown(work_dir().c_str(), 65534, 65534), 0);
+  alice_account_ = "nobody";
+  StartWorker({"--gpus", "none"}, {}, "1s",
+              {"/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"});
+  WaitForReadyNodes(1);
+  auto nodes = client_->ListNodes();
+  ASSERT_TRUE(nodes.ok()) << nodes.status();
+  ASSERT_EQ(nodes->nodes_size(), 1);
+  EXPECT_THAT(nodes->nodes(0).owners(), ElementsAre("nobody", "alice"));
+
+  auto bob = ClientOf("bob");
+  auto bobs = bob->Submit(testing::TinySpec("print-identity", 1));
+  ASSERT_TRUE(bobs.ok()) << bobs.status();
+  auto alices = client_->Submit(testing::TinySpec("print-identity", 1));
+  ASSERT_TRUE(alices.ok()) << alices.status();
+  // alice's job, submitted after bob's, runs (as nobody) and ends: the scheduler passed bob's by.
+  ASSERT_EQ(WaitFor(alices->id(), [](const v1::Job&) { return false; }).state(), v1::SUCCEEDED);
+  EXPECT_THAT(Logs(alices->id()), Contains(HasSubstr("0: rank 0: uid 65534 gid 65534 ")));
+  auto still = bob->Get(bobs->id());
+  ASSERT_TRUE(still.ok()) << still.status();
+  EXPECT_EQ(still->state(), v1::QUEUED);
+  EXPECT_EQ(still->attempt(), 0) << "never placed";
 }
 
 TEST_F(WorkerE2eTest, CrashingRankRestartsTheJobThenFailsItWithTheExitCodeAndLastLines) {

@@ -500,6 +500,7 @@ int JobManager::SchedulePass() {
     // A node loaded after a coordinator restart keeps its running jobs but gets no new ranks
     // until its worker is back on a session.
     sn.schedulable = n.state() == v1::NODE_READY && n.connected();
+    sn.owners.assign(n.owners().begin(), n.owners().end());
     snapshot.nodes.push_back(std::move(sn));
   }
   for (const std::string& id : unfinished_) {
@@ -511,6 +512,7 @@ int JobManager::SchedulePass() {
       p.priority = job.spec().priority();
       p.submit_seq = job.seq();
       p.devices = job.spec().resources().gpus();
+      p.owner = job.owner();
       if (max_runtime_s > 0) p.max_runtime = absl::Seconds(max_runtime_s);
       snapshot.pending.push_back(std::move(p));
     } else if (IsActive(job.state())) {
@@ -611,6 +613,7 @@ std::vector<std::pair<std::string, v1::Assignment>> JobManager::AssignmentsOf(
     *a.mutable_device_indices() = p.device_indices();
     a.set_spec(spec);
     a.set_coordinator_address(coordinator_address_);
+    a.set_owner(job.owner());
     if (credential_for_) a.set_job_credential(credential_for_(job.id(), job.attempt()));
     if (!checkpoint_root_.empty())
       a.set_checkpoint_dir(absl::StrCat(checkpoint_root_, "/", job.id()));

@@ -40,6 +40,11 @@ absl::Status ValidateRegisterNodeRequest(const v1::RegisterNodeRequest& r) {
     }
     return absl::OkStatus();
   }
+  for (int i = 0; i < r.owners_size(); ++i) {
+    if (r.owners(i).empty() || r.owners(i).size() > 64) {
+      return FieldError(absl::StrCat("owners[", i, "]"), "empty or longer than 64 characters");
+    }
+  }
   if (r.devices().empty()) return FieldError("devices", "at least one device is required");
   if (r.devices_size() > 1024) return FieldError("devices", "at most 1024 devices");
   std::set<int> indices;
@@ -115,6 +120,7 @@ void NodeRegistry::Register(const v1::RegisterNodeRequest& request,
     node.set_memory_bytes(request.memory_bytes());
     *node.mutable_labels() = request.labels();
     node.set_role(request.role() == v1::PARAMETER_SERVER ? v1::PARAMETER_SERVER : v1::WORKER);
+    *node.mutable_owners() = request.owners();
     node.set_state(v1::NODE_READY);
     node.set_registered_time_ms(ToUnixMs(now));
     node.set_last_heartbeat_ms(ToUnixMs(now));

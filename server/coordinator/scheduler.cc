@@ -173,6 +173,18 @@ ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
     schedulable_capacity += total_devices[n];
   }
   FreeIndex index(free_devices, usable, max_devices_per_node);
+  // Nodes that take only some owners' jobs (usually none or a few): for each job, those that do
+  // not take it are hidden from the index while its placement is decided.
+  std::vector<int> restricted;
+  for (int n = 0; n < num_nodes; ++n) {
+    if (usable[n] && !snapshot.nodes[n].owners.empty()) restricted.push_back(n);
+  }
+  struct Hidden {
+    int node;
+    int free;
+  };
+  std::vector<Hidden> hidden_for_job;
+  std::vector<bool> usable_for_job;
 
   std::vector<int> order(snapshot.pending.size());
   std::iota(order.begin(), order.end(), 0);
@@ -206,25 +218,22 @@ ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
     return std::max(0, std::min(index.free(g.node), head->projected_free_at_start[h] - g.devices));
   };
 
-  for (int i : order) {
-    const PendingJobInfo& job = snapshot.pending[i];
-    if (job.devices <= 0 || job.devices > schedulable_capacity) {
-      result.unplaceable.push_back(job.id);
-      continue;
-    }
-    if (phase == Phase::kStopped) continue;
+  // Places `job` (its nodes' view in `index`), makes it the head, or backfills it.
+  auto decide = [&](const PendingJobInfo& job) {
     const bool fits_now = job.devices <= index.total();
 
     if (phase == Phase::kInOrder) {
       if (fits_now) {
         place(job, index.Take(job.devices), /*backfilled=*/false);
-        continue;
+        return;
       }
-      head = ComputeReservation(snapshot, usable, total_devices, max_devices_per_node, index,
-                                result.placements, placement_ends, job.devices);
+      usable_for_job = usable;
+      for (const Hidden& h : hidden_for_job) usable_for_job[h.node] = false;
+      head = ComputeReservation(snapshot, usable_for_job, total_devices, max_devices_per_node,
+                                index, result.placements, placement_ends, job.devices);
       if (!head.has_value()) {
         phase = Phase::kStopped;  // unknown start: backfill could delay the head forever
-        continue;
+        return;
       }
       result.reservation = Reservation{job.id, head->start, head->grants};
       head_slot.assign(num_nodes, -1);
@@ -232,16 +241,16 @@ ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
         head_slot[head->grants[h].node] = static_cast<int>(h);
       }
       phase = Phase::kBackfill;
-      continue;
+      return;
     }
 
     // Backfill behind the head.
-    if (!fits_now) continue;
+    if (!fits_now) return;
     if (job.max_runtime.has_value() && snapshot.now + *job.max_runtime <= head->start) {
       // (a) Done before the head starts: its devices are back by then.
       place(job, index.Take(job.devices), /*backfilled=*/true);
       head_protected_stale = true;
-      continue;
+      return;
     }
     // (b) Pack only on devices the head's reservation leaves spare.
     if (head_protected_stale) {
@@ -251,7 +260,7 @@ ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
       }
       head_protected_stale = false;
     }
-    if (job.devices > index.total() - head_protected) continue;
+    if (job.devices > index.total() - head_protected) return;
     std::vector<int> hidden(head->grants.size());
     for (size_t h = 0; h < head->grants.size(); ++h) {
       const int node = head->grants[h].node;
@@ -269,6 +278,27 @@ ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
     }
     place(job, std::move(grants), /*backfilled=*/true);
     head_protected_stale = true;
+  };
+
+  for (int i : order) {
+    const PendingJobInfo& job = snapshot.pending[i];
+    hidden_for_job.clear();
+    int64_t capacity = schedulable_capacity;
+    for (int n : restricted) {
+      const auto& owners = snapshot.nodes[n].owners;
+      if (std::find(owners.begin(), owners.end(), job.owner) != owners.end()) continue;
+      hidden_for_job.push_back({n, index.free(n)});
+      capacity -= total_devices[n];
+    }
+    if (job.devices <= 0 || job.devices > capacity) {
+      result.unplaceable.push_back(job.id);
+      continue;
+    }
+    if (phase == Phase::kStopped) continue;
+    for (const Hidden& h : hidden_for_job) index.Set(h.node, 0);
+    decide(job);
+    for (const Hidden& h : hidden_for_job) index.Set(h.node, h.free);  // it took nothing there
+    if (!hidden_for_job.empty()) head_protected_stale = true;
   }
   return result;
 }

@@ -9,7 +9,9 @@
 //
 // Policy, in short: gang placement (all devices of a job at once or none), strict order by priority
 // then submission, packing onto as few nodes as possible (best fit on one node when possible), and
-// EASY backfill behind the first blocked job (only that job's reservation is protected).
+// EASY backfill behind the first blocked job (only that job's reservation is protected). A job
+// sees only the nodes that take its owner's jobs: the others are out of its placement, its
+// reservation and its capacity.
 #ifndef TRAINYARD_SERVER_COORDINATOR_SCHEDULER_H_
 #define TRAINYARD_SERVER_COORDINATOR_SCHEDULER_H_
 
@@ -29,6 +31,9 @@ struct SchedNode {
   // Schedule() clamps it into that range (it never trusts it to over-allocate).
   int free_devices = 0;
   bool schedulable = true;  // false: node lost/draining; nothing new is placed on it
+  // Non-empty: only jobs of these owners are placed here (a worker that cannot run ranks as
+  // other accounts); empty: any owner's.
+  std::vector<std::string> owners;
 };
 
 struct DeviceGrant {
@@ -50,6 +55,7 @@ struct PendingJobInfo {
   int64_t submit_seq = 0;  // lower (earlier) goes first among equal priority; ties broken by id
   int devices = 1;         // gang size: all or nothing; <= 0 is invalid and reported unplaceable
   std::optional<absl::Duration> max_runtime;  // from the spec; nullopt = unknown
+  std::string owner;  // only nodes with no owners or with this one among theirs take its ranks
 };
 
 struct ClusterSnapshot {

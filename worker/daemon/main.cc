@@ -142,6 +142,12 @@ int main(int argc, char** argv) {
   app.add_option("--metrics-address", metrics_address,
                  "HOST:PORT of the Prometheus /metrics endpoint (port 0: a free one, printed "
                  "on stdout)");
+  std::string user_map;
+  app.add_option("--user-map", user_map,
+                 "file of \"USER ACCOUNT\" lines: the Unix account that runs each trainyard "
+                 "user's ranks (default: the account of the same name). As root the worker runs "
+                 "every rank as its owner's account; otherwise it takes only the jobs of the "
+                 "users mapped to its own account (and of the user of its name)");
   std::string token_file;
   app.add_option("--token-file", token_file,
                  "file holding this node's node token (yard admin token create --node NAME; "
@@ -188,6 +194,18 @@ int main(int argc, char** argv) {
             options.cpu_slots);
       }
     }
+  }
+  auto run_as = trainyard::worker::RunAs::Create(user_map, geteuid() == 0);
+  if (!run_as.ok()) {
+    std::cerr << "trainyard-worker: " << run_as.status().message() << "\n";
+    return 2;
+  }
+  options.supervisor.run_as = std::make_shared<const trainyard::worker::RunAs>(*std::move(run_as));
+  if (options.supervisor.run_as->switches()) {
+    spdlog::info("running as root: each rank runs as its job owner's Unix account");
+  } else {
+    spdlog::info("not running as root: taking the jobs of {} only",
+                 absl::StrJoin(options.supervisor.run_as->Owners(), ", "));
   }
   // The node token, once the devices are settled (their errors come first).
   auto token = trainyard::FindToken(token_file, "");

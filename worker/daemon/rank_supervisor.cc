@@ -1,6 +1,7 @@
 #include "worker/daemon/rank_supervisor.h"
 
 #include <fcntl.h>
+#include <grp.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
@@ -12,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string_view>
 
 #include "absl/strings/str_cat.h"
@@ -175,6 +177,17 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
     return;
   }
 
+  // The account that runs the rank: the owner's, when this worker runs as root.
+  std::optional<UnixAccount> account;
+  if (options_.run_as != nullptr) {
+    auto found = options_.run_as->AccountFor(a.owner());
+    if (!found.ok()) {
+      ReportExit(key, 126, std::string(found.status().message()));
+      return;
+    }
+    if (options_.run_as->switches()) account = *std::move(found);
+  }
+
   namespace fs = std::filesystem;
   const std::string dir =
       absl::StrCat(options_.work_dir, "/", a.job_id(), "/attempt-", a.attempt());
@@ -189,6 +202,17 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
       a.checkpoint_dir().empty() ? absl::StrCat(options_.work_dir, "/", a.job_id(), "/checkpoints")
                                  : a.checkpoint_dir();
   fs::create_directories(checkpoint_dir, ec);
+  if (account.has_value()) {
+    // The rank writes its checkpoints and works in its folder as the owner: they are the owner's.
+    for (const std::string& path : {dir, spec_path, checkpoint_dir}) {
+      if (chown(path.c_str(), account->uid, account->gid) != 0) {
+        ReportExit(
+            key, 126,
+            absl::StrCat("cannot give ", path, " to ", account->name, ": ", strerror(errno)));
+        return;
+      }
+    }
+  }
 
   std::vector<std::string> argv = {options_.trainer_path,
                                    "--spec",
@@ -238,6 +262,11 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
       absl::StrCat("LOCAL_WORLD_SIZE=", a.device_indices_size()),
       // The attempt's credential for the rendezvous and reports: environment only, never argv.
       absl::StrCat(kJobCredentialEnv, "=", a.job_credential())};
+  if (account.has_value()) {
+    env.push_back("USER=" + account->name);
+    env.push_back("LOGNAME=" + account->name);
+    env.push_back("HOME=" + account->home);
+  }
   const size_t own = env.size();
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string_view entry(*e);
@@ -276,6 +305,17 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
     const int devnull = open("/dev/null", O_RDONLY);
     if (devnull >= 0) dup2(devnull, STDIN_FILENO);
     close_range(3, ~0U, 0);  // nothing else of the worker's (sockets, driver files) leaks in
+    if (account.has_value() && (setgroups(account->groups.size(), account->groups.data()) != 0 ||
+                                setgid(account->gid) != 0 || setuid(account->uid) != 0)) {
+      const char msg[] = "cannot switch to the job owner's Unix account\n";
+      (void)!write(STDERR_FILENO, msg, sizeof(msg) - 1);
+      _exit(126);
+    }
+    // A change of credentials clears the parent-death signal: set it again.
+    if (account.has_value()) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != parent) _exit(127);
+    }
     if (chdir(dir.c_str()) != 0) _exit(127);
     execve(c_argv[0], c_argv.data(), c_env.data());
     const char msg[] = "cannot execute the trainer\n";

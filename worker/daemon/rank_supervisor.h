@@ -23,6 +23,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "trainyard/v1/node.pb.h"
+#include "worker/daemon/run_as.h"
 
 namespace trainyard::worker {
 
@@ -36,6 +37,8 @@ struct SupervisorOptions {
   // a GPU sees only its own (CUDA_VISIBLE_DEVICES) and gets `--device cuda`; one on a CPU slot
   // sees none.
   std::vector<std::string> gpu_uuids;
+  // Which account runs each rank (run_as.h); null: this process's own, for any owner.
+  std::shared_ptr<const RunAs> run_as;
 };
 
 class RankSupervisor {

@@ -123,6 +123,12 @@ void WorkerDaemon::RunSession() {
   request.set_hostname(host);
   request.set_address(options_.address);
   request.set_memory_bytes(PhysicalMemoryBytes());
+  // The users whose jobs this worker can run (all, as root).
+  if (options_.supervisor.run_as != nullptr) {
+    for (const std::string& owner : options_.supervisor.run_as->Owners()) {
+      request.add_owners(owner);
+    }
+  }
   for (const CudaDevice& gpu : options_.gpus) {
     v1::Device* d = request.add_devices();
     d->set_index(request.devices_size() - 1);
