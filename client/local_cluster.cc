@@ -34,10 +34,10 @@ std::string StateFile(const std::string& dir) { return dir + "/local.json"; }
 // Saves `token` at `path` for later yard calls, unless the token there already works with this
 // coordinator; another token there is kept as PATH.bak.
 absl::Status SaveTokenForYard(const std::string& coordinator, const std::string& token,
-                              const std::string& path) {
+                              const std::string& path, const TlsClientOptions& tls) {
   auto existing = ReadSecretFile(path);
   if (existing.ok()) {
-    if (*existing == token || YardClient(coordinator, *existing).WhoAmI().ok()) {
+    if (*existing == token || YardClient(coordinator, *existing, tls).WhoAmI().ok()) {
       return absl::OkStatus();
     }
     std::error_code ec;
@@ -117,6 +117,7 @@ absl::Status Save(const LocalCluster& c) {
   nlohmann::json j;
   j["coordinator_address"] = c.coordinator_address;
   j["admin_token_file"] = c.admin_token_file;
+  j["tls_ca"] = c.tls_ca;
   for (const auto& p : c.processes) {
     j["processes"].push_back({{"name", p.name},
                               {"pid", p.pid},
@@ -172,6 +173,7 @@ absl::StatusOr<LocalCluster> LocalStatus(const std::string& state_dir) {
     const auto j = nlohmann::json::parse(text);
     c.coordinator_address = j.at("coordinator_address").get<std::string>();
     c.admin_token_file = j.value("admin_token_file", std::string());
+    c.tls_ca = j.value("tls_ca", std::string());
     for (const auto& p : j.at("processes")) {
       LocalProcess lp;
       lp.name = p.at("name").get<std::string>();
@@ -220,6 +222,15 @@ absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& options) {
   const std::string out = options.state_dir + "/coordinator.out";
   std::vector<std::string> coord_argv = {bin, "--listen", options.listen, "--state-dir",
                                          options.state_dir};
+  const TlsClientOptions tls{options.tls_ca, "", ""};
+  if (!options.tls_cert.empty()) {
+    if (options.tls_ca.empty()) {
+      return absl::InvalidArgumentError(
+          "--tls-ca: a local cluster serving TLS needs the CA its clients verify it with");
+    }
+    coord_argv.insert(coord_argv.end(),
+                      {"--tls-cert", options.tls_cert, "--tls-key", options.tls_key});
+  }
   if (options.metrics) {
     coord_argv.push_back("--metrics-address");
     coord_argv.push_back("127.0.0.1:0");
@@ -259,7 +270,8 @@ absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& options) {
   c.admin_token_file = options.state_dir + "/admin.token";
   auto admin_token = ReadSecretFile(c.admin_token_file);
   if (!admin_token.ok()) return admin_token.status();
-  YardClient admin(c.coordinator_address, *admin_token);
+  c.tls_ca = options.tls_ca;
+  YardClient admin(c.coordinator_address, *admin_token, tls);
   // The local admin's jobs run as the account that started the cluster (workers running as root
   // run each rank as its owner's account, and there is no Unix account "admin").
   const std::string user_map = options.state_dir + "/user-map";
@@ -310,6 +322,7 @@ absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& options) {
     argv.push_back(*token_file);
     argv.push_back("--user-map");
     argv.push_back(user_map);
+    if (!options.tls_ca.empty()) argv.insert(argv.end(), {"--tls-ca", options.tls_ca});
     // The workers share this machine: split its cores among all their slots.
     const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     const int threads = options.threads_per_slot > 0
@@ -364,6 +377,10 @@ absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& options) {
     if (!token_file.ok()) return token_file.status();
     argv.push_back("--token-file");
     argv.push_back(*token_file);
+    if (!options.tls_cert.empty()) {
+      argv.insert(argv.end(), {"--tls-cert", options.tls_cert, "--tls-key", options.tls_key,
+                               "--tls-ca", options.tls_ca});
+    }
     if (options.ps_memory_bytes > 0) {
       argv.push_back("--memory-bytes");
       argv.push_back(absl::StrCat(options.ps_memory_bytes));
@@ -395,7 +412,7 @@ absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& options) {
   }
   if (!options.save_token_to.empty()) {
     if (absl::Status s =
-            SaveTokenForYard(c.coordinator_address, *admin_token, options.save_token_to);
+            SaveTokenForYard(c.coordinator_address, *admin_token, options.save_token_to, tls);
         !s.ok()) {
       return s;
     }

@@ -27,6 +27,7 @@ struct LocalCluster {
   std::string coordinator_address;
   std::string admin_token_file;  // the local admin's token (STATE_DIR/admin.token)
   std::string saved_token_to;    // where LocalUp saved it for yard, if it did
+  std::string tls_ca;            // the CA its clients verify it with; empty: plaintext
   std::vector<LocalProcess> processes;
 };
 
@@ -47,6 +48,9 @@ struct LocalUpOptions {
   // already holds a token this coordinator accepts; a file with another token is kept as .bak.
   // Empty: save nothing.
   std::string save_token_to;
+  // TLS: the coordinator and parameter servers serve with tls_cert/tls_key (valid for
+  // 127.0.0.1), every client verifies them with tls_ca. All empty: plaintext on loopback.
+  std::string tls_cert, tls_key, tls_ca;
 };
 
 // Starts the cluster and returns once the coordinator serves and every worker has registered.

@@ -48,6 +48,7 @@ struct Globals {
   std::string coordinator;
   std::string output = "table";
   std::string token_file;  // --token-file, env TRAINYARD_TOKEN_FILE
+  TlsClientOptions tls;    // --tls-ca, env TRAINYARD_TLS_CA
   bool json() const { return output == "json"; }
   // --token-file, else $TRAINYARD_TOKEN, else the saved one.
   absl::StatusOr<std::string> Token() const { return FindToken(token_file, DefaultTokenFile()); }
@@ -123,7 +124,7 @@ void PrintJob(const v1::Job& job) {
 int Submit(const Globals& g, const std::string& path) {
   auto parsed = LoadValidJobSpecFile(path);
   if (!parsed.ok()) return Fail(parsed.status());
-  YardClient client(g.coordinator, g.Token());
+  YardClient client(g.coordinator, g.Token(), g.tls);
   auto job = client.Submit(parsed->spec);
   if (!job.ok()) return Fail(AnnotateWithLine(job.status(), *parsed, path));
   if (g.json()) {
@@ -148,7 +149,7 @@ int List(const Globals& g, const std::vector<std::string>& states, const std::st
     request.add_states(state);
   }
   request.set_owner(owner);
-  YardClient client(g.coordinator, g.Token());
+  YardClient client(g.coordinator, g.Token(), g.tls);
   auto jobs = client.List(request, limit);
   if (!jobs.ok()) return Fail(jobs.status());
   if (g.json()) {
@@ -166,7 +167,7 @@ int List(const Globals& g, const std::vector<std::string>& states, const std::st
 }
 
 int Describe(const Globals& g, const std::string& id) {
-  YardClient client(g.coordinator, g.Token());
+  YardClient client(g.coordinator, g.Token(), g.tls);
   auto job = client.Get(NormalizeJobId(id));
   if (!job.ok()) return Fail(job.status());
   if (g.json()) {
@@ -189,7 +190,7 @@ int PrintChangedJob(const Globals& g, const absl::StatusOr<v1::Job>& job) {
 }
 
 int Cancel(const Globals& g, const std::string& id, const std::string& reason) {
-  YardClient client(g.coordinator, g.Token());
+  YardClient client(g.coordinator, g.Token(), g.tls);
   return PrintChangedJob(g, client.Cancel(NormalizeJobId(id), reason));
 }
 
@@ -199,7 +200,7 @@ int Wait(const Globals& g, const std::string& id, const std::string& timeout_tex
     return Fail(absl::InvalidArgumentError(absl::StrCat(
         "--timeout: expected a duration such as 90s or 1h, got '", timeout_text, "'")));
   }
-  YardClient client(g.coordinator, g.Token());
+  YardClient client(g.coordinator, g.Token(), g.tls);
   v1::JobState last = v1::JOB_STATE_UNSPECIFIED;
   auto job = client.Watch(NormalizeJobId(id), timeout, [&](const v1::Job& j) {
     if (j.state() != last && !g.json()) {
@@ -244,7 +245,7 @@ int EstimateMemoryVerb(const Globals& g, const std::string& path, int world, int
     device_bytes = *bytes;
     device_source = "--device-memory";
   } else {
-    YardClient client(g.coordinator, g.Token());
+    YardClient client(g.coordinator, g.Token(), g.tls);
     if (auto nodes = client.ListNodes(); nodes.ok()) {
       for (const auto& n : nodes->nodes()) {
         if (n.state() != v1::NODE_READY || n.devices().empty()) continue;
@@ -304,7 +305,7 @@ int EstimateMemoryVerb(const Globals& g, const std::string& path, int world, int
 }
 
 int Nodes(const Globals& g) {
-  YardClient client(g.coordinator, g.Token());
+  YardClient client(g.coordinator, g.Token(), g.tls);
   auto nodes = client.ListNodes();
   if (!nodes.ok()) return Fail(nodes.status());
   if (g.json()) {
@@ -333,12 +334,12 @@ int Nodes(const Globals& g) {
 }
 
 int Checkpoint(const Globals& g, const std::string& id) {
-  YardClient client(g.coordinator, g.Token());
+  YardClient client(g.coordinator, g.Token(), g.tls);
   return PrintChangedJob(g, client.Checkpoint(NormalizeJobId(id)));
 }
 
 int Logs(const Globals& g, const std::string& id, bool follow, int tail) {
-  YardClient client(g.coordinator, g.Token());
+  YardClient client(g.coordinator, g.Token(), g.tls);
   absl::Status s = client.Logs(NormalizeJobId(id), follow, tail, [&](const v1::LogLine& l) {
     if (g.json()) {
       std::cout
@@ -368,7 +369,7 @@ std::string ProgressLine(const v1::StepReport& r, double seconds_per_step) {
 }
 
 int Metrics(const Globals& g, const std::string& id, bool follow) {
-  YardClient client(g.coordinator, g.Token());
+  YardClient client(g.coordinator, g.Token(), g.tls);
   const bool tty = isatty(STDOUT_FILENO);
   nlohmann::json series = nlohmann::json::array();
   std::vector<std::vector<std::string>> rows;
@@ -434,7 +435,7 @@ int Login(const Globals& g, const std::string& save_to) {
   std::getline(std::cin, line);
   const std::string token(absl::StripAsciiWhitespace(line));
   if (token.empty()) return Fail(absl::InvalidArgumentError("no token on standard input"));
-  YardClient client(g.coordinator, token);
+  YardClient client(g.coordinator, token, g.tls);
   auto me = client.WhoAmI();
   if (!me.ok()) return Fail(me.status());
   if (me->user().empty() || !me->node().empty()) {
@@ -447,7 +448,7 @@ int Login(const Globals& g, const std::string& save_to) {
 }
 
 int WhoAmI(const Globals& g) {
-  YardClient client(g.coordinator, g.Token());
+  YardClient client(g.coordinator, g.Token(), g.tls);
   auto me = client.WhoAmI();
   if (!me.ok()) return Fail(me.status());
   if (g.json()) {
@@ -478,7 +479,7 @@ void PrintUsers(const Globals& g, const std::vector<v1::User>& users) {
 }
 
 int UserAdd(const Globals& g, const std::string& name, bool admin) {
-  YardClient client(g.coordinator, g.Token());
+  YardClient client(g.coordinator, g.Token(), g.tls);
   auto user = client.CreateUser(name, admin ? v1::ADMIN : v1::USER);
   if (!user.ok()) return Fail(user.status());
   PrintUsers(g, {*user});
@@ -486,7 +487,7 @@ int UserAdd(const Globals& g, const std::string& name, bool admin) {
 }
 
 int UserList(const Globals& g) {
-  YardClient client(g.coordinator, g.Token());
+  YardClient client(g.coordinator, g.Token(), g.tls);
   auto users = client.ListUsers();
   if (!users.ok()) return Fail(users.status());
   PrintUsers(g, {users->users().begin(), users->users().end()});
@@ -494,7 +495,7 @@ int UserList(const Globals& g) {
 }
 
 int UserDisable(const Globals& g, const std::string& name, bool enable) {
-  YardClient client(g.coordinator, g.Token());
+  YardClient client(g.coordinator, g.Token(), g.tls);
   auto user = client.DisableUser(name, enable);
   if (!user.ok()) return Fail(user.status());
   PrintUsers(g, {*user});
@@ -519,7 +520,7 @@ int TokenCreate(const Globals& g, const TokenCreateArgs& a) {
     }
     request.set_ttl_seconds(absl::ToInt64Seconds(ttl));
   }
-  YardClient client(g.coordinator, g.Token());
+  YardClient client(g.coordinator, g.Token(), g.tls);
   auto created = client.CreateToken(request);
   if (!created.ok()) return Fail(created.status());
   if (!a.out.empty()) {
@@ -541,7 +542,7 @@ int TokenCreate(const Globals& g, const TokenCreateArgs& a) {
 }
 
 int TokenList(const Globals& g, const std::string& user, bool all) {
-  YardClient client(g.coordinator, g.Token());
+  YardClient client(g.coordinator, g.Token(), g.tls);
   auto tokens = client.ListTokens(user, all);
   if (!tokens.ok()) return Fail(tokens.status());
   if (g.json()) {
@@ -567,7 +568,7 @@ int TokenList(const Globals& g, const std::string& user, bool all) {
 }
 
 int TokenRevoke(const Globals& g, const std::string& id) {
-  YardClient client(g.coordinator, g.Token());
+  YardClient client(g.coordinator, g.Token(), g.tls);
   auto token = client.RevokeToken(id);
   if (!token.ok()) return Fail(token.status());
   if (g.json()) {
@@ -584,6 +585,7 @@ void PrintCluster(const Globals& g, const LocalCluster& c) {
                         {"coordinator_address", c.coordinator_address},
                         {"admin_token_file", c.admin_token_file},
                         {"saved_token_to", c.saved_token_to},
+                        {"tls_ca", c.tls_ca},
                         {"processes", nlohmann::json::array()}};
     for (const auto& p : c.processes) {
       j["processes"].push_back({{"name", p.name},
@@ -632,6 +634,9 @@ int main(int argc, char** argv) {
                  "TRAINYARD_TOKEN, else " +
                      DefaultTokenFile())
       ->envname("TRAINYARD_TOKEN_FILE");
+  app.add_option("--tls-ca", g.tls.ca_file,
+                 "CA (PEM) to verify a coordinator that serves TLS with (env TRAINYARD_TLS_CA)")
+      ->envname(trainyard::kTlsCaEnv);
 
   int rc = 0;
   std::string spec_path, job_id, reason, timeout, owner;
@@ -762,6 +767,10 @@ int main(int argc, char** argv) {
   up->add_option("--slots", up_options.slots_per_worker, "CPU slots of each worker")
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
+  up->add_option("--tls-cert", up_options.tls_cert,
+                 "serve the coordinator and parameter servers over TLS with this certificate "
+                 "(PEM, valid for 127.0.0.1; clients verify it with the global --tls-ca)");
+  up->add_option("--tls-key", up_options.tls_key, "its private key (PEM)");
   up->add_flag("--metrics", up_options.metrics,
                "every process serves Prometheus /metrics on a free loopback port (see status)");
   up->add_option("--threads-per-slot", up_options.threads_per_slot,
@@ -788,6 +797,7 @@ int main(int argc, char** argv) {
         !trainyard::ps::CheckTcpCongestion(up_options.tcp_congestion, "").ok()) {
       up_options.tcp_congestion.clear();
     }
+    up_options.tls_ca = g.tls.ca_file;
     auto c = LocalUp(up_options);
     if (!c.ok()) {
       rc = Fail(c.status());
@@ -796,6 +806,7 @@ int main(int argc, char** argv) {
     PrintCluster(g, *c);
     if (!g.json()) {
       std::cout << "\nexport TRAINYARD_COORDINATOR=" << c->coordinator_address << "\n";
+      if (!c->tls_ca.empty()) std::cout << "export TRAINYARD_TLS_CA=" << c->tls_ca << "\n";
     }
   });
   auto* down = local->add_subcommand("down", "stop the local cluster");

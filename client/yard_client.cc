@@ -15,11 +15,15 @@ std::string NormalizeJobId(const std::string& text) {
   return text;
 }
 
-YardClient::YardClient(const std::string& coordinator_address, absl::StatusOr<std::string> token)
+YardClient::YardClient(const std::string& coordinator_address, absl::StatusOr<std::string> token,
+                       const TlsClientOptions& tls)
     : address_(coordinator_address), token_(std::move(token)) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
-  channel_ = grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), args);
+  auto credentials = MakeChannelCredentials(tls);
+  if (!credentials.ok() && token_.ok()) token_ = credentials.status();  // every call fails so
+  channel_ = grpc::CreateCustomChannel(
+      address_, credentials.ok() ? *credentials : grpc::InsecureChannelCredentials(), args);
   jobs_ = v1::JobService::NewStub(channel_);
   nodes_ = v1::NodeService::NewStub(channel_);
   identity_ = v1::IdentityService::NewStub(channel_);

@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/tls.h"
 #include "trainyard/v1/identity.grpc.pb.h"
 #include "trainyard/v1/job.grpc.pb.h"
 #include "trainyard/v1/node.grpc.pb.h"
@@ -22,7 +23,9 @@ class YardClient {
  public:
   // `token`: the caller's API token; when it is an error (none found, a file others can read),
   // every call fails with that error before reaching the coordinator.
-  YardClient(const std::string& coordinator_address, absl::StatusOr<std::string> token);
+  // `tls`: the coordinator's CA (common/tls.h); none: plaintext.
+  YardClient(const std::string& coordinator_address, absl::StatusOr<std::string> token,
+             const TlsClientOptions& tls = {});
 
   absl::StatusOr<v1::Job> Submit(const v1::JobSpec& spec);
   absl::StatusOr<v1::Job> Get(const std::string& job_id);

@@ -97,16 +97,18 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s->job_service_ = std::make_unique<JobServiceImpl>(*s->jobs_, *s->logs_, *s->metrics_, ids);
   s->trainer_service_ =
       std::make_unique<TrainerServiceImpl>(*s->jobs_, *s->metrics_, s->metrics_prom_.get(), ids);
-  s->node_service_ = std::make_unique<NodeServiceImpl>(*s->nodes_, *s->jobs_, *s->logs_,
-                                                       s->options_.heartbeat_interval, ids);
+  s->node_service_ = std::make_unique<NodeServiceImpl>(
+      *s->nodes_, *s->jobs_, *s->logs_, s->options_.heartbeat_interval, ids,
+      /*node_certificates=*/!s->options_.tls.client_ca_file.empty());
   s->rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(*s->rendezvous_, ids);
   s->identity_service_ = std::make_unique<IdentityServiceImpl>(*s->identities_);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(s->options_.listen_address, grpc::InsecureServerCredentials(),
-                           &s->port_);
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                   MakeServerCredentials(s->options_.tls, s->options_.listen_address));
+  builder.AddListeningPort(s->options_.listen_address, credentials, &s->port_);
   builder.SetMaxReceiveMessageSize(s->options_.max_message_bytes);
   builder.SetMaxSendMessageSize(s->options_.max_message_bytes);
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;

@@ -18,6 +18,7 @@
 #include "absl/time/time.h"
 #include "common/clock.h"
 #include "common/metrics_endpoint.h"
+#include "common/tls.h"
 #include "server/coordinator/coordinator_metrics.h"
 #include "server/coordinator/identity.h"
 #include "server/coordinator/job_manager.h"
@@ -30,7 +31,9 @@ namespace trainyard::coordinator {
 
 struct CoordinatorOptions {
   std::string listen_address = "127.0.0.1:7070";  // port 0 picks a free port
-  std::string state_dir;                          // holds coordinator.db; created if missing
+  // TLS (common/tls.h). With a client CA, node calls need a client certificate naming the node.
+  TlsServerOptions tls;
+  std::string state_dir;        // holds coordinator.db; created if missing
   std::string metrics_address;  // HOST:PORT of the Prometheus /metrics endpoint; empty: none
   std::string checkpoint_root;  // jobs' checkpoints (ROOT/JOB_ID); default STATE_DIR/checkpoints
   absl::Duration node_timeout = absl::Seconds(10);

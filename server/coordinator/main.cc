@@ -41,6 +41,13 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--max-message-bytes", options.max_message_bytes, "largest gRPC message accepted")
       ->capture_default_str();
+  app.add_option("--tls-cert", options.tls.cert_file, "TLS certificate chain (PEM) to serve with");
+  app.add_option("--tls-key", options.tls.key_file, "its private key (PEM)");
+  app.add_option("--tls-client-ca", options.tls.client_ca_file,
+                 "CA (PEM) of client certificates: mutual TLS; workers and parameter servers "
+                 "then authenticate with a certificate whose common name is their node id");
+  app.add_flag("--insecure", options.tls.insecure,
+               "serve without TLS on a non-loopback --listen address (tokens in clear)");
   CLI11_PARSE(app, argc, argv);
 
   spdlog::set_default_logger(spdlog::stderr_color_mt("coordinator"));

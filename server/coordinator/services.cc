@@ -10,6 +10,7 @@
 #include "common/credentials.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
+#include "common/tls.h"
 #include "server/coordinator/job_state.h"
 
 namespace trainyard::coordinator {
@@ -88,21 +89,48 @@ absl::Status AuthenticateRank(grpc::CallbackServerContext* ctx, const IdentityRe
   return absl::OkStatus();
 }
 
-// A node token; for `node_id` (when not empty) only if the token is bound to that node.
+// A node: by its node token, or with `certificates` (mutual TLS) by its verified client
+// certificate, whose common name is the node id (a token, if also sent, must name the same
+// node). For `node_id` (when not empty) only if that is the node.
 absl::StatusOr<Principal> AuthenticateNode(grpc::CallbackServerContext* ctx,
                                            const IdentityRegistry& identities, const char* method,
-                                           const std::string& node_id) {
-  auto p = Authenticate(ctx, identities);
-  if (!p.ok()) return Refused(method, "anonymous", p.status());
-  if (p->kind != Principal::Kind::kNode) {
-    return Refused(method, p->Describe(),
-                   absl::PermissionDeniedError(absl::StrCat(
-                       method, " needs a node token (yard admin token create --node NAME)")));
+                                           const std::string& node_id, bool certificates = false) {
+  const bool has_token = ctx->client_metadata().count(kAuthorizationMetadata) != 0;
+  Principal p;
+  if (certificates) {
+    const std::string name = PeerCertificateName(*ctx);
+    if (name.empty()) {
+      return Refused(method, "anonymous",
+                     absl::UnauthenticatedError(absl::StrCat(
+                         method,
+                         " needs a client certificate whose common name is the node id "
+                         "(this coordinator asks nodes for mutual TLS)")));
+    }
+    p.kind = Principal::Kind::kNode;
+    p.node = name;
+    p.user = "certificate";
   }
-  if (!node_id.empty() && p->node != node_id) {
-    return Refused(method, p->Describe(),
-                   absl::PermissionDeniedError(absl::StrCat("node_id: the node token is for node ",
-                                                            p->node, ", not ", node_id)));
+  if (has_token || !certificates) {
+    auto token = Authenticate(ctx, identities);
+    if (!token.ok()) return Refused(method, "anonymous", token.status());
+    if (token->kind != Principal::Kind::kNode) {
+      return Refused(method, token->Describe(),
+                     absl::PermissionDeniedError(absl::StrCat(
+                         method, " needs a node token (yard admin token create --node NAME)")));
+    }
+    if (certificates && token->node != p.node) {
+      return Refused(
+          method, token->Describe(),
+          absl::PermissionDeniedError(absl::StrCat("the node token is for node ", token->node,
+                                                   ", the client certificate for ", p.node)));
+    }
+    p = *token;
+  }
+  if (!node_id.empty() && p.node != node_id) {
+    return Refused(method, p.Describe(),
+                   absl::PermissionDeniedError(absl::StrCat(
+                       "node_id: the node's ", certificates ? "certificate" : "node token",
+                       " is for node ", p.node, ", not ", node_id)));
   }
   return p;
 }
@@ -609,7 +637,8 @@ grpc::ServerUnaryReactor* TrainerServiceImpl::ReportCheckpoint(grpc::CallbackSer
 grpc::ServerUnaryReactor* NodeServiceImpl::RegisterNode(grpc::CallbackServerContext* ctx,
                                                         const v1::RegisterNodeRequest* request,
                                                         v1::RegisterNodeResponse* response) {
-  auto caller = AuthenticateNode(ctx, identities_, "RegisterNode", request->node_id());
+  auto caller =
+      AuthenticateNode(ctx, identities_, "RegisterNode", request->node_id(), node_certificates_);
   if (!caller.ok()) return Done(ctx, caller.status());
   auto* reactor = ctx->DefaultReactor();
   nodes_.Register(*request, [this, reactor, response, who = *caller,
@@ -629,7 +658,7 @@ grpc::ServerUnaryReactor* NodeServiceImpl::RegisterNode(grpc::CallbackServerCont
 grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage>* NodeServiceImpl::Session(
     grpc::CallbackServerContext* ctx) {
   // The node's name is checked against hello's node_id when hello arrives.
-  auto caller = AuthenticateNode(ctx, identities_, "Session", "");
+  auto caller = AuthenticateNode(ctx, identities_, "Session", "", node_certificates_);
   if (!caller.ok()) {
     class Rejected final : public grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage> {
      public:
@@ -654,7 +683,7 @@ grpc::ServerUnaryReactor* NodeServiceImpl::ListNodes(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* NodeServiceImpl::VerifyJobCredential(
     grpc::CallbackServerContext* ctx, const v1::VerifyJobCredentialRequest* request,
     v1::VerifyJobCredentialResponse* response) {
-  auto caller = AuthenticateNode(ctx, identities_, "VerifyJobCredential", "");
+  auto caller = AuthenticateNode(ctx, identities_, "VerifyJobCredential", "", node_certificates_);
   if (!caller.ok()) return Done(ctx, caller.status());
   auto rank = identities_.Authenticate(request->credential());
   if (!rank.ok() || rank->kind != Principal::Kind::kJob) {

@@ -85,13 +85,17 @@ class TrainerServiceImpl final : public v1::TrainerService::CallbackService {
 
 class NodeServiceImpl final : public v1::NodeService::CallbackService {
  public:
+  // `node_certificates`: node calls authenticate with a verified client certificate whose common
+  // name is the node id (mutual TLS), a node token being optional.
   NodeServiceImpl(NodeRegistry& nodes, JobManager& jobs, JobLogs& logs,
-                  absl::Duration heartbeat_interval, const IdentityRegistry& identities)
+                  absl::Duration heartbeat_interval, const IdentityRegistry& identities,
+                  bool node_certificates = false)
       : nodes_(nodes),
         jobs_(jobs),
         logs_(logs),
         heartbeat_interval_(heartbeat_interval),
-        identities_(identities) {}
+        identities_(identities),
+        node_certificates_(node_certificates) {}
 
   grpc::ServerUnaryReactor* RegisterNode(grpc::CallbackServerContext* ctx,
                                          const v1::RegisterNodeRequest* request,
@@ -111,6 +115,7 @@ class NodeServiceImpl final : public v1::NodeService::CallbackService {
   JobLogs& logs_;
   const absl::Duration heartbeat_interval_;
   const IdentityRegistry& identities_;
+  const bool node_certificates_;
 };
 
 class RendezvousServiceImpl final : public v1::RendezvousService::CallbackService {

@@ -14,6 +14,7 @@
 
 #include "common/credentials.h"
 #include "common/server_main.h"
+#include "common/tls.h"
 #include "common/version.h"
 #include "server/ps/ps_server.h"
 #include "server/ps/tcp_congestion.h"
@@ -59,6 +60,15 @@ int main(int argc, char** argv) {
                  "the host's; a host default of bbr without the fq qdisc paces every "
                  "connection, which halved throughput on loopback in bench/RESULTS.md)")
       ->envname(trainyard::ps::kTcpCongestionEnv);
+  app.add_option("--tls-cert", options.tls.cert_file,
+                 "TLS certificate chain (PEM) to serve gRPC with; also the client certificate "
+                 "shown to a coordinator that asks for mutual TLS");
+  app.add_option("--tls-key", options.tls.key_file, "its private key (PEM)");
+  app.add_option("--tls-ca", options.coordinator_tls.ca_file,
+                 "CA (PEM) to verify the coordinator with (env TRAINYARD_TLS_CA)")
+      ->envname(trainyard::kTlsCaEnv);
+  app.add_flag("--insecure", options.tls.insecure,
+               "serve without TLS on a non-loopback --listen address");
   std::string token_file;
   app.add_option("--token-file", token_file,
                  "file holding this server's node token for --coordinator (yard admin token "
@@ -66,8 +76,14 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   spdlog::set_default_logger(spdlog::stderr_color_mt("ps"));
+  if (options.coordinator_tls.enabled()) {  // our certificate, for a coordinator asking for one
+    options.coordinator_tls.cert_file = options.tls.cert_file;
+    options.coordinator_tls.key_file = options.tls.key_file;
+  }
   if (!options.coordinator.empty()) {
     auto token = trainyard::FindToken(token_file, "");
+    // With mutual TLS the certificate names the node; a token is optional then.
+    if (!token.ok() && !options.coordinator_tls.cert_file.empty()) token = std::string();
     if (!token.ok()) {
       std::cerr << "trainyard-ps: " << token.status().message() << "\n";
       return 2;

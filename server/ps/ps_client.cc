@@ -177,16 +177,14 @@ class AuthorizationInterceptorFactory final
 
 }  // namespace
 
-std::shared_ptr<grpc::Channel> CreatePsChannel(const std::string& address,
-                                               const grpc::ChannelArguments& args,
-                                               const std::string& authorization) {
-  if (authorization.empty()) {
-    return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
-  }
+std::shared_ptr<grpc::Channel> CreatePsChannel(
+    const std::string& address, const grpc::ChannelArguments& args,
+    const std::string& authorization, std::shared_ptr<grpc::ChannelCredentials> credentials) {
+  if (authorization.empty()) return grpc::CreateCustomChannel(address, credentials, args);
   std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> factories;
   factories.push_back(std::make_unique<AuthorizationInterceptorFactory>(authorization));
-  return grpc::experimental::CreateCustomChannelWithInterceptors(
-      address, grpc::InsecureChannelCredentials(), args, std::move(factories));
+  return grpc::experimental::CreateCustomChannelWithInterceptors(address, credentials, args,
+                                                                 std::move(factories));
 }
 
 }  // namespace trainyard::ps

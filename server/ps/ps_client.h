@@ -11,6 +11,7 @@
 
 #include <grpcpp/channel.h>
 #include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/security/credentials.h>
 #include <grpcpp/support/channel_arguments.h>
 
 #include <cstdint>
@@ -40,11 +41,13 @@ grpc::Status UpdateAndPullZeroCopy(grpc::GenericStub& stub, const v1::UpdateAndP
                                    void* out, absl::Duration timeout,
                                    const std::function<void()>& on_first_chunk = nullptr);
 
-// A channel to a parameter server at `address` whose every call carries `authorization` as its
-// "authorization" metadata (e.g. "Bearer <job credential>"; empty: none).
-std::shared_ptr<grpc::Channel> CreatePsChannel(const std::string& address,
-                                               const grpc::ChannelArguments& args,
-                                               const std::string& authorization);
+// A channel to a parameter server at `address` (with `credentials`: TLS or plaintext) whose every
+// call carries `authorization` as its "authorization" metadata (e.g. "Bearer <job credential>";
+// empty: none).
+std::shared_ptr<grpc::Channel> CreatePsChannel(
+    const std::string& address, const grpc::ChannelArguments& args,
+    const std::string& authorization,
+    std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials());
 
 }  // namespace trainyard::ps
 

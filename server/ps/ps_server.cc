@@ -90,6 +90,10 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(PsOptions options) {
     RETURN_IF_ERROR(
         SplitHostPort(s->options_.advertise, "--advertise", &advertise_host, &unused_port));
   }
+  ASSIGN_OR_RETURN(s->coordinator_credentials_,
+                   MakeChannelCredentials(s->options_.coordinator_tls));
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> server_credentials,
+                   MakeServerCredentials(s->options_.tls, s->options_.listen_address));
   // Calls on a job's shard need the job credential of its attempt, checked with the
   // coordinator; a standalone server has no one to check with.
   if (s->options_.coordinator.empty()) {
@@ -97,7 +101,7 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(PsOptions options) {
     s->authorizer_ = NewOpenJobAuthorizer();
   } else {
     s->authorizer_ = NewCoordinatorJobAuthorizer(
-        grpc::CreateChannel(s->options_.coordinator, grpc::InsecureChannelCredentials()),
+        grpc::CreateChannel(s->options_.coordinator, s->coordinator_credentials_),
         s->options_.token);
   }
   if (s->options_.data_listen_address != "off") {
@@ -117,7 +121,7 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(PsOptions options) {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(s->options_.listen_address, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(s->options_.listen_address, server_credentials, &port);
   builder.SetMaxReceiveMessageSize(s->options_.max_message_bytes);
   builder.SetMaxSendMessageSize(s->options_.max_message_bytes);
   // Pings on connections with calls in flight, so a client that vanished (host down, half-open
@@ -194,7 +198,7 @@ void PsServer::RegistrationLoop() {
 }
 
 void PsServer::RunSession() {
-  auto channel = grpc::CreateChannel(options_.coordinator, grpc::InsecureChannelCredentials());
+  auto channel = grpc::CreateChannel(options_.coordinator, coordinator_credentials_);
   auto stub = v1::NodeService::NewStub(channel);
   v1::RegisterNodeRequest request;
   request.set_node_id(options_.node_id);
@@ -206,7 +210,8 @@ void PsServer::RunSession() {
   {
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
-    ctx.AddMetadata(kAuthorizationMetadata, "Bearer " + options_.token);
+    if (!options_.token.empty())
+      ctx.AddMetadata(kAuthorizationMetadata, "Bearer " + options_.token);
     const grpc::Status s = stub->RegisterNode(&ctx, request, &registered);
     if (!s.ok()) {
       spdlog::warn("cannot register with {}: {}", options_.coordinator, s.error_message());
@@ -219,7 +224,7 @@ void PsServer::RunSession() {
                options_.capacity_bytes, absl::FormatDuration(interval));
 
   grpc::ClientContext ctx;
-  ctx.AddMetadata(kAuthorizationMetadata, "Bearer " + options_.token);
+  if (!options_.token.empty()) ctx.AddMetadata(kAuthorizationMetadata, "Bearer " + options_.token);
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return;

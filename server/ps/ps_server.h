@@ -21,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/metrics_endpoint.h"
+#include "common/tls.h"
 #include "server/adam/thread_pool.h"
 #include "server/ps/data_plane_server.h"
 #include "server/ps/job_authorizer.h"
@@ -31,13 +32,15 @@ namespace trainyard::ps {
 
 struct PsOptions {
   std::string listen_address = "127.0.0.1:7080";
-  std::string coordinator;      // HOST:PORT; empty: serve without registering
-  std::string token;            // node token sent to the coordinator (identity.proto)
-  std::string node_id;          // default: ps-<hostname>-<port>
-  std::string advertise;        // address trainers dial; default: the bound address
-  int64_t capacity_bytes = 0;   // memory for shards; 0 = half the host's memory
-  int threads = 0;              // AdamW threads; 0 = every core
-  std::string metrics_address;  // empty: no /metrics
+  std::string coordinator;           // HOST:PORT; empty: serve without registering
+  std::string token;                 // node token sent to the coordinator (identity.proto)
+  TlsServerOptions tls;              // serving (common/tls.h); its cert is the client one too
+  TlsClientOptions coordinator_tls;  // the coordinator's CA (and our certificate, for mTLS)
+  std::string node_id;               // default: ps-<hostname>-<port>
+  std::string advertise;             // address trainers dial; default: the bound address
+  int64_t capacity_bytes = 0;        // memory for shards; 0 = half the host's memory
+  int threads = 0;                   // AdamW threads; 0 = every core
+  std::string metrics_address;       // empty: no /metrics
   int max_message_bytes = 64 << 20;
   std::string tcp_congestion;  // of the listening and accepted sockets; empty: the host's
   // HOST:PORT of the TCP data plane; empty: the --listen host on a free port; "off": none
@@ -77,6 +80,7 @@ class PsServer {
   std::unique_ptr<adam::ThreadPool> pool_;
   std::unique_ptr<ShardManager> shards_;
   std::unique_ptr<JobAuthorizer> authorizer_;  // before the servers that use it
+  std::shared_ptr<grpc::ChannelCredentials> coordinator_credentials_;
   std::unique_ptr<DataPlaneServer> data_plane_;
   std::string data_plane_address_;
   std::unique_ptr<ParameterServiceImpl> service_;

@@ -29,6 +29,7 @@
 #include "common/credentials.h"
 #include "common/metrics_endpoint.h"
 #include "common/server_main.h"
+#include "common/tls.h"
 #include "common/version.h"
 #include "worker/daemon/cuda_devices.h"
 #include "worker/daemon/worker_daemon.h"
@@ -148,6 +149,14 @@ int main(int argc, char** argv) {
                  "user's ranks (default: the account of the same name). As root the worker runs "
                  "every rank as its owner's account; otherwise it takes only the jobs of the "
                  "users mapped to its own account (and of the user of its name)");
+  app.add_option("--tls-ca", options.tls.ca_file,
+                 "CA (PEM) to verify the coordinator and parameter servers with; also given to "
+                 "the ranks (env TRAINYARD_TLS_CA)")
+      ->envname(trainyard::kTlsCaEnv);
+  app.add_option("--tls-cert", options.tls.cert_file,
+                 "client certificate (PEM) for a coordinator that asks for mutual TLS; its common "
+                 "name must be --node-id");
+  app.add_option("--tls-key", options.tls.key_file, "its private key (PEM)");
   std::string token_file;
   app.add_option("--token-file", token_file,
                  "file holding this node's node token (yard admin token create --node NAME; "
@@ -208,7 +217,14 @@ int main(int argc, char** argv) {
                  absl::StrJoin(options.supervisor.run_as->Owners(), ", "));
   }
   // The node token, once the devices are settled (their errors come first).
+  if (auto tls = trainyard::MakeChannelCredentials(options.tls); !tls.ok()) {
+    std::cerr << "trainyard-worker: " << tls.status().message() << "\n";
+    return 2;
+  }
+  options.supervisor.tls_ca = options.tls.ca_file;
   auto token = trainyard::FindToken(token_file, "");
+  // With mutual TLS the certificate names the node; a token is optional then.
+  if (!token.ok() && !options.tls.cert_file.empty()) token = std::string();
   if (!token.ok()) {
     std::cerr << "trainyard-worker: " << token.status().message() << "\n";
     return 2;

@@ -20,6 +20,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/credentials.h"
+#include "common/tls.h"
 
 extern char** environ;
 
@@ -261,7 +262,8 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
       absl::StrCat("LOCAL_RANK=", rank - a.first_rank()),
       absl::StrCat("LOCAL_WORLD_SIZE=", a.device_indices_size()),
       // The attempt's credential for the rendezvous and reports: environment only, never argv.
-      absl::StrCat(kJobCredentialEnv, "=", a.job_credential())};
+      absl::StrCat(kJobCredentialEnv, "=", a.job_credential()),
+      absl::StrCat(kTlsCaEnv, "=", options_.tls_ca)};
   if (account.has_value()) {
     env.push_back("USER=" + account->name);
     env.push_back("LOGNAME=" + account->name);

@@ -39,6 +39,9 @@ struct SupervisorOptions {
   std::vector<std::string> gpu_uuids;
   // Which account runs each rank (run_as.h); null: this process's own, for any owner.
   std::shared_ptr<const RunAs> run_as;
+  // The CA ranks verify the coordinator and parameter servers with (TRAINYARD_TLS_CA); empty:
+  // plaintext.
+  std::string tls_ca;
 };
 
 class RankSupervisor {

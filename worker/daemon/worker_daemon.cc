@@ -57,8 +57,11 @@ WorkerDaemon::WorkerDaemon(WorkerOptions options)
   devices_.Add({{"state", "allocated"}}).Set(0);
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
-  channel_ =
-      grpc::CreateCustomChannel(options_.coordinator, grpc::InsecureChannelCredentials(), args);
+  // main() checked the TLS files: a failure here leaves the channel failing every call.
+  auto credentials = MakeChannelCredentials(options_.tls);
+  channel_ = grpc::CreateCustomChannel(
+      options_.coordinator, credentials.ok() ? *credentials : grpc::InsecureChannelCredentials(),
+      args);
   stub_ = v1::NodeService::NewStub(channel_);
   supervisor_ = std::make_unique<RankSupervisor>(options_.supervisor,
                                                  [this](v1::NodeMessage m) { Send(std::move(m)); });
@@ -147,7 +150,8 @@ void WorkerDaemon::RunSession() {
   {
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
-    ctx.AddMetadata(kAuthorizationMetadata, "Bearer " + options_.token);
+    if (!options_.token.empty())
+      ctx.AddMetadata(kAuthorizationMetadata, "Bearer " + options_.token);
     const grpc::Status s = stub_->RegisterNode(&ctx, request, &registered);
     if (!s.ok()) {
       spdlog::warn("cannot register with {}: {}", options_.coordinator, s.error_message());
@@ -161,7 +165,7 @@ void WorkerDaemon::RunSession() {
                absl::FormatDuration(interval));
 
   grpc::ClientContext ctx;
-  ctx.AddMetadata(kAuthorizationMetadata, "Bearer " + options_.token);
+  if (!options_.token.empty()) ctx.AddMetadata(kAuthorizationMetadata, "Bearer " + options_.token);
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return;

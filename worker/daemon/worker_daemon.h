@@ -25,6 +25,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/tls.h"
 #include "trainyard/v1/node.grpc.pb.h"
 #include "worker/daemon/cuda_devices.h"
 #include "worker/daemon/rank_supervisor.h"
@@ -34,6 +35,7 @@ namespace trainyard::worker {
 struct WorkerOptions {
   std::string coordinator = "127.0.0.1:7070";
   std::string token;             // this node's node token (identity.proto); sent on every call
+  TlsClientOptions tls;          // the coordinator's CA; a client certificate for mutual TLS
   std::string node_id;           // stable name; default: the host name
   std::string address;           // shown in `yard nodes`
   int cpu_slots = 1;             // devices offered when `gpus` is empty; each runs one rank

@@ -13,6 +13,7 @@
 #include "common/credentials.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
+#include "common/tls.h"
 #include "server/ps/data_plane_client.h"
 #include "server/ps/ps_client.h"
 #include "server/ps/tcp_congestion.h"
@@ -130,7 +131,8 @@ absl::StatusOr<std::unique_ptr<ParameterServers>> ParameterServers::Connect(
   for (PsRangeRef& r : ranges) {
     auto server = std::make_unique<Server>();
     // Every call carries the attempt's job credential, which the worker put in the environment.
-    auto channel = ps::CreatePsChannel(r.address, args, BearerFromEnv(kJobCredentialEnv));
+    auto channel = ps::CreatePsChannel(r.address, args, BearerFromEnv(kJobCredentialEnv),
+                                       ChannelCredentialsFromEnv());
     server->stub = v1::ParameterServerService::NewStub(channel);
     server->generic = std::make_unique<grpc::GenericStub>(channel);
     server->range = std::move(r);

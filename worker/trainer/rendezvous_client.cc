@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/credentials.h"
 #include "common/grpc_status.h"
+#include "common/tls.h"
 #include "trainyard/v1/rendezvous.grpc.pb.h"
 
 namespace trainyard::trainer {
@@ -43,8 +44,8 @@ struct RendezvousClient::Stub {
 RendezvousClient::RendezvousClient(const std::string& coordinator, const std::string& job_id,
                                    int attempt)
     : stub_(std::make_unique<Stub>()) {
-  stub_->stub = v1::RendezvousService::NewStub(
-      grpc::CreateChannel(coordinator, grpc::InsecureChannelCredentials()));
+  stub_->stub =
+      v1::RendezvousService::NewStub(grpc::CreateChannel(coordinator, ChannelCredentialsFromEnv()));
   stub_->scope.set_job_id(job_id);
   stub_->scope.set_attempt(attempt);
 }

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/credentials.h"
+#include "common/tls.h"
 #include "trainyard/v1/trainer.grpc.pb.h"
 
 namespace trainyard::trainer {
@@ -19,7 +20,7 @@ class Reporter::Impl {
   Impl(const std::string& coordinator, std::string job_id, int attempt, int rank,
        void (*log)(const std::string&))
       : stub_(v1::TrainerService::NewStub(
-            grpc::CreateChannel(coordinator, grpc::InsecureChannelCredentials()))),
+            grpc::CreateChannel(coordinator, ChannelCredentialsFromEnv()))),
         bearer_(BearerFromEnv(kJobCredentialEnv)),
         job_id_(std::move(job_id)),
         attempt_(attempt),

@@ -1,0 +1,63 @@
+// TLS for trainyard's gRPC servers and clients, from the flags every program shares:
+//   servers  --tls-cert FILE --tls-key FILE [--tls-client-ca FILE] [--insecure]
+//   clients  --tls-ca FILE [--tls-cert FILE --tls-key FILE] (a client certificate: nodes)
+// A server asked to listen beyond loopback without TLS refuses to start unless --insecure: tokens
+// and job credentials must not cross a network in clear by accident. With --tls-client-ca a
+// server asks for client certificates and verifies those it gets against that CA (mutual TLS);
+// clients without one (yard) still connect. Thread-safe (pure functions and file reads).
+#ifndef TRAINYARD_COMMON_TLS_H_
+#define TRAINYARD_COMMON_TLS_H_
+
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server_context.h>
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace trainyard {
+
+// The environment variable clients read the CA from when --tls-ca is not given.
+inline constexpr char kTlsCaEnv[] = "TRAINYARD_TLS_CA";
+
+struct TlsServerOptions {
+  std::string cert_file;       // PEM certificate chain; empty: no TLS
+  std::string key_file;        // PEM private key
+  std::string client_ca_file;  // PEM CA of client certificates (mutual TLS); empty: none asked
+  bool insecure = false;       // allow plaintext on a non-loopback address
+};
+
+struct TlsClientOptions {
+  std::string ca_file;    // PEM roots to verify the server with; empty: plaintext
+  std::string cert_file;  // a client certificate (mutual TLS), with its key
+  std::string key_file;
+  bool enabled() const { return !ca_file.empty(); }
+};
+
+// Whether HOST:PORT's host is a loopback address or name (127.0.0.0/8, ::1, localhost).
+bool IsLoopback(const std::string& address);
+
+// The server credentials for `listen_address`. INVALID_ARGUMENT naming the flag for a cert
+// without a key (or the reverse), an unreadable file, or a non-loopback address without TLS or
+// --insecure.
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
+    const TlsServerOptions& options, const std::string& listen_address);
+
+// The channel credentials: TLS verified against ca_file (with the client certificate, if any),
+// else plaintext. INVALID_ARGUMENT naming the flag for an unreadable file or a half pair.
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
+    const TlsClientOptions& options);
+
+// A rank's channel credentials: TLS verified against $TRAINYARD_TLS_CA (which its worker sets),
+// else plaintext. A CA file that cannot be read is reported on stderr, and plaintext is used:
+// the calls then fail against a TLS server, naming it.
+std::shared_ptr<grpc::ChannelCredentials> ChannelCredentialsFromEnv();
+
+// The common name of the call's verified client certificate; empty if none.
+std::string PeerCertificateName(const grpc::ServerContextBase& ctx);
+
+}  // namespace trainyard
+
+#endif  // TRAINYARD_COMMON_TLS_H_
