@@ -12,6 +12,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 
 #include <grpcpp/grpcpp.h>
 #include <nlohmann/json.hpp>
@@ -22,8 +23,10 @@
 #include "common/clock.h"
 #include "server/coordinator/coordinator_server.h"
 #include "server/ps/data_plane_client.h"
+#include "server/ps/ps_client.h"
 #include "tests/testing/coordinator_tokens.h"
 #include "tests/testing/node_session.h"
+#include "tests/testing/ps_shard.h"
 #include "tests/testing/subprocess.h"
 #include "trainyard/v1/job.grpc.pb.h"
 #include "trainyard/v1/node.grpc.pb.h"
@@ -763,6 +766,147 @@ TEST_F(OffloadE2eTest, ServersAdmitOnlyTheJobCredentialOfTheAttempt) {
   EXPECT_NE(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
   const absl::Status d = push(own);
   EXPECT_FALSE(absl::IsUnauthenticated(d) || absl::IsPermissionDenied(d)) << d;
+}
+
+// Every RPC of ParameterServerService with every kind of credential: the five on a job's shard
+// admit only the job credential of its running attempt (and a refusal changes no shard); ListShards
+// and GetDataPlane are open.
+TEST_F(OffloadE2eTest, EveryServerRpcGetsTheExpectedCodeForEveryCredential) {
+  const Job job = StartJob(OffloadSpec(1, 8), "table");
+  v1::Job placed;
+  {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::GetJobRequest g;
+    g.set_job_id(job.id);
+    ASSERT_TRUE(jobs_->GetJob(&ctx, g, &placed).ok());
+  }
+  ASSERT_GE(placed.ps_placement_size(), 1);
+  const v1::PsRange range = placed.ps_placement(0);
+  int64_t total = 0;
+  for (const auto& r : placed.ps_placement()) total = std::max(total, r.end());
+  const std::string own = tokens_->Job(job.id, job.attempt);
+  std::string forged = own;
+  forged.back() = forged.back() == 'A' ? 'B' : 'A';
+  const std::vector<std::pair<std::string, std::string>> credentials = {
+      {"none", ""},
+      {"malformed", "tyt.not-a-token"},
+      {"forged", forged},
+      {"user", tokens_->User("alice")},
+      {"admin", tokens_->User("admin")},
+      {"node", tokens_->Node(range.node_id())},
+      {"other_job", tokens_->Job("job-999", 1)},
+      {"other_attempt", tokens_->Job(job.id, job.attempt + 1)},
+      {"own", own}};
+  auto expected = [](bool open, const std::string& name) {
+    if (open || name == "own") return grpc::StatusCode::OK;
+    if (name == "other_job" || name == "other_attempt") return grpc::StatusCode::PERMISSION_DENIED;
+    return grpc::StatusCode::UNAUTHENTICATED;
+  };
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  const std::vector<float> values(range.end() - range.begin(), 0.25f);
+  // Each call through a channel that carries `token` (as the trainer's do).
+  struct Rpc {
+    std::string name;
+    bool open;
+    std::function<grpc::Status(const std::shared_ptr<grpc::Channel>&)> call;
+  };
+  const std::vector<Rpc> rpcs = {
+      {"InitShard", false,
+       [&](const std::shared_ptr<grpc::Channel>& channel) {
+         auto stub = v1::ParameterServerService::NewStub(channel);
+         std::vector<float> params(total, 0.5f);
+         return testing::InitShard(
+             *stub, testing::ShardHeader(job.id, job.attempt, range.begin(), range.end(), total),
+             params, 4096);
+       }},
+      {"PushGradients", false,
+       [&](const std::shared_ptr<grpc::Channel>& channel) {
+         grpc::GenericStub stub(channel);
+         v1::GradientChunk header;
+         header.set_job_id(job.id);
+         header.set_attempt(job.attempt);
+         header.set_step(1);
+         header.set_format(v1::WIRE_FP32);
+         v1::PushGradientsResponse response;
+         return ps::PushGradientsZeroCopy(stub, header, values.data(), range.begin(), range.end(),
+                                          0, absl::Seconds(20), &response);
+       }},
+      {"UpdateAndPull", false,
+       [&](const std::shared_ptr<grpc::Channel>& channel) {
+         grpc::GenericStub stub(channel);
+         v1::UpdateAndPullRequest request;
+         request.set_job_id(job.id);
+         request.set_attempt(job.attempt);
+         request.set_step(0);
+         request.set_begin(range.begin());
+         request.set_end(range.end());
+         std::vector<float> out(values.size());
+         return ps::UpdateAndPullZeroCopy(stub, request, out.data(), absl::Seconds(20));
+       }},
+      {"ReadShardState", false,
+       [&](const std::shared_ptr<grpc::Channel>& channel) {
+         auto stub = v1::ParameterServerService::NewStub(channel);
+         grpc::ClientContext ctx;
+         v1::ReadShardStateRequest r;
+         r.set_job_id(job.id);
+         r.set_attempt(job.attempt);
+         auto reader = stub->ReadShardState(&ctx, r);
+         v1::ShardStateChunk chunk;
+         while (reader->Read(&chunk)) {
+         }
+         return reader->Finish();
+       }},
+      {"ListShards", true,
+       [&](const std::shared_ptr<grpc::Channel>& channel) {
+         grpc::ClientContext ctx;
+         v1::ListShardsResponse r;
+         return v1::ParameterServerService::NewStub(channel)->ListShards(&ctx, {}, &r);
+       }},
+      {"GetDataPlane", true,
+       [&](const std::shared_ptr<grpc::Channel>& channel) {
+         grpc::ClientContext ctx;
+         v1::DataPlaneInfo r;
+         return v1::ParameterServerService::NewStub(channel)->GetDataPlane(&ctx, {}, &r);
+       }},
+      {"DropJob", false,  // last: it frees the shard
+       [&](const std::shared_ptr<grpc::Channel>& channel) {
+         grpc::ClientContext ctx;
+         v1::DropJobRequest r;
+         r.set_job_id(job.id);
+         v1::DropJobResponse response;
+         return v1::ParameterServerService::NewStub(channel)->DropJob(&ctx, r, &response);
+       }},
+  };
+  auto shards = [&] {  // what a refusal must leave as it was
+    auto stub = testing::PsStub(range.address());
+    grpc::ClientContext ctx;
+    v1::ListShardsResponse r;
+    EXPECT_TRUE(stub->ListShards(&ctx, {}, &r).ok());
+    return r.SerializeAsString();
+  };
+  auto channel_for = [&](const std::string& token) {
+    return ps::CreatePsChannel(range.address(), args, token.empty() ? "" : "Bearer " + token);
+  };
+  for (const Rpc& rpc : rpcs) {
+    for (const auto& [name, token] : credentials) {
+      if (expected(rpc.open, name) == grpc::StatusCode::OK) continue;
+      const std::string before = shards();
+      const grpc::Status s = rpc.call(channel_for(token));
+      EXPECT_EQ(s.error_code(), expected(rpc.open, name))
+          << rpc.name << " with " << name << ": " << s.error_message();
+      EXPECT_EQ(shards(), before) << rpc.name << " with " << name << " changed a shard";
+    }
+  }
+  for (const Rpc& rpc : rpcs) {
+    for (const auto& [name, token] : credentials) {
+      if (expected(rpc.open, name) != grpc::StatusCode::OK) continue;
+      const grpc::Status s = rpc.call(channel_for(token));
+      EXPECT_TRUE(s.ok()) << rpc.name << " with " << name << ": " << s.error_code() << " "
+                          << s.error_message();
+    }
+  }
 }
 
 TEST_F(OffloadE2eTest, RangesThatDoNotCoverTheModelFailFast) {

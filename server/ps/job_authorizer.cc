@@ -54,9 +54,12 @@ class CoordinatorJobAuthorizer final : public JobAuthorizer {
     const grpc::Status s = stub_->VerifyJobCredential(&ctx, request, &response);
     if (!s.ok()) {
       const absl::Status status = FromGrpcStatus(s);
-      return absl::Status(status.code(),
-                          absl::StrCat("the coordinator refused the job credential for ", job_id,
-                                       " attempt ", parsed->attempt, ": ", status.message()));
+      // An attempt that is not running (any more) is denied like another job's.
+      const absl::StatusCode code =
+          absl::IsFailedPrecondition(status) ? absl::StatusCode::kPermissionDenied : status.code();
+      return absl::Status(
+          code, absl::StrCat("the coordinator refused the job credential for ", job_id, " attempt ",
+                             parsed->attempt, ": ", status.message()));
     }
     absl::MutexLock lock(&mu_);
     if (accepted_.size() >= kMaxRemembered) accepted_.clear();  // old attempts' go with them
