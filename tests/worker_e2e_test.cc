@@ -93,7 +93,8 @@ class WorkerE2eTest : public ::testing::Test {
     const std::string path = dir_.path() + "/user-map";
     std::ofstream(path) << "alice "
                         << (alice_account_.empty() ? getpwuid(geteuid())->pw_name : alice_account_)
-                        << "\n";
+                        << "\n"
+                        << extra_user_map_;
     return path;
   }
 
@@ -221,7 +222,8 @@ class WorkerE2eTest : public ::testing::Test {
   std::unique_ptr<Subprocess> worker_;
   std::string address_;
   std::string alice_token_;
-  std::string alice_account_;  // empty: this test's own
+  std::string alice_account_;   // empty: this test's own
+  std::string extra_user_map_;  // more "USER ACCOUNT" lines
   std::unique_ptr<client::YardClient> client_;
 };
 
@@ -293,9 +295,12 @@ TEST_F(WorkerE2eTest, RanksRunAsTheirOwnersAccountAndReadOnlyWhatItMay) {
   if (geteuid() != 0) GTEST_SKIP() << "switching ranks to another account needs root";
   ASSERT_EQ(chmod(dir_.path().c_str(), 0755), 0);  // the ranks' folders are below it
   StopWorker();
+  // Two accounts every Debian system has: alice's ranks run as nobody, bob's as daemon.
   alice_account_ = "nobody";
+  extra_user_map_ = "bob daemon\n";
   StartWorker({"--gpus", "none"});
   WaitForReadyNodes(1);
+  auto bob = ClientOf("bob");
 
   auto identity = client_->Submit(testing::TinySpec("print-identity", 2));
   ASSERT_TRUE(identity.ok()) << identity.status();
@@ -308,6 +313,27 @@ TEST_F(WorkerE2eTest, RanksRunAsTheirOwnersAccountAndReadOnlyWhatItMay) {
   struct stat st {};
   ASSERT_EQ(stat((work_dir() + "/" + identity->id() + "/attempt-1").c_str(), &st), 0);
   EXPECT_EQ(st.st_uid, 65534u) << "the rank's folder is its owner's";
+  auto bobs = bob->Submit(testing::TinySpec("print-identity", 1));
+  ASSERT_TRUE(bobs.ok()) << bobs.status();
+  auto bobs_end = bob->Watch(bobs->id(), absl::Seconds(60), [](const v1::Job&) { return false; });
+  ASSERT_TRUE(bobs_end.ok()) << bobs_end.status();
+  EXPECT_EQ(bobs_end->state(), v1::SUCCEEDED);
+  std::vector<std::string> bob_lines;
+  ASSERT_TRUE(
+      bob->Logs(bobs->id(), false, 0, [&](const v1::LogLine& l) { bob_lines.push_back(l.text()); })
+          .ok());
+  EXPECT_THAT(bob_lines, Contains("rank 0: uid 1 gid 1 USER=daemon"));
+
+  // bob can neither stop, watch nor read alice's running job.
+  auto running = client_->Submit(testing::TinySpec("hang", 1));
+  ASSERT_TRUE(running.ok()) << running.status();
+  WaitForReadyLines(running->id(), 1);
+  EXPECT_TRUE(absl::IsPermissionDenied(bob->Cancel(running->id(), "mine now").status()));
+  EXPECT_TRUE(absl::IsPermissionDenied(
+      bob->Watch(running->id(), absl::Seconds(5), [](const v1::Job&) { return true; }).status()));
+  EXPECT_TRUE(
+      absl::IsPermissionDenied(bob->Logs(running->id(), false, 0, [](const v1::LogLine&) {})));
+  ASSERT_TRUE(client_->Cancel(running->id(), "done").ok());
 
   v1::JobSpec secret = testing::TinySpec("read-data", 1);
   secret.mutable_data()->set_path("/etc/shadow");
@@ -318,15 +344,15 @@ TEST_F(WorkerE2eTest, RanksRunAsTheirOwnersAccountAndReadOnlyWhatItMay) {
   EXPECT_THAT(failed.message(),
               AllOf(HasSubstr("cannot read /etc/shadow"), HasSubstr("Permission denied")));
 
-  // bob has no Unix account here and no mapping.
-  auto bob = ClientOf("bob");
-  auto orphan = bob->Submit(testing::TinySpec("print-identity", 1));
+  // carol has no Unix account here and no mapping.
+  auto carol = ClientOf("carol");
+  auto orphan = carol->Submit(testing::TinySpec("print-identity", 1));
   ASSERT_TRUE(orphan.ok()) << orphan.status();
   auto orphan_end =
-      bob->Watch(orphan->id(), absl::Seconds(60), [](const v1::Job&) { return false; });
+      carol->Watch(orphan->id(), absl::Seconds(60), [](const v1::Job&) { return false; });
   ASSERT_TRUE(orphan_end.ok()) << orphan_end.status();
   EXPECT_EQ(orphan_end->state(), v1::FAILED);
-  EXPECT_THAT(orphan_end->message(), HasSubstr("no Unix account bob for user bob"));
+  EXPECT_THAT(orphan_end->message(), HasSubstr("no Unix account carol for user carol"));
 }
 
 // A worker that is not root runs every rank as itself, so it takes only the jobs of the users
