@@ -227,4 +227,12 @@ absl::StatusOr<std::string> FindToken(const std::string& token_file,
                            : absl::StrCat(", or save one in ", default_file, " (yard login)")));
 }
 
+absl::StatusOr<std::string> FindNodeToken(const std::string& token_file, bool has_certificate) {
+  auto token = FindToken(token_file, "");
+  if (!token.ok() && absl::IsUnauthenticated(token.status()) && has_certificate) {
+    return std::string();
+  }
+  return token;
+}
+
 }  // namespace trainyard

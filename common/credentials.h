@@ -74,6 +74,10 @@ absl::Status WriteSecretFile(const std::string& path, absl::string_view secret);
 absl::StatusOr<std::string> FindToken(const std::string& token_file,
                                       const std::string& default_file);
 
+// A daemon's node token: from `token_file` if set, else $TRAINYARD_TOKEN. With a client
+// certificate (mutual TLS names the node) a token is optional: empty when none is given.
+absl::StatusOr<std::string> FindNodeToken(const std::string& token_file, bool has_certificate);
+
 }  // namespace trainyard
 
 #endif  // TRAINYARD_COMMON_CREDENTIALS_H_

@@ -542,14 +542,26 @@ class OffloadE2eTest : public TrainerE2eTest {
     return procs;
   }
 
-  // The --ps flag from the job's placement, as the worker builds it.
-  std::string PsFlag(const Job& job) {
+  // The job as the coordinator has it (its placement included).
+  v1::Job Stored(const Job& job) {
     grpc::ClientContext ctx;
     Prepare(ctx);
     v1::GetJobRequest g;
     g.set_job_id(job.id);
     v1::Job j;
     EXPECT_TRUE(jobs_->GetJob(&ctx, g, &j).ok());
+    return j;
+  }
+
+  // `credential` with the last character of its signature changed.
+  static std::string Forged(std::string credential) {
+    credential.back() = credential.back() == 'A' ? 'B' : 'A';
+    return credential;
+  }
+
+  // The --ps flag from the job's placement, as the worker builds it.
+  std::string PsFlag(const Job& job) {
+    const v1::Job j = Stored(job);
     std::string flag;
     for (const auto& r : j.ps_placement()) {
       absl::StrAppend(&flag, flag.empty() ? "" : ",", r.address(), "=", r.begin(), ":", r.end());
@@ -698,19 +710,11 @@ TEST_F(OffloadE2eTest, StoppedServerTimesOutAndFailsTheRanksNamingIt) {
 // credential of its attempt, over gRPC and on the data plane alike.
 TEST_F(OffloadE2eTest, ServersAdmitOnlyTheJobCredentialOfTheAttempt) {
   const Job job = StartJob(OffloadSpec(1, 8), "guarded");
-  v1::Job placed;
-  {
-    grpc::ClientContext ctx;
-    Prepare(ctx);
-    v1::GetJobRequest g;
-    g.set_job_id(job.id);
-    ASSERT_TRUE(jobs_->GetJob(&ctx, g, &placed).ok());
-  }
+  const v1::Job placed = Stored(job);
   ASSERT_EQ(placed.ps_placement_size(), 2);
   const v1::PsRange& range = placed.ps_placement(0);  // on ps0, which has a data plane
   const std::string own = tokens_->Job(job.id, job.attempt);
-  std::string forged = own;
-  forged.back() = forged.back() == 'A' ? 'B' : 'A';
+  const std::string forged = Forged(own);
   const std::vector<std::pair<std::string, grpc::StatusCode>> refused = {
       {"", grpc::StatusCode::UNAUTHENTICATED},
       {"tyj.garbage", grpc::StatusCode::UNAUTHENTICATED},
@@ -773,21 +777,13 @@ TEST_F(OffloadE2eTest, ServersAdmitOnlyTheJobCredentialOfTheAttempt) {
 // and GetDataPlane are open.
 TEST_F(OffloadE2eTest, EveryServerRpcGetsTheExpectedCodeForEveryCredential) {
   const Job job = StartJob(OffloadSpec(1, 8), "table");
-  v1::Job placed;
-  {
-    grpc::ClientContext ctx;
-    Prepare(ctx);
-    v1::GetJobRequest g;
-    g.set_job_id(job.id);
-    ASSERT_TRUE(jobs_->GetJob(&ctx, g, &placed).ok());
-  }
+  const v1::Job placed = Stored(job);
   ASSERT_GE(placed.ps_placement_size(), 1);
   const v1::PsRange range = placed.ps_placement(0);
   int64_t total = 0;
   for (const auto& r : placed.ps_placement()) total = std::max(total, r.end());
   const std::string own = tokens_->Job(job.id, job.attempt);
-  std::string forged = own;
-  forged.back() = forged.back() == 'A' ? 'B' : 'A';
+  const std::string forged = Forged(own);
   const std::vector<std::pair<std::string, std::string>> credentials = {
       {"none", ""},
       {"malformed", "tyt.not-a-token"},

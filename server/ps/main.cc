@@ -81,9 +81,7 @@ int main(int argc, char** argv) {
     options.coordinator_tls.key_file = options.tls.key_file;
   }
   if (!options.coordinator.empty()) {
-    auto token = trainyard::FindToken(token_file, "");
-    // With mutual TLS the certificate names the node; a token is optional then.
-    if (!token.ok() && !options.coordinator_tls.cert_file.empty()) token = std::string();
+    auto token = trainyard::FindNodeToken(token_file, !options.coordinator_tls.cert_file.empty());
     if (!token.ok()) {
       std::cerr << "trainyard-ps: " << token.status().message() << "\n";
       return 2;

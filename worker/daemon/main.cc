@@ -222,9 +222,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.supervisor.tls_ca = options.tls.ca_file;
-  auto token = trainyard::FindToken(token_file, "");
-  // With mutual TLS the certificate names the node; a token is optional then.
-  if (!token.ok() && !options.tls.cert_file.empty()) token = std::string();
+  auto token = trainyard::FindNodeToken(token_file, !options.tls.cert_file.empty());
   if (!token.ok()) {
     std::cerr << "trainyard-worker: " << token.status().message() << "\n";
     return 2;
