@@ -504,6 +504,7 @@ int UserDisable(const Globals& g, const std::string& name, bool enable) {
 
 struct TokenCreateArgs {
   std::string user, node, ttl, description, out;
+  std::vector<std::string> owners;
 };
 
 // Prints the new token once (or, with --out, writes it to a 0600 file and prints its id).
@@ -512,6 +513,7 @@ int TokenCreate(const Globals& g, const TokenCreateArgs& a) {
   request.set_user(a.user);
   request.set_node(a.node);
   request.set_description(a.description);
+  for (const std::string& owner : a.owners) request.add_owners(owner);
   if (!a.ttl.empty()) {
     absl::Duration ttl;
     if (!absl::ParseDuration(a.ttl, &ttl) || ttl <= absl::ZeroDuration()) {
@@ -737,6 +739,11 @@ int main(int argc, char** argv) {
   token_create->add_option("--node", token_args.node,
                            "a node token for this node name (workers, parameter servers)");
   token_create->add_option("--ttl", token_args.ttl, "expires after this long (e.g. 720h)");
+  token_create
+      ->add_option("--owners", token_args.owners,
+                   "with --node: the users whose jobs that node may take (a worker not "
+                   "running as root); default any")
+      ->delimiter(',');
   token_create->add_option("--description", token_args.description, "shown by ls");
   token_create->add_option("--out", token_args.out,
                            "write it to this file (mode 0600) instead of printing it");

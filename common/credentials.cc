@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -126,8 +127,12 @@ absl::StatusOr<JobCredential> ParseJobCredential(absl::string_view text) {
   if (attempt_dot == absl::string_view::npos || attempt_dot == 0 || mac_dot == 0) return bad();
   JobCredential c;
   c.job_id = std::string(text.substr(0, attempt_dot));
-  if (!absl::SimpleAtoi(text.substr(attempt_dot + 1, mac_dot - attempt_dot - 1), &c.attempt) ||
-      c.attempt < 1) {
+  // Plain decimal, no sign or leading zero: one text per credential.
+  const absl::string_view attempt = text.substr(attempt_dot + 1, mac_dot - attempt_dot - 1);
+  if (attempt.empty() || attempt.size() > 9 || attempt[0] == '0' ||
+      !std::all_of(attempt.begin(), attempt.end(),
+                   [](char ch) { return absl::ascii_isdigit(static_cast<unsigned char>(ch)); }) ||
+      !absl::SimpleAtoi(attempt, &c.attempt)) {
     return bad();
   }
   c.mac = std::string(text.substr(mac_dot + 1));

@@ -22,7 +22,7 @@ namespace trainyard {
 
 inline constexpr char kAuthorizationMetadata[] = "authorization";
 // The environment variables a credential may come from: yard and the daemons read
-// kTokenEnv; ranks read kJobCredentialEnv (set by their worker, removed from their children).
+// kTokenEnv; ranks read kJobCredentialEnv (set by their worker, which keeps kTokenEnv from them).
 inline constexpr char kTokenEnv[] = "TRAINYARD_TOKEN";
 inline constexpr char kJobCredentialEnv[] = "TRAINYARD_JOB_CREDENTIAL";
 

@@ -112,7 +112,9 @@ std::shared_ptr<grpc::ChannelCredentials> ChannelCredentialsFromEnv() {
   auto credentials = MakeChannelCredentials(options);
   if (credentials.ok()) return *credentials;
   std::fprintf(stderr, "%s: %s\n", kTlsCaEnv, std::string(credentials.status().message()).c_str());
-  return grpc::InsecureChannelCredentials();
+  // Fail closed: TLS with the system's roots, which do not know the cluster's CA, so no call
+  // (and no credential) goes out in clear.
+  return grpc::SslCredentials(grpc::SslCredentialsOptions());
 }
 
 std::string PeerCertificateName(const grpc::ServerContextBase& ctx) {

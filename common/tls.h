@@ -51,8 +51,8 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
     const TlsClientOptions& options);
 
 // A rank's channel credentials: TLS verified against $TRAINYARD_TLS_CA (which its worker sets),
-// else plaintext. A CA file that cannot be read is reported on stderr, and plaintext is used:
-// the calls then fail against a TLS server, naming it.
+// else plaintext. A CA file that cannot be read is reported on stderr and the channel fails
+// closed (TLS it cannot verify: its calls fail, nothing is sent in clear).
 std::shared_ptr<grpc::ChannelCredentials> ChannelCredentialsFromEnv();
 
 // The common name of the call's verified client certificate; empty if none.

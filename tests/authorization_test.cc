@@ -611,5 +611,60 @@ TEST_F(AuthorizationTest, AParameterServerVerifiesOnlyCredentialsOfAttemptsWithA
             StatusCode::PERMISSION_DENIED);
 }
 
+TEST_F(AuthorizationTest, ANodeTokenLimitedToSomeOwnersCannotClaimOthers) {
+  auto token =
+      server_->identities().CreateToken("admin", "n3", 0, "alice's workstation", {"alice"});
+  ASSERT_TRUE(token.ok()) << token.status();
+  auto register_with = [&](const std::vector<std::string>& owners) {
+    grpc::ClientContext ctx;
+    Prepare(ctx, token->text);
+    v1::RegisterNodeRequest r;
+    r.set_node_id("n3");
+    r.add_devices()->set_kind(v1::CPU_SLOT);
+    for (const std::string& o : owners) r.add_owners(o);
+    v1::RegisterNodeResponse resp;
+    return nodes_->RegisterNode(&ctx, r, &resp);
+  };
+  grpc::Status s = register_with({});  // "any user's": not for this token
+  EXPECT_EQ(s.error_code(), StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(s.error_message(), ::testing::HasSubstr("allows only the jobs of alice"));
+  EXPECT_EQ(register_with({"alice", "bob"}).error_code(), StatusCode::PERMISSION_DENIED);
+  s = register_with({"alice"});
+  EXPECT_TRUE(s.ok()) << s.error_message();
+}
+
+TEST_F(AuthorizationTest, ANodeSpeaksOnlyForTheRanksItRuns) {
+  // n2 reports that alice's rank on n1 failed, and sends lines in its name: both are ignored.
+  auto n2 = testing::NodeSession::Connect(channel_, tokens_->Node("n2"), "n2", 1);
+  v1::Assignment a;
+  a.set_job_id(job_);
+  a.set_attempt(1);
+  n2->ReportExit(a, 0, 3);
+  v1::NodeMessage lines;
+  lines.mutable_logs()->set_job_id(job_);
+  lines.mutable_logs()->set_attempt(1);
+  lines.mutable_logs()->set_rank(0);
+  lines.mutable_logs()->add_lines("forged line");
+  ASSERT_TRUE(n2->Write(lines));
+  n2->Heartbeat();  // processed in order: both are handled once the ack arrives
+  auto job = server_->jobs().Get(job_);
+  ASSERT_TRUE(job.ok());
+  EXPECT_EQ(job->state(), v1::RUNNING);
+  grpc::ClientContext ctx;
+  Prepare(ctx, credentials_["owner"]);
+  v1::StreamLogsRequest r;
+  r.set_job_id(job_);
+  auto reader = jobs_->StreamLogs(&ctx, r);
+  v1::LogLine line;
+  while (reader->Read(&line)) EXPECT_NE(line.text(), "forged line");
+  EXPECT_TRUE(reader->Finish().ok());
+  // n1, which runs it, is heard.
+  node_->ReportExit(a, 0, 3);
+  node_->Heartbeat();
+  job = server_->jobs().Get(job_);
+  ASSERT_TRUE(job.ok());
+  EXPECT_NE(job->state(), v1::RUNNING);
+}
+
 }  // namespace
 }  // namespace trainyard::coordinator

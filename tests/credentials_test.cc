@@ -82,7 +82,8 @@ TEST(CredentialsTest, JobCredentialsVerifyOnlyForTheirJobAttemptAndKey) {
   ASSERT_TRUE(dotted.ok());
   EXPECT_EQ(dotted->job_id, "a.b");
   for (const std::string& bad : std::vector<std::string>{
-           "tyj.", "tyj.job-7.0." + c->mac, "tyj.job-7.x." + c->mac, "tyj.job-7.3.short"}) {
+           "tyj.", "tyj.job-7.0." + c->mac, "tyj.job-7.x." + c->mac, "tyj.job-7.+3." + c->mac,
+           "tyj.job-7.03." + c->mac, "tyj.job-7.3.short"}) {
     EXPECT_FALSE(ParseJobCredential(bad).ok()) << bad;
   }
 }

@@ -207,7 +207,7 @@ class WorkerE2eTest : public ::testing::Test {
   // Pids that ranks (and their children) of `job` attempt `attempt` recorded.
   std::vector<pid_t> RankPids(const std::string& job, int attempt) {
     std::vector<pid_t> pids;
-    const std::string dir = absl::StrCat(work_dir(), "/", job, "/attempt-", attempt);
+    const std::string dir = absl::StrCat(work_dir(), "/", job, "/attempt-", attempt, "/work");
     for (const auto& entry : std::filesystem::directory_iterator(dir)) {
       if (entry.path().filename().string().rfind("pids-rank-", 0) != 0) continue;
       std::ifstream in(entry.path());
@@ -311,8 +311,16 @@ TEST_F(WorkerE2eTest, RanksRunAsTheirOwnersAccountAndReadOnlyWhatItMay) {
                 Contains(absl::StrCat(rank, ": rank ", rank, ": uid 65534 gid 65534 USER=nobody")));
   }
   struct stat st {};
-  ASSERT_EQ(stat((work_dir() + "/" + identity->id() + "/attempt-1").c_str(), &st), 0);
+  const std::string attempt_dir = work_dir() + "/" + identity->id() + "/attempt-1";
+  ASSERT_EQ(stat((attempt_dir + "/work").c_str(), &st), 0);
   EXPECT_EQ(st.st_uid, 65534u) << "the rank's folder is its owner's";
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+  // The worker's own files stay where the rank cannot put a link in their place.
+  ASSERT_EQ(stat(attempt_dir.c_str(), &st), 0);
+  EXPECT_EQ(st.st_uid, 0u);
+  EXPECT_EQ(st.st_mode & 0777, 0711u);
+  ASSERT_EQ(stat((attempt_dir + "/rank-0.log").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
   auto bobs = bob->Submit(testing::TinySpec("print-identity", 1));
   ASSERT_TRUE(bobs.ok()) << bobs.status();
   auto bobs_end = bob->Watch(bobs->id(), absl::Seconds(60), [](const v1::Job&) { return false; });
@@ -353,6 +361,16 @@ TEST_F(WorkerE2eTest, RanksRunAsTheirOwnersAccountAndReadOnlyWhatItMay) {
   ASSERT_TRUE(orphan_end.ok()) << orphan_end.status();
   EXPECT_EQ(orphan_end->state(), v1::FAILED);
   EXPECT_THAT(orphan_end->message(), HasSubstr("no Unix account carol for user carol"));
+
+  // A user named like a system account does not get it by name: only the map may give it.
+  auto daemon = ClientOf("daemon");
+  auto system = daemon->Submit(testing::TinySpec("print-identity", 1));
+  ASSERT_TRUE(system.ok()) << system.status();
+  auto system_end =
+      daemon->Watch(system->id(), absl::Seconds(60), [](const v1::Job&) { return false; });
+  ASSERT_TRUE(system_end.ok()) << system_end.status();
+  EXPECT_EQ(system_end->state(), v1::FAILED);
+  EXPECT_THAT(system_end->message(), HasSubstr("has uid 1, a system account"));
 }
 
 // A worker that is not root runs every rank as itself, so it takes only the jobs of the users

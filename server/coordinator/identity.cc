@@ -145,6 +145,7 @@ absl::StatusOr<Principal> IdentityRegistry::Authenticate(absl::string_view crede
   p.role = user->second.role() == v1::ADMIN ? v1::ADMIN : v1::USER;
   p.node = info.node();
   p.token_id = info.id();
+  p.node_owners.assign(info.owners().begin(), info.owners().end());
   return p;
 }
 
@@ -212,8 +213,14 @@ absl::StatusOr<v1::User> IdentityRegistry::SetDisabled(const std::string& name, 
 
 absl::StatusOr<IdentityRegistry::NewToken> IdentityRegistry::CreateToken(
     const std::string& user, const std::string& node, int64_t ttl_seconds,
-    const std::string& description) {
+    const std::string& description, const std::vector<std::string>& node_owners) {
   if (!node.empty()) RETURN_IF_ERROR(CheckNodeName("node", node));
+  if (!node_owners.empty() && node.empty()) {
+    return absl::InvalidArgumentError("owners: only for a node token (with node)");
+  }
+  for (size_t i = 0; i < node_owners.size(); ++i) {
+    RETURN_IF_ERROR(CheckUserName(absl::StrCat("owners[", i, "]"), node_owners[i]));
+  }
   if (ttl_seconds < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("ttl_seconds: must be >= 0 (0: never expires), got ", ttl_seconds));
@@ -233,6 +240,7 @@ absl::StatusOr<IdentityRegistry::NewToken> IdentityRegistry::CreateToken(
   info->set_user(user);
   info->set_node(node);
   info->set_description(description);
+  for (const std::string& owner : node_owners) info->add_owners(owner);
   const absl::Time now = clock_.Now();
   info->set_created_time_ms(UnixMs(now));
   if (ttl_seconds > 0) info->set_expires_time_ms(UnixMs(now + absl::Seconds(ttl_seconds)));

@@ -30,10 +30,11 @@ struct Principal {
   Kind kind = Kind::kUser;
   std::string user;  // kUser: the user; kNode: the user the node token was issued by
   v1::Role role = v1::USER;
-  std::string node;      // kNode
-  std::string job_id;    // kJob
-  int32_t attempt = 0;   // kJob
-  std::string token_id;  // kUser, kNode
+  std::string node;                      // kNode
+  std::string job_id;                    // kJob
+  int32_t attempt = 0;                   // kJob
+  std::string token_id;                  // kUser, kNode
+  std::vector<std::string> node_owners;  // kNode: whose jobs it may take (empty: any)
 
   bool IsAdmin() const { return kind == Kind::kUser && role == v1::ADMIN; }
   // "user alice", "admin root", "node w1", "job job-3 attempt 1": for messages and the audit log.
@@ -69,10 +70,11 @@ class IdentityRegistry {
     std::string text;  // the whole secret, shown once
     v1::TokenInfo info;
   };
-  // A token of `user` (node tokens: bound to `node`). NOT_FOUND for an unknown user,
-  // INVALID_ARGUMENT for a bad node name or a negative ttl.
+  // A token of `user` (node tokens: bound to `node`, limited to `node_owners`' jobs when not
+  // empty). NOT_FOUND for an unknown user, INVALID_ARGUMENT for a bad node name, owner or ttl.
   absl::StatusOr<NewToken> CreateToken(const std::string& user, const std::string& node,
-                                       int64_t ttl_seconds, const std::string& description);
+                                       int64_t ttl_seconds, const std::string& description,
+                                       const std::vector<std::string>& node_owners = {});
   // Every token of `user` (empty: every user's), by creation time.
   std::vector<v1::TokenInfo> ListTokens(const std::string& user) const;
   absl::StatusOr<v1::TokenInfo> GetToken(const std::string& id) const;  // NOT_FOUND

@@ -768,11 +768,43 @@ void JobManager::OnNodeHello(const std::string& node_id,
   for (const v1::RankStatus& r : running) OnRankStatus(node_id, r);
 }
 
+namespace {
+
+// Whether rank `rank` of `job`'s current placement runs on `node_id`.
+bool PlacedOn(const v1::Job& job, const std::string& node_id, int rank) {
+  for (const v1::RankPlacement& p : job.placement()) {
+    if (p.node_id() == node_id && rank >= p.first_rank() &&
+        rank < p.first_rank() + p.device_indices_size()) {
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+bool JobManager::RankRunsOn(const std::string& node_id, const std::string& job_id, int attempt,
+                            int rank) const {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it != jobs_.end() && it->second.attempt() == attempt && PlacedOn(it->second, node_id, rank)) {
+    return true;
+  }
+  auto draining = draining_.find({job_id, attempt, rank});
+  return draining != draining_.end() && draining->second.node_id == node_id;
+}
+
 void JobManager::OnRankStatus(const std::string& node_id, const v1::RankStatus& status) {
   absl::MutexLock lock(&mu_);
   v1::Job* job = Find(status.job_id());
   const bool current =
       job != nullptr && IsActive(job->state()) && status.attempt() == job->attempt();
+  if (current && !PlacedOn(*job, node_id, status.rank())) {
+    // A node speaks only for the ranks it runs.
+    spdlog::warn("audit: node {} reported rank {} of {} attempt {}, which it does not run: ignored",
+                 node_id, status.rank(), status.job_id(), status.attempt());
+    return;
+  }
   if (!current) {
     if (status.phase() == v1::RANK_EXITED) {
       auto draining = draining_.find({status.job_id(), status.attempt(), status.rank()});

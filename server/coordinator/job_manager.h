@@ -60,6 +60,10 @@ class JobManager {
   void Submit(const std::string& owner, v1::JobSpec spec, JobCallback done);
 
   absl::StatusOr<v1::Job> Get(const std::string& job_id) const;  // NOT_FOUND
+  // Whether rank `rank` of attempt `attempt` of the job runs on `node_id` (placed there, or an
+  // older attempt's rank still stopping there): what a node may report on.
+  bool RankRunsOn(const std::string& node_id, const std::string& job_id, int attempt,
+                  int rank) const;
 
   struct ListResult {
     std::vector<v1::Job> jobs;  // newest first

@@ -296,6 +296,7 @@ ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
     }
     if (phase == Phase::kStopped) continue;
     for (const Hidden& h : hidden_for_job) index.Set(h.node, 0);
+    if (!hidden_for_job.empty()) head_protected_stale = true;  // computed with them visible
     decide(job);
     for (const Hidden& h : hidden_for_job) index.Set(h.node, h.free);  // it took nothing there
     if (!hidden_for_job.empty()) head_protected_stale = true;

@@ -7,6 +7,7 @@
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/credentials.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
@@ -322,6 +323,12 @@ class SessionReactor final
       sink_->Send(ack);
     } else if (incoming_.has_rank_status()) {
       jobs_.OnRankStatus(node_id_, incoming_.rank_status());
+    } else if (incoming_.has_logs() &&
+               !jobs_.RankRunsOn(node_id_, incoming_.logs().job_id(), incoming_.logs().attempt(),
+                                 incoming_.logs().rank())) {
+      // A node speaks only for the ranks it runs.
+      spdlog::warn("audit: node {} sent lines of rank {} of {}, which it does not run: dropped",
+                   node_id_, incoming_.logs().rank(), incoming_.logs().job_id());
     } else if (incoming_.has_logs()) {
       const v1::LogLines& in = incoming_.logs();
       std::vector<v1::LogLine> lines;
@@ -640,6 +647,24 @@ grpc::ServerUnaryReactor* NodeServiceImpl::RegisterNode(grpc::CallbackServerCont
   auto caller =
       AuthenticateNode(ctx, identities_, "RegisterNode", request->node_id(), node_certificates_);
   if (!caller.ok()) return Done(ctx, caller.status());
+  // A node token limited to some owners' jobs: the node may not claim more (or any owner's).
+  if (!caller->node_owners.empty()) {
+    const auto& allowed = caller->node_owners;
+    const bool within =
+        !request->owners().empty() &&
+        std::all_of(request->owners().begin(), request->owners().end(), [&](const std::string& o) {
+          return std::find(allowed.begin(), allowed.end(), o) != allowed.end();
+        });
+    if (!within) {
+      return Done(
+          ctx, Refused("RegisterNode", caller->Describe(),
+                       absl::PermissionDeniedError(absl::StrCat(
+                           "owners: the node token allows only the jobs of ",
+                           absl::StrJoin(allowed, ", "), "; the node asked for ",
+                           request->owners().empty() ? std::string("any user's")
+                                                     : absl::StrJoin(request->owners(), ", ")))));
+    }
+  }
   auto* reactor = ctx->DefaultReactor();
   nodes_.Register(*request, [this, reactor, response, who = *caller,
                              id = request->node_id()](absl::StatusOr<v1::Node> node) {
@@ -885,8 +910,9 @@ grpc::ServerUnaryReactor* IdentityServiceImpl::CreateToken(grpc::CallbackServerC
                                                     user, ")")
                                      : std::string("node: only admins may create node tokens"))));
   }
-  auto token = identities_.CreateToken(user, request->node(), request->ttl_seconds(),
-                                       request->description());
+  auto token =
+      identities_.CreateToken(user, request->node(), request->ttl_seconds(), request->description(),
+                              {request->owners().begin(), request->owners().end()});
   // The token's id only: its secret goes to the caller and nowhere else.
   Audit(*caller, "CreateToken",
         absl::StrCat(user, request->node().empty() ? "" : " node " + request->node(), " ",

@@ -1,6 +1,6 @@
 #include "server/ps/job_authorizer.h"
 
-#include <set>
+#include <map>
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
@@ -41,9 +41,13 @@ class CoordinatorJobAuthorizer final : public JobAuthorizer {
                                                       job_id, " attempt ", attempt));
     }
     const std::string key = Sha256(credential);
+    const absl::Time now = absl::Now();
     {
       absl::MutexLock lock(&mu_);
-      if (accepted_.count(key) != 0) return absl::OkStatus();
+      auto it = accepted_.find(parsed->job_id);
+      if (it != accepted_.end() && it->second.sha256 == key && now < it->second.until) {
+        return absl::OkStatus();
+      }
     }
     grpc::ClientContext ctx;
     if (!bearer_.empty()) ctx.AddMetadata(kAuthorizationMetadata, bearer_);
@@ -62,18 +66,28 @@ class CoordinatorJobAuthorizer final : public JobAuthorizer {
                              parsed->attempt, ": ", status.message()));
     }
     absl::MutexLock lock(&mu_);
-    if (accepted_.size() >= kMaxRemembered) accepted_.clear();  // old attempts' go with them
-    accepted_.insert(key);
+    if (accepted_.size() >= kMaxRemembered) accepted_.clear();
+    Accepted& entry = accepted_[parsed->job_id];
+    if (parsed->attempt >= entry.attempt) entry = {parsed->attempt, key, now + kRecheckAfter};
     return absl::OkStatus();
   }
 
  private:
   static constexpr size_t kMaxRemembered = 4096;
+  // An accepted credential is asked about again after this long: an attempt that ended (or whose
+  // ranges moved) is refused within it.
+  static constexpr absl::Duration kRecheckAfter = absl::Seconds(30);
+
+  struct Accepted {
+    int32_t attempt = 0;
+    std::string sha256;  // of the credential's text
+    absl::Time until;
+  };
 
   std::unique_ptr<v1::NodeService::Stub> stub_;
   const std::string bearer_;
   absl::Mutex mu_;
-  std::set<std::string> accepted_ ABSL_GUARDED_BY(mu_);  // SHA-256 of accepted credentials
+  std::map<std::string, Accepted> accepted_ ABSL_GUARDED_BY(mu_);  // by job: its newest attempt
 };
 
 }  // namespace

@@ -2,7 +2,8 @@
 // must hold the job credential of that job and attempt (identity.proto), which the coordinator
 // signs and this server cannot check alone: it asks the coordinator once per credential
 // (NodeService.VerifyJobCredential, as this node with its node token; the coordinator answers
-// yes only for an attempt that is running with a range on this node) and remembers the answer.
+// yes only for an attempt that is running with a range on this node) and remembers the answer
+// for 30 s, per job for its newest attempt only.
 // A standalone server (no --coordinator) has no one to ask: it admits every call, and says so
 // at start. Used by the gRPC service and the data plane. Thread-safe.
 #ifndef TRAINYARD_SERVER_PS_JOB_AUTHORIZER_H_

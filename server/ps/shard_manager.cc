@@ -214,6 +214,12 @@ absl::Status ShardManager::BeginInit(const v1::InitShardChunk::Header& h) {
   {
     absl::MutexLock lock(&mu_);
     auto old = shards_.find(h.job_id());
+    // A leftover rank of an earlier attempt never replaces a later attempt's state.
+    if (old != shards_.end() && old->second->attempt > h.attempt()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("header.attempt: job ", h.job_id(), " holds attempt ", old->second->attempt,
+                       " here; attempt ", h.attempt(), " is over"));
+    }
     // A shard replaced frees its memory at once unless something still holds it (a pull sending
     // from it, an update running on it): then when that lets go.
     const int64_t freed = old != shards_.end() && old->second.use_count() == 1

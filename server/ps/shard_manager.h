@@ -49,7 +49,8 @@ class ShardManager {
 
   // Starts (re)initializing a job's range from `header`, replacing any state of the job. The
   // range is not usable until every element arrived through InitChunk and FinishInit.
-  // INVALID_ARGUMENT names a bad header field; RESOURCE_EXHAUSTED when it does not fit.
+  // INVALID_ARGUMENT names a bad header field; RESOURCE_EXHAUSTED when it does not fit;
+  // FAILED_PRECONDITION for an attempt older than the one held.
   absl::Status BeginInit(const v1::InitShardChunk::Header& header);
   // Chunks must come in order from `begin`. `m` and `v` are empty unless the header said
   // has_optimizer_state; all sizes are multiples of 4 bytes and equal.

@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -26,6 +27,40 @@ extern char** environ;
 
 namespace trainyard::worker {
 namespace {
+
+// Writes `content` to `path` (a file of the worker's folder) with mode 0600, refusing a symbolic
+// link, and gives it to `owner` (null: keeps it).
+absl::Status WriteOwnedFile(const std::string& path, const std::string& content,
+                            const UnixAccount* owner) {
+  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd < 0)
+    return absl::UnavailableError(absl::StrCat("cannot write ", path, ": ", strerror(errno)));
+  bool ok = write(fd, content.data(), content.size()) == static_cast<ssize_t>(content.size());
+  if (ok && owner != nullptr) ok = fchown(fd, owner->uid, owner->gid) == 0;
+  const int err = errno;
+  close(fd);
+  if (!ok) return absl::UnavailableError(absl::StrCat("cannot write ", path, ": ", strerror(err)));
+  return absl::OkStatus();
+}
+
+// Gives the folder `path` to `owner` with mode 0700 (null: leaves it), refusing a symbolic link
+// in its place (a job's checkpoint folder may sit where users can write).
+absl::Status GiveFolder(const std::string& path, const UnixAccount* owner) {
+  if (owner == nullptr) return absl::OkStatus();
+  const int fd = open(path.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot give ", path, " to ", owner->name, ": ", strerror(errno)));
+  }
+  const bool ok = fchown(fd, owner->uid, owner->gid) == 0 && fchmod(fd, 0700) == 0;
+  const int err = errno;
+  close(fd);
+  if (!ok) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot give ", path, " to ", owner->name, ": ", strerror(err)));
+  }
+  return absl::OkStatus();
+}
 
 // The all-reduce segment a trainer of rank 0 names /dev/shm/trainyard-allreduce-PID-... exists
 // only until every rank has mapped it; if that rank died in between, its name would stay.
@@ -189,29 +224,27 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
     if (options_.run_as->switches()) account = *std::move(found);
   }
 
+  // The attempt's folder stays the worker's (the spec and the ranks' logs, which the worker
+  // writes, live there, where a rank cannot plant a link); the rank works in its "work" folder
+  // and writes checkpoints into the job's checkpoint folder, both its owner's (mode 0700).
   namespace fs = std::filesystem;
   const std::string dir =
       absl::StrCat(options_.work_dir, "/", a.job_id(), "/attempt-", a.attempt());
+  const std::string work = dir + "/work";
   std::error_code ec;
-  fs::create_directories(dir, ec);
+  fs::create_directories(work, ec);
+  if (account.has_value()) chmod(dir.c_str(), 0711);  // others may pass, not list
   const std::string spec_path = dir + "/spec.pb";
-  {
-    std::ofstream out(spec_path, std::ios::binary | std::ios::trunc);
-    out << a.spec();
-  }
   const std::string checkpoint_dir =
       a.checkpoint_dir().empty() ? absl::StrCat(options_.work_dir, "/", a.job_id(), "/checkpoints")
                                  : a.checkpoint_dir();
   fs::create_directories(checkpoint_dir, ec);
-  if (account.has_value()) {
-    // The rank writes its checkpoints and works in its folder as the owner: they are the owner's.
-    for (const std::string& path : {dir, spec_path, checkpoint_dir}) {
-      if (chown(path.c_str(), account->uid, account->gid) != 0) {
-        ReportExit(
-            key, 126,
-            absl::StrCat("cannot give ", path, " to ", account->name, ": ", strerror(errno)));
-        return;
-      }
+  const UnixAccount* owner = account.has_value() ? &*account : nullptr;
+  for (absl::Status s : {WriteOwnedFile(spec_path, a.spec(), owner), GiveFolder(work, owner),
+                         GiveFolder(checkpoint_dir, owner)}) {
+    if (!s.ok()) {
+      ReportExit(key, 126, std::string(s.message()));
+      return;
     }
   }
 
@@ -318,7 +351,7 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
       prctl(PR_SET_PDEATHSIG, SIGKILL);
       if (getppid() != parent) _exit(127);
     }
-    if (chdir(dir.c_str()) != 0) _exit(127);
+    if (chdir(work.c_str()) != 0) _exit(127);
     execve(c_argv[0], c_argv.data(), c_env.data());
     const char msg[] = "cannot execute the trainer\n";
     (void)!write(STDERR_FILENO, msg, sizeof(msg) - 1);
@@ -347,9 +380,14 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
 
 void RankSupervisor::ReadOutput(RankKey key, int fd, pid_t pid) {
   const auto& [job_id, attempt, rank] = key;
-  std::ofstream log(
-      absl::StrCat(options_.work_dir, "/", job_id, "/attempt-", attempt, "/rank-", rank, ".log"),
-      std::ios::app);
+  // Readable by the worker's account only (a rank's output may hold its owner's data).
+  const std::string log_path =
+      absl::StrCat(options_.work_dir, "/", job_id, "/attempt-", attempt, "/rank-", rank, ".log");
+  if (const int fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+      fd >= 0) {
+    close(fd);
+  }
+  std::ofstream log(log_path, std::ios::app);
   std::deque<std::string> last;
   std::string partial;
   char buf[8192];

@@ -12,6 +12,12 @@
 #include "absl/strings/str_split.h"
 
 namespace trainyard::worker {
+namespace {
+
+// Debian's UID_MIN: below it, root and system accounts.
+constexpr uid_t kFirstUserUid = 1000;
+
+}  // namespace
 
 absl::StatusOr<UnixAccount> LookUpAccount(const std::string& name) {
   std::vector<char> buf(16384);
@@ -88,6 +94,13 @@ absl::StatusOr<UnixAccount> RunAs::AccountFor(const std::string& user) const {
     return absl::FailedPreconditionError(
         absl::StrCat("no Unix account ", name, " for user ", user,
                      " on this worker (map the user to one with trainyard-worker --user-map)"));
+  }
+  // A name alone never leads to root or a system account (a trainyard user called "root" or
+  // "daemon"): only the user map may.
+  if (mapped == map_.end() && account->uid < kFirstUserUid) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the Unix account ", name, " of user ", user, " has uid ", account->uid,
+                     ", a system account: ranks run as one only when --user-map names it"));
   }
   return account;
 }

@@ -1,6 +1,7 @@
 // RunAs: which Unix account runs a job's ranks on this worker. A worker running as root runs each
 // rank as the account of the job's owner: the account named in the user map, else the account
-// with the owner's name (as Slurm runs a job as the submitting uid). A worker not running as root
+// with the owner's name (as Slurm runs a job as the submitting uid), unless that is root or a
+// system account (uid below 1000), which only the map may name. A worker not running as root
 // can only run ranks as itself: it takes the jobs of the users mapped to its own account and of
 // the user with its account's name, and says so when it registers (the scheduler places nothing
 // else on it).

@@ -57,11 +57,11 @@ WorkerDaemon::WorkerDaemon(WorkerOptions options)
   devices_.Add({{"state", "allocated"}}).Set(0);
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
-  // main() checked the TLS files: a failure here leaves the channel failing every call.
+  // main() checked the TLS files: a failure here fails closed (every call fails, none in clear).
   auto credentials = MakeChannelCredentials(options_.tls);
   channel_ = grpc::CreateCustomChannel(
-      options_.coordinator, credentials.ok() ? *credentials : grpc::InsecureChannelCredentials(),
-      args);
+      options_.coordinator,
+      credentials.ok() ? *credentials : grpc::SslCredentials(grpc::SslCredentialsOptions()), args);
   stub_ = v1::NodeService::NewStub(channel_);
   supervisor_ = std::make_unique<RankSupervisor>(options_.supervisor,
                                                  [this](v1::NodeMessage m) { Send(std::move(m)); });
