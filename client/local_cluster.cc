@@ -222,6 +222,8 @@ absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& options) {
   const std::string out = options.state_dir + "/coordinator.out";
   std::vector<std::string> coord_argv = {bin, "--listen", options.listen, "--state-dir",
                                          options.state_dir};
+  coord_argv.insert(coord_argv.end(), options.coordinator_flags.begin(),
+                    options.coordinator_flags.end());
   const TlsClientOptions tls{options.tls_ca, "", ""};
   if (!options.tls_cert.empty()) {
     if (options.tls_ca.empty()) {

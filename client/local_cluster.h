@@ -51,6 +51,8 @@ struct LocalUpOptions {
   // TLS: the coordinator and parameter servers serve with tls_cert/tls_key (valid for
   // 127.0.0.1), every client verifies them with tls_ca. All empty: plaintext on loopback.
   std::string tls_cert, tls_key, tls_ca;
+  // More flags for the coordinator (e.g. --preemption --min-run-time 0s).
+  std::vector<std::string> coordinator_flags;
 };
 
 // Starts the cluster and returns once the coordinator serves and every worker has registered.

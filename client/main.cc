@@ -774,6 +774,14 @@ int main(int argc, char** argv) {
   up->add_option("--slots", up_options.slots_per_worker, "CPU slots of each worker")
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
+  bool up_preemption = false;
+  std::string up_preemption_grace, up_min_run_time;
+  up->add_flag("--preemption", up_preemption,
+               "jobs may preempt lower-priority ones, which checkpoint first (coordinator "
+               "--preemption)");
+  up->add_option("--preemption-grace", up_preemption_grace,
+                 "coordinator --preemption-grace (default 120s)");
+  up->add_option("--min-run-time", up_min_run_time, "coordinator --min-run-time (default 5m)");
   up->add_option("--tls-cert", up_options.tls_cert,
                  "serve the coordinator and parameter servers over TLS with this certificate "
                  "(PEM, valid for 127.0.0.1; clients verify it with the global --tls-ca)");
@@ -805,6 +813,15 @@ int main(int argc, char** argv) {
       up_options.tcp_congestion.clear();
     }
     up_options.tls_ca = g.tls.ca_file;
+    if (up_preemption) up_options.coordinator_flags.push_back("--preemption");
+    if (!up_preemption_grace.empty()) {
+      up_options.coordinator_flags.insert(up_options.coordinator_flags.end(),
+                                          {"--preemption-grace", up_preemption_grace});
+    }
+    if (!up_min_run_time.empty()) {
+      up_options.coordinator_flags.insert(up_options.coordinator_flags.end(),
+                                          {"--min-run-time", up_min_run_time});
+    }
     auto c = LocalUp(up_options);
     if (!c.ok()) {
       rc = Fail(c.status());

@@ -122,6 +122,74 @@ TEST(SchedulerTest, ARestrictedNodeIsLeftOutOfOtherOwnersReservations) {
   EXPECT_EQ(r.reservation->job_id, "bob");
 }
 
+// A running job of `devices` devices on `node`, at `priority`, started `ran` ago, its last
+// checkpoint `since_checkpoint` ago (nullopt: none).
+RunningJobInfo RunningFor(const std::string& id, int node, int devices, int priority,
+                          absl::Duration ran,
+                          std::optional<absl::Duration> since_checkpoint = std::nullopt) {
+  RunningJobInfo r = Running(id, {{node, devices}}, std::nullopt);
+  r.priority = priority;
+  r.start = kNow - ran;
+  if (since_checkpoint.has_value()) r.last_checkpoint = kNow - *since_checkpoint;
+  return r;
+}
+
+TEST(SchedulerTest, ABlockedJobPreemptsTheLowerPriorityJobsThatLoseTheLeastWork) {
+  // Four full nodes of 2 devices; the head needs 4 devices.
+  ClusterSnapshot s = Cluster({0, 0, 0, 0}, 2);
+  s.preemption = true;
+  s.running = {
+      RunningFor("fresh-ckpt", 0, 2, 10, absl::Hours(5), absl::Minutes(1)),  // lost 2*60 s
+      RunningFor("old-ckpt", 1, 2, 10, absl::Hours(5), absl::Hours(2)),      // lost 2*7200 s
+      RunningFor("no-ckpt", 2, 2, 10, absl::Hours(1)),                       // lost 2*3600 s
+      RunningFor("important", 3, 2, 95, absl::Hours(5)),                     // higher priority
+  };
+  s.pending = {Job("head", 4, 90)};
+  ScheduleResult r = Schedule(s);
+  EXPECT_THAT(r.placements, IsEmpty());
+  ASSERT_TRUE(r.preemption.has_value());
+  EXPECT_EQ(r.preemption->job_id, "head");
+  EXPECT_THAT(r.preemption->victims, ElementsAre("fresh-ckpt", "no-ckpt"));
+}
+
+TEST(SchedulerTest, NoPreemptionOfEqualPriorityOrTooYoungJobsOrWhenOff) {
+  ClusterSnapshot s = Cluster({0, 0}, 2);
+  s.preemption = true;
+  s.running = {RunningFor("equal", 0, 2, 90, absl::Hours(1)),
+               RunningFor("young", 1, 2, 10, absl::Minutes(1))};
+  s.pending = {Job("head", 2, 90)};
+  EXPECT_FALSE(Schedule(s).preemption.has_value());
+  s.running[1].start = kNow - absl::Minutes(6);  // past the 5 min minimum run time
+  ScheduleResult r = Schedule(s);
+  ASSERT_TRUE(r.preemption.has_value());
+  EXPECT_THAT(r.preemption->victims, ElementsAre("young"));
+  s.preemption = false;
+  EXPECT_FALSE(Schedule(s).preemption.has_value());
+}
+
+TEST(SchedulerTest, JobsAlreadyStoppingForTheHeadAreWaitedForNotAddedTo) {
+  ClusterSnapshot s = Cluster({1, 0, 0}, 2);
+  s.preemption = true;
+  s.running = {RunningFor("stopping", 1, 2, 10, absl::Hours(1)),
+               RunningFor("other", 2, 2, 10, absl::Hours(1))};
+  s.running[0].preempting = true;
+  s.pending = {Job("head", 3, 90)};
+  EXPECT_FALSE(Schedule(s).preemption.has_value()) << "1 free + 2 stopping hold the head";
+  s.pending = {Job("head", 5, 90)};
+  ScheduleResult r = Schedule(s);
+  ASSERT_TRUE(r.preemption.has_value());
+  EXPECT_THAT(r.preemption->victims, ElementsAre("other"));
+}
+
+TEST(SchedulerTest, NoPreemptionWhenEvenEveryCandidateWouldNotMakeRoom) {
+  ClusterSnapshot s = Cluster({0, 0}, 2);
+  s.preemption = true;
+  s.running = {RunningFor("low", 0, 2, 10, absl::Hours(1)),
+               RunningFor("high", 1, 2, 99, absl::Hours(1))};
+  s.pending = {Job("head", 4, 90)};
+  EXPECT_FALSE(Schedule(s).preemption.has_value());
+}
+
 TEST(SchedulerTest, EmptySnapshotYieldsNothing) {
   ScheduleResult r = Schedule(ClusterSnapshot{});
   EXPECT_THAT(r.placements, IsEmpty());

@@ -81,6 +81,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s->rendezvous_ = std::make_unique<Rendezvous>();
   s->jobs_ = std::make_unique<JobManager>(*s->store_, *s->nodes_, *s->rendezvous_, s->clock_);
   s->jobs_->SetMetrics(s->metrics_prom_.get());
+  s->jobs_->SetPreemption(s->options_.preemption, s->options_.preemption_grace,
+                          s->options_.min_run_time);
   s->jobs_->SetJobCredentials(
       [ids = s->identities_.get()](const std::string& job, int32_t attempt) {
         return ids->JobCredentialFor(job, attempt);

@@ -44,6 +44,10 @@ struct CoordinatorOptions {
   bool background_threads = true;
   // Share one fsync among concurrent writes. Off only to measure what it buys (bench/).
   bool group_commit = true;
+  // Preemption that checkpoints first (JobManager::SetPreemption); off by default.
+  bool preemption = false;
+  absl::Duration preemption_grace = absl::Seconds(120);
+  absl::Duration min_run_time = absl::Minutes(5);
 };
 
 class CoordinatorServer {

@@ -40,6 +40,12 @@ JobManager::JobManager(JobStore& store, NodeRegistry& nodes, Rendezvous& rendezv
 
 void JobManager::SetSchedulerWakeup(std::function<void()> wakeup) { wakeup_ = std::move(wakeup); }
 
+void JobManager::SetPreemption(bool enabled, absl::Duration grace, absl::Duration min_run_time) {
+  preemption_ = enabled;
+  preemption_grace_ = grace;
+  min_run_time_ = min_run_time;
+}
+
 void JobManager::SetJobCredentials(
     std::function<std::string(const std::string& job_id, int32_t attempt)> credential_for) {
   credential_for_ = std::move(credential_for);
@@ -334,6 +340,8 @@ absl::StatusOr<v1::Job*> JobManager::FindRunningAttempt(const std::string& job_i
 v1::TrainerCommands JobManager::CommandsFor(const v1::Job& job) const {
   v1::TrainerCommands commands;
   commands.set_checkpoint_requested(job.state() == v1::CHECKPOINTING);
+  // Preempted: checkpoint, then stop (the trainer exits 0 after the checkpoint).
+  commands.set_stop_requested(job.preempt_deadline_ms() != 0);
   return commands;
 }
 
@@ -449,6 +457,19 @@ JobManager::DrainingMap::iterator JobManager::EndDraining(DrainingMap::iterator 
   return draining_.erase(it);
 }
 
+void JobManager::Preempted(v1::Job& job) {
+  preempt_stopped_.erase(job.id());
+  job.clear_placement();
+  job.set_preempt_deadline_ms(0);
+  job.set_preemptions(job.preemptions() + 1);
+  Transition(job, v1::PREEMPTED,
+             absl::StrCat("preempted by ", job.preempted_by(), " at step ", job.step(),
+                          job.last_checkpoint().step() > 0
+                              ? absl::StrCat("; resumes from the checkpoint of step ",
+                                             job.last_checkpoint().step())
+                              : std::string("; no checkpoint yet: starts over")));
+}
+
 void JobManager::FailAttempt(v1::Job& job, const std::string& reason) {
   ReleaseAttempt(job, reason);
   if (job.restarts() < job.spec().max_restarts()) {
@@ -525,12 +546,35 @@ int JobManager::SchedulePass() {
       if (max_runtime_s > 0) {
         r.expected_end = absl::FromUnixMillis(job.start_time_ms()) + absl::Seconds(max_runtime_s);
       }
+      r.priority = job.spec().priority();
+      r.start = absl::FromUnixMillis(job.start_time_ms());
+      if (job.last_checkpoint().time_ms() > 0) {
+        r.last_checkpoint = absl::FromUnixMillis(job.last_checkpoint().time_ms());
+      }
+      r.preempting = job.preempt_deadline_ms() != 0;
       snapshot.running.push_back(std::move(r));
     }
   }
   if (snapshot.pending.empty()) return 0;
+  snapshot.preemption = preemption_;
+  snapshot.min_run_time = min_run_time_;
 
   const ScheduleResult result = Schedule(snapshot);
+  if (result.preemption.has_value()) {
+    const v1::Job& head = jobs_.at(result.preemption->job_id);
+    for (const std::string& id : result.preemption->victims) {
+      v1::Job& victim = jobs_.at(id);
+      victim.set_preempt_deadline_ms(absl::ToUnixMillis(snapshot.now + preemption_grace_));
+      victim.set_preempted_by(head.id());
+      victim.set_message(absl::StrCat("preempted by ", head.id(), " (priority ",
+                                      head.spec().priority(), "): asked to checkpoint and stop"));
+      victim.set_version(victim.version() + 1);
+      Persist(victim);
+      spdlog::info("preempting {} (priority {}) for {} (priority {}); grace {}", id,
+                   victim.spec().priority(), head.id(), head.spec().priority(),
+                   absl::FormatDuration(preemption_grace_));
+    }
+  }
   int placed = 0;
   for (const Placement& placement : result.placements) {
     v1::Job& job = jobs_.at(placement.job_id);
@@ -583,7 +627,9 @@ int JobManager::SchedulePass() {
     job.set_backfilled(placement.backfilled);
     // After a restart, `yard describe` still says why the previous attempt ended.
     Transition(job, v1::RUNNING,
-               job.state() == v1::RESTARTING ? absl::StrCat("restarted: ", job.message()) : "");
+               job.state() == v1::RESTARTING  ? absl::StrCat("restarted: ", job.message())
+               : job.state() == v1::PREEMPTED ? absl::StrCat("resumed after: ", job.message())
+                                              : "");
     rendezvous_.OpenScope({job.id(), job.attempt()});
     // Assignments go out once the placement is durable, so a restarted coordinator never
     // forgets ranks it started.
@@ -688,6 +734,23 @@ int JobManager::EnforceRuntimeLimits() {
     ReleaseAttempt(job, reason);
     Transition(job, v1::FAILED, reason);
     Persist(job);
+  }
+  // Preempted jobs past their grace: their ranks are stopped (SIGTERM, then SIGKILL); their
+  // exits move them to PREEMPTED.
+  for (const std::string& id : unfinished_) {
+    const v1::Job& job = jobs_.at(id);
+    if (!IsActive(job.state()) || job.preempt_deadline_ms() == 0 ||
+        absl::FromUnixMillis(job.preempt_deadline_ms()) > now || preempt_stopped_.count(id) > 0) {
+      continue;
+    }
+    preempt_stopped_.insert(id);
+    spdlog::warn("{} did not stop within its preemption grace: stopping its ranks", id);
+    v1::CoordinatorMessage cancel;
+    cancel.mutable_cancel()->set_job_id(id);
+    cancel.mutable_cancel()->set_attempt(job.attempt());
+    cancel.mutable_cancel()->set_reason(
+        absl::StrCat("preempted by ", job.preempted_by(), ": grace period over"));
+    for (const auto& p : job.placement()) nodes_.Send(p.node_id(), cancel);
   }
   if (!expired.empty()) WakeScheduler();
   return static_cast<int>(expired.size());
@@ -822,15 +885,30 @@ void JobManager::OnRankStatus(const std::string& node_id, const v1::RankStatus& 
     return;
   }
   if (status.phase() != v1::RANK_EXITED) return;
+  const bool preempting = job->preempt_deadline_ms() != 0;
   if (status.exit_code() == 0) {
     std::set<int>& done_ranks = finished_ranks_[job->id()];
     done_ranks.insert(status.rank());
     if (static_cast<int>(done_ranks.size()) >= job->world_size()) {
       ReleaseAttempt(*job, "");
-      Transition(*job, v1::SUCCEEDED, "");
+      // A preempted job that stopped before its last step waits to be placed again.
+      if (preempting && job->step() < job->spec().train().steps()) {
+        Preempted(*job);
+      } else {
+        job->set_preempt_deadline_ms(0);
+        Transition(*job, v1::SUCCEEDED, "");
+      }
       Persist(*job);
       WakeScheduler();
     }
+    return;
+  }
+  if (preempting) {  // stopped after its grace (or failed while stopping): requeued all the same
+    finished_ranks_[job->id()].insert(status.rank());
+    ReleaseAttempt(*job, absl::StrCat("preempted by ", job->preempted_by()));
+    Preempted(*job);
+    Persist(*job);
+    WakeScheduler();
     return;
   }
   finished_ranks_[job->id()].insert(status.rank());  // its device is free at once

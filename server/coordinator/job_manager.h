@@ -47,6 +47,11 @@ class JobManager {
   void SetSchedulerWakeup(std::function<void()> wakeup);
   // The address ranks use for rendezvous, put into assignments (set once, before serving).
   void SetCoordinatorAddress(std::string address);
+  // Preemption (set once, before serving): a job the scheduler cannot place may preempt running
+  // jobs of lower priority that ran for `min_run_time`; they are asked to checkpoint and stop
+  // (TrainerCommands.stop_requested), their ranks stopped after `grace`, and they go to PREEMPTED
+  // and wait to be placed again, resuming from that checkpoint. Off by default.
+  void SetPreemption(bool enabled, absl::Duration grace, absl::Duration min_run_time);
   // Makes the job credential of an attempt, put into its assignments (set once, before serving).
   void SetJobCredentials(
       std::function<std::string(const std::string& job_id, int32_t attempt)> credential_for);
@@ -159,6 +164,9 @@ class JobManager {
   // Frees a draining rank's device and forgets the rank; returns the next entry.
   DrainingMap::iterator EndDraining(DrainingMap::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends the current attempt as failed: RESTARTING within max_restarts, else FAILED.
+  // The attempt of a preempted job has ended (its ranks released): PREEMPTED, to be placed
+  // again (no restart counted).
+  void Preempted(v1::Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailAttempt(v1::Job& job, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // (node id, assignment) for each node of the job's current placement.
   std::vector<std::pair<std::string, v1::Assignment>> AssignmentsOf(const v1::Job& job) const
@@ -172,6 +180,9 @@ class JobManager {
   const Clock& clock_;
   std::function<void()> wakeup_;     // set before serving; immutable after
   std::string coordinator_address_;  // set before serving; immutable after
+  bool preemption_ = false;          // likewise, with the two below
+  absl::Duration preemption_grace_ = absl::Seconds(120);
+  absl::Duration min_run_time_ = absl::Minutes(5);
   std::function<std::string(const std::string&, int32_t)> credential_for_;  // likewise
   std::string checkpoint_root_;            // set before serving; immutable after
   CoordinatorMetrics* metrics_ = nullptr;  // set before serving; immutable after
@@ -180,6 +191,8 @@ class JobManager {
   std::map<std::string, v1::Job> jobs_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, std::string> ids_by_seq_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> unfinished_ ABSL_GUARDED_BY(mu_);  // ids of jobs not in a terminal state
+  // Preempting jobs whose grace ran out and whose ranks were told to stop.
+  std::set<std::string> preempt_stopped_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::set<int>> allocated_ ABSL_GUARDED_BY(mu_);  // node id → devices
   // Ranks of the current attempt that have exited, by job id (all successfully, until one fails
   // and ends the attempt).

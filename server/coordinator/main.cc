@@ -41,6 +41,17 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--max-message-bytes", options.max_message_bytes, "largest gRPC message accepted")
       ->capture_default_str();
+  app.add_flag("--preemption", options.preemption,
+               "a job that cannot be placed may preempt running jobs of lower priority: they are "
+               "asked to checkpoint and stop, and resume from that checkpoint later");
+  std::string preemption_grace = "120s", min_run_time = "5m";
+  app.add_option("--preemption-grace", preemption_grace,
+                 "how long a preempted job may take to checkpoint and stop before its ranks are "
+                 "stopped")
+      ->capture_default_str();
+  app.add_option("--min-run-time", min_run_time,
+                 "a job runs at least this long before it may be preempted (again)")
+      ->capture_default_str();
   app.add_option("--tls-cert", options.tls.cert_file, "TLS certificate chain (PEM) to serve with");
   app.add_option("--tls-key", options.tls.key_file, "its private key (PEM)");
   app.add_option("--tls-client-ca", options.tls.client_ca_file,
@@ -53,7 +64,9 @@ int main(int argc, char** argv) {
   spdlog::set_default_logger(spdlog::stderr_color_mt("coordinator"));
   auto timeout = trainyard::ParseFlagDuration("--node-timeout", node_timeout);
   auto interval = trainyard::ParseFlagDuration("--heartbeat-interval", heartbeat_interval);
-  for (const auto* d : {&timeout, &interval}) {
+  auto grace = trainyard::ParseFlagDuration("--preemption-grace", preemption_grace);
+  auto min_run = trainyard::ParseFlagDuration("--min-run-time", min_run_time);
+  for (const auto* d : {&timeout, &interval, &grace, &min_run}) {
     if (!d->ok()) {
       std::cerr << "trainyard-coordinator: " << d->status().message() << "\n";
       return 2;
@@ -61,6 +74,8 @@ int main(int argc, char** argv) {
   }
   options.node_timeout = *timeout;
   options.heartbeat_interval = *interval;
+  options.preemption_grace = *grace;
+  options.min_run_time = *min_run;
 
   auto server = trainyard::coordinator::CoordinatorServer::Start(options);
   if (!server.ok()) {

@@ -151,6 +151,76 @@ std::optional<HeadReservation> ComputeReservation(
   return reservation;
 }
 
+// The running jobs `head` should preempt, or none (see Schedule): `eligible[n]` says whether
+// node n may take the head's ranks, `free_now` how many of their devices are free.
+std::vector<std::string> ChooseVictims(const ClusterSnapshot& snapshot, const PendingJobInfo& head,
+                                       const std::vector<bool>& eligible, int64_t free_now) {
+  struct Candidate {
+    const RunningJobInfo* job;
+    int64_t freed;  // devices on eligible nodes
+    double lost;    // device-seconds since the last checkpoint (all its devices)
+  };
+  const int num_nodes = static_cast<int>(snapshot.nodes.size());
+  auto devices_on_eligible = [&](const RunningJobInfo& r, int64_t* all) {
+    int64_t freed = 0;
+    *all = 0;
+    for (const DeviceGrant& g : r.grants) {
+      if (g.devices <= 0) continue;
+      *all += g.devices;
+      if (g.node >= 0 && g.node < num_nodes && eligible[g.node]) freed += g.devices;
+    }
+    return freed;
+  };
+  int64_t available = free_now;
+  std::vector<Candidate> candidates;
+  for (const RunningJobInfo& r : snapshot.running) {
+    int64_t all = 0;
+    const int64_t freed = devices_on_eligible(r, &all);
+    if (r.preempting) {
+      available += freed;
+      continue;
+    }
+    if (freed == 0 || r.priority >= head.priority ||
+        snapshot.now - r.start < snapshot.min_run_time) {
+      continue;
+    }
+    const absl::Time since = std::max(r.start, r.last_checkpoint.value_or(absl::InfinitePast()));
+    candidates.push_back(
+        {&r, freed, static_cast<double>(all) * absl::ToDoubleSeconds(snapshot.now - since)});
+  }
+  if (available >= head.devices) return {};  // stopping jobs will make room: wait for them
+  std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
+    const double x = a.lost / a.freed, y = b.lost / b.freed;
+    if (x != y) return x < y;
+    if (a.job->priority != b.job->priority) return a.job->priority < b.job->priority;
+    return a.job->id < b.job->id;
+  });
+  std::vector<Candidate> chosen;
+  for (const Candidate& c : candidates) {
+    if (available >= head.devices) break;
+    chosen.push_back(c);
+    available += c.freed;
+  }
+  if (available < head.devices) return {};  // even all of them would not make room
+  // Drop the costliest victims the head does not need after all.
+  std::vector<size_t> by_cost(chosen.size());
+  std::iota(by_cost.begin(), by_cost.end(), 0);
+  std::sort(by_cost.begin(), by_cost.end(),
+            [&](size_t a, size_t b) { return chosen[a].lost > chosen[b].lost; });
+  std::vector<bool> keep(chosen.size(), true);
+  for (size_t i : by_cost) {
+    if (available - chosen[i].freed >= head.devices) {
+      keep[i] = false;
+      available -= chosen[i].freed;
+    }
+  }
+  std::vector<std::string> victims;
+  for (size_t i = 0; i < chosen.size(); ++i) {
+    if (keep[i]) victims.push_back(chosen[i].job->id);
+  }
+  return victims;
+}
+
 }  // namespace
 
 ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
@@ -229,6 +299,13 @@ ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
       }
       usable_for_job = usable;
       for (const Hidden& h : hidden_for_job) usable_for_job[h.node] = false;
+      if (snapshot.preemption) {
+        std::vector<std::string> victims =
+            ChooseVictims(snapshot, job, usable_for_job, index.total());
+        if (!victims.empty()) {
+          result.preemption = ScheduleResult::Preemption{job.id, std::move(victims)};
+        }
+      }
       head = ComputeReservation(snapshot, usable_for_job, total_devices, max_devices_per_node,
                                 index, result.placements, placement_ends, job.devices);
       if (!head.has_value()) {

@@ -47,6 +47,11 @@ struct RunningJobInfo {
   // start + max_runtime; nullopt = unknown (runs "forever"). A time before snapshot.now (an overdue
   // job) is projected to end at now.
   std::optional<absl::Time> expected_end;
+  // For preemption (ClusterSnapshot::preemption):
+  int priority = 50;
+  absl::Time start = absl::InfinitePast();    // of its current attempt
+  std::optional<absl::Time> last_checkpoint;  // its latest checkpoint, if any
+  bool preempting = false;  // already asked to stop for another job: its devices come free soon
 };
 
 struct PendingJobInfo {
@@ -63,6 +68,10 @@ struct ClusterSnapshot {
   std::vector<SchedNode> nodes;
   std::vector<RunningJobInfo> running;
   std::vector<PendingJobInfo> pending;  // any order
+  // Whether a blocked job may preempt running jobs of lower priority that have run for at least
+  // min_run_time (so a preempted job is not preempted again at once).
+  bool preemption = false;
+  absl::Duration min_run_time = absl::Minutes(5);
 };
 
 struct Placement {
@@ -85,6 +94,12 @@ struct ScheduleResult {
   // Pending jobs needing more devices than all schedulable nodes have in total (or <= 0 devices),
   // in scheduling order. They are skipped and never block other jobs.
   std::vector<std::string> unplaceable;
+  // With preemption: the running jobs the head should stop for (asked to checkpoint first).
+  struct Preemption {
+    std::string job_id;                // the head
+    std::vector<std::string> victims;  // in the order chosen
+  };
+  std::optional<Preemption> preemption;
 };
 
 // Decides which pending jobs start now. Pure and deterministic: same snapshot, same result
@@ -103,6 +118,12 @@ struct ScheduleResult {
 // Otherwise a later job is backfilled now if it fits now and either ends by the reservation start
 // (now + max_runtime <= start), or is packed only on devices the head's reservation does not need.
 // Backfill never delays the head's reservation.
+//
+// With snapshot.preemption, a head that does not fit now may preempt: unless the devices of jobs
+// already preempting would make room, it picks victims among running jobs of lower priority that
+// have run for min_run_time, counting only devices on nodes that take its owner, so as to lose the
+// fewest device-seconds of work since the victims' last checkpoints (greedy by lost work per
+// freed device, then dropping victims not needed).
 //
 // Cost: O(P log P + R log R + N log N + placed * (D + log N)) for P pending, R running grants,
 // N nodes, D = max devices per node.
