@@ -9,8 +9,10 @@
 #include <dirent.h>
 #include <signal.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -348,6 +350,86 @@ TEST_F(OffloadClusterE2eTest, TrainsThroughTwoParameterServersAndFreesThemAfterw
         << "shard memory still held: " << n.dump();
   }
   EXPECT_EQ(servers, 2);
+}
+
+// A cluster whose coordinator preempts at once (a minimum run time of 1 ms).
+class PreemptionClusterE2eTest : public ClusterE2eTest {
+ protected:
+  std::vector<std::string> ExtraUpFlags() const override {
+    return {"--preemption", "--min-run-time", "1ms", "--preemption-grace", "120s"};
+  }
+
+  // Loss by step of a `yard metrics -o json` series, the latest attempt's where steps repeat.
+  std::map<int64_t, double> LossByStep(const std::string& job) {
+    std::map<int64_t, double> out;
+    for (const auto& s : nlohmann::json::parse(Yard({"metrics", job, "-o", "json"}).out)) {
+      out[s["step"].get<int64_t>()] = s["loss"].get<double>();
+    }
+    return out;
+  }
+};
+
+TEST_F(PreemptionClusterE2eTest, AHigherPriorityJobPreemptsAndTheVictimResumesWithTheSameLosses) {
+  const std::string low_spec = WriteSpec("low", 60);
+  std::ofstream(low_spec, std::ios::app) << "priority: 10\n";
+  CommandResult submit = Yard({"submit", low_spec});
+  ASSERT_EQ(submit.exit_code, 0) << submit.err;
+  const std::string low(absl::StripAsciiWhitespace(submit.out));
+  {  // both ranks train (the first step is reported)
+    auto follow = testing::Subprocess::Start(
+        {BinPath("yard"), "--coordinator", address_, "metrics", "-f", low}, YardEnv());
+    ASSERT_TRUE(follow.ok());
+    ASSERT_TRUE((*follow)->ReadLine(absl::Seconds(300)).has_value());
+  }
+  const std::string high_spec = WriteSpec("high", 10);
+  std::ofstream(high_spec, std::ios::app) << "priority: 90\n";
+  submit = Yard({"submit", high_spec});
+  ASSERT_EQ(submit.exit_code, 0) << submit.err;
+  const std::string high(absl::StripAsciiWhitespace(submit.out));
+
+  // The victim checkpoints, stops and waits: PREEMPTED, its checkpoint recorded.
+  nlohmann::json victim;
+  const absl::Time deadline = absl::Now() + absl::Seconds(300);
+  while (absl::Now() < deadline) {
+    victim = nlohmann::json::parse(Yard({"describe", low, "-o", "json"}).out);
+    if (victim.value("state", "") == "PREEMPTED" || victim.value("state", "") == "SUCCEEDED") break;
+    absl::SleepFor(absl::Milliseconds(100));  // no verb waits for a given state
+  }
+  ASSERT_EQ(victim.value("state", ""), "PREEMPTED") << victim.dump();
+  // int64 fields are strings in protobuf's JSON.
+  const int64_t checkpoint_step =
+      std::stoll(victim["last_checkpoint"].value("step", std::string("0")));
+  EXPECT_GT(checkpoint_step, 0);
+  EXPECT_THAT(victim.value("message", ""),
+              HasSubstr(absl::StrCat("preempted by ", high, " at step ", checkpoint_step,
+                                     "; resumes from the checkpoint of step ", checkpoint_step)));
+
+  CommandResult high_done = Yard({"wait", high}, absl::Seconds(600));
+  EXPECT_EQ(high_done.exit_code, 0) << high_done.err;
+  CommandResult low_done = Yard({"wait", low}, absl::Seconds(600));
+  ASSERT_EQ(low_done.exit_code, 0) << low_done.err << Yard({"describe", low}).out;
+  const auto finished = nlohmann::json::parse(Yard({"describe", low, "-o", "json"}).out);
+  EXPECT_EQ(finished.value("attempt", 0), 2);
+  EXPECT_EQ(finished.value("restarts", 0), 0);
+  EXPECT_EQ(finished.value("preemptions", 0), 1);
+  int64_t first_of_attempt2 = 0;
+  for (const auto& s : nlohmann::json::parse(Yard({"metrics", low, "-o", "json"}).out)) {
+    if (s["attempt"].get<int>() == 2) {
+      first_of_attempt2 = s["step"].get<int64_t>();
+      break;
+    }
+  }
+  EXPECT_EQ(first_of_attempt2, checkpoint_step + 1) << "no step lost beyond the checkpoint";
+
+  // The same job run without interruption has the same losses, step for step.
+  const std::string reference = SubmitAndWait(low_spec);
+  ASSERT_FALSE(reference.empty());
+  const std::map<int64_t, double> got = LossByStep(low), want = LossByStep(reference);
+  ASSERT_EQ(got.size(), 60u);
+  ASSERT_EQ(want.size(), 60u);
+  for (const auto& [step, loss] : want) {
+    EXPECT_NEAR(got.at(step), loss, 1e-4 * std::abs(loss)) << "step " << step;
+  }
 }
 
 }  // namespace
