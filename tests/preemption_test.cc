@@ -209,5 +209,21 @@ TEST_F(PreemptionTest, AVictimThatFinishesWhileStoppingSucceeds) {
   EXPECT_EQ(Job(low).state(), v1::SUCCEEDED);
 }
 
+TEST_F(PreemptionTest, AVictimWhoseNodeIsLostRestartsWithoutBeingAskedToStopAgain) {
+  std::string low, high;
+  v1::Assignment low_ranks;
+  LowRunningHighWaiting(&low, &high, &low_ranks);
+  node_.reset();  // cut off: its node times out, the attempt ends another way
+  for (absl::Time give_up = absl::Now() + absl::Seconds(10);
+       server_->nodes().List()[0].connected() && absl::Now() < give_up;) {
+    absl::SleepFor(absl::Milliseconds(10));  // the session's end has no event to wait on here
+  }
+  clock_.Advance(absl::Hours(2));
+  server_->Tick();
+  const v1::Job lost = Job(low);
+  EXPECT_NE(lost.state(), v1::RUNNING);
+  EXPECT_EQ(lost.preempt_deadline_ms(), 0) << "the request ended with the attempt";
+}
+
 }  // namespace
 }  // namespace trainyard::coordinator

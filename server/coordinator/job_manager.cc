@@ -443,6 +443,9 @@ void JobManager::ReleaseAttempt(v1::Job& job, const std::string& reason) {
   job.clear_ps_placement();
   rendezvous_.CloseScope({job.id(), job.attempt()});
   finished_ranks_.erase(job.id());
+  // A preemption asked of this attempt ends with it (the next attempt is not asked to stop).
+  job.set_preempt_deadline_ms(0);
+  preempt_stopped_.erase(job.id());
 }
 
 void JobManager::FreeDevice(const std::string& node_id, int device) {
