@@ -352,6 +352,11 @@ TEST_F(OffloadClusterE2eTest, TrainsThroughTwoParameterServersAndFreesThemAfterw
   EXPECT_EQ(servers, 2);
 }
 
+std::string Slurp(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
 // A cluster whose coordinator preempts at once (a minimum run time of 1 ms).
 class PreemptionClusterE2eTest : public ClusterE2eTest {
  protected:
@@ -379,7 +384,8 @@ TEST_F(PreemptionClusterE2eTest, AHigherPriorityJobPreemptsAndTheVictimResumesWi
     auto follow = testing::Subprocess::Start(
         {BinPath("yard"), "--coordinator", address_, "metrics", "-f", low}, YardEnv());
     ASSERT_TRUE(follow.ok());
-    ASSERT_TRUE((*follow)->ReadLine(absl::Seconds(300)).has_value());
+    ASSERT_TRUE((*follow)->ReadLine(absl::Seconds(120)).has_value())
+        << Yard({"describe", low}).out << Yard({"logs", low}).out;
   }
   const std::string high_spec = WriteSpec("high", 10);
   std::ofstream(high_spec, std::ios::app) << "priority: 90\n";
@@ -389,13 +395,13 @@ TEST_F(PreemptionClusterE2eTest, AHigherPriorityJobPreemptsAndTheVictimResumesWi
 
   // The victim checkpoints, stops and waits: PREEMPTED, its checkpoint recorded.
   nlohmann::json victim;
-  const absl::Time deadline = absl::Now() + absl::Seconds(300);
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
   while (absl::Now() < deadline) {
     victim = nlohmann::json::parse(Yard({"describe", low, "-o", "json"}).out);
     if (victim.value("state", "") == "PREEMPTED" || victim.value("state", "") == "SUCCEEDED") break;
     absl::SleepFor(absl::Milliseconds(100));  // no verb waits for a given state
   }
-  ASSERT_EQ(victim.value("state", ""), "PREEMPTED") << victim.dump();
+  ASSERT_EQ(victim.value("state", ""), "PREEMPTED") << victim.dump() << Yard({"logs", low}).out;
   // int64 fields are strings in protobuf's JSON.
   const int64_t checkpoint_step =
       std::stoll(victim["last_checkpoint"].value("step", std::string("0")));
@@ -404,9 +410,12 @@ TEST_F(PreemptionClusterE2eTest, AHigherPriorityJobPreemptsAndTheVictimResumesWi
               HasSubstr(absl::StrCat("preempted by ", high, " at step ", checkpoint_step,
                                      "; resumes from the checkpoint of step ", checkpoint_step)));
 
-  CommandResult high_done = Yard({"wait", high}, absl::Seconds(600));
-  EXPECT_EQ(high_done.exit_code, 0) << high_done.err;
-  CommandResult low_done = Yard({"wait", low}, absl::Seconds(600));
+  CommandResult high_done = Yard({"wait", high, "--timeout", "60s"}, absl::Seconds(90));
+  ASSERT_EQ(high_done.exit_code, 0)
+      << high_done.err << Yard({"describe", high}).out << Yard({"logs", high}).out
+      << Yard({"logs", low}).out << Slurp(state_ + "/worker-1.log")
+      << Slurp(state_ + "/worker-2.log");
+  CommandResult low_done = Yard({"wait", low, "--timeout", "60s"}, absl::Seconds(90));
   ASSERT_EQ(low_done.exit_code, 0) << low_done.err << Yard({"describe", low}).out;
   const auto finished = nlohmann::json::parse(Yard({"describe", low, "-o", "json"}).out);
   EXPECT_EQ(finished.value("attempt", 0), 2);

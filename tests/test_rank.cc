@@ -7,7 +7,8 @@
 // "print-devices" (print the device it was given: --device, TRAINYARD_DEVICE, CUDA_VISIBLE_DEVICES,
 // OMP_NUM_THREADS; exit 0), "print-credentials" (say whether the job credential of its attempt
 // and the worker's node token reached its environment, never their values; exit 0),
-// "print-identity" (print its uid, gid and USER), "read-data" (read data.path, exit 3 naming it
+// "print-identity" (print its uid, gid and USER), "print-binary" (print bytes that are not
+// UTF-8, exit 0), "read-data" (read data.path, exit 3 naming it
 // when it cannot). Asked
 // `--supported-devices`, it answers TEST_RANK_SUPPORTED_DEVICES (default "cpu"). Each rank writes
 // its pid (and its grandchild's) to pids-rank-R in its working directory, so tests can check that
@@ -94,6 +95,10 @@ int main(int argc, char** argv) {
       return 3;
     }
     std::printf("rank %d: read %s\n", rank, spec.data().path().c_str());
+    return 0;
+  }
+  if (mode == "print-binary") {  // output that is not UTF-8, as a byte-level model's sample
+    std::printf("rank %d: bytes \xff\xfe and \xe2\x82 end\n", rank);
     return 0;
   }
   if (mode == "leave-shm") {  // dies holding a named all-reduce segment, as rank 0 might

@@ -406,6 +406,20 @@ TEST_F(WorkerE2eTest, AWorkerWithoutRootTakesOnlyItsAccountsJobs) {
   EXPECT_EQ(still->attempt(), 0) << "never placed";
 }
 
+TEST_F(WorkerE2eTest, OutputThatIsNotUtf8IsRelayedWithReplacementsAndTheJobEnds) {
+  // One such line used to fail the session's stream: the job never heard its ranks' exits.
+  auto job = client_->Submit(testing::TinySpec("print-binary", 2));
+  ASSERT_TRUE(job.ok()) << job.status();
+  ASSERT_EQ(WaitFor(job->id(), [](const v1::Job&) { return false; }).state(), v1::SUCCEEDED);
+  EXPECT_THAT(
+      Logs(job->id()),
+      Contains("0: rank 0: bytes \xef\xbf\xbd\xef\xbf\xbd and \xef\xbf\xbd\xef\xbf\xbd end"));
+  // The rank's own log keeps its bytes.
+  std::ifstream log(work_dir() + "/" + job->id() + "/attempt-1/rank-0.log");
+  std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  EXPECT_THAT(text, HasSubstr("bytes \xff\xfe and \xe2\x82 end"));
+}
+
 TEST_F(WorkerE2eTest, CrashingRankRestartsTheJobThenFailsItWithTheExitCodeAndLastLines) {
   auto job = client_->Submit(testing::TinySpec("fail-rank-1", 2, /*max_restarts=*/1));
   ASSERT_TRUE(job.ok());

@@ -28,6 +28,39 @@ extern char** environ;
 namespace trainyard::worker {
 namespace {
 
+// `text` with every byte that does not belong to a valid UTF-8 sequence replaced by U+FFFD.
+std::string ValidUtf8(std::string text) {
+  auto byte = [&](size_t i) { return static_cast<unsigned char>(text[i]); };
+  std::string out;
+  size_t i = 0;
+  bool changed = false;
+  while (i < text.size()) {
+    const unsigned char c = byte(i);
+    size_t len = c < 0x80           ? 1
+                 : (c >> 5) == 0x6  ? 2
+                 : (c >> 4) == 0xe  ? 3
+                 : (c >> 3) == 0x1e ? 4
+                                    : 0;
+    bool ok = len > 0 && i + len <= text.size();
+    for (size_t k = 1; ok && k < len; ++k) ok = (byte(i + k) & 0xc0) == 0x80;
+    if (ok && len > 1) {  // no overlong forms, surrogates, or code points past U+10FFFF
+      uint32_t cp = c & (0x7f >> len);
+      for (size_t k = 1; k < len; ++k) cp = (cp << 6) | (byte(i + k) & 0x3f);
+      static constexpr uint32_t kMin[] = {0, 0, 0x80, 0x800, 0x10000};
+      ok = cp >= kMin[len] && cp <= 0x10ffff && !(cp >= 0xd800 && cp <= 0xdfff);
+    }
+    if (ok) {
+      out.append(text, i, len);
+      i += len;
+    } else {
+      out += "\xef\xbf\xbd";
+      ++i;
+      changed = true;
+    }
+  }
+  return changed ? out : text;
+}
+
 // Writes `content` to `path` (a file of the worker's folder) with mode 0600, refusing a symbolic
 // link, and gives it to `owner` (null: keeps it).
 absl::Status WriteOwnedFile(const std::string& path, const std::string& content,
@@ -403,7 +436,10 @@ void RankSupervisor::ReadOutput(RankKey key, int fd, pid_t pid) {
     send_(m);
   };
   auto take = [&](std::string line, std::vector<std::string>& batch) {
-    log << line << "\n";
+    log << line << "\n";  // the rank's bytes as they came
+    // The coordinator's messages carry text: a rank may print any bytes (a byte-level model's
+    // sample), and one invalid UTF-8 line would fail the whole session's stream.
+    line = ValidUtf8(std::move(line));
     last.push_back(line);
     if (static_cast<int>(last.size()) > options_.failure_log_lines) last.pop_front();
     batch.push_back(std::move(line));
