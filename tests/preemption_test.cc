@@ -13,6 +13,7 @@
 #include "common/clock.h"
 #include "server/coordinator/coordinator_server.h"
 #include "tests/testing/coordinator_tokens.h"
+#include "tests/testing/http_get.h"
 #include "tests/testing/node_session.h"
 #include "tests/testing/subprocess.h"
 #include "tests/testing/tiny_spec.h"
@@ -37,6 +38,7 @@ class PreemptionTest : public ::testing::Test {
     o.background_threads = false;
     o.node_timeout = absl::Hours(1);  // the fake clock moves in minutes
     o.preemption = true;
+    o.metrics_address = "127.0.0.1:0";
     o.preemption_grace = kGrace;
     o.min_run_time = kMinRunTime;
     auto s = CoordinatorServer::Start(o);
@@ -166,6 +168,10 @@ TEST_F(PreemptionTest, TheVictimCheckpointsStopsAndResumesAfterTheHigherPriority
   EXPECT_EQ(resumed.state(), v1::RUNNING);
   EXPECT_EQ(resumed.preempt_deadline_ms(), 0);
   EXPECT_THAT(resumed.message(), HasSubstr("resumed after: preempted by " + high));
+  // One preemption counted on /metrics.
+  auto page = testing::HttpGet(server_->metrics_address(), "/metrics");
+  ASSERT_TRUE(page.ok()) << page.status();
+  EXPECT_THAT(*page, HasSubstr("\ntrainyard_preemptions_total 1\n"));
   EXPECT_FALSE(Report(low, 2, 5).stop_requested());
   // Just started again: the minimum run time protects it from another preemption at once.
   Submit(95);

@@ -85,6 +85,12 @@ CoordinatorMetrics::CoordinatorMetrics()
                       .Name("trainyard_placements_total")
                       .Help("Job attempts placed on nodes, by kind (normal or backfill)")
                       .Register(*registry_)),
+      preemptions_(prometheus::BuildCounter()
+                       .Name("trainyard_preemptions_total")
+                       .Help("Running jobs asked to checkpoint and stop for a job of higher "
+                             "priority")
+                       .Register(*registry_)
+                       .Add({})),
       nodes_(prometheus::BuildGauge()
                  .Name("trainyard_nodes")
                  .Help("Worker nodes by state (ready or lost)")
@@ -211,6 +217,8 @@ void CoordinatorMetrics::Refresh(const std::map<v1::JobState, int>& jobs_by_stat
     it = job_series_.erase(it);
   }
 }
+
+void CoordinatorMetrics::ObservePreemption() { preemptions_.Increment(); }
 
 void CoordinatorMetrics::ObservePlacement(bool backfilled, double queue_wait_seconds,
                                           bool first_start) {

@@ -37,6 +37,8 @@ class CoordinatorMetrics {
   void Refresh(const std::map<v1::JobState, int>& jobs_by_state, const std::vector<v1::Node>& nodes,
                const std::vector<std::string>& running_jobs);
   void ObservePlacement(bool backfilled, double queue_wait_seconds, bool first_start);
+  // A running job asked to checkpoint and stop for one of higher priority.
+  void ObservePreemption();
   void ObserveSchedulingPass(double seconds);
   void ObserveStoreCommit(double seconds);
   void ObserveRpc(const std::string& method, const std::string& code, double seconds);
@@ -61,6 +63,7 @@ class CoordinatorMetrics {
   prometheus::Histogram& queue_wait_;
   prometheus::Histogram& scheduling_pass_;
   prometheus::Family<prometheus::Counter>& placements_;
+  prometheus::Counter& preemptions_;
   prometheus::Family<prometheus::Gauge>& nodes_;
   prometheus::Family<prometheus::Gauge>& devices_;
   prometheus::Family<prometheus::Counter>& rpc_requests_;

@@ -573,6 +573,7 @@ int JobManager::SchedulePass() {
                                       head.spec().priority(), "): asked to checkpoint and stop"));
       victim.set_version(victim.version() + 1);
       Persist(victim);
+      if (metrics_ != nullptr) metrics_->ObservePreemption();
       spdlog::info("preempting {} (priority {}) for {} (priority {}); grace {}", id,
                    victim.spec().priority(), head.id(), head.spec().priority(),
                    absl::FormatDuration(preemption_grace_));
