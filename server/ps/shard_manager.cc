@@ -470,6 +470,12 @@ absl::StatusOr<std::unique_ptr<ShardManager::LentParams>> ShardManager::LendPara
   absl::MutexLock lock(&s.mu);
   StepIntervals::Summary at = s.applied.Summarize(begin, end);
   while (at.updating || at.min_step < step) {
+    // At `step` already and being updated past it: waiting could only end past `step`, so the
+    // answer is the one a pending update of the range gets below.
+    if (at.updating && at.min_step >= step) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "step: [", begin, ", ", end, ") is being updated to step ", step + 1, ", past ", step));
+    }
     RETURN_IF_ERROR(WaitError(s));
     const bool timed_out = s.changed.WaitWithDeadline(&s.mu, deadline);
     at = s.applied.Summarize(begin, end);
