@@ -49,23 +49,17 @@ absl::Status YardClient::Convert(const grpc::Status& s) const {
 }
 
 absl::StatusOr<v1::Job> YardClient::Submit(const v1::JobSpec& spec) {
-  grpc::ClientContext ctx;
-  if (absl::Status s = Prepare(ctx); !s.ok()) return s;
   v1::SubmitJobRequest request;
   *request.mutable_spec() = spec;
-  v1::SubmitJobResponse response;
-  if (absl::Status s = Convert(jobs_->SubmitJob(&ctx, request, &response)); !s.ok()) return s;
-  return response.job();
+  auto response = Call(*jobs_, &v1::JobService::Stub::SubmitJob, request);
+  if (!response.ok()) return response.status();
+  return response->job();
 }
 
 absl::StatusOr<v1::Job> YardClient::Get(const std::string& job_id) {
-  grpc::ClientContext ctx;
-  if (absl::Status s = Prepare(ctx); !s.ok()) return s;
   v1::GetJobRequest request;
   request.set_job_id(job_id);
-  v1::Job job;
-  if (absl::Status s = Convert(jobs_->GetJob(&ctx, request, &job)); !s.ok()) return s;
-  return job;
+  return Call(*jobs_, &v1::JobService::Stub::GetJob, request);
 }
 
 absl::StatusOr<v1::ListJobsResponse> YardClient::List(const v1::ListJobsRequest& request_in,
@@ -88,22 +82,14 @@ absl::StatusOr<v1::ListJobsResponse> YardClient::List(const v1::ListJobsRequest&
 }
 
 absl::StatusOr<v1::Job> YardClient::Cancel(const std::string& job_id, const std::string& reason) {
-  grpc::ClientContext ctx;
-  if (absl::Status s = Prepare(ctx); !s.ok()) return s;
   v1::CancelJobRequest request;
   request.set_job_id(job_id);
   request.set_reason(reason);
-  v1::Job job;
-  if (absl::Status s = Convert(jobs_->CancelJob(&ctx, request, &job)); !s.ok()) return s;
-  return job;
+  return Call(*jobs_, &v1::JobService::Stub::CancelJob, request);
 }
 
 absl::StatusOr<v1::ListNodesResponse> YardClient::ListNodes() {
-  grpc::ClientContext ctx;
-  if (absl::Status s = Prepare(ctx); !s.ok()) return s;
-  v1::ListNodesResponse response;
-  if (absl::Status s = Convert(nodes_->ListNodes(&ctx, {}, &response)); !s.ok()) return s;
-  return response;
+  return Call(*nodes_, &v1::NodeService::Stub::ListNodes, v1::ListNodesRequest());
 }
 
 absl::StatusOr<v1::Job> YardClient::Watch(const std::string& job_id, absl::Duration timeout,
@@ -137,18 +123,10 @@ absl::StatusOr<v1::Job> YardClient::Watch(const std::string& job_id, absl::Durat
   return last;
 }
 
-}  // namespace trainyard::client
-
-namespace trainyard::client {
-
 absl::StatusOr<v1::Job> YardClient::Checkpoint(const std::string& job_id) {
-  grpc::ClientContext ctx;
-  if (absl::Status s = Prepare(ctx); !s.ok()) return s;
   v1::CheckpointJobRequest request;
   request.set_job_id(job_id);
-  v1::Job job;
-  if (absl::Status s = Convert(jobs_->CheckpointJob(&ctx, request, &job)); !s.ok()) return s;
-  return job;
+  return Call(*jobs_, &v1::JobService::Stub::CheckpointJob, request);
 }
 
 absl::Status YardClient::Logs(const std::string& job_id, bool follow, int tail,
@@ -183,75 +161,43 @@ absl::Status YardClient::Metrics(const std::string& job_id, bool follow,
 // ---- IdentityService ----
 
 absl::StatusOr<v1::WhoAmIResponse> YardClient::WhoAmI() {
-  grpc::ClientContext ctx;
-  if (absl::Status s = Prepare(ctx); !s.ok()) return s;
-  v1::WhoAmIResponse response;
-  if (absl::Status s = Convert(identity_->WhoAmI(&ctx, {}, &response)); !s.ok()) return s;
-  return response;
+  return Call(*identity_, &v1::IdentityService::Stub::WhoAmI, v1::WhoAmIRequest());
 }
 
 absl::StatusOr<v1::User> YardClient::CreateUser(const std::string& name, v1::Role role) {
-  grpc::ClientContext ctx;
-  if (absl::Status s = Prepare(ctx); !s.ok()) return s;
   v1::CreateUserRequest request;
   request.set_name(name);
   request.set_role(role);
-  v1::User user;
-  if (absl::Status s = Convert(identity_->CreateUser(&ctx, request, &user)); !s.ok()) return s;
-  return user;
+  return Call(*identity_, &v1::IdentityService::Stub::CreateUser, request);
 }
 
 absl::StatusOr<v1::ListUsersResponse> YardClient::ListUsers() {
-  grpc::ClientContext ctx;
-  if (absl::Status s = Prepare(ctx); !s.ok()) return s;
-  v1::ListUsersResponse response;
-  if (absl::Status s = Convert(identity_->ListUsers(&ctx, {}, &response)); !s.ok()) return s;
-  return response;
+  return Call(*identity_, &v1::IdentityService::Stub::ListUsers, v1::ListUsersRequest());
 }
 
 absl::StatusOr<v1::User> YardClient::DisableUser(const std::string& name, bool enable) {
-  grpc::ClientContext ctx;
-  if (absl::Status s = Prepare(ctx); !s.ok()) return s;
   v1::DisableUserRequest request;
   request.set_name(name);
   request.set_enable(enable);
-  v1::User user;
-  if (absl::Status s = Convert(identity_->DisableUser(&ctx, request, &user)); !s.ok()) return s;
-  return user;
+  return Call(*identity_, &v1::IdentityService::Stub::DisableUser, request);
 }
 
 absl::StatusOr<v1::CreateTokenResponse> YardClient::CreateToken(
     const v1::CreateTokenRequest& request) {
-  grpc::ClientContext ctx;
-  if (absl::Status s = Prepare(ctx); !s.ok()) return s;
-  v1::CreateTokenResponse response;
-  if (absl::Status s = Convert(identity_->CreateToken(&ctx, request, &response)); !s.ok()) {
-    return s;
-  }
-  return response;
+  return Call(*identity_, &v1::IdentityService::Stub::CreateToken, request);
 }
 
 absl::StatusOr<v1::ListTokensResponse> YardClient::ListTokens(const std::string& user, bool all) {
-  grpc::ClientContext ctx;
-  if (absl::Status s = Prepare(ctx); !s.ok()) return s;
   v1::ListTokensRequest request;
   request.set_user(user);
   request.set_all(all);
-  v1::ListTokensResponse response;
-  if (absl::Status s = Convert(identity_->ListTokens(&ctx, request, &response)); !s.ok()) {
-    return s;
-  }
-  return response;
+  return Call(*identity_, &v1::IdentityService::Stub::ListTokens, request);
 }
 
 absl::StatusOr<v1::TokenInfo> YardClient::RevokeToken(const std::string& id) {
-  grpc::ClientContext ctx;
-  if (absl::Status s = Prepare(ctx); !s.ok()) return s;
   v1::RevokeTokenRequest request;
   request.set_id(id);
-  v1::TokenInfo info;
-  if (absl::Status s = Convert(identity_->RevokeToken(&ctx, request, &info)); !s.ok()) return s;
-  return info;
+  return Call(*identity_, &v1::IdentityService::Stub::RevokeToken, request);
 }
 
 }  // namespace trainyard::client

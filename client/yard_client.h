@@ -56,6 +56,18 @@ class YardClient {
 
  private:
   absl::Status Prepare(grpc::ClientContext& ctx, absl::Duration timeout = absl::Seconds(30)) const;
+  // One unary call: `method` of `stub` with `request`, the caller's token and Prepare's deadline.
+  template <typename Stub, typename Request, typename Response>
+  absl::StatusOr<Response> Call(Stub& stub,
+                                grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&,
+                                                             Response*),
+                                const Request& request) {
+    grpc::ClientContext ctx;
+    if (absl::Status s = Prepare(ctx); !s.ok()) return s;
+    Response response;
+    if (absl::Status s = Convert((stub.*method)(&ctx, request, &response)); !s.ok()) return s;
+    return response;
+  }
   absl::Status Convert(const grpc::Status& s) const;
 
   std::string address_;

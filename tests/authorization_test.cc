@@ -20,7 +20,7 @@
 #include "absl/time/clock.h"
 #include "common/clock.h"
 #include "server/coordinator/coordinator_server.h"
-#include "tests/testing/coordinator_tokens.h"
+#include "tests/testing/coordinator_fixture.h"
 #include "tests/testing/node_session.h"
 #include "tests/testing/subprocess.h"
 #include "tests/testing/tiny_spec.h"
@@ -79,24 +79,10 @@ StatusCode Expected(Admits admits, const std::string& credential) {
   return Admitted(admits, credential) ? StatusCode::OK : StatusCode::PERMISSION_DENIED;
 }
 
-class AuthorizationTest : public ::testing::Test {
+class AuthorizationTest : public testing::CoordinatorFixture {
  protected:
   void SetUp() override {
-    CoordinatorOptions o;
-    o.listen_address = "127.0.0.1:0";
-    o.state_dir = dir_.path() + "/state";
-    o.clock = &clock_;
-    o.background_threads = false;
-    auto s = CoordinatorServer::Start(o);
-    ASSERT_TRUE(s.ok()) << s.status();
-    server_ = std::move(*s);
-    tokens_ = std::make_unique<testing::CoordinatorTokens>(server_->identities());
-    channel_ = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
-    jobs_ = v1::JobService::NewStub(channel_);
-    nodes_ = v1::NodeService::NewStub(channel_);
-    rdzv_ = v1::RendezvousService::NewStub(channel_);
-    trainer_ = v1::TrainerService::NewStub(channel_);
-    identity_ = v1::IdentityService::NewStub(channel_);
+    CoordinatorFixture::SetUp();
     IdentityRegistry& ids = server_->identities();
 
     node_ = testing::NodeSession::Connect(channel_, tokens_->Node("n1"), "n1", 2);
@@ -133,7 +119,7 @@ class AuthorizationTest : public ::testing::Test {
 
   void TearDown() override {
     node_.reset();
-    if (server_) server_->Shutdown();
+    CoordinatorFixture::TearDown();
   }
 
   std::string Submit(const std::string& token) {
@@ -437,16 +423,6 @@ class AuthorizationTest : public ::testing::Test {
     return rpcs;
   }
 
-  testing::TempDir dir_;
-  FakeClock clock_;
-  std::unique_ptr<CoordinatorServer> server_;
-  std::unique_ptr<testing::CoordinatorTokens> tokens_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::JobService::Stub> jobs_;
-  std::unique_ptr<v1::NodeService::Stub> nodes_;
-  std::unique_ptr<v1::RendezvousService::Stub> rdzv_;
-  std::unique_ptr<v1::TrainerService::Stub> trainer_;
-  std::unique_ptr<v1::IdentityService::Stub> identity_;
   std::unique_ptr<testing::NodeSession> node_;
   std::string job_, other_job_, spare_token_id_;
   std::map<std::string, std::string> credentials_;

@@ -13,7 +13,7 @@
 #include "absl/time/clock.h"
 #include "common/clock.h"
 #include "server/coordinator/coordinator_server.h"
-#include "tests/testing/coordinator_tokens.h"
+#include "tests/testing/coordinator_fixture.h"
 #include "tests/testing/grpc_probe.h"
 #include "tests/testing/node_session.h"
 #include "tests/testing/subprocess.h"
@@ -47,29 +47,9 @@ v1::JobSpec Spec(int devices, const std::string& name = "job", int max_restarts 
   return s;
 }
 
-class CoordinatorServiceTest : public ::testing::Test {
+class CoordinatorServiceTest : public testing::CoordinatorFixture {
  protected:
-  void SetUp() override {
-    CoordinatorOptions o;
-    o.listen_address = "127.0.0.1:0";
-    o.state_dir = dir_.path() + "/state";
-    o.clock = &clock_;
-    o.background_threads = false;
-    o.node_timeout = absl::Seconds(10);
-    auto s = CoordinatorServer::Start(o);
-    ASSERT_TRUE(s.ok()) << s.status();
-    server_ = std::move(*s);
-    tokens_ = std::make_unique<testing::CoordinatorTokens>(server_->identities());
-    channel_ = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
-    jobs_ = v1::JobService::NewStub(channel_);
-    nodes_ = v1::NodeService::NewStub(channel_);
-    rdzv_ = v1::RendezvousService::NewStub(channel_);
-    trainer_ = v1::TrainerService::NewStub(channel_);
-  }
-
-  void TearDown() override {
-    if (server_) server_->Shutdown();
-  }
+  void Configure(CoordinatorOptions& o) override { o.node_timeout = absl::Seconds(10); }
 
   // A call as `user` (with a token of that user; empty: no credential at all).
   void Prepare(grpc::ClientContext& ctx, const std::string& user = "alice") {
@@ -179,16 +159,6 @@ class CoordinatorServiceTest : public ::testing::Test {
   std::unique_ptr<testing::NodeSession> Connect(const std::string& node_id, int devices) {
     return testing::NodeSession::Connect(channel_, tokens_->Node(node_id), node_id, devices);
   }
-
-  testing::TempDir dir_;
-  FakeClock clock_;
-  std::unique_ptr<CoordinatorServer> server_;
-  std::unique_ptr<testing::CoordinatorTokens> tokens_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::JobService::Stub> jobs_;
-  std::unique_ptr<v1::NodeService::Stub> nodes_;
-  std::unique_ptr<v1::RendezvousService::Stub> rdzv_;
-  std::unique_ptr<v1::TrainerService::Stub> trainer_;
 };
 
 TEST_F(CoordinatorServiceTest, SubmitStoresAQueuedJobThatGetReturns) {

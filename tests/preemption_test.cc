@@ -12,7 +12,7 @@
 #include "absl/time/clock.h"
 #include "common/clock.h"
 #include "server/coordinator/coordinator_server.h"
-#include "tests/testing/coordinator_tokens.h"
+#include "tests/testing/coordinator_fixture.h"
 #include "tests/testing/http_get.h"
 #include "tests/testing/node_session.h"
 #include "tests/testing/subprocess.h"
@@ -28,32 +28,24 @@ using ::testing::HasSubstr;
 constexpr absl::Duration kGrace = absl::Seconds(30);
 constexpr absl::Duration kMinRunTime = absl::Minutes(1);
 
-class PreemptionTest : public ::testing::Test {
+class PreemptionTest : public testing::CoordinatorFixture {
  protected:
-  void SetUp() override {
-    CoordinatorOptions o;
-    o.listen_address = "127.0.0.1:0";
-    o.state_dir = dir_.path() + "/state";
-    o.clock = &clock_;
-    o.background_threads = false;
+  void Configure(CoordinatorOptions& o) override {
     o.node_timeout = absl::Hours(1);  // the fake clock moves in minutes
     o.preemption = true;
     o.metrics_address = "127.0.0.1:0";
     o.preemption_grace = kGrace;
     o.min_run_time = kMinRunTime;
-    auto s = CoordinatorServer::Start(o);
-    ASSERT_TRUE(s.ok()) << s.status();
-    server_ = std::move(*s);
-    tokens_ = std::make_unique<testing::CoordinatorTokens>(server_->identities());
-    channel_ = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
-    jobs_ = v1::JobService::NewStub(channel_);
-    trainer_ = v1::TrainerService::NewStub(channel_);
+  }
+
+  void SetUp() override {
+    CoordinatorFixture::SetUp();
     node_ = testing::NodeSession::Connect(channel_, tokens_->Node("n1"), "n1", 2);
   }
 
   void TearDown() override {
     node_.reset();
-    if (server_) server_->Shutdown();
+    CoordinatorFixture::TearDown();
   }
 
   std::string Submit(int priority, int steps = 100) {
@@ -127,13 +119,6 @@ class PreemptionTest : public ::testing::Test {
     EXPECT_THAT(victim.message(), HasSubstr("asked to checkpoint and stop"));
   }
 
-  testing::TempDir dir_;
-  FakeClock clock_;
-  std::unique_ptr<CoordinatorServer> server_;
-  std::unique_ptr<testing::CoordinatorTokens> tokens_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::JobService::Stub> jobs_;
-  std::unique_ptr<v1::TrainerService::Stub> trainer_;
   std::unique_ptr<testing::NodeSession> node_;
 };
 

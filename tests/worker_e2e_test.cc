@@ -104,6 +104,16 @@ class WorkerE2eTest : public ::testing::Test {
     ASSERT_TRUE(worker_->Wait(absl::Seconds(30)).has_value());
   }
 
+  // Submits `spec` through `client` and returns the job once it has ended (empty on error).
+  static v1::Job RunToEnd(client::YardClient& client, const v1::JobSpec& spec) {
+    auto job = client.Submit(spec);
+    EXPECT_TRUE(job.ok()) << job.status();
+    if (!job.ok()) return v1::Job();
+    auto end = client.Watch(job->id(), absl::Seconds(60), [](const v1::Job&) { return false; });
+    EXPECT_TRUE(end.ok()) << end.status();
+    return end.value_or(v1::Job());
+  }
+
   std::unique_ptr<client::YardClient> ClientOf(const std::string& user) {
     const auto channel = grpc::CreateChannel(address_, grpc::InsecureChannelCredentials());
     return std::make_unique<client::YardClient>(
@@ -321,14 +331,11 @@ TEST_F(WorkerE2eTest, RanksRunAsTheirOwnersAccountAndReadOnlyWhatItMay) {
   EXPECT_EQ(st.st_mode & 0777, 0711u);
   ASSERT_EQ(stat((attempt_dir + "/rank-0.log").c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u);
-  auto bobs = bob->Submit(testing::TinySpec("print-identity", 1));
-  ASSERT_TRUE(bobs.ok()) << bobs.status();
-  auto bobs_end = bob->Watch(bobs->id(), absl::Seconds(60), [](const v1::Job&) { return false; });
-  ASSERT_TRUE(bobs_end.ok()) << bobs_end.status();
-  EXPECT_EQ(bobs_end->state(), v1::SUCCEEDED);
+  const v1::Job bobs = RunToEnd(*bob, testing::TinySpec("print-identity", 1));
+  EXPECT_EQ(bobs.state(), v1::SUCCEEDED);
   std::vector<std::string> bob_lines;
   ASSERT_TRUE(
-      bob->Logs(bobs->id(), false, 0, [&](const v1::LogLine& l) { bob_lines.push_back(l.text()); })
+      bob->Logs(bobs.id(), false, 0, [&](const v1::LogLine& l) { bob_lines.push_back(l.text()); })
           .ok());
   EXPECT_THAT(bob_lines, Contains("rank 0: uid 1 gid 1 USER=daemon"));
 
@@ -353,24 +360,14 @@ TEST_F(WorkerE2eTest, RanksRunAsTheirOwnersAccountAndReadOnlyWhatItMay) {
               AllOf(HasSubstr("cannot read /etc/shadow"), HasSubstr("Permission denied")));
 
   // carol has no Unix account here and no mapping.
-  auto carol = ClientOf("carol");
-  auto orphan = carol->Submit(testing::TinySpec("print-identity", 1));
-  ASSERT_TRUE(orphan.ok()) << orphan.status();
-  auto orphan_end =
-      carol->Watch(orphan->id(), absl::Seconds(60), [](const v1::Job&) { return false; });
-  ASSERT_TRUE(orphan_end.ok()) << orphan_end.status();
-  EXPECT_EQ(orphan_end->state(), v1::FAILED);
-  EXPECT_THAT(orphan_end->message(), HasSubstr("no Unix account carol for user carol"));
+  const v1::Job orphan = RunToEnd(*ClientOf("carol"), testing::TinySpec("print-identity", 1));
+  EXPECT_EQ(orphan.state(), v1::FAILED);
+  EXPECT_THAT(orphan.message(), HasSubstr("no Unix account carol for user carol"));
 
   // A user named like a system account does not get it by name: only the map may give it.
-  auto daemon = ClientOf("daemon");
-  auto system = daemon->Submit(testing::TinySpec("print-identity", 1));
-  ASSERT_TRUE(system.ok()) << system.status();
-  auto system_end =
-      daemon->Watch(system->id(), absl::Seconds(60), [](const v1::Job&) { return false; });
-  ASSERT_TRUE(system_end.ok()) << system_end.status();
-  EXPECT_EQ(system_end->state(), v1::FAILED);
-  EXPECT_THAT(system_end->message(), HasSubstr("has uid 1, a system account"));
+  const v1::Job system = RunToEnd(*ClientOf("daemon"), testing::TinySpec("print-identity", 1));
+  EXPECT_EQ(system.state(), v1::FAILED);
+  EXPECT_THAT(system.message(), HasSubstr("has uid 1, a system account"));
 }
 
 // A worker that is not root runs every rank as itself, so it takes only the jobs of the users

@@ -109,7 +109,6 @@ absl::StatusOr<Principal> AuthenticateNode(grpc::CallbackServerContext* ctx,
     }
     p.kind = Principal::Kind::kNode;
     p.node = name;
-    p.user = "certificate";
   }
   if (has_token || !certificates) {
     auto token = Authenticate(ctx, identities);

@@ -40,12 +40,12 @@ class CoordinatorJobAuthorizer final : public JobAuthorizer {
                                                       " attempt ", parsed->attempt, ", not for ",
                                                       job_id, " attempt ", attempt));
     }
-    const std::string key = Sha256(credential);
     const absl::Time now = absl::Now();
     {
       absl::MutexLock lock(&mu_);
       auto it = accepted_.find(parsed->job_id);
-      if (it != accepted_.end() && it->second.sha256 == key && now < it->second.until) {
+      if (it != accepted_.end() && now < it->second.until &&
+          ConstantTimeEquals(it->second.credential, credential)) {
         return absl::OkStatus();
       }
     }
@@ -68,7 +68,9 @@ class CoordinatorJobAuthorizer final : public JobAuthorizer {
     absl::MutexLock lock(&mu_);
     if (accepted_.size() >= kMaxRemembered) accepted_.clear();
     Accepted& entry = accepted_[parsed->job_id];
-    if (parsed->attempt >= entry.attempt) entry = {parsed->attempt, key, now + kRecheckAfter};
+    if (parsed->attempt >= entry.attempt) {
+      entry = {parsed->attempt, std::string(credential), now + kRecheckAfter};
+    }
     return absl::OkStatus();
   }
 
@@ -80,7 +82,7 @@ class CoordinatorJobAuthorizer final : public JobAuthorizer {
 
   struct Accepted {
     int32_t attempt = 0;
-    std::string sha256;  // of the credential's text
+    std::string credential;
     absl::Time until;
   };
 
