@@ -256,16 +256,27 @@ ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
   std::vector<Hidden> hidden_for_job;
   std::vector<bool> usable_for_job;
 
-  std::vector<int> order(snapshot.pending.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(), [&](int a, int b) {
-    const PendingJobInfo& x = snapshot.pending[a];
-    const PendingJobInfo& y = snapshot.pending[b];
-    if (x.priority != y.priority) return x.priority > y.priority;
-    if (x.submit_seq != y.submit_seq) return x.submit_seq < y.submit_seq;
-    if (x.id != y.id) return x.id < y.id;
-    return a < b;
+  // Sorted as compact keys (the queue is large; its entries are not): priority descending, then
+  // submission, then id and position, which only equal keys need to look up.
+  struct OrderKey {
+    int priority;
+    int64_t submit_seq;
+    int index;
+  };
+  std::vector<OrderKey> keys(snapshot.pending.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    keys[i] = {snapshot.pending[i].priority, snapshot.pending[i].submit_seq, static_cast<int>(i)};
+  }
+  std::sort(keys.begin(), keys.end(), [&](const OrderKey& a, const OrderKey& b) {
+    if (a.priority != b.priority) return a.priority > b.priority;
+    if (a.submit_seq != b.submit_seq) return a.submit_seq < b.submit_seq;
+    const std::string& x = snapshot.pending[a.index].id;
+    const std::string& y = snapshot.pending[b.index].id;
+    if (x != y) return x < y;
+    return a.index < b.index;
   });
+  std::vector<int> order(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) order[i] = keys[i].index;
 
   // Expected end of each placement of this pass (parallel to result.placements).
   std::vector<std::optional<absl::Time>> placement_ends;
