@@ -6,6 +6,7 @@
 #include "server/coordinator/scheduler.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <numeric>
 #include <optional>
@@ -151,10 +152,21 @@ std::optional<HeadReservation> ComputeReservation(
   return reservation;
 }
 
+// Who a running job is for the sharing rules: its account, and whether it runs within its
+// account's quota (protected from other accounts' jobs).
+struct RunningShare {
+  int account = -1;
+  bool protected_by_quota = false;
+};
+
 // The running jobs `head` should preempt, or none (see Schedule): `eligible[n]` says whether
-// node n may take the head's ranks, `free_now` how many of their devices are free.
+// node n may take the head's ranks, `free_now` how many of their devices are free;
+// `head_account` is the head's account (-1: none) and `head_within_quota` whether it fits in
+// that account's quota.
 std::vector<std::string> ChooseVictims(const ClusterSnapshot& snapshot, const PendingJobInfo& head,
-                                       const std::vector<bool>& eligible, int64_t free_now) {
+                                       const std::vector<bool>& eligible, int64_t free_now,
+                                       const std::vector<RunningShare>& shares, int head_account,
+                                       bool head_within_quota) {
   struct Candidate {
     const RunningJobInfo* job;
     int64_t freed;  // devices on eligible nodes
@@ -171,19 +183,23 @@ std::vector<std::string> ChooseVictims(const ClusterSnapshot& snapshot, const Pe
     }
     return freed;
   };
+  auto may_preempt = [&](const RunningJobInfo& r, const RunningShare& share) {
+    if (!r.preemptible || snapshot.now - r.start < snapshot.min_run_time) return false;
+    if (head_account >= 0 && share.account == head_account) return r.priority < head.priority;
+    if (share.protected_by_quota) return false;
+    return r.priority < head.priority || head_within_quota;
+  };
   int64_t available = free_now;
   std::vector<Candidate> candidates;
-  for (const RunningJobInfo& r : snapshot.running) {
+  for (size_t i = 0; i < snapshot.running.size(); ++i) {
+    const RunningJobInfo& r = snapshot.running[i];
     int64_t all = 0;
     const int64_t freed = devices_on_eligible(r, &all);
     if (r.preempting) {
       available += freed;
       continue;
     }
-    if (freed == 0 || r.priority >= head.priority ||
-        snapshot.now - r.start < snapshot.min_run_time) {
-      continue;
-    }
+    if (freed == 0 || !may_preempt(r, shares[i])) continue;
     const absl::Time since = std::max(r.start, r.last_checkpoint.value_or(absl::InfinitePast()));
     candidates.push_back(
         {&r, freed, static_cast<double>(all) * absl::ToDoubleSeconds(snapshot.now - since)});
@@ -253,22 +269,108 @@ ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
     int node;
     int free;
   };
+
+  // Sharing: the devices accounts and users hold, and which running jobs their account's quota
+  // protects (of an account's running jobs, the earliest started that fit in its quota).
+  const int num_accounts = static_cast<int>(snapshot.accounts.size());
+  const int num_users = static_cast<int>(snapshot.users.size());
+  auto user_of = [&](int u) { return u >= 0 && u < num_users ? u : -1; };
+  auto account_of = [&](int u) {
+    if (user_of(u) < 0) return -1;
+    const int a = snapshot.users[u].account;
+    return a >= 0 && a < num_accounts ? a : -1;
+  };
+  std::vector<int64_t> account_used(num_accounts, 0);
+  std::vector<int64_t> user_used(num_users, 0);
+  std::vector<RunningShare> running_shares(snapshot.running.size());
+  {
+    std::vector<int64_t> running_devices(snapshot.running.size(), 0);
+    std::vector<std::vector<int>> within_quota(num_accounts);
+    for (size_t i = 0; i < snapshot.running.size(); ++i) {
+      const RunningJobInfo& r = snapshot.running[i];
+      for (const DeviceGrant& g : r.grants) running_devices[i] += std::max(0, g.devices);
+      const int u = user_of(r.user);
+      const int a = account_of(r.user);
+      running_shares[i].account = a;
+      if (u >= 0) user_used[u] += running_devices[i];
+      if (a < 0) continue;
+      account_used[a] += running_devices[i];
+      if (snapshot.accounts[a].quota >= 0) within_quota[a].push_back(static_cast<int>(i));
+    }
+    for (int a = 0; a < num_accounts; ++a) {
+      std::vector<int>& jobs = within_quota[a];
+      std::sort(jobs.begin(), jobs.end(), [&](int x, int y) {
+        const RunningJobInfo& p = snapshot.running[x];
+        const RunningJobInfo& q = snapshot.running[y];
+        return std::tie(p.start, p.id, x) < std::tie(q.start, q.id, y);
+      });
+      int64_t sum = 0;
+      for (int i : jobs) {
+        sum += running_devices[i];
+        running_shares[i].protected_by_quota = sum <= snapshot.accounts[a].quota;
+      }
+    }
+  }
+  std::vector<double> account_key(num_accounts, 0);  // usage / share: lower goes first
+  for (int a = 0; a < num_accounts; ++a) {
+    const SchedAccount& account = snapshot.accounts[a];
+    const double share = account.share > 0 && std::isfinite(account.share) ? account.share : 1;
+    account_key[a] = std::max(0.0, account.usage) / share;
+  }
+  auto fits_quota = [&](const PendingJobInfo& job) {
+    const int a = account_of(job.user);
+    return a >= 0 && snapshot.accounts[a].quota >= 0 &&
+           account_used[a] + job.devices <= snapshot.accounts[a].quota;
+  };
+  // Why the account's or user's limits hold `job` back now, or kPlaced when they do not.
+  auto held_by_limits = [&](const PendingJobInfo& job) {
+    const int a = account_of(job.user);
+    if (!job.preemptible && !fits_quota(job)) return WaitReason::kNotPreemptibleBeyondQuota;
+    if (a >= 0) {
+      const SchedAccount& account = snapshot.accounts[a];
+      if (account.quota >= 0 && account.borrow_limit >= 0 &&
+          account_used[a] + job.devices > account.quota + account.borrow_limit) {
+        return WaitReason::kAccountLimit;
+      }
+    }
+    const int u = user_of(job.user);
+    if (u >= 0 && snapshot.users[u].max_devices >= 0 &&
+        user_used[u] + job.devices > snapshot.users[u].max_devices) {
+      return WaitReason::kUserLimit;
+    }
+    return WaitReason::kPlaced;
+  };
   std::vector<Hidden> hidden_for_job;
   std::vector<bool> usable_for_job;
 
-  // Sorted as compact keys (the queue is large; its entries are not): priority descending, then
-  // submission, then id and position, which only equal keys need to look up.
+  // Sorted as compact keys (the queue is large; its entries are not): priority descending, within
+  // quota first, account and user fair share, submission, then id and position, which only equal
+  // keys need to look up.
   struct OrderKey {
     int priority;
+    int beyond_quota;  // 0: fits in its account's quota as the pass starts
+    double account_key;
+    double user_key;
     int64_t submit_seq;
     int index;
   };
   std::vector<OrderKey> keys(snapshot.pending.size());
   for (size_t i = 0; i < keys.size(); ++i) {
-    keys[i] = {snapshot.pending[i].priority, snapshot.pending[i].submit_seq, static_cast<int>(i)};
+    const PendingJobInfo& job = snapshot.pending[i];
+    const int a = account_of(job.user);
+    const int u = user_of(job.user);
+    keys[i] = {job.priority,
+               fits_quota(job) ? 0 : 1,
+               a >= 0 ? account_key[a] : 0.0,
+               u >= 0 ? std::max(0.0, snapshot.users[u].usage) : 0.0,
+               job.submit_seq,
+               static_cast<int>(i)};
   }
   std::sort(keys.begin(), keys.end(), [&](const OrderKey& a, const OrderKey& b) {
     if (a.priority != b.priority) return a.priority > b.priority;
+    if (a.beyond_quota != b.beyond_quota) return a.beyond_quota < b.beyond_quota;
+    if (a.account_key != b.account_key) return a.account_key < b.account_key;
+    if (a.user_key != b.user_key) return a.user_key < b.user_key;
     if (a.submit_seq != b.submit_seq) return a.submit_seq < b.submit_seq;
     const std::string& x = snapshot.pending[a.index].id;
     const std::string& y = snapshot.pending[b.index].id;
@@ -281,6 +383,8 @@ ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
   // Expected end of each placement of this pass (parallel to result.placements).
   std::vector<std::optional<absl::Time>> placement_ends;
   auto place = [&](const PendingJobInfo& job, std::vector<DeviceGrant> grants, bool backfilled) {
+    if (const int a = account_of(job.user); a >= 0) account_used[a] += job.devices;
+    if (const int u = user_of(job.user); u >= 0) user_used[u] += job.devices;
     result.placements.push_back({job.id, std::move(grants), backfilled});
     placement_ends.push_back(job.max_runtime.has_value()
                                  ? std::optional<absl::Time>(snapshot.now + *job.max_runtime)
@@ -299,20 +403,22 @@ ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
     return std::max(0, std::min(index.free(g.node), head->projected_free_at_start[h] - g.devices));
   };
 
-  // Places `job` (its nodes' view in `index`), makes it the head, or backfills it.
+  // Places `job` (its nodes' view in `index`), makes it the head, or backfills it; returns why
+  // it waits (kPlaced: it does not).
   auto decide = [&](const PendingJobInfo& job) {
     const bool fits_now = job.devices <= index.total();
 
     if (phase == Phase::kInOrder) {
       if (fits_now) {
         place(job, index.Take(job.devices), /*backfilled=*/false);
-        return;
+        return WaitReason::kPlaced;
       }
       usable_for_job = usable;
       for (const Hidden& h : hidden_for_job) usable_for_job[h.node] = false;
       if (snapshot.preemption) {
         std::vector<std::string> victims =
-            ChooseVictims(snapshot, job, usable_for_job, index.total());
+            ChooseVictims(snapshot, job, usable_for_job, index.total(), running_shares,
+                          account_of(job.user), fits_quota(job));
         if (!victims.empty()) {
           result.preemption = ScheduleResult::Preemption{job.id, std::move(victims)};
         }
@@ -321,7 +427,7 @@ ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
                                 index, result.placements, placement_ends, job.devices);
       if (!head.has_value()) {
         phase = Phase::kStopped;  // unknown start: backfill could delay the head forever
-        return;
+        return WaitReason::kDevices;
       }
       result.reservation = Reservation{job.id, head->start, head->grants};
       head_slot.assign(num_nodes, -1);
@@ -329,16 +435,16 @@ ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
         head_slot[head->grants[h].node] = static_cast<int>(h);
       }
       phase = Phase::kBackfill;
-      return;
+      return WaitReason::kDevices;
     }
 
     // Backfill behind the head.
-    if (!fits_now) return;
+    if (!fits_now) return WaitReason::kBehindHead;
     if (job.max_runtime.has_value() && snapshot.now + *job.max_runtime <= head->start) {
       // (a) Done before the head starts: its devices are back by then.
       place(job, index.Take(job.devices), /*backfilled=*/true);
       head_protected_stale = true;
-      return;
+      return WaitReason::kPlaced;
     }
     // (b) Pack only on devices the head's reservation leaves spare.
     if (head_protected_stale) {
@@ -348,7 +454,7 @@ ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
       }
       head_protected_stale = false;
     }
-    if (job.devices > index.total() - head_protected) return;
+    if (job.devices > index.total() - head_protected) return WaitReason::kBehindHead;
     std::vector<int> hidden(head->grants.size());
     for (size_t h = 0; h < head->grants.size(); ++h) {
       const int node = head->grants[h].node;
@@ -366,10 +472,15 @@ ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
     }
     place(job, std::move(grants), /*backfilled=*/true);
     head_protected_stale = true;
+    return WaitReason::kPlaced;
   };
 
-  for (int i : order) {
+  result.waits.resize(snapshot.pending.size());
+  for (size_t position = 0; position < order.size(); ++position) {
+    const int i = order[position];
     const PendingJobInfo& job = snapshot.pending[i];
+    JobWait& wait = result.waits[i];
+    wait.position = static_cast<int>(position);
     hidden_for_job.clear();
     int64_t capacity = schedulable_capacity;
     for (int n : restricted) {
@@ -380,12 +491,17 @@ ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
     }
     if (job.devices <= 0 || job.devices > capacity) {
       result.unplaceable.push_back(job.id);
+      wait.reason = WaitReason::kUnplaceable;
       continue;
     }
-    if (phase == Phase::kStopped) continue;
+    if (wait.reason = held_by_limits(job); wait.reason != WaitReason::kPlaced) continue;
+    if (phase == Phase::kStopped) {
+      wait.reason = WaitReason::kHeadStartUnknown;
+      continue;
+    }
     for (const Hidden& h : hidden_for_job) index.Set(h.node, 0);
     if (!hidden_for_job.empty()) head_protected_stale = true;  // computed with them visible
-    decide(job);
+    wait.reason = decide(job);
     for (const Hidden& h : hidden_for_job) index.Set(h.node, h.free);  // it took nothing there
     if (!hidden_for_job.empty()) head_protected_stale = true;
   }

@@ -12,6 +12,12 @@
 // EASY backfill behind the first blocked job (only that job's reservation is protected). A job
 // sees only the nodes that take its owner's jobs: the others are out of its placement, its
 // reservation and its capacity.
+//
+// Sharing (all of it data in the snapshot, so the policy stays pure): users belong to accounts
+// with an optional device quota (guaranteed devices), a limit on borrowing beyond it, and a fair
+// share; users may have a cap on running devices. Among jobs of equal priority, those that fit in
+// their account's quota go first, then the account furthest below its fair share (by decayed
+// usage), then the user with the least usage, then submission.
 #ifndef TRAINYARD_SERVER_COORDINATOR_SCHEDULER_H_
 #define TRAINYARD_SERVER_COORDINATOR_SCHEDULER_H_
 
@@ -41,6 +47,27 @@ struct DeviceGrant {
   int devices = 0;  // how many devices of that node
 };
 
+// An account (team) of users, for quotas and fair share.
+struct SchedAccount {
+  std::string name;
+  // Devices guaranteed to the account: its jobs within it go first, are preempted only for its
+  // own jobs of higher priority, and devices other accounts borrowed are taken back for them.
+  // Negative: no quota (nothing guaranteed, no limit).
+  int64_t quota = -1;
+  // Devices it may use beyond its quota while others leave them idle; negative: no limit. Only
+  // with a quota.
+  int64_t borrow_limit = -1;
+  double share = 1;  // fair-share weight (> 0; anything else reads as 1)
+  double usage = 0;  // decayed device-seconds as of snapshot.now
+};
+
+struct SchedUser {
+  std::string name;
+  int account = -1;          // index into ClusterSnapshot::accounts; -1: none
+  int64_t max_devices = -1;  // cap on the devices its running jobs hold; negative: none
+  double usage = 0;          // decayed device-seconds as of snapshot.now
+};
+
 struct RunningJobInfo {
   std::string id;
   std::vector<DeviceGrant> grants;
@@ -52,6 +79,8 @@ struct RunningJobInfo {
   absl::Time start = absl::InfinitePast();    // of its current attempt
   std::optional<absl::Time> last_checkpoint;  // its latest checkpoint, if any
   bool preempting = false;  // already asked to stop for another job: its devices come free soon
+  int user = -1;            // index into ClusterSnapshot::users; -1: outside accounts and caps
+  bool preemptible = true;  // false: never a victim
 };
 
 struct PendingJobInfo {
@@ -61,6 +90,9 @@ struct PendingJobInfo {
   int devices = 1;         // gang size: all or nothing; <= 0 is invalid and reported unplaceable
   std::optional<absl::Duration> max_runtime;  // from the spec; nullopt = unknown
   std::string owner;  // only nodes with no owners or with this one among theirs take its ranks
+  int user = -1;      // index into ClusterSnapshot::users; -1: outside accounts and caps
+  // false: runs only within its account's quota (and so is never preempted for other accounts).
+  bool preemptible = true;
 };
 
 struct ClusterSnapshot {
@@ -72,6 +104,8 @@ struct ClusterSnapshot {
   // min_run_time (so a preempted job is not preempted again at once).
   bool preemption = false;
   absl::Duration min_run_time = absl::Minutes(5);
+  std::vector<SchedAccount> accounts;  // empty: no quotas, no fair share
+  std::vector<SchedUser> users;
 };
 
 struct Placement {
@@ -88,6 +122,23 @@ struct Reservation {  // where and when the blocked head job will start
   std::vector<DeviceGrant> grants;
 };
 
+// Why a pending job was not placed in a pass.
+enum class WaitReason : uint8_t {
+  kPlaced,                     // it was placed
+  kDevices,                    // the head: not enough free devices (see the reservation)
+  kBehindHead,                 // behind the head, and backfill would delay it
+  kHeadStartUnknown,           // behind a head whose start cannot be computed: nothing backfills
+  kAccountLimit,               // its account's quota plus borrow limit is in use
+  kUserLimit,                  // its user's cap on running devices is in use
+  kNotPreemptibleBeyondQuota,  // not preemptible, and its account's quota is in use
+  kUnplaceable,                // larger than every device it may use, or <= 0 devices
+};
+
+struct JobWait {
+  WaitReason reason = WaitReason::kPlaced;
+  int position = 0;  // its place in the scheduling order: how many jobs were considered before it
+};
+
 struct ScheduleResult {
   std::vector<Placement> placements;       // in decision order
   std::optional<Reservation> reservation;  // the blocked head job's, when its start is computable
@@ -100,12 +151,19 @@ struct ScheduleResult {
     std::vector<std::string> victims;  // in the order chosen
   };
   std::optional<Preemption> preemption;
+  // Parallel to snapshot.pending: what became of each job, and its place in the order.
+  std::vector<JobWait> waits;
 };
 
 // Decides which pending jobs start now. Pure and deterministic: same snapshot, same result
 // (independent of the order of snapshot.pending).
 //
-// Jobs are taken by priority (descending), then submit_seq (ascending), then id. Each job that fits
+// Jobs are taken by priority (descending); then those whose devices plus their account's running
+// devices fit in its quota; then by account usage / share (ascending, accounts' usage and share as
+// given), then user usage (ascending), then submit_seq (ascending), then id. A job whose account
+// would exceed quota + borrow_limit, whose user would exceed max_devices, or that is not
+// preemptible and would exceed its account's quota is skipped (it neither places nor blocks). Each
+// job that fits
 // in the free devices of schedulable nodes is placed: on the single node with the fewest free
 // devices that holds it (lowest index on ties), else on the nodes with the most free devices first
 // (lowest index on ties), the last one chosen by best fit for the remainder, which uses the fewest
@@ -120,10 +178,14 @@ struct ScheduleResult {
 // Backfill never delays the head's reservation.
 //
 // With snapshot.preemption, a head that does not fit now may preempt: unless the devices of jobs
-// already preempting would make room, it picks victims among running jobs of lower priority that
-// have run for min_run_time, counting only devices on nodes that take its owner, so as to lose the
+// already preempting would make room, it picks victims among preemptible running jobs that have
+// run for min_run_time, counting only devices on nodes that take its owner, so as to lose the
 // fewest device-seconds of work since the victims' last checkpoints (greedy by lost work per
-// freed device, then dropping victims not needed).
+// freed device, then dropping victims not needed). A victim of the head's own account must have
+// lower priority. A victim of another account must run beyond its account's quota (on borrowed
+// capacity: of an account's running jobs, the latest started beyond its quota; all of an account
+// without quota), and either have lower priority or the head fit within its own account's quota
+// (the lender takes its devices back).
 //
 // Cost: O(P log P + R log R + N log N + placed * (D + log N)) for P pending, R running grants,
 // N nodes, D = max devices per node.
