@@ -2,12 +2,16 @@
 // 10,000 nodes x 8 devices and 100,000 queued jobs by default. Measures (a) one full Schedule()
 // pass on an empty cluster and (b) a steady state where ~5% of running jobs finish per cycle and
 // Schedule() runs on the new snapshot. Compares, in the same run, with a naive first-fit scheduler
-// (linear scan over nodes per job, no index) and prints the published Slurm anchor.
+// (linear scan over nodes per job, no index) and prints the published Slurm anchor. Runs both
+// again with sharing on (1,000 users in 50 accounts with quotas, borrow limits and fair shares,
+// decayed usage charged every cycle, preemption on, its victims requeued), whose goal is 20,000
+// placements/s in steady state.
 //
 // Run by hand (see bench/RESULTS.md): scheduler_bench [--nodes N] [--jobs N] [--reps N]
 // [--cycles N] [--naive_jobs N]. Deterministic: fixed seeds, so every run sees the same snapshots.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -25,6 +29,9 @@ namespace trainyard::coordinator {
 namespace {
 
 constexpr double kGoalPlacementsPerSecond = 5000.0;
+constexpr double kSharingGoalPlacementsPerSecond = 20000.0;
+constexpr int kUsers = 1000;
+constexpr int kAccounts = 50;
 constexpr int kDevicesPerNode = 8;
 
 struct Flags {
@@ -77,12 +84,17 @@ double Median(std::vector<double> v) {
 // Job sizes weighted toward small: 1 (40%), 2 (20%), 4 (15%), 8 (15%), 16 (7%), 32 (3%).
 class JobFactory {
  public:
-  explicit JobFactory(uint32_t seed) : rng_(seed) {}
+  // `idle_accounts`: the last this many accounts submit nothing (their users' jobs go to the
+  // accounts before them), so that they start below their quota.
+  explicit JobFactory(uint32_t seed, int idle_accounts = 0)
+      : rng_(seed), idle_accounts_(idle_accounts) {}
 
   PendingJobInfo Next() {
     static constexpr int kSizes[] = {1, 2, 4, 8, 16, 32};
     std::discrete_distribution<int> size({40, 20, 15, 15, 7, 3});
     PendingJobInfo job;
+    job.user = std::uniform_int_distribution<int>(0, kUsers - 1)(rng_);
+    if (job.user % kAccounts >= kAccounts - idle_accounts_) job.user -= idle_accounts_;
     job.id = "job-" + std::to_string(next_seq_);
     job.submit_seq = next_seq_++;
     job.priority = std::uniform_int_distribution<int>(1, 100)(rng_);
@@ -95,6 +107,7 @@ class JobFactory {
 
  private:
   std::mt19937 rng_;
+  int idle_accounts_;
   int64_t next_seq_ = 0;
 };
 
@@ -141,8 +154,59 @@ struct ClusterState {
   std::vector<SchedNode> nodes;
   std::vector<RunningJobInfo> running;
   std::vector<PendingJobInfo> pending;
+  bool sharing = false;  // accounts, users, usage and preemption in the snapshot
+  std::vector<SchedAccount> accounts;
+  std::vector<SchedUser> users;
+  std::unordered_map<std::string, PendingJobInfo> started;  // with sharing: to requeue victims
 
-  ClusterSnapshot Snapshot() const { return {now, nodes, running, pending}; }
+  ClusterSnapshot Snapshot() const {
+    ClusterSnapshot s{now, nodes, running, pending};
+    if (sharing) {
+      s.preemption = true;
+      s.accounts = accounts;
+      s.users = users;
+    }
+    return s;
+  }
+
+  // 50 accounts with quotas summing to half the devices, borrow limits of 1.5x shares 1..5 and some
+  // usage; 1,000 users spread over them, a tenth with a cap on running devices.
+  void EnableSharing(uint32_t seed) {
+    std::mt19937 rng(seed);
+    sharing = true;
+    const int64_t devices = static_cast<int64_t>(nodes.size()) * kDevicesPerNode;
+    for (int a = 0; a < kAccounts; ++a) {
+      SchedAccount account;
+      account.name = "account-" + std::to_string(a);
+      account.quota = devices / 2 / kAccounts;
+      account.borrow_limit = account.quota * 3 / 2;
+      account.share = std::uniform_int_distribution<int>(1, 5)(rng);
+      account.usage = std::uniform_real_distribution<double>(0, 1e7)(rng);
+      accounts.push_back(std::move(account));
+    }
+    for (int u = 0; u < kUsers; ++u) {
+      SchedUser user;
+      user.name = "user-" + std::to_string(u);
+      user.account = u % kAccounts;
+      user.max_devices = u % 10 == 0 ? 64 : -1;
+      user.usage = std::uniform_real_distribution<double>(0, 1e6)(rng);
+      users.push_back(std::move(user));
+    }
+  }
+
+  // Decays usage by a minute of a 7-day half-life and charges the running jobs' minute.
+  void ChargeMinute() {
+    if (!sharing) return;
+    const double decay = std::exp2(-60.0 / (7 * 24 * 3600));
+    for (SchedAccount& a : accounts) a.usage *= decay;
+    for (SchedUser& u : users) u.usage *= decay;
+    for (const RunningJobInfo& r : running) {
+      double devices = 0;
+      for (const DeviceGrant& g : r.grants) devices += g.devices;
+      users[r.user].usage += devices * 60;
+      accounts[users[r.user].account].usage += devices * 60;
+    }
+  }
 
   // Starts the placed jobs: takes their devices and moves them from pending to running.
   void Apply(const ScheduleResult& result) {
@@ -159,19 +223,35 @@ struct ClusterState {
       for (const DeviceGrant& g : it->second->grants) nodes[g.node].free_devices -= g.devices;
       std::optional<absl::Time> end;
       if (job.max_runtime.has_value()) end = now + *job.max_runtime;
-      running.push_back({job.id, it->second->grants, end});
+      RunningJobInfo r{job.id, it->second->grants, end};
+      r.priority = job.priority;
+      r.start = now;
+      r.user = job.user;
+      running.push_back(std::move(r));
+      if (sharing) started[job.id] = job;
     }
     pending = std::move(still_pending);
+    if (result.preemption.has_value()) {
+      std::unordered_map<std::string, bool> victims;
+      for (const std::string& id : result.preemption->victims) victims[id] = true;
+      for (RunningJobInfo& r : running) {
+        if (victims.count(r.id) != 0) r.preempting = true;
+      }
+    }
   }
 
-  // A random `fraction` of running jobs finish and release their devices.
+  // A random `fraction` of running jobs finish and release their devices; preempted ones stop
+  // and go back to the queue.
   void FinishSome(double fraction, std::mt19937& rng) {
     std::bernoulli_distribution finishes(fraction);
     std::vector<RunningJobInfo> still_running;
     still_running.reserve(running.size());
     for (RunningJobInfo& job : running) {
-      if (finishes(rng)) {
+      const bool preempted = job.preempting;
+      if (preempted || finishes(rng)) {
         for (const DeviceGrant& g : job.grants) nodes[g.node].free_devices += g.devices;
+        if (preempted) pending.push_back(started.at(job.id));
+        started.erase(job.id);
       } else {
         still_running.push_back(std::move(job));
       }
@@ -218,6 +298,7 @@ int64_t SteadyState(const ClusterState& start, int cycles, int queue_size, uint3
   *snapshot_s = 0;
   for (int c = 0; c < cycles; ++c) {
     state.now += absl::Minutes(1);
+    state.ChargeMinute();
     state.FinishSome(0.05, rng);
     while (static_cast<int>(state.pending.size()) < queue_size) {
       PendingJobInfo job = factory.Next();
@@ -240,7 +321,8 @@ int64_t SteadyState(const ClusterState& start, int cycles, int queue_size, uint3
 
 int Main(int argc, char** argv) {
   const Flags flags = ParseFlags(argc, argv);
-  JobFactory factory(2024);
+  // 10 of the 50 accounts submit only once the steady state starts: they reclaim their quota.
+  JobFactory factory(2024, /*idle_accounts=*/10);
   const ClusterState empty = EmptyCluster(flags.nodes, flags.jobs, factory);
   const ClusterSnapshot empty_snapshot = empty.Snapshot();
   ClusterState naive_empty = empty;
@@ -266,16 +348,30 @@ int Main(int argc, char** argv) {
   ScheduleResult naive_first;
   time_pass("full pass, empty cluster: naive first-fit", naive_snapshot, NaiveSchedule,
             &naive_first);
+  ClusterState sharing_empty = empty;
+  sharing_empty.EnableSharing(99);
+  ScheduleResult sharing_first;
+  time_pass("full pass, empty cluster: indexed + sharing", sharing_empty.Snapshot(), Schedule,
+            &sharing_first);
 
   // (b) Steady state from the cluster as the first pass left it.
   ClusterState loaded = empty;
   loaded.Apply(first);
-  auto steady = [&](const std::string& name, auto schedule, bool with_snapshot_row) {
+  ClusterState sharing_loaded = sharing_empty;
+  sharing_loaded.Apply(sharing_first);
+  int64_t preemptions = 0;
+  auto count_preemptions = [&](const ClusterSnapshot& s) {
+    ScheduleResult r = Schedule(s);
+    if (r.preemption.has_value()) preemptions += r.preemption->victims.size();
+    return r;
+  };
+  auto steady = [&](const std::string& name, const ClusterState& start, auto schedule,
+                    bool with_snapshot_row) {
     std::vector<double> schedule_s, total_s;
     int64_t placements = 0;
     for (int r = 0; r < flags.reps; ++r) {
       double sched = 0, snap = 0;
-      placements = SteadyState(loaded, flags.cycles, flags.jobs, 7, schedule, &sched, &snap);
+      placements = SteadyState(start, flags.cycles, flags.jobs, 7, schedule, &sched, &snap);
       schedule_s.push_back(sched);
       total_s.push_back(sched + snap);
     }
@@ -286,8 +382,11 @@ int Main(int argc, char** argv) {
     }
   };
   const std::string cycles = std::to_string(flags.cycles);
-  steady("steady, " + cycles + " cycles x 5% finish: indexed", Schedule, true);
-  steady("steady, " + cycles + " cycles x 5% finish: naive first-fit", NaiveSchedule, false);
+  steady("steady, " + cycles + " cycles x 5% finish: indexed", loaded, Schedule, true);
+  steady("steady, " + cycles + " cycles x 5% finish: naive first-fit", loaded, NaiveSchedule,
+         false);
+  steady("steady, " + cycles + " cycles x 5% finish: indexed + sharing", sharing_loaded,
+         count_preemptions, true);
 
   std::printf("Scheduler benchmark: %d nodes x %d devices, %d pending jobs, %d reps (median)\n",
               flags.nodes, kDevicesPerNode, flags.jobs, flags.reps);
@@ -305,6 +404,14 @@ int Main(int argc, char** argv) {
   std::printf("| %-58s | %6s | %7s | %10s | %10s | %12.0f | %7.1fx |\n",
               "anchor: Slurm: 500 jobs/s sustained (published)", "-", "-", "-", "-", 500.0,
               500.0 / kGoalPlacementsPerSecond);
+  const Row& sharing_row = rows[rows.size() - 2];
+  const double sharing_rate = sharing_row.placements / sharing_row.median_s;
+  std::printf(
+      "Sharing: %d users in %d accounts (quotas, borrow limits, fair share, user caps), "
+      "preemption on: %lld victims over %d reps; steady state %.0f placements/s, %.1fx the "
+      "%.0f/s goal.\n",
+      kUsers, kAccounts, static_cast<long long>(preemptions), flags.reps, sharing_rate,
+      sharing_rate / kSharingGoalPlacementsPerSecond, kSharingGoalPlacementsPerSecond);
   if (flags.naive_jobs < flags.jobs) {
     std::printf("Naive full pass capped at %d pending jobs.\n", flags.naive_jobs);
   }

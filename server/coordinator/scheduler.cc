@@ -311,11 +311,29 @@ ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
       }
     }
   }
-  std::vector<double> account_key(num_accounts, 0);  // usage / share: lower goes first
+  // Fair-share order of users as a dense rank (equal, equal rank): by their account's usage /
+  // share, then their own usage. The last entry is for jobs of no user (no usage).
+  auto usage_of = [](double usage) { return std::isfinite(usage) ? std::max(0.0, usage) : 0.0; };
+  std::vector<double> account_key(num_accounts);  // usage / share: lower goes first
   for (int a = 0; a < num_accounts; ++a) {
     const SchedAccount& account = snapshot.accounts[a];
     const double share = account.share > 0 && std::isfinite(account.share) ? account.share : 1;
-    account_key[a] = std::max(0.0, account.usage) / share;
+    account_key[a] = usage_of(account.usage) / share;
+  }
+  std::vector<std::pair<double, double>> fair(num_users + 1, {0.0, 0.0});
+  for (int u = 0; u < num_users; ++u) {
+    const int a = account_of(u);
+    fair[u] = {a >= 0 ? account_key[a] : 0.0, usage_of(snapshot.users[u].usage)};
+  }
+  std::vector<uint32_t> fair_rank(num_users + 1);
+  {
+    std::vector<std::pair<double, double>> sorted = fair;
+    std::sort(sorted.begin(), sorted.end());
+    sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
+    for (int u = 0; u <= num_users; ++u) {
+      fair_rank[u] = static_cast<uint32_t>(std::lower_bound(sorted.begin(), sorted.end(), fair[u]) -
+                                           sorted.begin());
+    }
   }
   auto fits_quota = [&](const PendingJobInfo& job) {
     const int a = account_of(job.user);
@@ -343,34 +361,27 @@ ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
   std::vector<Hidden> hidden_for_job;
   std::vector<bool> usable_for_job;
 
-  // Sorted as compact keys (the queue is large; its entries are not): priority descending, within
-  // quota first, account and user fair share, submission, then id and position, which only equal
-  // keys need to look up.
+  // Sorted as compact keys (the queue is large; its entries are not): priority descending and
+  // the sharing rank (within quota first, then fair share) in one word, then submission, then id
+  // and position, which only equal keys need to look up.
   struct OrderKey {
-    int priority;
-    int beyond_quota;  // 0: fits in its account's quota as the pass starts
-    double account_key;
-    double user_key;
+    uint64_t major;  // bits 32..63: priority, descending; bit 31: beyond quota; 0..30: fair rank
     int64_t submit_seq;
     int index;
   };
   std::vector<OrderKey> keys(snapshot.pending.size());
   for (size_t i = 0; i < keys.size(); ++i) {
     const PendingJobInfo& job = snapshot.pending[i];
-    const int a = account_of(job.user);
     const int u = user_of(job.user);
-    keys[i] = {job.priority,
-               fits_quota(job) ? 0 : 1,
-               a >= 0 ? account_key[a] : 0.0,
-               u >= 0 ? std::max(0.0, snapshot.users[u].usage) : 0.0,
-               job.submit_seq,
+    // Higher priority, smaller word: flipping the sign bit orders signed values as unsigned.
+    const uint32_t priority = ~(static_cast<uint32_t>(job.priority) ^ 0x80000000u);
+    const uint32_t sharing =
+        (fits_quota(job) ? 0u : 0x80000000u) | (fair_rank[u >= 0 ? u : num_users] & 0x7fffffffu);
+    keys[i] = {(static_cast<uint64_t>(priority) << 32) | sharing, job.submit_seq,
                static_cast<int>(i)};
   }
   std::sort(keys.begin(), keys.end(), [&](const OrderKey& a, const OrderKey& b) {
-    if (a.priority != b.priority) return a.priority > b.priority;
-    if (a.beyond_quota != b.beyond_quota) return a.beyond_quota < b.beyond_quota;
-    if (a.account_key != b.account_key) return a.account_key < b.account_key;
-    if (a.user_key != b.user_key) return a.user_key < b.user_key;
+    if (a.major != b.major) return a.major < b.major;
     if (a.submit_seq != b.submit_seq) return a.submit_seq < b.submit_seq;
     const std::string& x = snapshot.pending[a.index].id;
     const std::string& y = snapshot.pending[b.index].id;
