@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -23,6 +24,7 @@
 #include "common/credentials.h"
 #include "common/memory_estimate.h"
 #include "common/spec.h"
+#include "common/status_macros.h"
 #include "common/version.h"
 #include "server/ps/tcp_congestion.h"
 
@@ -116,7 +118,15 @@ void PrintJob(const v1::Job& job) {
       {"max_runtime", s.max_runtime_seconds() == 0
                           ? "-"
                           : absl::FormatDuration(absl::Seconds(s.max_runtime_seconds()))},
+      {"account", job.account().empty() ? "default" : job.account()},
+      {"preemptible",
+       absl::StrCat(!s.has_preemptible() || s.preemptible() ? "yes" : "no", " (grace ",
+                    s.preemption_grace_seconds() == 0
+                        ? "the cluster's"
+                        : absl::FormatDuration(absl::Seconds(s.preemption_grace_seconds())),
+                    ", preempted ", job.preemptions(), " times)")},
   };
+  if (!job.why_waiting().empty()) f.push_back({"waiting", job.why_waiting()});
   if (job.backfilled()) f.push_back({"backfilled", "yes"});
   std::cout << FormatFields(f);
 }
@@ -473,16 +483,196 @@ void PrintUsers(const Globals& g, const std::vector<v1::User>& users) {
   std::vector<std::vector<std::string>> rows;
   for (const auto& u : users) {
     rows.push_back({u.name(), RoleName(u.role()), u.disabled() ? "disabled" : "enabled",
+                    u.account().empty() ? "default" : u.account(),
+                    u.has_max_running_devices() ? absl::StrCat(u.max_running_devices()) : "-",
+                    u.has_max_queued_jobs() ? absl::StrCat(u.max_queued_jobs()) : "-",
                     TimeOrDash(u.created_time_ms())});
   }
-  std::cout << FormatTable({"USER", "ROLE", "STATE", "CREATED"}, rows);
+  std::cout << FormatTable(
+      {"USER", "ROLE", "STATE", "ACCOUNT", "MAX_DEVICES", "MAX_QUEUED", "CREATED"}, rows);
 }
 
-int UserAdd(const Globals& g, const std::string& name, bool admin) {
+int UserAdd(const Globals& g, const std::string& name, bool admin, const std::string& account) {
   YardClient client(g.coordinator, g.Token(), g.tls);
-  auto user = client.CreateUser(name, admin ? v1::ADMIN : v1::USER);
+  auto user = client.CreateUser(name, admin ? v1::ADMIN : v1::USER, account);
   if (!user.ok()) return Fail(user.status());
   PrintUsers(g, {*user});
+  return 0;
+}
+
+// A limit flag's value: a count >= 0, or "none" (-1: no limit).
+absl::StatusOr<int64_t> ParseLimit(const std::string& flag, const std::string& text) {
+  int64_t value = 0;
+  if (text == "none") return -1;
+  if (absl::SimpleAtoi(text, &value) && value >= 0) return value;
+  return absl::InvalidArgumentError(
+      absl::StrCat(flag, ": expected a count >= 0 or 'none', got '", text, "'"));
+}
+
+struct UserSetArgs {
+  std::string name, account, max_devices, max_queued;
+};
+
+int UserSet(const Globals& g, const UserSetArgs& a) {
+  v1::UpdateUserRequest request;
+  request.set_name(a.name);
+  if (!a.account.empty()) request.set_account(a.account);
+  if (!a.max_devices.empty()) {
+    auto v = ParseLimit("--max-devices", a.max_devices);
+    if (!v.ok()) return Fail(v.status());
+    request.set_max_running_devices(*v);
+  }
+  if (!a.max_queued.empty()) {
+    auto v = ParseLimit("--max-queued", a.max_queued);
+    if (!v.ok()) return Fail(v.status());
+    request.set_max_queued_jobs(*v);
+  }
+  YardClient client(g.coordinator, g.Token(), g.tls);
+  auto user = client.UpdateUser(request);
+  if (!user.ok()) return Fail(user.status());
+  PrintUsers(g, {*user});
+  return 0;
+}
+
+std::string Share(double share) { return absl::StrFormat("%g", share); }
+
+void PrintAccounts(const Globals& g, const std::vector<v1::Account>& accounts) {
+  if (g.json()) {
+    nlohmann::json j = nlohmann::json::array();
+    for (const auto& a : accounts) j.push_back(nlohmann::json::parse(ToJson(a)));
+    std::cout << j.dump(1) << "\n";
+    return;
+  }
+  std::vector<std::vector<std::string>> rows;
+  for (const auto& a : accounts) {
+    rows.push_back({a.name(), a.has_quota_devices() ? absl::StrCat(a.quota_devices()) : "-",
+                    a.has_borrow_limit_devices() ? absl::StrCat(a.borrow_limit_devices())
+                    : a.has_quota_devices()      ? "any"
+                                                 : "-",
+                    Share(a.share()), TimeOrDash(a.created_time_ms())});
+  }
+  std::cout << FormatTable({"ACCOUNT", "QUOTA", "BORROW_LIMIT", "SHARE", "CREATED"}, rows);
+}
+
+struct AccountArgs {
+  std::string name, quota, borrow_limit, share;
+};
+
+// Applies the flags given to `account` (a limit of "none" removes it).
+absl::Status ApplyAccountArgs(const AccountArgs& a, v1::Account& account) {
+  account.set_name(a.name);
+  if (!a.quota.empty()) {
+    ASSIGN_OR_RETURN(int64_t quota, ParseLimit("--quota", a.quota));
+    if (quota < 0) {
+      account.clear_quota_devices();
+      account.clear_borrow_limit_devices();
+    } else {
+      account.set_quota_devices(quota);
+    }
+  }
+  if (!a.borrow_limit.empty()) {
+    ASSIGN_OR_RETURN(int64_t limit, ParseLimit("--borrow-limit", a.borrow_limit));
+    if (limit < 0) {
+      account.clear_borrow_limit_devices();
+    } else {
+      account.set_borrow_limit_devices(limit);
+    }
+  }
+  if (!a.share.empty()) {
+    double share = 0;
+    if (!absl::SimpleAtod(a.share, &share) || !(share > 0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--share: expected a positive number, got '", a.share, "'"));
+    }
+    account.set_share(share);
+  }
+  return absl::OkStatus();
+}
+
+int AccountAdd(const Globals& g, const AccountArgs& a) {
+  v1::Account account;
+  if (absl::Status s = ApplyAccountArgs(a, account); !s.ok()) return Fail(s);
+  YardClient client(g.coordinator, g.Token(), g.tls);
+  auto created = client.CreateAccount(account);
+  if (!created.ok()) return Fail(created.status());
+  PrintAccounts(g, {*created});
+  return 0;
+}
+
+int AccountSet(const Globals& g, const AccountArgs& a) {
+  YardClient client(g.coordinator, g.Token(), g.tls);
+  auto accounts = client.ListAccounts();
+  if (!accounts.ok()) return Fail(accounts.status());
+  v1::Account account;
+  bool found = false;
+  for (const v1::Account& existing : accounts->accounts()) {
+    if (existing.name() == a.name) {
+      account = existing;
+      found = true;
+    }
+  }
+  if (!found) return Fail(absl::NotFoundError(absl::StrCat("no account ", a.name)));
+  if (absl::Status s = ApplyAccountArgs(a, account); !s.ok()) return Fail(s);
+  auto updated = client.UpdateAccount(account);
+  if (!updated.ok()) return Fail(updated.status());
+  PrintAccounts(g, {*updated});
+  return 0;
+}
+
+int AccountList(const Globals& g) {
+  YardClient client(g.coordinator, g.Token(), g.tls);
+  auto accounts = client.ListAccounts();
+  if (!accounts.ok()) return Fail(accounts.status());
+  PrintAccounts(g, {accounts->accounts().begin(), accounts->accounts().end()});
+  return 0;
+}
+
+int AccountRemove(const Globals& g, const std::string& name) {
+  YardClient client(g.coordinator, g.Token(), g.tls);
+  auto removed = client.DeleteAccount(name);
+  if (!removed.ok()) return Fail(removed.status());
+  std::cout << "deleted account " << removed->name() << "\n";
+  return 0;
+}
+
+// `yard quota`: the user's use and caps, and its account's (every account's with --all).
+int Quota(const Globals& g, const std::string& user, bool all) {
+  YardClient client(g.coordinator, g.Token(), g.tls);
+  auto report = client.GetQuota(user, all);
+  if (!report.ok()) return Fail(report.status());
+  if (g.json()) {
+    std::cout << ToJson(*report);
+    return 0;
+  }
+  auto cap = [](bool has, int64_t value) { return has ? absl::StrCat(value) : "no cap"; };
+  std::cout << FormatFields({
+      {"user", report->user()},
+      {"account", report->account()},
+      {"running devices",
+       absl::StrCat(report->running_devices(), " (",
+                    cap(report->has_max_running_devices(), report->max_running_devices()), ")")},
+      {"queued jobs",
+       absl::StrCat(report->queued_jobs(), " (",
+                    cap(report->has_max_queued_jobs(), report->max_queued_jobs()), ")")},
+      {"usage", absl::StrFormat("%.2f device-hours (decayed, half-life %gh)",
+                                report->usage_device_hours(), report->half_life_hours())},
+  });
+  std::vector<std::vector<std::string>> rows;
+  for (const v1::AccountUsage& a : report->accounts()) {
+    rows.push_back(
+        {a.name(), a.has_quota_devices() ? absl::StrCat(a.quota_devices()) : "-",
+         a.has_borrow_limit_devices() ? absl::StrCat(a.borrow_limit_devices())
+         : a.has_quota_devices()      ? "any"
+                                      : "-",
+         absl::StrCat(a.running_devices()),
+         absl::StrCat(a.queued_devices(), " (", a.queued_jobs(), " jobs)"),
+         absl::StrFormat("%s (%.0f%%)", Share(a.share()), 100 * a.share_fraction()),
+         absl::StrFormat("%.2f (%.0f%%)", a.usage_device_hours(), 100 * a.usage_fraction())});
+  }
+  std::cout << "\n"
+            << FormatTable({"ACCOUNT", "QUOTA", "BORROW_LIMIT", "RUNNING", "QUEUED", "SHARE",
+                            "USAGE_DEVICE_HOURS"},
+                           rows);
   return 0;
 }
 
@@ -712,16 +902,37 @@ int main(int argc, char** argv) {
   auto* whoami = app.add_subcommand("whoami", "the user (or node) of your token");
   whoami->callback([&] { rc = WhoAmI(g); });
 
-  auto* admin = app.add_subcommand("admin", "users and tokens (admins; a user: its own tokens)");
+  std::string quota_user;
+  bool quota_all = false;
+  auto* quota = app.add_subcommand(
+      "quota", "your use, caps and share, and your account's quota and usage (-o json)");
+  quota->add_option("--user", quota_user, "this user's (admins)");
+  quota->add_flag("--all", quota_all, "every account (admins)");
+  quota->callback([&] { rc = Quota(g, quota_user, quota_all); });
+
+  auto* admin =
+      app.add_subcommand("admin", "users, accounts and tokens (admins; a user: its own tokens)");
   admin->require_subcommand(1);
   auto* user_cmd = admin->add_subcommand("user", "users of the cluster (admins)");
   user_cmd->require_subcommand(1);
   std::string name;
   bool as_admin = false, enable = false;
+  std::string user_account;
   auto* user_add = user_cmd->add_subcommand("add", "create a user");
   user_add->add_option("name", name, "user name, like a Unix account")->required();
   user_add->add_flag("--admin", as_admin, "an admin: sees and controls every job");
-  user_add->callback([&] { rc = UserAdd(g, name, as_admin); });
+  user_add->add_option("--account", user_account, "the account its jobs are charged to")
+      ->default_str("default");
+  user_add->callback([&] { rc = UserAdd(g, name, as_admin, user_account); });
+  UserSetArgs user_set_args;
+  auto* user_set = user_cmd->add_subcommand("set", "change a user's account and caps");
+  user_set->add_option("name", user_set_args.name, "user name")->required();
+  user_set->add_option("--account", user_set_args.account, "move the user to this account");
+  user_set->add_option("--max-devices", user_set_args.max_devices,
+                       "cap on the devices its running jobs hold together ('none': no cap)");
+  user_set->add_option("--max-queued", user_set_args.max_queued,
+                       "cap on its queued jobs; more are refused at submit ('none': no cap)");
+  user_set->callback([&] { rc = UserSet(g, user_set_args); });
   auto* user_ls = user_cmd->add_subcommand("ls", "list users");
   user_ls->callback([&] { rc = UserList(g); });
   auto* user_disable =
@@ -729,6 +940,32 @@ int main(int argc, char** argv) {
   user_disable->add_option("name", name, "user name")->required();
   user_disable->add_flag("--enable", enable, "enable the user again");
   user_disable->callback([&] { rc = UserDisable(g, name, enable); });
+
+  auto* account_cmd = admin->add_subcommand(
+      "account", "accounts (teams): quotas and fair shares (admins; ls: any user)");
+  account_cmd->require_subcommand(1);
+  AccountArgs account_args;
+  auto add_account_flags = [&](CLI::App* cmd) {
+    cmd->add_option("name", account_args.name, "account name, like a Unix account")->required();
+    cmd->add_option("--quota", account_args.quota,
+                    "devices guaranteed to the account ('none': no quota)");
+    cmd->add_option("--borrow-limit", account_args.borrow_limit,
+                    "devices it may borrow beyond its quota while idle ('none': any)");
+    cmd->add_option("--share", account_args.share,
+                    "fair-share weight: among jobs of equal priority, the account furthest below "
+                    "its share goes first (default 1)");
+  };
+  auto* account_add = account_cmd->add_subcommand("add", "create an account");
+  add_account_flags(account_add);
+  account_add->callback([&] { rc = AccountAdd(g, account_args); });
+  auto* account_set = account_cmd->add_subcommand("set", "change an account's quota or share");
+  add_account_flags(account_set);
+  account_set->callback([&] { rc = AccountSet(g, account_args); });
+  auto* account_ls = account_cmd->add_subcommand("ls", "list accounts");
+  account_ls->callback([&] { rc = AccountList(g); });
+  auto* account_rm = account_cmd->add_subcommand("rm", "delete an account that has no users");
+  account_rm->add_option("name", name, "account name")->required();
+  account_rm->callback([&] { rc = AccountRemove(g, name); });
 
   auto* token_cmd = admin->add_subcommand("token", "API tokens and node tokens");
   token_cmd->require_subcommand(1);

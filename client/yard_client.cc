@@ -164,11 +164,46 @@ absl::StatusOr<v1::WhoAmIResponse> YardClient::WhoAmI() {
   return Call(*identity_, &v1::IdentityService::Stub::WhoAmI, v1::WhoAmIRequest());
 }
 
-absl::StatusOr<v1::User> YardClient::CreateUser(const std::string& name, v1::Role role) {
+absl::StatusOr<v1::User> YardClient::CreateUser(const std::string& name, v1::Role role,
+                                                const std::string& account) {
   v1::CreateUserRequest request;
   request.set_name(name);
   request.set_role(role);
+  request.set_account(account);
   return Call(*identity_, &v1::IdentityService::Stub::CreateUser, request);
+}
+
+absl::StatusOr<v1::User> YardClient::UpdateUser(const v1::UpdateUserRequest& request) {
+  return Call(*identity_, &v1::IdentityService::Stub::UpdateUser, request);
+}
+
+absl::StatusOr<v1::Account> YardClient::CreateAccount(const v1::Account& account) {
+  v1::CreateAccountRequest request;
+  *request.mutable_account() = account;
+  return Call(*identity_, &v1::IdentityService::Stub::CreateAccount, request);
+}
+
+absl::StatusOr<v1::Account> YardClient::UpdateAccount(const v1::Account& account) {
+  v1::UpdateAccountRequest request;
+  *request.mutable_account() = account;
+  return Call(*identity_, &v1::IdentityService::Stub::UpdateAccount, request);
+}
+
+absl::StatusOr<v1::Account> YardClient::DeleteAccount(const std::string& name) {
+  v1::DeleteAccountRequest request;
+  request.set_name(name);
+  return Call(*identity_, &v1::IdentityService::Stub::DeleteAccount, request);
+}
+
+absl::StatusOr<v1::ListAccountsResponse> YardClient::ListAccounts() {
+  return Call(*identity_, &v1::IdentityService::Stub::ListAccounts, v1::ListAccountsRequest());
+}
+
+absl::StatusOr<v1::QuotaReport> YardClient::GetQuota(const std::string& user, bool all_accounts) {
+  v1::GetQuotaRequest request;
+  request.set_user(user);
+  request.set_all_accounts(all_accounts);
+  return Call(*jobs_, &v1::JobService::Stub::GetQuota, request);
 }
 
 absl::StatusOr<v1::ListUsersResponse> YardClient::ListUsers() {

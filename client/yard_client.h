@@ -47,7 +47,14 @@ class YardClient {
                                 const std::function<bool(const v1::Job&)>& on_event);
 
   absl::StatusOr<v1::WhoAmIResponse> WhoAmI();
-  absl::StatusOr<v1::User> CreateUser(const std::string& name, v1::Role role);
+  absl::StatusOr<v1::User> CreateUser(const std::string& name, v1::Role role,
+                                      const std::string& account = "");
+  absl::StatusOr<v1::User> UpdateUser(const v1::UpdateUserRequest& request);
+  absl::StatusOr<v1::Account> CreateAccount(const v1::Account& account);
+  absl::StatusOr<v1::Account> UpdateAccount(const v1::Account& account);
+  absl::StatusOr<v1::Account> DeleteAccount(const std::string& name);
+  absl::StatusOr<v1::ListAccountsResponse> ListAccounts();
+  absl::StatusOr<v1::QuotaReport> GetQuota(const std::string& user, bool all_accounts);
   absl::StatusOr<v1::ListUsersResponse> ListUsers();
   absl::StatusOr<v1::User> DisableUser(const std::string& name, bool enable);
   absl::StatusOr<v1::CreateTokenResponse> CreateToken(const v1::CreateTokenRequest& request);

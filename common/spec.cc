@@ -161,9 +161,10 @@ class SpecParser {
 };
 
 absl::Status ParseDocument(const YAML::Node& root, SpecParser& p, JobSpec& spec) {
-  RETURN_IF_ERROR(p.Mapping(root, "",
-                            {"name", "priority", "resources", "model", "data", "train", "parallel",
-                             "checkpoint", "max_restarts", "max_runtime"}));
+  RETURN_IF_ERROR(
+      p.Mapping(root, "",
+                {"name", "priority", "resources", "model", "data", "train", "parallel",
+                 "checkpoint", "max_restarts", "max_runtime", "preemptible", "preemption_grace"}));
   RETURN_IF_ERROR(p.String(root, "name", "", *spec.mutable_name()));
   int32_t priority = 0;
   RETURN_IF_ERROR(p.Integer(root, "priority", "", priority));
@@ -181,6 +182,17 @@ absl::Status ParseDocument(const YAML::Node& root, SpecParser& p, JobSpec& spec)
     return p.Error(root["max_runtime"], "max_runtime: must be positive");
   }
   spec.set_max_runtime_seconds(max_runtime);
+  if (root["preemptible"]) {
+    bool preemptible = true;
+    RETURN_IF_ERROR(p.Bool(root, "preemptible", "", preemptible));
+    spec.set_preemptible(preemptible);
+  }
+  int64_t grace = 0;
+  RETURN_IF_ERROR(p.Duration(root, "preemption_grace", "", grace));
+  if (root["preemption_grace"] && grace <= 0) {
+    return p.Error(root["preemption_grace"], "preemption_grace: must be positive");
+  }
+  spec.set_preemption_grace_seconds(grace);
 
   if (const YAML::Node n = root["resources"]) {
     RETURN_IF_ERROR(p.Mapping(n, "resources", {"gpus"}));
@@ -576,6 +588,8 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
       CheckRange("checkpoint.every_steps", spec.checkpoint().every_steps(), 0, int64_t{1} << 40));
   RETURN_IF_ERROR(CheckRange("max_restarts", spec.max_restarts(), 0, 100));
   RETURN_IF_ERROR(CheckRange("max_runtime", spec.max_runtime_seconds(), 0, int64_t{1} << 40));
+  RETURN_IF_ERROR(
+      CheckRange("preemption_grace", spec.preemption_grace_seconds(), 0, int64_t{1} << 40));
   return absl::OkStatus();
 }
 

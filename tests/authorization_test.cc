@@ -114,6 +114,12 @@ class AuthorizationTest : public testing::CoordinatorFixture {
     ASSERT_TRUE(spare.ok());
     spare_token_id_ = spare->info.id();
     ASSERT_TRUE(ids.CreateUser("erin", v1::USER).ok());
+    // Accounts for admins to change and delete.
+    v1::Account account;
+    account.set_name("research");
+    ASSERT_TRUE(ids.CreateAccount(account).ok());
+    account.set_name("retired");
+    ASSERT_TRUE(ids.CreateAccount(account).ok());
     clock_.Advance(absl::Minutes(2));  // the expiring token has expired
   }
 
@@ -159,6 +165,7 @@ class AuthorizationTest : public testing::CoordinatorFixture {
     for (const auto& j : jobs->jobs) out += j.SerializeAsString();
     for (const auto& u : server_->identities().ListUsers()) out += u.SerializeAsString();
     for (const auto& t : server_->identities().ListTokens("")) out += t.SerializeAsString();
+    for (const auto& a : server_->identities().ListAccounts()) out += a.SerializeAsString();
     for (const auto& n : server_->nodes().List()) out += n.SerializeAsString();
     grpc::ClientContext ctx;
     Prepare(ctx, credentials_["own_job"]);
@@ -404,6 +411,42 @@ class AuthorizationTest : public testing::CoordinatorFixture {
       v1::ListTokensResponse resp;
       return identity_->ListTokens(&ctx, {}, &resp);  // the caller's
     });
+    unary("UpdateUser", Admits::kAdmins, true, [&](grpc::ClientContext& ctx) {
+      v1::UpdateUserRequest r;
+      r.set_name("erin");
+      r.set_account("research");
+      r.set_max_queued_jobs(3);
+      v1::User resp;
+      return identity_->UpdateUser(&ctx, r, &resp);
+    });
+    unary("CreateAccount", Admits::kAdmins, true, [&](grpc::ClientContext& ctx) {
+      v1::CreateAccountRequest r;
+      r.mutable_account()->set_name("vision");
+      r.mutable_account()->set_quota_devices(2);
+      v1::Account resp;
+      return identity_->CreateAccount(&ctx, r, &resp);
+    });
+    unary("UpdateAccount", Admits::kAdmins, true, [&](grpc::ClientContext& ctx) {
+      v1::UpdateAccountRequest r;
+      r.mutable_account()->set_name("research");
+      r.mutable_account()->set_quota_devices(4);
+      v1::Account resp;
+      return identity_->UpdateAccount(&ctx, r, &resp);
+    });
+    unary("DeleteAccount", Admits::kAdmins, true, [&](grpc::ClientContext& ctx) {
+      v1::DeleteAccountRequest r;
+      r.set_name("retired");
+      v1::Account resp;
+      return identity_->DeleteAccount(&ctx, r, &resp);
+    });
+    unary("ListAccounts", Admits::kUsers, false, [&](grpc::ClientContext& ctx) {
+      v1::ListAccountsResponse resp;
+      return identity_->ListAccounts(&ctx, {}, &resp);
+    });
+    unary("GetQuota", Admits::kUsers, false, [&](grpc::ClientContext& ctx) {
+      v1::QuotaReport resp;
+      return jobs_->GetQuota(&ctx, {}, &resp);  // the caller's
+    });
     const std::string spare = spare_token_id_;
     unary("RevokeToken", Admits::kOwnerAdmin, true, [&, spare](grpc::ClientContext& ctx) {
       v1::RevokeTokenRequest r;
@@ -430,8 +473,8 @@ class AuthorizationTest : public testing::CoordinatorFixture {
 
 TEST_F(AuthorizationTest, EveryRpcGetsTheExpectedCodeForEveryCredentialAndRefusalsChangeNothing) {
   const std::vector<Rpc> rpcs = Rpcs();
-  ASSERT_EQ(rpcs.size(), 30u) << "every RPC of JobService (8), NodeService (4), "
-                                 "RendezvousService (9), TrainerService (2), IdentityService (7)";
+  ASSERT_EQ(rpcs.size(), 36u) << "every RPC of JobService (9), NodeService (4), "
+                                 "RendezvousService (9), TrainerService (2), IdentityService (12)";
   // Refusals first, each checked to change nothing; then the calls that are let through (those
   // that change something last, CancelJob at the very end).
   for (const Rpc& rpc : rpcs) {

@@ -25,13 +25,16 @@ GAUGES = {
     "trainyard_job_loss", "trainyard_job_tokens_per_second", "trainyard_job_step_seconds",
     "trainyard_job_step", "trainyard_job_total_steps", "trainyard_job_grad_norm",
     "trainyard_job_resident_bytes",
+    "trainyard_account_running_devices", "trainyard_account_queued_devices",
+    "trainyard_account_quota_devices", "trainyard_account_share_ratio",
+    "trainyard_account_usage_ratio", "trainyard_account_usage_device_seconds",
     # worker
     "trainyard_worker_devices", "trainyard_worker_running_ranks", "trainyard_worker_connected",
     # parameter server
     "trainyard_ps_resident_bytes", "trainyard_ps_capacity_bytes", "trainyard_ps_jobs",
 }
 COUNTERS = {
-    "trainyard_placements_total", "trainyard_rpc_requests_total",
+    "trainyard_placements_total", "trainyard_rpc_requests_total", "trainyard_preemptions_total",
     "trainyard_worker_rank_exits_total",
     "trainyard_ps_pushed_bytes_total", "trainyard_ps_pulled_bytes_total",
 }

@@ -30,6 +30,10 @@ data: {path: /usr/share/common-licenses/GPL-3, format: bytes}
 train: {steps: 1000000, micro_batch: 4, lr: 1.0e-3, warmup: 10, seed: 1}
 parallel: {strategy: offload}
 SPEC
+# The job runs in an account with a quota, so that the account panels have a quota series too.
+"$yard" admin account add research --quota 2 >/dev/null
+"$yard" admin user set "$("$yard" -o json whoami | python3 -c 'import json,sys; print(json.load(sys.stdin)["user"])')" \
+  --account research >/dev/null
 job=$("$yard" submit "$tmp/spec.yaml")
 
 # The job trains once its first step is reported: `yard metrics -f` prints a line per step

@@ -244,6 +244,25 @@ TEST(SpecTest, DurationsAcceptSecondsOrUnits) {
   EXPECT_FALSE(ParseJobSpecYaml("max_runtime: soon\n", "s.yaml").ok());
 }
 
+TEST(SpecTest, PreemptibleAndItsGraceAreReadAndChecked) {
+  auto plain = ParseJobSpecYaml("name: x\n", "s.yaml");
+  ASSERT_TRUE(plain.ok());
+  EXPECT_FALSE(plain->spec.has_preemptible()) << "unset: preemptible";
+  auto set = ParseJobSpecYaml("preemptible: false\npreemption_grace: 5m\n", "s.yaml");
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_TRUE(set->spec.has_preemptible());
+  EXPECT_FALSE(set->spec.preemptible());
+  EXPECT_EQ(set->spec.preemption_grace_seconds(), 300);
+  auto bad = ParseJobSpecYaml("preemption_grace: 0\n", "s.yaml");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("preemption_grace: must be positive"));
+  auto not_bool = ParseJobSpecYaml("preemptible: sometimes\n", "s.yaml");
+  ASSERT_FALSE(not_bool.ok());
+  EXPECT_THAT(std::string(not_bool.status().message()), HasSubstr("preemptible"));
+  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.set_preemption_grace_seconds(-1); }),
+              StartsWith("preemption_grace:"));
+}
+
 TEST(SpecTest, EmptyFileIsAnError) {
   auto parsed = ParseJobSpecYaml("", "empty.yaml");
   ASSERT_FALSE(parsed.ok());

@@ -88,13 +88,38 @@ CoordinatorMetrics::CoordinatorMetrics()
       preemptions_(prometheus::BuildCounter()
                        .Name("trainyard_preemptions_total")
                        .Help("Running jobs asked to checkpoint and stop for a job of higher "
-                             "priority")
+                             "priority, or for an account taking back devices they borrowed")
                        .Register(*registry_)
                        .Add({})),
       nodes_(prometheus::BuildGauge()
                  .Name("trainyard_nodes")
                  .Help("Worker nodes by state (ready or lost)")
                  .Register(*registry_)),
+      account_running_(prometheus::BuildGauge()
+                           .Name("trainyard_account_running_devices")
+                           .Help("Devices held by an account's running jobs")
+                           .Register(*registry_)),
+      account_queued_(prometheus::BuildGauge()
+                          .Name("trainyard_account_queued_devices")
+                          .Help("Devices asked for by an account's waiting jobs")
+                          .Register(*registry_)),
+      account_quota_(prometheus::BuildGauge()
+                         .Name("trainyard_account_quota_devices")
+                         .Help("Devices guaranteed to an account (only accounts with a quota)")
+                         .Register(*registry_)),
+      account_share_(prometheus::BuildGauge()
+                         .Name("trainyard_account_share_ratio")
+                         .Help("An account's fair share: its weight over all accounts' weights")
+                         .Register(*registry_)),
+      account_usage_ratio_(prometheus::BuildGauge()
+                               .Name("trainyard_account_usage_ratio")
+                               .Help("An account's decayed usage over all accounts' decayed usage")
+                               .Register(*registry_)),
+      account_usage_seconds_(prometheus::BuildGauge()
+                                 .Name("trainyard_account_usage_device_seconds")
+                                 .Help("An account's decayed usage in device-seconds (half-life: "
+                                       "--fair-share-half-life)")
+                                 .Register(*registry_)),
       devices_(prometheus::BuildGauge()
                    .Name("trainyard_devices")
                    .Help("Devices of ready nodes per pool, allocated and total")
@@ -153,6 +178,34 @@ CoordinatorMetrics::CoordinatorMetrics()
   nodes_.Add({{"state", "lost"}});
   placements_.Add({{"kind", "normal"}});
   placements_.Add({{"kind", "backfill"}});
+}
+
+void CoordinatorMetrics::RefreshAccounts(const std::vector<v1::AccountUsage>& accounts) {
+  absl::MutexLock lock(&mu_);
+  std::set<std::string> listed;
+  for (const v1::AccountUsage& a : accounts) {
+    const prometheus::Labels labels = {{"account", a.name()}};
+    listed.insert(a.name());
+    account_running_.Add(labels).Set(static_cast<double>(a.running_devices()));
+    account_queued_.Add(labels).Set(static_cast<double>(a.queued_devices()));
+    if (a.has_quota_devices()) {
+      account_quota_.Add(labels).Set(static_cast<double>(a.quota_devices()));
+    } else if (accounts_.count(a.name()) != 0) {
+      account_quota_.Remove(&account_quota_.Add(labels));
+    }
+    account_share_.Add(labels).Set(a.share_fraction());
+    account_usage_ratio_.Add(labels).Set(a.usage_fraction());
+    account_usage_seconds_.Add(labels).Set(a.usage_device_hours() * 3600);
+  }
+  for (const std::string& gone : accounts_) {
+    if (listed.count(gone) != 0) continue;
+    const prometheus::Labels labels = {{"account", gone}};
+    for (auto* family : {&account_running_, &account_queued_, &account_quota_, &account_share_,
+                         &account_usage_ratio_, &account_usage_seconds_}) {
+      family->Remove(&family->Add(labels));
+    }
+  }
+  accounts_ = std::move(listed);
 }
 
 void CoordinatorMetrics::Refresh(const std::map<v1::JobState, int>& jobs_by_state,

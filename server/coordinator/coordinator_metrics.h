@@ -15,6 +15,7 @@
 
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,10 @@ class CoordinatorMetrics {
   // running jobs (training series of every other job are removed).
   void Refresh(const std::map<v1::JobState, int>& jobs_by_state, const std::vector<v1::Node>& nodes,
                const std::vector<std::string>& running_jobs);
+  // Per account: running and queued devices, quota (only while it has one), configured share and
+  // decayed usage as fractions of all accounts', and decayed usage in device-seconds. Accounts no
+  // longer listed lose their series.
+  void RefreshAccounts(const std::vector<v1::AccountUsage>& accounts);
   void ObservePlacement(bool backfilled, double queue_wait_seconds, bool first_start);
   // A running job asked to checkpoint and stop for one of higher priority.
   void ObservePreemption();
@@ -65,6 +70,12 @@ class CoordinatorMetrics {
   prometheus::Family<prometheus::Counter>& placements_;
   prometheus::Counter& preemptions_;
   prometheus::Family<prometheus::Gauge>& nodes_;
+  prometheus::Family<prometheus::Gauge>& account_running_;
+  prometheus::Family<prometheus::Gauge>& account_queued_;
+  prometheus::Family<prometheus::Gauge>& account_quota_;
+  prometheus::Family<prometheus::Gauge>& account_share_;
+  prometheus::Family<prometheus::Gauge>& account_usage_ratio_;
+  prometheus::Family<prometheus::Gauge>& account_usage_seconds_;
   prometheus::Family<prometheus::Gauge>& devices_;
   prometheus::Family<prometheus::Counter>& rpc_requests_;
   prometheus::Family<prometheus::Counter>& auth_refusals_;
@@ -80,6 +91,7 @@ class CoordinatorMetrics {
 
   absl::Mutex mu_;
   std::map<std::string, JobSeries> job_series_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> accounts_ ABSL_GUARDED_BY(mu_);  // with series
   std::map<std::string, std::pair<prometheus::Gauge*, prometheus::Gauge*>> pool_devices_
       ABSL_GUARDED_BY(mu_);
 };

@@ -82,7 +82,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s->jobs_ = std::make_unique<JobManager>(*s->store_, *s->nodes_, *s->rendezvous_, s->clock_);
   s->jobs_->SetMetrics(s->metrics_prom_.get());
   s->jobs_->SetPreemption(s->options_.preemption, s->options_.preemption_grace,
-                          s->options_.min_run_time);
+                          s->options_.min_run_time, s->options_.max_preemption_grace);
+  s->jobs_->SetSharing([ids = s->identities_.get()] { return ids->Sharing(); },
+                       s->options_.fair_share_half_life);
+  RETURN_IF_ERROR(s->jobs_->LoadUsage());
   s->jobs_->SetJobCredentials(
       [ids = s->identities_.get()](const std::string& job, int32_t attempt) {
         return ids->JobCredentialFor(job, attempt);
@@ -177,8 +180,17 @@ void CoordinatorServer::Tick() {
   if (const int ended = jobs_->EnforceRuntimeLimits(); ended > 0) {
     spdlog::info("{} job(s) exceeded their max_runtime", ended);
   }
+  jobs_->ChargeUsage();
   metrics_prom_->Refresh(jobs_->CountByState(), jobs_->NodesWithAllocations(),
                          jobs_->RunningJobs());
+  metrics_prom_->RefreshAccounts(jobs_->AccountUsages());
+  const absl::Time now = absl::Now();
+  if (now - last_usage_save_ >= options_.usage_save_interval) {
+    last_usage_save_ = now;
+    if (absl::Status s = jobs_->SaveUsage(); !s.ok()) {
+      spdlog::error("saving accounts' usage failed: {}", std::string(s.message()));
+    }
+  }
 }
 
 void CoordinatorServer::TickerLoop() {
@@ -210,6 +222,12 @@ void CoordinatorServer::Shutdown() {
   if (scheduler_thread_.joinable()) scheduler_thread_.join();
   if (ticker_thread_.joinable()) ticker_thread_.join();
   if (server_ != nullptr) server_->Wait();
+  if (jobs_ != nullptr && store_ != nullptr) {
+    jobs_->ChargeUsage();
+    if (absl::Status s = jobs_->SaveUsage(); !s.ok()) {
+      spdlog::error("saving accounts' usage failed: {}", std::string(s.message()));
+    }
+  }
   // Destroying the store drains its queue (every acknowledged write reaches the disk) and runs
   // the last callbacks, which still use the managers: so the store goes first.
   store_.reset();

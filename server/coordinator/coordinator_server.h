@@ -48,6 +48,9 @@ struct CoordinatorOptions {
   bool preemption = false;
   absl::Duration preemption_grace = absl::Seconds(120);
   absl::Duration min_run_time = absl::Minutes(5);
+  absl::Duration max_preemption_grace = absl::Minutes(10);    // caps jobs' preemption_grace
+  absl::Duration fair_share_half_life = absl::Hours(24 * 7);  // decay of accounts' usage
+  absl::Duration usage_save_interval = absl::Seconds(30);     // and at shutdown
 };
 
 class CoordinatorServer {
@@ -113,6 +116,7 @@ class CoordinatorServer {
 
   absl::Mutex mu_;
   bool schedule_requested_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time last_usage_save_ = absl::Now();  // the ticker thread's
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   std::thread scheduler_thread_;

@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cmath>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -16,6 +17,7 @@ namespace {
 
 constexpr char kUserKind[] = "user";
 constexpr char kTokenKind[] = "token";
+constexpr char kAccountKind[] = "account";
 
 int64_t UnixMs(absl::Time t) { return absl::ToUnixMillis(t); }
 
@@ -62,7 +64,15 @@ IdentityRegistry::IdentityRegistry(JobStore& store, const Clock& clock, std::str
 absl::Status IdentityRegistry::Load() {
   ASSIGN_OR_RETURN(std::vector<StoredRecord> users, store_.LoadRecords(kUserKind));
   ASSIGN_OR_RETURN(std::vector<StoredRecord> tokens, store_.LoadRecords(kTokenKind));
+  ASSIGN_OR_RETURN(std::vector<StoredRecord> accounts, store_.LoadRecords(kAccountKind));
   absl::MutexLock lock(&mu_);
+  for (const StoredRecord& r : accounts) {
+    v1::Account account;
+    if (!account.ParseFromString(r.payload) || account.name() != r.id) {
+      return absl::DataLossError(absl::StrCat("account record ", r.id, " is unreadable"));
+    }
+    accounts_[r.id] = std::move(account);
+  }
   for (const StoredRecord& r : users) {
     v1::User user;
     if (!user.ParseFromString(r.payload) || user.name() != r.id) {
@@ -149,8 +159,10 @@ absl::StatusOr<Principal> IdentityRegistry::Authenticate(absl::string_view crede
   return p;
 }
 
-absl::StatusOr<v1::User> IdentityRegistry::CreateUser(const std::string& name, v1::Role role) {
+absl::StatusOr<v1::User> IdentityRegistry::CreateUser(const std::string& name, v1::Role role,
+                                                      const std::string& account) {
   RETURN_IF_ERROR(CheckUserName("name", name));
+  if (!account.empty()) RETURN_IF_ERROR(CheckUserName("account", account));
   if (role == v1::ROLE_UNSPECIFIED) role = v1::USER;
   if (role != v1::USER && role != v1::ADMIN) {
     return absl::InvalidArgumentError(absl::StrCat("role: unknown role ", static_cast<int>(role)));
@@ -161,10 +173,14 @@ absl::StatusOr<v1::User> IdentityRegistry::CreateUser(const std::string& name, v
     if (users_.count(name) != 0) {
       return absl::AlreadyExistsError(absl::StrCat("name: user ", name, " already exists"));
     }
+    if (!account.empty() && account != kDefaultAccount && accounts_.count(account) == 0) {
+      return absl::NotFoundError(absl::StrCat("account: no account ", account));
+    }
   }
   v1::User user;
   user.set_name(name);
   user.set_role(role);
+  if (!account.empty() && account != kDefaultAccount) user.set_account(account);
   user.set_created_time_ms(UnixMs(clock_.Now()));
   RETURN_IF_ERROR(Persist({{kUserKind, name, user.SerializeAsString()}}));
   absl::MutexLock lock(&mu_);
@@ -292,6 +308,186 @@ absl::StatusOr<v1::TokenInfo> IdentityRegistry::RevokeToken(const std::string& i
 
 std::string IdentityRegistry::JobCredentialFor(const std::string& job_id, int32_t attempt) const {
   return MakeJobCredential(job_key_, job_id, attempt);
+}
+
+absl::StatusOr<v1::User> IdentityRegistry::UpdateUser(const v1::UpdateUserRequest& request) {
+  if (request.has_account()) RETURN_IF_ERROR(CheckUserName("account", request.account()));
+  absl::MutexLock write(&write_mu_);
+  v1::User user;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = users_.find(request.name());
+    if (it == users_.end()) {
+      return absl::NotFoundError(absl::StrCat("name: no user ", request.name()));
+    }
+    user = it->second;
+    if (request.has_account() && request.account() != kDefaultAccount &&
+        accounts_.count(request.account()) == 0) {
+      return absl::NotFoundError(absl::StrCat("account: no account ", request.account()));
+    }
+  }
+  if (request.has_account()) {
+    if (request.account() == kDefaultAccount) {
+      user.clear_account();
+    } else {
+      user.set_account(request.account());
+    }
+  }
+  if (request.has_max_running_devices()) {
+    if (request.max_running_devices() < 0) {
+      user.clear_max_running_devices();
+    } else {
+      user.set_max_running_devices(request.max_running_devices());
+    }
+  }
+  if (request.has_max_queued_jobs()) {
+    if (request.max_queued_jobs() < 0) {
+      user.clear_max_queued_jobs();
+    } else {
+      user.set_max_queued_jobs(request.max_queued_jobs());
+    }
+  }
+  RETURN_IF_ERROR(Persist({{kUserKind, user.name(), user.SerializeAsString()}}));
+  absl::MutexLock lock(&mu_);
+  users_[user.name()] = user;
+  return user;
+}
+
+namespace {
+
+absl::Status CheckAccount(const v1::Account& account) {
+  RETURN_IF_ERROR(CheckUserName("account.name", account.name()));
+  if (account.has_quota_devices() && account.quota_devices() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "account.quota_devices: must be >= 0 (unset for no quota), got ", account.quota_devices()));
+  }
+  if (account.has_borrow_limit_devices()) {
+    if (!account.has_quota_devices()) {
+      return absl::InvalidArgumentError(
+          "account.borrow_limit_devices: only an account with a quota has a borrow limit");
+    }
+    if (account.borrow_limit_devices() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("account.borrow_limit_devices: must be >= 0 (unset for no limit), got ",
+                       account.borrow_limit_devices()));
+    }
+  }
+  if (!std::isfinite(account.share()) || account.share() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("account.share: must be a positive number (0: 1), got ", account.share()));
+  }
+  return absl::OkStatus();
+}
+
+v1::Account ImplicitDefaultAccount() {
+  v1::Account account;
+  account.set_name(kDefaultAccount);
+  account.set_share(1);
+  return account;
+}
+
+}  // namespace
+
+absl::StatusOr<v1::Account> IdentityRegistry::CreateAccount(v1::Account account) {
+  RETURN_IF_ERROR(CheckAccount(account));
+  if (account.share() == 0) account.set_share(1);
+  absl::MutexLock write(&write_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    if (accounts_.count(account.name()) != 0) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("account.name: account ", account.name(), " already exists"));
+    }
+  }
+  account.set_created_time_ms(UnixMs(clock_.Now()));
+  RETURN_IF_ERROR(Persist({{kAccountKind, account.name(), account.SerializeAsString()}}));
+  absl::MutexLock lock(&mu_);
+  accounts_[account.name()] = account;
+  return account;
+}
+
+absl::StatusOr<v1::Account> IdentityRegistry::UpdateAccount(v1::Account account) {
+  RETURN_IF_ERROR(CheckAccount(account));
+  if (account.share() == 0) account.set_share(1);
+  absl::MutexLock write(&write_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = accounts_.find(account.name());
+    if (it != accounts_.end()) {
+      account.set_created_time_ms(it->second.created_time_ms());
+    } else if (account.name() == kDefaultAccount) {
+      account.set_created_time_ms(UnixMs(clock_.Now()));  // the implicit one becomes explicit
+    } else {
+      return absl::NotFoundError(absl::StrCat("account.name: no account ", account.name()));
+    }
+  }
+  RETURN_IF_ERROR(Persist({{kAccountKind, account.name(), account.SerializeAsString()}}));
+  absl::MutexLock lock(&mu_);
+  accounts_[account.name()] = account;
+  return account;
+}
+
+absl::StatusOr<v1::Account> IdentityRegistry::DeleteAccount(const std::string& name) {
+  if (name == kDefaultAccount) {
+    return absl::FailedPreconditionError("name: the default account cannot be deleted");
+  }
+  absl::MutexLock write(&write_mu_);
+  v1::Account account;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = accounts_.find(name);
+    if (it == accounts_.end()) return absl::NotFoundError(absl::StrCat("name: no account ", name));
+    account = it->second;
+    for (const auto& [user_name, user] : users_) {
+      if (user.account() == name) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "name: user ", user_name, " belongs to account ", name, "; move its users first"));
+      }
+    }
+  }
+  WriteBatch batch;
+  batch.delete_records.push_back({kAccountKind, name});
+  RETURN_IF_ERROR(store_.CommitSync(std::move(batch)));
+  absl::MutexLock lock(&mu_);
+  accounts_.erase(name);
+  return account;
+}
+
+std::vector<v1::Account> IdentityRegistry::ListAccounts() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::Account> out;
+  if (accounts_.count(kDefaultAccount) == 0) out.push_back(ImplicitDefaultAccount());
+  for (const auto& [name, account] : accounts_) out.push_back(account);
+  std::sort(out.begin(), out.end(),
+            [](const v1::Account& a, const v1::Account& b) { return a.name() < b.name(); });
+  return out;
+}
+
+absl::StatusOr<v1::Account> IdentityRegistry::GetAccount(const std::string& name) const {
+  absl::MutexLock lock(&mu_);
+  auto it = accounts_.find(name);
+  if (it != accounts_.end()) return it->second;
+  if (name == kDefaultAccount) return ImplicitDefaultAccount();
+  return absl::NotFoundError(absl::StrCat("no account ", name));
+}
+
+SharingPolicy IdentityRegistry::Sharing() const {
+  absl::MutexLock lock(&mu_);
+  SharingPolicy policy;
+  policy.accounts[kDefaultAccount] = {};
+  for (const auto& [name, a] : accounts_) {
+    SharingPolicy::Account& out = policy.accounts[name];
+    out.quota = a.has_quota_devices() ? a.quota_devices() : -1;
+    out.borrow_limit = a.has_borrow_limit_devices() ? a.borrow_limit_devices() : -1;
+    out.share = a.share() > 0 ? a.share() : 1;
+  }
+  for (const auto& [name, u] : users_) {
+    SharingPolicy::User& out = policy.users[name];
+    if (!u.account().empty()) out.account = u.account();
+    out.max_running_devices = u.has_max_running_devices() ? u.max_running_devices() : -1;
+    out.max_queued_jobs = u.has_max_queued_jobs() ? u.max_queued_jobs() : -1;
+  }
+  return policy;
 }
 
 }  // namespace trainyard::coordinator

@@ -1,5 +1,6 @@
-// IdentityRegistry: the coordinator's users and API tokens (durable, in the JobStore as "user" and
-// "token" records), and the key that signs job credentials (a file in the state directory). It
+// IdentityRegistry: the coordinator's users, accounts and API tokens (durable, in the JobStore as
+// "user", "account" and "token" records), and the key that signs job credentials (a file in the
+// state directory). It
 // turns the credential of a call into a Principal; the gRPC adapters decide what that principal
 // may do (services.cc). Tokens are kept only as the SHA-256 of their secret.
 //
@@ -20,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/clock.h"
 #include "server/coordinator/job_store.h"
+#include "server/coordinator/sharing_policy.h"
 #include "trainyard/v1/identity.pb.h"
 
 namespace trainyard::coordinator {
@@ -59,8 +61,24 @@ class IdentityRegistry {
   // never echoing the secret.
   absl::StatusOr<Principal> Authenticate(absl::string_view credential) const;
 
-  // INVALID_ARGUMENT for a bad name or role, ALREADY_EXISTS for a taken name.
-  absl::StatusOr<v1::User> CreateUser(const std::string& name, v1::Role role);
+  // INVALID_ARGUMENT for a bad name or role, ALREADY_EXISTS for a taken name, NOT_FOUND for an
+  // unknown account (empty: the default account).
+  absl::StatusOr<v1::User> CreateUser(const std::string& name, v1::Role role,
+                                      const std::string& account = "");
+  // Sets the account and caps given in `request` (a negative cap removes it). NOT_FOUND for an
+  // unknown user or account, INVALID_ARGUMENT for a bad account name.
+  absl::StatusOr<v1::User> UpdateUser(const v1::UpdateUserRequest& request);
+
+  // Accounts. INVALID_ARGUMENT naming the field (name, negative quota or borrow limit, a borrow
+  // limit without quota, share not positive and finite), ALREADY_EXISTS, NOT_FOUND.
+  absl::StatusOr<v1::Account> CreateAccount(v1::Account account);
+  absl::StatusOr<v1::Account> UpdateAccount(v1::Account account);  // replaces its settings
+  // FAILED_PRECONDITION while users belong to it, or for the default account.
+  absl::StatusOr<v1::Account> DeleteAccount(const std::string& name);
+  std::vector<v1::Account> ListAccounts() const;  // by name, "default" included
+  absl::StatusOr<v1::Account> GetAccount(const std::string& name) const;  // NOT_FOUND
+  // Every account's and user's sharing settings, for the scheduler.
+  SharingPolicy Sharing() const;
   std::vector<v1::User> ListUsers() const;  // by name
   // NOT_FOUND; FAILED_PRECONDITION when it would disable the last enabled admin.
   absl::StatusOr<v1::User> SetDisabled(const std::string& name, bool disabled);
@@ -94,6 +112,7 @@ class IdentityRegistry {
   absl::Mutex write_mu_;  // serializes mutations: check, write to the store, apply
   mutable absl::Mutex mu_;
   std::map<std::string, v1::User> users_ ABSL_GUARDED_BY(mu_);          // by name
+  std::map<std::string, v1::Account> accounts_ ABSL_GUARDED_BY(mu_);    // by name
   std::map<std::string, v1::StoredToken> tokens_ ABSL_GUARDED_BY(mu_);  // by id
 };
 

@@ -8,6 +8,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "common/check.h"
 #include "common/memory_estimate.h"
 #include "common/ps_layout.h"
@@ -40,10 +41,24 @@ JobManager::JobManager(JobStore& store, NodeRegistry& nodes, Rendezvous& rendezv
 
 void JobManager::SetSchedulerWakeup(std::function<void()> wakeup) { wakeup_ = std::move(wakeup); }
 
-void JobManager::SetPreemption(bool enabled, absl::Duration grace, absl::Duration min_run_time) {
+void JobManager::SetPreemption(bool enabled, absl::Duration grace, absl::Duration min_run_time,
+                               absl::Duration max_grace) {
   preemption_ = enabled;
   preemption_grace_ = grace;
   min_run_time_ = min_run_time;
+  max_preemption_grace_ = max_grace;
+}
+
+void JobManager::SetSharing(std::function<SharingPolicy()> policy, absl::Duration half_life) {
+  policy_ = std::move(policy);
+  absl::MutexLock lock(&mu_);
+  usage_ = UsageLedger(half_life);
+}
+
+absl::Duration JobManager::GraceOf(const v1::Job& job) const {
+  const int64_t seconds = job.spec().preemption_grace_seconds();
+  const absl::Duration grace = seconds > 0 ? absl::Seconds(seconds) : preemption_grace_;
+  return std::min(grace, max_preemption_grace_);
 }
 
 void JobManager::SetJobCredentials(
@@ -227,13 +242,20 @@ void JobManager::Submit(const std::string& owner, v1::JobSpec spec, JobCallback 
     done(s);
     return;
   }
+  const SharingPolicy policy = policy_ ? policy_() : SharingPolicy{};
   v1::Job job;
   {
     absl::MutexLock lock(&mu_);
+    if (absl::Status s = CheckSharingLimits(policy, owner, spec); !s.ok()) {
+      done(s);
+      return;
+    }
+    ++submitting_[owner];
     const int64_t seq = next_seq_++;
     job.set_id(JobIdForSeq(seq));
     job.set_seq(seq);
     job.set_owner(owner);
+    job.set_account(policy.UserOf(owner).account);
     *job.mutable_spec() = std::move(spec);
     job.set_state(v1::QUEUED);
     job.set_submit_time_ms(NowMs(clock_));
@@ -243,6 +265,10 @@ void JobManager::Submit(const std::string& owner, v1::JobSpec spec, JobCallback 
     batch.put_jobs.push_back(ToStored(job));
     // The job becomes visible only once durable: a crash before that loses nothing acknowledged.
     store_.Commit(std::move(batch), [this, job, done = std::move(done)](absl::Status s) {
+      {
+        absl::MutexLock lock(&mu_);
+        if (--submitting_[job.owner()] == 0) submitting_.erase(job.owner());
+      }
       if (!s.ok()) {
         done(absl::Status(s.code(), absl::StrCat("storing the job failed: ", s.message())));
         return;
@@ -264,7 +290,9 @@ absl::StatusOr<v1::Job> JobManager::Get(const std::string& job_id) const {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
-  return it->second;
+  v1::Job job = it->second;
+  if (IsPending(job.state())) job.set_why_waiting(WhyWaiting(job));
+  return job;
 }
 
 absl::StatusOr<JobManager::ListResult> JobManager::List(const v1::ListJobsRequest& r) const {
@@ -492,9 +520,34 @@ void JobManager::FailAttempt(v1::Job& job, const std::string& reason) {
 }
 
 int JobManager::SchedulePass() {
+  const SharingPolicy policy = policy_ ? policy_() : SharingPolicy{};
   absl::MutexLock lock(&mu_);
   ClusterSnapshot snapshot;
   snapshot.now = clock_.Now();
+  // Accounts and the users of waiting and running jobs, with their decayed usage.
+  std::map<std::string, int> account_index;
+  std::map<std::string, int> user_index;
+  auto account_of = [&](const std::string& name) {
+    auto [it, added] = account_index.try_emplace(name, static_cast<int>(snapshot.accounts.size()));
+    if (added) {
+      const SharingPolicy::Account a = policy.AccountOf(name);
+      snapshot.accounts.push_back({name, a.quota, a.borrow_limit, a.share,
+                                   usage_.At(absl::StrCat("account:", name), snapshot.now)});
+    }
+    return it->second;
+  };
+  for (const auto& [name, account] : policy.accounts) account_of(name);
+  auto user_of = [&](const v1::Job& job) {
+    auto [it, added] = user_index.try_emplace(job.owner(), static_cast<int>(snapshot.users.size()));
+    if (added) {
+      const SharingPolicy::User u = policy.UserOf(job.owner());
+      // Charged to the account of its submission (its owner's account then).
+      const std::string& account = job.account().empty() ? u.account : job.account();
+      snapshot.users.push_back({job.owner(), account_of(account), u.max_running_devices,
+                                usage_.At(absl::StrCat("user:", job.owner()), snapshot.now)});
+    }
+    return it->second;
+  };
   std::vector<v1::Node> nodes = nodes_.List();
   // Ranks that never reported their exit. Not on a node without a session: its ranks may still
   // run (cut off, not dead), and its hello settles them when it is back.
@@ -538,6 +591,8 @@ int JobManager::SchedulePass() {
       p.devices = job.spec().resources().gpus();
       p.owner = job.owner();
       if (max_runtime_s > 0) p.max_runtime = absl::Seconds(max_runtime_s);
+      p.user = user_of(job);
+      p.preemptible = !job.spec().has_preemptible() || job.spec().preemptible();
       snapshot.pending.push_back(std::move(p));
     } else if (IsActive(job.state())) {
       RunningJobInfo r;
@@ -555,28 +610,43 @@ int JobManager::SchedulePass() {
         r.last_checkpoint = absl::FromUnixMillis(job.last_checkpoint().time_ms());
       }
       r.preempting = job.preempt_deadline_ms() != 0;
+      r.user = user_of(job);
+      r.preemptible = !job.spec().has_preemptible() || job.spec().preemptible();
       snapshot.running.push_back(std::move(r));
     }
   }
-  if (snapshot.pending.empty()) return 0;
+  if (snapshot.pending.empty()) {
+    last_pass_.reset();
+    return 0;
+  }
   snapshot.preemption = preemption_;
   snapshot.min_run_time = min_run_time_;
 
   const ScheduleResult result = Schedule(snapshot);
+  LastPass& last = last_pass_.emplace();
+  last.at = snapshot.now;
+  for (size_t i = 0; i < snapshot.pending.size(); ++i) {
+    last.waits[snapshot.pending[i].id] = result.waits[i];
+    if (result.waits[i].reason == WaitReason::kDevices) last.head = snapshot.pending[i].id;
+  }
+  if (result.reservation.has_value()) last.head_start = result.reservation->start;
   if (result.preemption.has_value()) {
     const v1::Job& head = jobs_.at(result.preemption->job_id);
     for (const std::string& id : result.preemption->victims) {
       v1::Job& victim = jobs_.at(id);
-      victim.set_preempt_deadline_ms(absl::ToUnixMillis(snapshot.now + preemption_grace_));
+      victim.set_preempt_deadline_ms(absl::ToUnixMillis(snapshot.now + GraceOf(victim)));
       victim.set_preempted_by(head.id());
       victim.set_message(absl::StrCat("preempted by ", head.id(), " (priority ",
-                                      head.spec().priority(), "): asked to checkpoint and stop"));
+                                      head.spec().priority(), ", account ", head.account(),
+                                      "): asked to checkpoint and stop"));
       victim.set_version(victim.version() + 1);
       Persist(victim);
       if (metrics_ != nullptr) metrics_->ObservePreemption();
-      spdlog::info("preempting {} (priority {}) for {} (priority {}); grace {}", id,
-                   victim.spec().priority(), head.id(), head.spec().priority(),
-                   absl::FormatDuration(preemption_grace_));
+      spdlog::info(
+          "preempting {} (priority {}, account {}) for {} (priority {}, account {}); "
+          "grace {}",
+          id, victim.spec().priority(), victim.account(), head.id(), head.spec().priority(),
+          head.account(), absl::FormatDuration(GraceOf(victim)));
     }
   }
   int placed = 0;
@@ -920,6 +990,274 @@ void JobManager::OnRankStatus(const std::string& node_id, const v1::RankStatus& 
                                     " exited with code ", status.exit_code());
   if (!status.message().empty()) absl::StrAppend(&reason, ": ", status.message());
   FailAttempt(*job, reason);
+}
+
+absl::Status JobManager::CheckSharingLimits(const SharingPolicy& policy, const std::string& owner,
+                                            const v1::JobSpec& spec) const {
+  const SharingPolicy::User user = policy.UserOf(owner);
+  const SharingPolicy::Account account = policy.AccountOf(user.account);
+  const int64_t devices = spec.resources().gpus();
+  if (user.max_running_devices >= 0 && devices > user.max_running_devices) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("resources.gpus: ", devices, " devices exceed user ", owner, "'s cap of ",
+                     user.max_running_devices, " running devices (max_running_devices)"));
+  }
+  if (account.quota >= 0 && account.borrow_limit >= 0 &&
+      devices > account.quota + account.borrow_limit) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "resources.gpus: ", devices, " devices exceed account ", user.account, "'s quota of ",
+        account.quota, " plus its borrow limit of ", account.borrow_limit));
+  }
+  if (spec.has_preemptible() && !spec.preemptible()) {
+    if (account.quota < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("preemptible: false needs a quota, and account ", user.account,
+                       " has none (only jobs within a quota may not be preempted)"));
+    }
+    if (devices > account.quota) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "preemptible: false is only for jobs within their account's quota: ", devices,
+          " devices exceed account ", user.account, "'s quota of ", account.quota));
+    }
+  }
+  if (user.max_queued_jobs >= 0) {
+    int64_t queued = 0;
+    if (auto it = submitting_.find(owner); it != submitting_.end()) queued += it->second;
+    for (const std::string& id : unfinished_) {
+      const v1::Job& job = jobs_.at(id);
+      queued += job.owner() == owner && IsPending(job.state());
+    }
+    if (queued >= user.max_queued_jobs) {
+      return absl::ResourceExhaustedError(absl::StrCat("max_queued_jobs: user ", owner, " has ",
+                                                       queued, " jobs queued, its cap of ",
+                                                       user.max_queued_jobs));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void JobManager::CountUse(std::map<std::string, Use>* by_account,
+                          std::map<std::string, Use>* by_owner) const {
+  for (const std::string& id : unfinished_) {
+    const v1::Job& job = jobs_.at(id);
+    const std::string& account = job.account().empty() ? kDefaultAccount : job.account();
+    const int64_t devices = job.spec().resources().gpus();
+    for (Use* use : {&(*by_account)[account], by_owner ? &(*by_owner)[job.owner()] : nullptr}) {
+      if (use == nullptr) continue;
+      if (IsActive(job.state())) use->running_devices += devices;
+      if (IsPending(job.state())) {
+        use->queued_devices += devices;
+        ++use->queued_jobs;
+      }
+    }
+  }
+}
+
+v1::AccountUsage JobManager::AccountUsageOf(const std::string& name, const SharingPolicy& policy,
+                                            const std::map<std::string, Use>& use,
+                                            absl::Time now) const {
+  const SharingPolicy::Account account = policy.AccountOf(name);
+  double shares = 0, usage = 0;
+  for (const auto& [other, a] : policy.accounts) {
+    shares += a.share;
+    usage += usage_.At(absl::StrCat("account:", other), now);
+  }
+  v1::AccountUsage out;
+  out.set_name(name);
+  if (account.quota >= 0) out.set_quota_devices(account.quota);
+  if (account.borrow_limit >= 0) out.set_borrow_limit_devices(account.borrow_limit);
+  out.set_share(account.share);
+  out.set_share_fraction(shares > 0 ? account.share / shares : 0);
+  const double mine = usage_.At(absl::StrCat("account:", name), now);
+  out.set_usage_device_hours(mine / 3600);
+  out.set_usage_fraction(usage > 0 ? mine / usage : 0);
+  if (auto it = use.find(name); it != use.end()) {
+    out.set_running_devices(it->second.running_devices);
+    out.set_queued_devices(it->second.queued_devices);
+    out.set_queued_jobs(it->second.queued_jobs);
+  }
+  return out;
+}
+
+v1::QuotaReport JobManager::Quota(const std::string& user, bool all_accounts) const {
+  const SharingPolicy policy = policy_ ? policy_() : SharingPolicy{{{kDefaultAccount, {}}}, {}};
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_.Now();
+  std::map<std::string, Use> by_account, by_owner;
+  CountUse(&by_account, &by_owner);
+  const SharingPolicy::User limits = policy.UserOf(user);
+  v1::QuotaReport report;
+  report.set_user(user);
+  report.set_account(limits.account);
+  if (limits.max_running_devices >= 0) report.set_max_running_devices(limits.max_running_devices);
+  if (limits.max_queued_jobs >= 0) report.set_max_queued_jobs(limits.max_queued_jobs);
+  if (auto it = by_owner.find(user); it != by_owner.end()) {
+    report.set_running_devices(it->second.running_devices);
+    report.set_queued_jobs(it->second.queued_jobs);
+  }
+  report.set_usage_device_hours(usage_.At(absl::StrCat("user:", user), now) / 3600);
+  report.set_half_life_hours(absl::ToDoubleHours(usage_.half_life()));
+  *report.add_accounts() = AccountUsageOf(limits.account, policy, by_account, now);
+  if (all_accounts) {
+    for (const auto& [name, a] : policy.accounts) {
+      if (name != limits.account)
+        *report.add_accounts() = AccountUsageOf(name, policy, by_account, now);
+    }
+  }
+  return report;
+}
+
+std::vector<v1::AccountUsage> JobManager::AccountUsages() const {
+  const SharingPolicy policy = policy_ ? policy_() : SharingPolicy{{{kDefaultAccount, {}}}, {}};
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_.Now();
+  std::map<std::string, Use> by_account;
+  CountUse(&by_account, nullptr);
+  std::vector<v1::AccountUsage> out;
+  for (const auto& [name, a] : policy.accounts) {
+    out.push_back(AccountUsageOf(name, policy, by_account, now));
+  }
+  return out;
+}
+
+std::string JobManager::WhyWaiting(const v1::Job& job) const {
+  if (!last_pass_.has_value()) return "waiting for the next scheduling pass";
+  const auto it = last_pass_->waits.find(job.id());
+  if (it == last_pass_->waits.end()) return "waiting for the next scheduling pass";
+  const JobWait& wait = it->second;
+  const int64_t devices = job.spec().resources().gpus();
+  const SharingPolicy policy = policy_ ? policy_() : SharingPolicy{{{kDefaultAccount, {}}}, {}};
+  const std::string account = job.account().empty() ? kDefaultAccount : job.account();
+  const SharingPolicy::Account limits = policy.AccountOf(account);
+  std::map<std::string, Use> by_account, by_owner;
+  CountUse(&by_account, &by_owner);
+  const absl::Time now = clock_.Now();
+  std::string why;
+  auto head_text = [&] {
+    std::string text = last_pass_->head;
+    if (auto h = jobs_.find(last_pass_->head); h != jobs_.end()) {
+      absl::StrAppend(&text, " (priority ", h->second.spec().priority(), ", ",
+                      h->second.spec().resources().gpus(), " devices");
+      if (last_pass_->head_start.has_value()) {
+        absl::StrAppend(
+            &text, ", expected to start in ",
+            absl::FormatDuration(absl::Trunc(
+                std::max(absl::ZeroDuration(), *last_pass_->head_start - now), absl::Seconds(1))));
+      } else {
+        absl::StrAppend(&text, ", start unknown: the devices are held by jobs without max_runtime");
+      }
+      absl::StrAppend(&text, ")");
+    }
+    return text;
+  };
+  switch (wait.reason) {
+    case WaitReason::kPlaced:
+      why = "placed in the latest pass; waiting for parameter-server memory or its start";
+      if (!job.message().empty()) why = job.message();
+      break;
+    case WaitReason::kDevices:
+      why = absl::StrCat("first in line, waiting for ", devices, " free devices");
+      if (last_pass_->head_start.has_value()) {
+        absl::StrAppend(
+            &why, "; expected to start in ",
+            absl::FormatDuration(absl::Trunc(
+                std::max(absl::ZeroDuration(), *last_pass_->head_start - now), absl::Seconds(1))));
+      } else {
+        absl::StrAppend(&why, "; start unknown: the devices are held by jobs without max_runtime");
+      }
+      break;
+    case WaitReason::kBehindHead:
+    case WaitReason::kHeadStartUnknown:
+      why = absl::StrCat("waiting for ", devices, " devices behind ", wait.position,
+                         " jobs ahead in line, first ", head_text());
+      if (wait.reason == WaitReason::kBehindHead) {
+        absl::StrAppend(&why, "; starting it now would delay that job (no backfill)");
+      }
+      break;
+    case WaitReason::kAccountLimit:
+      why = absl::StrCat("account ", account, " holds ", by_account[account].running_devices,
+                         " devices: its quota of ", limits.quota, " plus its borrow limit of ",
+                         limits.borrow_limit, " leave no room for ", devices, " more");
+      break;
+    case WaitReason::kUserLimit:
+      why = absl::StrCat("user ", job.owner(), " holds ", by_owner[job.owner()].running_devices,
+                         " devices of its cap of ", policy.UserOf(job.owner()).max_running_devices,
+                         " (max_running_devices)");
+      break;
+    case WaitReason::kNotPreemptibleBeyondQuota:
+      why = absl::StrCat("not preemptible, so it runs only within account ", account,
+                         "'s quota of ", limits.quota, " devices; ",
+                         by_account[account].running_devices, " are in use");
+      break;
+    case WaitReason::kUnplaceable:
+      why = absl::StrCat("needs ", devices,
+                         " devices, more than the ready nodes that take its owner's jobs have");
+      break;
+  }
+  const v1::AccountUsage usage = AccountUsageOf(account, policy, by_account, now);
+  absl::StrAppend(
+      &why, absl::StrFormat(". Account %s: share %.0f%%, usage %.0f%% (%.1f device-hours, decayed)",
+                            account, 100 * usage.share_fraction(), 100 * usage.usage_fraction(),
+                            usage.usage_device_hours()));
+  if (usage.has_quota_devices()) {
+    absl::StrAppend(&why, absl::StrFormat(", quota %d devices, %d in use", usage.quota_devices(),
+                                          usage.running_devices()));
+  }
+  return why;
+}
+
+void JobManager::ChargeUsage() {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_.Now();
+  const absl::Duration since = last_charge_.has_value()
+                                   ? std::min(now - *last_charge_, absl::Minutes(5))
+                                   : absl::ZeroDuration();
+  last_charge_ = now;
+  if (since <= absl::ZeroDuration()) return;
+  const double seconds = absl::ToDoubleSeconds(since);
+  for (const std::string& id : unfinished_) {
+    const v1::Job& job = jobs_.at(id);
+    if (!IsActive(job.state())) continue;
+    int64_t devices = 0;
+    for (const auto& p : job.placement()) devices += p.device_indices_size();
+    const std::string& account = job.account().empty() ? kDefaultAccount : job.account();
+    usage_.Charge(absl::StrCat("account:", account), devices * seconds, now);
+    usage_.Charge(absl::StrCat("user:", job.owner()), devices * seconds, now);
+  }
+}
+
+namespace {
+constexpr char kUsageKind[] = "usage";
+}  // namespace
+
+absl::Status JobManager::SaveUsage() {
+  WriteBatch batch;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [key, entry] : usage_.entries()) {
+      batch.put_records.push_back({kUsageKind, key,
+                                   absl::StrCat(absl::StrFormat("%.17g", entry.value), " ",
+                                                absl::ToUnixMillis(entry.as_of))});
+    }
+  }
+  if (batch.put_records.empty()) return absl::OkStatus();
+  return store_.CommitSync(std::move(batch));
+}
+
+absl::Status JobManager::LoadUsage() {
+  ASSIGN_OR_RETURN(std::vector<StoredRecord> records, store_.LoadRecords(kUsageKind));
+  absl::MutexLock lock(&mu_);
+  for (const StoredRecord& r : records) {
+    const std::vector<std::string> parts = absl::StrSplit(r.payload, ' ');
+    double value = 0;
+    int64_t ms = 0;
+    if (parts.size() != 2 || !absl::SimpleAtod(parts[0], &value) ||
+        !absl::SimpleAtoi(parts[1], &ms)) {
+      return absl::DataLossError(absl::StrCat("usage record ", r.id, " is unreadable"));
+    }
+    usage_.Restore(r.id, {value, absl::FromUnixMillis(ms)});
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace trainyard::coordinator

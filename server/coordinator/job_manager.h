@@ -12,6 +12,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <tuple>
@@ -22,10 +23,13 @@
 #include "absl/synchronization/mutex.h"
 #include "common/clock.h"
 #include "server/coordinator/coordinator_metrics.h"
+#include "server/coordinator/fair_share.h"
 #include "server/coordinator/job_store.h"
 #include "server/coordinator/node_registry.h"
 #include "server/coordinator/ps_placement.h"
 #include "server/coordinator/rendezvous.h"
+#include "server/coordinator/scheduler.h"
+#include "server/coordinator/sharing_policy.h"
 #include "trainyard/v1/job.pb.h"
 #include "trainyard/v1/node.pb.h"
 #include "trainyard/v1/trainer.pb.h"
@@ -49,9 +53,26 @@ class JobManager {
   void SetCoordinatorAddress(std::string address);
   // Preemption (set once, before serving): a job the scheduler cannot place may preempt running
   // jobs of lower priority that ran for `min_run_time`; they are asked to checkpoint and stop
-  // (TrainerCommands.stop_requested), their ranks stopped after `grace`, and they go to PREEMPTED
-  // and wait to be placed again, resuming from that checkpoint. Off by default.
-  void SetPreemption(bool enabled, absl::Duration grace, absl::Duration min_run_time);
+  // (TrainerCommands.stop_requested), their ranks stopped after their grace (the spec's
+  // preemption_grace_seconds, else `grace`, at most `max_grace`), and they go to PREEMPTED and wait
+  // to be placed again, resuming from that checkpoint. Off by default.
+  void SetPreemption(bool enabled, absl::Duration grace, absl::Duration min_run_time,
+                     absl::Duration max_grace = absl::Minutes(10));
+  // Sharing (set once, before serving): `policy` gives accounts' quotas and shares and users'
+  // accounts and caps, read at each submission and scheduling pass; usage decays with
+  // `half_life`. Without it, every job is in the default account with no limits.
+  void SetSharing(std::function<SharingPolicy()> policy, absl::Duration half_life);
+  // Charges running jobs' devices since the last charge to their accounts' and owners' decayed
+  // usage (at most 5 minutes' worth: a stalled coordinator does not bill its pause).
+  void ChargeUsage();
+  // Usage survives restarts: saved to the store as "usage" records (CommitSync: not on the
+  // store's commit thread), loaded before serving (DATA_LOSS for an unreadable record).
+  absl::Status SaveUsage();
+  absl::Status LoadUsage();
+  // A user's and its account's use, quota and share (every account's with `all_accounts`).
+  v1::QuotaReport Quota(const std::string& user, bool all_accounts) const;
+  // Every account's use, quota and share (for metrics), by name.
+  std::vector<v1::AccountUsage> AccountUsages() const;
   // Makes the job credential of an attempt, put into its assignments (set once, before serving).
   void SetJobCredentials(
       std::function<std::string(const std::string& job_id, int32_t attempt)> credential_for);
@@ -60,11 +81,14 @@ class JobManager {
   void SetCheckpointRoot(std::string root);
 
   // Applies defaults, validates (INVALID_ARGUMENT naming the field) and checks that the model fits
-  // some node's devices, stores the job durably as QUEUED, then calls `done` with it. Nothing is
-  // stored on error.
+  // some node's devices and the owner's limits (RESOURCE_EXHAUSTED at max_queued_jobs;
+  // INVALID_ARGUMENT for more devices than its caps or account allow ever, or preemptible: false
+  // beyond its account's quota), stores the job durably as QUEUED (charged to the owner's
+  // account), then calls `done` with it. Nothing is stored on error.
   void Submit(const std::string& owner, v1::JobSpec spec, JobCallback done);
 
-  absl::StatusOr<v1::Job> Get(const std::string& job_id) const;  // NOT_FOUND
+  // NOT_FOUND. A waiting job comes with why_waiting, as of the latest scheduling pass.
+  absl::StatusOr<v1::Job> Get(const std::string& job_id) const;
   // Whether rank `rank` of attempt `attempt` of the job runs on `node_id` (placed there, or an
   // older attempt's rank still stopping there): what a node may report on.
   bool RankRunsOn(const std::string& node_id, const std::string& job_id, int attempt,
@@ -173,6 +197,24 @@ class JobManager {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void NotifyWatchers(const v1::Job& job);
   void WakeScheduler();
+  // The owner's limits on `spec` (see Submit); `policy` as of now.
+  absl::Status CheckSharingLimits(const SharingPolicy& policy, const std::string& owner,
+                                  const v1::JobSpec& spec) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Duration GraceOf(const v1::Job& job) const;
+  // Why a waiting job waits, in words (see Get).
+  std::string WhyWaiting(const v1::Job& job) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Per account: running and queued devices and queued jobs; per owner: running devices and
+  // queued jobs.
+  struct Use {
+    int64_t running_devices = 0;
+    int64_t queued_devices = 0;
+    int32_t queued_jobs = 0;
+  };
+  void CountUse(std::map<std::string, Use>* by_account, std::map<std::string, Use>* by_owner) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::AccountUsage AccountUsageOf(const std::string& name, const SharingPolicy& policy,
+                                  const std::map<std::string, Use>& use, absl::Time now) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   JobStore& store_;
   NodeRegistry& nodes_;
@@ -183,6 +225,8 @@ class JobManager {
   bool preemption_ = false;          // likewise, with the two below
   absl::Duration preemption_grace_ = absl::Seconds(120);
   absl::Duration min_run_time_ = absl::Minutes(5);
+  absl::Duration max_preemption_grace_ = absl::Minutes(10);
+  std::function<SharingPolicy()> policy_;  // likewise; null: the default account, no limits
   std::function<std::string(const std::string&, int32_t)> credential_for_;  // likewise
   std::string checkpoint_root_;            // set before serving; immutable after
   CoordinatorMetrics* metrics_ = nullptr;  // set before serving; immutable after
@@ -207,6 +251,19 @@ class JobManager {
   // the disk; watch events never are.
   std::map<std::string, int64_t> durable_version_ ABSL_GUARDED_BY(mu_);
   int64_t next_watch_handle_ ABSL_GUARDED_BY(mu_) = 1;
+  // Submissions not yet durable, by owner (for max_queued_jobs).
+  std::map<std::string, int> submitting_ ABSL_GUARDED_BY(mu_);
+  // Decayed device-seconds by "account:NAME" and "user:NAME".
+  UsageLedger usage_ ABSL_GUARDED_BY(mu_);
+  std::optional<absl::Time> last_charge_ ABSL_GUARDED_BY(mu_);
+  // The latest scheduling pass: what became of each waiting job, and the head's reservation.
+  struct LastPass {
+    absl::Time at;
+    std::map<std::string, JobWait> waits;
+    std::string head;  // the first job in line that did not fit, if any
+    std::optional<absl::Time> head_start;
+  };
+  std::optional<LastPass> last_pass_ ABSL_GUARDED_BY(mu_);
 };
 
 // "job-<seq>"; also accepts a bare number from users.

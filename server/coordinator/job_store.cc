@@ -150,6 +150,7 @@ class InMemoryJobStore final : public JobStore {
     for (const StoredNode& node : batch.put_nodes) nodes_[node.id] = node.payload;
     for (const std::string& id : batch.delete_nodes) nodes_.erase(id);
     for (const StoredRecord& r : batch.put_records) records_[{r.kind, r.id}] = r.payload;
+    for (const auto& key : batch.delete_records) records_.erase(key);
     return absl::OkStatus();
   }
 

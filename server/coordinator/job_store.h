@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -54,9 +55,12 @@ struct WriteBatch {
   std::vector<StoredNode> put_nodes;      // insert or replace by id
   std::vector<std::string> delete_nodes;  // ids; deleting a missing id is not an error
   std::vector<StoredRecord> put_records;  // insert or replace by (kind, id)
+  // (kind, id) pairs, applied after put_records; deleting a missing one is not an error.
+  std::vector<std::pair<std::string, std::string>> delete_records;
 
   bool empty() const {
-    return put_jobs.empty() && put_nodes.empty() && delete_nodes.empty() && put_records.empty();
+    return put_jobs.empty() && put_nodes.empty() && delete_nodes.empty() && put_records.empty() &&
+           delete_records.empty();
   }
 };
 

@@ -44,10 +44,16 @@ int main(int argc, char** argv) {
   app.add_flag("--preemption", options.preemption,
                "a job that cannot be placed may preempt running jobs of lower priority: they are "
                "asked to checkpoint and stop, and resume from that checkpoint later");
-  std::string preemption_grace = "120s", min_run_time = "5m";
+  std::string preemption_grace = "120s", min_run_time = "5m", max_grace = "10m", half_life = "168h";
   app.add_option("--preemption-grace", preemption_grace,
                  "how long a preempted job may take to checkpoint and stop before its ranks are "
-                 "stopped")
+                 "stopped, unless its spec sets preemption_grace")
+      ->capture_default_str();
+  app.add_option("--max-preemption-grace", max_grace, "the most a job's preemption_grace may be")
+      ->capture_default_str();
+  app.add_option("--fair-share-half-life", half_life,
+                 "accounts' and users' usage (device-seconds) halves every this long, as Slurm's "
+                 "PriorityDecayHalfLife")
       ->capture_default_str();
   app.add_option("--min-run-time", min_run_time,
                  "a job runs at least this long before it may be preempted (again)")
@@ -66,7 +72,9 @@ int main(int argc, char** argv) {
   auto interval = trainyard::ParseFlagDuration("--heartbeat-interval", heartbeat_interval);
   auto grace = trainyard::ParseFlagDuration("--preemption-grace", preemption_grace);
   auto min_run = trainyard::ParseFlagDuration("--min-run-time", min_run_time);
-  for (const auto* d : {&timeout, &interval, &grace, &min_run}) {
+  auto max_grace_d = trainyard::ParseFlagDuration("--max-preemption-grace", max_grace);
+  auto half_life_d = trainyard::ParseFlagDuration("--fair-share-half-life", half_life);
+  for (const auto* d : {&timeout, &interval, &grace, &min_run, &max_grace_d, &half_life_d}) {
     if (!d->ok()) {
       std::cerr << "trainyard-coordinator: " << d->status().message() << "\n";
       return 2;
@@ -76,6 +84,8 @@ int main(int argc, char** argv) {
   options.heartbeat_interval = *interval;
   options.preemption_grace = *grace;
   options.min_run_time = *min_run;
+  options.max_preemption_grace = *max_grace_d;
+  options.fair_share_half_life = *half_life_d;
 
   auto server = trainyard::coordinator::CoordinatorServer::Start(options);
   if (!server.ok()) {

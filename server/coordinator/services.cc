@@ -599,6 +599,29 @@ grpc::ServerUnaryReactor* JobServiceImpl::CheckpointJob(grpc::CallbackServerCont
   return reactor;
 }
 
+grpc::ServerUnaryReactor* JobServiceImpl::GetQuota(grpc::CallbackServerContext* ctx,
+                                                   const v1::GetQuotaRequest* request,
+                                                   v1::QuotaReport* response) {
+  auto caller = AuthenticateUser(ctx, identities_, "GetQuota");
+  if (!caller.ok()) return Done(ctx, caller.status());
+  const std::string user = request->user().empty() ? caller->user : request->user();
+  if (!caller->IsAdmin() && user != caller->user) {
+    return Done(ctx, Refused("GetQuota", caller->Describe(),
+                             absl::PermissionDeniedError(absl::StrCat(
+                                 "user: only admins may see another user's quota (", user, ")"))));
+  }
+  if (!caller->IsAdmin() && request->all_accounts()) {
+    return Done(ctx, Refused("GetQuota", caller->Describe(),
+                             absl::PermissionDeniedError(
+                                 "all_accounts: only admins may see every account's use")));
+  }
+  if (!identities_.GetUser(user).ok()) {
+    return Done(ctx, absl::NotFoundError(absl::StrCat("user: no user ", user)));
+  }
+  *response = jobs_.Quota(user, request->all_accounts());
+  return Done(ctx, absl::OkStatus());
+}
+
 // ---- TrainerService ----
 
 grpc::ServerUnaryReactor* TrainerServiceImpl::ReportStep(grpc::CallbackServerContext* ctx,
@@ -868,7 +891,7 @@ grpc::ServerUnaryReactor* IdentityServiceImpl::CreateUser(grpc::CallbackServerCo
                                                           v1::User* response) {
   auto caller = AuthenticateAdmin(ctx, identities_, "CreateUser");
   if (!caller.ok()) return Done(ctx, caller.status());
-  auto user = identities_.CreateUser(request->name(), request->role());
+  auto user = identities_.CreateUser(request->name(), request->role(), request->account());
   Audit(*caller, "CreateUser", request->name(), user.status());
   if (user.ok()) *response = *std::move(user);
   return Done(ctx, user.status());
@@ -959,6 +982,59 @@ grpc::ServerUnaryReactor* IdentityServiceImpl::RevokeToken(grpc::CallbackServerC
   Audit(*caller, "RevokeToken", request->id(), token.status());
   if (token.ok()) *response = *std::move(token);
   return Done(ctx, token.status());
+}
+
+grpc::ServerUnaryReactor* IdentityServiceImpl::UpdateUser(grpc::CallbackServerContext* ctx,
+                                                          const v1::UpdateUserRequest* request,
+                                                          v1::User* response) {
+  auto caller = AuthenticateAdmin(ctx, identities_, "UpdateUser");
+  if (!caller.ok()) return Done(ctx, caller.status());
+  auto user = identities_.UpdateUser(*request);
+  Audit(*caller, "UpdateUser", request->name(), user.status());
+  if (user.ok()) *response = *std::move(user);
+  return Done(ctx, user.status());
+}
+
+grpc::ServerUnaryReactor* IdentityServiceImpl::CreateAccount(
+    grpc::CallbackServerContext* ctx, const v1::CreateAccountRequest* request,
+    v1::Account* response) {
+  auto caller = AuthenticateAdmin(ctx, identities_, "CreateAccount");
+  if (!caller.ok()) return Done(ctx, caller.status());
+  auto account = identities_.CreateAccount(request->account());
+  Audit(*caller, "CreateAccount", request->account().name(), account.status());
+  if (account.ok()) *response = *std::move(account);
+  return Done(ctx, account.status());
+}
+
+grpc::ServerUnaryReactor* IdentityServiceImpl::UpdateAccount(
+    grpc::CallbackServerContext* ctx, const v1::UpdateAccountRequest* request,
+    v1::Account* response) {
+  auto caller = AuthenticateAdmin(ctx, identities_, "UpdateAccount");
+  if (!caller.ok()) return Done(ctx, caller.status());
+  auto account = identities_.UpdateAccount(request->account());
+  Audit(*caller, "UpdateAccount", request->account().name(), account.status());
+  if (account.ok()) *response = *std::move(account);
+  return Done(ctx, account.status());
+}
+
+grpc::ServerUnaryReactor* IdentityServiceImpl::DeleteAccount(
+    grpc::CallbackServerContext* ctx, const v1::DeleteAccountRequest* request,
+    v1::Account* response) {
+  auto caller = AuthenticateAdmin(ctx, identities_, "DeleteAccount");
+  if (!caller.ok()) return Done(ctx, caller.status());
+  auto account = identities_.DeleteAccount(request->name());
+  Audit(*caller, "DeleteAccount", request->name(), account.status());
+  if (account.ok()) *response = *std::move(account);
+  return Done(ctx, account.status());
+}
+
+grpc::ServerUnaryReactor* IdentityServiceImpl::ListAccounts(grpc::CallbackServerContext* ctx,
+                                                            const v1::ListAccountsRequest*,
+                                                            v1::ListAccountsResponse* response) {
+  auto caller = AuthenticateUser(ctx, identities_, "ListAccounts");
+  if (!caller.ok()) return Done(ctx, caller.status());
+  for (v1::Account& a : identities_.ListAccounts()) *response->add_accounts() = std::move(a);
+  return Done(ctx, absl::OkStatus());
 }
 
 }  // namespace trainyard::coordinator

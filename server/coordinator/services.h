@@ -50,6 +50,9 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
   grpc::ServerUnaryReactor* CheckpointJob(grpc::CallbackServerContext* ctx,
                                           const v1::CheckpointJobRequest* request,
                                           v1::Job* response) override;
+  grpc::ServerUnaryReactor* GetQuota(grpc::CallbackServerContext* ctx,
+                                     const v1::GetQuotaRequest* request,
+                                     v1::QuotaReport* response) override;
 
  private:
   // The job, if the caller may see and control it: its owner or an admin.
@@ -176,6 +179,21 @@ class IdentityServiceImpl final : public v1::IdentityService::CallbackService {
   grpc::ServerUnaryReactor* RevokeToken(grpc::CallbackServerContext* ctx,
                                         const v1::RevokeTokenRequest* request,
                                         v1::TokenInfo* response) override;
+  grpc::ServerUnaryReactor* UpdateUser(grpc::CallbackServerContext* ctx,
+                                       const v1::UpdateUserRequest* request,
+                                       v1::User* response) override;
+  grpc::ServerUnaryReactor* CreateAccount(grpc::CallbackServerContext* ctx,
+                                          const v1::CreateAccountRequest* request,
+                                          v1::Account* response) override;
+  grpc::ServerUnaryReactor* UpdateAccount(grpc::CallbackServerContext* ctx,
+                                          const v1::UpdateAccountRequest* request,
+                                          v1::Account* response) override;
+  grpc::ServerUnaryReactor* DeleteAccount(grpc::CallbackServerContext* ctx,
+                                          const v1::DeleteAccountRequest* request,
+                                          v1::Account* response) override;
+  grpc::ServerUnaryReactor* ListAccounts(grpc::CallbackServerContext* ctx,
+                                         const v1::ListAccountsRequest* request,
+                                         v1::ListAccountsResponse* response) override;
 
  private:
   IdentityRegistry& identities_;

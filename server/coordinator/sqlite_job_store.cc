@@ -323,6 +323,7 @@ class SqliteJobStore final : public JobStore {
                              "INSERT INTO nodes(id, payload) VALUES(?1, ?2) "
                              "ON CONFLICT(id) DO UPDATE SET payload = excluded.payload"));
     ASSIGN_OR_RETURN(delete_node_, Prepare(w, "DELETE FROM nodes WHERE id = ?1"));
+    ASSIGN_OR_RETURN(delete_record_, Prepare(w, "DELETE FROM records WHERE kind = ?1 AND id = ?2"));
     ASSIGN_OR_RETURN(put_record_,
                      Prepare(w,
                              "INSERT INTO records(kind, id, payload) VALUES(?1, ?2, ?3) "
@@ -455,6 +456,13 @@ class SqliteJobStore final : public JobStore {
       BindBlob(stmt, 3, record.payload);
       RETURN_IF_ERROR(StepDone(db, stmt, absl::StrCat("put ", record.kind, " ", record.id)));
     }
+    for (const auto& [kind, id] : batch.delete_records) {
+      sqlite3_stmt* stmt = delete_record_.get();
+      ScopedReset reset(stmt);
+      BindText(stmt, 1, kind);
+      BindText(stmt, 2, id);
+      RETURN_IF_ERROR(StepDone(db, stmt, absl::StrCat("delete ", kind, " ", id)));
+    }
     return absl::OkStatus();
   }
 
@@ -463,7 +471,8 @@ class SqliteJobStore final : public JobStore {
   // Used only by the commit thread once the store is open. Declared before the statements so that
   // they are finalized first.
   DbPtr write_db_;
-  StmtPtr begin_, commit_, rollback_, put_job_, put_node_, delete_node_, put_record_;
+  StmtPtr begin_, commit_, rollback_, put_job_, put_node_, delete_node_, put_record_,
+      delete_record_;
 
   absl::Mutex read_mu_;  // serializes loads on the read connection
   DbPtr read_db_;
