@@ -441,5 +441,73 @@ TEST_F(PreemptionClusterE2eTest, AHigherPriorityJobPreemptsAndTheVictimResumesWi
   }
 }
 
+TEST_F(PreemptionClusterE2eTest, AVictimThatDoesNotStopIsKilledAfterItsGraceAndResumes) {
+  // A victim with a periodic checkpoint and a grace of its own (1 s) whose ranks hang (stopped
+  // with SIGSTOP, as a rank stuck in a collective would): it is killed after its grace and the
+  // worker's stop grace, shows PREEMPTED, and resumes from its last periodic checkpoint.
+  const std::string low_spec = WriteSpec("stuck", 200);
+  {
+    std::string text = Slurp(low_spec);
+    text.replace(text.find("every_steps: 0"), 14, "every_steps: 5");
+    std::ofstream(low_spec) << text << "priority: 10\npreemption_grace: 1s\n";
+  }
+  CommandResult submit = Yard({"submit", low_spec});
+  ASSERT_EQ(submit.exit_code, 0) << submit.err;
+  const std::string low(absl::StripAsciiWhitespace(submit.out));
+  auto json = [&](const std::string& job) {
+    return nlohmann::json::parse(Yard({"describe", job, "-o", "json"}).out);
+  };
+  auto checkpoint_step = [](const nlohmann::json& j) {
+    return j.contains("last_checkpoint")
+               ? std::stoll(j["last_checkpoint"].value("step", std::string("0")))
+               : int64_t{0};
+  };
+  absl::Time deadline = absl::Now() + absl::Seconds(120);
+  while (absl::Now() < deadline && checkpoint_step(json(low)) < 5) {
+    absl::SleepFor(absl::Milliseconds(50));  // no verb waits for a checkpoint
+  }
+  ASSERT_GE(checkpoint_step(json(low)), 5) << Yard({"describe", low}).out;
+  // Its ranks stop answering (the rank processes' command lines hold the attempt's folder).
+  const std::string ranks = absl::StrCat("/", low, "/attempt-1/");
+  ASSERT_EQ(testing::RunCommand({"/usr/bin/pkill", "-STOP", "-f", ranks}).exit_code, 0);
+
+  const std::string high_spec = WriteSpec("urgent", 10);
+  std::ofstream(high_spec, std::ios::app) << "priority: 90\n";
+  submit = Yard({"submit", high_spec});
+  ASSERT_EQ(submit.exit_code, 0) << submit.err;
+  const std::string high(absl::StripAsciiWhitespace(submit.out));
+  nlohmann::json victim;
+  deadline = absl::Now() + absl::Seconds(90);
+  while (absl::Now() < deadline) {
+    victim = json(low);
+    if (victim.value("state", "") == "PREEMPTED") break;
+    absl::SleepFor(absl::Milliseconds(100));  // no verb waits for a given state
+  }
+  // A stopped process ignores SIGTERM: the worker's SIGKILL ended it.
+  testing::RunCommand({"/usr/bin/pkill", "-CONT", "-f", ranks});
+  ASSERT_EQ(victim.value("state", ""), "PREEMPTED") << victim.dump();
+  const int64_t periodic = checkpoint_step(victim);
+  EXPECT_EQ(periodic % 5, 0) << "the last checkpoint is a periodic one";
+
+  CommandResult high_done = Yard({"wait", high, "--timeout", "120s"}, absl::Seconds(150));
+  ASSERT_EQ(high_done.exit_code, 0) << high_done.err << Yard({"describe", high}).out;
+  CommandResult low_done = Yard({"wait", low, "--timeout", "120s"}, absl::Seconds(150));
+  ASSERT_EQ(low_done.exit_code, 0) << low_done.err << Yard({"describe", low}).out;
+  const nlohmann::json finished = json(low);
+  EXPECT_EQ(finished.value("preemptions", 0), 1);
+  EXPECT_EQ(finished.value("restarts", 0), 0);
+  int64_t first_of_attempt2 = 0;
+  for (const auto& step : nlohmann::json::parse(Yard({"metrics", low, "-o", "json"}).out)) {
+    if (step["attempt"].get<int>() == 2) {
+      first_of_attempt2 = step["step"].get<int64_t>();
+      break;
+    }
+  }
+  EXPECT_EQ(first_of_attempt2, periodic + 1) << "resumed from the last periodic checkpoint";
+  const std::string logs = Yard({"logs", low}).out;
+  EXPECT_THAT(logs, Not(HasSubstr("stopping after step"))) << "it never heard the request";
+  EXPECT_THAT(logs, HasSubstr(absl::StrCat("checkpoint step ", periodic, " ")));
+}
+
 }  // namespace
 }  // namespace trainyard

@@ -159,6 +159,19 @@ TEST_F(MetricsE2eTest, TrainingSeriesExistWhileTheJobRuns) {
   const std::string page = ScrapeUntil(coordinator_metrics_, series, 2.5);
   EXPECT_EQ(Sample(page, "trainyard_job_step{job=\"" + job->id() + "\"}"), 7);
   EXPECT_EQ(Sample(page, "trainyard_job_tokens_per_second{job=\"" + job->id() + "\"}"), 1234);
+  // Its account (the default one: no quota series) holds its device; usage grows as it runs.
+  const std::string account = ScrapeUntil(
+      coordinator_metrics_, "trainyard_account_running_devices{account=\"default\"}", 1);
+  EXPECT_EQ(Sample(account, "trainyard_account_queued_devices{account=\"default\"}"), 0);
+  EXPECT_EQ(Sample(account, "trainyard_account_share_ratio{account=\"default\"}"), 1);
+  EXPECT_EQ(Sample(account, "trainyard_account_quota_devices{account=\"default\"}"), std::nullopt);
+  std::optional<double> usage;
+  for (int i = 0; i < 200 && usage.value_or(0) == 0; ++i) {
+    usage = Sample(HttpGet(coordinator_metrics_, "/metrics").value_or(""),
+                   "trainyard_account_usage_device_seconds{account=\"default\"}");
+    if (usage.value_or(0) == 0) absl::SleepFor(absl::Milliseconds(50));  // the next tick
+  }
+  EXPECT_GT(usage.value_or(0), 0);
   ASSERT_TRUE(client_->Cancel(job->id(), "done").ok());
   ScrapeUntil(coordinator_metrics_, series, std::nullopt);  // removed with the job
 }

@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
@@ -512,6 +513,69 @@ TEST_F(YardE2eTest, AdminsManageUsersAndTokensAndRevokedOrDisabledTokensStopWork
   CommandResult revoked = as_carol({"ls"});
   ExpectOneLineFailure(revoked);
   EXPECT_THAT(revoked.err, AllOf(HasSubstr("was revoked"), HasSubstr("UNAUTHENTICATED")));
+}
+
+TEST_F(YardE2eTest, AdminsSetAccountsAndCapsAndUsersSeeTheirQuotaAndWhyTheyWait) {
+  CommandResult add = YardAs("admin", {"admin", "account", "add", "research", "--quota", "4",
+                                       "--borrow-limit", "2", "--share", "3"});
+  ASSERT_EQ(add.exit_code, 0) << add.err;
+  EXPECT_THAT(Lines(add.out).back(), ContainsRegex("^research +4 +2 +3 "));
+  CommandResult bad = YardAs("admin", {"admin", "account", "add", "x", "--quota", "lots"});
+  ExpectOneLineFailure(bad);
+  EXPECT_THAT(bad.err, HasSubstr("--quota: expected a count >= 0 or 'none', got 'lots'"));
+  CommandResult not_admin = Yard({"admin", "account", "add", "mine", "--quota", "100"});
+  ExpectOneLineFailure(not_admin);
+  EXPECT_THAT(not_admin.err, HasSubstr("PERMISSION_DENIED"));
+  CommandResult unset = YardAs("admin", {"admin", "account", "set", "research", "--quota", "none"});
+  ASSERT_EQ(unset.exit_code, 0) << unset.err;
+  EXPECT_THAT(Lines(unset.out).back(), ContainsRegex("^research +- +- +3 "));
+  ASSERT_EQ(YardAs("admin", {"admin", "account", "set", "research", "--quota", "4"}).exit_code, 0);
+  CommandResult listed = Yard({"admin", "account", "ls"});  // any user may list
+  ASSERT_EQ(listed.exit_code, 0) << listed.err;
+  EXPECT_THAT(listed.out, ContainsRegex("\ndefault +- +- +1 +- *\n"));
+  EXPECT_THAT(listed.out, ContainsRegex("\nresearch +4 +any +3 "));
+
+  CommandResult moved = YardAs(
+      "admin", {"admin", "user", "set", "alice", "--account", "research", "--max-queued", "1"});
+  ASSERT_EQ(moved.exit_code, 0) << moved.err;
+  EXPECT_THAT(Lines(moved.out).back(), ContainsRegex("^alice +user +enabled +research +- +1 "));
+  const std::string job = SubmitCharGpt();
+  CommandResult second = Yard({"submit", CharGptSpec()});
+  ExpectOneLineFailure(second);
+  EXPECT_THAT(second.err, AllOf(HasSubstr("max_queued_jobs: user alice has 1 jobs queued"),
+                                HasSubstr("RESOURCE_EXHAUSTED")));
+
+  CommandResult quota = Yard({"quota"});
+  ASSERT_EQ(quota.exit_code, 0) << quota.err;
+  EXPECT_THAT(quota.out, ContainsRegex("account: +research"));
+  EXPECT_THAT(quota.out, ContainsRegex("queued jobs: +1 \\(1\\)"));
+  EXPECT_THAT(quota.out, ContainsRegex("\nresearch +4 +any +0 +2 \\(1 jobs\\) +3 \\(75%\\) "));
+  const auto report = nlohmann::json::parse(Yard({"-o", "json", "quota"}).out);
+  EXPECT_EQ(report.value("account", ""), "research");
+  EXPECT_EQ(report["accounts"][0].value("quota_devices", ""), "4");  // int64: a JSON string
+  CommandResult others = Yard({"quota", "--user", "admin"});
+  ExpectOneLineFailure(others);
+  EXPECT_THAT(others.err, HasSubstr("PERMISSION_DENIED"));
+  CommandResult all = YardAs("admin", {"quota", "--all"});
+  ASSERT_EQ(all.exit_code, 0) << all.err;
+  EXPECT_THAT(all.out, ContainsRegex("\ndefault "));
+
+  // No worker: the job waits, and says why once a scheduling pass has seen it.
+  std::string waiting;
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (absl::Now() < deadline) {
+    waiting =
+        nlohmann::json::parse(Yard({"describe", job, "-o", "json"}).out).value("why_waiting", "");
+    if (absl::StrContains(waiting, "devices")) break;
+    absl::SleepFor(absl::Milliseconds(100));  // the scheduler passes once a second
+  }
+  EXPECT_THAT(waiting, HasSubstr("more than the ready nodes that take its owner's jobs have"));
+  EXPECT_THAT(Yard({"describe", job}).out, ContainsRegex("waiting: +needs 2 devices"));
+
+  CommandResult rm = YardAs("admin", {"admin", "account", "rm", "research"});
+  ExpectOneLineFailure(rm);
+  EXPECT_THAT(rm.err, AllOf(HasSubstr("user alice belongs to account research"),
+                            HasSubstr("FAILED_PRECONDITION")));
 }
 
 TEST_F(YardE2eTest, LoginSavesOnlyAVerifiedUserTokenAndTokenFilesOthersCanReadAreRefused) {
