@@ -625,6 +625,7 @@ int JobManager::SchedulePass() {
   const ScheduleResult result = Schedule(snapshot);
   LastPass& last = last_pass_.emplace();
   last.at = snapshot.now;
+  last.waits.reserve(snapshot.pending.size());
   for (size_t i = 0; i < snapshot.pending.size(); ++i) {
     last.waits[snapshot.pending[i].id] = result.waits[i];
     if (result.waits[i].reason == WaitReason::kDevices) last.head = snapshot.pending[i].id;

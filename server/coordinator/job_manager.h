@@ -16,6 +16,7 @@
 #include <set>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -259,7 +260,7 @@ class JobManager {
   // The latest scheduling pass: what became of each waiting job, and the head's reservation.
   struct LastPass {
     absl::Time at;
-    std::map<std::string, JobWait> waits;
+    std::unordered_map<std::string, JobWait> waits;
     std::string head;  // the first job in line that did not fit, if any
     std::optional<absl::Time> head_start;
   };

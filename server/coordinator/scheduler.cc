@@ -505,7 +505,10 @@ ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
       wait.reason = WaitReason::kUnplaceable;
       continue;
     }
-    if (wait.reason = held_by_limits(job); wait.reason != WaitReason::kPlaced) continue;
+    // Jobs outside accounts and caps (user -1) skip the limits: the plain scheduler's fast path.
+    if (job.user >= 0 || !job.preemptible) {
+      if (wait.reason = held_by_limits(job); wait.reason != WaitReason::kPlaced) continue;
+    }
     if (phase == Phase::kStopped) {
       wait.reason = WaitReason::kHeadStartUnknown;
       continue;
