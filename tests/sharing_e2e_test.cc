@@ -21,6 +21,7 @@ namespace trainyard::coordinator {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 class SharingE2eTest : public testing::CoordinatorFixture {
  protected:
@@ -204,6 +205,22 @@ TEST_F(SharingE2eTest, AccountsAndUserCapsAreCheckedAndDurable) {
   v1::Account gone;
   s = identity_->DeleteAccount(&ctx, del, &gone);
   EXPECT_EQ(s.error_code(), grpc::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("of account research has not ended"));
+  const auto listed = server_->jobs().List({});
+  ASSERT_TRUE(listed.ok());
+  for (const v1::Job& job : listed->jobs) {
+    ASSERT_TRUE(server_->jobs().UnfinishedJobOf("research") != "");
+    grpc::ClientContext cancel_ctx;
+    testing::Authorize(cancel_ctx, admin_);
+    v1::CancelJobRequest cancel;
+    cancel.set_job_id(job.id());
+    v1::Job cancelled;
+    ASSERT_TRUE(jobs_->CancelJob(&cancel_ctx, cancel, &cancelled).ok());
+  }
+  grpc::ClientContext ctx1;
+  testing::Authorize(ctx1, admin_);
+  s = identity_->DeleteAccount(&ctx1, del, &gone);
+  EXPECT_EQ(s.error_code(), grpc::FAILED_PRECONDITION);
   EXPECT_THAT(s.error_message(), HasSubstr("user alice belongs to account research"));
   ASSERT_TRUE(CreateAccount("empty", {}, {}, 1).ok());
   grpc::ClientContext ctx2;
@@ -278,6 +295,13 @@ TEST_F(SharingE2eTest, AWaitingJobSaysWhyItWaits) {
   EXPECT_THAT(GetJob(big).why_waiting(), HasSubstr("first in line, waiting for 3 free devices"));
   EXPECT_THAT(GetJob(small).why_waiting(), HasSubstr("behind"));
   EXPECT_THAT(GetJob(small).why_waiting(), HasSubstr("first " + big));
+  // A user is not told the id of another user's job ahead.
+  const std::string carol = tokens_->User("carol");
+  const std::string carols = MustSubmit(carol, 1, [](v1::JobSpec& s) { s.set_priority(40); });
+  ASSERT_EQ(server_->jobs().SchedulePass(), 0);
+  const std::string seen_by_carol = GetJob(carols, carol).why_waiting();
+  EXPECT_THAT(seen_by_carol, HasSubstr("first another user's job (priority 50, 3 devices"));
+  EXPECT_THAT(seen_by_carol, Not(HasSubstr(big)));
 }
 
 TEST_F(SharingE2eTest, TheLenderTakesItsDevicesBackWithTheVictimsOwnGrace) {

@@ -126,7 +126,7 @@ TEST(SharingTest, ANonPreemptibleJobRunsOnlyWithinItsAccountsQuota) {
   EXPECT_THAT(PlacedIds(Schedule(s)), ElementsAre("fits", "beyond")) << "preemptible may borrow";
 }
 
-TEST(SharingTest, AtEqualPriorityJobsWithinQuotaGoFirstThenTheAccountFurthestBelowItsShare) {
+TEST(SharingTest, JobsWithinQuotaGoFirstThenPriorityThenTheAccountFurthestBelowItsShare) {
   ClusterSnapshot s = TwoAccounts(1, 4);
   s.accounts.push_back({"c"});
   s.users.push_back({"carol", 2});
@@ -138,11 +138,80 @@ TEST(SharingTest, AtEqualPriorityJobsWithinQuotaGoFirstThenTheAccountFurthestBel
   s.pending = {Job("c", 2, 2, 50, 1), Job("b", 1, 2, 50, 2), Job("a", 0, 2, 50, 3),
                Job("high", 2, 1, 60, 4)};
   ScheduleResult r = Schedule(s);
-  // ...but within its quota; then b (1000 per share) before c (2000 per share).
-  EXPECT_THAT(PlacedIds(r), ElementsAre("high", "a"));
+  // ...but within its quota, ahead even of a higher priority; then b (1000 per share) before c
+  // (2000 per share).
+  EXPECT_THAT(PlacedIds(r), ElementsAre("a", "high"));
   EXPECT_EQ(ReasonOf(s, r, "b"), WaitReason::kDevices) << "the head";
   EXPECT_EQ(ReasonOf(s, r, "c"), WaitReason::kHeadStartUnknown);
   EXPECT_EQ(r.waits[0].position, 3);
+}
+
+TEST(SharingTest, APriorityChosenByAUserDoesNotOverrideAnotherAccountsGuarantee) {
+  ClusterSnapshot s = TwoAccounts(1, 4);
+  s.preemption = true;
+  s.accounts[0].quota = 4;
+  s.running = {Running("b-borrowing", 1, 0, 4, 10, absl::Hours(1))};
+  Hold(s, 0, 4);
+  // b's urgent job borrows too; a's job fits in a's quota: a's is the head, and reclaims.
+  s.pending = {Job("b-urgent", 1, 4, 100, 1), Job("a-own", 0, 4, 1, 2)};
+  ScheduleResult r = Schedule(s);
+  EXPECT_EQ(ReasonOf(s, r, "a-own"), WaitReason::kDevices);
+  ASSERT_TRUE(r.preemption.has_value());
+  EXPECT_EQ(r.preemption->job_id, "a-own");
+  EXPECT_THAT(r.preemption->victims, ElementsAre("b-borrowing"));
+}
+
+TEST(SharingTest, ReclaimingNeverLeavesTheBorrowerBelowItsOwnQuota) {
+  ClusterSnapshot s = TwoAccounts(2, 4);
+  s.preemption = true;
+  s.accounts[0].quota = 4;
+  s.accounts[1].quota = 2;
+  // b holds 6: its first 2 devices' job is within its quota, then a 4-device job that borrows 4...
+  s.running = {Running("b-small", 1, 0, 2, 10, absl::Hours(3)),
+               Running("b-big", 1, 1, 4, 10, absl::Hours(2))};
+  Hold(s, 0, 2);
+  Hold(s, 1, 4);
+  s.pending = {Job("a-own", 0, 4, 50)};
+  ScheduleResult r = Schedule(s);
+  ASSERT_TRUE(r.preemption.has_value());
+  EXPECT_THAT(r.preemption->victims, ElementsAre("b-big"));
+}
+
+TEST(SharingTest, AVictimLargerThanWhatItsAccountBorrowsIsLeftAlone) {
+  ClusterSnapshot s = TwoAccounts(2, 4);
+  s.preemption = true;
+  s.accounts[0].quota = 4;
+  s.accounts[1].quota = 4;
+  s.accounts.push_back({"c"});
+  s.users.push_back({"carol", 2});
+  // b holds 5 with a quota of 4: b-later borrows 1 of its 2 devices. Taking it would leave b
+  // at 3, below its quota, so a's job (within a's quota) waits instead.
+  s.running = {Running("b-first", 1, 0, 3, 10, absl::Hours(4)),
+               Running("b-later", 1, 1, 2, 10, absl::Hours(2)),
+               Running("c-fixed", 2, 1, 2, 10, absl::Hours(1))};
+  s.running[2].preemptible = false;
+  Hold(s, 0, 3);
+  Hold(s, 1, 4);
+  s.pending = {Job("a-own", 0, 3, 50)};
+  EXPECT_FALSE(Schedule(s).preemption.has_value());
+  s.accounts[1].quota = 3;  // now b-later borrows both its devices
+  ScheduleResult r = Schedule(s);
+  ASSERT_TRUE(r.preemption.has_value());
+  EXPECT_THAT(r.preemption->victims, ElementsAre("b-later"));
+}
+
+TEST(SharingTest, AJobStoppingForAnotherIsNotCountedWithinItsAccountsQuota) {
+  ClusterSnapshot s = TwoAccounts(2, 4);
+  s.preemption = true;
+  s.accounts[1].quota = 4;
+  // b's older job is already stopping; its newer one is the one b's quota now protects.
+  s.running = {Running("b-old", 1, 0, 4, 10, absl::Hours(3)),
+               Running("b-new", 1, 1, 4, 10, absl::Hours(2))};
+  s.running[0].preempting = true;
+  Hold(s, 0, 4);
+  Hold(s, 1, 4);
+  s.pending = {Job("a-high", 0, 8, 90)};
+  EXPECT_FALSE(Schedule(s).preemption.has_value()) << "b-new is within b's quota";
 }
 
 TEST(SharingTest, WithinAnAccountTheUserWithLessUsageGoesFirst) {

@@ -574,7 +574,9 @@ TEST_F(YardE2eTest, AdminsSetAccountsAndCapsAndUsersSeeTheirQuotaAndWhyTheyWait)
 
   CommandResult rm = YardAs("admin", {"admin", "account", "rm", "research"});
   ExpectOneLineFailure(rm);
-  EXPECT_THAT(rm.err, AllOf(HasSubstr("user alice belongs to account research"),
+  EXPECT_THAT(rm.err, AllOf(HasSubstr(absl::StrCat("job ", job,
+                                                   " of account research has not "
+                                                   "ended")),
                             HasSubstr("FAILED_PRECONDITION")));
 }
 

@@ -86,6 +86,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s->jobs_->SetSharing([ids = s->identities_.get()] { return ids->Sharing(); },
                        s->options_.fair_share_half_life);
   RETURN_IF_ERROR(s->jobs_->LoadUsage());
+  s->identities_->SetAccountInUse([jobs = s->jobs_.get()](const std::string& account) {
+    return jobs->UnfinishedJobOf(account);
+  });
   s->jobs_->SetJobCredentials(
       [ids = s->identities_.get()](const std::string& job, int32_t attempt) {
         return ids->JobCredentialFor(job, attempt);

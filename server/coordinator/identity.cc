@@ -18,6 +18,8 @@ namespace {
 constexpr char kUserKind[] = "user";
 constexpr char kTokenKind[] = "token";
 constexpr char kAccountKind[] = "account";
+// Bounds of quotas and caps: far beyond any cluster, far from overflowing sums.
+constexpr int64_t kMaxDevices = int64_t{1} << 40;
 
 int64_t UnixMs(absl::Time t) { return absl::ToUnixMillis(t); }
 
@@ -312,6 +314,14 @@ std::string IdentityRegistry::JobCredentialFor(const std::string& job_id, int32_
 
 absl::StatusOr<v1::User> IdentityRegistry::UpdateUser(const v1::UpdateUserRequest& request) {
   if (request.has_account()) RETURN_IF_ERROR(CheckUserName("account", request.account()));
+  if (request.max_running_devices() > kMaxDevices) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_running_devices: must be at most ", kMaxDevices, " (negative: no cap)"));
+  }
+  if (request.max_queued_jobs() > kMaxDevices) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_queued_jobs: must be at most ", kMaxDevices, " (negative: no cap)"));
+  }
   absl::MutexLock write(&write_mu_);
   v1::User user;
   {
@@ -357,22 +367,24 @@ namespace {
 
 absl::Status CheckAccount(const v1::Account& account) {
   RETURN_IF_ERROR(CheckUserName("account.name", account.name()));
-  if (account.has_quota_devices() && account.quota_devices() < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "account.quota_devices: must be >= 0 (unset for no quota), got ", account.quota_devices()));
+  if (account.has_quota_devices() &&
+      (account.quota_devices() < 0 || account.quota_devices() > kMaxDevices)) {
+    return absl::InvalidArgumentError(absl::StrCat("account.quota_devices: must be in 0..",
+                                                   kMaxDevices, " (unset for no quota), got ",
+                                                   account.quota_devices()));
   }
   if (account.has_borrow_limit_devices()) {
     if (!account.has_quota_devices()) {
       return absl::InvalidArgumentError(
           "account.borrow_limit_devices: only an account with a quota has a borrow limit");
     }
-    if (account.borrow_limit_devices() < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("account.borrow_limit_devices: must be >= 0 (unset for no limit), got ",
-                       account.borrow_limit_devices()));
+    if (account.borrow_limit_devices() < 0 || account.borrow_limit_devices() > kMaxDevices) {
+      return absl::InvalidArgumentError(absl::StrCat("account.borrow_limit_devices: must be in 0..",
+                                                     kMaxDevices, " (unset for no limit), got ",
+                                                     account.borrow_limit_devices()));
     }
   }
-  if (!std::isfinite(account.share()) || account.share() < 0) {
+  if (!std::isfinite(account.share()) || account.share() < 0 || account.share() > 1e9) {
     return absl::InvalidArgumentError(
         absl::StrCat("account.share: must be a positive number (0: 1), got ", account.share()));
   }
@@ -432,6 +444,12 @@ absl::StatusOr<v1::Account> IdentityRegistry::DeleteAccount(const std::string& n
     return absl::FailedPreconditionError("name: the default account cannot be deleted");
   }
   absl::MutexLock write(&write_mu_);
+  if (account_in_use_) {  // outside mu_: the job manager's lock is taken
+    if (const std::string job = account_in_use_(name); !job.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat("name: job ", job, " of account ", name,
+                                                        " has not ended; wait for its jobs first"));
+    }
+  }
   v1::Account account;
   {
     absl::MutexLock lock(&mu_);

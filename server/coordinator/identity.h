@@ -10,6 +10,7 @@
 #define TRAINYARD_SERVER_COORDINATOR_IDENTITY_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -79,6 +80,11 @@ class IdentityRegistry {
   absl::StatusOr<v1::Account> GetAccount(const std::string& name) const;  // NOT_FOUND
   // Every account's and user's sharing settings, for the scheduler.
   SharingPolicy Sharing() const;
+  // Says which unfinished job (if any, else "") is charged to an account: DeleteAccount refuses
+  // such an account (set once, before serving; called without the registry's read lock).
+  void SetAccountInUse(std::function<std::string(const std::string&)> in_use) {
+    account_in_use_ = std::move(in_use);
+  }
   std::vector<v1::User> ListUsers() const;  // by name
   // NOT_FOUND; FAILED_PRECONDITION when it would disable the last enabled admin.
   absl::StatusOr<v1::User> SetDisabled(const std::string& name, bool disabled);
@@ -108,6 +114,7 @@ class IdentityRegistry {
   JobStore& store_;
   const Clock& clock_;
   const std::string job_key_;
+  std::function<std::string(const std::string&)> account_in_use_;  // set before serving
 
   absl::Mutex write_mu_;  // serializes mutations: check, write to the store, apply
   mutable absl::Mutex mu_;

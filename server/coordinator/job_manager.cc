@@ -35,6 +35,11 @@ StoredJob ToStored(const v1::Job& job) {
 
 std::string JobIdForSeq(int64_t seq) { return absl::StrCat("job-", seq); }
 
+const std::string& AccountOf(const v1::Job& job) {
+  static const std::string* const kDefault = new std::string(kDefaultAccount);
+  return job.account().empty() ? *kDefault : job.account();
+}
+
 JobManager::JobManager(JobStore& store, NodeRegistry& nodes, Rendezvous& rendezvous,
                        const Clock& clock)
     : store_(store), nodes_(nodes), rendezvous_(rendezvous), clock_(clock) {}
@@ -290,9 +295,7 @@ absl::StatusOr<v1::Job> JobManager::Get(const std::string& job_id) const {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
-  v1::Job job = it->second;
-  if (IsPending(job.state())) job.set_why_waiting(WhyWaiting(job));
-  return job;
+  return it->second;
 }
 
 absl::StatusOr<JobManager::ListResult> JobManager::List(const v1::ListJobsRequest& r) const {
@@ -537,12 +540,15 @@ int JobManager::SchedulePass() {
     return it->second;
   };
   for (const auto& [name, account] : policy.accounts) account_of(name);
+  // One scheduler user per (owner, account): a job counts in the account of its submission, so
+  // an owner moved to another account has jobs in both until the old ones end (its cap then
+  // applies to each part).
   auto user_of = [&](const v1::Job& job) {
-    auto [it, added] = user_index.try_emplace(job.owner(), static_cast<int>(snapshot.users.size()));
+    const std::string& account = AccountOf(job);
+    auto [it, added] = user_index.try_emplace(absl::StrCat(job.owner(), "\n", account),
+                                              static_cast<int>(snapshot.users.size()));
     if (added) {
       const SharingPolicy::User u = policy.UserOf(job.owner());
-      // Charged to the account of its submission (its owner's account then).
-      const std::string& account = job.account().empty() ? u.account : job.account();
       snapshot.users.push_back({job.owner(), account_of(account), u.max_running_devices,
                                 usage_.At(absl::StrCat("user:", job.owner()), snapshot.now)});
     }
@@ -1026,7 +1032,7 @@ absl::Status JobManager::CheckSharingLimits(const SharingPolicy& policy, const s
     if (auto it = submitting_.find(owner); it != submitting_.end()) queued += it->second;
     for (const std::string& id : unfinished_) {
       const v1::Job& job = jobs_.at(id);
-      queued += job.owner() == owner && IsPending(job.state());
+      queued += job.owner() == owner && job.state() == v1::QUEUED;
     }
     if (queued >= user.max_queued_jobs) {
       return absl::ResourceExhaustedError(absl::StrCat("max_queued_jobs: user ", owner, " has ",
@@ -1041,7 +1047,7 @@ void JobManager::CountUse(std::map<std::string, Use>* by_account,
                           std::map<std::string, Use>* by_owner) const {
   for (const std::string& id : unfinished_) {
     const v1::Job& job = jobs_.at(id);
-    const std::string& account = job.account().empty() ? kDefaultAccount : job.account();
+    const std::string& account = AccountOf(job);
     const int64_t devices = job.spec().resources().gpus();
     for (Use* use : {&(*by_account)[account], by_owner ? &(*by_owner)[job.owner()] : nullptr}) {
       if (use == nullptr) continue;
@@ -1108,6 +1114,14 @@ v1::QuotaReport JobManager::Quota(const std::string& user, bool all_accounts) co
   return report;
 }
 
+std::string JobManager::UnfinishedJobOf(const std::string& account) const {
+  absl::MutexLock lock(&mu_);
+  for (const std::string& id : unfinished_) {
+    if (AccountOf(jobs_.at(id)) == account) return id;
+  }
+  return "";
+}
+
 std::vector<v1::AccountUsage> JobManager::AccountUsages() const {
   const SharingPolicy policy = policy_ ? policy_() : SharingPolicy{{{kDefaultAccount, {}}}, {}};
   absl::MutexLock lock(&mu_);
@@ -1121,14 +1135,19 @@ std::vector<v1::AccountUsage> JobManager::AccountUsages() const {
   return out;
 }
 
-std::string JobManager::WhyWaiting(const v1::Job& job) const {
+std::string JobManager::WhyWaiting(const std::string& job_id, const std::string& viewer,
+                                   bool viewer_is_admin) const {
+  const SharingPolicy policy = policy_ ? policy_() : SharingPolicy{{{kDefaultAccount, {}}}, {}};
+  absl::MutexLock lock(&mu_);
+  const auto found = jobs_.find(job_id);
+  if (found == jobs_.end() || !IsPending(found->second.state())) return "";
+  const v1::Job& job = found->second;
   if (!last_pass_.has_value()) return "waiting for the next scheduling pass";
   const auto it = last_pass_->waits.find(job.id());
   if (it == last_pass_->waits.end()) return "waiting for the next scheduling pass";
   const JobWait& wait = it->second;
   const int64_t devices = job.spec().resources().gpus();
-  const SharingPolicy policy = policy_ ? policy_() : SharingPolicy{{{kDefaultAccount, {}}}, {}};
-  const std::string account = job.account().empty() ? kDefaultAccount : job.account();
+  const std::string& account = AccountOf(job);
   const SharingPolicy::Account limits = policy.AccountOf(account);
   std::map<std::string, Use> by_account, by_owner;
   CountUse(&by_account, &by_owner);
@@ -1137,6 +1156,8 @@ std::string JobManager::WhyWaiting(const v1::Job& job) const {
   auto head_text = [&] {
     std::string text = last_pass_->head;
     if (auto h = jobs_.find(last_pass_->head); h != jobs_.end()) {
+      // Another user's job is not named to users who may not see it.
+      if (!viewer_is_admin && h->second.owner() != viewer) text = "another user's job";
       absl::StrAppend(&text, " (priority ", h->second.spec().priority(), ", ",
                       h->second.spec().resources().gpus(), " devices");
       if (last_pass_->head_start.has_value()) {
@@ -1221,7 +1242,7 @@ void JobManager::ChargeUsage() {
     if (!IsActive(job.state())) continue;
     int64_t devices = 0;
     for (const auto& p : job.placement()) devices += p.device_indices_size();
-    const std::string& account = job.account().empty() ? kDefaultAccount : job.account();
+    const std::string& account = AccountOf(job);
     usage_.Charge(absl::StrCat("account:", account), devices * seconds, now);
     usage_.Charge(absl::StrCat("user:", job.owner()), devices * seconds, now);
   }
@@ -1254,7 +1275,9 @@ absl::Status JobManager::LoadUsage() {
     int64_t ms = 0;
     if (parts.size() != 2 || !absl::SimpleAtod(parts[0], &value) ||
         !absl::SimpleAtoi(parts[1], &ms)) {
-      return absl::DataLossError(absl::StrCat("usage record ", r.id, " is unreadable"));
+      // Usage is an estimate that decays anyway: a bad record restarts that key from zero.
+      spdlog::warn("usage record {} is unreadable; its usage starts from zero", r.id);
+      continue;
     }
     usage_.Restore(r.id, {value, absl::FromUnixMillis(ms)});
   }

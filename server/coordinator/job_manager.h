@@ -88,8 +88,13 @@ class JobManager {
   // account), then calls `done` with it. Nothing is stored on error.
   void Submit(const std::string& owner, v1::JobSpec spec, JobCallback done);
 
-  // NOT_FOUND. A waiting job comes with why_waiting, as of the latest scheduling pass.
-  absl::StatusOr<v1::Job> Get(const std::string& job_id) const;
+  absl::StatusOr<v1::Job> Get(const std::string& job_id) const;  // NOT_FOUND
+  // Why a waiting job waits, in words, as of the latest scheduling pass ("" for a job that does
+  // not wait). Jobs of others than `viewer` are not named unless `viewer_is_admin`.
+  std::string WhyWaiting(const std::string& job_id, const std::string& viewer,
+                         bool viewer_is_admin) const ABSL_LOCKS_EXCLUDED(mu_);
+  // An unfinished job charged to `account`, if any ("" if none): accounts in use stay.
+  std::string UnfinishedJobOf(const std::string& account) const ABSL_LOCKS_EXCLUDED(mu_);
   // Whether rank `rank` of attempt `attempt` of the job runs on `node_id` (placed there, or an
   // older attempt's rank still stopping there): what a node may report on.
   bool RankRunsOn(const std::string& node_id, const std::string& job_id, int attempt,
@@ -202,8 +207,6 @@ class JobManager {
   absl::Status CheckSharingLimits(const SharingPolicy& policy, const std::string& owner,
                                   const v1::JobSpec& spec) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Duration GraceOf(const v1::Job& job) const;
-  // Why a waiting job waits, in words (see Get).
-  std::string WhyWaiting(const v1::Job& job) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Per account: running and queued devices and queued jobs; per owner: running devices and
   // queued jobs.
   struct Use {
@@ -269,6 +272,8 @@ class JobManager {
 
 // "job-<seq>"; also accepts a bare number from users.
 std::string JobIdForSeq(int64_t seq);
+// The account a job is charged to (jobs stored before accounts existed: the default one).
+const std::string& AccountOf(const v1::Job& job);
 
 }  // namespace trainyard::coordinator
 

@@ -85,6 +85,11 @@ int main(int argc, char** argv) {
   options.preemption_grace = *grace;
   options.min_run_time = *min_run;
   options.max_preemption_grace = *max_grace_d;
+  if (options.preemption_grace > options.max_preemption_grace) {
+    std::cerr << "trainyard-coordinator: --preemption-grace (" << preemption_grace
+              << ") must not exceed --max-preemption-grace (" << max_grace << ")\n";
+    return 2;
+  }
   options.fair_share_half_life = *half_life_d;
 
   auto server = trainyard::coordinator::CoordinatorServer::Start(options);

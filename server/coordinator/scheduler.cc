@@ -6,6 +6,7 @@
 #include "server/coordinator/scheduler.h"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <numeric>
@@ -166,12 +167,21 @@ struct RunningShare {
 std::vector<std::string> ChooseVictims(const ClusterSnapshot& snapshot, const PendingJobInfo& head,
                                        const std::vector<bool>& eligible, int64_t free_now,
                                        const std::vector<RunningShare>& shares, int head_account,
-                                       bool head_within_quota) {
+                                       bool head_within_quota,
+                                       const std::vector<int64_t>& account_used) {
   struct Candidate {
     const RunningJobInfo* job;
     int64_t freed;  // devices on eligible nodes
     double lost;    // device-seconds since the last checkpoint (all its devices)
+    int64_t all;    // all its devices
+    int account;
   };
+  // Devices each account may still lose to other accounts' heads without going below its quota.
+  std::vector<int64_t> spare(account_used.size(), 0);
+  for (size_t a = 0; a < account_used.size(); ++a) {
+    const int64_t quota = snapshot.accounts[a].quota;
+    spare[a] = quota < 0 ? INT64_MAX : std::max<int64_t>(0, account_used[a] - quota);
+  }
   const int num_nodes = static_cast<int>(snapshot.nodes.size());
   auto devices_on_eligible = [&](const RunningJobInfo& r, int64_t* all) {
     int64_t freed = 0;
@@ -201,8 +211,9 @@ std::vector<std::string> ChooseVictims(const ClusterSnapshot& snapshot, const Pe
     }
     if (freed == 0 || !may_preempt(r, shares[i])) continue;
     const absl::Time since = std::max(r.start, r.last_checkpoint.value_or(absl::InfinitePast()));
-    candidates.push_back(
-        {&r, freed, static_cast<double>(all) * absl::ToDoubleSeconds(snapshot.now - since)});
+    candidates.push_back({&r, freed,
+                          static_cast<double>(all) * absl::ToDoubleSeconds(snapshot.now - since),
+                          all, shares[i].account});
   }
   if (available >= head.devices) return {};  // stopping jobs will make room: wait for them
   std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
@@ -214,6 +225,9 @@ std::vector<std::string> ChooseVictims(const ClusterSnapshot& snapshot, const Pe
   std::vector<Candidate> chosen;
   for (const Candidate& c : candidates) {
     if (available >= head.devices) break;
+    const bool other = c.account >= 0 && c.account != head_account;
+    if (other && spare[c.account] < c.all) continue;  // it would leave its account below quota
+    if (other) spare[c.account] -= c.all;
     chosen.push_back(c);
     available += c.freed;
   }
@@ -295,7 +309,10 @@ ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
       if (u >= 0) user_used[u] += running_devices[i];
       if (a < 0) continue;
       account_used[a] += running_devices[i];
-      if (snapshot.accounts[a].quota >= 0) within_quota[a].push_back(static_cast<int>(i));
+      // Jobs already stopping are leaving: the quota protects those that stay.
+      if (snapshot.accounts[a].quota >= 0 && !r.preempting) {
+        within_quota[a].push_back(static_cast<int>(i));
+      }
     }
     for (int a = 0; a < num_accounts; ++a) {
       std::vector<int>& jobs = within_quota[a];
@@ -361,11 +378,11 @@ ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
   std::vector<Hidden> hidden_for_job;
   std::vector<bool> usable_for_job;
 
-  // Sorted as compact keys (the queue is large; its entries are not): priority descending and
-  // the sharing rank (within quota first, then fair share) in one word, then submission, then id
-  // and position, which only equal keys need to look up.
+  // Sorted as compact keys (the queue is large; its entries are not): within quota first, then
+  // priority descending, then fair share, in one word; then submission, then id and position,
+  // which only equal keys need to look up.
   struct OrderKey {
-    uint64_t major;  // bits 32..63: priority, descending; bit 31: beyond quota; 0..30: fair rank
+    uint64_t major;  // bit 63: beyond quota; bits 31..62: priority, descending; 0..30: fair rank
     int64_t submit_seq;
     int index;
   };
@@ -375,10 +392,10 @@ ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
     const int u = user_of(job.user);
     // Higher priority, smaller word: flipping the sign bit orders signed values as unsigned.
     const uint32_t priority = ~(static_cast<uint32_t>(job.priority) ^ 0x80000000u);
-    const uint32_t sharing =
-        (fits_quota(job) ? 0u : 0x80000000u) | (fair_rank[u >= 0 ? u : num_users] & 0x7fffffffu);
-    keys[i] = {(static_cast<uint64_t>(priority) << 32) | sharing, job.submit_seq,
-               static_cast<int>(i)};
+    const uint64_t beyond = fits_quota(job) ? 0 : uint64_t{1} << 63;
+    keys[i] = {beyond | (static_cast<uint64_t>(priority) << 31) |
+                   (fair_rank[u >= 0 ? u : num_users] & 0x7fffffffu),
+               job.submit_seq, static_cast<int>(i)};
   }
   std::sort(keys.begin(), keys.end(), [&](const OrderKey& a, const OrderKey& b) {
     if (a.major != b.major) return a.major < b.major;
@@ -429,7 +446,7 @@ ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
       if (snapshot.preemption) {
         std::vector<std::string> victims =
             ChooseVictims(snapshot, job, usable_for_job, index.total(), running_shares,
-                          account_of(job.user), fits_quota(job));
+                          account_of(job.user), fits_quota(job), account_used);
         if (!victims.empty()) {
           result.preemption = ScheduleResult::Preemption{job.id, std::move(victims)};
         }

@@ -15,8 +15,9 @@
 //
 // Sharing (all of it data in the snapshot, so the policy stays pure): users belong to accounts
 // with an optional device quota (guaranteed devices), a limit on borrowing beyond it, and a fair
-// share; users may have a cap on running devices. Among jobs of equal priority, those that fit in
-// their account's quota go first, then the account furthest below its fair share (by decayed
+// share; users may have a cap on running devices. Jobs that fit in their account's quota go
+// before every other (a priority chosen by a user cannot override another account's guarantee);
+// then priority; among equal priority, the account furthest below its fair share (by decayed
 // usage), then the user with the least usage, then submission.
 #ifndef TRAINYARD_SERVER_COORDINATOR_SCHEDULER_H_
 #define TRAINYARD_SERVER_COORDINATOR_SCHEDULER_H_
@@ -158,9 +159,10 @@ struct ScheduleResult {
 // Decides which pending jobs start now. Pure and deterministic: same snapshot, same result
 // (independent of the order of snapshot.pending).
 //
-// Jobs are taken by priority (descending); then those whose devices plus their account's running
-// devices fit in its quota; then by account usage / share (ascending, accounts' usage and share as
-// given), then user usage (ascending), then submit_seq (ascending), then id. A job whose account
+// Jobs are taken first those whose devices plus their account's running devices (as the pass
+// starts) fit in its quota, then the others; within each, by priority (descending), then account
+// usage / share (ascending, accounts' usage and share as given), then user usage (ascending), then
+// submit_seq (ascending), then id. A job whose account
 // would exceed quota + borrow_limit, whose user would exceed max_devices, or that is not
 // preemptible and would exceed its account's quota is skipped (it neither places nor blocks). Each
 // job that fits
@@ -185,7 +187,9 @@ struct ScheduleResult {
 // lower priority. A victim of another account must run beyond its account's quota (on borrowed
 // capacity: of an account's running jobs, the latest started beyond its quota; all of an account
 // without quota), and either have lower priority or the head fit within its own account's quota
-// (the lender takes its devices back).
+// (the lender takes its devices back); and no victim of another account may leave that account
+// below its quota. Jobs already stopping (preempting) are not counted within their account's
+// quota.
 //
 // Cost: O(P log P + R log R + N log N + placed * (D + log N)) for P pending, R running grants,
 // N nodes, D = max devices per node.

@@ -501,7 +501,10 @@ grpc::ServerUnaryReactor* JobServiceImpl::GetJob(grpc::CallbackServerContext* ct
                                                  v1::Job* response) {
   Principal caller;
   auto job = AccessibleJob(ctx, request->job_id(), "GetJob", &caller);
-  if (job.ok()) *response = *std::move(job);
+  if (job.ok()) {
+    *response = *std::move(job);
+    response->set_why_waiting(jobs_.WhyWaiting(response->id(), caller.user, caller.IsAdmin()));
+  }
   return Done(ctx, job.status());
 }
 
