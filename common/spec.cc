@@ -519,9 +519,9 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
 
   const auto& d = spec.data();
   if (d.path().empty()) return FieldError("data.path", "required");
-  if (d.format() != "bytes" && d.format() != "uint16") {
+  if (d.format() != "bytes" && d.format() != "uint16" && d.format() != "uint32") {
     return FieldError("data.format",
-                      absl::StrCat("unknown value '", d.format(), "' (bytes or uint16)"));
+                      absl::StrCat("unknown value '", d.format(), "' (bytes, uint16 or uint32)"));
   }
   if (d.format() == "bytes" && m.vocab() < 256) {
     return FieldError("model.vocab",

@@ -25,9 +25,9 @@ uint64_t SplitMix64(uint64_t& state) {
 
 absl::StatusOr<TokenData> TokenData::Load(const std::string& path, const std::string& format,
                                           int vocab) {
-  if (format != "bytes" && format != "uint16") {
+  if (format != "bytes" && format != "uint16" && format != "uint32") {
     return absl::InvalidArgumentError(
-        absl::StrCat("data.format: unknown value '", format, "' (bytes or uint16)"));
+        absl::StrCat("data.format: unknown value '", format, "' (bytes, uint16 or uint32)"));
   }
   if (format == "bytes" && vocab < 256) {
     return absl::InvalidArgumentError(
@@ -52,21 +52,24 @@ absl::StatusOr<TokenData> TokenData::Load(const std::string& path, const std::st
     for (char c : raw) data.tokens_.push_back(static_cast<unsigned char>(c));
     return data;
   }
-  if (raw.size() % 2 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("data.path: '", path,
-                                                   "' has an odd number of bytes (", raw.size(),
-                                                   "), not uint16 tokens"));
+  const size_t width = format == "uint16" ? 2 : 4;
+  if (raw.size() % width != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("data.path: '", path, "' has ", raw.size(),
+                                                   " bytes, not a whole number of ", format,
+                                                   " tokens"));
   }
-  data.tokens_.resize(raw.size() / 2);
+  data.tokens_.resize(raw.size() / width);
   for (size_t i = 0; i < data.tokens_.size(); ++i) {
-    const int32_t token = static_cast<unsigned char>(raw[2 * i]) |
-                          (static_cast<int32_t>(static_cast<unsigned char>(raw[2 * i + 1])) << 8);
-    if (token >= vocab) {
-      return absl::InvalidArgumentError(absl::StrCat("data.path: token ", token, " at index ", i,
+    uint64_t value = 0;  // little-endian
+    for (size_t b = 0; b < width; ++b) {
+      value |= static_cast<uint64_t>(static_cast<unsigned char>(raw[width * i + b])) << (8 * b);
+    }
+    if (value >= static_cast<uint64_t>(vocab)) {
+      return absl::InvalidArgumentError(absl::StrCat("data.path: token ", value, " at index ", i,
                                                      " of '", path, "' is >= model.vocab (", vocab,
                                                      ")"));
     }
-    data.tokens_[i] = token;
+    data.tokens_[i] = static_cast<int32_t>(value);  // < vocab, an int
   }
   return data;
 }

@@ -1,7 +1,7 @@
-// Training data of trainyard-trainer without LibTorch: the token file (data.format "bytes" or
-// "uint16"), the DistributedSampler that maps an optimizer step to the samples each rank trains
-// on, and the learning-rate schedule. All three are pure functions of their inputs and the step,
-// which makes resuming at any step exact. Used by the training loop and by unit tests.
+// Training data of trainyard-trainer without LibTorch: the token file (data.format "bytes",
+// "uint16" or "uint32"), the DistributedSampler that maps an optimizer step to the samples each
+// rank trains on, and the learning-rate schedule. All three are pure functions of their inputs and
+// the step, which makes resuming at any step exact. Used by the training loop and by unit tests.
 //
 // Not thread-safe: DistributedSampler caches permutations; one training thread uses it.
 #ifndef TRAINYARD_WORKER_TRAINER_DATA_H_
@@ -19,9 +19,11 @@ namespace trainyard::trainer {
 // A whole token file in memory.
 class TokenData {
  public:
-  // Reads `path`. format "bytes": every byte is a token (vocab must be >= 256); "uint16": flat
-  // little-endian uint16 tokens. NOT_FOUND if the file cannot be read, INVALID_ARGUMENT for an odd
-  // size in uint16, a token >= vocab, or an empty file; messages name the file.
+  // Reads `path`. format "bytes": every byte is a token (vocab must be >= 256); "uint16" and
+  // "uint32": flat little-endian tokens of that width (a Hugging Face tokenizer's vocabulary
+  // beyond 65,536 needs uint32). NOT_FOUND if the file cannot be read, INVALID_ARGUMENT for a size
+  // that is not a whole number of tokens, a token >= vocab, or an empty file; messages name the
+  // file.
   static absl::StatusOr<TokenData> Load(const std::string& path, const std::string& format,
                                         int vocab);
 

@@ -1,0 +1,62 @@
+// Token files without LibTorch (worker/trainer/data.h): uint32 tokens, as a Hugging Face
+// tokenizer's ids beyond 65,536 need, and files that are not whole tokens. (uint16 and bytes are
+// covered in trainer_unit_test.)
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "tests/testing/subprocess.h"
+#include "worker/trainer/data.h"
+
+namespace trainyard::trainer {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string WriteTokens(const testing::TempDir& dir, const std::vector<uint32_t>& tokens,
+                        size_t extra_bytes = 0) {
+  const std::string path = dir.path() + "/tokens.bin";
+  std::ofstream f(path, std::ios::binary);
+  for (uint32_t t : tokens) {
+    const char le[4] = {static_cast<char>(t & 0xff), static_cast<char>((t >> 8) & 0xff),
+                        static_cast<char>((t >> 16) & 0xff), static_cast<char>(t >> 24)};
+    f.write(le, 4);
+  }
+  f << std::string(extra_bytes, '\0');
+  return path;
+}
+
+TEST(TokenDataTest, Uint32TokensAreReadLittleEndianAndCheckedAgainstTheVocabulary) {
+  testing::TempDir dir;
+  const std::string path = WriteTokens(dir, {0, 70000, 128255, 5});
+  auto ok = TokenData::Load(path, "uint32", 128256);  // Llama 3's vocabulary
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->tokens(), (std::vector<int32_t>{0, 70000, 128255, 5}));
+  auto bad = TokenData::Load(path, "uint32", 128255);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.status().message()),
+              HasSubstr("token 128255 at index 2 of '" + path + "' is >= model.vocab (128255)"));
+  auto huge = TokenData::Load(WriteTokens(dir, {4000000000u}), "uint32", 1 << 30);
+  ASSERT_FALSE(huge.ok());
+  EXPECT_THAT(std::string(huge.status().message()), HasSubstr("token 4000000000 at index 0"));
+}
+
+TEST(TokenDataTest, AFileThatIsNotWholeTokensIsRefused) {
+  testing::TempDir dir;
+  const std::string path = WriteTokens(dir, {1, 2}, 2);
+  auto bad = TokenData::Load(path, "uint32", 100);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.status().message()),
+              HasSubstr("has 10 bytes, not a whole number of uint32 tokens"));
+  EXPECT_TRUE(TokenData::Load(path, "uint16", 100).ok()) << "10 bytes are 5 uint16 tokens";
+  auto unknown = TokenData::Load(path, "int8", 100);
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_THAT(std::string(unknown.status().message()), HasSubstr("(bytes, uint16 or uint32)"));
+}
+
+}  // namespace
+}  // namespace trainyard::trainer
