@@ -1,0 +1,218 @@
+// Hugging Face Llama-family model directories (worker/trainer/hf_checkpoint.h): config.json read
+// as transformers writes it, the tensors a LlamaForCausalLM has, and sharded or single-file
+// checkpoints checked against them, each bad one refused naming the file and the tensor.
+#include "worker/trainer/hf_checkpoint.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "tests/testing/subprocess.h"
+
+namespace trainyard::trainer {
+namespace {
+
+using ::testing::HasSubstr;
+
+// As transformers 4.4x saves a small GQA Llama (with Llama 3's rope scaling).
+constexpr char kConfig[] = R"({
+  "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 96,
+  "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+  "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+  "rope_theta": 500000.0, "rms_norm_eps": 1e-05, "tie_word_embeddings": false,
+  "attention_bias": false, "torch_dtype": "float32",
+  "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}})";
+
+std::string ErrorOf(const std::string& json) {
+  auto c = ParseLlamaConfig(json, "config.json");
+  EXPECT_FALSE(c.ok());
+  return std::string(c.status().message());
+}
+
+TEST(HfCheckpointTest, ReadsALlamaConfigAsTransformersWritesIt) {
+  auto c = ParseLlamaConfig(kConfig, "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->hidden_size, 32);
+  EXPECT_EQ(c->num_key_value_heads, 2);
+  EXPECT_EQ(c->head_dim, 8);
+  EXPECT_EQ(c->rope_theta, 500000.0);
+  EXPECT_EQ(c->rms_norm_eps, 1e-5);
+  EXPECT_EQ(c->rope_scaling_type, "llama3");
+  EXPECT_EQ(c->rope_scaling_factor, 8.0);
+  EXPECT_EQ(c->rope_original_max_position_embeddings, 64);
+  auto mha = ParseLlamaConfig(
+      R"({"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+          "num_attention_heads": 2, "rope_scaling": null})",
+      "config.json");
+  ASSERT_TRUE(mha.ok()) << mha.status();
+  EXPECT_EQ(mha->num_key_value_heads, 2) << "absent: multi-head attention";
+  EXPECT_EQ(mha->rope_theta, 10000);
+}
+
+TEST(HfCheckpointTest, ABadConfigNamesTheField) {
+  EXPECT_THAT(ErrorOf(R"({"model_type": "gpt2"})"),
+              HasSubstr("config.json: model_type: \"gpt2\" is not a Llama-family model"));
+  EXPECT_THAT(ErrorOf(R"({"vocab_size": 10})"), HasSubstr("hidden_size: required"));
+  EXPECT_THAT(ErrorOf(R"({"vocab_size": 10, "hidden_size": 10, "intermediate_size": 16,
+                         "num_hidden_layers": 1, "num_attention_heads": 4})"),
+              HasSubstr("num_attention_heads: 4 does not divide hidden_size (10)"));
+  EXPECT_THAT(ErrorOf(R"({"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+                         "num_hidden_layers": 1, "num_attention_heads": 4,
+                         "num_key_value_heads": 3})"),
+              HasSubstr("num_key_value_heads: 3 does not divide num_attention_heads (4)"));
+  EXPECT_THAT(ErrorOf(R"({"vocab_size": -1})"), HasSubstr("vocab_size: expected a count"));
+  EXPECT_THAT(ErrorOf(R"({"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+                         "num_hidden_layers": 1, "num_attention_heads": 2,
+                         "rope_scaling": {"rope_type": "yarn", "factor": 4}})"),
+              HasSubstr("rope_scaling.rope_type: \"yarn\" is not supported"));
+  EXPECT_THAT(ErrorOf(R"({"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+                         "num_hidden_layers": 1, "num_attention_heads": 2,
+                         "attention_bias": true})"),
+              HasSubstr("attention_bias: biases are not supported"));
+  EXPECT_THAT(ErrorOf("{not json"), HasSubstr("not a JSON object"));
+}
+
+class ModelDir : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto c = ParseLlamaConfig(kConfig, "config.json");
+    ASSERT_TRUE(c.ok());
+    config_ = *c;
+  }
+
+  // The model's tensors in BF16 (zeros), with `edit` applied, in `shards` files and an index.
+  void Write(int shards, const std::function<void(std::vector<SafetensorsEntry>&)>& edit = {}) {
+    std::vector<SafetensorsEntry> entries;
+    for (const ExpectedTensor& t : LlamaTensors(config_)) {
+      int64_t n = 1;
+      for (int64_t d : t.shape) n *= d;
+      entries.push_back({t.name, SafetensorsDtype::kBF16, t.shape, std::string(2 * n, '\0')});
+    }
+    if (edit) edit(entries);
+    if (shards == 1) {
+      auto bytes = SerializeSafetensors(entries, {{"format", "pt"}});
+      ASSERT_TRUE(bytes.ok()) << bytes.status();
+      std::ofstream(dir_.path() + "/model.safetensors", std::ios::binary) << *bytes;
+      return;
+    }
+    std::string weight_map;
+    std::vector<std::vector<SafetensorsEntry>> parts(shards);
+    for (size_t i = 0; i < entries.size(); ++i) {
+      const int s = static_cast<int>(i * shards / entries.size());
+      const std::string file =
+          absl::StrCat("model-0000", s + 1, "-of-0000", shards, ".safetensors");
+      absl::StrAppend(&weight_map, weight_map.empty() ? "" : ",", "\"", entries[i].name, "\":\"",
+                      file, "\"");
+      parts[s].push_back(entries[i]);
+    }
+    for (int s = 0; s < shards; ++s) {
+      auto bytes = SerializeSafetensors(parts[s], {{"format", "pt"}});
+      ASSERT_TRUE(bytes.ok()) << bytes.status();
+      std::ofstream(
+          absl::StrCat(dir_.path(), "/model-0000", s + 1, "-of-0000", shards, ".safetensors"),
+          std::ios::binary)
+          << *bytes;
+    }
+    std::ofstream(dir_.path() + "/model.safetensors.index.json")
+        << "{\"metadata\":{},\"weight_map\":{" << weight_map << "}}";
+  }
+
+  std::string CheckError() {
+    auto ckpt = HfCheckpoint::Open(dir_.path());
+    if (!ckpt.ok()) return std::string(ckpt.status().message());
+    absl::Status s = (*ckpt)->Check(LlamaTensors(config_));
+    EXPECT_FALSE(s.ok());
+    return std::string(s.message());
+  }
+
+  testing::TempDir dir_;
+  LlamaConfig config_;
+};
+
+TEST_F(ModelDir, ShardedAndSingleFileCheckpointsOfTheModelAreAccepted) {
+  Write(2);
+  auto ckpt = HfCheckpoint::Open(dir_.path());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  EXPECT_EQ((*ckpt)->size(), LlamaTensors(config_).size());
+  EXPECT_TRUE((*ckpt)->Check(LlamaTensors(config_)).ok());
+  const auto head = (*ckpt)->Find("lm_head.weight");
+  ASSERT_NE(head.tensor, nullptr);
+  EXPECT_THAT(head.file->path(), HasSubstr("model-00002-of-00002.safetensors"));
+
+  testing::TempDir single;
+  config_.tie_word_embeddings = true;  // no lm_head
+  dir_ = std::move(single);
+  Write(1);
+  auto tied = HfCheckpoint::Open(dir_.path());
+  ASSERT_TRUE(tied.ok()) << tied.status();
+  EXPECT_TRUE((*tied)->Check(LlamaTensors(config_)).ok());
+  EXPECT_EQ(LlamaTensors(config_).size(), 1 + 2 * 9 + 1u);
+}
+
+TEST_F(ModelDir, AMissingTensorIsNamed) {
+  Write(2, [](auto& e) { e.erase(e.begin() + 4); });  // layer 0's v_proj
+  EXPECT_THAT(CheckError(), HasSubstr("tensor model.layers.0.self_attn.v_proj.weight [16, 32] "
+                                      "is missing"));
+}
+
+TEST_F(ModelDir, AWrongShapeIsNamedWithItsFile) {
+  Write(2, [](auto& e) {
+    e[3].shape = {32, 16};  // layer 0's k_proj, transposed
+  });
+  EXPECT_THAT(CheckError(),
+              HasSubstr("model-00001-of-00002.safetensors: tensor "
+                        "model.layers.0.self_attn.k_proj.weight has shape [32, 16], the model "
+                        "needs [16, 32]"));
+}
+
+TEST_F(ModelDir, AnIntegerTensorOrAForeignOneIsRefused) {
+  Write(1, [](auto& e) {
+    e[0].dtype = SafetensorsDtype::kI16;  // same bytes per element as BF16
+  });
+  EXPECT_THAT(CheckError(), HasSubstr("tensor model.embed_tokens.weight is I16, not F32, F16 or "
+                                      "BF16"));
+  Write(1, [](auto& e) {
+    e.push_back({"model.layers.0.self_attn.rotary_emb.inv_freq",
+                 SafetensorsDtype::kF32,
+                 {4},
+                 std::string(16, '\0')});
+  });
+  EXPECT_THAT(CheckError(), HasSubstr("tensor model.layers.0.self_attn.rotary_emb.inv_freq is not "
+                                      "part of the model"));
+}
+
+TEST_F(ModelDir, AnIndexThatDisagreesWithItsShardsIsRefused) {
+  Write(2);
+  std::remove((dir_.path() + "/model-00002-of-00002.safetensors").c_str());
+  auto gone = HfCheckpoint::Open(dir_.path());
+  ASSERT_FALSE(gone.ok());
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(gone.status().message()), HasSubstr("model-00002-of-00002.safetensors"));
+
+  testing::TempDir empty;
+  auto none = HfCheckpoint::Open(empty.path());
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(none.status().message()), HasSubstr("neither model.safetensors"));
+}
+
+TEST_F(ModelDir, ATruncatedShardIsRefusedNamingIt) {
+  Write(2);
+  const std::string shard = dir_.path() + "/model-00001-of-00002.safetensors";
+  std::string bytes;
+  {
+    std::ifstream in(shard, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  std::ofstream(shard, std::ios::binary | std::ios::trunc) << bytes.substr(0, bytes.size() - 10);
+  const std::string error = CheckError();
+  EXPECT_THAT(error, HasSubstr(shard + ": tensor "));
+  EXPECT_THAT(error, HasSubstr("lie outside"));
+}
+
+}  // namespace
+}  // namespace trainyard::trainer

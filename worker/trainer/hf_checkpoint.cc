@@ -1,0 +1,258 @@
+#include "worker/trainer/hf_checkpoint.h"
+
+#include <sys/stat.h>
+
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <tuple>
+#include <utility>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace trainyard::trainer {
+namespace {
+
+std::string ShapeText(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+bool IsFile(const std::string& path) {
+  struct stat st {};
+  return stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot read"));
+  std::ostringstream out;
+  out << in.rdbuf();
+  if (out.str().size() > (64 << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": larger than 64 MiB"));
+  }
+  return out.str();
+}
+
+}  // namespace
+
+absl::StatusOr<LlamaConfig> ParseLlamaConfig(absl::string_view json, const std::string& file) {
+  auto bad = [&file](auto&&... what) {
+    return absl::InvalidArgumentError(absl::StrCat(file, ": ", what...));
+  };
+  const nlohmann::json j =
+      nlohmann::json::parse(json.begin(), json.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return bad("not a JSON object");
+  if (auto t = j.find("model_type"); t != j.end()) {
+    if (!t->is_string() || (*t != "llama" && *t != "mistral")) {
+      return bad("model_type: ", t->dump(), " is not a Llama-family model (llama or mistral)");
+    }
+  }
+  LlamaConfig c;
+  auto count = [&](const char* field, int64_t* out, bool required) -> absl::Status {
+    auto it = j.find(field);
+    if (it == j.end() || it->is_null()) {
+      if (required) return bad(field, ": required");
+      return absl::OkStatus();
+    }
+    if (!it->is_number_unsigned() || it->get<uint64_t>() < 1 ||
+        it->get<uint64_t>() > (uint64_t{1} << 31)) {
+      return bad(field, ": expected a count in 1..2^31, got ", it->dump());
+    }
+    *out = static_cast<int64_t>(it->get<uint64_t>());
+    return absl::OkStatus();
+  };
+  auto number = [&](const nlohmann::json& obj, const char* field, double* out) -> absl::Status {
+    auto it = obj.find(field);
+    if (it == obj.end() || it->is_null()) return absl::OkStatus();
+    if (!it->is_number() || !(it->get<double>() > 0)) {
+      return bad(field, ": expected a positive number, got ", it->dump());
+    }
+    *out = it->get<double>();
+    return absl::OkStatus();
+  };
+  for (const auto& [field, out, required] :
+       {std::tuple<const char*, int64_t*, bool>{"vocab_size", &c.vocab_size, true},
+        {"hidden_size", &c.hidden_size, true},
+        {"intermediate_size", &c.intermediate_size, true},
+        {"num_hidden_layers", &c.num_hidden_layers, true},
+        {"num_attention_heads", &c.num_attention_heads, true},
+        {"num_key_value_heads", &c.num_key_value_heads, false},
+        {"head_dim", &c.head_dim, false},
+        {"max_position_embeddings", &c.max_position_embeddings, false}}) {
+    if (absl::Status s = count(field, out, required); !s.ok()) return s;
+  }
+  if (c.num_key_value_heads == 0) c.num_key_value_heads = c.num_attention_heads;
+  if (c.num_attention_heads % c.num_key_value_heads != 0) {
+    return bad("num_key_value_heads: ", c.num_key_value_heads,
+               " does not divide num_attention_heads (", c.num_attention_heads, ")");
+  }
+  if (c.head_dim == 0) {
+    if (c.hidden_size % c.num_attention_heads != 0) {
+      return bad("num_attention_heads: ", c.num_attention_heads, " does not divide hidden_size (",
+                 c.hidden_size, ")");
+    }
+    c.head_dim = c.hidden_size / c.num_attention_heads;
+  }
+  if (absl::Status s = number(j, "rope_theta", &c.rope_theta); !s.ok()) return s;
+  if (absl::Status s = number(j, "rms_norm_eps", &c.rms_norm_eps); !s.ok()) return s;
+  if (auto t = j.find("tie_word_embeddings"); t != j.end() && !t->is_null()) {
+    if (!t->is_boolean()) return bad("tie_word_embeddings: expected true or false");
+    c.tie_word_embeddings = t->get<bool>();
+  }
+  for (const char* field : {"attention_bias", "mlp_bias"}) {
+    if (auto t = j.find(field); t != j.end() && t->is_boolean() && t->get<bool>()) {
+      return bad(field, ": biases are not supported (Llama has none)");
+    }
+  }
+  if (auto t = j.find("torch_dtype"); t != j.end() && t->is_string()) {
+    c.torch_dtype = t->get<std::string>();
+  }
+  if (auto rs = j.find("rope_scaling"); rs != j.end() && !rs->is_null()) {
+    if (!rs->is_object()) return bad("rope_scaling: expected an object or null");
+    auto type = rs->find("rope_type");
+    if (type == rs->end()) type = rs->find("type");
+    if (type == rs->end() || !type->is_string()) return bad("rope_scaling: no rope_type");
+    c.rope_scaling_type = type->get<std::string>();
+    if (c.rope_scaling_type == "default") {
+      c.rope_scaling_type.clear();
+    } else if (c.rope_scaling_type != "linear" && c.rope_scaling_type != "dynamic" &&
+               c.rope_scaling_type != "llama3") {
+      return bad("rope_scaling.rope_type: \"", c.rope_scaling_type,
+                 "\" is not supported (linear, dynamic or llama3)");
+    }
+    if (!c.rope_scaling_type.empty()) {
+      if (rs->find("factor") == rs->end()) return bad("rope_scaling.factor: required");
+      if (absl::Status s = number(*rs, "factor", &c.rope_scaling_factor); !s.ok()) return s;
+    }
+    if (c.rope_scaling_type == "llama3") {
+      if (absl::Status s = number(*rs, "low_freq_factor", &c.rope_low_freq_factor); !s.ok()) {
+        return s;
+      }
+      if (absl::Status s = number(*rs, "high_freq_factor", &c.rope_high_freq_factor); !s.ok()) {
+        return s;
+      }
+      auto orig = rs->find("original_max_position_embeddings");
+      if (orig == rs->end() || !orig->is_number_unsigned() || orig->get<uint64_t>() == 0) {
+        return bad("rope_scaling.original_max_position_embeddings: required for llama3");
+      }
+      c.rope_original_max_position_embeddings = static_cast<int64_t>(orig->get<uint64_t>());
+    }
+  }
+  return c;
+}
+
+std::vector<ExpectedTensor> LlamaTensors(const LlamaConfig& c) {
+  const int64_t d = c.hidden_size, q = c.num_attention_heads * c.head_dim,
+                kv = c.num_key_value_heads * c.head_dim, f = c.intermediate_size;
+  std::vector<ExpectedTensor> out = {{"model.embed_tokens.weight", {c.vocab_size, d}}};
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string l = absl::StrCat("model.layers.", i, ".");
+    out.push_back({l + "input_layernorm.weight", {d}});
+    out.push_back({l + "self_attn.q_proj.weight", {q, d}});
+    out.push_back({l + "self_attn.k_proj.weight", {kv, d}});
+    out.push_back({l + "self_attn.v_proj.weight", {kv, d}});
+    out.push_back({l + "self_attn.o_proj.weight", {d, q}});
+    out.push_back({l + "post_attention_layernorm.weight", {d}});
+    out.push_back({l + "mlp.gate_proj.weight", {f, d}});
+    out.push_back({l + "mlp.up_proj.weight", {f, d}});
+    out.push_back({l + "mlp.down_proj.weight", {d, f}});
+  }
+  out.push_back({"model.norm.weight", {d}});
+  if (!c.tie_word_embeddings) out.push_back({"lm_head.weight", {c.vocab_size, d}});
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<HfCheckpoint>> HfCheckpoint::Open(const std::string& dir) {
+  std::unique_ptr<HfCheckpoint> ckpt(new HfCheckpoint());
+  const std::string index_path = dir + "/model.safetensors.index.json";
+  std::vector<std::string> shards;
+  std::map<std::string, std::string> placed;  // tensor -> shard, from the index
+  if (IsFile(index_path)) {
+    auto text = ReadSmallFile(index_path);
+    if (!text.ok()) return text.status();
+    auto index = ParseSafetensorsIndex(*text, index_path);
+    if (!index.ok()) return index.status();
+    placed = *std::move(index);
+    std::set<std::string> names;
+    for (const auto& [tensor, shard] : placed) names.insert(shard);
+    shards.assign(names.begin(), names.end());
+  } else if (IsFile(dir + "/model.safetensors")) {
+    shards = {"model.safetensors"};
+  } else {
+    return absl::NotFoundError(
+        absl::StrCat(dir, ": neither model.safetensors nor ", "model.safetensors.index.json"));
+  }
+  for (const std::string& shard : shards) {
+    auto file = SafetensorsFile::Open(dir + "/" + shard);
+    if (!file.ok()) return file.status();
+    const SafetensorsFile* f = file->get();
+    for (const SafetensorsTensor& t : f->header().tensors) {
+      auto [it, added] = ckpt->where_.try_emplace(t.name, Located{f, &t});
+      if (!added) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(f->path(), ": tensor ", t.name, " is also in ", it->second.file->path()));
+      }
+      if (!placed.empty()) {
+        auto p = placed.find(t.name);
+        if (p == placed.end() || p->second != shard) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(f->path(), ": tensor ", t.name, " is not where ", index_path,
+                           " puts it (", p == placed.end() ? "nowhere" : p->second, ")"));
+        }
+      }
+    }
+    ckpt->files_.push_back(*std::move(file));
+  }
+  for (const auto& [tensor, shard] : placed) {
+    if (ckpt->where_.count(tensor) == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          dir, "/", shard, ": tensor ", tensor, " is missing (", index_path, " puts it there)"));
+    }
+  }
+  return ckpt;
+}
+
+HfCheckpoint::Located HfCheckpoint::Find(const std::string& name) const {
+  auto it = where_.find(name);
+  return it == where_.end() ? Located{} : it->second;
+}
+
+absl::Status HfCheckpoint::Check(const std::vector<ExpectedTensor>& expected) const {
+  std::set<std::string> known;
+  for (const ExpectedTensor& e : expected) {
+    known.insert(e.name);
+    const Located at = Find(e.name);
+    if (at.tensor == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", e.name, " ", ShapeText(e.shape),
+                       " is missing from the checkpoint (", files_.size(), " file(s), first ",
+                       files_.empty() ? std::string("none") : files_[0]->path(), ")"));
+    }
+    if (at.tensor->shape != e.shape) {
+      return absl::InvalidArgumentError(absl::StrCat(at.file->path(), ": tensor ", e.name,
+                                                     " has shape ", ShapeText(at.tensor->shape),
+                                                     ", the model needs ", ShapeText(e.shape)));
+    }
+    const SafetensorsDtype dt = at.tensor->dtype;
+    if (dt != SafetensorsDtype::kF32 && dt != SafetensorsDtype::kF16 &&
+        dt != SafetensorsDtype::kBF16) {
+      return absl::InvalidArgumentError(absl::StrCat(at.file->path(), ": tensor ", e.name, " is ",
+                                                     SafetensorsDtypeName(dt),
+                                                     ", not F32, F16 or BF16"));
+    }
+  }
+  for (const auto& [name, at] : where_) {
+    // A tied model saved with its head too (some exporters do) is still the same model.
+    if (known.count(name) == 0 &&
+        !(name == "lm_head.weight" && known.count("model.embed_tokens.weight"))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          at.file->path(), ": tensor ", name, " is not part of the model (another architecture?)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace trainyard::trainer
