@@ -536,6 +536,14 @@ int UserSet(const Globals& g, const UserSetArgs& a) {
 
 std::string Share(double share) { return absl::StrFormat("%g", share); }
 
+// An account's QUOTA and BORROW_LIMIT cells (v1::Account and v1::AccountUsage name them alike).
+template <typename A>
+std::pair<std::string, std::string> QuotaCells(const A& a) {
+  if (!a.has_quota_devices()) return {"-", "-"};
+  return {absl::StrCat(a.quota_devices()),
+          a.has_borrow_limit_devices() ? absl::StrCat(a.borrow_limit_devices()) : "any"};
+}
+
 void PrintAccounts(const Globals& g, const std::vector<v1::Account>& accounts) {
   if (g.json()) {
     nlohmann::json j = nlohmann::json::array();
@@ -545,11 +553,8 @@ void PrintAccounts(const Globals& g, const std::vector<v1::Account>& accounts) {
   }
   std::vector<std::vector<std::string>> rows;
   for (const auto& a : accounts) {
-    rows.push_back({a.name(), a.has_quota_devices() ? absl::StrCat(a.quota_devices()) : "-",
-                    a.has_borrow_limit_devices() ? absl::StrCat(a.borrow_limit_devices())
-                    : a.has_quota_devices()      ? "any"
-                                                 : "-",
-                    Share(a.share()), TimeOrDash(a.created_time_ms())});
+    const auto [quota, borrow] = QuotaCells(a);
+    rows.push_back({a.name(), quota, borrow, Share(a.share()), TimeOrDash(a.created_time_ms())});
   }
   std::cout << FormatTable({"ACCOUNT", "QUOTA", "BORROW_LIMIT", "SHARE", "CREATED"}, rows);
 }
@@ -659,12 +664,9 @@ int Quota(const Globals& g, const std::string& user, bool all) {
   });
   std::vector<std::vector<std::string>> rows;
   for (const v1::AccountUsage& a : report->accounts()) {
+    const auto [quota, borrow] = QuotaCells(a);
     rows.push_back(
-        {a.name(), a.has_quota_devices() ? absl::StrCat(a.quota_devices()) : "-",
-         a.has_borrow_limit_devices() ? absl::StrCat(a.borrow_limit_devices())
-         : a.has_quota_devices()      ? "any"
-                                      : "-",
-         absl::StrCat(a.running_devices()),
+        {a.name(), quota, borrow, absl::StrCat(a.running_devices()),
          absl::StrCat(a.queued_devices(), " (", a.queued_jobs(), " jobs)"),
          absl::StrFormat("%s (%.0f%%)", Share(a.share()), 100 * a.share_fraction()),
          absl::StrFormat("%.2f (%.0f%%)", a.usage_device_hours(), 100 * a.usage_fraction())});

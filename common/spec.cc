@@ -176,23 +176,24 @@ absl::Status ParseDocument(const YAML::Node& root, SpecParser& p, JobSpec& spec)
   int32_t max_restarts = 0;
   RETURN_IF_ERROR(p.Integer(root, "max_restarts", "", max_restarts));
   spec.set_max_restarts(max_restarts);
-  int64_t max_runtime = 0;
-  RETURN_IF_ERROR(p.Duration(root, "max_runtime", "", max_runtime));
-  if (root["max_runtime"] && max_runtime <= 0) {
-    return p.Error(root["max_runtime"], "max_runtime: must be positive");
-  }
+  // Optional durations, positive when given.
+  auto positive_duration = [&](const char* key, int64_t& seconds) -> absl::Status {
+    RETURN_IF_ERROR(p.Duration(root, key, "", seconds));
+    if (root[key] && seconds <= 0) {
+      return p.Error(root[key], absl::StrCat(key, ": must be positive"));
+    }
+    return absl::OkStatus();
+  };
+  int64_t max_runtime = 0, grace = 0;
+  RETURN_IF_ERROR(positive_duration("max_runtime", max_runtime));
   spec.set_max_runtime_seconds(max_runtime);
+  RETURN_IF_ERROR(positive_duration("preemption_grace", grace));
+  spec.set_preemption_grace_seconds(grace);
   if (root["preemptible"]) {
     bool preemptible = true;
     RETURN_IF_ERROR(p.Bool(root, "preemptible", "", preemptible));
     spec.set_preemptible(preemptible);
   }
-  int64_t grace = 0;
-  RETURN_IF_ERROR(p.Duration(root, "preemption_grace", "", grace));
-  if (root["preemption_grace"] && grace <= 0) {
-    return p.Error(root["preemption_grace"], "preemption_grace: must be positive");
-  }
-  spec.set_preemption_grace_seconds(grace);
 
   if (const YAML::Node n = root["resources"]) {
     RETURN_IF_ERROR(p.Mapping(n, "resources", {"gpus"}));

@@ -14,16 +14,13 @@
 #include <string>
 #include <vector>
 
+#include "tests/testing/safetensors_bytes.h"
 #include "worker/trainer/safetensors.h"
 
 namespace trainyard::trainer {
 namespace {
 
-std::string WithLength(const std::string& header) {
-  std::string out(8, '\0');
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
-  return out + header;
-}
+using testing::WithSafetensorsLength;
 
 std::vector<std::string> Seeds() {
   std::vector<std::string> seeds;
@@ -34,13 +31,16 @@ std::vector<std::string> Seeds() {
       {{"format", "pt"}});
   if (ok.ok()) seeds.push_back(*ok);
   seeds.push_back(
-      WithLength(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"__metadata__":{}})") +
+      WithSafetensorsLength(
+          R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"__metadata__":{}})") +
       std::string(8, '\0'));
-  seeds.push_back(WithLength(R"({"a":{"dtype":"U8","shape":[3,1],"data_offsets":[0,3]},)"
-                             R"("b":{"dtype":"I64","shape":[],"data_offsets":[3,11]}})") +
-                  std::string(11, '\0'));
-  seeds.push_back(WithLength("{}"));
-  seeds.push_back(WithLength(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]})"));
+  seeds.push_back(
+      WithSafetensorsLength(R"({"a":{"dtype":"U8","shape":[3,1],"data_offsets":[0,3]},)"
+                            R"("b":{"dtype":"I64","shape":[],"data_offsets":[3,11]}})") +
+      std::string(11, '\0'));
+  seeds.push_back(WithSafetensorsLength("{}"));
+  seeds.push_back(
+      WithSafetensorsLength(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]})"));
   return seeds;
 }
 

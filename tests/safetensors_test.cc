@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/testing/safetensors_bytes.h"
 #include "tests/testing/subprocess.h"
 
 namespace trainyard::trainer {
@@ -20,12 +21,7 @@ namespace {
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
-// The 8-byte little-endian length, then the header.
-std::string WithLength(const std::string& header) {
-  std::string out(8, '\0');
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
-  return out + header;
-}
+using testing::WithSafetensorsLength;
 
 std::string Floats(const std::vector<float>& v) {
   std::string out(v.size() * 4, '\0');
@@ -84,7 +80,8 @@ TEST(SafetensorsTest, ReadsAFileLaidOutAsTheSpecificationShows) {
   const std::string header =
       R"({"b":{"shape":[1,2],"data_offsets":[8,16],"dtype":"F32"},)"
       R"("a":{"dtype":"F16","shape":[4],"data_offsets":[0,8]},"__metadata__":{"k":"v"}})";
-  const std::string file = WithLength(header) + std::string(8, '\x11') + Floats({0.5f, -2});
+  const std::string file =
+      WithSafetensorsLength(header) + std::string(8, '\x11') + Floats({0.5f, -2});
   auto h = ParseSafetensorsHeader(file, file.size(), "x.safetensors");
   ASSERT_TRUE(h.ok()) << h.status();
   ASSERT_EQ(h->tensors.size(), 2u);
@@ -96,12 +93,14 @@ TEST(SafetensorsTest, ReadsAFileLaidOutAsTheSpecificationShows) {
 
 TEST(SafetensorsTest, BadFilesAreRefusedNamingTheFileAndTheTensor) {
   const std::string ok_data = std::string(8, '\0');
-  auto with = [&](const std::string& tensors) { return WithLength("{" + tensors + "}") + ok_data; };
+  auto with = [&](const std::string& tensors) {
+    return WithSafetensorsLength("{" + tensors + "}") + ok_data;
+  };
   EXPECT_THAT(ErrorOf("abc"), HasSubstr("model.safetensors: shorter than the 8-byte header"));
-  EXPECT_THAT(ErrorOf(WithLength(std::string(40, ' ')).substr(0, 20)),
+  EXPECT_THAT(ErrorOf(WithSafetensorsLength(std::string(40, ' ')).substr(0, 20)),
               HasSubstr("the header claims 40 bytes but the file has 12"));
-  EXPECT_THAT(ErrorOf(WithLength("not json")), HasSubstr("not a JSON object"));
-  EXPECT_THAT(ErrorOf(WithLength("[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]")),
+  EXPECT_THAT(ErrorOf(WithSafetensorsLength("not json")), HasSubstr("not a JSON object"));
+  EXPECT_THAT(ErrorOf(WithSafetensorsLength("[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]")),
               HasSubstr("nests JSON deeper"));
   EXPECT_THAT(ErrorOf(with(R"("w":{"dtype":"F33","shape":[2],"data_offsets":[0,8]})")),
               HasSubstr("tensor w: unknown dtype \"F33\""));

@@ -187,6 +187,7 @@ absl::StatusOr<v1::User> IdentityRegistry::CreateUser(const std::string& name, v
   RETURN_IF_ERROR(Persist({{kUserKind, name, user.SerializeAsString()}}));
   absl::MutexLock lock(&mu_);
   users_[name] = user;
+  sharing_.reset();
   return user;
 }
 
@@ -314,13 +315,25 @@ std::string IdentityRegistry::JobCredentialFor(const std::string& job_id, int32_
 
 absl::StatusOr<v1::User> IdentityRegistry::UpdateUser(const v1::UpdateUserRequest& request) {
   if (request.has_account()) RETURN_IF_ERROR(CheckUserName("account", request.account()));
-  if (request.max_running_devices() > kMaxDevices) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("max_running_devices: must be at most ", kMaxDevices, " (negative: no cap)"));
-  }
-  if (request.max_queued_jobs() > kMaxDevices) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("max_queued_jobs: must be at most ", kMaxDevices, " (negative: no cap)"));
+  // The caps given: a negative one removes it.
+  struct Cap {
+    const char* field;
+    bool given;
+    int64_t value;
+    void (v1::User::*clear)();
+    void (v1::User::*set)(int64_t);
+  };
+  const Cap caps[] = {
+      {"max_running_devices", request.has_max_running_devices(), request.max_running_devices(),
+       &v1::User::clear_max_running_devices, &v1::User::set_max_running_devices},
+      {"max_queued_jobs", request.has_max_queued_jobs(), request.max_queued_jobs(),
+       &v1::User::clear_max_queued_jobs, &v1::User::set_max_queued_jobs},
+  };
+  for (const Cap& cap : caps) {
+    if (cap.value > kMaxDevices) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(cap.field, ": must be at most ", kMaxDevices, " (negative: no cap)"));
+    }
   }
   absl::MutexLock write(&write_mu_);
   v1::User user;
@@ -343,23 +356,18 @@ absl::StatusOr<v1::User> IdentityRegistry::UpdateUser(const v1::UpdateUserReques
       user.set_account(request.account());
     }
   }
-  if (request.has_max_running_devices()) {
-    if (request.max_running_devices() < 0) {
-      user.clear_max_running_devices();
+  for (const Cap& cap : caps) {
+    if (!cap.given) continue;
+    if (cap.value < 0) {
+      (user.*cap.clear)();
     } else {
-      user.set_max_running_devices(request.max_running_devices());
-    }
-  }
-  if (request.has_max_queued_jobs()) {
-    if (request.max_queued_jobs() < 0) {
-      user.clear_max_queued_jobs();
-    } else {
-      user.set_max_queued_jobs(request.max_queued_jobs());
+      (user.*cap.set)(cap.value);
     }
   }
   RETURN_IF_ERROR(Persist({{kUserKind, user.name(), user.SerializeAsString()}}));
   absl::MutexLock lock(&mu_);
   users_[user.name()] = user;
+  sharing_.reset();
   return user;
 }
 
@@ -415,6 +423,7 @@ absl::StatusOr<v1::Account> IdentityRegistry::CreateAccount(v1::Account account)
   RETURN_IF_ERROR(Persist({{kAccountKind, account.name(), account.SerializeAsString()}}));
   absl::MutexLock lock(&mu_);
   accounts_[account.name()] = account;
+  sharing_.reset();
   return account;
 }
 
@@ -436,6 +445,7 @@ absl::StatusOr<v1::Account> IdentityRegistry::UpdateAccount(v1::Account account)
   RETURN_IF_ERROR(Persist({{kAccountKind, account.name(), account.SerializeAsString()}}));
   absl::MutexLock lock(&mu_);
   accounts_[account.name()] = account;
+  sharing_.reset();
   return account;
 }
 
@@ -468,6 +478,7 @@ absl::StatusOr<v1::Account> IdentityRegistry::DeleteAccount(const std::string& n
   RETURN_IF_ERROR(store_.CommitSync(std::move(batch)));
   absl::MutexLock lock(&mu_);
   accounts_.erase(name);
+  sharing_.reset();
   return account;
 }
 
@@ -489,9 +500,11 @@ absl::StatusOr<v1::Account> IdentityRegistry::GetAccount(const std::string& name
   return absl::NotFoundError(absl::StrCat("no account ", name));
 }
 
-SharingPolicy IdentityRegistry::Sharing() const {
+std::shared_ptr<const SharingPolicy> IdentityRegistry::Sharing() const {
   absl::MutexLock lock(&mu_);
-  SharingPolicy policy;
+  if (sharing_ != nullptr) return sharing_;
+  auto built = std::make_shared<SharingPolicy>();
+  SharingPolicy& policy = *built;
   policy.accounts[kDefaultAccount] = {};
   for (const auto& [name, a] : accounts_) {
     SharingPolicy::Account& out = policy.accounts[name];
@@ -505,7 +518,8 @@ SharingPolicy IdentityRegistry::Sharing() const {
     out.max_running_devices = u.has_max_running_devices() ? u.max_running_devices() : -1;
     out.max_queued_jobs = u.has_max_queued_jobs() ? u.max_queued_jobs() : -1;
   }
-  return policy;
+  sharing_ = std::move(built);
+  return sharing_;
 }
 
 }  // namespace trainyard::coordinator

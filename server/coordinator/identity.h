@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -78,8 +79,9 @@ class IdentityRegistry {
   absl::StatusOr<v1::Account> DeleteAccount(const std::string& name);
   std::vector<v1::Account> ListAccounts() const;  // by name, "default" included
   absl::StatusOr<v1::Account> GetAccount(const std::string& name) const;  // NOT_FOUND
-  // Every account's and user's sharing settings, for the scheduler.
-  SharingPolicy Sharing() const;
+  // Every account's and user's sharing settings, for the scheduler: built once after each change
+  // of users or accounts and shared (read at every submission, scheduling pass and tick).
+  std::shared_ptr<const SharingPolicy> Sharing() const;
   // Says which unfinished job (if any, else "") is charged to an account: DeleteAccount refuses
   // such an account (set once, before serving; called without the registry's read lock).
   void SetAccountInUse(std::function<std::string(const std::string&)> in_use) {
@@ -118,9 +120,10 @@ class IdentityRegistry {
 
   absl::Mutex write_mu_;  // serializes mutations: check, write to the store, apply
   mutable absl::Mutex mu_;
-  std::map<std::string, v1::User> users_ ABSL_GUARDED_BY(mu_);          // by name
-  std::map<std::string, v1::Account> accounts_ ABSL_GUARDED_BY(mu_);    // by name
-  std::map<std::string, v1::StoredToken> tokens_ ABSL_GUARDED_BY(mu_);  // by id
+  std::map<std::string, v1::User> users_ ABSL_GUARDED_BY(mu_);                 // by name
+  std::map<std::string, v1::Account> accounts_ ABSL_GUARDED_BY(mu_);           // by name
+  mutable std::shared_ptr<const SharingPolicy> sharing_ ABSL_GUARDED_BY(mu_);  // null: stale
+  std::map<std::string, v1::StoredToken> tokens_ ABSL_GUARDED_BY(mu_);         // by id
 };
 
 // A user name has a Unix account name's shape, "[a-z_][a-z0-9_.-]{0,31}"; a node name a

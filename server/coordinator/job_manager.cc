@@ -22,6 +22,20 @@ namespace {
 
 int64_t NowMs(const Clock& clock) { return absl::ToUnixMillis(clock.Now()); }
 
+// Keys of the usage ledger.
+std::string AccountKey(const std::string& account) { return absl::StrCat("account:", account); }
+std::string UserKey(const std::string& user) { return absl::StrCat("user:", user); }
+
+// When the head of the queue is expected to start, for why_waiting.
+std::string StartText(const std::optional<absl::Time>& start, absl::Time now) {
+  if (!start.has_value()) {
+    return "start unknown: the devices are held by jobs without max_runtime";
+  }
+  return absl::StrCat("expected to start in ",
+                      absl::FormatDuration(absl::Trunc(std::max(absl::ZeroDuration(), *start - now),
+                                                       absl::Seconds(1))));
+}
+
 // How long the devices of a stopped rank on a connected node stay allocated when its exit is never
 // reported (a lost message): longer than a worker's SIGTERM → SIGKILL grace (10 s by default).
 constexpr absl::Duration kDrainTimeout = absl::Seconds(60);
@@ -54,7 +68,8 @@ void JobManager::SetPreemption(bool enabled, absl::Duration grace, absl::Duratio
   max_preemption_grace_ = max_grace;
 }
 
-void JobManager::SetSharing(std::function<SharingPolicy()> policy, absl::Duration half_life) {
+void JobManager::SetSharing(std::function<std::shared_ptr<const SharingPolicy>()> policy,
+                            absl::Duration half_life) {
   policy_ = std::move(policy);
   absl::MutexLock lock(&mu_);
   usage_ = UsageLedger(half_life);
@@ -247,7 +262,8 @@ void JobManager::Submit(const std::string& owner, v1::JobSpec spec, JobCallback 
     done(s);
     return;
   }
-  const SharingPolicy policy = policy_ ? policy_() : SharingPolicy{};
+  const std::shared_ptr<const SharingPolicy> current = CurrentPolicy();
+  const SharingPolicy& policy = *current;
   v1::Job job;
   {
     absl::MutexLock lock(&mu_);
@@ -523,7 +539,8 @@ void JobManager::FailAttempt(v1::Job& job, const std::string& reason) {
 }
 
 int JobManager::SchedulePass() {
-  const SharingPolicy policy = policy_ ? policy_() : SharingPolicy{};
+  const std::shared_ptr<const SharingPolicy> current = CurrentPolicy();
+  const SharingPolicy& policy = *current;
   absl::MutexLock lock(&mu_);
   ClusterSnapshot snapshot;
   snapshot.now = clock_.Now();
@@ -534,8 +551,8 @@ int JobManager::SchedulePass() {
     auto [it, added] = account_index.try_emplace(name, static_cast<int>(snapshot.accounts.size()));
     if (added) {
       const SharingPolicy::Account a = policy.AccountOf(name);
-      snapshot.accounts.push_back({name, a.quota, a.borrow_limit, a.share,
-                                   usage_.At(absl::StrCat("account:", name), snapshot.now)});
+      snapshot.accounts.push_back(
+          {name, a.quota, a.borrow_limit, a.share, usage_.At(AccountKey(name), snapshot.now)});
     }
     return it->second;
   };
@@ -550,7 +567,7 @@ int JobManager::SchedulePass() {
     if (added) {
       const SharingPolicy::User u = policy.UserOf(job.owner());
       snapshot.users.push_back({job.owner(), account_of(account), u.max_running_devices,
-                                usage_.At(absl::StrCat("user:", job.owner()), snapshot.now)});
+                                usage_.At(UserKey(job.owner()), snapshot.now)});
     }
     return it->second;
   };
@@ -1060,22 +1077,38 @@ void JobManager::CountUse(std::map<std::string, Use>* by_account,
   }
 }
 
+std::shared_ptr<const SharingPolicy> JobManager::CurrentPolicy() const {
+  if (policy_) return policy_();
+  static const std::shared_ptr<const SharingPolicy> kNone = [] {
+    auto policy = std::make_shared<SharingPolicy>();
+    policy->accounts[kDefaultAccount] = {};
+    return policy;
+  }();
+  return kNone;
+}
+
+JobManager::ShareTotals JobManager::TotalsOf(const SharingPolicy& policy, absl::Time now) const {
+  ShareTotals totals;
+  for (const auto& [name, a] : policy.accounts) {
+    totals.shares += a.share;
+    totals.usage += usage_.At(AccountKey(name), now);
+  }
+  return totals;
+}
+
 v1::AccountUsage JobManager::AccountUsageOf(const std::string& name, const SharingPolicy& policy,
+                                            const ShareTotals& totals,
                                             const std::map<std::string, Use>& use,
                                             absl::Time now) const {
   const SharingPolicy::Account account = policy.AccountOf(name);
-  double shares = 0, usage = 0;
-  for (const auto& [other, a] : policy.accounts) {
-    shares += a.share;
-    usage += usage_.At(absl::StrCat("account:", other), now);
-  }
+  const double shares = totals.shares, usage = totals.usage;
   v1::AccountUsage out;
   out.set_name(name);
   if (account.quota >= 0) out.set_quota_devices(account.quota);
   if (account.borrow_limit >= 0) out.set_borrow_limit_devices(account.borrow_limit);
   out.set_share(account.share);
   out.set_share_fraction(shares > 0 ? account.share / shares : 0);
-  const double mine = usage_.At(absl::StrCat("account:", name), now);
+  const double mine = usage_.At(AccountKey(name), now);
   out.set_usage_device_hours(mine / 3600);
   out.set_usage_fraction(usage > 0 ? mine / usage : 0);
   if (auto it = use.find(name); it != use.end()) {
@@ -1087,7 +1120,8 @@ v1::AccountUsage JobManager::AccountUsageOf(const std::string& name, const Shari
 }
 
 v1::QuotaReport JobManager::Quota(const std::string& user, bool all_accounts) const {
-  const SharingPolicy policy = policy_ ? policy_() : SharingPolicy{{{kDefaultAccount, {}}}, {}};
+  const std::shared_ptr<const SharingPolicy> current = CurrentPolicy();
+  const SharingPolicy& policy = *current;
   absl::MutexLock lock(&mu_);
   const absl::Time now = clock_.Now();
   std::map<std::string, Use> by_account, by_owner;
@@ -1102,13 +1136,14 @@ v1::QuotaReport JobManager::Quota(const std::string& user, bool all_accounts) co
     report.set_running_devices(it->second.running_devices);
     report.set_queued_jobs(it->second.queued_jobs);
   }
-  report.set_usage_device_hours(usage_.At(absl::StrCat("user:", user), now) / 3600);
+  report.set_usage_device_hours(usage_.At(UserKey(user), now) / 3600);
   report.set_half_life_hours(absl::ToDoubleHours(usage_.half_life()));
-  *report.add_accounts() = AccountUsageOf(limits.account, policy, by_account, now);
+  const ShareTotals totals = TotalsOf(policy, now);
+  *report.add_accounts() = AccountUsageOf(limits.account, policy, totals, by_account, now);
   if (all_accounts) {
     for (const auto& [name, a] : policy.accounts) {
       if (name != limits.account)
-        *report.add_accounts() = AccountUsageOf(name, policy, by_account, now);
+        *report.add_accounts() = AccountUsageOf(name, policy, totals, by_account, now);
     }
   }
   return report;
@@ -1123,21 +1158,24 @@ std::string JobManager::UnfinishedJobOf(const std::string& account) const {
 }
 
 std::vector<v1::AccountUsage> JobManager::AccountUsages() const {
-  const SharingPolicy policy = policy_ ? policy_() : SharingPolicy{{{kDefaultAccount, {}}}, {}};
+  const std::shared_ptr<const SharingPolicy> current = CurrentPolicy();
+  const SharingPolicy& policy = *current;
   absl::MutexLock lock(&mu_);
   const absl::Time now = clock_.Now();
   std::map<std::string, Use> by_account;
   CountUse(&by_account, nullptr);
+  const ShareTotals totals = TotalsOf(policy, now);
   std::vector<v1::AccountUsage> out;
   for (const auto& [name, a] : policy.accounts) {
-    out.push_back(AccountUsageOf(name, policy, by_account, now));
+    out.push_back(AccountUsageOf(name, policy, totals, by_account, now));
   }
   return out;
 }
 
 std::string JobManager::WhyWaiting(const std::string& job_id, const std::string& viewer,
                                    bool viewer_is_admin) const {
-  const SharingPolicy policy = policy_ ? policy_() : SharingPolicy{{{kDefaultAccount, {}}}, {}};
+  const std::shared_ptr<const SharingPolicy> current = CurrentPolicy();
+  const SharingPolicy& policy = *current;
   absl::MutexLock lock(&mu_);
   const auto found = jobs_.find(job_id);
   if (found == jobs_.end() || !IsPending(found->second.state())) return "";
@@ -1159,16 +1197,8 @@ std::string JobManager::WhyWaiting(const std::string& job_id, const std::string&
       // Another user's job is not named to users who may not see it.
       if (!viewer_is_admin && h->second.owner() != viewer) text = "another user's job";
       absl::StrAppend(&text, " (priority ", h->second.spec().priority(), ", ",
-                      h->second.spec().resources().gpus(), " devices");
-      if (last_pass_->head_start.has_value()) {
-        absl::StrAppend(
-            &text, ", expected to start in ",
-            absl::FormatDuration(absl::Trunc(
-                std::max(absl::ZeroDuration(), *last_pass_->head_start - now), absl::Seconds(1))));
-      } else {
-        absl::StrAppend(&text, ", start unknown: the devices are held by jobs without max_runtime");
-      }
-      absl::StrAppend(&text, ")");
+                      h->second.spec().resources().gpus(), " devices, ",
+                      StartText(last_pass_->head_start, now), ")");
     }
     return text;
   };
@@ -1178,15 +1208,8 @@ std::string JobManager::WhyWaiting(const std::string& job_id, const std::string&
       if (!job.message().empty()) why = job.message();
       break;
     case WaitReason::kDevices:
-      why = absl::StrCat("first in line, waiting for ", devices, " free devices");
-      if (last_pass_->head_start.has_value()) {
-        absl::StrAppend(
-            &why, "; expected to start in ",
-            absl::FormatDuration(absl::Trunc(
-                std::max(absl::ZeroDuration(), *last_pass_->head_start - now), absl::Seconds(1))));
-      } else {
-        absl::StrAppend(&why, "; start unknown: the devices are held by jobs without max_runtime");
-      }
+      why = absl::StrCat("first in line, waiting for ", devices, " free devices; ",
+                         StartText(last_pass_->head_start, now));
       break;
     case WaitReason::kBehindHead:
     case WaitReason::kHeadStartUnknown:
@@ -1216,7 +1239,8 @@ std::string JobManager::WhyWaiting(const std::string& job_id, const std::string&
                          " devices, more than the ready nodes that take its owner's jobs have");
       break;
   }
-  const v1::AccountUsage usage = AccountUsageOf(account, policy, by_account, now);
+  const v1::AccountUsage usage =
+      AccountUsageOf(account, policy, TotalsOf(policy, now), by_account, now);
   absl::StrAppend(
       &why, absl::StrFormat(". Account %s: share %.0f%%, usage %.0f%% (%.1f device-hours, decayed)",
                             account, 100 * usage.share_fraction(), 100 * usage.usage_fraction(),
@@ -1243,8 +1267,8 @@ void JobManager::ChargeUsage() {
     int64_t devices = 0;
     for (const auto& p : job.placement()) devices += p.device_indices_size();
     const std::string& account = AccountOf(job);
-    usage_.Charge(absl::StrCat("account:", account), devices * seconds, now);
-    usage_.Charge(absl::StrCat("user:", job.owner()), devices * seconds, now);
+    usage_.Charge(AccountKey(account), devices * seconds, now);
+    usage_.Charge(UserKey(job.owner()), devices * seconds, now);
   }
 }
 

@@ -62,7 +62,8 @@ class JobManager {
   // Sharing (set once, before serving): `policy` gives accounts' quotas and shares and users'
   // accounts and caps, read at each submission and scheduling pass; usage decays with
   // `half_life`. Without it, every job is in the default account with no limits.
-  void SetSharing(std::function<SharingPolicy()> policy, absl::Duration half_life);
+  void SetSharing(std::function<std::shared_ptr<const SharingPolicy>()> policy,
+                  absl::Duration half_life);
   // Charges running jobs' devices since the last charge to their accounts' and owners' decayed
   // usage (at most 5 minutes' worth: a stalled coordinator does not bill its pause).
   void ChargeUsage();
@@ -216,9 +217,19 @@ class JobManager {
   };
   void CountUse(std::map<std::string, Use>* by_account, std::map<std::string, Use>* by_owner) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  v1::AccountUsage AccountUsageOf(const std::string& name, const SharingPolicy& policy,
-                                  const std::map<std::string, Use>& use, absl::Time now) const
+  // Every account's shares and decayed usage together, for the fractions.
+  struct ShareTotals {
+    double shares = 0;
+    double usage = 0;
+  };
+  ShareTotals TotalsOf(const SharingPolicy& policy, absl::Time now) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::AccountUsage AccountUsageOf(const std::string& name, const SharingPolicy& policy,
+                                  const ShareTotals& totals, const std::map<std::string, Use>& use,
+                                  absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The sharing policy as of now (without one: the default account, no limits). Takes the
+  // identity registry's lock: call it before mu_.
+  std::shared_ptr<const SharingPolicy> CurrentPolicy() const ABSL_LOCKS_EXCLUDED(mu_);
 
   JobStore& store_;
   NodeRegistry& nodes_;
@@ -230,7 +241,8 @@ class JobManager {
   absl::Duration preemption_grace_ = absl::Seconds(120);
   absl::Duration min_run_time_ = absl::Minutes(5);
   absl::Duration max_preemption_grace_ = absl::Minutes(10);
-  std::function<SharingPolicy()> policy_;  // likewise; null: the default account, no limits
+  // Likewise; null: the default account, no limits.
+  std::function<std::shared_ptr<const SharingPolicy>()> policy_;
   std::function<std::string(const std::string&, int32_t)> credential_for_;  // likewise
   std::string checkpoint_root_;            // set before serving; immutable after
   CoordinatorMetrics* metrics_ = nullptr;  // set before serving; immutable after
