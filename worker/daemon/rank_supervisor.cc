@@ -149,6 +149,7 @@ void RankSupervisor::Stop(const std::string& job_id, int attempt) {
       if (a.job_id() == job_id && (attempt == 0 || a.attempt() == attempt)) {
         for (int i = 0; i < a.device_indices_size(); ++i) {
           dropped.emplace_back(a.job_id(), a.attempt(), a.first_rank() + i);
+          started_.insert(dropped.back());  // reported as ended: a resend does not start it
         }
         it = launches_.erase(it);
       } else {
@@ -239,7 +240,9 @@ void RankSupervisor::SupervisorLoop() {
 
 void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
   const RankKey key{a.job_id(), a.attempt(), rank};
-  if (ranks_.count(key) > 0) return;  // already running: a resent assignment
+  // Assignments arrive at least once: the coordinator resends them when a session opens, which
+  // can cross the first send. A rank of an attempt runs once, even when it has already ended.
+  if (!started_.insert(key).second) return;
   if (!options_.gpu_uuids.empty() &&
       (device < 0 || device >= static_cast<int>(options_.gpu_uuids.size()))) {
     ReportExit(key, 127, absl::StrCat("no GPU with index ", device, " on this worker"));

@@ -13,6 +13,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -50,8 +51,9 @@ class RankSupervisor {
   RankSupervisor(SupervisorOptions options, std::function<void(v1::NodeMessage)> send);
   ~RankSupervisor();  // StopAll(), then joins every thread
 
-  // Starts the assignment's ranks that are not already running (assignments are resent on
-  // reconnect). Failures to start are reported as rank exits with code 127.
+  // Starts the assignment's ranks that this supervisor has not started before, running or ended
+  // (assignments are resent on reconnect and may arrive twice). Failures to start are reported as
+  // rank exits with code 127.
   void Launch(const v1::Assignment& assignment);
   // Stops the ranks of one job attempt (attempt 0: every attempt of the job).
   void Stop(const std::string& job_id, int attempt);
@@ -82,6 +84,9 @@ class RankSupervisor {
 
   mutable absl::Mutex mu_;
   std::map<RankKey, Rank> ranks_ ABSL_GUARDED_BY(mu_);
+  // Every rank this supervisor has started (or failed to start): a resent assignment starts none
+  // of them again. One small entry per rank for the worker's lifetime.
+  std::set<RankKey> started_ ABSL_GUARDED_BY(mu_);
   std::deque<v1::Assignment> launches_ ABSL_GUARDED_BY(mu_);
   std::vector<std::thread> finished_readers_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
