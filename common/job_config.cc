@@ -53,6 +53,12 @@ int64_t ModelParameterCount(const ModelConfig& m) {
     const int64_t h = m.d_hidden;
     return v * d + layers * (d * h + h + h * d + d) + d * v + v;
   }
+  if (m.kind == "llama") {
+    // Per layer two RMSNorms, q/k/v/o projections without bias, gate/up/down; a final RMSNorm.
+    const int64_t q = int64_t{m.n_head} * m.HeadDim(), kv = int64_t{m.KvHeads()} * m.HeadDim();
+    const int64_t per_layer = 2 * d + d * q + 2 * d * kv + q * d + 3 * d * m.d_hidden;
+    return v * d + layers * per_layer + d + (m.tie_weights ? 0 : v * d);
+  }
   // Token + position embeddings; per block two LayerNorms, qkv and output projections, a 4x MLP;
   // a final LayerNorm; the head (shares the token embedding when tied).
   const int64_t per_block =

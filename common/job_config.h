@@ -29,19 +29,36 @@ const char* Name(BackwardPrefetch p);
 const char* Name(Precision p);
 
 struct ModelConfig {
-  std::string kind;  // "gpt" or "mlp"
+  std::string kind;  // "gpt", "mlp" or "llama"
   int n_layer = 0;
   int n_head = 0;
   int d_model = 0;
   int seq_len = 0;
   int vocab = 0;
   bool tie_weights = false;
-  int d_hidden = 0;  // mlp
+  int d_hidden = 0;  // mlp; llama: the SwiGLU MLP's width
+  // llama:
+  std::string from;  // a Hugging Face model directory; "": random initialization
+  int n_kv_head = 0;
+  int head_dim = 0;  // 0: d_model / n_head
+  double rope_theta = 10000;
+  double rms_norm_eps = 1e-6;
+  // From the checkpoint's config.json only: rope_scaling's type ("", "linear", "dynamic",
+  // "llama3") and parameters, and max_position_embeddings (dynamic scaling starts beyond it).
+  std::string rope_scaling;
+  double rope_factor = 1;
+  double rope_low_freq_factor = 1;
+  double rope_high_freq_factor = 4;
+  int64_t rope_original_max_position = 0;
+  int64_t max_position_embeddings = 0;
+
+  int HeadDim() const { return head_dim > 0 ? head_dim : n_head > 0 ? d_model / n_head : 0; }
+  int KvHeads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
 };
 
 struct DataConfig {
   std::string path;
-  std::string format;  // "bytes" or "uint16"
+  std::string format;  // "bytes", "uint16" or "uint32"
 };
 
 struct TrainConfig {

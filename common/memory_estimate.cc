@@ -51,6 +51,12 @@ int64_t LargestUnitParameters(const v1::ModelSpec& m) {
     const int64_t h = m.d_hidden();
     return std::max({v * d, d * h + h + h * d + d, d * v + v});
   }
+  if (m.kind() == "llama") {  // a decoder layer, or the root (embedding, norm, untied head)
+    ModelConfig c = ToModelConfig(m);
+    const int64_t root = v * d + d + (c.tie_weights ? 0 : v * d);
+    c.n_layer = 1;
+    return std::max(ModelParameterCount(c) - root, root);
+  }
   const int64_t block = 12 * d * d + 13 * d;
   return std::max(block, v * d + int64_t{m.seq_len()} * d);
 }

@@ -205,9 +205,10 @@ absl::Status ParseDocument(const YAML::Node& root, SpecParser& p, JobSpec& spec)
     spec.mutable_resources()->set_gpus(gpus);
   }
   if (const YAML::Node n = root["model"]) {
-    RETURN_IF_ERROR(p.Mapping(
-        n, "model",
-        {"kind", "n_layer", "n_head", "d_model", "seq_len", "vocab", "tie_weights", "d_hidden"}));
+    RETURN_IF_ERROR(
+        p.Mapping(n, "model",
+                  {"kind", "n_layer", "n_head", "d_model", "seq_len", "vocab", "tie_weights",
+                   "d_hidden", "from", "n_kv_head", "head_dim", "rope_theta", "rms_norm_eps"}));
     auto& m = *spec.mutable_model();
     RETURN_IF_ERROR(p.String(n, "kind", "model", *m.mutable_kind()));
     int32_t v = 0;
@@ -231,6 +232,19 @@ absl::Status ParseDocument(const YAML::Node& root, SpecParser& p, JobSpec& spec)
     m.set_d_hidden(v);
     RETURN_IF_ERROR(p.Bool(n, "tie_weights", "model", b));
     m.set_tie_weights(b);
+    RETURN_IF_ERROR(p.String(n, "from", "model", *m.mutable_from()));
+    v = 0;
+    RETURN_IF_ERROR(p.Integer(n, "n_kv_head", "model", v));
+    m.set_n_kv_head(v);
+    v = 0;
+    RETURN_IF_ERROR(p.Integer(n, "head_dim", "model", v));
+    m.set_head_dim(v);
+    double d = 0;
+    RETURN_IF_ERROR(p.Double(n, "rope_theta", "model", d));
+    m.set_rope_theta(d);
+    d = 0;
+    RETURN_IF_ERROR(p.Double(n, "rms_norm_eps", "model", d));
+    m.set_rms_norm_eps(d);
   }
   if (const YAML::Node n = root["data"]) {
     RETURN_IF_ERROR(p.Mapping(n, "data", {"path", "format"}));
@@ -459,6 +473,14 @@ void ApplyJobSpecDefaults(JobSpec& spec) {
   auto& m = *spec.mutable_model();
   if (m.kind().empty()) m.set_kind("gpt");
   if (m.kind() == "mlp" && m.d_hidden() == 0) m.set_d_hidden(4 * m.d_model());
+  // llama without a checkpoint: Llama's MLP width (8/3 d_model, rounded up to a multiple of 64)
+  // and defaults; with one, its config.json fills what is left at 0 (in the trainer).
+  if (m.kind() == "llama" && m.from().empty()) {
+    if (m.d_hidden() == 0) m.set_d_hidden((8 * m.d_model() / 3 + 63) / 64 * 64);
+    if (m.n_kv_head() == 0) m.set_n_kv_head(m.n_head());
+    if (m.rope_theta() == 0) m.set_rope_theta(10000);
+    if (m.rms_norm_eps() == 0) m.set_rms_norm_eps(1e-6);
+  }
   auto& d = *spec.mutable_data();
   if (d.format().empty()) d.set_format("bytes");
   if (m.vocab() == 0 && d.format() == "bytes") m.set_vocab(256);
@@ -501,14 +523,56 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   RETURN_IF_ERROR(CheckRequired("resources.gpus", spec.resources().gpus(), 1, 4096));
 
   const auto& m = spec.model();
-  if (m.kind() != "gpt" && m.kind() != "mlp") {
-    return FieldError("model.kind", absl::StrCat("unknown value '", m.kind(), "' (gpt or mlp)"));
+  if (m.kind() != "gpt" && m.kind() != "mlp" && m.kind() != "llama") {
+    return FieldError("model.kind",
+                      absl::StrCat("unknown value '", m.kind(), "' (gpt, mlp or llama)"));
   }
-  RETURN_IF_ERROR(CheckRequired("model.n_layer", m.n_layer(), 1, 1024));
-  RETURN_IF_ERROR(CheckRequired("model.d_model", m.d_model(), 1, 65536));
   RETURN_IF_ERROR(CheckRequired("model.seq_len", m.seq_len(), 1, 1 << 20));
-  RETURN_IF_ERROR(CheckRequired("model.vocab", m.vocab(), 1, 1 << 24));
-  if (m.kind() == "gpt") {
+  if (m.kind() != "llama" && !m.from().empty()) {
+    return FieldError("model.from", "only model.kind llama starts from a checkpoint");
+  }
+  const bool from_checkpoint = !m.from().empty();
+  if (from_checkpoint && m.from()[0] != '/') {
+    return FieldError("model.from",
+                      absl::StrCat("must be an absolute path (the trainer runs elsewhere), got '",
+                                   m.from(), "'"));
+  }
+  // Sizes a checkpoint's config.json gives may be left at 0; any given must be in range.
+  auto size = [&](const char* field, int64_t value, int64_t max) {
+    if (from_checkpoint && value == 0) return absl::OkStatus();
+    return CheckRequired(field, value, 1, max);
+  };
+  RETURN_IF_ERROR(size("model.n_layer", m.n_layer(), 1024));
+  RETURN_IF_ERROR(size("model.d_model", m.d_model(), 65536));
+  RETURN_IF_ERROR(size("model.vocab", m.vocab(), 1 << 24));
+  if (m.kind() == "llama") {
+    RETURN_IF_ERROR(size("model.n_head", m.n_head(), 1024));
+    RETURN_IF_ERROR(size("model.d_hidden", m.d_hidden(), 1 << 20));
+    RETURN_IF_ERROR(CheckRange("model.n_kv_head", m.n_kv_head(), 0, 1024));
+    RETURN_IF_ERROR(CheckRange("model.head_dim", m.head_dim(), 0, 4096));
+    if (m.n_head() > 0 && m.n_kv_head() > 0 && m.n_head() % m.n_kv_head() != 0) {
+      return FieldError("model.n_kv_head", absl::StrCat("must divide model.n_head (", m.n_head(),
+                                                        "), got ", m.n_kv_head()));
+    }
+    if (m.head_dim() == 0 && m.n_head() > 0 && m.d_model() % m.n_head() != 0) {
+      return FieldError("model.n_head", absl::StrCat("must divide model.d_model (", m.d_model(),
+                                                     "), got ", m.n_head()));
+    }
+    const int head_dim = m.head_dim() > 0 ? m.head_dim()
+                         : m.n_head() > 0 ? m.d_model() / m.n_head()
+                                          : 0;
+    if (head_dim % 2 != 0) {  // rotary embeddings turn pairs of values
+      return FieldError(
+          m.head_dim() > 0 ? "model.head_dim" : "model.n_head",
+          absl::StrCat("the head dimension must be even for rotary embeddings, got ", head_dim));
+    }
+    if (m.rope_theta() < 0 || !std::isfinite(m.rope_theta())) {
+      return FieldError("model.rope_theta", absl::StrCat("must be > 0, got ", m.rope_theta()));
+    }
+    if (m.rms_norm_eps() < 0 || !std::isfinite(m.rms_norm_eps())) {
+      return FieldError("model.rms_norm_eps", absl::StrCat("must be > 0, got ", m.rms_norm_eps()));
+    }
+  } else if (m.kind() == "gpt") {
     RETURN_IF_ERROR(CheckRequired("model.n_head", m.n_head(), 1, 1024));
     if (m.d_model() % m.n_head() != 0) {
       return FieldError("model.n_head", absl::StrCat("must divide model.d_model (", m.d_model(),
@@ -524,7 +588,7 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
     return FieldError("data.format",
                       absl::StrCat("unknown value '", d.format(), "' (bytes, uint16 or uint32)"));
   }
-  if (d.format() == "bytes" && m.vocab() < 256) {
+  if (d.format() == "bytes" && m.vocab() < 256 && !(from_checkpoint && m.vocab() == 0)) {
     return FieldError("model.vocab",
                       absl::StrCat("must be >= 256 for data.format bytes, got ", m.vocab()));
   }
@@ -631,6 +695,11 @@ ModelConfig ToModelConfig(const v1::ModelSpec& m) {
   c.vocab = m.vocab();
   c.tie_weights = m.tie_weights();
   c.d_hidden = m.d_hidden();
+  c.from = m.from();
+  c.n_kv_head = m.n_kv_head();
+  c.head_dim = m.head_dim();
+  if (m.rope_theta() > 0) c.rope_theta = m.rope_theta();
+  if (m.rms_norm_eps() > 0) c.rms_norm_eps = m.rms_norm_eps();
   return c;
 }
 

@@ -51,6 +51,8 @@ std::string MixedPrecisionName(v1::MixedPrecision p);      // "fp32"
 
 // Number of parameters of the spec's model (embeddings included, tied head counted once).
 int64_t ModelParameterCount(const v1::ModelSpec& model);
+// The trainer's view of the model part of a spec.
+ModelConfig ToModelConfig(const v1::ModelSpec& model);
 
 // What a training rank reads of a spec (defaults applied and validated), without protobuf: the
 // trainer's LibTorch side takes this (common/job_config.h).

@@ -11,6 +11,7 @@ PACKAGES=(
   nlohmann-json3-dev libspdlog-dev libgtest-dev libgmock-dev libbenchmark-dev
   sqlite3 clang-format prometheus libssl-dev openssl
   libtorch-dev libgloo-dev libdnnl-dev ocl-icd-opencl-dev libopenblas0-pthread python3-torch
+  python3-venv python3-pip
 )
 
 missing=()
@@ -29,3 +30,15 @@ jobs=$(nproc)
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j "$jobs"
 echo "setup: built into $(pwd)/build/bin"
+
+# Hugging Face transformers (and PEFT) from PyPI, for the tests that compare the llama model with
+# the reference implementation: a virtual environment over Debian's python3-torch, made again
+# only when tests/hf-requirements.txt changes.
+venv=build/hf-venv
+if ! cmp -s tests/hf-requirements.txt "$venv/requirements.txt" 2>/dev/null; then
+  echo "setup: creating $venv (transformers from PyPI)"
+  rm -rf "$venv"
+  /usr/bin/python3 -m venv --system-site-packages "$venv"
+  "$venv/bin/pip" install -q --disable-pip-version-check -r tests/hf-requirements.txt
+  cp tests/hf-requirements.txt "$venv/requirements.txt"
+fi

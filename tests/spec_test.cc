@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <functional>
 
 namespace trainyard {
 namespace {
@@ -338,6 +339,66 @@ TEST(SpecTest, ValidationErrorsPointAtTheLineOfTheField) {
   ApplyJobSpecDefaults(spec);
   absl::Status s = AnnotateWithLine(ValidateJobSpec(spec), *parsed, "s.yaml");
   EXPECT_THAT(std::string(s.message()), StartsWith("s.yaml:5: model.n_head: must divide"));
+}
+
+TEST(SpecTest, LlamaFieldsAreReadDefaultedAndChecked) {
+  auto parsed = ParseJobSpecYaml(R"(name: ft
+resources: {gpus: 1}
+model: {kind: llama, from: /models/tiny, seq_len: 64, n_kv_head: 2, head_dim: 16,
+        rope_theta: 500000, rms_norm_eps: 1e-5}
+data: {path: /data/tokens.bin, format: uint32}
+train: {steps: 10}
+)",
+                                 "spec.yaml");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  v1::JobSpec spec = parsed->spec;
+  ApplyJobSpecDefaults(spec);
+  // The sizes left out come from the checkpoint's config.json, in the trainer.
+  ASSERT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  EXPECT_EQ(spec.model().n_layer(), 0);
+  const JobConfig c = ToJobConfig(spec);
+  EXPECT_EQ(c.model.from, "/models/tiny");
+  EXPECT_EQ(c.model.n_kv_head, 2);
+  EXPECT_EQ(c.model.head_dim, 16);
+  EXPECT_EQ(c.model.rope_theta, 500000);
+  EXPECT_EQ(c.model.rms_norm_eps, 1e-5);
+
+  // Without a checkpoint: Llama's defaults for what is left out.
+  v1::JobSpec random = spec;
+  auto* m = random.mutable_model();
+  m->clear_from();
+  m->set_n_layer(2);
+  m->set_d_model(96);
+  m->set_n_head(6);
+  m->set_vocab(1000);
+  m->set_n_kv_head(0);
+  m->set_head_dim(0);
+  ApplyJobSpecDefaults(random);
+  EXPECT_TRUE(ValidateJobSpec(random).ok()) << ValidateJobSpec(random);
+  EXPECT_EQ(random.model().d_hidden(), 256);  // 8/3 * 96, rounded up to a multiple of 64
+  EXPECT_EQ(random.model().n_kv_head(), 6);
+  EXPECT_EQ(random.model().rope_theta(), 500000);  // given
+
+  auto error = [&](std::function<void(v1::ModelSpec&)> mutate) {
+    v1::JobSpec s = random;
+    mutate(*s.mutable_model());
+    return std::string(ValidateJobSpec(s).message());
+  };
+  EXPECT_THAT(error([](v1::ModelSpec& m) { m.set_n_kv_head(4); }),
+              StartsWith("model.n_kv_head: must divide model.n_head (6), got 4"));
+  EXPECT_THAT(error([](v1::ModelSpec& m) { m.set_head_dim(15); }),
+              StartsWith("model.head_dim: the head dimension must be even"));
+  EXPECT_THAT(error([](v1::ModelSpec& m) { m.set_from("models/tiny"); }),
+              StartsWith("model.from: must be an absolute path"));
+  EXPECT_THAT(error([](v1::ModelSpec& m) { m.set_n_layer(0); }),
+              StartsWith("model.n_layer: required"));  // no checkpoint to take it from
+  EXPECT_THAT(error([](v1::ModelSpec& m) { m.set_rms_norm_eps(-1); }),
+              StartsWith("model.rms_norm_eps: must be > 0"));
+  EXPECT_THAT(error([](v1::ModelSpec& m) {
+                m.set_kind("gpt");
+                m.set_from("/models/tiny");
+              }),
+              StartsWith("model.from: only model.kind llama"));
 }
 
 TEST(SpecTest, ParameterCountMatchesHandComputedGpt) {

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <random>
 
 #include <grpcpp/grpcpp.h>
 #include <nlohmann/json.hpp>
@@ -22,6 +23,7 @@
 #include "absl/strings/str_join.h"
 #include "common/clock.h"
 #include "common/grpc_status.h"
+#include "common/spec.h"
 #include "server/coordinator/coordinator_server.h"
 #include "server/ps/data_plane_client.h"
 #include "server/ps/ps_client.h"
@@ -32,11 +34,14 @@
 #include "trainyard/v1/job.grpc.pb.h"
 #include "trainyard/v1/node.grpc.pb.h"
 #include "trainyard/v1/ps.grpc.pb.h"
+#include "worker/trainer/hf_checkpoint.h"
 #include "worker/trainer/param_dump.h"
+#include "worker/trainer/safetensors.h"
 
 namespace trainyard {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::testing::Not;
 using trainer::DumpedParam;
@@ -920,6 +925,7 @@ v1::JobSpec FsdpSpec(const FsdpVariant& v, int ranks, int micro_batch) {
   s.mutable_model()->set_kind(v.model);
   s.mutable_model()->set_n_layer(3);
   if (v.model == "mlp") s.mutable_model()->set_d_hidden(48);
+  if (v.model == "llama") s.mutable_model()->set_n_kv_head(1);  // grouped-query attention
   s.mutable_model()->set_tie_weights(v.tie_weights);
   s.mutable_train()->set_grad_accum(v.grad_accum);
   s.mutable_train()->set_activation_checkpointing(v.activation_checkpointing);
@@ -981,8 +987,142 @@ INSTANTIATE_TEST_SUITE_P(
         FsdpVariant{"SizeBasedWrapEveryRankBuilds", v1::FULL_SHARD, v1::BACKWARD_PRE, false, 2, 0,
                     1, false, false, v1::SIZE_BASED_WRAP, 20000, false},
         FsdpVariant{"MlpFullShardPrefetch", v1::FULL_SHARD, v1::BACKWARD_PRE, true, 2, 0, 1, false,
-                    false, v1::TRANSFORMER_BASED_WRAP, 0, true, "mlp"}),
+                    false, v1::TRANSFORMER_BASED_WRAP, 0, true, "mlp"},
+        FsdpVariant{"LlamaFullShardPrefetch", v1::FULL_SHARD, v1::BACKWARD_PRE, true, 2, 0, 1,
+                    false, false, v1::TRANSFORMER_BASED_WRAP, 0, true, "llama"},
+        FsdpVariant{"LlamaShardGradOpAccumCheckpointTied", v1::SHARD_GRAD_OP, v1::BACKWARD_PRE,
+                    false, 2, 0, 2, true, true, v1::TRANSFORMER_BASED_WRAP, 0, true, "llama"},
+        FsdpVariant{"LlamaNoShard", v1::NO_SHARD, v1::BACKWARD_PRE, false, 2, 0, 1, false, false,
+                    v1::TRANSFORMER_BASED_WRAP, 0, true, "llama"}),
     [](const auto& info) { return info.param.name; });
+
+// ---------------------------------------------------------------------------------------------
+// llama from a Hugging Face checkpoint
+
+// Writes a Hugging Face model directory for llama `m` (config.json, two safetensors shards and
+// their index) with values drawn from `seed`: N(0, 0.5), norms near 1. Leaves out the tensor
+// `leave_out`. Returns the values by tensor name.
+std::map<std::string, std::vector<float>> WriteLlamaCheckpoint(const std::string& dir,
+                                                               const v1::ModelSpec& m,
+                                                               uint32_t seed,
+                                                               const std::string& leave_out = "") {
+  std::filesystem::create_directories(dir);
+  const ModelConfig config = ToModelConfig(m);
+  std::ofstream(dir + "/config.json") << trainer::LlamaConfigJson(config);
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> normal(0, 0.5);
+  std::map<std::string, std::vector<float>> values;
+  std::vector<trainer::SafetensorsEntry> shards[2];
+  nlohmann::json index = {{"metadata", {{"total_size", 0}}},
+                          {"weight_map", nlohmann::json::object()}};
+  const auto tensors = trainer::LlamaTensors(trainer::LlamaConfigOf(config));
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& t = tensors[i];
+    if (t.name == leave_out) continue;
+    std::vector<float>& v = values[t.name];
+    int64_t n = 1;
+    for (int64_t d : t.shape) n *= d;
+    for (int64_t j = 0; j < n; ++j) {
+      v.push_back(absl::StrContains(t.name, "norm") ? 1 + normal(gen) / 5 : normal(gen));
+    }
+    const int shard = i < tensors.size() / 2 ? 0 : 1;
+    shards[shard].push_back({t.name, trainer::SafetensorsDtype::kF32, t.shape,
+                             std::string(reinterpret_cast<const char*>(v.data()), n * 4)});
+    index["weight_map"][t.name] = absl::StrCat("model-0000", shard + 1, "-of-00002.safetensors");
+  }
+  for (int shard : {0, 1}) {
+    auto bytes = trainer::SerializeSafetensors(std::move(shards[shard]), {{"format", "pt"}});
+    EXPECT_TRUE(bytes.ok()) << bytes.status();
+    std::ofstream(absl::StrCat(dir, "/model-0000", shard + 1, "-of-00002.safetensors"),
+                  std::ios::binary)
+        << bytes.value_or("");
+  }
+  std::ofstream(dir + "/model.safetensors.index.json") << index.dump();
+  return values;
+}
+
+v1::JobSpec LlamaSpec(int ranks, int micro_batch) {
+  v1::JobSpec s = TinySpec(ranks, micro_batch);
+  s.mutable_model()->set_kind("llama");
+  s.mutable_model()->set_n_kv_head(1);
+  ApplyJobSpecDefaults(s);
+  return s;
+}
+
+// Two FSDP ranks, rank 0 reading the checkpoint and sending the other its shards
+// (cpu_ram_efficient_loading), train what one rank trains from the same checkpoint; the sizes
+// the spec leaves out come from config.json.
+TEST_F(TrainerE2eTest, LlamaFromAHuggingFaceCheckpointTrainsTheSameOnTwoFsdpRanksAsOnOne) {
+  const std::string model_dir = dir_.path() + "/hf-model";
+  const auto start = WriteLlamaCheckpoint(model_dir, LlamaSpec(1, 8).model(), 5);
+  v1::JobSpec spec = LlamaSpec(2, 4);
+  auto* m = spec.mutable_model();
+  for (auto set :
+       {&v1::ModelSpec::set_n_layer, &v1::ModelSpec::set_d_model, &v1::ModelSpec::set_n_head,
+        &v1::ModelSpec::set_n_kv_head, &v1::ModelSpec::set_d_hidden, &v1::ModelSpec::set_vocab}) {
+    (m->*set)(0);
+  }
+  m->set_from(model_dir);
+  ASSERT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  spec.mutable_parallel()->set_strategy(v1::FSDP);
+  spec.mutable_parallel()->set_cpu_ram_efficient_loading(true);
+  v1::JobSpec one = spec;
+  one.mutable_resources()->set_gpus(1);
+  one.mutable_train()->set_micro_batch(8);
+  one.mutable_parallel()->set_strategy(v1::DDP);
+
+  const std::string fsdp_dump = dir_.path() + "/fsdp.params",
+                    one_dump = dir_.path() + "/one.params";
+  RunResult rf = Run(StartJob(spec, "fsdp"), 2, {"--dump-params", fsdp_dump});
+  EXPECT_THAT(rf.exit_codes, ::testing::Each(0)) << Joined(rf);
+  EXPECT_THAT(Joined(rf), HasSubstr(absl::StrCat("loaded 21 tensors from ", model_dir)));
+  RunResult r1 = Run(StartJob(one, "one"), 1, {"--dump-params", one_dump});
+  EXPECT_THAT(r1.exit_codes, ::testing::ElementsAre(0)) << Joined(r1);
+  const auto fsdp = ReadDump(fsdp_dump), single = ReadDump(one_dump);
+  ExpectSameParams(fsdp, single, 1e-5);
+  // Trained from the checkpoint: 10 Adam steps of lr 1e-3 move no value by more than 0.05.
+  ASSERT_EQ(fsdp.size(), start.size());
+  for (const DumpedParam& p : fsdp) {
+    SCOPED_TRACE(p.name);
+    ASSERT_EQ(start.count(p.name), 1u);
+    const std::vector<float>& v = start.at(p.name);
+    ASSERT_EQ(p.values.size(), v.size());
+    float moved = 0;
+    for (size_t i = 0; i < v.size(); ++i) moved = std::max(moved, std::abs(p.values[i] - v[i]));
+    EXPECT_LT(moved, 0.05);
+    EXPECT_GT(moved, 0);
+  }
+}
+
+TEST_F(TrainerE2eTest, ABadLlamaCheckpointIsRefusedAtStartNamingTheTensorAndTheFile) {
+  const v1::JobSpec spec = LlamaSpec(1, 8);
+  auto refused = [&](const std::string& model_dir, const v1::JobSpec& s) {
+    v1::JobSpec with = s;
+    with.mutable_model()->set_from(model_dir);
+    const Job job = StartJob(with, "bad");
+    testing::CommandResult r = testing::RunCommand(Argv(job, 0, 1, {}), {}, absl::Seconds(60));
+    EXPECT_NE(r.exit_code, 0);
+    return r.err;
+  };
+  const std::string missing = dir_.path() + "/missing";
+  WriteLlamaCheckpoint(missing, spec.model(), 1, "model.layers.1.mlp.up_proj.weight");
+  EXPECT_THAT(refused(missing, spec),
+              AllOf(HasSubstr("model.from: tensor model.layers.1.mlp.up_proj.weight"),
+                    HasSubstr("is missing from the checkpoint"), HasSubstr(missing)));
+
+  const std::string truncated = dir_.path() + "/truncated";
+  WriteLlamaCheckpoint(truncated, spec.model(), 1);
+  const std::string shard = truncated + "/model-00002-of-00002.safetensors";
+  std::filesystem::resize_file(shard, std::filesystem::file_size(shard) - 4);
+  EXPECT_THAT(refused(truncated, spec), AllOf(HasSubstr("model.from: "), HasSubstr(shard)));
+
+  // The spec disagrees with config.json.
+  v1::JobSpec three_layers = spec;
+  three_layers.mutable_model()->set_n_layer(3);
+  EXPECT_THAT(refused(missing, three_layers),
+              HasSubstr("model.n_layer: the spec says 3 but " + missing +
+                        "/config.json has num_hidden_layers 2"));
+}
 
 // The model-state bytes FULL_SHARD keeps on a rank: its shards (parameters, gradients, AdamW's two
 // moments) plus the largest working set gathered at once, which without prefetch is the root unit

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <set>
 #include <thread>
+#include <tuple>
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
@@ -78,6 +79,55 @@ TEST(ModelTest, MlpParameterCountMatchesSpecFormula) {
     auto model = BuildModel(m, {}, 1);
     EXPECT_EQ(Numel(*model), ModelParameterCount(m)) << Describe(m);
   }
+}
+
+TEST(ModelTest, LlamaParameterCountMatchesSpecFormulaAndTheHfNames) {
+  for (auto [kv_heads, tied, head_dim] :
+       {std::tuple{4, false, 0}, std::tuple{2, true, 0}, std::tuple{1, false, 6}}) {
+    ModelConfig m;
+    m.kind = "llama";
+    m.n_layer = 2;
+    m.d_model = 32;
+    m.n_head = 4;
+    m.n_kv_head = kv_heads;
+    m.head_dim = head_dim;
+    m.d_hidden = 56;
+    m.seq_len = 16;
+    m.vocab = 96;
+    m.tie_weights = tied;
+    auto model = BuildModel(m, {}, 1);
+    EXPECT_EQ(Numel(*model), ModelParameterCount(m)) << Describe(m);
+    // Named as transformers names them, so checkpoints load by name.
+    const auto params = model->named_parameters();
+    EXPECT_TRUE(params.contains("model.layers.1.self_attn.k_proj.weight"));
+    EXPECT_EQ(params["model.layers.1.self_attn.k_proj.weight"].size(0), kv_heads * m.HeadDim());
+    EXPECT_EQ(params.contains("lm_head.weight"), !tied);
+    EXPECT_EQ(model->BlockOf("model.layers.1.mlp.up_proj.weight"), 1);
+    EXPECT_EQ(model->BlockOf("model.norm.weight"), -1);
+  }
+}
+
+// Recomputing each layer in backward gives the same loss and gradients as keeping activations.
+TEST(ModelTest, LlamaActivationCheckpointingChangesNothing) {
+  ModelConfig m;
+  m.kind = "llama";
+  m.n_layer = 2;
+  m.d_model = 32;
+  m.n_head = 4;
+  m.n_kv_head = 2;
+  m.d_hidden = 56;
+  m.seq_len = 16;
+  m.vocab = 96;
+  ModelOptions checkpointed;
+  checkpointed.activation_checkpointing = true;
+  auto a = BuildModel(m, {}, 3), b = BuildModel(m, checkpointed, 3);
+  const torch::Tensor windows = torch::randint(0, 96, {2, 17}, torch::kLong);
+  torch::Tensor la = a->Loss(windows), lb = b->Loss(windows);
+  la.backward();
+  lb.backward();
+  EXPECT_EQ(la.item<float>(), lb.item<float>());
+  auto pa = a->parameters(), pb = b->parameters();
+  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(pa[i].grad().equal(pb[i].grad())) << i;
 }
 
 TEST(ModelTest, SameSeedSameParameters) {

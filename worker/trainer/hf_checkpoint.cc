@@ -2,6 +2,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -142,6 +143,110 @@ absl::StatusOr<LlamaConfig> ParseLlamaConfig(absl::string_view json, const std::
     }
   }
   return c;
+}
+
+absl::StatusOr<LlamaConfig> ReadLlamaConfig(const std::string& dir) {
+  const std::string path = dir + "/config.json";
+  auto text = ReadSmallFile(path);
+  if (!text.ok()) return text.status();
+  return ParseLlamaConfig(*text, path);
+}
+
+absl::Status ResolveLlamaConfig(const LlamaConfig& c, const std::string& file, ModelConfig* m) {
+  auto take = [&](const char* field, int* spec, int64_t hf, const char* hf_field) -> absl::Status {
+    if (*spec == 0) {
+      *spec = static_cast<int>(hf);
+      return absl::OkStatus();
+    }
+    if (*spec != hf) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": the spec says ", *spec, " but ",
+                                                     file, " has ", hf_field, " ", hf));
+    }
+    return absl::OkStatus();
+  };
+  for (const auto& [field, spec, hf, hf_field] :
+       {std::tuple<const char*, int*, int64_t, const char*>{
+            "model.n_layer", &m->n_layer, c.num_hidden_layers, "num_hidden_layers"},
+        {"model.d_model", &m->d_model, c.hidden_size, "hidden_size"},
+        {"model.n_head", &m->n_head, c.num_attention_heads, "num_attention_heads"},
+        {"model.n_kv_head", &m->n_kv_head, c.num_key_value_heads, "num_key_value_heads"},
+        {"model.head_dim", &m->head_dim, c.head_dim, "head_dim"},
+        {"model.d_hidden", &m->d_hidden, c.intermediate_size, "intermediate_size"},
+        {"model.vocab", &m->vocab, c.vocab_size, "vocab_size"}}) {
+    if (absl::Status s = take(field, spec, hf, hf_field); !s.ok()) return s;
+  }
+  // The spec's tie_weights can only say true; a checkpoint decides it either way.
+  if (m->tie_weights && !c.tie_word_embeddings) {
+    return absl::InvalidArgumentError(absl::StrCat("model.tie_weights: the spec says true but ",
+                                                   file, " has tie_word_embeddings false"));
+  }
+  m->tie_weights = c.tie_word_embeddings;
+  m->rope_theta = c.rope_theta;
+  m->rms_norm_eps = c.rms_norm_eps;
+  m->rope_scaling = c.rope_scaling_type;
+  m->rope_factor = c.rope_scaling_factor;
+  m->rope_low_freq_factor = c.rope_low_freq_factor;
+  m->rope_high_freq_factor = c.rope_high_freq_factor;
+  m->rope_original_max_position = c.rope_original_max_position_embeddings;
+  m->max_position_embeddings = c.max_position_embeddings;
+  return absl::OkStatus();
+}
+
+LlamaConfig LlamaConfigOf(const ModelConfig& m) {
+  LlamaConfig c;
+  c.vocab_size = m.vocab;
+  c.hidden_size = m.d_model;
+  c.intermediate_size = m.d_hidden;
+  c.num_hidden_layers = m.n_layer;
+  c.num_attention_heads = m.n_head;
+  c.num_key_value_heads = m.KvHeads();
+  c.head_dim = m.HeadDim();
+  c.max_position_embeddings =
+      m.max_position_embeddings > 0 ? m.max_position_embeddings : std::max(m.seq_len, 1);
+  c.rope_theta = m.rope_theta;
+  c.rms_norm_eps = m.rms_norm_eps;
+  c.tie_word_embeddings = m.tie_weights;
+  c.rope_scaling_type = m.rope_scaling;
+  c.rope_scaling_factor = m.rope_factor;
+  c.rope_low_freq_factor = m.rope_low_freq_factor;
+  c.rope_high_freq_factor = m.rope_high_freq_factor;
+  c.rope_original_max_position_embeddings = m.rope_original_max_position;
+  c.torch_dtype = "float32";
+  return c;
+}
+
+std::string LlamaConfigJson(const ModelConfig& m) {
+  const LlamaConfig c = LlamaConfigOf(m);
+  nlohmann::json j = {
+      {"architectures", {"LlamaForCausalLM"}},
+      {"model_type", "llama"},
+      {"vocab_size", c.vocab_size},
+      {"hidden_size", c.hidden_size},
+      {"intermediate_size", c.intermediate_size},
+      {"num_hidden_layers", c.num_hidden_layers},
+      {"num_attention_heads", c.num_attention_heads},
+      {"num_key_value_heads", c.num_key_value_heads},
+      {"head_dim", c.head_dim},
+      {"max_position_embeddings", c.max_position_embeddings},
+      {"rope_theta", c.rope_theta},
+      {"rms_norm_eps", c.rms_norm_eps},
+      {"tie_word_embeddings", c.tie_word_embeddings},
+      {"hidden_act", "silu"},
+      {"attention_bias", false},
+      {"mlp_bias", false},
+      {"torch_dtype", c.torch_dtype},
+      {"rope_scaling", nullptr},
+  };
+  if (!c.rope_scaling_type.empty()) {
+    j["rope_scaling"] = {{"rope_type", c.rope_scaling_type}, {"factor", c.rope_scaling_factor}};
+    if (c.rope_scaling_type == "llama3") {
+      j["rope_scaling"]["low_freq_factor"] = c.rope_low_freq_factor;
+      j["rope_scaling"]["high_freq_factor"] = c.rope_high_freq_factor;
+      j["rope_scaling"]["original_max_position_embeddings"] =
+          c.rope_original_max_position_embeddings;
+    }
+  }
+  return j.dump(2) + "\n";
 }
 
 std::vector<ExpectedTensor> LlamaTensors(const LlamaConfig& c) {

@@ -18,6 +18,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/job_config.h"
 #include "worker/trainer/safetensors.h"
 
 namespace trainyard::trainer {
@@ -48,6 +49,18 @@ struct LlamaConfig {
 // INVALID_ARGUMENT naming `file` and the field: not JSON, another architecture, a size missing
 // or out of range, heads that do not divide the hidden size or the key-value heads.
 absl::StatusOr<LlamaConfig> ParseLlamaConfig(absl::string_view json, const std::string& file);
+
+// DIR/config.json, read and parsed (NOT_FOUND when it cannot be read).
+absl::StatusOr<LlamaConfig> ReadLlamaConfig(const std::string& dir);
+
+// Fills `model`'s llama sizes left at 0 from `config` (read from `file`) and copies its rope
+// scaling; INVALID_ARGUMENT naming the spec's field when one given disagrees with the checkpoint.
+absl::Status ResolveLlamaConfig(const LlamaConfig& config, const std::string& file,
+                                ModelConfig* model);
+// The config.json of a llama `model` (as transformers' LlamaConfig writes it, float32).
+std::string LlamaConfigJson(const ModelConfig& model);
+// The LlamaConfig a llama `model` has.
+LlamaConfig LlamaConfigOf(const ModelConfig& model);
 
 struct ExpectedTensor {
   std::string name;

@@ -4,6 +4,9 @@
 #include <c10/core/CPUAllocator.h>
 
 #include <cmath>
+#include <limits>
+#include <map>
+#include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
@@ -103,10 +106,10 @@ TORCH_MODULE(Block);
 // runs the block without recording a graph and saves only its input; backward recomputes the block
 // with grad enabled and backpropagates the incoming gradient through it, which accumulates the
 // block's parameter gradients (firing their hooks, so DDP buckets see them) and yields the input's.
-class CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
+template <typename B>
+class CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock<B>> {
  public:
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x,
-                               BlockImpl* block) {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x, B* block) {
     ctx->saved_data["block"] = reinterpret_cast<int64_t>(block);
     ctx->save_for_backward({x});
     torch::NoGradGuard no_grad;  // apply() already disables grad; stated for the reader
@@ -115,7 +118,7 @@ class CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
-    auto* block = reinterpret_cast<BlockImpl*>(ctx->saved_data["block"].toInt());
+    auto* block = reinterpret_cast<B*>(ctx->saved_data["block"].toInt());
     torch::Tensor x = ctx->get_saved_variables()[0].detach().requires_grad_(true);
     torch::Tensor y;
     {
@@ -180,7 +183,7 @@ class GptModel : public LanguageModel {
     for (size_t i = 0; i < blocks_->size(); ++i) {
       auto* block = (*blocks_)[i]->as<BlockImpl>();
       if (hooks_ != nullptr) hooks_->BeforeBlock(static_cast<int>(i));
-      x = checkpoint ? CheckpointedBlock::apply(x, block) : block->forward(x);
+      x = checkpoint ? CheckpointedBlock<BlockImpl>::apply(x, block) : block->forward(x);
       if (hooks_ != nullptr) hooks_->AfterBlock(static_cast<int>(i), x);
     }
     x = ln_f_(x);
@@ -255,6 +258,247 @@ class MlpModel : public LanguageModel {
   torch::nn::Linear head_{nullptr};
 };
 
+// Rotary position embeddings as transformers' LlamaRotaryEmbedding computes them: inverse
+// frequencies theta^(-2i/head_dim) (rescaled for linear, dynamic or llama3 rope_scaling), and cos
+// and sin of position * frequency, each frequency twice ([t, head_dim]); cached per length.
+class Rope {
+ public:
+  explicit Rope(const ModelConfig& m) : m_(m), dim_(m.HeadDim()) {}
+
+  // cos and sin for positions 0..t-1.
+  std::pair<torch::Tensor, torch::Tensor> CosSin(int64_t t) {
+    auto it = cache_.find(t);
+    if (it != cache_.end()) return it->second;
+    torch::NoGradGuard no_grad;
+    torch::Tensor inv_freq = InverseFrequencies(t);
+    torch::Tensor freqs = torch::outer(torch::arange(t, torch::kFloat), inv_freq);
+    torch::Tensor emb = torch::cat({freqs, freqs}, -1);
+    return cache_[t] = std::make_pair(emb.cos(), emb.sin());
+  }
+
+ private:
+  torch::Tensor Default(double base) const {
+    return 1.0 / torch::pow(base, torch::arange(0, dim_, 2, torch::kLong).to(torch::kFloat) /
+                                      static_cast<double>(dim_));
+  }
+
+  torch::Tensor InverseFrequencies(int64_t t) const {
+    const double factor = m_.rope_factor;
+    if (m_.rope_scaling == "linear") return Default(m_.rope_theta) / factor;
+    if (m_.rope_scaling == "dynamic") {
+      // NTK-aware: the base grows once a sequence is longer than max_position_embeddings.
+      const double max_pos = static_cast<double>(m_.max_position_embeddings);
+      if (max_pos <= 0 || t <= max_pos) return Default(m_.rope_theta);
+      const double base = m_.rope_theta * std::pow(factor * t / max_pos - (factor - 1),
+                                                   double(dim_) / double(dim_ - 2));
+      return Default(base);
+    }
+    torch::Tensor inv_freq = Default(m_.rope_theta);
+    if (m_.rope_scaling != "llama3") return inv_freq;
+    // Llama 3.1: long wavelengths divided by the factor, short ones kept, a blend in between.
+    const double old_len = static_cast<double>(m_.rope_original_max_position);
+    const double low = m_.rope_low_freq_factor, high = m_.rope_high_freq_factor;
+    const double low_wavelen = old_len / low, high_wavelen = old_len / high;
+    torch::Tensor wavelen = 2 * M_PI / inv_freq;
+    torch::Tensor scaled = torch::where(wavelen > low_wavelen, inv_freq / factor, inv_freq);
+    torch::Tensor smooth = (old_len / wavelen - low) / (high - low);
+    torch::Tensor smoothed = (1 - smooth) * scaled / factor + smooth * scaled;
+    torch::Tensor medium = wavelen.ge(high_wavelen).logical_and(wavelen.le(low_wavelen));
+    return torch::where(medium, smoothed, scaled);
+  }
+
+  ModelConfig m_;
+  int64_t dim_;
+  std::map<int64_t, std::pair<torch::Tensor, torch::Tensor>> cache_;
+};
+
+// x * rsqrt(mean(x^2) + eps) * weight, in fp32 (as transformers' LlamaRMSNorm).
+class RmsNormImpl : public torch::nn::Module {
+ public:
+  RmsNormImpl(int64_t d, double eps)
+      : eps_(eps), weight(register_parameter("weight", torch::ones({d}))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return weight * (x * torch::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps_));
+  }
+
+ private:
+  double eps_;
+
+ public:
+  torch::Tensor weight;
+};
+TORCH_MODULE(RmsNorm);
+
+// [.., d] -> [.., d] with its halves swapped and the new first half negated.
+torch::Tensor RotateHalf(const torch::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+torch::nn::Linear NoBias(int64_t in, int64_t out, const ModelOptions& options) {
+  return Keep(torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false)), options);
+}
+
+class LlamaAttentionImpl : public torch::nn::Module {
+ public:
+  LlamaAttentionImpl(const ModelConfig& m, const ModelOptions& options)
+      : heads_(m.n_head), kv_heads_(m.KvHeads()), head_dim_(m.HeadDim()), bf16_(options.bf16) {
+    const int64_t d = m.d_model;
+    q_proj = register_module("q_proj", NoBias(d, heads_ * head_dim_, options));
+    k_proj = register_module("k_proj", NoBias(d, kv_heads_ * head_dim_, options));
+    v_proj = register_module("v_proj", NoBias(d, kv_heads_ * head_dim_, options));
+    o_proj = register_module("o_proj", NoBias(heads_ * head_dim_, d, options));
+  }
+
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos,
+                        const torch::Tensor& sin) {
+    const int64_t b = x.size(0), t = x.size(1), hd = head_dim_, rep = heads_ / kv_heads_;
+    // [b, heads, t, hd], rotated
+    auto heads = [&](torch::nn::Linear& proj, int64_t n) {
+      return Dense(x, proj, bf16_).view({b, t, n, hd}).transpose(1, 2);
+    };
+    torch::Tensor q = heads(q_proj, heads_), k = heads(k_proj, kv_heads_),
+                  v = heads(v_proj, kv_heads_);
+    q = q * cos + RotateHalf(q) * sin;
+    k = k * cos + RotateHalf(k) * sin;
+    // Grouped-query attention: each key-value head serves `rep` query heads.
+    auto expand = [&](const torch::Tensor& kv) {
+      if (rep == 1) return kv.reshape({b * heads_, t, hd});
+      return kv.unsqueeze(2).expand({b, kv_heads_, rep, t, hd}).reshape({b * heads_, t, hd});
+    };
+    const torch::Tensor mask = torch::full({t, t}, -std::numeric_limits<float>::infinity(),
+                                           x.options().requires_grad(false))
+                                   .triu(1);
+    torch::Tensor scores = BatchedMatmul(q.reshape({b * heads_, t, hd}), expand(k).transpose(1, 2),
+                                         1.0 / std::sqrt(double(hd)), mask);
+    torch::Tensor y = BatchedMatmul(torch::softmax(scores, -1), expand(v), 1.0, torch::Tensor());
+    y = y.view({b, heads_, t, hd}).transpose(1, 2).reshape({b, t, heads_ * hd});
+    return Dense(y, o_proj, bf16_);
+  }
+
+  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+
+ private:
+  int64_t heads_, kv_heads_, head_dim_;
+  bool bf16_;
+};
+TORCH_MODULE(LlamaAttention);
+
+class LlamaMlpImpl : public torch::nn::Module {
+ public:
+  LlamaMlpImpl(const ModelConfig& m, const ModelOptions& options) : bf16_(options.bf16) {
+    gate_proj = register_module("gate_proj", NoBias(m.d_model, m.d_hidden, options));
+    up_proj = register_module("up_proj", NoBias(m.d_model, m.d_hidden, options));
+    down_proj = register_module("down_proj", NoBias(m.d_hidden, m.d_model, options));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return Dense(F::silu(Dense(x, gate_proj, bf16_)) * Dense(x, up_proj, bf16_), down_proj, bf16_);
+  }
+  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+
+ private:
+  bool bf16_;
+};
+TORCH_MODULE(LlamaMlp);
+
+class LlamaLayerImpl : public torch::nn::Module {
+ public:
+  LlamaLayerImpl(const ModelConfig& m, const ModelOptions& options, Rope* rope) : rope_(rope) {
+    self_attn = register_module("self_attn", LlamaAttention(m, options));
+    mlp = register_module("mlp", LlamaMlp(m, options));
+    input_layernorm =
+        register_module("input_layernorm", Keep(RmsNorm(m.d_model, m.rms_norm_eps), options));
+    post_attention_layernorm = register_module("post_attention_layernorm",
+                                               Keep(RmsNorm(m.d_model, m.rms_norm_eps), options));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const auto [cos, sin] = rope_->CosSin(x.size(1));
+    torch::Tensor h = x + self_attn(input_layernorm(x), cos, sin);
+    return h + mlp(post_attention_layernorm(h));
+  }
+  LlamaAttention self_attn{nullptr};
+  LlamaMlp mlp{nullptr};
+  RmsNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+
+ private:
+  Rope* rope_;
+};
+TORCH_MODULE(LlamaLayer);
+
+// transformers' LlamaModel: its parameters are named as in a LlamaForCausalLM's state dict.
+class LlamaBodyImpl : public torch::nn::Module {
+ public:
+  LlamaBodyImpl(const ModelConfig& m, const ModelOptions& options, Rope* rope) {
+    embed_tokens =
+        register_module("embed_tokens", Keep(torch::nn::Embedding(m.vocab, m.d_model), options));
+    layers = register_module("layers", torch::nn::ModuleList());
+    for (int i = 0; i < m.n_layer; ++i) layers->push_back(LlamaLayer(m, options, rope));
+    norm = register_module("norm", Keep(RmsNorm(m.d_model, m.rms_norm_eps), options));
+  }
+  torch::nn::Embedding embed_tokens{nullptr};
+  torch::nn::ModuleList layers{nullptr};
+  RmsNorm norm{nullptr};
+};
+TORCH_MODULE(LlamaBody);
+
+class LlamaModel : public LanguageModel {
+ public:
+  LlamaModel(const ModelConfig& spec, const ModelOptions& options)
+      : options_(options), tie_weights_(spec.tie_weights), seq_len_(spec.seq_len), rope_(spec) {
+    model_ = register_module("model", LlamaBody(spec, options, &rope_));
+    if (!tie_weights_)
+      lm_head_ = register_module("lm_head", NoBias(spec.d_model, spec.vocab, options));
+  }
+
+  int NumBlocks() const override { return static_cast<int>(model_->layers->size()); }
+
+  // "model.layers.<i>.<...>"
+  int BlockOf(const std::string& name) const override {
+    absl::string_view rest = name;
+    if (!absl::ConsumePrefix(&rest, "model.layers.")) return -1;
+    const std::vector<absl::string_view> parts = absl::StrSplit(rest, absl::MaxSplits('.', 1));
+    int block = -1;
+    return absl::SimpleAtoi(parts[0], &block) ? block : -1;
+  }
+
+  torch::Tensor Loss(const torch::Tensor& windows) override {
+    const int64_t t = windows.size(1) - 1;
+    torch::Tensor logits = Logits(windows.narrow(1, 0, t));
+    return F::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                            windows.narrow(1, 1, t).reshape({-1}));
+  }
+
+  torch::Tensor NextTokenLogits(const torch::Tensor& context) override {
+    const int64_t t = std::min<int64_t>(context.size(1), seq_len_);
+    return Logits(context.narrow(1, context.size(1) - t, t)).select(1, t - 1).squeeze(0);
+  }
+
+  int64_t TokensPerWindow() const override { return seq_len_; }
+
+  // [b, t, vocab] logits of every position of `inputs` ([b, t]).
+  torch::Tensor Logits(const torch::Tensor& inputs) {
+    torch::Tensor x = model_->embed_tokens(inputs);
+    const bool checkpoint = options_.activation_checkpointing && torch::GradMode::is_enabled();
+    for (size_t i = 0; i < model_->layers->size(); ++i) {
+      auto* layer = (*model_->layers)[i]->as<LlamaLayerImpl>();
+      if (hooks_ != nullptr) hooks_->BeforeBlock(static_cast<int>(i));
+      x = checkpoint ? CheckpointedBlock<LlamaLayerImpl>::apply(x, layer) : layer->forward(x);
+      if (hooks_ != nullptr) hooks_->AfterBlock(static_cast<int>(i), x);
+    }
+    x = model_->norm(x);
+    return tie_weights_ ? Dense(x, model_->embed_tokens->weight, torch::Tensor(), options_.bf16)
+                        : Dense(x, lm_head_, options_.bf16);
+  }
+
+ private:
+  ModelOptions options_;
+  bool tie_weights_;
+  int64_t seq_len_;
+  Rope rope_;
+  LlamaBody model_{nullptr};
+  torch::nn::Linear lm_head_{nullptr};
+};
+
 // GPT-2 style initialization, in registration order so it depends on the seed only.
 void Initialize(torch::nn::Module& model) {
   torch::NoGradGuard no_grad;
@@ -267,6 +511,8 @@ void Initialize(torch::nn::Module& model) {
     } else if (auto* norm = module->as<torch::nn::LayerNormImpl>()) {
       norm->weight.fill_(1.0);
       norm->bias.zero_();
+    } else if (auto* rms = module->as<RmsNormImpl>()) {
+      rms->weight.fill_(1.0);
     }
   }
 }
@@ -279,6 +525,8 @@ std::shared_ptr<LanguageModel> BuildModel(const ModelConfig& spec, const ModelOp
   std::shared_ptr<LanguageModel> model;
   if (spec.kind == "mlp") {
     model = std::make_shared<MlpModel>(spec, options);
+  } else if (spec.kind == "llama") {
+    model = std::make_shared<LlamaModel>(spec, options);
   } else {
     model = std::make_shared<GptModel>(spec, options);
   }

@@ -7,6 +7,12 @@
 //  - "mlp": the mean of the context's token embeddings, n_layer residual blocks
 //    (Linear d_model->d_hidden, GELU, Linear d_hidden->d_model), a Linear head with bias that
 //    predicts the token after the context.
+//  - "llama": transformers' LlamaForCausalLM, its parameters named as in its state dict
+//    (model.embed_tokens, model.layers.<i>.{input_layernorm, self_attn.{q,k,v,o}_proj,
+//    post_attention_layernorm, mlp.{gate,up,down}_proj}, model.norm, lm_head): RMSNorm, rotary
+//    position embeddings (rope_theta; linear, dynamic or llama3 scaling), grouped-query attention,
+//    a SwiGLU MLP, no biases, the head tied to the embedding or not. Initialized N(0, 0.02) with
+//    unit norms, or from a checkpoint (hf_weights.h).
 // Parameter counts equal common/job_config.h ModelParameterCount.
 //
 // fp32: every Linear (and the tied head) and the attention's batched products run their matmuls,

@@ -27,6 +27,8 @@
 #include "worker/trainer/fsdp.h"
 #include "worker/trainer/fsdp_checkpoint.h"
 #include "worker/trainer/fused_adamw.h"
+#include "worker/trainer/hf_checkpoint.h"
+#include "worker/trainer/hf_weights.h"
 #include "worker/trainer/model.h"
 #include "worker/trainer/offload.h"
 #include "worker/trainer/onednn_matmul.h"
@@ -99,9 +101,25 @@ absl::Status WriteDump(const std::string& path, torch::nn::Module& model) {
 
 absl::Status Train(const TrainerOptions& o) {
   const JobConfig& spec = o.job;
-  const ModelConfig& m = spec.model;
+  ModelConfig m = spec.model;
   const TrainConfig& t = spec.train;
   const bool rank0 = o.rank == 0;
+
+  // A Hugging Face checkpoint: its config.json gives the sizes the spec left out, and every
+  // tensor is checked (names, shapes, dtypes; headers only) before any rank waits for another.
+  std::unique_ptr<HfCheckpoint> hf_checkpoint;
+  if (!m.from.empty()) {
+    auto prefixed = [](const absl::Status& s) {
+      return absl::Status(s.code(), absl::StrCat("model.from: ", s.message()));
+    };
+    auto config = ReadLlamaConfig(m.from);
+    if (!config.ok()) return prefixed(config.status());
+    RETURN_IF_ERROR(ResolveLlamaConfig(*config, m.from + "/config.json", &m));
+    auto opened = HfCheckpoint::Open(m.from);
+    if (!opened.ok()) return prefixed(opened.status());
+    hf_checkpoint = *std::move(opened);
+    if (absl::Status s = hf_checkpoint->Check(LlamaTensors(*config)); !s.ok()) return prefixed(s);
+  }
 
   // Bad input fails here, before this rank makes the others wait at the rendezvous.
   const ParallelConfig& par = spec.parallel;
@@ -186,6 +204,12 @@ absl::Status Train(const TrainerOptions& o) {
   const bool from_rank0 = fsdp_on && par.cpu_ram_efficient_loading && o.world_size > 1;
   model_options.materialize = !from_rank0 || rank0;
   std::shared_ptr<LanguageModel> model = BuildModel(m, model_options, t.seed);
+  // The checkpoint's weights, on the ranks whose parameters are not sent to them from rank 0.
+  if (hf_checkpoint != nullptr && model_options.materialize && (rank0 || fsdp_on)) {
+    RETURN_IF_ERROR(LoadHfWeights(*hf_checkpoint, *model));
+    if (rank0) Log(absl::StrCat("loaded ", hf_checkpoint->size(), " tensors from ", m.from));
+  }
+  hf_checkpoint.reset();  // unmapped
   std::vector<torch::Tensor> params = model->parameters();
   // betas (0.9, 0.95) as in GPT-3 / nanoGPT; weight decay on every parameter.
   AdamHyper adam{t.lr, 0.9, 0.95, 1e-8, t.weight_decay};

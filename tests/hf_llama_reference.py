@@ -1,0 +1,106 @@
+"""Reference outputs of Hugging Face transformers' LlamaForCausalLM for tests/llama_reference_test.
+
+Builds a small random Llama with transformers itself, saves it with save_pretrained (sharded), and
+writes what the model computes on fixed tokens into reference.safetensors beside it:
+  tokens       int64 [batch, seq + 1]
+  logits       float32 [batch, seq + 1, vocab] of the whole window
+  loss         float32 [] (labels = tokens: the mean next-token cross-entropy)
+  grad.<name>  float32, the loss's gradient for each parameter, by its state-dict name
+
+  hf_llama_reference.py OUT_DIR VARIANT [DTYPE]
+VARIANT: mha (4 heads), gqa (4 query heads, 2 key-value heads, llama3 rope scaling) or tied (tied
+embeddings); DTYPE: float32 (default), bfloat16 or float16 for the saved weights (the outputs are
+always those of the float32 model).
+
+With --check-export DIR: loads a model directory trainyard exported, runs it on OUT_DIR's tokens,
+and writes DIR/transformers_logits.safetensors (the logits transformers computes with it).
+With --check-adapter BASE ADAPTER: loads BASE with PEFT's adapter ADAPTER the same way.
+"""
+
+import sys
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+VARIANTS = {
+    "mha": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
+    "gqa": dict(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8,
+        },
+    ),
+    "tied": dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
+}
+
+
+def reference(out_dir, variant, dtype):
+    torch.manual_seed(7)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=56,
+        num_hidden_layers=2,
+        max_position_embeddings=64,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        attn_implementation="eager",
+        **VARIANTS[variant],
+    )
+    model = LlamaForCausalLM(config).float()
+    # Norm weights away from 1, so that a norm without its weight shows.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    model.eval()
+    saved = model.to(getattr(torch, dtype))
+    saved.save_pretrained(out_dir, max_shard_size="20KB", safe_serialization=True)
+    model = LlamaForCausalLM.from_pretrained(out_dir, torch_dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    tokens = torch.randint(0, config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(3))
+    out = model(input_ids=tokens, labels=tokens)
+    out.loss.backward()
+    tensors = {
+        "tokens": tokens,
+        "logits": out.logits.detach().float().contiguous(),
+        "loss": out.loss.detach().float().reshape(()),
+    }
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            tensors["grad." + name] = p.grad.detach().float().contiguous()
+    save_file(tensors, f"{out_dir}/reference.safetensors")
+
+
+def logits_of(model, tokens):
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=tokens).logits.float().contiguous()
+
+
+def main():
+    if sys.argv[1] == "--check-export":
+        tokens = load_file(f"{sys.argv[2]}/reference.safetensors")["tokens"]
+        model = LlamaForCausalLM.from_pretrained(sys.argv[3], attn_implementation="eager")
+        save_file({"logits": logits_of(model, tokens)}, f"{sys.argv[3]}/transformers_logits.safetensors")
+        return
+    if sys.argv[1] == "--check-adapter":
+        from peft import PeftModel
+
+        tokens = load_file(f"{sys.argv[2]}/reference.safetensors")["tokens"]
+        base = LlamaForCausalLM.from_pretrained(sys.argv[3], attn_implementation="eager")
+        model = PeftModel.from_pretrained(base, sys.argv[4])
+        save_file({"logits": logits_of(model, tokens)}, f"{sys.argv[4]}/peft_logits.safetensors")
+        return
+    reference(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "float32")
+
+
+if __name__ == "__main__":
+    main()

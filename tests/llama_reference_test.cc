@@ -1,0 +1,165 @@
+// The llama model against the reference implementation itself: Hugging Face transformers (from
+// PyPI, in the virtual environment scripts/setup.sh creates at build/hf-venv) builds small random
+// LlamaForCausalLMs and saves them sharded (tests/hf_llama_reference.py); trainyard loads each
+// checkpoint the way the trainer does and must give the same logits on the same tokens, the same
+// loss and the same gradients, in fp32. Then trainyard's export must load in transformers and give
+// trainyard's logits.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "common/job_config.h"
+#include "tests/testing/subprocess.h"
+#include "worker/trainer/hf_checkpoint.h"
+#include "worker/trainer/hf_weights.h"
+#include "worker/trainer/model.h"
+#include "worker/trainer/safetensors.h"
+
+namespace trainyard::trainer {
+namespace {
+
+using testing::TempDir;
+
+std::string Python() { return testing::TestBinPath("../hf-venv/bin/python"); }
+
+std::string Script() { return std::string(TRAINYARD_SOURCE_DIR) + "/tests/hf_llama_reference.py"; }
+
+// Runs the reference script; fails the test with its output when it fails.
+void RunReference(const std::vector<std::string>& args) {
+  ASSERT_TRUE(std::filesystem::exists(Python()))
+      << Python() << " is missing: scripts/setup.sh creates it (transformers from PyPI)";
+  std::vector<std::string> argv = {Python(), Script()};
+  argv.insert(argv.end(), args.begin(), args.end());
+  const auto r = testing::RunCommand(
+      argv, {"HF_HUB_DISABLE_PROGRESS_BARS=1", "TRANSFORMERS_VERBOSITY=error", "HF_HUB_OFFLINE=1"},
+      absl::Seconds(240));
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+}
+
+// Every tensor of a safetensors file, as torch tensors (copies).
+std::map<std::string, torch::Tensor> ReadAll(const std::string& path) {
+  auto file = SafetensorsFile::Open(path);
+  EXPECT_TRUE(file.ok()) << file.status();
+  std::map<std::string, torch::Tensor> out;
+  if (!file.ok()) return out;
+  for (const SafetensorsTensor& t : (*file)->header().tensors) {
+    const torch::ScalarType type = t.dtype == SafetensorsDtype::kI64 ? torch::kLong : torch::kFloat;
+    EXPECT_TRUE(t.dtype == SafetensorsDtype::kI64 || t.dtype == SafetensorsDtype::kF32) << t.name;
+    auto bytes = (*file)->Bytes(t);
+    out[t.name] = torch::from_blob(const_cast<uint8_t*>(bytes.data()), t.shape, type).clone();
+  }
+  return out;
+}
+
+// The model a trainer builds from `dir`, as Train does.
+std::shared_ptr<LanguageModel> Load(const std::string& dir, ModelConfig* m) {
+  m->kind = "llama";
+  m->from = dir;
+  m->seq_len = 64;
+  auto config = ReadLlamaConfig(dir);
+  EXPECT_TRUE(config.ok()) << config.status();
+  if (!config.ok()) return nullptr;
+  EXPECT_TRUE(ResolveLlamaConfig(*config, dir + "/config.json", m).ok());
+  auto checkpoint = HfCheckpoint::Open(dir);
+  EXPECT_TRUE(checkpoint.ok()) << checkpoint.status();
+  if (!checkpoint.ok()) return nullptr;
+  absl::Status checked = (*checkpoint)->Check(LlamaTensors(*config));
+  EXPECT_TRUE(checked.ok()) << checked;
+  std::shared_ptr<LanguageModel> model = BuildModel(*m, ModelOptions{}, /*seed=*/1);
+  absl::Status loaded = LoadHfWeights(**checkpoint, *model);
+  EXPECT_TRUE(loaded.ok()) << loaded;
+  return model;
+}
+
+// [batch, t, vocab]: the logits of every position, one next-token prediction per prefix.
+torch::Tensor AllLogits(LanguageModel& model, const torch::Tensor& tokens) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> rows;
+  for (int64_t b = 0; b < tokens.size(0); ++b) {
+    std::vector<torch::Tensor> positions;
+    for (int64_t t = 1; t <= tokens.size(1); ++t) {
+      positions.push_back(model.NextTokenLogits(tokens.narrow(0, b, 1).narrow(1, 0, t)));
+    }
+    rows.push_back(torch::stack(positions));
+  }
+  return torch::stack(rows);
+}
+
+double MaxDiff(const torch::Tensor& a, const torch::Tensor& b) {
+  return (a - b).abs().max().item<double>();
+}
+
+struct Variant {
+  std::string name, dtype;
+};
+void PrintTo(const Variant& v, std::ostream* os) { *os << v.name << " saved as " << v.dtype; }
+
+class LlamaReferenceTest : public ::testing::TestWithParam<Variant> {};
+
+TEST_P(LlamaReferenceTest, LogitsLossAndGradientsMatchTransformers) {
+  TempDir dir;
+  const std::string ref = dir.path() + "/model";
+  ASSERT_NO_FATAL_FAILURE(RunReference({ref, GetParam().name, GetParam().dtype}));
+  // Sharded, as save_pretrained wrote it.
+  ASSERT_TRUE(std::filesystem::exists(ref + "/model.safetensors.index.json"));
+  std::map<std::string, torch::Tensor> expected = ReadAll(ref + "/reference.safetensors");
+  ModelConfig m;
+  std::shared_ptr<LanguageModel> model = Load(ref, &m);
+  ASSERT_NE(model, nullptr);
+  EXPECT_EQ(m.tie_weights, GetParam().name == "tied");
+  EXPECT_EQ(m.n_kv_head, GetParam().name == "gqa" ? 2 : GetParam().name == "tied" ? 1 : 4);
+
+  const torch::Tensor tokens = expected.at("tokens");
+  const torch::Tensor logits = AllLogits(*model, tokens);
+  ASSERT_EQ(logits.sizes(), expected.at("logits").sizes());
+  EXPECT_LT(MaxDiff(logits, expected.at("logits")), 1e-4);
+
+  // One training step's loss and every gradient.
+  torch::Tensor loss = model->Loss(tokens);
+  EXPECT_NEAR(loss.item<double>(), expected.at("loss").item<double>(), 1e-5);
+  loss.backward();
+  int compared = 0;
+  for (const auto& item : model->named_parameters()) {
+    SCOPED_TRACE(item.key());
+    ASSERT_TRUE(expected.count("grad." + item.key()) > 0);
+    ASSERT_TRUE(item.value().grad().defined());
+    EXPECT_LT(MaxDiff(item.value().grad(), expected.at("grad." + item.key())), 1e-5);
+    ++compared;
+  }
+  EXPECT_EQ(compared, static_cast<int>(model->named_parameters().size()));
+  EXPECT_GE(compared, 2 * 9 + 2);  // 9 tensors per layer, embedding, norm (and lm_head)
+}
+
+class LlamaExportTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(LlamaExportTest, AnExportedModelLoadsInTransformersWithTheSameLogits) {
+  TempDir dir;
+  const std::string ref = dir.path() + "/model", out = dir.path() + "/exported";
+  ASSERT_NO_FATAL_FAILURE(RunReference({ref, GetParam()}));
+  ModelConfig m;
+  std::shared_ptr<LanguageModel> model = Load(ref, &m);
+  ASSERT_NE(model, nullptr);
+  {  // a step of training, so the export is not just the checkpoint read back
+    torch::NoGradGuard no_grad;
+    for (const auto& p : model->parameters()) p.add_(0.01 * torch::randn_like(p));
+  }
+  ASSERT_TRUE(ExportHfModel(m, *model, out).ok());
+  ASSERT_NO_FATAL_FAILURE(RunReference({"--check-export", ref, out}));
+  std::map<std::string, torch::Tensor> expected = ReadAll(ref + "/reference.safetensors");
+  const torch::Tensor theirs = ReadAll(out + "/transformers_logits.safetensors").at("logits");
+  EXPECT_LT(MaxDiff(AllLogits(*model, expected.at("tokens")), theirs), 1e-4);
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, LlamaReferenceTest,
+                         ::testing::Values(Variant{"mha", "float32"}, Variant{"gqa", "float32"},
+                                           Variant{"tied", "float32"}, Variant{"gqa", "bfloat16"},
+                                           Variant{"mha", "float16"}),
+                         [](const auto& info) { return info.param.name + "_" + info.param.dtype; });
+INSTANTIATE_TEST_SUITE_P(Variants, LlamaExportTest, ::testing::Values("mha", "gqa", "tied"));
+
+}  // namespace
+}  // namespace trainyard::trainer
