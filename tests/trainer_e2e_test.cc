@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -1122,6 +1123,55 @@ TEST_F(TrainerE2eTest, ABadLlamaCheckpointIsRefusedAtStartNamingTheTensorAndTheF
   EXPECT_THAT(refused(missing, three_layers),
               HasSubstr("model.n_layer: the spec says 3 but " + missing +
                         "/config.json has num_hidden_layers 2"));
+}
+
+// `trainyard-trainer --export-hf`: a llama job's latest checkpoint, DDP or sharded FSDP, as a
+// Hugging Face directory holding exactly the trained parameters (tests/llama_reference_test
+// loads such a directory in transformers).
+TEST_F(TrainerE2eTest, ExportHfWritesTheTrainedLlamaFromDdpAndFsdpCheckpoints) {
+  for (const v1::Strategy strategy : {v1::DDP, v1::FSDP}) {
+    const std::string tag = v1::Strategy_Name(strategy);
+    SCOPED_TRACE(tag);
+    v1::JobSpec spec = LlamaSpec(2, 4);
+    spec.mutable_model()->set_tie_weights(true);
+    spec.mutable_parallel()->set_strategy(strategy);
+    const std::string dump = dir_.path() + "/" + tag + ".params", out = dir_.path() + "/" + tag;
+    const Job job = StartJob(spec, tag);
+    const std::string checkpoints = job.checkpoint_dir;
+    RunResult r = Run(job, 2, {"--dump-params", dump});
+    ASSERT_THAT(r.exit_codes, ::testing::Each(0)) << Joined(r);
+    testing::CommandResult e =
+        testing::RunCommand({testing::BinPath("trainyard-trainer"), "--export-hf", checkpoints,
+                             "--spec", job.spec_path, "--out", out});
+    ASSERT_EQ(e.exit_code, 0) << e.out << e.err;
+    EXPECT_THAT(e.err + e.out, HasSubstr("exported step 10"));
+
+    const nlohmann::json config =
+        nlohmann::json::parse(std::ifstream(out + "/config.json"), nullptr, false);
+    EXPECT_EQ(config.value("model_type", ""), "llama");
+    EXPECT_EQ(config.value("num_key_value_heads", 0), 1);
+    EXPECT_EQ(config.value("tie_word_embeddings", false), true);
+    auto file = trainer::SafetensorsFile::Open(out + "/model.safetensors");
+    ASSERT_TRUE(file.ok()) << file.status();
+    const auto trained = ReadDump(dump);
+    EXPECT_EQ((*file)->header().tensors.size(), trained.size());
+    for (const DumpedParam& p : trained) {
+      const trainer::SafetensorsTensor* t = (*file)->header().Find(p.name);
+      ASSERT_NE(t, nullptr) << p.name;
+      EXPECT_EQ(t->shape, p.shape) << p.name;
+      const auto bytes = (*file)->Bytes(*t);
+      ASSERT_EQ(bytes.size(), p.values.size() * sizeof(float)) << p.name;
+      EXPECT_EQ(std::memcmp(bytes.data(), p.values.data(), bytes.size()), 0) << p.name;
+    }
+    EXPECT_FALSE(std::filesystem::exists(out + "/.consolidated"));
+  }
+  // Only llama jobs export; the error names the field.
+  const Job gpt = StartJob(TinySpec(1, 8), "gpt");
+  testing::CommandResult e =
+      testing::RunCommand({testing::BinPath("trainyard-trainer"), "--export-hf", gpt.checkpoint_dir,
+                           "--spec", gpt.spec_path, "--out", dir_.path() + "/gpt"});
+  EXPECT_EQ(e.exit_code, 2);
+  EXPECT_THAT(e.err, HasSubstr("model.kind: --export-hf writes Llama-family models"));
 }
 
 // The model-state bytes FULL_SHARD keeps on a rank: its shards (parameters, gradients, AdamW's two

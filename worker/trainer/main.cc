@@ -94,6 +94,24 @@ int Main(int argc, char** argv) {
     return s.ok() ? 0 : Fail(s);
   }
 
+  // A tool mode without a job: a job's latest checkpoint as a Hugging Face model directory.
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) != "--export-hf") continue;
+    CLI::App tool{
+        "trainyard-trainer --export-hf: a llama job's latest checkpoint as a Hugging Face model "
+        "directory (config.json, model.safetensors)"};
+    std::string checkpoint_dir, out, spec_path;
+    tool.add_option("--export-hf", checkpoint_dir, "the job's checkpoint directory (its latest)")
+        ->required();
+    tool.add_option("--spec", spec_path, "the job's spec (.yaml or binary JobSpec)")->required();
+    tool.add_option("--out", out, "the model directory to write")->required();
+    CLI11_PARSE(tool, argc, argv);
+    auto spec = LoadSpec(spec_path);
+    if (!spec.ok()) return Fail(spec.status());
+    absl::Status s = RunExportHf(ToJobConfig(*spec), checkpoint_dir, out);
+    return s.ok() ? 0 : Fail(s);
+  }
+
   CLI::App app{"trainyard-trainer: one rank of a trainyard training job (LibTorch, DDP over Gloo)"};
   app.set_version_flag("--version", absl::StrCat("trainyard-trainer ", kVersion, "\n", blas));
   std::string spec_path;

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <thread>
@@ -502,6 +503,50 @@ absl::Status RunConsolidate(const std::string& sharded, const std::string& out_d
     ASSIGN_OR_RETURN(CheckpointInfo info, ConsolidateShardedCheckpoint(sharded, out_dir));
     Log(absl::StrCat("consolidated step ", info.step, " into ", info.path, " (", info.bytes,
                      " bytes)"));
+    return absl::OkStatus();
+  } catch (const c10::Error& e) {
+    return absl::InternalError(absl::StrCat("LibTorch: ", e.what_without_backtrace()));
+  }
+}
+
+absl::Status RunExportHf(const JobConfig& job, const std::string& checkpoint_dir,
+                         const std::string& out_dir) {
+  ModelConfig m = job.model;
+  if (m.kind != "llama") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model.kind: --export-hf writes Llama-family models (llama), this job trains ", m.kind));
+  }
+  if (!m.from.empty()) {
+    auto config = ReadLlamaConfig(m.from);
+    if (!config.ok()) {
+      return absl::Status(config.status().code(),
+                          absl::StrCat("model.from: ", config.status().message()));
+    }
+    RETURN_IF_ERROR(ResolveLlamaConfig(*config, m.from + "/config.json", &m));
+  }
+  try {
+    ASSIGN_OR_RETURN(std::optional<CheckpointInfo> latest, FindLatestCheckpoint(checkpoint_dir));
+    if (!latest.has_value()) {
+      return absl::NotFoundError(
+          absl::StrCat("--export-hf: no checkpoint in '", checkpoint_dir, "' (no 'latest')"));
+    }
+    std::string source = checkpoint_dir;
+    const std::string consolidated = out_dir + "/.consolidated";
+    if (std::filesystem::exists(latest->path + "/manifest.json")) {  // sharded (fsdp)
+      ASSIGN_OR_RETURN(CheckpointInfo info,
+                       ConsolidateShardedCheckpoint(latest->path, consolidated));
+      (void)info;
+      source = consolidated;
+    }
+    std::shared_ptr<LanguageModel> model = BuildModel(m, ModelOptions{}, job.train.seed);
+    torch::optim::AdamW optimizer(model->parameters());  // the checkpoint holds its state too
+    absl::StatusOr<std::optional<CheckpointInfo>> loaded =
+        LoadLatestCheckpoint(source, *model, optimizer);
+    std::error_code ec;
+    std::filesystem::remove_all(consolidated, ec);
+    if (!loaded.ok()) return loaded.status();
+    RETURN_IF_ERROR(ExportHfModel(m, *model, out_dir));
+    Log(absl::StrCat("exported step ", latest->step, " of ", checkpoint_dir, " to ", out_dir));
     return absl::OkStatus();
   } catch (const c10::Error& e) {
     return absl::InternalError(absl::StrCat("LibTorch: ", e.what_without_backtrace()));

@@ -58,6 +58,13 @@ absl::Status RunTrainer(const TrainerOptions& options);
 // a DDP one in OUT (see fsdp_checkpoint.h).
 absl::Status RunConsolidate(const std::string& sharded, const std::string& out_dir);
 
+// `trainyard-trainer --export-hf DIR --spec SPEC --out OUT`: the latest checkpoint in DIR (a DDP
+// one, or a sharded FSDP one, consolidated on the way) of a job with llama `job.model` as a Hugging
+// Face model directory OUT (config.json, model.safetensors in fp32). The model's sizes come from
+// the spec, and from model.from's config.json when it has one (which must still be readable).
+absl::Status RunExportHf(const JobConfig& job, const std::string& checkpoint_dir,
+                         const std::string& out_dir);
+
 // What computes: the LibTorch version, the BLAS and the matmul kernels (for --version and the
 // rank's log), one line each.
 std::string DescribeCompute();
