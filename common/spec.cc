@@ -566,6 +566,27 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
           m.head_dim() > 0 ? "model.head_dim" : "model.n_head",
           absl::StrCat("the head dimension must be even for rotary embeddings, got ", head_dim));
     }
+    // With a checkpoint they are its config.json's.
+    if (from_checkpoint && m.rope_theta() != 0) {
+      return FieldError("model.rope_theta", "comes from model.from's config.json; leave it out");
+    }
+    if (from_checkpoint && m.rms_norm_eps() != 0) {
+      return FieldError("model.rms_norm_eps", "comes from model.from's config.json; leave it out");
+    }
+    // Offload places the parameters on parameter servers at submit, by their count.
+    if (from_checkpoint && spec.parallel().strategy() == v1::OFFLOAD) {
+      for (const auto& [field, value] : {std::pair<const char*, int>{"model.n_layer", m.n_layer()},
+                                         {"model.d_model", m.d_model()},
+                                         {"model.n_head", m.n_head()},
+                                         {"model.d_hidden", m.d_hidden()},
+                                         {"model.vocab", m.vocab()}}) {
+        if (value == 0) {
+          return FieldError(field,
+                            "required with parallel.strategy offload (the coordinator sizes the "
+                            "parameter servers from the spec; model.from is read by the trainer)");
+        }
+      }
+    }
     if (m.rope_theta() < 0 || !std::isfinite(m.rope_theta())) {
       return FieldError("model.rope_theta", absl::StrCat("must be > 0, got ", m.rope_theta()));
     }

@@ -39,6 +39,9 @@ if ! cmp -s tests/hf-requirements.txt "$venv/requirements.txt" 2>/dev/null; then
   echo "setup: creating $venv (transformers from PyPI)"
   rm -rf "$venv"
   /usr/bin/python3 -m venv --system-site-packages "$venv"
-  "$venv/bin/pip" install -q --disable-pip-version-check -r tests/hf-requirements.txt
+  # Debian's torch, not a download of another (a requirement that needs one fails here instead).
+  echo "torch==$(/usr/bin/python3 -c 'import torch; print(torch.__version__)')" > "$venv/constraints.txt"
+  "$venv/bin/pip" install -q --disable-pip-version-check -c "$venv/constraints.txt" \
+    -r tests/hf-requirements.txt
   cp tests/hf-requirements.txt "$venv/requirements.txt"
 fi

@@ -54,6 +54,36 @@ TEST(HfCheckpointTest, ReadsALlamaConfigAsTransformersWritesIt) {
   EXPECT_EQ(mha->rope_theta, 10000);
 }
 
+TEST(HfCheckpointTest, TheSpecTakesTheSizesItLeftOutAndMustAgreeOnTheOthers) {
+  auto c = ParseLlamaConfig(kConfig, "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  ModelConfig m;
+  m.kind = "llama";
+  m.n_layer = 2;  // agrees
+  ASSERT_TRUE(ResolveLlamaConfig(*c, "m/config.json", &m).ok());
+  EXPECT_EQ(m.d_model, 32);
+  EXPECT_EQ(m.n_kv_head, 2);
+  EXPECT_EQ(m.d_hidden, 64);
+  EXPECT_EQ(m.vocab, 96);
+  EXPECT_EQ(m.rope_theta, 500000.0);
+  EXPECT_EQ(m.rope_scaling, "llama3");
+  // The round trip: the config.json of the resolved model reads back the same.
+  auto again = ParseLlamaConfig(LlamaConfigJson(m), "exported/config.json");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->num_key_value_heads, 2);
+  EXPECT_EQ(again->rope_original_max_position_embeddings, 64);
+
+  ModelConfig disagrees;
+  disagrees.d_hidden = 128;
+  EXPECT_EQ(ResolveLlamaConfig(*c, "m/config.json", &disagrees).message(),
+            "model.d_hidden: the spec says 128 but m/config.json has intermediate_size 64");
+  LlamaConfig odd = *c;
+  odd.head_dim = 7;
+  ModelConfig any;
+  EXPECT_THAT(std::string(ResolveLlamaConfig(odd, "m/config.json", &any).message()),
+              ::testing::StartsWith("model.head_dim: m/config.json gives a head dimension of 7"));
+}
+
 TEST(HfCheckpointTest, ABadConfigNamesTheField) {
   EXPECT_THAT(ErrorOf(R"({"model_type": "gpt2"})"),
               HasSubstr("config.json: model_type: \"gpt2\" is not a Llama-family model"));

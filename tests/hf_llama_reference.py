@@ -14,7 +14,6 @@ always those of the float32 model).
 
 With --check-export DIR: loads a model directory trainyard exported, runs it on OUT_DIR's tokens,
 and writes DIR/transformers_logits.safetensors (the logits transformers computes with it).
-With --check-adapter BASE ADAPTER: loads BASE with PEFT's adapter ADAPTER the same way.
 """
 
 import sys
@@ -90,14 +89,6 @@ def main():
         tokens = load_file(f"{sys.argv[2]}/reference.safetensors")["tokens"]
         model = LlamaForCausalLM.from_pretrained(sys.argv[3], attn_implementation="eager")
         save_file({"logits": logits_of(model, tokens)}, f"{sys.argv[3]}/transformers_logits.safetensors")
-        return
-    if sys.argv[1] == "--check-adapter":
-        from peft import PeftModel
-
-        tokens = load_file(f"{sys.argv[2]}/reference.safetensors")["tokens"]
-        base = LlamaForCausalLM.from_pretrained(sys.argv[3], attn_implementation="eager")
-        model = PeftModel.from_pretrained(base, sys.argv[4])
-        save_file({"logits": logits_of(model, tokens)}, f"{sys.argv[4]}/peft_logits.safetensors")
         return
     reference(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "float32")
 

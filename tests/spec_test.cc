@@ -344,8 +344,7 @@ TEST(SpecTest, ValidationErrorsPointAtTheLineOfTheField) {
 TEST(SpecTest, LlamaFieldsAreReadDefaultedAndChecked) {
   auto parsed = ParseJobSpecYaml(R"(name: ft
 resources: {gpus: 1}
-model: {kind: llama, from: /models/tiny, seq_len: 64, n_kv_head: 2, head_dim: 16,
-        rope_theta: 500000, rms_norm_eps: 1e-5}
+model: {kind: llama, from: /models/tiny, seq_len: 64, n_kv_head: 2, head_dim: 16}
 data: {path: /data/tokens.bin, format: uint32}
 train: {steps: 10}
 )",
@@ -360,8 +359,16 @@ train: {steps: 10}
   EXPECT_EQ(c.model.from, "/models/tiny");
   EXPECT_EQ(c.model.n_kv_head, 2);
   EXPECT_EQ(c.model.head_dim, 16);
-  EXPECT_EQ(c.model.rope_theta, 500000);
-  EXPECT_EQ(c.model.rms_norm_eps, 1e-5);
+  // Those of the checkpoint's config.json only.
+  v1::JobSpec theta = spec;
+  theta.mutable_model()->set_rope_theta(500000);
+  EXPECT_THAT(std::string(ValidateJobSpec(theta).message()),
+              StartsWith("model.rope_theta: comes from model.from's config.json"));
+  // Offload sizes its parameter servers at submit: it needs the sizes.
+  v1::JobSpec offload = spec;
+  offload.mutable_parallel()->set_strategy(v1::OFFLOAD);
+  EXPECT_THAT(std::string(ValidateJobSpec(offload).message()),
+              StartsWith("model.n_layer: required with parallel.strategy offload"));
 
   // Without a checkpoint: Llama's defaults for what is left out.
   v1::JobSpec random = spec;
@@ -373,6 +380,7 @@ train: {steps: 10}
   m->set_vocab(1000);
   m->set_n_kv_head(0);
   m->set_head_dim(0);
+  m->set_rope_theta(500000);
   ApplyJobSpecDefaults(random);
   EXPECT_TRUE(ValidateJobSpec(random).ok()) << ValidateJobSpec(random);
   EXPECT_EQ(random.model().d_hidden(), 256);  // 8/3 * 96, rounded up to a multiple of 64

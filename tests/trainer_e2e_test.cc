@@ -1064,6 +1064,8 @@ TEST_F(TrainerE2eTest, LlamaFromAHuggingFaceCheckpointTrainsTheSameOnTwoFsdpRank
     (m->*set)(0);
   }
   m->set_from(model_dir);
+  m->clear_rope_theta();  // the checkpoint's
+  m->clear_rms_norm_eps();
   ASSERT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
   spec.mutable_parallel()->set_strategy(v1::FSDP);
   spec.mutable_parallel()->set_cpu_ram_efficient_loading(true);
@@ -1100,6 +1102,8 @@ TEST_F(TrainerE2eTest, ABadLlamaCheckpointIsRefusedAtStartNamingTheTensorAndTheF
   auto refused = [&](const std::string& model_dir, const v1::JobSpec& s) {
     v1::JobSpec with = s;
     with.mutable_model()->set_from(model_dir);
+    with.mutable_model()->clear_rope_theta();  // the checkpoint's
+    with.mutable_model()->clear_rms_norm_eps();
     const Job job = StartJob(with, "bad");
     testing::CommandResult r = testing::RunCommand(Argv(job, 0, 1, {}), {}, absl::Seconds(60));
     EXPECT_NE(r.exit_code, 0);

@@ -148,8 +148,10 @@ void RankSupervisor::Stop(const std::string& job_id, int attempt) {
       const v1::Assignment& a = *it;
       if (a.job_id() == job_id && (attempt == 0 || a.attempt() == attempt)) {
         for (int i = 0; i < a.device_indices_size(); ++i) {
-          dropped.emplace_back(a.job_id(), a.attempt(), a.first_rank() + i);
-          started_.insert(dropped.back());  // reported as ended: a resend does not start it
+          // Reported as ended, so a resend does not start it; a copy of an assignment whose
+          // ranks already run is not reported (they report their own exit).
+          const RankKey key{a.job_id(), a.attempt(), a.first_rank() + i};
+          if (started_.insert(key).second) dropped.push_back(key);
         }
         it = launches_.erase(it);
       } else {

@@ -175,6 +175,22 @@ absl::Status ResolveLlamaConfig(const LlamaConfig& c, const std::string& file, M
         {"model.vocab", &m->vocab, c.vocab_size, "vocab_size"}}) {
     if (absl::Status s = take(field, spec, hf, hf_field); !s.ok()) return s;
   }
+  if (m->HeadDim() % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("model.head_dim: ", file,
+                                                   " gives a head dimension of ", m->HeadDim(),
+                                                   "; rotary embeddings need an even one"));
+  }
+  for (const auto& [field, value, max] :
+       {std::tuple<const char*, int, int>{"model.n_layer", m->n_layer, 1024},
+        {"model.n_head", m->n_head, 1024},
+        {"model.d_model", m->d_model, 65536},
+        {"model.vocab", m->vocab, 1 << 24},
+        {"model.d_hidden", m->d_hidden, 1 << 20}}) {
+    if (value < 1 || value > max) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": ", file, " gives ", value, ", beyond what trainyard takes (1..", max, ")"));
+    }
+  }
   // The spec's tie_weights can only say true; a checkpoint decides it either way.
   if (m->tie_weights && !c.tie_word_embeddings) {
     return absl::InvalidArgumentError(absl::StrCat("model.tie_weights: the spec says true but ",

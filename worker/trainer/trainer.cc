@@ -532,6 +532,12 @@ absl::Status RunExportHf(const JobConfig& job, const std::string& checkpoint_dir
     }
     std::string source = checkpoint_dir;
     const std::string consolidated = out_dir + "/.consolidated";
+    // Removed however this ends.
+    const std::unique_ptr<const std::string, void (*)(const std::string*)> cleanup(
+        &consolidated, [](const std::string* path) {
+          std::error_code ec;
+          std::filesystem::remove_all(*path, ec);
+        });
     if (std::filesystem::exists(latest->path + "/manifest.json")) {  // sharded (fsdp)
       ASSIGN_OR_RETURN(CheckpointInfo info,
                        ConsolidateShardedCheckpoint(latest->path, consolidated));
@@ -542,8 +548,6 @@ absl::Status RunExportHf(const JobConfig& job, const std::string& checkpoint_dir
     torch::optim::AdamW optimizer(model->parameters());  // the checkpoint holds its state too
     absl::StatusOr<std::optional<CheckpointInfo>> loaded =
         LoadLatestCheckpoint(source, *model, optimizer);
-    std::error_code ec;
-    std::filesystem::remove_all(consolidated, ec);
     if (!loaded.ok()) return loaded.status();
     RETURN_IF_ERROR(ExportHfModel(m, *model, out_dir));
     Log(absl::StrCat("exported step ", latest->step, " of ", checkpoint_dir, " to ", out_dir));
