@@ -1,6 +1,8 @@
 // Names and the parameter count of JobConfig (see job_config.h).
 #include "common/job_config.h"
 
+#include <utility>
+
 namespace trainyard {
 
 const char* Name(Strategy s) {
@@ -64,6 +66,34 @@ int64_t ModelParameterCount(const ModelConfig& m) {
   const int64_t per_block =
       2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d);
   return v * d + int64_t{m.seq_len} * d + layers * per_block + 2 * d + (m.tie_weights ? 0 : v * d);
+}
+
+bool LoraConfig::Targets(const std::string& module) const {
+  for (const std::string& t : target_modules) {
+    if (t == module) return true;
+  }
+  return false;
+}
+
+const std::vector<std::string>& LoraTargetNames() {
+  static const auto* names = new std::vector<std::string>{
+      "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+  return *names;
+}
+
+int64_t LoraParameterCount(const ModelConfig& m, const LoraConfig& lora) {
+  if (!lora.enabled() || m.kind != "llama") return 0;
+  const int64_t d = m.d_model, q = int64_t{m.n_head} * m.HeadDim(),
+                kv = int64_t{m.KvHeads()} * m.HeadDim(), h = m.d_hidden;
+  // (in, out) of each projection.
+  const std::pair<int64_t, int64_t> shapes[] = {{d, q}, {d, kv}, {d, kv}, {q, d},
+                                                {d, h}, {d, h},  {h, d}};
+  int64_t per_layer = 0;
+  for (size_t i = 0; i < LoraTargetNames().size(); ++i) {
+    if (lora.Targets(LoraTargetNames()[i]))
+      per_layer += lora.r * (shapes[i].first + shapes[i].second);
+  }
+  return int64_t{m.n_layer} * per_layer;
 }
 
 }  // namespace trainyard

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace trainyard {
 
@@ -61,6 +62,19 @@ struct DataConfig {
   std::string format;  // "bytes", "uint16" or "uint32"
 };
 
+// LoRA (PEFT's LoraConfig): each targeted projection W (a llama q/k/v/o/gate/up/down_proj) gains
+// y += (alpha / r) * B(A(dropout(x))), A [r, in] and B [out, r]; the base weights are frozen.
+struct LoraConfig {
+  int r = 0;  // 0: no LoRA, every parameter trains
+  double alpha = 0;
+  double dropout = 0;
+  std::vector<std::string> target_modules;  // e.g. "q_proj"
+
+  bool enabled() const { return r > 0; }
+  double scale() const { return alpha / r; }
+  bool Targets(const std::string& module) const;
+};
+
 struct TrainConfig {
   int64_t steps = 0;
   int micro_batch = 0;
@@ -72,6 +86,7 @@ struct TrainConfig {
   uint64_t seed = 0;
   double weight_decay = 0;
   double grad_clip = 0;  // max global gradient norm; 0 = none
+  LoraConfig lora;
 };
 
 struct ParallelConfig {
@@ -97,6 +112,10 @@ struct JobConfig {
 
 // Number of parameters of the model (embeddings included, tied head counted once).
 int64_t ModelParameterCount(const ModelConfig& model);
+// Parameters LoRA adds (the adapters, which are all that trains); 0 without LoRA.
+int64_t LoraParameterCount(const ModelConfig& model, const LoraConfig& lora);
+// The llama projections LoRA may target, in a layer's order.
+const std::vector<std::string>& LoraTargetNames();
 
 }  // namespace trainyard
 

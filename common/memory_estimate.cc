@@ -65,8 +65,16 @@ MemoryEstimate EstimateMemory(const v1::JobSpec& spec, int world_size, int ranks
   MemoryEstimate e;
   e.strategy = spec.parallel().strategy();
   e.precision = spec.train().mixed_precision() == v1::BF16 ? v1::BF16 : v1::FP32;
-  const int64_t params = ModelParameterCount(spec.model());
+  // LoRA: the base weights are frozen (weights only: no gradients, no optimizer state); only the
+  // adapters train.
+  const JobConfig config = ToJobConfig(spec);
+  const int64_t lora = LoraParameterCount(config.model, config.train.lora);
+  const int64_t params = ModelParameterCount(spec.model()) + lora;
   const int64_t unit = LargestUnitParameters(spec.model());
+  const int64_t trained = config.train.lora.enabled() ? lora : params;
+  // Gradients of the unit being reduce-scattered: a layer's adapters under LoRA.
+  const int64_t trained_unit =
+      config.train.lora.enabled() ? lora / std::max(1, config.model.n_layer) : unit;
   const BytesPerParam bpp = ForPrecision(e.precision);
   const int64_t w = std::max(1, world_size);
   e.activations = ActivationBytes(spec, e.precision);
@@ -83,16 +91,16 @@ MemoryEstimate EstimateMemory(const v1::JobSpec& spec, int world_size, int ranks
   if (e.strategy != v1::FSDP || sharding == v1::NO_SHARD) {  // NO_SHARD behaves as DDP
     e.sharding = e.strategy == v1::FSDP ? sharding : v1::SHARDING_STRATEGY_UNSPECIFIED;
     e.parameters = bpp.param * params;
-    e.gradients = bpp.grad * params;
-    e.optimizer = bpp.optimizer * params;
+    e.gradients = bpp.grad * trained;
+    e.optimizer = bpp.optimizer * trained;
     return e;
   }
   e.sharding = sharding;
   const int64_t group =
       sharding == v1::HYBRID_SHARD ? std::max<int64_t>(1, std::min<int64_t>(w, ranks_per_node)) : w;
   const int64_t shard = CeilDiv(params, group);
-  e.optimizer = bpp.optimizer * shard;
-  e.gradients = bpp.grad * shard + bpp.grad * unit;  // the unit being reduce-scattered
+  e.optimizer = bpp.optimizer * CeilDiv(trained, group);
+  e.gradients = bpp.grad * CeilDiv(trained, group) + bpp.grad * trained_unit;
   e.parameters = sharding == v1::SHARD_GRAD_OP
                      ? bpp.param * params                     // gathered from forward to backward
                      : bpp.param * shard + bpp.param * unit;  // one unit gathered at a time

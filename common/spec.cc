@@ -2,6 +2,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <functional>
@@ -255,7 +256,7 @@ absl::Status ParseDocument(const YAML::Node& root, SpecParser& p, JobSpec& spec)
     RETURN_IF_ERROR(
         p.Mapping(n, "train",
                   {"steps", "micro_batch", "grad_accum", "lr", "warmup", "mixed_precision",
-                   "activation_checkpointing", "seed", "weight_decay", "grad_clip"}));
+                   "activation_checkpointing", "seed", "weight_decay", "grad_clip", "lora"}));
     auto& t = *spec.mutable_train();
     int64_t i64 = 0;
     int32_t i32 = 0;
@@ -288,6 +289,37 @@ absl::Status ParseDocument(const YAML::Node& root, SpecParser& p, JobSpec& spec)
     d = 0;
     RETURN_IF_ERROR(p.Double(n, "grad_clip", "train", d));
     t.set_grad_clip(d);
+    if (const YAML::Node l = n["lora"]) {
+      RETURN_IF_ERROR(p.Mapping(l, "train.lora", {"r", "alpha", "dropout", "target_modules"}));
+      auto& lora = *t.mutable_lora();
+      i32 = 0;
+      RETURN_IF_ERROR(p.Integer(l, "r", "train.lora", i32));
+      // Explicit zeros must not read as "unset" and silently become the defaults.
+      if (l["r"] && i32 <= 0) {
+        return p.Error(l["r"], absl::StrCat("train.lora.r: must be >= 1, got ", i32));
+      }
+      lora.set_r(i32);
+      d = 0;
+      RETURN_IF_ERROR(p.Double(l, "alpha", "train.lora", d));
+      if (l["alpha"] && !(d > 0)) {
+        return p.Error(l["alpha"], absl::StrCat("train.lora.alpha: must be > 0, got ", d));
+      }
+      lora.set_alpha(d);
+      d = 0;
+      RETURN_IF_ERROR(p.Double(l, "dropout", "train.lora", d));
+      lora.set_dropout(d);
+      if (const YAML::Node targets = l["target_modules"]) {
+        if (!targets.IsSequence() || targets.size() == 0) {
+          return p.Error(targets,
+                         "train.lora.target_modules: expected a non-empty list of module names");
+        }
+        for (const auto& item : targets) {
+          std::string name;
+          RETURN_IF_ERROR(p.Scalar(item, "train.lora.target_modules", name));
+          lora.add_target_modules(name);
+        }
+      }
+    }
   }
   if (const YAML::Node n = root["parallel"]) {
     RETURN_IF_ERROR(
@@ -490,6 +522,15 @@ void ApplyJobSpecDefaults(JobSpec& spec) {
   if (t.lr() == 0) t.set_lr(3e-4);
   if (t.mixed_precision() == v1::MIXED_PRECISION_UNSPECIFIED) t.set_mixed_precision(v1::FP32);
   if (t.seed() == 0) t.set_seed(1);
+  if (t.has_lora()) {  // PEFT's LoraConfig defaults, with its llama targets
+    auto& lora = *t.mutable_lora();
+    if (lora.r() == 0) lora.set_r(8);
+    if (lora.alpha() == 0) lora.set_alpha(8);
+    if (lora.target_modules().empty()) {
+      lora.add_target_modules("q_proj");
+      lora.add_target_modules("v_proj");
+    }
+  }
   auto& p = *spec.mutable_parallel();
   if (p.strategy() == v1::STRATEGY_UNSPECIFIED) p.set_strategy(v1::DDP);
   if (p.sharding_strategy() == v1::SHARDING_STRATEGY_UNSPECIFIED) {
@@ -637,6 +678,42 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   if (t.grad_clip() < 0 || !std::isfinite(t.grad_clip())) {
     return FieldError("train.grad_clip", absl::StrCat("must be >= 0, got ", t.grad_clip()));
   }
+  if (t.has_lora()) {
+    const auto& lora = t.lora();
+    if (m.kind() != "llama") {
+      return FieldError("train.lora",
+                        absl::StrCat("adapts llama's projections; model.kind is ", m.kind()));
+    }
+    if (spec.parallel().strategy() == v1::OFFLOAD) {
+      return FieldError("train.lora",
+                        "not with parallel.strategy offload (the adapters are small enough to "
+                        "train where they are: use ddp or fsdp)");
+    }
+    RETURN_IF_ERROR(CheckRange("train.lora.r", lora.r(), 1, 4096));
+    if (!(lora.alpha() > 0) || !std::isfinite(lora.alpha())) {
+      return FieldError("train.lora.alpha", absl::StrCat("must be > 0, got ", lora.alpha()));
+    }
+    if (!(lora.dropout() >= 0 && lora.dropout() < 1)) {
+      return FieldError("train.lora.dropout",
+                        absl::StrCat("must be in [0, 1), got ", lora.dropout()));
+    }
+    std::set<std::string> seen;
+    for (const std::string& target : lora.target_modules()) {
+      const auto& known = LoraTargetNames();
+      if (std::find(known.begin(), known.end(), target) == known.end()) {
+        return FieldError("train.lora.target_modules",
+                          absl::StrCat("unknown module '", target,
+                                       "' (known: ", absl::StrJoin(known, ", "), ")"));
+      }
+      if (!seen.insert(target).second) {
+        return FieldError("train.lora.target_modules",
+                          absl::StrCat("'", target, "' is listed twice"));
+      }
+    }
+    if (lora.target_modules().empty()) {
+      return FieldError("train.lora.target_modules", "must name at least one module");
+    }
+  }
 
   const auto& p = spec.parallel();
   if (!v1::Strategy_IsValid(p.strategy()) || p.strategy() == v1::STRATEGY_UNSPECIFIED) {
@@ -744,6 +821,13 @@ JobConfig ToJobConfig(const v1::JobSpec& spec) {
   c.train.seed = t.seed();
   c.train.weight_decay = t.weight_decay();
   c.train.grad_clip = t.grad_clip();
+  if (t.has_lora()) {
+    c.train.lora.r = t.lora().r();
+    c.train.lora.alpha = t.lora().alpha();
+    c.train.lora.dropout = t.lora().dropout();
+    c.train.lora.target_modules.assign(t.lora().target_modules().begin(),
+                                       t.lora().target_modules().end());
+  }
   const v1::ParallelSpec& p = spec.parallel();
   c.parallel.strategy = p.strategy() == v1::FSDP      ? Strategy::kFsdp
                         : p.strategy() == v1::OFFLOAD ? Strategy::kOffload

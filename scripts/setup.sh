@@ -43,5 +43,9 @@ if ! cmp -s tests/hf-requirements.txt "$venv/requirements.txt" 2>/dev/null; then
   echo "torch==$(/usr/bin/python3 -c 'import torch; print(torch.__version__)')" > "$venv/constraints.txt"
   "$venv/bin/pip" install -q --disable-pip-version-check -c "$venv/constraints.txt" \
     -r tests/hf-requirements.txt
+  # PEFT declares torch>=1.13.0, which Debian's 1.13.0a0 (a pre-release number) does not meet,
+  # though PEFT runs on it: installed without its dependencies, which the file above lists.
+  "$venv/bin/pip" install -q --disable-pip-version-check --no-deps \
+    $(sed -n 's/^# no-deps: //p' tests/hf-requirements.txt)
   cp tests/hf-requirements.txt "$venv/requirements.txt"
 fi

@@ -14,6 +14,16 @@ always those of the float32 model).
 
 With --check-export DIR: loads a model directory trainyard exported, runs it on OUT_DIR's tokens,
 and writes DIR/transformers_logits.safetensors (the logits transformers computes with it).
+
+  hf_llama_reference.py --lora OUT_DIR
+LoRA with PEFT: the gqa base saved into OUT_DIR as above, then PEFT's LoRA (r 4, alpha 8, every
+projection targeted) with random A and B saved by save_pretrained into OUT_DIR/adapter, and what
+the adapted model computes into OUT_DIR/lora_reference.safetensors: tokens, logits, loss and
+grad.<name> for each adapter matrix, named as in the adapter file.
+
+  hf_llama_reference.py --check-adapter OUT_DIR ADAPTER_DIR
+Loads OUT_DIR's base with the adapter trainyard exported into ADAPTER_DIR (PeftModel) and writes
+ADAPTER_DIR/peft_logits.safetensors.
 """
 
 import sys
@@ -84,7 +94,58 @@ def logits_of(model, tokens):
         return model(input_ids=tokens).logits.float().contiguous()
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_reference(out_dir):
+    from peft import LoraConfig, get_peft_model
+
+    reference(out_dir, "gqa", "float32")
+    base = LlamaForCausalLM.from_pretrained(out_dir, torch_dtype=torch.float32, attn_implementation="eager")
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS))
+    torch.manual_seed(11)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.1 * torch.randn_like(p))  # B too, so that the adapters change the output
+    model.save_pretrained(f"{out_dir}/adapter")
+    model.eval()
+    tokens = load_file(f"{out_dir}/reference.safetensors")["tokens"]
+    out = model(input_ids=tokens, labels=tokens)
+    out.loss.backward()
+    tensors = {
+        "tokens": tokens,
+        "logits": out.logits.detach().float().contiguous(),
+        "loss": out.loss.detach().float().reshape(()),
+    }
+    trained = 0
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            trained += 1
+            # "base_model.model.<name>.lora_A.default.weight" -> the adapter file's name
+            tensors["grad." + name.replace(".default", "")] = p.grad.detach().float().contiguous()
+        else:
+            assert p.grad is None, name
+    assert trained == 2 * len(LORA_TARGETS) * base.config.num_hidden_layers, trained
+    save_file(tensors, f"{out_dir}/lora_reference.safetensors")
+
+
+def check_adapter(base_dir, adapter_dir):
+    from peft import PeftModel
+
+    tokens = load_file(f"{base_dir}/reference.safetensors")["tokens"]
+    base = LlamaForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32, attn_implementation="eager")
+    model = PeftModel.from_pretrained(base, adapter_dir)
+    save_file({"logits": logits_of(model, tokens)}, f"{adapter_dir}/peft_logits.safetensors")
+
+
 def main():
+    if sys.argv[1] == "--lora":
+        lora_reference(sys.argv[2])
+        return
+    if sys.argv[1] == "--check-adapter":
+        check_adapter(sys.argv[2], sys.argv[3])
+        return
     if sys.argv[1] == "--check-export":
         tokens = load_file(f"{sys.argv[2]}/reference.safetensors")["tokens"]
         model = LlamaForCausalLM.from_pretrained(sys.argv[3], attn_implementation="eager")

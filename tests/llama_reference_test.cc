@@ -3,7 +3,8 @@
 // LlamaForCausalLMs and saves them sharded (tests/hf_llama_reference.py); trainyard loads each
 // checkpoint the way the trainer does and must give the same logits on the same tokens, the same
 // loss and the same gradients, in fp32. Then trainyard's export must load in transformers and give
-// trainyard's logits.
+// trainyard's logits. LoRA likewise against PEFT: logits, loss and adapter gradients, and the
+// exported adapter (PEFT's layout) and merged model loaded back.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -56,7 +57,8 @@ std::map<std::string, torch::Tensor> ReadAll(const std::string& path) {
 }
 
 // The model a trainer builds from `dir`, as Train does.
-std::shared_ptr<LanguageModel> Load(const std::string& dir, ModelConfig* m) {
+std::shared_ptr<LanguageModel> Load(const std::string& dir, ModelConfig* m,
+                                    const ModelOptions& options = ModelOptions{}) {
   m->kind = "llama";
   m->from = dir;
   m->seq_len = 64;
@@ -69,7 +71,7 @@ std::shared_ptr<LanguageModel> Load(const std::string& dir, ModelConfig* m) {
   if (!checkpoint.ok()) return nullptr;
   absl::Status checked = (*checkpoint)->Check(LlamaTensors(*config));
   EXPECT_TRUE(checked.ok()) << checked;
-  std::shared_ptr<LanguageModel> model = BuildModel(*m, ModelOptions{}, /*seed=*/1);
+  std::shared_ptr<LanguageModel> model = BuildModel(*m, options, /*seed=*/1);
   absl::Status loaded = LoadHfWeights(**checkpoint, *model);
   EXPECT_TRUE(loaded.ok()) << loaded;
   return model;
@@ -147,11 +149,105 @@ TEST_P(LlamaExportTest, AnExportedModelLoadsInTransformersWithTheSameLogits) {
     torch::NoGradGuard no_grad;
     for (const auto& p : model->parameters()) p.add_(0.01 * torch::randn_like(p));
   }
-  ASSERT_TRUE(ExportHfModel(m, *model, out).ok());
+  ASSERT_TRUE(ExportHfModel(m, LoraConfig{}, *model, out).ok());
   ASSERT_NO_FATAL_FAILURE(RunReference({"--check-export", ref, out}));
   std::map<std::string, torch::Tensor> expected = ReadAll(ref + "/reference.safetensors");
   const torch::Tensor theirs = ReadAll(out + "/transformers_logits.safetensors").at("logits");
   EXPECT_LT(MaxDiff(AllLogits(*model, expected.at("tokens")), theirs), 1e-4);
+}
+
+// PEFT's LoRA on every projection of the gqa model (r 4, alpha 8), its adapter weights random.
+LoraConfig PeftLora() {
+  LoraConfig lora;
+  lora.r = 4;
+  lora.alpha = 8;
+  lora.target_modules = LoraTargetNames();
+  return lora;
+}
+
+// The base from `ref`, with LoRA and the adapter weights PEFT saved in `ref`/adapter.
+std::shared_ptr<LanguageModel> LoadWithPeftAdapter(const std::string& ref, ModelConfig* m) {
+  ModelOptions options;
+  options.lora = PeftLora();
+  std::shared_ptr<LanguageModel> model = Load(ref, m, options);
+  if (model == nullptr) return nullptr;
+  std::map<std::string, torch::Tensor> adapter =
+      ReadAll(ref + "/adapter/adapter_model.safetensors");
+  torch::NoGradGuard no_grad;
+  int copied = 0;
+  for (const auto& item : model->named_parameters()) {
+    if (!IsLoraParameter(item.key())) continue;
+    auto it = adapter.find("base_model.model." + item.key());
+    EXPECT_NE(it, adapter.end()) << item.key();
+    if (it == adapter.end()) return nullptr;
+    item.value().copy_(it->second);
+    ++copied;
+  }
+  EXPECT_EQ(copied, static_cast<int>(adapter.size()));
+  return model;
+}
+
+TEST(LlamaLoraReferenceTest, LogitsLossAndAdapterGradientsMatchPeft) {
+  TempDir dir;
+  const std::string ref = dir.path() + "/model";
+  ASSERT_NO_FATAL_FAILURE(RunReference({"--lora", ref}));
+  std::map<std::string, torch::Tensor> expected = ReadAll(ref + "/lora_reference.safetensors");
+  ModelConfig m;
+  std::shared_ptr<LanguageModel> model = LoadWithPeftAdapter(ref, &m);
+  ASSERT_NE(model, nullptr);
+
+  const torch::Tensor tokens = expected.at("tokens");
+  const torch::Tensor logits = AllLogits(*model, tokens);
+  ASSERT_EQ(logits.sizes(), expected.at("logits").sizes());
+  EXPECT_LT(MaxDiff(logits, expected.at("logits")), 1e-4);
+  // The adapters matter: the base alone computes something else.
+  const std::map<std::string, torch::Tensor> base = ReadAll(ref + "/reference.safetensors");
+  EXPECT_GT(MaxDiff(logits, base.at("logits")), 1e-2);
+
+  torch::Tensor loss = model->Loss(tokens);
+  EXPECT_NEAR(loss.item<double>(), expected.at("loss").item<double>(), 1e-5);
+  loss.backward();
+  int compared = 0;
+  for (const auto& item : model->named_parameters()) {
+    SCOPED_TRACE(item.key());
+    if (!IsLoraParameter(item.key())) {
+      EXPECT_FALSE(item.value().requires_grad());
+      EXPECT_FALSE(item.value().grad().defined());  // frozen: no gradient at all
+      continue;
+    }
+    const std::string name = "grad.base_model.model." + item.key();
+    ASSERT_TRUE(expected.count(name) > 0);
+    ASSERT_TRUE(item.value().grad().defined());
+    EXPECT_LT(MaxDiff(item.value().grad(), expected.at(name)), 1e-5);
+    ++compared;
+  }
+  EXPECT_EQ(compared, 2 * 7 * m.n_layer);
+}
+
+TEST(LlamaLoraReferenceTest, ExportedAdapterLoadsInPeftAndMergedModelInTransformers) {
+  TempDir dir;
+  const std::string ref = dir.path() + "/model", adapter = dir.path() + "/adapter",
+                    merged = dir.path() + "/merged";
+  ASSERT_NO_FATAL_FAILURE(RunReference({"--lora", ref}));
+  ModelConfig m;
+  std::shared_ptr<LanguageModel> model = LoadWithPeftAdapter(ref, &m);
+  ASSERT_NE(model, nullptr);
+  {  // trained adapters, not the ones read
+    torch::NoGradGuard no_grad;
+    for (const auto& item : model->named_parameters()) {
+      if (IsLoraParameter(item.key())) item.value().add_(0.05 * torch::randn_like(item.value()));
+    }
+  }
+  ASSERT_TRUE(ExportLoraAdapter(PeftLora(), *model, ref, adapter).ok());
+  ASSERT_TRUE(ExportHfModel(m, PeftLora(), *model, merged).ok());
+  ASSERT_NO_FATAL_FAILURE(RunReference({"--check-adapter", ref, adapter}));
+  ASSERT_NO_FATAL_FAILURE(RunReference({"--check-export", ref, merged}));
+  const torch::Tensor tokens = ReadAll(ref + "/reference.safetensors").at("tokens");
+  const torch::Tensor ours = AllLogits(*model, tokens);
+  EXPECT_LT(MaxDiff(ours, ReadAll(adapter + "/peft_logits.safetensors").at("logits")), 1e-4);
+  EXPECT_LT(MaxDiff(ours, ReadAll(merged + "/transformers_logits.safetensors").at("logits")), 1e-4);
+  // The adapter file holds the adapters alone.
+  EXPECT_EQ(ReadAll(adapter + "/adapter_model.safetensors").size(), size_t{2 * 7} * m.n_layer);
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, LlamaReferenceTest,

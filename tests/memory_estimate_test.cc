@@ -63,6 +63,55 @@ TEST(MemoryEstimateTest, FullShardDividesStateByWorldSizeAndAddsOneGatheredUnit)
   EXPECT_EQ(e.Name(), "fsdp FULL_SHARD");
 }
 
+// Llama-2-7B's shape (32 layers, d_model 4096, 32 heads, MLP 11008, vocab 32000, untied):
+// 6,738,415,616 parameters, as transformers counts them. LoRA r 16 on q and v adds per layer
+// 16 * (4096 + 4096) twice: 8,388,608 in all (PEFT prints "trainable params: 8,388,608").
+v1::JobSpec Llama7bLora(v1::Strategy strategy, v1::ShardingStrategy sharding) {
+  v1::JobSpec s;
+  auto* m = s.mutable_model();
+  m->set_kind("llama");
+  m->set_n_layer(32);
+  m->set_n_head(32);
+  m->set_n_kv_head(32);
+  m->set_d_model(4096);
+  m->set_d_hidden(11008);
+  m->set_seq_len(512);
+  m->set_vocab(32000);
+  s.mutable_train()->set_micro_batch(1);
+  s.mutable_train()->set_mixed_precision(v1::FP32);
+  auto* lora = s.mutable_train()->mutable_lora();
+  lora->set_r(16);
+  lora->set_alpha(32);
+  lora->add_target_modules("q_proj");
+  lora->add_target_modules("v_proj");
+  s.mutable_parallel()->set_strategy(strategy);
+  s.mutable_parallel()->set_sharding_strategy(sharding);
+  return s;
+}
+
+TEST(MemoryEstimateTest, LoraFrozenWeightsNeedNoGradientsNorOptimizerState) {
+  constexpr int64_t kBase = 6'738'415'616, kLora = 8'388'608;
+  const v1::JobSpec ddp = Llama7bLora(v1::DDP, v1::FULL_SHARD);
+  EXPECT_EQ(ModelParameterCount(ddp.model()), kBase);
+  EXPECT_EQ(LoraParameterCount(ToModelConfig(ddp.model()), ToJobConfig(ddp).train.lora), kLora);
+  const MemoryEstimate e = EstimateMemory(ddp, 2, 2);
+  EXPECT_EQ(e.parameters, 4 * (kBase + kLora));
+  EXPECT_EQ(e.gradients, 4 * kLora);
+  EXPECT_EQ(e.optimizer, 8 * kLora);
+  // A full fine-tune keeps 16 bytes a parameter; LoRA about 4.
+  v1::JobSpec full = ddp;
+  full.mutable_train()->clear_lora();
+  EXPECT_EQ(EstimateMemory(full, 2, 2).gradients, 4 * kBase);
+
+  // FULL_SHARD on 2: the frozen base is sharded like any weight; the trained state is the
+  // adapters' share.
+  const MemoryEstimate f = EstimateMemory(Llama7bLora(v1::FSDP, v1::FULL_SHARD), 2, 2);
+  const int64_t unit = LargestUnitParameters(ddp.model());
+  EXPECT_EQ(f.parameters, 4 * ((kBase + kLora) / 2) + 4 * unit);
+  EXPECT_EQ(f.optimizer, 8 * (kLora / 2));
+  EXPECT_EQ(f.gradients, 4 * (kLora / 2) + 4 * (kLora / 32));  // plus one layer's adapters
+}
+
 TEST(MemoryEstimateTest, ShardGradOpKeepsFullParametersButShardsTheRest) {
   const MemoryEstimate e =
       EstimateMemory(BertBaseSized(v1::FSDP, v1::SHARD_GRAD_OP, v1::FP32), 4, 4);

@@ -341,6 +341,83 @@ TEST(SpecTest, ValidationErrorsPointAtTheLineOfTheField) {
   EXPECT_THAT(std::string(s.message()), StartsWith("s.yaml:5: model.n_head: must divide"));
 }
 
+TEST(SpecTest, LoraIsReadDefaultedLikePeftAndChecked) {
+  auto parsed = ParseJobSpecYaml(R"(name: ft
+resources: {gpus: 1}
+model: {kind: llama, n_layer: 2, n_head: 4, d_model: 64, seq_len: 32}
+data: {path: /data/tokens.bin}
+train:
+  steps: 10
+  lora: {r: 16, alpha: 32, dropout: 0.05, target_modules: [q_proj, k_proj, down_proj]}
+)",
+                                 "spec.yaml");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  v1::JobSpec spec = parsed->spec;
+  ApplyJobSpecDefaults(spec);
+  ASSERT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  const JobConfig c = ToJobConfig(spec);
+  EXPECT_EQ(c.train.lora.r, 16);
+  EXPECT_EQ(c.train.lora.alpha, 32);
+  EXPECT_EQ(c.train.lora.dropout, 0.05);
+  EXPECT_EQ(c.train.lora.target_modules,
+            (std::vector<std::string>{"q_proj", "k_proj", "down_proj"}));
+  EXPECT_EQ(c.train.lora.scale(), 2.0);
+
+  // `lora: {}`: PEFT's LoraConfig defaults, with its llama targets.
+  auto bare = ParseJobSpecYaml(R"(name: ft
+model: {kind: llama, n_layer: 2, n_head: 4, d_model: 64, seq_len: 32}
+data: {path: /data/tokens.bin}
+train: {steps: 10, lora: {}}
+)",
+                               "spec.yaml");
+  ASSERT_TRUE(bare.ok()) << bare.status();
+  ApplyJobSpecDefaults(bare->spec);
+  const LoraConfig d = ToJobConfig(bare->spec).train.lora;
+  EXPECT_EQ(d.r, 8);
+  EXPECT_EQ(d.alpha, 8);
+  EXPECT_EQ(d.dropout, 0);
+  EXPECT_EQ(d.target_modules, (std::vector<std::string>{"q_proj", "v_proj"}));
+  // Without train.lora every parameter trains.
+  v1::JobSpec none = spec;
+  none.mutable_train()->clear_lora();
+  EXPECT_FALSE(ToJobConfig(none).train.lora.enabled());
+
+  // Parse errors name the field and line.
+  auto parse_error = [](const std::string& lora) {
+    auto p = ParseJobSpecYaml("name: ft\nmodel: {kind: llama}\ntrain:\n  lora: " + lora + "\n",
+                              "spec.yaml");
+    return p.ok() ? std::string("parsed") : std::string(p.status().message());
+  };
+  EXPECT_EQ(parse_error("{r: 0}"), "spec.yaml:4: train.lora.r: must be >= 1, got 0");
+  EXPECT_EQ(parse_error("{alpha: 0}"), "spec.yaml:4: train.lora.alpha: must be > 0, got 0");
+  EXPECT_THAT(parse_error("{target_modules: q_proj}"),
+              StartsWith("spec.yaml:4: train.lora.target_modules: expected a non-empty list"));
+  EXPECT_THAT(parse_error("{rank: 4}"), StartsWith("spec.yaml:4: unknown field 'train.lora.rank'"));
+
+  auto error = [&](std::function<void(v1::JobSpec&)> mutate) {
+    v1::JobSpec s = spec;
+    mutate(s);
+    return std::string(ValidateJobSpec(s).message());
+  };
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_model()->set_kind("gpt"); }),
+              StartsWith("train.lora: adapts llama's projections; model.kind is gpt"));
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_parallel()->set_strategy(v1::OFFLOAD); }),
+              StartsWith("train.lora: not with parallel.strategy offload"));
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_train()->mutable_lora()->set_r(5000); }),
+              StartsWith("train.lora.r: must be in 1..4096, got 5000"));
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_train()->mutable_lora()->set_dropout(1); }),
+              StartsWith("train.lora.dropout: must be in [0, 1), got 1"));
+  EXPECT_THAT(error([](v1::JobSpec& s) {
+                s.mutable_train()->mutable_lora()->add_target_modules("lm_head");
+              }),
+              StartsWith("train.lora.target_modules: unknown module 'lm_head' (known: q_proj, "
+                         "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)"));
+  EXPECT_THAT(error([](v1::JobSpec& s) {
+                s.mutable_train()->mutable_lora()->add_target_modules("q_proj");
+              }),
+              StartsWith("train.lora.target_modules: 'q_proj' is listed twice"));
+}
+
 TEST(SpecTest, LlamaFieldsAreReadDefaultedAndChecked) {
   auto parsed = ParseJobSpecYaml(R"(name: ft
 resources: {gpus: 1}

@@ -24,6 +24,7 @@
 #include "absl/strings/str_join.h"
 #include "common/clock.h"
 #include "common/grpc_status.h"
+#include "common/job_config.h"
 #include "common/spec.h"
 #include "server/coordinator/coordinator_server.h"
 #include "server/ps/data_plane_client.h"
@@ -917,6 +918,7 @@ struct FsdpVariant {
   int64_t min_num_params = 0;
   bool rank0_loading = true;
   std::string model = "gpt";
+  bool lora = false;  // train.lora on every projection (llama)
 };
 
 void PrintTo(const FsdpVariant& v, std::ostream* os) { *os << v.name; }
@@ -938,6 +940,12 @@ v1::JobSpec FsdpSpec(const FsdpVariant& v, int ranks, int micro_batch) {
   p->set_auto_wrap_policy(v.wrap);
   if (v.min_num_params > 0) p->set_min_num_params(v.min_num_params);
   p->set_cpu_ram_efficient_loading(v.rank0_loading);
+  if (v.lora) {
+    auto* lora = s.mutable_train()->mutable_lora();
+    lora->set_r(4);
+    lora->set_alpha(8);
+    for (const std::string& target : LoraTargetNames()) lora->add_target_modules(target);
+  }
   return s;
 }
 
@@ -994,7 +1002,21 @@ INSTANTIATE_TEST_SUITE_P(
         FsdpVariant{"LlamaShardGradOpAccumCheckpointTied", v1::SHARD_GRAD_OP, v1::BACKWARD_PRE,
                     false, 2, 0, 2, true, true, v1::TRANSFORMER_BASED_WRAP, 0, true, "llama"},
         FsdpVariant{"LlamaNoShard", v1::NO_SHARD, v1::BACKWARD_PRE, false, 2, 0, 1, false, false,
-                    v1::TRANSFORMER_BASED_WRAP, 0, true, "llama"}),
+                    v1::TRANSFORMER_BASED_WRAP, 0, true, "llama"},
+        // LoRA: the frozen base in flat buffers of its own, gathered but never reduced.
+        FsdpVariant{"LoraFullShardPrefetch", v1::FULL_SHARD, v1::BACKWARD_PRE, true, 2, 0, 1, false,
+                    false, v1::TRANSFORMER_BASED_WRAP, 0, true, "llama", true},
+        FsdpVariant{"LoraFullShardBackwardPostEveryRankBuilds", v1::FULL_SHARD, v1::BACKWARD_POST,
+                    false, 2, 0, 1, false, false, v1::TRANSFORMER_BASED_WRAP, 0, false, "llama",
+                    true},
+        FsdpVariant{"LoraShardGradOpAccumCheckpointTied", v1::SHARD_GRAD_OP, v1::BACKWARD_PRE,
+                    false, 2, 0, 2, true, true, v1::TRANSFORMER_BASED_WRAP, 0, true, "llama", true},
+        FsdpVariant{"LoraHybridShard2x2", v1::HYBRID_SHARD, v1::BACKWARD_PRE, false, 4, 2, 1, false,
+                    false, v1::TRANSFORMER_BASED_WRAP, 0, true, "llama", true},
+        FsdpVariant{"LoraHybridShardOneRankPerNodeAccum", v1::HYBRID_SHARD, v1::BACKWARD_PRE, false,
+                    2, 1, 3, false, false, v1::TRANSFORMER_BASED_WRAP, 0, true, "llama", true},
+        FsdpVariant{"LoraNoShardIsDdpAccumCheckpoint", v1::NO_SHARD, v1::BACKWARD_PRE, false, 2, 0,
+                    2, true, false, v1::TRANSFORMER_BASED_WRAP, 0, true, "llama", true}),
     [](const auto& info) { return info.param.name; });
 
 // ---------------------------------------------------------------------------------------------
@@ -1127,6 +1149,120 @@ TEST_F(TrainerE2eTest, ABadLlamaCheckpointIsRefusedAtStartNamingTheTensorAndTheF
   EXPECT_THAT(refused(missing, three_layers),
               HasSubstr("model.n_layer: the spec says 3 but " + missing +
                         "/config.json has num_hidden_layers 2"));
+}
+
+// LoRA from a Hugging Face checkpoint: two FSDP ranks train what one rank trains; the base
+// weights come out bit-identical to the checkpoint's and only the adapters move; the exported
+// adapter (PEFT's layout) holds exactly the trained adapters, and --merge-lora the merged model.
+TEST_F(TrainerE2eTest, LoraTrainsOnlyTheAdaptersTheSameOnTwoFsdpRanksAsOnOneAndExportsThem) {
+  const std::string model_dir = dir_.path() + "/hf-model";
+  const auto start = WriteLlamaCheckpoint(model_dir, LlamaSpec(1, 8).model(), 5);
+  v1::JobSpec spec = LlamaSpec(2, 4);
+  spec.mutable_model()->set_from(model_dir);
+  spec.mutable_model()->clear_rope_theta();  // the checkpoint's
+  spec.mutable_model()->clear_rms_norm_eps();
+  spec.mutable_train()->set_lr(1e-2);
+  auto* lora = spec.mutable_train()->mutable_lora();
+  lora->set_r(2);
+  lora->set_alpha(4);
+  lora->add_target_modules("q_proj");
+  lora->add_target_modules("v_proj");
+  lora->add_target_modules("down_proj");
+  ASSERT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  spec.mutable_parallel()->set_strategy(v1::FSDP);
+  v1::JobSpec one = spec;
+  one.mutable_resources()->set_gpus(1);
+  one.mutable_train()->set_micro_batch(8);
+  one.mutable_parallel()->set_strategy(v1::DDP);
+
+  const std::string fsdp_dump = dir_.path() + "/fsdp.params",
+                    one_dump = dir_.path() + "/one.params";
+  const Job fsdp_job = StartJob(spec, "fsdp");
+  RunResult rf = Run(fsdp_job, 2, {"--dump-params", fsdp_dump});
+  EXPECT_THAT(rf.exit_codes, ::testing::Each(0)) << Joined(rf);
+  // 2 layers x (q: 2x(32+32), v: 2x(32+16), down: 2x(128+32)) trainable.
+  EXPECT_THAT(Joined(rf), HasSubstr("(1088 trainable: LoRA r 2 on q_proj,v_proj,down_proj)"));
+  RunResult r1 = Run(StartJob(one, "one"), 1, {"--dump-params", one_dump});
+  EXPECT_THAT(r1.exit_codes, ::testing::ElementsAre(0)) << Joined(r1);
+  const auto fsdp = ReadDump(fsdp_dump), single = ReadDump(one_dump);
+  ExpectSameParams(fsdp, single, 1e-5);
+
+  int adapters = 0;
+  std::map<std::string, const DumpedParam*> by_name;
+  for (const DumpedParam& p : fsdp) {
+    SCOPED_TRACE(p.name);
+    by_name[p.name] = &p;
+    if (absl::StrContains(p.name, ".lora_")) {
+      ++adapters;
+      EXPECT_NE(p.values, std::vector<float>(p.values.size(), 0.0f));  // B starts at zero
+      continue;
+    }
+    ASSERT_EQ(start.count(p.name), 1u);
+    EXPECT_EQ(p.values, start.at(p.name));  // bit-identical
+  }
+  EXPECT_EQ(adapters, 2 * 3 * 2);
+
+  // The adapter alone, as PEFT saves it.
+  const std::string adapter_dir = dir_.path() + "/adapter", merged_dir = dir_.path() + "/merged";
+  testing::CommandResult e = testing::RunCommand({testing::BinPath("trainyard-trainer"),
+                                                  "--export-hf", fsdp_job.checkpoint_dir, "--spec",
+                                                  fsdp_job.spec_path, "--out", adapter_dir});
+  ASSERT_EQ(e.exit_code, 0) << e.out << e.err;
+  EXPECT_THAT(e.err + e.out, HasSubstr("exported the LoRA adapter of step 10"));
+  const nlohmann::json config =
+      nlohmann::json::parse(std::ifstream(adapter_dir + "/adapter_config.json"), nullptr, false);
+  EXPECT_EQ(config.value("peft_type", ""), "LORA");
+  EXPECT_EQ(config.value("r", 0), 2);
+  EXPECT_EQ(config.value("lora_alpha", 0.0), 4.0);
+  EXPECT_EQ(config.value("base_model_name_or_path", ""), model_dir);
+  EXPECT_EQ(config["target_modules"], nlohmann::json::array({"q_proj", "v_proj", "down_proj"}));
+  auto file = trainer::SafetensorsFile::Open(adapter_dir + "/adapter_model.safetensors");
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_EQ((*file)->header().tensors.size(), size_t(adapters));
+  for (const auto& [name, p] : by_name) {
+    if (!absl::StrContains(name, ".lora_")) continue;
+    const trainer::SafetensorsTensor* t = (*file)->header().Find("base_model.model." + name);
+    ASSERT_NE(t, nullptr) << name;
+    const auto bytes = (*file)->Bytes(*t);
+    ASSERT_EQ(bytes.size(), p->values.size() * sizeof(float)) << name;
+    EXPECT_EQ(std::memcmp(bytes.data(), p->values.data(), bytes.size()), 0) << name;
+  }
+
+  // Merged: W + (alpha / r) B A for the targeted projections, the rest as trained.
+  e = testing::RunCommand({testing::BinPath("trainyard-trainer"), "--export-hf",
+                           fsdp_job.checkpoint_dir, "--spec", fsdp_job.spec_path, "--out",
+                           merged_dir, "--merge-lora"});
+  ASSERT_EQ(e.exit_code, 0) << e.out << e.err;
+  file = trainer::SafetensorsFile::Open(merged_dir + "/model.safetensors");
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_EQ((*file)->header().tensors.size(), start.size());
+  const std::string down = "model.layers.1.mlp.down_proj";
+  const DumpedParam &w = *by_name.at(down + ".weight"), &a = *by_name.at(down + ".lora_A.weight"),
+                    &b = *by_name.at(down + ".lora_B.weight");
+  const trainer::SafetensorsTensor* t = (*file)->header().Find(down + ".weight");
+  ASSERT_NE(t, nullptr);
+  const auto bytes = (*file)->Bytes(*t);
+  ASSERT_EQ(bytes.size(), w.values.size() * sizeof(float));
+  const float* merged = reinterpret_cast<const float*>(bytes.data());
+  const int64_t out = w.shape[0], in = w.shape[1], r = 2;
+  double worst = 0;
+  for (int64_t i = 0; i < out; ++i) {
+    for (int64_t j = 0; j < in; ++j) {
+      double delta = 0;
+      for (int64_t k = 0; k < r; ++k) delta += double{b.values[i * r + k]} * a.values[k * in + j];
+      worst = std::max(worst, std::abs(merged[i * in + j] - (w.values[i * in + j] + 2.0 * delta)));
+    }
+  }
+  EXPECT_LT(worst, 1e-6);
+  EXPECT_GT(std::abs(merged[0] - w.values[0]), 0);  // the adapter did change the projection
+
+  // --merge-lora without LoRA is refused naming the flag.
+  e = testing::RunCommand({testing::BinPath("trainyard-trainer"), "--export-hf",
+                           fsdp_job.checkpoint_dir, "--spec",
+                           StartJob(LlamaSpec(1, 8), "plain").spec_path, "--out",
+                           dir_.path() + "/plain", "--merge-lora"});
+  EXPECT_NE(e.exit_code, 0);
+  EXPECT_THAT(e.err, HasSubstr("--merge-lora: the job has no train.lora"));
 }
 
 // `trainyard-trainer --export-hf`: a llama job's latest checkpoint, DDP or sharded FSDP, as a

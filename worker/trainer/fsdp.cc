@@ -150,57 +150,67 @@ absl::Status FsdpModel::Build(bool from_rank0) {
   for (size_t i = 0; i < params_.size(); ++i) {
     const int b = block_of_param[i];
     unit_of_param_[i] = b < 0 ? 0 : unit_of_block_[b];
-    units_[unit_of_param_[i]].params.push_back(static_cast<int>(i));
+    Unit& u = units_[unit_of_param_[i]];
+    (params_[i].requires_grad() ? u.train : u.frozen).params.push_back(static_cast<int>(i));
   }
 
   const int S = shard_.world_size(), me = shard_.rank();
-  layout_.units.resize(units_.size());
-  int64_t shard_total = 0;
+  int64_t train_total = 0, frozen_total = 0;  // shard elements
   for (size_t ui = 0; ui < units_.size(); ++ui) {
     Unit& u = units_[ui];
-    for (int p : u.params) {
-      u.offsets.push_back(u.numel);
-      FsdpLayout::Param lp;
-      lp.name = named[p].key();
-      lp.shape.assign(params_[p].sizes().begin(), params_[p].sizes().end());
-      lp.offset = u.numel;
-      lp.index = p;
-      layout_.units[ui].params.push_back(std::move(lp));
-      u.numel += params_[p].numel();
-    }
-    layout_.units[ui].numel = u.numel;
-    u.padded = (u.numel + S - 1) / S * S;
-    u.shard_numel = u.padded / S;
-    shard_total += u.shard_numel;
-
-    // Fill the flat buffer (on rank 0, or everywhere), hand it around, keep this rank's shard.
-    u.full = torch::zeros({u.padded}, torch::kFloat);
-    const bool has_values = !from_rank0 || world_.rank() == 0;
-    if (has_values) {
-      for (size_t k = 0; k < u.params.size(); ++k) {
-        const torch::Tensor& p = params_[u.params[k]];
-        u.full.narrow(0, u.offsets[k], p.numel()).copy_(p.reshape({-1}));
+    for (const bool frozen : {false, true}) {
+      FlatParam& f = frozen ? u.frozen : u.train;
+      if (frozen && f.params.empty()) continue;
+      flats_.emplace_back(static_cast<int>(ui), frozen);
+      FsdpLayout::Unit lu;
+      lu.frozen = frozen;
+      for (int p : f.params) {
+        f.offsets.push_back(f.numel);
+        FsdpLayout::Param lp;
+        lp.name = named[p].key();
+        lp.shape.assign(params_[p].sizes().begin(), params_[p].sizes().end());
+        lp.offset = f.numel;
+        lp.index = p;
+        lu.params.push_back(std::move(lp));
+        f.numel += params_[p].numel();
       }
+      lu.numel = f.numel;
+      layout_.units.push_back(std::move(lu));
+      f.padded = (f.numel + S - 1) / S * S;
+      f.shard_numel = f.padded / S;
+      (frozen ? frozen_total : train_total) += f.shard_numel;
+
+      // Fill the flat buffer (on rank 0, or everywhere), hand it around, keep this rank's shard.
+      f.full = torch::zeros({f.padded}, torch::kFloat);
+      const bool has_values = !from_rank0 || world_.rank() == 0;
+      if (has_values) {
+        for (size_t k = 0; k < f.params.size(); ++k) {
+          const torch::Tensor& p = params_[f.params[k]];
+          f.full.narrow(0, f.offsets[k], p.numel()).copy_(p.reshape({-1}));
+        }
+      }
+      if (from_rank0 && f.padded > 0) world_.Broadcast({f.full}, 0);
+      f.shard = f.full.narrow(0, me * f.shard_numel, f.shard_numel).clone();
+      if (!frozen) {
+        f.shard.set_requires_grad(true);
+        f.shard.mutable_grad() = torch::zeros_like(f.shard);
+      }
+      // A shard group of one (one rank, or HYBRID_SHARD with one rank per node): the shard is
+      // the whole unit, so the parameters are views of it and nothing is ever gathered or freed.
+      if (single_shard()) f.full = f.shard.detach();
+      for (size_t k = 0; k < f.params.size(); ++k) {
+        torch::Tensor& p = params_[f.params[k]];
+        p.set_data(f.full.narrow(0, f.offsets[k], p.numel()).view(p.sizes()));
+      }
+      if (!single_shard()) FreeStorage(f.full);  // sharded until first use
     }
-    if (from_rank0 && u.padded > 0) world_.Broadcast({u.full}, 0);
-    u.shard = u.full.narrow(0, me * u.shard_numel, u.shard_numel).clone().set_requires_grad(true);
-    u.shard.mutable_grad() = torch::zeros_like(u.shard);
-    // A shard group of one (one rank, or HYBRID_SHARD with one rank per node): the shard is
-    // the whole unit, so the parameters are views of it and nothing is ever gathered or freed.
-    if (single_shard()) u.full = u.shard.detach();
-    for (size_t k = 0; k < u.params.size(); ++k) {
-      torch::Tensor& p = params_[u.params[k]];
-      p.set_data(u.full.narrow(0, u.offsets[k], p.numel()).view(p.sizes()));
-    }
-    if (single_shard()) {
-      u.gathered = Gathered::kYes;
-    } else {
-      FreeStorage(u.full);  // sharded until first use
-    }
+    if (single_shard()) u.gathered = Gathered::kYes;
   }
-  Track(2 * shard_total * static_cast<int64_t>(sizeof(float)));  // parameter + gradient shards
+  // Parameter and gradient shards; frozen parameter shards.
+  Track((2 * train_total + frozen_total) * static_cast<int64_t>(sizeof(float)));
 
   for (size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].requires_grad()) continue;  // frozen: no gradient, no hook
     // Keep the accumulator alive: the variable holds it only weakly.
     auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
     hook_keys_.push_back(
@@ -209,7 +219,7 @@ absl::Status FsdpModel::Build(bool from_rank0) {
   }
   std::vector<torch::Tensor> shards;
   for (Unit& u : units_) {
-    if (u.shard_numel > 0) shards.push_back(u.shard);
+    if (u.train.shard_numel > 0) shards.push_back(u.train.shard);
   }
   optimizer_ =
       std::make_unique<torch::optim::AdamW>(shards, torch::optim::AdamWOptions(1e-3)
@@ -219,6 +229,16 @@ absl::Status FsdpModel::Build(bool from_rank0) {
   comm_thread_ = std::make_unique<CommThread>();
   model_.set_block_hooks(this);
   return absl::OkStatus();
+}
+
+const FsdpModel::FlatParam& FsdpModel::Flat(int i) const {
+  const auto& [unit, frozen] = flats_[i];
+  return frozen ? units_[unit].frozen : units_[unit].train;
+}
+
+FsdpModel::FlatParam& FsdpModel::Flat(int i) {
+  const auto& [unit, frozen] = flats_[i];
+  return frozen ? units_[unit].frozen : units_[unit].train;
 }
 
 void FsdpModel::Track(int64_t delta_bytes) {
@@ -237,22 +257,27 @@ int FsdpModel::GatheredBlockUnits() const {
 
 void FsdpModel::StartGather(int ui) {
   Unit& u = units_[ui];
-  if (u.gathered != Gathered::kNo || u.padded == 0) {
-    if (u.padded == 0) u.gathered = Gathered::kYes;
+  const int64_t numel = GatheredNumel(u);
+  if (u.gathered != Gathered::kNo || numel == 0) {
+    if (numel == 0) u.gathered = Gathered::kYes;
     return;
   }
-  const int64_t bytes = u.padded * static_cast<int64_t>(sizeof(float));
-  AllocateStorage(u.full, bytes);
-  Track(bytes);
+  for (FlatParam* f : {&u.train, &u.frozen}) {
+    if (f->padded > 0) AllocateStorage(f->full, f->padded * static_cast<int64_t>(sizeof(float)));
+  }
+  Track(numel * static_cast<int64_t>(sizeof(float)));
   u.gathered = Gathered::kInFlight;
   ++gathers_;
   u.gather_done = comm_thread_->Enqueue([this, ui] {
     Unit& unit = units_[ui];
-    std::vector<torch::Tensor> outs;
-    for (int r = 0; r < shard_.world_size(); ++r) {
-      outs.push_back(unit.full.narrow(0, r * unit.shard_numel, unit.shard_numel));
+    for (FlatParam* f : {&unit.train, &unit.frozen}) {
+      if (f->padded == 0) continue;
+      std::vector<torch::Tensor> outs;
+      for (int r = 0; r < shard_.world_size(); ++r) {
+        outs.push_back(f->full.narrow(0, r * f->shard_numel, f->shard_numel));
+      }
+      shard_.AllGatherInto(f->shard.detach(), std::move(outs));
     }
-    shard_.AllGatherInto(unit.shard.detach(), std::move(outs));
   });
 }
 
@@ -274,10 +299,13 @@ void FsdpModel::Prefetch(int ui) {
 
 void FsdpModel::Release(int ui) {
   Unit& u = units_[ui];
-  if (u.gathered == Gathered::kNo || u.padded == 0 || single_shard()) return;
+  const int64_t numel = GatheredNumel(u);
+  if (u.gathered == Gathered::kNo || numel == 0 || single_shard()) return;
   if (u.gathered == Gathered::kInFlight) u.gather_done.get();
-  FreeStorage(u.full);
-  Track(-u.padded * static_cast<int64_t>(sizeof(float)));
+  for (FlatParam* f : {&u.train, &u.frozen}) {
+    if (f->padded > 0) FreeStorage(f->full);
+  }
+  Track(-numel * static_cast<int64_t>(sizeof(float)));
   u.gathered = Gathered::kNo;
 }
 
@@ -285,17 +313,25 @@ void FsdpModel::BeginForward(bool sync_gradients) {
   if (!hooks_on_) return;
   sync_gradients_ = sync_gradients;
   for (Unit& u : units_) {
-    u.pending_grads = static_cast<int>(u.params.size());
+    u.pending_grads = static_cast<int>(u.train.params.size());
     u.reduced = false;
+    u.input_grad_done = false;
   }
   reductions_.clear();
   EnsureGathered(0);
 }
 
-void FsdpModel::BeforeBlock(int block) {
+void FsdpModel::BeforeBlock(int block, const torch::Tensor& input) {
   const int ui = unit_of_block_[block];
   if (ui == 0 || block != units_[ui].first_block) return;
   EnsureGathered(ui);
+  if (!units_[ui].frozen.params.empty() && torch::GradMode::is_enabled() && input.requires_grad()) {
+    input.register_hook([this, ui](const torch::Tensor&) {
+      Unit& u = units_[ui];
+      u.input_grad_done = true;
+      if (u.reduced) Release(ui);
+    });
+  }
   if (config_.forward_prefetch) Prefetch(ui + 1);
 }
 
@@ -320,16 +356,17 @@ void FsdpModel::WatchLoss(const torch::Tensor& loss) {
 void FsdpModel::PrepareGradients(int ui) {
   Unit& u = units_[ui];
   if (u.grad.defined()) return;
+  FlatParam& f = u.train;
   if (single_shard()) {
-    u.grad = u.shard.grad();
+    u.grad = f.shard.grad();
   } else {
-    u.grad = torch::zeros({u.padded}, torch::kFloat);
-    Track(u.padded * static_cast<int64_t>(sizeof(float)));
+    u.grad = torch::zeros({f.padded}, torch::kFloat);
+    Track(f.padded * static_cast<int64_t>(sizeof(float)));
   }
   torch::NoGradGuard no_grad;
-  for (size_t k = 0; k < u.params.size(); ++k) {
-    torch::Tensor& p = params_[u.params[k]];
-    torch::Tensor view = u.grad.narrow(0, u.offsets[k], p.numel()).view(p.sizes());
+  for (size_t k = 0; k < f.params.size(); ++k) {
+    torch::Tensor& p = params_[f.params[k]];
+    torch::Tensor view = u.grad.narrow(0, f.offsets[k], p.numel()).view(p.sizes());
     // A gradient autograd stored before the buffer existed is kept.
     if (p.grad().defined()) view.add_(p.grad());
     p.mutable_grad() = view;
@@ -355,9 +392,10 @@ void FsdpModel::PostBackward(int ui) {
   if (config_.backward_prefetch == BackwardPrefetch::kBackwardPost) Prefetch(ui - 1);
   torch::NoGradGuard no_grad;
   if (!u.grad.defined()) PrepareGradients(ui);  // no hook ran: nothing used the unit
-  for (size_t k = 0; k < u.params.size(); ++k) {
-    torch::Tensor& p = params_[u.params[k]];
-    torch::Tensor view = u.grad.narrow(0, u.offsets[k], p.numel());
+  const FlatParam& f = u.train;
+  for (size_t k = 0; k < f.params.size(); ++k) {
+    torch::Tensor& p = params_[f.params[k]];
+    torch::Tensor view = u.grad.narrow(0, f.offsets[k], p.numel());
     // Autograd may have stored a gradient of its own (one that arrived while the parameter had
     // none): it adds to what the buffer holds (earlier micro-steps, with a shard group of one).
     if (p.grad().defined() && p.grad().data_ptr() != view.data_ptr()) {
@@ -365,17 +403,18 @@ void FsdpModel::PostBackward(int ui) {
     }
     p.mutable_grad() = torch::Tensor();
   }
-  Release(ui);
+  // Frozen weights serve the input's gradient, which may come after the trained gradients.
+  if (u.frozen.params.empty() || u.input_grad_done) Release(ui);
   const int world = world_.world_size();
   torch::Tensor grad = std::move(u.grad);
   u.grad = torch::Tensor();
   if (single_shard()) {
     // The gradients accumulated in place: like DDP's no_sync, nothing to send before the last
     // micro-step, then one all-reduce across the replicas and the average.
-    if (!sync_gradients_ || u.padded == 0 || world == 1) return;
+    if (!sync_gradients_ || f.padded == 0 || world == 1) return;
     reductions_.push_back(comm_thread_->Enqueue([this, ui, world] {
       torch::NoGradGuard no_grad_here;
-      torch::Tensor g = units_[ui].shard.grad();
+      torch::Tensor g = units_[ui].train.shard.grad();
       replica_->AllReduceSum({g})->Wait();
       g.div_(world);
     }));
@@ -383,17 +422,17 @@ void FsdpModel::PostBackward(int ui) {
   }
   reductions_.push_back(comm_thread_->Enqueue([this, ui, grad, world]() mutable {
     torch::NoGradGuard no_grad_here;
-    Unit& unit = units_[ui];
+    FlatParam& flat = units_[ui].train;
     torch::Tensor mine;
-    if (unit.padded > 0) {
+    if (flat.padded > 0) {
       mine = shard_.ReduceScatterSum(grad,
-                                     std::vector<int64_t>(shard_.world_size(), unit.shard_numel));
+                                     std::vector<int64_t>(shard_.world_size(), flat.shard_numel));
       if (replica_ != nullptr) replica_->AllReduceSum({mine})->Wait();
-      unit.shard.mutable_grad().add_(mine, 1.0 / world);
+      flat.shard.mutable_grad().add_(mine, 1.0 / world);
     }
     mine = torch::Tensor();
     grad = torch::Tensor();
-    Track(-unit.padded * static_cast<int64_t>(sizeof(float)));
+    Track(-flat.padded * static_cast<int64_t>(sizeof(float)));
   }));
 }
 
@@ -415,7 +454,7 @@ double FsdpModel::GradNorm() {
   torch::NoGradGuard no_grad;
   double sq = 0;
   for (Unit& u : units_) {
-    if (u.shard_numel > 0) sq += u.shard.grad().pow(2).sum().item<double>();
+    if (u.train.shard_numel > 0) sq += u.train.shard.grad().pow(2).sum().item<double>();
   }
   torch::Tensor t = torch::tensor({sq}, torch::kDouble);
   shard_.AllReduceSum({t})->Wait();
@@ -428,10 +467,10 @@ void FsdpModel::Step(double lr, double clip_scale) {
   if (!adam_counted_) {
     adam_counted_ = true;
     int64_t shard_total = 0;
-    for (const Unit& u : units_) shard_total += u.shard_numel;
+    for (const Unit& u : units_) shard_total += u.train.shard_numel;
     Track(2 * shard_total * static_cast<int64_t>(sizeof(float)));  // exp_avg, exp_avg_sq
   }
-  for (Unit& u : units_) u.shard.mutable_grad().zero_();
+  for (Unit& u : units_) u.train.shard.mutable_grad().zero_();
 }
 
 void FsdpModel::GatherFullParameters() {
@@ -447,10 +486,11 @@ int64_t FsdpModel::bytes_sent() const {
 
 FsdpShardState FsdpModel::ExportState() {
   FsdpShardState out;
-  for (Unit& u : units_) {
-    out.params.push_back(u.shard.detach());
+  for (int i = 0; i < num_flats(); ++i) {
+    const FlatParam& f = Flat(i);
+    out.params.push_back(f.shard.detach());
     torch::Tensor m, v;
-    auto it = optimizer_->state().find(OptimizerStateKey(u.shard));
+    auto it = optimizer_->state().find(OptimizerStateKey(f.shard));
     if (it != optimizer_->state().end()) {
       auto& st = static_cast<torch::optim::AdamWParamState&>(*it->second);
       m = st.exp_avg();
@@ -466,20 +506,20 @@ FsdpShardState FsdpModel::ExportState() {
 void FsdpModel::ImportState(const FsdpShardState& state) {
   torch::NoGradGuard no_grad;
   const bool has_moments = adam_counted_;
-  for (size_t ui = 0; ui < units_.size(); ++ui) {
-    Unit& u = units_[ui];
-    u.shard.copy_(state.params[ui]);
-    if (u.shard_numel == 0 || !state.exp_avg[ui].defined()) continue;
+  for (int i = 0; i < num_flats(); ++i) {
+    FlatParam& f = Flat(i);
+    f.shard.copy_(state.params[i]);
+    if (flats_[i].second || f.shard_numel == 0 || !state.exp_avg[i].defined()) continue;
     auto st = std::make_unique<torch::optim::AdamWParamState>();
     st->step(state.adam_step);
-    st->exp_avg(state.exp_avg[ui].clone());
-    st->exp_avg_sq(state.exp_avg_sq[ui].clone());
-    optimizer_->state()[OptimizerStateKey(u.shard)] = std::move(st);
+    st->exp_avg(state.exp_avg[i].clone());
+    st->exp_avg_sq(state.exp_avg_sq[i].clone());
+    optimizer_->state()[OptimizerStateKey(f.shard)] = std::move(st);
     adam_counted_ = true;
   }
   if (adam_counted_ && !has_moments) {
     int64_t shard_total = 0;
-    for (const Unit& u : units_) shard_total += u.shard_numel;
+    for (const Unit& u : units_) shard_total += u.train.shard_numel;
     Track(2 * shard_total * static_cast<int64_t>(sizeof(float)));
   }
 }

@@ -1,5 +1,12 @@
 // FsdpModel: PyTorch-FSDP-style fully sharded data parallelism for a LanguageModel.
 //
+// LoRA: parameters that do not train (requires_grad false) go into a second flat buffer per unit,
+// gathered with it but never reduce-scattered and without optimizer state or gradient buffers.
+// Such a unit is freed after backward has computed the gradient of its input (a hook on the input,
+// as PyTorch FSDP's reshard-only post-backward hook), not when its trained gradients are in: the
+// frozen weights are still needed for that input gradient. A unit whose input needs no gradient
+// (the first block over a frozen embedding) stays gathered until FinishBackward.
+//
 // Units: the wrap policy groups the model's blocks into units (TRANSFORMER_BASED_WRAP: one block
 // each; SIZE_BASED_WRAP: consecutive blocks until min_num_params); everything else (embeddings,
 // final norm, head, blocks left over) is the root unit, unit 0. Each unit's parameters live in one
@@ -42,6 +49,7 @@
 #include <future>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -74,15 +82,19 @@ struct FsdpLayout {
     int64_t offset = 0;  // elements into the unit's flat buffer
     int index = 0;       // position in model.named_parameters()
   };
+  // One flat buffer: a unit's parameters that train, or (LoRA) its frozen ones.
   struct Unit {
     int64_t numel = 0;  // unpadded
     std::vector<Param> params;
+    bool frozen = false;  // gathered, never reduced, no optimizer state
   };
-  std::vector<Unit> units;  // unit 0 is the root
+  // Per unit (unit 0 the root) its trained flat buffer, then its frozen one if it has any.
+  std::vector<Unit> units;
 };
 
-// One rank's optimizer-visible state: per unit its parameter shard and AdamW moments (padded
-// shard length; moments undefined before the first step).
+// One rank's optimizer-visible state: per flat buffer (as FsdpLayout lists them) its parameter
+// shard and AdamW moments (padded shard length; moments undefined before the first step and for
+// frozen buffers).
 struct FsdpShardState {
   std::vector<torch::Tensor> params, exp_avg, exp_avg_sq;
   int64_t adam_step = 0;
@@ -132,8 +144,10 @@ class FsdpModel : public BlockHooks {
   FsdpShardState ExportState();
   // Installs shards (and moments, when defined) of this rank's padded shard length.
   void ImportState(const FsdpShardState& state);
-  int64_t shard_numel(int unit) const { return units_[unit].shard_numel; }
-  int64_t padded_numel(int unit) const { return units_[unit].padded; }
+  // Flat buffers, as FsdpLayout lists them.
+  int num_flats() const { return static_cast<int>(flats_.size()); }
+  int64_t shard_numel(int flat) const { return Flat(flat).shard_numel; }
+  int64_t padded_numel(int flat) const { return Flat(flat).padded; }
 
   int num_units() const { return static_cast<int>(units_.size()); }
   // Bytes this rank sent (all-gathers and reduce-scatters) and gathers issued, since the start.
@@ -144,23 +158,30 @@ class FsdpModel : public BlockHooks {
   int64_t peak_bytes() const { return peak_bytes_.load(); }
 
   // BlockHooks.
-  void BeforeBlock(int block) override;
+  void BeforeBlock(int block, const torch::Tensor& input) override;
   void AfterBlock(int block, const torch::Tensor& output) override;
 
  private:
   enum class Gathered { kNo, kInFlight, kYes };
-  struct Unit {
+  struct FlatParam {
     std::vector<int> params;  // indices into params_
     std::vector<int64_t> offsets;
     int64_t numel = 0, padded = 0, shard_numel = 0;
+    torch::Tensor full;   // [padded]; storage only while gathered
+    torch::Tensor shard;  // [shard_numel]; the optimizer's parameter unless frozen
+  };
+  // Under LoRA a unit's frozen base weights sit in a flat buffer of their own (as PyTorch FSDP
+  // needs uniform requires_grad per FlatParameter): gathered with the unit, never reduced.
+  struct Unit {
+    FlatParam train, frozen;
     int first_block = -1, last_block = -1;  // -1 for the root
-    torch::Tensor full;                     // [padded]; storage only while gathered
-    torch::Tensor shard;                    // [shard_numel], the optimizer's parameter
-    torch::Tensor grad;                     // [padded] unsharded gradient during backward
+    torch::Tensor grad;                     // [train.padded] unsharded gradient during backward
     Gathered gathered = Gathered::kNo;
     std::shared_future<void> gather_done;
     int pending_grads = 0;
     bool reduced = false;  // this micro-step
+    // This micro-step's gradient of the unit's input is computed: its backward is over.
+    bool input_grad_done = false;
   };
   class CommThread;
   class GradHook;
@@ -181,6 +202,10 @@ class FsdpModel : public BlockHooks {
   void Track(int64_t delta_bytes);
   // A shard group of one: the shard is the whole unit, never gathered nor freed.
   bool single_shard() const { return shard_.world_size() == 1; }
+  // Flat buffer `i` as FsdpLayout lists them.
+  const FlatParam& Flat(int i) const;
+  FlatParam& Flat(int i);
+  static int64_t GatheredNumel(const Unit& u) { return u.train.padded + u.frozen.padded; }
 
   LanguageModel& model_;
   Communicator& world_;
@@ -191,6 +216,7 @@ class FsdpModel : public BlockHooks {
   std::vector<int> unit_of_param_;
   std::vector<int> unit_of_block_;
   std::vector<Unit> units_;
+  std::vector<std::pair<int, bool>> flats_;  // (unit, frozen) of each flat buffer, layout order
   FsdpLayout layout_;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hook_keys_;

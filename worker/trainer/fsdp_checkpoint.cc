@@ -44,7 +44,9 @@ json ManifestJson(const FsdpModel& fsdp, int64_t step, const AdamHyper& adam) {
       params.push_back(
           {{"name", p.name}, {"shape", p.shape}, {"offset", p.offset}, {"index", p.index}});
     }
-    units.push_back({{"numel", u.numel}, {"params", params}});
+    json unit = {{"numel", u.numel}, {"params", params}};
+    if (u.frozen) unit["frozen"] = true;  // LoRA's base weights: no optimizer state
+    units.push_back(std::move(unit));
   }
   return {{"format", kFormat},
           {"step", step},
@@ -88,6 +90,7 @@ absl::StatusOr<Manifest> ReadManifest(const std::string& path) {
     for (const json& ju : j.at("units")) {
       FsdpLayout::Unit u;
       u.numel = ju.at("numel").get<int64_t>();
+      u.frozen = ju.value("frozen", false);
       for (const json& jp : ju.at("params")) {
         FsdpLayout::Param p;
         p.name = jp.at("name").get<std::string>();
@@ -114,6 +117,11 @@ std::string LayoutDifference(const FsdpLayout& saved, const FsdpLayout& model) {
     const auto& b = model.units[u];
     if (a.params.size() != b.params.size() || a.numel != b.numel) {
       return absl::StrCat("unit ", u, " differs (", a.numel, " vs ", b.numel, " elements)");
+    }
+    if (a.frozen != b.frozen) {
+      return absl::StrCat("unit ", u, " is ", a.frozen ? "frozen" : "trained",
+                          " in the checkpoint, ", b.frozen ? "frozen" : "trained",
+                          " in the model (train.lora differs)");
     }
     for (size_t k = 0; k < a.params.size(); ++k) {
       if (a.params[k].name != b.params[k].name || a.params[k].shape != b.params[k].shape ||
@@ -213,7 +221,7 @@ absl::StatusOr<std::optional<CheckpointInfo>> LoadLatestShardedCheckpoint(const 
         absl::StrCat("checkpoint '", path, "' does not fit the model: ", diff));
   }
   const int me = fsdp.shard_rank(), count = fsdp.shard_count();
-  const int units = fsdp.num_units();
+  const int units = fsdp.num_flats();
   FsdpShardState state;
   for (int u = 0; u < units; ++u) state.params.push_back(torch::zeros({fsdp.shard_numel(u)}));
   bool moments = false;
@@ -302,6 +310,7 @@ absl::StatusOr<CheckpointInfo> ConsolidateShardedCheckpoint(const std::string& s
     for (const auto& u : m.layout.units) total += static_cast<int>(u.params.size());
     std::vector<torch::Tensor> params(total), exp_avg(total), exp_avg_sq(total);
     std::vector<std::string> names(total);
+    std::vector<bool> trained(total, false);
     for (size_t u = 0; u < units; ++u) {
       for (const FsdpLayout::Param& p : m.layout.units[u].params) {
         int64_t n = 1;
@@ -313,6 +322,7 @@ absl::StatusOr<CheckpointInfo> ConsolidateShardedCheckpoint(const std::string& s
         exp_avg.at(p.index) = cut(flat_m[u]);
         exp_avg_sq.at(p.index) = cut(flat_v[u]);
         names.at(p.index) = p.name;
+        trained.at(p.index) = !m.layout.units[u].frozen;
       }
     }
     std::error_code ec;
@@ -323,12 +333,19 @@ absl::StatusOr<CheckpointInfo> ConsolidateShardedCheckpoint(const std::string& s
     torch::serialize::OutputArchive model;
     for (int i = 0; i < total; ++i) model.write(names[i], params[i].detach());
     model.save_to(tmp + "/model.pt");
-    torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(m.adam.lr)
-                                              .betas({m.adam.beta1, m.adam.beta2})
-                                              .eps(m.adam.eps)
-                                              .weight_decay(m.adam.weight_decay));
+    // Over the parameters that train, in registration order, as the DDP trainer's (LoRA: the
+    // adapters).
+    std::vector<torch::Tensor> optimized;
+    for (int i = 0; i < total; ++i) {
+      if (trained[i]) optimized.push_back(params[i]);
+    }
+    torch::optim::AdamW optimizer(optimized, torch::optim::AdamWOptions(m.adam.lr)
+                                                 .betas({m.adam.beta1, m.adam.beta2})
+                                                 .eps(m.adam.eps)
+                                                 .weight_decay(m.adam.weight_decay));
     if (moments) {
       for (int i = 0; i < total; ++i) {
+        if (!trained[i]) continue;
         auto st = std::make_unique<torch::optim::AdamWParamState>();
         st->step(adam_step);
         st->exp_avg(exp_avg[i]);

@@ -1,9 +1,11 @@
 // Sharded checkpoints of an FSDP job. DIR/step-<N>/ holds
-//   shard-<r>-of-<S>.pt  per shard rank r: each unit's parameter shard and AdamW moments
+//   shard-<r>-of-<S>.pt  per shard rank r: each flat buffer's parameter shard and AdamW moments
 //                        ("u<i>.param", "u<i>.exp_avg", "u<i>.exp_avg_sq"), "adam_step", and in
 //                        shard 0's the CPU RNG state ("rng");
 //   manifest.json        format, step, shard count, AdamW hyper-parameters and the layout: each
-//                        unit's element count and each parameter's name, shape, offset, index;
+//                        flat buffer's element count (and "frozen": true for LoRA's frozen
+//                        base, which has no moments) and each parameter's name, shape, offset,
+//                        index;
 //   meta.json            {"step": N}.
 // Writing follows checkpoint.h's rules: every shard writer (replica 0 under HYBRID_SHARD) writes
 // its file into DIR/.step-<N>.tmp and fsyncs it; rank 0 then writes the manifest and meta,

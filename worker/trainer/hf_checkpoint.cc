@@ -375,4 +375,30 @@ absl::Status HfCheckpoint::Check(const std::vector<ExpectedTensor>& expected) co
   return absl::OkStatus();
 }
 
+std::string LoraAdapterConfigJson(const LoraConfig& lora, const std::string& base_model) {
+  nlohmann::json j = {
+      {"peft_type", "LORA"},
+      {"task_type", "CAUSAL_LM"},
+      {"r", lora.r},
+      {"lora_alpha", lora.alpha},
+      {"lora_dropout", lora.dropout},
+      {"target_modules", lora.target_modules},
+      {"bias", "none"},
+      {"fan_in_fan_out", false},
+      {"use_rslora", false},
+      {"use_dora", false},
+      {"init_lora_weights", true},
+      {"inference_mode", true},
+      {"modules_to_save", nullptr},
+      {"layers_to_transform", nullptr},
+      {"layers_pattern", nullptr},
+      {"rank_pattern", nlohmann::json::object()},
+      {"alpha_pattern", nlohmann::json::object()},
+      {"revision", nullptr},
+      {"base_model_name_or_path",
+       base_model.empty() ? nlohmann::json() : nlohmann::json(base_model)},
+  };
+  return j.dump(2) + "\n";
+}
+
 }  // namespace trainyard::trainer

@@ -59,6 +59,10 @@ absl::Status ResolveLlamaConfig(const LlamaConfig& config, const std::string& fi
                                 ModelConfig* model);
 // The config.json of a llama `model` (as transformers' LlamaConfig writes it, float32).
 std::string LlamaConfigJson(const ModelConfig& model);
+
+// PEFT's adapter_config.json for a LoRA adapter of a llama model (peft_type LORA, task_type
+// CAUSAL_LM); `base_model`: base_model_name_or_path, or "" for none.
+std::string LoraAdapterConfigJson(const LoraConfig& lora, const std::string& base_model);
 // The LlamaConfig a llama `model` has.
 LlamaConfig LlamaConfigOf(const ModelConfig& model);
 

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "worker/trainer/model.h"
 
 namespace trainyard::trainer {
 namespace {
@@ -24,12 +25,24 @@ absl::Status WriteFileAtomically(const std::string& path, const std::string& byt
   return absl::OkStatus();
 }
 
+// An fp32 safetensors entry of `t`.
+SafetensorsEntry Entry(const std::string& name, const torch::Tensor& t) {
+  const torch::Tensor c = t.to(torch::kFloat).contiguous();
+  SafetensorsEntry e;
+  e.name = name;
+  e.dtype = SafetensorsDtype::kF32;
+  e.shape = c.sizes().vec();
+  e.bytes.assign(static_cast<const char*>(c.data_ptr()), c.numel() * sizeof(float));
+  return e;
+}
+
 }  // namespace
 
 absl::Status LoadHfWeights(const HfCheckpoint& checkpoint, torch::nn::Module& model) {
   torch::NoGradGuard no_grad;
   for (const auto& item : model.named_parameters()) {
     const std::string& name = item.key();
+    if (IsLoraParameter(name)) continue;  // initialized, not loaded
     torch::Tensor param = item.value();
     const HfCheckpoint::Located at = checkpoint.Find(name);
     if (at.tensor == nullptr) {
@@ -66,25 +79,47 @@ absl::Status LoadHfWeights(const HfCheckpoint& checkpoint, torch::nn::Module& mo
   return absl::OkStatus();
 }
 
-absl::Status ExportHfModel(const ModelConfig& config, torch::nn::Module& model,
-                           const std::string& dir) {
+absl::Status ExportHfModel(const ModelConfig& config, const LoraConfig& lora,
+                           torch::nn::Module& model, const std::string& dir) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) return absl::InternalError(absl::StrCat(dir, ": cannot create: ", ec.message()));
+  torch::NoGradGuard no_grad;
+  const auto params = model.named_parameters();
   std::vector<SafetensorsEntry> entries;
-  for (const auto& item : model.named_parameters()) {
-    const torch::Tensor t = item.value().detach().to(torch::kFloat).contiguous();
-    SafetensorsEntry e;
-    e.name = item.key();
-    e.dtype = SafetensorsDtype::kF32;
-    e.shape = t.sizes().vec();
-    e.bytes.assign(static_cast<const char*>(t.data_ptr()), t.numel() * sizeof(float));
-    entries.push_back(std::move(e));
+  for (const auto& item : params) {
+    if (IsLoraParameter(item.key())) continue;
+    torch::Tensor t = item.value().detach().to(torch::kFloat);
+    // "<projection>.weight" with an adapter: merged.
+    const std::string projection = item.key().substr(0, item.key().rfind('.'));
+    const torch::Tensor* a = params.find(projection + ".lora_A.weight");
+    const torch::Tensor* b = params.find(projection + ".lora_B.weight");
+    if (a != nullptr && b != nullptr) t = t + torch::matmul(*b, *a) * lora.scale();
+    entries.push_back(Entry(item.key(), t));
   }
   auto file = SerializeSafetensors(std::move(entries), {{"format", "pt"}});
   if (!file.ok()) return file.status();
   if (absl::Status s = WriteFileAtomically(dir + "/model.safetensors", *file); !s.ok()) return s;
   return WriteFileAtomically(dir + "/config.json", LlamaConfigJson(config));
+}
+
+absl::Status ExportLoraAdapter(const LoraConfig& lora, torch::nn::Module& model,
+                               const std::string& base_model, const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return absl::InternalError(absl::StrCat(dir, ": cannot create: ", ec.message()));
+  std::vector<SafetensorsEntry> entries;
+  for (const auto& item : model.named_parameters()) {
+    if (!IsLoraParameter(item.key())) continue;
+    entries.push_back(Entry("base_model.model." + item.key(), item.value().detach()));
+  }
+  if (entries.empty()) return absl::FailedPreconditionError("the model has no LoRA adapters");
+  auto file = SerializeSafetensors(std::move(entries), {{"format", "pt"}});
+  if (!file.ok()) return file.status();
+  if (absl::Status s = WriteFileAtomically(dir + "/adapter_model.safetensors", *file); !s.ok()) {
+    return s;
+  }
+  return WriteFileAtomically(dir + "/adapter_config.json", LoraAdapterConfigJson(lora, base_model));
 }
 
 }  // namespace trainyard::trainer

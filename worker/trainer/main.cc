@@ -99,16 +99,20 @@ int Main(int argc, char** argv) {
     if (std::string(argv[i]) != "--export-hf") continue;
     CLI::App tool{
         "trainyard-trainer --export-hf: a llama job's latest checkpoint as a Hugging Face model "
-        "directory (config.json, model.safetensors)"};
+        "directory (config.json, model.safetensors), or a LoRA job's adapter in PEFT's layout "
+        "(adapter_config.json, adapter_model.safetensors)"};
     std::string checkpoint_dir, out, spec_path;
+    bool merge_lora = false;
     tool.add_option("--export-hf", checkpoint_dir, "the job's checkpoint directory (its latest)")
         ->required();
     tool.add_option("--spec", spec_path, "the job's spec (.yaml or binary JobSpec)")->required();
     tool.add_option("--out", out, "the model directory to write")->required();
+    tool.add_flag("--merge-lora", merge_lora,
+                  "a LoRA job: the whole model with the adapters merged in, not the adapter");
     CLI11_PARSE(tool, argc, argv);
     auto spec = LoadSpec(spec_path);
     if (!spec.ok()) return Fail(spec.status());
-    absl::Status s = RunExportHf(ToJobConfig(*spec), checkpoint_dir, out);
+    absl::Status s = RunExportHf(ToJobConfig(*spec), checkpoint_dir, out, merge_lora);
     return s.ok() ? 0 : Fail(s);
   }
 

@@ -8,6 +8,7 @@
 #include <map>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
@@ -29,6 +30,36 @@ torch::Tensor Dense(const torch::Tensor& x, const torch::Tensor& weight, const t
 
 torch::Tensor Dense(const torch::Tensor& x, torch::nn::Linear& linear, bool bf16) {
   return Dense(x, linear->weight, linear->bias, bf16);
+}
+
+// A LoRA adapter's matrix: a module of its own so that it is named "lora_A.weight" /
+// "lora_B.weight" under its projection, as in PEFT's state dicts.
+class LoraWeightImpl : public torch::nn::Module {
+ public:
+  LoraWeightImpl(int64_t out, int64_t in)
+      : weight(register_parameter("weight", torch::zeros({out, in}))) {}
+  torch::Tensor weight;
+};
+TORCH_MODULE(LoraWeight);
+
+// The adapter of one projection; empty when LoRA does not target it.
+struct Adapter {
+  LoraWeight a{nullptr}, b{nullptr};
+  double scale = 0, dropout = 0;
+};
+
+// The projection's output, plus (alpha / r) * B(A(dropout(x))) when it has an adapter (PEFT's
+// LoRA Linear forward).
+torch::Tensor Project(const torch::Tensor& x, torch::nn::Linear& linear, const Adapter& adapter,
+                      bool bf16, bool training) {
+  torch::Tensor y = Dense(x, linear, bf16);
+  if (adapter.a.is_empty()) return y;
+  const torch::Tensor in =
+      adapter.dropout > 0 && training
+          ? F::dropout(x, F::DropoutFuncOptions().p(adapter.dropout).training(true))
+          : x;
+  const torch::Tensor low = Dense(in, adapter.a->weight, torch::Tensor(), bf16);
+  return y + Dense(low, adapter.b->weight, torch::Tensor(), bf16) * adapter.scale;
 }
 
 // A freshly built module, its parameters' storage freed unless options.materialize.
@@ -106,11 +137,14 @@ TORCH_MODULE(Block);
 // runs the block without recording a graph and saves only its input; backward recomputes the block
 // with grad enabled and backpropagates the incoming gradient through it, which accumulates the
 // block's parameter gradients (firing their hooks, so DDP buckets see them) and yields the input's.
+// The CPU generator is set back to its state at forward for the recompute (preserve_rng_state), so
+// dropout draws the same masks.
 template <typename B>
 class CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock<B>> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x, B* block) {
     ctx->saved_data["block"] = reinterpret_cast<int64_t>(block);
+    ctx->saved_data["rng"] = at::detail::getDefaultCPUGenerator().get_state();
     ctx->save_for_backward({x});
     torch::NoGradGuard no_grad;  // apply() already disables grad; stated for the reader
     return block->forward(x);
@@ -122,8 +156,12 @@ class CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock<B>>
     torch::Tensor x = ctx->get_saved_variables()[0].detach().requires_grad_(true);
     torch::Tensor y;
     {
+      at::Generator generator = at::detail::getDefaultCPUGenerator();
+      const torch::Tensor now = generator.get_state();
+      generator.set_state(ctx->saved_data["rng"].toTensor());
       torch::AutoGradMode enable(true);
       y = block->forward(x);
+      generator.set_state(now);
     }
     torch::autograd::backward({y}, {grad_outputs[0]});
     return {x.grad(), torch::Tensor()};
@@ -182,7 +220,7 @@ class GptModel : public LanguageModel {
     const bool checkpoint = options_.activation_checkpointing && torch::GradMode::is_enabled();
     for (size_t i = 0; i < blocks_->size(); ++i) {
       auto* block = (*blocks_)[i]->as<BlockImpl>();
-      if (hooks_ != nullptr) hooks_->BeforeBlock(static_cast<int>(i));
+      if (hooks_ != nullptr) hooks_->BeforeBlock(static_cast<int>(i), x);
       x = checkpoint ? CheckpointedBlock<BlockImpl>::apply(x, block) : block->forward(x);
       if (hooks_ != nullptr) hooks_->AfterBlock(static_cast<int>(i), x);
     }
@@ -241,7 +279,7 @@ class MlpModel : public LanguageModel {
   torch::Tensor Logits(const torch::Tensor& contexts) {
     torch::Tensor x = tok_emb_(contexts).mean(1);  // [b, d]
     for (size_t i = 0; i < up_.size(); ++i) {
-      if (hooks_ != nullptr) hooks_->BeforeBlock(static_cast<int>(i));
+      if (hooks_ != nullptr) hooks_->BeforeBlock(static_cast<int>(i), x);
       x = x + Dense(F::gelu(Dense(x, up_[i], options_.bf16)), down_[i], options_.bf16);
       if (hooks_ != nullptr) hooks_->AfterBlock(static_cast<int>(i), x);
     }
@@ -339,6 +377,21 @@ torch::nn::Linear NoBias(int64_t in, int64_t out, const ModelOptions& options) {
   return Keep(torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false)), options);
 }
 
+// Registers the adapter of projection `name` under it when LoRA targets it (uninitialized: see
+// InitializeLora).
+Adapter Attach(torch::nn::Linear& projection, const std::string& name,
+               const ModelOptions& options) {
+  Adapter adapter;
+  if (!options.lora.enabled() || !options.lora.Targets(name)) return adapter;
+  const int64_t out = projection->weight.size(0), in = projection->weight.size(1),
+                r = options.lora.r;
+  adapter.a = projection->register_module("lora_A", Keep(LoraWeight(r, in), options));
+  adapter.b = projection->register_module("lora_B", Keep(LoraWeight(out, r), options));
+  adapter.scale = options.lora.scale();
+  adapter.dropout = options.lora.dropout;
+  return adapter;
+}
+
 class LlamaAttentionImpl : public torch::nn::Module {
  public:
   LlamaAttentionImpl(const ModelConfig& m, const ModelOptions& options)
@@ -348,17 +401,21 @@ class LlamaAttentionImpl : public torch::nn::Module {
     k_proj = register_module("k_proj", NoBias(d, kv_heads_ * head_dim_, options));
     v_proj = register_module("v_proj", NoBias(d, kv_heads_ * head_dim_, options));
     o_proj = register_module("o_proj", NoBias(heads_ * head_dim_, d, options));
+    q_lora_ = Attach(q_proj, "q_proj", options);
+    k_lora_ = Attach(k_proj, "k_proj", options);
+    v_lora_ = Attach(v_proj, "v_proj", options);
+    o_lora_ = Attach(o_proj, "o_proj", options);
   }
 
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos,
                         const torch::Tensor& sin) {
     const int64_t b = x.size(0), t = x.size(1), hd = head_dim_, rep = heads_ / kv_heads_;
     // [b, heads, t, hd], rotated
-    auto heads = [&](torch::nn::Linear& proj, int64_t n) {
-      return Dense(x, proj, bf16_).view({b, t, n, hd}).transpose(1, 2);
+    auto heads = [&](torch::nn::Linear& proj, const Adapter& lora, int64_t n) {
+      return Project(x, proj, lora, bf16_, is_training()).view({b, t, n, hd}).transpose(1, 2);
     };
-    torch::Tensor q = heads(q_proj, heads_), k = heads(k_proj, kv_heads_),
-                  v = heads(v_proj, kv_heads_);
+    torch::Tensor q = heads(q_proj, q_lora_, heads_), k = heads(k_proj, k_lora_, kv_heads_),
+                  v = heads(v_proj, v_lora_, kv_heads_);
     q = q * cos + RotateHalf(q) * sin;
     k = k * cos + RotateHalf(k) * sin;
     // Grouped-query attention: each key-value head serves `rep` query heads.
@@ -373,12 +430,13 @@ class LlamaAttentionImpl : public torch::nn::Module {
                                          1.0 / std::sqrt(double(hd)), mask);
     torch::Tensor y = BatchedMatmul(torch::softmax(scores, -1), expand(v), 1.0, torch::Tensor());
     y = y.view({b, heads_, t, hd}).transpose(1, 2).reshape({b, t, heads_ * hd});
-    return Dense(y, o_proj, bf16_);
+    return Project(y, o_proj, o_lora_, bf16_, is_training());
   }
 
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
 
  private:
+  Adapter q_lora_, k_lora_, v_lora_, o_lora_;
   int64_t heads_, kv_heads_, head_dim_;
   bool bf16_;
 };
@@ -390,13 +448,20 @@ class LlamaMlpImpl : public torch::nn::Module {
     gate_proj = register_module("gate_proj", NoBias(m.d_model, m.d_hidden, options));
     up_proj = register_module("up_proj", NoBias(m.d_model, m.d_hidden, options));
     down_proj = register_module("down_proj", NoBias(m.d_hidden, m.d_model, options));
+    gate_lora_ = Attach(gate_proj, "gate_proj", options);
+    up_lora_ = Attach(up_proj, "up_proj", options);
+    down_lora_ = Attach(down_proj, "down_proj", options);
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    return Dense(F::silu(Dense(x, gate_proj, bf16_)) * Dense(x, up_proj, bf16_), down_proj, bf16_);
+    const bool training = is_training();
+    return Project(F::silu(Project(x, gate_proj, gate_lora_, bf16_, training)) *
+                       Project(x, up_proj, up_lora_, bf16_, training),
+                   down_proj, down_lora_, bf16_, training);
   }
   torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 
  private:
+  Adapter gate_lora_, up_lora_, down_lora_;
   bool bf16_;
 };
 TORCH_MODULE(LlamaMlp);
@@ -479,9 +544,13 @@ class LlamaModel : public LanguageModel {
   torch::Tensor Logits(const torch::Tensor& inputs) {
     torch::Tensor x = model_->embed_tokens(inputs);
     const bool checkpoint = options_.activation_checkpointing && torch::GradMode::is_enabled();
+    // A frozen embedding (LoRA) gives an input that needs no gradient, and a checkpointed block
+    // whose inputs need none records no backward, so its adapters would never learn (what
+    // transformers' enable_input_require_grads is for).
+    if (checkpoint && !x.requires_grad()) x.requires_grad_(true);
     for (size_t i = 0; i < model_->layers->size(); ++i) {
       auto* layer = (*model_->layers)[i]->as<LlamaLayerImpl>();
-      if (hooks_ != nullptr) hooks_->BeforeBlock(static_cast<int>(i));
+      if (hooks_ != nullptr) hooks_->BeforeBlock(static_cast<int>(i), x);
       x = checkpoint ? CheckpointedBlock<LlamaLayerImpl>::apply(x, layer) : layer->forward(x);
       if (hooks_ != nullptr) hooks_->AfterBlock(static_cast<int>(i), x);
     }
@@ -517,7 +586,29 @@ void Initialize(torch::nn::Module& model) {
   }
 }
 
+// PEFT's init_lora_weights=True: A ~ U(-1/sqrt(in), 1/sqrt(in)) (Kaiming-uniform with a =
+// sqrt(5), as torch.nn.Linear), B = 0. From a generator of its own, so that the base weights are
+// the same with LoRA as without.
+void InitializeLora(torch::nn::Module& model, uint64_t seed) {
+  torch::NoGradGuard no_grad;
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(seed ^ 0x4c6f5241);  // "LoRA"
+  for (const auto& item : model.named_modules()) {
+    auto* weight = item.value()->as<LoraWeightImpl>();
+    if (weight == nullptr) continue;
+    if (absl::EndsWith(item.key(), "lora_A")) {
+      const double bound = 1.0 / std::sqrt(static_cast<double>(weight->weight.size(1)));
+      weight->weight.uniform_(-bound, bound, generator);
+    } else {
+      weight->weight.zero_();
+    }
+  }
+}
+
 }  // namespace
+
+bool IsLoraParameter(const std::string& name) {
+  return absl::StrContains(name, ".lora_A.") || absl::StrContains(name, ".lora_B.");
+}
 
 std::shared_ptr<LanguageModel> BuildModel(const ModelConfig& spec, const ModelOptions& options,
                                           uint64_t seed) {
@@ -531,6 +622,12 @@ std::shared_ptr<LanguageModel> BuildModel(const ModelConfig& spec, const ModelOp
     model = std::make_shared<GptModel>(spec, options);
   }
   if (options.materialize) Initialize(*model);
+  if (options.lora.enabled()) {
+    if (options.materialize) InitializeLora(*model, seed);
+    for (const auto& item : model->named_parameters()) {
+      if (!IsLoraParameter(item.key())) item.value().set_requires_grad(false);
+    }
+  }
   return model;
 }
 

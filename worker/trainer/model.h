@@ -41,13 +41,18 @@ struct ModelOptions {
   // not to be read) and skip the initialization; a rank that receives its FSDP shards from rank 0
   // builds its model so, one module at a time, and never holds the whole model.
   bool materialize = true;
+  // LoRA on llama's targeted projections: each gains lora_A and lora_B (named as PEFT names them:
+  // "<projection>.lora_A.weight"), initialized as PEFT does (A Kaiming-uniform, B zero, so the
+  // model starts as the base), and every other parameter is frozen (requires_grad false).
+  LoraConfig lora;
 };
 
 // Called by the models around each block's forward (FSDP gathers and frees units here).
 class BlockHooks {
  public:
   virtual ~BlockHooks() = default;
-  virtual void BeforeBlock(int block) = 0;
+  // `input`: what block `block` gets; the hook may register a gradient hook on it.
+  virtual void BeforeBlock(int block, const torch::Tensor& input) = 0;
   // `output`: what block `block` returned; the hook may register a gradient hook on it.
   virtual void AfterBlock(int block, const torch::Tensor& output) = 0;
 };
@@ -85,6 +90,9 @@ void AllocateStorage(const torch::Tensor& t, int64_t bytes);
 // gradients. For showing what a trained model learned.
 std::vector<int64_t> Generate(LanguageModel& model, const std::vector<int64_t>& prompt, int length,
                               double temperature, uint64_t seed, int64_t seq_len);
+
+// True for a LoRA adapter's parameter (by its name in named_parameters()).
+bool IsLoraParameter(const std::string& name);
 
 // Builds model.kind with its parameters drawn from `seed`.
 std::shared_ptr<LanguageModel> BuildModel(const ModelConfig& spec, const ModelOptions& options,

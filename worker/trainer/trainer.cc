@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
@@ -85,6 +86,15 @@ torch::Tensor MakeBatch(const TokenData& data, const std::vector<int64_t>& sampl
     for (int j = 0; j <= seq_len; ++j) acc[i][j] = tokens[start + j];
   }
   return batch;
+}
+
+// The parameters that train (all of them, or under LoRA the adapters), in registration order.
+std::vector<torch::Tensor> TrainableParameters(torch::nn::Module& model) {
+  std::vector<torch::Tensor> out;
+  for (const torch::Tensor& p : model.parameters()) {
+    if (p.requires_grad()) out.push_back(p);
+  }
+  return out;
 }
 
 absl::Status WriteDump(const std::string& path, torch::nn::Module& model) {
@@ -200,6 +210,7 @@ absl::Status Train(const TrainerOptions& o) {
   ModelOptions model_options;
   model_options.bf16 = t.precision == Precision::kBf16;
   model_options.activation_checkpointing = t.activation_checkpointing;
+  model_options.lora = t.lora;
   // FSDP with cpu_ram_efficient_loading: only rank 0 holds the whole model, the others receive
   // their shards from it.
   const bool from_rank0 = fsdp_on && par.cpu_ram_efficient_loading && o.world_size > 1;
@@ -212,6 +223,8 @@ absl::Status Train(const TrainerOptions& o) {
   }
   hf_checkpoint.reset();  // unmapped
   std::vector<torch::Tensor> params = model->parameters();
+  // What the optimizer updates and the ranks average: every parameter, or the LoRA adapters.
+  const std::vector<torch::Tensor> trainable = TrainableParameters(*model);
   // betas (0.9, 0.95) as in GPT-3 / nanoGPT; weight decay on every parameter.
   AdamHyper adam{t.lr, 0.9, 0.95, 1e-8, t.weight_decay};
   std::unique_ptr<FsdpModel> fsdp;
@@ -240,10 +253,10 @@ absl::Status Train(const TrainerOptions& o) {
     }
   } else {
     optimizer_holder =
-        std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(adam.lr)
-                                                          .betas({adam.beta1, adam.beta2})
-                                                          .eps(adam.eps)
-                                                          .weight_decay(adam.weight_decay));
+        std::make_unique<torch::optim::AdamW>(trainable, torch::optim::AdamWOptions(adam.lr)
+                                                             .betas({adam.beta1, adam.beta2})
+                                                             .eps(adam.eps)
+                                                             .weight_decay(adam.weight_decay));
     if (!o.checkpoint_dir.empty()) {
       ASSIGN_OR_RETURN(auto loaded,
                        LoadLatestCheckpoint(o.checkpoint_dir, *model, *optimizer_holder));
@@ -284,7 +297,8 @@ absl::Status Train(const TrainerOptions& o) {
   if (o.world_size > 1 && !offload && !fsdp) {
     // The first bucket is 1 MiB like PyTorch's, or smaller when the buckets are.
     const double bucket_mb = par.bucket_mb;
-    reducer = std::make_unique<GradientReducer>(params, *comm, bucket_mb, std::min(1.0, bucket_mb));
+    reducer =
+        std::make_unique<GradientReducer>(trainable, *comm, bucket_mb, std::min(1.0, bucket_mb));
   }
   std::unique_ptr<Reporter> reporter;
   if (rank0 && !o.job_id.empty()) {
@@ -302,15 +316,20 @@ absl::Status Train(const TrainerOptions& o) {
   const int64_t total_steps = t.steps;
   const int grad_accum = t.grad_accum;
   DistributedSampler sampler(num_samples, t.seed, t.micro_batch, grad_accum, o.world_size, o.rank);
-  const int64_t params_count = [&] {
+  auto count = [](const std::vector<torch::Tensor>& tensors) {
     int64_t n = 0;
-    for (const auto& p : params) n += p.numel();
+    for (const auto& p : tensors) n += p.numel();
     return n;
-  }();
+  };
+  const int64_t params_count = count(params), trainable_count = count(trainable);
   Log(absl::StrFormat(
-      "trainer rank %d/%d: %s model, %d parameters, %d tokens (%d samples), global batch %d, "
+      "trainer rank %d/%d: %s model, %d parameters%s, %d tokens (%d samples), global batch %d, "
       "%d buckets, %s, steps %d..%d",
-      o.rank, o.world_size, m.kind, params_count, data.size(), num_samples, sampler.global_batch(),
+      o.rank, o.world_size, m.kind, params_count,
+      t.lora.enabled() ? absl::StrFormat(" (%d trainable: LoRA r %d on %s)", trainable_count,
+                                         t.lora.r, absl::StrJoin(t.lora.target_modules, ","))
+                       : "",
+      data.size(), num_samples, sampler.global_batch(),
       reducer ? reducer->num_buckets() : (offloaded ? offloaded->num_buckets() : 0),
       fsdp ? absl::StrFormat("fsdp %s: %d units, shard group %d", Name(par.sharding),
                              fsdp->num_units(), fsdp->shard_count())
@@ -318,9 +337,10 @@ absl::Status Train(const TrainerOptions& o) {
       step, total_steps));
   Log(absl::StrCat("collectives: ", comm->Describe()));
 
-  // Model-state bytes of DDP (and offload's device side): weights and gradients, and AdamW's
-  // moments on the device unless offloaded.
-  const int64_t dense_state_bytes = params_count * int64_t{4} * (offload ? 2 : 4);
+  // Model-state bytes of DDP (and offload's device side): weights, and of the parameters that
+  // train gradients, and AdamW's moments on the device unless offloaded.
+  const int64_t dense_state_bytes =
+      params_count * int64_t{4} + trainable_count * int64_t{4} * (offload ? 1 : 3);
   const int64_t run_start_step = step;
   // Bytes this rank sent for gradients and parameters so far.
   auto bytes_sent = [&] { return fsdp ? fsdp->bytes_sent() : comm->bytes_sent(); };
@@ -510,11 +530,16 @@ absl::Status RunConsolidate(const std::string& sharded, const std::string& out_d
 }
 
 absl::Status RunExportHf(const JobConfig& job, const std::string& checkpoint_dir,
-                         const std::string& out_dir) {
+                         const std::string& out_dir, bool merge_lora) {
   ModelConfig m = job.model;
+  const LoraConfig& lora = job.train.lora;
   if (m.kind != "llama") {
     return absl::InvalidArgumentError(absl::StrCat(
         "model.kind: --export-hf writes Llama-family models (llama), this job trains ", m.kind));
+  }
+  if (merge_lora && !lora.enabled()) {
+    return absl::InvalidArgumentError(
+        "--merge-lora: the job has no train.lora; its export is the whole model already");
   }
   if (!m.from.empty()) {
     auto config = ReadLlamaConfig(m.from);
@@ -544,13 +569,23 @@ absl::Status RunExportHf(const JobConfig& job, const std::string& checkpoint_dir
       (void)info;
       source = consolidated;
     }
-    std::shared_ptr<LanguageModel> model = BuildModel(m, ModelOptions{}, job.train.seed);
-    torch::optim::AdamW optimizer(model->parameters());  // the checkpoint holds its state too
+    ModelOptions options;
+    options.lora = lora;
+    std::shared_ptr<LanguageModel> model = BuildModel(m, options, job.train.seed);
+    // The checkpoint holds the optimizer's state too (of the parameters that train).
+    torch::optim::AdamW optimizer(TrainableParameters(*model));
     absl::StatusOr<std::optional<CheckpointInfo>> loaded =
         LoadLatestCheckpoint(source, *model, optimizer);
     if (!loaded.ok()) return loaded.status();
-    RETURN_IF_ERROR(ExportHfModel(m, *model, out_dir));
-    Log(absl::StrCat("exported step ", latest->step, " of ", checkpoint_dir, " to ", out_dir));
+    if (lora.enabled() && !merge_lora) {
+      RETURN_IF_ERROR(ExportLoraAdapter(lora, *model, m.from, out_dir));
+      Log(absl::StrCat("exported the LoRA adapter of step ", latest->step, " of ", checkpoint_dir,
+                       " to ", out_dir));
+      return absl::OkStatus();
+    }
+    RETURN_IF_ERROR(ExportHfModel(m, lora, *model, out_dir));
+    Log(absl::StrCat("exported step ", latest->step, " of ", checkpoint_dir, " to ", out_dir,
+                     lora.enabled() ? " (LoRA merged)" : ""));
     return absl::OkStatus();
   } catch (const c10::Error& e) {
     return absl::InternalError(absl::StrCat("LibTorch: ", e.what_without_backtrace()));

@@ -62,8 +62,10 @@ absl::Status RunConsolidate(const std::string& sharded, const std::string& out_d
 // one, or a sharded FSDP one, consolidated on the way) of a job with llama `job.model` as a Hugging
 // Face model directory OUT (config.json, model.safetensors in fp32). The model's sizes come from
 // the spec, and from model.from's config.json when it has one (which must still be readable).
+// A LoRA job (train.lora) exports its adapter alone in PEFT's layout (adapter_config.json,
+// adapter_model.safetensors), or with `merge_lora` the model with the adapters merged in.
 absl::Status RunExportHf(const JobConfig& job, const std::string& checkpoint_dir,
-                         const std::string& out_dir);
+                         const std::string& out_dir, bool merge_lora = false);
 
 // What computes: the LibTorch version, the BLAS and the matmul kernels (for --version and the
 // rank's log), one line each.
