@@ -267,8 +267,14 @@ int EstimateMemoryVerb(const Globals& g, const std::string& path, int world, int
     }
   }
   const auto estimates = EstimateAllStrategies(spec, world, per_node);
+  // LoRA: only the adapters train (and are counted beside the base).
+  const JobConfig config = ToJobConfig(spec);
+  const int64_t adapters = LoraParameterCount(config.model, config.train.lora);
+  const int64_t trainable =
+      config.train.lora.enabled() ? adapters : ModelParameterCount(spec.model());
   if (g.json()) {
-    nlohmann::json out = {{"parameters", ModelParameterCount(spec.model())},
+    nlohmann::json out = {{"parameters", ModelParameterCount(spec.model()) + adapters},
+                          {"trainable_parameters", trainable},
                           {"largest_unit_parameters", LargestUnitParameters(spec.model())},
                           {"world_size", world},
                           {"device_memory_bytes", device_bytes},
@@ -289,10 +295,14 @@ int EstimateMemoryVerb(const Globals& g, const std::string& path, int world, int
   }
   const MemoryEstimate mine = EstimateMemory(spec, world, per_node);
   std::cout << spec.name() << ": " << spec.model().kind() << ", "
-            << HumanCount(ModelParameterCount(spec.model())) << " parameters, largest unit "
-            << HumanCount(LargestUnitParameters(spec.model())) << "; " << world << " rank(s), "
-            << per_node << " per node; micro_batch " << spec.train().micro_batch() << ", seq_len "
-            << spec.model().seq_len() << "\n";
+            << HumanCount(ModelParameterCount(spec.model()) + adapters) << " parameters"
+            << (config.train.lora.enabled()
+                    ? absl::StrCat(" (", HumanCount(trainable), " trainable: LoRA r ",
+                                   config.train.lora.r, ")")
+                    : "")
+            << ", largest unit " << HumanCount(LargestUnitParameters(spec.model())) << "; " << world
+            << " rank(s), " << per_node << " per node; micro_batch " << spec.train().micro_batch()
+            << ", seq_len " << spec.model().seq_len() << "\n";
   std::cout << "device memory: "
             << (device_bytes > 0 ? absl::StrCat(HumanBytes(device_bytes), " (", device_source, ")")
                                  : device_source)

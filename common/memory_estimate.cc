@@ -121,6 +121,7 @@ std::vector<MemoryEstimate> EstimateAllStrategies(const v1::JobSpec& spec, int w
       s.mutable_parallel()->set_sharding_strategy(ss);
       out.push_back(EstimateMemory(s, world_size, ranks_per_node));
     }
+    if (s.train().has_lora()) continue;  // LoRA does not run under offload
     s.mutable_parallel()->set_strategy(v1::OFFLOAD);
     out.push_back(EstimateMemory(s, world_size, ranks_per_node));
   }

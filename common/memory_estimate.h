@@ -7,7 +7,8 @@
 // the largest unit while it is gathered. Activations follow Korthikanti et al. (2022), "Reducing
 // Activation Recomputation in Large Transformer Models": s*b*h*(34 + 5*a*s/h) bytes per layer at
 // 2 bytes per value, plus the logits; with activation checkpointing only each layer's input and
-// one layer's activations stay alive.
+// one layer's activations stay alive. Under LoRA the frozen base holds weights only: gradients and
+// optimizer state are the adapters' (their activations are not counted).
 #ifndef TRAINYARD_COMMON_MEMORY_ESTIMATE_H_
 #define TRAINYARD_COMMON_MEMORY_ESTIMATE_H_
 
@@ -42,7 +43,7 @@ int64_t LargestUnitParameters(const v1::ModelSpec& model);
 // ranks of which `ranks_per_node` share a node (the HYBRID_SHARD group).
 MemoryEstimate EstimateMemory(const v1::JobSpec& spec, int world_size, int ranks_per_node);
 
-// Every strategy (DDP, each FSDP sharding strategy, offload) for both precisions.
+// Every strategy (DDP, each FSDP sharding strategy, offload unless LoRA) for both precisions.
 std::vector<MemoryEstimate> EstimateAllStrategies(const v1::JobSpec& spec, int world_size,
                                                   int ranks_per_node);
 

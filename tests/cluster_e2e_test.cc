@@ -197,6 +197,59 @@ TEST_F(ClusterE2eTest, TrainsACharGptWithFallingLossAndStreamsLogsAndMetrics) {
   EXPECT_GT(files, 5);  // coordinator.log, worker logs, coordinator.db, checkpoints, ...
 }
 
+// The LoRA example as its comment tells a user to run it: examples/make_tiny_llama.py writes the
+// checkpoint, `yard estimate-memory` and `yard submit` take examples/llama-lora.yaml (its
+// model.from pointed at that checkpoint), the loss falls, and the adapter comes out of the job's
+// checkpoint in PEFT's layout.
+TEST_F(ClusterE2eTest, TheLlamaLoraExampleFineTunesThroughYardAndExportsItsAdapter) {
+  const std::string model_dir = dir_.path() + "/tiny-llama";
+  CommandResult made =
+      RunCommand({"/usr/bin/python3",
+                  std::string(TRAINYARD_SOURCE_DIR) + "/examples/make_tiny_llama.py", model_dir},
+                 {}, absl::Seconds(120));
+  ASSERT_EQ(made.exit_code, 0) << made.out << made.err;
+  std::ifstream in(std::string(TRAINYARD_SOURCE_DIR) + "/examples/llama-lora.yaml");
+  std::string spec((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_THAT(spec, HasSubstr("from: /tmp/trainyard-tiny-llama"));
+  for (size_t at; (at = spec.find("/tmp/trainyard-tiny-llama")) != std::string::npos;) {
+    spec.replace(at, 25, model_dir);
+  }
+  const std::string spec_path = dir_.path() + "/llama-lora.yaml";
+  std::ofstream(spec_path) << spec;
+
+  CommandResult estimate = Yard({"estimate-memory", spec_path});
+  EXPECT_EQ(estimate.exit_code, 0) << estimate.err;
+  EXPECT_THAT(estimate.out, HasSubstr("trainable: LoRA r 8"));
+
+  const std::string job = SubmitAndWait(spec_path);
+  ASSERT_FALSE(job.empty());
+  CommandResult metrics = Yard({"metrics", job, "-o", "json"});
+  ASSERT_EQ(metrics.exit_code, 0) << metrics.err;
+  const auto series = nlohmann::json::parse(metrics.out);
+  ASSERT_EQ(series.size(), 60u);
+  const double first = MeanLoss(series, 0, 5), last = MeanLoss(series, 55, 60);
+  EXPECT_LT(last, 0.75 * first) << "loss did not fall: " << first << " -> " << last;
+  CommandResult logs = Yard({"logs", job});
+  EXPECT_THAT(logs.out, HasSubstr("(37376 trainable: LoRA r 8 on q_proj,k_proj,v_proj,o_proj,"));
+  EXPECT_THAT(logs.out, HasSubstr("fsdp FULL_SHARD"));
+
+  const auto described = nlohmann::json::parse(Yard({"describe", job, "-o", "json"}).out);
+  ASSERT_TRUE(described.contains("last_checkpoint")) << described.dump();
+  const std::string checkpoint = described["last_checkpoint"].value("path", "");
+  ASSERT_FALSE(checkpoint.empty()) << described.dump();
+  const std::string adapter = dir_.path() + "/adapter";
+  CommandResult exported = RunCommand({BinPath("trainyard-trainer"), "--export-hf",
+                                       std::filesystem::path(checkpoint).parent_path().string(),
+                                       "--spec", spec_path, "--out", adapter},
+                                      {}, absl::Seconds(120));
+  ASSERT_EQ(exported.exit_code, 0) << exported.out << exported.err;
+  EXPECT_THAT(exported.out + exported.err, HasSubstr("exported the LoRA adapter of step 60"));
+  EXPECT_TRUE(std::filesystem::exists(adapter + "/adapter_model.safetensors"));
+  const auto config = nlohmann::json::parse(std::ifstream(adapter + "/adapter_config.json"));
+  EXPECT_EQ(config.value("peft_type", ""), "LORA");
+  EXPECT_EQ(config.value("base_model_name_or_path", ""), model_dir);
+}
+
 TEST_F(ClusterE2eTest, CheckpointsOnRequestResumesAfterAKilledRankAndCancelStopsTheRanks) {
   const std::string spec = WriteSpec("long", 100000);
   {  // one restart allowed
