@@ -60,6 +60,7 @@ struct ModelConfig {
 struct DataConfig {
   std::string path;
   std::string format;  // "bytes", "uint16" or "uint32"
+  std::string loss_mask;  // "": every target counts; else one 0/1 byte per token
 };
 
 // LoRA (PEFT's LoraConfig): each targeted projection W (a llama q/k/v/o/gate/up/down_proj) gains

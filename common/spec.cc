@@ -248,7 +248,8 @@ absl::Status ParseDocument(const YAML::Node& root, SpecParser& p, JobSpec& spec)
     m.set_rms_norm_eps(d);
   }
   if (const YAML::Node n = root["data"]) {
-    RETURN_IF_ERROR(p.Mapping(n, "data", {"path", "format"}));
+    RETURN_IF_ERROR(p.Mapping(n, "data", {"path", "format", "loss_mask"}));
+    RETURN_IF_ERROR(p.String(n, "loss_mask", "data", *spec.mutable_data()->mutable_loss_mask()));
     RETURN_IF_ERROR(p.String(n, "path", "data", *spec.mutable_data()->mutable_path()));
     RETURN_IF_ERROR(p.String(n, "format", "data", *spec.mutable_data()->mutable_format()));
   }
@@ -810,6 +811,7 @@ JobConfig ToJobConfig(const v1::JobSpec& spec) {
   c.model = ToModelConfig(spec.model());
   c.data.path = spec.data().path();
   c.data.format = spec.data().format();
+  c.data.loss_mask = spec.data().loss_mask();
   const v1::TrainSpec& t = spec.train();
   c.train.steps = t.steps();
   c.train.micro_batch = t.micro_batch();

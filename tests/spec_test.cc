@@ -341,6 +341,23 @@ TEST(SpecTest, ValidationErrorsPointAtTheLineOfTheField) {
   EXPECT_THAT(std::string(s.message()), StartsWith("s.yaml:5: model.n_head: must divide"));
 }
 
+TEST(SpecTest, DataLossMaskIsRead) {
+  auto parsed = ParseJobSpecYaml(R"(name: sft
+resources: {gpus: 1}
+model: {kind: gpt, n_layer: 2, n_head: 4, d_model: 64, seq_len: 32, vocab: 1000}
+data: {path: /data/tokens.bin, format: uint16, loss_mask: /data/mask.bin}
+train: {steps: 10}
+)",
+                                 "spec.yaml");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  ApplyJobSpecDefaults(parsed->spec);
+  ASSERT_TRUE(ValidateJobSpec(parsed->spec).ok()) << ValidateJobSpec(parsed->spec);
+  EXPECT_EQ(ToJobConfig(parsed->spec).data.loss_mask, "/data/mask.bin");
+  auto bad = ParseJobSpecYaml("name: sft\ndata: {path: /d, loss_mask: [1]}\n", "spec.yaml");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().message(), "spec.yaml:2: data.loss_mask: expected a scalar value");
+}
+
 TEST(SpecTest, LoraIsReadDefaultedLikePeftAndChecked) {
   auto parsed = ParseJobSpecYaml(R"(name: ft
 resources: {gpus: 1}

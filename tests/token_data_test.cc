@@ -58,5 +58,30 @@ TEST(TokenDataTest, AFileThatIsNotWholeTokensIsRefused) {
   EXPECT_THAT(std::string(unknown.status().message()), HasSubstr("(bytes, uint16 or uint32)"));
 }
 
+// data.loss_mask: one 0/1 byte per token, and the targets a batch counts.
+TEST(TokenDataTest, ALossMaskIsOneZeroOrOneBytePerTokenAndCountsTargets) {
+  testing::TempDir dir;
+  const std::string path = dir.path() + "/mask.bin";
+  // 9 tokens: windows of seq_len 4 start at 0 and 4 (targets 1..4 and 5..8).
+  std::ofstream(path, std::ios::binary) << std::string("\0\0\1\1\0\1\0\0\1", 9);
+  auto mask = LoadLossMask(path, 9);
+  ASSERT_TRUE(mask.ok()) << mask.status();
+  EXPECT_EQ(CountedTargets(*mask, {0}, 4, false), 2);  // tokens 2, 3 (4 is 0)
+  EXPECT_EQ(CountedTargets(*mask, {1}, 4, false), 2);  // tokens 5 and 8
+  EXPECT_EQ(CountedTargets(*mask, {0, 1, 1}, 4, false), 6);
+  EXPECT_EQ(CountedTargets(*mask, {0, 1}, 4, /*last_only=*/true), 1);  // token 4: 0, token 8: 1
+
+  auto short_mask = LoadLossMask(path, 10);
+  ASSERT_FALSE(short_mask.ok());
+  EXPECT_THAT(std::string(short_mask.status().message()),
+              HasSubstr("data.loss_mask: '" + path + "' has 9 bytes; it needs one per token of "
+                        "data.path (10)"));
+  std::ofstream(path, std::ios::binary) << std::string("\0\1\2", 3);
+  auto two = LoadLossMask(path, 3);
+  ASSERT_FALSE(two.ok());
+  EXPECT_THAT(std::string(two.status().message()), HasSubstr("byte 2 is 2; only 0 and 1"));
+  EXPECT_EQ(LoadLossMask(dir.path() + "/none", 3).status().code(), absl::StatusCode::kNotFound);
+}
+
 }  // namespace
 }  // namespace trainyard::trainer

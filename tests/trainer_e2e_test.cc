@@ -1358,6 +1358,120 @@ TEST_F(TrainerE2eTest, FsdpPeakModelStateIsTheShardsPlusOneGatheredUnit) {
 
 // HYBRID_SHARD with one rank per node shards over a group of one: nothing is gathered and the
 // gradients accumulate in place, so a rank holds exactly DDP's model state and no more.
+// LoRA's saving in the model state `yard metrics` shows (model_state_peak_bytes): under
+// FULL_SHARD a rank holds its shard of the frozen base as weights only (4 bytes each, no gradient,
+// no AdamW moments) and 16 bytes per adapter parameter of its shard, plus what is gathered; a
+// full fine-tune of the same llama holds 16 bytes per parameter of its shard. Under DDP the
+// tracker's count is exact: 4 per parameter, 12 more per trained one.
+TEST_F(TrainerE2eTest, LoraPeakModelStateHoldsTheFrozenBaseAsWeightsOnly) {
+  auto spec_of = [](bool lora, v1::Strategy strategy) {
+    v1::JobSpec s = LlamaSpec(2, 4);
+    auto* m = s.mutable_model();
+    m->set_n_layer(6);
+    m->set_d_model(64);
+    m->set_n_head(4);
+    m->set_n_kv_head(4);
+    m->set_d_hidden(192);
+    m->set_tie_weights(true);
+    s.mutable_train()->set_steps(3);
+    s.mutable_parallel()->set_strategy(strategy);
+    s.mutable_parallel()->set_sharding_strategy(v1::FULL_SHARD);
+    s.mutable_parallel()->set_backward_prefetch(v1::NO_PREFETCH);
+    if (lora) {
+      s.mutable_train()->mutable_lora()->set_r(4);
+      s.mutable_train()->mutable_lora()->set_alpha(8);
+      for (const std::string& t : LoraTargetNames()) {
+        s.mutable_train()->mutable_lora()->add_target_modules(t);
+      }
+    }
+    return s;
+  };
+  auto peak_of = [&](const v1::JobSpec& spec, const std::string& name) {
+    const std::string metrics = dir_.path() + "/" + name + ".jsonl";
+    RunResult r = Run(StartJob(spec, name), 2, {"--metrics-file", metrics});
+    EXPECT_THAT(r.exit_codes, ::testing::ElementsAre(0, 0)) << Joined(r);
+    int64_t peak = 0;
+    for (const auto& report : ReadReports(metrics)) {
+      peak = std::max(peak, report.at("model_state_peak_bytes").get<int64_t>());
+    }
+    return peak;
+  };
+  const int64_t d = 64, w = 2;
+  auto padded = [w](int64_t n) { return (n + w - 1) / w * w; };
+  const int64_t root = padded(256 * d + d);                       // embedding (tied head), norm
+  const int64_t block = padded(2 * d + 4 * d * d + 3 * d * 192);  // norms, attention, MLP
+  const int64_t adapters = padded(4 * (4 * 2 * d) + 4 * 2 * (d + 192) + 4 * (192 + d));
+  const int64_t base = root + 6 * block;
+  const int64_t shards = 4 * base / w + 16 * 6 * adapters / w;
+  // The root stays gathered; one block unit (base and adapters, and the adapters' unsharded
+  // gradient) at the least, two at the most (the next is gathered by the hook on the gradient of
+  // this one's input, which also frees this one).
+  const int64_t low = shards + 4 * root + 4 * (block + 2 * adapters);
+  const int64_t high = shards + 4 * root + 2 * 4 * (block + 2 * adapters);
+
+  const int64_t lora = peak_of(spec_of(true, v1::FSDP), "lora-fsdp");
+  const int64_t full = peak_of(spec_of(false, v1::FSDP), "full-fsdp");
+  std::cout << "FULL_SHARD peak model state: LoRA " << lora << " bytes (expected " << low << ".."
+            << high << "), full fine-tune " << full << "\n";
+  EXPECT_GE(lora, low);
+  EXPECT_LE(lora, high);
+  EXPECT_LT(lora, full / 2);
+
+  const int64_t ddp = peak_of(spec_of(true, v1::DDP), "lora-ddp");
+  EXPECT_EQ(ddp, 4 * (256 * d + d + 6 * (2 * d + 4 * d * d + 3 * d * 192)) +
+                     16 * 6 * (4 * (4 * 2 * d) + 4 * 2 * (d + 192) + 4 * (192 + d)));
+}
+
+// data.loss_mask (prompt/response fine-tuning): the loss is the mean over the counted targets of
+// the step's whole global batch, so two ranks with gradient accumulation train what one rank
+// with the whole batch trains; a mask of all ones trains what no mask trains; a bad mask fails
+// the rank at start naming data.loss_mask.
+TEST_F(TrainerE2eTest, LossMaskCountsOnlyMaskedTargetsTheSameOnAnyRanksAndMicroBatches) {
+  const std::string data = "/usr/share/common-licenses/GPL-3";
+  const int64_t n = std::filesystem::file_size(data);
+  std::mt19937 gen(3);
+  std::string mask;  // alternating prompts (0) and responses (1) of 1..40 tokens
+  for (char bit = 0; static_cast<int64_t>(mask.size()) < n; bit ^= 1) {
+    mask.append(std::uniform_int_distribution<int>(1, 40)(gen), bit);
+  }
+  mask.resize(n);
+  const std::string mask_path = dir_.path() + "/mask.bin", ones_path = dir_.path() + "/ones.bin";
+  std::ofstream(mask_path, std::ios::binary) << mask;
+  std::ofstream(ones_path, std::ios::binary) << std::string(n, 1);
+
+  auto spec_of = [&](int ranks, int micro_batch, int grad_accum, const std::string& mask_file) {
+    v1::JobSpec s = TinySpec(ranks, micro_batch);
+    s.mutable_train()->set_grad_accum(grad_accum);
+    s.mutable_data()->set_loss_mask(mask_file);
+    return s;
+  };
+  auto train = [&](const v1::JobSpec& spec, int ranks, const std::string& name) {
+    const std::string dump = dir_.path() + "/" + name + ".params";
+    RunResult r = Run(StartJob(spec, name), ranks, {"--dump-params", dump});
+    EXPECT_THAT(r.exit_codes, ::testing::Each(0)) << Joined(r);
+    return ReadDump(dump);
+  };
+  const auto two = train(spec_of(2, 2, 2, mask_path), 2, "two");
+  const auto one = train(spec_of(1, 8, 1, mask_path), 1, "one");
+  ExpectSameParams(two, one, 1e-5, /*skip_key_bias=*/true);
+  const auto unmasked = train(spec_of(1, 8, 1, ""), 1, "unmasked");
+  ExpectSameParams(train(spec_of(1, 8, 1, ones_path), 1, "ones"), unmasked, 1e-5, true);
+  // The mask matters: half the targets left out train another model.
+  double moved = 0;
+  for (size_t i = 0; i < one.size(); ++i) {
+    moved = std::max(moved, RelativeDifference(one[i], unmasked[i], 0, one[i].values.size()));
+  }
+  EXPECT_GT(moved, 1e-3);
+
+  const std::string short_path = dir_.path() + "/short.bin";
+  std::ofstream(short_path, std::ios::binary) << std::string(n - 1, 1);
+  const Job bad = StartJob(spec_of(1, 8, 1, short_path), "bad");
+  testing::CommandResult r = testing::RunCommand(Argv(bad, 0, 1, {}), {}, absl::Seconds(60));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.err, HasSubstr(absl::StrCat("data.loss_mask: '", short_path, "' has ", n - 1,
+                                            " bytes; it needs one per token")));
+}
+
 TEST_F(TrainerE2eTest, HybridShardWithOneRankPerNodeHoldsWhatDdpHolds) {
   const Job job =
       StartJob(MemorySpec({"hybrid-memory", v1::HYBRID_SHARD, v1::BACKWARD_PRE, true, 2, 1, 2}),

@@ -130,4 +130,34 @@ double LearningRate(int64_t step, int64_t total_steps, int64_t warmup, double lr
   return min_lr + 0.5 * (lr - min_lr) * (1.0 + std::cos(M_PI * progress));
 }
 
+absl::StatusOr<std::vector<uint8_t>> LoadLossMask(const std::string& path, int64_t num_tokens) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) {
+    return absl::NotFoundError(absl::StrCat("data.loss_mask: cannot read '", path, "'"));
+  }
+  std::vector<uint8_t> mask((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  if (static_cast<int64_t>(mask.size()) != num_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("data.loss_mask: '", path, "' has ", mask.size(),
+                     " bytes; it needs one per token of data.path (", num_tokens, ")"));
+  }
+  for (size_t i = 0; i < mask.size(); ++i) {
+    if (mask[i] > 1) {
+      return absl::InvalidArgumentError(absl::StrCat("data.loss_mask: '", path, "' byte ", i,
+                                                     " is ", int{mask[i]}, "; only 0 and 1"));
+    }
+  }
+  return mask;
+}
+
+int64_t CountedTargets(const std::vector<uint8_t>& mask, const std::vector<int64_t>& samples,
+                       int seq_len, bool last_only) {
+  int64_t n = 0;
+  for (int64_t s : samples) {
+    const int64_t start = s * seq_len;
+    for (int j = last_only ? seq_len : 1; j <= seq_len; ++j) n += mask[start + j];
+  }
+  return n;
+}
+
 }  // namespace trainyard::trainer

@@ -34,6 +34,16 @@ class TokenData {
   std::vector<int32_t> tokens_;
 };
 
+// data.loss_mask: one byte per token of a token file of `num_tokens`, each 0 or 1. INVALID_ARGUMENT
+// naming data.loss_mask and the file for another length or another value; NOT_FOUND if unreadable.
+absl::StatusOr<std::vector<uint8_t>> LoadLossMask(const std::string& path, int64_t num_tokens);
+
+// Targets the loss counts in `samples` (windows of seq_len + 1 tokens, see NumSamples): tokens
+// 1..seq_len of each window whose mask is 1, or with `last_only` (a model that predicts only the
+// window's last token) that token alone.
+int64_t CountedTargets(const std::vector<uint8_t>& mask, const std::vector<int64_t>& samples,
+                       int seq_len, bool last_only);
+
 // Samples are windows of seq_len + 1 tokens starting at multiples of seq_len; this is how many fit.
 int64_t NumSamples(int64_t num_tokens, int seq_len);
 

@@ -62,6 +62,15 @@ torch::Tensor Project(const torch::Tensor& x, torch::nn::Linear& linear, const A
   return y + Dense(low, adapter.b->weight, torch::Tensor(), bf16) * adapter.scale;
 }
 
+// sum_i weights_i * cross_entropy(logits_i, targets_i) over every leading position.
+torch::Tensor WeightedCrossEntropySum(const torch::Tensor& logits, const torch::Tensor& targets,
+                                      const torch::Tensor& weights) {
+  const torch::Tensor each =
+      F::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}),
+                       F::CrossEntropyFuncOptions().reduction(torch::kNone));
+  return (each * weights.reshape({-1})).sum();
+}
+
 // A freshly built module, its parameters' storage freed unless options.materialize.
 template <typename M>
 M Keep(M module, const ModelOptions& options) {
@@ -205,6 +214,12 @@ class GptModel : public LanguageModel {
     return F::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
   }
 
+  torch::Tensor MaskedLossSum(const torch::Tensor& windows, const torch::Tensor& weights) override {
+    const int64_t t = windows.size(1) - 1;
+    torch::Tensor logits = Logits(windows.narrow(1, 0, t));
+    return WeightedCrossEntropySum(logits, windows.narrow(1, 1, t), weights);
+  }
+
   torch::Tensor NextTokenLogits(const torch::Tensor& context) override {
     const int64_t t = std::min<int64_t>(context.size(1), seq_len_);
     return Logits(context.narrow(1, context.size(1) - t, t)).select(1, t - 1).squeeze(0);
@@ -268,6 +283,12 @@ class MlpModel : public LanguageModel {
   torch::Tensor Loss(const torch::Tensor& windows) override {
     const int64_t t = windows.size(1) - 1;
     return F::cross_entropy(Logits(windows.narrow(1, 0, t)), windows.select(1, t));
+  }
+
+  torch::Tensor MaskedLossSum(const torch::Tensor& windows, const torch::Tensor& weights) override {
+    const int64_t t = windows.size(1) - 1;
+    return WeightedCrossEntropySum(Logits(windows.narrow(1, 0, t)), windows.select(1, t),
+                                   weights.select(1, t - 1));
   }
 
   torch::Tensor NextTokenLogits(const torch::Tensor& context) override {
@@ -531,6 +552,12 @@ class LlamaModel : public LanguageModel {
     torch::Tensor logits = Logits(windows.narrow(1, 0, t));
     return F::cross_entropy(logits.reshape({-1, logits.size(-1)}),
                             windows.narrow(1, 1, t).reshape({-1}));
+  }
+
+  torch::Tensor MaskedLossSum(const torch::Tensor& windows, const torch::Tensor& weights) override {
+    const int64_t t = windows.size(1) - 1;
+    return WeightedCrossEntropySum(Logits(windows.narrow(1, 0, t)), windows.narrow(1, 1, t),
+                                   weights);
   }
 
   torch::Tensor NextTokenLogits(const torch::Tensor& context) override {

@@ -70,6 +70,11 @@ class LanguageModel : public torch::nn::Module {
   // Mean next-token cross-entropy of `windows` ([batch, seq_len + 1] int64 tokens): the GPT
   // predicts every position of the window, the MLP only the last token.
   virtual torch::Tensor Loss(const torch::Tensor& windows) = 0;
+  // The sum of the next-token cross-entropies of `windows`, each weighted by `weights` ([batch,
+  // seq_len] float, one per target token, 0 or 1: data.loss_mask); the MLP weighs its one
+  // prediction by the last column.
+  virtual torch::Tensor MaskedLossSum(const torch::Tensor& windows,
+                                      const torch::Tensor& weights) = 0;
   // Tokens that one window contributes to throughput figures.
   virtual int64_t TokensPerWindow() const = 0;
   // Logits [vocab] of the token that follows `context` ([1, t] int64, t >= 1); only the last

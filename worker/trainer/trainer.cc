@@ -97,6 +97,19 @@ std::vector<torch::Tensor> TrainableParameters(torch::nn::Module& model) {
   return out;
 }
 
+// The loss weights of `samples`' targets ([batch, seq_len] float): data.loss_mask's bytes of
+// tokens 1..seq_len of each window.
+torch::Tensor MaskWeights(const std::vector<uint8_t>& mask, const std::vector<int64_t>& samples,
+                          int seq_len) {
+  torch::Tensor w = torch::empty({static_cast<int64_t>(samples.size()), seq_len}, torch::kFloat);
+  auto acc = w.accessor<float, 2>();
+  for (size_t i = 0; i < samples.size(); ++i) {
+    const int64_t start = samples[i] * seq_len;
+    for (int j = 0; j < seq_len; ++j) acc[i][j] = mask[start + 1 + j];
+  }
+  return w;
+}
+
 absl::Status WriteDump(const std::string& path, torch::nn::Module& model) {
   std::vector<DumpedParam> params;
   for (const auto& item : model.named_parameters()) {
@@ -155,6 +168,10 @@ absl::Status Train(const TrainerOptions& o) {
     ASSIGN_OR_RETURN(ps_ranges, ParsePsRanges(o.ps_ranges));
   }
   ASSIGN_OR_RETURN(TokenData data, TokenData::Load(spec.data.path, spec.data.format, m.vocab));
+  std::vector<uint8_t> loss_mask;
+  if (!spec.data.loss_mask.empty()) {
+    ASSIGN_OR_RETURN(loss_mask, LoadLossMask(spec.data.loss_mask, data.size()));
+  }
   const int64_t num_samples = NumSamples(data.size(), m.seq_len);
   if (num_samples < 1) {
     return absl::InvalidArgumentError(absl::StrCat("model.seq_len: ", m.seq_len, " needs at least ",
@@ -348,12 +365,25 @@ absl::Status Train(const TrainerOptions& o) {
     const auto step_start = Clock::now();
     const int64_t bytes_before = bytes_sent();
     double loss_sum = 0, backward_s = 0, comm_wait_s = 0;
+    // data.loss_mask: the targets the whole global batch counts (every rank knows the batch), so
+    // that the step's loss is their mean however they fall on ranks and micro-batches.
+    const int64_t counted =
+        loss_mask.empty()
+            ? 0
+            : std::max<int64_t>(1, CountedTargets(loss_mask, sampler.GlobalBatch(step), m.seq_len,
+                                                  /*last_only=*/m.kind == "mlp"));
     for (int micro = 0; micro < grad_accum; ++micro) {
       if (reducer) reducer->Prepare(micro == grad_accum - 1);
       if (offloaded) offloaded->Prepare(micro == grad_accum - 1, step + 1);
       if (fsdp) fsdp->BeginForward(micro == grad_accum - 1);
-      torch::Tensor batch = MakeBatch(data, sampler.MicroBatch(step, micro), m.seq_len);
-      torch::Tensor loss = model->Loss(batch) / grad_accum;
+      const std::vector<int64_t> samples = sampler.MicroBatch(step, micro);
+      torch::Tensor batch = MakeBatch(data, samples, m.seq_len);
+      // Gradients are averaged over the ranks: the masked sum is scaled by world / counted.
+      torch::Tensor loss =
+          loss_mask.empty()
+              ? model->Loss(batch) / grad_accum
+              : model->MaskedLossSum(batch, MaskWeights(loss_mask, samples, m.seq_len)) *
+                    (static_cast<double>(o.world_size) / static_cast<double>(counted));
       if (fsdp) fsdp->WatchLoss(loss);
       const auto backward_start = Clock::now();
       loss.backward();
