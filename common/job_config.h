@@ -59,7 +59,7 @@ struct ModelConfig {
 
 struct DataConfig {
   std::string path;
-  std::string format;  // "bytes", "uint16" or "uint32"
+  std::string format;     // "bytes", "uint16" or "uint32"
   std::string loss_mask;  // "": every target counts; else one 0/1 byte per token
 };
 

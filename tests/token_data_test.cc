@@ -74,7 +74,8 @@ TEST(TokenDataTest, ALossMaskIsOneZeroOrOneBytePerTokenAndCountsTargets) {
   auto short_mask = LoadLossMask(path, 10);
   ASSERT_FALSE(short_mask.ok());
   EXPECT_THAT(std::string(short_mask.status().message()),
-              HasSubstr("data.loss_mask: '" + path + "' has 9 bytes; it needs one per token of "
+              HasSubstr("data.loss_mask: '" + path +
+                        "' has 9 bytes; it needs one per token of "
                         "data.path (10)"));
   std::ofstream(path, std::ios::binary) << std::string("\0\1\2", 3);
   auto two = LoadLossMask(path, 3);

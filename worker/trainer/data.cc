@@ -137,9 +137,9 @@ absl::StatusOr<std::vector<uint8_t>> LoadLossMask(const std::string& path, int64
   }
   std::vector<uint8_t> mask((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   if (static_cast<int64_t>(mask.size()) != num_tokens) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("data.loss_mask: '", path, "' has ", mask.size(),
-                     " bytes; it needs one per token of data.path (", num_tokens, ")"));
+    return absl::InvalidArgumentError(absl::StrCat("data.loss_mask: '", path, "' has ", mask.size(),
+                                                   " bytes; it needs one per token of data.path (",
+                                                   num_tokens, ")"));
   }
   for (size_t i = 0; i < mask.size(); ++i) {
     if (mask[i] > 1) {
