@@ -102,7 +102,11 @@ MemoryEstimate EstimateMemory(const v1::JobSpec& spec, int world_size, int ranks
   e.optimizer = bpp.optimizer * CeilDiv(trained, group);
   e.gradients = bpp.grad * CeilDiv(trained, group) + bpp.grad * trained_unit;
   e.parameters = sharding == v1::SHARD_GRAD_OP
-                     ? bpp.param * params                     // gathered from forward to backward
+                     ? bpp.param * params  // gathered from forward to backward
+                 : config.train.lora.enabled()
+                     // a frozen unit is freed after its input's gradient, when the next one is
+                     // gathered already: two units (with their adapters) at once
+                     ? bpp.param * shard + 2 * bpp.param * (unit + trained_unit)
                      : bpp.param * shard + bpp.param * unit;  // one unit gathered at a time
   return e;
 }

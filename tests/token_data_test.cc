@@ -70,6 +70,8 @@ TEST(TokenDataTest, ALossMaskIsOneZeroOrOneBytePerTokenAndCountsTargets) {
   EXPECT_EQ(CountedTargets(*mask, {1}, 4, false), 2);  // tokens 5 and 8
   EXPECT_EQ(CountedTargets(*mask, {0, 1, 1}, 4, false), 6);
   EXPECT_EQ(CountedTargets(*mask, {0, 1}, 4, /*last_only=*/true), 1);  // token 4: 0, token 8: 1
+  // Weight j of a window is the mask of the token position j predicts (token j + 1).
+  EXPECT_EQ(TargetWeights(*mask, {1, 0}, 4), (std::vector<float>{1, 0, 0, 1, /**/ 0, 1, 1, 0}));
 
   auto short_mask = LoadLossMask(path, 10);
   ASSERT_FALSE(short_mask.ok());

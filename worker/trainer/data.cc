@@ -160,4 +160,27 @@ int64_t CountedTargets(const std::vector<uint8_t>& mask, const std::vector<int64
   return n;
 }
 
+std::vector<float> TargetWeights(const std::vector<uint8_t>& mask,
+                                 const std::vector<int64_t>& samples, int seq_len) {
+  std::vector<float> w;
+  w.reserve(samples.size() * seq_len);
+  for (int64_t s : samples) {
+    const int64_t start = s * seq_len;
+    for (int j = 1; j <= seq_len; ++j) w.push_back(mask[start + j]);
+  }
+  return w;
+}
+
+uint64_t DropoutSeed(uint64_t seed, int rank, int64_t step, int micro) {
+  // splitmix64 over the position's parts, one after another.
+  uint64_t x = seed;
+  for (uint64_t part : {uint64_t(rank), uint64_t(step), uint64_t(micro)}) {
+    x += 0x9e3779b97f4a7c15ULL + part;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+    x ^= x >> 31;
+  }
+  return x;
+}
+
 }  // namespace trainyard::trainer

@@ -44,6 +44,15 @@ absl::StatusOr<std::vector<uint8_t>> LoadLossMask(const std::string& path, int64
 int64_t CountedTargets(const std::vector<uint8_t>& mask, const std::vector<int64_t>& samples,
                        int seq_len, bool last_only);
 
+// The loss weight of each target of `samples`, row-major [samples.size(), seq_len]: the mask of
+// tokens 1..seq_len of each window (weight j is that of the token the position j predicts).
+std::vector<float> TargetWeights(const std::vector<uint8_t>& mask,
+                                 const std::vector<int64_t>& samples, int seq_len);
+
+// The seed of the CPU generator for LoRA dropout at (step, micro-step) on `rank`: a function of
+// the position alone, so that a resumed run draws the masks an uninterrupted one draws.
+uint64_t DropoutSeed(uint64_t seed, int rank, int64_t step, int micro);
+
 // Samples are windows of seq_len + 1 tokens starting at multiples of seq_len; this is how many fit.
 int64_t NumSamples(int64_t num_tokens, int seq_len);
 

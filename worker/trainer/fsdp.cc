@@ -376,6 +376,15 @@ void FsdpModel::PrepareGradients(int ui) {
 void FsdpModel::PreBackward(int ui) {
   EnsureGathered(ui);
   PrepareGradients(ui);
+  // Block unit ui's output is unit ui+1's input: its gradient is complete, so unit ui+1's frozen
+  // weights have served (before the prefetch below counts the units gathered).
+  if (ui > 0 && ui + 1 < num_units()) {
+    Unit& next = units_[ui + 1];
+    if (!next.frozen.params.empty()) {
+      next.input_grad_done = true;
+      if (next.reduced) Release(ui + 1);
+    }
+  }
   if (config_.backward_prefetch == BackwardPrefetch::kBackwardPre) Prefetch(ui - 1);
 }
 

@@ -109,6 +109,16 @@ absl::StatusOr<Manifest> ReadManifest(const std::string& path) {
 
 // The first difference between a checkpoint's layout and the model's, or "".
 std::string LayoutDifference(const FsdpLayout& saved, const FsdpLayout& model) {
+  auto frozen = [](const FsdpLayout& l) {
+    for (const auto& u : l.units) {
+      if (u.frozen) return true;
+    }
+    return false;
+  };
+  if (frozen(saved) != frozen(model)) {
+    return frozen(saved) ? "it was written with train.lora (frozen base weights), the job has none"
+                         : "it was written without train.lora, the job has it";
+  }
   if (saved.units.size() != model.units.size()) {
     return absl::StrCat(saved.units.size(), " units saved, the model has ", model.units.size());
   }

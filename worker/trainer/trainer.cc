@@ -97,17 +97,12 @@ std::vector<torch::Tensor> TrainableParameters(torch::nn::Module& model) {
   return out;
 }
 
-// The loss weights of `samples`' targets ([batch, seq_len] float): data.loss_mask's bytes of
-// tokens 1..seq_len of each window.
+// The loss weights of `samples`' targets ([batch, seq_len] float, see TargetWeights).
 torch::Tensor MaskWeights(const std::vector<uint8_t>& mask, const std::vector<int64_t>& samples,
                           int seq_len) {
-  torch::Tensor w = torch::empty({static_cast<int64_t>(samples.size()), seq_len}, torch::kFloat);
-  auto acc = w.accessor<float, 2>();
-  for (size_t i = 0; i < samples.size(); ++i) {
-    const int64_t start = samples[i] * seq_len;
-    for (int j = 0; j < seq_len; ++j) acc[i][j] = mask[start + 1 + j];
-  }
-  return w;
+  std::vector<float> w = TargetWeights(mask, samples, seq_len);
+  return torch::from_blob(w.data(), {static_cast<int64_t>(samples.size()), seq_len}, torch::kFloat)
+      .clone();
 }
 
 absl::Status WriteDump(const std::string& path, torch::nn::Module& model) {
@@ -242,7 +237,7 @@ absl::Status Train(const TrainerOptions& o) {
   std::vector<torch::Tensor> params = model->parameters();
   // What the optimizer updates and the ranks average: every parameter, or the LoRA adapters.
   const std::vector<torch::Tensor> trainable = TrainableParameters(*model);
-  // betas (0.9, 0.95) as in GPT-3 / nanoGPT; weight decay on every parameter.
+  // betas (0.9, 0.95) as in GPT-3 / nanoGPT; weight decay on every parameter that trains.
   AdamHyper adam{t.lr, 0.9, 0.95, 1e-8, t.weight_decay};
   std::unique_ptr<FsdpModel> fsdp;
   std::unique_ptr<torch::optim::AdamW> optimizer_holder;
@@ -377,6 +372,7 @@ absl::Status Train(const TrainerOptions& o) {
       if (offloaded) offloaded->Prepare(micro == grad_accum - 1, step + 1);
       if (fsdp) fsdp->BeginForward(micro == grad_accum - 1);
       const std::vector<int64_t> samples = sampler.MicroBatch(step, micro);
+      if (t.lora.dropout > 0) torch::manual_seed(DropoutSeed(t.seed, o.rank, step, micro));
       torch::Tensor batch = MakeBatch(data, samples, m.seq_len);
       // Gradients are averaged over the ranks: the masked sum is scaled by world / counted.
       torch::Tensor loss =
