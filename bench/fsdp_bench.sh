@@ -34,12 +34,7 @@ SPEC
   local job
   job=$($yard submit "$spec")
   $yard wait "$job" >/dev/null 2>&1 || { echo "job $job failed: $($yard describe "$job" | grep message)" >&2; exit 1; }
-  $yard metrics "$job" -o json | /usr/bin/python3 -c "
-import json, statistics, sys
-rows = [s for s in json.load(sys.stdin) if s['step'] > $warmup]
-print(statistics.median(s['tokens_per_second'] for s in rows),
-      max(s['model_state_peak_bytes'] for s in rows),
-      statistics.median(s['comm_bytes'] for s in rows))"
+  job_step_summary "$yard" "$job" "$warmup"
 }
 
 # Theoretical bytes one rank sends per step (ring collectives, fp32): all-reduce 2(n-1)/n of the

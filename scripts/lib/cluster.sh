@@ -39,6 +39,17 @@ bench_cluster_up() {
   local_cluster_up "$yard" "$state" "$@" >/dev/null
 }
 
+# job_step_summary YARD JOB WARMUP: "TOKENS_PER_S PEAK_STATE_BYTES COMM_BYTES_PER_STEP" of the
+# job's steps after WARMUP: medians, the peak model state its maximum.
+job_step_summary() {
+  "$1" metrics "$2" -o json | /usr/bin/python3 -c "
+import json, statistics, sys
+rows = [s for s in json.load(sys.stdin) if s['step'] > $3]
+print(statistics.median(s['tokens_per_second'] for s in rows),
+      max(s['model_state_peak_bytes'] for s in rows),
+      statistics.median(s['comm_bytes'] for s in rows))"
+}
+
 # job_tokens_per_second YARD JOB WARMUP: the median tokens/s of the job's steps after WARMUP.
 job_tokens_per_second() {
   "$1" metrics "$2" -o json | /usr/bin/python3 -c "
