@@ -131,9 +131,19 @@ void PrintJob(const v1::Job& job) {
   std::cout << FormatFields(f);
 }
 
+// A llama spec with model.from: its sizes from config.json when yard can read it (see
+// FillModelFromCheckpoint), checked again; a checkpoint yard cannot read is left to the trainer.
+absl::Status FillFromCheckpoint(ParsedSpec& parsed, const std::string& path) {
+  absl::Status s = FillModelFromCheckpoint(parsed.spec);
+  if (absl::IsNotFound(s)) return absl::OkStatus();
+  if (s.ok()) s = ValidateJobSpec(parsed.spec);
+  return s.ok() ? s : AnnotateWithLine(s, parsed, path);
+}
+
 int Submit(const Globals& g, const std::string& path) {
   auto parsed = LoadValidJobSpecFile(path);
   if (!parsed.ok()) return Fail(parsed.status());
+  if (absl::Status s = FillFromCheckpoint(*parsed, path); !s.ok()) return Fail(s);
   YardClient client(g.coordinator, g.Token(), g.tls);
   auto job = client.Submit(parsed->spec);
   if (!job.ok()) return Fail(AnnotateWithLine(job.status(), *parsed, path));
@@ -239,6 +249,7 @@ int EstimateMemoryVerb(const Globals& g, const std::string& path, int world, int
                        const std::string& device_memory) {
   auto parsed = LoadValidJobSpecFile(path);
   if (!parsed.ok()) return Fail(parsed.status());
+  if (absl::Status s = FillFromCheckpoint(*parsed, path); !s.ok()) return Fail(s);
   const v1::JobSpec& spec = parsed->spec;
   if (world <= 0) world = spec.resources().gpus();
   if (per_node <= 0) per_node = world;

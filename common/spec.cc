@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
+#include "common/llama_config.h"
 #include "common/status_macros.h"
 
 namespace trainyard {
@@ -800,6 +801,23 @@ ModelConfig ToModelConfig(const v1::ModelSpec& m) {
   if (m.rope_theta() > 0) c.rope_theta = m.rope_theta();
   if (m.rms_norm_eps() > 0) c.rms_norm_eps = m.rms_norm_eps();
   return c;
+}
+
+absl::Status FillModelFromCheckpoint(v1::JobSpec& spec) {
+  v1::ModelSpec& m = *spec.mutable_model();
+  if (m.kind() != "llama" || m.from().empty()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(LlamaConfig config, ReadLlamaConfig(m.from()));
+  ModelConfig c = ToModelConfig(m);
+  RETURN_IF_ERROR(ResolveLlamaConfig(config, m.from() + "/config.json", &c));
+  m.set_n_layer(c.n_layer);
+  m.set_d_model(c.d_model);
+  m.set_n_head(c.n_head);
+  m.set_n_kv_head(c.n_kv_head);
+  m.set_head_dim(c.head_dim);
+  m.set_d_hidden(c.d_hidden);
+  m.set_vocab(c.vocab);
+  m.set_tie_weights(c.tie_weights);
+  return absl::OkStatus();
 }
 
 int64_t ModelParameterCount(const v1::ModelSpec& m) {

@@ -49,6 +49,12 @@ std::string StrategyName(v1::Strategy s);                  // "ddp"
 std::string ShardingStrategyName(v1::ShardingStrategy s);  // "FULL_SHARD"
 std::string MixedPrecisionName(v1::MixedPrecision p);      // "fp32"
 
+// A llama spec's sizes left at 0 filled from model.from's config.json when this process can read
+// it (yard does, so that the coordinator's memory check at submit sees the model): NOT_FOUND when
+// it cannot (the trainer reads it on its host), INVALID_ARGUMENT naming the field when a size
+// given disagrees with it. Other specs are left as they are.
+absl::Status FillModelFromCheckpoint(v1::JobSpec& spec);
+
 // Number of parameters of the spec's model (embeddings included, tied head counted once).
 int64_t ModelParameterCount(const v1::ModelSpec& model);
 // The trainer's view of the model part of a spec.

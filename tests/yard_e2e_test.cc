@@ -702,6 +702,40 @@ TEST_F(YardE2eTest, EstimateMemoryTabulatesEveryStrategyAndSaysWhichFit) {
   EXPECT_THAT(bad.err, HasSubstr("--device-memory"));
 }
 
+// A llama spec with model.from: yard fills the sizes it leaves out from config.json when it can
+// read it (so the estimate and the coordinator's memory check see the model), refuses a size that
+// disagrees with it naming the field, and leaves a checkpoint it cannot read to the trainer.
+TEST_F(YardE2eTest, ALlamaSpecsSizesComeFromItsCheckpointsConfig) {
+  const std::string model = dir_.path() + "/tiny-llama";
+  std::filesystem::create_directories(model);
+  std::ofstream(model + "/config.json")
+      << R"({"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+             "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "max_position_embeddings": 128})";
+  auto spec = [&](const std::string& from, const std::string& extra) {
+    return WriteSpec("llama", "name: ft\nresources: {gpus: 1}\nmodel: {kind: llama, from: " + from +
+                                  ", seq_len: 64" + extra +
+                                  "}\ndata: {path: /usr/share/common-licenses/GPL-3}\n"
+                                  "train: {steps: 10}\n");
+  };
+  CommandResult js = Yard({"estimate-memory", spec(model, ""), "-o", "json"});
+  ASSERT_EQ(js.exit_code, 0) << js.err;
+  // 2 * 256 * 64 (embedding, untied head) + 2 * (2*64 + 64*64 + 2*64*32 + 64*64 + 3*64*176) + 64
+  EXPECT_EQ(ParseJson(js.out)["parameters"].get<int64_t>(), 125'248);
+
+  CommandResult bad = Yard({"estimate-memory", spec(model, ", n_layer: 3")});
+  ExpectOneLineFailure(bad);
+  EXPECT_THAT(bad.err, HasSubstr("model.n_layer: the spec says 3 but " + model +
+                                 "/config.json has num_hidden_layers 2"));
+  CommandResult submit = Yard({"submit", spec(model, ", n_layer: 3")});
+  ExpectOneLineFailure(submit);
+  EXPECT_THAT(submit.err, HasSubstr("model.n_layer: the spec says 3"));
+
+  CommandResult elsewhere = Yard({"estimate-memory", spec("/nonexistent/model", ""), "-o", "json"});
+  ASSERT_EQ(elsewhere.exit_code, 0) << elsewhere.err;
+  EXPECT_EQ(ParseJson(elsewhere.out)["parameters"].get<int64_t>(), 0);  // the trainer's to read
+}
+
 TEST(YardLocalTest, UpStatusDownLifecycle) {
   TempDir dir;
   const std::string state_dir = dir.path() + "/local";

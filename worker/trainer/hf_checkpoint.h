@@ -1,5 +1,5 @@
 // Hugging Face model directories of the Llama family (Llama 2/3, Mistral-style models), without
-// LibTorch: config.json read into a LlamaConfig, the tensors such a model has (names and shapes
+// LibTorch: config.json (common/llama_config.h), the tensors such a model has (names and shapes
 // as transformers' LlamaForCausalLM saves them), and a checkpoint (model.safetensors, or
 // model.safetensors.index.json and its shards) checked against them before any weight is read:
 // every tensor present, of its shape, in a floating-point dtype, and nothing unexpected. Errors
@@ -19,52 +19,19 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "common/job_config.h"
+#include "common/llama_config.h"
 #include "worker/trainer/safetensors.h"
 
 namespace trainyard::trainer {
 
-// config.json of a LlamaForCausalLM (model_type "llama" or "mistral").
-struct LlamaConfig {
-  int64_t vocab_size = 0;
-  int64_t hidden_size = 0;
-  int64_t intermediate_size = 0;
-  int64_t num_hidden_layers = 0;
-  int64_t num_attention_heads = 0;
-  int64_t num_key_value_heads = 0;  // grouped-query attention; absent: num_attention_heads
-  int64_t head_dim = 0;             // absent: hidden_size / num_attention_heads
-  int64_t max_position_embeddings = 0;
-  double rope_theta = 10000;
-  double rms_norm_eps = 1e-6;
-  bool tie_word_embeddings = false;
-  // rope_scaling: "" (none), "linear", "dynamic" or "llama3", with its factor (and llama3's
-  // low_freq_factor, high_freq_factor and original_max_position_embeddings).
-  std::string rope_scaling_type;
-  double rope_scaling_factor = 1;
-  double rope_low_freq_factor = 1;
-  double rope_high_freq_factor = 4;
-  int64_t rope_original_max_position_embeddings = 0;
-  std::string torch_dtype;  // as saved: "float32", "bfloat16", "float16" or ""
-};
-
-// INVALID_ARGUMENT naming `file` and the field: not JSON, another architecture, a size missing
-// or out of range, heads that do not divide the hidden size or the key-value heads.
-absl::StatusOr<LlamaConfig> ParseLlamaConfig(absl::string_view json, const std::string& file);
-
-// DIR/config.json, read and parsed (NOT_FOUND when it cannot be read).
-absl::StatusOr<LlamaConfig> ReadLlamaConfig(const std::string& dir);
-
-// Fills `model`'s llama sizes left at 0 from `config` (read from `file`) and copies its rope
-// scaling; INVALID_ARGUMENT naming the spec's field when one given disagrees with the checkpoint.
-absl::Status ResolveLlamaConfig(const LlamaConfig& config, const std::string& file,
-                                ModelConfig* model);
-// The config.json of a llama `model` (as transformers' LlamaConfig writes it, float32).
-std::string LlamaConfigJson(const ModelConfig& model);
-
-// PEFT's adapter_config.json for a LoRA adapter of a llama model (peft_type LORA, task_type
-// CAUSAL_LM); `base_model`: base_model_name_or_path, or "" for none.
-std::string LoraAdapterConfigJson(const LoraConfig& lora, const std::string& base_model);
-// The LlamaConfig a llama `model` has.
-LlamaConfig LlamaConfigOf(const ModelConfig& model);
+// config.json's reading and writing live in common/ (yard reads it too); by their old names here.
+using ::trainyard::LlamaConfig;
+using ::trainyard::LlamaConfigJson;
+using ::trainyard::LlamaConfigOf;
+using ::trainyard::ParseLlamaConfig;
+using ::trainyard::ReadLlamaConfig;
+using ::trainyard::ReadSmallFile;
+using ::trainyard::ResolveLlamaConfig;
 
 struct ExpectedTensor {
   std::string name;
