@@ -194,6 +194,17 @@ absl::Status ResolveLlamaConfig(const LlamaConfig& c, const std::string& file, M
   return absl::OkStatus();
 }
 
+absl::StatusOr<LlamaConfig> ResolveFromCheckpoint(ModelConfig* model) {
+  absl::StatusOr<LlamaConfig> config = ReadLlamaConfig(model->from);
+  if (!config.ok()) {
+    return absl::Status(config.status().code(),
+                        absl::StrCat("model.from: ", config.status().message()));
+  }
+  absl::Status s = ResolveLlamaConfig(*config, model->from + "/config.json", model);
+  if (!s.ok()) return s;
+  return config;
+}
+
 LlamaConfig LlamaConfigOf(const ModelConfig& m) {
   LlamaConfig c;
   c.vocab_size = m.vocab;

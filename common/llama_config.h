@@ -54,6 +54,10 @@ absl::StatusOr<LlamaConfig> ReadLlamaConfig(const std::string& dir);
 // scaling; INVALID_ARGUMENT naming the spec's field when one given disagrees with the checkpoint.
 absl::Status ResolveLlamaConfig(const LlamaConfig& config, const std::string& file,
                                 ModelConfig* model);
+// `model.from`'s config.json read (its errors prefixed "model.from: ", codes kept) and `model`'s
+// sizes resolved against it (ResolveLlamaConfig); returns the config.
+absl::StatusOr<LlamaConfig> ResolveFromCheckpoint(ModelConfig* model);
+
 // The config.json of a llama `model` (as transformers' LlamaConfig writes it, float32).
 std::string LlamaConfigJson(const ModelConfig& model);
 

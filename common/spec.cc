@@ -806,9 +806,8 @@ ModelConfig ToModelConfig(const v1::ModelSpec& m) {
 absl::Status FillModelFromCheckpoint(v1::JobSpec& spec) {
   v1::ModelSpec& m = *spec.mutable_model();
   if (m.kind() != "llama" || m.from().empty()) return absl::OkStatus();
-  ASSIGN_OR_RETURN(LlamaConfig config, ReadLlamaConfig(m.from()));
   ModelConfig c = ToModelConfig(m);
-  RETURN_IF_ERROR(ResolveLlamaConfig(config, m.from() + "/config.json", &c));
+  RETURN_IF_ERROR(ResolveFromCheckpoint(&c).status());
   m.set_n_layer(c.n_layer);
   m.set_d_model(c.d_model);
   m.set_n_head(c.n_head);

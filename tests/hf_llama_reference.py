@@ -50,6 +50,17 @@ VARIANTS = {
 }
 
 
+def forward_backward(model, tokens):
+    """Tokens, logits and loss of one step on `tokens`, after its backward."""
+    out = model(input_ids=tokens, labels=tokens)
+    out.loss.backward()
+    return {
+        "tokens": tokens,
+        "logits": out.logits.detach().float().contiguous(),
+        "loss": out.loss.detach().float().reshape(()),
+    }
+
+
 def reference(out_dir, variant, dtype):
     torch.manual_seed(7)
     config = LlamaConfig(
@@ -75,13 +86,7 @@ def reference(out_dir, variant, dtype):
     model = LlamaForCausalLM.from_pretrained(out_dir, torch_dtype=torch.float32, attn_implementation="eager")
     model.eval()
     tokens = torch.randint(0, config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(3))
-    out = model(input_ids=tokens, labels=tokens)
-    out.loss.backward()
-    tensors = {
-        "tokens": tokens,
-        "logits": out.logits.detach().float().contiguous(),
-        "loss": out.loss.detach().float().reshape(()),
-    }
+    tensors = forward_backward(model, tokens)
     for name, p in model.named_parameters():
         if p.grad is not None:
             tensors["grad." + name] = p.grad.detach().float().contiguous()
@@ -110,14 +115,7 @@ def lora_reference(out_dir):
                 p.copy_(0.1 * torch.randn_like(p))  # B too, so that the adapters change the output
     model.save_pretrained(f"{out_dir}/adapter")
     model.eval()
-    tokens = load_file(f"{out_dir}/reference.safetensors")["tokens"]
-    out = model(input_ids=tokens, labels=tokens)
-    out.loss.backward()
-    tensors = {
-        "tokens": tokens,
-        "logits": out.logits.detach().float().contiguous(),
-        "loss": out.loss.detach().float().reshape(()),
-    }
+    tensors = forward_backward(model, load_file(f"{out_dir}/reference.safetensors")["tokens"])
     trained = 0
     for name, p in model.named_parameters():
         if p.requires_grad:

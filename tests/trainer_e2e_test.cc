@@ -1072,6 +1072,23 @@ v1::JobSpec LlamaSpec(int ranks, int micro_batch) {
   return s;
 }
 
+// `spec` starting from the Hugging Face directory `model_dir`, whose config.json gives rope_theta
+// and rms_norm_eps.
+void UseCheckpoint(v1::JobSpec& spec, const std::string& model_dir) {
+  spec.mutable_model()->set_from(model_dir);
+  spec.mutable_model()->clear_rope_theta();
+  spec.mutable_model()->clear_rms_norm_eps();
+}
+
+// The one-rank DDP reference of a two-rank `spec` of micro-batch 4: the same global batch.
+v1::JobSpec OneRankWholeBatch(const v1::JobSpec& spec) {
+  v1::JobSpec one = spec;
+  one.mutable_resources()->set_gpus(1);
+  one.mutable_train()->set_micro_batch(8);
+  one.mutable_parallel()->set_strategy(v1::DDP);
+  return one;
+}
+
 // Two FSDP ranks, rank 0 reading the checkpoint and sending the other its shards
 // (cpu_ram_efficient_loading), train what one rank trains from the same checkpoint; the sizes
 // the spec leaves out come from config.json.
@@ -1085,16 +1102,11 @@ TEST_F(TrainerE2eTest, LlamaFromAHuggingFaceCheckpointTrainsTheSameOnTwoFsdpRank
         &v1::ModelSpec::set_n_kv_head, &v1::ModelSpec::set_d_hidden, &v1::ModelSpec::set_vocab}) {
     (m->*set)(0);
   }
-  m->set_from(model_dir);
-  m->clear_rope_theta();  // the checkpoint's
-  m->clear_rms_norm_eps();
+  UseCheckpoint(spec, model_dir);
   ASSERT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
   spec.mutable_parallel()->set_strategy(v1::FSDP);
   spec.mutable_parallel()->set_cpu_ram_efficient_loading(true);
-  v1::JobSpec one = spec;
-  one.mutable_resources()->set_gpus(1);
-  one.mutable_train()->set_micro_batch(8);
-  one.mutable_parallel()->set_strategy(v1::DDP);
+  const v1::JobSpec one = OneRankWholeBatch(spec);
 
   const std::string fsdp_dump = dir_.path() + "/fsdp.params",
                     one_dump = dir_.path() + "/one.params";
@@ -1123,9 +1135,7 @@ TEST_F(TrainerE2eTest, ABadLlamaCheckpointIsRefusedAtStartNamingTheTensorAndTheF
   const v1::JobSpec spec = LlamaSpec(1, 8);
   auto refused = [&](const std::string& model_dir, const v1::JobSpec& s) {
     v1::JobSpec with = s;
-    with.mutable_model()->set_from(model_dir);
-    with.mutable_model()->clear_rope_theta();  // the checkpoint's
-    with.mutable_model()->clear_rms_norm_eps();
+    UseCheckpoint(with, model_dir);
     const Job job = StartJob(with, "bad");
     testing::CommandResult r = testing::RunCommand(Argv(job, 0, 1, {}), {}, absl::Seconds(60));
     EXPECT_NE(r.exit_code, 0);
@@ -1158,9 +1168,7 @@ TEST_F(TrainerE2eTest, LoraTrainsOnlyTheAdaptersTheSameOnTwoFsdpRanksAsOnOneAndE
   const std::string model_dir = dir_.path() + "/hf-model";
   const auto start = WriteLlamaCheckpoint(model_dir, LlamaSpec(1, 8).model(), 5);
   v1::JobSpec spec = LlamaSpec(2, 4);
-  spec.mutable_model()->set_from(model_dir);
-  spec.mutable_model()->clear_rope_theta();  // the checkpoint's
-  spec.mutable_model()->clear_rms_norm_eps();
+  UseCheckpoint(spec, model_dir);
   spec.mutable_train()->set_lr(1e-2);
   auto* lora = spec.mutable_train()->mutable_lora();
   lora->set_r(2);
@@ -1170,10 +1178,7 @@ TEST_F(TrainerE2eTest, LoraTrainsOnlyTheAdaptersTheSameOnTwoFsdpRanksAsOnOneAndE
   lora->add_target_modules("down_proj");
   ASSERT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
   spec.mutable_parallel()->set_strategy(v1::FSDP);
-  v1::JobSpec one = spec;
-  one.mutable_resources()->set_gpus(1);
-  one.mutable_train()->set_micro_batch(8);
-  one.mutable_parallel()->set_strategy(v1::DDP);
+  const v1::JobSpec one = OneRankWholeBatch(spec);
 
   const std::string fsdp_dump = dir_.path() + "/fsdp.params",
                     one_dump = dir_.path() + "/one.params";

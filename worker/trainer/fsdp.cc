@@ -321,17 +321,10 @@ void FsdpModel::BeginForward(bool sync_gradients) {
   EnsureGathered(0);
 }
 
-void FsdpModel::BeforeBlock(int block, const torch::Tensor& input) {
+void FsdpModel::BeforeBlock(int block) {
   const int ui = unit_of_block_[block];
   if (ui == 0 || block != units_[ui].first_block) return;
   EnsureGathered(ui);
-  if (!units_[ui].frozen.params.empty() && torch::GradMode::is_enabled() && input.requires_grad()) {
-    input.register_hook([this, ui](const torch::Tensor&) {
-      Unit& u = units_[ui];
-      u.input_grad_done = true;
-      if (u.reduced) Release(ui);
-    });
-  }
   if (config_.forward_prefetch) Prefetch(ui + 1);
 }
 
@@ -377,7 +370,8 @@ void FsdpModel::PreBackward(int ui) {
   EnsureGathered(ui);
   PrepareGradients(ui);
   // Block unit ui's output is unit ui+1's input: its gradient is complete, so unit ui+1's frozen
-  // weights have served (before the prefetch below counts the units gathered).
+  // weights have served (released before the prefetch below counts the units gathered). The first
+  // block unit has no such hook: FinishBackward frees it, right after its backward.
   if (ui > 0 && ui + 1 < num_units()) {
     Unit& next = units_[ui + 1];
     if (!next.frozen.params.empty()) {

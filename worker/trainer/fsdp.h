@@ -2,10 +2,10 @@
 //
 // LoRA: parameters that do not train (requires_grad false) go into a second flat buffer per unit,
 // gathered with it but never reduce-scattered and without optimizer state or gradient buffers.
-// Such a unit is freed after backward has computed the gradient of its input (a hook on the input,
-// as PyTorch FSDP's reshard-only post-backward hook), not when its trained gradients are in: the
-// frozen weights are still needed for that input gradient. A unit whose input needs no gradient
-// (the first block over a frozen embedding) stays gathered until FinishBackward.
+// Such a unit is freed after backward has computed the gradient of its input, not when its trained
+// gradients are in: the frozen weights are still needed for that input gradient. Its input is the
+// previous unit's output, whose gradient hook (PreBackward) frees it, as PyTorch FSDP's
+// reshard-only post-backward hook does; the first block unit is freed by FinishBackward.
 //
 // Units: the wrap policy groups the model's blocks into units (TRANSFORMER_BASED_WRAP: one block
 // each; SIZE_BASED_WRAP: consecutive blocks until min_num_params); everything else (embeddings,
@@ -158,7 +158,7 @@ class FsdpModel : public BlockHooks {
   int64_t peak_bytes() const { return peak_bytes_.load(); }
 
   // BlockHooks.
-  void BeforeBlock(int block, const torch::Tensor& input) override;
+  void BeforeBlock(int block) override;
   void AfterBlock(int block, const torch::Tensor& output) override;
 
  private:

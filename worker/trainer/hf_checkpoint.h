@@ -31,6 +31,7 @@ using ::trainyard::LlamaConfigOf;
 using ::trainyard::ParseLlamaConfig;
 using ::trainyard::ReadLlamaConfig;
 using ::trainyard::ReadSmallFile;
+using ::trainyard::ResolveFromCheckpoint;
 using ::trainyard::ResolveLlamaConfig;
 
 struct ExpectedTensor {

@@ -146,14 +146,15 @@ TORCH_MODULE(Block);
 // runs the block without recording a graph and saves only its input; backward recomputes the block
 // with grad enabled and backpropagates the incoming gradient through it, which accumulates the
 // block's parameter gradients (firing their hooks, so DDP buckets see them) and yields the input's.
-// The CPU generator is set back to its state at forward for the recompute (preserve_rng_state), so
-// dropout draws the same masks.
+// With `preserve_rng` (a block with dropout) the CPU generator is set back to its state at forward
+// for the recompute (preserve_rng_state), so dropout draws the same masks.
 template <typename B>
 class CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock<B>> {
  public:
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x, B* block) {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x, B* block,
+                               bool preserve_rng) {
     ctx->saved_data["block"] = reinterpret_cast<int64_t>(block);
-    ctx->saved_data["rng"] = at::detail::getDefaultCPUGenerator().get_state();
+    if (preserve_rng) ctx->saved_data["rng"] = at::detail::getDefaultCPUGenerator().get_state();
     ctx->save_for_backward({x});
     torch::NoGradGuard no_grad;  // apply() already disables grad; stated for the reader
     return block->forward(x);
@@ -165,15 +166,19 @@ class CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock<B>>
     torch::Tensor x = ctx->get_saved_variables()[0].detach().requires_grad_(true);
     torch::Tensor y;
     {
+      const bool preserve_rng = ctx->saved_data.count("rng") > 0;
       at::Generator generator = at::detail::getDefaultCPUGenerator();
-      const torch::Tensor now = generator.get_state();
-      generator.set_state(ctx->saved_data["rng"].toTensor());
+      torch::Tensor now;
+      if (preserve_rng) {
+        now = generator.get_state();
+        generator.set_state(ctx->saved_data["rng"].toTensor());
+      }
       torch::AutoGradMode enable(true);
       y = block->forward(x);
-      generator.set_state(now);
+      if (preserve_rng) generator.set_state(now);
     }
     torch::autograd::backward({y}, {grad_outputs[0]});
-    return {x.grad(), torch::Tensor()};
+    return {x.grad(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -235,8 +240,8 @@ class GptModel : public LanguageModel {
     const bool checkpoint = options_.activation_checkpointing && torch::GradMode::is_enabled();
     for (size_t i = 0; i < blocks_->size(); ++i) {
       auto* block = (*blocks_)[i]->as<BlockImpl>();
-      if (hooks_ != nullptr) hooks_->BeforeBlock(static_cast<int>(i), x);
-      x = checkpoint ? CheckpointedBlock<BlockImpl>::apply(x, block) : block->forward(x);
+      if (hooks_ != nullptr) hooks_->BeforeBlock(static_cast<int>(i));
+      x = checkpoint ? CheckpointedBlock<BlockImpl>::apply(x, block, false) : block->forward(x);
       if (hooks_ != nullptr) hooks_->AfterBlock(static_cast<int>(i), x);
     }
     x = ln_f_(x);
@@ -300,7 +305,7 @@ class MlpModel : public LanguageModel {
   torch::Tensor Logits(const torch::Tensor& contexts) {
     torch::Tensor x = tok_emb_(contexts).mean(1);  // [b, d]
     for (size_t i = 0; i < up_.size(); ++i) {
-      if (hooks_ != nullptr) hooks_->BeforeBlock(static_cast<int>(i), x);
+      if (hooks_ != nullptr) hooks_->BeforeBlock(static_cast<int>(i));
       x = x + Dense(F::gelu(Dense(x, up_[i], options_.bf16)), down_[i], options_.bf16);
       if (hooks_ != nullptr) hooks_->AfterBlock(static_cast<int>(i), x);
     }
@@ -577,8 +582,9 @@ class LlamaModel : public LanguageModel {
     if (checkpoint && !x.requires_grad()) x.requires_grad_(true);
     for (size_t i = 0; i < model_->layers->size(); ++i) {
       auto* layer = (*model_->layers)[i]->as<LlamaLayerImpl>();
-      if (hooks_ != nullptr) hooks_->BeforeBlock(static_cast<int>(i), x);
-      x = checkpoint ? CheckpointedBlock<LlamaLayerImpl>::apply(x, layer) : layer->forward(x);
+      if (hooks_ != nullptr) hooks_->BeforeBlock(static_cast<int>(i));
+      x = checkpoint ? CheckpointedBlock<LlamaLayerImpl>::apply(x, layer, options_.lora.dropout > 0)
+                     : layer->forward(x);
       if (hooks_ != nullptr) hooks_->AfterBlock(static_cast<int>(i), x);
     }
     x = model_->norm(x);

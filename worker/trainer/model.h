@@ -51,8 +51,7 @@ struct ModelOptions {
 class BlockHooks {
  public:
   virtual ~BlockHooks() = default;
-  // `input`: what block `block` gets; the hook may register a gradient hook on it.
-  virtual void BeforeBlock(int block, const torch::Tensor& input) = 0;
+  virtual void BeforeBlock(int block) = 0;
   // `output`: what block `block` returned; the hook may register a gradient hook on it.
   virtual void AfterBlock(int block, const torch::Tensor& output) = 0;
 };

@@ -131,13 +131,11 @@ absl::Status Train(const TrainerOptions& o) {
     auto prefixed = [](const absl::Status& s) {
       return absl::Status(s.code(), absl::StrCat("model.from: ", s.message()));
     };
-    auto config = ReadLlamaConfig(m.from);
-    if (!config.ok()) return prefixed(config.status());
-    RETURN_IF_ERROR(ResolveLlamaConfig(*config, m.from + "/config.json", &m));
+    ASSIGN_OR_RETURN(const LlamaConfig config, ResolveFromCheckpoint(&m));
     auto opened = HfCheckpoint::Open(m.from);
     if (!opened.ok()) return prefixed(opened.status());
     hf_checkpoint = *std::move(opened);
-    if (absl::Status s = hf_checkpoint->Check(LlamaTensors(*config)); !s.ok()) return prefixed(s);
+    if (absl::Status s = hf_checkpoint->Check(LlamaTensors(config)); !s.ok()) return prefixed(s);
   }
 
   // Bad input fails here, before this rank makes the others wait at the rendezvous.
@@ -567,14 +565,7 @@ absl::Status RunExportHf(const JobConfig& job, const std::string& checkpoint_dir
     return absl::InvalidArgumentError(
         "--merge-lora: the job has no train.lora; its export is the whole model already");
   }
-  if (!m.from.empty()) {
-    auto config = ReadLlamaConfig(m.from);
-    if (!config.ok()) {
-      return absl::Status(config.status().code(),
-                          absl::StrCat("model.from: ", config.status().message()));
-    }
-    RETURN_IF_ERROR(ResolveLlamaConfig(*config, m.from + "/config.json", &m));
-  }
+  if (!m.from.empty()) RETURN_IF_ERROR(ResolveFromCheckpoint(&m).status());
   try {
     ASSIGN_OR_RETURN(std::optional<CheckpointInfo> latest, FindLatestCheckpoint(checkpoint_dir));
     if (!latest.has_value()) {
