@@ -109,9 +109,10 @@ void PrintJob(const v1::Job& job) {
                              " d_model=", m.d_model(), " seq_len=", m.seq_len(), " vocab=",
                              m.vocab(), " (", HumanCount(ModelParameterCount(m)), " params)")},
       {"data", absl::StrCat(s.data().path(), " (", s.data().format(), ")")},
-      {"train", absl::StrCat("steps=", t.steps(), " micro_batch=", t.micro_batch(),
-                             " grad_accum=", t.grad_accum(), " lr=", t.lr(), " warmup=", t.warmup(),
-                             " ", MixedPrecisionName(t.mixed_precision()))},
+      {"train",
+       absl::StrCat("steps=", t.steps(), " micro_batch=", t.micro_batch(),
+                    " grad_accum=", t.grad_accum(), " lr=", t.lr(), " warmup=", t.warmup(), " ",
+                    MixedPrecisionName(t.mixed_precision()), " ", OptimizerName(t.optimizer()))},
       {"parallel", absl::StrCat(StrategyName(s.parallel().strategy()), " ",
                                 ShardingStrategyName(s.parallel().sharding_strategy()),
                                 " bucket_mb=", s.parallel().bucket_mb())},
@@ -286,6 +287,7 @@ int EstimateMemoryVerb(const Globals& g, const std::string& path, int world, int
   if (g.json()) {
     nlohmann::json out = {{"parameters", ModelParameterCount(spec.model()) + adapters},
                           {"trainable_parameters", trainable},
+                          {"optimizer", OptimizerName(spec.train().optimizer())},
                           {"largest_unit_parameters", LargestUnitParameters(spec.model())},
                           {"world_size", world},
                           {"device_memory_bytes", device_bytes},
@@ -313,7 +315,8 @@ int EstimateMemoryVerb(const Globals& g, const std::string& path, int world, int
                     : "")
             << ", largest unit " << HumanCount(LargestUnitParameters(spec.model())) << "; " << world
             << " rank(s), " << per_node << " per node; micro_batch " << spec.train().micro_batch()
-            << ", seq_len " << spec.model().seq_len() << "\n";
+            << ", seq_len " << spec.model().seq_len() << "; optimizer "
+            << OptimizerName(spec.train().optimizer()) << "\n";
   std::cout << "device memory: "
             << (device_bytes > 0 ? absl::StrCat(HumanBytes(device_bytes), " (", device_source, ")")
                                  : device_source)

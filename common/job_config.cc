@@ -1,6 +1,7 @@
 // Names and the parameter count of JobConfig (see job_config.h).
 #include "common/job_config.h"
 
+#include <algorithm>
 #include <utility>
 
 namespace trainyard {
@@ -49,6 +50,20 @@ const char* Name(BackwardPrefetch p) {
 
 const char* Name(Precision p) { return p == Precision::kBf16 ? "bf16" : "fp32"; }
 
+const char* Name(OptimizerKind k) {
+  switch (k) {
+    case OptimizerKind::kAdamW:
+      return "adamw";
+    case OptimizerKind::kAdafactor:
+      return "adafactor";
+    case OptimizerKind::kLion:
+      return "lion";
+    case OptimizerKind::kAdamW8bit:
+      return "adamw_8bit";
+  }
+  return "?";
+}
+
 int64_t ModelParameterCount(const ModelConfig& m) {
   const int64_t d = m.d_model, v = m.vocab, layers = m.n_layer;
   if (m.kind == "mlp") {
@@ -94,6 +109,100 @@ int64_t LoraParameterCount(const ModelConfig& m, const LoraConfig& lora) {
       per_layer += lora.r * (shapes[i].first + shapes[i].second);
   }
   return int64_t{m.n_layer} * per_layer;
+}
+
+std::vector<std::vector<int64_t>> TrainedParameterShapes(const ModelConfig& m,
+                                                         const LoraConfig& lora) {
+  const int64_t d = m.d_model, v = m.vocab, layers = m.n_layer;
+  std::vector<std::vector<int64_t>> shapes;
+  auto repeat = [&](std::initializer_list<std::vector<int64_t>> per_layer) {
+    for (int64_t i = 0; i < layers; ++i) shapes.insert(shapes.end(), per_layer);
+  };
+  if (m.kind == "llama") {
+    const int64_t q = int64_t{m.n_head} * m.HeadDim(), kv = int64_t{m.KvHeads()} * m.HeadDim(),
+                  h = m.d_hidden;
+    // (out, in) of each projection, in LoraTargetNames' order.
+    const std::pair<int64_t, int64_t> projections[] = {{q, d}, {kv, d}, {kv, d}, {d, q},
+                                                       {h, d}, {h, d},  {d, h}};
+    if (lora.enabled()) {
+      for (int64_t i = 0; i < layers; ++i) {
+        for (size_t j = 0; j < LoraTargetNames().size(); ++j) {
+          if (!lora.Targets(LoraTargetNames()[j])) continue;
+          shapes.push_back({lora.r, projections[j].second});  // lora_A
+          shapes.push_back({projections[j].first, lora.r});   // lora_B
+        }
+      }
+      return shapes;
+    }
+    shapes.push_back({v, d});
+    for (int64_t i = 0; i < layers; ++i) {
+      shapes.push_back({d});
+      shapes.push_back({d});
+      for (const auto& [out, in] : projections) shapes.push_back({out, in});
+    }
+    shapes.push_back({d});
+    if (!m.tie_weights) shapes.push_back({v, d});
+    return shapes;
+  }
+  if (m.kind == "mlp") {
+    const int64_t h = m.d_hidden;
+    shapes.push_back({v, d});
+    repeat({{h, d}, {h}, {d, h}, {d}});
+    shapes.insert(shapes.end(), {{v, d}, {v}});
+    return shapes;
+  }
+  shapes.insert(shapes.end(), {{v, d}, {m.seq_len, d}});
+  repeat(
+      {{d}, {d}, {3 * d, d}, {3 * d}, {d, d}, {d}, {d}, {d}, {4 * d, d}, {4 * d}, {d, 4 * d}, {d}});
+  shapes.insert(shapes.end(), {{d}, {d}});
+  if (!m.tie_weights) shapes.push_back({v, d});
+  return shapes;
+}
+
+int64_t OptimizerStateBytes(OptimizerKind kind, const std::vector<std::vector<int64_t>>& shapes,
+                            int64_t shards) {
+  shards = std::max<int64_t>(1, shards);
+  int64_t numel = 0, factored = 0;
+  for (const auto& shape : shapes) {
+    int64_t n = 1;
+    for (int64_t s : shape) n *= s;
+    if (n == 0) continue;  // sizes not known yet (a checkpoint's, read by the trainer)
+    numel += n;
+    factored += shape.size() >= 2 ? n / shape.back() + n / shape[shape.size() - 2] : n;
+  }
+  const int64_t local = (numel + shards - 1) / shards;
+  switch (kind) {
+    case OptimizerKind::kAdamW:
+      return 8 * local;
+    case OptimizerKind::kLion:
+      return 4 * local;
+    case OptimizerKind::kAdafactor:
+      return 4 * factored;
+    case OptimizerKind::kAdamW8bit: {
+      // Parameters of 4096 elements or more (bitsandbytes' min_8bit_size): a byte per moment per
+      // element and an fp32 absmax per 256-element block of each; smaller ones: fp32 moments.
+      // Under FSDP each rank holds its shard's share, with a byte per moment for every element
+      // of a shard that holds part of a large parameter.
+      int64_t small = 0, large = 0;
+      for (const auto& shape : shapes) {
+        int64_t n = 1;
+        for (int64_t s : shape) n *= s;
+        (n >= 4096 ? large : small) += n;
+      }
+      if (shards == 1) {
+        int64_t total = 8 * small;
+        for (const auto& shape : shapes) {
+          int64_t n = 1;
+          for (int64_t s : shape) n *= s;
+          if (n >= 4096) total += 2 * n + 2 * 4 * ((n + 255) / 256);
+        }
+        return total;
+      }
+      return (large > 0 ? 2 * local : 0) + 8 * ((small + shards - 1) / shards) +
+             2 * 4 * ((large + 256 * shards - 1) / (256 * shards));
+    }
+  }
+  return 0;
 }
 
 }  // namespace trainyard

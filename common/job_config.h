@@ -20,6 +20,8 @@ enum class WrapPolicy { kTransformerBased, kSizeBased };
 // PyTorch FSDP's BackwardPrefetch.
 enum class BackwardPrefetch { kBackwardPre, kBackwardPost, kNoPrefetch };
 enum class Precision { kFp32, kBf16 };
+// train.optimizer.
+enum class OptimizerKind { kAdamW, kAdafactor, kLion, kAdamW8bit };
 
 // Names as written in specs: "ddp", "FULL_SHARD", "TRANSFORMER_BASED_WRAP", "BACKWARD_PRE",
 // "fp32".
@@ -28,6 +30,7 @@ const char* Name(Sharding s);
 const char* Name(WrapPolicy p);
 const char* Name(BackwardPrefetch p);
 const char* Name(Precision p);
+const char* Name(OptimizerKind k);  // "adamw", "adafactor", "lion", "adamw_8bit"
 
 struct ModelConfig {
   std::string kind;  // "gpt", "mlp" or "llama"
@@ -88,6 +91,7 @@ struct TrainConfig {
   double weight_decay = 0;
   double grad_clip = 0;  // max global gradient norm; 0 = none
   LoraConfig lora;
+  OptimizerKind optimizer = OptimizerKind::kAdamW;
 };
 
 struct ParallelConfig {
@@ -115,6 +119,16 @@ struct JobConfig {
 int64_t ModelParameterCount(const ModelConfig& model);
 // Parameters LoRA adds (the adapters, which are all that trains); 0 without LoRA.
 int64_t LoraParameterCount(const ModelConfig& model, const LoraConfig& lora);
+// Shapes of the parameters that train (every parameter, or under LoRA the adapters), in no
+// particular order: what optimizer state is sized by.
+std::vector<std::vector<int64_t>> TrainedParameterShapes(const ModelConfig& model,
+                                                         const LoraConfig& lora);
+// Elements of optimizer state for parameters of these shapes on one rank, the elementwise state
+// split over `shards` ranks (FSDP's shard group; 1 for whole parameters). AdamW: m and v (fp32);
+// Lion: m; Adafactor: a row and a column vector per matrix, a full vector per 1-D parameter (its
+// state is replicated, not sharded); 8-bit AdamW: bytes, not elements (see OptimizerStateBytes).
+int64_t OptimizerStateBytes(OptimizerKind kind, const std::vector<std::vector<int64_t>>& shapes,
+                            int64_t shards);
 // The llama projections LoRA may target, in a layer's order.
 const std::vector<std::string>& LoraTargetNames();
 

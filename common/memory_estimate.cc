@@ -10,12 +10,12 @@ namespace {
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 struct BytesPerParam {
-  int64_t param, grad, optimizer;
+  int64_t param, grad, master;
 };
 
 BytesPerParam ForPrecision(v1::MixedPrecision p) {
-  if (p == v1::BF16) return {2, 2, 12};  // bf16 weights and grads; fp32 master + m + v
-  return {4, 4, 8};
+  if (p == v1::BF16) return {2, 2, 4};  // bf16 weights and grads; fp32 master weights
+  return {4, 4, 0};
 }
 
 int64_t ActivationBytes(const v1::JobSpec& spec, v1::MixedPrecision precision) {
@@ -76,6 +76,8 @@ MemoryEstimate EstimateMemory(const v1::JobSpec& spec, int world_size, int ranks
   const int64_t trained_unit =
       config.train.lora.enabled() ? lora / std::max(1, config.model.n_layer) : unit;
   const BytesPerParam bpp = ForPrecision(e.precision);
+  const std::vector<std::vector<int64_t>> shapes =
+      TrainedParameterShapes(config.model, config.train.lora);
   const int64_t w = std::max(1, world_size);
   e.activations = ActivationBytes(spec, e.precision);
 
@@ -92,14 +94,15 @@ MemoryEstimate EstimateMemory(const v1::JobSpec& spec, int world_size, int ranks
     e.sharding = e.strategy == v1::FSDP ? sharding : v1::SHARDING_STRATEGY_UNSPECIFIED;
     e.parameters = bpp.param * params;
     e.gradients = bpp.grad * trained;
-    e.optimizer = bpp.optimizer * trained;
+    e.optimizer = bpp.master * trained + OptimizerStateBytes(config.train.optimizer, shapes, 1);
     return e;
   }
   e.sharding = sharding;
   const int64_t group =
       sharding == v1::HYBRID_SHARD ? std::max<int64_t>(1, std::min<int64_t>(w, ranks_per_node)) : w;
   const int64_t shard = CeilDiv(params, group);
-  e.optimizer = bpp.optimizer * CeilDiv(trained, group);
+  e.optimizer = bpp.master * CeilDiv(trained, group) +
+                OptimizerStateBytes(config.train.optimizer, shapes, group);
   e.gradients = bpp.grad * CeilDiv(trained, group) + bpp.grad * trained_unit;
   e.parameters = sharding == v1::SHARD_GRAD_OP
                      ? bpp.param * params  // gathered from forward to backward
@@ -125,7 +128,11 @@ std::vector<MemoryEstimate> EstimateAllStrategies(const v1::JobSpec& spec, int w
       s.mutable_parallel()->set_sharding_strategy(ss);
       out.push_back(EstimateMemory(s, world_size, ranks_per_node));
     }
-    if (s.train().has_lora()) continue;  // LoRA does not run under offload
+    // LoRA and optimizers other than AdamW do not run under offload.
+    if (s.train().has_lora() || (s.train().optimizer() != v1::ADAMW &&
+                                 s.train().optimizer() != v1::OPTIMIZER_UNSPECIFIED)) {
+      continue;
+    }
     s.mutable_parallel()->set_strategy(v1::OFFLOAD);
     out.push_back(EstimateMemory(s, world_size, ranks_per_node));
   }

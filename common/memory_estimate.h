@@ -3,7 +3,9 @@
 //
 // Model state follows the ZeRO paper's accounting per parameter: fp32 training keeps 4 bytes of
 // weights, 4 of gradients and 8 of Adam moments; bf16 mixed precision keeps 2 + 2 and 12 of
-// optimizer state (fp32 master weights + moments). FSDP shards these over the shard group and adds
+// optimizer state (fp32 master weights + moments). train.optimizer changes the moments' part
+// (OptimizerStateBytes: Lion 4, 8-bit AdamW about 2, Adafactor a row and a column per matrix).
+// FSDP shards these over the shard group (Adafactor's factors are replicated) and adds
 // the largest unit while it is gathered. Activations follow Korthikanti et al. (2022), "Reducing
 // Activation Recomputation in Large Transformer Models": s*b*h*(34 + 5*a*s/h) bytes per layer at
 // 2 bytes per value, plus the logits; with activation checkpointing only each layer's input and
@@ -43,7 +45,8 @@ int64_t LargestUnitParameters(const v1::ModelSpec& model);
 // ranks of which `ranks_per_node` share a node (the HYBRID_SHARD group).
 MemoryEstimate EstimateMemory(const v1::JobSpec& spec, int world_size, int ranks_per_node);
 
-// Every strategy (DDP, each FSDP sharding strategy, offload unless LoRA) for both precisions.
+// Every strategy (DDP, each FSDP sharding strategy, offload unless LoRA or an optimizer other
+// than AdamW) for both precisions.
 std::vector<MemoryEstimate> EstimateAllStrategies(const v1::JobSpec& spec, int world_size,
                                                   int ranks_per_node);
 

@@ -255,10 +255,10 @@ absl::Status ParseDocument(const YAML::Node& root, SpecParser& p, JobSpec& spec)
     RETURN_IF_ERROR(p.String(n, "format", "data", *spec.mutable_data()->mutable_format()));
   }
   if (const YAML::Node n = root["train"]) {
-    RETURN_IF_ERROR(
-        p.Mapping(n, "train",
-                  {"steps", "micro_batch", "grad_accum", "lr", "warmup", "mixed_precision",
-                   "activation_checkpointing", "seed", "weight_decay", "grad_clip", "lora"}));
+    RETURN_IF_ERROR(p.Mapping(
+        n, "train",
+        {"steps", "micro_batch", "grad_accum", "lr", "warmup", "mixed_precision",
+         "activation_checkpointing", "seed", "weight_decay", "grad_clip", "lora", "optimizer"}));
     auto& t = *spec.mutable_train();
     int64_t i64 = 0;
     int32_t i32 = 0;
@@ -280,6 +280,14 @@ absl::Status ParseDocument(const YAML::Node& root, SpecParser& p, JobSpec& spec)
     RETURN_IF_ERROR(p.Choice<v1::MixedPrecision>(n, "mixed_precision", "train",
                                                  {{"fp32", v1::FP32}, {"bf16", v1::BF16}}, mp));
     t.set_mixed_precision(mp);
+    v1::Optimizer optimizer = v1::OPTIMIZER_UNSPECIFIED;
+    RETURN_IF_ERROR(p.Choice<v1::Optimizer>(n, "optimizer", "train",
+                                            {{"adamw", v1::ADAMW},
+                                             {"adafactor", v1::ADAFACTOR},
+                                             {"lion", v1::LION},
+                                             {"adamw_8bit", v1::ADAMW_8BIT}},
+                                            optimizer));
+    t.set_optimizer(optimizer);
     RETURN_IF_ERROR(p.Bool(n, "activation_checkpointing", "train", b));
     t.set_activation_checkpointing(b);
     uint64_t seed = 0;
@@ -523,6 +531,7 @@ void ApplyJobSpecDefaults(JobSpec& spec) {
   if (t.grad_accum() == 0) t.set_grad_accum(1);
   if (t.lr() == 0) t.set_lr(3e-4);
   if (t.mixed_precision() == v1::MIXED_PRECISION_UNSPECIFIED) t.set_mixed_precision(v1::FP32);
+  if (t.optimizer() == v1::OPTIMIZER_UNSPECIFIED) t.set_optimizer(v1::ADAMW);
   if (t.seed() == 0) t.set_seed(1);
   if (t.has_lora()) {  // PEFT's LoraConfig defaults, with its llama targets
     auto& lora = *t.mutable_lora();
@@ -674,6 +683,16 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
     return FieldError("train.mixed_precision",
                       absl::StrCat("unknown value ", t.mixed_precision(), " (fp32 or bf16)"));
   }
+  if (!v1::Optimizer_IsValid(t.optimizer()) || t.optimizer() == v1::OPTIMIZER_UNSPECIFIED) {
+    return FieldError("train.optimizer", absl::StrCat("unknown value ", t.optimizer(),
+                                                      " (adamw, adafactor, lion or adamw_8bit)"));
+  }
+  if (t.optimizer() != v1::ADAMW && spec.parallel().strategy() == v1::OFFLOAD) {
+    return FieldError("train.optimizer",
+                      absl::StrCat(OptimizerName(t.optimizer()),
+                                   " does not run on the parameter servers, which apply AdamW: "
+                                   "use adamw with parallel.strategy offload, or ddp or fsdp"));
+  }
   if (t.weight_decay() < 0 || !std::isfinite(t.weight_decay())) {
     return FieldError("train.weight_decay", absl::StrCat("must be >= 0, got ", t.weight_decay()));
   }
@@ -785,6 +804,8 @@ std::string MixedPrecisionName(v1::MixedPrecision p) {
   return absl::AsciiStrToLower(v1::MixedPrecision_Name(p));
 }
 
+std::string OptimizerName(v1::Optimizer o) { return absl::AsciiStrToLower(v1::Optimizer_Name(o)); }
+
 ModelConfig ToModelConfig(const v1::ModelSpec& m) {
   ModelConfig c;
   c.kind = m.kind();
@@ -840,6 +861,19 @@ JobConfig ToJobConfig(const v1::JobSpec& spec) {
   c.train.seed = t.seed();
   c.train.weight_decay = t.weight_decay();
   c.train.grad_clip = t.grad_clip();
+  switch (t.optimizer()) {
+    case v1::ADAFACTOR:
+      c.train.optimizer = OptimizerKind::kAdafactor;
+      break;
+    case v1::LION:
+      c.train.optimizer = OptimizerKind::kLion;
+      break;
+    case v1::ADAMW_8BIT:
+      c.train.optimizer = OptimizerKind::kAdamW8bit;
+      break;
+    default:
+      c.train.optimizer = OptimizerKind::kAdamW;
+  }
   if (t.has_lora()) {
     c.train.lora.r = t.lora().r();
     c.train.lora.alpha = t.lora().alpha();

@@ -48,6 +48,7 @@ absl::Status AnnotateWithLine(const absl::Status& status, const ParsedSpec& pars
 std::string StrategyName(v1::Strategy s);                  // "ddp"
 std::string ShardingStrategyName(v1::ShardingStrategy s);  // "FULL_SHARD"
 std::string MixedPrecisionName(v1::MixedPrecision p);      // "fp32"
+std::string OptimizerName(v1::Optimizer o);                // "adamw_8bit"
 
 // A llama spec's sizes left at 0 filled from model.from's config.json when this process can read
 // it (yard does, so that the coordinator's memory check at submit sees the model): NOT_FOUND when

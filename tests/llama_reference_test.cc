@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/job_config.h"
+#include "tests/testing/reference_venv.h"
 #include "tests/testing/subprocess.h"
 #include "worker/trainer/hf_checkpoint.h"
 #include "worker/trainer/hf_weights.h"
@@ -25,35 +26,13 @@ namespace {
 
 using testing::TempDir;
 
-std::string Python() { return testing::TestBinPath("../hf-venv/bin/python"); }
-
-std::string Script() { return std::string(TRAINYARD_SOURCE_DIR) + "/tests/hf_llama_reference.py"; }
-
 // Runs the reference script; fails the test with its output when it fails.
 void RunReference(const std::vector<std::string>& args) {
-  ASSERT_TRUE(std::filesystem::exists(Python()))
-      << Python() << " is missing: scripts/setup.sh creates it (transformers from PyPI)";
-  std::vector<std::string> argv = {Python(), Script()};
-  argv.insert(argv.end(), args.begin(), args.end());
-  const auto r = testing::RunCommand(
-      argv, {"HF_HUB_DISABLE_PROGRESS_BARS=1", "TRANSFORMERS_VERBOSITY=error", "HF_HUB_OFFLINE=1"},
-      absl::Seconds(240));
-  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  testing::RunReferenceScript("hf_llama_reference.py", args);
 }
 
-// Every tensor of a safetensors file, as torch tensors (copies).
 std::map<std::string, torch::Tensor> ReadAll(const std::string& path) {
-  auto file = SafetensorsFile::Open(path);
-  EXPECT_TRUE(file.ok()) << file.status();
-  std::map<std::string, torch::Tensor> out;
-  if (!file.ok()) return out;
-  for (const SafetensorsTensor& t : (*file)->header().tensors) {
-    const torch::ScalarType type = t.dtype == SafetensorsDtype::kI64 ? torch::kLong : torch::kFloat;
-    EXPECT_TRUE(t.dtype == SafetensorsDtype::kI64 || t.dtype == SafetensorsDtype::kF32) << t.name;
-    auto bytes = (*file)->Bytes(t);
-    out[t.name] = torch::from_blob(const_cast<uint8_t*>(bytes.data()), t.shape, type).clone();
-  }
-  return out;
+  return testing::ReadSafetensorsTensors(path);
 }
 
 // The model a trainer builds from `dir`, as Train does.

@@ -114,6 +114,82 @@ TEST(MemoryEstimateTest, LoraFrozenWeightsNeedNoGradientsNorOptimizerState) {
   EXPECT_EQ(f.gradients, 4 * (kLora / 2) + 4 * (kLora / 32));  // plus one layer's adapters
 }
 
+// train.optimizer on Llama-2-7B (full fine-tune, fp32): AdamW 8 bytes a parameter, Lion 4,
+// 8-bit AdamW 2 and an fp32 absmax per 256 (every tensor has 4096 elements or more, bitsandbytes'
+// min_8bit_size), Adafactor a row and a column per matrix.
+TEST(MemoryEstimateTest, EachOptimizerCountsItsOwnState) {
+  constexpr int64_t kParams = 6'738'415'616;
+  // Embedding and head 32000 + 4096 each; per layer two norms, q/k/v/o 2 * 4096 each, gate/up/
+  // down 11008 + 4096 each; the final norm.
+  constexpr int64_t kFactors = 2 * 36096 + 32 * (2 * 4096 + 4 * 8192 + 3 * 15104) + 4096;
+  v1::JobSpec spec = Llama7bLora(v1::DDP, v1::FULL_SHARD);
+  spec.mutable_train()->clear_lora();
+  auto optimizer_bytes = [&](v1::Optimizer o, v1::Strategy strategy, int world) {
+    v1::JobSpec s = spec;
+    s.mutable_train()->set_optimizer(o);
+    s.mutable_parallel()->set_strategy(strategy);
+    return EstimateMemory(s, world, world).optimizer;
+  };
+  int64_t counted = 0;
+  for (const auto& shape : TrainedParameterShapes(ToModelConfig(spec.model()), LoraConfig{})) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    counted += n;
+  }
+  EXPECT_EQ(counted, kParams);
+  EXPECT_EQ(optimizer_bytes(v1::ADAMW, v1::DDP, 1), 8 * kParams);
+  EXPECT_EQ(optimizer_bytes(v1::LION, v1::DDP, 1), 4 * kParams);
+  EXPECT_EQ(optimizer_bytes(v1::ADAMW_8BIT, v1::DDP, 1), 2 * kParams + 8 * (kParams / 256));
+  EXPECT_EQ(optimizer_bytes(v1::ADAFACTOR, v1::DDP, 1), 4 * kFactors);  // 11.3 MB
+  // FULL_SHARD on 8 ranks: elementwise state is sharded, Adafactor's factors are not.
+  EXPECT_EQ(optimizer_bytes(v1::LION, v1::FSDP, 8), 4 * (kParams / 8));
+  EXPECT_EQ(optimizer_bytes(v1::ADAMW_8BIT, v1::FSDP, 8),
+            2 * (kParams / 8) + 8 * (kParams / 256 / 8));
+  EXPECT_EQ(optimizer_bytes(v1::ADAFACTOR, v1::FSDP, 8), 4 * kFactors);
+  // bf16 mixed precision adds the fp32 master weights.
+  spec.mutable_train()->set_mixed_precision(v1::BF16);
+  EXPECT_EQ(optimizer_bytes(v1::LION, v1::DDP, 1), 4 * kParams + 4 * kParams);
+  // The parameter servers run AdamW only: no offload row for another optimizer.
+  spec.mutable_train()->set_optimizer(v1::LION);
+  for (const MemoryEstimate& e : EstimateAllStrategies(spec, 2, 2)) {
+    EXPECT_NE(e.strategy, v1::OFFLOAD);
+  }
+}
+
+// The shapes the estimate sizes optimizer state by cover every parameter that trains.
+TEST(MemoryEstimateTest, TrainedParameterShapesAddUpToTheParameterCount) {
+  for (const char* kind : {"gpt", "mlp", "llama"}) {
+    ModelConfig m;
+    m.kind = kind;
+    m.n_layer = 3;
+    m.n_head = 4;
+    m.n_kv_head = 2;
+    m.d_model = 64;
+    m.d_hidden = 96;
+    m.seq_len = 32;
+    m.vocab = 300;
+    for (bool tie : {false, true}) {
+      m.tie_weights = tie && m.kind != "mlp";
+      LoraConfig lora;
+      for (bool with_lora : {false, true}) {
+        if (with_lora) {
+          if (m.kind != "llama") continue;
+          lora.r = 4;
+          lora.target_modules = {"k_proj", "o_proj", "up_proj"};
+        }
+        int64_t total = 0;
+        for (const auto& shape : TrainedParameterShapes(m, lora)) {
+          int64_t n = 1;
+          for (int64_t d : shape) n *= d;
+          total += n;
+        }
+        EXPECT_EQ(total, with_lora ? LoraParameterCount(m, lora) : ModelParameterCount(m))
+            << kind << (tie ? " tied" : "") << (with_lora ? " lora" : "");
+      }
+    }
+  }
+}
+
 TEST(MemoryEstimateTest, ShardGradOpKeepsFullParametersButShardsTheRest) {
   const MemoryEstimate e =
       EstimateMemory(BertBaseSized(v1::FSDP, v1::SHARD_GRAD_OP, v1::FP32), 4, 4);

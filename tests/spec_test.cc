@@ -435,6 +435,51 @@ train: {steps: 10, lora: {}}
               StartsWith("train.lora.target_modules: 'q_proj' is listed twice"));
 }
 
+TEST(SpecTest, OptimizerIsReadDefaultedAndChecked) {
+  const std::string base = R"(name: o
+resources: {gpus: 1}
+model: {kind: gpt, n_layer: 2, n_head: 4, d_model: 64, seq_len: 32}
+data: {path: /data/tokens.bin}
+)";
+  auto parse = [&](const std::string& train) { return ParseJobSpecYaml(base + train, "s.yaml"); };
+  for (const auto& [name, kind] : std::vector<std::pair<std::string, OptimizerKind>>{
+           {"adamw", OptimizerKind::kAdamW},
+           {"adafactor", OptimizerKind::kAdafactor},
+           {"lion", OptimizerKind::kLion},
+           {"adamw_8bit", OptimizerKind::kAdamW8bit}}) {
+    auto parsed = parse("train: {steps: 10, optimizer: " + name + "}\n");
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    ApplyJobSpecDefaults(parsed->spec);
+    ASSERT_TRUE(ValidateJobSpec(parsed->spec).ok()) << ValidateJobSpec(parsed->spec);
+    EXPECT_EQ(ToJobConfig(parsed->spec).train.optimizer, kind) << name;
+    EXPECT_EQ(OptimizerName(parsed->spec.train().optimizer()), name);
+    EXPECT_STREQ(Name(kind), name.c_str());
+  }
+  auto plain = parse("train: {steps: 10}\n");
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  ApplyJobSpecDefaults(plain->spec);
+  EXPECT_EQ(plain->spec.train().optimizer(), v1::ADAMW);
+
+  auto bad = parse("train: {steps: 10, optimizer: sgd}\n");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.status().message()), StartsWith("s.yaml:5: train.optimizer: "));
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("'sgd'"));
+
+  v1::JobSpec spec = plain->spec;
+  spec.mutable_train()->set_optimizer(static_cast<v1::Optimizer>(9));
+  EXPECT_THAT(
+      std::string(ValidateJobSpec(spec).message()),
+      StartsWith("train.optimizer: unknown value 9 (adamw, adafactor, lion or adamw_8bit)"));
+  // The parameter servers apply AdamW only.
+  spec.mutable_train()->set_optimizer(v1::LION);
+  spec.mutable_parallel()->set_strategy(v1::OFFLOAD);
+  EXPECT_THAT(std::string(ValidateJobSpec(spec).message()),
+              StartsWith("train.optimizer: lion does not run on the parameter servers"));
+  spec.mutable_train()->set_optimizer(v1::ADAMW);
+  EXPECT_THAT(std::string(ValidateJobSpec(spec).message()),
+              ::testing::Not(HasSubstr("train.optimizer")));
+}
+
 TEST(SpecTest, LlamaFieldsAreReadDefaultedAndChecked) {
   auto parsed = ParseJobSpecYaml(R"(name: ft
 resources: {gpus: 1}

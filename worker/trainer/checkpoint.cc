@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "common/status_macros.h"
+#include "worker/trainer/optimizers.h"
 
 namespace trainyard::trainer {
 namespace {
@@ -96,11 +97,28 @@ absl::Status WriteStepDirectory(const std::string& tmp, int64_t step, torch::nn:
   for (const char* file : {"/model.pt", "/optimizer.pt", "/rng.pt"}) {
     RETURN_IF_ERROR(SyncPath(tmp + file));
   }
-  RETURN_IF_ERROR(WriteSyncedFile(tmp + "/meta.json", absl::StrCat("{\"step\": ", step, "}\n")));
+  RETURN_IF_ERROR(WriteSyncedFile(tmp + "/meta.json", MetaJson(step, OptimizerName(optimizer))));
   return SyncPath(tmp);
 }
 
 }  // namespace
+
+std::string MetaJson(int64_t step, const std::string& optimizer) {
+  return absl::StrCat("{\"step\": ", step, ", \"optimizer\": \"", optimizer, "\"}\n");
+}
+
+absl::StatusOr<std::string> CheckpointOptimizer(const std::string& path) {
+  ASSIGN_OR_RETURN(std::string meta, ReadFile(path + "/meta.json"));
+  // Written by MetaJson; checkpoints from before train.optimizer say only the step: AdamW.
+  const std::string key = "\"optimizer\": \"";
+  const size_t at = meta.find(key);
+  if (at == std::string::npos) return std::string("adamw");
+  const size_t begin = at + key.size(), end = meta.find('"', begin);
+  if (end == std::string::npos) {
+    return absl::DataLossError(absl::StrCat("'", path, "/meta.json' is malformed"));
+  }
+  return meta.substr(begin, end - begin);
+}
 
 int64_t DirectoryBytes(const std::string& path) {
   int64_t bytes = 0;
@@ -166,6 +184,12 @@ absl::StatusOr<std::optional<CheckpointInfo>> LoadLatestCheckpoint(
         absl::StrCat("checkpoint '", path,
                      "' is sharded (written by strategy fsdp): resume it with fsdp, or "
                      "consolidate it first with trainyard-trainer --consolidate-checkpoint"));
+  }
+  ASSIGN_OR_RETURN(const std::string written_by, CheckpointOptimizer(path));
+  if (written_by != OptimizerName(optimizer)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint '", path, "' was written with train.optimizer ", written_by,
+                     "; this job's is ", OptimizerName(optimizer)));
   }
   try {
     torch::serialize::InputArchive archive;

@@ -1,5 +1,6 @@
 // Checkpoints of a DDP job: rank 0 writes DIR/step-<N>/ (model.pt: every parameter by name;
-// optimizer.pt: AdamW state; rng.pt: the CPU generator; meta.json: {"step": N}) into a temp
+// optimizer.pt: the optimizer's state; rng.pt: the CPU generator; meta.json: {"step": N,
+// "optimizer": train.optimizer}) into a temp
 // directory, fsyncs every file and the directory, renames it into place and fsyncs DIR, then
 // replaces DIR/latest (the text "step-<N>\n") by write-temp, fsync, rename, fsync DIR. A crash
 // at any point leaves `latest` naming the previous complete checkpoint. Every rank loads
@@ -47,6 +48,10 @@ absl::Status PublishLatest(const std::string& dir, const std::string& name);
 // The checkpoint DIR/latest names (its step and DIR/step-<N>); nullopt when there is none.
 absl::StatusOr<std::optional<CheckpointInfo>> FindLatestCheckpoint(const std::string& dir);
 int64_t DirectoryBytes(const std::string& path);  // of the regular files directly in it
+// meta.json's text, and the optimizer a checkpoint directory's meta.json names ("adamw" when it
+// names none, as before train.optimizer).
+std::string MetaJson(int64_t step, const std::string& optimizer);
+absl::StatusOr<std::string> CheckpointOptimizer(const std::string& path);
 torch::Tensor SaveRngState();
 void RestoreRngState(const torch::Tensor& state);
 

@@ -11,7 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "worker/trainer/fused_adamw.h"
+#include "common/status_macros.h"
 
 namespace trainyard::trainer {
 
@@ -217,15 +217,24 @@ absl::Status FsdpModel::Build(bool from_rank0) {
         accumulator->add_post_hook(std::make_unique<GradHook>(this, static_cast<int>(i))));
     accumulators_.push_back(std::move(accumulator));
   }
-  std::vector<torch::Tensor> shards;
-  for (Unit& u : units_) {
-    if (u.train.shard_numel > 0) shards.push_back(u.train.shard);
+  // The optimizer's slots: every trained flat buffer's shard (empty ones too, so that every rank
+  // of the shard group steps the same slots), with the parameters laid out in the buffer.
+  std::vector<OptimizerSlot> slots;
+  for (int i = 0; i < num_flats(); ++i) {
+    if (flats_[i].second) {
+      slot_of_flat_.push_back(-1);
+      continue;
+    }
+    const FlatParam& f = Flat(i);
+    OptimizerSlot slot;
+    slot.param = f.shard;
+    slot.begin = single_shard() ? 0 : shard_.rank() * f.shard_numel;
+    for (const FsdpLayout::Param& p : layout_.units[i].params)
+      slot.params.push_back({p.shape, p.offset});
+    slot_of_flat_.push_back(static_cast<int>(slots.size()));
+    slots.push_back(std::move(slot));
   }
-  optimizer_ =
-      std::make_unique<torch::optim::AdamW>(shards, torch::optim::AdamWOptions(1e-3)
-                                                        .betas({config_.beta1, config_.beta2})
-                                                        .eps(config_.eps)
-                                                        .weight_decay(config_.weight_decay));
+  optimizer_ = std::make_unique<SlotOptimizer>(config_.optimizer, std::move(slots), &shard_);
   comm_thread_ = std::make_unique<CommThread>();
   model_.set_block_hooks(this);
   return absl::OkStatus();
@@ -466,12 +475,10 @@ double FsdpModel::GradNorm() {
 
 void FsdpModel::Step(double lr, double clip_scale) {
   torch::NoGradGuard no_grad;
-  FusedAdamWStep(*optimizer_, lr, clip_scale);
-  if (!adam_counted_) {
-    adam_counted_ = true;
-    int64_t shard_total = 0;
-    for (const Unit& u : units_) shard_total += u.train.shard_numel;
-    Track(2 * shard_total * static_cast<int64_t>(sizeof(float)));  // exp_avg, exp_avg_sq
+  optimizer_->Step(lr, clip_scale);
+  if (!optimizer_counted_) {
+    optimizer_counted_ = true;
+    Track(optimizer_->StateBytes());
   }
   for (Unit& u : units_) u.train.shard.mutable_grad().zero_();
 }
@@ -489,42 +496,28 @@ int64_t FsdpModel::bytes_sent() const {
 
 FsdpShardState FsdpModel::ExportState() {
   FsdpShardState out;
+  out.step = optimizer_->step();
   for (int i = 0; i < num_flats(); ++i) {
-    const FlatParam& f = Flat(i);
-    out.params.push_back(f.shard.detach());
-    torch::Tensor m, v;
-    auto it = optimizer_->state().find(OptimizerStateKey(f.shard));
-    if (it != optimizer_->state().end()) {
-      auto& st = static_cast<torch::optim::AdamWParamState&>(*it->second);
-      m = st.exp_avg();
-      v = st.exp_avg_sq();
-      out.adam_step = st.step();
-    }
-    out.exp_avg.push_back(m);
-    out.exp_avg_sq.push_back(v);
+    out.params.push_back(Flat(i).shard.detach());
+    out.optimizer.push_back(slot_of_flat_[i] < 0 ? std::map<std::string, torch::Tensor>()
+                                                 : optimizer_->State(slot_of_flat_[i]));
   }
   return out;
 }
 
-void FsdpModel::ImportState(const FsdpShardState& state) {
+absl::Status FsdpModel::ImportState(const FsdpShardState& state) {
   torch::NoGradGuard no_grad;
-  const bool has_moments = adam_counted_;
   for (int i = 0; i < num_flats(); ++i) {
     FlatParam& f = Flat(i);
     f.shard.copy_(state.params[i]);
-    if (flats_[i].second || f.shard_numel == 0 || !state.exp_avg[i].defined()) continue;
-    auto st = std::make_unique<torch::optim::AdamWParamState>();
-    st->step(state.adam_step);
-    st->exp_avg(state.exp_avg[i].clone());
-    st->exp_avg_sq(state.exp_avg_sq[i].clone());
-    optimizer_->state()[OptimizerStateKey(f.shard)] = std::move(st);
-    adam_counted_ = true;
+    if (slot_of_flat_[i] < 0 || state.optimizer[i].empty()) continue;
+    RETURN_IF_ERROR(optimizer_->SetState(slot_of_flat_[i], state.optimizer[i], state.step));
   }
-  if (adam_counted_ && !has_moments) {
-    int64_t shard_total = 0;
-    for (const Unit& u : units_) shard_total += u.train.shard_numel;
-    Track(2 * shard_total * static_cast<int64_t>(sizeof(float)));
+  if (optimizer_->step() > 0 && !optimizer_counted_) {
+    optimizer_counted_ = true;
+    Track(optimizer_->StateBytes());
   }
+  return absl::OkStatus();
 }
 
 }  // namespace trainyard::trainer

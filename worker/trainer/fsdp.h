@@ -31,10 +31,11 @@
 //
 // All communication runs on one thread in the order the training thread asks for it, which is the
 // same on every rank; the training thread overlaps compute with it and waits only for what it
-// needs. AdamW (FusedAdamWStep on a torch::optim::AdamW's state, as DDP) updates only the shards.
+// needs. The optimizer (optimizers.h: a SlotOptimizer over the trained flat buffers' shards)
+// updates only the shards; Adafactor sums its row and column statistics over the shard group.
 //
-// Model-state memory: the tracker counts the bytes of the shards (parameters, gradients, Adam
-// moments once they exist) plus gathered parameters and unsharded gradients as they are allocated
+// Model-state memory: the tracker counts the bytes of the shards (parameters, gradients, optimizer
+// state once it exists) plus gathered parameters and unsharded gradients as they are allocated
 // and freed; peak_bytes() is what `yard metrics` shows as model_state_peak_bytes.
 //
 // Thread-safety: one training thread calls everything; the hooks run on it (CPU autograd).
@@ -47,6 +48,7 @@
 #include <cstdint>
 #include <functional>
 #include <future>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -56,6 +58,7 @@
 #include "common/job_config.h"
 #include "worker/trainer/communicator.h"
 #include "worker/trainer/model.h"
+#include "worker/trainer/optimizers.h"
 
 namespace trainyard::trainer {
 
@@ -66,7 +69,7 @@ struct FsdpConfig {
   BackwardPrefetch backward_prefetch = BackwardPrefetch::kBackwardPre;
   bool forward_prefetch = false;
   int max_gathered_units = 2;
-  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0;
+  OptimizerHyper optimizer;
 };
 
 // Block units under a wrap policy: each entry is the blocks [first, last] of one unit, in order.
@@ -93,11 +96,12 @@ struct FsdpLayout {
 };
 
 // One rank's optimizer-visible state: per flat buffer (as FsdpLayout lists them) its parameter
-// shard and AdamW moments (padded shard length; moments undefined before the first step and for
-// frozen buffers).
+// shard (padded shard length) and its optimizer state by name (SlotOptimizer::State; empty
+// before the first step and for frozen buffers).
 struct FsdpShardState {
-  std::vector<torch::Tensor> params, exp_avg, exp_avg_sq;
-  int64_t adam_step = 0;
+  std::vector<torch::Tensor> params;
+  std::vector<std::map<std::string, torch::Tensor>> optimizer;
+  int64_t step = 0;  // optimizer steps taken
 };
 
 class FsdpModel : public BlockHooks {
@@ -129,8 +133,8 @@ class FsdpModel : public BlockHooks {
   double FinishBackward();
   // The global gradient norm (the shards' gradients all-reduced over the shard group).
   double GradNorm();
-  // AdamW on the shards: gradients scaled by `clip_scale`, learning rate `lr`; then zeroes the
-  // gradient shards.
+  // The optimizer on the shards: gradients scaled by `clip_scale`, learning rate `lr`; then
+  // zeroes the gradient shards.
   void Step(double lr, double clip_scale);
   // Gathers every unit for good and turns the hooks off: the model then holds its full
   // parameters (for the final dump and sample). Every rank must call it.
@@ -142,8 +146,9 @@ class FsdpModel : public BlockHooks {
   // True on the ranks that write the shards of a checkpoint (replica 0).
   bool writes_shards() const { return replica_ == nullptr || replica_->rank() == 0; }
   FsdpShardState ExportState();
-  // Installs shards (and moments, when defined) of this rank's padded shard length.
-  void ImportState(const FsdpShardState& state);
+  // Installs shards and optimizer state (when there is some) of this rank's padded shard length.
+  absl::Status ImportState(const FsdpShardState& state);
+  OptimizerKind optimizer_kind() const { return config_.optimizer.kind; }
   // Flat buffers, as FsdpLayout lists them.
   int num_flats() const { return static_cast<int>(flats_.size()); }
   int64_t shard_numel(int flat) const { return Flat(flat).shard_numel; }
@@ -220,12 +225,13 @@ class FsdpModel : public BlockHooks {
   FsdpLayout layout_;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hook_keys_;
-  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::unique_ptr<SlotOptimizer> optimizer_;
+  std::vector<int> slot_of_flat_;  // the optimizer's slot of each flat buffer; -1 if frozen
   std::unique_ptr<CommThread> comm_thread_;
   std::vector<std::shared_future<void>> reductions_;  // this micro-step's, in order
   bool hooks_on_ = true;
   bool sync_gradients_ = true;
-  bool adam_counted_ = false;
+  bool optimizer_counted_ = false;
   int64_t gathers_ = 0;
   std::atomic<int64_t> current_bytes_{0}, peak_bytes_{0};
 };

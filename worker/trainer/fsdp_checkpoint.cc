@@ -6,12 +6,15 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <memory>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "worker/trainer/optimizers.h"
 
 namespace trainyard::trainer {
 namespace {
@@ -51,6 +54,7 @@ json ManifestJson(const FsdpModel& fsdp, int64_t step, const AdamHyper& adam) {
   return {{"format", kFormat},
           {"step", step},
           {"shard_count", fsdp.shard_count()},
+          {"optimizer", Name(fsdp.optimizer_kind())},
           {"adam",
            {{"lr", adam.lr},
             {"beta1", adam.beta1},
@@ -63,6 +67,7 @@ json ManifestJson(const FsdpModel& fsdp, int64_t step, const AdamHyper& adam) {
 struct Manifest {
   int64_t step = 0;
   int shard_count = 0;
+  OptimizerKind optimizer = OptimizerKind::kAdamW;  // checkpoints before train.optimizer: AdamW
   AdamHyper adam;
   FsdpLayout layout;
 };
@@ -83,6 +88,18 @@ absl::StatusOr<Manifest> ReadManifest(const std::string& path) {
     m.step = j.at("step").get<int64_t>();
     m.shard_count = j.at("shard_count").get<int>();
     if (m.shard_count < 1) return absl::DataLossError(absl::StrCat("'", file, "': shard_count"));
+    const std::string optimizer = j.value("optimizer", "adamw");
+    bool known = false;
+    for (OptimizerKind k : {OptimizerKind::kAdamW, OptimizerKind::kAdafactor, OptimizerKind::kLion,
+                            OptimizerKind::kAdamW8bit}) {
+      if (optimizer == Name(k)) {
+        m.optimizer = k;
+        known = true;
+      }
+    }
+    if (!known) {
+      return absl::DataLossError(absl::StrCat("'", file, "': unknown optimizer ", optimizer));
+    }
     const json& a = j.at("adam");
     m.adam = AdamHyper{a.at("lr").get<double>(), a.at("beta1").get<double>(),
                        a.at("beta2").get<double>(), a.at("eps").get<double>(),
@@ -143,6 +160,25 @@ std::string LayoutDifference(const FsdpLayout& saved, const FsdpLayout& model) {
   return "";
 }
 
+// The parameters of a flat buffer as the optimizer sees them.
+std::vector<OptimizerSlot::Param> SlotParams(const FsdpLayout::Unit& unit) {
+  std::vector<OptimizerSlot::Param> out;
+  for (const FsdpLayout::Param& p : unit.params) out.push_back({p.shape, p.offset});
+  return out;
+}
+
+// The optimizer state of flat buffer `u` in a shard file, by name (SlotOptimizer::State).
+std::map<std::string, torch::Tensor> ReadOptimizerState(torch::serialize::InputArchive& archive,
+                                                        size_t u) {
+  std::map<std::string, torch::Tensor> state;
+  for (const char* name : {"exp_avg", "exp_avg_sq", "exp_avg.codes", "exp_avg.absmax",
+                           "exp_avg_sq.codes", "exp_avg_sq.absmax", "factors"}) {
+    torch::Tensor t;
+    if (archive.try_read(absl::StrCat("u", u, ".", name), t)) state[name] = t;
+  }
+  return state;
+}
+
 // Copies the elements of `old_shard` (shard `k` of `old_count` over a unit of `numel`) that fall
 // into `new_shard` (shard `me` of `new_count`).
 void CopyOverlap(const torch::Tensor& old_shard, int k, int old_count, torch::Tensor& new_shard,
@@ -184,12 +220,11 @@ absl::StatusOr<CheckpointInfo> WriteShardedCheckpoint(const std::string& dir, in
         torch::serialize::OutputArchive archive;
         for (size_t u = 0; u < state.params.size(); ++u) {
           archive.write(absl::StrCat("u", u, ".param"), state.params[u]);
-          if (state.exp_avg[u].defined()) {
-            archive.write(absl::StrCat("u", u, ".exp_avg"), state.exp_avg[u]);
-            archive.write(absl::StrCat("u", u, ".exp_avg_sq"), state.exp_avg_sq[u]);
+          for (const auto& [key, t] : state.optimizer[u]) {
+            archive.write(absl::StrCat("u", u, ".", key), t);
           }
         }
-        archive.write("adam_step", torch::tensor({state.adam_step}, torch::kLong));
+        archive.write("adam_step", torch::tensor({state.step}, torch::kLong));
         if (rank0) archive.write("rng", SaveRngState());
         archive.save_to(file);
         s = SyncPath(file);
@@ -201,7 +236,8 @@ absl::StatusOr<CheckpointInfo> WriteShardedCheckpoint(const std::string& dir, in
     RETURN_IF_ERROR(Agree(world, s));
     if (rank0) {
       s = WriteSyncedFile(tmp + "/manifest.json", ManifestJson(fsdp, step, adam).dump(1) + "\n");
-      if (s.ok()) s = WriteSyncedFile(tmp + "/meta.json", absl::StrCat("{\"step\": ", step, "}\n"));
+      if (s.ok())
+        s = WriteSyncedFile(tmp + "/meta.json", MetaJson(step, Name(fsdp.optimizer_kind())));
       if (s.ok()) s = SyncPath(tmp);
       if (s.ok()) {
         std::error_code ec;
@@ -230,20 +266,25 @@ absl::StatusOr<std::optional<CheckpointInfo>> LoadLatestShardedCheckpoint(const 
     return absl::FailedPreconditionError(
         absl::StrCat("checkpoint '", path, "' does not fit the model: ", diff));
   }
+  if (m.optimizer != fsdp.optimizer_kind()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("checkpoint '", path, "' was written with train.optimizer ", Name(m.optimizer),
+                     "; this job's is ", Name(fsdp.optimizer_kind())));
+  }
   const int me = fsdp.shard_rank(), count = fsdp.shard_count();
   const int units = fsdp.num_flats();
   FsdpShardState state;
   for (int u = 0; u < units; ++u) state.params.push_back(torch::zeros({fsdp.shard_numel(u)}));
-  bool moments = false;
+  state.optimizer.resize(units);
   try {
     for (int k = 0; k < m.shard_count; ++k) {
-      // Same shard count: only this rank's own file overlaps.
+      // Same shard count: only this rank's own file overlaps, and its state is taken as it is.
       if (m.shard_count == count && k != me) continue;
       torch::serialize::InputArchive archive;
       archive.load_from(ShardFile(path, k, m.shard_count));
       torch::Tensor step_t;
       archive.read("adam_step", step_t);
-      state.adam_step = step_t.item<int64_t>();
+      state.step = step_t.item<int64_t>();
       torch::Tensor rng;
       if (k == 0 && archive.try_read("rng", rng)) RestoreRngState(rng);
       for (int u = 0; u < units; ++u) {
@@ -251,18 +292,23 @@ absl::StatusOr<std::optional<CheckpointInfo>> LoadLatestShardedCheckpoint(const 
         torch::Tensor t;
         archive.read(absl::StrCat("u", u, ".param"), t);
         CopyOverlap(t, k, m.shard_count, state.params[u], me, count, numel);
-        torch::Tensor ea, eas;
-        if (archive.try_read(absl::StrCat("u", u, ".exp_avg"), ea) &&
-            archive.try_read(absl::StrCat("u", u, ".exp_avg_sq"), eas)) {
-          if (state.exp_avg.size() < static_cast<size_t>(units)) {
-            moments = true;
-            for (int v = 0; v < units; ++v) {
-              state.exp_avg.push_back(torch::zeros({fsdp.shard_numel(v)}));
-              state.exp_avg_sq.push_back(torch::zeros({fsdp.shard_numel(v)}));
-            }
+        std::map<std::string, torch::Tensor> saved = ReadOptimizerState(archive, u);
+        if (m.shard_count == count) {
+          state.optimizer[u] = std::move(saved);
+          continue;
+        }
+        // Another shard count: elementwise moments (8-bit ones dequantized, to be quantized in
+        // the new blocks) copied where the shards overlap; Adafactor's factors are whole.
+        const int64_t old_shard = (numel + m.shard_count - 1) / m.shard_count;
+        for (const auto& [key, old] : SlotOptimizer::Elementwise(
+                 m.optimizer, SlotParams(m.layout.units[u]), k * old_shard, old_shard, saved)) {
+          torch::Tensor& mine = state.optimizer[u][key];
+          if (key == "factors") {
+            mine = old;
+            continue;
           }
-          CopyOverlap(ea, k, m.shard_count, state.exp_avg[u], me, count, numel);
-          CopyOverlap(eas, k, m.shard_count, state.exp_avg_sq[u], me, count, numel);
+          if (!mine.defined()) mine = torch::zeros({fsdp.shard_numel(u)});
+          CopyOverlap(old, k, m.shard_count, mine, me, count, numel);
         }
       }
     }
@@ -270,11 +316,11 @@ absl::StatusOr<std::optional<CheckpointInfo>> LoadLatestShardedCheckpoint(const 
     return absl::DataLossError(
         absl::StrCat("cannot load checkpoint '", path, "': ", e.what_without_backtrace()));
   }
-  if (!moments) {
-    state.exp_avg.assign(units, torch::Tensor());
-    state.exp_avg_sq.assign(units, torch::Tensor());
+  const absl::Status imported = fsdp.ImportState(state);
+  if (!imported.ok()) {
+    return absl::DataLossError(
+        absl::StrCat("cannot load checkpoint '", path, "': ", imported.message()));
   }
-  fsdp.ImportState(state);
   return latest;
 }
 
@@ -282,15 +328,13 @@ absl::StatusOr<CheckpointInfo> ConsolidateShardedCheckpoint(const std::string& s
                                                             const std::string& out_dir) {
   ASSIGN_OR_RETURN(Manifest m, ReadManifest(sharded));
   const size_t units = m.layout.units.size();
-  std::vector<torch::Tensor> flat(units), flat_m(units), flat_v(units);
-  for (size_t u = 0; u < units; ++u) {
-    flat[u] = torch::zeros({m.layout.units[u].numel});
-    flat_m[u] = torch::zeros_like(flat[u]);
-    flat_v[u] = torch::zeros_like(flat[u]);
-  }
-  int64_t adam_step = 0;
+  // Per flat buffer: the parameters, the elementwise moments (8-bit ones dequantized) and
+  // Adafactor's factors (whole in every shard).
+  std::vector<torch::Tensor> flat(units);
+  std::vector<std::map<std::string, torch::Tensor>> flat_state(units);
+  for (size_t u = 0; u < units; ++u) flat[u] = torch::zeros({m.layout.units[u].numel});
+  int64_t optimizer_step = 0;
   torch::Tensor rng;
-  bool moments = false;
   const std::string name = absl::StrCat("step-", m.step);
   const std::string tmp = absl::StrCat(out_dir, "/.", name, ".tmp-", ::getpid());
   const std::string final_path = out_dir + "/" + name;
@@ -300,39 +344,53 @@ absl::StatusOr<CheckpointInfo> ConsolidateShardedCheckpoint(const std::string& s
       archive.load_from(ShardFile(sharded, k, m.shard_count));
       torch::Tensor step_t;
       archive.read("adam_step", step_t);
-      adam_step = step_t.item<int64_t>();
+      optimizer_step = step_t.item<int64_t>();
       if (k == 0) archive.read("rng", rng);
       for (size_t u = 0; u < units; ++u) {
         const int64_t numel = m.layout.units[u].numel;
-        torch::Tensor t, ea, eas;
+        torch::Tensor t;
         archive.read(absl::StrCat("u", u, ".param"), t);
         CopyOverlap(t, k, m.shard_count, flat[u], 0, 1, numel);
-        if (archive.try_read(absl::StrCat("u", u, ".exp_avg"), ea) &&
-            archive.try_read(absl::StrCat("u", u, ".exp_avg_sq"), eas)) {
-          moments = true;
-          CopyOverlap(ea, k, m.shard_count, flat_m[u], 0, 1, numel);
-          CopyOverlap(eas, k, m.shard_count, flat_v[u], 0, 1, numel);
+        const int64_t old_shard = (numel + m.shard_count - 1) / m.shard_count;
+        for (const auto& [key, old] :
+             SlotOptimizer::Elementwise(m.optimizer, SlotParams(m.layout.units[u]), k * old_shard,
+                                        old_shard, ReadOptimizerState(archive, u))) {
+          torch::Tensor& whole = flat_state[u][key];
+          if (key == "factors") {
+            whole = old;
+            continue;
+          }
+          if (!whole.defined()) whole = torch::zeros({numel});
+          CopyOverlap(old, k, m.shard_count, whole, 0, 1, numel);
         }
       }
     }
-    // Parameters in model registration order, as the DDP trainer's optimizer lists them.
+    // Parameters in model registration order, as the DDP trainer's optimizer lists them, and the
+    // state of each (its slice of the elementwise moments, its own factors).
     int total = 0;
     for (const auto& u : m.layout.units) total += static_cast<int>(u.params.size());
-    std::vector<torch::Tensor> params(total), exp_avg(total), exp_avg_sq(total);
+    std::vector<torch::Tensor> params(total);
+    std::vector<std::map<std::string, torch::Tensor>> param_state(total);
     std::vector<std::string> names(total);
     std::vector<bool> trained(total, false);
     for (size_t u = 0; u < units; ++u) {
+      int64_t factor_offset = 0;
       for (const FsdpLayout::Param& p : m.layout.units[u].params) {
         int64_t n = 1;
         for (int64_t d : p.shape) n *= d;
-        auto cut = [&](const torch::Tensor& f) {
-          return f.narrow(0, p.offset, n).view(p.shape).clone();
-        };
-        params.at(p.index) = cut(flat[u]).set_requires_grad(true);
-        exp_avg.at(p.index) = cut(flat_m[u]);
-        exp_avg_sq.at(p.index) = cut(flat_v[u]);
+        params.at(p.index) =
+            flat[u].narrow(0, p.offset, n).view(p.shape).clone().set_requires_grad(true);
         names.at(p.index) = p.name;
         trained.at(p.index) = !m.layout.units[u].frozen;
+        for (const auto& [key, whole] : flat_state[u]) {
+          if (key == "factors") {
+            const int64_t f = SlotOptimizer::FactorNumel({{p.shape, 0}});
+            param_state.at(p.index)[key] = whole.narrow(0, factor_offset, f).clone();
+            factor_offset += f;
+          } else {
+            param_state.at(p.index)[key] = whole.narrow(0, p.offset, n).view(p.shape).clone();
+          }
+        }
       }
     }
     std::error_code ec;
@@ -346,24 +404,39 @@ absl::StatusOr<CheckpointInfo> ConsolidateShardedCheckpoint(const std::string& s
     // Over the parameters that train, in registration order, as the DDP trainer's (LoRA: the
     // adapters).
     std::vector<torch::Tensor> optimized;
+    std::vector<int> optimized_index;
     for (int i = 0; i < total; ++i) {
-      if (trained[i]) optimized.push_back(params[i]);
+      if (!trained[i]) continue;
+      optimized.push_back(params[i]);
+      optimized_index.push_back(i);
     }
-    torch::optim::AdamW optimizer(optimized, torch::optim::AdamWOptions(m.adam.lr)
-                                                 .betas({m.adam.beta1, m.adam.beta2})
-                                                 .eps(m.adam.eps)
-                                                 .weight_decay(m.adam.weight_decay));
-    if (moments) {
-      for (int i = 0; i < total; ++i) {
-        if (!trained[i]) continue;
-        auto st = std::make_unique<torch::optim::AdamWParamState>();
-        st->step(adam_step);
-        st->exp_avg(exp_avg[i]);
-        st->exp_avg_sq(exp_avg_sq[i]);
-        optimizer.state()[OptimizerStateKey(params[i])] = std::move(st);
+    OptimizerHyper hyper;
+    hyper.kind = m.optimizer;
+    hyper.beta1 = m.adam.beta1;
+    hyper.beta2 = m.adam.beta2;
+    hyper.eps = m.adam.eps;
+    hyper.weight_decay = m.adam.weight_decay;
+    std::unique_ptr<torch::optim::Optimizer> optimizer = MakeOptimizer(optimized, hyper, m.adam.lr);
+    if (optimizer_step > 0) {
+      for (size_t j = 0; j < optimized.size(); ++j) {
+        const auto& st = param_state[optimized_index[j]];
+        if (auto* adamw = dynamic_cast<torch::optim::AdamW*>(optimizer.get())) {
+          auto slot = std::make_unique<torch::optim::AdamWParamState>();
+          slot->step(optimizer_step);
+          slot->exp_avg(st.at("exp_avg"));
+          slot->exp_avg_sq(st.at("exp_avg_sq"));
+          adamw->state()[OptimizerStateKey(optimized[j])] = std::move(slot);
+          continue;
+        }
+        auto& core = dynamic_cast<ParameterOptimizer&>(*optimizer).core();
+        const absl::Status s = core.SetState(static_cast<int>(j), st, optimizer_step);
+        if (!s.ok()) {
+          return absl::DataLossError(absl::StrCat("cannot consolidate '", sharded, "': ",
+                                                  names[optimized_index[j]], ": ", s.message()));
+        }
       }
     }
-    torch::save(optimizer, tmp + "/optimizer.pt");
+    torch::save(*optimizer, tmp + "/optimizer.pt");
     torch::save(rng, tmp + "/rng.pt");
   } catch (const c10::Error& e) {
     return absl::DataLossError(
@@ -372,7 +445,7 @@ absl::StatusOr<CheckpointInfo> ConsolidateShardedCheckpoint(const std::string& s
   for (const char* file : {"/model.pt", "/optimizer.pt", "/rng.pt"}) {
     RETURN_IF_ERROR(SyncPath(tmp + file));
   }
-  RETURN_IF_ERROR(WriteSyncedFile(tmp + "/meta.json", absl::StrCat("{\"step\": ", m.step, "}\n")));
+  RETURN_IF_ERROR(WriteSyncedFile(tmp + "/meta.json", MetaJson(m.step, Name(m.optimizer))));
   RETURN_IF_ERROR(SyncPath(tmp));
   std::error_code ec;
   fs::remove_all(final_path, ec);

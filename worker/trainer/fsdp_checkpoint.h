@@ -1,12 +1,14 @@
 // Sharded checkpoints of an FSDP job. DIR/step-<N>/ holds
-//   shard-<r>-of-<S>.pt  per shard rank r: each flat buffer's parameter shard and AdamW moments
-//                        ("u<i>.param", "u<i>.exp_avg", "u<i>.exp_avg_sq"), "adam_step", and in
-//                        shard 0's the CPU RNG state ("rng");
-//   manifest.json        format, step, shard count, AdamW hyper-parameters and the layout: each
+//   shard-<r>-of-<S>.pt  per shard rank r: each flat buffer's parameter shard and optimizer
+//                        state ("u<i>.param", "u<i>.<name>" for SlotOptimizer::State's names:
+//                        AdamW's "u<i>.exp_avg", "u<i>.exp_avg_sq"), the optimizer's step count
+//                        "adam_step", and in shard 0's the CPU RNG state ("rng");
+//   manifest.json        format, step, shard count, train.optimizer ("optimizer"; absent: adamw),
+//                        its hyper-parameters and the layout: each
 //                        flat buffer's element count (and "frozen": true for LoRA's frozen
 //                        base, which has no moments) and each parameter's name, shape, offset,
 //                        index;
-//   meta.json            {"step": N}.
+//   meta.json            {"step": N, "optimizer": train.optimizer}.
 // Writing follows checkpoint.h's rules: every shard writer (replica 0 under HYBRID_SHARD) writes
 // its file into DIR/.step-<N>.tmp and fsyncs it; rank 0 then writes the manifest and meta,
 // fsyncs the directory, renames it into place, fsyncs DIR and moves DIR/latest. A crash at any
@@ -14,9 +16,11 @@
 //
 // Loading with the same shard count reads one file per rank; with another count (reshard on
 // load: a job resumed on a different world size) each rank reads, one old file at a time, the
-// parts of every old shard that overlap its new one. ConsolidateShardedCheckpoint turns a sharded
-// checkpoint into a DDP one (model.pt, optimizer.pt, rng.pt), loadable by any strategy's
-// LoadLatestCheckpoint. All functions are collective where they take a Communicator.
+// parts of every old shard that overlap its new one (8-bit moments dequantized, then quantized in
+// the new shard's blocks; Adafactor's factors, whole in every shard, as they are).
+// ConsolidateShardedCheckpoint turns a sharded checkpoint into a DDP one (model.pt, optimizer.pt,
+// rng.pt), loadable by any strategy's LoadLatestCheckpoint. All functions are collective where they
+// take a Communicator.
 #ifndef TRAINYARD_WORKER_TRAINER_FSDP_CHECKPOINT_H_
 #define TRAINYARD_WORKER_TRAINER_FSDP_CHECKPOINT_H_
 

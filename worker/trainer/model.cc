@@ -695,4 +695,12 @@ std::vector<int64_t> Generate(LanguageModel& model, const std::vector<int64_t>& 
   return out;
 }
 
+std::vector<torch::Tensor> TrainableParameters(torch::nn::Module& model) {
+  std::vector<torch::Tensor> out;
+  for (const torch::Tensor& p : model.parameters()) {
+    if (p.requires_grad()) out.push_back(p);
+  }
+  return out;
+}
+
 }  // namespace trainyard::trainer

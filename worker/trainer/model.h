@@ -97,6 +97,8 @@ std::vector<int64_t> Generate(LanguageModel& model, const std::vector<int64_t>& 
 
 // True for a LoRA adapter's parameter (by its name in named_parameters()).
 bool IsLoraParameter(const std::string& name);
+// The parameters that train (all of them, or under LoRA the adapters), in registration order.
+std::vector<torch::Tensor> TrainableParameters(torch::nn::Module& model);
 
 // Builds model.kind with its parameters drawn from `seed`.
 std::shared_ptr<LanguageModel> BuildModel(const ModelConfig& spec, const ModelOptions& options,

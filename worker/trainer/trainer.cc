@@ -28,12 +28,12 @@
 #include "worker/trainer/ddp.h"
 #include "worker/trainer/fsdp.h"
 #include "worker/trainer/fsdp_checkpoint.h"
-#include "worker/trainer/fused_adamw.h"
 #include "worker/trainer/hf_checkpoint.h"
 #include "worker/trainer/hf_weights.h"
 #include "worker/trainer/model.h"
 #include "worker/trainer/offload.h"
 #include "worker/trainer/onednn_matmul.h"
+#include "worker/trainer/optimizers.h"
 #include "worker/trainer/param_dump.h"
 #include "worker/trainer/reporter.h"
 #include "worker/trainer/torch_compat.h"
@@ -86,15 +86,6 @@ torch::Tensor MakeBatch(const TokenData& data, const std::vector<int64_t>& sampl
     for (int j = 0; j <= seq_len; ++j) acc[i][j] = tokens[start + j];
   }
   return batch;
-}
-
-// The parameters that train (all of them, or under LoRA the adapters), in registration order.
-std::vector<torch::Tensor> TrainableParameters(torch::nn::Module& model) {
-  std::vector<torch::Tensor> out;
-  for (const torch::Tensor& p : model.parameters()) {
-    if (p.requires_grad()) out.push_back(p);
-  }
-  return out;
 }
 
 // The loss weights of `samples`' targets ([batch, seq_len] float, see TargetWeights).
@@ -235,10 +226,12 @@ absl::Status Train(const TrainerOptions& o) {
   std::vector<torch::Tensor> params = model->parameters();
   // What the optimizer updates and the ranks average: every parameter, or the LoRA adapters.
   const std::vector<torch::Tensor> trainable = TrainableParameters(*model);
-  // betas (0.9, 0.95) as in GPT-3 / nanoGPT; weight decay on every parameter that trains.
-  AdamHyper adam{t.lr, 0.9, 0.95, 1e-8, t.weight_decay};
+  // train.optimizer (AdamW's betas (0.9, 0.95) as in GPT-3 / nanoGPT); weight decay on every
+  // parameter that trains.
+  const OptimizerHyper hyper = HyperFor(t.optimizer, t.weight_decay);
+  const AdamHyper adam{t.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay};
   std::unique_ptr<FsdpModel> fsdp;
-  std::unique_ptr<torch::optim::AdamW> optimizer_holder;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_holder;
   int64_t step = 0;
   if (fsdp_on) {
     FsdpConfig config;
@@ -248,10 +241,7 @@ absl::Status Train(const TrainerOptions& o) {
     config.backward_prefetch = par.backward_prefetch;
     config.forward_prefetch = par.forward_prefetch;
     config.max_gathered_units = par.max_gathered_units;
-    config.beta1 = adam.beta1;
-    config.beta2 = adam.beta2;
-    config.eps = adam.eps;
-    config.weight_decay = adam.weight_decay;
+    config.optimizer = hyper;
     ASSIGN_OR_RETURN(fsdp, FsdpModel::Create(*model, *comm, *shard_comm, replica_comm.get(), config,
                                              from_rank0));
     if (!o.checkpoint_dir.empty()) {
@@ -262,11 +252,7 @@ absl::Status Train(const TrainerOptions& o) {
       }
     }
   } else {
-    optimizer_holder =
-        std::make_unique<torch::optim::AdamW>(trainable, torch::optim::AdamWOptions(adam.lr)
-                                                             .betas({adam.beta1, adam.beta2})
-                                                             .eps(adam.eps)
-                                                             .weight_decay(adam.weight_decay));
+    optimizer_holder = MakeOptimizer(trainable, hyper, t.lr);
     if (!o.checkpoint_dir.empty()) {
       ASSIGN_OR_RETURN(auto loaded,
                        LoadLatestCheckpoint(o.checkpoint_dir, *model, *optimizer_holder));
@@ -334,7 +320,7 @@ absl::Status Train(const TrainerOptions& o) {
   const int64_t params_count = count(params), trainable_count = count(trainable);
   Log(absl::StrFormat(
       "trainer rank %d/%d: %s model, %d parameters%s, %d tokens (%d samples), global batch %d, "
-      "%d buckets, %s, steps %d..%d",
+      "%d buckets, %s, optimizer %s, steps %d..%d",
       o.rank, o.world_size, m.kind, params_count,
       t.lora.enabled() ? absl::StrFormat(" (%d trainable: LoRA r %d on %s)", trainable_count,
                                          t.lora.r, absl::StrJoin(t.lora.target_modules, ","))
@@ -344,13 +330,16 @@ absl::Status Train(const TrainerOptions& o) {
       fsdp ? absl::StrFormat("fsdp %s: %d units, shard group %d", Name(par.sharding),
                              fsdp->num_units(), fsdp->shard_count())
            : std::string(Name(par.strategy)),
-      step, total_steps));
+      Name(t.optimizer), step, total_steps));
   Log(absl::StrCat("collectives: ", comm->Describe()));
 
   // Model-state bytes of DDP (and offload's device side): weights, and of the parameters that
-  // train gradients, and AdamW's moments on the device unless offloaded.
+  // train gradients, and the optimizer's state on the device unless offloaded.
+  std::vector<std::vector<int64_t>> trainable_shapes;
+  for (const auto& p : trainable) trainable_shapes.push_back(p.sizes().vec());
   const int64_t dense_state_bytes =
-      params_count * int64_t{4} + trainable_count * int64_t{4} * (offload ? 1 : 3);
+      params_count * int64_t{4} + trainable_count * int64_t{4} +
+      (offload ? 0 : OptimizerStateBytes(t.optimizer, trainable_shapes, 1));
   const int64_t run_start_step = step;
   // Bytes this rank sent for gradients and parameters so far.
   auto bytes_sent = [&] { return fsdp ? fsdp->bytes_sent() : comm->bytes_sent(); };
@@ -410,7 +399,7 @@ absl::Status Train(const TrainerOptions& o) {
     } else if (fsdp) {
       fsdp->Step(lr, clip_scale);
     } else {
-      FusedAdamWStep(*optimizer_holder, lr, clip_scale);
+      OptimizerStep(*optimizer_holder, lr, clip_scale);
       // zero_grad(set_to_none=True): the next backward hands its gradients over instead of
       // adding them to zeros (and the reducer's bucket views are dropped).
       for (auto& p : params) p.mutable_grad() = torch::Tensor();
@@ -494,7 +483,7 @@ absl::Status Train(const TrainerOptions& o) {
         }
       }
     } else if (checkpoint) {
-      torch::optim::AdamW& optimizer = *optimizer_holder;
+      torch::optim::Optimizer& optimizer = *optimizer_holder;
       // delayed_update: the checkpoint holds the parameters after `step`'s update (every rank).
       if (offloaded) RETURN_IF_ERROR(offloaded->Flush());
       if (rank0) {
@@ -590,9 +579,11 @@ absl::Status RunExportHf(const JobConfig& job, const std::string& checkpoint_dir
     options.lora = lora;
     std::shared_ptr<LanguageModel> model = BuildModel(m, options, job.train.seed);
     // The checkpoint holds the optimizer's state too (of the parameters that train).
-    torch::optim::AdamW optimizer(TrainableParameters(*model));
+    const std::unique_ptr<torch::optim::Optimizer> optimizer =
+        MakeOptimizer(TrainableParameters(*model),
+                      HyperFor(job.train.optimizer, job.train.weight_decay), job.train.lr);
     absl::StatusOr<std::optional<CheckpointInfo>> loaded =
-        LoadLatestCheckpoint(source, *model, optimizer);
+        LoadLatestCheckpoint(source, *model, *optimizer);
     if (!loaded.ok()) return loaded.status();
     if (lora.enabled() && !merge_lora) {
       RETURN_IF_ERROR(ExportLoraAdapter(lora, *model, m.from, out_dir));
