@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <deque>
+#include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <limits>
 
@@ -370,6 +372,89 @@ int Nodes(const Globals& g) {
 int Checkpoint(const Globals& g, const std::string& id) {
   YardClient client(g.coordinator, g.Token(), g.tls);
   return PrintChangedJob(g, client.Checkpoint(NormalizeJobId(id)));
+}
+
+// yard fetch: the job's export into `out_dir` (created; it must not hold anything yet). Each file
+// arrives as OUT/.NAME.part and is renamed once complete; on failure what was written goes.
+int Fetch(const Globals& g, const std::string& id, const std::string& out_dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::exists(out_dir, ec) && !(fs::is_directory(out_dir, ec) && fs::is_empty(out_dir, ec))) {
+    return Fail(absl::FailedPreconditionError(
+        absl::StrCat("--out: '", out_dir, "' exists and is not an empty folder")));
+  }
+  fs::create_directories(out_dir, ec);
+  if (ec) {
+    return Fail(
+        absl::InternalError(absl::StrCat("--out: cannot create '", out_dir, "': ", ec.message())));
+  }
+  std::vector<std::pair<std::string, int64_t>> files;  // done: name, bytes
+  std::string current;
+  int64_t written = 0, size = 0;
+  std::ofstream part;
+  auto part_path = [&](const std::string& name) { return out_dir + "/." + name + ".part"; };
+  YardClient client(g.coordinator, g.Token(), g.tls);
+  absl::Status s = client.FetchExport(NormalizeJobId(id), [&](const v1::ExportChunk& c) {
+    if (c.file() != current) {  // a new file: the previous one must be complete
+      if (!current.empty()) {
+        return absl::DataLossError(absl::StrCat("the coordinator stopped sending ", current, " at ",
+                                                written, " of ", size, " bytes"));
+      }
+      const std::string& name = c.file();
+      if (name.empty() || name == "." || name == ".." ||
+          name.find_first_of(std::string("/\0", 2)) != std::string::npos) {
+        return absl::DataLossError(
+            absl::StrCat("the coordinator sent a bad file name '", name, "'"));
+      }
+      for (const auto& [done, bytes] : files) {
+        if (done == name) return absl::DataLossError(absl::StrCat(name, " was sent twice"));
+      }
+      current = name;
+      written = 0;
+      size = c.file_size();
+      part.open(part_path(name), std::ios::binary | std::ios::trunc);
+      if (!part) return absl::InternalError(absl::StrCat("cannot write ", part_path(name)));
+    }
+    if (c.offset() != written || c.file_size() != size ||
+        written + static_cast<int64_t>(c.data().size()) > size) {
+      return absl::DataLossError(absl::StrCat("the coordinator sent ", current, " out of order"));
+    }
+    part.write(c.data().data(), static_cast<std::streamsize>(c.data().size()));
+    written += static_cast<int64_t>(c.data().size());
+    if (written == size) {
+      part.close();
+      if (!part) return absl::InternalError(absl::StrCat("cannot write ", part_path(current)));
+      fs::rename(part_path(current), out_dir + "/" + current, ec);
+      if (ec) return absl::InternalError(absl::StrCat("cannot rename ", part_path(current)));
+      files.emplace_back(current, size);
+      current.clear();
+    }
+    return absl::OkStatus();
+  });
+  if (s.ok() && !current.empty()) {
+    s = absl::DataLossError(absl::StrCat("the stream ended inside ", current));
+  }
+  if (!s.ok()) {
+    if (part.is_open()) part.close();
+    if (!current.empty()) fs::remove(part_path(current), ec);
+    for (const auto& [name, bytes] : files) fs::remove(out_dir + "/" + name, ec);
+    return Fail(s);
+  }
+  int64_t total = 0;
+  for (const auto& [name, bytes] : files) total += bytes;
+  if (g.json()) {
+    nlohmann::json out = {{"job", NormalizeJobId(id)},
+                          {"dir", out_dir},
+                          {"bytes", total},
+                          {"files", nlohmann::json::array()}};
+    for (const auto& [name, bytes] : files)
+      out["files"].push_back({{"name", name}, {"bytes", bytes}});
+    std::cout << out.dump(1) << "\n";
+  } else {
+    std::cout << "fetched " << files.size() << " file(s), " << HumanBytes(total) << ", of "
+              << NormalizeJobId(id) << "'s export into " << out_dir << "\n";
+  }
+  return 0;
 }
 
 int Logs(const Globals& g, const std::string& id, bool follow, int tail) {
@@ -903,6 +988,13 @@ int main(int argc, char** argv) {
   auto* checkpoint = app.add_subcommand("checkpoint", "ask a running job to write a checkpoint");
   checkpoint->add_option("job", job_id, "job id")->required();
   checkpoint->callback([&] { rc = Checkpoint(g, job_id); });
+
+  std::string out_dir;
+  auto* fetch = app.add_subcommand(
+      "fetch", "download a succeeded job's export (its spec's checkpoint.export) into a folder");
+  fetch->add_option("job", job_id, "job id")->required();
+  fetch->add_option("--out", out_dir, "folder to create (or an empty one)")->required();
+  fetch->callback([&] { rc = Fetch(g, job_id, out_dir); });
 
   int world = 0, per_node = 0;
   std::string device_memory;

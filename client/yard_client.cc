@@ -144,6 +144,28 @@ absl::Status YardClient::Logs(const std::string& job_id, bool follow, int tail,
   return Convert(reader->Finish());
 }
 
+absl::Status YardClient::FetchExport(
+    const std::string& job_id,
+    const std::function<absl::Status(const v1::ExportChunk&)>& on_chunk) {
+  grpc::ClientContext ctx;
+  // No deadline: a model's export may take long to move; a stalled stream is the user's to stop.
+  if (absl::Status s = Prepare(ctx, absl::ZeroDuration()); !s.ok()) return s;
+  v1::FetchExportRequest request;
+  request.set_job_id(job_id);
+  auto reader = jobs_->FetchExport(&ctx, request);
+  v1::ExportChunk chunk;
+  absl::Status mine;
+  while (mine.ok() && reader->Read(&chunk)) mine = on_chunk(chunk);
+  if (!mine.ok()) {
+    ctx.TryCancel();
+    while (reader->Read(&chunk)) {
+    }
+    reader->Finish();
+    return mine;
+  }
+  return Convert(reader->Finish());
+}
+
 absl::Status YardClient::Metrics(const std::string& job_id, bool follow,
                                  const std::function<void(const v1::StepReport&)>& on_step) {
   grpc::ClientContext ctx;

@@ -38,6 +38,10 @@ class YardClient {
   // until the job ends.
   absl::Status Logs(const std::string& job_id, bool follow, int tail,
                     const std::function<void(const v1::LogLine&)>& on_line);
+  // Streams the chunks of a succeeded job's export (checkpoint.export) to `on_chunk`; an error
+  // from `on_chunk` cancels the stream and is returned.
+  absl::Status FetchExport(const std::string& job_id,
+                           const std::function<absl::Status(const v1::ExportChunk&)>& on_chunk);
   // Streams the job's step reports to `on_step`; with `follow`, until the job ends.
   absl::Status Metrics(const std::string& job_id, bool follow,
                        const std::function<void(const v1::StepReport&)>& on_step);

@@ -20,6 +20,8 @@ enum class WrapPolicy { kTransformerBased, kSizeBased };
 // PyTorch FSDP's BackwardPrefetch.
 enum class BackwardPrefetch { kBackwardPre, kBackwardPost, kNoPrefetch };
 enum class Precision { kFp32, kBf16 };
+// checkpoint.export: none, a Hugging Face directory (LoRA: the PEFT adapter), or LoRA merged.
+enum class ExportFormat { kNone, kHf, kHfMerged };
 // train.optimizer.
 enum class OptimizerKind { kAdamW, kAdafactor, kLion, kAdamW8bit };
 
@@ -113,6 +115,8 @@ struct JobConfig {
   TrainConfig train;
   ParallelConfig parallel;
   int64_t checkpoint_every_steps = 0;  // 0 = on request and before a graceful stop only
+  // Written into <checkpoint dir>/export by rank 0 at the end of a run that trained every step.
+  ExportFormat export_format = ExportFormat::kNone;
 };
 
 // Number of parameters of the model (embeddings included, tied head counted once).

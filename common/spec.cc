@@ -387,10 +387,15 @@ absl::Status ParseDocument(const YAML::Node& root, SpecParser& p, JobSpec& spec)
     }
   }
   if (const YAML::Node n = root["checkpoint"]) {
-    RETURN_IF_ERROR(p.Mapping(n, "checkpoint", {"every_steps"}));
+    RETURN_IF_ERROR(p.Mapping(n, "checkpoint", {"every_steps", "export"}));
     int64_t every = 0;
     RETURN_IF_ERROR(p.Integer(n, "every_steps", "checkpoint", every));
     spec.mutable_checkpoint()->set_every_steps(every);
+    v1::ExportFormat format = v1::EXPORT_FORMAT_UNSPECIFIED;
+    RETURN_IF_ERROR(p.Choice<v1::ExportFormat>(
+        n, "export", "checkpoint", {{"hf", v1::EXPORT_HF}, {"hf_merged", v1::EXPORT_HF_MERGED}},
+        format));
+    spec.mutable_checkpoint()->set_export_format(format);
   }
   return absl::OkStatus();
 }
@@ -770,6 +775,22 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   RETURN_IF_ERROR(CheckRange("parallel.max_gathered_units", p.max_gathered_units(), 1, 1024));
   RETURN_IF_ERROR(
       CheckRange("checkpoint.every_steps", spec.checkpoint().every_steps(), 0, int64_t{1} << 40));
+  if (const v1::ExportFormat f = spec.checkpoint().export_format();
+      f != v1::EXPORT_FORMAT_UNSPECIFIED) {
+    if (!v1::ExportFormat_IsValid(f)) {
+      return FieldError("checkpoint.export",
+                        absl::StrCat("unknown value ", f, " (hf or hf_merged)"));
+    }
+    if (m.kind() != "llama") {
+      return FieldError("checkpoint.export", absl::StrCat("writes Llama-family models (llama); "
+                                                          "model.kind is ",
+                                                          m.kind()));
+    }
+    if (f == v1::EXPORT_HF_MERGED && !t.has_lora()) {
+      return FieldError("checkpoint.export",
+                        "hf_merged merges train.lora's adapters, and the job has none: use hf");
+    }
+  }
   RETURN_IF_ERROR(CheckRange("max_restarts", spec.max_restarts(), 0, 100));
   RETURN_IF_ERROR(CheckRange("max_runtime", spec.max_runtime_seconds(), 0, int64_t{1} << 40));
   RETURN_IF_ERROR(
@@ -911,6 +932,10 @@ JobConfig ToJobConfig(const v1::JobSpec& spec) {
   c.parallel.max_gathered_units = p.max_gathered_units();
   c.parallel.cpu_ram_efficient_loading = p.cpu_ram_efficient_loading();
   c.checkpoint_every_steps = spec.checkpoint().every_steps();
+  c.export_format = spec.checkpoint().export_format() == v1::EXPORT_HF_MERGED
+                        ? ExportFormat::kHfMerged
+                    : spec.checkpoint().export_format() == v1::EXPORT_HF ? ExportFormat::kHf
+                                                                         : ExportFormat::kNone;
   return c;
 }
 

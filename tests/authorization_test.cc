@@ -251,6 +251,19 @@ class AuthorizationTest : public testing::CoordinatorFixture {
                       v1::StepReport m;
                       return FinishStream(ctx, reader, m);
                     }});
+    rpcs.push_back({"FetchExport", Admits::kOwnerAdmin, [&, job](const std::string& token) {
+                      grpc::ClientContext ctx;
+                      Prepare(ctx, token);
+                      v1::FetchExportRequest r;
+                      r.set_job_id(job);
+                      auto reader = jobs_->FetchExport(&ctx, r);
+                      v1::ExportChunk c;
+                      const grpc::Status s = FinishStream(ctx, reader, c);
+                      // Past authorization: alice's job has no checkpoint.export.
+                      return s.error_message().find("has no export") != std::string::npos
+                                 ? grpc::Status::OK
+                                 : s;
+                    }});
     // NodeService.
     unary("ListNodes", Admits::kUsers, false, [&](grpc::ClientContext& ctx) {
       v1::ListNodesResponse resp;
@@ -473,7 +486,7 @@ class AuthorizationTest : public testing::CoordinatorFixture {
 
 TEST_F(AuthorizationTest, EveryRpcGetsTheExpectedCodeForEveryCredentialAndRefusalsChangeNothing) {
   const std::vector<Rpc> rpcs = Rpcs();
-  ASSERT_EQ(rpcs.size(), 36u) << "every RPC of JobService (9), NodeService (4), "
+  ASSERT_EQ(rpcs.size(), 37u) << "every RPC of JobService (10), NodeService (4), "
                                  "RendezvousService (9), TrainerService (2), IdentityService (12)";
   // Refusals first, each checked to change nothing; then the calls that are let through (those
   // that change something last, CancelJob at the very end).

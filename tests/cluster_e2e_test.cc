@@ -22,6 +22,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "common/credentials.h"
+#include "tests/testing/expect_cli.h"
 #include "tests/testing/subprocess.h"
 
 namespace trainyard {
@@ -29,6 +30,7 @@ namespace {
 
 using testing::BinPath;
 using testing::CommandResult;
+using testing::ExpectOneLineFailure;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
 using ::testing::Not;
@@ -177,6 +179,12 @@ TEST_F(ClusterE2eTest, TrainsACharGptWithFallingLossAndStreamsLogsAndMetrics) {
   CommandResult nodes = Yard({"nodes", "-o", "json"});
   EXPECT_EQ(nlohmann::json::parse(nodes.out).at("nodes").size(), 2u);
 
+  // Its spec asks for no export: nothing to fetch, and nothing written.
+  CommandResult fetch = Yard({"fetch", job, "--out", dir_.path() + "/nothing"});
+  ExpectOneLineFailure(fetch);
+  EXPECT_THAT(fetch.err, HasSubstr(job + " has no export"));
+  EXPECT_TRUE(std::filesystem::is_empty(dir_.path() + "/nothing"));
+
   // Secrets stay in their 0600 files: no log (the coordinator's, the workers', the ranks' output
   // relayed into them), no database page, no checkpoint and no `yard describe` holds a token's
   // secret or a job credential.
@@ -253,6 +261,32 @@ TEST_F(ClusterE2eTest, TheLlamaLoraExampleFineTunesThroughYardAndExportsItsAdapt
   const auto config = nlohmann::json::parse(std::ifstream(adapter + "/adapter_config.json"));
   EXPECT_EQ(config.value("peft_type", ""), "LORA");
   EXPECT_EQ(config.value("base_model_name_or_path", ""), model_dir);
+
+  // The job's own export (checkpoint.export: hf), fetched through the coordinator: the same
+  // adapter, byte for byte, as the one made from its last checkpoint.
+  const std::string fetched = dir_.path() + "/fetched";
+  CommandResult fetch = Yard({"fetch", job, "--out", fetched, "-o", "json"});
+  ASSERT_EQ(fetch.exit_code, 0) << fetch.err;
+  const auto listed = nlohmann::json::parse(fetch.out);
+  ASSERT_EQ(listed["files"].size(), 2u) << fetch.out;
+  EXPECT_EQ(listed["files"][0].value("name", ""), "adapter_config.json");
+  EXPECT_EQ(listed["files"][1].value("name", ""), "adapter_model.safetensors");
+  auto bytes = [](const std::string& path) {
+    std::ifstream f(path, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  };
+  for (const char* file : {"/adapter_config.json", "/adapter_model.safetensors"}) {
+    EXPECT_FALSE(bytes(fetched + file).empty()) << file;
+    EXPECT_EQ(bytes(fetched + file), bytes(adapter + file)) << file;
+  }
+  EXPECT_EQ(
+      listed["bytes"].get<int64_t>(),
+      static_cast<int64_t>(std::filesystem::file_size(fetched + "/adapter_model.safetensors") +
+                           std::filesystem::file_size(fetched + "/adapter_config.json")));
+  // A folder that holds something already is left alone.
+  CommandResult again = Yard({"fetch", job, "--out", fetched});
+  ExpectOneLineFailure(again);
+  EXPECT_THAT(again.err, HasSubstr("exists and is not an empty folder"));
 }
 
 TEST_F(ClusterE2eTest, CheckpointsOnRequestResumesAfterAKilledRankAndCancelStopsTheRanks) {

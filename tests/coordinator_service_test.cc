@@ -225,6 +225,40 @@ TEST_F(CoordinatorServiceTest, UnknownJobIsNotFound) {
   EXPECT_EQ(Get("", &job).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
 }
 
+// Only a succeeded job whose spec has checkpoint.export has an export to fetch; every refusal
+// says why, and sends no chunk.
+TEST_F(CoordinatorServiceTest, FetchExportRefusesAJobWithoutAnExportOrThatHasNotSucceeded) {
+  auto fetch = [&](const std::string& id, const std::string& user = "alice") {
+    grpc::ClientContext ctx;
+    Prepare(ctx, user);
+    v1::FetchExportRequest r;
+    r.set_job_id(id);
+    auto reader = jobs_->FetchExport(&ctx, r);
+    v1::ExportChunk chunk;
+    int chunks = 0;
+    while (reader->Read(&chunk)) ++chunks;
+    EXPECT_EQ(chunks, 0) << id;
+    return reader->Finish();
+  };
+  const v1::Job plain = MustSubmit(Spec(1));
+  grpc::Status s = fetch(plain.id());
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(s.error_message(), plain.id() +
+                                   " has no export: its spec sets no checkpoint.export "
+                                   "(hf or hf_merged)");
+
+  v1::JobSpec llama = Spec(1);
+  llama.mutable_model()->set_kind("llama");
+  llama.mutable_checkpoint()->set_export_format(v1::EXPORT_HF);
+  const v1::Job queued = MustSubmit(llama);
+  s = fetch(queued.id());
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(s.error_message(), queued.id() + " is QUEUED: its export is written when it succeeds");
+  EXPECT_EQ(fetch(queued.id(), "bob").error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(fetch("job-404").error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(fetch("").error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+}
+
 TEST_F(CoordinatorServiceTest, CancellingAFinishedJobIsFailedPrecondition) {
   v1::Job job = MustSubmit(Spec(1));
   v1::Job cancelled;

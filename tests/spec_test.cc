@@ -480,6 +480,51 @@ data: {path: /data/tokens.bin}
               ::testing::Not(HasSubstr("train.optimizer")));
 }
 
+TEST(SpecTest, CheckpointExportIsReadAndChecked) {
+  auto parsed = ParseJobSpecYaml(R"(name: ft
+resources: {gpus: 1}
+model: {kind: llama, n_layer: 2, n_head: 4, d_model: 64, seq_len: 32}
+data: {path: /data/tokens.bin}
+train: {steps: 10, lora: {}}
+checkpoint: {every_steps: 5, export: hf_merged}
+)",
+                                 "spec.yaml");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  v1::JobSpec spec = parsed->spec;
+  ApplyJobSpecDefaults(spec);
+  ASSERT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  EXPECT_EQ(spec.checkpoint().export_format(), v1::EXPORT_HF_MERGED);
+  EXPECT_EQ(ToJobConfig(spec).export_format, ExportFormat::kHfMerged);
+  spec.mutable_checkpoint()->set_export_format(v1::EXPORT_HF);
+  EXPECT_EQ(ToJobConfig(spec).export_format, ExportFormat::kHf);
+  spec.mutable_checkpoint()->clear_export_format();
+  EXPECT_EQ(ToJobConfig(spec).export_format, ExportFormat::kNone);
+
+  auto bad = ParseJobSpecYaml("name: ft\ncheckpoint: {export: onnx}\n", "spec.yaml");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.status().message()),
+              StartsWith("spec.yaml:2: checkpoint.export: unknown value 'onnx'"));
+  auto error = [&](std::function<void(v1::JobSpec&)> mutate) {
+    v1::JobSpec s = spec;
+    s.mutable_checkpoint()->set_export_format(v1::EXPORT_HF_MERGED);
+    mutate(s);
+    return std::string(ValidateJobSpec(s).message());
+  };
+  EXPECT_EQ(error([](v1::JobSpec& s) { s.mutable_train()->clear_lora(); }),
+            "checkpoint.export: hf_merged merges train.lora's adapters, and the job has none: "
+            "use hf");
+  EXPECT_EQ(error([](v1::JobSpec& s) {
+              s.mutable_train()->clear_lora();
+              s.mutable_model()->set_kind("gpt");
+              s.mutable_checkpoint()->set_export_format(v1::EXPORT_HF);
+            }),
+            "checkpoint.export: writes Llama-family models (llama); model.kind is gpt");
+  EXPECT_THAT(error([](v1::JobSpec& s) {
+                s.mutable_checkpoint()->set_export_format(static_cast<v1::ExportFormat>(7));
+              }),
+              StartsWith("checkpoint.export: unknown value 7"));
+}
+
 TEST(SpecTest, LlamaFieldsAreReadDefaultedAndChecked) {
   auto parsed = ParseJobSpecYaml(R"(name: ft
 resources: {gpus: 1}

@@ -23,6 +23,7 @@
 #include "absl/time/clock.h"
 #include "common/credentials.h"
 #include "common/version.h"
+#include "tests/testing/expect_cli.h"
 #include "tests/testing/identity.h"
 #include "tests/testing/subprocess.h"
 
@@ -34,6 +35,7 @@ using testing::BinPath;
 using testing::CommandResult;
 using ::testing::ContainsRegex;
 using ::testing::ElementsAre;
+using testing::ExpectOneLineFailure;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
 using ::testing::Not;
@@ -53,12 +55,6 @@ std::vector<std::string> Lines(const std::string& text) {
 
 // What every failing yard call must look like: non-zero exit, nothing on stdout, and exactly one
 // line on stderr.
-void ExpectOneLineFailure(const CommandResult& r) {
-  EXPECT_NE(r.exit_code, 0) << "stdout: " << r.out;
-  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "stderr: " << r.err;
-  EXPECT_FALSE(r.err.empty() || r.err.back() != '\n') << "stderr: " << r.err;
-}
-
 json ParseJson(const std::string& text) {
   json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   EXPECT_FALSE(j.is_discarded()) << "not JSON: " << text;

@@ -92,6 +92,10 @@ void JobManager::SetCoordinatorAddress(std::string address) {
 
 void JobManager::SetCheckpointRoot(std::string root) { checkpoint_root_ = std::move(root); }
 
+std::string JobManager::CheckpointDir(const std::string& job_id) const {
+  return absl::StrCat(checkpoint_root_, "/", job_id);
+}
+
 void JobManager::WakeScheduler() {
   if (wakeup_) wakeup_();
 }

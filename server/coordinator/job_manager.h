@@ -81,6 +81,8 @@ class JobManager {
   // Where jobs' checkpoints live: ROOT/JOB_ID, shared by the job's attempts so a restarted
   // attempt resumes (set once, before serving; empty: the worker picks a local folder).
   void SetCheckpointRoot(std::string root);
+  // ROOT/JOB_ID: the job's checkpoints (and checkpoint.export's files in its "export" folder).
+  std::string CheckpointDir(const std::string& job_id) const;
 
   // Applies defaults, validates (INVALID_ARGUMENT naming the field) and checks that the model fits
   // some node's devices and the owner's limits (RESOURCE_EXHAUSTED at max_queued_jobs;

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <deque>
+#include <filesystem>
+#include <fstream>
 #include <optional>
 
 #include <spdlog/spdlog.h>
@@ -430,6 +432,73 @@ class SeriesReactor final : public grpc::ServerWriteReactor<T> {
   int64_t subscription_ = 0;
 };
 
+// FetchExport: the regular files of a folder, in name order, in chunks of kExportChunkBytes,
+// one read ahead of the client (the next chunk is read when the last one is written).
+class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportChunk> {
+ public:
+  static constexpr int64_t kExportChunkBytes = 1 << 20;
+
+  ExportReactor(std::string dir, std::vector<std::string> files)
+      : dir_(std::move(dir)), files_(std::move(files)) {
+    Next();
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
+      return;
+    }
+    Next();
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  // Writes the next chunk, or finishes.
+  void Next() {
+    while (file_ < files_.size()) {
+      const std::string path = dir_ + "/" + files_[file_];
+      if (!in_.is_open()) {
+        in_.open(path, std::ios::binary);
+        std::error_code ec;
+        size_ = static_cast<int64_t>(std::filesystem::file_size(path, ec));
+        if (!in_ || ec) {
+          Finish(grpc::Status(grpc::StatusCode::INTERNAL,
+                              absl::StrCat("cannot read the export's ", files_[file_])));
+          return;
+        }
+        offset_ = 0;
+      }
+      const int64_t want = std::min(kExportChunkBytes, size_ - offset_);
+      chunk_.Clear();
+      chunk_.set_file(files_[file_]);
+      chunk_.set_file_size(size_);
+      chunk_.set_offset(offset_);
+      std::string* data = chunk_.mutable_data();
+      data->resize(static_cast<size_t>(want));
+      if (want > 0 && !in_.read(data->data(), want)) {
+        Finish(grpc::Status(grpc::StatusCode::INTERNAL,
+                            absl::StrCat("the export's ", files_[file_], " changed while read")));
+        return;
+      }
+      offset_ += want;
+      if (offset_ >= size_) {  // the file's last chunk (an empty file's only one)
+        in_.close();
+        ++file_;
+      }
+      StartWrite(&chunk_);
+      return;
+    }
+    Finish(grpc::Status::OK);
+  }
+
+  const std::string dir_;
+  const std::vector<std::string> files_;
+  size_t file_ = 0;
+  std::ifstream in_;
+  int64_t size_ = 0, offset_ = 0;
+  v1::ExportChunk chunk_;
+};
+
 template <typename T>
 grpc::ServerWriteReactor<T>* RejectStream(grpc::Status status) {
   class Rejected final : public grpc::ServerWriteReactor<T> {
@@ -574,6 +643,43 @@ grpc::ServerWriteReactor<v1::LogLine>* JobServiceImpl::StreamLogs(
   }
   return new SeriesReactor<v1::LogLine>(jobs_, logs_, request->job_id(),
                                         static_cast<size_t>(request->tail()), request->follow());
+}
+
+grpc::ServerWriteReactor<v1::ExportChunk>* JobServiceImpl::FetchExport(
+    grpc::CallbackServerContext* ctx, const v1::FetchExportRequest* request) {
+  Principal caller;
+  auto job = AccessibleJob(ctx, request->job_id(), "FetchExport", &caller);
+  auto refuse = [&](absl::Status status) {
+    Audit(caller, "FetchExport", request->job_id(), status);
+    return RejectStream<v1::ExportChunk>(ToGrpcStatus(status));
+  };
+  if (!job.ok()) return RejectStream<v1::ExportChunk>(ToGrpcStatus(job.status()));
+  if (job->spec().checkpoint().export_format() == v1::EXPORT_FORMAT_UNSPECIFIED) {
+    return refuse(absl::FailedPreconditionError(
+        absl::StrCat(request->job_id(),
+                     " has no export: its spec sets no checkpoint.export (hf or hf_merged)")));
+  }
+  if (job->state() != v1::SUCCEEDED) {
+    return refuse(absl::FailedPreconditionError(
+        absl::StrCat(request->job_id(), " is ", v1::JobState_Name(job->state()),
+                     ": its export is written when it succeeds")));
+  }
+  // The export's files: regular files directly in the folder (never links, nor what they name).
+  const std::string dir = jobs_.CheckpointDir(request->job_id()) + "/export";
+  std::vector<std::string> files;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    if (entry.is_regular_file(ec) && !entry.is_symlink(ec)) {
+      files.push_back(entry.path().filename().string());
+    }
+  }
+  if (ec || files.empty()) {
+    return refuse(absl::NotFoundError(absl::StrCat(request->job_id(), "'s export is not in ", dir,
+                                                   " (the trainer writes it there)")));
+  }
+  std::sort(files.begin(), files.end());
+  Audit(caller, "FetchExport", request->job_id(), absl::OkStatus());
+  return new ExportReactor(dir, std::move(files));
 }
 
 grpc::ServerWriteReactor<v1::StepReport>* JobServiceImpl::StreamMetrics(

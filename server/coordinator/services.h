@@ -53,6 +53,8 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
   grpc::ServerUnaryReactor* GetQuota(grpc::CallbackServerContext* ctx,
                                      const v1::GetQuotaRequest* request,
                                      v1::QuotaReport* response) override;
+  grpc::ServerWriteReactor<v1::ExportChunk>* FetchExport(
+      grpc::CallbackServerContext* ctx, const v1::FetchExportRequest* request) override;
 
  private:
   // The job, if the caller may see and control it: its owner or an admin.

@@ -109,6 +109,39 @@ absl::Status WriteDump(const std::string& path, torch::nn::Module& model) {
   return WriteParamDump(path, std::move(params));
 }
 
+// A llama job's model as Hugging Face files in `out_dir`: under LoRA the adapter alone in PEFT's
+// layout, or with `merge_lora` the model with it merged in; otherwise the model.
+absl::Status ExportModel(const ModelConfig& m, const LoraConfig& lora, LanguageModel& model,
+                         bool merge_lora, const std::string& out_dir) {
+  if (lora.enabled() && !merge_lora) return ExportLoraAdapter(lora, model, m.from, out_dir);
+  return ExportHfModel(m, lora, model, out_dir);
+}
+
+// checkpoint.export at the end of a run: written into DIR/.export.tmp, every file fsynced, then
+// renamed to DIR/export (replacing an earlier attempt's), which `yard fetch` serves.
+absl::Status WriteJobExport(const ModelConfig& m, const LoraConfig& lora, LanguageModel& model,
+                            ExportFormat format, const std::string& checkpoint_dir) {
+  namespace fs = std::filesystem;
+  if (checkpoint_dir.empty()) {
+    return absl::FailedPreconditionError("checkpoint.export: the trainer has no --checkpoint-dir");
+  }
+  const std::string tmp = checkpoint_dir + "/.export.tmp", final_dir = checkpoint_dir + "/export";
+  std::error_code ec;
+  fs::remove_all(tmp, ec);
+  fs::create_directories(tmp, ec);
+  if (ec) return absl::InternalError(absl::StrCat("cannot create '", tmp, "': ", ec.message()));
+  RETURN_IF_ERROR(ExportModel(m, lora, model, format == ExportFormat::kHfMerged, tmp));
+  for (const auto& entry : fs::directory_iterator(tmp, ec)) {
+    if (entry.is_regular_file(ec)) RETURN_IF_ERROR(SyncPath(entry.path().string()));
+  }
+  RETURN_IF_ERROR(SyncPath(tmp));
+  fs::remove_all(final_dir, ec);
+  if (::rename(tmp.c_str(), final_dir.c_str()) != 0) {
+    return absl::InternalError(absl::StrCat("cannot rename '", tmp, "' to '", final_dir, "'"));
+  }
+  return SyncPath(checkpoint_dir);
+}
+
 absl::Status Train(const TrainerOptions& o) {
   const JobConfig& spec = o.job;
   ModelConfig m = spec.model;
@@ -525,6 +558,14 @@ absl::Status Train(const TrainerOptions& o) {
     Log("sample (temperature 0.8):");
     for (absl::string_view line : absl::StrSplit(text, '\n')) Log(absl::StrCat("| ", line));
   }
+  if (rank0 && step == total_steps && spec.export_format != ExportFormat::kNone) {
+    RETURN_IF_ERROR(WriteJobExport(m, t.lora, *model, spec.export_format, o.checkpoint_dir));
+    Log(absl::StrCat("exported the ",
+                     t.lora.enabled() && spec.export_format == ExportFormat::kHf
+                         ? "LoRA adapter (PEFT)"
+                         : "model (Hugging Face)",
+                     " to ", o.checkpoint_dir, "/export"));
+  }
   Log(absl::StrCat("trainer rank ", o.rank, " done at step ", step));
   return absl::OkStatus();
 }
@@ -585,15 +626,10 @@ absl::Status RunExportHf(const JobConfig& job, const std::string& checkpoint_dir
     absl::StatusOr<std::optional<CheckpointInfo>> loaded =
         LoadLatestCheckpoint(source, *model, *optimizer);
     if (!loaded.ok()) return loaded.status();
-    if (lora.enabled() && !merge_lora) {
-      RETURN_IF_ERROR(ExportLoraAdapter(lora, *model, m.from, out_dir));
-      Log(absl::StrCat("exported the LoRA adapter of step ", latest->step, " of ", checkpoint_dir,
-                       " to ", out_dir));
-      return absl::OkStatus();
-    }
-    RETURN_IF_ERROR(ExportHfModel(m, lora, *model, out_dir));
-    Log(absl::StrCat("exported step ", latest->step, " of ", checkpoint_dir, " to ", out_dir,
-                     lora.enabled() ? " (LoRA merged)" : ""));
+    RETURN_IF_ERROR(ExportModel(m, lora, *model, merge_lora, out_dir));
+    Log(absl::StrCat("exported ", lora.enabled() && !merge_lora ? "the LoRA adapter of " : "",
+                     "step ", latest->step, " of ", checkpoint_dir, " to ", out_dir,
+                     lora.enabled() && merge_lora ? " (LoRA merged)" : ""));
     return absl::OkStatus();
   } catch (const c10::Error& e) {
     return absl::InternalError(absl::StrCat("LibTorch: ", e.what_without_backtrace()));
