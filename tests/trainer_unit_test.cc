@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <numeric>
 #include <set>
 #include <thread>
 #include <tuple>
@@ -26,6 +28,7 @@
 #include "worker/trainer/fused_adamw.h"
 #include "worker/trainer/model.h"
 #include "worker/trainer/onednn_matmul.h"
+#include "worker/trainer/optimizers.h"
 #include "worker/trainer/param_dump.h"
 #include "worker/trainer/shm_allreduce.h"
 
@@ -742,6 +745,101 @@ TEST(ParamDumpTest, RoundTrips) {
   EXPECT_EQ((*read)[0].name, "a");  // sorted by name
   EXPECT_EQ((*read)[1].shape, (std::vector<int64_t>{2, 2}));
   EXPECT_EQ((*read)[1].values, (std::vector<float>{1, 2, 3, 4}));
+}
+
+// Optimizer slots that are the two shards of a flat buffer of parameters (FSDP's view) step as
+// the whole parameters do: Lion and Adafactor (its statistics summed over the two ranks) to
+// rounding; 8-bit AdamW exactly, but for the one block of a parameter that the shard boundary
+// cuts, whose two parts have absmaxes of their own. The cut falls inside a row of a matrix; the
+// buffer holds a vector, a 3-D tensor and a second matrix too, and padding. Then 8-bit state goes
+// through Elementwise (resharding's form) and back within the quantization's resolution.
+TEST(SlotOptimizerTest, ShardsOfAFlatBufferStepAsTheWholeParameters) {
+  const std::vector<std::vector<int64_t>> shapes = {{97}, {3, 20, 30}, {40, 130}, {64, 80}};
+  std::vector<OptimizerSlot::Param> layout;
+  int64_t numel = 0;
+  for (const auto& shape : shapes) {
+    layout.push_back({shape, numel});
+    numel += std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
+  }
+  const int64_t shard = (numel + 1) / 2;  // 6109: element 4212 of the 40x130 matrix
+  const int64_t cut_param = 2, cut_block_begin = layout[2].offset + 4096;
+  constexpr int kSteps = 3;
+  torch::manual_seed(5);
+  const torch::Tensor initial = torch::randn({2 * shard});
+  std::vector<torch::Tensor> grads;
+  for (int k = 0; k < kSteps; ++k) grads.push_back(torch::randn({2 * shard}) * (k + 1));
+
+  for (const OptimizerKind kind :
+       {OptimizerKind::kLion, OptimizerKind::kAdafactor, OptimizerKind::kAdamW8bit}) {
+    // The whole parameters.
+    std::vector<OptimizerSlot> whole_slots;
+    for (const auto& p : layout) {
+      const int64_t n =
+          std::accumulate(p.shape.begin(), p.shape.end(), int64_t{1}, std::multiplies<>());
+      whole_slots.push_back({initial.narrow(0, p.offset, n).clone(), 0, {{p.shape, 0}}});
+    }
+    SlotOptimizer whole(HyperFor(kind, 0.1), whole_slots, nullptr);
+    for (int k = 0; k < kSteps; ++k) {
+      for (size_t j = 0; j < layout.size(); ++j) {
+        whole_slots[j].param.mutable_grad() =
+            grads[k].narrow(0, layout[j].offset, whole_slots[j].param.numel()).clone();
+      }
+      whole.Step(1e-2, 0.5);
+    }
+    // Two ranks, a shard each.
+    std::vector<torch::Tensor> shards(2);
+    std::vector<std::map<std::string, torch::Tensor>> states(2);
+    RunTwoGlooRanks([&](Communicator& comm) {
+      const int r = comm.rank();
+      OptimizerSlot slot{initial.narrow(0, r * shard, shard).clone(), r * shard, layout};
+      SlotOptimizer mine(HyperFor(kind, 0.1), {slot}, &comm);
+      for (int k = 0; k < kSteps; ++k) {
+        slot.param.mutable_grad() = grads[k].narrow(0, r * shard, shard).clone();
+        mine.Step(1e-2, 0.5);
+      }
+      shards[r] = slot.param;
+      states[r] = mine.State(0);
+    });
+    const torch::Tensor got = torch::cat(shards);
+    for (size_t j = 0; j < layout.size(); ++j) {
+      const torch::Tensor want = whole_slots[j].param.reshape({-1});
+      const torch::Tensor mine = got.narrow(0, layout[j].offset, want.numel());
+      if (kind != OptimizerKind::kAdamW8bit) {
+        EXPECT_LT((mine - want).abs().max().item<double>(), 1e-6) << Name(kind) << " " << j;
+        continue;
+      }
+      if (static_cast<int>(j) != cut_param) {
+        EXPECT_TRUE(mine.equal(want)) << j;
+        continue;
+      }
+      // The cut block [4096, 4352) of the matrix differs within the quantization's resolution.
+      const int64_t b = cut_block_begin - layout[j].offset;
+      EXPECT_TRUE(mine.narrow(0, 0, b).equal(want.narrow(0, 0, b)));
+      EXPECT_TRUE(mine.narrow(0, b + 256, want.numel() - b - 256)
+                      .equal(want.narrow(0, b + 256, want.numel() - b - 256)));
+      EXPECT_LT((mine - want).abs().max().item<double>(), 1e-3);
+    }
+    if (kind != OptimizerKind::kAdamW8bit) continue;
+    // Rank 1's 8-bit state, dequantized and quantized again into a new optimizer's blocks.
+    auto dequantized = SlotOptimizer::Elementwise(kind, layout, shard, shard, states[1]);
+    ASSERT_TRUE(dequantized.ok()) << dequantized.status();
+    ASSERT_EQ(dequantized->at("exp_avg").numel(), shard);
+    SlotOptimizer again(HyperFor(kind, 0.1), {{torch::zeros({shard}), shard, layout}}, nullptr);
+    ASSERT_TRUE(again.SetState(0, *dequantized, kSteps).ok());
+    EXPECT_EQ(again.step(), kSteps);
+    auto round_trip = SlotOptimizer::Elementwise(kind, layout, shard, shard, again.State(0));
+    ASSERT_TRUE(round_trip.ok()) << round_trip.status();
+    for (const char* name : {"exp_avg", "exp_avg_sq"}) {
+      const torch::Tensor a = dequantized->at(name), c = round_trip->at(name);
+      EXPECT_LE((a - c).abs().max().item<double>(), 0.02 * a.abs().max().item<double>()) << name;
+    }
+    // A state that does not fit the slot is refused, naming the tensor.
+    std::map<std::string, torch::Tensor> cut = states[1];
+    cut["exp_avg.absmax"] = cut["exp_avg.absmax"].narrow(0, 0, 3);
+    auto refused = SlotOptimizer::Elementwise(kind, layout, shard, shard, cut);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kDataLoss);
+    EXPECT_THAT(std::string(refused.status().message()), ::testing::HasSubstr("exp_avg.absmax"));
+  }
 }
 
 }  // namespace

@@ -507,6 +507,8 @@ FsdpShardState FsdpModel::ExportState() {
 
 absl::Status FsdpModel::ImportState(const FsdpShardState& state) {
   torch::NoGradGuard no_grad;
+  // Every rank's step, also one whose slots hold no state (all of them empty or padding).
+  if (state.step > 0) optimizer_->SetStep(state.step);
   for (int i = 0; i < num_flats(); ++i) {
     FlatParam& f = Flat(i);
     f.shard.copy_(state.params[i]);

@@ -300,8 +300,15 @@ absl::StatusOr<std::optional<CheckpointInfo>> LoadLatestShardedCheckpoint(const 
         // Another shard count: elementwise moments (8-bit ones dequantized, to be quantized in
         // the new blocks) copied where the shards overlap; Adafactor's factors are whole.
         const int64_t old_shard = (numel + m.shard_count - 1) / m.shard_count;
-        for (const auto& [key, old] : SlotOptimizer::Elementwise(
-                 m.optimizer, SlotParams(m.layout.units[u]), k * old_shard, old_shard, saved)) {
+        absl::StatusOr<std::map<std::string, torch::Tensor>> elementwise =
+            SlotOptimizer::Elementwise(m.optimizer, SlotParams(m.layout.units[u]), k * old_shard,
+                                       old_shard, saved);
+        if (!elementwise.ok()) {
+          return absl::DataLossError(absl::StrCat("cannot load checkpoint '", path, "': unit ", u,
+                                                  " of shard ", k, ": ",
+                                                  elementwise.status().message()));
+        }
+        for (const auto& [key, old] : *elementwise) {
           torch::Tensor& mine = state.optimizer[u][key];
           if (key == "factors") {
             mine = old;
@@ -352,9 +359,15 @@ absl::StatusOr<CheckpointInfo> ConsolidateShardedCheckpoint(const std::string& s
         archive.read(absl::StrCat("u", u, ".param"), t);
         CopyOverlap(t, k, m.shard_count, flat[u], 0, 1, numel);
         const int64_t old_shard = (numel + m.shard_count - 1) / m.shard_count;
-        for (const auto& [key, old] :
-             SlotOptimizer::Elementwise(m.optimizer, SlotParams(m.layout.units[u]), k * old_shard,
-                                        old_shard, ReadOptimizerState(archive, u))) {
+        absl::StatusOr<std::map<std::string, torch::Tensor>> elementwise =
+            SlotOptimizer::Elementwise(m.optimizer, SlotParams(m.layout.units[u]), k * old_shard,
+                                       old_shard, ReadOptimizerState(archive, u));
+        if (!elementwise.ok()) {
+          return absl::DataLossError(absl::StrCat("cannot consolidate '", sharded, "': unit ", u,
+                                                  " of shard ", k, ": ",
+                                                  elementwise.status().message()));
+        }
+        for (const auto& [key, old] : *elementwise) {
           torch::Tensor& whole = flat_state[u][key];
           if (key == "factors") {
             whole = old;
@@ -421,6 +434,11 @@ absl::StatusOr<CheckpointInfo> ConsolidateShardedCheckpoint(const std::string& s
       for (size_t j = 0; j < optimized.size(); ++j) {
         const auto& st = param_state[optimized_index[j]];
         if (auto* adamw = dynamic_cast<torch::optim::AdamW*>(optimizer.get())) {
+          if (st.count("exp_avg") == 0 || st.count("exp_avg_sq") == 0) {
+            return absl::DataLossError(absl::StrCat("cannot consolidate '", sharded,
+                                                    "': ", names[optimized_index[j]],
+                                                    " has no AdamW moments"));
+          }
           auto slot = std::make_unique<torch::optim::AdamWParamState>();
           slot->step(optimizer_step);
           slot->exp_avg(st.at("exp_avg"));

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "server/adam/cpu_adam.h"
 #include "worker/trainer/fused_adamw.h"
 
@@ -246,17 +247,17 @@ void SlotOptimizer::Step(double lr, double grad_scale) {
   for (int i = 0; i < num_slots(); ++i) {
     const torch::Tensor& p = slots_[i].param;
     if (!p.grad().defined() || p.numel() == 0) continue;  // as PyTorch's optimizers skip it
-    torch::Tensor g = p.grad().contiguous();
-    if (grad_scale != 1.0) g = g * grad_scale;
+    const torch::Tensor g = p.grad().contiguous();
+    const auto scale = static_cast<float>(grad_scale);
     switch (hyper_.kind) {
       case OptimizerKind::kAdamW:
-        StepAdamW(i, g.data_ptr<float>(), lr);
+        StepAdamW(i, g.data_ptr<float>(), scale, lr);
         break;
       case OptimizerKind::kLion:
-        StepLion(i, g.data_ptr<float>(), lr);
+        StepLion(i, g.data_ptr<float>(), scale, lr);
         break;
       case OptimizerKind::kAdamW8bit:
-        StepAdamW8bit(i, g.data_ptr<float>(), lr);
+        StepAdamW8bit(i, g.data_ptr<float>(), scale, lr);
         break;
       case OptimizerKind::kAdafactor:
         break;
@@ -264,7 +265,7 @@ void SlotOptimizer::Step(double lr, double grad_scale) {
   }
 }
 
-void SlotOptimizer::StepAdamW(int i, const float* g, double lr) {
+void SlotOptimizer::StepAdamW(int i, const float* g, float scale, double lr) {
   SlotState& st = *state_[i];
   adam::AdamWConfig c;
   c.lr = static_cast<float>(lr);
@@ -273,6 +274,7 @@ void SlotOptimizer::StepAdamW(int i, const float* g, double lr) {
   c.eps = static_cast<float>(hyper_.eps);
   c.weight_decay = static_cast<float>(hyper_.weight_decay);
   c.step = step_;
+  c.grad_scale = scale;
   float* param = slots_[i].param.data_ptr<float>();
   float* m = st.m.data_ptr<float>();
   float* v = st.v.data_ptr<float>();
@@ -281,7 +283,7 @@ void SlotOptimizer::StepAdamW(int i, const float* g, double lr) {
   });
 }
 
-void SlotOptimizer::StepLion(int i, const float* g, double lr) {
+void SlotOptimizer::StepLion(int i, const float* grad, float scale, double lr) {
   float* p = slots_[i].param.data_ptr<float>();
   float* m = state_[i]->m.data_ptr<float>();
   const auto b1 = static_cast<float>(hyper_.beta1), b2 = static_cast<float>(hyper_.beta2);
@@ -289,16 +291,17 @@ void SlotOptimizer::StepLion(int i, const float* g, double lr) {
   const auto rate = static_cast<float>(lr);
   at::parallel_for(0, slots_[i].param.numel(), 1 << 16, [&](int64_t lo, int64_t hi) {
     for (int64_t k = lo; k < hi; ++k) {
-      const float c = m[k] * b1 + g[k] * (1 - b1);
+      const float g = grad[k] * scale;
+      const float c = m[k] * b1 + g * (1 - b1);
       const float update = static_cast<float>((c > 0) - (c < 0));
       p[k] = p[k] * decay;
       p[k] = p[k] - rate * update;
-      m[k] = m[k] * b2 + g[k] * (1 - b2);
+      m[k] = m[k] * b2 + g * (1 - b2);
     }
   });
 }
 
-void SlotOptimizer::StepAdamW8bit(int i, const float* g, double lr) {
+void SlotOptimizer::StepAdamW8bit(int i, const float* grad, float scale, double lr) {
   SlotState& st = *state_[i];
   const int64_t n = slots_[i].param.numel();
   float* p = slots_[i].param.data_ptr<float>();
@@ -318,13 +321,15 @@ void SlotOptimizer::StepAdamW8bit(int i, const float* g, double lr) {
   const auto& umap = DynamicMap(false);
   for (const Piece& piece : pieces.pieces) {
     if (!piece.quantized) {  // under min_8bit_size: fp32 moments
-      float* m = st.m.data_ptr<float>() + piece.packed - piece.lo;
-      float* v = st.v.data_ptr<float>() + piece.packed - piece.lo;
+      float* m = st.m.data_ptr<float>() + piece.packed;
+      float* v = st.v.data_ptr<float>() + piece.packed;
       for (int64_t k = piece.lo; k < piece.hi; ++k) {
-        if (!std::isfinite(g[k])) continue;
-        m[k] = m[k] * b1 + (1.0f - b1) * g[k];
-        v[k] = v[k] * b2 + (1.0f - b2) * g[k] * g[k];
-        update(k, m[k], v[k]);
+        const float g = grad[k] * scale;
+        float& mk = m[k - piece.lo];
+        float& vk = v[k - piece.lo];
+        mk = mk * b1 + (1.0f - b1) * g;
+        vk = vk * b2 + (1.0f - b2) * g * g;
+        update(k, mk, vk);
       }
       continue;
     }
@@ -341,12 +346,13 @@ void SlotOptimizer::StepAdamW8bit(int i, const float* g, double lr) {
         const int64_t len = hi - lo;
         for (int64_t j = 0; j < len; ++j) {
           const int64_t k = lo + j;
-          if (!std::isfinite(g[k])) {  // as the kernel: p kept, the moments reset
+          const float g = grad[k] * scale;
+          if (!std::isfinite(g)) {  // as the kernel: p kept, the moments reset
             s1[j] = s2[j] = 0;
             continue;
           }
-          s1[j] = smap[c1[k]] * a1[b] * b1 + (1.0f - b1) * g[k];
-          s2[j] = umap[c2[k]] * a2[b] * b2 + (1.0f - b2) * g[k] * g[k];
+          s1[j] = smap[c1[k]] * a1[b] * b1 + (1.0f - b1) * g;
+          s2[j] = umap[c2[k]] * a2[b] * b2 + (1.0f - b2) * g * g;
           update(k, s1[j], s2[j]);
         }
         a1[b] = QuantizeBlock(s1, len, smap, c1 + lo);
@@ -361,117 +367,184 @@ void SlotOptimizer::StepAdamW8bit(int i, const float* g, double lr) {
   }
 }
 
+namespace {
+
+// Elements [lo, hi) of a parameter in chunks of kAdafactorChunk, each told its first element's
+// (lead, row, column): f(chunk index, first, end, l, r, c).
+constexpr int64_t kAdafactorChunk = int64_t{1} << 15;
+
+template <typename F>
+void ForEachChunk(const Factored& f, int64_t lo, int64_t hi, F&& fn) {
+  const int64_t chunks = (hi - lo + kAdafactorChunk - 1) / kAdafactorChunk;
+  at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
+    for (int64_t ch = cb; ch < ce; ++ch) {
+      const int64_t first = lo + ch * kAdafactorChunk;
+      const int64_t end = std::min(hi, first + kAdafactorChunk);
+      const int64_t per_lead = f.rows * f.cols;
+      fn(ch, first, end, f.matrix ? first / per_lead : 0, f.matrix ? (first / f.cols) % f.rows : 0,
+         f.matrix ? first % f.cols : first);
+    }
+  });
+}
+
+}  // namespace
+
 void SlotOptimizer::StepAdafactor(double lr, double grad_scale) {
-  // Pass 1: each slot's part of every parameter's squared-gradient sums (rows and columns of a
-  // matrix, elements of a vector), summed over the group.
+  const auto scale = static_cast<float>(grad_scale);
+  // What each slot holds of each parameter of its buffer: element range [lo, hi) of the
+  // parameter, at `at` in the slot; its factors' offset.
+  struct Part {
+    Factored f;
+    int64_t numel = 0, foff = 0, lo = 0, hi = 0, at = 0;
+  };
+  std::vector<std::vector<Part>> parts(num_slots());
   std::vector<int64_t> factor_base(num_slots() + 1, 0), param_base(num_slots() + 1, 0);
   for (int i = 0; i < num_slots(); ++i) {
+    const OptimizerSlot& s = slots_[i];
+    int64_t foff = 0;
+    for (const auto& prm : s.params) {
+      Part part;
+      part.f = FactorsOf(prm.shape);
+      part.numel = Numel(prm.shape);
+      part.foff = foff;
+      part.lo = std::max<int64_t>(0, s.begin - prm.offset);
+      part.hi = std::min(part.numel, s.begin + s.param.numel() - prm.offset);
+      part.at = prm.offset + part.lo - s.begin;
+      foff += part.f.numel();
+      parts[i].push_back(part);
+    }
     factor_base[i + 1] = factor_base[i] + state_[i]->factors.numel();
-    param_base[i + 1] = param_base[i] + static_cast<int64_t>(slots_[i].params.size());
+    param_base[i + 1] = param_base[i] + static_cast<int64_t>(s.params.size());
   }
-  torch::Tensor sums = torch::zeros({factor_base.back()}, torch::kDouble);
-  torch::Tensor update_sq = torch::zeros({param_base.back()}, torch::kDouble);
   std::vector<torch::Tensor> grads(num_slots());
   for (int i = 0; i < num_slots(); ++i) {
     const torch::Tensor& p = slots_[i].param;
     if (p.grad().defined() && p.numel() > 0) grads[i] = p.grad().contiguous();
   }
-  // Calls f(slot, param j, its factors' offset, element e of the parameter, k in the slot) for
-  // every element a slot holds, in order.
-  auto for_each_element = [&](int i, auto&& f) {
-    const OptimizerSlot& s = slots_[i];
-    const int64_t n = s.param.numel();
-    int64_t foff = 0;
-    for (size_t j = 0; j < s.params.size(); ++j) {
-      const auto& prm = s.params[j];
-      const int64_t pn = Numel(prm.shape);
-      const int64_t lo = std::max(prm.offset, s.begin), hi = std::min(prm.offset + pn, s.begin + n);
-      for (int64_t k = lo; k < hi; ++k)
-        f(j, foff, FactorsOf(prm.shape), k - prm.offset, k - s.begin);
-      foff += FactorsOf(prm.shape).numel();
-    }
-  };
+  // Whole parameters without a gradient are left alone, as transformers does; the parts of a
+  // group's shards all take part (another rank may hold the gradient).
+  auto skipped = [&](int i) { return group_ == nullptr && !grads[i].defined(); };
+
+  // Pass 1: each slot's part of every parameter's squared-gradient sums (rows and columns of a
+  // matrix, elements of a vector), summed over the group. Serial: a column gathers from every
+  // row.
+  torch::Tensor sums = torch::zeros({factor_base.back()}, torch::kDouble);
   for (int i = 0; i < num_slots(); ++i) {
     if (!grads[i].defined()) continue;
     const float* g = grads[i].data_ptr<float>();
     double* out = sums.data_ptr<double>() + factor_base[i];
-    for_each_element(i, [&](size_t, int64_t foff, const Factored& f, int64_t e, int64_t k) {
-      const double gv = static_cast<double>(g[k] * static_cast<float>(grad_scale));
-      const double gg = gv * gv;
+    for (const Part& part : parts[i]) {
+      if (part.lo >= part.hi) continue;
+      const Factored& f = part.f;
+      // Element e of the parameter is the slot's part.at + (e - part.lo).
+      const float* gp = g + part.at;
       if (!f.matrix) {
-        out[foff + e] += gg;
-        return;
+        for (int64_t e = part.lo; e < part.hi; ++e) {
+          const double gv = gp[e - part.lo] * scale;
+          out[part.foff + e] += gv * gv;
+        }
+        continue;
       }
-      const int64_t l = e / (f.rows * f.cols), r = (e / f.cols) % f.rows, c = e % f.cols;
-      out[foff + l * f.rows + r] += gg;
-      out[foff + f.lead * f.rows + l * f.cols + c] += gg;
-    });
+      double* row = out + part.foff;
+      double* col = out + part.foff + f.lead * f.rows;
+      int64_t l = part.lo / (f.rows * f.cols), r = (part.lo / f.cols) % f.rows,
+              c = part.lo % f.cols;
+      for (int64_t e = part.lo; e < part.hi; ++e) {
+        const double gv = gp[e - part.lo] * scale;
+        row[l * f.rows + r] += gv * gv;
+        col[l * f.cols + c] += gv * gv;
+        if (++c == f.cols) {
+          c = 0;
+          if (++r == f.rows) {
+            r = 0;
+            ++l;
+          }
+        }
+      }
+    }
   }
   if (group_ != nullptr && group_->world_size() > 1) group_->AllReduceSum({sums})->Wait();
 
-  // The factors' moving averages (every parameter of the buffer, on every rank of the group).
+  // The factors' moving averages (every parameter of the buffer, on every rank of the group), and
+  // each matrix's row means.
   const auto beta2t =
       static_cast<float>(1.0 - std::pow(static_cast<double>(step_), kAdafactorDecay));
   const auto eps1 = static_cast<float>(kAdafactorEps1);
-  std::vector<std::vector<float>> row_means(num_slots());
+  std::vector<std::vector<std::vector<float>>> row_means(num_slots());
   for (int i = 0; i < num_slots(); ++i) {
+    row_means[i].resize(parts[i].size());
+    if (skipped(i)) continue;
     float* fac = state_[i]->factors.data_ptr<float>();
     const double* sum = sums.data_ptr<double>() + factor_base[i];
-    int64_t foff = 0;
-    for (const auto& prm : slots_[i].params) {
-      const Factored f = FactorsOf(prm.shape);
+    for (size_t j = 0; j < parts[i].size(); ++j) {
+      const Part& part = parts[i][j];
+      const Factored& f = part.f;
       auto blend = [&](int64_t idx, int64_t count) {
         const float mean = static_cast<float>(sum[idx] / static_cast<double>(count)) + eps1;
         fac[idx] = fac[idx] * beta2t + mean * (1.0f - beta2t);
       };
-      if (f.matrix) {
-        for (int64_t x = 0; x < f.lead * f.rows; ++x) blend(foff + x, f.cols);
-        for (int64_t x = 0; x < f.lead * f.cols; ++x) blend(foff + f.lead * f.rows + x, f.rows);
-        for (int64_t l = 0; l < f.lead; ++l) {
-          double total = 0;
-          for (int64_t r = 0; r < f.rows; ++r) total += fac[foff + l * f.rows + r];
-          row_means[i].push_back(static_cast<float>(total / static_cast<double>(f.rows)));
-        }
-      } else {
-        for (int64_t x = 0; x < f.cols; ++x) blend(foff + x, 1);
+      if (!f.matrix) {
+        for (int64_t x = 0; x < f.cols; ++x) blend(part.foff + x, 1);
+        continue;
       }
-      foff += f.numel();
+      for (int64_t x = 0; x < f.lead * f.rows; ++x) blend(part.foff + x, f.cols);
+      for (int64_t x = 0; x < f.lead * f.cols; ++x) blend(part.foff + f.lead * f.rows + x, f.rows);
+      for (int64_t l = 0; l < f.lead; ++l) {
+        double total = 0;
+        for (int64_t r = 0; r < f.rows; ++r) total += fac[part.foff + l * f.rows + r];
+        row_means[i][j].push_back(static_cast<float>(total / static_cast<double>(f.rows)));
+      }
     }
   }
-  // The unscaled update of element e of parameter j (its slot's k).
-  auto unscaled = [&](int i, const float* g, int64_t foff, const Factored& f, int64_t row_mean_at,
-                      int64_t e, int64_t k) {
-    const float* fac = state_[i]->factors.data_ptr<float>();
-    const float gv = g[k] * static_cast<float>(grad_scale);
-    if (!f.matrix) return (1.0f / std::sqrt(fac[foff + e])) * gv;
-    const int64_t l = e / (f.rows * f.cols), r = (e / f.cols) % f.rows, c = e % f.cols;
-    const float r_factor =
-        1.0f / std::sqrt(fac[foff + l * f.rows + r] / row_means[i][row_mean_at + l]);
-    const float c_factor = 1.0f / std::sqrt(fac[foff + f.lead * f.rows + l * f.cols + c]);
-    return r_factor * c_factor * gv;
-  };
-  // Where each parameter's row means start in row_means[i].
-  auto row_mean_starts = [&](int i) {
-    std::vector<int64_t> at;
-    int64_t next = 0;
-    for (const auto& prm : slots_[i].params) {
-      const Factored f = FactorsOf(prm.shape);
-      at.push_back(next);
-      if (f.matrix) next += f.lead;
+  // Calls u(e, update) for the unscaled updates of elements [first, end) of a part, the first at
+  // (l, r, c).
+  auto updates = [&](int i, const Part& part, const std::vector<float>& means, int64_t first,
+                     int64_t end, int64_t l, int64_t r, int64_t c, auto&& u) {
+    const Factored& f = part.f;
+    const float* fac = state_[i]->factors.data_ptr<float>() + part.foff;
+    const float* gp = grads[i].data_ptr<float>() + part.at;  // gp[e - part.lo]: element e
+    if (!f.matrix) {
+      for (int64_t e = first; e < end; ++e) {
+        u(e, (1.0f / std::sqrt(fac[e])) * (gp[e - part.lo] * scale));
+      }
+      return;
     }
-    return at;
+    const float* row = fac;
+    const float* col = fac + f.lead * f.rows;
+    for (int64_t e = first; e < end; ++e) {
+      const float r_factor = 1.0f / std::sqrt(row[l * f.rows + r] / means[l]);
+      const float c_factor = 1.0f / std::sqrt(col[l * f.cols + c]);
+      u(e, r_factor * c_factor * (gp[e - part.lo] * scale));
+      if (++c == f.cols) {
+        c = 0;
+        if (++r == f.rows) {
+          r = 0;
+          ++l;
+        }
+      }
+    }
   };
 
-  // Pass 2: the updates' squares per parameter (for the RMS clip), summed over the group.
+  // Pass 2: the updates' squares per parameter (for the RMS clip), summed chunk by chunk (the
+  // same order whatever the threads), then over the group.
+  torch::Tensor update_sq = torch::zeros({param_base.back()}, torch::kDouble);
   for (int i = 0; i < num_slots(); ++i) {
     if (!grads[i].defined()) continue;
-    const float* g = grads[i].data_ptr<float>();
-    const std::vector<int64_t> rm = row_mean_starts(i);
-    double* sq = update_sq.data_ptr<double>() + param_base[i];
-    for_each_element(i, [&](size_t j, int64_t foff, const Factored& f, int64_t e, int64_t k) {
-      const float u = unscaled(i, g, foff, f, rm[j], e, k);
-      sq[j] += static_cast<double>(u) * u;
-    });
+    for (size_t j = 0; j < parts[i].size(); ++j) {
+      const Part& part = parts[i][j];
+      if (part.lo >= part.hi) continue;
+      std::vector<double> partial((part.hi - part.lo + kAdafactorChunk - 1) / kAdafactorChunk, 0);
+      ForEachChunk(part.f, part.lo, part.hi,
+                   [&](int64_t ch, int64_t first, int64_t end, int64_t l, int64_t r, int64_t c) {
+                     double sq = 0;
+                     updates(i, part, row_means[i][j], first, end, l, r, c,
+                             [&](int64_t, float u) { sq += static_cast<double>(u) * u; });
+                     partial[ch] = sq;
+                   });
+      double total = 0;
+      for (double x : partial) total += x;
+      update_sq.data_ptr<double>()[param_base[i] + j] = total;
+    }
   }
   if (group_ != nullptr && group_->world_size() > 1) group_->AllReduceSum({update_sq})->Wait();
 
@@ -480,21 +553,31 @@ void SlotOptimizer::StepAdafactor(double lr, double grad_scale) {
   const auto decay = static_cast<float>(-hyper_.weight_decay * lr);
   for (int i = 0; i < num_slots(); ++i) {
     if (!grads[i].defined()) continue;
-    const float* g = grads[i].data_ptr<float>();
     float* p = slots_[i].param.data_ptr<float>();
-    const std::vector<int64_t> rm = row_mean_starts(i);
-    std::vector<float> divisor;
-    for (size_t j = 0; j < slots_[i].params.size(); ++j) {
-      const auto pn = static_cast<double>(Numel(slots_[i].params[j].shape));
-      const double rms = std::sqrt(update_sq.data_ptr<double>()[param_base[i] + j] / pn);
-      divisor.push_back(static_cast<float>(std::max(1.0, rms / kAdafactorClip)));
+    for (size_t j = 0; j < parts[i].size(); ++j) {
+      const Part& part = parts[i][j];
+      if (part.lo >= part.hi) continue;
+      const double rms = std::sqrt(update_sq.data_ptr<double>()[param_base[i] + j] /
+                                   static_cast<double>(part.numel));
+      const auto divisor = static_cast<float>(std::max(1.0, rms / kAdafactorClip));
+      float* pp = p + part.at;  // pp[e - part.lo]: element e
+      ForEachChunk(part.f, part.lo, part.hi,
+                   [&](int64_t, int64_t first, int64_t end, int64_t l, int64_t r, int64_t c) {
+                     updates(i, part, row_means[i][j], first, end, l, r, c,
+                             [&](int64_t e, float u) {
+                               const float step = u / divisor * rate;
+                               float& x = pp[e - part.lo];
+                               if (decay != 0) x = x + x * decay;
+                               x = x - step;
+                             });
+                   });
     }
-    for_each_element(i, [&](size_t j, int64_t foff, const Factored& f, int64_t e, int64_t k) {
-      const float u = unscaled(i, g, foff, f, rm[j], e, k) / divisor[j] * rate;
-      if (hyper_.weight_decay != 0) p[k] = p[k] + p[k] * decay;
-      p[k] = p[k] - u;
-    });
   }
+}
+
+void SlotOptimizer::SetStep(int64_t step) {
+  if (!initialized_) Initialize();
+  step_ = step;
 }
 
 std::map<std::string, torch::Tensor> SlotOptimizer::State(int i) const {
@@ -587,25 +670,35 @@ int64_t SlotOptimizer::StateBytes() const {
   return bytes;
 }
 
-std::map<std::string, torch::Tensor> SlotOptimizer::Elementwise(
+absl::StatusOr<std::map<std::string, torch::Tensor>> SlotOptimizer::Elementwise(
     OptimizerKind kind, const std::vector<OptimizerSlot::Param>& params, int64_t begin, int64_t n,
     const std::map<std::string, torch::Tensor>& state) {
   if (kind != OptimizerKind::kAdamW8bit) return state;
   std::map<std::string, torch::Tensor> out;
   if (state.empty()) return out;
   const Pieces pieces = EightBitPieces(params, begin, n);
+  // A tensor of the state, checked to have `numel` elements of `type`.
+  auto get = [&](const std::string& name, int64_t numel,
+                 torch::ScalarType type) -> absl::StatusOr<torch::Tensor> {
+    auto it = state.find(name);
+    if (numel == 0) return torch::zeros({0}, type);
+    if (it == state.end()) return absl::DataLossError(absl::StrCat("no optimizer state ", name));
+    if (it->second.numel() != numel || it->second.scalar_type() != type) {
+      return absl::DataLossError(absl::StrCat("optimizer state ", name, " has ", it->second.numel(),
+                                              " elements, want ", numel));
+    }
+    return it->second.contiguous();
+  };
   for (auto [name, is_signed] :
        {std::make_pair("exp_avg", true), std::make_pair("exp_avg_sq", false)}) {
+    ASSIGN_OR_RETURN(const torch::Tensor fp32, get(name, pieces.fp32, torch::kFloat));
+    const bool quantized = pieces.blocks > 0;
+    ASSIGN_OR_RETURN(const torch::Tensor codes,
+                     get(absl::StrCat(name, ".codes"), quantized ? n : 0, torch::kUInt8));
+    ASSIGN_OR_RETURN(const torch::Tensor absmax,
+                     get(absl::StrCat(name, ".absmax"), pieces.blocks, torch::kFloat));
     torch::Tensor x = torch::zeros({n});
     float* xs = x.data_ptr<float>();
-    const auto fp32_at = state.find(name);
-    const torch::Tensor fp32 =
-        fp32_at == state.end() ? torch::zeros({0}) : fp32_at->second.contiguous();
-    torch::Tensor codes, absmax;
-    if (pieces.blocks > 0) {
-      codes = state.at(absl::StrCat(name, ".codes")).contiguous();
-      absmax = state.at(absl::StrCat(name, ".absmax")).contiguous();
-    }
     const auto& map = DynamicMap(is_signed);
     for (const Piece& piece : pieces.pieces) {
       if (!piece.quantized) {
@@ -653,7 +746,10 @@ torch::Tensor ParameterOptimizer::step(LossClosure /*closure*/) {
 }
 
 void ParameterOptimizer::save(torch::serialize::OutputArchive& archive) const {
-  archive.write("kind", torch::tensor({static_cast<int64_t>(core_.kind())}, torch::kLong));
+  // train.optimizer's name, as bytes.
+  const std::string name = Name(core_.kind());
+  archive.write("kind", torch::tensor(std::vector<int64_t>(name.begin(), name.end()), torch::kLong)
+                            .to(torch::kUInt8));
   archive.write("step", torch::tensor({core_.step()}, torch::kLong));
   for (int i = 0; i < core_.num_slots(); ++i) {
     for (const auto& [name, t] : core_.State(i)) archive.write(absl::StrCat(i, ".", name), t);
@@ -665,9 +761,11 @@ void ParameterOptimizer::load(torch::serialize::InputArchive& archive) {
   TORCH_CHECK(archive.try_read("kind", kind),
               "the optimizer state was written by train.optimizer adamw; this job's is ",
               Name(core_.kind()));
-  const auto written = static_cast<OptimizerKind>(kind.item<int64_t>());
-  TORCH_CHECK(written == core_.kind(), "the optimizer state was written by train.optimizer ",
-              Name(written), "; this job's is ", Name(core_.kind()));
+  const torch::Tensor bytes = kind.to(torch::kUInt8).contiguous();
+  const std::string written(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()),
+                            static_cast<size_t>(bytes.numel()));
+  TORCH_CHECK(written == Name(core_.kind()), "the optimizer state was written by train.optimizer ",
+              written, "; this job's is ", Name(core_.kind()));
   archive.read("step", step);
   if (step.item<int64_t>() == 0) return;
   for (int i = 0; i < core_.num_slots(); ++i) {

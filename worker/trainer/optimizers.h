@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "common/job_config.h"
 #include "worker/trainer/communicator.h"
 
@@ -61,7 +62,8 @@ inline constexpr int64_t k8bitMinSize = 4096;
 // bitsandbytes' create_dynamic_map(signed) (sorted, 256 values in [-1, 1]).
 const std::array<float, 256>& DynamicMap(bool is_signed);
 // Block-wise quantization of x[0, n) (blocks of k8bitBlock): absmax[b] is the block's largest
-// |x|, codes[i] the index of the map's value nearest x[i] / absmax (0 for an all-zero block).
+// |x|, codes[i] the index of the map's value nearest x[i] / absmax (for an all-zero block, that
+// nearest 0; any code of it means 0).
 void QuantizeBlockwise(const float* x, int64_t n, const std::array<float, 256>& map, uint8_t* codes,
                        float* absmax);
 void DequantizeBlockwise(const uint8_t* codes, const float* absmax, int64_t n,
@@ -95,6 +97,8 @@ class SlotOptimizer {
 
   OptimizerKind kind() const { return hyper_.kind; }
   int64_t step() const { return step_; }
+  // Sets the step count (a resumed run's), creating the state if it is not there yet.
+  void SetStep(int64_t step);
   int num_slots() const { return static_cast<int>(slots_.size()); }
   const OptimizerSlot& slot(int i) const { return slots_[i]; }
 
@@ -116,7 +120,8 @@ class SlotOptimizer {
   // starts at `begin` of a buffer of `params` and holds `n` elements: 8-bit codes dequantized;
   // every other state as it is (Adafactor's factors are not elementwise). For resharding and
   // consolidation.
-  static std::map<std::string, torch::Tensor> Elementwise(
+  // DATA_LOSS naming the tensor when one is missing or of another size.
+  static absl::StatusOr<std::map<std::string, torch::Tensor>> Elementwise(
       OptimizerKind kind, const std::vector<OptimizerSlot::Param>& params, int64_t begin, int64_t n,
       const std::map<std::string, torch::Tensor>& state);
   // Elements of Adafactor's factors for a buffer of these parameters.
@@ -124,9 +129,10 @@ class SlotOptimizer {
 
  private:
   struct SlotState;
-  void StepAdamW(int i, const float* g, double lr);
-  void StepLion(int i, const float* g, double lr);
-  void StepAdamW8bit(int i, const float* g, double lr);
+  // One slot's update; the gradient `g` is multiplied by `scale` in the pass.
+  void StepAdamW(int i, const float* g, float scale, double lr);
+  void StepLion(int i, const float* g, float scale, double lr);
+  void StepAdamW8bit(int i, const float* g, float scale, double lr);
   void StepAdafactor(double lr, double grad_scale);
   void Initialize();
 
