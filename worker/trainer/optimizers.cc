@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -72,18 +74,64 @@ std::array<float, 256> BuildDynamicMap(bool is_signed) {
   return map;
 }
 
-// Index of the map's value nearest v (the lowest index among equals, as argmin).
-uint8_t Nearest(const std::array<float, 256>& map, float v) {
-  const auto it = std::lower_bound(map.begin(), map.end(), v);
-  if (it == map.begin()) return 0;
-  if (it == map.end()) return 255;
-  const float above = *it, below = *(it - 1);
-  auto idx = static_cast<int>(it - map.begin());
-  if (v - below <= above - v) {
-    --idx;
-    while (idx > 0 && map[idx - 1] == map[idx]) --idx;
+// The index of a sorted 256-value map's value nearest v (the lower one of two as near, as
+// argmin). A binary search per value was most of 8-bit AdamW's time, so a table narrows it: every
+// float whose top 15 bits (sign, exponent, 6 mantissa bits) are `key` has its lower bound in the
+// map at most `steps_` codes (one or two, for these maps) above lo_[key].
+class CodeIndex {
+ public:
+  explicit CodeIndex(const std::array<float, 256>& map) {
+    // ext_[1 + c] is code c's value; the infinities at either end make the search branch-free.
+    ext_[0] = -std::numeric_limits<float>::infinity();
+    std::copy(map.begin(), map.end(), ext_.begin() + 1);
+    ext_[257] = std::numeric_limits<float>::infinity();
+    for (int c = 1; c < 256; ++c)
+      TORCH_CHECK(map[c - 1] < map[c], "CodeIndex: a map of distinct values");
+    for (uint32_t key = 0; key < kKeys; ++key) {
+      const float a = FromBits(key << kShift), b = FromBits((key << kShift) | kLowBits);
+      if (!std::isfinite(a) || !std::isfinite(b)) {  // never asked: values are finite
+        lo_[key] = 1;
+        continue;
+      }
+      lo_[key] = LowerBound(std::min(a, b));
+      steps_ = std::max(steps_, LowerBound(std::max(a, b)) - lo_[key]);
+    }
   }
-  return static_cast<uint8_t>(idx);
+
+  uint8_t Nearest(float v) const {
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    int i = lo_[bits >> kShift];
+    for (int s = 0; s < steps_; ++s) i += ext_[i] < v;  // now the lower bound of v
+    i -= (v - ext_[i - 1]) <= (ext_[i] - v);            // the nearer (the lower of two as near)
+    return static_cast<uint8_t>(i - 1);
+  }
+
+ private:
+  static constexpr int kShift = 17;
+  static constexpr uint32_t kKeys = uint32_t{1} << (32 - kShift);
+  static constexpr uint32_t kLowBits = (uint32_t{1} << kShift) - 1;
+
+  static float FromBits(uint32_t bits) {
+    float v;
+    std::memcpy(&v, &bits, sizeof v);
+    return v;
+  }
+  // In ext_'s indices.
+  int LowerBound(float v) const {
+    return static_cast<int>(std::lower_bound(ext_.begin() + 1, ext_.begin() + 257, v) -
+                            ext_.begin());
+  }
+
+  std::array<float, 258> ext_{};
+  std::array<uint16_t, kKeys> lo_{};
+  int steps_ = 0;  // the most codes a key's range spans
+};
+
+const CodeIndex& Codes(bool is_signed) {
+  static const auto* const kSigned = new CodeIndex(BuildDynamicMap(true));
+  static const auto* const kUnsigned = new CodeIndex(BuildDynamicMap(false));
+  return is_signed ? *kSigned : *kUnsigned;
 }
 
 // 8-bit AdamW's view of a slot: each parameter's part, [lo, hi) of the slot from element e0 of
@@ -138,12 +186,13 @@ void ForEachBlock(const Piece& piece, F&& f) {
   }
 }
 
-// Quantizes x[0, len), one block: returns its absmax.
-float QuantizeBlock(const float* x, int64_t len, const std::array<float, 256>& map,
-                    uint8_t* codes) {
+// Quantizes x[0, len), one block, with the signed or the unsigned dynamic map: returns its
+// absmax.
+float QuantizeBlock(const float* x, int64_t len, bool is_signed, uint8_t* codes) {
+  const CodeIndex& index = Codes(is_signed);
   float m = 0;
   for (int64_t i = 0; i < len; ++i) m = std::max(m, std::abs(x[i]));
-  for (int64_t i = 0; i < len; ++i) codes[i] = Nearest(map, m > 0 ? x[i] / m : 0.0f);
+  for (int64_t i = 0; i < len; ++i) codes[i] = index.Nearest(m > 0 ? x[i] / m : 0.0f);
   return m;
 }
 
@@ -164,18 +213,6 @@ const std::array<float, 256>& DynamicMap(bool is_signed) {
   static const auto* const kSigned = new std::array<float, 256>(BuildDynamicMap(true));
   static const auto* const kUnsigned = new std::array<float, 256>(BuildDynamicMap(false));
   return is_signed ? *kSigned : *kUnsigned;
-}
-
-void QuantizeBlockwise(const float* x, int64_t n, const std::array<float, 256>& map, uint8_t* codes,
-                       float* absmax) {
-  for (int64_t lo = 0, b = 0; lo < n; lo += k8bitBlock, ++b) {
-    absmax[b] = QuantizeBlock(x + lo, std::min(n - lo, k8bitBlock), map, codes + lo);
-  }
-}
-
-void DequantizeBlockwise(const uint8_t* codes, const float* absmax, int64_t n,
-                         const std::array<float, 256>& map, float* x) {
-  for (int64_t i = 0; i < n; ++i) x[i] = map[codes[i]] * absmax[i / k8bitBlock];
 }
 
 struct SlotOptimizer::SlotState {
@@ -355,8 +392,8 @@ void SlotOptimizer::StepAdamW8bit(int i, const float* grad, float scale, double 
           s2[j] = umap[c2[k]] * a2[b] * b2 + (1.0f - b2) * g * g;
           update(k, s1[j], s2[j]);
         }
-        a1[b] = QuantizeBlock(s1, len, smap, c1 + lo);
-        a2[b] = QuantizeBlock(s2, len, umap, c2 + lo);
+        a1[b] = QuantizeBlock(s1, len, /*is_signed=*/true, c1 + lo);
+        a2[b] = QuantizeBlock(s2, len, /*is_signed=*/false, c2 + lo);
         // The kernel keeps m's sign: a code of the other sign moves one towards it.
         for (int64_t j = 0; j < len; ++j) {
           uint8_t& c = c1[lo + j];
@@ -447,19 +484,19 @@ void SlotOptimizer::StepAdafactor(double lr, double grad_scale) {
       }
       double* row = out + part.foff;
       double* col = out + part.foff + f.lead * f.rows;
-      int64_t l = part.lo / (f.rows * f.cols), r = (part.lo / f.cols) % f.rows,
-              c = part.lo % f.cols;
-      for (int64_t e = part.lo; e < part.hi; ++e) {
-        const double gv = gp[e - part.lo] * scale;
-        row[l * f.rows + r] += gv * gv;
-        col[l * f.cols + c] += gv * gv;
-        if (++c == f.cols) {
-          c = 0;
-          if (++r == f.rows) {
-            r = 0;
-            ++l;
-          }
+      for (int64_t e = part.lo; e < part.hi;) {  // a row (or what the slot holds of it) at a time
+        const int64_t l = e / (f.rows * f.cols), r = (e / f.cols) % f.rows, c0 = e % f.cols;
+        const int64_t end = std::min(part.hi, e + (f.cols - c0));
+        const float* gr = gp + (e - part.lo);
+        double* cl = col + l * f.cols + c0;
+        double sum = 0;
+        for (int64_t x = 0; x < end - e; ++x) {
+          const double gv = gr[x] * scale;
+          sum += gv * gv;
+          cl[x] += gv * gv;
         }
+        row[l * f.rows + r] += sum;
+        e = end;
       }
     }
   }
@@ -496,25 +533,42 @@ void SlotOptimizer::StepAdafactor(double lr, double grad_scale) {
       }
     }
   }
+  // Each part's reciprocal square roots: of a matrix's rows over their mean, then of its columns
+  // (transformers' _approx_sq_grad factors), or of a vector's second moment.
+  std::vector<std::vector<std::vector<float>>> rsqrt(num_slots());
+  for (int i = 0; i < num_slots(); ++i) {
+    rsqrt[i].resize(parts[i].size());
+    if (!grads[i].defined()) continue;
+    const float* fac = state_[i]->factors.data_ptr<float>();
+    for (size_t j = 0; j < parts[i].size(); ++j) {
+      const Part& part = parts[i][j];
+      if (part.lo >= part.hi) continue;
+      const Factored& f = part.f;
+      std::vector<float>& out = rsqrt[i][j];
+      out.resize(static_cast<size_t>(f.numel()));
+      for (int64_t x = 0; x < f.numel(); ++x) {
+        const float v = fac[part.foff + x];
+        out[x] = f.matrix && x < f.lead * f.rows ? 1.0f / std::sqrt(v / row_means[i][j][x / f.rows])
+                                                 : 1.0f / std::sqrt(v);
+      }
+    }
+  }
   // Calls u(e, update) for the unscaled updates of elements [first, end) of a part, the first at
   // (l, r, c).
-  auto updates = [&](int i, const Part& part, const std::vector<float>& means, int64_t first,
-                     int64_t end, int64_t l, int64_t r, int64_t c, auto&& u) {
+  auto updates = [&](int i, size_t j, int64_t first, int64_t end, int64_t l, int64_t r, int64_t c,
+                     auto&& u) {
+    const Part& part = parts[i][j];
     const Factored& f = part.f;
-    const float* fac = state_[i]->factors.data_ptr<float>() + part.foff;
+    const float* factor = rsqrt[i][j].data();
     const float* gp = grads[i].data_ptr<float>() + part.at;  // gp[e - part.lo]: element e
     if (!f.matrix) {
-      for (int64_t e = first; e < end; ++e) {
-        u(e, (1.0f / std::sqrt(fac[e])) * (gp[e - part.lo] * scale));
-      }
+      for (int64_t e = first; e < end; ++e) u(e, factor[e] * (gp[e - part.lo] * scale));
       return;
     }
-    const float* row = fac;
-    const float* col = fac + f.lead * f.rows;
+    const float* row = factor;
+    const float* col = factor + f.lead * f.rows;
     for (int64_t e = first; e < end; ++e) {
-      const float r_factor = 1.0f / std::sqrt(row[l * f.rows + r] / means[l]);
-      const float c_factor = 1.0f / std::sqrt(col[l * f.cols + c]);
-      u(e, r_factor * c_factor * (gp[e - part.lo] * scale));
+      u(e, row[l * f.rows + r] * col[l * f.cols + c] * (gp[e - part.lo] * scale));
       if (++c == f.cols) {
         c = 0;
         if (++r == f.rows) {
@@ -537,7 +591,7 @@ void SlotOptimizer::StepAdafactor(double lr, double grad_scale) {
       ForEachChunk(part.f, part.lo, part.hi,
                    [&](int64_t ch, int64_t first, int64_t end, int64_t l, int64_t r, int64_t c) {
                      double sq = 0;
-                     updates(i, part, row_means[i][j], first, end, l, r, c,
+                     updates(i, j, first, end, l, r, c,
                              [&](int64_t, float u) { sq += static_cast<double>(u) * u; });
                      partial[ch] = sq;
                    });
@@ -563,13 +617,12 @@ void SlotOptimizer::StepAdafactor(double lr, double grad_scale) {
       float* pp = p + part.at;  // pp[e - part.lo]: element e
       ForEachChunk(part.f, part.lo, part.hi,
                    [&](int64_t, int64_t first, int64_t end, int64_t l, int64_t r, int64_t c) {
-                     updates(i, part, row_means[i][j], first, end, l, r, c,
-                             [&](int64_t e, float u) {
-                               const float step = u / divisor * rate;
-                               float& x = pp[e - part.lo];
-                               if (decay != 0) x = x + x * decay;
-                               x = x - step;
-                             });
+                     updates(i, j, first, end, l, r, c, [&](int64_t e, float u) {
+                       const float step = u / divisor * rate;
+                       float& x = pp[e - part.lo];
+                       if (decay != 0) x = x + x * decay;
+                       x = x - step;
+                     });
                    });
     }
   }
@@ -625,8 +678,8 @@ absl::Status SlotOptimizer::SetState(int i, const std::map<std::string, torch::T
           continue;
         }
         ForEachBlock(piece, [&](int64_t b, int64_t lo, int64_t hi) {
-          absmax.data_ptr<float>()[b] = QuantizeBlock(xs + lo, hi - lo, DynamicMap(is_signed),
-                                                      codes.data_ptr<uint8_t>() + lo);
+          absmax.data_ptr<float>()[b] =
+              QuantizeBlock(xs + lo, hi - lo, is_signed, codes.data_ptr<uint8_t>() + lo);
         });
       }
       given.erase(name);

@@ -61,13 +61,6 @@ inline constexpr int64_t k8bitMinSize = 4096;
 
 // bitsandbytes' create_dynamic_map(signed) (sorted, 256 values in [-1, 1]).
 const std::array<float, 256>& DynamicMap(bool is_signed);
-// Block-wise quantization of x[0, n) (blocks of k8bitBlock): absmax[b] is the block's largest
-// |x|, codes[i] the index of the map's value nearest x[i] / absmax (for an all-zero block, that
-// nearest 0; any code of it means 0).
-void QuantizeBlockwise(const float* x, int64_t n, const std::array<float, 256>& map, uint8_t* codes,
-                       float* absmax);
-void DequantizeBlockwise(const uint8_t* codes, const float* absmax, int64_t n,
-                         const std::array<float, 256>& map, float* x);
 
 // A tensor the optimizer updates: fp32, contiguous, its .grad() what a step applies (an undefined
 // gradient counts as zero). `begin` is where it starts in the buffer its parameters are laid out
