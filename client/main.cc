@@ -383,6 +383,7 @@ int Fetch(const Globals& g, const std::string& id, const std::string& out_dir) {
     return Fail(absl::FailedPreconditionError(
         absl::StrCat("--out: '", out_dir, "' exists and is not an empty folder")));
   }
+  const bool created = !fs::exists(out_dir, ec);
   fs::create_directories(out_dir, ec);
   if (ec) {
     return Fail(
@@ -401,7 +402,8 @@ int Fetch(const Globals& g, const std::string& id, const std::string& out_dir) {
                                                 written, " of ", size, " bytes"));
       }
       const std::string& name = c.file();
-      if (name.empty() || name == "." || name == ".." ||
+      // A plain name of the folder, not hidden (the parts being written are ".NAME.part").
+      if (name.empty() || name[0] == '.' ||
           name.find_first_of(std::string("/\0", 2)) != std::string::npos) {
         return absl::DataLossError(
             absl::StrCat("the coordinator sent a bad file name '", name, "'"));
@@ -438,6 +440,7 @@ int Fetch(const Globals& g, const std::string& id, const std::string& out_dir) {
     if (part.is_open()) part.close();
     if (!current.empty()) fs::remove(part_path(current), ec);
     for (const auto& [name, bytes] : files) fs::remove(out_dir + "/" + name, ec);
+    if (created) fs::remove(out_dir, ec);  // empty now
     return Fail(s);
   }
   int64_t total = 0;

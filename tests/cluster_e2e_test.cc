@@ -184,7 +184,7 @@ TEST_F(ClusterE2eTest, TrainsACharGptWithFallingLossAndStreamsLogsAndMetrics) {
   CommandResult fetch = Yard({"fetch", job, "--out", dir_.path() + "/nothing"});
   ExpectOneLineFailure(fetch);
   EXPECT_THAT(fetch.err, HasSubstr(job + " has no export"));
-  EXPECT_TRUE(std::filesystem::is_empty(dir_.path() + "/nothing"));
+  EXPECT_FALSE(std::filesystem::exists(dir_.path() + "/nothing")) << "the folder it made is gone";
 
   // Secrets stay in their 0600 files: no log (the coordinator's, the workers', the ranks' output
   // relayed into them), no database page, no checkpoint and no `yard describe` holds a token's
@@ -288,6 +288,21 @@ TEST_F(ClusterE2eTest, TheLlamaLoraExampleFineTunesThroughYardAndExportsItsAdapt
   CommandResult again = Yard({"fetch", job, "--out", fetched});
   ExpectOneLineFailure(again);
   EXPECT_THAT(again.err, HasSubstr("exists and is not an empty folder"));
+
+  // The checkpoint folder is the job owner's: a link they put in it is never followed. A link
+  // among the files is not served; the export folder replaced by a link is not found.
+  const std::string export_dir =
+      std::filesystem::path(checkpoint).parent_path().string() + "/export";
+  std::filesystem::create_symlink("/etc/passwd", export_dir + "/passwd");
+  CommandResult linked = Yard({"fetch", job, "--out", dir_.path() + "/linked", "-o", "json"});
+  ASSERT_EQ(linked.exit_code, 0) << linked.err;
+  EXPECT_EQ(nlohmann::json::parse(linked.out)["files"].size(), 2u) << linked.out;
+  EXPECT_FALSE(std::filesystem::exists(dir_.path() + "/linked/passwd"));
+  std::filesystem::rename(export_dir, export_dir + ".real");
+  std::filesystem::create_directory_symlink(export_dir + ".real", export_dir);
+  CommandResult moved = Yard({"fetch", job, "--out", dir_.path() + "/moved"});
+  ExpectOneLineFailure(moved);
+  EXPECT_THAT(moved.err, HasSubstr("export is not in"));
 }
 
 TEST_F(ClusterE2eTest, CheckpointsOnRequestResumesAfterAKilledRankAndCancelStopsTheRanks) {

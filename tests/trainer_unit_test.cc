@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -839,6 +840,39 @@ TEST(SlotOptimizerTest, ShardsOfAFlatBufferStepAsTheWholeParameters) {
     auto refused = SlotOptimizer::Elementwise(kind, layout, shard, shard, cut);
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kDataLoss);
     EXPECT_THAT(std::string(refused.status().message()), ::testing::HasSubstr("exp_avg.absmax"));
+  }
+}
+
+// The 8-bit quantizer's table lookup finds what a search of the whole map finds: the nearest
+// value, the lower of two as near, for floats all over [-1.01, 1.01] (every 1021st bit pattern,
+// and each map's values and the midpoints between them).
+TEST(SlotOptimizerTest, TheCodeLookupFindsTheNearestValueOfTheMap) {
+  for (const bool is_signed : {true, false}) {
+    const std::array<float, 256>& map = DynamicMap(is_signed);
+    auto nearest = [&](float v) {
+      int best = 0;
+      for (int c = 1; c < 256; ++c) {
+        if (std::abs(v - map[c]) < std::abs(v - map[best])) best = c;
+      }
+      return best;
+    };
+    std::vector<float> values;
+    for (uint32_t bits = 0; bits < 0x3f820000u; bits += 1021) {  // 0 .. 1.0156
+      float v;
+      std::memcpy(&v, &bits, sizeof v);
+      values.push_back(v);
+      values.push_back(-v);
+    }
+    for (int c = 0; c < 256; ++c) {
+      values.push_back(map[c]);
+      if (c > 0) values.push_back((map[c - 1] + map[c]) / 2);
+    }
+    int checked = 0;
+    for (const float v : values) {
+      ASSERT_EQ(NearestCode(v, is_signed), nearest(v)) << v << (is_signed ? " signed" : "");
+      ++checked;
+    }
+    EXPECT_GT(checked, 2'000'000);
   }
 }
 

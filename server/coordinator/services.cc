@@ -1,9 +1,13 @@
 #include "server/coordinator/services.h"
 
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <deque>
-#include <filesystem>
-#include <fstream>
 #include <optional>
 
 #include <spdlog/spdlog.h>
@@ -432,15 +436,56 @@ class SeriesReactor final : public grpc::ServerWriteReactor<T> {
   int64_t subscription_ = 0;
 };
 
-// FetchExport: the regular files of a folder, in name order, in chunks of kExportChunkBytes,
-// one read ahead of the client (the next chunk is read when the last one is written).
+// An export folder opened for reading: its descriptor and its regular files, in name order. The
+// job's checkpoint folder belongs to the job's owner, who could put links or special files in
+// it: the folder is opened without following a link, and every file by name in it without
+// following one either, non-blocking (a FIFO answers at once), and served only when it is a
+// regular file with one link.
+struct ExportDir {
+  int fd = -1;
+  std::vector<std::string> files;
+};
+
+// Opens `name` in the folder `dirfd` (AT_FDCWD: a path) as a folder without following a link.
+int OpenFolderNoFollow(int dirfd, const std::string& name) {
+  return ::openat(dirfd, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+}
+
+absl::StatusOr<ExportDir> OpenExportDir(const std::string& job_dir) {
+  const int job_fd = OpenFolderNoFollow(AT_FDCWD, job_dir);
+  if (job_fd < 0) return absl::NotFoundError(absl::StrCat("no folder ", job_dir));
+  ExportDir out;
+  out.fd = OpenFolderNoFollow(job_fd, "export");
+  ::close(job_fd);
+  if (out.fd < 0) return absl::NotFoundError(absl::StrCat("no folder ", job_dir, "/export"));
+  const int list_fd = ::dup(out.fd);
+  DIR* dir = list_fd < 0 ? nullptr : ::fdopendir(list_fd);
+  if (dir == nullptr) {
+    if (list_fd >= 0) ::close(list_fd);
+    ::close(out.fd);
+    return absl::InternalError(absl::StrCat("cannot list ", job_dir, "/export"));
+  }
+  while (const dirent* entry = ::readdir(dir)) {
+    struct stat st;
+    if (::fstatat(out.fd, entry->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode)) {
+      out.files.emplace_back(entry->d_name);
+    }
+  }
+  ::closedir(dir);  // closes list_fd
+  std::sort(out.files.begin(), out.files.end());
+  return out;
+}
+
+// FetchExport: an ExportDir's files in chunks of kExportChunkBytes, one read ahead of the client
+// (the next chunk is read when the last one is written).
 class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportChunk> {
  public:
   static constexpr int64_t kExportChunkBytes = 1 << 20;
 
-  ExportReactor(std::string dir, std::vector<std::string> files)
-      : dir_(std::move(dir)), files_(std::move(files)) {
-    Next();
+  explicit ExportReactor(ExportDir dir) : dir_(std::move(dir)) { Next(); }
+  ~ExportReactor() override {
+    if (file_fd_ >= 0) ::close(file_fd_);
+    ::close(dir_.fd);
   }
 
   void OnWriteDone(bool ok) override {
@@ -455,46 +500,51 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportChunk> {
  private:
   // Writes the next chunk, or finishes.
   void Next() {
-    while (file_ < files_.size()) {
-      const std::string path = dir_ + "/" + files_[file_];
-      if (!in_.is_open()) {
-        in_.open(path, std::ios::binary);
-        std::error_code ec;
-        size_ = static_cast<int64_t>(std::filesystem::file_size(path, ec));
-        if (!in_ || ec) {
-          Finish(grpc::Status(grpc::StatusCode::INTERNAL,
-                              absl::StrCat("cannot read the export's ", files_[file_])));
-          return;
-        }
-        offset_ = 0;
-      }
-      const int64_t want = std::min(kExportChunkBytes, size_ - offset_);
-      chunk_.Clear();
-      chunk_.set_file(files_[file_]);
-      chunk_.set_file_size(size_);
-      chunk_.set_offset(offset_);
-      std::string* data = chunk_.mutable_data();
-      data->resize(static_cast<size_t>(want));
-      if (want > 0 && !in_.read(data->data(), want)) {
-        Finish(grpc::Status(grpc::StatusCode::INTERNAL,
-                            absl::StrCat("the export's ", files_[file_], " changed while read")));
-        return;
-      }
-      offset_ += want;
-      if (offset_ >= size_) {  // the file's last chunk (an empty file's only one)
-        in_.close();
-        ++file_;
-      }
-      StartWrite(&chunk_);
+    if (file_ >= dir_.files.size()) {
+      Finish(grpc::Status::OK);
       return;
     }
-    Finish(grpc::Status::OK);
+    const std::string& name = dir_.files[file_];
+    if (file_fd_ < 0) {
+      file_fd_ = ::openat(dir_.fd, name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+      struct stat st;
+      if (file_fd_ < 0 || ::fstat(file_fd_, &st) != 0 || !S_ISREG(st.st_mode) || st.st_nlink != 1) {
+        Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                            absl::StrCat("the export's ", name, " is not a plain file")));
+        return;
+      }
+      size_ = st.st_size;
+      offset_ = 0;
+    }
+    const int64_t want = std::min(kExportChunkBytes, size_ - offset_);
+    chunk_.Clear();
+    chunk_.set_file(name);
+    chunk_.set_file_size(size_);
+    chunk_.set_offset(offset_);
+    std::string* data = chunk_.mutable_data();
+    data->resize(static_cast<size_t>(want));
+    for (int64_t got = 0; got < want;) {
+      const ssize_t n = ::pread(file_fd_, data->data() + got, static_cast<size_t>(want - got),
+                                static_cast<off_t>(offset_ + got));
+      if (n <= 0 && !(n < 0 && errno == EINTR)) {
+        Finish(grpc::Status(grpc::StatusCode::INTERNAL,
+                            absl::StrCat("the export's ", name, " changed while read")));
+        return;
+      }
+      if (n > 0) got += n;
+    }
+    offset_ += want;
+    if (offset_ >= size_) {  // the file's last chunk (an empty file's only one)
+      ::close(file_fd_);
+      file_fd_ = -1;
+      ++file_;
+    }
+    StartWrite(&chunk_);
   }
 
-  const std::string dir_;
-  const std::vector<std::string> files_;
+  ExportDir dir_;
   size_t file_ = 0;
-  std::ifstream in_;
+  int file_fd_ = -1;
   int64_t size_ = 0, offset_ = 0;
   v1::ExportChunk chunk_;
 };
@@ -664,22 +714,16 @@ grpc::ServerWriteReactor<v1::ExportChunk>* JobServiceImpl::FetchExport(
         absl::StrCat(request->job_id(), " is ", v1::JobState_Name(job->state()),
                      ": its export is written when it succeeds")));
   }
-  // The export's files: regular files directly in the folder (never links, nor what they name).
-  const std::string dir = jobs_.CheckpointDir(request->job_id()) + "/export";
-  std::vector<std::string> files;
-  std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
-    if (entry.is_regular_file(ec) && !entry.is_symlink(ec)) {
-      files.push_back(entry.path().filename().string());
-    }
+  const std::string job_dir = jobs_.CheckpointDir(request->job_id());
+  absl::StatusOr<ExportDir> dir = OpenExportDir(job_dir);
+  if (!dir.ok() || dir->files.empty()) {
+    if (dir.ok()) ::close(dir->fd);
+    return refuse(
+        absl::NotFoundError(absl::StrCat(request->job_id(), "'s export is not in ", job_dir,
+                                         "/export (the trainer writes it there)")));
   }
-  if (ec || files.empty()) {
-    return refuse(absl::NotFoundError(absl::StrCat(request->job_id(), "'s export is not in ", dir,
-                                                   " (the trainer writes it there)")));
-  }
-  std::sort(files.begin(), files.end());
   Audit(caller, "FetchExport", request->job_id(), absl::OkStatus());
-  return new ExportReactor(dir, std::move(files));
+  return new ExportReactor(*std::move(dir));
 }
 
 grpc::ServerWriteReactor<v1::StepReport>* JobServiceImpl::StreamMetrics(

@@ -209,6 +209,8 @@ OptimizerHyper HyperFor(OptimizerKind kind, double weight_decay) {
   return h;
 }
 
+uint8_t NearestCode(float v, bool is_signed) { return Codes(is_signed).Nearest(v); }
+
 const std::array<float, 256>& DynamicMap(bool is_signed) {
   static const auto* const kSigned = new std::array<float, 256>(BuildDynamicMap(true));
   static const auto* const kUnsigned = new std::array<float, 256>(BuildDynamicMap(false));

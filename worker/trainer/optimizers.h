@@ -61,6 +61,8 @@ inline constexpr int64_t k8bitMinSize = 4096;
 
 // bitsandbytes' create_dynamic_map(signed) (sorted, 256 values in [-1, 1]).
 const std::array<float, 256>& DynamicMap(bool is_signed);
+// The index of DynamicMap(is_signed)'s value nearest v (the lower index of two as near).
+uint8_t NearestCode(float v, bool is_signed);
 
 // A tensor the optimizer updates: fp32, contiguous, its .grad() what a step applies (an undefined
 // gradient counts as zero). `begin` is where it starts in the buffer its parameters are laid out

@@ -4,6 +4,7 @@
 #include "worker/trainer/trainer.h"
 
 #include <signal.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <csignal>
@@ -125,15 +126,18 @@ absl::Status WriteJobExport(const ModelConfig& m, const LoraConfig& lora, Langua
   if (checkpoint_dir.empty()) {
     return absl::FailedPreconditionError("checkpoint.export: the trainer has no --checkpoint-dir");
   }
-  const std::string tmp = checkpoint_dir + "/.export.tmp", final_dir = checkpoint_dir + "/export";
+  // Of this process: an earlier attempt's rank 0 may still be writing its own.
+  const std::string tmp = absl::StrCat(checkpoint_dir, "/.export.tmp-", ::getpid());
+  const std::string final_dir = checkpoint_dir + "/export";
   std::error_code ec;
   fs::remove_all(tmp, ec);
   fs::create_directories(tmp, ec);
   if (ec) return absl::InternalError(absl::StrCat("cannot create '", tmp, "': ", ec.message()));
   RETURN_IF_ERROR(ExportModel(m, lora, model, format == ExportFormat::kHfMerged, tmp));
-  for (const auto& entry : fs::directory_iterator(tmp, ec)) {
-    if (entry.is_regular_file(ec)) RETURN_IF_ERROR(SyncPath(entry.path().string()));
+  for (fs::directory_iterator it(tmp, ec), end; !ec && it != end; it.increment(ec)) {
+    RETURN_IF_ERROR(SyncPath(it->path().string()));
   }
+  if (ec) return absl::InternalError(absl::StrCat("cannot list '", tmp, "': ", ec.message()));
   RETURN_IF_ERROR(SyncPath(tmp));
   fs::remove_all(final_dir, ec);
   if (::rename(tmp.c_str(), final_dir.c_str()) != 0) {
@@ -147,6 +151,9 @@ absl::Status Train(const TrainerOptions& o) {
   ModelConfig m = spec.model;
   const TrainConfig& t = spec.train;
   const bool rank0 = o.rank == 0;
+  if (spec.export_format != ExportFormat::kNone && o.checkpoint_dir.empty()) {
+    return absl::FailedPreconditionError("checkpoint.export: the trainer has no --checkpoint-dir");
+  }
 
   // A Hugging Face checkpoint: its config.json gives the sizes the spec left out, and every
   // tensor is checked (names, shapes, dtypes; headers only) before any rank waits for another.
