@@ -162,45 +162,33 @@ std::vector<std::vector<int64_t>> TrainedParameterShapes(const ModelConfig& m,
 int64_t OptimizerStateBytes(OptimizerKind kind, const std::vector<std::vector<int64_t>>& shapes,
                             int64_t shards) {
   shards = std::max<int64_t>(1, shards);
-  int64_t numel = 0, factored = 0;
+  auto per_rank = [shards](int64_t n) { return (n + shards - 1) / shards; };
+  // 8-bit AdamW: parameters of 4096 elements or more (bitsandbytes' min_8bit_size) keep a byte
+  // per moment per element and an fp32 absmax per 256-element block of each; smaller ones fp32
+  // moments. Whole parameters count their own blocks (`blocks`); under FSDP each rank holds its
+  // shard's share, with a byte per moment for every element of a shard that holds part of a large
+  // parameter.
+  int64_t numel = 0, factored = 0, small = 0, large = 0, blocks = 0;
   for (const auto& shape : shapes) {
     int64_t n = 1;
     for (int64_t s : shape) n *= s;
     if (n == 0) continue;  // sizes not known yet (a checkpoint's, read by the trainer)
     numel += n;
     factored += shape.size() >= 2 ? n / shape.back() + n / shape[shape.size() - 2] : n;
+    (n >= 4096 ? large : small) += n;
+    if (n >= 4096) blocks += (n + 255) / 256;
   }
-  const int64_t local = (numel + shards - 1) / shards;
   switch (kind) {
     case OptimizerKind::kAdamW:
-      return 8 * local;
+      return 8 * per_rank(numel);
     case OptimizerKind::kLion:
-      return 4 * local;
+      return 4 * per_rank(numel);
     case OptimizerKind::kAdafactor:
-      return 4 * factored;
-    case OptimizerKind::kAdamW8bit: {
-      // Parameters of 4096 elements or more (bitsandbytes' min_8bit_size): a byte per moment per
-      // element and an fp32 absmax per 256-element block of each; smaller ones: fp32 moments.
-      // Under FSDP each rank holds its shard's share, with a byte per moment for every element
-      // of a shard that holds part of a large parameter.
-      int64_t small = 0, large = 0;
-      for (const auto& shape : shapes) {
-        int64_t n = 1;
-        for (int64_t s : shape) n *= s;
-        (n >= 4096 ? large : small) += n;
-      }
-      if (shards == 1) {
-        int64_t total = 8 * small;
-        for (const auto& shape : shapes) {
-          int64_t n = 1;
-          for (int64_t s : shape) n *= s;
-          if (n >= 4096) total += 2 * n + 2 * 4 * ((n + 255) / 256);
-        }
-        return total;
-      }
-      return (large > 0 ? 2 * local : 0) + 8 * ((small + shards - 1) / shards) +
-             2 * 4 * ((large + 256 * shards - 1) / (256 * shards));
-    }
+      return 4 * factored;  // replicated, not sharded
+    case OptimizerKind::kAdamW8bit:
+      if (shards == 1) return 2 * large + 8 * blocks + 8 * small;
+      return (large > 0 ? 2 * per_rank(numel) : 0) + 8 * per_rank(small) +
+             8 * per_rank((large + 255) / 256);
   }
   return 0;
 }

@@ -226,13 +226,9 @@ absl::Status FsdpModel::Build(bool from_rank0) {
       continue;
     }
     const FlatParam& f = Flat(i);
-    OptimizerSlot slot;
-    slot.param = f.shard;
-    slot.begin = single_shard() ? 0 : shard_.rank() * f.shard_numel;
-    for (const FsdpLayout::Param& p : layout_.units[i].params)
-      slot.params.push_back({p.shape, p.offset});
     slot_of_flat_.push_back(static_cast<int>(slots.size()));
-    slots.push_back(std::move(slot));
+    slots.push_back({f.shard, single_shard() ? 0 : shard_.rank() * f.shard_numel,
+                     OptimizerParams(layout_.units[i])});
   }
   optimizer_ = std::make_unique<SlotOptimizer>(config_.optimizer, std::move(slots), &shard_);
   comm_thread_ = std::make_unique<CommThread>();
@@ -492,6 +488,12 @@ void FsdpModel::GatherFullParameters() {
 
 int64_t FsdpModel::bytes_sent() const {
   return shard_.bytes_sent() + (replica_ != nullptr ? replica_->bytes_sent() : 0);
+}
+
+std::vector<OptimizerSlot::Param> OptimizerParams(const FsdpLayout::Unit& unit) {
+  std::vector<OptimizerSlot::Param> out;
+  for (const FsdpLayout::Param& p : unit.params) out.push_back({p.shape, p.offset});
+  return out;
 }
 
 FsdpShardState FsdpModel::ExportState() {

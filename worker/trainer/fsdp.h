@@ -95,6 +95,9 @@ struct FsdpLayout {
   std::vector<Unit> units;
 };
 
+// A flat buffer's parameters as the optimizer sees them (shape, offset in the buffer).
+std::vector<OptimizerSlot::Param> OptimizerParams(const FsdpLayout::Unit& unit);
+
 // One rank's optimizer-visible state: per flat buffer (as FsdpLayout lists them) its parameter
 // shard (padded shard length) and its optimizer state by name (SlotOptimizer::State; empty
 // before the first step and for frozen buffers).
@@ -148,7 +151,7 @@ class FsdpModel : public BlockHooks {
   FsdpShardState ExportState();
   // Installs shards and optimizer state (when there is some) of this rank's padded shard length.
   absl::Status ImportState(const FsdpShardState& state);
-  OptimizerKind optimizer_kind() const { return config_.optimizer.kind; }
+  const OptimizerHyper& optimizer() const { return config_.optimizer; }
   // Flat buffers, as FsdpLayout lists them.
   int num_flats() const { return static_cast<int>(flats_.size()); }
   int64_t shard_numel(int flat) const { return Flat(flat).shard_numel; }

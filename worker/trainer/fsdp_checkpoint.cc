@@ -39,7 +39,8 @@ absl::Status Agree(Communicator& world, absl::Status mine) {
   return absl::OkStatus();
 }
 
-json ManifestJson(const FsdpModel& fsdp, int64_t step, const AdamHyper& adam) {
+json ManifestJson(const FsdpModel& fsdp, int64_t step, double lr) {
+  const OptimizerHyper& hyper = fsdp.optimizer();
   json units = json::array();
   for (const FsdpLayout::Unit& u : fsdp.layout().units) {
     json params = json::array();
@@ -54,21 +55,21 @@ json ManifestJson(const FsdpModel& fsdp, int64_t step, const AdamHyper& adam) {
   return {{"format", kFormat},
           {"step", step},
           {"shard_count", fsdp.shard_count()},
-          {"optimizer", Name(fsdp.optimizer_kind())},
-          {"adam",
-           {{"lr", adam.lr},
-            {"beta1", adam.beta1},
-            {"beta2", adam.beta2},
-            {"eps", adam.eps},
-            {"weight_decay", adam.weight_decay}}},
+          {"optimizer", Name(hyper.kind)},
+          {"adam",  // the optimizer's hyper-parameters (named so before train.optimizer)
+           {{"lr", lr},
+            {"beta1", hyper.beta1},
+            {"beta2", hyper.beta2},
+            {"eps", hyper.eps},
+            {"weight_decay", hyper.weight_decay}}},
           {"units", units}};
 }
 
 struct Manifest {
   int64_t step = 0;
   int shard_count = 0;
-  OptimizerKind optimizer = OptimizerKind::kAdamW;  // checkpoints before train.optimizer: AdamW
-  AdamHyper adam;
+  OptimizerHyper optimizer;  // checkpoints before train.optimizer: AdamW
+  double lr = 0;
   FsdpLayout layout;
 };
 
@@ -93,7 +94,7 @@ absl::StatusOr<Manifest> ReadManifest(const std::string& path) {
     for (OptimizerKind k : {OptimizerKind::kAdamW, OptimizerKind::kAdafactor, OptimizerKind::kLion,
                             OptimizerKind::kAdamW8bit}) {
       if (optimizer == Name(k)) {
-        m.optimizer = k;
+        m.optimizer.kind = k;
         known = true;
       }
     }
@@ -101,9 +102,11 @@ absl::StatusOr<Manifest> ReadManifest(const std::string& path) {
       return absl::DataLossError(absl::StrCat("'", file, "': unknown optimizer ", optimizer));
     }
     const json& a = j.at("adam");
-    m.adam = AdamHyper{a.at("lr").get<double>(), a.at("beta1").get<double>(),
-                       a.at("beta2").get<double>(), a.at("eps").get<double>(),
-                       a.at("weight_decay").get<double>()};
+    m.lr = a.at("lr").get<double>();
+    m.optimizer.beta1 = a.at("beta1").get<double>();
+    m.optimizer.beta2 = a.at("beta2").get<double>();
+    m.optimizer.eps = a.at("eps").get<double>();
+    m.optimizer.weight_decay = a.at("weight_decay").get<double>();
     for (const json& ju : j.at("units")) {
       FsdpLayout::Unit u;
       u.numel = ju.at("numel").get<int64_t>();
@@ -160,19 +163,11 @@ std::string LayoutDifference(const FsdpLayout& saved, const FsdpLayout& model) {
   return "";
 }
 
-// The parameters of a flat buffer as the optimizer sees them.
-std::vector<OptimizerSlot::Param> SlotParams(const FsdpLayout::Unit& unit) {
-  std::vector<OptimizerSlot::Param> out;
-  for (const FsdpLayout::Param& p : unit.params) out.push_back({p.shape, p.offset});
-  return out;
-}
-
 // The optimizer state of flat buffer `u` in a shard file, by name (SlotOptimizer::State).
 std::map<std::string, torch::Tensor> ReadOptimizerState(torch::serialize::InputArchive& archive,
                                                         size_t u) {
   std::map<std::string, torch::Tensor> state;
-  for (const char* name : {"exp_avg", "exp_avg_sq", "exp_avg.codes", "exp_avg.absmax",
-                           "exp_avg_sq.codes", "exp_avg_sq.absmax", "factors"}) {
+  for (const std::string& name : SlotOptimizer::StateNames()) {
     torch::Tensor t;
     if (archive.try_read(absl::StrCat("u", u, ".", name), t)) state[name] = t;
   }
@@ -196,7 +191,7 @@ void CopyOverlap(const torch::Tensor& old_shard, int k, int old_count, torch::Te
 
 absl::StatusOr<CheckpointInfo> WriteShardedCheckpoint(const std::string& dir, int64_t step,
                                                       FsdpModel& fsdp, Communicator& world,
-                                                      const AdamHyper& adam) {
+                                                      double lr) {
   const bool rank0 = world.rank() == 0;
   const std::string name = absl::StrCat("step-", step);
   const std::string final_path = dir + "/" + name;
@@ -235,9 +230,9 @@ absl::StatusOr<CheckpointInfo> WriteShardedCheckpoint(const std::string& dir, in
     }
     RETURN_IF_ERROR(Agree(world, s));
     if (rank0) {
-      s = WriteSyncedFile(tmp + "/manifest.json", ManifestJson(fsdp, step, adam).dump(1) + "\n");
+      s = WriteSyncedFile(tmp + "/manifest.json", ManifestJson(fsdp, step, lr).dump(1) + "\n");
       if (s.ok())
-        s = WriteSyncedFile(tmp + "/meta.json", MetaJson(step, Name(fsdp.optimizer_kind())));
+        s = WriteSyncedFile(tmp + "/meta.json", MetaJson(step, Name(fsdp.optimizer().kind)));
       if (s.ok()) s = SyncPath(tmp);
       if (s.ok()) {
         std::error_code ec;
@@ -266,10 +261,10 @@ absl::StatusOr<std::optional<CheckpointInfo>> LoadLatestShardedCheckpoint(const 
     return absl::FailedPreconditionError(
         absl::StrCat("checkpoint '", path, "' does not fit the model: ", diff));
   }
-  if (m.optimizer != fsdp.optimizer_kind()) {
+  if (m.optimizer.kind != fsdp.optimizer().kind) {
     return absl::FailedPreconditionError(
-        absl::StrCat("checkpoint '", path, "' was written with train.optimizer ", Name(m.optimizer),
-                     "; this job's is ", Name(fsdp.optimizer_kind())));
+        absl::StrCat("checkpoint '", path, "' was written with train.optimizer ",
+                     Name(m.optimizer.kind), "; this job's is ", Name(fsdp.optimizer().kind)));
   }
   const int me = fsdp.shard_rank(), count = fsdp.shard_count();
   const int units = fsdp.num_flats();
@@ -301,8 +296,8 @@ absl::StatusOr<std::optional<CheckpointInfo>> LoadLatestShardedCheckpoint(const 
         // the new blocks) copied where the shards overlap; Adafactor's factors are whole.
         const int64_t old_shard = (numel + m.shard_count - 1) / m.shard_count;
         absl::StatusOr<std::map<std::string, torch::Tensor>> elementwise =
-            SlotOptimizer::Elementwise(m.optimizer, SlotParams(m.layout.units[u]), k * old_shard,
-                                       old_shard, saved);
+            SlotOptimizer::Elementwise(m.optimizer.kind, OptimizerParams(m.layout.units[u]),
+                                       k * old_shard, old_shard, saved);
         if (!elementwise.ok()) {
           return absl::DataLossError(absl::StrCat("cannot load checkpoint '", path, "': unit ", u,
                                                   " of shard ", k, ": ",
@@ -360,8 +355,8 @@ absl::StatusOr<CheckpointInfo> ConsolidateShardedCheckpoint(const std::string& s
         CopyOverlap(t, k, m.shard_count, flat[u], 0, 1, numel);
         const int64_t old_shard = (numel + m.shard_count - 1) / m.shard_count;
         absl::StatusOr<std::map<std::string, torch::Tensor>> elementwise =
-            SlotOptimizer::Elementwise(m.optimizer, SlotParams(m.layout.units[u]), k * old_shard,
-                                       old_shard, ReadOptimizerState(archive, u));
+            SlotOptimizer::Elementwise(m.optimizer.kind, OptimizerParams(m.layout.units[u]),
+                                       k * old_shard, old_shard, ReadOptimizerState(archive, u));
         if (!elementwise.ok()) {
           return absl::DataLossError(absl::StrCat("cannot consolidate '", sharded, "': unit ", u,
                                                   " of shard ", k, ": ",
@@ -423,13 +418,8 @@ absl::StatusOr<CheckpointInfo> ConsolidateShardedCheckpoint(const std::string& s
       optimized.push_back(params[i]);
       optimized_index.push_back(i);
     }
-    OptimizerHyper hyper;
-    hyper.kind = m.optimizer;
-    hyper.beta1 = m.adam.beta1;
-    hyper.beta2 = m.adam.beta2;
-    hyper.eps = m.adam.eps;
-    hyper.weight_decay = m.adam.weight_decay;
-    std::unique_ptr<torch::optim::Optimizer> optimizer = MakeOptimizer(optimized, hyper, m.adam.lr);
+    std::unique_ptr<torch::optim::Optimizer> optimizer =
+        MakeOptimizer(optimized, m.optimizer, m.lr);
     if (optimizer_step > 0) {
       for (size_t j = 0; j < optimized.size(); ++j) {
         const auto& st = param_state[optimized_index[j]];
@@ -463,7 +453,7 @@ absl::StatusOr<CheckpointInfo> ConsolidateShardedCheckpoint(const std::string& s
   for (const char* file : {"/model.pt", "/optimizer.pt", "/rng.pt"}) {
     RETURN_IF_ERROR(SyncPath(tmp + file));
   }
-  RETURN_IF_ERROR(WriteSyncedFile(tmp + "/meta.json", MetaJson(m.step, Name(m.optimizer))));
+  RETURN_IF_ERROR(WriteSyncedFile(tmp + "/meta.json", MetaJson(m.step, Name(m.optimizer.kind))));
   RETURN_IF_ERROR(SyncPath(tmp));
   std::error_code ec;
   fs::remove_all(final_path, ec);

@@ -35,15 +35,12 @@
 
 namespace trainyard::trainer {
 
-// Hyper-parameters a consolidated checkpoint's optimizer needs (the DDP trainer's AdamW).
-struct AdamHyper {
-  double lr = 0, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0;
-};
-
-// Every rank calls it after the step's optimizer update; `world` is every rank.
+// Every rank calls it after the step's optimizer update; `world` is every rank. The manifest
+// records `fsdp`'s optimizer and its hyper-parameters, and the job's learning rate `lr`, which a
+// consolidated checkpoint's optimizer is built with.
 absl::StatusOr<CheckpointInfo> WriteShardedCheckpoint(const std::string& dir, int64_t step,
                                                       FsdpModel& fsdp, Communicator& world,
-                                                      const AdamHyper& adam);
+                                                      double lr);
 
 // Loads DIR/latest into `fsdp`'s shards (and the RNG); nullopt when there is none.
 // FAILED_PRECONDITION for a checkpoint of another model or a DDP-format one.

@@ -80,7 +80,7 @@ std::array<float, 256> BuildDynamicMap(bool is_signed) {
 // map at most `steps_` codes (one or two, for these maps) above lo_[key].
 class CodeIndex {
  public:
-  explicit CodeIndex(const std::array<float, 256>& map) {
+  explicit CodeIndex(const std::array<float, 256>& map) : map_(map) {
     // ext_[1 + c] is code c's value; the infinities at either end make the search branch-free.
     ext_[0] = -std::numeric_limits<float>::infinity();
     std::copy(map.begin(), map.end(), ext_.begin() + 1);
@@ -107,6 +107,8 @@ class CodeIndex {
     return static_cast<uint8_t>(i - 1);
   }
 
+  const std::array<float, 256>& map() const { return map_; }
+
  private:
   static constexpr int kShift = 17;
   static constexpr uint32_t kKeys = uint32_t{1} << (32 - kShift);
@@ -123,6 +125,7 @@ class CodeIndex {
                             ext_.begin());
   }
 
+  std::array<float, 256> map_;
   std::array<float, 258> ext_{};
   std::array<uint16_t, kKeys> lo_{};
   int steps_ = 0;  // the most codes a key's range spans
@@ -211,11 +214,7 @@ OptimizerHyper HyperFor(OptimizerKind kind, double weight_decay) {
 
 uint8_t NearestCode(float v, bool is_signed) { return Codes(is_signed).Nearest(v); }
 
-const std::array<float, 256>& DynamicMap(bool is_signed) {
-  static const auto* const kSigned = new std::array<float, 256>(BuildDynamicMap(true));
-  static const auto* const kUnsigned = new std::array<float, 256>(BuildDynamicMap(false));
-  return is_signed ? *kSigned : *kUnsigned;
-}
+const std::array<float, 256>& DynamicMap(bool is_signed) { return Codes(is_signed).map(); }
 
 struct SlotOptimizer::SlotState {
   torch::Tensor m, v;  // fp32: [n] adamw, lion (m); 8-bit: [Pieces::fp32] (small parameters)
@@ -504,55 +503,48 @@ void SlotOptimizer::StepAdafactor(double lr, double grad_scale) {
   }
   if (group_ != nullptr && group_->world_size() > 1) group_->AllReduceSum({sums})->Wait();
 
-  // The factors' moving averages (every parameter of the buffer, on every rank of the group), and
-  // each matrix's row means.
+  // The factors' moving averages (every parameter of the buffer, on every rank of the group);
+  // then, for the parts this slot holds, their reciprocal square roots: of a matrix's rows over
+  // their mean, then of its columns (transformers' _approx_sq_grad factors), or of a vector's
+  // second moment.
   const auto beta2t =
       static_cast<float>(1.0 - std::pow(static_cast<double>(step_), kAdafactorDecay));
   const auto eps1 = static_cast<float>(kAdafactorEps1);
-  std::vector<std::vector<std::vector<float>>> row_means(num_slots());
+  std::vector<std::vector<std::vector<float>>> rsqrt(num_slots());
   for (int i = 0; i < num_slots(); ++i) {
-    row_means[i].resize(parts[i].size());
+    rsqrt[i].resize(parts[i].size());
     if (skipped(i)) continue;
     float* fac = state_[i]->factors.data_ptr<float>();
     const double* sum = sums.data_ptr<double>() + factor_base[i];
     for (size_t j = 0; j < parts[i].size(); ++j) {
       const Part& part = parts[i][j];
       const Factored& f = part.f;
-      auto blend = [&](int64_t idx, int64_t count) {
-        const float mean = static_cast<float>(sum[idx] / static_cast<double>(count)) + eps1;
-        fac[idx] = fac[idx] * beta2t + mean * (1.0f - beta2t);
-      };
-      if (!f.matrix) {
-        for (int64_t x = 0; x < f.cols; ++x) blend(part.foff + x, 1);
-        continue;
+      float* mine = fac + part.foff;
+      const double* summed = sum + part.foff;
+      // Rows and vector elements are means over a row's columns (a vector's: itself), columns
+      // over a column's rows.
+      const int64_t rows = f.matrix ? f.lead * f.rows : f.cols;
+      for (int64_t x = 0; x < f.numel(); ++x) {
+        const int64_t count = !f.matrix ? 1 : x < rows ? f.cols : f.rows;
+        const float mean = static_cast<float>(summed[x] / static_cast<double>(count)) + eps1;
+        mine[x] = mine[x] * beta2t + mean * (1.0f - beta2t);
       }
-      for (int64_t x = 0; x < f.lead * f.rows; ++x) blend(part.foff + x, f.cols);
-      for (int64_t x = 0; x < f.lead * f.cols; ++x) blend(part.foff + f.lead * f.rows + x, f.rows);
-      for (int64_t l = 0; l < f.lead; ++l) {
-        double total = 0;
-        for (int64_t r = 0; r < f.rows; ++r) total += fac[part.foff + l * f.rows + r];
-        row_means[i][j].push_back(static_cast<float>(total / static_cast<double>(f.rows)));
-      }
-    }
-  }
-  // Each part's reciprocal square roots: of a matrix's rows over their mean, then of its columns
-  // (transformers' _approx_sq_grad factors), or of a vector's second moment.
-  std::vector<std::vector<std::vector<float>>> rsqrt(num_slots());
-  for (int i = 0; i < num_slots(); ++i) {
-    rsqrt[i].resize(parts[i].size());
-    if (!grads[i].defined()) continue;
-    const float* fac = state_[i]->factors.data_ptr<float>();
-    for (size_t j = 0; j < parts[i].size(); ++j) {
-      const Part& part = parts[i][j];
-      if (part.lo >= part.hi) continue;
-      const Factored& f = part.f;
+      if (!grads[i].defined() || part.lo >= part.hi) continue;
       std::vector<float>& out = rsqrt[i][j];
       out.resize(static_cast<size_t>(f.numel()));
-      for (int64_t x = 0; x < f.numel(); ++x) {
-        const float v = fac[part.foff + x];
-        out[x] = f.matrix && x < f.lead * f.rows ? 1.0f / std::sqrt(v / row_means[i][j][x / f.rows])
-                                                 : 1.0f / std::sqrt(v);
+      if (!f.matrix) {
+        for (int64_t x = 0; x < f.numel(); ++x) out[x] = 1.0f / std::sqrt(mine[x]);
+        continue;
       }
+      for (int64_t l = 0; l < f.lead; ++l) {
+        double total = 0;
+        for (int64_t r = 0; r < f.rows; ++r) total += mine[l * f.rows + r];
+        const auto row_mean = static_cast<float>(total / static_cast<double>(f.rows));
+        for (int64_t r = 0; r < f.rows; ++r) {
+          out[l * f.rows + r] = 1.0f / std::sqrt(mine[l * f.rows + r] / row_mean);
+        }
+      }
+      for (int64_t x = rows; x < f.numel(); ++x) out[x] = 1.0f / std::sqrt(mine[x]);
     }
   }
   // Calls u(e, update) for the unscaled updates of elements [first, end) of a part, the first at
@@ -633,6 +625,13 @@ void SlotOptimizer::StepAdafactor(double lr, double grad_scale) {
 void SlotOptimizer::SetStep(int64_t step) {
   if (!initialized_) Initialize();
   step_ = step;
+}
+
+const std::vector<std::string>& SlotOptimizer::StateNames() {
+  static const auto* const kNames = new std::vector<std::string>{
+      "exp_avg",          "exp_avg_sq",        "exp_avg.codes", "exp_avg.absmax",
+      "exp_avg_sq.codes", "exp_avg_sq.absmax", "factors"};
+  return *kNames;
 }
 
 std::map<std::string, torch::Tensor> SlotOptimizer::State(int i) const {
@@ -825,8 +824,7 @@ void ParameterOptimizer::load(torch::serialize::InputArchive& archive) {
   if (step.item<int64_t>() == 0) return;
   for (int i = 0; i < core_.num_slots(); ++i) {
     std::map<std::string, torch::Tensor> state;
-    for (const char* name : {"exp_avg", "exp_avg_sq", "exp_avg.codes", "exp_avg.absmax",
-                             "exp_avg_sq.codes", "exp_avg_sq.absmax", "factors"}) {
+    for (const std::string& name : SlotOptimizer::StateNames()) {
       torch::Tensor t;
       if (archive.try_read(absl::StrCat(i, ".", name), t)) state[name] = t;
     }

@@ -95,7 +95,6 @@ class SlotOptimizer {
   // Sets the step count (a resumed run's), creating the state if it is not there yet.
   void SetStep(int64_t step);
   int num_slots() const { return static_cast<int>(slots_.size()); }
-  const OptimizerSlot& slot(int i) const { return slots_[i]; }
 
   // The state of slot `i` as checkpoints hold it, by name (empty before the first step):
   //   adamw: exp_avg, exp_avg_sq; lion: exp_avg; adafactor: factors (per parameter of the
@@ -104,6 +103,8 @@ class SlotOptimizer {
   //   in order) and, when the slot holds part of a larger one, exp_avg.codes, exp_avg_sq.codes
   //   (uint8 [n]), exp_avg.absmax, exp_avg_sq.absmax (fp32, per block).
   std::map<std::string, torch::Tensor> State(int i) const;
+  // Every name State may use, for readers of checkpoints.
+  static const std::vector<std::string>& StateNames();
   // Installs state of that form at optimizer step `step`. 8-bit slots also take the elementwise
   // fp32 exp_avg and exp_avg_sq of Elementwise (quantized here). INVALID_ARGUMENT naming the tensor
   // if a name or size is wrong.

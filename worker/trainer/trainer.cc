@@ -118,14 +118,11 @@ absl::Status ExportModel(const ModelConfig& m, const LoraConfig& lora, LanguageM
   return ExportHfModel(m, lora, model, out_dir);
 }
 
-// checkpoint.export at the end of a run: written into DIR/.export.tmp, every file fsynced, then
+// checkpoint.export at the end of a run: written into DIR/.export.tmp-PID, every file fsynced, then
 // renamed to DIR/export (replacing an earlier attempt's), which `yard fetch` serves.
 absl::Status WriteJobExport(const ModelConfig& m, const LoraConfig& lora, LanguageModel& model,
                             ExportFormat format, const std::string& checkpoint_dir) {
   namespace fs = std::filesystem;
-  if (checkpoint_dir.empty()) {
-    return absl::FailedPreconditionError("checkpoint.export: the trainer has no --checkpoint-dir");
-  }
   // Of this process: an earlier attempt's rank 0 may still be writing its own.
   const std::string tmp = absl::StrCat(checkpoint_dir, "/.export.tmp-", ::getpid());
   const std::string final_dir = checkpoint_dir + "/export";
@@ -269,7 +266,6 @@ absl::Status Train(const TrainerOptions& o) {
   // train.optimizer (AdamW's betas (0.9, 0.95) as in GPT-3 / nanoGPT); weight decay on every
   // parameter that trains.
   const OptimizerHyper hyper = HyperFor(t.optimizer, t.weight_decay);
-  const AdamHyper adam{t.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay};
   std::unique_ptr<FsdpModel> fsdp;
   std::unique_ptr<torch::optim::Optimizer> optimizer_holder;
   int64_t step = 0;
@@ -311,10 +307,10 @@ absl::Status Train(const TrainerOptions& o) {
     OffloadConfig config;
     config.servers.job_id = o.job_id;
     config.servers.attempt = o.attempt;
-    config.servers.beta1 = adam.beta1;
-    config.servers.beta2 = adam.beta2;
-    config.servers.eps = adam.eps;
-    config.servers.weight_decay = adam.weight_decay;
+    config.servers.beta1 = hyper.beta1;
+    config.servers.beta2 = hyper.beta2;
+    config.servers.eps = hyper.eps;
+    config.servers.weight_decay = hyper.weight_decay;
     config.servers.rpc_timeout = absl::Seconds(o.ps_rpc_timeout_s);
     config.servers.tcp_congestion = o.ps_tcp_congestion;
     config.servers.transport = o.ps_transport;
@@ -514,7 +510,7 @@ absl::Status Train(const TrainerOptions& o) {
     if (checkpoint && fsdp) {
       // Every rank writes its shard; rank 0 the manifest.
       ASSIGN_OR_RETURN(CheckpointInfo info,
-                       WriteShardedCheckpoint(o.checkpoint_dir, step, *fsdp, *comm, adam));
+                       WriteShardedCheckpoint(o.checkpoint_dir, step, *fsdp, *comm, t.lr));
       if (rank0) {
         Log(absl::StrCat("checkpoint step ", info.step, " path ", info.path, " bytes ", info.bytes,
                          " (sharded)"));
