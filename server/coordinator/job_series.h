@@ -40,14 +40,14 @@ class JobSeries {
     for (const auto& cb : callbacks) (*cb)(records);
   }
 
-  // Returns a handle for Unsubscribe and fills `backlog` with the kept records (the last `tail`
-  // of them, or all for tail 0); `on_records` gets every later append.
-  int64_t Subscribe(const std::string& job_id, size_t tail, std::vector<T>* backlog,
-                    Callback on_records) {
+  // Returns a handle for Unsubscribe. `on_records` gets the kept records first (the last `tail`
+  // of them, or all for tail 0; called here, under the lock, so that no append can be delivered
+  // before them), then every later append.
+  int64_t Subscribe(const std::string& job_id, size_t tail, Callback on_records) {
     absl::MutexLock lock(&mu_);
     Series& s = series_[job_id];
     const size_t skip = tail == 0 || tail >= s.records.size() ? 0 : s.records.size() - tail;
-    backlog->assign(s.records.begin() + skip, s.records.end());
+    on_records(std::vector<T>(s.records.begin() + skip, s.records.end()));
     const int64_t handle = next_handle_++;
     s.subscribers[handle] = std::make_shared<Callback>(std::move(on_records));
     handles_[handle] = job_id;

@@ -405,12 +405,11 @@ class SeriesReactor final : public grpc::ServerWriteReactor<T> {
       return;
     }
     watch_ = *watch;
-    std::vector<T> backlog;
+    // The kept records, then every later one, in order.
     subscription_ =
-        series_.Subscribe(job_id, tail, &backlog, [queue = queue_](const std::vector<T>& records) {
+        series_.Subscribe(job_id, tail, [queue = queue_](const std::vector<T>& records) {
           for (const T& r : records) queue->Push(r);
         });
-    for (T& r : backlog) queue_->Push(std::move(r));
     if (!follow || (durable && IsTerminal(current.state()))) {
       queue_->FinishWhenDrained(grpc::Status::OK);
     }
