@@ -490,12 +490,20 @@ std::string ProgressLine(const v1::StepReport& r, double seconds_per_step) {
                          HumanCount(static_cast<int64_t>(r.tokens_per_second())));
 }
 
+// The mean of a step's per-stage idle shares: the measured pipeline bubble.
+double MeanIdle(const v1::StepReport& r) {
+  double sum = 0;
+  for (double idle : r.pipeline_stage_idle()) sum += idle;
+  return r.pipeline_stage_idle_size() > 0 ? sum / r.pipeline_stage_idle_size() : 0;
+}
+
 int Metrics(const Globals& g, const std::string& id, bool follow) {
   YardClient client(g.coordinator, g.Token(), g.tls);
   const bool tty = isatty(STDOUT_FILENO);
   nlohmann::json series = nlohmann::json::array();
   std::vector<std::vector<std::string>> rows;
   std::deque<double> recent;  // seconds of the last steps, for the ETA
+  bool pipelined = false;     // a BUBBLE column
   absl::Status s = client.Metrics(NormalizeJobId(id), follow, [&](const v1::StepReport& r) {
     if (g.json()) {
       series.push_back({{"attempt", r.attempt()},
@@ -510,6 +518,12 @@ int Metrics(const Globals& g, const std::string& id, bool follow) {
                         {"model_state_peak_bytes", r.model_state_peak_bytes()},
                         {"comm_bytes", r.comm_bytes()},
                         {"time_ms", r.time_ms()}});
+      if (r.pipeline_stage_idle_size() > 0) {
+        series.back()["pipeline_stage_idle"] =
+            std::vector<double>(r.pipeline_stage_idle().begin(), r.pipeline_stage_idle().end());
+        series.back()["pipeline_bubble"] = MeanIdle(r);
+        series.back()["pipeline_bubble_theory"] = r.pipeline_bubble_theory();
+      }
       return;
     }
     if (!follow) {
@@ -518,6 +532,14 @@ int Metrics(const Globals& g, const std::string& id, bool follow) {
                       HumanCount(static_cast<int64_t>(r.tokens_per_second())),
                       absl::StrFormat("%.0f", 1000 * r.step_seconds()),
                       HumanBytes(r.resident_bytes()), HumanBytes(r.model_state_peak_bytes())});
+      if (r.pipeline_stage_idle_size() > 0) {
+        pipelined = true;
+        std::vector<std::string> stages;
+        for (double idle : r.pipeline_stage_idle()) stages.push_back(absl::StrFormat("%.2f", idle));
+        rows.back().push_back(absl::StrFormat("%.2f (%.2f) [%s]", MeanIdle(r),
+                                              r.pipeline_bubble_theory(),
+                                              absl::StrJoin(stages, " ")));
+      }
       return;
     }
     recent.push_back(r.step_seconds());
@@ -535,8 +557,13 @@ int Metrics(const Globals& g, const std::string& id, bool follow) {
   if (g.json()) {
     std::cout << series.dump(1) << "\n";
   } else if (!follow) {
-    std::cout << FormatTable(
-        {"STEP", "LOSS", "LR", "GRAD_NORM", "TOK/S", "STEP_MS", "RSS", "MODEL_STATE"}, rows);
+    std::vector<std::string> header = {"STEP",  "LOSS",    "LR",  "GRAD_NORM",
+                                       "TOK/S", "STEP_MS", "RSS", "MODEL_STATE"};
+    // Pipeline parallelism: the measured bubble (the stages' mean idle share), its theory, and
+    // each stage's.
+    if (pipelined) header.push_back("BUBBLE (THEORY) [PER STAGE]");
+    for (auto& row : rows) row.resize(header.size(), "-");
+    std::cout << FormatTable(header, rows);
   }
   return 0;
 }

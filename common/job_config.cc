@@ -2,6 +2,7 @@
 #include "common/job_config.h"
 
 #include <algorithm>
+#include <limits>
 #include <utility>
 
 namespace trainyard {
@@ -50,6 +51,8 @@ const char* Name(BackwardPrefetch p) {
 
 const char* Name(Precision p) { return p == Precision::kBf16 ? "bf16" : "fp32"; }
 
+const char* Name(PipelineSchedule s) { return s == PipelineSchedule::kGpipe ? "gpipe" : "1f1b"; }
+
 const char* Name(OptimizerKind k) {
   switch (k) {
     case OptimizerKind::kAdamW:
@@ -64,23 +67,73 @@ const char* Name(OptimizerKind k) {
   return "?";
 }
 
-int64_t ModelParameterCount(const ModelConfig& m) {
-  const int64_t d = m.d_model, v = m.vocab, layers = m.n_layer;
-  if (m.kind == "mlp") {
-    const int64_t h = m.d_hidden;
-    return v * d + layers * (d * h + h + h * d + d) + d * v + v;
-  }
+int64_t BlockParameterCount(const ModelConfig& m) {
+  const int64_t d = m.d_model;
+  if (m.kind == "mlp") return d * m.d_hidden + m.d_hidden + m.d_hidden * d + d;
   if (m.kind == "llama") {
-    // Per layer two RMSNorms, q/k/v/o projections without bias, gate/up/down; a final RMSNorm.
+    // Two RMSNorms, q/k/v/o projections without bias, gate/up/down.
     const int64_t q = int64_t{m.n_head} * m.HeadDim(), kv = int64_t{m.KvHeads()} * m.HeadDim();
-    const int64_t per_layer = 2 * d + d * q + 2 * d * kv + q * d + 3 * d * m.d_hidden;
-    return v * d + layers * per_layer + d + (m.tie_weights ? 0 : v * d);
+    return 2 * d + d * q + 2 * d * kv + q * d + 3 * d * m.d_hidden;
   }
-  // Token + position embeddings; per block two LayerNorms, qkv and output projections, a 4x MLP;
-  // a final LayerNorm; the head (shares the token embedding when tied).
-  const int64_t per_block =
-      2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d);
-  return v * d + int64_t{m.seq_len} * d + layers * per_block + 2 * d + (m.tie_weights ? 0 : v * d);
+  // Two LayerNorms, qkv and output projections, a 4x MLP.
+  return 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d);
+}
+
+namespace {
+
+// Parameters before the blocks (embeddings) and after them (final norm, head; the head counted
+// even when tied, as a pipeline's last stage holds it).
+std::pair<int64_t, int64_t> EndParameterCounts(const ModelConfig& m) {
+  const int64_t d = m.d_model, v = m.vocab;
+  if (m.kind == "mlp") return {v * d, d * v + v};
+  if (m.kind == "llama") return {v * d, d + v * d};
+  return {v * d + int64_t{m.seq_len} * d, 2 * d + v * d};
+}
+
+}  // namespace
+
+int64_t ModelParameterCount(const ModelConfig& m) {
+  const auto [embed, head] = EndParameterCounts(m);
+  const int64_t tied = m.tie_weights && m.kind != "mlp" ? int64_t{m.vocab} * m.d_model : 0;
+  return embed + int64_t{m.n_layer} * BlockParameterCount(m) + head - tied;
+}
+
+std::vector<int> PipelineBoundaries(const ModelConfig& m, int stages,
+                                    const std::vector<int>& split) {
+  const int n = m.n_layer;
+  std::vector<int> bounds = {0};
+  if (!split.empty()) {
+    for (int blocks : split) bounds.push_back(bounds.back() + blocks);
+    return bounds;
+  }
+  // Contiguous stages of at least one block each, the largest stage's parameters as small as
+  // can be (ties: the earlier boundary, so later stages, which hold fewer activations under
+  // 1F1B, get the extra block).
+  const auto [embed, head] = EndParameterCounts(m);
+  const int64_t block = BlockParameterCount(m);
+  auto cost = [&](int stage, int begin, int end) {
+    return (end - begin) * block + (stage == 0 ? embed : 0) + (stage == stages - 1 ? head : 0);
+  };
+  constexpr int64_t kInf = std::numeric_limits<int64_t>::max();
+  // best[s][e]: the smallest largest stage of stages 0..s-1 covering blocks [0, e).
+  std::vector<std::vector<int64_t>> best(stages + 1, std::vector<int64_t>(n + 1, kInf));
+  std::vector<std::vector<int>> from(stages + 1, std::vector<int>(n + 1, 0));
+  best[0][0] = 0;
+  for (int s = 1; s <= stages; ++s) {
+    for (int e = s; e <= n; ++e) {
+      for (int b = s - 1; b < e; ++b) {
+        if (best[s - 1][b] == kInf) continue;
+        const int64_t v = std::max(best[s - 1][b], cost(s - 1, b, e));
+        if (v < best[s][e]) {
+          best[s][e] = v;
+          from[s][e] = b;
+        }
+      }
+    }
+  }
+  bounds.assign(stages + 1, n);
+  for (int s = stages; s > 0; --s) bounds[s - 1] = from[s][bounds[s]];
+  return bounds;
 }
 
 bool LoraConfig::Targets(const std::string& module) const {

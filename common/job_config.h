@@ -20,6 +20,8 @@ enum class WrapPolicy { kTransformerBased, kSizeBased };
 // PyTorch FSDP's BackwardPrefetch.
 enum class BackwardPrefetch { kBackwardPre, kBackwardPost, kNoPrefetch };
 enum class Precision { kFp32, kBf16 };
+// parallel.pipeline_schedule.
+enum class PipelineSchedule { kGpipe, kOneFOneB };
 // checkpoint.export: none, a Hugging Face directory (LoRA: the PEFT adapter), or LoRA merged.
 enum class ExportFormat { kNone, kHf, kHfMerged };
 // train.optimizer.
@@ -32,7 +34,8 @@ const char* Name(Sharding s);
 const char* Name(WrapPolicy p);
 const char* Name(BackwardPrefetch p);
 const char* Name(Precision p);
-const char* Name(OptimizerKind k);  // "adamw", "adafactor", "lion", "adamw_8bit"
+const char* Name(PipelineSchedule s);  // "gpipe", "1f1b"
+const char* Name(OptimizerKind k);     // "adamw", "adafactor", "lion", "adamw_8bit"
 
 struct ModelConfig {
   std::string kind;  // "gpt", "mlp" or "llama"
@@ -94,6 +97,7 @@ struct TrainConfig {
   double grad_clip = 0;  // max global gradient norm; 0 = none
   LoraConfig lora;
   OptimizerKind optimizer = OptimizerKind::kAdamW;
+  int micro_batches = 1;  // pipeline parallelism: micro-batches per step
 };
 
 struct ParallelConfig {
@@ -107,6 +111,9 @@ struct ParallelConfig {
   bool forward_prefetch = false;
   int max_gathered_units = 2;
   bool cpu_ram_efficient_loading = true;
+  int pipeline_stages = 1;
+  PipelineSchedule pipeline_schedule = PipelineSchedule::kOneFOneB;
+  std::vector<int> pipeline_split;  // blocks per stage; empty: balanced by parameters
 };
 
 struct JobConfig {
@@ -121,6 +128,14 @@ struct JobConfig {
 
 // Number of parameters of the model (embeddings included, tied head counted once).
 int64_t ModelParameterCount(const ModelConfig& model);
+// Parameters of one of the model's repeated blocks (GPT block, MLP residual block, Llama layer).
+int64_t BlockParameterCount(const ModelConfig& model);
+// The first block of each of `stages` pipeline stages, then n_layer (stages + 1 entries): from
+// `split` (blocks per stage, already checked to sum to n_layer) or, when it is empty, balanced by
+// parameters (the first stage also holds the embeddings, the last the final norm and the head;
+// 1 <= stages <= n_layer).
+std::vector<int> PipelineBoundaries(const ModelConfig& model, int stages,
+                                    const std::vector<int>& split);
 // Parameters LoRA adds (the adapters, which are all that trains); 0 without LoRA.
 int64_t LoraParameterCount(const ModelConfig& model, const LoraConfig& lora);
 // Shapes of the parameters that train (every parameter, or under LoRA the adapters), in no

@@ -255,10 +255,10 @@ absl::Status ParseDocument(const YAML::Node& root, SpecParser& p, JobSpec& spec)
     RETURN_IF_ERROR(p.String(n, "format", "data", *spec.mutable_data()->mutable_format()));
   }
   if (const YAML::Node n = root["train"]) {
-    RETURN_IF_ERROR(p.Mapping(
-        n, "train",
-        {"steps", "micro_batch", "grad_accum", "lr", "warmup", "mixed_precision",
-         "activation_checkpointing", "seed", "weight_decay", "grad_clip", "lora", "optimizer"}));
+    RETURN_IF_ERROR(p.Mapping(n, "train",
+                              {"steps", "micro_batch", "grad_accum", "lr", "warmup",
+                               "mixed_precision", "activation_checkpointing", "seed",
+                               "weight_decay", "grad_clip", "lora", "optimizer", "micro_batches"}));
     auto& t = *spec.mutable_train();
     int64_t i64 = 0;
     int32_t i32 = 0;
@@ -271,6 +271,9 @@ absl::Status ParseDocument(const YAML::Node& root, SpecParser& p, JobSpec& spec)
     i32 = 0;
     RETURN_IF_ERROR(p.Integer(n, "grad_accum", "train", i32));
     t.set_grad_accum(i32);
+    i32 = 0;
+    RETURN_IF_ERROR(p.Integer(n, "micro_batches", "train", i32));
+    t.set_micro_batches(i32);
     RETURN_IF_ERROR(p.Double(n, "lr", "train", d));
     t.set_lr(d);
     i64 = 0;
@@ -332,11 +335,11 @@ absl::Status ParseDocument(const YAML::Node& root, SpecParser& p, JobSpec& spec)
     }
   }
   if (const YAML::Node n = root["parallel"]) {
-    RETURN_IF_ERROR(
-        p.Mapping(n, "parallel",
-                  {"strategy", "sharding_strategy", "bucket_mb", "delayed_update",
-                   "auto_wrap_policy", "min_num_params", "backward_prefetch", "forward_prefetch",
-                   "max_gathered_units", "cpu_ram_efficient_loading"}));
+    RETURN_IF_ERROR(p.Mapping(
+        n, "parallel",
+        {"strategy", "sharding_strategy", "bucket_mb", "delayed_update", "auto_wrap_policy",
+         "min_num_params", "backward_prefetch", "forward_prefetch", "max_gathered_units",
+         "cpu_ram_efficient_loading", "pipeline_stages", "pipeline_schedule", "pipeline_split"}));
     auto& par = *spec.mutable_parallel();
     v1::Strategy s = v1::STRATEGY_UNSPECIFIED;
     RETURN_IF_ERROR(p.Choice<v1::Strategy>(
@@ -384,6 +387,30 @@ absl::Status ParseDocument(const YAML::Node& root, SpecParser& p, JobSpec& spec)
       bool efficient = true;
       RETURN_IF_ERROR(p.Bool(n, "cpu_ram_efficient_loading", "parallel", efficient));
       par.set_cpu_ram_efficient_loading(efficient);
+    }
+    int32_t stages = 0;
+    RETURN_IF_ERROR(p.Integer(n, "pipeline_stages", "parallel", stages));
+    par.set_pipeline_stages(stages);
+    v1::PipelineSchedule schedule = v1::PIPELINE_SCHEDULE_UNSPECIFIED;
+    RETURN_IF_ERROR(p.Choice<v1::PipelineSchedule>(
+        n, "pipeline_schedule", "parallel", {{"gpipe", v1::GPIPE}, {"1f1b", v1::ONE_F_ONE_B}},
+        schedule));
+    par.set_pipeline_schedule(schedule);
+    if (const YAML::Node split = n["pipeline_split"]) {
+      if (!split.IsSequence() || split.size() == 0) {
+        return p.Error(split,
+                       "parallel.pipeline_split: expected a list of blocks per stage, e.g. [3, 5]");
+      }
+      for (const auto& item : split) {
+        std::string text;
+        RETURN_IF_ERROR(p.Scalar(item, "parallel.pipeline_split", text));
+        int32_t blocks = 0;
+        if (!absl::SimpleAtoi(text, &blocks)) {
+          return p.Error(
+              item, absl::StrCat("parallel.pipeline_split: expected an integer, got '", text, "'"));
+        }
+        par.add_pipeline_split(blocks);
+      }
     }
   }
   if (const YAML::Node n = root["checkpoint"]) {
@@ -562,7 +589,84 @@ void ApplyJobSpecDefaults(JobSpec& spec) {
   }
   if (p.max_gathered_units() == 0) p.set_max_gathered_units(2);
   if (!p.has_cpu_ram_efficient_loading()) p.set_cpu_ram_efficient_loading(true);
+  if (p.pipeline_stages() == 0) p.set_pipeline_stages(1);
+  if (p.pipeline_schedule() == v1::PIPELINE_SCHEDULE_UNSPECIFIED) {
+    p.set_pipeline_schedule(v1::ONE_F_ONE_B);
+  }
+  if (t.micro_batches() == 0 && p.pipeline_stages() > 1) {
+    t.set_micro_batches(2 * p.pipeline_stages());
+  }
 }
+
+namespace {
+
+// parallel.pipeline_* and train.micro_batches.
+absl::Status ValidatePipeline(const JobSpec& spec) {
+  const auto& p = spec.parallel();
+  const auto& t = spec.train();
+  RETURN_IF_ERROR(CheckRange("parallel.pipeline_stages", p.pipeline_stages(), 1, 1024));
+  if (!v1::PipelineSchedule_IsValid(p.pipeline_schedule()) ||
+      p.pipeline_schedule() == v1::PIPELINE_SCHEDULE_UNSPECIFIED) {
+    return FieldError("parallel.pipeline_schedule",
+                      absl::StrCat("unknown value ", p.pipeline_schedule(), " (gpipe or 1f1b)"));
+  }
+  const int stages = p.pipeline_stages();
+  if (stages == 1) {
+    if (p.pipeline_split_size() > 0) {
+      return FieldError("parallel.pipeline_split", "applies to parallel.pipeline_stages > 1");
+    }
+    if (t.micro_batches() != 0) {
+      return FieldError("train.micro_batches",
+                        "applies to pipeline parallelism (parallel.pipeline_stages > 1); without "
+                        "it, accumulate gradients with train.grad_accum");
+    }
+    return absl::OkStatus();
+  }
+  if (p.strategy() != v1::DDP) {
+    return FieldError("parallel.pipeline_stages",
+                      absl::StrCat("pipeline stages are replicated with ddp only; "
+                                   "parallel.strategy is ",
+                                   p.strategy() == v1::FSDP ? "fsdp" : "offload"));
+  }
+  if (spec.resources().gpus() % stages != 0) {
+    return FieldError("resources.gpus",
+                      absl::StrCat(spec.resources().gpus(), " ranks do not split into ", stages,
+                                   " pipeline stages (parallel.pipeline_stages): use a multiple"));
+  }
+  RETURN_IF_ERROR(CheckRange("train.micro_batches", t.micro_batches(), 1, 1 << 16));
+  if (t.grad_accum() != 1) {
+    return FieldError("train.grad_accum",
+                      absl::StrCat("must be 1 with pipeline parallelism, got ", t.grad_accum(),
+                                   ": the stages accumulate over train.micro_batches"));
+  }
+  const int layers = spec.model().n_layer();
+  if (p.pipeline_split_size() > 0) {
+    if (p.pipeline_split_size() != stages) {
+      return FieldError("parallel.pipeline_split",
+                        absl::StrCat("has ", p.pipeline_split_size(), " entries for ", stages,
+                                     " pipeline stages"));
+    }
+    int64_t sum = 0;
+    for (int blocks : p.pipeline_split()) {
+      if (blocks < 1) {
+        return FieldError("parallel.pipeline_split",
+                          absl::StrCat("every stage needs at least one block, got ", blocks));
+      }
+      sum += blocks;
+    }
+    if (layers > 0 && sum != layers) {
+      return FieldError("parallel.pipeline_split",
+                        absl::StrCat("sums to ", sum, " blocks; model.n_layer is ", layers));
+    }
+  } else if (layers > 0 && stages > layers) {
+    return FieldError(
+        "parallel.pipeline_stages",
+        absl::StrCat(stages, " stages need at least as many blocks; model.n_layer is ", layers));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::Status ValidateJobSpec(const JobSpec& spec) {
   if (spec.name().empty()) return FieldError("name", "required");
@@ -773,6 +877,7 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
                                    " (BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH)"));
   }
   RETURN_IF_ERROR(CheckRange("parallel.max_gathered_units", p.max_gathered_units(), 1, 1024));
+  RETURN_IF_ERROR(ValidatePipeline(spec));
   RETURN_IF_ERROR(
       CheckRange("checkpoint.every_steps", spec.checkpoint().every_steps(), 0, int64_t{1} << 40));
   if (const v1::ExportFormat f = spec.checkpoint().export_format();
@@ -931,6 +1036,11 @@ JobConfig ToJobConfig(const v1::JobSpec& spec) {
   c.parallel.forward_prefetch = p.forward_prefetch();
   c.parallel.max_gathered_units = p.max_gathered_units();
   c.parallel.cpu_ram_efficient_loading = p.cpu_ram_efficient_loading();
+  c.parallel.pipeline_stages = p.pipeline_stages();
+  c.parallel.pipeline_schedule =
+      p.pipeline_schedule() == v1::GPIPE ? PipelineSchedule::kGpipe : PipelineSchedule::kOneFOneB;
+  c.parallel.pipeline_split.assign(p.pipeline_split().begin(), p.pipeline_split().end());
+  c.train.micro_batches = std::max(1, t.micro_batches());
   c.checkpoint_every_steps = spec.checkpoint().every_steps();
   c.export_format = spec.checkpoint().export_format() == v1::EXPORT_HF_MERGED
                         ? ExportFormat::kHfMerged

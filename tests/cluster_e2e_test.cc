@@ -409,6 +409,37 @@ TEST_F(ClusterE2eTest, TrainsWithFsdpFullAndHybridShardAndReportsModelState) {
   }
 }
 
+// Pipeline parallelism through the product path: two stages, whose measured bubble `yard
+// metrics` shows next to the theory, (P - 1) / (m + P - 1) = 1/5 for 4 micro-batches.
+TEST_F(ClusterE2eTest, TrainsAPipelineAndShowsItsBubble) {
+  const std::string job =
+      SubmitAndWait(WriteSpec("pipeline", 30, "ddp, pipeline_stages: 2, pipeline_schedule: gpipe"));
+  ASSERT_FALSE(job.empty());
+  const std::string logs = Yard({"logs", job}).out;
+  EXPECT_THAT(logs, HasSubstr("pipeline stage 0/2 (blocks 0..0"));
+  EXPECT_THAT(logs, HasSubstr(", gpipe, 4 micro-batches, 1 replicas (ddp)"));
+  EXPECT_THAT(logs, HasSubstr("(2 pipeline stages)"));  // the final checkpoint
+
+  const auto series = nlohmann::json::parse(Yard({"metrics", job, "-o", "json"}).out);
+  ASSERT_EQ(series.size(), 30u);
+  const double first = MeanLoss(series, 0, 5), last = MeanLoss(series, 25, 30);
+  EXPECT_LT(last, 0.8 * first) << "loss did not fall: " << first << " -> " << last;
+  const auto& step = series[29];
+  EXPECT_DOUBLE_EQ(step["pipeline_bubble_theory"].get<double>(), 0.2);
+  ASSERT_EQ(step["pipeline_stage_idle"].size(), 2u);
+  for (const auto& idle : step["pipeline_stage_idle"]) {
+    EXPECT_GT(idle.get<double>(), 0.0);
+    EXPECT_LT(idle.get<double>(), 1.0);
+  }
+  const double bubble = step["pipeline_bubble"].get<double>();
+  EXPECT_DOUBLE_EQ(bubble, (step["pipeline_stage_idle"][0].get<double>() +
+                            step["pipeline_stage_idle"][1].get<double>()) /
+                               2);
+  const std::string table = Yard({"metrics", job}).out;
+  EXPECT_THAT(table, HasSubstr("BUBBLE (THEORY) [PER STAGE]"));
+  EXPECT_THAT(table, HasSubstr(" (0.20) ["));
+}
+
 // The product path of an offload job: `yard local up --ps 2` starts two parameter servers, the
 // coordinator splits the job's optimizer state over them, the ranks train through them, and the
 // servers' memory is free again once the job ends.

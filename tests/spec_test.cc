@@ -593,6 +593,110 @@ train: {steps: 10}
               StartsWith("model.from: only model.kind llama"));
 }
 
+TEST(SpecTest, PipelineIsReadDefaultedAndChecked) {
+  const std::string base = R"(name: p
+resources: {gpus: 4}
+model: {kind: gpt, n_layer: 6, n_head: 4, d_model: 64, seq_len: 32}
+data: {path: /data/tokens.bin}
+train: {steps: 10}
+)";
+  auto parse = [&](const std::string& more) { return ParseJobSpecYaml(base + more, "s.yaml"); };
+  auto parsed =
+      parse("parallel: {pipeline_stages: 2, pipeline_schedule: gpipe, pipeline_split: [2, 4]}\n");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  ApplyJobSpecDefaults(parsed->spec);
+  ASSERT_TRUE(ValidateJobSpec(parsed->spec).ok()) << ValidateJobSpec(parsed->spec);
+  JobConfig c = ToJobConfig(parsed->spec);
+  EXPECT_EQ(c.parallel.pipeline_stages, 2);
+  EXPECT_EQ(c.parallel.pipeline_schedule, PipelineSchedule::kGpipe);
+  EXPECT_EQ(c.parallel.pipeline_split, (std::vector<int>{2, 4}));
+  EXPECT_EQ(c.train.micro_batches, 4);  // default 2 x stages
+  EXPECT_EQ(PipelineBoundaries(c.model, 2, c.parallel.pipeline_split), (std::vector<int>{0, 2, 6}));
+
+  // Defaults: no pipeline; with one, 1F1B.
+  auto plain = parse("");
+  ASSERT_TRUE(plain.ok());
+  ApplyJobSpecDefaults(plain->spec);
+  EXPECT_EQ(plain->spec.parallel().pipeline_stages(), 1);
+  EXPECT_EQ(ToJobConfig(plain->spec).parallel.pipeline_schedule, PipelineSchedule::kOneFOneB);
+  EXPECT_EQ(plain->spec.train().micro_batches(), 0);
+
+  auto bad = parse("parallel: {pipeline_schedule: interleaved}\n");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.status().message()),
+              StartsWith("s.yaml:6: parallel.pipeline_schedule: unknown value 'interleaved' "
+                         "(one of gpipe, 1f1b)"));
+  bad = parse("parallel: {pipeline_split: [2, x]}\n");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.status().message()),
+              HasSubstr("parallel.pipeline_split: expected an integer, got 'x'"));
+
+  auto error = [&](const std::function<void(v1::JobSpec&)>& mutate) {
+    v1::JobSpec spec = parsed->spec;
+    mutate(spec);
+    return std::string(ValidateJobSpec(spec).message());
+  };
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_resources()->set_gpus(3); }),
+              StartsWith("resources.gpus: 3 ranks do not split into 2 pipeline stages"));
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_parallel()->set_strategy(v1::FSDP); }),
+              StartsWith("parallel.pipeline_stages: pipeline stages are replicated with ddp "
+                         "only; parallel.strategy is fsdp"));
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_train()->set_grad_accum(2); }),
+              StartsWith("train.grad_accum: must be 1 with pipeline parallelism, got 2"));
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_train()->set_micro_batches(-1); }),
+              StartsWith("train.micro_batches: must be in 1..65536, got -1"));
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_parallel()->add_pipeline_split(1); }),
+              StartsWith("parallel.pipeline_split: has 3 entries for 2 pipeline stages"));
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_parallel()->set_pipeline_split(0, 3); }),
+              StartsWith("parallel.pipeline_split: sums to 7 blocks; model.n_layer is 6"));
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_parallel()->set_pipeline_split(0, 0); }),
+              StartsWith("parallel.pipeline_split: every stage needs at least one block, got 0"));
+  EXPECT_THAT(error([](v1::JobSpec& s) {
+                s.mutable_parallel()->clear_pipeline_split();
+                s.mutable_parallel()->set_pipeline_stages(8);
+                s.mutable_resources()->set_gpus(8);
+              }),
+              StartsWith("parallel.pipeline_stages: 8 stages need at least as many blocks; "
+                         "model.n_layer is 6"));
+  EXPECT_THAT(error([](v1::JobSpec& s) {
+                s.mutable_parallel()->set_pipeline_schedule(static_cast<v1::PipelineSchedule>(7));
+              }),
+              StartsWith("parallel.pipeline_schedule: unknown value 7 (gpipe or 1f1b)"));
+  // Without a pipeline its knobs mean nothing, and are refused rather than ignored.
+  EXPECT_THAT(error([](v1::JobSpec& s) {
+                s.mutable_parallel()->set_pipeline_stages(1);
+                s.mutable_parallel()->clear_pipeline_split();
+              }),
+              StartsWith("train.micro_batches: applies to pipeline parallelism"));
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_parallel()->set_pipeline_stages(1); }),
+              StartsWith("parallel.pipeline_split: applies to parallel.pipeline_stages > 1"));
+}
+
+TEST(SpecTest, PipelineStagesAreBalancedByParameters) {
+  ModelConfig m;
+  m.kind = "gpt";
+  m.n_layer = 8;
+  m.n_head = 4;
+  m.d_model = 64;
+  m.seq_len = 32;
+  m.vocab = 256;
+  // Blocks of 12 d^2 + 13 d = 49,984 parameters; embeddings 18,432, head 16,512: even splits.
+  EXPECT_EQ(PipelineBoundaries(m, 2, {}), (std::vector<int>{0, 4, 8}));
+  EXPECT_EQ(PipelineBoundaries(m, 4, {}), (std::vector<int>{0, 2, 4, 6, 8}));
+  EXPECT_EQ(PipelineBoundaries(m, 8, {}), (std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7, 8}));
+  // A large vocabulary: the first and the last stage take fewer blocks.
+  m.vocab = 50304;  // embeddings and head of 3.2M parameters each, 64 blocks' worth
+  m.n_layer = 130;
+  const std::vector<int> b = PipelineBoundaries(m, 2, {});
+  EXPECT_EQ(b, (std::vector<int>{0, 65, 130}));  // symmetric: both ends weigh the same
+  m.tie_weights = false;
+  m.n_layer = 6;
+  m.vocab = 4096;  // embeddings 264,192 (5.3 blocks), head 262,272
+  EXPECT_EQ(PipelineBoundaries(m, 3, {}), (std::vector<int>{0, 1, 5, 6}));
+  // An explicit split is taken as it is.
+  EXPECT_EQ(PipelineBoundaries(m, 3, {1, 1, 4}), (std::vector<int>{0, 1, 2, 6}));
+}
+
 TEST(SpecTest, ParameterCountMatchesHandComputedGpt) {
   v1::ModelSpec m;
   m.set_kind("gpt");

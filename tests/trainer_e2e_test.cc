@@ -1711,6 +1711,198 @@ INSTANTIATE_TEST_SUITE_P(
                                     v1::ADAMW_8BIT)),
     [](const auto& info) { return info.param.name; });
 
+// ---------------------------------------------------------------------------------------------
+// Pipeline parallelism
+
+struct PipelineVariant {
+  std::string name;
+  int stages;
+  v1::PipelineSchedule schedule;
+  bool activation_checkpointing = false;
+  int replicas = 1;
+  bool tie_weights = false;
+  std::string model = "gpt";
+  int micro_batches = 0;  // 0: the default, 2 x stages
+  v1::Optimizer optimizer = v1::ADAMW;
+};
+
+void PrintTo(const PipelineVariant& v, std::ostream* os) { *os << v.name; }
+
+// Blocks of 4 (so 4 stages get one each), micro-batches of 2 windows.
+v1::JobSpec PipelineSpec(const PipelineVariant& v) {
+  v1::JobSpec s = TinySpec(v.stages * v.replicas, 2);
+  s.mutable_model()->set_kind(v.model);
+  s.mutable_model()->set_n_layer(4);
+  if (v.model == "mlp") s.mutable_model()->set_d_hidden(48);
+  if (v.model == "llama") s.mutable_model()->set_n_kv_head(1);
+  s.mutable_model()->set_tie_weights(v.tie_weights);
+  s.mutable_train()->set_activation_checkpointing(v.activation_checkpointing);
+  s.mutable_train()->set_optimizer(v.optimizer);
+  s.mutable_train()->set_micro_batches(v.micro_batches > 0 ? v.micro_batches : 2 * v.stages);
+  s.mutable_parallel()->set_pipeline_stages(v.stages);
+  s.mutable_parallel()->set_pipeline_schedule(v.schedule);
+  return s;
+}
+
+// The same job on one rank, which accumulates the gradients of the same number of micro-batches
+// (each of the replicas' windows together).
+v1::JobSpec OneRankOf(const v1::JobSpec& pipelined) {
+  v1::JobSpec s = pipelined;
+  const int replicas = s.resources().gpus() / s.parallel().pipeline_stages();
+  s.mutable_resources()->set_gpus(1);
+  s.mutable_train()->set_micro_batch(s.train().micro_batch() * replicas);
+  s.mutable_train()->set_grad_accum(s.train().micro_batches());
+  s.mutable_train()->set_micro_batches(0);
+  s.mutable_parallel()->set_pipeline_stages(1);
+  return s;
+}
+
+class PipelineEquivalenceTest : public TrainerE2eTest,
+                                public ::testing::WithParamInterface<PipelineVariant> {};
+
+// P stages (x D replicas) with m micro-batches train what one rank with the whole batch trains:
+// every step's loss within 1e-5, and the parameters after 10 steps.
+TEST_P(PipelineEquivalenceTest, LossesAndParametersMatchOneRank) {
+  const PipelineVariant& v = GetParam();
+  const v1::JobSpec spec = PipelineSpec(v);
+  const int world = v.stages * v.replicas;
+  const Job pipe = StartJob(spec, "pipe");
+  const Job one = StartJob(OneRankOf(spec), "one");
+  const std::string pipe_dump = dir_.path() + "/pipe.params",
+                    one_dump = dir_.path() + "/one.params";
+  const std::string pipe_metrics = dir_.path() + "/pipe.jsonl";
+  const std::string one_metrics = dir_.path() + "/one.jsonl";
+
+  RunResult rp = Run(pipe, world, {"--dump-params", pipe_dump, "--metrics-file", pipe_metrics});
+  EXPECT_THAT(rp.exit_codes, ::testing::Each(0)) << Joined(rp);
+  EXPECT_THAT(Joined(rp), HasSubstr("step 10/10"));
+  EXPECT_THAT(Joined(rp), HasSubstr(absl::StrCat("pipeline stage 0/", v.stages)));
+  EXPECT_THAT(Joined(rp), HasSubstr(v.schedule == v1::GPIPE ? ", gpipe," : ", 1f1b,"));
+  RunResult r1 = Run(one, 1, {"--dump-params", one_dump, "--metrics-file", one_metrics});
+  EXPECT_THAT(r1.exit_codes, ::testing::ElementsAre(0)) << Joined(r1);
+
+  const auto expected = ReadLosses(one_metrics), got = ReadLosses(pipe_metrics);
+  ASSERT_EQ(expected.size(), 10u);
+  ASSERT_EQ(got.size(), 10u);
+  for (const auto& [step, loss] : expected) EXPECT_NEAR(got.at(step), loss, 1e-5) << step;
+  ExpectSameParams(ReadDump(pipe_dump), ReadDump(one_dump), 1e-5, /*skip_key_bias=*/true);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, PipelineEquivalenceTest,
+    ::testing::Values(
+        PipelineVariant{"TwoStagesGpipe", 2, v1::GPIPE},
+        PipelineVariant{"TwoStages1F1B", 2, v1::ONE_F_ONE_B},
+        PipelineVariant{"FourStagesGpipe", 4, v1::GPIPE},
+        PipelineVariant{"FourStages1F1B", 4, v1::ONE_F_ONE_B},
+        PipelineVariant{"TwoStagesGpipeCheckpointing", 2, v1::GPIPE, true},
+        PipelineVariant{"TwoStages1F1BCheckpointing", 2, v1::ONE_F_ONE_B, true},
+        PipelineVariant{"FourStagesGpipeCheckpointing", 4, v1::GPIPE, true},
+        PipelineVariant{"FourStages1F1BCheckpointing", 4, v1::ONE_F_ONE_B, true},
+        // Data parallelism over the stages, and the tied embedding on both ends.
+        PipelineVariant{"TwoStagesTwoReplicas1F1BTied", 2, v1::ONE_F_ONE_B, false, 2, true},
+        PipelineVariant{"TwoStagesTwoReplicasGpipeCheckpointing", 2, v1::GPIPE, true, 2},
+        PipelineVariant{"LlamaTiedFourStages1F1B", 4, v1::ONE_F_ONE_B, false, 1, true, "llama"},
+        PipelineVariant{"MlpTwoStagesGpipeThreeMicroBatches", 2, v1::GPIPE, false, 1, false, "mlp",
+                        3},
+        PipelineVariant{"LionTwoStages1F1B", 2, v1::ONE_F_ONE_B, false, 1, false, "gpt", 0,
+                        v1::LION}),
+    [](const auto& info) { return info.param.name; });
+
+// The per-step maxima of a metrics file's `key`.
+int64_t MaxOf(const std::vector<nlohmann::json>& reports, const std::string& key) {
+  int64_t out = 0;
+  for (const auto& r : reports) out = std::max(out, r.at(key).get<int64_t>());
+  return out;
+}
+
+// 1F1B keeps at most P micro-batches of activations on a stage whatever m is; GPipe keeps all m.
+// Measured on stage 0 (rank 0) by the trainer: micro-batches in flight, and the heap's growth
+// over the step's start.
+TEST_F(TrainerE2eTest, OneFOneBBoundsActivationsByTheStagesWhileGpipeGrowsWithMicroBatches) {
+  struct Measured {
+    int64_t in_flight, bytes;
+  };
+  auto measure = [&](v1::PipelineSchedule schedule, int micro_batches) {
+    PipelineVariant v{"", 2, schedule};
+    v.micro_batches = micro_batches;
+    v1::JobSpec spec = PipelineSpec(v);
+    spec.mutable_model()->set_d_model(64);
+    spec.mutable_model()->set_seq_len(64);
+    spec.mutable_train()->set_micro_batch(8);
+    spec.mutable_train()->set_steps(3);
+    spec.mutable_train()->set_warmup(1);
+    const std::string name = absl::StrCat(v1::PipelineSchedule_Name(schedule), micro_batches);
+    const Job job = StartJob(spec, name);
+    const std::string metrics = dir_.path() + "/" + name + ".jsonl";
+    RunResult r = Run(job, 2, {"--metrics-file", metrics});
+    EXPECT_THAT(r.exit_codes, ::testing::Each(0)) << Joined(r);
+    const auto reports = ReadReports(metrics);
+    EXPECT_EQ(reports.size(), 3u);
+    return Measured{MaxOf(reports, "pipeline_in_flight_peak"),
+                    MaxOf(reports, "pipeline_activation_peak_bytes")};
+  };
+  const Measured gpipe4 = measure(v1::GPIPE, 4), gpipe8 = measure(v1::GPIPE, 8);
+  const Measured f1b4 = measure(v1::ONE_F_ONE_B, 4), f1b8 = measure(v1::ONE_F_ONE_B, 8);
+  EXPECT_EQ(gpipe4.in_flight, 4);
+  EXPECT_EQ(gpipe8.in_flight, 8);
+  EXPECT_EQ(f1b4.in_flight, 2);
+  EXPECT_EQ(f1b8.in_flight, 2);
+  // One micro-batch's activations on stage 0 (two GPT blocks of 8 x 64 tokens) are a few MB:
+  // GPipe's peak doubles with m; 1F1B's stays within P micro-batches' and one backward's
+  // temporaries.
+  const int64_t per_micro_batch = gpipe8.bytes / 8;
+  EXPECT_GT(per_micro_batch, 1'000'000) << per_micro_batch;
+  EXPECT_GT(gpipe8.bytes, gpipe4.bytes * 17 / 10) << gpipe8.bytes << " vs " << gpipe4.bytes;
+  EXPECT_LT(f1b8.bytes, f1b4.bytes * 5 / 4) << f1b8.bytes << " vs " << f1b4.bytes;
+  EXPECT_LE(f1b8.bytes, (2 + 1) * per_micro_batch) << f1b8.bytes << " vs " << gpipe8.bytes;
+}
+
+// A checkpoint of 2 stages x 2 replicas resumes on 4 DDP ranks, whose checkpoint resumes on 2
+// stages x 2 replicas again: every step's loss as one uninterrupted run's.
+TEST_F(TrainerE2eTest, PipelineCheckpointsReshardToDdpAndBack) {
+  // Room for the four 4-rank jobs (a job's attempt builds its Gloo groups once).
+  auto more = testing::NodeSession::Connect(channel_, tokens_->Node("n2"), "n2", 8);
+  PipelineVariant v{"", 2, v1::ONE_F_ONE_B, false, 2, true};
+  v1::JobSpec pipe_spec = PipelineSpec(v);
+  pipe_spec.mutable_train()->set_steps(12);
+  v1::JobSpec ddp_spec = pipe_spec;  // 4 ranks, each a quarter of the batch, no pipeline
+  ddp_spec.mutable_train()->set_micro_batch(2 * 4 * 2 / 4);
+  ddp_spec.mutable_train()->set_micro_batches(0);
+  ddp_spec.mutable_parallel()->set_pipeline_stages(1);
+
+  const Job straight = StartJob(pipe_spec, "straight");
+  const std::string straight_metrics = dir_.path() + "/straight.jsonl";
+  RunResult a = Run(straight, 4, {"--metrics-file", straight_metrics});
+  ASSERT_THAT(a.exit_codes, ::testing::Each(0)) << Joined(a);
+
+  const std::string metrics = dir_.path() + "/split.jsonl";
+  const Job first = StartJob(pipe_spec, "first");
+  RunResult b1 = Run(first, 4, {"--metrics-file", metrics}, {"--stop-after-steps", "4"});
+  ASSERT_THAT(b1.exit_codes, ::testing::Each(0)) << Joined(b1);
+  EXPECT_THAT(Joined(b1), HasSubstr("checkpoint step 4"));
+  EXPECT_TRUE(std::filesystem::exists(first.checkpoint_dir + "/step-4/stage-0.pt"));
+  EXPECT_TRUE(std::filesystem::exists(first.checkpoint_dir + "/step-4/stage-1.pt"));
+
+  Job ddp = StartJob(ddp_spec, "ddp");
+  ddp.checkpoint_dir = first.checkpoint_dir;
+  RunResult b2 = Run(ddp, 4, {"--metrics-file", metrics}, {"--stop-after-steps", "4"});
+  ASSERT_THAT(b2.exit_codes, ::testing::Each(0)) << Joined(b2);
+  EXPECT_THAT(Joined(b2), HasSubstr("resumed from " + first.checkpoint_dir + "/step-4"));
+  EXPECT_TRUE(std::filesystem::exists(first.checkpoint_dir + "/step-8/model.pt"));
+
+  Job back = StartJob(pipe_spec, "back");
+  back.checkpoint_dir = first.checkpoint_dir;
+  RunResult b3 = Run(back, 4, {"--metrics-file", metrics});
+  ASSERT_THAT(b3.exit_codes, ::testing::Each(0)) << Joined(b3);
+  EXPECT_THAT(Joined(b3), HasSubstr("resumed from " + first.checkpoint_dir + "/step-8"));
+
+  const auto expected = ReadLosses(straight_metrics), got = ReadLosses(metrics);
+  ASSERT_EQ(expected.size(), 12u);
+  ASSERT_EQ(got.size(), 12u);
+  for (const auto& [step, loss] : expected) EXPECT_NEAR(got.at(step), loss, 1e-5) << step;
+}
+
 TEST_F(TrainerE2eTest, HybridShardOnUnevenNodesFailsFast) {
   FsdpVariant v{"uneven", v1::HYBRID_SHARD, v1::BACKWARD_PRE, false};
   const Job job = StartJob(FsdpSpec(v, 3, 2), "uneven");

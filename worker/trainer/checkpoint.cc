@@ -5,10 +5,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -103,8 +105,10 @@ absl::Status WriteStepDirectory(const std::string& tmp, int64_t step, torch::nn:
 
 }  // namespace
 
-std::string MetaJson(int64_t step, const std::string& optimizer) {
-  return absl::StrCat("{\"step\": ", step, ", \"optimizer\": \"", optimizer, "\"}\n");
+std::string MetaJson(int64_t step, const std::string& optimizer, int pipeline_stages) {
+  return absl::StrCat(
+      "{\"step\": ", step, ", \"optimizer\": \"", optimizer, "\"",
+      pipeline_stages > 0 ? absl::StrCat(", \"pipeline_stages\": ", pipeline_stages) : "", "}\n");
 }
 
 absl::StatusOr<std::string> CheckpointOptimizer(const std::string& path) {
@@ -173,6 +177,89 @@ absl::StatusOr<CheckpointInfo> WriteCheckpoint(const std::string& dir, int64_t s
   return CheckpointInfo{step, final_path, DirectoryBytes(final_path)};
 }
 
+namespace {
+
+// A DDP checkpoint (model.pt, optimizer.pt); throws c10::Error.
+absl::Status LoadWhole(const std::string& path, torch::nn::Module& model,
+                       torch::optim::Optimizer& optimizer) {
+  torch::serialize::InputArchive archive;
+  archive.load_from(path + "/model.pt");
+  torch::NoGradGuard no_grad;
+  for (auto& [param_name, p] : SortedParameters(model)) {
+    torch::Tensor saved;
+    archive.read(param_name, saved);
+    if (!saved.sizes().equals(p.sizes())) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("checkpoint '", path, "' does not fit the model: ", param_name));
+    }
+    p.copy_(saved);
+  }
+  torch::load(optimizer, path + "/optimizer.pt");
+  return absl::OkStatus();
+}
+
+// A pipeline checkpoint (stage-<s>.pt, see pipeline.h): every parameter and its optimizer state
+// by name, from whichever stage's file holds it; throws c10::Error.
+absl::Status LoadStages(const std::string& path, torch::nn::Module& model,
+                        torch::optim::Optimizer& optimizer) {
+  torch::NoGradGuard no_grad;
+  std::map<std::string, torch::Tensor> missing;
+  std::map<const void*, std::string> names;
+  for (const auto& item : model.named_parameters()) {
+    missing[item.key()] = item.value();
+    names[item.value().unsafeGetTensorImpl()] = item.key();
+  }
+  const auto& optimized = optimizer.param_groups().at(0).params();
+  std::map<std::string, size_t> index;  // of the optimizer's parameters, by name
+  for (size_t i = 0; i < optimized.size(); ++i) {
+    index[names.at(optimized[i].unsafeGetTensorImpl())] = i;
+  }
+  std::vector<std::string> keys = SlotOptimizer::StateNames();
+  for (const char* adamw : {"exp_avg", "exp_avg_sq"}) {
+    if (std::find(keys.begin(), keys.end(), adamw) == keys.end()) keys.push_back(adamw);
+  }
+  for (int s = 0; fs::exists(absl::StrCat(path, "/stage-", s, ".pt")); ++s) {
+    torch::serialize::InputArchive archive;
+    archive.load_from(absl::StrCat(path, "/stage-", s, ".pt"));
+    for (auto it = missing.begin(); it != missing.end();) {
+      const auto& [param_name, p] = *it;
+      torch::Tensor saved;
+      if (!archive.try_read("param/" + param_name, saved)) {
+        ++it;
+        continue;
+      }
+      if (!saved.sizes().equals(p.sizes())) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("checkpoint '", path, "' does not fit the model: ", param_name));
+      }
+      p.copy_(saved);
+      auto optimized_at = index.find(param_name);
+      torch::Tensor step;
+      if (optimized_at != index.end() && archive.try_read("step/" + param_name, step)) {
+        std::map<std::string, torch::Tensor> state;
+        for (const std::string& key : keys) {
+          torch::Tensor t;
+          if (archive.try_read(absl::StrCat("state/", param_name, "/", key), t)) state[key] = t;
+        }
+        if (absl::Status st =
+                SetParameterState(optimizer, optimized_at->second, state, step.item<int64_t>());
+            !st.ok()) {
+          return absl::DataLossError(
+              absl::StrCat("checkpoint '", path, "', parameter ", param_name, ": ", st.message()));
+        }
+      }
+      it = missing.erase(it);
+    }
+  }
+  if (!missing.empty()) {
+    return absl::DataLossError(
+        absl::StrCat("checkpoint '", path, "' lacks parameter ", missing.begin()->first));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::optional<CheckpointInfo>> LoadLatestCheckpoint(
     const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
   ASSIGN_OR_RETURN(std::optional<CheckpointInfo> latest, FindLatestCheckpoint(dir));
@@ -192,19 +279,11 @@ absl::StatusOr<std::optional<CheckpointInfo>> LoadLatestCheckpoint(
                      "; this job's is ", OptimizerName(optimizer)));
   }
   try {
-    torch::serialize::InputArchive archive;
-    archive.load_from(path + "/model.pt");
-    torch::NoGradGuard no_grad;
-    for (auto& [param_name, p] : SortedParameters(model)) {
-      torch::Tensor saved;
-      archive.read(param_name, saved);
-      if (!saved.sizes().equals(p.sizes())) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("checkpoint '", path, "' does not fit the model: ", param_name));
-      }
-      p.copy_(saved);
+    if (fs::exists(path + "/stage-0.pt")) {
+      RETURN_IF_ERROR(LoadStages(path, model, optimizer));
+    } else {
+      RETURN_IF_ERROR(LoadWhole(path, model, optimizer));
     }
-    torch::load(optimizer, path + "/optimizer.pt");
     torch::Tensor rng;
     torch::load(rng, path + "/rng.pt");
     RestoreRngState(rng);

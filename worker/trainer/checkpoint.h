@@ -37,6 +37,8 @@ absl::StatusOr<CheckpointInfo> WriteCheckpoint(const std::string& dir, int64_t s
                                                torch::optim::Optimizer& optimizer);
 
 // Loads DIR/latest into `model` and `optimizer` and restores the RNG; nullopt when there is none.
+// Reads DDP checkpoints and pipeline ones (stage-<s>.pt, pipeline.h) alike: whatever the stages
+// that wrote it, every parameter and its optimizer state are found by name.
 absl::StatusOr<std::optional<CheckpointInfo>> LoadLatestCheckpoint(
     const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer);
 
@@ -50,7 +52,8 @@ absl::StatusOr<std::optional<CheckpointInfo>> FindLatestCheckpoint(const std::st
 int64_t DirectoryBytes(const std::string& path);  // of the regular files directly in it
 // meta.json's text, and the optimizer a checkpoint directory's meta.json names ("adamw" when it
 // names none, as before train.optimizer).
-std::string MetaJson(int64_t step, const std::string& optimizer);
+// `pipeline_stages` > 0: written by a pipeline (pipeline.h), which records its stages.
+std::string MetaJson(int64_t step, const std::string& optimizer, int pipeline_stages = 0);
 absl::StatusOr<std::string> CheckpointOptimizer(const std::string& path);
 torch::Tensor SaveRngState();
 void RestoreRngState(const torch::Tensor& state);

@@ -37,6 +37,10 @@ class LocalCommunicator : public Communicator {
     outs.at(0).copy_(in);
   }
   void Barrier() override {}
+  std::unique_ptr<CommHandle> Send(const torch::Tensor&, int, int) override {
+    TORCH_CHECK(false, "Send: one rank has no peer");
+  }
+  void Recv(torch::Tensor&, int, int) override { TORCH_CHECK(false, "Recv: one rank has no peer"); }
 
  protected:
   void SendRecv(const torch::Tensor&, int, torch::Tensor&, int, int) override {}
@@ -183,6 +187,17 @@ class GlooCommunicator : public Communicator {
     bytes_sent_ += in.numel() * in.element_size() * (world_size() - 1);
   }
   void Barrier() override { pg_->barrier()->wait(); }
+
+  std::unique_ptr<CommHandle> Send(const torch::Tensor& t, int to, int tag) override {
+    std::vector<at::Tensor> out{t};
+    bytes_sent_ += t.numel() * t.element_size();
+    std::vector<c10::intrusive_ptr<c10d::Work>> works{pg_->send(out, to, tag)};
+    return std::make_unique<GlooHandle>(std::move(works));
+  }
+  void Recv(torch::Tensor& t, int from, int tag) override {
+    std::vector<at::Tensor> in{t};
+    pg_->recv(in, from, tag)->wait();
+  }
 
  protected:
   void SendRecv(const torch::Tensor& send, int to, torch::Tensor& recv, int from,

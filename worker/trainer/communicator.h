@@ -64,8 +64,15 @@ class Communicator {
   // Returns once every rank has entered.
   virtual void Barrier() = 0;
 
-  // Bytes this rank sent through AllReduceSum, ReduceScatterSum, AllGather and AllGatherInto so
-  // far: all-reduce counted as a ring sends it (2 (n - 1) / n of the tensor), all-gather as
+  // Point to point (pipeline stages): starts sending `t` (contiguous, CPU; not to be written
+  // until the handle's Wait() returns) to rank `to`, which receives it with Recv(from = this
+  // rank, the same tag). Sends from one rank to another with one tag arrive in order.
+  virtual std::unique_ptr<CommHandle> Send(const torch::Tensor& t, int to, int tag) = 0;
+  // Receives into `t` (contiguous, of the sent shape and dtype) from rank `from`; blocks.
+  virtual void Recv(torch::Tensor& t, int from, int tag) = 0;
+
+  // Bytes this rank sent through AllReduceSum, ReduceScatterSum, AllGather, AllGatherInto and
+  // Send so far: all-reduce counted as a ring sends it (2 (n - 1) / n of the tensor), all-gather as
   // Gloo's ring does ((n - 1) times the contribution).
   int64_t bytes_sent() const { return bytes_sent_.load(); }
 

@@ -148,21 +148,22 @@ TORCH_MODULE(Block);
 // block's parameter gradients (firing their hooks, so DDP buckets see them) and yields the input's.
 // With `preserve_rng` (a block with dropout) the CPU generator is set back to its state at forward
 // for the recompute (preserve_rng_state), so dropout draws the same masks.
-template <typename B>
-class CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock<B>> {
+class CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
  public:
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x, B* block,
-                               bool preserve_rng) {
-    ctx->saved_data["block"] = reinterpret_cast<int64_t>(block);
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x,
+                               LanguageModel* model, int64_t block, bool preserve_rng) {
+    ctx->saved_data["model"] = reinterpret_cast<int64_t>(model);
+    ctx->saved_data["block"] = block;
     if (preserve_rng) ctx->saved_data["rng"] = at::detail::getDefaultCPUGenerator().get_state();
     ctx->save_for_backward({x});
     torch::NoGradGuard no_grad;  // apply() already disables grad; stated for the reader
-    return block->forward(x);
+    return model->BlockForward(static_cast<int>(block), x);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
-    auto* block = reinterpret_cast<B*>(ctx->saved_data["block"].toInt());
+    auto* model = reinterpret_cast<LanguageModel*>(ctx->saved_data["model"].toInt());
+    const int block = static_cast<int>(ctx->saved_data["block"].toInt());
     torch::Tensor x = ctx->get_saved_variables()[0].detach().requires_grad_(true);
     torch::Tensor y;
     {
@@ -174,18 +175,21 @@ class CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock<B>>
         generator.set_state(ctx->saved_data["rng"].toTensor());
       }
       torch::AutoGradMode enable(true);
-      y = block->forward(x);
+      y = model->BlockForward(block, x);
       if (preserve_rng) generator.set_state(now);
     }
     torch::autograd::backward({y}, {grad_outputs[0]});
-    return {x.grad(), torch::Tensor(), torch::Tensor()};
+    return {x.grad(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
 class GptModel : public LanguageModel {
  public:
   GptModel(const ModelConfig& spec, const ModelOptions& options)
-      : options_(options), tie_weights_(spec.tie_weights), seq_len_(spec.seq_len) {
+      : LanguageModel(spec.seq_len, options.activation_checkpointing),
+        options_(options),
+        tie_weights_(spec.tie_weights),
+        d_model_(spec.d_model) {
     const int64_t d = spec.d_model, v = spec.vocab;
     tok_emb_ = register_module("tok_emb", Keep(torch::nn::Embedding(v, d), options));
     pos_emb_ = register_module("pos_emb", Keep(torch::nn::Embedding(spec.seq_len, d), options));
@@ -212,47 +216,30 @@ class GptModel : public LanguageModel {
     return absl::SimpleAtoi(parts[0], &block) ? block : -1;
   }
 
-  torch::Tensor Loss(const torch::Tensor& windows) override {
-    const int64_t t = windows.size(1) - 1;
-    torch::Tensor logits = Logits(windows.narrow(1, 0, t));
-    torch::Tensor targets = windows.narrow(1, 1, t);
-    return F::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
+  bool IsEmbedding(const std::string& name) const override {
+    return absl::StartsWith(name, "tok_emb.") || absl::StartsWith(name, "pos_emb.");
   }
+  std::string TiedWeight() const override { return tie_weights_ ? "tok_emb.weight" : ""; }
 
-  torch::Tensor MaskedLossSum(const torch::Tensor& windows, const torch::Tensor& weights) override {
-    const int64_t t = windows.size(1) - 1;
-    torch::Tensor logits = Logits(windows.narrow(1, 0, t));
-    return WeightedCrossEntropySum(logits, windows.narrow(1, 1, t), weights);
+  torch::Tensor Embed(const torch::Tensor& inputs) override {
+    return tok_emb_(inputs) + pos_emb_(torch::arange(inputs.size(1), torch::kLong));
   }
-
-  torch::Tensor NextTokenLogits(const torch::Tensor& context) override {
-    const int64_t t = std::min<int64_t>(context.size(1), seq_len_);
-    return Logits(context.narrow(1, context.size(1) - t, t)).select(1, t - 1).squeeze(0);
+  torch::Tensor BlockForward(int i, const torch::Tensor& x) override {
+    return (*blocks_)[i]->as<BlockImpl>()->forward(x);
   }
-
-  int64_t TokensPerWindow() const override { return seq_len_; }
-
- private:
-  // [b, t, vocab] logits of every position of `inputs` ([b, t], t <= seq_len).
-  torch::Tensor Logits(const torch::Tensor& inputs) {
-    const int64_t t = inputs.size(1);
-    torch::Tensor x = tok_emb_(inputs) + pos_emb_(torch::arange(t, torch::kLong));
-    const bool checkpoint = options_.activation_checkpointing && torch::GradMode::is_enabled();
-    for (size_t i = 0; i < blocks_->size(); ++i) {
-      auto* block = (*blocks_)[i]->as<BlockImpl>();
-      if (hooks_ != nullptr) hooks_->BeforeBlock(static_cast<int>(i));
-      x = checkpoint ? CheckpointedBlock<BlockImpl>::apply(x, block, false) : block->forward(x);
-      if (hooks_ != nullptr) hooks_->AfterBlock(static_cast<int>(i), x);
-    }
-    x = ln_f_(x);
+  torch::Tensor Head(const torch::Tensor& h) override {
+    const torch::Tensor x = ln_f_(h);
     return tie_weights_ ? Dense(x, tok_emb_->weight, torch::Tensor(), options_.bf16)
                         : Dense(x, head_, options_.bf16);
+  }
+  std::vector<int64_t> HiddenShape(int64_t batch) const override {
+    return {batch, seq_len_, d_model_};
   }
 
  private:
   ModelOptions options_;
   bool tie_weights_;
-  int64_t seq_len_;
+  int64_t d_model_;
   torch::nn::Embedding tok_emb_{nullptr}, pos_emb_{nullptr};
   torch::nn::ModuleList blocks_{nullptr};
   torch::nn::LayerNorm ln_f_{nullptr};
@@ -262,7 +249,9 @@ class GptModel : public LanguageModel {
 class MlpModel : public LanguageModel {
  public:
   MlpModel(const ModelConfig& spec, const ModelOptions& options)
-      : options_(options), seq_len_(spec.seq_len) {
+      : LanguageModel(spec.seq_len, options.activation_checkpointing),
+        options_(options),
+        d_model_(spec.d_model) {
     const int64_t d = spec.d_model, v = spec.vocab, h = spec.d_hidden;
     tok_emb_ = register_module("tok_emb", Keep(torch::nn::Embedding(v, d), options));
     for (int i = 0; i < spec.n_layer; ++i) {
@@ -285,38 +274,24 @@ class MlpModel : public LanguageModel {
     return absl::SimpleAtoi(parts[0], &block) ? block : -1;
   }
 
-  torch::Tensor Loss(const torch::Tensor& windows) override {
-    const int64_t t = windows.size(1) - 1;
-    return F::cross_entropy(Logits(windows.narrow(1, 0, t)), windows.select(1, t));
+  bool IsEmbedding(const std::string& name) const override {
+    return absl::StartsWith(name, "tok_emb.");
   }
 
-  torch::Tensor MaskedLossSum(const torch::Tensor& windows, const torch::Tensor& weights) override {
-    const int64_t t = windows.size(1) - 1;
-    return WeightedCrossEntropySum(Logits(windows.narrow(1, 0, t)), windows.select(1, t),
-                                   weights.select(1, t - 1));
+  // The mean of the context's token embeddings ([b, d]).
+  torch::Tensor Embed(const torch::Tensor& contexts) override { return tok_emb_(contexts).mean(1); }
+  torch::Tensor BlockForward(int i, const torch::Tensor& x) override {
+    return x + Dense(F::gelu(Dense(x, up_[i], options_.bf16)), down_[i], options_.bf16);
   }
+  torch::Tensor Head(const torch::Tensor& x) override { return Dense(x, head_, options_.bf16); }
+  std::vector<int64_t> HiddenShape(int64_t batch) const override { return {batch, d_model_}; }
 
-  torch::Tensor NextTokenLogits(const torch::Tensor& context) override {
-    const int64_t t = std::min<int64_t>(context.size(1), seq_len_);
-    return Logits(context.narrow(1, context.size(1) - t, t)).squeeze(0);
-  }
-
-  // [b, vocab] logits of the token after each context ([b, t]).
-  torch::Tensor Logits(const torch::Tensor& contexts) {
-    torch::Tensor x = tok_emb_(contexts).mean(1);  // [b, d]
-    for (size_t i = 0; i < up_.size(); ++i) {
-      if (hooks_ != nullptr) hooks_->BeforeBlock(static_cast<int>(i));
-      x = x + Dense(F::gelu(Dense(x, up_[i], options_.bf16)), down_[i], options_.bf16);
-      if (hooks_ != nullptr) hooks_->AfterBlock(static_cast<int>(i), x);
-    }
-    return Dense(x, head_, options_.bf16);
-  }
-
-  int64_t TokensPerWindow() const override { return seq_len_; }
+ protected:
+  bool PredictsLastTokenOnly() const override { return true; }
 
  private:
   ModelOptions options_;
-  int64_t seq_len_;
+  int64_t d_model_;
   torch::nn::Embedding tok_emb_{nullptr};
   std::vector<torch::nn::Linear> up_, down_;
   torch::nn::Linear head_{nullptr};
@@ -535,7 +510,11 @@ TORCH_MODULE(LlamaBody);
 class LlamaModel : public LanguageModel {
  public:
   LlamaModel(const ModelConfig& spec, const ModelOptions& options)
-      : options_(options), tie_weights_(spec.tie_weights), seq_len_(spec.seq_len), rope_(spec) {
+      : LanguageModel(spec.seq_len, options.activation_checkpointing),
+        options_(options),
+        tie_weights_(spec.tie_weights),
+        d_model_(spec.d_model),
+        rope_(spec) {
     model_ = register_module("model", LlamaBody(spec, options, &rope_));
     if (!tie_weights_)
       lm_head_ = register_module("lm_head", NoBias(spec.d_model, spec.vocab, options));
@@ -552,50 +531,33 @@ class LlamaModel : public LanguageModel {
     return absl::SimpleAtoi(parts[0], &block) ? block : -1;
   }
 
-  torch::Tensor Loss(const torch::Tensor& windows) override {
-    const int64_t t = windows.size(1) - 1;
-    torch::Tensor logits = Logits(windows.narrow(1, 0, t));
-    return F::cross_entropy(logits.reshape({-1, logits.size(-1)}),
-                            windows.narrow(1, 1, t).reshape({-1}));
+  bool IsEmbedding(const std::string& name) const override {
+    return absl::StartsWith(name, "model.embed_tokens.");
+  }
+  std::string TiedWeight() const override {
+    return tie_weights_ ? "model.embed_tokens.weight" : "";
   }
 
-  torch::Tensor MaskedLossSum(const torch::Tensor& windows, const torch::Tensor& weights) override {
-    const int64_t t = windows.size(1) - 1;
-    return WeightedCrossEntropySum(Logits(windows.narrow(1, 0, t)), windows.narrow(1, 1, t),
-                                   weights);
+  torch::Tensor Embed(const torch::Tensor& inputs) override { return model_->embed_tokens(inputs); }
+  torch::Tensor BlockForward(int i, const torch::Tensor& x) override {
+    return (*model_->layers)[i]->as<LlamaLayerImpl>()->forward(x);
   }
-
-  torch::Tensor NextTokenLogits(const torch::Tensor& context) override {
-    const int64_t t = std::min<int64_t>(context.size(1), seq_len_);
-    return Logits(context.narrow(1, context.size(1) - t, t)).select(1, t - 1).squeeze(0);
-  }
-
-  int64_t TokensPerWindow() const override { return seq_len_; }
-
-  // [b, t, vocab] logits of every position of `inputs` ([b, t]).
-  torch::Tensor Logits(const torch::Tensor& inputs) {
-    torch::Tensor x = model_->embed_tokens(inputs);
-    const bool checkpoint = options_.activation_checkpointing && torch::GradMode::is_enabled();
-    // A frozen embedding (LoRA) gives an input that needs no gradient, and a checkpointed block
-    // whose inputs need none records no backward, so its adapters would never learn (what
-    // transformers' enable_input_require_grads is for).
-    if (checkpoint && !x.requires_grad()) x.requires_grad_(true);
-    for (size_t i = 0; i < model_->layers->size(); ++i) {
-      auto* layer = (*model_->layers)[i]->as<LlamaLayerImpl>();
-      if (hooks_ != nullptr) hooks_->BeforeBlock(static_cast<int>(i));
-      x = checkpoint ? CheckpointedBlock<LlamaLayerImpl>::apply(x, layer, options_.lora.dropout > 0)
-                     : layer->forward(x);
-      if (hooks_ != nullptr) hooks_->AfterBlock(static_cast<int>(i), x);
-    }
-    x = model_->norm(x);
+  torch::Tensor Head(const torch::Tensor& h) override {
+    const torch::Tensor x = model_->norm(h);
     return tie_weights_ ? Dense(x, model_->embed_tokens->weight, torch::Tensor(), options_.bf16)
                         : Dense(x, lm_head_, options_.bf16);
   }
+  std::vector<int64_t> HiddenShape(int64_t batch) const override {
+    return {batch, seq_len_, d_model_};
+  }
+
+ protected:
+  bool BlockUsesRng() const override { return options_.lora.dropout > 0; }
 
  private:
   ModelOptions options_;
   bool tie_weights_;
-  int64_t seq_len_;
+  int64_t d_model_;
   Rope rope_;
   LlamaBody model_{nullptr};
   torch::nn::Linear lm_head_{nullptr};
@@ -638,6 +600,58 @@ void InitializeLora(torch::nn::Module& model, uint64_t seed) {
 }
 
 }  // namespace
+
+torch::Tensor LanguageModel::RunBlock(int i, torch::Tensor x) {
+  const bool checkpoint = activation_checkpointing_ && torch::GradMode::is_enabled();
+  // A frozen embedding (LoRA) gives an input that needs no gradient, and a checkpointed block
+  // whose inputs need none records no backward, so its adapters would never learn (what
+  // transformers' enable_input_require_grads is for).
+  if (checkpoint && !x.requires_grad()) x.requires_grad_(true);
+  if (hooks_ != nullptr) hooks_->BeforeBlock(i);
+  x = checkpoint ? CheckpointedBlock::apply(x, this, int64_t{i}, BlockUsesRng())
+                 : BlockForward(i, x);
+  if (hooks_ != nullptr) hooks_->AfterBlock(i, x);
+  return x;
+}
+
+torch::Tensor LanguageModel::Logits(const torch::Tensor& inputs) {
+  torch::Tensor x = Embed(inputs);
+  for (int i = 0; i < NumBlocks(); ++i) x = RunBlock(i, x);
+  return Head(x);
+}
+
+torch::Tensor LanguageModel::LossOf(const torch::Tensor& logits,
+                                    const torch::Tensor& windows) const {
+  const int64_t t = windows.size(1) - 1;
+  if (PredictsLastTokenOnly()) return F::cross_entropy(logits, windows.select(1, t));
+  return F::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                          windows.narrow(1, 1, t).reshape({-1}));
+}
+
+torch::Tensor LanguageModel::MaskedLossSumOf(const torch::Tensor& logits,
+                                             const torch::Tensor& windows,
+                                             const torch::Tensor& weights) const {
+  const int64_t t = windows.size(1) - 1;
+  if (PredictsLastTokenOnly()) {
+    return WeightedCrossEntropySum(logits, windows.select(1, t), weights.select(1, t - 1));
+  }
+  return WeightedCrossEntropySum(logits, windows.narrow(1, 1, t), weights);
+}
+
+torch::Tensor LanguageModel::Loss(const torch::Tensor& windows) {
+  return LossOf(Logits(windows.narrow(1, 0, windows.size(1) - 1)), windows);
+}
+
+torch::Tensor LanguageModel::MaskedLossSum(const torch::Tensor& windows,
+                                           const torch::Tensor& weights) {
+  return MaskedLossSumOf(Logits(windows.narrow(1, 0, windows.size(1) - 1)), windows, weights);
+}
+
+torch::Tensor LanguageModel::NextTokenLogits(const torch::Tensor& context) {
+  const int64_t t = std::min<int64_t>(context.size(1), seq_len_);
+  const torch::Tensor logits = Logits(context.narrow(1, context.size(1) - t, t));
+  return PredictsLastTokenOnly() ? logits.squeeze(0) : logits.select(1, t - 1).squeeze(0);
+}
 
 bool IsLoraParameter(const std::string& name) {
   return absl::StrContains(name, ".lora_A.") || absl::StrContains(name, ".lora_B.");

@@ -58,30 +58,66 @@ class BlockHooks {
 
 class LanguageModel : public torch::nn::Module {
  public:
+  LanguageModel(int64_t seq_len, bool activation_checkpointing)
+      : seq_len_(seq_len), activation_checkpointing_(activation_checkpointing) {}
+
   // The repeated blocks (GPT blocks, MLP residual blocks), run in index order by forward.
   virtual int NumBlocks() const = 0;
   // The block a parameter (by its name in named_parameters()) belongs to; -1 for the rest
   // (embeddings, final norm, head: FSDP's root unit).
   virtual int BlockOf(const std::string& param_name) const = 0;
+  // Of the parameters outside the blocks, true for those Embed uses (the embeddings); the others
+  // (final norm, head) are Head's.
+  virtual bool IsEmbedding(const std::string& param_name) const = 0;
+  // The name of the embedding that Head uses as its weight too (model.tie_weights); "" if none.
+  virtual std::string TiedWeight() const { return ""; }
   // nullptr: none. Not owned; must outlive the forward passes that use it.
   void set_block_hooks(BlockHooks* hooks) { hooks_ = hooks; }
 
+  // The forward pass in the three parts a pipeline runs on its stages: Embed, the blocks in
+  // order (RunBlock), Head.
+  // [b, t] int64 tokens (t <= seq_len) -> the first block's input (HiddenShape).
+  virtual torch::Tensor Embed(const torch::Tensor& inputs) = 0;
+  // Block `i` on `x`, between the hooks; under activation checkpointing (with grad enabled)
+  // only its input is kept and the block is recomputed in backward.
+  torch::Tensor RunBlock(int i, torch::Tensor x);
+  // The last block's output -> logits ([b, t, vocab]; the MLP's [b, vocab]).
+  virtual torch::Tensor Head(const torch::Tensor& x) = 0;
+  // Shape of what the blocks take and return for `batch` windows of seq_len tokens.
+  virtual std::vector<int64_t> HiddenShape(int64_t batch) const = 0;
+
   // Mean next-token cross-entropy of `windows` ([batch, seq_len + 1] int64 tokens): the GPT
   // predicts every position of the window, the MLP only the last token.
-  virtual torch::Tensor Loss(const torch::Tensor& windows) = 0;
+  torch::Tensor Loss(const torch::Tensor& windows);
   // The sum of the next-token cross-entropies of `windows`, each weighted by `weights` ([batch,
   // seq_len] float, one per target token, 0 or 1: data.loss_mask); the MLP weighs its one
   // prediction by the last column.
-  virtual torch::Tensor MaskedLossSum(const torch::Tensor& windows,
-                                      const torch::Tensor& weights) = 0;
+  torch::Tensor MaskedLossSum(const torch::Tensor& windows, const torch::Tensor& weights);
+  // Loss and MaskedLossSum of Head's `logits` for `windows`.
+  torch::Tensor LossOf(const torch::Tensor& logits, const torch::Tensor& windows) const;
+  torch::Tensor MaskedLossSumOf(const torch::Tensor& logits, const torch::Tensor& windows,
+                                const torch::Tensor& weights) const;
   // Tokens that one window contributes to throughput figures.
-  virtual int64_t TokensPerWindow() const = 0;
+  int64_t TokensPerWindow() const { return seq_len_; }
   // Logits [vocab] of the token that follows `context` ([1, t] int64, t >= 1); only the last
   // seq_len tokens of the context are used.
-  virtual torch::Tensor NextTokenLogits(const torch::Tensor& context) = 0;
+  torch::Tensor NextTokenLogits(const torch::Tensor& context);
+
+  // The plain forward of block `i` (RunBlock wraps it). Public for the checkpointing function.
+  virtual torch::Tensor BlockForward(int i, const torch::Tensor& x) = 0;
 
  protected:
+  // The MLP predicts the last token of a window only.
+  virtual bool PredictsLastTokenOnly() const { return false; }
+  // A block draws random numbers (dropout) in training, so its recompute must replay them.
+  virtual bool BlockUsesRng() const { return false; }
+
   BlockHooks* hooks_ = nullptr;
+  int64_t seq_len_;
+  bool activation_checkpointing_;
+
+ private:
+  torch::Tensor Logits(const torch::Tensor& inputs);
 };
 
 // Frees a tensor's storage in place: the tensor (and every view and saved copy that shares the

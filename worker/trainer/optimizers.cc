@@ -859,4 +859,45 @@ std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(const std::vector<torch::
   return std::make_unique<ParameterOptimizer>(params, hyper);
 }
 
+std::map<std::string, torch::Tensor> ParameterState(torch::optim::Optimizer& optimizer, size_t i,
+                                                    int64_t* step) {
+  if (auto* parameters = dynamic_cast<ParameterOptimizer*>(&optimizer)) {
+    *step = parameters->core().step();
+    return parameters->core().State(static_cast<int>(i));
+  }
+  const torch::Tensor& p = optimizer.param_groups().at(0).params().at(i);
+  *step = 0;
+  auto it = optimizer.state().find(OptimizerStateKey(p));
+  if (it == optimizer.state().end()) return {};
+  const auto& st = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+  *step = st.step();
+  return {{"exp_avg", st.exp_avg()}, {"exp_avg_sq", st.exp_avg_sq()}};
+}
+
+absl::Status SetParameterState(torch::optim::Optimizer& optimizer, size_t i,
+                               const std::map<std::string, torch::Tensor>& state, int64_t step) {
+  if (state.empty()) return absl::OkStatus();  // no step yet
+  if (auto* parameters = dynamic_cast<ParameterOptimizer*>(&optimizer)) {
+    return parameters->core().SetState(static_cast<int>(i), state, step);
+  }
+  const torch::Tensor& p = optimizer.param_groups().at(0).params().at(i);
+  auto st = std::make_unique<torch::optim::AdamWParamState>();
+  st->step(step);
+  for (const char* name : {"exp_avg", "exp_avg_sq"}) {
+    auto it = state.find(name);
+    if (it == state.end() || !it->second.sizes().equals(p.sizes())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("AdamW state '", name, "' is missing or of another shape"));
+    }
+    torch::Tensor t = it->second.to(torch::kFloat).contiguous().clone();
+    if (std::string(name) == "exp_avg") {
+      st->exp_avg(t);
+    } else {
+      st->exp_avg_sq(t);
+    }
+  }
+  optimizer.state()[OptimizerStateKey(p)] = std::move(st);
+  return absl::OkStatus();
+}
+
 }  // namespace trainyard::trainer

@@ -170,6 +170,17 @@ void OptimizerStep(torch::optim::Optimizer& optimizer, double lr, double grad_sc
 std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(const std::vector<torch::Tensor>& params,
                                                        const OptimizerHyper& hyper, double lr);
 
+// The state of parameter `i` (of the first parameter group) of a MakeOptimizer optimizer by
+// name (AdamW: exp_avg and exp_avg_sq; the others: SlotOptimizer::State's), empty before its
+// first step; `step` gets its optimizer steps. For checkpoints that move state between
+// optimizers over other sets of parameters (pipeline stages).
+std::map<std::string, torch::Tensor> ParameterState(torch::optim::Optimizer& optimizer, size_t i,
+                                                    int64_t* step);
+// Installs state of that form (no-op when empty); INVALID_ARGUMENT naming a missing or misshapen
+// tensor.
+absl::Status SetParameterState(torch::optim::Optimizer& optimizer, size_t i,
+                               const std::map<std::string, torch::Tensor>& state, int64_t step);
+
 }  // namespace trainyard::trainer
 
 #endif  // TRAINYARD_WORKER_TRAINER_OPTIMIZERS_H_

@@ -53,6 +53,8 @@ class Reporter::Impl {
     r.set_model_state_peak_bytes(s.model_state_peak_bytes);
     r.set_comm_bytes(s.comm_bytes);
     r.set_time_ms(s.time_ms);
+    for (double idle : s.pipeline_stage_idle) r.add_pipeline_stage_idle(idle);
+    r.set_pipeline_bubble_theory(s.pipeline_bubble_theory);
     absl::MutexLock lock(&mu_);
     if (queue_.size() > 100) queue_.pop_front();  // never grow without bound
     queue_.push_back(std::move(r));

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace trainyard::trainer {
 
@@ -26,7 +27,9 @@ struct StepReport {
   int64_t resident_bytes = 0;
   int64_t model_state_peak_bytes = 0;
   int64_t comm_bytes = 0;
-  int64_t time_ms = 0;  // Unix ms when the step ended
+  int64_t time_ms = 0;                      // Unix ms when the step ended
+  std::vector<double> pipeline_stage_idle;  // per stage; empty without a pipeline
+  double pipeline_bubble_theory = 0;
 };
 
 struct CheckpointReport {

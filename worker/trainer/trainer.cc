@@ -36,6 +36,7 @@
 #include "worker/trainer/onednn_matmul.h"
 #include "worker/trainer/optimizers.h"
 #include "worker/trainer/param_dump.h"
+#include "worker/trainer/pipeline.h"
 #include "worker/trainer/reporter.h"
 #include "worker/trainer/torch_compat.h"
 
@@ -174,6 +175,30 @@ absl::Status Train(const TrainerOptions& o) {
   const bool fsdp_on = par.strategy == Strategy::kFsdp && par.sharding != Sharding::kNoShard;
   const bool hybrid = fsdp_on && par.sharding == Sharding::kHybridShard;
   const int local_world = o.local_world_size > 0 ? o.local_world_size : o.world_size;
+  // Pipeline parallelism: the stages' blocks (model.n_layer is known now, model.from resolved).
+  const int stages = par.pipeline_stages;
+  const bool pipelined = stages > 1;
+  std::vector<int> stage_bounds;
+  if (pipelined) {
+    if (o.world_size % stages != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("parallel.pipeline_stages: ", o.world_size,
+                                                     " ranks do not split into ", stages,
+                                                     " stages"));
+    }
+    if (par.pipeline_split.empty() && stages > m.n_layer) {
+      return absl::InvalidArgumentError(absl::StrCat("parallel.pipeline_stages: ", stages,
+                                                     " stages need at least as many blocks; the "
+                                                     "model has ",
+                                                     m.n_layer));
+    }
+    int split_sum = 0;
+    for (int blocks : par.pipeline_split) split_sum += blocks;
+    if (!par.pipeline_split.empty() && split_sum != m.n_layer) {
+      return absl::InvalidArgumentError(absl::StrCat("parallel.pipeline_split: sums to ", split_sum,
+                                                     " blocks; the model has ", m.n_layer));
+    }
+    stage_bounds = PipelineBoundaries(m, stages, par.pipeline_split);
+  }
   if (hybrid && (local_world > o.world_size || o.world_size % local_world != 0)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "parallel.sharding_strategy: HYBRID_SHARD needs the same number of ranks on every node; ",
@@ -204,6 +229,8 @@ absl::Status Train(const TrainerOptions& o) {
   std::unique_ptr<Communicator> comm;
   // FSDP: the ranks a shard is spread over and the ranks that hold the same shard.
   std::unique_ptr<Communicator> shard_comm, replica_comm;
+  // Pipeline: the ranks that run this rank's stage (one per replica).
+  std::unique_ptr<Communicator> stage_comm;
   if (o.world_size == 1) {
     comm = MakeLocalCommunicator();
   } else {
@@ -215,6 +242,12 @@ absl::Status Train(const TrainerOptions& o) {
     ASSIGN_OR_RETURN(comm, MakeGlooCommunicator(store, o.rank, o.world_size, o.gloo_hostname,
                                                 std::chrono::minutes(5),
                                                 /*same_host=*/local_world == o.world_size));
+    if (pipelined && o.world_size > stages) {
+      ASSIGN_OR_RETURN(stage_comm,
+                       MakeSubgroupCommunicator(
+                           store, absl::StrCat("pipeline-stage-", o.rank % stages), o.rank / stages,
+                           o.world_size / stages, o.gloo_hostname, std::chrono::minutes(5)));
+    }
     if (fsdp_on) {
       // Every rank builds its own groups, also without HYBRID_SHARD: the FSDP communication
       // thread must not share a process group with the training thread's collectives.
@@ -266,6 +299,19 @@ absl::Status Train(const TrainerOptions& o) {
   // train.optimizer (AdamW's betas (0.9, 0.95) as in GPT-3 / nanoGPT); weight decay on every
   // parameter that trains.
   const OptimizerHyper hyper = HyperFor(t.optimizer, t.weight_decay);
+  // Pipeline: the parameters this rank's stage holds, and of them those that train (what its
+  // optimizer steps and its replicas average).
+  std::optional<PipelineLayout> layout;
+  std::vector<std::pair<std::string, torch::Tensor>> stage_params;
+  std::vector<torch::Tensor> optimized = trainable;
+  if (pipelined) {
+    layout = MakePipelineLayout(o.rank, o.world_size, stages, stage_bounds);
+    stage_params = StageParameters(*model, *layout);
+    optimized.clear();
+    for (const auto& [name, p] : stage_params) {
+      if (p.requires_grad()) optimized.push_back(p);
+    }
+  }
   std::unique_ptr<FsdpModel> fsdp;
   std::unique_ptr<torch::optim::Optimizer> optimizer_holder;
   int64_t step = 0;
@@ -288,17 +334,37 @@ absl::Status Train(const TrainerOptions& o) {
       }
     }
   } else {
-    optimizer_holder = MakeOptimizer(trainable, hyper, t.lr);
+    optimizer_holder = MakeOptimizer(optimized, hyper, t.lr);
     if (!o.checkpoint_dir.empty()) {
-      ASSIGN_OR_RETURN(auto loaded,
-                       LoadLatestCheckpoint(o.checkpoint_dir, *model, *optimizer_holder));
+      // Pipeline: the checkpoint (of any layout) is read into the whole model and an optimizer
+      // of every parameter that trains; the stage keeps its part of that state.
+      std::unique_ptr<torch::optim::Optimizer> whole;
+      if (pipelined) whole = MakeOptimizer(trainable, hyper, t.lr);
+      ASSIGN_OR_RETURN(auto loaded, LoadLatestCheckpoint(o.checkpoint_dir, *model,
+                                                         whole ? *whole : *optimizer_holder));
       if (loaded.has_value()) {
         step = loaded->step;
         Log(absl::StrCat("resumed from ", loaded->path, " at step ", step));
+        if (whole) {
+          for (size_t j = 0, k = 0; j < trainable.size() && k < optimized.size(); ++j) {
+            if (!trainable[j].is_same(optimized[k])) continue;
+            int64_t param_step = 0;
+            const auto state = ParameterState(*whole, j, &param_step);
+            RETURN_IF_ERROR(SetParameterState(*optimizer_holder, k++, state, param_step));
+          }
+        }
       }
     }
-    // Like DDP: every rank starts from rank 0's parameters.
-    comm->Broadcast(params, 0);
+    if (pipelined) {
+      // Every rank built the same model from the seed and loaded the same checkpoint; a stage
+      // keeps only its parameters.
+      for (const auto& item : model->named_parameters()) {
+        if (!StageHolds(*model, *layout, item.key())) FreeStorage(item.value());
+      }
+    } else {
+      // Like DDP: every rank starts from rank 0's parameters.
+      comm->Broadcast(params, 0);
+    }
   }
   // Offload: the optimizer lives on the parameter servers; `optimizer` only carries its state
   // into and out of checkpoints.
@@ -326,7 +392,15 @@ absl::Status Train(const TrainerOptions& o) {
   }
 
   std::unique_ptr<GradientReducer> reducer;
-  if (o.world_size > 1 && !offload && !fsdp) {
+  std::unique_ptr<PipelineStage> pipeline;
+  if (pipelined) {
+    if (stage_comm) {
+      reducer = std::make_unique<GradientReducer>(optimized, *stage_comm, par.bucket_mb,
+                                                  std::min(1.0, par.bucket_mb));
+    }
+    pipeline = std::make_unique<PipelineStage>(*model, *comm, *layout, par.pipeline_schedule,
+                                               t.micro_batch, reducer.get());
+  } else if (o.world_size > 1 && !offload && !fsdp) {
     // The first bucket is 1 MiB like PyTorch's, or smaller when the buckets are.
     const double bucket_mb = par.bucket_mb;
     reducer =
@@ -346,8 +420,11 @@ absl::Status Train(const TrainerOptions& o) {
   }
 
   const int64_t total_steps = t.steps;
-  const int grad_accum = t.grad_accum;
-  DistributedSampler sampler(num_samples, t.seed, t.micro_batch, grad_accum, o.world_size, o.rank);
+  // Pipeline: the micro-batches flow through the stages; the replicas split the batch.
+  const int grad_accum = pipelined ? t.micro_batches : t.grad_accum;
+  const int replicas = pipelined ? layout->replicas : o.world_size;
+  DistributedSampler sampler(num_samples, t.seed, t.micro_batch, grad_accum, replicas,
+                             pipelined ? layout->replica : o.rank);
   auto count = [](const std::vector<torch::Tensor>& tensors) {
     int64_t n = 0;
     for (const auto& p : tensors) n += p.numel();
@@ -363,18 +440,33 @@ absl::Status Train(const TrainerOptions& o) {
                        : "",
       data.size(), num_samples, sampler.global_batch(),
       reducer ? reducer->num_buckets() : (offloaded ? offloaded->num_buckets() : 0),
-      fsdp ? absl::StrFormat("fsdp %s: %d units, shard group %d", Name(par.sharding),
-                             fsdp->num_units(), fsdp->shard_count())
-           : std::string(Name(par.strategy)),
+      fsdp        ? absl::StrFormat("fsdp %s: %d units, shard group %d", Name(par.sharding),
+                                    fsdp->num_units(), fsdp->shard_count())
+      : pipelined ? absl::StrFormat("pipeline stage %d/%d (blocks %d..%d, %d parameters), %s, %d "
+                                    "micro-batches, %d replicas (ddp)",
+                                    layout->stage, stages, stage_bounds[layout->stage],
+                                    stage_bounds[layout->stage + 1] - 1, count([&] {
+                                      std::vector<torch::Tensor> held;
+                                      for (const auto& [name, p] : stage_params) held.push_back(p);
+                                      return held;
+                                    }()),
+                                    Name(par.pipeline_schedule), grad_accum, replicas)
+                  : std::string(Name(par.strategy)),
       Name(t.optimizer), step, total_steps));
   Log(absl::StrCat("collectives: ", comm->Describe()));
 
   // Model-state bytes of DDP (and offload's device side): weights, and of the parameters that
   // train gradients, and the optimizer's state on the device unless offloaded.
+  // Pipeline: of the stage's parameters.
   std::vector<std::vector<int64_t>> trainable_shapes;
-  for (const auto& p : trainable) trainable_shapes.push_back(p.sizes().vec());
+  for (const auto& p : optimized) trainable_shapes.push_back(p.sizes().vec());
+  int64_t held_count = params_count;
+  if (pipelined) {
+    held_count = 0;
+    for (const auto& [name, p] : stage_params) held_count += p.numel();
+  }
   const int64_t dense_state_bytes =
-      params_count * int64_t{4} + trainable_count * int64_t{4} +
+      held_count * int64_t{4} + count(optimized) * int64_t{4} +
       (offload ? 0 : OptimizerStateBytes(t.optimizer, trainable_shapes, 1));
   const int64_t run_start_step = step;
   // Bytes this rank sent for gradients and parameters so far.
@@ -390,7 +482,22 @@ absl::Status Train(const TrainerOptions& o) {
             ? 0
             : std::max<int64_t>(1, CountedTargets(loss_mask, sampler.GlobalBatch(step), m.seq_len,
                                                   /*last_only=*/m.kind == "mlp"));
-    for (int micro = 0; micro < grad_accum; ++micro) {
+    if (pipeline) {
+      // The stage runs every micro-batch by the schedule; the reducer syncs in its last backward.
+      if (t.lora.dropout > 0) torch::manual_seed(DropoutSeed(t.seed, o.rank, step, 0));
+      auto windows = [&](int micro) {
+        return MakeBatch(data, sampler.MicroBatch(step, micro), m.seq_len);
+      };
+      auto loss_of = [&](int micro, const torch::Tensor& logits, const torch::Tensor& w) {
+        if (loss_mask.empty()) return model->LossOf(logits, w) / grad_accum;
+        return model->MaskedLossSumOf(
+                   logits, w, MaskWeights(loss_mask, sampler.MicroBatch(step, micro), m.seq_len)) *
+               (static_cast<double>(replicas) / static_cast<double>(counted));
+      };
+      loss_sum = pipeline->Step(grad_accum, windows, loss_of);
+      backward_s = pipeline->last_step().seconds;
+    }
+    for (int micro = 0; !pipeline && micro < grad_accum; ++micro) {
       if (reducer) reducer->Prepare(micro == grad_accum - 1);
       if (offloaded) offloaded->Prepare(micro == grad_accum - 1, step + 1);
       if (fsdp) fsdp->BeginForward(micro == grad_accum - 1);
@@ -411,9 +518,12 @@ absl::Status Train(const TrainerOptions& o) {
       loss_sum += loss.item<double>();
     }
     if (reducer) comm_wait_s = reducer->Finish();
+    if (pipeline) pipeline->SyncTiedGradient();
 
     double grad_norm = 0;
-    if (offloaded) {
+    if (pipeline) {
+      grad_norm = std::sqrt(pipeline->GradNormSquared(optimized));
+    } else if (offloaded) {
       ASSIGN_OR_RETURN(grad_norm, offloaded->FinishBackward(&comm_wait_s));
     } else if (fsdp) {
       grad_norm = fsdp->GradNorm();
@@ -447,12 +557,18 @@ absl::Status Train(const TrainerOptions& o) {
     // (coordinator commands reach rank 0 only; SIGTERM may reach any rank).
     TrainerCommands commands;
     if (reporter) commands = reporter->TakeCommands();
-    torch::Tensor agree =
-        torch::tensor({loss_sum, commands.checkpoint_requested ? 1.0 : 0.0,
-                       commands.stop_requested ? 1.0 : 0.0, TakeSigterm() ? 1.0 : 0.0},
-                      torch::kDouble);
+    // Pipeline: also each stage's idle share of the schedule (from the first replica).
+    std::vector<double> flags = {loss_sum, commands.checkpoint_requested ? 1.0 : 0.0,
+                                 commands.stop_requested ? 1.0 : 0.0, TakeSigterm() ? 1.0 : 0.0};
+    if (pipelined) {
+      flags.resize(4 + stages, 0.0);
+      const PipelineStepStats& ps = pipeline->last_step();
+      if (layout->replica == 0) flags[4 + layout->stage] = ps.idle_seconds / ps.seconds;
+    }
+    torch::Tensor agree = torch::tensor(flags, torch::kDouble);
     comm->AllReduceSum({agree})->Wait();
-    const double loss = agree[0].item<double>() / o.world_size;
+    // The loss is the last stages' under pipeline parallelism (one per replica).
+    const double loss = agree[0].item<double>() / replicas;
     const bool checkpoint_requested = agree[1].item<double>() > 0;
     const bool stop_requested = agree[2].item<double>() > 0;
     const bool sigterm = agree[3].item<double>() > 0;
@@ -460,6 +576,11 @@ absl::Status Train(const TrainerOptions& o) {
     const double tokens_per_s =
         sampler.global_batch() * model->TokensPerWindow() / std::max(step_s, 1e-9);
     const int64_t model_state_bytes = fsdp ? fsdp->peak_bytes() : dense_state_bytes;
+    // The measured bubble (the stages' mean idle share) and its theory, (P - 1) / (m + P - 1).
+    double bubble = 0;
+    for (int s = 0; pipelined && s < stages; ++s) bubble += agree[4 + s].item<double>() / stages;
+    const double bubble_theory =
+        pipelined ? double(stages - 1) / double(grad_accum + stages - 1) : 0.0;
 
     if (rank0) {
       Log(absl::StrFormat(
@@ -467,21 +588,31 @@ absl::Status Train(const TrainerOptions& o) {
           "comm_wait_ms %.1f allreduce_bytes %d comm_bytes %d model_state_peak_bytes %d%s",
           step, total_steps, loss, lr, grad_norm, tokens_per_s, step_s * 1e3, backward_s * 1e3,
           comm_wait_s * 1e3, reducer ? reducer->bytes_per_step() : 0, comm_bytes, model_state_bytes,
-          offloaded ? absl::StrFormat(" ps_push_bytes %d ps_pull_bytes %d",
-                                      offloaded->pushed_bytes(), offloaded->pulled_bytes())
-                    : ""));
+          offloaded  ? absl::StrFormat(" ps_push_bytes %d ps_pull_bytes %d",
+                                       offloaded->pushed_bytes(), offloaded->pulled_bytes())
+          : pipeline ? absl::StrFormat(" pipeline_bubble %.3f (theory %.3f) in_flight_peak %d "
+                                       "activation_peak_bytes %d",
+                                       bubble, bubble_theory, pipeline->last_step().peak_in_flight,
+                                       pipeline->last_step().peak_activation_bytes)
+                     : ""));
       if (metrics.is_open()) {
-        nlohmann::json line = {{"step", step},
-                               {"loss", loss},
-                               {"lr", lr},
-                               {"grad_norm", grad_norm},
-                               {"tokens_per_second", tokens_per_s},
-                               {"step_seconds", step_s},
-                               {"backward_seconds", backward_s},
-                               {"comm_wait_seconds", comm_wait_s},
-                               {"allreduce_bytes", reducer ? reducer->bytes_per_step() : 0},
-                               {"comm_bytes", comm_bytes},
-                               {"model_state_peak_bytes", model_state_bytes}};
+        nlohmann::json line = {
+            {"step", step},
+            {"loss", loss},
+            {"lr", lr},
+            {"grad_norm", grad_norm},
+            {"tokens_per_second", tokens_per_s},
+            {"step_seconds", step_s},
+            {"backward_seconds", backward_s},
+            {"comm_wait_seconds", comm_wait_s},
+            {"allreduce_bytes", reducer ? reducer->bytes_per_step() : 0},
+            {"comm_bytes", comm_bytes},
+            {"pipeline_bubble", bubble},
+            {"pipeline_bubble_theory", bubble_theory},
+            {"pipeline_in_flight_peak", pipeline ? pipeline->last_step().peak_in_flight : 0},
+            {"pipeline_activation_peak_bytes",
+             pipeline ? pipeline->last_step().peak_activation_bytes : 0},
+            {"model_state_peak_bytes", model_state_bytes}};
         metrics << line.dump() << std::endl;
       }
       if (reporter) {
@@ -497,6 +628,10 @@ absl::Status Train(const TrainerOptions& o) {
         r.model_state_peak_bytes = model_state_bytes;
         r.comm_bytes = comm_bytes;
         r.time_ms = UnixMillis();
+        for (int s = 0; pipelined && s < stages; ++s) {
+          r.pipeline_stage_idle.push_back(agree[4 + s].item<double>());
+        }
+        r.pipeline_bubble_theory = bubble_theory;
         reporter->ReportStep(r);
       }
     }
@@ -507,7 +642,17 @@ absl::Status Train(const TrainerOptions& o) {
     const bool checkpoint =
         !o.checkpoint_dir.empty() &&
         (stop || checkpoint_requested || step == total_steps || (every > 0 && step % every == 0));
-    if (checkpoint && fsdp) {
+    if (checkpoint && pipeline) {
+      // Each stage's first replica writes its part; rank 0 meta.json.
+      ASSIGN_OR_RETURN(CheckpointInfo info,
+                       WriteStagedCheckpoint(o.checkpoint_dir, step, *layout, stage_params,
+                                             *optimizer_holder, *comm));
+      if (rank0) {
+        Log(absl::StrCat("checkpoint step ", info.step, " path ", info.path, " bytes ", info.bytes,
+                         " (", stages, " pipeline stages)"));
+        if (reporter) reporter->ReportCheckpoint({info.step, info.path, info.bytes});
+      }
+    } else if (checkpoint && fsdp) {
       // Every rank writes its shard; rank 0 the manifest.
       ASSIGN_OR_RETURN(CheckpointInfo info,
                        WriteShardedCheckpoint(o.checkpoint_dir, step, *fsdp, *comm, t.lr));
@@ -548,7 +693,11 @@ absl::Status Train(const TrainerOptions& o) {
   if (offloaded) RETURN_IF_ERROR(offloaded->Flush());
   // FSDP: every rank takes part in gathering the whole model for the dump and the sample.
   if (fsdp) fsdp->GatherFullParameters();
-  if (!o.dump_params.empty()) RETURN_IF_ERROR(WriteDump(o.dump_params, *model));
+  // Pipeline: rank 0 gathers the stages' parameters; the other ranks hold only their stage's.
+  if (pipeline) pipeline->GatherToRankZero();
+  if (!o.dump_params.empty() && (!pipeline || rank0)) {
+    RETURN_IF_ERROR(WriteDump(o.dump_params, *model));
+  }
   // What the model learned, for people: rank 0 of a finished byte-level run writes a sample.
   if (rank0 && step == total_steps && spec.data.format == "bytes") {
     const std::string prompt = "The ";

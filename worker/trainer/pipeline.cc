@@ -1,0 +1,310 @@
+// PipelineStage and the pipeline checkpoints (see pipeline.h).
+#include "worker/trainer/pipeline.h"
+
+#include <malloc.h>
+
+#include <chrono>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "worker/trainer/optimizers.h"
+
+namespace trainyard::trainer {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+// Tags of the point-to-point messages, above those the collectives' send/recv use.
+constexpr int kActivationTag = 1 << 30;
+constexpr int kGradientTag = kActivationTag + 1;
+constexpr int kTiedTag = kActivationTag + 2;
+constexpr int kGatherTag = kActivationTag + 3;
+
+double Seconds(Clock::time_point since) {
+  return std::chrono::duration<double>(Clock::now() - since).count();
+}
+
+int64_t HeapInUse() {
+  const struct mallinfo2 info = ::mallinfo2();
+  return static_cast<int64_t>(info.uordblks + info.hblkhd);
+}
+
+// Every rank's status: the first failure, or another rank's.
+absl::Status Agree(Communicator& world, absl::Status mine) {
+  torch::Tensor failed = torch::tensor({mine.ok() ? 0.0 : 1.0}, torch::kDouble);
+  world.AllReduceSum({failed})->Wait();
+  if (!mine.ok()) return mine;
+  if (failed.item<double>() > 0) {
+    return absl::InternalError("another rank failed to write its part of the checkpoint");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+PipelineLayout MakePipelineLayout(int rank, int world, int stages, std::vector<int> bounds) {
+  PipelineLayout l;
+  l.stages = stages;
+  l.replicas = world / stages;
+  l.stage = rank % stages;
+  l.replica = rank / stages;
+  l.bounds = std::move(bounds);
+  return l;
+}
+
+bool StageHolds(const LanguageModel& model, const PipelineLayout& layout, const std::string& name) {
+  const int block = model.BlockOf(name);
+  if (block >= 0) {
+    return block >= layout.bounds[layout.stage] && block < layout.bounds[layout.stage + 1];
+  }
+  if (model.IsEmbedding(name)) {
+    return layout.first() || (layout.last() && name == model.TiedWeight());
+  }
+  return layout.last();
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> StageParameters(LanguageModel& model,
+                                                                   const PipelineLayout& layout) {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (const auto& item : model.named_parameters()) {
+    if (StageHolds(model, layout, item.key())) out.emplace_back(item.key(), item.value());
+  }
+  return out;
+}
+
+PipelineStage::PipelineStage(LanguageModel& model, Communicator& world, PipelineLayout layout,
+                             PipelineSchedule schedule, int micro_batch, GradientReducer* reducer)
+    : model_(model),
+      world_(world),
+      layout_(std::move(layout)),
+      schedule_(schedule),
+      micro_batch_(micro_batch),
+      reducer_(reducer) {
+  const std::string tied = model.TiedWeight();
+  if (!tied.empty() && layout_.stages > 1 && (layout_.first() || layout_.last())) {
+    tied_ = model.named_parameters()[tied];
+  }
+}
+
+std::vector<PipelineStage::Op> PipelineStage::Schedule(int m) const {
+  std::vector<Op> ops;
+  if (schedule_ == PipelineSchedule::kGpipe) {
+    for (int i = 0; i < m; ++i) ops.push_back({true, i});
+    for (int i = 0; i < m; ++i) ops.push_back({false, i});
+    return ops;
+  }
+  // 1F1B: warm up with the forwards that fill the stages after this one, then one forward and
+  // one backward in turn, then the remaining backwards.
+  const int warmup = std::min(layout_.stages - layout_.stage - 1, m);
+  int forward = 0, backward = 0;
+  for (; forward < warmup; ++forward) ops.push_back({true, forward});
+  while (forward < m) {
+    ops.push_back({true, forward++});
+    ops.push_back({false, backward++});
+  }
+  while (backward < m) ops.push_back({false, backward++});
+  return ops;
+}
+
+double PipelineStage::Step(
+    int micro_batches, const std::function<torch::Tensor(int)>& windows,
+    const std::function<torch::Tensor(int, const torch::Tensor&, const torch::Tensor&)>& loss) {
+  const auto start = Clock::now();
+  const int64_t heap_at_start = HeapInUse();
+  stats_ = PipelineStepStats{};
+  const int prev = layout_.first() ? -1 : layout_.RankOf(layout_.stage - 1, layout_.replica);
+  const int next = layout_.last() ? -1 : layout_.RankOf(layout_.stage + 1, layout_.replica);
+  const std::vector<int64_t> hidden = model_.HiddenShape(micro_batch_);
+  const int begin = layout_.bounds[layout_.stage], end = layout_.bounds[layout_.stage + 1];
+
+  // Per micro-batch in flight: the stage's input (whose gradient goes back) and its output (or
+  // loss, on the last stage).
+  std::map<int, std::pair<torch::Tensor, torch::Tensor>> alive;
+  std::vector<std::pair<std::unique_ptr<CommHandle>, torch::Tensor>> sends;
+  double loss_sum = 0;
+  int backwards_left = micro_batches;
+  for (const Op& op : Schedule(micro_batches)) {
+    if (op.forward) {
+      torch::Tensor x;
+      torch::Tensor w;
+      if (layout_.first() || layout_.last()) w = windows(op.micro);
+      if (layout_.first()) {
+        x = model_.Embed(w.narrow(1, 0, w.size(1) - 1));
+      } else {
+        x = torch::empty(hidden, torch::kFloat);
+        const auto wait = Clock::now();
+        world_.Recv(x, prev, kActivationTag);
+        stats_.idle_seconds += Seconds(wait);
+        x.requires_grad_(true);
+      }
+      torch::Tensor y = x;
+      for (int b = begin; b < end; ++b) y = model_.RunBlock(b, y);
+      if (layout_.last()) {
+        y = loss(op.micro, model_.Head(y), w);
+        loss_sum += y.item<double>();
+      } else {
+        torch::Tensor out = y.detach().contiguous();
+        sends.emplace_back(world_.Send(out, next, kActivationTag), out);
+      }
+      alive[op.micro] = {x, y};
+      stats_.peak_in_flight = std::max<int>(stats_.peak_in_flight, alive.size());
+      stats_.peak_activation_bytes =
+          std::max(stats_.peak_activation_bytes, HeapInUse() - heap_at_start);
+    } else {
+      auto [x, y] = std::move(alive.at(op.micro));
+      alive.erase(op.micro);
+      if (reducer_ != nullptr) reducer_->Prepare(/*sync=*/--backwards_left == 0);
+      if (layout_.last()) {
+        y.backward();
+      } else {
+        torch::Tensor grad = torch::empty(hidden, torch::kFloat);
+        const auto wait = Clock::now();
+        world_.Recv(grad, next, kGradientTag);
+        stats_.idle_seconds += Seconds(wait);
+        torch::autograd::backward({y}, {grad});
+      }
+      if (!layout_.first()) {
+        torch::Tensor g = x.grad().contiguous();
+        sends.emplace_back(world_.Send(g, prev, kGradientTag), g);
+      }
+    }
+  }
+  const auto wait = Clock::now();
+  for (auto& [handle, tensor] : sends) handle->Wait();
+  stats_.idle_seconds += Seconds(wait);
+  stats_.seconds = Seconds(start);
+  return loss_sum;
+}
+
+void PipelineStage::SyncTiedGradient() {
+  if (!tied_.defined()) return;
+  const int other = layout_.RankOf(layout_.first() ? layout_.stages - 1 : 0, layout_.replica);
+  torch::Tensor mine =
+      tied_.grad().defined() ? tied_.grad().contiguous().clone() : torch::zeros_like(tied_);
+  torch::Tensor theirs = torch::empty_like(mine);
+  std::unique_ptr<CommHandle> sent = world_.Send(mine, other, kTiedTag);
+  world_.Recv(theirs, other, kTiedTag);
+  sent->Wait();
+  // a + b on one end, b + a on the other: the same float.
+  tied_.mutable_grad() = mine + theirs;
+}
+
+double PipelineStage::GradNormSquared(const std::vector<torch::Tensor>& trainable) {
+  double sq = 0;
+  // The last stage's copy of the tied weight is the first stage's; count it there only.
+  const bool skip_tied = tied_.defined() && !layout_.first();
+  for (const auto& p : trainable) {
+    if (!p.grad().defined()) continue;
+    if (skip_tied && p.is_same(tied_)) continue;
+    const double n = p.grad().norm().item<double>();
+    sq += n * n;
+  }
+  // Every replica holds the same averaged gradients: sum over all ranks, divide by replicas.
+  torch::Tensor total = torch::tensor({sq}, torch::kDouble);
+  world_.AllReduceSum({total})->Wait();
+  return total.item<double>() / layout_.replicas;
+}
+
+void PipelineStage::GatherToRankZero() {
+  if (layout_.replica != 0) return;
+  torch::NoGradGuard no_grad;
+  const bool rank0 = layout_.first();
+  std::vector<std::unique_ptr<CommHandle>> sends;
+  for (int s = 1; s < layout_.stages; ++s) {
+    PipelineLayout other = layout_;
+    other.stage = s;
+    if (!rank0 && s != layout_.stage) continue;
+    for (auto& [name, p] : StageParameters(model_, other)) {
+      if (!model_.TiedWeight().empty() && name == model_.TiedWeight()) continue;  // stage 0's
+      if (rank0) {
+        if (p.storage().nbytes() == 0) AllocateStorage(p, p.numel() * p.element_size());
+        torch::Tensor in = p.detach();
+        world_.Recv(in, layout_.RankOf(s, 0), kGatherTag);
+      } else {
+        sends.push_back(world_.Send(p.detach(), 0, kGatherTag));
+      }
+    }
+  }
+  for (auto& h : sends) h->Wait();
+}
+
+absl::StatusOr<CheckpointInfo> WriteStagedCheckpoint(
+    const std::string& dir, int64_t step, const PipelineLayout& layout,
+    const std::vector<std::pair<std::string, torch::Tensor>>& params,
+    torch::optim::Optimizer& optimizer, Communicator& world) {
+  const bool rank0 = world.rank() == 0;
+  const std::string name = absl::StrCat("step-", step);
+  const std::string final_path = dir + "/" + name;
+  const std::string tmp = absl::StrCat(dir, "/.", name, ".tmp");
+  const bool exists = fs::exists(final_path + "/meta.json");
+  world.Barrier();  // nobody renames before everyone has looked
+  if (!exists) {
+    absl::Status s;
+    if (rank0) {
+      std::error_code ec;
+      fs::remove_all(tmp, ec);
+      fs::create_directories(tmp, ec);
+      if (ec) s = absl::InternalError(absl::StrCat("cannot create '", tmp, "': ", ec.message()));
+    }
+    RETURN_IF_ERROR(Agree(world, s));
+    if (layout.replica == 0) {
+      const std::string file = absl::StrCat(tmp, "/stage-", layout.stage, ".pt");
+      try {
+        torch::serialize::OutputArchive archive;
+        std::map<const void*, std::string> names;
+        for (const auto& [param_name, p] : params) {
+          archive.write("param/" + param_name, p.detach());
+          names[p.unsafeGetTensorImpl()] = param_name;
+        }
+        const auto& optimized = optimizer.param_groups().at(0).params();
+        for (size_t i = 0; i < optimized.size(); ++i) {
+          const std::string& param_name = names.at(optimized[i].unsafeGetTensorImpl());
+          int64_t param_step = 0;
+          for (const auto& [key, t] : ParameterState(optimizer, i, &param_step)) {
+            archive.write(absl::StrCat("state/", param_name, "/", key), t);
+          }
+          archive.write("step/" + param_name, torch::tensor({param_step}, torch::kLong));
+        }
+        archive.save_to(file);
+        s = SyncPath(file);
+      } catch (const c10::Error& e) {
+        s = absl::InternalError(
+            absl::StrCat("cannot save '", file, "': ", e.what_without_backtrace()));
+      }
+    }
+    RETURN_IF_ERROR(Agree(world, s));
+    if (rank0) {
+      try {
+        torch::save(SaveRngState(), tmp + "/rng.pt");
+        s = SyncPath(tmp + "/rng.pt");
+      } catch (const c10::Error& e) {
+        s = absl::InternalError(
+            absl::StrCat("cannot save '", tmp, "/rng.pt': ", e.what_without_backtrace()));
+      }
+      if (s.ok()) {
+        s = WriteSyncedFile(tmp + "/meta.json",
+                            MetaJson(step, OptimizerName(optimizer), layout.stages));
+      }
+      if (s.ok()) s = SyncPath(tmp);
+      if (s.ok()) {
+        std::error_code ec;
+        fs::remove_all(final_path, ec);  // an incomplete leftover (no meta.json)
+        if (::rename(tmp.c_str(), final_path.c_str()) != 0) {
+          s = absl::InternalError(absl::StrCat("cannot rename '", tmp, "'"));
+        }
+      }
+      if (s.ok()) s = SyncPath(dir);
+    }
+    RETURN_IF_ERROR(Agree(world, s));
+  }
+  absl::Status s = rank0 ? PublishLatest(dir, name) : absl::OkStatus();
+  RETURN_IF_ERROR(Agree(world, s));
+  return CheckpointInfo{step, final_path, DirectoryBytes(final_path)};
+}
+
+}  // namespace trainyard::trainer

@@ -1,0 +1,137 @@
+// Pipeline parallelism (parallel.pipeline_stages): the model's blocks split into P consecutive
+// stages, each run by its own rank; the first stage also embeds the tokens, the last also runs the
+// final norm, the head and the loss. A step's micro-batches (train.micro_batches, m) flow forward
+// stage to stage as activations and back as their gradients, sent point to point; every stage
+// accumulates its parameters' gradients over the m micro-batches and the optimizer steps once.
+// Data parallelism (ddp) runs over the rest: rank = replica * P + stage, so a replica's stages are
+// consecutive ranks (and share a node when it holds them) and each stage's replicas average their
+// gradients through a GradientReducer of their own group.
+//
+// Schedules (as PyTorch's torch.distributed.pipelining and DeepSpeed name them):
+//  - gpipe: all m forwards, then all m backwards; m micro-batches of activations alive at once.
+//  - 1f1b (PipeDream-flush): stage s runs P - s - 1 forwards, then alternates one forward and one
+//    backward, then drains the backwards; at most P - s micro-batches alive.
+// Both leave the same idle share, the bubble: (P - 1) / (m + P - 1) of a step in theory.
+//
+// Tied weights (model.tie_weights): the first and the last stage each hold the embedding; after
+// backward they add each other's gradient (as Megatron-LM's embedding group does), so both copies
+// take the same steps.
+//
+// Every rank builds the whole model (deterministically, from train.seed), loads a checkpoint into
+// it, then frees the storage of the parameters its stage does not hold.
+//
+// Checkpoints (WriteStagedCheckpoint): DIR/step-N/stage-<s>.pt, written by each stage's first
+// replica: its parameters ("param/<name>") and their optimizer state ("state/<name>/<key>",
+// "step/<name>"), keyed by name, so that LoadLatestCheckpoint (checkpoint.h) reads them into any
+// layout: another number of stages, or none.
+//
+// One training thread per rank calls everything.
+#ifndef TRAINYARD_WORKER_TRAINER_PIPELINE_H_
+#define TRAINYARD_WORKER_TRAINER_PIPELINE_H_
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/job_config.h"
+#include "worker/trainer/checkpoint.h"
+#include "worker/trainer/communicator.h"
+#include "worker/trainer/ddp.h"
+#include "worker/trainer/model.h"
+
+namespace trainyard::trainer {
+
+struct PipelineLayout {
+  int stages = 1;
+  int replicas = 1;
+  int stage = 0;
+  int replica = 0;
+  std::vector<int> bounds;  // stage s runs blocks [bounds[s], bounds[s + 1])
+
+  bool first() const { return stage == 0; }
+  bool last() const { return stage == stages - 1; }
+  int RankOf(int s, int r) const { return r * stages + s; }
+};
+
+// The layout of `rank` of `world` ranks in `stages` stages of the blocks `bounds`
+// (PipelineBoundaries).
+PipelineLayout MakePipelineLayout(int rank, int world, int stages, std::vector<int> bounds);
+
+// Whether the stage holds parameter `name` of `model`: its blocks', the first stage's embeddings,
+// the last stage's final norm and head, and the tied embedding on both.
+bool StageHolds(const LanguageModel& model, const PipelineLayout& layout, const std::string& name);
+
+// The parameter ("name", tensor) pairs the stage holds, in registration order.
+std::vector<std::pair<std::string, torch::Tensor>> StageParameters(LanguageModel& model,
+                                                                   const PipelineLayout& layout);
+
+// Per step, of this rank.
+struct PipelineStepStats {
+  double seconds = 0;       // the schedule's wall time
+  double idle_seconds = 0;  // of it, waiting for activations or gradients from other stages
+  int peak_in_flight = 0;   // micro-batches whose activations were alive at once
+  // Growth of the process's heap over the step's start (glibc's in-use bytes, sampled after every
+  // forward): the activations the stage keeps for backward.
+  int64_t peak_activation_bytes = 0;
+};
+
+class PipelineStage {
+ public:
+  // `world` carries the activations (ranks as in `layout`); `reducer` (nullable: one replica)
+  // averages the stage's gradients over its replicas. Neither is owned.
+  PipelineStage(LanguageModel& model, Communicator& world, PipelineLayout layout,
+                PipelineSchedule schedule, int micro_batch, GradientReducer* reducer);
+
+  // One step: `windows(i)` gives micro-batch i's windows ([micro_batch, seq_len + 1]; read on the
+  // first and the last stage), `loss(i, logits, windows)` its loss (last stage), already scaled
+  // for accumulation. Returns the sum of the losses' values on the last stage, 0 elsewhere.
+  double Step(
+      int micro_batches, const std::function<torch::Tensor(int)>& windows,
+      const std::function<torch::Tensor(int, const torch::Tensor&, const torch::Tensor&)>& loss);
+  // Tied weights: adds the gradient of the other end's copy (first and last stage); call after
+  // the reducer's Finish. No-op elsewhere.
+  void SyncTiedGradient();
+  // The squared gradient norm of the whole model summed from every stage (the tied weight
+  // counted once). Every rank calls it.
+  double GradNormSquared(const std::vector<torch::Tensor>& trainable);
+
+  // Rank 0 receives every stage's parameters (of the first replica) into its model, whose freed
+  // storage it allocates again; the others send theirs. Every rank calls it.
+  void GatherToRankZero();
+
+  const PipelineLayout& layout() const { return layout_; }
+  const PipelineStepStats& last_step() const { return stats_; }
+
+ private:
+  struct Op {
+    bool forward;
+    int micro;
+  };
+  std::vector<Op> Schedule(int micro_batches) const;
+
+  LanguageModel& model_;
+  Communicator& world_;
+  PipelineLayout layout_;
+  PipelineSchedule schedule_;
+  int micro_batch_;
+  GradientReducer* reducer_;
+  torch::Tensor tied_;  // the tied embedding on the first and the last stage
+  PipelineStepStats stats_;
+};
+
+// Writes the pipeline checkpoint of `step`: every stage's first replica its stage-<s>.pt (the
+// stage's `params` and their state in `optimizer`, whose parameters are the trainable ones among
+// them, in order), rank 0 rng.pt and meta.json, then DIR/latest; every rank of `world` calls it.
+// A complete DIR/step-N from an earlier attempt is kept.
+absl::StatusOr<CheckpointInfo> WriteStagedCheckpoint(
+    const std::string& dir, int64_t step, const PipelineLayout& layout,
+    const std::vector<std::pair<std::string, torch::Tensor>>& params,
+    torch::optim::Optimizer& optimizer, Communicator& world);
+
+}  // namespace trainyard::trainer
+
+#endif  // TRAINYARD_WORKER_TRAINER_PIPELINE_H_
