@@ -98,6 +98,22 @@ int64_t ModelParameterCount(const ModelConfig& m) {
   return embed + int64_t{m.n_layer} * BlockParameterCount(m) + head - tied;
 }
 
+std::vector<int64_t> StageParameterCounts(const ModelConfig& m, int stages,
+                                          const std::vector<int>& split) {
+  const std::vector<int> bounds = PipelineBoundaries(m, stages, split);
+  const auto [embed, head] = EndParameterCounts(m);
+  std::vector<int64_t> out;
+  for (int s = 0; s < stages; ++s) {
+    int64_t n = (bounds[s + 1] - bounds[s]) * BlockParameterCount(m);
+    if (s == 0) n += embed;
+    if (s == stages - 1) n += head;
+    out.push_back(n);
+  }
+  // One stage holds the tied embedding once.
+  if (stages == 1 && m.tie_weights && m.kind != "mlp") out[0] -= int64_t{m.vocab} * m.d_model;
+  return out;
+}
+
 std::vector<int> PipelineBoundaries(const ModelConfig& m, int stages,
                                     const std::vector<int>& split) {
   const int n = m.n_layer;

@@ -114,6 +114,7 @@ struct ParallelConfig {
   int pipeline_stages = 1;
   PipelineSchedule pipeline_schedule = PipelineSchedule::kOneFOneB;
   std::vector<int> pipeline_split;  // blocks per stage; empty: balanced by parameters
+  int tensor_parallel = 1;
 };
 
 struct JobConfig {
@@ -136,6 +137,9 @@ int64_t BlockParameterCount(const ModelConfig& model);
 // 1 <= stages <= n_layer).
 std::vector<int> PipelineBoundaries(const ModelConfig& model, int stages,
                                     const std::vector<int>& split);
+// Parameters each stage holds (the tied embedding on the first and the last stage both).
+std::vector<int64_t> StageParameterCounts(const ModelConfig& model, int stages,
+                                          const std::vector<int>& split);
 // Parameters LoRA adds (the adapters, which are all that trains); 0 without LoRA.
 int64_t LoraParameterCount(const ModelConfig& model, const LoraConfig& lora);
 // Shapes of the parameters that train (every parameter, or under LoRA the adapters), in no

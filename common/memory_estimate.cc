@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/str_cat.h"
 #include "common/spec.h"
 
 namespace trainyard {
@@ -42,6 +43,17 @@ int64_t ActivationBytes(const v1::JobSpec& spec, v1::MixedPrecision precision) {
 
 std::string MemoryEstimate::Name() const {
   if (strategy == v1::FSDP) return "fsdp " + ShardingStrategyName(sharding);
+  if (pipeline_stages > 1 || tensor_parallel > 1) {
+    std::string name;
+    if (pipeline_stages > 1) {
+      name = absl::StrCat("pipeline ", pipeline_stages, " (",
+                          schedule == v1::GPIPE ? "gpipe" : "1f1b", ")");
+    }
+    if (tensor_parallel > 1) {
+      absl::StrAppend(&name, name.empty() ? "" : " x ", "tensor ", tensor_parallel);
+    }
+    return name;
+  }
   return StrategyName(strategy);
 }
 
@@ -61,8 +73,63 @@ int64_t LargestUnitParameters(const v1::ModelSpec& m) {
   return std::max(block, v * d + int64_t{m.seq_len()} * d);
 }
 
+namespace {
+
+// DDP with pipeline stages and/or tensor parallelism: the busiest rank (see the header).
+MemoryEstimate ModelParallelEstimate(const v1::JobSpec& spec, MemoryEstimate e) {
+  const JobConfig config = ToJobConfig(spec);
+  const ModelConfig& model = config.model;
+  const int stages = e.pipeline_stages, tensor = e.tensor_parallel;
+  const int m = stages > 1 ? std::max(1, spec.train().micro_batches()) : 1;
+  const BytesPerParam bpp = ForPrecision(e.precision);
+  const int64_t lora = LoraParameterCount(model, config.train.lora);
+  const int64_t whole = ModelParameterCount(model);
+  const int64_t optimizer_state = OptimizerStateBytes(
+      config.train.optimizer, TrainedParameterShapes(model, config.train.lora), 1);
+  const int64_t value_bytes = e.precision == v1::BF16 ? 2 : 4;
+  const int64_t s = model.seq_len, b = spec.train().micro_batch(), h = model.d_model;
+  const int64_t a = std::max(1, model.n_head);
+  const int64_t per_layer = s * b * h *
+                            (10 + 24 / tensor + 5 * a * s / (std::max<int64_t>(1, h) * tensor)) /
+                            2 * value_bytes;
+  const int64_t logits = s * b * model.vocab * 4 * 2 / tensor;
+  const std::vector<int> bounds = PipelineBoundaries(model, stages, config.parallel.pipeline_split);
+  const std::vector<int64_t> held =
+      StageParameterCounts(model, stages, config.parallel.pipeline_split);
+  int64_t busiest = -1;
+  for (int stage = 0; stage < stages; ++stage) {
+    const int layers = bounds[stage + 1] - bounds[stage];
+    const int64_t alive =
+        spec.parallel().pipeline_schedule() == v1::GPIPE ? m : std::min<int64_t>(m, stages - stage);
+    MemoryEstimate here = e;
+    const int64_t params = CeilDiv(held[stage], tensor);
+    // LoRA: the stage's layers' adapters train.
+    const int64_t trained =
+        config.train.lora.enabled() ? lora * layers / std::max(1, model.n_layer) : params;
+    here.parameters = bpp.param * (params + (config.train.lora.enabled() ? trained : 0));
+    here.gradients = bpp.grad * trained;
+    const int64_t trained_whole = config.train.lora.enabled() ? lora : whole;
+    here.optimizer =
+        bpp.master * trained + optimizer_state * trained / std::max<int64_t>(1, trained_whole);
+    here.activations = spec.train().activation_checkpointing()
+                           ? layers * s * b * h * value_bytes * alive + per_layer
+                           : layers * per_layer * alive;
+    if (stage == stages - 1) here.activations += logits * alive;
+    if (here.total() > busiest) {
+      busiest = here.total();
+      e = here;
+    }
+  }
+  return e;
+}
+
+}  // namespace
+
 MemoryEstimate EstimateMemory(const v1::JobSpec& spec, int world_size, int ranks_per_node) {
   MemoryEstimate e;
+  e.pipeline_stages = std::max(1, spec.parallel().pipeline_stages());
+  e.tensor_parallel = std::max(1, spec.parallel().tensor_parallel());
+  e.schedule = spec.parallel().pipeline_schedule() == v1::GPIPE ? v1::GPIPE : v1::ONE_F_ONE_B;
   e.strategy = spec.parallel().strategy();
   e.precision = spec.train().mixed_precision() == v1::BF16 ? v1::BF16 : v1::FP32;
   // LoRA: the base weights are frozen (weights only: no gradients, no optimizer state); only the
@@ -82,6 +149,9 @@ MemoryEstimate EstimateMemory(const v1::JobSpec& spec, int world_size, int ranks
   e.activations = ActivationBytes(spec, e.precision);
 
   const v1::ShardingStrategy sharding = spec.parallel().sharding_strategy();
+  if (e.strategy == v1::DDP && (e.pipeline_stages > 1 || e.tensor_parallel > 1)) {
+    return ModelParallelEstimate(spec, e);
+  }
   if (e.strategy == v1::OFFLOAD) {
     // Weights and gradients stay on the device (each rank keeps its reduce-scattered slice of the
     // gradients plus one bucket in flight); master weights and moments live on the PS shards.
@@ -135,6 +205,36 @@ std::vector<MemoryEstimate> EstimateAllStrategies(const v1::JobSpec& spec, int w
     }
     s.mutable_parallel()->set_strategy(v1::OFFLOAD);
     out.push_back(EstimateMemory(s, world_size, ranks_per_node));
+  }
+  // Model-parallel layouts (ddp over the rest).
+  const auto& m = spec.model();
+  const bool splittable =
+      (m.kind() == "gpt" || m.kind() == "llama") && !spec.train().has_lora() &&
+      (spec.train().optimizer() == v1::ADAMW || spec.train().optimizer() == v1::LION ||
+       spec.train().optimizer() == v1::OPTIMIZER_UNSPECIFIED);
+  auto divides = [](int t, int64_t n) { return n <= 0 || n % t == 0; };
+  for (v1::MixedPrecision p : {v1::FP32, v1::BF16}) {
+    for (int stages = 1; stages <= world_size; ++stages) {
+      if (world_size % stages != 0 || stages > std::max(1, m.n_layer())) continue;
+      for (int tensor = 1; stages * tensor <= world_size; ++tensor) {
+        if (world_size % (stages * tensor) != 0 || stages * tensor == 1) continue;
+        if (tensor > 1 &&
+            !(splittable && divides(tensor, m.n_head()) && divides(tensor, m.vocab()) &&
+              (m.kind() != "llama" ||
+               (divides(tensor, m.n_kv_head()) && divides(tensor, m.d_hidden()))))) {
+          continue;
+        }
+        v1::JobSpec s = spec;
+        s.mutable_train()->set_mixed_precision(p);
+        auto* par = s.mutable_parallel();
+        par->set_strategy(v1::DDP);
+        par->set_pipeline_stages(stages);
+        par->set_tensor_parallel(tensor);
+        if (stages != spec.parallel().pipeline_stages()) par->clear_pipeline_split();
+        if (s.train().micro_batches() == 0) s.mutable_train()->set_micro_batches(2 * stages);
+        out.push_back(EstimateMemory(s, world_size, ranks_per_node));
+      }
+    }
   }
   return out;
 }

@@ -11,6 +11,13 @@
 // 2 bytes per value, plus the logits; with activation checkpointing only each layer's input and
 // one layer's activations stay alive. Under LoRA the frozen base holds weights only: gradients and
 // optimizer state are the adapters' (their activations are not counted).
+//
+// Model parallelism (ddp with parallel.pipeline_stages P and parallel.tensor_parallel T): the
+// busiest rank's share. A stage holds its blocks (the first also the embeddings, the last the
+// head), split T ways (the replicated norms and biases counted as split too); its activations
+// are its layers' for every micro-batch alive at once (GPipe: all m; 1F1B: P - stage on stage s)
+// at Korthikanti et al.'s tensor-parallel size, s*b*h*(10 + 24/T + 5*a*s/(h*T)) per layer, and
+// the last stage's logits split T ways.
 #ifndef TRAINYARD_COMMON_MEMORY_ESTIMATE_H_
 #define TRAINYARD_COMMON_MEMORY_ESTIMATE_H_
 
@@ -34,8 +41,12 @@ struct MemoryEstimate {
   int64_t total() const { return parameters + gradients + optimizer + activations; }
   // Bytes of optimizer state and master weights held off the device (offload), whole job.
   int64_t offloaded = 0;
+  int pipeline_stages = 1;
+  int tensor_parallel = 1;
+  v1::PipelineSchedule schedule = v1::ONE_F_ONE_B;
 
-  std::string Name() const;  // "ddp", "fsdp FULL_SHARD", "offload"
+  // "ddp", "fsdp FULL_SHARD", "offload", "pipeline 2 (1f1b) x tensor 2"
+  std::string Name() const;
 };
 
 // Parameters of the largest FSDP unit (a transformer block, or the embedding if larger).
@@ -46,7 +57,10 @@ int64_t LargestUnitParameters(const v1::ModelSpec& model);
 MemoryEstimate EstimateMemory(const v1::JobSpec& spec, int world_size, int ranks_per_node);
 
 // Every strategy (DDP, each FSDP sharding strategy, offload unless LoRA or an optimizer other
-// than AdamW) for both precisions.
+// than AdamW) for both precisions, then the model-parallel layouts the job could use on
+// `world_size` ranks (pipeline stages and tensor-parallel ranks whose product divides it, each a
+// divisor of the blocks or heads and vocabulary it splits; the spec's schedule, or 1F1B), for
+// both precisions.
 std::vector<MemoryEstimate> EstimateAllStrategies(const v1::JobSpec& spec, int world_size,
                                                   int ranks_per_node);
 

@@ -335,11 +335,12 @@ absl::Status ParseDocument(const YAML::Node& root, SpecParser& p, JobSpec& spec)
     }
   }
   if (const YAML::Node n = root["parallel"]) {
-    RETURN_IF_ERROR(p.Mapping(
-        n, "parallel",
-        {"strategy", "sharding_strategy", "bucket_mb", "delayed_update", "auto_wrap_policy",
-         "min_num_params", "backward_prefetch", "forward_prefetch", "max_gathered_units",
-         "cpu_ram_efficient_loading", "pipeline_stages", "pipeline_schedule", "pipeline_split"}));
+    RETURN_IF_ERROR(
+        p.Mapping(n, "parallel",
+                  {"strategy", "sharding_strategy", "bucket_mb", "delayed_update",
+                   "auto_wrap_policy", "min_num_params", "backward_prefetch", "forward_prefetch",
+                   "max_gathered_units", "cpu_ram_efficient_loading", "pipeline_stages",
+                   "pipeline_schedule", "pipeline_split", "tensor_parallel"}));
     auto& par = *spec.mutable_parallel();
     v1::Strategy s = v1::STRATEGY_UNSPECIFIED;
     RETURN_IF_ERROR(p.Choice<v1::Strategy>(
@@ -391,6 +392,9 @@ absl::Status ParseDocument(const YAML::Node& root, SpecParser& p, JobSpec& spec)
     int32_t stages = 0;
     RETURN_IF_ERROR(p.Integer(n, "pipeline_stages", "parallel", stages));
     par.set_pipeline_stages(stages);
+    int32_t tensor = 0;
+    RETURN_IF_ERROR(p.Integer(n, "tensor_parallel", "parallel", tensor));
+    par.set_tensor_parallel(tensor);
     v1::PipelineSchedule schedule = v1::PIPELINE_SCHEDULE_UNSPECIFIED;
     RETURN_IF_ERROR(p.Choice<v1::PipelineSchedule>(
         n, "pipeline_schedule", "parallel", {{"gpipe", v1::GPIPE}, {"1f1b", v1::ONE_F_ONE_B}},
@@ -590,6 +594,7 @@ void ApplyJobSpecDefaults(JobSpec& spec) {
   if (p.max_gathered_units() == 0) p.set_max_gathered_units(2);
   if (!p.has_cpu_ram_efficient_loading()) p.set_cpu_ram_efficient_loading(true);
   if (p.pipeline_stages() == 0) p.set_pipeline_stages(1);
+  if (p.tensor_parallel() == 0) p.set_tensor_parallel(1);
   if (p.pipeline_schedule() == v1::PIPELINE_SCHEDULE_UNSPECIFIED) {
     p.set_pipeline_schedule(v1::ONE_F_ONE_B);
   }
@@ -662,6 +667,61 @@ absl::Status ValidatePipeline(const JobSpec& spec) {
     return FieldError(
         "parallel.pipeline_stages",
         absl::StrCat(stages, " stages need at least as many blocks; model.n_layer is ", layers));
+  }
+  return absl::OkStatus();
+}
+
+// parallel.tensor_parallel.
+absl::Status ValidateTensorParallel(const JobSpec& spec) {
+  const auto& p = spec.parallel();
+  const auto& m = spec.model();
+  const auto& t = spec.train();
+  RETURN_IF_ERROR(CheckRange("parallel.tensor_parallel", p.tensor_parallel(), 1, 1024));
+  const int tp = p.tensor_parallel();
+  if (tp == 1) return absl::OkStatus();
+  if (p.strategy() != v1::DDP) {
+    return FieldError("parallel.tensor_parallel",
+                      absl::StrCat("tensor-parallel groups are replicated with ddp only; "
+                                   "parallel.strategy is ",
+                                   p.strategy() == v1::FSDP ? "fsdp" : "offload"));
+  }
+  if (m.kind() != "gpt" && m.kind() != "llama") {
+    return FieldError(
+        "parallel.tensor_parallel",
+        absl::StrCat("splits the layers of gpt and llama models; model.kind is ", m.kind()));
+  }
+  const int64_t group = int64_t{p.pipeline_stages()} * tp;
+  if (spec.resources().gpus() % group != 0) {
+    return FieldError("resources.gpus",
+                      absl::StrCat(spec.resources().gpus(), " ranks do not split into ",
+                                   p.pipeline_stages(), " pipeline stages x ", tp,
+                                   " tensor-parallel ranks: use a multiple of ", group));
+  }
+  // Sizes left at 0 come from model.from's config.json; the trainer checks those.
+  auto divides = [&](const char* field, int64_t value) -> absl::Status {
+    if (value > 0 && value % tp != 0) {
+      return FieldError(field, absl::StrCat("must be a multiple of parallel.tensor_parallel (", tp,
+                                            "), got ", value));
+    }
+    return absl::OkStatus();
+  };
+  RETURN_IF_ERROR(divides("model.n_head", m.n_head()));
+  RETURN_IF_ERROR(divides("model.vocab", m.vocab()));
+  if (m.kind() == "llama") {
+    RETURN_IF_ERROR(divides("model.n_kv_head", m.n_kv_head()));
+    RETURN_IF_ERROR(divides("model.d_hidden", m.d_hidden()));
+  }
+  if (t.has_lora()) {
+    return FieldError("train.lora",
+                      "not with parallel.tensor_parallel (the adapters are not "
+                      "split): use pipeline stages or fsdp");
+  }
+  if (t.optimizer() != v1::ADAMW && t.optimizer() != v1::LION) {
+    return FieldError("train.optimizer",
+                      absl::StrCat(OptimizerName(t.optimizer()),
+                                   " keeps state across whole rows and columns (or blocks), which "
+                                   "tensor-parallel shards cut: use adamw or lion with "
+                                   "parallel.tensor_parallel"));
   }
   return absl::OkStatus();
 }
@@ -878,6 +938,7 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   }
   RETURN_IF_ERROR(CheckRange("parallel.max_gathered_units", p.max_gathered_units(), 1, 1024));
   RETURN_IF_ERROR(ValidatePipeline(spec));
+  RETURN_IF_ERROR(ValidateTensorParallel(spec));
   RETURN_IF_ERROR(
       CheckRange("checkpoint.every_steps", spec.checkpoint().every_steps(), 0, int64_t{1} << 40));
   if (const v1::ExportFormat f = spec.checkpoint().export_format();
@@ -1040,6 +1101,7 @@ JobConfig ToJobConfig(const v1::JobSpec& spec) {
   c.parallel.pipeline_schedule =
       p.pipeline_schedule() == v1::GPIPE ? PipelineSchedule::kGpipe : PipelineSchedule::kOneFOneB;
   c.parallel.pipeline_split.assign(p.pipeline_split().begin(), p.pipeline_split().end());
+  c.parallel.tensor_parallel = p.tensor_parallel();
   c.train.micro_batches = std::max(1, t.micro_batches());
   c.checkpoint_every_steps = spec.checkpoint().every_steps();
   c.export_format = spec.checkpoint().export_format() == v1::EXPORT_HF_MERGED

@@ -924,6 +924,8 @@ TEST_F(CoordinatorServiceTest, JobThatFitsNoNodesMemoryIsRejectedNamingAStrategy
   EXPECT_THAT(s.error_message(), StartsWith("parallel.strategy: ddp fp32 needs "));
   EXPECT_THAT(s.error_message(), HasSubstr("the largest device of any node has 1.00 GiB"));
   EXPECT_THAT(s.error_message(), HasSubstr("fsdp FULL_SHARD would fit"));
+  // And the smallest pipeline x tensor layout of 4 ranks.
+  EXPECT_THAT(s.error_message(), ::testing::ContainsRegex("; so would (pipeline|tensor) "));
   EXPECT_EQ(List({}).jobs_size(), 0);
   // The same model sharded fits.
   big.mutable_parallel()->set_strategy(v1::FSDP);

@@ -1,7 +1,10 @@
 // Memory estimates checked against figures computed by hand for a BERT-base-sized GPT.
 #include "common/memory_estimate.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include <algorithm>
 
 #include "common/spec.h"
 
@@ -226,12 +229,58 @@ TEST(MemoryEstimateTest, ActivationsFollowKorthikantiAndShrinkWithCheckpointing)
 
 TEST(MemoryEstimateTest, AllStrategiesCoverEveryStrategyForBothPrecisions) {
   const auto all = EstimateAllStrategies(BertBaseSized(v1::DDP, v1::FULL_SHARD, v1::FP32), 4, 4);
-  ASSERT_EQ(all.size(), 12u);
+  // 12 strategies, then for each precision the model-parallel layouts of 4 ranks: pipeline 2, 4;
+  // tensor 2 (not 4: the vocabulary, 30,522, is not a multiple of 4); pipeline 2 x tensor 2.
+  ASSERT_EQ(all.size(), 20u);
   EXPECT_EQ(all[0].Name(), "ddp");
   EXPECT_EQ(all[5].Name(), "offload");
   EXPECT_EQ(all[6].precision, v1::BF16);
   // FULL_SHARD needs less per rank than DDP.
   EXPECT_LT(all[1].total(), all[0].total());
+  std::vector<std::string> layouts;
+  for (size_t i = 12; i < 16; ++i) layouts.push_back(all[i].Name());
+  EXPECT_THAT(layouts, ::testing::ElementsAre("tensor 2", "pipeline 2 (1f1b)",
+                                              "pipeline 2 (1f1b) x tensor 2", "pipeline 4 (1f1b)"));
+  EXPECT_EQ(all[16].precision, v1::BF16);
+}
+
+// A stage holds its blocks' share (the first also the embeddings, the last the head), split over
+// the tensor-parallel ranks; its activations are its layers' for each micro-batch alive at once:
+// all m under GPipe, P - stage under 1F1B.
+TEST(MemoryEstimateTest, ModelParallelLayoutsCountTheBusiestStage) {
+  v1::JobSpec spec = BertBaseSized(v1::DDP, v1::FULL_SHARD, v1::FP32);
+  spec.mutable_model()->set_vocab(30528);  // a multiple of 2 and 4
+  const ModelConfig model = ToModelConfig(spec.model());
+  const MemoryEstimate ddp = EstimateMemory(spec, 4, 4);
+  spec.mutable_parallel()->set_pipeline_stages(4);
+  spec.mutable_train()->set_micro_batches(8);
+  const std::vector<int64_t> held = StageParameterCounts(model, 4, {});
+  ASSERT_EQ(held.size(), 4u);
+  int64_t sum = 0;
+  for (int64_t n : held) sum += n;
+  // The tied embedding lives on the first and the last stage.
+  EXPECT_EQ(sum, ModelParameterCount(model) + 30528 * 768);
+  const MemoryEstimate f1b = EstimateMemory(spec, 4, 4);
+  EXPECT_EQ(f1b.Name(), "pipeline 4 (1f1b)");
+  spec.mutable_parallel()->set_pipeline_schedule(v1::GPIPE);
+  const MemoryEstimate gpipe = EstimateMemory(spec, 4, 4);
+  EXPECT_EQ(gpipe.Name(), "pipeline 4 (gpipe)");
+  // Parameters: the busiest stage's, a quarter of the model or so; 16 bytes each with AdamW.
+  const int64_t most = *std::max_element(held.begin(), held.end());
+  EXPECT_LE(f1b.parameters, 4 * most);
+  EXPECT_LT(f1b.parameters + f1b.gradients + f1b.optimizer,
+            (ddp.parameters + ddp.gradients + ddp.optimizer) / 2);
+  // Activations: GPipe keeps all 8 micro-batches of its layers, 1F1B at most 4.
+  EXPECT_GT(gpipe.activations, f1b.activations);
+  // Tensor parallelism halves the parameters again and shrinks each layer's activations.
+  spec.mutable_parallel()->set_pipeline_stages(2);
+  spec.mutable_parallel()->set_pipeline_schedule(v1::ONE_F_ONE_B);
+  const MemoryEstimate p2 = EstimateMemory(spec, 4, 4);
+  spec.mutable_parallel()->set_tensor_parallel(2);
+  const MemoryEstimate p2t2 = EstimateMemory(spec, 4, 4);
+  EXPECT_EQ(p2t2.Name(), "pipeline 2 (1f1b) x tensor 2");
+  EXPECT_LT(double(p2t2.parameters), 0.6 * double(p2.parameters));
+  EXPECT_LT(p2t2.activations, p2.activations);
 }
 
 }  // namespace

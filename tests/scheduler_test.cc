@@ -272,6 +272,42 @@ TEST(SchedulerTest, FragmentedFreeDevicesHostGangUpToTheirSum) {
   EXPECT_THAT(r.unplaceable, IsEmpty());
 }
 
+// parallel.tensor_parallel: every node's share of the job is a whole number of tensor-parallel
+// groups, so no group spans nodes.
+TEST(SchedulerTest, ATensorParallelJobTakesEachNodeInWholeGroups) {
+  ClusterSnapshot s = Cluster({3, 3, 1});
+  PendingJobInfo job = Job("tp2", 4);
+  job.rank_block = 2;
+  s.pending = {job};
+  ScheduleResult r = Schedule(s);
+  ASSERT_EQ(r.placements.size(), 1u);
+  // Without blocks it would take 3 + 1.
+  EXPECT_THAT(r.placements[0].grants, ElementsAre(Grant(0, 2), Grant(1, 2)));
+  s.pending = {Job("plain", 4)};
+  EXPECT_THAT(Schedule(s).placements[0].grants, ElementsAre(Grant(0, 3), Grant(2, 1)));
+
+  // 5 free devices, but only 4 in whole groups of 2 (2 + 2 + 0): a 6-rank job waits for them.
+  s = Cluster({3, 3, 1});
+  job.devices = 6;
+  s.pending = {job};
+  r = Schedule(s);
+  EXPECT_THAT(r.placements, IsEmpty());
+  EXPECT_THAT(r.unplaceable, IsEmpty());
+  EXPECT_EQ(r.waits[0].reason, WaitReason::kDevices);
+
+  // Nodes of 1 device can never hold a group of 2; nor can a job that is not a whole number of
+  // groups be placed.
+  s = Cluster({1, 1, 1, 1}, /*total_devices=*/1);
+  job.devices = 2;
+  s.pending = {job};
+  r = Schedule(s);
+  EXPECT_THAT(r.unplaceable, ElementsAre("tp2"));
+  s = Cluster({8});
+  job.devices = 3;
+  s.pending = {job};
+  EXPECT_THAT(Schedule(s).unplaceable, ElementsAre("tp2"));
+}
+
 // Node 0: 4 free, 4 held until now+1h. Node 1: full, held forever. A head job of 8 can start on
 // node 0 at now+1h.
 ClusterSnapshot HeadWaitsOneHourOnNode0() {

@@ -672,6 +672,91 @@ train: {steps: 10}
               StartsWith("parallel.pipeline_split: applies to parallel.pipeline_stages > 1"));
 }
 
+TEST(SpecTest, TensorParallelIsReadDefaultedAndChecked) {
+  const std::string base = R"(name: t
+resources: {gpus: 8}
+model: {kind: gpt, n_layer: 4, n_head: 4, d_model: 64, seq_len: 32}
+data: {path: /data/tokens.bin}
+train: {steps: 10}
+)";
+  auto parsed =
+      ParseJobSpecYaml(base + "parallel: {pipeline_stages: 2, tensor_parallel: 2}\n", "s.yaml");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  ApplyJobSpecDefaults(parsed->spec);
+  ASSERT_TRUE(ValidateJobSpec(parsed->spec).ok()) << ValidateJobSpec(parsed->spec);
+  EXPECT_EQ(ToJobConfig(parsed->spec).parallel.tensor_parallel, 2);
+  auto plain = ParseJobSpecYaml(base, "s.yaml");
+  ASSERT_TRUE(plain.ok());
+  ApplyJobSpecDefaults(plain->spec);
+  EXPECT_EQ(plain->spec.parallel().tensor_parallel(), 1);
+
+  auto error = [&](const std::function<void(v1::JobSpec&)>& mutate) {
+    v1::JobSpec spec = parsed->spec;
+    mutate(spec);
+    return std::string(ValidateJobSpec(spec).message());
+  };
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_resources()->set_gpus(6); }),
+              StartsWith("resources.gpus: 6 ranks do not split into 2 pipeline stages"));
+  EXPECT_THAT(error([](v1::JobSpec& s) {
+                s.mutable_parallel()->set_pipeline_stages(1);
+                s.mutable_train()->set_micro_batches(0);
+                s.mutable_resources()->set_gpus(6);
+                s.mutable_parallel()->set_tensor_parallel(4);
+              }),
+              StartsWith("resources.gpus: 6 ranks do not split into 1 pipeline stages x 4 "
+                         "tensor-parallel ranks: use a multiple of 4"));
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_parallel()->set_tensor_parallel(0); }),
+              StartsWith("parallel.tensor_parallel: must be in 1..1024, got 0"));
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_model()->set_n_head(3); }),
+              HasSubstr("model.n_head"));
+  EXPECT_THAT(
+      error([](v1::JobSpec& s) {
+        s.mutable_model()->set_n_head(2);
+        s.mutable_model()->set_d_model(64);
+        s.mutable_parallel()->set_tensor_parallel(4);
+        s.mutable_parallel()->set_pipeline_stages(1);
+        s.mutable_train()->set_micro_batches(0);
+      }),
+      StartsWith("model.n_head: must be a multiple of parallel.tensor_parallel (4), got 2"));
+  EXPECT_THAT(
+      error([](v1::JobSpec& s) { s.mutable_model()->set_vocab(257); }),
+      StartsWith("model.vocab: must be a multiple of parallel.tensor_parallel (2), got 257"));
+  EXPECT_THAT(error([](v1::JobSpec& s) {
+                s.mutable_model()->set_kind("mlp");
+                s.mutable_model()->set_d_hidden(128);
+              }),
+              StartsWith("parallel.tensor_parallel: splits the layers of gpt and llama models; "
+                         "model.kind is mlp"));
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_train()->set_optimizer(v1::ADAFACTOR); }),
+              StartsWith("train.optimizer: adafactor keeps state across whole rows"));
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_parallel()->set_strategy(v1::FSDP); }),
+              StartsWith("parallel.pipeline_stages: pipeline stages are replicated with ddp"));
+  EXPECT_THAT(error([](v1::JobSpec& s) {
+                s.mutable_parallel()->set_pipeline_stages(1);
+                s.mutable_train()->set_micro_batches(0);
+                s.mutable_parallel()->set_strategy(v1::OFFLOAD);
+              }),
+              StartsWith("parallel.tensor_parallel: tensor-parallel groups are replicated with "
+                         "ddp only; parallel.strategy is offload"));
+  EXPECT_THAT(error([](v1::JobSpec& s) {
+                s.mutable_model()->set_kind("llama");
+                s.mutable_model()->set_n_kv_head(1);
+                s.mutable_model()->set_d_hidden(192);
+              }),
+              StartsWith("model.n_kv_head: must be a multiple of parallel.tensor_parallel (2), "
+                         "got 1"));
+  EXPECT_THAT(error([](v1::JobSpec& s) {
+                s.mutable_model()->set_kind("llama");
+                s.mutable_model()->set_n_kv_head(2);
+                s.mutable_model()->set_d_hidden(192);
+                auto* lora = s.mutable_train()->mutable_lora();
+                lora->set_r(8);
+                lora->set_alpha(8);
+                lora->add_target_modules("q_proj");
+              }),
+              StartsWith("train.lora: not with parallel.tensor_parallel"));
+}
+
 TEST(SpecTest, PipelineStagesAreBalancedByParameters) {
   ModelConfig m;
   m.kind = "gpt";

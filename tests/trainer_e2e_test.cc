@@ -1724,21 +1724,39 @@ struct PipelineVariant {
   std::string model = "gpt";
   int micro_batches = 0;  // 0: the default, 2 x stages
   v1::Optimizer optimizer = v1::ADAMW;
+  int tensor = 1;  // parallel.tensor_parallel
 };
+
+// `v` with `tensor` tensor-parallel ranks, named `name`.
+PipelineVariant WithTensor(PipelineVariant v, std::string name, int tensor) {
+  v.name = std::move(name);
+  v.tensor = tensor;
+  return v;
+}
 
 void PrintTo(const PipelineVariant& v, std::ostream* os) { *os << v.name; }
 
 // Blocks of 4 (so 4 stages get one each), micro-batches of 2 windows.
 v1::JobSpec PipelineSpec(const PipelineVariant& v) {
-  v1::JobSpec s = TinySpec(v.stages * v.replicas, 2);
+  v1::JobSpec s = TinySpec(v.stages * v.tensor * v.replicas, 2);
   s.mutable_model()->set_kind(v.model);
   s.mutable_model()->set_n_layer(4);
   if (v.model == "mlp") s.mutable_model()->set_d_hidden(48);
-  if (v.model == "llama") s.mutable_model()->set_n_kv_head(1);
+  if (v.model == "llama") {  // grouped-query attention: 4 query heads on fewer key-value heads
+    s.mutable_model()->set_n_head(4);
+    s.mutable_model()->set_n_kv_head(v.tensor > 1 ? 2 : 1);
+  }
+  s.mutable_parallel()->set_tensor_parallel(v.tensor);
   s.mutable_model()->set_tie_weights(v.tie_weights);
   s.mutable_train()->set_activation_checkpointing(v.activation_checkpointing);
   s.mutable_train()->set_optimizer(v.optimizer);
-  s.mutable_train()->set_micro_batches(v.micro_batches > 0 ? v.micro_batches : 2 * v.stages);
+  // Without stages (tensor parallelism alone) the micro-batches are gradient accumulation's.
+  const int micro_batches = v.micro_batches > 0 ? v.micro_batches : 2 * v.stages;
+  if (v.stages > 1) {
+    s.mutable_train()->set_micro_batches(micro_batches);
+  } else {
+    s.mutable_train()->set_grad_accum(micro_batches);
+  }
   s.mutable_parallel()->set_pipeline_stages(v.stages);
   s.mutable_parallel()->set_pipeline_schedule(v.schedule);
   return s;
@@ -1748,12 +1766,15 @@ v1::JobSpec PipelineSpec(const PipelineVariant& v) {
 // (each of the replicas' windows together).
 v1::JobSpec OneRankOf(const v1::JobSpec& pipelined) {
   v1::JobSpec s = pipelined;
-  const int replicas = s.resources().gpus() / s.parallel().pipeline_stages();
+  const int replicas =
+      s.resources().gpus() / (s.parallel().pipeline_stages() * s.parallel().tensor_parallel());
   s.mutable_resources()->set_gpus(1);
   s.mutable_train()->set_micro_batch(s.train().micro_batch() * replicas);
-  s.mutable_train()->set_grad_accum(s.train().micro_batches());
+  if (s.parallel().pipeline_stages() > 1)
+    s.mutable_train()->set_grad_accum(s.train().micro_batches());
   s.mutable_train()->set_micro_batches(0);
   s.mutable_parallel()->set_pipeline_stages(1);
+  s.mutable_parallel()->set_tensor_parallel(1);
   return s;
 }
 
@@ -1765,7 +1786,10 @@ class PipelineEquivalenceTest : public TrainerE2eTest,
 TEST_P(PipelineEquivalenceTest, LossesAndParametersMatchOneRank) {
   const PipelineVariant& v = GetParam();
   const v1::JobSpec spec = PipelineSpec(v);
-  const int world = v.stages * v.replicas;
+  const int world = v.stages * v.tensor * v.replicas;
+  // Room for 8 ranks and the reference beside them.
+  std::unique_ptr<testing::NodeSession> more;
+  if (world >= 8) more = testing::NodeSession::Connect(channel_, tokens_->Node("n2"), "n2", 8);
   const Job pipe = StartJob(spec, "pipe");
   const Job one = StartJob(OneRankOf(spec), "one");
   const std::string pipe_dump = dir_.path() + "/pipe.params",
@@ -1806,7 +1830,22 @@ INSTANTIATE_TEST_SUITE_P(
         PipelineVariant{"MlpTwoStagesGpipeThreeMicroBatches", 2, v1::GPIPE, false, 1, false, "mlp",
                         3},
         PipelineVariant{"LionTwoStages1F1B", 2, v1::ONE_F_ONE_B, false, 1, false, "gpt", 0,
-                        v1::LION}),
+                        v1::LION},
+        // Tensor parallelism, alone and with stages and replicas.
+        WithTensor({"", 1, v1::ONE_F_ONE_B}, "TwoTensorRanks", 2),
+        WithTensor({"", 1, v1::ONE_F_ONE_B, true, 1, true}, "TwoTensorRanksTiedCheckpointing", 2),
+        WithTensor({"", 1, v1::ONE_F_ONE_B, false, 1, true, "llama"}, "LlamaTwoTensorRanksTied", 2),
+        WithTensor({"", 2, v1::GPIPE}, "TwoStagesTwoTensorRanksGpipe", 2),
+        WithTensor({"", 2, v1::ONE_F_ONE_B, true}, "TwoStagesTwoTensorRanks1F1BCheckpointing", 2),
+        WithTensor({"", 2, v1::ONE_F_ONE_B, false, 2, true},
+                   "TwoStagesTwoTensorRanksTwoReplicas1F1BTied", 2),
+        WithTensor({"", 2, v1::GPIPE, true, 2},
+                   "TwoStagesTwoTensorRanksTwoReplicasGpipeCheckpointing", 2),
+        WithTensor({"", 2, v1::GPIPE, false, 2}, "TwoStagesTwoTensorRanksTwoReplicasGpipe", 2),
+        WithTensor({"", 2, v1::ONE_F_ONE_B, true, 2},
+                   "TwoStagesTwoTensorRanksTwoReplicas1F1BCheckpointing", 2),
+        WithTensor({"", 2, v1::ONE_F_ONE_B, false, 1, false, "gpt", 0, v1::LION},
+                   "LionTwoStagesTwoTensorRanks", 2)),
     [](const auto& info) { return info.param.name; });
 
 // The per-step maxima of a metrics file's `key`.
@@ -1858,18 +1897,22 @@ TEST_F(TrainerE2eTest, OneFOneBBoundsActivationsByTheStagesWhileGpipeGrowsWithMi
   EXPECT_LE(f1b8.bytes, (2 + 1) * per_micro_batch) << f1b8.bytes << " vs " << gpipe8.bytes;
 }
 
-// A checkpoint of 2 stages x 2 replicas resumes on 4 DDP ranks, whose checkpoint resumes on 2
-// stages x 2 replicas again: every step's loss as one uninterrupted run's.
+// A checkpoint of 2 stages x 2 tensor-parallel ranks resumes on 4 DDP ranks, whose checkpoint
+// resumes on 2 stages x 2 tensor-parallel ranks again: every step's loss as one uninterrupted
+// run's.
 TEST_F(TrainerE2eTest, PipelineCheckpointsReshardToDdpAndBack) {
   // Room for the four 4-rank jobs (a job's attempt builds its Gloo groups once).
   auto more = testing::NodeSession::Connect(channel_, tokens_->Node("n2"), "n2", 8);
-  PipelineVariant v{"", 2, v1::ONE_F_ONE_B, false, 2, true};
-  v1::JobSpec pipe_spec = PipelineSpec(v);
+  PipelineVariant v{"", 2, v1::ONE_F_ONE_B, false, 1, true};
+  v.tensor = 2;
+  v1::JobSpec pipe_spec = PipelineSpec(v);  // 4 micro-batches of 4 windows
   pipe_spec.mutable_train()->set_steps(12);
-  v1::JobSpec ddp_spec = pipe_spec;  // 4 ranks, each a quarter of the batch, no pipeline
-  ddp_spec.mutable_train()->set_micro_batch(2 * 4 * 2 / 4);
+  pipe_spec.mutable_train()->set_micro_batch(4);
+  v1::JobSpec ddp_spec = pipe_spec;  // 4 ranks, each a quarter of the 16 windows, no pipeline
+  ddp_spec.mutable_train()->set_micro_batch(4);
   ddp_spec.mutable_train()->set_micro_batches(0);
   ddp_spec.mutable_parallel()->set_pipeline_stages(1);
+  ddp_spec.mutable_parallel()->set_tensor_parallel(1);
 
   const Job straight = StartJob(pipe_spec, "straight");
   const std::string straight_metrics = dir_.path() + "/straight.jsonl";

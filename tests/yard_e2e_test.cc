@@ -688,7 +688,10 @@ TEST_F(YardE2eTest, EstimateMemoryTabulatesEveryStrategyAndSaysWhichFit) {
       Yard({"estimate-memory", CharGptSpec(), "--device-memory", "1MiB", "-o", "json"});
   EXPECT_EQ(js.exit_code, 0) << js.err;
   json out = ParseJson(js.out);
-  ASSERT_EQ(out["estimates"].size(), 12u) << js.out;
+  // 12 strategies, and for each precision the 2-rank layouts: tensor 2, pipeline 2.
+  ASSERT_EQ(out["estimates"].size(), 16u) << js.out;
+  EXPECT_EQ(out["estimates"][12]["strategy"], "tensor 2");
+  EXPECT_EQ(out["estimates"][13]["strategy"], "pipeline 2 (1f1b)");
   // 256*256 + 128*256 (embeddings) + 4 * (12*256^2 + 13*256) + 2*256 + 256*256 (head)
   EXPECT_EQ(out["parameters"].get<int64_t>(), 3'323'392);
   for (const auto& e : out["estimates"]) EXPECT_FALSE(e["fits"].get<bool>()) << e;

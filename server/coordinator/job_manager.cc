@@ -191,15 +191,27 @@ absl::Status JobManager::CheckFitsSomeNode(const v1::JobSpec& spec) const {
       gib(e.total()), " per rank (parameters ", gib(e.parameters), ", gradients ", gib(e.gradients),
       ", optimizer ", gib(e.optimizer), ", activations ", gib(e.activations),
       ") but the largest device of any node has ", gib(device_bytes));
+  // The smallest strategy that fits (the model whole on every rank or sharded), then the smallest
+  // model-parallel layout (pipeline stages, tensor-parallel ranks).
   const MemoryEstimate* best = nullptr;
-  for (const MemoryEstimate& other : EstimateAllStrategies(spec, world, ranks_per_node)) {
+  const MemoryEstimate* best_layout = nullptr;
+  const std::vector<MemoryEstimate> all = EstimateAllStrategies(spec, world, ranks_per_node);
+  for (const MemoryEstimate& other : all) {
     if (other.precision != e.precision || other.total() > device_bytes) continue;
-    if (best == nullptr || other.total() < best->total()) best = &other;
+    const MemoryEstimate*& slot =
+        other.pipeline_stages > 1 || other.tensor_parallel > 1 ? best_layout : best;
+    if (slot == nullptr || other.total() < slot->total()) slot = &other;
   }
   if (best != nullptr) {
     absl::StrAppend(&message, "; ", best->Name(), " would fit (", gib(best->total()), " per rank)");
-  } else {
-    absl::StrAppend(&message, "; no strategy fits at this precision and world size");
+  }
+  if (best_layout != nullptr) {
+    absl::StrAppend(&message, best != nullptr ? "; so would " : "; ", best_layout->Name(),
+                    best != nullptr ? "" : " would fit", " (", gib(best_layout->total()),
+                    " per rank)");
+  }
+  if (best == nullptr && best_layout == nullptr) {
+    absl::StrAppend(&message, "; no strategy or layout fits at this precision and world size");
   }
   return absl::InvalidArgumentError(message);
 }
@@ -620,6 +632,8 @@ int JobManager::SchedulePass() {
       if (max_runtime_s > 0) p.max_runtime = absl::Seconds(max_runtime_s);
       p.user = user_of(job);
       p.preemptible = !job.spec().has_preemptible() || job.spec().preemptible();
+      // A tensor-parallel group's ranks stay on one node.
+      p.rank_block = std::max(1, job.spec().parallel().tensor_parallel());
       snapshot.pending.push_back(std::move(p));
     } else if (IsActive(job.state())) {
       RunningJobInfo r;

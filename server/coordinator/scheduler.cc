@@ -38,6 +38,16 @@ class FreeIndex {
 
   int64_t total() const { return total_; }
   int free(int node) const { return free_[node]; }
+  // The devices a job can take in whole blocks of `block` (each node's free devices rounded down
+  // to a multiple of it).
+  int64_t BlockTotal(int block) const {
+    if (block <= 1) return total_;
+    int64_t sum = 0;
+    for (size_t f = static_cast<size_t>(block); f < buckets_.size(); ++f) {
+      sum += static_cast<int64_t>(buckets_[f].size()) * (static_cast<int>(f) / block * block);
+    }
+    return sum;
+  }
 
   // Sets the free-device count of an indexed node; `value` in [0, max_free_devices].
   void Set(int node, int value) {
@@ -49,9 +59,10 @@ class FreeIndex {
     total_ += value - old;
   }
 
-  // Picks `devices` devices by the packing rule, takes them out of the index and returns the
-  // grants in rank order. Requires 0 < devices <= total().
-  std::vector<DeviceGrant> Take(int devices) {
+  // Picks `devices` devices by the packing rule, every node's share a multiple of `block` (a
+  // multiple of which `devices` is), takes them out of the index and returns the grants in rank
+  // order. Requires 0 < devices <= BlockTotal(block).
+  std::vector<DeviceGrant> Take(int devices, int block = 1) {
     std::vector<DeviceGrant> grants;
     int remaining = devices;
     while (remaining > 0) {
@@ -64,14 +75,16 @@ class FreeIndex {
         Set(node, fit - remaining);
         break;
       }
-      // No single node holds the remainder: take the node with the most free devices whole.
+      // No single node holds the remainder: take the node with the most free devices whole (its
+      // whole blocks; what is left on it is less than a block, so it is not picked again).
       int most = static_cast<int>(buckets_.size()) - 1;
       while (most > 0 && buckets_[most].empty()) --most;
-      if (most == 0) break;  // unreachable when devices <= total()
+      const int take = std::max(block, 1) > 1 ? most / block * block : most;
+      if (take == 0) break;  // unreachable when devices <= BlockTotal(block)
       const int node = *buckets_[most].begin();
-      grants.push_back({node, most});
-      Set(node, 0);
-      remaining -= most;
+      grants.push_back({node, take});
+      Set(node, most - take);
+      remaining -= take;
     }
     return grants;
   }
@@ -102,7 +115,7 @@ std::optional<HeadReservation> ComputeReservation(
     const ClusterSnapshot& snapshot, const std::vector<bool>& usable,
     const std::vector<int>& total_devices, int max_devices_per_node, const FreeIndex& index,
     const std::vector<Placement>& placements,
-    const std::vector<std::optional<absl::Time>>& placement_ends, int devices) {
+    const std::vector<std::optional<absl::Time>>& placement_ends, int devices, int block) {
   const int num_nodes = static_cast<int>(snapshot.nodes.size());
   std::vector<Release> releases;
   auto add_releases = [&](const std::vector<DeviceGrant>& grants, absl::Time end) {
@@ -137,8 +150,12 @@ std::optional<HeadReservation> ComputeReservation(
       projected_total += added;
     }
     if (projected_total >= devices) {
-      start = t;
-      break;
+      int64_t in_blocks = 0;
+      for (int n = 0; n < num_nodes; ++n) in_blocks += projected[n] / block * block;
+      if (in_blocks >= devices) {
+        start = t;
+        break;
+      }
     }
   }
   if (!start.has_value()) return std::nullopt;
@@ -146,7 +163,7 @@ std::optional<HeadReservation> ComputeReservation(
   HeadReservation reservation;
   reservation.start = *start;
   FreeIndex at_start(projected, usable, max_devices_per_node);
-  reservation.grants = at_start.Take(devices);
+  reservation.grants = at_start.Take(devices, block);
   for (const DeviceGrant& g : reservation.grants) {
     reservation.projected_free_at_start.push_back(projected[g.node]);
   }
@@ -434,11 +451,12 @@ ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
   // Places `job` (its nodes' view in `index`), makes it the head, or backfills it; returns why
   // it waits (kPlaced: it does not).
   auto decide = [&](const PendingJobInfo& job) {
-    const bool fits_now = job.devices <= index.total();
+    const int block = std::max(1, job.rank_block);
+    const bool fits_now = job.devices <= index.BlockTotal(block);
 
     if (phase == Phase::kInOrder) {
       if (fits_now) {
-        place(job, index.Take(job.devices), /*backfilled=*/false);
+        place(job, index.Take(job.devices, block), /*backfilled=*/false);
         return WaitReason::kPlaced;
       }
       usable_for_job = usable;
@@ -452,7 +470,7 @@ ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
         }
       }
       head = ComputeReservation(snapshot, usable_for_job, total_devices, max_devices_per_node,
-                                index, result.placements, placement_ends, job.devices);
+                                index, result.placements, placement_ends, job.devices, block);
       if (!head.has_value()) {
         phase = Phase::kStopped;  // unknown start: backfill could delay the head forever
         return WaitReason::kDevices;
@@ -470,11 +488,13 @@ ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
     if (!fits_now) return WaitReason::kBehindHead;
     if (job.max_runtime.has_value() && snapshot.now + *job.max_runtime <= head->start) {
       // (a) Done before the head starts: its devices are back by then.
-      place(job, index.Take(job.devices), /*backfilled=*/true);
+      place(job, index.Take(job.devices, block), /*backfilled=*/true);
       head_protected_stale = true;
       return WaitReason::kPlaced;
     }
-    // (b) Pack only on devices the head's reservation leaves spare.
+    // (b) Pack only on devices the head's reservation leaves spare (jobs placed in blocks do
+    // not: the spare devices are counted one by one).
+    if (block > 1) return WaitReason::kBehindHead;
     if (head_protected_stale) {
       head_protected = 0;
       for (size_t h = 0; h < head->grants.size(); ++h) {
@@ -517,7 +537,20 @@ ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
       hidden_for_job.push_back({n, index.free(n)});
       capacity -= total_devices[n];
     }
-    if (job.devices <= 0 || job.devices > capacity) {
+    // In blocks: the nodes' whole blocks.
+    const int block = std::max(1, job.rank_block);
+    if (block > 1) {
+      capacity = 0;
+      for (int n = 0; n < num_nodes; ++n) {
+        if (!usable[n]) continue;
+        const auto& owners = snapshot.nodes[n].owners;
+        if (!owners.empty() && std::find(owners.begin(), owners.end(), job.owner) == owners.end()) {
+          continue;
+        }
+        capacity += total_devices[n] / block * block;
+      }
+    }
+    if (job.devices <= 0 || job.devices > capacity || job.devices % block != 0) {
       result.unplaceable.push_back(job.id);
       wait.reason = WaitReason::kUnplaceable;
       continue;

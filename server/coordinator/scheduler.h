@@ -94,6 +94,9 @@ struct PendingJobInfo {
   int user = -1;      // index into ClusterSnapshot::users; -1: outside accounts and caps
   // false: runs only within its account's quota (and so is never preempted for other accounts).
   bool preemptible = true;
+  // Every node's share of the job is a multiple of this (parallel.tensor_parallel: a
+  // tensor-parallel group's consecutive ranks stay on one node). 1: any split.
+  int rank_block = 1;
 };
 
 struct ClusterSnapshot {
@@ -132,7 +135,8 @@ enum class WaitReason : uint8_t {
   kAccountLimit,               // its account's quota plus borrow limit is in use
   kUserLimit,                  // its user's cap on running devices is in use
   kNotPreemptibleBeyondQuota,  // not preemptible, and its account's quota is in use
-  kUnplaceable,                // larger than every device it may use, or <= 0 devices
+  kUnplaceable,                // larger than every device it may use (in whole rank_blocks), or
+                               // <= 0 devices, or not a whole number of rank_blocks
 };
 
 struct JobWait {
@@ -169,7 +173,10 @@ struct ScheduleResult {
 // in the free devices of schedulable nodes is placed: on the single node with the fewest free
 // devices that holds it (lowest index on ties), else on the nodes with the most free devices first
 // (lowest index on ties), the last one chosen by best fit for the remainder, which uses the fewest
-// nodes possible.
+// nodes possible. A job with rank_block > 1 takes every node's devices in whole blocks (a node's
+// free devices count down to a multiple of it), for its reservation too; it is not backfilled
+// onto the devices a reservation leaves spare, and preemption still counts devices one by one
+// (victims may free devices that do not make whole blocks).
 //
 // The first job that does not fit is the head. Its reservation is the earliest time at which the
 // projected free devices (running jobs released at expected_end, jobs placed in this pass at

@@ -80,11 +80,24 @@ M Keep(M module, const ModelOptions& options) {
   return module;
 }
 
+// Tensor parallelism: the input of column-parallel layers (f) and the sum of row-parallel ones (g,
+// then the bias once); identities without it.
+torch::Tensor ColumnInput(const torch::Tensor& x, const TensorParallel& tp) {
+  return tp.on() ? CopyToTensorParallel(x, tp) : x;
+}
+torch::Tensor RowOutput(const torch::Tensor& x, torch::nn::Linear& linear, bool bf16,
+                        const TensorParallel& tp) {
+  if (!tp.on()) return Dense(x, linear, bf16);
+  torch::Tensor y = ReduceFromTensorParallel(Dense(x, linear->weight, torch::Tensor(), bf16), tp);
+  return linear->bias.defined() ? y + linear->bias : y;
+}
+
 class BlockImpl : public torch::nn::Module {
  public:
-  BlockImpl(int64_t d_model, int64_t n_head, bool bf16)
+  BlockImpl(int64_t d_model, int64_t n_head, bool bf16, const TensorParallel* tp)
       : n_head_(n_head),
         bf16_(bf16),
+        tp_(tp),
         ln1_(register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})))),
         qkv_(register_module("qkv", torch::nn::Linear(d_model, 3 * d_model))),
         proj_(register_module("proj", torch::nn::Linear(d_model, d_model))),
@@ -94,20 +107,23 @@ class BlockImpl : public torch::nn::Module {
 
   torch::Tensor forward(const torch::Tensor& x) {
     torch::Tensor h = x + Attention(ln1_(x));
-    return h + Dense(F::gelu(Dense(ln2_(h), fc_, bf16_)), fc_out_, bf16_);
+    return h +
+           RowOutput(F::gelu(Dense(ColumnInput(ln2_(h), *tp_), fc_, bf16_)), fc_out_, bf16_, *tp_);
   }
 
  private:
-  torch::Tensor Attention(const torch::Tensor& x) {
-    const int64_t b = x.size(0), t = x.size(1), d = x.size(2), hd = d / n_head_;
+  torch::Tensor Attention(const torch::Tensor& in) {
+    // Tensor parallelism: this rank's heads.
+    const int64_t heads = n_head_ / tp_->size;
+    const int64_t b = in.size(0), t = in.size(1), hd = in.size(2) / n_head_, d = heads * hd;
+    const torch::Tensor x = ColumnInput(in, *tp_);
     // unbind, not qkv[i]: its backward stacks the three gradients in one pass, where three
     // selects would each zero a buffer of all three and then add them up.
     const std::vector<torch::Tensor> qkv =
-        Dense(x, qkv_, bf16_).view({b, t, 3, n_head_, hd}).permute({2, 0, 3, 1, 4}).unbind(0);
+        Dense(x, qkv_, bf16_).view({b, t, 3, heads, hd}).permute({2, 0, 3, 1, 4}).unbind(0);
     // [b * h, t, hd] each
-    torch::Tensor q = qkv[0].reshape({b * n_head_, t, hd}),
-                  k = qkv[1].reshape({b * n_head_, t, hd}),
-                  v = qkv[2].reshape({b * n_head_, t, hd});
+    torch::Tensor q = qkv[0].reshape({b * heads, t, hd}), k = qkv[1].reshape({b * heads, t, hd}),
+                  v = qkv[2].reshape({b * heads, t, hd});
     // Causal attention in two query blocks: the first half of the queries attends to the first
     // half of the keys only, so the upper-right quarter of the scores (all masked) is neither
     // computed nor softmaxed, forward or backward: a quarter less attention work than one
@@ -126,15 +142,16 @@ class BlockImpl : public torch::nn::Module {
                         mask.slice(0, row, keys).slice(1, 0, keys));
       torch::Tensor y =
           BatchedMatmul(torch::softmax(scores, -1), v.narrow(1, 0, keys), 1.0, torch::Tensor());
-      blocks.push_back(y.view({b, n_head_, rows, hd}).transpose(1, 2));
+      blocks.push_back(y.view({b, heads, rows, hd}).transpose(1, 2));
     }
     // One copy puts the blocks side by side as [b, t, h * hd].
     torch::Tensor y = torch::cat(blocks, 1).view({b, t, d});
-    return Dense(y, proj_, bf16_);
+    return RowOutput(y, proj_, bf16_, *tp_);
   }
 
   int64_t n_head_;
   bool bf16_;
+  const TensorParallel* tp_;
   torch::nn::LayerNorm ln1_;
   torch::nn::Linear qkv_, proj_;
   torch::nn::LayerNorm ln2_;
@@ -195,7 +212,7 @@ class GptModel : public LanguageModel {
     pos_emb_ = register_module("pos_emb", Keep(torch::nn::Embedding(spec.seq_len, d), options));
     blocks_ = register_module("blocks", torch::nn::ModuleList());
     for (int i = 0; i < spec.n_layer; ++i) {
-      blocks_->push_back(Keep(Block(d, spec.n_head, options.bf16), options));
+      blocks_->push_back(Keep(Block(d, spec.n_head, options.bf16, &tp_), options));
     }
     ln_f_ = register_module("ln_f",
                             Keep(torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})), options));
@@ -221,14 +238,29 @@ class GptModel : public LanguageModel {
   }
   std::string TiedWeight() const override { return tie_weights_ ? "tok_emb.weight" : ""; }
 
+  // Heads (q, k and v each), the MLP's hidden units and the vocabulary are split; the output
+  // projections are row-parallel.
+  TensorParallelSplit TensorParallelSplitOf(const std::string& name) const override {
+    if (name == "tok_emb.weight" || name == "head.weight") return {0, 1};
+    if (BlockOf(name) < 0) return {};
+    if (absl::EndsWith(name, ".qkv.weight") || absl::EndsWith(name, ".qkv.bias")) return {0, 3};
+    if (absl::EndsWith(name, ".fc.weight") || absl::EndsWith(name, ".fc.bias")) return {0, 1};
+    if (absl::EndsWith(name, ".proj.weight") || absl::EndsWith(name, ".fc_out.weight")) {
+      return {1, 1};
+    }
+    return {};
+  }
+
   torch::Tensor Embed(const torch::Tensor& inputs) override {
-    return tok_emb_(inputs) + pos_emb_(torch::arange(inputs.size(1), torch::kLong));
+    const torch::Tensor tokens =
+        tp_.on() ? VocabParallelEmbedding(inputs, tok_emb_->weight, tp_) : tok_emb_(inputs);
+    return tokens + pos_emb_(torch::arange(inputs.size(1), torch::kLong));
   }
   torch::Tensor BlockForward(int i, const torch::Tensor& x) override {
     return (*blocks_)[i]->as<BlockImpl>()->forward(x);
   }
   torch::Tensor Head(const torch::Tensor& h) override {
-    const torch::Tensor x = ln_f_(h);
+    const torch::Tensor x = ColumnInput(ln_f_(h), tp_);
     return tie_weights_ ? Dense(x, tok_emb_->weight, torch::Tensor(), options_.bf16)
                         : Dense(x, head_, options_.bf16);
   }
@@ -395,8 +427,12 @@ Adapter Attach(torch::nn::Linear& projection, const std::string& name,
 
 class LlamaAttentionImpl : public torch::nn::Module {
  public:
-  LlamaAttentionImpl(const ModelConfig& m, const ModelOptions& options)
-      : heads_(m.n_head), kv_heads_(m.KvHeads()), head_dim_(m.HeadDim()), bf16_(options.bf16) {
+  LlamaAttentionImpl(const ModelConfig& m, const ModelOptions& options, const TensorParallel* tp)
+      : heads_(m.n_head),
+        kv_heads_(m.KvHeads()),
+        head_dim_(m.HeadDim()),
+        bf16_(options.bf16),
+        tp_(tp) {
     const int64_t d = m.d_model;
     q_proj = register_module("q_proj", NoBias(d, heads_ * head_dim_, options));
     k_proj = register_module("k_proj", NoBias(d, kv_heads_ * head_dim_, options));
@@ -408,29 +444,33 @@ class LlamaAttentionImpl : public torch::nn::Module {
     o_lora_ = Attach(o_proj, "o_proj", options);
   }
 
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos,
+  torch::Tensor forward(const torch::Tensor& in, const torch::Tensor& cos,
                         const torch::Tensor& sin) {
-    const int64_t b = x.size(0), t = x.size(1), hd = head_dim_, rep = heads_ / kv_heads_;
+    // Tensor parallelism: this rank's query heads and their key-value heads.
+    const int64_t heads = heads_ / tp_->size, kv_heads = kv_heads_ / tp_->size;
+    const int64_t b = in.size(0), t = in.size(1), hd = head_dim_, rep = heads / kv_heads;
+    const torch::Tensor x = ColumnInput(in, *tp_);
     // [b, heads, t, hd], rotated
-    auto heads = [&](torch::nn::Linear& proj, const Adapter& lora, int64_t n) {
+    auto heads_of = [&](torch::nn::Linear& proj, const Adapter& lora, int64_t n) {
       return Project(x, proj, lora, bf16_, is_training()).view({b, t, n, hd}).transpose(1, 2);
     };
-    torch::Tensor q = heads(q_proj, q_lora_, heads_), k = heads(k_proj, k_lora_, kv_heads_),
-                  v = heads(v_proj, v_lora_, kv_heads_);
+    torch::Tensor q = heads_of(q_proj, q_lora_, heads), k = heads_of(k_proj, k_lora_, kv_heads),
+                  v = heads_of(v_proj, v_lora_, kv_heads);
     q = q * cos + RotateHalf(q) * sin;
     k = k * cos + RotateHalf(k) * sin;
     // Grouped-query attention: each key-value head serves `rep` query heads.
     auto expand = [&](const torch::Tensor& kv) {
-      if (rep == 1) return kv.reshape({b * heads_, t, hd});
-      return kv.unsqueeze(2).expand({b, kv_heads_, rep, t, hd}).reshape({b * heads_, t, hd});
+      if (rep == 1) return kv.reshape({b * heads, t, hd});
+      return kv.unsqueeze(2).expand({b, kv_heads, rep, t, hd}).reshape({b * heads, t, hd});
     };
     const torch::Tensor mask = torch::full({t, t}, -std::numeric_limits<float>::infinity(),
                                            x.options().requires_grad(false))
                                    .triu(1);
-    torch::Tensor scores = BatchedMatmul(q.reshape({b * heads_, t, hd}), expand(k).transpose(1, 2),
+    torch::Tensor scores = BatchedMatmul(q.reshape({b * heads, t, hd}), expand(k).transpose(1, 2),
                                          1.0 / std::sqrt(double(hd)), mask);
     torch::Tensor y = BatchedMatmul(torch::softmax(scores, -1), expand(v), 1.0, torch::Tensor());
-    y = y.view({b, heads_, t, hd}).transpose(1, 2).reshape({b, t, heads_ * hd});
+    y = y.view({b, heads, t, hd}).transpose(1, 2).reshape({b, t, heads * hd});
+    if (tp_->on()) return RowOutput(y, o_proj, bf16_, *tp_);  // no LoRA under it
     return Project(y, o_proj, o_lora_, bf16_, is_training());
   }
 
@@ -440,12 +480,14 @@ class LlamaAttentionImpl : public torch::nn::Module {
   Adapter q_lora_, k_lora_, v_lora_, o_lora_;
   int64_t heads_, kv_heads_, head_dim_;
   bool bf16_;
+  const TensorParallel* tp_;
 };
 TORCH_MODULE(LlamaAttention);
 
 class LlamaMlpImpl : public torch::nn::Module {
  public:
-  LlamaMlpImpl(const ModelConfig& m, const ModelOptions& options) : bf16_(options.bf16) {
+  LlamaMlpImpl(const ModelConfig& m, const ModelOptions& options, const TensorParallel* tp)
+      : bf16_(options.bf16), tp_(tp) {
     gate_proj = register_module("gate_proj", NoBias(m.d_model, m.d_hidden, options));
     up_proj = register_module("up_proj", NoBias(m.d_model, m.d_hidden, options));
     down_proj = register_module("down_proj", NoBias(m.d_hidden, m.d_model, options));
@@ -453,25 +495,30 @@ class LlamaMlpImpl : public torch::nn::Module {
     up_lora_ = Attach(up_proj, "up_proj", options);
     down_lora_ = Attach(down_proj, "down_proj", options);
   }
-  torch::Tensor forward(const torch::Tensor& x) {
+  torch::Tensor forward(const torch::Tensor& in) {
     const bool training = is_training();
-    return Project(F::silu(Project(x, gate_proj, gate_lora_, bf16_, training)) *
-                       Project(x, up_proj, up_lora_, bf16_, training),
-                   down_proj, down_lora_, bf16_, training);
+    const torch::Tensor x = ColumnInput(in, *tp_);
+    const torch::Tensor hidden = F::silu(Project(x, gate_proj, gate_lora_, bf16_, training)) *
+                                 Project(x, up_proj, up_lora_, bf16_, training);
+    if (tp_->on()) return RowOutput(hidden, down_proj, bf16_, *tp_);  // no LoRA under it
+    return Project(hidden, down_proj, down_lora_, bf16_, training);
   }
   torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 
  private:
   Adapter gate_lora_, up_lora_, down_lora_;
   bool bf16_;
+  const TensorParallel* tp_;
 };
 TORCH_MODULE(LlamaMlp);
 
 class LlamaLayerImpl : public torch::nn::Module {
  public:
-  LlamaLayerImpl(const ModelConfig& m, const ModelOptions& options, Rope* rope) : rope_(rope) {
-    self_attn = register_module("self_attn", LlamaAttention(m, options));
-    mlp = register_module("mlp", LlamaMlp(m, options));
+  LlamaLayerImpl(const ModelConfig& m, const ModelOptions& options, Rope* rope,
+                 const TensorParallel* tp)
+      : rope_(rope) {
+    self_attn = register_module("self_attn", LlamaAttention(m, options, tp));
+    mlp = register_module("mlp", LlamaMlp(m, options, tp));
     input_layernorm =
         register_module("input_layernorm", Keep(RmsNorm(m.d_model, m.rms_norm_eps), options));
     post_attention_layernorm = register_module("post_attention_layernorm",
@@ -494,11 +541,12 @@ TORCH_MODULE(LlamaLayer);
 // transformers' LlamaModel: its parameters are named as in a LlamaForCausalLM's state dict.
 class LlamaBodyImpl : public torch::nn::Module {
  public:
-  LlamaBodyImpl(const ModelConfig& m, const ModelOptions& options, Rope* rope) {
+  LlamaBodyImpl(const ModelConfig& m, const ModelOptions& options, Rope* rope,
+                const TensorParallel* tp) {
     embed_tokens =
         register_module("embed_tokens", Keep(torch::nn::Embedding(m.vocab, m.d_model), options));
     layers = register_module("layers", torch::nn::ModuleList());
-    for (int i = 0; i < m.n_layer; ++i) layers->push_back(LlamaLayer(m, options, rope));
+    for (int i = 0; i < m.n_layer; ++i) layers->push_back(LlamaLayer(m, options, rope, tp));
     norm = register_module("norm", Keep(RmsNorm(m.d_model, m.rms_norm_eps), options));
   }
   torch::nn::Embedding embed_tokens{nullptr};
@@ -515,7 +563,7 @@ class LlamaModel : public LanguageModel {
         tie_weights_(spec.tie_weights),
         d_model_(spec.d_model),
         rope_(spec) {
-    model_ = register_module("model", LlamaBody(spec, options, &rope_));
+    model_ = register_module("model", LlamaBody(spec, options, &rope_, &tp_));
     if (!tie_weights_)
       lm_head_ = register_module("lm_head", NoBias(spec.d_model, spec.vocab, options));
   }
@@ -538,12 +586,26 @@ class LlamaModel : public LanguageModel {
     return tie_weights_ ? "model.embed_tokens.weight" : "";
   }
 
-  torch::Tensor Embed(const torch::Tensor& inputs) override { return model_->embed_tokens(inputs); }
+  // Query and key-value heads, the MLP's hidden units and the vocabulary are split; o_proj and
+  // down_proj are row-parallel.
+  TensorParallelSplit TensorParallelSplitOf(const std::string& name) const override {
+    if (name == "model.embed_tokens.weight" || name == "lm_head.weight") return {0, 1};
+    if (BlockOf(name) < 0 || absl::StrContains(name, "layernorm")) return {};
+    if (absl::EndsWith(name, "o_proj.weight") || absl::EndsWith(name, "down_proj.weight")) {
+      return {1, 1};
+    }
+    return {0, 1};  // q, k, v, gate and up
+  }
+
+  torch::Tensor Embed(const torch::Tensor& inputs) override {
+    return tp_.on() ? VocabParallelEmbedding(inputs, model_->embed_tokens->weight, tp_)
+                    : model_->embed_tokens(inputs);
+  }
   torch::Tensor BlockForward(int i, const torch::Tensor& x) override {
     return (*model_->layers)[i]->as<LlamaLayerImpl>()->forward(x);
   }
   torch::Tensor Head(const torch::Tensor& h) override {
-    const torch::Tensor x = model_->norm(h);
+    const torch::Tensor x = ColumnInput(model_->norm(h), tp_);
     return tie_weights_ ? Dense(x, model_->embed_tokens->weight, torch::Tensor(), options_.bf16)
                         : Dense(x, lm_head_, options_.bf16);
   }
@@ -624,6 +686,11 @@ torch::Tensor LanguageModel::LossOf(const torch::Tensor& logits,
                                     const torch::Tensor& windows) const {
   const int64_t t = windows.size(1) - 1;
   if (PredictsLastTokenOnly()) return F::cross_entropy(logits, windows.select(1, t));
+  if (tp_.on()) {
+    return VocabParallelCrossEntropy(logits.reshape({-1, logits.size(-1)}),
+                                     windows.narrow(1, 1, t).reshape({-1}), tp_)
+        .mean();
+  }
   return F::cross_entropy(logits.reshape({-1, logits.size(-1)}),
                           windows.narrow(1, 1, t).reshape({-1}));
 }
@@ -634,6 +701,12 @@ torch::Tensor LanguageModel::MaskedLossSumOf(const torch::Tensor& logits,
   const int64_t t = windows.size(1) - 1;
   if (PredictsLastTokenOnly()) {
     return WeightedCrossEntropySum(logits, windows.select(1, t), weights.select(1, t - 1));
+  }
+  if (tp_.on()) {
+    return (VocabParallelCrossEntropy(logits.reshape({-1, logits.size(-1)}),
+                                      windows.narrow(1, 1, t).reshape({-1}), tp_) *
+            weights.reshape({-1}))
+        .sum();
   }
   return WeightedCrossEntropySum(logits, windows.narrow(1, 1, t), weights);
 }
@@ -648,6 +721,7 @@ torch::Tensor LanguageModel::MaskedLossSum(const torch::Tensor& windows,
 }
 
 torch::Tensor LanguageModel::NextTokenLogits(const torch::Tensor& context) {
+  TORCH_CHECK(!tp_.on(), "NextTokenLogits: the parameters are tensor-parallel shards");
   const int64_t t = std::min<int64_t>(context.size(1), seq_len_);
   const torch::Tensor logits = Logits(context.narrow(1, context.size(1) - t, t));
   return PredictsLastTokenOnly() ? logits.squeeze(0) : logits.select(1, t - 1).squeeze(0);

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "common/job_config.h"
+#include "worker/trainer/tensor_parallel.h"
 
 namespace trainyard::trainer {
 
@@ -74,6 +75,16 @@ class LanguageModel : public torch::nn::Module {
   // nullptr: none. Not owned; must outlive the forward passes that use it.
   void set_block_hooks(BlockHooks* hooks) { hooks_ = hooks; }
 
+  // Tensor parallelism (gpt and llama): once set, the model's parameters must be this rank's
+  // shards (TensorParallelShard by TensorParallelSplitOf) and forward runs Megatron-LM's layers
+  // (tensor_parallel.h): attention heads, MLP hidden units and the vocabulary split over the
+  // group, logits and loss vocabulary-parallel. A default TensorParallel (after the parameters
+  // are whole again) turns it off.
+  void SetTensorParallel(const TensorParallel& tp) { tp_ = tp; }
+  const TensorParallel& tensor_parallel() const { return tp_; }
+  // How parameter `name` is cut over a tensor-parallel group; replicated by default.
+  virtual TensorParallelSplit TensorParallelSplitOf(const std::string& name) const { return {}; }
+
   // The forward pass in the three parts a pipeline runs on its stages: Embed, the blocks in
   // order (RunBlock), Head.
   // [b, t] int64 tokens (t <= seq_len) -> the first block's input (HiddenShape).
@@ -113,6 +124,7 @@ class LanguageModel : public torch::nn::Module {
   virtual bool BlockUsesRng() const { return false; }
 
   BlockHooks* hooks_ = nullptr;
+  TensorParallel tp_;  // the blocks keep a pointer to it
   int64_t seq_len_;
   bool activation_checkpointing_;
 

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <set>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -47,15 +48,29 @@ absl::Status Agree(Communicator& world, absl::Status mine) {
 
 }  // namespace
 
-PipelineLayout MakePipelineLayout(int rank, int world, int stages, std::vector<int> bounds) {
+PipelineLayout MakePipelineLayout(int rank, int world, int stages, int tensor_parallel,
+                                  std::vector<int> bounds) {
   PipelineLayout l;
   l.stages = stages;
-  l.replicas = world / stages;
-  l.stage = rank % stages;
-  l.replica = rank / stages;
+  l.tensor_parallel = tensor_parallel;
+  l.replicas = world / (stages * tensor_parallel);
+  l.tp_rank = rank % tensor_parallel;
+  l.stage = rank / tensor_parallel % stages;
+  l.replica = rank / (tensor_parallel * stages);
   l.bounds = std::move(bounds);
   return l;
 }
+
+namespace {
+
+// `t` whole: all-gathered over the tensor-parallel group and put together by `split` (every rank
+// of the group calls it; replicated tensors come back as they are).
+torch::Tensor Whole(const torch::Tensor& t, TensorParallelSplit split, Communicator* tensor) {
+  if (tensor == nullptr || split.dim < 0) return t.detach();
+  return TensorParallelUnshard(tensor->AllGather(t.detach().contiguous()), split);
+}
+
+}  // namespace
 
 bool StageHolds(const LanguageModel& model, const PipelineLayout& layout, const std::string& name) {
   const int block = model.BlockOf(name);
@@ -77,14 +92,28 @@ std::vector<std::pair<std::string, torch::Tensor>> StageParameters(LanguageModel
   return out;
 }
 
+void KeepTensorParallelShards(LanguageModel& model,
+                              const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                              const PipelineLayout& layout) {
+  torch::NoGradGuard no_grad;
+  for (const auto& [name, p] : params) {
+    const TensorParallelSplit split = model.TensorParallelSplitOf(name);
+    if (split.dim < 0) continue;
+    torch::Tensor param = p;
+    param.set_data(TensorParallelShard(p.detach(), split, layout.tp_rank, layout.tensor_parallel));
+  }
+}
+
 PipelineStage::PipelineStage(LanguageModel& model, Communicator& world, PipelineLayout layout,
-                             PipelineSchedule schedule, int micro_batch, GradientReducer* reducer)
+                             PipelineSchedule schedule, int micro_batch, GradientReducer* reducer,
+                             Communicator* tensor)
     : model_(model),
       world_(world),
       layout_(std::move(layout)),
       schedule_(schedule),
       micro_batch_(micro_batch),
-      reducer_(reducer) {
+      reducer_(reducer),
+      tensor_(tensor) {
   const std::string tied = model.TiedWeight();
   if (!tied.empty() && layout_.stages > 1 && (layout_.first() || layout_.last())) {
     tied_ = model.named_parameters()[tied];
@@ -198,9 +227,17 @@ double PipelineStage::GradNormSquared(const std::vector<torch::Tensor>& trainabl
   double sq = 0;
   // The last stage's copy of the tied weight is the first stage's; count it there only.
   const bool skip_tied = tied_.defined() && !layout_.first();
+  // Tensor parallelism: shards count on every rank, replicated parameters on rank 0 of the group.
+  std::set<const void*> sharded;
+  for (const auto& item : model_.named_parameters()) {
+    if (model_.TensorParallelSplitOf(item.key()).dim >= 0) {
+      sharded.insert(item.value().unsafeGetTensorImpl());
+    }
+  }
   for (const auto& p : trainable) {
     if (!p.grad().defined()) continue;
     if (skip_tied && p.is_same(tied_)) continue;
+    if (layout_.tp_rank != 0 && sharded.count(p.unsafeGetTensorImpl()) == 0) continue;
     const double n = p.grad().norm().item<double>();
     sq += n * n;
   }
@@ -213,6 +250,17 @@ double PipelineStage::GradNormSquared(const std::vector<torch::Tensor>& trainabl
 void PipelineStage::GatherToRankZero() {
   if (layout_.replica != 0) return;
   torch::NoGradGuard no_grad;
+  // Tensor parallelism: the group's rank 0 puts the stage's shards together and runs whole.
+  if (tensor_ != nullptr) {
+    for (auto& [name, p] : StageParameters(model_, layout_)) {
+      const TensorParallelSplit split = model_.TensorParallelSplitOf(name);
+      if (split.dim < 0) continue;
+      torch::Tensor whole = Whole(p, split, tensor_);
+      if (layout_.tp_rank == 0) p.set_data(whole);
+    }
+    model_.SetTensorParallel({});
+    if (layout_.tp_rank != 0) return;
+  }
   const bool rank0 = layout_.first();
   std::vector<std::unique_ptr<CommHandle>> sends;
   for (int s = 1; s < layout_.stages; ++s) {
@@ -234,9 +282,9 @@ void PipelineStage::GatherToRankZero() {
 }
 
 absl::StatusOr<CheckpointInfo> WriteStagedCheckpoint(
-    const std::string& dir, int64_t step, const PipelineLayout& layout,
+    const std::string& dir, int64_t step, const PipelineLayout& layout, const LanguageModel& model,
     const std::vector<std::pair<std::string, torch::Tensor>>& params,
-    torch::optim::Optimizer& optimizer, Communicator& world) {
+    torch::optim::Optimizer& optimizer, Communicator& world, Communicator* tensor) {
   const bool rank0 = world.rank() == 0;
   const std::string name = absl::StrCat("step-", step);
   const std::string final_path = dir + "/" + name;
@@ -252,26 +300,38 @@ absl::StatusOr<CheckpointInfo> WriteStagedCheckpoint(
       if (ec) s = absl::InternalError(absl::StrCat("cannot create '", tmp, "': ", ec.message()));
     }
     RETURN_IF_ERROR(Agree(world, s));
+    // The first replica's tensor-parallel group gathers its shards; its rank 0 writes.
     if (layout.replica == 0) {
       const std::string file = absl::StrCat(tmp, "/stage-", layout.stage, ".pt");
+      const bool writes = layout.tp_rank == 0;
       try {
         torch::serialize::OutputArchive archive;
         std::map<const void*, std::string> names;
         for (const auto& [param_name, p] : params) {
-          archive.write("param/" + param_name, p.detach());
+          const torch::Tensor whole = Whole(p, model.TensorParallelSplitOf(param_name), tensor);
+          if (writes) archive.write("param/" + param_name, whole);
           names[p.unsafeGetTensorImpl()] = param_name;
         }
         const auto& optimized = optimizer.param_groups().at(0).params();
         for (size_t i = 0; i < optimized.size(); ++i) {
           const std::string& param_name = names.at(optimized[i].unsafeGetTensorImpl());
+          const TensorParallelSplit split = model.TensorParallelSplitOf(param_name);
           int64_t param_step = 0;
+          // Elementwise state (adamw, lion: tensor parallelism allows no other) is cut as its
+          // parameter is.
           for (const auto& [key, t] : ParameterState(optimizer, i, &param_step)) {
-            archive.write(absl::StrCat("state/", param_name, "/", key), t);
+            const torch::Tensor whole =
+                t.sizes().equals(optimized[i].sizes()) ? Whole(t, split, tensor) : t;
+            if (writes) archive.write(absl::StrCat("state/", param_name, "/", key), whole);
           }
-          archive.write("step/" + param_name, torch::tensor({param_step}, torch::kLong));
+          if (writes) {
+            archive.write("step/" + param_name, torch::tensor({param_step}, torch::kLong));
+          }
         }
-        archive.save_to(file);
-        s = SyncPath(file);
+        if (writes) {
+          archive.save_to(file);
+          s = SyncPath(file);
+        }
       } catch (const c10::Error& e) {
         s = absl::InternalError(
             absl::StrCat("cannot save '", file, "': ", e.what_without_backtrace()));

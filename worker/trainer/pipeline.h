@@ -1,11 +1,17 @@
-// Pipeline parallelism (parallel.pipeline_stages): the model's blocks split into P consecutive
+// Model parallelism: pipeline stages (parallel.pipeline_stages) and tensor parallelism
+// (parallel.tensor_parallel, tensor_parallel.h), with data parallelism over the rest.
+//
+// Pipeline parallelism: the model's blocks split into P consecutive
 // stages, each run by its own rank; the first stage also embeds the tokens, the last also runs the
 // final norm, the head and the loss. A step's micro-batches (train.micro_batches, m) flow forward
 // stage to stage as activations and back as their gradients, sent point to point; every stage
 // accumulates its parameters' gradients over the m micro-batches and the optimizer steps once.
-// Data parallelism (ddp) runs over the rest: rank = replica * P + stage, so a replica's stages are
-// consecutive ranks (and share a node when it holds them) and each stage's replicas average their
-// gradients through a GradientReducer of their own group.
+// Tensor parallelism splits each stage's layers over T ranks, which run the stage together; each
+// sends its (whole, replicated) activations to the same tensor-parallel rank of the next stage.
+// Data parallelism (ddp) runs over the rest: rank = (replica * P + stage) * T + tensor rank, so
+// a tensor-parallel group is consecutive ranks (on one node), then a replica's stages; the ranks
+// that hold the same shards (one per replica) average their gradients through a GradientReducer
+// of their own group.
 //
 // Schedules (as PyTorch's torch.distributed.pipelining and DeepSpeed name them):
 //  - gpipe: all m forwards, then all m backwards; m micro-batches of activations alive at once.
@@ -18,12 +24,14 @@
 // take the same steps.
 //
 // Every rank builds the whole model (deterministically, from train.seed), loads a checkpoint into
-// it, then frees the storage of the parameters its stage does not hold.
+// it, keeps its tensor-parallel shards, and frees the storage of the parameters its stage does
+// not hold.
 //
 // Checkpoints (WriteStagedCheckpoint): DIR/step-N/stage-<s>.pt, written by each stage's first
-// replica: its parameters ("param/<name>") and their optimizer state ("state/<name>/<key>",
-// "step/<name>"), keyed by name, so that LoadLatestCheckpoint (checkpoint.h) reads them into any
-// layout: another number of stages, or none.
+// replica (its tensor-parallel rank 0, which gathers the group's shards into whole tensors): its
+// parameters ("param/<name>") and their optimizer state ("state/<name>/<key>", "step/<name>"),
+// keyed by name, so that LoadLatestCheckpoint (checkpoint.h) reads them into any layout: other
+// numbers of stages and tensor-parallel ranks, or none.
 //
 // One training thread per rank calls everything.
 #ifndef TRAINYARD_WORKER_TRAINER_PIPELINE_H_
@@ -48,18 +56,22 @@ namespace trainyard::trainer {
 struct PipelineLayout {
   int stages = 1;
   int replicas = 1;
+  int tensor_parallel = 1;
   int stage = 0;
   int replica = 0;
+  int tp_rank = 0;
   std::vector<int> bounds;  // stage s runs blocks [bounds[s], bounds[s + 1])
 
   bool first() const { return stage == 0; }
   bool last() const { return stage == stages - 1; }
-  int RankOf(int s, int r) const { return r * stages + s; }
+  // The rank of stage `s` of replica `r` with this rank's tensor-parallel rank.
+  int RankOf(int s, int r) const { return (r * stages + s) * tensor_parallel + tp_rank; }
 };
 
 // The layout of `rank` of `world` ranks in `stages` stages of the blocks `bounds`
-// (PipelineBoundaries).
-PipelineLayout MakePipelineLayout(int rank, int world, int stages, std::vector<int> bounds);
+// (PipelineBoundaries), each run by `tensor_parallel` ranks.
+PipelineLayout MakePipelineLayout(int rank, int world, int stages, int tensor_parallel,
+                                  std::vector<int> bounds);
 
 // Whether the stage holds parameter `name` of `model`: its blocks', the first stage's embeddings,
 // the last stage's final norm and head, and the tied embedding on both.
@@ -68,6 +80,11 @@ bool StageHolds(const LanguageModel& model, const PipelineLayout& layout, const 
 // The parameter ("name", tensor) pairs the stage holds, in registration order.
 std::vector<std::pair<std::string, torch::Tensor>> StageParameters(LanguageModel& model,
                                                                    const PipelineLayout& layout);
+
+// Tensor parallelism: replaces each of `params` that the model splits by this rank's shard.
+void KeepTensorParallelShards(LanguageModel& model,
+                              const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                              const PipelineLayout& layout);
 
 // Per step, of this rank.
 struct PipelineStepStats {
@@ -82,9 +99,11 @@ struct PipelineStepStats {
 class PipelineStage {
  public:
   // `world` carries the activations (ranks as in `layout`); `reducer` (nullable: one replica)
-  // averages the stage's gradients over its replicas. Neither is owned.
+  // averages the stage's gradients over its replicas; `tensor` (nullable: no tensor parallelism)
+  // is the model's tensor-parallel group. None is owned.
   PipelineStage(LanguageModel& model, Communicator& world, PipelineLayout layout,
-                PipelineSchedule schedule, int micro_batch, GradientReducer* reducer);
+                PipelineSchedule schedule, int micro_batch, GradientReducer* reducer,
+                Communicator* tensor);
 
   // One step: `windows(i)` gives micro-batch i's windows ([micro_batch, seq_len + 1]; read on the
   // first and the last stage), `loss(i, logits, windows)` its loss (last stage), already scaled
@@ -95,12 +114,13 @@ class PipelineStage {
   // Tied weights: adds the gradient of the other end's copy (first and last stage); call after
   // the reducer's Finish. No-op elsewhere.
   void SyncTiedGradient();
-  // The squared gradient norm of the whole model summed from every stage (the tied weight
-  // counted once). Every rank calls it.
+  // The squared gradient norm of the whole model summed from every stage and tensor-parallel
+  // shard (the tied weight and replicated parameters counted once). Every rank calls it.
   double GradNormSquared(const std::vector<torch::Tensor>& trainable);
 
-  // Rank 0 receives every stage's parameters (of the first replica) into its model, whose freed
-  // storage it allocates again; the others send theirs. Every rank calls it.
+  // Rank 0 receives every stage's parameters (of the first replica, their tensor-parallel shards
+  // gathered) into its model, whose freed storage it allocates again, and runs it without tensor
+  // parallelism from then on; the others send theirs. Every rank calls it.
   void GatherToRankZero();
 
   const PipelineLayout& layout() const { return layout_; }
@@ -119,18 +139,20 @@ class PipelineStage {
   PipelineSchedule schedule_;
   int micro_batch_;
   GradientReducer* reducer_;
+  Communicator* tensor_;
   torch::Tensor tied_;  // the tied embedding on the first and the last stage
   PipelineStepStats stats_;
 };
 
 // Writes the pipeline checkpoint of `step`: every stage's first replica its stage-<s>.pt (the
 // stage's `params` and their state in `optimizer`, whose parameters are the trainable ones among
-// them, in order), rank 0 rng.pt and meta.json, then DIR/latest; every rank of `world` calls it.
-// A complete DIR/step-N from an earlier attempt is kept.
+// them, in order; tensor-parallel shards of `model` gathered over `tensor` into whole tensors),
+// rank 0 rng.pt and meta.json, then DIR/latest; every rank of `world` calls it. A complete
+// DIR/step-N from an earlier attempt is kept.
 absl::StatusOr<CheckpointInfo> WriteStagedCheckpoint(
-    const std::string& dir, int64_t step, const PipelineLayout& layout,
+    const std::string& dir, int64_t step, const PipelineLayout& layout, const LanguageModel& model,
     const std::vector<std::pair<std::string, torch::Tensor>>& params,
-    torch::optim::Optimizer& optimizer, Communicator& world);
+    torch::optim::Optimizer& optimizer, Communicator& world, Communicator* tensor);
 
 }  // namespace trainyard::trainer
 

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -176,14 +177,30 @@ absl::Status Train(const TrainerOptions& o) {
   const bool hybrid = fsdp_on && par.sharding == Sharding::kHybridShard;
   const int local_world = o.local_world_size > 0 ? o.local_world_size : o.world_size;
   // Pipeline parallelism: the stages' blocks (model.n_layer is known now, model.from resolved).
-  const int stages = par.pipeline_stages;
+  // Tensor parallelism: the sizes it splits (model.from's config.json may have filled them).
+  const int stages = par.pipeline_stages, tensor = par.tensor_parallel;
   const bool pipelined = stages > 1;
+  // Model parallelism (pipeline, tensor or both): the ranks run PipelineStage.
+  const bool model_parallel = pipelined || tensor > 1;
   std::vector<int> stage_bounds;
-  if (pipelined) {
-    if (o.world_size % stages != 0) {
-      return absl::InvalidArgumentError(absl::StrCat("parallel.pipeline_stages: ", o.world_size,
-                                                     " ranks do not split into ", stages,
-                                                     " stages"));
+  if (tensor > 1) {
+    for (const auto& [field, value] :
+         std::vector<std::pair<const char*, int64_t>>{{"model.n_head", m.n_head},
+                                                      {"model.n_kv_head", m.KvHeads()},
+                                                      {"model.vocab", m.vocab},
+                                                      {"model.d_hidden", m.d_hidden}}) {
+      if (value % tensor != 0 && (m.kind == "llama" || absl::string_view(field) == "model.n_head" ||
+                                  absl::string_view(field) == "model.vocab")) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ": must be a multiple of parallel.tensor_parallel (", tensor, "), got ", value));
+      }
+    }
+  }
+  if (model_parallel) {
+    if (o.world_size % (stages * tensor) != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("parallel.pipeline_stages: ", o.world_size, " ranks do not split into ",
+                       stages, " stages of ", tensor, " tensor-parallel ranks"));
     }
     if (par.pipeline_split.empty() && stages > m.n_layer) {
       return absl::InvalidArgumentError(absl::StrCat("parallel.pipeline_stages: ", stages,
@@ -231,6 +248,8 @@ absl::Status Train(const TrainerOptions& o) {
   std::unique_ptr<Communicator> shard_comm, replica_comm;
   // Pipeline: the ranks that run this rank's stage (one per replica).
   std::unique_ptr<Communicator> stage_comm;
+  // Tensor parallelism: the ranks that split this rank's layers.
+  std::unique_ptr<Communicator> tensor_comm;
   if (o.world_size == 1) {
     comm = MakeLocalCommunicator();
   } else {
@@ -242,11 +261,20 @@ absl::Status Train(const TrainerOptions& o) {
     ASSIGN_OR_RETURN(comm, MakeGlooCommunicator(store, o.rank, o.world_size, o.gloo_hostname,
                                                 std::chrono::minutes(5),
                                                 /*same_host=*/local_world == o.world_size));
-    if (pipelined && o.world_size > stages) {
+    // Model parallelism: the ranks holding the same shards (one per replica), and the
+    // tensor-parallel group (consecutive ranks).
+    const int group = stages * tensor;
+    if (model_parallel && o.world_size > group) {
       ASSIGN_OR_RETURN(stage_comm,
                        MakeSubgroupCommunicator(
-                           store, absl::StrCat("pipeline-stage-", o.rank % stages), o.rank / stages,
-                           o.world_size / stages, o.gloo_hostname, std::chrono::minutes(5)));
+                           store, absl::StrCat("data-parallel-", o.rank % group), o.rank / group,
+                           o.world_size / group, o.gloo_hostname, std::chrono::minutes(5)));
+    }
+    if (tensor > 1) {
+      ASSIGN_OR_RETURN(tensor_comm,
+                       MakeSubgroupCommunicator(
+                           store, absl::StrCat("tensor-parallel-", o.rank / tensor),
+                           o.rank % tensor, tensor, o.gloo_hostname, std::chrono::minutes(5)));
     }
     if (fsdp_on) {
       // Every rank builds its own groups, also without HYBRID_SHARD: the FSDP communication
@@ -304,8 +332,8 @@ absl::Status Train(const TrainerOptions& o) {
   std::optional<PipelineLayout> layout;
   std::vector<std::pair<std::string, torch::Tensor>> stage_params;
   std::vector<torch::Tensor> optimized = trainable;
-  if (pipelined) {
-    layout = MakePipelineLayout(o.rank, o.world_size, stages, stage_bounds);
+  if (model_parallel) {
+    layout = MakePipelineLayout(o.rank, o.world_size, stages, tensor, stage_bounds);
     stage_params = StageParameters(*model, *layout);
     optimized.clear();
     for (const auto& [name, p] : stage_params) {
@@ -335,27 +363,48 @@ absl::Status Train(const TrainerOptions& o) {
     }
   } else {
     optimizer_holder = MakeOptimizer(optimized, hyper, t.lr);
+    // Tensor parallelism: once the whole model is loaded, the stage keeps its shards.
+    bool sharded = false;
+    auto keep_shards = [&] {
+      if (sharded || tensor == 1) return;
+      KeepTensorParallelShards(*model, stage_params, *layout);
+      sharded = true;
+    };
     if (!o.checkpoint_dir.empty()) {
       // Pipeline: the checkpoint (of any layout) is read into the whole model and an optimizer
       // of every parameter that trains; the stage keeps its part of that state.
       std::unique_ptr<torch::optim::Optimizer> whole;
-      if (pipelined) whole = MakeOptimizer(trainable, hyper, t.lr);
+      if (model_parallel) whole = MakeOptimizer(trainable, hyper, t.lr);
+      std::vector<std::string> names;  // of `trainable`
+      for (const auto& item : model->named_parameters()) {
+        if (item.value().requires_grad()) names.push_back(item.key());
+      }
       ASSIGN_OR_RETURN(auto loaded, LoadLatestCheckpoint(o.checkpoint_dir, *model,
                                                          whole ? *whole : *optimizer_holder));
       if (loaded.has_value()) {
         step = loaded->step;
         Log(absl::StrCat("resumed from ", loaded->path, " at step ", step));
         if (whole) {
+          // Tensor parallelism: this rank's shard of every elementwise state tensor.
+          keep_shards();
           for (size_t j = 0, k = 0; j < trainable.size() && k < optimized.size(); ++j) {
             if (!trainable[j].is_same(optimized[k])) continue;
             int64_t param_step = 0;
-            const auto state = ParameterState(*whole, j, &param_step);
+            std::map<std::string, torch::Tensor> state = ParameterState(*whole, j, &param_step);
+            const TensorParallelSplit split = model->TensorParallelSplitOf(names.at(j));
+            for (auto& [key, value] : state) {
+              if (value.dim() > 0 && value.numel() != optimized[k].numel()) {
+                value = TensorParallelShard(value, split, layout->tp_rank, tensor);
+              }
+            }
             RETURN_IF_ERROR(SetParameterState(*optimizer_holder, k++, state, param_step));
           }
         }
       }
     }
-    if (pipelined) {
+    if (model_parallel) {
+      keep_shards();
+      if (tensor > 1) model->SetTensorParallel({tensor_comm.get(), layout->tp_rank, tensor});
       // Every rank built the same model from the seed and loaded the same checkpoint; a stage
       // keeps only its parameters.
       for (const auto& item : model->named_parameters()) {
@@ -393,13 +442,13 @@ absl::Status Train(const TrainerOptions& o) {
 
   std::unique_ptr<GradientReducer> reducer;
   std::unique_ptr<PipelineStage> pipeline;
-  if (pipelined) {
+  if (model_parallel) {
     if (stage_comm) {
       reducer = std::make_unique<GradientReducer>(optimized, *stage_comm, par.bucket_mb,
                                                   std::min(1.0, par.bucket_mb));
     }
     pipeline = std::make_unique<PipelineStage>(*model, *comm, *layout, par.pipeline_schedule,
-                                               t.micro_batch, reducer.get());
+                                               t.micro_batch, reducer.get(), tensor_comm.get());
   } else if (o.world_size > 1 && !offload && !fsdp) {
     // The first bucket is 1 MiB like PyTorch's, or smaller when the buckets are.
     const double bucket_mb = par.bucket_mb;
@@ -422,9 +471,9 @@ absl::Status Train(const TrainerOptions& o) {
   const int64_t total_steps = t.steps;
   // Pipeline: the micro-batches flow through the stages; the replicas split the batch.
   const int grad_accum = pipelined ? t.micro_batches : t.grad_accum;
-  const int replicas = pipelined ? layout->replicas : o.world_size;
+  const int replicas = model_parallel ? layout->replicas : o.world_size;
   DistributedSampler sampler(num_samples, t.seed, t.micro_batch, grad_accum, replicas,
-                             pipelined ? layout->replica : o.rank);
+                             model_parallel ? layout->replica : o.rank);
   auto count = [](const std::vector<torch::Tensor>& tensors) {
     int64_t n = 0;
     for (const auto& p : tensors) n += p.numel();
@@ -440,20 +489,31 @@ absl::Status Train(const TrainerOptions& o) {
                        : "",
       data.size(), num_samples, sampler.global_batch(),
       reducer ? reducer->num_buckets() : (offloaded ? offloaded->num_buckets() : 0),
-      fsdp        ? absl::StrFormat("fsdp %s: %d units, shard group %d", Name(par.sharding),
-                                    fsdp->num_units(), fsdp->shard_count())
-      : pipelined ? absl::StrFormat("pipeline stage %d/%d (blocks %d..%d, %d parameters), %s, %d "
-                                    "micro-batches, %d replicas (ddp)",
-                                    layout->stage, stages, stage_bounds[layout->stage],
-                                    stage_bounds[layout->stage + 1] - 1, count([&] {
-                                      std::vector<torch::Tensor> held;
-                                      for (const auto& [name, p] : stage_params) held.push_back(p);
-                                      return held;
-                                    }()),
-                                    Name(par.pipeline_schedule), grad_accum, replicas)
-                  : std::string(Name(par.strategy)),
+      fsdp             ? absl::StrFormat("fsdp %s: %d units, shard group %d", Name(par.sharding),
+                                         fsdp->num_units(), fsdp->shard_count())
+      : model_parallel ? absl::StrFormat("pipeline stage %d/%d (blocks %d..%d, %d parameters), "
+                                         "tensor-parallel rank %d/%d, %s, %d micro-batches, %d "
+                                         "replicas (ddp)",
+                                         layout->stage, stages, stage_bounds[layout->stage],
+                                         stage_bounds[layout->stage + 1] - 1, count([&] {
+                                           std::vector<torch::Tensor> held;
+                                           for (const auto& [name, p] : stage_params)
+                                             held.push_back(p);
+                                           return held;
+                                         }()),
+                                         layout->tp_rank, tensor, Name(par.pipeline_schedule),
+                                         grad_accum, replicas)
+                       : std::string(Name(par.strategy)),
       Name(t.optimizer), step, total_steps));
   Log(absl::StrCat("collectives: ", comm->Describe()));
+  // A tensor-parallel group is consecutive ranks; the scheduler gives each node whole groups, but
+  // ranks started otherwise may split one.
+  if (tensor > 1 && o.local_world_size > 0 && o.local_world_size % tensor != 0) {
+    Log(absl::StrCat("warning: this node runs ", o.local_world_size,
+                     " of the job's ranks, not a multiple of parallel.tensor_parallel (", tensor,
+                     "): a tensor-parallel group spans nodes, and its all-reduces cross the "
+                     "network"));
+  }
 
   // Model-state bytes of DDP (and offload's device side): weights, and of the parameters that
   // train gradients, and the optimizer's state on the device unless offloaded.
@@ -461,7 +521,7 @@ absl::Status Train(const TrainerOptions& o) {
   std::vector<std::vector<int64_t>> trainable_shapes;
   for (const auto& p : optimized) trainable_shapes.push_back(p.sizes().vec());
   int64_t held_count = params_count;
-  if (pipelined) {
+  if (model_parallel) {
     held_count = 0;
     for (const auto& [name, p] : stage_params) held_count += p.numel();
   }
@@ -469,8 +529,13 @@ absl::Status Train(const TrainerOptions& o) {
       held_count * int64_t{4} + count(optimized) * int64_t{4} +
       (offload ? 0 : OptimizerStateBytes(t.optimizer, trainable_shapes, 1));
   const int64_t run_start_step = step;
-  // Bytes this rank sent for gradients and parameters so far.
-  auto bytes_sent = [&] { return fsdp ? fsdp->bytes_sent() : comm->bytes_sent(); };
+  // Bytes this rank sent for gradients and parameters so far (model parallelism: activations,
+  // and over its data- and tensor-parallel groups too).
+  auto bytes_sent = [&] {
+    if (fsdp) return fsdp->bytes_sent();
+    return comm->bytes_sent() + (stage_comm ? stage_comm->bytes_sent() : 0) +
+           (tensor_comm ? tensor_comm->bytes_sent() : 0);
+  };
   while (step < total_steps) {
     const auto step_start = Clock::now();
     const int64_t bytes_before = bytes_sent();
@@ -558,12 +623,16 @@ absl::Status Train(const TrainerOptions& o) {
     TrainerCommands commands;
     if (reporter) commands = reporter->TakeCommands();
     // Pipeline: also each stage's idle share of the schedule (from the first replica).
+    // Tensor parallelism: the group's ranks all compute the loss; rank 0 of it counts it.
+    if (layout && layout->tp_rank != 0) loss_sum = 0;
     std::vector<double> flags = {loss_sum, commands.checkpoint_requested ? 1.0 : 0.0,
                                  commands.stop_requested ? 1.0 : 0.0, TakeSigterm() ? 1.0 : 0.0};
     if (pipelined) {
       flags.resize(4 + stages, 0.0);
       const PipelineStepStats& ps = pipeline->last_step();
-      if (layout->replica == 0) flags[4 + layout->stage] = ps.idle_seconds / ps.seconds;
+      if (layout->replica == 0 && layout->tp_rank == 0) {
+        flags[4 + layout->stage] = ps.idle_seconds / ps.seconds;
+      }
     }
     torch::Tensor agree = torch::tensor(flags, torch::kDouble);
     comm->AllReduceSum({agree})->Wait();
@@ -645,8 +714,8 @@ absl::Status Train(const TrainerOptions& o) {
     if (checkpoint && pipeline) {
       // Each stage's first replica writes its part; rank 0 meta.json.
       ASSIGN_OR_RETURN(CheckpointInfo info,
-                       WriteStagedCheckpoint(o.checkpoint_dir, step, *layout, stage_params,
-                                             *optimizer_holder, *comm));
+                       WriteStagedCheckpoint(o.checkpoint_dir, step, *layout, *model, stage_params,
+                                             *optimizer_holder, *comm, tensor_comm.get()));
       if (rank0) {
         Log(absl::StrCat("checkpoint step ", info.step, " path ", info.path, " bytes ", info.bytes,
                          " (", stages, " pipeline stages)"));
