@@ -115,6 +115,7 @@ struct ParallelConfig {
   PipelineSchedule pipeline_schedule = PipelineSchedule::kOneFOneB;
   std::vector<int> pipeline_split;  // blocks per stage; empty: balanced by parameters
   int tensor_parallel = 1;
+  bool sequence_parallel = false;
 };
 
 struct JobConfig {

@@ -89,8 +89,12 @@ MemoryEstimate ModelParallelEstimate(const v1::JobSpec& spec, MemoryEstimate e) 
   const int64_t value_bytes = e.precision == v1::BF16 ? 2 : 4;
   const int64_t s = model.seq_len, b = spec.train().micro_batch(), h = model.d_model;
   const int64_t a = std::max(1, model.n_head);
+  // Korthikanti et al.: with tensor parallelism the norms' and dropouts' 10 s*b*h stay whole on
+  // every rank, unless sequence parallelism splits them too.
+  const bool sequence = tensor > 1 && spec.parallel().sequence_parallel();
   const int64_t per_layer = s * b * h *
-                            (10 + 24 / tensor + 5 * a * s / (std::max<int64_t>(1, h) * tensor)) /
+                            ((sequence ? 34 / tensor : 10 + 24 / tensor) +
+                             5 * a * s / (std::max<int64_t>(1, h) * tensor)) /
                             2 * value_bytes;
   const int64_t logits = s * b * model.vocab * 4 * 2 / tensor;
   const std::vector<int> bounds = PipelineBoundaries(model, stages, config.parallel.pipeline_split);
@@ -109,8 +113,10 @@ MemoryEstimate ModelParallelEstimate(const v1::JobSpec& spec, MemoryEstimate e) 
     here.parameters = bpp.param * (params + (config.train.lora.enabled() ? trained : 0));
     here.gradients = bpp.grad * trained;
     const int64_t trained_whole = config.train.lora.enabled() ? lora : whole;
-    here.optimizer =
-        bpp.master * trained + optimizer_state * trained / std::max<int64_t>(1, trained_whole);
+    // The stage's share of the state (in double: the product overflows for billions).
+    here.optimizer = bpp.master * trained +
+                     static_cast<int64_t>(static_cast<double>(optimizer_state) * double(trained) /
+                                          double(std::max<int64_t>(1, trained_whole)));
     here.activations = spec.train().activation_checkpointing()
                            ? layers * s * b * h * value_bytes * alive + per_layer
                            : layers * per_layer * alive;

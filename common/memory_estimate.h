@@ -16,8 +16,9 @@
 // busiest rank's share. A stage holds its blocks (the first also the embeddings, the last the
 // head), split T ways (the replicated norms and biases counted as split too); its activations
 // are its layers' for every micro-batch alive at once (GPipe: all m; 1F1B: P - stage on stage s)
-// at Korthikanti et al.'s tensor-parallel size, s*b*h*(10 + 24/T + 5*a*s/(h*T)) per layer, and
-// the last stage's logits split T ways.
+// at Korthikanti et al.'s tensor-parallel size, s*b*h*(10 + 24/T + 5*a*s/(h*T)) per layer
+// (s*b*h*(34/T + 5*a*s/(h*T)) with sequence parallelism), and the last stage's logits split T
+// ways.
 #ifndef TRAINYARD_COMMON_MEMORY_ESTIMATE_H_
 #define TRAINYARD_COMMON_MEMORY_ESTIMATE_H_
 

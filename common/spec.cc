@@ -340,7 +340,7 @@ absl::Status ParseDocument(const YAML::Node& root, SpecParser& p, JobSpec& spec)
                   {"strategy", "sharding_strategy", "bucket_mb", "delayed_update",
                    "auto_wrap_policy", "min_num_params", "backward_prefetch", "forward_prefetch",
                    "max_gathered_units", "cpu_ram_efficient_loading", "pipeline_stages",
-                   "pipeline_schedule", "pipeline_split", "tensor_parallel"}));
+                   "pipeline_schedule", "pipeline_split", "tensor_parallel", "sequence_parallel"}));
     auto& par = *spec.mutable_parallel();
     v1::Strategy s = v1::STRATEGY_UNSPECIFIED;
     RETURN_IF_ERROR(p.Choice<v1::Strategy>(
@@ -395,6 +395,9 @@ absl::Status ParseDocument(const YAML::Node& root, SpecParser& p, JobSpec& spec)
     int32_t tensor = 0;
     RETURN_IF_ERROR(p.Integer(n, "tensor_parallel", "parallel", tensor));
     par.set_tensor_parallel(tensor);
+    bool sequence = false;
+    RETURN_IF_ERROR(p.Bool(n, "sequence_parallel", "parallel", sequence));
+    par.set_sequence_parallel(sequence);
     v1::PipelineSchedule schedule = v1::PIPELINE_SCHEDULE_UNSPECIFIED;
     RETURN_IF_ERROR(p.Choice<v1::PipelineSchedule>(
         n, "pipeline_schedule", "parallel", {{"gpipe", v1::GPIPE}, {"1f1b", v1::ONE_F_ONE_B}},
@@ -678,7 +681,19 @@ absl::Status ValidateTensorParallel(const JobSpec& spec) {
   const auto& t = spec.train();
   RETURN_IF_ERROR(CheckRange("parallel.tensor_parallel", p.tensor_parallel(), 1, 1024));
   const int tp = p.tensor_parallel();
-  if (tp == 1) return absl::OkStatus();
+  if (tp == 1) {
+    if (p.sequence_parallel()) {
+      return FieldError("parallel.sequence_parallel",
+                        "splits the sequence over tensor-parallel ranks: set "
+                        "parallel.tensor_parallel > 1");
+    }
+    return absl::OkStatus();
+  }
+  if (p.sequence_parallel() && m.seq_len() % tp != 0) {
+    return FieldError("model.seq_len",
+                      absl::StrCat("must be a multiple of parallel.tensor_parallel (", tp,
+                                   ") with parallel.sequence_parallel, got ", m.seq_len()));
+  }
   if (p.strategy() != v1::DDP) {
     return FieldError("parallel.tensor_parallel",
                       absl::StrCat("tensor-parallel groups are replicated with ddp only; "
@@ -1102,6 +1117,7 @@ JobConfig ToJobConfig(const v1::JobSpec& spec) {
       p.pipeline_schedule() == v1::GPIPE ? PipelineSchedule::kGpipe : PipelineSchedule::kOneFOneB;
   c.parallel.pipeline_split.assign(p.pipeline_split().begin(), p.pipeline_split().end());
   c.parallel.tensor_parallel = p.tensor_parallel();
+  c.parallel.sequence_parallel = p.sequence_parallel();
   c.train.micro_batches = std::max(1, t.micro_batches());
   c.checkpoint_every_steps = spec.checkpoint().every_steps();
   c.export_format = spec.checkpoint().export_format() == v1::EXPORT_HF_MERGED

@@ -281,6 +281,11 @@ TEST(MemoryEstimateTest, ModelParallelLayoutsCountTheBusiestStage) {
   EXPECT_EQ(p2t2.Name(), "pipeline 2 (1f1b) x tensor 2");
   EXPECT_LT(double(p2t2.parameters), 0.6 * double(p2.parameters));
   EXPECT_LT(p2t2.activations, p2.activations);
+  // Sequence parallelism splits the norms' and dropouts' activations too.
+  spec.mutable_parallel()->set_sequence_parallel(true);
+  const MemoryEstimate sequence = EstimateMemory(spec, 4, 4);
+  EXPECT_LT(sequence.activations, p2t2.activations);
+  EXPECT_EQ(sequence.parameters, p2t2.parameters);
 }
 
 }  // namespace

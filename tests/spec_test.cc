@@ -679,8 +679,10 @@ model: {kind: gpt, n_layer: 4, n_head: 4, d_model: 64, seq_len: 32}
 data: {path: /data/tokens.bin}
 train: {steps: 10}
 )";
-  auto parsed =
-      ParseJobSpecYaml(base + "parallel: {pipeline_stages: 2, tensor_parallel: 2}\n", "s.yaml");
+  auto parsed = ParseJobSpecYaml(base +
+                                     "parallel: {pipeline_stages: 2, tensor_parallel: 2, "
+                                     "sequence_parallel: false}\n",
+                                 "s.yaml");
   ASSERT_TRUE(parsed.ok()) << parsed.status();
   ApplyJobSpecDefaults(parsed->spec);
   ASSERT_TRUE(ValidateJobSpec(parsed->spec).ok()) << ValidateJobSpec(parsed->spec);
@@ -718,6 +720,18 @@ train: {steps: 10}
         s.mutable_train()->set_micro_batches(0);
       }),
       StartsWith("model.n_head: must be a multiple of parallel.tensor_parallel (4), got 2"));
+  EXPECT_THAT(error([](v1::JobSpec& s) {
+                s.mutable_parallel()->set_sequence_parallel(true);
+                s.mutable_model()->set_seq_len(33);
+              }),
+              StartsWith("model.seq_len: must be a multiple of parallel.tensor_parallel (2) with "
+                         "parallel.sequence_parallel, got 33"));
+  EXPECT_THAT(
+      error([](v1::JobSpec& s) {
+        s.mutable_parallel()->set_sequence_parallel(true);
+        s.mutable_parallel()->set_tensor_parallel(1);
+      }),
+      StartsWith("parallel.sequence_parallel: splits the sequence over tensor-parallel ranks"));
   EXPECT_THAT(
       error([](v1::JobSpec& s) { s.mutable_model()->set_vocab(257); }),
       StartsWith("model.vocab: must be a multiple of parallel.tensor_parallel (2), got 257"));

@@ -1538,6 +1538,7 @@ TEST_F(TrainerE2eTest, LoraPeakModelStateHoldsTheFrozenBaseAsWeightsOnly) {
 // with the whole batch trains; a mask of all ones trains what no mask trains; a bad mask fails
 // the rank at start naming data.loss_mask.
 TEST_F(TrainerE2eTest, LossMaskCountsOnlyMaskedTargetsTheSameOnAnyRanksAndMicroBatches) {
+  auto more = testing::NodeSession::Connect(channel_, tokens_->Node("n2"), "n2", 8);
   const std::string data = "/usr/share/common-licenses/GPL-3";
   const int64_t n = std::filesystem::file_size(data);
   std::mt19937 gen(3);
@@ -1565,6 +1566,12 @@ TEST_F(TrainerE2eTest, LossMaskCountsOnlyMaskedTargetsTheSameOnAnyRanksAndMicroB
   const auto two = train(spec_of(2, 2, 2, mask_path), 2, "two");
   const auto one = train(spec_of(1, 8, 1, mask_path), 1, "one");
   ExpectSameParams(two, one, 1e-5, /*skip_key_bias=*/true);
+  // 2 pipeline stages x 2 tensor-parallel ranks, 4 micro-batches of 2: the same targets count.
+  v1::JobSpec staged = spec_of(4, 2, 1, mask_path);
+  staged.mutable_train()->set_micro_batches(4);
+  staged.mutable_parallel()->set_pipeline_stages(2);
+  staged.mutable_parallel()->set_tensor_parallel(2);
+  ExpectSameParams(train(staged, 4, "staged"), one, 1e-5, /*skip_key_bias=*/true);
   const auto unmasked = train(spec_of(1, 8, 1, ""), 1, "unmasked");
   ExpectSameParams(train(spec_of(1, 8, 1, ones_path), 1, "ones"), unmasked, 1e-5, true);
   // The mask matters: half the targets left out train another model.
@@ -1724,8 +1731,16 @@ struct PipelineVariant {
   std::string model = "gpt";
   int micro_batches = 0;  // 0: the default, 2 x stages
   v1::Optimizer optimizer = v1::ADAMW;
-  int tensor = 1;  // parallel.tensor_parallel
+  int tensor = 1;         // parallel.tensor_parallel
+  bool sequence = false;  // parallel.sequence_parallel
 };
+
+// `v` with sequence parallelism, named `name`.
+PipelineVariant WithSequence(PipelineVariant v, std::string name) {
+  v.name = std::move(name);
+  v.sequence = true;
+  return v;
+}
 
 // `v` with `tensor` tensor-parallel ranks, named `name`.
 PipelineVariant WithTensor(PipelineVariant v, std::string name, int tensor) {
@@ -1747,6 +1762,7 @@ v1::JobSpec PipelineSpec(const PipelineVariant& v) {
     s.mutable_model()->set_n_kv_head(v.tensor > 1 ? 2 : 1);
   }
   s.mutable_parallel()->set_tensor_parallel(v.tensor);
+  s.mutable_parallel()->set_sequence_parallel(v.sequence);
   s.mutable_model()->set_tie_weights(v.tie_weights);
   s.mutable_train()->set_activation_checkpointing(v.activation_checkpointing);
   s.mutable_train()->set_optimizer(v.optimizer);
@@ -1775,6 +1791,7 @@ v1::JobSpec OneRankOf(const v1::JobSpec& pipelined) {
   s.mutable_train()->set_micro_batches(0);
   s.mutable_parallel()->set_pipeline_stages(1);
   s.mutable_parallel()->set_tensor_parallel(1);
+  s.mutable_parallel()->set_sequence_parallel(false);
   return s;
 }
 
@@ -1845,7 +1862,14 @@ INSTANTIATE_TEST_SUITE_P(
         WithTensor({"", 2, v1::ONE_F_ONE_B, true, 2},
                    "TwoStagesTwoTensorRanksTwoReplicas1F1BCheckpointing", 2),
         WithTensor({"", 2, v1::ONE_F_ONE_B, false, 1, false, "gpt", 0, v1::LION},
-                   "LionTwoStagesTwoTensorRanks", 2)),
+                   "LionTwoStagesTwoTensorRanks", 2),
+        // Sequence parallelism.
+        WithSequence(WithTensor({"", 1, v1::ONE_F_ONE_B, true, 1, true}, "", 2),
+                     "TwoTensorRanksSequenceParallelTiedCheckpointing"),
+        WithSequence(WithTensor({"", 1, v1::ONE_F_ONE_B, false, 1, false, "llama"}, "", 2),
+                     "LlamaTwoTensorRanksSequenceParallel"),
+        WithSequence(WithTensor({"", 2, v1::ONE_F_ONE_B, false, 2}, "", 2),
+                     "TwoStagesTwoTensorRanksTwoReplicasSequenceParallel1F1B")),
     [](const auto& info) { return info.param.name; });
 
 // The per-step maxima of a metrics file's `key`.
@@ -1897,14 +1921,18 @@ TEST_F(TrainerE2eTest, OneFOneBBoundsActivationsByTheStagesWhileGpipeGrowsWithMi
   EXPECT_LE(f1b8.bytes, (2 + 1) * per_micro_batch) << f1b8.bytes << " vs " << gpipe8.bytes;
 }
 
+class PipelineReshardTest : public TrainerE2eTest,
+                            public ::testing::WithParamInterface<v1::Optimizer> {};
+
 // A checkpoint of 2 stages x 2 tensor-parallel ranks resumes on 4 DDP ranks, whose checkpoint
 // resumes on 2 stages x 2 tensor-parallel ranks again: every step's loss as one uninterrupted
-// run's.
-TEST_F(TrainerE2eTest, PipelineCheckpointsReshardToDdpAndBack) {
+// run's. With AdamW (moments shaped as the parameters) and Lion (a flat moment).
+TEST_P(PipelineReshardTest, CheckpointsReshardToDdpAndBack) {
   // Room for the four 4-rank jobs (a job's attempt builds its Gloo groups once).
   auto more = testing::NodeSession::Connect(channel_, tokens_->Node("n2"), "n2", 8);
   PipelineVariant v{"", 2, v1::ONE_F_ONE_B, false, 1, true};
   v.tensor = 2;
+  v.optimizer = GetParam();
   v1::JobSpec pipe_spec = PipelineSpec(v);  // 4 micro-batches of 4 windows
   pipe_spec.mutable_train()->set_steps(12);
   pipe_spec.mutable_train()->set_micro_batch(4);
@@ -1945,6 +1973,9 @@ TEST_F(TrainerE2eTest, PipelineCheckpointsReshardToDdpAndBack) {
   ASSERT_EQ(got.size(), 12u);
   for (const auto& [step, loss] : expected) EXPECT_NEAR(got.at(step), loss, 1e-5) << step;
 }
+
+INSTANTIATE_TEST_SUITE_P(Optimizers, PipelineReshardTest, ::testing::Values(v1::ADAMW, v1::LION),
+                         [](const auto& info) { return v1::Optimizer_Name(info.param); });
 
 TEST_F(TrainerE2eTest, HybridShardOnUnevenNodesFailsFast) {
   FsdpVariant v{"uneven", v1::HYBRID_SHARD, v1::BACKWARD_PRE, false};

@@ -115,8 +115,9 @@ class BlockImpl : public torch::nn::Module {
   torch::Tensor Attention(const torch::Tensor& in) {
     // Tensor parallelism: this rank's heads.
     const int64_t heads = n_head_ / tp_->size;
-    const int64_t b = in.size(0), t = in.size(1), hd = in.size(2) / n_head_, d = heads * hd;
+    // Sequence parallelism: `in` is this rank's part of the sequence, x the whole of it.
     const torch::Tensor x = ColumnInput(in, *tp_);
+    const int64_t b = x.size(0), t = x.size(1), hd = x.size(2) / n_head_, d = heads * hd;
     // unbind, not qkv[i]: its backward stacks the three gradients in one pass, where three
     // selects would each zero a buffer of all three and then add them up.
     const std::vector<torch::Tensor> qkv =
@@ -254,7 +255,9 @@ class GptModel : public LanguageModel {
   torch::Tensor Embed(const torch::Tensor& inputs) override {
     const torch::Tensor tokens =
         tp_.on() ? VocabParallelEmbedding(inputs, tok_emb_->weight, tp_) : tok_emb_(inputs);
-    return tokens + pos_emb_(torch::arange(inputs.size(1), torch::kLong));
+    // Sequence parallelism: this rank's part of the sequence.
+    const int64_t t = tokens.size(1), first = tp_.sequence ? tp_.rank * t : 0;
+    return tokens + pos_emb_(torch::arange(first, first + t, torch::kLong));
   }
   torch::Tensor BlockForward(int i, const torch::Tensor& x) override {
     return (*blocks_)[i]->as<BlockImpl>()->forward(x);
@@ -265,7 +268,7 @@ class GptModel : public LanguageModel {
                         : Dense(x, head_, options_.bf16);
   }
   std::vector<int64_t> HiddenShape(int64_t batch) const override {
-    return {batch, seq_len_, d_model_};
+    return {batch, tp_.sequence ? seq_len_ / tp_.size : seq_len_, d_model_};
   }
 
  private:
@@ -448,8 +451,8 @@ class LlamaAttentionImpl : public torch::nn::Module {
                         const torch::Tensor& sin) {
     // Tensor parallelism: this rank's query heads and their key-value heads.
     const int64_t heads = heads_ / tp_->size, kv_heads = kv_heads_ / tp_->size;
-    const int64_t b = in.size(0), t = in.size(1), hd = head_dim_, rep = heads / kv_heads;
-    const torch::Tensor x = ColumnInput(in, *tp_);
+    const torch::Tensor x = ColumnInput(in, *tp_);  // the whole sequence
+    const int64_t b = x.size(0), t = x.size(1), hd = head_dim_, rep = heads / kv_heads;
     // [b, heads, t, hd], rotated
     auto heads_of = [&](torch::nn::Linear& proj, const Adapter& lora, int64_t n) {
       return Project(x, proj, lora, bf16_, is_training()).view({b, t, n, hd}).transpose(1, 2);
@@ -516,7 +519,7 @@ class LlamaLayerImpl : public torch::nn::Module {
  public:
   LlamaLayerImpl(const ModelConfig& m, const ModelOptions& options, Rope* rope,
                  const TensorParallel* tp)
-      : rope_(rope) {
+      : rope_(rope), tp_(tp) {
     self_attn = register_module("self_attn", LlamaAttention(m, options, tp));
     mlp = register_module("mlp", LlamaMlp(m, options, tp));
     input_layernorm =
@@ -525,7 +528,8 @@ class LlamaLayerImpl : public torch::nn::Module {
                                                Keep(RmsNorm(m.d_model, m.rms_norm_eps), options));
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    const auto [cos, sin] = rope_->CosSin(x.size(1));
+    // Sequence parallelism: x is this rank's part; attention sees the whole sequence.
+    const auto [cos, sin] = rope_->CosSin(x.size(1) * (tp_->sequence ? tp_->size : 1));
     torch::Tensor h = x + self_attn(input_layernorm(x), cos, sin);
     return h + mlp(post_attention_layernorm(h));
   }
@@ -535,6 +539,7 @@ class LlamaLayerImpl : public torch::nn::Module {
 
  private:
   Rope* rope_;
+  const TensorParallel* tp_;
 };
 TORCH_MODULE(LlamaLayer);
 
@@ -610,7 +615,7 @@ class LlamaModel : public LanguageModel {
                         : Dense(x, lm_head_, options_.bf16);
   }
   std::vector<int64_t> HiddenShape(int64_t batch) const override {
-    return {batch, seq_len_, d_model_};
+    return {batch, tp_.sequence ? seq_len_ / tp_.size : seq_len_, d_model_};
   }
 
  protected:

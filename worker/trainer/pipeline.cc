@@ -4,6 +4,7 @@
 #include <malloc.h>
 
 #include <chrono>
+#include <deque>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -154,7 +155,11 @@ double PipelineStage::Step(
   // Per micro-batch in flight: the stage's input (whose gradient goes back) and its output (or
   // loss, on the last stage).
   std::map<int, std::pair<torch::Tensor, torch::Tensor>> alive;
-  std::vector<std::pair<std::unique_ptr<CommHandle>, torch::Tensor>> sends;
+  // Sends in flight with their tensors: a micro-batch's activations until its gradient comes back
+  // (by then the next stage has them), gradients until more than P are out (the previous stage
+  // takes them in order), so a stage keeps O(P) boundary tensors, not O(m).
+  std::map<int, std::pair<std::unique_ptr<CommHandle>, torch::Tensor>> activation_sends;
+  std::deque<std::pair<std::unique_ptr<CommHandle>, torch::Tensor>> gradient_sends;
   double loss_sum = 0;
   int backwards_left = micro_batches;
   for (const Op& op : Schedule(micro_batches)) {
@@ -178,7 +183,7 @@ double PipelineStage::Step(
         loss_sum += y.item<double>();
       } else {
         torch::Tensor out = y.detach().contiguous();
-        sends.emplace_back(world_.Send(out, next, kActivationTag), out);
+        activation_sends[op.micro] = {world_.Send(out, next, kActivationTag), out};
       }
       alive[op.micro] = {x, y};
       stats_.peak_in_flight = std::max<int>(stats_.peak_in_flight, alive.size());
@@ -194,24 +199,34 @@ double PipelineStage::Step(
         torch::Tensor grad = torch::empty(hidden, torch::kFloat);
         const auto wait = Clock::now();
         world_.Recv(grad, next, kGradientTag);
+        auto sent = activation_sends.find(op.micro);
+        sent->second.first->Wait();  // done: its gradient came back
+        activation_sends.erase(sent);
         stats_.idle_seconds += Seconds(wait);
         torch::autograd::backward({y}, {grad});
       }
       if (!layout_.first()) {
         torch::Tensor g = x.grad().contiguous();
-        sends.emplace_back(world_.Send(g, prev, kGradientTag), g);
+        gradient_sends.emplace_back(world_.Send(g, prev, kGradientTag), g);
+        if (static_cast<int>(gradient_sends.size()) > layout_.stages) {
+          const auto wait_send = Clock::now();
+          gradient_sends.front().first->Wait();
+          stats_.idle_seconds += Seconds(wait_send);
+          gradient_sends.pop_front();
+        }
       }
     }
   }
   const auto wait = Clock::now();
-  for (auto& [handle, tensor] : sends) handle->Wait();
+  for (auto& [micro, send] : activation_sends) send.first->Wait();
+  for (auto& [handle, tensor] : gradient_sends) handle->Wait();
   stats_.idle_seconds += Seconds(wait);
   stats_.seconds = Seconds(start);
   return loss_sum;
 }
 
 void PipelineStage::SyncTiedGradient() {
-  if (!tied_.defined()) return;
+  if (!tied_.defined() || !tied_.requires_grad()) return;  // frozen (LoRA): nothing to add
   const int other = layout_.RankOf(layout_.first() ? layout_.stages - 1 : 0, layout_.replica);
   torch::Tensor mine =
       tied_.grad().defined() ? tied_.grad().contiguous().clone() : torch::zeros_like(tied_);
@@ -221,6 +236,18 @@ void PipelineStage::SyncTiedGradient() {
   sent->Wait();
   // a + b on one end, b + a on the other: the same float.
   tied_.mutable_grad() = mine + theirs;
+}
+
+void PipelineStage::SyncSequenceParallelGradients() {
+  if (tensor_ == nullptr || !model_.tensor_parallel().sequence) return;
+  std::vector<torch::Tensor> grads;
+  for (auto& [name, p] : StageParameters(model_, layout_)) {
+    if (!p.requires_grad() || model_.TensorParallelSplitOf(name).dim >= 0) continue;
+    if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+    if (!p.grad().is_contiguous()) p.mutable_grad() = p.grad().contiguous();
+    grads.push_back(p.grad());
+  }
+  if (!grads.empty()) tensor_->AllReduceSum(grads)->Wait();
 }
 
 double PipelineStage::GradNormSquared(const std::vector<torch::Tensor>& trainable) {
@@ -320,8 +347,11 @@ absl::StatusOr<CheckpointInfo> WriteStagedCheckpoint(
           // Elementwise state (adamw, lion: tensor parallelism allows no other) is cut as its
           // parameter is.
           for (const auto& [key, t] : ParameterState(optimizer, i, &param_step)) {
-            const torch::Tensor whole =
-                t.sizes().equals(optimized[i].sizes()) ? Whole(t, split, tensor) : t;
+            torch::Tensor whole = t;
+            if (t.dim() > 0 && t.numel() == optimized[i].numel()) {  // Lion's is flat
+              whole = Whole(t.reshape(optimized[i].sizes()), split, tensor);
+              if (t.dim() != whole.dim()) whole = whole.reshape({-1});
+            }
             if (writes) archive.write(absl::StrCat("state/", param_name, "/", key), whole);
           }
           if (writes) {

@@ -114,6 +114,9 @@ class PipelineStage {
   // Tied weights: adds the gradient of the other end's copy (first and last stage); call after
   // the reducer's Finish. No-op elsewhere.
   void SyncTiedGradient();
+  // Sequence parallelism: sums the replicated parameters' gradients (each rank's is of its part
+  // of the sequence) over the tensor-parallel group. Call after the reducer's Finish.
+  void SyncSequenceParallelGradients();
   // The squared gradient norm of the whole model summed from every stage and tensor-parallel
   // shard (the tied weight and replicated parameters counted once). Every rank calls it.
   double GradNormSquared(const std::vector<torch::Tensor>& trainable);

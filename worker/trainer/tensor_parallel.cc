@@ -16,6 +16,49 @@ torch::Tensor AllReduced(const torch::Tensor& x, Communicator& comm) {
   return y;
 }
 
+// [b, t/T, ...] of every rank -> [b, t, ...], rank order along the sequence.
+torch::Tensor GatheredSequence(const torch::Tensor& x, Communicator& comm) {
+  return torch::cat(comm.AllGather(x.contiguous()), 1);
+}
+
+// [b, t, ...] partial sums -> this rank's [b, t/T, ...] of their sum (a ring reduce-scatter of
+// the sequence-major copy, whose rank chunks are consecutive).
+torch::Tensor ScatteredSequence(const torch::Tensor& x, Communicator& comm) {
+  const int n = comm.world_size();
+  torch::Tensor moved = x.transpose(0, 1).contiguous();  // [t, b, ...]
+  torch::Tensor flat = moved.view({-1});
+  const std::vector<int64_t> counts(n, flat.numel() / n);
+  std::vector<int64_t> shape = moved.sizes().vec();
+  shape[0] /= n;
+  return comm.ReduceScatterSum(flat, counts).view(shape).transpose(0, 1).contiguous();
+}
+
+class GatherSequence : public torch::autograd::Function<GatherSequence> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x,
+                               int64_t comm) {
+    ctx->saved_data["comm"] = comm;
+    return GatheredSequence(x, *reinterpret_cast<Communicator*>(comm));
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return {ScatteredSequence(grads[0], *CommOf(ctx)), torch::Tensor()};
+  }
+};
+
+class ScatterSequence : public torch::autograd::Function<ScatterSequence> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x,
+                               int64_t comm) {
+    ctx->saved_data["comm"] = comm;
+    return ScatteredSequence(x, *reinterpret_cast<Communicator*>(comm));
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return {GatheredSequence(grads[0], *CommOf(ctx)), torch::Tensor()};
+  }
+};
+
 class CopyTo : public torch::autograd::Function<CopyTo> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x,
@@ -97,10 +140,12 @@ torch::Tensor TensorParallelUnshard(const std::vector<torch::Tensor>& shards,
 }
 
 torch::Tensor CopyToTensorParallel(const torch::Tensor& x, const TensorParallel& tp) {
+  if (tp.sequence) return GatherSequence::apply(x, Pointer(tp.comm));
   return CopyTo::apply(x, Pointer(tp.comm));
 }
 
 torch::Tensor ReduceFromTensorParallel(const torch::Tensor& x, const TensorParallel& tp) {
+  if (tp.sequence) return ScatterSequence::apply(x, Pointer(tp.comm));
   return ReduceFrom::apply(x, Pointer(tp.comm));
 }
 

@@ -13,6 +13,13 @@
 // et al. 2019). Norms, position embeddings and row-parallel biases are replicated, and their
 // gradients are the same on every rank of the group.
 //
+// Sequence parallelism (Korthikanti et al. 2022), when `sequence` is set: between the
+// tensor-parallel regions (the norms, the residual stream, the position embedding) each rank
+// holds 1/T of the sequence ([b, t/T, d]); f becomes an all-gather along the sequence (its
+// backward a reduce-scatter) and g a reduce-scatter (its backward an all-gather), which moves the
+// same bytes as the all-reduce and keeps 1/T of those activations. The replicated parameters'
+// gradients are then partial on each rank, and are summed over the group after backward.
+//
 // Every rank of the group must run the same forward and backward (the same micro-batches in the
 // same order); the collectives are blocking, on the training thread.
 #ifndef TRAINYARD_WORKER_TRAINER_TENSOR_PARALLEL_H_
@@ -30,6 +37,7 @@ struct TensorParallel {
   Communicator* comm = nullptr;  // the group's; not owned. nullptr: no tensor parallelism
   int rank = 0;
   int size = 1;
+  bool sequence = false;  // sequence parallelism
   bool on() const { return size > 1; }
 };
 
@@ -48,9 +56,11 @@ torch::Tensor TensorParallelShard(const torch::Tensor& full, TensorParallelSplit
 torch::Tensor TensorParallelUnshard(const std::vector<torch::Tensor>& shards,
                                     TensorParallelSplit split);
 
-// f: identity forward, the gradient all-reduced over the group backward.
+// f: identity forward, the gradient all-reduced over the group backward. Under sequence
+// parallelism: this rank's [b, t/T, ...] gathered into [b, t, ...] (backward: reduce-scatter).
 torch::Tensor CopyToTensorParallel(const torch::Tensor& x, const TensorParallel& tp);
-// g: the partial results all-reduced forward, identity backward.
+// g: the partial results all-reduced forward, identity backward. Under sequence parallelism:
+// reduce-scattered along the sequence into this rank's [b, t/T, ...] (backward: all-gather).
 torch::Tensor ReduceFromTensorParallel(const torch::Tensor& x, const TensorParallel& tp);
 // Embedding lookup of `tokens` in this rank's rows of the vocabulary (`weight`: [V/T, d], rows
 // rank * V/T ...), summed over the group.

@@ -315,8 +315,10 @@ absl::Status Train(const TrainerOptions& o) {
   const bool from_rank0 = fsdp_on && par.cpu_ram_efficient_loading && o.world_size > 1;
   model_options.materialize = !from_rank0 || rank0;
   std::shared_ptr<LanguageModel> model = BuildModel(m, model_options, t.seed);
-  // The checkpoint's weights, on the ranks whose parameters are not sent to them from rank 0.
-  if (hf_checkpoint != nullptr && model_options.materialize && (rank0 || fsdp_on)) {
+  // The checkpoint's weights, on the ranks whose parameters are not sent to them from rank 0
+  // (model parallelism broadcasts nothing: every rank keeps its part of what it loaded).
+  if (hf_checkpoint != nullptr && model_options.materialize &&
+      (rank0 || fsdp_on || model_parallel)) {
     RETURN_IF_ERROR(LoadHfWeights(*hf_checkpoint, *model));
     if (rank0) Log(absl::StrCat("loaded ", hf_checkpoint->size(), " tensors from ", m.from));
   }
@@ -392,10 +394,14 @@ absl::Status Train(const TrainerOptions& o) {
             int64_t param_step = 0;
             std::map<std::string, torch::Tensor> state = ParameterState(*whole, j, &param_step);
             const TensorParallelSplit split = model->TensorParallelSplitOf(names.at(j));
+            // Elementwise state of the whole parameter (Lion's is flat): cut as the parameter.
+            std::vector<int64_t> whole_shape = optimized[k].sizes().vec();
+            if (split.dim >= 0) whole_shape[split.dim] *= tensor;
             for (auto& [key, value] : state) {
-              if (value.dim() > 0 && value.numel() != optimized[k].numel()) {
-                value = TensorParallelShard(value, split, layout->tp_rank, tensor);
-              }
+              if (value.dim() == 0 || value.numel() == optimized[k].numel()) continue;
+              const torch::Tensor shard =
+                  TensorParallelShard(value.reshape(whole_shape), split, layout->tp_rank, tensor);
+              value = value.dim() == shard.dim() ? shard : shard.reshape({-1});
             }
             RETURN_IF_ERROR(SetParameterState(*optimizer_holder, k++, state, param_step));
           }
@@ -404,7 +410,10 @@ absl::Status Train(const TrainerOptions& o) {
     }
     if (model_parallel) {
       keep_shards();
-      if (tensor > 1) model->SetTensorParallel({tensor_comm.get(), layout->tp_rank, tensor});
+      if (tensor > 1) {
+        model->SetTensorParallel(
+            {tensor_comm.get(), layout->tp_rank, tensor, par.sequence_parallel});
+      }
       // Every rank built the same model from the seed and loaded the same checkpoint; a stage
       // keeps only its parameters.
       for (const auto& item : model->named_parameters()) {
@@ -583,7 +592,10 @@ absl::Status Train(const TrainerOptions& o) {
       loss_sum += loss.item<double>();
     }
     if (reducer) comm_wait_s = reducer->Finish();
-    if (pipeline) pipeline->SyncTiedGradient();
+    if (pipeline) {
+      pipeline->SyncTiedGradient();
+      pipeline->SyncSequenceParallelGradients();
+    }
 
     double grad_norm = 0;
     if (pipeline) {
