@@ -1181,6 +1181,15 @@ TEST_F(TrainerE2eTest, LlamaFromAHuggingFaceCheckpointTrainsTheSameOnTwoFsdpRank
   EXPECT_THAT(r1.exit_codes, ::testing::ElementsAre(0)) << Joined(r1);
   const auto fsdp = ReadDump(fsdp_dump), single = ReadDump(one_dump);
   ExpectSameParams(fsdp, single, 1e-5);
+  // Two pipeline stages (there is no broadcast: every stage loads the checkpoint itself).
+  v1::JobSpec staged = spec;
+  staged.mutable_parallel()->set_strategy(v1::DDP);
+  staged.mutable_parallel()->set_pipeline_stages(2);
+  staged.mutable_train()->set_micro_batches(2);
+  const std::string staged_dump = dir_.path() + "/staged.params";
+  RunResult rp = Run(StartJob(staged, "staged"), 2, {"--dump-params", staged_dump});
+  EXPECT_THAT(rp.exit_codes, ::testing::Each(0)) << Joined(rp);
+  ExpectSameParams(ReadDump(staged_dump), single, 1e-5);
   // Trained from the checkpoint: 10 Adam steps of lr 1e-3 move no value by more than 0.05.
   ASSERT_EQ(fsdp.size(), start.size());
   for (const DumpedParam& p : fsdp) {
