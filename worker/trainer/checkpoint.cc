@@ -142,6 +142,60 @@ absl::Status PublishLatest(const std::string& dir, const std::string& name) {
   return SyncPath(dir);
 }
 
+namespace {
+
+// Every rank learns whether any rank failed; all return the first failure they know of.
+absl::Status Agree(Communicator& world, absl::Status mine) {
+  torch::Tensor failed = torch::tensor({mine.ok() ? 0.0 : 1.0}, torch::kDouble);
+  world.AllReduceSum({failed})->Wait();
+  if (!mine.ok()) return mine;
+  if (failed.item<double>() > 0) {
+    return absl::InternalError("another rank failed to write its part of the checkpoint");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<CheckpointInfo> WriteCollectiveCheckpoint(const std::string& dir, int64_t step,
+                                                         Communicator& world,
+                                                         const CheckpointPartWriter& write_part,
+                                                         const CheckpointPartWriter& finish) {
+  const bool rank0 = world.rank() == 0;
+  const std::string name = absl::StrCat("step-", step);
+  const std::string final_path = dir + "/" + name;
+  const std::string tmp = absl::StrCat(dir, "/.", name, ".tmp");
+  // Written before by an earlier attempt at the same step (deterministic: the same state)?
+  const bool exists = fs::exists(final_path + "/meta.json");
+  world.Barrier();  // nobody renames before everyone has looked
+  if (!exists) {
+    absl::Status s;
+    if (rank0) {
+      std::error_code ec;
+      fs::remove_all(tmp, ec);
+      fs::create_directories(tmp, ec);
+      if (ec) s = absl::InternalError(absl::StrCat("cannot create '", tmp, "': ", ec.message()));
+    }
+    RETURN_IF_ERROR(Agree(world, s));
+    RETURN_IF_ERROR(Agree(world, write_part(tmp)));
+    if (rank0) {
+      s = finish(tmp);
+      if (s.ok()) s = SyncPath(tmp);
+      if (s.ok()) {
+        std::error_code ec;
+        fs::remove_all(final_path, ec);  // an incomplete leftover (no meta.json)
+        if (::rename(tmp.c_str(), final_path.c_str()) != 0) {
+          s = absl::InternalError(absl::StrCat("cannot rename '", tmp, "'"));
+        }
+      }
+      if (s.ok()) s = SyncPath(dir);
+    }
+    RETURN_IF_ERROR(Agree(world, s));
+  }
+  RETURN_IF_ERROR(Agree(world, rank0 ? PublishLatest(dir, name) : absl::OkStatus()));
+  return CheckpointInfo{step, final_path, DirectoryBytes(final_path)};
+}
+
 absl::StatusOr<std::optional<CheckpointInfo>> FindLatestCheckpoint(const std::string& dir) {
   const std::string latest = dir + "/latest";
   if (!fs::exists(latest)) return std::nullopt;

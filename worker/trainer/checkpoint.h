@@ -16,10 +16,12 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "worker/trainer/communicator.h"
 
 namespace trainyard::trainer {
 
@@ -41,6 +43,18 @@ absl::StatusOr<CheckpointInfo> WriteCheckpoint(const std::string& dir, int64_t s
 // that wrote it, every parameter and its optimizer state are found by name.
 absl::StatusOr<std::optional<CheckpointInfo>> LoadLatestCheckpoint(
     const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer);
+
+// A checkpoint that the ranks of `world` write together (FSDP's shards, pipeline stages); every
+// rank calls it. Unless DIR/step-<N> is complete already (an earlier attempt's, kept), rank 0
+// makes the empty folder DIR/.step-<N>.tmp, every rank runs `write_part` into it (its files, or
+// none), then rank 0 runs `finish` (meta.json and the like), fsyncs the folder and renames it to
+// DIR/step-<N>; then rank 0 publishes DIR/latest. A failure on any rank fails every rank, before
+// anything is published.
+using CheckpointPartWriter = std::function<absl::Status(const std::string& tmp)>;
+absl::StatusOr<CheckpointInfo> WriteCollectiveCheckpoint(const std::string& dir, int64_t step,
+                                                         Communicator& world,
+                                                         const CheckpointPartWriter& write_part,
+                                                         const CheckpointPartWriter& finish);
 
 // Building blocks shared with the sharded checkpoints (fsdp_checkpoint.h).
 absl::Status SyncPath(const std::string& path);  // fsync of a file or directory

@@ -28,17 +28,6 @@ std::string ShardFile(const std::string& dir, int rank, int count) {
   return absl::StrCat(dir, "/shard-", rank, "-of-", count, ".pt");
 }
 
-// Every rank learns whether any rank failed; all return the first failure they know of.
-absl::Status Agree(Communicator& world, absl::Status mine) {
-  torch::Tensor failed = torch::tensor({mine.ok() ? 0.0 : 1.0}, torch::kDouble);
-  world.AllReduceSum({failed})->Wait();
-  if (!mine.ok()) return mine;
-  if (failed.item<double>() > 0) {
-    return absl::InternalError("another rank failed to write its checkpoint shard");
-  }
-  return absl::OkStatus();
-}
-
 json ManifestJson(const FsdpModel& fsdp, int64_t step, double lr) {
   const OptimizerHyper& hyper = fsdp.optimizer();
   json units = json::array();
@@ -193,61 +182,33 @@ absl::StatusOr<CheckpointInfo> WriteShardedCheckpoint(const std::string& dir, in
                                                       FsdpModel& fsdp, Communicator& world,
                                                       double lr) {
   const bool rank0 = world.rank() == 0;
-  const std::string name = absl::StrCat("step-", step);
-  const std::string final_path = dir + "/" + name;
-  const std::string tmp = absl::StrCat(dir, "/.", name, ".tmp");
-  // Written before by an earlier attempt at the same step (deterministic: the same state)?
-  const bool exists = fs::exists(final_path + "/meta.json");
-  world.Barrier();  // nobody renames before everyone has looked
-  if (!exists) {
-    absl::Status s;
-    if (rank0) {
-      std::error_code ec;
-      fs::remove_all(tmp, ec);
-      fs::create_directories(tmp, ec);
-      if (ec) s = absl::InternalError(absl::StrCat("cannot create '", tmp, "': ", ec.message()));
-    }
-    RETURN_IF_ERROR(Agree(world, s));
-    if (fsdp.writes_shards()) {
-      const std::string file = ShardFile(tmp, fsdp.shard_rank(), fsdp.shard_count());
-      try {
-        FsdpShardState state = fsdp.ExportState();
-        torch::serialize::OutputArchive archive;
-        for (size_t u = 0; u < state.params.size(); ++u) {
-          archive.write(absl::StrCat("u", u, ".param"), state.params[u]);
-          for (const auto& [key, t] : state.optimizer[u]) {
-            archive.write(absl::StrCat("u", u, ".", key), t);
-          }
-        }
-        archive.write("adam_step", torch::tensor({state.step}, torch::kLong));
-        if (rank0) archive.write("rng", SaveRngState());
-        archive.save_to(file);
-        s = SyncPath(file);
-      } catch (const c10::Error& e) {
-        s = absl::InternalError(
-            absl::StrCat("cannot save '", file, "': ", e.what_without_backtrace()));
-      }
-    }
-    RETURN_IF_ERROR(Agree(world, s));
-    if (rank0) {
-      s = WriteSyncedFile(tmp + "/manifest.json", ManifestJson(fsdp, step, lr).dump(1) + "\n");
-      if (s.ok())
-        s = WriteSyncedFile(tmp + "/meta.json", MetaJson(step, Name(fsdp.optimizer().kind)));
-      if (s.ok()) s = SyncPath(tmp);
-      if (s.ok()) {
-        std::error_code ec;
-        fs::remove_all(final_path, ec);  // an incomplete leftover (no meta.json)
-        if (::rename(tmp.c_str(), final_path.c_str()) != 0) {
-          s = absl::InternalError(absl::StrCat("cannot rename '", tmp, "'"));
+  auto write_shard = [&](const std::string& tmp) -> absl::Status {
+    if (!fsdp.writes_shards()) return absl::OkStatus();
+    const std::string file = ShardFile(tmp, fsdp.shard_rank(), fsdp.shard_count());
+    try {
+      FsdpShardState state = fsdp.ExportState();
+      torch::serialize::OutputArchive archive;
+      for (size_t u = 0; u < state.params.size(); ++u) {
+        archive.write(absl::StrCat("u", u, ".param"), state.params[u]);
+        for (const auto& [key, t] : state.optimizer[u]) {
+          archive.write(absl::StrCat("u", u, ".", key), t);
         }
       }
-      if (s.ok()) s = SyncPath(dir);
+      archive.write("adam_step", torch::tensor({state.step}, torch::kLong));
+      if (rank0) archive.write("rng", SaveRngState());
+      archive.save_to(file);
+      return SyncPath(file);
+    } catch (const c10::Error& e) {
+      return absl::InternalError(
+          absl::StrCat("cannot save '", file, "': ", e.what_without_backtrace()));
     }
-    RETURN_IF_ERROR(Agree(world, s));
-  }
-  absl::Status s = rank0 ? PublishLatest(dir, name) : absl::OkStatus();
-  RETURN_IF_ERROR(Agree(world, s));
-  return CheckpointInfo{step, final_path, DirectoryBytes(final_path)};
+  };
+  auto finish = [&](const std::string& tmp) -> absl::Status {
+    RETURN_IF_ERROR(
+        WriteSyncedFile(tmp + "/manifest.json", ManifestJson(fsdp, step, lr).dump(1) + "\n"));
+    return WriteSyncedFile(tmp + "/meta.json", MetaJson(step, Name(fsdp.optimizer().kind)));
+  };
+  return WriteCollectiveCheckpoint(dir, step, world, write_shard, finish);
 }
 
 absl::StatusOr<std::optional<CheckpointInfo>> LoadLatestShardedCheckpoint(const std::string& dir,

@@ -5,7 +5,6 @@
 
 #include <chrono>
 #include <deque>
-#include <filesystem>
 #include <map>
 #include <memory>
 #include <set>
@@ -18,7 +17,6 @@
 namespace trainyard::trainer {
 namespace {
 
-namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
 // Tags of the point-to-point messages, above those the collectives' send/recv use.
@@ -34,17 +32,6 @@ double Seconds(Clock::time_point since) {
 int64_t HeapInUse() {
   const struct mallinfo2 info = ::mallinfo2();
   return static_cast<int64_t>(info.uordblks + info.hblkhd);
-}
-
-// Every rank's status: the first failure, or another rank's.
-absl::Status Agree(Communicator& world, absl::Status mine) {
-  torch::Tensor failed = torch::tensor({mine.ok() ? 0.0 : 1.0}, torch::kDouble);
-  world.AllReduceSum({failed})->Wait();
-  if (!mine.ok()) return mine;
-  if (failed.item<double>() > 0) {
-    return absl::InternalError("another rank failed to write its part of the checkpoint");
-  }
-  return absl::OkStatus();
 }
 
 }  // namespace
@@ -312,89 +299,56 @@ absl::StatusOr<CheckpointInfo> WriteStagedCheckpoint(
     const std::string& dir, int64_t step, const PipelineLayout& layout, const LanguageModel& model,
     const std::vector<std::pair<std::string, torch::Tensor>>& params,
     torch::optim::Optimizer& optimizer, Communicator& world, Communicator* tensor) {
-  const bool rank0 = world.rank() == 0;
-  const std::string name = absl::StrCat("step-", step);
-  const std::string final_path = dir + "/" + name;
-  const std::string tmp = absl::StrCat(dir, "/.", name, ".tmp");
-  const bool exists = fs::exists(final_path + "/meta.json");
-  world.Barrier();  // nobody renames before everyone has looked
-  if (!exists) {
-    absl::Status s;
-    if (rank0) {
-      std::error_code ec;
-      fs::remove_all(tmp, ec);
-      fs::create_directories(tmp, ec);
-      if (ec) s = absl::InternalError(absl::StrCat("cannot create '", tmp, "': ", ec.message()));
-    }
-    RETURN_IF_ERROR(Agree(world, s));
-    // The first replica's tensor-parallel group gathers its shards; its rank 0 writes.
-    if (layout.replica == 0) {
-      const std::string file = absl::StrCat(tmp, "/stage-", layout.stage, ".pt");
-      const bool writes = layout.tp_rank == 0;
-      try {
-        torch::serialize::OutputArchive archive;
-        std::map<const void*, std::string> names;
-        for (const auto& [param_name, p] : params) {
-          const torch::Tensor whole = Whole(p, model.TensorParallelSplitOf(param_name), tensor);
-          if (writes) archive.write("param/" + param_name, whole);
-          names[p.unsafeGetTensorImpl()] = param_name;
-        }
-        const auto& optimized = optimizer.param_groups().at(0).params();
-        for (size_t i = 0; i < optimized.size(); ++i) {
-          const std::string& param_name = names.at(optimized[i].unsafeGetTensorImpl());
-          const TensorParallelSplit split = model.TensorParallelSplitOf(param_name);
-          int64_t param_step = 0;
-          // Elementwise state (adamw, lion: tensor parallelism allows no other) is cut as its
-          // parameter is.
-          for (const auto& [key, t] : ParameterState(optimizer, i, &param_step)) {
-            torch::Tensor whole = t;
-            if (t.dim() > 0 && t.numel() == optimized[i].numel()) {  // Lion's is flat
-              whole = Whole(t.reshape(optimized[i].sizes()), split, tensor);
-              if (t.dim() != whole.dim()) whole = whole.reshape({-1});
-            }
-            if (writes) archive.write(absl::StrCat("state/", param_name, "/", key), whole);
+  // The first replica's tensor-parallel group gathers its shards; its rank 0 writes.
+  auto write_stage = [&](const std::string& tmp) -> absl::Status {
+    if (layout.replica != 0) return absl::OkStatus();
+    const std::string file = absl::StrCat(tmp, "/stage-", layout.stage, ".pt");
+    const bool writes = layout.tp_rank == 0;
+    try {
+      torch::serialize::OutputArchive archive;
+      std::map<const void*, std::string> names;
+      for (const auto& [param_name, p] : params) {
+        const torch::Tensor whole = Whole(p, model.TensorParallelSplitOf(param_name), tensor);
+        if (writes) archive.write("param/" + param_name, whole);
+        names[p.unsafeGetTensorImpl()] = param_name;
+      }
+      const auto& optimized = optimizer.param_groups().at(0).params();
+      for (size_t i = 0; i < optimized.size(); ++i) {
+        const std::string& param_name = names.at(optimized[i].unsafeGetTensorImpl());
+        const TensorParallelSplit split = model.TensorParallelSplitOf(param_name);
+        int64_t param_step = 0;
+        // Elementwise state (adamw, lion: tensor parallelism allows no other) is cut as its
+        // parameter is.
+        for (const auto& [key, t] : ParameterState(optimizer, i, &param_step)) {
+          torch::Tensor whole = t;
+          if (t.dim() > 0 && t.numel() == optimized[i].numel()) {  // Lion's is flat
+            whole = Whole(t.reshape(optimized[i].sizes()), split, tensor);
+            if (t.dim() != whole.dim()) whole = whole.reshape({-1});
           }
-          if (writes) {
-            archive.write("step/" + param_name, torch::tensor({param_step}, torch::kLong));
-          }
+          if (writes) archive.write(absl::StrCat("state/", param_name, "/", key), whole);
         }
-        if (writes) {
-          archive.save_to(file);
-          s = SyncPath(file);
-        }
-      } catch (const c10::Error& e) {
-        s = absl::InternalError(
-            absl::StrCat("cannot save '", file, "': ", e.what_without_backtrace()));
+        if (writes) archive.write("step/" + param_name, torch::tensor({param_step}, torch::kLong));
       }
+      if (!writes) return absl::OkStatus();
+      archive.save_to(file);
+      return SyncPath(file);
+    } catch (const c10::Error& e) {
+      return absl::InternalError(
+          absl::StrCat("cannot save '", file, "': ", e.what_without_backtrace()));
     }
-    RETURN_IF_ERROR(Agree(world, s));
-    if (rank0) {
-      try {
-        torch::save(SaveRngState(), tmp + "/rng.pt");
-        s = SyncPath(tmp + "/rng.pt");
-      } catch (const c10::Error& e) {
-        s = absl::InternalError(
-            absl::StrCat("cannot save '", tmp, "/rng.pt': ", e.what_without_backtrace()));
-      }
-      if (s.ok()) {
-        s = WriteSyncedFile(tmp + "/meta.json",
-                            MetaJson(step, OptimizerName(optimizer), layout.stages));
-      }
-      if (s.ok()) s = SyncPath(tmp);
-      if (s.ok()) {
-        std::error_code ec;
-        fs::remove_all(final_path, ec);  // an incomplete leftover (no meta.json)
-        if (::rename(tmp.c_str(), final_path.c_str()) != 0) {
-          s = absl::InternalError(absl::StrCat("cannot rename '", tmp, "'"));
-        }
-      }
-      if (s.ok()) s = SyncPath(dir);
+  };
+  auto finish = [&](const std::string& tmp) -> absl::Status {
+    try {
+      torch::save(SaveRngState(), tmp + "/rng.pt");
+    } catch (const c10::Error& e) {
+      return absl::InternalError(
+          absl::StrCat("cannot save '", tmp, "/rng.pt': ", e.what_without_backtrace()));
     }
-    RETURN_IF_ERROR(Agree(world, s));
-  }
-  absl::Status s = rank0 ? PublishLatest(dir, name) : absl::OkStatus();
-  RETURN_IF_ERROR(Agree(world, s));
-  return CheckpointInfo{step, final_path, DirectoryBytes(final_path)};
+    RETURN_IF_ERROR(SyncPath(tmp + "/rng.pt"));
+    return WriteSyncedFile(tmp + "/meta.json",
+                           MetaJson(step, OptimizerName(optimizer), layout.stages));
+  };
+  return WriteCollectiveCheckpoint(dir, step, world, write_stage, finish);
 }
 
 }  // namespace trainyard::trainer
