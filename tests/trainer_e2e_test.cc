@@ -1742,7 +1742,15 @@ struct PipelineVariant {
   v1::Optimizer optimizer = v1::ADAMW;
   int tensor = 1;         // parallel.tensor_parallel
   bool sequence = false;  // parallel.sequence_parallel
+  bool lora = false;      // train.lora on every projection (llama)
 };
+
+// `v` fine-tuning LoRA adapters, named `name`.
+PipelineVariant WithLora(PipelineVariant v, std::string name) {
+  v.name = std::move(name);
+  v.lora = true;
+  return v;
+}
 
 // `v` with sequence parallelism, named `name`.
 PipelineVariant WithSequence(PipelineVariant v, std::string name) {
@@ -1772,6 +1780,12 @@ v1::JobSpec PipelineSpec(const PipelineVariant& v) {
   }
   s.mutable_parallel()->set_tensor_parallel(v.tensor);
   s.mutable_parallel()->set_sequence_parallel(v.sequence);
+  if (v.lora) {
+    auto* lora = s.mutable_train()->mutable_lora();
+    lora->set_r(4);
+    lora->set_alpha(8);
+    for (const std::string& target : LoraTargetNames()) lora->add_target_modules(target);
+  }
   s.mutable_model()->set_tie_weights(v.tie_weights);
   s.mutable_train()->set_activation_checkpointing(v.activation_checkpointing);
   s.mutable_train()->set_optimizer(v.optimizer);
@@ -1878,7 +1892,11 @@ INSTANTIATE_TEST_SUITE_P(
         WithSequence(WithTensor({"", 1, v1::ONE_F_ONE_B, false, 1, false, "llama"}, "", 2),
                      "LlamaTwoTensorRanksSequenceParallel"),
         WithSequence(WithTensor({"", 2, v1::ONE_F_ONE_B, false, 2}, "", 2),
-                     "TwoStagesTwoTensorRanksTwoReplicasSequenceParallel1F1B")),
+                     "TwoStagesTwoTensorRanksTwoReplicasSequenceParallel1F1B"),
+        // LoRA: the frozen base (and tied embedding) on the stages, only the adapters train.
+        WithLora({"", 2, v1::ONE_F_ONE_B, false, 1, true, "llama"}, "LlamaLoraTiedTwoStages1F1B"),
+        WithLora({"", 2, v1::GPIPE, true, 2, false, "llama"},
+                 "LlamaLoraTwoStagesTwoReplicasGpipeCheckpointing")),
     [](const auto& info) { return info.param.name; });
 
 // The per-step maxima of a metrics file's `key`.
