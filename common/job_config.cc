@@ -5,6 +5,8 @@
 #include <limits>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
+
 namespace trainyard {
 
 const char* Name(Strategy s) {
@@ -98,9 +100,8 @@ int64_t ModelParameterCount(const ModelConfig& m) {
   return embed + int64_t{m.n_layer} * BlockParameterCount(m) + head - tied;
 }
 
-std::vector<int64_t> StageParameterCounts(const ModelConfig& m, int stages,
-                                          const std::vector<int>& split) {
-  const std::vector<int> bounds = PipelineBoundaries(m, stages, split);
+std::vector<int64_t> StageParameterCounts(const ModelConfig& m, const std::vector<int>& bounds) {
+  const int stages = static_cast<int>(bounds.size()) - 1;
   const auto [embed, head] = EndParameterCounts(m);
   std::vector<int64_t> out;
   for (int s = 0; s < stages; ++s) {
@@ -112,6 +113,40 @@ std::vector<int64_t> StageParameterCounts(const ModelConfig& m, int stages,
   // One stage holds the tied embedding once.
   if (stages == 1 && m.tie_weights && m.kind != "mlp") out[0] -= int64_t{m.vocab} * m.d_model;
   return out;
+}
+
+std::string ModelParallelMisfit(const ModelConfig& m, const ParallelConfig& p) {
+  const int stages = p.pipeline_stages, tp = p.tensor_parallel, layers = m.n_layer;
+  if (stages > 1 && layers > 0) {
+    int64_t sum = 0;
+    for (int blocks : p.pipeline_split) sum += blocks;
+    if (!p.pipeline_split.empty() && sum != layers) {
+      return absl::StrCat("parallel.pipeline_split: sums to ", sum, " blocks; model.n_layer is ",
+                          layers);
+    }
+    if (p.pipeline_split.empty() && stages > layers) {
+      return absl::StrCat("parallel.pipeline_stages: ", stages,
+                          " stages need at least as many blocks; model.n_layer is ", layers);
+    }
+  }
+  if (tp <= 1) return "";
+  std::vector<std::pair<const char*, int64_t>> sizes = {{"model.n_head", m.n_head},
+                                                        {"model.vocab", m.vocab}};
+  if (m.kind == "llama") {
+    sizes.push_back({"model.n_kv_head", m.KvHeads()});
+    sizes.push_back({"model.d_hidden", m.d_hidden});
+  }
+  for (const auto& [field, value] : sizes) {
+    if (value > 0 && value % tp != 0) {
+      return absl::StrCat(field, ": must be a multiple of parallel.tensor_parallel (", tp,
+                          "), got ", value);
+    }
+  }
+  if (p.sequence_parallel && m.seq_len > 0 && m.seq_len % tp != 0) {
+    return absl::StrCat("model.seq_len: must be a multiple of parallel.tensor_parallel (", tp,
+                        ") with parallel.sequence_parallel, got ", m.seq_len);
+  }
+  return "";
 }
 
 std::vector<int> PipelineBoundaries(const ModelConfig& m, int stages,

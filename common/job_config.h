@@ -138,9 +138,13 @@ int64_t BlockParameterCount(const ModelConfig& model);
 // 1 <= stages <= n_layer).
 std::vector<int> PipelineBoundaries(const ModelConfig& model, int stages,
                                     const std::vector<int>& split);
-// Parameters each stage holds (the tied embedding on the first and the last stage both).
-std::vector<int64_t> StageParameterCounts(const ModelConfig& model, int stages,
-                                          const std::vector<int>& split);
+// Parameters each stage of `bounds` (PipelineBoundaries) holds (the tied embedding on the first
+// and the last stage both).
+std::vector<int64_t> StageParameterCounts(const ModelConfig& model, const std::vector<int>& bounds);
+// What `model`'s sizes do not allow of `parallel`'s pipeline and tensor-parallel layout, as
+// "FIELD: why"; "" when it fits. Sizes still 0 (model.from's config.json fills them) are not
+// judged: the spec checks what it has, the trainer checks again once they are known.
+std::string ModelParallelMisfit(const ModelConfig& model, const ParallelConfig& parallel);
 // Parameters LoRA adds (the adapters, which are all that trains); 0 without LoRA.
 int64_t LoraParameterCount(const ModelConfig& model, const LoraConfig& lora);
 // Shapes of the parameters that train (every parameter, or under LoRA the adapters), in no

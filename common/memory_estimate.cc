@@ -59,17 +59,11 @@ std::string MemoryEstimate::Name() const {
 
 int64_t LargestUnitParameters(const v1::ModelSpec& m) {
   const int64_t d = m.d_model(), v = m.vocab();
-  if (m.kind() == "mlp") {
-    const int64_t h = m.d_hidden();
-    return std::max({v * d, d * h + h + h * d + d, d * v + v});
-  }
+  const int64_t block = BlockParameterCount(ToModelConfig(m));
+  if (m.kind() == "mlp") return std::max({v * d, block, d * v + v});
   if (m.kind() == "llama") {  // a decoder layer, or the root (embedding, norm, untied head)
-    ModelConfig c = ToModelConfig(m);
-    const int64_t root = v * d + d + (c.tie_weights ? 0 : v * d);
-    c.n_layer = 1;
-    return std::max(ModelParameterCount(c) - root, root);
+    return std::max(block, v * d + d + (m.tie_weights() ? 0 : v * d));
   }
-  const int64_t block = 12 * d * d + 13 * d;
   return std::max(block, v * d + int64_t{m.seq_len()} * d);
 }
 
@@ -98,8 +92,7 @@ MemoryEstimate ModelParallelEstimate(const v1::JobSpec& spec, MemoryEstimate e) 
                             2 * value_bytes;
   const int64_t logits = s * b * model.vocab * 4 * 2 / tensor;
   const std::vector<int> bounds = PipelineBoundaries(model, stages, config.parallel.pipeline_split);
-  const std::vector<int64_t> held =
-      StageParameterCounts(model, stages, config.parallel.pipeline_split);
+  const std::vector<int64_t> held = StageParameterCounts(model, bounds);
   int64_t busiest = -1;
   for (int stage = 0; stage < stages; ++stage) {
     const int layers = bounds[stage + 1] - bounds[stage];

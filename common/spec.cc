@@ -647,29 +647,18 @@ absl::Status ValidatePipeline(const JobSpec& spec) {
                       absl::StrCat("must be 1 with pipeline parallelism, got ", t.grad_accum(),
                                    ": the stages accumulate over train.micro_batches"));
   }
-  const int layers = spec.model().n_layer();
   if (p.pipeline_split_size() > 0) {
     if (p.pipeline_split_size() != stages) {
       return FieldError("parallel.pipeline_split",
                         absl::StrCat("has ", p.pipeline_split_size(), " entries for ", stages,
                                      " pipeline stages"));
     }
-    int64_t sum = 0;
     for (int blocks : p.pipeline_split()) {
       if (blocks < 1) {
         return FieldError("parallel.pipeline_split",
                           absl::StrCat("every stage needs at least one block, got ", blocks));
       }
-      sum += blocks;
     }
-    if (layers > 0 && sum != layers) {
-      return FieldError("parallel.pipeline_split",
-                        absl::StrCat("sums to ", sum, " blocks; model.n_layer is ", layers));
-    }
-  } else if (layers > 0 && stages > layers) {
-    return FieldError(
-        "parallel.pipeline_stages",
-        absl::StrCat(stages, " stages need at least as many blocks; model.n_layer is ", layers));
   }
   return absl::OkStatus();
 }
@@ -689,11 +678,6 @@ absl::Status ValidateTensorParallel(const JobSpec& spec) {
     }
     return absl::OkStatus();
   }
-  if (p.sequence_parallel() && m.seq_len() % tp != 0) {
-    return FieldError("model.seq_len",
-                      absl::StrCat("must be a multiple of parallel.tensor_parallel (", tp,
-                                   ") with parallel.sequence_parallel, got ", m.seq_len()));
-  }
   if (p.strategy() != v1::DDP) {
     return FieldError("parallel.tensor_parallel",
                       absl::StrCat("tensor-parallel groups are replicated with ddp only; "
@@ -711,20 +695,6 @@ absl::Status ValidateTensorParallel(const JobSpec& spec) {
                       absl::StrCat(spec.resources().gpus(), " ranks do not split into ",
                                    p.pipeline_stages(), " pipeline stages x ", tp,
                                    " tensor-parallel ranks: use a multiple of ", group));
-  }
-  // Sizes left at 0 come from model.from's config.json; the trainer checks those.
-  auto divides = [&](const char* field, int64_t value) -> absl::Status {
-    if (value > 0 && value % tp != 0) {
-      return FieldError(field, absl::StrCat("must be a multiple of parallel.tensor_parallel (", tp,
-                                            "), got ", value));
-    }
-    return absl::OkStatus();
-  };
-  RETURN_IF_ERROR(divides("model.n_head", m.n_head()));
-  RETURN_IF_ERROR(divides("model.vocab", m.vocab()));
-  if (m.kind() == "llama") {
-    RETURN_IF_ERROR(divides("model.n_kv_head", m.n_kv_head()));
-    RETURN_IF_ERROR(divides("model.d_hidden", m.d_hidden()));
   }
   if (t.has_lora()) {
     return FieldError("train.lora",
@@ -954,6 +924,12 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   RETURN_IF_ERROR(CheckRange("parallel.max_gathered_units", p.max_gathered_units(), 1, 1024));
   RETURN_IF_ERROR(ValidatePipeline(spec));
   RETURN_IF_ERROR(ValidateTensorParallel(spec));
+  // The sizes the layout cuts (those model.from fills are checked by the trainer).
+  if (const std::string misfit =
+          ModelParallelMisfit(ToModelConfig(spec.model()), ToJobConfig(spec).parallel);
+      !misfit.empty()) {
+    return absl::InvalidArgumentError(misfit);
+  }
   RETURN_IF_ERROR(
       CheckRange("checkpoint.every_steps", spec.checkpoint().every_steps(), 0, int64_t{1} << 40));
   if (const v1::ExportFormat f = spec.checkpoint().export_format();

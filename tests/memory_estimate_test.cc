@@ -254,7 +254,7 @@ TEST(MemoryEstimateTest, ModelParallelLayoutsCountTheBusiestStage) {
   const MemoryEstimate ddp = EstimateMemory(spec, 4, 4);
   spec.mutable_parallel()->set_pipeline_stages(4);
   spec.mutable_train()->set_micro_batches(8);
-  const std::vector<int64_t> held = StageParameterCounts(model, 4, {});
+  const std::vector<int64_t> held = StageParameterCounts(model, PipelineBoundaries(model, 4, {}));
   ASSERT_EQ(held.size(), 4u);
   int64_t sum = 0;
   for (int64_t n : held) sum += n;

@@ -41,9 +41,6 @@ class LocalCommunicator : public Communicator {
     TORCH_CHECK(false, "Send: one rank has no peer");
   }
   void Recv(torch::Tensor&, int, int) override { TORCH_CHECK(false, "Recv: one rank has no peer"); }
-
- protected:
-  void SendRecv(const torch::Tensor&, int, torch::Tensor&, int, int) override {}
 };
 
 // Runs shared-memory all-reduces one after the other on a thread of its own, so that they
@@ -199,17 +196,6 @@ class GlooCommunicator : public Communicator {
     pg_->recv(in, from, tag)->wait();
   }
 
- protected:
-  void SendRecv(const torch::Tensor& send, int to, torch::Tensor& recv, int from,
-                int tag) override {
-    std::vector<at::Tensor> out{send}, in{recv};
-    c10::intrusive_ptr<c10d::Work> sent, received;
-    if (send.numel() > 0) sent = pg_->send(out, to, tag);
-    if (recv.numel() > 0) received = pg_->recv(in, from, tag);
-    if (sent) sent->wait();
-    if (received) received->wait();
-  }
-
  private:
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
   std::unique_ptr<ShmWorker> shm_;
@@ -243,9 +229,13 @@ torch::Tensor Communicator::ReduceScatterSum(torch::Tensor& flat,
   for (int s = 0; s < n - 1; ++s) {
     const int send_i = r - s - 1, recv_i = r - s - 2;
     torch::Tensor incoming = torch::empty_like(chunk(recv_i));
-    SendRecv(chunk(send_i), (r + 1) % n, incoming, (r + n - 1) % n, tag + s);
+    // Send (which counts its bytes) to the right while receiving from the left; empty chunks
+    // (counts of 0) are neither sent nor received.
+    std::unique_ptr<CommHandle> sent;
+    if (chunk(send_i).numel() > 0) sent = Send(chunk(send_i), (r + 1) % n, tag + s);
+    if (incoming.numel() > 0) Recv(incoming, (r + n - 1) % n, tag + s);
+    if (sent) sent->Wait();
     chunk(recv_i).add_(incoming);
-    bytes_sent_ += chunk(send_i).numel() * flat.element_size();
   }
   return chunk(r);
 }

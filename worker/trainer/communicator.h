@@ -77,10 +77,6 @@ class Communicator {
   int64_t bytes_sent() const { return bytes_sent_.load(); }
 
  protected:
-  // Sends `send` to rank `to` while receiving `recv` from rank `from` (same tag on both ends);
-  // blocks until both are done.
-  virtual void SendRecv(const torch::Tensor& send, int to, torch::Tensor& recv, int from,
-                        int tag) = 0;
   // Collectives run on communication threads too (FSDP, offload), while the trainer reads this.
   std::atomic<int64_t> bytes_sent_{0};
 

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
@@ -58,6 +59,18 @@ torch::Tensor Whole(const torch::Tensor& t, TensorParallelSplit split, Communica
   return TensorParallelUnshard(tensor->AllGather(t.detach().contiguous()), split);
 }
 
+// `cut` (a shard or an unshard) applied to optimizer state `state` of a parameter of shape
+// `shape`: elementwise state is shaped as its parameter or flat (Lion's), and comes back so;
+// anything else (a step count) as it is.
+torch::Tensor CutAsParameter(const torch::Tensor& state, torch::IntArrayRef shape,
+                             const std::function<torch::Tensor(const torch::Tensor&)>& cut) {
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  if (state.dim() == 0 || state.numel() != numel) return state;
+  const torch::Tensor out = cut(state.reshape(shape));
+  return state.dim() == out.dim() ? out : out.reshape({-1});
+}
+
 }  // namespace
 
 bool StageHolds(const LanguageModel& model, const PipelineLayout& layout, const std::string& name) {
@@ -92,6 +105,35 @@ void KeepTensorParallelShards(LanguageModel& model,
   }
 }
 
+absl::Status KeepStageState(const LanguageModel& model, torch::optim::Optimizer& whole,
+                            torch::optim::Optimizer& stage, const PipelineLayout& layout) {
+  std::map<const void*, size_t> in_stage;
+  const auto& kept = stage.param_groups().at(0).params();
+  for (size_t k = 0; k < kept.size(); ++k) in_stage[kept[k].unsafeGetTensorImpl()] = k;
+  std::map<const void*, std::string> names;
+  for (const auto& item : model.named_parameters()) {
+    names[item.value().unsafeGetTensorImpl()] = item.key();
+  }
+  const auto& all = whole.param_groups().at(0).params();
+  for (size_t j = 0; j < all.size(); ++j) {
+    auto k = in_stage.find(all[j].unsafeGetTensorImpl());
+    if (k == in_stage.end()) continue;
+    const TensorParallelSplit split = model.TensorParallelSplitOf(names.at(k->first));
+    // The whole parameter's shape: this rank's shard's, times the group along the split.
+    std::vector<int64_t> shape = all[j].sizes().vec();
+    if (split.dim >= 0) shape[split.dim] *= layout.tensor_parallel;
+    int64_t step = 0;
+    std::map<std::string, torch::Tensor> state = ParameterState(whole, j, &step);
+    for (auto& [key, value] : state) {
+      value = CutAsParameter(value, shape, [&](const torch::Tensor& t) {
+        return TensorParallelShard(t, split, layout.tp_rank, layout.tensor_parallel);
+      });
+    }
+    RETURN_IF_ERROR(SetParameterState(stage, k->second, state, step));
+  }
+  return absl::OkStatus();
+}
+
 PipelineStage::PipelineStage(LanguageModel& model, Communicator& world, PipelineLayout layout,
                              PipelineSchedule schedule, int micro_batch, GradientReducer* reducer,
                              Communicator* tensor)
@@ -105,6 +147,11 @@ PipelineStage::PipelineStage(LanguageModel& model, Communicator& world, Pipeline
   const std::string tied = model.TiedWeight();
   if (!tied.empty() && layout_.stages > 1 && (layout_.first() || layout_.last())) {
     tied_ = model.named_parameters()[tied];
+  }
+  if (tensor_ != nullptr) {
+    for (const auto& [name, p] : StageParameters(model_, layout_)) {
+      if (p.requires_grad() && model_.TensorParallelSplitOf(name).dim < 0) replicated_.push_back(p);
+    }
   }
 }
 
@@ -228,8 +275,7 @@ void PipelineStage::SyncTiedGradient() {
 void PipelineStage::SyncSequenceParallelGradients() {
   if (tensor_ == nullptr || !model_.tensor_parallel().sequence) return;
   std::vector<torch::Tensor> grads;
-  for (auto& [name, p] : StageParameters(model_, layout_)) {
-    if (!p.requires_grad() || model_.TensorParallelSplitOf(name).dim >= 0) continue;
+  for (torch::Tensor p : replicated_) {
     if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
     if (!p.grad().is_contiguous()) p.mutable_grad() = p.grad().contiguous();
     grads.push_back(p.grad());
@@ -242,16 +288,14 @@ double PipelineStage::GradNormSquared(const std::vector<torch::Tensor>& trainabl
   // The last stage's copy of the tied weight is the first stage's; count it there only.
   const bool skip_tied = tied_.defined() && !layout_.first();
   // Tensor parallelism: shards count on every rank, replicated parameters on rank 0 of the group.
-  std::set<const void*> sharded;
-  for (const auto& item : model_.named_parameters()) {
-    if (model_.TensorParallelSplitOf(item.key()).dim >= 0) {
-      sharded.insert(item.value().unsafeGetTensorImpl());
-    }
+  std::set<const void*> skip;
+  if (layout_.tp_rank != 0) {
+    for (const auto& p : replicated_) skip.insert(p.unsafeGetTensorImpl());
   }
   for (const auto& p : trainable) {
     if (!p.grad().defined()) continue;
     if (skip_tied && p.is_same(tied_)) continue;
-    if (layout_.tp_rank != 0 && sharded.count(p.unsafeGetTensorImpl()) == 0) continue;
+    if (skip.count(p.unsafeGetTensorImpl()) > 0) continue;
     const double n = p.grad().norm().item<double>();
     sq += n * n;
   }
@@ -320,11 +364,9 @@ absl::StatusOr<CheckpointInfo> WriteStagedCheckpoint(
         // Elementwise state (adamw, lion: tensor parallelism allows no other) is cut as its
         // parameter is.
         for (const auto& [key, t] : ParameterState(optimizer, i, &param_step)) {
-          torch::Tensor whole = t;
-          if (t.dim() > 0 && t.numel() == optimized[i].numel()) {  // Lion's is flat
-            whole = Whole(t.reshape(optimized[i].sizes()), split, tensor);
-            if (t.dim() != whole.dim()) whole = whole.reshape({-1});
-          }
+          const torch::Tensor whole =
+              CutAsParameter(t, optimized[i].sizes(),
+                             [&](const torch::Tensor& s) { return Whole(s, split, tensor); });
           if (writes) archive.write(absl::StrCat("state/", param_name, "/", key), whole);
         }
         if (writes) archive.write("step/" + param_name, torch::tensor({param_step}, torch::kLong));

@@ -86,6 +86,12 @@ void KeepTensorParallelShards(LanguageModel& model,
                               const std::vector<std::pair<std::string, torch::Tensor>>& params,
                               const PipelineLayout& layout);
 
+// After a resume: `stage` (an optimizer of the stage's trainable parameters, already cut to this
+// rank's tensor-parallel shards) takes their state from `whole` (one of every trainable
+// parameter, loaded from a checkpoint of any layout), elementwise state cut as its parameter.
+absl::Status KeepStageState(const LanguageModel& model, torch::optim::Optimizer& whole,
+                            torch::optim::Optimizer& stage, const PipelineLayout& layout);
+
 // Per step, of this rank.
 struct PipelineStepStats {
   double seconds = 0;       // the schedule's wall time
@@ -144,6 +150,9 @@ class PipelineStage {
   GradientReducer* reducer_;
   Communicator* tensor_;
   torch::Tensor tied_;  // the tied embedding on the first and the last stage
+  // Tensor parallelism: the stage's trainable parameters every rank of the group holds whole
+  // (norms, biases of row-parallel layers, position embeddings).
+  std::vector<torch::Tensor> replicated_;
   PipelineStepStats stats_;
 };
 

@@ -12,7 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
-#include <map>
+#include <optional>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -176,43 +176,20 @@ absl::Status Train(const TrainerOptions& o) {
   const bool fsdp_on = par.strategy == Strategy::kFsdp && par.sharding != Sharding::kNoShard;
   const bool hybrid = fsdp_on && par.sharding == Sharding::kHybridShard;
   const int local_world = o.local_world_size > 0 ? o.local_world_size : o.world_size;
-  // Pipeline parallelism: the stages' blocks (model.n_layer is known now, model.from resolved).
-  // Tensor parallelism: the sizes it splits (model.from's config.json may have filled them).
+  // Model parallelism (pipeline stages, tensor parallelism or both): the ranks run PipelineStage.
   const int stages = par.pipeline_stages, tensor = par.tensor_parallel;
   const bool pipelined = stages > 1;
-  // Model parallelism (pipeline, tensor or both): the ranks run PipelineStage.
   const bool model_parallel = pipelined || tensor > 1;
   std::vector<int> stage_bounds;
-  if (tensor > 1) {
-    for (const auto& [field, value] :
-         std::vector<std::pair<const char*, int64_t>>{{"model.n_head", m.n_head},
-                                                      {"model.n_kv_head", m.KvHeads()},
-                                                      {"model.vocab", m.vocab},
-                                                      {"model.d_hidden", m.d_hidden}}) {
-      if (value % tensor != 0 && (m.kind == "llama" || absl::string_view(field) == "model.n_head" ||
-                                  absl::string_view(field) == "model.vocab")) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            field, ": must be a multiple of parallel.tensor_parallel (", tensor, "), got ", value));
-      }
-    }
-  }
   if (model_parallel) {
+    // The sizes the layout cuts, model.from's config.json read by now.
+    if (const std::string misfit = ModelParallelMisfit(m, par); !misfit.empty()) {
+      return absl::InvalidArgumentError(misfit);
+    }
     if (o.world_size % (stages * tensor) != 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("parallel.pipeline_stages: ", o.world_size, " ranks do not split into ",
                        stages, " stages of ", tensor, " tensor-parallel ranks"));
-    }
-    if (par.pipeline_split.empty() && stages > m.n_layer) {
-      return absl::InvalidArgumentError(absl::StrCat("parallel.pipeline_stages: ", stages,
-                                                     " stages need at least as many blocks; the "
-                                                     "model has ",
-                                                     m.n_layer));
-    }
-    int split_sum = 0;
-    for (int blocks : par.pipeline_split) split_sum += blocks;
-    if (!par.pipeline_split.empty() && split_sum != m.n_layer) {
-      return absl::InvalidArgumentError(absl::StrCat("parallel.pipeline_split: sums to ", split_sum,
-                                                     " blocks; the model has ", m.n_layer));
     }
     stage_bounds = PipelineBoundaries(m, stages, par.pipeline_split);
   }
@@ -365,51 +342,25 @@ absl::Status Train(const TrainerOptions& o) {
     }
   } else {
     optimizer_holder = MakeOptimizer(optimized, hyper, t.lr);
-    // Tensor parallelism: once the whole model is loaded, the stage keeps its shards.
-    bool sharded = false;
-    auto keep_shards = [&] {
-      if (sharded || tensor == 1) return;
-      KeepTensorParallelShards(*model, stage_params, *layout);
-      sharded = true;
-    };
+    // Model parallelism: the checkpoint (of any layout) is read into the whole model and an
+    // optimizer of every parameter that trains; the stage keeps its part of both.
+    std::unique_ptr<torch::optim::Optimizer> whole;
+    if (model_parallel) whole = MakeOptimizer(trainable, hyper, t.lr);
+    std::optional<CheckpointInfo> loaded;
     if (!o.checkpoint_dir.empty()) {
-      // Pipeline: the checkpoint (of any layout) is read into the whole model and an optimizer
-      // of every parameter that trains; the stage keeps its part of that state.
-      std::unique_ptr<torch::optim::Optimizer> whole;
-      if (model_parallel) whole = MakeOptimizer(trainable, hyper, t.lr);
-      std::vector<std::string> names;  // of `trainable`
-      for (const auto& item : model->named_parameters()) {
-        if (item.value().requires_grad()) names.push_back(item.key());
-      }
-      ASSIGN_OR_RETURN(auto loaded, LoadLatestCheckpoint(o.checkpoint_dir, *model,
-                                                         whole ? *whole : *optimizer_holder));
+      ASSIGN_OR_RETURN(loaded, LoadLatestCheckpoint(o.checkpoint_dir, *model,
+                                                    whole ? *whole : *optimizer_holder));
       if (loaded.has_value()) {
         step = loaded->step;
         Log(absl::StrCat("resumed from ", loaded->path, " at step ", step));
-        if (whole) {
-          // Tensor parallelism: this rank's shard of every elementwise state tensor.
-          keep_shards();
-          for (size_t j = 0, k = 0; j < trainable.size() && k < optimized.size(); ++j) {
-            if (!trainable[j].is_same(optimized[k])) continue;
-            int64_t param_step = 0;
-            std::map<std::string, torch::Tensor> state = ParameterState(*whole, j, &param_step);
-            const TensorParallelSplit split = model->TensorParallelSplitOf(names.at(j));
-            // Elementwise state of the whole parameter (Lion's is flat): cut as the parameter.
-            std::vector<int64_t> whole_shape = optimized[k].sizes().vec();
-            if (split.dim >= 0) whole_shape[split.dim] *= tensor;
-            for (auto& [key, value] : state) {
-              if (value.dim() == 0 || value.numel() == optimized[k].numel()) continue;
-              const torch::Tensor shard =
-                  TensorParallelShard(value.reshape(whole_shape), split, layout->tp_rank, tensor);
-              value = value.dim() == shard.dim() ? shard : shard.reshape({-1});
-            }
-            RETURN_IF_ERROR(SetParameterState(*optimizer_holder, k++, state, param_step));
-          }
-        }
       }
     }
     if (model_parallel) {
-      keep_shards();
+      if (tensor > 1) KeepTensorParallelShards(*model, stage_params, *layout);
+      if (loaded.has_value()) {
+        RETURN_IF_ERROR(KeepStageState(*model, *whole, *optimizer_holder, *layout));
+      }
+      whole.reset();
       if (tensor > 1) {
         model->SetTensorParallel(
             {tensor_comm.get(), layout->tp_rank, tensor, par.sequence_parallel});
@@ -489,6 +440,12 @@ absl::Status Train(const TrainerOptions& o) {
     return n;
   };
   const int64_t params_count = count(params), trainable_count = count(trainable);
+  // Model parallelism: what this rank's stage holds (its tensor-parallel shards).
+  int64_t held_count = params_count;
+  if (model_parallel) {
+    held_count = 0;
+    for (const auto& [name, p] : stage_params) held_count += p.numel();
+  }
   Log(absl::StrFormat(
       "trainer rank %d/%d: %s model, %d parameters%s, %d tokens (%d samples), global batch %d, "
       "%d buckets, %s, optimizer %s, steps %d..%d",
@@ -498,21 +455,16 @@ absl::Status Train(const TrainerOptions& o) {
                        : "",
       data.size(), num_samples, sampler.global_batch(),
       reducer ? reducer->num_buckets() : (offloaded ? offloaded->num_buckets() : 0),
-      fsdp             ? absl::StrFormat("fsdp %s: %d units, shard group %d", Name(par.sharding),
-                                         fsdp->num_units(), fsdp->shard_count())
-      : model_parallel ? absl::StrFormat("pipeline stage %d/%d (blocks %d..%d, %d parameters), "
-                                         "tensor-parallel rank %d/%d, %s, %d micro-batches, %d "
-                                         "replicas (ddp)",
-                                         layout->stage, stages, stage_bounds[layout->stage],
-                                         stage_bounds[layout->stage + 1] - 1, count([&] {
-                                           std::vector<torch::Tensor> held;
-                                           for (const auto& [name, p] : stage_params)
-                                             held.push_back(p);
-                                           return held;
-                                         }()),
-                                         layout->tp_rank, tensor, Name(par.pipeline_schedule),
-                                         grad_accum, replicas)
-                       : std::string(Name(par.strategy)),
+      fsdp ? absl::StrFormat("fsdp %s: %d units, shard group %d", Name(par.sharding),
+                             fsdp->num_units(), fsdp->shard_count())
+      : model_parallel
+          ? absl::StrFormat("pipeline stage %d/%d (blocks %d..%d, %d parameters), "
+                            "tensor-parallel rank %d/%d, %s, %d micro-batches, %d "
+                            "replicas (ddp)",
+                            layout->stage, stages, stage_bounds[layout->stage],
+                            stage_bounds[layout->stage + 1] - 1, held_count, layout->tp_rank,
+                            tensor, Name(par.pipeline_schedule), grad_accum, replicas)
+          : std::string(Name(par.strategy)),
       Name(t.optimizer), step, total_steps));
   Log(absl::StrCat("collectives: ", comm->Describe()));
   // A tensor-parallel group is consecutive ranks; the scheduler gives each node whole groups, but
@@ -526,14 +478,9 @@ absl::Status Train(const TrainerOptions& o) {
 
   // Model-state bytes of DDP (and offload's device side): weights, and of the parameters that
   // train gradients, and the optimizer's state on the device unless offloaded.
-  // Pipeline: of the stage's parameters.
+  // Model parallelism: of the stage's parameters.
   std::vector<std::vector<int64_t>> trainable_shapes;
   for (const auto& p : optimized) trainable_shapes.push_back(p.sizes().vec());
-  int64_t held_count = params_count;
-  if (model_parallel) {
-    held_count = 0;
-    for (const auto& [name, p] : stage_params) held_count += p.numel();
-  }
   const int64_t dense_state_bytes =
       held_count * int64_t{4} + count(optimized) * int64_t{4} +
       (offload ? 0 : OptimizerStateBytes(t.optimizer, trainable_shapes, 1));
