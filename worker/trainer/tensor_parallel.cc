@@ -33,55 +33,30 @@ torch::Tensor ScatteredSequence(const torch::Tensor& x, Communicator& comm) {
   return comm.ReduceScatterSum(flat, counts).view(shape).transpose(0, 1).contiguous();
 }
 
-class GatherSequence : public torch::autograd::Function<GatherSequence> {
+torch::Tensor Cloned(const torch::Tensor& x, Communicator&) { return x.clone(); }
+torch::Tensor Passed(const torch::Tensor& x, Communicator&) { return x; }
+
+// A collective whose backward is another: the four conjugate pairs of tensor parallelism
+// (f and g, and their sequence-parallel forms).
+using CommOp = torch::Tensor (*)(const torch::Tensor&, Communicator&);
+template <CommOp Forward, CommOp Backward>
+class Conjugate : public torch::autograd::Function<Conjugate<Forward, Backward>> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x,
                                int64_t comm) {
     ctx->saved_data["comm"] = comm;
-    return GatheredSequence(x, *reinterpret_cast<Communicator*>(comm));
+    return Forward(x, *reinterpret_cast<Communicator*>(comm));
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    return {ScatteredSequence(grads[0], *CommOf(ctx)), torch::Tensor()};
+    return {Backward(grads[0], *CommOf(ctx)), torch::Tensor()};
   }
 };
 
-class ScatterSequence : public torch::autograd::Function<ScatterSequence> {
- public:
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x,
-                               int64_t comm) {
-    ctx->saved_data["comm"] = comm;
-    return ScatteredSequence(x, *reinterpret_cast<Communicator*>(comm));
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    return {GatheredSequence(grads[0], *CommOf(ctx)), torch::Tensor()};
-  }
-};
-
-class CopyTo : public torch::autograd::Function<CopyTo> {
- public:
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x,
-                               int64_t comm) {
-    ctx->saved_data["comm"] = comm;
-    return x.clone();
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    return {AllReduced(grads[0], *CommOf(ctx)), torch::Tensor()};
-  }
-};
-
-class ReduceFrom : public torch::autograd::Function<ReduceFrom> {
- public:
-  static torch::Tensor forward(torch::autograd::AutogradContext*, torch::Tensor x, int64_t comm) {
-    return AllReduced(x, *reinterpret_cast<Communicator*>(comm));
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
-                                                 torch::autograd::variable_list grads) {
-    return {grads[0], torch::Tensor()};
-  }
-};
+using CopyTo = Conjugate<Cloned, AllReduced>;
+using ReduceFrom = Conjugate<AllReduced, Passed>;
+using GatherSequence = Conjugate<GatheredSequence, ScatteredSequence>;
+using ScatterSequence = Conjugate<ScatteredSequence, GatheredSequence>;
 
 // loss_i = log(sum_v exp(z_iv - max_i)) - (z_i,target - max_i), over the whole vocabulary: the max
 // all-gathered, the sum and the target's shifted logit all-reduced. Backward: softmax - one-hot,
