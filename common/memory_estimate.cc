@@ -42,7 +42,6 @@ int64_t ActivationBytes(const v1::JobSpec& spec, v1::MixedPrecision precision) {
 }  // namespace
 
 std::string MemoryEstimate::Name() const {
-  if (strategy == v1::FSDP) return "fsdp " + ShardingStrategyName(sharding);
   if (pipeline_stages > 1 || tensor_parallel > 1) {
     std::string name;
     if (pipeline_stages > 1) {
@@ -52,8 +51,10 @@ std::string MemoryEstimate::Name() const {
     if (tensor_parallel > 1) {
       absl::StrAppend(&name, name.empty() ? "" : " x ", "tensor ", tensor_parallel);
     }
+    if (strategy == v1::FSDP) absl::StrAppend(&name, " + fsdp ", ShardingStrategyName(sharding));
     return name;
   }
+  if (strategy == v1::FSDP) return "fsdp " + ShardingStrategyName(sharding);
   return StrategyName(strategy);
 }
 
@@ -69,8 +70,9 @@ int64_t LargestUnitParameters(const v1::ModelSpec& m) {
 
 namespace {
 
-// DDP with pipeline stages and/or tensor parallelism: the busiest rank (see the header).
-MemoryEstimate ModelParallelEstimate(const v1::JobSpec& spec, MemoryEstimate e) {
+// Pipeline stages and/or tensor parallelism, with ddp or fsdp over the replicas: the busiest rank
+// (see the header).
+MemoryEstimate ModelParallelEstimate(const v1::JobSpec& spec, MemoryEstimate e, int world_size) {
   const JobConfig config = ToJobConfig(spec);
   const ModelConfig& model = config.model;
   const int stages = e.pipeline_stages, tensor = e.tensor_parallel;
@@ -93,6 +95,13 @@ MemoryEstimate ModelParallelEstimate(const v1::JobSpec& spec, MemoryEstimate e) 
   const int64_t logits = s * b * model.vocab * 4 * 2 / tensor;
   const std::vector<int> bounds = PipelineBoundaries(model, stages, config.parallel.pipeline_split);
   const std::vector<int64_t> held = StageParameterCounts(model, bounds);
+  // FSDP: a stage's replicas shard its state; FULL_SHARD gathers one unit at a time (the
+  // largest of the model, at most), SHARD_GRAD_OP keeps the stage's from forward to backward.
+  const bool sharded =
+      e.strategy == v1::FSDP && (e.sharding == v1::FULL_SHARD || e.sharding == v1::SHARD_GRAD_OP);
+  const int64_t replicas =
+      sharded ? std::max<int64_t>(1, world_size / std::max(1, stages * tensor)) : 1;
+  const int64_t unit = CeilDiv(LargestUnitParameters(spec.model()), tensor);
   int64_t busiest = -1;
   for (int stage = 0; stage < stages; ++stage) {
     const int layers = bounds[stage + 1] - bounds[stage];
@@ -103,13 +112,19 @@ MemoryEstimate ModelParallelEstimate(const v1::JobSpec& spec, MemoryEstimate e) 
     // LoRA: the stage's layers' adapters train.
     const int64_t trained =
         config.train.lora.enabled() ? lora * layers / std::max(1, model.n_layer) : params;
-    here.parameters = bpp.param * (params + (config.train.lora.enabled() ? trained : 0));
-    here.gradients = bpp.grad * trained;
+    const int64_t all = params + (config.train.lora.enabled() ? trained : 0);
+    here.parameters = bpp.param * (!sharded                       ? all
+                                   : e.sharding == v1::FULL_SHARD ? CeilDiv(all, replicas) + unit
+                                                                  : all);
+    here.gradients =
+        bpp.grad * (sharded ? CeilDiv(trained, replicas) + std::min(unit, trained) : trained);
     const int64_t trained_whole = config.train.lora.enabled() ? lora : whole;
-    // The stage's share of the state (in double: the product overflows for billions).
-    here.optimizer = bpp.master * trained +
-                     static_cast<int64_t>(static_cast<double>(optimizer_state) * double(trained) /
-                                          double(std::max<int64_t>(1, trained_whole)));
+    // The stage's share of the state (in double: the product overflows for billions), over the
+    // replicas that shard it.
+    here.optimizer =
+        bpp.master * CeilDiv(trained, replicas) +
+        static_cast<int64_t>(static_cast<double>(optimizer_state) * double(trained) /
+                             double(std::max<int64_t>(1, trained_whole)) / double(replicas));
     here.activations = spec.train().activation_checkpointing()
                            ? layers * s * b * h * value_bytes * alive + per_layer
                            : layers * per_layer * alive;
@@ -148,8 +163,9 @@ MemoryEstimate EstimateMemory(const v1::JobSpec& spec, int world_size, int ranks
   e.activations = ActivationBytes(spec, e.precision);
 
   const v1::ShardingStrategy sharding = spec.parallel().sharding_strategy();
-  if (e.strategy == v1::DDP && (e.pipeline_stages > 1 || e.tensor_parallel > 1)) {
-    return ModelParallelEstimate(spec, e);
+  if (e.pipeline_stages > 1 || e.tensor_parallel > 1) {
+    if (e.strategy == v1::FSDP) e.sharding = sharding;
+    return ModelParallelEstimate(spec, e, world_size);
   }
   if (e.strategy == v1::OFFLOAD) {
     // Weights and gradients stay on the device (each rank keeps its reduce-scattered slice of the
@@ -205,7 +221,7 @@ std::vector<MemoryEstimate> EstimateAllStrategies(const v1::JobSpec& spec, int w
     s.mutable_parallel()->set_strategy(v1::OFFLOAD);
     out.push_back(EstimateMemory(s, world_size, ranks_per_node));
   }
-  // Model-parallel layouts (ddp over the rest).
+  // Model-parallel layouts (ddp over the rest, and fsdp FULL_SHARD where there are replicas).
   const auto& m = spec.model();
   const bool splittable =
       (m.kind() == "gpt" || m.kind() == "llama") && !spec.train().has_lora() &&
@@ -232,6 +248,12 @@ std::vector<MemoryEstimate> EstimateAllStrategies(const v1::JobSpec& spec, int w
         if (stages != spec.parallel().pipeline_stages()) par->clear_pipeline_split();
         if (s.train().micro_batches() == 0) s.mutable_train()->set_micro_batches(2 * stages);
         out.push_back(EstimateMemory(s, world_size, ranks_per_node));
+        // With replicas, fsdp shards each part over them.
+        if (world_size > stages * tensor) {
+          par->set_strategy(v1::FSDP);
+          par->set_sharding_strategy(v1::FULL_SHARD);
+          out.push_back(EstimateMemory(s, world_size, ranks_per_node));
+        }
       }
     }
   }

@@ -12,13 +12,15 @@
 // one layer's activations stay alive. Under LoRA the frozen base holds weights only: gradients and
 // optimizer state are the adapters' (their activations are not counted).
 //
-// Model parallelism (ddp with parallel.pipeline_stages P and parallel.tensor_parallel T): the
-// busiest rank's share. A stage holds its blocks (the first also the embeddings, the last the
-// head), split T ways (the replicated norms and biases counted as split too); its activations
-// are its layers' for every micro-batch alive at once (GPipe: all m; 1F1B: P - stage on stage s)
-// at Korthikanti et al.'s tensor-parallel size, s*b*h*(10 + 24/T + 5*a*s/(h*T)) per layer
-// (s*b*h*(34/T + 5*a*s/(h*T)) with sequence parallelism), and the last stage's logits split T
-// ways.
+// Model parallelism (parallel.pipeline_stages P and parallel.tensor_parallel T, ddp or fsdp over
+// the D replicas): the busiest rank's share. A stage holds its blocks (the first also the
+// embeddings, the last the head), split T ways (the replicated norms and biases counted as split
+// too); its activations are its layers' for every micro-batch alive at once (GPipe: all m; 1F1B: P
+// - stage on stage s) at Korthikanti et al.'s tensor-parallel size, s*b*h*(10 + 24/T + 5*a*s/(h*T))
+// per layer (s*b*h*(34/T + 5*a*s/(h*T)) with sequence parallelism), and the last stage's logits
+// split T ways. Under fsdp (FULL_SHARD, SHARD_GRAD_OP) the stage's replicas shard its gradients and
+// optimizer state D ways, and under FULL_SHARD its parameters too, plus the largest unit (split
+// T ways) while it is gathered.
 #ifndef TRAINYARD_COMMON_MEMORY_ESTIMATE_H_
 #define TRAINYARD_COMMON_MEMORY_ESTIMATE_H_
 
@@ -46,7 +48,8 @@ struct MemoryEstimate {
   int tensor_parallel = 1;
   v1::PipelineSchedule schedule = v1::ONE_F_ONE_B;
 
-  // "ddp", "fsdp FULL_SHARD", "offload", "pipeline 2 (1f1b) x tensor 2"
+  // "ddp", "fsdp FULL_SHARD", "offload", "pipeline 2 (1f1b) x tensor 2",
+  // "pipeline 2 (1f1b) + fsdp FULL_SHARD"
   std::string Name() const;
 };
 
@@ -61,7 +64,7 @@ MemoryEstimate EstimateMemory(const v1::JobSpec& spec, int world_size, int ranks
 // than AdamW) for both precisions, then the model-parallel layouts the job could use on
 // `world_size` ranks (pipeline stages and tensor-parallel ranks whose product divides it, each a
 // divisor of the blocks or heads and vocabulary it splits; the spec's schedule, or 1F1B), for
-// both precisions.
+// both precisions, each with ddp and, where there are replicas, fsdp FULL_SHARD over them.
 std::vector<MemoryEstimate> EstimateAllStrategies(const v1::JobSpec& spec, int world_size,
                                                   int ranks_per_node);
 

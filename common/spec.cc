@@ -608,6 +608,24 @@ void ApplyJobSpecDefaults(JobSpec& spec) {
 
 namespace {
 
+// The data-parallel strategy over pipeline stages or tensor-parallel groups (`field` is what
+// asked for them, `what` names them): ddp, or fsdp sharding each part over its replicas.
+absl::Status ValidateModelParallelStrategy(const v1::ParallelSpec& p, const std::string& field,
+                                           const std::string& what) {
+  if (p.strategy() == v1::OFFLOAD) {
+    return FieldError(field, absl::StrCat(what,
+                                          " are replicated with ddp or fsdp; parallel.strategy is "
+                                          "offload"));
+  }
+  if (p.strategy() == v1::FSDP && p.sharding_strategy() == v1::HYBRID_SHARD) {
+    return FieldError("parallel.sharding_strategy",
+                      absl::StrCat("HYBRID_SHARD does not run with ", field,
+                                   " (each part of the model is sharded over all of its "
+                                   "replicas): use FULL_SHARD or SHARD_GRAD_OP"));
+  }
+  return absl::OkStatus();
+}
+
 // parallel.pipeline_* and train.micro_batches.
 absl::Status ValidatePipeline(const JobSpec& spec) {
   const auto& p = spec.parallel();
@@ -630,12 +648,7 @@ absl::Status ValidatePipeline(const JobSpec& spec) {
     }
     return absl::OkStatus();
   }
-  if (p.strategy() != v1::DDP) {
-    return FieldError("parallel.pipeline_stages",
-                      absl::StrCat("pipeline stages are replicated with ddp only; "
-                                   "parallel.strategy is ",
-                                   p.strategy() == v1::FSDP ? "fsdp" : "offload"));
-  }
+  RETURN_IF_ERROR(ValidateModelParallelStrategy(p, "parallel.pipeline_stages", "pipeline stages"));
   if (spec.resources().gpus() % stages != 0) {
     return FieldError("resources.gpus",
                       absl::StrCat(spec.resources().gpus(), " ranks do not split into ", stages,
@@ -678,12 +691,8 @@ absl::Status ValidateTensorParallel(const JobSpec& spec) {
     }
     return absl::OkStatus();
   }
-  if (p.strategy() != v1::DDP) {
-    return FieldError("parallel.tensor_parallel",
-                      absl::StrCat("tensor-parallel groups are replicated with ddp only; "
-                                   "parallel.strategy is ",
-                                   p.strategy() == v1::FSDP ? "fsdp" : "offload"));
-  }
+  RETURN_IF_ERROR(
+      ValidateModelParallelStrategy(p, "parallel.tensor_parallel", "tensor-parallel groups"));
   if (m.kind() != "gpt" && m.kind() != "llama") {
     return FieldError(
         "parallel.tensor_parallel",

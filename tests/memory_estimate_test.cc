@@ -230,18 +230,22 @@ TEST(MemoryEstimateTest, ActivationsFollowKorthikantiAndShrinkWithCheckpointing)
 TEST(MemoryEstimateTest, AllStrategiesCoverEveryStrategyForBothPrecisions) {
   const auto all = EstimateAllStrategies(BertBaseSized(v1::DDP, v1::FULL_SHARD, v1::FP32), 4, 4);
   // 12 strategies, then for each precision the model-parallel layouts of 4 ranks: pipeline 2, 4;
-  // tensor 2 (not 4: the vocabulary, 30,522, is not a multiple of 4); pipeline 2 x tensor 2.
-  ASSERT_EQ(all.size(), 20u);
+  // tensor 2 (not 4: the vocabulary, 30,522, is not a multiple of 4); pipeline 2 x tensor 2;
+  // and those with replicas (pipeline 2, tensor 2) with fsdp over them too.
+  ASSERT_EQ(all.size(), 24u);
   EXPECT_EQ(all[0].Name(), "ddp");
   EXPECT_EQ(all[5].Name(), "offload");
   EXPECT_EQ(all[6].precision, v1::BF16);
   // FULL_SHARD needs less per rank than DDP.
   EXPECT_LT(all[1].total(), all[0].total());
   std::vector<std::string> layouts;
-  for (size_t i = 12; i < 16; ++i) layouts.push_back(all[i].Name());
-  EXPECT_THAT(layouts, ::testing::ElementsAre("tensor 2", "pipeline 2 (1f1b)",
-                                              "pipeline 2 (1f1b) x tensor 2", "pipeline 4 (1f1b)"));
-  EXPECT_EQ(all[16].precision, v1::BF16);
+  for (size_t i = 12; i < 18; ++i) layouts.push_back(all[i].Name());
+  EXPECT_THAT(layouts,
+              ::testing::ElementsAre("tensor 2", "tensor 2 + fsdp FULL_SHARD", "pipeline 2 (1f1b)",
+                                     "pipeline 2 (1f1b) + fsdp FULL_SHARD",
+                                     "pipeline 2 (1f1b) x tensor 2", "pipeline 4 (1f1b)"));
+  EXPECT_EQ(all[17].precision, v1::FP32);
+  EXPECT_EQ(all[18].precision, v1::BF16);
 }
 
 // A stage holds its blocks' share (the first also the embeddings, the last the head), split over
@@ -286,6 +290,34 @@ TEST(MemoryEstimateTest, ModelParallelLayoutsCountTheBusiestStage) {
   const MemoryEstimate sequence = EstimateMemory(spec, 4, 4);
   EXPECT_LT(sequence.activations, p2t2.activations);
   EXPECT_EQ(sequence.parameters, p2t2.parameters);
+}
+
+// FSDP within the stages: 2 stages x 4 replicas shard each stage's gradients and optimizer state 4
+// ways; FULL_SHARD its parameters too (plus the largest unit while gathered), SHARD_GRAD_OP keeps
+// them whole from forward to backward. Activations are the stage's as under ddp.
+TEST(MemoryEstimateTest, FsdpWithinStagesShardsEachStageOverItsReplicas) {
+  v1::JobSpec spec = BertBaseSized(v1::DDP, v1::FULL_SHARD, v1::FP32);
+  spec.mutable_parallel()->set_pipeline_stages(2);
+  spec.mutable_train()->set_micro_batches(4);
+  const MemoryEstimate ddp = EstimateMemory(spec, 8, 8);
+  spec.mutable_parallel()->set_strategy(v1::FSDP);
+  const MemoryEstimate full = EstimateMemory(spec, 8, 8);
+  spec.mutable_parallel()->set_sharding_strategy(v1::SHARD_GRAD_OP);
+  const MemoryEstimate grad_op = EstimateMemory(spec, 8, 8);
+  EXPECT_EQ(full.Name(), "pipeline 2 (1f1b) + fsdp FULL_SHARD");
+  EXPECT_EQ(grad_op.Name(), "pipeline 2 (1f1b) + fsdp SHARD_GRAD_OP");
+  // (The busiest stage may be another one than ddp's: the two ends hold about as much.)
+  const double unit = LargestUnitParameters(spec.model()) * 4.0;
+  EXPECT_NEAR(double(full.optimizer) / double(ddp.optimizer), 0.25, 0.02);
+  EXPECT_NEAR((double(full.gradients) - unit) / double(ddp.gradients), 0.25, 0.02);
+  EXPECT_NEAR((double(full.parameters) - unit) / double(ddp.parameters), 0.25, 0.02);
+  EXPECT_NEAR(double(grad_op.parameters) / double(ddp.parameters), 1.0, 0.08);
+  EXPECT_NEAR(double(grad_op.optimizer) / double(full.optimizer), 1.0, 0.08);
+  EXPECT_LT(full.total(), grad_op.total());
+  EXPECT_LT(grad_op.total(), ddp.total());
+  // NO_SHARD is ddp.
+  spec.mutable_parallel()->set_sharding_strategy(v1::NO_SHARD);
+  EXPECT_EQ(EstimateMemory(spec, 8, 8).total(), ddp.total());
 }
 
 }  // namespace

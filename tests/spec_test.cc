@@ -638,9 +638,24 @@ train: {steps: 10}
   };
   EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_resources()->set_gpus(3); }),
               StartsWith("resources.gpus: 3 ranks do not split into 2 pipeline stages"));
-  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_parallel()->set_strategy(v1::FSDP); }),
-              StartsWith("parallel.pipeline_stages: pipeline stages are replicated with ddp "
-                         "only; parallel.strategy is fsdp"));
+  // FSDP within the stages: FULL_SHARD and SHARD_GRAD_OP (and NO_SHARD, which is ddp).
+  for (v1::ShardingStrategy ss : {v1::FULL_SHARD, v1::SHARD_GRAD_OP, v1::NO_SHARD}) {
+    EXPECT_EQ(error([&](v1::JobSpec& s) {
+                s.mutable_parallel()->set_strategy(v1::FSDP);
+                s.mutable_parallel()->set_sharding_strategy(ss);
+              }),
+              "")
+        << v1::ShardingStrategy_Name(ss);
+  }
+  EXPECT_THAT(error([](v1::JobSpec& s) {
+                s.mutable_parallel()->set_strategy(v1::FSDP);
+                s.mutable_parallel()->set_sharding_strategy(v1::HYBRID_SHARD);
+              }),
+              StartsWith("parallel.sharding_strategy: HYBRID_SHARD does not run with "
+                         "parallel.pipeline_stages"));
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_parallel()->set_strategy(v1::OFFLOAD); }),
+              StartsWith("parallel.pipeline_stages: pipeline stages are replicated with ddp or "
+                         "fsdp; parallel.strategy is offload"));
   EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_train()->set_grad_accum(2); }),
               StartsWith("train.grad_accum: must be 1 with pipeline parallelism, got 2"));
   EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_train()->set_micro_batches(-1); }),
@@ -743,15 +758,22 @@ train: {steps: 10}
                          "model.kind is mlp"));
   EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_train()->set_optimizer(v1::ADAFACTOR); }),
               StartsWith("train.optimizer: adafactor keeps state across whole rows"));
-  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_parallel()->set_strategy(v1::FSDP); }),
-              StartsWith("parallel.pipeline_stages: pipeline stages are replicated with ddp"));
+  EXPECT_EQ(error([](v1::JobSpec& s) { s.mutable_parallel()->set_strategy(v1::FSDP); }), "");
   EXPECT_THAT(error([](v1::JobSpec& s) {
                 s.mutable_parallel()->set_pipeline_stages(1);
                 s.mutable_train()->set_micro_batches(0);
                 s.mutable_parallel()->set_strategy(v1::OFFLOAD);
               }),
               StartsWith("parallel.tensor_parallel: tensor-parallel groups are replicated with "
-                         "ddp only; parallel.strategy is offload"));
+                         "ddp or fsdp; parallel.strategy is offload"));
+  EXPECT_THAT(error([](v1::JobSpec& s) {
+                s.mutable_parallel()->set_pipeline_stages(1);
+                s.mutable_train()->set_micro_batches(0);
+                s.mutable_parallel()->set_strategy(v1::FSDP);
+                s.mutable_parallel()->set_sharding_strategy(v1::HYBRID_SHARD);
+              }),
+              StartsWith("parallel.sharding_strategy: HYBRID_SHARD does not run with "
+                         "parallel.tensor_parallel"));
   EXPECT_THAT(error([](v1::JobSpec& s) {
                 s.mutable_model()->set_kind("llama");
                 s.mutable_model()->set_n_kv_head(1);

@@ -15,6 +15,7 @@
 #include <fstream>
 #include <functional>
 #include <random>
+#include <regex>
 
 #include <grpcpp/grpcpp.h>
 #include <nlohmann/json.hpp>
@@ -1743,7 +1744,17 @@ struct PipelineVariant {
   int tensor = 1;         // parallel.tensor_parallel
   bool sequence = false;  // parallel.sequence_parallel
   bool lora = false;      // train.lora on every projection (llama)
+  // parallel.strategy fsdp with this sharding over each stage's replicas (unspecified: ddp).
+  v1::ShardingStrategy fsdp = v1::SHARDING_STRATEGY_UNSPECIFIED;
 };
+
+// `v` with fsdp `sharding` over each part's replicas, named `name`.
+PipelineVariant WithFsdp(PipelineVariant v, std::string name,
+                         v1::ShardingStrategy sharding = v1::FULL_SHARD) {
+  v.name = std::move(name);
+  v.fsdp = sharding;
+  return v;
+}
 
 // `v` fine-tuning LoRA adapters, named `name`.
 PipelineVariant WithLora(PipelineVariant v, std::string name) {
@@ -1798,6 +1809,10 @@ v1::JobSpec PipelineSpec(const PipelineVariant& v) {
   }
   s.mutable_parallel()->set_pipeline_stages(v.stages);
   s.mutable_parallel()->set_pipeline_schedule(v.schedule);
+  if (v.fsdp != v1::SHARDING_STRATEGY_UNSPECIFIED) {
+    s.mutable_parallel()->set_strategy(v1::FSDP);
+    s.mutable_parallel()->set_sharding_strategy(v.fsdp);
+  }
   return s;
 }
 
@@ -1815,6 +1830,7 @@ v1::JobSpec OneRankOf(const v1::JobSpec& pipelined) {
   s.mutable_parallel()->set_pipeline_stages(1);
   s.mutable_parallel()->set_tensor_parallel(1);
   s.mutable_parallel()->set_sequence_parallel(false);
+  s.mutable_parallel()->set_strategy(v1::DDP);
   return s;
 }
 
@@ -1842,6 +1858,11 @@ TEST_P(PipelineEquivalenceTest, LossesAndParametersMatchOneRank) {
   EXPECT_THAT(Joined(rp), HasSubstr("step 10/10"));
   EXPECT_THAT(Joined(rp), HasSubstr(absl::StrCat("pipeline stage 0/", v.stages)));
   EXPECT_THAT(Joined(rp), HasSubstr(v.schedule == v1::GPIPE ? ", gpipe," : ", 1f1b,"));
+  if (v.fsdp != v1::SHARDING_STRATEGY_UNSPECIFIED) {
+    EXPECT_THAT(Joined(rp), HasSubstr(absl::StrCat(" replicas (fsdp ",
+                                                   v1::ShardingStrategy_Name(v.fsdp), ": ")));
+    EXPECT_THAT(Joined(rp), HasSubstr(absl::StrCat("shard group ", v.replicas, ")")));
+  }
   RunResult r1 = Run(one, 1, {"--dump-params", one_dump, "--metrics-file", one_metrics});
   EXPECT_THAT(r1.exit_codes, ::testing::ElementsAre(0)) << Joined(r1);
 
@@ -1896,7 +1917,21 @@ INSTANTIATE_TEST_SUITE_P(
         // LoRA: the frozen base (and tied embedding) on the stages, only the adapters train.
         WithLora({"", 2, v1::ONE_F_ONE_B, false, 1, true, "llama"}, "LlamaLoraTiedTwoStages1F1B"),
         WithLora({"", 2, v1::GPIPE, true, 2, false, "llama"},
-                 "LlamaLoraTwoStagesTwoReplicasGpipeCheckpointing")),
+                 "LlamaLoraTwoStagesTwoReplicasGpipeCheckpointing"),
+        // FSDP within the stages: each stage's replicas shard it.
+        WithFsdp({"", 2, v1::ONE_F_ONE_B, false, 2, true}, "FsdpTwoStagesTwoReplicas1F1BTied"),
+        WithFsdp({"", 2, v1::GPIPE, true, 2}, "FsdpTwoStagesTwoReplicasGpipeCheckpointing"),
+        WithFsdp({"", 2, v1::GPIPE, false, 2, true}, "ShardGradOpTwoStagesTwoReplicasGpipeTied",
+                 v1::SHARD_GRAD_OP),
+        // (Adafactor on llama: see the FSDP tests' note on GPT's key bias.)
+        WithFsdp({"", 2, v1::ONE_F_ONE_B, false, 2, false, "llama", 0, v1::ADAFACTOR},
+                 "FsdpLlamaAdafactorTwoStagesTwoReplicas1F1B"),
+        WithFsdp(WithTensor({"", 2, v1::ONE_F_ONE_B, true, 2, true}, "", 2),
+                 "FsdpTwoStagesTwoTensorRanksTwoReplicas1F1BTiedCheckpointing"),
+        WithFsdp(WithSequence(WithTensor({"", 2, v1::GPIPE, false, 2, false, "llama"}, "", 2), ""),
+                 "FsdpLlamaTwoStagesTwoTensorRanksTwoReplicasSequenceParallelGpipe"),
+        WithFsdp(WithLora({"", 2, v1::ONE_F_ONE_B, true, 2, true, "llama"}, ""),
+                 "FsdpLlamaLoraTiedTwoStagesTwoReplicas1F1BCheckpointing")),
     [](const auto& info) { return info.param.name; });
 
 // The per-step maxima of a metrics file's `key`.
@@ -1948,26 +1983,69 @@ TEST_F(TrainerE2eTest, OneFOneBBoundsActivationsByTheStagesWhileGpipeGrowsWithMi
   EXPECT_LE(f1b8.bytes, (2 + 1) * per_micro_batch) << f1b8.bytes << " vs " << gpipe8.bytes;
 }
 
-class PipelineReshardTest : public TrainerE2eTest,
-                            public ::testing::WithParamInterface<v1::Optimizer> {};
+// FSDP within pipeline stages: stage 0 of 2 stages x 2 replicas holds its shards of the stage
+// (parameters, gradients and AdamW's moments, 16 bytes a parameter over 2) plus, gathered, its
+// root (the embeddings, kept from forward to the end of backward) and one block unit, each with
+// its parameters and, during backward, its unsharded gradient; ddp would hold 16 bytes of each.
+TEST_F(TrainerE2eTest, FsdpWithinAStageHoldsItsShardsPlusOneGatheredUnit) {
+  PipelineVariant v = WithFsdp({"", 2, v1::ONE_F_ONE_B, false, 2, true}, "memory");
+  v1::JobSpec spec = PipelineSpec(v);
+  spec.mutable_model()->set_n_layer(6);
+  spec.mutable_model()->set_d_model(64);
+  spec.mutable_model()->set_n_head(4);
+  spec.mutable_parallel()->set_forward_prefetch(false);
+  spec.mutable_parallel()->set_backward_prefetch(v1::NO_PREFETCH);
+  spec.mutable_train()->set_steps(3);
+  const Job job = StartJob(spec, "memory");
+  const std::string metrics = dir_.path() + "/memory.jsonl";
+  RunResult r = Run(job, 4, {"--metrics-file", metrics});
+  ASSERT_THAT(r.exit_codes, ::testing::Each(0)) << Joined(r);
 
-// A checkpoint of 2 stages x 2 tensor-parallel ranks resumes on 4 DDP ranks, whose checkpoint
-// resumes on 2 stages x 2 tensor-parallel ranks again: every step's loss as one uninterrupted
-// run's. With AdamW (moments shaped as the parameters) and Lion (a flat moment).
+  // Stage 0's blocks and parameters, as rank 0 logs them.
+  const std::string log = Joined(r);
+  std::smatch stage0;
+  ASSERT_TRUE(std::regex_search(
+      log, stage0, std::regex(R"(pipeline stage 0/2 \(blocks 0\.\.(\d+), (\d+) parameters\))")))
+      << log;
+  const int last_block = std::stoi(stage0[1]);
+  const int64_t held = std::stoll(stage0[2]);
+  const int64_t d = 64, w = 2;
+  auto padded = [w](int64_t n) { return (n + w - 1) / w * w; };
+  const int64_t root = padded(256 * d + 16 * d);  // tok_emb (tied), pos_emb
+  const int64_t block = padded(12 * d * d + 13 * d);
+  ASSERT_EQ(held, 256 * d + 16 * d + (last_block + 1) * (12 * d * d + 13 * d));
+  const int64_t shards = 16 * (root + (last_block + 1) * block) / w;
+  const int64_t expected = shards + 8 * root + 8 * block;
+  int64_t peak = 0;
+  for (const auto& report : ReadReports(metrics)) {
+    peak = std::max(peak, report.at("model_state_peak_bytes").get<int64_t>());
+  }
+  std::cout << "FSDP FULL_SHARD in stage 0 (blocks 0.." << last_block << "): peak model state "
+            << peak << " bytes, expected " << expected << "; ddp " << 16 * held << "\n";
+  EXPECT_NEAR(static_cast<double>(peak), static_cast<double>(expected), 0.1 * expected);
+  EXPECT_LT(peak, 16 * held * 3 / 4) << "well below ddp's stage";
+}
+
+class PipelineReshardTest : public TrainerE2eTest,
+                            public ::testing::WithParamInterface<PipelineVariant> {};
+
+// A checkpoint of 2 stages x 2 tensor-parallel ranks (or 2 stages x 2 fsdp replicas) resumes on 4
+// DDP ranks, whose checkpoint resumes on the first layout again: every step's loss as one
+// uninterrupted run's. With AdamW (moments shaped as the parameters), Lion (a flat moment) and,
+// under fsdp, Adafactor (factors).
 TEST_P(PipelineReshardTest, CheckpointsReshardToDdpAndBack) {
   // Room for the four 4-rank jobs (a job's attempt builds its Gloo groups once).
   auto more = testing::NodeSession::Connect(channel_, tokens_->Node("n2"), "n2", 8);
-  PipelineVariant v{"", 2, v1::ONE_F_ONE_B, false, 1, true};
-  v.tensor = 2;
-  v.optimizer = GetParam();
-  v1::JobSpec pipe_spec = PipelineSpec(v);  // 4 micro-batches of 4 windows
+  const PipelineVariant& v = GetParam();
+  v1::JobSpec pipe_spec = PipelineSpec(v);  // 4 micro-batches of 4 windows (of 2 per replica)
   pipe_spec.mutable_train()->set_steps(12);
-  pipe_spec.mutable_train()->set_micro_batch(4);
+  pipe_spec.mutable_train()->set_micro_batch(4 / v.replicas);
   v1::JobSpec ddp_spec = pipe_spec;  // 4 ranks, each a quarter of the 16 windows, no pipeline
   ddp_spec.mutable_train()->set_micro_batch(4);
   ddp_spec.mutable_train()->set_micro_batches(0);
   ddp_spec.mutable_parallel()->set_pipeline_stages(1);
   ddp_spec.mutable_parallel()->set_tensor_parallel(1);
+  ddp_spec.mutable_parallel()->set_strategy(v1::DDP);
 
   const Job straight = StartJob(pipe_spec, "straight");
   const std::string straight_metrics = dir_.path() + "/straight.jsonl";
@@ -2001,8 +2079,16 @@ TEST_P(PipelineReshardTest, CheckpointsReshardToDdpAndBack) {
   for (const auto& [step, loss] : expected) EXPECT_NEAR(got.at(step), loss, 1e-5) << step;
 }
 
-INSTANTIATE_TEST_SUITE_P(Optimizers, PipelineReshardTest, ::testing::Values(v1::ADAMW, v1::LION),
-                         [](const auto& info) { return v1::Optimizer_Name(info.param); });
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, PipelineReshardTest,
+    ::testing::Values(
+        WithTensor({"", 2, v1::ONE_F_ONE_B, false, 1, true}, "TwoStagesTwoTensorRanksAdamW", 2),
+        WithTensor({"", 2, v1::ONE_F_ONE_B, false, 1, true, "gpt", 0, v1::LION},
+                   "TwoStagesTwoTensorRanksLion", 2),
+        WithFsdp({"", 2, v1::ONE_F_ONE_B, false, 2, true}, "FsdpTwoStagesTwoReplicasAdamW"),
+        WithFsdp({"", 2, v1::GPIPE, false, 2, false, "llama", 0, v1::ADAFACTOR},
+                 "FsdpLlamaTwoStagesTwoReplicasAdafactor")),
+    [](const auto& info) { return info.param.name; });
 
 TEST_F(TrainerE2eTest, HybridShardOnUnevenNodesFailsFast) {
   FsdpVariant v{"uneven", v1::HYBRID_SHARD, v1::BACKWARD_PRE, false};

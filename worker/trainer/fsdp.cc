@@ -124,22 +124,29 @@ absl::StatusOr<std::unique_ptr<FsdpModel>> FsdpModel::Create(
 
 absl::Status FsdpModel::Build(bool from_rank0) {
   torch::NoGradGuard no_grad;
-  const auto named = model_.named_parameters();
+  std::vector<std::pair<std::string, torch::Tensor>> named;
+  for (const auto& item : model_.named_parameters()) {
+    if (!config_.holds || config_.holds(item.key())) named.emplace_back(item.key(), item.value());
+  }
   const int nblocks = model_.NumBlocks();
   std::vector<int64_t> block_params(nblocks, 0);
   std::vector<int> block_of_param;
-  for (const auto& item : named) {
-    const int b = model_.BlockOf(item.key());
+  for (const auto& [name, value] : named) {
+    const int b = model_.BlockOf(name);
     if (b >= nblocks) {
-      return absl::InternalError(absl::StrCat("parameter ", item.key(), " names block ", b));
+      return absl::InternalError(absl::StrCat("parameter ", name, " names block ", b));
     }
     block_of_param.push_back(b);
-    if (b >= 0) block_params[b] += item.value().numel();
-    params_.push_back(item.value());
+    if (b >= 0) block_params[b] += value.numel();
+    params_.push_back(value);
   }
   unit_of_block_.assign(nblocks, 0);
   units_.emplace_back();  // the root
-  for (const auto& [first, last] : WrapBlocks(block_params, config_.wrap, config_.min_num_params)) {
+  for (auto [first, last] : WrapBlocks(block_params, config_.wrap, config_.min_num_params)) {
+    // Only blocks with parameters here (a pipeline stage's) begin or end a unit.
+    while (first <= last && block_params[first] == 0) ++first;
+    while (last >= first && block_params[last] == 0) --last;
+    if (first > last) continue;
     Unit u;
     u.first_block = first;
     u.last_block = last;
@@ -167,7 +174,7 @@ absl::Status FsdpModel::Build(bool from_rank0) {
       for (int p : f.params) {
         f.offsets.push_back(f.numel);
         FsdpLayout::Param lp;
-        lp.name = named[p].key();
+        lp.name = named[p].first;
         lp.shape.assign(params_[p].sizes().begin(), params_[p].sizes().end());
         lp.offset = f.numel;
         lp.index = p;
@@ -412,7 +419,7 @@ void FsdpModel::PostBackward(int ui) {
     p.mutable_grad() = torch::Tensor();
   }
   // Frozen weights serve the input's gradient, which may come after the trained gradients.
-  if (u.frozen.params.empty() || u.input_grad_done) Release(ui);
+  if ((u.frozen.params.empty() || u.input_grad_done) && !(ui == 0 && keep_root_)) Release(ui);
   const int world = world_.world_size();
   torch::Tensor grad = std::move(u.grad);
   u.grad = torch::Tensor();
@@ -454,7 +461,7 @@ double FsdpModel::FinishBackward() {
   const auto start = std::chrono::steady_clock::now();
   for (auto& done : reductions_) done.get();  // rethrows a failed reduce-scatter
   reductions_.clear();
-  for (int ui = 0; ui < num_units(); ++ui) Release(ui);
+  for (int ui = keep_root_ ? 1 : 0; ui < num_units(); ++ui) Release(ui);
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
@@ -484,6 +491,73 @@ void FsdpModel::GatherFullParameters() {
   model_.set_block_hooks(nullptr);
   for (int ui = 0; ui < num_units(); ++ui) StartGather(ui);
   for (int ui = 0; ui < num_units(); ++ui) EnsureGathered(ui);
+}
+
+double FsdpModel::ShardGradSquared(const std::vector<std::string>& skip) {
+  torch::NoGradGuard no_grad;
+  double sq = 0;
+  for (const Unit& u : units_) {
+    if (u.train.shard_numel > 0) sq += u.train.shard.grad().pow(2).sum().item<double>();
+  }
+  for (const std::string& name : skip) {
+    for (const torch::Tensor& g : ShardGradOf(name)) {
+      sq -= g.pow(2).sum().item<double>();
+    }
+  }
+  return sq;
+}
+
+FsdpModel::Placement FsdpModel::Place(const std::string& name) {
+  for (size_t i = 0; i < layout_.units.size(); ++i) {
+    if (layout_.units[i].frozen) continue;
+    for (const FsdpLayout::Param& p : layout_.units[i].params) {
+      if (p.name != name) continue;
+      int64_t numel = 1;
+      for (int64_t d : p.shape) numel *= d;
+      return {&Flat(static_cast<int>(i)), p.offset, numel};
+    }
+  }
+  return {};
+}
+
+std::pair<int64_t, int64_t> FsdpModel::ShardRange(const Placement& p) const {
+  const int64_t lo = shard_.rank() * p.flat->shard_numel;
+  const int64_t begin = std::max(p.offset, lo);
+  const int64_t end = std::min(p.offset + p.numel, lo + p.flat->shard_numel);
+  return {begin - lo, std::max(begin, end) - lo};
+}
+
+std::vector<torch::Tensor> FsdpModel::ShardGradOf(const std::string& name) {
+  const Placement p = Place(name);
+  if (p.flat == nullptr) return {};
+  const auto [begin, end] = ShardRange(p);
+  if (end <= begin) return {};
+  return {p.flat->shard.mutable_grad().narrow(0, begin, end - begin)};
+}
+
+torch::Tensor FsdpModel::GatherGrad(const std::string& name) {
+  torch::NoGradGuard no_grad;
+  const Placement p = Place(name);
+  if (p.flat == nullptr) return torch::Tensor();
+  torch::Tensor whole = torch::empty({p.flat->padded}, torch::kFloat);
+  std::vector<torch::Tensor> outs;
+  for (int r = 0; r < shard_.world_size(); ++r) {
+    outs.push_back(whole.narrow(0, r * p.flat->shard_numel, p.flat->shard_numel));
+  }
+  shard_.AllGatherInto(p.flat->shard.grad(), std::move(outs));
+  return whole.narrow(0, p.offset, p.numel).clone();
+}
+
+void FsdpModel::SetGrad(const std::string& name, const torch::Tensor& whole) {
+  torch::NoGradGuard no_grad;
+  const Placement p = Place(name);
+  if (p.flat == nullptr) return;
+  const auto [begin, end] = ShardRange(p);
+  if (end <= begin) return;
+  const int64_t lo = shard_.rank() * p.flat->shard_numel;
+  p.flat->shard.mutable_grad()
+      .narrow(0, begin, end - begin)
+      .copy_(whole.reshape({-1}).narrow(0, lo + begin - p.offset, end - begin));
 }
 
 int64_t FsdpModel::bytes_sent() const {

@@ -70,6 +70,9 @@ struct FsdpConfig {
   bool forward_prefetch = false;
   int max_gathered_units = 2;
   OptimizerHyper optimizer;
+  // The parameters to shard, by name (empty: all of the model's). Under pipeline parallelism a
+  // stage's: the others are never run here, and blocks without parameters to shard form no unit.
+  std::function<bool(const std::string&)> holds;
 };
 
 // Block units under a wrap policy: each entry is the blocks [first, last] of one unit, in order.
@@ -128,6 +131,16 @@ class FsdpModel : public BlockHooks {
   // Before each micro-step's forward; `sync_gradients` on the last micro-step of a step (with a
   // shard group of one, gradients are only reduced then, as under DDP's no_sync).
   void BeginForward(bool sync_gradients = true);
+  // Pipeline schedules, whose micro-batches' forwards and backwards interleave (several forwards
+  // may come before their backwards): BeginForward before every forward, and before every
+  // backward BeginBackward (`sync_gradients` on the step's last), then FinishBackward after it.
+  // Each backward's gradients are reduce-scattered as it ends, as without a pipeline; the root
+  // stays gathered from the step's first forward to its last backward (as PyTorch keeps the root
+  // unsharded), so it is gathered once a step.
+  void BeginBackward(bool sync_gradients) {
+    BeginForward(sync_gradients);
+    keep_root_ = !sync_gradients;
+  }
   // After the forward, before backward: gathers the root's gradients when backward starts.
   void WatchLoss(const torch::Tensor& loss);
   // After each micro-step's backward: reduce-scatters what backward left (gradients that never
@@ -136,6 +149,18 @@ class FsdpModel : public BlockHooks {
   double FinishBackward();
   // The global gradient norm (the shards' gradients all-reduced over the shard group).
   double GradNorm();
+  // This rank's part of the squared gradient norm: its gradient shards' squares, less those of
+  // the parameters named in `skip`. No communication.
+  double ShardGradSquared(const std::vector<std::string>& skip);
+  // The views of this rank's gradient shards that hold parameter `name`'s elements (at most one
+  // per flat buffer; none when its elements lie in other ranks' shards). After FinishBackward;
+  // every rank of the shard group has the same layout, so the same views of two groups' ranks
+  // hold the same elements of the parameter (tensor parallelism's replicated parameters).
+  std::vector<torch::Tensor> ShardGradOf(const std::string& name);
+  // Parameter `name`'s whole gradient, put together over the shard group (every rank of it
+  // calls it, after FinishBackward), and the setting of this rank's part of it from `whole`.
+  torch::Tensor GatherGrad(const std::string& name);
+  void SetGrad(const std::string& name, const torch::Tensor& whole);
   // The optimizer on the shards: gradients scaled by `clip_scale`, learning rate `lr`; then
   // zeroes the gradient shards.
   void Step(double lr, double clip_scale);
@@ -145,6 +170,7 @@ class FsdpModel : public BlockHooks {
 
   const FsdpLayout& layout() const { return layout_; }
   int shard_rank() const { return shard_.rank(); }
+  Communicator& shard_group() { return shard_; }
   int shard_count() const { return shard_.world_size(); }
   // True on the ranks that write the shards of a checkpoint (replica 0).
   bool writes_shards() const { return replica_ == nullptr || replica_->rank() == 0; }
@@ -214,6 +240,14 @@ class FsdpModel : public BlockHooks {
   const FlatParam& Flat(int i) const;
   FlatParam& Flat(int i);
   static int64_t GatheredNumel(const Unit& u) { return u.train.padded + u.frozen.padded; }
+  // Where the trained parameter `name` lies: its flat buffer (trained) and element range in it.
+  struct Placement {
+    FlatParam* flat = nullptr;
+    int64_t offset = 0, numel = 0;
+  };
+  Placement Place(const std::string& name);
+  // The part of `p`'s range inside this rank's shard: [begin, end) in the shard.
+  std::pair<int64_t, int64_t> ShardRange(const Placement& p) const;
 
   LanguageModel& model_;
   Communicator& world_;
@@ -233,6 +267,7 @@ class FsdpModel : public BlockHooks {
   std::unique_ptr<CommThread> comm_thread_;
   std::vector<std::shared_future<void>> reductions_;  // this micro-step's, in order
   bool hooks_on_ = true;
+  bool keep_root_ = false;  // a pipeline's backward before the step's last
   bool sync_gradients_ = true;
   bool optimizer_counted_ = false;
   int64_t gathers_ = 0;

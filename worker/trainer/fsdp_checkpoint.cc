@@ -287,6 +287,136 @@ absl::StatusOr<std::optional<CheckpointInfo>> LoadLatestShardedCheckpoint(const 
   return latest;
 }
 
+absl::StatusOr<WholeModel> Unflatten(const FsdpLayout& layout,
+                                     const std::vector<torch::Tensor>& flat,
+                                     const std::vector<std::map<std::string, torch::Tensor>>& state,
+                                     const OptimizerHyper& hyper, double lr, int64_t step) {
+  // Parameters in model registration order (the layout's indices), as the DDP trainer's
+  // optimizer lists them, and the state of each (its slice of the elementwise moments, its own
+  // factors).
+  int total = 0;
+  for (const auto& u : layout.units) total += static_cast<int>(u.params.size());
+  WholeModel out;
+  out.params.resize(total);
+  std::vector<std::map<std::string, torch::Tensor>> param_state(total);
+  std::vector<bool> trained(total, false);
+  for (size_t u = 0; u < layout.units.size(); ++u) {
+    int64_t factor_offset = 0;
+    for (const FsdpLayout::Param& p : layout.units[u].params) {
+      int64_t n = 1;
+      for (int64_t d : p.shape) n *= d;
+      out.params.at(p.index) = {
+          p.name, flat[u].narrow(0, p.offset, n).view(p.shape).clone().set_requires_grad(true)};
+      trained.at(p.index) = !layout.units[u].frozen;
+      for (const auto& [key, whole] : state[u]) {
+        if (key == "factors") {
+          const int64_t f = SlotOptimizer::FactorNumel({{p.shape, 0}});
+          param_state.at(p.index)[key] = whole.narrow(0, factor_offset, f).clone();
+          factor_offset += f;
+        } else {
+          param_state.at(p.index)[key] = whole.narrow(0, p.offset, n).view(p.shape).clone();
+        }
+      }
+    }
+  }
+  // Over the parameters that train, in registration order, as the DDP trainer's (LoRA: the
+  // adapters).
+  std::vector<torch::Tensor> optimized;
+  std::vector<int> optimized_index;
+  for (int i = 0; i < total; ++i) {
+    if (!trained[i]) continue;
+    optimized.push_back(out.params[i].second);
+    optimized_index.push_back(i);
+  }
+  out.optimizer = MakeOptimizer(optimized, hyper, lr);
+  if (step == 0) return out;
+  for (size_t j = 0; j < optimized.size(); ++j) {
+    const std::string& name = out.params[optimized_index[j]].first;
+    if (param_state[optimized_index[j]].empty()) {
+      return absl::DataLossError(absl::StrCat(name, " has no optimizer state"));
+    }
+    const absl::Status s =
+        SetParameterState(*out.optimizer, j, param_state[optimized_index[j]], step);
+    if (!s.ok()) return absl::DataLossError(absl::StrCat(name, ": ", s.message()));
+  }
+  return out;
+}
+
+absl::StatusOr<WholeModel> GatherWhole(FsdpModel& fsdp, double lr) {
+  torch::NoGradGuard no_grad;
+  const FsdpShardState shards = fsdp.ExportState();
+  Communicator& group = fsdp.shard_group();
+  const FsdpLayout& layout = fsdp.layout();
+  // Every rank's shard of a flat buffer, put together and cut to its unpadded length (an empty
+  // buffer, the same on every rank, sends nothing: Gloo divides by the size).
+  auto whole = [&](const torch::Tensor& shard, int64_t numel) {
+    if (shard.numel() == 0) return torch::zeros({0}, torch::kFloat);
+    return torch::cat(group.AllGather(shard.contiguous())).narrow(0, 0, numel);
+  };
+  std::vector<torch::Tensor> flat;
+  std::vector<std::map<std::string, torch::Tensor>> state(layout.units.size());
+  for (int i = 0; i < fsdp.num_flats(); ++i) {
+    const int64_t numel = layout.units[i].numel;
+    flat.push_back(whole(shards.params[i], numel));
+    if (shards.optimizer[i].empty()) continue;
+    ASSIGN_OR_RETURN(auto elementwise, SlotOptimizer::Elementwise(
+                                           fsdp.optimizer().kind, OptimizerParams(layout.units[i]),
+                                           int64_t{fsdp.shard_rank()} * fsdp.shard_numel(i),
+                                           fsdp.shard_numel(i), shards.optimizer[i]));
+    for (auto& [key, t] : elementwise) {
+      // Adafactor's factors are whole in every shard already.
+      state[i][key] = key == "factors" ? t : whole(t.reshape({-1}), numel);
+    }
+  }
+  return Unflatten(layout, flat, state, fsdp.optimizer(), lr, shards.step);
+}
+
+absl::Status ImportParameterStates(
+    FsdpModel& fsdp, const std::map<std::string, std::map<std::string, torch::Tensor>>& states,
+    int64_t step) {
+  torch::NoGradGuard no_grad;
+  if (step == 0) return absl::OkStatus();
+  FsdpShardState shards = fsdp.ExportState();
+  shards.step = step;
+  const FsdpLayout& layout = fsdp.layout();
+  for (int i = 0; i < fsdp.num_flats(); ++i) {
+    const FsdpLayout::Unit& unit = layout.units[i];
+    if (unit.frozen) continue;
+    // The buffer's elementwise state laid out as its parameters are, and its factors in order.
+    std::map<std::string, torch::Tensor> flat;
+    std::vector<torch::Tensor> factors;
+    for (const FsdpLayout::Param& p : unit.params) {
+      auto it = states.find(p.name);
+      if (it == states.end() || it->second.empty()) {
+        return absl::DataLossError(absl::StrCat("no optimizer state for ", p.name));
+      }
+      int64_t n = 1;
+      for (int64_t d : p.shape) n *= d;
+      ASSIGN_OR_RETURN(
+          auto elementwise,
+          SlotOptimizer::Elementwise(fsdp.optimizer().kind, {{p.shape, 0}}, 0, n, it->second));
+      for (auto& [key, t] : elementwise) {
+        if (key == "factors") {
+          factors.push_back(t.reshape({-1}));
+          continue;
+        }
+        torch::Tensor& whole = flat[key];
+        if (!whole.defined()) whole = torch::zeros({fsdp.padded_numel(i)}, torch::kFloat);
+        whole.narrow(0, p.offset, n).copy_(t.reshape({-1}));
+      }
+    }
+    std::map<std::string, torch::Tensor>& mine = shards.optimizer[i];
+    mine.clear();
+    for (const auto& [key, whole] : flat) {
+      mine[key] =
+          whole.narrow(0, int64_t{fsdp.shard_rank()} * fsdp.shard_numel(i), fsdp.shard_numel(i))
+              .clone();
+    }
+    if (!factors.empty()) mine["factors"] = torch::cat(factors);
+  }
+  return fsdp.ImportState(shards);
+}
+
 absl::StatusOr<CheckpointInfo> ConsolidateShardedCheckpoint(const std::string& sharded,
                                                             const std::string& out_dir) {
   ASSIGN_OR_RETURN(Manifest m, ReadManifest(sharded));
@@ -334,33 +464,11 @@ absl::StatusOr<CheckpointInfo> ConsolidateShardedCheckpoint(const std::string& s
         }
       }
     }
-    // Parameters in model registration order, as the DDP trainer's optimizer lists them, and the
-    // state of each (its slice of the elementwise moments, its own factors).
-    int total = 0;
-    for (const auto& u : m.layout.units) total += static_cast<int>(u.params.size());
-    std::vector<torch::Tensor> params(total);
-    std::vector<std::map<std::string, torch::Tensor>> param_state(total);
-    std::vector<std::string> names(total);
-    std::vector<bool> trained(total, false);
-    for (size_t u = 0; u < units; ++u) {
-      int64_t factor_offset = 0;
-      for (const FsdpLayout::Param& p : m.layout.units[u].params) {
-        int64_t n = 1;
-        for (int64_t d : p.shape) n *= d;
-        params.at(p.index) =
-            flat[u].narrow(0, p.offset, n).view(p.shape).clone().set_requires_grad(true);
-        names.at(p.index) = p.name;
-        trained.at(p.index) = !m.layout.units[u].frozen;
-        for (const auto& [key, whole] : flat_state[u]) {
-          if (key == "factors") {
-            const int64_t f = SlotOptimizer::FactorNumel({{p.shape, 0}});
-            param_state.at(p.index)[key] = whole.narrow(0, factor_offset, f).clone();
-            factor_offset += f;
-          } else {
-            param_state.at(p.index)[key] = whole.narrow(0, p.offset, n).view(p.shape).clone();
-          }
-        }
-      }
+    absl::StatusOr<WholeModel> whole =
+        Unflatten(m.layout, flat, flat_state, m.optimizer, m.lr, optimizer_step);
+    if (!whole.ok()) {
+      return absl::DataLossError(
+          absl::StrCat("cannot consolidate '", sharded, "': ", whole.status().message()));
     }
     std::error_code ec;
     fs::create_directories(out_dir, ec);
@@ -368,44 +476,9 @@ absl::StatusOr<CheckpointInfo> ConsolidateShardedCheckpoint(const std::string& s
     fs::create_directories(tmp, ec);
     if (ec) return absl::InternalError(absl::StrCat("cannot create '", tmp, "': ", ec.message()));
     torch::serialize::OutputArchive model;
-    for (int i = 0; i < total; ++i) model.write(names[i], params[i].detach());
+    for (const auto& [param_name, p] : whole->params) model.write(param_name, p.detach());
     model.save_to(tmp + "/model.pt");
-    // Over the parameters that train, in registration order, as the DDP trainer's (LoRA: the
-    // adapters).
-    std::vector<torch::Tensor> optimized;
-    std::vector<int> optimized_index;
-    for (int i = 0; i < total; ++i) {
-      if (!trained[i]) continue;
-      optimized.push_back(params[i]);
-      optimized_index.push_back(i);
-    }
-    std::unique_ptr<torch::optim::Optimizer> optimizer =
-        MakeOptimizer(optimized, m.optimizer, m.lr);
-    if (optimizer_step > 0) {
-      for (size_t j = 0; j < optimized.size(); ++j) {
-        const auto& st = param_state[optimized_index[j]];
-        if (auto* adamw = dynamic_cast<torch::optim::AdamW*>(optimizer.get())) {
-          if (st.count("exp_avg") == 0 || st.count("exp_avg_sq") == 0) {
-            return absl::DataLossError(absl::StrCat("cannot consolidate '", sharded,
-                                                    "': ", names[optimized_index[j]],
-                                                    " has no AdamW moments"));
-          }
-          auto slot = std::make_unique<torch::optim::AdamWParamState>();
-          slot->step(optimizer_step);
-          slot->exp_avg(st.at("exp_avg"));
-          slot->exp_avg_sq(st.at("exp_avg_sq"));
-          adamw->state()[OptimizerStateKey(optimized[j])] = std::move(slot);
-          continue;
-        }
-        auto& core = dynamic_cast<ParameterOptimizer&>(*optimizer).core();
-        const absl::Status s = core.SetState(static_cast<int>(j), st, optimizer_step);
-        if (!s.ok()) {
-          return absl::DataLossError(absl::StrCat("cannot consolidate '", sharded, "': ",
-                                                  names[optimized_index[j]], ": ", s.message()));
-        }
-      }
-    }
-    torch::save(*optimizer, tmp + "/optimizer.pt");
+    torch::save(*whole->optimizer, tmp + "/optimizer.pt");
     torch::save(rng, tmp + "/rng.pt");
   } catch (const c10::Error& e) {
     return absl::DataLossError(

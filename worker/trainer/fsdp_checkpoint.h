@@ -25,8 +25,12 @@
 #define TRAINYARD_WORKER_TRAINER_FSDP_CHECKPOINT_H_
 
 #include <cstdint>
+#include <map>
+#include <memory>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "worker/trainer/checkpoint.h"
@@ -46,6 +50,34 @@ absl::StatusOr<CheckpointInfo> WriteShardedCheckpoint(const std::string& dir, in
 // FAILED_PRECONDITION for a checkpoint of another model or a DDP-format one.
 absl::StatusOr<std::optional<CheckpointInfo>> LoadLatestShardedCheckpoint(const std::string& dir,
                                                                           FsdpModel& fsdp);
+
+// Whole parameters by name (in the layout's order: the model's registration order) and an
+// optimizer (MakeOptimizer) over those that train, holding their state.
+struct WholeModel {
+  std::vector<std::pair<std::string, torch::Tensor>> params;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+};
+
+// The parameters of `layout` and their optimizer state cut out of flat buffers put together:
+// per flat buffer its `flat` values ([numel]) and `state` (elementwise, [numel] each, and
+// Adafactor's factors) after `step` optimizer steps (0: no state), with `hyper` and `lr`.
+// DATA_LOSS naming the parameter whose state is missing or misshapen.
+absl::StatusOr<WholeModel> Unflatten(const FsdpLayout& layout,
+                                     const std::vector<torch::Tensor>& flat,
+                                     const std::vector<std::map<std::string, torch::Tensor>>& state,
+                                     const OptimizerHyper& hyper, double lr, int64_t step);
+
+// `fsdp`'s parameters and optimizer state, whole (8-bit moments dequantized): a pipeline stage's
+// checkpoint under FSDP (WriteStagedCheckpoint). Collective over its shard group, every rank of
+// which gets it.
+absl::StatusOr<WholeModel> GatherWhole(FsdpModel& fsdp, double lr);
+
+// Installs per-parameter optimizer state (ParameterState's form, of whole parameters, by name)
+// after `step` optimizer steps into `fsdp`'s shards: a pipeline stage resumed from a checkpoint of
+// any layout. DATA_LOSS naming a trained parameter without state.
+absl::Status ImportParameterStates(
+    FsdpModel& fsdp, const std::map<std::string, std::map<std::string, torch::Tensor>>& states,
+    int64_t step);
 
 // Writes the consolidated checkpoint of `sharded` (a DIR/step-<N>) as OUT/step-<N> and points
 // OUT/latest at it.

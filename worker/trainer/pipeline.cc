@@ -105,52 +105,75 @@ void KeepTensorParallelShards(LanguageModel& model,
   }
 }
 
-absl::Status KeepStageState(const LanguageModel& model, torch::optim::Optimizer& whole,
-                            torch::optim::Optimizer& stage, const PipelineLayout& layout) {
-  std::map<const void*, size_t> in_stage;
-  const auto& kept = stage.param_groups().at(0).params();
-  for (size_t k = 0; k < kept.size(); ++k) in_stage[kept[k].unsafeGetTensorImpl()] = k;
+std::map<std::string, std::map<std::string, torch::Tensor>> StageStates(
+    const LanguageModel& model, torch::optim::Optimizer& whole, const PipelineLayout& layout,
+    int64_t* step) {
   std::map<const void*, std::string> names;
   for (const auto& item : model.named_parameters()) {
     names[item.value().unsafeGetTensorImpl()] = item.key();
   }
+  std::map<std::string, std::map<std::string, torch::Tensor>> out;
+  *step = 0;
   const auto& all = whole.param_groups().at(0).params();
   for (size_t j = 0; j < all.size(); ++j) {
-    auto k = in_stage.find(all[j].unsafeGetTensorImpl());
-    if (k == in_stage.end()) continue;
-    const TensorParallelSplit split = model.TensorParallelSplitOf(names.at(k->first));
+    const std::string& name = names.at(all[j].unsafeGetTensorImpl());
+    if (!StageHolds(model, layout, name)) continue;
+    const TensorParallelSplit split = model.TensorParallelSplitOf(name);
     // The whole parameter's shape: this rank's shard's, times the group along the split.
     std::vector<int64_t> shape = all[j].sizes().vec();
     if (split.dim >= 0) shape[split.dim] *= layout.tensor_parallel;
-    int64_t step = 0;
-    std::map<std::string, torch::Tensor> state = ParameterState(whole, j, &step);
+    int64_t param_step = 0;
+    std::map<std::string, torch::Tensor> state = ParameterState(whole, j, &param_step);
+    *step = std::max(*step, param_step);
     for (auto& [key, value] : state) {
       value = CutAsParameter(value, shape, [&](const torch::Tensor& t) {
         return TensorParallelShard(t, split, layout.tp_rank, layout.tensor_parallel);
       });
     }
-    RETURN_IF_ERROR(SetParameterState(stage, k->second, state, step));
+    out[name] = std::move(state);
+  }
+  return out;
+}
+
+absl::Status KeepStageState(const LanguageModel& model, torch::optim::Optimizer& whole,
+                            torch::optim::Optimizer& stage, const PipelineLayout& layout) {
+  int64_t step = 0;
+  const auto states = StageStates(model, whole, layout, &step);
+  std::map<const void*, std::string> names;
+  for (const auto& item : model.named_parameters()) {
+    names[item.value().unsafeGetTensorImpl()] = item.key();
+  }
+  const auto& kept = stage.param_groups().at(0).params();
+  for (size_t k = 0; k < kept.size(); ++k) {
+    auto it = states.find(names.at(kept[k].unsafeGetTensorImpl()));
+    if (it == states.end()) continue;
+    RETURN_IF_ERROR(SetParameterState(stage, k, it->second, step));
   }
   return absl::OkStatus();
 }
 
 PipelineStage::PipelineStage(LanguageModel& model, Communicator& world, PipelineLayout layout,
                              PipelineSchedule schedule, int micro_batch, GradientReducer* reducer,
-                             Communicator* tensor)
+                             FsdpModel* fsdp, Communicator* tensor)
     : model_(model),
       world_(world),
       layout_(std::move(layout)),
       schedule_(schedule),
       micro_batch_(micro_batch),
       reducer_(reducer),
+      fsdp_(fsdp),
       tensor_(tensor) {
   const std::string tied = model.TiedWeight();
   if (!tied.empty() && layout_.stages > 1 && (layout_.first() || layout_.last())) {
     tied_ = model.named_parameters()[tied];
+    tied_name_ = tied;
   }
   if (tensor_ != nullptr) {
     for (const auto& [name, p] : StageParameters(model_, layout_)) {
-      if (p.requires_grad() && model_.TensorParallelSplitOf(name).dim < 0) replicated_.push_back(p);
+      if (p.requires_grad() && model_.TensorParallelSplitOf(name).dim < 0) {
+        replicated_.push_back(p);
+        replicated_names_.push_back(name);
+      }
     }
   }
 }
@@ -198,6 +221,7 @@ double PipelineStage::Step(
   int backwards_left = micro_batches;
   for (const Op& op : Schedule(micro_batches)) {
     if (op.forward) {
+      if (fsdp_ != nullptr) fsdp_->BeginForward();
       torch::Tensor x;
       torch::Tensor w;
       if (layout_.first() || layout_.last()) w = windows(op.micro);
@@ -214,6 +238,7 @@ double PipelineStage::Step(
       for (int b = begin; b < end; ++b) y = model_.RunBlock(b, y);
       if (layout_.last()) {
         y = loss(op.micro, model_.Head(y), w);
+        if (fsdp_ != nullptr) fsdp_->WatchLoss(y);
         loss_sum += y.item<double>();
       } else {
         torch::Tensor out = y.detach().contiguous();
@@ -226,7 +251,9 @@ double PipelineStage::Step(
     } else {
       auto [x, y] = std::move(alive.at(op.micro));
       alive.erase(op.micro);
-      if (reducer_ != nullptr) reducer_->Prepare(/*sync=*/--backwards_left == 0);
+      const bool sync = --backwards_left == 0;
+      if (reducer_ != nullptr) reducer_->Prepare(sync);
+      if (fsdp_ != nullptr) fsdp_->BeginBackward(sync);
       if (layout_.last()) {
         y.backward();
       } else {
@@ -239,6 +266,7 @@ double PipelineStage::Step(
         stats_.idle_seconds += Seconds(wait);
         torch::autograd::backward({y}, {grad});
       }
+      if (fsdp_ != nullptr) stats_.comm_wait_seconds += fsdp_->FinishBackward();
       if (!layout_.first()) {
         torch::Tensor g = x.grad().contiguous();
         gradient_sends.emplace_back(world_.Send(g, prev, kGradientTag), g);
@@ -262,23 +290,35 @@ double PipelineStage::Step(
 void PipelineStage::SyncTiedGradient() {
   if (!tied_.defined() || !tied_.requires_grad()) return;  // frozen (LoRA): nothing to add
   const int other = layout_.RankOf(layout_.first() ? layout_.stages - 1 : 0, layout_.replica);
-  torch::Tensor mine =
-      tied_.grad().defined() ? tied_.grad().contiguous().clone() : torch::zeros_like(tied_);
+  torch::Tensor mine = fsdp_ != nullptr         ? fsdp_->GatherGrad(tied_name_)
+                       : tied_.grad().defined() ? tied_.grad().contiguous().clone()
+                                                : torch::zeros_like(tied_);
   torch::Tensor theirs = torch::empty_like(mine);
   std::unique_ptr<CommHandle> sent = world_.Send(mine, other, kTiedTag);
   world_.Recv(theirs, other, kTiedTag);
   sent->Wait();
   // a + b on one end, b + a on the other: the same float.
-  tied_.mutable_grad() = mine + theirs;
+  if (fsdp_ != nullptr) {
+    fsdp_->SetGrad(tied_name_, mine + theirs);
+  } else {
+    tied_.mutable_grad() = mine + theirs;
+  }
 }
 
 void PipelineStage::SyncSequenceParallelGradients() {
   if (tensor_ == nullptr || !model_.tensor_parallel().sequence) return;
   std::vector<torch::Tensor> grads;
-  for (torch::Tensor p : replicated_) {
-    if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
-    if (!p.grad().is_contiguous()) p.mutable_grad() = p.grad().contiguous();
-    grads.push_back(p.grad());
+  if (fsdp_ != nullptr) {
+    // The same views on every rank of the group: its ranks' FSDP layouts are the same.
+    for (const std::string& name : replicated_names_) {
+      for (torch::Tensor& g : fsdp_->ShardGradOf(name)) grads.push_back(g);
+    }
+  } else {
+    for (torch::Tensor p : replicated_) {
+      if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+      if (!p.grad().is_contiguous()) p.mutable_grad() = p.grad().contiguous();
+      grads.push_back(p.grad());
+    }
   }
   if (!grads.empty()) tensor_->AllReduceSum(grads)->Wait();
 }
@@ -287,6 +327,16 @@ double PipelineStage::GradNormSquared(const std::vector<torch::Tensor>& trainabl
   double sq = 0;
   // The last stage's copy of the tied weight is the first stage's; count it there only.
   const bool skip_tied = tied_.defined() && !layout_.first();
+  if (fsdp_ != nullptr) {
+    // Every rank of the stage's group holds its own shard of the averaged gradients.
+    std::vector<std::string> skip;
+    if (skip_tied) skip.push_back(tied_name_);
+    if (layout_.tp_rank != 0)
+      skip.insert(skip.end(), replicated_names_.begin(), replicated_names_.end());
+    torch::Tensor total = torch::tensor({fsdp_->ShardGradSquared(skip)}, torch::kDouble);
+    world_.AllReduceSum({total})->Wait();
+    return total.item<double>();
+  }
   // Tensor parallelism: shards count on every rank, replicated parameters on rank 0 of the group.
   std::set<const void*> skip;
   if (layout_.tp_rank != 0) {

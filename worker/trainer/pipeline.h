@@ -8,10 +8,13 @@
 // accumulates its parameters' gradients over the m micro-batches and the optimizer steps once.
 // Tensor parallelism splits each stage's layers over T ranks, which run the stage together; each
 // sends its (whole, replicated) activations to the same tensor-parallel rank of the next stage.
-// Data parallelism (ddp) runs over the rest: rank = (replica * P + stage) * T + tensor rank, so
-// a tensor-parallel group is consecutive ranks (on one node), then a replica's stages; the ranks
-// that hold the same shards (one per replica) average their gradients through a GradientReducer
-// of their own group.
+// Data parallelism runs over the rest: rank = (replica * P + stage) * T + tensor rank, so a
+// tensor-parallel group is consecutive ranks (on one node), then a replica's stages. The ranks
+// that hold the same part of the model (one per replica) average their gradients through a
+// GradientReducer of their own group (ddp), or shard that part over their group (fsdp,
+// FULL_SHARD or SHARD_GRAD_OP: an FsdpModel of the stage's parameters, whose units are gathered
+// for each micro-batch's forward and backward and whose gradients are reduce-scattered after
+// each backward, as PyTorch's pipelining runs FSDP within a stage).
 //
 // Schedules (as PyTorch's torch.distributed.pipelining and DeepSpeed name them):
 //  - gpipe: all m forwards, then all m backwards; m micro-batches of activations alive at once.
@@ -41,6 +44,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -49,6 +53,7 @@
 #include "worker/trainer/checkpoint.h"
 #include "worker/trainer/communicator.h"
 #include "worker/trainer/ddp.h"
+#include "worker/trainer/fsdp.h"
 #include "worker/trainer/model.h"
 
 namespace trainyard::trainer {
@@ -86,17 +91,24 @@ void KeepTensorParallelShards(LanguageModel& model,
                               const std::vector<std::pair<std::string, torch::Tensor>>& params,
                               const PipelineLayout& layout);
 
-// After a resume: `stage` (an optimizer of the stage's trainable parameters, already cut to this
-// rank's tensor-parallel shards) takes their state from `whole` (one of every trainable
-// parameter, loaded from a checkpoint of any layout), elementwise state cut as its parameter.
+// After a resume: the optimizer state (ParameterState's form) of the stage's trainable
+// parameters, by name, taken from `whole` (an optimizer of every trainable parameter, loaded from
+// a checkpoint of any layout; the parameters already cut to this rank's tensor-parallel shards),
+// elementwise state cut as its parameter; `step` gets the optimizer steps taken.
+std::map<std::string, std::map<std::string, torch::Tensor>> StageStates(
+    const LanguageModel& model, torch::optim::Optimizer& whole, const PipelineLayout& layout,
+    int64_t* step);
+
+// `stage` (an optimizer of the stage's trainable parameters) takes their StageStates.
 absl::Status KeepStageState(const LanguageModel& model, torch::optim::Optimizer& whole,
                             torch::optim::Optimizer& stage, const PipelineLayout& layout);
 
 // Per step, of this rank.
 struct PipelineStepStats {
-  double seconds = 0;       // the schedule's wall time
-  double idle_seconds = 0;  // of it, waiting for activations or gradients from other stages
-  int peak_in_flight = 0;   // micro-batches whose activations were alive at once
+  double seconds = 0;            // the schedule's wall time
+  double idle_seconds = 0;       // of it, waiting for activations or gradients from other stages
+  double comm_wait_seconds = 0;  // of it, waiting for fsdp's reduce-scatters after a backward
+  int peak_in_flight = 0;        // micro-batches whose activations were alive at once
   // Growth of the process's heap over the step's start (glibc's in-use bytes, sampled after every
   // forward): the activations the stage keeps for backward.
   int64_t peak_activation_bytes = 0;
@@ -104,12 +116,13 @@ struct PipelineStepStats {
 
 class PipelineStage {
  public:
-  // `world` carries the activations (ranks as in `layout`); `reducer` (nullable: one replica)
-  // averages the stage's gradients over its replicas; `tensor` (nullable: no tensor parallelism)
-  // is the model's tensor-parallel group. None is owned.
+  // `world` carries the activations (ranks as in `layout`); the stage's replicas average its
+  // gradients through `reducer` (ddp; nullable: one replica) or shard it with `fsdp` (nullable);
+  // `tensor` (nullable: no tensor parallelism) is the model's tensor-parallel group. None is
+  // owned.
   PipelineStage(LanguageModel& model, Communicator& world, PipelineLayout layout,
                 PipelineSchedule schedule, int micro_batch, GradientReducer* reducer,
-                Communicator* tensor);
+                FsdpModel* fsdp, Communicator* tensor);
 
   // One step: `windows(i)` gives micro-batch i's windows ([micro_batch, seq_len + 1]; read on the
   // first and the last stage), `loss(i, logits, windows)` its loss (last stage), already scaled
@@ -118,18 +131,21 @@ class PipelineStage {
       int micro_batches, const std::function<torch::Tensor(int)>& windows,
       const std::function<torch::Tensor(int, const torch::Tensor&, const torch::Tensor&)>& loss);
   // Tied weights: adds the gradient of the other end's copy (first and last stage); call after
-  // the reducer's Finish. No-op elsewhere.
+  // the reducer's Finish (under fsdp, the two ends' shard groups put it together whole to send
+  // it). No-op elsewhere.
   void SyncTiedGradient();
   // Sequence parallelism: sums the replicated parameters' gradients (each rank's is of its part
   // of the sequence) over the tensor-parallel group. Call after the reducer's Finish.
   void SyncSequenceParallelGradients();
   // The squared gradient norm of the whole model summed from every stage and tensor-parallel
-  // shard (the tied weight and replicated parameters counted once). Every rank calls it.
+  // shard (the tied weight and replicated parameters counted once; under fsdp from the gradient
+  // shards). Every rank calls it.
   double GradNormSquared(const std::vector<torch::Tensor>& trainable);
 
   // Rank 0 receives every stage's parameters (of the first replica, their tensor-parallel shards
   // gathered) into its model, whose freed storage it allocates again, and runs it without tensor
-  // parallelism from then on; the others send theirs. Every rank calls it.
+  // parallelism from then on; the others send theirs. Every rank calls it (under fsdp, after
+  // GatherFullParameters).
   void GatherToRankZero();
 
   const PipelineLayout& layout() const { return layout_; }
@@ -148,11 +164,14 @@ class PipelineStage {
   PipelineSchedule schedule_;
   int micro_batch_;
   GradientReducer* reducer_;
+  FsdpModel* fsdp_;
   Communicator* tensor_;
   torch::Tensor tied_;  // the tied embedding on the first and the last stage
+  std::string tied_name_;
   // Tensor parallelism: the stage's trainable parameters every rank of the group holds whole
   // (norms, biases of row-parallel layers, position embeddings).
   std::vector<torch::Tensor> replicated_;
+  std::vector<std::string> replicated_names_;
   PipelineStepStats stats_;
 };
 

@@ -238,10 +238,10 @@ absl::Status Train(const TrainerOptions& o) {
     ASSIGN_OR_RETURN(comm, MakeGlooCommunicator(store, o.rank, o.world_size, o.gloo_hostname,
                                                 std::chrono::minutes(5),
                                                 /*same_host=*/local_world == o.world_size));
-    // Model parallelism: the ranks holding the same shards (one per replica), and the
-    // tensor-parallel group (consecutive ranks).
+    // Model parallelism: the ranks holding the same shards (one per replica; under fsdp its
+    // group below), and the tensor-parallel group (consecutive ranks).
     const int group = stages * tensor;
-    if (model_parallel && o.world_size > group) {
+    if (model_parallel && o.world_size > group && !fsdp_on) {
       ASSIGN_OR_RETURN(stage_comm,
                        MakeSubgroupCommunicator(
                            store, absl::StrCat("data-parallel-", o.rank % group), o.rank / group,
@@ -253,7 +253,13 @@ absl::Status Train(const TrainerOptions& o) {
                            store, absl::StrCat("tensor-parallel-", o.rank / tensor),
                            o.rank % tensor, tensor, o.gloo_hostname, std::chrono::minutes(5)));
     }
-    if (fsdp_on) {
+    if (fsdp_on && model_parallel) {
+      // FSDP within each stage: the stage's replicas shard it (a group of their own, as below).
+      ASSIGN_OR_RETURN(shard_comm,
+                       MakeSubgroupCommunicator(store, absl::StrCat("fsdp-stage-", o.rank % group),
+                                                o.rank / group, o.world_size / group,
+                                                o.gloo_hostname, std::chrono::minutes(5)));
+    } else if (fsdp_on) {
       // Every rank builds its own groups, also without HYBRID_SHARD: the FSDP communication
       // thread must not share a process group with the training thread's collectives.
       const int group = hybrid ? local_world : o.world_size;
@@ -288,8 +294,10 @@ absl::Status Train(const TrainerOptions& o) {
   model_options.activation_checkpointing = t.activation_checkpointing;
   model_options.lora = t.lora;
   // FSDP with cpu_ram_efficient_loading: only rank 0 holds the whole model, the others receive
-  // their shards from it.
-  const bool from_rank0 = fsdp_on && par.cpu_ram_efficient_loading && o.world_size > 1;
+  // their shards from it. (Not under model parallelism, where every rank keeps its part of the
+  // model it built.)
+  const bool from_rank0 =
+      fsdp_on && par.cpu_ram_efficient_loading && o.world_size > 1 && !model_parallel;
   model_options.materialize = !from_rank0 || rank0;
   std::shared_ptr<LanguageModel> model = BuildModel(m, model_options, t.seed);
   // The checkpoint's weights, on the ranks whose parameters are not sent to them from rank 0
@@ -322,17 +330,17 @@ absl::Status Train(const TrainerOptions& o) {
   std::unique_ptr<FsdpModel> fsdp;
   std::unique_ptr<torch::optim::Optimizer> optimizer_holder;
   int64_t step = 0;
-  if (fsdp_on) {
-    FsdpConfig config;
-    config.sharding = par.sharding;
-    config.wrap = par.wrap;
-    config.min_num_params = par.min_num_params;
-    config.backward_prefetch = par.backward_prefetch;
-    config.forward_prefetch = par.forward_prefetch;
-    config.max_gathered_units = par.max_gathered_units;
-    config.optimizer = hyper;
-    ASSIGN_OR_RETURN(fsdp, FsdpModel::Create(*model, *comm, *shard_comm, replica_comm.get(), config,
-                                             from_rank0));
+  FsdpConfig fsdp_config;
+  fsdp_config.sharding = par.sharding;
+  fsdp_config.wrap = par.wrap;
+  fsdp_config.min_num_params = par.min_num_params;
+  fsdp_config.backward_prefetch = par.backward_prefetch;
+  fsdp_config.forward_prefetch = par.forward_prefetch;
+  fsdp_config.max_gathered_units = par.max_gathered_units;
+  fsdp_config.optimizer = hyper;
+  if (fsdp_on && !model_parallel) {
+    ASSIGN_OR_RETURN(fsdp, FsdpModel::Create(*model, *comm, *shard_comm, replica_comm.get(),
+                                             fsdp_config, from_rank0));
     if (!o.checkpoint_dir.empty()) {
       ASSIGN_OR_RETURN(auto loaded, LoadLatestShardedCheckpoint(o.checkpoint_dir, *fsdp));
       if (loaded.has_value()) {
@@ -341,7 +349,7 @@ absl::Status Train(const TrainerOptions& o) {
       }
     }
   } else {
-    optimizer_holder = MakeOptimizer(optimized, hyper, t.lr);
+    if (!fsdp_on) optimizer_holder = MakeOptimizer(optimized, hyper, t.lr);
     // Model parallelism: the checkpoint (of any layout) is read into the whole model and an
     // optimizer of every parameter that trains; the stage keeps its part of both.
     std::unique_ptr<torch::optim::Optimizer> whole;
@@ -357,7 +365,20 @@ absl::Status Train(const TrainerOptions& o) {
     }
     if (model_parallel) {
       if (tensor > 1) KeepTensorParallelShards(*model, stage_params, *layout);
-      if (loaded.has_value()) {
+      if (fsdp_on) {
+        // The stage's replicas shard its parameters (FsdpModel's FULL_SHARD or SHARD_GRAD_OP
+        // over their group, which averages the gradients too).
+        fsdp_config.holds = [&model, &layout](const std::string& name) {
+          return StageHolds(*model, *layout, name);
+        };
+        ASSIGN_OR_RETURN(fsdp, FsdpModel::Create(*model, *shard_comm, *shard_comm, nullptr,
+                                                 fsdp_config, /*from_rank0=*/false));
+        if (loaded.has_value()) {
+          int64_t state_step = 0;
+          const auto states = StageStates(*model, *whole, *layout, &state_step);
+          RETURN_IF_ERROR(ImportParameterStates(*fsdp, states, state_step));
+        }
+      } else if (loaded.has_value()) {
         RETURN_IF_ERROR(KeepStageState(*model, *whole, *optimizer_holder, *layout));
       }
       whole.reset();
@@ -408,7 +429,8 @@ absl::Status Train(const TrainerOptions& o) {
                                                   std::min(1.0, par.bucket_mb));
     }
     pipeline = std::make_unique<PipelineStage>(*model, *comm, *layout, par.pipeline_schedule,
-                                               t.micro_batch, reducer.get(), tensor_comm.get());
+                                               t.micro_batch, reducer.get(), fsdp.get(),
+                                               tensor_comm.get());
   } else if (o.world_size > 1 && !offload && !fsdp) {
     // The first bucket is 1 MiB like PyTorch's, or smaller when the buckets are.
     const double bucket_mb = par.bucket_mb;
@@ -455,16 +477,19 @@ absl::Status Train(const TrainerOptions& o) {
                        : "",
       data.size(), num_samples, sampler.global_batch(),
       reducer ? reducer->num_buckets() : (offloaded ? offloaded->num_buckets() : 0),
-      fsdp ? absl::StrFormat("fsdp %s: %d units, shard group %d", Name(par.sharding),
-                             fsdp->num_units(), fsdp->shard_count())
-      : model_parallel
-          ? absl::StrFormat("pipeline stage %d/%d (blocks %d..%d, %d parameters), "
-                            "tensor-parallel rank %d/%d, %s, %d micro-batches, %d "
-                            "replicas (ddp)",
-                            layout->stage, stages, stage_bounds[layout->stage],
-                            stage_bounds[layout->stage + 1] - 1, held_count, layout->tp_rank,
-                            tensor, Name(par.pipeline_schedule), grad_accum, replicas)
-          : std::string(Name(par.strategy)),
+      model_parallel
+          ? absl::StrFormat(
+                "pipeline stage %d/%d (blocks %d..%d, %d parameters), tensor-parallel rank "
+                "%d/%d, %s, %d micro-batches, %d replicas (%s)",
+                layout->stage, stages, stage_bounds[layout->stage],
+                stage_bounds[layout->stage + 1] - 1, held_count, layout->tp_rank, tensor,
+                Name(par.pipeline_schedule), grad_accum, replicas,
+                fsdp ? absl::StrFormat("fsdp %s: %d units, shard group %d", Name(par.sharding),
+                                       fsdp->num_units(), fsdp->shard_count())
+                     : "ddp")
+      : fsdp ? absl::StrFormat("fsdp %s: %d units, shard group %d", Name(par.sharding),
+                               fsdp->num_units(), fsdp->shard_count())
+             : std::string(Name(par.strategy)),
       Name(t.optimizer), step, total_steps));
   Log(absl::StrCat("collectives: ", comm->Describe()));
   // A tensor-parallel group is consecutive ranks; the scheduler gives each node whole groups, but
@@ -488,9 +513,9 @@ absl::Status Train(const TrainerOptions& o) {
   // Bytes this rank sent for gradients and parameters so far (model parallelism: activations,
   // and over its data- and tensor-parallel groups too).
   auto bytes_sent = [&] {
-    if (fsdp) return fsdp->bytes_sent();
+    if (fsdp && !model_parallel) return fsdp->bytes_sent();
     return comm->bytes_sent() + (stage_comm ? stage_comm->bytes_sent() : 0) +
-           (tensor_comm ? tensor_comm->bytes_sent() : 0);
+           (tensor_comm ? tensor_comm->bytes_sent() : 0) + (fsdp ? fsdp->bytes_sent() : 0);
   };
   while (step < total_steps) {
     const auto step_start = Clock::now();
@@ -517,6 +542,7 @@ absl::Status Train(const TrainerOptions& o) {
       };
       loss_sum = pipeline->Step(grad_accum, windows, loss_of);
       backward_s = pipeline->last_step().seconds;
+      comm_wait_s = pipeline->last_step().comm_wait_seconds;
     }
     for (int micro = 0; !pipeline && micro < grad_accum; ++micro) {
       if (reducer) reducer->Prepare(micro == grad_accum - 1);
@@ -671,10 +697,17 @@ absl::Status Train(const TrainerOptions& o) {
         !o.checkpoint_dir.empty() &&
         (stop || checkpoint_requested || step == total_steps || (every > 0 && step % every == 0));
     if (checkpoint && pipeline) {
-      // Each stage's first replica writes its part; rank 0 meta.json.
+      // Each stage's first replica writes its part; rank 0 meta.json. Under fsdp, the stage's
+      // shards put together whole first (by all of its replicas).
+      WholeModel gathered;
+      if (fsdp) {
+        ASSIGN_OR_RETURN(gathered, GatherWhole(*fsdp, t.lr));
+      }
       ASSIGN_OR_RETURN(CheckpointInfo info,
-                       WriteStagedCheckpoint(o.checkpoint_dir, step, *layout, *model, stage_params,
-                                             *optimizer_holder, *comm, tensor_comm.get()));
+                       WriteStagedCheckpoint(o.checkpoint_dir, step, *layout, *model,
+                                             fsdp ? gathered.params : stage_params,
+                                             fsdp ? *gathered.optimizer : *optimizer_holder, *comm,
+                                             tensor_comm.get()));
       if (rank0) {
         Log(absl::StrCat("checkpoint step ", info.step, " path ", info.path, " bytes ", info.bytes,
                          " (", stages, " pipeline stages)"));
