@@ -74,7 +74,7 @@ PY
 
 printf "GPT n_layer %d, d_model %d, seq_len %d, %d windows per step, fp32, %d ranks x 1 thread\n" \
   "$n_layer" "$d_model" "$seq_len" "$batch" "$world"
-printf "(1 worker x 2 slots); medians over %d timed steps, median of %d reps, runs interleaved\n\n" \
+printf "(1 worker x 4 slots); medians over %d timed steps, median of %d reps, runs interleaved\n\n" \
   "$steps" "$reps"
 printf "| layout | tok/s | vs DDP | bubble measured | bubble theory | bytes sent per step (rank 0) | theory | measured / theory |\n"
 printf "|--------|-------|--------|-----------------|---------------|------------------------------|--------|-------------------|\n"

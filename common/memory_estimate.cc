@@ -72,7 +72,8 @@ namespace {
 
 // Pipeline stages and/or tensor parallelism, with ddp or fsdp over the replicas: the busiest rank
 // (see the header).
-MemoryEstimate ModelParallelEstimate(const v1::JobSpec& spec, MemoryEstimate e, int world_size) {
+MemoryEstimate ModelParallelEstimate(const v1::JobSpec& spec, MemoryEstimate e, int world_size,
+                                     int ranks_per_node) {
   const JobConfig config = ToJobConfig(spec);
   const ModelConfig& model = config.model;
   const int stages = e.pipeline_stages, tensor = e.tensor_parallel;
@@ -95,13 +96,17 @@ MemoryEstimate ModelParallelEstimate(const v1::JobSpec& spec, MemoryEstimate e, 
   const int64_t logits = s * b * model.vocab * 4 * 2 / tensor;
   const std::vector<int> bounds = PipelineBoundaries(model, stages, config.parallel.pipeline_split);
   const std::vector<int64_t> held = StageParameterCounts(model, bounds);
-  // FSDP: a stage's replicas shard its state; FULL_SHARD gathers one unit at a time (the
-  // largest of the model, at most), SHARD_GRAD_OP keeps the stage's from forward to backward.
-  const bool sharded =
-      e.strategy == v1::FSDP && (e.sharding == v1::FULL_SHARD || e.sharding == v1::SHARD_GRAD_OP);
+  // FSDP: a stage's replicas (HYBRID_SHARD: those on one node) shard its state; FULL_SHARD and
+  // HYBRID_SHARD gather one unit at a time (the largest of the model, at most), SHARD_GRAD_OP
+  // keeps the stage's from forward to backward.
+  const bool sharded = e.strategy == v1::FSDP && e.sharding != v1::NO_SHARD;
+  const int64_t all_replicas = std::max<int64_t>(1, world_size / std::max(1, stages * tensor));
   const int64_t replicas =
-      sharded ? std::max<int64_t>(1, world_size / std::max(1, stages * tensor)) : 1;
-  const int64_t unit = CeilDiv(LargestUnitParameters(spec.model()), tensor);
+      !sharded ? 1
+      : e.sharding == v1::HYBRID_SHARD
+          ? std::clamp<int64_t>(ranks_per_node / std::max(1, stages * tensor), 1, all_replicas)
+          : all_replicas;
+  const int64_t block_unit = CeilDiv(BlockParameterCount(model), tensor);
   int64_t busiest = -1;
   for (int stage = 0; stage < stages; ++stage) {
     const int layers = bounds[stage + 1] - bounds[stage];
@@ -113,9 +118,13 @@ MemoryEstimate ModelParallelEstimate(const v1::JobSpec& spec, MemoryEstimate e, 
     const int64_t trained =
         config.train.lora.enabled() ? lora * layers / std::max(1, model.n_layer) : params;
     const int64_t all = params + (config.train.lora.enabled() ? trained : 0);
-    here.parameters = bpp.param * (!sharded                       ? all
-                                   : e.sharding == v1::FULL_SHARD ? CeilDiv(all, replicas) + unit
-                                                                  : all);
+    // Gathered at once: the stage's root (embeddings, final norm and head: kept for the step)
+    // and a block unit.
+    const int64_t root = std::max<int64_t>(0, params - layers * block_unit);
+    const int64_t unit = root + block_unit;
+    here.parameters =
+        bpp.param *
+        (!sharded || e.sharding == v1::SHARD_GRAD_OP ? all : CeilDiv(all, replicas) + unit);
     here.gradients =
         bpp.grad * (sharded ? CeilDiv(trained, replicas) + std::min(unit, trained) : trained);
     const int64_t trained_whole = config.train.lora.enabled() ? lora : whole;
@@ -165,7 +174,7 @@ MemoryEstimate EstimateMemory(const v1::JobSpec& spec, int world_size, int ranks
   const v1::ShardingStrategy sharding = spec.parallel().sharding_strategy();
   if (e.pipeline_stages > 1 || e.tensor_parallel > 1) {
     if (e.strategy == v1::FSDP) e.sharding = sharding;
-    return ModelParallelEstimate(spec, e, world_size);
+    return ModelParallelEstimate(spec, e, world_size, ranks_per_node);
   }
   if (e.strategy == v1::OFFLOAD) {
     // Weights and gradients stay on the device (each rank keeps its reduce-scattered slice of the

@@ -15,12 +15,13 @@
 // Model parallelism (parallel.pipeline_stages P and parallel.tensor_parallel T, ddp or fsdp over
 // the D replicas): the busiest rank's share. A stage holds its blocks (the first also the
 // embeddings, the last the head), split T ways (the replicated norms and biases counted as split
-// too); its activations are its layers' for every micro-batch alive at once (GPipe: all m; 1F1B: P
-// - stage on stage s) at Korthikanti et al.'s tensor-parallel size, s*b*h*(10 + 24/T + 5*a*s/(h*T))
-// per layer (s*b*h*(34/T + 5*a*s/(h*T)) with sequence parallelism), and the last stage's logits
-// split T ways. Under fsdp (FULL_SHARD, SHARD_GRAD_OP) the stage's replicas shard its gradients and
-// optimizer state D ways, and under FULL_SHARD its parameters too, plus the largest unit (split
-// T ways) while it is gathered.
+// too); its activations are its layers' for every micro-batch alive at once (GPipe: all m;
+// 1F1B: P - stage on stage s) at Korthikanti et al.'s tensor-parallel size,
+// s*b*h*(10 + 24/T + 5*a*s/(h*T)) per layer (s*b*h*(34/T + 5*a*s/(h*T)) with sequence
+// parallelism), and the last stage's logits split T ways. Under fsdp the stage's replicas shard
+// its gradients and optimizer state D ways (under HYBRID_SHARD those on one node), and under
+// FULL_SHARD and HYBRID_SHARD its parameters too, plus the largest unit (split T ways) while it
+// is gathered.
 #ifndef TRAINYARD_COMMON_MEMORY_ESTIMATE_H_
 #define TRAINYARD_COMMON_MEMORY_ESTIMATE_H_
 

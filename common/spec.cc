@@ -617,12 +617,6 @@ absl::Status ValidateModelParallelStrategy(const v1::ParallelSpec& p, const std:
                                           " are replicated with ddp or fsdp; parallel.strategy is "
                                           "offload"));
   }
-  if (p.strategy() == v1::FSDP && p.sharding_strategy() == v1::HYBRID_SHARD) {
-    return FieldError("parallel.sharding_strategy",
-                      absl::StrCat("HYBRID_SHARD does not run with ", field,
-                                   " (each part of the model is sharded over all of its "
-                                   "replicas): use FULL_SHARD or SHARD_GRAD_OP"));
-  }
   return absl::OkStatus();
 }
 
@@ -981,6 +975,16 @@ absl::Status AnnotateWithLine(const absl::Status& status, const ParsedSpec& pars
     field = dot == std::string::npos ? "" : field.substr(0, dot);
   }
   return absl::Status(status.code(), absl::StrCat(filename, ": ", message));
+}
+
+int RankBlockOf(const v1::JobSpec& spec) {
+  const auto& p = spec.parallel();
+  const int tensor = std::max(1, p.tensor_parallel()), stages = std::max(1, p.pipeline_stages());
+  if (p.strategy() == v1::FSDP && p.sharding_strategy() == v1::HYBRID_SHARD &&
+      stages * tensor > 1) {
+    return stages * tensor;
+  }
+  return tensor;
 }
 
 std::string StrategyName(v1::Strategy s) { return absl::AsciiStrToLower(v1::Strategy_Name(s)); }

@@ -40,6 +40,12 @@ void ApplyJobSpecDefaults(v1::JobSpec& spec);
 // dotted field path, e.g. "model.n_head: must divide model.d_model (256), got 3".
 absl::Status ValidateJobSpec(const v1::JobSpec& spec);
 
+// The ranks of a job that must share a node (the scheduler places whole blocks of them): a
+// tensor-parallel group; under fsdp HYBRID_SHARD with pipeline stages or tensor parallelism, a
+// whole replica (pipeline_stages x tensor_parallel), whose parts are sharded over the node's
+// replicas. 1 otherwise.
+int RankBlockOf(const v1::JobSpec& spec);
+
 // If `status` names a field that `parsed` has a line for, prefixes "FILENAME:LINE: ".
 absl::Status AnnotateWithLine(const absl::Status& status, const ParsedSpec& parsed,
                               const std::string& filename);

@@ -638,8 +638,9 @@ train: {steps: 10}
   };
   EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_resources()->set_gpus(3); }),
               StartsWith("resources.gpus: 3 ranks do not split into 2 pipeline stages"));
-  // FSDP within the stages: FULL_SHARD and SHARD_GRAD_OP (and NO_SHARD, which is ddp).
-  for (v1::ShardingStrategy ss : {v1::FULL_SHARD, v1::SHARD_GRAD_OP, v1::NO_SHARD}) {
+  // FSDP within the stages, every sharding strategy (NO_SHARD is ddp).
+  for (v1::ShardingStrategy ss :
+       {v1::FULL_SHARD, v1::SHARD_GRAD_OP, v1::NO_SHARD, v1::HYBRID_SHARD}) {
     EXPECT_EQ(error([&](v1::JobSpec& s) {
                 s.mutable_parallel()->set_strategy(v1::FSDP);
                 s.mutable_parallel()->set_sharding_strategy(ss);
@@ -647,12 +648,6 @@ train: {steps: 10}
               "")
         << v1::ShardingStrategy_Name(ss);
   }
-  EXPECT_THAT(error([](v1::JobSpec& s) {
-                s.mutable_parallel()->set_strategy(v1::FSDP);
-                s.mutable_parallel()->set_sharding_strategy(v1::HYBRID_SHARD);
-              }),
-              StartsWith("parallel.sharding_strategy: HYBRID_SHARD does not run with "
-                         "parallel.pipeline_stages"));
   EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_parallel()->set_strategy(v1::OFFLOAD); }),
               StartsWith("parallel.pipeline_stages: pipeline stages are replicated with ddp or "
                          "fsdp; parallel.strategy is offload"));
@@ -766,14 +761,13 @@ train: {steps: 10}
               }),
               StartsWith("parallel.tensor_parallel: tensor-parallel groups are replicated with "
                          "ddp or fsdp; parallel.strategy is offload"));
-  EXPECT_THAT(error([](v1::JobSpec& s) {
-                s.mutable_parallel()->set_pipeline_stages(1);
-                s.mutable_train()->set_micro_batches(0);
-                s.mutable_parallel()->set_strategy(v1::FSDP);
-                s.mutable_parallel()->set_sharding_strategy(v1::HYBRID_SHARD);
-              }),
-              StartsWith("parallel.sharding_strategy: HYBRID_SHARD does not run with "
-                         "parallel.tensor_parallel"));
+  EXPECT_EQ(error([](v1::JobSpec& s) {
+              s.mutable_parallel()->set_pipeline_stages(1);
+              s.mutable_train()->set_micro_batches(0);
+              s.mutable_parallel()->set_strategy(v1::FSDP);
+              s.mutable_parallel()->set_sharding_strategy(v1::HYBRID_SHARD);
+            }),
+            "");
   EXPECT_THAT(error([](v1::JobSpec& s) {
                 s.mutable_model()->set_kind("llama");
                 s.mutable_model()->set_n_kv_head(1);
@@ -791,6 +785,26 @@ train: {steps: 10}
                 lora->add_target_modules("q_proj");
               }),
               StartsWith("train.lora: not with parallel.tensor_parallel"));
+}
+
+// The ranks the scheduler keeps on one node: a tensor-parallel group; under fsdp HYBRID_SHARD with
+// model parallelism, a whole replica (its stages' tensor-parallel groups).
+TEST(SpecTest, RankBlockKeepsTensorGroupsAndHybridReplicasOnOneNode) {
+  v1::JobSpec spec;
+  EXPECT_EQ(RankBlockOf(spec), 1);
+  spec.mutable_parallel()->set_tensor_parallel(2);
+  EXPECT_EQ(RankBlockOf(spec), 2);
+  spec.mutable_parallel()->set_pipeline_stages(3);
+  EXPECT_EQ(RankBlockOf(spec), 2);
+  spec.mutable_parallel()->set_strategy(v1::FSDP);
+  spec.mutable_parallel()->set_sharding_strategy(v1::FULL_SHARD);
+  EXPECT_EQ(RankBlockOf(spec), 2);
+  spec.mutable_parallel()->set_sharding_strategy(v1::HYBRID_SHARD);
+  EXPECT_EQ(RankBlockOf(spec), 6);
+  spec.mutable_parallel()->set_tensor_parallel(1);
+  EXPECT_EQ(RankBlockOf(spec), 3);
+  spec.mutable_parallel()->set_pipeline_stages(1);  // plain HYBRID_SHARD: any split
+  EXPECT_EQ(RankBlockOf(spec), 1);
 }
 
 TEST(SpecTest, PipelineStagesAreBalancedByParameters) {

@@ -1746,6 +1746,7 @@ struct PipelineVariant {
   bool lora = false;      // train.lora on every projection (llama)
   // parallel.strategy fsdp with this sharding over each stage's replicas (unspecified: ddp).
   v1::ShardingStrategy fsdp = v1::SHARDING_STRATEGY_UNSPECIFIED;
+  int local_world = 0;  // --local-world-size of every rank (HYBRID_SHARD's nodes); 0: all
 };
 
 // `v` with fsdp `sharding` over each part's replicas, named `name`.
@@ -1753,6 +1754,13 @@ PipelineVariant WithFsdp(PipelineVariant v, std::string name,
                          v1::ShardingStrategy sharding = v1::FULL_SHARD) {
   v.name = std::move(name);
   v.fsdp = sharding;
+  return v;
+}
+
+// `v` with fsdp HYBRID_SHARD on nodes of `local_world` ranks, named `name`.
+PipelineVariant WithHybrid(PipelineVariant v, std::string name, int local_world) {
+  v = WithFsdp(std::move(v), std::move(name), v1::HYBRID_SHARD);
+  v.local_world = local_world;
   return v;
 }
 
@@ -1853,7 +1861,10 @@ TEST_P(PipelineEquivalenceTest, LossesAndParametersMatchOneRank) {
   const std::string pipe_metrics = dir_.path() + "/pipe.jsonl";
   const std::string one_metrics = dir_.path() + "/one.jsonl";
 
-  RunResult rp = Run(pipe, world, {"--dump-params", pipe_dump, "--metrics-file", pipe_metrics});
+  std::vector<std::string> every_rank;
+  if (v.local_world > 0) every_rank = {"--local-world-size", absl::StrCat(v.local_world)};
+  RunResult rp =
+      Run(pipe, world, {"--dump-params", pipe_dump, "--metrics-file", pipe_metrics}, every_rank);
   EXPECT_THAT(rp.exit_codes, ::testing::Each(0)) << Joined(rp);
   EXPECT_THAT(Joined(rp), HasSubstr("step 10/10"));
   EXPECT_THAT(Joined(rp), HasSubstr(absl::StrCat("pipeline stage 0/", v.stages)));
@@ -1861,7 +1872,9 @@ TEST_P(PipelineEquivalenceTest, LossesAndParametersMatchOneRank) {
   if (v.fsdp != v1::SHARDING_STRATEGY_UNSPECIFIED) {
     EXPECT_THAT(Joined(rp), HasSubstr(absl::StrCat(" replicas (fsdp ",
                                                    v1::ShardingStrategy_Name(v.fsdp), ": ")));
-    EXPECT_THAT(Joined(rp), HasSubstr(absl::StrCat("shard group ", v.replicas, ")")));
+    // HYBRID_SHARD: the replicas on one node.
+    const int shard_group = v.local_world > 0 ? v.local_world / (v.stages * v.tensor) : v.replicas;
+    EXPECT_THAT(Joined(rp), HasSubstr(absl::StrCat("shard group ", shard_group, ")")));
   }
   RunResult r1 = Run(one, 1, {"--dump-params", one_dump, "--metrics-file", one_metrics});
   EXPECT_THAT(r1.exit_codes, ::testing::ElementsAre(0)) << Joined(r1);
@@ -1931,7 +1944,12 @@ INSTANTIATE_TEST_SUITE_P(
         WithFsdp(WithSequence(WithTensor({"", 2, v1::GPIPE, false, 2, false, "llama"}, "", 2), ""),
                  "FsdpLlamaTwoStagesTwoTensorRanksTwoReplicasSequenceParallelGpipe"),
         WithFsdp(WithLora({"", 2, v1::ONE_F_ONE_B, true, 2, true, "llama"}, ""),
-                 "FsdpLlamaLoraTiedTwoStagesTwoReplicas1F1BCheckpointing")),
+                 "FsdpLlamaLoraTiedTwoStagesTwoReplicas1F1BCheckpointing"),
+        // HYBRID_SHARD: 2 nodes of 2 replicas each (shards of 2, replicated), and nodes of one
+        // replica (nothing sharded, the nodes' gradients all-reduced).
+        WithHybrid({"", 2, v1::ONE_F_ONE_B, false, 4, true}, "HybridTwoStagesFourReplicas1F1BTied",
+                   4),
+        WithHybrid({"", 2, v1::GPIPE, true, 2}, "HybridTwoStagesOneReplicaPerNodeGpipe", 2)),
     [](const auto& info) { return info.param.name; });
 
 // The per-step maxima of a metrics file's `key`.
@@ -2089,6 +2107,19 @@ INSTANTIATE_TEST_SUITE_P(
         WithFsdp({"", 2, v1::GPIPE, false, 2, false, "llama", 0, v1::ADAFACTOR},
                  "FsdpLlamaTwoStagesTwoReplicasAdafactor")),
     [](const auto& info) { return info.param.name; });
+
+// HYBRID_SHARD within pipeline stages shards each stage over the replicas on one node: a node
+// must hold whole replicas.
+TEST_F(TrainerE2eTest, HybridShardWithinStagesNeedsWholeReplicasOnANode) {
+  v1::JobSpec spec = PipelineSpec(WithHybrid({"", 4, v1::ONE_F_ONE_B, false, 2}, "split", 2));
+  const Job job = StartJob(spec, "split");
+  testing::CommandResult r =
+      testing::RunCommand(Argv(job, 0, 8, {"--local-world-size", "2"}), {}, absl::Seconds(60));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("parallel.sharding_strategy: HYBRID_SHARD shards each part of the "
+                               "model over its replicas on one node, so every node needs whole "
+                               "replicas of 4 ranks"));
+}
 
 TEST_F(TrainerE2eTest, HybridShardOnUnevenNodesFailsFast) {
   FsdpVariant v{"uneven", v1::HYBRID_SHARD, v1::BACKWARD_PRE, false};

@@ -632,8 +632,8 @@ int JobManager::SchedulePass() {
       if (max_runtime_s > 0) p.max_runtime = absl::Seconds(max_runtime_s);
       p.user = user_of(job);
       p.preemptible = !job.spec().has_preemptible() || job.spec().preemptible();
-      // A tensor-parallel group's ranks stay on one node.
-      p.rank_block = std::max(1, job.spec().parallel().tensor_parallel());
+      // A tensor-parallel group's ranks (or HYBRID_SHARD's replica) stay on one node.
+      p.rank_block = RankBlockOf(job.spec());
       snapshot.pending.push_back(std::move(p));
     } else if (IsActive(job.state())) {
       RunningJobInfo r;

@@ -497,11 +497,14 @@ double FsdpModel::ShardGradSquared(const std::vector<std::string>& skip) {
   torch::NoGradGuard no_grad;
   double sq = 0;
   for (const Unit& u : units_) {
-    if (u.train.shard_numel > 0) sq += u.train.shard.grad().pow(2).sum().item<double>();
+    if (u.train.shard_numel > 0) {
+      sq += torch::sum(u.train.shard.grad().pow(2), torch::kDouble).item<double>();
+    }
   }
+  // (In double: a small part subtracted from a large whole.)
   for (const std::string& name : skip) {
     for (const torch::Tensor& g : ShardGradOf(name)) {
-      sq -= g.pow(2).sum().item<double>();
+      sq -= torch::sum(g.pow(2), torch::kDouble).item<double>();
     }
   }
   return sq;

@@ -16,18 +16,19 @@
 // share that storage, so a unit gathered again before its backward serves them too).
 //
 // Per micro-step: BeginForward gathers the root (kept until the end of its backward, as PyTorch
-// keeps the root unsharded); each block unit is gathered before its first block runs forward
-// (and, with forward_prefetch, the next one starts gathering), freed after its last block under
-// FULL_SHARD / HYBRID_SHARD or kept until after its backward under SHARD_GRAD_OP. A hook on the
-// unit's output gathers it again before its backward (BACKWARD_PRE also starts gathering the unit
-// whose backward comes next); gradients accumulate straight into a flat buffer of the unit; once
-// all of them are in (BACKWARD_POST starts the next gather here), the unit is freed and its
-// gradient reduce-scattered (then, under HYBRID_SHARD, all-reduced over the replicas), divided by
-// the world size and added to the rank's gradient shard. Block units gathered at once never
-// exceed max_gathered_units: a prefetch that would go over it is skipped. A shard group of one
-// (one rank, or HYBRID_SHARD with one rank per node) never gathers: the parameters are views of
-// the shard and the gradients accumulate in the gradient shard, all-reduced over the replicas on
-// a step's last micro-step; so it holds what DDP holds (PyTorch runs NO_SHARD there).
+// keeps the root unsharded; in a pipeline stage until the step's last backward, BeginBackward);
+// each block unit is gathered before its first block runs forward (and, with forward_prefetch, the
+// next one starts gathering), freed after its last block under FULL_SHARD / HYBRID_SHARD or kept
+// until after its backward under SHARD_GRAD_OP. A hook on the unit's output gathers it again before
+// its backward (BACKWARD_PRE also starts gathering the unit whose backward comes next); gradients
+// accumulate straight into a flat buffer of the unit; once all of them are in (BACKWARD_POST starts
+// the next gather here), the unit is freed and its gradient reduce-scattered (then, under
+// HYBRID_SHARD, all-reduced over the replicas), divided by the world size and added to the rank's
+// gradient shard. Block units gathered at once never exceed max_gathered_units: a prefetch that
+// would go over it is skipped. A shard group of one (one rank, or HYBRID_SHARD with one rank per
+// node) never gathers: the parameters are views of the shard and the gradients accumulate in the
+// gradient shard, all-reduced over the replicas on a step's last micro-step; so it holds what DDP
+// holds (PyTorch runs NO_SHARD there).
 //
 // All communication runs on one thread in the order the training thread asks for it, which is the
 // same on every rank; the training thread overlaps compute with it and waits only for what it
@@ -86,7 +87,9 @@ struct FsdpLayout {
     std::string name;
     std::vector<int64_t> shape;
     int64_t offset = 0;  // elements into the unit's flat buffer
-    int index = 0;       // position in model.named_parameters()
+    // Position among the parameters the model shards (model.named_parameters(), or those
+    // FsdpConfig::holds keeps: 0, 1, ... without gaps).
+    int index = 0;
   };
   // One flat buffer: a unit's parameters that train, or (LoRA) its frozen ones.
   struct Unit {
@@ -157,8 +160,9 @@ class FsdpModel : public BlockHooks {
   // every rank of the shard group has the same layout, so the same views of two groups' ranks
   // hold the same elements of the parameter (tensor parallelism's replicated parameters).
   std::vector<torch::Tensor> ShardGradOf(const std::string& name);
-  // Parameter `name`'s whole gradient, put together over the shard group (every rank of it
-  // calls it, after FinishBackward), and the setting of this rank's part of it from `whole`.
+  // Parameter `name`'s whole gradient (flat, [numel]), put together over the shard group (every
+  // rank of it calls it, after FinishBackward), and the setting of this rank's part of it from
+  // `whole` (any shape of numel elements).
   torch::Tensor GatherGrad(const std::string& name);
   void SetGrad(const std::string& name, const torch::Tensor& whole);
   // The optimizer on the shards: gradients scaled by `clip_scale`, learning rate `lr`; then
@@ -172,6 +176,8 @@ class FsdpModel : public BlockHooks {
   int shard_rank() const { return shard_.rank(); }
   Communicator& shard_group() { return shard_; }
   int shard_count() const { return shard_.world_size(); }
+  // Ranks holding the same shard (HYBRID_SHARD's nodes; 1 otherwise).
+  int replica_count() const { return replica_ != nullptr ? replica_->world_size() : 1; }
   // True on the ranks that write the shards of a checkpoint (replica 0).
   bool writes_shards() const { return replica_ == nullptr || replica_->rank() == 0; }
   FsdpShardState ExportState();

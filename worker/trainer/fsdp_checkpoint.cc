@@ -358,11 +358,18 @@ absl::StatusOr<WholeModel> GatherWhole(FsdpModel& fsdp, double lr) {
   for (int i = 0; i < fsdp.num_flats(); ++i) {
     const int64_t numel = layout.units[i].numel;
     flat.push_back(whole(shards.params[i], numel));
-    if (shards.optimizer[i].empty()) continue;
+    // (Decided by what every rank of the group knows alike: an 8-bit shard of padding alone has
+    // no state of its own, but takes part in the gathers.)
+    if (layout.units[i].frozen || shards.step == 0) continue;
     ASSIGN_OR_RETURN(auto elementwise, SlotOptimizer::Elementwise(
                                            fsdp.optimizer().kind, OptimizerParams(layout.units[i]),
                                            int64_t{fsdp.shard_rank()} * fsdp.shard_numel(i),
                                            fsdp.shard_numel(i), shards.optimizer[i]));
+    if (elementwise.empty() && fsdp.optimizer().kind == OptimizerKind::kAdamW8bit) {
+      for (const char* key : {"exp_avg", "exp_avg_sq"}) {
+        elementwise[key] = torch::zeros({fsdp.shard_numel(i)}, torch::kFloat);
+      }
+    }
     for (auto& [key, t] : elementwise) {
       // Adafactor's factors are whole in every shard already.
       state[i][key] = key == "factors" ? t : whole(t.reshape({-1}), numel);

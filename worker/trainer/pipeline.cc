@@ -328,14 +328,15 @@ double PipelineStage::GradNormSquared(const std::vector<torch::Tensor>& trainabl
   // The last stage's copy of the tied weight is the first stage's; count it there only.
   const bool skip_tied = tied_.defined() && !layout_.first();
   if (fsdp_ != nullptr) {
-    // Every rank of the stage's group holds its own shard of the averaged gradients.
+    // Every rank of the stage's shard group holds its own shard of the averaged gradients (and
+    // under HYBRID_SHARD so does each replica of the group).
     std::vector<std::string> skip;
     if (skip_tied) skip.push_back(tied_name_);
     if (layout_.tp_rank != 0)
       skip.insert(skip.end(), replicated_names_.begin(), replicated_names_.end());
     torch::Tensor total = torch::tensor({fsdp_->ShardGradSquared(skip)}, torch::kDouble);
     world_.AllReduceSum({total})->Wait();
-    return total.item<double>();
+    return total.item<double>() / fsdp_->replica_count();
   }
   // Tensor parallelism: shards count on every rank, replicated parameters on rank 0 of the group.
   std::set<const void*> skip;

@@ -11,10 +11,11 @@
 // Data parallelism runs over the rest: rank = (replica * P + stage) * T + tensor rank, so a
 // tensor-parallel group is consecutive ranks (on one node), then a replica's stages. The ranks
 // that hold the same part of the model (one per replica) average their gradients through a
-// GradientReducer of their own group (ddp), or shard that part over their group (fsdp,
-// FULL_SHARD or SHARD_GRAD_OP: an FsdpModel of the stage's parameters, whose units are gathered
-// for each micro-batch's forward and backward and whose gradients are reduce-scattered after
-// each backward, as PyTorch's pipelining runs FSDP within a stage).
+// GradientReducer of their own group (ddp), or shard that part over their group (fsdp: an
+// FsdpModel of the stage's parameters, whose block units are gathered for each micro-batch's
+// forward and backward and whose gradients are reduce-scattered after each backward, as
+// PyTorch's pipelining runs FSDP within a stage; under HYBRID_SHARD over the replicas on one
+// node, all-reduced across nodes).
 //
 // Schedules (as PyTorch's torch.distributed.pipelining and DeepSpeed name them):
 //  - gpipe: all m forwards, then all m backwards; m micro-batches of activations alive at once.

@@ -198,6 +198,13 @@ absl::Status Train(const TrainerOptions& o) {
         "parallel.sharding_strategy: HYBRID_SHARD needs the same number of ranks on every node; ",
         o.world_size, " ranks do not split into nodes of ", local_world));
   }
+  if (hybrid && model_parallel && local_world % (stages * tensor) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "parallel.sharding_strategy: HYBRID_SHARD shards each part of the model over its "
+        "replicas on one node, so every node needs whole replicas of ",
+        stages * tensor, " ranks (pipeline stages x tensor-parallel ranks); this node runs ",
+        local_world));
+  }
   std::vector<PsRangeRef> ps_ranges;
   if (offload) {
     if (o.ps_ranges.empty()) {
@@ -241,7 +248,7 @@ absl::Status Train(const TrainerOptions& o) {
     // Model parallelism: the ranks holding the same shards (one per replica; under fsdp its
     // group below), and the tensor-parallel group (consecutive ranks).
     const int group = stages * tensor;
-    if (model_parallel && o.world_size > group && !fsdp_on) {
+    if (model_parallel && o.world_size > group && (!fsdp_on || hybrid)) {
       ASSIGN_OR_RETURN(stage_comm,
                        MakeSubgroupCommunicator(
                            store, absl::StrCat("data-parallel-", o.rank % group), o.rank / group,
@@ -254,11 +261,22 @@ absl::Status Train(const TrainerOptions& o) {
                            o.rank % tensor, tensor, o.gloo_hostname, std::chrono::minutes(5)));
     }
     if (fsdp_on && model_parallel) {
-      // FSDP within each stage: the stage's replicas shard it (a group of their own, as below).
-      ASSIGN_OR_RETURN(shard_comm,
-                       MakeSubgroupCommunicator(store, absl::StrCat("fsdp-stage-", o.rank % group),
-                                                o.rank / group, o.world_size / group,
-                                                o.gloo_hostname, std::chrono::minutes(5)));
+      // FSDP within each part of the model: its replicas shard it (a group of their own, as
+      // below); under HYBRID_SHARD its replicas on one node, the nodes' shards replicated.
+      const int replica = o.rank / group, replicas = o.world_size / group;
+      const int per_node = hybrid ? local_world / group : replicas;
+      ASSIGN_OR_RETURN(
+          shard_comm,
+          MakeSubgroupCommunicator(
+              store, absl::StrCat("fsdp-stage-", o.rank % group, "-shard-", replica / per_node),
+              replica % per_node, per_node, o.gloo_hostname, std::chrono::minutes(5)));
+      if (hybrid) {
+        ASSIGN_OR_RETURN(
+            replica_comm,
+            MakeSubgroupCommunicator(
+                store, absl::StrCat("fsdp-stage-", o.rank % group, "-replica-", replica % per_node),
+                replica / per_node, replicas / per_node, o.gloo_hostname, std::chrono::minutes(5)));
+      }
     } else if (fsdp_on) {
       // Every rank builds its own groups, also without HYBRID_SHARD: the FSDP communication
       // thread must not share a process group with the training thread's collectives.
@@ -276,6 +294,7 @@ absl::Status Train(const TrainerOptions& o) {
     }
   }
   if (fsdp_on && !shard_comm) shard_comm = MakeLocalCommunicator();
+  if (hybrid && model_parallel && !stage_comm) stage_comm = MakeLocalCommunicator();
   if (hybrid) {
     // Every node must hold the same number of ranks (consecutive ones).
     torch::Tensor sizes =
@@ -366,13 +385,15 @@ absl::Status Train(const TrainerOptions& o) {
     if (model_parallel) {
       if (tensor > 1) KeepTensorParallelShards(*model, stage_params, *layout);
       if (fsdp_on) {
-        // The stage's replicas shard its parameters (FsdpModel's FULL_SHARD or SHARD_GRAD_OP
-        // over their group, which averages the gradients too).
+        // The stage's replicas shard its parameters (an FsdpModel over their group, or under
+        // HYBRID_SHARD over those on this node), which averages the gradients too.
         fsdp_config.holds = [&model, &layout](const std::string& name) {
           return StageHolds(*model, *layout, name);
         };
-        ASSIGN_OR_RETURN(fsdp, FsdpModel::Create(*model, *shard_comm, *shard_comm, nullptr,
-                                                 fsdp_config, /*from_rank0=*/false));
+        // (`world`: the part's replicas, over which the gradients are averaged.)
+        ASSIGN_OR_RETURN(fsdp, FsdpModel::Create(*model, hybrid ? *stage_comm : *shard_comm,
+                                                 *shard_comm, replica_comm.get(), fsdp_config,
+                                                 /*from_rank0=*/false));
         if (loaded.has_value()) {
           int64_t state_step = 0;
           const auto states = StageStates(*model, *whole, *layout, &state_step);
@@ -424,7 +445,7 @@ absl::Status Train(const TrainerOptions& o) {
   std::unique_ptr<GradientReducer> reducer;
   std::unique_ptr<PipelineStage> pipeline;
   if (model_parallel) {
-    if (stage_comm) {
+    if (stage_comm && !fsdp) {
       reducer = std::make_unique<GradientReducer>(optimized, *stage_comm, par.bucket_mb,
                                                   std::min(1.0, par.bucket_mb));
     }
