@@ -181,6 +181,44 @@ TEST(SchedulerTest, JobsAlreadyStoppingForTheHeadAreWaitedForNotAddedTo) {
   EXPECT_THAT(r.preemption->victims, ElementsAre("other"));
 }
 
+// A head placed in blocks (a tensor-parallel group, HYBRID_SHARD's replica) counts only whole
+// blocks as room: one free device on each of two nodes is no room for a group of 2, so it
+// preempts the cheaper job beside one of them; devices of a stopping job that make no whole
+// block do not make it wait either.
+TEST(SchedulerTest, AHeadPlacedInBlocksPreemptsForWholeBlocks) {
+  ClusterSnapshot s = Cluster({1, 1}, 2);
+  s.preemption = true;
+  s.running = {RunningFor("costly", 0, 1, 10, absl::Hours(3)),
+               RunningFor("cheap", 1, 1, 10, absl::Hours(1))};
+  PendingJobInfo head = Job("tp2", 2, 90);
+  head.rank_block = 2;
+  s.pending = {head};
+  ScheduleResult r = Schedule(s);
+  EXPECT_THAT(r.placements, IsEmpty());
+  ASSERT_TRUE(r.preemption.has_value());
+  EXPECT_THAT(r.preemption->victims, ElementsAre("cheap"));
+  // Devices one by one (no blocks), the two free ones would do.
+  s.pending = {Job("plain", 2, 90)};
+  EXPECT_THAT(PlacedIds(Schedule(s)), ElementsAre("plain"));
+
+  // Node 0 full (a job stopping on one device, "cheap" on the other), node 1 one free device
+  // beside "costly": the stopping job leaves one free device on each node, no whole block, so
+  // the head still preempts, the job that completes node 0.
+  s = Cluster({0, 1}, 2);
+  s.preemption = true;
+  s.running = {RunningFor("stopping", 0, 1, 10, absl::Hours(1)),
+               RunningFor("cheap", 0, 1, 10, absl::Hours(1)),
+               RunningFor("costly", 1, 1, 10, absl::Hours(3))};
+  s.running[0].preempting = true;
+  s.pending = {head};
+  r = Schedule(s);
+  ASSERT_TRUE(r.preemption.has_value());
+  EXPECT_THAT(r.preemption->victims, ElementsAre("cheap"));
+  // Devices one by one, the free one and the stopping one would do: it waits for them.
+  s.pending = {Job("plain", 2, 90)};
+  EXPECT_FALSE(Schedule(s).preemption.has_value());
+}
+
 TEST(SchedulerTest, NoPreemptionWhenEvenEveryCandidateWouldNotMakeRoom) {
   ClusterSnapshot s = Cluster({0, 0}, 2);
   s.preemption = true;

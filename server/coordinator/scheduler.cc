@@ -178,11 +178,13 @@ struct RunningShare {
 };
 
 // The running jobs `head` should preempt, or none (see Schedule): `eligible[n]` says whether
-// node n may take the head's ranks, `free_now` how many of their devices are free;
-// `head_account` is the head's account (-1: none) and `head_within_quota` whether it fits in
-// that account's quota.
+// node n may take the head's ranks, `free_now` how many of their devices are free and
+// `node_free[n]` how many of node n's; `head_account` is the head's account (-1: none) and
+// `head_within_quota` whether it fits in that account's quota. A head placed in blocks
+// (rank_block) counts only each node's whole blocks as room.
 std::vector<std::string> ChooseVictims(const ClusterSnapshot& snapshot, const PendingJobInfo& head,
                                        const std::vector<bool>& eligible, int64_t free_now,
+                                       const std::vector<int>& node_free,
                                        const std::vector<RunningShare>& shares, int head_account,
                                        bool head_within_quota,
                                        const std::vector<int64_t>& account_used) {
@@ -217,6 +219,24 @@ std::vector<std::string> ChooseVictims(const ClusterSnapshot& snapshot, const Pe
     return r.priority < head.priority || head_within_quota;
   };
   int64_t available = free_now;
+  // In blocks: each eligible node's free devices as the chosen jobs stop, and the room in whole
+  // blocks they make.
+  const int block = std::max(1, head.rank_block);
+  std::vector<int64_t> on_node(num_nodes, 0);
+  for (int n = 0; n < num_nodes; ++n) on_node[n] = eligible[n] ? node_free[n] : 0;
+  auto stops = [&](const RunningJobInfo& r, int sign) {
+    for (const DeviceGrant& g : r.grants) {
+      if (g.devices > 0 && g.node >= 0 && g.node < num_nodes && eligible[g.node]) {
+        on_node[g.node] += sign * g.devices;
+      }
+    }
+  };
+  auto room = [&] {
+    if (block == 1) return available;
+    int64_t in_blocks = 0;
+    for (int64_t f : on_node) in_blocks += f / block * block;
+    return in_blocks;
+  };
   std::vector<Candidate> candidates;
   for (size_t i = 0; i < snapshot.running.size(); ++i) {
     const RunningJobInfo& r = snapshot.running[i];
@@ -224,6 +244,7 @@ std::vector<std::string> ChooseVictims(const ClusterSnapshot& snapshot, const Pe
     const int64_t freed = devices_on_eligible(r, &all);
     if (r.preempting) {
       available += freed;
+      stops(r, +1);
       continue;
     }
     if (freed == 0 || !may_preempt(r, shares[i])) continue;
@@ -232,7 +253,7 @@ std::vector<std::string> ChooseVictims(const ClusterSnapshot& snapshot, const Pe
                           static_cast<double>(all) * absl::ToDoubleSeconds(snapshot.now - since),
                           all, shares[i].account});
   }
-  if (available >= head.devices) return {};  // stopping jobs will make room: wait for them
+  if (room() >= head.devices) return {};  // stopping jobs will make room: wait for them
   std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
     const double x = a.lost / a.freed, y = b.lost / b.freed;
     if (x != y) return x < y;
@@ -241,14 +262,15 @@ std::vector<std::string> ChooseVictims(const ClusterSnapshot& snapshot, const Pe
   });
   std::vector<Candidate> chosen;
   for (const Candidate& c : candidates) {
-    if (available >= head.devices) break;
+    if (room() >= head.devices) break;
     const bool other = c.account >= 0 && c.account != head_account;
     if (other && spare[c.account] < c.all) continue;  // it would leave its account below quota
     if (other) spare[c.account] -= c.all;
     chosen.push_back(c);
     available += c.freed;
+    stops(*c.job, +1);
   }
-  if (available < head.devices) return {};  // even all of them would not make room
+  if (room() < head.devices) return {};  // even all of them would not make room
   // Drop the costliest victims the head does not need after all.
   std::vector<size_t> by_cost(chosen.size());
   std::iota(by_cost.begin(), by_cost.end(), 0);
@@ -256,9 +278,13 @@ std::vector<std::string> ChooseVictims(const ClusterSnapshot& snapshot, const Pe
             [&](size_t a, size_t b) { return chosen[a].lost > chosen[b].lost; });
   std::vector<bool> keep(chosen.size(), true);
   for (size_t i : by_cost) {
-    if (available - chosen[i].freed >= head.devices) {
+    available -= chosen[i].freed;
+    stops(*chosen[i].job, -1);
+    if (room() >= head.devices) {
       keep[i] = false;
-      available -= chosen[i].freed;
+    } else {
+      available += chosen[i].freed;
+      stops(*chosen[i].job, +1);
     }
   }
   std::vector<std::string> victims;
@@ -462,8 +488,11 @@ ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
       usable_for_job = usable;
       for (const Hidden& h : hidden_for_job) usable_for_job[h.node] = false;
       if (snapshot.preemption) {
+        std::vector<int> node_free(snapshot.nodes.size());
+        for (size_t n = 0; n < node_free.size(); ++n)
+          node_free[n] = index.free(static_cast<int>(n));
         std::vector<std::string> victims =
-            ChooseVictims(snapshot, job, usable_for_job, index.total(), running_shares,
+            ChooseVictims(snapshot, job, usable_for_job, index.total(), node_free, running_shares,
                           account_of(job.user), fits_quota(job), account_used);
         if (!victims.empty()) {
           result.preemption = ScheduleResult::Preemption{job.id, std::move(victims)};

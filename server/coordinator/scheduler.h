@@ -175,8 +175,8 @@ struct ScheduleResult {
 // (lowest index on ties), the last one chosen by best fit for the remainder, which uses the fewest
 // nodes possible. A job with rank_block > 1 takes every node's devices in whole blocks (a node's
 // free devices count down to a multiple of it), for its reservation too; it is not backfilled
-// onto the devices a reservation leaves spare, and preemption still counts devices one by one
-// (victims may free devices that do not make whole blocks).
+// onto the devices a reservation leaves spare, and its preemption counts only the whole blocks
+// that free devices and stopping or chosen victims make on each node as room.
 //
 // The first job that does not fit is the head. Its reservation is the earliest time at which the
 // projected free devices (running jobs released at expected_end, jobs placed in this pass at
