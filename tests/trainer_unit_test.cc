@@ -840,6 +840,18 @@ TEST(SlotOptimizerTest, ShardsOfAFlatBufferStepAsTheWholeParameters) {
     auto refused = SlotOptimizer::Elementwise(kind, layout, shard, shard, cut);
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kDataLoss);
     EXPECT_THAT(std::string(refused.status().message()), ::testing::HasSubstr("exp_avg.absmax"));
+    // A slot of padding alone (past the buffer's last parameter) has no state and zero moments,
+    // so a shard group gathers the same keys from every rank; a slot with elements and no state
+    // (no step yet) gives none.
+    auto padding = SlotOptimizer::Elementwise(kind, layout, numel + 1, 5, {});
+    ASSERT_TRUE(padding.ok()) << padding.status();
+    ASSERT_EQ(padding->size(), 2u);
+    for (const char* name : {"exp_avg", "exp_avg_sq"}) {
+      EXPECT_TRUE(padding->at(name).equal(torch::zeros({5}))) << name;
+    }
+    auto none = SlotOptimizer::Elementwise(kind, layout, shard, shard, {});
+    ASSERT_TRUE(none.ok()) << none.status();
+    EXPECT_TRUE(none->empty());
   }
 }
 

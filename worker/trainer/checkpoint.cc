@@ -41,6 +41,19 @@ absl::Status SyncPath(const std::string& path) {
   return absl::OkStatus();
 }
 
+absl::Status WriteSyncedArchive(const std::string& path,
+                                const std::function<bool(torch::serialize::OutputArchive&)>& fill) {
+  try {
+    torch::serialize::OutputArchive archive;
+    if (!fill(archive)) return absl::OkStatus();
+    archive.save_to(path);
+  } catch (const c10::Error& e) {
+    return absl::InternalError(
+        absl::StrCat("cannot save '", path, "': ", e.what_without_backtrace()));
+  }
+  return SyncPath(path);
+}
+
 absl::Status WriteSyncedFile(const std::string& path, const std::string& content) {
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
   f << content;

@@ -58,6 +58,12 @@ absl::StatusOr<CheckpointInfo> WriteCollectiveCheckpoint(const std::string& dir,
 
 // Building blocks shared with the sharded checkpoints (fsdp_checkpoint.h).
 absl::Status SyncPath(const std::string& path);  // fsync of a file or directory
+// Runs `fill` on a new archive and, when it returns true, saves the archive as `path` and fsyncs
+// it. A LibTorch error on the way (in `fill` too: a collective that failed) comes back as
+// INTERNAL naming the file, so that a collective checkpoint's part writer fails on every rank
+// instead of throwing on one.
+absl::Status WriteSyncedArchive(const std::string& path,
+                                const std::function<bool(torch::serialize::OutputArchive&)>& fill);
 absl::Status WriteSyncedFile(const std::string& path, const std::string& content);
 // Replaces DIR/latest by the text "<name>\n": write-temp, fsync, rename, fsync DIR.
 absl::Status PublishLatest(const std::string& dir, const std::string& name);

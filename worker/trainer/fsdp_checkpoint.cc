@@ -184,24 +184,20 @@ absl::StatusOr<CheckpointInfo> WriteShardedCheckpoint(const std::string& dir, in
   const bool rank0 = world.rank() == 0;
   auto write_shard = [&](const std::string& tmp) -> absl::Status {
     if (!fsdp.writes_shards()) return absl::OkStatus();
-    const std::string file = ShardFile(tmp, fsdp.shard_rank(), fsdp.shard_count());
-    try {
-      FsdpShardState state = fsdp.ExportState();
-      torch::serialize::OutputArchive archive;
-      for (size_t u = 0; u < state.params.size(); ++u) {
-        archive.write(absl::StrCat("u", u, ".param"), state.params[u]);
-        for (const auto& [key, t] : state.optimizer[u]) {
-          archive.write(absl::StrCat("u", u, ".", key), t);
-        }
-      }
-      archive.write("adam_step", torch::tensor({state.step}, torch::kLong));
-      if (rank0) archive.write("rng", SaveRngState());
-      archive.save_to(file);
-      return SyncPath(file);
-    } catch (const c10::Error& e) {
-      return absl::InternalError(
-          absl::StrCat("cannot save '", file, "': ", e.what_without_backtrace()));
-    }
+    return WriteSyncedArchive(ShardFile(tmp, fsdp.shard_rank(), fsdp.shard_count()),
+                              [&](torch::serialize::OutputArchive& archive) {
+                                FsdpShardState state = fsdp.ExportState();
+                                for (size_t u = 0; u < state.params.size(); ++u) {
+                                  archive.write(absl::StrCat("u", u, ".param"), state.params[u]);
+                                  for (const auto& [key, t] : state.optimizer[u]) {
+                                    archive.write(absl::StrCat("u", u, ".", key), t);
+                                  }
+                                }
+                                archive.write("adam_step",
+                                              torch::tensor({state.step}, torch::kLong));
+                                if (rank0) archive.write("rng", SaveRngState());
+                                return true;
+                              });
   };
   auto finish = [&](const std::string& tmp) -> absl::Status {
     RETURN_IF_ERROR(
@@ -359,17 +355,12 @@ absl::StatusOr<WholeModel> GatherWhole(FsdpModel& fsdp, double lr) {
     const int64_t numel = layout.units[i].numel;
     flat.push_back(whole(shards.params[i], numel));
     // (Decided by what every rank of the group knows alike: an 8-bit shard of padding alone has
-    // no state of its own, but takes part in the gathers.)
+    // no state of its own, but takes part in the gathers, with Elementwise's zeros.)
     if (layout.units[i].frozen || shards.step == 0) continue;
     ASSIGN_OR_RETURN(auto elementwise, SlotOptimizer::Elementwise(
                                            fsdp.optimizer().kind, OptimizerParams(layout.units[i]),
                                            int64_t{fsdp.shard_rank()} * fsdp.shard_numel(i),
                                            fsdp.shard_numel(i), shards.optimizer[i]));
-    if (elementwise.empty() && fsdp.optimizer().kind == OptimizerKind::kAdamW8bit) {
-      for (const char* key : {"exp_avg", "exp_avg_sq"}) {
-        elementwise[key] = torch::zeros({fsdp.shard_numel(i)}, torch::kFloat);
-      }
-    }
     for (auto& [key, t] : elementwise) {
       // Adafactor's factors are whole in every shard already.
       state[i][key] = key == "factors" ? t : whole(t.reshape({-1}), numel);

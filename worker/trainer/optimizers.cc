@@ -729,8 +729,10 @@ absl::StatusOr<std::map<std::string, torch::Tensor>> SlotOptimizer::Elementwise(
     const std::map<std::string, torch::Tensor>& state) {
   if (kind != OptimizerKind::kAdamW8bit) return state;
   std::map<std::string, torch::Tensor> out;
-  if (state.empty()) return out;
   const Pieces pieces = EightBitPieces(params, begin, n);
+  // No state: none yet (before the first step), unless the slot is padding alone, whose state is
+  // no tensor at all and whose moments are zeros.
+  if (state.empty() && !pieces.pieces.empty()) return out;
   // A tensor of the state, checked to have `numel` elements of `type`.
   auto get = [&](const std::string& name, int64_t numel,
                  torch::ScalarType type) -> absl::StatusOr<torch::Tensor> {

@@ -114,8 +114,9 @@ class SlotOptimizer {
 
   // The elementwise fp32 moments ([n] each) of the checkpointed state of a slot of `kind` that
   // starts at `begin` of a buffer of `params` and holds `n` elements: 8-bit codes dequantized;
-  // every other state as it is (Adafactor's factors are not elementwise). For resharding and
-  // consolidation.
+  // every other state as it is (Adafactor's factors are not elementwise). A slot of padding alone
+  // (no parameter's elements) has zero moments; other slots without state (no step yet) give
+  // none. For resharding and consolidation.
   // DATA_LOSS naming the tensor when one is missing or of another size.
   static absl::StatusOr<std::map<std::string, torch::Tensor>> Elementwise(
       OptimizerKind kind, const std::vector<OptimizerSlot::Param>& params, int64_t begin, int64_t n,

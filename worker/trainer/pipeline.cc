@@ -71,6 +71,15 @@ torch::Tensor CutAsParameter(const torch::Tensor& state, torch::IntArrayRef shap
   return state.dim() == out.dim() ? out : out.reshape({-1});
 }
 
+// The model's parameter names by their tensors.
+std::map<const void*, std::string> NamesByTensor(const LanguageModel& model) {
+  std::map<const void*, std::string> names;
+  for (const auto& item : model.named_parameters()) {
+    names[item.value().unsafeGetTensorImpl()] = item.key();
+  }
+  return names;
+}
+
 }  // namespace
 
 bool StageHolds(const LanguageModel& model, const PipelineLayout& layout, const std::string& name) {
@@ -108,10 +117,7 @@ void KeepTensorParallelShards(LanguageModel& model,
 std::map<std::string, std::map<std::string, torch::Tensor>> StageStates(
     const LanguageModel& model, torch::optim::Optimizer& whole, const PipelineLayout& layout,
     int64_t* step) {
-  std::map<const void*, std::string> names;
-  for (const auto& item : model.named_parameters()) {
-    names[item.value().unsafeGetTensorImpl()] = item.key();
-  }
+  const std::map<const void*, std::string> names = NamesByTensor(model);
   std::map<std::string, std::map<std::string, torch::Tensor>> out;
   *step = 0;
   const auto& all = whole.param_groups().at(0).params();
@@ -139,10 +145,7 @@ absl::Status KeepStageState(const LanguageModel& model, torch::optim::Optimizer&
                             torch::optim::Optimizer& stage, const PipelineLayout& layout) {
   int64_t step = 0;
   const auto states = StageStates(model, whole, layout, &step);
-  std::map<const void*, std::string> names;
-  for (const auto& item : model.named_parameters()) {
-    names[item.value().unsafeGetTensorImpl()] = item.key();
-  }
+  const std::map<const void*, std::string> names = NamesByTensor(model);
   const auto& kept = stage.param_groups().at(0).params();
   for (size_t k = 0; k < kept.size(); ++k) {
     auto it = states.find(names.at(kept[k].unsafeGetTensorImpl()));
@@ -397,10 +400,8 @@ absl::StatusOr<CheckpointInfo> WriteStagedCheckpoint(
   // The first replica's tensor-parallel group gathers its shards; its rank 0 writes.
   auto write_stage = [&](const std::string& tmp) -> absl::Status {
     if (layout.replica != 0) return absl::OkStatus();
-    const std::string file = absl::StrCat(tmp, "/stage-", layout.stage, ".pt");
     const bool writes = layout.tp_rank == 0;
-    try {
-      torch::serialize::OutputArchive archive;
+    auto fill = [&](torch::serialize::OutputArchive& archive) {
       std::map<const void*, std::string> names;
       for (const auto& [param_name, p] : params) {
         const torch::Tensor whole = Whole(p, model.TensorParallelSplitOf(param_name), tensor);
@@ -412,8 +413,8 @@ absl::StatusOr<CheckpointInfo> WriteStagedCheckpoint(
         const std::string& param_name = names.at(optimized[i].unsafeGetTensorImpl());
         const TensorParallelSplit split = model.TensorParallelSplitOf(param_name);
         int64_t param_step = 0;
-        // Elementwise state (adamw, lion: tensor parallelism allows no other) is cut as its
-        // parameter is.
+        // Elementwise state is cut as its parameter is (tensor parallelism allows only adamw and
+        // lion; without it, Whole leaves any state as it is).
         for (const auto& [key, t] : ParameterState(optimizer, i, &param_step)) {
           const torch::Tensor whole =
               CutAsParameter(t, optimized[i].sizes(),
@@ -422,13 +423,9 @@ absl::StatusOr<CheckpointInfo> WriteStagedCheckpoint(
         }
         if (writes) archive.write("step/" + param_name, torch::tensor({param_step}, torch::kLong));
       }
-      if (!writes) return absl::OkStatus();
-      archive.save_to(file);
-      return SyncPath(file);
-    } catch (const c10::Error& e) {
-      return absl::InternalError(
-          absl::StrCat("cannot save '", file, "': ", e.what_without_backtrace()));
-    }
+      return writes;
+    };
+    return WriteSyncedArchive(absl::StrCat(tmp, "/stage-", layout.stage, ".pt"), fill);
   };
   auto finish = [&](const std::string& tmp) -> absl::Status {
     try {
