@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
+#include "common/field_limits.h"
 #include "common/llama_config.h"
 #include "common/status_macros.h"
 
@@ -502,6 +503,10 @@ int UnclosedFlowLine(const std::string& text) {
 
 absl::StatusOr<ParsedSpec> ParseJobSpecYaml(const std::string& yaml_text,
                                             const std::string& filename) {
+  if (yaml_text.size() > kMaxSpecYamlBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        filename, ": ", yaml_text.size(), " bytes; a job spec is at most ", kMaxSpecYamlBytes));
+  }
   ParsedSpec parsed;
   YAML::Node root;
   try {
@@ -535,9 +540,11 @@ absl::StatusOr<ParsedSpec> ParseJobSpecYaml(const std::string& yaml_text,
 absl::StatusOr<ParsedSpec> LoadJobSpecFile(const std::string& path) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot read the file"));
-  std::stringstream text;
-  text << in.rdbuf();
-  return ParseJobSpecYaml(text.str(), path);
+  // One byte more than allowed is enough to refuse it, without reading a huge file whole.
+  std::string text(kMaxSpecYamlBytes + 1, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
+  text.resize(static_cast<size_t>(in.gcount()));
+  return ParseJobSpecYaml(text, path);
 }
 
 absl::StatusOr<ParsedSpec> LoadValidJobSpecFile(const std::string& path) {
@@ -717,6 +724,7 @@ absl::Status ValidateTensorParallel(const JobSpec& spec) {
 }  // namespace
 
 absl::Status ValidateJobSpec(const JobSpec& spec) {
+  RETURN_IF_ERROR(CheckFieldSizes(spec, JobSpecFieldLimits(), ""));
   if (spec.name().empty()) return FieldError("name", "required");
   if (spec.name().size() > 128) {
     return FieldError("name", absl::StrCat("at most 128 characters, got ", spec.name().size()));

@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/field_limits.h"
 #include "common/job_config.h"
 #include "trainyard/v1/job.pb.h"
 
@@ -35,6 +36,12 @@ absl::StatusOr<ParsedSpec> LoadValidJobSpecFile(const std::string& path);
 // Fills unset optional fields with their defaults (priority 50, grad_accum 1, ddp, ...).
 // Fields that are required (name, resources.gpus, model sizes, data.path, train.steps) stay unset.
 void ApplyJobSpecDefaults(v1::JobSpec& spec);
+
+// The largest YAML job spec read or parsed (1 MiB), and the limits on its fields once parsed:
+// each string at most 4096 bytes, each list or map at most 1024 entries, the whole spec at most
+// 64 KiB serialized. ValidateJobSpec applies them first.
+inline constexpr size_t kMaxSpecYamlBytes = 1 << 20;
+inline FieldLimits JobSpecFieldLimits() { return FieldLimits{4096, 1024, 64 * 1024}; }
 
 // Checks every field of a spec (after defaults). INVALID_ARGUMENT whose message starts with the
 // dotted field path, e.g. "model.n_head: must divide model.d_model (256), got 3".

@@ -35,6 +35,7 @@ GAUGES = {
 }
 COUNTERS = {
     "trainyard_placements_total", "trainyard_rpc_requests_total", "trainyard_preemptions_total",
+    "trainyard_auth_refusals_total", "trainyard_auth_failures_total",
     "trainyard_worker_rank_exits_total",
     "trainyard_ps_pushed_bytes_total", "trainyard_ps_pulled_bytes_total",
 }

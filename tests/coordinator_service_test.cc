@@ -254,7 +254,7 @@ TEST_F(CoordinatorServiceTest, FetchExportRefusesAJobWithoutAnExportOrThatHasNot
   s = fetch(queued.id());
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_EQ(s.error_message(), queued.id() + " is QUEUED: its export is written when it succeeds");
-  EXPECT_EQ(fetch(queued.id(), "bob").error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(fetch(queued.id(), "bob").error_code(), grpc::StatusCode::NOT_FOUND);  // as missing
   EXPECT_EQ(fetch("job-404").error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_EQ(fetch("").error_code(), grpc::StatusCode::INVALID_ARGUMENT);
 }
@@ -946,7 +946,7 @@ TEST_F(CoordinatorServiceTest, OffloadJobsNeedParameterServersWithRoomAndNothing
   auto worker = Connect("n1", 1);
   grpc::Status s = Submit(OffloadSpec("none"), nullptr);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-  EXPECT_THAT(s.error_message(), HasSubstr("none is registered"));
+  EXPECT_THAT(s.error_message(), HasSubstr("none that takes alice's jobs is registered"));
   auto ps = testing::NodeSession::ConnectParameterServer(channel_, tokens_->Node("ps1"), "ps1",
                                                          kOffloadSpecPsBytes - 1, "127.0.0.1:9");
   s = Submit(OffloadSpec("small"), nullptr);

@@ -133,6 +133,12 @@ CoordinatorMetrics::CoordinatorMetrics()
                          .Help("Calls refused for their credential, by method and reason "
                                "(UNAUTHENTICATED: none or invalid; PERMISSION_DENIED: not allowed)")
                          .Register(*registry_)),
+      auth_failures_(prometheus::BuildCounter()
+                         .Name("trainyard_auth_failures_total")
+                         .Help("Failed authentications by reason: guess (malformed or unknown "
+                               "credential, wrong secret), stale (expired, revoked, disabled), "
+                               "throttled (refused unchecked after too many failures)")
+                         .Register(*registry_)),
       rpc_duration_(prometheus::BuildHistogram()
                         .Name("trainyard_rpc_duration_seconds")
                         .Help("RPC duration by method (streams: their whole life)")
@@ -272,6 +278,10 @@ void CoordinatorMetrics::Refresh(const std::map<v1::JobState, int>& jobs_by_stat
 }
 
 void CoordinatorMetrics::ObservePreemption() { preemptions_.Increment(); }
+
+void CoordinatorMetrics::ObserveAuthFailure(const char* reason) {
+  auth_failures_.Add({{"reason", reason}}).Increment();
+}
 
 void CoordinatorMetrics::ObservePlacement(bool backfilled, double queue_wait_seconds,
                                           bool first_start) {

@@ -48,6 +48,9 @@ class CoordinatorMetrics {
   void ObserveStoreCommit(double seconds);
   void ObserveRpc(const std::string& method, const std::string& code, double seconds);
   void ObserveStep(const v1::StepReport& report);
+  // A failed authentication: "guess" (malformed, unknown, wrong secret), "stale" (expired,
+  // revoked, user disabled) or "throttled" (refused unchecked: too many failures lately).
+  void ObserveAuthFailure(const char* reason);
 
   // Creates an interceptor per RPC that calls ObserveRpc when the RPC sends its status.
   std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> InterceptorFactory();
@@ -79,6 +82,7 @@ class CoordinatorMetrics {
   prometheus::Family<prometheus::Gauge>& devices_;
   prometheus::Family<prometheus::Counter>& rpc_requests_;
   prometheus::Family<prometheus::Counter>& auth_refusals_;
+  prometheus::Family<prometheus::Counter>& auth_failures_;
   prometheus::Family<prometheus::Histogram>& rpc_duration_;
   prometheus::Histogram& store_commit_;
   prometheus::Family<prometheus::Gauge>& job_loss_;

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
@@ -12,12 +13,63 @@
 #include <cstring>
 #include <filesystem>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/credentials.h"
+#include "common/log_text.h"
 #include "common/status_macros.h"
+#include "server/coordinator/audit.h"
 
 namespace trainyard::coordinator {
 namespace {
+
+// "HOST:PORT" with a port in 0..65535: INVALID_ARGUMENT naming `field` otherwise.
+absl::Status CheckListenAddress(const char* field, const std::string& address) {
+  const size_t colon = address.rfind(':');
+  int port = -1;
+  if (colon == std::string::npos || colon == 0 ||
+      !absl::SimpleAtoi(absl::string_view(address).substr(colon + 1), &port) || port < 0 ||
+      port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": expected HOST:PORT with a port in 0..65535, got ", Quoted(address)));
+  }
+  return absl::OkStatus();
+}
+
+// Creates `dir` (and its parents) if missing and makes it the coordinator's alone: mode 0700, or
+// 0711 when `passable` (others may pass through to the checkpoint folders inside it, which
+// workers give to the jobs' owners, but not list it or read its files).
+absl::Status MakePrivateDir(const std::string& dir, bool passable) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("state_dir: cannot create ", dir, ": ", ec.message()));
+  }
+  const mode_t mode = passable ? 0711 : 0700;
+  struct stat st;
+  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat("state_dir: ", dir, " is not a folder"));
+  }
+  if ((st.st_mode & 0777) != mode && ::chmod(dir.c_str(), mode) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("state_dir: cannot make ", dir, " private (chmod): ", strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+// Creates `path` empty if missing and gives it mode 0600 (a database others must not read).
+absl::Status MakePrivateFile(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0 || ::fchmod(fd, 0600) != 0) {
+    const int err = errno;
+    if (fd >= 0) ::close(fd);
+    return absl::InvalidArgumentError(
+        absl::StrCat("state_dir: cannot make ", path, " private: ", strerror(err)));
+  }
+  ::close(fd);
+  return absl::OkStatus();
+}
 
 // The key that signs job credentials: read, or made on first start.
 absl::StatusOr<std::string> JobCredentialKey(const std::string& state_dir) {
@@ -39,15 +91,18 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     CoordinatorOptions options) {
   if (options.state_dir.empty()) return absl::InvalidArgumentError("state_dir: required");
   std::unique_ptr<CoordinatorServer> s(new CoordinatorServer(std::move(options)));
-  const std::string& dir = s->options_.state_dir;
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("state_dir: cannot create ", dir, ": ", ec.message()));
+  // Everything that can be checked is checked before anything is written: the listen address,
+  // the TLS files (read here), the metrics address.
+  RETURN_IF_ERROR(CheckListenAddress("listen", s->options_.listen_address));
+  if (!s->options_.metrics_address.empty()) {
+    RETURN_IF_ERROR(CheckListenAddress("metrics_address", s->options_.metrics_address));
   }
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                   MakeServerCredentials(s->options_.tls, s->options_.listen_address));
+  const std::string& dir = s->options_.state_dir;
+  RETURN_IF_ERROR(MakePrivateDir(dir, /*passable=*/s->options_.checkpoint_root.empty()));
   const std::string lock_path = dir + "/coordinator.lock";
-  s->lock_fd_ = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  s->lock_fd_ = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
   if (s->lock_fd_ < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("state_dir: cannot open ", lock_path, ": ", strerror(errno)));
@@ -67,9 +122,17 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   store_options.on_commit = [m = s->metrics_prom_.get()](double seconds) {
     m->ObserveStoreCommit(seconds);
   };
+  // SQLite gives its -wal and -shm files the database file's mode.
+  RETURN_IF_ERROR(MakePrivateFile(dir + "/coordinator.db"));
   ASSIGN_OR_RETURN(s->store_, OpenSqliteJobStore(dir + "/coordinator.db", store_options));
+  if (!s->options_.audit_log.empty()) RETURN_IF_ERROR(OpenAuditJsonLog(s->options_.audit_log));
   ASSIGN_OR_RETURN(std::string job_key, JobCredentialKey(dir));
   s->identities_ = std::make_unique<IdentityRegistry>(*s->store_, s->clock_, std::move(job_key));
+  s->identities_->SetAuthThrottle(s->options_.limits.auth_per_token,
+                                  s->options_.limits.auth_per_peer);
+  s->identities_->SetMaxTokensPerUser(s->options_.limits.max_tokens_per_user);
+  s->identities_->SetAuthFailureObserver(
+      [m = s->metrics_prom_.get()](const char* reason) { m->ObserveAuthFailure(reason); });
   RETURN_IF_ERROR(s->identities_->Load());
   ASSIGN_OR_RETURN(std::optional<std::string> admin_token, s->identities_->BootstrapAdmin());
   if (admin_token.has_value()) {
@@ -78,9 +141,12 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
                  s->admin_token_path());
   }
   s->nodes_ = std::make_unique<NodeRegistry>(*s->store_, s->clock_, s->options_.node_timeout);
-  s->rendezvous_ = std::make_unique<Rendezvous>();
+  s->rendezvous_ = std::make_unique<Rendezvous>(s->options_.limits.rendezvous);
   s->jobs_ = std::make_unique<JobManager>(*s->store_, *s->nodes_, *s->rendezvous_, s->clock_);
   s->jobs_->SetMetrics(s->metrics_prom_.get());
+  s->jobs_->SetDefaultMaxQueuedJobs(s->options_.limits.max_queued_jobs_per_user);
+  // A listing stays well inside a message, whatever its jobs hold.
+  s->jobs_->SetMaxListBytes(static_cast<size_t>(s->options_.max_message_bytes) / 2);
   s->jobs_->SetPreemption(s->options_.preemption, s->options_.preemption_grace,
                           s->options_.min_run_time, s->options_.max_preemption_grace);
   s->jobs_->SetSharing([ids = s->identities_.get()] { return ids->Sharing(); },
@@ -99,8 +165,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   RETURN_IF_ERROR(s->jobs_->Load(stored_jobs));
   spdlog::info("loaded {} jobs and {} nodes from {}", stored_jobs.size(), stored_nodes.size(), dir);
 
-  s->logs_ = std::make_unique<JobLogs>(/*max_records_per_job=*/50'000);
-  s->metrics_ = std::make_unique<JobMetrics>(/*max_records_per_job=*/200'000);
+  s->logs_ = std::make_unique<JobLogs>(/*max_records_per_job=*/50'000,
+                                       s->options_.limits.max_log_bytes_per_job);
+  s->metrics_ = std::make_unique<JobMetrics>(/*max_records_per_job=*/200'000,
+                                             s->options_.limits.max_metric_bytes_per_job);
   const IdentityRegistry& ids = *s->identities_;
   s->job_service_ = std::make_unique<JobServiceImpl>(*s->jobs_, *s->logs_, *s->metrics_, ids);
   s->trainer_service_ =
@@ -114,8 +182,6 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
-                   MakeServerCredentials(s->options_.tls, s->options_.listen_address));
   builder.AddListeningPort(s->options_.listen_address, credentials, &s->port_);
   builder.SetMaxReceiveMessageSize(s->options_.max_message_bytes);
   builder.SetMaxSendMessageSize(s->options_.max_message_bytes);
@@ -234,6 +300,7 @@ void CoordinatorServer::Shutdown() {
   // Destroying the store drains its queue (every acknowledged write reaches the disk) and runs
   // the last callbacks, which still use the managers: so the store goes first.
   store_.reset();
+  if (!options_.audit_log.empty()) CloseAuditJsonLog();
   absl::MutexLock lock(&mu_);
   stopped_ = true;
 }

@@ -29,6 +29,22 @@
 
 namespace trainyard::coordinator {
 
+// Limits on what callers may make the coordinator hold; each has a flag (main.cc) and is listed
+// in the README's Security section.
+struct CoordinatorLimits {
+  // Jobs a user may have queued, unless an admin set the user's own max_queued_jobs; negative:
+  // no cap.
+  int64_t max_queued_jobs_per_user = 1000;
+  int64_t max_tokens_per_user = 100;           // unrevoked, unexpired; negative: no cap
+  RendezvousLimits rendezvous;                 // per job attempt
+  size_t max_log_bytes_per_job = 64 << 20;     // kept in memory; the oldest lines go first
+  size_t max_metric_bytes_per_job = 64 << 20;  // kept in memory; the oldest steps go first
+  // Failed authentications: a token id may have `burst` wrong secrets, a peer `burst` guesses
+  // (malformed or unknown credentials, wrong secrets), refilling at per_second.
+  AuthThrottleOptions auth_per_token{10, 1};
+  AuthThrottleOptions auth_per_peer{30, 1};
+};
+
 struct CoordinatorOptions {
   std::string listen_address = "127.0.0.1:7070";  // port 0 picks a free port
   // TLS (common/tls.h). With a client CA, node calls need a client certificate naming the node.
@@ -51,6 +67,8 @@ struct CoordinatorOptions {
   absl::Duration max_preemption_grace = absl::Minutes(10);    // caps jobs' preemption_grace
   absl::Duration fair_share_half_life = absl::Hours(24 * 7);  // decay of accounts' usage
   absl::Duration usage_save_interval = absl::Seconds(30);     // and at shutdown
+  CoordinatorLimits limits;
+  std::string audit_log;  // a JSON-lines audit log (one object per event); empty: none
 };
 
 class CoordinatorServer {

@@ -61,7 +61,43 @@ absl::Status CheckNodeName(const std::string& field, const std::string& name) {
 }
 
 IdentityRegistry::IdentityRegistry(JobStore& store, const Clock& clock, std::string job_key)
-    : store_(store), clock_(clock), job_key_(std::move(job_key)) {}
+    : store_(store), clock_(clock), job_key_(std::move(job_key)) {
+  SetAuthThrottle(AuthThrottleOptions{10, 1}, AuthThrottleOptions{30, 1});
+}
+
+void IdentityRegistry::SetAuthThrottle(AuthThrottleOptions per_token,
+                                       AuthThrottleOptions per_peer) {
+  token_throttle_ = std::make_unique<AuthThrottle>(clock_, per_token);
+  peer_throttle_ = std::make_unique<AuthThrottle>(clock_, per_peer);
+}
+
+absl::StatusOr<Principal> IdentityRegistry::AuthenticateFrom(absl::string_view credential,
+                                                             const std::string& peer) const {
+  const std::string peer_key = absl::StrCat("peer ", peer);
+  std::string token_key;
+  if (auto token = ParseApiToken(credential); token.ok()) {
+    token_key = absl::StrCat("token ", token->id);
+  }
+  absl::Status admitted = peer_throttle_->Admit(peer_key);
+  if (admitted.ok() && !token_key.empty()) admitted = token_throttle_->Admit(token_key);
+  if (!admitted.ok()) {
+    if (on_auth_failure_) on_auth_failure_("throttled");
+    return admitted;
+  }
+  bool guess = false;
+  auto p = Authenticate(credential, &guess);
+  if (!p.ok()) {
+    if (guess) {
+      peer_throttle_->Failed(peer_key);
+      // Only a known token id has a secret to guess (unknown ids are counted per peer).
+      if (!token_key.empty() && absl::StrContains(p.status().message(), "wrong secret")) {
+        token_throttle_->Failed(token_key);
+      }
+    }
+    if (on_auth_failure_) on_auth_failure_(guess ? "guess" : "stale");
+  }
+  return p;
+}
 
 absl::Status IdentityRegistry::Load() {
   ASSIGN_OR_RETURN(std::vector<StoredRecord> users, store_.LoadRecords(kUserKind));
@@ -108,7 +144,11 @@ absl::StatusOr<std::optional<std::string>> IdentityRegistry::BootstrapAdmin() {
   return std::optional<std::string>(std::move(token.text));
 }
 
-absl::StatusOr<Principal> IdentityRegistry::Authenticate(absl::string_view credential) const {
+absl::StatusOr<Principal> IdentityRegistry::Authenticate(absl::string_view credential,
+                                                         bool* guess) const {
+  bool ignored = false;
+  bool& guessed = guess != nullptr ? *guess : ignored;
+  guessed = true;
   if (absl::StartsWith(credential, "tyj.")) {
     auto parsed = ParseJobCredential(credential);
     if (!parsed.ok()) return absl::UnauthenticatedError(parsed.status().message());
@@ -118,6 +158,7 @@ absl::StatusOr<Principal> IdentityRegistry::Authenticate(absl::string_view crede
                                                      job.attempt,
                                                      " was not issued by this coordinator"));
     }
+    guessed = false;
     Principal p;
     p.kind = Principal::Kind::kJob;
     p.job_id = job.job_id;
@@ -135,6 +176,7 @@ absl::StatusOr<Principal> IdentityRegistry::Authenticate(absl::string_view crede
   if (!ConstantTimeEquals(Sha256(parsed->secret), stored.secret_sha256())) {
     return absl::UnauthenticatedError(absl::StrCat("token ", parsed->id, ": wrong secret"));
   }
+  guessed = false;
   const v1::TokenInfo& info = stored.info();
   if (info.revoked()) {
     return absl::UnauthenticatedError(absl::StrCat("token ", info.id(), " was revoked"));
@@ -251,6 +293,21 @@ absl::StatusOr<IdentityRegistry::NewToken> IdentityRegistry::CreateToken(
   {
     absl::MutexLock lock(&mu_);
     if (users_.count(user) == 0) return absl::NotFoundError(absl::StrCat("user: no user ", user));
+    // Node tokens (one per node, made by admins) are not capped: a cluster has as many as nodes.
+    if (max_tokens_per_user_ >= 0 && node.empty()) {
+      const int64_t now_ms = UnixMs(clock_.Now());
+      int64_t live = 0;
+      for (const auto& [id, t] : tokens_) {
+        const v1::TokenInfo& i = t.info();
+        live += i.user() == user && i.node().empty() && !i.revoked() &&
+                (i.expires_time_ms() == 0 || i.expires_time_ms() > now_ms);
+      }
+      if (live >= max_tokens_per_user_) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "user: ", user, " holds ", live, " API tokens, the cap (--max-tokens-per-user) is ",
+            max_tokens_per_user_, "; revoke some (yard admin token revoke ID) first"));
+      }
+    }
   }
   ApiToken token = NewApiToken();
   v1::StoredToken stored;

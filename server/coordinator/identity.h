@@ -22,6 +22,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "common/clock.h"
+#include "server/coordinator/auth_throttle.h"
 #include "server/coordinator/job_store.h"
 #include "server/coordinator/sharing_policy.h"
 #include "trainyard/v1/identity.pb.h"
@@ -61,7 +62,26 @@ class IdentityRegistry {
   // The principal of `credential` (a token's text or a job credential). UNAUTHENTICATED, with
   // what was wrong (malformed, unknown, wrong secret, expired, revoked, user disabled or gone),
   // never echoing the secret.
-  absl::StatusOr<Principal> Authenticate(absl::string_view credential) const;
+  // `guess`, when given, is set to whether the failure looks like guessing (a malformed
+  // credential, an unknown token id, a wrong secret, a job credential this coordinator did not
+  // sign) rather than a stale credential (expired, revoked, user disabled or gone).
+  absl::StatusOr<Principal> Authenticate(absl::string_view credential, bool* guess = nullptr) const;
+  // Authenticate for a call from `peer` (an address without its port), throttled: guesses are
+  // counted against the peer and, for a wrong secret, against the token id (SetAuthThrottle); a
+  // peer or token id that has used up its failures is refused with RESOURCE_EXHAUSTED before
+  // anything is checked. `on_failure` (if set) hears of every refusal: "throttled", "guess" or
+  // "stale".
+  absl::StatusOr<Principal> AuthenticateFrom(absl::string_view credential,
+                                             const std::string& peer) const;
+  // Before serving. Burst <= 0 turns that throttle off.
+  void SetAuthThrottle(AuthThrottleOptions per_token, AuthThrottleOptions per_peer);
+  void SetAuthFailureObserver(std::function<void(const char* reason)> on_failure) {
+    on_auth_failure_ = std::move(on_failure);
+  }
+  // API tokens a user may hold at once (unrevoked, unexpired; node tokens are not counted);
+  // CreateToken refuses more with
+  // RESOURCE_EXHAUSTED naming the cap. Negative: no cap. Before serving.
+  void SetMaxTokensPerUser(int64_t max_tokens) { max_tokens_per_user_ = max_tokens; }
 
   // INVALID_ARGUMENT for a bad name or role, ALREADY_EXISTS for a taken name, NOT_FOUND for an
   // unknown account (empty: the default account).
@@ -117,6 +137,10 @@ class IdentityRegistry {
   const Clock& clock_;
   const std::string job_key_;
   std::function<std::string(const std::string&)> account_in_use_;  // set before serving
+  std::function<void(const char*)> on_auth_failure_;               // set before serving
+  std::unique_ptr<AuthThrottle> token_throttle_;                   // set before serving
+  std::unique_ptr<AuthThrottle> peer_throttle_;                    // set before serving
+  int64_t max_tokens_per_user_ = 100;
 
   absl::Mutex write_mu_;  // serializes mutations: check, write to the store, apply
   mutable absl::Mutex mu_;

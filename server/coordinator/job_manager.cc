@@ -40,6 +40,13 @@ std::string StartText(const std::optional<absl::Time>& start, absl::Time now) {
 // reported (a lost message): longer than a worker's SIGTERM → SIGKILL grace (10 s by default).
 constexpr absl::Duration kDrainTimeout = absl::Seconds(60);
 
+// Whether `node` takes `owner`'s jobs: it names no owners, or `owner` among them (a worker or
+// parameter server registered with a node token limited to some owners' jobs).
+bool TakesJobsOf(const v1::Node& node, const std::string& owner) {
+  return node.owners().empty() ||
+         std::find(node.owners().begin(), node.owners().end(), owner) != node.owners().end();
+}
+
 StoredJob ToStored(const v1::Job& job) {
   return StoredJob{job.id(), job.seq(), job.owner(), v1::JobState_Name(job.state()),
                    job.SerializeAsString()};
@@ -216,12 +223,14 @@ absl::Status JobManager::CheckFitsSomeNode(const v1::JobSpec& spec) const {
   return absl::InvalidArgumentError(message);
 }
 
-absl::Status JobManager::CheckFitsParameterServers(const v1::JobSpec& spec) const {
+absl::Status JobManager::CheckFitsParameterServers(const std::string& owner,
+                                                   const v1::JobSpec& spec) const {
   if (spec.parallel().strategy() != v1::OFFLOAD) return absl::OkStatus();
   int64_t capacity = 0;
   int servers = 0;
   for (const v1::Node& n : nodes_.List()) {
     if (n.role() != v1::PARAMETER_SERVER || n.state() != v1::NODE_READY) continue;
+    if (!TakesJobsOf(n, owner)) continue;
     capacity += n.memory_bytes();
     ++servers;
   }
@@ -230,14 +239,15 @@ absl::Status JobManager::CheckFitsParameterServers(const v1::JobSpec& spec) cons
   if (need <= capacity) return absl::OkStatus();
   auto gib = [](int64_t b) { return absl::StrFormat("%.2f GiB", b / double(int64_t{1} << 30)); };
   if (servers == 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("parallel.strategy: offload needs parameter servers (", gib(need), " for ",
-                     params, " parameters) but none is registered; start trainyard-ps"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "parallel.strategy: offload needs parameter servers (", gib(need), " for ", params,
+        " parameters) but none that takes ", owner, "'s jobs is registered; start trainyard-ps"));
   }
   return absl::InvalidArgumentError(
       absl::StrCat("parallel.strategy: offload needs ", gib(need), " on parameter servers (",
                    params, " parameters x ", kPsBytesPerParam, " bytes) but the ", servers,
-                   " registered parameter server(s) offer ", gib(capacity), " in all"));
+                   " registered parameter server(s) that take ", owner, "'s jobs offer ",
+                   gib(capacity), " in all"));
 }
 
 std::map<std::string, int64_t> JobManager::ReservedPsBytes() const {
@@ -252,11 +262,12 @@ std::map<std::string, int64_t> JobManager::ReservedPsBytes() const {
   return reserved;
 }
 
-std::vector<PsCapacity> JobManager::ParameterServerCapacity() const {
+std::vector<PsCapacity> JobManager::ParameterServerCapacity(const std::string& owner) const {
   std::map<std::string, int64_t> reserved = ReservedPsBytes();
   std::vector<PsCapacity> out;
   for (const v1::Node& n : nodes_.List()) {
-    if (n.role() != v1::PARAMETER_SERVER || n.state() != v1::NODE_READY || !n.connected()) {
+    if (n.role() != v1::PARAMETER_SERVER || n.state() != v1::NODE_READY || !n.connected() ||
+        !TakesJobsOf(n, owner)) {
       continue;
     }
     out.push_back({n.id(), n.address(), n.memory_bytes() - reserved[n.id()]});
@@ -274,7 +285,7 @@ void JobManager::Submit(const std::string& owner, v1::JobSpec spec, JobCallback 
     done(s);
     return;
   }
-  if (absl::Status s = CheckFitsParameterServers(spec); !s.ok()) {
+  if (absl::Status s = CheckFitsParameterServers(owner, spec); !s.ok()) {
     done(s);
     return;
   }
@@ -350,16 +361,21 @@ absl::StatusOr<JobManager::ListResult> JobManager::List(const v1::ListJobsReques
   }
   const size_t limit = r.page_size() == 0 ? 100 : static_cast<size_t>(r.page_size());
   ListResult result;
+  size_t bytes = 0;
   absl::MutexLock lock(&mu_);
   for (auto it = std::make_reverse_iterator(ids_by_seq_.lower_bound(before_seq));
        it != ids_by_seq_.rend(); ++it) {
     const v1::Job& job = jobs_.at(it->second);
     if (!states.empty() && states.count(job.state()) == 0) continue;
     if (!r.owner().empty() && job.owner() != r.owner()) continue;
-    if (result.jobs.size() == limit) {
+    // A page also ends before it outgrows a message, so that no job can break listings.
+    const size_t job_bytes = job.ByteSizeLong() + 8;
+    if (result.jobs.size() == limit ||
+        (!result.jobs.empty() && bytes + job_bytes > max_list_bytes_)) {
       result.next_page_token = absl::StrCat(result.jobs.back().seq());
       break;
     }
+    bytes += job_bytes;
     result.jobs.push_back(job);
   }
   return result;
@@ -699,7 +715,7 @@ int JobManager::SchedulePass() {
     std::vector<v1::PsRange> ps_ranges;
     if (job.spec().parallel().strategy() == v1::OFFLOAD) {
       auto ranges = PlaceOnParameterServers(ModelParameterCount(job.spec().model()),
-                                            kPsBytesPerParam, ParameterServerCapacity());
+                                            kPsBytesPerParam, ParameterServerCapacity(job.owner()));
       if (!ranges.ok()) {
         const std::string why =
             absl::StrCat("waiting for parameter-server memory: ", ranges.status().message());
@@ -1062,17 +1078,20 @@ absl::Status JobManager::CheckSharingLimits(const SharingPolicy& policy, const s
           " devices exceed account ", user.account, "'s quota of ", account.quota));
     }
   }
-  if (user.max_queued_jobs >= 0) {
+  const int64_t max_queued =
+      user.max_queued_jobs >= 0 ? user.max_queued_jobs : default_max_queued_jobs_;
+  if (max_queued >= 0) {
     int64_t queued = 0;
     if (auto it = submitting_.find(owner); it != submitting_.end()) queued += it->second;
     for (const std::string& id : unfinished_) {
       const v1::Job& job = jobs_.at(id);
       queued += job.owner() == owner && job.state() == v1::QUEUED;
     }
-    if (queued >= user.max_queued_jobs) {
-      return absl::ResourceExhaustedError(absl::StrCat("max_queued_jobs: user ", owner, " has ",
-                                                       queued, " jobs queued, its cap of ",
-                                                       user.max_queued_jobs));
+    if (queued >= max_queued) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "max_queued_jobs: user ", owner, " has ", queued, " jobs queued, its cap of ", max_queued,
+          user.max_queued_jobs >= 0 ? "" : " (the coordinator's --max-queued-jobs-per-user)",
+          "; wait for some to start or cancel some"));
     }
   }
   return absl::OkStatus();
@@ -1149,7 +1168,11 @@ v1::QuotaReport JobManager::Quota(const std::string& user, bool all_accounts) co
   report.set_user(user);
   report.set_account(limits.account);
   if (limits.max_running_devices >= 0) report.set_max_running_devices(limits.max_running_devices);
-  if (limits.max_queued_jobs >= 0) report.set_max_queued_jobs(limits.max_queued_jobs);
+  if (limits.max_queued_jobs >= 0) {
+    report.set_max_queued_jobs(limits.max_queued_jobs);
+  } else if (default_max_queued_jobs_ >= 0) {
+    report.set_max_queued_jobs(default_max_queued_jobs_);
+  }
   if (auto it = by_owner.find(user); it != by_owner.end()) {
     report.set_running_devices(it->second.running_devices);
     report.set_queued_jobs(it->second.queued_jobs);

@@ -155,6 +155,12 @@ class JobManager {
   std::vector<std::string> RunningJobs() const;
   // Where placements are counted (set once, before serving; may stay null).
   void SetMetrics(CoordinatorMetrics* metrics) { metrics_ = metrics; }
+  // The cap on a user's queued jobs when an admin set none for the user (negative: none). Set
+  // once, before serving.
+  void SetDefaultMaxQueuedJobs(int64_t max_queued) { default_max_queued_jobs_ = max_queued; }
+  // A List page ends before its jobs pass this many serialized bytes (always at least one job).
+  // Set once, before serving.
+  void SetMaxListBytes(size_t max_bytes) { max_list_bytes_ = max_bytes; }
 
  private:
   struct Watcher {
@@ -169,11 +175,15 @@ class JobManager {
   absl::Status CheckFitsSomeNode(const v1::JobSpec& spec) const ABSL_LOCKS_EXCLUDED(mu_);
   // For offload jobs: INVALID_ARGUMENT when the ready parameter servers together have too little
   // memory for the job's optimizer state, FAILED_PRECONDITION when none is registered.
-  absl::Status CheckFitsParameterServers(const v1::JobSpec& spec) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Only servers that take `owner`'s jobs count.
+  absl::Status CheckFitsParameterServers(const std::string& owner, const v1::JobSpec& spec) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Bytes running offload jobs hold on each parameter server, by node id.
   std::map<std::string, int64_t> ReservedPsBytes() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Connected, ready parameter servers and their memory not held by running offload jobs.
-  std::vector<PsCapacity> ParameterServerCapacity() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Connected, ready parameter servers that take `owner`'s jobs (no owners, or `owner` among
+  // theirs) and their memory not held by running offload jobs.
+  std::vector<PsCapacity> ParameterServerCapacity(const std::string& owner) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The job if `attempt` is its running attempt; else NOT_FOUND or FAILED_PRECONDITION.
   absl::StatusOr<v1::Job*> FindRunningAttempt(const std::string& job_id, int attempt)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -271,6 +281,8 @@ class JobManager {
   int64_t next_watch_handle_ ABSL_GUARDED_BY(mu_) = 1;
   // Submissions not yet durable, by owner (for max_queued_jobs).
   std::map<std::string, int> submitting_ ABSL_GUARDED_BY(mu_);
+  int64_t default_max_queued_jobs_ = -1;     // set before serving
+  size_t max_list_bytes_ = size_t{2} << 20;  // set before serving
   // Decayed device-seconds by "account:NAME" and "user:NAME".
   UsageLedger usage_ ABSL_GUARDED_BY(mu_);
   std::optional<absl::Time> last_charge_ ABSL_GUARDED_BY(mu_);

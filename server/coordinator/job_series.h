@@ -1,4 +1,5 @@
-// JobSeries<T>: per-job append-only records (log lines, step metrics) kept in memory with a cap,
+// JobSeries<T>: per-job append-only records (log lines, step metrics) kept in memory with caps
+// on their number and their bytes (the oldest go first),
 // with subscribers that get the backlog and then every new record, for `yard logs -f` and
 // `yard metrics -f`. Records do not survive a coordinator restart (the worker keeps each rank's
 // full log on its node). Thread-safe; subscriber callbacks run on the appending thread, outside
@@ -24,15 +25,23 @@ class JobSeries {
  public:
   using Callback = std::function<void(const std::vector<T>&)>;
 
-  explicit JobSeries(size_t max_records_per_job) : max_records_(max_records_per_job) {}
+  // T is a protobuf message; its bytes are its serialized size.
+  JobSeries(size_t max_records_per_job, size_t max_bytes_per_job)
+      : max_records_(max_records_per_job), max_bytes_(max_bytes_per_job) {}
 
   void Append(const std::string& job_id, std::vector<T> records) {
     std::vector<std::shared_ptr<Callback>> callbacks;
     {
       absl::MutexLock lock(&mu_);
       Series& s = series_[job_id];
-      for (const T& r : records) s.records.push_back(r);
-      while (s.records.size() > max_records_) s.records.pop_front();
+      for (const T& r : records) {
+        s.records.push_back(r);
+        s.bytes += r.ByteSizeLong();
+      }
+      while (s.records.size() > max_records_ || (s.bytes > max_bytes_ && !s.records.empty())) {
+        s.bytes -= s.records.front().ByteSizeLong();
+        s.records.pop_front();
+      }
       for (const auto& [handle, cb] : s.subscribers) callbacks.push_back(cb);
       // Delivery happens outside the lock, but in order: appends for one job come from one
       // stream (a node session or a rank's reports), so they do not race each other.
@@ -65,10 +74,12 @@ class JobSeries {
  private:
   struct Series {
     std::deque<T> records;
+    size_t bytes = 0;  // of records
     std::map<int64_t, std::shared_ptr<Callback>> subscribers;
   };
 
   const size_t max_records_;
+  const size_t max_bytes_;
   mutable absl::Mutex mu_;
   std::map<std::string, Series> series_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, std::string> handles_ ABSL_GUARDED_BY(mu_);

@@ -9,6 +9,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "common/log_text.h"
 #include "common/server_main.h"
 #include "common/version.h"
 #include "server/coordinator/coordinator_server.h"
@@ -65,9 +66,55 @@ int main(int argc, char** argv) {
                  "then authenticate with a certificate whose common name is their node id");
   app.add_flag("--insecure", options.tls.insecure,
                "serve without TLS on a non-loopback --listen address (tokens in clear)");
+  app.add_option("--audit-log", options.audit_log,
+                 "also write the audit trail to this file as JSON lines, one object per event "
+                 "(created 0600; for log shippers)");
+  auto& limits = options.limits;
+  app.add_option("--max-queued-jobs-per-user", limits.max_queued_jobs_per_user,
+                 "jobs a user may have queued unless an admin set the user's own max_queued_jobs "
+                 "(negative: no cap)")
+      ->capture_default_str();
+  app.add_option("--max-tokens-per-user", limits.max_tokens_per_user,
+                 "unrevoked, unexpired API tokens a user may hold (negative: no cap)")
+      ->capture_default_str();
+  app.add_option("--rendezvous-max-keys", limits.rendezvous.max_keys,
+                 "rendezvous keys and barriers one job attempt may hold")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--rendezvous-max-bytes", limits.rendezvous.max_bytes,
+                 "bytes of rendezvous keys and values one job attempt may hold")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--rendezvous-max-value-bytes", limits.rendezvous.max_value_bytes,
+                 "the largest rendezvous value")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--max-log-bytes-per-job", limits.max_log_bytes_per_job,
+                 "log lines kept in memory per job (the oldest go first)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--max-metric-bytes-per-job", limits.max_metric_bytes_per_job,
+                 "step reports kept in memory per job (the oldest go first)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--auth-failures-per-token", limits.auth_per_token.burst,
+                 "wrong secrets a token id may be sent before its calls are refused unchecked "
+                 "(one more allowed each --auth-failure-refill seconds; 0: no throttle)")
+      ->capture_default_str();
+  app.add_option("--auth-failures-per-peer", limits.auth_per_peer.burst,
+                 "malformed, unknown or wrong credentials one address may send before its calls "
+                 "are refused unchecked (0: no throttle)")
+      ->capture_default_str();
+  double refill_seconds = 1;
+  app.add_option("--auth-failure-refill", refill_seconds,
+                 "seconds after which one more failed authentication is forgiven")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
+  limits.auth_per_token.per_second = 1 / refill_seconds;
+  limits.auth_per_peer.per_second = 1 / refill_seconds;
 
-  spdlog::set_default_logger(spdlog::stderr_color_mt("coordinator"));
+  trainyard::InstallEscapingLogger("coordinator");
   auto timeout = trainyard::ParseFlagDuration("--node-timeout", node_timeout);
   auto interval = trainyard::ParseFlagDuration("--heartbeat-interval", heartbeat_interval);
   auto grace = trainyard::ParseFlagDuration("--preemption-grace", preemption_grace);

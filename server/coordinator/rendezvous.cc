@@ -3,6 +3,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/status_macros.h"
 
 namespace trainyard::coordinator {
 namespace {
@@ -18,7 +19,58 @@ void RunAll(std::vector<std::function<void()>>& deferred) {
 
 }  // namespace
 
-Rendezvous::Rendezvous() : timer_([this] { TimerLoop(); }) {}
+Rendezvous::Rendezvous(RendezvousLimits limits)
+    : limits_(limits), timer_([this] { TimerLoop(); }) {}
+
+absl::Status Rendezvous::CheckKeyLength(const char* field, const std::string& key) const {
+  if (static_cast<int64_t>(key.size()) > limits_.max_key_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", key.size(), " bytes, at most ", limits_.max_key_bytes));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Rendezvous::Put(const ScopeId& scope_id, Scope& scope, const std::string& key,
+                             std::string value) {
+  RETURN_IF_ERROR(CheckKeyLength("key", key));
+  if (static_cast<int64_t>(value.size()) > limits_.max_value_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("value: ", value.size(), " bytes, at most ", limits_.max_value_bytes));
+  }
+  auto it = scope.kv.find(key);
+  const int64_t keys = static_cast<int64_t>(scope.kv.size() + scope.barriers.size()) +
+                       (it == scope.kv.end() ? 1 : 0);
+  const int64_t bytes = scope.bytes + static_cast<int64_t>(value.size()) +
+                        (it == scope.kv.end() ? static_cast<int64_t>(key.size())
+                                              : -static_cast<int64_t>(it->second.size()));
+  if (keys > limits_.max_keys) {
+    return absl::ResourceExhaustedError(absl::StrCat("key: job ", scope_id.job_id, " attempt ",
+                                                     scope_id.attempt, " holds ", keys - 1,
+                                                     " keys, its cap (--rendezvous-max-keys)"));
+  }
+  if (bytes > limits_.max_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("value: job ", scope_id.job_id, " attempt ", scope_id.attempt, " would hold ",
+                     bytes, " bytes of keys and values, over its cap of ", limits_.max_bytes,
+                     " (--rendezvous-max-bytes)"));
+  }
+  scope.bytes = bytes;
+  if (it == scope.kv.end()) {
+    scope.kv.emplace(key, std::move(value));
+  } else {
+    it->second = std::move(value);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Rendezvous::CheckRoomForWaiter(const ScopeId& scope_id, const Scope& scope) const {
+  if (static_cast<int64_t>(scope.waiters.size()) >= limits_.max_waiters) {
+    return absl::ResourceExhaustedError(absl::StrCat("job ", scope_id.job_id, " attempt ",
+                                                     scope_id.attempt, " has ", limits_.max_waiters,
+                                                     " calls waiting already, its cap"));
+  }
+  return absl::OkStatus();
+}
 
 Rendezvous::~Rendezvous() {
   std::vector<Deferred> deferred;
@@ -107,7 +159,7 @@ absl::Status Rendezvous::Set(const ScopeId& scope_id, const std::string& key, st
     absl::MutexLock lock(&mu_);
     Scope* scope = FindScope(scope_id);
     if (scope == nullptr) return NotOpen(scope_id);
-    scope->kv[key] = std::move(value);
+    RETURN_IF_ERROR(Put(scope_id, *scope, key, std::move(value)));
     Wake(*scope, deferred);
   }
   RunAll(deferred);
@@ -124,6 +176,8 @@ void Rendezvous::Get(const ScopeId& scope_id, const std::string& key, absl::Dura
       result = NotOpen(scope_id);
     } else if (auto it = scope->kv.find(key); it != scope->kv.end()) {
       result = it->second;
+    } else if (absl::Status room = CheckRoomForWaiter(scope_id, *scope); !room.ok()) {
+      result = room;
     } else {
       Waiter w;
       w.keys = {key};
@@ -144,13 +198,13 @@ absl::StatusOr<int64_t> Rendezvous::Add(const ScopeId& scope_id, const std::stri
     absl::MutexLock lock(&mu_);
     Scope* scope = FindScope(scope_id);
     if (scope == nullptr) return NotOpen(scope_id);
-    std::string& stored = scope->kv[key];
-    if (!stored.empty() && !absl::SimpleAtoi(stored, &value)) {
+    auto it = scope->kv.find(key);
+    if (it != scope->kv.end() && !it->second.empty() && !absl::SimpleAtoi(it->second, &value)) {
       return absl::InvalidArgumentError(
           absl::StrCat("key: the value of '", key, "' is not an integer"));
     }
     value += delta;
-    stored = absl::StrCat(value);
+    RETURN_IF_ERROR(Put(scope_id, *scope, key, absl::StrCat(value)));
     Wake(*scope, deferred);
   }
   RunAll(deferred);
@@ -169,10 +223,11 @@ absl::StatusOr<std::string> Rendezvous::CompareSet(const ScopeId& scope_id, cons
     auto it = scope->kv.find(key);
     const std::string current = it == scope->kv.end() ? std::string() : it->second;
     if (current == expected) {
-      scope->kv[key] = std::move(desired);
+      RETURN_IF_ERROR(Put(scope_id, *scope, key, std::move(desired)));
       Wake(*scope, deferred);
     }
-    now = scope->kv.count(key) ? scope->kv[key] : std::string();
+    auto stored = scope->kv.find(key);
+    now = stored != scope->kv.end() ? stored->second : std::string();
   }
   RunAll(deferred);
   return now;
@@ -193,7 +248,11 @@ absl::StatusOr<bool> Rendezvous::DeleteKey(const ScopeId& scope_id, const std::s
   absl::MutexLock lock(&mu_);
   Scope* scope = FindScope(scope_id);
   if (scope == nullptr) return NotOpen(scope_id);
-  return scope->kv.erase(key) > 0;
+  auto it = scope->kv.find(key);
+  if (it == scope->kv.end()) return false;
+  scope->bytes -= static_cast<int64_t>(it->first.size() + it->second.size());
+  scope->kv.erase(it);
+  return true;
 }
 
 absl::StatusOr<int64_t> Rendezvous::NumKeys(const ScopeId& scope_id) {
@@ -209,8 +268,12 @@ void Rendezvous::Wait(const ScopeId& scope_id, std::vector<std::string> keys,
   {
     absl::MutexLock lock(&mu_);
     Scope* scope = FindScope(scope_id);
+    absl::Status room;
+    if (scope != nullptr) room = CheckRoomForWaiter(scope_id, *scope);
     if (scope == nullptr) {
       deferred.push_back([done, s = NotOpen(scope_id)] { done(s); });
+    } else if (!room.ok()) {
+      deferred.push_back([done, room] { done(room); });
     } else {
       Waiter w;
       w.keys = std::move(keys);
@@ -238,6 +301,16 @@ void Rendezvous::Barrier(const ScopeId& scope_id, const std::string& name, int r
     } else if (rank < 0 || rank >= world_size) {
       error = absl::InvalidArgumentError(
           absl::StrCat("rank: must be in [0, ", world_size, "), got ", rank));
+    } else if (absl::Status s = CheckKeyLength("name", name); !s.ok()) {
+      error = s;
+    } else if (absl::Status s = CheckRoomForWaiter(scope_id, *scope); !s.ok()) {
+      error = s;
+    } else if (scope->barriers.count(name) == 0 &&
+               static_cast<int64_t>(scope->kv.size() + scope->barriers.size()) >=
+                   limits_.max_keys) {
+      error = absl::ResourceExhaustedError(
+          absl::StrCat("name: job ", scope_id.job_id, " attempt ", scope_id.attempt, " holds ",
+                       limits_.max_keys, " keys and barriers, its cap (--rendezvous-max-keys)"));
     }
     if (error.ok()) {
       BarrierState& b = scope->barriers[name];

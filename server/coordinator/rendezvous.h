@@ -32,13 +32,27 @@ struct ScopeId {
   }
 };
 
+// What one attempt may hold; the ranks of a job hold its credential, and so can its owner.
+struct RendezvousLimits {
+  int64_t max_key_bytes = 512;        // keys and barrier names
+  int64_t max_value_bytes = 1 << 20;  // one value
+  int64_t max_keys = 10'000;          // keys plus barriers
+  int64_t max_bytes = 16 << 20;       // keys and values together
+  int64_t max_waiters = 10'000;       // blocked Get, Wait and Barrier calls
+};
+
 class Rendezvous {
  public:
   using ValueCallback = std::function<void(absl::StatusOr<std::string>)>;
   using DoneCallback = std::function<void(absl::Status)>;
 
-  Rendezvous();
+  // Over a limit: INVALID_ARGUMENT for a key, name or value longer than allowed, and
+  // RESOURCE_EXHAUSTED naming the limit's flag for a scope that holds too many keys or bytes or
+  // waiters.
+  explicit Rendezvous(RendezvousLimits limits = {});
   ~Rendezvous();  // fails every waiter with UNAVAILABLE and joins the timer thread
+
+  const RendezvousLimits& limits() const { return limits_; }
 
   void OpenScope(const ScopeId& scope);
   void CloseScope(const ScopeId& scope);
@@ -82,6 +96,7 @@ class Rendezvous {
   };
   struct Scope {
     std::map<std::string, std::string> kv;
+    int64_t bytes = 0;  // of kv's keys and values
     std::map<std::string, BarrierState> barriers;
     std::map<int64_t, Waiter> waiters;  // by waiter id
   };
@@ -89,6 +104,12 @@ class Rendezvous {
   using Deferred = std::function<void()>;
 
   Scope* FindScope(const ScopeId& scope) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Stores key = value within the limits.
+  absl::Status Put(const ScopeId& scope_id, Scope& scope, const std::string& key, std::string value)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckKeyLength(const char* field, const std::string& key) const;
+  absl::Status CheckRoomForWaiter(const ScopeId& scope_id, const Scope& scope) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Completes the waiters of `scope` that the current keys satisfy.
   void Wake(Scope& scope, std::vector<Deferred>& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AddWaiter(const ScopeId& scope_id, Scope& scope, Waiter waiter)
@@ -97,6 +118,7 @@ class Rendezvous {
   void TimerLoop();
   bool TimerShouldWake() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  const RendezvousLimits limits_;
   absl::Mutex mu_;
   std::map<ScopeId, Scope> scopes_ ABSL_GUARDED_BY(mu_);
   std::multimap<absl::Time, std::pair<ScopeId, int64_t>> deadlines_ ABSL_GUARDED_BY(mu_);

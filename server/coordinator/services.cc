@@ -15,9 +15,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/credentials.h"
+#include "common/field_limits.h"
 #include "common/grpc_status.h"
+#include "common/log_text.h"
 #include "common/status_macros.h"
 #include "common/tls.h"
+#include "server/coordinator/audit.h"
 #include "server/coordinator/job_state.h"
 
 namespace trainyard::coordinator {
@@ -27,6 +30,16 @@ grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx, const absl::Sta
   auto* reactor = ctx->DefaultReactor();
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
+}
+
+// The caller's address without its port ("ipv4:127.0.0.1", "ipv6:[::1]"): the key failed
+// authentications are counted under.
+std::string PeerHost(grpc::CallbackServerContext* ctx) {
+  std::string peer = ctx->peer();
+  const size_t colon = peer.rfind(':');
+  const size_t first = peer.find(':');
+  if (colon != std::string::npos && colon != first) peer.resize(colon);
+  return peer;
 }
 
 // The principal of the call's "authorization: Bearer <credential>" metadata.
@@ -41,15 +54,26 @@ absl::StatusOr<Principal> Authenticate(grpc::CallbackServerContext* ctx,
   }
   ASSIGN_OR_RETURN(std::string credential,
                    BearerCredential(absl::string_view(it->second.data(), it->second.size())));
-  return identities.Authenticate(credential);
+  return identities.AuthenticateFrom(credential, PeerHost(ctx));
 }
 
-// Logs a refusal (the audit log keeps them) and passes it on.
-absl::Status Refused(const char* method, const std::string& who, absl::Status status) {
-  spdlog::warn("audit: {} {} refused: {} ({})", who, method, std::string(status.message()),
-               absl::StatusCodeToString(status.code()));
+// Audits a refusal and passes it on.
+absl::Status Refused(const char* method, const std::string& who, absl::Status status,
+                     const std::string& target = "") {
+  WriteAudit({who, method, target, status, ""});
   return status;
 }
+
+// Every field of a request within the default FieldLimits (strings 4096 bytes, lists 1024
+// entries, 256 KiB in all): INVALID_ARGUMENT naming the field.
+absl::Status CheckRequest(const google::protobuf::Message& request) {
+  return CheckFieldSizes(request, FieldLimits{});
+}
+
+// The largest cancel reason kept (it becomes the job's message).
+constexpr size_t kMaxReasonBytes = 1024;
+// The largest step or checkpoint report a rank may send.
+constexpr size_t kMaxReportBytes = 64 * 1024;
 
 // A user's (or admin's) API token: node tokens and job credentials may not make user calls.
 absl::StatusOr<Principal> AuthenticateUser(grpc::CallbackServerContext* ctx,
@@ -144,10 +168,7 @@ absl::StatusOr<Principal> AuthenticateNode(grpc::CallbackServerContext* ctx,
 // What a call that changes something did, and for whom.
 void Audit(const Principal& who, const char* method, const std::string& target,
            const absl::Status& result) {
-  spdlog::info("audit: {} {} {} -> {}", who.Describe(), method, target,
-               result.ok()
-                   ? std::string("OK")
-                   : absl::StrCat(absl::StatusCodeToString(result.code()), ": ", result.message()));
+  WriteAudit({who.Describe(), method, target, result, ""});
 }
 
 // Serializes writes on a streaming reactor: gRPC allows one write in flight at a time. Shared
@@ -273,6 +294,9 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
   int64_t handle_ = 0;
 };
 
+// The longest log line kept from a rank; longer ones are cut, saying how much was cut.
+constexpr size_t kMaxLogLineBytes = 16 * 1024;
+
 // Session: hello first, then heartbeats and rank status up; commands down.
 class SessionReactor final
     : public grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage> {
@@ -300,7 +324,7 @@ class SessionReactor final
       }
       if (incoming_.hello().node_id() != token_node_) {
         spdlog::warn("audit: node {} Session refused: hello names node {}", token_node_,
-                     incoming_.hello().node_id());
+                     Quoted(incoming_.hello().node_id()));
         End(grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
                          absl::StrCat("hello.node_id: the node token is for node ", token_node_,
                                       ", not ", incoming_.hello().node_id())));
@@ -333,7 +357,7 @@ class SessionReactor final
                                  incoming_.logs().rank())) {
       // A node speaks only for the ranks it runs.
       spdlog::warn("audit: node {} sent lines of rank {} of {}, which it does not run: dropped",
-                   node_id_, incoming_.logs().rank(), incoming_.logs().job_id());
+                   node_id_, incoming_.logs().rank(), Quoted(incoming_.logs().job_id()));
     } else if (incoming_.has_logs()) {
       const v1::LogLines& in = incoming_.logs();
       std::vector<v1::LogLine> lines;
@@ -342,7 +366,13 @@ class SessionReactor final
         v1::LogLine l;
         l.set_attempt(in.attempt());
         l.set_rank(in.rank());
-        l.set_text(text);
+        if (text.size() > kMaxLogLineBytes) {
+          // Kept, cut: a rank's line is its owner's data, but no line may be unbounded.
+          l.set_text(absl::StrCat(text.substr(0, kMaxLogLineBytes), " [truncated ",
+                                  text.size() - kMaxLogLineBytes, " bytes]"));
+        } else {
+          l.set_text(text);
+        }
         lines.push_back(std::move(l));
       }
       logs_.Append(in.job_id(), std::move(lines));
@@ -560,6 +590,10 @@ grpc::ServerWriteReactor<T>* RejectStream(grpc::Status status) {
 
 absl::StatusOr<ScopeId> ParseScope(const v1::RendezvousScope& scope) {
   if (scope.job_id().empty()) return absl::InvalidArgumentError("scope.job_id: required");
+  if (scope.job_id().size() > 128) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("scope.job_id: ", scope.job_id().size(), " bytes, at most 128"));
+  }
   if (scope.attempt() < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("scope.attempt: must be >= 1, got ", scope.attempt()));
@@ -575,8 +609,25 @@ absl::StatusOr<absl::Duration> ParseTimeout(int64_t timeout_ms) {
   return timeout_ms == 0 ? absl::Seconds(30) : absl::Milliseconds(timeout_ms);
 }
 
-absl::Status CheckKey(const std::string& key) {
-  if (key.empty()) return absl::InvalidArgumentError("key: required");
+absl::Status CheckKey(const Rendezvous& rdzv, const std::string& key,
+                      const std::string& field = "key") {
+  if (key.empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": required"));
+  if (static_cast<int64_t>(key.size()) > rdzv.limits().max_key_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", key.size(), " bytes, at most ", rdzv.limits().max_key_bytes));
+  }
+  return absl::OkStatus();
+}
+
+// The keys of a Wait or Check: at most 1024, each a valid key.
+absl::Status CheckKeys(const Rendezvous& rdzv,
+                       const google::protobuf::RepeatedPtrField<std::string>& keys) {
+  if (keys.size() > 1024) {
+    return absl::InvalidArgumentError(absl::StrCat("keys: ", keys.size(), " keys, at most 1024"));
+  }
+  for (int i = 0; i < keys.size(); ++i) {
+    RETURN_IF_ERROR(CheckKey(rdzv, keys[i], absl::StrCat("keys[", i, "]")));
+  }
   return absl::OkStatus();
 }
 
@@ -589,12 +640,14 @@ absl::StatusOr<v1::Job> JobServiceImpl::AccessibleJob(grpc::CallbackServerContex
                                                       Principal* caller) const {
   ASSIGN_OR_RETURN(*caller, AuthenticateUser(ctx, identities_, method));
   if (job_id.empty()) return absl::InvalidArgumentError("job_id: required");
-  ASSIGN_OR_RETURN(v1::Job job, jobs_.Get(job_id));
-  if (job.owner() != caller->user && !caller->IsAdmin()) {
-    return Refused(method, caller->Describe(),
-                   absl::PermissionDeniedError(absl::StrCat(job_id, " belongs to ", job.owner(),
-                                                            "; only its owner and admins may ",
-                                                            method, " it")));
+  auto job = jobs_.Get(job_id);
+  if (job.ok() && job->owner() != caller->user && !caller->IsAdmin()) {
+    // Answered exactly as a job that does not exist, so that ids and owners cannot be found out
+    // by trying; the audit log keeps the truth.
+    Refused(method, caller->Describe(),
+            absl::PermissionDeniedError(absl::StrCat("the job belongs to ", job->owner())), job_id)
+        .IgnoreError();
+    return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
   }
   return job;
 }
@@ -602,6 +655,7 @@ absl::StatusOr<v1::Job> JobServiceImpl::AccessibleJob(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* JobServiceImpl::SubmitJob(grpc::CallbackServerContext* ctx,
                                                     const v1::SubmitJobRequest* request,
                                                     v1::SubmitJobResponse* response) {
+  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
   auto user = AuthenticateUser(ctx, identities_, "SubmitJob");
   if (!user.ok()) return Done(ctx, user.status());
   auto* reactor = ctx->DefaultReactor();
@@ -617,6 +671,7 @@ grpc::ServerUnaryReactor* JobServiceImpl::SubmitJob(grpc::CallbackServerContext*
 grpc::ServerUnaryReactor* JobServiceImpl::GetJob(grpc::CallbackServerContext* ctx,
                                                  const v1::GetJobRequest* request,
                                                  v1::Job* response) {
+  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
   Principal caller;
   auto job = AccessibleJob(ctx, request->job_id(), "GetJob", &caller);
   if (job.ok()) {
@@ -629,6 +684,7 @@ grpc::ServerUnaryReactor* JobServiceImpl::GetJob(grpc::CallbackServerContext* ct
 grpc::ServerUnaryReactor* JobServiceImpl::ListJobs(grpc::CallbackServerContext* ctx,
                                                    const v1::ListJobsRequest* request,
                                                    v1::ListJobsResponse* response) {
+  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
   auto caller = AuthenticateUser(ctx, identities_, "ListJobs");
   if (!caller.ok()) return Done(ctx, caller.status());
   v1::ListJobsRequest scoped = *request;
@@ -654,9 +710,14 @@ grpc::ServerUnaryReactor* JobServiceImpl::ListJobs(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* JobServiceImpl::CancelJob(grpc::CallbackServerContext* ctx,
                                                     const v1::CancelJobRequest* request,
                                                     v1::Job* response) {
+  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
   Principal caller;
   auto job = AccessibleJob(ctx, request->job_id(), "CancelJob", &caller);
   if (!job.ok()) return Done(ctx, job.status());
+  if (request->reason().size() > kMaxReasonBytes) {
+    return Done(ctx, absl::InvalidArgumentError(absl::StrCat("reason: ", request->reason().size(),
+                                                             " bytes, at most ", kMaxReasonBytes)));
+  }
   auto* reactor = ctx->DefaultReactor();
   const std::string reason = request->reason().empty() ? absl::StrCat("cancelled by ", caller.user)
                                                        : absl::StrCat("cancelled by ", caller.user,
@@ -672,6 +733,9 @@ grpc::ServerUnaryReactor* JobServiceImpl::CancelJob(grpc::CallbackServerContext*
 
 grpc::ServerWriteReactor<v1::JobEvent>* JobServiceImpl::WatchJob(
     grpc::CallbackServerContext* ctx, const v1::WatchJobRequest* request) {
+  if (absl::Status s = CheckRequest(*request); !s.ok()) {
+    return RejectStream<v1::JobEvent>(ToGrpcStatus(s));
+  }
   Principal caller;
   if (auto job = AccessibleJob(ctx, request->job_id(), "WatchJob", &caller); !job.ok()) {
     return RejectStream<v1::JobEvent>(ToGrpcStatus(job.status()));
@@ -681,6 +745,9 @@ grpc::ServerWriteReactor<v1::JobEvent>* JobServiceImpl::WatchJob(
 
 grpc::ServerWriteReactor<v1::LogLine>* JobServiceImpl::StreamLogs(
     grpc::CallbackServerContext* ctx, const v1::StreamLogsRequest* request) {
+  if (absl::Status s = CheckRequest(*request); !s.ok()) {
+    return RejectStream<v1::LogLine>(ToGrpcStatus(s));
+  }
   Principal caller;
   if (auto job = AccessibleJob(ctx, request->job_id(), "StreamLogs", &caller); !job.ok()) {
     return RejectStream<v1::LogLine>(ToGrpcStatus(job.status()));
@@ -696,6 +763,9 @@ grpc::ServerWriteReactor<v1::LogLine>* JobServiceImpl::StreamLogs(
 
 grpc::ServerWriteReactor<v1::ExportChunk>* JobServiceImpl::FetchExport(
     grpc::CallbackServerContext* ctx, const v1::FetchExportRequest* request) {
+  if (absl::Status s = CheckRequest(*request); !s.ok()) {
+    return RejectStream<v1::ExportChunk>(ToGrpcStatus(s));
+  }
   Principal caller;
   auto job = AccessibleJob(ctx, request->job_id(), "FetchExport", &caller);
   auto refuse = [&](absl::Status status) {
@@ -727,6 +797,9 @@ grpc::ServerWriteReactor<v1::ExportChunk>* JobServiceImpl::FetchExport(
 
 grpc::ServerWriteReactor<v1::StepReport>* JobServiceImpl::StreamMetrics(
     grpc::CallbackServerContext* ctx, const v1::StreamMetricsRequest* request) {
+  if (absl::Status s = CheckRequest(*request); !s.ok()) {
+    return RejectStream<v1::StepReport>(ToGrpcStatus(s));
+  }
   Principal caller;
   if (auto job = AccessibleJob(ctx, request->job_id(), "StreamMetrics", &caller); !job.ok()) {
     return RejectStream<v1::StepReport>(ToGrpcStatus(job.status()));
@@ -738,6 +811,7 @@ grpc::ServerWriteReactor<v1::StepReport>* JobServiceImpl::StreamMetrics(
 grpc::ServerUnaryReactor* JobServiceImpl::CheckpointJob(grpc::CallbackServerContext* ctx,
                                                         const v1::CheckpointJobRequest* request,
                                                         v1::Job* response) {
+  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
   Principal caller;
   auto job = AccessibleJob(ctx, request->job_id(), "CheckpointJob", &caller);
   if (!job.ok()) return Done(ctx, job.status());
@@ -754,6 +828,7 @@ grpc::ServerUnaryReactor* JobServiceImpl::CheckpointJob(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* JobServiceImpl::GetQuota(grpc::CallbackServerContext* ctx,
                                                    const v1::GetQuotaRequest* request,
                                                    v1::QuotaReport* response) {
+  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
   auto caller = AuthenticateUser(ctx, identities_, "GetQuota");
   if (!caller.ok()) return Done(ctx, caller.status());
   const std::string user = request->user().empty() ? caller->user : request->user();
@@ -784,6 +859,10 @@ grpc::ServerUnaryReactor* TrainerServiceImpl::ReportStep(grpc::CallbackServerCon
       !s.ok()) {
     return Done(ctx, s);
   }
+  if (absl::Status s = CheckFieldSizes(*request, FieldLimits{4096, 1024, kMaxReportBytes}, "");
+      !s.ok()) {
+    return Done(ctx, s);
+  }
   if (request->job_id().empty()) return Done(ctx, absl::InvalidArgumentError("job_id: required"));
   if (request->step() < 1) {
     return Done(
@@ -806,6 +885,10 @@ grpc::ServerUnaryReactor* TrainerServiceImpl::ReportCheckpoint(grpc::CallbackSer
       !s.ok()) {
     return Done(ctx, s);
   }
+  if (absl::Status s = CheckFieldSizes(*request, FieldLimits{4096, 1024, kMaxReportBytes}, "");
+      !s.ok()) {
+    return Done(ctx, s);
+  }
   if (request->job_id().empty()) return Done(ctx, absl::InvalidArgumentError("job_id: required"));
   if (request->path().empty()) return Done(ctx, absl::InvalidArgumentError("path: required"));
   auto commands = jobs_.OnCheckpointReport(*request);
@@ -818,6 +901,7 @@ grpc::ServerUnaryReactor* TrainerServiceImpl::ReportCheckpoint(grpc::CallbackSer
 grpc::ServerUnaryReactor* NodeServiceImpl::RegisterNode(grpc::CallbackServerContext* ctx,
                                                         const v1::RegisterNodeRequest* request,
                                                         v1::RegisterNodeResponse* response) {
+  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
   auto caller =
       AuthenticateNode(ctx, identities_, "RegisterNode", request->node_id(), node_certificates_);
   if (!caller.ok()) return Done(ctx, caller.status());
@@ -882,6 +966,7 @@ grpc::ServerUnaryReactor* NodeServiceImpl::ListNodes(grpc::CallbackServerContext
 grpc::ServerUnaryReactor* NodeServiceImpl::VerifyJobCredential(
     grpc::CallbackServerContext* ctx, const v1::VerifyJobCredentialRequest* request,
     v1::VerifyJobCredentialResponse* response) {
+  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
   auto caller = AuthenticateNode(ctx, identities_, "VerifyJobCredential", "", node_certificates_);
   if (!caller.ok()) return Done(ctx, caller.status());
   auto rank = identities_.Authenticate(request->credential());
@@ -928,7 +1013,7 @@ grpc::ServerUnaryReactor* NodeServiceImpl::VerifyJobCredential(
 grpc::ServerUnaryReactor* RendezvousServiceImpl::Set(grpc::CallbackServerContext* ctx,
                                                      const v1::SetRequest* r, v1::SetResponse*) {
   TY_SCOPE_OR_FINISH(scope, r->scope());
-  if (absl::Status s = CheckKey(r->key()); !s.ok()) return Done(ctx, s);
+  if (absl::Status s = CheckKey(rdzv_, r->key()); !s.ok()) return Done(ctx, s);
   return Done(ctx, rdzv_.Set(scope, r->key(), r->value()));
 }
 
@@ -936,7 +1021,7 @@ grpc::ServerUnaryReactor* RendezvousServiceImpl::Get(grpc::CallbackServerContext
                                                      const v1::GetRequest* r,
                                                      v1::GetResponse* response) {
   TY_SCOPE_OR_FINISH(scope, r->scope());
-  if (absl::Status s = CheckKey(r->key()); !s.ok()) return Done(ctx, s);
+  if (absl::Status s = CheckKey(rdzv_, r->key()); !s.ok()) return Done(ctx, s);
   auto timeout = ParseTimeout(r->timeout_ms());
   if (!timeout.ok()) return Done(ctx, timeout.status());
   auto* reactor = ctx->DefaultReactor();
@@ -951,7 +1036,7 @@ grpc::ServerUnaryReactor* RendezvousServiceImpl::Add(grpc::CallbackServerContext
                                                      const v1::AddRequest* r,
                                                      v1::AddResponse* response) {
   TY_SCOPE_OR_FINISH(scope, r->scope());
-  if (absl::Status s = CheckKey(r->key()); !s.ok()) return Done(ctx, s);
+  if (absl::Status s = CheckKey(rdzv_, r->key()); !s.ok()) return Done(ctx, s);
   auto v = rdzv_.Add(scope, r->key(), r->delta());
   if (v.ok()) response->set_value(*v);
   return Done(ctx, v.status());
@@ -961,7 +1046,7 @@ grpc::ServerUnaryReactor* RendezvousServiceImpl::CompareSet(grpc::CallbackServer
                                                             const v1::CompareSetRequest* r,
                                                             v1::CompareSetResponse* response) {
   TY_SCOPE_OR_FINISH(scope, r->scope());
-  if (absl::Status s = CheckKey(r->key()); !s.ok()) return Done(ctx, s);
+  if (absl::Status s = CheckKey(rdzv_, r->key()); !s.ok()) return Done(ctx, s);
   auto v = rdzv_.CompareSet(scope, r->key(), r->expected(), r->desired());
   if (v.ok()) response->set_value(*std::move(v));
   return Done(ctx, v.status());
@@ -971,6 +1056,7 @@ grpc::ServerUnaryReactor* RendezvousServiceImpl::Check(grpc::CallbackServerConte
                                                        const v1::CheckRequest* r,
                                                        v1::CheckResponse* response) {
   TY_SCOPE_OR_FINISH(scope, r->scope());
+  if (absl::Status s = CheckKeys(rdzv_, r->keys()); !s.ok()) return Done(ctx, s);
   auto v = rdzv_.Check(scope, {r->keys().begin(), r->keys().end()});
   if (v.ok()) response->set_all_present(*v);
   return Done(ctx, v.status());
@@ -980,7 +1066,7 @@ grpc::ServerUnaryReactor* RendezvousServiceImpl::DeleteKey(grpc::CallbackServerC
                                                            const v1::DeleteKeyRequest* r,
                                                            v1::DeleteKeyResponse* response) {
   TY_SCOPE_OR_FINISH(scope, r->scope());
-  if (absl::Status s = CheckKey(r->key()); !s.ok()) return Done(ctx, s);
+  if (absl::Status s = CheckKey(rdzv_, r->key()); !s.ok()) return Done(ctx, s);
   auto v = rdzv_.DeleteKey(scope, r->key());
   if (v.ok()) response->set_deleted(*v);
   return Done(ctx, v.status());
@@ -999,6 +1085,7 @@ grpc::ServerUnaryReactor* RendezvousServiceImpl::Wait(grpc::CallbackServerContex
                                                       const v1::WaitRequest* r, v1::WaitResponse*) {
   TY_SCOPE_OR_FINISH(scope, r->scope());
   if (r->keys().empty()) return Done(ctx, absl::InvalidArgumentError("keys: at least one key"));
+  if (absl::Status s = CheckKeys(rdzv_, r->keys()); !s.ok()) return Done(ctx, s);
   auto timeout = ParseTimeout(r->timeout_ms());
   if (!timeout.ok()) return Done(ctx, timeout.status());
   auto* reactor = ctx->DefaultReactor();
@@ -1011,7 +1098,7 @@ grpc::ServerUnaryReactor* RendezvousServiceImpl::Barrier(grpc::CallbackServerCon
                                                          const v1::BarrierRequest* r,
                                                          v1::BarrierResponse*) {
   TY_SCOPE_OR_FINISH(scope, r->scope());
-  if (r->name().empty()) return Done(ctx, absl::InvalidArgumentError("name: required"));
+  if (absl::Status s = CheckKey(rdzv_, r->name(), "name"); !s.ok()) return Done(ctx, s);
   auto timeout = ParseTimeout(r->timeout_ms());
   if (!timeout.ok()) return Done(ctx, timeout.status());
   auto* reactor = ctx->DefaultReactor();
@@ -1041,6 +1128,7 @@ grpc::ServerUnaryReactor* IdentityServiceImpl::WhoAmI(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* IdentityServiceImpl::CreateUser(grpc::CallbackServerContext* ctx,
                                                           const v1::CreateUserRequest* request,
                                                           v1::User* response) {
+  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
   auto caller = AuthenticateAdmin(ctx, identities_, "CreateUser");
   if (!caller.ok()) return Done(ctx, caller.status());
   auto user = identities_.CreateUser(request->name(), request->role(), request->account());
@@ -1061,6 +1149,7 @@ grpc::ServerUnaryReactor* IdentityServiceImpl::ListUsers(grpc::CallbackServerCon
 grpc::ServerUnaryReactor* IdentityServiceImpl::DisableUser(grpc::CallbackServerContext* ctx,
                                                            const v1::DisableUserRequest* request,
                                                            v1::User* response) {
+  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
   auto caller = AuthenticateAdmin(ctx, identities_, "DisableUser");
   if (!caller.ok()) return Done(ctx, caller.status());
   auto user = identities_.SetDisabled(request->name(), !request->enable());
@@ -1072,6 +1161,7 @@ grpc::ServerUnaryReactor* IdentityServiceImpl::DisableUser(grpc::CallbackServerC
 grpc::ServerUnaryReactor* IdentityServiceImpl::CreateToken(grpc::CallbackServerContext* ctx,
                                                            const v1::CreateTokenRequest* request,
                                                            v1::CreateTokenResponse* response) {
+  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
   auto caller = AuthenticateUser(ctx, identities_, "CreateToken");
   if (!caller.ok()) return Done(ctx, caller.status());
   const std::string user = request->user().empty() ? caller->user : request->user();
@@ -1102,6 +1192,7 @@ grpc::ServerUnaryReactor* IdentityServiceImpl::CreateToken(grpc::CallbackServerC
 grpc::ServerUnaryReactor* IdentityServiceImpl::ListTokens(grpc::CallbackServerContext* ctx,
                                                           const v1::ListTokensRequest* request,
                                                           v1::ListTokensResponse* response) {
+  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
   auto caller = AuthenticateUser(ctx, identities_, "ListTokens");
   if (!caller.ok()) return Done(ctx, caller.status());
   std::string user = request->user().empty() ? caller->user : request->user();
@@ -1119,16 +1210,19 @@ grpc::ServerUnaryReactor* IdentityServiceImpl::ListTokens(grpc::CallbackServerCo
 grpc::ServerUnaryReactor* IdentityServiceImpl::RevokeToken(grpc::CallbackServerContext* ctx,
                                                            const v1::RevokeTokenRequest* request,
                                                            v1::TokenInfo* response) {
+  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
   auto caller = AuthenticateUser(ctx, identities_, "RevokeToken");
   if (!caller.ok()) return Done(ctx, caller.status());
   if (request->id().empty()) return Done(ctx, absl::InvalidArgumentError("id: required"));
   auto existing = identities_.GetToken(request->id());
   if (!existing.ok()) return Done(ctx, existing.status());
   if (!caller->IsAdmin() && existing->user() != caller->user) {
-    return Done(ctx, Refused("RevokeToken", caller->Describe(),
-                             absl::PermissionDeniedError(absl::StrCat(
-                                 "id: token ", request->id(), " belongs to ", existing->user(),
-                                 "; only its user and admins may revoke it"))));
+    // As for a token that does not exist: token ids are not to be found out by trying.
+    Refused("RevokeToken", caller->Describe(),
+            absl::PermissionDeniedError(absl::StrCat("the token belongs to ", existing->user())),
+            request->id())
+        .IgnoreError();
+    return Done(ctx, absl::NotFoundError(absl::StrCat("id: no token ", request->id())));
   }
   auto token = identities_.RevokeToken(request->id());
   Audit(*caller, "RevokeToken", request->id(), token.status());
@@ -1139,6 +1233,7 @@ grpc::ServerUnaryReactor* IdentityServiceImpl::RevokeToken(grpc::CallbackServerC
 grpc::ServerUnaryReactor* IdentityServiceImpl::UpdateUser(grpc::CallbackServerContext* ctx,
                                                           const v1::UpdateUserRequest* request,
                                                           v1::User* response) {
+  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
   auto caller = AuthenticateAdmin(ctx, identities_, "UpdateUser");
   if (!caller.ok()) return Done(ctx, caller.status());
   auto user = identities_.UpdateUser(*request);
@@ -1150,6 +1245,7 @@ grpc::ServerUnaryReactor* IdentityServiceImpl::UpdateUser(grpc::CallbackServerCo
 grpc::ServerUnaryReactor* IdentityServiceImpl::CreateAccount(
     grpc::CallbackServerContext* ctx, const v1::CreateAccountRequest* request,
     v1::Account* response) {
+  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
   auto caller = AuthenticateAdmin(ctx, identities_, "CreateAccount");
   if (!caller.ok()) return Done(ctx, caller.status());
   auto account = identities_.CreateAccount(request->account());
@@ -1161,6 +1257,7 @@ grpc::ServerUnaryReactor* IdentityServiceImpl::CreateAccount(
 grpc::ServerUnaryReactor* IdentityServiceImpl::UpdateAccount(
     grpc::CallbackServerContext* ctx, const v1::UpdateAccountRequest* request,
     v1::Account* response) {
+  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
   auto caller = AuthenticateAdmin(ctx, identities_, "UpdateAccount");
   if (!caller.ok()) return Done(ctx, caller.status());
   auto account = identities_.UpdateAccount(request->account());
@@ -1172,6 +1269,7 @@ grpc::ServerUnaryReactor* IdentityServiceImpl::UpdateAccount(
 grpc::ServerUnaryReactor* IdentityServiceImpl::DeleteAccount(
     grpc::CallbackServerContext* ctx, const v1::DeleteAccountRequest* request,
     v1::Account* response) {
+  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
   auto caller = AuthenticateAdmin(ctx, identities_, "DeleteAccount");
   if (!caller.ok()) return Done(ctx, caller.status());
   auto account = identities_.DeleteAccount(request->name());

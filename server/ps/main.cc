@@ -13,6 +13,7 @@
 #include <CLI/CLI.hpp>
 
 #include "common/credentials.h"
+#include "common/log_text.h"
 #include "common/server_main.h"
 #include "common/tls.h"
 #include "common/version.h"
@@ -69,13 +70,18 @@ int main(int argc, char** argv) {
       ->envname(trainyard::kTlsCaEnv);
   app.add_flag("--insecure", options.tls.insecure,
                "serve without TLS on a non-loopback --listen address");
+  app.add_option("--owners", options.owners,
+                 "take only these users' offload jobs (repeat, or separate with commas); needed "
+                 "when the node token is limited to some owners (yard admin token create --node "
+                 "NAME --owners USER)")
+      ->delimiter(',');
   std::string token_file;
   app.add_option("--token-file", token_file,
                  "file holding this server's node token for --coordinator (yard admin token "
                  "create --node NAME; mode 0600); default: env TRAINYARD_TOKEN");
   CLI11_PARSE(app, argc, argv);
 
-  spdlog::set_default_logger(spdlog::stderr_color_mt("ps"));
+  trainyard::InstallEscapingLogger("ps");
   if (options.coordinator_tls.enabled()) {  // our certificate, for a coordinator asking for one
     options.coordinator_tls.cert_file = options.tls.cert_file;
     options.coordinator_tls.key_file = options.tls.key_file;

@@ -206,6 +206,7 @@ void PsServer::RunSession() {
   request.set_address(options_.advertise);
   request.set_memory_bytes(options_.capacity_bytes);
   request.set_role(v1::PARAMETER_SERVER);
+  for (const std::string& owner : options_.owners) request.add_owners(owner);
   v1::RegisterNodeResponse registered;
   {
     grpc::ClientContext ctx;

@@ -15,6 +15,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -32,8 +33,11 @@ namespace trainyard::ps {
 
 struct PsOptions {
   std::string listen_address = "127.0.0.1:7080";
-  std::string coordinator;           // HOST:PORT; empty: serve without registering
-  std::string token;                 // node token sent to the coordinator (identity.proto)
+  std::string coordinator;  // HOST:PORT; empty: serve without registering
+  std::string token;        // node token sent to the coordinator (identity.proto)
+  // Users whose offload jobs this server takes (Node.owners); empty: any user's. A node token
+  // limited to some owners' jobs must be registered with owners within its own.
+  std::vector<std::string> owners;
   TlsServerOptions tls;              // serving (common/tls.h); its cert is the client one too
   TlsClientOptions coordinator_tls;  // the coordinator's CA (and our certificate, for mTLS)
   std::string node_id;               // default: ps-<hostname>-<port>

@@ -27,6 +27,7 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "common/credentials.h"
+#include "common/log_text.h"
 #include "common/metrics_endpoint.h"
 #include "common/server_main.h"
 #include "common/tls.h"
@@ -163,7 +164,18 @@ int main(int argc, char** argv) {
                  "mode 0600); default: env TRAINYARD_TOKEN");
   CLI11_PARSE(app, argc, argv);
 
-  spdlog::set_default_logger(spdlog::stderr_color_mt("worker"));
+  trainyard::InstallEscapingLogger("worker");
+  // Ranks run in folders of their own: every path handed to them (or used after a chdir) is made
+  // absolute here, so that a relative --tls-ca given to the worker means the same file to them.
+  for (std::string* path : {&options.tls.ca_file, &options.tls.cert_file, &options.tls.key_file,
+                            &work_dir, &token_file, &user_map}) {
+    if (!path->empty() && path->front() != '/') *path = std::filesystem::absolute(*path).string();
+  }
+  if (options.supervisor.trainer_path.find('/') != std::string::npos &&
+      options.supervisor.trainer_path.front() != '/') {
+    options.supervisor.trainer_path =
+        std::filesystem::absolute(options.supervisor.trainer_path).string();
+  }
   auto grace = trainyard::ParseFlagDuration("--stop-grace", stop_grace);
   if (!grace.ok()) {
     std::cerr << "trainyard-worker: " << grace.status().message() << "\n";

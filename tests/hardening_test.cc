@@ -1,0 +1,542 @@
+// What an outside tester broke (issue 38), each over the wire against a real in-process
+// coordinator (SQLite store, loopback gRPC, FakeClock): an owners-limited parameter server gets
+// only its owners' shards; refused fields never forge a log line; oversized fields are refused
+// naming them and listings keep working; the queued-job, token and rendezvous caps; a
+// wrong-secret flood is throttled and counted; another user's job answers as a missing one; the
+// state directory and its files are the coordinator's alone, and nothing is written before the
+// flags are checked; the JSON-lines audit log.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <spdlog/sinks/ostream_sink.h>
+#include <spdlog/spdlog.h>
+#include <sys/stat.h>
+
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/credentials.h"
+#include "common/log_text.h"
+#include "server/coordinator/coordinator_server.h"
+#include "tests/testing/coordinator_fixture.h"
+#include "tests/testing/http_get.h"
+#include "tests/testing/node_session.h"
+#include "tests/testing/subprocess.h"
+#include "tests/testing/tiny_spec.h"
+
+namespace trainyard::coordinator {
+namespace {
+
+using grpc::StatusCode;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+class HardeningTest : public testing::CoordinatorFixture {
+ protected:
+  void Configure(CoordinatorOptions& options) override {
+    options.metrics_address = "127.0.0.1:0";
+    options.limits.max_queued_jobs_per_user = 20;
+    options.limits.max_tokens_per_user = 5;
+    options.limits.rendezvous.max_keys = 4;
+    options.limits.rendezvous.max_bytes = 1000;
+    options.limits.rendezvous.max_value_bytes = 600;
+    options.audit_log = dir_.path() + "/audit.jsonl";
+  }
+
+  static void Prepare(grpc::ClientContext& ctx, const std::string& token) {
+    testing::Authorize(ctx, token);
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
+  }
+
+  grpc::Status Submit(const std::string& token, const v1::JobSpec& spec, v1::Job* job = nullptr) {
+    grpc::ClientContext ctx;
+    Prepare(ctx, token);
+    v1::SubmitJobRequest r;
+    *r.mutable_spec() = spec;
+    v1::SubmitJobResponse resp;
+    grpc::Status s = jobs_->SubmitJob(&ctx, r, &resp);
+    if (job != nullptr) *job = resp.job();
+    return s;
+  }
+
+  grpc::Status GetJob(const std::string& token, const std::string& id) {
+    grpc::ClientContext ctx;
+    Prepare(ctx, token);
+    v1::GetJobRequest r;
+    r.set_job_id(id);
+    v1::Job job;
+    return jobs_->GetJob(&ctx, r, &job);
+  }
+
+  grpc::Status WhoAmI(const std::string& token) {
+    grpc::ClientContext ctx;
+    Prepare(ctx, token);
+    v1::WhoAmIResponse resp;
+    return identity_->WhoAmI(&ctx, {}, &resp);
+  }
+
+  grpc::Status CreateToken(const std::string& token, std::string* id = nullptr) {
+    grpc::ClientContext ctx;
+    Prepare(ctx, token);
+    v1::CreateTokenRequest r;
+    v1::CreateTokenResponse resp;
+    grpc::Status s = identity_->CreateToken(&ctx, r, &resp);
+    if (id != nullptr) *id = resp.info().id();
+    return s;
+  }
+
+  // A running attempt of one of alice's jobs on node n1.
+  v1::Job RunningJob() {
+    node_ = testing::NodeSession::Connect(channel_, tokens_->Node("n1"), "n1", 2);
+    v1::Job job;
+    EXPECT_TRUE(Submit(tokens_->User("alice"), testing::TinySpec("succeed", 1), &job).ok());
+    EXPECT_EQ(server_->jobs().SchedulePass(), 1);
+    auto running = server_->jobs().Get(job.id());
+    EXPECT_TRUE(running.ok());
+    return running.ok() ? *running : job;
+  }
+
+  std::unique_ptr<testing::NodeSession> node_;
+};
+
+v1::JobSpec OffloadSpec(const std::string& name) {
+  v1::JobSpec s = testing::TinySpec(name, 1);
+  s.mutable_parallel()->set_strategy(v1::OFFLOAD);
+  return s;
+}
+
+TEST_F(HardeningTest, AnOwnersLimitedParameterServerNeverGetsAnotherOwnersShards) {
+  tokens_->User("bob");
+  auto worker = testing::NodeSession::Connect(channel_, tokens_->Node("n1"), "n1", 2);
+  // An admin gives bob a node token for his own jobs; bob runs a parameter server with it.
+  auto bob_node = server_->identities().CreateToken("admin", "bobps", 0, "bob's", {"bob"});
+  ASSERT_TRUE(bob_node.ok()) << bob_node.status();
+  v1::RegisterNodeRequest r;
+  r.set_node_id("bobps");
+  r.set_hostname("localhost");
+  r.set_address("127.0.0.1:9");
+  r.set_memory_bytes(int64_t{1} << 30);
+  r.set_role(v1::PARAMETER_SERVER);
+  r.add_owners("bob");
+  auto bobps = testing::NodeSession::ConnectWith(channel_, bob_node->text, r);
+
+  // Alone, it takes no job of alice's: her offload job is refused at once, storing nothing.
+  v1::Job refused;
+  grpc::Status s = Submit(tokens_->User("alice"), OffloadSpec("alice-1"), &refused);
+  EXPECT_EQ(s.error_code(), StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(s.error_message(), HasSubstr("none that takes alice's jobs"));
+
+  // With a server for everyone beside it, alice's shards all go there; bob's may use both.
+  auto shared = testing::NodeSession::ConnectParameterServer(channel_, tokens_->Node("ps-any"),
+                                                             "ps-any", 500000, "127.0.0.1:10");
+  v1::Job alice_job, bob_job;
+  ASSERT_TRUE(Submit(tokens_->User("alice"), OffloadSpec("alice-2"), &alice_job).ok());
+  ASSERT_TRUE(Submit(tokens_->User("bob"), OffloadSpec("bob-1"), &bob_job).ok());
+  ASSERT_EQ(server_->jobs().SchedulePass(), 2);
+  auto alice_placed = server_->jobs().Get(alice_job.id());
+  auto bob_placed = server_->jobs().Get(bob_job.id());
+  ASSERT_TRUE(alice_placed.ok() && bob_placed.ok());
+  ASSERT_GE(alice_placed->ps_placement_size(), 1);
+  for (const v1::PsRange& range : alice_placed->ps_placement()) {
+    EXPECT_EQ(range.node_id(), "ps-any");
+  }
+  bool bob_on_bobps = false;
+  for (const v1::PsRange& range : bob_placed->ps_placement()) {
+    bob_on_bobps = bob_on_bobps || range.node_id() == "bobps";
+  }
+  EXPECT_TRUE(bob_on_bobps) << bob_placed->DebugString();
+
+  // bob's server cannot vouch for alice's credential: it holds no range of her job.
+  grpc::ClientContext ctx;
+  Prepare(ctx, bob_node->text);
+  v1::VerifyJobCredentialRequest verify;
+  verify.set_credential(tokens_->Job(alice_job.id(), alice_placed->attempt()));
+  v1::VerifyJobCredentialResponse verified;
+  EXPECT_EQ(nodes_->VerifyJobCredential(&ctx, verify, &verified).error_code(),
+            StatusCode::PERMISSION_DENIED);
+}
+
+TEST_F(HardeningTest, TrainyardPsRegistersTheOwnersItIsGivenWithinItsToken) {
+  auto token = server_->identities().CreateToken("admin", "bobps", 0, "bob's", {"bob"});
+  ASSERT_TRUE(token.ok()) << token.status();
+  const std::string token_file = dir_.path() + "/bobps.token";
+  ASSERT_TRUE(WriteSecretFile(token_file, token->text).ok());
+  auto ps = testing::Subprocess::Start({testing::BinPath("trainyard-ps"), "--listen", "127.0.0.1:0",
+                                        "--coordinator", server_->address(), "--node-id", "bobps",
+                                        "--owners", "bob", "--token-file", token_file,
+                                        "--memory-bytes", "1000000", "--data-listen", "off"});
+  ASSERT_TRUE(ps.ok()) << ps.status();
+  // Registered once the coordinator lists it (the server registers right after it serves).
+  std::optional<v1::Node> registered;
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(30);
+       !registered.has_value() && absl::Now() < deadline;) {
+    for (const v1::Node& n : server_->nodes().List()) {
+      if (n.id() == "bobps" && n.connected()) registered = n;
+    }
+    if (!registered.has_value()) absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_TRUE(registered.has_value());
+  EXPECT_EQ(registered->role(), v1::PARAMETER_SERVER);
+  EXPECT_THAT(std::vector<std::string>(registered->owners().begin(), registered->owners().end()),
+              ::testing::ElementsAre("bob"));
+  // Its node token allows bob's jobs only: without --owners it is refused, saying why.
+  // (It retries with backoff; killed after 5 s, its log holds the refusal.)
+  const testing::CommandResult bare =
+      testing::RunCommand({testing::BinPath("trainyard-ps"), "--listen", "127.0.0.1:0",
+                           "--coordinator", server_->address(), "--node-id", "bobps",
+                           "--token-file", token_file, "--data-listen", "off"},
+                          {}, absl::Seconds(5));
+  EXPECT_THAT(bare.err, HasSubstr("owners: the node token allows only the jobs of bob"));
+}
+
+// Captures what the coordinator logs, through the servers' escaping formatter, for one test.
+class LogCapture {
+ public:
+  LogCapture() : previous_(spdlog::default_logger()) {
+    auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(out_);
+    sink->set_formatter(EscapingFormatter());
+    spdlog::set_default_logger(std::make_shared<spdlog::logger>("capture", sink));
+  }
+  ~LogCapture() { spdlog::set_default_logger(previous_); }
+  std::vector<std::string> Lines() {
+    spdlog::default_logger()->flush();
+    return absl::StrSplit(out_.str(), '\n', absl::SkipEmpty());
+  }
+
+ private:
+  std::ostringstream out_;
+  std::shared_ptr<spdlog::logger> previous_;
+};
+
+TEST_F(HardeningTest, ANewlineInARefusedFieldNeverStartsALogLine) {
+  const std::string forged = "x\naudit: user admin CreateUser \"mallory\" -> OK\r\x1b[2Kforged";
+  LogCapture capture;
+  const std::string& alice = tokens_->User("alice");
+  {
+    grpc::ClientContext ctx;
+    Prepare(ctx, alice);
+    v1::ListJobsRequest r;
+    r.set_owner(forged);
+    v1::ListJobsResponse resp;
+    EXPECT_EQ(jobs_->ListJobs(&ctx, r, &resp).error_code(), StatusCode::PERMISSION_DENIED);
+  }
+  {
+    grpc::ClientContext ctx;
+    Prepare(ctx, alice);
+    v1::GetQuotaRequest r;
+    r.set_user(forged);
+    v1::QuotaReport resp;
+    EXPECT_EQ(jobs_->GetQuota(&ctx, r, &resp).error_code(), StatusCode::PERMISSION_DENIED);
+  }
+  {
+    grpc::ClientContext ctx;
+    Prepare(ctx, alice);
+    v1::CreateTokenRequest r;
+    r.set_user(forged);
+    v1::CreateTokenResponse resp;
+    EXPECT_EQ(identity_->CreateToken(&ctx, r, &resp).error_code(), StatusCode::PERMISSION_DENIED);
+  }
+  {
+    grpc::ClientContext ctx;
+    Prepare(ctx, tokens_->User("admin", v1::ADMIN));
+    v1::CreateUserRequest r;
+    r.set_name(forged);
+    v1::User resp;
+    EXPECT_EQ(identity_->CreateUser(&ctx, r, &resp).error_code(), StatusCode::INVALID_ARGUMENT);
+  }
+  const std::vector<std::string> lines = capture.Lines();
+  ASSERT_GE(lines.size(), 4u);
+  int escaped = 0;
+  for (const std::string& line : lines) {
+    // Every line is one of ours: "[date time] [logger] [level] ...", nothing else.
+    EXPECT_EQ(line.rfind("[20", 0), 0u) << line;
+    EXPECT_THAT(line, Not(HasSubstr("\r")));
+    EXPECT_THAT(line, Not(HasSubstr("\x1b")));
+    escaped += line.find("x\\naudit: user admin") != std::string::npos;
+  }
+  EXPECT_GE(escaped, 4);
+}
+
+TEST_F(HardeningTest, OversizedFieldsAreRefusedNamingThemAndListingsKeepWorking) {
+  const std::string& alice = tokens_->User("alice");
+  v1::JobSpec big = testing::TinySpec("big", 1);
+  big.mutable_data()->set_path(std::string(1 << 20, 'a'));
+  grpc::Status s = Submit(alice, big);
+  EXPECT_EQ(s.error_code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("data.path: 1048576 bytes, at most 4096"));
+
+  v1::Job job;
+  ASSERT_TRUE(Submit(alice, testing::TinySpec("ok", 1), &job).ok());
+  {
+    grpc::ClientContext ctx;
+    Prepare(ctx, alice);
+    v1::CancelJobRequest r;
+    r.set_job_id(job.id());
+    r.set_reason(std::string(3 << 20, 'r'));
+    v1::Job resp;
+    s = jobs_->CancelJob(&ctx, r, &resp);
+    EXPECT_EQ(s.error_code(), StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(s.error_message(), HasSubstr("reason: 3145728 bytes, at most"));
+  }
+  auto kept = server_->jobs().Get(job.id());
+  ASSERT_TRUE(kept.ok());
+  EXPECT_EQ(kept->state(), v1::QUEUED);  // the refusal changed nothing
+
+  // Large jobs, listed by an admin page after page: every page stays within its byte budget.
+  v1::JobSpec large = testing::TinySpec("large", 1);
+  large.mutable_data()->set_path("/" + std::string(4000, 'p'));
+  large.mutable_data()->set_loss_mask("/" + std::string(4000, 'm'));
+  for (int i = 0; i < 6; ++i) ASSERT_TRUE(Submit(alice, large).ok());
+  server_->jobs().SetMaxListBytes(20'000);  // pages of two such jobs
+  std::string token;
+  int listed = 0, pages = 0;
+  do {
+    grpc::ClientContext ctx;
+    Prepare(ctx, tokens_->User("admin", v1::ADMIN));
+    v1::ListJobsRequest r;
+    r.set_page_size(1000);
+    r.set_page_token(token);
+    v1::ListJobsResponse resp;
+    ASSERT_TRUE(jobs_->ListJobs(&ctx, r, &resp).ok());
+    EXPECT_LE(resp.ByteSizeLong(), 20'000u + 9'000u);
+    listed += resp.jobs_size();
+    ++pages;
+    token = resp.next_page_token();
+  } while (!token.empty());
+  EXPECT_EQ(listed, 7);
+  EXPECT_GE(pages, 3);
+}
+
+TEST_F(HardeningTest, TheQueuedJobOverTheDefaultCapIsRefused) {
+  const std::string& alice = tokens_->User("alice");
+  for (int i = 0; i < 20; ++i) {
+    ASSERT_TRUE(Submit(alice, testing::TinySpec(absl::StrCat("q", i), 1)).ok()) << i;
+  }
+  grpc::Status s = Submit(alice, testing::TinySpec("q20", 1));
+  EXPECT_EQ(s.error_code(), StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(s.error_message(), HasSubstr("has 20 jobs queued, its cap of 20"));
+  EXPECT_THAT(s.error_message(), HasSubstr("--max-queued-jobs-per-user"));
+  // Another user is not held back, and alice's quota shows the cap.
+  EXPECT_TRUE(Submit(tokens_->User("bob"), testing::TinySpec("b", 1)).ok());
+  grpc::ClientContext ctx;
+  Prepare(ctx, alice);
+  v1::QuotaReport quota;
+  ASSERT_TRUE(jobs_->GetQuota(&ctx, {}, &quota).ok());
+  EXPECT_EQ(quota.max_queued_jobs(), 20);
+  EXPECT_EQ(quota.queued_jobs(), 20);
+}
+
+TEST_F(HardeningTest, APerUserTokenCapRefusesTheNextTokenUntilOneIsRevoked) {
+  const std::string& alice = tokens_->User("alice");  // her first token
+  std::string id;
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(CreateToken(alice, &id).ok()) << i;
+  grpc::Status s = CreateToken(alice);
+  EXPECT_EQ(s.error_code(), StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(s.error_message(), HasSubstr("holds 5 API tokens"));
+  ASSERT_TRUE(server_->identities().RevokeToken(id).ok());
+  EXPECT_TRUE(CreateToken(alice).ok());
+  // Node tokens are not capped: a cluster has one per node.
+  for (int i = 0; i < 8; ++i) tokens_->Node(absl::StrCat("node", i));
+}
+
+TEST_F(HardeningTest, TheRendezvousRefusesTheKeyOrByteOverItsCap) {
+  const v1::Job job = RunningJob();
+  ASSERT_EQ(job.state(), v1::RUNNING);
+  const std::string credential = tokens_->Job(job.id(), job.attempt());
+  auto set = [&](const std::string& key, const std::string& value) {
+    grpc::ClientContext ctx;
+    Prepare(ctx, credential);
+    v1::SetRequest r;
+    r.mutable_scope()->set_job_id(job.id());
+    r.mutable_scope()->set_attempt(job.attempt());
+    r.set_key(key);
+    r.set_value(value);
+    v1::SetResponse resp;
+    return rdzv_->Set(&ctx, r, &resp);
+  };
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(set(absl::StrCat("k", i), "v").ok()) << i;
+  grpc::Status s = set("k4", "v");
+  EXPECT_EQ(s.error_code(), StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(s.error_message(), HasSubstr("--rendezvous-max-keys"));
+  EXPECT_TRUE(set("k0", "again").ok());  // an existing key may change
+  s = set("k1", std::string(601, 'x'));
+  EXPECT_EQ(s.error_code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("value: 601 bytes, at most 600"));
+  ASSERT_TRUE(set("k1", std::string(600, 'x')).ok());
+  s = set("k2", std::string(600, 'x'));  // 1200 bytes in all
+  EXPECT_EQ(s.error_code(), StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(s.error_message(), HasSubstr("--rendezvous-max-bytes"));
+  s = set(std::string(513, 'k'), "v");
+  EXPECT_EQ(s.error_code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("key: 513 bytes, at most 512"));
+  // Deleting frees room.
+  grpc::ClientContext ctx;
+  Prepare(ctx, credential);
+  v1::DeleteKeyRequest del;
+  del.mutable_scope()->set_job_id(job.id());
+  del.mutable_scope()->set_attempt(job.attempt());
+  del.set_key("k1");
+  v1::DeleteKeyResponse deleted;
+  ASSERT_TRUE(rdzv_->DeleteKey(&ctx, del, &deleted).ok());
+  EXPECT_TRUE(set("k2", std::string(600, 'x')).ok());
+}
+
+TEST_F(HardeningTest, AWrongSecretFloodIsSlowedAndCounted) {
+  const std::string alice = tokens_->User("alice");
+  const std::string bob = tokens_->User("bob");
+  std::string wrong = alice;
+  wrong.back() = wrong.back() == 'A' ? 'B' : 'A';
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(WhoAmI(wrong).error_code(), StatusCode::UNAUTHENTICATED);
+  grpc::Status s = WhoAmI(wrong);
+  EXPECT_EQ(s.error_code(), StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(s.error_message(), HasSubstr("too many failed authentications"));
+  // The token id is held, even with its right secret, until a failure is forgiven.
+  EXPECT_EQ(WhoAmI(alice).error_code(), StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_TRUE(WhoAmI(bob).ok());
+  clock_.Advance(absl::Seconds(1));
+  EXPECT_TRUE(WhoAmI(alice).ok());
+
+  // One address guessing at many token ids is held too (30 guesses; 10 counted above).
+  clock_.Advance(absl::Minutes(1));
+  for (int i = 0; i < 30; ++i) {
+    EXPECT_EQ(WhoAmI(absl::StrCat("tyt.nosuchid", i, ".secret")).error_code(),
+              StatusCode::UNAUTHENTICATED);
+  }
+  EXPECT_EQ(WhoAmI(bob).error_code(), StatusCode::RESOURCE_EXHAUSTED);
+  clock_.Advance(absl::Seconds(1));
+  EXPECT_TRUE(WhoAmI(bob).ok());
+
+  auto metrics = testing::HttpGet(server_->metrics_address(), "/metrics");
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_THAT(*metrics, HasSubstr("trainyard_auth_failures_total{reason=\"guess\"} 40"));
+  EXPECT_THAT(*metrics, HasSubstr("trainyard_auth_failures_total{reason=\"throttled\"} 3"));
+}
+
+TEST_F(HardeningTest, AnotherUsersJobAnswersExactlyAsAMissingOne) {
+  v1::Job job;
+  ASSERT_TRUE(Submit(tokens_->User("alice"), testing::TinySpec("mine", 1), &job).ok());
+  const std::string& bob = tokens_->User("bob");
+  const grpc::Status other = GetJob(bob, job.id());
+  const grpc::Status missing = GetJob(bob, "job-999");
+  EXPECT_EQ(other.error_code(), StatusCode::NOT_FOUND);
+  EXPECT_EQ(missing.error_code(), StatusCode::NOT_FOUND);
+  EXPECT_EQ(other.error_message(), absl::StrCat("job ", job.id(), " not found"));
+  EXPECT_EQ(missing.error_message(), "job job-999 not found");
+  EXPECT_TRUE(GetJob(tokens_->User("alice"), job.id()).ok());
+  // A token of alice's, revoked by bob: as a token that does not exist.
+  std::string id;
+  ASSERT_TRUE(CreateToken(tokens_->User("alice"), &id).ok());
+  grpc::ClientContext ctx;
+  Prepare(ctx, bob);
+  v1::RevokeTokenRequest r;
+  r.set_id(id);
+  v1::TokenInfo info;
+  const grpc::Status revoke = identity_->RevokeToken(&ctx, r, &info);
+  EXPECT_EQ(revoke.error_code(), StatusCode::NOT_FOUND);
+  EXPECT_EQ(revoke.error_message(), absl::StrCat("id: no token ", id));
+}
+
+TEST_F(HardeningTest, TheJsonAuditLogHasOneObjectPerEventWhateverTheFieldsHold) {
+  {
+    grpc::ClientContext ctx;
+    Prepare(ctx, tokens_->User("admin", v1::ADMIN));
+    v1::CreateUserRequest r;
+    r.set_name("carol");
+    v1::User resp;
+    ASSERT_TRUE(identity_->CreateUser(&ctx, r, &resp).ok());
+  }
+  {
+    grpc::ClientContext ctx;
+    Prepare(ctx, tokens_->User("alice"));
+    v1::ListJobsRequest r;
+    r.set_owner("x\n{\"forged\": true}");
+    v1::ListJobsResponse resp;
+    ASSERT_FALSE(jobs_->ListJobs(&ctx, r, &resp).ok());
+  }
+  struct stat st;
+  ASSERT_EQ(::stat((dir_.path() + "/audit.jsonl").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  std::ifstream in(dir_.path() + "/audit.jsonl");
+  std::string line;
+  bool created = false, refused = false;
+  while (std::getline(in, line)) {
+    const nlohmann::json event = nlohmann::json::parse(line);  // throws on a broken line
+    EXPECT_FALSE(event.contains("forged")) << line;
+    created = created || (event["method"] == "CreateUser" && event["target"] == "carol" &&
+                          event["result"] == "OK" && event["principal"] == "admin admin");
+    refused = refused || (event["method"] == "ListJobs" && event["result"] == "PERMISSION_DENIED" &&
+                          event["message"].get<std::string>().find("x\n{") != std::string::npos);
+  }
+  EXPECT_TRUE(created);
+  EXPECT_TRUE(refused);
+}
+
+struct stat StatOf(const std::string& path) {
+  struct stat st = {};
+  EXPECT_EQ(::stat(path.c_str(), &st), 0) << path;
+  return st;
+}
+
+TEST(StateDirTest, TheStateDirectoryAndItsFilesAreTheCoordinatorsAlone) {
+  testing::TempDir dir;
+  for (const bool own_checkpoint_root : {false, true}) {
+    CoordinatorOptions o;
+    o.listen_address = "127.0.0.1:0";
+    o.state_dir = dir.path() + (own_checkpoint_root ? "/b" : "/a");
+    if (own_checkpoint_root) o.checkpoint_root = dir.path() + "/checkpoints";
+    o.background_threads = false;
+    auto server = CoordinatorServer::Start(o);
+    ASSERT_TRUE(server.ok()) << server.status();
+    // 0711 while the default checkpoint root lies inside: ranks pass through, nobody lists.
+    EXPECT_EQ(StatOf(o.state_dir).st_mode & 0777, own_checkpoint_root ? 0700u : 0711u);
+    for (const char* file : {"coordinator.db", "coordinator.db-wal", "coordinator.lock",
+                             "admin.token", "job-credential.key"}) {
+      EXPECT_EQ(StatOf(o.state_dir + "/" + file).st_mode & 0777, 0600u) << file;
+    }
+    (*server)->Shutdown();
+  }
+  // A state directory an older version left readable is made private again.
+  ASSERT_EQ(::chmod((dir.path() + "/b").c_str(), 0755), 0);
+  ASSERT_EQ(::chmod((dir.path() + "/b/coordinator.db").c_str(), 0644), 0);
+  CoordinatorOptions o;
+  o.listen_address = "127.0.0.1:0";
+  o.state_dir = dir.path() + "/b";
+  o.checkpoint_root = dir.path() + "/checkpoints";
+  o.background_threads = false;
+  auto server = CoordinatorServer::Start(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_EQ(StatOf(o.state_dir).st_mode & 0777, 0700u);
+  EXPECT_EQ(StatOf(o.state_dir + "/coordinator.db").st_mode & 0777, 0600u);
+}
+
+TEST(StateDirTest, NothingIsWrittenBeforeTheFlagsAndFilesAreChecked) {
+  testing::TempDir dir;
+  CoordinatorOptions bad_listen;
+  bad_listen.listen_address = "no-port-here";
+  bad_listen.state_dir = dir.path() + "/state";
+  bad_listen.background_threads = false;
+  auto s = CoordinatorServer::Start(bad_listen);
+  ASSERT_FALSE(s.ok());
+  EXPECT_THAT(std::string(s.status().message()), HasSubstr("listen: expected HOST:PORT"));
+  EXPECT_FALSE(std::filesystem::exists(bad_listen.state_dir));
+
+  CoordinatorOptions bad_key = bad_listen;
+  bad_key.listen_address = "127.0.0.1:0";
+  bad_key.tls.cert_file = dir.path() + "/missing.crt";
+  bad_key.tls.key_file = dir.path() + "/missing.key";
+  s = CoordinatorServer::Start(bad_key);
+  ASSERT_FALSE(s.ok());
+  EXPECT_THAT(std::string(s.status().message()), HasSubstr("tls"));
+  EXPECT_FALSE(std::filesystem::exists(bad_key.state_dir));
+}
+
+}  // namespace
+}  // namespace trainyard::coordinator
