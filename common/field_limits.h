@@ -23,7 +23,8 @@ struct FieldLimits {
   size_t max_message_bytes = 256 * 1024;  // the whole message, serialized
 };
 
-// OK, or INVALID_ARGUMENT: "PATH: N bytes, at most M" (strings), "PATH: N entries, at most M"
+// OK, or INVALID_ARGUMENT: "PATH: N bytes, at most M" (strings), "PATH: not valid UTF-8" (a
+// `string` field, which protobuf cannot carry otherwise), "PATH: N entries, at most M"
 // (lists, maps), then "ROOT: N bytes serialized, at most M" (the whole message; ROOT "request"
 // when `root` is empty). `root` prefixes
 // every path ("spec" gives "spec.data.path"); empty: paths start at the message's fields.

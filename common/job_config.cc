@@ -160,7 +160,10 @@ std::vector<int> PipelineBoundaries(const ModelConfig& m, int stages,
   // Contiguous stages of at least one block each, the largest stage's parameters as small as
   // can be (ties: the earlier boundary, so later stages, which hold fewer activations under
   // 1F1B, get the extra block).
-  const auto [embed, head] = EndParameterCounts(m);
+  // (Plain variables: a lambda may not capture a structured binding before C++20, and clang
+  // refuses it.)
+  const std::pair<int64_t, int64_t> ends = EndParameterCounts(m);
+  const int64_t embed = ends.first, head = ends.second;
   const int64_t block = BlockParameterCount(m);
   auto cost = [&](int stage, int begin, int end) {
     return (end - begin) * block + (stage == 0 ? embed : 0) + (stage == stages - 1 ? head : 0);

@@ -59,6 +59,18 @@ TEST(FieldLimitsTest, NamesTheFieldThatIsTooLong) {
   EXPECT_TRUE(CheckFieldSizes(spec, FieldLimits{}).ok());
 }
 
+TEST(FieldLimitsTest, AStringFieldMustBeUtf8) {
+  v1::JobSpec spec;
+  spec.mutable_model()->set_from("caf\xc3\xa9 \xf0\x9f\x9a\x82");  // é and a train: fine
+  EXPECT_TRUE(CheckFieldSizes(spec, FieldLimits{}).ok());
+  // Found by tests/fuzz/spec_yaml_fuzz: such a spec passed validation, then failed to parse on
+  // the coordinator (INTERNAL).
+  for (const char* bad : {"\xff", "a\xc3", "\xc0\xaf", "\xed\xa0\x80", "\xf4\x90\x80\x80"}) {
+    spec.mutable_model()->set_from(bad);
+    EXPECT_EQ(CheckFieldSizes(spec, FieldLimits{}).message(), "model.from: not valid UTF-8") << bad;
+  }
+}
+
 TEST(FieldLimitsTest, WalksRepeatedMessagesAndMaps) {
   v1::User user;
   user.set_name("alice");

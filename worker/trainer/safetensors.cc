@@ -131,7 +131,11 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(absl::string_view prefi
   SafetensorsHeader header;
   header.data_start = 8 + n;
   const uint64_t data_size = file_size - header.data_start;
-  for (const auto& [name, value] : j.items()) {
+  for (const auto& item : j.items()) {
+    // (Not a structured binding: the lambda below captures the name, which clang refuses for a
+    // binding before C++20.)
+    const std::string& name = item.key();
+    const nlohmann::json& value = item.value();
     if (name == "__metadata__") {
       if (!value.is_object()) return bad("__metadata__ is not an object");
       for (const auto& [key, v] : value.items()) {
