@@ -284,11 +284,22 @@ absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& options) {
         << "admin " << (me != nullptr ? me->pw_name : "root") << "\n";
     if (!map) return absl::UnavailableError(absl::StrCat("cannot write ", user_map));
   }
-  auto node_token_file = [&](const std::string& node) -> absl::StatusOr<std::string> {
+  // Workers not running as root take only the jobs of the users mapped to their account (admin,
+  // and the user of the account's name): their node tokens must name those owners.
+  std::vector<std::string> worker_owners;
+  if (geteuid() != 0) {
+    const passwd* me = getpwuid(geteuid());
+    if (me != nullptr && std::string(me->pw_name) != "admin") worker_owners.push_back(me->pw_name);
+    worker_owners.push_back("admin");
+  }
+  auto node_token_file =
+      [&](const std::string& node,
+          const std::vector<std::string>& owners = {}) -> absl::StatusOr<std::string> {
     const std::string path = absl::StrCat(options.state_dir, "/", node, ".token");
     if (ReadSecretFile(path).ok()) return path;  // from an earlier `up` of this state directory
     v1::CreateTokenRequest request;
     request.set_node(node);
+    for (const std::string& owner : owners) request.add_owners(owner);
     request.set_description("yard local up");
     auto created = admin.CreateToken(request);
     if (!created.ok()) return created.status();
@@ -318,7 +329,7 @@ absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& options) {
                                      absl::StrCat(options.slots_per_worker),
                                      "--work-dir",
                                      absl::StrCat(options.state_dir, "/worker-", i)};
-    auto token_file = node_token_file(node);
+    auto token_file = node_token_file(node, worker_owners);
     if (!token_file.ok()) return token_file.status();
     argv.push_back("--token-file");
     argv.push_back(*token_file);

@@ -912,6 +912,35 @@ int TokenRevoke(const Globals& g, const std::string& id) {
   return 0;
 }
 
+int NodeDeny(const Globals& g, const std::string& node, const std::string& reason, bool allow) {
+  YardClient client(g.coordinator, g.Token(), g.tls);
+  auto denied = client.DenyNode(node, reason, allow);
+  if (!denied.ok()) return Fail(denied.status());
+  if (g.json()) {
+    std::cout << ToJson(*denied);
+  } else {
+    std::cout << (allow ? "allowed " : "denied ") << node << "\n";
+  }
+  return 0;
+}
+
+int NodeDeniedList(const Globals& g) {
+  YardClient client(g.coordinator, g.Token(), g.tls);
+  auto denied = client.ListDeniedNodes();
+  if (!denied.ok()) return Fail(denied.status());
+  if (g.json()) {
+    std::cout << ToJson(*denied);
+    return 0;
+  }
+  std::vector<std::vector<std::string>> rows;
+  for (const auto& n : denied->nodes()) {
+    rows.push_back({n.node(), n.denied_by(), TimeOrDash(n.denied_time_ms()),
+                    n.reason().empty() ? "-" : n.reason()});
+  }
+  std::cout << FormatTable({"NODE", "DENIED BY", "SINCE", "REASON"}, rows);
+  return 0;
+}
+
 void PrintCluster(const Globals& g, const LocalCluster& c) {
   if (g.json()) {
     nlohmann::json j = {{"state_dir", c.state_dir},
@@ -1142,6 +1171,21 @@ int main(int argc, char** argv) {
   auto* token_revoke = token_cmd->add_subcommand("revoke", "revoke a token by its id");
   token_revoke->add_option("id", token_id, "token id (from ls)")->required();
   token_revoke->callback([&] { rc = TokenRevoke(g, token_id); });
+
+  auto* node_cmd = admin->add_subcommand(
+      "node", "deny a node (a token or certificate it holds no longer counts) or lift it");
+  node_cmd->require_subcommand(1);
+  std::string node_name, node_reason;
+  auto* node_deny = node_cmd->add_subcommand(
+      "deny", "refuse a node's calls and end its session (its ranks' jobs restart elsewhere)");
+  node_deny->add_option("node", node_name, "node id")->required();
+  node_deny->add_option("--reason", node_reason, "shown by ls");
+  node_deny->callback([&] { rc = NodeDeny(g, node_name, node_reason, false); });
+  auto* node_allow = node_cmd->add_subcommand("allow", "lift a node's denial");
+  node_allow->add_option("node", node_name, "node id")->required();
+  node_allow->callback([&] { rc = NodeDeny(g, node_name, "", true); });
+  auto* node_ls = node_cmd->add_subcommand("ls", "list denied nodes");
+  node_ls->callback([&] { rc = NodeDeniedList(g); });
 
   auto* local = app.add_subcommand("local", "run a cluster on this machine, on loopback");
   local->require_subcommand(1);

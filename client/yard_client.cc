@@ -251,6 +251,20 @@ absl::StatusOr<v1::ListTokensResponse> YardClient::ListTokens(const std::string&
   return Call(*identity_, &v1::IdentityService::Stub::ListTokens, request);
 }
 
+absl::StatusOr<v1::DeniedNode> YardClient::DenyNode(const std::string& node,
+                                                    const std::string& reason, bool allow) {
+  v1::DenyNodeRequest request;
+  request.set_node(node);
+  request.set_reason(reason);
+  request.set_allow(allow);
+  return Call(*identity_, &v1::IdentityService::Stub::DenyNode, request);
+}
+
+absl::StatusOr<v1::ListDeniedNodesResponse> YardClient::ListDeniedNodes() {
+  return Call(*identity_, &v1::IdentityService::Stub::ListDeniedNodes,
+              v1::ListDeniedNodesRequest());
+}
+
 absl::StatusOr<v1::TokenInfo> YardClient::RevokeToken(const std::string& id) {
   v1::RevokeTokenRequest request;
   request.set_id(id);

@@ -64,6 +64,10 @@ class YardClient {
   absl::StatusOr<v1::CreateTokenResponse> CreateToken(const v1::CreateTokenRequest& request);
   absl::StatusOr<v1::ListTokensResponse> ListTokens(const std::string& user, bool all);
   absl::StatusOr<v1::TokenInfo> RevokeToken(const std::string& id);
+  // Admins: deny a node (allow: lift it), list the denied ones.
+  absl::StatusOr<v1::DeniedNode> DenyNode(const std::string& node, const std::string& reason,
+                                          bool allow);
+  absl::StatusOr<v1::ListDeniedNodesResponse> ListDeniedNodes();
 
  private:
   absl::Status Prepare(grpc::ClientContext& ctx, absl::Duration timeout = absl::Seconds(30)) const;

@@ -175,6 +175,7 @@ class AuthorizationTest : public testing::CoordinatorFixture {
     for (const auto& u : server_->identities().ListUsers()) out += u.SerializeAsString();
     for (const auto& t : server_->identities().ListTokens("")) out += t.SerializeAsString();
     for (const auto& a : server_->identities().ListAccounts()) out += a.SerializeAsString();
+    for (const auto& d : server_->identities().ListDeniedNodes()) out += d.SerializeAsString();
     for (const auto& n : server_->nodes().List()) out += n.SerializeAsString();
     grpc::ClientContext ctx;
     Prepare(ctx, credentials_["own_job"]);
@@ -465,6 +466,17 @@ class AuthorizationTest : public testing::CoordinatorFixture {
       v1::ListAccountsResponse resp;
       return identity_->ListAccounts(&ctx, {}, &resp);
     });
+    unary("DenyNode", Admits::kAdmins, true, [&](grpc::ClientContext& ctx) {
+      v1::DenyNodeRequest r;
+      r.set_node("n9");  // not n1, whose session the other calls use
+      r.set_reason("stolen");
+      v1::DeniedNode resp;
+      return identity_->DenyNode(&ctx, r, &resp);
+    });
+    unary("ListDeniedNodes", Admits::kAdmins, false, [&](grpc::ClientContext& ctx) {
+      v1::ListDeniedNodesResponse resp;
+      return identity_->ListDeniedNodes(&ctx, {}, &resp);
+    });
     unary("GetQuota", Admits::kUsers, false, [&](grpc::ClientContext& ctx) {
       v1::QuotaReport resp;
       return jobs_->GetQuota(&ctx, {}, &resp);  // the caller's
@@ -495,8 +507,8 @@ class AuthorizationTest : public testing::CoordinatorFixture {
 
 TEST_F(AuthorizationTest, EveryRpcGetsTheExpectedCodeForEveryCredentialAndRefusalsChangeNothing) {
   const std::vector<Rpc> rpcs = Rpcs();
-  ASSERT_EQ(rpcs.size(), 37u) << "every RPC of JobService (10), NodeService (4), "
-                                 "RendezvousService (9), TrainerService (2), IdentityService (12)";
+  ASSERT_EQ(rpcs.size(), 39u) << "every RPC of JobService (10), NodeService (4), "
+                                 "RendezvousService (9), TrainerService (2), IdentityService (14)";
   // Refusals first, each checked to change nothing; then the calls that are let through (those
   // that change something last, CancelJob at the very end).
   for (const Rpc& rpc : rpcs) {

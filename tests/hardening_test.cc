@@ -164,6 +164,70 @@ TEST_F(HardeningTest, AnOwnersLimitedParameterServerNeverGetsAnotherOwnersShards
             StatusCode::PERMISSION_DENIED);
 }
 
+TEST_F(HardeningTest, ANodeTakingOnlySomeOwnersJobsNeedsATokenNamingThem) {
+  auto try_register = [&](const std::string& token, const std::vector<std::string>& owners) {
+    grpc::ClientContext ctx;
+    Prepare(ctx, token);
+    v1::RegisterNodeRequest r;
+    r.set_node_id("w9");
+    r.set_hostname("localhost");
+    r.add_devices()->set_kind(v1::CPU_SLOT);
+    for (const std::string& o : owners) r.add_owners(o);
+    v1::RegisterNodeResponse resp;
+    return nodes_->RegisterNode(&ctx, r, &resp);
+  };
+  // A token for any user's jobs (a root worker's) may not register as bob's only.
+  const grpc::Status s = try_register(tokens_->Node("w9"), {"bob"});
+  EXPECT_EQ(s.error_code(), StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(s.error_message(), HasSubstr("yard admin token create --node w9 --owners bob"));
+  auto limited = server_->identities().CreateToken("admin", "w9", 0, "", {"bob", "carol"});
+  ASSERT_TRUE(limited.ok());
+  EXPECT_EQ(try_register(limited->text, {"bob", "alice"}).error_code(),
+            StatusCode::PERMISSION_DENIED);
+  EXPECT_TRUE(try_register(limited->text, {"bob"}).ok());
+  EXPECT_TRUE(try_register(tokens_->Node("w9"), {}).ok());
+}
+
+TEST_F(HardeningTest, ADeniedNodeLosesItsSessionAndCannotComeBackUntilAllowed) {
+  auto n1 = testing::NodeSession::Connect(channel_, tokens_->Node("n1"), "n1", 1);
+  const std::string& admin = tokens_->User("admin", v1::ADMIN);
+  auto deny = [&](bool allow) {
+    grpc::ClientContext ctx;
+    Prepare(ctx, admin);
+    v1::DenyNodeRequest r;
+    r.set_node("n1");
+    r.set_reason("its host was compromised");
+    r.set_allow(allow);
+    v1::DeniedNode resp;
+    return identity_->DenyNode(&ctx, r, &resp);
+  };
+  ASSERT_TRUE(deny(false).ok());
+  // Its open session ends at its next heartbeat.
+  v1::NodeMessage hb;
+  hb.mutable_heartbeat()->set_seq(1);
+  n1->Write(hb);
+  const grpc::Status ended = n1->Finish();
+  EXPECT_EQ(ended.error_code(), StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(ended.error_message(), HasSubstr("node n1 is denied"));
+  // Its token no longer counts; the denial survives in the store and is listed.
+  grpc::ClientContext ctx;
+  Prepare(ctx, tokens_->Node("n1"));
+  v1::RegisterNodeRequest r;
+  r.set_node_id("n1");
+  r.add_devices()->set_kind(v1::CPU_SLOT);
+  v1::RegisterNodeResponse resp;
+  const grpc::Status refused = nodes_->RegisterNode(&ctx, r, &resp);
+  EXPECT_EQ(refused.error_code(), StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(refused.error_message(), HasSubstr("yard admin node allow n1"));
+  ASSERT_EQ(server_->identities().ListDeniedNodes().size(), 1u);
+  EXPECT_EQ(server_->identities().ListDeniedNodes()[0].reason(), "its host was compromised");
+  EXPECT_EQ(server_->identities().ListDeniedNodes()[0].denied_by(), "admin");
+  // Lifted, it comes back.
+  ASSERT_TRUE(deny(true).ok());
+  auto again = testing::NodeSession::Connect(channel_, tokens_->Node("n1"), "n1", 1);
+  EXPECT_TRUE(server_->identities().ListDeniedNodes().empty());
+}
+
 TEST_F(HardeningTest, TrainyardPsRegistersTheOwnersItIsGivenWithinItsToken) {
   auto token = server_->identities().CreateToken("admin", "bobps", 0, "bob's", {"bob"});
   ASSERT_TRUE(token.ok()) << token.status();

@@ -23,6 +23,7 @@
 #include "tests/testing/identity.h"
 #include "tests/testing/subprocess.h"
 #include "tests/testing/tiny_spec.h"
+#include "trainyard/v1/node.grpc.pb.h"
 
 namespace trainyard {
 namespace {
@@ -118,6 +119,24 @@ class WorkerE2eTest : public ::testing::Test {
     const auto channel = grpc::CreateChannel(address_, grpc::InsecureChannelCredentials());
     return std::make_unique<client::YardClient>(
         address_, testing::CreateToken(channel, testing::AdminToken(dir_.path() + "/state"), user));
+  }
+
+  // RegisterNode of w1 with the node token in `token_file`, asking for `owners`' jobs.
+  grpc::Status RegisterAs(const std::string& token_file, const std::vector<std::string>& owners) {
+    auto token = ReadSecretFile(token_file);
+    EXPECT_TRUE(token.ok()) << token.status();
+    auto stub =
+        v1::NodeService::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    testing::Authorize(ctx, token.ok() ? *token : "");
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
+    v1::RegisterNodeRequest r;
+    r.set_node_id("w1");
+    r.set_hostname("localhost");
+    r.add_devices()->set_kind(v1::CPU_SLOT);
+    for (const std::string& owner : owners) r.add_owners(owner);
+    v1::RegisterNodeResponse resp;
+    return stub->RegisterNode(&ctx, r, &resp);
   }
 
   // A worker with 2 CPU slots running test_rank, plus `args`, with `env` added to its environment.
@@ -376,7 +395,19 @@ TEST_F(WorkerE2eTest, AWorkerWithoutRootTakesOnlyItsAccountsJobs) {
   if (geteuid() != 0) GTEST_SKIP() << "starting the worker as another account needs root";
   ASSERT_EQ(chmod(dir_.path().c_str(), 0755), 0);
   StopWorker();
-  // As nobody: its token and folder are nobody's; alice is mapped to it.
+  // As nobody: its token (naming the owners it takes, as a node token of a worker that is not
+  // root must) and its folder are nobody's; alice is mapped to it.
+  {
+    auto channel = grpc::CreateChannel(address_, grpc::InsecureChannelCredentials());
+    auto admin = testing::AdminToken(dir_.path() + "/state");
+    // With a token for any user's jobs, it is refused.
+    EXPECT_THAT(RegisterAs(node_token_file(), {"nobody", "alice"}).error_message(),
+                HasSubstr("its node token names no owners"));
+    ASSERT_TRUE(
+        WriteSecretFile(node_token_file(), testing::CreateToken(channel, admin, "admin", "w1",
+                                                                v1::USER, {"nobody", "alice"}))
+            .ok());
+  }
   ASSERT_EQ(chown(node_token_file().c_str(), 65534, 65534), 0);
   std::filesystem::create_directories(work_dir());
   ASSERT_EQ(chown(work_dir().c_str(), 65534, 65534), 0);

@@ -40,6 +40,7 @@ using ::testing::HasSubstr;
 using ::testing::IsEmpty;
 using ::testing::Not;
 using testing::RunCommand;
+using ::testing::SizeIs;
 using ::testing::StartsWith;
 using testing::Subprocess;
 using testing::TempDir;
@@ -464,6 +465,24 @@ TEST_F(YardE2eTest, AnotherUsersJobIsPrivateButAdminsSeeIt) {
   EXPECT_EQ(ParseJson(mine.out).value("state", ""), "QUEUED");
   EXPECT_EQ(YardAs("admin", {"describe", job}).exit_code, 0);
   EXPECT_THAT(ListedIds({}, "admin"), ElementsAre(job));
+}
+
+TEST_F(YardE2eTest, AdminsDenyAndAllowNodes) {
+  CommandResult denied =
+      YardAs("admin", {"admin", "node", "deny", "gpu-7", "--reason", "stolen cert"});
+  ASSERT_EQ(denied.exit_code, 0) << denied.err;
+  EXPECT_EQ(denied.out, "denied gpu-7\n");
+  CommandResult listed = YardAs("admin", {"admin", "node", "ls"});
+  ASSERT_EQ(listed.exit_code, 0) << listed.err;
+  EXPECT_THAT(listed.out, ContainsRegex("\ngpu-7 +admin +.* stolen cert\n"));
+  CommandResult as_json = YardAs("admin", {"admin", "node", "ls", "-o", "json"});
+  ASSERT_EQ(as_json.exit_code, 0) << as_json.err;
+  EXPECT_EQ(nlohmann::json::parse(as_json.out)["nodes"][0]["node"], "gpu-7");
+  CommandResult not_admin = Yard({"admin", "node", "deny", "gpu-8"});
+  ExpectOneLineFailure(not_admin);
+  EXPECT_THAT(not_admin.err, HasSubstr("PERMISSION_DENIED"));
+  ASSERT_EQ(YardAs("admin", {"admin", "node", "allow", "gpu-7"}).exit_code, 0);
+  EXPECT_THAT(Lines(YardAs("admin", {"admin", "node", "ls"}).out), SizeIs(1));  // the header
 }
 
 TEST_F(YardE2eTest, AdminsManageUsersAndTokensAndRevokedOrDisabledTokensStopWorking) {

@@ -18,6 +18,7 @@ namespace {
 constexpr char kUserKind[] = "user";
 constexpr char kTokenKind[] = "token";
 constexpr char kAccountKind[] = "account";
+constexpr char kDeniedNodeKind[] = "denied_node";
 // Bounds of quotas and caps: far beyond any cluster, far from overflowing sums.
 constexpr int64_t kMaxDevices = int64_t{1} << 40;
 
@@ -103,7 +104,15 @@ absl::Status IdentityRegistry::Load() {
   ASSIGN_OR_RETURN(std::vector<StoredRecord> users, store_.LoadRecords(kUserKind));
   ASSIGN_OR_RETURN(std::vector<StoredRecord> tokens, store_.LoadRecords(kTokenKind));
   ASSIGN_OR_RETURN(std::vector<StoredRecord> accounts, store_.LoadRecords(kAccountKind));
+  ASSIGN_OR_RETURN(std::vector<StoredRecord> denied, store_.LoadRecords(kDeniedNodeKind));
   absl::MutexLock lock(&mu_);
+  for (const StoredRecord& r : denied) {
+    v1::DeniedNode node;
+    if (!node.ParseFromString(r.payload) || node.node() != r.id) {
+      return absl::DataLossError(absl::StrCat("denied_node record ", r.id, " is unreadable"));
+    }
+    denied_nodes_[r.id] = std::move(node);
+  }
   for (const StoredRecord& r : accounts) {
     v1::Account account;
     if (!account.ParseFromString(r.payload) || account.name() != r.id) {
@@ -126,6 +135,46 @@ absl::Status IdentityRegistry::Load() {
     tokens_[r.id] = std::move(token);
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<v1::DeniedNode> IdentityRegistry::DenyNode(const std::string& node,
+                                                          const std::string& reason,
+                                                          const std::string& by) {
+  RETURN_IF_ERROR(CheckNodeName("node", node));
+  if (reason.size() > 1024) return absl::InvalidArgumentError("reason: at most 1024 bytes");
+  v1::DeniedNode denied;
+  denied.set_node(node);
+  denied.set_reason(reason);
+  denied.set_denied_by(by);
+  denied.set_denied_time_ms(UnixMs(clock_.Now()));
+  absl::MutexLock write(&write_mu_);
+  RETURN_IF_ERROR(Persist({{kDeniedNodeKind, node, denied.SerializeAsString()}}));
+  absl::MutexLock lock(&mu_);
+  denied_nodes_[node] = denied;
+  return denied;
+}
+
+absl::Status IdentityRegistry::AllowNode(const std::string& node) {
+  RETURN_IF_ERROR(CheckNodeName("node", node));
+  absl::MutexLock write(&write_mu_);
+  WriteBatch batch;
+  batch.delete_records.push_back({kDeniedNodeKind, node});
+  RETURN_IF_ERROR(store_.CommitSync(std::move(batch)));
+  absl::MutexLock lock(&mu_);
+  denied_nodes_.erase(node);
+  return absl::OkStatus();
+}
+
+bool IdentityRegistry::IsNodeDenied(const std::string& node) const {
+  absl::MutexLock lock(&mu_);
+  return denied_nodes_.count(node) != 0;
+}
+
+std::vector<v1::DeniedNode> IdentityRegistry::ListDeniedNodes() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::DeniedNode> out;
+  for (const auto& [name, node] : denied_nodes_) out.push_back(node);
+  return out;
 }
 
 absl::Status IdentityRegistry::Persist(const std::vector<StoredRecord>& records) {

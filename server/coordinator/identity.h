@@ -127,6 +127,14 @@ class IdentityRegistry {
   // Revokes it (revoking twice is not an error); NOT_FOUND.
   absl::StatusOr<v1::TokenInfo> RevokeToken(const std::string& id);
 
+  // Node denials ("denied_node" records). DenyNode replaces an earlier denial's reason; allowing
+  // a node that is not denied is not an error. INVALID_ARGUMENT for a malformed node name.
+  absl::StatusOr<v1::DeniedNode> DenyNode(const std::string& node, const std::string& reason,
+                                          const std::string& by);
+  absl::Status AllowNode(const std::string& node);
+  bool IsNodeDenied(const std::string& node) const;
+  std::vector<v1::DeniedNode> ListDeniedNodes() const;
+
   // The credential of one attempt of a job, for its ranks.
   std::string JobCredentialFor(const std::string& job_id, int32_t attempt) const;
 
@@ -148,6 +156,7 @@ class IdentityRegistry {
   std::map<std::string, v1::Account> accounts_ ABSL_GUARDED_BY(mu_);           // by name
   mutable std::shared_ptr<const SharingPolicy> sharing_ ABSL_GUARDED_BY(mu_);  // null: stale
   std::map<std::string, v1::StoredToken> tokens_ ABSL_GUARDED_BY(mu_);         // by id
+  std::map<std::string, v1::DeniedNode> denied_nodes_ ABSL_GUARDED_BY(mu_);    // by node
 };
 
 // A user name has a Unix account name's shape, "[a-z_][a-z0-9_.-]{0,31}"; a node name a

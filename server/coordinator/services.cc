@@ -156,6 +156,12 @@ absl::StatusOr<Principal> AuthenticateNode(grpc::CallbackServerContext* ctx,
     }
     p = *token;
   }
+  if (identities.IsNodeDenied(p.node)) {
+    return Refused(method, p.Describe(),
+                   absl::PermissionDeniedError(absl::StrCat(
+                       "node ", p.node, " is denied by an admin (yard admin node allow ", p.node,
+                       " lifts it)")));
+  }
   if (!node_id.empty() && p.node != node_id) {
     return Refused(method, p.Describe(),
                    absl::PermissionDeniedError(absl::StrCat(
@@ -302,10 +308,12 @@ class SessionReactor final
     : public grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage> {
  public:
   // `token_node`: the node the caller's node token is bound to; hello must name it.
-  SessionReactor(NodeRegistry& nodes, JobManager& jobs, JobLogs& logs, std::string token_node)
+  SessionReactor(NodeRegistry& nodes, JobManager& jobs, JobLogs& logs,
+                 const IdentityRegistry& identities, std::string token_node)
       : nodes_(nodes),
         jobs_(jobs),
         logs_(logs),
+        identities_(identities),
         token_node_(std::move(token_node)),
         sink_(std::make_shared<Sink>(this)) {
     StartRead(&incoming_);
@@ -343,6 +351,13 @@ class SessionReactor final
         sink_->Send(m);
       }
     } else if (incoming_.has_heartbeat()) {
+      // A node an admin denied while its session was open: its session ends here.
+      if (identities_.IsNodeDenied(node_id_)) {
+        spdlog::warn("audit: node {} Session ended: the node is denied", node_id_);
+        End(grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                         absl::StrCat("node ", node_id_, " is denied by an admin")));
+        return;
+      }
       if (absl::Status s = nodes_.Heartbeat(node_id_); !s.ok()) {
         End(ToGrpcStatus(s));
         return;
@@ -408,6 +423,7 @@ class SessionReactor final
   NodeRegistry& nodes_;
   JobManager& jobs_;
   JobLogs& logs_;
+  const IdentityRegistry& identities_;
   const std::string token_node_;
   std::shared_ptr<Sink> sink_;
   v1::NodeMessage incoming_;
@@ -905,6 +921,20 @@ grpc::ServerUnaryReactor* NodeServiceImpl::RegisterNode(grpc::CallbackServerCont
   auto caller =
       AuthenticateNode(ctx, identities_, "RegisterNode", request->node_id(), node_certificates_);
   if (!caller.ok()) return Done(ctx, caller.status());
+  // A node that takes only some users' jobs (a worker not running as root, a user's parameter
+  // server) must hold a node token naming them: a token for any user's jobs is for nodes an
+  // admin trusts with every job, and a node may not pick whose jobs it attracts.
+  if (caller->node_owners.empty() && !caller->token_id.empty() && !request->owners().empty()) {
+    return Done(
+        ctx,
+        Refused(
+            "RegisterNode", caller->Describe(),
+            absl::PermissionDeniedError(absl::StrCat(
+                "owners: the node asks for the jobs of ", absl::StrJoin(request->owners(), ", "),
+                " only, but its node token names no owners; give it a token that "
+                "does (yard admin token create --node ",
+                request->node_id(), " --owners ", absl::StrJoin(request->owners(), ","), ")"))));
+  }
   // A node token limited to some owners' jobs: the node may not claim more (or any owner's).
   if (!caller->node_owners.empty()) {
     const auto& allowed = caller->node_owners;
@@ -950,7 +980,7 @@ grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage>* NodeServiceImp
     };
     return new Rejected(ToGrpcStatus(caller.status()));
   }
-  return new SessionReactor(nodes_, jobs_, logs_, caller->node);
+  return new SessionReactor(nodes_, jobs_, logs_, identities_, caller->node);
 }
 
 grpc::ServerUnaryReactor* NodeServiceImpl::ListNodes(grpc::CallbackServerContext* ctx,
@@ -1284,6 +1314,33 @@ grpc::ServerUnaryReactor* IdentityServiceImpl::ListAccounts(grpc::CallbackServer
   auto caller = AuthenticateUser(ctx, identities_, "ListAccounts");
   if (!caller.ok()) return Done(ctx, caller.status());
   for (v1::Account& a : identities_.ListAccounts()) *response->add_accounts() = std::move(a);
+  return Done(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* IdentityServiceImpl::DenyNode(grpc::CallbackServerContext* ctx,
+                                                        const v1::DenyNodeRequest* request,
+                                                        v1::DeniedNode* response) {
+  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
+  auto caller = AuthenticateAdmin(ctx, identities_, "DenyNode");
+  if (!caller.ok()) return Done(ctx, caller.status());
+  if (request->allow()) {
+    const absl::Status allowed = identities_.AllowNode(request->node());
+    Audit(*caller, "AllowNode", request->node(), allowed);
+    if (allowed.ok()) response->set_node(request->node());
+    return Done(ctx, allowed);
+  }
+  auto denied = identities_.DenyNode(request->node(), request->reason(), caller->user);
+  Audit(*caller, "DenyNode", request->node(), denied.status());
+  if (denied.ok()) *response = *std::move(denied);
+  return Done(ctx, denied.status());
+}
+
+grpc::ServerUnaryReactor* IdentityServiceImpl::ListDeniedNodes(
+    grpc::CallbackServerContext* ctx, const v1::ListDeniedNodesRequest*,
+    v1::ListDeniedNodesResponse* response) {
+  auto caller = AuthenticateAdmin(ctx, identities_, "ListDeniedNodes");
+  if (!caller.ok()) return Done(ctx, caller.status());
+  for (v1::DeniedNode& n : identities_.ListDeniedNodes()) *response->add_nodes() = std::move(n);
   return Done(ctx, absl::OkStatus());
 }
 

@@ -196,6 +196,12 @@ class IdentityServiceImpl final : public v1::IdentityService::CallbackService {
   grpc::ServerUnaryReactor* ListAccounts(grpc::CallbackServerContext* ctx,
                                          const v1::ListAccountsRequest* request,
                                          v1::ListAccountsResponse* response) override;
+  grpc::ServerUnaryReactor* DenyNode(grpc::CallbackServerContext* ctx,
+                                     const v1::DenyNodeRequest* request,
+                                     v1::DeniedNode* response) override;
+  grpc::ServerUnaryReactor* ListDeniedNodes(grpc::CallbackServerContext* ctx,
+                                            const v1::ListDeniedNodesRequest* request,
+                                            v1::ListDeniedNodesResponse* response) override;
 
  private:
   IdentityRegistry& identities_;

@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/time/clock.h"
 #include "common/credentials.h"
@@ -25,7 +26,8 @@ inline void Authorize(grpc::ClientContext& ctx, const std::string& token) {
 // `role`), or with `node`, a node token. Empty (and a test failure) on error.
 inline std::string CreateToken(const std::shared_ptr<grpc::Channel>& channel,
                                const std::string& admin_token, const std::string& user,
-                               const std::string& node = "", v1::Role role = v1::USER) {
+                               const std::string& node = "", v1::Role role = v1::USER,
+                               const std::vector<std::string>& owners = {}) {
   auto stub = v1::IdentityService::NewStub(channel);
   if (!user.empty()) {
     grpc::ClientContext ctx;
@@ -44,6 +46,7 @@ inline std::string CreateToken(const std::shared_ptr<grpc::Channel>& channel,
   v1::CreateTokenRequest r;
   r.set_user(user);
   r.set_node(node);
+  for (const std::string& owner : owners) r.add_owners(owner);
   v1::CreateTokenResponse resp;
   const grpc::Status s = stub->CreateToken(&ctx, r, &resp);
   EXPECT_TRUE(s.ok()) << s.error_message();

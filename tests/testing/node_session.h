@@ -122,6 +122,14 @@ class NodeSession {
 
   bool Write(const v1::NodeMessage& m) { return stream_->Write(m); }
 
+  // Reads until the coordinator ends the session; its final status.
+  grpc::Status Finish() {
+    v1::CoordinatorMessage m;
+    while (stream_->Read(&m)) {
+    }
+    return stream_->Finish();
+  }
+
  private:
   NodeSession() = default;
 
