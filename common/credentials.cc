@@ -115,12 +115,18 @@ std::string MakeJobCredential(absl::string_view key, absl::string_view job_id, i
   return absl::StrCat("tyj.", job_id, ".", attempt, ".", Base64Url(mac));
 }
 
-absl::StatusOr<JobCredential> ParseJobCredential(absl::string_view text) {
-  auto bad = [] {
-    return absl::InvalidArgumentError("not a job credential of the form tyj.<job>.<attempt>.<mac>");
+namespace {
+
+// "<prefix><job>.<attempt>.<mac>", as job credentials and parameter-server credentials are.
+absl::StatusOr<JobCredential> ParseAttemptCredential(absl::string_view text,
+                                                     absl::string_view prefix,
+                                                     absl::string_view what) {
+  auto bad = [&] {
+    return absl::InvalidArgumentError(
+        absl::StrCat("not a ", what, " of the form ", prefix, "<job>.<attempt>.<mac>"));
   };
-  if (!absl::StartsWith(text, "tyj.")) return bad();
-  text.remove_prefix(4);
+  if (!absl::StartsWith(text, prefix)) return bad();
+  text.remove_prefix(prefix.size());
   const size_t mac_dot = text.rfind('.');
   if (mac_dot == absl::string_view::npos) return bad();
   const size_t attempt_dot = text.rfind('.', mac_dot - 1);
@@ -138,6 +144,24 @@ absl::StatusOr<JobCredential> ParseJobCredential(absl::string_view text) {
   c.mac = std::string(text.substr(mac_dot + 1));
   if (c.mac.size() != 43 || !IsBase64Url(c.mac)) return bad();
   return c;
+}
+
+}  // namespace
+
+absl::StatusOr<JobCredential> ParseJobCredential(absl::string_view text) {
+  return ParseAttemptCredential(text, "tyj.", "job credential");
+}
+
+absl::StatusOr<JobCredential> ParseServerCredential(absl::string_view text) {
+  return ParseAttemptCredential(text, "tys.", "parameter-server credential");
+}
+
+std::string DeriveServerCredential(absl::string_view job_credential,
+                                   absl::string_view server_address) {
+  auto job = ParseJobCredential(job_credential);
+  if (!job.ok()) return std::string();
+  const std::string mac = HmacSha256(job->mac, absl::StrCat("parameter-server\n", server_address));
+  return absl::StrCat("tys.", job->job_id, ".", job->attempt, ".", Base64Url(mac));
 }
 
 bool VerifyJobCredential(absl::string_view key, const JobCredential& credential) {

@@ -54,6 +54,18 @@ absl::StatusOr<JobCredential> ParseJobCredential(absl::string_view text);
 // True if `credential` was made by MakeJobCredential(key, its job, its attempt).
 bool VerifyJobCredential(absl::string_view key, const JobCredential& credential);
 
+// What a rank shows one parameter server: "tys.<job>.<attempt>.<mac>", the mac an HMAC-SHA256
+// keyed with the job credential's own mac over "parameter-server\n<server address>". Only the
+// attempt's ranks (which hold the job credential) and the coordinator (which signs it) can make
+// it; the server cannot turn it into anything else: the coordinator refuses it for the
+// rendezvous and reports, and accepts it (VerifyJobCredential) only from the node holding the
+// range at that address. Empty if `job_credential` is not one.
+std::string DeriveServerCredential(absl::string_view job_credential,
+                                   absl::string_view server_address);
+// Splits a parameter-server credential (its mac in JobCredential::mac); INVALID_ARGUMENT if
+// malformed.
+absl::StatusOr<JobCredential> ParseServerCredential(absl::string_view text);
+
 // The credential in an "authorization" metadata value ("Bearer <credential>").
 absl::StatusOr<std::string> BearerCredential(absl::string_view header);
 

@@ -306,11 +306,13 @@ class AuthorizationTest : public testing::CoordinatorFixture {
                     }});
     unary("VerifyJobCredential", Admits::kNode, false, [&, job](grpc::ClientContext& ctx) {
       v1::VerifyJobCredentialRequest r;
-      r.set_credential(tokens_->Job(job, 1));
+      r.set_credential(DeriveServerCredential(tokens_->Job(job, 1), "127.0.0.1:9"));
       v1::VerifyJobCredentialResponse resp;
       const grpc::Status s = nodes_->VerifyJobCredential(&ctx, r, &resp);
-      // n1 is a worker: its node token gets past authentication to "holds no range".
-      return s.error_message().find("holds no range") != std::string::npos ? grpc::Status::OK : s;
+      // n1 is a worker: its node token gets past authentication to "no range of the job".
+      return s.error_message().find("not made for a parameter server of") != std::string::npos
+                 ? grpc::Status::OK
+                 : s;
     });
     // RendezvousService: the scope of alice's job, attempt 1.
     unary("Set", Admits::kOwnJob, true, [&, scope](grpc::ClientContext& ctx) {
@@ -645,15 +647,46 @@ TEST_F(AuthorizationTest, AParameterServerVerifiesOnlyCredentialsOfAttemptsWithA
     if (s.ok()) EXPECT_EQ(resp.job_id(), job->id());
     return s.error_code();
   };
-  const std::string own = tokens_->Job(job->id(), job->attempt());
+  // Ranks show each server the attempt's credential for that server's address alone.
+  const std::string address = job->ps_placement(0).address();
+  const std::string job_credential = tokens_->Job(job->id(), job->attempt());
+  const std::string own = DeriveServerCredential(job_credential, address);
   EXPECT_EQ(verify(holder, own), StatusCode::OK);
   EXPECT_EQ(verify(other, own), StatusCode::PERMISSION_DENIED);
-  EXPECT_EQ(verify(holder, tokens_->Job(job->id(), job->attempt() + 1)),
-            StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(
+      verify(holder, DeriveServerCredential(tokens_->Job(job->id(), job->attempt() + 1), address)),
+      StatusCode::FAILED_PRECONDITION);
   std::string forged = own;
   forged.back() = forged.back() == 'A' ? 'B' : 'A';
   EXPECT_EQ(verify(holder, forged), StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(verify(holder, DeriveServerCredential(job_credential, "127.0.0.1:99")),
+            StatusCode::UNAUTHENTICATED);
   EXPECT_EQ(verify(holder, credentials_["owner"]), StatusCode::UNAUTHENTICATED);
+  // The job credential itself is never for a parameter server: the rendezvous and the reports
+  // accept it.
+  EXPECT_EQ(verify(holder, job_credential), StatusCode::PERMISSION_DENIED);
+  // And what a server is shown is good nowhere else: not at the rendezvous, not for reports.
+  {
+    grpc::ClientContext ctx;
+    Prepare(ctx, own);
+    v1::NumKeysRequest r;
+    r.mutable_scope()->set_job_id(job->id());
+    r.mutable_scope()->set_attempt(job->attempt());
+    v1::NumKeysResponse keys;
+    const grpc::Status s = rdzv_->NumKeys(&ctx, r, &keys);
+    EXPECT_EQ(s.error_code(), StatusCode::UNAUTHENTICATED);
+    EXPECT_THAT(s.error_message(), ::testing::HasSubstr("good only at the parameter server"));
+  }
+  {
+    grpc::ClientContext ctx;
+    Prepare(ctx, own);
+    v1::StepReport r;
+    r.set_job_id(job->id());
+    r.set_attempt(job->attempt());
+    r.set_step(1);
+    v1::TrainerCommands commands;
+    EXPECT_EQ(trainer_->ReportStep(&ctx, r, &commands).error_code(), StatusCode::UNAUTHENTICATED);
+  }
   // A user may not ask.
   grpc::ClientContext ctx;
   Prepare(ctx, credentials_["admin"]);

@@ -88,6 +88,27 @@ TEST(CredentialsTest, JobCredentialsVerifyOnlyForTheirJobAttemptAndKey) {
   }
 }
 
+TEST(CredentialsTest, ParameterServerCredentialsAreBoundToTheirServerAndAttempt) {
+  const std::string job = MakeJobCredential("key", "job-3", 2);
+  const std::string a = DeriveServerCredential(job, "10.0.0.1:7080");
+  const std::string b = DeriveServerCredential(job, "10.0.0.2:7080");
+  EXPECT_EQ(a.rfind("tys.job-3.2.", 0), 0u);
+  EXPECT_NE(a, b);
+  EXPECT_EQ(a, DeriveServerCredential(job, "10.0.0.1:7080"));  // deterministic
+  EXPECT_NE(a, DeriveServerCredential(MakeJobCredential("key", "job-3", 3), "10.0.0.1:7080"));
+  EXPECT_NE(a, DeriveServerCredential(MakeJobCredential("other", "job-3", 2), "10.0.0.1:7080"));
+  // It reveals neither the job credential nor its mac.
+  const std::string job_mac = job.substr(job.rfind('.') + 1);
+  EXPECT_EQ(a.find(job_mac), std::string::npos);
+  auto parsed = ParseServerCredential(a);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->job_id, "job-3");
+  EXPECT_EQ(parsed->attempt, 2);
+  EXPECT_FALSE(ParseServerCredential(job).ok());  // a job credential is not one
+  EXPECT_FALSE(ParseJobCredential(a).ok());       // nor the reverse
+  EXPECT_EQ(DeriveServerCredential("tyt.not.a-job-credential", "x:1"), "");
+}
+
 TEST(CredentialsTest, BearerHeaderIsParsed) {
   EXPECT_EQ(*BearerCredential("Bearer abc"), "abc");
   EXPECT_EQ(BearerCredential("Basic abc").status().code(), absl::StatusCode::kUnauthenticated);

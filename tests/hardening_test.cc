@@ -158,7 +158,8 @@ TEST_F(HardeningTest, AnOwnersLimitedParameterServerNeverGetsAnotherOwnersShards
   grpc::ClientContext ctx;
   Prepare(ctx, bob_node->text);
   v1::VerifyJobCredentialRequest verify;
-  verify.set_credential(tokens_->Job(alice_job.id(), alice_placed->attempt()));
+  verify.set_credential(DeriveServerCredential(
+      tokens_->Job(alice_job.id(), alice_placed->attempt()), "127.0.0.1:10"));
   v1::VerifyJobCredentialResponse verified;
   EXPECT_EQ(nodes_->VerifyJobCredential(&ctx, verify, &verified).error_code(),
             StatusCode::PERMISSION_DENIED);

@@ -758,8 +758,13 @@ TEST_F(OffloadE2eTest, EveryServerRpcGetsTheExpectedCodeForEveryCredential) {
                                 : placed.ps_placement(1);
   int64_t total = 0;
   for (const auto& r : placed.ps_placement()) total = std::max(total, r.end());
-  const std::string own = tokens_->Job(job.id, job.attempt);
+  // A rank shows each server the attempt's credential for that server (derived from the job
+  // credential, which no server is shown).
+  const std::string job_credential = tokens_->Job(job.id, job.attempt);
+  const std::string own = DeriveServerCredential(job_credential, range.address());
   const std::string forged = Forged(own);
+  const v1::PsRange& other_range =
+      placed.ps_placement(0).node_id() == "ps0" ? placed.ps_placement(1) : placed.ps_placement(0);
   const std::vector<std::pair<std::string, std::string>> credentials = {
       {"none", ""},
       {"malformed", "tyt.not-a-token"},
@@ -767,12 +772,18 @@ TEST_F(OffloadE2eTest, EveryServerRpcGetsTheExpectedCodeForEveryCredential) {
       {"user", tokens_->User("alice")},
       {"admin", tokens_->User("admin")},
       {"node", tokens_->Node(range.node_id())},
-      {"other_job", tokens_->Job("job-999", 1)},
-      {"other_attempt", tokens_->Job(job.id, job.attempt + 1)},
+      {"job_credential", job_credential},
+      {"other_server", DeriveServerCredential(job_credential, other_range.address())},
+      {"other_job", DeriveServerCredential(tokens_->Job("job-999", 1), range.address())},
+      {"other_attempt",
+       DeriveServerCredential(tokens_->Job(job.id, job.attempt + 1), range.address())},
       {"own", own}};
   auto expected = [](bool open, const std::string& name) {
     if (open || name == "own") return grpc::StatusCode::OK;
-    if (name == "other_job" || name == "other_attempt") return grpc::StatusCode::PERMISSION_DENIED;
+    if (name == "other_job" || name == "other_attempt" || name == "job_credential" ||
+        name == "other_server") {
+      return grpc::StatusCode::PERMISSION_DENIED;
+    }
     return grpc::StatusCode::UNAUTHENTICATED;
   };
   grpc::ChannelArguments args;

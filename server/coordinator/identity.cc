@@ -198,6 +198,11 @@ absl::StatusOr<Principal> IdentityRegistry::Authenticate(absl::string_view crede
   bool ignored = false;
   bool& guessed = guess != nullptr ? *guess : ignored;
   guessed = true;
+  if (absl::StartsWith(credential, "tys.")) {
+    return absl::UnauthenticatedError(
+        "a parameter-server credential (tys.) is good only at the parameter server it was made "
+        "for");
+  }
   if (absl::StartsWith(credential, "tyj.")) {
     auto parsed = ParseJobCredential(credential);
     if (!parsed.ok()) return absl::UnauthenticatedError(parsed.status().message());

@@ -999,29 +999,52 @@ grpc::ServerUnaryReactor* NodeServiceImpl::VerifyJobCredential(
   if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
   auto caller = AuthenticateNode(ctx, identities_, "VerifyJobCredential", "", node_certificates_);
   if (!caller.ok()) return Done(ctx, caller.status());
-  auto rank = identities_.Authenticate(request->credential());
-  if (!rank.ok() || rank->kind != Principal::Kind::kJob) {
-    return Done(ctx,
-                Refused("VerifyJobCredential", caller->Describe(),
-                        absl::UnauthenticatedError(absl::StrCat(
-                            "credential: ", rank.ok() ? "not a job credential"
-                                                      : std::string(rank.status().message())))));
+  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
+  auto refuse = [&](absl::Status status) {
+    return Done(ctx, Refused("VerifyJobCredential", caller->Describe(), std::move(status)));
+  };
+  // A parameter server is shown the attempt's credential for that server alone, never the job
+  // credential, which the rendezvous and the reports accept.
+  if (ParseJobCredential(request->credential()).ok()) {
+    return refuse(absl::PermissionDeniedError(
+        "credential: a job credential (tyj.); a rank shows a parameter server only its "
+        "parameter-server credential (tys.), which is good at that server alone"));
+  }
+  auto rank = ParseServerCredential(request->credential());
+  if (!rank.ok()) {
+    return refuse(
+        absl::UnauthenticatedError(absl::StrCat("credential: ", rank.status().message())));
   }
   auto job = jobs_.Get(rank->job_id);
-  if (!job.ok()) return Done(ctx, job.status());
+  if (!job.ok()) {
+    return refuse(absl::UnauthenticatedError(
+        "credential: not a parameter-server credential this coordinator made"));
+  }
+  // Which of the attempt's ranges (by server address) it was made for: made with the attempt's
+  // job credential, so the mac of a forged one, or of another attempt's, matches none.
+  const std::string job_credential = identities_.JobCredentialFor(rank->job_id, rank->attempt);
+  const v1::PsRange* range = nullptr;
+  for (const v1::PsRange& r : job->ps_placement()) {
+    if (ConstantTimeEquals(DeriveServerCredential(job_credential, r.address()),
+                           request->credential())) {
+      range = &r;
+      break;
+    }
+  }
   if (job->attempt() != rank->attempt || !IsActive(job->state())) {
     return Done(ctx, absl::FailedPreconditionError(absl::StrCat(
                          rank->job_id, " attempt ", rank->attempt, " is not running (attempt ",
                          job->attempt(), " is ", v1::JobState_Name(job->state()), ")")));
   }
-  const bool holds_range =
-      std::any_of(job->ps_placement().begin(), job->ps_placement().end(),
-                  [&](const v1::PsRange& r) { return r.node_id() == caller->node; });
-  if (!holds_range) {
-    return Done(ctx, Refused("VerifyJobCredential", caller->Describe(),
-                             absl::PermissionDeniedError(
-                                 absl::StrCat("node ", caller->node, " holds no range of ",
-                                              rank->job_id, " attempt ", rank->attempt))));
+  if (range == nullptr) {
+    return refuse(
+        absl::UnauthenticatedError(absl::StrCat("credential: not made for a parameter server of ",
+                                                rank->job_id, " attempt ", rank->attempt)));
+  }
+  if (range->node_id() != caller->node) {
+    return refuse(absl::PermissionDeniedError(
+        absl::StrCat("credential: made for the parameter server at ", range->address(), " (node ",
+                     range->node_id(), "), not node ", caller->node)));
   }
   response->set_job_id(rank->job_id);
   response->set_attempt(rank->attempt);

@@ -40,7 +40,8 @@ absl::StatusOr<std::string> DataPlaneDialAddress(const std::string& data_plane_a
 class DataPlaneClient {
  public:
   // `address`: HOST:PORT of the data plane (GetDataPlane's answer); `tcp_congestion` of its
-  // connections (empty: the host's); `credential`: the job credential every request carries.
+  // connections (empty: the host's); `credential`: the parameter-server credential
+  // (DeriveServerCredential) every request carries.
   DataPlaneClient(std::string address, std::string tcp_congestion, std::string credential = "");
 
   const std::string& address() const { return address_; }

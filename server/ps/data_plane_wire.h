@@ -14,7 +14,8 @@
 //   request   kRequestHeaderBytes: magic "TYPS", version, op, format, flags (bit 0: update),
 //             attempt, job_id bytes, step, begin, end, chunk_elements, lr, grad_scale, wait_ms,
 //             timeout_ms, credential bytes, 4 reserved;
-//             then the job_id; then the caller's job credential (identity.proto; the server
+//             then the job_id; then the caller's parameter-server credential (tys.,
+//             common/credentials.h: good for this server and attempt alone; the server
 //             accepts a request only for the job and attempt it was issued for); then, for a
 //             push, the gradients of [begin, end) in `format`.
 //   response  kResponseHeaderBytes: magic "TYPR", status code, message bytes, flags (bit 0: the

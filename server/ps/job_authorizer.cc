@@ -31,12 +31,19 @@ class CoordinatorJobAuthorizer final : public JobAuthorizer {
                          int32_t attempt) override {
     if (credential.empty()) {
       return absl::UnauthenticatedError(
-          "no job credential: a rank sends its attempt's (TRAINYARD_JOB_CREDENTIAL)");
+          "no credential: a rank sends its attempt's parameter-server credential (derived from "
+          "TRAINYARD_JOB_CREDENTIAL for this server)");
     }
-    auto parsed = ParseJobCredential(credential);
+    if (ParseJobCredential(credential).ok()) {
+      // Never passed on: it is good at the coordinator, and this server has no use for it.
+      return absl::PermissionDeniedError(
+          "a job credential (tyj.): a rank shows a parameter server only its parameter-server "
+          "credential (tys.)");
+    }
+    auto parsed = ParseServerCredential(credential);
     if (!parsed.ok()) return absl::UnauthenticatedError(parsed.status().message());
     if (parsed->job_id != job_id || (attempt != 0 && parsed->attempt != attempt)) {
-      return absl::PermissionDeniedError(absl::StrCat("the job credential is for ", parsed->job_id,
+      return absl::PermissionDeniedError(absl::StrCat("the credential is for ", parsed->job_id,
                                                       " attempt ", parsed->attempt, ", not for ",
                                                       job_id, " attempt ", attempt));
     }
@@ -61,9 +68,8 @@ class CoordinatorJobAuthorizer final : public JobAuthorizer {
       // An attempt that is not running (any more) is denied like another job's.
       const absl::StatusCode code =
           absl::IsFailedPrecondition(status) ? absl::StatusCode::kPermissionDenied : status.code();
-      return absl::Status(
-          code, absl::StrCat("the coordinator refused the job credential for ", job_id, " attempt ",
-                             parsed->attempt, ": ", status.message()));
+      return absl::Status(code, absl::StrCat("the coordinator refused the credential for ", job_id,
+                                             " attempt ", parsed->attempt, ": ", status.message()));
     }
     absl::MutexLock lock(&mu_);
     if (accepted_.size() >= kMaxRemembered) accepted_.clear();

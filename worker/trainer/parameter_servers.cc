@@ -52,6 +52,7 @@ struct ParameterServers::Server {
   // The server's TCP data plane, which carries pushes and pulls when set.
   std::unique_ptr<ps::DataPlaneClient> data_plane;
   std::string transport_note;  // why gRPC carries them otherwise
+  std::string credential;      // the attempt's parameter-server credential for this server
 
   // Asks the server for its data plane (transport "tcp").
   absl::Status ConnectDataPlane(const PsClientConfig& config) {
@@ -75,9 +76,7 @@ struct ParameterServers::Server {
     }
     auto address = ps::DataPlaneDialAddress(info.address(), range.address);
     if (!address.ok()) return Annotate(address.status(), "data plane");
-    const char* credential = std::getenv(kJobCredentialEnv);
-    data_plane = std::make_unique<ps::DataPlaneClient>(*address, config.tcp_congestion,
-                                                       credential != nullptr ? credential : "");
+    data_plane = std::make_unique<ps::DataPlaneClient>(*address, config.tcp_congestion, credential);
     return absl::OkStatus();
   }
 
@@ -130,9 +129,15 @@ absl::StatusOr<std::unique_ptr<ParameterServers>> ParameterServers::Connect(
   ps::SetTcpCongestion(&args, out->config_.tcp_congestion);
   for (PsRangeRef& r : ranges) {
     auto server = std::make_unique<Server>();
-    // Every call carries the attempt's job credential, which the worker put in the environment.
-    auto channel = ps::CreatePsChannel(r.address, args, BearerFromEnv(kJobCredentialEnv),
-                                       ChannelCredentialsFromEnv());
+    // Every call carries the attempt's credential for this server alone, derived from the job
+    // credential the worker put in the environment: the server never sees the job credential,
+    // which the rendezvous and the reports accept.
+    const char* job_credential = std::getenv(kJobCredentialEnv);
+    server->credential =
+        DeriveServerCredential(job_credential != nullptr ? job_credential : "", r.address);
+    auto channel = ps::CreatePsChannel(
+        r.address, args, server->credential.empty() ? "" : "Bearer " + server->credential,
+        ChannelCredentialsFromEnv());
     server->stub = v1::ParameterServerService::NewStub(channel);
     server->generic = std::make_unique<grpc::GenericStub>(channel);
     server->range = std::move(r);
