@@ -47,8 +47,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   uint32_t j2 = 0, c2 = 0;
   auto again = ps::DecodeRequestHeader(encoded.substr(0, ps::kRequestHeaderBytes), &j2, &c2);
   if (!again.ok() || j2 != job_id_bytes || c2 != credential_bytes || again->op != full.op ||
-      again->format != full.format || again->attempt != full.attempt ||
-      again->step != full.step || again->begin != full.begin || again->end != full.end ||
+      again->format != full.format || again->attempt != full.attempt || again->step != full.step ||
+      again->begin != full.begin || again->end != full.end ||
       again->chunk_elements != full.chunk_elements || again->update != full.update ||
       again->wait_ms != full.wait_ms || again->timeout_ms != full.timeout_ms) {
     std::abort();
