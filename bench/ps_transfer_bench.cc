@@ -55,7 +55,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <thread>
@@ -120,6 +122,9 @@ struct Flags {
   // connections, with --anchor-bytes.
   std::vector<int> anchor_peer_fds;
   int64_t anchor_bytes = 0;
+  // --tls-dir DIR: the servers serve TLS with DIR/server.pem and DIR/server.key (their data plane
+  // too) and the client verifies them with DIR/ca.pem; empty: plain TCP.
+  std::string tls_dir;
 };
 
 // This binary's path; empty if /proc does not tell.
@@ -197,6 +202,8 @@ Flags ParseFlags(int argc, char** argv) {
       flags.label = argv[++i];
     } else if (arg == "--tcp-congestion") {
       flags.tcp_congestion = argv[++i];
+    } else if (arg == "--tls-dir") {
+      flags.tls_dir = argv[++i];
     } else {
       ok = false;
     }
@@ -206,7 +213,7 @@ Flags ParseFlags(int argc, char** argv) {
                    "[--client stub|zero-copy|tcp] [--tune-malloc] [--chunk-elements N] "
                    "[--lookahead-bytes N] [--bdp-probe 0|1] [--no-bf16] [--label TEXT] "
                    "[--rows-only] [--ps-logs] [--tcp-congestion NAME] [--anchor-copies] "
-                   "[--anchor-in-process]\n",
+                   "[--anchor-in-process] [--tls-dir DIR]\n",
                    argv[0]);
       std::exit(2);
     }
@@ -474,7 +481,8 @@ class PsProcess {
   static absl::StatusOr<std::unique_ptr<PsProcess>> Start(const std::string& binary,
                                                           int64_t memory_bytes,
                                                           const std::string& tcp_congestion,
-                                                          bool show_logs) {
+                                                          bool show_logs,
+                                                          const std::string& tls_dir = "") {
     if (access(binary.c_str(), X_OK) != 0) {
       return absl::NotFoundError(absl::StrCat("--ps: cannot run ", binary));
     }
@@ -489,6 +497,11 @@ class PsProcess {
                                      absl::StrCat(memory_bytes),
                                      "--tcp-congestion",
                                      tcp_congestion};
+    if (!tls_dir.empty()) {
+      for (const char* a : {"--tls-cert", "/server.pem", "--tls-key", "/server.key"}) {
+        args.push_back(a[0] == '/' ? tls_dir + a : a);
+      }
+    }
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -599,7 +612,8 @@ class ShardClient {
         end_(end),
         chunk_elements_(flags.chunk_elements),
         client_(flags.client),
-        tcp_congestion_(flags.tcp_congestion) {
+        tcp_congestion_(flags.tcp_congestion),
+        tls_dir_(flags.tls_dir) {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(kMaxMessageBytes);
     args.SetMaxSendMessageSize(kMaxMessageBytes);
@@ -608,7 +622,14 @@ class ShardClient {
     }
     if (flags.bdp_probe >= 0) args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, flags.bdp_probe);
     ps::SetTcpCongestion(&args, flags.tcp_congestion);
-    auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+    if (!tls_dir_.empty()) {
+      grpc::SslCredentialsOptions ssl;
+      std::ifstream ca(tls_dir_ + "/ca.pem");
+      ssl.pem_root_certs.assign(std::istreambuf_iterator<char>(ca), {});
+      credentials = grpc::SslCredentials(ssl);
+    }
+    auto channel = grpc::CreateCustomChannel(address, credentials, args);
     stub_ = v1::ParameterServerService::NewStub(channel);
     generic_ = std::make_unique<grpc::GenericStub>(channel);
   }
@@ -644,7 +665,12 @@ class ShardClient {
     v1::DataPlaneInfo info;
     RETURN_IF_ERROR(Check(stub_->GetDataPlane(&info_ctx, {}, &info), "get data plane"));
     if (info.address().empty()) return absl::FailedPreconditionError("no data plane");
-    data_plane_ = std::make_unique<ps::DataPlaneClient>(info.address(), tcp_congestion_);
+    std::shared_ptr<const ps::TlsConfig> tls;
+    if (info.tls()) {
+      ASSIGN_OR_RETURN(tls, ps::TlsConfig::Client(tls_dir_ + "/ca.pem"));
+    }
+    data_plane_ =
+        std::make_unique<ps::DataPlaneClient>(info.address(), tcp_congestion_, "", std::move(tls));
     return absl::OkStatus();
   }
 
@@ -825,6 +851,7 @@ class ShardClient {
   const int64_t begin_, end_, chunk_elements_;
   const Flags::Client client_;
   const std::string tcp_congestion_;
+  const std::string tls_dir_;                        // --tls-dir; empty: plain TCP
   std::unique_ptr<ps::DataPlaneClient> data_plane_;  // --client tcp, after Init
   std::unique_ptr<v1::ParameterServerService::Stub> stub_;
   std::unique_ptr<grpc::GenericStub> generic_;  // on the same channel
@@ -895,7 +922,7 @@ absl::StatusOr<ShardCountResult> RunShardCount(const Flags& flags, int k, Buffer
     const int64_t begin = PartBegin(total, k, i), end = PartBegin(total, k, i + 1);
     ASSIGN_OR_RETURN(auto server,
                      PsProcess::Start(flags.ps_binary, (end - begin) * kPsBytesPerParam + (1 << 20),
-                                      flags.tcp_congestion, flags.ps_logs));
+                                      flags.tcp_congestion, flags.ps_logs, flags.tls_dir));
     clients.push_back(std::make_unique<ShardClient>(server->address(), begin, end, flags));
     pids.push_back(server->pid());
     fleet.Add(std::move(server));

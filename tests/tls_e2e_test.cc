@@ -20,10 +20,13 @@
 #include "common/tls.h"
 #include "tests/testing/identity.h"
 #include "tests/testing/subprocess.h"
+#include "tests/testing/test_pki.h"
 #include "trainyard/v1/node.grpc.pb.h"
 
 namespace trainyard {
 namespace {
+
+using testing::TestPki;
 
 using ::testing::AllOf;
 using testing::BinPath;
@@ -34,45 +37,6 @@ using testing::Subprocess;
 using testing::TempDir;
 
 constexpr absl::Duration kTimeout = absl::Seconds(60);
-
-// A CA and, signed by it, a certificate for 127.0.0.1 (the servers') and one per node name
-// (CN = the name), all with EC keys; and a second CA that signed nothing here.
-class TestPki {
- public:
-  explicit TestPki(const std::string& dir) : dir_(dir) {
-    std::ofstream(dir_ + "/ext.cnf") << "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
-                                        "extendedKeyUsage=serverAuth,clientAuth\n";
-    MakeCa("ca");
-    MakeCa("other-ca");
-    Sign("server", "127.0.0.1");
-  }
-
-  // A certificate (NAME.pem, NAME.key) whose common name is `name`.
-  void Sign(const std::string& file, const std::string& name) {
-    Openssl({"req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", Path(file + ".key"), "-out", Path(file + ".csr"), "-subj", "/CN=" + name});
-    Openssl({"x509", "-req", "-in", Path(file + ".csr"), "-CA", Path("ca.pem"), "-CAkey",
-             Path("ca.key"), "-CAcreateserial", "-out", Path(file + ".pem"), "-days", "2",
-             "-extfile", Path("ext.cnf")});
-  }
-
-  std::string Path(const std::string& name) const { return dir_ + "/" + name; }
-
- private:
-  void MakeCa(const std::string& name) {
-    Openssl({"req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", Path(name + ".key"), "-out", Path(name + ".pem"), "-days", "2", "-subj",
-             "/CN=trainyard test " + name});
-  }
-
-  static void Openssl(std::vector<std::string> args) {
-    args.insert(args.begin(), "/usr/bin/openssl");
-    CommandResult r = RunCommand(args, {}, kTimeout);
-    ASSERT_EQ(r.exit_code, 0) << r.err;
-  }
-
-  std::string dir_;
-};
 
 class TlsE2eTest : public ::testing::Test {
  protected:
@@ -260,6 +224,18 @@ TEST_F(TlsE2eTest, TheWholeLocalClusterTrainsOverTls) {
   for (int i = 0; i < 5; ++i) first += series[i]["loss"].get<double>() / 5;
   for (int i = 35; i < 40; ++i) last += series[i]["loss"].get<double>() / 5;
   EXPECT_LT(last, 0.85 * first) << first << " -> " << last;
+  // The gradients and parameters crossed the parameter server's data plane over TLS too.
+  int tls_data_planes = 0;
+  for (const auto& p : cluster.at("processes")) {
+    if (p.at("name").get<std::string>().rfind("parameter server", 0) != 0) continue;
+    std::ifstream log(p.at("log").get<std::string>());
+    const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+    tls_data_planes += text.find(" (TLS); TCP congestion control") != std::string::npos;
+  }
+  EXPECT_EQ(tls_data_planes, 1);
+  CommandResult logs = yard({"logs", job});
+  EXPECT_THAT(logs.out, ::testing::ContainsRegex("parameter-server transfers: .*data plane "
+                                                 "[0-9.:]+ over TLS"));
   // The plaintext client is turned away by the same cluster.
   CommandResult plain = Yard({"--coordinator", address, "nodes"});
   EXPECT_NE(plain.exit_code, 0);

@@ -23,13 +23,14 @@ absl::StatusOr<std::string> DataPlaneDialAddress(const std::string& data_plane_a
 }
 
 DataPlaneClient::DataPlaneClient(std::string address, std::string tcp_congestion,
-                                 std::string credential)
+                                 std::string credential, std::shared_ptr<const TlsConfig> tls)
     : address_(std::move(address)),
       tcp_congestion_(std::move(tcp_congestion)),
-      credential_(std::move(credential)) {}
+      credential_(std::move(credential)),
+      tls_(std::move(tls)) {}
 
-absl::Status DataPlaneClient::CallOnce(int fd, const DataPlaneRequest& request, const void* payload,
-                                       void* out, absl::Time deadline,
+absl::Status DataPlaneClient::CallOnce(Conn& conn, const DataPlaneRequest& request,
+                                       const void* payload, void* out, absl::Time deadline,
                                        const std::function<void()>& on_first_byte,
                                        DataPlaneResponse* response, bool* answered, bool* keep) {
   *answered = false;
@@ -41,12 +42,12 @@ absl::Status DataPlaneClient::CallOnce(int fd, const DataPlaneRequest& request, 
       {const_cast<void*>(payload), payload != nullptr ? size_t(request.payload_bytes()) : 0}};
   // A server that refused the request's header answers and closes while the payload is still
   // being sent: its answer is read even when sending failed.
-  const absl::Status sent = SendAll(fd, pieces, limit);
+  const absl::Status sent = SendAll(conn, pieces, limit);
   if (!sent.ok() && sent.code() != absl::StatusCode::kUnavailable) return sent;
 
   char header[kResponseHeaderBytes];
   size_t received = 0;
-  absl::Status status = RecvAll(fd, header, kResponseHeaderBytes, limit, &received);
+  absl::Status status = RecvAll(conn, header, kResponseHeaderBytes, limit, &received);
   *answered = received > 0;
   if (!status.ok()) return sent.ok() ? status : sent;
   if (on_first_byte) on_first_byte();
@@ -54,7 +55,7 @@ absl::Status DataPlaneClient::CallOnce(int fd, const DataPlaneRequest& request, 
   ASSIGN_OR_RETURN(*response,
                    DecodeResponseHeader(absl::string_view(header, sizeof(header)), &message_bytes));
   std::string message(message_bytes, '\0');
-  RETURN_IF_ERROR(RecvAll(fd, message.data(), message_bytes, limit));
+  RETURN_IF_ERROR(RecvAll(conn, message.data(), message_bytes, limit));
   response->status = absl::Status(response->status.code(), message);
   if (response->status.ok() && request.op == DataPlaneOp::kUpdateAndPull) {
     if (response->count_a != request.payload_bytes()) {
@@ -62,7 +63,7 @@ absl::Status DataPlaneClient::CallOnce(int fd, const DataPlaneRequest& request, 
                                               " bytes for [", request.begin, ", ", request.end,
                                               "), not ", request.payload_bytes()));
     }
-    RETURN_IF_ERROR(RecvAll(fd, static_cast<char*>(out), response->count_a, limit));
+    RETURN_IF_ERROR(RecvAll(conn, static_cast<char*>(out), response->count_a, limit));
   }
   *keep = sent.ok() && !response->closing;
   return absl::OkStatus();
@@ -82,24 +83,35 @@ absl::Status DataPlaneClient::Call(const DataPlaneRequest& request, const void* 
   // from a bad range or format could be sent).
   RETURN_IF_ERROR(ValidateRequest(r, r.job_id.size()));
   for (int attempt = 0;; ++attempt) {
-    UniqueFd fd;
+    Conn conn;
     {
       absl::MutexLock lock(&mu_);
       if (attempt == 0 && !idle_.empty()) {
-        fd = std::move(idle_.back());
+        conn = std::move(idle_.back());
         idle_.pop_back();
       }
     }
-    const bool reused = fd.valid();
+    const bool reused = conn.valid();
     absl::Status s;
     bool answered = false, keep = false;
     if (!reused) {
       auto connected = TcpConnect(address_, tcp_congestion_, deadline);
-      if (connected.ok()) fd = *std::move(connected);
       s = connected.status();
+      if (connected.ok() && tls_ == nullptr) {
+        conn = Conn(*std::move(connected));
+      } else if (connected.ok()) {
+        std::string host;
+        int port = 0;
+        s = SplitHostPort(address_, "address", &host, &port);
+        if (s.ok()) {
+          auto shaken = TlsConnect(*std::move(connected), *tls_, host, IoLimit::Until(deadline));
+          s = shaken.status();
+          if (shaken.ok()) conn = *std::move(shaken);
+        }
+      }
     }
     if (s.ok()) {
-      s = CallOnce(fd.get(), r, payload, out, deadline, on_first_byte, response, &answered, &keep);
+      s = CallOnce(conn, r, payload, out, deadline, on_first_byte, response, &answered, &keep);
     }
     if (!s.ok() && reused && !answered && s.code() == absl::StatusCode::kUnavailable) {
       continue;  // the server closed the kept connection meanwhile: once more on a new one
@@ -109,7 +121,7 @@ absl::Status DataPlaneClient::Call(const DataPlaneRequest& request, const void* 
     }
     if (keep) {
       absl::MutexLock lock(&mu_);
-      idle_.push_back(std::move(fd));
+      idle_.push_back(std::move(conn));
     }
     return response->status;
   }

@@ -26,6 +26,7 @@
 #include "absl/time/time.h"
 #include "server/ps/data_plane_wire.h"
 #include "server/ps/tcp_io.h"
+#include "server/ps/tls_io.h"
 #include "trainyard/v1/ps.pb.h"
 
 namespace trainyard::ps {
@@ -42,9 +43,13 @@ class DataPlaneClient {
   // `address`: HOST:PORT of the data plane (GetDataPlane's answer); `tcp_congestion` of its
   // connections (empty: the host's); `credential`: the parameter-server credential
   // (DeriveServerCredential) every request carries.
-  DataPlaneClient(std::string address, std::string tcp_congestion, std::string credential = "");
+  // `tls`: TLS on every connection, the server verified against its CA and the dialled host
+  // (TlsConfig::Client); null: plain TCP.
+  DataPlaneClient(std::string address, std::string tcp_congestion, std::string credential = "",
+                  std::shared_ptr<const TlsConfig> tls = nullptr);
 
   const std::string& address() const { return address_; }
+  bool tls() const { return tls_ != nullptr; }
 
   // As PushGradientsZeroCopy (ps_client.h): the gradients of [begin, end), element `begin` at
   // `data`, in header.format(), staged in chunks of `chunk_elements`. The server's status, or
@@ -64,7 +69,7 @@ class DataPlaneClient {
   // One call on one connection. `payload`: a push's gradients; `out`: where a pull's data goes.
   // `*answered` tells whether any byte of the response arrived; `*keep` whether the connection
   // may serve another call.
-  absl::Status CallOnce(int fd, const DataPlaneRequest& request, const void* payload, void* out,
+  absl::Status CallOnce(Conn& conn, const DataPlaneRequest& request, const void* payload, void* out,
                         absl::Time deadline, const std::function<void()>& on_first_byte,
                         DataPlaneResponse* response, bool* answered, bool* keep);
   absl::Status Call(const DataPlaneRequest& request, const void* payload, void* out,
@@ -74,8 +79,9 @@ class DataPlaneClient {
   const std::string address_;
   const std::string tcp_congestion_;
   const std::string credential_;
+  const std::shared_ptr<const TlsConfig> tls_;
   absl::Mutex mu_;
-  std::vector<UniqueFd> idle_ ABSL_GUARDED_BY(mu_);
+  std::vector<Conn> idle_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace trainyard::ps

@@ -152,7 +152,8 @@ void DataPlaneServer::AcceptLoop() {
 
 void DataPlaneServer::Refuse(UniqueFd fd) {
   // Told why (after what it may have sent already is read for a moment), then closed.
-  RespondAndLinger(fd.get(),
+  Conn conn(std::move(fd));
+  RespondAndLinger(conn,
                    absl::ResourceExhaustedError(
                        absl::StrCat("this parameter server serves at most ",
                                     options_.max_connections, " data-plane connections")),
@@ -172,25 +173,41 @@ void DataPlaneServer::Serve(Connection* c) {
     fd = c->fd.get();
   }
   const IoLimit limit = IoLimit::Idle(options_.io_timeout);
+  // The connection's stream: the socket itself, or TLS over it once the handshake is done (the
+  // socket stays in c->fd, so that Shutdown can shut it down, until the thread ends).
+  Conn conn;
+  if (options_.tls != nullptr) {
+    auto shaken = TlsAccept(UniqueFd(::dup(fd)), *options_.tls, limit);
+    if (!shaken.ok()) {
+      spdlog::warn("data plane: a connection refused: {}", std::string(shaken.status().message()));
+      absl::MutexLock lock(&mu_);
+      c->fd.reset();
+      c->done = true;
+      return;
+    }
+    conn = *std::move(shaken);
+  } else {
+    conn = Conn(UniqueFd(::dup(fd)));
+  }
   while (true) {
     char header[kRequestHeaderBytes];
     // An idle connection waits for its next call as long as it stays open (TCP keepalive finds
     // a peer that vanished); once a call began, every byte has the idle limit.
-    if (!RecvAll(fd, header, 1, IoLimit()).ok()) break;
+    if (!RecvAll(conn, header, 1, IoLimit()).ok()) break;
     const bool stopping = !SetBusy(c, true);
     bool keep = false;
     if (!stopping) {
-      if (absl::Status s = RecvAll(fd, header + 1, kRequestHeaderBytes - 1, limit); s.ok()) {
+      if (absl::Status s = RecvAll(conn, header + 1, kRequestHeaderBytes - 1, limit); s.ok()) {
         uint32_t job_id_bytes = 0, credential_bytes = 0;
         auto request = DecodeRequestHeader(absl::string_view(header, kRequestHeaderBytes),
                                            &job_id_bytes, &credential_bytes);
         if (!request.ok()) {
-          RespondAndLinger(fd, request.status(), kLingerTime);
+          RespondAndLinger(conn, request.status(), kLingerTime);
         } else {
           request->job_id.resize(job_id_bytes);
           request->credential.resize(credential_bytes);
-          if (RecvAll(fd, request->job_id.data(), job_id_bytes, limit).ok() &&
-              RecvAll(fd, request->credential.data(), credential_bytes, limit).ok()) {
+          if (RecvAll(conn, request->job_id.data(), job_id_bytes, limit).ok() &&
+              RecvAll(conn, request->credential.data(), credential_bytes, limit).ok()) {
             // A refused call's payload is not read: its connection closes.
             absl::Status allowed =
                 options_.authorizer == nullptr
@@ -198,9 +215,9 @@ void DataPlaneServer::Serve(Connection* c) {
                     : options_.authorizer->Authorize(request->credential, request->job_id,
                                                      request->attempt);
             if (allowed.ok()) {
-              keep = ServeCall(fd, *request);
+              keep = ServeCall(conn, *request);
             } else {
-              RespondAndLinger(fd, allowed, kLingerTime);
+              RespondAndLinger(conn, allowed, kLingerTime);
             }
           }
         }
@@ -208,46 +225,48 @@ void DataPlaneServer::Serve(Connection* c) {
     }
     if (!SetBusy(c, false) || !keep) break;
   }
+  conn.reset();
   absl::MutexLock lock(&mu_);
   c->fd.reset();
   c->done = true;
 }
 
-bool DataPlaneServer::ServeCall(int fd, const DataPlaneRequest& request) {
-  return request.op == DataPlaneOp::kPush ? ServePush(fd, request)
-                                          : ServeUpdateAndPull(fd, request);
+bool DataPlaneServer::ServeCall(Conn& conn, const DataPlaneRequest& request) {
+  return request.op == DataPlaneOp::kPush ? ServePush(conn, request)
+                                          : ServeUpdateAndPull(conn, request);
 }
 
-bool DataPlaneServer::Respond(int fd, const DataPlaneResponse& response) {
-  return SendAll(fd, EncodeResponse(response), IoLimit::Idle(options_.io_timeout)).ok();
+bool DataPlaneServer::Respond(Conn& conn, const DataPlaneResponse& response) {
+  return SendAll(conn, EncodeResponse(response), IoLimit::Idle(options_.io_timeout)).ok();
 }
 
-void DataPlaneServer::RespondAndLinger(int fd, const absl::Status& status, absl::Duration linger) {
-  if (!Respond(fd, {status, /*closing=*/true})) return;
-  shutdown(fd, SHUT_WR);
-  DiscardUntilClosed(fd, kLingerBytes, {absl::Now() + linger, absl::Seconds(1)});
+void DataPlaneServer::RespondAndLinger(Conn& conn, const absl::Status& status,
+                                       absl::Duration linger) {
+  if (!Respond(conn, {status, /*closing=*/true})) return;
+  ShutdownWrite(conn);
+  DiscardUntilClosed(conn, kLingerBytes, {absl::Now() + linger, absl::Seconds(1)});
 }
 
-bool DataPlaneServer::ServePush(int fd, const DataPlaneRequest& r) {
+bool DataPlaneServer::ServePush(Conn& conn, const DataPlaneRequest& r) {
   const IoLimit limit = IoLimit::Idle(options_.io_timeout);
   const int64_t element_bytes = WireElementBytes(r.format);
   // Checked before any payload is received: a push for an unknown job, a stale attempt or
   // elements outside the range has its payload read and dropped.
   absl::Status error = shards_.CheckPushRange(r.job_id, r.attempt, r.begin, r.end);
   if (!error.ok()) {
-    return Discard(fd, r.payload_bytes(), limit).ok() && Respond(fd, {error});
+    return Discard(conn, r.payload_bytes(), limit).ok() && Respond(conn, {error});
   }
   const int64_t chunk = r.chunk_elements > 0 ? r.chunk_elements : kDefaultChunkElements;
   int64_t staged = 0, duplicate = 0;
   for (int64_t a = r.begin; a < r.end; a += chunk) {
     const size_t bytes = std::min(chunk, r.end - a) * element_bytes;
     if (!error.ok()) {  // the rest of a push that failed: read and dropped
-      if (!Discard(fd, bytes, limit).ok()) return false;
+      if (!Discard(conn, bytes, limit).ok()) return false;
       continue;
     }
     // Received straight into the buffer the shard stages; the update reads it there.
     std::shared_ptr<char> buffer(new char[bytes], std::default_delete<char[]>());
-    if (absl::Status s = RecvAll(fd, buffer.get(), bytes, limit); !s.ok()) {
+    if (absl::Status s = RecvAll(conn, buffer.get(), bytes, limit); !s.ok()) {
       spdlog::debug("data plane: push of job {} cut off: {}", r.job_id, std::string(s.message()));
       return false;
     }
@@ -262,17 +281,17 @@ bool DataPlaneServer::ServePush(int fd, const DataPlaneRequest& r) {
     duplicate += pushed->duplicate;
     if (metrics_.pushed_bytes != nullptr) metrics_.pushed_bytes->Increment(bytes);
   }
-  return Respond(fd, {error, false, staged, duplicate});
+  return Respond(conn, {error, false, staged, duplicate});
 }
 
-bool DataPlaneServer::ServeUpdateAndPull(int fd, const DataPlaneRequest& r) {
+bool DataPlaneServer::ServeUpdateAndPull(Conn& conn, const DataPlaneRequest& r) {
   if (r.update) {
     const absl::Time start = absl::Now();
     absl::Status s =
         shards_.Update(r.job_id, r.attempt, r.step, r.begin, r.end, r.lr, r.grad_scale,
                        LentWaitDeadline(r.timeout_ms > 0 ? start + absl::Milliseconds(r.timeout_ms)
                                                          : absl::InfiniteFuture()));
-    if (!s.ok()) return Respond(fd, {s});
+    if (!s.ok()) return Respond(conn, {s});
     if (metrics_.adam_step_seconds != nullptr) {
       metrics_.adam_step_seconds->Observe(absl::ToDoubleSeconds(absl::Now() - start));
     }
@@ -282,12 +301,12 @@ bool DataPlaneServer::ServeUpdateAndPull(int fd, const DataPlaneRequest& r) {
   const int64_t wait_ms = r.timeout_ms > 0 ? std::min(r.wait_ms, r.timeout_ms) : r.wait_ms;
   auto lent = shards_.LendParams(r.job_id, r.attempt, r.step, r.begin, r.end, r.format,
                                  absl::Milliseconds(wait_ms));
-  if (!lent.ok()) return Respond(fd, {lent.status()});
+  if (!lent.ok()) return Respond(conn, {lent.status()});
   const std::string header =
       EncodeResponse({absl::OkStatus(), false, static_cast<int64_t>((*lent)->bytes()), 0});
   const iovec pieces[2] = {{const_cast<char*>(header.data()), header.size()},
                            {const_cast<char*>((*lent)->data()), (*lent)->bytes()}};
-  if (absl::Status s = SendAll(fd, pieces, IoLimit::Idle(options_.io_timeout)); !s.ok()) {
+  if (absl::Status s = SendAll(conn, pieces, IoLimit::Idle(options_.io_timeout)); !s.ok()) {
     spdlog::debug("data plane: pull of job {} cut off: {}", r.job_id, std::string(s.message()));
     return false;
   }

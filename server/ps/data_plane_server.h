@@ -27,6 +27,7 @@
 #include "server/ps/ps_service.h"
 #include "server/ps/shard_manager.h"
 #include "server/ps/tcp_io.h"
+#include "server/ps/tls_io.h"
 
 namespace trainyard::ps {
 
@@ -37,9 +38,12 @@ struct DataPlaneOptions {
   absl::Duration io_timeout = absl::Seconds(60);
   // More connections at once are refused (RESOURCE_EXHAUSTED, then closed).
   int max_connections = 1024;
-  // Decides each call by its job credential (null: every call); must outlive the server. A
-  // refused call is answered with the refusal and its connection closed.
+  // Decides each call by its credential (null: every call); must outlive the server. A refused
+  // call is answered with the refusal and its connection closed.
   JobAuthorizer* authorizer = nullptr;
+  // TLS on every connection (the server's certificate, TlsConfig::Server); null: plain TCP. A
+  // connection whose handshake fails is closed.
+  std::shared_ptr<const TlsConfig> tls;
 };
 
 class DataPlaneServer {
@@ -64,6 +68,8 @@ class DataPlaneServer {
 
  private:
   struct Connection {
+    // The socket (Shutdown shuts it down); the connection's thread works on a duplicate of it,
+    // with TLS over it when the data plane has TLS.
     UniqueFd fd;
     std::thread thread;
     bool busy = false;  // inside a call (guarded by the server's mu_)
@@ -75,15 +81,16 @@ class DataPlaneServer {
   // One connection's calls, until the peer closes it, an I/O error or shutdown.
   void Serve(Connection* c);
   // One call whose header was read. False when the connection must be closed after it.
-  bool ServeCall(int fd, const DataPlaneRequest& request);
-  bool ServePush(int fd, const DataPlaneRequest& request);
-  bool ServeUpdateAndPull(int fd, const DataPlaneRequest& request);
-  bool Respond(int fd, const DataPlaneResponse& response);
+  bool ServeCall(Conn& conn, const DataPlaneRequest& request);
+  bool ServePush(Conn& conn, const DataPlaneRequest& request);
+  bool ServeUpdateAndPull(Conn& conn, const DataPlaneRequest& request);
+  bool Respond(Conn& conn, const DataPlaneResponse& response);
   // Sends `status` with the closing flag, then reads and drops what the peer still sends for a
   // little while (a lingering close), so that a peer still sending its request reads the answer
   // instead of a reset connection.
-  void RespondAndLinger(int fd, const absl::Status& status, absl::Duration linger);
-  // Refuses a connection beyond max_connections, on the accept thread.
+  void RespondAndLinger(Conn& conn, const absl::Status& status, absl::Duration linger);
+  // Refuses a connection beyond max_connections, on the accept thread (in plain TCP: a TLS
+  // peer sees its handshake fail).
   void Refuse(UniqueFd fd);
   // Joins the threads of connections that ended. Called with mu_ not held.
   void ReapDone();

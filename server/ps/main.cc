@@ -12,6 +12,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "absl/strings/str_cat.h"
 #include "common/credentials.h"
 #include "common/log_text.h"
 #include "common/server_main.h"
@@ -70,6 +71,9 @@ int main(int argc, char** argv) {
       ->envname(trainyard::kTlsCaEnv);
   app.add_flag("--insecure", options.tls.insecure,
                "serve without TLS on a non-loopback --listen address");
+  app.add_flag("--data-plane-insecure", options.data_plane_insecure,
+               "with --tls-cert, keep the TCP data plane (gradients and parameters) in plain TCP: "
+               "for a trusted network, to spare the encryption's CPU (bench/RESULTS.md)");
   app.add_option("--owners", options.owners,
                  "take only these users' offload jobs (repeat, or separate with commas); needed "
                  "when the node token is limited to some owners (yard admin token create --node "
@@ -106,8 +110,10 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
   spdlog::info("serving on {} as {}; data plane {}; TCP congestion control {}",
                (*server)->address(), (*server)->node_id(),
-               (*server)->data_plane_address().empty() ? std::string("off")
-                                                       : (*server)->data_plane_address(),
+               (*server)->data_plane_address().empty()
+                   ? std::string("off")
+                   : absl::StrCat((*server)->data_plane_address(),
+                                  (*server)->data_plane_tls() ? " (TLS)" : " (plain TCP)"),
                trainyard::ps::TcpCongestionInUse(options.tcp_congestion));
   const int sig = trainyard::WaitForTerminationSignal();
   spdlog::info("signal {}: shutting down", sig);

@@ -110,12 +110,18 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(PsOptions options) {
     data.listen_address = s->options_.data_listen_address.empty() ? JoinHostPort(listen_host, 0)
                                                                   : s->options_.data_listen_address;
     data.tcp_congestion = s->options_.tcp_congestion;
+    // TLS wherever gRPC has it, with the same certificate, unless asked otherwise.
+    if (!s->options_.tls.cert_file.empty() && !s->options_.data_plane_insecure) {
+      ASSIGN_OR_RETURN(data.tls,
+                       TlsConfig::Server(s->options_.tls.cert_file, s->options_.tls.key_file));
+    }
+    s->data_plane_tls_ = data.tls != nullptr;
     ASSIGN_OR_RETURN(s->data_plane_, DataPlaneServer::Start(data, *s->shards_, metrics));
     s->data_plane_address_ =
         JoinHostPort(advertise_host.empty() ? listen_host : advertise_host, s->data_plane_->port());
   }
   s->service_ = std::make_unique<ParameterServiceImpl>(*s->shards_, metrics, s->data_plane_address_,
-                                                       s->authorizer_.get());
+                                                       s->authorizer_.get(), s->data_plane_tls_);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

@@ -50,6 +50,9 @@ struct PsOptions {
   // HOST:PORT of the TCP data plane; empty: the --listen host on a free port; "off": none
   // (trainers then push and pull over gRPC).
   std::string data_listen_address;
+  // The data plane without TLS although gRPC serves TLS (--data-plane-insecure): for a trusted
+  // network, to spare the encryption's CPU. Without --tls-cert the data plane is plain anyway.
+  bool data_plane_insecure = false;
   absl::Duration max_backoff = absl::Seconds(5);
 };
 
@@ -61,6 +64,7 @@ class PsServer {
   const std::string& address() const { return address_; }
   // What trainers dial for the data plane (the advertised host, the bound port); empty: none.
   const std::string& data_plane_address() const { return data_plane_address_; }
+  bool data_plane_tls() const { return data_plane_tls_; }
   const std::string& metrics_address() const;
   const std::string& node_id() const { return options_.node_id; }
   ShardManager& shards() { return *shards_; }
@@ -87,6 +91,7 @@ class PsServer {
   std::shared_ptr<grpc::ChannelCredentials> coordinator_credentials_;
   std::unique_ptr<DataPlaneServer> data_plane_;
   std::string data_plane_address_;
+  bool data_plane_tls_ = false;
   std::unique_ptr<ParameterServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<MetricsEndpoint> metrics_endpoint_;

@@ -45,10 +45,11 @@ grpc::Slice LentSlice(std::unique_ptr<ShardManager::LentParams> lent) {
 
 ParameterServiceImpl::ParameterServiceImpl(ShardManager& shards, PsMetrics metrics,
                                            std::string data_plane_address,
-                                           JobAuthorizer* authorizer)
+                                           JobAuthorizer* authorizer, bool data_plane_tls)
     : shards_(shards),
       metrics_(metrics),
       data_plane_address_(std::move(data_plane_address)),
+      data_plane_tls_(data_plane_tls),
       authorizer_(authorizer) {
   // The two bulk methods get handlers on byte buffers instead of the generated ones (the same
   // synchronous threads serve them). "Streamed" is gRPC's name for replacing a handler: the
@@ -232,6 +233,7 @@ grpc::Status ParameterServiceImpl::GetDataPlane(grpc::ServerContext* ctx,
   if (!data_plane_address_.empty()) {
     response->set_address(data_plane_address_);
     response->set_version(kDataPlaneVersion);
+    response->set_tls(data_plane_tls_);
   }
   return grpc::Status::OK;
 }

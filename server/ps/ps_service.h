@@ -49,8 +49,9 @@ class ParameterServiceImpl final : public v1::ParameterServerService::Service {
   // decides the calls on a job's shard (InitShard, PushGradients, UpdateAndPull,
   // ReadShardState, DropJob) by the caller's job credential; ListShards and GetDataPlane are
   // open. It must outlive the service.
+  // `data_plane_tls`: the data plane at `data_plane_address` speaks TLS (GetDataPlane says so).
   ParameterServiceImpl(ShardManager& shards, PsMetrics metrics, std::string data_plane_address = "",
-                       JobAuthorizer* authorizer = nullptr);
+                       JobAuthorizer* authorizer = nullptr, bool data_plane_tls = false);
 
   grpc::Status InitShard(grpc::ServerContext* ctx, grpc::ServerReader<v1::InitShardChunk>* reader,
                          v1::InitShardResponse* response) override;
@@ -79,6 +80,7 @@ class ParameterServiceImpl final : public v1::ParameterServerService::Service {
   ShardManager& shards_;
   const PsMetrics metrics_;
   const std::string data_plane_address_;
+  const bool data_plane_tls_;
   JobAuthorizer* const authorizer_;  // null: every call
 };
 

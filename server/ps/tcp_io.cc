@@ -61,6 +61,30 @@ absl::Status ErrnoStatus(absl::string_view what, int error) {
 // Waits until `fd` is ready for `events` or `limit` runs out (counting idleness from
 // `last_progress`). DEADLINE_EXCEEDED naming `what` when it ran out; OK when poll says ready or
 // the socket has an error or hang-up (the next call reports it).
+
+using AddrInfoList = std::unique_ptr<addrinfo, void (*)(addrinfo*)>;
+
+// The TCP addresses of `host` and `port` (`passive`: to listen on). UNAVAILABLE saying why a name
+// does not resolve.
+absl::StatusOr<AddrInfoList> Resolve(const std::string& host, int port, bool passive) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = passive ? AI_PASSIVE : 0;
+  addrinfo* found = nullptr;
+  if (const int r = getaddrinfo(host.c_str(), absl::StrCat(port).c_str(), &hints, &found); r != 0) {
+    return absl::UnavailableError(absl::StrCat("cannot resolve '", host, "': ", gai_strerror(r)));
+  }
+  return AddrInfoList(found, freeaddrinfo);
+}
+
+absl::Status SetIntOption(int fd, int level, int name, int value, absl::string_view what) {
+  if (setsockopt(fd, level, name, &value, sizeof(value)) != 0) return ErrnoStatus(what, errno);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status WaitReady(int fd, short events, const IoLimit& limit, absl::Time last_progress,
                        absl::string_view what) {
   while (true) {
@@ -86,29 +110,6 @@ absl::Status WaitReady(int fd, short events, const IoLimit& limit, absl::Time la
     if (r > 0) return absl::OkStatus();
   }
 }
-
-using AddrInfoList = std::unique_ptr<addrinfo, void (*)(addrinfo*)>;
-
-// The TCP addresses of `host` and `port` (`passive`: to listen on). UNAVAILABLE saying why a name
-// does not resolve.
-absl::StatusOr<AddrInfoList> Resolve(const std::string& host, int port, bool passive) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = passive ? AI_PASSIVE : 0;
-  addrinfo* found = nullptr;
-  if (const int r = getaddrinfo(host.c_str(), absl::StrCat(port).c_str(), &hints, &found); r != 0) {
-    return absl::UnavailableError(absl::StrCat("cannot resolve '", host, "': ", gai_strerror(r)));
-  }
-  return AddrInfoList(found, freeaddrinfo);
-}
-
-absl::Status SetIntOption(int fd, int level, int name, int value, absl::string_view what) {
-  if (setsockopt(fd, level, name, &value, sizeof(value)) != 0) return ErrnoStatus(what, errno);
-  return absl::OkStatus();
-}
-
-}  // namespace
 
 absl::Status SplitHostPort(const std::string& address, const std::string& flag, std::string* host,
                            int* port) {

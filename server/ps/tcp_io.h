@@ -57,6 +57,11 @@ struct IoLimit {
   static IoLimit Idle(absl::Duration idle) { return {absl::InfiniteFuture(), idle}; }
 };
 
+// Waits until `fd` is ready for `events` (POLLIN, POLLOUT) within `limit`, counting the idle
+// time from `last_progress`; DEADLINE_EXCEEDED naming `what` when it runs out.
+absl::Status WaitReady(int fd, short events, const IoLimit& limit, absl::Time last_progress,
+                       absl::string_view what);
+
 // Splits "HOST:PORT" ("[v6]:PORT" too). INVALID_ARGUMENT naming `flag` when it is not that.
 absl::Status SplitHostPort(const std::string& address, const std::string& flag, std::string* host,
                            int* port);

@@ -76,7 +76,23 @@ struct ParameterServers::Server {
     }
     auto address = ps::DataPlaneDialAddress(info.address(), range.address);
     if (!address.ok()) return Annotate(address.status(), "data plane");
-    data_plane = std::make_unique<ps::DataPlaneClient>(*address, config.tcp_congestion, credential);
+    std::shared_ptr<const ps::TlsConfig> tls;
+    if (info.tls()) {
+      // Verified against the cluster's CA, which the worker hands its ranks.
+      const char* ca = std::getenv(kTlsCaEnv);
+      if (ca == nullptr || *ca == '\0') {
+        return Annotate(absl::FailedPreconditionError(
+                            absl::StrCat("the data plane at ", *address,
+                                         " speaks TLS, but this rank has no CA to verify it with (",
+                                         kTlsCaEnv, ": the worker's --tls-ca)")),
+                        "data plane");
+      }
+      auto config_tls = ps::TlsConfig::Client(ca);
+      if (!config_tls.ok()) return Annotate(config_tls.status(), "data plane");
+      tls = *std::move(config_tls);
+    }
+    data_plane = std::make_unique<ps::DataPlaneClient>(*address, config.tcp_congestion, credential,
+                                                       std::move(tls));
     return absl::OkStatus();
   }
 
@@ -292,7 +308,8 @@ std::string ParameterServers::TransportSummary() const {
   std::string out;
   for (const auto& s : servers_) {
     absl::StrAppend(&out, out.empty() ? "" : ", ", s->range.address, ": ",
-                    s->data_plane ? absl::StrCat("data plane ", s->data_plane->address())
+                    s->data_plane ? absl::StrCat("data plane ", s->data_plane->address(),
+                                                 s->data_plane->tls() ? " over TLS" : "")
                                   : absl::StrCat("gRPC (", s->transport_note, ")"));
   }
   return out;
