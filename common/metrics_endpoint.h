@@ -1,49 +1,57 @@
-// A Prometheus /metrics endpoint (prometheus-cpp pull) for one program's registry. Every server
-// takes --metrics-address HOST:PORT; port 0 picks a free one (bound_address() tells which).
+// A Prometheus /metrics endpoint for one program's registry (text format 0.0.4), as every server
+// serves it with --metrics-address HOST:PORT (port 0 picks a free one; bound_address() tells
+// which). Optionally scrapes need a bearer token ("Authorization: Bearer <token>", Prometheus'
+// `authorization` scrape setting) and are served over TLS (its `tls_config`). A non-loopback
+// address needs a token unless the operator says --metrics-insecure: metrics name jobs, users
+// and accounts.
+//
+// A small HTTP/1.1 server of its own (one answer per connection, requests up to 8 KiB, 5 s to
+// send one, at most 16 connections at once), so that the token check and TLS are ours.
+// Thread-safe: Start and the destructor from the owner's thread; scrapes on its own threads.
 #ifndef TRAINYARD_COMMON_METRICS_ENDPOINT_H_
 #define TRAINYARD_COMMON_METRICS_ENDPOINT_H_
 
-#include <prometheus/exposer.h>
 #include <prometheus/registry.h>
 
 #include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "absl/strings/str_cat.h"
 
 namespace trainyard {
 
+struct MetricsEndpointOptions {
+  std::string address;  // HOST:PORT
+  // A file holding the token scrapes must send (mode 0600, as every secret file); empty: none.
+  std::string token_file;
+  // TLS: the server's certificate chain and key (PEM); empty: plain HTTP.
+  std::string tls_cert_file, tls_key_file;
+  // Serve a non-loopback address without a token.
+  bool insecure = false;
+};
+
 class MetricsEndpoint {
  public:
-  // Serves `registry` on `address` ("127.0.0.1:9100"). UNAVAILABLE if it cannot bind.
+  // Serves `registry`. INVALID_ARGUMENT naming the flag (--metrics-address, --metrics-token-file,
+  // --tls-cert, --tls-key) for a bad address, an unreadable file or a non-loopback address
+  // without a token or --metrics-insecure; UNAVAILABLE if it cannot bind.
+  static absl::StatusOr<std::unique_ptr<MetricsEndpoint>> Start(
+      const MetricsEndpointOptions& options, std::shared_ptr<prometheus::Registry> registry);
   static absl::StatusOr<std::unique_ptr<MetricsEndpoint>> Start(
       const std::string& address, std::shared_ptr<prometheus::Registry> registry) {
-    std::unique_ptr<prometheus::Exposer> exposer;
-    try {
-      exposer = std::make_unique<prometheus::Exposer>(address);
-    } catch (const std::exception& e) {
-      return absl::UnavailableError(
-          absl::StrCat("--metrics-address: cannot serve on ", address, ": ", e.what()));
-    }
-    exposer->RegisterCollectable(registry);
-    const auto ports = exposer->GetListeningPorts();
-    const std::string host = address.substr(0, address.rfind(':'));
-    std::string bound = ports.empty() ? address : absl::StrCat(host, ":", ports.front());
-    return std::unique_ptr<MetricsEndpoint>(
-        new MetricsEndpoint(std::move(exposer), std::move(registry), std::move(bound)));
+    MetricsEndpointOptions options;
+    options.address = address;
+    return Start(options, std::move(registry));
   }
+  ~MetricsEndpoint();  // stops serving; returns when every connection is done
 
-  const std::string& bound_address() const { return bound_; }
+  const std::string& bound_address() const;
+
+  struct Impl;
 
  private:
-  MetricsEndpoint(std::unique_ptr<prometheus::Exposer> exposer,
-                  std::shared_ptr<prometheus::Registry> registry, std::string bound)
-      : exposer_(std::move(exposer)), registry_(std::move(registry)), bound_(std::move(bound)) {}
-
-  std::unique_ptr<prometheus::Exposer> exposer_;
-  std::shared_ptr<prometheus::Registry> registry_;
-  std::string bound_;
+  explicit MetricsEndpoint(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace trainyard

@@ -114,8 +114,16 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
 
   s->metrics_prom_ = std::make_unique<CoordinatorMetrics>();
   if (!s->options_.metrics_address.empty()) {
-    ASSIGN_OR_RETURN(s->metrics_endpoint_, MetricsEndpoint::Start(s->options_.metrics_address,
-                                                                  s->metrics_prom_->registry()));
+    MetricsEndpointOptions metrics;
+    metrics.address = s->options_.metrics_address;
+    metrics.token_file = s->options_.metrics_token_file;
+    metrics.insecure = s->options_.metrics_insecure;
+    if (s->options_.metrics_tls) {
+      metrics.tls_cert_file = s->options_.tls.cert_file;
+      metrics.tls_key_file = s->options_.tls.key_file;
+    }
+    ASSIGN_OR_RETURN(s->metrics_endpoint_,
+                     MetricsEndpoint::Start(metrics, s->metrics_prom_->registry()));
   }
   SqliteJobStoreOptions store_options;
   store_options.group_commit = s->options_.group_commit;

@@ -49,9 +49,12 @@ struct CoordinatorOptions {
   std::string listen_address = "127.0.0.1:7070";  // port 0 picks a free port
   // TLS (common/tls.h). With a client CA, node calls need a client certificate naming the node.
   TlsServerOptions tls;
-  std::string state_dir;        // holds coordinator.db; created if missing
-  std::string metrics_address;  // HOST:PORT of the Prometheus /metrics endpoint; empty: none
-  std::string checkpoint_root;  // jobs' checkpoints (ROOT/JOB_ID); default STATE_DIR/checkpoints
+  std::string state_dir;           // holds coordinator.db; created if missing
+  std::string metrics_address;     // HOST:PORT of the Prometheus /metrics endpoint; empty: none
+  std::string metrics_token_file;  // scrapes need this bearer token (common/metrics_endpoint.h)
+  bool metrics_tls = false;        // serve /metrics over TLS with tls.cert_file / tls.key_file
+  bool metrics_insecure = false;   // a non-loopback metrics address without a token
+  std::string checkpoint_root;     // jobs' checkpoints (ROOT/JOB_ID); default STATE_DIR/checkpoints
   absl::Duration node_timeout = absl::Seconds(10);
   absl::Duration heartbeat_interval = absl::Seconds(2);
   int max_message_bytes = 4 << 20;  // larger requests get RESOURCE_EXHAUSTED

@@ -66,6 +66,14 @@ int main(int argc, char** argv) {
                  "then authenticate with a certificate whose common name is their node id");
   app.add_flag("--insecure", options.tls.insecure,
                "serve without TLS on a non-loopback --listen address (tokens in clear)");
+  app.add_option("--metrics-token-file", options.metrics_token_file,
+                 "scrapes of /metrics need \"Authorization: Bearer <the file's token>\" (mode "
+                 "0600; Prometheus: authorization.credentials_file)");
+  app.add_flag("--metrics-tls", options.metrics_tls,
+               "serve /metrics over TLS with --tls-cert/--tls-key (Prometheus: scheme https, "
+               "tls_config.ca_file)");
+  app.add_flag("--metrics-insecure", options.metrics_insecure,
+               "serve /metrics on a non-loopback address without --metrics-token-file");
   app.add_option("--audit-log", options.audit_log,
                  "also write the audit trail to this file as JSON lines, one object per event "
                  "(created 0600; for log shippers)");

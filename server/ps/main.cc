@@ -71,6 +71,12 @@ int main(int argc, char** argv) {
       ->envname(trainyard::kTlsCaEnv);
   app.add_flag("--insecure", options.tls.insecure,
                "serve without TLS on a non-loopback --listen address");
+  app.add_option("--metrics-token-file", options.metrics_token_file,
+                 "scrapes of /metrics need \"Authorization: Bearer <the file's token>\" (mode "
+                 "0600)");
+  app.add_flag("--metrics-tls", options.metrics_tls, "serve /metrics over TLS with --tls-cert");
+  app.add_flag("--metrics-insecure", options.metrics_insecure,
+               "serve /metrics on a non-loopback address without --metrics-token-file");
   app.add_flag("--data-plane-insecure", options.data_plane_insecure,
                "with --tls-cert, keep the TCP data plane (gradients and parameters) in plain TCP: "
                "for a trusted network, to spare the encryption's CPU (bench/RESULTS.md)");

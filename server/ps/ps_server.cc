@@ -148,7 +148,15 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(PsOptions options) {
   if (s->options_.advertise.empty()) s->options_.advertise = s->address_;
   if (s->options_.node_id.empty()) s->options_.node_id = absl::StrCat("ps-", HostName(), "-", port);
   if (!s->options_.metrics_address.empty()) {
-    auto endpoint = MetricsEndpoint::Start(s->options_.metrics_address, s->registry_);
+    MetricsEndpointOptions metrics;
+    metrics.address = s->options_.metrics_address;
+    metrics.token_file = s->options_.metrics_token_file;
+    metrics.insecure = s->options_.metrics_insecure;
+    if (s->options_.metrics_tls) {
+      metrics.tls_cert_file = s->options_.tls.cert_file;
+      metrics.tls_key_file = s->options_.tls.key_file;
+    }
+    auto endpoint = MetricsEndpoint::Start(metrics, s->registry_);
     if (!endpoint.ok()) return endpoint.status();
     s->metrics_endpoint_ = *std::move(endpoint);
   }

@@ -53,6 +53,11 @@ struct PsOptions {
   // The data plane without TLS although gRPC serves TLS (--data-plane-insecure): for a trusted
   // network, to spare the encryption's CPU. Without --tls-cert the data plane is plain anyway.
   bool data_plane_insecure = false;
+  // The /metrics endpoint's bearer token file, TLS (with tls's certificate) and consent to a
+  // non-loopback address without a token (common/metrics_endpoint.h).
+  std::string metrics_token_file;
+  bool metrics_tls = false;
+  bool metrics_insecure = false;
   absl::Duration max_backoff = absl::Seconds(5);
 };
 

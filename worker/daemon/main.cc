@@ -158,6 +158,15 @@ int main(int argc, char** argv) {
                  "client certificate (PEM) for a coordinator that asks for mutual TLS; its common "
                  "name must be --node-id");
   app.add_option("--tls-key", options.tls.key_file, "its private key (PEM)");
+  std::string metrics_token_file;
+  bool metrics_tls = false, metrics_insecure = false;
+  app.add_option("--metrics-token-file", metrics_token_file,
+                 "scrapes of /metrics need \"Authorization: Bearer <the file's token>\" (mode "
+                 "0600)");
+  app.add_flag("--metrics-tls", metrics_tls,
+               "serve /metrics over TLS with --tls-cert/--tls-key (this node's certificate)");
+  app.add_flag("--metrics-insecure", metrics_insecure,
+               "serve /metrics on a non-loopback address without --metrics-token-file");
   std::string token_file;
   app.add_option("--token-file", token_file,
                  "file holding this node's node token (yard admin token create --node NAME; "
@@ -264,7 +273,15 @@ int main(int argc, char** argv) {
   trainyard::worker::WorkerDaemon daemon(options);
   std::unique_ptr<trainyard::MetricsEndpoint> metrics;
   if (!metrics_address.empty()) {
-    auto endpoint = trainyard::MetricsEndpoint::Start(metrics_address, daemon.registry());
+    trainyard::MetricsEndpointOptions metrics_options;
+    metrics_options.address = metrics_address;
+    metrics_options.token_file = metrics_token_file;
+    metrics_options.insecure = metrics_insecure;
+    if (metrics_tls) {
+      metrics_options.tls_cert_file = options.tls.cert_file;
+      metrics_options.tls_key_file = options.tls.key_file;
+    }
+    auto endpoint = trainyard::MetricsEndpoint::Start(metrics_options, daemon.registry());
     if (!endpoint.ok()) {
       std::cerr << "trainyard-worker: " << endpoint.status().message() << "\n";
       return 2;
