@@ -3,6 +3,8 @@
 // non-zero with a one-line reason on stderr.
 #include <unistd.h>
 
+#include <grpc/support/log.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <deque>
@@ -978,6 +980,9 @@ void PrintCluster(const Globals& g, const LocalCluster& c) {
 
 int main(int argc, char** argv) {
   using namespace trainyard::client;
+  // gRPC's own log lines (a failed TLS handshake, ...) would break yard's one-line errors, which
+  // say the same in its words; GRPC_VERBOSITY brings them back for debugging.
+  if (std::getenv("GRPC_VERBOSITY") == nullptr) gpr_set_log_function([](gpr_log_func_args*) {});
   Globals g;
   g.coordinator = DefaultCoordinator();
 

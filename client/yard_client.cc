@@ -17,7 +17,7 @@ std::string NormalizeJobId(const std::string& text) {
 
 YardClient::YardClient(const std::string& coordinator_address, absl::StatusOr<std::string> token,
                        const TlsClientOptions& tls)
-    : address_(coordinator_address), token_(std::move(token)) {
+    : address_(coordinator_address), tls_(tls), token_(std::move(token)) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
   auto credentials = MakeChannelCredentials(tls);
@@ -41,6 +41,11 @@ absl::Status YardClient::Prepare(grpc::ClientContext& ctx, absl::Duration timeou
 absl::Status YardClient::Convert(const grpc::Status& s) const {
   if (s.ok()) return absl::OkStatus();
   if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    // A TLS mismatch looks like a closed socket to gRPC: say which it is when it is one.
+    if (const std::string tls = DiagnoseTls(address_, tls_); !tls.empty()) {
+      return absl::UnavailableError(
+          absl::StrCat("cannot reach the coordinator at ", address_, ": ", tls));
+    }
     return absl::UnavailableError(absl::StrCat("cannot reach the coordinator at ", address_, " (",
                                                s.error_message(),
                                                "); is it running? try `yard local up`"));

@@ -86,6 +86,7 @@ class YardClient {
   absl::Status Convert(const grpc::Status& s) const;
 
   std::string address_;
+  TlsClientOptions tls_;  // to say why TLS fails, when a call cannot reach the coordinator
   absl::StatusOr<std::string> token_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::JobService::Stub> jobs_;

@@ -1,6 +1,17 @@
 #include "common/tls.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <openssl/err.h>
+#include <openssl/pem.h>
+#include <openssl/ssl.h>
+#include <openssl/x509v3.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -9,6 +20,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 namespace trainyard {
 namespace {
@@ -123,6 +135,206 @@ std::string PeerCertificateName(const grpc::ServerContextBase& ctx) {
   const std::vector<grpc::string_ref> names = auth->FindPropertyValues("x509_common_name");
   if (names.empty()) return std::string();
   return std::string(names.front().data(), names.front().size());
+}
+
+}  // namespace trainyard
+
+namespace trainyard {
+namespace {
+
+std::string OpensslReasons() {
+  std::string out;
+  while (const unsigned long e = ERR_get_error()) {
+    const char* reason = ERR_reason_error_string(e);
+    absl::StrAppend(&out, out.empty() ? "" : "; ", reason != nullptr ? reason : "TLS error");
+  }
+  return out;
+}
+
+std::string TimeText(const ASN1_TIME* t) {
+  BIO* bio = BIO_new(BIO_s_mem());
+  ASN1_TIME_print(bio, t);
+  char* data = nullptr;
+  const long n = BIO_get_mem_data(bio, &data);
+  std::string out(data, static_cast<size_t>(n));
+  BIO_free(bio);
+  return out;
+}
+
+// A TCP connection to HOST:PORT within `timeout`, blocking afterwards with `timeout` on each send
+// and receive; -1 if nothing answers.
+int DialWithin(const std::string& host, const std::string& port, absl::Duration timeout) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), port.c_str(), &hints, &found) != 0) return -1;
+  int fd = -1;
+  for (addrinfo* a = found; a != nullptr && fd < 0; a = a->ai_next) {
+    fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) continue;
+    int error = connect(fd, a->ai_addr, a->ai_addrlen) == 0 ? 0 : errno;
+    if (error == EINPROGRESS) {
+      pollfd p{fd, POLLOUT, 0};
+      error =
+          poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(timeout))) == 1 ? 0 : ETIMEDOUT;
+      socklen_t len = sizeof(error);
+      if (error == 0) getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &len);
+    }
+    if (error != 0) {
+      close(fd);
+      fd = -1;
+    }
+  }
+  freeaddrinfo(found);
+  if (fd < 0) return -1;
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  const timeval tv = absl::ToTimeval(timeout);
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  return fd;
+}
+
+}  // namespace
+
+std::string DiagnoseTls(const std::string& address, const TlsClientOptions& options,
+                        absl::Duration timeout) {
+  std::string target = address;
+  if (const size_t scheme = target.find(":///"); scheme != std::string::npos) {
+    target = target.substr(scheme + 4);
+  }
+  const std::string host = HostOf(target);
+  const size_t colon = target.rfind(':');
+  if (colon == std::string::npos) return "";
+  const std::string port = target.substr(colon + 1);
+  // This client's own certificate first: no server can accept an expired one.
+  if (!options.cert_file.empty()) {
+    if (FILE* f = std::fopen(options.cert_file.c_str(), "r")) {
+      X509* cert = PEM_read_X509(f, nullptr, nullptr, nullptr);
+      std::fclose(f);
+      if (cert != nullptr) {
+        std::string why;
+        if (X509_cmp_current_time(X509_get0_notAfter(cert)) < 0) {
+          why = absl::StrCat("this client's certificate ", options.cert_file,
+                             " (--tls-cert) expired ", TimeText(X509_get0_notAfter(cert)));
+        } else if (X509_cmp_current_time(X509_get0_notBefore(cert)) > 0) {
+          why = absl::StrCat("this client's certificate ", options.cert_file,
+                             " (--tls-cert) is not valid before ",
+                             TimeText(X509_get0_notBefore(cert)));
+        }
+        X509_free(cert);
+        if (!why.empty()) return why;
+      }
+    }
+  }
+  const int fd = DialWithin(host, port, timeout);
+  if (fd < 0) return "";
+  SSL_CTX* ctx = SSL_CTX_new(TLS_client_method());
+  SSL* ssl = ctx != nullptr ? SSL_new(ctx) : nullptr;
+  std::string why;
+  if (ssl == nullptr) {
+    close(fd);
+    if (ctx != nullptr) SSL_CTX_free(ctx);
+    return "";
+  }
+  // gRPC speaks HTTP/2 over TLS: offer it, as gRPC does.
+  static const unsigned char kAlpn[] = {2, 'h', '2'};
+  SSL_set_alpn_protos(ssl, kAlpn, sizeof(kAlpn));
+  if (options.enabled()) {
+    SSL_CTX_load_verify_locations(ctx, options.ca_file.c_str(), nullptr);
+    if (!options.cert_file.empty()) {
+      SSL_use_certificate_chain_file(ssl, options.cert_file.c_str());
+      SSL_use_PrivateKey_file(ssl, options.key_file.c_str(), SSL_FILETYPE_PEM);
+    }
+    SSL_set_verify(ssl, SSL_VERIFY_PEER, nullptr);
+    in6_addr v6;
+    in_addr v4;
+    if (inet_pton(AF_INET, host.c_str(), &v4) == 1 || inet_pton(AF_INET6, host.c_str(), &v6) == 1) {
+      X509_VERIFY_PARAM_set1_ip_asc(SSL_get0_param(ssl), host.c_str());
+    } else {
+      SSL_set_tlsext_host_name(ssl, host.c_str());
+      SSL_set1_host(ssl, host.c_str());
+    }
+  } else {
+    SSL_set_verify(ssl, SSL_VERIFY_NONE, nullptr);
+  }
+  // The probe may write to a server that closes: SIGPIPE stays pending on this thread instead.
+  sigset_t pipe, old;
+  sigemptyset(&pipe);
+  sigaddset(&pipe, SIGPIPE);
+  pthread_sigmask(SIG_BLOCK, &pipe, &old);
+  SSL_set_fd(ssl, fd);
+  ERR_clear_error();
+  const int shaken = SSL_connect(ssl);
+  if (!options.enabled()) {
+    if (shaken == 1) {
+      why = absl::StrCat("the server at ", address,
+                         " speaks TLS: give its CA with --tls-ca FILE (or TRAINYARD_TLS_CA)");
+    }
+  } else if (shaken != 1) {
+    const long verify = SSL_get_verify_result(ssl);
+    const std::string reasons = OpensslReasons();
+    X509* peer = SSL_get1_peer_certificate(ssl);
+    if (verify != X509_V_OK) {
+      why = absl::StrCat("the server's certificate does not verify: ",
+                         X509_verify_cert_error_string(verify));
+      if (peer != nullptr &&
+          (verify == X509_V_ERR_CERT_HAS_EXPIRED || verify == X509_V_ERR_CERT_NOT_YET_VALID)) {
+        absl::StrAppend(&why, " (valid ", TimeText(X509_get0_notBefore(peer)), " to ",
+                        TimeText(X509_get0_notAfter(peer)), ")");
+      }
+      if (verify == X509_V_ERR_UNABLE_TO_GET_ISSUER_CERT_LOCALLY ||
+          verify == X509_V_ERR_DEPTH_ZERO_SELF_SIGNED_CERT ||
+          verify == X509_V_ERR_SELF_SIGNED_CERT_IN_CHAIN) {
+        absl::StrAppend(&why, " (not signed by the CA in ", options.ca_file, ")");
+      }
+      if (verify == X509_V_ERR_HOSTNAME_MISMATCH || verify == X509_V_ERR_IP_ADDRESS_MISMATCH) {
+        absl::StrAppend(&why, " (it is not for ", host, ")");
+      }
+    } else if (absl::StrContains(reasons, "wrong version number") ||
+               absl::StrContains(reasons, "packet length too long") ||
+               absl::StrContains(reasons, "record layer failure")) {
+      why = absl::StrCat("the server at ", address,
+                         " does not speak TLS: drop --tls-ca (and TRAINYARD_TLS_CA)");
+    } else if (absl::StrContains(reasons, "alert")) {
+      why = absl::StrCat("the server refused this client's certificate: ", reasons);
+    } else if (!reasons.empty()) {
+      why = absl::StrCat("TLS with ", address, ": ", reasons);
+    }
+    if (peer != nullptr) X509_free(peer);
+  } else {
+    // TLS 1.3 tells a client whose certificate the server refused after the handshake: a read
+    // brings the alert.
+    const timeval brief = absl::ToTimeval(absl::Milliseconds(300));
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &brief, sizeof(brief));
+    char byte;
+    ERR_clear_error();
+    const int r = SSL_read(ssl, &byte, 1);
+    const int err = r <= 0 ? SSL_get_error(ssl, r) : SSL_ERROR_NONE;
+    const std::string reasons = OpensslReasons();
+    const bool timed_out = err == SSL_ERROR_WANT_READ ||
+                           (err == SSL_ERROR_SYSCALL && (errno == EAGAIN || errno == EWOULDBLOCK));
+    // A gRPC server waits for the client's first bytes; one that closes at once (with an alert,
+    // or without: gRPC's) refused the client's certificate.
+    if (r <= 0 && !timed_out) {
+      why = absl::StrCat(
+          "the server closed the connection right after the TLS handshake: it refused this "
+          "client's certificate",
+          options.cert_file.empty() ? " (none was given: --tls-cert)"
+                                    : absl::StrCat(" (", options.cert_file, ")"),
+          reasons.empty() ? "" : absl::StrCat(": ", reasons));
+    }
+  }
+  SSL_free(ssl);
+  SSL_CTX_free(ctx);
+  close(fd);
+  sigset_t pending;
+  sigpending(&pending);
+  if (sigismember(&pending, SIGPIPE) == 1) {
+    int sig = 0;
+    sigwait(&pipe, &sig);  // consumed before the mask is restored
+  }
+  pthread_sigmask(SIG_SETMASK, &old, nullptr);
+  return why;
 }
 
 }  // namespace trainyard

@@ -16,6 +16,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 
 namespace trainyard {
 
@@ -54,6 +55,17 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
 // else plaintext. A CA file that cannot be read is reported on stderr and the channel fails
 // closed (TLS it cannot verify: its calls fail, nothing is sent in clear).
 std::shared_ptr<grpc::ChannelCredentials> ChannelCredentialsFromEnv();
+
+// Why a connection to the server at `address` (HOST:PORT) fails at the TLS layer, as one line
+// naming the cause, found by a handshake of its own (OpenSSL, within `timeout`): the server
+// speaks TLS and `options` has no CA; it does not speak TLS and `options` has one; its
+// certificate does not verify (expired or not yet valid, unknown CA, a name or address it does
+// not carry: OpenSSL's words, with the certificate's dates); it refused this client's
+// certificate; this client's certificate has expired. Empty when the handshake goes through, or
+// nothing answers at all (the caller's own message says so). For the message of a call that
+// failed with UNAVAILABLE.
+std::string DiagnoseTls(const std::string& address, const TlsClientOptions& options,
+                        absl::Duration timeout = absl::Seconds(3));
 
 // The common name of the call's verified client certificate; empty if none.
 std::string PeerCertificateName(const grpc::ServerContextBase& ctx);

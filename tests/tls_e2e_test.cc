@@ -8,6 +8,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -107,13 +108,58 @@ TEST_F(TlsE2eTest, AClientWithoutTheServersCaCannotConnect) {
                            "--token-file", token, "whoami"});
   ASSERT_EQ(ok.exit_code, 0) << ok.err;
   EXPECT_THAT(ok.out, HasSubstr("admin (admin"));
+  // Each refusal names its cause, as one line.
   CommandResult plain = Yard({"--coordinator", address, "--token-file", token, "whoami"});
   EXPECT_NE(plain.exit_code, 0);
   EXPECT_THAT(plain.err, HasSubstr("UNAVAILABLE"));
+  EXPECT_THAT(plain.err, HasSubstr("speaks TLS: give its CA with --tls-ca FILE"));
   CommandResult other = Yard({"--coordinator", address, "--tls-ca", pki_->Path("other-ca.pem"),
                               "--token-file", token, "whoami"});
   EXPECT_NE(other.exit_code, 0);
   EXPECT_THAT(other.err, HasSubstr("UNAVAILABLE"));
+  EXPECT_THAT(other.err, HasSubstr("the server's certificate does not verify: unable to get local "
+                                   "issuer certificate (not signed by the CA in"));
+  EXPECT_EQ(std::count(other.err.begin(), other.err.end(), '\n'), 1) << other.err;
+}
+
+TEST_F(TlsE2eTest, DiagnoseTlsNamesTheCauseOfAFailedHandshake) {
+  const std::string address = StartCoordinator({"--tls-client-ca", pki_->Path("ca.pem")});
+  ASSERT_FALSE(address.empty());
+  const std::string ca = pki_->Path("ca.pem");
+  EXPECT_EQ(DiagnoseTls(address, {ca, "", ""}), "");  // verifies; no client certificate asked
+  pki_->Sign("n1", "n1");
+  EXPECT_EQ(DiagnoseTls(address, {ca, pki_->Path("n1.pem"), pki_->Path("n1.key")}), "");
+  EXPECT_THAT(DiagnoseTls(address, {}), HasSubstr("speaks TLS"));
+  // A certificate for another address.
+  pki_->SignWithSan("elsewhere", "ps.example", "IP:10.0.0.9");
+  auto other =
+      Subprocess::Start({BinPath("trainyard-coordinator"), "--listen", "127.0.0.1:0", "--state-dir",
+                         dir_.path() + "/elsewhere", "--tls-cert", pki_->Path("elsewhere.pem"),
+                         "--tls-key", pki_->Path("elsewhere.key")});
+  ASSERT_TRUE(other.ok()) << other.status();
+  const std::string other_address = (*other)->ReadLine(kTimeout).value_or("");
+  EXPECT_THAT(DiagnoseTls(other_address, {ca, "", ""}),
+              AllOf(HasSubstr("IP address mismatch"), HasSubstr("(it is not for 127.0.0.1)")));
+  // A client certificate of another CA, which the coordinator refuses.
+  std::ofstream(dir_.path() + "/other.cnf") << "extendedKeyUsage=clientAuth\n";
+  const std::string other_key = dir_.path() + "/stranger.key";
+  for (std::vector<std::string> args :
+       {std::vector<std::string>{"req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                                 "-nodes", "-keyout", other_key, "-out",
+                                 dir_.path() + "/stranger.csr", "-subj", "/CN=n1"},
+        std::vector<std::string>{"x509", "-req", "-in", dir_.path() + "/stranger.csr", "-CA",
+                                 pki_->Path("other-ca.pem"), "-CAkey", pki_->Path("other-ca.key"),
+                                 "-CAcreateserial", "-out", dir_.path() + "/stranger.pem", "-days",
+                                 "2"}}) {
+    args.insert(args.begin(), "/usr/bin/openssl");
+    ASSERT_EQ(RunCommand(args, {}, kTimeout).exit_code, 0);
+  }
+  EXPECT_THAT(DiagnoseTls(address, {ca, dir_.path() + "/stranger.pem", other_key}),
+              HasSubstr("it refused this client's certificate"));
+  // Nothing listening: nothing to say (the caller says it cannot connect).
+  EXPECT_EQ(DiagnoseTls("127.0.0.1:1", {ca, "", ""}), "");
+  (*other)->Signal(SIGTERM);
+  (*other)->Wait(absl::Seconds(20));
 }
 
 TEST_F(TlsE2eTest, WithMutualTlsANodeIsItsCertificatesCommonNameAndNoneIsRefused) {

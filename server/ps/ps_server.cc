@@ -229,7 +229,11 @@ void PsServer::RunSession() {
       ctx.AddMetadata(kAuthorizationMetadata, "Bearer " + options_.token);
     const grpc::Status s = stub->RegisterNode(&ctx, request, &registered);
     if (!s.ok()) {
-      spdlog::warn("cannot register with {}: {}", options_.coordinator, s.error_message());
+      const std::string tls = s.error_code() == grpc::StatusCode::UNAVAILABLE
+                                  ? DiagnoseTls(options_.coordinator, options_.coordinator_tls)
+                                  : std::string();
+      spdlog::warn("cannot register with {}: {}", options_.coordinator,
+                   tls.empty() ? s.error_message() : tls);
       return;
     }
   }
