@@ -2,6 +2,10 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/security/tls_certificate_provider.h>
+#include <grpcpp/security/tls_certificate_verifier.h>
+#include <grpcpp/security/tls_credentials_options.h>
 #include <netdb.h>
 #include <openssl/err.h>
 #include <openssl/pem.h>
@@ -13,6 +17,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -45,6 +50,89 @@ std::string HostOf(const std::string& address) {
   return colon == std::string::npos ? host : host.substr(0, colon);
 }
 
+std::string AsnTime(const ASN1_TIME* t);
+
+// Verifies a client's certificate chain against the client CA file (read at each handshake that
+// shows a certificate, so a replaced CA counts at once) and names the reason of a refusal.
+class ClientCertificateVerifier final : public grpc::experimental::ExternalCertificateVerifier {
+ public:
+  ClientCertificateVerifier(std::string ca_file, std::function<void(const std::string&)> on_refused)
+      : ca_file_(std::move(ca_file)), on_refused_(std::move(on_refused)) {}
+
+  bool Verify(grpc::experimental::TlsCustomVerificationCheckRequest* request,
+              std::function<void(grpc::Status)>, grpc::Status* sync_status) override {
+    // The leaf, then the chain (which on a server may hold only the certificates after it).
+    const grpc::string_ref leaf = request->peer_cert();
+    const grpc::string_ref chain = request->peer_cert_full_chain();
+    if (leaf.empty()) {  // no client certificate: a user's yard; the services decide
+      *sync_status = grpc::Status::OK;
+      return true;
+    }
+    const std::string why = Check(absl::StrCat(absl::string_view(leaf.data(), leaf.size()),
+                                               absl::string_view(chain.data(), chain.size())));
+    if (why.empty()) {
+      *sync_status = grpc::Status::OK;
+    } else {
+      if (on_refused_) on_refused_(why);
+      *sync_status = grpc::Status(grpc::StatusCode::UNAUTHENTICATED, why);
+    }
+    return true;
+  }
+  void Cancel(grpc::experimental::TlsCustomVerificationCheckRequest*) override {}
+
+ private:
+  // Empty when the chain verifies; else why not.
+  std::string Check(const std::string& chain_pem) const {
+    BIO* bio = BIO_new_mem_buf(chain_pem.data(), static_cast<int>(chain_pem.size()));
+    X509* leaf = PEM_read_bio_X509(bio, nullptr, nullptr, nullptr);
+    STACK_OF(X509)* rest = sk_X509_new_null();
+    while (X509* more = PEM_read_bio_X509(bio, nullptr, nullptr, nullptr)) sk_X509_push(rest, more);
+    BIO_free(bio);
+    ERR_clear_error();
+    std::string why;
+    X509_STORE* store = X509_STORE_new();
+    X509_STORE_CTX* ctx = X509_STORE_CTX_new();
+    if (leaf == nullptr) {
+      why = "client certificate: unreadable";
+    } else if (X509_STORE_load_file(store, ca_file_.c_str()) != 1) {
+      why = absl::StrCat("client certificate: the client CA ", ca_file_, " cannot be read");
+    } else {
+      X509_STORE_CTX_init(ctx, store, leaf, rest);
+      X509_STORE_CTX_set_purpose(ctx, X509_PURPOSE_SSL_CLIENT);
+      if (X509_verify_cert(ctx) != 1) {
+        const int error = X509_STORE_CTX_get_error(ctx);
+        char cn[256] = "?";
+        X509_NAME_get_text_by_NID(X509_get_subject_name(leaf), NID_commonName, cn, sizeof(cn));
+        why =
+            absl::StrCat("client certificate CN=", cn, ": ", X509_verify_cert_error_string(error));
+        if (error == X509_V_ERR_CERT_HAS_EXPIRED || error == X509_V_ERR_CERT_NOT_YET_VALID) {
+          absl::StrAppend(&why, " (valid ", AsnTime(X509_get0_notBefore(leaf)), " to ",
+                          AsnTime(X509_get0_notAfter(leaf)), ")");
+        }
+      }
+    }
+    ERR_clear_error();
+    X509_STORE_CTX_free(ctx);
+    X509_STORE_free(store);
+    sk_X509_pop_free(rest, X509_free);
+    if (leaf != nullptr) X509_free(leaf);
+    return why;
+  }
+
+  const std::string ca_file_;
+  const std::function<void(const std::string&)> on_refused_;
+};
+
+std::string AsnTime(const ASN1_TIME* t) {
+  BIO* bio = BIO_new(BIO_s_mem());
+  ASN1_TIME_print(bio, t);
+  char* data = nullptr;
+  const long n = BIO_get_mem_data(bio, &data);
+  std::string out(data, static_cast<size_t>(n));
+  BIO_free(bio);
+  return out;
+}
+
 }  // namespace
 
 bool IsLoopback(const std::string& address) {
@@ -75,19 +163,31 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     }
     return grpc::InsecureServerCredentials();
   }
-  grpc::SslServerCredentialsOptions ssl;
+  // Checked here so that a bad file is refused at start, naming its flag; the provider reads
+  // them again every reload_seconds.
   auto cert = ReadPem(options.cert_file, "--tls-cert");
   if (!cert.ok()) return cert.status();
   auto key = ReadPem(options.key_file, "--tls-key");
   if (!key.ok()) return key.status();
-  ssl.pem_key_cert_pairs.push_back({*key, *cert});
   if (!options.client_ca_file.empty()) {
     auto ca = ReadPem(options.client_ca_file, "--tls-client-ca");
     if (!ca.ok()) return ca.status();
-    ssl.pem_root_certs = *ca;
-    ssl.client_certificate_request = GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY;
   }
-  return grpc::SslServerCredentials(ssl);
+  auto provider = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+      options.key_file, options.cert_file, options.client_ca_file,
+      static_cast<unsigned int>(std::max(1, options.reload_seconds)));
+  grpc::experimental::TlsServerCredentialsOptions tls(provider);
+  tls.watch_identity_key_cert_pairs();
+  if (!options.client_ca_file.empty()) {
+    // Client certificates are verified here, against the client CA as it is now, so that a
+    // refusal can say why and be audited (gRPC's own check only logs a line).
+    tls.watch_root_certs();
+    tls.set_cert_request_type(GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_BUT_DONT_VERIFY);
+    tls.set_certificate_verifier(
+        grpc::experimental::ExternalCertificateVerifier::Create<ClientCertificateVerifier>(
+            options.client_ca_file, options.on_refused_certificate));
+  }
+  return grpc::experimental::TlsServerCredentials(tls);
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
@@ -151,16 +251,6 @@ std::string OpensslReasons() {
   return out;
 }
 
-std::string TimeText(const ASN1_TIME* t) {
-  BIO* bio = BIO_new(BIO_s_mem());
-  ASN1_TIME_print(bio, t);
-  char* data = nullptr;
-  const long n = BIO_get_mem_data(bio, &data);
-  std::string out(data, static_cast<size_t>(n));
-  BIO_free(bio);
-  return out;
-}
-
 // A TCP connection to HOST:PORT within `timeout`, blocking afterwards with `timeout` on each send
 // and receive; -1 if nothing answers.
 int DialWithin(const std::string& host, const std::string& port, absl::Duration timeout) {
@@ -215,11 +305,11 @@ std::string DiagnoseTls(const std::string& address, const TlsClientOptions& opti
         std::string why;
         if (X509_cmp_current_time(X509_get0_notAfter(cert)) < 0) {
           why = absl::StrCat("this client's certificate ", options.cert_file,
-                             " (--tls-cert) expired ", TimeText(X509_get0_notAfter(cert)));
+                             " (--tls-cert) expired ", AsnTime(X509_get0_notAfter(cert)));
         } else if (X509_cmp_current_time(X509_get0_notBefore(cert)) > 0) {
           why = absl::StrCat("this client's certificate ", options.cert_file,
                              " (--tls-cert) is not valid before ",
-                             TimeText(X509_get0_notBefore(cert)));
+                             AsnTime(X509_get0_notBefore(cert)));
         }
         X509_free(cert);
         if (!why.empty()) return why;
@@ -279,8 +369,8 @@ std::string DiagnoseTls(const std::string& address, const TlsClientOptions& opti
                          X509_verify_cert_error_string(verify));
       if (peer != nullptr &&
           (verify == X509_V_ERR_CERT_HAS_EXPIRED || verify == X509_V_ERR_CERT_NOT_YET_VALID)) {
-        absl::StrAppend(&why, " (valid ", TimeText(X509_get0_notBefore(peer)), " to ",
-                        TimeText(X509_get0_notAfter(peer)), ")");
+        absl::StrAppend(&why, " (valid ", AsnTime(X509_get0_notBefore(peer)), " to ",
+                        AsnTime(X509_get0_notAfter(peer)), ")");
       }
       if (verify == X509_V_ERR_UNABLE_TO_GET_ISSUER_CERT_LOCALLY ||
           verify == X509_V_ERR_DEPTH_ZERO_SELF_SIGNED_CERT ||

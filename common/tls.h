@@ -12,6 +12,7 @@
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_context.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -28,6 +29,13 @@ struct TlsServerOptions {
   std::string key_file;        // PEM private key
   std::string client_ca_file;  // PEM CA of client certificates (mutual TLS); empty: none asked
   bool insecure = false;       // allow plaintext on a non-loopback address
+  // The three files are read again this often and a change takes effect for new connections:
+  // a renewed certificate or key, a new client CA, without a restart.
+  int reload_seconds = 10;
+  // With a client CA: told of every client certificate refused, with the reason ("client
+  // certificate CN=w1: certificate has expired (valid ... to ...)"); for the audit log. Runs on
+  // gRPC's threads; may be empty.
+  std::function<void(const std::string&)> on_refused_certificate;
 };
 
 struct TlsClientOptions {

@@ -9,6 +9,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -120,6 +121,88 @@ TEST_F(TlsE2eTest, AClientWithoutTheServersCaCannotConnect) {
   EXPECT_THAT(other.err, HasSubstr("the server's certificate does not verify: unable to get local "
                                    "issuer certificate (not signed by the CA in"));
   EXPECT_EQ(std::count(other.err.begin(), other.err.end(), '\n'), 1) << other.err;
+}
+
+TEST_F(TlsE2eTest, ARenewedCertificateTakesEffectWithoutARestart) {
+  // The coordinator starts with a certificate of the other CA, which clients of "ca" refuse.
+  std::ofstream(dir_.path() + "/live.cnf") << "subjectAltName=IP:127.0.0.1\n";
+  for (std::vector<std::string> args :
+       {std::vector<std::string>{"req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                                 "-nodes", "-keyout", dir_.path() + "/live.key", "-out",
+                                 dir_.path() + "/live.csr", "-subj", "/CN=127.0.0.1"},
+        std::vector<std::string>{"x509", "-req", "-in", dir_.path() + "/live.csr", "-CA",
+                                 pki_->Path("other-ca.pem"), "-CAkey", pki_->Path("other-ca.key"),
+                                 "-CAcreateserial", "-out", dir_.path() + "/live.pem", "-days", "2",
+                                 "-extfile", dir_.path() + "/live.cnf"}}) {
+    args.insert(args.begin(), "/usr/bin/openssl");
+    ASSERT_EQ(RunCommand(args, {}, kTimeout).exit_code, 0);
+  }
+  auto p =
+      Subprocess::Start({BinPath("trainyard-coordinator"), "--listen", "127.0.0.1:0", "--state-dir",
+                         dir_.path() + "/state", "--tls-cert", dir_.path() + "/live.pem",
+                         "--tls-key", dir_.path() + "/live.key", "--tls-reload", "1"});
+  ASSERT_TRUE(p.ok()) << p.status();
+  const std::string address = (*p)->ReadLine(kTimeout).value_or("");
+  const TlsClientOptions client{pki_->Path("ca.pem"), "", ""};
+  EXPECT_THAT(DiagnoseTls(address, client), HasSubstr("unable to get local issuer certificate"));
+  // Renewed in place (a new file renamed over the old, as certificate tools do).
+  for (const char* ext : {".pem", ".key"}) {
+    std::filesystem::copy_file(pki_->Path(std::string("server") + ext),
+                               dir_.path() + "/next" + ext);
+    std::filesystem::rename(dir_.path() + "/next" + ext, dir_.path() + "/live" + ext);
+  }
+  std::string now = "not yet";
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(30);
+       !now.empty() && absl::Now() < deadline;) {
+    now = DiagnoseTls(address, client);
+    if (!now.empty()) absl::SleepFor(absl::Milliseconds(200));
+  }
+  EXPECT_EQ(now, "") << "the renewed certificate never took effect";
+  const std::string token = dir_.path() + "/state/admin.token";
+  CommandResult who = Yard({"--coordinator", address, "--tls-ca", pki_->Path("ca.pem"),
+                            "--token-file", token, "whoami"});
+  EXPECT_EQ(who.exit_code, 0) << who.err;
+  (*p)->Signal(SIGTERM);
+  (*p)->Wait(absl::Seconds(20));
+}
+
+TEST_F(TlsE2eTest, ARefusedClientCertificateIsAuditedWithItsCause) {
+  const std::string audit = dir_.path() + "/audit.jsonl";
+  const std::string address =
+      StartCoordinator({"--tls-client-ca", pki_->Path("ca.pem"), "--audit-log", audit});
+  ASSERT_FALSE(address.empty());
+  // A node certificate of another CA: refused at the handshake.
+  std::ofstream(dir_.path() + "/client.cnf") << "extendedKeyUsage=clientAuth\n";
+  for (std::vector<std::string> args :
+       {std::vector<std::string>{"req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                                 "-nodes", "-keyout", dir_.path() + "/w9.key", "-out",
+                                 dir_.path() + "/w9.csr", "-subj", "/CN=w9"},
+        std::vector<std::string>{"x509", "-req", "-in", dir_.path() + "/w9.csr", "-CA",
+                                 pki_->Path("other-ca.pem"), "-CAkey", pki_->Path("other-ca.key"),
+                                 "-CAcreateserial", "-out", dir_.path() + "/w9.pem", "-days", "2",
+                                 "-extfile", dir_.path() + "/client.cnf"}}) {
+    args.insert(args.begin(), "/usr/bin/openssl");
+    ASSERT_EQ(RunCommand(args, {}, kTimeout).exit_code, 0);
+  }
+  const TlsClientOptions stranger{pki_->Path("ca.pem"), dir_.path() + "/w9.pem",
+                                  dir_.path() + "/w9.key"};
+  EXPECT_THAT(DiagnoseTls(address, stranger), HasSubstr("it refused this client's certificate"));
+  // The coordinator's audit log says who was refused, and why.
+  std::string found;
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(20);
+       found.empty() && absl::Now() < deadline;) {
+    std::ifstream in(audit);
+    for (std::string line; std::getline(in, line);) {
+      if (line.find("TLS handshake") != std::string::npos) found = line;
+    }
+    if (found.empty()) absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_THAT(found, HasSubstr("\"result\":\"UNAUTHENTICATED\""));
+  EXPECT_THAT(found, HasSubstr("client certificate CN=w9: unable to get local issuer certificate"));
+  // A node with a certificate of the cluster's CA still gets through.
+  pki_->Sign("n1", "n1");
+  EXPECT_EQ(
+      DiagnoseTls(address, {pki_->Path("ca.pem"), pki_->Path("n1.pem"), pki_->Path("n1.key")}), "");
 }
 
 TEST_F(TlsE2eTest, DiagnoseTlsNamesTheCauseOfAFailedHandshake) {

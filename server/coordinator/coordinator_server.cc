@@ -97,6 +97,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   if (!s->options_.metrics_address.empty()) {
     RETURN_IF_ERROR(CheckListenAddress("metrics_address", s->options_.metrics_address));
   }
+  // Client certificates refused at the handshake are audited, with why.
+  s->options_.tls.on_refused_certificate = [](const std::string& why) {
+    WriteAudit({"anonymous", "TLS handshake", "", absl::UnauthenticatedError(why), ""});
+  };
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
                    MakeServerCredentials(s->options_.tls, s->options_.listen_address));
   const std::string& dir = s->options_.state_dir;

@@ -64,6 +64,11 @@ int main(int argc, char** argv) {
   app.add_option("--tls-client-ca", options.tls.client_ca_file,
                  "CA (PEM) of client certificates: mutual TLS; workers and parameter servers "
                  "then authenticate with a certificate whose common name is their node id");
+  app.add_option("--tls-reload", options.tls.reload_seconds,
+                 "seconds between reads of --tls-cert, --tls-key and --tls-client-ca: renewed "
+                 "files take effect for new connections without a restart")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_flag("--insecure", options.tls.insecure,
                "serve without TLS on a non-loopback --listen address (tokens in clear)");
   app.add_option("--metrics-token-file", options.metrics_token_file,

@@ -71,6 +71,11 @@ int main(int argc, char** argv) {
       ->envname(trainyard::kTlsCaEnv);
   app.add_flag("--insecure", options.tls.insecure,
                "serve without TLS on a non-loopback --listen address");
+  app.add_option("--tls-reload", options.tls.reload_seconds,
+                 "seconds between reads of --tls-cert and --tls-key (gRPC): renewed files take "
+                 "effect for new connections without a restart")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--metrics-token-file", options.metrics_token_file,
                  "scrapes of /metrics need \"Authorization: Bearer <the file's token>\" (mode "
                  "0600)");
