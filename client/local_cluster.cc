@@ -190,7 +190,14 @@ absl::StatusOr<LocalCluster> LocalStatus(const std::string& state_dir) {
   return c;
 }
 
-absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& options) {
+absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& given) {
+  // Every path handed to the servers (and through the workers to the ranks, which run in
+  // folders of their own) is absolute, and so is every path the cluster's record keeps.
+  LocalUpOptions options = given;
+  for (std::string* path : {&options.state_dir, &options.bin_dir, &options.save_token_to,
+                            &options.tls_cert, &options.tls_key, &options.tls_ca}) {
+    if (!path->empty() && path->front() != '/') *path = fs::absolute(*path).string();
+  }
   if (absl::Status s = ps::CheckTcpCongestion(options.tcp_congestion, "--tcp-congestion");
       !s.ok()) {
     return s;

@@ -293,29 +293,17 @@ TEST_F(TlsE2eTest, WithMutualTlsANodeIsItsCertificatesCommonNameAndNoneIsRefused
 TEST_F(TlsE2eTest, TheWholeLocalClusterTrainsOverTls) {
   const std::string state = dir_.path() + "/cluster";
   const std::string ca = pki_->Path("ca.pem");
-  CommandResult up = Yard({"--tls-ca",
-                           ca,
-                           "local",
-                           "--state-dir",
-                           state,
-                           "up",
-                           "--listen",
-                           "127.0.0.1:0",
-                           "--workers",
-                           "2",
-                           "--ps",
-                           "1",
-                           "--ps-memory-bytes",
-                           "268435456",
-                           "--threads-per-slot",
-                           "1",
-                           "--tls-cert",
-                           pki_->Path("server.pem"),
-                           "--tls-key",
-                           pki_->Path("server.key"),
-                           "-o",
-                           "json"},
-                          absl::Seconds(120));
+  // Run from the test's folder with relative paths, as an operator types them: every program
+  // (and each rank, in a folder of its own) must still find the files.
+  const std::string command = absl::StrCat(
+      "cd ", dir_.path(), " && exec ", BinPath("yard"),
+      " --tls-ca ca.pem local --state-dir cluster up --listen 127.0.0.1:0 --workers 2 --ps 1"
+      " --ps-memory-bytes 268435456 --threads-per-slot 1 --tls-cert server.pem"
+      " --tls-key server.key -o json");
+  CommandResult up = RunCommand({"/bin/sh", "-c", command},
+                                {"HOME=" + dir_.path(), "XDG_CONFIG_HOME=", "TRAINYARD_TOKEN=",
+                                 "TRAINYARD_TOKEN_FILE=", "TRAINYARD_TLS_CA="},
+                                absl::Seconds(120));
   ASSERT_EQ(up.exit_code, 0) << up.err;
   const auto cluster = nlohmann::json::parse(up.out);
   const std::string address = cluster.at("coordinator_address").get<std::string>();
