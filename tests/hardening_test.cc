@@ -454,6 +454,47 @@ TEST_F(HardeningTest, TheRendezvousRefusesTheKeyOrByteOverItsCap) {
   EXPECT_TRUE(set("k2", std::string(600, 'x')).ok());
 }
 
+TEST_F(HardeningTest, ALongLogLineIsCutAndALargeStepReportRefused) {
+  const v1::Job job = RunningJob();
+  ASSERT_EQ(job.state(), v1::RUNNING);
+  const std::string credential = tokens_->Job(job.id(), job.attempt());
+  // A rank's 100 KB line reaches its owner cut to 16 KiB, saying so; the next line is whole.
+  v1::NodeMessage m;
+  auto* l = m.mutable_logs();
+  l->set_job_id(job.id());
+  l->set_attempt(job.attempt());
+  l->set_rank(0);
+  l->add_lines(std::string(100'000, 'x'));
+  l->add_lines("after");
+  ASSERT_TRUE(node_->Write(m));
+  node_->Heartbeat();  // processed in order: the lines are in before the ack
+  grpc::ClientContext ctx;
+  Prepare(ctx, tokens_->User("alice"));
+  v1::StreamLogsRequest r;
+  r.set_job_id(job.id());
+  auto reader = jobs_->StreamLogs(&ctx, r);
+  v1::LogLine line;
+  ASSERT_TRUE(reader->Read(&line));
+  EXPECT_EQ(line.text(), std::string(16 * 1024, 'x') + " [truncated " +
+                             std::to_string(100'000 - 16 * 1024) + " bytes]");
+  ASSERT_TRUE(reader->Read(&line));
+  EXPECT_EQ(line.text(), "after");
+  reader->Finish().IgnoreError();
+
+  // A step report beyond its limits (here: 10,000 per-stage idle times) is refused naming them.
+  grpc::ClientContext report_ctx;
+  Prepare(report_ctx, credential);
+  v1::StepReport report;
+  report.set_job_id(job.id());
+  report.set_attempt(job.attempt());
+  report.set_step(1);
+  for (int i = 0; i < 10'000; ++i) report.add_pipeline_stage_idle(0.5);
+  v1::TrainerCommands commands;
+  const grpc::Status s = trainer_->ReportStep(&report_ctx, report, &commands);
+  EXPECT_EQ(s.error_code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("pipeline_stage_idle: 10000 entries, at most 1024"));
+}
+
 TEST_F(HardeningTest, AWrongSecretFloodIsSlowedAndCounted) {
   const std::string alice = tokens_->User("alice");
   const std::string bob = tokens_->User("bob");
