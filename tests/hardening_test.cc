@@ -6,6 +6,7 @@
 // state directory and its files are the coordinator's alone, and nothing is written before the
 // flags are checked; the JSON-lines audit log.
 #include <gmock/gmock.h>
+#include <grpcpp/generic/generic_stub.h>
 #include <gtest/gtest.h>
 #include <spdlog/sinks/ostream_sink.h>
 #include <spdlog/spdlog.h>
@@ -493,6 +494,41 @@ TEST_F(HardeningTest, ALongLogLineIsCutAndALargeStepReportRefused) {
   const grpc::Status s = trainer_->ReportStep(&report_ctx, report, &commands);
   EXPECT_EQ(s.error_code(), StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(s.error_message(), HasSubstr("pipeline_stage_idle: 10000 entries, at most 1024"));
+}
+
+TEST_F(HardeningTest, AMalformedRequestIsInvalidArgumentNotInternal) {
+  grpc::GenericStub generic(channel_);
+  // `bytes` as the request of `method`, sent as they are; the call's status.
+  auto call_raw = [&](const std::string& method, const std::string& bytes) {
+    grpc::ClientContext ctx;
+    Prepare(ctx, tokens_->User("alice"));
+    const grpc::Slice slice(bytes);
+    grpc::ByteBuffer request(&slice, 1), response;
+    grpc::CompletionQueue cq;
+    auto call = generic.PrepareUnaryCall(&ctx, method, request, &cq);
+    call->StartCall();
+    grpc::Status status;
+    call->Finish(&response, &status, reinterpret_cast<void*>(1));
+    void* tag = nullptr;
+    bool ok = false;
+    EXPECT_TRUE(cq.Next(&tag, &ok));
+    cq.Shutdown();
+    while (cq.Next(&tag, &ok)) {
+    }
+    return status;
+  };
+  // Bytes that are no protobuf message: a field of wire type 7, which does not exist.
+  for (const char* method :
+       {"/trainyard.v1.JobService/SubmitJob", "/trainyard.v1.IdentityService/CreateToken",
+        "/trainyard.v1.RendezvousService/Set"}) {
+    const grpc::Status status = call_raw(method, "\x0f\xff\xff\xff");
+    EXPECT_EQ(status.error_code(), StatusCode::INVALID_ARGUMENT)
+        << method << ": " << status.error_message();
+    EXPECT_THAT(status.error_message(), HasSubstr("request: not a valid trainyard.v1.")) << method;
+  }
+  // A method that does not exist stays UNIMPLEMENTED.
+  EXPECT_EQ(call_raw("/trainyard.v1.JobService/NoSuchMethod", "").error_code(),
+            StatusCode::UNIMPLEMENTED);
 }
 
 TEST_F(HardeningTest, AWrongSecretFloodIsSlowedAndCounted) {

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/credentials.h"
 #include "common/log_text.h"
+#include "common/malformed_request.h"
 #include "common/status_macros.h"
 #include "server/coordinator/audit.h"
 
@@ -198,6 +199,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   builder.SetMaxReceiveMessageSize(s->options_.max_message_bytes);
   builder.SetMaxSendMessageSize(s->options_.max_message_bytes);
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  // First, so that the metrics count the corrected code.
+  interceptors.push_back(MalformedRequestInterceptorFactory());
   interceptors.push_back(s->metrics_prom_->InterceptorFactory());
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
   builder.RegisterService(s->job_service_.get());

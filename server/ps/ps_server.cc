@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/credentials.h"
+#include "common/malformed_request.h"
 #include "common/status_macros.h"
 #include "server/ps/tcp_congestion.h"
 #include "server/ps/tcp_io.h"
@@ -136,6 +137,11 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(PsOptions options) {
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   builder.RegisterService(s->service_.get());
+  {
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
+    creators.push_back(MalformedRequestInterceptorFactory());
+    builder.experimental().SetInterceptorCreators(std::move(creators));
+  }
   if (!s->options_.tcp_congestion.empty()) {
     builder.SetOption(TcpCongestionOption(s->options_.tcp_congestion));
   }
