@@ -8,6 +8,7 @@
 #include <signal.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <prometheus/text_serializer.h>
@@ -26,6 +27,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "common/credentials.h"
 #include "common/tls.h"
 
@@ -92,8 +94,14 @@ struct Stream {
 
 struct MetricsEndpoint::Impl {
   std::shared_ptr<prometheus::Registry> registry;
-  std::string token;       // empty: none needed
-  SSL_CTX* tls = nullptr;  // null: plain HTTP
+  std::string token;  // empty: none needed
+  // TLS: the context (null: plain HTTP), made again when the certificate's or key's files change
+  // (looked at most every tls_reload by a new connection).
+  std::string tls_cert_file, tls_key_file;
+  absl::Duration tls_reload;
+  SSL_CTX* tls ABSL_GUARDED_BY(mu) = nullptr;
+  std::string tls_stamp ABSL_GUARDED_BY(mu);
+  absl::Time tls_checked ABSL_GUARDED_BY(mu);
   int listener = -1;
   int wakeup = -1;  // an eventfd written to stop the accept loop
   std::string bound;
@@ -133,7 +141,59 @@ struct MetricsEndpoint::Impl {
     }
     if (listener >= 0) ::close(listener);
     if (wakeup >= 0) ::close(wakeup);
+    absl::MutexLock lock(&mu);
     if (tls != nullptr) SSL_CTX_free(tls);
+  }
+
+  // The two files' inode and modification time ("" if one cannot be read).
+  std::string Stamp() const {
+    std::string out;
+    for (const std::string* path : {&tls_cert_file, &tls_key_file}) {
+      struct stat st;
+      if (::stat(path->c_str(), &st) != 0) return "";
+      absl::StrAppend(&out, st.st_ino, ":", st.st_mtim.tv_sec, ".", st.st_mtim.tv_nsec, ";");
+    }
+    return out;
+  }
+
+  // A context with the files' certificate and key; null (the queue cleared) if they do not load.
+  static SSL_CTX* NewContext(const std::string& cert_file, const std::string& key_file,
+                             std::string* error) {
+    SSL_CTX* ctx = SSL_CTX_new(TLS_server_method());
+    if (ctx == nullptr) {
+      *error = absl::StrCat("TLS: ", SslErrors());
+      return nullptr;
+    }
+    SSL_CTX_set_min_proto_version(ctx, TLS1_2_VERSION);
+    if (SSL_CTX_use_certificate_chain_file(ctx, cert_file.c_str()) != 1) {
+      *error = absl::StrCat("--tls-cert: cannot use ", cert_file, ": ", SslErrors());
+    } else if (SSL_CTX_use_PrivateKey_file(ctx, key_file.c_str(), SSL_FILETYPE_PEM) != 1 ||
+               SSL_CTX_check_private_key(ctx) != 1) {
+      *error = absl::StrCat("--tls-key: cannot use ", key_file, ": ", SslErrors());
+    } else {
+      return ctx;
+    }
+    SSL_CTX_free(ctx);
+    return nullptr;
+  }
+
+  // A new session on the current context, the files looked at first (at most every tls_reload).
+  SSL* NewSession() {
+    absl::MutexLock lock(&mu);
+    const absl::Time now = absl::Now();
+    if (now - tls_checked >= tls_reload) {
+      tls_checked = now;
+      const std::string stamp = Stamp();
+      if (!stamp.empty() && stamp != tls_stamp) {
+        tls_stamp = stamp;
+        std::string error;
+        if (SSL_CTX* next = NewContext(tls_cert_file, tls_key_file, &error)) {
+          SSL_CTX_free(tls);  // sessions on it hold their own reference
+          tls = next;
+        }
+      }
+    }
+    return SSL_new(tls);
   }
 
   void AcceptLoop() {
@@ -175,8 +235,8 @@ struct MetricsEndpoint::Impl {
     ::setsockopt(c->fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
     ::setsockopt(c->fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
     Stream stream{c->fd, nullptr};
-    if (tls != nullptr) {
-      stream.ssl = SSL_new(tls);
+    if (!tls_cert_file.empty()) {
+      stream.ssl = NewSession();
       if (stream.ssl == nullptr || SSL_set_fd(stream.ssl, c->fd) != 1 ||
           SSL_accept(stream.ssl) != 1) {
         ERR_clear_error();
@@ -286,19 +346,16 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
         "token), or --metrics-insecure to let anyone who can reach it read the metrics"));
   }
   if (!options.tls_cert_file.empty()) {
-    impl->tls = SSL_CTX_new(TLS_server_method());
-    if (impl->tls == nullptr) return absl::InternalError(absl::StrCat("TLS: ", SslErrors()));
-    SSL_CTX_set_min_proto_version(impl->tls, TLS1_2_VERSION);
-    if (SSL_CTX_use_certificate_chain_file(impl->tls, options.tls_cert_file.c_str()) != 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--tls-cert: cannot use ", options.tls_cert_file, ": ", SslErrors()));
-    }
-    if (SSL_CTX_use_PrivateKey_file(impl->tls, options.tls_key_file.c_str(), SSL_FILETYPE_PEM) !=
-            1 ||
-        SSL_CTX_check_private_key(impl->tls) != 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--tls-key: cannot use ", options.tls_key_file, ": ", SslErrors()));
-    }
+    impl->tls_cert_file = options.tls_cert_file;
+    impl->tls_key_file = options.tls_key_file;
+    impl->tls_reload = options.tls_reload;
+    std::string error;
+    SSL_CTX* ctx = Impl::NewContext(options.tls_cert_file, options.tls_key_file, &error);
+    if (ctx == nullptr) return absl::InvalidArgumentError(error);
+    absl::MutexLock lock(&impl->mu);
+    impl->tls = ctx;
+    impl->tls_stamp = impl->Stamp();
+    impl->tls_checked = absl::Now();
   }
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;

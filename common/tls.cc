@@ -202,19 +202,32 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
     }
     return grpc::InsecureChannelCredentials();
   }
-  grpc::SslCredentialsOptions ssl;
+  // Checked here so that a bad file is refused naming its flag; the provider reads them again
+  // every kClientReloadSeconds, so a renewed node certificate (or CA) counts for the next
+  // connection without a restart.
   auto ca = ReadPem(options.ca_file, "--tls-ca");
   if (!ca.ok()) return ca.status();
-  ssl.pem_root_certs = *ca;
   if (!options.cert_file.empty()) {
     auto cert = ReadPem(options.cert_file, "--tls-cert");
     if (!cert.ok()) return cert.status();
     auto key = ReadPem(options.key_file, "--tls-key");
     if (!key.ok()) return key.status();
-    ssl.pem_cert_chain = *cert;
-    ssl.pem_private_key = *key;
   }
-  return grpc::SslCredentials(ssl);
+  constexpr unsigned int kClientReloadSeconds = 10;
+  auto provider =
+      options.cert_file.empty()
+          ? std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+                options.ca_file, kClientReloadSeconds)
+          : std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+                options.key_file, options.cert_file, options.ca_file, kClientReloadSeconds);
+  grpc::experimental::TlsChannelCredentialsOptions tls;
+  tls.set_certificate_provider(provider);
+  tls.watch_root_certs();
+  if (!options.cert_file.empty()) tls.watch_identity_key_cert_pairs();
+  tls.set_verify_server_certs(true);
+  // The server's certificate must name the host dialled, as with SslCredentials.
+  tls.set_certificate_verifier(std::make_shared<grpc::experimental::HostNameCertificateVerifier>());
+  return grpc::experimental::TlsCredentials(tls);
 }
 
 std::shared_ptr<grpc::ChannelCredentials> ChannelCredentialsFromEnv() {

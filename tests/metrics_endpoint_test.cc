@@ -12,6 +12,7 @@
 #include <prometheus/counter.h>
 #include <prometheus/registry.h>
 
+#include <filesystem>
 #include <memory>
 #include <string>
 
@@ -166,6 +167,28 @@ TEST_F(MetricsEndpointTest, OverTlsWithTheServersCertificate) {
   EXPECT_EQ(GetTls(address, pki.Path("other-ca.pem"), "s3cret-token"), "handshake failed");
   // Plain HTTP to it gets nothing.
   EXPECT_THAT(Get(address, "/metrics", "s3cret-token"), Not(HasSubstr("trainyard_test_total")));
+}
+
+TEST_F(MetricsEndpointTest, ARenewedCertificateCountsForTheNextScrape) {
+  testing::TestPki pki(dir_.path());
+  pki.SignWithSan("elsewhere", "elsewhere", "IP:10.0.0.9");
+  const std::string cert = dir_.path() + "/live.pem", key = dir_.path() + "/live.key";
+  std::filesystem::copy_file(pki.Path("elsewhere.pem"), cert);
+  std::filesystem::copy_file(pki.Path("elsewhere.key"), key);
+  MetricsEndpointOptions o;
+  o.address = "127.0.0.1:0";
+  o.tls_cert_file = cert;
+  o.tls_key_file = key;
+  o.tls_reload = absl::ZeroDuration();  // looked at by every connection
+  auto endpoint = MetricsEndpoint::Start(o, registry_);
+  ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+  const std::string address = (*endpoint)->bound_address();
+  EXPECT_EQ(GetTls(address, pki.Path("ca.pem"), ""), "handshake failed");  // not for 127.0.0.1
+  for (const char* ext : {".pem", ".key"}) {
+    std::filesystem::copy_file(pki.Path(std::string("server") + ext), dir_.path() + "/next" + ext);
+    std::filesystem::rename(dir_.path() + "/next" + ext, dir_.path() + "/live" + ext);
+  }
+  EXPECT_THAT(GetTls(address, pki.Path("ca.pem"), ""), HasSubstr("trainyard_test_total"));
 }
 
 TEST_F(MetricsEndpointTest, ANonLoopbackAddressNeedsATokenOrMetricsInsecure) {

@@ -8,6 +8,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <memory>
@@ -183,6 +184,48 @@ TEST_F(PsTlsDataPlaneTest, DataPlaneInsecureKeepsItPlainBesideTlsGrpc) {
   auto s = Step(plain);
   EXPECT_TRUE(s.ok()) << s.status();
   server->Shutdown();
+}
+
+TEST_F(PsTlsDataPlaneTest, ARenewedCertificateCountsForTheNextConnection) {
+  // The server starts with a certificate for another address, then it is renewed in place.
+  const std::string cert = dir_.path() + "/live.pem", key = dir_.path() + "/live.key";
+  std::filesystem::copy_file(pki_->Path("elsewhere.pem"), cert);
+  std::filesystem::copy_file(pki_->Path("elsewhere.key"), key);
+  ps::PsOptions o;
+  o.listen_address = "127.0.0.1:0";
+  o.data_listen_address = "127.0.0.1:0";
+  o.capacity_bytes = int64_t{1} << 30;
+  o.threads = 2;
+  o.tls.cert_file = cert;
+  o.tls.key_file = key;
+  o.tls.reload_seconds = 1;
+  auto server = ps::PsServer::Start(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = Stub(**server, true, "ps.example");
+  ASSERT_TRUE(
+      testing::InitShard(*stub, ShardHeader("job-1", 1, 0, kN, kN), init_, int64_t{1} << 20).ok());
+  const std::string address = (*server)->data_plane_address();
+  {
+    ps::DataPlaneClient before(address, "", "", ClientTls("ca"));
+    auto s = Step(before);
+    ASSERT_FALSE(s.ok());
+    EXPECT_THAT(std::string(s.status().message()), HasSubstr("IP address mismatch"));
+  }
+  for (const char* ext : {".pem", ".key"}) {
+    std::filesystem::copy_file(pki_->Path(std::string("server") + ext),
+                               dir_.path() + "/next" + ext);
+    std::filesystem::rename(dir_.path() + "/next" + ext, dir_.path() + "/live" + ext);
+  }
+  // Within a reload interval, a new connection gets the renewed certificate.
+  absl::StatusOr<std::vector<float>> after = absl::UnknownError("not tried");
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(20);
+       !after.ok() && absl::Now() < deadline;) {
+    ps::DataPlaneClient client(address, "", "", ClientTls("ca"));
+    after = Step(client);
+    if (!after.ok()) absl::SleepFor(absl::Milliseconds(200));
+  }
+  EXPECT_TRUE(after.ok()) << after.status();
+  (*server)->Shutdown();
 }
 
 TEST(TlsConfigTest, UnusableFilesAreRefusedNamingTheFlag) {

@@ -223,6 +223,11 @@ TEST_F(TlsE2eTest, DiagnoseTlsNamesTheCauseOfAFailedHandshake) {
   const std::string other_address = (*other)->ReadLine(kTimeout).value_or("");
   EXPECT_THAT(DiagnoseTls(other_address, {ca, "", ""}),
               AllOf(HasSubstr("IP address mismatch"), HasSubstr("(it is not for 127.0.0.1)")));
+  // gRPC clients refuse it too (the server's certificate must name what they dial).
+  CommandResult who = Yard({"--coordinator", other_address, "--tls-ca", ca, "--token-file",
+                            dir_.path() + "/elsewhere/admin.token", "whoami"});
+  EXPECT_NE(who.exit_code, 0);
+  EXPECT_THAT(who.err, HasSubstr("IP address mismatch"));
   // A client certificate of another CA, which the coordinator refuses.
   std::ofstream(dir_.path() + "/other.cnf") << "extendedKeyUsage=clientAuth\n";
   const std::string other_key = dir_.path() + "/stranger.key";

@@ -126,6 +126,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     if (s->options_.metrics_tls) {
       metrics.tls_cert_file = s->options_.tls.cert_file;
       metrics.tls_key_file = s->options_.tls.key_file;
+      metrics.tls_reload = absl::Seconds(s->options_.tls.reload_seconds);
     }
     ASSIGN_OR_RETURN(s->metrics_endpoint_,
                      MetricsEndpoint::Start(metrics, s->metrics_prom_->registry()));

@@ -41,9 +41,9 @@ struct DataPlaneOptions {
   // Decides each call by its credential (null: every call); must outlive the server. A refused
   // call is answered with the refusal and its connection closed.
   JobAuthorizer* authorizer = nullptr;
-  // TLS on every connection (the server's certificate, TlsConfig::Server); null: plain TCP. A
-  // connection whose handshake fails is closed.
-  std::shared_ptr<const TlsConfig> tls;
+  // TLS on every connection (the server's certificate, followed when its files change); null:
+  // plain TCP. A connection whose handshake fails is closed.
+  std::shared_ptr<ReloadingTlsConfig> tls;
 };
 
 class DataPlaneServer {

@@ -7,6 +7,7 @@
 #include <openssl/x509v3.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -211,6 +212,40 @@ absl::StatusOr<std::shared_ptr<const TlsConfig>> TlsConfig::Client(const std::st
 }
 
 TlsConfig::~TlsConfig() { SSL_CTX_free(ctx_); }
+
+absl::StatusOr<std::shared_ptr<ReloadingTlsConfig>> ReloadingTlsConfig::Server(
+    const std::string& cert_file, const std::string& key_file, absl::Duration check_every) {
+  std::shared_ptr<ReloadingTlsConfig> r(new ReloadingTlsConfig(cert_file, key_file, check_every));
+  ASSIGN_OR_RETURN(std::shared_ptr<const TlsConfig> first, TlsConfig::Server(cert_file, key_file));
+  absl::MutexLock lock(&r->mu_);
+  r->current_ = std::move(first);
+  r->stamp_ = r->Stamp();
+  r->checked_ = absl::Now();
+  return r;
+}
+
+std::string ReloadingTlsConfig::Stamp() const {
+  std::string out;
+  for (const std::string* path : {&cert_file_, &key_file_}) {
+    struct stat st;
+    if (::stat(path->c_str(), &st) != 0) return "";
+    absl::StrAppend(&out, st.st_ino, ":", st.st_mtim.tv_sec, ".", st.st_mtim.tv_nsec, ";");
+  }
+  return out;
+}
+
+std::shared_ptr<const TlsConfig> ReloadingTlsConfig::Current() {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  if (now - checked_ < check_every_) return current_;
+  checked_ = now;
+  const std::string stamp = Stamp();
+  if (stamp.empty() || stamp == stamp_) return current_;
+  stamp_ = stamp;
+  auto next = TlsConfig::Server(cert_file_, key_file_);
+  if (next.ok()) current_ = *std::move(next);  // else: the last good one, until the next change
+  return current_;
+}
 
 Conn::Conn(Conn&& other) noexcept : fd_(std::move(other.fd_)), ssl_(other.ssl_) {
   other.ssl_ = nullptr;

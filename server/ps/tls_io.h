@@ -16,8 +16,11 @@
 #include <memory>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "server/ps/tcp_io.h"
 
@@ -47,6 +50,34 @@ class TlsConfig {
   TlsConfig(SSL_CTX* ctx, bool server) : ctx_(ctx), server_(server) {}
   SSL_CTX* ctx_;
   bool server_;
+};
+
+// A server TlsConfig that follows its files: Current() loads them again when the certificate's or
+// the key's modification time changed (looked at most every `check_every`), so a renewed
+// certificate counts for new connections without a restart; files that do not load leave the
+// last good config in place (and are tried again at the next change). Thread-safe.
+class ReloadingTlsConfig {
+ public:
+  // INVALID_ARGUMENT naming the flag when the files do not load now.
+  static absl::StatusOr<std::shared_ptr<ReloadingTlsConfig>> Server(
+      const std::string& cert_file, const std::string& key_file,
+      absl::Duration check_every = absl::Seconds(10));
+  std::shared_ptr<const TlsConfig> Current();
+
+ private:
+  ReloadingTlsConfig(std::string cert_file, std::string key_file, absl::Duration check_every)
+      : cert_file_(std::move(cert_file)),
+        key_file_(std::move(key_file)),
+        check_every_(check_every) {}
+  // The two files' modification times, as one string ("" when one cannot be read).
+  std::string Stamp() const;
+
+  const std::string cert_file_, key_file_;
+  const absl::Duration check_every_;
+  absl::Mutex mu_;
+  std::shared_ptr<const TlsConfig> current_ ABSL_GUARDED_BY(mu_);
+  std::string stamp_ ABSL_GUARDED_BY(mu_);
+  absl::Time checked_ ABSL_GUARDED_BY(mu_);
 };
 
 // A connected socket, and over it a TLS session when `ssl` is set. Movable; frees both.
