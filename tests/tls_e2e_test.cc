@@ -125,18 +125,7 @@ TEST_F(TlsE2eTest, AClientWithoutTheServersCaCannotConnect) {
 
 TEST_F(TlsE2eTest, ARenewedCertificateTakesEffectWithoutARestart) {
   // The coordinator starts with a certificate of the other CA, which clients of "ca" refuse.
-  std::ofstream(dir_.path() + "/live.cnf") << "subjectAltName=IP:127.0.0.1\n";
-  for (std::vector<std::string> args :
-       {std::vector<std::string>{"req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                                 "-nodes", "-keyout", dir_.path() + "/live.key", "-out",
-                                 dir_.path() + "/live.csr", "-subj", "/CN=127.0.0.1"},
-        std::vector<std::string>{"x509", "-req", "-in", dir_.path() + "/live.csr", "-CA",
-                                 pki_->Path("other-ca.pem"), "-CAkey", pki_->Path("other-ca.key"),
-                                 "-CAcreateserial", "-out", dir_.path() + "/live.pem", "-days", "2",
-                                 "-extfile", dir_.path() + "/live.cnf"}}) {
-    args.insert(args.begin(), "/usr/bin/openssl");
-    ASSERT_EQ(RunCommand(args, {}, kTimeout).exit_code, 0);
-  }
+  pki_->SignBy("other-ca", "live", "127.0.0.1", "subjectAltName=IP:127.0.0.1\n");
   auto p =
       Subprocess::Start({BinPath("trainyard-coordinator"), "--listen", "127.0.0.1:0", "--state-dir",
                          dir_.path() + "/state", "--tls-cert", dir_.path() + "/live.pem",
@@ -172,18 +161,7 @@ TEST_F(TlsE2eTest, ARefusedClientCertificateIsAuditedWithItsCause) {
       StartCoordinator({"--tls-client-ca", pki_->Path("ca.pem"), "--audit-log", audit});
   ASSERT_FALSE(address.empty());
   // A node certificate of another CA: refused at the handshake.
-  std::ofstream(dir_.path() + "/client.cnf") << "extendedKeyUsage=clientAuth\n";
-  for (std::vector<std::string> args :
-       {std::vector<std::string>{"req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                                 "-nodes", "-keyout", dir_.path() + "/w9.key", "-out",
-                                 dir_.path() + "/w9.csr", "-subj", "/CN=w9"},
-        std::vector<std::string>{"x509", "-req", "-in", dir_.path() + "/w9.csr", "-CA",
-                                 pki_->Path("other-ca.pem"), "-CAkey", pki_->Path("other-ca.key"),
-                                 "-CAcreateserial", "-out", dir_.path() + "/w9.pem", "-days", "2",
-                                 "-extfile", dir_.path() + "/client.cnf"}}) {
-    args.insert(args.begin(), "/usr/bin/openssl");
-    ASSERT_EQ(RunCommand(args, {}, kTimeout).exit_code, 0);
-  }
+  pki_->SignBy("other-ca", "w9", "w9", "extendedKeyUsage=clientAuth\n");
   const TlsClientOptions stranger{pki_->Path("ca.pem"), dir_.path() + "/w9.pem",
                                   dir_.path() + "/w9.key"};
   EXPECT_THAT(DiagnoseTls(address, stranger), HasSubstr("it refused this client's certificate"));
@@ -229,21 +207,10 @@ TEST_F(TlsE2eTest, DiagnoseTlsNamesTheCauseOfAFailedHandshake) {
   EXPECT_NE(who.exit_code, 0);
   EXPECT_THAT(who.err, HasSubstr("IP address mismatch"));
   // A client certificate of another CA, which the coordinator refuses.
-  std::ofstream(dir_.path() + "/other.cnf") << "extendedKeyUsage=clientAuth\n";
-  const std::string other_key = dir_.path() + "/stranger.key";
-  for (std::vector<std::string> args :
-       {std::vector<std::string>{"req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                                 "-nodes", "-keyout", other_key, "-out",
-                                 dir_.path() + "/stranger.csr", "-subj", "/CN=n1"},
-        std::vector<std::string>{"x509", "-req", "-in", dir_.path() + "/stranger.csr", "-CA",
-                                 pki_->Path("other-ca.pem"), "-CAkey", pki_->Path("other-ca.key"),
-                                 "-CAcreateserial", "-out", dir_.path() + "/stranger.pem", "-days",
-                                 "2"}}) {
-    args.insert(args.begin(), "/usr/bin/openssl");
-    ASSERT_EQ(RunCommand(args, {}, kTimeout).exit_code, 0);
-  }
-  EXPECT_THAT(DiagnoseTls(address, {ca, dir_.path() + "/stranger.pem", other_key}),
-              HasSubstr("it refused this client's certificate"));
+  pki_->SignBy("other-ca", "stranger", "n1", "extendedKeyUsage=clientAuth\n");
+  EXPECT_THAT(
+      DiagnoseTls(address, {ca, dir_.path() + "/stranger.pem", dir_.path() + "/stranger.key"}),
+      HasSubstr("it refused this client's certificate"));
   // Nothing listening: nothing to say (the caller says it cannot connect).
   EXPECT_EQ(DiagnoseTls("127.0.0.1:1", {ca, "", ""}), "");
   (*other)->Signal(SIGTERM);

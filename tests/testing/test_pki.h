@@ -37,12 +37,19 @@ class TestPki {
 
   // As Sign, for the subject alternative names `san` ("IP:10.0.0.9,DNS:other") instead.
   void SignWithSan(const std::string& file, const std::string& name, const std::string& san) {
-    std::ofstream(Path(file + ".cnf")) << "subjectAltName=" << san << "\n"
-                                       << "extendedKeyUsage=serverAuth,clientAuth\n";
+    SignBy("ca", file, name,
+           "subjectAltName=" + san + "\nextendedKeyUsage=serverAuth,clientAuth\n");
+  }
+
+  // A certificate (FILE.pem, FILE.key) with common name `name`, signed by the CA `ca` ("ca" or
+  // "other-ca"), with `extensions` (openssl's extfile lines).
+  void SignBy(const std::string& ca, const std::string& file, const std::string& name,
+              const std::string& extensions) {
+    std::ofstream(Path(file + ".cnf")) << extensions;
     Openssl({"req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
              "-keyout", Path(file + ".key"), "-out", Path(file + ".csr"), "-subj", "/CN=" + name});
-    Openssl({"x509", "-req", "-in", Path(file + ".csr"), "-CA", Path("ca.pem"), "-CAkey",
-             Path("ca.key"), "-CAcreateserial", "-out", Path(file + ".pem"), "-days", "2",
+    Openssl({"x509", "-req", "-in", Path(file + ".csr"), "-CA", Path(ca + ".pem"), "-CAkey",
+             Path(ca + ".key"), "-CAcreateserial", "-out", Path(file + ".pem"), "-days", "2",
              "-extfile", Path(file + ".cnf")});
   }
 
