@@ -460,6 +460,34 @@ TEST_F(CoordinatorServiceTest, SilentNodeIsLostAndItsJobRestartsThenFailsWithout
   EXPECT_THAT(j.message(), HasSubstr("no restarts left"));
 }
 
+// A node whose heartbeats stopped for a while, its session still open, was declared LOST; when
+// they resume it is READY again (it is not lost for good), its old ranks having been told to stop,
+// and it takes new ranks.
+TEST_F(CoordinatorServiceTest, ALostNodeWhoseHeartbeatsResumeIsReadyAgain) {
+  auto node = Connect("n1", 2);
+  v1::Job job = MustSubmit(Spec(2, "job", /*max_restarts=*/1));
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  const v1::Assignment first = node->NextCommand().assignment();
+  clock_.Advance(absl::Seconds(11));
+  server_->Tick();
+  EXPECT_EQ(Node("n1").state(), v1::NODE_LOST);
+  EXPECT_EQ(WaitForState(job.id(), v1::RESTARTING).state(), v1::RESTARTING);
+  // It was told to stop the lost attempt's ranks.
+  const v1::CoordinatorMessage cancel = node->NextCommand();
+  ASSERT_TRUE(cancel.has_cancel()) << cancel.DebugString();
+  EXPECT_EQ(cancel.cancel().attempt(), first.attempt());
+
+  node->Heartbeat();  // on the same session
+  EXPECT_EQ(Node("n1").state(), v1::NODE_READY);
+  EXPECT_TRUE(Node("n1").connected());
+  // Once its stopped ranks have exited, the next attempt is placed there.
+  node->ReportExit(first, 0, 143);
+  node->ReportExit(first, 1, 143);
+  node->Heartbeat();
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  EXPECT_EQ(node->NextCommand().assignment().attempt(), first.attempt() + 1);
+}
+
 // A node cut off long enough to be lost comes back with a rank of the old attempt still running:
 // the coordinator stops it, and its device waits for its exit before the next attempt gets it,
 // however long the node was away.

@@ -137,12 +137,18 @@ void NodeRegistry::Register(const v1::RegisterNodeRequest& request,
   });
 }
 
-absl::Status NodeRegistry::Heartbeat(const std::string& node_id) {
+absl::StatusOr<bool> NodeRegistry::Heartbeat(const std::string& node_id) {
   absl::MutexLock lock(&mu_);
   auto it = nodes_.find(node_id);
   if (it == nodes_.end()) return absl::NotFoundError(absl::StrCat("node ", node_id, " not found"));
   it->second.last_heartbeat = clock_.Now();
-  return absl::OkStatus();
+  // LOST is a state a node leaves: heartbeats that were late (a stalled network, a coordinator
+  // too busy to read them) do not keep a live node out of the cluster for good.
+  if (it->second.node.state() == v1::NODE_LOST && it->second.session != nullptr) {
+    it->second.node.set_state(v1::NODE_READY);
+    return true;
+  }
+  return false;
 }
 
 std::vector<std::string> NodeRegistry::CheckTimeouts() {

@@ -46,8 +46,10 @@ class NodeRegistry {
   void Register(const v1::RegisterNodeRequest& request,
                 std::function<void(absl::StatusOr<v1::Node>)> done);
 
-  // Records a heartbeat now. NOT_FOUND for an unknown node.
-  absl::Status Heartbeat(const std::string& node_id);
+  // Records a heartbeat now; true when it brought a LOST node whose session is open back to
+  // READY (its ranks' attempts were failed and their ranks told to stop when it was lost; it
+  // takes new ranks again). NOT_FOUND for an unknown node.
+  absl::StatusOr<bool> Heartbeat(const std::string& node_id);
 
   // Marks READY nodes whose last heartbeat is older than the node timeout LOST; returns their ids.
   std::vector<std::string> CheckTimeouts();

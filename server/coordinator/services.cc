@@ -358,9 +358,14 @@ class SessionReactor final
                          absl::StrCat("node ", node_id_, " is denied by an admin")));
         return;
       }
-      if (absl::Status s = nodes_.Heartbeat(node_id_); !s.ok()) {
-        End(ToGrpcStatus(s));
+      auto back = nodes_.Heartbeat(node_id_);
+      if (!back.ok()) {
+        End(ToGrpcStatus(back.status()));
         return;
+      }
+      if (*back) {
+        spdlog::info("node {} is back: READY again (its lost attempts stay failed)", node_id_);
+        jobs_.RequestSchedulingPass();
       }
       v1::CoordinatorMessage ack;
       ack.mutable_heartbeat_ack()->set_seq(incoming_.heartbeat().seq());
