@@ -38,15 +38,6 @@ constexpr size_t kMaxRequestBytes = 8 << 10;
 constexpr int kIoTimeoutSeconds = 5;
 constexpr int kMaxConnections = 16;
 
-std::string SslErrors() {
-  std::string out;
-  while (const unsigned long e = ERR_get_error()) {
-    const char* reason = ERR_reason_error_string(e);
-    absl::StrAppend(&out, out.empty() ? "" : "; ", reason != nullptr ? reason : "TLS error");
-  }
-  return out;
-}
-
 // "HOST:PORT" ("[v6]:PORT" too) into its parts; false if it is not that.
 bool SplitAddress(const std::string& address, std::string* host, std::string* port) {
   const size_t colon = address.rfind(':');
@@ -161,15 +152,15 @@ struct MetricsEndpoint::Impl {
                              std::string* error) {
     SSL_CTX* ctx = SSL_CTX_new(TLS_server_method());
     if (ctx == nullptr) {
-      *error = absl::StrCat("TLS: ", SslErrors());
+      *error = absl::StrCat("TLS: ", OpenSslErrors());
       return nullptr;
     }
     SSL_CTX_set_min_proto_version(ctx, TLS1_2_VERSION);
     if (SSL_CTX_use_certificate_chain_file(ctx, cert_file.c_str()) != 1) {
-      *error = absl::StrCat("--tls-cert: cannot use ", cert_file, ": ", SslErrors());
+      *error = absl::StrCat("--tls-cert: cannot use ", cert_file, ": ", OpenSslErrors());
     } else if (SSL_CTX_use_PrivateKey_file(ctx, key_file.c_str(), SSL_FILETYPE_PEM) != 1 ||
                SSL_CTX_check_private_key(ctx) != 1) {
-      *error = absl::StrCat("--tls-key: cannot use ", key_file, ": ", SslErrors());
+      *error = absl::StrCat("--tls-key: cannot use ", key_file, ": ", OpenSslErrors());
     } else {
       return ctx;
     }

@@ -255,15 +255,6 @@ std::string PeerCertificateName(const grpc::ServerContextBase& ctx) {
 namespace trainyard {
 namespace {
 
-std::string OpensslReasons() {
-  std::string out;
-  while (const unsigned long e = ERR_get_error()) {
-    const char* reason = ERR_reason_error_string(e);
-    absl::StrAppend(&out, out.empty() ? "" : "; ", reason != nullptr ? reason : "TLS error");
-  }
-  return out;
-}
-
 // A TCP connection to HOST:PORT within `timeout`, blocking afterwards with `timeout` on each send
 // and receive; -1 if nothing answers.
 int DialWithin(const std::string& host, const std::string& port, absl::Duration timeout) {
@@ -298,6 +289,15 @@ int DialWithin(const std::string& host, const std::string& port, absl::Duration 
 }
 
 }  // namespace
+
+std::string OpenSslErrors() {
+  std::string out;
+  while (const unsigned long e = ERR_get_error()) {
+    const char* reason = ERR_reason_error_string(e);
+    absl::StrAppend(&out, out.empty() ? "" : "; ", reason != nullptr ? reason : "TLS error");
+  }
+  return out;
+}
 
 std::string DiagnoseTls(const std::string& address, const TlsClientOptions& options,
                         absl::Duration timeout) {
@@ -375,7 +375,7 @@ std::string DiagnoseTls(const std::string& address, const TlsClientOptions& opti
     }
   } else if (shaken != 1) {
     const long verify = SSL_get_verify_result(ssl);
-    const std::string reasons = OpensslReasons();
+    const std::string reasons = OpenSslErrors();
     X509* peer = SSL_get1_peer_certificate(ssl);
     if (verify != X509_V_OK) {
       why = absl::StrCat("the server's certificate does not verify: ",
@@ -413,7 +413,7 @@ std::string DiagnoseTls(const std::string& address, const TlsClientOptions& opti
     ERR_clear_error();
     const int r = SSL_read(ssl, &byte, 1);
     const int err = r <= 0 ? SSL_get_error(ssl, r) : SSL_ERROR_NONE;
-    const std::string reasons = OpensslReasons();
+    const std::string reasons = OpenSslErrors();
     const bool timed_out = err == SSL_ERROR_WANT_READ ||
                            (err == SSL_ERROR_SYSCALL && (errno == EAGAIN || errno == EWOULDBLOCK));
     // A gRPC server waits for the client's first bytes; one that closes at once (with an alert,

@@ -64,6 +64,9 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
 // closed (TLS it cannot verify: its calls fail, nothing is sent in clear).
 std::shared_ptr<grpc::ChannelCredentials> ChannelCredentialsFromEnv();
 
+// OpenSSL's error queue as one line of reasons, most recent last (and the queue cleared).
+std::string OpenSslErrors();
+
 // Why a connection to the server at `address` (HOST:PORT) fails at the TLS layer, as one line
 // naming the cause, found by a handshake of its own (OpenSSL, within `timeout`): the server
 // speaks TLS and `options` has no CA; it does not speak TLS and `options` has one; its

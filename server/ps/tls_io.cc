@@ -16,24 +16,16 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
+#include "common/tls.h"
 
 namespace trainyard::ps {
 namespace {
 
 // OpenSSL's error queue as one line (and cleared): its reasons, most recent last.
-std::string SslErrors() {
-  std::string out;
-  while (const unsigned long e = ERR_get_error()) {
-    char buf[256];
-    ERR_error_string_n(e, buf, sizeof(buf));
-    const char* reason = ERR_reason_error_string(e);
-    absl::StrAppend(&out, out.empty() ? "" : "; ", reason != nullptr ? reason : buf);
-  }
-  return out;
-}
 
 absl::Status FlagError(const char* flag, const std::string& path) {
-  return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot use ", path, ": ", SslErrors()));
+  return absl::InvalidArgumentError(
+      absl::StrCat(flag, ": cannot use ", path, ": ", OpenSslErrors()));
 }
 
 SSL_CTX* NewContext(bool server) {
@@ -54,7 +46,7 @@ SSL_CTX* NewContext(bool server) {
 // queue.
 std::string HandshakeFailure(SSL* ssl, int ret) {
   const long verify = SSL_get_verify_result(ssl);
-  std::string errors = SslErrors();
+  std::string errors = OpenSslErrors();
   if (verify != X509_V_OK) {
     return absl::StrCat("the peer's certificate: ", X509_verify_cert_error_string(verify));
   }
@@ -87,7 +79,7 @@ absl::StatusOr<int> Drive(SSL* ssl, int fd, Op op, IoLimit limit, absl::Time* la
       return absl::UnavailableError(
           absl::StrCat(what, ": the peer closed or reset the connection"));
     }
-    return absl::UnavailableError(absl::StrCat(what, ": TLS: ", SslErrors()));
+    return absl::UnavailableError(absl::StrCat(what, ": TLS: ", OpenSslErrors()));
   }
 }
 
@@ -129,11 +121,11 @@ const BIO_METHOD* NoSignalSocketMethod() {
 absl::StatusOr<Conn> Handshake(UniqueFd fd, const TlsConfig& config, const std::string& host,
                                IoLimit limit) {
   SSL* ssl = SSL_new(config.ctx());
-  if (ssl == nullptr) return absl::InternalError(absl::StrCat("TLS: ", SslErrors()));
+  if (ssl == nullptr) return absl::InternalError(absl::StrCat("TLS: ", OpenSslErrors()));
   Conn conn(std::move(fd));
   conn.set_ssl(ssl);
   BIO* bio = BIO_new(NoSignalSocketMethod());
-  if (bio == nullptr) return absl::InternalError(absl::StrCat("TLS: ", SslErrors()));
+  if (bio == nullptr) return absl::InternalError(absl::StrCat("TLS: ", OpenSslErrors()));
   BIO_set_fd(bio, conn.fd(), BIO_NOCLOSE);
   SSL_set_bio(ssl, bio, bio);
   if (config.is_server()) {
@@ -176,7 +168,7 @@ absl::StatusOr<Conn> Handshake(UniqueFd fd, const TlsConfig& config, const std::
 absl::StatusOr<std::shared_ptr<const TlsConfig>> TlsConfig::Server(const std::string& cert_file,
                                                                    const std::string& key_file) {
   SSL_CTX* ctx = NewContext(true);
-  if (ctx == nullptr) return absl::InternalError(absl::StrCat("TLS: ", SslErrors()));
+  if (ctx == nullptr) return absl::InternalError(absl::StrCat("TLS: ", OpenSslErrors()));
   std::shared_ptr<const TlsConfig> config(new TlsConfig(ctx, true));
   if (SSL_CTX_use_certificate_chain_file(ctx, cert_file.c_str()) != 1) {
     return FlagError("--tls-cert", cert_file);
@@ -195,7 +187,7 @@ absl::StatusOr<std::shared_ptr<const TlsConfig>> TlsConfig::Client(const std::st
                                                                    const std::string& cert_file,
                                                                    const std::string& key_file) {
   SSL_CTX* ctx = NewContext(false);
-  if (ctx == nullptr) return absl::InternalError(absl::StrCat("TLS: ", SslErrors()));
+  if (ctx == nullptr) return absl::InternalError(absl::StrCat("TLS: ", OpenSslErrors()));
   std::shared_ptr<const TlsConfig> config(new TlsConfig(ctx, false));
   if (SSL_CTX_load_verify_locations(ctx, ca_file.c_str(), nullptr) != 1) {
     return FlagError("--tls-ca", ca_file);
