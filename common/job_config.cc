@@ -51,7 +51,9 @@ const char* Name(BackwardPrefetch p) {
   return "?";
 }
 
-const char* Name(Precision p) { return p == Precision::kBf16 ? "bf16" : "fp32"; }
+const char* Name(Precision p) {
+  return p == Precision::kBf16 ? "bf16" : p == Precision::kFp16 ? "fp16" : "fp32";
+}
 
 const char* Name(PipelineSchedule s) { return s == PipelineSchedule::kGpipe ? "gpipe" : "1f1b"; }
 

@@ -19,7 +19,7 @@ enum class Sharding { kFullShard, kShardGradOp, kNoShard, kHybridShard };
 enum class WrapPolicy { kTransformerBased, kSizeBased };
 // PyTorch FSDP's BackwardPrefetch.
 enum class BackwardPrefetch { kBackwardPre, kBackwardPost, kNoPrefetch };
-enum class Precision { kFp32, kBf16 };
+enum class Precision { kFp32, kBf16, kFp16 };
 // parallel.pipeline_schedule.
 enum class PipelineSchedule { kGpipe, kOneFOneB };
 // checkpoint.export: none, a Hugging Face directory (LoRA: the PEFT adapter), or LoRA merged.

@@ -15,14 +15,15 @@ struct BytesPerParam {
 };
 
 BytesPerParam ForPrecision(v1::MixedPrecision p) {
-  if (p == v1::BF16) return {2, 2, 4};  // bf16 weights and grads; fp32 master weights
+  // bf16 / fp16 weights and grads; fp32 master weights
+  if (p == v1::BF16 || p == v1::FP16) return {2, 2, 4};
   return {4, 4, 0};
 }
 
 int64_t ActivationBytes(const v1::JobSpec& spec, v1::MixedPrecision precision) {
   const auto& m = spec.model();
   const int64_t s = m.seq_len(), b = spec.train().micro_batch(), h = m.d_model();
-  const int64_t value_bytes = precision == v1::BF16 ? 2 : 4;
+  const int64_t value_bytes = precision == v1::FP32 ? 4 : 2;
   const int64_t logits = s * b * m.vocab() * 4 * 2;  // fp32 logits and their gradient
   if (m.kind() == "mlp") {
     return b * s * h * value_bytes + m.n_layer() * b * (m.d_hidden() + h) * value_bytes * 2 +
@@ -83,7 +84,7 @@ MemoryEstimate ModelParallelEstimate(const v1::JobSpec& spec, MemoryEstimate e, 
   const int64_t whole = ModelParameterCount(model);
   const int64_t optimizer_state = OptimizerStateBytes(
       config.train.optimizer, TrainedParameterShapes(model, config.train.lora), 1);
-  const int64_t value_bytes = e.precision == v1::BF16 ? 2 : 4;
+  const int64_t value_bytes = e.precision == v1::FP32 ? 4 : 2;
   const int64_t s = model.seq_len, b = spec.train().micro_batch(), h = model.d_model;
   const int64_t a = std::max(1, model.n_head);
   // Korthikanti et al.: with tensor parallelism the norms' and dropouts' 10 s*b*h stay whole on
@@ -154,7 +155,9 @@ MemoryEstimate EstimateMemory(const v1::JobSpec& spec, int world_size, int ranks
   e.tensor_parallel = std::max(1, spec.parallel().tensor_parallel());
   e.schedule = spec.parallel().pipeline_schedule() == v1::GPIPE ? v1::GPIPE : v1::ONE_F_ONE_B;
   e.strategy = spec.parallel().strategy();
-  e.precision = spec.train().mixed_precision() == v1::BF16 ? v1::BF16 : v1::FP32;
+  e.precision = spec.train().mixed_precision() == v1::MIXED_PRECISION_UNSPECIFIED
+                    ? v1::FP32
+                    : spec.train().mixed_precision();
   // LoRA: the base weights are frozen (weights only: no gradients, no optimizer state); only the
   // adapters train.
   const JobConfig config = ToJobConfig(spec);

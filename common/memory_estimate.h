@@ -2,8 +2,8 @@
 // estimate-memory` prints it and the coordinator checks it at submit. Pure functions.
 //
 // Model state follows the ZeRO paper's accounting per parameter: fp32 training keeps 4 bytes of
-// weights, 4 of gradients and 8 of Adam moments; bf16 mixed precision keeps 2 + 2 and 12 of
-// optimizer state (fp32 master weights + moments). train.optimizer changes the moments' part
+// weights, 4 of gradients and 8 of Adam moments; bf16 (and fp16) mixed precision keeps 2 + 2 and 12
+// of optimizer state (fp32 master weights + moments). train.optimizer changes the moments' part
 // (OptimizerStateBytes: Lion 4, 8-bit AdamW about 2, Adafactor a row and a column per matrix).
 // FSDP shards these over the shard group (Adafactor's factors are replicated) and adds
 // the largest unit while it is gathered. Activations follow Korthikanti et al. (2022), "Reducing

@@ -281,8 +281,9 @@ absl::Status ParseDocument(const YAML::Node& root, SpecParser& p, JobSpec& spec)
     RETURN_IF_ERROR(p.Integer(n, "warmup", "train", i64));
     t.set_warmup(i64);
     v1::MixedPrecision mp = v1::MIXED_PRECISION_UNSPECIFIED;
-    RETURN_IF_ERROR(p.Choice<v1::MixedPrecision>(n, "mixed_precision", "train",
-                                                 {{"fp32", v1::FP32}, {"bf16", v1::BF16}}, mp));
+    RETURN_IF_ERROR(p.Choice<v1::MixedPrecision>(
+        n, "mixed_precision", "train", {{"fp32", v1::FP32}, {"bf16", v1::BF16}, {"fp16", v1::FP16}},
+        mp));
     t.set_mixed_precision(mp);
     v1::Optimizer optimizer = v1::OPTIMIZER_UNSPECIFIED;
     RETURN_IF_ERROR(p.Choice<v1::Optimizer>(n, "optimizer", "train",
@@ -846,7 +847,7 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   if (!v1::MixedPrecision_IsValid(t.mixed_precision()) ||
       t.mixed_precision() == v1::MIXED_PRECISION_UNSPECIFIED) {
     return FieldError("train.mixed_precision",
-                      absl::StrCat("unknown value ", t.mixed_precision(), " (fp32 or bf16)"));
+                      absl::StrCat("unknown value ", t.mixed_precision(), " (fp32, bf16 or fp16)"));
   }
   if (!v1::Optimizer_IsValid(t.optimizer()) || t.optimizer() == v1::OPTIMIZER_UNSPECIFIED) {
     return FieldError("train.optimizer", absl::StrCat("unknown value ", t.optimizer(),
@@ -1055,7 +1056,9 @@ JobConfig ToJobConfig(const v1::JobSpec& spec) {
   c.train.grad_accum = t.grad_accum();
   c.train.lr = t.lr();
   c.train.warmup = t.warmup();
-  c.train.precision = t.mixed_precision() == v1::BF16 ? Precision::kBf16 : Precision::kFp32;
+  c.train.precision = t.mixed_precision() == v1::BF16   ? Precision::kBf16
+                      : t.mixed_precision() == v1::FP16 ? Precision::kFp16
+                                                        : Precision::kFp32;
   c.train.activation_checkpointing = t.activation_checkpointing();
   c.train.seed = t.seed();
   c.train.weight_decay = t.weight_decay();

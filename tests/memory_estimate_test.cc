@@ -56,6 +56,20 @@ TEST(MemoryEstimateTest, Bf16MixedPrecisionUsesTwoTwoTwelve) {
   EXPECT_EQ(e.optimizer, 12 * kParams);  // fp32 master weights + m + v
 }
 
+// fp16 (autocast with dynamic loss scaling) keeps what bf16 keeps: 2-byte weights, gradients and
+// activations, fp32 master weights and moments; the loss scale is one number.
+TEST(MemoryEstimateTest, Fp16CountsAsBf16) {
+  const MemoryEstimate h = EstimateMemory(BertBaseSized(v1::DDP, v1::FULL_SHARD, v1::FP16), 4, 4);
+  const MemoryEstimate b = EstimateMemory(BertBaseSized(v1::DDP, v1::FULL_SHARD, v1::BF16), 4, 4);
+  EXPECT_EQ(h.precision, v1::FP16);
+  EXPECT_EQ(h.parameters, b.parameters);
+  EXPECT_EQ(h.gradients, b.gradients);
+  EXPECT_EQ(h.optimizer, b.optimizer);
+  EXPECT_EQ(h.activations, b.activations);
+  EXPECT_LT(h.activations,
+            EstimateMemory(BertBaseSized(v1::DDP, v1::FULL_SHARD, v1::FP32), 4, 4).activations);
+}
+
 TEST(MemoryEstimateTest, FullShardDividesStateByWorldSizeAndAddsOneGatheredUnit) {
   const MemoryEstimate e = EstimateMemory(BertBaseSized(v1::FSDP, v1::FULL_SHARD, v1::FP32), 4, 4);
   const int64_t shard = 27'222'528;  // kParams / 4

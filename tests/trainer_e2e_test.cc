@@ -501,8 +501,9 @@ TEST_F(TrainerE2eTest, SeqLenLongerThanTheDataFailsWithAClearMessage) {
   EXPECT_THAT(r.err, HasSubstr(small));
 }
 
-// The worker offers GPUs only to a trainer that lists cuda; this one trains on CPU only, and a
-// rank that is given a GPU anyway (worker --gpus all) fails at once, saying so.
+// The worker offers GPUs only to a trainer that lists cuda; the default build (Debian's CPU
+// LibTorch) trains on CPU only, and a rank that is given a GPU anyway (worker --gpus all) fails at
+// once, saying so. (The CUDA build's GPU path: tests/gpu_test.sh, on a GPU machine.)
 TEST_F(TrainerE2eTest, SaysItTrainsOnCpuOnlyAndRefusesAGpu) {
   testing::CommandResult devices =
       testing::RunCommand({testing::BinPath("trainyard-trainer"), "--supported-devices"});
@@ -512,7 +513,8 @@ TEST_F(TrainerE2eTest, SaysItTrainsOnCpuOnlyAndRefusesAGpu) {
   testing::CommandResult r =
       testing::RunCommand(Argv(job, 0, 1, {"--device", "cuda"}), {}, absl::Seconds(60));
   EXPECT_EQ(r.exit_code, 1);
-  EXPECT_THAT(r.err, HasSubstr("--device cuda: this trainer trains on CPU only"));
+  EXPECT_THAT(r.err, HasSubstr("--device cuda: this trainer was built with LibTorch"));
+  EXPECT_THAT(r.err, HasSubstr("without CUDA"));
 }
 
 // Offload jobs: two real trainyard-ps processes registered with the coordinator, which places

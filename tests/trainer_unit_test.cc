@@ -32,6 +32,7 @@
 #include "worker/trainer/optimizers.h"
 #include "worker/trainer/param_dump.h"
 #include "worker/trainer/shm_allreduce.h"
+#include "worker/trainer/torch_compat.h"
 
 namespace trainyard::trainer {
 namespace {
@@ -485,9 +486,7 @@ TEST(FusedAdamWTest, MatchesTorchAdamWWithClippingAndWeightDecay) {
   }
   for (size_t i = 0; i < ours.size(); ++i) {
     EXPECT_TRUE(ours[i].allclose(theirs[i], 1e-6, 1e-7)) << i;
-    const auto key = [](const torch::Tensor& p) {
-      return c10::guts::to_string(p.unsafeGetTensorImpl());
-    };
+    const auto key = [](const torch::Tensor& p) { return OptimizerStateKey(p); };
     auto& a = static_cast<torch::optim::AdamWParamState&>(*fused.state().at(key(ours[i])));
     auto& b = static_cast<torch::optim::AdamWParamState&>(*reference.state().at(key(theirs[i])));
     EXPECT_EQ(a.step(), 5);

@@ -97,21 +97,42 @@ void RestoreRngState(const torch::Tensor& state) {
 
 namespace {
 
+// The device of the optimizer's parameters (the CPU when it has none).
+torch::Device ParametersDevice(torch::optim::Optimizer& optimizer) {
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) return p.device();
+  }
+  return torch::kCPU;
+}
+
 absl::Status WriteStepDirectory(const std::string& tmp, int64_t step, torch::nn::Module& model,
-                                torch::optim::Optimizer& optimizer) {
+                                torch::optim::Optimizer& optimizer, const ExtraState& extra) {
+  const torch::Device device = ParametersDevice(optimizer);
   try {
     torch::serialize::OutputArchive archive;
-    for (const auto& [name, p] : SortedParameters(model)) archive.write(name, p.detach());
+    for (const auto& [name, p] : SortedParameters(model)) {
+      archive.write(name, p.detach().to(torch::kCPU));
+    }
     archive.save_to(tmp + "/model.pt");
+    // From the CPU, so that any host reads it; back to the device after.
+    if (!device.is_cpu()) OptimizerStateTo(optimizer, torch::kCPU);
     torch::save(optimizer, tmp + "/optimizer.pt");
+    if (!device.is_cpu()) OptimizerStateTo(optimizer, device);
     torch::save(SaveRngState(), tmp + "/rng.pt");
+    if (!extra.empty()) {
+      torch::serialize::OutputArchive amp;
+      for (const auto& [name, t] : extra) amp.write(name, t.to(torch::kCPU));
+      amp.save_to(tmp + "/amp.pt");
+    }
   } catch (const c10::Error& e) {
+    if (!device.is_cpu()) OptimizerStateTo(optimizer, device);
     return absl::InternalError(
         absl::StrCat("cannot save the checkpoint to '", tmp, "': ", e.what_without_backtrace()));
   }
   for (const char* file : {"/model.pt", "/optimizer.pt", "/rng.pt"}) {
     RETURN_IF_ERROR(SyncPath(tmp + file));
   }
+  if (!extra.empty()) RETURN_IF_ERROR(SyncPath(tmp + "/amp.pt"));
   RETURN_IF_ERROR(WriteSyncedFile(tmp + "/meta.json", MetaJson(step, OptimizerName(optimizer))));
   return SyncPath(tmp);
 }
@@ -224,7 +245,8 @@ absl::StatusOr<std::optional<CheckpointInfo>> FindLatestCheckpoint(const std::st
 
 absl::StatusOr<CheckpointInfo> WriteCheckpoint(const std::string& dir, int64_t step,
                                                torch::nn::Module& model,
-                                               torch::optim::Optimizer& optimizer) {
+                                               torch::optim::Optimizer& optimizer,
+                                               const ExtraState& extra) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return absl::InternalError(absl::StrCat("cannot create '", dir, "': ", ec.message()));
@@ -235,7 +257,7 @@ absl::StatusOr<CheckpointInfo> WriteCheckpoint(const std::string& dir, int64_t s
     fs::remove_all(tmp, ec);
     fs::create_directories(tmp, ec);
     if (ec) return absl::InternalError(absl::StrCat("cannot create '", tmp, "': ", ec.message()));
-    RETURN_IF_ERROR(WriteStepDirectory(tmp, step, model, optimizer));
+    RETURN_IF_ERROR(WriteStepDirectory(tmp, step, model, optimizer, extra));
     fs::remove_all(final_path, ec);  // an incomplete leftover (no meta.json) cannot be named
     if (::rename(tmp.c_str(), final_path.c_str()) != 0) return Errno("cannot rename", tmp);
     RETURN_IF_ERROR(SyncPath(dir));
@@ -250,7 +272,7 @@ namespace {
 absl::Status LoadWhole(const std::string& path, torch::nn::Module& model,
                        torch::optim::Optimizer& optimizer) {
   torch::serialize::InputArchive archive;
-  archive.load_from(path + "/model.pt");
+  archive.load_from(path + "/model.pt", torch::Device(torch::kCPU));
   torch::NoGradGuard no_grad;
   for (auto& [param_name, p] : SortedParameters(model)) {
     torch::Tensor saved;
@@ -261,7 +283,9 @@ absl::Status LoadWhole(const std::string& path, torch::nn::Module& model,
     }
     p.copy_(saved);
   }
-  torch::load(optimizer, path + "/optimizer.pt");
+  torch::load(optimizer, path + "/optimizer.pt", torch::Device(torch::kCPU));
+  const torch::Device device = ParametersDevice(optimizer);
+  if (!device.is_cpu()) OptimizerStateTo(optimizer, device);
   return absl::OkStatus();
 }
 
@@ -328,7 +352,8 @@ absl::Status LoadStages(const std::string& path, torch::nn::Module& model,
 }  // namespace
 
 absl::StatusOr<std::optional<CheckpointInfo>> LoadLatestCheckpoint(
-    const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
+    const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+    ExtraState* extra) {
   ASSIGN_OR_RETURN(std::optional<CheckpointInfo> latest, FindLatestCheckpoint(dir));
   if (!latest.has_value()) return std::nullopt;
   const std::string& path = latest->path;
@@ -354,6 +379,18 @@ absl::StatusOr<std::optional<CheckpointInfo>> LoadLatestCheckpoint(
     torch::Tensor rng;
     torch::load(rng, path + "/rng.pt");
     RestoreRngState(rng);
+    if (extra != nullptr) {
+      extra->clear();
+      if (fs::exists(path + "/amp.pt")) {
+        torch::serialize::InputArchive amp;
+        amp.load_from(path + "/amp.pt", torch::Device(torch::kCPU));
+        for (const std::string& key : amp.keys()) {
+          torch::Tensor t;
+          amp.read(key, t);
+          extra->emplace_back(key, t);
+        }
+      }
+    }
   } catch (const c10::Error& e) {
     return absl::DataLossError(
         absl::StrCat("cannot load checkpoint '", path, "': ", e.what_without_backtrace()));

@@ -34,15 +34,22 @@ struct CheckpointInfo {
 // Writes the checkpoint of `step` (optimizer steps completed). If DIR/step-<N> already exists
 // complete (written by an earlier attempt at the same step: training is deterministic, so it is
 // the same state) it is kept and only `latest` moves.
+// Tensors are written from the CPU whatever device they live on (checkpoints load anywhere).
+// `extra`: more training state by name (fp16's loss scale), written to amp.pt when not empty.
+using ExtraState = std::vector<std::pair<std::string, torch::Tensor>>;
 absl::StatusOr<CheckpointInfo> WriteCheckpoint(const std::string& dir, int64_t step,
                                                torch::nn::Module& model,
-                                               torch::optim::Optimizer& optimizer);
+                                               torch::optim::Optimizer& optimizer,
+                                               const ExtraState& extra = {});
 
 // Loads DIR/latest into `model` and `optimizer` and restores the RNG; nullopt when there is none.
 // Reads DDP checkpoints and pipeline ones (stage-<s>.pt, pipeline.h) alike: whatever the stages
-// that wrote it, every parameter and its optimizer state are found by name.
+// that wrote it, every parameter and its optimizer state are found by name. Tensors are read onto
+// the CPU and copied to the device of the model's parameters (the optimizer state follows them).
+// `extra`: receives amp.pt's tensors, empty when the checkpoint has none.
 absl::StatusOr<std::optional<CheckpointInfo>> LoadLatestCheckpoint(
-    const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer);
+    const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+    ExtraState* extra = nullptr);
 
 // A checkpoint that the ranks of `world` write together (FSDP's shards, pipeline stages); every
 // rank calls it. Unless DIR/step-<N> is complete already (an earlier attempt's, kept), rank 0

@@ -45,7 +45,9 @@ GradientReducer::GradientReducer(std::vector<torch::Tensor> params, Communicator
   for (Bucket& b : buckets_) {
     int64_t numel = 0;
     for (int p : b.params) numel += params_[p].numel();
-    b.buffer = torch::zeros({numel}, torch::kFloat);
+    // On the parameters' device: on a GPU the bucket's all-reduce (NCCL) runs on its own stream
+    // while backward goes on.
+    b.buffer = torch::zeros({numel}, params_[b.params[0]].options().dtype(torch::kFloat));
     bytes_per_step_ += numel * static_cast<int64_t>(sizeof(float));
   }
   for (int i = 0; i < n; ++i) {

@@ -11,7 +11,8 @@
 // which still gives the right sums.
 //
 // Gradient accumulation: only the backward after Prepare(sync = true) communicates.
-// Called from the training thread only (CPU backward runs its hooks on the calling thread).
+// One thread at a time: the training thread (CPU backward runs its hooks on the calling thread;
+// CUDA backward on LibTorch's device thread while the training thread waits in backward()).
 #ifndef TRAINYARD_WORKER_TRAINER_DDP_H_
 #define TRAINYARD_WORKER_TRAINER_DDP_H_
 

@@ -8,12 +8,68 @@
 
 namespace trainyard::trainer {
 
+namespace {
+
+#if TRAINYARD_TORCH2
+// CUDA parameters: LibTorch's fused AdamW kernel (torch.optim.AdamW(fused=True)), one launch for
+// every tensor, the clipping scale passed as its grad_scale (which divides).
+void CudaStep(torch::optim::AdamW& optimizer, const torch::optim::AdamWOptions& options,
+              const std::vector<torch::Tensor>& params, double lr, double grad_scale) {
+  std::vector<torch::Tensor> ps, grads, m, v;
+  int64_t step = 0;
+  for (const auto& p : params) {
+    auto& slot = optimizer.state()[OptimizerStateKey(p)];
+    if (slot == nullptr) {
+      auto st = std::make_unique<torch::optim::AdamWParamState>();
+      st->step(0);
+      st->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+      st->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+      slot = std::move(st);
+    }
+    auto& st = static_cast<torch::optim::AdamWParamState&>(*slot);
+    st.step(st.step() + 1);
+    TORCH_CHECK(ps.empty() || st.step() == step,
+                "FusedAdamWStep: parameters at different step counts on the GPU");
+    step = st.step();
+    ps.push_back(p);
+    grads.push_back(p.grad());
+    m.push_back(st.exp_avg());
+    v.push_back(st.exp_avg_sq());
+  }
+  if (ps.empty()) return;
+  const auto opts = ps[0].options().dtype(torch::kFloat);
+  // Every parameter is at the same step: one tensor read by the kernel for all of them.
+  const torch::Tensor steps = torch::full({}, static_cast<double>(step), opts);
+  const std::vector<torch::Tensor> state_steps(ps.size(), steps);
+  std::optional<torch::Tensor> inv_scale;
+  if (grad_scale != 1.0) inv_scale = torch::full({}, 1.0 / grad_scale, opts);
+  at::_fused_adamw_(ps, grads, m, v, /*max_exp_avg_sqs=*/{}, state_steps, lr,
+                    std::get<0>(options.betas()), std::get<1>(options.betas()),
+                    options.weight_decay(), options.eps(), /*amsgrad=*/false, /*maximize=*/false,
+                    inv_scale, std::nullopt);
+}
+#endif
+
+}  // namespace
+
 void FusedAdamWStep(torch::optim::AdamW& optimizer, double lr, double grad_scale) {
   torch::NoGradGuard no_grad;
+#if TRAINYARD_TORCH2
+  for (auto& group : optimizer.param_groups()) {
+    std::vector<torch::Tensor> on_gpu;
+    for (auto& p : group.params()) {
+      if (p.grad().defined() && p.is_cuda()) on_gpu.push_back(p);
+    }
+    if (!on_gpu.empty()) {
+      CudaStep(optimizer, static_cast<const torch::optim::AdamWOptions&>(group.options()), on_gpu,
+               lr, grad_scale);
+    }
+  }
+#endif
   for (auto& group : optimizer.param_groups()) {
     const auto& options = static_cast<const torch::optim::AdamWOptions&>(group.options());
     for (auto& p : group.params()) {
-      if (!p.grad().defined()) continue;
+      if (!p.grad().defined() || p.is_cuda()) continue;
       TORCH_CHECK(p.scalar_type() == torch::kFloat && p.is_contiguous(),
                   "FusedAdamWStep: parameters must be contiguous fp32");
       auto& slot = optimizer.state()[OptimizerStateKey(p)];

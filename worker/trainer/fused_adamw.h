@@ -4,7 +4,8 @@
 // with the gradient-clipping scale folded in. The arithmetic is PyTorch's torch.optim.AdamW (the
 // Python one, whose lerp LibTorch's C++ AdamW writes as a multiply and an add: the two agree to
 // fp32 rounding), and the moments and step count stay in the torch::optim::AdamW's state, so
-// checkpoints are unchanged and can be read either way.
+// checkpoints are unchanged and can be read either way. Parameters on a GPU go to LibTorch's own
+// fused CUDA AdamW (torch.optim.AdamW(fused=True)), one launch for all of them.
 #ifndef TRAINYARD_WORKER_TRAINER_FUSED_ADAMW_H_
 #define TRAINYARD_WORKER_TRAINER_FUSED_ADAMW_H_
 
@@ -14,7 +15,7 @@ class AdamW;
 
 namespace trainyard::trainer {
 
-// One AdamW update of every parameter of `optimizer` that has a gradient (fp32, CPU), with
+// One AdamW update of every parameter of `optimizer` that has a gradient (fp32; CPU or CUDA), with
 // learning rate `lr` and the gradients multiplied by `grad_scale` first; the optimizer's betas,
 // eps and weight decay. Creates the state of parameters seen for the first time as
 // torch::optim::AdamW does (zero moments, step 0). Splits large tensors over LibTorch's intra-op

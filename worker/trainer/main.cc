@@ -159,16 +159,14 @@ int Main(int argc, char** argv) {
   app.add_option("--local-world-size", o.local_world_size,
                  "ranks of this job on this node (consecutive ranks share a node; default: all)")
       ->check(CLI::NonNegativeNumber);
-  std::string device = "cpu";
-  app.add_option("--device", device, "the device the worker gave this rank: cpu or cuda")
+  app.add_option("--device", o.device, "the device the worker gave this rank: cpu or cuda")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
+  app.add_option("--inject-overflow-at-step", o.inject_overflow_step,
+                 "tests: under fp16, make this step's gradients overflow on rank 0")
+      ->check(CLI::NonNegativeNumber)
+      ->group("");  // hidden
   CLI11_PARSE(app, argc, argv);
-  if (device == "cuda") {
-    return Fail(absl::FailedPreconditionError(
-        "--device cuda: this trainer trains on CPU only (trainyard-trainer --supported-devices); "
-        "start the worker with --gpus none or --gpus auto to offer CPU slots"));
-  }
   if (o.rank >= o.world_size) {
     return Fail(absl::InvalidArgumentError(
         absl::StrCat("--rank ", o.rank, " must be below --world-size ", o.world_size)));

@@ -12,7 +12,9 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "worker/trainer/device.h"
 #include "worker/trainer/onednn_matmul.h"
+#include "worker/trainer/torch_compat.h"
 
 namespace trainyard::trainer {
 namespace {
@@ -20,9 +22,10 @@ namespace {
 namespace F = torch::nn::functional;
 
 // y = x W^T + b, in bf16 when asked (autograd casts the gradients back to fp32); fp32 on oneDNN.
+// On a GPU the product's precision is autocast's (AutocastScope), so `bf16` is not looked at.
 torch::Tensor Dense(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
                     bool bf16) {
-  if (!bf16) return Linear(x, weight, bias);
+  if (!bf16 || x.is_cuda()) return Linear(x, weight, bias);
   const auto b16 = torch::kBFloat16;
   return torch::linear(x.to(b16), weight.to(b16), bias.defined() ? bias.to(b16) : bias)
       .to(torch::kFloat);
@@ -122,6 +125,14 @@ class BlockImpl : public torch::nn::Module {
     // selects would each zero a buffer of all three and then add them up.
     const std::vector<torch::Tensor> qkv =
         Dense(x, qkv_, bf16_).view({b, t, 3, heads, hd}).permute({2, 0, 3, 1, 4}).unbind(0);
+#if TRAINYARD_TORCH2
+    if (x.is_cuda()) {
+      // On the GPU: fused causal attention (flash or memory-efficient kernels; [b, h, t, hd]).
+      const torch::Tensor y =
+          at::scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], {}, 0.0, /*is_causal=*/true);
+      return RowOutput(y.transpose(1, 2).reshape({b, t, d}), proj_, bf16_, *tp_);
+    }
+#endif
     // [b * h, t, hd] each
     torch::Tensor q = qkv[0].reshape({b * heads, t, hd}), k = qkv[1].reshape({b * heads, t, hd}),
                   v = qkv[2].reshape({b * heads, t, hd});
@@ -172,6 +183,8 @@ class CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
                                LanguageModel* model, int64_t block, bool preserve_rng) {
     ctx->saved_data["model"] = reinterpret_cast<int64_t>(model);
     ctx->saved_data["block"] = block;
+    // The recompute runs in backward, outside the forward's autocast: it takes the same one.
+    ctx->saved_data["autocast"] = static_cast<int64_t>(AutocastScope::ActivePrecision());
     if (preserve_rng) ctx->saved_data["rng"] = at::detail::getDefaultCPUGenerator().get_state();
     ctx->save_for_backward({x});
     torch::NoGradGuard no_grad;  // apply() already disables grad; stated for the reader
@@ -193,6 +206,8 @@ class CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
         generator.set_state(ctx->saved_data["rng"].toTensor());
       }
       torch::AutoGradMode enable(true);
+      AutocastScope autocast(x.device(),
+                             static_cast<Precision>(ctx->saved_data["autocast"].toInt()));
       y = model->BlockForward(block, x);
       if (preserve_rng) generator.set_state(now);
     }
@@ -257,7 +272,7 @@ class GptModel : public LanguageModel {
         tp_.on() ? VocabParallelEmbedding(inputs, tok_emb_->weight, tp_) : tok_emb_(inputs);
     // Sequence parallelism: this rank's part of the sequence.
     const int64_t t = tokens.size(1), first = tp_.sequence ? tp_.rank * t : 0;
-    return tokens + pos_emb_(torch::arange(first, first + t, torch::kLong));
+    return tokens + pos_emb_(torch::arange(first, first + t, inputs.options().dtype(torch::kLong)));
   }
   torch::Tensor BlockForward(int i, const torch::Tensor& x) override {
     return (*blocks_)[i]->as<BlockImpl>()->forward(x);
@@ -340,14 +355,16 @@ class Rope {
   explicit Rope(const ModelConfig& m) : m_(m), dim_(m.HeadDim()) {}
 
   // cos and sin for positions 0..t-1.
-  std::pair<torch::Tensor, torch::Tensor> CosSin(int64_t t) {
+  // cos and sin for positions 0..t-1, on `device` (computed on the CPU, as transformers does
+  // in fp32).
+  std::pair<torch::Tensor, torch::Tensor> CosSin(int64_t t, const torch::Device& device) {
     auto it = cache_.find(t);
-    if (it != cache_.end()) return it->second;
+    if (it != cache_.end() && it->second.first.device() == device) return it->second;
     torch::NoGradGuard no_grad;
     torch::Tensor inv_freq = InverseFrequencies(t);
     torch::Tensor freqs = torch::outer(torch::arange(t, torch::kFloat), inv_freq);
     torch::Tensor emb = torch::cat({freqs, freqs}, -1);
-    return cache_[t] = std::make_pair(emb.cos(), emb.sin());
+    return cache_[t] = std::make_pair(emb.cos().to(device), emb.sin().to(device));
   }
 
  private:
@@ -461,6 +478,16 @@ class LlamaAttentionImpl : public torch::nn::Module {
                   v = heads_of(v_proj, v_lora_, kv_heads);
     q = q * cos + RotateHalf(q) * sin;
     k = k * cos + RotateHalf(k) * sin;
+#if TRAINYARD_TORCH2
+    if (x.is_cuda()) {
+      // On the GPU: fused causal attention, grouped-query heads shared inside the kernel.
+      torch::Tensor y = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true,
+                                                         std::nullopt, /*enable_gqa=*/rep > 1);
+      y = y.transpose(1, 2).reshape({b, t, heads * hd});
+      if (tp_->on()) return RowOutput(y, o_proj, bf16_, *tp_);
+      return Project(y, o_proj, o_lora_, bf16_, is_training());
+    }
+#endif
     // Grouped-query attention: each key-value head serves `rep` query heads.
     auto expand = [&](const torch::Tensor& kv) {
       if (rep == 1) return kv.reshape({b * heads, t, hd});
@@ -529,7 +556,7 @@ class LlamaLayerImpl : public torch::nn::Module {
   }
   torch::Tensor forward(const torch::Tensor& x) {
     // Sequence parallelism: x is this rank's part; attention sees the whole sequence.
-    const auto [cos, sin] = rope_->CosSin(x.size(1) * (tp_->sequence ? tp_->size : 1));
+    const auto [cos, sin] = rope_->CosSin(x.size(1) * (tp_->sequence ? tp_->size : 1), x.device());
     torch::Tensor h = x + self_attn(input_layernorm(x), cos, sin);
     return h + mlp(post_attention_layernorm(h));
   }
@@ -765,7 +792,7 @@ void FreeStorage(const torch::Tensor& t) {
 
 void AllocateStorage(const torch::Tensor& t, int64_t bytes) {
   c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
-  storage->set_data_ptr_noswap(c10::GetCPUAllocator()->allocate(bytes));
+  storage->set_data_ptr_noswap(c10::GetAllocator(t.device().type())->allocate(bytes));
   storage->set_nbytes(bytes);
 }
 
@@ -773,14 +800,18 @@ std::vector<int64_t> Generate(LanguageModel& model, const std::vector<int64_t>& 
                               double temperature, uint64_t seed, int64_t seq_len) {
   torch::NoGradGuard no_grad;
   auto generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const torch::Device device = model.parameters().at(0).device();
   std::vector<int64_t> tokens = prompt;
   std::vector<int64_t> out;
   for (int i = 0; i < length; ++i) {
     const int64_t t = std::min<int64_t>(static_cast<int64_t>(tokens.size()), seq_len);
     torch::Tensor context =
         torch::tensor(std::vector<int64_t>(tokens.end() - t, tokens.end()), torch::kLong)
-            .unsqueeze(0);
-    torch::Tensor probs = torch::softmax(model.NextTokenLogits(context) / temperature, -1);
+            .unsqueeze(0)
+            .to(device);
+    // Sampled on the CPU, from its generator: the same text on every device.
+    torch::Tensor probs = torch::softmax(
+        model.NextTokenLogits(context).to(torch::kCPU, torch::kFloat) / temperature, -1);
     const int64_t next = torch::multinomial(probs, 1, false, generator).item<int64_t>();
     tokens.push_back(next);
     out.push_back(next);

@@ -861,6 +861,17 @@ std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(const std::vector<torch::
   return std::make_unique<ParameterOptimizer>(params, hyper);
 }
 
+void OptimizerStateTo(torch::optim::Optimizer& optimizer, const torch::Device& device) {
+  auto* adamw = dynamic_cast<torch::optim::AdamW*>(&optimizer);
+  if (adamw == nullptr) return;
+  for (auto& [key, state] : adamw->state()) {
+    auto& st = static_cast<torch::optim::AdamWParamState&>(*state);
+    if (st.exp_avg().defined()) st.exp_avg(st.exp_avg().to(device));
+    if (st.exp_avg_sq().defined()) st.exp_avg_sq(st.exp_avg_sq().to(device));
+    if (st.max_exp_avg_sq().defined()) st.max_exp_avg_sq(st.max_exp_avg_sq().to(device));
+  }
+}
+
 std::map<std::string, torch::Tensor> ParameterState(torch::optim::Optimizer& optimizer, size_t i,
                                                     int64_t* step) {
   if (auto* parameters = dynamic_cast<ParameterOptimizer*>(&optimizer)) {

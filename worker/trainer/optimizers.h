@@ -171,6 +171,10 @@ void OptimizerStep(torch::optim::Optimizer& optimizer, double lr, double grad_sc
 std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(const std::vector<torch::Tensor>& params,
                                                        const OptimizerHyper& hyper, double lr);
 
+// Moves the optimizer's state tensors (AdamW's moments) to `device`: checkpoints hold them on the
+// CPU, a GPU rank steps them on its device. A no-op for the other optimizers (CPU only).
+void OptimizerStateTo(torch::optim::Optimizer& optimizer, const torch::Device& device);
+
 // The state of parameter `i` (of the first parameter group) of a MakeOptimizer optimizer by
 // name (AdamW: exp_avg and exp_avg_sq; the others: SlotOptimizer::State's), empty before its
 // first step; `step` gets its optimizer steps. For checkpoints that move state between

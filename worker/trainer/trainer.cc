@@ -12,10 +12,12 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <optional>
 #include <thread>
 
 #include <nlohmann/json.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -26,8 +28,10 @@
 #include "worker/trainer/checkpoint.h"
 #include "worker/trainer/communicator.h"
 #include "worker/trainer/coordinator_store.h"
+#include "worker/trainer/cuda_support.h"
 #include "worker/trainer/data.h"
 #include "worker/trainer/ddp.h"
+#include "worker/trainer/device.h"
 #include "worker/trainer/fsdp.h"
 #include "worker/trainer/fsdp_checkpoint.h"
 #include "worker/trainer/hf_checkpoint.h"
@@ -102,7 +106,7 @@ torch::Tensor MaskWeights(const std::vector<uint8_t>& mask, const std::vector<in
 absl::Status WriteDump(const std::string& path, torch::nn::Module& model) {
   std::vector<DumpedParam> params;
   for (const auto& item : model.named_parameters()) {
-    torch::Tensor t = item.value().detach().to(torch::kFloat).contiguous();
+    torch::Tensor t = item.value().detach().to(torch::kCPU, torch::kFloat).contiguous();
     DumpedParam p;
     p.name = item.key();
     p.shape.assign(t.sizes().begin(), t.sizes().end());
@@ -205,6 +209,32 @@ absl::Status Train(const TrainerOptions& o) {
         stages * tensor, " ranks (pipeline stages x tensor-parallel ranks); this node runs ",
         local_world));
   }
+  ASSIGN_OR_RETURN(const torch::Device device, ResolveDevice(o.device));
+  if (t.precision == Precision::kFp16 && (model_parallel || offload || fsdp_on)) {
+    return absl::UnimplementedError(
+        "train.mixed_precision: fp16 (dynamic loss scaling) runs with strategy ddp only so far; "
+        "use bf16");
+  }
+  if (device.is_cuda()) {
+    // What runs on a GPU so far: DDP (and FSDP NO_SHARD) with AdamW. The rest refuses here, by
+    // field, before any rank waits for another.
+    if (model_parallel) {
+      return absl::UnimplementedError(
+          "parallel.pipeline_stages / parallel.tensor_parallel: model parallelism does not run "
+          "on GPUs yet; use strategy ddp, or CPU slots");
+    }
+    if (offload || fsdp_on) {
+      return absl::UnimplementedError(
+          absl::StrCat("parallel.strategy: ", Name(par.strategy),
+                       fsdp_on ? absl::StrCat(" ", Name(par.sharding)) : "",
+                       " does not run on GPUs yet; use ddp (or fsdp NO_SHARD), or CPU slots"));
+    }
+    if (t.optimizer != OptimizerKind::kAdamW) {
+      return absl::UnimplementedError(
+          absl::StrCat("train.optimizer: ", Name(t.optimizer),
+                       " runs on CPU slots only; on GPUs use adamw (LibTorch's fused kernel)"));
+    }
+  }
   std::vector<PsRangeRef> ps_ranges;
   if (offload) {
     if (o.ps_ranges.empty()) {
@@ -234,8 +264,22 @@ absl::Status Train(const TrainerOptions& o) {
   std::unique_ptr<Communicator> stage_comm;
   // Tensor parallelism: the ranks that split this rank's layers.
   std::unique_ptr<Communicator> tensor_comm;
-  if (o.world_size == 1) {
+  // Tests: one rank that still sends its gradients through NCCL (an in-process store), so that a
+  // machine with one GPU runs the NCCL path: buckets, streams and events.
+  const bool nccl_one_rank =
+      device.is_cuda() && o.world_size == 1 && std::getenv("TRAINYARD_NCCL_ONE_RANK") != nullptr;
+  if (nccl_one_rank) {
+    ASSIGN_OR_RETURN(comm, MakeNcclCommunicator(c10::make_intrusive<c10d::HashStore>(), 0, 1,
+                                                std::chrono::minutes(5)));
+  } else if (o.world_size == 1) {
     comm = MakeLocalCommunicator();
+  } else if (device.is_cuda()) {
+    // NCCL's unique id travels through the coordinator's rendezvous, as Gloo's addresses do.
+    auto store = c10::make_intrusive<CoordinatorStore>(
+        std::make_shared<RendezvousClient>(o.coordinator, o.job_id, o.attempt),
+        std::chrono::minutes(5));
+    ASSIGN_OR_RETURN(comm,
+                     MakeNcclCommunicator(store, o.rank, o.world_size, std::chrono::minutes(5)));
   } else {
     auto store = c10::make_intrusive<CoordinatorStore>(
         std::make_shared<RendezvousClient>(o.coordinator, o.job_id, o.attempt),
@@ -309,7 +353,10 @@ absl::Status Train(const TrainerOptions& o) {
   }
 
   ModelOptions model_options;
-  model_options.bf16 = t.precision == Precision::kBf16;
+  // On a GPU autocast picks each operation's precision; on the CPU the model runs its Linear
+  // layers in bf16 itself. fp16 on the CPU scales the loss as on a GPU but computes in fp32
+  // (Debian's LibTorch has no fp16 CPU matmuls).
+  model_options.bf16 = t.precision == Precision::kBf16 && !device.is_cuda();
   model_options.activation_checkpointing = t.activation_checkpointing;
   model_options.lora = t.lora;
   // FSDP with cpu_ram_efficient_loading: only rank 0 holds the whole model, the others receive
@@ -327,6 +374,8 @@ absl::Status Train(const TrainerOptions& o) {
     if (rank0) Log(absl::StrCat("loaded ", hf_checkpoint->size(), " tensors from ", m.from));
   }
   hf_checkpoint.reset();  // unmapped
+  // In place: the parameters keep their identity (the optimizer's state keys).
+  if (device.is_cuda()) model->to(device);
   std::vector<torch::Tensor> params = model->parameters();
   // What the optimizer updates and the ranks average: every parameter, or the LoRA adapters.
   const std::vector<torch::Tensor> trainable = TrainableParameters(*model);
@@ -348,6 +397,7 @@ absl::Status Train(const TrainerOptions& o) {
   }
   std::unique_ptr<FsdpModel> fsdp;
   std::unique_ptr<torch::optim::Optimizer> optimizer_holder;
+  ExtraState extra_state;  // amp.pt of the checkpoint resumed from
   int64_t step = 0;
   FsdpConfig fsdp_config;
   fsdp_config.sharding = par.sharding;
@@ -375,8 +425,9 @@ absl::Status Train(const TrainerOptions& o) {
     if (model_parallel) whole = MakeOptimizer(trainable, hyper, t.lr);
     std::optional<CheckpointInfo> loaded;
     if (!o.checkpoint_dir.empty()) {
-      ASSIGN_OR_RETURN(loaded, LoadLatestCheckpoint(o.checkpoint_dir, *model,
-                                                    whole ? *whole : *optimizer_holder));
+      ASSIGN_OR_RETURN(
+          loaded, LoadLatestCheckpoint(o.checkpoint_dir, *model, whole ? *whole : *optimizer_holder,
+                                       &extra_state));
       if (loaded.has_value()) {
         step = loaded->step;
         Log(absl::StrCat("resumed from ", loaded->path, " at step ", step));
@@ -442,6 +493,12 @@ absl::Status Train(const TrainerOptions& o) {
     RETURN_IF_ERROR(offloaded->Initialize(step, *optimizer_holder));
   }
 
+  // fp16: dynamic loss scaling, its state carried by checkpoints (amp.pt).
+  std::optional<LossScaler> scaler;
+  if (t.precision == Precision::kFp16) {
+    scaler.emplace();
+    if (!extra_state.empty()) RETURN_IF_ERROR(scaler->SetState(extra_state));
+  }
   std::unique_ptr<GradientReducer> reducer;
   std::unique_ptr<PipelineStage> pipeline;
   if (model_parallel) {
@@ -452,7 +509,7 @@ absl::Status Train(const TrainerOptions& o) {
     pipeline = std::make_unique<PipelineStage>(*model, *comm, *layout, par.pipeline_schedule,
                                                t.micro_batch, reducer.get(), fsdp.get(),
                                                tensor_comm.get());
-  } else if (o.world_size > 1 && !offload && !fsdp) {
+  } else if ((o.world_size > 1 || nccl_one_rank) && !offload && !fsdp) {
     // The first bucket is 1 MiB like PyTorch's, or smaller when the buckets are.
     const double bucket_mb = par.bucket_mb;
     reducer =
@@ -513,6 +570,11 @@ absl::Status Train(const TrainerOptions& o) {
              : std::string(Name(par.strategy)),
       Name(t.optimizer), step, total_steps));
   Log(absl::StrCat("collectives: ", comm->Describe()));
+  Log(absl::StrCat(
+      "device: ", DescribeDevice(device), "; precision ", Name(t.precision),
+      device.is_cuda() && t.precision != Precision::kFp32 ? " (autocast, fp32 master weights)" : "",
+      scaler ? absl::StrCat(", dynamic loss scale from ", scaler->scale()) : ""));
+  if (device.is_cuda()) CudaResetPeak();
   // A tensor-parallel group is consecutive ranks; the scheduler gives each node whole groups, but
   // ranks started otherwise may split one.
   if (tensor > 1 && o.local_world_size > 0 && o.local_world_size % tensor != 0) {
@@ -542,6 +604,12 @@ absl::Status Train(const TrainerOptions& o) {
     const auto step_start = Clock::now();
     const int64_t bytes_before = bytes_sent();
     double loss_sum = 0, backward_s = 0, comm_wait_s = 0;
+    // fp16: the loss is scaled before backward (an injected overflow scales it by inf on rank 0:
+    // every gradient becomes inf or NaN, as a real fp16 overflow makes them).
+    const bool inject_overflow = scaler && o.inject_overflow_step == step + 1 && rank0;
+    const double loss_scale = !scaler           ? 1.0
+                              : inject_overflow ? std::numeric_limits<double>::infinity()
+                                                : scaler->scale();
     // data.loss_mask: the targets the whole global batch counts (every rank knows the batch), so
     // that the step's loss is their mean however they fall on ranks and micro-batches.
     const int64_t counted =
@@ -571,16 +639,24 @@ absl::Status Train(const TrainerOptions& o) {
       if (fsdp) fsdp->BeginForward(micro == grad_accum - 1);
       const std::vector<int64_t> samples = sampler.MicroBatch(step, micro);
       if (t.lora.dropout > 0) torch::manual_seed(DropoutSeed(t.seed, o.rank, step, micro));
-      torch::Tensor batch = MakeBatch(data, samples, m.seq_len);
+      torch::Tensor batch = ToDevice(MakeBatch(data, samples, m.seq_len), device);
       // Gradients are averaged over the ranks: the masked sum is scaled by world / counted.
-      torch::Tensor loss =
-          loss_mask.empty()
-              ? model->Loss(batch) / grad_accum
-              : model->MaskedLossSum(batch, MaskWeights(loss_mask, samples, m.seq_len)) *
-                    (static_cast<double>(o.world_size) / static_cast<double>(counted));
+      torch::Tensor loss;
+      {
+        AutocastScope autocast(device, t.precision);
+        loss = loss_mask.empty()
+                   ? model->Loss(batch) / grad_accum
+                   : model->MaskedLossSum(
+                         batch, ToDevice(MaskWeights(loss_mask, samples, m.seq_len), device)) *
+                         (static_cast<double>(o.world_size) / static_cast<double>(counted));
+      }
       if (fsdp) fsdp->WatchLoss(loss);
       const auto backward_start = Clock::now();
-      loss.backward();
+      if (scaler) {
+        (loss * loss_scale).backward();
+      } else {
+        loss.backward();
+      }
       if (fsdp) comm_wait_s += fsdp->FinishBackward();
       backward_s += Seconds(backward_start);
       loss_sum += loss.item<double>();
@@ -591,26 +667,33 @@ absl::Status Train(const TrainerOptions& o) {
       pipeline->SyncSequenceParallelGradients();
     }
 
+    // fp16: the gradients divided by the loss scale; an inf or NaN among them (the same on every
+    // rank: they were summed) skips this step's update.
+    const bool overflow = scaler && scaler->Unscale(params);
+    const double scale_used = scaler ? scaler->scale() : 1.0;
+    if (scaler) scaler->Update(overflow);
     double grad_norm = 0;
-    if (pipeline) {
+    if (overflow) {
+      grad_norm = std::numeric_limits<double>::quiet_NaN();
+    } else if (pipeline) {
       grad_norm = std::sqrt(pipeline->GradNormSquared(optimized));
     } else if (offloaded) {
       ASSIGN_OR_RETURN(grad_norm, offloaded->FinishBackward(&comm_wait_s));
     } else if (fsdp) {
       grad_norm = fsdp->GradNorm();
     } else {
-      double sq = 0;
-      for (const auto& p : params) {
-        if (!p.grad().defined()) continue;
-        const double n = p.grad().norm().item<double>();  // one pass, no temporary
-        sq += n * n;
-      }
-      grad_norm = std::sqrt(sq);
+      grad_norm = GradNorm(params);
     }
     const double clip_scale =
         t.grad_clip > 0 && grad_norm > t.grad_clip ? t.grad_clip / (grad_norm + 1e-6) : 1.0;
     const double lr = LearningRate(step, total_steps, t.warmup, t.lr);
-    if (offloaded) {
+    if (overflow) {
+      // Skipped, as GradScaler skips optimizer.step(): parameters and optimizer state stay.
+      for (auto& p : params) p.mutable_grad() = torch::Tensor();
+      Log(absl::StrFormat("step %d skipped: inf or NaN gradients in fp16%s; loss scale %g -> %g",
+                          step + 1, inject_overflow ? " (injected)" : "", scale_used,
+                          scaler->scale()));
+    } else if (offloaded) {
       // The parameter servers scale the gradients (clipping) as they apply AdamW.
       RETURN_IF_ERROR(offloaded->Step(lr, clip_scale));
     } else if (fsdp) {
@@ -660,7 +743,7 @@ absl::Status Train(const TrainerOptions& o) {
     if (rank0) {
       Log(absl::StrFormat(
           "step %d/%d loss %.4f lr %.2e grad_norm %.2f tok/s %.0f step_ms %.0f backward_ms %.0f "
-          "comm_wait_ms %.1f allreduce_bytes %d comm_bytes %d model_state_peak_bytes %d%s",
+          "comm_wait_ms %.1f allreduce_bytes %d comm_bytes %d model_state_peak_bytes %d%s%s",
           step, total_steps, loss, lr, grad_norm, tokens_per_s, step_s * 1e3, backward_s * 1e3,
           comm_wait_s * 1e3, reducer ? reducer->bytes_per_step() : 0, comm_bytes, model_state_bytes,
           offloaded  ? absl::StrFormat(" ps_push_bytes %d ps_pull_bytes %d",
@@ -669,7 +752,13 @@ absl::Status Train(const TrainerOptions& o) {
                                        "activation_peak_bytes %d",
                                        bubble, bubble_theory, pipeline->last_step().peak_in_flight,
                                        pipeline->last_step().peak_activation_bytes)
-                     : ""));
+                     : "",
+          absl::StrCat(scaler ? absl::StrFormat(" loss_scale %g skipped_steps %d", scaler->scale(),
+                                                scaler->skipped_steps())
+                              : "",
+                       device.is_cuda()
+                           ? absl::StrCat(" device_peak_bytes ", CudaPeakAllocatedBytes())
+                           : "")));
       if (metrics.is_open()) {
         nlohmann::json line = {
             {"step", step},
@@ -688,6 +777,12 @@ absl::Status Train(const TrainerOptions& o) {
             {"pipeline_activation_peak_bytes",
              pipeline ? pipeline->last_step().peak_activation_bytes : 0},
             {"model_state_peak_bytes", model_state_bytes}};
+        if (scaler) {
+          line["loss_scale"] = scaler->scale();
+          line["skipped"] = overflow;
+          line["skipped_steps"] = scaler->skipped_steps();
+        }
+        if (device.is_cuda()) line["device_peak_bytes"] = CudaPeakAllocatedBytes();
         metrics << line.dump() << std::endl;
       }
       if (reporter) {
@@ -753,7 +848,8 @@ absl::Status Train(const TrainerOptions& o) {
         // Offload: the servers hold the optimizer state; bring it into the DDP-format files.
         if (offloaded) RETURN_IF_ERROR(offloaded->ReadIntoShadow(step, optimizer));
         ASSIGN_OR_RETURN(CheckpointInfo info,
-                         WriteCheckpoint(o.checkpoint_dir, step, *model, optimizer));
+                         WriteCheckpoint(o.checkpoint_dir, step, *model, optimizer,
+                                         scaler ? scaler->State() : ExtraState{}));
         Log(absl::StrCat("checkpoint step ", info.step, " path ", info.path, " bytes ",
                          info.bytes));
         if (reporter) {
@@ -773,6 +869,8 @@ absl::Status Train(const TrainerOptions& o) {
   }
 
   if (offloaded) RETURN_IF_ERROR(offloaded->Flush());
+  // What follows (the dump, the sample, the export) reads the parameters on the CPU.
+  if (device.is_cuda()) model->to(torch::kCPU);
   // FSDP: every rank takes part in gathering the whole model for the dump and the sample.
   if (fsdp) fsdp->GatherFullParameters();
   // Pipeline: rank 0 gathers the stages' parameters; the other ranks hold only their stage's.
@@ -871,14 +969,11 @@ absl::Status RunExportHf(const JobConfig& job, const std::string& checkpoint_dir
 }
 
 std::string DescribeCompute() {
-  return absl::StrCat("LibTorch ", TorchVersionString(), "\n", DescribeBlas(), "\n",
-                      DescribeMatmuls());
+  return absl::StrCat("LibTorch ", TorchVersionString(), CudaBuild() ? " (CUDA)" : "", "\n",
+                      DescribeBlas(), "\n", DescribeMatmuls());
 }
 
-std::string SupportedDevices() {
-  // "cuda" joins once the training path runs on the device (issue: the GPU trainer).
-  return "cpu";
-}
+std::string SupportedDevices() { return CudaUsable() ? "cpu cuda" : "cpu"; }
 
 void InstallSigtermHandler() {
   struct sigaction action = {};

@@ -45,6 +45,11 @@ struct TrainerOptions {
   // Ranks of the job on this rank's node (consecutive ranks share a node); 0 = all of them.
   // HYBRID_SHARD shards within a node and replicates across nodes.
   int local_world_size = 0;
+  // "cpu" or "cuda" (the worker's --device: its own GPU, seen as cuda:0).
+  std::string device = "cpu";
+  // Tests: under fp16, rank 0 scales this step's loss (1-based) by inf, an overflow the loss
+  // scaler must skip. 0: none.
+  int64_t inject_overflow_step = 0;
 };
 
 // Makes SIGTERM set a flag that the training loop polls.

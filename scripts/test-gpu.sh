@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# On a GPU machine, from the project's root, with `.gpu` beside it (bash ../shared/gpu/fetch-kit.sh
+# on the development machine fills it): builds the CUDA flavour into build-gpu/ against the
+# machine's torch package (.gpu/device-build.sh, about 90 s on 16 cores), runs the tests labelled
+# gpu and prints ctest's summary; with --bench, then bench/gpu_bench.sh. Logs go to $OUT (the
+# device tool's output folder) or gpu-logs/.
+#
+#   bash scripts/test-gpu.sh [--bench]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-logs}
+mkdir -p "$out"
+bench=0
+[ "${1:-}" = "--bench" ] && bench=1
+if [ ! -x .gpu/device-build.sh ] && [ ! -f .gpu/device-build.sh ]; then
+  echo "test-gpu: no .gpu/ here: run bash ../shared/gpu/fetch-kit.sh on the development machine" >&2
+  exit 1
+fi
+{ nvidia-smi; python3 -c 'import torch; print("torch", torch.__version__)'; } >"$out/machine.txt" 2>&1
+head -20 "$out/machine.txt"
+
+start=$(date +%s)
+if ! bash .gpu/device-build.sh -DTRAINYARD_BUILD_BENCH=OFF >"$out/build.txt" 2>&1; then
+  cat "$out/build.txt"
+  cp build-gpu.log "$out/" 2>/dev/null
+  echo "test-gpu: the build failed" >&2
+  exit 1
+fi
+echo "test-gpu: built in $(($(date +%s) - start)) s"
+eval "$(sed -n 's/^run with: //p' "$out/build.txt")"
+
+rc=0
+ctest --test-dir build-gpu -L gpu --output-on-failure --timeout 200 >"$out/ctest-gpu.txt" 2>&1 || rc=1
+grep -E "tests passed|Test +#|FAIL|worst relative|largest parameter|bf16 GPU" "$out/ctest-gpu.txt"
+[ $rc -eq 0 ] || tail -60 "$out/ctest-gpu.txt"
+
+if [ $bench -eq 1 ]; then
+  bash bench/gpu_bench.sh build-gpu >"$out/gpu-bench.md" 2>"$out/gpu-bench.err" || rc=1
+  cat "$out/gpu-bench.md"
+  tail -8 "$out/gpu-bench.err"
+fi
+exit $rc

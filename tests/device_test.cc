@@ -1,0 +1,187 @@
+// What the GPU path shares with the CPU, tested on the CPU: dynamic loss scaling (LossScaler, and
+// a whole fp16 run skipping exactly the step whose gradients overflow), the loss scale carried by
+// checkpoints, gradient norms, and the device of what the trainer builds. The same code runs on a
+// GPU in tests/gpu_test.sh.
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/subprocess.h"
+#include "worker/trainer/checkpoint.h"
+#include "worker/trainer/device.h"
+#include "worker/trainer/model.h"
+#include "worker/trainer/optimizers.h"
+#include "worker/trainer/param_dump.h"
+#include "worker/trainer/trainer.h"
+
+namespace trainyard::trainer {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(LossScalerTest, BacksOffOnOverflowAndGrowsAfterTheIntervalAsGradScaler) {
+  LossScaler::Options o;
+  o.init_scale = 1024;
+  o.growth_interval = 3;
+  LossScaler s(o);
+  s.Update(true);
+  EXPECT_EQ(s.scale(), 512);
+  EXPECT_EQ(s.skipped_steps(), 1);
+  s.Update(false);
+  s.Update(false);
+  EXPECT_EQ(s.scale(), 512);
+  EXPECT_EQ(s.growth_tracker(), 2);
+  s.Update(false);  // the third clean step in a row
+  EXPECT_EQ(s.scale(), 1024);
+  EXPECT_EQ(s.growth_tracker(), 0);
+  s.Update(false);
+  s.Update(true);  // an overflow resets the count
+  EXPECT_EQ(s.scale(), 512);
+  EXPECT_EQ(s.growth_tracker(), 0);
+}
+
+TEST(LossScalerTest, UnscaleDividesAndFindsInfAndNan) {
+  LossScaler::Options o;
+  o.init_scale = 4;
+  LossScaler s(o);
+  torch::Tensor a = torch::ones({3}, torch::requires_grad());
+  torch::Tensor b = torch::ones({2}, torch::requires_grad());
+  torch::Tensor frozen = torch::ones({2});
+  a.mutable_grad() = torch::full({3}, 8.0);
+  b.mutable_grad() = torch::full({2}, 2.0);
+  EXPECT_FALSE(s.Unscale({a, b, frozen}));
+  EXPECT_TRUE(torch::equal(a.grad(), torch::full({3}, 2.0)));
+  EXPECT_TRUE(torch::equal(b.grad(), torch::full({2}, 0.5)));
+  b.mutable_grad()[1] = std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(s.Unscale({a, b}));
+  b.mutable_grad() = torch::zeros({2});
+  b.mutable_grad()[0] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_TRUE(s.Unscale({a, b}));
+}
+
+TEST(LossScalerTest, StateRoundTripsAndBadStateIsRefusedNamingIt) {
+  LossScaler s;
+  s.Update(true);
+  s.Update(false);
+  LossScaler t;
+  ASSERT_TRUE(t.SetState(s.State()).ok());
+  EXPECT_EQ(t.scale(), 32768);
+  EXPECT_EQ(t.growth_tracker(), 1);
+  auto bad = s.State();
+  bad[0].second = torch::tensor({-1.0}, torch::kDouble);
+  const absl::Status status = t.SetState(bad);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("loss_scale"));
+  EXPECT_FALSE(t.SetState({}).ok());
+}
+
+TEST(DeviceTest, GradNormIsTheNormOfAllGradients) {
+  torch::Tensor a = torch::zeros({2}, torch::requires_grad());
+  torch::Tensor b = torch::zeros({1}, torch::requires_grad());
+  torch::Tensor none = torch::zeros({1}, torch::requires_grad());
+  a.mutable_grad() = torch::tensor({3.0f, 0.0f});
+  b.mutable_grad() = torch::tensor({4.0f});
+  EXPECT_DOUBLE_EQ(GradNorm({a, b, none}), 5.0);
+  EXPECT_EQ(GradNorm({none}), 0.0);
+}
+
+TEST(DeviceTest, TheCpuIsAlwaysThereAndCudaIsRefusedWithoutIt) {
+  EXPECT_TRUE(ResolveDevice("cpu").ok());
+  EXPECT_EQ(ResolveDevice("tpu").status().code(), absl::StatusCode::kInvalidArgument);
+  if (!CudaUsable()) {
+    const auto cuda = ResolveDevice("cuda");
+    EXPECT_EQ(cuda.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(cuda.status().message()), HasSubstr("--device cuda"));
+    EXPECT_EQ(SupportedDevices(), "cpu");
+  }
+}
+
+// The example GPT, small, on the bytes of a licence text every Debian machine has.
+JobConfig SmallJob(int64_t steps, Precision precision) {
+  JobConfig job;
+  job.model.kind = "gpt";
+  job.model.n_layer = 2;
+  job.model.n_head = 2;
+  job.model.d_model = 64;
+  job.model.seq_len = 32;
+  job.model.vocab = 256;
+  job.data.path = "/usr/share/common-licenses/GPL-3";
+  job.data.format = "bytes";
+  job.train.steps = steps;
+  job.train.micro_batch = 4;
+  job.train.lr = 1e-3;
+  job.train.warmup = 1;
+  job.train.precision = precision;
+  job.train.seed = 1;
+  job.train.weight_decay = 0.1;
+  job.train.grad_clip = 1.0;
+  return job;
+}
+
+std::vector<DumpedParam> Train(const JobConfig& job, const std::string& dir,
+                               int64_t inject_overflow_step) {
+  TrainerOptions o;
+  o.job = job;
+  o.checkpoint_dir = dir + "/checkpoints";
+  o.dump_params = dir + "/params.bin";
+  o.coordinator = "127.0.0.1:1";
+  o.inject_overflow_step = inject_overflow_step;
+  const absl::Status s = RunTrainer(o);
+  EXPECT_TRUE(s.ok()) << s;
+  auto dump = ReadParamDump(o.dump_params);
+  EXPECT_TRUE(dump.ok()) << dump.status();
+  return dump.ok() ? *dump : std::vector<DumpedParam>{};
+}
+
+// torch.amp.GradScaler's contract on a whole run: the step whose gradients overflow changes
+// nothing (parameters, optimizer state), so three steps with the third overflowing end where two
+// clean steps end; the loss scale halves and the checkpoint carries it.
+TEST(Fp16Test, AnOverflowSkipsExactlyThatStepAndTheScaleIsCheckpointed) {
+  testing::TempDir tmp;
+  const auto skipped = Train(SmallJob(3, Precision::kFp16), tmp.path() + "/a", 3);
+  const auto two = Train(SmallJob(2, Precision::kFp16), tmp.path() + "/b", 0);
+  const auto three = Train(SmallJob(3, Precision::kFp16), tmp.path() + "/c", 0);
+  ASSERT_EQ(skipped.size(), two.size());
+  ASSERT_FALSE(skipped.empty());
+  bool third_changed_something = false;
+  for (size_t i = 0; i < skipped.size(); ++i) {
+    EXPECT_EQ(skipped[i].values, two[i].values) << skipped[i].name;
+    third_changed_something |= three[i].values != two[i].values;
+  }
+  EXPECT_TRUE(third_changed_something);
+
+  // The checkpoint of the run with the overflow holds the halved scale, and a resumed run
+  // starts from it.
+  auto model = BuildModel(SmallJob(3, Precision::kFp16).model, ModelOptions(), 1);
+  auto optimizer = MakeOptimizer(model->parameters(), OptimizerHyper(), 1e-3);
+  ExtraState extra;
+  auto loaded = LoadLatestCheckpoint(tmp.path() + "/a/checkpoints", *model, *optimizer, &extra);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  LossScaler scaler;
+  ASSERT_TRUE(scaler.SetState(extra).ok());
+  EXPECT_EQ(scaler.scale(), 32768);
+}
+
+// fp32 and bf16 checkpoints carry no loss scale (no amp.pt), and fp16 trains like fp32 on the CPU
+// (the same arithmetic, the loss scaled and unscaled by powers of two).
+TEST(Fp16Test, OnTheCpuFp16ComputesAsFp32) {
+  testing::TempDir tmp;
+  const auto fp16 = Train(SmallJob(3, Precision::kFp16), tmp.path() + "/a", 0);
+  const auto fp32 = Train(SmallJob(3, Precision::kFp32), tmp.path() + "/b", 0);
+  ASSERT_EQ(fp16.size(), fp32.size());
+  for (size_t i = 0; i < fp16.size(); ++i)
+    EXPECT_EQ(fp16[i].values, fp32[i].values) << fp16[i].name;
+  auto model = BuildModel(SmallJob(3, Precision::kFp32).model, ModelOptions(), 1);
+  auto optimizer = MakeOptimizer(model->parameters(), OptimizerHyper(), 1e-3);
+  ExtraState extra = {{"stale", torch::zeros({1})}};
+  ASSERT_TRUE(LoadLatestCheckpoint(tmp.path() + "/b/checkpoints", *model, *optimizer, &extra).ok());
+  EXPECT_TRUE(extra.empty());
+}
+
+}  // namespace
+}  // namespace trainyard::trainer

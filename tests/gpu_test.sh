@@ -1,0 +1,177 @@
+#!/usr/bin/env bash
+# The GPU tests (ctest -L gpu, registered in the CUDA build only; scripts/test-gpu.sh runs them on
+# the GPU machine). Each case trains the example GPT through trainyard-trainer --device cuda, as
+# the worker starts it, or through a local cluster, and checks what the issue asks of the GPU path.
+#
+#   bash tests/gpu_test.sh CASE BIN_DIR
+set -euo pipefail
+case_name=$1
+bin=$(cd "$2" && pwd)
+root=$(cd "$(dirname "$0")/.." && pwd)
+work=$(mktemp -d)
+cleanup() {
+  if [ -f "$work/cluster-up" ]; then
+    HOME=$work "$bin/yard" local down --state-dir "$work/cluster" >/dev/null 2>&1 || true
+  fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
+fail() {
+  echo "FAIL ($case_name): $*" >&2
+  exit 1
+}
+
+# spec NAME STEPS PRECISION: the example GPT, STEPS steps, no periodic checkpoints.
+spec() {
+  sed -e "s/steps: 300/steps: $2/" -e 's/warmup: 30/warmup: 2/' \
+    -e "s/mixed_precision: fp32/mixed_precision: $3/" -e 's/every_steps: 100/every_steps: 0/' \
+    "$root/examples/char-gpt.yaml" >"$work/$1.yaml"
+}
+# train SPEC DEVICE CHECKPOINT_DIR [flags...]: the rank's log on stdout.
+train() {
+  "$bin/trainyard-trainer" --spec "$work/$1.yaml" --job-id "" --attempt 1 --rank 0 \
+    --world-size 1 --coordinator 127.0.0.1:1 --device "$2" --checkpoint-dir "$work/$3" \
+    --threads 8 --metrics-file "$work/$3.jsonl" "${@:4}" >"$work/$3.log" 2>&1 || { tail -20 "$work/$3.log"; fail "$3: trainer failed"; }
+  cat "$work/$3.log"
+}
+# losses RUN: the losses of run RUN (its checkpoint dir's name), in full, from the metrics file;
+# stdin is ignored (the rank's log, which rounds them).
+losses() {
+  cat >/dev/null
+  python3 -c "import json, sys; [print(repr(json.loads(l)['loss'])) for l in open(sys.argv[1])]" "$work/$1.jsonl"
+}
+# close A B REL: every line's values within REL of each other (relative to the larger).
+close() {
+  paste "$1" "$2" | tee /dev/stderr | awk -v rel="$3" '
+    { d = $1 - $2; if (d < 0) d = -d; m = ($1 > $2 ? $1 : $2); if (m < 0) m = -m; if (m < 1) m = 1
+      if (d > rel * m) bad = 1; if (d / m > worst) worst = d / m; n++ }
+    END { printf "compared %d values: worst relative difference %.2e (allowed %.0e)\n", n, worst, rel > "/dev/stderr"
+          exit (bad || n == 0) }'
+}
+
+case "$case_name" in
+  cpu_losses)
+    # fp32, TF32 off (LibTorch's default): one GPU rank gives the CPU's losses over 10 steps;
+    # once with the gradients through NCCL (one rank: buckets on NCCL's stream), once without.
+    spec fp32 10 fp32
+    train fp32 cpu cpu | losses cpu >"$work/cpu.txt"
+    train fp32 cuda cuda | losses cuda >"$work/cuda.txt"
+    TRAINYARD_NCCL_ONE_RANK=1 train fp32 cuda nccl | losses nccl >"$work/nccl.txt"
+    grep -q "collectives: nccl" "$work/nccl.log" || fail "the NCCL run did not use NCCL"
+    grep -q "device: cuda:0" "$work/cuda.log" || fail "the rank did not say it trains on cuda:0"
+    [ "$(wc -l <"$work/cuda.txt")" -eq 10 ] || fail "expected 10 steps"
+    close "$work/cpu.txt" "$work/cuda.txt" 1e-5 || fail "GPU losses differ from the CPU's"
+    close "$work/cpu.txt" "$work/nccl.txt" 1e-5 || fail "GPU (NCCL) losses differ from the CPU's"
+    ;;
+  bf16)
+    # bf16 autocast trains: the loss falls as fp32's does on the CPU.
+    spec bf16 40 bf16
+    spec fp32 40 fp32
+    train bf16 cuda bf16 | losses bf16 >"$work/bf16.txt"
+    train fp32 cpu fp32 | losses fp32 >"$work/fp32.txt"
+    grep -q "precision bf16 (autocast" "$work/bf16.log" || fail "no autocast"
+    first=$(head -1 "$work/bf16.txt")
+    last=$(tail -1 "$work/bf16.txt")
+    ref=$(tail -1 "$work/fp32.txt")
+    echo "bf16 GPU: $first -> $last; fp32 CPU: $ref"
+    awk -v a="$last" -v f="$first" -v r="$ref" 'BEGIN { exit !(a < f - 1.0 && (a - r < 0.05 * r && r - a < 0.05 * r)) }' ||
+      fail "bf16 loss $last (from $first) not within 5% of fp32's $ref"
+    ;;
+  fp16_overflow)
+    # fp16 with dynamic loss scaling: an overflow injected at step 3 skips exactly that step
+    # (parameters as after step 2), halves the scale, and training goes on.
+    spec fp16_3 3 fp16
+    spec fp16_2 2 fp16
+    train fp16_3 cuda a --inject-overflow-at-step 3 --dump-params "$work/a.bin" >/dev/null
+    train fp16_2 cuda b --dump-params "$work/b.bin" >/dev/null
+    grep -q "step 3 skipped: inf or NaN gradients in fp16 (injected); loss scale 65536 -> 32768" "$work/a.log" ||
+      fail "step 3 was not skipped"
+    [ "$(grep -c skipped: "$work/a.log")" -eq 1 ] || fail "another step was skipped"
+    python3 - "$work/a.bin" "$work/b.bin" <<'PY' || fail "the parameters after the skipped step are not step 2's"
+import struct, sys
+def read(path):
+    b = open(path, "rb").read(); assert b[:8] == b"TYPDUMP1"; n, = struct.unpack_from("<I", b, 8); o = 12; out = {}
+    for _ in range(n):
+        l, = struct.unpack_from("<I", b, o); o += 4; name = b[o:o + l].decode(); o += l
+        nd, = struct.unpack_from("<I", b, o); o += 4; dims = struct.unpack_from(f"<{nd}q", b, o); o += 8 * nd
+        count = 1
+        for d in dims: count *= d
+        out[name] = struct.unpack_from(f"<{count}f", b, o); o += 4 * count
+    return out
+a, b = read(sys.argv[1]), read(sys.argv[2])
+worst = max(abs(x - y) for k in a for x, y in zip(a[k], b[k]))
+print(f"largest parameter difference to the 2-step run: {worst:.2e}")
+sys.exit(worst > 1e-6)
+PY
+    spec fp16_10 10 fp16
+    train fp16_10 cuda c | losses c >"$work/c.txt"
+    ! grep -q skipped: "$work/c.log" || fail "a clean fp16 run skipped a step"
+    awk 'NR == 1 { f = $1 } END { exit !($1 < f) }' "$work/c.txt" || fail "fp16 did not train"
+    ;;
+  checkpoint_devices)
+    # A GPU job resumes on the CPU and a CPU job on the GPU, with the losses of a run that
+    # stayed on one device (fp32; 1e-4); fp16's loss scale travels in the checkpoint.
+    spec fp32 6 fp32
+    train fp32 cuda whole | losses whole >"$work/whole.txt"
+    train fp32 cuda g2c --stop-after-steps 4 >/dev/null
+    train fp32 cpu g2c | losses g2c >"$work/g2c.txt"  # both runs' steps, appended
+    train fp32 cpu c2g --stop-after-steps 4 >/dev/null
+    train fp32 cuda c2g | losses c2g >"$work/c2g.txt"
+    close "$work/whole.txt" "$work/g2c.txt" 1e-4 || fail "GPU -> CPU resume changed the losses"
+    close "$work/whole.txt" "$work/c2g.txt" 1e-4 || fail "CPU -> GPU resume changed the losses"
+    spec fp16 6 fp16
+    train fp16 cuda amp --stop-after-steps 3 --inject-overflow-at-step 2 >/dev/null
+    train fp16 cpu amp >/dev/null
+    grep -q "dynamic loss scale from 32768" "$work/amp.log" || fail "the loss scale did not travel"
+    ;;
+  cluster)
+    # A local cluster on this GPU host: the worker offers the GPU, `yard` trains the example with
+    # resources {gpus: 1} on it, checkpoints on request, and the cancelled job frees the GPU for
+    # the next one.
+    export HOME=$work
+    yard="$bin/yard"
+    touch "$work/cluster-up"
+    "$yard" local up --state-dir "$work/cluster" --workers 1 >"$work/up.log" 2>&1 || { cat "$work/up.log"; fail "local up"; }
+    eval "$(grep '^export ' "$work/up.log")"
+    "$yard" nodes | tee "$work/nodes.txt"
+    grep -qi "gpu\|cuda\|nvidia" "$work/nodes.txt" || fail "the worker offers no GPU"
+    sed -e 's/gpus: 2/gpus: 1/' -e 's/steps: 300/steps: 100000/' "$root/examples/char-gpt.yaml" >"$work/long.yaml"
+    job=$("$yard" submit "$work/long.yaml")
+    wait_log() {  # PATTERN SECONDS
+      for _ in $(seq "$2"); do
+        # (Captured first: grep -q would close the pipe early, a failure under pipefail.)
+        log=$("$yard" logs "$job" 2>/dev/null || true)
+        grep -q "$1" <<<"$log" && return 0
+        sleep 1
+      done
+      "$yard" logs "$job" | tail -20
+      fail "no '$1' in the job's log"
+    }
+    # (The example runs thousands of steps a minute on a GPU: its first lines leave the log's
+    # window at once; every step line says how much GPU memory it took.)
+    wait_log "device_peak_bytes" 120
+    "$yard" checkpoint "$job"
+    wait_log "checkpoint step" 60
+    "$yard" cancel "$job" >/dev/null
+    rc=0
+    "$yard" wait "$job" --timeout 60s || rc=$?
+    [ "$rc" -eq 2 ] || fail "the job did not end cancelled (yard wait: $rc)"
+    for _ in $(seq 30); do
+      [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader)" ] && break
+      sleep 1
+    done
+    [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader)" ] || fail "the GPU is still in use"
+    sed -e 's/gpus: 2/gpus: 1/' -e 's/steps: 300/steps: 20/' -e 's/warmup: 30/warmup: 2/' \
+      -e 's/every_steps: 100/every_steps: 0/' \
+      "$root/examples/char-gpt.yaml" >"$work/short.yaml"
+    job=$("$yard" submit "$work/short.yaml")
+    "$yard" wait "$job" --timeout 120s || fail "the next job did not succeed on the freed GPU"
+    log=$("$yard" logs "$job")
+    grep -q "device: cuda:0" <<<"$log" || fail "the next job did not train on the GPU"
+    grep -q "step 20/20 .* device_peak_bytes" <<<"$log" || fail "no GPU step lines"
+    ;;
+  *)
+    fail "unknown case"
+    ;;
+esac
+echo "PASS ($case_name)"
