@@ -358,16 +358,35 @@ int Nodes(const Globals& g) {
                               : n.connected()             ? "READY"
                                                           : "READY (reconnecting)";
     const bool ps = n.role() == v1::PARAMETER_SERVER;
+    // GPUs as their worker last read them (NVML): mean utilization, memory in use / in all, the
+    // hottest one. JSON has every GPU's sample.
+    std::string gpus = "-";
+    int sampled = 0;
+    double utilization = 0, hottest = 0;
+    int64_t used = 0, total = 0;
+    for (const v1::Device& d : n.devices()) {
+      if (!d.has_sample()) continue;
+      ++sampled;
+      utilization += d.sample().utilization();
+      used += d.sample().memory_used_bytes();
+      total += d.sample().memory_total_bytes();
+      hottest = std::max<double>(hottest, d.sample().temperature_celsius());
+    }
+    if (sampled > 0) {
+      gpus = absl::StrFormat("%.0f%% %s/%s %.0fC", 100 * utilization / sampled, HumanBytes(used),
+                             HumanBytes(total), hottest);
+    }
     // Parameter servers: shard memory held by running offload jobs / offered.
     rows.push_back(
         {n.id(), ps ? "ps" : "worker", state,
          ps ? "-" : absl::StrCat(n.allocated_devices_size(), "/", n.devices_size(), " ", kind),
          ps ? absl::StrCat(HumanBytes(n.reserved_bytes()), "/", HumanBytes(n.memory_bytes()))
             : HumanBytes(n.memory_bytes()),
-         n.address().empty() ? "-" : n.address(), Ago(n.last_heartbeat_ms(), NowMs())});
+         gpus, n.address().empty() ? "-" : n.address(), Ago(n.last_heartbeat_ms(), NowMs())});
   }
-  std::cout << FormatTable(
-      {"NODE", "ROLE", "STATE", "DEVICES(USED/ALL)", "MEMORY", "ADDRESS", "HEARTBEAT"}, rows);
+  std::cout << FormatTable({"NODE", "ROLE", "STATE", "DEVICES(USED/ALL)", "MEMORY",
+                            "GPU UTIL MEM TEMP", "ADDRESS", "HEARTBEAT"},
+                           rows);
   return 0;
 }
 

@@ -30,6 +30,9 @@ GAUGES = {
     "trainyard_account_usage_ratio", "trainyard_account_usage_device_seconds",
     # worker
     "trainyard_worker_devices", "trainyard_worker_running_ranks", "trainyard_worker_connected",
+    "trainyard_worker_gpu_utilization_ratio", "trainyard_worker_gpu_memory_used_bytes",
+    "trainyard_worker_gpu_memory_total_bytes", "trainyard_worker_gpu_temperature_celsius",
+    "trainyard_worker_gpu_power_watts",
     # parameter server
     "trainyard_ps_resident_bytes", "trainyard_ps_capacity_bytes", "trainyard_ps_jobs",
 }

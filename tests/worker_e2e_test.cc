@@ -16,10 +16,12 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "client/yard_client.h"
+#include "tests/testing/http_get.h"
 #include "tests/testing/identity.h"
 #include "tests/testing/subprocess.h"
 #include "tests/testing/tiny_spec.h"
@@ -725,6 +727,64 @@ TEST_F(WorkerGpuE2eTest, GpusAllRefusesToStartWithoutGpus) {
   auto bad = with({"some"}, {});
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_THAT(bad.err, HasSubstr("--gpus"));
+}
+
+// Each GPU's utilization, memory and temperature, read through NVML (tests/fake_nvml.cc standing
+// in for libnvidia-ml.so.1) at every heartbeat: on the worker's /metrics, on the coordinator's
+// nodes (Device.sample) and in `yard nodes`.
+TEST_F(WorkerGpuE2eTest, ExportsEachGpusUtilizationMemoryAndTemperature) {
+  StartWorker({"--gpus", "all", "--cuda-library", FakeDriver(), "--nvml-library",
+               TestBinPath("libfake_nvml.so"), "--metrics-address", "127.0.0.1:0"},
+              {"FAKE_CUDA_DEVICES=2", "FAKE_NVML_UTILIZATION=40", "FAKE_NVML_MEMORY_USED_MIB=2048",
+               "FAKE_NVML_TEMPERATURE=60"});
+  const std::string line = worker_->ReadLine(absl::Seconds(30)).value_or("");
+  ASSERT_TRUE(absl::StartsWith(line, "metrics ")) << line;
+  const std::string endpoint = line.substr(8);
+  WaitForDevices(v1::CUDA_GPU, 2);
+  std::vector<v1::Device> devices;
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (absl::Now() < deadline) {
+    devices = Devices();
+    if (devices.size() == 2 && devices[0].has_sample() && devices[1].has_sample()) break;
+    absl::SleepFor(absl::Milliseconds(50));  // the next heartbeat carries them
+  }
+  ASSERT_EQ(devices.size(), 2u);
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(devices[i].has_sample()) << i;
+    const v1::DeviceSample& s = devices[i].sample();
+    EXPECT_EQ(s.index(), i);
+    EXPECT_FLOAT_EQ(s.utilization(), (40 + 2 * i) / 100.0f);
+    EXPECT_EQ(s.memory_used_bytes(), int64_t{2048} << 20);
+    EXPECT_EQ(s.memory_total_bytes(), int64_t{81559} << 20);
+    EXPECT_FLOAT_EQ(s.temperature_celsius(), 60 + i);
+    EXPECT_FLOAT_EQ(s.power_watts(), 250);
+    EXPECT_GT(s.time_ms(), 0);
+  }
+  auto nodes = testing::RunCommand({BinPath("yard"), "--coordinator", address_, "nodes"},
+                                   {"TRAINYARD_TOKEN=" + alice_token_});
+  EXPECT_THAT(nodes.out, HasSubstr("GPU UTIL MEM TEMP"));
+  EXPECT_THAT(nodes.out, HasSubstr("41% 4.0 GiB/159.3 GiB 61C"));  // mean, sums, hottest
+  auto page = testing::HttpGet(endpoint, "/metrics");
+  ASSERT_TRUE(page.ok()) << page.status();
+  EXPECT_THAT(*page,
+              HasSubstr(absl::StrCat("trainyard_worker_gpu_utilization_ratio{gpu=\"1\",uuid=\"",
+                                     FakeUuid(1), "\"} 0.42")));
+  EXPECT_THAT(*page, HasSubstr("trainyard_worker_gpu_memory_used_bytes{gpu=\"0\""));
+  EXPECT_THAT(*page, HasSubstr("trainyard_worker_gpu_temperature_celsius{gpu=\"0\""));
+  EXPECT_THAT(*page, HasSubstr("trainyard_worker_gpu_power_watts{gpu=\"0\""));
+}
+
+// Without NVML (a driver without it, or none at the path given) the GPUs still train; only the
+// samples are missing.
+TEST_F(WorkerGpuE2eTest, GpusWithoutNvmlHaveNoSamples) {
+  StartWorker({"--gpus", "all", "--cuda-library", FakeDriver(), "--nvml-library",
+               TestBinPath("libfake_nvml.so")},
+              {"FAKE_CUDA_DEVICES=1", "FAKE_NVML_INIT_ERROR=1"});
+  const std::vector<v1::Device> devices = WaitForDevices(v1::CUDA_GPU, 1);
+  ASSERT_EQ(devices.size(), 1u);
+  EXPECT_FALSE(devices[0].has_sample());
+  const std::vector<std::string> lines = PrintedDevices(1);
+  EXPECT_EQ(lines.size(), 1u);
 }
 
 TEST_F(WorkerGpuE2eTest, JobLargerThanTheGpusMemoryIsRefusedAtSubmit) {

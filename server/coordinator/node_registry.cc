@@ -1,5 +1,6 @@
 #include "server/coordinator/node_registry.h"
 
+#include <cmath>
 #include <set>
 
 #include "absl/strings/ascii.h"
@@ -137,11 +138,26 @@ void NodeRegistry::Register(const v1::RegisterNodeRequest& request,
   });
 }
 
-absl::StatusOr<bool> NodeRegistry::Heartbeat(const std::string& node_id) {
+absl::StatusOr<bool> NodeRegistry::Heartbeat(
+    const std::string& node_id,
+    const google::protobuf::RepeatedPtrField<v1::DeviceSample>& samples) {
   absl::MutexLock lock(&mu_);
   auto it = nodes_.find(node_id);
   if (it == nodes_.end()) return absl::NotFoundError(absl::StrCat("node ", node_id, " not found"));
   it->second.last_heartbeat = clock_.Now();
+  for (const v1::DeviceSample& s : samples) {
+    auto* devices = it->second.node.mutable_devices();
+    if (s.index() < 0 || s.index() >= devices->size()) continue;
+    v1::Device& d = (*devices)[s.index()];
+    const bool sane = d.kind() == v1::CUDA_GPU && std::isfinite(s.utilization()) &&
+                      s.utilization() >= 0 && s.utilization() <= 1 &&
+                      std::isfinite(s.temperature_celsius()) && std::isfinite(s.power_watts()) &&
+                      s.memory_used_bytes() >= 0 && s.memory_total_bytes() >= 0 &&
+                      s.memory_used_bytes() <= s.memory_total_bytes();
+    if (!sane) continue;
+    *d.mutable_sample() = s;
+    d.mutable_sample()->set_time_ms(absl::ToUnixMillis(clock_.Now()));
+  }
   // LOST is a state a node leaves: heartbeats that were late (a stalled network, a coordinator
   // too busy to read them) do not keep a live node out of the cluster for good.
   if (it->second.node.state() == v1::NODE_LOST && it->second.session != nullptr) {

@@ -48,8 +48,12 @@ class NodeRegistry {
 
   // Records a heartbeat now; true when it brought a LOST node whose session is open back to
   // READY (its ranks' attempts were failed and their ranks told to stop when it was lost; it
-  // takes new ranks again). NOT_FOUND for an unknown node.
-  absl::StatusOr<bool> Heartbeat(const std::string& node_id);
+  // takes new ranks again). NOT_FOUND for an unknown node. `samples`: the node's GPUs as its
+  // worker read them (nvml.h), each kept on its device (Device.sample) when its index names one of
+  // the node's GPUs and its figures are in range; the others are dropped.
+  absl::StatusOr<bool> Heartbeat(
+      const std::string& node_id,
+      const google::protobuf::RepeatedPtrField<v1::DeviceSample>& samples = {});
 
   // Marks READY nodes whose last heartbeat is older than the node timeout LOST; returns their ids.
   std::vector<std::string> CheckTimeouts();

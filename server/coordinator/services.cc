@@ -358,7 +358,7 @@ class SessionReactor final
                          absl::StrCat("node ", node_id_, " is denied by an admin")));
         return;
       }
-      auto back = nodes_.Heartbeat(node_id_);
+      auto back = nodes_.Heartbeat(node_id_, incoming_.heartbeat().devices());
       if (!back.ok()) {
         End(ToGrpcStatus(back.status()));
         return;

@@ -33,6 +33,7 @@
 #include "common/tls.h"
 #include "common/version.h"
 #include "worker/daemon/cuda_devices.h"
+#include "worker/daemon/nvml.h"
 #include "worker/daemon/worker_daemon.h"
 
 extern char** environ;
@@ -110,7 +111,7 @@ int main(int argc, char** argv) {
   gethostname(host, sizeof(host) - 1);
   options.node_id = host;
   std::string work_dir, stop_grace = "10s", metrics_address, gpus = "auto",
-                        cuda_library = "libcuda.so.1";
+                        cuda_library = "libcuda.so.1", nvml_library = "libnvidia-ml.so.1";
   int threads_per_slot = 0;
   std::error_code ec;
   const auto self_dir = std::filesystem::read_symlink("/proc/self/exe", ec).parent_path();
@@ -130,6 +131,10 @@ int main(int argc, char** argv) {
                  "all: every GPU the CUDA driver shows (it applies CUDA_VISIBLE_DEVICES); none: "
                  "CPU slots only")
       ->check(CLI::IsMember({"auto", "all", "none"}))
+      ->capture_default_str();
+  app.add_option("--nvml-library", nvml_library,
+                 "the NVML library to read each GPU's utilization, memory and temperature with "
+                 "(\"\": none)")
       ->capture_default_str();
   app.add_option("--cuda-library", cuda_library, "the CUDA driver library to list GPUs with")
       ->capture_default_str();
@@ -252,6 +257,16 @@ int main(int argc, char** argv) {
   for (const auto& gpu : options.gpus) {
     spdlog::info("GPU {}: {}, {}, {} MiB", gpu.ordinal, gpu.name, gpu.uuid, gpu.memory_bytes >> 20);
     options.supervisor.gpu_uuids.push_back(gpu.uuid);
+  }
+  if (!options.gpus.empty() && !nvml_library.empty()) {
+    // Without NVML the GPUs still train; only their samples are missing.
+    auto nvml = trainyard::worker::Nvml::Open(nvml_library);
+    if (nvml.ok()) {
+      options.nvml = *std::move(nvml);
+    } else {
+      spdlog::warn("{}: no GPU utilization, memory or temperature samples",
+                   std::string(nvml.status().message()));
+    }
   }
   const int devices =
       options.gpus.empty() ? options.cpu_slots : static_cast<int>(options.gpus.size());

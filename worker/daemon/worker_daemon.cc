@@ -49,7 +49,28 @@ WorkerDaemon::WorkerDaemon(WorkerOptions options)
                      .Name("trainyard_worker_connected")
                      .Help("1 while the session with the coordinator is open")
                      .Register(*registry_)
-                     .Add({})) {
+                     .Add({})),
+      gpu_utilization_(prometheus::BuildGauge()
+                           .Name("trainyard_worker_gpu_utilization_ratio")
+                           .Help("Share of the last sample period a kernel ran on the GPU (NVML)")
+                           .Register(*registry_)),
+      gpu_memory_used_(prometheus::BuildGauge()
+                           .Name("trainyard_worker_gpu_memory_used_bytes")
+                           .Help("GPU memory in use, every process's (NVML)")
+                           .Register(*registry_)),
+      gpu_memory_total_(prometheus::BuildGauge()
+                            .Name("trainyard_worker_gpu_memory_total_bytes")
+                            .Help("GPU memory in all (NVML)")
+                            .Register(*registry_)),
+      gpu_temperature_(prometheus::BuildGauge()
+                           .Name("trainyard_worker_gpu_temperature_celsius")
+                           .Help("GPU core temperature (NVML)")
+                           .Register(*registry_)),
+      gpu_power_(prometheus::BuildGauge()
+                     .Name("trainyard_worker_gpu_power_watts")
+                     .Help("GPU board power draw (NVML; absent where the board does not say)")
+                     .Register(*registry_)),
+      gpu_sample_failing_(options_.gpus.size(), false) {
   for (const char* reason : {"success", "failure", "killed"}) {
     rank_exits_.Add({{"reason", reason}});
   }
@@ -84,6 +105,35 @@ void WorkerDaemon::RefreshGauges() {
   const int running = supervisor_ ? supervisor_->running_count() : 0;
   running_ranks_.Set(running);
   devices_.Add({{"state", "allocated"}}).Set(std::min(running, device_count()));
+}
+
+void WorkerDaemon::SampleGpus(v1::Heartbeat* heartbeat) {
+  if (options_.nvml == nullptr) return;
+  for (size_t i = 0; i < options_.gpus.size(); ++i) {
+    const CudaDevice& gpu = options_.gpus[i];
+    auto sample = options_.nvml->Sample(gpu.uuid);
+    if (!sample.ok()) {
+      if (!gpu_sample_failing_[i])
+        spdlog::warn("GPU {}: {}", i, std::string(sample.status().message()));
+      gpu_sample_failing_[i] = true;
+      continue;
+    }
+    if (gpu_sample_failing_[i]) spdlog::info("GPU {}: NVML answers again", i);
+    gpu_sample_failing_[i] = false;
+    const prometheus::Labels labels = {{"gpu", std::to_string(i)}, {"uuid", gpu.uuid}};
+    gpu_utilization_.Add(labels).Set(sample->utilization);
+    gpu_memory_used_.Add(labels).Set(static_cast<double>(sample->memory_used_bytes));
+    gpu_memory_total_.Add(labels).Set(static_cast<double>(sample->memory_total_bytes));
+    gpu_temperature_.Add(labels).Set(sample->temperature_celsius);
+    if (sample->power_watts > 0) gpu_power_.Add(labels).Set(sample->power_watts);
+    v1::DeviceSample* d = heartbeat->add_devices();
+    d->set_index(static_cast<int32_t>(i));
+    d->set_utilization(static_cast<float>(sample->utilization));
+    d->set_memory_used_bytes(sample->memory_used_bytes);
+    d->set_memory_total_bytes(sample->memory_total_bytes);
+    d->set_temperature_celsius(static_cast<float>(sample->temperature_celsius));
+    d->set_power_watts(static_cast<float>(sample->power_watts));
+  }
 }
 
 void WorkerDaemon::Send(v1::NodeMessage message) {
@@ -246,6 +296,7 @@ void WorkerDaemon::WriterLoop(
       next_heartbeat = absl::Now() + heartbeat_interval;
       mu_.Unlock();
       RefreshGauges();  // once per heartbeat interval
+      SampleGpus(m.mutable_heartbeat());
       mu_.Lock();
     } else if (!outbox_.empty()) {
       m = std::move(outbox_.front());

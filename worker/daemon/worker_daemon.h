@@ -28,6 +28,7 @@
 #include "common/tls.h"
 #include "trainyard/v1/node.grpc.pb.h"
 #include "worker/daemon/cuda_devices.h"
+#include "worker/daemon/nvml.h"
 #include "worker/daemon/rank_supervisor.h"
 
 namespace trainyard::worker {
@@ -40,6 +41,8 @@ struct WorkerOptions {
   std::string address;           // shown in `yard nodes`
   int cpu_slots = 1;             // devices offered when `gpus` is empty; each runs one rank
   std::vector<CudaDevice> gpus;  // offered instead of CPU slots when not empty, one rank each
+  // Samples `gpus` at each heartbeat (metrics and `yard nodes`); null: no samples.
+  std::shared_ptr<const Nvml> nvml;
   SupervisorOptions supervisor;
   absl::Duration max_backoff = absl::Seconds(5);
 };
@@ -71,6 +74,8 @@ class WorkerDaemon {
     return options_.gpus.empty() ? options_.cpu_slots : static_cast<int>(options_.gpus.size());
   }
   void RefreshGauges();
+  // Reads each GPU through NVML into the gauges and `heartbeat` (writer thread).
+  void SampleGpus(v1::Heartbeat* heartbeat);
 
   const WorkerOptions options_;
   std::shared_ptr<prometheus::Registry> registry_ = std::make_shared<prometheus::Registry>();
@@ -79,6 +84,12 @@ class WorkerDaemon {
   prometheus::Family<prometheus::Counter>& rank_exits_;
   prometheus::Histogram& heartbeat_rtt_;
   prometheus::Gauge& connected_;
+  prometheus::Family<prometheus::Gauge>& gpu_utilization_;
+  prometheus::Family<prometheus::Gauge>& gpu_memory_used_;
+  prometheus::Family<prometheus::Gauge>& gpu_memory_total_;
+  prometheus::Family<prometheus::Gauge>& gpu_temperature_;
+  prometheus::Family<prometheus::Gauge>& gpu_power_;
+  std::vector<bool> gpu_sample_failing_;  // writer thread: a failure is logged once
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::NodeService::Stub> stub_;
   std::unique_ptr<RankSupervisor> supervisor_;

@@ -1,0 +1,50 @@
+// What each GPU is doing, through NVML (libnvidia-ml.so.1, the library nvidia-smi reads):
+// utilization, memory used, temperature, power. The library is opened at run time, as the driver
+// API is (cuda_devices.h), so the worker builds and runs where there is none; GPUs are found by
+// the UUIDs the driver API listed. The worker samples at each heartbeat, exports the samples to
+// Prometheus (trainyard_worker_gpu_*) and sends them to the coordinator (`yard nodes`).
+// Thread-compatible: the worker's writer thread samples.
+#ifndef TRAINYARD_WORKER_DAEMON_NVML_H_
+#define TRAINYARD_WORKER_DAEMON_NVML_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace trainyard::worker {
+
+struct GpuSample {
+  double utilization = 0;  // share of the last sample period a kernel ran, 0..1
+  int64_t memory_used_bytes = 0;
+  int64_t memory_total_bytes = 0;
+  double temperature_celsius = 0;
+  double power_watts = 0;  // 0 where the board does not say
+};
+
+class Nvml {
+ public:
+  // Opens `library` and initializes NVML. NOT_FOUND when the library cannot be opened (no NVIDIA
+  // driver), FAILED_PRECONDITION when it fails to start (its error string in the message).
+  static absl::StatusOr<std::unique_ptr<Nvml>> Open(const std::string& library);
+  ~Nvml();  // nvmlShutdown, dlclose
+
+  Nvml(const Nvml&) = delete;
+  Nvml& operator=(const Nvml&) = delete;
+
+  // The GPU with this UUID ("GPU-xxxxxxxx-..."): NOT_FOUND if NVML does not know it, else
+  // UNAVAILABLE naming the call that failed (a GPU that fell off the bus).
+  absl::StatusOr<GpuSample> Sample(const std::string& uuid) const;
+
+ private:
+  struct Api;
+  Nvml(void* handle, std::unique_ptr<Api> api);
+  void* handle_;
+  std::unique_ptr<Api> api_;
+};
+
+}  // namespace trainyard::worker
+
+#endif  // TRAINYARD_WORKER_DAEMON_NVML_H_
