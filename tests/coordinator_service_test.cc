@@ -460,10 +460,10 @@ TEST_F(CoordinatorServiceTest, SilentNodeIsLostAndItsJobRestartsThenFailsWithout
   EXPECT_THAT(j.message(), HasSubstr("no restarts left"));
 }
 
-// A node whose heartbeats stopped for a while, its session still open, was declared LOST; when
-// they resume it is READY again (it is not lost for good), its old ranks having been told to stop,
-// and it takes new ranks.
-TEST_F(CoordinatorServiceTest, ALostNodeWhoseHeartbeatsResumeIsReadyAgain) {
+// A node whose heartbeats stopped for a while, its session still open, is declared LOST: its old
+// ranks are told to stop and then its session is closed, so that a worker that is still there
+// reconnects; on its new session it is READY again (it is not lost for good) and takes new ranks.
+TEST_F(CoordinatorServiceTest, ALostNodeIsCutOffAndReadyAgainWhenItReconnects) {
   auto node = Connect("n1", 2);
   v1::Job job = MustSubmit(Spec(2, "job", /*max_restarts=*/1));
   ASSERT_EQ(server_->jobs().SchedulePass(), 1);
@@ -477,15 +477,20 @@ TEST_F(CoordinatorServiceTest, ALostNodeWhoseHeartbeatsResumeIsReadyAgain) {
   ASSERT_TRUE(cancel.has_cancel()) << cancel.DebugString();
   EXPECT_EQ(cancel.cancel().attempt(), first.attempt());
 
-  node->Heartbeat();  // on the same session
+  const grpc::Status ended = node->Finish();
+  EXPECT_EQ(ended.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(ended.error_message(), HasSubstr("node declared lost: no heartbeat for 10s"));
+  EXPECT_FALSE(Node("n1").connected());
+
+  // The worker reconnects; its stopped ranks have exited meanwhile.
+  auto again = Connect("n1", 2);
   EXPECT_EQ(Node("n1").state(), v1::NODE_READY);
   EXPECT_TRUE(Node("n1").connected());
-  // Once its stopped ranks have exited, the next attempt is placed there.
-  node->ReportExit(first, 0, 143);
-  node->ReportExit(first, 1, 143);
-  node->Heartbeat();
+  again->ReportExit(first, 0, 143);
+  again->ReportExit(first, 1, 143);
+  again->Heartbeat();
   ASSERT_EQ(server_->jobs().SchedulePass(), 1);
-  EXPECT_EQ(node->NextCommand().assignment().attempt(), first.attempt() + 1);
+  EXPECT_EQ(again->NextCommand().assignment().attempt(), first.attempt() + 1);
 }
 
 // A node cut off long enough to be lost comes back with a rank of the old attempt still running:

@@ -600,6 +600,34 @@ TEST_F(OwnWorkerE2eTest, RestartedCoordinatorKeepsTheDeviceOfARankStillStopping)
   EXPECT_EQ(WaitFor(next->id(), [](const v1::Job&) { return false; }).state(), v1::SUCCEEDED);
 }
 
+// A worker that stopped answering (here: stopped by SIGSTOP past the node timeout) is declared
+// LOST and its session closed by the coordinator; once it runs again it finds its session gone,
+// reconnects, and its node is READY and takes jobs again.
+TEST_F(WorkerE2eTest, AWorkerDeclaredLostReconnectsAndItsNodeIsReadyAgain) {
+  auto node_state = [&]() -> std::pair<v1::NodeState, bool> {
+    auto nodes = client_->ListNodes();
+    if (!nodes.ok() || nodes->nodes().empty()) return {v1::NODE_STATE_UNSPECIFIED, false};
+    return {nodes->nodes(0).state(), nodes->nodes(0).connected()};
+  };
+  auto wait_for = [&](v1::NodeState state, bool connected) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (absl::Now() < deadline) {
+      if (node_state() == std::make_pair(state, connected)) return true;
+      absl::SleepFor(absl::Milliseconds(50));  // no watch API for nodes
+    }
+    return false;
+  };
+  ASSERT_EQ(kill(worker_->pid(), SIGSTOP), 0);
+  // LOST, and its session closed by the coordinator (not by the stopped worker).
+  const bool lost = wait_for(v1::NODE_LOST, false);
+  ASSERT_EQ(kill(worker_->pid(), SIGCONT), 0);
+  ASSERT_TRUE(lost) << "the stopped worker's node was not declared lost and cut off";
+  ASSERT_TRUE(wait_for(v1::NODE_READY, true)) << "the worker did not come back";
+  auto job = client_->Submit(testing::TinySpec("succeed", 2));
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(WaitFor(job->id(), [](const v1::Job&) { return false; }).state(), v1::SUCCEEDED);
+}
+
 // GPU hosts, with tests/fake_cuda_driver.cc standing in for libcuda.so.1 (these hosts have no GPU).
 class WorkerGpuE2eTest : public OwnWorkerE2eTest {
  protected:

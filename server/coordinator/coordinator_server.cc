@@ -159,6 +159,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s->jobs_ = std::make_unique<JobManager>(*s->store_, *s->nodes_, *s->rendezvous_, s->clock_);
   s->jobs_->SetMetrics(s->metrics_prom_.get());
   s->jobs_->SetDefaultMaxQueuedJobs(s->options_.limits.max_queued_jobs_per_user);
+  s->jobs_->SetMaxPendingSubmits(s->options_.limits.max_pending_submits);
   // A listing stays well inside a message, whatever its jobs hold.
   s->jobs_->SetMaxListBytes(static_cast<size_t>(s->options_.max_message_bytes) / 2);
   s->jobs_->SetPreemption(s->options_.preemption, s->options_.preemption_grace,
@@ -262,6 +263,12 @@ void CoordinatorServer::Tick() {
   const std::vector<std::string> lost = nodes_->CheckTimeouts();
   for (const auto& id : lost) spdlog::warn("node {} lost: no heartbeat", id);
   jobs_->OnNodesLost(lost);
+  // Their sessions end once the cancels of their ranks are written: a worker that is still there
+  // (its heartbeats late, or its connection half open) reconnects and says what still runs.
+  nodes_->CloseSessions(
+      lost, absl::UnavailableError(absl::StrCat("node declared lost: no heartbeat for ",
+                                                absl::FormatDuration(nodes_->node_timeout()),
+                                                "; reconnect and say hello again")));
   if (const int ended = jobs_->EnforceRuntimeLimits(); ended > 0) {
     spdlog::info("{} job(s) exceeded their max_runtime", ended);
   }

@@ -35,6 +35,10 @@ struct CoordinatorLimits {
   // Jobs a user may have queued, unless an admin set the user's own max_queued_jobs; negative:
   // no cap.
   int64_t max_queued_jobs_per_user = 1000;
+  // Submissions accepted but not yet durable (waiting for the store), all users together: past
+  // it a submit is refused with RESOURCE_EXHAUSTED and retry advice (back-pressure at the rate the
+  // store commits) instead of queueing without bound. Negative: no cap.
+  int64_t max_pending_submits = 2048;
   int64_t max_tokens_per_user = 100;           // unrevoked, unexpired; negative: no cap
   RendezvousLimits rendezvous;                 // per job attempt
   size_t max_log_bytes_per_job = 64 << 20;     // kept in memory; the oldest lines go first

@@ -118,6 +118,7 @@ absl::Status JobManager::Load(const std::vector<StoredJob>& stored) {
     ids_by_seq_[job.seq()] = job.id();
     durable_version_[job.id()] = job.version();
     if (!IsTerminal(job.state())) unfinished_.insert(job.id());
+    if (job.state() == v1::QUEUED) ++queued_by_owner_[job.owner()];
     if (IsActive(job.state())) {
       for (const auto& p : job.placement()) {
         allocated_[p.node_id()].insert(p.device_indices().begin(), p.device_indices().end());
@@ -138,6 +139,10 @@ void JobManager::Transition(v1::Job& job, v1::JobState to, std::string message) 
   TY_CHECK(IsValidTransition(job.state(), to),
            absl::StrCat("job ", job.id(), ": ", v1::JobState_Name(job.state()), " -> ",
                         v1::JobState_Name(to)));
+  if (job.state() == v1::QUEUED && --queued_by_owner_[job.owner()] == 0) {
+    queued_by_owner_.erase(job.owner());
+  }
+  if (to == v1::QUEUED) ++queued_by_owner_[job.owner()];
   job.set_state(to);
   job.set_message(std::move(message));
   job.set_version(job.version() + 1);
@@ -178,16 +183,11 @@ void JobManager::NotifyWatchers(const v1::Job& job) {
 
 absl::Status JobManager::CheckFitsSomeNode(const v1::JobSpec& spec) const {
   // The largest device any ready node offers (a node's smallest device counts for it), and the
-  // most devices on one node (the HYBRID_SHARD group). Devices of unknown size are not judged.
-  int64_t device_bytes = 0;
-  int ranks_per_node = 1;
-  for (const v1::Node& n : nodes_.List()) {
-    if (n.state() != v1::NODE_READY || n.devices().empty()) continue;
-    int64_t smallest = std::numeric_limits<int64_t>::max();
-    for (const auto& d : n.devices()) smallest = std::min(smallest, d.memory_bytes());
-    device_bytes = std::max(device_bytes, smallest);
-    ranks_per_node = std::max(ranks_per_node, n.devices_size());
-  }
+  // most devices on one node (the HYBRID_SHARD group), from the registry's index: O(1) in the
+  // cluster's size. Devices of unknown size are not judged.
+  const ClusterCapacity capacity = nodes_.Capacity();
+  const int64_t device_bytes = capacity.largest_device_bytes;
+  const int ranks_per_node = std::max(1, capacity.max_devices_per_node);
   if (device_bytes <= 0) return absl::OkStatus();
   const int world = spec.resources().gpus();
   const MemoryEstimate e = EstimateMemory(spec, world, ranks_per_node);
@@ -228,7 +228,7 @@ absl::Status JobManager::CheckFitsParameterServers(const std::string& owner,
   if (spec.parallel().strategy() != v1::OFFLOAD) return absl::OkStatus();
   int64_t capacity = 0;
   int servers = 0;
-  for (const v1::Node& n : nodes_.List()) {
+  for (const v1::Node& n : nodes_.ListParameterServers()) {
     if (n.role() != v1::PARAMETER_SERVER || n.state() != v1::NODE_READY) continue;
     if (!TakesJobsOf(n, owner)) continue;
     capacity += n.memory_bytes();
@@ -265,7 +265,7 @@ std::map<std::string, int64_t> JobManager::ReservedPsBytes() const {
 std::vector<PsCapacity> JobManager::ParameterServerCapacity(const std::string& owner) const {
   std::map<std::string, int64_t> reserved = ReservedPsBytes();
   std::vector<PsCapacity> out;
-  for (const v1::Node& n : nodes_.List()) {
+  for (const v1::Node& n : nodes_.ListParameterServers()) {
     if (n.role() != v1::PARAMETER_SERVER || n.state() != v1::NODE_READY || !n.connected() ||
         !TakesJobsOf(n, owner)) {
       continue;
@@ -298,6 +298,15 @@ void JobManager::Submit(const std::string& owner, v1::JobSpec spec, JobCallback 
       done(s);
       return;
     }
+    if (max_pending_submits_ >= 0 && pending_submits_ >= max_pending_submits_) {
+      // Back-pressure: accepted at the rate the store commits, not queued without bound.
+      done(absl::ResourceExhaustedError(absl::StrCat(
+          "the coordinator has ", pending_submits_,
+          " submissions waiting for its store (--max-pending-submits); retry in a second, "
+          "with backoff")));
+      return;
+    }
+    ++pending_submits_;
     ++submitting_[owner];
     const int64_t seq = next_seq_++;
     job.set_id(JobIdForSeq(seq));
@@ -315,6 +324,7 @@ void JobManager::Submit(const std::string& owner, v1::JobSpec spec, JobCallback 
     store_.Commit(std::move(batch), [this, job, done = std::move(done)](absl::Status s) {
       {
         absl::MutexLock lock(&mu_);
+        --pending_submits_;
         if (--submitting_[job.owner()] == 0) submitting_.erase(job.owner());
       }
       if (!s.ok()) {
@@ -326,6 +336,7 @@ void JobManager::Submit(const std::string& owner, v1::JobSpec spec, JobCallback 
         jobs_[job.id()] = job;
         ids_by_seq_[job.seq()] = job.id();
         unfinished_.insert(job.id());
+        ++queued_by_owner_[job.owner()];
         durable_version_[job.id()] = job.version();
       }
       done(job);
@@ -1083,10 +1094,7 @@ absl::Status JobManager::CheckSharingLimits(const SharingPolicy& policy, const s
   if (max_queued >= 0) {
     int64_t queued = 0;
     if (auto it = submitting_.find(owner); it != submitting_.end()) queued += it->second;
-    for (const std::string& id : unfinished_) {
-      const v1::Job& job = jobs_.at(id);
-      queued += job.owner() == owner && job.state() == v1::QUEUED;
-    }
+    if (auto it = queued_by_owner_.find(owner); it != queued_by_owner_.end()) queued += it->second;
     if (queued >= max_queued) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "max_queued_jobs: user ", owner, " has ", queued, " jobs queued, its cap of ", max_queued,

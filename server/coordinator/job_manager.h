@@ -158,6 +158,9 @@ class JobManager {
   // The cap on a user's queued jobs when an admin set none for the user (negative: none). Set
   // once, before serving.
   void SetDefaultMaxQueuedJobs(int64_t max_queued) { default_max_queued_jobs_ = max_queued; }
+  // Submissions waiting for the store, all owners together, past which Submit answers
+  // RESOURCE_EXHAUSTED with retry advice (negative: none). Set once, before serving.
+  void SetMaxPendingSubmits(int64_t max_pending) { max_pending_submits_ = max_pending; }
   // A List page ends before its jobs pass this many serialized bytes (always at least one job).
   // Set once, before serving.
   void SetMaxListBytes(size_t max_bytes) { max_list_bytes_ = max_bytes; }
@@ -281,7 +284,11 @@ class JobManager {
   int64_t next_watch_handle_ ABSL_GUARDED_BY(mu_) = 1;
   // Submissions not yet durable, by owner (for max_queued_jobs).
   std::map<std::string, int> submitting_ ABSL_GUARDED_BY(mu_);
-  int64_t default_max_queued_jobs_ = -1;     // set before serving
+  // QUEUED jobs by owner, kept by Transition (max_queued_jobs without a scan per submit).
+  std::map<std::string, int64_t> queued_by_owner_ ABSL_GUARDED_BY(mu_);
+  int64_t default_max_queued_jobs_ = -1;  // set before serving
+  int64_t max_pending_submits_ = -1;      // set before serving
+  int64_t pending_submits_ ABSL_GUARDED_BY(mu_) = 0;
   size_t max_list_bytes_ = size_t{2} << 20;  // set before serving
   // Decayed device-seconds by "account:NAME" and "user:NAME".
   UsageLedger usage_ ABSL_GUARDED_BY(mu_);

@@ -87,6 +87,10 @@ int main(int argc, char** argv) {
                  "jobs a user may have queued unless an admin set the user's own max_queued_jobs "
                  "(negative: no cap)")
       ->capture_default_str();
+  app.add_option("--max-pending-submits", limits.max_pending_submits,
+                 "submissions waiting for the store, all users together, before a submit is "
+                 "refused with RESOURCE_EXHAUSTED and retry advice (negative: no cap)")
+      ->capture_default_str();
   app.add_option("--max-tokens-per-user", limits.max_tokens_per_user,
                  "unrevoked, unexpired API tokens a user may hold (negative: no cap)")
       ->capture_default_str();

@@ -1,6 +1,7 @@
 #include "server/coordinator/node_registry.h"
 
 #include <cmath>
+#include <limits>
 #include <set>
 
 #include "absl/strings/ascii.h"
@@ -77,9 +78,49 @@ absl::Status NodeRegistry::Load(const std::vector<StoredNode>& stored) {
       return absl::DataLossError(absl::StrCat("node ", s.id, ": unreadable record"));
     }
     entry.last_heartbeat = now;
-    nodes_[s.id] = std::move(entry);
+    if (auto old = nodes_.find(s.id); old != nodes_.end()) Unindex(old->second);
+    Entry& e = nodes_[s.id] = std::move(entry);
+    Index(e);
   }
   return absl::OkStatus();
+}
+
+namespace {
+
+// A node's smallest device (it counts for the node: any rank may land on it), and its count;
+// nullopt when it does not count for admission.
+bool Counts(const v1::Node& n) {
+  return n.state() == v1::NODE_READY && n.role() != v1::PARAMETER_SERVER && !n.devices().empty();
+}
+
+int64_t SmallestDevice(const v1::Node& n) {
+  int64_t smallest = std::numeric_limits<int64_t>::max();
+  for (const auto& d : n.devices()) smallest = std::min(smallest, d.memory_bytes());
+  return smallest;
+}
+
+}  // namespace
+
+void NodeRegistry::Index(const Entry& e) {
+  if (e.node.role() == v1::PARAMETER_SERVER) parameter_servers_.insert(e.node.id());
+  if (!Counts(e.node)) return;
+  smallest_device_bytes_.insert(SmallestDevice(e.node));
+  device_counts_.insert(e.node.devices_size());
+}
+
+void NodeRegistry::Unindex(const Entry& e) {
+  parameter_servers_.erase(e.node.id());
+  if (!Counts(e.node)) return;
+  smallest_device_bytes_.erase(smallest_device_bytes_.find(SmallestDevice(e.node)));
+  device_counts_.erase(device_counts_.find(e.node.devices_size()));
+}
+
+ClusterCapacity NodeRegistry::Capacity() const {
+  absl::MutexLock lock(&mu_);
+  ClusterCapacity c;
+  if (!smallest_device_bytes_.empty()) c.largest_device_bytes = *smallest_device_bytes_.rbegin();
+  if (!device_counts_.empty()) c.max_devices_per_node = *device_counts_.rbegin();
+  return c;
 }
 
 namespace {
@@ -112,6 +153,7 @@ void NodeRegistry::Register(const v1::RegisterNodeRequest& request,
     }
     const absl::Time now = clock_.Now();
     Entry& entry = nodes_[request.node_id()];
+    Unindex(entry);
     // A LOST node's old session (a half-open connection, say) gives way to the one to come.
     if (entry.node.state() == v1::NODE_LOST) entry.session.reset();
     node.set_id(request.node_id());
@@ -127,6 +169,7 @@ void NodeRegistry::Register(const v1::RegisterNodeRequest& request,
     node.set_last_heartbeat_ms(ToUnixMs(now));
     entry.node = node;
     entry.last_heartbeat = now;
+    Index(entry);
     batch.put_nodes.push_back({node.id(), node.SerializeAsString()});
   }
   store_.Commit(std::move(batch), [node, done = std::move(done)](absl::Status s) {
@@ -162,6 +205,7 @@ absl::StatusOr<bool> NodeRegistry::Heartbeat(
   // too busy to read them) do not keep a live node out of the cluster for good.
   if (it->second.node.state() == v1::NODE_LOST && it->second.session != nullptr) {
     it->second.node.set_state(v1::NODE_READY);
+    Index(it->second);
     return true;
   }
   return false;
@@ -173,7 +217,9 @@ std::vector<std::string> NodeRegistry::CheckTimeouts() {
   const absl::Time now = clock_.Now();
   for (auto& [id, entry] : nodes_) {
     if (entry.node.state() == v1::NODE_READY && now - entry.last_heartbeat > node_timeout_) {
+      Unindex(entry);
       entry.node.set_state(v1::NODE_LOST);
+      Index(entry);
       lost.push_back(id);
     }
   }
@@ -193,8 +239,25 @@ absl::Status NodeRegistry::AttachSession(const std::string& node_id,
   }
   it->second.session = std::move(sink);
   it->second.last_heartbeat = clock_.Now();
+  Unindex(it->second);
   it->second.node.set_state(v1::NODE_READY);
+  Index(it->second);
   return absl::OkStatus();
+}
+
+void NodeRegistry::CloseSessions(const std::vector<std::string>& node_ids,
+                                 const absl::Status& why) {
+  std::vector<std::shared_ptr<NodeSessionSink>> sinks;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const std::string& id : node_ids) {
+      auto it = nodes_.find(id);
+      if (it == nodes_.end() || it->second.session == nullptr) continue;
+      sinks.push_back(std::move(it->second.session));
+      it->second.session.reset();
+    }
+  }
+  for (const auto& sink : sinks) sink->Close(why);
 }
 
 void NodeRegistry::DetachSession(const std::string& node_id, const NodeSessionSink* sink) {
@@ -213,6 +276,19 @@ bool NodeRegistry::Send(const std::string& node_id, const v1::CoordinatorMessage
   }
   sink->Send(message);
   return true;
+}
+
+std::vector<v1::Node> NodeRegistry::ListParameterServers() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::Node> out;
+  out.reserve(parameter_servers_.size());
+  for (const std::string& id : parameter_servers_) {
+    const Entry& entry = nodes_.at(id);
+    out.push_back(entry.node);
+    out.back().set_last_heartbeat_ms(ToUnixMs(entry.last_heartbeat));
+    out.back().set_connected(entry.session != nullptr);
+  }
+  return out;
 }
 
 std::vector<v1::Node> NodeRegistry::List() const {

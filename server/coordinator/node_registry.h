@@ -11,6 +11,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,17 @@ class NodeSessionSink {
  public:
   virtual ~NodeSessionSink() = default;
   virtual void Send(const v1::CoordinatorMessage& message) = 0;
+  // Ends the session with `why` once what was sent is written (the node reconnects).
+  virtual void Close(const absl::Status& why) = 0;
+};
+
+// What submit-time admission needs of the whole cluster, kept up to date as nodes come and go
+// (O(log nodes) per change) instead of read from a copy of every node per submit.
+struct ClusterCapacity {
+  // Of the READY workers: the largest "smallest device" of a node (0: none, or sizes unknown)
+  // and the most devices on one node.
+  int64_t largest_device_bytes = 0;
+  int max_devices_per_node = 0;
 };
 
 class NodeRegistry {
@@ -57,6 +69,9 @@ class NodeRegistry {
 
   // Marks READY nodes whose last heartbeat is older than the node timeout LOST; returns their ids.
   std::vector<std::string> CheckTimeouts();
+  // Ends the open sessions of these nodes with `why` once what was queued for them (their ranks'
+  // cancels) is written; their workers reconnect and say which ranks still run.
+  void CloseSessions(const std::vector<std::string>& node_ids, const absl::Status& why);
 
   // Attaches the session stream of a registered node and counts as a heartbeat; a LOST node
   // becomes READY again. NOT_FOUND for an unknown node, ALREADY_EXISTS while another session of
@@ -70,6 +85,9 @@ class NodeRegistry {
 
   // All nodes, ordered by id.
   std::vector<v1::Node> List() const;
+  // The parameter servers only (as List), without copying the workers.
+  std::vector<v1::Node> ListParameterServers() const;
+  ClusterCapacity Capacity() const;
 
   absl::Duration node_timeout() const { return node_timeout_; }
 
@@ -80,12 +98,20 @@ class NodeRegistry {
     std::shared_ptr<NodeSessionSink> session;
   };
 
+  // The capacity index: an entry counts while it is a READY worker with devices. Unindex before
+  // changing an entry's state, role or devices, Index after.
+  void Index(const Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Unindex(const Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   JobStore& store_;
   const Clock& clock_;
   const absl::Duration node_timeout_;
 
   mutable absl::Mutex mu_;
   std::map<std::string, Entry> nodes_ ABSL_GUARDED_BY(mu_);
+  std::multiset<int64_t> smallest_device_bytes_ ABSL_GUARDED_BY(mu_);
+  std::multiset<int> device_counts_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> parameter_servers_ ABSL_GUARDED_BY(mu_);
 };
 
 // Checks a registration: node_id, devices (unique non-negative indices, known kinds), memory.

@@ -417,6 +417,7 @@ class SessionReactor final
   struct Sink final : NodeSessionSink {
     explicit Sink(Base* reactor) : queue(reactor) {}
     void Send(const v1::CoordinatorMessage& message) override { queue.Push(message); }
+    void Close(const absl::Status& why) override { queue.FinishWhenDrained(ToGrpcStatus(why)); }
     WriteQueue<Base, v1::CoordinatorMessage> queue;
   };
 

@@ -238,7 +238,12 @@ void WorkerDaemon::RunSession() {
       session_open_ = true;
     }
     connected_.Set(1);
-    std::thread writer([&] { WriterLoop(stream.get(), interval); });
+    // Heartbeats unanswered this long: the coordinator has judged this node lost by now (or the
+    // connection is half open); the session is cut and a new one made.
+    const absl::Duration unanswered = std::max(
+        2 * interval, absl::Milliseconds(
+                          registered.node_timeout_ms() > 0 ? registered.node_timeout_ms() : 10000));
+    std::thread writer([&] { WriterLoop(stream.get(), interval, unanswered); });
     v1::CoordinatorMessage in;
     while (stream->Read(&in)) {
       if (in.has_assignment()) {
@@ -278,7 +283,7 @@ void WorkerDaemon::RunSession() {
 
 void WorkerDaemon::WriterLoop(
     grpc::ClientReaderWriter<v1::NodeMessage, v1::CoordinatorMessage>* stream,
-    absl::Duration heartbeat_interval) {
+    absl::Duration heartbeat_interval, absl::Duration unanswered_limit) {
   int64_t seq = 0;
   absl::Time next_heartbeat = absl::Now();
   absl::MutexLock lock(&mu_);
@@ -289,6 +294,13 @@ void WorkerDaemon::WriterLoop(
     mu_.AwaitWithDeadline(absl::Condition(&ready), next_heartbeat);
     if (!session_open_) break;
     v1::NodeMessage m;
+    if (absl::Now() >= next_heartbeat && !heartbeats_in_flight_.empty() &&
+        absl::Now() - heartbeats_in_flight_.begin()->second > unanswered_limit) {
+      spdlog::warn("no heartbeat answered for {}: reconnecting",
+                   absl::FormatDuration(absl::Now() - heartbeats_in_flight_.begin()->second));
+      if (session_ctx_ != nullptr) session_ctx_->TryCancel();
+      break;
+    }
     if (absl::Now() >= next_heartbeat) {
       m.mutable_heartbeat()->set_seq(++seq);
       m.mutable_heartbeat()->set_sent_time_ms(absl::ToUnixMillis(absl::Now()));

@@ -65,8 +65,9 @@ class WorkerDaemon {
   // Queues a message for the coordinator (from supervisor threads too).
   void Send(v1::NodeMessage message);
   // Drains the outbox and sends heartbeats into `stream` until the session ends.
+  // Cuts the session when the oldest unanswered heartbeat is older than `unanswered_limit`.
   void WriterLoop(grpc::ClientReaderWriter<v1::NodeMessage, v1::CoordinatorMessage>* stream,
-                  absl::Duration heartbeat_interval);
+                  absl::Duration heartbeat_interval, absl::Duration unanswered_limit);
 
   // Counts a rank exit by reason and refreshes the device and rank gauges.
   void RecordRankExit(int exit_code);
