@@ -1132,5 +1132,42 @@ TEST_F(CoordinatorServiceTest, StateSurvivesAShutdownAndRestartInProcess) {
   EXPECT_EQ(nodes.nodes(0).devices_size(), 3);
 }
 
+// Back-pressure: past --max-pending-submits submissions waiting for the store, a submit is
+// refused at once with RESOURCE_EXHAUSTED and retry advice (0 here: every submit), and nothing of
+// it is kept; the capacity check reads the registry's index (a node's smallest device, the most
+// devices on one node) as nodes come and go.
+class BackPressureTest : public CoordinatorServiceTest {
+ protected:
+  void Configure(CoordinatorOptions& o) override {
+    CoordinatorServiceTest::Configure(o);
+    o.limits.max_pending_submits = 0;
+  }
+};
+
+TEST_F(BackPressureTest, ASubmitPastThePendingCapIsRefusedWithRetryAdvice) {
+  v1::Job job;
+  const grpc::Status s = Submit(Spec(1), &job);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(s.error_message(), HasSubstr("--max-pending-submits"));
+  EXPECT_THAT(s.error_message(), HasSubstr("retry"));
+  EXPECT_TRUE(server_->jobs().List(v1::ListJobsRequest())->jobs.empty());
+}
+
+TEST_F(CoordinatorServiceTest, TheCapacityIndexFollowsNodesAsTheyComeAndGo) {
+  EXPECT_EQ(server_->nodes().Capacity().max_devices_per_node, 0);
+  auto small = Connect("small", 2);
+  auto big = Connect("big", 4);
+  EXPECT_EQ(server_->nodes().Capacity().max_devices_per_node, 4);
+  EXPECT_EQ(server_->nodes().Capacity().largest_device_bytes, Node("big").devices(0).memory_bytes());
+  big.reset();
+  clock_.Advance(absl::Seconds(11));
+  small->Heartbeat();  // small stays; big is lost
+  server_->Tick();
+  EXPECT_EQ(Node("big").state(), v1::NODE_LOST);
+  EXPECT_EQ(server_->nodes().Capacity().max_devices_per_node, 2);
+  auto back = Connect("big", 4);
+  EXPECT_EQ(server_->nodes().Capacity().max_devices_per_node, 4);
+}
+
 }  // namespace
 }  // namespace trainyard::coordinator

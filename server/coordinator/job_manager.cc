@@ -584,6 +584,8 @@ void JobManager::FailAttempt(v1::Job& job, const std::string& reason) {
 int JobManager::SchedulePass() {
   const std::shared_ptr<const SharingPolicy> current = CurrentPolicy();
   const SharingPolicy& policy = *current;
+  // Copied before taking the lock: submits and rank reports do not wait for the copy.
+  const std::vector<SchedulingNode> nodes = nodes_.SchedulingView();
   absl::MutexLock lock(&mu_);
   ClusterSnapshot snapshot;
   snapshot.now = clock_.Now();
@@ -614,15 +616,18 @@ int JobManager::SchedulePass() {
     }
     return it->second;
   };
-  std::vector<v1::Node> nodes = nodes_.List();
   // Ranks that never reported their exit. Not on a node without a session: its ranks may still
   // run (cut off, not dead), and its hello settles them when it is back.
-  std::set<std::string> connected;
-  for (const v1::Node& n : nodes) {
-    if (n.connected()) connected.insert(n.id());
-  }
+  // (Nodes are ordered by id: looked up by binary search.)
+  auto find_node = [&nodes](const std::string& id) -> const SchedulingNode* {
+    auto it =
+        std::lower_bound(nodes.begin(), nodes.end(), id,
+                         [](const SchedulingNode& n, const std::string& k) { return n.id < k; });
+    return it != nodes.end() && it->id == id ? &*it : nullptr;
+  };
   for (auto it = draining_.begin(); it != draining_.end();) {
-    if (it->second.deadline > snapshot.now || connected.count(it->second.node_id) == 0) {
+    const SchedulingNode* on = find_node(it->second.node_id);
+    if (it->second.deadline > snapshot.now || on == nullptr || !on->connected) {
       ++it;
       continue;
     }
@@ -631,19 +636,19 @@ int JobManager::SchedulePass() {
                  rank, job_id, attempt, it->second.node_id, it->second.device);
     it = EndDraining(it);
   }
-  std::map<std::string, int> node_index;
-  for (const v1::Node& n : nodes) {
-    node_index[n.id()] = static_cast<int>(snapshot.nodes.size());
-    auto held = allocated_.find(n.id());
+  snapshot.nodes.reserve(nodes.size());
+  for (const SchedulingNode& n : nodes) {
+    auto held = allocated_.find(n.id);
     const int used = held == allocated_.end() ? 0 : static_cast<int>(held->second.size());
+    const int total = static_cast<int>(n.device_indices.size());
     SchedNode sn;
-    sn.id = n.id();
-    sn.total_devices = n.devices_size();
-    sn.free_devices = std::max(0, n.devices_size() - used);
+    sn.id = n.id;
+    sn.total_devices = total;
+    sn.free_devices = std::max(0, total - used);
     // A node loaded after a coordinator restart keeps its running jobs but gets no new ranks
     // until its worker is back on a session.
-    sn.schedulable = n.state() == v1::NODE_READY && n.connected();
-    sn.owners.assign(n.owners().begin(), n.owners().end());
+    sn.schedulable = n.state == v1::NODE_READY && n.connected;
+    sn.owners = n.owners;
     snapshot.nodes.push_back(std::move(sn));
   }
   for (const std::string& id : unfinished_) {
@@ -666,8 +671,9 @@ int JobManager::SchedulePass() {
       RunningJobInfo r;
       r.id = id;
       for (const auto& pl : job.placement()) {
-        auto it = node_index.find(pl.node_id());
-        if (it != node_index.end()) r.grants.push_back({it->second, pl.device_indices_size()});
+        if (const SchedulingNode* on = find_node(pl.node_id()); on != nullptr) {
+          r.grants.push_back({static_cast<int>(on - nodes.data()), pl.device_indices_size()});
+        }
       }
       if (max_runtime_s > 0) {
         r.expected_end = absl::FromUnixMillis(job.start_time_ms()) + absl::Seconds(max_runtime_s);
@@ -745,17 +751,17 @@ int JobManager::SchedulePass() {
     for (v1::PsRange& r : ps_ranges) *job.add_ps_placement() = std::move(r);
     int rank = 0;
     for (const DeviceGrant& g : placement.grants) {
-      const v1::Node& node = nodes[g.node];
-      std::set<int>& held = allocated_[node.id()];
+      const SchedulingNode& node = nodes[g.node];
+      std::set<int>& held = allocated_[node.id];
       v1::RankPlacement* rp = job.add_placement();
-      rp->set_node_id(node.id());
+      rp->set_node_id(node.id);
       rp->set_first_rank(rank);
-      for (const v1::Device& d : node.devices()) {
+      for (const int index : node.device_indices) {
         if (rp->device_indices_size() == g.devices) break;
-        if (held.insert(d.index()).second) rp->add_device_indices(d.index());
+        if (held.insert(index).second) rp->add_device_indices(index);
       }
       TY_CHECK(rp->device_indices_size() == g.devices,
-               absl::StrCat("scheduler over-allocated node ", node.id()));
+               absl::StrCat("scheduler over-allocated node ", node.id));
       rank += g.devices;
     }
     job.set_attempt(job.attempt() + 1);

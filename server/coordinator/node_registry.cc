@@ -278,6 +278,22 @@ bool NodeRegistry::Send(const std::string& node_id, const v1::CoordinatorMessage
   return true;
 }
 
+std::vector<SchedulingNode> NodeRegistry::SchedulingView() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<SchedulingNode> out;
+  out.reserve(nodes_.size());
+  for (const auto& [id, entry] : nodes_) {
+    SchedulingNode& n = out.emplace_back();
+    n.id = id;
+    n.state = entry.node.state();
+    n.connected = entry.session != nullptr;
+    n.device_indices.reserve(entry.node.devices_size());
+    for (const v1::Device& d : entry.node.devices()) n.device_indices.push_back(d.index());
+    n.owners.assign(entry.node.owners().begin(), entry.node.owners().end());
+  }
+  return out;
+}
+
 std::vector<v1::Node> NodeRegistry::ListParameterServers() const {
   absl::MutexLock lock(&mu_);
   std::vector<v1::Node> out;

@@ -37,6 +37,16 @@ class NodeSessionSink {
 
 // What submit-time admission needs of the whole cluster, kept up to date as nodes come and go
 // (O(log nodes) per change) instead of read from a copy of every node per submit.
+// What a scheduling pass needs of a node: far less to copy than the node (no names, labels or
+// samples), since a pass takes every node.
+struct SchedulingNode {
+  std::string id;
+  v1::NodeState state = v1::NODE_STATE_UNSPECIFIED;
+  bool connected = false;
+  std::vector<int> device_indices;
+  std::vector<std::string> owners;
+};
+
 struct ClusterCapacity {
   // Of the READY workers: the largest "smallest device" of a node (0: none, or sizes unknown)
   // and the most devices on one node.
@@ -85,6 +95,8 @@ class NodeRegistry {
 
   // All nodes, ordered by id.
   std::vector<v1::Node> List() const;
+  // Every node as a scheduling pass sees it, ordered by id.
+  std::vector<SchedulingNode> SchedulingView() const;
   // The parameter servers only (as List), without copying the workers.
   std::vector<v1::Node> ListParameterServers() const;
   ClusterCapacity Capacity() const;

@@ -309,11 +309,12 @@ class SessionReactor final
  public:
   // `token_node`: the node the caller's node token is bound to; hello must name it.
   SessionReactor(NodeRegistry& nodes, JobManager& jobs, JobLogs& logs,
-                 const IdentityRegistry& identities, std::string token_node)
+                 const IdentityRegistry& identities, std::string token_node, SerialExecutor& events)
       : nodes_(nodes),
         jobs_(jobs),
         logs_(logs),
         identities_(identities),
+        events_(events),
         token_node_(std::move(token_node)),
         sink_(std::make_shared<Sink>(this)) {
     StartRead(&incoming_);
@@ -343,13 +344,18 @@ class SessionReactor final
         return;
       }
       node_id_ = incoming_.hello().node_id();
-      jobs_.OnNodeHello(node_id_, incoming_.hello().running());
-      jobs_.RequestSchedulingPass();
-      for (const v1::Assignment& a : jobs_.AssignmentsFor(node_id_)) {
-        v1::CoordinatorMessage m;
-        *m.mutable_assignment() = a;
-        sink_->Send(m);
-      }
+      // What waits on the job manager runs on the node-events thread, in arrival order; the
+      // callback thread goes back to reading (its heartbeats count as they arrive).
+      events_.Post(
+          [&jobs = jobs_, sink = sink_, node = node_id_, running = incoming_.hello().running()] {
+            jobs.OnNodeHello(node, running);
+            jobs.RequestSchedulingPass();
+            for (const v1::Assignment& a : jobs.AssignmentsFor(node)) {
+              v1::CoordinatorMessage m;
+              *m.mutable_assignment() = a;
+              sink->Send(m);
+            }
+          });
     } else if (incoming_.has_heartbeat()) {
       // A node an admin denied while its session was open: its session ends here.
       if (identities_.IsNodeDenied(node_id_)) {
@@ -365,37 +371,22 @@ class SessionReactor final
       }
       if (*back) {
         spdlog::info("node {} is back: READY again (its lost attempts stay failed)", node_id_);
-        jobs_.RequestSchedulingPass();
       }
-      v1::CoordinatorMessage ack;
-      ack.mutable_heartbeat_ack()->set_seq(incoming_.heartbeat().seq());
-      sink_->Send(ack);
+      // Acknowledged once what the node sent before it has been handled.
+      events_.Post([&jobs = jobs_, sink = sink_, seq = incoming_.heartbeat().seq(), back = *back] {
+        if (back) jobs.RequestSchedulingPass();
+        v1::CoordinatorMessage ack;
+        ack.mutable_heartbeat_ack()->set_seq(seq);
+        sink->Send(ack);
+      });
     } else if (incoming_.has_rank_status()) {
-      jobs_.OnRankStatus(node_id_, incoming_.rank_status());
-    } else if (incoming_.has_logs() &&
-               !jobs_.RankRunsOn(node_id_, incoming_.logs().job_id(), incoming_.logs().attempt(),
-                                 incoming_.logs().rank())) {
-      // A node speaks only for the ranks it runs.
-      spdlog::warn("audit: node {} sent lines of rank {} of {}, which it does not run: dropped",
-                   node_id_, incoming_.logs().rank(), Quoted(incoming_.logs().job_id()));
+      events_.Post([&jobs = jobs_, node = node_id_, status = incoming_.rank_status()] {
+        jobs.OnRankStatus(node, status);
+      });
     } else if (incoming_.has_logs()) {
-      const v1::LogLines& in = incoming_.logs();
-      std::vector<v1::LogLine> lines;
-      lines.reserve(in.lines_size());
-      for (const std::string& text : in.lines()) {
-        v1::LogLine l;
-        l.set_attempt(in.attempt());
-        l.set_rank(in.rank());
-        if (text.size() > kMaxLogLineBytes) {
-          // Kept, cut: a rank's line is its owner's data, but no line may be unbounded.
-          l.set_text(absl::StrCat(text.substr(0, kMaxLogLineBytes), " [truncated ",
-                                  text.size() - kMaxLogLineBytes, " bytes]"));
-        } else {
-          l.set_text(text);
-        }
-        lines.push_back(std::move(l));
-      }
-      logs_.Append(in.job_id(), std::move(lines));
+      events_.Post([&jobs = jobs_, &logs = logs_, node = node_id_, in = incoming_.logs()] {
+        HandleLogs(jobs, logs, node, in);
+      });
     }
     StartRead(&incoming_);
   }
@@ -421,6 +412,32 @@ class SessionReactor final
     WriteQueue<Base, v1::CoordinatorMessage> queue;
   };
 
+  static void HandleLogs(JobManager& jobs, JobLogs& logs, const std::string& node,
+                         const v1::LogLines& in) {
+    if (!jobs.RankRunsOn(node, in.job_id(), in.attempt(), in.rank())) {
+      // A node speaks only for the ranks it runs.
+      spdlog::warn("audit: node {} sent lines of rank {} of {}, which it does not run: dropped",
+                   node, in.rank(), Quoted(in.job_id()));
+      return;
+    }
+    std::vector<v1::LogLine> lines;
+    lines.reserve(in.lines_size());
+    for (const std::string& text : in.lines()) {
+      v1::LogLine l;
+      l.set_attempt(in.attempt());
+      l.set_rank(in.rank());
+      if (text.size() > kMaxLogLineBytes) {
+        // Kept, cut: a rank's line is its owner's data, but no line may be unbounded.
+        l.set_text(absl::StrCat(text.substr(0, kMaxLogLineBytes), " [truncated ",
+                                text.size() - kMaxLogLineBytes, " bytes]"));
+      } else {
+        l.set_text(text);
+      }
+      lines.push_back(std::move(l));
+    }
+    logs.Append(in.job_id(), std::move(lines));
+  }
+
   void End(grpc::Status status) {
     if (!node_id_.empty()) nodes_.DetachSession(node_id_, sink_.get());
     sink_->queue.FinishWhenDrained(std::move(status));
@@ -430,6 +447,7 @@ class SessionReactor final
   JobManager& jobs_;
   JobLogs& logs_;
   const IdentityRegistry& identities_;
+  SerialExecutor& events_;
   const std::string token_node_;
   std::shared_ptr<Sink> sink_;
   v1::NodeMessage incoming_;
@@ -986,7 +1004,7 @@ grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage>* NodeServiceImp
     };
     return new Rejected(ToGrpcStatus(caller.status()));
   }
-  return new SessionReactor(nodes_, jobs_, logs_, identities_, caller->node);
+  return new SessionReactor(nodes_, jobs_, logs_, identities_, caller->node, node_events_);
 }
 
 grpc::ServerUnaryReactor* NodeServiceImpl::ListNodes(grpc::CallbackServerContext* ctx,

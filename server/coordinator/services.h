@@ -13,6 +13,7 @@
 #include "server/coordinator/job_series.h"
 #include "server/coordinator/node_registry.h"
 #include "server/coordinator/rendezvous.h"
+#include "server/coordinator/serial_executor.h"
 #include "trainyard/v1/identity.grpc.pb.h"
 #include "trainyard/v1/job.grpc.pb.h"
 #include "trainyard/v1/node.grpc.pb.h"
@@ -119,6 +120,8 @@ class NodeServiceImpl final : public v1::NodeService::CallbackService {
   JobManager& jobs_;
   JobLogs& logs_;
   const absl::Duration heartbeat_interval_;
+  // The sessions' work that may wait on the job manager, in arrival order (serial_executor.h).
+  SerialExecutor node_events_{"ty-node-events"};
   const IdentityRegistry& identities_;
   const bool node_certificates_;
 };

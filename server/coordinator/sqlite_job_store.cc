@@ -6,6 +6,7 @@
 // used only by the commit thread, and a read connection for loads. Owns the commit thread, which
 // drains the queue of batches and writes them with group commit (many batches, one transaction,
 // one fsync).
+#include <pthread.h>
 #include <sqlite3.h>
 
 #include <deque>
@@ -228,7 +229,10 @@ class SqliteJobStore final : public JobStore {
     std::unique_ptr<SqliteJobStore> store(
         new SqliteJobStore(options, std::move(write_db), std::move(read_db)));
     RETURN_IF_ERROR(store->PrepareStatements());
-    store->commit_thread_ = std::thread([s = store.get()] { s->CommitLoop(); });
+    store->commit_thread_ = std::thread([s = store.get()] {
+      pthread_setname_np(pthread_self(), "ty-store-commit");
+      s->CommitLoop();
+    });
     return store;
   }
 
