@@ -39,6 +39,9 @@ std::string StartText(const std::optional<absl::Time>& start, absl::Time now) {
 // How long the devices of a stopped rank on a connected node stay allocated when its exit is never
 // reported (a lost message): longer than a worker's SIGTERM → SIGKILL grace (10 s by default).
 constexpr absl::Duration kDrainTimeout = absl::Seconds(60);
+// Placements one pass applies; the rest wait for the next pass, which follows at once. Bounds how
+// long a pass holds the job manager under a burst (rank reports and submits wait for it).
+constexpr int kMaxPlacementsPerPass = 128;
 
 // Whether `node` takes `owner`'s jobs: it names no owners, or `owner` among them (a worker or
 // parameter server registered with a node token limited to some owners' jobs).
@@ -726,6 +729,10 @@ int JobManager::SchedulePass() {
   }
   int placed = 0;
   for (const Placement& placement : result.placements) {
+    if (placed == kMaxPlacementsPerPass) {
+      WakeScheduler();
+      break;
+    }
     v1::Job& job = jobs_.at(placement.job_id);
     // Offload jobs also need room on the parameter servers; without it they keep waiting (the
     // devices the scheduler picked stay free for others).
