@@ -1158,7 +1158,8 @@ TEST_F(CoordinatorServiceTest, TheCapacityIndexFollowsNodesAsTheyComeAndGo) {
   auto small = Connect("small", 2);
   auto big = Connect("big", 4);
   EXPECT_EQ(server_->nodes().Capacity().max_devices_per_node, 4);
-  EXPECT_EQ(server_->nodes().Capacity().largest_device_bytes, Node("big").devices(0).memory_bytes());
+  EXPECT_EQ(server_->nodes().Capacity().largest_device_bytes,
+            Node("big").devices(0).memory_bytes());
   big.reset();
   clock_.Advance(absl::Seconds(11));
   small->Heartbeat();  // small stays; big is lost

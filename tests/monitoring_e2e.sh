@@ -12,7 +12,9 @@ bin="${1:?usage: monitoring_e2e.sh BIN_DIR}"
 yard="$bin/yard"
 tmp=$(mktemp -d /tmp/trainyard-monitoring-XXXXXX)
 state="$tmp/cluster"
+gpu_worker=""
 cleanup() {
+  if [ -n "$gpu_worker" ]; then kill "$gpu_worker" 2>/dev/null && wait "$gpu_worker" 2>/dev/null || true; fi
   "$yard" local --state-dir "$state" down >/dev/null 2>&1 || true
   rm -rf "$tmp"
 }
@@ -44,6 +46,27 @@ if [[ "$first" != step* ]]; then
   exit 1
 fi
 
+# A second worker on simulated GPUs (tests/fake_cuda_driver.cc and tests/fake_nvml.cc stand in for
+# libcuda and NVML), so that the cluster dashboard's GPU row has data. Started once the job runs,
+# so that the job is not placed on it.
+test_bin="$(cd "$bin/.." && pwd)/tests"
+"$yard" admin token create --node gpu-1 --out "$tmp/gpu-1.token" >/dev/null
+echo "$(id -un) $(id -un)" >"$tmp/gpu-user-map"
+"$bin/trainyard-worker" --coordinator "$CLUSTER_ADDRESS" --node-id gpu-1 --gpus all \
+  --cuda-library "$test_bin/libfake_cuda.so" --nvml-library "$test_bin/libfake_nvml.so" \
+  --work-dir "$tmp/gpu-1" --token-file "$tmp/gpu-1.token" --user-map "$tmp/gpu-user-map" \
+  --metrics-address 127.0.0.1:0 >"$tmp/gpu-1.out" 2>"$tmp/gpu-1.log" &
+gpu_worker=$!
+gpu_metrics=""
+for _ in $(seq 100); do
+  gpu_metrics=$(sed -n 's/^metrics //p' "$tmp/gpu-1.out" | head -n 1)
+  [ -n "$gpu_metrics" ] && break
+  kill -0 "$gpu_worker" 2>/dev/null || { cat "$tmp/gpu-1.log" >&2; exit 1; }
+  sleep 0.1
+done
+[ -n "$gpu_metrics" ] || { echo "the GPU worker did not serve /metrics" >&2; cat "$tmp/gpu-1.log" >&2; exit 1; }
+
 # Fails (and the trap stops the cluster) unless every expression has data.
 bash "$repo/tests/prometheus_dashboards_e2e.sh" --job "$job" --timeout 90 \
-  "coordinator=$COORDINATOR_METRICS" "worker=$WORKER_METRICS" "ps=$PS_METRICS"
+  "coordinator=$COORDINATOR_METRICS" "worker=$WORKER_METRICS" "worker=$gpu_metrics" \
+  "ps=$PS_METRICS"
