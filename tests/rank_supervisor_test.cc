@@ -16,6 +16,24 @@
 namespace trainyard::worker {
 namespace {
 
+// A failed rank's message leads with its cause, not with the first thing it printed.
+TEST(FailureMessageTest, LeadsWithTheLastErrorLine) {
+  EXPECT_EQ(FailureMessage({"LibTorch 1.13.0", "BLAS: OpenBLAS",
+                            "trainyard-trainer: error: data.path: cannot open '/nope'"}),
+            "trainyard-trainer: error: data.path: cannot open '/nope'\nLibTorch 1.13.0\n"
+            "BLAS: OpenBLAS\ntrainyard-trainer: error: data.path: cannot open '/nope'");
+  // Python: the exception, Traceback's last line, even with output after it.
+  const std::string m = FailureMessage(
+      {"Traceback (most recent call last):", "  File \"train.py\", line 3, in <module>",
+       "ValueError: bad learning rate", "cleaning up"});
+  EXPECT_EQ(m.substr(0, m.find('\n')), "ValueError: bad learning rate");
+  // No error word: the last non-empty line.
+  const std::string quiet = FailureMessage({"step 1", "step 2", ""});
+  EXPECT_EQ(quiet.substr(0, quiet.find('\n')), "step 2");
+  EXPECT_EQ(FailureMessage({}), "");
+  EXPECT_EQ(FailureMessage({"only line: Error"}), "only line: Error");
+}
+
 using testing::TempDir;
 
 // The rank status messages a supervisor sent, in order.

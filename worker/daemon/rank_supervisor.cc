@@ -17,6 +17,8 @@
 #include <optional>
 #include <string_view>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -112,7 +114,33 @@ int ExitCodeOf(int wait_status) {
   return -1;
 }
 
+bool SaysFailure(const std::string& line) {
+  const std::string lower = absl::AsciiStrToLower(line);
+  for (const char* word : {"error", "exception", "fatal", "failed", "abort", "killed"}) {
+    if (absl::StrContains(lower, word)) return true;
+  }
+  return false;
+}
+
 }  // namespace
+
+std::string FailureMessage(const std::vector<std::string>& last_lines) {
+  int cause = -1;
+  for (int i = static_cast<int>(last_lines.size()) - 1; i >= 0; --i) {
+    if (cause < 0 && !absl::StripAsciiWhitespace(last_lines[i]).empty()) cause = i;
+    if (SaysFailure(last_lines[i])) {
+      cause = i;
+      break;
+    }
+  }
+  if (cause < 0) return "";
+  std::string out(absl::StripAsciiWhitespace(last_lines[cause]));
+  // Then the lines for context, unless the cause is the only one.
+  if (last_lines.size() > 1) {
+    absl::StrAppend(&out, "\n", absl::StrJoin(last_lines.begin(), last_lines.end(), "\n"));
+  }
+  return out;
+}
 
 RankSupervisor::RankSupervisor(SupervisorOptions options, std::function<void(v1::NodeMessage)> send)
     : options_(std::move(options)),
@@ -475,7 +503,8 @@ void RankSupervisor::ReadOutput(RankKey key, int fd, pid_t pid) {
   kill(-pid, SIGKILL);  // anything the rank left behind in its group
   RemoveSharedMemoryOf(pid);
   const int code = ExitCodeOf(wait_status);
-  ReportExit(key, code, code == 0 ? "" : absl::StrJoin(last.begin(), last.end(), "\n"));
+  ReportExit(key, code,
+             code == 0 ? "" : FailureMessage(std::vector<std::string>(last.begin(), last.end())));
   absl::MutexLock lock(&mu_);
   auto it = ranks_.find(key);
   if (it != ranks_.end()) {

@@ -45,6 +45,12 @@ struct SupervisorOptions {
   std::string tls_ca;
 };
 
+// The message a failed rank's exit carries, from its last output lines: its cause first (the last
+// line that says error, exception, fatal, failed or Traceback's last line, else the last non-empty
+// line), so that `yard describe` and `yard wait` lead with it rather than with whatever the rank
+// printed first (a start-up banner); then the lines themselves, for context.
+std::string FailureMessage(const std::vector<std::string>& last_lines);
+
 class RankSupervisor {
  public:
   // `send` receives log lines and rank status for the coordinator; it must not block long.
