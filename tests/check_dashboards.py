@@ -46,6 +46,7 @@ HISTOGRAMS = {
     "trainyard_job_queue_wait_seconds", "trainyard_scheduling_pass_seconds",
     "trainyard_rpc_duration_seconds", "trainyard_store_commit_seconds",
     "trainyard_worker_heartbeat_rtt_seconds", "trainyard_ps_adam_step_seconds",
+    "trainyard_node_event_delay_seconds",
 }
 BUILTIN = {"up"}  # Prometheus's own per-target series
 KNOWN = GAUGES | COUNTERS | BUILTIN | {h + s for h in HISTOGRAMS for s in ("_bucket", "_sum", "_count")}

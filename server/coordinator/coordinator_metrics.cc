@@ -81,6 +81,12 @@ CoordinatorMetrics::CoordinatorMetrics()
                            .Help("Duration of one scheduling pass")
                            .Register(*registry_)
                            .Add({}, LatencyBuckets())),
+      node_event_delay_(prometheus::BuildHistogram()
+                            .Name("trainyard_node_event_delay_seconds")
+                            .Help("Time a node's message waited on the node-events thread before "
+                                  "it was handled (hellos, rank status, logs, heartbeat acks)")
+                            .Register(*registry_)
+                            .Add({}, LatencyBuckets())),
       placements_(prometheus::BuildCounter()
                       .Name("trainyard_placements_total")
                       .Help("Job attempts placed on nodes, by kind (normal or backfill)")
@@ -291,6 +297,10 @@ void CoordinatorMetrics::ObservePlacement(bool backfilled, double queue_wait_sec
 
 void CoordinatorMetrics::ObserveSchedulingPass(double seconds) {
   scheduling_pass_.Observe(seconds);
+}
+
+void CoordinatorMetrics::ObserveNodeEventDelay(double seconds) {
+  node_event_delay_.Observe(seconds);
 }
 
 void CoordinatorMetrics::ObserveStoreCommit(double seconds) { store_commit_.Observe(seconds); }

@@ -45,6 +45,10 @@ class CoordinatorMetrics {
   // A running job asked to checkpoint and stop for one of higher priority.
   void ObservePreemption();
   void ObserveSchedulingPass(double seconds);
+  // How long a node's message (hello, rank status, log lines, a heartbeat's ack) waited on the
+  // node-events thread before it was handled: the coordinator's own share of a heartbeat's round
+  // trip.
+  void ObserveNodeEventDelay(double seconds);
   void ObserveStoreCommit(double seconds);
   void ObserveRpc(const std::string& method, const std::string& code, double seconds);
   void ObserveStep(const v1::StepReport& report);
@@ -70,6 +74,7 @@ class CoordinatorMetrics {
   prometheus::Family<prometheus::Gauge>& jobs_;
   prometheus::Histogram& queue_wait_;
   prometheus::Histogram& scheduling_pass_;
+  prometheus::Histogram& node_event_delay_;
   prometheus::Family<prometheus::Counter>& placements_;
   prometheus::Counter& preemptions_;
   prometheus::Family<prometheus::Gauge>& nodes_;

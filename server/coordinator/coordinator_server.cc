@@ -192,6 +192,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s->node_service_ = std::make_unique<NodeServiceImpl>(
       *s->nodes_, *s->jobs_, *s->logs_, s->options_.heartbeat_interval, ids,
       /*node_certificates=*/!s->options_.tls.client_ca_file.empty());
+  s->node_service_->SetMetrics(s->metrics_prom_.get());
   s->rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(*s->rendezvous_, ids);
   s->identity_service_ = std::make_unique<IdentityServiceImpl>(*s->identities_);
 

@@ -309,12 +309,14 @@ class SessionReactor final
  public:
   // `token_node`: the node the caller's node token is bound to; hello must name it.
   SessionReactor(NodeRegistry& nodes, JobManager& jobs, JobLogs& logs,
-                 const IdentityRegistry& identities, std::string token_node, SerialExecutor& events)
+                 const IdentityRegistry& identities, std::string token_node, SerialExecutor& events,
+                 CoordinatorMetrics* metrics)
       : nodes_(nodes),
         jobs_(jobs),
         logs_(logs),
         identities_(identities),
         events_(events),
+        metrics_(metrics),
         token_node_(std::move(token_node)),
         sink_(std::make_shared<Sink>(this)) {
     StartRead(&incoming_);
@@ -346,16 +348,15 @@ class SessionReactor final
       node_id_ = incoming_.hello().node_id();
       // What waits on the job manager runs on the node-events thread, in arrival order; the
       // callback thread goes back to reading (its heartbeats count as they arrive).
-      events_.Post(
-          [&jobs = jobs_, sink = sink_, node = node_id_, running = incoming_.hello().running()] {
-            jobs.OnNodeHello(node, running);
-            jobs.RequestSchedulingPass();
-            for (const v1::Assignment& a : jobs.AssignmentsFor(node)) {
-              v1::CoordinatorMessage m;
-              *m.mutable_assignment() = a;
-              sink->Send(m);
-            }
-          });
+      Defer([&jobs = jobs_, sink = sink_, node = node_id_, running = incoming_.hello().running()] {
+        jobs.OnNodeHello(node, running);
+        jobs.RequestSchedulingPass();
+        for (const v1::Assignment& a : jobs.AssignmentsFor(node)) {
+          v1::CoordinatorMessage m;
+          *m.mutable_assignment() = a;
+          sink->Send(m);
+        }
+      });
     } else if (incoming_.has_heartbeat()) {
       // A node an admin denied while its session was open: its session ends here.
       if (identities_.IsNodeDenied(node_id_)) {
@@ -373,18 +374,18 @@ class SessionReactor final
         spdlog::info("node {} is back: READY again (its lost attempts stay failed)", node_id_);
       }
       // Acknowledged once what the node sent before it has been handled.
-      events_.Post([&jobs = jobs_, sink = sink_, seq = incoming_.heartbeat().seq(), back = *back] {
+      Defer([&jobs = jobs_, sink = sink_, seq = incoming_.heartbeat().seq(), back = *back] {
         if (back) jobs.RequestSchedulingPass();
         v1::CoordinatorMessage ack;
         ack.mutable_heartbeat_ack()->set_seq(seq);
         sink->Send(ack);
       });
     } else if (incoming_.has_rank_status()) {
-      events_.Post([&jobs = jobs_, node = node_id_, status = incoming_.rank_status()] {
+      Defer([&jobs = jobs_, node = node_id_, status = incoming_.rank_status()] {
         jobs.OnRankStatus(node, status);
       });
     } else if (incoming_.has_logs()) {
-      events_.Post([&jobs = jobs_, &logs = logs_, node = node_id_, in = incoming_.logs()] {
+      Defer([&jobs = jobs_, &logs = logs_, node = node_id_, in = incoming_.logs()] {
         HandleLogs(jobs, logs, node, in);
       });
     }
@@ -411,6 +412,16 @@ class SessionReactor final
     void Close(const absl::Status& why) override { queue.FinishWhenDrained(ToGrpcStatus(why)); }
     WriteQueue<Base, v1::CoordinatorMessage> queue;
   };
+
+  // Runs `task` on the node-events thread after what the node sent before, timing its wait.
+  void Defer(std::function<void()> task) {
+    events_.Post([metrics = metrics_, arrived = absl::Now(), task = std::move(task)] {
+      if (metrics != nullptr) {
+        metrics->ObserveNodeEventDelay(absl::ToDoubleSeconds(absl::Now() - arrived));
+      }
+      task();
+    });
+  }
 
   static void HandleLogs(JobManager& jobs, JobLogs& logs, const std::string& node,
                          const v1::LogLines& in) {
@@ -448,6 +459,7 @@ class SessionReactor final
   JobLogs& logs_;
   const IdentityRegistry& identities_;
   SerialExecutor& events_;
+  CoordinatorMetrics* const metrics_;
   const std::string token_node_;
   std::shared_ptr<Sink> sink_;
   v1::NodeMessage incoming_;
@@ -1004,7 +1016,8 @@ grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage>* NodeServiceImp
     };
     return new Rejected(ToGrpcStatus(caller.status()));
   }
-  return new SessionReactor(nodes_, jobs_, logs_, identities_, caller->node, node_events_);
+  return new SessionReactor(nodes_, jobs_, logs_, identities_, caller->node, node_events_,
+                            metrics_);
 }
 
 grpc::ServerUnaryReactor* NodeServiceImpl::ListNodes(grpc::CallbackServerContext* ctx,

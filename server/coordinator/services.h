@@ -8,6 +8,7 @@
 #ifndef TRAINYARD_SERVER_COORDINATOR_SERVICES_H_
 #define TRAINYARD_SERVER_COORDINATOR_SERVICES_H_
 
+#include "server/coordinator/coordinator_metrics.h"
 #include "server/coordinator/identity.h"
 #include "server/coordinator/job_manager.h"
 #include "server/coordinator/job_series.h"
@@ -103,6 +104,9 @@ class NodeServiceImpl final : public v1::NodeService::CallbackService {
         identities_(identities),
         node_certificates_(node_certificates) {}
 
+  // Where the node-events thread's delays are observed (set once, before serving; may stay null).
+  void SetMetrics(CoordinatorMetrics* metrics) { metrics_ = metrics; }
+
   grpc::ServerUnaryReactor* RegisterNode(grpc::CallbackServerContext* ctx,
                                          const v1::RegisterNodeRequest* request,
                                          v1::RegisterNodeResponse* response) override;
@@ -120,6 +124,7 @@ class NodeServiceImpl final : public v1::NodeService::CallbackService {
   JobManager& jobs_;
   JobLogs& logs_;
   const absl::Duration heartbeat_interval_;
+  CoordinatorMetrics* metrics_ = nullptr;
   // The sessions' work that may wait on the job manager, in arrival order (serial_executor.h).
   SerialExecutor node_events_{"ty-node-events"};
   const IdentityRegistry& identities_;
