@@ -11,9 +11,12 @@
 //   build/bin/node_scale_bench [--nodes 1000,5000,10000] [--burst 1000] [--idle-s 10]
 //       [--coordinator build/bin/trainyard-coordinator] [--dir /var/tmp]
 // Exit code 1 when a node was falsely declared lost (the check ctest runs at a small scale).
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -25,6 +28,7 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -34,6 +38,7 @@
 #include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -213,8 +218,63 @@ void Windowed(int n, int window, const std::function<void(int, std::function<voi
 struct Coordinator {
   pid_t pid = -1;
   std::string address;
+  std::string metrics;  // HOST:PORT of its /metrics
   std::string state_dir;
 };
+
+// GET http://HOST:PORT/metrics (loopback, no TLS); "" on error.
+std::string ScrapeMetrics(const std::string& host_port) {
+  const size_t colon = host_port.rfind(':');
+  if (colon == std::string::npos) return "";
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return "";
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(std::atoi(host_port.c_str() + colon + 1)));
+  inet_pton(AF_INET, host_port.substr(0, colon).c_str(), &addr.sin_addr);
+  std::string out;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) {
+    const std::string req = "GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n";
+    if (write(fd, req.data(), req.size()) == static_cast<ssize_t>(req.size())) {
+      char buf[65536];
+      ssize_t n;
+      while ((n = read(fd, buf, sizeof buf)) > 0) out.append(buf, static_cast<size_t>(n));
+    }
+  }
+  close(fd);
+  return out;
+}
+
+// The cumulative buckets (le -> count) of a histogram without labels in a /metrics page.
+std::map<double, double> Buckets(const std::string& page, const std::string& name) {
+  std::map<double, double> out;
+  const std::string prefix = name + "_bucket{le=\"";
+  for (absl::string_view line : absl::StrSplit(page, '\n')) {
+    if (!absl::StartsWith(line, prefix)) continue;
+    line.remove_prefix(prefix.size());
+    const size_t q = line.find('"');
+    const size_t space = line.rfind(' ');
+    if (q == absl::string_view::npos || space == absl::string_view::npos) continue;
+    const std::string le(line.substr(0, q));
+    double count = 0;
+    if (!absl::SimpleAtod(line.substr(space + 1), &count)) continue;
+    out[le == "+Inf" ? std::numeric_limits<double>::infinity() : std::atof(le.c_str())] = count;
+  }
+  return out;
+}
+
+// The bucket bound below which a fraction `p` of the observations made between two scrapes fell.
+double BucketQuantile(const std::map<double, double>& before, const std::map<double, double>& after,
+                      double p) {
+  if (after.empty()) return 0;
+  const double total = after.rbegin()->second - (before.empty() ? 0 : before.rbegin()->second);
+  if (total <= 0) return 0;
+  for (const auto& [le, count] : after) {
+    const auto b = before.find(le);
+    if (count - (b == before.end() ? 0 : b->second) >= p * total) return le;
+  }
+  return std::numeric_limits<double>::infinity();
+}
 
 Coordinator StartCoordinator(const std::string& binary, const std::string& dir) {
   Coordinator c;
@@ -231,13 +291,15 @@ Coordinator StartCoordinator(const std::string& binary, const std::string& dir) 
     if (fd >= 0) dup2(fd, 2);
     execl(binary.c_str(), binary.c_str(), "--listen", "127.0.0.1:0", "--state-dir",
           c.state_dir.c_str(), "--max-tokens-per-user", "-1", "--max-queued-jobs-per-user", "-1",
-          static_cast<char*>(nullptr));
+          "--metrics-address", "127.0.0.1:0", static_cast<char*>(nullptr));
     _exit(127);
   }
   close(out[1]);
-  std::string line;
+  std::string line, metrics;
   char ch;
   while (read(out[0], &ch, 1) == 1 && ch != '\n') line.push_back(ch);
+  while (read(out[0], &ch, 1) == 1 && ch != '\n') metrics.push_back(ch);
+  if (absl::StartsWith(metrics, "metrics ")) c.metrics = metrics.substr(8);
   // Keep draining its stdout so that it never blocks on a full pipe.
   std::thread([fd = out[0]] {
     char buf[4096];
@@ -321,6 +383,7 @@ struct Row {
   double idle_cpu_share = 0;
   double idle_p50 = 0, idle_p99 = 0;
   double burst_p50 = 0, burst_p99 = 0, burst_max = 0;
+  double event_delay_p99_ms = 0;  // the coordinator's own share: its node-events queue
   double burst_submits_per_s = 0;
   int64_t burst_errors = 0;
   double assign_p50 = 0, assign_p99 = 0;
@@ -517,6 +580,7 @@ bool RunScale(const std::string& coordinator_bin, const std::string& base, int n
   std::vector<std::unique_ptr<v1::JobService::Stub>> job_stubs;
   for (auto& ch : channels) job_stubs.push_back(v1::JobService::NewStub(ch));
   const ProcStats burst_start = ReadProc(c.pid);
+  const auto delay_before = Buckets(ScrapeMetrics(c.metrics), "trainyard_node_event_delay_seconds");
   std::atomic<int64_t> errors{0};
   const absl::Time b0 = absl::Now();
   Windowed(burst, burst, [&](int i, std::function<void()> done) {
@@ -555,6 +619,10 @@ bool RunScale(const std::string& coordinator_bin, const std::string& base, int n
   }
   std::sort(row->burst_threads.rbegin(), row->burst_threads.rend());
   absl::SleepFor(absl::Seconds(2));  // the heartbeats sent during the burst come back
+  row->event_delay_p99_ms =
+      1e3 * BucketQuantile(delay_before,
+                           Buckets(ScrapeMetrics(c.metrics), "trainyard_node_event_delay_seconds"),
+                           0.99);
   rtt = samples.TakeRtt();
   row->burst_p50 = Percentile(rtt, 0.5);
   row->burst_p99 = Percentile(rtt, 0.99);
@@ -654,22 +722,24 @@ int main(int argc, char** argv) {
   std::printf(
       "| nodes | register+connect s | RSS MiB (idle / after) | threads | CPU idle | hb p50/p99 ms "
       "idle | "
-      "hb p50/p99/max ms burst | false LOST | sessions ended | burst submits/s (errors) | "
+      "hb p50/p99/max ms burst | of which queued in the coordinator, p99 ms (bucket bound) | false "
+      "LOST | sessions ended | burst submits/s (errors) | "
       "submit->assigned p50/p99 ms | sustained submits/s |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   bool ok = true;
   std::vector<Row> rows;
   for (int n : scales) {
     Row r;
     if (!RunScale(coordinator, dir, n, burst, idle_s, &r)) return 1;
     std::printf(
-        "| %d | %.1f | %.0f / %.0f | %d | %.0f%% | %.1f / %.1f | %.1f / %.1f / %.0f | %lld | %lld "
+        "| %d | %.1f | %.0f / %.0f | %d | %.0f%% | %.1f / %.1f | %.1f / %.1f / %.0f | %g | %lld | "
+        "%lld "
         "| %.0f (%lld) | %.0f / %.0f | %.0f |\n",
         r.nodes, r.connect_s, r.idle.rss_bytes / 1048576.0, r.after.rss_bytes / 1048576.0,
         r.idle.threads, 100 * r.idle_cpu_share, r.idle_p50, r.idle_p99, r.burst_p50, r.burst_p99,
-        r.burst_max, static_cast<long long>(r.lost), static_cast<long long>(r.sessions_ended),
-        r.burst_submits_per_s, static_cast<long long>(r.burst_errors), r.assign_p50, r.assign_p99,
-        r.sustained_per_s);
+        r.burst_max, r.event_delay_p99_ms, static_cast<long long>(r.lost),
+        static_cast<long long>(r.sessions_ended), r.burst_submits_per_s,
+        static_cast<long long>(r.burst_errors), r.assign_p50, r.assign_p99, r.sustained_per_s);
     std::fflush(stdout);
     ok = ok && r.lost == 0 && r.sessions_ended == 0;
     rows.push_back(std::move(r));
