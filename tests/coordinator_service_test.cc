@@ -1132,6 +1132,49 @@ TEST_F(CoordinatorServiceTest, StateSurvivesAShutdownAndRestartInProcess) {
   EXPECT_EQ(nodes.nodes(0).devices_size(), 3);
 }
 
+// A GPU's sample (the worker's NVML reading, in its heartbeat) is kept on the device it names when
+// its figures are in range; others are dropped, and a list longer than the node's devices whole.
+TEST_F(CoordinatorServiceTest, GpuSamplesAreKeptOnlyWhenTheyNameAGpuAndAreInRange) {
+  v1::RegisterNodeRequest r;
+  r.set_node_id("g");
+  r.set_hostname("localhost");
+  r.set_memory_bytes(int64_t{8} << 30);
+  for (int i = 0; i < 2; ++i) {
+    v1::Device* d = r.add_devices();
+    d->set_index(i);
+    d->set_kind(v1::CUDA_GPU);
+    d->set_memory_bytes(int64_t{80} << 30);
+  }
+  auto node = testing::NodeSession::ConnectWith(channel_, tokens_->Node("g"), r);
+  auto sample = [](int index, float utilization) {
+    v1::DeviceSample s;
+    s.set_index(index);
+    s.set_utilization(utilization);
+    s.set_memory_used_bytes(1 << 20);
+    s.set_memory_total_bytes(int64_t{80} << 30);
+    s.set_temperature_celsius(50);
+    return s;
+  };
+  v1::NodeMessage hb;
+  *hb.mutable_heartbeat()->add_devices() = sample(0, 0.5f);
+  *hb.mutable_heartbeat()->add_devices() = sample(1, 1.5f);  // over 100%
+  ASSERT_TRUE(node->Write(hb));
+  node->Heartbeat();  // processed in order
+  v1::Node n = Node("g");
+  ASSERT_TRUE(n.devices(0).has_sample());
+  EXPECT_FLOAT_EQ(n.devices(0).sample().utilization(), 0.5f);
+  EXPECT_GT(n.devices(0).sample().time_ms(), 0);
+  EXPECT_FALSE(n.devices(1).has_sample());
+
+  v1::NodeMessage too_many;
+  for (int i : {0, 1, 1}) *too_many.mutable_heartbeat()->add_devices() = sample(i, 0.25f);
+  ASSERT_TRUE(node->Write(too_many));
+  node->Heartbeat();
+  n = Node("g");
+  EXPECT_FLOAT_EQ(n.devices(0).sample().utilization(), 0.5f);  // unchanged
+  EXPECT_FALSE(n.devices(1).has_sample());
+}
+
 // Back-pressure: past --max-pending-submits submissions waiting for the store, a submit is
 // refused at once with RESOURCE_EXHAUSTED and retry advice (0 here: every submit), and nothing of
 // it is kept; the capacity check reads the registry's index (a node's smallest device, the most

@@ -181,15 +181,16 @@ void NodeRegistry::Register(const v1::RegisterNodeRequest& request,
   });
 }
 
-absl::StatusOr<bool> NodeRegistry::Heartbeat(
-    const std::string& node_id,
-    const google::protobuf::RepeatedPtrField<v1::DeviceSample>& samples) {
-  absl::MutexLock lock(&mu_);
-  auto it = nodes_.find(node_id);
-  if (it == nodes_.end()) return absl::NotFoundError(absl::StrCat("node ", node_id, " not found"));
-  it->second.last_heartbeat = clock_.Now();
+namespace {
+
+// Each sample onto the GPU it names, when its figures are in range; a list longer than the node's
+// devices is not a worker's and is dropped whole.
+void KeepSamples(v1::Node& node,
+                 const google::protobuf::RepeatedPtrField<v1::DeviceSample>& samples,
+                 int64_t now_ms) {
+  auto* devices = node.mutable_devices();
+  if (samples.size() > devices->size()) return;
   for (const v1::DeviceSample& s : samples) {
-    auto* devices = it->second.node.mutable_devices();
     if (s.index() < 0 || s.index() >= devices->size()) continue;
     v1::Device& d = (*devices)[s.index()];
     const bool sane = d.kind() == v1::CUDA_GPU && std::isfinite(s.utilization()) &&
@@ -199,8 +200,20 @@ absl::StatusOr<bool> NodeRegistry::Heartbeat(
                       s.memory_used_bytes() <= s.memory_total_bytes();
     if (!sane) continue;
     *d.mutable_sample() = s;
-    d.mutable_sample()->set_time_ms(absl::ToUnixMillis(clock_.Now()));
+    d.mutable_sample()->set_time_ms(now_ms);
   }
+}
+
+}  // namespace
+
+absl::StatusOr<bool> NodeRegistry::Heartbeat(
+    const std::string& node_id,
+    const google::protobuf::RepeatedPtrField<v1::DeviceSample>& samples) {
+  absl::MutexLock lock(&mu_);
+  auto it = nodes_.find(node_id);
+  if (it == nodes_.end()) return absl::NotFoundError(absl::StrCat("node ", node_id, " not found"));
+  it->second.last_heartbeat = clock_.Now();
+  KeepSamples(it->second.node, samples, ToUnixMs(it->second.last_heartbeat));
   // LOST is a state a node leaves: heartbeats that were late (a stalled network, a coordinator
   // too busy to read them) do not keep a live node out of the cluster for good.
   if (it->second.node.state() == v1::NODE_LOST && it->second.session != nullptr) {

@@ -37,12 +37,6 @@ class SerialExecutor {
     tasks_.push_back(std::move(task));
   }
 
-  // Tasks posted and not yet finished.
-  size_t backlog() const {
-    absl::MutexLock lock(&mu_);
-    return tasks_.size();
-  }
-
  private:
   void Loop() {
     pthread_setname_np(pthread_self(), name_.c_str());
@@ -61,7 +55,7 @@ class SerialExecutor {
   }
 
   const std::string name_;
-  mutable absl::Mutex mu_;
+  absl::Mutex mu_;
   std::deque<std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;  // last: starts once the rest is built
