@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <ostream>
 #include <string>
@@ -428,6 +429,73 @@ TEST_P(JobStoreTest, BatchWithDuplicateSeqAppliesNoneOfItsRecords) {
   EXPECT_THAT(*store_->LoadRecords("user"), IsEmpty());
 }
 
+TEST_P(JobStoreTest, GetJobAndGetRecordReadOneRowOrSayNotFound) {
+  const StoredJob job{"job-3", 3, "bob", "SUCCEEDED", BinaryPayload()};
+  WriteBatch batch;
+  batch.put_jobs = {Job(1), job};
+  batch.put_records = {{"job_logs", "job-3", BinaryPayload(), 1234}};
+  ASSERT_TRUE(store_->CommitSync(batch).ok());
+
+  auto got = store_->GetJob("job-3");
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, job);
+  EXPECT_EQ(store_->GetJob("job-2").status().code(), absl::StatusCode::kNotFound);
+  auto record = store_->GetRecord("job_logs", "job-3");
+  ASSERT_TRUE(record.ok()) << record.status();
+  EXPECT_EQ(*record, (StoredRecord{"job_logs", "job-3", BinaryPayload(), 1234}));
+  EXPECT_EQ(store_->GetRecord("job_metrics", "job-3").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_->GetRecord("job_logs", "job-1").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_P(JobStoreTest, ListJobsPagesNewestFirstByOwnerAndState) {
+  WriteBatch batch;
+  for (int64_t seq = 1; seq <= 9; ++seq) {
+    batch.put_jobs.push_back(
+        Job(seq, "", seq % 3 == 0 ? "bob" : "alice", seq % 2 == 0 ? "SUCCEEDED" : "FAILED"));
+  }
+  ASSERT_TRUE(store_->CommitSync(batch).ok());
+  auto list = [&](std::string owner, std::vector<std::string> states, size_t limit = 100,
+                  int64_t before_seq = std::numeric_limits<int64_t>::max()) {
+    JobQuery q;
+    q.before_seq = before_seq;
+    q.owner = std::move(owner);
+    q.states = std::move(states);
+    q.limit = limit;
+    auto jobs = store_->ListJobs(q);
+    EXPECT_TRUE(jobs.ok()) << jobs.status();
+    return jobs.ok() ? Seqs(*jobs) : std::vector<int64_t>{};
+  };
+  EXPECT_THAT(list("", {}), ElementsAre(9, 8, 7, 6, 5, 4, 3, 2, 1));
+  EXPECT_THAT(list("", {}, 3), ElementsAre(9, 8, 7));
+  EXPECT_THAT(list("", {}, 3, 7), ElementsAre(6, 5, 4));
+  EXPECT_THAT(list("bob", {}), ElementsAre(9, 6, 3));
+  EXPECT_THAT(list("", {"SUCCEEDED"}), ElementsAre(8, 6, 4, 2));
+  EXPECT_THAT(list("alice", {"FAILED", "CANCELLED"}), ElementsAre(7, 5, 1));
+  // A state name is matched whole, not as a part of a longer one.
+  EXPECT_THAT(list("", {"FAIL"}), IsEmpty());
+  EXPECT_THAT(list("carol", {}), IsEmpty());
+  EXPECT_THAT(list("", {}, 100, 1), IsEmpty());
+}
+
+TEST_P(JobStoreTest, ExpiredRecordsGoAndTheOthersStay) {
+  WriteBatch batch;
+  batch.put_records = {{"job_logs", "a", "1", 100},
+                       {"job_logs", "b", "2", 200},
+                       {"job_logs", "c", "3", 0},
+                       {"user", "alice", "u", 0}};
+  ASSERT_TRUE(store_->CommitSync(batch).ok());
+  WriteBatch expire;
+  expire.delete_records_expired_at_ms = 150;
+  EXPECT_FALSE(expire.empty());
+  ASSERT_TRUE(store_->CommitSync(expire).ok());
+  EXPECT_THAT(*store_->LoadRecords("job_logs"), ElementsAre(StoredRecord{"job_logs", "b", "2", 200},
+                                                            StoredRecord{"job_logs", "c", "3", 0}));
+  expire.delete_records_expired_at_ms = 200;
+  ASSERT_TRUE(store_->CommitSync(expire).ok());
+  EXPECT_THAT(*store_->LoadRecords("job_logs"), ElementsAre(StoredRecord{"job_logs", "c", "3", 0}));
+  EXPECT_THAT(*store_->LoadRecords("user"), ElementsAre(StoredRecord{"user", "alice", "u", 0}));
+}
+
 // Only the backends that keep their data across opening: the in-memory store starts empty.
 class DurableJobStoreTest : public JobStoreTest {};
 
@@ -606,15 +674,15 @@ TEST_F(SqliteJobStoreTest, BadBatchInAGroupFallsBackToOneTransactionPerBatch) {
   EXPECT_THAT(Seqs(*store->LoadJobs()), ElementsAre(0, 1, 3));
 }
 
-TEST_F(SqliteJobStoreTest, CreatesSchemaVersion2InWalModeWithIndexes) {
+TEST_F(SqliteJobStoreTest, CreatesSchemaVersion3InWalModeWithIndexes) {
   ASSERT_NE(Open(), nullptr);
-  EXPECT_EQ(QuerySqlite(db_path_, "PRAGMA user_version"), "2");
+  EXPECT_EQ(QuerySqlite(db_path_, "PRAGMA user_version"), "3");
   EXPECT_EQ(QuerySqlite(db_path_, "PRAGMA journal_mode"), "wal");
   EXPECT_EQ(QuerySqlite(db_path_,
                         "SELECT group_concat(name, ',') FROM (SELECT name FROM sqlite_master "
                         "WHERE type = 'index' AND name NOT LIKE 'sqlite_autoindex%' "
                         "ORDER BY name)"),
-            "jobs_owner,jobs_state");
+            "jobs_owner,jobs_owner_seq,jobs_state,records_expiry");
 }
 
 TEST_F(SqliteJobStoreTest, StoresJobColumnsAndBinaryPayloadsAsBlobs) {
@@ -640,7 +708,7 @@ TEST_F(SqliteJobStoreTest, ReopeningTheCurrentVersionKeepsTheData) {
   auto store = Open();
   ASSERT_NE(store, nullptr);
   EXPECT_THAT(*store->LoadJobs(), ElementsAre(Job(1)));
-  EXPECT_EQ(QuerySqlite(db_path_, "PRAGMA user_version"), "2");
+  EXPECT_EQ(QuerySqlite(db_path_, "PRAGMA user_version"), "3");
 }
 
 TEST_F(SqliteJobStoreTest, MigratesAVersion1DatabaseKeepingItsJobs) {
@@ -660,13 +728,39 @@ TEST_F(SqliteJobStoreTest, MigratesAVersion1DatabaseKeepingItsJobs) {
   sqlite3_close_v2(db);
   auto store = Open();
   ASSERT_NE(store, nullptr);
-  EXPECT_EQ(QuerySqlite(db_path_, "PRAGMA user_version"), "2");
+  EXPECT_EQ(QuerySqlite(db_path_, "PRAGMA user_version"), "3");
   EXPECT_THAT(*store->LoadJobs(),
               ElementsAre(StoredJob{"job-1", 1, "alice", "QUEUED", std::string(1, '\0')}));
   WriteBatch batch;
   batch.put_records = {{"user", "alice", "a"}};
   ASSERT_TRUE(store->CommitSync(batch).ok());
   EXPECT_THAT(*store->LoadRecords("user"), ElementsAre(StoredRecord{"user", "alice", "a"}));
+}
+
+TEST_F(SqliteJobStoreTest, MigratesAVersion2DatabaseKeepingItsRecordsWithoutExpiry) {
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open(db_path_.c_str(), &db), SQLITE_OK);
+  ASSERT_EQ(sqlite3_exec(db,
+                         "CREATE TABLE jobs (id TEXT PRIMARY KEY, seq INTEGER NOT NULL UNIQUE, "
+                         "owner TEXT NOT NULL, state TEXT NOT NULL, payload BLOB NOT NULL); "
+                         "CREATE INDEX jobs_owner ON jobs(owner); "
+                         "CREATE INDEX jobs_state ON jobs(state); "
+                         "CREATE TABLE nodes (id TEXT PRIMARY KEY, payload BLOB NOT NULL); "
+                         "CREATE TABLE records (kind TEXT NOT NULL, id TEXT NOT NULL, "
+                         "payload BLOB NOT NULL, PRIMARY KEY (kind, id)); "
+                         "INSERT INTO records VALUES('user', 'alice', 'a'); "
+                         "PRAGMA user_version = 2;",
+                         nullptr, nullptr, nullptr),
+            SQLITE_OK);
+  sqlite3_close_v2(db);
+  auto store = Open();
+  ASSERT_NE(store, nullptr);
+  EXPECT_EQ(QuerySqlite(db_path_, "PRAGMA user_version"), "3");
+  EXPECT_THAT(*store->LoadRecords("user"), ElementsAre(StoredRecord{"user", "alice", "a", 0}));
+  WriteBatch expire;
+  expire.delete_records_expired_at_ms = std::numeric_limits<int64_t>::max();
+  ASSERT_TRUE(store->CommitSync(expire).ok());
+  EXPECT_THAT(*store->LoadRecords("user"), ElementsAre(StoredRecord{"user", "alice", "a", 0}));
 }
 
 TEST_F(SqliteJobStoreTest, RefusesDatabaseWithNewerSchemaVersion) {
@@ -676,7 +770,7 @@ TEST_F(SqliteJobStoreTest, RefusesDatabaseWithNewerSchemaVersion) {
   ASSERT_FALSE(store.ok());
   EXPECT_EQ(store.status().code(), absl::StatusCode::kFailedPrecondition) << store.status();
   EXPECT_THAT(store.status().message(), HasSubstr("schema version 99"));
-  EXPECT_THAT(store.status().message(), HasSubstr("(2)"));
+  EXPECT_THAT(store.status().message(), HasSubstr("(3)"));
   EXPECT_EQ(QuerySqlite(db_path_, "PRAGMA user_version"), "99");  // left untouched
 }
 

@@ -171,6 +171,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s->identities_->SetAccountInUse([jobs = s->jobs_.get()](const std::string& account) {
     return jobs->UnfinishedJobOf(account);
   });
+  s->jobs_->SetFinishedJobRetention(s->options_.limits.finished_job_retention);
   s->jobs_->SetJobCredentials(
       [ids = s->identities_.get()](const std::string& job, int32_t attempt) {
         return ids->JobCredentialFor(job, attempt);
@@ -185,8 +186,11 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
                                        s->options_.limits.max_log_bytes_per_job);
   s->metrics_ = std::make_unique<JobMetrics>(/*max_records_per_job=*/200'000,
                                              s->options_.limits.max_metric_bytes_per_job);
+  s->history_ = std::make_unique<JobHistory>(*s->store_, *s->jobs_, *s->logs_, *s->metrics_,
+                                             s->clock_, s->options_.limits.history);
   const IdentityRegistry& ids = *s->identities_;
-  s->job_service_ = std::make_unique<JobServiceImpl>(*s->jobs_, *s->logs_, *s->metrics_, ids);
+  s->job_service_ =
+      std::make_unique<JobServiceImpl>(*s->jobs_, *s->logs_, *s->metrics_, *s->history_, ids);
   s->trainer_service_ =
       std::make_unique<TrainerServiceImpl>(*s->jobs_, *s->metrics_, s->metrics_prom_.get(), ids);
   s->node_service_ = std::make_unique<NodeServiceImpl>(
@@ -287,6 +291,7 @@ void CoordinatorServer::Tick() {
     spdlog::info("{} job(s) exceeded their max_runtime", ended);
   }
   jobs_->ChargeUsage();
+  EvictFinishedJobs();
   metrics_prom_->Refresh(jobs_->CountByState(), jobs_->NodesWithAllocations(),
                          jobs_->RunningJobs());
   metrics_prom_->RefreshAccounts(jobs_->AccountUsages());
@@ -297,6 +302,28 @@ void CoordinatorServer::Tick() {
       spdlog::error("saving accounts' usage failed: {}", std::string(s.message()));
     }
   }
+}
+
+int CoordinatorServer::EvictFinishedJobs() {
+  int evicted = 0;
+  while (true) {
+    absl::StatusOr<int> n = history_->EvictFinished(1000);
+    if (!n.ok()) {
+      spdlog::error("moving finished jobs to the store failed: {}",
+                    std::string(n.status().message()));
+      break;
+    }
+    evicted += *n;
+    if (*n < 1000) break;
+  }
+  const absl::Time now = clock_.Now();
+  if (now - last_history_purge_ >= absl::Minutes(10)) {
+    last_history_purge_ = now;
+    if (absl::Status s = history_->PurgeExpired(); !s.ok()) {
+      spdlog::error("deleting expired job logs and metrics failed: {}", std::string(s.message()));
+    }
+  }
+  return evicted;
 }
 
 void CoordinatorServer::TickerLoop() {

@@ -21,6 +21,7 @@
 #include "common/tls.h"
 #include "server/coordinator/coordinator_metrics.h"
 #include "server/coordinator/identity.h"
+#include "server/coordinator/job_history.h"
 #include "server/coordinator/job_manager.h"
 #include "server/coordinator/job_store.h"
 #include "server/coordinator/node_registry.h"
@@ -43,6 +44,11 @@ struct CoordinatorLimits {
   RendezvousLimits rendezvous;                 // per job attempt
   size_t max_log_bytes_per_job = 64 << 20;     // kept in memory; the oldest lines go first
   size_t max_metric_bytes_per_job = 64 << 20;  // kept in memory; the oldest steps go first
+  // A finished job stays in memory this long, then is served from the store (infinite: kept in
+  // memory until restart). Its logs and metrics go to the store then, within `history`'s caps,
+  // and stay there for `history.retention`.
+  absl::Duration finished_job_retention = absl::Minutes(5);
+  JobHistoryOptions history;
   // Failed authentications: a token id may have `burst` wrong secrets, a peer `burst` guesses
   // (malformed or unknown credentials, wrong secrets), refilling at per_second.
   AuthThrottleOptions auth_per_token{10, 1};
@@ -108,9 +114,14 @@ class CoordinatorServer {
   std::string admin_token_path() const { return options_.state_dir + "/admin.token"; }
   JobStoreStats Stats() const { return store_->Stats(); }
   NodeRegistry& nodes() { return *nodes_; }
-  // One round of the ticker's work: marks silent nodes lost and fails their attempts, and ends
-  // jobs past their max_runtime.
+  // One round of the ticker's work: marks silent nodes lost and fails their attempts, ends jobs
+  // past their max_runtime, and moves finished jobs past their retention out of memory.
   void Tick();
+  // The last of these (JobHistory::EvictFinished, in rounds of at most 1,000 jobs); returns how
+  // many jobs left memory.
+  int EvictFinishedJobs();
+  JobLogs& logs() { return *logs_; }
+  JobMetrics& step_metrics() { return *metrics_; }
 
  private:
   explicit CoordinatorServer(CoordinatorOptions options);
@@ -130,6 +141,7 @@ class CoordinatorServer {
   std::unique_ptr<JobManager> jobs_;
   std::unique_ptr<JobLogs> logs_;
   std::unique_ptr<JobMetrics> metrics_;
+  std::unique_ptr<JobHistory> history_;
   std::unique_ptr<JobServiceImpl> job_service_;
   std::unique_ptr<TrainerServiceImpl> trainer_service_;
   std::unique_ptr<NodeServiceImpl> node_service_;
@@ -142,6 +154,7 @@ class CoordinatorServer {
   absl::Mutex mu_;
   bool schedule_requested_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time last_usage_save_ = absl::Now();  // the ticker thread's
+  absl::Time last_history_purge_;             // likewise
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   std::thread scheduler_thread_;

@@ -3,7 +3,10 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <functional>
 #include <limits>
+#include <optional>
+#include <tuple>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -112,12 +115,21 @@ void JobManager::WakeScheduler() {
 
 absl::Status JobManager::Load(const std::vector<StoredJob>& stored) {
   absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_.Now();
   for (const StoredJob& s : stored) {
     v1::Job job;
     if (!job.ParseFromString(s.payload)) {
       return absl::DataLossError(absl::StrCat("job ", s.id, ": unreadable record"));
     }
     next_seq_ = std::max(next_seq_, job.seq() + 1);
+    if (IsTerminal(job.state())) {
+      // Finished jobs past their retention stay in the store.
+      if (absl::FromUnixMillis(job.end_time_ms()) + retention_ <= now) {
+        jobs_in_store_only_ = true;
+        continue;
+      }
+      finished_by_end_.insert({job.end_time_ms(), job.id()});
+    }
     ids_by_seq_[job.seq()] = job.id();
     durable_version_[job.id()] = job.version();
     if (!IsTerminal(job.state())) unfinished_.insert(job.id());
@@ -153,6 +165,7 @@ void JobManager::Transition(v1::Job& job, v1::JobState to, std::string message) 
     job.set_end_time_ms(NowMs(clock_));
     unfinished_.erase(job.id());
     finished_ranks_.erase(job.id());
+    finished_by_end_.insert({job.end_time_ms(), job.id()});
   }
 }
 
@@ -349,10 +362,84 @@ void JobManager::Submit(const std::string& owner, v1::JobSpec spec, JobCallback 
 }
 
 absl::StatusOr<v1::Job> JobManager::Get(const std::string& job_id) const {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(job_id);
+    if (it != jobs_.end()) return it->second;
+  }
+  return ReadFromStore(job_id);
+}
+
+absl::StatusOr<v1::Job> JobManager::ReadFromStore(const std::string& job_id) const {
+  absl::StatusOr<StoredJob> stored = store_.GetJob(job_id);
+  if (absl::IsNotFound(stored.status())) {
+    return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
+  }
+  if (!stored.ok()) return stored.status();
+  v1::Job job;
+  if (!job.ParseFromString(stored->payload)) {
+    return absl::DataLossError(absl::StrCat("job ", job_id, ": unreadable record in the store"));
+  }
+  return job;
+}
+
+std::vector<v1::Job> JobManager::TakeEvictionCandidates(size_t max) {
   absl::MutexLock lock(&mu_);
-  auto it = jobs_.find(job_id);
-  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
-  return it->second;
+  std::vector<v1::Job> out;
+  if (retention_ == absl::InfiniteDuration()) return out;
+  const int64_t cutoff_ms = absl::ToUnixMillis(clock_.Now() - retention_);
+  for (auto it = finished_by_end_.begin();
+       it != finished_by_end_.end() && it->first <= cutoff_ms && out.size() < max; ++it) {
+    const std::string& id = it->second;
+    if (evicting_.count(id) > 0) continue;
+    const v1::Job& job = jobs_.at(id);
+    auto durable = durable_version_.find(id);
+    if (durable == durable_version_.end() || durable->second < job.version()) continue;
+    // Ranks still stopping may send lines; the job stays until they exit (or the drain ends).
+    auto draining = draining_.lower_bound(
+        {id, std::numeric_limits<int>::min(), std::numeric_limits<int>::min()});
+    if (draining != draining_.end() && std::get<0>(draining->first) == id) continue;
+    evicting_.insert(id);
+    out.push_back(job);
+  }
+  return out;
+}
+
+void JobManager::Evict(const std::vector<std::string>& job_ids) {
+  absl::MutexLock lock(&mu_);
+  for (const std::string& id : job_ids) {
+    if (evicting_.erase(id) == 0) continue;
+    auto it = jobs_.find(id);
+    if (it == jobs_.end()) continue;
+    finished_by_end_.erase({it->second.end_time_ms(), id});
+    ids_by_seq_.erase(it->second.seq());
+    durable_version_.erase(id);
+    preempt_stopped_.erase(id);
+    if (last_pass_.has_value()) last_pass_->waits.erase(id);
+    jobs_.erase(it);
+    jobs_in_store_only_ = true;
+  }
+}
+
+void JobManager::EvictionFailed(const std::vector<std::string>& job_ids) {
+  absl::MutexLock lock(&mu_);
+  for (const std::string& id : job_ids) evicting_.erase(id);
+}
+
+bool JobManager::IsResident(const std::string& job_id) const {
+  absl::MutexLock lock(&mu_);
+  return jobs_.count(job_id) > 0;
+}
+
+size_t JobManager::ResidentJobs() const {
+  absl::MutexLock lock(&mu_);
+  return jobs_.size();
+}
+
+bool JobManager::Matches(const v1::Job& job, const std::set<int>& states,
+                         const std::string& owner) {
+  return (states.empty() || states.count(job.state()) > 0) &&
+         (owner.empty() || job.owner() == owner);
 }
 
 absl::StatusOr<JobManager::ListResult> JobManager::List(const v1::ListJobsRequest& r) const {
@@ -374,37 +461,108 @@ absl::StatusOr<JobManager::ListResult> JobManager::List(const v1::ListJobsReques
     states.insert(r.states(i));
   }
   const size_t limit = r.page_size() == 0 ? 100 : static_cast<size_t>(r.page_size());
+  {
+    absl::MutexLock lock(&mu_);
+    if (!jobs_in_store_only_) {
+      ListResult result;
+      size_t bytes = 0;
+      for (auto it = std::make_reverse_iterator(ids_by_seq_.lower_bound(before_seq));
+           it != ids_by_seq_.rend(); ++it) {
+        const v1::Job& job = jobs_.at(it->second);
+        if (!Matches(job, states, r.owner())) continue;
+        // A page also ends before it outgrows a message, so that no job can break listings.
+        const size_t job_bytes = job.ByteSizeLong() + 8;
+        if (result.jobs.size() == limit ||
+            (!result.jobs.empty() && bytes + job_bytes > max_list_bytes_)) {
+          result.next_page_token = absl::StrCat(result.jobs.back().seq());
+          break;
+        }
+        bytes += job_bytes;
+        result.jobs.push_back(job);
+      }
+      return result;
+    }
+  }
+  return ListWithStore(r, before_seq, states, limit);
+}
+
+absl::StatusOr<JobManager::ListResult> JobManager::ListWithStore(const v1::ListJobsRequest& r,
+                                                                 int64_t before_seq,
+                                                                 const std::set<int>& states,
+                                                                 size_t limit) const {
+  // The store's page first (one more row than needed, to know whether more follow), read without
+  // the lock; then memory's, under it. Memory is the truth for a job it holds (the store's row may
+  // be a few ms behind); a store row is taken only for a job that memory no longer holds, which
+  // ended (so the row is final) unless it was evicted after the read.
+  JobQuery query;
+  query.before_seq = before_seq;
+  query.owner = r.owner();
+  for (int state : states) query.states.push_back(v1::JobState_Name(state));
+  query.limit = limit + 1;
+  ASSIGN_OR_RETURN(std::vector<StoredJob> rows, store_.ListJobs(query));
+  const bool store_has_more = rows.size() > limit;
+  if (store_has_more) rows.pop_back();
+  std::map<int64_t, v1::Job, std::greater<>> page;  // newest first
+  std::vector<std::string> reread;  // rows read while their job still ran; evicted since
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = std::make_reverse_iterator(ids_by_seq_.lower_bound(before_seq));
+         it != ids_by_seq_.rend() && page.size() <= limit; ++it) {
+      const v1::Job& job = jobs_.at(it->second);
+      if (Matches(job, states, r.owner())) page.emplace(job.seq(), job);
+    }
+    for (const StoredJob& row : rows) {
+      if (jobs_.count(row.id) > 0) continue;
+      v1::Job job;
+      if (!job.ParseFromString(row.payload)) {
+        return absl::DataLossError(
+            absl::StrCat("job ", row.id, ": unreadable record in the store"));
+      }
+      if (IsTerminal(job.state())) {
+        page.emplace(job.seq(), std::move(job));
+      } else {
+        reread.push_back(row.id);
+      }
+    }
+  }
+  for (const std::string& id : reread) {
+    absl::StatusOr<v1::Job> job = Get(id);
+    if (job.ok() && Matches(*job, states, r.owner())) page.emplace(job->seq(), *std::move(job));
+  }
   ListResult result;
   size_t bytes = 0;
-  absl::MutexLock lock(&mu_);
-  for (auto it = std::make_reverse_iterator(ids_by_seq_.lower_bound(before_seq));
-       it != ids_by_seq_.rend(); ++it) {
-    const v1::Job& job = jobs_.at(it->second);
-    if (!states.empty() && states.count(job.state()) == 0) continue;
-    if (!r.owner().empty() && job.owner() != r.owner()) continue;
-    // A page also ends before it outgrows a message, so that no job can break listings.
+  bool more = store_has_more;
+  for (auto& [seq, job] : page) {
     const size_t job_bytes = job.ByteSizeLong() + 8;
     if (result.jobs.size() == limit ||
         (!result.jobs.empty() && bytes + job_bytes > max_list_bytes_)) {
-      result.next_page_token = absl::StrCat(result.jobs.back().seq());
+      more = true;
       break;
     }
     bytes += job_bytes;
-    result.jobs.push_back(job);
+    result.jobs.push_back(std::move(job));
+  }
+  if (more && !result.jobs.empty()) {
+    result.next_page_token = absl::StrCat(result.jobs.back().seq());
   }
   return result;
 }
 
 void JobManager::Cancel(const std::string& job_id, const std::string& reason, JobCallback done) {
-  absl::MutexLock lock(&mu_);
+  auto ended = [&](const v1::Job& job) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, " already ended in state ", v1::JobState_Name(job.state())));
+  };
+  absl::ReleasableMutexLock lock(&mu_);
   v1::Job* job = Find(job_id);
   if (job == nullptr) {
-    done(absl::NotFoundError(absl::StrCat("job ", job_id, " not found")));
+    lock.Release();
+    absl::StatusOr<v1::Job> stored = ReadFromStore(job_id);
+    done(stored.ok() ? ended(*stored) : stored.status());
     return;
   }
   if (IsTerminal(job->state())) {
-    done(absl::FailedPreconditionError(
-        absl::StrCat("job ", job_id, " already ended in state ", v1::JobState_Name(job->state()))));
+    done(ended(*job));
     return;
   }
   const std::string message = reason.empty() ? "cancelled by user" : reason;
@@ -439,10 +597,17 @@ v1::TrainerCommands JobManager::CommandsFor(const v1::Job& job) const {
 }
 
 void JobManager::RequestCheckpoint(const std::string& job_id, JobCallback done) {
-  absl::MutexLock lock(&mu_);
+  auto not_running = [&](const v1::Job& job) {
+    return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " is ",
+                                                      v1::JobState_Name(job.state()),
+                                                      "; only a RUNNING job can checkpoint"));
+  };
+  absl::ReleasableMutexLock lock(&mu_);
   v1::Job* job = Find(job_id);
   if (job == nullptr) {
-    done(absl::NotFoundError(absl::StrCat("job ", job_id, " not found")));
+    lock.Release();
+    absl::StatusOr<v1::Job> stored = ReadFromStore(job_id);
+    done(stored.ok() ? not_running(*stored) : stored.status());
     return;
   }
   if (job->state() == v1::CHECKPOINTING) {
@@ -450,9 +615,7 @@ void JobManager::RequestCheckpoint(const std::string& job_id, JobCallback done) 
     return;
   }
   if (job->state() != v1::RUNNING) {
-    done(absl::FailedPreconditionError(absl::StrCat("job ", job_id, " is ",
-                                                    v1::JobState_Name(job->state()),
-                                                    "; only a RUNNING job can checkpoint")));
+    done(not_running(*job));
     return;
   }
   Transition(*job, v1::CHECKPOINTING, "checkpoint requested");
@@ -497,14 +660,27 @@ absl::StatusOr<v1::TrainerCommands> JobManager::OnCheckpointReport(
 
 absl::StatusOr<int64_t> JobManager::Watch(const std::string& job_id, WatchCallback on_change,
                                           v1::Job* current, bool* current_durable) {
-  absl::MutexLock lock(&mu_);
-  v1::Job* job = Find(job_id);
-  if (job == nullptr) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
-  *current = *job;
-  *current_durable = job->version() <= durable_version_[job_id];
-  const int64_t handle = next_watch_handle_++;
-  watchers_[handle] = Watcher{job_id, std::make_shared<WatchCallback>(std::move(on_change))};
-  return handle;
+  // A job not in memory is read from the store first, without the lock; a job evicted between
+  // the check and the lock is read on the second round.
+  for (int round = 0; round < 2; ++round) {
+    std::optional<absl::StatusOr<v1::Job>> stored;
+    if (round > 0 || !IsResident(job_id)) stored = ReadFromStore(job_id);
+    absl::MutexLock lock(&mu_);
+    if (v1::Job* job = Find(job_id); job != nullptr) {
+      *current = *job;
+      *current_durable = job->version() <= durable_version_[job_id];
+    } else if (stored.has_value()) {
+      if (!stored->ok()) return stored->status();
+      *current = **stored;
+      *current_durable = true;
+    } else {
+      continue;
+    }
+    const int64_t handle = next_watch_handle_++;
+    watchers_[handle] = Watcher{job_id, std::make_shared<WatchCallback>(std::move(on_change))};
+    return handle;
+  }
+  return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
 }
 
 void JobManager::Unwatch(int64_t handle) {

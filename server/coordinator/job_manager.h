@@ -1,4 +1,5 @@
-// JobManager: the coordinator's jobs. Holds every job in memory (the truth while running), writes
+// JobManager: the coordinator's jobs. Holds every unfinished job, and finished ones for a retention
+// time, in memory (the truth while running); older finished jobs are read from the store. Writes
 // each change through the JobStore before acknowledging it, runs scheduling passes (snapshot →
 // pure Scheduler → placements), hands placements to nodes, and turns node and rank events into
 // state changes (restarts within max_restarts, failures with their reason). Knows nothing of gRPC.
@@ -91,7 +92,24 @@ class JobManager {
   // account), then calls `done` with it. Nothing is stored on error.
   void Submit(const std::string& owner, v1::JobSpec spec, JobCallback done);
 
-  absl::StatusOr<v1::Job> Get(const std::string& job_id) const;  // NOT_FOUND
+  // From memory, or for a finished job past its retention from the store. NOT_FOUND, or the
+  // store's error.
+  absl::StatusOr<v1::Job> Get(const std::string& job_id) const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Finished jobs leave memory `retention` after they end (infinite: never): their later reads are
+  // served from the store. Set once, before Load.
+  void SetFinishedJobRetention(absl::Duration retention) { retention_ = retention; }
+  // Up to `max` finished jobs whose retention has passed, whose final state is durable and whose
+  // ranks have all exited, oldest first, now marked as being evicted: not offered again unless
+  // handed back to EvictionFailed. Their logs and metrics are the caller's to persist first.
+  std::vector<v1::Job> TakeEvictionCandidates(size_t max) ABSL_LOCKS_EXCLUDED(mu_);
+  // Forgets jobs taken by TakeEvictionCandidates, or offers them again at the next call.
+  void Evict(const std::vector<std::string>& job_ids) ABSL_LOCKS_EXCLUDED(mu_);
+  void EvictionFailed(const std::vector<std::string>& job_ids) ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether the job is held in memory (a job being submitted or evicted may be in neither).
+  bool IsResident(const std::string& job_id) const ABSL_LOCKS_EXCLUDED(mu_);
+  // How many jobs are held in memory.
+  size_t ResidentJobs() const ABSL_LOCKS_EXCLUDED(mu_);
   // Why a waiting job waits, in words, as of the latest scheduling pass ("" for a job that does
   // not wait). Jobs of others than `viewer` are not named unless `viewer_is_admin`.
   std::string WhyWaiting(const std::string& job_id, const std::string& viewer,
@@ -172,6 +190,15 @@ class JobManager {
   };
 
   v1::Job* Find(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The job as the store has it: NOT_FOUND, DATA_LOSS for an unreadable record, or the store's
+  // error. For jobs not in memory.
+  absl::StatusOr<v1::Job> ReadFromStore(const std::string& job_id) const ABSL_LOCKS_EXCLUDED(mu_);
+  // The merge of List's page of resident jobs with the store's rows: see List.
+  absl::StatusOr<ListResult> ListWithStore(const v1::ListJobsRequest& r, int64_t before_seq,
+                                           const std::set<int>& states, size_t limit) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether `job` passes a listing's filters.
+  static bool Matches(const v1::Job& job, const std::set<int>& states, const std::string& owner);
   // INVALID_ARGUMENT if the job's estimated memory per rank (common/memory_estimate.h) exceeds
   // every ready node's devices, naming a strategy that would fit. Nodes with devices of unknown
   // size (0 bytes), or no nodes at all, are not judged.
@@ -266,6 +293,13 @@ class JobManager {
   std::map<std::string, v1::Job> jobs_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, std::string> ids_by_seq_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> unfinished_ ABSL_GUARDED_BY(mu_);  // ids of jobs not in a terminal state
+  absl::Duration retention_ = absl::InfiniteDuration();    // set before Load; immutable after
+  // Finished jobs in memory by (end time in Unix ms, id): the eviction order.
+  std::set<std::pair<int64_t, std::string>> finished_by_end_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> evicting_ ABSL_GUARDED_BY(mu_);  // taken, not yet evicted
+  // Whether some job lives only in the store (evicted, or left there by Load): then List
+  // merges the store's rows with memory's.
+  bool jobs_in_store_only_ ABSL_GUARDED_BY(mu_) = false;
   // Preempting jobs whose grace ran out and whose ranks were told to stop.
   std::set<std::string> preempt_stopped_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::set<int>> allocated_ ABSL_GUARDED_BY(mu_);  // node id → devices

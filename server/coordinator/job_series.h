@@ -1,9 +1,10 @@
 // JobSeries<T>: per-job append-only records (log lines, step metrics) kept in memory with caps
 // on their number and their bytes (the oldest go first),
 // with subscribers that get the backlog and then every new record, for `yard logs -f` and
-// `yard metrics -f`. Records do not survive a coordinator restart (the worker keeps each rank's
-// full log on its node). Thread-safe; subscriber callbacks run on the appending thread, outside
-// the lock, in append order per job.
+// `yard metrics -f`. When a finished job leaves the coordinator's memory its records are persisted
+// (job_history.h) and Erased here; records of a job that has not finished do not survive a
+// coordinator restart (the worker keeps each rank's full log on its node). Thread-safe; subscriber
+// callbacks run on the appending thread, outside the lock, in append order per job.
 #ifndef TRAINYARD_SERVER_COORDINATOR_JOB_SERIES_H_
 #define TRAINYARD_SERVER_COORDINATOR_JOB_SERIES_H_
 
@@ -51,11 +52,13 @@ class JobSeries {
 
   // Returns a handle for Unsubscribe. `on_records` gets the kept records first (the last `tail`
   // of them, or all for tail 0; called here, under the lock, so that no append can be delivered
-  // before them), then every later append.
-  int64_t Subscribe(const std::string& job_id, size_t tail, Callback on_records) {
+  // before them), then every later append. `kept` (if not null) says how many were kept.
+  int64_t Subscribe(const std::string& job_id, size_t tail, Callback on_records,
+                    size_t* kept = nullptr) {
     absl::MutexLock lock(&mu_);
     Series& s = series_[job_id];
     const size_t skip = tail == 0 || tail >= s.records.size() ? 0 : s.records.size() - tail;
+    if (kept != nullptr) *kept = s.records.size();
     on_records(std::vector<T>(s.records.begin() + skip, s.records.end()));
     const int64_t handle = next_handle_++;
     s.subscribers[handle] = std::make_shared<Callback>(std::move(on_records));
@@ -67,8 +70,40 @@ class JobSeries {
     absl::MutexLock lock(&mu_);
     auto it = handles_.find(handle);
     if (it == handles_.end()) return;
-    series_[it->second].subscribers.erase(handle);
+    auto series = series_.find(it->second);
+    series->second.subscribers.erase(handle);
+    // A reader of a job with nothing kept leaves nothing behind.
+    if (series->second.records.empty() && series->second.subscribers.empty()) {
+      series_.erase(series);
+    }
     handles_.erase(it);
+  }
+
+  // The records kept for `job_id`, oldest first.
+  std::vector<T> Snapshot(const std::string& job_id) const {
+    absl::MutexLock lock(&mu_);
+    auto it = series_.find(job_id);
+    if (it == series_.end()) return {};
+    return std::vector<T>(it->second.records.begin(), it->second.records.end());
+  }
+
+  // Drops the records kept for `job_id` (subscribers stay subscribed).
+  void Erase(const std::string& job_id) {
+    absl::MutexLock lock(&mu_);
+    auto it = series_.find(job_id);
+    if (it == series_.end()) return;
+    if (it->second.subscribers.empty()) {
+      series_.erase(it);
+    } else {
+      it->second.records.clear();
+      it->second.bytes = 0;
+    }
+  }
+
+  // How many jobs have records or subscribers here.
+  size_t Jobs() const {
+    absl::MutexLock lock(&mu_);
+    return series_.size();
   }
 
  private:

@@ -4,7 +4,9 @@
 // test suite (tests/job_store_test.cc) next to SQLite. It owns its rows and one apply thread.
 #include "server/coordinator/job_store.h"
 
+#include <algorithm>
 #include <deque>
+#include <iterator>
 #include <map>
 #include <optional>
 #include <thread>
@@ -77,9 +79,39 @@ class InMemoryJobStore final : public JobStore {
     std::vector<StoredRecord> records;
     for (auto it = records_.lower_bound({kind, ""});
          it != records_.end() && it->first.first == kind; ++it) {
-      records.push_back({kind, it->first.second, it->second});
+      records.push_back(it->second);
     }
     return records;
+  }
+
+  absl::StatusOr<StoredJob> GetJob(const std::string& id) override {
+    absl::MutexLock lock(&data_mu_);
+    auto it = jobs_.find(id);
+    if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job ", id));
+    return it->second;
+  }
+
+  absl::StatusOr<StoredRecord> GetRecord(const std::string& kind, const std::string& id) override {
+    absl::MutexLock lock(&data_mu_);
+    auto it = records_.find({kind, id});
+    if (it == records_.end()) return absl::NotFoundError(absl::StrCat("no ", kind, " ", id));
+    return it->second;
+  }
+
+  absl::StatusOr<std::vector<StoredJob>> ListJobs(const JobQuery& query) override {
+    absl::MutexLock lock(&data_mu_);
+    std::vector<StoredJob> jobs;
+    for (auto it = std::make_reverse_iterator(seq_to_id_.lower_bound(query.before_seq));
+         it != seq_to_id_.rend() && jobs.size() < query.limit; ++it) {
+      const StoredJob& job = jobs_.at(it->second);
+      if (!query.owner.empty() && job.owner != query.owner) continue;
+      if (!query.states.empty() &&
+          std::find(query.states.begin(), query.states.end(), job.state) == query.states.end()) {
+        continue;
+      }
+      jobs.push_back(job);
+    }
+    return jobs;
   }
 
   JobStoreStats Stats() const override {
@@ -149,8 +181,15 @@ class InMemoryJobStore final : public JobStore {
     // Nodes cannot fail, so they are applied only once the jobs have succeeded.
     for (const StoredNode& node : batch.put_nodes) nodes_[node.id] = node.payload;
     for (const std::string& id : batch.delete_nodes) nodes_.erase(id);
-    for (const StoredRecord& r : batch.put_records) records_[{r.kind, r.id}] = r.payload;
+    for (const StoredRecord& r : batch.put_records) records_[{r.kind, r.id}] = r;
     for (const auto& key : batch.delete_records) records_.erase(key);
+    if (batch.delete_records_expired_at_ms > 0) {
+      for (auto it = records_.begin(); it != records_.end();) {
+        const int64_t expires = it->second.expires_ms;
+        it = expires > 0 && expires <= batch.delete_records_expired_at_ms ? records_.erase(it)
+                                                                          : std::next(it);
+      }
+    }
     return absl::OkStatus();
   }
 
@@ -179,8 +218,8 @@ class InMemoryJobStore final : public JobStore {
   std::map<std::string, StoredJob> jobs_ ABSL_GUARDED_BY(data_mu_);     // by id
   std::map<int64_t, std::string> seq_to_id_ ABSL_GUARDED_BY(data_mu_);  // seq -> job id
   std::map<std::string, std::string> nodes_ ABSL_GUARDED_BY(data_mu_);  // id -> payload
-  std::map<std::pair<std::string, std::string>, std::string> records_
-      ABSL_GUARDED_BY(data_mu_);  // (kind, id) -> payload
+  std::map<std::pair<std::string, std::string>, StoredRecord> records_
+      ABSL_GUARDED_BY(data_mu_);  // by (kind, id)
   JobStoreStats stats_ ABSL_GUARDED_BY(data_mu_);
 
   std::thread apply_thread_;  // last: starts after the fields above are constructed

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <utility>
@@ -38,15 +39,27 @@ struct StoredNode {
   bool operator==(const StoredNode& o) const { return id == o.id && payload == o.payload; }
 };
 
-// Any other durable record (users, API tokens, ...): a payload keyed by (kind, id).
+// Any other durable record (users, API tokens, finished jobs' logs, ...): a payload keyed by
+// (kind, id).
 struct StoredRecord {
   std::string kind;     // e.g. "user", "token"
   std::string id;       // unique within its kind
   std::string payload;  // opaque bytes, stored and returned verbatim
+  // Unix ms after which a batch's delete_records_expired_at_ms deletes it; 0: never.
+  int64_t expires_ms = 0;
 
   bool operator==(const StoredRecord& o) const {
-    return kind == o.kind && id == o.id && payload == o.payload;
+    return kind == o.kind && id == o.id && payload == o.payload && expires_ms == o.expires_ms;
   }
+};
+
+// Which jobs ListJobs returns: those with seq below before_seq, of `owner` (empty: everyone's), in
+// one of `states` (empty: any), newest first, at most `limit`.
+struct JobQuery {
+  int64_t before_seq = std::numeric_limits<int64_t>::max();
+  std::string owner;
+  std::vector<std::string> states;
+  size_t limit = 100;
 };
 
 // A set of writes applied atomically: all of them are durable, or none.
@@ -57,10 +70,12 @@ struct WriteBatch {
   std::vector<StoredRecord> put_records;  // insert or replace by (kind, id)
   // (kind, id) pairs, applied after put_records; deleting a missing one is not an error.
   std::vector<std::pair<std::string, std::string>> delete_records;
+  // When > 0, deletes every record whose expires_ms is in 1..this (after the puts and deletes).
+  int64_t delete_records_expired_at_ms = 0;
 
   bool empty() const {
     return put_jobs.empty() && put_nodes.empty() && delete_nodes.empty() && put_records.empty() &&
-           delete_records.empty();
+           delete_records.empty() && delete_records_expired_at_ms <= 0;
   }
 };
 
@@ -93,6 +108,14 @@ class JobStore {
   virtual absl::StatusOr<std::vector<StoredNode>> LoadNodes() = 0;
   // Every record of `kind`, ordered by id.
   virtual absl::StatusOr<std::vector<StoredRecord>> LoadRecords(const std::string& kind) = 0;
+
+  // Point reads, for what the coordinator no longer keeps in memory (finished jobs past their
+  // retention, their logs and metrics). NOT_FOUND when there is no such row.
+  virtual absl::StatusOr<StoredJob> GetJob(const std::string& id) = 0;
+  virtual absl::StatusOr<StoredRecord> GetRecord(const std::string& kind,
+                                                 const std::string& id) = 0;
+  // The jobs `query` selects, newest (highest seq) first.
+  virtual absl::StatusOr<std::vector<StoredJob>> ListJobs(const JobQuery& query) = 0;
 
   virtual JobStoreStats Stats() const = 0;
 };

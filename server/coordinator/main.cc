@@ -114,6 +114,24 @@ int main(int argc, char** argv) {
                  "step reports kept in memory per job (the oldest go first)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  std::string finished_retention = "5m", history_retention = "720h";
+  app.add_option("--finished-job-retention", finished_retention,
+                 "a finished job stays in memory this long; then it, its logs and its metrics "
+                 "are read from the store (\"inf\": kept in memory until restart)")
+      ->capture_default_str();
+  app.add_option("--history-retention", history_retention,
+                 "how long finished jobs' logs and metrics are kept in the store (\"inf\": for "
+                 "ever; the jobs themselves stay)")
+      ->capture_default_str();
+  app.add_option("--history-log-bytes-per-job", limits.history.max_log_bytes_per_job,
+                 "log bytes of a finished job written to the store (the newest lines)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--history-metric-bytes-per-job", limits.history.max_metric_bytes_per_job,
+                 "step-report bytes of a finished job written to the store (thinned evenly, the "
+                 "first and last steps kept)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--auth-failures-per-token", limits.auth_per_token.burst,
                  "wrong secrets a token id may be sent before its calls are refused unchecked "
                  "(one more allowed each --auth-failure-refill seconds; 0: no throttle)")
@@ -138,7 +156,10 @@ int main(int argc, char** argv) {
   auto min_run = trainyard::ParseFlagDuration("--min-run-time", min_run_time);
   auto max_grace_d = trainyard::ParseFlagDuration("--max-preemption-grace", max_grace);
   auto half_life_d = trainyard::ParseFlagDuration("--fair-share-half-life", half_life);
-  for (const auto* d : {&timeout, &interval, &grace, &min_run, &max_grace_d, &half_life_d}) {
+  auto finished_d = trainyard::ParseFlagDuration("--finished-job-retention", finished_retention);
+  auto history_d = trainyard::ParseFlagDuration("--history-retention", history_retention);
+  for (const auto* d : {&timeout, &interval, &grace, &min_run, &max_grace_d, &half_life_d,
+                        &finished_d, &history_d}) {
     if (!d->ok()) {
       std::cerr << "trainyard-coordinator: " << d->status().message() << "\n";
       return 2;
@@ -155,6 +176,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.fair_share_half_life = *half_life_d;
+  limits.finished_job_retention = *finished_d;
+  limits.history.retention = *history_d;
 
   auto server = trainyard::coordinator::CoordinatorServer::Start(options);
   if (!server.ok()) {

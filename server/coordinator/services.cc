@@ -467,12 +467,12 @@ class SessionReactor final
 };
 
 // StreamLogs / StreamMetrics: the records kept so far, then (with follow) each new one until the
-// job ends.
+// job ends. A finished job no longer in memory has its records read from the store (`persisted`).
 template <typename T>
 class SeriesReactor final : public grpc::ServerWriteReactor<T> {
  public:
   SeriesReactor(JobManager& jobs, JobSeries<T>& series, const std::string& job_id, size_t tail,
-                bool follow)
+                bool follow, std::function<absl::StatusOr<std::vector<T>>()> persisted)
       : jobs_(jobs), series_(series), queue_(std::make_shared<Queue>(this)) {
     v1::Job current;
     bool durable = false;
@@ -488,10 +488,23 @@ class SeriesReactor final : public grpc::ServerWriteReactor<T> {
     }
     watch_ = *watch;
     // The kept records, then every later one, in order.
-    subscription_ =
-        series_.Subscribe(job_id, tail, [queue = queue_](const std::vector<T>& records) {
+    size_t kept = 0;
+    subscription_ = series_.Subscribe(
+        job_id, tail,
+        [queue = queue_](const std::vector<T>& records) {
           for (const T& r : records) queue->Push(r);
-        });
+        },
+        &kept);
+    // Memory forgets a job before its records: no records and no job means they are in the store.
+    if (kept == 0 && IsTerminal(current.state()) && !jobs_.IsResident(job_id)) {
+      absl::StatusOr<std::vector<T>> records = persisted();
+      if (!records.ok()) {
+        queue_->FinishWhenDrained(ToGrpcStatus(records.status()));
+        return;
+      }
+      const size_t skip = tail == 0 || tail >= records->size() ? 0 : records->size() - tail;
+      for (size_t i = skip; i < records->size(); ++i) queue_->Push((*records)[i]);
+    }
     if (!follow || (durable && IsTerminal(current.state()))) {
       queue_->FinishWhenDrained(grpc::Status::OK);
     }
@@ -809,8 +822,9 @@ grpc::ServerWriteReactor<v1::LogLine>* JobServiceImpl::StreamLogs(
         grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                      absl::StrCat("tail: must be >= 0, got ", request->tail())));
   }
-  return new SeriesReactor<v1::LogLine>(jobs_, logs_, request->job_id(),
-                                        static_cast<size_t>(request->tail()), request->follow());
+  return new SeriesReactor<v1::LogLine>(
+      jobs_, logs_, request->job_id(), static_cast<size_t>(request->tail()), request->follow(),
+      [this, id = request->job_id()] { return history_.Logs(id); });
 }
 
 grpc::ServerWriteReactor<v1::ExportChunk>* JobServiceImpl::FetchExport(
@@ -856,8 +870,9 @@ grpc::ServerWriteReactor<v1::StepReport>* JobServiceImpl::StreamMetrics(
   if (auto job = AccessibleJob(ctx, request->job_id(), "StreamMetrics", &caller); !job.ok()) {
     return RejectStream<v1::StepReport>(ToGrpcStatus(job.status()));
   }
-  return new SeriesReactor<v1::StepReport>(jobs_, metrics_, request->job_id(), 0,
-                                           request->follow());
+  return new SeriesReactor<v1::StepReport>(
+      jobs_, metrics_, request->job_id(), 0, request->follow(),
+      [this, id = request->job_id()] { return history_.Metrics(id); });
 }
 
 grpc::ServerUnaryReactor* JobServiceImpl::CheckpointJob(grpc::CallbackServerContext* ctx,

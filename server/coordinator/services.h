@@ -10,6 +10,7 @@
 
 #include "server/coordinator/coordinator_metrics.h"
 #include "server/coordinator/identity.h"
+#include "server/coordinator/job_history.h"
 #include "server/coordinator/job_manager.h"
 #include "server/coordinator/job_series.h"
 #include "server/coordinator/node_registry.h"
@@ -23,14 +24,12 @@
 
 namespace trainyard::coordinator {
 
-using JobLogs = JobSeries<v1::LogLine>;
-using JobMetrics = JobSeries<v1::StepReport>;
-
 class JobServiceImpl final : public v1::JobService::CallbackService {
  public:
-  JobServiceImpl(JobManager& jobs, JobLogs& logs, JobMetrics& metrics,
+  // Logs and metrics of jobs no longer in memory come from `history`.
+  JobServiceImpl(JobManager& jobs, JobLogs& logs, JobMetrics& metrics, const JobHistory& history,
                  const IdentityRegistry& identities)
-      : jobs_(jobs), logs_(logs), metrics_(metrics), identities_(identities) {}
+      : jobs_(jobs), logs_(logs), metrics_(metrics), history_(history), identities_(identities) {}
 
   grpc::ServerUnaryReactor* SubmitJob(grpc::CallbackServerContext* ctx,
                                       const v1::SubmitJobRequest* request,
@@ -66,6 +65,7 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
   JobManager& jobs_;
   JobLogs& logs_;
   JobMetrics& metrics_;
+  const JobHistory& history_;
   const IdentityRegistry& identities_;
 };
 

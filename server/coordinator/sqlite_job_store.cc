@@ -3,12 +3,14 @@
 //
 // Called by the coordinator's JobManager (writes, and loads at startup) and by the shared store
 // tests. Owns two connections to one database file (WAL, synchronous=FULL): a write connection
-// used only by the commit thread, and a read connection for loads. Owns the commit thread, which
-// drains the queue of batches and writes them with group commit (many batches, one transaction,
-// one fsync).
+// used only by the commit thread, and a read connection for loads and reads. Owns the commit
+// thread, which drains the queue of batches and writes them with group commit (many batches, one
+// transaction, one fsync).
 #include <pthread.h>
 #include <sqlite3.h>
 
+#include <algorithm>
+#include <climits>
 #include <deque>
 #include <memory>
 #include <string>
@@ -20,6 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -50,6 +53,11 @@ constexpr const char* kMigrations[] = {
     "  id TEXT NOT NULL,"
     "  payload BLOB NOT NULL,"
     "  PRIMARY KEY (kind, id));",
+    // Version 3: records that expire (finished jobs' logs and metrics), and listing one owner's
+    // jobs newest first without sorting them all.
+    "ALTER TABLE records ADD COLUMN expires_ms INTEGER NOT NULL DEFAULT 0;"
+    "CREATE INDEX records_expiry ON records(expires_ms) WHERE expires_ms > 0;"
+    "CREATE INDEX jobs_owner_seq ON jobs(owner, seq);",
 };
 constexpr int kSchemaVersion = sizeof(kMigrations) / sizeof(kMigrations[0]);
 
@@ -217,8 +225,8 @@ absl::Status StepDone(sqlite3* db, sqlite3_stmt* stmt, const std::string& contex
 }
 
 // Commit() and Stats() may be called from any thread; writes run only on the commit thread, which
-// also runs the callbacks; LoadJobs/LoadNodes may be called from any thread (one at a time on the
-// read connection), including from a callback.
+// also runs the callbacks; reads (Load*, Get*, ListJobs) may be called from any thread (one at a
+// time on the read connection), including from a callback.
 class SqliteJobStore final : public JobStore {
  public:
   static absl::StatusOr<std::unique_ptr<JobStore>> Open(const std::string& path,
@@ -256,15 +264,7 @@ class SqliteJobStore final : public JobStore {
     ScopedReset reset(stmt);
     std::vector<StoredJob> jobs;
     int rc;
-    while ((rc = sqlite3_step(stmt)) == SQLITE_ROW) {
-      StoredJob job;
-      job.id = ColumnBytes(stmt, 0);
-      job.seq = sqlite3_column_int64(stmt, 1);
-      job.owner = ColumnBytes(stmt, 2);
-      job.state = ColumnBytes(stmt, 3);
-      job.payload = ColumnBytes(stmt, 4);
-      jobs.push_back(std::move(job));
-    }
+    while ((rc = sqlite3_step(stmt)) == SQLITE_ROW) jobs.push_back(JobAt(stmt));
     if (rc != SQLITE_DONE) return SqliteError(read_db_.get(), rc, "load jobs");
     return jobs;
   }
@@ -290,10 +290,52 @@ class SqliteJobStore final : public JobStore {
     std::vector<StoredRecord> records;
     int rc;
     while ((rc = sqlite3_step(stmt)) == SQLITE_ROW) {
-      records.push_back({kind, ColumnBytes(stmt, 0), ColumnBytes(stmt, 1)});
+      records.push_back(
+          {kind, ColumnBytes(stmt, 0), ColumnBytes(stmt, 1), sqlite3_column_int64(stmt, 2)});
     }
     if (rc != SQLITE_DONE) return SqliteError(read_db_.get(), rc, "load " + kind + " records");
     return records;
+  }
+
+  absl::StatusOr<StoredJob> GetJob(const std::string& id) override {
+    absl::MutexLock lock(&read_mu_);
+    sqlite3_stmt* stmt = select_job_.get();
+    ScopedReset reset(stmt);
+    BindText(stmt, 1, id);
+    const int rc = sqlite3_step(stmt);
+    if (rc == SQLITE_DONE) return absl::NotFoundError(absl::StrCat("no job ", id));
+    if (rc != SQLITE_ROW) return SqliteError(read_db_.get(), rc, "get job");
+    return JobAt(stmt);
+  }
+
+  absl::StatusOr<StoredRecord> GetRecord(const std::string& kind, const std::string& id) override {
+    absl::MutexLock lock(&read_mu_);
+    sqlite3_stmt* stmt = select_record_.get();
+    ScopedReset reset(stmt);
+    BindText(stmt, 1, kind);
+    BindText(stmt, 2, id);
+    const int rc = sqlite3_step(stmt);
+    if (rc == SQLITE_DONE) return absl::NotFoundError(absl::StrCat("no ", kind, " ", id));
+    if (rc != SQLITE_ROW) return SqliteError(read_db_.get(), rc, "get " + kind);
+    return StoredRecord{kind, id, ColumnBytes(stmt, 0), sqlite3_column_int64(stmt, 1)};
+  }
+
+  absl::StatusOr<std::vector<StoredJob>> ListJobs(const JobQuery& query) override {
+    // The states as ",A,B," for instr(): one statement whatever their number.
+    std::string states;
+    if (!query.states.empty()) states = absl::StrCat(",", absl::StrJoin(query.states, ","), ",");
+    absl::MutexLock lock(&read_mu_);
+    sqlite3_stmt* stmt = query.owner.empty() ? list_jobs_.get() : list_owner_jobs_.get();
+    ScopedReset reset(stmt);
+    sqlite3_bind_int64(stmt, 1, query.before_seq);
+    BindText(stmt, 2, states);
+    sqlite3_bind_int64(stmt, 3, static_cast<int64_t>(std::min<size_t>(query.limit, INT32_MAX)));
+    if (!query.owner.empty()) BindText(stmt, 4, query.owner);
+    std::vector<StoredJob> jobs;
+    int rc;
+    while ((rc = sqlite3_step(stmt)) == SQLITE_ROW) jobs.push_back(JobAt(stmt));
+    if (rc != SQLITE_DONE) return SqliteError(read_db_.get(), rc, "list jobs");
+    return jobs;
   }
 
   JobStoreStats Stats() const override {
@@ -306,6 +348,17 @@ class SqliteJobStore final : public JobStore {
     WriteBatch batch;
     DoneCallback done;
   };
+
+  // The job in the current row of a statement that selects id, seq, owner, state, payload.
+  static StoredJob JobAt(sqlite3_stmt* stmt) {
+    StoredJob job;
+    job.id = ColumnBytes(stmt, 0);
+    job.seq = sqlite3_column_int64(stmt, 1);
+    job.owner = ColumnBytes(stmt, 2);
+    job.state = ColumnBytes(stmt, 3);
+    job.payload = ColumnBytes(stmt, 4);
+    return job;
+  }
 
   SqliteJobStore(const SqliteJobStoreOptions& options, DbPtr write_db, DbPtr read_db)
       : options_(options), write_db_(std::move(write_db)), read_db_(std::move(read_db)) {}
@@ -330,16 +383,36 @@ class SqliteJobStore final : public JobStore {
     ASSIGN_OR_RETURN(delete_record_, Prepare(w, "DELETE FROM records WHERE kind = ?1 AND id = ?2"));
     ASSIGN_OR_RETURN(put_record_,
                      Prepare(w,
-                             "INSERT INTO records(kind, id, payload) VALUES(?1, ?2, ?3) "
-                             "ON CONFLICT(kind, id) DO UPDATE SET payload = excluded.payload"));
+                             "INSERT INTO records(kind, id, payload, expires_ms) "
+                             "VALUES(?1, ?2, ?3, ?4) ON CONFLICT(kind, id) DO UPDATE SET "
+                             "payload = excluded.payload, expires_ms = excluded.expires_ms"));
+    ASSIGN_OR_RETURN(delete_expired_,
+                     Prepare(w, "DELETE FROM records WHERE expires_ms > 0 AND expires_ms <= ?1"));
     sqlite3* r = read_db_.get();
     {
       absl::MutexLock lock(&read_mu_);
       ASSIGN_OR_RETURN(select_jobs_,
                        Prepare(r, "SELECT id, seq, owner, state, payload FROM jobs ORDER BY seq"));
       ASSIGN_OR_RETURN(select_nodes_, Prepare(r, "SELECT id, payload FROM nodes ORDER BY id"));
-      ASSIGN_OR_RETURN(select_records_,
-                       Prepare(r, "SELECT id, payload FROM records WHERE kind = ?1 ORDER BY id"));
+      ASSIGN_OR_RETURN(
+          select_records_,
+          Prepare(r, "SELECT id, payload, expires_ms FROM records WHERE kind = ?1 ORDER BY id"));
+      ASSIGN_OR_RETURN(select_job_,
+                       Prepare(r, "SELECT id, seq, owner, state, payload FROM jobs WHERE id = ?1"));
+      ASSIGN_OR_RETURN(
+          select_record_,
+          Prepare(r, "SELECT payload, expires_ms FROM records WHERE kind = ?1 AND id = ?2"));
+      // ?2 is ",STATE,STATE," or empty for any state.
+      ASSIGN_OR_RETURN(list_jobs_,
+                       Prepare(r,
+                               "SELECT id, seq, owner, state, payload FROM jobs WHERE seq < ?1 "
+                               "AND (?2 = '' OR instr(?2, ',' || state || ',') > 0) "
+                               "ORDER BY seq DESC LIMIT ?3"));
+      ASSIGN_OR_RETURN(list_owner_jobs_,
+                       Prepare(r,
+                               "SELECT id, seq, owner, state, payload FROM jobs WHERE owner = ?4 "
+                               "AND seq < ?1 AND (?2 = '' OR instr(?2, ',' || state || ',') > 0) "
+                               "ORDER BY seq DESC LIMIT ?3"));
     }
     return absl::OkStatus();
   }
@@ -458,6 +531,7 @@ class SqliteJobStore final : public JobStore {
       BindText(stmt, 1, record.kind);
       BindText(stmt, 2, record.id);
       BindBlob(stmt, 3, record.payload);
+      sqlite3_bind_int64(stmt, 4, record.expires_ms);
       RETURN_IF_ERROR(StepDone(db, stmt, absl::StrCat("put ", record.kind, " ", record.id)));
     }
     for (const auto& [kind, id] : batch.delete_records) {
@@ -466,6 +540,12 @@ class SqliteJobStore final : public JobStore {
       BindText(stmt, 1, kind);
       BindText(stmt, 2, id);
       RETURN_IF_ERROR(StepDone(db, stmt, absl::StrCat("delete ", kind, " ", id)));
+    }
+    if (batch.delete_records_expired_at_ms > 0) {
+      sqlite3_stmt* stmt = delete_expired_.get();
+      ScopedReset reset(stmt);
+      sqlite3_bind_int64(stmt, 1, batch.delete_records_expired_at_ms);
+      RETURN_IF_ERROR(StepDone(db, stmt, "delete expired records"));
     }
     return absl::OkStatus();
   }
@@ -476,13 +556,17 @@ class SqliteJobStore final : public JobStore {
   // they are finalized first.
   DbPtr write_db_;
   StmtPtr begin_, commit_, rollback_, put_job_, put_node_, delete_node_, put_record_,
-      delete_record_;
+      delete_record_, delete_expired_;
 
   absl::Mutex read_mu_;  // serializes loads on the read connection
   DbPtr read_db_;
   StmtPtr select_jobs_ ABSL_GUARDED_BY(read_mu_);
   StmtPtr select_nodes_ ABSL_GUARDED_BY(read_mu_);
   StmtPtr select_records_ ABSL_GUARDED_BY(read_mu_);
+  StmtPtr select_job_ ABSL_GUARDED_BY(read_mu_);
+  StmtPtr select_record_ ABSL_GUARDED_BY(read_mu_);
+  StmtPtr list_jobs_ ABSL_GUARDED_BY(read_mu_);
+  StmtPtr list_owner_jobs_ ABSL_GUARDED_BY(read_mu_);
 
   mutable absl::Mutex mu_;
   std::deque<Pending> queue_ ABSL_GUARDED_BY(mu_);
