@@ -1,4 +1,4 @@
-// Benchmark of the parameter server's CPU AdamW (server/adam/cpu_adam.h) on arrays far beyond the
+// Benchmark of the parameter server's CPU AdamW (kernels/adam/cpu_adam.h) on arrays far beyond the
 // caches (64 Mi params by default: 1 GiB of fp32 params, grads, m and v). In one run it measures
 // (a) AdamWStepParallel params/s for every Highway target this CPU supports, on 1 thread and on
 //     all of them (plus the best target with the bf16 copy of the params, and with bf16 grads);
@@ -39,8 +39,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "server/adam/cpu_adam.h"
-#include "server/adam/thread_pool.h"
+#include "kernels/adam/cpu_adam.h"
+#include "kernels/adam/thread_pool.h"
 
 namespace trainyard::adam {
 namespace {

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The parameter server's CPU AdamW (server/adam) vs PyTorch's torch.optim.AdamW (foreach=True and
+# The parameter server's CPU AdamW (kernels/adam) vs PyTorch's torch.optim.AdamW (foreach=True and
 # foreach=False, Debian's python3-torch) vs the memory-bandwidth floor, on 1 thread and on every
 # core, in one run of build/bin/cpu_adam_bench (which starts /usr/bin/python3 for PyTorch).
 #

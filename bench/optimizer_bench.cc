@@ -1,7 +1,7 @@
-// trainyard's optimizers (worker/trainer/optimizers.h) on the parameters of a Llama-shaped model
-// (common/job_config's TrainedParameterShapes): the median time of one step over every parameter
-// and the bytes of optimizer state each holds. bench/optimizer_bench.sh runs it beside the
-// reference implementations in PyTorch on the same shapes and threads.
+// trainyard's optimizers (worker/trainer/optim/optimizers.h) on the parameters of a Llama-shaped
+// model (common/job_config's TrainedParameterShapes): the median time of one step over every
+// parameter and the bytes of optimizer state each holds. bench/optimizer_bench.sh runs it beside
+// the reference implementations in PyTorch on the same shapes and threads.
 //
 //   optimizer_bench [--reps N] [--threads N] [--layers N] [--d-model N] [--d-hidden N] [--vocab N]
 // prints one JSON object per optimizer.
@@ -15,7 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/job_config.h"
-#include "worker/trainer/optimizers.h"
+#include "worker/trainer/optim/optimizers.h"
 
 namespace trainyard::trainer {
 namespace {

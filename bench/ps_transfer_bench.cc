@@ -11,16 +11,16 @@
 // connections use (--tcp-congestion, default $TRAINYARD_TCP_CONGESTION, else the host's); (b)
 // trainyard: k trainyard-ps processes (--threads 1) holding contiguous ranges of a job of
 // --params parameters, each range initialized once; then per step, as the offload trainer does it
-// (worker/trainer/offload.cc): a push of every range (all shards at once from threads), an
+// (worker/trainer/parallel/offload.cc): a push of every range (all shards at once from threads), an
 // update-and-pull of every range, then a pure pull (no update, wait_ms 0, of the step just
 // applied), which is the transfer without the AdamW update. Steps in WIRE_FP32 and in WIRE_BF16
 // (half the bytes). The anchor and the steps alternate round by round; the table shows medians
 // after --warmup rounds.
 //
 // Three clients: `--client tcp` is the offload trainer's default, each server's TCP data plane
-// (server/ps/data_plane_client.h: gradients sent from the gradient array, parameters received
+// (rpc/ps/data_plane_client.h: gradients sent from the gradient array, parameters received
 // into the parameter array, no copy in between); `--client zero-copy` is the trainer's gRPC path
-// (server/ps/ps_client.h: a generic stub, the gradient bytes sent as a slice pointing into the
+// (rpc/ps/ps_client.h: a generic stub, the gradient bytes sent as a slice pointing into the
 // gradient array, pulled chunks decoded straight into the parameter array); `--client stub`
 // sends the same messages through the generated stub and protobuf classes (4 MiB chunks), as
 // offload.cc did before. `--tune-malloc` sets glibc malloc in this process as the offload
@@ -71,11 +71,11 @@
 #include "common/grpc_status.h"
 #include "common/ps_layout.h"
 #include "common/status_macros.h"
-#include "server/adam/cpu_adam.h"
-#include "server/ps/data_plane_client.h"
-#include "server/ps/ps_client.h"
-#include "server/ps/tcp_congestion.h"
-#include "server/ps/wire_types.h"
+#include "kernels/adam/cpu_adam.h"
+#include "rpc/ps/data_plane_client.h"
+#include "rpc/ps/ps_client.h"
+#include "rpc/ps/tcp_congestion.h"
+#include "rpc/ps/wire_types.h"
 #include "trainyard/v1/ps.grpc.pb.h"
 
 namespace trainyard::bench {
@@ -772,7 +772,7 @@ class ShardClient {
     return CheckCount("push: staged", response.elements_staged());
   }
 
-  // As offload.cc: server/ps/ps_client.h.
+  // As offload.cc: rpc/ps/ps_client.h.
   absl::Status PushZeroCopy(int64_t step, v1::WireFormat format, const void* grads) {
     const v1::GradientChunk header = PushHeader(step, format);
     v1::PushGradientsResponse response;
@@ -785,7 +785,7 @@ class ShardClient {
     return CheckCount("push: staged", response.elements_staged());
   }
 
-  // As offload.cc by default: server/ps/data_plane_client.h.
+  // As offload.cc by default: rpc/ps/data_plane_client.h.
   absl::Status PushDataPlane(int64_t step, v1::WireFormat format, const void* grads) {
     const v1::GradientChunk header = PushHeader(step, format);
     v1::PushGradientsResponse response;
@@ -830,7 +830,7 @@ class ShardClient {
     return CheckCount("pull", received);
   }
 
-  // As offload.cc: server/ps/ps_client.h.
+  // As offload.cc: rpc/ps/ps_client.h.
   absl::Status PullZeroCopy(int64_t step, bool update, v1::WireFormat format, void* params,
                             Clock::time_point* first_chunk) {
     return Check(ps::UpdateAndPullZeroCopy(

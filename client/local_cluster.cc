@@ -22,7 +22,7 @@
 #include "absl/time/clock.h"
 #include "client/yard_client.h"
 #include "common/credentials.h"
-#include "server/ps/tcp_congestion.h"
+#include "rpc/ps/tcp_congestion.h"
 
 namespace trainyard::client {
 namespace {

@@ -30,7 +30,7 @@
 #include "common/spec.h"
 #include "common/status_macros.h"
 #include "common/version.h"
-#include "server/ps/tcp_congestion.h"
+#include "rpc/ps/tcp_congestion.h"
 
 namespace trainyard::client {
 namespace {

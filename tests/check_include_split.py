@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """No file of the trainer sees both LibTorch and gRPC/protobuf (worker/CMakeLists.txt says why).
 
-For each C++ file under worker/trainer/ (and the trainer's tests), follows its project includes
+For each C++ file under worker/trainer/ and its folders (and the trainer's tests), follows its project includes
 ("dir/file.h", resolved from the repository root) and fails if what it reaches includes both a
 LibTorch header (<torch/...>, <ATen/...>, <c10/...>) and a gRPC or generated protobuf header
 (<grpcpp/...>, "*.pb.h"). Usage: check_include_split.py REPO_ROOT
@@ -36,9 +36,10 @@ def main():
     root = sys.argv[1]
     files = []
     for d in ('worker/trainer',):
-        for name in sorted(os.listdir(os.path.join(root, d))):
-            if name.endswith(('.h', '.cc')):
-                files.append(os.path.join(d, name))
+        for dirpath, _, names in sorted(os.walk(os.path.join(root, d))):
+            for name in sorted(names):
+                if name.endswith(('.h', '.cc')):
+                    files.append(os.path.relpath(os.path.join(dirpath, name), root))
     files.append('tests/trainer_unit_test.cc')
     bad = []
     for f in files:

@@ -1,4 +1,4 @@
-// The CPU AdamW kernel (server/adam/cpu_adam.h) on every Highway target this machine supports,
+// The CPU AdamW kernel (kernels/adam/cpu_adam.h) on every Highway target this machine supports,
 // against a double-precision reference written here and against PyTorch's torch.optim.AdamW
 // itself (tests/adam_torch_reference.py, Debian's python3-torch); and its thread pool.
 //
@@ -8,7 +8,7 @@
 // (1 - lr wd) S_p + step_size S_m / denom). Where nothing cancels S_i = |r_i| and this is the
 // plain per-element relative error; where m (and so the update) cancels towards zero, fp32
 // rounding is relative to the terms, not to the small result, and so is the bound.
-#include "server/adam/cpu_adam.h"
+#include "kernels/adam/cpu_adam.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -27,7 +27,7 @@
 #include <thread>
 #include <vector>
 
-#include "server/adam/thread_pool.h"
+#include "kernels/adam/thread_pool.h"
 #include "tests/testing/subprocess.h"
 
 namespace trainyard::adam {

@@ -12,11 +12,11 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/subprocess.h"
-#include "worker/trainer/checkpoint.h"
-#include "worker/trainer/device.h"
-#include "worker/trainer/model.h"
-#include "worker/trainer/optimizers.h"
-#include "worker/trainer/param_dump.h"
+#include "worker/trainer/checkpoint/checkpoint.h"
+#include "worker/trainer/io/param_dump.h"
+#include "worker/trainer/model/model.h"
+#include "worker/trainer/optim/optimizers.h"
+#include "worker/trainer/runtime/device.h"
 #include "worker/trainer/trainer.h"
 
 namespace trainyard::trainer {

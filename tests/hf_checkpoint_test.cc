@@ -1,7 +1,7 @@
-// Hugging Face Llama-family model directories (worker/trainer/hf_checkpoint.h): config.json read
+// Hugging Face Llama-family model directories (worker/trainer/io/hf_checkpoint.h): config.json read
 // as transformers writes it, the tensors a LlamaForCausalLM has, and sharded or single-file
 // checkpoints checked against them, each bad one refused naming the file and the tensor.
-#include "worker/trainer/hf_checkpoint.h"
+#include "worker/trainer/io/hf_checkpoint.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

@@ -16,10 +16,10 @@
 #include "common/job_config.h"
 #include "tests/testing/reference_venv.h"
 #include "tests/testing/subprocess.h"
-#include "worker/trainer/hf_checkpoint.h"
-#include "worker/trainer/hf_weights.h"
-#include "worker/trainer/model.h"
-#include "worker/trainer/safetensors.h"
+#include "worker/trainer/checkpoint/hf_weights.h"
+#include "worker/trainer/io/hf_checkpoint.h"
+#include "worker/trainer/io/safetensors.h"
+#include "worker/trainer/model/model.h"
 
 namespace trainyard::trainer {
 namespace {

@@ -1,4 +1,4 @@
-// trainyard's optimizers (worker/trainer/optimizers.h) against the reference implementations
+// trainyard's optimizers (worker/trainer/optim/optimizers.h) against the reference implementations
 // themselves (tests/optimizer_reference.py, run by build/hf-venv): transformers' Adafactor,
 // lion-pytorch's Lion and bitsandbytes' AdamW8bit (its quantization maps and quantizer; the
 // update in its CUDA kernel's order). Six steps over a matrix, a matrix with a partial last
@@ -16,8 +16,8 @@
 #include "common/job_config.h"
 #include "tests/testing/reference_venv.h"
 #include "tests/testing/subprocess.h"
-#include "worker/trainer/model.h"
-#include "worker/trainer/optimizers.h"
+#include "worker/trainer/model/model.h"
+#include "worker/trainer/optim/optimizers.h"
 
 namespace trainyard::trainer {
 namespace {

@@ -20,13 +20,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "server/adam/thread_pool.h"
-#include "server/ps/data_plane_client.h"
+#include "kernels/adam/thread_pool.h"
+#include "rpc/ps/data_plane_client.h"
+#include "rpc/ps/data_plane_wire.h"
+#include "rpc/ps/tcp_io.h"
 #include "server/ps/data_plane_server.h"
-#include "server/ps/data_plane_wire.h"
 #include "server/ps/ps_server.h"
 #include "server/ps/shard_manager.h"
-#include "server/ps/tcp_io.h"
 #include "tests/testing/ps_shard.h"
 #include "trainyard/v1/ps.grpc.pb.h"
 

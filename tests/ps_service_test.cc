@@ -21,9 +21,9 @@
 
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
-#include "server/adam/thread_pool.h"
+#include "kernels/adam/thread_pool.h"
+#include "rpc/ps/data_plane_client.h"
 #include "server/coordinator/ps_placement.h"
-#include "server/ps/data_plane_client.h"
 #include "server/ps/ps_server.h"
 #include "server/ps/shard_manager.h"
 #include "server/ps/step_intervals.h"

@@ -18,9 +18,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "server/ps/data_plane_client.h"
+#include "rpc/ps/data_plane_client.h"
+#include "rpc/ps/tls_io.h"
 #include "server/ps/ps_server.h"
-#include "server/ps/tls_io.h"
 #include "tests/testing/ps_shard.h"
 #include "tests/testing/subprocess.h"
 #include "tests/testing/test_pki.h"

@@ -1,7 +1,7 @@
-// The parameter server's hand-written wire code (server/ps/ps_wire.h) against protobuf's generated
+// The parameter server's hand-written wire code (rpc/ps/ps_wire.h) against protobuf's generated
 // classes, with messages cut into slices anywhere; and AdamW updates reading pushed gradients from
 // such pieces (ShardManager), bit for bit those from one contiguous buffer.
-#include "server/ps/ps_wire.h"
+#include "rpc/ps/ps_wire.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "server/adam/thread_pool.h"
+#include "kernels/adam/thread_pool.h"
 #include "server/ps/shard_manager.h"
 
 namespace trainyard::ps {

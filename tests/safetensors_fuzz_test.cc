@@ -1,4 +1,4 @@
-// Fuzz test of the safetensors header parser (worker/trainer/safetensors.h), built with
+// Fuzz test of the safetensors header parser (worker/trainer/io/safetensors.h), built with
 // AddressSanitizer and UndefinedBehaviorSanitizer: a million inputs mutated from valid and
 // invalid files (bit flips, byte insertions and deletions, truncations, lengths and numbers
 // swapped for extreme ones), each parsed from an exactly-sized heap buffer so that any read past
@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "tests/testing/safetensors_bytes.h"
-#include "worker/trainer/safetensors.h"
+#include "worker/trainer/io/safetensors.h"
 
 namespace trainyard::trainer {
 namespace {

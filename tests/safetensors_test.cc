@@ -1,8 +1,8 @@
-// The project's own safetensors reader and writer (worker/trainer/safetensors.h): a round trip, a
-// file written byte for byte as the format's specification shows, and every kind of bad file
+// The project's own safetensors reader and writer (worker/trainer/io/safetensors.h): a round trip,
+// a file written byte for byte as the format's specification shows, and every kind of bad file
 // refused with the file's and the tensor's names. The header parser's fuzz test is
 // safetensors_fuzz_test.
-#include "worker/trainer/safetensors.h"
+#include "worker/trainer/io/safetensors.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

@@ -1,4 +1,4 @@
-// The TCP congestion control of parameter-server connections (server/ps/tcp_congestion.h): a
+// The TCP congestion control of parameter-server connections (rpc/ps/tcp_congestion.h): a
 // real trainyard-ps server (in process) and a real client channel on loopback, each told to use a
 // congestion control other than the host's default, and the kernel asked what every socket of the
 // connection actually uses. Bad names get INVALID_ARGUMENT naming the flag.
@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "rpc/ps/tcp_congestion.h"
 #include "server/ps/ps_server.h"
-#include "server/ps/tcp_congestion.h"
 #include "trainyard/v1/ps.grpc.pb.h"
 
 namespace trainyard {

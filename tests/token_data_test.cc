@@ -1,4 +1,4 @@
-// Token files without LibTorch (worker/trainer/data.h): uint32 tokens, as a Hugging Face
+// Token files without LibTorch (worker/trainer/io/data.h): uint32 tokens, as a Hugging Face
 // tokenizer's ids beyond 65,536 need, and files that are not whole tokens. (uint16 and bytes are
 // covered in trainer_unit_test.)
 #include <gmock/gmock.h>
@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "tests/testing/subprocess.h"
-#include "worker/trainer/data.h"
+#include "worker/trainer/io/data.h"
 
 namespace trainyard::trainer {
 namespace {

@@ -28,9 +28,9 @@
 #include "common/grpc_status.h"
 #include "common/job_config.h"
 #include "common/spec.h"
+#include "rpc/ps/data_plane_client.h"
+#include "rpc/ps/ps_client.h"
 #include "server/coordinator/coordinator_server.h"
-#include "server/ps/data_plane_client.h"
-#include "server/ps/ps_client.h"
 #include "tests/testing/coordinator_tokens.h"
 #include "tests/testing/node_session.h"
 #include "tests/testing/ps_shard.h"
@@ -38,9 +38,9 @@
 #include "trainyard/v1/job.grpc.pb.h"
 #include "trainyard/v1/node.grpc.pb.h"
 #include "trainyard/v1/ps.grpc.pb.h"
-#include "worker/trainer/hf_checkpoint.h"
-#include "worker/trainer/param_dump.h"
-#include "worker/trainer/safetensors.h"
+#include "worker/trainer/io/hf_checkpoint.h"
+#include "worker/trainer/io/param_dump.h"
+#include "worker/trainer/io/safetensors.h"
 
 namespace trainyard {
 namespace {

@@ -22,17 +22,17 @@
 
 #include "common/job_config.h"
 #include "tests/testing/subprocess.h"
-#include "worker/trainer/communicator.h"
-#include "worker/trainer/data.h"
-#include "worker/trainer/ddp.h"
-#include "worker/trainer/fsdp.h"
-#include "worker/trainer/fused_adamw.h"
-#include "worker/trainer/model.h"
-#include "worker/trainer/onednn_matmul.h"
-#include "worker/trainer/optimizers.h"
-#include "worker/trainer/param_dump.h"
-#include "worker/trainer/shm_allreduce.h"
-#include "worker/trainer/torch_compat.h"
+#include "worker/trainer/comm/communicator.h"
+#include "worker/trainer/comm/shm_allreduce.h"
+#include "worker/trainer/io/data.h"
+#include "worker/trainer/io/param_dump.h"
+#include "worker/trainer/kernels/onednn_matmul.h"
+#include "worker/trainer/model/model.h"
+#include "worker/trainer/optim/fused_adamw.h"
+#include "worker/trainer/optim/optimizers.h"
+#include "worker/trainer/parallel/ddp.h"
+#include "worker/trainer/parallel/fsdp.h"
+#include "worker/trainer/runtime/torch_compat.h"
 
 namespace trainyard::trainer {
 namespace {

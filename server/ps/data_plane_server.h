@@ -22,12 +22,12 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "server/ps/data_plane_wire.h"
+#include "rpc/ps/data_plane_wire.h"
+#include "rpc/ps/tcp_io.h"
+#include "rpc/ps/tls_io.h"
 #include "server/ps/job_authorizer.h"
 #include "server/ps/ps_service.h"
 #include "server/ps/shard_manager.h"
-#include "server/ps/tcp_io.h"
-#include "server/ps/tls_io.h"
 
 namespace trainyard::ps {
 

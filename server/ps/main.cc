@@ -18,8 +18,8 @@
 #include "common/server_main.h"
 #include "common/tls.h"
 #include "common/version.h"
+#include "rpc/ps/tcp_congestion.h"
 #include "server/ps/ps_server.h"
-#include "server/ps/tcp_congestion.h"
 
 int main(int argc, char** argv) {
   trainyard::BlockTerminationSignals();

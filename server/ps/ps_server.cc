@@ -14,8 +14,8 @@
 #include "common/credentials.h"
 #include "common/malformed_request.h"
 #include "common/status_macros.h"
-#include "server/ps/tcp_congestion.h"
-#include "server/ps/tcp_io.h"
+#include "rpc/ps/tcp_congestion.h"
+#include "rpc/ps/tcp_io.h"
 #include "trainyard/v1/node.grpc.pb.h"
 
 namespace trainyard::ps {

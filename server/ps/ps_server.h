@@ -23,7 +23,7 @@
 #include "absl/time/time.h"
 #include "common/metrics_endpoint.h"
 #include "common/tls.h"
-#include "server/adam/thread_pool.h"
+#include "kernels/adam/thread_pool.h"
 #include "server/ps/data_plane_server.h"
 #include "server/ps/job_authorizer.h"
 #include "server/ps/ps_service.h"

@@ -7,8 +7,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/grpc_status.h"
-#include "server/ps/data_plane_wire.h"
-#include "server/ps/ps_wire.h"
+#include "rpc/ps/data_plane_wire.h"
+#include "rpc/ps/ps_wire.h"
 
 namespace trainyard::ps {
 namespace {

@@ -9,7 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "server/adam/cpu_adam.h"
+#include "kernels/adam/cpu_adam.h"
 
 namespace trainyard::ps {
 

@@ -33,9 +33,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/ps_layout.h"
-#include "server/adam/thread_pool.h"
+#include "kernels/adam/thread_pool.h"
+#include "rpc/ps/wire_types.h"
 #include "server/ps/step_intervals.h"
-#include "server/ps/wire_types.h"
 #include "trainyard/v1/ps.pb.h"
 
 namespace trainyard::ps {

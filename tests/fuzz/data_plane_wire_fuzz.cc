@@ -1,4 +1,4 @@
-// libFuzzer target: the parameter server's data-plane header decoders (server/ps/data_plane_wire),
+// libFuzzer target: the parameter server's data-plane header decoders (rpc/ps/data_plane_wire),
 // which read bytes straight off a TCP connection from any peer. Any header must decode or be
 // refused (INVALID_ARGUMENT for a request, INTERNAL for a response), within its bounds; a request
 // that decodes must encode back to the same header and decode to the same fields.
@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "server/ps/data_plane_wire.h"
+#include "rpc/ps/data_plane_wire.h"
 
 namespace ps = trainyard::ps;
 

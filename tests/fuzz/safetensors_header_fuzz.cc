@@ -8,7 +8,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "worker/trainer/safetensors.h"
+#include "worker/trainer/io/safetensors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const absl::string_view bytes(reinterpret_cast<const char*>(data), size);

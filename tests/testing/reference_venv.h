@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "tests/testing/subprocess.h"
-#include "worker/trainer/safetensors.h"
+#include "worker/trainer/io/safetensors.h"
 
 namespace trainyard::testing {
 

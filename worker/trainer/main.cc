@@ -16,7 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/spec.h"
 #include "common/version.h"
-#include "server/ps/tcp_congestion.h"
+#include "rpc/ps/tcp_congestion.h"
 #include "worker/trainer/trainer.h"
 
 namespace trainyard::trainer {

@@ -1,0 +1,129 @@
+// TLS on the parameter server's data plane (OpenSSL), with the same certificates as its gRPC
+// service: the server presents --tls-cert/--tls-key; a trainer verifies it against the cluster's
+// CA (TRAINYARD_TLS_CA) and the address it dials, and may show a client certificate. A Conn is a
+// connected socket with, when TLS is on, an OpenSSL session over it; the whole-buffer I/O of
+// tcp_io.h works on either, with the same time limits and errors (a TLS failure is UNAVAILABLE,
+// naming OpenSSL's reason: "certificate has expired", "unable to get local issuer certificate",
+// "hostname mismatch", ...).
+//
+// Thread-safe: a TlsConfig is shared by every connection; one thread uses a Conn at a time.
+#ifndef TRAINYARD_RPC_PS_TLS_IO_H_
+#define TRAINYARD_RPC_PS_TLS_IO_H_
+
+#include <sys/uio.h>
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "rpc/ps/tcp_io.h"
+
+typedef struct ssl_st SSL;
+typedef struct ssl_ctx_st SSL_CTX;
+
+namespace trainyard::ps {
+
+// An OpenSSL context: a server's (certificate and key) or a client's (CA, optional client
+// certificate). Immutable once made.
+class TlsConfig {
+ public:
+  // INVALID_ARGUMENT naming the flag for an unreadable or mismatched file.
+  static absl::StatusOr<std::shared_ptr<const TlsConfig>> Server(const std::string& cert_file,
+                                                                 const std::string& key_file);
+  static absl::StatusOr<std::shared_ptr<const TlsConfig>> Client(const std::string& ca_file,
+                                                                 const std::string& cert_file = "",
+                                                                 const std::string& key_file = "");
+  ~TlsConfig();
+  TlsConfig(const TlsConfig&) = delete;
+  TlsConfig& operator=(const TlsConfig&) = delete;
+
+  SSL_CTX* ctx() const { return ctx_; }
+  bool is_server() const { return server_; }
+
+ private:
+  TlsConfig(SSL_CTX* ctx, bool server) : ctx_(ctx), server_(server) {}
+  SSL_CTX* ctx_;
+  bool server_;
+};
+
+// A server TlsConfig that follows its files: Current() loads them again when the certificate's or
+// the key's modification time changed (looked at most every `check_every`), so a renewed
+// certificate counts for new connections without a restart; files that do not load leave the
+// last good config in place (and are tried again at the next change). Thread-safe.
+class ReloadingTlsConfig {
+ public:
+  // INVALID_ARGUMENT naming the flag when the files do not load now.
+  static absl::StatusOr<std::shared_ptr<ReloadingTlsConfig>> Server(
+      const std::string& cert_file, const std::string& key_file,
+      absl::Duration check_every = absl::Seconds(10));
+  std::shared_ptr<const TlsConfig> Current();
+
+ private:
+  ReloadingTlsConfig(std::string cert_file, std::string key_file, absl::Duration check_every)
+      : cert_file_(std::move(cert_file)),
+        key_file_(std::move(key_file)),
+        check_every_(check_every) {}
+  // The two files' modification times, as one string ("" when one cannot be read).
+  std::string Stamp() const;
+
+  const std::string cert_file_, key_file_;
+  const absl::Duration check_every_;
+  absl::Mutex mu_;
+  std::shared_ptr<const TlsConfig> current_ ABSL_GUARDED_BY(mu_);
+  std::string stamp_ ABSL_GUARDED_BY(mu_);
+  absl::Time checked_ ABSL_GUARDED_BY(mu_);
+};
+
+// A connected socket, and over it a TLS session when `ssl` is set. Movable; frees both.
+class Conn {
+ public:
+  Conn() = default;
+  explicit Conn(UniqueFd fd) : fd_(std::move(fd)) {}
+  Conn(Conn&& other) noexcept;
+  Conn& operator=(Conn&& other) noexcept;
+  Conn(const Conn&) = delete;
+  Conn& operator=(const Conn&) = delete;
+  ~Conn();
+
+  int fd() const { return fd_.get(); }
+  bool valid() const { return fd_.valid(); }
+  bool tls() const { return ssl_ != nullptr; }
+  SSL* ssl() const { return ssl_; }
+
+  // Takes over `ssl` (a session on fd()).
+  void set_ssl(SSL* ssl) { ssl_ = ssl; }
+  void reset();
+
+ private:
+  UniqueFd fd_;
+  SSL* ssl_ = nullptr;
+};
+
+// The TLS handshake on a connected, non-blocking socket: as the server (TlsAccept) or as a
+// client of `host` (TlsConnect: the certificate must be for that name or IP address). UNAVAILABLE
+// naming what failed, DEADLINE_EXCEEDED past `limit`.
+absl::StatusOr<Conn> TlsAccept(UniqueFd fd, const TlsConfig& config, IoLimit limit);
+absl::StatusOr<Conn> TlsConnect(UniqueFd fd, const TlsConfig& config, const std::string& host,
+                                IoLimit limit);
+
+// tcp_io.h's whole-buffer I/O on a Conn: the socket's own without TLS, else through OpenSSL.
+absl::Status SendAll(Conn& conn, absl::Span<const iovec> pieces, IoLimit limit);
+inline absl::Status SendAll(Conn& conn, absl::string_view bytes, IoLimit limit) {
+  const iovec piece{const_cast<char*>(bytes.data()), bytes.size()};
+  return SendAll(conn, absl::MakeConstSpan(&piece, 1), limit);
+}
+absl::Status RecvAll(Conn& conn, char* out, size_t n, IoLimit limit, size_t* received = nullptr);
+absl::Status Discard(Conn& conn, size_t n, IoLimit limit);
+void DiscardUntilClosed(Conn& conn, size_t max_bytes, IoLimit limit);
+// Ends the sending side: a TLS close_notify (without waiting for the peer's), then shutdown(2).
+void ShutdownWrite(Conn& conn);
+
+}  // namespace trainyard::ps
+
+#endif  // TRAINYARD_RPC_PS_TLS_IO_H_

@@ -1,0 +1,289 @@
+// LocalCommunicator and GlooCommunicator (see communicator.h).
+#include "worker/trainer/comm/communicator.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include <condition_variable>
+#include <deque>
+#include <future>
+#include <iostream>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "worker/trainer/comm/shm_allreduce.h"
+
+namespace trainyard::trainer {
+namespace {
+
+class DoneHandle : public CommHandle {
+ public:
+  void Wait() override {}
+};
+
+class LocalCommunicator : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int world_size() const override { return 1; }
+  std::string Describe() const override { return "none (one rank)"; }
+  std::unique_ptr<CommHandle> AllReduceSum(std::vector<torch::Tensor>) override {
+    return std::make_unique<DoneHandle>();
+  }
+  void Broadcast(std::vector<torch::Tensor>, int) override {}
+  std::vector<torch::Tensor> AllGather(const torch::Tensor& in) override { return {in.clone()}; }
+  void AllGatherInto(const torch::Tensor& in, std::vector<torch::Tensor> outs) override {
+    outs.at(0).copy_(in);
+  }
+  void Barrier() override {}
+  std::unique_ptr<CommHandle> Send(const torch::Tensor&, int, int) override {
+    TORCH_CHECK(false, "Send: one rank has no peer");
+  }
+  void Recv(torch::Tensor&, int, int) override { TORCH_CHECK(false, "Recv: one rank has no peer"); }
+};
+
+// Runs shared-memory all-reduces one after the other on a thread of its own, so that they
+// overlap the caller's work as Gloo's do.
+class ShmWorker {
+ public:
+  explicit ShmWorker(std::unique_ptr<ShmAllReduce> shm)
+      : shm_(std::move(shm)), thread_([this] { Loop(); }) {}
+  // Work nobody waited for is abandoned: a barrier in progress gives up, queued work fails.
+  ~ShmWorker() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    shm_->Abort();
+    cv_.notify_one();
+    thread_.join();
+  }
+
+  // Sums each tensor (fp32, contiguous, CPU) in place over the host's ranks.
+  std::future<absl::Status> Submit(std::vector<torch::Tensor> tensors) {
+    Job job{std::move(tensors), {}};
+    std::future<absl::Status> done = job.done.get_future();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      jobs_.push_back(std::move(job));
+    }
+    cv_.notify_one();
+    return done;
+  }
+
+ private:
+  struct Job {
+    std::vector<torch::Tensor> tensors;
+    std::promise<absl::Status> done;
+  };
+
+  void Loop() {
+    while (true) {
+      Job job;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
+        if (stopping_) {
+          for (Job& j : jobs_) j.done.set_value(absl::CancelledError("communicator destroyed"));
+          return;
+        }
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+      absl::Status status;
+      for (torch::Tensor& t : job.tensors) {
+        if (status.ok()) status = shm_->SumInPlace(t.data_ptr<float>(), t.numel());
+      }
+      job.done.set_value(status);
+    }
+  }
+
+  std::unique_ptr<ShmAllReduce> shm_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job> jobs_;
+  bool stopping_ = false;
+  std::thread thread_;  // last: starts once the rest is built
+};
+
+class GlooHandle : public CommHandle {
+ public:
+  GlooHandle(std::vector<c10::intrusive_ptr<c10d::Work>> works,
+             std::optional<std::future<absl::Status>> shm = std::nullopt)
+      : works_(std::move(works)), shm_(std::move(shm)) {}
+  void Wait() override {
+    for (auto& w : works_) w->wait();
+    works_.clear();
+    if (shm_.has_value()) {
+      const absl::Status s = shm_->get();
+      shm_.reset();
+      TORCH_CHECK(s.ok(), std::string(s.message()));
+    }
+  }
+
+ private:
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+  std::optional<std::future<absl::Status>> shm_;
+};
+
+class GlooCommunicator : public Communicator {
+ public:
+  GlooCommunicator(c10::intrusive_ptr<c10d::ProcessGroupGloo> pg, std::unique_ptr<ShmAllReduce> shm)
+      : pg_(std::move(pg)), shm_(shm ? std::make_unique<ShmWorker>(std::move(shm)) : nullptr) {}
+
+  int rank() const override { return pg_->getRank(); }
+  int world_size() const override { return pg_->getSize(); }
+  std::string Describe() const override {
+    return shm_ ? absl::StrCat("gloo; fp32 all-reduce through shared memory (", world_size(),
+                               " ranks on this host)")
+                : "gloo";
+  }
+
+  std::unique_ptr<CommHandle> AllReduceSum(std::vector<torch::Tensor> tensors) override {
+    // A Gloo allreduce of several tensors means one tensor per device; issue one per tensor.
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    std::vector<torch::Tensor> shared;
+    const int n = world_size();
+    for (auto& t : tensors) {
+      bytes_sent_ += 2 * (n - 1) * t.numel() * t.element_size() / n;  // as a ring sends it
+      if (shm_ && t.scalar_type() == torch::kFloat && t.is_contiguous() && t.device().is_cpu()) {
+        shared.push_back(t);
+        continue;
+      }
+      std::vector<at::Tensor> one{t};
+      works.push_back(pg_->allreduce(one));
+    }
+    std::optional<std::future<absl::Status>> done;
+    if (!shared.empty()) done = shm_->Submit(std::move(shared));
+    return std::make_unique<GlooHandle>(std::move(works), std::move(done));
+  }
+
+  void Broadcast(std::vector<torch::Tensor> tensors, int root) override {
+    c10d::BroadcastOptions options;
+    options.rootRank = root;
+    for (auto& t : tensors) {
+      std::vector<at::Tensor> one{t};
+      pg_->broadcast(one, options)->wait();
+    }
+  }
+
+  std::vector<torch::Tensor> AllGather(const torch::Tensor& in) override {
+    std::vector<std::vector<at::Tensor>> out(1);
+    for (int r = 0; r < world_size(); ++r) out[0].push_back(torch::empty_like(in));
+    std::vector<at::Tensor> input{in.contiguous()};
+    pg_->allgather(out, input)->wait();
+    bytes_sent_ += in.numel() * in.element_size() * (world_size() - 1);
+    return out[0];
+  }
+  void AllGatherInto(const torch::Tensor& in, std::vector<torch::Tensor> outs) override {
+    TORCH_CHECK(static_cast<int>(outs.size()) == world_size(), "AllGatherInto: one out per rank");
+    std::vector<std::vector<at::Tensor>> out{std::move(outs)};
+    std::vector<at::Tensor> input{in.contiguous()};
+    pg_->allgather(out, input)->wait();
+    bytes_sent_ += in.numel() * in.element_size() * (world_size() - 1);
+  }
+  void Barrier() override { pg_->barrier()->wait(); }
+
+  std::unique_ptr<CommHandle> Send(const torch::Tensor& t, int to, int tag) override {
+    std::vector<at::Tensor> out{t};
+    bytes_sent_ += t.numel() * t.element_size();
+    std::vector<c10::intrusive_ptr<c10d::Work>> works{pg_->send(out, to, tag)};
+    return std::make_unique<GlooHandle>(std::move(works));
+  }
+  void Recv(torch::Tensor& t, int from, int tag) override {
+    std::vector<at::Tensor> in{t};
+    pg_->recv(in, from, tag)->wait();
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
+  std::unique_ptr<ShmWorker> shm_;
+};
+
+}  // namespace
+
+std::unique_ptr<CommHandle> Communicator::AllReduceAverage(std::vector<torch::Tensor> tensors) {
+  if (world_size() > 1) {
+    for (auto& t : tensors) t.div_(world_size());
+  }
+  return AllReduceSum(std::move(tensors));
+}
+
+torch::Tensor Communicator::ReduceScatterSum(torch::Tensor& flat,
+                                             const std::vector<int64_t>& counts) {
+  const int n = world_size(), r = rank();
+  TORCH_CHECK(static_cast<int>(counts.size()) == n, "ReduceScatterSum: one count per rank");
+  std::vector<int64_t> begin(n + 1, 0);
+  for (int i = 0; i < n; ++i) begin[i + 1] = begin[i] + counts[i];
+  TORCH_CHECK(flat.dim() == 1 && flat.numel() == begin[n] && flat.is_contiguous(),
+              "ReduceScatterSum: flat must be 1-D, contiguous, of sum(counts) elements");
+  auto chunk = [&](int i) {
+    i = ((i % n) + n) % n;
+    return flat.narrow(0, begin[i], counts[i]);
+  };
+  // Step s: send the partial sum of chunk r-s-1 to the right, receive chunk r-s-2 from the left
+  // and add it in. After n-1 steps chunk r holds the sum over all ranks.
+  const int tag = next_tag_;
+  next_tag_ += n;
+  for (int s = 0; s < n - 1; ++s) {
+    const int send_i = r - s - 1, recv_i = r - s - 2;
+    torch::Tensor incoming = torch::empty_like(chunk(recv_i));
+    // Send (which counts its bytes) to the right while receiving from the left; empty chunks
+    // (counts of 0) are neither sent nor received.
+    std::unique_ptr<CommHandle> sent;
+    if (chunk(send_i).numel() > 0) sent = Send(chunk(send_i), (r + 1) % n, tag + s);
+    if (incoming.numel() > 0) Recv(incoming, (r + n - 1) % n, tag + s);
+    if (sent) sent->Wait();
+    chunk(recv_i).add_(incoming);
+  }
+  return chunk(r);
+}
+
+std::unique_ptr<Communicator> MakeLocalCommunicator() {
+  return std::make_unique<LocalCommunicator>();
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(
+    c10::intrusive_ptr<c10d::Store> store, int rank, int world_size, const std::string& hostname,
+    std::chrono::milliseconds timeout, bool same_host) {
+  try {
+    store->setTimeout(timeout);
+    auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
+    options->threads = 2;
+    auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world_size, options);
+    std::unique_ptr<ShmAllReduce> shm;
+    if (same_host) {
+      ShmAllReduce::Rendezvous rendezvous;
+      rendezvous.set = [&store](const std::string& key, const std::string& value) {
+        store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+      };
+      rendezvous.get = [&store](const std::string& key) {
+        const std::vector<uint8_t> value = store->get(key);
+        return std::string(value.begin(), value.end());
+      };
+      auto made = ShmAllReduce::Create(rendezvous, rank, world_size,
+                                       absl::FromChrono(std::chrono::milliseconds(timeout)));
+      if (made.ok()) {
+        shm = *std::move(made);
+      } else {
+        std::cout << made.status().message() << "; all-reduce through Gloo" << std::endl;
+      }
+    }
+    return std::make_unique<GlooCommunicator>(std::move(pg), std::move(shm));
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("cannot build the Gloo group (rank ", rank, " of ",
+                                               world_size, ", ", hostname, "): ", e.what()));
+  }
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> MakeSubgroupCommunicator(
+    c10::intrusive_ptr<c10d::Store> store, const std::string& name, int group_rank, int group_size,
+    const std::string& hostname, std::chrono::milliseconds timeout) {
+  if (group_size == 1) return MakeLocalCommunicator();
+  return MakeGlooCommunicator(c10::make_intrusive<c10d::PrefixStore>(name, std::move(store)),
+                              group_rank, group_size, hostname, timeout, /*same_host=*/false);
+}
+
+}  // namespace trainyard::trainer

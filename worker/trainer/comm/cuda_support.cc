@@ -1,0 +1,161 @@
+// The CUDA flavour of cuda_support.h: device queries and the NCCL communicator.
+#include "worker/trainer/comm/cuda_support.h"
+
+#ifndef USE_C10D_NCCL
+#define USE_C10D_NCCL 1
+#endif
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <torch/csrc/cuda/nccl.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace trainyard::trainer {
+namespace {
+
+class NcclHandle : public CommHandle {
+ public:
+  explicit NcclHandle(std::vector<c10::intrusive_ptr<c10d::Work>> works)
+      : works_(std::move(works)) {}
+  // Orders the current stream after the collectives (ProcessGroupNCCL's Work::wait: no host
+  // wait unless TORCH_NCCL_BLOCKING_WAIT).
+  void Wait() override {
+    for (auto& w : works_) w->wait();
+    works_.clear();
+  }
+
+ private:
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+};
+
+class NcclCommunicator : public Communicator {
+ public:
+  explicit NcclCommunicator(c10::intrusive_ptr<c10d::ProcessGroupNCCL> pg)
+      : pg_(std::move(pg)), device_(torch::kCUDA, c10::cuda::current_device()) {}
+
+  int rank() const override { return pg_->getRank(); }
+  int world_size() const override { return pg_->getSize(); }
+  std::string Describe() const override {
+    const uint64_t v = torch::cuda::nccl::version();  // major << 32 | minor << 16 | patch
+    return absl::StrFormat("nccl %d.%d.%d on %s", v >> 32, (v >> 16) & 0xffff, v & 0xffff,
+                           device_.str());
+  }
+
+  std::unique_ptr<CommHandle> AllReduceSum(std::vector<torch::Tensor> tensors) override {
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    const int n = world_size();
+    for (auto& t : tensors) {
+      bytes_sent_ += 2 * (n - 1) * t.numel() * t.element_size() / n;  // as a ring sends it
+      if (!t.is_cuda()) {
+        // Small host tensors (flags, sizes): through the device, blocking.
+        torch::Tensor d = t.to(device_);
+        std::vector<at::Tensor> one{d};
+        pg_->allreduce(one)->wait();
+        t.copy_(d.cpu());
+        continue;
+      }
+      std::vector<at::Tensor> one{t};
+      works.push_back(pg_->allreduce(one));
+    }
+    return std::make_unique<NcclHandle>(std::move(works));
+  }
+
+  void Broadcast(std::vector<torch::Tensor> tensors, int root) override {
+    c10d::BroadcastOptions options;
+    options.rootRank = root;
+    for (auto& t : tensors) {
+      torch::Tensor d = t.is_cuda() ? t : t.to(device_);
+      std::vector<at::Tensor> one{d};
+      pg_->broadcast(one, options)->wait();
+      if (!t.is_cuda()) t.copy_(d.cpu());
+    }
+  }
+
+  std::vector<torch::Tensor> AllGather(const torch::Tensor& in) override {
+    const torch::Tensor d = in.to(device_).contiguous();
+    std::vector<std::vector<at::Tensor>> out(1);
+    for (int r = 0; r < world_size(); ++r) out[0].push_back(torch::empty_like(d));
+    std::vector<at::Tensor> input{d};
+    pg_->allgather(out, input)->wait();
+    bytes_sent_ += in.numel() * in.element_size() * (world_size() - 1);
+    if (!in.is_cuda()) {
+      for (auto& t : out[0]) t = t.cpu();
+    }
+    return out[0];
+  }
+
+  void AllGatherInto(const torch::Tensor& in, std::vector<torch::Tensor> outs) override {
+    TORCH_CHECK(static_cast<int>(outs.size()) == world_size(), "AllGatherInto: one out per rank");
+    std::vector<torch::Tensor> results = AllGather(in);
+    for (size_t r = 0; r < outs.size(); ++r) outs[r].copy_(results[r]);
+  }
+
+  void Barrier() override { pg_->barrier()->wait(); }
+
+  std::unique_ptr<CommHandle> Send(const torch::Tensor& t, int to, int tag) override {
+    TORCH_CHECK(t.is_cuda(), "NCCL Send: the tensor must be on the GPU");
+    std::vector<at::Tensor> out{t};
+    bytes_sent_ += t.numel() * t.element_size();
+    std::vector<c10::intrusive_ptr<c10d::Work>> works{pg_->send(out, to, tag)};
+    return std::make_unique<NcclHandle>(std::move(works));
+  }
+
+  void Recv(torch::Tensor& t, int from, int tag) override {
+    TORCH_CHECK(t.is_cuda(), "NCCL Recv: the tensor must be on the GPU");
+    std::vector<at::Tensor> in{t};
+    pg_->recv(in, from, tag)->wait();
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroupNCCL> pg_;
+  torch::Device device_;
+};
+
+}  // namespace
+
+bool CudaBuild() { return true; }
+
+std::string CudaDeviceSummary(int index) {
+  const cudaDeviceProp* p = at::cuda::getDeviceProperties(index);
+  return absl::StrFormat("%s, %.1f GiB, compute %d.%d", p->name,
+                         static_cast<double>(p->totalGlobalMem) / (1 << 30), p->major, p->minor);
+}
+
+void CudaSynchronize() { torch::cuda::synchronize(); }
+
+int64_t CudaPeakAllocatedBytes() {
+  if (!torch::cuda::is_available()) return 0;
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(c10::cuda::current_device());
+  return stats.allocated_bytes[0].peak;  // StatType::AGGREGATE
+}
+
+void CudaResetPeak() {
+  if (torch::cuda::is_available()) {
+    c10::cuda::CUDACachingAllocator::resetPeakStats(c10::cuda::current_device());
+  }
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> MakeNcclCommunicator(
+    c10::intrusive_ptr<c10d::Store> store, int rank, int world_size,
+    std::chrono::milliseconds timeout) {
+  try {
+    auto options = c10d::ProcessGroupNCCL::Options::create();
+    options->timeout = timeout;
+    auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(
+        c10::make_intrusive<c10d::PrefixStore>("nccl", store), rank, world_size, options);
+    auto comm = std::make_unique<NcclCommunicator>(std::move(pg));
+    // The communicator is made at the first collective: make it now, so that a rank that cannot
+    // join fails here, naming NCCL, and not in the middle of the first backward.
+    comm->Barrier();
+    return comm;
+  } catch (const c10::Error& e) {
+    return absl::UnavailableError(
+        absl::StrCat("NCCL: cannot join the process group: ", e.what_without_backtrace()));
+  }
+}
+
+}  // namespace trainyard::trainer

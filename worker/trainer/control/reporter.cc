@@ -1,0 +1,165 @@
+// Reporter (see reporter.h).
+#include "worker/trainer/control/reporter.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <deque>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/credentials.h"
+#include "common/tls.h"
+#include "trainyard/v1/trainer.grpc.pb.h"
+
+namespace trainyard::trainer {
+
+class Reporter::Impl {
+ public:
+  Impl(const std::string& coordinator, std::string job_id, int attempt, int rank,
+       void (*log)(const std::string&))
+      : stub_(v1::TrainerService::NewStub(
+            grpc::CreateChannel(coordinator, ChannelCredentialsFromEnv()))),
+        bearer_(BearerFromEnv(kJobCredentialEnv)),
+        job_id_(std::move(job_id)),
+        attempt_(attempt),
+        rank_(rank),
+        log_(log),
+        thread_([this] { Loop(); }) {}
+
+  ~Impl() {
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+      while (queue_.size() > 1) queue_.pop_front();
+    }
+    thread_.join();
+  }
+
+  void ReportStep(const StepReport& s) {
+    v1::StepReport r;
+    r.set_job_id(job_id_);
+    r.set_attempt(attempt_);
+    r.set_rank(rank_);
+    r.set_step(s.step);
+    r.set_total_steps(s.total_steps);
+    r.set_loss(s.loss);
+    r.set_lr(s.lr);
+    r.set_tokens_per_second(s.tokens_per_second);
+    r.set_step_seconds(s.step_seconds);
+    r.set_grad_norm(s.grad_norm);
+    r.set_resident_bytes(s.resident_bytes);
+    r.set_model_state_peak_bytes(s.model_state_peak_bytes);
+    r.set_comm_bytes(s.comm_bytes);
+    r.set_time_ms(s.time_ms);
+    for (double idle : s.pipeline_stage_idle) r.add_pipeline_stage_idle(idle);
+    r.set_pipeline_bubble_theory(s.pipeline_bubble_theory);
+    absl::MutexLock lock(&mu_);
+    if (queue_.size() > 100) queue_.pop_front();  // never grow without bound
+    queue_.push_back(std::move(r));
+  }
+
+  void ReportCheckpoint(const CheckpointReport& c) {
+    {
+      absl::MutexLock lock(&mu_);
+      checkpointed_step_ = c.step;
+      pending_.checkpoint_requested = false;
+    }
+    v1::CheckpointReport r;
+    r.set_job_id(job_id_);
+    r.set_attempt(attempt_);
+    r.set_step(c.step);
+    r.set_path(c.path);
+    r.set_bytes(c.bytes);
+    grpc::ClientContext ctx;
+    Authorize(ctx);
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::TrainerCommands commands;
+    Handle(stub_->ReportCheckpoint(&ctx, r, &commands), commands, "ReportCheckpoint", c.step + 1);
+  }
+
+  TrainerCommands TakeCommands() {
+    absl::MutexLock lock(&mu_);
+    TrainerCommands out = pending_;
+    pending_ = TrainerCommands();
+    return out;
+  }
+
+ private:
+  // The attempt's job credential, which the worker put in the environment.
+  void Authorize(grpc::ClientContext& ctx) const {
+    if (!bearer_.empty()) ctx.AddMetadata(kAuthorizationMetadata, bearer_);
+  }
+
+  void Loop() {
+    while (true) {
+      v1::StepReport report;
+      {
+        absl::MutexLock lock(&mu_);
+        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return stopping_ || !queue_.empty();
+        };
+        mu_.Await(absl::Condition(&ready));
+        if (queue_.empty()) return;
+        report = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      grpc::ClientContext ctx;
+      Authorize(ctx);
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+      v1::TrainerCommands commands;
+      Handle(stub_->ReportStep(&ctx, report, &commands), commands, "ReportStep", report.step());
+    }
+  }
+
+  // `step`: the last step the coordinator knew of when it replied.
+  void Handle(const grpc::Status& s, const v1::TrainerCommands& commands, const char* call,
+              int64_t step) {
+    absl::MutexLock lock(&mu_);
+    if (s.ok()) {
+      if (commands.checkpoint_requested() && step > checkpointed_step_) {
+        pending_.checkpoint_requested = true;
+      }
+      if (commands.stop_requested()) pending_.stop_requested = true;
+      return;
+    }
+    if (s.error_code() == grpc::StatusCode::FAILED_PRECONDITION) {
+      // Not the job's running attempt any more: stop gracefully.
+      pending_.stop_requested = true;
+    }
+    if (!warned_) {
+      warned_ = true;
+      log_(absl::StrCat("warning: ", call, " to the coordinator failed (", s.error_code(), ": ",
+                        s.error_message(), "); training goes on, further failures are not logged"));
+    }
+  }
+
+  std::unique_ptr<v1::TrainerService::Stub> stub_;
+  const std::string bearer_;
+  const std::string job_id_;
+  const int attempt_;
+  const int rank_;
+  void (*const log_)(const std::string&);
+  absl::Mutex mu_;
+  std::deque<v1::StepReport> queue_ ABSL_GUARDED_BY(mu_);
+  TrainerCommands pending_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool warned_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t checkpointed_step_ ABSL_GUARDED_BY(mu_) = -1;  // last checkpoint reported
+  std::thread thread_;                                   // last: starts once the rest is built
+};
+
+Reporter::Reporter(const std::string& coordinator, std::string job_id, int attempt, int rank,
+                   void (*log)(const std::string& line))
+    : impl_(std::make_unique<Impl>(coordinator, std::move(job_id), attempt, rank, log)) {}
+
+Reporter::~Reporter() = default;
+
+void Reporter::ReportStep(const StepReport& report) { impl_->ReportStep(report); }
+
+void Reporter::ReportCheckpoint(const CheckpointReport& report) { impl_->ReportCheckpoint(report); }
+
+TrainerCommands Reporter::TakeCommands() { return impl_->TakeCommands(); }
+
+}  // namespace trainyard::trainer

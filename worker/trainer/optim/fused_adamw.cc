@@ -1,0 +1,106 @@
+// FusedAdamWStep (see fused_adamw.h).
+#include "worker/trainer/optim/fused_adamw.h"
+#include "worker/trainer/runtime/torch_compat.h"
+
+#include <ATen/Parallel.h>
+
+#include "kernels/adam/cpu_adam.h"
+
+namespace trainyard::trainer {
+
+namespace {
+
+// The parameter's AdamW state, made as torch::optim::AdamW makes it (zero moments, step 0) the
+// first time, with its step count advanced for the update about to be applied.
+torch::optim::AdamWParamState& AdvanceState(torch::optim::AdamW& optimizer,
+                                            const torch::Tensor& p) {
+  auto& slot = optimizer.state()[OptimizerStateKey(p)];
+  if (slot == nullptr) {
+    auto st = std::make_unique<torch::optim::AdamWParamState>();
+    st->step(0);
+    st->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+    st->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Preserve));
+    slot = std::move(st);
+  }
+  auto& st = static_cast<torch::optim::AdamWParamState&>(*slot);
+  st.step(st.step() + 1);
+  return st;
+}
+
+// A CPU parameter: the parameter server's vectorized kernel, over LibTorch's intra-op threads.
+void CpuStep(const torch::optim::AdamWOptions& options, torch::Tensor& p,
+             torch::optim::AdamWParamState& st, double lr, double grad_scale) {
+  TORCH_CHECK(p.scalar_type() == torch::kFloat && p.is_contiguous(),
+              "FusedAdamWStep: parameters must be contiguous fp32");
+  const torch::Tensor grad = p.grad().contiguous();
+  adam::AdamWConfig c;
+  c.lr = static_cast<float>(lr);
+  c.beta1 = static_cast<float>(std::get<0>(options.betas()));
+  c.beta2 = static_cast<float>(std::get<1>(options.betas()));
+  c.eps = static_cast<float>(options.eps());
+  c.weight_decay = static_cast<float>(options.weight_decay());
+  c.step = st.step();
+  c.grad_scale = static_cast<float>(grad_scale);
+  float* param = p.data_ptr<float>();
+  float* m = st.exp_avg().data_ptr<float>();
+  float* v = st.exp_avg_sq().data_ptr<float>();
+  const float* g = grad.data_ptr<float>();
+  at::parallel_for(0, p.numel(), adam::kParallelChunk, [&](int64_t begin, int64_t end) {
+    adam::AdamWStep(c, param + begin, m + begin, v + begin, g + begin, nullptr, end - begin);
+  });
+}
+
+#if TRAINYARD_TORCH2
+// CUDA parameters: LibTorch's fused AdamW kernel (torch.optim.AdamW(fused=True)), one launch for
+// every tensor, the clipping scale passed as its grad_scale (which divides).
+void CudaStep(torch::optim::AdamW& optimizer, const torch::optim::AdamWOptions& options,
+              const std::vector<torch::Tensor>& params, double lr, double grad_scale) {
+  if (params.empty()) return;
+  std::vector<torch::Tensor> grads, m, v;
+  int64_t step = 0;
+  for (const auto& p : params) {
+    auto& st = AdvanceState(optimizer, p);
+    TORCH_CHECK(grads.empty() || st.step() == step,
+                "FusedAdamWStep: parameters at different step counts on the GPU");
+    step = st.step();
+    grads.push_back(p.grad());
+    m.push_back(st.exp_avg());
+    v.push_back(st.exp_avg_sq());
+  }
+  const auto opts = params[0].options().dtype(torch::kFloat);
+  // Every parameter is at the same step: one tensor read by the kernel for all of them.
+  const torch::Tensor steps = torch::full({}, static_cast<double>(step), opts);
+  const std::vector<torch::Tensor> state_steps(params.size(), steps);
+  std::optional<torch::Tensor> inv_scale;
+  if (grad_scale != 1.0) inv_scale = torch::full({}, 1.0 / grad_scale, opts);
+  at::_fused_adamw_(params, grads, m, v, /*max_exp_avg_sqs=*/{}, state_steps, lr,
+                    std::get<0>(options.betas()), std::get<1>(options.betas()),
+                    options.weight_decay(), options.eps(), /*amsgrad=*/false, /*maximize=*/false,
+                    inv_scale, std::nullopt);
+}
+#endif
+
+}  // namespace
+
+void FusedAdamWStep(torch::optim::AdamW& optimizer, double lr, double grad_scale) {
+  torch::NoGradGuard no_grad;
+  for (auto& group : optimizer.param_groups()) {
+    const auto& options = static_cast<const torch::optim::AdamWOptions&>(group.options());
+    std::vector<torch::Tensor> on_gpu;
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      if (p.is_cuda()) {
+        on_gpu.push_back(p);
+      } else {
+        CpuStep(options, p, AdvanceState(optimizer, p), lr, grad_scale);
+      }
+    }
+#if TRAINYARD_TORCH2
+    CudaStep(optimizer, options, on_gpu, lr, grad_scale);
+#else
+    TORCH_CHECK(on_gpu.empty(), "FusedAdamWStep: this LibTorch has no CUDA");
+#endif
+  }
+}
+
+}  // namespace trainyard::trainer

@@ -1,0 +1,27 @@
+// AdamW steps for the trainer with the parameter server's fused, vectorized kernel
+// (kernels/adam/cpu_adam.h: Google Highway, runtime dispatch). torch::optim::AdamW::step makes
+// about eight passes over every tensor (and allocates a temporary for the denominator); this makes
+// one, with the gradient-clipping scale folded in. The arithmetic is PyTorch's torch.optim.AdamW
+// (the Python one, whose lerp LibTorch's C++ AdamW writes as a multiply and an add: the two agree
+// to fp32 rounding), and the moments and step count stay in the torch::optim::AdamW's state, so
+// checkpoints are unchanged and can be read either way. Parameters on a GPU go to LibTorch's own
+// fused CUDA AdamW (torch.optim.AdamW(fused=True)), one launch for all of them.
+#ifndef TRAINYARD_WORKER_TRAINER_OPTIM_FUSED_ADAMW_H_
+#define TRAINYARD_WORKER_TRAINER_OPTIM_FUSED_ADAMW_H_
+
+namespace torch::optim {
+class AdamW;
+}
+
+namespace trainyard::trainer {
+
+// One AdamW update of every parameter of `optimizer` that has a gradient (fp32; CPU or CUDA), with
+// learning rate `lr` and the gradients multiplied by `grad_scale` first; the optimizer's betas,
+// eps and weight decay. Creates the state of parameters seen for the first time as
+// torch::optim::AdamW does (zero moments, step 0). Splits large tensors over LibTorch's intra-op
+// threads. Leaves the gradients as they are.
+void FusedAdamWStep(torch::optim::AdamW& optimizer, double lr, double grad_scale);
+
+}  // namespace trainyard::trainer
+
+#endif  // TRAINYARD_WORKER_TRAINER_OPTIM_FUSED_ADAMW_H_
