@@ -5,6 +5,7 @@
 
 #include <grpc/support/log.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <deque>
@@ -12,6 +13,7 @@
 #include <fstream>
 #include <iostream>
 #include <limits>
+#include <map>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -131,6 +133,22 @@ void PrintJob(const v1::Job& job) {
                         : absl::FormatDuration(absl::Seconds(s.preemption_grace_seconds())),
                     ", preempted ", job.preemptions(), " times)")},
   };
+  if (IsCommandJob(s)) {
+    // The user's own program: its command line, folder and the names its env sets (values may be
+    // secrets the program needs; they stay in the spec).
+    f.erase(std::remove_if(f.begin(), f.end(),
+                           [](const auto& field) {
+                             return field.first == "model" || field.first == "data" ||
+                                    field.first == "train" || field.first == "parallel";
+                           }),
+            f.end());
+    std::vector<std::string> names;
+    for (const auto& [name, value] : s.env()) names.push_back(name);
+    std::sort(names.begin(), names.end());
+    f.push_back({"command", absl::StrJoin(s.command(), " ")});
+    f.push_back({"workdir", s.workdir().empty() ? "- (a fresh folder per attempt)" : s.workdir()});
+    f.push_back({"env", names.empty() ? "-" : absl::StrJoin(names, " ")});
+  }
   if (!job.why_waiting().empty()) f.push_back({"waiting", job.why_waiting()});
   if (job.backfilled()) f.push_back({"backfilled", "yes"});
   std::cout << FormatFields(f);
@@ -539,6 +557,10 @@ int Metrics(const Globals& g, const std::string& id, bool follow) {
                         {"model_state_peak_bytes", r.model_state_peak_bytes()},
                         {"comm_bytes", r.comm_bytes()},
                         {"time_ms", r.time_ms()}});
+      if (r.metrics_size() > 0) {  // a program's own, reported through the Python SDK
+        series.back()["metrics"] =
+            std::map<std::string, double>(r.metrics().begin(), r.metrics().end());
+      }
       if (r.pipeline_stage_idle_size() > 0) {
         series.back()["pipeline_stage_idle"] =
             std::vector<double>(r.pipeline_stage_idle().begin(), r.pipeline_stage_idle().end());
@@ -1029,7 +1051,12 @@ int main(int argc, char** argv) {
   std::vector<std::string> states;
   int limit = 0;
 
-  auto* submit = app.add_subcommand("submit", "submit a job from a YAML spec; prints its id");
+  auto* submit = app.add_subcommand(
+      "submit",
+      "submit a job from a YAML spec; prints its id. The spec trains a built-in model (model:, "
+      "data:, train:, parallel:) or runs your own program on each rank (command: [python3, "
+      "train.py], workdir: /abs/path, env: {NAME: value}) with torchrun's environment (RANK, "
+      "WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...)");
   submit->add_option("spec", spec_path, "job spec (YAML)")->required();
   submit->callback([&] { rc = Submit(g, spec_path); });
 

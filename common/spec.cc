@@ -164,11 +164,31 @@ class SpecParser {
 };
 
 absl::Status ParseDocument(const YAML::Node& root, SpecParser& p, JobSpec& spec) {
-  RETURN_IF_ERROR(
-      p.Mapping(root, "",
-                {"name", "priority", "resources", "model", "data", "train", "parallel",
-                 "checkpoint", "max_restarts", "max_runtime", "preemptible", "preemption_grace"}));
+  RETURN_IF_ERROR(p.Mapping(root, "",
+                            {"name", "priority", "resources", "model", "data", "train", "parallel",
+                             "checkpoint", "max_restarts", "max_runtime", "preemptible",
+                             "preemption_grace", "command", "workdir", "env"}));
   RETURN_IF_ERROR(p.String(root, "name", "", *spec.mutable_name()));
+  if (const YAML::Node n = root["command"]) {
+    if (!n.IsSequence() || n.size() == 0) {
+      return p.Error(n, "command: expected a non-empty list, e.g. [python3, train.py]");
+    }
+    for (const auto& item : n) {
+      std::string arg;
+      RETURN_IF_ERROR(p.Scalar(item, "command", arg));
+      spec.add_command(arg);
+    }
+  }
+  RETURN_IF_ERROR(p.String(root, "workdir", "", *spec.mutable_workdir()));
+  if (const YAML::Node n = root["env"]) {
+    if (!n.IsMap()) return p.Error(n, "env: expected a mapping of NAME: value");
+    for (const auto& kv : n) {
+      std::string name, value;
+      RETURN_IF_ERROR(p.Scalar(kv.first, "env", name));
+      RETURN_IF_ERROR(p.Scalar(kv.second, absl::StrCat("env.", name), value));
+      (*spec.mutable_env())[name] = value;
+    }
+  }
   int32_t priority = 0;
   RETURN_IF_ERROR(p.Integer(root, "priority", "", priority));
   if (root["priority"]) {
@@ -559,6 +579,7 @@ absl::StatusOr<ParsedSpec> LoadValidJobSpecFile(const std::string& path) {
 
 void ApplyJobSpecDefaults(JobSpec& spec) {
   if (spec.priority() == 0) spec.set_priority(50);
+  if (IsCommandJob(spec)) return;  // the program's own settings are its business
   auto& m = *spec.mutable_model();
   if (m.kind().empty()) m.set_kind("gpt");
   if (m.kind() == "mlp" && m.d_hidden() == 0) m.set_d_hidden(4 * m.d_model());
@@ -724,6 +745,77 @@ absl::Status ValidateTensorParallel(const JobSpec& spec) {
 
 }  // namespace
 
+namespace {
+
+// Environment names that trainyard sets for every rank of a command job: a spec's env may not
+// set them (the job could not trust its own rank or credential otherwise).
+bool ReservedEnvName(const std::string& name) {
+  static const std::set<std::string> kReserved = {"RANK",
+                                                  "LOCAL_RANK",
+                                                  "WORLD_SIZE",
+                                                  "LOCAL_WORLD_SIZE",
+                                                  "GROUP_RANK",
+                                                  "MASTER_ADDR",
+                                                  "MASTER_PORT",
+                                                  "TORCHELASTIC_RESTART_COUNT",
+                                                  "TORCHELASTIC_RUN_ID",
+                                                  "CUDA_VISIBLE_DEVICES",
+                                                  "HOME",
+                                                  "USER",
+                                                  "LOGNAME"};
+  return kReserved.count(name) > 0 || absl::StartsWith(name, "TRAINYARD_");
+}
+
+absl::Status ValidateCommandJob(const JobSpec& spec) {
+  if (spec.has_model() || spec.has_data() || spec.has_train() || spec.has_parallel()) {
+    const char* given = spec.has_model()   ? "model"
+                        : spec.has_data()  ? "data"
+                        : spec.has_train() ? "train"
+                                           : "parallel";
+    return FieldError(given, absl::StrCat("a command job runs its own program: give command or ",
+                                          given, ", not both"));
+  }
+  if (spec.command(0).empty()) return FieldError("command[0]", "the program is empty");
+  for (int i = 0; i < spec.command_size(); ++i) {
+    if (spec.command(i).find('\0') != std::string::npos) {
+      return FieldError(absl::StrCat("command[", i, "]"), "contains a NUL byte");
+    }
+  }
+  if (!spec.workdir().empty() && spec.workdir()[0] != '/') {
+    return FieldError("workdir", absl::StrCat("must be an absolute path (the ranks run elsewhere), "
+                                              "got '",
+                                              spec.workdir(), "'"));
+  }
+  for (const auto& [name, value] : spec.env()) {
+    bool valid = !name.empty() && !absl::ascii_isdigit(static_cast<unsigned char>(name[0]));
+    for (char c : name) {
+      valid = valid && (absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '_');
+    }
+    if (!valid) {
+      return FieldError("env", absl::StrCat("'", name,
+                                            "' is not a variable name (letters, digits and _, "
+                                            "not starting with a digit)"));
+    }
+    if (ReservedEnvName(name)) {
+      return FieldError(absl::StrCat("env.", name),
+                        "is set by trainyard for every rank (torchrun's and TRAINYARD_* names)");
+    }
+    if (value.find('\0') != std::string::npos) {
+      return FieldError(absl::StrCat("env.", name), "contains a NUL byte");
+    }
+  }
+  if (spec.checkpoint().export_format() != v1::EXPORT_FORMAT_UNSPECIFIED) {
+    return FieldError("checkpoint.export", "only the built-in trainer exports models");
+  }
+  RETURN_IF_ERROR(CheckRange("max_restarts", spec.max_restarts(), 0, 100));
+  RETURN_IF_ERROR(CheckRange("max_runtime", spec.max_runtime_seconds(), 0, int64_t{1} << 40));
+  return CheckRange("preemption_grace", spec.preemption_grace_seconds(), 0, int64_t{1} << 40);
+}
+
+}  // namespace
+
+bool IsCommandJob(const JobSpec& spec) { return spec.command_size() > 0; }
+
 absl::Status ValidateJobSpec(const JobSpec& spec) {
   RETURN_IF_ERROR(CheckFieldSizes(spec, JobSpecFieldLimits(), ""));
   if (spec.name().empty()) return FieldError("name", "required");
@@ -739,6 +831,9 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   }
   RETURN_IF_ERROR(CheckRange("priority", spec.priority(), 1, 100));
   RETURN_IF_ERROR(CheckRequired("resources.gpus", spec.resources().gpus(), 1, 4096));
+  if (IsCommandJob(spec)) return ValidateCommandJob(spec);
+  if (!spec.workdir().empty()) return FieldError("workdir", "only a command job has a workdir");
+  if (!spec.env().empty()) return FieldError("env", "only a command job has env");
 
   const auto& m = spec.model();
   if (m.kind() != "gpt" && m.kind() != "mlp" && m.kind() != "llama") {

@@ -44,8 +44,13 @@ inline constexpr size_t kMaxSpecYamlBytes = 1 << 20;
 inline FieldLimits JobSpecFieldLimits() { return FieldLimits{4096, 1024, 64 * 1024}; }
 
 // Checks every field of a spec (after defaults). INVALID_ARGUMENT whose message starts with the
-// dotted field path, e.g. "model.n_head: must divide model.d_model (256), got 3".
+// dotted field path, e.g. "model.n_head: must divide model.d_model (256), got 3". A command job
+// (IsCommandJob) gives no model, data, train or parallel; its workdir is absolute and its env
+// sets no name trainyard sets for its ranks.
 absl::Status ValidateJobSpec(const v1::JobSpec& spec);
+
+// Whether the spec runs the user's own program (`command`) rather than the built-in trainer.
+bool IsCommandJob(const v1::JobSpec& spec);
 
 // The ranks of a job that must share a node (the scheduler places whole blocks of them): a
 // tensor-parallel group; under fsdp HYBRID_SHARD with pipeline stages or tensor parallelism, a

@@ -49,3 +49,19 @@ if ! cmp -s tests/hf-requirements.txt "$venv/requirements.txt" 2>/dev/null; then
     $(sed -n 's/^# no-deps: //p' tests/hf-requirements.txt)
   cp tests/hf-requirements.txt "$venv/requirements.txt"
 fi
+
+# The Python SDK (python/): its stubs generated from proto/ at every run (cheap), installed
+# editable into build/sdk-venv with grpcio and pytest from PyPI (over Debian's python3-torch, for
+# the examples); the venv is made again only when python/requirements.txt changes.
+sdk=build/sdk-venv
+if ! cmp -s python/requirements.txt "$sdk/requirements.txt" 2>/dev/null; then
+  echo "setup: creating $sdk (grpcio, protobuf and pytest from PyPI)"
+  rm -rf "$sdk"
+  /usr/bin/python3 -m venv --system-site-packages "$sdk"
+  "$sdk/bin/pip" install -q --disable-pip-version-check -r python/requirements.txt
+  cp python/requirements.txt "$sdk/requirements.txt"
+fi
+"$sdk/bin/python" python/build_stubs.py >/dev/null
+if ! "$sdk/bin/python" -c 'import trainyard' 2>/dev/null; then
+  "$sdk/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation -e python
+fi

@@ -10,6 +10,7 @@
 namespace trainyard {
 namespace {
 
+using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
@@ -262,6 +263,58 @@ TEST(SpecTest, PreemptibleAndItsGraceAreReadAndChecked) {
   EXPECT_THAT(std::string(not_bool.status().message()), HasSubstr("preemptible"));
   EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.set_preemption_grace_seconds(-1); }),
               StartsWith("preemption_grace:"));
+}
+
+TEST(SpecTest, CommandJobsAreReadAndChecked) {
+  auto parsed = ParseJobSpecYaml(
+      "name: my-ddp\nresources: {gpus: 2}\ncommand: [python3, train.py, --epochs, \"3\"]\n"
+      "workdir: /shared/alice/project\nenv: {HF_HOME: /shared/alice/hf}\nmax_restarts: 2\n",
+      "s.yaml");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  v1::JobSpec spec = parsed->spec;
+  ApplyJobSpecDefaults(spec);
+  EXPECT_TRUE(IsCommandJob(spec));
+  EXPECT_THAT(spec.command(), ElementsAre("python3", "train.py", "--epochs", "3"));
+  EXPECT_EQ(spec.workdir(), "/shared/alice/project");
+  EXPECT_EQ(spec.env().at("HF_HOME"), "/shared/alice/hf");
+  EXPECT_FALSE(spec.has_model()) << "no built-in trainer defaults for a command job";
+  EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  EXPECT_FALSE(IsCommandJob(ValidSpec()));
+
+  auto error = [&](auto mutate) {
+    v1::JobSpec s = spec;
+    mutate(s);
+    absl::Status status = ValidateJobSpec(s);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    return std::string(status.message());
+  };
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_model()->set_kind("gpt"); }),
+              StartsWith("model: a command job runs its own program: give command or model"));
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_train()->set_steps(5); }), StartsWith("train:"));
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.set_command(0, ""); }), StartsWith("command[0]:"));
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.set_workdir("project"); }),
+              StartsWith("workdir: must be an absolute path"));
+  EXPECT_THAT(error([](v1::JobSpec& s) { (*s.mutable_env())["RANK"] = "3"; }),
+              StartsWith("env.RANK: is set by trainyard"));
+  EXPECT_THAT(error([](v1::JobSpec& s) { (*s.mutable_env())["TRAINYARD_JOB_CREDENTIAL"] = "x"; }),
+              StartsWith("env.TRAINYARD_JOB_CREDENTIAL:"));
+  EXPECT_THAT(error([](v1::JobSpec& s) { (*s.mutable_env())["1BAD"] = "x"; }),
+              StartsWith("env: '1BAD' is not a variable name"));
+  EXPECT_THAT(error([](v1::JobSpec& s) { (*s.mutable_env())["A-B"] = "x"; }),
+              StartsWith("env: 'A-B'"));
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.set_max_restarts(101); }), StartsWith("max_restarts:"));
+  // A built-in job has neither.
+  v1::JobSpec builtin = ValidSpec();
+  builtin.set_workdir("/tmp");
+  EXPECT_THAT(std::string(ValidateJobSpec(builtin).message()),
+              StartsWith("workdir: only a command job"));
+
+  for (const char* yaml :
+       {"command: []\n", "command: python3\n", "env: [A]\n", "command: [[a]]\n"}) {
+    auto bad = ParseJobSpecYaml(yaml, "s.yaml");
+    EXPECT_FALSE(bad.ok()) << yaml;
+    EXPECT_THAT(std::string(bad.status().message()), HasSubstr("s.yaml:1:")) << yaml;
+  }
 }
 
 TEST(SpecTest, EmptyFileIsAnError) {

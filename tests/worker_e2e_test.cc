@@ -14,10 +14,14 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <regex>
+#include <set>
 #include <sstream>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "client/yard_client.h"
@@ -272,6 +276,151 @@ TEST_F(WorkerE2eTest, RanksRunTheirLogsReachTheCoordinatorAndTheJobSucceeds) {
   std::string first;
   std::getline(log, first);
   EXPECT_EQ(first, "hello from rank 1 of 2 (succeed)");
+}
+
+// A command job (issue 35): the user's own program, here a plain PyTorch DDP script on Debian's
+// python3-torch, gets torchrun's environment on each rank and trains with Gloo, unmodified.
+v1::JobSpec CommandSpec(const std::string& name, int ranks, std::vector<std::string> command) {
+  v1::JobSpec s;
+  s.set_name(name);
+  s.mutable_resources()->set_gpus(ranks);
+  for (std::string& arg : command) s.add_command(std::move(arg));
+  return s;
+}
+
+bool SystemTorch() {
+  return testing::RunCommand({"/usr/bin/python3", "-c", "import torch"}).exit_code == 0;
+}
+
+TEST_F(WorkerE2eTest, ACommandJobsRanksGetTorchrunsEnvironmentAndTrainWithGloo) {
+  if (!SystemTorch()) GTEST_SKIP() << "no python3-torch";
+  v1::JobSpec spec =
+      CommandSpec("pytorch-ddp", 2, {"/usr/bin/python3", "pytorch-ddp.py", "--steps", "30"});
+  spec.set_workdir(std::string(TRAINYARD_SOURCE_DIR) + "/examples");
+  (*spec.mutable_env())["PYTHONDONTWRITEBYTECODE"] = "1";
+  v1::Job done = RunToEnd(*client_, spec);
+  ASSERT_EQ(done.state(), v1::SUCCEEDED) << done.message();
+  const std::vector<std::string> logs = Logs(done.id());
+  // Both ranks agree on rank 0's address (its node's) and the attempt's port.
+  const std::regex env_line(
+      "([01]): env RANK=([01]) LOCAL_RANK=([01]) WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 GROUP_RANK=0 "
+      "MASTER_ADDR=(\\S+) MASTER_PORT=([0-9]+) TORCHELASTIC_RESTART_COUNT=0 "
+      "TORCHELASTIC_RUN_ID=(\\S+)");
+  std::set<std::string> masters;
+  int env_lines = 0;
+  for (const std::string& line : logs) {
+    std::smatch m;
+    if (!std::regex_match(line, m, env_line)) continue;
+    ++env_lines;
+    EXPECT_EQ(m[1], m[2]);
+    EXPECT_EQ(m[1], m[3]);
+    EXPECT_EQ(m[6], done.id());
+    masters.insert(absl::StrCat(m[4].str(), ":", m[5].str()));
+  }
+  EXPECT_EQ(env_lines, 2) << absl::StrJoin(logs, "\n");
+  EXPECT_EQ(masters.size(), 1u);
+  // Rank 0's loss falls.
+  std::vector<double> losses;
+  for (const std::string& line : logs) {
+    double loss = 0;
+    std::vector<std::string> words = absl::StrSplit(line, ' ');
+    if (words.size() == 5 && words[0] == "0:" && words[1] == "step" && words[3] == "loss" &&
+        absl::SimpleAtod(words[4], &loss)) {
+      losses.push_back(loss);
+    }
+  }
+  ASSERT_EQ(losses.size(), 30u) << absl::StrJoin(logs, "\n");
+  EXPECT_LT(losses.back(), 0.5 * losses.front());
+  // Its checkpoint went to the job's checkpoint folder (TRAINYARD_CHECKPOINT_DIR).
+  EXPECT_TRUE(
+      std::filesystem::exists(dir_.path() + "/state/checkpoints/" + done.id() + "/pytorch-ddp.pt"));
+}
+
+TEST_F(WorkerE2eTest, ACommandJobRunsInItsWorkdirWithItsEnvAndANonZeroExitFailsIt) {
+  const std::string workdir = dir_.path() + "/project";
+  std::filesystem::create_directories(workdir);
+  ASSERT_EQ(chmod(dir_.path().c_str(), 0755), 0);
+  ASSERT_EQ(chmod(workdir.c_str(), 0777), 0);
+  v1::JobSpec spec =
+      CommandSpec("shell", 1, {"sh", "-c", "echo \"in $(pwd) with $GREETING\"; exit 0"});
+  spec.set_workdir(workdir);
+  (*spec.mutable_env())["GREETING"] = "hello";
+  v1::Job done = RunToEnd(*client_, spec);
+  ASSERT_EQ(done.state(), v1::SUCCEEDED) << done.message();
+  EXPECT_THAT(Logs(done.id()), Contains(absl::StrCat("0: in ", workdir, " with hello")));
+
+  v1::Job failed = RunToEnd(*client_, CommandSpec("fails", 2,
+                                                  {"/bin/sh", "-c",
+                                                   "echo \"error: bad input on rank $RANK\" >&2; "
+                                                   "[ \"$RANK\" = 1 ] && exit 3; exit 0"}));
+  EXPECT_EQ(failed.state(), v1::FAILED);
+  EXPECT_THAT(failed.message(), AllOf(HasSubstr("rank 1"), HasSubstr("code 3"),
+                                      HasSubstr("error: bad input on rank 1")));
+
+  v1::Job missing = RunToEnd(*client_, CommandSpec("missing", 1, {"no-such-program-here"}));
+  EXPECT_EQ(missing.state(), v1::FAILED);
+  EXPECT_THAT(missing.message(), HasSubstr("'no-such-program-here' is not in the PATH"));
+}
+
+// Waits until `path` holds a pid; 0 after 30 s.
+pid_t PidIn(const std::string& path) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (absl::Now() < deadline) {
+    std::ifstream in(path);
+    pid_t pid = 0;
+    if (in >> pid && pid > 0) return pid;
+    absl::SleepFor(absl::Milliseconds(20));  // the program writes it when it likes
+  }
+  return 0;
+}
+
+// Whether `pid` is gone within 10 s (or a zombie: dead, its parent not yet told).
+bool GoneSoon(pid_t pid) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < deadline) {
+    std::ifstream stat(absl::StrCat("/proc/", pid, "/stat"));
+    std::string line;
+    if (!std::getline(stat, line)) return true;
+    const size_t paren = line.rfind(')');
+    if (paren != std::string::npos && line.size() > paren + 2 && line[paren + 2] == 'Z') {
+      return true;
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return false;
+}
+
+TEST_F(WorkerE2eTest, NoProcessOfACommandJobOutlivesItEvenOneThatLeftItsSession) {
+  const std::string workdir = dir_.path() + "/hygiene";
+  std::filesystem::create_directories(workdir);
+  ASSERT_EQ(chmod(dir_.path().c_str(), 0755), 0);
+  ASSERT_EQ(chmod(workdir.c_str(), 0777), 0);
+  // A daemon that closed its output (so the rank's pipe ends), in a session of its own; the rank
+  // runs until cancelled.
+  v1::JobSpec cancelled = CommandSpec(
+      "daemonizes", 1,
+      {"/bin/sh", "-c",
+       "setsid /bin/sh -c 'echo $$ > daemon-1.pid; exec sleep 600' </dev/null >/dev/null 2>&1 & "
+       "echo started; exec sleep 600"});
+  cancelled.set_workdir(workdir);
+  auto job = client_->Submit(cancelled);
+  ASSERT_TRUE(job.ok()) << job.status();
+  const pid_t daemon = PidIn(workdir + "/daemon-1.pid");
+  ASSERT_GT(daemon, 0);
+  ASSERT_TRUE(client_->Cancel(job->id(), "").ok());
+  EXPECT_TRUE(GoneSoon(daemon)) << "the cancelled job's daemon " << daemon << " still runs";
+
+  // A child in its own session that keeps the rank's output open after the rank exits 0: the job
+  // still ends (the child is stopped), and it succeeds.
+  v1::JobSpec leaves = CommandSpec(
+      "leaves-a-child", 1,
+      {"/bin/sh", "-c", "setsid /bin/sh -c 'echo $$ > daemon-2.pid; exec sleep 600' & echo done"});
+  leaves.set_workdir(workdir);
+  v1::Job done = RunToEnd(*client_, leaves);
+  EXPECT_EQ(done.state(), v1::SUCCEEDED) << done.message();
+  const pid_t child = PidIn(workdir + "/daemon-2.pid");
+  ASSERT_GT(child, 0);
+  EXPECT_TRUE(GoneSoon(child)) << "the ended job's child " << child << " still runs";
 }
 
 TEST_F(WorkerE2eTest, YardPrintsLogsPrefixedByRankAndRefusesToCheckpointAnEndedJob) {

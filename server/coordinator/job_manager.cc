@@ -138,6 +138,9 @@ absl::Status JobManager::Load(const std::vector<StoredJob>& stored) {
       for (const auto& p : job.placement()) {
         allocated_[p.node_id()].insert(p.device_indices().begin(), p.device_indices().end());
       }
+      if (job.master_port() != 0 && job.placement_size() > 0) {
+        master_ports_[job.placement(0).node_id()].insert(job.master_port());
+      }
       rendezvous_.OpenScope({job.id(), job.attempt()});
     }
     jobs_[job.id()] = std::move(job);
@@ -297,7 +300,8 @@ void JobManager::Submit(const std::string& owner, v1::JobSpec spec, JobCallback 
     done(s);
     return;
   }
-  if (absl::Status s = CheckFitsSomeNode(spec); !s.ok()) {
+  // A command job's memory is its program's business.
+  if (absl::Status s = IsCommandJob(spec) ? absl::OkStatus() : CheckFitsSomeNode(spec); !s.ok()) {
     done(s);
     return;
   }
@@ -632,9 +636,11 @@ absl::StatusOr<v1::TrainerCommands> JobManager::OnStepReport(const v1::StepRepor
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(v1::Job * job, FindRunningAttempt(report.job_id(), report.attempt()));
   // Progress is kept in memory only: a write per step would cost more than it is worth. It is
-  // stored with the next durable change of the job.
-  job->set_step(report.step());
-  job->set_loss(report.loss());
+  // stored with the next durable change of the job. Rank 0's is the job's.
+  if (report.rank() == 0) {
+    job->set_step(report.step());
+    job->set_loss(report.loss());
+  }
   return CommandsFor(*job);
 }
 
@@ -688,7 +694,23 @@ void JobManager::Unwatch(int64_t handle) {
   watchers_.erase(handle);
 }
 
+int JobManager::ReserveMasterPort(const std::string& node_id) {
+  std::set<int>& used = master_ports_[node_id];
+  for (int port = kFirstMasterPort; port < kFirstMasterPort + kMasterPorts; ++port) {
+    if (used.insert(port).second) return port;
+  }
+  return 0;  // all in use: the rank 0 node's worker picks a free port itself
+}
+
 void JobManager::ReleaseAttempt(v1::Job& job, const std::string& reason) {
+  if (job.master_port() != 0 && job.placement_size() > 0) {
+    auto ports = master_ports_.find(job.placement(0).node_id());
+    if (ports != master_ports_.end()) {
+      ports->second.erase(job.master_port());
+      if (ports->second.empty()) master_ports_.erase(ports);
+    }
+    job.set_master_port(0);
+  }
   v1::CoordinatorMessage cancel;
   cancel.mutable_cancel()->set_job_id(job.id());
   cancel.mutable_cancel()->set_attempt(job.attempt());
@@ -957,6 +979,8 @@ int JobManager::SchedulePass() {
     }
     job.set_start_time_ms(absl::ToUnixMillis(snapshot.now));
     job.set_backfilled(placement.backfilled);
+    if (IsCommandJob(job.spec()))
+      job.set_master_port(ReserveMasterPort(job.placement(0).node_id()));
     // After a restart, `yard describe` still says why the previous attempt ended.
     Transition(job, v1::RUNNING,
                job.state() == v1::RESTARTING  ? absl::StrCat("restarted: ", job.message())
@@ -982,8 +1006,16 @@ std::vector<std::pair<std::string, v1::Assignment>> JobManager::AssignmentsOf(
     const v1::Job& job) const {
   std::vector<std::pair<std::string, v1::Assignment>> out;
   const std::string spec = job.spec().SerializeAsString();
+  // Command jobs: where rank 0 listens, for torchrun's MASTER_ADDR and MASTER_PORT.
+  const std::string master_addr = IsCommandJob(job.spec()) && job.placement_size() > 0
+                                      ? nodes_.HostOf(job.placement(0).node_id())
+                                      : std::string();
+  int group_rank = 0;
   for (const auto& p : job.placement()) {
     v1::Assignment a;
+    a.set_group_rank(group_rank++);
+    a.set_master_addr(master_addr);
+    a.set_master_port(job.master_port());
     a.set_job_id(job.id());
     a.set_attempt(job.attempt());
     a.set_world_size(job.world_size());
@@ -1224,7 +1256,9 @@ void JobManager::OnRankStatus(const std::string& node_id, const v1::RankStatus& 
     if (static_cast<int>(done_ranks.size()) >= job->world_size()) {
       ReleaseAttempt(*job, "");
       // A preempted job that stopped before its last step waits to be placed again.
-      if (preempting && job->step() < job->spec().train().steps()) {
+      // A command job's steps are its program's: asked to stop, it exits 0 after its checkpoint
+      // and is placed again (its next attempt resumes, and ends at once if it had finished).
+      if (preempting && (IsCommandJob(job->spec()) || job->step() < job->spec().train().steps())) {
         Preempted(*job);
       } else {
         job->set_preempt_deadline_ms(0);

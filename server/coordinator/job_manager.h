@@ -228,6 +228,11 @@ class JobManager {
   // nodes to stop its ranks (with `reason`, unless empty).
   void ReleaseAttempt(v1::Job& job, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeDevice(const std::string& node_id, int device) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A port for a command job's rank 0 on `node_id` (MASTER_PORT), none of the node's running
+  // attempts holds: from kFirstMasterPort on (torchrun's 29500); 0 when all are taken.
+  int ReserveMasterPort(const std::string& node_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static constexpr int kFirstMasterPort = 29500;
+  static constexpr int kMasterPorts = 1000;
   struct DrainingRank {
     std::string node_id;
     int device = 0;
@@ -303,6 +308,8 @@ class JobManager {
   // Preempting jobs whose grace ran out and whose ranks were told to stop.
   std::set<std::string> preempt_stopped_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::set<int>> allocated_ ABSL_GUARDED_BY(mu_);  // node id → devices
+  // Ports reserved for running command jobs' rank 0, by node id.
+  std::map<std::string, std::set<int>> master_ports_ ABSL_GUARDED_BY(mu_);
   // Ranks of the current attempt that have exited, by job id (all successfully, until one fails
   // and ends the attempt).
   std::map<std::string, std::set<int>> finished_ranks_ ABSL_GUARDED_BY(mu_);

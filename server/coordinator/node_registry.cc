@@ -332,4 +332,20 @@ std::vector<v1::Node> NodeRegistry::List() const {
   return out;
 }
 
+std::string NodeRegistry::HostOf(const std::string& node_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = nodes_.find(node_id);
+  if (it == nodes_.end()) return "";
+  const v1::Node& node = it->second.node;
+  const size_t colon = node.address().rfind(':');
+  if (!node.address().empty() && colon != 0) {
+    std::string host = node.address().substr(0, colon);
+    if (host.size() > 2 && host.front() == '[' && host.back() == ']') {  // [IPv6]
+      host = host.substr(1, host.size() - 2);
+    }
+    return host;
+  }
+  return node.hostname();
+}
+
 }  // namespace trainyard::coordinator

@@ -100,6 +100,9 @@ class NodeRegistry {
   // The parameter servers only (as List), without copying the workers.
   std::vector<v1::Node> ListParameterServers() const;
   ClusterCapacity Capacity() const;
+  // Where other hosts reach the node: its registered address without the port, else its
+  // hostname ("" for an unknown node).
+  std::string HostOf(const std::string& node_id) const;
 
   absl::Duration node_timeout() const { return node_timeout_; }
 

@@ -935,11 +935,18 @@ grpc::ServerUnaryReactor* TrainerServiceImpl::ReportStep(grpc::CallbackServerCon
     return Done(
         ctx, absl::InvalidArgumentError(absl::StrCat("step: must be >= 1, got ", request->step())));
   }
+  if (request->metrics_size() > 64) {
+    return Done(ctx, absl::InvalidArgumentError(absl::StrCat("metrics: ", request->metrics_size(),
+                                                             " entries, at most 64")));
+  }
   auto commands = jobs_.OnStepReport(*request);
   if (commands.ok()) {
     *response = *commands;
-    metrics_.Append(request->job_id(), {*request});
-    if (prometheus_ != nullptr) prometheus_->ObserveStep(*request);
+    // Other ranks' reports only fetch the commands.
+    if (request->rank() == 0) {
+      metrics_.Append(request->job_id(), {*request});
+      if (prometheus_ != nullptr) prometheus_->ObserveStep(*request);
+    }
   }
   return Done(ctx, commands.status());
 }

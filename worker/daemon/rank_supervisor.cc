@@ -2,9 +2,12 @@
 
 #include <fcntl.h>
 #include <grp.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -19,8 +22,10 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/credentials.h"
 #include "common/tls.h"
@@ -122,6 +127,75 @@ bool SaysFailure(const std::string& line) {
   return false;
 }
 
+// The environment entry that marks every process of one rank (inherited by its children, also
+// those that leave its process group or session):
+// "TRAINYARD_RANK_MARK=WORKER_PID/JOB/ATTEMPT/RANK".
+std::string RankMark(const std::string& job_id, int attempt, int rank) {
+  return absl::StrCat("TRAINYARD_RANK_MARK=", getpid(), "/", job_id, "/", attempt, "/", rank);
+}
+
+// Sends `sig` to every process whose environment holds `mark` (as /proc shows it: to this
+// worker's account, or any with root). Returns how many it signalled. A process that cleared its
+// environment is not found.
+int SignalMarked(const std::string& mark, int sig) {
+  int signalled = 0;
+  const pid_t self = getpid();
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc", ec)) {
+    const std::string name = entry.path().filename().string();
+    pid_t pid = 0;
+    if (!absl::SimpleAtoi(name, &pid) || pid <= 1 || pid == self) continue;
+    const int fd = open(absl::StrCat("/proc/", name, "/environ").c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;
+    std::string environ_text;
+    char buf[4096];
+    ssize_t n;
+    while (environ_text.size() < (1 << 20) && (n = read(fd, buf, sizeof(buf))) > 0) {
+      environ_text.append(buf, static_cast<size_t>(n));
+    }
+    close(fd);
+    // Entries are NUL-separated: match a whole one.
+    const std::string whole = absl::StrCat(std::string(1, '\0'), mark, std::string(1, '\0'));
+    if ((absl::StartsWith(environ_text, mark + std::string(1, '\0')) ||
+         environ_text.find(whole) != std::string::npos) &&
+        kill(pid, sig) == 0) {
+      ++signalled;
+    }
+  }
+  return signalled;
+}
+
+// Whether a TCP port can be bound on this host now (any address).
+bool PortFree(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  const bool free = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  close(fd);
+  return free;
+}
+
+// A TCP port free on this host now (the kernel's pick), for a command job's MASTER_PORT when the
+// coordinator reserved none; 29500 (torchrun's default) if none can be had.
+int FreeLocalPort() {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return 29500;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  int port = 29500;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  close(fd);
+  return port;
+}
+
 }  // namespace
 
 std::string FailureMessage(const std::vector<std::string>& last_lines) {
@@ -170,6 +244,7 @@ void RankSupervisor::Stop(const std::string& job_id, int attempt) {
       rank.stopping = true;
       rank.kill_at = absl::Now() + options_.stop_grace;
       kill(-rank.pid, SIGTERM);
+      SignalMarked(RankMark(std::get<0>(key), std::get<1>(key), std::get<2>(key)), SIGTERM);
     }
     // A launch still queued for that attempt is dropped.
     for (auto it = launches_.begin(); it != launches_.end();) {
@@ -200,6 +275,7 @@ void RankSupervisor::StopAll() {
     rank.stopping = true;
     rank.kill_at = absl::Now() + options_.stop_grace;
     kill(-rank.pid, SIGTERM);
+    SignalMarked(RankMark(std::get<0>(key), std::get<1>(key), std::get<2>(key)), SIGTERM);
   }
   auto all_exited = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ranks_.empty(); };
   mu_.Await(absl::Condition(&all_exited));
@@ -254,6 +330,7 @@ void RankSupervisor::SupervisorLoop() {
     for (auto& [key, rank] : ranks_) {
       if (rank.kill_at <= now) {
         kill(-rank.pid, SIGKILL);
+        SignalMarked(RankMark(std::get<0>(key), std::get<1>(key), std::get<2>(key)), SIGKILL);
         rank.kill_at = absl::InfiniteFuture();
       }
     }
@@ -314,6 +391,15 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
     }
   }
 
+  v1::JobSpec spec;
+  if (!spec.ParseFromString(a.spec())) {
+    ReportExit(key, 126, "the assignment's spec is unreadable");
+    return;
+  }
+  if (spec.command_size() > 0) {
+    StartCommand(a, spec, key, rank, device, account, work, checkpoint_dir);
+    return;
+  }
   std::vector<std::string> argv = {options_.trainer_path,
                                    "--spec",
                                    spec_path,
@@ -363,11 +449,96 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
       // The attempt's credential for the rendezvous and reports: environment only, never argv.
       absl::StrCat(kJobCredentialEnv, "=", a.job_credential()),
       absl::StrCat(kTlsCaEnv, "=", options_.tls_ca)};
+  Exec(a, key, device, account, std::move(argv), std::move(env), work);
+}
+
+void RankSupervisor::StartCommand(const v1::Assignment& a, const v1::JobSpec& spec,
+                                  const RankKey& key, int rank, int device,
+                                  const std::optional<UnixAccount>& account,
+                                  const std::string& work, const std::string& checkpoint_dir) {
+  // torchrun's environment (torch.distributed's env:// init reads it), then trainyard's, then
+  // the spec's own names (validated not to be any of these), before the worker's environment.
+  // MASTER_PORT: reserved by the coordinator on rank 0's node for this attempt; without one (all
+  // taken), rank 0's node picks a free port, which is right when the job has one node.
+  // When every rank is on this node, the port only has to be free here: one that is taken (by a
+  // program outside trainyard, or another cluster's job) is swapped for one the kernel picks,
+  // the same for all the attempt's ranks.
+  std::string master_addr = a.master_addr().empty() ? "127.0.0.1" : a.master_addr();
+  int& master_port = attempt_ports_[{a.job_id(), a.attempt()}];
+  if (master_port == 0) {
+    master_port = a.master_port();
+    const bool single_node = a.world_size() == a.device_indices_size();
+    if (master_port == 0 || (single_node && !PortFree(master_port))) master_port = FreeLocalPort();
+  }
+  std::vector<std::string> env = {
+      absl::StrCat("RANK=", rank),
+      absl::StrCat("LOCAL_RANK=", rank - a.first_rank()),
+      absl::StrCat("WORLD_SIZE=", a.world_size()),
+      absl::StrCat("LOCAL_WORLD_SIZE=", a.device_indices_size()),
+      absl::StrCat("GROUP_RANK=", a.group_rank()),
+      absl::StrCat("MASTER_ADDR=", master_addr),
+      absl::StrCat("MASTER_PORT=", master_port),
+      absl::StrCat("TORCHELASTIC_RESTART_COUNT=", a.attempt() - 1),
+      absl::StrCat("TORCHELASTIC_RUN_ID=", a.job_id()),
+      absl::StrCat("CUDA_VISIBLE_DEVICES=",
+                   options_.gpu_uuids.empty() ? "" : options_.gpu_uuids[device]),
+      absl::StrCat("TRAINYARD_JOB_ID=", a.job_id()),
+      absl::StrCat("TRAINYARD_ATTEMPT=", a.attempt()),
+      absl::StrCat("TRAINYARD_RANK=", rank),
+      absl::StrCat("TRAINYARD_WORLD_SIZE=", a.world_size()),
+      absl::StrCat("TRAINYARD_DEVICE=", device),
+      absl::StrCat("TRAINYARD_CHECKPOINT_DIR=", checkpoint_dir),
+      absl::StrCat("TRAINYARD_COORDINATOR=", a.coordinator_address()),
+      absl::StrCat(kJobCredentialEnv, "=", a.job_credential()),
+      absl::StrCat(kTlsCaEnv, "=", options_.tls_ca)};
+  for (const auto& [name, value] : spec.env()) env.push_back(absl::StrCat(name, "=", value));
+  // torchrun's default: one thread per rank unless the program or the spec says otherwise.
+  if (spec.env().count("OMP_NUM_THREADS") == 0) {
+    env.push_back(absl::StrCat("OMP_NUM_THREADS=", options_.threads_per_rank));
+  }
+  // The program as the spec names it; a bare name is looked up in the PATH the rank gets.
+  std::vector<std::string> argv(spec.command().begin(), spec.command().end());
+  if (argv[0].find('/') == std::string::npos) {
+    std::string path = "/usr/local/bin:/usr/bin:/bin";
+    auto in_env = [&](const std::vector<std::string>& entries) {
+      for (const std::string& e : entries) {
+        if (absl::StartsWith(e, "PATH=")) return std::optional<std::string>(e.substr(5));
+      }
+      return std::optional<std::string>();
+    };
+    if (auto p = in_env(env); p.has_value()) {
+      path = *p;
+    } else if (const char* own = getenv("PATH"); own != nullptr) {
+      path = own;
+    }
+    std::string found;
+    for (absl::string_view d : absl::StrSplit(path, ':', absl::SkipEmpty())) {
+      const std::string candidate = absl::StrCat(d, "/", argv[0]);
+      if (access(candidate.c_str(), X_OK) == 0) {
+        found = candidate;
+        break;
+      }
+    }
+    if (found.empty()) {
+      ReportExit(key, 127,
+                 absl::StrCat("command[0]: '", argv[0], "' is not in the PATH (", path, ")"));
+      return;
+    }
+    argv[0] = found;
+  }
+  Exec(a, key, device, account, std::move(argv), std::move(env),
+       spec.workdir().empty() ? work : spec.workdir());
+}
+
+void RankSupervisor::Exec(const v1::Assignment& a, const RankKey& key, int device,
+                          const std::optional<UnixAccount>& account, std::vector<std::string> argv,
+                          std::vector<std::string> env, const std::string& cwd) {
   if (account.has_value()) {
     env.push_back("USER=" + account->name);
     env.push_back("LOGNAME=" + account->name);
     env.push_back("HOME=" + account->home);
   }
+  env.push_back(RankMark(std::get<0>(key), std::get<1>(key), std::get<2>(key)));
   const size_t own = env.size();
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string_view entry(*e);
@@ -417,9 +588,13 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
       prctl(PR_SET_PDEATHSIG, SIGKILL);
       if (getppid() != parent) _exit(127);
     }
-    if (chdir(work.c_str()) != 0) _exit(127);
+    if (chdir(cwd.c_str()) != 0) {
+      const char msg[] = "cannot enter the working directory (workdir)\n";
+      (void)!write(STDERR_FILENO, msg, sizeof(msg) - 1);
+      _exit(127);
+    }
     execve(c_argv[0], c_argv.data(), c_env.data());
-    const char msg[] = "cannot execute the trainer\n";
+    const char msg[] = "cannot execute the program\n";
     (void)!write(STDERR_FILENO, msg, sizeof(msg) - 1);
     _exit(127);
   }
@@ -439,7 +614,7 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
   auto* s = m.mutable_rank_status();
   s->set_job_id(a.job_id());
   s->set_attempt(a.attempt());
-  s->set_rank(rank);
+  s->set_rank(std::get<2>(key));
   s->set_phase(v1::RANK_RUNNING);
   send_(m);
 }
@@ -477,7 +652,24 @@ void RankSupervisor::ReadOutput(RankKey key, int fd, pid_t pid) {
     if (static_cast<int>(last.size()) > options_.failure_log_lines) last.pop_front();
     batch.push_back(std::move(line));
   };
+  // Until the pipe's end: when the rank itself has exited but something it left behind (a child
+  // in another process group or session) still holds the pipe, that is stopped, so that the
+  // rank's end is reported.
+  const std::string mark = RankMark(job_id, attempt, rank);
+  bool exited = false;
+  int wait_status = 0;
   while (true) {
+    pollfd pfd{fd, POLLIN, 0};
+    const int ready = poll(&pfd, 1, 250);
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready == 0) {
+      if (!exited && waitpid(pid, &wait_status, WNOHANG) == pid) {
+        exited = true;
+        kill(-pid, SIGKILL);
+        SignalMarked(mark, SIGKILL);
+      }
+      continue;
+    }
     const ssize_t n = read(fd, buf, sizeof(buf));
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) break;
@@ -497,10 +689,10 @@ void RankSupervisor::ReadOutput(RankKey key, int fd, pid_t pid) {
   flush(batch);
   close(fd);
 
-  int wait_status = 0;
-  while (waitpid(pid, &wait_status, 0) < 0 && errno == EINTR) {
+  while (!exited && waitpid(pid, &wait_status, 0) < 0 && errno == EINTR) {
   }
-  kill(-pid, SIGKILL);  // anything the rank left behind in its group
+  kill(-pid, SIGKILL);          // anything the rank left behind in its group
+  SignalMarked(mark, SIGKILL);  // or outside it (a daemon that closed its output)
   RemoveSharedMemoryOf(pid);
   const int code = ExitCodeOf(wait_status);
   ReportExit(key, code,

@@ -13,6 +13,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -23,6 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "trainyard/v1/job.pb.h"
 #include "trainyard/v1/node.pb.h"
 #include "worker/daemon/run_as.h"
 
@@ -82,6 +84,16 @@ class RankSupervisor {
 
   void SupervisorLoop();
   void Start(const v1::Assignment& a, int rank, int device) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A command job's rank: the spec's program with torchrun's environment (Start's part for them).
+  void StartCommand(const v1::Assignment& a, const v1::JobSpec& spec, const RankKey& key, int rank,
+                    int device, const std::optional<UnixAccount>& account, const std::string& work,
+                    const std::string& checkpoint_dir) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Forks and execs `argv` in `cwd` with `env` (then the worker's environment, without its token
+  // and the names `env` sets), as `account` when set, in a process group of its own.
+  void Exec(const v1::Assignment& a, const RankKey& key, int device,
+            const std::optional<UnixAccount>& account, std::vector<std::string> argv,
+            std::vector<std::string> env, const std::string& cwd)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReadOutput(RankKey key, int fd, pid_t pid);
   void ReportExit(const RankKey& key, int exit_code, const std::string& message);
 
@@ -93,6 +105,8 @@ class RankSupervisor {
   // Every rank this supervisor has started (or failed to start): a resent assignment starts none
   // of them again. One small entry per rank for the worker's lifetime.
   std::set<RankKey> started_ ABSL_GUARDED_BY(mu_);
+  // Command jobs: the MASTER_PORT of each attempt with ranks here, the same for all of them.
+  std::map<std::pair<std::string, int>, int> attempt_ports_ ABSL_GUARDED_BY(mu_);
   std::deque<v1::Assignment> launches_ ABSL_GUARDED_BY(mu_);
   std::vector<std::thread> finished_readers_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

@@ -1,0 +1,247 @@
+"""The Python SDK against a real local cluster (`yard local up`: a coordinator and a worker with
+two CPU slots, on loopback): a command job whose program uses the rank API reports its steps and
+metrics, answers `checkpoint`, and the client submits, lists, describes, waits, reads logs and
+metrics and cancels. Run by scripts/test.sh (ctest SdkTest) with the SDK's venv; needs
+TRAINYARD_BIN (the build's bin folder)."""
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import grpc
+import pytest
+
+import trainyard
+from trainyard.v1 import job_pb2
+
+BIN = pathlib.Path(os.environ.get("TRAINYARD_BIN", pathlib.Path(__file__).parents[2] / "build" / "bin"))
+
+
+def local_cluster(tmp_path_factory, *flags):
+    home = tmp_path_factory.mktemp("home")
+    state = home / "local"
+    env = dict(os.environ, HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"))
+    env.pop("TRAINYARD_TOKEN", None)
+    env.pop("TRAINYARD_TOKEN_FILE", None)
+    up = subprocess.run([str(BIN / "yard"), "local", "--state-dir", str(state), "up", "--listen",
+                         "127.0.0.1:0", "--workers", "1", "--slots", "2", *flags],
+                        env=env, capture_output=True, text=True, timeout=120)
+    assert up.returncode == 0, up.stderr
+    address = re.search(r"export TRAINYARD_COORDINATOR=(\S+)", up.stdout).group(1)
+    token = (home / ".config" / "trainyard" / "token").read_text().strip()
+    try:
+        yield {"address": address, "token": token, "home": home, "env": env}
+    finally:
+        subprocess.run([str(BIN / "yard"), "local", "--state-dir", str(state), "down"], env=env,
+                       capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    yield from local_cluster(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def preemptive_cluster(tmp_path_factory):
+    yield from local_cluster(tmp_path_factory, "--preemption", "--min-run-time", "1ms",
+                             "--preemption-grace", "60s")
+
+
+@pytest.fixture()
+def client(cluster):
+    with trainyard.Client(cluster["address"], cluster["token"]) as c:
+        yield c
+
+
+def program(tmp_path, body):
+    """A training program in its own folder, run by the SDK's own Python."""
+    folder = tmp_path / "project"
+    folder.mkdir(exist_ok=True)
+    os.chmod(tmp_path, 0o755)
+    os.chmod(folder, 0o777)
+    (folder / "train.py").write_text(textwrap.dedent(body))
+    return folder
+
+
+RANK_PROGRAM = """
+    import os, sys, time
+    sys.path.insert(0, {sdk!r})
+    import trainyard
+    ctx = trainyard.init()
+    assert ctx.in_job and ctx.world_size == 2, ctx.__dict__
+    print(f"rank {{ctx.rank}} of {{ctx.world_size}} in {{ctx.job_id}} attempt {{ctx.attempt}}",
+          flush=True)
+    steps = int(sys.argv[1])
+    for step in range(1, steps + 1):
+        commands = ctx.report(step, loss=10.0 / step, total_steps=steps, accuracy=step / steps)
+        if ctx.checkpoint_requested():
+            path = os.path.join(ctx.checkpoint_dir, f"step-{{step}}")
+            if ctx.rank == 0:
+                open(path, "w").write("state")
+                ctx.report_checkpoint(step, path, size_bytes=5)
+            print(f"checkpointed at step {{step}}", flush=True)
+            break
+        time.sleep(float(sys.argv[2]))
+    print("done", flush=True)
+"""
+
+SDK = str(pathlib.Path(trainyard.__file__).parents[1])
+
+
+def test_a_rank_reports_steps_and_metrics_that_yard_and_the_client_read(client, tmp_path):
+    folder = program(tmp_path, RANK_PROGRAM.format(sdk=SDK))
+    job = client.submit(name="sdk-report", gpus=2, command=[sys.executable, "train.py", "5", "0"],
+                        workdir=str(folder))
+    assert job.state == job_pb2.QUEUED
+    done = client.wait(job.id, timeout=120)
+    assert done.state == job_pb2.SUCCEEDED
+    assert done.step == 5
+    steps = list(client.metrics(job.id))
+    # Rank 0's reports only (rank 1's fetched the commands), in order, with their own metrics.
+    assert [s.step for s in steps] == [1, 2, 3, 4, 5]
+    assert steps[0].loss > steps[-1].loss
+    assert steps[-1].metrics["accuracy"] == pytest.approx(1.0)
+    lines = [(line.rank, line.text) for line in client.logs(job.id)]
+    assert (0, f"rank 0 of 2 in {job.id} attempt 1") in lines
+    assert (1, f"rank 1 of 2 in {job.id} attempt 1") in lines
+    assert [j.id for j in client.list(limit=1)] == [job.id]
+    assert client.describe(job.id).spec.command[1] == "train.py"
+
+
+def test_a_checkpoint_request_reaches_every_rank_and_is_reported(client, tmp_path):
+    folder = program(tmp_path, RANK_PROGRAM.format(sdk=SDK))
+    job = client.submit(name="sdk-checkpoint", gpus=2,
+                        command=[sys.executable, "train.py", "100000", "0.02"],
+                        workdir=str(folder))
+    # Once it runs and reports, ask for a checkpoint.
+    for step in client.metrics(job.id, follow=True, timeout=120):
+        break
+    assert client.checkpoint(job.id).state == job_pb2.CHECKPOINTING
+    done = client.wait(job.id, timeout=120)
+    assert done.last_checkpoint.step > 0
+    assert done.last_checkpoint.path.endswith(f"step-{done.last_checkpoint.step}")
+    lines = [(line.rank, line.text) for line in client.logs(job.id)]
+    assert any(r == 0 and t.startswith("checkpointed at step") for r, t in lines)
+    assert any(r == 1 and t.startswith("checkpointed at step") for r, t in lines)
+
+
+def test_a_bad_spec_is_refused_naming_the_field_and_a_failed_job_raises(client):
+    with pytest.raises(grpc.RpcError) as refused:
+        client.submit(name="bad", gpus=1, command=["python3"], workdir="relative")
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details().startswith("workdir: must be an absolute path")
+    job = client.submit(name="fails", gpus=1, command=["/bin/sh", "-c", "echo 'error: no data'; exit 4"])
+    with pytest.raises(trainyard.JobFailed) as failed:
+        client.wait(job.id, timeout=120)
+    assert failed.value.job.state == job_pb2.FAILED
+    assert "code 4" in failed.value.job.message and "error: no data" in failed.value.job.message
+
+
+def test_cancel_and_list_by_state(client):
+    job = client.submit(name="sleeper", gpus=1, command=["/bin/sleep", "600"])
+    assert client.cancel(job.id, reason="not needed").state == job_pb2.CANCELLED
+    assert job.id in [j.id for j in client.list(states=["CANCELLED"])]
+    assert job.id not in [j.id for j in client.list(states=["RUNNING", "QUEUED"])]
+
+
+def test_outside_a_job_the_rank_api_is_a_no_op(tmp_path):
+    ctx = trainyard.Context(environ={})
+    assert not ctx.in_job
+    assert ctx.report(1, loss=2.0, accuracy=0.5) == {"checkpoint_requested": False,
+                                                      "stop_requested": False}
+    assert not ctx.checkpoint_requested() and not ctx.should_stop()
+    assert ctx.report_checkpoint(1, "/nowhere")["stop_requested"] is False
+    ctx.checkpoint_dir = str(tmp_path)
+    assert ctx.latest_checkpoint() is None
+    (tmp_path / "step-1").write_text("x")
+    assert ctx.latest_checkpoint().endswith("step-1")
+
+
+def test_the_client_finds_the_token_as_yard_does(cluster, monkeypatch):
+    monkeypatch.setenv("HOME", str(cluster["home"]))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(cluster["home"] / ".config"))
+    monkeypatch.delenv("TRAINYARD_TOKEN", raising=False)
+    monkeypatch.delenv("TRAINYARD_TOKEN_FILE", raising=False)
+    monkeypatch.setenv("TRAINYARD_COORDINATOR", cluster["address"])
+    with trainyard.Client() as c:
+        c.list(limit=1)
+    monkeypatch.setenv("TRAINYARD_TOKEN", "tyu.not-a-token")
+    with trainyard.Client() as c, pytest.raises(grpc.RpcError) as refused:
+        c.list(limit=1)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+RESUMING_PROGRAM = """
+    import os, sys, time
+    sys.path.insert(0, {sdk!r})
+    import trainyard
+    ctx = trainyard.init()
+    latest = ctx.latest_checkpoint("step-*")
+    start = int(open(latest).read()) if latest else 0
+    if latest:
+        print(f"resumed from step {{start}}", flush=True)
+    steps, crash_at = int(sys.argv[1]), int(sys.argv[2])
+    for step in range(start + 1, steps + 1):
+        ctx.report(step, loss=1.0 / step, total_steps=steps)
+        if ctx.checkpoint_requested() or step % 3 == 0:
+            if ctx.rank == 0:
+                path = os.path.join(ctx.checkpoint_dir, f"step-{{step:06d}}")
+                open(path + ".tmp", "w").write(str(step))
+                os.replace(path + ".tmp", path)
+                ctx.report_checkpoint(step, path)
+            if ctx.should_stop():
+                print(f"stopping at step {{step}}", flush=True)
+                sys.exit(0)
+        if step == crash_at and ctx.attempt == 1 and ctx.rank == 1:
+            deadline = time.time() + 30
+            while ctx.latest_checkpoint("step-*") is None and time.time() < deadline:
+                time.sleep(0.01)  # once rank 0's first checkpoint is there
+            print("error: rank 1 crashes on purpose", flush=True)
+            os._exit(9)
+        time.sleep(float(sys.argv[3]))
+    print("finished", flush=True)
+"""
+
+
+def attempt_lines(client, job_id):
+    return [(line.attempt, line.rank, line.text) for line in client.logs(job_id)]
+
+
+def test_a_killed_rank_restarts_the_attempt_from_the_latest_checkpoint(client, tmp_path):
+    folder = program(tmp_path, RESUMING_PROGRAM.format(sdk=SDK))
+    job = client.submit(name="sdk-restart", gpus=2, max_restarts=1, workdir=str(folder),
+                        command=[sys.executable, "train.py", "8", "4", "0.02"])
+    done = client.wait(job.id, timeout=120)
+    assert done.restarts == 1 and done.attempt == 2
+    lines = attempt_lines(client, job.id)
+    assert (1, 1, "error: rank 1 crashes on purpose") in lines
+    # Rank 0 checkpointed step 3 before rank 1 crashed at step 4; the program has no barrier, so
+    # rank 0 may have written step 6's too before it was stopped. Attempt 2 starts from one.
+    resumed = [t for a, r, t in lines if a == 2 and r == 0 and t.startswith("resumed from step")]
+    assert resumed in (["resumed from step 3"], ["resumed from step 6"]), lines
+    assert (2, 0, "finished") in lines
+    assert done.step == 8
+
+
+def test_a_preempted_command_job_checkpoints_requeues_and_resumes(preemptive_cluster, tmp_path):
+    with trainyard.Client(preemptive_cluster["address"], preemptive_cluster["token"]) as client:
+        folder = program(tmp_path, RESUMING_PROGRAM.format(sdk=SDK))
+        low = client.submit(name="sdk-low", gpus=2, priority=10, workdir=str(folder),
+                            command=[sys.executable, "train.py", "200", "0", "0.05"])
+        for _ in client.metrics(low.id, follow=True, timeout=120):
+            break  # it runs and reports
+        high = client.submit(name="sdk-high", gpus=2, priority=90,
+                             command=["/bin/sh", "-c", "echo urgent"])
+        assert client.wait(high.id, timeout=120).state == job_pb2.SUCCEEDED
+        done = client.wait(low.id, timeout=180)
+        lines = attempt_lines(client, low.id)
+        assert done.preemptions == 1 and done.attempt == 2 and done.restarts == 0, (done, lines)
+        stopped = [int(t.split()[-1]) for a, r, t in lines if a == 1 and r == 0
+                   and t.startswith("stopping at step")]
+        resumed = [int(t.split()[-1]) for a, r, t in lines if a == 2 and r == 0
+                   and t.startswith("resumed from step")]
+        assert stopped and resumed, lines
+        assert resumed[0] == stopped[0]  # no step lost beyond the checkpoint
+        assert (2, 0, "finished") in lines
