@@ -1,9 +1,11 @@
 """A plain PyTorch DDP program, as users bring their own: run by trainyard as a command job.
 
-Nothing here knows trainyard: torch.distributed reads the environment torchrun would set (RANK,
-WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...), which trainyard gives every rank. The checkpoint goes
-to TRAINYARD_CHECKPOINT_DIR when it is set (else ./checkpoints), and a restarted attempt resumes
-from it. Runs by hand too: `torchrun --nproc-per-node 2 examples/pytorch-ddp.py`.
+torch.distributed reads the environment torchrun would set (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT, ...), which trainyard gives every rank. The checkpoint goes to
+TRAINYARD_CHECKPOINT_DIR when it is set (else ./checkpoints), and a restarted or preempted attempt
+resumes from it. With trainyard's Python SDK installed (python/), each step's loss is reported
+(`yard metrics`) and `yard checkpoint` or a preemption reaches the loop; without it, or outside
+trainyard (`torchrun --nproc-per-node 2 examples/pytorch-ddp.py`), it trains all the same.
 
     python3 pytorch-ddp.py [--steps N] [--checkpoint-every N]
 """
@@ -13,6 +15,11 @@ import os
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+
+try:
+    import trainyard
+except ImportError:  # without the SDK: no reports, no commands
+    trainyard = None
 
 
 def main():
@@ -46,6 +53,7 @@ def main():
         start = state["step"]
         print(f"resumed from step {start}", flush=True)
 
+    ctx = trainyard.init() if trainyard else None
     for step in range(start + 1, args.steps + 1):
         loss = torch.nn.functional.mse_loss(model(x), y)
         optimizer.zero_grad()
@@ -54,14 +62,29 @@ def main():
         # The mean over ranks, as a user would report it.
         reported = loss.detach().clone()
         dist.all_reduce(reported)
+        mean_loss = reported.item() / world
         if rank == 0:
-            print(f"step {step} loss {reported.item() / world:.6f}", flush=True)
-        if step % args.checkpoint_every == 0 and rank == 0:
-            os.makedirs(ckpt_dir, exist_ok=True)
-            torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                        "step": step}, ckpt + ".tmp")
-            os.replace(ckpt + ".tmp", ckpt)
+            print(f"step {step} loss {mean_loss:.6f}", flush=True)
+        # Every rank asks (only rank 0's report is recorded); the ranks then agree, so that all
+        # checkpoint or stop at the same step.
+        requested = stop = False
+        if ctx is not None:
+            ctx.report(step, loss=mean_loss, total_steps=args.steps)
+            flags = torch.tensor([float(ctx.checkpoint_requested()), float(ctx.should_stop())])
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            requested, stop = bool(flags[0]), bool(flags[1])
+        if step % args.checkpoint_every == 0 or requested or step == args.steps:
+            if rank == 0:
+                os.makedirs(ckpt_dir, exist_ok=True)
+                torch.save({"model": model.module.state_dict(),
+                            "optimizer": optimizer.state_dict(), "step": step}, ckpt + ".tmp")
+                os.replace(ckpt + ".tmp", ckpt)
+                if ctx is not None:
+                    ctx.report_checkpoint(step, ckpt, os.path.getsize(ckpt))
         dist.barrier()
+        if stop:  # preempted: checkpointed; exit 0 to be requeued
+            print(f"stopping at step {step}", flush=True)
+            break
     dist.destroy_process_group()
 
 

@@ -292,10 +292,19 @@ bool SystemTorch() {
   return testing::RunCommand({"/usr/bin/python3", "-c", "import torch"}).exit_code == 0;
 }
 
+// The SDK's venv (scripts/setup.sh: over Debian's python3-torch, with python/ installed), when
+// there is one; else Debian's python3, and the example trains without reporting.
+std::string ExamplePython(bool* with_sdk) {
+  const std::string venv = TestBinPath("../sdk-venv/bin/python");
+  *with_sdk = testing::RunCommand({venv, "-c", "import torch, trainyard"}).exit_code == 0;
+  return *with_sdk ? venv : "/usr/bin/python3";
+}
+
 TEST_F(WorkerE2eTest, ACommandJobsRanksGetTorchrunsEnvironmentAndTrainWithGloo) {
   if (!SystemTorch()) GTEST_SKIP() << "no python3-torch";
+  bool with_sdk = false;
   v1::JobSpec spec =
-      CommandSpec("pytorch-ddp", 2, {"/usr/bin/python3", "pytorch-ddp.py", "--steps", "30"});
+      CommandSpec("pytorch-ddp", 2, {ExamplePython(&with_sdk), "pytorch-ddp.py", "--steps", "30"});
   spec.set_workdir(std::string(TRAINYARD_SOURCE_DIR) + "/examples");
   (*spec.mutable_env())["PYTHONDONTWRITEBYTECODE"] = "1";
   v1::Job done = RunToEnd(*client_, spec);
@@ -331,6 +340,17 @@ TEST_F(WorkerE2eTest, ACommandJobsRanksGetTorchrunsEnvironmentAndTrainWithGloo) 
   }
   ASSERT_EQ(losses.size(), 30u) << absl::StrJoin(logs, "\n");
   EXPECT_LT(losses.back(), 0.5 * losses.front());
+  if (with_sdk) {  // reported through the SDK: `yard metrics` has every step, and the checkpoints
+    std::vector<v1::StepReport> steps;
+    ASSERT_TRUE(
+        client_->Metrics(done.id(), false, [&](const v1::StepReport& r) { steps.push_back(r); })
+            .ok());
+    ASSERT_EQ(steps.size(), 30u);
+    EXPECT_EQ(steps.back().step(), 30);
+    EXPECT_NEAR(steps.front().loss(), losses.front(), 1e-5);
+    EXPECT_LT(steps.back().loss(), 0.5 * steps.front().loss());
+    EXPECT_EQ(done.last_checkpoint().step(), 30);
+  }
   // Its checkpoint went to the job's checkpoint folder (TRAINYARD_CHECKPOINT_DIR).
   EXPECT_TRUE(
       std::filesystem::exists(dir_.path() + "/state/checkpoints/" + done.id() + "/pytorch-ddp.pt"));
@@ -542,6 +562,24 @@ TEST_F(WorkerE2eTest, RanksRunAsTheirOwnersAccountAndReadOnlyWhatItMay) {
 
 // A worker that is not root runs every rank as itself, so it takes only the jobs of the users
 // mapped to its account: the scheduler places nothing else on it.
+// As root, a command job's ranks run as its owner's account too, in a folder of that account's.
+TEST_F(WorkerE2eTest, ACommandJobsRanksRunAsTheirOwnersAccount) {
+  if (geteuid() != 0) GTEST_SKIP() << "switching ranks to another account needs root";
+  ASSERT_EQ(chmod(dir_.path().c_str(), 0755), 0);  // the ranks' folders are below it
+  StopWorker();
+  alice_account_ = "nobody";
+  StartWorker({"--gpus", "none"});
+  WaitForReadyNodes(1);
+  v1::Job done = RunToEnd(
+      *client_,
+      CommandSpec("whoami", 2, {"/bin/sh", "-c", "echo \"$(id -un) $(id -u) $USER in $(pwd)\""}));
+  ASSERT_EQ(done.state(), v1::SUCCEEDED) << done.message();
+  const std::string work = work_dir() + "/" + done.id() + "/attempt-1/work";
+  for (int rank : {0, 1}) {
+    EXPECT_THAT(Logs(done.id()), Contains(absl::StrCat(rank, ": nobody 65534 nobody in ", work)));
+  }
+}
+
 TEST_F(WorkerE2eTest, AWorkerWithoutRootTakesOnlyItsAccountsJobs) {
   if (geteuid() != 0) GTEST_SKIP() << "starting the worker as another account needs root";
   ASSERT_EQ(chmod(dir_.path().c_str(), 0755), 0);
