@@ -332,6 +332,8 @@ absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& given) {
                                      c.coordinator_address,
                                      "--node-id",
                                      node,
+                                     "--address",
+                                     "127.0.0.1",
                                      "--cpu-slots",
                                      absl::StrCat(options.slots_per_worker),
                                      "--work-dir",

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <limits>
@@ -570,6 +571,17 @@ absl::StatusOr<ParsedSpec> LoadJobSpecFile(const std::string& path) {
 
 absl::StatusOr<ParsedSpec> LoadValidJobSpecFile(const std::string& path) {
   ASSIGN_OR_RETURN(ParsedSpec parsed, LoadJobSpecFile(path));
+  // In a file, a command job's relative workdir is the spec file's folder's (`workdir: .` runs
+  // the program beside its spec); sent on, every workdir is absolute.
+  JobSpec& spec = parsed.spec;
+  if (IsCommandJob(spec) && !spec.workdir().empty() && spec.workdir()[0] != '/') {
+    std::error_code ec;
+    const std::filesystem::path folder =
+        std::filesystem::absolute(std::filesystem::path(path), ec).parent_path();
+    if (!ec) spec.set_workdir((folder / spec.workdir()).lexically_normal().string());
+    if (spec.workdir().size() > 1 && spec.workdir().back() == '/')
+      spec.mutable_workdir()->pop_back();
+  }
   ApplyJobSpecDefaults(parsed.spec);
   if (absl::Status s = ValidateJobSpec(parsed.spec); !s.ok()) {
     return AnnotateWithLine(s, parsed, path);
@@ -1120,8 +1132,8 @@ ModelConfig ToModelConfig(const v1::ModelSpec& m) {
 }
 
 absl::Status FillModelFromCheckpoint(v1::JobSpec& spec) {
+  if (spec.model().kind() != "llama" || spec.model().from().empty()) return absl::OkStatus();
   v1::ModelSpec& m = *spec.mutable_model();
-  if (m.kind() != "llama" || m.from().empty()) return absl::OkStatus();
   ModelConfig c = ToModelConfig(m);
   RETURN_IF_ERROR(ResolveFromCheckpoint(&c).status());
   m.set_n_layer(c.n_layer);

@@ -30,7 +30,8 @@ absl::StatusOr<ParsedSpec> ParseJobSpecYaml(const std::string& yaml_text,
 absl::StatusOr<ParsedSpec> LoadJobSpecFile(const std::string& path);
 
 // LoadJobSpecFile, then ApplyJobSpecDefaults and ValidateJobSpec on the spec; a validation error
-// carries the file and line of the field (AnnotateWithLine).
+// carries the file and line of the field (AnnotateWithLine). A command job's relative workdir is
+// made absolute first, from the folder of the file (`workdir: .` is the spec's own folder).
 absl::StatusOr<ParsedSpec> LoadValidJobSpecFile(const std::string& path);
 
 // Fills unset optional fields with their defaults (priority 50, grad_accum 1, ddp, ...).

@@ -37,6 +37,7 @@ using ::testing::IsEmpty;
 using ::testing::Not;
 using testing::RunCommand;
 using testing::TempDir;
+using testing::TestBinPath;
 
 // Pids of live processes whose command line contains every one of `needles`.
 std::vector<pid_t> ProcessesWith(const std::vector<std::string>& needles) {
@@ -109,7 +110,10 @@ class ClusterE2eTest : public ::testing::Test {
   // A HOME of its own: `yard local up` saves the local admin's token there, where the later
   // calls find it, as they would after the README's command.
   std::vector<std::string> YardEnv() const {
-    return {"HOME=" + dir_.path(), "XDG_CONFIG_HOME=", "TRAINYARD_TOKEN=", "TRAINYARD_TOKEN_FILE="};
+    std::vector<std::string> env = {
+        "HOME=" + dir_.path(), "XDG_CONFIG_HOME=", "TRAINYARD_TOKEN=", "TRAINYARD_TOKEN_FILE="};
+    env.insert(env.end(), extra_env_.begin(), extra_env_.end());
+    return env;
   }
 
   std::string WriteSpec(const std::string& name, int steps, const std::string& strategy = "ddp") {
@@ -161,7 +165,36 @@ class ClusterE2eTest : public ::testing::Test {
   TempDir dir_;
   std::string state_;
   std::string address_;
+  std::vector<std::string> extra_env_;  // for yard, and the cluster `yard local up` starts
 };
+
+// The PyTorch example as its comment tells a user to run it, `yard submit
+// examples/pytorch-ddp.yaml`: a plain Gloo DDP script, its two ranks on two nodes (MASTER_ADDR and
+// MASTER_PORT from the coordinator), python3 being the SDK's venv (over Debian's python3-torch),
+// so that the loss shows in `yard metrics`.
+class PytorchExampleE2eTest : public ClusterE2eTest {
+ protected:
+  PytorchExampleE2eTest() { extra_env_ = {"PATH=" + SdkBin() + ":/usr/local/bin:/usr/bin:/bin"}; }
+  static std::string SdkBin() { return TestBinPath("../sdk-venv/bin"); }
+};
+
+TEST_F(PytorchExampleE2eTest, TheExampleTrainsThroughYardOnTwoNodesWithFallingLoss) {
+  if (RunCommand({SdkBin() + "/python3", "-c", "import torch, trainyard"}).exit_code != 0) {
+    GTEST_SKIP() << "no SDK venv over python3-torch (scripts/setup.sh makes build/sdk-venv)";
+  }
+  const std::string job =
+      SubmitAndWait(std::string(TRAINYARD_SOURCE_DIR) + "/examples/pytorch-ddp.yaml");
+  ASSERT_FALSE(job.empty());
+  ExpectLossFell(job, 40);
+  const std::string logs = Yard({"logs", job}).out;
+  EXPECT_THAT(logs, HasSubstr("[rank 0] env RANK=0 LOCAL_RANK=0 WORLD_SIZE=2 LOCAL_WORLD_SIZE=1 "
+                              "GROUP_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500"));
+  EXPECT_THAT(logs, HasSubstr("[rank 1] env RANK=1 LOCAL_RANK=0 WORLD_SIZE=2 LOCAL_WORLD_SIZE=1 "
+                              "GROUP_RANK=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500"));
+  const CommandResult described = Yard({"describe", job});
+  EXPECT_THAT(described.out, HasSubstr("python3 pytorch-ddp.py --steps 40"));
+  EXPECT_THAT(described.out, HasSubstr(std::string(TRAINYARD_SOURCE_DIR) + "/examples"));
+}
 
 TEST_F(ClusterE2eTest, TrainsACharGptWithFallingLossAndStreamsLogsAndMetrics) {
   const std::string job = SubmitAndWait(WriteSpec("char-gpt", 60));

@@ -4,6 +4,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <stdlib.h>
+
+#include <filesystem>
 #include <fstream>
 #include <functional>
 
@@ -315,6 +318,27 @@ TEST(SpecTest, CommandJobsAreReadAndChecked) {
     EXPECT_FALSE(bad.ok()) << yaml;
     EXPECT_THAT(std::string(bad.status().message()), HasSubstr("s.yaml:1:")) << yaml;
   }
+}
+
+TEST(SpecTest, ARelativeWorkdirInAFileIsTheFilesFolders) {
+  char tmpl[] = "/tmp/spec-test-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string root = tmpl;
+  std::filesystem::create_directories(root + "/project/sub");
+  const std::string path = root + "/project/job.yaml";
+  std::ofstream(path) << "name: j\nresources: {gpus: 1}\ncommand: [python3, t.py]\nworkdir: "
+                         "./sub/\n";
+  auto parsed = LoadValidJobSpecFile(path);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->spec.workdir(), root + "/project/sub");
+  std::ofstream(path) << "name: j\nresources: {gpus: 1}\ncommand: [python3, t.py]\nworkdir: .\n";
+  EXPECT_EQ(LoadValidJobSpecFile(path)->spec.workdir(), root + "/project");
+  // Sent as such (not through a file), a relative workdir is refused.
+  v1::JobSpec spec = LoadValidJobSpecFile(path)->spec;
+  spec.set_workdir("sub");
+  EXPECT_THAT(std::string(ValidateJobSpec(spec).message()),
+              StartsWith("workdir: must be an absolute path"));
+  std::filesystem::remove_all(root);
 }
 
 TEST(SpecTest, EmptyFileIsAnError) {

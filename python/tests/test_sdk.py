@@ -76,7 +76,10 @@ RANK_PROGRAM = """
     steps = int(sys.argv[1])
     for step in range(1, steps + 1):
         commands = ctx.report(step, loss=10.0 / step, total_steps=steps, accuracy=step / steps)
-        if ctx.checkpoint_requested():
+        # A request stays pending until rank 0 reports the checkpoint: a rank that asks after that
+        # sees none, so the others also stop once rank 0's checkpoint is there (a program with
+        # torch.distributed would all-reduce the flags instead, as examples/pytorch-ddp.py does).
+        if ctx.checkpoint_requested() or ctx.latest_checkpoint("step-*"):
             path = os.path.join(ctx.checkpoint_dir, f"step-{{step}}")
             if ctx.rank == 0:
                 open(path, "w").write("state")

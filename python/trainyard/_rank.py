@@ -10,8 +10,9 @@ class Context:
     """A rank's view of its job, from the environment its worker gave it.
 
     Every rank may call report(); rank 0's reports are the job's metrics, the others' only fetch
-    the job's commands, so that every rank learns of a checkpoint request or a stop at the same
-    step. Outside a trainyard job (no TRAINYARD_JOB_ID or credential) nothing is sent and no
+    the job's commands. A checkpoint request is pending until rank 0 reports the checkpoint, a
+    stop until the attempt ends: ranks that must act at the same step agree on the flags (e.g.
+    an all-reduce of them, as examples/pytorch-ddp.py does). Outside a trainyard job (no TRAINYARD_JOB_ID or credential) nothing is sent and no
     command ever comes: the same script runs by hand."""
 
     def __init__(self, environ=None, timeout=30.0):

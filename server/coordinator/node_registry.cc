@@ -1,5 +1,7 @@
 #include "server/coordinator/node_registry.h"
 
+#include <algorithm>
+
 #include <cmath>
 #include <limits>
 #include <set>
@@ -336,16 +338,15 @@ std::string NodeRegistry::HostOf(const std::string& node_id) const {
   absl::MutexLock lock(&mu_);
   auto it = nodes_.find(node_id);
   if (it == nodes_.end()) return "";
-  const v1::Node& node = it->second.node;
-  const size_t colon = node.address().rfind(':');
-  if (!node.address().empty() && colon != 0) {
-    std::string host = node.address().substr(0, colon);
-    if (host.size() > 2 && host.front() == '[' && host.back() == ']') {  // [IPv6]
-      host = host.substr(1, host.size() - 2);
-    }
-    return host;
+  const std::string& address = it->second.node.address();
+  if (address.empty()) return it->second.node.hostname();
+  if (address.front() == '[') {  // [IPv6]:PORT
+    const size_t close = address.find(']');
+    return close == std::string::npos ? address : address.substr(1, close - 1);
   }
-  return node.hostname();
+  // HOST:PORT; a host alone, or a bare IPv6 address, as it is.
+  return std::count(address.begin(), address.end(), ':') == 1 ? address.substr(0, address.find(':'))
+                                                              : address;
 }
 
 }  // namespace trainyard::coordinator

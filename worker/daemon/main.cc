@@ -123,6 +123,9 @@ int main(int argc, char** argv) {
                  "coordinator HOST:PORT (env TRAINYARD_COORDINATOR)")
       ->capture_default_str();
   app.add_option("--node-id", options.node_id, "stable name of this node")->capture_default_str();
+  app.add_option("--address", options.address,
+                 "where other nodes reach this node's ranks: command jobs' MASTER_ADDR when rank 0 "
+                 "runs here (default: the host name)");
   app.add_option("--cpu-slots", options.cpu_slots, "CPU slots offered (one rank each)")
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();

@@ -165,19 +165,6 @@ int SignalMarked(const std::string& mark, int sig) {
   return signalled;
 }
 
-// Whether a TCP port can be bound on this host now (any address).
-bool PortFree(int port) {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return false;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  const bool free = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
-  close(fd);
-  return free;
-}
-
 // A TCP port free on this host now (the kernel's pick), for a command job's MASTER_PORT when the
 // coordinator reserved none; 29500 (torchrun's default) if none can be had.
 int FreeLocalPort() {
@@ -460,16 +447,15 @@ void RankSupervisor::StartCommand(const v1::Assignment& a, const v1::JobSpec& sp
   // the spec's own names (validated not to be any of these), before the worker's environment.
   // MASTER_PORT: reserved by the coordinator on rank 0's node for this attempt; without one (all
   // taken), rank 0's node picks a free port, which is right when the job has one node.
-  // When every rank is on this node, the port only has to be free here: one that is taken (by a
-  // program outside trainyard, or another cluster's job) is swapped for one the kernel picks,
-  // the same for all the attempt's ranks.
+  // When every rank is on this node, the port only has to be free here: the kernel picks one,
+  // the same for all the attempt's ranks. Across nodes, it is the coordinator's reservation.
   std::string master_addr = a.master_addr().empty() ? "127.0.0.1" : a.master_addr();
   int& master_port = attempt_ports_[{a.job_id(), a.attempt()}];
   if (master_port == 0) {
-    master_port = a.master_port();
     const bool single_node = a.world_size() == a.device_indices_size();
-    if (master_port == 0 || (single_node && !PortFree(master_port))) master_port = FreeLocalPort();
+    master_port = single_node || a.master_port() == 0 ? FreeLocalPort() : a.master_port();
   }
+  if (a.world_size() == a.device_indices_size()) master_addr = "127.0.0.1";
   std::vector<std::string> env = {
       absl::StrCat("RANK=", rank),
       absl::StrCat("LOCAL_RANK=", rank - a.first_rank()),
