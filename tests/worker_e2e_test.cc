@@ -380,6 +380,25 @@ TEST_F(WorkerE2eTest, ACommandJobRunsInItsWorkdirWithItsEnvAndANonZeroExitFailsI
   v1::Job missing = RunToEnd(*client_, CommandSpec("missing", 1, {"no-such-program-here"}));
   EXPECT_EQ(missing.state(), v1::FAILED);
   EXPECT_THAT(missing.message(), HasSubstr("'no-such-program-here' is not in the PATH"));
+
+  // Output without a final newline still reaches the logs.
+  v1::Job unterminated =
+      RunToEnd(*client_, CommandSpec("unterminated", 1, {"/usr/bin/printf", "first\nno newline"}));
+  EXPECT_EQ(unterminated.state(), v1::SUCCEEDED) << unterminated.message();
+  EXPECT_THAT(Logs(unterminated.id()), ElementsAre("0: first", "0: no newline"));
+
+  // A job larger than the whole cluster says so instead of waiting in silence.
+  auto huge = client_->Submit(CommandSpec("huge", 5, {"/bin/true"}));
+  ASSERT_TRUE(huge.ok()) << huge.status();
+  std::string why;
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (why.empty() && absl::Now() < deadline) {
+    auto job = client_->Get(huge->id());
+    ASSERT_TRUE(job.ok()) << job.status();
+    if (absl::StrContains(job->why_waiting(), "needs")) why = job->why_waiting();
+    absl::SleepFor(absl::Milliseconds(50));  // the scheduler's next pass (at least once a second)
+  }
+  EXPECT_THAT(why, HasSubstr("needs 5 devices, more than the ready nodes"));
 }
 
 // Waits until `path` holds a pid; 0 after 30 s.
