@@ -460,6 +460,17 @@ TEST_F(WorkerE2eTest, NoProcessOfACommandJobOutlivesItEvenOneThatLeftItsSession)
   const pid_t child = PidIn(workdir + "/daemon-2.pid");
   ASSERT_GT(child, 0);
   EXPECT_TRUE(GoneSoon(child)) << "the ended job's child " << child << " still runs";
+
+  // One that cleared its environment cannot be found; the rank's end is still reported (its
+  // output is read for a few seconds more), and the test stops it.
+  v1::JobSpec hidden = CommandSpec(
+      "hides", 1,
+      {"/bin/sh", "-c",
+       "setsid /usr/bin/env -i /bin/sh -c 'echo $$ > daemon-3.pid; exec sleep 600' & echo done"});
+  hidden.set_workdir(workdir);
+  v1::Job ended = RunToEnd(*client_, hidden);
+  EXPECT_EQ(ended.state(), v1::SUCCEEDED) << ended.message();
+  if (const pid_t escaped = PidIn(workdir + "/daemon-3.pid"); escaped > 0) kill(escaped, SIGKILL);
 }
 
 TEST_F(WorkerE2eTest, YardPrintsLogsPrefixedByRankAndRefusesToCheckpointAnEndedJob) {

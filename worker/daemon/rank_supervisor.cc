@@ -641,16 +641,20 @@ void RankSupervisor::ReadOutput(RankKey key, int fd, pid_t pid) {
   // Until the pipe's end: when the rank itself has exited but something it left behind (a child
   // in another process group or session) still holds the pipe, that is stopped, so that the
   // rank's end is reported.
+  // A holder that cannot be found (it cleared its environment) is left the pipe: what it writes
+  // after the rank's end is not read beyond a few seconds.
   const std::string mark = RankMark(job_id, attempt, rank);
   bool exited = false;
+  absl::Time stop_reading = absl::InfiniteFuture();
   int wait_status = 0;
-  while (true) {
+  while (absl::Now() < stop_reading) {
     pollfd pfd{fd, POLLIN, 0};
     const int ready = poll(&pfd, 1, 250);
     if (ready < 0 && errno == EINTR) continue;
     if (ready == 0) {
       if (!exited && waitpid(pid, &wait_status, WNOHANG) == pid) {
         exited = true;
+        stop_reading = absl::Now() + absl::Seconds(5);
         kill(-pid, SIGKILL);
         SignalMarked(mark, SIGKILL);
       }
