@@ -5,7 +5,7 @@
 # then stops the cluster.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh --programs  # only what the example runs: no tests, no Python environments
 
 yard=build/bin/yard
 state_dir="$(pwd)/build/example-cluster"

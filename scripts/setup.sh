@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Installs trainyard's build and test dependencies from Debian's archive (only what is missing)
-# and builds everything (Release) into ./build. Safe to run again: it does only what is needed.
+# and builds everything (Release) into ./build, then the Python environments the tests use. Safe
+# to run again: it does only what is needed. With --programs, builds only the programs (yard, the
+# coordinator, the worker, the trainer, the parameter server) and no test or Python environment:
+# what scripts/run-example.sh needs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,6 +31,12 @@ fi
 
 jobs=$(nproc)
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+if [ "${1:-}" = "--programs" ]; then
+  cmake --build build -j "$jobs" --target yard trainyard-coordinator trainyard-worker \
+    trainyard-trainer trainyard-ps
+  echo "setup: built the programs into $(pwd)/build/bin"
+  exit 0
+fi
 cmake --build build -j "$jobs"
 echo "setup: built into $(pwd)/build/bin"
 

@@ -31,7 +31,7 @@
 namespace trainyard::coordinator {
 
 // Limits on what callers may make the coordinator hold; each has a flag (main.cc) and is listed
-// in the README's Security section.
+// in docs/security.md ("Limits").
 struct CoordinatorLimits {
   // Jobs a user may have queued, unless an admin set the user's own max_queued_jobs; negative:
   // no cap.
