@@ -541,8 +541,9 @@ int Metrics(const Globals& g, const std::string& id, bool follow) {
   const bool tty = isatty(STDOUT_FILENO);
   nlohmann::json series = nlohmann::json::array();
   std::vector<std::vector<std::string>> rows;
-  std::deque<double> recent;  // seconds of the last steps, for the ETA
-  bool pipelined = false;     // a BUBBLE column
+  std::deque<double> recent;        // seconds of the last steps, for the ETA
+  bool pipelined = false;           // a BUBBLE column
+  std::vector<std::string> extras;  // a program's own metrics (the SDK's), one entry per row
   absl::Status s = client.Metrics(NormalizeJobId(id), follow, [&](const v1::StepReport& r) {
     if (g.json()) {
       series.push_back({{"attempt", r.attempt()},
@@ -575,6 +576,12 @@ int Metrics(const Globals& g, const std::string& id, bool follow) {
                       HumanCount(static_cast<int64_t>(r.tokens_per_second())),
                       absl::StrFormat("%.0f", 1000 * r.step_seconds()),
                       HumanBytes(r.resident_bytes()), HumanBytes(r.model_state_peak_bytes())});
+      std::vector<std::string> own;
+      for (const auto& [name, value] : r.metrics()) {
+        own.push_back(absl::StrFormat("%s=%.4g", name, value));
+      }
+      std::sort(own.begin(), own.end());
+      extras.push_back(absl::StrJoin(own, " "));
       if (r.pipeline_stage_idle_size() > 0) {
         pipelined = true;
         std::vector<std::string> stages;
@@ -606,6 +613,13 @@ int Metrics(const Globals& g, const std::string& id, bool follow) {
     // each stage's.
     if (pipelined) header.push_back("BUBBLE (THEORY) [PER STAGE]");
     for (auto& row : rows) row.resize(header.size(), "-");
+    // A program's own metrics (trainyard.init().report(step, accuracy=...)), by name.
+    if (std::any_of(extras.begin(), extras.end(), [](const auto& e) { return !e.empty(); })) {
+      header.push_back("METRICS");
+      for (size_t i = 0; i < rows.size(); ++i) {
+        rows[i].push_back(extras[i].empty() ? "-" : extras[i]);
+      }
+    }
     std::cout << FormatTable(header, rows);
   }
   return 0;

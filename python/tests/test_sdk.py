@@ -55,6 +55,10 @@ def client(cluster):
         yield c
 
 
+def client_token(client):
+    return client._metadata[0][1][len("Bearer "):]
+
+
 def program(tmp_path, body):
     """A training program in its own folder, run by the SDK's own Python."""
     folder = tmp_path / "project"
@@ -109,6 +113,13 @@ def test_a_rank_reports_steps_and_metrics_that_yard_and_the_client_read(client, 
     lines = [(line.rank, line.text) for line in client.logs(job.id)]
     assert (0, f"rank 0 of 2 in {job.id} attempt 1") in lines
     assert (1, f"rank 1 of 2 in {job.id} attempt 1") in lines
+    # yard shows them too.
+    table = subprocess.run([str(BIN / "yard"), "--coordinator", client.address, "metrics", job.id],
+                           env=dict(os.environ, TRAINYARD_TOKEN=client_token(client)),
+                           capture_output=True, text=True, timeout=60)
+    assert table.returncode == 0, table.stderr
+    assert "METRICS" in table.stdout.splitlines()[0]
+    assert "accuracy=1" in table.stdout.splitlines()[-1]
     assert [j.id for j in client.list(limit=1)] == [job.id]
     assert client.describe(job.id).spec.command[1] == "train.py"
 
