@@ -860,8 +860,26 @@ TEST_F(CoordinatorServiceTest, StepReportsFeedMetricsAndCarryCheckpointRequestsU
   EXPECT_EQ(j.step(), 2);
   ASSERT_TRUE(report(3, 1, &commands).ok());
   EXPECT_FALSE(commands.checkpoint_requested());
+  {
+    grpc::ClientContext ctx;
+    PrepareToken(ctx, tokens_->Job(job.id(), 1));
+    v1::StepReport r;
+    r.set_job_id(job.id());
+    r.set_attempt(1);
+    r.set_step(4);
+    // Another rank's report fetches the commands; it is not one of the job's rows.
+    r.set_rank(1);
+    ASSERT_TRUE(trainer_->ReportStep(&ctx, r, &commands).ok());
+    // A program's own metrics: at most 64 by name.
+    for (int i = 0; i < 65; ++i) (*r.mutable_metrics())[absl::StrCat("m", i)] = i;
+    grpc::ClientContext ctx2;
+    PrepareToken(ctx2, tokens_->Job(job.id(), 1));
+    grpc::Status s = trainer_->ReportStep(&ctx2, r, &commands);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_EQ(s.error_message(), "metrics: 65 entries, at most 64");
+  }
 
-  // The metrics stream has every accepted report, in order.
+  // The metrics stream has every accepted report of rank 0, in order.
   grpc::ClientContext ctx;
   Prepare(ctx);
   v1::StreamMetricsRequest r;

@@ -465,45 +465,32 @@ absl::StatusOr<JobManager::ListResult> JobManager::List(const v1::ListJobsReques
     states.insert(r.states(i));
   }
   const size_t limit = r.page_size() == 0 ? 100 : static_cast<size_t>(r.page_size());
-  {
-    absl::MutexLock lock(&mu_);
-    if (!jobs_in_store_only_) {
-      ListResult result;
-      size_t bytes = 0;
-      for (auto it = std::make_reverse_iterator(ids_by_seq_.lower_bound(before_seq));
-           it != ids_by_seq_.rend(); ++it) {
-        const v1::Job& job = jobs_.at(it->second);
-        if (!Matches(job, states, r.owner())) continue;
-        // A page also ends before it outgrows a message, so that no job can break listings.
-        const size_t job_bytes = job.ByteSizeLong() + 8;
-        if (result.jobs.size() == limit ||
-            (!result.jobs.empty() && bytes + job_bytes > max_list_bytes_)) {
-          result.next_page_token = absl::StrCat(result.jobs.back().seq());
-          break;
-        }
-        bytes += job_bytes;
-        result.jobs.push_back(job);
-      }
-      return result;
-    }
-  }
-  return ListWithStore(r, before_seq, states, limit);
+  return ListPage(r, before_seq, states, limit);
 }
 
-absl::StatusOr<JobManager::ListResult> JobManager::ListWithStore(const v1::ListJobsRequest& r,
-                                                                 int64_t before_seq,
-                                                                 const std::set<int>& states,
-                                                                 size_t limit) const {
+absl::StatusOr<JobManager::ListResult> JobManager::ListPage(const v1::ListJobsRequest& r,
+                                                            int64_t before_seq,
+                                                            const std::set<int>& states,
+                                                            size_t limit) const {
   // The store's page first (one more row than needed, to know whether more follow), read without
   // the lock; then memory's, under it. Memory is the truth for a job it holds (the store's row may
   // be a few ms behind); a store row is taken only for a job that memory no longer holds, which
   // ended (so the row is final) unless it was evicted after the read.
-  JobQuery query;
-  query.before_seq = before_seq;
-  query.owner = r.owner();
-  for (int state : states) query.states.push_back(v1::JobState_Name(state));
-  query.limit = limit + 1;
-  ASSIGN_OR_RETURN(std::vector<StoredJob> rows, store_.ListJobs(query));
+  // While every job is in memory (nothing evicted yet), the store is not read.
+  bool read_store = false;
+  {
+    absl::MutexLock lock(&mu_);
+    read_store = jobs_in_store_only_;
+  }
+  std::vector<StoredJob> rows;
+  if (read_store) {
+    JobQuery query;
+    query.before_seq = before_seq;
+    query.owner = r.owner();
+    for (int state : states) query.states.push_back(v1::JobState_Name(state));
+    query.limit = limit + 1;
+    ASSIGN_OR_RETURN(rows, store_.ListJobs(query));
+  }
   const bool store_has_more = rows.size() > limit;
   if (store_has_more) rows.pop_back();
   std::map<int64_t, v1::Job, std::greater<>> page;  // newest first

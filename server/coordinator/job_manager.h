@@ -193,9 +193,9 @@ class JobManager {
   // The job as the store has it: NOT_FOUND, DATA_LOSS for an unreadable record, or the store's
   // error. For jobs not in memory.
   absl::StatusOr<v1::Job> ReadFromStore(const std::string& job_id) const ABSL_LOCKS_EXCLUDED(mu_);
-  // The merge of List's page of resident jobs with the store's rows: see List.
-  absl::StatusOr<ListResult> ListWithStore(const v1::ListJobsRequest& r, int64_t before_seq,
-                                           const std::set<int>& states, size_t limit) const
+  // List's page: the jobs in memory merged with the store's rows once some job lives only there.
+  absl::StatusOr<ListResult> ListPage(const v1::ListJobsRequest& r, int64_t before_seq,
+                                      const std::set<int>& states, size_t limit) const
       ABSL_LOCKS_EXCLUDED(mu_);
   // Whether `job` passes a listing's filters.
   static bool Matches(const v1::Job& job, const std::set<int>& states, const std::string& owner);
