@@ -31,7 +31,7 @@ spec() {
 train() {
   "$bin/trainyard-trainer" --spec "$work/$1.yaml" --job-id "" --attempt 1 --rank 0 \
     --world-size 1 --coordinator 127.0.0.1:1 --device "$2" --checkpoint-dir "$work/$3" \
-    --threads 8 --metrics-file "$work/$3.jsonl" "${@:4}" >"$work/$3.log" 2>&1 || { tail -20 "$work/$3.log"; fail "$3: trainer failed"; }
+    --threads 8 --metrics-file "$work/$3.jsonl" "${@:4}" >"$work/$3.log" 2>&1 || { tail -20 "$work/$3.log" >&2; fail "$3: trainer failed"; }
   cat "$work/$3.log"
 }
 # losses RUN: the losses of run RUN (its checkpoint dir's name), in full, from the metrics file;
@@ -123,6 +123,75 @@ PY
     train fp16 cuda amp --stop-after-steps 3 --inject-overflow-at-step 2 >/dev/null
     train fp16 cpu amp >/dev/null
     grep -q "dynamic loss scale from 32768" "$work/amp.log" || fail "the loss scale did not travel"
+    ;;
+  fsdp)
+    # FSDP on the GPU. One rank over NCCL (a shard group of one) gives the CPU's FSDP losses, and
+    # its sharded checkpoint resumes on the CPU with them; bf16 FSDP trains. Two ranks sharing
+    # this GPU, started by a local cluster of two workers, give DDP's losses under every sharding
+    # strategy (fp32, 1e-5 over 10 steps): their shards are gathered and their gradients
+    # reduce-scattered between two processes, through Gloo over host copies
+    # (TRAINYARD_COLLECTIVES=gloo), since NCCL refuses two ranks on one device.
+    spec fp32 10 fp32
+    sed -i 's/strategy: ddp, sharding_strategy: FULL_SHARD/strategy: fsdp, sharding_strategy: FULL_SHARD/' "$work/fp32.yaml"
+    train fp32 cpu cpu | losses cpu >"$work/cpu.txt"
+    TRAINYARD_NCCL_ONE_RANK=1 train fp32 cuda gpu | losses gpu >"$work/gpu.txt"
+    grep -q "collectives: nccl" "$work/gpu.log" || fail "the one-rank FSDP run did not use NCCL"
+    close "$work/cpu.txt" "$work/gpu.txt" 1e-5 || fail "GPU FSDP losses differ from the CPU's"
+    train fp32 cuda g2c --stop-after-steps 4 >/dev/null
+    train fp32 cpu g2c | losses g2c >"$work/g2c.txt"
+    close "$work/gpu.txt" "$work/g2c.txt" 1e-4 || fail "a GPU FSDP checkpoint resumed on the CPU changed the losses"
+    spec bf16 40 bf16
+    sed -i 's/strategy: ddp, sharding_strategy: FULL_SHARD/strategy: fsdp, sharding_strategy: FULL_SHARD/' "$work/bf16.yaml"
+    train bf16 cuda bf16 | losses bf16 >"$work/bf16.txt"
+    awk 'NR == 1 { f = $1 } END { exit !($1 < f - 1.0) }' "$work/bf16.txt" || fail "bf16 FSDP did not train"
+
+    export HOME=$work TRAINYARD_COLLECTIVES=gloo
+    yard="$bin/yard"
+    touch "$work/cluster-up"
+    "$yard" local up --state-dir "$work/cluster" --workers 2 >"$work/up.log" 2>&1 || { cat "$work/up.log"; fail "local up"; }
+    eval "$(grep '^export ' "$work/up.log")"
+    "$yard" nodes
+    run_job() {  # NAME STRATEGY SHARDING: the job's losses in $work/NAME.txt
+      sed -e 's/steps: 300/steps: 10/' -e 's/warmup: 30/warmup: 2/' -e 's/every_steps: 100/every_steps: 0/' \
+        -e "s/strategy: ddp, sharding_strategy: FULL_SHARD/strategy: $2, sharding_strategy: $3/" \
+        "$root/examples/char-gpt.yaml" >"$work/$1.yaml"
+      local job
+      job=$("$yard" submit "$work/$1.yaml")
+      "$yard" wait "$job" --timeout 240s || { "$yard" logs "$job" | tail -30; fail "$1: the job failed"; }
+      "$yard" logs "$job" >"$work/$1.log"
+      grep -q "collectives: gloo" "$work/$1.log" || fail "$1: the ranks did not use Gloo"
+      grep -q "device: cuda:0" "$work/$1.log" || fail "$1: not on the GPU"
+      "$yard" -o json metrics "$job" |
+        python3 -c "import json, sys; [print(repr(r['loss'])) for r in json.load(sys.stdin)]" >"$work/$1.txt"
+      [ "$(wc -l <"$work/$1.txt")" -eq 10 ] || fail "$1: expected 10 steps"
+    }
+    run_job ddp2 ddp FULL_SHARD
+    for sharding in FULL_SHARD SHARD_GRAD_OP HYBRID_SHARD NO_SHARD; do
+      run_job "fsdp2-$sharding" fsdp "$sharding"
+      close "$work/ddp2.txt" "$work/fsdp2-$sharding.txt" 1e-5 || fail "FSDP $sharding on the GPU differs from DDP"
+    done
+    ;;
+  optimizers)
+    # Lion on the GPU (tensor operations) gives the CPU loop's losses, under DDP and FSDP; the
+    # optimizers that run on CPU slots only are refused naming the field.
+    for strategy in ddp fsdp; do
+      spec "lion-$strategy" 10 fp32
+      sed -i -e 's/seed: 1}/seed: 1, optimizer: lion}/' \
+        -e "s/strategy: ddp, sharding_strategy: FULL_SHARD/strategy: $strategy, sharding_strategy: FULL_SHARD/" \
+        "$work/lion-$strategy.yaml"
+      train "lion-$strategy" cpu "cpu-$strategy" | losses "cpu-$strategy" >"$work/cpu-$strategy.txt"
+      TRAINYARD_NCCL_ONE_RANK=1 train "lion-$strategy" cuda "gpu-$strategy" | losses "gpu-$strategy" >"$work/gpu-$strategy.txt"
+      grep -q "optimizer lion" "$work/gpu-$strategy.log" || fail "$strategy: not Lion"
+      close "$work/cpu-$strategy.txt" "$work/gpu-$strategy.txt" 1e-4 || fail "$strategy: Lion on the GPU differs from the CPU"
+    done
+    spec adafactor 2 fp32
+    sed -i 's/seed: 1}/seed: 1, optimizer: adafactor}/' "$work/adafactor.yaml"
+    if "$bin/trainyard-trainer" --spec "$work/adafactor.yaml" --job-id "" --attempt 1 --rank 0 \
+      --world-size 1 --coordinator 127.0.0.1:1 --device cuda --checkpoint-dir "" --threads 2 \
+      >"$work/adafactor.log" 2>&1; then
+      fail "adafactor trained on the GPU"
+    fi
+    grep -q "train.optimizer: adafactor runs on CPU slots only" "$work/adafactor.log" || { cat "$work/adafactor.log"; fail "no refusal naming train.optimizer"; }
     ;;
   cluster)
     # A local cluster on this GPU host: the worker offers the GPU, `yard` trains the example with

@@ -747,6 +747,43 @@ TEST(ParamDumpTest, RoundTrips) {
   EXPECT_EQ((*read)[1].values, (std::vector<float>{1, 2, 3, 4}));
 }
 
+// A GPU steps Lion in tensor operations over flat views of its slots; on CPU slots that path
+// (UseDeviceArithmetic) gives the CPU loop's parameters and state to fp32 rounding, for whole
+// parameters of any shape, with weight decay and a gradient scale, over several steps.
+TEST(SlotOptimizerTest, LionOnTheDeviceStepsAsTheCpuLoop) {
+  torch::manual_seed(3);
+  const std::vector<std::vector<int64_t>> shapes = {{7}, {16, 12}, {2, 3, 5}};
+  std::vector<OptimizerSlot> loop_slots, device_slots;
+  for (const auto& shape : shapes) {
+    const torch::Tensor p = torch::randn(shape);
+    loop_slots.push_back({p.clone(), 0, {{shape, 0}}});
+    device_slots.push_back({p.clone(), 0, {{shape, 0}}});
+  }
+  SlotOptimizer loop(HyperFor(OptimizerKind::kLion, 0.1), loop_slots, nullptr);
+  SlotOptimizer device(HyperFor(OptimizerKind::kLion, 0.1), device_slots, nullptr);
+  device.UseDeviceArithmetic();
+  for (int k = 0; k < 4; ++k) {
+    for (size_t j = 0; j < shapes.size(); ++j) {
+      const torch::Tensor g = torch::randn(shapes[j]);
+      loop_slots[j].param.mutable_grad() = g.clone();
+      device_slots[j].param.mutable_grad() = g.clone();
+    }
+    loop.Step(1e-2, 0.5);
+    device.Step(1e-2, 0.5);
+  }
+  for (size_t j = 0; j < shapes.size(); ++j) {
+    EXPECT_TRUE(torch::allclose(loop_slots[j].param, device_slots[j].param, 1e-6, 1e-7)) << j;
+    EXPECT_TRUE(torch::allclose(loop.State(static_cast<int>(j)).at("exp_avg"),
+                                device.State(static_cast<int>(j)).at("exp_avg"), 1e-6, 1e-7))
+        << j;
+    // The update moved every parameter (sign(c) is ±1 almost surely).
+    EXPECT_FALSE(torch::equal(device_slots[j].param, torch::zeros(shapes[j])));
+  }
+  EXPECT_THROW(
+      SlotOptimizer(HyperFor(OptimizerKind::kAdafactor, 0), {}, nullptr).UseDeviceArithmetic(),
+      c10::Error);
+}
+
 // Optimizer slots that are the two shards of a flat buffer of parameters (FSDP's view) step as
 // the whole parameters do: Lion and Adafactor (its statistics summed over the two ranks) to
 // rounding; 8-bit AdamW exactly, but for the one block of a parameter that the shard boundary

@@ -18,6 +18,7 @@
 
 #include <nlohmann/json.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -216,23 +217,22 @@ absl::Status Train(const TrainerOptions& o) {
         "use bf16");
   }
   if (device.is_cuda()) {
-    // What runs on a GPU so far: DDP (and FSDP NO_SHARD) with AdamW. The rest refuses here, by
-    // field, before any rank waits for another.
+    // What runs on a GPU so far: DDP and FSDP (every sharding strategy) with AdamW or Lion. The
+    // rest refuses here, by field, before any rank waits for another.
     if (model_parallel) {
       return absl::UnimplementedError(
           "parallel.pipeline_stages / parallel.tensor_parallel: model parallelism does not run "
-          "on GPUs yet; use strategy ddp, or CPU slots");
+          "on GPUs yet; use strategy ddp or fsdp, or CPU slots");
     }
-    if (offload || fsdp_on) {
+    if (offload) {
       return absl::UnimplementedError(
-          absl::StrCat("parallel.strategy: ", Name(par.strategy),
-                       fsdp_on ? absl::StrCat(" ", Name(par.sharding)) : "",
-                       " does not run on GPUs yet; use ddp (or fsdp NO_SHARD), or CPU slots"));
+          "parallel.strategy: offload does not run on GPUs yet; use ddp or fsdp, or CPU slots");
     }
-    if (t.optimizer != OptimizerKind::kAdamW) {
+    if (t.optimizer != OptimizerKind::kAdamW && t.optimizer != OptimizerKind::kLion) {
       return absl::UnimplementedError(
           absl::StrCat("train.optimizer: ", Name(t.optimizer),
-                       " runs on CPU slots only; on GPUs use adamw (LibTorch's fused kernel)"));
+                       " runs on CPU slots only; on GPUs use adamw (LibTorch's fused kernel) or "
+                       "lion"));
     }
   }
   std::vector<PsRangeRef> ps_ranges;
@@ -268,72 +268,76 @@ absl::Status Train(const TrainerOptions& o) {
   // machine with one GPU runs the NCCL path: buckets, streams and events.
   const bool nccl_one_rank =
       device.is_cuda() && o.world_size == 1 && std::getenv("TRAINYARD_NCCL_ONE_RANK") != nullptr;
+  // A GPU rank's collectives are NCCL's, unless TRAINYARD_COLLECTIVES=gloo: Gloo through host
+  // copies, for ranks that share one GPU (NCCL refuses two ranks on one device), as on a test
+  // machine with one GPU.
+  const char* collectives = std::getenv("TRAINYARD_COLLECTIVES");
+  const bool use_nccl =
+      device.is_cuda() && !(collectives != nullptr && std::string_view(collectives) == "gloo");
   if (nccl_one_rank) {
     ASSIGN_OR_RETURN(comm, MakeNcclCommunicator(c10::make_intrusive<c10d::HashStore>(), 0, 1,
                                                 std::chrono::minutes(5)));
   } else if (o.world_size == 1) {
     comm = MakeLocalCommunicator();
-  } else if (device.is_cuda()) {
-    // NCCL's unique id travels through the coordinator's rendezvous, as Gloo's addresses do.
-    auto store = c10::make_intrusive<CoordinatorStore>(
-        std::make_shared<RendezvousClient>(o.coordinator, o.job_id, o.attempt),
-        std::chrono::minutes(5));
-    ASSIGN_OR_RETURN(comm,
-                     MakeNcclCommunicator(store, o.rank, o.world_size, std::chrono::minutes(5)));
   } else {
     auto store = c10::make_intrusive<CoordinatorStore>(
         std::make_shared<RendezvousClient>(o.coordinator, o.job_id, o.attempt),
         std::chrono::minutes(5));
-    // All ranks on this host (the worker says how many of the job's ranks it runs): gradients
-    // are summed through shared memory instead of loopback TCP.
-    ASSIGN_OR_RETURN(comm, MakeGlooCommunicator(store, o.rank, o.world_size, o.gloo_hostname,
-                                                std::chrono::minutes(5),
-                                                /*same_host=*/local_world == o.world_size));
+    if (use_nccl) {
+      // NCCL's unique id travels through the coordinator's rendezvous, as Gloo's addresses do.
+      ASSIGN_OR_RETURN(comm,
+                       MakeNcclCommunicator(store, o.rank, o.world_size, std::chrono::minutes(5)));
+    } else {
+      // All ranks on this host (the worker says how many of the job's ranks it runs): gradients
+      // are summed through shared memory instead of loopback TCP.
+      ASSIGN_OR_RETURN(comm, MakeGlooCommunicator(store, o.rank, o.world_size, o.gloo_hostname,
+                                                  std::chrono::minutes(5),
+                                                  /*same_host=*/local_world == o.world_size));
+    }
+    // A group of some of the ranks, with its keys under `name`: NCCL's or Gloo's, as `comm`.
+    auto make_group = [&](const std::string& name, int group_rank,
+                          int group_size) -> absl::StatusOr<std::unique_ptr<Communicator>> {
+      if (group_size == 1) return MakeLocalCommunicator();
+      if (use_nccl) {
+        return MakeNcclCommunicator(c10::make_intrusive<c10d::PrefixStore>(name, store), group_rank,
+                                    group_size, std::chrono::minutes(5));
+      }
+      return MakeSubgroupCommunicator(store, name, group_rank, group_size, o.gloo_hostname,
+                                      std::chrono::minutes(5));
+    };
     // Model parallelism: the ranks holding the same shards (one per replica; under fsdp its
     // group below), and the tensor-parallel group (consecutive ranks).
     const int group = stages * tensor;
     if (model_parallel && o.world_size > group && (!fsdp_on || hybrid)) {
-      ASSIGN_OR_RETURN(stage_comm,
-                       MakeSubgroupCommunicator(
-                           store, absl::StrCat("data-parallel-", o.rank % group), o.rank / group,
-                           o.world_size / group, o.gloo_hostname, std::chrono::minutes(5)));
+      ASSIGN_OR_RETURN(stage_comm, make_group(absl::StrCat("data-parallel-", o.rank % group),
+                                              o.rank / group, o.world_size / group));
     }
     if (tensor > 1) {
-      ASSIGN_OR_RETURN(tensor_comm,
-                       MakeSubgroupCommunicator(
-                           store, absl::StrCat("tensor-parallel-", o.rank / tensor),
-                           o.rank % tensor, tensor, o.gloo_hostname, std::chrono::minutes(5)));
+      ASSIGN_OR_RETURN(tensor_comm, make_group(absl::StrCat("tensor-parallel-", o.rank / tensor),
+                                               o.rank % tensor, tensor));
     }
     if (fsdp_on && model_parallel) {
       // FSDP within each part of the model: its replicas shard it (a group of their own, as
       // below); under HYBRID_SHARD its replicas on one node, the nodes' shards replicated.
       const int replica = o.rank / group, replicas = o.world_size / group;
       const int per_node = hybrid ? local_world / group : replicas;
-      ASSIGN_OR_RETURN(
-          shard_comm,
-          MakeSubgroupCommunicator(
-              store, absl::StrCat("fsdp-stage-", o.rank % group, "-shard-", replica / per_node),
-              replica % per_node, per_node, o.gloo_hostname, std::chrono::minutes(5)));
+      ASSIGN_OR_RETURN(shard_comm, make_group(absl::StrCat("fsdp-stage-", o.rank % group, "-shard-",
+                                                           replica / per_node),
+                                              replica % per_node, per_node));
       if (hybrid) {
-        ASSIGN_OR_RETURN(
-            replica_comm,
-            MakeSubgroupCommunicator(
-                store, absl::StrCat("fsdp-stage-", o.rank % group, "-replica-", replica % per_node),
-                replica / per_node, replicas / per_node, o.gloo_hostname, std::chrono::minutes(5)));
+        ASSIGN_OR_RETURN(replica_comm, make_group(absl::StrCat("fsdp-stage-", o.rank % group,
+                                                               "-replica-", replica % per_node),
+                                                  replica / per_node, replicas / per_node));
       }
     } else if (fsdp_on) {
       // Every rank builds its own groups, also without HYBRID_SHARD: the FSDP communication
       // thread must not share a process group with the training thread's collectives.
       const int group = hybrid ? local_world : o.world_size;
-      ASSIGN_OR_RETURN(shard_comm,
-                       MakeSubgroupCommunicator(store, absl::StrCat("fsdp-shard-", o.rank / group),
-                                                o.rank % group, group, o.gloo_hostname,
-                                                std::chrono::minutes(5)));
+      ASSIGN_OR_RETURN(shard_comm, make_group(absl::StrCat("fsdp-shard-", o.rank / group),
+                                              o.rank % group, group));
       if (hybrid) {
-        ASSIGN_OR_RETURN(replica_comm,
-                         MakeSubgroupCommunicator(
-                             store, absl::StrCat("fsdp-replica-", o.rank % group), o.rank / group,
-                             o.world_size / group, o.gloo_hostname, std::chrono::minutes(5)));
+        ASSIGN_OR_RETURN(replica_comm, make_group(absl::StrCat("fsdp-replica-", o.rank % group),
+                                                  o.rank / group, o.world_size / group));
       }
     }
   }
@@ -374,8 +378,22 @@ absl::Status Train(const TrainerOptions& o) {
     if (rank0) Log(absl::StrCat("loaded ", hf_checkpoint->size(), " tensors from ", m.from));
   }
   hf_checkpoint.reset();  // unmapped
-  // In place: the parameters keep their identity (the optimizer's state keys).
-  if (device.is_cuda()) model->to(device);
+  // In place: the parameters keep their identity (the optimizer's state keys). Parameters this
+  // rank did not materialize (FSDP's from rank 0) get an empty storage on the device, as they had
+  // on the CPU: nothing to copy.
+  if (device.is_cuda()) {
+    torch::NoGradGuard no_grad;
+    for (torch::Tensor p : model->parameters()) {
+      if (p.numel() > 0 && p.storage().nbytes() == 0) {
+        torch::Tensor empty = torch::empty(p.sizes(), p.options().device(device));
+        FreeStorage(empty);
+        p.set_data(empty);
+      } else {
+        p.set_data(p.to(device));
+      }
+    }
+    for (torch::Tensor b : model->buffers()) b.set_data(b.to(device));
+  }
   std::vector<torch::Tensor> params = model->parameters();
   // What the optimizer updates and the ranks average: every parameter, or the LoRA adapters.
   const std::vector<torch::Tensor> trainable = TrainableParameters(*model);
@@ -870,9 +888,10 @@ absl::Status Train(const TrainerOptions& o) {
 
   if (offloaded) RETURN_IF_ERROR(offloaded->Flush());
   // What follows (the dump, the sample, the export) reads the parameters on the CPU.
-  if (device.is_cuda()) model->to(torch::kCPU);
-  // FSDP: every rank takes part in gathering the whole model for the dump and the sample.
+  // FSDP: every rank takes part in gathering the whole model for the dump and the sample (on a
+  // GPU before the move, which copies what the gathered views show).
   if (fsdp) fsdp->GatherFullParameters();
+  if (device.is_cuda()) model->to(torch::kCPU);
   // Pipeline: rank 0 gathers the stages' parameters; the other ranks hold only their stage's.
   if (pipeline) pipeline->GatherToRankZero();
   if (!o.dump_params.empty() && (!pipeline || rank0)) {

@@ -107,11 +107,34 @@ class ShmWorker {
   std::thread thread_;  // last: starts once the rest is built
 };
 
+// A device (GPU) tensor's host copy, for Gloo, which this trainer runs over host memory only: made
+// before the collective (a synchronous copy, ordered after the kernels that wrote the tensor),
+// copied back after it.
+struct Staged {
+  torch::Tensor device, host;
+};
+
+// (Without autograd: the tensors may be parameters, as in the broadcast of initial weights.)
+torch::Tensor OnHost(const torch::Tensor& t, std::vector<Staged>* staged) {
+  if (t.device().is_cpu()) return t;
+  torch::NoGradGuard no_grad;
+  torch::Tensor host = t.detach().to(torch::kCPU).contiguous();
+  if (staged != nullptr) staged->push_back({t, host});
+  return host;
+}
+
+void CopyBack(std::vector<Staged>& staged) {
+  torch::NoGradGuard no_grad;
+  for (Staged& s : staged) s.device.detach().copy_(s.host);
+  staged.clear();
+}
+
 class GlooHandle : public CommHandle {
  public:
   GlooHandle(std::vector<c10::intrusive_ptr<c10d::Work>> works,
-             std::optional<std::future<absl::Status>> shm = std::nullopt)
-      : works_(std::move(works)), shm_(std::move(shm)) {}
+             std::optional<std::future<absl::Status>> shm = std::nullopt,
+             std::vector<Staged> staged = {})
+      : works_(std::move(works)), shm_(std::move(shm)), staged_(std::move(staged)) {}
   void Wait() override {
     for (auto& w : works_) w->wait();
     works_.clear();
@@ -120,11 +143,13 @@ class GlooHandle : public CommHandle {
       shm_.reset();
       TORCH_CHECK(s.ok(), std::string(s.message()));
     }
+    CopyBack(staged_);
   }
 
  private:
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
   std::optional<std::future<absl::Status>> shm_;
+  std::vector<Staged> staged_;  // device tensors, updated from their host copies at the end
 };
 
 class GlooCommunicator : public Communicator {
@@ -135,6 +160,7 @@ class GlooCommunicator : public Communicator {
   int rank() const override { return pg_->getRank(); }
   int world_size() const override { return pg_->getSize(); }
   std::string Describe() const override {
+    // (GPU tensors travel through host copies: OnHost.)
     return shm_ ? absl::StrCat("gloo; fp32 all-reduce through shared memory (", world_size(),
                                " ranks on this host)")
                 : "gloo";
@@ -144,10 +170,12 @@ class GlooCommunicator : public Communicator {
     // A Gloo allreduce of several tensors means one tensor per device; issue one per tensor.
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     std::vector<torch::Tensor> shared;
+    std::vector<Staged> staged;
     const int n = world_size();
-    for (auto& t : tensors) {
+    for (auto& given : tensors) {
+      torch::Tensor t = OnHost(given, &staged);
       bytes_sent_ += 2 * (n - 1) * t.numel() * t.element_size() / n;  // as a ring sends it
-      if (shm_ && t.scalar_type() == torch::kFloat && t.is_contiguous() && t.device().is_cpu()) {
+      if (shm_ && t.scalar_type() == torch::kFloat && t.is_contiguous()) {
         shared.push_back(t);
         continue;
       }
@@ -156,44 +184,56 @@ class GlooCommunicator : public Communicator {
     }
     std::optional<std::future<absl::Status>> done;
     if (!shared.empty()) done = shm_->Submit(std::move(shared));
-    return std::make_unique<GlooHandle>(std::move(works), std::move(done));
+    return std::make_unique<GlooHandle>(std::move(works), std::move(done), std::move(staged));
   }
 
   void Broadcast(std::vector<torch::Tensor> tensors, int root) override {
     c10d::BroadcastOptions options;
     options.rootRank = root;
-    for (auto& t : tensors) {
-      std::vector<at::Tensor> one{t};
+    for (auto& given : tensors) {
+      std::vector<Staged> staged;
+      std::vector<at::Tensor> one{OnHost(given, &staged)};
       pg_->broadcast(one, options)->wait();
+      CopyBack(staged);
     }
   }
 
   std::vector<torch::Tensor> AllGather(const torch::Tensor& in) override {
+    const torch::Tensor host = OnHost(in, nullptr).contiguous();
     std::vector<std::vector<at::Tensor>> out(1);
-    for (int r = 0; r < world_size(); ++r) out[0].push_back(torch::empty_like(in));
-    std::vector<at::Tensor> input{in.contiguous()};
+    for (int r = 0; r < world_size(); ++r) out[0].push_back(torch::empty_like(host));
+    std::vector<at::Tensor> input{host};
     pg_->allgather(out, input)->wait();
     bytes_sent_ += in.numel() * in.element_size() * (world_size() - 1);
+    if (!in.device().is_cpu()) {
+      for (auto& t : out[0]) t = t.to(in.device());
+    }
     return out[0];
   }
   void AllGatherInto(const torch::Tensor& in, std::vector<torch::Tensor> outs) override {
     TORCH_CHECK(static_cast<int>(outs.size()) == world_size(), "AllGatherInto: one out per rank");
-    std::vector<std::vector<at::Tensor>> out{std::move(outs)};
-    std::vector<at::Tensor> input{in.contiguous()};
+    std::vector<Staged> staged;
+    std::vector<std::vector<at::Tensor>> out(1);
+    for (const torch::Tensor& o : outs) out[0].push_back(OnHost(o, &staged));
+    std::vector<at::Tensor> input{OnHost(in, nullptr).contiguous()};
     pg_->allgather(out, input)->wait();
     bytes_sent_ += in.numel() * in.element_size() * (world_size() - 1);
+    CopyBack(staged);
   }
   void Barrier() override { pg_->barrier()->wait(); }
 
   std::unique_ptr<CommHandle> Send(const torch::Tensor& t, int to, int tag) override {
-    std::vector<at::Tensor> out{t};
+    // (A device tensor's host copy lives in the send's work until it completes.)
+    std::vector<at::Tensor> out{OnHost(t, nullptr)};
     bytes_sent_ += t.numel() * t.element_size();
     std::vector<c10::intrusive_ptr<c10d::Work>> works{pg_->send(out, to, tag)};
     return std::make_unique<GlooHandle>(std::move(works));
   }
   void Recv(torch::Tensor& t, int from, int tag) override {
-    std::vector<at::Tensor> in{t};
+    std::vector<Staged> staged;
+    std::vector<at::Tensor> in{OnHost(t, &staged)};
     pg_->recv(in, from, tag)->wait();
+    CopyBack(staged);
   }
 
  private:

@@ -40,7 +40,7 @@ class Communicator {
   // What carries the collectives, for the rank's log.
   virtual std::string Describe() const = 0;
 
-  // Starts summing each tensor (dense, contiguous, CPU) in place over all ranks and returns at
+  // Starts summing each tensor (dense, contiguous) in place over all ranks and returns at
   // once. The tensors must not be touched until the handle's Wait() returns.
   virtual std::unique_ptr<CommHandle> AllReduceSum(std::vector<torch::Tensor> tensors) = 0;
   // Like AllReduceSum, leaving the mean over ranks (divides by world size first, as DDP does).
@@ -59,12 +59,12 @@ class Communicator {
   // chunk summed over all ranks. Blocks. Gloo in Debian's LibTorch has no reduce_scatter; this is
   // the ring algorithm over send/recv: world_size - 1 steps, each rank sending
   // sum(counts) - counts[rank] elements in all (the bandwidth-optimal volume). `flat` is used as
-  // scratch space.
-  torch::Tensor ReduceScatterSum(torch::Tensor& flat, const std::vector<int64_t>& counts);
+  // scratch space. NCCL overrides it with its own reduce-scatter when the counts are equal.
+  virtual torch::Tensor ReduceScatterSum(torch::Tensor& flat, const std::vector<int64_t>& counts);
   // Returns once every rank has entered.
   virtual void Barrier() = 0;
 
-  // Point to point (pipeline stages): starts sending `t` (contiguous, CPU; not to be written
+  // Point to point (pipeline stages): starts sending `t` (contiguous; not to be written
   // until the handle's Wait() returns) to rank `to`, which receives it with Recv(from = this
   // rank, the same tag). Sends from one rank to another with one tag arrive in order.
   virtual std::unique_ptr<CommHandle> Send(const torch::Tensor& t, int to, int tag) = 0;
@@ -91,7 +91,10 @@ std::unique_ptr<Communicator> MakeLocalCommunicator();
 // that the other ranks can reach). Blocks until every rank has joined or `timeout` passes.
 // `same_host`: every rank runs on this host, so fp32 all-reduces go through shared memory
 // (ShmAllReduce, on a thread of their own) instead of Gloo; if the segment cannot be made, all
-// ranks stay with Gloo. Every rank must pass the same value.
+// ranks stay with Gloo. Every rank must pass the same value. GPU tensors travel through host
+// copies (synchronous ones, before and after each collective), as when PyTorch runs the gloo
+// backend on CUDA tensors: for ranks that cannot use NCCL (several ranks sharing one GPU, which
+// NCCL refuses), never for speed.
 absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(
     c10::intrusive_ptr<c10d::Store> store, int rank, int world_size, const std::string& hostname,
     std::chrono::milliseconds timeout, bool same_host = false);

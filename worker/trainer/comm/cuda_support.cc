@@ -11,6 +11,8 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
@@ -90,8 +92,42 @@ class NcclCommunicator : public Communicator {
 
   void AllGatherInto(const torch::Tensor& in, std::vector<torch::Tensor> outs) override {
     TORCH_CHECK(static_cast<int>(outs.size()) == world_size(), "AllGatherInto: one out per rank");
+    // FSDP's case: the outs are consecutive chunks of one GPU buffer, which NCCL fills in place.
+    const int64_t n = in.numel();
+    bool consecutive = in.is_cuda() && n > 0;
+    for (size_t r = 0; consecutive && r < outs.size(); ++r) {
+      consecutive =
+          outs[r].is_cuda() && outs[r].is_contiguous() && outs[r].numel() == n &&
+          outs[r].scalar_type() == in.scalar_type() &&
+          outs[r].storage().is_alias_of(outs[0].storage()) &&
+          outs[r].storage_offset() == outs[0].storage_offset() + static_cast<int64_t>(r) * n;
+    }
+    if (consecutive) {
+      at::Tensor whole = outs[0].as_strided({n * world_size()}, {1}, outs[0].storage_offset());
+      at::Tensor input = in.contiguous();
+      pg_->_allgather_base(whole, input)->wait();
+      bytes_sent_ += n * in.element_size() * (world_size() - 1);
+      return;
+    }
     std::vector<torch::Tensor> results = AllGather(in);
     for (size_t r = 0; r < outs.size(); ++r) outs[r].copy_(results[r]);
+  }
+
+  // Equal chunks of a GPU buffer (FSDP's): NCCL's reduce-scatter; otherwise the ring over
+  // send/recv.
+  torch::Tensor ReduceScatterSum(torch::Tensor& flat, const std::vector<int64_t>& counts) override {
+    const int n = world_size();
+    TORCH_CHECK(static_cast<int>(counts.size()) == n, "ReduceScatterSum: one count per rank");
+    const bool equal =
+        std::all_of(counts.begin(), counts.end(), [&](int64_t c) { return c == counts[0]; });
+    if (!flat.is_cuda() || !equal) return Communicator::ReduceScatterSum(flat, counts);
+    TORCH_CHECK(flat.dim() == 1 && flat.numel() == counts[0] * n && flat.is_contiguous(),
+                "ReduceScatterSum: flat must be 1-D, contiguous, of sum(counts) elements");
+    at::Tensor out = torch::empty({counts[0]}, flat.options());
+    if (counts[0] == 0) return out;
+    pg_->_reduce_scatter_base(out, flat)->wait();
+    bytes_sent_ += (n - 1) * counts[0] * flat.element_size();
+    return out;
   }
 
   void Barrier() override { pg_->barrier()->wait(); }

@@ -50,9 +50,8 @@ void CpuStep(const torch::optim::AdamWOptions& options, torch::Tensor& p,
   });
 }
 
-#if TRAINYARD_TORCH2
 // CUDA parameters: LibTorch's fused AdamW kernel (torch.optim.AdamW(fused=True)), one launch for
-// every tensor, the clipping scale passed as its grad_scale (which divides).
+// every tensor.
 void CudaStep(torch::optim::AdamW& optimizer, const torch::optim::AdamWOptions& options,
               const std::vector<torch::Tensor>& params, double lr, double grad_scale) {
   if (params.empty()) return;
@@ -67,18 +66,10 @@ void CudaStep(torch::optim::AdamW& optimizer, const torch::optim::AdamWOptions& 
     m.push_back(st.exp_avg());
     v.push_back(st.exp_avg_sq());
   }
-  const auto opts = params[0].options().dtype(torch::kFloat);
-  // Every parameter is at the same step: one tensor read by the kernel for all of them.
-  const torch::Tensor steps = torch::full({}, static_cast<double>(step), opts);
-  const std::vector<torch::Tensor> state_steps(params.size(), steps);
-  std::optional<torch::Tensor> inv_scale;
-  if (grad_scale != 1.0) inv_scale = torch::full({}, 1.0 / grad_scale, opts);
-  at::_fused_adamw_(params, grads, m, v, /*max_exp_avg_sqs=*/{}, state_steps, lr,
-                    std::get<0>(options.betas()), std::get<1>(options.betas()),
-                    options.weight_decay(), options.eps(), /*amsgrad=*/false, /*maximize=*/false,
-                    inv_scale, std::nullopt);
+  FusedAdamWOnDevice(params, grads, m, v, step, lr, std::get<0>(options.betas()),
+                     std::get<1>(options.betas()), options.weight_decay(), options.eps(),
+                     grad_scale);
 }
-#endif
 
 }  // namespace
 
@@ -95,12 +86,33 @@ void FusedAdamWStep(torch::optim::AdamW& optimizer, double lr, double grad_scale
         CpuStep(options, p, AdvanceState(optimizer, p), lr, grad_scale);
       }
     }
-#if TRAINYARD_TORCH2
     CudaStep(optimizer, options, on_gpu, lr, grad_scale);
-#else
-    TORCH_CHECK(on_gpu.empty(), "FusedAdamWStep: this LibTorch has no CUDA");
-#endif
   }
+}
+
+void FusedAdamWOnDevice(const std::vector<torch::Tensor>& params,
+                        const std::vector<torch::Tensor>& grads,
+                        const std::vector<torch::Tensor>& m, const std::vector<torch::Tensor>& v,
+                        int64_t step, double lr, double beta1, double beta2, double weight_decay,
+                        double eps, double grad_scale) {
+  if (params.empty()) return;
+#if TRAINYARD_TORCH2
+  torch::NoGradGuard no_grad;
+  const auto opts = params[0].options().dtype(torch::kFloat);
+  // Every tensor is at the same step: one tensor read by the kernel for all of them.
+  const torch::Tensor steps = torch::full({}, static_cast<double>(step), opts);
+  const std::vector<torch::Tensor> state_steps(params.size(), steps);
+  // The kernel divides the gradients by its grad_scale.
+  std::optional<torch::Tensor> inv_scale;
+  if (grad_scale != 1.0) inv_scale = torch::full({}, 1.0 / grad_scale, opts);
+  at::_fused_adamw_(params, grads, m, v, /*max_exp_avg_sqs=*/{}, state_steps, lr, beta1, beta2,
+                    weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false, inv_scale,
+                    std::nullopt);
+#else
+  (void)grads, (void)m, (void)v, (void)step, (void)lr, (void)beta1, (void)beta2;
+  (void)weight_decay, (void)eps, (void)grad_scale;
+  TORCH_CHECK(false, "FusedAdamWOnDevice: this LibTorch has no CUDA");
+#endif
 }
 
 }  // namespace trainyard::trainer

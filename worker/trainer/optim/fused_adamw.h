@@ -9,6 +9,11 @@
 #ifndef TRAINYARD_WORKER_TRAINER_OPTIM_FUSED_ADAMW_H_
 #define TRAINYARD_WORKER_TRAINER_OPTIM_FUSED_ADAMW_H_
 
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <vector>
+
 namespace torch::optim {
 class AdamW;
 }
@@ -21,6 +26,15 @@ namespace trainyard::trainer {
 // torch::optim::AdamW does (zero moments, step 0). Splits large tensors over LibTorch's intra-op
 // threads. Leaves the gradients as they are.
 void FusedAdamWStep(torch::optim::AdamW& optimizer, double lr, double grad_scale);
+
+// LibTorch's fused CUDA AdamW over GPU tensors at optimizer step `step` (already counted), the
+// gradients multiplied by `grad_scale`; one launch for all of them. The CUDA LibTorch only (a
+// TORCH_CHECK failure in the CPU one).
+void FusedAdamWOnDevice(const std::vector<torch::Tensor>& params,
+                        const std::vector<torch::Tensor>& grads,
+                        const std::vector<torch::Tensor>& m, const std::vector<torch::Tensor>& v,
+                        int64_t step, double lr, double beta1, double beta2, double weight_decay,
+                        double eps, double grad_scale);
 
 }  // namespace trainyard::trainer
 

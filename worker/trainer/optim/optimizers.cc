@@ -229,7 +229,13 @@ SlotOptimizer::SlotOptimizer(const OptimizerHyper& hyper, std::vector<OptimizerS
   for (const OptimizerSlot& s : slots_) {
     TORCH_CHECK(s.param.scalar_type() == torch::kFloat && s.param.is_contiguous(),
                 "SlotOptimizer: slots must be contiguous fp32");
+    TORCH_CHECK(s.param.device() == slots_[0].param.device(),
+                "SlotOptimizer: slots on different devices");
   }
+  on_device_ = !slots_.empty() && !slots_[0].param.device().is_cpu();
+  TORCH_CHECK(
+      !on_device_ || hyper_.kind == OptimizerKind::kAdamW || hyper_.kind == OptimizerKind::kLion,
+      "train.optimizer: ", Name(hyper_.kind), " runs on CPU slots only; on GPUs use adamw or lion");
 }
 
 SlotOptimizer::~SlotOptimizer() = default;
@@ -248,11 +254,11 @@ void SlotOptimizer::Initialize() {
     const int64_t n = s.param.numel();
     switch (hyper_.kind) {
       case OptimizerKind::kAdamW:
-        st->m = torch::zeros({n});
-        st->v = torch::zeros({n});
+        st->m = torch::zeros({n}, s.param.options());
+        st->v = torch::zeros({n}, s.param.options());
         break;
       case OptimizerKind::kLion:
-        st->m = torch::zeros({n});
+        st->m = torch::zeros({n}, s.param.options());
         break;
       case OptimizerKind::kAdamW8bit: {
         const Pieces pieces = EightBitPieces(s.params, s.begin, n);
@@ -278,6 +284,10 @@ void SlotOptimizer::Step(double lr, double grad_scale) {
   torch::NoGradGuard no_grad;
   if (!initialized_) Initialize();
   ++step_;
+  if (on_device_ || tensor_ops_) {
+    StepOnDevice(lr, grad_scale);
+    return;
+  }
   if (hyper_.kind == OptimizerKind::kAdafactor) {
     StepAdafactor(lr, grad_scale);
     return;
@@ -301,6 +311,34 @@ void SlotOptimizer::Step(double lr, double grad_scale) {
         break;
     }
   }
+}
+
+void SlotOptimizer::StepOnDevice(double lr, double grad_scale) {
+  std::vector<torch::Tensor> params, grads, m, v;
+  const double b1 = hyper_.beta1, b2 = hyper_.beta2;
+  for (int i = 0; i < num_slots(); ++i) {
+    const torch::Tensor& p = slots_[i].param;
+    if (!p.grad().defined() || p.numel() == 0) continue;
+    // Flat, as the state is (a slot may be a whole parameter of any shape).
+    torch::Tensor param = p.detach().view({-1});
+    const torch::Tensor grad = p.grad().reshape({-1});
+    if (hyper_.kind == OptimizerKind::kAdamW) {
+      params.push_back(param);
+      grads.push_back(grad);
+      m.push_back(state_[i]->m);
+      v.push_back(state_[i]->v);
+      continue;
+    }
+    // Lion, as StepLion computes it, in tensor operations.
+    torch::Tensor mom = state_[i]->m;
+    const torch::Tensor g = grad_scale == 1.0 ? grad : grad * grad_scale;
+    const torch::Tensor update = torch::sign(mom * b1 + g * (1 - b1));
+    param.mul_(1.0 - lr * hyper_.weight_decay);
+    param.sub_(update, lr);
+    mom.mul_(b2).add_(g, 1 - b2);
+  }
+  FusedAdamWOnDevice(params, grads, m, v, step_, lr, b1, b2, hyper_.weight_decay, hyper_.eps,
+                     grad_scale);
 }
 
 void SlotOptimizer::StepAdamW(int i, const float* g, float scale, double lr) {
@@ -635,6 +673,14 @@ const std::vector<std::string>& SlotOptimizer::StateNames() {
 }
 
 std::map<std::string, torch::Tensor> SlotOptimizer::State(int i) const {
+  std::map<std::string, torch::Tensor> out = LiveState(i);
+  if (on_device_) {
+    for (auto& [name, t] : out) t = t.to(torch::kCPU);
+  }
+  return out;
+}
+
+std::map<std::string, torch::Tensor> SlotOptimizer::LiveState(int i) const {
   std::map<std::string, torch::Tensor> out;
   if (!initialized_) return out;
   const SlotState& st = *state_[i];
@@ -691,7 +737,7 @@ absl::Status SlotOptimizer::SetState(int i, const std::map<std::string, torch::T
     }
     return absl::OkStatus();
   }
-  std::map<std::string, torch::Tensor> mine = State(i);
+  std::map<std::string, torch::Tensor> mine = LiveState(i);
   for (const auto& [name, t] : given) {
     auto it = mine.find(name);
     if (it == mine.end()) {

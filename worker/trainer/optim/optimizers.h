@@ -1,4 +1,4 @@
-// The optimizers of train.optimizer, on the trainer's CPU tensors:
+// The optimizers of train.optimizer, on the trainer's tensors:
 //   adamw       torch.optim.AdamW (the parameter server's fused kernel, as FusedAdamWStep);
 //   lion        Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"; the
 //               arithmetic of lucidrains' lion-pytorch): update = sign(b1 m + (1 - b1) g),
@@ -13,6 +13,9 @@
 //               maximum; parameters under 4096 elements keep fp32 moments, as bitsandbytes does.
 //               The update is its CUDA kernel's (kOptimizerStatic8bit2StateBlockwise), whose
 //               weight decay follows the Adam step.
+//
+// On a GPU (slots on the device) AdamW runs as LibTorch's fused kernel and Lion in tensor
+// operations, with the same arithmetic; Adafactor and 8-bit AdamW run on CPU slots only.
 //
 // SlotOptimizer runs them over "slots": tensors that are a whole parameter (DDP), or a rank's
 // shard of a flat buffer of parameters (FSDP). Elementwise state (AdamW's and Lion's moments,
@@ -90,13 +93,21 @@ class SlotOptimizer {
   // The state is created on the first step. Leaves the gradients as they are.
   void Step(double lr, double grad_scale);
 
+  // Steps CPU slots as GPU ones are stepped (tensor operations), so that CPU tests check that
+  // path's arithmetic: Lion only (AdamW's is LibTorch's fused CUDA kernel). Before the first step.
+  void UseDeviceArithmetic() {
+    TORCH_CHECK(hyper_.kind == OptimizerKind::kLion, "UseDeviceArithmetic: lion only");
+    tensor_ops_ = true;
+  }
+
   OptimizerKind kind() const { return hyper_.kind; }
   int64_t step() const { return step_; }
   // Sets the step count (a resumed run's), creating the state if it is not there yet.
   void SetStep(int64_t step);
   int num_slots() const { return static_cast<int>(slots_.size()); }
 
-  // The state of slot `i` as checkpoints hold it, by name (empty before the first step):
+  // The state of slot `i` as checkpoints hold it, by name (empty before the first step; on the
+  // CPU, copied from a GPU's):
   //   adamw: exp_avg, exp_avg_sq; lion: exp_avg; adafactor: factors (per parameter of the
   //   buffer, in order, a matrix's row then column vector or a vector's full second moment);
   //   adamw_8bit: exp_avg, exp_avg_sq (fp32, of the elements of parameters under 4096 elements,
@@ -131,7 +142,12 @@ class SlotOptimizer {
   void StepLion(int i, const float* g, float scale, double lr);
   void StepAdamW8bit(int i, const float* g, float scale, double lr);
   void StepAdafactor(double lr, double grad_scale);
+  // Every slot's update on a GPU: AdamW through LibTorch's fused kernel, Lion in tensor
+  // operations.
+  void StepOnDevice(double lr, double grad_scale);
   void Initialize();
+  // State's tensors themselves (on the slots' device).
+  std::map<std::string, torch::Tensor> LiveState(int i) const;
 
   OptimizerHyper hyper_;
   std::vector<OptimizerSlot> slots_;
@@ -139,6 +155,8 @@ class SlotOptimizer {
   std::vector<std::unique_ptr<SlotState>> state_;
   int64_t step_ = 0;
   bool initialized_ = false;
+  bool on_device_ = false;   // the slots are on a GPU
+  bool tensor_ops_ = false;  // UseDeviceArithmetic
 };
 
 // A SlotOptimizer over whole parameters as a torch::optim::Optimizer, so that DDP checkpoints
@@ -171,8 +189,9 @@ void OptimizerStep(torch::optim::Optimizer& optimizer, double lr, double grad_sc
 std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(const std::vector<torch::Tensor>& params,
                                                        const OptimizerHyper& hyper, double lr);
 
-// Moves the optimizer's state tensors (AdamW's moments) to `device`: checkpoints hold them on the
-// CPU, a GPU rank steps them on its device. A no-op for the other optimizers (CPU only).
+// Moves torch::optim::AdamW's state tensors (its moments) to `device`: checkpoints hold them on
+// the CPU, a GPU rank steps them on its device. A no-op for the other optimizers, whose state is
+// made on their parameters' device.
 void OptimizerStateTo(torch::optim::Optimizer& optimizer, const torch::Device& device);
 
 // The state of parameter `i` (of the first parameter group) of a MakeOptimizer optimizer by

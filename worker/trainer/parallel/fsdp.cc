@@ -162,6 +162,8 @@ absl::Status FsdpModel::Build(bool from_rank0) {
   }
 
   const int S = shard_.world_size(), me = shard_.rank();
+  // The model's device: flat buffers, gradients and optimizer state live there.
+  const torch::Device device = params_.empty() ? torch::Device(torch::kCPU) : params_[0].device();
   int64_t train_total = 0, frozen_total = 0;  // shard elements
   for (size_t ui = 0; ui < units_.size(); ++ui) {
     Unit& u = units_[ui];
@@ -188,7 +190,7 @@ absl::Status FsdpModel::Build(bool from_rank0) {
       (frozen ? frozen_total : train_total) += f.shard_numel;
 
       // Fill the flat buffer (on rank 0, or everywhere), hand it around, keep this rank's shard.
-      f.full = torch::zeros({f.padded}, torch::kFloat);
+      f.full = torch::zeros({f.padded}, torch::TensorOptions(torch::kFloat).device(device));
       const bool has_values = !from_rank0 || world_.rank() == 0;
       if (has_values) {
         for (size_t k = 0; k < f.params.size(); ++k) {
@@ -365,7 +367,7 @@ void FsdpModel::PrepareGradients(int ui) {
   if (single_shard()) {
     u.grad = f.shard.grad();
   } else {
-    u.grad = torch::zeros({f.padded}, torch::kFloat);
+    u.grad = torch::zeros({f.padded}, f.shard.options());
     Track(f.padded * static_cast<int64_t>(sizeof(float)));
   }
   torch::NoGradGuard no_grad;
@@ -542,7 +544,7 @@ torch::Tensor FsdpModel::GatherGrad(const std::string& name) {
   torch::NoGradGuard no_grad;
   const Placement p = Place(name);
   if (p.flat == nullptr) return torch::Tensor();
-  torch::Tensor whole = torch::empty({p.flat->padded}, torch::kFloat);
+  torch::Tensor whole = torch::empty({p.flat->padded}, p.flat->shard.options());
   std::vector<torch::Tensor> outs;
   for (int r = 0; r < shard_.world_size(); ++r) {
     outs.push_back(whole.narrow(0, r * p.flat->shard_numel, p.flat->shard_numel));
@@ -577,7 +579,7 @@ FsdpShardState FsdpModel::ExportState() {
   FsdpShardState out;
   out.step = optimizer_->step();
   for (int i = 0; i < num_flats(); ++i) {
-    out.params.push_back(Flat(i).shard.detach());
+    out.params.push_back(Flat(i).shard.detach().to(torch::kCPU));
     out.optimizer.push_back(slot_of_flat_[i] < 0 ? std::map<std::string, torch::Tensor>()
                                                  : optimizer_->State(slot_of_flat_[i]));
   }

@@ -39,7 +39,12 @@
 // state once it exists) plus gathered parameters and unsharded gradients as they are allocated
 // and freed; peak_bytes() is what `yard metrics` shows as model_state_peak_bytes.
 //
-// Thread-safety: one training thread calls everything; the hooks run on it (CPU autograd).
+// Devices: the flat buffers, gradients and optimizer state live on the model's device (a GPU
+// rank's: its gathers and reduce-scatters are NCCL's, into and out of the flat buffers in place).
+// Checkpoints (ExportState) hold CPU tensors.
+//
+// Thread-safety: one training thread calls everything; the hooks run on it (CPU autograd) or, on
+// a GPU, on autograd's device thread while the training thread waits in backward().
 #ifndef TRAINYARD_WORKER_TRAINER_PARALLEL_FSDP_H_
 #define TRAINYARD_WORKER_TRAINER_PARALLEL_FSDP_H_
 
