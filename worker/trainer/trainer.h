@@ -1,12 +1,14 @@
 // The training rank (LibTorch side; no gRPC or protobuf in this header or its .cc, which reach
 // the coordinator through reporter.h and rendezvous_client.h): RunTrainer is everything
-// `trainyard-trainer` does after parsing its flags. It loads the data (failing fast on bad input,
-// before any rendezvous), joins the job attempt's process group through the coordinator's
-// rendezvous, builds the model and AdamW, resumes from DIR/latest, and runs the optimizer steps
-// with DDP gradient averaging, reporting each step to the coordinator (rank 0) and checkpointing
-// when the spec, the coordinator, SIGTERM or
-// --stop-after-steps ask. Strategies: ddp (and fsdp NO_SHARD, which behaves as DDP), fsdp
-// (FsdpModel, sharded checkpoints) and offload (OffloadOptimizer, parameter servers).
+// `trainyard-trainer` does after parsing its flags, done by a Trainer (trainer.cc): Setup checks
+// the layout once (ParallelDims), loads the data (failing fast on bad input, before any
+// rendezvous), joins the job attempt's process groups through the coordinator's rendezvous,
+// builds the model and its strategy and resumes from DIR/latest; then each Step runs forward and
+// backward, the update, the ranks' agreement on the loss and on stopping, rank 0's report to the
+// coordinator, and a checkpoint when the spec, the coordinator, SIGTERM or --stop-after-steps
+// ask. Strategies: ddp (and fsdp NO_SHARD, which behaves as DDP), fsdp (FsdpModel, sharded
+// checkpoints), offload (OffloadOptimizer, parameter servers), pipeline and tensor parallelism
+// (PipelineStage).
 //
 // Called once, from main's thread. SIGTERM is caught by a handler (InstallSigtermHandler, which
 // main calls first) that sets a flag; the loop polls it between steps, so the ranks agree on it,
