@@ -164,32 +164,292 @@ class SpecParser {
   ParsedSpec& out_;
 };
 
+// The spec's `command`.
+absl::Status ParseCommand(const YAML::Node& n, SpecParser& p, JobSpec& spec) {
+  if (!n.IsSequence() || n.size() == 0) {
+    return p.Error(n, "command: expected a non-empty list, e.g. [python3, train.py]");
+  }
+  for (const auto& item : n) {
+    std::string arg;
+    RETURN_IF_ERROR(p.Scalar(item, "command", arg));
+    spec.add_command(arg);
+  }
+  return absl::OkStatus();
+}
+
+// The spec's `env`.
+absl::Status ParseEnv(const YAML::Node& n, SpecParser& p, JobSpec& spec) {
+  if (!n.IsMap()) return p.Error(n, "env: expected a mapping of NAME: value");
+  for (const auto& kv : n) {
+    std::string name, value;
+    RETURN_IF_ERROR(p.Scalar(kv.first, "env", name));
+    RETURN_IF_ERROR(p.Scalar(kv.second, absl::StrCat("env.", name), value));
+    (*spec.mutable_env())[name] = value;
+  }
+  return absl::OkStatus();
+}
+
+// The spec's `resources`.
+absl::Status ParseResources(const YAML::Node& n, SpecParser& p, JobSpec& spec) {
+  RETURN_IF_ERROR(p.Mapping(n, "resources", {"gpus"}));
+  int32_t gpus = 0;
+  RETURN_IF_ERROR(p.Integer(n, "gpus", "resources", gpus));
+  if (n["gpus"] && gpus <= 0) {
+    return p.Error(n["gpus"], absl::StrCat("resources.gpus: must be >= 1, got ", gpus));
+  }
+  spec.mutable_resources()->set_gpus(gpus);
+  return absl::OkStatus();
+}
+
+// The spec's `model`.
+absl::Status ParseModel(const YAML::Node& n, SpecParser& p, JobSpec& spec) {
+  RETURN_IF_ERROR(
+      p.Mapping(n, "model",
+                {"kind", "n_layer", "n_head", "d_model", "seq_len", "vocab", "tie_weights",
+                 "d_hidden", "from", "n_kv_head", "head_dim", "rope_theta", "rms_norm_eps"}));
+  auto& m = *spec.mutable_model();
+  RETURN_IF_ERROR(p.String(n, "kind", "model", *m.mutable_kind()));
+  int32_t v = 0;
+  bool b = false;
+  RETURN_IF_ERROR(p.Integer(n, "n_layer", "model", v));
+  m.set_n_layer(v);
+  v = 0;
+  RETURN_IF_ERROR(p.Integer(n, "n_head", "model", v));
+  m.set_n_head(v);
+  v = 0;
+  RETURN_IF_ERROR(p.Integer(n, "d_model", "model", v));
+  m.set_d_model(v);
+  v = 0;
+  RETURN_IF_ERROR(p.Integer(n, "seq_len", "model", v));
+  m.set_seq_len(v);
+  v = 0;
+  RETURN_IF_ERROR(p.Integer(n, "vocab", "model", v));
+  m.set_vocab(v);
+  v = 0;
+  RETURN_IF_ERROR(p.Integer(n, "d_hidden", "model", v));
+  m.set_d_hidden(v);
+  RETURN_IF_ERROR(p.Bool(n, "tie_weights", "model", b));
+  m.set_tie_weights(b);
+  RETURN_IF_ERROR(p.String(n, "from", "model", *m.mutable_from()));
+  v = 0;
+  RETURN_IF_ERROR(p.Integer(n, "n_kv_head", "model", v));
+  m.set_n_kv_head(v);
+  v = 0;
+  RETURN_IF_ERROR(p.Integer(n, "head_dim", "model", v));
+  m.set_head_dim(v);
+  double d = 0;
+  RETURN_IF_ERROR(p.Double(n, "rope_theta", "model", d));
+  m.set_rope_theta(d);
+  d = 0;
+  RETURN_IF_ERROR(p.Double(n, "rms_norm_eps", "model", d));
+  m.set_rms_norm_eps(d);
+  return absl::OkStatus();
+}
+
+// The spec's `data`.
+absl::Status ParseData(const YAML::Node& n, SpecParser& p, JobSpec& spec) {
+  RETURN_IF_ERROR(p.Mapping(n, "data", {"path", "format", "loss_mask"}));
+  RETURN_IF_ERROR(p.String(n, "loss_mask", "data", *spec.mutable_data()->mutable_loss_mask()));
+  RETURN_IF_ERROR(p.String(n, "path", "data", *spec.mutable_data()->mutable_path()));
+  RETURN_IF_ERROR(p.String(n, "format", "data", *spec.mutable_data()->mutable_format()));
+  return absl::OkStatus();
+}
+
+// The spec's `train`.
+absl::Status ParseTrain(const YAML::Node& n, SpecParser& p, JobSpec& spec) {
+  RETURN_IF_ERROR(p.Mapping(n, "train",
+                            {"steps", "micro_batch", "grad_accum", "lr", "warmup",
+                             "mixed_precision", "activation_checkpointing", "seed", "weight_decay",
+                             "grad_clip", "lora", "optimizer", "micro_batches"}));
+  auto& t = *spec.mutable_train();
+  int64_t i64 = 0;
+  int32_t i32 = 0;
+  double d = 0;
+  bool b = false;
+  RETURN_IF_ERROR(p.Integer(n, "steps", "train", i64));
+  t.set_steps(i64);
+  RETURN_IF_ERROR(p.Integer(n, "micro_batch", "train", i32));
+  t.set_micro_batch(i32);
+  i32 = 0;
+  RETURN_IF_ERROR(p.Integer(n, "grad_accum", "train", i32));
+  t.set_grad_accum(i32);
+  i32 = 0;
+  RETURN_IF_ERROR(p.Integer(n, "micro_batches", "train", i32));
+  t.set_micro_batches(i32);
+  RETURN_IF_ERROR(p.Double(n, "lr", "train", d));
+  t.set_lr(d);
+  i64 = 0;
+  RETURN_IF_ERROR(p.Integer(n, "warmup", "train", i64));
+  t.set_warmup(i64);
+  v1::MixedPrecision mp = v1::MIXED_PRECISION_UNSPECIFIED;
+  RETURN_IF_ERROR(p.Choice<v1::MixedPrecision>(
+      n, "mixed_precision", "train", {{"fp32", v1::FP32}, {"bf16", v1::BF16}, {"fp16", v1::FP16}},
+      mp));
+  t.set_mixed_precision(mp);
+  v1::Optimizer optimizer = v1::OPTIMIZER_UNSPECIFIED;
+  RETURN_IF_ERROR(p.Choice<v1::Optimizer>(n, "optimizer", "train",
+                                          {{"adamw", v1::ADAMW},
+                                           {"adafactor", v1::ADAFACTOR},
+                                           {"lion", v1::LION},
+                                           {"adamw_8bit", v1::ADAMW_8BIT}},
+                                          optimizer));
+  t.set_optimizer(optimizer);
+  RETURN_IF_ERROR(p.Bool(n, "activation_checkpointing", "train", b));
+  t.set_activation_checkpointing(b);
+  uint64_t seed = 0;
+  RETURN_IF_ERROR(p.Integer(n, "seed", "train", seed));
+  t.set_seed(seed);
+  d = 0;
+  RETURN_IF_ERROR(p.Double(n, "weight_decay", "train", d));
+  t.set_weight_decay(d);
+  d = 0;
+  RETURN_IF_ERROR(p.Double(n, "grad_clip", "train", d));
+  t.set_grad_clip(d);
+  if (const YAML::Node l = n["lora"]) {
+    RETURN_IF_ERROR(p.Mapping(l, "train.lora", {"r", "alpha", "dropout", "target_modules"}));
+    auto& lora = *t.mutable_lora();
+    i32 = 0;
+    RETURN_IF_ERROR(p.Integer(l, "r", "train.lora", i32));
+    // Explicit zeros must not read as "unset" and silently become the defaults.
+    if (l["r"] && i32 <= 0) {
+      return p.Error(l["r"], absl::StrCat("train.lora.r: must be >= 1, got ", i32));
+    }
+    lora.set_r(i32);
+    d = 0;
+    RETURN_IF_ERROR(p.Double(l, "alpha", "train.lora", d));
+    if (l["alpha"] && !(d > 0)) {
+      return p.Error(l["alpha"], absl::StrCat("train.lora.alpha: must be > 0, got ", d));
+    }
+    lora.set_alpha(d);
+    d = 0;
+    RETURN_IF_ERROR(p.Double(l, "dropout", "train.lora", d));
+    lora.set_dropout(d);
+    if (const YAML::Node targets = l["target_modules"]) {
+      if (!targets.IsSequence() || targets.size() == 0) {
+        return p.Error(targets,
+                       "train.lora.target_modules: expected a non-empty list of module names");
+      }
+      for (const auto& item : targets) {
+        std::string name;
+        RETURN_IF_ERROR(p.Scalar(item, "train.lora.target_modules", name));
+        lora.add_target_modules(name);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The spec's `parallel`.
+absl::Status ParseParallel(const YAML::Node& n, SpecParser& p, JobSpec& spec) {
+  RETURN_IF_ERROR(
+      p.Mapping(n, "parallel",
+                {"strategy", "sharding_strategy", "bucket_mb", "delayed_update", "auto_wrap_policy",
+                 "min_num_params", "backward_prefetch", "forward_prefetch", "max_gathered_units",
+                 "cpu_ram_efficient_loading", "pipeline_stages", "pipeline_schedule",
+                 "pipeline_split", "tensor_parallel", "sequence_parallel"}));
+  auto& par = *spec.mutable_parallel();
+  v1::Strategy s = v1::STRATEGY_UNSPECIFIED;
+  RETURN_IF_ERROR(
+      p.Choice<v1::Strategy>(n, "strategy", "parallel",
+                             {{"ddp", v1::DDP}, {"fsdp", v1::FSDP}, {"offload", v1::OFFLOAD}}, s));
+  par.set_strategy(s);
+  v1::ShardingStrategy ss = v1::SHARDING_STRATEGY_UNSPECIFIED;
+  RETURN_IF_ERROR(p.Choice<v1::ShardingStrategy>(n, "sharding_strategy", "parallel",
+                                                 {{"FULL_SHARD", v1::FULL_SHARD},
+                                                  {"SHARD_GRAD_OP", v1::SHARD_GRAD_OP},
+                                                  {"NO_SHARD", v1::NO_SHARD},
+                                                  {"HYBRID_SHARD", v1::HYBRID_SHARD}},
+                                                 ss));
+  par.set_sharding_strategy(ss);
+  double mb = 0;
+  RETURN_IF_ERROR(p.Double(n, "bucket_mb", "parallel", mb));
+  par.set_bucket_mb(mb);
+  bool delayed = false;
+  RETURN_IF_ERROR(p.Bool(n, "delayed_update", "parallel", delayed));
+  par.set_delayed_update(delayed);
+  v1::WrapPolicy wrap = v1::WRAP_POLICY_UNSPECIFIED;
+  RETURN_IF_ERROR(p.Choice<v1::WrapPolicy>(n, "auto_wrap_policy", "parallel",
+                                           {{"TRANSFORMER_BASED_WRAP", v1::TRANSFORMER_BASED_WRAP},
+                                            {"SIZE_BASED_WRAP", v1::SIZE_BASED_WRAP}},
+                                           wrap));
+  par.set_auto_wrap_policy(wrap);
+  int64_t min_params = 0;
+  RETURN_IF_ERROR(p.Integer(n, "min_num_params", "parallel", min_params));
+  par.set_min_num_params(min_params);
+  v1::BackwardPrefetch prefetch = v1::BACKWARD_PREFETCH_UNSPECIFIED;
+  RETURN_IF_ERROR(p.Choice<v1::BackwardPrefetch>(n, "backward_prefetch", "parallel",
+                                                 {{"BACKWARD_PRE", v1::BACKWARD_PRE},
+                                                  {"BACKWARD_POST", v1::BACKWARD_POST},
+                                                  {"NO_PREFETCH", v1::NO_PREFETCH}},
+                                                 prefetch));
+  par.set_backward_prefetch(prefetch);
+  bool forward_prefetch = false;
+  RETURN_IF_ERROR(p.Bool(n, "forward_prefetch", "parallel", forward_prefetch));
+  par.set_forward_prefetch(forward_prefetch);
+  int32_t max_gathered = 0;
+  RETURN_IF_ERROR(p.Integer(n, "max_gathered_units", "parallel", max_gathered));
+  par.set_max_gathered_units(max_gathered);
+  if (n["cpu_ram_efficient_loading"]) {
+    bool efficient = true;
+    RETURN_IF_ERROR(p.Bool(n, "cpu_ram_efficient_loading", "parallel", efficient));
+    par.set_cpu_ram_efficient_loading(efficient);
+  }
+  int32_t stages = 0;
+  RETURN_IF_ERROR(p.Integer(n, "pipeline_stages", "parallel", stages));
+  par.set_pipeline_stages(stages);
+  int32_t tensor = 0;
+  RETURN_IF_ERROR(p.Integer(n, "tensor_parallel", "parallel", tensor));
+  par.set_tensor_parallel(tensor);
+  bool sequence = false;
+  RETURN_IF_ERROR(p.Bool(n, "sequence_parallel", "parallel", sequence));
+  par.set_sequence_parallel(sequence);
+  v1::PipelineSchedule schedule = v1::PIPELINE_SCHEDULE_UNSPECIFIED;
+  RETURN_IF_ERROR(p.Choice<v1::PipelineSchedule>(n, "pipeline_schedule", "parallel",
+                                                 {{"gpipe", v1::GPIPE}, {"1f1b", v1::ONE_F_ONE_B}},
+                                                 schedule));
+  par.set_pipeline_schedule(schedule);
+  if (const YAML::Node split = n["pipeline_split"]) {
+    if (!split.IsSequence() || split.size() == 0) {
+      return p.Error(split,
+                     "parallel.pipeline_split: expected a list of blocks per stage, e.g. [3, 5]");
+    }
+    for (const auto& item : split) {
+      std::string text;
+      RETURN_IF_ERROR(p.Scalar(item, "parallel.pipeline_split", text));
+      int32_t blocks = 0;
+      if (!absl::SimpleAtoi(text, &blocks)) {
+        return p.Error(
+            item, absl::StrCat("parallel.pipeline_split: expected an integer, got '", text, "'"));
+      }
+      par.add_pipeline_split(blocks);
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The spec's `checkpoint`.
+absl::Status ParseCheckpoint(const YAML::Node& n, SpecParser& p, JobSpec& spec) {
+  RETURN_IF_ERROR(p.Mapping(n, "checkpoint", {"every_steps", "export"}));
+  int64_t every = 0;
+  RETURN_IF_ERROR(p.Integer(n, "every_steps", "checkpoint", every));
+  spec.mutable_checkpoint()->set_every_steps(every);
+  v1::ExportFormat format = v1::EXPORT_FORMAT_UNSPECIFIED;
+  RETURN_IF_ERROR(p.Choice<v1::ExportFormat>(
+      n, "export", "checkpoint", {{"hf", v1::EXPORT_HF}, {"hf_merged", v1::EXPORT_HF_MERGED}},
+      format));
+  spec.mutable_checkpoint()->set_export_format(format);
+  return absl::OkStatus();
+}
+
 absl::Status ParseDocument(const YAML::Node& root, SpecParser& p, JobSpec& spec) {
   RETURN_IF_ERROR(p.Mapping(root, "",
                             {"name", "priority", "resources", "model", "data", "train", "parallel",
                              "checkpoint", "max_restarts", "max_runtime", "preemptible",
                              "preemption_grace", "command", "workdir", "env"}));
   RETURN_IF_ERROR(p.String(root, "name", "", *spec.mutable_name()));
-  if (const YAML::Node n = root["command"]) {
-    if (!n.IsSequence() || n.size() == 0) {
-      return p.Error(n, "command: expected a non-empty list, e.g. [python3, train.py]");
-    }
-    for (const auto& item : n) {
-      std::string arg;
-      RETURN_IF_ERROR(p.Scalar(item, "command", arg));
-      spec.add_command(arg);
-    }
-  }
+  if (const YAML::Node n = root["command"]) RETURN_IF_ERROR(ParseCommand(n, p, spec));
   RETURN_IF_ERROR(p.String(root, "workdir", "", *spec.mutable_workdir()));
-  if (const YAML::Node n = root["env"]) {
-    if (!n.IsMap()) return p.Error(n, "env: expected a mapping of NAME: value");
-    for (const auto& kv : n) {
-      std::string name, value;
-      RETURN_IF_ERROR(p.Scalar(kv.first, "env", name));
-      RETURN_IF_ERROR(p.Scalar(kv.second, absl::StrCat("env.", name), value));
-      (*spec.mutable_env())[name] = value;
-    }
-  }
+  if (const YAML::Node n = root["env"]) RETURN_IF_ERROR(ParseEnv(n, p, spec));
   int32_t priority = 0;
   RETURN_IF_ERROR(p.Integer(root, "priority", "", priority));
   if (root["priority"]) {
@@ -219,241 +479,12 @@ absl::Status ParseDocument(const YAML::Node& root, SpecParser& p, JobSpec& spec)
     spec.set_preemptible(preemptible);
   }
 
-  if (const YAML::Node n = root["resources"]) {
-    RETURN_IF_ERROR(p.Mapping(n, "resources", {"gpus"}));
-    int32_t gpus = 0;
-    RETURN_IF_ERROR(p.Integer(n, "gpus", "resources", gpus));
-    if (n["gpus"] && gpus <= 0) {
-      return p.Error(n["gpus"], absl::StrCat("resources.gpus: must be >= 1, got ", gpus));
-    }
-    spec.mutable_resources()->set_gpus(gpus);
-  }
-  if (const YAML::Node n = root["model"]) {
-    RETURN_IF_ERROR(
-        p.Mapping(n, "model",
-                  {"kind", "n_layer", "n_head", "d_model", "seq_len", "vocab", "tie_weights",
-                   "d_hidden", "from", "n_kv_head", "head_dim", "rope_theta", "rms_norm_eps"}));
-    auto& m = *spec.mutable_model();
-    RETURN_IF_ERROR(p.String(n, "kind", "model", *m.mutable_kind()));
-    int32_t v = 0;
-    bool b = false;
-    RETURN_IF_ERROR(p.Integer(n, "n_layer", "model", v));
-    m.set_n_layer(v);
-    v = 0;
-    RETURN_IF_ERROR(p.Integer(n, "n_head", "model", v));
-    m.set_n_head(v);
-    v = 0;
-    RETURN_IF_ERROR(p.Integer(n, "d_model", "model", v));
-    m.set_d_model(v);
-    v = 0;
-    RETURN_IF_ERROR(p.Integer(n, "seq_len", "model", v));
-    m.set_seq_len(v);
-    v = 0;
-    RETURN_IF_ERROR(p.Integer(n, "vocab", "model", v));
-    m.set_vocab(v);
-    v = 0;
-    RETURN_IF_ERROR(p.Integer(n, "d_hidden", "model", v));
-    m.set_d_hidden(v);
-    RETURN_IF_ERROR(p.Bool(n, "tie_weights", "model", b));
-    m.set_tie_weights(b);
-    RETURN_IF_ERROR(p.String(n, "from", "model", *m.mutable_from()));
-    v = 0;
-    RETURN_IF_ERROR(p.Integer(n, "n_kv_head", "model", v));
-    m.set_n_kv_head(v);
-    v = 0;
-    RETURN_IF_ERROR(p.Integer(n, "head_dim", "model", v));
-    m.set_head_dim(v);
-    double d = 0;
-    RETURN_IF_ERROR(p.Double(n, "rope_theta", "model", d));
-    m.set_rope_theta(d);
-    d = 0;
-    RETURN_IF_ERROR(p.Double(n, "rms_norm_eps", "model", d));
-    m.set_rms_norm_eps(d);
-  }
-  if (const YAML::Node n = root["data"]) {
-    RETURN_IF_ERROR(p.Mapping(n, "data", {"path", "format", "loss_mask"}));
-    RETURN_IF_ERROR(p.String(n, "loss_mask", "data", *spec.mutable_data()->mutable_loss_mask()));
-    RETURN_IF_ERROR(p.String(n, "path", "data", *spec.mutable_data()->mutable_path()));
-    RETURN_IF_ERROR(p.String(n, "format", "data", *spec.mutable_data()->mutable_format()));
-  }
-  if (const YAML::Node n = root["train"]) {
-    RETURN_IF_ERROR(p.Mapping(n, "train",
-                              {"steps", "micro_batch", "grad_accum", "lr", "warmup",
-                               "mixed_precision", "activation_checkpointing", "seed",
-                               "weight_decay", "grad_clip", "lora", "optimizer", "micro_batches"}));
-    auto& t = *spec.mutable_train();
-    int64_t i64 = 0;
-    int32_t i32 = 0;
-    double d = 0;
-    bool b = false;
-    RETURN_IF_ERROR(p.Integer(n, "steps", "train", i64));
-    t.set_steps(i64);
-    RETURN_IF_ERROR(p.Integer(n, "micro_batch", "train", i32));
-    t.set_micro_batch(i32);
-    i32 = 0;
-    RETURN_IF_ERROR(p.Integer(n, "grad_accum", "train", i32));
-    t.set_grad_accum(i32);
-    i32 = 0;
-    RETURN_IF_ERROR(p.Integer(n, "micro_batches", "train", i32));
-    t.set_micro_batches(i32);
-    RETURN_IF_ERROR(p.Double(n, "lr", "train", d));
-    t.set_lr(d);
-    i64 = 0;
-    RETURN_IF_ERROR(p.Integer(n, "warmup", "train", i64));
-    t.set_warmup(i64);
-    v1::MixedPrecision mp = v1::MIXED_PRECISION_UNSPECIFIED;
-    RETURN_IF_ERROR(p.Choice<v1::MixedPrecision>(
-        n, "mixed_precision", "train", {{"fp32", v1::FP32}, {"bf16", v1::BF16}, {"fp16", v1::FP16}},
-        mp));
-    t.set_mixed_precision(mp);
-    v1::Optimizer optimizer = v1::OPTIMIZER_UNSPECIFIED;
-    RETURN_IF_ERROR(p.Choice<v1::Optimizer>(n, "optimizer", "train",
-                                            {{"adamw", v1::ADAMW},
-                                             {"adafactor", v1::ADAFACTOR},
-                                             {"lion", v1::LION},
-                                             {"adamw_8bit", v1::ADAMW_8BIT}},
-                                            optimizer));
-    t.set_optimizer(optimizer);
-    RETURN_IF_ERROR(p.Bool(n, "activation_checkpointing", "train", b));
-    t.set_activation_checkpointing(b);
-    uint64_t seed = 0;
-    RETURN_IF_ERROR(p.Integer(n, "seed", "train", seed));
-    t.set_seed(seed);
-    d = 0;
-    RETURN_IF_ERROR(p.Double(n, "weight_decay", "train", d));
-    t.set_weight_decay(d);
-    d = 0;
-    RETURN_IF_ERROR(p.Double(n, "grad_clip", "train", d));
-    t.set_grad_clip(d);
-    if (const YAML::Node l = n["lora"]) {
-      RETURN_IF_ERROR(p.Mapping(l, "train.lora", {"r", "alpha", "dropout", "target_modules"}));
-      auto& lora = *t.mutable_lora();
-      i32 = 0;
-      RETURN_IF_ERROR(p.Integer(l, "r", "train.lora", i32));
-      // Explicit zeros must not read as "unset" and silently become the defaults.
-      if (l["r"] && i32 <= 0) {
-        return p.Error(l["r"], absl::StrCat("train.lora.r: must be >= 1, got ", i32));
-      }
-      lora.set_r(i32);
-      d = 0;
-      RETURN_IF_ERROR(p.Double(l, "alpha", "train.lora", d));
-      if (l["alpha"] && !(d > 0)) {
-        return p.Error(l["alpha"], absl::StrCat("train.lora.alpha: must be > 0, got ", d));
-      }
-      lora.set_alpha(d);
-      d = 0;
-      RETURN_IF_ERROR(p.Double(l, "dropout", "train.lora", d));
-      lora.set_dropout(d);
-      if (const YAML::Node targets = l["target_modules"]) {
-        if (!targets.IsSequence() || targets.size() == 0) {
-          return p.Error(targets,
-                         "train.lora.target_modules: expected a non-empty list of module names");
-        }
-        for (const auto& item : targets) {
-          std::string name;
-          RETURN_IF_ERROR(p.Scalar(item, "train.lora.target_modules", name));
-          lora.add_target_modules(name);
-        }
-      }
-    }
-  }
-  if (const YAML::Node n = root["parallel"]) {
-    RETURN_IF_ERROR(
-        p.Mapping(n, "parallel",
-                  {"strategy", "sharding_strategy", "bucket_mb", "delayed_update",
-                   "auto_wrap_policy", "min_num_params", "backward_prefetch", "forward_prefetch",
-                   "max_gathered_units", "cpu_ram_efficient_loading", "pipeline_stages",
-                   "pipeline_schedule", "pipeline_split", "tensor_parallel", "sequence_parallel"}));
-    auto& par = *spec.mutable_parallel();
-    v1::Strategy s = v1::STRATEGY_UNSPECIFIED;
-    RETURN_IF_ERROR(p.Choice<v1::Strategy>(
-        n, "strategy", "parallel", {{"ddp", v1::DDP}, {"fsdp", v1::FSDP}, {"offload", v1::OFFLOAD}},
-        s));
-    par.set_strategy(s);
-    v1::ShardingStrategy ss = v1::SHARDING_STRATEGY_UNSPECIFIED;
-    RETURN_IF_ERROR(p.Choice<v1::ShardingStrategy>(n, "sharding_strategy", "parallel",
-                                                   {{"FULL_SHARD", v1::FULL_SHARD},
-                                                    {"SHARD_GRAD_OP", v1::SHARD_GRAD_OP},
-                                                    {"NO_SHARD", v1::NO_SHARD},
-                                                    {"HYBRID_SHARD", v1::HYBRID_SHARD}},
-                                                   ss));
-    par.set_sharding_strategy(ss);
-    double mb = 0;
-    RETURN_IF_ERROR(p.Double(n, "bucket_mb", "parallel", mb));
-    par.set_bucket_mb(mb);
-    bool delayed = false;
-    RETURN_IF_ERROR(p.Bool(n, "delayed_update", "parallel", delayed));
-    par.set_delayed_update(delayed);
-    v1::WrapPolicy wrap = v1::WRAP_POLICY_UNSPECIFIED;
-    RETURN_IF_ERROR(
-        p.Choice<v1::WrapPolicy>(n, "auto_wrap_policy", "parallel",
-                                 {{"TRANSFORMER_BASED_WRAP", v1::TRANSFORMER_BASED_WRAP},
-                                  {"SIZE_BASED_WRAP", v1::SIZE_BASED_WRAP}},
-                                 wrap));
-    par.set_auto_wrap_policy(wrap);
-    int64_t min_params = 0;
-    RETURN_IF_ERROR(p.Integer(n, "min_num_params", "parallel", min_params));
-    par.set_min_num_params(min_params);
-    v1::BackwardPrefetch prefetch = v1::BACKWARD_PREFETCH_UNSPECIFIED;
-    RETURN_IF_ERROR(p.Choice<v1::BackwardPrefetch>(n, "backward_prefetch", "parallel",
-                                                   {{"BACKWARD_PRE", v1::BACKWARD_PRE},
-                                                    {"BACKWARD_POST", v1::BACKWARD_POST},
-                                                    {"NO_PREFETCH", v1::NO_PREFETCH}},
-                                                   prefetch));
-    par.set_backward_prefetch(prefetch);
-    bool forward_prefetch = false;
-    RETURN_IF_ERROR(p.Bool(n, "forward_prefetch", "parallel", forward_prefetch));
-    par.set_forward_prefetch(forward_prefetch);
-    int32_t max_gathered = 0;
-    RETURN_IF_ERROR(p.Integer(n, "max_gathered_units", "parallel", max_gathered));
-    par.set_max_gathered_units(max_gathered);
-    if (n["cpu_ram_efficient_loading"]) {
-      bool efficient = true;
-      RETURN_IF_ERROR(p.Bool(n, "cpu_ram_efficient_loading", "parallel", efficient));
-      par.set_cpu_ram_efficient_loading(efficient);
-    }
-    int32_t stages = 0;
-    RETURN_IF_ERROR(p.Integer(n, "pipeline_stages", "parallel", stages));
-    par.set_pipeline_stages(stages);
-    int32_t tensor = 0;
-    RETURN_IF_ERROR(p.Integer(n, "tensor_parallel", "parallel", tensor));
-    par.set_tensor_parallel(tensor);
-    bool sequence = false;
-    RETURN_IF_ERROR(p.Bool(n, "sequence_parallel", "parallel", sequence));
-    par.set_sequence_parallel(sequence);
-    v1::PipelineSchedule schedule = v1::PIPELINE_SCHEDULE_UNSPECIFIED;
-    RETURN_IF_ERROR(p.Choice<v1::PipelineSchedule>(
-        n, "pipeline_schedule", "parallel", {{"gpipe", v1::GPIPE}, {"1f1b", v1::ONE_F_ONE_B}},
-        schedule));
-    par.set_pipeline_schedule(schedule);
-    if (const YAML::Node split = n["pipeline_split"]) {
-      if (!split.IsSequence() || split.size() == 0) {
-        return p.Error(split,
-                       "parallel.pipeline_split: expected a list of blocks per stage, e.g. [3, 5]");
-      }
-      for (const auto& item : split) {
-        std::string text;
-        RETURN_IF_ERROR(p.Scalar(item, "parallel.pipeline_split", text));
-        int32_t blocks = 0;
-        if (!absl::SimpleAtoi(text, &blocks)) {
-          return p.Error(
-              item, absl::StrCat("parallel.pipeline_split: expected an integer, got '", text, "'"));
-        }
-        par.add_pipeline_split(blocks);
-      }
-    }
-  }
-  if (const YAML::Node n = root["checkpoint"]) {
-    RETURN_IF_ERROR(p.Mapping(n, "checkpoint", {"every_steps", "export"}));
-    int64_t every = 0;
-    RETURN_IF_ERROR(p.Integer(n, "every_steps", "checkpoint", every));
-    spec.mutable_checkpoint()->set_every_steps(every);
-    v1::ExportFormat format = v1::EXPORT_FORMAT_UNSPECIFIED;
-    RETURN_IF_ERROR(p.Choice<v1::ExportFormat>(
-        n, "export", "checkpoint", {{"hf", v1::EXPORT_HF}, {"hf_merged", v1::EXPORT_HF_MERGED}},
-        format));
-    spec.mutable_checkpoint()->set_export_format(format);
-  }
+  if (const YAML::Node n = root["resources"]) RETURN_IF_ERROR(ParseResources(n, p, spec));
+  if (const YAML::Node n = root["model"]) RETURN_IF_ERROR(ParseModel(n, p, spec));
+  if (const YAML::Node n = root["data"]) RETURN_IF_ERROR(ParseData(n, p, spec));
+  if (const YAML::Node n = root["train"]) RETURN_IF_ERROR(ParseTrain(n, p, spec));
+  if (const YAML::Node n = root["parallel"]) RETURN_IF_ERROR(ParseParallel(n, p, spec));
+  if (const YAML::Node n = root["checkpoint"]) RETURN_IF_ERROR(ParseCheckpoint(n, p, spec));
   return absl::OkStatus();
 }
 
@@ -828,25 +859,10 @@ absl::Status ValidateCommandJob(const JobSpec& spec) {
 
 bool IsCommandJob(const JobSpec& spec) { return spec.command_size() > 0; }
 
-absl::Status ValidateJobSpec(const JobSpec& spec) {
-  RETURN_IF_ERROR(CheckFieldSizes(spec, JobSpecFieldLimits(), ""));
-  if (spec.name().empty()) return FieldError("name", "required");
-  if (spec.name().size() > 128) {
-    return FieldError("name", absl::StrCat("at most 128 characters, got ", spec.name().size()));
-  }
-  for (char c : spec.name()) {
-    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.') {
-      return FieldError("name", absl::StrCat("only letters, digits, '-', '_' and '.' are allowed, "
-                                             "got '",
-                                             spec.name(), "'"));
-    }
-  }
-  RETURN_IF_ERROR(CheckRange("priority", spec.priority(), 1, 100));
-  RETURN_IF_ERROR(CheckRequired("resources.gpus", spec.resources().gpus(), 1, 4096));
-  if (IsCommandJob(spec)) return ValidateCommandJob(spec);
-  if (!spec.workdir().empty()) return FieldError("workdir", "only a command job has a workdir");
-  if (!spec.env().empty()) return FieldError("env", "only a command job has env");
+namespace {
 
+// The spec's `model` (a training job).
+absl::Status ValidateModel(const JobSpec& spec) {
   const auto& m = spec.model();
   if (m.kind() != "gpt" && m.kind() != "mlp" && m.kind() != "llama") {
     return FieldError("model.kind",
@@ -927,7 +943,13 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   } else {
     RETURN_IF_ERROR(CheckRequired("model.d_hidden", m.d_hidden(), 1, 1 << 20));
   }
+  return absl::OkStatus();
+}
 
+// The spec's `data`, against the model's vocabulary.
+absl::Status ValidateData(const JobSpec& spec) {
+  const auto& m = spec.model();
+  const bool from_checkpoint = !m.from().empty();
   const auto& d = spec.data();
   if (d.path().empty()) return FieldError("data.path", "required");
   if (d.format() != "bytes" && d.format() != "uint16" && d.format() != "uint32") {
@@ -942,7 +964,12 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
     return FieldError("model.vocab",
                       absl::StrCat("must be <= 65536 for data.format uint16, got ", m.vocab()));
   }
+  return absl::OkStatus();
+}
 
+// The spec's `train`.
+absl::Status ValidateTrain(const JobSpec& spec) {
+  const auto& m = spec.model();
   const auto& t = spec.train();
   RETURN_IF_ERROR(CheckRequired("train.steps", t.steps(), 1, int64_t{1} << 40));
   RETURN_IF_ERROR(CheckRange("train.micro_batch", t.micro_batch(), 1, 1 << 16));
@@ -1008,7 +1035,11 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
       return FieldError("train.lora.target_modules", "must name at least one module");
     }
   }
+  return absl::OkStatus();
+}
 
+// The spec's `parallel`, and the layout against the model's sizes.
+absl::Status ValidateParallel(const JobSpec& spec) {
   const auto& p = spec.parallel();
   if (!v1::Strategy_IsValid(p.strategy()) || p.strategy() == v1::STRATEGY_UNSPECIFIED) {
     return FieldError("parallel.strategy",
@@ -1049,6 +1080,13 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
       !misfit.empty()) {
     return absl::InvalidArgumentError(misfit);
   }
+  return absl::OkStatus();
+}
+
+// The spec's `checkpoint`.
+absl::Status ValidateCheckpoint(const JobSpec& spec) {
+  const auto& m = spec.model();
+  const auto& t = spec.train();
   RETURN_IF_ERROR(
       CheckRange("checkpoint.every_steps", spec.checkpoint().every_steps(), 0, int64_t{1} << 40));
   if (const v1::ExportFormat f = spec.checkpoint().export_format();
@@ -1067,6 +1105,35 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
                         "hf_merged merges train.lora's adapters, and the job has none: use hf");
     }
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateJobSpec(const JobSpec& spec) {
+  RETURN_IF_ERROR(CheckFieldSizes(spec, JobSpecFieldLimits(), ""));
+  if (spec.name().empty()) return FieldError("name", "required");
+  if (spec.name().size() > 128) {
+    return FieldError("name", absl::StrCat("at most 128 characters, got ", spec.name().size()));
+  }
+  for (char c : spec.name()) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.') {
+      return FieldError("name", absl::StrCat("only letters, digits, '-', '_' and '.' are allowed, "
+                                             "got '",
+                                             spec.name(), "'"));
+    }
+  }
+  RETURN_IF_ERROR(CheckRange("priority", spec.priority(), 1, 100));
+  RETURN_IF_ERROR(CheckRequired("resources.gpus", spec.resources().gpus(), 1, 4096));
+  if (IsCommandJob(spec)) return ValidateCommandJob(spec);
+  if (!spec.workdir().empty()) return FieldError("workdir", "only a command job has a workdir");
+  if (!spec.env().empty()) return FieldError("env", "only a command job has env");
+
+  RETURN_IF_ERROR(ValidateModel(spec));
+  RETURN_IF_ERROR(ValidateData(spec));
+  RETURN_IF_ERROR(ValidateTrain(spec));
+  RETURN_IF_ERROR(ValidateParallel(spec));
+  RETURN_IF_ERROR(ValidateCheckpoint(spec));
   RETURN_IF_ERROR(CheckRange("max_restarts", spec.max_restarts(), 0, 100));
   RETURN_IF_ERROR(CheckRange("max_runtime", spec.max_runtime_seconds(), 0, int64_t{1} << 40));
   RETURN_IF_ERROR(
