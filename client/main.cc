@@ -1033,37 +1033,56 @@ void PrintCluster(const Globals& g, const LocalCluster& c) {
 }  // namespace
 }  // namespace trainyard::client
 
-int main(int argc, char** argv) {
-  using namespace trainyard::client;
-  // gRPC's own log lines (a failed TLS handshake, ...) would break yard's one-line errors, which
-  // say the same in its words; GRPC_VERBOSITY brings them back for debugging.
-  if (std::getenv("GRPC_VERBOSITY") == nullptr) gpr_set_log_function([](gpr_log_func_args*) {});
-  Globals g;
-  g.coordinator = DefaultCoordinator();
+namespace trainyard::client {
+namespace {
 
-  CLI::App app{"yard: submit and watch training jobs on a trainyard cluster"};
-  app.set_version_flag("--version", std::string("yard ") + trainyard::kVersion);
-  app.require_subcommand(1);
-  app.fallthrough();
-  app.add_option("--coordinator", g.coordinator,
-                 "coordinator HOST:PORT (env TRAINYARD_COORDINATOR)")
-      ->capture_default_str();
-  app.add_option("-o,--output", g.output, "output format")
-      ->check(CLI::IsMember({"table", "json"}))
-      ->capture_default_str();
-  app.add_option("--token-file", g.token_file,
-                 "file holding your API token (mode 0600; env TRAINYARD_TOKEN_FILE); else env "
-                 "TRAINYARD_TOKEN, else " +
-                     DefaultTokenFile())
-      ->envname("TRAINYARD_TOKEN_FILE");
-  app.add_option("--tls-ca", g.tls.ca_file,
-                 "CA (PEM) to verify a coordinator that serves TLS with (env TRAINYARD_TLS_CA)")
-      ->envname(trainyard::kTlsCaEnv);
-
-  int rc = 0;
+// The values of every verb's options and arguments: CLI11 writes them as it parses, after the
+// Add*Verbs functions have returned, and the verbs' callbacks read them.
+struct VerbArgs {
   std::string spec_path, job_id, reason, timeout, owner;
   std::vector<std::string> states;
   int limit = 0;
+  bool follow = false;
+  int tail = 0;
+  std::string out_dir;
+  int world = 0, per_node = 0;
+  std::string device_memory;
+  std::string save_to = DefaultTokenFile();
+  std::string quota_user;
+  bool quota_all = false;
+  std::string name;
+  bool as_admin = false, enable = false;
+  std::string user_account;
+  UserSetArgs user_set_args;
+  AccountArgs account_args;
+  TokenCreateArgs token_args;
+  std::string token_user, token_id;
+  bool all_tokens = false;
+  std::string node_name, node_reason;
+  LocalUpOptions up_options;
+  bool up_preemption = false;
+  std::string up_preemption_grace, up_min_run_time;
+};
+
+struct Cli {
+  Globals g;
+  VerbArgs args;
+  int rc = 0;  // the verb's exit code
+};
+
+// Jobs: submit, ls, describe, cancel, wait, logs, metrics, checkpoint, fetch, estimate-memory,
+// nodes.
+void AddJobVerbs(CLI::App& app, Cli& c) {
+  Globals& g = c.g;
+  int& rc = c.rc;
+  VerbArgs& a = c.args;
+  auto& spec_path = a.spec_path;
+  auto& job_id = a.job_id;
+  auto& reason = a.reason;
+  auto& timeout = a.timeout;
+  auto& owner = a.owner;
+  auto& states = a.states;
+  auto& limit = a.limit;
 
   auto* submit = app.add_subcommand(
       "submit",
@@ -1095,8 +1114,8 @@ int main(int argc, char** argv) {
   wait->add_option("--timeout", timeout, "give up after this long (e.g. 10m)");
   wait->callback([&] { rc = Wait(g, job_id, timeout); });
 
-  bool follow = false;
-  int tail = 0;
+  auto& follow = a.follow;
+  auto& tail = a.tail;
   auto* logs = app.add_subcommand("logs", "print a job's output, every rank prefixed");
   logs->add_option("job", job_id, "job id")->required();
   logs->add_flag("-f,--follow", follow, "keep printing until the job ends");
@@ -1113,15 +1132,16 @@ int main(int argc, char** argv) {
   checkpoint->add_option("job", job_id, "job id")->required();
   checkpoint->callback([&] { rc = Checkpoint(g, job_id); });
 
-  std::string out_dir;
+  auto& out_dir = a.out_dir;
   auto* fetch = app.add_subcommand(
       "fetch", "download a succeeded job's export (its spec's checkpoint.export) into a folder");
   fetch->add_option("job", job_id, "job id")->required();
   fetch->add_option("--out", out_dir, "folder to create (or an empty one)")->required();
   fetch->callback([&] { rc = Fetch(g, job_id, out_dir); });
 
-  int world = 0, per_node = 0;
-  std::string device_memory;
+  auto& world = a.world;
+  auto& per_node = a.per_node;
+  auto& device_memory = a.device_memory;
   auto* estimate = app.add_subcommand(
       "estimate-memory", "memory per rank of a spec under every strategy and precision");
   estimate->add_option("spec", spec_path, "job spec (YAML)")->required();
@@ -1134,39 +1154,52 @@ int main(int argc, char** argv) {
 
   auto* nodes = app.add_subcommand("nodes", "list worker nodes and their devices");
   nodes->callback([&] { rc = Nodes(g); });
+}
 
+// Who you are: login, whoami, quota.
+void AddIdentityVerbs(CLI::App& app, Cli& c) {
+  Globals& g = c.g;
+  int& rc = c.rc;
+  VerbArgs& a = c.args;
   auto* login = app.add_subcommand(
       "login", "check a token read from standard input and save it where yard looks for it");
-  std::string save_to = DefaultTokenFile();
+  auto& save_to = a.save_to;
   login->add_option("--save-to", save_to, "where to save it")->capture_default_str();
   login->callback([&] { rc = Login(g, save_to); });
 
   auto* whoami = app.add_subcommand("whoami", "the user (or node) of your token");
   whoami->callback([&] { rc = WhoAmI(g); });
 
-  std::string quota_user;
-  bool quota_all = false;
+  auto& quota_user = a.quota_user;
+  auto& quota_all = a.quota_all;
   auto* quota = app.add_subcommand(
       "quota", "your use, caps and share, and your account's quota and usage (-o json)");
   quota->add_option("--user", quota_user, "this user's (admins)");
   quota->add_flag("--all", quota_all, "every account (admins)");
   quota->callback([&] { rc = Quota(g, quota_user, quota_all); });
+}
 
+// admin: users, accounts, tokens, nodes.
+void AddAdminVerbs(CLI::App& app, Cli& c) {
+  Globals& g = c.g;
+  int& rc = c.rc;
+  VerbArgs& a = c.args;
   auto* admin =
       app.add_subcommand("admin", "users, accounts and tokens (admins; a user: its own tokens)");
   admin->require_subcommand(1);
   auto* user_cmd = admin->add_subcommand("user", "users of the cluster (admins)");
   user_cmd->require_subcommand(1);
-  std::string name;
-  bool as_admin = false, enable = false;
-  std::string user_account;
+  auto& name = a.name;
+  auto& as_admin = a.as_admin;
+  auto& enable = a.enable;
+  auto& user_account = a.user_account;
   auto* user_add = user_cmd->add_subcommand("add", "create a user");
   user_add->add_option("name", name, "user name, like a Unix account")->required();
   user_add->add_flag("--admin", as_admin, "an admin: sees and controls every job");
   user_add->add_option("--account", user_account, "the account its jobs are charged to")
       ->default_str("default");
   user_add->callback([&] { rc = UserAdd(g, name, as_admin, user_account); });
-  UserSetArgs user_set_args;
+  auto& user_set_args = a.user_set_args;
   auto* user_set = user_cmd->add_subcommand("set", "change a user's account and caps");
   user_set->add_option("name", user_set_args.name, "user name")->required();
   user_set->add_option("--account", user_set_args.account, "move the user to this account");
@@ -1186,7 +1219,7 @@ int main(int argc, char** argv) {
   auto* account_cmd = admin->add_subcommand(
       "account", "accounts (teams): quotas and fair shares (admins; ls: any user)");
   account_cmd->require_subcommand(1);
-  AccountArgs account_args;
+  auto& account_args = a.account_args;
   auto add_account_flags = [&](CLI::App* cmd) {
     cmd->add_option("name", account_args.name, "account name, like a Unix account")->required();
     cmd->add_option("--quota", account_args.quota,
@@ -1211,7 +1244,7 @@ int main(int argc, char** argv) {
 
   auto* token_cmd = admin->add_subcommand("token", "API tokens and node tokens");
   token_cmd->require_subcommand(1);
-  TokenCreateArgs token_args;
+  auto& token_args = a.token_args;
   auto* token_create = token_cmd->add_subcommand(
       "create", "create a token and print it once (yours; --user or --node: admins)");
   token_create->add_option("--user", token_args.user, "for this user (default: you)");
@@ -1227,8 +1260,9 @@ int main(int argc, char** argv) {
   token_create->add_option("--out", token_args.out,
                            "write it to this file (mode 0600) instead of printing it");
   token_create->callback([&] { rc = TokenCreate(g, token_args); });
-  std::string token_user, token_id;
-  bool all_tokens = false;
+  auto& token_user = a.token_user;
+  auto& token_id = a.token_id;
+  auto& all_tokens = a.all_tokens;
   auto* token_ls = token_cmd->add_subcommand("ls", "list tokens (never their secrets)");
   token_ls->add_option("--user", token_user, "this user's (admins)");
   token_ls->add_flag("--all", all_tokens, "every user's (admins)");
@@ -1240,7 +1274,8 @@ int main(int argc, char** argv) {
   auto* node_cmd = admin->add_subcommand(
       "node", "deny a node (a token or certificate it holds no longer counts) or lift it");
   node_cmd->require_subcommand(1);
-  std::string node_name, node_reason;
+  auto& node_name = a.node_name;
+  auto& node_reason = a.node_reason;
   auto* node_deny = node_cmd->add_subcommand(
       "deny", "refuse a node's calls and end its session (its ranks' jobs restart elsewhere)");
   node_deny->add_option("node", node_name, "node id")->required();
@@ -1251,10 +1286,16 @@ int main(int argc, char** argv) {
   node_allow->callback([&] { rc = NodeDeny(g, node_name, "", true); });
   auto* node_ls = node_cmd->add_subcommand("ls", "list denied nodes");
   node_ls->callback([&] { rc = NodeDeniedList(g); });
+}
 
+// local: a cluster on this machine.
+void AddLocalVerbs(CLI::App& app, Cli& c) {
+  Globals& g = c.g;
+  int& rc = c.rc;
+  VerbArgs& a = c.args;
   auto* local = app.add_subcommand("local", "run a cluster on this machine, on loopback");
   local->require_subcommand(1);
-  LocalUpOptions up_options;
+  auto& up_options = a.up_options;
   up_options.state_dir = DefaultLocalStateDir();
   up_options.bin_dir = SelfDir();
   up_options.save_token_to = DefaultTokenFile();
@@ -1268,8 +1309,9 @@ int main(int argc, char** argv) {
   up->add_option("--slots", up_options.slots_per_worker, "CPU slots of each worker")
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
-  bool up_preemption = false;
-  std::string up_preemption_grace, up_min_run_time;
+  auto& up_preemption = a.up_preemption;
+  auto& up_preemption_grace = a.up_preemption_grace;
+  auto& up_min_run_time = a.up_min_run_time;
   up->add_flag("--preemption", up_preemption,
                "jobs may preempt lower-priority ones, which checkpoint first (coordinator "
                "--preemption)");
@@ -1293,7 +1335,7 @@ int main(int argc, char** argv) {
                  "memory each parameter server offers (0: half this machine's)")
       ->check(CLI::NonNegativeNumber);
   // On loopback, pacing (BBR without fq, say) only costs: reno unless the environment says.
-  const char* congestion_env = std::getenv(trainyard::ps::kTcpCongestionEnv);
+  const char* congestion_env = std::getenv(trainyard::ps::kTcpCongestionEnv);  // (static storage)
   up_options.tcp_congestion = congestion_env != nullptr ? congestion_env : "reno";
   up->add_option("--tcp-congestion", up_options.tcp_congestion,
                  "TCP congestion control of the parameter-server connections (\"\": the host's; "
@@ -1350,7 +1392,43 @@ int main(int argc, char** argv) {
       }
     }
   });
+}
 
+}  // namespace
+}  // namespace trainyard::client
+
+int main(int argc, char** argv) {
+  using namespace trainyard::client;
+  // gRPC's own log lines (a failed TLS handshake, ...) would break yard's one-line errors, which
+  // say the same in its words; GRPC_VERBOSITY brings them back for debugging.
+  if (std::getenv("GRPC_VERBOSITY") == nullptr) gpr_set_log_function([](gpr_log_func_args*) {});
+  Cli c;
+  Globals& g = c.g;
+  g.coordinator = DefaultCoordinator();
+
+  CLI::App app{"yard: submit and watch training jobs on a trainyard cluster"};
+  app.set_version_flag("--version", std::string("yard ") + trainyard::kVersion);
+  app.require_subcommand(1);
+  app.fallthrough();
+  app.add_option("--coordinator", g.coordinator,
+                 "coordinator HOST:PORT (env TRAINYARD_COORDINATOR)")
+      ->capture_default_str();
+  app.add_option("-o,--output", g.output, "output format")
+      ->check(CLI::IsMember({"table", "json"}))
+      ->capture_default_str();
+  app.add_option("--token-file", g.token_file,
+                 "file holding your API token (mode 0600; env TRAINYARD_TOKEN_FILE); else env "
+                 "TRAINYARD_TOKEN, else " +
+                     DefaultTokenFile())
+      ->envname("TRAINYARD_TOKEN_FILE");
+  app.add_option("--tls-ca", g.tls.ca_file,
+                 "CA (PEM) to verify a coordinator that serves TLS with (env TRAINYARD_TLS_CA)")
+      ->envname(trainyard::kTlsCaEnv);
+
+  AddJobVerbs(app, c);
+  AddIdentityVerbs(app, c);
+  AddAdminVerbs(app, c);
+  AddLocalVerbs(app, c);
   CLI11_PARSE(app, argc, argv);
-  return rc;
+  return c.rc;
 }
