@@ -294,311 +294,374 @@ std::vector<std::string> ChooseVictims(const ClusterSnapshot& snapshot, const Pe
   return victims;
 }
 
-}  // namespace
+// One scheduling pass over a snapshot: the nodes' free devices (FreeIndex), the accounts' and
+// users' use, the queue in order, then each job placed, made the head (with a reservation and
+// maybe a preemption), backfilled behind it, or left waiting with its reason.
+class SchedulePass {
+ public:
+  explicit SchedulePass(const ClusterSnapshot& snapshot)
+      : s_(snapshot),
+        num_nodes_(static_cast<int>(snapshot.nodes.size())),
+        num_accounts_(static_cast<int>(snapshot.accounts.size())),
+        num_users_(static_cast<int>(snapshot.users.size())) {}
 
-ScheduleResult Schedule(const ClusterSnapshot& snapshot) {
-  ScheduleResult result;
-  const int num_nodes = static_cast<int>(snapshot.nodes.size());
+  ScheduleResult Run() {
+    IndexNodes();
+    CountShares();
+    RankFairShare();
+    const std::vector<int> order = Order();
+    result_.waits.resize(s_.pending.size());
+    for (size_t position = 0; position < order.size(); ++position) {
+      Consider(order[position], static_cast<int>(position));
+    }
+    return std::move(result_);
+  }
 
-  // Sanitized node state: counts clamped to [0, total]; non-schedulable nodes left out.
-  std::vector<int> total_devices(num_nodes, 0);
-  std::vector<int> free_devices(num_nodes, 0);
-  std::vector<bool> usable(num_nodes, false);
-  int max_devices_per_node = 0;
-  int64_t schedulable_capacity = 0;
-  for (int n = 0; n < num_nodes; ++n) {
-    const SchedNode& node = snapshot.nodes[n];
-    total_devices[n] = std::max(0, node.total_devices);
-    if (!node.schedulable) continue;
-    usable[n] = true;
-    free_devices[n] = std::clamp(node.free_devices, 0, total_devices[n]);
-    max_devices_per_node = std::max(max_devices_per_node, total_devices[n]);
-    schedulable_capacity += total_devices[n];
-  }
-  FreeIndex index(free_devices, usable, max_devices_per_node);
-  // Nodes that take only some owners' jobs (usually none or a few): for each job, those that do
-  // not take it are hidden from the index while its placement is decided.
-  std::vector<int> restricted;
-  for (int n = 0; n < num_nodes; ++n) {
-    if (usable[n] && !snapshot.nodes[n].owners.empty()) restricted.push_back(n);
-  }
+ private:
+  enum class Phase { kInOrder, kBackfill, kStopped };
   struct Hidden {
     int node;
     int free;
   };
 
+  int user_of(int u) const { return u >= 0 && u < num_users_ ? u : -1; }
+  int account_of(int u) const {
+    if (user_of(u) < 0) return -1;
+    const int a = s_.users[u].account;
+    return a >= 0 && a < num_accounts_ ? a : -1;
+  }
+  bool FitsQuota(const PendingJobInfo& job) const {
+    const int a = account_of(job.user);
+    return a >= 0 && s_.accounts[a].quota >= 0 &&
+           account_used_[a] + job.devices <= s_.accounts[a].quota;
+  }
+
+  void IndexNodes();
+  void CountShares();
+  void RankFairShare();
+  std::vector<int> Order() const;
+  WaitReason HeldByLimits(const PendingJobInfo& job) const;
+  void Place(const PendingJobInfo& job, std::vector<DeviceGrant> grants, bool backfilled);
+  int SpareOn(size_t h) const;
+  void Consider(int i, int position);
+  WaitReason Decide(const PendingJobInfo& job);
+  WaitReason MakeHead(const PendingJobInfo& job, int block);
+  WaitReason Backfill(const PendingJobInfo& job, int block);
+
+  const ClusterSnapshot& s_;
+  const int num_nodes_, num_accounts_, num_users_;
+  ScheduleResult result_;
+  // Sanitized node state: counts clamped to [0, total]; non-schedulable nodes left out.
+  std::vector<int> total_devices_, free_devices_;
+  std::vector<bool> usable_;
+  int max_devices_per_node_ = 0;
+  int64_t schedulable_capacity_ = 0;
+  std::optional<FreeIndex> index_;
+  // Nodes that take only some owners' jobs (usually none or a few): for each job, those that do
+  // not take it are hidden from the index while its placement is decided.
+  std::vector<int> restricted_;
+  std::vector<Hidden> hidden_for_job_;
+  std::vector<bool> usable_for_job_;
   // Sharing: the devices accounts and users hold, and which running jobs their account's quota
   // protects (of an account's running jobs, the earliest started that fit in its quota).
-  const int num_accounts = static_cast<int>(snapshot.accounts.size());
-  const int num_users = static_cast<int>(snapshot.users.size());
-  auto user_of = [&](int u) { return u >= 0 && u < num_users ? u : -1; };
-  auto account_of = [&](int u) {
-    if (user_of(u) < 0) return -1;
-    const int a = snapshot.users[u].account;
-    return a >= 0 && a < num_accounts ? a : -1;
-  };
-  std::vector<int64_t> account_used(num_accounts, 0);
-  std::vector<int64_t> user_used(num_users, 0);
-  std::vector<RunningShare> running_shares(snapshot.running.size());
-  {
-    std::vector<int64_t> running_devices(snapshot.running.size(), 0);
-    std::vector<std::vector<int>> within_quota(num_accounts);
-    for (size_t i = 0; i < snapshot.running.size(); ++i) {
-      const RunningJobInfo& r = snapshot.running[i];
-      for (const DeviceGrant& g : r.grants) running_devices[i] += std::max(0, g.devices);
-      const int u = user_of(r.user);
-      const int a = account_of(r.user);
-      running_shares[i].account = a;
-      if (u >= 0) user_used[u] += running_devices[i];
-      if (a < 0) continue;
-      account_used[a] += running_devices[i];
-      // Jobs already stopping are leaving: the quota protects those that stay.
-      if (snapshot.accounts[a].quota >= 0 && !r.preempting) {
-        within_quota[a].push_back(static_cast<int>(i));
-      }
-    }
-    for (int a = 0; a < num_accounts; ++a) {
-      std::vector<int>& jobs = within_quota[a];
-      std::sort(jobs.begin(), jobs.end(), [&](int x, int y) {
-        const RunningJobInfo& p = snapshot.running[x];
-        const RunningJobInfo& q = snapshot.running[y];
-        return std::tie(p.start, p.id, x) < std::tie(q.start, q.id, y);
-      });
-      int64_t sum = 0;
-      for (int i : jobs) {
-        sum += running_devices[i];
-        running_shares[i].protected_by_quota = sum <= snapshot.accounts[a].quota;
-      }
+  std::vector<int64_t> account_used_, user_used_;
+  std::vector<RunningShare> running_shares_;
+  // Fair-share order of users as a dense rank; the last entry is for jobs of no user.
+  std::vector<uint32_t> fair_rank_;
+  // Expected end of each placement of this pass (parallel to result_.placements).
+  std::vector<std::optional<absl::Time>> placement_ends_;
+  Phase phase_ = Phase::kInOrder;
+  std::optional<HeadReservation> head_;
+  std::vector<int> head_slot_;  // per node: index into head_->grants, or -1
+  // Devices of the head's nodes that backfill of kind (b) may not use; recomputed when stale.
+  int64_t head_protected_ = 0;
+  bool head_protected_stale_ = true;
+};
+
+void SchedulePass::IndexNodes() {
+  total_devices_.assign(num_nodes_, 0);
+  free_devices_.assign(num_nodes_, 0);
+  usable_.assign(num_nodes_, false);
+  for (int n = 0; n < num_nodes_; ++n) {
+    const SchedNode& node = s_.nodes[n];
+    total_devices_[n] = std::max(0, node.total_devices);
+    if (!node.schedulable) continue;
+    usable_[n] = true;
+    free_devices_[n] = std::clamp(node.free_devices, 0, total_devices_[n]);
+    max_devices_per_node_ = std::max(max_devices_per_node_, total_devices_[n]);
+    schedulable_capacity_ += total_devices_[n];
+  }
+  index_.emplace(free_devices_, usable_, max_devices_per_node_);
+  for (int n = 0; n < num_nodes_; ++n) {
+    if (usable_[n] && !s_.nodes[n].owners.empty()) restricted_.push_back(n);
+  }
+}
+
+void SchedulePass::CountShares() {
+  account_used_.assign(num_accounts_, 0);
+  user_used_.assign(num_users_, 0);
+  running_shares_.assign(s_.running.size(), RunningShare{});
+  std::vector<int64_t> running_devices(s_.running.size(), 0);
+  std::vector<std::vector<int>> within_quota(num_accounts_);
+  for (size_t i = 0; i < s_.running.size(); ++i) {
+    const RunningJobInfo& r = s_.running[i];
+    for (const DeviceGrant& g : r.grants) running_devices[i] += std::max(0, g.devices);
+    const int u = user_of(r.user);
+    const int a = account_of(r.user);
+    running_shares_[i].account = a;
+    if (u >= 0) user_used_[u] += running_devices[i];
+    if (a < 0) continue;
+    account_used_[a] += running_devices[i];
+    // Jobs already stopping are leaving: the quota protects those that stay.
+    if (s_.accounts[a].quota >= 0 && !r.preempting) {
+      within_quota[a].push_back(static_cast<int>(i));
     }
   }
-  // Fair-share order of users as a dense rank (equal, equal rank): by their account's usage /
-  // share, then their own usage. The last entry is for jobs of no user (no usage).
+  for (int a = 0; a < num_accounts_; ++a) {
+    std::vector<int>& jobs = within_quota[a];
+    std::sort(jobs.begin(), jobs.end(), [&](int x, int y) {
+      const RunningJobInfo& p = s_.running[x];
+      const RunningJobInfo& q = s_.running[y];
+      return std::tie(p.start, p.id, x) < std::tie(q.start, q.id, y);
+    });
+    int64_t sum = 0;
+    for (int i : jobs) {
+      sum += running_devices[i];
+      running_shares_[i].protected_by_quota = sum <= s_.accounts[a].quota;
+    }
+  }
+}
+
+// Fair-share order of users as a dense rank (equal, equal rank): by their account's usage /
+// share, then their own usage.
+void SchedulePass::RankFairShare() {
   auto usage_of = [](double usage) { return std::isfinite(usage) ? std::max(0.0, usage) : 0.0; };
-  std::vector<double> account_key(num_accounts);  // usage / share: lower goes first
-  for (int a = 0; a < num_accounts; ++a) {
-    const SchedAccount& account = snapshot.accounts[a];
+  std::vector<double> account_key(num_accounts_);  // usage / share: lower goes first
+  for (int a = 0; a < num_accounts_; ++a) {
+    const SchedAccount& account = s_.accounts[a];
     const double share = account.share > 0 && std::isfinite(account.share) ? account.share : 1;
     account_key[a] = usage_of(account.usage) / share;
   }
-  std::vector<std::pair<double, double>> fair(num_users + 1, {0.0, 0.0});
-  for (int u = 0; u < num_users; ++u) {
+  std::vector<std::pair<double, double>> fair(num_users_ + 1, {0.0, 0.0});
+  for (int u = 0; u < num_users_; ++u) {
     const int a = account_of(u);
-    fair[u] = {a >= 0 ? account_key[a] : 0.0, usage_of(snapshot.users[u].usage)};
+    fair[u] = {a >= 0 ? account_key[a] : 0.0, usage_of(s_.users[u].usage)};
   }
-  std::vector<uint32_t> fair_rank(num_users + 1);
-  {
-    std::vector<std::pair<double, double>> sorted = fair;
-    std::sort(sorted.begin(), sorted.end());
-    sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
-    for (int u = 0; u <= num_users; ++u) {
-      fair_rank[u] = static_cast<uint32_t>(std::lower_bound(sorted.begin(), sorted.end(), fair[u]) -
-                                           sorted.begin());
-    }
+  fair_rank_.resize(num_users_ + 1);
+  std::vector<std::pair<double, double>> sorted = fair;
+  std::sort(sorted.begin(), sorted.end());
+  sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
+  for (int u = 0; u <= num_users_; ++u) {
+    fair_rank_[u] = static_cast<uint32_t>(std::lower_bound(sorted.begin(), sorted.end(), fair[u]) -
+                                          sorted.begin());
   }
-  auto fits_quota = [&](const PendingJobInfo& job) {
-    const int a = account_of(job.user);
-    return a >= 0 && snapshot.accounts[a].quota >= 0 &&
-           account_used[a] + job.devices <= snapshot.accounts[a].quota;
-  };
-  // Why the account's or user's limits hold `job` back now, or kPlaced when they do not.
-  auto held_by_limits = [&](const PendingJobInfo& job) {
-    const int a = account_of(job.user);
-    if (!job.preemptible && !fits_quota(job)) return WaitReason::kNotPreemptibleBeyondQuota;
-    if (a >= 0) {
-      const SchedAccount& account = snapshot.accounts[a];
-      if (account.quota >= 0 && account.borrow_limit >= 0 &&
-          account_used[a] + job.devices > account.quota + account.borrow_limit) {
-        return WaitReason::kAccountLimit;
-      }
-    }
-    const int u = user_of(job.user);
-    if (u >= 0 && snapshot.users[u].max_devices >= 0 &&
-        user_used[u] + job.devices > snapshot.users[u].max_devices) {
-      return WaitReason::kUserLimit;
-    }
-    return WaitReason::kPlaced;
-  };
-  std::vector<Hidden> hidden_for_job;
-  std::vector<bool> usable_for_job;
+}
 
-  // Sorted as compact keys (the queue is large; its entries are not): within quota first, then
-  // priority descending, then fair share, in one word; then submission, then id and position,
-  // which only equal keys need to look up.
+// The queue's order, as compact keys (the queue is large; its entries are not): within quota
+// first, then priority descending, then fair share, in one word; then submission, then id and
+// position, which only equal keys need to look up.
+std::vector<int> SchedulePass::Order() const {
   struct OrderKey {
     uint64_t major;  // bit 63: beyond quota; bits 31..62: priority, descending; 0..30: fair rank
     int64_t submit_seq;
     int index;
   };
-  std::vector<OrderKey> keys(snapshot.pending.size());
+  std::vector<OrderKey> keys(s_.pending.size());
   for (size_t i = 0; i < keys.size(); ++i) {
-    const PendingJobInfo& job = snapshot.pending[i];
+    const PendingJobInfo& job = s_.pending[i];
     const int u = user_of(job.user);
     // Higher priority, smaller word: flipping the sign bit orders signed values as unsigned.
     const uint32_t priority = ~(static_cast<uint32_t>(job.priority) ^ 0x80000000u);
-    const uint64_t beyond = fits_quota(job) ? 0 : uint64_t{1} << 63;
+    const uint64_t beyond = FitsQuota(job) ? 0 : uint64_t{1} << 63;
     keys[i] = {beyond | (static_cast<uint64_t>(priority) << 31) |
-                   (fair_rank[u >= 0 ? u : num_users] & 0x7fffffffu),
+                   (fair_rank_[u >= 0 ? u : num_users_] & 0x7fffffffu),
                job.submit_seq, static_cast<int>(i)};
   }
   std::sort(keys.begin(), keys.end(), [&](const OrderKey& a, const OrderKey& b) {
     if (a.major != b.major) return a.major < b.major;
     if (a.submit_seq != b.submit_seq) return a.submit_seq < b.submit_seq;
-    const std::string& x = snapshot.pending[a.index].id;
-    const std::string& y = snapshot.pending[b.index].id;
+    const std::string& x = s_.pending[a.index].id;
+    const std::string& y = s_.pending[b.index].id;
     if (x != y) return x < y;
     return a.index < b.index;
   });
   std::vector<int> order(keys.size());
   for (size_t i = 0; i < keys.size(); ++i) order[i] = keys[i].index;
+  return order;
+}
 
-  // Expected end of each placement of this pass (parallel to result.placements).
-  std::vector<std::optional<absl::Time>> placement_ends;
-  auto place = [&](const PendingJobInfo& job, std::vector<DeviceGrant> grants, bool backfilled) {
-    if (const int a = account_of(job.user); a >= 0) account_used[a] += job.devices;
-    if (const int u = user_of(job.user); u >= 0) user_used[u] += job.devices;
-    result.placements.push_back({job.id, std::move(grants), backfilled});
-    placement_ends.push_back(job.max_runtime.has_value()
-                                 ? std::optional<absl::Time>(snapshot.now + *job.max_runtime)
-                                 : std::nullopt);
-  };
-
-  enum class Phase { kInOrder, kBackfill, kStopped };
-  Phase phase = Phase::kInOrder;
-  std::optional<HeadReservation> head;
-  std::vector<int> head_slot;  // per node: index into head->grants, or -1
-  // Devices of the head's nodes that backfill of kind (b) may not use; recomputed when stale.
-  int64_t head_protected = 0;
-  bool head_protected_stale = true;
-  auto spare_on = [&](size_t h) {
-    const DeviceGrant& g = head->grants[h];
-    return std::max(0, std::min(index.free(g.node), head->projected_free_at_start[h] - g.devices));
-  };
-
-  // Places `job` (its nodes' view in `index`), makes it the head, or backfills it; returns why
-  // it waits (kPlaced: it does not).
-  auto decide = [&](const PendingJobInfo& job) {
-    const int block = std::max(1, job.rank_block);
-    const bool fits_now = job.devices <= index.BlockTotal(block);
-
-    if (phase == Phase::kInOrder) {
-      if (fits_now) {
-        place(job, index.Take(job.devices, block), /*backfilled=*/false);
-        return WaitReason::kPlaced;
-      }
-      usable_for_job = usable;
-      for (const Hidden& h : hidden_for_job) usable_for_job[h.node] = false;
-      if (snapshot.preemption) {
-        std::vector<int> node_free(snapshot.nodes.size());
-        for (size_t n = 0; n < node_free.size(); ++n)
-          node_free[n] = index.free(static_cast<int>(n));
-        std::vector<std::string> victims =
-            ChooseVictims(snapshot, job, usable_for_job, index.total(), node_free, running_shares,
-                          account_of(job.user), fits_quota(job), account_used);
-        if (!victims.empty()) {
-          result.preemption = ScheduleResult::Preemption{job.id, std::move(victims)};
-        }
-      }
-      head = ComputeReservation(snapshot, usable_for_job, total_devices, max_devices_per_node,
-                                index, result.placements, placement_ends, job.devices, block);
-      if (!head.has_value()) {
-        phase = Phase::kStopped;  // unknown start: backfill could delay the head forever
-        return WaitReason::kDevices;
-      }
-      result.reservation = Reservation{job.id, head->start, head->grants};
-      head_slot.assign(num_nodes, -1);
-      for (size_t h = 0; h < head->grants.size(); ++h) {
-        head_slot[head->grants[h].node] = static_cast<int>(h);
-      }
-      phase = Phase::kBackfill;
-      return WaitReason::kDevices;
+// Why the account's or user's limits hold `job` back now, or kPlaced when they do not.
+WaitReason SchedulePass::HeldByLimits(const PendingJobInfo& job) const {
+  const int a = account_of(job.user);
+  if (!job.preemptible && !FitsQuota(job)) return WaitReason::kNotPreemptibleBeyondQuota;
+  if (a >= 0) {
+    const SchedAccount& account = s_.accounts[a];
+    if (account.quota >= 0 && account.borrow_limit >= 0 &&
+        account_used_[a] + job.devices > account.quota + account.borrow_limit) {
+      return WaitReason::kAccountLimit;
     }
+  }
+  const int u = user_of(job.user);
+  if (u >= 0 && s_.users[u].max_devices >= 0 &&
+      user_used_[u] + job.devices > s_.users[u].max_devices) {
+    return WaitReason::kUserLimit;
+  }
+  return WaitReason::kPlaced;
+}
 
-    // Backfill behind the head.
-    if (!fits_now) return WaitReason::kBehindHead;
-    if (job.max_runtime.has_value() && snapshot.now + *job.max_runtime <= head->start) {
-      // (a) Done before the head starts: its devices are back by then.
-      place(job, index.Take(job.devices, block), /*backfilled=*/true);
-      head_protected_stale = true;
+void SchedulePass::Place(const PendingJobInfo& job, std::vector<DeviceGrant> grants,
+                         bool backfilled) {
+  if (const int a = account_of(job.user); a >= 0) account_used_[a] += job.devices;
+  if (const int u = user_of(job.user); u >= 0) user_used_[u] += job.devices;
+  result_.placements.push_back({job.id, std::move(grants), backfilled});
+  placement_ends_.push_back(job.max_runtime.has_value()
+                                ? std::optional<absl::Time>(s_.now + *job.max_runtime)
+                                : std::nullopt);
+}
+
+int SchedulePass::SpareOn(size_t h) const {
+  const DeviceGrant& g = head_->grants[h];
+  return std::max(0, std::min(index_->free(g.node), head_->projected_free_at_start[h] - g.devices));
+}
+
+// Queue position `position`, pending job `i`: unplaceable, held by its limits, or decided with
+// the nodes its owner may not use hidden from the index.
+void SchedulePass::Consider(int i, int position) {
+  const PendingJobInfo& job = s_.pending[i];
+  JobWait& wait = result_.waits[i];
+  wait.position = position;
+  hidden_for_job_.clear();
+  FreeIndex& index = *index_;
+  int64_t capacity = schedulable_capacity_;
+  for (int n : restricted_) {
+    const auto& owners = s_.nodes[n].owners;
+    if (std::find(owners.begin(), owners.end(), job.owner) != owners.end()) continue;
+    hidden_for_job_.push_back({n, index.free(n)});
+    capacity -= total_devices_[n];
+  }
+  // In blocks: the nodes' whole blocks.
+  const int block = std::max(1, job.rank_block);
+  if (block > 1) {
+    capacity = 0;
+    for (int n = 0; n < num_nodes_; ++n) {
+      if (!usable_[n]) continue;
+      const auto& owners = s_.nodes[n].owners;
+      if (!owners.empty() && std::find(owners.begin(), owners.end(), job.owner) == owners.end()) {
+        continue;
+      }
+      capacity += total_devices_[n] / block * block;
+    }
+  }
+  if (job.devices <= 0 || job.devices > capacity || job.devices % block != 0) {
+    result_.unplaceable.push_back(job.id);
+    wait.reason = WaitReason::kUnplaceable;
+    return;
+  }
+  // Jobs outside accounts and caps (user -1) skip the limits: the plain scheduler's fast path.
+  if (job.user >= 0 || !job.preemptible) {
+    if (wait.reason = HeldByLimits(job); wait.reason != WaitReason::kPlaced) return;
+  }
+  if (phase_ == Phase::kStopped) {
+    wait.reason = WaitReason::kHeadStartUnknown;
+    return;
+  }
+  for (const Hidden& h : hidden_for_job_) index.Set(h.node, 0);
+  if (!hidden_for_job_.empty()) head_protected_stale_ = true;  // computed with them visible
+  wait.reason = Decide(job);
+  for (const Hidden& h : hidden_for_job_) index.Set(h.node, h.free);  // it took nothing there
+  if (!hidden_for_job_.empty()) head_protected_stale_ = true;
+}
+
+// Places `job` (its nodes' view in the index), makes it the head, or backfills it; returns why
+// it waits (kPlaced: it does not).
+WaitReason SchedulePass::Decide(const PendingJobInfo& job) {
+  const int block = std::max(1, job.rank_block);
+  const bool fits_now = job.devices <= index_->BlockTotal(block);
+  if (phase_ == Phase::kInOrder) {
+    if (fits_now) {
+      Place(job, index_->Take(job.devices, block), /*backfilled=*/false);
       return WaitReason::kPlaced;
     }
-    // (b) Pack only on devices the head's reservation leaves spare (jobs placed in blocks do
-    // not: the spare devices are counted one by one).
-    if (block > 1) return WaitReason::kBehindHead;
-    if (head_protected_stale) {
-      head_protected = 0;
-      for (size_t h = 0; h < head->grants.size(); ++h) {
-        head_protected += index.free(head->grants[h].node) - spare_on(h);
-      }
-      head_protected_stale = false;
-    }
-    if (job.devices > index.total() - head_protected) return WaitReason::kBehindHead;
-    std::vector<int> hidden(head->grants.size());
-    for (size_t h = 0; h < head->grants.size(); ++h) {
-      const int node = head->grants[h].node;
-      hidden[h] = index.free(node) - spare_on(h);
-      index.Set(node, index.free(node) - hidden[h]);
-    }
-    std::vector<DeviceGrant> grants = index.Take(job.devices);
-    for (size_t h = 0; h < head->grants.size(); ++h) {
-      const int node = head->grants[h].node;
-      index.Set(node, index.free(node) + hidden[h]);
-    }
-    for (const DeviceGrant& g : grants) {
-      const int h = head_slot[g.node];
-      if (h >= 0) head->projected_free_at_start[h] -= g.devices;
-    }
-    place(job, std::move(grants), /*backfilled=*/true);
-    head_protected_stale = true;
-    return WaitReason::kPlaced;
-  };
-
-  result.waits.resize(snapshot.pending.size());
-  for (size_t position = 0; position < order.size(); ++position) {
-    const int i = order[position];
-    const PendingJobInfo& job = snapshot.pending[i];
-    JobWait& wait = result.waits[i];
-    wait.position = static_cast<int>(position);
-    hidden_for_job.clear();
-    int64_t capacity = schedulable_capacity;
-    for (int n : restricted) {
-      const auto& owners = snapshot.nodes[n].owners;
-      if (std::find(owners.begin(), owners.end(), job.owner) != owners.end()) continue;
-      hidden_for_job.push_back({n, index.free(n)});
-      capacity -= total_devices[n];
-    }
-    // In blocks: the nodes' whole blocks.
-    const int block = std::max(1, job.rank_block);
-    if (block > 1) {
-      capacity = 0;
-      for (int n = 0; n < num_nodes; ++n) {
-        if (!usable[n]) continue;
-        const auto& owners = snapshot.nodes[n].owners;
-        if (!owners.empty() && std::find(owners.begin(), owners.end(), job.owner) == owners.end()) {
-          continue;
-        }
-        capacity += total_devices[n] / block * block;
-      }
-    }
-    if (job.devices <= 0 || job.devices > capacity || job.devices % block != 0) {
-      result.unplaceable.push_back(job.id);
-      wait.reason = WaitReason::kUnplaceable;
-      continue;
-    }
-    // Jobs outside accounts and caps (user -1) skip the limits: the plain scheduler's fast path.
-    if (job.user >= 0 || !job.preemptible) {
-      if (wait.reason = held_by_limits(job); wait.reason != WaitReason::kPlaced) continue;
-    }
-    if (phase == Phase::kStopped) {
-      wait.reason = WaitReason::kHeadStartUnknown;
-      continue;
-    }
-    for (const Hidden& h : hidden_for_job) index.Set(h.node, 0);
-    if (!hidden_for_job.empty()) head_protected_stale = true;  // computed with them visible
-    wait.reason = decide(job);
-    for (const Hidden& h : hidden_for_job) index.Set(h.node, h.free);  // it took nothing there
-    if (!hidden_for_job.empty()) head_protected_stale = true;
+    return MakeHead(job, block);
   }
-  return result;
+  if (!fits_now) return WaitReason::kBehindHead;
+  return Backfill(job, block);
 }
+
+// The first job in order that does not fit: its reservation (when its start can be known), and
+// under preemption the running jobs it may displace.
+WaitReason SchedulePass::MakeHead(const PendingJobInfo& job, int block) {
+  FreeIndex& index = *index_;
+  usable_for_job_ = usable_;
+  for (const Hidden& h : hidden_for_job_) usable_for_job_[h.node] = false;
+  if (s_.preemption) {
+    std::vector<int> node_free(s_.nodes.size());
+    for (size_t n = 0; n < node_free.size(); ++n) node_free[n] = index.free(static_cast<int>(n));
+    std::vector<std::string> victims =
+        ChooseVictims(s_, job, usable_for_job_, index.total(), node_free, running_shares_,
+                      account_of(job.user), FitsQuota(job), account_used_);
+    if (!victims.empty()) {
+      result_.preemption = ScheduleResult::Preemption{job.id, std::move(victims)};
+    }
+  }
+  head_ = ComputeReservation(s_, usable_for_job_, total_devices_, max_devices_per_node_, index,
+                             result_.placements, placement_ends_, job.devices, block);
+  if (!head_.has_value()) {
+    phase_ = Phase::kStopped;  // unknown start: backfill could delay the head forever
+    return WaitReason::kDevices;
+  }
+  result_.reservation = Reservation{job.id, head_->start, head_->grants};
+  head_slot_.assign(num_nodes_, -1);
+  for (size_t h = 0; h < head_->grants.size(); ++h) {
+    head_slot_[head_->grants[h].node] = static_cast<int>(h);
+  }
+  phase_ = Phase::kBackfill;
+  return WaitReason::kDevices;
+}
+
+// A job behind the head that fits now: (a) done before the head starts, or (b) only on devices
+// the head's reservation leaves spare.
+WaitReason SchedulePass::Backfill(const PendingJobInfo& job, int block) {
+  FreeIndex& index = *index_;
+  if (job.max_runtime.has_value() && s_.now + *job.max_runtime <= head_->start) {
+    // (a) Done before the head starts: its devices are back by then.
+    Place(job, index.Take(job.devices, block), /*backfilled=*/true);
+    head_protected_stale_ = true;
+    return WaitReason::kPlaced;
+  }
+  // (b) Pack only on devices the head's reservation leaves spare (jobs placed in blocks do not:
+  // the spare devices are counted one by one).
+  if (block > 1) return WaitReason::kBehindHead;
+  if (head_protected_stale_) {
+    head_protected_ = 0;
+    for (size_t h = 0; h < head_->grants.size(); ++h) {
+      head_protected_ += index.free(head_->grants[h].node) - SpareOn(h);
+    }
+    head_protected_stale_ = false;
+  }
+  if (job.devices > index.total() - head_protected_) return WaitReason::kBehindHead;
+  std::vector<int> hidden(head_->grants.size());
+  for (size_t h = 0; h < head_->grants.size(); ++h) {
+    const int node = head_->grants[h].node;
+    hidden[h] = index.free(node) - SpareOn(h);
+    index.Set(node, index.free(node) - hidden[h]);
+  }
+  std::vector<DeviceGrant> grants = index.Take(job.devices);
+  for (size_t h = 0; h < head_->grants.size(); ++h) {
+    const int node = head_->grants[h].node;
+    index.Set(node, index.free(node) + hidden[h]);
+  }
+  for (const DeviceGrant& g : grants) {
+    const int h = head_slot_[g.node];
+    if (h >= 0) head_->projected_free_at_start[h] -= g.devices;
+  }
+  Place(job, std::move(grants), /*backfilled=*/true);
+  head_protected_stale_ = true;
+  return WaitReason::kPlaced;
+}
+
+}  // namespace
+
+ScheduleResult Schedule(const ClusterSnapshot& snapshot) { return SchedulePass(snapshot).Run(); }
 
 }  // namespace trainyard::coordinator
