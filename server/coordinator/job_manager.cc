@@ -769,15 +769,69 @@ void JobManager::FailAttempt(v1::Job& job, const std::string& reason) {
   WakeScheduler();
 }
 
+namespace {
+
+// Nodes are ordered by id: looked up by binary search.
+const SchedulingNode* FindNode(const std::vector<SchedulingNode>& nodes, const std::string& id) {
+  auto it =
+      std::lower_bound(nodes.begin(), nodes.end(), id,
+                       [](const SchedulingNode& n, const std::string& k) { return n.id < k; });
+  return it != nodes.end() && it->id == id ? &*it : nullptr;
+}
+
+}  // namespace
+
 int JobManager::SchedulePass() {
   const std::shared_ptr<const SharingPolicy> current = CurrentPolicy();
-  const SharingPolicy& policy = *current;
   // Copied before taking the lock: submits and rank reports do not wait for the copy.
   const std::vector<SchedulingNode> nodes = nodes_.SchedulingView();
   absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_.Now();
+  ExpireDraining(nodes, now);
+  const ClusterSnapshot snapshot = BuildSnapshot(*current, nodes, now);
+  if (snapshot.pending.empty()) {
+    last_pass_.reset();
+    return 0;
+  }
+  const ScheduleResult result = Schedule(snapshot);
+  RecordPass(snapshot, result);
+  if (result.preemption.has_value()) StartPreemption(*result.preemption, now);
+  int placed = 0;
+  for (const Placement& placement : result.placements) {
+    if (placed == kMaxPlacementsPerPass) {
+      WakeScheduler();
+      break;
+    }
+    if (StartPlacement(placement, nodes, now)) ++placed;
+  }
+  return placed;
+}
+
+// Ranks that never reported their exit. Not on a node without a session: its ranks may still run
+// (cut off, not dead), and its hello settles them when it is back.
+void JobManager::ExpireDraining(const std::vector<SchedulingNode>& nodes, absl::Time now) {
+  for (auto it = draining_.begin(); it != draining_.end();) {
+    const SchedulingNode* on = FindNode(nodes, it->second.node_id);
+    if (it->second.deadline > now || on == nullptr || !on->connected) {
+      ++it;
+      continue;
+    }
+    const auto& [job_id, attempt, rank] = it->first;
+    spdlog::warn("rank {} of {} attempt {} on node {} never reported its exit; device {} freed",
+                 rank, job_id, attempt, it->second.node_id, it->second.device);
+    it = EndDraining(it);
+  }
+}
+
+// What the scheduler sees: the nodes with their free devices, the waiting and running jobs, and
+// the accounts and users of those jobs with their decayed usage.
+ClusterSnapshot JobManager::BuildSnapshot(const SharingPolicy& policy,
+                                          const std::vector<SchedulingNode>& nodes,
+                                          absl::Time now) {
   ClusterSnapshot snapshot;
-  snapshot.now = clock_.Now();
-  // Accounts and the users of waiting and running jobs, with their decayed usage.
+  snapshot.now = now;
+  snapshot.preemption = preemption_;
+  snapshot.min_run_time = min_run_time_;
   std::map<std::string, int> account_index;
   std::map<std::string, int> user_index;
   auto account_of = [&](const std::string& name) {
@@ -785,7 +839,7 @@ int JobManager::SchedulePass() {
     if (added) {
       const SharingPolicy::Account a = policy.AccountOf(name);
       snapshot.accounts.push_back(
-          {name, a.quota, a.borrow_limit, a.share, usage_.At(AccountKey(name), snapshot.now)});
+          {name, a.quota, a.borrow_limit, a.share, usage_.At(AccountKey(name), now)});
     }
     return it->second;
   };
@@ -800,30 +854,10 @@ int JobManager::SchedulePass() {
     if (added) {
       const SharingPolicy::User u = policy.UserOf(job.owner());
       snapshot.users.push_back({job.owner(), account_of(account), u.max_running_devices,
-                                usage_.At(UserKey(job.owner()), snapshot.now)});
+                                usage_.At(UserKey(job.owner()), now)});
     }
     return it->second;
   };
-  // Ranks that never reported their exit. Not on a node without a session: its ranks may still
-  // run (cut off, not dead), and its hello settles them when it is back.
-  // (Nodes are ordered by id: looked up by binary search.)
-  auto find_node = [&nodes](const std::string& id) -> const SchedulingNode* {
-    auto it =
-        std::lower_bound(nodes.begin(), nodes.end(), id,
-                         [](const SchedulingNode& n, const std::string& k) { return n.id < k; });
-    return it != nodes.end() && it->id == id ? &*it : nullptr;
-  };
-  for (auto it = draining_.begin(); it != draining_.end();) {
-    const SchedulingNode* on = find_node(it->second.node_id);
-    if (it->second.deadline > snapshot.now || on == nullptr || !on->connected) {
-      ++it;
-      continue;
-    }
-    const auto& [job_id, attempt, rank] = it->first;
-    spdlog::warn("rank {} of {} attempt {} on node {} never reported its exit; device {} freed",
-                 rank, job_id, attempt, it->second.node_id, it->second.device);
-    it = EndDraining(it);
-  }
   snapshot.nodes.reserve(nodes.size());
   for (const SchedulingNode& n : nodes) {
     auto held = allocated_.find(n.id);
@@ -859,7 +893,7 @@ int JobManager::SchedulePass() {
       RunningJobInfo r;
       r.id = id;
       for (const auto& pl : job.placement()) {
-        if (const SchedulingNode* on = find_node(pl.node_id()); on != nullptr) {
+        if (const SchedulingNode* on = FindNode(nodes, pl.node_id()); on != nullptr) {
           r.grants.push_back({static_cast<int>(on - nodes.data()), pl.device_indices_size()});
         }
       }
@@ -877,14 +911,11 @@ int JobManager::SchedulePass() {
       snapshot.running.push_back(std::move(r));
     }
   }
-  if (snapshot.pending.empty()) {
-    last_pass_.reset();
-    return 0;
-  }
-  snapshot.preemption = preemption_;
-  snapshot.min_run_time = min_run_time_;
+  return snapshot;
+}
 
-  const ScheduleResult result = Schedule(snapshot);
+// Why each job waits (WhyWaiting), the head and its expected start.
+void JobManager::RecordPass(const ClusterSnapshot& snapshot, const ScheduleResult& result) {
   LastPass& last = last_pass_.emplace();
   last.at = snapshot.now;
   last.waits.reserve(snapshot.pending.size());
@@ -893,100 +924,100 @@ int JobManager::SchedulePass() {
     if (result.waits[i].reason == WaitReason::kDevices) last.head = snapshot.pending[i].id;
   }
   if (result.reservation.has_value()) last.head_start = result.reservation->start;
-  if (result.preemption.has_value()) {
-    const v1::Job& head = jobs_.at(result.preemption->job_id);
-    for (const std::string& id : result.preemption->victims) {
-      v1::Job& victim = jobs_.at(id);
-      victim.set_preempt_deadline_ms(absl::ToUnixMillis(snapshot.now + GraceOf(victim)));
-      victim.set_preempted_by(head.id());
-      victim.set_message(absl::StrCat("preempted by ", head.id(), " (priority ",
-                                      head.spec().priority(), ", account ", head.account(),
-                                      "): asked to checkpoint and stop"));
-      victim.set_version(victim.version() + 1);
-      Persist(victim);
-      if (metrics_ != nullptr) metrics_->ObservePreemption();
-      spdlog::info(
-          "preempting {} (priority {}, account {}) for {} (priority {}, account {}); "
-          "grace {}",
-          id, victim.spec().priority(), victim.account(), head.id(), head.spec().priority(),
-          head.account(), absl::FormatDuration(GraceOf(victim)));
-    }
+}
+
+// Asks the victims to checkpoint and stop within their grace.
+void JobManager::StartPreemption(const ScheduleResult::Preemption& preemption, absl::Time now) {
+  const v1::Job& head = jobs_.at(preemption.job_id);
+  for (const std::string& id : preemption.victims) {
+    v1::Job& victim = jobs_.at(id);
+    victim.set_preempt_deadline_ms(absl::ToUnixMillis(now + GraceOf(victim)));
+    victim.set_preempted_by(head.id());
+    victim.set_message(absl::StrCat("preempted by ", head.id(), " (priority ",
+                                    head.spec().priority(), ", account ", head.account(),
+                                    "): asked to checkpoint and stop"));
+    victim.set_version(victim.version() + 1);
+    Persist(victim);
+    if (metrics_ != nullptr) metrics_->ObservePreemption();
+    spdlog::info(
+        "preempting {} (priority {}, account {}) for {} (priority {}, account {}); "
+        "grace {}",
+        id, victim.spec().priority(), victim.account(), head.id(), head.spec().priority(),
+        head.account(), absl::FormatDuration(GraceOf(victim)));
   }
-  int placed = 0;
-  for (const Placement& placement : result.placements) {
-    if (placed == kMaxPlacementsPerPass) {
-      WakeScheduler();
-      break;
-    }
-    v1::Job& job = jobs_.at(placement.job_id);
-    // Offload jobs also need room on the parameter servers; without it they keep waiting (the
-    // devices the scheduler picked stay free for others).
-    std::vector<v1::PsRange> ps_ranges;
-    if (job.spec().parallel().strategy() == v1::OFFLOAD) {
-      auto ranges = PlaceOnParameterServers(ModelParameterCount(job.spec().model()),
-                                            kPsBytesPerParam, ParameterServerCapacity(job.owner()));
-      if (!ranges.ok()) {
-        const std::string why =
-            absl::StrCat("waiting for parameter-server memory: ", ranges.status().message());
-        if (job.message() != why) {
-          job.set_message(why);
-          job.set_version(job.version() + 1);
-          Persist(job);
-        }
-        continue;
+}
+
+// Starts a placed job's next attempt: its devices (and parameter-server ranges), RUNNING, its
+// rendezvous scope, and once durable its assignments to the nodes. False when an offload job
+// keeps waiting for parameter-server memory.
+bool JobManager::StartPlacement(const Placement& placement,
+                                const std::vector<SchedulingNode>& nodes, absl::Time now) {
+  v1::Job& job = jobs_.at(placement.job_id);
+  // Offload jobs also need room on the parameter servers; without it they keep waiting (the
+  // devices the scheduler picked stay free for others).
+  std::vector<v1::PsRange> ps_ranges;
+  if (job.spec().parallel().strategy() == v1::OFFLOAD) {
+    auto ranges = PlaceOnParameterServers(ModelParameterCount(job.spec().model()), kPsBytesPerParam,
+                                          ParameterServerCapacity(job.owner()));
+    if (!ranges.ok()) {
+      const std::string why =
+          absl::StrCat("waiting for parameter-server memory: ", ranges.status().message());
+      if (job.message() != why) {
+        job.set_message(why);
+        job.set_version(job.version() + 1);
+        Persist(job);
       }
-      ps_ranges = *std::move(ranges);
+      return false;
     }
-    ++placed;
-    job.clear_placement();
-    job.clear_ps_placement();
-    for (v1::PsRange& r : ps_ranges) *job.add_ps_placement() = std::move(r);
-    int rank = 0;
-    for (const DeviceGrant& g : placement.grants) {
-      const SchedulingNode& node = nodes[g.node];
-      std::set<int>& held = allocated_[node.id];
-      v1::RankPlacement* rp = job.add_placement();
-      rp->set_node_id(node.id);
-      rp->set_first_rank(rank);
-      for (const int index : node.device_indices) {
-        if (rp->device_indices_size() == g.devices) break;
-        if (held.insert(index).second) rp->add_device_indices(index);
-      }
-      TY_CHECK(rp->device_indices_size() == g.devices,
-               absl::StrCat("scheduler over-allocated node ", node.id));
-      rank += g.devices;
-    }
-    job.set_attempt(job.attempt() + 1);
-    job.set_world_size(rank);
-    if (metrics_ != nullptr) {
-      metrics_->ObservePlacement(
-          placement.backfilled,
-          absl::ToDoubleSeconds(snapshot.now - absl::FromUnixMillis(job.submit_time_ms())),
-          /*first_start=*/job.attempt() == 1);
-    }
-    job.set_start_time_ms(absl::ToUnixMillis(snapshot.now));
-    job.set_backfilled(placement.backfilled);
-    if (IsCommandJob(job.spec()))
-      job.set_master_port(ReserveMasterPort(job.placement(0).node_id()));
-    // After a restart, `yard describe` still says why the previous attempt ended.
-    Transition(job, v1::RUNNING,
-               job.state() == v1::RESTARTING  ? absl::StrCat("restarted: ", job.message())
-               : job.state() == v1::PREEMPTED ? absl::StrCat("resumed after: ", job.message())
-                                              : "");
-    rendezvous_.OpenScope({job.id(), job.attempt()});
-    // Assignments go out once the placement is durable, so a restarted coordinator never
-    // forgets ranks it started.
-    Persist(job, [this, assignments = AssignmentsOf(job)](absl::Status s) {
-      if (!s.ok()) return;
-      for (const auto& [node_id, a] : assignments) {
-        v1::CoordinatorMessage m;
-        *m.mutable_assignment() = a;
-        // A node without a session gets it again through AssignmentsFor when it reconnects.
-        nodes_.Send(node_id, m);
-      }
-    });
+    ps_ranges = *std::move(ranges);
   }
-  return placed;
+  job.clear_placement();
+  job.clear_ps_placement();
+  for (v1::PsRange& r : ps_ranges) *job.add_ps_placement() = std::move(r);
+  int rank = 0;
+  for (const DeviceGrant& g : placement.grants) {
+    const SchedulingNode& node = nodes[g.node];
+    std::set<int>& held = allocated_[node.id];
+    v1::RankPlacement* rp = job.add_placement();
+    rp->set_node_id(node.id);
+    rp->set_first_rank(rank);
+    for (const int index : node.device_indices) {
+      if (rp->device_indices_size() == g.devices) break;
+      if (held.insert(index).second) rp->add_device_indices(index);
+    }
+    TY_CHECK(rp->device_indices_size() == g.devices,
+             absl::StrCat("scheduler over-allocated node ", node.id));
+    rank += g.devices;
+  }
+  job.set_attempt(job.attempt() + 1);
+  job.set_world_size(rank);
+  if (metrics_ != nullptr) {
+    metrics_->ObservePlacement(
+        placement.backfilled,
+        absl::ToDoubleSeconds(now - absl::FromUnixMillis(job.submit_time_ms())),
+        /*first_start=*/job.attempt() == 1);
+  }
+  job.set_start_time_ms(absl::ToUnixMillis(now));
+  job.set_backfilled(placement.backfilled);
+  if (IsCommandJob(job.spec())) job.set_master_port(ReserveMasterPort(job.placement(0).node_id()));
+  // After a restart, `yard describe` still says why the previous attempt ended.
+  Transition(job, v1::RUNNING,
+             job.state() == v1::RESTARTING  ? absl::StrCat("restarted: ", job.message())
+             : job.state() == v1::PREEMPTED ? absl::StrCat("resumed after: ", job.message())
+                                            : "");
+  rendezvous_.OpenScope({job.id(), job.attempt()});
+  // Assignments go out once the placement is durable, so a restarted coordinator never forgets
+  // ranks it started.
+  Persist(job, [this, assignments = AssignmentsOf(job)](absl::Status s) {
+    if (!s.ok()) return;
+    for (const auto& [node_id, a] : assignments) {
+      v1::CoordinatorMessage m;
+      *m.mutable_assignment() = a;
+      // A node without a session gets it again through AssignmentsFor when it reconnects.
+      nodes_.Send(node_id, m);
+    }
+  });
+  return true;
 }
 
 std::vector<std::pair<std::string, v1::Assignment>> JobManager::AssignmentsOf(

@@ -231,6 +231,18 @@ class JobManager {
   // A port for a command job's rank 0 on `node_id` (MASTER_PORT), none of the node's running
   // attempts holds: from kFirstMasterPort on (torchrun's 29500); 0 when all are taken.
   int ReserveMasterPort(const std::string& node_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // SchedulePass's parts (job_manager.cc).
+  void ExpireDraining(const std::vector<SchedulingNode>& nodes, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  ClusterSnapshot BuildSnapshot(const SharingPolicy& policy,
+                                const std::vector<SchedulingNode>& nodes, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RecordPass(const ClusterSnapshot& snapshot, const ScheduleResult& result)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void StartPreemption(const ScheduleResult::Preemption& preemption, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool StartPlacement(const Placement& placement, const std::vector<SchedulingNode>& nodes,
+                      absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static constexpr int kFirstMasterPort = 29500;
   static constexpr int kMasterPorts = 1000;
   struct DrainingRank {
