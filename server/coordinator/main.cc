@@ -14,16 +14,20 @@
 #include "common/version.h"
 #include "server/coordinator/coordinator_server.h"
 
-int main(int argc, char** argv) {
-  trainyard::BlockTerminationSignals();
-  const char* home = std::getenv("HOME");
-  trainyard::coordinator::CoordinatorOptions options;
-  options.state_dir = std::string(home != nullptr ? home : ".") + "/.trainyard";
-  std::string node_timeout = "10s";
-  std::string heartbeat_interval = "2s";
+namespace {
 
-  CLI::App app{"trainyard-coordinator: the trainyard control plane (jobs, scheduling, nodes)"};
-  app.set_version_flag("--version", std::string("trainyard-coordinator ") + trainyard::kVersion);
+using trainyard::coordinator::CoordinatorOptions;
+
+// Flags read as text (durations) or converted after parsing.
+struct Flags {
+  std::string node_timeout = "10s", heartbeat_interval = "2s";
+  std::string preemption_grace = "120s", min_run_time = "5m", max_grace = "10m", half_life = "168h";
+  std::string finished_retention = "5m", history_retention = "720h";
+  double refill_seconds = 1;
+};
+
+// Where it serves and keeps its state; how it watches nodes.
+void AddServingFlags(CLI::App& app, CoordinatorOptions& options, Flags& f) {
   app.add_option("--listen", options.listen_address,
                  "HOST:PORT to serve gRPC on; port 0 picks a free one (printed on stdout)")
       ->capture_default_str();
@@ -35,30 +39,37 @@ int main(int argc, char** argv) {
   app.add_option(
       "--checkpoint-root", options.checkpoint_root,
       "where jobs' checkpoints live, seen by every worker (default STATE_DIR/checkpoints)");
-  app.add_option("--node-timeout", node_timeout,
+  app.add_option("--node-timeout", f.node_timeout,
                  "a node silent for this long is lost and its jobs restart or fail")
       ->capture_default_str();
-  app.add_option("--heartbeat-interval", heartbeat_interval, "heartbeat period asked of nodes")
+  app.add_option("--heartbeat-interval", f.heartbeat_interval, "heartbeat period asked of nodes")
       ->capture_default_str();
   app.add_option("--max-message-bytes", options.max_message_bytes, "largest gRPC message accepted")
       ->capture_default_str();
+}
+
+// Preemption and fair share.
+void AddSchedulingFlags(CLI::App& app, CoordinatorOptions& options, Flags& f) {
   app.add_flag("--preemption", options.preemption,
                "a job that cannot be placed may preempt running jobs of lower priority: they are "
                "asked to checkpoint and stop, and resume from that checkpoint later");
-  std::string preemption_grace = "120s", min_run_time = "5m", max_grace = "10m", half_life = "168h";
-  app.add_option("--preemption-grace", preemption_grace,
+  app.add_option("--preemption-grace", f.preemption_grace,
                  "how long a preempted job may take to checkpoint and stop before its ranks are "
                  "stopped, unless its spec sets preemption_grace")
       ->capture_default_str();
-  app.add_option("--max-preemption-grace", max_grace, "the most a job's preemption_grace may be")
+  app.add_option("--max-preemption-grace", f.max_grace, "the most a job's preemption_grace may be")
       ->capture_default_str();
-  app.add_option("--fair-share-half-life", half_life,
+  app.add_option("--fair-share-half-life", f.half_life,
                  "accounts' and users' usage (device-seconds) halves every this long, as Slurm's "
                  "PriorityDecayHalfLife")
       ->capture_default_str();
-  app.add_option("--min-run-time", min_run_time,
+  app.add_option("--min-run-time", f.min_run_time,
                  "a job runs at least this long before it may be preempted (again)")
       ->capture_default_str();
+}
+
+// TLS, the metrics endpoint's protection, the audit trail and the authentication throttles.
+void AddSecurityFlags(CLI::App& app, CoordinatorOptions& options, Flags& f) {
   app.add_option("--tls-cert", options.tls.cert_file, "TLS certificate chain (PEM) to serve with");
   app.add_option("--tls-key", options.tls.key_file, "its private key (PEM)");
   app.add_option("--tls-client-ca", options.tls.client_ca_file,
@@ -82,6 +93,23 @@ int main(int argc, char** argv) {
   app.add_option("--audit-log", options.audit_log,
                  "also write the audit trail to this file as JSON lines, one object per event "
                  "(created 0600; for log shippers)");
+  auto& limits = options.limits;
+  app.add_option("--auth-failures-per-token", limits.auth_per_token.burst,
+                 "wrong secrets a token id may be sent before its calls are refused unchecked "
+                 "(one more allowed each --auth-failure-refill seconds; 0: no throttle)")
+      ->capture_default_str();
+  app.add_option("--auth-failures-per-peer", limits.auth_per_peer.burst,
+                 "malformed, unknown or wrong credentials one address may send before its calls "
+                 "are refused unchecked (0: no throttle)")
+      ->capture_default_str();
+  app.add_option("--auth-failure-refill", f.refill_seconds,
+                 "seconds after which one more failed authentication is forgiven")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+}
+
+// What users, jobs and attempts may hold, and how long finished jobs are kept.
+void AddLimitFlags(CLI::App& app, CoordinatorOptions& options, Flags& f) {
   auto& limits = options.limits;
   app.add_option("--max-queued-jobs-per-user", limits.max_queued_jobs_per_user,
                  "jobs a user may have queued unless an admin set the user's own max_queued_jobs "
@@ -114,12 +142,11 @@ int main(int argc, char** argv) {
                  "step reports kept in memory per job (the oldest go first)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  std::string finished_retention = "5m", history_retention = "720h";
-  app.add_option("--finished-job-retention", finished_retention,
+  app.add_option("--finished-job-retention", f.finished_retention,
                  "a finished job stays in memory this long; then it, its logs and its metrics "
                  "are read from the store (\"inf\": kept in memory until restart)")
       ->capture_default_str();
-  app.add_option("--history-retention", history_retention,
+  app.add_option("--history-retention", f.history_retention,
                  "how long finished jobs' logs and metrics are kept in the store (\"inf\": for "
                  "ever; the jobs themselves stay)")
       ->capture_default_str();
@@ -132,37 +159,27 @@ int main(int argc, char** argv) {
                  "first and last steps kept)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  app.add_option("--auth-failures-per-token", limits.auth_per_token.burst,
-                 "wrong secrets a token id may be sent before its calls are refused unchecked "
-                 "(one more allowed each --auth-failure-refill seconds; 0: no throttle)")
-      ->capture_default_str();
-  app.add_option("--auth-failures-per-peer", limits.auth_per_peer.burst,
-                 "malformed, unknown or wrong credentials one address may send before its calls "
-                 "are refused unchecked (0: no throttle)")
-      ->capture_default_str();
-  double refill_seconds = 1;
-  app.add_option("--auth-failure-refill", refill_seconds,
-                 "seconds after which one more failed authentication is forgiven")
-      ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  CLI11_PARSE(app, argc, argv);
-  limits.auth_per_token.per_second = 1 / refill_seconds;
-  limits.auth_per_peer.per_second = 1 / refill_seconds;
+}
 
-  trainyard::InstallEscapingLogger("coordinator");
-  auto timeout = trainyard::ParseFlagDuration("--node-timeout", node_timeout);
-  auto interval = trainyard::ParseFlagDuration("--heartbeat-interval", heartbeat_interval);
-  auto grace = trainyard::ParseFlagDuration("--preemption-grace", preemption_grace);
-  auto min_run = trainyard::ParseFlagDuration("--min-run-time", min_run_time);
-  auto max_grace_d = trainyard::ParseFlagDuration("--max-preemption-grace", max_grace);
-  auto half_life_d = trainyard::ParseFlagDuration("--fair-share-half-life", half_life);
-  auto finished_d = trainyard::ParseFlagDuration("--finished-job-retention", finished_retention);
-  auto history_d = trainyard::ParseFlagDuration("--history-retention", history_retention);
+// The parsed flags into `options`; false (after saying why on stderr) when one is wrong.
+bool ApplyFlags(const Flags& f, CoordinatorOptions& options) {
+  auto& limits = options.limits;
+  limits.auth_per_token.per_second = 1 / f.refill_seconds;
+  limits.auth_per_peer.per_second = 1 / f.refill_seconds;
+
+  auto timeout = trainyard::ParseFlagDuration("--node-timeout", f.node_timeout);
+  auto interval = trainyard::ParseFlagDuration("--heartbeat-interval", f.heartbeat_interval);
+  auto grace = trainyard::ParseFlagDuration("--preemption-grace", f.preemption_grace);
+  auto min_run = trainyard::ParseFlagDuration("--min-run-time", f.min_run_time);
+  auto max_grace_d = trainyard::ParseFlagDuration("--max-preemption-grace", f.max_grace);
+  auto half_life_d = trainyard::ParseFlagDuration("--fair-share-half-life", f.half_life);
+  auto finished_d = trainyard::ParseFlagDuration("--finished-job-retention", f.finished_retention);
+  auto history_d = trainyard::ParseFlagDuration("--history-retention", f.history_retention);
   for (const auto* d : {&timeout, &interval, &grace, &min_run, &max_grace_d, &half_life_d,
                         &finished_d, &history_d}) {
     if (!d->ok()) {
       std::cerr << "trainyard-coordinator: " << d->status().message() << "\n";
-      return 2;
+      return false;
     }
   }
   options.node_timeout = *timeout;
@@ -171,13 +188,33 @@ int main(int argc, char** argv) {
   options.min_run_time = *min_run;
   options.max_preemption_grace = *max_grace_d;
   if (options.preemption_grace > options.max_preemption_grace) {
-    std::cerr << "trainyard-coordinator: --preemption-grace (" << preemption_grace
-              << ") must not exceed --max-preemption-grace (" << max_grace << ")\n";
-    return 2;
+    std::cerr << "trainyard-coordinator: --preemption-grace (" << f.preemption_grace
+              << ") must not exceed --max-preemption-grace (" << f.max_grace << ")\n";
+    return false;
   }
   options.fair_share_half_life = *half_life_d;
   limits.finished_job_retention = *finished_d;
   limits.history.retention = *history_d;
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  trainyard::BlockTerminationSignals();
+  const char* home = std::getenv("HOME");
+  CoordinatorOptions options;
+  options.state_dir = std::string(home != nullptr ? home : ".") + "/.trainyard";
+  Flags flags;
+  CLI::App app{"trainyard-coordinator: the trainyard control plane (jobs, scheduling, nodes)"};
+  app.set_version_flag("--version", std::string("trainyard-coordinator ") + trainyard::kVersion);
+  AddServingFlags(app, options, flags);
+  AddSchedulingFlags(app, options, flags);
+  AddSecurityFlags(app, options, flags);
+  AddLimitFlags(app, options, flags);
+  CLI11_PARSE(app, argc, argv);
+  trainyard::InstallEscapingLogger("coordinator");
+  if (!ApplyFlags(flags, options)) return 2;
 
   auto server = trainyard::coordinator::CoordinatorServer::Start(options);
   if (!server.ok()) {
