@@ -14,7 +14,7 @@ PACKAGES=(
   nlohmann-json3-dev libspdlog-dev libgtest-dev libgmock-dev libbenchmark-dev
   sqlite3 clang-format prometheus libssl-dev openssl
   libtorch-dev libgloo-dev libdnnl-dev ocl-icd-opencl-dev libopenblas0-pthread python3-torch
-  python3-venv python3-pip
+  python3-venv python3-pip python3-yaml
 )
 
 missing=()
