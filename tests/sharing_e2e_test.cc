@@ -6,6 +6,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include <grpcpp/grpcpp.h>
 
 #include "common/clock.h"
@@ -231,6 +233,25 @@ TEST_F(SharingE2eTest, AccountsAndUserCapsAreCheckedAndDurable) {
   EXPECT_EQ(server_->identities().GetAccount("empty").status().code(), absl::StatusCode::kNotFound);
 }
 
+// Share percentages are of the accounts that want devices: with shares 1:3 and a job each, 25%
+// and 75%, not 20% and 60% (the built-in `default` account, share 1, has no jobs); an idle
+// account reads as the part it would have with demand.
+TEST_F(SharingE2eTest, SharePercentagesCountOnlyAccountsWithDemand) {
+  ASSERT_TRUE(CreateAccount("small", {}, {}, 1).ok());
+  ASSERT_TRUE(CreateAccount("large", {}, {}, 3).ok());
+  ASSERT_TRUE(MoveUser("alice", "small").ok());
+  ASSERT_TRUE(MoveUser("bob", "large").ok());
+  MustSubmit(alice_, 1);
+  MustSubmit(bob_, 1);
+  v1::QuotaReport report;
+  ASSERT_TRUE(GetQuota(admin_, "alice", true, &report).ok());
+  std::map<std::string, double> share;
+  for (const auto& a : report.accounts()) share[a.name()] = a.share_fraction();
+  EXPECT_DOUBLE_EQ(share.at("small"), 0.25);
+  EXPECT_DOUBLE_EQ(share.at("large"), 0.75);
+  EXPECT_DOUBLE_EQ(share.at("default"), 0.2);  // 1 / (1 + 3 + its own 1)
+}
+
 TEST_F(SharingE2eTest, UsageIsChargedDecaysAndSurvivesARestart) {
   ASSERT_TRUE(CreateAccount("research", 4, {}, 1).ok());
   ASSERT_TRUE(MoveUser("alice", "research").ok());
@@ -250,7 +271,8 @@ TEST_F(SharingE2eTest, UsageIsChargedDecaysAndSurvivesARestart) {
   EXPECT_EQ(report.accounts(0).running_devices(), 2);
   EXPECT_NEAR(report.accounts(0).usage_device_hours(), 2.0 * 5 / 60, 1e-3);
   EXPECT_DOUBLE_EQ(report.accounts(0).usage_fraction(), 1.0);
-  EXPECT_DOUBLE_EQ(report.accounts(0).share_fraction(), 0.5) << "research and default";
+  // Of the accounts with demand: research alone (default, share 1, has no jobs and no usage).
+  EXPECT_DOUBLE_EQ(report.accounts(0).share_fraction(), 1.0);
   EXPECT_DOUBLE_EQ(report.half_life_hours(), 10);
 
   // Others' quota is for admins; every account with --all.

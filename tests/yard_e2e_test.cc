@@ -564,7 +564,8 @@ TEST_F(YardE2eTest, AdminsSetAccountsAndCapsAndUsersSeeTheirQuotaAndWhyTheyWait)
   ASSERT_EQ(quota.exit_code, 0) << quota.err;
   EXPECT_THAT(quota.out, ContainsRegex("account: +research"));
   EXPECT_THAT(quota.out, ContainsRegex("queued jobs: +1 \\(1\\)"));
-  EXPECT_THAT(quota.out, ContainsRegex("\nresearch +4 +any +0 +2 \\(1 jobs\\) +3 \\(75%\\) "));
+  // 100%: research is the only account that wants devices (default has no jobs).
+  EXPECT_THAT(quota.out, ContainsRegex("\nresearch +4 +any +0 +2 \\(1 jobs\\) +3 \\(100%\\) "));
   const auto report = nlohmann::json::parse(Yard({"-o", "json", "quota"}).out);
   EXPECT_EQ(report.value("account", ""), "research");
   EXPECT_EQ(report["accounts"][0].value("quota_devices", ""), "4");  // int64: a JSON string

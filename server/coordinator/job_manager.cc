@@ -1373,10 +1373,22 @@ std::shared_ptr<const SharingPolicy> JobManager::CurrentPolicy() const {
   return kNone;
 }
 
-JobManager::ShareTotals JobManager::TotalsOf(const SharingPolicy& policy, absl::Time now) const {
+bool JobManager::HasDemand(const std::string& account, const std::map<std::string, Use>& use,
+                           absl::Time now) const {
+  if (auto it = use.find(account); it != use.end()) {
+    if (it->second.running_devices > 0 || it->second.queued_jobs > 0) return true;
+  }
+  return usage_.At(AccountKey(account), now) > 0;
+}
+
+JobManager::ShareTotals JobManager::TotalsOf(const SharingPolicy& policy,
+                                             const std::map<std::string, Use>& use,
+                                             absl::Time now) const {
   ShareTotals totals;
   for (const auto& [name, a] : policy.accounts) {
-    totals.shares += a.share;
+    // Shares count among the accounts that want devices (an empty account, such as an unused
+    // `default`, would otherwise take a part of every percentage).
+    if (HasDemand(name, use, now)) totals.shares += a.share;
     totals.usage += usage_.At(AccountKey(name), now);
   }
   return totals;
@@ -1387,7 +1399,9 @@ v1::AccountUsage JobManager::AccountUsageOf(const std::string& name, const Shari
                                             const std::map<std::string, Use>& use,
                                             absl::Time now) const {
   const SharingPolicy::Account account = policy.AccountOf(name);
-  const double shares = totals.shares, usage = totals.usage;
+  // An account without demand: its part if it had some.
+  const double shares = totals.shares + (HasDemand(name, use, now) ? 0 : account.share);
+  const double usage = totals.usage;
   v1::AccountUsage out;
   out.set_name(name);
   if (account.quota >= 0) out.set_quota_devices(account.quota);
@@ -1428,7 +1442,7 @@ v1::QuotaReport JobManager::Quota(const std::string& user, bool all_accounts) co
   }
   report.set_usage_device_hours(usage_.At(UserKey(user), now) / 3600);
   report.set_half_life_hours(absl::ToDoubleHours(usage_.half_life()));
-  const ShareTotals totals = TotalsOf(policy, now);
+  const ShareTotals totals = TotalsOf(policy, by_account, now);
   *report.add_accounts() = AccountUsageOf(limits.account, policy, totals, by_account, now);
   if (all_accounts) {
     for (const auto& [name, a] : policy.accounts) {
@@ -1454,7 +1468,7 @@ std::vector<v1::AccountUsage> JobManager::AccountUsages() const {
   const absl::Time now = clock_.Now();
   std::map<std::string, Use> by_account;
   CountUse(&by_account, nullptr);
-  const ShareTotals totals = TotalsOf(policy, now);
+  const ShareTotals totals = TotalsOf(policy, by_account, now);
   std::vector<v1::AccountUsage> out;
   for (const auto& [name, a] : policy.accounts) {
     out.push_back(AccountUsageOf(name, policy, totals, by_account, now));
@@ -1530,7 +1544,7 @@ std::string JobManager::WhyWaiting(const std::string& job_id, const std::string&
       break;
   }
   const v1::AccountUsage usage =
-      AccountUsageOf(account, policy, TotalsOf(policy, now), by_account, now);
+      AccountUsageOf(account, policy, TotalsOf(policy, by_account, now), by_account, now);
   absl::StrAppend(
       &why, absl::StrFormat(". Account %s: share %.0f%%, usage %.0f%% (%.1f device-hours, decayed)",
                             account, 100 * usage.share_fraction(), 100 * usage.usage_fraction(),

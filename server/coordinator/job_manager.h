@@ -281,8 +281,12 @@ class JobManager {
     double shares = 0;
     double usage = 0;
   };
-  ShareTotals TotalsOf(const SharingPolicy& policy, absl::Time now) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether an account wants devices: running or queued jobs, or decayed usage.
+  bool HasDemand(const std::string& account, const std::map<std::string, Use>& use,
+                 absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The shares of the accounts with demand, and every account's decayed usage.
+  ShareTotals TotalsOf(const SharingPolicy& policy, const std::map<std::string, Use>& use,
+                       absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::AccountUsage AccountUsageOf(const std::string& name, const SharingPolicy& policy,
                                   const ShareTotals& totals, const std::map<std::string, Use>& use,
                                   absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
