@@ -62,6 +62,10 @@ Result RunOnce(bool group_commit, int clients, double seconds, const std::string
   o.state_dir = dir;
   o.group_commit = group_commit;
   o.background_threads = false;  // no scheduling: measure the submit path alone
+  // Nothing is scheduled, so every submit stays queued: without this a client would reach the
+  // default cap of 1,000 queued jobs per user within a second and the rest of its run would
+  // measure refusals.
+  o.limits.max_queued_jobs_per_user = -1;
   auto server = coordinator::CoordinatorServer::Start(o);
   if (!server.ok()) {
     std::fprintf(stderr, "start: %s\n", server.status().ToString().c_str());
