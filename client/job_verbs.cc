@@ -1,0 +1,667 @@
+// yard's job verbs: submit, ls, describe, cancel, wait, logs, metrics, checkpoint, fetch,
+// estimate-memory, nodes.
+#include <unistd.h>
+
+#include <algorithm>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <limits>
+#include <map>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "client/local_cluster.h"
+#include "client/output.h"
+#include "client/verbs.h"
+#include "client/yard_client.h"
+#include "common/credentials.h"
+#include "common/memory_estimate.h"
+#include "common/spec.h"
+
+namespace trainyard::client {
+namespace {
+
+// Exit codes of `yard wait` beyond 0 (succeeded) and 1 (error).
+constexpr int kExitJobFailed = 1;
+constexpr int kExitJobCancelled = 2;
+constexpr int kExitTimedOut = 3;
+
+std::string Devices(const v1::Job& job) { return absl::StrCat(job.spec().resources().gpus()); }
+
+std::string PlacementText(const v1::Job& job) {
+  std::vector<std::string> parts;
+  for (const auto& p : job.placement()) {
+    parts.push_back(absl::StrCat(p.node_id(), "[", absl::StrJoin(p.device_indices(), ","),
+                                 "] ranks ", p.first_rank(), "-",
+                                 p.first_rank() + p.device_indices_size() - 1));
+  }
+  return parts.empty() ? "-" : absl::StrJoin(parts, "; ");
+}
+
+void PrintJob(const v1::Job& job) {
+  const auto& s = job.spec();
+  const auto& m = s.model();
+  const auto& t = s.train();
+  std::vector<std::pair<std::string, std::string>> f = {
+      {"id", job.id()},
+      {"name", s.name()},
+      {"owner", job.owner()},
+      {"state", v1::JobState_Name(job.state())},
+      {"message", job.message().empty() ? "-" : job.message()},
+      {"priority", absl::StrCat(s.priority())},
+      {"devices", Devices(job)},
+      {"attempt",
+       absl::StrCat(job.attempt(), " (restarts ", job.restarts(), " of ", s.max_restarts(), ")")},
+      {"placement", PlacementText(job)},
+      {"submitted", Ago(job.submit_time_ms(), NowMs())},
+      {"started", Ago(job.start_time_ms(), NowMs())},
+      {"ended", Ago(job.end_time_ms(), NowMs())},
+      {"model", absl::StrCat(m.kind(), " n_layer=", m.n_layer(), " n_head=", m.n_head(),
+                             " d_model=", m.d_model(), " seq_len=", m.seq_len(), " vocab=",
+                             m.vocab(), " (", HumanCount(ModelParameterCount(m)), " params)")},
+      {"data", absl::StrCat(s.data().path(), " (", s.data().format(), ")")},
+      {"train",
+       absl::StrCat("steps=", t.steps(), " micro_batch=", t.micro_batch(),
+                    " grad_accum=", t.grad_accum(), " lr=", t.lr(), " warmup=", t.warmup(), " ",
+                    MixedPrecisionName(t.mixed_precision()), " ", OptimizerName(t.optimizer()))},
+      {"parallel", absl::StrCat(StrategyName(s.parallel().strategy()), " ",
+                                ShardingStrategyName(s.parallel().sharding_strategy()),
+                                " bucket_mb=", s.parallel().bucket_mb())},
+      {"max_runtime", s.max_runtime_seconds() == 0
+                          ? "-"
+                          : absl::FormatDuration(absl::Seconds(s.max_runtime_seconds()))},
+      {"account", job.account().empty() ? "default" : job.account()},
+      {"preemptible",
+       absl::StrCat(!s.has_preemptible() || s.preemptible() ? "yes" : "no", " (grace ",
+                    s.preemption_grace_seconds() == 0
+                        ? "the cluster's"
+                        : absl::FormatDuration(absl::Seconds(s.preemption_grace_seconds())),
+                    ", preempted ", job.preemptions(), " times)")},
+  };
+  if (IsCommandJob(s)) {
+    // The user's own program: its command line, folder and the names its env sets (values may be
+    // secrets the program needs; they stay in the spec).
+    f.erase(std::remove_if(f.begin(), f.end(),
+                           [](const auto& field) {
+                             return field.first == "model" || field.first == "data" ||
+                                    field.first == "train" || field.first == "parallel";
+                           }),
+            f.end());
+    std::vector<std::string> names;
+    for (const auto& [name, value] : s.env()) names.push_back(name);
+    std::sort(names.begin(), names.end());
+    f.push_back({"command", absl::StrJoin(s.command(), " ")});
+    f.push_back({"workdir", s.workdir().empty() ? "- (a fresh folder per attempt)" : s.workdir()});
+    f.push_back({"env", names.empty() ? "-" : absl::StrJoin(names, " ")});
+  }
+  if (!job.why_waiting().empty()) f.push_back({"waiting", job.why_waiting()});
+  if (job.backfilled()) f.push_back({"backfilled", "yes"});
+  std::cout << FormatFields(f);
+}
+
+// A llama spec with model.from: its sizes from config.json when yard can read it (see
+// FillModelFromCheckpoint), checked again; a checkpoint yard cannot read is left to the trainer.
+absl::Status FillFromCheckpoint(ParsedSpec& parsed, const std::string& path) {
+  absl::Status s = FillModelFromCheckpoint(parsed.spec);
+  if (absl::IsNotFound(s)) return absl::OkStatus();
+  if (s.ok()) s = ValidateJobSpec(parsed.spec);
+  return s.ok() ? s : AnnotateWithLine(s, parsed, path);
+}
+
+int Submit(const Globals& g, const std::string& path) {
+  auto parsed = LoadValidJobSpecFile(path);
+  if (!parsed.ok()) return Fail(parsed.status());
+  if (absl::Status s = FillFromCheckpoint(*parsed, path); !s.ok()) return Fail(s);
+  YardClient client(g.coordinator, g.Token(), g.tls);
+  auto job = client.Submit(parsed->spec);
+  if (!job.ok()) return Fail(AnnotateWithLine(job.status(), *parsed, path));
+  if (g.json()) {
+    std::cout << ToJson(*job);
+  } else {
+    std::cout << job->id() << "\n";
+  }
+  return 0;
+}
+
+int List(const Globals& g, const std::vector<std::string>& states, const std::string& owner,
+         int limit) {
+  v1::ListJobsRequest request;
+  for (const auto& name : states) {
+    v1::JobState state;
+    std::string upper = name;
+    std::transform(upper.begin(), upper.end(), upper.begin(), ::toupper);
+    if (!v1::JobState_Parse(upper, &state) || state == v1::JOB_STATE_UNSPECIFIED) {
+      return Fail(
+          absl::InvalidArgumentError(absl::StrCat("--state: unknown job state '", name, "'")));
+    }
+    request.add_states(state);
+  }
+  request.set_owner(owner);
+  YardClient client(g.coordinator, g.Token(), g.tls);
+  auto jobs = client.List(request, limit);
+  if (!jobs.ok()) return Fail(jobs.status());
+  if (g.json()) {
+    std::cout << ToJson(*jobs);
+    return 0;
+  }
+  std::vector<std::vector<std::string>> rows;
+  for (const auto& j : jobs->jobs()) {
+    rows.push_back({j.id(), j.spec().name(), j.owner(), v1::JobState_Name(j.state()),
+                    absl::StrCat(j.spec().priority()), Devices(j),
+                    Ago(j.submit_time_ms(), NowMs())});
+  }
+  std::cout << FormatTable({"ID", "NAME", "OWNER", "STATE", "PRIO", "DEVICES", "SUBMITTED"}, rows);
+  return 0;
+}
+
+int Describe(const Globals& g, const std::string& id) {
+  YardClient client(g.coordinator, g.Token(), g.tls);
+  auto job = client.Get(NormalizeJobId(id));
+  if (!job.ok()) return Fail(job.status());
+  if (g.json()) {
+    std::cout << ToJson(*job);
+  } else {
+    PrintJob(*job);
+  }
+  return 0;
+}
+
+// Prints a job that a verb changed ("job-7 CANCELLED"), or its JSON; or fails with the error.
+int PrintChangedJob(const Globals& g, const absl::StatusOr<v1::Job>& job) {
+  if (!job.ok()) return Fail(job.status());
+  if (g.json()) {
+    std::cout << ToJson(*job);
+  } else {
+    std::cout << job->id() << " " << v1::JobState_Name(job->state()) << "\n";
+  }
+  return 0;
+}
+
+int Cancel(const Globals& g, const std::string& id, const std::string& reason) {
+  YardClient client(g.coordinator, g.Token(), g.tls);
+  return PrintChangedJob(g, client.Cancel(NormalizeJobId(id), reason));
+}
+
+int Wait(const Globals& g, const std::string& id, const std::string& timeout_text) {
+  absl::Duration timeout = absl::ZeroDuration();
+  if (!timeout_text.empty() && !absl::ParseDuration(timeout_text, &timeout)) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        "--timeout: expected a duration such as 90s or 1h, got '", timeout_text, "'")));
+  }
+  YardClient client(g.coordinator, g.Token(), g.tls);
+  v1::JobState last = v1::JOB_STATE_UNSPECIFIED;
+  auto job = client.Watch(NormalizeJobId(id), timeout, [&](const v1::Job& j) {
+    if (j.state() != last && !g.json()) {
+      std::cerr << j.id() << " " << v1::JobState_Name(j.state())
+                << (j.message().empty() ? "" : ": " + j.message()) << "\n";
+    }
+    last = j.state();
+    return false;
+  });
+  if (!job.ok()) {
+    Fail(job.status());
+    return job.status().code() == absl::StatusCode::kDeadlineExceeded ? kExitTimedOut : 1;
+  }
+  if (g.json()) std::cout << ToJson(*job);
+  switch (job->state()) {
+    case v1::SUCCEEDED:
+      return 0;
+    case v1::CANCELLED:
+      return kExitJobCancelled;
+    default:
+      return kExitJobFailed;
+  }
+}
+
+int EstimateMemoryVerb(const Globals& g, const std::string& path, int world, int per_node,
+                       const std::string& device_memory) {
+  auto parsed = LoadValidJobSpecFile(path);
+  if (!parsed.ok()) return Fail(parsed.status());
+  if (absl::Status s = FillFromCheckpoint(*parsed, path); !s.ok()) return Fail(s);
+  const v1::JobSpec& spec = parsed->spec;
+  if (world <= 0) world = spec.resources().gpus();
+  if (per_node <= 0) per_node = world;
+  // The devices to judge against: --device-memory, else the largest device the coordinator's
+  // ready nodes offer, else unknown.
+  int64_t device_bytes = 0;
+  std::string device_source = "unknown (no --device-memory and no coordinator reachable)";
+  if (!device_memory.empty()) {
+    auto bytes = ParseBytes(device_memory);
+    if (!bytes.has_value() || *bytes <= 0) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat(
+          "--device-memory: expected a size such as 16GiB or 80G, got '", device_memory, "'")));
+    }
+    device_bytes = *bytes;
+    device_source = "--device-memory";
+  } else {
+    YardClient client(g.coordinator, g.Token(), g.tls);
+    if (auto nodes = client.ListNodes(); nodes.ok()) {
+      for (const auto& n : nodes->nodes()) {
+        if (n.state() != v1::NODE_READY || n.devices().empty()) continue;
+        int64_t smallest = std::numeric_limits<int64_t>::max();
+        for (const auto& d : n.devices()) smallest = std::min(smallest, d.memory_bytes());
+        device_bytes = std::max(device_bytes, smallest);
+      }
+      if (device_bytes > 0) device_source = "the largest device of the cluster's ready nodes";
+    }
+  }
+  const auto estimates = EstimateAllStrategies(spec, world, per_node);
+  // LoRA: only the adapters train (and are counted beside the base).
+  const JobConfig config = ToJobConfig(spec);
+  const int64_t adapters = LoraParameterCount(config.model, config.train.lora);
+  const int64_t trainable =
+      config.train.lora.enabled() ? adapters : ModelParameterCount(spec.model());
+  if (g.json()) {
+    nlohmann::json out = {{"parameters", ModelParameterCount(spec.model()) + adapters},
+                          {"trainable_parameters", trainable},
+                          {"optimizer", OptimizerName(spec.train().optimizer())},
+                          {"largest_unit_parameters", LargestUnitParameters(spec.model())},
+                          {"world_size", world},
+                          {"device_memory_bytes", device_bytes},
+                          {"estimates", nlohmann::json::array()}};
+    for (const auto& e : estimates) {
+      out["estimates"].push_back({{"strategy", e.Name()},
+                                  {"precision", MixedPrecisionName(e.precision)},
+                                  {"parameters_bytes", e.parameters},
+                                  {"gradients_bytes", e.gradients},
+                                  {"optimizer_bytes", e.optimizer},
+                                  {"activations_bytes", e.activations},
+                                  {"total_bytes", e.total()},
+                                  {"offloaded_bytes", e.offloaded},
+                                  {"fits", device_bytes > 0 && e.total() <= device_bytes}});
+    }
+    std::cout << out.dump(1) << "\n";
+    return 0;
+  }
+  const MemoryEstimate mine = EstimateMemory(spec, world, per_node);
+  std::cout << spec.name() << ": " << spec.model().kind() << ", "
+            << HumanCount(ModelParameterCount(spec.model()) + adapters) << " parameters"
+            << (config.train.lora.enabled()
+                    ? absl::StrCat(" (", HumanCount(trainable), " trainable: LoRA r ",
+                                   config.train.lora.r, ")")
+                    : "")
+            << ", largest unit " << HumanCount(LargestUnitParameters(spec.model())) << "; " << world
+            << " rank(s), " << per_node << " per node; micro_batch " << spec.train().micro_batch()
+            << ", seq_len " << spec.model().seq_len() << "; optimizer "
+            << OptimizerName(spec.train().optimizer()) << "\n";
+  std::cout << "device memory: "
+            << (device_bytes > 0 ? absl::StrCat(HumanBytes(device_bytes), " (", device_source, ")")
+                                 : device_source)
+            << "\n\n";
+  std::vector<std::vector<std::string>> rows;
+  for (const auto& e : estimates) {
+    const bool is_spec = e.Name() == mine.Name() && e.precision == mine.precision;
+    rows.push_back({absl::StrCat(e.Name(), is_spec ? " *" : ""), MixedPrecisionName(e.precision),
+                    HumanBytes(e.parameters), HumanBytes(e.gradients), HumanBytes(e.optimizer),
+                    HumanBytes(e.activations), HumanBytes(e.total()),
+                    e.offloaded > 0 ? HumanBytes(e.offloaded) : "-",
+                    device_bytes == 0 ? "?" : (e.total() <= device_bytes ? "yes" : "no")});
+  }
+  std::cout << FormatTable({"STRATEGY", "PRECISION", "PARAMETERS", "GRADIENTS", "OPTIMIZER",
+                            "ACTIVATIONS", "TOTAL/RANK", "ON PS", "FITS"},
+                           rows);
+  std::cout << "\n* the spec's own strategy. Bytes per rank; ON PS: optimizer state held by "
+               "parameter servers.\n";
+  return 0;
+}
+
+int Nodes(const Globals& g) {
+  YardClient client(g.coordinator, g.Token(), g.tls);
+  auto nodes = client.ListNodes();
+  if (!nodes.ok()) return Fail(nodes.status());
+  if (g.json()) {
+    std::cout << ToJson(*nodes);
+    return 0;
+  }
+  std::vector<std::vector<std::string>> rows;
+  for (const auto& n : nodes->nodes()) {
+    const std::string kind =
+        n.devices().empty() ? "-" : (n.devices(0).kind() == v1::CUDA_GPU ? "gpu" : "cpu-slot");
+    const std::string state = n.state() != v1::NODE_READY ? "LOST"
+                              : n.connected()             ? "READY"
+                                                          : "READY (reconnecting)";
+    const bool ps = n.role() == v1::PARAMETER_SERVER;
+    // GPUs as their worker last read them (NVML): mean utilization, memory in use / in all, the
+    // hottest one. JSON has every GPU's sample.
+    std::string gpus = "-";
+    int sampled = 0;
+    double utilization = 0, hottest = 0;
+    int64_t used = 0, total = 0;
+    for (const v1::Device& d : n.devices()) {
+      if (!d.has_sample()) continue;
+      ++sampled;
+      utilization += d.sample().utilization();
+      used += d.sample().memory_used_bytes();
+      total += d.sample().memory_total_bytes();
+      hottest = std::max<double>(hottest, d.sample().temperature_celsius());
+    }
+    if (sampled > 0) {
+      gpus = absl::StrFormat("%.0f%% %s/%s %.0fC", 100 * utilization / sampled, HumanBytes(used),
+                             HumanBytes(total), hottest);
+    }
+    // Parameter servers: shard memory held by running offload jobs / offered.
+    rows.push_back(
+        {n.id(), ps ? "ps" : "worker", state,
+         ps ? "-" : absl::StrCat(n.allocated_devices_size(), "/", n.devices_size(), " ", kind),
+         ps ? absl::StrCat(HumanBytes(n.reserved_bytes()), "/", HumanBytes(n.memory_bytes()))
+            : HumanBytes(n.memory_bytes()),
+         gpus, n.address().empty() ? "-" : n.address(), Ago(n.last_heartbeat_ms(), NowMs())});
+  }
+  std::cout << FormatTable({"NODE", "ROLE", "STATE", "DEVICES(USED/ALL)", "MEMORY",
+                            "GPU UTIL MEM TEMP", "ADDRESS", "HEARTBEAT"},
+                           rows);
+  return 0;
+}
+
+int Checkpoint(const Globals& g, const std::string& id) {
+  YardClient client(g.coordinator, g.Token(), g.tls);
+  return PrintChangedJob(g, client.Checkpoint(NormalizeJobId(id)));
+}
+
+// yard fetch: the job's export into `out_dir` (created; it must not hold anything yet). Each file
+// arrives as OUT/.NAME.part and is renamed once complete; on failure what was written goes.
+int Fetch(const Globals& g, const std::string& id, const std::string& out_dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::exists(out_dir, ec) && !(fs::is_directory(out_dir, ec) && fs::is_empty(out_dir, ec))) {
+    return Fail(absl::FailedPreconditionError(
+        absl::StrCat("--out: '", out_dir, "' exists and is not an empty folder")));
+  }
+  const bool created = !fs::exists(out_dir, ec);
+  fs::create_directories(out_dir, ec);
+  if (ec) {
+    return Fail(
+        absl::InternalError(absl::StrCat("--out: cannot create '", out_dir, "': ", ec.message())));
+  }
+  std::vector<std::pair<std::string, int64_t>> files;  // done: name, bytes
+  std::string current;
+  int64_t written = 0, size = 0;
+  std::ofstream part;
+  auto part_path = [&](const std::string& name) { return out_dir + "/." + name + ".part"; };
+  YardClient client(g.coordinator, g.Token(), g.tls);
+  absl::Status s = client.FetchExport(NormalizeJobId(id), [&](const v1::ExportChunk& c) {
+    if (c.file() != current) {  // a new file: the previous one must be complete
+      if (!current.empty()) {
+        return absl::DataLossError(absl::StrCat("the coordinator stopped sending ", current, " at ",
+                                                written, " of ", size, " bytes"));
+      }
+      const std::string& name = c.file();
+      // A plain name of the folder, not hidden (the parts being written are ".NAME.part").
+      if (name.empty() || name[0] == '.' ||
+          name.find_first_of(std::string("/\0", 2)) != std::string::npos) {
+        return absl::DataLossError(
+            absl::StrCat("the coordinator sent a bad file name '", name, "'"));
+      }
+      for (const auto& [done, bytes] : files) {
+        if (done == name) return absl::DataLossError(absl::StrCat(name, " was sent twice"));
+      }
+      current = name;
+      written = 0;
+      size = c.file_size();
+      part.open(part_path(name), std::ios::binary | std::ios::trunc);
+      if (!part) return absl::InternalError(absl::StrCat("cannot write ", part_path(name)));
+    }
+    if (c.offset() != written || c.file_size() != size ||
+        written + static_cast<int64_t>(c.data().size()) > size) {
+      return absl::DataLossError(absl::StrCat("the coordinator sent ", current, " out of order"));
+    }
+    part.write(c.data().data(), static_cast<std::streamsize>(c.data().size()));
+    written += static_cast<int64_t>(c.data().size());
+    if (written == size) {
+      part.close();
+      if (!part) return absl::InternalError(absl::StrCat("cannot write ", part_path(current)));
+      fs::rename(part_path(current), out_dir + "/" + current, ec);
+      if (ec) return absl::InternalError(absl::StrCat("cannot rename ", part_path(current)));
+      files.emplace_back(current, size);
+      current.clear();
+    }
+    return absl::OkStatus();
+  });
+  if (s.ok() && !current.empty()) {
+    s = absl::DataLossError(absl::StrCat("the stream ended inside ", current));
+  }
+  if (!s.ok()) {
+    if (part.is_open()) part.close();
+    if (!current.empty()) fs::remove(part_path(current), ec);
+    for (const auto& [name, bytes] : files) fs::remove(out_dir + "/" + name, ec);
+    if (created) fs::remove(out_dir, ec);  // empty now
+    return Fail(s);
+  }
+  int64_t total = 0;
+  for (const auto& [name, bytes] : files) total += bytes;
+  if (g.json()) {
+    nlohmann::json out = {{"job", NormalizeJobId(id)},
+                          {"dir", out_dir},
+                          {"bytes", total},
+                          {"files", nlohmann::json::array()}};
+    for (const auto& [name, bytes] : files)
+      out["files"].push_back({{"name", name}, {"bytes", bytes}});
+    std::cout << out.dump(1) << "\n";
+  } else {
+    std::cout << "fetched " << files.size() << " file(s), " << HumanBytes(total) << ", of "
+              << NormalizeJobId(id) << "'s export into " << out_dir << "\n";
+  }
+  return 0;
+}
+
+int Logs(const Globals& g, const std::string& id, bool follow, int tail) {
+  YardClient client(g.coordinator, g.Token(), g.tls);
+  absl::Status s = client.Logs(NormalizeJobId(id), follow, tail, [&](const v1::LogLine& l) {
+    if (g.json()) {
+      std::cout
+          << nlohmann::json{{"attempt", l.attempt()}, {"rank", l.rank()}, {"text", l.text()}}.dump()
+          << "\n";
+    } else {
+      std::cout << "[rank " << l.rank() << "] " << l.text() << "\n";
+    }
+    std::cout.flush();
+  });
+  return s.ok() ? 0 : Fail(s);
+}
+
+// One status line: "step 120/300 [=======>       ] 40% ETA 1m12s loss 2.3100 tok/s 12.3K".
+std::string ProgressLine(const v1::StepReport& r, double seconds_per_step) {
+  const int width = 24;
+  const double frac = r.total_steps() > 0 ? double(r.step()) / r.total_steps() : 0;
+  const int filled = static_cast<int>(frac * width);
+  std::string bar(width, ' ');
+  for (int i = 0; i < filled && i < width; ++i) bar[i] = '=';
+  if (filled < width) bar[filled] = '>';
+  const double eta_s = std::max<double>(0, (r.total_steps() - r.step()) * seconds_per_step);
+  return absl::StrFormat("step %d/%d [%s] %3.0f%% ETA %s loss %.4f tok/s %s", r.step(),
+                         r.total_steps(), bar, 100 * frac,
+                         absl::FormatDuration(absl::Seconds(static_cast<int64_t>(eta_s))), r.loss(),
+                         HumanCount(static_cast<int64_t>(r.tokens_per_second())));
+}
+
+// The mean of a step's per-stage idle shares: the measured pipeline bubble.
+double MeanIdle(const v1::StepReport& r) {
+  double sum = 0;
+  for (double idle : r.pipeline_stage_idle()) sum += idle;
+  return r.pipeline_stage_idle_size() > 0 ? sum / r.pipeline_stage_idle_size() : 0;
+}
+
+int Metrics(const Globals& g, const std::string& id, bool follow) {
+  YardClient client(g.coordinator, g.Token(), g.tls);
+  const bool tty = isatty(STDOUT_FILENO);
+  nlohmann::json series = nlohmann::json::array();
+  std::vector<std::vector<std::string>> rows;
+  std::deque<double> recent;        // seconds of the last steps, for the ETA
+  bool pipelined = false;           // a BUBBLE column
+  std::vector<std::string> extras;  // a program's own metrics (the SDK's), one entry per row
+  absl::Status s = client.Metrics(NormalizeJobId(id), follow, [&](const v1::StepReport& r) {
+    if (g.json()) {
+      series.push_back({{"attempt", r.attempt()},
+                        {"step", r.step()},
+                        {"total_steps", r.total_steps()},
+                        {"loss", r.loss()},
+                        {"lr", r.lr()},
+                        {"tokens_per_second", r.tokens_per_second()},
+                        {"step_seconds", r.step_seconds()},
+                        {"grad_norm", r.grad_norm()},
+                        {"resident_bytes", r.resident_bytes()},
+                        {"model_state_peak_bytes", r.model_state_peak_bytes()},
+                        {"comm_bytes", r.comm_bytes()},
+                        {"time_ms", r.time_ms()}});
+      if (r.metrics_size() > 0) {  // a program's own, reported through the Python SDK
+        series.back()["metrics"] =
+            std::map<std::string, double>(r.metrics().begin(), r.metrics().end());
+      }
+      if (r.pipeline_stage_idle_size() > 0) {
+        series.back()["pipeline_stage_idle"] =
+            std::vector<double>(r.pipeline_stage_idle().begin(), r.pipeline_stage_idle().end());
+        series.back()["pipeline_bubble"] = MeanIdle(r);
+        series.back()["pipeline_bubble_theory"] = r.pipeline_bubble_theory();
+      }
+      return;
+    }
+    if (!follow) {
+      rows.push_back({absl::StrCat(r.step()), absl::StrFormat("%.4f", r.loss()),
+                      absl::StrFormat("%.2e", r.lr()), absl::StrFormat("%.3f", r.grad_norm()),
+                      HumanCount(static_cast<int64_t>(r.tokens_per_second())),
+                      absl::StrFormat("%.0f", 1000 * r.step_seconds()),
+                      HumanBytes(r.resident_bytes()), HumanBytes(r.model_state_peak_bytes())});
+      std::vector<std::string> own;
+      for (const auto& [name, value] : r.metrics()) {
+        own.push_back(absl::StrFormat("%s=%.4g", name, value));
+      }
+      std::sort(own.begin(), own.end());
+      extras.push_back(absl::StrJoin(own, " "));
+      if (r.pipeline_stage_idle_size() > 0) {
+        pipelined = true;
+        std::vector<std::string> stages;
+        for (double idle : r.pipeline_stage_idle()) stages.push_back(absl::StrFormat("%.2f", idle));
+        rows.back().push_back(absl::StrFormat("%.2f (%.2f) [%s]", MeanIdle(r),
+                                              r.pipeline_bubble_theory(),
+                                              absl::StrJoin(stages, " ")));
+      }
+      return;
+    }
+    recent.push_back(r.step_seconds());
+    if (recent.size() > 20) recent.pop_front();
+    double mean = 0;
+    for (double x : recent) mean += x / recent.size();
+    if (tty) {
+      std::cout << "\r\033[K" << ProgressLine(r, mean) << std::flush;
+    } else {
+      std::cout << ProgressLine(r, mean) << "\n" << std::flush;
+    }
+  });
+  if (follow && tty && !g.json()) std::cout << "\n";
+  if (!s.ok()) return Fail(s);
+  if (g.json()) {
+    std::cout << series.dump(1) << "\n";
+  } else if (!follow) {
+    std::vector<std::string> header = {"STEP",  "LOSS",    "LR",  "GRAD_NORM",
+                                       "TOK/S", "STEP_MS", "RSS", "MODEL_STATE"};
+    // Pipeline parallelism: the measured bubble (the stages' mean idle share), its theory, and
+    // each stage's.
+    if (pipelined) header.push_back("BUBBLE (THEORY) [PER STAGE]");
+    for (auto& row : rows) row.resize(header.size(), "-");
+    // A program's own metrics (trainyard.init().report(step, accuracy=...)), by name.
+    if (std::any_of(extras.begin(), extras.end(), [](const auto& e) { return !e.empty(); })) {
+      header.push_back("METRICS");
+      for (size_t i = 0; i < rows.size(); ++i) {
+        rows[i].push_back(extras[i].empty() ? "-" : extras[i]);
+      }
+    }
+    std::cout << FormatTable(header, rows);
+  }
+  return 0;
+}
+
+}  // namespace
+
+// Jobs: submit, ls, describe, cancel, wait, logs, metrics, checkpoint, fetch, estimate-memory,
+// nodes.
+void AddJobVerbs(CLI::App& app, Cli& c) {
+  Globals& g = c.g;
+  int& rc = c.rc;
+  VerbArgs& a = c.args;
+  auto& spec_path = a.spec_path;
+  auto& job_id = a.job_id;
+  auto& reason = a.reason;
+  auto& timeout = a.timeout;
+  auto& owner = a.owner;
+  auto& states = a.states;
+  auto& limit = a.limit;
+
+  auto* submit = app.add_subcommand(
+      "submit",
+      "submit a job from a YAML spec; prints its id. The spec trains a built-in model (model:, "
+      "data:, train:, parallel:) or runs your own program on each rank (command: [python3, "
+      "train.py], workdir: /abs/path, env: {NAME: value}) with torchrun's environment (RANK, "
+      "WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...)");
+  submit->add_option("spec", spec_path, "job spec (YAML)")->required();
+  submit->callback([&] { rc = Submit(g, spec_path); });
+
+  auto* ls = app.add_subcommand("ls", "list jobs, newest first");
+  ls->add_option("--state", states, "only jobs in these states (repeatable)");
+  ls->add_option("--owner", owner, "only jobs of this user");
+  ls->add_option("--limit", limit, "at most this many jobs (0 = all)")->capture_default_str();
+  ls->callback([&] { rc = List(g, states, owner, limit); });
+
+  auto* describe = app.add_subcommand("describe", "show one job in full");
+  describe->add_option("job", job_id, "job id (job-7 or 7)")->required();
+  describe->callback([&] { rc = Describe(g, job_id); });
+
+  auto* cancel = app.add_subcommand("cancel", "cancel a waiting or running job");
+  cancel->add_option("job", job_id, "job id")->required();
+  cancel->add_option("--reason", reason, "recorded with the job");
+  cancel->callback([&] { rc = Cancel(g, job_id, reason); });
+
+  auto* wait = app.add_subcommand(
+      "wait", "wait until a job ends; exit 0 succeeded, 1 failed, 2 cancelled, 3 timed out");
+  wait->add_option("job", job_id, "job id")->required();
+  wait->add_option("--timeout", timeout, "give up after this long (e.g. 10m)");
+  wait->callback([&] { rc = Wait(g, job_id, timeout); });
+
+  auto& follow = a.follow;
+  auto& tail = a.tail;
+  auto* logs = app.add_subcommand("logs", "print a job's output, every rank prefixed");
+  logs->add_option("job", job_id, "job id")->required();
+  logs->add_flag("-f,--follow", follow, "keep printing until the job ends");
+  logs->add_option("--tail", tail, "only the last N lines (0 = all kept)")->capture_default_str();
+  logs->callback([&] { rc = Logs(g, job_id, follow, tail); });
+
+  auto* metrics = app.add_subcommand(
+      "metrics", "a job's training metrics: a table, or with -f a live progress bar and ETA");
+  metrics->add_option("job", job_id, "job id")->required();
+  metrics->add_flag("-f,--follow", follow, "keep updating until the job ends");
+  metrics->callback([&] { rc = Metrics(g, job_id, follow); });
+
+  auto* checkpoint = app.add_subcommand("checkpoint", "ask a running job to write a checkpoint");
+  checkpoint->add_option("job", job_id, "job id")->required();
+  checkpoint->callback([&] { rc = Checkpoint(g, job_id); });
+
+  auto& out_dir = a.out_dir;
+  auto* fetch = app.add_subcommand(
+      "fetch", "download a succeeded job's export (its spec's checkpoint.export) into a folder");
+  fetch->add_option("job", job_id, "job id")->required();
+  fetch->add_option("--out", out_dir, "folder to create (or an empty one)")->required();
+  fetch->callback([&] { rc = Fetch(g, job_id, out_dir); });
+
+  auto& world = a.world;
+  auto& per_node = a.per_node;
+  auto& device_memory = a.device_memory;
+  auto* estimate = app.add_subcommand(
+      "estimate-memory", "memory per rank of a spec under every strategy and precision");
+  estimate->add_option("spec", spec_path, "job spec (YAML)")->required();
+  estimate->add_option("--world-size", world, "ranks (default: the spec's resources.gpus)");
+  estimate->add_option("--ranks-per-node", per_node, "ranks sharing a node (default: all)");
+  estimate->add_option("--device-memory", device_memory,
+                       "memory of one device, e.g. 80GiB (default: ask the coordinator)");
+  estimate->callback(
+      [&] { rc = EstimateMemoryVerb(g, spec_path, world, per_node, device_memory); });
+
+  auto* nodes = app.add_subcommand("nodes", "list worker nodes and their devices");
+  nodes->callback([&] { rc = Nodes(g); });
+}
+
+}  // namespace trainyard::client

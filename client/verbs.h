@@ -1,0 +1,106 @@
+// yard's verbs, one file per group: job_verbs.cc (submit, ls, describe, cancel, wait, logs,
+// metrics, checkpoint, fetch, estimate-memory, nodes), identity_verbs.cc (login, whoami, quota),
+// admin_verbs.cc (users, accounts, tokens, denied nodes), local_verbs.cc (yard local). main.cc
+// parses the global flags and hands the app to each group's Add*Verbs.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "client/local_cluster.h"
+#include "client/yard_client.h"
+#include "common/credentials.h"
+#include "common/tls.h"
+
+namespace trainyard::client {
+
+// The shared helpers of the verbs.
+std::string DefaultTokenFile();
+std::string DefaultCoordinator();
+std::string DefaultLocalStateDir();
+// Prints "yard: <message> (<CODE>)" on stderr and returns 1.
+int Fail(const absl::Status& s);
+int64_t NowMs();
+std::string RoleName(v1::Role role);
+// "YYYY-MM-DD HH:MM:SS" local time, or "-" for 0.
+std::string TimeOrDash(int64_t unix_ms);
+std::string Share(double share);
+
+struct Globals {
+  std::string coordinator;
+  std::string output = "table";
+  std::string token_file;  // --token-file, env TRAINYARD_TOKEN_FILE
+  TlsClientOptions tls;    // --tls-ca, env TRAINYARD_TLS_CA
+  bool json() const { return output == "json"; }
+  // --token-file, else $TRAINYARD_TOKEN, else the saved one.
+  absl::StatusOr<std::string> Token() const { return FindToken(token_file, DefaultTokenFile()); }
+};
+
+struct UserSetArgs {
+  std::string name, account, max_devices, max_queued;
+};
+
+struct AccountArgs {
+  std::string name, quota, borrow_limit, share;
+};
+
+struct TokenCreateArgs {
+  std::string user, node, ttl, description, out;
+  std::vector<std::string> owners;
+};
+
+// The values of every verb's options and arguments: CLI11 writes them as it parses, after the
+// Add*Verbs functions have returned, and the verbs' callbacks read them.
+struct VerbArgs {
+  std::string spec_path, job_id, reason, timeout, owner;
+  std::vector<std::string> states;
+  int limit = 0;
+  bool follow = false;
+  int tail = 0;
+  std::string out_dir;
+  int world = 0, per_node = 0;
+  std::string device_memory;
+  std::string save_to = DefaultTokenFile();
+  std::string quota_user;
+  bool quota_all = false;
+  std::string name;
+  bool as_admin = false, enable = false;
+  std::string user_account;
+  UserSetArgs user_set_args;
+  AccountArgs account_args;
+  TokenCreateArgs token_args;
+  std::string token_user, token_id;
+  bool all_tokens = false;
+  std::string node_name, node_reason;
+  LocalUpOptions up_options;
+  bool up_preemption = false;
+  std::string up_preemption_grace, up_min_run_time;
+};
+
+struct Cli {
+  Globals g;
+  VerbArgs args;
+  int rc = 0;  // the verb's exit code
+};
+
+// An account's QUOTA and BORROW_LIMIT cells (v1::Account and v1::AccountUsage name them alike).
+template <typename A>
+std::pair<std::string, std::string> QuotaCells(const A& a) {
+  if (!a.has_quota_devices()) return {"-", "-"};
+  return {absl::StrCat(a.quota_devices()),
+          a.has_borrow_limit_devices() ? absl::StrCat(a.borrow_limit_devices()) : "any"};
+}
+
+// Each adds its group's verbs to `app`; their callbacks read `c.args` and set `c.rc`.
+void AddJobVerbs(CLI::App& app, Cli& c);
+void AddIdentityVerbs(CLI::App& app, Cli& c);
+void AddAdminVerbs(CLI::App& app, Cli& c);
+void AddLocalVerbs(CLI::App& app, Cli& c);
+
+}  // namespace trainyard::client

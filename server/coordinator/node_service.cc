@@ -1,0 +1,326 @@
+#include "server/coordinator/service_auth.h"
+#include "server/coordinator/services.h"
+
+#include <algorithm>
+
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/credentials.h"
+#include "common/grpc_status.h"
+#include "common/log_text.h"
+#include "server/coordinator/job_state.h"
+
+namespace trainyard::coordinator {
+namespace {
+
+// The longest log line kept from a rank; longer ones are cut, saying how much was cut.
+constexpr size_t kMaxLogLineBytes = 16 * 1024;
+
+// Session: hello first, then heartbeats and rank status up; commands down.
+class SessionReactor final
+    : public grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage> {
+ public:
+  // `token_node`: the node the caller's node token is bound to; hello must name it.
+  SessionReactor(NodeRegistry& nodes, JobManager& jobs, JobLogs& logs,
+                 const IdentityRegistry& identities, std::string token_node, SerialExecutor& events,
+                 CoordinatorMetrics* metrics)
+      : nodes_(nodes),
+        jobs_(jobs),
+        logs_(logs),
+        identities_(identities),
+        events_(events),
+        metrics_(metrics),
+        token_node_(std::move(token_node)),
+        sink_(std::make_shared<Sink>(this)) {
+    StartRead(&incoming_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the node closed its side or went away
+      End(grpc::Status::OK);
+      return;
+    }
+    if (node_id_.empty()) {
+      if (!incoming_.has_hello() || incoming_.hello().node_id().empty()) {
+        End(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                         "hello.node_id: the first message of a session must be hello"));
+        return;
+      }
+      if (incoming_.hello().node_id() != token_node_) {
+        spdlog::warn("audit: node {} Session refused: hello names node {}", token_node_,
+                     Quoted(incoming_.hello().node_id()));
+        End(grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                         absl::StrCat("hello.node_id: the node token is for node ", token_node_,
+                                      ", not ", incoming_.hello().node_id())));
+        return;
+      }
+      if (absl::Status s = nodes_.AttachSession(incoming_.hello().node_id(), sink_); !s.ok()) {
+        End(ToGrpcStatus(s));
+        return;
+      }
+      node_id_ = incoming_.hello().node_id();
+      // What waits on the job manager runs on the node-events thread, in arrival order; the
+      // callback thread goes back to reading (its heartbeats count as they arrive).
+      Defer([&jobs = jobs_, sink = sink_, node = node_id_, running = incoming_.hello().running()] {
+        jobs.OnNodeHello(node, running);
+        jobs.RequestSchedulingPass();
+        for (const v1::Assignment& a : jobs.AssignmentsFor(node)) {
+          v1::CoordinatorMessage m;
+          *m.mutable_assignment() = a;
+          sink->Send(m);
+        }
+      });
+    } else if (incoming_.has_heartbeat()) {
+      // A node an admin denied while its session was open: its session ends here.
+      if (identities_.IsNodeDenied(node_id_)) {
+        spdlog::warn("audit: node {} Session ended: the node is denied", node_id_);
+        End(grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                         absl::StrCat("node ", node_id_, " is denied by an admin")));
+        return;
+      }
+      auto back = nodes_.Heartbeat(node_id_, incoming_.heartbeat().devices());
+      if (!back.ok()) {
+        End(ToGrpcStatus(back.status()));
+        return;
+      }
+      if (*back) {
+        spdlog::info("node {} is back: READY again (its lost attempts stay failed)", node_id_);
+      }
+      // Acknowledged once what the node sent before it has been handled.
+      Defer([&jobs = jobs_, sink = sink_, seq = incoming_.heartbeat().seq(), back = *back] {
+        if (back) jobs.RequestSchedulingPass();
+        v1::CoordinatorMessage ack;
+        ack.mutable_heartbeat_ack()->set_seq(seq);
+        sink->Send(ack);
+      });
+    } else if (incoming_.has_rank_status()) {
+      Defer([&jobs = jobs_, node = node_id_, status = incoming_.rank_status()] {
+        jobs.OnRankStatus(node, status);
+      });
+    } else if (incoming_.has_logs()) {
+      Defer([&jobs = jobs_, &logs = logs_, node = node_id_, in = incoming_.logs()] {
+        HandleLogs(jobs, logs, node, in);
+      });
+    }
+    StartRead(&incoming_);
+  }
+
+  void OnWriteDone(bool ok) override { sink_->queue.OnWriteDone(ok); }
+  // May run concurrently with OnReadDone: touches only the thread-safe queue. OnDone detaches.
+  void OnCancel() override {
+    sink_->queue.FinishWhenDrained(grpc::Status(grpc::StatusCode::CANCELLED, "session cancelled"));
+  }
+
+  void OnDone() override {
+    if (!node_id_.empty()) nodes_.DetachSession(node_id_, sink_.get());
+    sink_->queue.Close();
+    delete this;
+  }
+
+ private:
+  using Base = grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage>;
+  struct Sink final : NodeSessionSink {
+    explicit Sink(Base* reactor) : queue(reactor) {}
+    void Send(const v1::CoordinatorMessage& message) override { queue.Push(message); }
+    void Close(const absl::Status& why) override { queue.FinishWhenDrained(ToGrpcStatus(why)); }
+    WriteQueue<Base, v1::CoordinatorMessage> queue;
+  };
+
+  // Runs `task` on the node-events thread after what the node sent before, timing its wait.
+  void Defer(std::function<void()> task) {
+    events_.Post([metrics = metrics_, arrived = absl::Now(), task = std::move(task)] {
+      if (metrics != nullptr) {
+        metrics->ObserveNodeEventDelay(absl::ToDoubleSeconds(absl::Now() - arrived));
+      }
+      task();
+    });
+  }
+
+  static void HandleLogs(JobManager& jobs, JobLogs& logs, const std::string& node,
+                         const v1::LogLines& in) {
+    if (!jobs.RankRunsOn(node, in.job_id(), in.attempt(), in.rank())) {
+      // A node speaks only for the ranks it runs.
+      spdlog::warn("audit: node {} sent lines of rank {} of {}, which it does not run: dropped",
+                   node, in.rank(), Quoted(in.job_id()));
+      return;
+    }
+    std::vector<v1::LogLine> lines;
+    lines.reserve(in.lines_size());
+    for (const std::string& text : in.lines()) {
+      v1::LogLine l;
+      l.set_attempt(in.attempt());
+      l.set_rank(in.rank());
+      if (text.size() > kMaxLogLineBytes) {
+        // Kept, cut: a rank's line is its owner's data, but no line may be unbounded.
+        l.set_text(absl::StrCat(text.substr(0, kMaxLogLineBytes), " [truncated ",
+                                text.size() - kMaxLogLineBytes, " bytes]"));
+      } else {
+        l.set_text(text);
+      }
+      lines.push_back(std::move(l));
+    }
+    logs.Append(in.job_id(), std::move(lines));
+  }
+
+  void End(grpc::Status status) {
+    if (!node_id_.empty()) nodes_.DetachSession(node_id_, sink_.get());
+    sink_->queue.FinishWhenDrained(std::move(status));
+  }
+
+  NodeRegistry& nodes_;
+  JobManager& jobs_;
+  JobLogs& logs_;
+  const IdentityRegistry& identities_;
+  SerialExecutor& events_;
+  CoordinatorMetrics* const metrics_;
+  const std::string token_node_;
+  std::shared_ptr<Sink> sink_;
+  v1::NodeMessage incoming_;
+  std::string node_id_;  // set by hello; only the reactor's own callbacks touch it
+};
+
+}  // namespace
+
+// ---- NodeService ----
+
+grpc::ServerUnaryReactor* NodeServiceImpl::RegisterNode(grpc::CallbackServerContext* ctx,
+                                                        const v1::RegisterNodeRequest* request,
+                                                        v1::RegisterNodeResponse* response) {
+  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
+  auto caller =
+      AuthenticateNode(ctx, identities_, "RegisterNode", request->node_id(), node_certificates_);
+  if (!caller.ok()) return Done(ctx, caller.status());
+  // A node that takes only some users' jobs (a worker not running as root, a user's parameter
+  // server) must hold a node token naming them: a token for any user's jobs is for nodes an
+  // admin trusts with every job, and a node may not pick whose jobs it attracts.
+  if (caller->node_owners.empty() && !caller->token_id.empty() && !request->owners().empty()) {
+    return Done(
+        ctx,
+        Refused(
+            "RegisterNode", caller->Describe(),
+            absl::PermissionDeniedError(absl::StrCat(
+                "owners: the node asks for the jobs of ", absl::StrJoin(request->owners(), ", "),
+                " only, but its node token names no owners; give it a token that "
+                "does (yard admin token create --node ",
+                request->node_id(), " --owners ", absl::StrJoin(request->owners(), ","), ")"))));
+  }
+  // A node token limited to some owners' jobs: the node may not claim more (or any owner's).
+  if (!caller->node_owners.empty()) {
+    const auto& allowed = caller->node_owners;
+    const bool within =
+        !request->owners().empty() &&
+        std::all_of(request->owners().begin(), request->owners().end(), [&](const std::string& o) {
+          return std::find(allowed.begin(), allowed.end(), o) != allowed.end();
+        });
+    if (!within) {
+      return Done(
+          ctx, Refused("RegisterNode", caller->Describe(),
+                       absl::PermissionDeniedError(absl::StrCat(
+                           "owners: the node token allows only the jobs of ",
+                           absl::StrJoin(allowed, ", "), "; the node asked for ",
+                           request->owners().empty() ? std::string("any user's")
+                                                     : absl::StrJoin(request->owners(), ", ")))));
+    }
+  }
+  auto* reactor = ctx->DefaultReactor();
+  nodes_.Register(*request, [this, reactor, response, who = *caller,
+                             id = request->node_id()](absl::StatusOr<v1::Node> node) {
+    Audit(who, "RegisterNode", id, node.status());
+    if (node.ok()) {
+      *response->mutable_node() = *std::move(node);
+      response->set_heartbeat_interval_ms(absl::ToInt64Milliseconds(heartbeat_interval_));
+      response->set_node_timeout_ms(absl::ToInt64Milliseconds(nodes_.node_timeout()));
+      jobs_.RequestSchedulingPass();
+    }
+    reactor->Finish(ToGrpcStatus(node.status()));
+  });
+  return reactor;
+}
+
+grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage>* NodeServiceImpl::Session(
+    grpc::CallbackServerContext* ctx) {
+  // The node's name is checked against hello's node_id when hello arrives.
+  auto caller = AuthenticateNode(ctx, identities_, "Session", "", node_certificates_);
+  if (!caller.ok()) {
+    class Rejected final : public grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage> {
+     public:
+      explicit Rejected(grpc::Status s) { Finish(std::move(s)); }
+      void OnDone() override { delete this; }
+    };
+    return new Rejected(ToGrpcStatus(caller.status()));
+  }
+  return new SessionReactor(nodes_, jobs_, logs_, identities_, caller->node, node_events_,
+                            metrics_);
+}
+
+grpc::ServerUnaryReactor* NodeServiceImpl::ListNodes(grpc::CallbackServerContext* ctx,
+                                                     const v1::ListNodesRequest* request,
+                                                     v1::ListNodesResponse* response) {
+  if (auto caller = AuthenticateUser(ctx, identities_, "ListNodes"); !caller.ok()) {
+    return Done(ctx, caller.status());
+  }
+  for (v1::Node& node : jobs_.NodesWithAllocations()) *response->add_nodes() = std::move(node);
+  return Done(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* NodeServiceImpl::VerifyJobCredential(
+    grpc::CallbackServerContext* ctx, const v1::VerifyJobCredentialRequest* request,
+    v1::VerifyJobCredentialResponse* response) {
+  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
+  auto caller = AuthenticateNode(ctx, identities_, "VerifyJobCredential", "", node_certificates_);
+  if (!caller.ok()) return Done(ctx, caller.status());
+  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
+  auto refuse = [&](absl::Status status) {
+    return Done(ctx, Refused("VerifyJobCredential", caller->Describe(), std::move(status)));
+  };
+  // A parameter server is shown the attempt's credential for that server alone, never the job
+  // credential, which the rendezvous and the reports accept.
+  if (ParseJobCredential(request->credential()).ok()) {
+    return refuse(absl::PermissionDeniedError(
+        "credential: a job credential (tyj.); a rank shows a parameter server only its "
+        "parameter-server credential (tys.), which is good at that server alone"));
+  }
+  auto rank = ParseServerCredential(request->credential());
+  if (!rank.ok()) {
+    return refuse(
+        absl::UnauthenticatedError(absl::StrCat("credential: ", rank.status().message())));
+  }
+  auto job = jobs_.Get(rank->job_id);
+  if (!job.ok()) {
+    return refuse(absl::UnauthenticatedError(
+        "credential: not a parameter-server credential this coordinator made"));
+  }
+  // Which of the attempt's ranges (by server address) it was made for: made with the attempt's
+  // job credential, so the mac of a forged one, or of another attempt's, matches none.
+  const std::string job_credential = identities_.JobCredentialFor(rank->job_id, rank->attempt);
+  const v1::PsRange* range = nullptr;
+  for (const v1::PsRange& r : job->ps_placement()) {
+    if (ConstantTimeEquals(DeriveServerCredential(job_credential, r.address()),
+                           request->credential())) {
+      range = &r;
+      break;
+    }
+  }
+  if (job->attempt() != rank->attempt || !IsActive(job->state())) {
+    return Done(ctx, absl::FailedPreconditionError(absl::StrCat(
+                         rank->job_id, " attempt ", rank->attempt, " is not running (attempt ",
+                         job->attempt(), " is ", v1::JobState_Name(job->state()), ")")));
+  }
+  if (range == nullptr) {
+    return refuse(
+        absl::UnauthenticatedError(absl::StrCat("credential: not made for a parameter server of ",
+                                                rank->job_id, " attempt ", rank->attempt)));
+  }
+  if (range->node_id() != caller->node) {
+    return refuse(absl::PermissionDeniedError(
+        absl::StrCat("credential: made for the parameter server at ", range->address(), " (node ",
+                     range->node_id(), "), not node ", caller->node)));
+  }
+  response->set_job_id(rank->job_id);
+  response->set_attempt(rank->attempt);
+  return Done(ctx, absl::OkStatus());
+}
+
+}  // namespace trainyard::coordinator

@@ -1,0 +1,69 @@
+#include "server/coordinator/service_auth.h"
+#include "server/coordinator/services.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/field_limits.h"
+
+namespace trainyard::coordinator {
+namespace {
+
+// The largest step or checkpoint report a rank may send.
+constexpr size_t kMaxReportBytes = 64 * 1024;
+
+}  // namespace
+
+// ---- TrainerService ----
+
+grpc::ServerUnaryReactor* TrainerServiceImpl::ReportStep(grpc::CallbackServerContext* ctx,
+                                                         const v1::StepReport* request,
+                                                         v1::TrainerCommands* response) {
+  if (absl::Status s =
+          AuthenticateRank(ctx, identities_, "ReportStep", request->job_id(), request->attempt());
+      !s.ok()) {
+    return Done(ctx, s);
+  }
+  if (absl::Status s = CheckFieldSizes(*request, FieldLimits{4096, 1024, kMaxReportBytes}, "");
+      !s.ok()) {
+    return Done(ctx, s);
+  }
+  if (request->job_id().empty()) return Done(ctx, absl::InvalidArgumentError("job_id: required"));
+  if (request->step() < 1) {
+    return Done(
+        ctx, absl::InvalidArgumentError(absl::StrCat("step: must be >= 1, got ", request->step())));
+  }
+  if (request->metrics_size() > 64) {
+    return Done(ctx, absl::InvalidArgumentError(absl::StrCat("metrics: ", request->metrics_size(),
+                                                             " entries, at most 64")));
+  }
+  auto commands = jobs_.OnStepReport(*request);
+  if (commands.ok()) {
+    *response = *commands;
+    // Other ranks' reports only fetch the commands.
+    if (request->rank() == 0) {
+      metrics_.Append(request->job_id(), {*request});
+      if (prometheus_ != nullptr) prometheus_->ObserveStep(*request);
+    }
+  }
+  return Done(ctx, commands.status());
+}
+
+grpc::ServerUnaryReactor* TrainerServiceImpl::ReportCheckpoint(grpc::CallbackServerContext* ctx,
+                                                               const v1::CheckpointReport* request,
+                                                               v1::TrainerCommands* response) {
+  if (absl::Status s = AuthenticateRank(ctx, identities_, "ReportCheckpoint", request->job_id(),
+                                        request->attempt());
+      !s.ok()) {
+    return Done(ctx, s);
+  }
+  if (absl::Status s = CheckFieldSizes(*request, FieldLimits{4096, 1024, kMaxReportBytes}, "");
+      !s.ok()) {
+    return Done(ctx, s);
+  }
+  if (request->job_id().empty()) return Done(ctx, absl::InvalidArgumentError("job_id: required"));
+  if (request->path().empty()) return Done(ctx, absl::InvalidArgumentError("path: required"));
+  auto commands = jobs_.OnCheckpointReport(*request);
+  if (commands.ok()) *response = *commands;
+  return Done(ctx, commands.status());
+}
+
+}  // namespace trainyard::coordinator
