@@ -9,68 +9,6 @@
 
 namespace trainyard {
 
-const char* Name(Strategy s) {
-  switch (s) {
-    case Strategy::kDdp:
-      return "ddp";
-    case Strategy::kFsdp:
-      return "fsdp";
-    case Strategy::kOffload:
-      return "offload";
-  }
-  return "?";
-}
-
-const char* Name(Sharding s) {
-  switch (s) {
-    case Sharding::kFullShard:
-      return "FULL_SHARD";
-    case Sharding::kShardGradOp:
-      return "SHARD_GRAD_OP";
-    case Sharding::kNoShard:
-      return "NO_SHARD";
-    case Sharding::kHybridShard:
-      return "HYBRID_SHARD";
-  }
-  return "?";
-}
-
-const char* Name(WrapPolicy p) {
-  return p == WrapPolicy::kSizeBased ? "SIZE_BASED_WRAP" : "TRANSFORMER_BASED_WRAP";
-}
-
-const char* Name(BackwardPrefetch p) {
-  switch (p) {
-    case BackwardPrefetch::kBackwardPre:
-      return "BACKWARD_PRE";
-    case BackwardPrefetch::kBackwardPost:
-      return "BACKWARD_POST";
-    case BackwardPrefetch::kNoPrefetch:
-      return "NO_PREFETCH";
-  }
-  return "?";
-}
-
-const char* Name(Precision p) {
-  return p == Precision::kBf16 ? "bf16" : p == Precision::kFp16 ? "fp16" : "fp32";
-}
-
-const char* Name(PipelineSchedule s) { return s == PipelineSchedule::kGpipe ? "gpipe" : "1f1b"; }
-
-const char* Name(OptimizerKind k) {
-  switch (k) {
-    case OptimizerKind::kAdamW:
-      return "adamw";
-    case OptimizerKind::kAdafactor:
-      return "adafactor";
-    case OptimizerKind::kLion:
-      return "lion";
-    case OptimizerKind::kAdamW8bit:
-      return "adamw_8bit";
-  }
-  return "?";
-}
-
 int64_t BlockParameterCount(const ModelConfig& m) {
   const int64_t d = m.d_model;
   if (m.kind == "mlp") return d * m.d_hidden + m.d_hidden + m.d_hidden * d + d;

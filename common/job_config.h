@@ -6,6 +6,7 @@
 #ifndef TRAINYARD_COMMON_JOB_CONFIG_H_
 #define TRAINYARD_COMMON_JOB_CONFIG_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -27,15 +28,72 @@ enum class ExportFormat { kNone, kHf, kHfMerged };
 // train.optimizer.
 enum class OptimizerKind { kAdamW, kAdafactor, kLion, kAdamW8bit };
 
+// One table per enum: each value, its number in trainyard.v1 (the wire) and its name as written in
+// specs. Name(), the spec's YAML choices and the conversion from the wire (common/spec.cc, which
+// checks every number against the generated enum at compile time) all read these tables; a new
+// value is one new row. A row with wire 0 is the unset value, not written in specs.
+template <typename E>
+struct EnumEntry {
+  E value;
+  int wire;
+  const char* name;
+};
+
+inline constexpr EnumEntry<Strategy> kStrategies[] = {
+    {Strategy::kDdp, 1, "ddp"}, {Strategy::kFsdp, 2, "fsdp"}, {Strategy::kOffload, 3, "offload"}};
+inline constexpr EnumEntry<Sharding> kShardings[] = {{Sharding::kFullShard, 1, "FULL_SHARD"},
+                                                     {Sharding::kShardGradOp, 2, "SHARD_GRAD_OP"},
+                                                     {Sharding::kNoShard, 3, "NO_SHARD"},
+                                                     {Sharding::kHybridShard, 4, "HYBRID_SHARD"}};
+inline constexpr EnumEntry<WrapPolicy> kWrapPolicies[] = {
+    {WrapPolicy::kTransformerBased, 1, "TRANSFORMER_BASED_WRAP"},
+    {WrapPolicy::kSizeBased, 2, "SIZE_BASED_WRAP"}};
+inline constexpr EnumEntry<BackwardPrefetch> kBackwardPrefetches[] = {
+    {BackwardPrefetch::kBackwardPre, 1, "BACKWARD_PRE"},
+    {BackwardPrefetch::kBackwardPost, 2, "BACKWARD_POST"},
+    {BackwardPrefetch::kNoPrefetch, 3, "NO_PREFETCH"}};
+inline constexpr EnumEntry<Precision> kPrecisions[] = {
+    {Precision::kFp32, 1, "fp32"}, {Precision::kBf16, 2, "bf16"}, {Precision::kFp16, 3, "fp16"}};
+inline constexpr EnumEntry<PipelineSchedule> kPipelineSchedules[] = {
+    {PipelineSchedule::kGpipe, 1, "gpipe"}, {PipelineSchedule::kOneFOneB, 2, "1f1b"}};
+inline constexpr EnumEntry<ExportFormat> kExportFormats[] = {
+    {ExportFormat::kNone, 0, "none"},
+    {ExportFormat::kHf, 1, "hf"},
+    {ExportFormat::kHfMerged, 2, "hf_merged"}};
+inline constexpr EnumEntry<OptimizerKind> kOptimizers[] = {
+    {OptimizerKind::kAdamW, 1, "adamw"},
+    {OptimizerKind::kAdafactor, 2, "adafactor"},
+    {OptimizerKind::kLion, 3, "lion"},
+    {OptimizerKind::kAdamW8bit, 4, "adamw_8bit"}};
+
+// The name of `value` in `table` ("?" if it has no row).
+template <typename E, size_t N>
+constexpr const char* NameIn(const EnumEntry<E> (&table)[N], E value) {
+  for (const auto& row : table) {
+    if (row.value == value) return row.name;
+  }
+  return "?";
+}
+
+// The value whose wire number is `wire`; `fallback` for a number with no row (the unset 0).
+template <typename E, size_t N>
+constexpr E FromWire(const EnumEntry<E> (&table)[N], int wire, E fallback) {
+  for (const auto& row : table) {
+    if (row.wire == wire) return row.value;
+  }
+  return fallback;
+}
+
 // Names as written in specs: "ddp", "FULL_SHARD", "TRANSFORMER_BASED_WRAP", "BACKWARD_PRE",
-// "fp32".
-const char* Name(Strategy s);
-const char* Name(Sharding s);
-const char* Name(WrapPolicy p);
-const char* Name(BackwardPrefetch p);
-const char* Name(Precision p);
-const char* Name(PipelineSchedule s);  // "gpipe", "1f1b"
-const char* Name(OptimizerKind k);     // "adamw", "adafactor", "lion", "adamw_8bit"
+// "fp32", "1f1b", "adamw_8bit", "hf_merged".
+inline const char* Name(Strategy s) { return NameIn(kStrategies, s); }
+inline const char* Name(Sharding s) { return NameIn(kShardings, s); }
+inline const char* Name(WrapPolicy p) { return NameIn(kWrapPolicies, p); }
+inline const char* Name(BackwardPrefetch p) { return NameIn(kBackwardPrefetches, p); }
+inline const char* Name(Precision p) { return NameIn(kPrecisions, p); }
+inline const char* Name(PipelineSchedule s) { return NameIn(kPipelineSchedules, s); }
+inline const char* Name(ExportFormat f) { return NameIn(kExportFormats, f); }
+inline const char* Name(OptimizerKind k) { return NameIn(kOptimizers, k); }
 
 struct ModelConfig {
   std::string kind;  // "gpt", "mlp" or "llama"

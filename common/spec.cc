@@ -27,6 +27,50 @@
 namespace trainyard {
 namespace {
 
+// The tables of job_config.h against the generated enums: each row's number is the wire's value
+// of the same meaning, in the same order.
+template <typename E, size_t N, typename W, size_t M>
+constexpr bool SameNumbers(const EnumEntry<E> (&table)[N], const W (&wire)[M]) {
+  if (N != M) return false;
+  for (size_t i = 0; i < N; ++i) {
+    if (table[i].wire != static_cast<int>(wire[i])) return false;
+  }
+  return true;
+}
+static_assert(SameNumbers(kStrategies, {v1::DDP, v1::FSDP, v1::OFFLOAD}));
+static_assert(SameNumbers(kShardings,
+                          {v1::FULL_SHARD, v1::SHARD_GRAD_OP, v1::NO_SHARD, v1::HYBRID_SHARD}));
+static_assert(SameNumbers(kWrapPolicies, {v1::TRANSFORMER_BASED_WRAP, v1::SIZE_BASED_WRAP}));
+static_assert(SameNumbers(kBackwardPrefetches,
+                          {v1::BACKWARD_PRE, v1::BACKWARD_POST, v1::NO_PREFETCH}));
+static_assert(SameNumbers(kPrecisions, {v1::FP32, v1::BF16, v1::FP16}));
+static_assert(SameNumbers(kPipelineSchedules, {v1::GPIPE, v1::ONE_F_ONE_B}));
+static_assert(SameNumbers(kExportFormats,
+                          {v1::EXPORT_FORMAT_UNSPECIFIED, v1::EXPORT_HF, v1::EXPORT_HF_MERGED}));
+static_assert(SameNumbers(kOptimizers, {v1::ADAMW, v1::ADAFACTOR, v1::LION, v1::ADAMW_8BIT}));
+
+// A spec field's choices: the table's names, each with its wire value (the unset row left out).
+template <typename W, typename E, size_t N>
+std::vector<std::pair<std::string, W>> Choices(const EnumEntry<E> (&table)[N]) {
+  std::vector<std::pair<std::string, W>> choices;
+  for (const auto& row : table) {
+    if (row.wire != 0) choices.emplace_back(row.name, static_cast<W>(row.wire));
+  }
+  return choices;
+}
+
+// The spec name of a wire value; the generated name, lower-cased, for a number with no row.
+template <typename E, size_t N, typename W>
+std::string WireName(const EnumEntry<E> (&table)[N], W wire) {
+  for (const auto& row : table) {
+    if (row.wire == static_cast<int>(wire)) return row.name;
+  }
+  const auto* value =
+      google::protobuf::GetEnumDescriptor<W>()->FindValueByNumber(static_cast<int>(wire));
+  return value != nullptr ? absl::AsciiStrToLower(value->name())
+                          : absl::StrCat(static_cast<int>(wire));
+}
+
 using v1::JobSpec;
 
 // Walks one YAML document, recording field lines and reporting errors as FILE:LINE: message.
@@ -282,17 +326,12 @@ absl::Status ParseTrain(const YAML::Node& n, SpecParser& p, JobSpec& spec) {
   RETURN_IF_ERROR(p.Integer(n, "warmup", "train", i64));
   t.set_warmup(i64);
   v1::MixedPrecision mp = v1::MIXED_PRECISION_UNSPECIFIED;
-  RETURN_IF_ERROR(p.Choice<v1::MixedPrecision>(
-      n, "mixed_precision", "train", {{"fp32", v1::FP32}, {"bf16", v1::BF16}, {"fp16", v1::FP16}},
-      mp));
+  RETURN_IF_ERROR(
+      p.Choice(n, "mixed_precision", "train", Choices<v1::MixedPrecision>(kPrecisions), mp));
   t.set_mixed_precision(mp);
   v1::Optimizer optimizer = v1::OPTIMIZER_UNSPECIFIED;
-  RETURN_IF_ERROR(p.Choice<v1::Optimizer>(n, "optimizer", "train",
-                                          {{"adamw", v1::ADAMW},
-                                           {"adafactor", v1::ADAFACTOR},
-                                           {"lion", v1::LION},
-                                           {"adamw_8bit", v1::ADAMW_8BIT}},
-                                          optimizer));
+  RETURN_IF_ERROR(
+      p.Choice(n, "optimizer", "train", Choices<v1::Optimizer>(kOptimizers), optimizer));
   t.set_optimizer(optimizer);
   RETURN_IF_ERROR(p.Bool(n, "activation_checkpointing", "train", b));
   t.set_activation_checkpointing(b);
@@ -349,17 +388,11 @@ absl::Status ParseParallel(const YAML::Node& n, SpecParser& p, JobSpec& spec) {
                  "pipeline_split", "tensor_parallel", "sequence_parallel"}));
   auto& par = *spec.mutable_parallel();
   v1::Strategy s = v1::STRATEGY_UNSPECIFIED;
-  RETURN_IF_ERROR(
-      p.Choice<v1::Strategy>(n, "strategy", "parallel",
-                             {{"ddp", v1::DDP}, {"fsdp", v1::FSDP}, {"offload", v1::OFFLOAD}}, s));
+  RETURN_IF_ERROR(p.Choice(n, "strategy", "parallel", Choices<v1::Strategy>(kStrategies), s));
   par.set_strategy(s);
   v1::ShardingStrategy ss = v1::SHARDING_STRATEGY_UNSPECIFIED;
-  RETURN_IF_ERROR(p.Choice<v1::ShardingStrategy>(n, "sharding_strategy", "parallel",
-                                                 {{"FULL_SHARD", v1::FULL_SHARD},
-                                                  {"SHARD_GRAD_OP", v1::SHARD_GRAD_OP},
-                                                  {"NO_SHARD", v1::NO_SHARD},
-                                                  {"HYBRID_SHARD", v1::HYBRID_SHARD}},
-                                                 ss));
+  RETURN_IF_ERROR(
+      p.Choice(n, "sharding_strategy", "parallel", Choices<v1::ShardingStrategy>(kShardings), ss));
   par.set_sharding_strategy(ss);
   double mb = 0;
   RETURN_IF_ERROR(p.Double(n, "bucket_mb", "parallel", mb));
@@ -368,20 +401,15 @@ absl::Status ParseParallel(const YAML::Node& n, SpecParser& p, JobSpec& spec) {
   RETURN_IF_ERROR(p.Bool(n, "delayed_update", "parallel", delayed));
   par.set_delayed_update(delayed);
   v1::WrapPolicy wrap = v1::WRAP_POLICY_UNSPECIFIED;
-  RETURN_IF_ERROR(p.Choice<v1::WrapPolicy>(n, "auto_wrap_policy", "parallel",
-                                           {{"TRANSFORMER_BASED_WRAP", v1::TRANSFORMER_BASED_WRAP},
-                                            {"SIZE_BASED_WRAP", v1::SIZE_BASED_WRAP}},
-                                           wrap));
+  RETURN_IF_ERROR(
+      p.Choice(n, "auto_wrap_policy", "parallel", Choices<v1::WrapPolicy>(kWrapPolicies), wrap));
   par.set_auto_wrap_policy(wrap);
   int64_t min_params = 0;
   RETURN_IF_ERROR(p.Integer(n, "min_num_params", "parallel", min_params));
   par.set_min_num_params(min_params);
   v1::BackwardPrefetch prefetch = v1::BACKWARD_PREFETCH_UNSPECIFIED;
-  RETURN_IF_ERROR(p.Choice<v1::BackwardPrefetch>(n, "backward_prefetch", "parallel",
-                                                 {{"BACKWARD_PRE", v1::BACKWARD_PRE},
-                                                  {"BACKWARD_POST", v1::BACKWARD_POST},
-                                                  {"NO_PREFETCH", v1::NO_PREFETCH}},
-                                                 prefetch));
+  RETURN_IF_ERROR(p.Choice(n, "backward_prefetch", "parallel",
+                           Choices<v1::BackwardPrefetch>(kBackwardPrefetches), prefetch));
   par.set_backward_prefetch(prefetch);
   bool forward_prefetch = false;
   RETURN_IF_ERROR(p.Bool(n, "forward_prefetch", "parallel", forward_prefetch));
@@ -404,9 +432,8 @@ absl::Status ParseParallel(const YAML::Node& n, SpecParser& p, JobSpec& spec) {
   RETURN_IF_ERROR(p.Bool(n, "sequence_parallel", "parallel", sequence));
   par.set_sequence_parallel(sequence);
   v1::PipelineSchedule schedule = v1::PIPELINE_SCHEDULE_UNSPECIFIED;
-  RETURN_IF_ERROR(p.Choice<v1::PipelineSchedule>(n, "pipeline_schedule", "parallel",
-                                                 {{"gpipe", v1::GPIPE}, {"1f1b", v1::ONE_F_ONE_B}},
-                                                 schedule));
+  RETURN_IF_ERROR(p.Choice(n, "pipeline_schedule", "parallel",
+                           Choices<v1::PipelineSchedule>(kPipelineSchedules), schedule));
   par.set_pipeline_schedule(schedule);
   if (const YAML::Node split = n["pipeline_split"]) {
     if (!split.IsSequence() || split.size() == 0) {
@@ -434,9 +461,8 @@ absl::Status ParseCheckpoint(const YAML::Node& n, SpecParser& p, JobSpec& spec) 
   RETURN_IF_ERROR(p.Integer(n, "every_steps", "checkpoint", every));
   spec.mutable_checkpoint()->set_every_steps(every);
   v1::ExportFormat format = v1::EXPORT_FORMAT_UNSPECIFIED;
-  RETURN_IF_ERROR(p.Choice<v1::ExportFormat>(
-      n, "export", "checkpoint", {{"hf", v1::EXPORT_HF}, {"hf_merged", v1::EXPORT_HF_MERGED}},
-      format));
+  RETURN_IF_ERROR(
+      p.Choice(n, "export", "checkpoint", Choices<v1::ExportFormat>(kExportFormats), format));
   spec.mutable_checkpoint()->set_export_format(format);
   return absl::OkStatus();
 }
@@ -1170,15 +1196,13 @@ int RankBlockOf(const v1::JobSpec& spec) {
   return tensor;
 }
 
-std::string StrategyName(v1::Strategy s) { return absl::AsciiStrToLower(v1::Strategy_Name(s)); }
+std::string StrategyName(v1::Strategy s) { return WireName(kStrategies, s); }
 
-std::string ShardingStrategyName(v1::ShardingStrategy s) { return v1::ShardingStrategy_Name(s); }
+std::string ShardingStrategyName(v1::ShardingStrategy s) { return WireName(kShardings, s); }
 
-std::string MixedPrecisionName(v1::MixedPrecision p) {
-  return absl::AsciiStrToLower(v1::MixedPrecision_Name(p));
-}
+std::string MixedPrecisionName(v1::MixedPrecision p) { return WireName(kPrecisions, p); }
 
-std::string OptimizerName(v1::Optimizer o) { return absl::AsciiStrToLower(v1::Optimizer_Name(o)); }
+std::string OptimizerName(v1::Optimizer o) { return WireName(kOptimizers, o); }
 
 ModelConfig ToModelConfig(const v1::ModelSpec& m) {
   ModelConfig c;
@@ -1230,26 +1254,12 @@ JobConfig ToJobConfig(const v1::JobSpec& spec) {
   c.train.grad_accum = t.grad_accum();
   c.train.lr = t.lr();
   c.train.warmup = t.warmup();
-  c.train.precision = t.mixed_precision() == v1::BF16   ? Precision::kBf16
-                      : t.mixed_precision() == v1::FP16 ? Precision::kFp16
-                                                        : Precision::kFp32;
+  c.train.precision = FromWire(kPrecisions, t.mixed_precision(), Precision::kFp32);
   c.train.activation_checkpointing = t.activation_checkpointing();
   c.train.seed = t.seed();
   c.train.weight_decay = t.weight_decay();
   c.train.grad_clip = t.grad_clip();
-  switch (t.optimizer()) {
-    case v1::ADAFACTOR:
-      c.train.optimizer = OptimizerKind::kAdafactor;
-      break;
-    case v1::LION:
-      c.train.optimizer = OptimizerKind::kLion;
-      break;
-    case v1::ADAMW_8BIT:
-      c.train.optimizer = OptimizerKind::kAdamW8bit;
-      break;
-    default:
-      c.train.optimizer = OptimizerKind::kAdamW;
-  }
+  c.train.optimizer = FromWire(kOptimizers, t.optimizer(), OptimizerKind::kAdamW);
   if (t.has_lora()) {
     c.train.lora.r = t.lora().r();
     c.train.lora.alpha = t.lora().alpha();
@@ -1258,46 +1268,27 @@ JobConfig ToJobConfig(const v1::JobSpec& spec) {
                                        t.lora().target_modules().end());
   }
   const v1::ParallelSpec& p = spec.parallel();
-  c.parallel.strategy = p.strategy() == v1::FSDP      ? Strategy::kFsdp
-                        : p.strategy() == v1::OFFLOAD ? Strategy::kOffload
-                                                      : Strategy::kDdp;
-  switch (p.sharding_strategy()) {
-    case v1::SHARD_GRAD_OP:
-      c.parallel.sharding = Sharding::kShardGradOp;
-      break;
-    case v1::NO_SHARD:
-      c.parallel.sharding = Sharding::kNoShard;
-      break;
-    case v1::HYBRID_SHARD:
-      c.parallel.sharding = Sharding::kHybridShard;
-      break;
-    default:
-      c.parallel.sharding = Sharding::kFullShard;
-  }
+  c.parallel.strategy = FromWire(kStrategies, p.strategy(), Strategy::kDdp);
+  c.parallel.sharding = FromWire(kShardings, p.sharding_strategy(), Sharding::kFullShard);
   c.parallel.bucket_mb = p.bucket_mb();
   c.parallel.delayed_update = p.delayed_update();
-  c.parallel.wrap = p.auto_wrap_policy() == v1::SIZE_BASED_WRAP ? WrapPolicy::kSizeBased
-                                                                : WrapPolicy::kTransformerBased;
+  c.parallel.wrap = FromWire(kWrapPolicies, p.auto_wrap_policy(), WrapPolicy::kTransformerBased);
   c.parallel.min_num_params = p.min_num_params();
   c.parallel.backward_prefetch =
-      p.backward_prefetch() == v1::BACKWARD_POST ? BackwardPrefetch::kBackwardPost
-      : p.backward_prefetch() == v1::NO_PREFETCH ? BackwardPrefetch::kNoPrefetch
-                                                 : BackwardPrefetch::kBackwardPre;
+      FromWire(kBackwardPrefetches, p.backward_prefetch(), BackwardPrefetch::kBackwardPre);
   c.parallel.forward_prefetch = p.forward_prefetch();
   c.parallel.max_gathered_units = p.max_gathered_units();
   c.parallel.cpu_ram_efficient_loading = p.cpu_ram_efficient_loading();
   c.parallel.pipeline_stages = p.pipeline_stages();
   c.parallel.pipeline_schedule =
-      p.pipeline_schedule() == v1::GPIPE ? PipelineSchedule::kGpipe : PipelineSchedule::kOneFOneB;
+      FromWire(kPipelineSchedules, p.pipeline_schedule(), PipelineSchedule::kOneFOneB);
   c.parallel.pipeline_split.assign(p.pipeline_split().begin(), p.pipeline_split().end());
   c.parallel.tensor_parallel = p.tensor_parallel();
   c.parallel.sequence_parallel = p.sequence_parallel();
   c.train.micro_batches = std::max(1, t.micro_batches());
   c.checkpoint_every_steps = spec.checkpoint().every_steps();
-  c.export_format = spec.checkpoint().export_format() == v1::EXPORT_HF_MERGED
-                        ? ExportFormat::kHfMerged
-                    : spec.checkpoint().export_format() == v1::EXPORT_HF ? ExportFormat::kHf
-                                                                         : ExportFormat::kNone;
+  c.export_format =
+      FromWire(kExportFormats, spec.checkpoint().export_format(), ExportFormat::kNone);
   return c;
 }
 
