@@ -357,7 +357,7 @@ TEST_F(ClusterE2eTest, CheckpointsOnRequestResumesAfterAKilledRankAndCancelStops
     EXPECT_THAT(*line, HasSubstr("step 1/100000"));
   }
   // The job id alone is not unique across tests running in parallel; the state dir is.
-  const std::string job_arg = "--job-id " + job + " ";
+  const std::string job_arg = "/" + job + "/attempt-";  // its ranks' --context files
   EXPECT_EQ(ProcessesWith({"trainyard-trainer", job_arg, state_}).size(), 2u);
   // The ranks got their job credential in the environment: no command line on this machine
   // holds a credential.
@@ -380,7 +380,7 @@ TEST_F(ClusterE2eTest, CheckpointsOnRequestResumesAfterAKilledRankAndCancelStops
   ASSERT_GT(checkpoint_step, 0) << "no checkpoint recorded";
 
   // Killing one rank fails the attempt; the next one resumes after the checkpoint.
-  const auto rank1 = ProcessesWith({"trainyard-trainer", job_arg, "--rank 1 ", state_});
+  const auto rank1 = ProcessesWith({"trainyard-trainer", job_arg, "/rank-1.pb", state_});
   ASSERT_EQ(rank1.size(), 1u);
   kill(rank1[0], SIGKILL);
   int64_t first_step_of_attempt2 = 0;

@@ -1,10 +1,10 @@
 // A rank program for the worker daemon's tests, standing in for trainyard-trainer where a test
-// needs a rank to misbehave on purpose. It takes the trainer's command line and acts out the job's
-// name: "succeed" (print lines, exit 0), "fail-rank-1" (rank 1 prints to stderr and exits 3),
-// "hang" (print "ready", wait for SIGTERM, print "stopping on SIGTERM", exit 0), "ignore-term"
-// (ignore SIGTERM, wait to be killed), "spawn-child" (start a grandchild that sleeps, then hang),
-// "leave-shm" (create /dev/shm/trainyard-allreduce-PID-test, exit 9),
-// "print-devices" (print the device it was given: --device, TRAINYARD_DEVICE, CUDA_VISIBLE_DEVICES,
+// needs a rank to misbehave on purpose. It takes the trainer's command line (--context FILE) and
+// acts out the job's name: "succeed" (print lines, exit 0), "fail-rank-1" (rank 1 prints to stderr
+// and exits 3), "hang" (print "ready", wait for SIGTERM, print "stopping on SIGTERM", exit 0),
+// "ignore-term" (ignore SIGTERM, wait to be killed), "spawn-child" (start a grandchild that sleeps,
+// then hang), "leave-shm" (create /dev/shm/trainyard-allreduce-PID-test, exit 9), "print-devices"
+// (print the device it was given: the context's device, TRAINYARD_DEVICE, CUDA_VISIBLE_DEVICES,
 // OMP_NUM_THREADS; exit 0), "print-credentials" (say whether the job credential of its attempt
 // and the worker's node token reached its environment, never their values; exit 0),
 // "print-identity" (print its uid, gid and USER), "print-binary" (print bytes that are not
@@ -34,24 +34,21 @@ int main(int argc, char** argv) {
     std::printf("%s\n", devices != nullptr ? devices : "cpu");
     return 0;
   }
-  std::string spec_path, device = "(none)", job_id, attempt;
-  int rank = -1, world = 0;
+  // The worker's RankContext (--context FILE), as trainyard-trainer reads it.
+  std::string context_path;
   for (int i = 1; i + 1 < argc; ++i) {
-    if (!std::strcmp(argv[i], "--spec")) spec_path = argv[i + 1];
-    if (!std::strcmp(argv[i], "--rank")) rank = std::atoi(argv[i + 1]);
-    if (!std::strcmp(argv[i], "--world-size")) world = std::atoi(argv[i + 1]);
-    if (!std::strcmp(argv[i], "--device")) device = argv[i + 1];
-    if (!std::strcmp(argv[i], "--job-id")) job_id = argv[i + 1];
-    if (!std::strcmp(argv[i], "--attempt")) attempt = argv[i + 1];
+    if (!std::strcmp(argv[i], "--context")) context_path = argv[i + 1];
   }
-  std::ifstream in(spec_path, std::ios::binary);
-  std::stringstream bytes;
-  bytes << in.rdbuf();
-  trainyard::v1::JobSpec spec;
-  if (!spec.ParseFromString(bytes.str()) || rank < 0) {
+  std::ifstream in(context_path, std::ios::binary);
+  trainyard::v1::RankContext context;
+  if (!context.ParseFromIstream(&in)) {
     std::fprintf(stderr, "test_rank: bad arguments\n");
     return 64;
   }
+  const trainyard::v1::JobSpec& spec = context.spec();
+  const int rank = context.rank(), world = context.world_size();
+  const std::string device = context.device(), job_id = context.job_id(),
+                    attempt = std::to_string(context.attempt());
   const std::string mode = spec.name();
   std::ofstream pids("pids-rank-" + std::to_string(rank));
   pids << getpid() << "\n";

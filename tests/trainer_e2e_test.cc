@@ -501,6 +501,27 @@ TEST_F(TrainerE2eTest, SeqLenLongerThanTheDataFailsWithAClearMessage) {
   EXPECT_THAT(r.err, HasSubstr(small));
 }
 
+// A rank's context comes whole, from the worker's RankContext file, or whole from flags: a flag
+// beside --context, a missing flag, or a file that is not a context is refused naming it.
+TEST_F(TrainerE2eTest, TakesItsContextFromOneFileOrFromFlagsNotBoth) {
+  const std::string trainer = testing::BinPath("trainyard-trainer");
+  const std::string context = dir_.path() + "/rank-0.pb";
+  {
+    std::ofstream out(context, std::ios::binary);
+    out << "not a context";
+  }
+  testing::CommandResult beside =
+      testing::RunCommand({trainer, "--context", context, "--rank", "1"});
+  EXPECT_EQ(beside.exit_code, 2);
+  EXPECT_THAT(beside.err, HasSubstr("--rank: not with --context"));
+  testing::CommandResult bad = testing::RunCommand({trainer, "--context", context});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_THAT(bad.err, HasSubstr("is not a binary trainyard.v1.RankContext"));
+  testing::CommandResult missing = testing::RunCommand({trainer, "--rank", "0"});
+  EXPECT_EQ(missing.exit_code, 2);
+  EXPECT_THAT(missing.err, HasSubstr("--spec: required (or --context FILE)"));
+}
+
 // The worker offers GPUs only to a trainer that lists cuda; the default build (Debian's CPU
 // LibTorch) trains on CPU only, and a rank that is given a GPU anyway (worker --gpus all) fails at
 // once, saying so. (The CUDA build's GPU path: tests/gpu_test.sh, on a GPU machine.)

@@ -938,7 +938,7 @@ TEST_F(WorkerGpuE2eTest, AutoOffersGpusOnlyToATrainerThatTrainsOnThem) {
   const std::vector<std::string> lines = PrintedDevices(2);
   ASSERT_EQ(lines.size(), 2u);
   for (const std::string& line : lines) {
-    EXPECT_THAT(line, HasSubstr("--device (none) "));  // no --device for CPU slots
+    EXPECT_THAT(line, HasSubstr("--device cpu "));  // the context names the device
     EXPECT_THAT(line, HasSubstr("CUDA_VISIBLE_DEVICES='' OMP_NUM_THREADS='3'"));
   }
 }

@@ -387,40 +387,26 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
     StartCommand(a, spec, key, rank, device, account, work, checkpoint_dir);
     return;
   }
-  std::vector<std::string> argv = {options_.trainer_path,
-                                   "--spec",
-                                   spec_path,
-                                   "--job-id",
-                                   a.job_id(),
-                                   "--attempt",
-                                   absl::StrCat(a.attempt()),
-                                   "--rank",
-                                   absl::StrCat(rank),
-                                   "--world-size",
-                                   absl::StrCat(a.world_size()),
-                                   "--coordinator",
-                                   a.coordinator_address(),
-                                   "--checkpoint-dir",
-                                   checkpoint_dir,
-                                   "--threads",
-                                   absl::StrCat(options_.threads_per_rank),
-                                   "--local-world-size",
-                                   absl::StrCat(a.device_indices_size())};
-  // Only for GPUs, so trainers that predate the flag still run on CPU slots.
-  if (!options_.gpu_uuids.empty()) {
-    argv.push_back("--device");
-    argv.push_back("cuda");
+  // The rank's context, one message (job_id, attempt, rank, world, devices, servers, the spec),
+  // in a file only the owner can read; the credential stays in the environment.
+  v1::RankContext context;
+  *context.mutable_spec() = std::move(spec);
+  context.set_job_id(a.job_id());
+  context.set_attempt(a.attempt());
+  context.set_rank(rank);
+  context.set_world_size(a.world_size());
+  context.set_local_world_size(a.device_indices_size());
+  context.set_device(options_.gpu_uuids.empty() ? "cpu" : "cuda");
+  context.set_coordinator_address(a.coordinator_address());
+  context.set_checkpoint_dir(checkpoint_dir);
+  context.set_threads(options_.threads_per_rank);
+  *context.mutable_ps_ranges() = a.ps_ranges();
+  const std::string context_path = absl::StrCat(dir, "/rank-", rank, ".pb");
+  if (absl::Status s = WriteOwnedFile(context_path, context.SerializeAsString(), owner); !s.ok()) {
+    ReportExit(key, 126, std::string(s.message()));
+    return;
   }
-  // Offload jobs: where the optimizer state lives, as ADDRESS=BEGIN:END,... in order.
-  if (a.ps_ranges_size() > 0) {
-    std::string ranges;
-    for (const v1::PsRange& r : a.ps_ranges()) {
-      absl::StrAppend(&ranges, ranges.empty() ? "" : ",", r.address(), "=", r.begin(), ":",
-                      r.end());
-    }
-    argv.push_back("--ps");
-    argv.push_back(ranges);
-  }
+  std::vector<std::string> argv = {options_.trainer_path, "--context", context_path};
   // The rank's own settings, then the worker's environment without the names they set (getenv
   // finds the first of duplicates, so an inherited OMP_NUM_THREADS would otherwise win).
   std::vector<std::string> env = {

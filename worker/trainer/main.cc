@@ -14,6 +14,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/spec.h"
 #include "common/version.h"
 #include "rpc/ps/tcp_congestion.h"
@@ -37,10 +38,68 @@ absl::StatusOr<v1::JobSpec> LoadSpec(const std::string& path) {
     return absl::InvalidArgumentError(
         absl::StrCat("--spec: '", path, "' is not a binary trainyard.v1.JobSpec"));
   }
-  ApplyJobSpecDefaults(spec);
-  absl::Status s = ValidateJobSpec(spec);
-  if (!s.ok()) return s;
+  // A binary spec is the coordinator's (the worker writes the assignment's spec.pb): defaults
+  // filled and validated there, once, so not again here. A YAML spec (a rank run by hand) is
+  // checked like yard checks it.
   return spec;
+}
+
+// Without --context, the flags that make up a rank's context are required.
+absl::Status CheckContextFlags(const CLI::App& app) {
+  for (const char* flag : {"--spec", "--job-id", "--attempt", "--rank", "--world-size",
+                           "--coordinator", "--checkpoint-dir", "--threads"}) {
+    if (app.count(flag) == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(flag, ": required (or --context FILE)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Fills `o` from the RankContext in `path` (written by the worker; its spec is the
+// coordinator's, defaults filled and validated) and returns the spec. The context flags may not
+// be given beside it: one source of truth.
+absl::StatusOr<v1::JobSpec> ApplyContext(const std::string& path, const CLI::App& app,
+                                         TrainerOptions& o) {
+  for (const char* flag :
+       {"--spec", "--job-id", "--attempt", "--rank", "--world-size", "--coordinator",
+        "--checkpoint-dir", "--threads", "--ps", "--local-world-size", "--device"}) {
+    if (app.count(flag) != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(flag, ": not with --context (the context holds it)"));
+    }
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("--context: cannot read '", path, "'"));
+  v1::RankContext c;
+  if (!c.ParseFromIstream(&in)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--context: '", path, "' is not a binary trainyard.v1.RankContext"));
+  }
+  if (c.job_id().empty()) return absl::InvalidArgumentError("--context: job_id: required");
+  if (c.world_size() < 1 || c.rank() < 0 || c.threads() < 1 || c.attempt() < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--context: rank ", c.rank(), ", world_size ",
+                                                   c.world_size(), ", attempt ", c.attempt(),
+                                                   ", threads ", c.threads(), ": out of range"));
+  }
+  if (c.device() != "cpu" && c.device() != "cuda") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--context: device: '", c.device(), "', expected cpu or cuda"));
+  }
+  o.job_id = c.job_id();
+  o.attempt = c.attempt();
+  o.rank = c.rank();
+  o.world_size = c.world_size();
+  o.local_world_size = c.local_world_size();
+  o.device = c.device();
+  o.coordinator = c.coordinator_address();
+  o.checkpoint_dir = c.checkpoint_dir();
+  o.threads = c.threads();
+  std::vector<std::string> ranges;
+  for (const v1::PsRange& r : c.ps_ranges()) {
+    ranges.push_back(absl::StrCat(r.address(), "=", r.begin(), ":", r.end()));
+  }
+  o.ps_ranges = absl::StrJoin(ranges, ",");
+  return std::move(*c.mutable_spec());
 }
 
 int Fail(const absl::Status& s) {
@@ -118,22 +177,21 @@ int Main(int argc, char** argv) {
 
   CLI::App app{"trainyard-trainer: one rank of a trainyard training job (LibTorch, DDP over Gloo)"};
   app.set_version_flag("--version", absl::StrCat("trainyard-trainer ", kVersion, "\n", blas));
-  std::string spec_path;
+  std::string spec_path, context_path;
   TrainerOptions o;
-  app.add_option("--spec", spec_path, "job spec: binary trainyard.v1.JobSpec, or .yaml/.yml")
-      ->required();
-  app.add_option("--job-id", o.job_id, "job id (rendezvous scope)")->required();
-  app.add_option("--attempt", o.attempt, "job attempt (rendezvous scope)")->required();
-  app.add_option("--rank", o.rank, "this rank")->required()->check(CLI::NonNegativeNumber);
-  app.add_option("--world-size", o.world_size, "number of ranks")
-      ->required()
-      ->check(CLI::PositiveNumber);
-  app.add_option("--coordinator", o.coordinator, "coordinator HOST:PORT")->required();
-  app.add_option("--checkpoint-dir", o.checkpoint_dir, "checkpoint directory shared by all ranks")
-      ->required();
-  app.add_option("--threads", o.threads, "torch intra-op threads")
-      ->required()
-      ->check(CLI::PositiveNumber);
+  app.add_option("--context", context_path,
+                 "the rank's context: a binary trainyard.v1.RankContext (the spec, job, attempt, "
+                 "rank, world, device, coordinator, checkpoint folder, threads, parameter "
+                 "servers), as a worker writes it; else the flags below");
+  // A rank run by hand (or a test) gives its context as flags instead.
+  app.add_option("--spec", spec_path, "job spec: binary trainyard.v1.JobSpec, or .yaml/.yml");
+  app.add_option("--job-id", o.job_id, "job id (rendezvous scope)");
+  app.add_option("--attempt", o.attempt, "job attempt (rendezvous scope)");
+  app.add_option("--rank", o.rank, "this rank")->check(CLI::NonNegativeNumber);
+  app.add_option("--world-size", o.world_size, "number of ranks")->check(CLI::PositiveNumber);
+  app.add_option("--coordinator", o.coordinator, "coordinator HOST:PORT");
+  app.add_option("--checkpoint-dir", o.checkpoint_dir, "checkpoint directory shared by all ranks");
+  app.add_option("--threads", o.threads, "torch intra-op threads")->check(CLI::PositiveNumber);
   app.add_option("--metrics-file", o.metrics_file, "rank 0 appends a JSON line per step");
   app.add_option("--dump-params", o.dump_params, "write all parameters here at the end");
   app.add_option("--stop-after-steps", o.stop_after_steps,
@@ -167,12 +225,19 @@ int Main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber)
       ->group("");  // hidden
   CLI11_PARSE(app, argc, argv);
+  absl::StatusOr<v1::JobSpec> spec;
+  if (!context_path.empty()) {
+    spec = ApplyContext(context_path, app, o);
+  } else if (absl::Status s = CheckContextFlags(app); !s.ok()) {
+    return Fail(s);
+  } else {
+    spec = LoadSpec(spec_path);
+  }
+  if (!spec.ok()) return Fail(spec.status());
   if (o.rank >= o.world_size) {
     return Fail(absl::InvalidArgumentError(
         absl::StrCat("--rank ", o.rank, " must be below --world-size ", o.world_size)));
   }
-  auto spec = LoadSpec(spec_path);
-  if (!spec.ok()) return Fail(spec.status());
   o.job = ToJobConfig(*spec);
   std::cout << blas << std::endl;
   absl::Status s = RunTrainer(o);

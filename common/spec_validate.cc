@@ -1,0 +1,504 @@
+// The job spec's checks: one function per section, each error naming its field.
+#include "common/spec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/field_limits.h"
+#include "common/llama_config.h"
+#include "common/status_macros.h"
+
+namespace trainyard {
+
+using v1::JobSpec;
+
+namespace {
+
+absl::Status FieldError(const std::string& field, const std::string& message) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", message));
+}
+
+absl::Status CheckRange(const std::string& field, int64_t value, int64_t lo, int64_t hi) {
+  if (value < lo || value > hi) {
+    return FieldError(field, absl::StrCat("must be in ", lo, "..", hi, ", got ", value));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckRequired(const std::string& field, int64_t value, int64_t lo, int64_t hi) {
+  if (value == 0 && lo > 0) return FieldError(field, "required");
+  return CheckRange(field, value, lo, hi);
+}
+
+}  // namespace
+
+namespace {
+
+// The data-parallel strategy over pipeline stages or tensor-parallel groups (`field` is what
+// asked for them, `what` names them): ddp, or fsdp sharding each part over its replicas.
+absl::Status ValidateModelParallelStrategy(const v1::ParallelSpec& p, const std::string& field,
+                                           const std::string& what) {
+  if (p.strategy() == v1::OFFLOAD) {
+    return FieldError(field, absl::StrCat(what,
+                                          " are replicated with ddp or fsdp; parallel.strategy is "
+                                          "offload"));
+  }
+  return absl::OkStatus();
+}
+
+// parallel.pipeline_* and train.micro_batches.
+absl::Status ValidatePipeline(const JobSpec& spec) {
+  const auto& p = spec.parallel();
+  const auto& t = spec.train();
+  RETURN_IF_ERROR(CheckRange("parallel.pipeline_stages", p.pipeline_stages(), 1, 1024));
+  if (!v1::PipelineSchedule_IsValid(p.pipeline_schedule()) ||
+      p.pipeline_schedule() == v1::PIPELINE_SCHEDULE_UNSPECIFIED) {
+    return FieldError("parallel.pipeline_schedule",
+                      absl::StrCat("unknown value ", p.pipeline_schedule(), " (gpipe or 1f1b)"));
+  }
+  const int stages = p.pipeline_stages();
+  if (stages == 1) {
+    if (p.pipeline_split_size() > 0) {
+      return FieldError("parallel.pipeline_split", "applies to parallel.pipeline_stages > 1");
+    }
+    if (t.micro_batches() != 0) {
+      return FieldError("train.micro_batches",
+                        "applies to pipeline parallelism (parallel.pipeline_stages > 1); without "
+                        "it, accumulate gradients with train.grad_accum");
+    }
+    return absl::OkStatus();
+  }
+  RETURN_IF_ERROR(ValidateModelParallelStrategy(p, "parallel.pipeline_stages", "pipeline stages"));
+  if (spec.resources().gpus() % stages != 0) {
+    return FieldError("resources.gpus",
+                      absl::StrCat(spec.resources().gpus(), " ranks do not split into ", stages,
+                                   " pipeline stages (parallel.pipeline_stages): use a multiple"));
+  }
+  RETURN_IF_ERROR(CheckRange("train.micro_batches", t.micro_batches(), 1, 1 << 16));
+  if (t.grad_accum() != 1) {
+    return FieldError("train.grad_accum",
+                      absl::StrCat("must be 1 with pipeline parallelism, got ", t.grad_accum(),
+                                   ": the stages accumulate over train.micro_batches"));
+  }
+  if (p.pipeline_split_size() > 0) {
+    if (p.pipeline_split_size() != stages) {
+      return FieldError("parallel.pipeline_split",
+                        absl::StrCat("has ", p.pipeline_split_size(), " entries for ", stages,
+                                     " pipeline stages"));
+    }
+    for (int blocks : p.pipeline_split()) {
+      if (blocks < 1) {
+        return FieldError("parallel.pipeline_split",
+                          absl::StrCat("every stage needs at least one block, got ", blocks));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// parallel.tensor_parallel.
+absl::Status ValidateTensorParallel(const JobSpec& spec) {
+  const auto& p = spec.parallel();
+  const auto& m = spec.model();
+  const auto& t = spec.train();
+  RETURN_IF_ERROR(CheckRange("parallel.tensor_parallel", p.tensor_parallel(), 1, 1024));
+  const int tp = p.tensor_parallel();
+  if (tp == 1) {
+    if (p.sequence_parallel()) {
+      return FieldError("parallel.sequence_parallel",
+                        "splits the sequence over tensor-parallel ranks: set "
+                        "parallel.tensor_parallel > 1");
+    }
+    return absl::OkStatus();
+  }
+  RETURN_IF_ERROR(
+      ValidateModelParallelStrategy(p, "parallel.tensor_parallel", "tensor-parallel groups"));
+  if (m.kind() != "gpt" && m.kind() != "llama") {
+    return FieldError(
+        "parallel.tensor_parallel",
+        absl::StrCat("splits the layers of gpt and llama models; model.kind is ", m.kind()));
+  }
+  const int64_t group = int64_t{p.pipeline_stages()} * tp;
+  if (spec.resources().gpus() % group != 0) {
+    return FieldError("resources.gpus",
+                      absl::StrCat(spec.resources().gpus(), " ranks do not split into ",
+                                   p.pipeline_stages(), " pipeline stages x ", tp,
+                                   " tensor-parallel ranks: use a multiple of ", group));
+  }
+  if (t.has_lora()) {
+    return FieldError("train.lora",
+                      "not with parallel.tensor_parallel (the adapters are not "
+                      "split): use pipeline stages or fsdp");
+  }
+  if (t.optimizer() != v1::ADAMW && t.optimizer() != v1::LION) {
+    return FieldError("train.optimizer",
+                      absl::StrCat(OptimizerName(t.optimizer()),
+                                   " keeps state across whole rows and columns (or blocks), which "
+                                   "tensor-parallel shards cut: use adamw or lion with "
+                                   "parallel.tensor_parallel"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+namespace {
+
+// Environment names that trainyard sets for every rank of a command job: a spec's env may not
+// set them (the job could not trust its own rank or credential otherwise).
+bool ReservedEnvName(const std::string& name) {
+  static const std::set<std::string> kReserved = {"RANK",
+                                                  "LOCAL_RANK",
+                                                  "WORLD_SIZE",
+                                                  "LOCAL_WORLD_SIZE",
+                                                  "GROUP_RANK",
+                                                  "MASTER_ADDR",
+                                                  "MASTER_PORT",
+                                                  "TORCHELASTIC_RESTART_COUNT",
+                                                  "TORCHELASTIC_RUN_ID",
+                                                  "CUDA_VISIBLE_DEVICES",
+                                                  "HOME",
+                                                  "USER",
+                                                  "LOGNAME"};
+  return kReserved.count(name) > 0 || absl::StartsWith(name, "TRAINYARD_");
+}
+
+absl::Status ValidateCommandJob(const JobSpec& spec) {
+  if (spec.has_model() || spec.has_data() || spec.has_train() || spec.has_parallel()) {
+    const char* given = spec.has_model()   ? "model"
+                        : spec.has_data()  ? "data"
+                        : spec.has_train() ? "train"
+                                           : "parallel";
+    return FieldError(given, absl::StrCat("a command job runs its own program: give command or ",
+                                          given, ", not both"));
+  }
+  if (spec.command(0).empty()) return FieldError("command[0]", "the program is empty");
+  for (int i = 0; i < spec.command_size(); ++i) {
+    if (spec.command(i).find('\0') != std::string::npos) {
+      return FieldError(absl::StrCat("command[", i, "]"), "contains a NUL byte");
+    }
+  }
+  if (!spec.workdir().empty() && spec.workdir()[0] != '/') {
+    return FieldError("workdir", absl::StrCat("must be an absolute path (the ranks run elsewhere), "
+                                              "got '",
+                                              spec.workdir(), "'"));
+  }
+  for (const auto& [name, value] : spec.env()) {
+    bool valid = !name.empty() && !absl::ascii_isdigit(static_cast<unsigned char>(name[0]));
+    for (char c : name) {
+      valid = valid && (absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '_');
+    }
+    if (!valid) {
+      return FieldError("env", absl::StrCat("'", name,
+                                            "' is not a variable name (letters, digits and _, "
+                                            "not starting with a digit)"));
+    }
+    if (ReservedEnvName(name)) {
+      return FieldError(absl::StrCat("env.", name),
+                        "is set by trainyard for every rank (torchrun's and TRAINYARD_* names)");
+    }
+    if (value.find('\0') != std::string::npos) {
+      return FieldError(absl::StrCat("env.", name), "contains a NUL byte");
+    }
+  }
+  if (spec.checkpoint().export_format() != v1::EXPORT_FORMAT_UNSPECIFIED) {
+    return FieldError("checkpoint.export", "only the built-in trainer exports models");
+  }
+  RETURN_IF_ERROR(CheckRange("max_restarts", spec.max_restarts(), 0, 100));
+  RETURN_IF_ERROR(CheckRange("max_runtime", spec.max_runtime_seconds(), 0, int64_t{1} << 40));
+  return CheckRange("preemption_grace", spec.preemption_grace_seconds(), 0, int64_t{1} << 40);
+}
+
+}  // namespace
+
+bool IsCommandJob(const JobSpec& spec) { return spec.command_size() > 0; }
+
+namespace {
+
+// The spec's `model` (a training job).
+absl::Status ValidateModel(const JobSpec& spec) {
+  const auto& m = spec.model();
+  if (m.kind() != "gpt" && m.kind() != "mlp" && m.kind() != "llama") {
+    return FieldError("model.kind",
+                      absl::StrCat("unknown value '", m.kind(), "' (gpt, mlp or llama)"));
+  }
+  RETURN_IF_ERROR(CheckRequired("model.seq_len", m.seq_len(), 1, 1 << 20));
+  if (m.kind() != "llama" && !m.from().empty()) {
+    return FieldError("model.from", "only model.kind llama starts from a checkpoint");
+  }
+  const bool from_checkpoint = !m.from().empty();
+  if (from_checkpoint && m.from()[0] != '/') {
+    return FieldError("model.from",
+                      absl::StrCat("must be an absolute path (the trainer runs elsewhere), got '",
+                                   m.from(), "'"));
+  }
+  // Sizes a checkpoint's config.json gives may be left at 0; any given must be in range.
+  auto size = [&](const char* field, int64_t value, int64_t max) {
+    if (from_checkpoint && value == 0) return absl::OkStatus();
+    return CheckRequired(field, value, 1, max);
+  };
+  RETURN_IF_ERROR(size("model.n_layer", m.n_layer(), 1024));
+  RETURN_IF_ERROR(size("model.d_model", m.d_model(), 65536));
+  RETURN_IF_ERROR(size("model.vocab", m.vocab(), 1 << 24));
+  if (m.kind() == "llama") {
+    RETURN_IF_ERROR(size("model.n_head", m.n_head(), 1024));
+    RETURN_IF_ERROR(size("model.d_hidden", m.d_hidden(), 1 << 20));
+    RETURN_IF_ERROR(CheckRange("model.n_kv_head", m.n_kv_head(), 0, 1024));
+    RETURN_IF_ERROR(CheckRange("model.head_dim", m.head_dim(), 0, 4096));
+    if (m.n_head() > 0 && m.n_kv_head() > 0 && m.n_head() % m.n_kv_head() != 0) {
+      return FieldError("model.n_kv_head", absl::StrCat("must divide model.n_head (", m.n_head(),
+                                                        "), got ", m.n_kv_head()));
+    }
+    if (m.head_dim() == 0 && m.n_head() > 0 && m.d_model() % m.n_head() != 0) {
+      return FieldError("model.n_head", absl::StrCat("must divide model.d_model (", m.d_model(),
+                                                     "), got ", m.n_head()));
+    }
+    const int head_dim = m.head_dim() > 0 ? m.head_dim()
+                         : m.n_head() > 0 ? m.d_model() / m.n_head()
+                                          : 0;
+    if (head_dim % 2 != 0) {  // rotary embeddings turn pairs of values
+      return FieldError(
+          m.head_dim() > 0 ? "model.head_dim" : "model.n_head",
+          absl::StrCat("the head dimension must be even for rotary embeddings, got ", head_dim));
+    }
+    // With a checkpoint they are its config.json's.
+    if (from_checkpoint && m.rope_theta() != 0) {
+      return FieldError("model.rope_theta", "comes from model.from's config.json; leave it out");
+    }
+    if (from_checkpoint && m.rms_norm_eps() != 0) {
+      return FieldError("model.rms_norm_eps", "comes from model.from's config.json; leave it out");
+    }
+    // Offload places the parameters on parameter servers at submit, by their count.
+    if (from_checkpoint && spec.parallel().strategy() == v1::OFFLOAD) {
+      for (const auto& [field, value] : {std::pair<const char*, int>{"model.n_layer", m.n_layer()},
+                                         {"model.d_model", m.d_model()},
+                                         {"model.n_head", m.n_head()},
+                                         {"model.d_hidden", m.d_hidden()},
+                                         {"model.vocab", m.vocab()}}) {
+        if (value == 0) {
+          return FieldError(field,
+                            "required with parallel.strategy offload (the coordinator sizes the "
+                            "parameter servers from the spec; model.from is read by the trainer)");
+        }
+      }
+    }
+    if (m.rope_theta() < 0 || !std::isfinite(m.rope_theta())) {
+      return FieldError("model.rope_theta", absl::StrCat("must be > 0, got ", m.rope_theta()));
+    }
+    if (m.rms_norm_eps() < 0 || !std::isfinite(m.rms_norm_eps())) {
+      return FieldError("model.rms_norm_eps", absl::StrCat("must be > 0, got ", m.rms_norm_eps()));
+    }
+  } else if (m.kind() == "gpt") {
+    RETURN_IF_ERROR(CheckRequired("model.n_head", m.n_head(), 1, 1024));
+    if (m.d_model() % m.n_head() != 0) {
+      return FieldError("model.n_head", absl::StrCat("must divide model.d_model (", m.d_model(),
+                                                     "), got ", m.n_head()));
+    }
+  } else {
+    RETURN_IF_ERROR(CheckRequired("model.d_hidden", m.d_hidden(), 1, 1 << 20));
+  }
+  return absl::OkStatus();
+}
+
+// The spec's `data`, against the model's vocabulary.
+absl::Status ValidateData(const JobSpec& spec) {
+  const auto& m = spec.model();
+  const bool from_checkpoint = !m.from().empty();
+  const auto& d = spec.data();
+  if (d.path().empty()) return FieldError("data.path", "required");
+  if (d.format() != "bytes" && d.format() != "uint16" && d.format() != "uint32") {
+    return FieldError("data.format",
+                      absl::StrCat("unknown value '", d.format(), "' (bytes, uint16 or uint32)"));
+  }
+  if (d.format() == "bytes" && m.vocab() < 256 && !(from_checkpoint && m.vocab() == 0)) {
+    return FieldError("model.vocab",
+                      absl::StrCat("must be >= 256 for data.format bytes, got ", m.vocab()));
+  }
+  if (d.format() == "uint16" && m.vocab() > 65536) {
+    return FieldError("model.vocab",
+                      absl::StrCat("must be <= 65536 for data.format uint16, got ", m.vocab()));
+  }
+  return absl::OkStatus();
+}
+
+// The spec's `train`.
+absl::Status ValidateTrain(const JobSpec& spec) {
+  const auto& m = spec.model();
+  const auto& t = spec.train();
+  RETURN_IF_ERROR(CheckRequired("train.steps", t.steps(), 1, int64_t{1} << 40));
+  RETURN_IF_ERROR(CheckRange("train.micro_batch", t.micro_batch(), 1, 1 << 16));
+  RETURN_IF_ERROR(CheckRange("train.grad_accum", t.grad_accum(), 1, 1 << 16));
+  if (!(t.lr() > 0) || !std::isfinite(t.lr()) || t.lr() > 10) {
+    return FieldError("train.lr", absl::StrCat("must be in (0, 10], got ", t.lr()));
+  }
+  RETURN_IF_ERROR(CheckRange("train.warmup", t.warmup(), 0, t.steps()));
+  if (!v1::MixedPrecision_IsValid(t.mixed_precision()) ||
+      t.mixed_precision() == v1::MIXED_PRECISION_UNSPECIFIED) {
+    return FieldError("train.mixed_precision",
+                      absl::StrCat("unknown value ", t.mixed_precision(), " (fp32, bf16 or fp16)"));
+  }
+  if (!v1::Optimizer_IsValid(t.optimizer()) || t.optimizer() == v1::OPTIMIZER_UNSPECIFIED) {
+    return FieldError("train.optimizer", absl::StrCat("unknown value ", t.optimizer(),
+                                                      " (adamw, adafactor, lion or adamw_8bit)"));
+  }
+  if (t.optimizer() != v1::ADAMW && spec.parallel().strategy() == v1::OFFLOAD) {
+    return FieldError("train.optimizer",
+                      absl::StrCat(OptimizerName(t.optimizer()),
+                                   " does not run on the parameter servers, which apply AdamW: "
+                                   "use adamw with parallel.strategy offload, or ddp or fsdp"));
+  }
+  if (t.weight_decay() < 0 || !std::isfinite(t.weight_decay())) {
+    return FieldError("train.weight_decay", absl::StrCat("must be >= 0, got ", t.weight_decay()));
+  }
+  if (t.grad_clip() < 0 || !std::isfinite(t.grad_clip())) {
+    return FieldError("train.grad_clip", absl::StrCat("must be >= 0, got ", t.grad_clip()));
+  }
+  if (t.has_lora()) {
+    const auto& lora = t.lora();
+    if (m.kind() != "llama") {
+      return FieldError("train.lora",
+                        absl::StrCat("adapts llama's projections; model.kind is ", m.kind()));
+    }
+    if (spec.parallel().strategy() == v1::OFFLOAD) {
+      return FieldError("train.lora",
+                        "not with parallel.strategy offload (the adapters are small enough to "
+                        "train where they are: use ddp or fsdp)");
+    }
+    RETURN_IF_ERROR(CheckRange("train.lora.r", lora.r(), 1, 4096));
+    if (!(lora.alpha() > 0) || !std::isfinite(lora.alpha())) {
+      return FieldError("train.lora.alpha", absl::StrCat("must be > 0, got ", lora.alpha()));
+    }
+    if (!(lora.dropout() >= 0 && lora.dropout() < 1)) {
+      return FieldError("train.lora.dropout",
+                        absl::StrCat("must be in [0, 1), got ", lora.dropout()));
+    }
+    std::set<std::string> seen;
+    for (const std::string& target : lora.target_modules()) {
+      const auto& known = LoraTargetNames();
+      if (std::find(known.begin(), known.end(), target) == known.end()) {
+        return FieldError("train.lora.target_modules",
+                          absl::StrCat("unknown module '", target,
+                                       "' (known: ", absl::StrJoin(known, ", "), ")"));
+      }
+      if (!seen.insert(target).second) {
+        return FieldError("train.lora.target_modules",
+                          absl::StrCat("'", target, "' is listed twice"));
+      }
+    }
+    if (lora.target_modules().empty()) {
+      return FieldError("train.lora.target_modules", "must name at least one module");
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The spec's `parallel`, and the layout against the model's sizes.
+absl::Status ValidateParallel(const JobSpec& spec) {
+  const auto& p = spec.parallel();
+  if (!v1::Strategy_IsValid(p.strategy()) || p.strategy() == v1::STRATEGY_UNSPECIFIED) {
+    return FieldError("parallel.strategy",
+                      absl::StrCat("unknown value ", p.strategy(), " (ddp, fsdp or offload)"));
+  }
+  if (!v1::ShardingStrategy_IsValid(p.sharding_strategy()) ||
+      p.sharding_strategy() == v1::SHARDING_STRATEGY_UNSPECIFIED) {
+    return FieldError("parallel.sharding_strategy",
+                      absl::StrCat("unknown value ", p.sharding_strategy(),
+                                   " (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD)"));
+  }
+  if (!(p.bucket_mb() > 0) || p.bucket_mb() > 1024) {
+    return FieldError("parallel.bucket_mb",
+                      absl::StrCat("must be in (0, 1024], got ", p.bucket_mb()));
+  }
+  if (p.delayed_update() && p.strategy() != v1::OFFLOAD) {
+    return FieldError("parallel.delayed_update", "only applies to strategy offload");
+  }
+  if (!v1::WrapPolicy_IsValid(p.auto_wrap_policy()) ||
+      p.auto_wrap_policy() == v1::WRAP_POLICY_UNSPECIFIED) {
+    return FieldError("parallel.auto_wrap_policy",
+                      absl::StrCat("unknown value ", p.auto_wrap_policy(),
+                                   " (TRANSFORMER_BASED_WRAP or SIZE_BASED_WRAP)"));
+  }
+  RETURN_IF_ERROR(CheckRange("parallel.min_num_params", p.min_num_params(), 1, int64_t{1} << 50));
+  if (!v1::BackwardPrefetch_IsValid(p.backward_prefetch()) ||
+      p.backward_prefetch() == v1::BACKWARD_PREFETCH_UNSPECIFIED) {
+    return FieldError("parallel.backward_prefetch",
+                      absl::StrCat("unknown value ", p.backward_prefetch(),
+                                   " (BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH)"));
+  }
+  RETURN_IF_ERROR(CheckRange("parallel.max_gathered_units", p.max_gathered_units(), 1, 1024));
+  RETURN_IF_ERROR(ValidatePipeline(spec));
+  RETURN_IF_ERROR(ValidateTensorParallel(spec));
+  // The sizes the layout cuts (those model.from fills are checked by the trainer).
+  if (const std::string misfit =
+          ModelParallelMisfit(ToModelConfig(spec.model()), ToJobConfig(spec).parallel);
+      !misfit.empty()) {
+    return absl::InvalidArgumentError(misfit);
+  }
+  return absl::OkStatus();
+}
+
+// The spec's `checkpoint`.
+absl::Status ValidateCheckpoint(const JobSpec& spec) {
+  const auto& m = spec.model();
+  const auto& t = spec.train();
+  RETURN_IF_ERROR(
+      CheckRange("checkpoint.every_steps", spec.checkpoint().every_steps(), 0, int64_t{1} << 40));
+  if (const v1::ExportFormat f = spec.checkpoint().export_format();
+      f != v1::EXPORT_FORMAT_UNSPECIFIED) {
+    if (!v1::ExportFormat_IsValid(f)) {
+      return FieldError("checkpoint.export",
+                        absl::StrCat("unknown value ", f, " (hf or hf_merged)"));
+    }
+    if (m.kind() != "llama") {
+      return FieldError("checkpoint.export", absl::StrCat("writes Llama-family models (llama); "
+                                                          "model.kind is ",
+                                                          m.kind()));
+    }
+    if (f == v1::EXPORT_HF_MERGED && !t.has_lora()) {
+      return FieldError("checkpoint.export",
+                        "hf_merged merges train.lora's adapters, and the job has none: use hf");
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateJobSpec(const JobSpec& spec) {
+  RETURN_IF_ERROR(CheckFieldSizes(spec, JobSpecFieldLimits(), ""));
+  if (spec.name().empty()) return FieldError("name", "required");
+  if (spec.name().size() > 128) {
+    return FieldError("name", absl::StrCat("at most 128 characters, got ", spec.name().size()));
+  }
+  for (char c : spec.name()) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.') {
+      return FieldError("name", absl::StrCat("only letters, digits, '-', '_' and '.' are allowed, "
+                                             "got '",
+                                             spec.name(), "'"));
+    }
+  }
+  RETURN_IF_ERROR(CheckRange("priority", spec.priority(), 1, 100));
+  RETURN_IF_ERROR(CheckRequired("resources.gpus", spec.resources().gpus(), 1, 4096));
+  if (IsCommandJob(spec)) return ValidateCommandJob(spec);
+  if (!spec.workdir().empty()) return FieldError("workdir", "only a command job has a workdir");
+  if (!spec.env().empty()) return FieldError("env", "only a command job has env");
+
+  RETURN_IF_ERROR(ValidateModel(spec));
+  RETURN_IF_ERROR(ValidateData(spec));
+  RETURN_IF_ERROR(ValidateTrain(spec));
+  RETURN_IF_ERROR(ValidateParallel(spec));
+  RETURN_IF_ERROR(ValidateCheckpoint(spec));
+  RETURN_IF_ERROR(CheckRange("max_restarts", spec.max_restarts(), 0, 100));
+  RETURN_IF_ERROR(CheckRange("max_runtime", spec.max_runtime_seconds(), 0, int64_t{1} << 40));
+  RETURN_IF_ERROR(
+      CheckRange("preemption_grace", spec.preemption_grace_seconds(), 0, int64_t{1} << 40));
+  return absl::OkStatus();
+}
+
+}  // namespace trainyard
