@@ -1,0 +1,162 @@
+// JobManager: what a job may ask for at submit (fits some node, fits the parameter servers, the
+// owner's caps and quota) (see job_manager.h).
+#include "server/coordinator/job_manager.h"
+#include "server/coordinator/job_manager_internal.h"
+#include "server/coordinator/job_state.h"
+
+#include <algorithm>
+#include <functional>
+#include <limits>
+#include <tuple>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "common/check.h"
+#include "common/memory_estimate.h"
+#include "common/ps_layout.h"
+#include "common/spec.h"
+#include "common/status_macros.h"
+
+namespace trainyard::coordinator {
+
+absl::Status JobManager::CheckFitsSomeNode(const v1::JobSpec& spec) const {
+  // The largest device any ready node offers (a node's smallest device counts for it), and the
+  // most devices on one node (the HYBRID_SHARD group), from the registry's index: O(1) in the
+  // cluster's size. Devices of unknown size are not judged.
+  const ClusterCapacity capacity = nodes_.Capacity();
+  const int64_t device_bytes = capacity.largest_device_bytes;
+  const int ranks_per_node = std::max(1, capacity.max_devices_per_node);
+  if (device_bytes <= 0) return absl::OkStatus();
+  const int world = spec.resources().gpus();
+  const MemoryEstimate e = EstimateMemory(spec, world, ranks_per_node);
+  if (e.total() <= device_bytes) return absl::OkStatus();
+  auto gib = [](int64_t b) { return absl::StrFormat("%.2f GiB", b / double(int64_t{1} << 30)); };
+  std::string message = absl::StrCat(
+      "parallel.strategy: ", e.Name(), " ", MixedPrecisionName(e.precision), " needs ",
+      gib(e.total()), " per rank (parameters ", gib(e.parameters), ", gradients ", gib(e.gradients),
+      ", optimizer ", gib(e.optimizer), ", activations ", gib(e.activations),
+      ") but the largest device of any node has ", gib(device_bytes));
+  // The smallest strategy that fits (the model whole on every rank or sharded), then the smallest
+  // model-parallel layout (pipeline stages, tensor-parallel ranks).
+  const MemoryEstimate* best = nullptr;
+  const MemoryEstimate* best_layout = nullptr;
+  const std::vector<MemoryEstimate> all = EstimateAllStrategies(spec, world, ranks_per_node);
+  for (const MemoryEstimate& other : all) {
+    if (other.precision != e.precision || other.total() > device_bytes) continue;
+    const MemoryEstimate*& slot =
+        other.pipeline_stages > 1 || other.tensor_parallel > 1 ? best_layout : best;
+    if (slot == nullptr || other.total() < slot->total()) slot = &other;
+  }
+  if (best != nullptr) {
+    absl::StrAppend(&message, "; ", best->Name(), " would fit (", gib(best->total()), " per rank)");
+  }
+  if (best_layout != nullptr) {
+    absl::StrAppend(&message, best != nullptr ? "; so would " : "; ", best_layout->Name(),
+                    best != nullptr ? "" : " would fit", " (", gib(best_layout->total()),
+                    " per rank)");
+  }
+  if (best == nullptr && best_layout == nullptr) {
+    absl::StrAppend(&message, "; no strategy or layout fits at this precision and world size");
+  }
+  return absl::InvalidArgumentError(message);
+}
+
+absl::Status JobManager::CheckFitsParameterServers(const std::string& owner,
+                                                   const v1::JobSpec& spec) const {
+  if (spec.parallel().strategy() != v1::OFFLOAD) return absl::OkStatus();
+  int64_t capacity = 0;
+  int servers = 0;
+  for (const v1::Node& n : nodes_.ListParameterServers()) {
+    if (n.role() != v1::PARAMETER_SERVER || n.state() != v1::NODE_READY) continue;
+    if (!TakesJobsOf(n, owner)) continue;
+    capacity += n.memory_bytes();
+    ++servers;
+  }
+  const int64_t params = ModelParameterCount(spec.model());
+  const int64_t need = params * kPsBytesPerParam;
+  if (need <= capacity) return absl::OkStatus();
+  auto gib = [](int64_t b) { return absl::StrFormat("%.2f GiB", b / double(int64_t{1} << 30)); };
+  if (servers == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "parallel.strategy: offload needs parameter servers (", gib(need), " for ", params,
+        " parameters) but none that takes ", owner, "'s jobs is registered; start trainyard-ps"));
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("parallel.strategy: offload needs ", gib(need), " on parameter servers (",
+                   params, " parameters x ", kPsBytesPerParam, " bytes) but the ", servers,
+                   " registered parameter server(s) that take ", owner, "'s jobs offer ",
+                   gib(capacity), " in all"));
+}
+
+std::map<std::string, int64_t> JobManager::ReservedPsBytes() const {
+  std::map<std::string, int64_t> reserved;
+  for (const std::string& id : unfinished_) {
+    const v1::Job& job = jobs_.at(id);
+    if (!IsActive(job.state())) continue;
+    for (const v1::PsRange& r : job.ps_placement()) {
+      reserved[r.node_id()] += (r.end() - r.begin()) * kPsBytesPerParam;
+    }
+  }
+  return reserved;
+}
+
+std::vector<PsCapacity> JobManager::ParameterServerCapacity(const std::string& owner) const {
+  std::map<std::string, int64_t> reserved = ReservedPsBytes();
+  std::vector<PsCapacity> out;
+  for (const v1::Node& n : nodes_.ListParameterServers()) {
+    if (n.role() != v1::PARAMETER_SERVER || n.state() != v1::NODE_READY || !n.connected() ||
+        !TakesJobsOf(n, owner)) {
+      continue;
+    }
+    out.push_back({n.id(), n.address(), n.memory_bytes() - reserved[n.id()]});
+  }
+  return out;
+}
+
+absl::Status JobManager::CheckSharingLimits(const SharingPolicy& policy, const std::string& owner,
+                                            const v1::JobSpec& spec) const {
+  const SharingPolicy::User user = policy.UserOf(owner);
+  const SharingPolicy::Account account = policy.AccountOf(user.account);
+  const int64_t devices = spec.resources().gpus();
+  if (user.max_running_devices >= 0 && devices > user.max_running_devices) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("resources.gpus: ", devices, " devices exceed user ", owner, "'s cap of ",
+                     user.max_running_devices, " running devices (max_running_devices)"));
+  }
+  if (account.quota >= 0 && account.borrow_limit >= 0 &&
+      devices > account.quota + account.borrow_limit) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "resources.gpus: ", devices, " devices exceed account ", user.account, "'s quota of ",
+        account.quota, " plus its borrow limit of ", account.borrow_limit));
+  }
+  if (spec.has_preemptible() && !spec.preemptible()) {
+    if (account.quota < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("preemptible: false needs a quota, and account ", user.account,
+                       " has none (only jobs within a quota may not be preempted)"));
+    }
+    if (devices > account.quota) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "preemptible: false is only for jobs within their account's quota: ", devices,
+          " devices exceed account ", user.account, "'s quota of ", account.quota));
+    }
+  }
+  const int64_t max_queued =
+      user.max_queued_jobs >= 0 ? user.max_queued_jobs : default_max_queued_jobs_;
+  if (max_queued >= 0) {
+    int64_t queued = 0;
+    if (auto it = submitting_.find(owner); it != submitting_.end()) queued += it->second;
+    if (auto it = queued_by_owner_.find(owner); it != queued_by_owner_.end()) queued += it->second;
+    if (queued >= max_queued) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "max_queued_jobs: user ", owner, " has ", queued, " jobs queued, its cap of ", max_queued,
+          user.max_queued_jobs >= 0 ? "" : " (the coordinator's --max-queued-jobs-per-user)",
+          "; wait for some to start or cancel some"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace trainyard::coordinator

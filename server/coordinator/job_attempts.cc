@@ -1,0 +1,400 @@
+// JobManager: attempts and the events of nodes and ranks (placement released, preemption done,
+// failures, lost nodes, hellos, rank status, step and checkpoint reports) (see job_manager.h).
+#include "server/coordinator/job_manager.h"
+#include "server/coordinator/job_manager_internal.h"
+
+#include <spdlog/spdlog.h>
+
+#include <functional>
+#include <limits>
+#include <tuple>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/check.h"
+#include "common/ps_layout.h"
+#include "common/spec.h"
+#include "common/status_macros.h"
+#include "server/coordinator/job_state.h"
+#include "server/coordinator/scheduler.h"
+
+namespace trainyard::coordinator {
+
+absl::StatusOr<v1::Job*> JobManager::FindRunningAttempt(const std::string& job_id, int attempt) {
+  v1::Job* job = Find(job_id);
+  if (job == nullptr) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
+  if (!IsActive(job->state()) || job->attempt() != attempt) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, " attempt ", attempt, " is not running"));
+  }
+  return job;
+}
+
+v1::TrainerCommands JobManager::CommandsFor(const v1::Job& job) const {
+  v1::TrainerCommands commands;
+  commands.set_checkpoint_requested(job.state() == v1::CHECKPOINTING);
+  // Preempted: checkpoint, then stop (the trainer exits 0 after the checkpoint).
+  commands.set_stop_requested(job.preempt_deadline_ms() != 0);
+  return commands;
+}
+
+void JobManager::RequestCheckpoint(const std::string& job_id, JobCallback done) {
+  auto not_running = [&](const v1::Job& job) {
+    return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " is ",
+                                                      v1::JobState_Name(job.state()),
+                                                      "; only a RUNNING job can checkpoint"));
+  };
+  absl::ReleasableMutexLock lock(&mu_);
+  v1::Job* job = Find(job_id);
+  if (job == nullptr) {
+    lock.Release();
+    absl::StatusOr<v1::Job> stored = ReadFromStore(job_id);
+    done(stored.ok() ? not_running(*stored) : stored.status());
+    return;
+  }
+  if (job->state() == v1::CHECKPOINTING) {
+    done(*job);  // already asked; the ranks have not answered yet
+    return;
+  }
+  if (job->state() != v1::RUNNING) {
+    done(not_running(*job));
+    return;
+  }
+  Transition(*job, v1::CHECKPOINTING, "checkpoint requested");
+  Persist(*job, [job = *job, done = std::move(done)](absl::Status s) {
+    if (s.ok()) {
+      done(job);
+    } else {
+      done(s);
+    }
+  });
+}
+
+absl::StatusOr<v1::TrainerCommands> JobManager::OnStepReport(const v1::StepReport& report) {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(v1::Job * job, FindRunningAttempt(report.job_id(), report.attempt()));
+  // Progress is kept in memory only: a write per step would cost more than it is worth. It is
+  // stored with the next durable change of the job. Rank 0's is the job's.
+  if (report.rank() == 0) {
+    job->set_step(report.step());
+    job->set_loss(report.loss());
+  }
+  return CommandsFor(*job);
+}
+
+absl::StatusOr<v1::TrainerCommands> JobManager::OnCheckpointReport(
+    const v1::CheckpointReport& report) {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(v1::Job * job, FindRunningAttempt(report.job_id(), report.attempt()));
+  v1::CheckpointInfo* info = job->mutable_last_checkpoint();
+  info->set_step(report.step());
+  info->set_path(report.path());
+  info->set_bytes(report.bytes());
+  info->set_time_ms(NowMs(clock_));
+  info->set_attempt(report.attempt());
+  if (job->step() < report.step()) job->set_step(report.step());
+  if (job->state() == v1::CHECKPOINTING) {
+    Transition(*job, v1::RUNNING, "");
+  } else {
+    job->set_version(job->version() + 1);
+  }
+  Persist(*job);
+  return CommandsFor(*job);
+}
+
+int JobManager::ReserveMasterPort(const std::string& node_id) {
+  std::set<int>& used = master_ports_[node_id];
+  for (int port = kFirstMasterPort; port < kFirstMasterPort + kMasterPorts; ++port) {
+    if (used.insert(port).second) return port;
+  }
+  return 0;  // all in use: the rank 0 node's worker picks a free port itself
+}
+
+void JobManager::ReleaseAttempt(v1::Job& job, const std::string& reason) {
+  if (job.master_port() != 0 && job.placement_size() > 0) {
+    auto ports = master_ports_.find(job.placement(0).node_id());
+    if (ports != master_ports_.end()) {
+      ports->second.erase(job.master_port());
+      if (ports->second.empty()) master_ports_.erase(ports);
+    }
+    job.set_master_port(0);
+  }
+  v1::CoordinatorMessage cancel;
+  cancel.mutable_cancel()->set_job_id(job.id());
+  cancel.mutable_cancel()->set_attempt(job.attempt());
+  cancel.mutable_cancel()->set_reason(reason);
+  const std::set<int>& exited = finished_ranks_[job.id()];
+  const absl::Time drain_deadline = clock_.Now() + kDrainTimeout;
+  for (const auto& p : job.placement()) {
+    for (int i = 0; i < p.device_indices_size(); ++i) {
+      const int rank = p.first_rank() + i;
+      if (reason.empty() || exited.count(rank) > 0) {
+        FreeDevice(p.node_id(), p.device_indices(i));
+      } else {  // still running: the device is free once the rank reports its exit
+        draining_[{job.id(), job.attempt(), rank}] =
+            DrainingRank{p.node_id(), p.device_indices(i), drain_deadline};
+      }
+    }
+    if (!reason.empty()) nodes_.Send(p.node_id(), cancel);
+  }
+  // Parameter servers free the attempt's shards (their memory is free here at once).
+  for (const v1::PsRange& r : job.ps_placement()) nodes_.Send(r.node_id(), cancel);
+  job.clear_ps_placement();
+  rendezvous_.CloseScope({job.id(), job.attempt()});
+  finished_ranks_.erase(job.id());
+  // A preemption asked of this attempt ends with it (the next attempt is not asked to stop).
+  job.set_preempt_deadline_ms(0);
+  preempt_stopped_.erase(job.id());
+}
+
+void JobManager::FreeDevice(const std::string& node_id, int device) {
+  auto held = allocated_.find(node_id);
+  if (held == allocated_.end()) return;
+  held->second.erase(device);
+  if (held->second.empty()) allocated_.erase(held);
+}
+
+JobManager::DrainingMap::iterator JobManager::EndDraining(DrainingMap::iterator it) {
+  FreeDevice(it->second.node_id, it->second.device);
+  return draining_.erase(it);
+}
+
+void JobManager::Preempted(v1::Job& job) {
+  preempt_stopped_.erase(job.id());
+  job.clear_placement();
+  job.set_preempt_deadline_ms(0);
+  job.set_preemptions(job.preemptions() + 1);
+  Transition(job, v1::PREEMPTED,
+             absl::StrCat("preempted by ", job.preempted_by(), " at step ", job.step(),
+                          job.last_checkpoint().step() > 0
+                              ? absl::StrCat("; resumes from the checkpoint of step ",
+                                             job.last_checkpoint().step())
+                              : std::string("; no checkpoint yet: starts over")));
+}
+
+void JobManager::FailAttempt(v1::Job& job, const std::string& reason) {
+  ReleaseAttempt(job, reason);
+  if (job.restarts() < job.spec().max_restarts()) {
+    job.set_restarts(job.restarts() + 1);
+    job.clear_placement();
+    Transition(
+        job, v1::RESTARTING,
+        absl::StrCat(reason, " (restart ", job.restarts(), " of ", job.spec().max_restarts(), ")"));
+  } else {
+    Transition(job, v1::FAILED,
+               job.spec().max_restarts() == 0 ? reason
+                                              : absl::StrCat(reason, " (no restarts left of ",
+                                                             job.spec().max_restarts(), ")"));
+  }
+  Persist(job);
+  WakeScheduler();
+}
+
+int JobManager::EnforceRuntimeLimits() {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_.Now();
+  std::vector<std::string> expired;
+  for (const std::string& id : unfinished_) {
+    const v1::Job& job = jobs_.at(id);
+    const int64_t limit_s = job.spec().max_runtime_seconds();
+    if (IsActive(job.state()) && limit_s > 0 &&
+        now - absl::FromUnixMillis(job.start_time_ms()) > absl::Seconds(limit_s)) {
+      expired.push_back(id);
+    }
+  }
+  for (const std::string& id : expired) {
+    v1::Job& job = jobs_.at(id);
+    const std::string reason =
+        absl::StrCat("exceeded max_runtime of ",
+                     absl::FormatDuration(absl::Seconds(job.spec().max_runtime_seconds())));
+    ReleaseAttempt(job, reason);
+    Transition(job, v1::FAILED, reason);
+    Persist(job);
+  }
+  // Preempted jobs past their grace: their ranks are stopped (SIGTERM, then SIGKILL); their
+  // exits move them to PREEMPTED.
+  for (const std::string& id : unfinished_) {
+    const v1::Job& job = jobs_.at(id);
+    if (!IsActive(job.state()) || job.preempt_deadline_ms() == 0 ||
+        absl::FromUnixMillis(job.preempt_deadline_ms()) > now || preempt_stopped_.count(id) > 0) {
+      continue;
+    }
+    preempt_stopped_.insert(id);
+    spdlog::warn("{} did not stop within its preemption grace: stopping its ranks", id);
+    v1::CoordinatorMessage cancel;
+    cancel.mutable_cancel()->set_job_id(id);
+    cancel.mutable_cancel()->set_attempt(job.attempt());
+    cancel.mutable_cancel()->set_reason(
+        absl::StrCat("preempted by ", job.preempted_by(), ": grace period over"));
+    for (const auto& p : job.placement()) nodes_.Send(p.node_id(), cancel);
+  }
+  if (!expired.empty()) WakeScheduler();
+  return static_cast<int>(expired.size());
+}
+
+void JobManager::OnNodesLost(const std::vector<std::string>& node_ids) {
+  if (node_ids.empty()) return;
+  absl::MutexLock lock(&mu_);
+  const std::set<std::string> lost(node_ids.begin(), node_ids.end());
+  std::vector<std::string> affected;
+  for (const std::string& id : unfinished_) {
+    const v1::Job& job = jobs_.at(id);
+    if (!IsActive(job.state())) continue;
+    bool hit = false;
+    for (const auto& p : job.placement()) hit = hit || lost.count(p.node_id()) > 0;
+    for (const auto& r : job.ps_placement()) hit = hit || lost.count(r.node_id()) > 0;
+    if (hit) affected.push_back(id);
+  }
+  for (const std::string& id : affected) {
+    v1::Job& job = jobs_.at(id);
+    std::string lost_names, lost_ps;
+    for (const auto& p : job.placement()) {
+      if (lost.count(p.node_id()) > 0)
+        absl::StrAppend(&lost_names, lost_names.empty() ? "" : ", ", p.node_id());
+    }
+    for (const auto& r : job.ps_placement()) {
+      if (lost.count(r.node_id()) > 0)
+        absl::StrAppend(&lost_ps, lost_ps.empty() ? "" : ", ", r.node_id());
+    }
+    const std::string what =
+        lost_names.empty() ? absl::StrCat("parameter server ", lost_ps)
+                           : absl::StrCat("node ", lost_names,
+                                          lost_ps.empty() ? "" : " and parameter server ", lost_ps);
+    FailAttempt(job, absl::StrCat(what, " lost (no heartbeat for ",
+                                  absl::FormatDuration(nodes_.node_timeout()), ")"));
+  }
+}
+
+void JobManager::OnNodeHello(const std::string& node_id,
+                             const google::protobuf::RepeatedPtrField<v1::RankStatus>& running) {
+  {
+    absl::MutexLock lock(&mu_);
+    std::set<std::tuple<std::string, int, int>> alive;
+    for (const v1::RankStatus& r : running) alive.insert({r.job_id(), r.attempt(), r.rank()});
+    bool freed = false;
+    for (auto it = draining_.begin(); it != draining_.end();) {
+      if (it->second.node_id != node_id) {
+        ++it;
+        continue;
+      }
+      if (alive.count(it->first) > 0) {  // told to stop (again) now: a new grace to report it
+        it->second.deadline = clock_.Now() + kDrainTimeout;
+        ++it;
+        continue;
+      }
+      it = EndDraining(it);
+      freed = true;
+    }
+    if (freed) WakeScheduler();
+    // Ranks of attempts that are no longer current and that this coordinator does not know to
+    // be draining (it restarted since they were told to stop): their devices stay taken until
+    // they report their exit, as for any draining rank, so no new rank shares them meanwhile.
+    for (const v1::RankStatus& r : running) {
+      const v1::Job* job = Find(r.job_id());
+      const bool current =
+          job != nullptr && IsActive(job->state()) && r.attempt() == job->attempt();
+      const std::tuple<std::string, int, int> key{r.job_id(), r.attempt(), r.rank()};
+      if (current || !r.has_device() || draining_.count(key) > 0) continue;
+      std::set<int>& held = allocated_[node_id];
+      if (!held.insert(r.device()).second) {
+        spdlog::warn("node {} still runs rank {} of {} attempt {} on device {}, which is taken",
+                     node_id, r.rank(), r.job_id(), r.attempt(), r.device());
+        continue;
+      }
+      draining_[key] = DrainingRank{node_id, r.device(), clock_.Now() + kDrainTimeout};
+    }
+  }
+  for (const v1::RankStatus& r : running) OnRankStatus(node_id, r);
+}
+
+namespace {
+
+// Whether rank `rank` of `job`'s current placement runs on `node_id`.
+bool PlacedOn(const v1::Job& job, const std::string& node_id, int rank) {
+  for (const v1::RankPlacement& p : job.placement()) {
+    if (p.node_id() == node_id && rank >= p.first_rank() &&
+        rank < p.first_rank() + p.device_indices_size()) {
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+bool JobManager::RankRunsOn(const std::string& node_id, const std::string& job_id, int attempt,
+                            int rank) const {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it != jobs_.end() && it->second.attempt() == attempt && PlacedOn(it->second, node_id, rank)) {
+    return true;
+  }
+  auto draining = draining_.find({job_id, attempt, rank});
+  return draining != draining_.end() && draining->second.node_id == node_id;
+}
+
+void JobManager::OnRankStatus(const std::string& node_id, const v1::RankStatus& status) {
+  absl::MutexLock lock(&mu_);
+  v1::Job* job = Find(status.job_id());
+  const bool current =
+      job != nullptr && IsActive(job->state()) && status.attempt() == job->attempt();
+  if (current && !PlacedOn(*job, node_id, status.rank())) {
+    // A node speaks only for the ranks it runs.
+    spdlog::warn("audit: node {} reported rank {} of {} attempt {}, which it does not run: ignored",
+                 node_id, status.rank(), status.job_id(), status.attempt());
+    return;
+  }
+  if (!current) {
+    if (status.phase() == v1::RANK_EXITED) {
+      auto draining = draining_.find({status.job_id(), status.attempt(), status.rank()});
+      if (draining != draining_.end() && draining->second.node_id == node_id) {
+        EndDraining(draining);
+        WakeScheduler();
+      }
+    } else {
+      v1::CoordinatorMessage cancel;
+      cancel.mutable_cancel()->set_job_id(status.job_id());
+      cancel.mutable_cancel()->set_attempt(status.attempt());
+      cancel.mutable_cancel()->set_reason("attempt is no longer current");
+      nodes_.Send(node_id, cancel);
+    }
+    return;
+  }
+  if (status.phase() != v1::RANK_EXITED) return;
+  const bool preempting = job->preempt_deadline_ms() != 0;
+  if (status.exit_code() == 0) {
+    std::set<int>& done_ranks = finished_ranks_[job->id()];
+    done_ranks.insert(status.rank());
+    if (static_cast<int>(done_ranks.size()) >= job->world_size()) {
+      ReleaseAttempt(*job, "");
+      // A preempted job that stopped before its last step waits to be placed again.
+      // A command job's steps are its program's: asked to stop, it exits 0 after its checkpoint
+      // and is placed again (its next attempt resumes, and ends at once if it had finished).
+      if (preempting && (IsCommandJob(job->spec()) || job->step() < job->spec().train().steps())) {
+        Preempted(*job);
+      } else {
+        job->set_preempt_deadline_ms(0);
+        Transition(*job, v1::SUCCEEDED, "");
+      }
+      Persist(*job);
+      WakeScheduler();
+    }
+    return;
+  }
+  if (preempting) {  // stopped after its grace (or failed while stopping): requeued all the same
+    finished_ranks_[job->id()].insert(status.rank());
+    ReleaseAttempt(*job, absl::StrCat("preempted by ", job->preempted_by()));
+    Preempted(*job);
+    Persist(*job);
+    WakeScheduler();
+    return;
+  }
+  finished_ranks_[job->id()].insert(status.rank());  // its device is free at once
+  std::string reason = absl::StrCat("rank ", status.rank(), " on node ", node_id,
+                                    " exited with code ", status.exit_code());
+  if (!status.message().empty()) absl::StrAppend(&reason, ": ", status.message());
+  FailAttempt(*job, reason);
+}
+
+}  // namespace trainyard::coordinator

@@ -1,0 +1,54 @@
+// JobManager's helpers shared by its files: job_manager.cc (lifecycle: submit, list, cancel,
+// watch, eviction), job_admission.cc (what a job may ask for), job_scheduling.cc (the pass and its
+// placements), job_attempts.cc (node and rank events, attempts, reports) and job_usage.cc (usage,
+// quotas, fair share, why_waiting). Internal to the coordinator; the interface is job_manager.h.
+#pragma once
+
+#include <algorithm>
+#include <optional>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "server/coordinator/job_manager.h"
+
+namespace trainyard::coordinator {
+
+inline int64_t NowMs(const Clock& clock) { return absl::ToUnixMillis(clock.Now()); }
+
+// Keys of the usage ledger.
+inline std::string AccountKey(const std::string& account) {
+  return absl::StrCat("account:", account);
+}
+inline std::string UserKey(const std::string& user) { return absl::StrCat("user:", user); }
+
+// When the head of the queue is expected to start, for why_waiting.
+inline std::string StartText(const std::optional<absl::Time>& start, absl::Time now) {
+  if (!start.has_value()) {
+    return "start unknown: the devices are held by jobs without max_runtime";
+  }
+  return absl::StrCat("expected to start in ",
+                      absl::FormatDuration(absl::Trunc(std::max(absl::ZeroDuration(), *start - now),
+                                                       absl::Seconds(1))));
+}
+
+// How long the devices of a stopped rank on a connected node stay allocated when its exit is never
+// reported (a lost message): longer than a worker's SIGTERM → SIGKILL grace (10 s by default).
+inline constexpr absl::Duration kDrainTimeout = absl::Seconds(60);
+// Placements one pass applies; the rest wait for the next pass, which follows at once. Bounds how
+// long a pass holds the job manager under a burst (rank reports and submits wait for it).
+inline constexpr int kMaxPlacementsPerPass = 128;
+
+// Whether `node` takes `owner`'s jobs: it names no owners, or `owner` among them (a worker or
+// parameter server registered with a node token limited to some owners' jobs).
+inline bool TakesJobsOf(const v1::Node& node, const std::string& owner) {
+  return node.owners().empty() ||
+         std::find(node.owners().begin(), node.owners().end(), owner) != node.owners().end();
+}
+
+inline StoredJob ToStored(const v1::Job& job) {
+  return StoredJob{job.id(), job.seq(), job.owner(), v1::JobState_Name(job.state()),
+                   job.SerializeAsString()};
+}
+
+}  // namespace trainyard::coordinator

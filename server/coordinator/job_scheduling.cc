@@ -1,0 +1,336 @@
+// JobManager: the scheduling pass (the snapshot for the pure Scheduler, preemption, placements,
+// assignments) (see job_manager.h).
+#include "server/coordinator/job_manager.h"
+#include "server/coordinator/job_manager_internal.h"
+#include "server/coordinator/job_state.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <functional>
+#include <limits>
+#include <tuple>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/check.h"
+#include "common/ps_layout.h"
+#include "common/spec.h"
+#include "common/status_macros.h"
+#include "server/coordinator/scheduler.h"
+
+namespace trainyard::coordinator {
+
+namespace {
+
+// Nodes are ordered by id: looked up by binary search.
+const SchedulingNode* FindNode(const std::vector<SchedulingNode>& nodes, const std::string& id) {
+  auto it =
+      std::lower_bound(nodes.begin(), nodes.end(), id,
+                       [](const SchedulingNode& n, const std::string& k) { return n.id < k; });
+  return it != nodes.end() && it->id == id ? &*it : nullptr;
+}
+
+}  // namespace
+
+int JobManager::SchedulePass() {
+  const std::shared_ptr<const SharingPolicy> current = CurrentPolicy();
+  // Copied before taking the lock: submits and rank reports do not wait for the copy.
+  const std::vector<SchedulingNode> nodes = nodes_.SchedulingView();
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_.Now();
+  ExpireDraining(nodes, now);
+  const ClusterSnapshot snapshot = BuildSnapshot(*current, nodes, now);
+  if (snapshot.pending.empty()) {
+    last_pass_.reset();
+    return 0;
+  }
+  const ScheduleResult result = Schedule(snapshot);
+  RecordPass(snapshot, result);
+  if (result.preemption.has_value()) StartPreemption(*result.preemption, now);
+  int placed = 0;
+  for (const Placement& placement : result.placements) {
+    if (placed == kMaxPlacementsPerPass) {
+      WakeScheduler();
+      break;
+    }
+    if (StartPlacement(placement, nodes, now)) ++placed;
+  }
+  return placed;
+}
+
+// Ranks that never reported their exit. Not on a node without a session: its ranks may still run
+// (cut off, not dead), and its hello settles them when it is back.
+void JobManager::ExpireDraining(const std::vector<SchedulingNode>& nodes, absl::Time now) {
+  for (auto it = draining_.begin(); it != draining_.end();) {
+    const SchedulingNode* on = FindNode(nodes, it->second.node_id);
+    if (it->second.deadline > now || on == nullptr || !on->connected) {
+      ++it;
+      continue;
+    }
+    const auto& [job_id, attempt, rank] = it->first;
+    spdlog::warn("rank {} of {} attempt {} on node {} never reported its exit; device {} freed",
+                 rank, job_id, attempt, it->second.node_id, it->second.device);
+    it = EndDraining(it);
+  }
+}
+
+// What the scheduler sees: the nodes with their free devices, the waiting and running jobs, and
+// the accounts and users of those jobs with their decayed usage.
+ClusterSnapshot JobManager::BuildSnapshot(const SharingPolicy& policy,
+                                          const std::vector<SchedulingNode>& nodes,
+                                          absl::Time now) {
+  ClusterSnapshot snapshot;
+  snapshot.now = now;
+  snapshot.preemption = preemption_;
+  snapshot.min_run_time = min_run_time_;
+  std::map<std::string, int> account_index;
+  std::map<std::string, int> user_index;
+  auto account_of = [&](const std::string& name) {
+    auto [it, added] = account_index.try_emplace(name, static_cast<int>(snapshot.accounts.size()));
+    if (added) {
+      const SharingPolicy::Account a = policy.AccountOf(name);
+      snapshot.accounts.push_back(
+          {name, a.quota, a.borrow_limit, a.share, usage_.At(AccountKey(name), now)});
+    }
+    return it->second;
+  };
+  for (const auto& [name, account] : policy.accounts) account_of(name);
+  // One scheduler user per (owner, account): a job counts in the account of its submission, so
+  // an owner moved to another account has jobs in both until the old ones end (its cap then
+  // applies to each part).
+  auto user_of = [&](const v1::Job& job) {
+    const std::string& account = AccountOf(job);
+    auto [it, added] = user_index.try_emplace(absl::StrCat(job.owner(), "\n", account),
+                                              static_cast<int>(snapshot.users.size()));
+    if (added) {
+      const SharingPolicy::User u = policy.UserOf(job.owner());
+      snapshot.users.push_back({job.owner(), account_of(account), u.max_running_devices,
+                                usage_.At(UserKey(job.owner()), now)});
+    }
+    return it->second;
+  };
+  snapshot.nodes.reserve(nodes.size());
+  for (const SchedulingNode& n : nodes) {
+    auto held = allocated_.find(n.id);
+    const int used = held == allocated_.end() ? 0 : static_cast<int>(held->second.size());
+    const int total = static_cast<int>(n.device_indices.size());
+    SchedNode sn;
+    sn.id = n.id;
+    sn.total_devices = total;
+    sn.free_devices = std::max(0, total - used);
+    // A node loaded after a coordinator restart keeps its running jobs but gets no new ranks
+    // until its worker is back on a session.
+    sn.schedulable = n.state == v1::NODE_READY && n.connected;
+    sn.owners = n.owners;
+    snapshot.nodes.push_back(std::move(sn));
+  }
+  for (const std::string& id : unfinished_) {
+    const v1::Job& job = jobs_.at(id);
+    const int64_t max_runtime_s = job.spec().max_runtime_seconds();
+    if (IsPending(job.state())) {
+      PendingJobInfo p;
+      p.id = id;
+      p.priority = job.spec().priority();
+      p.submit_seq = job.seq();
+      p.devices = job.spec().resources().gpus();
+      p.owner = job.owner();
+      if (max_runtime_s > 0) p.max_runtime = absl::Seconds(max_runtime_s);
+      p.user = user_of(job);
+      p.preemptible = !job.spec().has_preemptible() || job.spec().preemptible();
+      // A tensor-parallel group's ranks (or HYBRID_SHARD's replica) stay on one node.
+      p.rank_block = RankBlockOf(job.spec());
+      snapshot.pending.push_back(std::move(p));
+    } else if (IsActive(job.state())) {
+      RunningJobInfo r;
+      r.id = id;
+      for (const auto& pl : job.placement()) {
+        if (const SchedulingNode* on = FindNode(nodes, pl.node_id()); on != nullptr) {
+          r.grants.push_back({static_cast<int>(on - nodes.data()), pl.device_indices_size()});
+        }
+      }
+      if (max_runtime_s > 0) {
+        r.expected_end = absl::FromUnixMillis(job.start_time_ms()) + absl::Seconds(max_runtime_s);
+      }
+      r.priority = job.spec().priority();
+      r.start = absl::FromUnixMillis(job.start_time_ms());
+      if (job.last_checkpoint().time_ms() > 0) {
+        r.last_checkpoint = absl::FromUnixMillis(job.last_checkpoint().time_ms());
+      }
+      r.preempting = job.preempt_deadline_ms() != 0;
+      r.user = user_of(job);
+      r.preemptible = !job.spec().has_preemptible() || job.spec().preemptible();
+      snapshot.running.push_back(std::move(r));
+    }
+  }
+  return snapshot;
+}
+
+// Why each job waits (WhyWaiting), the head and its expected start.
+void JobManager::RecordPass(const ClusterSnapshot& snapshot, const ScheduleResult& result) {
+  LastPass& last = last_pass_.emplace();
+  last.at = snapshot.now;
+  last.waits.reserve(snapshot.pending.size());
+  for (size_t i = 0; i < snapshot.pending.size(); ++i) {
+    last.waits[snapshot.pending[i].id] = result.waits[i];
+    if (result.waits[i].reason == WaitReason::kDevices) last.head = snapshot.pending[i].id;
+  }
+  if (result.reservation.has_value()) last.head_start = result.reservation->start;
+}
+
+// Asks the victims to checkpoint and stop within their grace.
+void JobManager::StartPreemption(const ScheduleResult::Preemption& preemption, absl::Time now) {
+  const v1::Job& head = jobs_.at(preemption.job_id);
+  for (const std::string& id : preemption.victims) {
+    v1::Job& victim = jobs_.at(id);
+    victim.set_preempt_deadline_ms(absl::ToUnixMillis(now + GraceOf(victim)));
+    victim.set_preempted_by(head.id());
+    victim.set_message(absl::StrCat("preempted by ", head.id(), " (priority ",
+                                    head.spec().priority(), ", account ", head.account(),
+                                    "): asked to checkpoint and stop"));
+    victim.set_version(victim.version() + 1);
+    Persist(victim);
+    if (metrics_ != nullptr) metrics_->ObservePreemption();
+    spdlog::info(
+        "preempting {} (priority {}, account {}) for {} (priority {}, account {}); "
+        "grace {}",
+        id, victim.spec().priority(), victim.account(), head.id(), head.spec().priority(),
+        head.account(), absl::FormatDuration(GraceOf(victim)));
+  }
+}
+
+// Starts a placed job's next attempt: its devices (and parameter-server ranges), RUNNING, its
+// rendezvous scope, and once durable its assignments to the nodes. False when an offload job
+// keeps waiting for parameter-server memory.
+bool JobManager::StartPlacement(const Placement& placement,
+                                const std::vector<SchedulingNode>& nodes, absl::Time now) {
+  v1::Job& job = jobs_.at(placement.job_id);
+  // Offload jobs also need room on the parameter servers; without it they keep waiting (the
+  // devices the scheduler picked stay free for others).
+  std::vector<v1::PsRange> ps_ranges;
+  if (job.spec().parallel().strategy() == v1::OFFLOAD) {
+    auto ranges = PlaceOnParameterServers(ModelParameterCount(job.spec().model()), kPsBytesPerParam,
+                                          ParameterServerCapacity(job.owner()));
+    if (!ranges.ok()) {
+      const std::string why =
+          absl::StrCat("waiting for parameter-server memory: ", ranges.status().message());
+      if (job.message() != why) {
+        job.set_message(why);
+        job.set_version(job.version() + 1);
+        Persist(job);
+      }
+      return false;
+    }
+    ps_ranges = *std::move(ranges);
+  }
+  job.clear_placement();
+  job.clear_ps_placement();
+  for (v1::PsRange& r : ps_ranges) *job.add_ps_placement() = std::move(r);
+  int rank = 0;
+  for (const DeviceGrant& g : placement.grants) {
+    const SchedulingNode& node = nodes[g.node];
+    std::set<int>& held = allocated_[node.id];
+    v1::RankPlacement* rp = job.add_placement();
+    rp->set_node_id(node.id);
+    rp->set_first_rank(rank);
+    for (const int index : node.device_indices) {
+      if (rp->device_indices_size() == g.devices) break;
+      if (held.insert(index).second) rp->add_device_indices(index);
+    }
+    TY_CHECK(rp->device_indices_size() == g.devices,
+             absl::StrCat("scheduler over-allocated node ", node.id));
+    rank += g.devices;
+  }
+  job.set_attempt(job.attempt() + 1);
+  job.set_world_size(rank);
+  if (metrics_ != nullptr) {
+    metrics_->ObservePlacement(
+        placement.backfilled,
+        absl::ToDoubleSeconds(now - absl::FromUnixMillis(job.submit_time_ms())),
+        /*first_start=*/job.attempt() == 1);
+  }
+  job.set_start_time_ms(absl::ToUnixMillis(now));
+  job.set_backfilled(placement.backfilled);
+  if (IsCommandJob(job.spec())) job.set_master_port(ReserveMasterPort(job.placement(0).node_id()));
+  // After a restart, `yard describe` still says why the previous attempt ended.
+  Transition(job, v1::RUNNING,
+             job.state() == v1::RESTARTING  ? absl::StrCat("restarted: ", job.message())
+             : job.state() == v1::PREEMPTED ? absl::StrCat("resumed after: ", job.message())
+                                            : "");
+  rendezvous_.OpenScope({job.id(), job.attempt()});
+  // Assignments go out once the placement is durable, so a restarted coordinator never forgets
+  // ranks it started.
+  Persist(job, [this, assignments = AssignmentsOf(job)](absl::Status s) {
+    if (!s.ok()) return;
+    for (const auto& [node_id, a] : assignments) {
+      v1::CoordinatorMessage m;
+      *m.mutable_assignment() = a;
+      // A node without a session gets it again through AssignmentsFor when it reconnects.
+      nodes_.Send(node_id, m);
+    }
+  });
+  return true;
+}
+
+std::vector<std::pair<std::string, v1::Assignment>> JobManager::AssignmentsOf(
+    const v1::Job& job) const {
+  std::vector<std::pair<std::string, v1::Assignment>> out;
+  const std::string spec = job.spec().SerializeAsString();
+  // Command jobs: where rank 0 listens, for torchrun's MASTER_ADDR and MASTER_PORT.
+  const std::string master_addr = IsCommandJob(job.spec()) && job.placement_size() > 0
+                                      ? nodes_.HostOf(job.placement(0).node_id())
+                                      : std::string();
+  int group_rank = 0;
+  for (const auto& p : job.placement()) {
+    v1::Assignment a;
+    a.set_group_rank(group_rank++);
+    a.set_master_addr(master_addr);
+    a.set_master_port(job.master_port());
+    a.set_job_id(job.id());
+    a.set_attempt(job.attempt());
+    a.set_world_size(job.world_size());
+    a.set_first_rank(p.first_rank());
+    *a.mutable_device_indices() = p.device_indices();
+    a.set_spec(spec);
+    a.set_coordinator_address(coordinator_address_);
+    a.set_owner(job.owner());
+    if (credential_for_) a.set_job_credential(credential_for_(job.id(), job.attempt()));
+    if (!checkpoint_root_.empty())
+      a.set_checkpoint_dir(absl::StrCat(checkpoint_root_, "/", job.id()));
+    *a.mutable_ps_ranges() = job.ps_placement();
+    out.emplace_back(p.node_id(), std::move(a));
+  }
+  return out;
+}
+
+std::vector<v1::Assignment> JobManager::AssignmentsFor(const std::string& node_id) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::Assignment> out;
+  for (const std::string& id : unfinished_) {
+    const v1::Job& job = jobs_.at(id);
+    if (!IsActive(job.state())) continue;
+    for (auto& [placed_on, a] : AssignmentsOf(job)) {
+      if (placed_on == node_id) out.push_back(std::move(a));
+    }
+  }
+  return out;
+}
+
+std::vector<v1::Node> JobManager::NodesWithAllocations() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::Node> nodes = nodes_.List();
+  for (v1::Node& node : nodes) {
+    auto it = allocated_.find(node.id());
+    if (it != allocated_.end()) {
+      node.mutable_allocated_devices()->Add(it->second.begin(), it->second.end());
+    }
+  }
+  std::map<std::string, int64_t> reserved = ReservedPsBytes();
+  for (v1::Node& node : nodes) {
+    if (node.role() == v1::PARAMETER_SERVER) node.set_reserved_bytes(reserved[node.id()]);
+  }
+  return nodes;
+}
+
+}  // namespace trainyard::coordinator
