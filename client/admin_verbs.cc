@@ -7,6 +7,9 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/local_cluster.h"
 #include "client/output.h"
 #include "client/verbs.h"
@@ -285,6 +288,90 @@ int NodeDeniedList(const Globals& g) {
   return 0;
 }
 
+// `yard admin node cordon|uncordon|drain`; with `wait`, a drain returns once the node runs no
+// ranks (exit 3 after `timeout`).
+int NodeCordon(const Globals& g, const std::string& node, v1::CordonAction action,
+               const std::string& reason, bool wait, const std::string& timeout_text) {
+  absl::Duration timeout;
+  if (!absl::ParseDuration(timeout_text, &timeout) || timeout <= absl::ZeroDuration()) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--timeout: expected a duration such as 10m, got '", timeout_text, "'")));
+  }
+  YardClient client(g.coordinator, g.Token(), g.tls);
+  auto done = client.CordonNode(node, action, reason);
+  if (!done.ok()) return Fail(done.status());
+  if (g.json() && !wait) {
+    std::cout << ToJson(*done);
+    return 0;
+  }
+  if (!g.json()) {
+    const char* verb = action == v1::UNCORDON ? "uncordoned"
+                       : action == v1::DRAIN  ? "draining"
+                                              : "cordoned";
+    std::cout << verb << " " << node;
+    if (action == v1::DRAIN) {
+      std::cout << ": "
+                << (done->moving_jobs().empty()
+                        ? std::string("no running job to move")
+                        : absl::StrCat("moving ", absl::StrJoin(done->moving_jobs(), ", ")));
+    }
+    std::cout << "\n" << std::flush;
+  }
+  if (!wait || action != v1::DRAIN) return 0;
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    auto nodes = client.ListNodes();
+    if (!nodes.ok()) return Fail(nodes.status());
+    for (const v1::Node& n : nodes->nodes()) {
+      if (n.id() != node) continue;
+      if (n.allocated_devices().empty()) {
+        if (g.json()) {
+          std::cout << ToJson(n);
+        } else {
+          std::cout << "drained " << node << ": it runs no ranks\n";
+        }
+        return 0;
+      }
+    }
+    if (absl::Now() >= deadline) {
+      std::cerr << "yard: " << node << " still runs ranks after " << timeout_text
+                << " (DEADLINE_EXCEEDED)\n";
+      return 3;
+    }
+    absl::SleepFor(absl::Milliseconds(500));  // kubectl drain polls as well
+  }
+}
+
+// admin node cordon, uncordon, drain.
+void AddCordonVerbs(CLI::App* node_cmd, Cli& c) {
+  Globals& g = c.g;
+  int& rc = c.rc;
+  VerbArgs& a = c.args;
+  auto& node_name = a.node_name;
+  auto& node_reason = a.node_reason;
+  auto* cordon =
+      node_cmd->add_subcommand("cordon", "take no new ranks on a node (running ones go on)");
+  cordon->add_option("node", node_name, "node id")->required();
+  cordon->add_option("--reason", node_reason, "shown by yard nodes");
+  cordon->callback([&] { rc = NodeCordon(g, node_name, v1::CORDON, node_reason, false, "1s"); });
+  auto* uncordon =
+      node_cmd->add_subcommand("uncordon", "let a cordoned or drained node take ranks");
+  uncordon->add_option("node", node_name, "node id")->required();
+  uncordon->callback([&] { rc = NodeCordon(g, node_name, v1::UNCORDON, "", false, "1s"); });
+  auto* drain = node_cmd->add_subcommand(
+      "drain",
+      "cordon a node and move its running jobs: each checkpoints, stops and is requeued "
+      "elsewhere (as a preemption)");
+  drain->add_option("node", node_name, "node id")->required();
+  drain->add_option("--reason", node_reason, "shown by yard nodes");
+  drain->add_flag("--wait", a.drain_wait, "return once the node runs no ranks");
+  drain->add_option("--timeout", a.drain_timeout, "with --wait: how long (exit 3 after it)")
+      ->capture_default_str();
+  drain->callback([&] {
+    rc = NodeCordon(g, node_name, v1::DRAIN, node_reason, a.drain_wait, a.drain_timeout);
+  });
+}
+
 }  // namespace
 
 // admin: users, accounts, tokens, nodes.
@@ -380,7 +467,9 @@ void AddAdminVerbs(CLI::App& app, Cli& c) {
   token_revoke->callback([&] { rc = TokenRevoke(g, token_id); });
 
   auto* node_cmd = admin->add_subcommand(
-      "node", "deny a node (a token or certificate it holds no longer counts) or lift it");
+      "node",
+      "cordon, drain or uncordon a node; deny a node (a token or certificate it holds no longer "
+      "counts) or lift it");
   node_cmd->require_subcommand(1);
   auto& node_name = a.node_name;
   auto& node_reason = a.node_reason;
@@ -394,6 +483,7 @@ void AddAdminVerbs(CLI::App& app, Cli& c) {
   node_allow->callback([&] { rc = NodeDeny(g, node_name, "", true); });
   auto* node_ls = node_cmd->add_subcommand("ls", "list denied nodes");
   node_ls->callback([&] { rc = NodeDeniedList(g); });
+  AddCordonVerbs(node_cmd, c);
 }
 
 }  // namespace trainyard::client

@@ -323,9 +323,16 @@ int Nodes(const Globals& g) {
   for (const auto& n : nodes->nodes()) {
     const std::string kind =
         n.devices().empty() ? "-" : (n.devices(0).kind() == v1::CUDA_GPU ? "gpu" : "cpu-slot");
-    const std::string state = n.state() != v1::NODE_READY ? "LOST"
-                              : n.connected()             ? "READY"
-                                                          : "READY (reconnecting)";
+    std::string state = n.state() != v1::NODE_READY ? "LOST"
+                        : n.connected()             ? "READY"
+                                                    : "READY (reconnecting)";
+    // An admin's hold: cordoned; draining until it runs no ranks, then drained.
+    if (n.cordoned()) {
+      absl::StrAppend(&state, ",",
+                      !n.draining()                   ? "CORDONED"
+                      : n.allocated_devices().empty() ? "DRAINED"
+                                                      : "DRAINING");
+    }
     const bool ps = n.role() == v1::PARAMETER_SERVER;
     // GPUs as their worker last read them (NVML): mean utilization, memory in use / in all, the
     // hottest one. JSON has every GPU's sample.

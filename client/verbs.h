@@ -78,6 +78,8 @@ struct VerbArgs {
   std::string token_user, token_id;
   bool all_tokens = false;
   std::string node_name, node_reason;
+  bool drain_wait = false;
+  std::string drain_timeout = "10m";
   LocalUpOptions up_options;
   bool up_preemption = false;
   std::string up_preemption_grace, up_min_run_time;

@@ -256,6 +256,16 @@ absl::StatusOr<v1::ListTokensResponse> YardClient::ListTokens(const std::string&
   return Call(*identity_, &v1::IdentityService::Stub::ListTokens, request);
 }
 
+absl::StatusOr<v1::CordonNodeResponse> YardClient::CordonNode(const std::string& node,
+                                                              v1::CordonAction action,
+                                                              const std::string& reason) {
+  v1::CordonNodeRequest request;
+  request.set_node_id(node);
+  request.set_action(action);
+  request.set_reason(reason);
+  return Call(*nodes_, &v1::NodeService::Stub::CordonNode, request);
+}
+
 absl::StatusOr<v1::DeniedNode> YardClient::DenyNode(const std::string& node,
                                                     const std::string& reason, bool allow) {
   v1::DenyNodeRequest request;

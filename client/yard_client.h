@@ -65,6 +65,10 @@ class YardClient {
   absl::StatusOr<v1::ListTokensResponse> ListTokens(const std::string& user, bool all);
   absl::StatusOr<v1::TokenInfo> RevokeToken(const std::string& id);
   // Admins: deny a node (allow: lift it), list the denied ones.
+  // Admins: cordon, drain or uncordon a node.
+  absl::StatusOr<v1::CordonNodeResponse> CordonNode(const std::string& node,
+                                                    v1::CordonAction action,
+                                                    const std::string& reason);
   absl::StatusOr<v1::DeniedNode> DenyNode(const std::string& node, const std::string& reason,
                                           bool allow);
   absl::StatusOr<v1::ListDeniedNodesResponse> ListDeniedNodes();

@@ -613,6 +613,74 @@ TEST_F(PreemptionClusterE2eTest, AHigherPriorityJobPreemptsAndTheVictimResumesWi
   }
 }
 
+// An operator's maintenance: `yard admin node cordon` keeps new ranks off a node, `drain --wait`
+// moves the job running there (it checkpoints, stops and resumes on the other node, losing no
+// step and training the same losses as a run never moved) and returns once the node is empty.
+// No --preemption needed: a drain is an admin's act, not the scheduler's.
+TEST_F(PreemptionClusterE2eTest, CordonKeepsRanksOffAndDrainMovesAJobWithTheSameLosses) {
+  const std::string spec = WriteSpec("moved", 60);
+  {
+    std::string text = Slurp(spec);
+    text.replace(text.find("gpus: 2"), 7, "gpus: 1");
+    std::ofstream(spec) << text;
+  }
+  CommandResult cordon = Yard({"admin", "node", "cordon", "local-1", "--reason", "firmware"});
+  ASSERT_EQ(cordon.exit_code, 0) << cordon.err;
+  EXPECT_THAT(Yard({"nodes"}).out, HasSubstr("READY,CORDONED"));
+  CommandResult submit = Yard({"submit", spec});
+  ASSERT_EQ(submit.exit_code, 0) << submit.err;
+  const std::string job(absl::StripAsciiWhitespace(submit.out));
+  {  // it trains (its first step is reported)
+    auto follow = testing::Subprocess::Start(
+        {BinPath("yard"), "--coordinator", address_, "metrics", "-f", job}, YardEnv());
+    ASSERT_TRUE(follow.ok());
+    ASSERT_TRUE((*follow)->ReadLine(absl::Seconds(120)).has_value())
+        << Yard({"describe", job}).out << Yard({"logs", job}).out;
+  }
+  auto placed_on = [&] {
+    const auto j = nlohmann::json::parse(Yard({"describe", job, "-o", "json"}).out);
+    return j.contains("placement") ? j["placement"][0].value("node_id", "") : std::string();
+  };
+  EXPECT_EQ(placed_on(), "local-2") << "local-1 is cordoned";
+
+  ASSERT_EQ(Yard({"admin", "node", "uncordon", "local-1"}).exit_code, 0);
+  CommandResult drain = Yard({"admin", "node", "drain", "local-2", "--wait", "--timeout", "120s"},
+                             absl::Seconds(150));
+  ASSERT_EQ(drain.exit_code, 0) << drain.err << Yard({"describe", job}).out;
+  EXPECT_THAT(drain.out, HasSubstr("draining local-2: moving " + job));
+  EXPECT_THAT(drain.out, HasSubstr("drained local-2: it runs no ranks"));
+  EXPECT_THAT(Yard({"nodes"}).out, HasSubstr("READY,DRAINED"));
+
+  CommandResult done = Yard({"wait", job, "--timeout", "120s"}, absl::Seconds(150));
+  ASSERT_EQ(done.exit_code, 0) << done.err << Yard({"describe", job}).out
+                               << Yard({"logs", job}).out;
+  const auto finished = nlohmann::json::parse(Yard({"describe", job, "-o", "json"}).out);
+  EXPECT_EQ(finished.value("attempt", 0), 2);
+  EXPECT_EQ(finished.value("preemptions", 0), 1);
+  EXPECT_EQ(finished.value("restarts", 0), 0);
+  const int64_t checkpoint_step =
+      std::stoll(finished["last_checkpoint"].value("step", std::string("0")));
+  int64_t first_of_attempt2 = 0;
+  for (const auto& s : nlohmann::json::parse(Yard({"metrics", job, "-o", "json"}).out)) {
+    if (s["attempt"].get<int>() == 2) {
+      first_of_attempt2 = s["step"].get<int64_t>();
+      break;
+    }
+  }
+  EXPECT_GT(first_of_attempt2, 1) << "it resumed from a checkpoint, not from the start";
+  EXPECT_LE(first_of_attempt2, checkpoint_step + 1);
+
+  // The same job never moved (on local-1: local-2 stays drained) has the same losses.
+  const std::string reference = SubmitAndWait(spec);
+  ASSERT_FALSE(reference.empty());
+  const std::map<int64_t, double> got = LossByStep(job), want = LossByStep(reference);
+  ASSERT_EQ(got.size(), 60u);
+  ASSERT_EQ(want.size(), 60u);
+  for (const auto& [step, loss] : want) {
+    EXPECT_NEAR(got.at(step), loss, 1e-4 * std::abs(loss)) << "step " << step;
+  }
+}
+
 TEST_F(PreemptionClusterE2eTest, AVictimThatDoesNotStopIsKilledAfterItsGraceAndResumes) {
   // A victim with a periodic checkpoint and a grace of its own (1 s) whose ranks hang (stopped
   // with SIGSTOP, as a rank stuck in a collective would): it is killed after its grace and the

@@ -8,6 +8,7 @@
 
 #include <csignal>
 #include <future>
+#include <map>
 #include <thread>
 
 #include "absl/time/clock.h"
@@ -383,6 +384,100 @@ TEST_F(CoordinatorServiceTest, PlacedGangReachesItsNodeAndSucceedsWhenAllRanksEx
   node->ReportExit(a, 0, 0);
   node->ReportExit(a, 1, 0);
   EXPECT_EQ(WaitForState(job.id(), v1::SUCCEEDED).state(), v1::SUCCEEDED);
+}
+
+// yard admin node cordon|drain|uncordon: admins only; a cordoned node takes no new ranks while
+// its running ones go on; a drain asks its running jobs to checkpoint and stop (the preemption
+// path), after which they wait to be placed elsewhere and the node is empty.
+TEST_F(CoordinatorServiceTest, ACordonedNodeTakesNoNewRanksAndADrainMovesItsJobsOff) {
+  auto n1 = Connect("n1", 1);
+  auto n2 = Connect("n2", 1);
+  auto cordon = [&](const std::string& node, v1::CordonAction action, const std::string& token,
+                    v1::CordonNodeResponse* out = nullptr) {
+    grpc::ClientContext ctx;
+    PrepareToken(ctx, token);
+    v1::CordonNodeRequest r;
+    r.set_node_id(node);
+    r.set_action(action);
+    r.set_reason("disk check");
+    v1::CordonNodeResponse resp;
+    grpc::Status s = nodes_->CordonNode(&ctx, r, &resp);
+    if (out != nullptr) *out = resp;
+    return s;
+  };
+  const std::string admin = tokens_->User("root", v1::ADMIN);
+  EXPECT_EQ(cordon("n1", v1::CORDON, tokens_->User("alice")).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(cordon("n9", v1::CORDON, admin).error_code(), grpc::StatusCode::NOT_FOUND);
+  grpc::Status bad = cordon("n1", v1::CORDON_ACTION_UNSPECIFIED, admin);
+  EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(bad.error_message(), StartsWith("action:"));
+  EXPECT_FALSE(Node("n1").cordoned()) << "a refused call changes nothing";
+
+  v1::CordonNodeResponse done;
+  ASSERT_TRUE(cordon("n1", v1::CORDON, admin, &done).ok());
+  EXPECT_TRUE(done.node().cordoned());
+  EXPECT_FALSE(done.node().draining());
+  EXPECT_EQ(done.node().cordon_reason(), "disk check");
+  EXPECT_EQ(done.node().cordoned_by(), "root");
+
+  // n1 is free but cordoned: the job goes to n2, and the next one waits.
+  v1::Job a = MustSubmit(Spec(1, "a"));
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  const v1::Assignment on_n2 = n2->NextCommand().assignment();
+  EXPECT_EQ(on_n2.job_id(), a.id());
+  v1::Job b = MustSubmit(Spec(1, "b"));
+  EXPECT_EQ(server_->jobs().SchedulePass(), 0);
+  v1::Job got;
+  ASSERT_TRUE(Get(b.id(), &got).ok());
+  EXPECT_EQ(got.state(), v1::QUEUED);
+
+  // Uncordoned, n1 takes b; drained, n2's job is asked to checkpoint and stop.
+  ASSERT_TRUE(cordon("n1", v1::UNCORDON, admin, &done).ok());
+  EXPECT_FALSE(done.node().cordoned());
+  EXPECT_TRUE(done.node().cordon_reason().empty());
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  EXPECT_EQ(n1->NextCommand().assignment().job_id(), b.id());
+  ASSERT_TRUE(cordon("n2", v1::DRAIN, admin, &done).ok());
+  EXPECT_TRUE(done.node().cordoned());
+  EXPECT_TRUE(done.node().draining());
+  EXPECT_THAT(done.moving_jobs(), ElementsAre(a.id()));
+  ASSERT_TRUE(Get(a.id(), &got).ok());
+  EXPECT_NE(got.preempt_deadline_ms(), 0);
+  EXPECT_EQ(got.preempted_by(), "drain of node n2");
+  // Its rank checkpoints and exits 0: the job waits (PREEMPTED) for a node other than n2.
+  n2->ReportExit(on_n2, 0, 0);
+  got = WaitForState(a.id(), v1::PREEMPTED);
+  EXPECT_THAT(got.message(), HasSubstr("preempted by drain of node n2"));
+  EXPECT_EQ(server_->jobs().SchedulePass(), 0) << "n2 is drained, n1 busy";
+  const v1::Node drained = Node("n2");
+  EXPECT_TRUE(drained.draining());
+  EXPECT_TRUE(drained.allocated_devices().empty());
+  // A second drain of an empty node asks nobody.
+  ASSERT_TRUE(cordon("n2", v1::DRAIN, admin, &done).ok());
+  EXPECT_TRUE(done.moving_jobs().empty());
+
+  // The hold is stored with the node: a coordinator started again on the same state keeps it.
+  n1.reset();
+  n2.reset();
+  server_->Shutdown();
+  server_.reset();  // lets go of the state dir's lock
+  coordinator::CoordinatorOptions o;
+  o.listen_address = "127.0.0.1:0";
+  o.state_dir = dir_.path() + "/state";
+  o.clock = &clock_;
+  o.background_threads = false;
+  Configure(o);
+  auto restarted = coordinator::CoordinatorServer::Start(o);
+  ASSERT_TRUE(restarted.ok()) << restarted.status();
+  server_ = std::move(*restarted);
+  std::map<std::string, v1::Node> after;
+  for (v1::Node& n : server_->nodes().List()) after[n.id()] = std::move(n);
+  ASSERT_EQ(after.count("n2"), 1u);
+  EXPECT_TRUE(after["n2"].cordoned());
+  EXPECT_TRUE(after["n2"].draining());
+  EXPECT_EQ(after["n2"].cordon_reason(), "disk check");
+  EXPECT_FALSE(after["n1"].cordoned());
 }
 
 TEST_F(CoordinatorServiceTest, GangSpansNodesWhenNoSingleNodeFitsAndWaitsWhenNothingFits) {

@@ -99,7 +99,8 @@ CoordinatorMetrics::CoordinatorMetrics()
                        .Add({})),
       nodes_(prometheus::BuildGauge()
                  .Name("trainyard_nodes")
-                 .Help("Worker nodes by state (ready or lost)")
+                 .Help("Worker nodes by state (ready or lost); cordoned and draining (an admin's "
+                       "hold, still running ranks) count them again")
                  .Register(*registry_)),
       account_running_(prometheus::BuildGauge()
                            .Name("trainyard_account_running_devices")
@@ -188,6 +189,8 @@ CoordinatorMetrics::CoordinatorMetrics()
   }
   nodes_.Add({{"state", "ready"}});
   nodes_.Add({{"state", "lost"}});
+  nodes_.Add({{"state", "cordoned"}});
+  nodes_.Add({{"state", "draining"}});
   placements_.Add({{"kind", "normal"}});
   placements_.Add({{"kind", "backfill"}});
 }
@@ -229,9 +232,13 @@ void CoordinatorMetrics::Refresh(const std::map<v1::JobState, int>& jobs_by_stat
     jobs_.Add({{"state", v1::JobState_Name(static_cast<v1::JobState>(s))}})
         .Set(it == jobs_by_state.end() ? 0 : it->second);
   }
-  int ready = 0, lost = 0;
+  int ready = 0, lost = 0, cordoned = 0, draining = 0;
   std::map<std::string, std::pair<int, int>> pools;  // pool → (allocated, total)
   for (const v1::Node& n : nodes) {
+    // An admin's hold, whatever the node's health: draining while it still runs ranks.
+    if (n.cordoned()) {
+      ++(n.draining() && !n.allocated_devices().empty() ? draining : cordoned);
+    }
     if (n.state() != v1::NODE_READY) {
       ++lost;
       continue;
@@ -244,6 +251,8 @@ void CoordinatorMetrics::Refresh(const std::map<v1::JobState, int>& jobs_by_stat
   }
   nodes_.Add({{"state", "ready"}}).Set(ready);
   nodes_.Add({{"state", "lost"}}).Set(lost);
+  nodes_.Add({{"state", "cordoned"}}).Set(cordoned);
+  nodes_.Add({{"state", "draining"}}).Set(draining);
 
   absl::MutexLock lock(&mu_);
   for (auto& [pool, gauges] : pool_devices_) {

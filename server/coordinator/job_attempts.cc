@@ -1,10 +1,10 @@
 // JobManager: attempts and the events of nodes and ranks (placement released, preemption done,
 // failures, lost nodes, hellos, rank status, step and checkpoint reports) (see job_manager.h).
 #include "server/coordinator/job_manager.h"
-#include "server/coordinator/job_manager_internal.h"
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <functional>
 #include <limits>
 #include <tuple>
@@ -13,9 +13,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/check.h"
+#include "common/log_text.h"
 #include "common/ps_layout.h"
 #include "common/spec.h"
 #include "common/status_macros.h"
+#include "server/coordinator/job_manager_internal.h"
 #include "server/coordinator/job_state.h"
 #include "server/coordinator/scheduler.h"
 
@@ -231,6 +233,30 @@ int JobManager::EnforceRuntimeLimits() {
   }
   if (!expired.empty()) WakeScheduler();
   return static_cast<int>(expired.size());
+}
+
+std::vector<std::string> JobManager::DrainNode(const std::string& node_id, const std::string& by) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_.Now();
+  std::vector<std::string> asked;
+  for (const std::string& id : unfinished_) {
+    v1::Job& job = jobs_.at(id);
+    if (!IsActive(job.state()) || job.preempt_deadline_ms() != 0) continue;
+    const bool there =
+        std::any_of(job.placement().begin(), job.placement().end(),
+                    [&](const v1::RankPlacement& p) { return p.node_id() == node_id; });
+    if (!there) continue;
+    job.set_preempt_deadline_ms(absl::ToUnixMillis(now + GraceOf(job)));
+    job.set_preempted_by(absl::StrCat("drain of node ", node_id));
+    job.set_message(absl::StrCat("node ", node_id, " is drained by ", by,
+                                 ": asked to checkpoint, stop and move"));
+    job.set_version(job.version() + 1);
+    Persist(job);
+    asked.push_back(id);
+    spdlog::info("draining node {} (by {}): {} asked to checkpoint and move; grace {}",
+                 Quoted(node_id), Quoted(by), id, absl::FormatDuration(GraceOf(job)));
+  }
+  return asked;
 }
 
 void JobManager::OnNodesLost(const std::vector<std::string>& node_ids) {

@@ -158,6 +158,11 @@ class JobManager {
   int EnforceRuntimeLimits();
   // Fails (or restarts, within max_restarts) every running attempt with ranks on these nodes.
   void OnNodesLost(const std::vector<std::string>& node_ids);
+  // An admin drains `node_id` (already cordoned in the registry): each running job with ranks
+  // there is asked to checkpoint and stop within its preemption grace, then goes to PREEMPTED
+  // and waits to be placed again, elsewhere: the preemption path, with "drain of node N" as the
+  // preemptor. Returns the ids of the jobs it asked (a job already stopping is not asked again).
+  std::vector<std::string> DrainNode(const std::string& node_id, const std::string& by);
   // A rank's status from the node running it; stale attempts are told to stop.
   void OnRankStatus(const std::string& node_id, const v1::RankStatus& status);
   // A node's session opened, `running` being the ranks it runs: stops the stale ones and frees the

@@ -122,7 +122,8 @@ ClusterSnapshot JobManager::BuildSnapshot(const SharingPolicy& policy,
     sn.free_devices = std::max(0, total - used);
     // A node loaded after a coordinator restart keeps its running jobs but gets no new ranks
     // until its worker is back on a session.
-    sn.schedulable = n.state == v1::NODE_READY && n.connected;
+    // A cordoned node (an admin's hold, or draining) gets none either.
+    sn.schedulable = n.state == v1::NODE_READY && n.connected && !n.cordoned;
     sn.owners = n.owners;
     snapshot.nodes.push_back(std::move(sn));
   }

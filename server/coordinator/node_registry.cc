@@ -8,6 +8,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "common/log_text.h"
 #include "common/status_macros.h"
 
 namespace trainyard::coordinator {
@@ -169,6 +170,12 @@ void NodeRegistry::Register(const v1::RegisterNodeRequest& request,
     node.set_state(v1::NODE_READY);
     node.set_registered_time_ms(ToUnixMs(now));
     node.set_last_heartbeat_ms(ToUnixMs(now));
+    // An admin's cordon outlives the worker's restarts.
+    node.set_cordoned(entry.node.cordoned());
+    node.set_draining(entry.node.draining());
+    node.set_cordon_reason(entry.node.cordon_reason());
+    node.set_cordoned_by(entry.node.cordoned_by());
+    node.set_cordoned_time_ms(entry.node.cordoned_time_ms());
     entry.node = node;
     entry.last_heartbeat = now;
     Index(entry);
@@ -305,8 +312,47 @@ std::vector<SchedulingNode> NodeRegistry::SchedulingView() const {
     n.device_indices.reserve(entry.node.devices_size());
     for (const v1::Device& d : entry.node.devices()) n.device_indices.push_back(d.index());
     n.owners.assign(entry.node.owners().begin(), entry.node.owners().end());
+    n.cordoned = entry.node.cordoned();
   }
   return out;
+}
+
+void NodeRegistry::SetCordon(const std::string& node_id, v1::CordonAction action,
+                             const std::string& reason, const std::string& by,
+                             std::function<void(absl::StatusOr<v1::Node>)> done) {
+  v1::Node node;
+  WriteBatch batch;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = nodes_.find(node_id);
+    if (it == nodes_.end()) {
+      done(absl::NotFoundError(absl::StrCat("node_id: no node ", Quoted(node_id))));
+      return;
+    }
+    v1::Node& n = it->second.node;
+    if (action == v1::UNCORDON) {
+      n.clear_cordoned();
+      n.clear_draining();
+      n.clear_cordon_reason();
+      n.clear_cordoned_by();
+      n.clear_cordoned_time_ms();
+    } else {
+      if (!n.cordoned()) n.set_cordoned_time_ms(ToUnixMs(clock_.Now()));
+      n.set_cordoned(true);
+      n.set_draining(n.draining() || action == v1::DRAIN);
+      n.set_cordon_reason(reason);
+      n.set_cordoned_by(by);
+    }
+    node = n;
+    batch.put_nodes.push_back({node.id(), node.SerializeAsString()});
+  }
+  store_.Commit(std::move(batch), [node, done = std::move(done)](absl::Status s) {
+    if (!s.ok()) {
+      done(s);
+    } else {
+      done(node);
+    }
+  });
 }
 
 std::vector<v1::Node> NodeRegistry::ListParameterServers() const {

@@ -45,6 +45,7 @@ struct SchedulingNode {
   bool connected = false;
   std::vector<int> device_indices;
   std::vector<std::string> owners;
+  bool cordoned = false;  // an admin's hold: no new ranks
 };
 
 struct ClusterCapacity {
@@ -92,6 +93,12 @@ class NodeRegistry {
 
   // Sends to the node's session; false if the node has none.
   bool Send(const std::string& node_id, const v1::CoordinatorMessage& message);
+
+  // An admin's CORDON, DRAIN or UNCORDON of a node (who: `by`), durable before `done` gets the
+  // node. A cordon survives re-registration and restarts; UNCORDON clears it and any drain.
+  // NOT_FOUND for an unknown node. The job manager moves a draining node's jobs (DrainNode).
+  void SetCordon(const std::string& node_id, v1::CordonAction action, const std::string& reason,
+                 const std::string& by, std::function<void(absl::StatusOr<v1::Node>)> done);
 
   // All nodes, ordered by id.
   std::vector<v1::Node> List() const;

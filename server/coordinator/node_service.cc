@@ -15,6 +15,9 @@
 namespace trainyard::coordinator {
 namespace {
 
+// The longest reason an admin may give a cordon or drain (shown by yard nodes).
+constexpr size_t kMaxCordonReasonBytes = 1024;
+
 // The longest log line kept from a rank; longer ones are cut, saying how much was cut.
 constexpr size_t kMaxLogLineBytes = 16 * 1024;
 
@@ -263,6 +266,56 @@ grpc::ServerUnaryReactor* NodeServiceImpl::ListNodes(grpc::CallbackServerContext
   }
   for (v1::Node& node : jobs_.NodesWithAllocations()) *response->add_nodes() = std::move(node);
   return Done(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* NodeServiceImpl::CordonNode(grpc::CallbackServerContext* ctx,
+                                                      const v1::CordonNodeRequest* request,
+                                                      v1::CordonNodeResponse* response) {
+  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
+  const char* method = request->action() == v1::UNCORDON ? "UncordonNode"
+                       : request->action() == v1::DRAIN  ? "DrainNode"
+                                                         : "CordonNode";
+  auto caller = AuthenticateAdmin(ctx, identities_, method);
+  if (!caller.ok()) return Done(ctx, caller.status());
+  absl::Status bad;
+  if (request->node_id().empty()) bad = absl::InvalidArgumentError("node_id: required");
+  if (!v1::CordonAction_IsValid(request->action()) ||
+      request->action() == v1::CORDON_ACTION_UNSPECIFIED) {
+    bad = absl::InvalidArgumentError("action: one of CORDON, UNCORDON, DRAIN");
+  }
+  if (request->reason().size() > kMaxCordonReasonBytes) {
+    bad = absl::InvalidArgumentError(absl::StrCat("reason: ", request->reason().size(),
+                                                  " bytes, at most ", kMaxCordonReasonBytes));
+  }
+  if (!bad.ok()) {
+    Audit(*caller, method, request->node_id(), bad);
+    return Done(ctx, bad);
+  }
+  auto* reactor = ctx->DefaultReactor();
+  nodes_.SetCordon(request->node_id(), request->action(), request->reason(), caller->user,
+                   [this, reactor, response, who = *caller, method, action = request->action(),
+                    id = request->node_id()](absl::StatusOr<v1::Node> node) {
+                     Audit(who, method, id, node.status());
+                     if (!node.ok()) {
+                       reactor->Finish(ToGrpcStatus(node.status()));
+                       return;
+                     }
+                     *response->mutable_node() = *std::move(node);
+                     // The job manager's work off the store's thread, in order with the nodes'
+                     // events.
+                     node_events_.Post([this, reactor, response, action, id, user = who.user] {
+                       if (action == v1::DRAIN) {
+                         for (std::string& job : jobs_.DrainNode(id, user)) {
+                           response->add_moving_jobs(std::move(job));
+                         }
+                       }
+                       // Uncordoned, the node takes ranks again; cordoned, the next pass leaves it
+                       // out.
+                       jobs_.RequestSchedulingPass();
+                       reactor->Finish(grpc::Status::OK);
+                     });
+                   });
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* NodeServiceImpl::VerifyJobCredential(

@@ -118,6 +118,10 @@ class NodeServiceImpl final : public v1::NodeService::CallbackService {
   grpc::ServerUnaryReactor* VerifyJobCredential(grpc::CallbackServerContext* ctx,
                                                 const v1::VerifyJobCredentialRequest* request,
                                                 v1::VerifyJobCredentialResponse* response) override;
+  // Admins only, audited: cordon, drain or uncordon a node (node.proto).
+  grpc::ServerUnaryReactor* CordonNode(grpc::CallbackServerContext* ctx,
+                                       const v1::CordonNodeRequest* request,
+                                       v1::CordonNodeResponse* response) override;
 
  private:
   NodeRegistry& nodes_;
