@@ -618,7 +618,8 @@ TEST_F(PreemptionClusterE2eTest, AHigherPriorityJobPreemptsAndTheVictimResumesWi
 // step and training the same losses as a run never moved) and returns once the node is empty.
 // No --preemption needed: a drain is an admin's act, not the scheduler's.
 TEST_F(PreemptionClusterE2eTest, CordonKeepsRanksOffAndDrainMovesAJobWithTheSameLosses) {
-  const std::string spec = WriteSpec("moved", 60);
+  // Long enough (several seconds) to be still running when the drain comes, even on a busy host.
+  const std::string spec = WriteSpec("moved", 300);
   {
     std::string text = Slurp(spec);
     text.replace(text.find("gpus: 2"), 7, "gpus: 1");
@@ -674,8 +675,8 @@ TEST_F(PreemptionClusterE2eTest, CordonKeepsRanksOffAndDrainMovesAJobWithTheSame
   const std::string reference = SubmitAndWait(spec);
   ASSERT_FALSE(reference.empty());
   const std::map<int64_t, double> got = LossByStep(job), want = LossByStep(reference);
-  ASSERT_EQ(got.size(), 60u);
-  ASSERT_EQ(want.size(), 60u);
+  ASSERT_EQ(got.size(), 300u);
+  ASSERT_EQ(want.size(), 300u);
   for (const auto& [step, loss] : want) {
     EXPECT_NEAR(got.at(step), loss, 1e-4 * std::abs(loss)) << "step " << step;
   }
