@@ -59,6 +59,17 @@ if ! cmp -s tests/hf-requirements.txt "$venv/requirements.txt" 2>/dev/null; then
   cp tests/hf-requirements.txt "$venv/requirements.txt"
 fi
 
+# kubernetes-validate from PyPI, for the schema check of deploy/kubernetes (ctest
+# KubernetesSchemas); made again only when tests/k8s-requirements.txt changes.
+k8s=build/k8s-venv
+if ! cmp -s tests/k8s-requirements.txt "$k8s/requirements.txt" 2>/dev/null; then
+  echo "setup: creating $k8s (kubernetes-validate from PyPI)"
+  rm -rf "$k8s"
+  /usr/bin/python3 -m venv "$k8s"
+  "$k8s/bin/pip" install -q --disable-pip-version-check -r tests/k8s-requirements.txt
+  cp tests/k8s-requirements.txt "$k8s/requirements.txt"
+fi
+
 # The Python SDK (python/): its stubs generated from proto/ at every run (cheap), installed
 # editable into build/sdk-venv with grpcio and pytest from PyPI (over Debian's python3-torch, for
 # the examples); the venv is made again only when python/requirements.txt changes.
