@@ -456,7 +456,6 @@ bool RunScale(const std::string& coordinator_bin, const std::string& base, int n
   // Node tokens and registrations, 64 at a time.
   std::vector<std::string> tokens(n);
   std::atomic<int> failures{0};
-  const absl::Time t0 = absl::Now();
   Windowed(n, 64, [&](int i, std::function<void()> done) {
     auto ctx = std::make_shared<grpc::ClientContext>();
     authorize(ctx.get(), admin);

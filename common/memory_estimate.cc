@@ -46,8 +46,10 @@ std::string MemoryEstimate::Name() const {
   if (pipeline_stages > 1 || tensor_parallel > 1) {
     std::string name;
     if (pipeline_stages > 1) {
-      name = absl::StrCat("pipeline ", pipeline_stages, " (",
-                          schedule == v1::GPIPE ? "gpipe" : "1f1b", ")");
+      name = absl::StrCat(
+          "pipeline ", pipeline_stages, " (",
+          trainyard::Name(FromWire(kPipelineSchedules, schedule, PipelineSchedule::kOneFOneB)),
+          ")");
     }
     if (tensor_parallel > 1) {
       absl::StrAppend(&name, name.empty() ? "" : " x ", "tensor ", tensor_parallel);

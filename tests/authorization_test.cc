@@ -644,7 +644,9 @@ TEST_F(AuthorizationTest, AParameterServerVerifiesOnlyCredentialsOfAttemptsWithA
     r.set_credential(credential);
     v1::VerifyJobCredentialResponse resp;
     const grpc::Status s = nodes_->VerifyJobCredential(&ctx, r, &resp);
-    if (s.ok()) EXPECT_EQ(resp.job_id(), job->id());
+    if (s.ok()) {
+      EXPECT_EQ(resp.job_id(), job->id());
+    }
     return s.error_code();
   };
   // Ranks show each server the attempt's credential for that server's address alone.

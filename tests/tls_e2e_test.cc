@@ -79,7 +79,7 @@ class TlsE2eTest : public ::testing::Test {
 };
 
 TEST_F(TlsE2eTest, ServersRefuseANonLoopbackAddressWithoutTlsUnlessInsecure) {
-  for (const std::string& program : {"trainyard-coordinator", "trainyard-ps"}) {
+  for (const std::string program : {"trainyard-coordinator", "trainyard-ps"}) {
     std::vector<std::string> argv = {BinPath(program), "--listen", "0.0.0.0:0"};
     if (program == "trainyard-coordinator") {
       argv.insert(argv.end(), {"--state-dir", dir_.path() + "/refused"});
