@@ -5,13 +5,23 @@
 # gpu and prints ctest's summary; with --bench, then bench/gpu_bench.sh. Logs go to $OUT (the
 # device tool's output folder) or gpu-logs/.
 #
-#   bash scripts/test-gpu.sh [--bench]
+# --only REGEX runs only the GPU tests whose names match (a rerun of those that failed).
+#
+#   bash scripts/test-gpu.sh [--bench] [--only REGEX]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
 bench=0
-[ "${1:-}" = "--bench" ] && bench=1
+only=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --bench) bench=1 ;;
+    --only) only=$2; shift ;;
+    *) echo "test-gpu: unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift
+done
 if [ ! -x .gpu/device-build.sh ] && [ ! -f .gpu/device-build.sh ]; then
   echo "test-gpu: no .gpu/ here: run bash ../shared/gpu/fetch-kit.sh on the development machine" >&2
   exit 1
@@ -30,13 +40,17 @@ echo "test-gpu: built in $(($(date +%s) - start)) s"
 eval "$(sed -n 's/^run with: //p' "$out/build.txt")"
 
 rc=0
-# Three at a time (the GPU has room; most of their time is the CPU reference runs), then the
+# Four at a time (the GPU has room; most of their time is the CPU reference runs), then the
 # cluster case alone: it checks that no process holds the GPU once its job is cancelled.
-ctest --test-dir build-gpu -L gpu -E gpu_cluster -j 3 --output-on-failure --timeout 240 \
+select=(-L gpu)
+[ -n "$only" ] && select+=(-R "$only")
+ctest --test-dir build-gpu "${select[@]}" -E gpu_cluster -j 4 --output-on-failure --timeout 240 \
   >"$out/ctest-gpu.txt" 2>&1 || rc=1
-ctest --test-dir build-gpu -R gpu_cluster --output-on-failure --timeout 200 \
-  >>"$out/ctest-gpu.txt" 2>&1 || rc=1
-grep -E "tests passed|Test +#|FAIL|worst relative|largest parameter|bf16 GPU" "$out/ctest-gpu.txt"
+if [ -z "$only" ] || [[ gpu_cluster =~ $only ]]; then
+  ctest --test-dir build-gpu -R gpu_cluster --output-on-failure --timeout 200 \
+    >>"$out/ctest-gpu.txt" 2>&1 || rc=1
+fi
+grep -E "tests passed|Test +#|FAIL|worst relative|largest parameter|bf16 GPU|NCCL (refused|ran)" "$out/ctest-gpu.txt"
 [ $rc -eq 0 ] || grep -B2 -A40 "FAIL\|Failed\|\*\*\*" "$out/ctest-gpu.txt" | tail -120
 
 if [ $bench -eq 1 ]; then

@@ -785,6 +785,50 @@ TEST(SlotOptimizerTest, LionOnTheDeviceStepsAsTheCpuLoop) {
 }
 
 // Optimizer slots that are the two shards of a flat buffer of parameters (FSDP's view) step as
+
+// A GPU steps Adafactor and 8-bit AdamW through host copies of its slots (StepOnHost); on CPU
+// slots that path (UseHostStepping) gives the CPU loop's parameters and state exactly, for whole
+// parameters of several shapes (a large one quantized, a small one in fp32), with weight decay, a
+// gradient scale and a slot without a gradient in one step, and leaves the slots' own tensors
+// (not their host copies) holding the result.
+TEST(SlotOptimizerTest, HostSteppedAdafactorAndEightBitAdamWStepAsTheCpuLoop) {
+  const std::vector<std::vector<int64_t>> shapes = {{7}, {96, 80}, {2, 3, 5}};
+  for (OptimizerKind kind : {OptimizerKind::kAdafactor, OptimizerKind::kAdamW8bit}) {
+    SCOPED_TRACE(Name(kind));
+    torch::manual_seed(5);
+    std::vector<OptimizerSlot> loop_slots, host_slots;
+    std::vector<torch::Tensor> initial;
+    for (const auto& shape : shapes) {
+      initial.push_back(torch::randn(shape));
+      loop_slots.push_back({initial.back().clone(), 0, {{shape, 0}}});
+      host_slots.push_back({initial.back().clone(), 0, {{shape, 0}}});
+    }
+    SlotOptimizer loop(HyperFor(kind, 0.1), loop_slots, nullptr);
+    SlotOptimizer host(HyperFor(kind, 0.1), host_slots, nullptr);
+    host.UseHostStepping();
+    for (int k = 0; k < 4; ++k) {
+      for (size_t j = 0; j < shapes.size(); ++j) {
+        const bool none = k == 2 && j == 0;  // no gradient: left alone
+        const torch::Tensor g = torch::randn(shapes[j]);
+        loop_slots[j].param.mutable_grad() = none ? torch::Tensor() : g.clone();
+        host_slots[j].param.mutable_grad() = none ? torch::Tensor() : g.clone();
+      }
+      loop.Step(1e-2, 0.5);
+      host.Step(1e-2, 0.5);
+    }
+    for (size_t j = 0; j < shapes.size(); ++j) {
+      SCOPED_TRACE(j);
+      EXPECT_TRUE(torch::equal(loop_slots[j].param, host_slots[j].param));
+      EXPECT_FALSE(torch::equal(initial[j], host_slots[j].param));  // it trained
+      const auto a = loop.State(static_cast<int>(j)), b = host.State(static_cast<int>(j));
+      ASSERT_EQ(a.size(), b.size());
+      for (const auto& [name, t] : a) EXPECT_TRUE(torch::equal(t, b.at(name))) << name;
+      // The slot's gradient is still its own.
+      EXPECT_TRUE(host_slots[j].param.grad().defined());
+    }
+    EXPECT_EQ(host.step(), 4);
+  }
+}
 // the whole parameters do: Lion and Adafactor (its statistics summed over the two ranks) to
 // rounding; 8-bit AdamW exactly, but for the one block of a parameter that the shard boundary
 // cuts, whose two parts have absmaxes of their own. The cut falls inside a row of a matrix; the

@@ -276,8 +276,8 @@ absl::Status Trainer::Setup() {
   RETURN_IF_ERROR(OpenHfCheckpoint());
   // Bad input fails here, before this rank makes the others wait at the rendezvous.
   ASSIGN_OR_RETURN(device_, ResolveDevice(o_.device));
-  ASSIGN_OR_RETURN(
-      dims_, ParallelDims::Make(spec_, m_, o_.rank, o_.world_size, o_.local_world_size, device_));
+  ASSIGN_OR_RETURN(dims_,
+                   ParallelDims::Make(spec_, m_, o_.rank, o_.world_size, o_.local_world_size));
   RETURN_IF_ERROR(LoadData());
   torch::set_num_threads(o_.threads);
   ASSIGN_OR_RETURN(groups_, BuildGroups(dims_, device_,
@@ -634,16 +634,22 @@ void Trainer::ForwardBackward(StepStats& s) {
     // The stage runs every micro-batch by the schedule; the reducer syncs in its last backward.
     if (t_.lora.dropout > 0) torch::manual_seed(DropoutSeed(t_.seed, o_.rank, step_, 0));
     auto windows = [&](int micro) {
-      return MakeBatch(*data_, sampler_->MicroBatch(step_, micro), m_.seq_len);
+      return ToDevice(MakeBatch(*data_, sampler_->MicroBatch(step_, micro), m_.seq_len), device_);
     };
     auto loss_of = [&](int micro, const torch::Tensor& logits, const torch::Tensor& w) {
       if (loss_mask_.empty()) return model_->LossOf(logits, w) / grad_accum_;
       return model_->MaskedLossSumOf(
                  logits, w,
-                 MaskWeights(loss_mask_, sampler_->MicroBatch(step_, micro), m_.seq_len)) *
+                 ToDevice(MaskWeights(loss_mask_, sampler_->MicroBatch(step_, micro), m_.seq_len),
+                          device_)) *
              (static_cast<double>(replicas_) / static_cast<double>(counted));
     };
-    s.loss_sum = pipeline_->Step(grad_accum_, windows, loss_of);
+    {
+      // (On a GPU autocast covers the schedule's backwards too, as it does not touch them:
+      // autograd runs them on its device threads.)
+      AutocastScope autocast(device_, t_.precision);
+      s.loss_sum = pipeline_->Step(grad_accum_, windows, loss_of);
+    }
     s.backward_s = pipeline_->last_step().seconds;
     s.comm_wait_s = pipeline_->last_step().comm_wait_seconds;
     if (reducer_) s.comm_wait_s = reducer_->Finish();  // the replicas' average

@@ -311,7 +311,7 @@ absl::Status LoadStages(const std::string& path, torch::nn::Module& model,
   }
   for (int s = 0; fs::exists(absl::StrCat(path, "/stage-", s, ".pt")); ++s) {
     torch::serialize::InputArchive archive;
-    archive.load_from(absl::StrCat(path, "/stage-", s, ".pt"));
+    archive.load_from(absl::StrCat(path, "/stage-", s, ".pt"), torch::Device(torch::kCPU));
     for (auto it = missing.begin(); it != missing.end();) {
       const auto& [param_name, p] = *it;
       torch::Tensor saved;
@@ -346,6 +346,8 @@ absl::Status LoadStages(const std::string& path, torch::nn::Module& model,
     return absl::DataLossError(
         absl::StrCat("checkpoint '", path, "' lacks parameter ", missing.begin()->first));
   }
+  const torch::Device device = ParametersDevice(optimizer);
+  if (!device.is_cpu()) OptimizerStateTo(optimizer, device);
   return absl::OkStatus();
 }
 

@@ -40,9 +40,8 @@ SlotOptimizer::SlotOptimizer(const OptimizerHyper& hyper, std::vector<OptimizerS
                 "SlotOptimizer: slots on different devices");
   }
   on_device_ = !slots_.empty() && !slots_[0].param.device().is_cpu();
-  TORCH_CHECK(
-      !on_device_ || hyper_.kind == OptimizerKind::kAdamW || hyper_.kind == OptimizerKind::kLion,
-      "train.optimizer: ", Name(hyper_.kind), " runs on CPU slots only; on GPUs use adamw or lion");
+  host_stepped_ =
+      on_device_ && hyper_.kind != OptimizerKind::kAdamW && hyper_.kind != OptimizerKind::kLion;
 }
 
 SlotOptimizer::~SlotOptimizer() = default;
@@ -91,10 +90,45 @@ void SlotOptimizer::Step(double lr, double grad_scale) {
   torch::NoGradGuard no_grad;
   if (!initialized_) Initialize();
   ++step_;
+  if (host_stepped_) {
+    StepOnHost(lr, grad_scale);
+    return;
+  }
   if (on_device_ || tensor_ops_) {
     StepOnDevice(lr, grad_scale);
     return;
   }
+  StepOnCpu(lr, grad_scale);
+}
+
+void SlotOptimizer::StepOnHost(double lr, double grad_scale) {
+  if (host_.empty()) {
+    for (const OptimizerSlot& s : slots_) {
+      OptimizerSlot h = s;
+      h.param = torch::empty(s.param.sizes(),
+                             torch::TensorOptions().dtype(torch::kFloat).pinned_memory(on_device_));
+      host_.push_back(std::move(h));
+      host_grads_.push_back(torch::empty_like(host_.back().param));
+    }
+  }
+  for (int i = 0; i < num_slots(); ++i) {
+    const torch::Tensor& p = slots_[i].param;
+    host_[i].param.copy_(p.detach());
+    if (p.grad().defined()) {
+      host_grads_[i].copy_(p.grad());
+      host_[i].param.mutable_grad() = host_grads_[i];
+    } else {
+      host_[i].param.mutable_grad() = torch::Tensor();
+    }
+  }
+  // The CPU kernels read slots_: the host copies stand in for the device slots while they run.
+  std::swap(slots_, host_);
+  StepOnCpu(lr, grad_scale);
+  std::swap(slots_, host_);
+  for (int i = 0; i < num_slots(); ++i) slots_[i].param.detach().copy_(host_[i].param);
+}
+
+void SlotOptimizer::StepOnCpu(double lr, double grad_scale) {
   if (hyper_.kind == OptimizerKind::kAdafactor) {
     StepAdafactor(lr, grad_scale);
     return;
@@ -205,7 +239,8 @@ absl::Status SlotOptimizer::SetState(int i, const std::map<std::string, torch::T
     for (auto [name, fp32, codes, absmax, is_signed] :
          {std::make_tuple("exp_avg", st.m, st.m_codes, st.m_absmax, true),
           std::make_tuple("exp_avg_sq", st.v, st.v_codes, st.v_absmax, false)}) {
-      const torch::Tensor x = given.at(name).to(torch::kFloat).contiguous().reshape({-1});
+      const torch::Tensor x =
+          given.at(name).to(torch::kCPU).to(torch::kFloat).contiguous().reshape({-1});
       const float* xs = x.data_ptr<float>();
       for (const Piece& piece : pieces.pieces) {
         if (!piece.quantized) {

@@ -15,7 +15,8 @@
 //               weight decay follows the Adam step.
 //
 // On a GPU (slots on the device) AdamW runs as LibTorch's fused kernel and Lion in tensor
-// operations, with the same arithmetic; Adafactor and 8-bit AdamW run on CPU slots only.
+// operations, with the same arithmetic; Adafactor and 8-bit AdamW keep their state in host
+// memory and step there with the CPU kernels (StepOnHost), as DeepSpeed's CPU optimizers do.
 //
 // SlotOptimizer runs them over "slots": tensors that are a whole parameter (DDP), or a rank's
 // shard of a flat buffer of parameters (FSDP). Elementwise state (AdamW's and Lion's moments,
@@ -100,6 +101,10 @@ class SlotOptimizer {
     tensor_ops_ = true;
   }
 
+  // Steps CPU slots as GPU slots of Adafactor and 8-bit AdamW are stepped (through host copies),
+  // so that CPU tests check that path. Before the first step.
+  void UseHostStepping() { host_stepped_ = true; }
+
   OptimizerKind kind() const { return hyper_.kind; }
   int64_t step() const { return step_; }
   // Sets the step count (a resumed run's), creating the state if it is not there yet.
@@ -145,6 +150,13 @@ class SlotOptimizer {
   // Every slot's update on a GPU: AdamW through LibTorch's fused kernel, Lion in tensor
   // operations.
   void StepOnDevice(double lr, double grad_scale);
+  // Adafactor and 8-bit AdamW on GPU slots, as DeepSpeed's CPU optimizers step: their (compact)
+  // state lives in host memory, where their CPU kernels run; each step copies the parameters and
+  // gradients into pinned host buffers and the updated parameters back. The CPU loops' results,
+  // bit for bit.
+  void StepOnHost(double lr, double grad_scale);
+  // Every slot's update by the CPU kernels (slots_ on the CPU).
+  void StepOnCpu(double lr, double grad_scale);
   void Initialize();
   // State's tensors themselves (on the slots' device).
   std::map<std::string, torch::Tensor> LiveState(int i) const;
@@ -155,8 +167,12 @@ class SlotOptimizer {
   std::vector<std::unique_ptr<SlotState>> state_;
   int64_t step_ = 0;
   bool initialized_ = false;
-  bool on_device_ = false;   // the slots are on a GPU
-  bool tensor_ops_ = false;  // UseDeviceArithmetic
+  bool on_device_ = false;     // the slots are on a GPU
+  bool host_stepped_ = false;  // StepOnHost: adafactor and adamw_8bit on a GPU
+  bool tensor_ops_ = false;    // UseDeviceArithmetic
+  // StepOnHost: the slots' pinned host copies and their gradients' (made at the first step).
+  std::vector<OptimizerSlot> host_;
+  std::vector<torch::Tensor> host_grads_;
 };
 
 // A SlotOptimizer over whole parameters as a torch::optim::Optimizer, so that DDP checkpoints

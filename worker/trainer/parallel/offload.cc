@@ -78,7 +78,10 @@ absl::StatusOr<std::unique_ptr<OffloadOptimizer>> OffloadOptimizer::Create(
     b.first_param = i;
     o->bucket_of_[i] = static_cast<int>(o->buckets_.size()) - 1;
   }
-  o->grads_ = torch::zeros({o->total_}, torch::kFloat);
+  // On a GPU the gradients land in pinned host memory, which the servers' transfers read.
+  const bool on_device = !o->params_.empty() && !o->params_[0].device().is_cpu();
+  o->grads_ = torch::zeros({o->total_},
+                           torch::TensorOptions().dtype(torch::kFloat).pinned_memory(on_device));
   o->ready_.assign(n, false);
   for (int i = 0; i < n; ++i) {
     auto accumulator = torch::autograd::impl::grad_accumulator(o->params_[i]);
@@ -237,7 +240,7 @@ std::pair<int64_t, int64_t> OffloadOptimizer::OwnedSlice() const {
 torch::Tensor OffloadOptimizer::Flatten() const {
   std::vector<torch::Tensor> parts;
   for (const auto& p : params_) parts.push_back(p.detach().reshape(-1));
-  return torch::cat(parts).to(torch::kFloat).contiguous();
+  return torch::cat(parts).to(torch::kCPU).to(torch::kFloat).contiguous();
 }
 
 void OffloadOptimizer::Unflatten(const torch::Tensor& flat) {
@@ -265,8 +268,8 @@ absl::Status OffloadOptimizer::Initialize(int64_t step, torch::optim::Optimizer&
           continue;
         }
         auto& st = static_cast<torch::optim::AdamWParamState&>(*it->second);
-        ms.push_back(st.exp_avg().reshape(-1));
-        vs.push_back(st.exp_avg_sq().reshape(-1));
+        ms.push_back(st.exp_avg().reshape(-1).to(torch::kCPU));
+        vs.push_back(st.exp_avg_sq().reshape(-1).to(torch::kCPU));
       }
       m = torch::cat(ms).contiguous();
       v = torch::cat(vs).contiguous();
@@ -289,7 +292,10 @@ absl::Status OffloadOptimizer::UpdateAndPull(int64_t step, double lr, double gra
 }
 
 absl::Status OffloadOptimizer::Step(double lr, double grad_scale) {
-  if (!pending_slice_.defined()) pending_slice_ = torch::zeros({slice_});
+  if (!pending_slice_.defined()) {
+    pending_slice_ = torch::zeros(
+        {slice_}, torch::TensorOptions().dtype(torch::kFloat).pinned_memory(grads_.is_pinned()));
+  }
   for (auto& p : params_) {
     if (p.grad().defined()) p.mutable_grad().zero_();
   }
@@ -328,8 +334,9 @@ absl::Status OffloadOptimizer::ReadIntoShadow(int64_t step, torch::optim::Optimi
   for (const auto& p : params_) {
     auto state = std::make_unique<torch::optim::AdamWParamState>();
     state->step(step);
-    state->exp_avg(m.narrow(0, offset, p.numel()).view_as(p).clone());
-    state->exp_avg_sq(v.narrow(0, offset, p.numel()).view_as(p).clone());
+    // (On the parameters' device, as the state of a DDP job's AdamW is.)
+    state->exp_avg(m.narrow(0, offset, p.numel()).view_as(p).clone().to(p.device()));
+    state->exp_avg_sq(v.narrow(0, offset, p.numel()).view_as(p).clone().to(p.device()));
     shadow.state()[OptimizerStateKey(p)] = std::move(state);
     offset += p.numel();
   }

@@ -12,8 +12,15 @@
 //
 // Checkpoints keep the DDP format: before saving, rank 0 reads the servers' master weights, m and
 // v into the model and a shadow torch AdamW (ReadIntoShadow); on resume, Initialize sends the
-// loaded state back. Called from the training thread only (backward on CPU runs the hooks there);
-// the pusher thread is internal.
+// loaded state back.
+//
+// On a GPU the same flow runs with the flat buffer (and the pulled slice) in pinned host memory:
+// each gradient is copied out of the device as its AccumulateGrad completes, and the parameters
+// are copied back after the all-gather.
+//
+// Called from the training thread only, and from backward's hooks (on the training thread on a
+// CPU; on autograd's device thread on a GPU, while the training thread waits in backward); the
+// pusher thread is internal.
 #ifndef TRAINYARD_WORKER_TRAINER_PARALLEL_OFFLOAD_H_
 #define TRAINYARD_WORKER_TRAINER_PARALLEL_OFFLOAD_H_
 

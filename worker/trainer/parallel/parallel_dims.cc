@@ -19,8 +19,7 @@
 namespace trainyard::trainer {
 
 absl::StatusOr<ParallelDims> ParallelDims::Make(const JobConfig& spec, const ModelConfig& m,
-                                                int rank, int world_size, int local_world_size,
-                                                const torch::Device& device) {
+                                                int rank, int world_size, int local_world_size) {
   const ParallelConfig& par = spec.parallel;
   const TrainConfig& t = spec.train;
   ParallelDims d;
@@ -65,25 +64,6 @@ absl::StatusOr<ParallelDims> ParallelDims::Make(const JobConfig& spec, const Mod
     return absl::UnimplementedError(
         "train.mixed_precision: fp16 (dynamic loss scaling) runs with strategy ddp only so far; "
         "use bf16");
-  }
-  if (device.is_cuda()) {
-    // What runs on a GPU so far: DDP and FSDP (every sharding strategy) with AdamW or Lion. The
-    // rest refuses here, by field, before any rank waits for another.
-    if (d.model_parallel) {
-      return absl::UnimplementedError(
-          "parallel.pipeline_stages / parallel.tensor_parallel: model parallelism does not run "
-          "on GPUs yet; use strategy ddp or fsdp, or CPU slots");
-    }
-    if (d.offload) {
-      return absl::UnimplementedError(
-          "parallel.strategy: offload does not run on GPUs yet; use ddp or fsdp, or CPU slots");
-    }
-    if (t.optimizer != OptimizerKind::kAdamW && t.optimizer != OptimizerKind::kLion) {
-      return absl::UnimplementedError(
-          absl::StrCat("train.optimizer: ", Name(t.optimizer),
-                       " runs on CPU slots only; on GPUs use adamw (LibTorch's fused kernel) or "
-                       "lion"));
-    }
   }
   return d;
 }

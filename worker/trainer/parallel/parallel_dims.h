@@ -2,10 +2,9 @@
 // torchtitan's distributed/parallel_dims.py does, and the communicator groups that layout needs.
 //
 // Make checks, before any rank waits for another, what the spec asks against the model's sizes,
-// the ranks and the device: pipeline stages x tensor-parallel ranks dividing the world,
-// HYBRID_SHARD's nodes of equal size holding whole model-parallel groups, fp16 with DDP only,
-// and what runs on a GPU (DDP and FSDP with AdamW or Lion). Each refusal is one line naming the
-// spec field.
+// the ranks: pipeline stages x tensor-parallel ranks dividing the world, HYBRID_SHARD's nodes of
+// equal size holding whole model-parallel groups, fp16 with DDP only. (Every layout and optimizer
+// runs on CPUs and GPUs alike.) Each refusal is one line naming the spec field.
 //
 // BuildGroups then joins the attempt's process group through the coordinator's rendezvous (a
 // world of one needs none) and makes every subgroup the layout needs, with the same back end as
@@ -47,8 +46,7 @@ struct ParallelDims {
   // `m`: the model as the trainer builds it (model.from's config.json read). `local_world_size`
   // 0: every rank on this node.
   static absl::StatusOr<ParallelDims> Make(const JobConfig& spec, const ModelConfig& m, int rank,
-                                           int world_size, int local_world_size,
-                                           const torch::Device& device);
+                                           int world_size, int local_world_size);
 };
 
 // The rank's communicator groups; those its layout does not use are null, but for `world` (always

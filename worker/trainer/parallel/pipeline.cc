@@ -166,6 +166,10 @@ PipelineStage::PipelineStage(LanguageModel& model, Communicator& world, Pipeline
       reducer_(reducer),
       fsdp_(fsdp),
       tensor_(tensor) {
+  hidden_options_ = torch::TensorOptions()
+                        .dtype(torch::kFloat)
+                        .device(model.parameters().empty() ? torch::Device(torch::kCPU)
+                                                           : model.parameters()[0].device());
   const std::string tied = model.TiedWeight();
   if (!tied.empty() && layout_.stages > 1 && (layout_.first() || layout_.last())) {
     tied_ = model.named_parameters()[tied];
@@ -231,7 +235,7 @@ double PipelineStage::Step(
       if (layout_.first()) {
         x = model_.Embed(w.narrow(1, 0, w.size(1) - 1));
       } else {
-        x = torch::empty(hidden, torch::kFloat);
+        x = torch::empty(hidden, hidden_options_);
         const auto wait = Clock::now();
         world_.Recv(x, prev, kActivationTag);
         stats_.idle_seconds += Seconds(wait);
@@ -244,7 +248,9 @@ double PipelineStage::Step(
         if (fsdp_ != nullptr) fsdp_->WatchLoss(y);
         loss_sum += y.item<double>();
       } else {
-        torch::Tensor out = y.detach().contiguous();
+        // (fp32 whatever autocast computed the block's last operation in: the next stage's
+        // buffer is.)
+        torch::Tensor out = y.detach().to(torch::kFloat).contiguous();
         activation_sends[op.micro] = {world_.Send(out, next, kActivationTag), out};
       }
       alive[op.micro] = {x, y};
@@ -260,7 +266,7 @@ double PipelineStage::Step(
       if (layout_.last()) {
         y.backward();
       } else {
-        torch::Tensor grad = torch::empty(hidden, torch::kFloat);
+        torch::Tensor grad = torch::empty(hidden, hidden_options_);
         const auto wait = Clock::now();
         world_.Recv(grad, next, kGradientTag);
         auto sent = activation_sends.find(op.micro);
@@ -405,7 +411,7 @@ absl::StatusOr<CheckpointInfo> WriteStagedCheckpoint(
       std::map<const void*, std::string> names;
       for (const auto& [param_name, p] : params) {
         const torch::Tensor whole = Whole(p, model.TensorParallelSplitOf(param_name), tensor);
-        if (writes) archive.write("param/" + param_name, whole);
+        if (writes) archive.write("param/" + param_name, whole.to(torch::kCPU));
         names[p.unsafeGetTensorImpl()] = param_name;
       }
       const auto& optimized = optimizer.param_groups().at(0).params();
@@ -419,7 +425,9 @@ absl::StatusOr<CheckpointInfo> WriteStagedCheckpoint(
           const torch::Tensor whole =
               CutAsParameter(t, optimized[i].sizes(),
                              [&](const torch::Tensor& s) { return Whole(s, split, tensor); });
-          if (writes) archive.write(absl::StrCat("state/", param_name, "/", key), whole);
+          if (writes) {
+            archive.write(absl::StrCat("state/", param_name, "/", key), whole.to(torch::kCPU));
+          }
         }
         if (writes) archive.write("step/" + param_name, torch::tensor({param_step}, torch::kLong));
       }

@@ -164,6 +164,7 @@ class PipelineStage {
   PipelineLayout layout_;
   PipelineSchedule schedule_;
   int micro_batch_;
+  torch::TensorOptions hidden_options_;  // fp32 on the model's device: boundary tensors
   GradientReducer* reducer_;
   FsdpModel* fsdp_;
   Communicator* tensor_;
