@@ -42,6 +42,9 @@ eval "$(sed -n 's/^run with: //p' "$out/build.txt")"
 rc=0
 # Four at a time (the GPU has room; most of their time is the CPU reference runs), then the
 # cluster case alone: it checks that no process holds the GPU once its job is cancelled.
+# Every case's whole output, passed or failed, comes back as $out/cases.tgz.
+export TRAINYARD_GPU_LOGS=$PWD/gpu-case-logs
+rm -rf "$TRAINYARD_GPU_LOGS"
 select=(-L gpu)
 [ -n "$only" ] && select+=(-R "$only")
 ctest --test-dir build-gpu "${select[@]}" -E gpu_cluster -j 4 --output-on-failure --timeout 240 \
@@ -50,8 +53,9 @@ if [ -z "$only" ] || [[ gpu_cluster =~ $only ]]; then
   ctest --test-dir build-gpu -R gpu_cluster --output-on-failure --timeout 200 \
     >>"$out/ctest-gpu.txt" 2>&1 || rc=1
 fi
-grep -E "tests passed|Test +#|FAIL|worst relative|largest parameter|bf16 GPU|NCCL (refused|ran)" "$out/ctest-gpu.txt"
-[ $rc -eq 0 ] || grep -B2 -A40 "FAIL\|Failed\|\*\*\*" "$out/ctest-gpu.txt" | tail -120
+tar czf "$out/cases.tgz" -C "$TRAINYARD_GPU_LOGS" . 2>/dev/null
+grep -a -E "tests passed|Test +#|FAIL|worst relative|largest parameter|bf16 GPU|NCCL (refused|ran)" "$out/ctest-gpu.txt"
+[ $rc -eq 0 ] || grep -a -B2 -A40 "FAIL\|Failed\|\*\*\*" "$out/ctest-gpu.txt" | tail -120
 
 if [ $bench -eq 1 ]; then
   bash bench/gpu_bench.sh build-gpu >"$out/gpu-bench.md" 2>"$out/gpu-bench.err" || rc=1

@@ -327,6 +327,24 @@ absl::Status Trainer::LoadData() {
   return absl::OkStatus();
 }
 
+// Moves the model's parameters and buffers to `device` in place: the parameters keep their
+// identity (the optimizer's state keys). A parameter whose storage is freed (one this rank does
+// not hold: another pipeline stage's, or FSDP's sent from rank 0) stays freed there: nothing to
+// copy.
+void MoveModel(LanguageModel& model, const torch::Device& device) {
+  torch::NoGradGuard no_grad;
+  for (torch::Tensor p : model.parameters()) {
+    if (p.numel() > 0 && p.storage().nbytes() == 0) {
+      torch::Tensor empty = torch::empty(p.sizes(), p.options().device(device));
+      FreeStorage(empty);
+      p.set_data(empty);
+    } else {
+      p.set_data(p.to(device));
+    }
+  }
+  for (torch::Tensor b : model.buffers()) b.set_data(b.to(device));
+}
+
 absl::Status Trainer::MakeModel() {
   ModelOptions model_options;
   // On a GPU autocast picks each operation's precision; on the CPU the model runs its Linear
@@ -353,19 +371,7 @@ absl::Status Trainer::MakeModel() {
   // In place: the parameters keep their identity (the optimizer's state keys). Parameters this
   // rank did not materialize (FSDP's from rank 0) get an empty storage on the device, as they had
   // on the CPU: nothing to copy.
-  if (device_.is_cuda()) {
-    torch::NoGradGuard no_grad;
-    for (torch::Tensor p : model_->parameters()) {
-      if (p.numel() > 0 && p.storage().nbytes() == 0) {
-        torch::Tensor empty = torch::empty(p.sizes(), p.options().device(device_));
-        FreeStorage(empty);
-        p.set_data(empty);
-      } else {
-        p.set_data(p.to(device_));
-      }
-    }
-    for (torch::Tensor b : model_->buffers()) b.set_data(b.to(device_));
-  }
+  if (device_.is_cuda()) MoveModel(*model_, device_);
   params_ = model_->parameters();
   trainable_ = TrainableParameters(*model_);
   // train.optimizer (AdamW's betas (0.9, 0.95) as in GPT-3 / nanoGPT); weight decay on every
@@ -887,7 +893,8 @@ absl::Status Trainer::Finish() {
   // FSDP: every rank takes part in gathering the whole model for the dump and the sample (on a
   // GPU before the move, which copies what the gathered views show).
   if (fsdp_) fsdp_->GatherFullParameters();
-  if (device_.is_cuda()) model_->to(torch::kCPU);
+  // (Model parallelism: the other stages' parameters stay freed, on the CPU.)
+  if (device_.is_cuda()) MoveModel(*model_, torch::kCPU);
   // Pipeline: rank 0 gathers the stages' parameters; the other ranks hold only their stage's.
   if (pipeline_) pipeline_->GatherToRankZero();
   if (!o_.dump_params.empty() && (!pipeline_ || rank0_)) {
