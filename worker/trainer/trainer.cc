@@ -26,6 +26,7 @@
 #include "worker/trainer/checkpoint/checkpoint.h"
 #include "worker/trainer/checkpoint/fsdp_checkpoint.h"
 #include "worker/trainer/checkpoint/hf_weights.h"
+#include "worker/trainer/checkpoint/staged_checkpoint.h"
 #include "worker/trainer/comm/communicator.h"
 #include "worker/trainer/comm/coordinator_store.h"
 #include "worker/trainer/comm/cuda_support.h"

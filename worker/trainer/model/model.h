@@ -30,7 +30,7 @@
 #include <vector>
 
 #include "common/job_config.h"
-#include "worker/trainer/parallel/tensor_parallel.h"
+#include "worker/trainer/model/tensor_parallel.h"
 
 namespace trainyard::trainer {
 

@@ -1,4 +1,4 @@
-// PipelineStage and the pipeline checkpoints (see pipeline.h).
+// PipelineStage and the stages' parameters and state (see pipeline.h).
 #include "worker/trainer/parallel/pipeline.h"
 
 #include <malloc.h>
@@ -50,18 +50,11 @@ PipelineLayout MakePipelineLayout(int rank, int world, int stages, int tensor_pa
   return l;
 }
 
-namespace {
-
-// `t` whole: all-gathered over the tensor-parallel group and put together by `split` (every rank
-// of the group calls it; replicated tensors come back as they are).
 torch::Tensor Whole(const torch::Tensor& t, TensorParallelSplit split, Communicator* tensor) {
   if (tensor == nullptr || split.dim < 0) return t.detach();
   return TensorParallelUnshard(tensor->AllGather(t.detach().contiguous()), split);
 }
 
-// `cut` (a shard or an unshard) applied to optimizer state `state` of a parameter of shape
-// `shape`: elementwise state is shaped as its parameter or flat (Lion's), and comes back so;
-// anything else (a step count) as it is.
 torch::Tensor CutAsParameter(const torch::Tensor& state, torch::IntArrayRef shape,
                              const std::function<torch::Tensor(const torch::Tensor&)>& cut) {
   int64_t numel = 1;
@@ -70,6 +63,8 @@ torch::Tensor CutAsParameter(const torch::Tensor& state, torch::IntArrayRef shap
   const torch::Tensor out = cut(state.reshape(shape));
   return state.dim() == out.dim() ? out : out.reshape({-1});
 }
+
+namespace {
 
 // The model's parameter names by their tensors.
 std::map<const void*, std::string> NamesByTensor(const LanguageModel& model) {
@@ -397,56 +392,6 @@ void PipelineStage::GatherToRankZero() {
     }
   }
   for (auto& h : sends) h->Wait();
-}
-
-absl::StatusOr<CheckpointInfo> WriteStagedCheckpoint(
-    const std::string& dir, int64_t step, const PipelineLayout& layout, const LanguageModel& model,
-    const std::vector<std::pair<std::string, torch::Tensor>>& params,
-    torch::optim::Optimizer& optimizer, Communicator& world, Communicator* tensor) {
-  // The first replica's tensor-parallel group gathers its shards; its rank 0 writes.
-  auto write_stage = [&](const std::string& tmp) -> absl::Status {
-    if (layout.replica != 0) return absl::OkStatus();
-    const bool writes = layout.tp_rank == 0;
-    auto fill = [&](torch::serialize::OutputArchive& archive) {
-      std::map<const void*, std::string> names;
-      for (const auto& [param_name, p] : params) {
-        const torch::Tensor whole = Whole(p, model.TensorParallelSplitOf(param_name), tensor);
-        if (writes) archive.write("param/" + param_name, whole.to(torch::kCPU));
-        names[p.unsafeGetTensorImpl()] = param_name;
-      }
-      const auto& optimized = optimizer.param_groups().at(0).params();
-      for (size_t i = 0; i < optimized.size(); ++i) {
-        const std::string& param_name = names.at(optimized[i].unsafeGetTensorImpl());
-        const TensorParallelSplit split = model.TensorParallelSplitOf(param_name);
-        int64_t param_step = 0;
-        // Elementwise state is cut as its parameter is (tensor parallelism allows only adamw and
-        // lion; without it, Whole leaves any state as it is).
-        for (const auto& [key, t] : ParameterState(optimizer, i, &param_step)) {
-          const torch::Tensor whole =
-              CutAsParameter(t, optimized[i].sizes(),
-                             [&](const torch::Tensor& s) { return Whole(s, split, tensor); });
-          if (writes) {
-            archive.write(absl::StrCat("state/", param_name, "/", key), whole.to(torch::kCPU));
-          }
-        }
-        if (writes) archive.write("step/" + param_name, torch::tensor({param_step}, torch::kLong));
-      }
-      return writes;
-    };
-    return WriteSyncedArchive(absl::StrCat(tmp, "/stage-", layout.stage, ".pt"), fill);
-  };
-  auto finish = [&](const std::string& tmp) -> absl::Status {
-    try {
-      torch::save(SaveRngState(), tmp + "/rng.pt");
-    } catch (const c10::Error& e) {
-      return absl::InternalError(
-          absl::StrCat("cannot save '", tmp, "/rng.pt': ", e.what_without_backtrace()));
-    }
-    RETURN_IF_ERROR(SyncPath(tmp + "/rng.pt"));
-    return WriteSyncedFile(tmp + "/meta.json",
-                           MetaJson(step, OptimizerName(optimizer), layout.stages));
-  };
-  return WriteCollectiveCheckpoint(dir, step, world, write_stage, finish);
 }
 
 }  // namespace trainyard::trainer

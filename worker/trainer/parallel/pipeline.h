@@ -31,11 +31,7 @@
 // it, keeps its tensor-parallel shards, and frees the storage of the parameters its stage does
 // not hold.
 //
-// Checkpoints (WriteStagedCheckpoint): DIR/step-N/stage-<s>.pt, written by each stage's first
-// replica (its tensor-parallel rank 0, which gathers the group's shards into whole tensors): its
-// parameters ("param/<name>") and their optimizer state ("state/<name>/<key>", "step/<name>"),
-// keyed by name, so that LoadLatestCheckpoint (checkpoint.h) reads them into any layout: other
-// numbers of stages and tensor-parallel ranks, or none.
+// Checkpoints: checkpoint/staged_checkpoint.h.
 //
 // One training thread per rank calls everything.
 #ifndef TRAINYARD_WORKER_TRAINER_PARALLEL_PIPELINE_H_
@@ -51,7 +47,6 @@
 
 #include "absl/status/statusor.h"
 #include "common/job_config.h"
-#include "worker/trainer/checkpoint/checkpoint.h"
 #include "worker/trainer/comm/communicator.h"
 #include "worker/trainer/model/model.h"
 #include "worker/trainer/parallel/ddp.h"
@@ -99,6 +94,16 @@ void KeepTensorParallelShards(LanguageModel& model,
 std::map<std::string, std::map<std::string, torch::Tensor>> StageStates(
     const LanguageModel& model, torch::optim::Optimizer& whole, const PipelineLayout& layout,
     int64_t* step);
+
+// `t` whole: all-gathered over the tensor-parallel group and put together by `split` (every rank
+// of the group calls it; replicated tensors come back as they are).
+torch::Tensor Whole(const torch::Tensor& t, TensorParallelSplit split, Communicator* tensor);
+
+// `cut` (a shard or an unshard) applied to optimizer state `state` of a parameter of shape
+// `shape`: elementwise state is shaped as its parameter or flat (Lion's), and comes back so;
+// anything else (a step count) as it is.
+torch::Tensor CutAsParameter(const torch::Tensor& state, torch::IntArrayRef shape,
+                             const std::function<torch::Tensor(const torch::Tensor&)>& cut);
 
 // `stage` (an optimizer of the stage's trainable parameters) takes their StageStates.
 absl::Status KeepStageState(const LanguageModel& model, torch::optim::Optimizer& whole,
@@ -176,16 +181,6 @@ class PipelineStage {
   std::vector<std::string> replicated_names_;
   PipelineStepStats stats_;
 };
-
-// Writes the pipeline checkpoint of `step`: every stage's first replica its stage-<s>.pt (the
-// stage's `params` and their state in `optimizer`, whose parameters are the trainable ones among
-// them, in order; tensor-parallel shards of `model` gathered over `tensor` into whole tensors),
-// rank 0 rng.pt and meta.json, then DIR/latest; every rank of `world` calls it. A complete
-// DIR/step-N from an earlier attempt is kept.
-absl::StatusOr<CheckpointInfo> WriteStagedCheckpoint(
-    const std::string& dir, int64_t step, const PipelineLayout& layout, const LanguageModel& model,
-    const std::vector<std::pair<std::string, torch::Tensor>>& params,
-    torch::optim::Optimizer& optimizer, Communicator& world, Communicator* tensor);
 
 }  // namespace trainyard::trainer
 

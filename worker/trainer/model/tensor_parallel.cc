@@ -1,5 +1,5 @@
 // Tensor-parallel layers' collectives and shard layout (see tensor_parallel.h).
-#include "worker/trainer/parallel/tensor_parallel.h"
+#include "worker/trainer/model/tensor_parallel.h"
 
 namespace trainyard::trainer {
 namespace {

@@ -1,5 +1,7 @@
-// Megatron-LM tensor parallelism (parallel.tensor_parallel: T ranks share each layer): the pieces
-// the models use when their TensorParallel group is set (model.h).
+// Megatron-LM tensor parallelism (parallel.tensor_parallel: T ranks share each layer): the layers
+// the models use when their TensorParallel group is set (model.h), model building blocks as
+// Megatron's tensor_parallel/layers.py are. Cutting a model into them (KeepTensorParallelShards)
+// and the groups are parallel/'s.
 //  - Column-parallel linear: each rank holds 1/T of the output features (attention heads, the
 //    MLP's hidden units, the vocabulary of the head); its input passes CopyToTensorParallel
 //    (identity forward, all-reduce of the gradient backward).
@@ -22,8 +24,8 @@
 //
 // Every rank of the group must run the same forward and backward (the same micro-batches in the
 // same order); the collectives are blocking, on the training thread.
-#ifndef TRAINYARD_WORKER_TRAINER_PARALLEL_TENSOR_PARALLEL_H_
-#define TRAINYARD_WORKER_TRAINER_PARALLEL_TENSOR_PARALLEL_H_
+#ifndef TRAINYARD_WORKER_TRAINER_MODEL_TENSOR_PARALLEL_H_
+#define TRAINYARD_WORKER_TRAINER_MODEL_TENSOR_PARALLEL_H_
 
 #include <torch/torch.h>
 
@@ -73,4 +75,4 @@ torch::Tensor VocabParallelCrossEntropy(const torch::Tensor& logits, const torch
 
 }  // namespace trainyard::trainer
 
-#endif  // TRAINYARD_WORKER_TRAINER_PARALLEL_TENSOR_PARALLEL_H_
+#endif  // TRAINYARD_WORKER_TRAINER_MODEL_TENSOR_PARALLEL_H_
