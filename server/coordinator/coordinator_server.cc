@@ -189,12 +189,19 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s->history_ = std::make_unique<JobHistory>(*s->store_, *s->jobs_, *s->logs_, *s->metrics_,
                                              s->clock_, s->options_.limits.history);
   const IdentityRegistry& ids = *s->identities_;
-  s->job_service_ =
-      std::make_unique<JobServiceImpl>(*s->jobs_, *s->logs_, *s->metrics_, *s->history_, ids);
+  // Node loss reaches the job manager's attempt tracker by the registry's listener.
+  AttemptTracker* attempts = s->jobs_.get();
+  s->nodes_->SetLostListener([attempts](const std::vector<std::string>& lost) {
+    for (const auto& id : lost) spdlog::warn("node {} lost: no heartbeat", id);
+    attempts->OnNodesLost(lost);
+  });
+  // Each service gets the handlers it calls (job_handlers.h).
+  s->job_service_ = std::make_unique<JobServiceImpl>(*s->jobs_, *s->jobs_, *s->logs_, *s->metrics_,
+                                                     *s->history_, ids);
   s->trainer_service_ =
       std::make_unique<TrainerServiceImpl>(*s->jobs_, *s->metrics_, s->metrics_prom_.get(), ids);
   s->node_service_ = std::make_unique<NodeServiceImpl>(
-      *s->nodes_, *s->jobs_, *s->logs_, s->options_.heartbeat_interval, ids,
+      *s->nodes_, *s->jobs_, *s->jobs_, *s->logs_, s->options_.heartbeat_interval, ids,
       /*node_certificates=*/!s->options_.tls.client_ca_file.empty());
   s->node_service_->SetMetrics(s->metrics_prom_.get());
   s->rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(*s->rendezvous_, ids);
@@ -278,9 +285,8 @@ void CoordinatorServer::SchedulerLoop() {
 }
 
 void CoordinatorServer::Tick() {
+  // (The registry tells the job manager of lost nodes through its lost listener.)
   const std::vector<std::string> lost = nodes_->CheckTimeouts();
-  for (const auto& id : lost) spdlog::warn("node {} lost: no heartbeat", id);
-  jobs_->OnNodesLost(lost);
   // Their sessions end once the cancels of their ranks are written: a worker that is still there
   // (its heartbeats late, or its connection half open) reconnects and says what still runs.
   nodes_->CloseSessions(

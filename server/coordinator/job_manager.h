@@ -26,6 +26,7 @@
 #include "common/clock.h"
 #include "server/coordinator/coordinator_metrics.h"
 #include "server/coordinator/fair_share.h"
+#include "server/coordinator/job_handlers.h"
 #include "server/coordinator/job_store.h"
 #include "server/coordinator/node_registry.h"
 #include "server/coordinator/ps_placement.h"
@@ -38,12 +39,52 @@
 
 namespace trainyard::coordinator {
 
-class JobManager {
+class JobManager final : public JobLifecycle,
+                         public UsageReports,
+                         public TrainerReports,
+                         public AttemptTracker {
  public:
-  using JobCallback = std::function<void(absl::StatusOr<v1::Job>)>;
-  using WatchCallback = std::function<void(const v1::Job&)>;
+  using JobLifecycle::JobCallback;
+  using JobLifecycle::ListResult;
+  using JobLifecycle::WatchCallback;
 
   JobManager(JobStore& store, NodeRegistry& nodes, Rendezvous& rendezvous, const Clock& clock);
+
+  // The handlers (job_handlers.h, where each is documented).
+  // JobLifecycle: job_manager.cc (reads, lists, watches, cancels), job_admission.cc (Submit).
+  void Submit(const std::string& owner, v1::JobSpec spec, JobCallback done) override;
+  absl::StatusOr<v1::Job> Get(const std::string& job_id) const override ABSL_LOCKS_EXCLUDED(mu_);
+  bool IsResident(const std::string& job_id) const override ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<ListResult> List(const v1::ListJobsRequest& request) const override;
+  void Cancel(const std::string& job_id, const std::string& reason, JobCallback done) override;
+  void RequestCheckpoint(const std::string& job_id, JobCallback done) override;
+  std::string CheckpointDir(const std::string& job_id) const override;
+  absl::StatusOr<int64_t> Watch(const std::string& job_id, WatchCallback on_change,
+                                v1::Job* current, bool* current_durable) override;
+  void Unwatch(int64_t handle) override;
+  // UsageReports: job_usage.cc.
+  v1::QuotaReport Quota(const std::string& user, bool all_accounts) const override;
+  std::vector<v1::AccountUsage> AccountUsages() const override;
+  std::string WhyWaiting(const std::string& job_id, const std::string& viewer,
+                         bool viewer_is_admin) const override ABSL_LOCKS_EXCLUDED(mu_);
+  std::string UnfinishedJobOf(const std::string& account) const override ABSL_LOCKS_EXCLUDED(mu_);
+  // TrainerReports: job_attempts.cc.
+  absl::StatusOr<v1::TrainerCommands> OnStepReport(const v1::StepReport& report) override;
+  absl::StatusOr<v1::TrainerCommands> OnCheckpointReport(
+      const v1::CheckpointReport& report) override;
+  // AttemptTracker: job_attempts.cc.
+  void OnNodeHello(const std::string& node_id,
+                   const google::protobuf::RepeatedPtrField<v1::RankStatus>& running) override;
+  void OnRankStatus(const std::string& node_id, const v1::RankStatus& status) override;
+  void OnNodesLost(const std::vector<std::string>& node_ids) override;
+  bool RankRunsOn(const std::string& node_id, const std::string& job_id, int attempt,
+                  int rank) const override;
+  std::vector<v1::Assignment> AssignmentsFor(const std::string& node_id) const override;
+  std::vector<v1::Node> NodesWithAllocations() const override;
+  std::vector<std::string> DrainNode(const std::string& node_id, const std::string& by) override;
+  void RequestSchedulingPass() override { WakeScheduler(); }
+
+  // The server's own calls: set-up before serving, its threads (scheduler, ticker, evictor).
 
   // Loads jobs saved by an earlier run (before serving). Running jobs keep their placement and
   // wait for their nodes to come back; DATA_LOSS for an unreadable record.
@@ -72,29 +113,12 @@ class JobManager {
   // store's commit thread), loaded before serving (DATA_LOSS for an unreadable record).
   absl::Status SaveUsage();
   absl::Status LoadUsage();
-  // A user's and its account's use, quota and share (every account's with `all_accounts`).
-  v1::QuotaReport Quota(const std::string& user, bool all_accounts) const;
-  // Every account's use, quota and share (for metrics), by name.
-  std::vector<v1::AccountUsage> AccountUsages() const;
   // Makes the job credential of an attempt, put into its assignments (set once, before serving).
   void SetJobCredentials(
       std::function<std::string(const std::string& job_id, int32_t attempt)> credential_for);
   // Where jobs' checkpoints live: ROOT/JOB_ID, shared by the job's attempts so a restarted
   // attempt resumes (set once, before serving; empty: the worker picks a local folder).
   void SetCheckpointRoot(std::string root);
-  // ROOT/JOB_ID: the job's checkpoints (and checkpoint.export's files in its "export" folder).
-  std::string CheckpointDir(const std::string& job_id) const;
-
-  // Applies defaults, validates (INVALID_ARGUMENT naming the field) and checks that the model fits
-  // some node's devices and the owner's limits (RESOURCE_EXHAUSTED at max_queued_jobs;
-  // INVALID_ARGUMENT for more devices than its caps or account allow ever, or preemptible: false
-  // beyond its account's quota), stores the job durably as QUEUED (charged to the owner's
-  // account), then calls `done` with it. Nothing is stored on error.
-  void Submit(const std::string& owner, v1::JobSpec spec, JobCallback done);
-
-  // From memory, or for a finished job past its retention from the store. NOT_FOUND, or the
-  // store's error.
-  absl::StatusOr<v1::Job> Get(const std::string& job_id) const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Finished jobs leave memory `retention` after they end (infinite: never): their later reads are
   // served from the store. Set once, before Load.
@@ -106,49 +130,9 @@ class JobManager {
   // Forgets jobs taken by TakeEvictionCandidates, or offers them again at the next call.
   void Evict(const std::vector<std::string>& job_ids) ABSL_LOCKS_EXCLUDED(mu_);
   void EvictionFailed(const std::vector<std::string>& job_ids) ABSL_LOCKS_EXCLUDED(mu_);
-  // Whether the job is held in memory (a job being submitted or evicted may be in neither).
-  bool IsResident(const std::string& job_id) const ABSL_LOCKS_EXCLUDED(mu_);
   // How many jobs are held in memory.
   size_t ResidentJobs() const ABSL_LOCKS_EXCLUDED(mu_);
-  // Why a waiting job waits, in words, as of the latest scheduling pass ("" for a job that does
-  // not wait). Jobs of others than `viewer` are not named unless `viewer_is_admin`.
-  std::string WhyWaiting(const std::string& job_id, const std::string& viewer,
-                         bool viewer_is_admin) const ABSL_LOCKS_EXCLUDED(mu_);
-  // An unfinished job charged to `account`, if any ("" if none): accounts in use stay.
-  std::string UnfinishedJobOf(const std::string& account) const ABSL_LOCKS_EXCLUDED(mu_);
-  // Whether rank `rank` of attempt `attempt` of the job runs on `node_id` (placed there, or an
-  // older attempt's rank still stopping there): what a node may report on.
-  bool RankRunsOn(const std::string& node_id, const std::string& job_id, int attempt,
-                  int rank) const;
 
-  struct ListResult {
-    std::vector<v1::Job> jobs;  // newest first
-    std::string next_page_token;
-  };
-  absl::StatusOr<ListResult> List(const v1::ListJobsRequest& request) const;
-
-  // Cancels a waiting or running job (its ranks are told to stop); `done` after it is durable.
-  // NOT_FOUND, or FAILED_PRECONDITION for a job that already ended.
-  void Cancel(const std::string& job_id, const std::string& reason, JobCallback done);
-
-  // Asks a running job for a checkpoint: RUNNING → CHECKPOINTING until its ranks report one.
-  // NOT_FOUND, or FAILED_PRECONDITION if the job is not running.
-  void RequestCheckpoint(const std::string& job_id, JobCallback done);
-  // A step report from a job's rank 0: updates the job's progress and returns its pending
-  // commands. FAILED_PRECONDITION for an attempt that is not the job's running one.
-  absl::StatusOr<v1::TrainerCommands> OnStepReport(const v1::StepReport& report);
-  // A checkpoint written by a job's ranks: recorded durably; CHECKPOINTING → RUNNING.
-  absl::StatusOr<v1::TrainerCommands> OnCheckpointReport(const v1::CheckpointReport& report);
-
-  // Subscribes to a job's durable changes. Returns a handle for Unwatch and fills `current`
-  // with the job as it is now, and `current_durable` with whether that state is on disk yet (if
-  // not, `on_change` receives it once it is). Callbacks may repeat a version already seen.
-  absl::StatusOr<int64_t> Watch(const std::string& job_id, WatchCallback on_change,
-                                v1::Job* current, bool* current_durable);
-  void Unwatch(int64_t handle);
-
-  // Asks the scheduler loop for a pass soon (after a node joins or comes back).
-  void RequestSchedulingPass() { WakeScheduler(); }
   // One scheduling pass; returns how many jobs it placed.
   int SchedulePass();
 
@@ -156,23 +140,6 @@ class JobManager {
   // restart, the limit belongs to the job). The scheduler's backfill relies on it. Returns how
   // many it ended.
   int EnforceRuntimeLimits();
-  // Fails (or restarts, within max_restarts) every running attempt with ranks on these nodes.
-  void OnNodesLost(const std::vector<std::string>& node_ids);
-  // An admin drains `node_id` (already cordoned in the registry): each running job with ranks
-  // there is asked to checkpoint and stop within its preemption grace, then goes to PREEMPTED
-  // and waits to be placed again, elsewhere: the preemption path, with "drain of node N" as the
-  // preemptor. Returns the ids of the jobs it asked (a job already stopping is not asked again).
-  std::vector<std::string> DrainNode(const std::string& node_id, const std::string& by);
-  // A rank's status from the node running it; stale attempts are told to stop.
-  void OnRankStatus(const std::string& node_id, const v1::RankStatus& status);
-  // A node's session opened, `running` being the ranks it runs: stops the stale ones and frees the
-  // devices of stopped ranks that it no longer runs.
-  void OnNodeHello(const std::string& node_id,
-                   const google::protobuf::RepeatedPtrField<v1::RankStatus>& running);
-  // Assignments of running attempts with ranks on `node_id`; resent when its session attaches.
-  std::vector<v1::Assignment> AssignmentsFor(const std::string& node_id) const;
-  // Every node with the device indices running attempts hold on it.
-  std::vector<v1::Node> NodesWithAllocations() const;
   // For metrics: how many jobs are in each state, and which jobs run.
   std::map<v1::JobState, int> CountByState() const;
   std::vector<std::string> RunningJobs() const;

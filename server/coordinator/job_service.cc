@@ -22,7 +22,7 @@ constexpr size_t kMaxReasonBytes = 1024;
 // WatchJob: the job's state now, then each durable change, until a terminal state.
 class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
  public:
-  WatchReactor(JobManager& jobs, const std::string& job_id)
+  WatchReactor(JobLifecycle& jobs, const std::string& job_id)
       : jobs_(jobs),
         queue_(std::make_shared<Queue>(this)),
         last_version_(std::make_shared<State>()) {
@@ -70,7 +70,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
     if (IsTerminal(job.state())) queue->FinishWhenDrained(grpc::Status::OK);
   }
 
-  JobManager& jobs_;
+  JobLifecycle& jobs_;
   std::shared_ptr<Queue> queue_;
   std::shared_ptr<State> last_version_;
   int64_t handle_ = 0;
@@ -81,7 +81,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
 template <typename T>
 class SeriesReactor final : public grpc::ServerWriteReactor<T> {
  public:
-  SeriesReactor(JobManager& jobs, JobSeries<T>& series, const std::string& job_id, size_t tail,
+  SeriesReactor(JobLifecycle& jobs, JobSeries<T>& series, const std::string& job_id, size_t tail,
                 bool follow, std::function<absl::StatusOr<std::vector<T>>()> persisted)
       : jobs_(jobs), series_(series), queue_(std::make_shared<Queue>(this)) {
     v1::Job current;
@@ -133,7 +133,7 @@ class SeriesReactor final : public grpc::ServerWriteReactor<T> {
 
  private:
   using Queue = WriteQueue<grpc::ServerWriteReactor<T>, T>;
-  JobManager& jobs_;
+  JobLifecycle& jobs_;
   JobSeries<T>& series_;
   std::shared_ptr<Queue> queue_;
   int64_t watch_ = 0;
@@ -298,7 +298,7 @@ grpc::ServerUnaryReactor* JobServiceImpl::GetJob(grpc::CallbackServerContext* ct
   auto job = AccessibleJob(ctx, request->job_id(), "GetJob", &caller);
   if (job.ok()) {
     *response = *std::move(job);
-    response->set_why_waiting(jobs_.WhyWaiting(response->id(), caller.user, caller.IsAdmin()));
+    response->set_why_waiting(usage_.WhyWaiting(response->id(), caller.user, caller.IsAdmin()));
   }
   return Done(ctx, job.status());
 }
@@ -469,7 +469,7 @@ grpc::ServerUnaryReactor* JobServiceImpl::GetQuota(grpc::CallbackServerContext* 
   if (!identities_.GetUser(user).ok()) {
     return Done(ctx, absl::NotFoundError(absl::StrCat("user: no user ", user)));
   }
-  *response = jobs_.Quota(user, request->all_accounts());
+  *response = usage_.Quota(user, request->all_accounts());
   return Done(ctx, absl::OkStatus());
 }
 

@@ -235,16 +235,19 @@ absl::StatusOr<bool> NodeRegistry::Heartbeat(
 
 std::vector<std::string> NodeRegistry::CheckTimeouts() {
   std::vector<std::string> lost;
-  absl::MutexLock lock(&mu_);
-  const absl::Time now = clock_.Now();
-  for (auto& [id, entry] : nodes_) {
-    if (entry.node.state() == v1::NODE_READY && now - entry.last_heartbeat > node_timeout_) {
-      Unindex(entry);
-      entry.node.set_state(v1::NODE_LOST);
-      Index(entry);
-      lost.push_back(id);
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = clock_.Now();
+    for (auto& [id, entry] : nodes_) {
+      if (entry.node.state() == v1::NODE_READY && now - entry.last_heartbeat > node_timeout_) {
+        Unindex(entry);
+        entry.node.set_state(v1::NODE_LOST);
+        Index(entry);
+        lost.push_back(id);
+      }
     }
   }
+  if (!lost.empty() && lost_listener_) lost_listener_(lost);
   return lost;
 }
 

@@ -78,7 +78,14 @@ class NodeRegistry {
       const std::string& node_id,
       const google::protobuf::RepeatedPtrField<v1::DeviceSample>& samples = {});
 
-  // Marks READY nodes whose last heartbeat is older than the node timeout LOST; returns their ids.
+  // Who hears of lost nodes (the job manager's AttemptTracker::OnNodesLost): called by
+  // CheckTimeouts with the nodes it found lost, without this registry's lock held. Set once,
+  // before serving.
+  void SetLostListener(std::function<void(const std::vector<std::string>&)> listener) {
+    lost_listener_ = std::move(listener);
+  }
+  // Marks READY nodes whose last heartbeat is older than the node timeout LOST, tells the lost
+  // listener, and returns their ids.
   std::vector<std::string> CheckTimeouts();
   // Ends the open sessions of these nodes with `why` once what was queued for them (their ranks'
   // cancels) is written; their workers reconnect and say which ranks still run.
@@ -114,6 +121,7 @@ class NodeRegistry {
   absl::Duration node_timeout() const { return node_timeout_; }
 
  private:
+  std::function<void(const std::vector<std::string>&)> lost_listener_;
   struct Entry {
     v1::Node node;
     absl::Time last_heartbeat;

@@ -26,7 +26,7 @@ class SessionReactor final
     : public grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage> {
  public:
   // `token_node`: the node the caller's node token is bound to; hello must name it.
-  SessionReactor(NodeRegistry& nodes, JobManager& jobs, JobLogs& logs,
+  SessionReactor(NodeRegistry& nodes, AttemptTracker& jobs, JobLogs& logs,
                  const IdentityRegistry& identities, std::string token_node, SerialExecutor& events,
                  CoordinatorMetrics* metrics)
       : nodes_(nodes),
@@ -141,7 +141,7 @@ class SessionReactor final
     });
   }
 
-  static void HandleLogs(JobManager& jobs, JobLogs& logs, const std::string& node,
+  static void HandleLogs(AttemptTracker& jobs, JobLogs& logs, const std::string& node,
                          const v1::LogLines& in) {
     if (!jobs.RankRunsOn(node, in.job_id(), in.attempt(), in.rank())) {
       // A node speaks only for the ranks it runs.
@@ -173,7 +173,7 @@ class SessionReactor final
   }
 
   NodeRegistry& nodes_;
-  JobManager& jobs_;
+  AttemptTracker& jobs_;
   JobLogs& logs_;
   const IdentityRegistry& identities_;
   SerialExecutor& events_;
@@ -340,7 +340,7 @@ grpc::ServerUnaryReactor* NodeServiceImpl::VerifyJobCredential(
     return refuse(
         absl::UnauthenticatedError(absl::StrCat("credential: ", rank.status().message())));
   }
-  auto job = jobs_.Get(rank->job_id);
+  auto job = lifecycle_.Get(rank->job_id);
   if (!job.ok()) {
     return refuse(absl::UnauthenticatedError(
         "credential: not a parameter-server credential this coordinator made"));

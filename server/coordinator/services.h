@@ -1,5 +1,6 @@
 // The coordinator's gRPC adapters: thin translations between trainyard.v1 messages and the
-// managers (JobManager, NodeRegistry, Rendezvous, IdentityRegistry), on gRPC's callback API. Each
+// managers (JobManager through job_handlers.h's interfaces, NodeRegistry, Rendezvous,
+// IdentityRegistry), on gRPC's callback API. Each
 // call is authenticated first (the "authorization" metadata, IdentityRegistry::Authenticate) and
 // authorized by the rules in the protos' service comments; a refused call changes nothing and
 // ends with UNAUTHENTICATED or PERMISSION_DENIED naming what was missing. Calls that change
@@ -10,8 +11,8 @@
 
 #include "server/coordinator/coordinator_metrics.h"
 #include "server/coordinator/identity.h"
+#include "server/coordinator/job_handlers.h"
 #include "server/coordinator/job_history.h"
-#include "server/coordinator/job_manager.h"
 #include "server/coordinator/job_series.h"
 #include "server/coordinator/node_registry.h"
 #include "server/coordinator/rendezvous.h"
@@ -27,9 +28,14 @@ namespace trainyard::coordinator {
 class JobServiceImpl final : public v1::JobService::CallbackService {
  public:
   // Logs and metrics of jobs no longer in memory come from `history`.
-  JobServiceImpl(JobManager& jobs, JobLogs& logs, JobMetrics& metrics, const JobHistory& history,
-                 const IdentityRegistry& identities)
-      : jobs_(jobs), logs_(logs), metrics_(metrics), history_(history), identities_(identities) {}
+  JobServiceImpl(JobLifecycle& jobs, const UsageReports& usage, JobLogs& logs, JobMetrics& metrics,
+                 const JobHistory& history, const IdentityRegistry& identities)
+      : jobs_(jobs),
+        usage_(usage),
+        logs_(logs),
+        metrics_(metrics),
+        history_(history),
+        identities_(identities) {}
 
   grpc::ServerUnaryReactor* SubmitJob(grpc::CallbackServerContext* ctx,
                                       const v1::SubmitJobRequest* request,
@@ -62,7 +68,8 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
   absl::StatusOr<v1::Job> AccessibleJob(grpc::CallbackServerContext* ctx, const std::string& job_id,
                                         const char* method, Principal* caller) const;
 
-  JobManager& jobs_;
+  JobLifecycle& jobs_;
+  const UsageReports& usage_;
   JobLogs& logs_;
   JobMetrics& metrics_;
   const JobHistory& history_;
@@ -72,7 +79,7 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
 class TrainerServiceImpl final : public v1::TrainerService::CallbackService {
  public:
   // `prometheus` may be null.
-  TrainerServiceImpl(JobManager& jobs, JobMetrics& metrics, CoordinatorMetrics* prometheus,
+  TrainerServiceImpl(TrainerReports& jobs, JobMetrics& metrics, CoordinatorMetrics* prometheus,
                      const IdentityRegistry& identities)
       : jobs_(jobs), metrics_(metrics), prometheus_(prometheus), identities_(identities) {}
 
@@ -84,7 +91,7 @@ class TrainerServiceImpl final : public v1::TrainerService::CallbackService {
                                              v1::TrainerCommands* response) override;
 
  private:
-  JobManager& jobs_;
+  TrainerReports& jobs_;
   JobMetrics& metrics_;
   CoordinatorMetrics* prometheus_;
   const IdentityRegistry& identities_;
@@ -94,11 +101,13 @@ class NodeServiceImpl final : public v1::NodeService::CallbackService {
  public:
   // `node_certificates`: node calls authenticate with a verified client certificate whose common
   // name is the node id (mutual TLS), a node token being optional.
-  NodeServiceImpl(NodeRegistry& nodes, JobManager& jobs, JobLogs& logs,
-                  absl::Duration heartbeat_interval, const IdentityRegistry& identities,
-                  bool node_certificates = false)
+  // `lifecycle`: only to find the job of a parameter-server credential.
+  NodeServiceImpl(NodeRegistry& nodes, AttemptTracker& jobs, const JobLifecycle& lifecycle,
+                  JobLogs& logs, absl::Duration heartbeat_interval,
+                  const IdentityRegistry& identities, bool node_certificates = false)
       : nodes_(nodes),
         jobs_(jobs),
+        lifecycle_(lifecycle),
         logs_(logs),
         heartbeat_interval_(heartbeat_interval),
         identities_(identities),
@@ -125,7 +134,8 @@ class NodeServiceImpl final : public v1::NodeService::CallbackService {
 
  private:
   NodeRegistry& nodes_;
-  JobManager& jobs_;
+  AttemptTracker& jobs_;
+  const JobLifecycle& lifecycle_;
   JobLogs& logs_;
   const absl::Duration heartbeat_interval_;
   CoordinatorMetrics* metrics_ = nullptr;
