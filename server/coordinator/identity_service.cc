@@ -4,7 +4,27 @@
 #include "absl/strings/str_cat.h"
 
 namespace trainyard::coordinator {
-// ---- IdentityService ----
+namespace {
+
+// An admin's audited change, the shape of most Identity RPCs: the request's limits, an admin
+// caller (refused and audited otherwise, by `method`), the change itself, its audit line
+// (`action` on `subject`, with the outcome), then the answer.
+template <typename Request, typename Result, typename Change>
+grpc::ServerUnaryReactor* AdminChange(grpc::CallbackServerContext* ctx,
+                                      const IdentityRegistry& identities, const Request& request,
+                                      const char* method, const char* action,
+                                      const std::string& subject, Result* response,
+                                      Change&& change) {
+  if (absl::Status s = CheckRequest(request); !s.ok()) return Done(ctx, s);
+  auto caller = AuthenticateAdmin(ctx, identities, method);
+  if (!caller.ok()) return Done(ctx, caller.status());
+  absl::StatusOr<Result> result = change(*caller);
+  Audit(*caller, action, subject, result.status());
+  if (result.ok()) *response = *std::move(result);
+  return Done(ctx, result.status());
+}
+
+}  // namespace
 
 grpc::ServerUnaryReactor* IdentityServiceImpl::WhoAmI(grpc::CallbackServerContext* ctx,
                                                       const v1::WhoAmIRequest*,
@@ -23,13 +43,11 @@ grpc::ServerUnaryReactor* IdentityServiceImpl::WhoAmI(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* IdentityServiceImpl::CreateUser(grpc::CallbackServerContext* ctx,
                                                           const v1::CreateUserRequest* request,
                                                           v1::User* response) {
-  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
-  auto caller = AuthenticateAdmin(ctx, identities_, "CreateUser");
-  if (!caller.ok()) return Done(ctx, caller.status());
-  auto user = identities_.CreateUser(request->name(), request->role(), request->account());
-  Audit(*caller, "CreateUser", request->name(), user.status());
-  if (user.ok()) *response = *std::move(user);
-  return Done(ctx, user.status());
+  return AdminChange(ctx, identities_, *request, "CreateUser", "CreateUser", request->name(),
+                     response, [&](const Principal&) {
+                       return identities_.CreateUser(request->name(), request->role(),
+                                                     request->account());
+                     });
 }
 
 grpc::ServerUnaryReactor* IdentityServiceImpl::ListUsers(grpc::CallbackServerContext* ctx,
@@ -44,13 +62,11 @@ grpc::ServerUnaryReactor* IdentityServiceImpl::ListUsers(grpc::CallbackServerCon
 grpc::ServerUnaryReactor* IdentityServiceImpl::DisableUser(grpc::CallbackServerContext* ctx,
                                                            const v1::DisableUserRequest* request,
                                                            v1::User* response) {
-  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
-  auto caller = AuthenticateAdmin(ctx, identities_, "DisableUser");
-  if (!caller.ok()) return Done(ctx, caller.status());
-  auto user = identities_.SetDisabled(request->name(), !request->enable());
-  Audit(*caller, request->enable() ? "EnableUser" : "DisableUser", request->name(), user.status());
-  if (user.ok()) *response = *std::move(user);
-  return Done(ctx, user.status());
+  return AdminChange(ctx, identities_, *request, "DisableUser",
+                     request->enable() ? "EnableUser" : "DisableUser", request->name(), response,
+                     [&](const Principal&) {
+                       return identities_.SetDisabled(request->name(), !request->enable());
+                     });
 }
 
 grpc::ServerUnaryReactor* IdentityServiceImpl::CreateToken(grpc::CallbackServerContext* ctx,
@@ -128,49 +144,32 @@ grpc::ServerUnaryReactor* IdentityServiceImpl::RevokeToken(grpc::CallbackServerC
 grpc::ServerUnaryReactor* IdentityServiceImpl::UpdateUser(grpc::CallbackServerContext* ctx,
                                                           const v1::UpdateUserRequest* request,
                                                           v1::User* response) {
-  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
-  auto caller = AuthenticateAdmin(ctx, identities_, "UpdateUser");
-  if (!caller.ok()) return Done(ctx, caller.status());
-  auto user = identities_.UpdateUser(*request);
-  Audit(*caller, "UpdateUser", request->name(), user.status());
-  if (user.ok()) *response = *std::move(user);
-  return Done(ctx, user.status());
+  return AdminChange(ctx, identities_, *request, "UpdateUser", "UpdateUser", request->name(),
+                     response, [&](const Principal&) { return identities_.UpdateUser(*request); });
 }
 
 grpc::ServerUnaryReactor* IdentityServiceImpl::CreateAccount(
     grpc::CallbackServerContext* ctx, const v1::CreateAccountRequest* request,
     v1::Account* response) {
-  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
-  auto caller = AuthenticateAdmin(ctx, identities_, "CreateAccount");
-  if (!caller.ok()) return Done(ctx, caller.status());
-  auto account = identities_.CreateAccount(request->account());
-  Audit(*caller, "CreateAccount", request->account().name(), account.status());
-  if (account.ok()) *response = *std::move(account);
-  return Done(ctx, account.status());
+  return AdminChange(
+      ctx, identities_, *request, "CreateAccount", "CreateAccount", request->account().name(),
+      response, [&](const Principal&) { return identities_.CreateAccount(request->account()); });
 }
 
 grpc::ServerUnaryReactor* IdentityServiceImpl::UpdateAccount(
     grpc::CallbackServerContext* ctx, const v1::UpdateAccountRequest* request,
     v1::Account* response) {
-  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
-  auto caller = AuthenticateAdmin(ctx, identities_, "UpdateAccount");
-  if (!caller.ok()) return Done(ctx, caller.status());
-  auto account = identities_.UpdateAccount(request->account());
-  Audit(*caller, "UpdateAccount", request->account().name(), account.status());
-  if (account.ok()) *response = *std::move(account);
-  return Done(ctx, account.status());
+  return AdminChange(
+      ctx, identities_, *request, "UpdateAccount", "UpdateAccount", request->account().name(),
+      response, [&](const Principal&) { return identities_.UpdateAccount(request->account()); });
 }
 
 grpc::ServerUnaryReactor* IdentityServiceImpl::DeleteAccount(
     grpc::CallbackServerContext* ctx, const v1::DeleteAccountRequest* request,
     v1::Account* response) {
-  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
-  auto caller = AuthenticateAdmin(ctx, identities_, "DeleteAccount");
-  if (!caller.ok()) return Done(ctx, caller.status());
-  auto account = identities_.DeleteAccount(request->name());
-  Audit(*caller, "DeleteAccount", request->name(), account.status());
-  if (account.ok()) *response = *std::move(account);
-  return Done(ctx, account.status());
+  return AdminChange(ctx, identities_, *request, "DeleteAccount", "DeleteAccount", request->name(),
+                     response,
+                     [&](const Principal&) { return identities_.DeleteAccount(request->name()); });
 }
 
 grpc::ServerUnaryReactor* IdentityServiceImpl::ListAccounts(grpc::CallbackServerContext* ctx,
