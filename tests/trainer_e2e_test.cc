@@ -520,6 +520,20 @@ TEST_F(TrainerE2eTest, TakesItsContextFromOneFileOrFromFlagsNotBoth) {
   testing::CommandResult missing = testing::RunCommand({trainer, "--rank", "0"});
   EXPECT_EQ(missing.exit_code, 2);
   EXPECT_THAT(missing.err, HasSubstr("--spec: required (or --context FILE)"));
+  // A binary spec given by hand is checked as the coordinator checks one (only the worker's
+  // context is taken as it is).
+  v1::JobSpec broken = TinySpec(1, 8);
+  broken.mutable_train()->set_lr(-1);
+  const std::string spec = dir_.path() + "/broken.pb";
+  {
+    std::ofstream out(spec, std::ios::binary);
+    out << broken.SerializeAsString();
+  }
+  testing::CommandResult refused = testing::RunCommand(
+      {trainer, "--spec", spec, "--job-id", "j", "--attempt", "1", "--rank", "0", "--world-size",
+       "1", "--coordinator", "127.0.0.1:1", "--checkpoint-dir", "", "--threads", "1"});
+  EXPECT_EQ(refused.exit_code, 2);
+  EXPECT_THAT(refused.err, HasSubstr("train.lr: must be in (0, 10], got -1"));
 }
 
 // The worker offers GPUs only to a trainer that lists cuda; the default build (Debian's CPU

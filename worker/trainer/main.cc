@@ -38,9 +38,13 @@ absl::StatusOr<v1::JobSpec> LoadSpec(const std::string& path) {
     return absl::InvalidArgumentError(
         absl::StrCat("--spec: '", path, "' is not a binary trainyard.v1.JobSpec"));
   }
-  // A binary spec is the coordinator's (the worker writes the assignment's spec.pb): defaults
-  // filled and validated there, once, so not again here. A YAML spec (a rank run by hand) is
-  // checked like yard checks it.
+  // Given by hand (or by a test), a binary spec gets the coordinator's defaults and checks, as a
+  // YAML one gets yard's. Only --context's spec, which the worker writes from the coordinator's
+  // assignment (defaults filled and validated there, once), is taken as it is.
+  ApplyJobSpecDefaults(spec);
+  if (absl::Status s = ValidateJobSpec(spec); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--spec: '", path, "': ", s.message()));
+  }
   return spec;
 }
 
