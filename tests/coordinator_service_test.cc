@@ -393,13 +393,14 @@ TEST_F(CoordinatorServiceTest, ACordonedNodeTakesNoNewRanksAndADrainMovesItsJobs
   auto n1 = Connect("n1", 1);
   auto n2 = Connect("n2", 1);
   auto cordon = [&](const std::string& node, v1::CordonAction action, const std::string& token,
-                    v1::CordonNodeResponse* out = nullptr) {
+                    v1::CordonNodeResponse* out = nullptr,
+                    const std::string& reason = "disk check") {
     grpc::ClientContext ctx;
     PrepareToken(ctx, token);
     v1::CordonNodeRequest r;
     r.set_node_id(node);
     r.set_action(action);
-    r.set_reason("disk check");
+    r.set_reason(reason);
     v1::CordonNodeResponse resp;
     grpc::Status s = nodes_->CordonNode(&ctx, r, &resp);
     if (out != nullptr) *out = resp;
@@ -412,6 +413,14 @@ TEST_F(CoordinatorServiceTest, ACordonedNodeTakesNoNewRanksAndADrainMovesItsJobs
   grpc::Status bad = cordon("n1", v1::CORDON_ACTION_UNSPECIFIED, admin);
   EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(bad.error_message(), StartsWith("action:"));
+  // The reason is kept with the node and shown to everyone: at most 1024 bytes.
+  v1::CordonNodeResponse longest;
+  ASSERT_TRUE(cordon("n1", v1::CORDON, admin, &longest, std::string(1024, 'r')).ok());
+  EXPECT_EQ(longest.node().cordon_reason().size(), 1024u);
+  ASSERT_TRUE(cordon("n1", v1::UNCORDON, admin).ok());
+  bad = cordon("n1", v1::CORDON, admin, nullptr, std::string(1025, 'r'));
+  EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(bad.error_message(), StartsWith("reason: 1025 bytes, at most 1024"));
   EXPECT_FALSE(Node("n1").cordoned()) << "a refused call changes nothing";
 
   v1::CordonNodeResponse done;
