@@ -16,12 +16,15 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <sys/stat.h>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -75,6 +78,10 @@ int main(int argc, char** argv) {
                 : std::string(credential).rfind(prefix, 0) == 0 ? "of this attempt"
                                                                 : "of another attempt",
                 std::getenv("TRAINYARD_TOKEN") != nullptr ? "set" : "unset");
+    struct stat st {};
+    if (stat(context_path.c_str(), &st) == 0) {
+      std::printf("rank %d: context file mode %o\n", rank, st.st_mode & 07777);
+    }
     return 0;
   }
   if (mode == "print-identity") {  // the account it runs as

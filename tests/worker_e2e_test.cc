@@ -515,6 +515,8 @@ TEST_F(WorkerE2eTest, RanksGetTheirAttemptsJobCredentialButNotTheWorkersNodeToke
     EXPECT_THAT(lines,
                 Contains(absl::StrCat(rank, ": rank ", rank,
                                       ": job credential of this attempt; node token unset")));
+    // Its context (the spec, the job, the servers) is readable by the rank's account only.
+    EXPECT_THAT(lines, Contains(absl::StrCat(rank, ": rank ", rank, ": context file mode 600")));
   }
   for (const std::string& line : lines) EXPECT_THAT(line, Not(HasSubstr("tyj.")));
 }
