@@ -1,5 +1,11 @@
-// yard admin: users, accounts, tokens and denied nodes (admins only; the coordinator checks).
+// yard admin: users, accounts, tokens, nodes and backups (admins only; the coordinator checks).
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
 #include <iostream>
 
 #include <CLI/CLI.hpp>
@@ -374,13 +380,73 @@ void AddCordonVerbs(CLI::App* node_cmd, Cli& c) {
 
 }  // namespace
 
+// yard admin backup: the coordinator's state into `out` (which must not exist), written as
+// .NAME.part beside it (mode 0600: it holds every user's token hashes), synced, then renamed.
+int Backup(const Globals& g, const std::string& out) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::exists(out, ec) || fs::is_symlink(out, ec)) {
+    return Fail(absl::FailedPreconditionError(absl::StrCat("--out: '", out, "' exists")));
+  }
+  const fs::path target(out);
+  const std::string part =
+      (target.parent_path() / ("." + target.filename().string() + ".part")).string();
+  const int fd = ::open(part.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) {
+    return Fail(absl::InternalError(
+        absl::StrCat("--out: cannot create '", part, "': ", std::strerror(errno))));
+  }
+  int64_t written = 0, size = -1;
+  YardClient client(g.coordinator, g.Token(), g.tls);
+  absl::Status s = client.Backup([&](const v1::BackupChunk& c) {
+    if (size < 0) size = c.total_size();
+    if (c.total_size() != size || c.offset() != written ||
+        written + static_cast<int64_t>(c.data().size()) > size) {
+      return absl::DataLossError("the coordinator sent the backup out of order");
+    }
+    for (size_t done = 0; done < c.data().size();) {
+      const ssize_t n = ::write(fd, c.data().data() + done, c.data().size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        return absl::InternalError(
+            absl::StrCat("cannot write '", part, "': ", std::strerror(errno)));
+      }
+      done += static_cast<size_t>(n);
+    }
+    written += static_cast<int64_t>(c.data().size());
+    return absl::OkStatus();
+  });
+  if (s.ok() && written != size) {
+    s = absl::DataLossError(absl::StrCat("the backup ended at ", written, " of ", size, " bytes"));
+  }
+  if (s.ok() && ::fsync(fd) != 0) {
+    s = absl::InternalError(absl::StrCat("cannot sync '", part, "': ", std::strerror(errno)));
+  }
+  ::close(fd);
+  if (s.ok()) {
+    fs::rename(part, out, ec);
+    if (ec) s = absl::InternalError(absl::StrCat("cannot rename '", part, "': ", ec.message()));
+  }
+  if (!s.ok()) {
+    fs::remove(part, ec);
+    return Fail(s);
+  }
+  if (g.json()) {
+    std::cout << nlohmann::json({{"file", out}, {"bytes", written}}).dump(1) << "\n";
+  } else {
+    std::cout << "backed up the coordinator's state, " << HumanBytes(written) << ", into " << out
+              << "\n";
+  }
+  return 0;
+}
+
 // admin: users, accounts, tokens, nodes.
 void AddAdminVerbs(CLI::App& app, Cli& c) {
   Globals& g = c.g;
   int& rc = c.rc;
   VerbArgs& a = c.args;
-  auto* admin =
-      app.add_subcommand("admin", "users, accounts and tokens (admins; a user: its own tokens)");
+  auto* admin = app.add_subcommand(
+      "admin", "users, accounts, tokens, nodes and backups (admins; a user: its own tokens)");
   admin->require_subcommand(1);
   auto* user_cmd = admin->add_subcommand("user", "users of the cluster (admins)");
   user_cmd->require_subcommand(1);
@@ -484,6 +550,13 @@ void AddAdminVerbs(CLI::App& app, Cli& c) {
   auto* node_ls = node_cmd->add_subcommand("ls", "list denied nodes");
   node_ls->callback([&] { rc = NodeDeniedList(g); });
   AddCordonVerbs(node_cmd, c);
+
+  auto* backup = admin->add_subcommand(
+      "backup",
+      "a consistent copy of the coordinator's state, taken while it serves (admins); restore "
+      "with trainyard-coordinator --restore FILE on an empty state directory");
+  backup->add_option("--out", a.out_dir, "the file to write (must not exist)")->required();
+  backup->callback([&] { rc = Backup(g, a.out_dir); });
 }
 
 }  // namespace trainyard::client

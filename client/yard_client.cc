@@ -27,6 +27,7 @@ YardClient::YardClient(const std::string& coordinator_address, absl::StatusOr<st
   jobs_ = v1::JobService::NewStub(channel_);
   nodes_ = v1::NodeService::NewStub(channel_);
   identity_ = v1::IdentityService::NewStub(channel_);
+  admin_ = v1::AdminService::NewStub(channel_);
 }
 
 absl::Status YardClient::Prepare(grpc::ClientContext& ctx, absl::Duration timeout) const {
@@ -159,6 +160,25 @@ absl::Status YardClient::FetchExport(
   request.set_job_id(job_id);
   auto reader = jobs_->FetchExport(&ctx, request);
   v1::ExportChunk chunk;
+  absl::Status mine;
+  while (mine.ok() && reader->Read(&chunk)) mine = on_chunk(chunk);
+  if (!mine.ok()) {
+    ctx.TryCancel();
+    while (reader->Read(&chunk)) {
+    }
+    reader->Finish();
+    return mine;
+  }
+  return Convert(reader->Finish());
+}
+
+absl::Status YardClient::Backup(
+    const std::function<absl::Status(const v1::BackupChunk&)>& on_chunk) {
+  grpc::ClientContext ctx;
+  // No deadline: a large state takes long to move; a stalled stream is the admin's to stop.
+  if (absl::Status s = Prepare(ctx, absl::ZeroDuration()); !s.ok()) return s;
+  auto reader = admin_->Backup(&ctx, v1::BackupRequest());
+  v1::BackupChunk chunk;
   absl::Status mine;
   while (mine.ok() && reader->Read(&chunk)) mine = on_chunk(chunk);
   if (!mine.ok()) {

@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/tls.h"
+#include "trainyard/v1/admin.grpc.pb.h"
 #include "trainyard/v1/identity.grpc.pb.h"
 #include "trainyard/v1/job.grpc.pb.h"
 #include "trainyard/v1/node.grpc.pb.h"
@@ -42,6 +43,9 @@ class YardClient {
   // from `on_chunk` cancels the stream and is returned.
   absl::Status FetchExport(const std::string& job_id,
                            const std::function<absl::Status(const v1::ExportChunk&)>& on_chunk);
+  // Streams the chunks of a backup of the coordinator's state (admins) to `on_chunk`; an error
+  // from `on_chunk` cancels the stream and is returned.
+  absl::Status Backup(const std::function<absl::Status(const v1::BackupChunk&)>& on_chunk);
   // Streams the job's step reports to `on_step`; with `follow`, until the job ends.
   absl::Status Metrics(const std::string& job_id, bool follow,
                        const std::function<void(const v1::StepReport&)>& on_step);
@@ -96,6 +100,7 @@ class YardClient {
   std::unique_ptr<v1::JobService::Stub> jobs_;
   std::unique_ptr<v1::NodeService::Stub> nodes_;
   std::unique_ptr<v1::IdentityService::Stub> identity_;
+  std::unique_ptr<v1::AdminService::Stub> admin_;
 };
 
 // "job-7" for "7"; anything else unchanged.

@@ -24,6 +24,7 @@
 #include "tests/testing/node_session.h"
 #include "tests/testing/subprocess.h"
 #include "tests/testing/tiny_spec.h"
+#include "trainyard/v1/admin.grpc.pb.h"
 #include "trainyard/v1/identity.grpc.pb.h"
 #include "trainyard/v1/job.grpc.pb.h"
 #include "trainyard/v1/node.grpc.pb.h"
@@ -274,10 +275,27 @@ class AuthorizationTest : public testing::CoordinatorFixture {
                                  ? grpc::Status::OK
                                  : s;
                     }});
+    // AdminService.
+    rpcs.push_back({"Backup", Admits::kAdmins, [&](const std::string& token) {
+                      grpc::ClientContext ctx;
+                      Prepare(ctx, token);
+                      auto admin = v1::AdminService::NewStub(channel_);
+                      auto reader = admin->Backup(&ctx, v1::BackupRequest());
+                      v1::BackupChunk c;
+                      return FinishStream(ctx, reader, c);
+                    }});
     // NodeService.
     unary("ListNodes", Admits::kUsers, false, [&](grpc::ClientContext& ctx) {
       v1::ListNodesResponse resp;
       return nodes_->ListNodes(&ctx, {}, &resp);
+    });
+    // (Uncordoning n1, which is not cordoned: past authorization, nothing to change.)
+    unary("CordonNode", Admits::kAdmins, false, [&](grpc::ClientContext& ctx) {
+      v1::CordonNodeRequest r;
+      r.set_node_id("n1");
+      r.set_action(v1::UNCORDON);
+      v1::CordonNodeResponse resp;
+      return nodes_->CordonNode(&ctx, r, &resp);
     });
     unary("RegisterNode", Admits::kNode, true, [&](grpc::ClientContext& ctx) {
       v1::RegisterNodeRequest r;
@@ -509,8 +527,9 @@ class AuthorizationTest : public testing::CoordinatorFixture {
 
 TEST_F(AuthorizationTest, EveryRpcGetsTheExpectedCodeForEveryCredentialAndRefusalsChangeNothing) {
   const std::vector<Rpc> rpcs = Rpcs();
-  ASSERT_EQ(rpcs.size(), 39u) << "every RPC of JobService (10), NodeService (4), "
-                                 "RendezvousService (9), TrainerService (2), IdentityService (14)";
+  ASSERT_EQ(rpcs.size(), 41u) << "every RPC of JobService (10), NodeService (5), "
+                                 "RendezvousService (9), TrainerService (2), IdentityService (14), "
+                                 "AdminService (1)";
   // Refusals first, each checked to change nothing; then the calls that are let through (those
   // that change something last, CancelJob at the very end).
   for (const Rpc& rpc : rpcs) {

@@ -12,6 +12,7 @@
 #include <limits>
 #include <memory>
 #include <ostream>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -795,6 +796,79 @@ TEST_F(SqliteJobStoreTest, ReturnsErrorForFileThatIsNotADatabase) {
   auto store = OpenSqliteJobStore(db_path_);
   ASSERT_FALSE(store.ok());
   EXPECT_EQ(store.status().code(), absl::StatusCode::kDataLoss) << store.status();
+}
+
+}  // namespace
+}  // namespace trainyard::coordinator
+
+namespace trainyard::coordinator {
+namespace {
+
+// An online backup while eight threads commit: the copy, restored and opened, holds a consistent
+// instant (every batch acknowledged before the backup began, and of the rest whole batches only)
+// and the live store goes on. A second restore onto the same path is refused; so is a restore
+// from a file that is not a store's.
+TEST_F(SqliteJobStoreTest, OnlineBackupIsAConsistentInstantAndRestoresIntoANewDatabase) {
+  auto store = OpenSqliteJobStore(db_path_);
+  ASSERT_TRUE(store.ok()) << store.status();
+  for (int64_t seq = 1; seq <= 100; ++seq) {
+    ASSERT_TRUE((*store)->CommitSync(PutJobs({Job(seq)})).ok());
+  }
+  // Each batch puts a job and the node named after it: a torn copy would hold one without the
+  // other.
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> writers;
+  for (int t = 0; t < 8; ++t) {
+    writers.emplace_back([&, t] {
+      for (int64_t i = 0; !stop.load(); ++i) {
+        const int64_t seq = 1000 + t * 100000 + i;
+        WriteBatch batch = PutJobs({Job(seq)});
+        batch.put_nodes.push_back({absl::StrCat("node-", seq), "n"});
+        if (!(*store)->CommitSync(std::move(batch)).ok()) {
+          ADD_FAILURE() << "a commit failed during the backup";
+          return;
+        }
+      }
+    });
+  }
+  const std::string backup = dir_.path() + "/copy.db";
+  const absl::Status made = (*store)->Backup(backup);
+  stop = true;
+  for (auto& w : writers) w.join();
+  ASSERT_TRUE(made.ok()) << made;
+  EXPECT_EQ((*store)->Backup(backup).code(), absl::StatusCode::kAlreadyExists);
+  ASSERT_TRUE((*store)->CommitSync(PutJobs({Job(999999999)})).ok()) << "the store goes on";
+
+  const std::string restored = dir_.path() + "/restored.db";
+  ASSERT_TRUE(RestoreSqliteBackup(backup, restored).ok());
+  EXPECT_EQ(RestoreSqliteBackup(backup, restored).code(), absl::StatusCode::kAlreadyExists);
+  auto copy = OpenSqliteJobStore(restored);
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  auto jobs = (*copy)->LoadJobs();
+  auto nodes = (*copy)->LoadNodes();
+  ASSERT_TRUE(jobs.ok() && nodes.ok());
+  std::set<std::string> node_ids;
+  for (const StoredNode& n : *nodes) node_ids.insert(n.id);
+  int64_t before = 0;
+  for (const StoredJob& j : *jobs) {
+    if (j.seq <= 100) {
+      ++before;
+      continue;
+    }
+    EXPECT_EQ(node_ids.count(absl::StrCat("node-", j.seq)), 1u) << "a torn batch: " << j.id;
+    EXPECT_NE(j.seq, 999999999) << "a commit after the backup";
+  }
+  EXPECT_EQ(before, 100);
+  EXPECT_EQ(node_ids.size(), jobs->size() - 100);
+
+  const std::string junk = dir_.path() + "/junk";
+  std::ofstream(junk) << std::string(8192, 'x');
+  const absl::Status bad = RestoreSqliteBackup(junk, dir_.path() + "/from-junk.db");
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.message(), HasSubstr("is not a trainyard coordinator's database"));
+  auto memory = NewInMemoryJobStore();
+  EXPECT_EQ(memory->Backup(dir_.path() + "/memory.db").code(),
+            absl::StatusCode::kFailedPrecondition);
 }
 
 }  // namespace

@@ -137,6 +137,25 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   store_options.on_commit = [m = s->metrics_prom_.get()](double seconds) {
     m->ObserveStoreCommit(seconds);
   };
+  if (!s->options_.restore_from.empty()) {
+    // Only into an empty state directory: a restore never overwrites state.
+    const std::string db = dir + "/coordinator.db";
+    if (::access(db.c_str(), F_OK) == 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "restore_from: ", db, " exists; restore into a state directory without one"));
+    }
+    const std::string part = db + ".restoring";
+    ::unlink(part.c_str());  // (an interrupted restore's)
+    absl::Status restored = RestoreSqliteBackup(s->options_.restore_from, part);
+    if (restored.ok() && ::rename(part.c_str(), db.c_str()) != 0) {
+      restored = absl::InternalError(absl::StrCat("cannot rename ", part, ": ", strerror(errno)));
+    }
+    if (!restored.ok()) {
+      ::unlink(part.c_str());
+      return absl::Status(restored.code(), absl::StrCat("restore_from: ", restored.message()));
+    }
+    spdlog::info("restored the state from {}", s->options_.restore_from);
+  }
   // SQLite gives its -wal and -shm files the database file's mode.
   RETURN_IF_ERROR(MakePrivateFile(dir + "/coordinator.db"));
   ASSIGN_OR_RETURN(s->store_, OpenSqliteJobStore(dir + "/coordinator.db", store_options));
@@ -206,6 +225,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s->node_service_->SetMetrics(s->metrics_prom_.get());
   s->rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(*s->rendezvous_, ids);
   s->identity_service_ = std::make_unique<IdentityServiceImpl>(*s->identities_);
+  s->admin_service_ = std::make_unique<AdminServiceImpl>(*s->store_, dir, *s->identities_);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -223,6 +243,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   builder.RegisterService(s->rendezvous_service_.get());
   builder.RegisterService(s->trainer_service_.get());
   builder.RegisterService(s->identity_service_.get());
+  builder.RegisterService(s->admin_service_.get());
   s->server_ = builder.BuildAndStart();
   if (s->server_ == nullptr || s->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("listen: cannot bind ", s->options_.listen_address));

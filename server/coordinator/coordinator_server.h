@@ -59,7 +59,10 @@ struct CoordinatorOptions {
   std::string listen_address = "127.0.0.1:7070";  // port 0 picks a free port
   // TLS (common/tls.h). With a client CA, node calls need a client certificate naming the node.
   TlsServerOptions tls;
-  std::string state_dir;           // holds coordinator.db; created if missing
+  std::string state_dir;  // holds coordinator.db; created if missing
+  // A backup (yard admin backup) to start from: the state directory must hold no coordinator.db
+  // yet. Empty: none.
+  std::string restore_from;
   std::string metrics_address;     // HOST:PORT of the Prometheus /metrics endpoint; empty: none
   std::string metrics_token_file;  // scrapes need this bearer token (common/metrics_endpoint.h)
   bool metrics_tls = false;        // serve /metrics over TLS with tls.cert_file / tls.key_file
@@ -147,6 +150,7 @@ class CoordinatorServer {
   std::unique_ptr<NodeServiceImpl> node_service_;
   std::unique_ptr<RendezvousServiceImpl> rendezvous_service_;
   std::unique_ptr<IdentityServiceImpl> identity_service_;
+  std::unique_ptr<AdminServiceImpl> admin_service_;
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
   int port_ = 0;

@@ -42,6 +42,10 @@ namespace {
 // Loads and Stats may be called from any thread, including from a callback.
 class InMemoryJobStore final : public JobStore {
  public:
+  absl::Status Backup(const std::string&) override {
+    return absl::FailedPreconditionError(
+        "the in-memory job store keeps no files: there is nothing to back up");
+  }
   InMemoryJobStore() : apply_thread_([this] { ApplyLoop(); }) {}
 
   // Applies every queued batch and runs its callback before returning.

@@ -118,6 +118,10 @@ class JobStore {
   virtual absl::StatusOr<std::vector<StoredJob>> ListJobs(const JobQuery& query) = 0;
 
   virtual JobStoreStats Stats() const = 0;
+  // Writes a consistent copy of everything stored, as of one instant, to a new file at `path`
+  // (which must not exist), while the store keeps serving: for SQLite, its online backup API over
+  // a read transaction. FAILED_PRECONDITION for a store that keeps no such copy.
+  virtual absl::Status Backup(const std::string& path) = 0;
 };
 
 struct SqliteJobStoreOptions {
@@ -132,6 +136,12 @@ struct SqliteJobStoreOptions {
 // opened, or a database written by a newer schema version (FAILED_PRECONDITION).
 absl::StatusOr<std::unique_ptr<JobStore>> OpenSqliteJobStore(
     const std::string& path, const SqliteJobStoreOptions& options = {});
+
+// Makes the SQLite database at `path` (which must not exist) a copy of the backup at `backup`
+// (JobStore::Backup's file), checked first: INVALID_ARGUMENT naming `backup` for a file that is not
+// a trainyard coordinator's database, DATA_LOSS for one that fails SQLite's integrity check,
+// FAILED_PRECONDITION for one of a newer schema than this build knows.
+absl::Status RestoreSqliteBackup(const std::string& backup, const std::string& path);
 
 // A store that keeps everything in memory; durability ends with the process. For unit tests of
 // logic above the store, and as a second backend that the shared store test suite runs.

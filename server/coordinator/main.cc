@@ -33,6 +33,9 @@ void AddServingFlags(CLI::App& app, CoordinatorOptions& options, Flags& f) {
       ->capture_default_str();
   app.add_option("--state-dir", options.state_dir, "directory for the job database")
       ->capture_default_str();
+  app.add_option("--restore", options.restore_from,
+                 "start from this backup (yard admin backup --out FILE); the state directory "
+                 "must hold no coordinator.db yet");
   app.add_option("--metrics-address", options.metrics_address,
                  "HOST:PORT of the Prometheus /metrics endpoint (port 0: a free one, printed "
                  "on the second line of stdout)");

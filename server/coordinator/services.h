@@ -14,9 +14,11 @@
 #include "server/coordinator/job_handlers.h"
 #include "server/coordinator/job_history.h"
 #include "server/coordinator/job_series.h"
+#include "server/coordinator/job_store.h"
 #include "server/coordinator/node_registry.h"
 #include "server/coordinator/rendezvous.h"
 #include "server/coordinator/serial_executor.h"
+#include "trainyard/v1/admin.grpc.pb.h"
 #include "trainyard/v1/identity.grpc.pb.h"
 #include "trainyard/v1/job.grpc.pb.h"
 #include "trainyard/v1/node.grpc.pb.h"
@@ -175,6 +177,23 @@ class RendezvousServiceImpl final : public v1::RendezvousService::CallbackServic
 
  private:
   Rendezvous& rdzv_;
+  const IdentityRegistry& identities_;
+};
+
+// AdminService (admin.proto): admins only, every call audited.
+class AdminServiceImpl final : public v1::AdminService::CallbackService {
+ public:
+  // Backups are made in `scratch_dir` (the state directory: the file is unlinked once open, and
+  // streamed from its descriptor).
+  AdminServiceImpl(JobStore& store, std::string scratch_dir, const IdentityRegistry& identities)
+      : store_(store), scratch_dir_(std::move(scratch_dir)), identities_(identities) {}
+
+  grpc::ServerWriteReactor<v1::BackupChunk>* Backup(grpc::CallbackServerContext* ctx,
+                                                    const v1::BackupRequest* request) override;
+
+ private:
+  JobStore& store_;
+  const std::string scratch_dir_;
   const IdentityRegistry& identities_;
 };
 

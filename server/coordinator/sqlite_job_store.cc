@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <climits>
 #include <deque>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <thread>
@@ -160,6 +161,33 @@ absl::StatusOr<DbPtr> OpenConnection(const std::string& path) {
   return db;
 }
 
+// Copies database `from` (its main schema, in one step: one read transaction) into a new
+// database file at `path` (which must not exist), left in rollback-journal mode so that the file
+// alone holds it, and synced.
+absl::Status CopyDatabase(sqlite3* from, const std::string& path, const std::string& what) {
+  std::error_code ec;
+  if (std::filesystem::exists(path, ec)) {
+    return absl::AlreadyExistsError(absl::StrCat(what, ": ", path, " exists"));
+  }
+  sqlite3* raw = nullptr;
+  int rc =
+      sqlite3_open_v2(path.c_str(), &raw,
+                      SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX, nullptr);
+  DbPtr to(raw);
+  if (rc != SQLITE_OK) return SqliteError(to.get(), rc, what);
+  sqlite3_backup* backup = sqlite3_backup_init(to.get(), "main", from, "main");
+  if (backup == nullptr) return SqliteError(to.get(), sqlite3_errcode(to.get()), what);
+  rc = sqlite3_backup_step(backup, -1);
+  const int finished = sqlite3_backup_finish(backup);
+  if (rc != SQLITE_DONE) return SqliteError(to.get(), rc, what);
+  if (finished != SQLITE_OK) return SqliteError(to.get(), finished, what);
+  ASSIGN_OR_RETURN(const std::string mode, QueryText(to.get(), "PRAGMA journal_mode=DELETE"));
+  if (mode != "delete") {
+    return absl::InternalError(absl::StrCat(what, ": journal mode ", mode, ", not delete"));
+  }
+  return absl::OkStatus();
+}
+
 // Brings the schema of `db` up to kSchemaVersion, in one transaction.
 absl::Status Migrate(sqlite3* db, const std::string& path) {
   RETURN_IF_ERROR(Exec(db, "BEGIN IMMEDIATE"));
@@ -256,6 +284,13 @@ class SqliteJobStore final : public JobStore {
   void Commit(WriteBatch batch, DoneCallback done) override {
     absl::MutexLock lock(&mu_);
     queue_.push_back({std::move(batch), std::move(done)});
+  }
+
+  absl::Status Backup(const std::string& path) override {
+    // (The read connection's lock: the copy is one read transaction, a snapshot that commits
+    // made meanwhile do not change.)
+    absl::MutexLock lock(&read_mu_);
+    return CopyDatabase(read_db_.get(), path, absl::StrCat("backup to ", path));
   }
 
   absl::StatusOr<std::vector<StoredJob>> LoadJobs() override {
@@ -581,6 +616,32 @@ class SqliteJobStore final : public JobStore {
 absl::StatusOr<std::unique_ptr<JobStore>> OpenSqliteJobStore(const std::string& path,
                                                              const SqliteJobStoreOptions& options) {
   return SqliteJobStore::Open(path, options);
+}
+
+absl::Status RestoreSqliteBackup(const std::string& backup, const std::string& path) {
+  sqlite3* raw = nullptr;
+  int rc =
+      sqlite3_open_v2(backup.c_str(), &raw, SQLITE_OPEN_READONLY | SQLITE_OPEN_NOMUTEX, nullptr);
+  DbPtr from(raw);
+  if (rc != SQLITE_OK) return SqliteError(from.get(), rc, absl::StrCat("cannot open ", backup));
+  // (A file that is not a database fails here: SQLite reads nothing until the first query.)
+  auto version = QueryInt(from.get(), "PRAGMA user_version");
+  auto jobs = QueryInt(from.get(),
+                       "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'jobs'");
+  if (!version.ok() || !jobs.ok() || *version < 1 || *jobs != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(backup, " is not a trainyard coordinator's database (yard admin backup)"));
+  }
+  if (*version > kSchemaVersion) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(backup, " has schema version ", *version,
+                     ", newer than the latest version this build knows (", kSchemaVersion, ")"));
+  }
+  ASSIGN_OR_RETURN(const std::string check, QueryText(from.get(), "PRAGMA integrity_check"));
+  if (check != "ok") {
+    return absl::DataLossError(absl::StrCat(backup, " fails SQLite's integrity check: ", check));
+  }
+  return CopyDatabase(from.get(), path, absl::StrCat("restore of ", backup));
 }
 
 }  // namespace trainyard::coordinator
