@@ -763,6 +763,36 @@ TEST_F(WorkerE2eTest, WorkerReconnectsAfterTheCoordinatorRestarts) {
   EXPECT_EQ(done.state(), v1::SUCCEEDED) << done.message();
 }
 
+// A coordinator away for 8 s (a restart, an upgrade) while a job runs: the worker is back well
+// within the node timeout (5 s here), so the job keeps its attempt and nothing restarts. (With
+// gRPC's default reconnect backoff a worker was seen coming back 20 s after such a pause, and the
+// job lost an attempt; issue 39.)
+TEST_F(WorkerE2eTest, ARunningJobKeepsItsAttemptWhenTheCoordinatorIsAwayEightSeconds) {
+  auto job = client_->Submit(testing::TinySpec("hang", 1));
+  ASSERT_TRUE(job.ok()) << job.status();
+  WaitForReadyLines(job->id(), 1);
+  const std::string listen = address_;
+  coordinator_->Signal(SIGTERM);
+  ASSERT_TRUE(coordinator_->Wait(absl::Seconds(20)).has_value());
+  absl::SleepFor(absl::Seconds(8));  // the coordinator's absence is what is tested
+  StartCoordinator(listen);
+  ASSERT_EQ(address_, listen);
+  const absl::Time back = absl::Now();
+  WaitForReadyNodes(1);
+  EXPECT_LT(absl::Now() - back, absl::Seconds(4)) << "the worker took long to come back";
+  // A node timeout and more pass without the job changing: it runs on, attempt 1.
+  auto changed = client_->Watch(job->id(), absl::Seconds(7), [](const v1::Job& j) {
+    return j.state() != v1::RUNNING || j.attempt() != 1;
+  });
+  EXPECT_EQ(changed.status().code(), absl::StatusCode::kDeadlineExceeded)
+      << (changed.ok() ? changed->DebugString() : changed.status().ToString());
+  auto now = client_->Get(job->id());
+  ASSERT_TRUE(now.ok());
+  EXPECT_EQ(now->state(), v1::RUNNING);
+  EXPECT_EQ(now->attempt(), 1);
+  ASSERT_TRUE(client_->Cancel(job->id(), "done").ok());
+}
+
 // Tests that start their own worker.
 class OwnWorkerE2eTest : public WorkerE2eTest {
  protected:

@@ -11,6 +11,7 @@
 #include <grpcpp/health_check_service_interface.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/coordinator_channel.h"
 #include "common/credentials.h"
 #include "common/malformed_request.h"
 #include "common/status_macros.h"
@@ -102,7 +103,8 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(PsOptions options) {
     s->authorizer_ = NewOpenJobAuthorizer();
   } else {
     s->authorizer_ = NewCoordinatorJobAuthorizer(
-        grpc::CreateChannel(s->options_.coordinator, s->coordinator_credentials_),
+        grpc::CreateCustomChannel(s->options_.coordinator, s->coordinator_credentials_,
+                                  CoordinatorChannelArguments()),
         s->options_.token);
   }
   if (s->options_.data_listen_address != "off") {
@@ -220,7 +222,8 @@ void PsServer::RegistrationLoop() {
 }
 
 void PsServer::RunSession() {
-  auto channel = grpc::CreateChannel(options_.coordinator, coordinator_credentials_);
+  auto channel = grpc::CreateCustomChannel(options_.coordinator, coordinator_credentials_,
+                                           CoordinatorChannelArguments());
   auto stub = v1::NodeService::NewStub(channel);
   v1::RegisterNodeRequest request;
   request.set_node_id(options_.node_id);

@@ -58,7 +58,7 @@ struct PsOptions {
   std::string metrics_token_file;
   bool metrics_tls = false;
   bool metrics_insecure = false;
-  absl::Duration max_backoff = absl::Seconds(5);
+  absl::Duration max_backoff = absl::Seconds(2);  // between attempts to reach the coordinator
 };
 
 class PsServer {

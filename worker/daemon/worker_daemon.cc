@@ -4,10 +4,12 @@
 
 #include <spdlog/spdlog.h>
 
+#include <random>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/coordinator_channel.h"
 #include "common/credentials.h"
 
 namespace trainyard::worker {
@@ -76,7 +78,7 @@ WorkerDaemon::WorkerDaemon(WorkerOptions options)
   }
   devices_.Add({{"state", "total"}}).Set(device_count());
   devices_.Add({{"state", "allocated"}}).Set(0);
-  grpc::ChannelArguments args;
+  grpc::ChannelArguments args = CoordinatorChannelArguments();
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
   // main() checked the TLS files: a failure here fails closed (every call fails, none in clear).
   auto credentials = MakeChannelCredentials(options_.tls);
@@ -150,6 +152,10 @@ void WorkerDaemon::Send(v1::NodeMessage message) {
 
 void WorkerDaemon::Run() {
   absl::Duration backoff = absl::Milliseconds(100);
+  // Each worker's pauses differ by up to 20%, so that a cluster's workers do not all come back
+  // to a restarted coordinator in the same instant.
+  std::mt19937_64 random(std::random_device{}());
+  std::uniform_real_distribution<double> jitter(0.8, 1.2);
   while (true) {
     {
       absl::MutexLock lock(&mu_);
@@ -161,7 +167,7 @@ void WorkerDaemon::Run() {
     absl::MutexLock lock(&mu_);
     if (stopping_) break;
     // Reconnect after a pause that grows while the coordinator stays away.
-    mu_.AwaitWithTimeout(absl::Condition(&stopping_), backoff);
+    mu_.AwaitWithTimeout(absl::Condition(&stopping_), backoff * jitter(random));
     backoff = std::min(backoff * 2, options_.max_backoff);
   }
   spdlog::info("stopping {} rank(s)", supervisor_->running_count());

@@ -44,7 +44,10 @@ struct WorkerOptions {
   // Samples `gpus` at each heartbeat (metrics and `yard nodes`); null: no samples.
   std::shared_ptr<const Nvml> nvml;
   SupervisorOptions supervisor;
-  absl::Duration max_backoff = absl::Seconds(5);
+  // The longest pause between attempts to reach the coordinator (before jitter of up to 20%). With
+  // the channel's own reconnect backoff (coordinator_channel.h) a worker is back within about
+  // 3.4 s of a restarted coordinator, well inside the default --node-timeout of 10 s.
+  absl::Duration max_backoff = absl::Seconds(2);
 };
 
 class WorkerDaemon {

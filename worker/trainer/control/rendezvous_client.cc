@@ -4,6 +4,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/coordinator_channel.h"
 #include "common/credentials.h"
 #include "common/grpc_status.h"
 #include "common/tls.h"
@@ -44,8 +45,8 @@ struct RendezvousClient::Stub {
 RendezvousClient::RendezvousClient(const std::string& coordinator, const std::string& job_id,
                                    int attempt)
     : stub_(std::make_unique<Stub>()) {
-  stub_->stub =
-      v1::RendezvousService::NewStub(grpc::CreateChannel(coordinator, ChannelCredentialsFromEnv()));
+  stub_->stub = v1::RendezvousService::NewStub(grpc::CreateCustomChannel(
+      coordinator, ChannelCredentialsFromEnv(), CoordinatorChannelArguments()));
   stub_->scope.set_job_id(job_id);
   stub_->scope.set_attempt(attempt);
 }

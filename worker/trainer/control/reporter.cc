@@ -9,6 +9,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/coordinator_channel.h"
 #include "common/credentials.h"
 #include "common/tls.h"
 #include "trainyard/v1/trainer.grpc.pb.h"
@@ -19,8 +20,8 @@ class Reporter::Impl {
  public:
   Impl(const std::string& coordinator, std::string job_id, int attempt, int rank,
        void (*log)(const std::string&))
-      : stub_(v1::TrainerService::NewStub(
-            grpc::CreateChannel(coordinator, ChannelCredentialsFromEnv()))),
+      : stub_(v1::TrainerService::NewStub(grpc::CreateCustomChannel(
+            coordinator, ChannelCredentialsFromEnv(), CoordinatorChannelArguments()))),
         bearer_(BearerFromEnv(kJobCredentialEnv)),
         job_id_(std::move(job_id)),
         attempt_(attempt),
