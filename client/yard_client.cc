@@ -158,18 +158,7 @@ absl::Status YardClient::FetchExport(
   if (absl::Status s = Prepare(ctx, absl::ZeroDuration()); !s.ok()) return s;
   v1::FetchExportRequest request;
   request.set_job_id(job_id);
-  auto reader = jobs_->FetchExport(&ctx, request);
-  v1::ExportChunk chunk;
-  absl::Status mine;
-  while (mine.ok() && reader->Read(&chunk)) mine = on_chunk(chunk);
-  if (!mine.ok()) {
-    ctx.TryCancel();
-    while (reader->Read(&chunk)) {
-    }
-    reader->Finish();
-    return mine;
-  }
-  return Convert(reader->Finish());
+  return ReadChunks(ctx, *jobs_->FetchExport(&ctx, request), on_chunk);
 }
 
 absl::Status YardClient::Backup(
@@ -177,18 +166,7 @@ absl::Status YardClient::Backup(
   grpc::ClientContext ctx;
   // No deadline: a large state takes long to move; a stalled stream is the admin's to stop.
   if (absl::Status s = Prepare(ctx, absl::ZeroDuration()); !s.ok()) return s;
-  auto reader = admin_->Backup(&ctx, v1::BackupRequest());
-  v1::BackupChunk chunk;
-  absl::Status mine;
-  while (mine.ok() && reader->Read(&chunk)) mine = on_chunk(chunk);
-  if (!mine.ok()) {
-    ctx.TryCancel();
-    while (reader->Read(&chunk)) {
-    }
-    reader->Finish();
-    return mine;
-  }
-  return Convert(reader->Finish());
+  return ReadChunks(ctx, *admin_->Backup(&ctx, v1::BackupRequest()), on_chunk);
 }
 
 absl::Status YardClient::Metrics(const std::string& job_id, bool follow,

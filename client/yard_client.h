@@ -92,6 +92,21 @@ class YardClient {
     return response;
   }
   absl::Status Convert(const grpc::Status& s) const;
+  // Reads a server stream of chunks into `on_chunk`; an error from `on_chunk` cancels the stream
+  // (what is still in flight is drained) and is returned.
+  template <typename Chunk>
+  absl::Status ReadChunks(grpc::ClientContext& ctx, grpc::ClientReader<Chunk>& reader,
+                          const std::function<absl::Status(const Chunk&)>& on_chunk) {
+    Chunk chunk;
+    absl::Status mine;
+    while (mine.ok() && reader.Read(&chunk)) mine = on_chunk(chunk);
+    if (mine.ok()) return Convert(reader.Finish());
+    ctx.TryCancel();
+    while (reader.Read(&chunk)) {
+    }
+    reader.Finish();
+    return mine;
+  }
 
   std::string address_;
   TlsClientOptions tls_;  // to say why TLS fails, when a call cannot reach the coordinator

@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/yard_client.h"
+#include "tests/testing/coordinator_process.h"
 #include "tests/testing/identity.h"
 #include "tests/testing/subprocess.h"
 
@@ -22,28 +23,13 @@ namespace trainyard {
 namespace {
 
 using testing::BinPath;
+using testing::CoordinatorProcess;
 using ::testing::HasSubstr;
-using testing::Subprocess;
 using testing::TempDir;
 
-struct Coordinator {
-  std::unique_ptr<Subprocess> process;
-  std::string address;
-};
-
-Coordinator StartCoordinator(const std::string& state_dir, const std::string& restore = "") {
-  std::vector<std::string> argv = {BinPath("trainyard-coordinator"), "--listen", "127.0.0.1:0",
-                                   "--state-dir", state_dir};
-  if (!restore.empty()) argv.insert(argv.end(), {"--restore", restore});
-  Coordinator c;
-  auto p = Subprocess::Start(argv);
-  EXPECT_TRUE(p.ok()) << p.status();
-  if (!p.ok()) return c;
-  c.process = std::move(*p);
-  auto line = c.process->ReadLine(absl::Seconds(30));
-  EXPECT_TRUE(line.has_value()) << "the coordinator printed no address";
-  c.address = line.value_or("");
-  return c;
+CoordinatorProcess StartCoordinator(const std::string& state_dir, const std::string& restore = "") {
+  if (restore.empty()) return testing::StartCoordinatorProcess(state_dir);
+  return testing::StartCoordinatorProcess(state_dir, {"--restore", restore});
 }
 
 v1::JobSpec Spec(const std::string& name, int devices) {
@@ -101,7 +87,7 @@ testing::CommandResult Yard(const std::string& address, const std::string& token
 TEST(BackupE2eTest, ARestoredCoordinatorHasEveryJobUserAccountAndTokenOfTheBackup) {
   TempDir dir;
   const std::string state = dir.path() + "/state";
-  Coordinator c = StartCoordinator(state);
+  CoordinatorProcess c = StartCoordinator(state);
   ASSERT_FALSE(c.address.empty());
   const auto channel = grpc::CreateChannel(c.address, grpc::InsecureChannelCredentials());
   const std::string admin_token = testing::AdminToken(state);
@@ -150,7 +136,7 @@ TEST(BackupE2eTest, ARestoredCoordinatorHasEveryJobUserAccountAndTokenOfTheBacku
   // A new coordinator on an empty state directory, from the backup: the backup's state, not the
   // job submitted after it; the old tokens work.
   const std::string restored_state = dir.path() + "/restored";
-  Coordinator r = StartCoordinator(restored_state, backup);
+  CoordinatorProcess r = StartCoordinator(restored_state, backup);
   ASSERT_FALSE(r.address.empty());
   client::YardClient admin_r(r.address, admin_token), alice_r(r.address, alice_token);
   const State after = Read(admin_r);

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/yard_client.h"
+#include "tests/testing/coordinator_process.h"
 #include "tests/testing/identity.h"
 #include "tests/testing/node_session.h"
 #include "tests/testing/subprocess.h"
@@ -19,27 +20,13 @@ namespace trainyard {
 namespace {
 
 using testing::BinPath;
+using testing::CoordinatorProcess;
 using ::testing::HasSubstr;
-using testing::Subprocess;
 using testing::TempDir;
 
-struct Coordinator {
-  std::unique_ptr<Subprocess> process;
-  std::string address;
-};
-
-Coordinator StartCoordinator(const std::string& state_dir, const std::string& node_timeout) {
-  Coordinator c;
-  auto p = Subprocess::Start({BinPath("trainyard-coordinator"), "--listen", "127.0.0.1:0",
-                              "--state-dir", state_dir, "--node-timeout", node_timeout,
-                              "--heartbeat-interval", "0.25"});
-  EXPECT_TRUE(p.ok()) << p.status();
-  if (!p.ok()) return c;
-  c.process = std::move(*p);
-  auto line = c.process->ReadLine(absl::Seconds(30));
-  EXPECT_TRUE(line.has_value()) << "the coordinator printed no address";
-  c.address = line.value_or("");
-  return c;
+CoordinatorProcess StartCoordinator(const std::string& state_dir, const std::string& node_timeout) {
+  return testing::StartCoordinatorProcess(
+      state_dir, {"--node-timeout", node_timeout, "--heartbeat-interval", "0.25"});
 }
 
 v1::JobSpec Spec(const std::string& name, int devices, int priority) {
@@ -71,7 +58,7 @@ std::map<std::string, v1::Job> AllJobs(client::YardClient& client) {
 TEST(CoordinatorRestartTest, EveryAcknowledgedJobAndStateSurvivesSigkill) {
   TempDir dir;
   const std::string state = dir.path() + "/state";
-  Coordinator c = StartCoordinator(state, "30s");
+  CoordinatorProcess c = StartCoordinator(state, "30s");
   ASSERT_FALSE(c.address.empty());
   // Users and their tokens are durable too: alice's token still works after the restart.
   const auto channel = grpc::CreateChannel(c.address, grpc::InsecureChannelCredentials());
@@ -109,7 +96,7 @@ TEST(CoordinatorRestartTest, EveryAcknowledgedJobAndStateSurvivesSigkill) {
   ASSERT_TRUE(c.process->Wait(absl::Seconds(10)).has_value());
 
   // Restarted with a short node timeout: the node does not come back.
-  Coordinator r = StartCoordinator(state, "3s");
+  CoordinatorProcess r = StartCoordinator(state, "3s");
   ASSERT_FALSE(r.address.empty());
   client::YardClient again(r.address, alice_token);
   client::YardClient admin_again(r.address, testing::AdminToken(state));

@@ -3,8 +3,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <cerrno>
-
 #include "absl/strings/str_cat.h"
 #include "common/credentials.h"
 #include "common/grpc_status.h"
@@ -42,16 +40,9 @@ class BackupReactor final : public grpc::ServerWriteReactor<v1::BackupChunk> {
     chunk_.Clear();
     chunk_.set_total_size(size_);
     chunk_.set_offset(offset_);
-    std::string* data = chunk_.mutable_data();
-    data->resize(static_cast<size_t>(want));
-    for (int64_t got = 0; got < want;) {
-      const ssize_t n = ::pread(fd_, data->data() + got, static_cast<size_t>(want - got),
-                                static_cast<off_t>(offset_ + got));
-      if (n <= 0 && !(n < 0 && errno == EINTR)) {
-        Finish(grpc::Status(grpc::StatusCode::INTERNAL, "the backup file could not be read"));
-        return;
-      }
-      if (n > 0) got += n;
+    if (!ReadAt(fd_, offset_, want, chunk_.mutable_data())) {
+      Finish(grpc::Status(grpc::StatusCode::INTERNAL, "the backup file could not be read"));
+      return;
     }
     offset_ += want;
     sent_any_ = true;

@@ -225,17 +225,10 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportChunk> {
     chunk_.set_file(name);
     chunk_.set_file_size(size_);
     chunk_.set_offset(offset_);
-    std::string* data = chunk_.mutable_data();
-    data->resize(static_cast<size_t>(want));
-    for (int64_t got = 0; got < want;) {
-      const ssize_t n = ::pread(file_fd_, data->data() + got, static_cast<size_t>(want - got),
-                                static_cast<off_t>(offset_ + got));
-      if (n <= 0 && !(n < 0 && errno == EINTR)) {
-        Finish(grpc::Status(grpc::StatusCode::INTERNAL,
-                            absl::StrCat("the export's ", name, " changed while read")));
-        return;
-      }
-      if (n > 0) got += n;
+    if (!ReadAt(file_fd_, offset_, want, chunk_.mutable_data())) {
+      Finish(grpc::Status(grpc::StatusCode::INTERNAL,
+                          absl::StrCat("the export's ", name, " changed while read")));
+      return;
     }
     offset_ += want;
     if (offset_ >= size_) {  // the file's last chunk (an empty file's only one)

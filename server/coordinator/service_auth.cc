@@ -1,5 +1,9 @@
 #include "server/coordinator/service_auth.h"
 
+#include <unistd.h>
+
+#include <cerrno>
+
 #include "absl/strings/str_cat.h"
 #include "common/credentials.h"
 #include "common/field_limits.h"
@@ -50,6 +54,18 @@ absl::Status Refused(const char* method, const std::string& who, absl::Status st
 
 // Every field of a request within the default FieldLimits (strings 4096 bytes, lists 1024
 // entries, 256 KiB in all): INVALID_ARGUMENT naming the field.
+bool ReadAt(int fd, int64_t offset, int64_t n, std::string* out) {
+  out->resize(static_cast<size_t>(n));
+  for (int64_t got = 0; got < n;) {
+    const ssize_t r = ::pread(fd, out->data() + got, static_cast<size_t>(n - got),
+                              static_cast<off_t>(offset + got));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    got += r;
+  }
+  return true;
+}
+
 absl::Status CheckRequest(const google::protobuf::Message& request) {
   return CheckFieldSizes(request, FieldLimits{});
 }

@@ -126,6 +126,10 @@ class WriteQueue {
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
 };
 
+// Reads `n` bytes at `offset` of `fd` into `out` (resized to n), retrying short reads and EINTR;
+// false if the file ends first or a read fails. For streams of a file's chunks.
+bool ReadAt(int fd, int64_t offset, int64_t n, std::string* out);
+
 // A stream refused before it started: finishes with `status` at once.
 template <typename T>
 grpc::ServerWriteReactor<T>* RejectStream(grpc::Status status) {
