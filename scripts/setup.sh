@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 PACKAGES=(
   cmake g++ make pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
-  prometheus-cpp-dev libsqlite3-dev libhwy-dev libcli11-dev libyaml-cpp-dev
+  prometheus-cpp-dev libsqlite3-dev libpq-dev postgresql libhwy-dev libcli11-dev libyaml-cpp-dev
   nlohmann-json3-dev libspdlog-dev libgtest-dev libgmock-dev libbenchmark-dev
   sqlite3 clang-format prometheus libssl-dev openssl
   libtorch-dev libgloo-dev libdnnl-dev ocl-icd-opencl-dev libopenblas0-pthread python3-torch

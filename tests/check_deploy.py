@@ -186,6 +186,27 @@ def package_of(path):
     return None
 
 
+def with_dependencies(packages):
+    """`packages` and what apt installs with them: the closure of their Depends and Pre-Depends
+    (every alternative counted; the names as dpkg knows them on this machine)."""
+    seen, todo = set(), list(packages)
+    while todo:
+        package = todo.pop()
+        if package in seen:
+            continue
+        seen.add(package)
+        out = subprocess.run(["dpkg-query", "-W", "-f=${Depends}, ${Pre-Depends}", package],
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            continue
+        for clause in out.stdout.split(","):
+            for alternative in clause.split("|"):
+                name = alternative.strip().split(" ")[0].split(":")[0]
+                if name:
+                    todo.append(name)
+    return seen
+
+
 def check_packages(bin_dir, packages):
     needed = {}
     for program in CONTAINER_PROGRAMS:
@@ -200,7 +221,7 @@ def check_packages(bin_dir, packages):
                 fail("Dockerfile", f"{program} links {match.group(1)}, which no package owns")
                 continue
             needed.setdefault(package, set()).add(program)
-    for package in sorted(set(needed) - BASE_PACKAGES - packages):
+    for package in sorted(set(needed) - BASE_PACKAGES - with_dependencies(packages)):
         fail("Dockerfile", f"the runtime image lacks {package} (linked by "
                            f"{', '.join(sorted(needed[package]))})")
     return needed

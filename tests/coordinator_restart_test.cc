@@ -1,6 +1,7 @@
 // Kills a real trainyard-coordinator process with SIGKILL after jobs were submitted, cancelled and
-// placed, restarts it on the same state directory, and checks that every job is back exactly as
-// acknowledged, and that the restarted coordinator carries on (node timeouts, new submissions).
+// placed, restarts it on the same state (its SQLite file, or a PostgreSQL database on a private
+// server the test starts), and checks that every job is back exactly as acknowledged, and that
+// the restarted coordinator carries on (node timeouts, new submissions).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -14,6 +15,7 @@
 #include "tests/testing/coordinator_process.h"
 #include "tests/testing/identity.h"
 #include "tests/testing/node_session.h"
+#include "tests/testing/postgres_server.h"
 #include "tests/testing/subprocess.h"
 
 namespace trainyard {
@@ -24,9 +26,11 @@ using testing::CoordinatorProcess;
 using ::testing::HasSubstr;
 using testing::TempDir;
 
-CoordinatorProcess StartCoordinator(const std::string& state_dir, const std::string& node_timeout) {
-  return testing::StartCoordinatorProcess(
-      state_dir, {"--node-timeout", node_timeout, "--heartbeat-interval", "0.25"});
+CoordinatorProcess StartCoordinator(const std::string& state_dir, const std::string& node_timeout,
+                                    const std::string& store) {
+  std::vector<std::string> flags = {"--node-timeout", node_timeout, "--heartbeat-interval", "0.25"};
+  if (!store.empty()) flags.insert(flags.end(), {"--store", store});
+  return testing::StartCoordinatorProcess(state_dir, flags);
 }
 
 v1::JobSpec Spec(const std::string& name, int devices, int priority) {
@@ -55,10 +59,31 @@ std::map<std::string, v1::Job> AllJobs(client::YardClient& client) {
   return out;
 }
 
-TEST(CoordinatorRestartTest, EveryAcknowledgedJobAndStateSurvivesSigkill) {
+class CoordinatorRestartTest : public ::testing::TestWithParam<const char*> {
+ protected:
+  // The --store flag's value for this run: empty for the SQLite file in the state directory.
+  std::string Store() {
+    if (std::string(GetParam()) != "Postgres") return "";
+    std::string why;
+    testing::PostgresServer* server = testing::SharedPostgresServer(&why);
+    if (server == nullptr) {
+      ADD_FAILURE() << "no PostgreSQL: " << why;
+      return "";
+    }
+    EXPECT_TRUE(server->CreateDatabase("restart").ok());
+    return server->Uri("restart");
+  }
+};
+
+TEST_P(CoordinatorRestartTest, EveryAcknowledgedJobAndStateSurvivesSigkill) {
+  if (std::string(GetParam()) == "Postgres") {
+    std::string why;
+    if (testing::SharedPostgresServer(&why) == nullptr) GTEST_SKIP() << "no PostgreSQL: " << why;
+  }
   TempDir dir;
   const std::string state = dir.path() + "/state";
-  CoordinatorProcess c = StartCoordinator(state, "30s");
+  const std::string store = Store();
+  CoordinatorProcess c = StartCoordinator(state, "30s", store);
   ASSERT_FALSE(c.address.empty());
   // Users and their tokens are durable too: alice's token still works after the restart.
   const auto channel = grpc::CreateChannel(c.address, grpc::InsecureChannelCredentials());
@@ -96,7 +121,7 @@ TEST(CoordinatorRestartTest, EveryAcknowledgedJobAndStateSurvivesSigkill) {
   ASSERT_TRUE(c.process->Wait(absl::Seconds(10)).has_value());
 
   // Restarted with a short node timeout: the node does not come back.
-  CoordinatorProcess r = StartCoordinator(state, "3s");
+  CoordinatorProcess r = StartCoordinator(state, "3s", store);
   ASSERT_FALSE(r.address.empty());
   client::YardClient again(r.address, alice_token);
   client::YardClient admin_again(r.address, testing::AdminToken(state));
@@ -124,6 +149,11 @@ TEST(CoordinatorRestartTest, EveryAcknowledgedJobAndStateSurvivesSigkill) {
   ASSERT_TRUE(status.has_value());
   EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0);
 }
+
+INSTANTIATE_TEST_SUITE_P(Stores, CoordinatorRestartTest, ::testing::Values("Sqlite", "Postgres"),
+                         [](const ::testing::TestParamInfo<const char*>& info) {
+                           return std::string(info.param);
+                         });
 
 }  // namespace
 }  // namespace trainyard

@@ -1,7 +1,9 @@
-// Child process of job_store_crash_test: commits jobs to a SQLite JobStore as fast as it can until
-// it is killed, and acknowledges each durable commit on stdout.
+// Child process of job_store_crash_test: commits jobs to a JobStore as fast as it can until it is
+// killed, and acknowledges each durable commit on stdout.
 //
-//   job_store_crash_child DB_PATH FIRST_SEQ
+//   job_store_crash_child STORE FIRST_SEQ
+//
+// STORE is a SQLite file's path or a PostgreSQL URI (OpenJobStore).
 //
 // Four threads take seqs FIRST_SEQ, FIRST_SEQ+1, ... and commit CrashJob(seq) (see
 // job_store_crash_payload.h), each keeping a few commits in flight so that group commit has
@@ -80,10 +82,10 @@ class Committer {
 int main(int argc, char** argv) {
   int64_t first_seq = 0;
   if (argc != 3 || !absl::SimpleAtoi(argv[2], &first_seq)) {
-    std::fprintf(stderr, "usage: %s DB_PATH FIRST_SEQ\n", argv[0]);
+    std::fprintf(stderr, "usage: %s STORE FIRST_SEQ\n", argv[0]);
     return 2;
   }
-  auto store = trainyard::coordinator::OpenSqliteJobStore(argv[1]);
+  auto store = trainyard::coordinator::OpenJobStore(argv[1]);
   if (!store.ok()) {
     std::fprintf(stderr, "open %s: %s\n", argv[1], store.status().ToString().c_str());
     return 1;

@@ -1,8 +1,9 @@
-// Crash test of the SQLite JobStore: a child process (job_store_crash_child.cc) commits jobs from
-// four threads and acknowledges each durable commit; the test SIGKILLs it at a seeded-random
-// point, reopens the database, and checks that every acknowledged job is there and that no job is
-// torn. Several rounds run on one database file, so recovery of a WAL left by a killed process is
-// itself followed by new writes and another kill.
+// Crash test of the durable JobStores (SQLite, and PostgreSQL on a private server the test
+// starts): a child process (job_store_crash_child.cc) commits jobs from four threads and
+// acknowledges each durable commit; the test SIGKILLs it at a seeded-random point, reopens the
+// store, and checks that every acknowledged job is there and that no job is torn. Several rounds
+// run on one database, so recovery of a WAL left by a killed process (SQLite) or of transactions
+// cut off mid-flight (PostgreSQL) is itself followed by new writes and another kill.
 #include <signal.h>
 #include <sqlite3.h>
 #include <sys/wait.h>
@@ -11,6 +12,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <optional>
@@ -27,6 +29,7 @@
 #include "gtest/gtest.h"
 #include "server/coordinator/job_store.h"
 #include "tests/job_store_crash_payload.h"
+#include "tests/testing/postgres_server.h"
 #include "tests/testing/subprocess.h"
 
 namespace trainyard::coordinator {
@@ -96,10 +99,9 @@ std::string DescribeCorruption(const StoredJob& actual) {
   return absl::StrJoin(diffs, ", ");
 }
 
-TEST(JobStoreCrashTest, AcknowledgedJobsSurviveSigkillAndNoJobIsTorn) {
-  TempDir dir;
-  ASSERT_FALSE(dir.path().empty());
-  const std::string db_path = dir.path() + "/jobs.db";
+// Kills the child committing to `location` kRounds times; checks after each kill with
+// `integrity_check` (empty when the store has none of its own to run) and a reopened store.
+void CrashRounds(const std::string& location, const std::function<std::string()>& integrity_check) {
   std::mt19937 rng(kSeed);
   std::uniform_int_distribution<int> acks_before_kill(kMinAcksBeforeKill, kMaxAcksBeforeKill);
 
@@ -109,7 +111,7 @@ TEST(JobStoreCrashTest, AcknowledgedJobsSurviveSigkillAndNoJobIsTorn) {
     SCOPED_TRACE(absl::StrCat("round ", round));
     const int64_t first_seq = max_seq_in_db + 1;
     const int kill_after = acks_before_kill(rng);
-    auto child = Subprocess::Start({ChildPath(), db_path, absl::StrCat(first_seq)});
+    auto child = Subprocess::Start({ChildPath(), location, absl::StrCat(first_seq)});
     ASSERT_TRUE(child.ok()) << child.status();
 
     for (int acks = 0; acks < kill_after; ++acks) {
@@ -129,9 +131,9 @@ TEST(JobStoreCrashTest, AcknowledgedJobsSurviveSigkillAndNoJobIsTorn) {
     EXPECT_TRUE(WIFSIGNALED(*wait_status) && WTERMSIG(*wait_status) == SIGKILL)
         << "child ended otherwise than by SIGKILL, status " << *wait_status;
 
-    EXPECT_EQ(IntegrityCheck(db_path), "ok");
+    if (integrity_check) EXPECT_EQ(integrity_check(), "ok");
 
-    auto store = OpenSqliteJobStore(db_path);
+    auto store = OpenJobStore(location);
     ASSERT_TRUE(store.ok()) << store.status();
     auto jobs = (*store)->LoadJobs();
     ASSERT_TRUE(jobs.ok()) << jobs.status();
@@ -156,6 +158,21 @@ TEST(JobStoreCrashTest, AcknowledgedJobsSurviveSigkillAndNoJobIsTorn) {
               << " jobs in the database, " << present.size() - acked.size()
               << " of them never acknowledged\n";
   }
+}
+
+TEST(JobStoreCrashTest, AcknowledgedJobsSurviveSigkillAndNoJobIsTornOnSqlite) {
+  TempDir dir;
+  ASSERT_FALSE(dir.path().empty());
+  const std::string db_path = dir.path() + "/jobs.db";
+  CrashRounds(db_path, [&] { return IntegrityCheck(db_path); });
+}
+
+TEST(JobStoreCrashTest, AcknowledgedJobsSurviveSigkillAndNoJobIsTornOnPostgres) {
+  std::string why;
+  testing::PostgresServer* server = testing::SharedPostgresServer(&why);
+  if (server == nullptr) GTEST_SKIP() << "no PostgreSQL here: " << why;
+  ASSERT_TRUE(server->CreateDatabase("crash").ok());
+  CrashRounds(server->Uri("crash"), nullptr);
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // Tests of the JobStore backends: one shared suite (JobStoreTest) that every backend runs through
-// a factory, followed by SQLite-only tests (schema, errors, group commit accounting). A new
-// backend (e.g. PostgreSQL) joins the shared suite by adding a Backend to kBackends.
+// a factory (SQLite, PostgreSQL on a private server the test starts, in-memory), the durable
+// backends' suite (reopening, group commit accounting), then SQLite-only and PostgreSQL-only tests
+// (schema, migrations, errors).
 #include "server/coordinator/job_store.h"
 
 #include <sqlite3.h>
@@ -24,6 +25,7 @@
 #include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/postgres_server.h"
 #include "tests/testing/subprocess.h"
 
 namespace trainyard::coordinator {
@@ -122,20 +124,55 @@ class Results {
 struct Backend {
   std::string name;
   // Opens the store kept in `dir`; opening again on the same dir sees the same data if `durable`.
-  std::function<absl::StatusOr<std::unique_ptr<JobStore>>(const std::string& dir)> open;
+  std::function<absl::StatusOr<std::unique_ptr<JobStore>>(const std::string& dir,
+                                                          const JobStoreOptions& options)>
+      open;
   bool durable = false;
+  // Why this backend cannot run here (the test is skipped), or empty.
+  std::function<std::string()> unavailable = [] { return std::string(); };
 };
 
 // So that gtest names the backend instead of dumping its bytes.
 void PrintTo(const Backend& backend, std::ostream* os) { *os << backend.name; }
 
+// The database of the shared test server that stands for `dir` (one per test), created at its
+// first use.
+absl::StatusOr<std::string> PostgresUriFor(const std::string& dir) {
+  std::string why;
+  testing::PostgresServer* server = testing::SharedPostgresServer(&why);
+  if (server == nullptr) return absl::FailedPreconditionError(why);
+  std::string name = "t_" + dir.substr(dir.rfind('/') + 1);
+  for (char& c : name) c = (c == '-') ? '_' : c;
+  static std::set<std::string>* created = new std::set<std::string>();
+  if (created->insert(name).second) {
+    absl::Status status = server->CreateDatabase(name);
+    if (!status.ok()) return status;
+  }
+  return server->Uri(name);
+}
+
+std::string PostgresUnavailable() {
+  std::string why;
+  return testing::SharedPostgresServer(&why) == nullptr ? why : "";
+}
+
 const Backend kBackends[] = {
-    {"Sqlite", [](const std::string& dir) { return OpenSqliteJobStore(dir + "/jobs.db"); },
-     /*durable=*/true},
-    {"InMemory",
-     [](const std::string& dir) -> absl::StatusOr<std::unique_ptr<JobStore>> {
-       return NewInMemoryJobStore();
+    {"Sqlite",
+     [](const std::string& dir, const JobStoreOptions& options) {
+       return OpenSqliteJobStore(dir + "/jobs.db", options);
      },
+     /*durable=*/true},
+    {"Postgres",
+     [](const std::string& dir,
+        const JobStoreOptions& options) -> absl::StatusOr<std::unique_ptr<JobStore>> {
+       absl::StatusOr<std::string> uri = PostgresUriFor(dir);
+       if (!uri.ok()) return uri.status();
+       return OpenPostgresJobStore(*uri, options);
+     },
+     /*durable=*/true, PostgresUnavailable},
+    {"InMemory",
+     [](const std::string& dir, const JobStoreOptions& options)
+         -> absl::StatusOr<std::unique_ptr<JobStore>> { return NewInMemoryJobStore(); },
      /*durable=*/false},
 };
 
@@ -143,12 +180,15 @@ class JobStoreTest : public ::testing::TestWithParam<Backend> {
  protected:
   void SetUp() override {
     ASSERT_FALSE(dir_.path().empty());
+    if (const std::string why = GetParam().unavailable(); !why.empty()) {
+      GTEST_SKIP() << "no " << GetParam().name << " here: " << why;
+    }
     Reopen();
   }
 
-  void Reopen() {
+  void Reopen(const JobStoreOptions& options = {}) {
     store_.reset();
-    auto store = GetParam().open(dir_.path());
+    auto store = GetParam().open(dir_.path(), options);
     ASSERT_TRUE(store.ok()) << store.status();
     store_ = std::move(*store);
   }
@@ -524,6 +564,70 @@ TEST_P(DurableJobStoreTest, ReopenSeesEverythingCommitted) {
   EXPECT_THAT(Seqs(LoadJobs()), ElementsAre(1, 2, 3));
 }
 
+// Commits `batches` while the callback thread is parked in the callback of a batch 0 (job 0), so
+// that all of them are queued before any is written; waits for all of them.
+std::vector<absl::Status> CommitQueuedBehindParked(JobStore& store,
+                                                   std::vector<WriteBatch> batches) {
+  Results results(static_cast<int>(batches.size()));
+  CallbackThreadParker parker(store, PutJobs({Job(0)}));
+  for (size_t i = 0; i < batches.size(); ++i) {
+    store.Commit(std::move(batches[i]), results.Callback(static_cast<int>(i)));
+  }
+  parker.Release();
+  results.Wait();
+  EXPECT_TRUE(parker.first_status().ok()) << parker.first_status();
+  return results.statuses();
+}
+
+TEST_P(DurableJobStoreTest, GroupsBatchesQueuedDuringATransactionIntoOneTransaction) {
+  JobStore* store = store_.get();
+  std::vector<WriteBatch> batches;
+  for (int i = 1; i <= 10; ++i) batches.push_back(PutJobs({Job(i)}));
+  for (const absl::Status& status : CommitQueuedBehindParked(*store, std::move(batches))) {
+    EXPECT_TRUE(status.ok()) << status;
+  }
+  const JobStoreStats stats = store->Stats();
+  EXPECT_EQ(stats.batches, 11);
+  EXPECT_EQ(stats.transactions, 2);  // batch 0 alone, then batches 1..10 together
+  EXPECT_GT(stats.last_commit_seconds, 0);
+  EXPECT_EQ(store->LoadJobs()->size(), 11u);
+}
+
+TEST_P(DurableJobStoreTest, WithoutGroupCommitEachBatchGetsItsOwnTransaction) {
+  JobStoreOptions options;
+  options.group_commit = false;
+  Reopen(options);
+  JobStore* store = store_.get();
+  std::vector<WriteBatch> batches;
+  for (int i = 1; i <= 10; ++i) batches.push_back(PutJobs({Job(i)}));
+  for (const absl::Status& status : CommitQueuedBehindParked(*store, std::move(batches))) {
+    EXPECT_TRUE(status.ok()) << status;
+  }
+  const JobStoreStats stats = store->Stats();
+  EXPECT_EQ(stats.batches, 11);
+  EXPECT_EQ(stats.transactions, 11);
+}
+
+TEST_P(DurableJobStoreTest, BadBatchInAGroupFallsBackToOneTransactionPerBatch) {
+  JobStore* store = store_.get();
+  std::vector<WriteBatch> batches;
+  batches.push_back(PutJobs({Job(1)}));
+  batches.push_back(PutJobs({Job(2), {"job-dup", 1, "bob", "QUEUED", "x"}}));  // seq 1 twice
+  batches.push_back(PutJobs({Job(3)}));
+  const std::vector<absl::Status> statuses = CommitQueuedBehindParked(*store, std::move(batches));
+  ASSERT_EQ(statuses.size(), 3u);
+  EXPECT_TRUE(statuses[0].ok()) << statuses[0];
+  EXPECT_EQ(statuses[1].code(), absl::StatusCode::kAlreadyExists) << statuses[1];
+  EXPECT_THAT(statuses[1].message(), HasSubstr("job-dup"));
+  EXPECT_TRUE(statuses[2].ok()) << statuses[2];
+  const JobStoreStats stats = store->Stats();
+  EXPECT_EQ(stats.batches, 3);  // the parked batch and the two good ones
+  // The parked batch alone; then, after the group of three failed, one for each good batch (the
+  // bad batch's own transaction was rolled back).
+  EXPECT_EQ(stats.transactions, 3);
+  EXPECT_THAT(Seqs(*store->LoadJobs()), ElementsAre(0, 1, 3));
+}
+
 TEST_P(JobStoreTest, DestructorCommitsQueuedBatchesAndRunsEveryCallback) {
   constexpr int kBatches = 100;
   std::atomic<int> ok{0};
@@ -605,75 +709,9 @@ class SqliteJobStoreTest : public ::testing::Test {
     return store.ok() ? std::move(*store) : nullptr;
   }
 
-  // Commits batches 1..count (one job each) while the callback thread is parked in the callback
-  // of batch 0, so that all of them are queued before any is written; waits for all of them.
-  std::vector<absl::Status> CommitQueuedBehindParked(JobStore& store,
-                                                     std::vector<WriteBatch> batches) {
-    Results results(static_cast<int>(batches.size()));
-    CallbackThreadParker parker(store, PutJobs({Job(0)}));
-    for (size_t i = 0; i < batches.size(); ++i) {
-      store.Commit(std::move(batches[i]), results.Callback(static_cast<int>(i)));
-    }
-    parker.Release();
-    results.Wait();
-    EXPECT_TRUE(parker.first_status().ok()) << parker.first_status();
-    return results.statuses();
-  }
-
   TempDir dir_;
   const std::string db_path_ = dir_.path() + "/jobs.db";
 };
-
-TEST_F(SqliteJobStoreTest, GroupsBatchesQueuedDuringATransactionIntoOneTransaction) {
-  auto store = Open();
-  ASSERT_NE(store, nullptr);
-  std::vector<WriteBatch> batches;
-  for (int i = 1; i <= 10; ++i) batches.push_back(PutJobs({Job(i)}));
-  for (const absl::Status& status : CommitQueuedBehindParked(*store, std::move(batches))) {
-    EXPECT_TRUE(status.ok()) << status;
-  }
-  const JobStoreStats stats = store->Stats();
-  EXPECT_EQ(stats.batches, 11);
-  EXPECT_EQ(stats.transactions, 2);  // batch 0 alone, then batches 1..10 together
-  EXPECT_GT(stats.last_commit_seconds, 0);
-  EXPECT_EQ(store->LoadJobs()->size(), 11u);
-}
-
-TEST_F(SqliteJobStoreTest, WithoutGroupCommitEachBatchGetsItsOwnTransaction) {
-  SqliteJobStoreOptions options;
-  options.group_commit = false;
-  auto store = Open(options);
-  ASSERT_NE(store, nullptr);
-  std::vector<WriteBatch> batches;
-  for (int i = 1; i <= 10; ++i) batches.push_back(PutJobs({Job(i)}));
-  for (const absl::Status& status : CommitQueuedBehindParked(*store, std::move(batches))) {
-    EXPECT_TRUE(status.ok()) << status;
-  }
-  const JobStoreStats stats = store->Stats();
-  EXPECT_EQ(stats.batches, 11);
-  EXPECT_EQ(stats.transactions, 11);
-}
-
-TEST_F(SqliteJobStoreTest, BadBatchInAGroupFallsBackToOneTransactionPerBatch) {
-  auto store = Open();
-  ASSERT_NE(store, nullptr);
-  std::vector<WriteBatch> batches;
-  batches.push_back(PutJobs({Job(1)}));
-  batches.push_back(PutJobs({Job(2), {"job-dup", 1, "bob", "QUEUED", "x"}}));  // seq 1 twice
-  batches.push_back(PutJobs({Job(3)}));
-  const std::vector<absl::Status> statuses = CommitQueuedBehindParked(*store, std::move(batches));
-  ASSERT_EQ(statuses.size(), 3u);
-  EXPECT_TRUE(statuses[0].ok()) << statuses[0];
-  EXPECT_EQ(statuses[1].code(), absl::StatusCode::kAlreadyExists) << statuses[1];
-  EXPECT_THAT(statuses[1].message(), HasSubstr("job-dup"));
-  EXPECT_TRUE(statuses[2].ok()) << statuses[2];
-  const JobStoreStats stats = store->Stats();
-  EXPECT_EQ(stats.batches, 3);  // the parked batch and the two good ones
-  // The parked batch alone; then, after the group of three failed, one for each good batch (the
-  // bad batch's own transaction was rolled back).
-  EXPECT_EQ(stats.transactions, 3);
-  EXPECT_THAT(Seqs(*store->LoadJobs()), ElementsAre(0, 1, 3));
-}
 
 TEST_F(SqliteJobStoreTest, CreatesSchemaVersion3InWalModeWithIndexes) {
   ASSERT_NE(Open(), nullptr);
@@ -869,6 +907,125 @@ TEST_F(SqliteJobStoreTest, OnlineBackupIsAConsistentInstantAndRestoresIntoANewDa
   auto memory = NewInMemoryJobStore();
   EXPECT_EQ(memory->Backup(dir_.path() + "/memory.db").code(),
             absl::StatusCode::kFailedPrecondition);
+}
+
+// ---- PostgreSQL only ----
+
+class PostgresJobStoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string why;
+    server_ = testing::SharedPostgresServer(&why);
+    if (server_ == nullptr) GTEST_SKIP() << "no PostgreSQL here: " << why;
+    auto uri = PostgresUriFor(dir_.path());
+    ASSERT_TRUE(uri.ok()) << uri.status();
+    uri_ = *uri;
+    database_ = uri_.substr(std::string("postgresql:///").size());
+    database_ = database_.substr(0, database_.find('?'));
+  }
+
+  std::string Query(const std::string& sql) {
+    auto value = server_->Query(database_, sql);
+    return value.ok() ? *value : absl::StrCat("error: ", value.status().message());
+  }
+
+  TempDir dir_;
+  testing::PostgresServer* server_ = nullptr;
+  std::string uri_;
+  std::string database_;
+};
+
+TEST_F(PostgresJobStoreTest, CreatesSchemaVersion1WithIndexesAndStoresPayloadsAsBytea) {
+  auto store = OpenPostgresJobStore(uri_);
+  ASSERT_TRUE(store.ok()) << store.status();
+  EXPECT_EQ(Query("SELECT version FROM trainyard_schema"), "1");
+  EXPECT_EQ(Query("SELECT count(*) FROM trainyard_schema"), "1");
+  EXPECT_EQ(Query("SELECT string_agg(indexname, ',' ORDER BY indexname) FROM pg_indexes "
+                  "WHERE tablename IN ('jobs', 'records')"),
+            "jobs_owner_seq,jobs_pkey,jobs_seq_key,jobs_state,records_expiry,records_pkey");
+  ASSERT_TRUE((*store)->CommitSync(PutJobs({Job(7, BinaryPayload())})).ok());
+  EXPECT_EQ(Query("SELECT pg_typeof(payload)::text || ':' || length(payload) FROM jobs"),
+            "bytea:258");
+  EXPECT_EQ(Query("SELECT id || ',' || seq || ',' || owner || ',' || state FROM jobs"),
+            "job-7,7,alice,QUEUED");
+  // Opening again (a second coordinator, a restart) migrates nothing and keeps the rows.
+  auto again = OpenPostgresJobStore(uri_);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(Query("SELECT version FROM trainyard_schema"), "1");
+  EXPECT_THAT(*(*again)->LoadJobs(), ElementsAre(Job(7, BinaryPayload())));
+}
+
+TEST_F(PostgresJobStoreTest, StoresOpenedTogetherMigrateOnce) {
+  constexpr int kStores = 4;
+  std::vector<absl::StatusOr<std::unique_ptr<JobStore>>> stores(kStores);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kStores; ++i) {
+    threads.emplace_back([&, i] { stores[i] = OpenPostgresJobStore(uri_); });
+  }
+  for (std::thread& t : threads) t.join();
+  for (auto& store : stores) ASSERT_TRUE(store.ok()) << store.status();
+  EXPECT_EQ(Query("SELECT count(*) || ':' || max(version) FROM trainyard_schema"), "1:1");
+  ASSERT_TRUE((*stores[0])->CommitSync(PutJobs({Job(1)})).ok());
+  EXPECT_EQ((*stores[3])->LoadJobs()->size(), 1u);
+}
+
+TEST_F(PostgresJobStoreTest, RefusesDatabaseWithNewerSchemaVersion) {
+  ASSERT_TRUE(OpenPostgresJobStore(uri_).ok());
+  ASSERT_EQ(Query("UPDATE trainyard_schema SET version = 99"), "");
+  auto store = OpenPostgresJobStore(uri_);
+  ASSERT_FALSE(store.ok());
+  EXPECT_EQ(store.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(store.status().message(), HasSubstr("schema version 99"));
+}
+
+TEST_F(PostgresJobStoreTest, RefusesAPasswordInTheUriWithoutEchoingIt) {
+  auto store = OpenPostgresJobStore("postgresql://alice:hunter2-secret@localhost/trainyard");
+  ASSERT_FALSE(store.ok());
+  EXPECT_EQ(store.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(store.status().message(), HasSubstr("password"));
+  EXPECT_THAT(store.status().message(), HasSubstr("PGPASSFILE"));
+  EXPECT_THAT(std::string(store.status().message()), ::testing::Not(HasSubstr("hunter2")));
+  auto keyword = OpenPostgresJobStore("postgresql:///db?host=/tmp&password=hunter2-secret");
+  EXPECT_EQ(keyword.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(OpenPostgresJobStore("host=/tmp dbname=x").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(DescribePostgresLocation("postgresql://bob@db.example:5433/yard?sslmode=require"),
+            "yard on db.example:5433");
+}
+
+TEST_F(PostgresJobStoreTest, AServerThatIsNotThereIsUnavailableNamingIt) {
+  TempDir empty;
+  auto store = OpenPostgresJobStore(
+      absl::StrCat("postgresql:///nowhere?host=", empty.path(), "&user=postgres"));
+  ASSERT_FALSE(store.ok());
+  EXPECT_EQ(store.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(store.status().message(), HasSubstr("cannot connect to the job store database"));
+  EXPECT_THAT(store.status().message(), HasSubstr("nowhere on " + empty.path()));
+}
+
+TEST_F(PostgresJobStoreTest, CommitsAndReadsGoOnAfterTheServerDroppedTheSessions) {
+  auto store = OpenPostgresJobStore(uri_);
+  ASSERT_TRUE(store.ok()) << store.status();
+  ASSERT_TRUE((*store)->CommitSync(PutJobs({Job(1)})).ok());
+  ASSERT_EQ((*store)->LoadJobs()->size(), 1u);
+  // What a server restart (or an operator's pg_terminate_backend) does to both connections.
+  EXPECT_EQ(Query("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                  "WHERE application_name = 'trainyard-coordinator' AND datname = '" +
+                  database_ + "'"),
+            "2");
+  const absl::Status status = (*store)->CommitSync(PutJobs({Job(2)}));
+  EXPECT_TRUE(status.ok()) << status;
+  auto jobs = (*store)->LoadJobs();
+  ASSERT_TRUE(jobs.ok()) << jobs.status();
+  EXPECT_THAT(Seqs(*jobs), ElementsAre(1, 2));
+}
+
+TEST_F(PostgresJobStoreTest, BackupPointsToPgDump) {
+  auto store = OpenPostgresJobStore(uri_);
+  ASSERT_TRUE(store.ok()) << store.status();
+  const absl::Status status = (*store)->Backup(dir_.path() + "/backup.db");
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(status.message(), HasSubstr("pg_dump"));
 }
 
 }  // namespace

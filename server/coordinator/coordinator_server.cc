@@ -137,28 +137,42 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   store_options.on_commit = [m = s->metrics_prom_.get()](double seconds) {
     m->ObserveStoreCommit(seconds);
   };
-  if (!s->options_.restore_from.empty()) {
-    // Only into an empty state directory: a restore never overwrites state.
-    const std::string db = dir + "/coordinator.db";
-    if (::access(db.c_str(), F_OK) == 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "restore_from: ", db, " exists; restore into a state directory without one"));
+  if (IsPostgresLocation(s->options_.store)) {
+    if (!s->options_.restore_from.empty()) {
+      return absl::InvalidArgumentError(
+          "restore_from: a PostgreSQL store is restored with pg_restore or psql, not --restore "
+          "(docs/operations.md)");
     }
-    const std::string part = db + ".restoring";
-    ::unlink(part.c_str());  // (an interrupted restore's)
-    absl::Status restored = RestoreSqliteBackup(s->options_.restore_from, part);
-    if (restored.ok() && ::rename(part.c_str(), db.c_str()) != 0) {
-      restored = absl::InternalError(absl::StrCat("cannot rename ", part, ": ", strerror(errno)));
+    ASSIGN_OR_RETURN(s->store_, OpenPostgresJobStore(s->options_.store, store_options));
+    spdlog::info("state in PostgreSQL: {}", DescribePostgresLocation(s->options_.store));
+  } else if (!s->options_.store.empty()) {
+    return absl::InvalidArgumentError(
+        "store: a PostgreSQL URI, postgresql://[user@]host[:port]/database (or leave it out for "
+        "STATE_DIR/coordinator.db)");
+  } else {
+    if (!s->options_.restore_from.empty()) {
+      // Only into an empty state directory: a restore never overwrites state.
+      const std::string db = dir + "/coordinator.db";
+      if (::access(db.c_str(), F_OK) == 0) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "restore_from: ", db, " exists; restore into a state directory without one"));
+      }
+      const std::string part = db + ".restoring";
+      ::unlink(part.c_str());  // (an interrupted restore's)
+      absl::Status restored = RestoreSqliteBackup(s->options_.restore_from, part);
+      if (restored.ok() && ::rename(part.c_str(), db.c_str()) != 0) {
+        restored = absl::InternalError(absl::StrCat("cannot rename ", part, ": ", strerror(errno)));
+      }
+      if (!restored.ok()) {
+        ::unlink(part.c_str());
+        return absl::Status(restored.code(), absl::StrCat("restore_from: ", restored.message()));
+      }
+      spdlog::info("restored the state from {}", s->options_.restore_from);
     }
-    if (!restored.ok()) {
-      ::unlink(part.c_str());
-      return absl::Status(restored.code(), absl::StrCat("restore_from: ", restored.message()));
-    }
-    spdlog::info("restored the state from {}", s->options_.restore_from);
+    // SQLite gives its -wal and -shm files the database file's mode.
+    RETURN_IF_ERROR(MakePrivateFile(dir + "/coordinator.db"));
+    ASSIGN_OR_RETURN(s->store_, OpenSqliteJobStore(dir + "/coordinator.db", store_options));
   }
-  // SQLite gives its -wal and -shm files the database file's mode.
-  RETURN_IF_ERROR(MakePrivateFile(dir + "/coordinator.db"));
-  ASSIGN_OR_RETURN(s->store_, OpenSqliteJobStore(dir + "/coordinator.db", store_options));
   if (!s->options_.audit_log.empty()) RETURN_IF_ERROR(OpenAuditJsonLog(s->options_.audit_log));
   ASSIGN_OR_RETURN(std::string job_key, JobCredentialKey(dir));
   s->identities_ = std::make_unique<IdentityRegistry>(*s->store_, s->clock_, std::move(job_key));

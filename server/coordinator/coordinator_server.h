@@ -59,7 +59,11 @@ struct CoordinatorOptions {
   std::string listen_address = "127.0.0.1:7070";  // port 0 picks a free port
   // TLS (common/tls.h). With a client CA, node calls need a client certificate naming the node.
   TlsServerOptions tls;
-  std::string state_dir;  // holds coordinator.db; created if missing
+  std::string
+      state_dir;  // holds coordinator.db (unless `store` says otherwise); created if missing
+  // Where the jobs, nodes, users and tokens live: empty for STATE_DIR/coordinator.db (SQLite), or
+  // a PostgreSQL URI (postgresql://...; no password in it: libpq's password file).
+  std::string store;
   // A backup (yard admin backup) to start from: the state directory must hold no coordinator.db
   // yet. Empty: none.
   std::string restore_from;

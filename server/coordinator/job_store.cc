@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -20,6 +21,16 @@
 #include "absl/time/time.h"
 
 namespace trainyard::coordinator {
+
+bool IsPostgresLocation(const std::string& location) {
+  return absl::StartsWith(location, "postgresql://") || absl::StartsWith(location, "postgres://");
+}
+
+absl::StatusOr<std::unique_ptr<JobStore>> OpenJobStore(const std::string& location,
+                                                       const JobStoreOptions& options) {
+  if (IsPostgresLocation(location)) return OpenPostgresJobStore(location, options);
+  return OpenSqliteJobStore(location, options);
+}
 
 absl::Status JobStore::CommitSync(WriteBatch batch) {
   absl::Notification done;

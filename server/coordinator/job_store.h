@@ -1,5 +1,5 @@
 // Durable storage for the coordinator's jobs and nodes, behind a small interface so that SQLite
-// (now) and PostgreSQL (later) pass one shared test suite (tests/job_store_test.cc).
+// (the embedded default) and PostgreSQL pass one shared test suite (tests/job_store_test.cc).
 //
 // The store knows nothing of protobuf or job semantics: a job is a row with a few indexed columns
 // and an opaque payload (the serialized trainyard.v1.Job) that the JobManager owns.
@@ -124,12 +124,14 @@ class JobStore {
   virtual absl::Status Backup(const std::string& path) = 0;
 };
 
-struct SqliteJobStoreOptions {
+struct JobStoreOptions {
   // When false, each batch gets a transaction of its own (one fsync each); for benchmarks only.
   bool group_commit = true;
   // Called on the commit thread after each durable transaction with its duration (for metrics).
   std::function<void(double seconds)> on_commit;
 };
+using SqliteJobStoreOptions = JobStoreOptions;
+using PostgresJobStoreOptions = JobStoreOptions;
 
 // Opens (creating if needed) the SQLite database at `path`: WAL journal, synchronous=FULL, schema
 // versioned by PRAGMA user_version and migrated forward on open. Errors: a path that cannot be
@@ -142,6 +144,31 @@ absl::StatusOr<std::unique_ptr<JobStore>> OpenSqliteJobStore(
 // a trainyard coordinator's database, DATA_LOSS for one that fails SQLite's integrity check,
 // FAILED_PRECONDITION for one of a newer schema than this build knows.
 absl::Status RestoreSqliteBackup(const std::string& backup, const std::string& path);
+
+// Whether `location` names a PostgreSQL database: a libpq URI (postgresql://... or postgres://...).
+bool IsPostgresLocation(const std::string& location);
+
+// Connects to the PostgreSQL database `uri` (a libpq URI; the password, if one is needed, comes
+// from libpq's password file or PGPASSWORD, never from the URI: INVALID_ARGUMENT for a URI that
+// holds one, since the coordinator's argv is visible to every local user). Creates the schema or
+// migrates it forward, under an advisory lock so that replicas starting together do not both
+// migrate. Every session commits synchronously (synchronous_commit=on whatever the server's
+// default): a batch is acknowledged only once the server has flushed it. Errors: UNAVAILABLE for a
+// server that cannot be reached (with libpq's reason), FAILED_PRECONDITION for a schema newer than
+// this build knows, UNIMPLEMENTED in a build without libpq. A lost connection is re-established
+// at the next commit or read; a commit whose COMMIT was sent but never answered fails with
+// UNAVAILABLE, and may have been applied.
+absl::StatusOr<std::unique_ptr<JobStore>> OpenPostgresJobStore(
+    const std::string& uri, const PostgresJobStoreOptions& options = {});
+
+// The store `location` names: a PostgreSQL URI (OpenPostgresJobStore) or a SQLite file's path
+// (OpenSqliteJobStore).
+absl::StatusOr<std::unique_ptr<JobStore>> OpenJobStore(const std::string& location,
+                                                       const JobStoreOptions& options = {});
+
+// The host and database of a PostgreSQL URI, for logs ("db on /run/postgresql:5432"); never the
+// user's password or other options.
+std::string DescribePostgresLocation(const std::string& uri);
 
 // A store that keeps everything in memory; durability ends with the process. For unit tests of
 // logic above the store, and as a second backend that the shared store test suite runs.

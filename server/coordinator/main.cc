@@ -33,6 +33,10 @@ void AddServingFlags(CLI::App& app, CoordinatorOptions& options, Flags& f) {
       ->capture_default_str();
   app.add_option("--state-dir", options.state_dir, "directory for the job database")
       ->capture_default_str();
+  app.add_option("--store", options.store,
+                 "keep the state in this PostgreSQL database (postgresql://[user@]host[:port]/db; "
+                 "the password from ~/.pgpass, PGPASSFILE or PGPASSWORD, never in the URI); "
+                 "default: STATE_DIR/coordinator.db (SQLite)");
   app.add_option("--restore", options.restore_from,
                  "start from this backup (yard admin backup --out FILE); the state directory "
                  "must hold no coordinator.db yet");
@@ -229,7 +233,10 @@ int main(int argc, char** argv) {
     std::printf("metrics %s\n", (*server)->metrics_address().c_str());
   }
   std::fflush(stdout);
-  spdlog::info("serving on {} (state in {})", (*server)->address(), options.state_dir);
+  spdlog::info("serving on {} (state in {})", (*server)->address(),
+               options.store.empty()
+                   ? options.state_dir
+                   : trainyard::coordinator::DescribePostgresLocation(options.store));
 
   const int sig = trainyard::WaitForTerminationSignal();
   spdlog::info("signal {}: shutting down", sig);

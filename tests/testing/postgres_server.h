@@ -1,0 +1,54 @@
+// A private PostgreSQL server for tests: initdb into a fresh temporary folder, then the server
+// listening on a Unix socket in that folder only (no TCP port, so tests running side by side never
+// collide), trust authentication, fsync on (crash tests rely on it). Run as the `postgres` account
+// (or `nobody`) when the test runs as root, since PostgreSQL refuses to run as root. The server is
+// killed if the test process dies (PR_SET_PDEATHSIG, set after the change of account).
+// Not thread-safe: one test thread uses it.
+#ifndef TRAINYARD_TESTS_TESTING_POSTGRES_SERVER_H_
+#define TRAINYARD_TESTS_TESTING_POSTGRES_SERVER_H_
+
+#include <sys/types.h>
+
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace trainyard::testing {
+
+class PostgresServer {
+ public:
+  // Starts a server and waits until it accepts connections. FAILED_PRECONDITION naming what is
+  // missing where PostgreSQL's server programs are not installed (the caller skips).
+  static absl::StatusOr<std::unique_ptr<PostgresServer>> Start();
+
+  // Stops the server (fast shutdown, then SIGKILL) and removes its folder.
+  ~PostgresServer();
+
+  // A libpq URI for `database` on this server, as the superuser.
+  std::string Uri(const std::string& database = "postgres") const;
+
+  // Creates a new empty database (CREATE DATABASE).
+  absl::Status CreateDatabase(const std::string& name);
+
+  // Runs `sql` on `database`; the first column of the first row ("" if none).
+  absl::StatusOr<std::string> Query(const std::string& database, const std::string& sql);
+
+  // The server process (the postmaster).
+  pid_t pid() const { return pid_; }
+
+ private:
+  PostgresServer(std::string dir) : dir_(std::move(dir)) {}
+
+  std::string dir_;  // holds data/ and the socket
+  pid_t pid_ = -1;
+};
+
+// One server for the whole test process, started at the first call; nullptr (and `why` set) where
+// none can be started.
+PostgresServer* SharedPostgresServer(std::string* why);
+
+}  // namespace trainyard::testing
+
+#endif  // TRAINYARD_TESTS_TESTING_POSTGRES_SERVER_H_
