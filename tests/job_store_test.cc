@@ -25,6 +25,7 @@
 #include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/coordinator/leader_lease.h"
 #include "tests/testing/postgres_server.h"
 #include "tests/testing/subprocess.h"
 
@@ -935,10 +936,12 @@ class PostgresJobStoreTest : public ::testing::Test {
   std::string database_;
 };
 
-TEST_F(PostgresJobStoreTest, CreatesSchemaVersion1WithIndexesAndStoresPayloadsAsBytea) {
+TEST_F(PostgresJobStoreTest, CreatesSchemaVersion2WithIndexesAndStoresPayloadsAsBytea) {
   auto store = OpenPostgresJobStore(uri_);
   ASSERT_TRUE(store.ok()) << store.status();
-  EXPECT_EQ(Query("SELECT version FROM trainyard_schema"), "1");
+  EXPECT_EQ(Query("SELECT version FROM trainyard_schema"), "2");
+  EXPECT_EQ(Query("SELECT epoch || ':' || (expires_at = '-infinity') FROM trainyard_leader"),
+            "0:true");
   EXPECT_EQ(Query("SELECT count(*) FROM trainyard_schema"), "1");
   EXPECT_EQ(Query("SELECT string_agg(indexname, ',' ORDER BY indexname) FROM pg_indexes "
                   "WHERE tablename IN ('jobs', 'records')"),
@@ -951,7 +954,7 @@ TEST_F(PostgresJobStoreTest, CreatesSchemaVersion1WithIndexesAndStoresPayloadsAs
   // Opening again (a second coordinator, a restart) migrates nothing and keeps the rows.
   auto again = OpenPostgresJobStore(uri_);
   ASSERT_TRUE(again.ok()) << again.status();
-  EXPECT_EQ(Query("SELECT version FROM trainyard_schema"), "1");
+  EXPECT_EQ(Query("SELECT version FROM trainyard_schema"), "2");
   EXPECT_THAT(*(*again)->LoadJobs(), ElementsAre(Job(7, BinaryPayload())));
 }
 
@@ -964,7 +967,8 @@ TEST_F(PostgresJobStoreTest, StoresOpenedTogetherMigrateOnce) {
   }
   for (std::thread& t : threads) t.join();
   for (auto& store : stores) ASSERT_TRUE(store.ok()) << store.status();
-  EXPECT_EQ(Query("SELECT count(*) || ':' || max(version) FROM trainyard_schema"), "1:1");
+  EXPECT_EQ(Query("SELECT count(*) || ':' || max(version) FROM trainyard_schema"), "1:2");
+  EXPECT_EQ(Query("SELECT count(*) FROM trainyard_leader"), "1");
   ASSERT_TRUE((*stores[0])->CommitSync(PutJobs({Job(1)})).ok());
   EXPECT_EQ((*stores[3])->LoadJobs()->size(), 1u);
 }
@@ -1018,6 +1022,145 @@ TEST_F(PostgresJobStoreTest, CommitsAndReadsGoOnAfterTheServerDroppedTheSessions
   auto jobs = (*store)->LoadJobs();
   ASSERT_TRUE(jobs.ok()) << jobs.status();
   EXPECT_THAT(Seqs(*jobs), ElementsAre(1, 2));
+}
+
+TEST_F(PostgresJobStoreTest, MigratesAVersion1DatabaseToTheLeaseKeepingItsJobs) {
+  {
+    auto store = OpenPostgresJobStore(uri_);
+    ASSERT_TRUE(store.ok()) << store.status();
+    ASSERT_TRUE((*store)->CommitSync(PutJobs({Job(1)})).ok());
+  }
+  // What a build of schema version 1 left: no lease table.
+  ASSERT_EQ(Query("DROP TABLE trainyard_leader; UPDATE trainyard_schema SET version = 1"), "");
+  auto store = OpenPostgresJobStore(uri_);
+  ASSERT_TRUE(store.ok()) << store.status();
+  EXPECT_EQ(Query("SELECT version FROM trainyard_schema"), "2");
+  EXPECT_EQ(Query("SELECT epoch FROM trainyard_leader"), "0");
+  EXPECT_THAT(Seqs(*(*store)->LoadJobs()), ElementsAre(1));
+}
+
+TEST_F(PostgresJobStoreTest, TheLeaseGoesToOneReplicaAtATimeWithAGrowingEpoch) {
+  ASSERT_TRUE(OpenPostgresJobStore(uri_).ok());  // the schema
+  auto a = OpenLeaderLease(uri_, "replica-a", "10.0.0.1:7070");
+  auto b = OpenLeaderLease(uri_, "replica-b", "10.0.0.2:7070");
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+  auto epoch_a = (*a)->TryAcquire(absl::Seconds(30));
+  ASSERT_TRUE(epoch_a.ok()) << epoch_a.status();
+  EXPECT_EQ(*epoch_a, 1);
+  EXPECT_EQ((*b)->TryAcquire(absl::Seconds(30)).status().code(), absl::StatusCode::kNotFound);
+  auto current = (*b)->Current();
+  ASSERT_TRUE(current.ok()) << current.status();
+  EXPECT_EQ(current->epoch, 1);
+  EXPECT_EQ(current->holder, "replica-a");
+  EXPECT_EQ(current->address, "10.0.0.1:7070");
+  EXPECT_FALSE(current->expired);
+  EXPECT_TRUE((*a)->Renew(*epoch_a, absl::Seconds(30)).ok());
+  // A clean shutdown hands it over at once.
+  ASSERT_TRUE((*a)->Release(*epoch_a).ok());
+  EXPECT_TRUE((*b)->Current()->expired);
+  auto epoch_b = (*b)->TryAcquire(absl::Seconds(30));
+  ASSERT_TRUE(epoch_b.ok()) << epoch_b.status();
+  EXPECT_EQ(*epoch_b, 2);
+  EXPECT_EQ((*a)->Renew(*epoch_a, absl::Seconds(30)).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*a)->TryAcquire(absl::Seconds(30)).status().code(), absl::StatusCode::kNotFound);
+  // Releasing an epoch that is not the holder's changes nothing.
+  ASSERT_TRUE((*a)->Release(*epoch_a).ok());
+  EXPECT_FALSE((*a)->Current()->expired);
+  EXPECT_EQ((*a)->Current()->holder, "replica-b");
+}
+
+TEST_F(PostgresJobStoreTest, AnExpiredLeaseIsTakenOverAndTheOldLeaderCannotRenewIt) {
+  ASSERT_TRUE(OpenPostgresJobStore(uri_).ok());
+  auto a = OpenLeaderLease(uri_, "replica-a", "a:7070");
+  auto b = OpenLeaderLease(uri_, "replica-b", "b:7070");
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto epoch_a = (*a)->TryAcquire(absl::Milliseconds(300));
+  ASSERT_TRUE(epoch_a.ok()) << epoch_a.status();
+  EXPECT_EQ((*b)->TryAcquire(absl::Seconds(30)).status().code(), absl::StatusCode::kNotFound);
+  // (The expiry is on the database's clock: wait for the database to say so.)
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (!(*b)->Current()->expired && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  auto epoch_b = (*b)->TryAcquire(absl::Seconds(30));
+  ASSERT_TRUE(epoch_b.ok()) << epoch_b.status();
+  EXPECT_EQ(*epoch_b, *epoch_a + 1);
+  EXPECT_EQ((*a)->Renew(*epoch_a, absl::Seconds(30)).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(PostgresJobStoreTest, AFencedStoreCommitsNothingOnceItsLeaseHasPassedOn) {
+  ASSERT_TRUE(OpenPostgresJobStore(uri_).ok());
+  auto a = OpenLeaderLease(uri_, "replica-a", "a:7070");
+  auto b = OpenLeaderLease(uri_, "replica-b", "b:7070");
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto epoch_a = (*a)->TryAcquire(absl::Seconds(30));
+  ASSERT_TRUE(epoch_a.ok());
+  std::atomic<int> fenced{0};
+  JobStoreOptions options;
+  options.fence_epoch = *epoch_a;
+  options.on_fenced = [&] { ++fenced; };
+  auto store = OpenPostgresJobStore(uri_, options);
+  ASSERT_TRUE(store.ok()) << store.status();
+  ASSERT_TRUE((*store)->CommitSync(PutJobs({Job(1)})).ok());
+  EXPECT_EQ(fenced.load(), 0);
+
+  ASSERT_TRUE((*a)->Release(*epoch_a).ok());
+  auto epoch_b = (*b)->TryAcquire(absl::Seconds(30));
+  ASSERT_TRUE(epoch_b.ok());
+  for (int i = 2; i <= 3; ++i) {
+    const absl::Status status = (*store)->CommitSync(PutJobs({Job(i)}));
+    EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+    EXPECT_THAT(status.message(), HasSubstr("passed to another coordinator"));
+  }
+  EXPECT_EQ(fenced.load(), 1);
+  EXPECT_EQ(Query("SELECT string_agg(id, ',') FROM jobs"), "job-1");
+
+  // The new leader's store writes; a store of the old epoch still does not.
+  options.fence_epoch = *epoch_b;
+  options.on_fenced = nullptr;
+  auto store_b = OpenPostgresJobStore(uri_, options);
+  ASSERT_TRUE(store_b.ok());
+  EXPECT_TRUE((*store_b)->CommitSync(PutJobs({Job(4)})).ok());
+  EXPECT_EQ((*store)->CommitSync(PutJobs({Job(5)})).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(Query("SELECT string_agg(id, ',' ORDER BY seq) FROM jobs"), "job-1,job-4");
+}
+
+TEST_F(PostgresJobStoreTest, ATakeoverWaitsForTheOldLeadersTransactionInFlight) {
+  ASSERT_TRUE(OpenPostgresJobStore(uri_).ok());
+  auto a = OpenLeaderLease(uri_, "replica-a", "a:7070");
+  ASSERT_TRUE(a.ok());
+  auto epoch_a = (*a)->TryAcquire(absl::Seconds(30));
+  ASSERT_TRUE(epoch_a.ok());
+  // The old leader's transaction, stopped after its fence check: the lease row is locked FOR
+  // SHARE.
+  auto old_leader = testing::PostgresSession::Connect(uri_);
+  ASSERT_TRUE(old_leader.ok()) << old_leader.status();
+  ASSERT_TRUE((*old_leader)->Exec("BEGIN").ok());
+  EXPECT_EQ(*(*old_leader)
+                 ->Exec(absl::StrCat("SELECT epoch FROM trainyard_leader WHERE id = 1 AND epoch = ",
+                                     *epoch_a, " AND expires_at > clock_timestamp() FOR SHARE")),
+            absl::StrCat(*epoch_a));
+  // A takeover (by force here, as if the lease had expired) must wait for that transaction.
+  std::atomic<bool> taken{false};
+  std::thread takeover([&] {
+    auto standby = testing::PostgresSession::Connect(uri_ + "&application_name=takeover");
+    if (standby.ok()) {
+      EXPECT_TRUE((*standby)->Exec("UPDATE trainyard_leader SET epoch = epoch + 1").ok());
+    }
+    taken = true;
+  });
+  const std::string waiting =
+      "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'takeover' "
+      "AND wait_event_type = 'Lock'";
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (Query(waiting) != "1" && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_EQ(Query(waiting), "1") << "the takeover never waited for the lease row";
+  EXPECT_FALSE(taken.load());
+  EXPECT_TRUE((*old_leader)->Exec("INSERT INTO nodes VALUES ('n-old', '')").ok());
+  EXPECT_TRUE((*old_leader)->Exec("COMMIT").ok());
+  takeover.join();
+  EXPECT_EQ(Query("SELECT epoch FROM trainyard_leader"), absl::StrCat(*epoch_a + 1));
+  EXPECT_EQ(Query("SELECT id FROM nodes"), "n-old");
 }
 
 TEST_F(PostgresJobStoreTest, BackupPointsToPgDump) {

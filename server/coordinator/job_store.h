@@ -129,6 +129,11 @@ struct JobStoreOptions {
   bool group_commit = true;
   // Called on the commit thread after each durable transaction with its duration (for metrics).
   std::function<void(double seconds)> on_commit;
+  // PostgreSQL: when > 0, every transaction commits only while this epoch holds the leader's lease
+  // (leader_lease.h); otherwise it fails with FAILED_PRECONDITION and applies nothing, and
+  // on_fenced runs (once, on the commit thread).
+  int64_t fence_epoch = 0;
+  std::function<void()> on_fenced;
 };
 using SqliteJobStoreOptions = JobStoreOptions;
 using PostgresJobStoreOptions = JobStoreOptions;

@@ -35,6 +35,7 @@
 #include "absl/time/time.h"
 #include "common/status_macros.h"
 #include "server/coordinator/job_store.h"
+#include "server/coordinator/leader_lease.h"
 
 namespace trainyard::coordinator {
 namespace {
@@ -62,6 +63,14 @@ constexpr const char* kMigrations[] = {
     "  expires_ms BIGINT NOT NULL DEFAULT 0,"
     "  PRIMARY KEY (kind, id));"
     "CREATE INDEX records_expiry ON records(expires_ms) WHERE expires_ms > 0;",
+    // Version 2: the leader's lease (leader_lease.h), one row, free at first.
+    "CREATE TABLE trainyard_leader ("
+    "  id INTEGER PRIMARY KEY CHECK (id = 1),"
+    "  epoch BIGINT NOT NULL,"
+    "  holder TEXT NOT NULL,"
+    "  address TEXT NOT NULL,"
+    "  expires_at TIMESTAMPTZ NOT NULL);"
+    "INSERT INTO trainyard_leader VALUES (1, 0, '', '', '-infinity');",
 };
 constexpr int kSchemaVersion = sizeof(kMigrations) / sizeof(kMigrations[0]);
 
@@ -190,8 +199,13 @@ constexpr Statement kDeleteRecord = {"delete_record",
                                      "DELETE FROM records WHERE kind = $1 AND id = $2"};
 constexpr Statement kDeleteExpired = {
     "delete_expired", "DELETE FROM records WHERE expires_ms > 0 AND expires_ms <= $1"};
-constexpr Statement kWriteStatements[] = {kPutJob,    kPutNode,      kDeleteNode,
-                                          kPutRecord, kDeleteRecord, kDeleteExpired};
+// The fence of a leader's write transaction (leader_lease.h): the lease row locked FOR SHARE, so
+// that a takeover waits for this transaction, and a row only while the lease is still this epoch's.
+constexpr Statement kFence = {"fence",
+                              "SELECT epoch FROM trainyard_leader WHERE id = 1 AND epoch = $1 "
+                              "AND expires_at > clock_timestamp() FOR SHARE"};
+constexpr Statement kWriteStatements[] = {kPutJob,       kPutNode,       kDeleteNode, kPutRecord,
+                                          kDeleteRecord, kDeleteExpired, kFence};
 
 constexpr Statement kSelectJobs = {"select_jobs",
                                    "SELECT id, seq, owner, state, payload FROM jobs ORDER BY seq"};
@@ -523,6 +537,7 @@ class PostgresJobStore final : public JobStore {
       bool commit_sent = false;
       absl::Status status = [&]() -> absl::Status {
         RETURN_IF_ERROR(Exec(conn, "BEGIN", "begin transaction"));
+        if (options_.fence_epoch > 0) RETURN_IF_ERROR(CheckFence());
         for (const WriteBatch* batch : batches) RETURN_IF_ERROR(WriteBatchRows(*batch));
         commit_sent = true;
         return Exec(conn, "COMMIT", "commit transaction");
@@ -550,6 +565,21 @@ class PostgresJobStore final : public JobStore {
     }
     if (options_.on_commit) options_.on_commit(seconds);
     return absl::OkStatus();
+  }
+
+  // Fails the transaction (FAILED_PRECONDITION) unless this store's epoch still holds the lease;
+  // the first time, tells options_.on_fenced.
+  absl::Status CheckFence() {
+    ASSIGN_OR_RETURN(ResultPtr result,
+                     write_.Run(kFence, Params().Int(options_.fence_epoch), "check the lease"));
+    if (PQntuples(result.get()) == 1) return absl::OkStatus();
+    if (!fenced_) {
+      fenced_ = true;
+      if (options_.on_fenced) options_.on_fenced();
+    }
+    return absl::FailedPreconditionError(
+        absl::StrCat("this coordinator's lease (epoch ", options_.fence_epoch,
+                     ") has ended or passed to another coordinator: it writes nothing more"));
   }
 
   absl::Status WriteBatchRows(const WriteBatch& batch) {
@@ -600,7 +630,8 @@ class PostgresJobStore final : public JobStore {
 
   const PostgresJobStoreOptions options_;
 
-  Connection write_;  // used only by the commit thread once the store is open
+  Connection write_;     // used only by the commit thread once the store is open
+  bool fenced_ = false;  // (commit thread)
 
   absl::Mutex read_mu_;  // serializes reads on the read connection
   Connection read_ ABSL_GUARDED_BY(read_mu_);
@@ -613,7 +644,94 @@ class PostgresJobStore final : public JobStore {
   std::thread commit_thread_;
 };
 
+constexpr Statement kAcquire = {
+    "acquire",
+    "UPDATE trainyard_leader SET epoch = epoch + 1, holder = $1, address = $2, "
+    "expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond' "
+    "WHERE id = 1 AND expires_at <= clock_timestamp() RETURNING epoch"};
+constexpr Statement kRenew = {
+    "renew",
+    "UPDATE trainyard_leader SET expires_at = clock_timestamp() + $2::bigint * interval "
+    "'1 millisecond' WHERE id = 1 AND epoch = $1 AND expires_at > clock_timestamp() "
+    "RETURNING epoch"};
+constexpr Statement kRelease = {
+    "release", "UPDATE trainyard_leader SET expires_at = '-infinity' WHERE id = 1 AND epoch = $1"};
+constexpr Statement kCurrent = {
+    "current",
+    "SELECT epoch, holder, address, expires_at <= clock_timestamp() FROM trainyard_leader "
+    "WHERE id = 1"};
+
+class PostgresLeaderLease final : public LeaderLease {
+ public:
+  PostgresLeaderLease(const std::string& uri, std::string holder, std::string address)
+      : conn_(uri, {kAcquire, kRenew, kRelease, kCurrent}),
+        holder_(std::move(holder)),
+        address_(std::move(address)) {}
+
+  absl::StatusOr<int64_t> TryAcquire(absl::Duration ttl) override {
+    ASSIGN_OR_RETURN(
+        ResultPtr result,
+        Run(kAcquire, Params().Text(holder_).Text(address_).Int(absl::ToInt64Milliseconds(ttl)),
+            "take the leader's lease"));
+    if (PQntuples(result.get()) == 0) {
+      return absl::NotFoundError("another coordinator holds the leader's lease");
+    }
+    return Int64(result.get(), 0, 0);
+  }
+
+  absl::Status Renew(int64_t epoch, absl::Duration ttl) override {
+    ASSIGN_OR_RETURN(ResultPtr result,
+                     Run(kRenew, Params().Int(epoch).Int(absl::ToInt64Milliseconds(ttl)),
+                         "renew the leader's lease"));
+    if (PQntuples(result.get()) == 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the leader's lease of epoch ", epoch, " has expired or passed on"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Release(int64_t epoch) override {
+    return Run(kRelease, Params().Int(epoch), "release the leader's lease").status();
+  }
+
+  absl::StatusOr<LeaseHolder> Current() override {
+    ASSIGN_OR_RETURN(ResultPtr result, Run(kCurrent, Params(), "read the leader's lease"));
+    if (PQntuples(result.get()) != 1) return absl::InternalError("no leader's lease row");
+    LeaseHolder lease;
+    lease.epoch = Int64(result.get(), 0, 0);
+    lease.holder = Bytes(result.get(), 0, 1);
+    lease.address = Bytes(result.get(), 0, 2);
+    lease.expired = PQgetlength(result.get(), 0, 3) == 1 && PQgetvalue(result.get(), 0, 3)[0] != 0;
+    return lease;
+  }
+
+ private:
+  // A statement on the connection, made again once if the server dropped it.
+  absl::StatusOr<ResultPtr> Run(const Statement& statement, const Params& params,
+                                const std::string& context) {
+    for (int attempt = 0;; ++attempt) {
+      RETURN_IF_ERROR(conn_.Ensure());
+      absl::StatusOr<ResultPtr> result = conn_.Run(statement, params, context);
+      if (result.ok() || PQstatus(conn_.get()) == CONNECTION_OK) return result;
+      conn_.Drop();
+      if (attempt > 0) return result;
+    }
+  }
+
+  Connection conn_;
+  const std::string holder_;
+  const std::string address_;
+};
+
 }  // namespace
+
+absl::StatusOr<std::unique_ptr<LeaderLease>> OpenLeaderLease(const std::string& uri,
+                                                             const std::string& holder,
+                                                             const std::string& address) {
+  auto lease = std::make_unique<PostgresLeaderLease>(uri, holder, address);
+  RETURN_IF_ERROR(lease->Current().status());
+  return lease;
+}
 
 std::string DescribePostgresLocation(const std::string& uri) {
   char* error = nullptr;

@@ -6,6 +6,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "server/coordinator/job_store.h"
+#include "server/coordinator/leader_lease.h"
 
 namespace trainyard::coordinator {
 
@@ -15,6 +16,12 @@ absl::StatusOr<std::unique_ptr<JobStore>> OpenPostgresJobStore(
     const std::string& uri, const PostgresJobStoreOptions& options) {
   return absl::UnimplementedError(
       "store: this build has no PostgreSQL client library; install libpq-dev and build again");
+}
+
+absl::StatusOr<std::unique_ptr<LeaderLease>> OpenLeaderLease(const std::string& uri,
+                                                             const std::string& holder,
+                                                             const std::string& address) {
+  return absl::UnimplementedError("this build has no PostgreSQL client library");
 }
 
 }  // namespace trainyard::coordinator

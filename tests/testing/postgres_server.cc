@@ -180,7 +180,13 @@ std::string PostgresServer::Uri(const std::string& database) const {
 
 absl::StatusOr<std::string> PostgresServer::Query(const std::string& database,
                                                   const std::string& sql) {
-  PGconn* conn = PQconnectdb(Uri(database).c_str());
+  auto session = PostgresSession::Connect(Uri(database));
+  if (!session.ok()) return session.status();
+  return (*session)->Exec(sql);
+}
+
+absl::StatusOr<std::unique_ptr<PostgresSession>> PostgresSession::Connect(const std::string& uri) {
+  PGconn* conn = PQconnectdb(uri.c_str());
   if (PQstatus(conn) != CONNECTION_OK) {
     absl::Status status = absl::UnavailableError(PQerrorMessage(conn));
     PQfinish(conn);
@@ -188,7 +194,13 @@ absl::StatusOr<std::string> PostgresServer::Query(const std::string& database,
   }
   PQsetNoticeProcessor(
       conn, [](void*, const char*) {}, nullptr);
-  PGresult* result = PQexec(conn, sql.c_str());
+  return std::unique_ptr<PostgresSession>(new PostgresSession(conn));
+}
+
+PostgresSession::~PostgresSession() { PQfinish(static_cast<PGconn*>(conn_)); }
+
+absl::StatusOr<std::string> PostgresSession::Exec(const std::string& sql) {
+  PGresult* result = PQexec(static_cast<PGconn*>(conn_), sql.c_str());
   absl::StatusOr<std::string> value;
   const ExecStatusType status = PQresultStatus(result);
   if (status == PGRES_TUPLES_OK) {
@@ -199,7 +211,6 @@ absl::StatusOr<std::string> PostgresServer::Query(const std::string& database,
     value = absl::InternalError(absl::StrCat(sql, ": ", PQresultErrorMessage(result)));
   }
   PQclear(result);
-  PQfinish(conn);
   return value;
 }
 

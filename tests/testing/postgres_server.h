@@ -45,6 +45,19 @@ class PostgresServer {
   pid_t pid_ = -1;
 };
 
+// One connection, kept open between statements (a transaction across several Exec calls).
+class PostgresSession {
+ public:
+  static absl::StatusOr<std::unique_ptr<PostgresSession>> Connect(const std::string& uri);
+  ~PostgresSession();
+  // Runs `sql`: the first column of the first row ("" if none).
+  absl::StatusOr<std::string> Exec(const std::string& sql);
+
+ private:
+  explicit PostgresSession(void* conn) : conn_(conn) {}
+  void* conn_;  // PGconn
+};
+
 // One server for the whole test process, started at the first call; nullptr (and `why` set) where
 // none can be started.
 PostgresServer* SharedPostgresServer(std::string* why);

@@ -24,6 +24,16 @@ absl::StatusOr<std::string> PostgresServer::Query(const std::string& database,
   return absl::FailedPreconditionError("no PostgreSQL");
 }
 
+absl::StatusOr<std::unique_ptr<PostgresSession>> PostgresSession::Connect(const std::string& uri) {
+  return absl::FailedPreconditionError("no PostgreSQL");
+}
+
+PostgresSession::~PostgresSession() = default;
+
+absl::StatusOr<std::string> PostgresSession::Exec(const std::string& sql) {
+  return absl::FailedPreconditionError("no PostgreSQL");
+}
+
 PostgresServer* SharedPostgresServer(std::string* why) {
   if (why != nullptr) *why = "this build has no PostgreSQL client library (libpq-dev)";
   return nullptr;

@@ -1,0 +1,61 @@
+// Leadership among coordinators that share one PostgreSQL database: a lease row with an expiry
+// and an epoch that grows by one at every change of leader.
+//
+// The lease is the one row of table trainyard_leader (epoch, holder, address, expires_at). Its
+// expiry is on the database server's clock, so the coordinators' clocks never matter. A replica
+// takes the lease only when it is free or expired, and then with the next epoch; the leader
+// extends it well before it expires. Every write transaction of a store opened with
+// PostgresJobStoreOptions::fence_epoch first locks the row FOR SHARE and checks that the epoch is
+// still its own and the lease unexpired, so a leader that was paused, partitioned or overtaken can
+// never commit: either its transaction commits before the new leader's takeover (which waits for
+// the lock), or it sees the new epoch and fails.
+//
+// Used by the coordinator's main (take the lease, stand by, renew) and by the store tests.
+#ifndef TRAINYARD_SERVER_COORDINATOR_LEADER_LEASE_H_
+#define TRAINYARD_SERVER_COORDINATOR_LEADER_LEASE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace trainyard::coordinator {
+
+struct LeaseHolder {
+  int64_t epoch = 0;    // 0: no leader has ever held it
+  std::string holder;   // the replica's id
+  std::string address;  // where clients reach it (gRPC HOST:PORT)
+  bool expired = true;  // on the database's clock
+};
+
+// Not thread-safe: one thread (the coordinator's lease loop) uses it.
+class LeaderLease {
+ public:
+  virtual ~LeaderLease() = default;
+
+  // Takes the lease for `ttl` if it is free or expired: the new epoch. NOT_FOUND (with no change)
+  // while another replica holds it; UNAVAILABLE when the database cannot be reached.
+  virtual absl::StatusOr<int64_t> TryAcquire(absl::Duration ttl) = 0;
+  // Extends the lease held at `epoch` to `ttl` from now. FAILED_PRECONDITION when it is no longer
+  // this epoch's (it expired and another replica took it); UNAVAILABLE when the database cannot be
+  // reached (the caller steps down if that lasts until its lease would end).
+  virtual absl::Status Renew(int64_t epoch, absl::Duration ttl) = 0;
+  // Ends the lease held at `epoch` now, so that a standby takes over without waiting for it to
+  // expire (a clean shutdown). Not an error when it is no longer held.
+  virtual absl::Status Release(int64_t epoch) = 0;
+  // Who holds (or last held) the lease.
+  virtual absl::StatusOr<LeaseHolder> Current() = 0;
+};
+
+// The lease in the PostgreSQL database `uri` (whose schema OpenPostgresJobStore made), for the
+// replica `holder` reachable at `address`. UNIMPLEMENTED in a build without libpq.
+absl::StatusOr<std::unique_ptr<LeaderLease>> OpenLeaderLease(const std::string& uri,
+                                                             const std::string& holder,
+                                                             const std::string& address);
+
+}  // namespace trainyard::coordinator
+
+#endif  // TRAINYARD_SERVER_COORDINATOR_LEADER_LEASE_H_
