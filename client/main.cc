@@ -28,7 +28,8 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.fallthrough();
   app.add_option("--coordinator", g.coordinator,
-                 "coordinator HOST:PORT (env TRAINYARD_COORDINATOR)")
+                 "coordinator HOST:PORT, or several replicas' HOST:PORT,HOST:PORT (env "
+                 "TRAINYARD_COORDINATOR)")
       ->capture_default_str();
   app.add_option("-o,--output", g.output, "output format")
       ->check(CLI::IsMember({"table", "json"}))

@@ -3,6 +3,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/coordinator_channel.h"
 #include "common/credentials.h"
 
 namespace trainyard::client {
@@ -17,17 +18,46 @@ std::string NormalizeJobId(const std::string& text) {
 
 YardClient::YardClient(const std::string& coordinator_address, absl::StatusOr<std::string> token,
                        const TlsClientOptions& tls)
-    : address_(coordinator_address), tls_(tls), token_(std::move(token)) {
-  grpc::ChannelArguments args;
+    : endpoints_(coordinator_address), tls_(tls), token_(std::move(token)) {
+  Connect();
+}
+
+void YardClient::Connect() {
+  grpc::ChannelArguments args = CoordinatorChannelArguments();
   args.SetMaxReceiveMessageSize(64 << 20);
-  auto credentials = MakeChannelCredentials(tls);
+  auto credentials = MakeChannelCredentials(tls_);
   if (!credentials.ok() && token_.ok()) token_ = credentials.status();  // every call fails so
   channel_ = grpc::CreateCustomChannel(
-      address_, credentials.ok() ? *credentials : grpc::InsecureChannelCredentials(), args);
+      endpoints_.current(), credentials.ok() ? *credentials : grpc::InsecureChannelCredentials(),
+      args);
   jobs_ = v1::JobService::NewStub(channel_);
   nodes_ = v1::NodeService::NewStub(channel_);
   identity_ = v1::IdentityService::NewStub(channel_);
   admin_ = v1::AdminService::NewStub(channel_);
+}
+
+bool YardClient::FollowLeader(const grpc::Status& status, const grpc::ClientContext& ctx,
+                              int attempt, absl::Time give_up) {
+  if (absl::Now() >= give_up) return false;
+  // A server that shut down under the call (a standby handing its address to the new leader, or
+  // a leader stepping down) cancels it: the same address is tried again.
+  if (status.error_code() == grpc::StatusCode::CANCELLED && attempt < 5) {
+    absl::SleepFor(absl::Milliseconds(50));
+    return true;
+  }
+  const bool named = ctx.GetServerTrailingMetadata().count(kLeaderMetadata) > 0;
+  if (!endpoints_.Follow(status, ctx)) {
+    // A standby that knows no leader yet (one is taking over): ask it again shortly.
+    if (!named) return false;
+  } else {
+    Connect();
+  }
+  // Straight to a named leader; a pause that grows while nobody answers.
+  if (!named || attempt > 0) {
+    absl::SleepFor(
+        std::min(absl::Milliseconds(100) * (1 << std::min(attempt, 4)), absl::Seconds(1)));
+  }
+  return true;
 }
 
 absl::Status YardClient::Prepare(grpc::ClientContext& ctx, absl::Duration timeout) const {
@@ -43,13 +73,14 @@ absl::Status YardClient::Convert(const grpc::Status& s) const {
   if (s.ok()) return absl::OkStatus();
   if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
     // A TLS mismatch looks like a closed socket to gRPC: say which it is when it is one.
-    if (const std::string tls = DiagnoseTls(address_, tls_); !tls.empty()) {
+    const std::string address = endpoints_.current();
+    if (const std::string tls = DiagnoseTls(address, tls_); !tls.empty()) {
       return absl::UnavailableError(
-          absl::StrCat("cannot reach the coordinator at ", address_, ": ", tls));
+          absl::StrCat("cannot reach the coordinator at ", address, ": ", tls));
     }
-    return absl::UnavailableError(absl::StrCat("cannot reach the coordinator at ", address_, " (",
-                                               s.error_message(),
-                                               "); is it running? try `yard local up`"));
+    return absl::UnavailableError(absl::StrCat(
+        "cannot reach the coordinator at ", endpoints_.size() > 1 ? endpoints_.all() : address,
+        " (", s.error_message(), "); is it running? try `yard local up`"));
   }
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
 }
@@ -57,7 +88,7 @@ absl::Status YardClient::Convert(const grpc::Status& s) const {
 absl::StatusOr<v1::Job> YardClient::Submit(const v1::JobSpec& spec) {
   v1::SubmitJobRequest request;
   *request.mutable_spec() = spec;
-  auto response = Call(*jobs_, &v1::JobService::Stub::SubmitJob, request);
+  auto response = Call(&YardClient::jobs_, &v1::JobService::Stub::SubmitJob, request);
   if (!response.ok()) return response.status();
   return response->job();
 }
@@ -65,7 +96,7 @@ absl::StatusOr<v1::Job> YardClient::Submit(const v1::JobSpec& spec) {
 absl::StatusOr<v1::Job> YardClient::Get(const std::string& job_id) {
   v1::GetJobRequest request;
   request.set_job_id(job_id);
-  return Call(*jobs_, &v1::JobService::Stub::GetJob, request);
+  return Call(&YardClient::jobs_, &v1::JobService::Stub::GetJob, request);
 }
 
 absl::StatusOr<v1::ListJobsResponse> YardClient::List(const v1::ListJobsRequest& request_in,
@@ -73,11 +104,11 @@ absl::StatusOr<v1::ListJobsResponse> YardClient::List(const v1::ListJobsRequest&
   v1::ListJobsRequest request = request_in;
   v1::ListJobsResponse all;
   while (true) {
-    grpc::ClientContext ctx;
-    if (absl::Status s = Prepare(ctx); !s.ok()) return s;
     if (limit > 0) request.set_page_size(std::min(1000, limit - all.jobs_size()));
-    v1::ListJobsResponse page;
-    if (absl::Status s = Convert(jobs_->ListJobs(&ctx, request, &page)); !s.ok()) return s;
+    absl::StatusOr<v1::ListJobsResponse> listed =
+        Call(&YardClient::jobs_, &v1::JobService::Stub::ListJobs, request);
+    if (!listed.ok()) return listed.status();
+    v1::ListJobsResponse& page = *listed;
     for (auto& job : *page.mutable_jobs()) *all.add_jobs() = std::move(job);
     if (page.next_page_token().empty() || (limit > 0 && all.jobs_size() >= limit)) {
       all.set_next_page_token(page.next_page_token());
@@ -91,32 +122,40 @@ absl::StatusOr<v1::Job> YardClient::Cancel(const std::string& job_id, const std:
   v1::CancelJobRequest request;
   request.set_job_id(job_id);
   request.set_reason(reason);
-  return Call(*jobs_, &v1::JobService::Stub::CancelJob, request);
+  return Call(&YardClient::jobs_, &v1::JobService::Stub::CancelJob, request);
 }
 
 absl::StatusOr<v1::ListNodesResponse> YardClient::ListNodes() {
-  return Call(*nodes_, &v1::NodeService::Stub::ListNodes, v1::ListNodesRequest());
+  return Call(&YardClient::nodes_, &v1::NodeService::Stub::ListNodes, v1::ListNodesRequest());
 }
 
 absl::StatusOr<v1::Job> YardClient::Watch(const std::string& job_id, absl::Duration timeout,
                                           const std::function<bool(const v1::Job&)>& on_event) {
-  grpc::ClientContext ctx;
-  if (absl::Status s = Prepare(ctx, timeout); !s.ok()) return s;
+  const absl::Time give_up = absl::Now() + kFollowFor;
   v1::WatchJobRequest request;
   request.set_job_id(job_id);
-  auto reader = jobs_->WatchJob(&ctx, request);
-  v1::JobEvent event;
   v1::Job last;
   bool stopped = false;
-  while (reader->Read(&event)) {
-    last = event.job();
-    if (on_event(last)) {
-      stopped = true;
-      ctx.TryCancel();
-      break;
+  grpc::Status status;
+  for (int attempt = 0;; ++attempt) {
+    grpc::ClientContext ctx;
+    if (absl::Status s = Prepare(ctx, timeout); !s.ok()) return s;
+    auto reader = jobs_->WatchJob(&ctx, request);
+    v1::JobEvent event;
+    bool any = false;
+    while (reader->Read(&event)) {
+      any = true;
+      last = event.job();
+      if (on_event(last)) {
+        stopped = true;
+        ctx.TryCancel();
+        break;
+      }
     }
+    status = reader->Finish();
+    // (Only a watch that saw nothing yet starts again elsewhere.)
+    if (stopped || status.ok() || any || !FollowLeader(status, ctx, attempt, give_up)) break;
   }
-  const grpc::Status status = reader->Finish();
   if (stopped) return last;
   if (!status.ok()) {
     if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
@@ -132,7 +171,7 @@ absl::StatusOr<v1::Job> YardClient::Watch(const std::string& job_id, absl::Durat
 absl::StatusOr<v1::Job> YardClient::Checkpoint(const std::string& job_id) {
   v1::CheckpointJobRequest request;
   request.set_job_id(job_id);
-  return Call(*jobs_, &v1::JobService::Stub::CheckpointJob, request);
+  return Call(&YardClient::jobs_, &v1::JobService::Stub::CheckpointJob, request);
 }
 
 absl::Status YardClient::Logs(const std::string& job_id, bool follow, int tail,
@@ -186,7 +225,7 @@ absl::Status YardClient::Metrics(const std::string& job_id, bool follow,
 // ---- IdentityService ----
 
 absl::StatusOr<v1::WhoAmIResponse> YardClient::WhoAmI() {
-  return Call(*identity_, &v1::IdentityService::Stub::WhoAmI, v1::WhoAmIRequest());
+  return Call(&YardClient::identity_, &v1::IdentityService::Stub::WhoAmI, v1::WhoAmIRequest());
 }
 
 absl::StatusOr<v1::User> YardClient::CreateUser(const std::string& name, v1::Role role,
@@ -195,63 +234,65 @@ absl::StatusOr<v1::User> YardClient::CreateUser(const std::string& name, v1::Rol
   request.set_name(name);
   request.set_role(role);
   request.set_account(account);
-  return Call(*identity_, &v1::IdentityService::Stub::CreateUser, request);
+  return Call(&YardClient::identity_, &v1::IdentityService::Stub::CreateUser, request);
 }
 
 absl::StatusOr<v1::User> YardClient::UpdateUser(const v1::UpdateUserRequest& request) {
-  return Call(*identity_, &v1::IdentityService::Stub::UpdateUser, request);
+  return Call(&YardClient::identity_, &v1::IdentityService::Stub::UpdateUser, request);
 }
 
 absl::StatusOr<v1::Account> YardClient::CreateAccount(const v1::Account& account) {
   v1::CreateAccountRequest request;
   *request.mutable_account() = account;
-  return Call(*identity_, &v1::IdentityService::Stub::CreateAccount, request);
+  return Call(&YardClient::identity_, &v1::IdentityService::Stub::CreateAccount, request);
 }
 
 absl::StatusOr<v1::Account> YardClient::UpdateAccount(const v1::Account& account) {
   v1::UpdateAccountRequest request;
   *request.mutable_account() = account;
-  return Call(*identity_, &v1::IdentityService::Stub::UpdateAccount, request);
+  return Call(&YardClient::identity_, &v1::IdentityService::Stub::UpdateAccount, request);
 }
 
 absl::StatusOr<v1::Account> YardClient::DeleteAccount(const std::string& name) {
   v1::DeleteAccountRequest request;
   request.set_name(name);
-  return Call(*identity_, &v1::IdentityService::Stub::DeleteAccount, request);
+  return Call(&YardClient::identity_, &v1::IdentityService::Stub::DeleteAccount, request);
 }
 
 absl::StatusOr<v1::ListAccountsResponse> YardClient::ListAccounts() {
-  return Call(*identity_, &v1::IdentityService::Stub::ListAccounts, v1::ListAccountsRequest());
+  return Call(&YardClient::identity_, &v1::IdentityService::Stub::ListAccounts,
+              v1::ListAccountsRequest());
 }
 
 absl::StatusOr<v1::QuotaReport> YardClient::GetQuota(const std::string& user, bool all_accounts) {
   v1::GetQuotaRequest request;
   request.set_user(user);
   request.set_all_accounts(all_accounts);
-  return Call(*jobs_, &v1::JobService::Stub::GetQuota, request);
+  return Call(&YardClient::jobs_, &v1::JobService::Stub::GetQuota, request);
 }
 
 absl::StatusOr<v1::ListUsersResponse> YardClient::ListUsers() {
-  return Call(*identity_, &v1::IdentityService::Stub::ListUsers, v1::ListUsersRequest());
+  return Call(&YardClient::identity_, &v1::IdentityService::Stub::ListUsers,
+              v1::ListUsersRequest());
 }
 
 absl::StatusOr<v1::User> YardClient::DisableUser(const std::string& name, bool enable) {
   v1::DisableUserRequest request;
   request.set_name(name);
   request.set_enable(enable);
-  return Call(*identity_, &v1::IdentityService::Stub::DisableUser, request);
+  return Call(&YardClient::identity_, &v1::IdentityService::Stub::DisableUser, request);
 }
 
 absl::StatusOr<v1::CreateTokenResponse> YardClient::CreateToken(
     const v1::CreateTokenRequest& request) {
-  return Call(*identity_, &v1::IdentityService::Stub::CreateToken, request);
+  return Call(&YardClient::identity_, &v1::IdentityService::Stub::CreateToken, request);
 }
 
 absl::StatusOr<v1::ListTokensResponse> YardClient::ListTokens(const std::string& user, bool all) {
   v1::ListTokensRequest request;
   request.set_user(user);
   request.set_all(all);
-  return Call(*identity_, &v1::IdentityService::Stub::ListTokens, request);
+  return Call(&YardClient::identity_, &v1::IdentityService::Stub::ListTokens, request);
 }
 
 absl::StatusOr<v1::CordonNodeResponse> YardClient::CordonNode(const std::string& node,
@@ -261,7 +302,7 @@ absl::StatusOr<v1::CordonNodeResponse> YardClient::CordonNode(const std::string&
   request.set_node_id(node);
   request.set_action(action);
   request.set_reason(reason);
-  return Call(*nodes_, &v1::NodeService::Stub::CordonNode, request);
+  return Call(&YardClient::nodes_, &v1::NodeService::Stub::CordonNode, request);
 }
 
 absl::StatusOr<v1::DeniedNode> YardClient::DenyNode(const std::string& node,
@@ -270,18 +311,18 @@ absl::StatusOr<v1::DeniedNode> YardClient::DenyNode(const std::string& node,
   request.set_node(node);
   request.set_reason(reason);
   request.set_allow(allow);
-  return Call(*identity_, &v1::IdentityService::Stub::DenyNode, request);
+  return Call(&YardClient::identity_, &v1::IdentityService::Stub::DenyNode, request);
 }
 
 absl::StatusOr<v1::ListDeniedNodesResponse> YardClient::ListDeniedNodes() {
-  return Call(*identity_, &v1::IdentityService::Stub::ListDeniedNodes,
+  return Call(&YardClient::identity_, &v1::IdentityService::Stub::ListDeniedNodes,
               v1::ListDeniedNodesRequest());
 }
 
 absl::StatusOr<v1::TokenInfo> YardClient::RevokeToken(const std::string& id) {
   v1::RevokeTokenRequest request;
   request.set_id(id);
-  return Call(*identity_, &v1::IdentityService::Stub::RevokeToken, request);
+  return Call(&YardClient::identity_, &v1::IdentityService::Stub::RevokeToken, request);
 }
 
 }  // namespace trainyard::client

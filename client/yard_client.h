@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/coordinator_endpoints.h"
 #include "common/tls.h"
 #include "trainyard/v1/admin.grpc.pb.h"
 #include "trainyard/v1/identity.grpc.pb.h"
@@ -24,7 +25,9 @@ class YardClient {
  public:
   // `token`: the caller's API token; when it is an error (none found, a file others can read),
   // every call fails with that error before reaching the coordinator.
-  // `tls`: the coordinator's CA (common/tls.h); none: plaintext.
+  // `tls`: the coordinator's CA (common/tls.h); none: plaintext. `coordinator_address` may list
+  // several replicas ("a:7070,b:7070"): calls go to the leader, following a standby's answer or
+  // moving down the list while the leader is away (common/coordinator_endpoints.h).
   YardClient(const std::string& coordinator_address, absl::StatusOr<std::string> token,
              const TlsClientOptions& tls = {});
 
@@ -80,17 +83,32 @@ class YardClient {
  private:
   absl::Status Prepare(grpc::ClientContext& ctx, absl::Duration timeout = absl::Seconds(30)) const;
   // One unary call: `method` of `stub` with `request`, the caller's token and Prepare's deadline.
+  // Follows the leader: a call that a standby refused, or that found nobody at a listed address,
+  // is made again at the leader (or the next address) for up to kFollowFor.
   template <typename Stub, typename Request, typename Response>
-  absl::StatusOr<Response> Call(Stub& stub,
+  absl::StatusOr<Response> Call(std::unique_ptr<Stub> YardClient::*stub,
                                 grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&,
                                                              Response*),
                                 const Request& request) {
-    grpc::ClientContext ctx;
-    if (absl::Status s = Prepare(ctx); !s.ok()) return s;
-    Response response;
-    if (absl::Status s = Convert((stub.*method)(&ctx, request, &response)); !s.ok()) return s;
-    return response;
+    const absl::Time give_up = absl::Now() + kFollowFor;
+    for (int attempt = 0;; ++attempt) {
+      grpc::ClientContext ctx;
+      // With several replicas, a leader that does not answer in time is given up on.
+      if (absl::Status s = Prepare(ctx, endpoints_.size() > 1 ? kAttemptTimeout : kCallTimeout);
+          !s.ok()) {
+        return s;
+      }
+      Response response;
+      const grpc::Status status = ((this->*stub).get()->*method)(&ctx, request, &response);
+      if (status.ok()) return response;
+      if (!FollowLeader(status, ctx, attempt, give_up)) return Convert(status);
+    }
   }
+  // After a failed call: true (having switched channels and paused as needed) when it should be
+  // made again at the address now in use.
+  bool FollowLeader(const grpc::Status& status, const grpc::ClientContext& ctx, int attempt,
+                    absl::Time give_up);
+  void Connect();
   absl::Status Convert(const grpc::Status& s) const;
   // Reads a server stream of chunks into `on_chunk`; an error from `on_chunk` cancels the stream
   // (what is still in flight is drained) and is returned.
@@ -108,7 +126,11 @@ class YardClient {
     return mine;
   }
 
-  std::string address_;
+  static constexpr absl::Duration kFollowFor = absl::Seconds(30);
+  static constexpr absl::Duration kCallTimeout = absl::Seconds(30);
+  static constexpr absl::Duration kAttemptTimeout = absl::Seconds(8);
+
+  CoordinatorEndpoints endpoints_;
   TlsClientOptions tls_;  // to say why TLS fails, when a call cannot reach the coordinator
   absl::StatusOr<std::string> token_;
   std::shared_ptr<grpc::Channel> channel_;

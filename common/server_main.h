@@ -4,6 +4,7 @@
 
 #include <signal.h>
 
+#include <algorithm>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -32,6 +33,17 @@ inline int WaitForTerminationSignal() {
   int sig = 0;
   sigwait(&set, &sig);
   return sig;
+}
+
+// The signal (SIGTERM or SIGINT) if one arrives within `timeout`, else 0.
+inline int WaitForTerminationSignalFor(absl::Duration timeout) {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  const timespec ts = absl::ToTimespec(std::max(timeout, absl::ZeroDuration()));
+  const int sig = sigtimedwait(&set, nullptr, &ts);
+  return sig > 0 ? sig : 0;
 }
 
 // "10s", "1m30s", "500ms", or plain seconds ("10", "2.5").

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <signal.h>
+#include <unistd.h>
 
 #include <map>
 
@@ -85,6 +86,12 @@ TEST_P(CoordinatorRestartTest, EveryAcknowledgedJobAndStateSurvivesSigkill) {
   const std::string store = Store();
   CoordinatorProcess c = StartCoordinator(state, "30s", store);
   ASSERT_FALSE(c.address.empty());
+  // (With PostgreSQL the address is printed as the replica stands by, just before it leads and
+  // makes the admin.)
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(30);
+       ::access((state + "/admin.token").c_str(), F_OK) != 0 && absl::Now() < deadline;) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
   // Users and their tokens are durable too: alice's token still works after the restart.
   const auto channel = grpc::CreateChannel(c.address, grpc::InsecureChannelCredentials());
   const std::string admin_token = testing::AdminToken(state);

@@ -1069,6 +1069,25 @@ TEST_F(PostgresJobStoreTest, TheLeaseGoesToOneReplicaAtATimeWithAGrowingEpoch) {
   EXPECT_EQ((*a)->Current()->holder, "replica-b");
 }
 
+TEST_F(PostgresJobStoreTest, AReplicaRestartedInPlaceTakesItsOwnLeaseBackAtOnce) {
+  ASSERT_TRUE(OpenPostgresJobStore(uri_).ok());
+  auto first = OpenLeaderLease(uri_, "host-1:/var/lib/trainyard", "a:7070");
+  ASSERT_TRUE(first.ok());
+  auto epoch = (*first)->TryAcquire(absl::Seconds(30));
+  ASSERT_TRUE(epoch.ok());
+  auto other = OpenLeaderLease(uri_, "host-2:/var/lib/trainyard", "b:7070");
+  EXPECT_EQ((*other)->TryAcquire(absl::Seconds(30)).status().code(), absl::StatusCode::kNotFound);
+  // The same replica id again (its process was killed and started again): the lease, unexpired,
+  // is its own to take, with a new epoch that fences the earlier process.
+  auto again = OpenLeaderLease(uri_, "host-1:/var/lib/trainyard", "a:7071");
+  auto epoch_again = (*again)->TryAcquire(absl::Seconds(30));
+  ASSERT_TRUE(epoch_again.ok()) << epoch_again.status();
+  EXPECT_EQ(*epoch_again, *epoch + 1);
+  EXPECT_EQ((*again)->Current()->address, "a:7071");
+  EXPECT_EQ((*first)->Renew(*epoch, absl::Seconds(30)).code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
 TEST_F(PostgresJobStoreTest, AnExpiredLeaseIsTakenOverAndTheOldLeaderCannotRenewIt) {
   ASSERT_TRUE(OpenPostgresJobStore(uri_).ok());
   auto a = OpenLeaderLease(uri_, "replica-a", "a:7070");

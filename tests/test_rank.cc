@@ -9,7 +9,8 @@
 // and the worker's node token reached its environment, never their values; exit 0),
 // "print-identity" (print its uid, gid and USER), "print-binary" (print bytes that are not
 // UTF-8, exit 0), "read-data" (read data.path, exit 3 naming it
-// when it cannot). Asked
+// when it cannot), "until-data-exists" (print "waiting", poll every 20 ms until data.path exists,
+// print "released", exit 0: a job that runs until the test lets it end). Asked
 // `--supported-devices`, it answers TEST_RANK_SUPPORTED_DEVICES (default "cpu"). Each rank writes
 // its pid (and its grandchild's) to pids-rank-R in its working directory, so tests can check that
 // none survive.
@@ -112,6 +113,13 @@ int main(int argc, char** argv) {
   }
   if (mode == "succeed") {
     std::printf("rank %d done\n", rank);
+    return 0;
+  }
+  if (mode == "until-data-exists") {
+    std::printf("waiting\n");
+    std::fflush(stdout);
+    while (access(spec.data().path().c_str(), F_OK) != 0) usleep(20'000);
+    std::printf("released\n");
     return 0;
   }
   if (mode == "fail-rank-1") {

@@ -10,12 +10,16 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "common/credentials.h"
 #include "common/log_text.h"
 #include "common/malformed_request.h"
@@ -73,14 +77,41 @@ absl::Status MakePrivateFile(const std::string& path) {
   return absl::OkStatus();
 }
 
-// The key that signs job credentials: read, or made on first start.
-absl::StatusOr<std::string> JobCredentialKey(const std::string& state_dir) {
+// The key that signs job credentials: read from `file` (replicas share one), or from
+// STATE_DIR/job-credential.key, made there on first start.
+absl::StatusOr<std::string> JobCredentialKey(const std::string& state_dir,
+                                             const std::string& file) {
+  if (!file.empty()) {
+    auto key = ReadSecretFile(file);
+    if (!key.ok()) {
+      return absl::Status(key.status().code(),
+                          absl::StrCat("job_credential_key: ", key.status().message()));
+    }
+    if (key->size() < 32) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("job_credential_key: ", file,
+                       " holds fewer than 32 bytes; make one with "
+                       "`head -c 32 /dev/urandom | base64 > FILE` (mode 0600)"));
+    }
+    return key;
+  }
   const std::string path = state_dir + "/job-credential.key";
   auto key = ReadSecretFile(path);
   if (key.ok() || !absl::IsNotFound(key.status())) return key;
   const std::string fresh = Base64Url(RandomBytes(32));
   RETURN_IF_ERROR(WriteSecretFile(path, fresh));
   return fresh;
+}
+
+// What ranks are given as TRAINYARD_COORDINATOR: `own` alone, or the replicas' `list` with `own`
+// moved first when it is in it (a new rank calls the leader that placed it first).
+std::string RankCoordinators(const std::string& list, const std::string& own) {
+  if (list.empty()) return own;
+  std::vector<std::string> addresses = absl::StrSplit(list, ',');
+  for (std::string& a : addresses) a = std::string(absl::StripAsciiWhitespace(a));
+  auto it = std::find(addresses.begin(), addresses.end(), own);
+  if (it != addresses.end()) std::rotate(addresses.begin(), it, it + 1);
+  return absl::StrJoin(addresses, ",");
 }
 
 }  // namespace
@@ -137,6 +168,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   store_options.on_commit = [m = s->metrics_prom_.get()](double seconds) {
     m->ObserveStoreCommit(seconds);
   };
+  store_options.fence_epoch = s->options_.fence_epoch;
+  store_options.on_fenced = s->options_.on_fenced;
   if (IsPostgresLocation(s->options_.store)) {
     if (!s->options_.restore_from.empty()) {
       return absl::InvalidArgumentError(
@@ -174,7 +207,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     ASSIGN_OR_RETURN(s->store_, OpenSqliteJobStore(dir + "/coordinator.db", store_options));
   }
   if (!s->options_.audit_log.empty()) RETURN_IF_ERROR(OpenAuditJsonLog(s->options_.audit_log));
-  ASSIGN_OR_RETURN(std::string job_key, JobCredentialKey(dir));
+  ASSIGN_OR_RETURN(std::string job_key, JobCredentialKey(dir, s->options_.job_credential_key_file));
   s->identities_ = std::make_unique<IdentityRegistry>(*s->store_, s->clock_, std::move(job_key));
   s->identities_->SetAuthThrottle(s->options_.limits.auth_per_token,
                                   s->options_.limits.auth_per_peer);
@@ -264,7 +297,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   }
   const std::string& listen = s->options_.listen_address;
   s->address_ = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", s->port_);
-  s->jobs_->SetCoordinatorAddress(s->address_);
+  s->jobs_->SetCoordinatorAddress(
+      RankCoordinators(s->options_.rank_coordinator_addresses, s->address_));
   s->jobs_->SetCheckpointRoot(s->options_.checkpoint_root.empty()
                                   ? std::filesystem::absolute(dir + "/checkpoints").string()
                                   : s->options_.checkpoint_root);

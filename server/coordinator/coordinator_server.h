@@ -9,6 +9,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -89,6 +90,17 @@ struct CoordinatorOptions {
   absl::Duration usage_save_interval = absl::Seconds(30);     // and at shutdown
   CoordinatorLimits limits;
   std::string audit_log;  // a JSON-lines audit log (one object per event); empty: none
+  // The key that signs job credentials, in a file of mode 0600 (ReadSecretFile); replicas of one
+  // cluster share it, so that running ranks' credentials stay valid after a failover. Empty:
+  // STATE_DIR/job-credential.key, made on first start.
+  std::string job_credential_key_file;
+  // A replica that leads (replica.h): its lease's epoch fences every write of the store
+  // (JobStoreOptions::fence_epoch), and on_fenced runs when a write found the lease passed on.
+  int64_t fence_epoch = 0;
+  std::function<void()> on_fenced;
+  // The coordinator addresses that ranks are given (TRAINYARD_COORDINATOR): every replica's, so
+  // that they follow a failover. Empty: this coordinator's own address.
+  std::string rank_coordinator_addresses;
 };
 
 class CoordinatorServer {

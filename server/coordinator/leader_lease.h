@@ -36,7 +36,9 @@ class LeaderLease {
  public:
   virtual ~LeaderLease() = default;
 
-  // Takes the lease for `ttl` if it is free or expired: the new epoch. NOT_FOUND (with no change)
+  // Takes the lease for `ttl` if it is free, expired, or held by this same replica id (a restart in
+  // place: the earlier process is gone, as one state directory has one coordinator): the new
+  // epoch, which fences anything the earlier holder might still write. NOT_FOUND (with no change)
   // while another replica holds it; UNAVAILABLE when the database cannot be reached.
   virtual absl::StatusOr<int64_t> TryAcquire(absl::Duration ttl) = 0;
   // Extends the lease held at `epoch` to `ttl` from now. FAILED_PRECONDITION when it is no longer

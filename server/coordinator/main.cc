@@ -1,5 +1,6 @@
-// trainyard-coordinator: parses flags, starts a CoordinatorServer, prints the bound address on the
-// first line of stdout, and shuts down cleanly on SIGTERM or SIGINT.
+// trainyard-coordinator: parses flags, starts a CoordinatorServer (or, with a PostgreSQL store, a
+// replica that leads or stands by: replica.h), prints the bound address on the first line of
+// stdout, and shuts down cleanly on SIGTERM or SIGINT.
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
@@ -9,10 +10,13 @@
 
 #include <CLI/CLI.hpp>
 
+#include "common/coordinator_endpoints.h"
 #include "common/log_text.h"
 #include "common/server_main.h"
 #include "common/version.h"
 #include "server/coordinator/coordinator_server.h"
+#include "server/coordinator/job_store.h"
+#include "server/coordinator/replica.h"
 
 namespace {
 
@@ -24,7 +28,30 @@ struct Flags {
   std::string preemption_grace = "120s", min_run_time = "5m", max_grace = "10m", half_life = "168h";
   std::string finished_retention = "5m", history_retention = "720h";
   double refill_seconds = 1;
+  std::string lease_ttl = "5s", renew_interval = "1s", lease_poll = "500ms";
 };
+
+// Replicas sharing a PostgreSQL store.
+void AddReplicaFlags(CLI::App& app, CoordinatorOptions& options,
+                     trainyard::coordinator::ReplicaOptions& replica, Flags& f) {
+  app.add_option("--lease-ttl", f.lease_ttl,
+                 "with a PostgreSQL store: how long the leader's lease lasts unrenewed; a standby "
+                 "takes over within about this long of the leader's death")
+      ->capture_default_str();
+  app.add_option("--lease-renew-interval", f.renew_interval,
+                 "how often the leader renews its lease (well under --lease-ttl)")
+      ->capture_default_str();
+  app.add_option("--lease-poll-interval", f.lease_poll,
+                 "how often a standby tries to take the lease")
+      ->capture_default_str();
+  app.add_option("--replica-id", replica.id, "this replica's name in the lease (default HOST-PID)");
+  app.add_option("--advertise-address", replica.advertise_address,
+                 "HOST:PORT clients reach this replica at, given by standbys to callers "
+                 "(default: the address it listens on)");
+  app.add_option("--coordinators", options.rank_coordinator_addresses,
+                 "every replica's HOST:PORT, comma-separated: given to ranks so that they follow a "
+                 "failover (default: the leader's own address)");
+}
 
 // Where it serves and keeps its state; how it watches nodes.
 void AddServingFlags(CLI::App& app, CoordinatorOptions& options, Flags& f) {
@@ -37,6 +64,10 @@ void AddServingFlags(CLI::App& app, CoordinatorOptions& options, Flags& f) {
                  "keep the state in this PostgreSQL database (postgresql://[user@]host[:port]/db; "
                  "the password from ~/.pgpass, PGPASSFILE or PGPASSWORD, never in the URI); "
                  "default: STATE_DIR/coordinator.db (SQLite)");
+  app.add_option("--job-credential-key", options.job_credential_key_file,
+                 "file (mode 0600, at least 32 bytes) with the key that signs ranks' job "
+                 "credentials; replicas sharing a PostgreSQL store must share it (default: "
+                 "STATE_DIR/job-credential.key, made on first start)");
   app.add_option("--restore", options.restore_from,
                  "start from this backup (yard admin backup --out FILE); the state directory "
                  "must hold no coordinator.db yet");
@@ -169,6 +200,36 @@ void AddLimitFlags(CLI::App& app, CoordinatorOptions& options, Flags& f) {
 }
 
 // The parsed flags into `options`; false (after saying why on stderr) when one is wrong.
+bool ApplyReplicaFlags(const Flags& f, const CoordinatorOptions& options,
+                       trainyard::coordinator::ReplicaOptions& replica) {
+  auto ttl = trainyard::ParseFlagDuration("--lease-ttl", f.lease_ttl);
+  auto renew = trainyard::ParseFlagDuration("--lease-renew-interval", f.renew_interval);
+  auto poll = trainyard::ParseFlagDuration("--lease-poll-interval", f.lease_poll);
+  for (const auto* d : {&ttl, &renew, &poll}) {
+    if (!d->ok()) {
+      std::cerr << "trainyard-coordinator: " << d->status().message() << "\n";
+      return false;
+    }
+  }
+  if (*renew * 2 > *ttl) {
+    std::cerr << "trainyard-coordinator: --lease-renew-interval (" << f.renew_interval
+              << ") must be at most half of --lease-ttl (" << f.lease_ttl << ")\n";
+    return false;
+  }
+  if (!options.rank_coordinator_addresses.empty()) {
+    auto list = trainyard::CoordinatorEndpoints::ParseList("--coordinators",
+                                                           options.rank_coordinator_addresses);
+    if (!list.ok()) {
+      std::cerr << "trainyard-coordinator: " << list.status().message() << "\n";
+      return false;
+    }
+  }
+  replica.lease_ttl = *ttl;
+  replica.renew_interval = *renew;
+  replica.poll_interval = *poll;
+  return true;
+}
+
 bool ApplyFlags(const Flags& f, CoordinatorOptions& options) {
   auto& limits = options.limits;
   limits.auth_per_token.per_second = 1 / f.refill_seconds;
@@ -219,9 +280,23 @@ int main(int argc, char** argv) {
   AddSchedulingFlags(app, options, flags);
   AddSecurityFlags(app, options, flags);
   AddLimitFlags(app, options, flags);
+  trainyard::coordinator::ReplicaOptions replica;
+  AddReplicaFlags(app, options, replica, flags);
   CLI11_PARSE(app, argc, argv);
   trainyard::InstallEscapingLogger("coordinator");
-  if (!ApplyFlags(flags, options)) return 2;
+  if (!ApplyFlags(flags, options) || !ApplyReplicaFlags(flags, options, replica)) return 2;
+
+  if (trainyard::coordinator::IsPostgresLocation(options.store)) {
+    if (!options.restore_from.empty()) {
+      std::cerr << "trainyard-coordinator: --restore: a PostgreSQL store is restored with "
+                   "pg_restore or psql (docs/operations.md)\n";
+      return 2;
+    }
+    return trainyard::coordinator::RunReplica(options, replica, [](const std::string& address) {
+      std::printf("%s\n", address.c_str());
+      std::fflush(stdout);
+    });
+  }
 
   auto server = trainyard::coordinator::CoordinatorServer::Start(options);
   if (!server.ok()) {

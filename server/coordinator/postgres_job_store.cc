@@ -232,17 +232,34 @@ constexpr Statement kReadStatements[] = {kSelectJobs,   kSelectNodes, kSelectRec
 
 // One libpq connection and the statements prepared on it; reconnects when the server went away.
 // Not thread-safe: the store uses each one from one thread at a time.
+// How long a connection waits for the server: to connect, and for sent data to be acknowledged
+// (TCP_USER_TIMEOUT; a server cut off by the network then fails calls instead of hanging them for
+// the kernel's minutes). Settings in the URI win.
+struct Timeouts {
+  const char* connect_seconds = "10";
+  const char* tcp_user_timeout_ms = "10000";
+};
+
 class Connection {
  public:
-  Connection(std::string uri, std::vector<Statement> statements)
-      : uri_(std::move(uri)), statements_(std::move(statements)) {}
+  Connection(std::string uri, std::vector<Statement> statements, Timeouts timeouts = {})
+      : uri_(std::move(uri)), statements_(std::move(statements)), timeouts_(timeouts) {}
 
   // Connects (again) if not connected, then sets the session up and prepares the statements.
   absl::Status Ensure() {
     if (conn_ != nullptr && PQstatus(conn_.get()) == CONNECTION_OK) return absl::OkStatus();
-    // The application name first, so that one in the URI wins; a connect timeout likewise.
-    const char* keywords[] = {"application_name", "connect_timeout", "dbname", nullptr};
-    const char* values[] = {"trainyard-coordinator", "10", uri_.c_str(), nullptr};
+    // These first, so that the URI's own settings win.
+    const char* keywords[] = {
+        "application_name",    "connect_timeout",  "tcp_user_timeout", "keepalives_idle",
+        "keepalives_interval", "keepalives_count", "dbname",           nullptr};
+    const char* values[] = {"trainyard-coordinator",
+                            timeouts_.connect_seconds,
+                            timeouts_.tcp_user_timeout_ms,
+                            "5",
+                            "2",
+                            "3",
+                            uri_.c_str(),
+                            nullptr};
     conn_.reset(PQconnectdbParams(keywords, values, /*expand_dbname=*/1));
     if (conn_ == nullptr || PQstatus(conn_.get()) != CONNECTION_OK) {
       absl::Status status = absl::UnavailableError(absl::StrCat(
@@ -293,6 +310,7 @@ class Connection {
  private:
   const std::string uri_;
   const std::vector<Statement> statements_;
+  const Timeouts timeouts_;
   ConnPtr conn_;
 };
 
@@ -648,7 +666,7 @@ constexpr Statement kAcquire = {
     "acquire",
     "UPDATE trainyard_leader SET epoch = epoch + 1, holder = $1, address = $2, "
     "expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond' "
-    "WHERE id = 1 AND expires_at <= clock_timestamp() RETURNING epoch"};
+    "WHERE id = 1 AND (expires_at <= clock_timestamp() OR holder = $1) RETURNING epoch"};
 constexpr Statement kRenew = {
     "renew",
     "UPDATE trainyard_leader SET expires_at = clock_timestamp() + $2::bigint * interval "
@@ -664,7 +682,9 @@ constexpr Statement kCurrent = {
 class PostgresLeaderLease final : public LeaderLease {
  public:
   PostgresLeaderLease(const std::string& uri, std::string holder, std::string address)
-      : conn_(uri, {kAcquire, kRenew, kRelease, kCurrent}),
+      : conn_(uri, {kAcquire, kRenew, kRelease, kCurrent},
+              // Short: a renewal must fail well within the lease, not hang.
+              Timeouts{"2", "2000"}),
         holder_(std::move(holder)),
         address_(std::move(address)) {}
 

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/coordinator_endpoints.h"
 #include "common/credentials.h"
 #include "common/grpc_status.h"
 #include "trainyard/v1/node.grpc.pb.h"
@@ -23,9 +24,13 @@ class OpenJobAuthorizer final : public JobAuthorizer {
 
 class CoordinatorJobAuthorizer final : public JobAuthorizer {
  public:
-  CoordinatorJobAuthorizer(std::shared_ptr<grpc::Channel> channel, std::string node_token)
-      : stub_(v1::NodeService::NewStub(std::move(channel))),
-        bearer_(node_token.empty() ? std::string() : "Bearer " + node_token) {}
+  CoordinatorJobAuthorizer(const std::string& coordinator, ChannelFactory make_channel,
+                           std::string node_token)
+      : endpoints_(coordinator),
+        make_channel_(std::move(make_channel)),
+        bearer_(node_token.empty() ? std::string() : "Bearer " + node_token) {
+    stub_ = v1::NodeService::NewStub(make_channel_(endpoints_.current()));
+  }
 
   absl::Status Authorize(absl::string_view credential, const std::string& job_id,
                          int32_t attempt) override {
@@ -62,8 +67,20 @@ class CoordinatorJobAuthorizer final : public JobAuthorizer {
     v1::VerifyJobCredentialRequest request;
     request.set_credential(std::string(credential));
     v1::VerifyJobCredentialResponse response;
-    const grpc::Status s = stub_->VerifyJobCredential(&ctx, request, &response);
+    std::shared_ptr<v1::NodeService::Stub> stub;
+    {
+      absl::MutexLock lock(&mu_);
+      stub = stub_;
+    }
+    const grpc::Status s = stub->VerifyJobCredential(&ctx, request, &response);
     if (!s.ok()) {
+      // The next call goes to the leader a standby named, or to the next replica.
+      if (endpoints_.Follow(s, ctx)) {
+        auto next = std::shared_ptr<v1::NodeService::Stub>(
+            v1::NodeService::NewStub(make_channel_(endpoints_.current())));
+        absl::MutexLock lock(&mu_);
+        stub_ = std::move(next);
+      }
       const absl::Status status = FromGrpcStatus(s);
       // An attempt that is not running (any more) is denied like another job's.
       const absl::StatusCode code =
@@ -92,9 +109,11 @@ class CoordinatorJobAuthorizer final : public JobAuthorizer {
     absl::Time until;
   };
 
-  std::unique_ptr<v1::NodeService::Stub> stub_;
+  CoordinatorEndpoints endpoints_;
+  const ChannelFactory make_channel_;
   const std::string bearer_;
   absl::Mutex mu_;
+  std::shared_ptr<v1::NodeService::Stub> stub_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Accepted> accepted_ ABSL_GUARDED_BY(mu_);  // by job: its newest attempt
 };
 
@@ -104,9 +123,11 @@ std::unique_ptr<JobAuthorizer> NewOpenJobAuthorizer() {
   return std::make_unique<OpenJobAuthorizer>();
 }
 
-std::unique_ptr<JobAuthorizer> NewCoordinatorJobAuthorizer(std::shared_ptr<grpc::Channel> channel,
+std::unique_ptr<JobAuthorizer> NewCoordinatorJobAuthorizer(const std::string& coordinator,
+                                                           ChannelFactory make_channel,
                                                            std::string node_token) {
-  return std::make_unique<CoordinatorJobAuthorizer>(std::move(channel), std::move(node_token));
+  return std::make_unique<CoordinatorJobAuthorizer>(coordinator, std::move(make_channel),
+                                                    std::move(node_token));
 }
 
 std::string CallCredential(const grpc::ServerContext& ctx) {

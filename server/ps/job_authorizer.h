@@ -12,6 +12,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -33,8 +34,12 @@ class JobAuthorizer {
 
 // Admits every call (a standalone server).
 std::unique_ptr<JobAuthorizer> NewOpenJobAuthorizer();
-// Asks the coordinator on `channel` with `node_token`, remembering what it accepted.
-std::unique_ptr<JobAuthorizer> NewCoordinatorJobAuthorizer(std::shared_ptr<grpc::Channel> channel,
+// A channel to one coordinator address.
+using ChannelFactory = std::function<std::shared_ptr<grpc::Channel>(const std::string& address)>;
+// Asks the coordinator (`coordinator`: its address, or its replicas' list, followed as
+// common/coordinator_endpoints.h says) with `node_token`, remembering what it accepted.
+std::unique_ptr<JobAuthorizer> NewCoordinatorJobAuthorizer(const std::string& coordinator,
+                                                           ChannelFactory make_channel,
                                                            std::string node_token);
 
 // The credential of a gRPC call's "authorization: Bearer ..." metadata; empty if none.

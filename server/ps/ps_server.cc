@@ -103,8 +103,10 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(PsOptions options) {
     s->authorizer_ = NewOpenJobAuthorizer();
   } else {
     s->authorizer_ = NewCoordinatorJobAuthorizer(
-        grpc::CreateCustomChannel(s->options_.coordinator, s->coordinator_credentials_,
-                                  CoordinatorChannelArguments()),
+        s->options_.coordinator,
+        [credentials = s->coordinator_credentials_](const std::string& address) {
+          return grpc::CreateCustomChannel(address, credentials, CoordinatorChannelArguments());
+        },
         s->options_.token);
   }
   if (s->options_.data_listen_address != "off") {
@@ -222,7 +224,7 @@ void PsServer::RegistrationLoop() {
 }
 
 void PsServer::RunSession() {
-  auto channel = grpc::CreateCustomChannel(options_.coordinator, coordinator_credentials_,
+  auto channel = grpc::CreateCustomChannel(endpoints_.current(), coordinator_credentials_,
                                            CoordinatorChannelArguments());
   auto stub = v1::NodeService::NewStub(channel);
   v1::RegisterNodeRequest request;
@@ -240,11 +242,12 @@ void PsServer::RunSession() {
       ctx.AddMetadata(kAuthorizationMetadata, "Bearer " + options_.token);
     const grpc::Status s = stub->RegisterNode(&ctx, request, &registered);
     if (!s.ok()) {
+      const std::string address = endpoints_.current();
       const std::string tls = s.error_code() == grpc::StatusCode::UNAVAILABLE
-                                  ? DiagnoseTls(options_.coordinator, options_.coordinator_tls)
+                                  ? DiagnoseTls(address, options_.coordinator_tls)
                                   : std::string();
-      spdlog::warn("cannot register with {}: {}", options_.coordinator,
-                   tls.empty() ? s.error_message() : tls);
+      spdlog::warn("cannot register with {}: {}", address, tls.empty() ? s.error_message() : tls);
+      endpoints_.Follow(s, ctx);  // the next try goes to the leader, or down the list
       return;
     }
   }
@@ -299,8 +302,9 @@ void PsServer::RunSession() {
     absl::MutexLock lock(&mu_);
     session_ctx_ = nullptr;
   }
-  spdlog::warn("session with {} ended: {}", options_.coordinator,
+  spdlog::warn("session with {} ended: {}", endpoints_.current(),
                s.ok() ? std::string("closed") : s.error_message());
+  endpoints_.Follow(s, ctx);
 }
 
 }  // namespace trainyard::ps

@@ -21,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/coordinator_endpoints.h"
 #include "common/metrics_endpoint.h"
 #include "common/tls.h"
 #include "kernels/adam/thread_pool.h"
@@ -86,6 +87,7 @@ class PsServer {
   void RefreshGauges();
 
   PsOptions options_;
+  CoordinatorEndpoints endpoints_{options_.coordinator};  // the session's coordinator
   std::shared_ptr<prometheus::Registry> registry_ = std::make_shared<prometheus::Registry>();
   prometheus::Gauge* resident_bytes_ = nullptr;
   prometheus::Gauge* capacity_bytes_ = nullptr;

@@ -120,7 +120,8 @@ int main(int argc, char** argv) {
   CLI::App app{"trainyard-worker: runs trainer ranks on this host for a trainyard coordinator"};
   app.set_version_flag("--version", std::string("trainyard-worker ") + trainyard::kVersion);
   app.add_option("--coordinator", options.coordinator,
-                 "coordinator HOST:PORT (env TRAINYARD_COORDINATOR)")
+                 "coordinator HOST:PORT, or every replica's HOST:PORT,HOST:PORT (env "
+                 "TRAINYARD_COORDINATOR)")
       ->capture_default_str();
   app.add_option("--node-id", options.node_id, "stable name of this node")->capture_default_str();
   app.add_option("--address", options.address,

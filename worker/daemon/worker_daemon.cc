@@ -78,19 +78,23 @@ WorkerDaemon::WorkerDaemon(WorkerOptions options)
   }
   devices_.Add({{"state", "total"}}).Set(device_count());
   devices_.Add({{"state", "allocated"}}).Set(0);
-  grpc::ChannelArguments args = CoordinatorChannelArguments();
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
-  // main() checked the TLS files: a failure here fails closed (every call fails, none in clear).
-  auto credentials = MakeChannelCredentials(options_.tls);
-  channel_ = grpc::CreateCustomChannel(
-      options_.coordinator,
-      credentials.ok() ? *credentials : grpc::SslCredentials(grpc::SslCredentialsOptions()), args);
-  stub_ = v1::NodeService::NewStub(channel_);
+  Connect();
   supervisor_ = std::make_unique<RankSupervisor>(options_.supervisor,
                                                  [this](v1::NodeMessage m) { Send(std::move(m)); });
 }
 
 WorkerDaemon::~WorkerDaemon() { Shutdown(); }
+
+void WorkerDaemon::Connect() {
+  grpc::ChannelArguments args = CoordinatorChannelArguments();
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
+  // main() checked the TLS files: a failure here fails closed (every call fails, none in clear).
+  auto credentials = MakeChannelCredentials(options_.tls);
+  channel_ = grpc::CreateCustomChannel(
+      endpoints_.current(),
+      credentials.ok() ? *credentials : grpc::SslCredentials(grpc::SslCredentialsOptions()), args);
+  stub_ = v1::NodeService::NewStub(channel_);
+}
 
 void WorkerDaemon::Shutdown() {
   absl::MutexLock lock(&mu_);
@@ -210,11 +214,16 @@ void WorkerDaemon::RunSession() {
       ctx.AddMetadata(kAuthorizationMetadata, "Bearer " + options_.token);
     const grpc::Status s = stub_->RegisterNode(&ctx, request, &registered);
     if (!s.ok()) {
+      const std::string address = endpoints_.current();
       const std::string tls = s.error_code() == grpc::StatusCode::UNAVAILABLE
-                                  ? DiagnoseTls(options_.coordinator, options_.tls)
+                                  ? DiagnoseTls(address, options_.tls)
                                   : std::string();
-      spdlog::warn("cannot register with {}: {}", options_.coordinator,
-                   tls.empty() ? s.error_message() : tls);
+      spdlog::warn("cannot register with {}: {}", address, tls.empty() ? s.error_message() : tls);
+      // A standby names the leader; a replica that is gone sends us down the list.
+      if (endpoints_.Follow(s, ctx)) {
+        spdlog::info("trying the coordinator at {}", endpoints_.current());
+        Connect();
+      }
       return;
     }
   }
@@ -283,8 +292,16 @@ void WorkerDaemon::RunSession() {
     absl::MutexLock lock(&mu_);
     session_ctx_ = nullptr;
   }
-  spdlog::warn("session with {} ended: {}", options_.coordinator,
+  spdlog::warn("session with {} ended: {}", endpoints_.current(),
                s.ok() ? std::string("closed") : s.error_message());
+  bool unanswered = false;
+  {
+    absl::MutexLock lock(&mu_);
+    std::swap(unanswered, unanswered_);
+  }
+  // A coordinator that stopped answering (paused, cut off) is like one that is gone: with several
+  // replicas, the next session goes down the list.
+  if (unanswered ? endpoints_.Follow(std::string()) : endpoints_.Follow(s, ctx)) Connect();
 }
 
 void WorkerDaemon::WriterLoop(
@@ -305,6 +322,7 @@ void WorkerDaemon::WriterLoop(
       spdlog::warn("no heartbeat answered for {}: reconnecting",
                    absl::FormatDuration(absl::Now() - heartbeats_in_flight_.begin()->second));
       if (session_ctx_ != nullptr) session_ctx_->TryCancel();
+      unanswered_ = true;
       break;
     }
     if (absl::Now() >= next_heartbeat) {

@@ -25,6 +25,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/coordinator_endpoints.h"
 #include "common/tls.h"
 #include "trainyard/v1/node.grpc.pb.h"
 #include "worker/daemon/cuda_devices.h"
@@ -77,6 +78,8 @@ class WorkerDaemon {
   int device_count() const {
     return options_.gpus.empty() ? options_.cpu_slots : static_cast<int>(options_.gpus.size());
   }
+  // (Re)makes channel_ and stub_ for endpoints_.current(); on the session thread only.
+  void Connect();
   void RefreshGauges();
   // Reads each GPU through NVML into the gauges and `heartbeat` (writer thread).
   void SampleGpus(v1::Heartbeat* heartbeat);
@@ -94,6 +97,7 @@ class WorkerDaemon {
   prometheus::Family<prometheus::Gauge>& gpu_temperature_;
   prometheus::Family<prometheus::Gauge>& gpu_power_;
   std::vector<bool> gpu_sample_failing_;  // writer thread: a failure is logged once
+  CoordinatorEndpoints endpoints_{options_.coordinator};
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::NodeService::Stub> stub_;
   std::unique_ptr<RankSupervisor> supervisor_;
@@ -102,6 +106,8 @@ class WorkerDaemon {
   std::deque<v1::NodeMessage> outbox_ ABSL_GUARDED_BY(mu_);
   int outbox_log_messages_ ABSL_GUARDED_BY(mu_) = 0;
   bool session_open_ ABSL_GUARDED_BY(mu_) = false;
+  // The writer cut the session because its heartbeats went unanswered.
+  bool unanswered_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   grpc::ClientContext* session_ctx_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::map<int64_t, absl::Time> heartbeats_in_flight_ ABSL_GUARDED_BY(mu_);  // seq → sent

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/coordinator_channel.h"
+#include "common/coordinator_endpoints.h"
 #include "common/credentials.h"
 #include "common/tls.h"
 #include "trainyard/v1/trainer.grpc.pb.h"
@@ -20,8 +21,8 @@ class Reporter::Impl {
  public:
   Impl(const std::string& coordinator, std::string job_id, int attempt, int rank,
        void (*log)(const std::string&))
-      : stub_(v1::TrainerService::NewStub(grpc::CreateCustomChannel(
-            coordinator, ChannelCredentialsFromEnv(), CoordinatorChannelArguments()))),
+      : endpoints_(coordinator),
+        stub_(NewStub(endpoints_.current())),
         bearer_(BearerFromEnv(kJobCredentialEnv)),
         job_id_(std::move(job_id)),
         attempt_(attempt),
@@ -77,7 +78,9 @@ class Reporter::Impl {
     Authorize(ctx);
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     v1::TrainerCommands commands;
-    Handle(stub_->ReportCheckpoint(&ctx, r, &commands), commands, "ReportCheckpoint", c.step + 1);
+    const grpc::Status s = CurrentStub()->ReportCheckpoint(&ctx, r, &commands);
+    Follow(s, ctx);
+    Handle(s, commands, "ReportCheckpoint", c.step + 1);
   }
 
   TrainerCommands TakeCommands() {
@@ -88,6 +91,25 @@ class Reporter::Impl {
   }
 
  private:
+  static std::shared_ptr<v1::TrainerService::Stub> NewStub(const std::string& address) {
+    return v1::TrainerService::NewStub(grpc::CreateCustomChannel(
+        address, ChannelCredentialsFromEnv(), CoordinatorChannelArguments()));
+  }
+
+  std::shared_ptr<v1::TrainerService::Stub> CurrentStub() {
+    absl::MutexLock lock(&mu_);
+    return stub_;
+  }
+
+  // After a failed call: the next goes to the leader a standby named, or to the next replica
+  // (a failover while the rank trains).
+  void Follow(const grpc::Status& s, const grpc::ClientContext& ctx) {
+    if (s.ok() || !endpoints_.Follow(s, ctx)) return;
+    auto next = NewStub(endpoints_.current());
+    absl::MutexLock lock(&mu_);
+    stub_ = std::move(next);
+  }
+
   // The attempt's job credential, which the worker put in the environment.
   void Authorize(grpc::ClientContext& ctx) const {
     if (!bearer_.empty()) ctx.AddMetadata(kAuthorizationMetadata, bearer_);
@@ -110,7 +132,9 @@ class Reporter::Impl {
       Authorize(ctx);
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
       v1::TrainerCommands commands;
-      Handle(stub_->ReportStep(&ctx, report, &commands), commands, "ReportStep", report.step());
+      const grpc::Status s = CurrentStub()->ReportStep(&ctx, report, &commands);
+      Follow(s, ctx);
+      Handle(s, commands, "ReportStep", report.step());
     }
   }
 
@@ -136,7 +160,8 @@ class Reporter::Impl {
     }
   }
 
-  std::unique_ptr<v1::TrainerService::Stub> stub_;
+  CoordinatorEndpoints endpoints_;
+  std::shared_ptr<v1::TrainerService::Stub> stub_ ABSL_GUARDED_BY(mu_);
   const std::string bearer_;
   const std::string job_id_;
   const int attempt_;
