@@ -4,6 +4,7 @@
 #include <grp.h>
 #include <libpq-fe.h>
 #include <pwd.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/prctl.h>
@@ -68,12 +69,18 @@ Account ServerAccount() {
 
 // Starts argv as `account`, its stdout and stderr appended to `log`, in a process group of its
 // own, killed when this process dies. Returns the pid, or -1.
-pid_t Spawn(const std::vector<std::string>& argv, const Account& account, const std::string& log) {
+pid_t Spawn(const std::vector<std::string>& argv, const Account& account, const std::string& log,
+            const std::string& netns = "") {
   const pid_t parent = ::getpid();
+  const std::string netns_path = netns.empty() ? "" : "/var/run/netns/" + netns;
   const pid_t pid = ::fork();
   if (pid != 0) return pid;
   // Child: only async-signal-safe calls until exec.
   ::setpgid(0, 0);
+  if (!netns_path.empty()) {  // (as root, before the change of account)
+    const int ns = ::open(netns_path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (ns < 0 || ::setns(ns, CLONE_NEWNET) != 0) ::_exit(124);
+  }
   const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
   if (fd >= 0) {
     ::dup2(fd, 1);
@@ -117,7 +124,8 @@ std::string Tail(const std::string& path) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<PostgresServer>> PostgresServer::Start() {
+absl::StatusOr<std::unique_ptr<PostgresServer>> PostgresServer::Start(
+    const PostgresServerOptions& options) {
   const std::string bin = ServerBinDir();
   if (bin.empty()) {
     return absl::FailedPreconditionError(
@@ -129,7 +137,7 @@ absl::StatusOr<std::unique_ptr<PostgresServer>> PostgresServer::Start() {
   if (::mkdtemp(templ.data()) == nullptr) {
     return absl::InternalError(absl::StrCat("mkdtemp: ", std::strerror(errno)));
   }
-  std::unique_ptr<PostgresServer> server(new PostgresServer(templ));
+  std::unique_ptr<PostgresServer> server(new PostgresServer(templ, options));
   if (account.change && ::chown(templ.c_str(), account.uid, account.gid) != 0) {
     return absl::InternalError(absl::StrCat("chown ", templ, ": ", std::strerror(errno)));
   }
@@ -140,10 +148,14 @@ absl::StatusOr<std::unique_ptr<PostgresServer>> PostgresServer::Start() {
   if (initdb < 0 || WaitFor(initdb, absl::Seconds(120)) != 0) {
     return absl::InternalError(absl::StrCat("initdb failed: ", Tail(log)));
   }
-  server->pid_ =
-      Spawn({bin + "/postgres", "-D", templ + "/data", "-k", templ, "-c", "listen_addresses=", "-c",
-             "max_connections=200", "-c", "shared_buffers=32MB"},
-            account, log);
+  if (!options.trust_network.empty()) {
+    std::ofstream(templ + "/data/pg_hba.conf", std::ios::app)
+        << "host all all " << options.trust_network << " trust\n";
+  }
+  server->pid_ = Spawn({bin + "/postgres", "-D", templ + "/data", "-k", templ, "-c",
+                        "listen_addresses=" + options.listen_address, "-c", "max_connections=200",
+                        "-c", "shared_buffers=32MB"},
+                       account, log, options.netns);
   if (server->pid_ < 0) return absl::InternalError("cannot fork the PostgreSQL server");
   const std::string uri = server->Uri();
   const absl::Time deadline = absl::Now() + absl::Seconds(60);
@@ -176,6 +188,10 @@ PostgresServer::~PostgresServer() {
 
 std::string PostgresServer::Uri(const std::string& database) const {
   return absl::StrCat("postgresql:///", database, "?host=", dir_, "&user=postgres");
+}
+
+std::string PostgresServer::TcpUri(const std::string& database) const {
+  return absl::StrCat("postgresql://postgres@", options_.listen_address, ":5432/", database);
 }
 
 absl::StatusOr<std::string> PostgresServer::Query(const std::string& database,

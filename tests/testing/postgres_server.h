@@ -17,17 +17,26 @@
 
 namespace trainyard::testing {
 
+struct PostgresServerOptions {
+  std::string netns;           // run in this network namespace (tests/testing/netns.h); "": ours
+  std::string listen_address;  // also listen on TCP at this address (port 5432); "": socket only
+  std::string trust_network;   // a CIDR whose TCP clients are trusted without a password
+};
+
 class PostgresServer {
  public:
   // Starts a server and waits until it accepts connections. FAILED_PRECONDITION naming what is
   // missing where PostgreSQL's server programs are not installed (the caller skips).
-  static absl::StatusOr<std::unique_ptr<PostgresServer>> Start();
+  static absl::StatusOr<std::unique_ptr<PostgresServer>> Start(
+      const PostgresServerOptions& options = {});
 
   // Stops the server (fast shutdown, then SIGKILL) and removes its folder.
   ~PostgresServer();
 
-  // A libpq URI for `database` on this server, as the superuser.
+  // A libpq URI for `database` on this server, as the superuser: over its Unix socket, or over
+  // TCP at options.listen_address.
   std::string Uri(const std::string& database = "postgres") const;
+  std::string TcpUri(const std::string& database) const;
 
   // Creates a new empty database (CREATE DATABASE).
   absl::Status CreateDatabase(const std::string& name);
@@ -39,9 +48,11 @@ class PostgresServer {
   pid_t pid() const { return pid_; }
 
  private:
-  PostgresServer(std::string dir) : dir_(std::move(dir)) {}
+  PostgresServer(std::string dir, PostgresServerOptions options)
+      : dir_(std::move(dir)), options_(std::move(options)) {}
 
   std::string dir_;  // holds data/ and the socket
+  PostgresServerOptions options_;
   pid_t pid_ = -1;
 };
 

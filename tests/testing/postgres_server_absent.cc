@@ -7,13 +7,16 @@
 
 namespace trainyard::testing {
 
-absl::StatusOr<std::unique_ptr<PostgresServer>> PostgresServer::Start() {
+absl::StatusOr<std::unique_ptr<PostgresServer>> PostgresServer::Start(
+    const PostgresServerOptions& options) {
   return absl::FailedPreconditionError("this build has no PostgreSQL client library (libpq-dev)");
 }
 
 PostgresServer::~PostgresServer() = default;
 
 std::string PostgresServer::Uri(const std::string& database) const { return ""; }
+
+std::string PostgresServer::TcpUri(const std::string& database) const { return ""; }
 
 absl::Status PostgresServer::CreateDatabase(const std::string& name) {
   return absl::FailedPreconditionError("no PostgreSQL");

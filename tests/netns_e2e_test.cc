@@ -1,0 +1,401 @@
+// trainyard across a network: the coordinator, workers and PostgreSQL as separate hosts (network
+// namespaces on a bridge, tests/testing/netns.h) with real addresses, and partitions between them.
+// Skipped, saying why, where network namespaces cannot be made (not root).
+//
+// - A worker cut off from the coordinator (TLS, mutual) is declared lost after the node timeout;
+//   its job restarts on the other worker; when the partition heals, the old rank is stopped.
+// - A leader cut off from the database steps down before its lease can have ended: it stands by
+//   before the other replica leads.
+// - An offload job trains with its parameter server on another host, over the bridge as it is and
+//   then with the server's link limited to 50 Mbit/s (tc tbf; this kernel has no netem, so no
+//   added delay): the step throughput of both is printed for bench/RESULTS.md.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <pwd.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/yard_client.h"
+#include "common/credentials.h"
+#include "nlohmann/json.hpp"
+#include "tests/testing/grpc_probe.h"
+#include "tests/testing/identity.h"
+#include "tests/testing/netns.h"
+#include "tests/testing/postgres_server.h"
+#include "tests/testing/subprocess.h"
+#include "tests/testing/test_pki.h"
+#include "tests/testing/tiny_spec.h"
+
+namespace trainyard {
+namespace {
+
+using testing::BinPath;
+using testing::Subprocess;
+using testing::TempDir;
+using testing::TestBinPath;
+using testing::TestNetwork;
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+class NetnsE2eTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto net = TestNetwork::Create();
+    if (!net.ok()) GTEST_SKIP() << "no network namespaces here: " << net.status().message();
+    net_ = std::move(*net);
+  }
+
+  std::unique_ptr<Subprocess> StartIn(const std::string& host,
+                                      const std::vector<std::string>& argv) {
+    auto p = Subprocess::Start(net_->In(host, argv));
+    EXPECT_TRUE(p.ok()) << p.status();
+    return p.ok() ? std::move(*p) : nullptr;
+  }
+
+  TempDir dir_;
+  std::unique_ptr<TestNetwork> net_;
+};
+
+// The pids in a rank's pids file (test_rank), or none yet.
+std::vector<pid_t> RankPids(const std::string& work_dir, const std::string& job, int attempt) {
+  std::vector<pid_t> pids;
+  std::ifstream in(absl::StrCat(work_dir, "/", job, "/attempt-", attempt, "/work/pids-rank-0"));
+  for (pid_t p; in >> p;) pids.push_back(p);
+  return pids;
+}
+
+TEST_F(NetnsE2eTest, APartitionedWorkersJobRestartsElsewhereAndItsOldRankStopsWhenItHeals) {
+  for (const char* host : {"ctl", "n1", "n2"}) ASSERT_TRUE(net_->AddHost(host).ok());
+  const std::string ctl = net_->Address("ctl");
+  testing::TestPki pki(dir_.path());
+  pki.SignWithSan("ctl", "ctl", "IP:" + ctl);
+  pki.Sign("n1", "n1");
+  pki.Sign("n2", "n2");
+  const std::string state = dir_.path() + "/state";
+  auto coordinator =
+      StartIn("ctl", {BinPath("trainyard-coordinator"), "--listen", ctl + ":7070", "--state-dir",
+                      state, "--tls-cert", pki.Path("ctl.pem"), "--tls-key", pki.Path("ctl.key"),
+                      "--tls-client-ca", pki.Path("ca.pem"), "--node-timeout", "3s",
+                      "--heartbeat-interval", "0.25"});
+  ASSERT_NE(coordinator, nullptr);
+  const std::string address = coordinator->ReadLine(absl::Seconds(30)).value_or("");
+  ASSERT_EQ(address, ctl + ":7070");
+
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = ReadFile(pki.Path("ca.pem"));
+  const auto channel = grpc::CreateChannel(address, grpc::SslCredentials(ssl));
+  const std::string admin = testing::AdminToken(state);
+  const std::string alice = testing::CreateToken(channel, admin, "alice");
+  std::ofstream(dir_.path() + "/user-map") << "alice " << getpwuid(geteuid())->pw_name << "\n";
+  std::vector<std::unique_ptr<Subprocess>> workers;
+  for (const std::string node : {"n1", "n2"}) {
+    const std::string token_file = dir_.path() + "/" + node + ".token";
+    ASSERT_TRUE(
+        WriteSecretFile(token_file, testing::CreateToken(channel, admin, "admin", node)).ok());
+    workers.push_back(StartIn(node, {BinPath("trainyard-worker"),
+                                     "--coordinator",
+                                     address,
+                                     "--node-id",
+                                     node,
+                                     "--address",
+                                     net_->Address(node),
+                                     "--cpu-slots",
+                                     "1",
+                                     "--trainer",
+                                     TestBinPath("test_rank"),
+                                     "--work-dir",
+                                     dir_.path() + "/work-" + node,
+                                     "--stop-grace",
+                                     "1s",
+                                     "--token-file",
+                                     token_file,
+                                     "--user-map",
+                                     dir_.path() + "/user-map",
+                                     "--tls-ca",
+                                     pki.Path("ca.pem"),
+                                     "--tls-cert",
+                                     pki.Path(node + ".pem"),
+                                     "--tls-key",
+                                     pki.Path(node + ".key")}));
+    ASSERT_NE(workers.back(), nullptr);
+  }
+  client::YardClient client(address, alice, TlsClientOptions{pki.Path("ca.pem")});
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(30);;) {
+    auto nodes = client.ListNodes();
+    int ready = 0;
+    if (nodes.ok()) {
+      for (const auto& n : nodes->nodes()) ready += n.state() == v1::NODE_READY && n.connected();
+    }
+    if (ready == 2) break;
+    ASSERT_LT(absl::Now(), deadline) << "the workers did not register across the network";
+    absl::SleepFor(absl::Milliseconds(20));  // no watch API for nodes
+  }
+
+  auto job = client.Submit(testing::TinySpec("hang", 1, /*max_restarts=*/2));
+  ASSERT_TRUE(job.ok()) << job.status();
+  auto first = client.Watch(job->id(), absl::Seconds(60),
+                            [](const v1::Job& j) { return j.state() == v1::RUNNING; });
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_EQ(first->placement_size(), 1);
+  const std::string cut = first->placement(0).node_id();
+  const std::string other = cut == "n1" ? "n2" : "n1";
+  const std::string cut_work = dir_.path() + "/work-" + cut;
+  std::vector<pid_t> old_rank;
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(30);
+       old_rank.empty() && absl::Now() < deadline;) {
+    old_rank = RankPids(cut_work, job->id(), 1);
+    if (old_rank.empty()) absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_EQ(old_rank.size(), 1u);
+
+  ASSERT_TRUE(net_->Partition(cut).ok());
+  const absl::Time partitioned = absl::Now();
+  auto second = client.Watch(job->id(), absl::Seconds(60), [](const v1::Job& j) {
+    return j.state() == v1::RUNNING && j.attempt() == 2;
+  });
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->attempt(), 2);
+  EXPECT_EQ(second->restarts(), 1);
+  ASSERT_EQ(second->placement_size(), 1);
+  EXPECT_EQ(second->placement(0).node_id(), other);
+  EXPECT_GE(absl::Now() - partitioned, absl::Seconds(3)) << "lost before the node timeout";
+  // Cut off, the old rank runs on: nothing told it otherwise.
+  EXPECT_EQ(kill(old_rank[0], 0), 0);
+
+  ASSERT_TRUE(net_->Heal(cut).ok());
+  // Back in touch, the worker lists its running rank; the coordinator stops it as stale.
+  bool stopped = false;
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(40); absl::Now() < deadline;) {
+    if (kill(old_rank[0], 0) != 0) {
+      stopped = true;
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_TRUE(stopped) << "the partitioned node's old rank still runs after the partition healed";
+  auto now = client.Get(job->id());
+  ASSERT_TRUE(now.ok());
+  EXPECT_EQ(now->state(), v1::RUNNING);
+  EXPECT_EQ(now->attempt(), 2);
+  ASSERT_TRUE(client.Cancel(job->id(), "done").ok());
+}
+
+TEST_F(NetnsE2eTest, ALeaderCutOffFromTheDatabaseStandsByBeforeAnotherLeads) {
+  for (const char* host : {"db", "c1", "c2"}) ASSERT_TRUE(net_->AddHost(host).ok());
+  testing::PostgresServerOptions options;
+  options.netns = net_->Namespace("db");
+  options.listen_address = net_->Address("db");
+  options.trust_network = net_->Address("db") + "/24";
+  auto postgres = testing::PostgresServer::Start(options);
+  if (!postgres.ok()) GTEST_SKIP() << "no PostgreSQL here: " << postgres.status().message();
+  ASSERT_TRUE((*postgres)->CreateDatabase("cutoff").ok());
+  const std::string key = dir_.path() + "/job-credential.key";
+  ASSERT_TRUE(WriteSecretFile(key, std::string(44, 'k')).ok());
+  testing::TestPki pki(dir_.path());
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = ReadFile(pki.Path("ca.pem"));
+  std::vector<std::unique_ptr<Subprocess>> replicas;
+  std::vector<std::string> addresses;
+  for (const std::string host : {"c1", "c2"}) {
+    pki.SignWithSan(host, host, "IP:" + net_->Address(host));
+    replicas.push_back(StartIn(host, {BinPath("trainyard-coordinator"),
+                                      "--listen",
+                                      net_->Address(host) + ":7070",
+                                      "--tls-cert",
+                                      pki.Path(host + ".pem"),
+                                      "--tls-key",
+                                      pki.Path(host + ".key"),
+                                      "--state-dir",
+                                      dir_.path() + "/" + host,
+                                      "--store",
+                                      (*postgres)->TcpUri("cutoff"),
+                                      "--job-credential-key",
+                                      key,
+                                      "--replica-id",
+                                      host,
+                                      "--lease-ttl",
+                                      "4s",
+                                      "--lease-renew-interval",
+                                      "0.5s",
+                                      "--lease-poll-interval",
+                                      "0.2s"}));
+    ASSERT_NE(replicas.back(), nullptr);
+    addresses.push_back(replicas.back()->ReadLine(absl::Seconds(30)).value_or(""));
+    ASSERT_EQ(addresses.back(), net_->Address(host) + ":7070");
+    if (host == "c1") {
+      ASSERT_TRUE([&] {
+        for (const absl::Time deadline = absl::Now() + absl::Seconds(30); absl::Now() < deadline;
+             absl::SleepFor(absl::Milliseconds(20))) {
+          if (::access((dir_.path() + "/c1/admin.token").c_str(), F_OK) == 0) return true;
+        }
+        return false;
+      }()) << "c1 never led";
+    }
+  }
+  auto serving = [&](int i) {
+    auto health =
+        testing::HealthCheck(grpc::CreateChannel(addresses[i], grpc::SslCredentials(ssl)));
+    return health.ok() && *health == "SERVING";
+  };
+  ASSERT_TRUE(serving(0));
+  ASSERT_FALSE(serving(1));
+
+  // The database stops answering c1 (its replies are dropped); the rest of the network works.
+  ASSERT_TRUE(net_->Block("db", "c1").ok());
+  const absl::Time cut = absl::Now();
+  absl::Time c1_stood_by = absl::InfiniteFuture(), c2_led = absl::InfiniteFuture();
+  for (const absl::Time deadline = cut + absl::Seconds(40);
+       absl::Now() < deadline && c2_led == absl::InfiniteFuture();) {
+    if (c1_stood_by == absl::InfiniteFuture() && !serving(0)) c1_stood_by = absl::Now();
+    if (serving(1)) c2_led = absl::Now();
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_NE(c2_led, absl::InfiniteFuture()) << "c2 never led";
+  ASSERT_NE(c1_stood_by, absl::InfiniteFuture()) << "c1 never stood by";
+  EXPECT_LT(c1_stood_by, c2_led) << "two leaders at once";
+  std::cout << "cut off at 0: c1 stood by at " << absl::FormatDuration(c1_stood_by - cut)
+            << ", c2 led at " << absl::FormatDuration(c2_led - cut) << "\n";
+  ASSERT_TRUE(net_->Unblock("db", "c1").ok());
+  // Reconnected, c1 stays a standby.
+  EXPECT_FALSE(serving(0));
+}
+
+// The median of `key` over a `yard metrics -o json` series.
+double Median(const nlohmann::json& series, const char* key) {
+  std::vector<double> values;
+  for (const auto& step : series) values.push_back(step.value(key, 0.0));
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
+TEST_F(NetnsE2eTest, AnOffloadJobTrainsWithItsParameterServerOnAnotherHostAndAShapedLink) {
+  if (::access(BinPath("trainyard-trainer").c_str(), X_OK) != 0) {
+    GTEST_SKIP() << "no trainyard-trainer in this build";
+  }
+  for (const char* host : {"ctl", "n1", "ps"}) ASSERT_TRUE(net_->AddHost(host).ok());
+  const std::string ctl = net_->Address("ctl"), ps = net_->Address("ps");
+  testing::TestPki pki(dir_.path());
+  pki.SignWithSan("ctl", "ctl", "IP:" + ctl);
+  pki.SignWithSan("ps", "ps1", "IP:" + ps);
+  pki.Sign("n1", "n1");
+  const std::string state = dir_.path() + "/state";
+  auto coordinator =
+      StartIn("ctl", {BinPath("trainyard-coordinator"), "--listen", ctl + ":7070", "--state-dir",
+                      state, "--tls-cert", pki.Path("ctl.pem"), "--tls-key", pki.Path("ctl.key"),
+                      "--heartbeat-interval", "0.25"});
+  ASSERT_NE(coordinator, nullptr);
+  const std::string address = coordinator->ReadLine(absl::Seconds(30)).value_or("");
+  ASSERT_EQ(address, ctl + ":7070");
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = ReadFile(pki.Path("ca.pem"));
+  const auto channel = grpc::CreateChannel(address, grpc::SslCredentials(ssl));
+  const std::string admin = testing::AdminToken(state);
+  const std::string alice_file = dir_.path() + "/alice.token";
+  ASSERT_TRUE(WriteSecretFile(alice_file, testing::CreateToken(channel, admin, "alice")).ok());
+  for (const std::string node : {"n1", "ps1"}) {
+    ASSERT_TRUE(WriteSecretFile(dir_.path() + "/" + node + ".token",
+                                testing::CreateToken(channel, admin, "admin", node))
+                    .ok());
+  }
+  auto server = StartIn("ps", {BinPath("trainyard-ps"),
+                               "--listen",
+                               ps + ":7100",
+                               "--data-listen",
+                               ps + ":7101",
+                               "--coordinator",
+                               address,
+                               "--node-id",
+                               "ps1",
+                               "--threads",
+                               "1",
+                               "--memory-bytes",
+                               "268435456",
+                               "--token-file",
+                               dir_.path() + "/ps1.token",
+                               "--tls-cert",
+                               pki.Path("ps.pem"),
+                               "--tls-key",
+                               pki.Path("ps.key"),
+                               "--tls-ca",
+                               pki.Path("ca.pem")});
+  ASSERT_NE(server, nullptr);
+  std::ofstream(dir_.path() + "/user-map") << "alice " << getpwuid(geteuid())->pw_name << "\n";
+  auto worker =
+      StartIn("n1", {BinPath("trainyard-worker"), "--coordinator", address, "--node-id", "n1",
+                     "--address", net_->Address("n1"), "--cpu-slots", "2", "--work-dir",
+                     dir_.path() + "/work", "--token-file", dir_.path() + "/n1.token", "--user-map",
+                     dir_.path() + "/user-map", "--tls-ca", pki.Path("ca.pem")});
+  ASSERT_NE(worker, nullptr);
+
+  client::YardClient client(address, testing::CreateToken(channel, admin, "alice"),
+                            TlsClientOptions{pki.Path("ca.pem")});
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(30);;) {
+    auto nodes = client.ListNodes();
+    int ready = 0;
+    if (nodes.ok()) {
+      for (const auto& n : nodes->nodes()) ready += n.state() == v1::NODE_READY && n.connected();
+    }
+    if (ready == 2) break;
+    ASSERT_LT(absl::Now(), deadline) << "the worker and the parameter server did not register";
+    absl::SleepFor(absl::Milliseconds(20));  // no watch API for nodes
+  }
+  const std::string spec = dir_.path() + "/offload.yaml";
+  std::ofstream(spec) << "name: offload\n"
+                      << "resources: {gpus: 2}\n"
+                      << "model: {kind: gpt, n_layer: 2, n_head: 2, d_model: 128, seq_len: 32, "
+                         "vocab: 256}\n"
+                      << "data: {path: /usr/share/common-licenses/GPL-3, format: bytes}\n"
+                      << "train: {steps: 30, micro_batch: 8, lr: 3.0e-3, warmup: 5, seed: 1}\n"
+                      << "parallel: {strategy: offload}\n"
+                      << "checkpoint: {every_steps: 0}\n";
+  auto yard = [&](std::vector<std::string> args) {
+    args.insert(args.begin(), {BinPath("yard"), "--coordinator", address, "--tls-ca",
+                               pki.Path("ca.pem"), "--token-file", alice_file});
+    return testing::RunCommand(args, {"HOME=" + dir_.path(), "TRAINYARD_TOKEN="},
+                               absl::Seconds(300));
+  };
+  // Trains the spec to its end: the median tokens/s of its steps (0 on failure).
+  auto train = [&]() -> double {
+    const testing::CommandResult submit = yard({"submit", spec});
+    EXPECT_EQ(submit.exit_code, 0) << submit.err;
+    const std::string job(absl::StripAsciiWhitespace(submit.out));
+    const testing::CommandResult wait = yard({"wait", job});
+    EXPECT_EQ(wait.exit_code, 0) << wait.err << yard({"logs", job}).out;
+    if (wait.exit_code != 0) return 0;
+    const auto series = nlohmann::json::parse(yard({"metrics", job, "-o", "json"}).out);
+    EXPECT_EQ(series.size(), 30u);
+    EXPECT_THAT(
+        yard({"logs", job}).out,
+        ::testing::ContainsRegex("parameter-server transfers: " + ps + ":7100: data plane"));
+    return Median(series, "tokens_per_second");
+  };
+  const double open = train();
+  if (absl::Status shaped = net_->Shape("ps", "50mbit"); !shaped.ok()) {
+    GTEST_SKIP() << "trained across hosts at " << open << " tokens/s; cannot shape the link here ("
+                 << shaped.message() << ")";
+  }
+  const double shaped = train();
+  std::cout << "offload across hosts: " << open << " tokens/s over the bridge, " << shaped
+            << " tokens/s with the parameter server's link at 50 Mbit/s (" << shaped / open
+            << "x)\n";
+  EXPECT_GT(shaped, 0);
+  EXPECT_LT(shaped, open) << "the rate limit did not slow the transfers";
+}
+
+}  // namespace
+}  // namespace trainyard
