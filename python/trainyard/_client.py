@@ -6,7 +6,7 @@ import os
 import grpc
 from google.protobuf import json_format
 
-from trainyard._channel import bearer, open_channel
+from trainyard._channel import Endpoints, FollowingStub, bearer
 
 
 class JobFailed(Exception):
@@ -44,11 +44,12 @@ class Client:
         self.address = address or os.environ.get("TRAINYARD_COORDINATOR") or "127.0.0.1:7070"
         self._metadata = bearer(token if token is not None else _default_token())
         self._timeout = timeout
-        self._channel = open_channel(self.address, tls_ca)
-        self._jobs = job_pb2_grpc.JobServiceStub(self._channel)
+        # (Several replicas: "a:7070,b:7070"; calls follow the leader.)
+        self._endpoints = Endpoints(self.address, tls_ca)
+        self._jobs = FollowingStub(self._endpoints, job_pb2_grpc.JobServiceStub)
 
     def close(self):
-        self._channel.close()
+        self._endpoints.channel.close()
 
     def __enter__(self):
         return self

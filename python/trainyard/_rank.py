@@ -3,7 +3,7 @@ import glob
 import os
 import time
 
-from trainyard._channel import bearer, open_channel
+from trainyard._channel import Endpoints, FollowingStub, bearer
 
 
 class Context:
@@ -32,9 +32,11 @@ class Context:
         if self.in_job:
             from trainyard.v1 import trainer_pb2_grpc
 
-            channel = open_channel(env.get("TRAINYARD_COORDINATOR", "127.0.0.1:7070"),
-                                   env.get("TRAINYARD_TLS_CA", ""))
-            self._stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+            # (The replicas' list; reports follow the leader across a failover.)
+            endpoints = Endpoints(env.get("TRAINYARD_COORDINATOR", "127.0.0.1:7070"),
+                                  env.get("TRAINYARD_TLS_CA", ""))
+            self._stub = FollowingStub(endpoints, trainer_pb2_grpc.TrainerServiceStub,
+                                       follow_for=10.0)
 
     def report(self, step, loss=0.0, total_steps=0, lr=0.0, **metrics):
         """Reports optimizer step `step` (1-based) with its loss and any other metrics by name
