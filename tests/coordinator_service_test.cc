@@ -636,6 +636,51 @@ TEST_F(CoordinatorServiceTest, ANodeBackWithAStaleRankStopsItAndHoldsItsDeviceUn
   EXPECT_EQ(again->NextCommand().assignment().attempt(), a.attempt() + 1);
 }
 
+// A node that reconnects (to a restarted coordinator, or to a new leader rebuilding its view)
+// listing the ranks it runs is not sent them again; one that lists none gets its assignment again,
+// once.
+TEST_F(CoordinatorServiceTest, AReconnectingNodeGetsAgainOnlyTheAssignmentsItDoesNotRun) {
+  auto node = Connect("n1", 2);
+  v1::Job job = MustSubmit(Spec(2, "job"));
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  const v1::Assignment a = node->NextCommand().assignment();
+  ASSERT_EQ(a.job_id(), job.id());
+  auto wait_disconnected = [&] {
+    for (absl::Time give_up = absl::Now() + absl::Seconds(10);
+         Node("n1").connected() && absl::Now() < give_up;) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+  };
+  node.reset();
+  wait_disconnected();
+  std::vector<v1::RankStatus> running(2);
+  for (int r = 0; r < 2; ++r) {
+    running[r].set_job_id(job.id());
+    running[r].set_attempt(a.attempt());
+    running[r].set_rank(r);
+    running[r].set_phase(v1::RANK_RUNNING);
+  }
+  // (Connect waits for the ack of a heartbeat sent after the hello, which comes after whatever
+  // the hello made the coordinator send.)
+  auto again = testing::NodeSession::Connect(channel_, tokens_->Node("n1"), "n1", 2, running);
+  again->Heartbeat();
+  EXPECT_EQ(again->pending(), 0u) << "the ranks the node runs were assigned again: "
+                                  << again->NextCommand().DebugString();
+  again.reset();
+  wait_disconnected();
+
+  auto fresh = Connect("n1", 2);  // lists nothing: a worker started again from scratch
+  fresh->Heartbeat();
+  ASSERT_EQ(fresh->pending(), 1u);
+  v1::CoordinatorMessage m = fresh->NextCommand();
+  ASSERT_TRUE(m.has_assignment());
+  EXPECT_EQ(m.assignment().job_id(), job.id());
+  EXPECT_EQ(m.assignment().attempt(), a.attempt());
+  fresh->Heartbeat();
+  EXPECT_EQ(fresh->pending(), 0u);
+  EXPECT_EQ(WaitForState(job.id(), v1::RUNNING).attempt(), a.attempt());
+}
+
 TEST_F(CoordinatorServiceTest, JobPastItsMaxRuntimeFailsAndFreesItsDevices) {
   auto node = Connect("n1", 1);
   v1::JobSpec spec = Spec(1, "limited", /*max_restarts=*/3);

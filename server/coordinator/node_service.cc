@@ -2,11 +2,16 @@
 #include "server/coordinator/services.h"
 
 #include <algorithm>
+#include <set>
+#include <string>
+#include <tuple>
 
 #include <spdlog/spdlog.h>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "common/credentials.h"
 #include "common/grpc_status.h"
 #include "common/log_text.h"
@@ -69,7 +74,16 @@ class SessionReactor final
       Defer([&jobs = jobs_, sink = sink_, node = node_id_, running = incoming_.hello().running()] {
         jobs.OnNodeHello(node, running);
         jobs.RequestSchedulingPass();
+        // The node's active assignments, but those whose ranks it says it runs: it has them (a
+        // reconnect, or a new leader rebuilding its view from the workers' hellos).
+        std::set<std::tuple<std::string, int32_t, int32_t>> runs;
+        for (const v1::RankStatus& r : running) runs.emplace(r.job_id(), r.attempt(), r.rank());
         for (const v1::Assignment& a : jobs.AssignmentsFor(node)) {
+          bool has = false;
+          for (int i = 0; i < a.device_indices_size() && !has; ++i) {
+            has = runs.count({a.job_id(), a.attempt(), a.first_rank() + i}) > 0;
+          }
+          if (has) continue;
           v1::CoordinatorMessage m;
           *m.mutable_assignment() = a;
           sink->Send(m);
@@ -126,9 +140,20 @@ class SessionReactor final
   using Base = grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage>;
   struct Sink final : NodeSessionSink {
     explicit Sink(Base* reactor) : queue(reactor) {}
-    void Send(const v1::CoordinatorMessage& message) override { queue.Push(message); }
+    // An assignment goes out once per session: a session that opens while a placement is being
+    // made durable would otherwise get it both from the placement and from its hello.
+    void Send(const v1::CoordinatorMessage& message) override {
+      if (message.has_assignment()) {
+        const v1::Assignment& a = message.assignment();
+        absl::MutexLock lock(&mu);
+        if (!sent.emplace(a.job_id(), a.attempt(), a.first_rank()).second) return;
+      }
+      queue.Push(message);
+    }
     void Close(const absl::Status& why) override { queue.FinishWhenDrained(ToGrpcStatus(why)); }
     WriteQueue<Base, v1::CoordinatorMessage> queue;
+    absl::Mutex mu;
+    std::set<std::tuple<std::string, int32_t, int32_t>> sent ABSL_GUARDED_BY(mu);
   };
 
   // Runs `task` on the node-events thread after what the node sent before, timing its wait.

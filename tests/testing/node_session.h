@@ -122,6 +122,9 @@ class NodeSession {
 
   bool Write(const v1::NodeMessage& m) { return stream_->Write(m); }
 
+  // Messages (not heartbeat acks) read while waiting for an ack and not yet taken.
+  size_t pending() const { return pending_.size(); }
+
   // Reads until the coordinator ends the session; its final status.
   grpc::Status Finish() {
     v1::CoordinatorMessage m;
