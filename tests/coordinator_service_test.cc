@@ -14,6 +14,8 @@
 #include "absl/time/clock.h"
 #include "common/clock.h"
 #include "server/coordinator/coordinator_server.h"
+#include "server/coordinator/job_history.h"
+#include "server/coordinator/job_store.h"
 #include "tests/testing/coordinator_fixture.h"
 #include "tests/testing/grpc_probe.h"
 #include "tests/testing/node_session.h"
@@ -1039,6 +1041,127 @@ TEST_F(CoordinatorServiceTest, StepReportsFeedMetricsAndCarryCheckpointRequestsU
   while (reader->Read(&step)) steps.push_back(step.step());
   EXPECT_TRUE(reader->Finish().ok());
   EXPECT_THAT(steps, ElementsAre(1, 2, 3));
+}
+
+// A coordinator restarted under a running job (an upgrade) shows the job's logs and metrics from
+// before the restart, and adds to them.
+TEST_F(CoordinatorServiceTest, ARunningJobsLogsAndMetricsSurviveARestart) {
+  auto node = Connect("n1", 2);
+  v1::Job job = MustSubmit(Spec(2));
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  ASSERT_TRUE(node->NextCommand().has_assignment());
+  auto report = [&](int64_t step) {
+    grpc::ClientContext ctx;
+    PrepareToken(ctx, tokens_->Job(job.id(), 1));
+    v1::StepReport r;
+    r.set_job_id(job.id());
+    r.set_attempt(1);
+    r.set_step(step);
+    r.set_total_steps(10);
+    r.set_loss(5.0 - step);
+    v1::TrainerCommands commands;
+    return trainer_->ReportStep(&ctx, r, &commands);
+  };
+  auto log = [&](const std::string& text) {
+    v1::NodeMessage m;
+    m.mutable_logs()->set_job_id(job.id());
+    m.mutable_logs()->set_attempt(1);
+    m.mutable_logs()->set_rank(0);
+    m.mutable_logs()->add_lines(text);
+    ASSERT_TRUE(node->Write(m));
+    node->Heartbeat();  // the lines are handled before the ack
+  };
+  auto steps = [&] {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::StreamMetricsRequest r;
+    r.set_job_id(job.id());
+    auto reader = jobs_->StreamMetrics(&ctx, r);
+    std::vector<int64_t> out;
+    for (v1::StepReport step; reader->Read(&step);) out.push_back(step.step());
+    EXPECT_TRUE(reader->Finish().ok());
+    return out;
+  };
+  auto lines = [&] {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::StreamLogsRequest r;
+    r.set_job_id(job.id());
+    auto reader = jobs_->StreamLogs(&ctx, r);
+    std::vector<std::string> out;
+    for (v1::LogLine line; reader->Read(&line);) out.push_back(line.text());
+    EXPECT_TRUE(reader->Finish().ok());
+    return out;
+  };
+  for (int64_t step : {1, 2, 3}) ASSERT_TRUE(report(step).ok());
+  log("before the restart");
+  ASSERT_THAT(steps(), ElementsAre(1, 2, 3));
+
+  node.reset();
+  Restart();
+  EXPECT_THAT(steps(), ElementsAre(1, 2, 3));
+  EXPECT_THAT(lines(), ElementsAre("before the restart"));
+  // The node comes back with its ranks running; the job goes on where it was.
+  std::vector<v1::RankStatus> running(2);
+  for (int r = 0; r < 2; ++r) {
+    running[r].set_job_id(job.id());
+    running[r].set_attempt(1);
+    running[r].set_rank(r);
+    running[r].set_phase(v1::RANK_RUNNING);
+  }
+  node = testing::NodeSession::Connect(channel_, tokens_->Node("n1"), "n1", 2, running);
+  ASSERT_TRUE(report(4).ok());
+  log("after it");
+  EXPECT_THAT(steps(), ElementsAre(1, 2, 3, 4));
+  EXPECT_THAT(lines(), ElementsAre("before the restart", "after it"));
+  EXPECT_EQ(WaitForState(job.id(), v1::RUNNING).attempt(), 1);
+}
+
+// A coordinator that writes running jobs' logs and metrics out at every tick.
+class SavingCoordinatorServiceTest : public CoordinatorServiceTest {
+ protected:
+  void Configure(CoordinatorOptions& o) override {
+    CoordinatorServiceTest::Configure(o);
+    o.limits.history.save_unfinished_interval = absl::ZeroDuration();
+  }
+};
+
+// What a leader that dies (no shutdown) leaves of a running job's metrics and logs: what its
+// ticker last wrote, read here from the store by a second connection.
+TEST_F(SavingCoordinatorServiceTest, RunningJobsLogsAndMetricsReachTheStoreAsTheyGrow) {
+  auto node = Connect("n1", 1);
+  v1::Job job = MustSubmit(Spec(1));
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  ASSERT_TRUE(node->NextCommand().has_assignment());
+  auto report = [&](int64_t step) {
+    grpc::ClientContext ctx;
+    PrepareToken(ctx, tokens_->Job(job.id(), 1));
+    v1::StepReport r;
+    r.set_job_id(job.id());
+    r.set_attempt(1);
+    r.set_step(step);
+    r.set_total_steps(10);
+    v1::TrainerCommands commands;
+    return trainer_->ReportStep(&ctx, r, &commands);
+  };
+  auto stored_steps = [&]() -> size_t {
+    auto store = coordinator::OpenSqliteJobStore(dir_.path() + "/state/coordinator.db");
+    EXPECT_TRUE(store.ok()) << store.status();
+    if (!store.ok()) return 0;
+    auto record = (*store)->GetRecord(coordinator::kJobMetricsRecord, job.id());
+    if (!record.ok()) return 0;
+    auto steps = coordinator::DecodeSeries<v1::StepReport>(record->payload);
+    EXPECT_TRUE(steps.ok()) << steps.status();
+    return steps.ok() ? steps->size() : 0;
+  };
+  EXPECT_EQ(stored_steps(), 0u);
+  ASSERT_TRUE(report(1).ok());
+  ASSERT_TRUE(report(2).ok());
+  server_->Tick();
+  EXPECT_EQ(stored_steps(), 2u);
+  ASSERT_TRUE(report(3).ok());
+  server_->Tick();
+  EXPECT_EQ(stored_steps(), 3u);
 }
 
 TEST_F(CoordinatorServiceTest, CheckpointingAJobThatIsNotRunningIsFailedPrecondition) {

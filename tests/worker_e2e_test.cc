@@ -767,10 +767,14 @@ TEST_F(WorkerE2eTest, WorkerReconnectsAfterTheCoordinatorRestarts) {
 // within the node timeout (5 s here), so the job keeps its attempt and nothing restarts. (With
 // gRPC's default reconnect backoff a worker was seen coming back 20 s after such a pause, and the
 // job lost an attempt; issue 39.)
+// A two-rank job: no restart, and its logs from before the restart are still shown.
 TEST_F(WorkerE2eTest, ARunningJobKeepsItsAttemptWhenTheCoordinatorIsAwayEightSeconds) {
-  auto job = client_->Submit(testing::TinySpec("hang", 1));
+  auto job = client_->Submit(testing::TinySpec("hang", 2));
   ASSERT_TRUE(job.ok()) << job.status();
-  WaitForReadyLines(job->id(), 1);
+  WaitForReadyLines(job->id(), 2);
+  const std::vector<std::string> before = Logs(job->id());
+  ASSERT_THAT(before, ::testing::Contains("0: ready"));
+  ASSERT_THAT(before, ::testing::Contains("1: ready"));
   const std::string listen = address_;
   coordinator_->Signal(SIGTERM);
   ASSERT_TRUE(coordinator_->Wait(absl::Seconds(20)).has_value());
@@ -790,6 +794,10 @@ TEST_F(WorkerE2eTest, ARunningJobKeepsItsAttemptWhenTheCoordinatorIsAwayEightSec
   ASSERT_TRUE(now.ok());
   EXPECT_EQ(now->state(), v1::RUNNING);
   EXPECT_EQ(now->attempt(), 1);
+  const std::vector<std::string> after = Logs(job->id());
+  ASSERT_GE(after.size(), before.size());
+  EXPECT_EQ(std::vector<std::string>(after.begin(), after.begin() + before.size()), before)
+      << "the logs from before the restart are gone";
   ASSERT_TRUE(client_->Cancel(job->id(), "done").ok());
 }
 

@@ -254,6 +254,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
                                              s->options_.limits.max_metric_bytes_per_job);
   s->history_ = std::make_unique<JobHistory>(*s->store_, *s->jobs_, *s->logs_, *s->metrics_,
                                              s->clock_, s->options_.limits.history);
+  // Running jobs' logs and metrics from before a restart (or from the leader before this one).
+  ASSIGN_OR_RETURN(const int resumed, s->history_->LoadUnfinished());
+  if (resumed > 0) spdlog::info("loaded the logs and metrics of {} unfinished job(s)", resumed);
   const IdentityRegistry& ids = *s->identities_;
   // Node loss reaches the job manager's attempt tracker by the registry's listener.
   AttemptTracker* attempts = s->jobs_.get();
@@ -377,6 +380,12 @@ void CoordinatorServer::Tick() {
       spdlog::error("saving accounts' usage failed: {}", std::string(s.message()));
     }
   }
+  if (now - last_unfinished_save_ >= options_.limits.history.save_unfinished_interval) {
+    last_unfinished_save_ = now;
+    if (absl::Status s = history_->SaveUnfinished(/*changed_only=*/true).status(); !s.ok()) {
+      spdlog::error("saving running jobs' logs and metrics failed: {}", std::string(s.message()));
+    }
+  }
 }
 
 int CoordinatorServer::EvictFinishedJobs() {
@@ -434,6 +443,16 @@ void CoordinatorServer::Shutdown() {
     jobs_->ChargeUsage();
     if (absl::Status s = jobs_->SaveUsage(); !s.ok()) {
       spdlog::error("saving accounts' usage failed: {}", std::string(s.message()));
+    }
+  }
+  if (history_ != nullptr) {
+    // (After the server stopped: no rank adds lines or steps any more.)
+    absl::StatusOr<int> saved = history_->SaveUnfinished();
+    if (!saved.ok()) {
+      spdlog::error("saving unfinished jobs' logs and metrics failed: {}",
+                    std::string(saved.status().message()));
+    } else if (*saved > 0) {
+      spdlog::info("saved the logs and metrics of {} unfinished job(s)", *saved);
     }
   }
   // Destroying the store drains its queue (every acknowledged write reaches the disk) and runs

@@ -173,8 +173,9 @@ class CoordinatorServer {
 
   absl::Mutex mu_;
   bool schedule_requested_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Time last_usage_save_ = absl::Now();  // the ticker thread's
-  absl::Time last_history_purge_;             // likewise
+  absl::Time last_usage_save_ = absl::Now();       // the ticker thread's
+  absl::Time last_unfinished_save_ = absl::Now();  // (ticker thread)
+  absl::Time last_history_purge_;                  // likewise
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   std::thread scheduler_thread_;

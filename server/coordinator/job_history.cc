@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace trainyard::coordinator {
 namespace {
@@ -176,6 +177,46 @@ absl::StatusOr<std::vector<T>> ReadSeries(JobStore& store, const char* kind,
 }
 
 }  // namespace
+
+absl::StatusOr<int> JobHistory::SaveUnfinished(bool changed_only) {
+  absl::MutexLock lock(&save_mu_);
+  WriteBatch batch;
+  std::map<std::string, std::pair<uint64_t, uint64_t>> saved;
+  int jobs = 0;
+  for (const std::string& id : jobs_.UnfinishedJobIds()) {
+    // (Read before the snapshots: an append in between is written again next time.)
+    const std::pair<uint64_t, uint64_t> now = {logs_.Appends(id), metrics_.Appends(id)};
+    auto last = saved_.find(id);
+    saved[id] = now;
+    if (changed_only && last != saved_.end() && last->second == now) continue;
+    const std::vector<v1::LogLine> lines = logs_.Snapshot(id);
+    const std::vector<v1::StepReport> steps = metrics_.Snapshot(id);
+    if (!lines.empty()) {
+      batch.put_records.push_back(
+          {kJobLogsRecord, id, EncodeSeries(lines, options_.max_log_bytes_per_job, false), 0});
+    }
+    if (!steps.empty()) {
+      batch.put_records.push_back(
+          {kJobMetricsRecord, id, EncodeSeries(steps, options_.max_metric_bytes_per_job, true), 0});
+    }
+    jobs += !lines.empty() || !steps.empty();
+  }
+  if (!batch.empty()) RETURN_IF_ERROR(store_.CommitSync(std::move(batch)));
+  saved_ = std::move(saved);  // (finished jobs drop out)
+  return jobs;
+}
+
+absl::StatusOr<int> JobHistory::LoadUnfinished() {
+  int jobs = 0;
+  for (const std::string& id : jobs_.UnfinishedJobIds()) {
+    ASSIGN_OR_RETURN(std::vector<v1::LogLine> lines, Logs(id));
+    ASSIGN_OR_RETURN(std::vector<v1::StepReport> steps, Metrics(id));
+    jobs += !lines.empty() || !steps.empty();
+    if (!lines.empty()) logs_.Append(id, std::move(lines));
+    if (!steps.empty()) metrics_.Append(id, std::move(steps));
+  }
+  return jobs;
+}
 
 absl::StatusOr<std::vector<v1::LogLine>> JobHistory::Logs(const std::string& job_id) const {
   return ReadSeries<v1::LogLine>(store_, kJobLogsRecord, job_id);

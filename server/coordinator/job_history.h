@@ -12,10 +12,15 @@
 #define TRAINYARD_SERVER_COORDINATOR_JOB_HISTORY_H_
 
 #include <cstddef>
+#include <cstdint>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
 #include "server/coordinator/job_manager.h"
@@ -42,6 +47,9 @@ struct JobHistoryOptions {
   size_t max_metric_bytes_per_job = size_t{4} << 20;
   // Bytes of logs and metrics written in one eviction transaction, at most (one job always).
   size_t max_batch_bytes = size_t{64} << 20;
+  // How often the logs and metrics of running jobs that changed are written to the store (and at
+  // shutdown), so that a leader that dies loses at most this much of them.
+  absl::Duration save_unfinished_interval = absl::Seconds(30);
 };
 
 class JobHistory {
@@ -62,6 +70,16 @@ class JobHistory {
   // Deletes the persisted logs and metrics whose retention has passed.
   absl::Status PurgeExpired();
 
+  // Writes the kept logs and metrics of every unfinished job to the store (as the same records,
+  // without expiry), so that a coordinator started again on the store (a restart, an upgrade, a
+  // standby taking over) still shows them: at shutdown, and every save_unfinished_interval with
+  // `changed_only` (only the series appended to since they were last written). Returns how many
+  // jobs were written.
+  absl::StatusOr<int> SaveUnfinished(bool changed_only = false);
+  // Reads back into memory what SaveUnfinished wrote for the jobs still unfinished: at start.
+  // Returns how many jobs had any.
+  absl::StatusOr<int> LoadUnfinished();
+
   // A finished job's persisted lines or steps, oldest first; none if it had none or they have
   // expired. DATA_LOSS for an unreadable record.
   absl::StatusOr<std::vector<v1::LogLine>> Logs(const std::string& job_id) const;
@@ -74,6 +92,9 @@ class JobHistory {
   JobMetrics& metrics_;
   const Clock& clock_;
   const JobHistoryOptions options_;
+  absl::Mutex save_mu_;  // one SaveUnfinished at a time (the ticker, then shutdown)
+  // Per unfinished job: the Appends() of its logs and metrics when they were last written.
+  std::map<std::string, std::pair<uint64_t, uint64_t>> saved_ ABSL_GUARDED_BY(save_mu_);
 };
 
 // The persisted form of a series: each record as a varint length and its bytes. Exposed for

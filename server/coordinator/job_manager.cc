@@ -257,6 +257,11 @@ absl::StatusOr<v1::Job> JobManager::ReadFromStore(const std::string& job_id) con
   return job;
 }
 
+std::vector<std::string> JobManager::UnfinishedJobIds() const {
+  absl::MutexLock lock(&mu_);
+  return std::vector<std::string>(unfinished_.begin(), unfinished_.end());
+}
+
 std::vector<v1::Job> JobManager::TakeEvictionCandidates(size_t max) {
   absl::MutexLock lock(&mu_);
   std::vector<v1::Job> out;

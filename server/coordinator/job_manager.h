@@ -127,6 +127,8 @@ class JobManager final : public JobLifecycle,
   // ranks have all exited, oldest first, now marked as being evicted: not offered again unless
   // handed back to EvictionFailed. Their logs and metrics are the caller's to persist first.
   std::vector<v1::Job> TakeEvictionCandidates(size_t max) ABSL_LOCKS_EXCLUDED(mu_);
+  // The ids of the jobs not in a terminal state.
+  std::vector<std::string> UnfinishedJobIds() const ABSL_LOCKS_EXCLUDED(mu_);
   // Forgets jobs taken by TakeEvictionCandidates, or offers them again at the next call.
   void Evict(const std::vector<std::string>& job_ids) ABSL_LOCKS_EXCLUDED(mu_);
   void EvictionFailed(const std::vector<std::string>& job_ids) ABSL_LOCKS_EXCLUDED(mu_);

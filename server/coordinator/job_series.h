@@ -35,6 +35,7 @@ class JobSeries {
     {
       absl::MutexLock lock(&mu_);
       Series& s = series_[job_id];
+      ++s.appends;
       for (const T& r : records) {
         s.records.push_back(r);
         s.bytes += r.ByteSizeLong();
@@ -100,6 +101,14 @@ class JobSeries {
     }
   }
 
+  // How many times records were appended for `job_id` (0: never, or erased): a version, to tell
+  // whether the series changed since it was last looked at.
+  uint64_t Appends(const std::string& job_id) const {
+    absl::MutexLock lock(&mu_);
+    auto it = series_.find(job_id);
+    return it == series_.end() ? 0 : it->second.appends;
+  }
+
   // How many jobs have records or subscribers here.
   size_t Jobs() const {
     absl::MutexLock lock(&mu_);
@@ -110,6 +119,7 @@ class JobSeries {
   struct Series {
     std::deque<T> records;
     size_t bytes = 0;  // of records
+    uint64_t appends = 0;
     std::map<int64_t, std::shared_ptr<Callback>> subscribers;
   };
 

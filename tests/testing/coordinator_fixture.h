@@ -28,7 +28,17 @@ class CoordinatorFixture : public ::testing::Test {
   // Options beyond the fixture's (listen, state dir, clock, no background threads).
   virtual void Configure(coordinator::CoordinatorOptions& options) {}
 
-  void SetUp() override {
+  void SetUp() override { StartServer(); }
+
+  // Shuts the coordinator down (SIGTERM's path) and starts it again on the same state directory,
+  // with new channels and stubs (its port changes).
+  void Restart() {
+    server_->Shutdown();
+    server_.reset();
+    StartServer();
+  }
+
+  void StartServer() {
     coordinator::CoordinatorOptions o;
     o.listen_address = "127.0.0.1:0";
     o.state_dir = dir_.path() + "/state";
