@@ -133,7 +133,7 @@ TEST_F(NetnsE2eTest, APartitionedWorkersJobRestartsElsewhereAndItsOldRankStopsWh
                                      pki.Path(node + ".key")}));
     ASSERT_NE(workers.back(), nullptr);
   }
-  client::YardClient client(address, alice, TlsClientOptions{pki.Path("ca.pem")});
+  client::YardClient client(address, alice, TlsClientOptions{pki.Path("ca.pem"), "", ""});
   for (const absl::Time deadline = absl::Now() + absl::Seconds(30);;) {
     auto nodes = client.ListNodes();
     int ready = 0;
@@ -343,7 +343,7 @@ TEST_F(NetnsE2eTest, AnOffloadJobTrainsWithItsParameterServerOnAnotherHostAndASh
   ASSERT_NE(worker, nullptr);
 
   client::YardClient client(address, testing::CreateToken(channel, admin, "alice"),
-                            TlsClientOptions{pki.Path("ca.pem")});
+                            TlsClientOptions{pki.Path("ca.pem"), "", ""});
   for (const absl::Time deadline = absl::Now() + absl::Seconds(30);;) {
     auto nodes = client.ListNodes();
     int ready = 0;
