@@ -1182,6 +1182,41 @@ TEST_F(PostgresJobStoreTest, ATakeoverWaitsForTheOldLeadersTransactionInFlight) 
   EXPECT_EQ(Query("SELECT id FROM nodes"), "n-old");
 }
 
+// What docs/operations.md tells operators to do: pg_dump while the store serves, pg_restore into
+// an empty database, and a coordinator's store opens on it with everything.
+TEST_F(PostgresJobStoreTest, APgDumpRestoredIntoAnEmptyDatabaseHoldsEverything) {
+  auto store = OpenPostgresJobStore(uri_);
+  ASSERT_TRUE(store.ok()) << store.status();
+  WriteBatch batch = PutJobs({Job(1, BinaryPayload()), Job(2, "", "bob", "RUNNING")});
+  batch.put_nodes = {{"n1", BinaryPayload()}};
+  batch.put_records = {{"token", "t1", BinaryPayload(), 0}, {"job_logs", "job-1", "x", 42}};
+  ASSERT_TRUE((*store)->CommitSync(batch).ok());
+  const std::string bin = testing::PostgresBinDir();
+  const std::string dump = dir_.path() + "/coordinator.dump";
+  testing::CommandResult dumped =
+      testing::RunCommand({bin + "/pg_dump", "-Fc", "-f", dump, "-d", uri_});
+  ASSERT_EQ(dumped.exit_code, 0) << dumped.err;
+  const std::string restored_db = database_ + "_restored";
+  ASSERT_TRUE(server_->CreateDatabase(restored_db).ok());
+  const std::string restored_uri = server_->Uri(restored_db);
+  testing::CommandResult restored =
+      testing::RunCommand({bin + "/pg_restore", "--no-owner", "-d", restored_uri, dump});
+  ASSERT_EQ(restored.exit_code, 0) << restored.err;
+  auto copy = OpenPostgresJobStore(restored_uri);
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  EXPECT_THAT(*(*copy)->LoadJobs(),
+              ElementsAre(Job(1, BinaryPayload()), Job(2, "", "bob", "RUNNING")));
+  EXPECT_THAT(*(*copy)->LoadNodes(), ElementsAre(StoredNode{"n1", BinaryPayload()}));
+  EXPECT_THAT(*(*copy)->LoadRecords("token"),
+              ElementsAre(StoredRecord{"token", "t1", BinaryPayload(), 0}));
+  EXPECT_THAT(*(*copy)->LoadRecords("job_logs"),
+              ElementsAre(StoredRecord{"job_logs", "job-1", "x", 42}));
+  // The lease came along; a restored cluster's first replica takes it as usual.
+  auto lease = OpenLeaderLease(restored_uri, "r", "a:7070");
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_TRUE((*lease)->TryAcquire(absl::Seconds(5)).ok());
+}
+
 TEST_F(PostgresJobStoreTest, BackupPointsToPgDump) {
   auto store = OpenPostgresJobStore(uri_);
   ASSERT_TRUE(store.ok()) << store.status();

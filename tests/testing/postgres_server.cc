@@ -234,6 +234,8 @@ absl::Status PostgresServer::CreateDatabase(const std::string& name) {
   return Query("postgres", absl::StrCat("CREATE DATABASE \"", name, "\"")).status();
 }
 
+std::string PostgresBinDir() { return ServerBinDir(); }
+
 PostgresServer* SharedPostgresServer(std::string* why) {
   static absl::StatusOr<std::unique_ptr<PostgresServer>>* server =
       new absl::StatusOr<std::unique_ptr<PostgresServer>>(PostgresServer::Start());

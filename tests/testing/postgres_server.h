@@ -69,6 +69,10 @@ class PostgresSession {
   void* conn_;  // PGconn
 };
 
+// The folder of PostgreSQL's programs (initdb, postgres, pg_dump, pg_restore), the newest version
+// installed; empty if none.
+std::string PostgresBinDir();
+
 // One server for the whole test process, started at the first call; nullptr (and `why` set) where
 // none can be started.
 PostgresServer* SharedPostgresServer(std::string* why);

@@ -37,6 +37,8 @@ absl::StatusOr<std::string> PostgresSession::Exec(const std::string& sql) {
   return absl::FailedPreconditionError("no PostgreSQL");
 }
 
+std::string PostgresBinDir() { return ""; }
+
 PostgresServer* SharedPostgresServer(std::string* why) {
   if (why != nullptr) *why = "this build has no PostgreSQL client library (libpq-dev)";
   return nullptr;
