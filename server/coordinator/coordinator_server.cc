@@ -246,7 +246,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   RETURN_IF_ERROR(s->nodes_->Load(stored_nodes));
   ASSIGN_OR_RETURN(auto stored_jobs, s->store_->LoadJobs());
   RETURN_IF_ERROR(s->jobs_->Load(stored_jobs));
-  spdlog::info("loaded {} jobs and {} nodes from {}", stored_jobs.size(), stored_nodes.size(), dir);
+  spdlog::info(
+      "loaded {} jobs and {} nodes from {}", stored_jobs.size(), stored_nodes.size(),
+      IsPostgresLocation(s->options_.store) ? DescribePostgresLocation(s->options_.store) : dir);
 
   s->logs_ = std::make_unique<JobLogs>(/*max_records_per_job=*/50'000,
                                        s->options_.limits.max_log_bytes_per_job);
