@@ -11,6 +11,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -93,7 +94,13 @@ class CoordinatorEndpoints {
   // The same with the leader's address (empty: not named) already read.
   bool Follow(const std::string& leader) {
     absl::MutexLock lock(&mu_);
-    if (!leader.empty() && leader.size() <= 300) {
+    // A name that is not one HOST:PORT of printable characters is taken as none: it comes from
+    // the server and reaches logs and channels.
+    const bool usable = !leader.empty() && leader.size() <= 300 &&
+                        std::all_of(leader.begin(), leader.end(),
+                                    [](char c) { return c > ' ' && c < 127 && c != ','; }) &&
+                        ParseList("leader", leader).ok();
+    if (usable) {
       if (leader == addresses_[index_]) return false;
       for (size_t i = 0; i < addresses_.size(); ++i) {
         if (addresses_[i] == leader) {

@@ -2,6 +2,9 @@
 // where a client goes after a failed call. Pure logic.
 #include "common/coordinator_endpoints.h"
 
+#include <string>
+#include <vector>
+
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -38,6 +41,16 @@ TEST(CoordinatorEndpointsTest, GoesToTheNamedLeaderElseDownTheList) {
   EXPECT_TRUE(endpoints.Follow("ctl-9:7070"));  // a leader outside the list is added
   EXPECT_EQ(endpoints.current(), "ctl-9:7070");
   EXPECT_EQ(endpoints.all(), "a:1,b:2,c:3,ctl-9:7070");
+}
+
+TEST(CoordinatorEndpointsTest, ANameThatIsNotOneHostAndPortIsTakenAsNone) {
+  CoordinatorEndpoints endpoints("a:1,b:2");
+  for (const std::string& bad :
+       std::vector<std::string>{"c:3\nforged log line", "c:3,d:4", "no-port", std::string(400, 'x'),
+                                std::string("c:3\0", 4)}) {
+    EXPECT_TRUE(endpoints.Follow(bad)) << "moves down the list instead";
+  }
+  EXPECT_EQ(endpoints.all(), "a:1,b:2");
 }
 
 TEST(CoordinatorEndpointsTest, OneAddressMovesOnlyToANamedLeader) {

@@ -46,3 +46,10 @@ def test_other_errors_and_a_lone_address_stay_put():
     # A standby that knows no leader yet: ask it again.
     assert lone.follow(Error(grpc.StatusCode.UNAVAILABLE, ""))
     assert lone.current == "a:1"
+
+
+def test_a_name_that_is_not_one_host_and_port_is_taken_as_none():
+    e = Endpoints("a:1,b:2")
+    for bad in ("c:3\nforged", "c:3,d:4", "no-port", "x" * 400):
+        assert e.follow(Error(grpc.StatusCode.UNAVAILABLE, bad))
+    assert e.addresses == ["a:1", "b:2"]

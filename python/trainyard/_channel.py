@@ -27,6 +27,12 @@ def bearer(token):
     return (("authorization", "Bearer " + token),)
 
 
+def _is_host_port(text):
+    colon = text.rfind(":")
+    return (0 < len(text) <= 300 and 0 < colon < len(text) - 1 and
+            all(" " < c < "\x7f" and c != "," for c in text))
+
+
 class Endpoints:
     """The coordinator replicas a client may call ("a:7070" or "a:7070,b:7070"), and the channel
     to the one in use. After a failed call, `follow` moves to the leader a standby named, or down
@@ -51,6 +57,8 @@ class Endpoints:
         trailers = dict(error.trailing_metadata() or ()) if hasattr(error, "trailing_metadata") else {}
         named = LEADER_METADATA in trailers
         leader = trailers.get(LEADER_METADATA, "")
+        if not _is_host_port(leader):
+            leader = ""  # (from the server: only one printable HOST:PORT is used)
         if leader:
             if leader == self.current:
                 return True  # it is taking over: ask again
