@@ -52,6 +52,12 @@ std::vector<pid_t> ProcessesWith(const std::vector<std::string>& needles) {
     std::replace(cmdline.begin(), cmdline.end(), '\0', ' ');
     bool all = !cmdline.empty();
     for (const auto& n : needles) all = all && cmdline.find(n) != std::string::npos;
+    // A rank's shepherd (trainyard-worker --shepherd ... -- RANK ARGS) names its rank: it is
+    // matched only by a needle of its own.
+    if (cmdline.find(" --shepherd ") != std::string::npos &&
+        std::find(needles.begin(), needles.end(), "--shepherd") == needles.end()) {
+      all = false;
+    }
     if (all) out.push_back(pid);
   }
   closedir(proc);
@@ -708,8 +714,9 @@ TEST_F(PreemptionClusterE2eTest, AVictimThatDoesNotStopIsKilledAfterItsGraceAndR
     absl::SleepFor(absl::Milliseconds(50));  // no verb waits for a checkpoint
   }
   ASSERT_GE(checkpoint_step(json(low)), 5) << Yard({"describe", low}).out;
-  // Its ranks stop answering (the rank processes' command lines hold the attempt's folder).
-  const std::string ranks = absl::StrCat("/", low, "/attempt-1/");
+  // Its ranks stop answering (the rank processes' command lines hold the attempt's folder; their
+  // shepherds' name it too, after trainyard-worker --shepherd).
+  const std::string ranks = absl::StrCat("^[^ ]*trainyard-trainer .*/", low, "/attempt-1/");
   ASSERT_EQ(testing::RunCommand({"/usr/bin/pkill", "-STOP", "-f", ranks}).exit_code, 0);
 
   const std::string high_spec = WriteSpec("urgent", 10);

@@ -98,6 +98,7 @@ class RankSupervisorTest : public ::testing::Test {
     SupervisorOptions options;
     options.trainer_path = testing::TestBinPath("test_rank");
     options.work_dir = dir_.path() + "/work";
+    options.shepherd_path = testing::BinPath("trainyard-worker");  // not this test's binary
     supervisor_ =
         std::make_unique<RankSupervisor>(options, [this](v1::NodeMessage m) { reports_.Add(m); });
   }

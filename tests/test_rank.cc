@@ -54,7 +54,7 @@ int main(int argc, char** argv) {
                     attempt = std::to_string(context.attempt());
   const std::string mode = spec.name();
   std::ofstream pids("pids-rank-" + std::to_string(rank));
-  pids << getpid() << "\n";
+  pids << getpid() << "\n" << std::flush;
   std::printf("hello from rank %d of %d (%s)\n", rank, world, mode.c_str());
   std::fflush(stdout);
 

@@ -18,6 +18,7 @@
 #include <set>
 #include <sstream>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -220,8 +221,11 @@ class WorkerE2eTest : public ::testing::Test {
     return lines;
   }
 
-  // Follows the job's logs until `want` lines containing "ready" arrived.
-  void WaitForReadyLines(const std::string& id, int want) {
+  // Follows the job's logs until `want` lines that read "ready" arrived.
+  void WaitForReadyLines(const std::string& id, int want) { WaitForLines(id, "ready", want); }
+
+  // Follows the job's logs until `want` lines that read `text` arrived.
+  void WaitForLines(const std::string& id, const std::string& text, int want) {
     int seen = 0;
     grpc::ClientContext ctx;
     testing::Authorize(ctx, alice_token_);
@@ -233,7 +237,7 @@ class WorkerE2eTest : public ::testing::Test {
     r.set_follow(true);
     auto reader = stub->StreamLogs(&ctx, r);
     v1::LogLine line;
-    while (seen < want && reader->Read(&line)) seen += line.text() == "ready";
+    while (seen < want && reader->Read(&line)) seen += line.text() == text;
     ctx.TryCancel();
     reader->Finish();
     ASSERT_EQ(seen, want);
@@ -450,10 +454,12 @@ TEST_F(WorkerE2eTest, NoProcessOfACommandJobOutlivesItEvenOneThatLeftItsSession)
   EXPECT_TRUE(GoneSoon(daemon)) << "the cancelled job's daemon " << daemon << " still runs";
 
   // A child in its own session that keeps the rank's output open after the rank exits 0: the job
-  // still ends (the child is stopped), and it succeeds.
-  v1::JobSpec leaves = CommandSpec(
-      "leaves-a-child", 1,
-      {"/bin/sh", "-c", "setsid /bin/sh -c 'echo $$ > daemon-2.pid; exec sleep 600' & echo done"});
+  // still ends (the child is stopped), and it succeeds. (The rank waits for the child's pid file,
+  // or the child could be stopped before it wrote one.)
+  v1::JobSpec leaves = CommandSpec("leaves-a-child", 1,
+                                   {"/bin/sh", "-c",
+                                    "setsid /bin/sh -c 'echo $$ > daemon-2.pid; exec sleep 600' & "
+                                    "until [ -s daemon-2.pid ]; do sleep 0.01; done; echo done"});
   leaves.set_workdir(workdir);
   v1::Job done = RunToEnd(*client_, leaves);
   EXPECT_EQ(done.state(), v1::SUCCEEDED) << done.message();
@@ -461,12 +467,13 @@ TEST_F(WorkerE2eTest, NoProcessOfACommandJobOutlivesItEvenOneThatLeftItsSession)
   ASSERT_GT(child, 0);
   EXPECT_TRUE(GoneSoon(child)) << "the ended job's child " << child << " still runs";
 
-  // One that cleared its environment cannot be found; the rank's end is still reported (its
-  // output is read for a few seconds more), and the test stops it.
-  v1::JobSpec hidden = CommandSpec(
-      "hides", 1,
-      {"/bin/sh", "-c",
-       "setsid /usr/bin/env -i /bin/sh -c 'echo $$ > daemon-3.pid; exec sleep 600' & echo done"});
+  // One that cleared its environment cannot be found; the rank's end is still reported, and the
+  // test stops it.
+  v1::JobSpec hidden =
+      CommandSpec("hides", 1,
+                  {"/bin/sh", "-c",
+                   "setsid /usr/bin/env -i /bin/sh -c 'echo $$ > daemon-3.pid; exec sleep 600' & "
+                   "until [ -s daemon-3.pid ]; do sleep 0.01; done; echo done"});
   hidden.set_workdir(workdir);
   v1::Job ended = RunToEnd(*client_, hidden);
   EXPECT_EQ(ended.state(), v1::SUCCEEDED) << ended.message();
@@ -739,15 +746,97 @@ TEST_F(WorkerE2eTest, StoppingTheWorkerLeavesNoRankOrGrandchildBehind) {
   EXPECT_TRUE(AllGone(pids, absl::Seconds(10)));
 }
 
-TEST_F(WorkerE2eTest, KilledWorkerTakesItsRanksWithIt) {
+// A worker killed for good: its ranks keep running for the node timeout (5 s here; a worker back
+// by then adopts them), then their shepherds stop them.
+TEST_F(WorkerE2eTest, AKilledWorkerThatStaysAwayLeavesNoRankBehindAfterTheNodeTimeout) {
   auto job = client_->Submit(testing::TinySpec("hang", 2));
   ASSERT_TRUE(job.ok());
   WaitForReadyLines(job->id(), 2);
   const std::vector<pid_t> pids = RankPids(job->id(), 1);
   ASSERT_EQ(pids.size(), 2u);
-  kill(worker_->pid(), SIGKILL);  // the worker alone: its ranks have their own process groups
+  kill(worker_->pid(), SIGKILL);
   ASSERT_TRUE(worker_->Wait(absl::Seconds(10)).has_value());
+  const absl::Time killed = absl::Now();
+  EXPECT_FALSE(AllGone(pids, absl::Seconds(2))) << "the ranks went with their worker at once";
+  EXPECT_TRUE(AllGone(pids, absl::Seconds(15)));
+  // SIGTERM, which "hang" answers at once, after 5 s with nobody holding them.
+  EXPECT_GE(absl::Now() - killed, absl::Seconds(4));
+  const std::string log = absl::StrCat(work_dir(), "/", job->id(), "/attempt-1/rank-0.log");
+  std::ifstream in(log);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_THAT(text, ::testing::HasSubstr("no worker has held this rank for 5s: stopping it"));
+  EXPECT_THAT(text, ::testing::HasSubstr("stopping on SIGTERM"));
+}
+
+// An upgrade: the worker exits on SIGUSR2 leaving its ranks, and a new one on the same work
+// directory adopts them. The job keeps its attempt past a node timeout, the ranks are the same
+// processes, what they print after the restart reaches the coordinator, and a cancel through the
+// new worker stops them.
+TEST_F(WorkerE2eTest, ARestartedWorkerAdoptsItsRunningRanksAndTheJobKeepsItsAttempt) {
+  auto job = client_->Submit(testing::TinySpec("hang", 2));
+  ASSERT_TRUE(job.ok());
+  WaitForReadyLines(job->id(), 2);
+  const std::vector<pid_t> pids = RankPids(job->id(), 1);
+  ASSERT_EQ(pids.size(), 2u);
+  worker_->Signal(SIGUSR2);
+  auto status = worker_->Wait(absl::Seconds(20));
+  ASSERT_TRUE(status.has_value());
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0);
+  for (pid_t p : pids) EXPECT_TRUE(Alive(p)) << p;
+  StartWorker({"--gpus", "none"});
+  WaitForReadyNodes(1);
+  // A node timeout (5 s) and more: nothing changes.
+  auto changed = client_->Watch(job->id(), absl::Seconds(7), [](const v1::Job& j) {
+    return j.state() != v1::RUNNING || j.attempt() != 1;
+  });
+  EXPECT_EQ(changed.status().code(), absl::StatusCode::kDeadlineExceeded)
+      << (changed.ok() ? changed->DebugString() : changed.status().ToString());
+  for (pid_t p : pids) EXPECT_TRUE(Alive(p)) << p;
+  EXPECT_EQ(RankPids(job->id(), 1), pids);
+  ASSERT_TRUE(client_->Cancel(job->id(), "done").ok());
+  const v1::Job end = WaitFor(job->id(), [](const v1::Job&) { return false; });
+  EXPECT_EQ(end.state(), v1::CANCELLED);
+  EXPECT_EQ(end.attempt(), 1);
   EXPECT_TRUE(AllGone(pids, absl::Seconds(10)));
+  // The job is CANCELLED at once; its ranks' last lines follow their exits.
+  std::vector<std::string> logs;
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  auto said = [&logs](const std::string& line) { return absl::c_linear_search(logs, line); };
+  do {
+    logs = Logs(job->id());
+    if (said("0: stopping on SIGTERM") && said("1: stopping on SIGTERM")) break;
+    absl::SleepFor(absl::Milliseconds(50));  // no watch API for logs of an ended job
+  } while (absl::Now() < deadline);
+  EXPECT_THAT(logs, ::testing::Contains("0: stopping on SIGTERM"));
+  EXPECT_THAT(logs, ::testing::Contains("1: stopping on SIGTERM"));
+}
+
+// A rank that ends while its worker is away (here crashed: SIGKILL): the next worker collects its
+// exit, so the job succeeds on its first attempt, with the lines the rank printed meanwhile, and
+// the lines from before the crash sent once.
+TEST_F(WorkerE2eTest, ARankThatEndsWhileItsWorkerIsAwayIsReportedByTheNextOne) {
+  v1::JobSpec spec = testing::TinySpec("until-data-exists", 1);
+  const std::string release = dir_.path() + "/release";
+  spec.mutable_data()->set_path(release);
+  auto job = client_->Submit(spec);
+  ASSERT_TRUE(job.ok());
+  WaitForLines(job->id(), "waiting", 1);
+  const std::vector<pid_t> pids = RankPids(job->id(), 1);
+  ASSERT_EQ(pids.size(), 1u);
+  absl::SleepFor(absl::Milliseconds(1500));  // the worker tells its shepherd what it has sent
+  kill(worker_->pid(), SIGKILL);
+  ASSERT_TRUE(worker_->Wait(absl::Seconds(10)).has_value());
+  std::ofstream(release) << "go\n";
+  EXPECT_TRUE(AllGone(pids, absl::Seconds(10)));
+  StartWorker({"--gpus", "none"});
+  const v1::Job end = WaitFor(job->id(), [](const v1::Job&) { return false; });
+  EXPECT_EQ(end.state(), v1::SUCCEEDED) << end.message();
+  EXPECT_EQ(end.attempt(), 1);
+  const std::vector<std::string> logs = Logs(job->id());
+  EXPECT_EQ(std::count(logs.begin(), logs.end(), "0: waiting"), 1)
+      << ::testing::PrintToString(logs);
+  EXPECT_EQ(std::count(logs.begin(), logs.end(), "0: released"), 1)
+      << ::testing::PrintToString(logs);
 }
 
 TEST_F(WorkerE2eTest, WorkerReconnectsAfterTheCoordinatorRestarts) {

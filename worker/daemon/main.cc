@@ -1,5 +1,7 @@
 // trainyard-worker: the node daemon of a GPU (or CPU) host. Parses flags, runs a WorkerDaemon until
-// SIGTERM or SIGINT, then stops every rank it started (no orphans) and exits.
+// SIGTERM or SIGINT, then stops every rank it started (no orphans) and exits. On SIGUSR2 it exits
+// leaving its ranks running, for the next worker on the same work directory to adopt (an
+// upgrade). Run with --shepherd first, it is a rank's shepherd (shepherd.h) instead.
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -34,6 +36,7 @@
 #include "common/version.h"
 #include "worker/daemon/cuda_devices.h"
 #include "worker/daemon/nvml.h"
+#include "worker/daemon/shepherd.h"
 #include "worker/daemon/worker_daemon.h"
 
 extern char** environ;
@@ -103,7 +106,16 @@ absl::StatusOr<std::vector<std::string>> TrainerDevices(const std::string& train
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc > 1 && std::strcmp(argv[1], trainyard::worker::kShepherdFlag) == 0) {
+    return trainyard::worker::RunShepherd(argc - 2, argv + 2);
+  }
   trainyard::BlockTerminationSignals();
+  {
+    sigset_t upgrade;
+    sigemptyset(&upgrade);
+    sigaddset(&upgrade, SIGUSR2);
+    pthread_sigmask(SIG_BLOCK, &upgrade, nullptr);
+  }
   trainyard::worker::WorkerOptions options;
   const char* env = std::getenv("TRAINYARD_COORDINATOR");
   if (env != nullptr && *env != '\0') options.coordinator = env;
@@ -311,9 +323,18 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
   }
   std::thread signals([&daemon] {
-    const int sig = trainyard::WaitForTerminationSignal();
-    spdlog::info("signal {}: shutting down", sig);
-    daemon.Shutdown();
+    sigset_t set;
+    sigemptyset(&set);
+    for (int s : {SIGTERM, SIGINT, SIGUSR2}) sigaddset(&set, s);
+    int sig = 0;
+    sigwait(&set, &sig);
+    if (sig == SIGUSR2) {
+      spdlog::info("signal {}: exiting, leaving the ranks running for the next worker", sig);
+      daemon.Shutdown(trainyard::worker::WorkerDaemon::kLeaveRanks);
+    } else {
+      spdlog::info("signal {}: shutting down", sig);
+      daemon.Shutdown();
+    }
   });
   spdlog::info("worker {} for {} ({} {}, {} thread(s) each, trainer {})", options.node_id,
                options.coordinator, devices, options.gpus.empty() ? "CPU slot(s)" : "CUDA GPU(s)",

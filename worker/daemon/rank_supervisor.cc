@@ -29,6 +29,7 @@
 #include "absl/time/clock.h"
 #include "common/credentials.h"
 #include "common/tls.h"
+#include "worker/daemon/shepherd.h"
 
 extern char** environ;
 
@@ -102,67 +103,12 @@ absl::Status GiveFolder(const std::string& path, const UnixAccount* owner) {
   return absl::OkStatus();
 }
 
-// The all-reduce segment a trainer of rank 0 names /dev/shm/trainyard-allreduce-PID-... exists
-// only until every rank has mapped it; if that rank died in between, its name would stay.
-void RemoveSharedMemoryOf(pid_t pid) {
-  const std::string prefix = absl::StrCat("trainyard-allreduce-", pid, "-");
-  std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", ec)) {
-    const std::string name = entry.path().filename().string();
-    if (name.rfind(prefix, 0) == 0) shm_unlink(("/" + name).c_str());
-  }
-}
-
-int ExitCodeOf(int wait_status) {
-  if (WIFEXITED(wait_status)) return WEXITSTATUS(wait_status);
-  if (WIFSIGNALED(wait_status)) return 128 + WTERMSIG(wait_status);
-  return -1;
-}
-
 bool SaysFailure(const std::string& line) {
   const std::string lower = absl::AsciiStrToLower(line);
   for (const char* word : {"error", "exception", "fatal", "failed", "abort", "killed"}) {
     if (absl::StrContains(lower, word)) return true;
   }
   return false;
-}
-
-// The environment entry that marks every process of one rank (inherited by its children, also
-// those that leave its process group or session):
-// "TRAINYARD_RANK_MARK=WORKER_PID/JOB/ATTEMPT/RANK".
-std::string RankMark(const std::string& job_id, int attempt, int rank) {
-  return absl::StrCat("TRAINYARD_RANK_MARK=", getpid(), "/", job_id, "/", attempt, "/", rank);
-}
-
-// Sends `sig` to every process whose environment holds `mark` (as /proc shows it: to this
-// worker's account, or any with root). Returns how many it signalled. A process that cleared its
-// environment is not found.
-int SignalMarked(const std::string& mark, int sig) {
-  int signalled = 0;
-  const pid_t self = getpid();
-  std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator("/proc", ec)) {
-    const std::string name = entry.path().filename().string();
-    pid_t pid = 0;
-    if (!absl::SimpleAtoi(name, &pid) || pid <= 1 || pid == self) continue;
-    const int fd = open(absl::StrCat("/proc/", name, "/environ").c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) continue;
-    std::string environ_text;
-    char buf[4096];
-    ssize_t n;
-    while (environ_text.size() < (1 << 20) && (n = read(fd, buf, sizeof(buf))) > 0) {
-      environ_text.append(buf, static_cast<size_t>(n));
-    }
-    close(fd);
-    // Entries are NUL-separated: match a whole one.
-    const std::string whole = absl::StrCat(std::string(1, '\0'), mark, std::string(1, '\0'));
-    if ((absl::StartsWith(environ_text, mark + std::string(1, '\0')) ||
-         environ_text.find(whole) != std::string::npos) &&
-        kill(pid, sig) == 0) {
-      ++signalled;
-    }
-  }
-  return signalled;
 }
 
 // A TCP port free on this host now (the kernel's pick), for a command job's MASTER_PORT when the
@@ -227,11 +173,7 @@ void RankSupervisor::Stop(const std::string& job_id, int attempt) {
     absl::MutexLock lock(&mu_);
     for (auto& [key, rank] : ranks_) {
       if (std::get<0>(key) != job_id || (attempt != 0 && std::get<1>(key) != attempt)) continue;
-      if (rank.stopping) continue;
-      rank.stopping = true;
-      rank.kill_at = absl::Now() + options_.stop_grace;
-      kill(-rank.pid, SIGTERM);
-      SignalMarked(RankMark(std::get<0>(key), std::get<1>(key), std::get<2>(key)), SIGTERM);
+      AskToStop(rank);
     }
     // A launch still queued for that attempt is dropped.
     for (auto it = launches_.begin(); it != launches_.end();) {
@@ -253,19 +195,94 @@ void RankSupervisor::Stop(const std::string& job_id, int attempt) {
   for (const RankKey& key : dropped) ReportExit(key, 128 + SIGTERM, "stopped before it started");
 }
 
+void RankSupervisor::AskToStop(Rank& rank) {
+  if (rank.stop_sent) return;
+  rank.stop_sent = true;
+  // The shepherd sends SIGTERM to the rank's processes and SIGKILL after the grace. One it
+  // cannot hear has ended, and its rank with it (the death signal).
+  SendShepherdMessage(rank.conn, "stop");
+}
+
 void RankSupervisor::StopAll() {
   absl::MutexLock lock(&mu_);
   stopping_ = true;
   launches_.clear();
-  for (auto& [key, rank] : ranks_) {
-    if (rank.stopping) continue;
-    rank.stopping = true;
-    rank.kill_at = absl::Now() + options_.stop_grace;
-    kill(-rank.pid, SIGTERM);
-    SignalMarked(RankMark(std::get<0>(key), std::get<1>(key), std::get<2>(key)), SIGTERM);
-  }
+  for (auto& [key, rank] : ranks_) AskToStop(rank);
   auto all_exited = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ranks_.empty(); };
   mu_.Await(absl::Condition(&all_exited));
+}
+
+void RankSupervisor::Detach() {
+  absl::MutexLock lock(&mu_);
+  stopping_ = true;
+  detaching_ = true;
+  launches_.clear();
+  auto all_detached = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ranks_.empty(); };
+  mu_.Await(absl::Condition(&all_detached));
+}
+
+void RankSupervisor::set_orphan_timeout(absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  orphan_timeout_ = timeout;
+}
+
+std::vector<v1::RankStatus> RankSupervisor::Adopt() {
+  namespace fs = std::filesystem;
+  std::vector<v1::RankStatus> adopted;
+  std::error_code ec;
+  // WORK_DIR/JOB/attempt-N/rank-R.sock: the shepherds of the ranks a worker before this one left.
+  for (const auto& job : fs::directory_iterator(options_.work_dir, ec)) {
+    if (!job.is_directory(ec) || job.is_symlink(ec)) continue;
+    std::error_code ec2;
+    for (const auto& attempt_dir : fs::directory_iterator(job.path(), ec2)) {
+      int attempt = 0;
+      const std::string attempt_name = attempt_dir.path().filename().string();
+      if (!absl::StartsWith(attempt_name, "attempt-") ||
+          !absl::SimpleAtoi(attempt_name.substr(8), &attempt) || attempt_dir.is_symlink(ec2)) {
+        continue;
+      }
+      std::error_code ec3;
+      for (const auto& entry : fs::directory_iterator(attempt_dir.path(), ec3)) {
+        const std::string name = entry.path().filename().string();
+        int rank = 0;
+        if (!absl::StartsWith(name, "rank-") || !absl::EndsWith(name, ".sock") ||
+            !absl::SimpleAtoi(name.substr(5, name.size() - 10), &rank)) {
+          continue;
+        }
+        auto conn = ConnectShepherdSocket(entry.path().string());
+        if (!conn.ok()) {  // its shepherd has ended
+          unlink(entry.path().c_str());
+          continue;
+        }
+        // "rank PID DEVICE OFFSET"
+        auto hello = ReceiveShepherdMessage(*conn, absl::Seconds(5));
+        const std::vector<std::string> words = absl::StrSplit(hello.ok() ? *hello : "", ' ');
+        pid_t pid = 0;
+        int device = 0;
+        int64_t offset = 0;
+        if (words.size() != 4 || words[0] != "rank" || !absl::SimpleAtoi(words[1], &pid) ||
+            !absl::SimpleAtoi(words[2], &device) || !absl::SimpleAtoi(words[3], &offset)) {
+          close(*conn);
+          continue;
+        }
+        const RankKey key{job.path().filename().string(), attempt, rank};
+        absl::MutexLock lock(&mu_);
+        started_.insert(key);
+        Rank& r = ranks_[key];
+        r.pid = pid;
+        r.device = device;
+        r.conn = *conn;
+        r.reader = std::thread([this, key, conn = *conn, offset] { Follow(key, conn, 0, offset); });
+        v1::RankStatus& s = adopted.emplace_back();
+        s.set_job_id(std::get<0>(key));
+        s.set_attempt(attempt);
+        s.set_rank(rank);
+        s.set_device(device);
+        s.set_phase(v1::RANK_RUNNING);
+      }
+    }
+  }
+  return adopted;
 }
 
 std::vector<v1::RankStatus> RankSupervisor::Running() const {
@@ -299,26 +316,15 @@ int RankSupervisor::running_count() const {
 void RankSupervisor::SupervisorLoop() {
   absl::MutexLock lock(&mu_);
   while (true) {
-    absl::Time wake = absl::Now() + absl::Seconds(1);
-    for (const auto& [key, rank] : ranks_) wake = std::min(wake, rank.kill_at);
     auto has_work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return !launches_.empty() || !finished_readers_.empty() || (stopping_ && ranks_.empty());
     };
-    mu_.AwaitWithDeadline(absl::Condition(&has_work), wake);
-
+    mu_.Await(absl::Condition(&has_work));
     while (!launches_.empty()) {
       const v1::Assignment a = launches_.front();
       launches_.pop_front();
       for (int i = 0; i < a.device_indices_size(); ++i) {
         Start(a, a.first_rank() + i, a.device_indices(i));
-      }
-    }
-    const absl::Time now = absl::Now();
-    for (auto& [key, rank] : ranks_) {
-      if (rank.kill_at <= now) {
-        kill(-rank.pid, SIGKILL);
-        SignalMarked(RankMark(std::get<0>(key), std::get<1>(key), std::get<2>(key)), SIGKILL);
-        rank.kill_at = absl::InfiniteFuture();
       }
     }
     std::vector<std::thread> done;
@@ -510,7 +516,10 @@ void RankSupervisor::Exec(const v1::Assignment& a, const RankKey& key, int devic
     env.push_back("LOGNAME=" + account->name);
     env.push_back("HOME=" + account->home);
   }
-  env.push_back(RankMark(std::get<0>(key), std::get<1>(key), std::get<2>(key)));
+  // Marks every process of the rank (inherited by its children, also those that leave its
+  // process group or session), so that its shepherd finds them all when it stops the rank.
+  env.push_back(absl::StrCat("TRAINYARD_RANK_MARK=", absl::Hex(mark_random_()), "/",
+                             std::get<0>(key), "/", std::get<1>(key), "/", std::get<2>(key)));
   const size_t own = env.size();
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string_view entry(*e);
@@ -521,66 +530,78 @@ void RankSupervisor::Exec(const v1::Assignment& a, const RankKey& key, int devic
     });
     if (!overridden) env.emplace_back(entry);
   }
+  // The rank runs under a shepherd (shepherd.h) that outlives this worker: a restarted worker
+  // adopts it.
+  const std::string prefix = absl::StrCat(options_.work_dir, "/", std::get<0>(key), "/attempt-",
+                                          std::get<1>(key), "/rank-", std::get<2>(key));
+  std::vector<std::string> shepherd = {
+      options_.shepherd_path,
+      kShepherdFlag,
+      "prefix=" + prefix,
+      "cwd=" + cwd,
+      absl::StrCat("device=", device),
+      absl::StrCat("grace_ms=", absl::ToInt64Milliseconds(options_.stop_grace)),
+      absl::StrCat("orphan_ms=", absl::ToInt64Milliseconds(orphan_timeout_))};
+  if (account.has_value()) {
+    shepherd.push_back(absl::StrCat("uid=", account->uid));
+    shepherd.push_back(absl::StrCat("gid=", account->gid));
+    shepherd.push_back(absl::StrCat("groups=", absl::StrJoin(account->groups, ",")));
+  }
+  shepherd.push_back("--");
+  shepherd.insert(shepherd.end(), argv.begin(), argv.end());
   std::vector<char*> c_argv, c_env;
-  for (auto& s : argv) c_argv.push_back(s.data());
+  for (auto& s : shepherd) c_argv.push_back(s.data());
   c_argv.push_back(nullptr);
   for (auto& s : env) c_env.push_back(s.data());
   c_env.push_back(nullptr);
 
-  int fds[2];
-  if (pipe2(fds, O_CLOEXEC) != 0) {
-    ReportExit(key, 127, absl::StrCat("cannot create a pipe: ", strerror(errno)));
+  // The log starts empty and is the worker's (the shepherd appends the rank's output to it).
+  if (absl::Status s = WriteOwnedFile(prefix + ".log", "", nullptr); !s.ok()) {
+    ReportExit(key, 127, std::string(s.message()));
+    return;
+  }
+  auto listener = ListenShepherdSocket(prefix + ".sock");
+  if (!listener.ok()) {
+    ReportExit(key, 127, std::string(listener.status().message()));
     return;
   }
   sigset_t no_signals;
   sigemptyset(&no_signals);
-  const pid_t parent = getpid();
   const pid_t pid = fork();
   if (pid == 0) {
-    // Only async-signal-safe calls until exec.
-    setpgid(0, 0);
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (getppid() != parent) _exit(127);
-    // The worker blocks SIGTERM and SIGINT (a thread waits for them) and exec keeps a blocked
-    // mask: unblocked, or the rank's graceful stop on SIGTERM would never run.
+    // Only async-signal-safe calls until exec. No death signal: the shepherd outlives the worker.
+    // The worker blocks SIGTERM and SIGINT (a thread waits for them), and exec keeps a blocked
+    // mask: unblocked, or a graceful stop would never run.
     sigprocmask(SIG_SETMASK, &no_signals, nullptr);
-    dup2(fds[1], STDOUT_FILENO);
-    dup2(fds[1], STDERR_FILENO);
-    const int devnull = open("/dev/null", O_RDONLY);
-    if (devnull >= 0) dup2(devnull, STDIN_FILENO);
-    close_range(3, ~0U, 0);  // nothing else of the worker's (sockets, driver files) leaks in
-    if (account.has_value() && (setgroups(account->groups.size(), account->groups.data()) != 0 ||
-                                setgid(account->gid) != 0 || setuid(account->uid) != 0)) {
-      const char msg[] = "cannot switch to the job owner's Unix account\n";
-      (void)!write(STDERR_FILENO, msg, sizeof(msg) - 1);
-      _exit(126);
+    const int devnull = open("/dev/null", O_RDWR);
+    if (devnull >= 0) {
+      dup2(devnull, STDIN_FILENO);
+      dup2(devnull, STDOUT_FILENO);
+      dup2(devnull, STDERR_FILENO);
     }
-    // A change of credentials clears the parent-death signal: set it again.
-    if (account.has_value()) {
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (getppid() != parent) _exit(127);
-    }
-    if (chdir(cwd.c_str()) != 0) {
-      const char msg[] = "cannot enter the working directory (workdir)\n";
-      (void)!write(STDERR_FILENO, msg, sizeof(msg) - 1);
-      _exit(127);
-    }
+    if (dup2(*listener, 3) != 3) _exit(127);  // the shepherd's listening socket
+    close_range(4, ~0U, 0);  // nothing else of the worker's (sockets, driver files) leaks in
     execve(c_argv[0], c_argv.data(), c_env.data());
-    const char msg[] = "cannot execute the program\n";
-    (void)!write(STDERR_FILENO, msg, sizeof(msg) - 1);
     _exit(127);
   }
-  close(fds[1]);
+  const int fork_errno = errno;
+  close(*listener);
   if (pid < 0) {
-    close(fds[0]);
-    ReportExit(key, 127, absl::StrCat("fork: ", strerror(errno)));
+    ReportExit(key, 127, absl::StrCat("fork: ", strerror(fork_errno)));
     return;
   }
-  setpgid(pid, pid);
+  // Queued in the listener's backlog until the shepherd accepts; refused once it has ended.
+  auto conn = ConnectShepherdSocket(prefix + ".sock");
+  if (!conn.ok()) {
+    waitpid(pid, nullptr, 0);
+    ReportExit(key, 127,
+               absl::StrCat("the rank's shepherd did not start: ", conn.status().message()));
+    return;
+  }
   Rank& r = ranks_[key];
-  r.pid = pid;
   r.device = device;
-  r.reader = std::thread([this, key, fd = fds[0], pid] { ReadOutput(key, fd, pid); });
+  r.conn = *conn;
+  r.reader = std::thread([this, key, conn = *conn, pid] { Follow(key, conn, pid, -1); });
 
   v1::NodeMessage m;
   auto* s = m.mutable_rank_status();
@@ -591,19 +612,27 @@ void RankSupervisor::Exec(const v1::Assignment& a, const RankKey& key, int devic
   send_(m);
 }
 
-void RankSupervisor::ReadOutput(RankKey key, int fd, pid_t pid) {
+void RankSupervisor::Follow(RankKey key, int conn, pid_t shepherd, int64_t offset) {
   const auto& [job_id, attempt, rank] = key;
-  // Readable by the worker's account only (a rank's output may hold its owner's data).
   const std::string log_path =
       absl::StrCat(options_.work_dir, "/", job_id, "/attempt-", attempt, "/rank-", rank, ".log");
-  if (const int fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
-      fd >= 0) {
-    close(fd);
+  std::optional<int> exit_code;
+  std::string gone;  // why the shepherd cannot say how the rank ended
+  if (offset < 0) {  // a shepherd this worker started: its hello first
+    auto hello = ReceiveShepherdMessage(conn, absl::Seconds(30));
+    const std::vector<std::string> words = absl::StrSplit(hello.ok() ? *hello : "", ' ');
+    pid_t pid = 0;
+    if (words.size() == 4 && words[0] == "rank" && absl::SimpleAtoi(words[1], &pid)) {
+      absl::MutexLock lock(&mu_);
+      ranks_[key].pid = pid;
+    } else {
+      gone = "the rank's shepherd did not start";
+    }
+    offset = 0;
   }
-  std::ofstream log(log_path, std::ios::app);
+  const int log_fd = open(log_path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
   std::deque<std::string> last;
   std::string partial;
-  char buf[8192];
   auto flush = [&](std::vector<std::string>& lines) {
     if (lines.empty()) return;
     v1::NodeMessage m;
@@ -616,7 +645,6 @@ void RankSupervisor::ReadOutput(RankKey key, int fd, pid_t pid) {
     send_(m);
   };
   auto take = [&](std::string line, std::vector<std::string>& batch) {
-    log << line << "\n";  // the rank's bytes as they came
     // The coordinator's messages carry text: a rank may print any bytes (a byte-level model's
     // sample), and one invalid UTF-8 line would fail the whole session's stream.
     line = ValidUtf8(std::move(line));
@@ -624,58 +652,83 @@ void RankSupervisor::ReadOutput(RankKey key, int fd, pid_t pid) {
     if (static_cast<int>(last.size()) > options_.failure_log_lines) last.pop_front();
     batch.push_back(std::move(line));
   };
-  // Until the pipe's end: when the rank itself has exited but something it left behind (a child
-  // in another process group or session) still holds the pipe, that is stopped, so that the
-  // rank's end is reported.
-  // A holder that cannot be found (it cleared its environment) is left the pipe: what it writes
-  // after the rank's end is not read beyond a few seconds.
-  const std::string mark = RankMark(job_id, attempt, rank);
-  bool exited = false;
-  absl::Time stop_reading = absl::InfiniteFuture();
-  int wait_status = 0;
-  while (absl::Now() < stop_reading) {
-    pollfd pfd{fd, POLLIN, 0};
-    const int ready = poll(&pfd, 1, 250);
-    if (ready < 0 && errno == EINTR) continue;
-    if (ready == 0) {
-      if (!exited && waitpid(pid, &wait_status, WNOHANG) == pid) {
-        exited = true;
-        stop_reading = absl::Now() + absl::Seconds(5);
-        kill(-pid, SIGKILL);
-        SignalMarked(mark, SIGKILL);
-      }
-      continue;
-    }
-    const ssize_t n = read(fd, buf, sizeof(buf));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    partial.append(buf, static_cast<size_t>(n));
+  // The log's new bytes since `offset`, as lines (a rank that cut its own log starts over).
+  auto read_log = [&] {
+    if (log_fd < 0) return;
+    struct stat st {};
+    if (fstat(log_fd, &st) == 0 && st.st_size < offset) offset = st.st_size;
+    char buf[65536];
     std::vector<std::string> batch;
-    size_t start = 0, nl;
-    while ((nl = partial.find('\n', start)) != std::string::npos) {
-      take(partial.substr(start, nl - start), batch);
-      start = nl + 1;
+    ssize_t n;
+    while ((n = pread(log_fd, buf, sizeof(buf), offset)) > 0) {
+      offset += n;
+      partial.append(buf, static_cast<size_t>(n));
+      size_t start = 0, nl;
+      while ((nl = partial.find('\n', start)) != std::string::npos) {
+        take(partial.substr(start, nl - start), batch);
+        start = nl + 1;
+      }
+      partial.erase(0, start);
+      // A line longer than the coordinator keeps is sent in pieces rather than held forever.
+      if (partial.size() > 1 << 20) take(std::exchange(partial, ""), batch);
+      if (batch.size() >= 512) flush(batch);
     }
-    partial.erase(0, start);
     flush(batch);
-    log.flush();
+  };
+  // Offsets are told to the shepherd at most once a second: a worker that crashes and comes back
+  // sends at most that much of the log twice.
+  int64_t told = offset;
+  absl::Time tell_at = absl::Now() + absl::Seconds(1);
+  auto tell_offset = [&] {
+    const int64_t complete = offset - static_cast<int64_t>(partial.size());  // whole lines only
+    if (complete != told && SendShepherdMessage(conn, absl::StrCat("sent ", complete))) {
+      told = complete;
+    }
+  };
+  bool detached = false;
+  while (gone.empty() && !exit_code.has_value()) {
+    auto message = ReceiveShepherdMessage(conn, absl::Milliseconds(200));
+    read_log();
+    if (!message.ok()) {
+      gone = "the rank's shepherd ended without saying how the rank did";
+    } else if (absl::StartsWith(*message, "exit ")) {
+      int code = 0;
+      exit_code = absl::SimpleAtoi(message->substr(5), &code) ? code : -1;
+    }
+    if (absl::Now() >= tell_at) {
+      tell_offset();
+      tell_at = absl::Now() + absl::Seconds(1);
+    }
+    absl::MutexLock lock(&mu_);
+    if (detaching_) {
+      detached = true;
+      break;
+    }
   }
-  std::vector<std::string> batch;
-  if (!partial.empty()) take(partial, batch);
-  flush(batch);
-  close(fd);
-
-  while (!exited && waitpid(pid, &wait_status, 0) < 0 && errno == EINTR) {
+  if (detached) {
+    // This worker goes (an upgrade): the shepherd keeps the rank for the next one.
+    tell_offset();
+  } else {
+    read_log();
+    std::vector<std::string> batch;
+    if (!partial.empty()) take(partial, batch);
+    flush(batch);
+    const int code = exit_code.value_or(128 + SIGKILL);
+    std::string message = code == 0 ? "" : FailureMessage({last.begin(), last.end()});
+    if (!exit_code.has_value())
+      message = message.empty() ? gone : absl::StrCat(gone, ": ", message);
+    ReportExit(key, code, message);
+    SendShepherdMessage(conn, "done");
   }
-  kill(-pid, SIGKILL);          // anything the rank left behind in its group
-  SignalMarked(mark, SIGKILL);  // or outside it (a daemon that closed its output)
-  RemoveSharedMemoryOf(pid);
-  const int code = ExitCodeOf(wait_status);
-  ReportExit(key, code,
-             code == 0 ? "" : FailureMessage(std::vector<std::string>(last.begin(), last.end())));
+  if (log_fd >= 0) close(log_fd);
+  if (shepherd > 0) {  // this worker's child: it ends once the exit is collected
+    while (!detached && waitpid(shepherd, nullptr, 0) < 0 && errno == EINTR) {
+    }
+  }
   absl::MutexLock lock(&mu_);
   auto it = ranks_.find(key);
   if (it != ranks_.end()) {
+    close(it->second.conn);
     finished_readers_.push_back(std::move(it->second.reader));
     ranks_.erase(it);
   }

@@ -1,9 +1,11 @@
-// RankSupervisor: starts one trainyard-trainer process per assigned rank, in a process group of
-// its own that dies with the worker (PR_SET_PDEATHSIG), relays its output line by line, reports
-// its exit, and stops it on request: SIGTERM to the group, SIGKILL after a grace period.
+// RankSupervisor: starts one process per assigned rank (trainyard-trainer, or a command job's
+// program) under a shepherd of its own (shepherd.h), relays its output from its log line by line,
+// reports its exit, and stops it on request (its shepherd: SIGTERM to its processes, SIGKILL after
+// the grace). Ranks outlive the worker: Detach() leaves them to their shepherds, and the next
+// supervisor on the same work directory adopts them (Adopt()).
 //
-// Thread-safe. Processes are forked only from the supervisor's own long-lived thread, because the
-// death signal fires when the forking *thread* exits. One reader thread per rank relays output.
+// Thread-safe. Ranks start from the supervisor's own thread; one thread per rank follows its
+// shepherd and its log.
 #ifndef TRAINYARD_WORKER_DAEMON_RANK_SUPERVISOR_H_
 #define TRAINYARD_WORKER_DAEMON_RANK_SUPERVISOR_H_
 
@@ -14,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <random>
 #include <set>
 #include <string>
 #include <thread>
@@ -40,6 +43,8 @@ struct SupervisorOptions {
   // a GPU sees only its own (CUDA_VISIBLE_DEVICES) and gets `--device cuda`; one on a CPU slot
   // sees none.
   std::vector<std::string> gpu_uuids;
+  // The program run as each rank's shepherd with kShepherdFlag: this worker's own binary.
+  std::string shepherd_path = "/proc/self/exe";
   // Which account runs each rank (run_as.h); null: this process's own, for any owner.
   std::shared_ptr<const RunAs> run_as;
   // The CA ranks verify the coordinator and parameter servers with (TRAINYARD_TLS_CA); empty:
@@ -67,6 +72,16 @@ class RankSupervisor {
   void Stop(const std::string& job_id, int attempt);
   // Stops every rank and waits until all have exited.
   void StopAll();
+  // Leaves every rank running under its shepherd, for the next worker to adopt (an upgrade); the
+  // ranks still queued are dropped (the coordinator resends them). Waits until no thread follows a
+  // rank any more. Nothing is started afterwards.
+  void Detach();
+  // Takes over the ranks that a worker before this one left on the work directory, still running
+  // or ended but not yet collected, and returns them. Call before the first session's hello.
+  std::vector<v1::RankStatus> Adopt();
+  // How long a shepherd keeps its rank once no worker holds it (the coordinator's node timeout:
+  // by then the rank's attempt has been given up). Applies to ranks started afterwards.
+  void set_orphan_timeout(absl::Duration timeout);
   // The status of every live rank (RANK_RUNNING) and of every rank of a launch still queued
   // (RANK_STARTING): the hello of a session lists them.
   std::vector<v1::RankStatus> Running() const;
@@ -75,10 +90,10 @@ class RankSupervisor {
  private:
   using RankKey = std::tuple<std::string, int, int>;  // job, attempt, rank
   struct Rank {
-    pid_t pid = 0;
+    pid_t pid = 0;  // the rank's own, once its shepherd has said
     int device = 0;
-    bool stopping = false;
-    absl::Time kill_at = absl::InfiniteFuture();
+    int conn = -1;  // to its shepherd
+    bool stop_sent = false;
     std::thread reader;
   };
 
@@ -94,7 +109,11 @@ class RankSupervisor {
             const std::optional<UnixAccount>& account, std::vector<std::string> argv,
             std::vector<std::string> env, const std::string& cwd)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ReadOutput(RankKey key, int fd, pid_t pid);
+  // Follows one rank through its shepherd (connection `conn`; `shepherd`: its pid when this
+  // worker started it, else 0): relays its log from byte `offset` (-1: a new shepherd, whose hello
+  // comes first) and reports its exit, unless the supervisor detaches first.
+  void Follow(RankKey key, int conn, pid_t shepherd, int64_t offset);
+  void AskToStop(Rank& rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReportExit(const RankKey& key, int exit_code, const std::string& message);
 
   const SupervisorOptions options_;
@@ -110,6 +129,9 @@ class RankSupervisor {
   std::deque<v1::Assignment> launches_ ABSL_GUARDED_BY(mu_);
   std::vector<std::thread> finished_readers_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool detaching_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Duration orphan_timeout_ ABSL_GUARDED_BY(mu_) = absl::Seconds(10);
+  std::mt19937_64 mark_random_ ABSL_GUARDED_BY(mu_){std::random_device{}()};
   std::thread supervisor_;
 };
 

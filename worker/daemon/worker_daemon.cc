@@ -96,9 +96,22 @@ void WorkerDaemon::Connect() {
   stub_ = v1::NodeService::NewStub(channel_);
 }
 
-void WorkerDaemon::Shutdown() {
+void WorkerDaemon::Shutdown(ShutdownMode mode) {
   absl::MutexLock lock(&mu_);
+  if (stopping_) return;
   stopping_ = true;
+  shutdown_mode_ = mode;
+  if (mode == kLeaveRanks) {
+    // No more lines are read; those read are sent before the session ends (for up to 2 s), so
+    // that the next worker neither repeats nor loses them.
+    mu_.Unlock();
+    supervisor_->Detach();
+    mu_.Lock();
+    auto sent = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return outbox_.empty() || !session_open_;
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&sent), absl::Seconds(2));
+  }
   if (session_ctx_ != nullptr) session_ctx_->TryCancel();
 }
 
@@ -155,6 +168,10 @@ void WorkerDaemon::Send(v1::NodeMessage message) {
 }
 
 void WorkerDaemon::Run() {
+  for (const v1::RankStatus& r : supervisor_->Adopt()) {
+    spdlog::info("adopted rank {} of {} attempt {} on device {}, left running by the worker before",
+                 r.rank(), r.job_id(), r.attempt(), r.device());
+  }
   absl::Duration backoff = absl::Milliseconds(100);
   // Each worker's pauses differ by up to 20%, so that a cluster's workers do not all come back
   // to a restarted coordinator in the same instant.
@@ -173,6 +190,15 @@ void WorkerDaemon::Run() {
     // Reconnect after a pause that grows while the coordinator stays away.
     mu_.AwaitWithTimeout(absl::Condition(&stopping_), backoff * jitter(random));
     backoff = std::min(backoff * 2, options_.max_backoff);
+  }
+  ShutdownMode mode;
+  {
+    absl::MutexLock lock(&mu_);
+    mode = shutdown_mode_;
+  }
+  if (mode == kLeaveRanks) {
+    supervisor_->Detach();  // done by Shutdown already: a no-op
+    return;
   }
   spdlog::info("stopping {} rank(s)", supervisor_->running_count());
   supervisor_->StopAll();
@@ -229,6 +255,10 @@ void WorkerDaemon::RunSession() {
   }
   const absl::Duration interval =
       absl::Milliseconds(std::max<int64_t>(50, registered.heartbeat_interval_ms()));
+  // A rank whose worker has been away this long has lost its attempt: its shepherd stops it.
+  if (registered.node_timeout_ms() > 0) {
+    supervisor_->set_orphan_timeout(absl::Milliseconds(registered.node_timeout_ms()));
+  }
   spdlog::info("registered as {} with {} {}; heartbeat every {}", options_.node_id, device_count(),
                options_.gpus.empty() ? "CPU slot(s)" : "CUDA GPU(s)",
                absl::FormatDuration(interval));

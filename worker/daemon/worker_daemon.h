@@ -56,9 +56,14 @@ class WorkerDaemon {
   explicit WorkerDaemon(WorkerOptions options);
   ~WorkerDaemon();
 
-  // Serves until Shutdown(); then stops every rank (SIGTERM, SIGKILL after the grace period).
+  enum ShutdownMode {
+    kStopRanks,   // SIGTERM to every rank, SIGKILL after the grace; Run() returns once all ended
+    kLeaveRanks,  // ranks keep running under their shepherds for the next worker to adopt
+  };
+  // Serves until Shutdown(); then stops or leaves every rank as Shutdown() asked. Ranks a worker
+  // before this one left on the work directory are adopted first (their hello lists them).
   void Run();
-  void Shutdown();
+  void Shutdown(ShutdownMode mode = kStopRanks);
 
   // The worker's Prometheus metrics (trainyard_worker_*), for its /metrics endpoint.
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
@@ -109,6 +114,7 @@ class WorkerDaemon {
   // The writer cut the session because its heartbeats went unanswered.
   bool unanswered_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  ShutdownMode shutdown_mode_ ABSL_GUARDED_BY(mu_) = kStopRanks;
   grpc::ClientContext* session_ctx_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::map<int64_t, absl::Time> heartbeats_in_flight_ ABSL_GUARDED_BY(mu_);  // seq → sent
 };

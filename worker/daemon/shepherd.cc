@@ -1,0 +1,419 @@
+#include "worker/daemon/shepherd.h"
+
+#include <fcntl.h>
+#include <grp.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+
+extern char** environ;
+
+namespace trainyard::worker {
+namespace {
+
+constexpr int kListenFd = 3;  // the socket RankSupervisor hands over
+constexpr size_t kMaxMessageBytes = 256;
+
+// `path` as a Unix socket address short enough for sun_path: its folder opened and named through
+// /proc/self/fd. `dir_fd` receives the folder's descriptor, to close after bind or connect.
+absl::StatusOr<sockaddr_un> SocketAddress(const std::string& path, int* dir_fd) {
+  const std::filesystem::path p(path);
+  *dir_fd = open(p.parent_path().c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
+  if (*dir_fd < 0) {
+    return absl::NotFoundError(absl::StrCat(p.parent_path().string(), ": ", strerror(errno)));
+  }
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  const std::string name = absl::StrCat("/proc/self/fd/", *dir_fd, "/", p.filename().string());
+  if (name.size() >= sizeof(addr.sun_path)) {
+    close(*dir_fd);
+    return absl::InvalidArgumentError(absl::StrCat(path, ": the socket's name is too long"));
+  }
+  memcpy(addr.sun_path, name.c_str(), name.size() + 1);
+  return addr;
+}
+
+// The all-reduce segment a trainer of rank 0 names /dev/shm/trainyard-allreduce-PID-... exists
+// only until every rank has mapped it; if that rank died in between, its name would stay.
+void RemoveSharedMemoryOf(pid_t pid) {
+  const std::string prefix = absl::StrCat("trainyard-allreduce-", pid, "-");
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(prefix, 0) == 0) shm_unlink(("/" + name).c_str());
+  }
+}
+
+// Sends `sig` to every process but this one whose environment holds `mark` (a whole entry, as
+// /proc shows it: to this account, or any with root). A process that cleared its environment is
+// not found.
+void SignalMarked(const std::string& mark, int sig) {
+  if (mark.empty()) return;
+  const pid_t self = getpid();
+  const std::string nul(1, '\0');
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc", ec)) {
+    const std::string name = entry.path().filename().string();
+    pid_t pid = 0;
+    if (!absl::SimpleAtoi(name, &pid) || pid <= 1 || pid == self) continue;
+    const int fd = open(absl::StrCat("/proc/", name, "/environ").c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;
+    std::string text;
+    char buf[4096];
+    ssize_t n;
+    while (text.size() < (1 << 20) && (n = read(fd, buf, sizeof(buf))) > 0) {
+      text.append(buf, static_cast<size_t>(n));
+    }
+    close(fd);
+    if (absl::StartsWith(text, mark + nul) || absl::StrContains(text, nul + mark + nul)) {
+      kill(pid, sig);
+    }
+  }
+}
+
+int ExitCodeOf(int wait_status) {
+  if (WIFEXITED(wait_status)) return WEXITSTATUS(wait_status);
+  if (WIFSIGNALED(wait_status)) return 128 + WTERMSIG(wait_status);
+  return -1;
+}
+
+struct Settings {
+  std::string prefix, cwd;
+  int device = 0;
+  absl::Duration grace = absl::Seconds(10), orphan = absl::Seconds(10);
+  bool switch_account = false;
+  uid_t uid = 0;
+  gid_t gid = 0;
+  std::vector<gid_t> groups;
+  std::vector<std::string> argv;
+};
+
+absl::StatusOr<Settings> ParseSettings(int argc, char** argv) {
+  Settings s;
+  int i = 0;
+  for (; i < argc && std::strcmp(argv[i], "--") != 0; ++i) {
+    const std::vector<std::string> kv = absl::StrSplit(argv[i], absl::MaxSplits('=', 1));
+    if (kv.size() != 2) return absl::InvalidArgumentError(absl::StrCat("bad setting ", argv[i]));
+    const std::string& name = kv[0];
+    const std::string& value = kv[1];
+    int64_t number = 0;
+    const bool numeric = absl::SimpleAtoi(value, &number) && number >= 0;
+    if (name == "prefix") {
+      s.prefix = value;
+    } else if (name == "cwd") {
+      s.cwd = value;
+    } else if (name == "device" && numeric) {
+      s.device = static_cast<int>(number);
+    } else if (name == "grace_ms" && numeric) {
+      s.grace = absl::Milliseconds(number);
+    } else if (name == "orphan_ms" && numeric) {
+      s.orphan = absl::Milliseconds(number);
+    } else if (name == "uid" && numeric) {
+      s.uid = static_cast<uid_t>(number);
+      s.switch_account = true;
+    } else if (name == "gid" && numeric) {
+      s.gid = static_cast<gid_t>(number);
+    } else if (name == "groups") {
+      for (absl::string_view g : absl::StrSplit(value, ',', absl::SkipEmpty())) {
+        uint32_t gid = 0;
+        if (!absl::SimpleAtoi(g, &gid)) return absl::InvalidArgumentError("bad groups");
+        s.groups.push_back(gid);
+      }
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("bad setting ", argv[i]));
+    }
+  }
+  for (++i; i < argc; ++i) s.argv.emplace_back(argv[i]);
+  if (s.prefix.empty() || s.cwd.empty() || s.argv.empty()) {
+    return absl::InvalidArgumentError("prefix, cwd and a program are required");
+  }
+  return s;
+}
+
+// Forks the rank: its own process group, killed when this shepherd dies, output to `log_fd`,
+// the shepherd's environment, as the settings' account, in their folder. Returns its pid (or -1).
+pid_t StartRank(const Settings& s, int log_fd) {
+  std::vector<char*> c_argv;
+  for (const std::string& a : s.argv) c_argv.push_back(const_cast<char*>(a.c_str()));
+  c_argv.push_back(nullptr);
+  const pid_t parent = getpid();
+  const pid_t pid = fork();
+  if (pid != 0) {
+    if (pid > 0) setpgid(pid, pid);
+    return pid;
+  }
+  // Only async-signal-safe calls until exec.
+  setpgid(0, 0);
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (getppid() != parent) _exit(127);
+  // What the shepherd blocked or ignored stays so across exec: back to the defaults.
+  sigset_t none;
+  sigemptyset(&none);
+  sigprocmask(SIG_SETMASK, &none, nullptr);
+  signal(SIGPIPE, SIG_DFL);
+  signal(SIGHUP, SIG_DFL);
+  dup2(log_fd, STDOUT_FILENO);
+  dup2(log_fd, STDERR_FILENO);
+  const int devnull = open("/dev/null", O_RDONLY);
+  if (devnull >= 0) dup2(devnull, STDIN_FILENO);
+  close_range(3, ~0U, 0);
+  if (s.switch_account && (setgroups(s.groups.size(), s.groups.data()) != 0 || setgid(s.gid) != 0 ||
+                           setuid(s.uid) != 0)) {
+    const char msg[] = "cannot switch to the job owner's Unix account\n";
+    (void)!write(STDERR_FILENO, msg, sizeof(msg) - 1);
+    _exit(126);
+  }
+  // A change of credentials clears the parent-death signal: set it again.
+  if (s.switch_account) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(127);
+  }
+  if (chdir(s.cwd.c_str()) != 0) {
+    const char msg[] = "cannot enter the working directory (workdir)\n";
+    (void)!write(STDERR_FILENO, msg, sizeof(msg) - 1);
+    _exit(127);
+  }
+  execve(c_argv[0], c_argv.data(), environ);
+  const char msg[] = "cannot execute the program\n";
+  (void)!write(STDERR_FILENO, msg, sizeof(msg) - 1);
+  _exit(127);
+}
+
+// A line of the shepherd's own in the rank's log (it shows in `yard logs` too).
+void Note(int log_fd, const std::string& text) {
+  const std::string line = absl::StrCat("trainyard-worker: ", text, "\n");
+  (void)!write(log_fd, line.data(), line.size());
+}
+
+}  // namespace
+
+absl::StatusOr<int> ListenShepherdSocket(const std::string& path) {
+  int dir_fd = -1;
+  auto addr = SocketAddress(path, &dir_fd);
+  if (!addr.ok()) return addr.status();
+  const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    close(dir_fd);
+    return absl::InternalError(absl::StrCat("socket: ", strerror(errno)));
+  }
+  unlink(path.c_str());
+  // Mode 0600 at once (connecting needs write permission); the shepherd also takes connections
+  // from its own account only.
+  const bool bound = bind(fd, reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr)) == 0 &&
+                     chmod(path.c_str(), 0600) == 0;
+  const int err = errno;
+  close(dir_fd);
+  if (!bound || listen(fd, 4) != 0) {
+    close(fd);
+    return absl::UnavailableError(absl::StrCat("cannot listen at ", path, ": ", strerror(err)));
+  }
+  return fd;
+}
+
+absl::StatusOr<int> ConnectShepherdSocket(const std::string& path) {
+  int dir_fd = -1;
+  auto addr = SocketAddress(path, &dir_fd);
+  if (!addr.ok()) return addr.status();
+  const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    close(dir_fd);
+    return absl::InternalError(absl::StrCat("socket: ", strerror(errno)));
+  }
+  int rc;
+  while ((rc = connect(fd, reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr))) != 0 &&
+         errno == EINTR) {
+  }
+  const int err = errno;
+  close(dir_fd);
+  if (rc != 0) {
+    close(fd);
+    return absl::NotFoundError(absl::StrCat("no shepherd at ", path, ": ", strerror(err)));
+  }
+  return fd;
+}
+
+bool SendShepherdMessage(int fd, const std::string& message) {
+  return send(fd, message.data(), std::min(message.size(), kMaxMessageBytes), MSG_NOSIGNAL) ==
+         static_cast<ssize_t>(std::min(message.size(), kMaxMessageBytes));
+}
+
+absl::StatusOr<std::string> ReceiveShepherdMessage(int fd, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    pollfd p{fd, POLLIN, 0};
+    const int64_t ms = std::max<int64_t>(0, absl::ToInt64Milliseconds(deadline - absl::Now()));
+    const int ready = poll(&p, 1, static_cast<int>(ms));
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready == 0) return std::string();
+    char buf[kMaxMessageBytes];
+    const ssize_t n = recv(fd, buf, sizeof(buf), 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return absl::UnavailableError("the shepherd is gone");
+    return std::string(buf, static_cast<size_t>(n));
+  }
+}
+
+int RunShepherd(int argc, char** argv) {
+  auto settings = ParseSettings(argc, argv);
+  if (!settings.ok()) {
+    std::fprintf(stderr, "trainyard-worker --shepherd: %s\n",
+                 std::string(settings.status().message()).c_str());
+    return 2;
+  }
+  const Settings& s = *settings;
+  setsid();  // out of the worker's session: a terminal's signals are not the rank's
+  signal(SIGPIPE, SIG_IGN);
+  signal(SIGHUP, SIG_IGN);
+  sigset_t watched;
+  sigemptyset(&watched);
+  for (int sig : {SIGCHLD, SIGTERM, SIGINT}) sigaddset(&watched, sig);
+  sigprocmask(SIG_BLOCK, &watched, nullptr);
+  const int signals = signalfd(-1, &watched, SFD_CLOEXEC);
+  fcntl(kListenFd, F_SETFD, FD_CLOEXEC);
+
+  const std::string log_path = s.prefix + ".log", socket_path = s.prefix + ".sock";
+  const int log_fd =
+      open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (log_fd < 0 || signals < 0) return 3;  // the worker then reports the rank as not started
+  // The rank's mark (RankSupervisor puts it in the environment): its processes that leave the
+  // group are found by it.
+  const char* mark_value = getenv("TRAINYARD_RANK_MARK");
+  const std::string mark =
+      mark_value != nullptr ? absl::StrCat("TRAINYARD_RANK_MARK=", mark_value) : "";
+
+  const pid_t rank = StartRank(s, log_fd);
+  if (rank < 0) {
+    Note(log_fd, absl::StrCat("fork: ", strerror(errno)));
+    return 3;
+  }
+  int conn = -1;
+  int64_t sent_offset = 0;
+  std::optional<int> exit_code;
+  bool stopping = false, collected = false;
+  absl::Time kill_at = absl::InfiniteFuture();
+  // No worker yet: the one that started this shepherd connects at once.
+  absl::Time orphan_at = absl::Now() + s.orphan;
+  auto stop = [&](int sig) {
+    kill(-rank, sig);
+    SignalMarked(mark, sig);
+  };
+  auto say_exit = [&] {
+    if (conn >= 0 && exit_code.has_value()) {
+      SendShepherdMessage(conn, absl::StrCat("exit ", *exit_code));
+    }
+  };
+  while (!collected) {
+    const absl::Time now = absl::Now();
+    if (conn < 0 && now >= orphan_at) {
+      if (exit_code.has_value()) break;  // nobody came for it
+      if (!stopping) {
+        Note(log_fd, absl::StrCat("no worker has held this rank for ",
+                                  absl::FormatDuration(s.orphan), ": stopping it"));
+        stopping = true;
+        kill_at = now + s.grace;
+        stop(SIGTERM);
+      }
+    }
+    if (!exit_code.has_value() && now >= kill_at) {
+      stop(SIGKILL);
+      kill_at = absl::InfiniteFuture();
+    }
+    absl::Time wake = std::min(kill_at, absl::Now() + absl::Seconds(1));
+    if (conn < 0) wake = std::min(wake, orphan_at);
+    pollfd fds[3] = {{signals, POLLIN, 0}, {kListenFd, POLLIN, 0}, {conn, POLLIN, 0}};
+    const int ms = static_cast<int>(
+        std::clamp<int64_t>(absl::ToInt64Milliseconds(wake - absl::Now()), 0, 1000));
+    if (poll(fds, conn >= 0 ? 3 : 2, ms) < 0 && errno != EINTR) break;
+
+    if (fds[0].revents & POLLIN) {
+      signalfd_siginfo info;
+      while (read(signals, &info, sizeof(info)) == sizeof(info)) {
+        if (info.ssi_signo == SIGCHLD) {
+          int status = 0;
+          if (!exit_code.has_value() && waitpid(rank, &status, WNOHANG) == rank) {
+            exit_code = ExitCodeOf(status);
+            stop(SIGKILL);  // what it left behind, in its group or outside
+            RemoveSharedMemoryOf(rank);
+            say_exit();
+          }
+        } else if (!stopping && !exit_code.has_value()) {  // SIGTERM, SIGINT: a graceful stop
+          stopping = true;
+          kill_at = absl::Now() + s.grace;
+          stop(SIGTERM);
+        }
+        break;  // one at a time; poll again
+      }
+    }
+    if (fds[1].revents & POLLIN) {
+      int next = accept4(kListenFd, nullptr, nullptr, SOCK_CLOEXEC);
+      ucred peer{};
+      socklen_t peer_len = sizeof(peer);
+      if (next >= 0 && (getsockopt(next, SOL_SOCKET, SO_PEERCRED, &peer, &peer_len) != 0 ||
+                        peer.uid != geteuid())) {
+        close(next);  // only the worker's account speaks for the rank
+        next = -1;
+      }
+      if (next >= 0) {
+        if (conn >= 0) close(conn);  // a new worker replaces the one before
+        conn = next;
+        orphan_at = absl::InfiniteFuture();
+        SendShepherdMessage(conn, absl::StrCat("rank ", rank, " ", s.device, " ", sent_offset));
+        say_exit();
+      }
+      continue;  // fds[2] was the connection before
+    }
+    if (conn >= 0 && (fds[2].revents & (POLLIN | POLLHUP | POLLERR))) {
+      char buf[kMaxMessageBytes + 1];
+      const ssize_t n = recv(conn, buf, kMaxMessageBytes, MSG_DONTWAIT);
+      if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+      if (n <= 0) {  // the worker is gone (a restart, a crash): wait for the next one
+        close(conn);
+        conn = -1;
+        orphan_at = absl::Now() + s.orphan;
+        continue;
+      }
+      const std::string message(buf, static_cast<size_t>(n));
+      int64_t offset = 0;
+      if (absl::StartsWith(message, "sent ") && absl::SimpleAtoi(message.substr(5), &offset)) {
+        sent_offset = offset;
+      } else if (message == "stop" && !stopping && !exit_code.has_value()) {
+        stopping = true;
+        kill_at = absl::Now() + s.grace;
+        stop(SIGTERM);
+      } else if (message == "done" && exit_code.has_value()) {
+        collected = true;
+      }
+    }
+  }
+  unlink(socket_path.c_str());
+  if (!exit_code.has_value()) {  // left its loop on an error: the rank goes too
+    stop(SIGKILL);
+    waitpid(rank, nullptr, 0);
+  }
+  return 0;
+}
+
+}  // namespace trainyard::worker
