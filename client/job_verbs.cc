@@ -352,16 +352,27 @@ int Nodes(const Globals& g) {
       gpus = absl::StrFormat("%.0f%% %s/%s %.0fC", 100 * utilization / sampled, HumanBytes(used),
                              HumanBytes(total), hottest);
     }
+    // Each faulty GPU and why (a critical XID, uncorrected ECC errors, lost); "ok" otherwise.
+    std::vector<std::string> faults;
+    for (const v1::Device& d : n.devices()) {
+      if (d.has_sample() && !d.sample().fault().empty()) {
+        faults.push_back(absl::StrCat("GPU ", d.index(), ": ", d.sample().fault()));
+      }
+    }
+    const std::string health = !faults.empty() ? absl::StrJoin(faults, "; ")
+                               : sampled > 0   ? "ok"
+                                               : "-";
     // Parameter servers: shard memory held by running offload jobs / offered.
     rows.push_back(
         {n.id(), ps ? "ps" : "worker", state,
          ps ? "-" : absl::StrCat(n.allocated_devices_size(), "/", n.devices_size(), " ", kind),
          ps ? absl::StrCat(HumanBytes(n.reserved_bytes()), "/", HumanBytes(n.memory_bytes()))
             : HumanBytes(n.memory_bytes()),
-         gpus, n.address().empty() ? "-" : n.address(), Ago(n.last_heartbeat_ms(), NowMs())});
+         gpus, health, n.address().empty() ? "-" : n.address(),
+         Ago(n.last_heartbeat_ms(), NowMs())});
   }
   std::cout << FormatTable({"NODE", "ROLE", "STATE", "DEVICES(USED/ALL)", "MEMORY",
-                            "GPU UTIL MEM TEMP", "ADDRESS", "HEARTBEAT"},
+                            "GPU UTIL MEM TEMP", "GPU HEALTH", "ADDRESS", "HEARTBEAT"},
                            rows);
   return 0;
 }

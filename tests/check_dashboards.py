@@ -32,14 +32,15 @@ GAUGES = {
     "trainyard_worker_devices", "trainyard_worker_running_ranks", "trainyard_worker_connected",
     "trainyard_worker_gpu_utilization_ratio", "trainyard_worker_gpu_memory_used_bytes",
     "trainyard_worker_gpu_memory_total_bytes", "trainyard_worker_gpu_temperature_celsius",
-    "trainyard_worker_gpu_power_watts",
+    "trainyard_worker_gpu_power_watts", "trainyard_worker_gpu_ecc_uncorrected_errors",
+    "trainyard_worker_gpu_healthy",
     # parameter server
     "trainyard_ps_resident_bytes", "trainyard_ps_capacity_bytes", "trainyard_ps_jobs",
 }
 COUNTERS = {
     "trainyard_placements_total", "trainyard_rpc_requests_total", "trainyard_preemptions_total",
     "trainyard_auth_refusals_total", "trainyard_auth_failures_total",
-    "trainyard_worker_rank_exits_total",
+    "trainyard_worker_rank_exits_total", "trainyard_worker_gpu_xid_events_total",
     "trainyard_ps_pushed_bytes_total", "trainyard_ps_pulled_bytes_total",
 }
 HISTOGRAMS = {

@@ -1148,6 +1148,80 @@ TEST_F(WorkerGpuE2eTest, ExportsEachGpusUtilizationMemoryAndTemperature) {
   EXPECT_THAT(*page, HasSubstr("trainyard_worker_gpu_power_watts{gpu=\"0\""));
 }
 
+// GPU health (tests/fake_nvml.cc's faults): an application's XID is shown but changes nothing; a
+// critical XID cordons the node (by "trainyard", naming the GPU and the XID), shows in `yard
+// nodes` and the worker's metrics; an admin's uncordon holds while the fault stays the same; a new
+// fault (uncorrected ECC errors) cordons it again.
+TEST_F(WorkerGpuE2eTest, AGpuFaultCordonsTheNodeAndShowsInYardNodes) {
+  const std::string faults = dir_.path() + "/nvml-faults";
+  std::ofstream(faults).close();
+  StartWorker({"--gpus", "all", "--cuda-library", FakeDriver(), "--nvml-library",
+               TestBinPath("libfake_nvml.so"), "--metrics-address", "127.0.0.1:0"},
+              {"FAKE_CUDA_DEVICES=2", "FAKE_NVML_FAULT_FILE=" + faults});
+  const std::string line = worker_->ReadLine(absl::Seconds(30)).value_or("");
+  ASSERT_TRUE(absl::StartsWith(line, "metrics ")) << line;
+  const std::string endpoint = line.substr(8);
+  WaitForDevices(v1::CUDA_GPU, 2);
+  // Node w1 once `done` holds of it (polled: heartbeats every 0.2 s bring the samples).
+  auto node_when = [&](std::function<bool(const v1::Node&)> done) {
+    v1::Node last;
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (absl::Now() < deadline) {
+      auto nodes = client_->ListNodes();
+      if (nodes.ok()) {
+        for (const auto& n : nodes->nodes()) {
+          if (n.id() == "w1") last = n;
+        }
+        if (last.devices_size() == 2 && done(last)) return last;
+      }
+      absl::SleepFor(absl::Milliseconds(50));  // no watch API for nodes
+    }
+    ADD_FAILURE() << "node w1 never got there: " << last.DebugString();
+    return last;
+  };
+  std::ofstream(faults, std::ios::app) << "0 xid 13\n";  // a kernel's illegal access: the app's
+  v1::Node n = node_when([](const v1::Node& n) { return n.devices(0).sample().last_xid() == 13; });
+  EXPECT_FALSE(n.cordoned());
+  EXPECT_EQ(n.devices(0).sample().fault(), "");
+  EXPECT_EQ(n.devices(0).sample().ecc_uncorrected_errors(), 0);
+
+  std::ofstream(faults, std::ios::app) << "1 xid 79\n";
+  n = node_when([](const v1::Node& n) { return n.cordoned(); });
+  EXPECT_EQ(n.cordoned_by(), "trainyard");
+  EXPECT_THAT(n.cordon_reason(), HasSubstr("GPU 1 ("));
+  EXPECT_THAT(n.cordon_reason(), HasSubstr("XID 79 (the GPU has fallen off the bus)"));
+  EXPECT_EQ(n.devices(1).sample().fault(), "XID 79 (the GPU has fallen off the bus)");
+  EXPECT_EQ(n.devices(0).sample().fault(), "");
+  auto nodes = testing::RunCommand({BinPath("yard"), "--coordinator", address_, "nodes"},
+                                   {"TRAINYARD_TOKEN=" + alice_token_});
+  EXPECT_THAT(nodes.out, HasSubstr("READY,CORDONED"));
+  EXPECT_THAT(nodes.out, HasSubstr("GPU HEALTH"));
+  EXPECT_THAT(nodes.out, HasSubstr("GPU 1: XID 79"));
+  auto page = testing::HttpGet(endpoint, "/metrics");
+  ASSERT_TRUE(page.ok()) << page.status();
+  EXPECT_THAT(*page, HasSubstr(absl::StrCat("trainyard_worker_gpu_healthy{gpu=\"1\",uuid=\"",
+                                            FakeUuid(1), "\"} 0")));
+  EXPECT_THAT(*page, HasSubstr(absl::StrCat("trainyard_worker_gpu_healthy{gpu=\"0\",uuid=\"",
+                                            FakeUuid(0), "\"} 1")));
+  EXPECT_THAT(*page, HasSubstr("trainyard_worker_gpu_xid_events_total{gpu=\"1\""));
+  EXPECT_THAT(*page, HasSubstr("xid=\"79\"} 1"));
+
+  // An admin puts it back: the same fault does not cordon it again.
+  auto admin = ClientOf("admin");
+  ASSERT_TRUE(admin->CordonNode("w1", v1::UNCORDON, "").ok());
+  const int64_t uncordoned_ms = absl::ToUnixMillis(absl::Now());
+  n = node_when([&](const v1::Node& n) {
+    return n.devices(1).sample().time_ms() > uncordoned_ms + 1000;  // five heartbeats later
+  });
+  EXPECT_FALSE(n.cordoned()) << n.cordon_reason();
+  // A new fault does.
+  std::ofstream(faults, std::ios::app) << "0 ecc 2\n";
+  n = node_when([](const v1::Node& n) { return n.cordoned(); });
+  EXPECT_THAT(n.cordon_reason(), HasSubstr("GPU 0 (Fake GPU 0"));
+  EXPECT_THAT(n.cordon_reason(), HasSubstr("2 uncorrected ECC error(s) since the driver loaded"));
+  EXPECT_EQ(n.devices(0).sample().ecc_uncorrected_errors(), 2);
+}
+
 // Without NVML (a driver without it, or none at the path given) the GPUs still train; only the
 // samples are missing.
 TEST_F(WorkerGpuE2eTest, GpusWithoutNvmlHaveNoSamples) {

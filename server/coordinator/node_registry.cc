@@ -6,8 +6,11 @@
 #include <limits>
 #include <set>
 
+#include <spdlog/spdlog.h>
+
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/log_text.h"
 #include "common/status_macros.h"
 
@@ -194,9 +197,11 @@ namespace {
 
 // Each sample onto the GPU it names, when its figures are in range; a list longer than the node's
 // devices is not a worker's and is dropped whole.
+constexpr size_t kMaxFaultBytes = 256;  // DeviceSample.fault
+
 void KeepSamples(v1::Node& node,
                  const google::protobuf::RepeatedPtrField<v1::DeviceSample>& samples,
-                 int64_t now_ms) {
+                 int64_t now_ms, std::vector<std::string>* new_faults) {
   auto* devices = node.mutable_devices();
   if (samples.size() > devices->size()) return;
   for (const v1::DeviceSample& s : samples) {
@@ -206,8 +211,15 @@ void KeepSamples(v1::Node& node,
                       s.utilization() >= 0 && s.utilization() <= 1 &&
                       std::isfinite(s.temperature_celsius()) && std::isfinite(s.power_watts()) &&
                       s.memory_used_bytes() >= 0 && s.memory_total_bytes() >= 0 &&
-                      s.memory_used_bytes() <= s.memory_total_bytes();
+                      s.memory_used_bytes() <= s.memory_total_bytes() &&
+                      s.ecc_uncorrected_errors() >= -1 && s.last_xid() >= 0 &&
+                      s.fault().size() <= kMaxFaultBytes &&
+                      std::all_of(s.fault().begin(), s.fault().end(),
+                                  [](char c) { return c >= 0x20 && c <= 0x7e; });
     if (!sane) continue;
+    if (!s.fault().empty() && (!d.has_sample() || d.sample().fault() != s.fault())) {
+      new_faults->push_back(absl::StrCat("GPU ", s.index(), " (", d.name(), "): ", s.fault()));
+    }
     *d.mutable_sample() = s;
     d.mutable_sample()->set_time_ms(now_ms);
   }
@@ -216,13 +228,29 @@ void KeepSamples(v1::Node& node,
 }  // namespace
 
 absl::StatusOr<bool> NodeRegistry::Heartbeat(
-    const std::string& node_id,
-    const google::protobuf::RepeatedPtrField<v1::DeviceSample>& samples) {
+    const std::string& node_id, const google::protobuf::RepeatedPtrField<v1::DeviceSample>& samples,
+    std::vector<std::string>* new_faults) {
   absl::MutexLock lock(&mu_);
   auto it = nodes_.find(node_id);
   if (it == nodes_.end()) return absl::NotFoundError(absl::StrCat("node ", node_id, " not found"));
   it->second.last_heartbeat = clock_.Now();
-  KeepSamples(it->second.node, samples, ToUnixMs(it->second.last_heartbeat));
+  std::vector<std::string> faults;
+  KeepSamples(it->second.node, samples, ToUnixMs(it->second.last_heartbeat), &faults);
+  if (!faults.empty()) {
+    v1::Node& n = it->second.node;
+    if (!n.cordoned()) {  // no new ranks on a GPU that has failed
+      n.set_cordoned(true);
+      n.set_cordoned_time_ms(ToUnixMs(clock_.Now()));
+      n.set_cordon_reason(absl::StrJoin(faults, "; "));
+      n.set_cordoned_by("trainyard");
+      WriteBatch batch;
+      batch.put_nodes.push_back({n.id(), n.SerializeAsString()});
+      store_.Commit(std::move(batch), [id = n.id()](absl::Status s) {
+        if (!s.ok()) spdlog::error("node {}: its cordon was not saved: {}", id, s.ToString());
+      });
+    }
+    if (new_faults != nullptr) new_faults->insert(new_faults->end(), faults.begin(), faults.end());
+  }
   // LOST is a state a node leaves: heartbeats that were late (a stalled network, a coordinator
   // too busy to read them) do not keep a live node out of the cluster for good.
   if (it->second.node.state() == v1::NODE_LOST && it->second.session != nullptr) {

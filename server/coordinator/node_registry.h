@@ -74,9 +74,13 @@ class NodeRegistry {
   // takes new ranks again). NOT_FOUND for an unknown node. `samples`: the node's GPUs as its
   // worker read them (nvml.h), each kept on its device (Device.sample) when its index names one of
   // the node's GPUs and its figures are in range; the others are dropped.
+  // A GPU whose fault (DeviceSample.fault) appears or changes cordons the node, unless it is
+  // cordoned already, as an admin would, by "trainyard" (durable in the background); each such
+  // fault ("GPU I (NAME): FAULT") is added to `new_faults` when given.
   absl::StatusOr<bool> Heartbeat(
       const std::string& node_id,
-      const google::protobuf::RepeatedPtrField<v1::DeviceSample>& samples = {});
+      const google::protobuf::RepeatedPtrField<v1::DeviceSample>& samples = {},
+      std::vector<std::string>* new_faults = nullptr);
 
   // Who hears of lost nodes (the job manager's AttemptTracker::OnNodesLost): called by
   // CheckTimeouts with the nodes it found lost, without this registry's lock held. Set once,

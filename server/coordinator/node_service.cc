@@ -97,10 +97,14 @@ class SessionReactor final
                          absl::StrCat("node ", node_id_, " is denied by an admin")));
         return;
       }
-      auto back = nodes_.Heartbeat(node_id_, incoming_.heartbeat().devices());
+      std::vector<std::string> faults;
+      auto back = nodes_.Heartbeat(node_id_, incoming_.heartbeat().devices(), &faults);
       if (!back.ok()) {
         End(ToGrpcStatus(back.status()));
         return;
+      }
+      for (const std::string& fault : faults) {  // the node's own words: quoted
+        spdlog::warn("audit: node {} is cordoned (or stays so): its {}", node_id_, Quoted(fault));
       }
       if (*back) {
         spdlog::info("node {} is back: READY again (its lost attempts stay failed)", node_id_);

@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace trainyard::worker {
 namespace {
@@ -19,9 +20,20 @@ struct NvmlMemory {
   unsigned long long free;
   unsigned long long used;
 };
+struct NvmlEventData {
+  NvmlDevice device;
+  unsigned long long event_type;
+  unsigned long long event_data;  // the XID, for nvmlEventTypeXidCriticalError
+  unsigned int gpu_instance_id;
+  unsigned int compute_instance_id;
+};
 constexpr int kNvmlSuccess = 0;
 constexpr int kNvmlNotFound = 6;
+constexpr int kNvmlGpuIsLost = 15;
 constexpr int kNvmlTemperatureGpu = 0;
+constexpr int kNvmlMemoryErrorUncorrected = 1;
+constexpr int kNvmlVolatileEcc = 0;
+constexpr unsigned long long kNvmlEventTypeXidCriticalError = 0x8;
 
 }  // namespace
 
@@ -34,6 +46,13 @@ struct Nvml::Api {
   int (*memory)(NvmlDevice, NvmlMemory*);
   int (*temperature)(NvmlDevice, int, unsigned int*);
   int (*power)(NvmlDevice, unsigned int*);  // milliwatts; optional
+  // Optional: health.
+  int (*total_ecc)(NvmlDevice, int, int, unsigned long long*);
+  int (*remapped_rows)(NvmlDevice, unsigned int*, unsigned int*, unsigned int*, unsigned int*);
+  int (*event_set_create)(void**);
+  int (*event_set_free)(void*);
+  int (*register_events)(NvmlDevice, unsigned long long, void*);
+  int (*event_set_wait)(void*, NvmlEventData*, unsigned int);
 
   std::string Error(int code) const {
     const char* s = error_string != nullptr ? error_string(code) : nullptr;
@@ -60,6 +79,12 @@ absl::StatusOr<std::unique_ptr<Nvml>> Nvml::Open(const std::string& library) {
                   load("nvmlDeviceGetTemperature", api->temperature);
   load("nvmlErrorString", api->error_string);
   load("nvmlDeviceGetPowerUsage", api->power);
+  load("nvmlDeviceGetTotalEccErrors", api->total_ecc);
+  load("nvmlDeviceGetRemappedRows", api->remapped_rows);
+  load("nvmlEventSetCreate", api->event_set_create);
+  load("nvmlEventSetFree", api->event_set_free);
+  load("nvmlDeviceRegisterEvents", api->register_events);
+  load("nvmlEventSetWait_v2", api->event_set_wait);
   if (!ok) {
     dlclose(handle);
     return absl::FailedPreconditionError(
@@ -76,6 +101,7 @@ absl::StatusOr<std::unique_ptr<Nvml>> Nvml::Open(const std::string& library) {
 Nvml::Nvml(void* handle, std::unique_ptr<Api> api) : handle_(handle), api_(std::move(api)) {}
 
 Nvml::~Nvml() {
+  if (event_set_ != nullptr && api_->event_set_free != nullptr) api_->event_set_free(event_set_);
   api_->shutdown();
   dlclose(handle_);
 }
@@ -89,7 +115,8 @@ absl::StatusOr<GpuSample> Nvml::Sample(const std::string& uuid) const {
   GpuSample s;
   NvmlUtilization u{};
   if (const int rc = api_->utilization(device, &u); rc != kNvmlSuccess) {
-    return absl::UnavailableError(absl::StrCat("nvmlDeviceGetUtilizationRates: ", api_->Error(rc)));
+    const std::string why = absl::StrCat("nvmlDeviceGetUtilizationRates: ", api_->Error(rc));
+    return rc == kNvmlGpuIsLost ? absl::FailedPreconditionError(why) : absl::UnavailableError(why);
   }
   s.utilization = std::min(100u, u.gpu) / 100.0;
   NvmlMemory m{};
@@ -107,7 +134,66 @@ absl::StatusOr<GpuSample> Nvml::Sample(const std::string& uuid) const {
   if (api_->power != nullptr && api_->power(device, &milliwatts) == kNvmlSuccess) {
     s.power_watts = milliwatts / 1000.0;
   }
+  unsigned long long ecc = 0;
+  if (api_->total_ecc != nullptr && api_->total_ecc(device, kNvmlMemoryErrorUncorrected,
+                                                    kNvmlVolatileEcc, &ecc) == kNvmlSuccess) {
+    s.ecc_uncorrected_errors = static_cast<int64_t>(ecc);
+  }
+  unsigned int corrected = 0, uncorrected = 0, pending = 0, failed = 0;
+  if (api_->remapped_rows != nullptr &&
+      api_->remapped_rows(device, &corrected, &uncorrected, &pending, &failed) == kNvmlSuccess) {
+    s.row_remap_pending = pending != 0;
+    s.row_remap_failed = failed != 0;
+  }
   return s;
+}
+
+absl::Status Nvml::WatchXids(const std::vector<std::string>& uuids) {
+  if (api_->event_set_create == nullptr || api_->register_events == nullptr ||
+      api_->event_set_wait == nullptr) {
+    return absl::UnimplementedError("this NVML has no event API: XID events are not watched");
+  }
+  if (event_set_ == nullptr) {
+    if (const int rc = api_->event_set_create(&event_set_); rc != kNvmlSuccess) {
+      event_set_ = nullptr;
+      return absl::UnavailableError(absl::StrCat("nvmlEventSetCreate: ", api_->Error(rc)));
+    }
+  }
+  std::vector<std::string> refused;
+  watched_.assign(uuids.size(), nullptr);
+  for (size_t i = 0; i < uuids.size(); ++i) {
+    NvmlDevice device = nullptr;
+    int rc = api_->by_uuid(uuids[i].c_str(), &device);
+    if (rc == kNvmlSuccess) {
+      rc = api_->register_events(device, kNvmlEventTypeXidCriticalError, event_set_);
+    }
+    if (rc == kNvmlSuccess) {
+      watched_[i] = device;
+    } else {
+      refused.push_back(absl::StrCat("GPU ", i, ": ", api_->Error(rc)));
+    }
+  }
+  if (!refused.empty()) {
+    return absl::UnavailableError(
+        absl::StrCat("XID events not watched for ", absl::StrJoin(refused, "; ")));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<XidEvent> Nvml::TakeXids() {
+  std::vector<XidEvent> out;
+  if (event_set_ == nullptr) return out;
+  for (int i = 0; i < 1024; ++i) {  // bounded: a storm of events waits for the next call
+    NvmlEventData data{};
+    if (api_->event_set_wait(event_set_, &data, 0) != kNvmlSuccess) break;  // a timeout: none left
+    if ((data.event_type & kNvmlEventTypeXidCriticalError) == 0) continue;
+    for (size_t g = 0; g < watched_.size(); ++g) {
+      if (watched_[g] == data.device) {
+        out.push_back({static_cast<int>(g), static_cast<int64_t>(data.event_data)});
+      }
+    }
+  }
+  return out;
 }
 
 }  // namespace trainyard::worker

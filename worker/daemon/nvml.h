@@ -1,5 +1,6 @@
 // What each GPU is doing, through NVML (libnvidia-ml.so.1, the library nvidia-smi reads):
-// utilization, memory used, temperature, power. The library is opened at run time, as the driver
+// utilization, memory used, temperature, power, and its health: uncorrected ECC errors, row
+// remapping, critical XID events. The library is opened at run time, as the driver
 // API is (cuda_devices.h), so the worker builds and runs where there is none; GPUs are found by
 // the UUIDs the driver API listed. The worker samples at each heartbeat, exports the samples to
 // Prometheus (trainyard_worker_gpu_*) and sends them to the coordinator (`yard nodes`).
@@ -22,6 +23,18 @@ struct GpuSample {
   int64_t memory_total_bytes = 0;
   double temperature_celsius = 0;
   double power_watts = 0;  // 0 where the board does not say
+  // Uncorrected ECC errors since the driver loaded (volatile); -1 where the GPU does not say.
+  int64_t ecc_uncorrected_errors = -1;
+  // Row remapping (A100 and later): a remapping failed, or one waits for a GPU reset.
+  bool row_remap_failed = false;
+  bool row_remap_pending = false;
+};
+
+// A critical XID event (nvmlEventTypeXidCriticalError): which GPU (its index in the UUIDs given
+// to WatchXids) and the XID.
+struct XidEvent {
+  int gpu = 0;
+  int64_t xid = 0;
 };
 
 class Nvml {
@@ -36,13 +49,22 @@ class Nvml {
 
   // The GPU with this UUID ("GPU-xxxxxxxx-..."): NOT_FOUND if NVML does not know it, else
   // UNAVAILABLE naming the call that failed (a GPU that fell off the bus).
+  // FAILED_PRECONDITION when NVML says the GPU is lost (fallen off the bus).
   absl::StatusOr<GpuSample> Sample(const std::string& uuid) const;
+
+  // Starts collecting critical XID events of these GPUs. Where NVML cannot (no event API, a GPU
+  // that does not support it), an error names it; the other samples go on.
+  absl::Status WatchXids(const std::vector<std::string>& uuids);
+  // The XID events since the last call, without waiting.
+  std::vector<XidEvent> TakeXids();
 
  private:
   struct Api;
   Nvml(void* handle, std::unique_ptr<Api> api);
   void* handle_;
   std::unique_ptr<Api> api_;
+  void* event_set_ = nullptr;
+  std::vector<void*> watched_;  // device handles, by index given to WatchXids
 };
 
 }  // namespace trainyard::worker

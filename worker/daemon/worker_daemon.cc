@@ -23,6 +23,30 @@ int64_t PhysicalMemoryBytes() {
   return pages > 0 && page > 0 ? int64_t{pages} * page : 0;
 }
 
+// XIDs that an application causes (NVIDIA's Kubernetes device plugin skips the same ones): the
+// GPU itself is fine. Every other critical XID marks it faulty.
+bool IsApplicationXid(int64_t xid) {
+  for (int64_t app : {13, 31, 43, 45, 68, 109}) {
+    if (xid == app) return true;
+  }
+  return false;
+}
+
+std::string XidFault(int64_t xid) {
+  const char* what = xid == 48    ? "double-bit ECC error"
+                     : xid == 63  ? "ECC page retirement or row remapping"
+                     : xid == 64  ? "ECC page retirement or row remapping failed"
+                     : xid == 74  ? "NVLink error"
+                     : xid == 79  ? "the GPU has fallen off the bus"
+                     : xid == 92  ? "high single-bit ECC error rate"
+                     : xid == 94  ? "contained ECC error"
+                     : xid == 95  ? "uncontained ECC error"
+                     : xid == 119 ? "GSP RPC timeout"
+                     : xid == 120 ? "GSP error"
+                                  : nullptr;
+  return what != nullptr ? absl::StrCat("XID ", xid, " (", what, ")") : absl::StrCat("XID ", xid);
+}
+
 }  // namespace
 
 WorkerDaemon::WorkerDaemon(WorkerOptions options)
@@ -72,11 +96,37 @@ WorkerDaemon::WorkerDaemon(WorkerOptions options)
                      .Name("trainyard_worker_gpu_power_watts")
                      .Help("GPU board power draw (NVML; absent where the board does not say)")
                      .Register(*registry_)),
-      gpu_sample_failing_(options_.gpus.size(), false) {
+      gpu_ecc_uncorrected_(prometheus::BuildGauge()
+                               .Name("trainyard_worker_gpu_ecc_uncorrected_errors")
+                               .Help("Uncorrected ECC errors since the driver loaded (NVML, "
+                                     "volatile; absent where the GPU does not say)")
+                               .Register(*registry_)),
+      gpu_xid_events_(prometheus::BuildCounter()
+                          .Name("trainyard_worker_gpu_xid_events_total")
+                          .Help("Critical XID events by GPU and XID (NVML)")
+                          .Register(*registry_)),
+      gpu_healthy_(prometheus::BuildGauge()
+                       .Name("trainyard_worker_gpu_healthy")
+                       .Help("0 once a GPU reported a fault (a critical XID, uncorrected ECC "
+                             "errors, a failed row remapping, lost), until the worker restarts")
+                       .Register(*registry_)),
+      gpu_sample_failing_(options_.gpus.size(), false),
+      gpu_faults_(options_.gpus.size()),
+      gpu_last_xid_(options_.gpus.size(), 0) {
   for (const char* reason : {"success", "failure", "killed"}) {
     rank_exits_.Add({{"reason", reason}});
   }
   devices_.Add({{"state", "total"}}).Set(device_count());
+  if (options_.nvml != nullptr) {
+    std::vector<std::string> uuids;
+    for (const CudaDevice& gpu : options_.gpus) uuids.push_back(gpu.uuid);
+    if (absl::Status s = options_.nvml->WatchXids(uuids); !s.ok()) {
+      spdlog::warn("GPU health: {}", std::string(s.message()));
+    }
+    for (size_t i = 0; i < options_.gpus.size(); ++i) {
+      gpu_healthy_.Add({{"gpu", std::to_string(i)}, {"uuid", options_.gpus[i].uuid}}).Set(1);
+    }
+  }
   devices_.Add({{"state", "allocated"}}).Set(0);
   Connect();
   supervisor_ = std::make_unique<RankSupervisor>(options_.supervisor,
@@ -128,15 +178,53 @@ void WorkerDaemon::RefreshGauges() {
 
 void WorkerDaemon::SampleGpus(v1::Heartbeat* heartbeat) {
   if (options_.nvml == nullptr) return;
+  auto fault = [this](size_t i, const std::string& why) {
+    if (!gpu_faults_[i].empty()) return;  // the first one stays
+    gpu_faults_[i] = why.substr(0, 256);
+    spdlog::error("GPU {} ({}) is faulty: {}; the coordinator cordons this node", i,
+                  options_.gpus[i].uuid, gpu_faults_[i]);
+    gpu_healthy_.Add({{"gpu", std::to_string(i)}, {"uuid", options_.gpus[i].uuid}}).Set(0);
+  };
+  for (const XidEvent& e : options_.nvml->TakeXids()) {
+    if (e.gpu < 0 || e.gpu >= static_cast<int>(options_.gpus.size())) continue;
+    const size_t i = static_cast<size_t>(e.gpu);
+    gpu_last_xid_[i] = e.xid;
+    gpu_xid_events_
+        .Add({{"gpu", std::to_string(i)},
+              {"uuid", options_.gpus[i].uuid},
+              {"xid", std::to_string(e.xid)}})
+        .Increment();
+    if (IsApplicationXid(e.xid)) {
+      spdlog::warn("GPU {}: XID {} (an application's error; the GPU stays in service)", i, e.xid);
+    } else {
+      fault(i, XidFault(e.xid));
+    }
+  }
   for (size_t i = 0; i < options_.gpus.size(); ++i) {
     const CudaDevice& gpu = options_.gpus[i];
     auto sample = options_.nvml->Sample(gpu.uuid);
+    if (!sample.ok() && sample.status().code() == absl::StatusCode::kFailedPrecondition) {
+      fault(i, absl::StrCat("lost: ", sample.status().message()));  // fallen off the bus
+    }
     if (!sample.ok()) {
       if (!gpu_sample_failing_[i])
         spdlog::warn("GPU {}: {}", i, std::string(sample.status().message()));
       gpu_sample_failing_[i] = true;
+      if (!gpu_faults_[i].empty()) {  // what the coordinator must know even without a sample
+        v1::DeviceSample* d = heartbeat->add_devices();
+        d->set_index(static_cast<int32_t>(i));
+        d->set_ecc_uncorrected_errors(-1);
+        d->set_last_xid(gpu_last_xid_[i]);
+        d->set_fault(gpu_faults_[i]);
+      }
       continue;
     }
+    if (sample->ecc_uncorrected_errors > 0) {
+      fault(i, absl::StrCat(sample->ecc_uncorrected_errors,
+                            " uncorrected ECC error(s) since the driver loaded"));
+    }
+    if (sample->row_remap_failed) fault(i, "a row remapping failed");
+    if (sample->row_remap_pending) fault(i, "a row remapping waits for a GPU reset");
     if (gpu_sample_failing_[i]) spdlog::info("GPU {}: NVML answers again", i);
     gpu_sample_failing_[i] = false;
     const prometheus::Labels labels = {{"gpu", std::to_string(i)}, {"uuid", gpu.uuid}};
@@ -152,6 +240,12 @@ void WorkerDaemon::SampleGpus(v1::Heartbeat* heartbeat) {
     d->set_memory_total_bytes(sample->memory_total_bytes);
     d->set_temperature_celsius(static_cast<float>(sample->temperature_celsius));
     d->set_power_watts(static_cast<float>(sample->power_watts));
+    d->set_ecc_uncorrected_errors(sample->ecc_uncorrected_errors);
+    d->set_last_xid(gpu_last_xid_[i]);
+    d->set_fault(gpu_faults_[i]);
+    if (sample->ecc_uncorrected_errors >= 0) {
+      gpu_ecc_uncorrected_.Add(labels).Set(static_cast<double>(sample->ecc_uncorrected_errors));
+    }
   }
 }
 

@@ -43,7 +43,7 @@ struct WorkerOptions {
   int cpu_slots = 1;             // devices offered when `gpus` is empty; each runs one rank
   std::vector<CudaDevice> gpus;  // offered instead of CPU slots when not empty, one rank each
   // Samples `gpus` at each heartbeat (metrics and `yard nodes`); null: no samples.
-  std::shared_ptr<const Nvml> nvml;
+  std::shared_ptr<Nvml> nvml;
   SupervisorOptions supervisor;
   // The longest pause between attempts to reach the coordinator (before jitter of up to 20%). With
   // the channel's own reconnect backoff (coordinator_channel.h) a worker is back within about
@@ -101,7 +101,14 @@ class WorkerDaemon {
   prometheus::Family<prometheus::Gauge>& gpu_memory_total_;
   prometheus::Family<prometheus::Gauge>& gpu_temperature_;
   prometheus::Family<prometheus::Gauge>& gpu_power_;
-  std::vector<bool> gpu_sample_failing_;  // writer thread: a failure is logged once
+  prometheus::Family<prometheus::Gauge>& gpu_ecc_uncorrected_;
+  prometheus::Family<prometheus::Counter>& gpu_xid_events_;
+  prometheus::Family<prometheus::Gauge>& gpu_healthy_;
+  // Writer thread only, one entry per GPU: a failure is logged once; a fault is kept until the
+  // worker restarts (as the Kubernetes device plugin keeps a GPU unhealthy); the last XID seen.
+  std::vector<bool> gpu_sample_failing_;
+  std::vector<std::string> gpu_faults_;
+  std::vector<int64_t> gpu_last_xid_;
   CoordinatorEndpoints endpoints_{options_.coordinator};
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::NodeService::Stub> stub_;
