@@ -326,6 +326,49 @@ TEST_F(SharingE2eTest, AWaitingJobSaysWhyItWaits) {
   EXPECT_THAT(seen_by_carol, Not(HasSubstr(big)));
 }
 
+// An account that arrives late goes first until its usage per share reaches the early one's:
+// a waiting job of the early account says so, and when that ends at the current use.
+TEST_F(SharingE2eTest, AJobHeldBackByALateAccountsDeficitSaysSoAndUntilWhen) {
+  ASSERT_TRUE(CreateAccount("early", {}, {}, 1).ok());
+  ASSERT_TRUE(CreateAccount("late", {}, {}, 1).ok());
+  ASSERT_TRUE(MoveUser("alice", "early").ok());
+  ASSERT_TRUE(MoveUser("bob", "late").ok());
+  // early runs all 4 devices alone for 10 hours (one half-life here).
+  const std::string a1 = MustSubmit(alice_, 4);
+  server_->jobs().ChargeUsage();
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  const v1::CoordinatorMessage assigned = node_->NextCommand();
+  ASSERT_TRUE(assigned.has_assignment());
+  for (int i = 0; i < 120; ++i) {
+    clock_.Advance(absl::Minutes(5));
+    server_->jobs().ChargeUsage();
+  }
+  for (int r = 0; r < 4; ++r) node_->ReportExit(assigned.assignment(), r, 0);
+  node_->Heartbeat();  // the exits are handled
+  ASSERT_EQ(GetJob(a1).state(), v1::SUCCEEDED);
+  // late arrives: it runs, and its next job goes before early's.
+  MustSubmit(bob_, 4);
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  const std::string b2 = MustSubmit(bob_, 4);
+  const std::string a2 = MustSubmit(alice_, 4);
+  for (int i = 0; i < 12; ++i) {  // an hour of it
+    clock_.Advance(absl::Minutes(5));
+    server_->jobs().ChargeUsage();
+  }
+  ASSERT_EQ(server_->jobs().SchedulePass(), 0);
+  const std::string why = GetJob(a2).why_waiting();
+  EXPECT_THAT(why, HasSubstr("first " + b2));
+  EXPECT_THAT(why, HasSubstr("account late goes first by fair share: its usage per share is 3.9 "
+                             "device-hours, early's 27.0"));
+  // ln((R - d0) / R) / k with k = ln 2 / 10 h, R = 4 / k = 57.7, d0 = 3.9 - 27.0: 4.86 hours.
+  EXPECT_THAT(why, HasSubstr("until about 4.9 hours from now at the current use (4 devices "
+                             "against 0; usage halves every 10h)"));
+  // alice is not told which account.
+  const std::string seen_by_alice = GetJob(a2, alice_).why_waiting();
+  EXPECT_THAT(seen_by_alice, HasSubstr("another account goes first by fair share"));
+  EXPECT_THAT(seen_by_alice, Not(HasSubstr("account late")));
+}
+
 TEST_F(SharingE2eTest, TheLenderTakesItsDevicesBackWithTheVictimsOwnGrace) {
   // research (quota 2) lends its devices to vision (quota 2) while idle.
   ASSERT_TRUE(CreateAccount("research", 2, {}, 1).ok());

@@ -294,6 +294,65 @@ TEST(UsageLedgerTest, UsageHalvesEveryHalfLifeAndAddsUp) {
   EXPECT_EQ(UsageLedger(absl::ZeroDuration()).half_life(), absl::Hours(24 * 7));
 }
 
+// The closed form against the ledger itself, stepped minute by minute: an account that ran 8
+// devices alone for 2 days (half-life 7 days), then one that arrives and takes all 8 while the
+// first runs none. The late one goes first until its usage per share reaches the first one's.
+TEST(UsageLedgerTest, TimeUntilEvenUsageMatchesTheLedgerStepByStep) {
+  const absl::Duration half_life = absl::Hours(24 * 7);
+  UsageLedger ledger(half_life);
+  absl::Time t = kNow;
+  for (int m = 0; m < 2 * 24 * 60; ++m) {
+    t += absl::Minutes(1);
+    ledger.Charge("early", 8 * 60.0, t);
+  }
+  const auto even =
+      TimeUntilEvenUsage(ledger.At("early", t), 1, 0, ledger.At("late", t), 1, 8, half_life);
+  ASSERT_TRUE(even.has_value());
+  absl::Duration stepped;
+  while (ledger.At("late", t) < ledger.At("early", t)) {
+    t += absl::Minutes(1);
+    stepped += absl::Minutes(1);
+    ledger.Charge("early", 0, t);
+    ledger.Charge("late", 8 * 60.0, t);
+  }
+  EXPECT_LE(absl::AbsDuration(*even - stepped), absl::Minutes(2)) << *even << " vs " << stepped;
+  // About the head start again: the early usage decays only a little meanwhile.
+  EXPECT_GT(*even, absl::Hours(40));
+  EXPECT_LT(*even, absl::Hours(48));
+  // Shares weigh usage: an early account of share 3 holds a third of that usage per share, so the
+  // late one catches up about three times sooner.
+  const auto weighted = TimeUntilEvenUsage(8 * 3600 * 48, 3, 0, 0, 1, 8, half_life);
+  ASSERT_TRUE(weighted.has_value());
+  EXPECT_LT(*weighted, *even / 2);
+  // Not ahead: zero. Ahead for good: the one behind runs more per share than the one ahead.
+  EXPECT_EQ(TimeUntilEvenUsage(10, 1, 0, 20, 1, 0, half_life), absl::ZeroDuration());
+  EXPECT_FALSE(TimeUntilEvenUsage(100, 1, 8, 0, 1, 4, half_life).has_value());
+  EXPECT_FALSE(TimeUntilEvenUsage(100, 0, 0, 0, 1, 4, half_life).has_value());
+}
+
+TEST(UsageLedgerTest, UsageStartsOverAtEachResetPeriod) {
+  // Wednesday 2026-11-25 12:00 UTC.
+  const absl::Time wed =
+      absl::FromCivil(absl::CivilSecond(2026, 11, 25, 12, 0, 0), absl::UTCTimeZone());
+  EXPECT_EQ(NextReset(UsageReset::kDaily, wed),
+            absl::FromCivil(absl::CivilDay(2026, 11, 26), absl::UTCTimeZone()));
+  EXPECT_EQ(NextReset(UsageReset::kWeekly, wed),
+            absl::FromCivil(absl::CivilDay(2026, 11, 30), absl::UTCTimeZone()));  // a Monday
+  EXPECT_EQ(PeriodStart(UsageReset::kWeekly, wed),
+            absl::FromCivil(absl::CivilDay(2026, 11, 23), absl::UTCTimeZone()));
+  EXPECT_EQ(NextReset(UsageReset::kMonthly, wed),
+            absl::FromCivil(absl::CivilDay(2026, 12, 1), absl::UTCTimeZone()));
+  EXPECT_EQ(NextReset(UsageReset::kNone, wed), absl::InfiniteFuture());
+  UsageLedger weekly(absl::Hours(24 * 7), UsageReset::kWeekly);
+  weekly.Charge("a", 1000, wed);
+  EXPECT_NEAR(weekly.At("a", wed + absl::Hours(24 * 4)), 1000 * std::exp2(-4.0 / 7), 1e-9);
+  EXPECT_EQ(weekly.At("a", wed + absl::Hours(24 * 5)), 0);  // past Monday 00:00
+  weekly.Charge("a", 10, wed + absl::Hours(24 * 5));
+  EXPECT_DOUBLE_EQ(weekly.At("a", wed + absl::Hours(24 * 5)), 10);
+  EXPECT_EQ(ParseUsageReset("weekly"), UsageReset::kWeekly);
+  EXPECT_FALSE(ParseUsageReset("fortnightly").has_value());
+}
+
 // A saturated cluster over simulated time, one-minute scheduling passes: every account keeps
 // `queued_per_user` jobs queued per user; jobs run for their max_runtime; usage is charged each
 // minute to the ledger (half-life 7 days) and fed back into the snapshot.

@@ -232,7 +232,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s->jobs_->SetPreemption(s->options_.preemption, s->options_.preemption_grace,
                           s->options_.min_run_time, s->options_.max_preemption_grace);
   s->jobs_->SetSharing([ids = s->identities_.get()] { return ids->Sharing(); },
-                       s->options_.fair_share_half_life);
+                       s->options_.fair_share_half_life, s->options_.fair_share_usage_reset);
   RETURN_IF_ERROR(s->jobs_->LoadUsage());
   s->identities_->SetAccountInUse([jobs = s->jobs_.get()](const std::string& account) {
     return jobs->UnfinishedJobOf(account);

@@ -87,6 +87,7 @@ struct CoordinatorOptions {
   absl::Duration min_run_time = absl::Minutes(5);
   absl::Duration max_preemption_grace = absl::Minutes(10);    // caps jobs' preemption_grace
   absl::Duration fair_share_half_life = absl::Hours(24 * 7);  // decay of accounts' usage
+  UsageReset fair_share_usage_reset = UsageReset::kNone;      // when all usage starts over
   absl::Duration usage_save_interval = absl::Seconds(30);     // and at shutdown
   CoordinatorLimits limits;
   std::string audit_log;  // a JSON-lines audit log (one object per event); empty: none

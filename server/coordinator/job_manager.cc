@@ -46,10 +46,10 @@ void JobManager::SetPreemption(bool enabled, absl::Duration grace, absl::Duratio
 }
 
 void JobManager::SetSharing(std::function<std::shared_ptr<const SharingPolicy>()> policy,
-                            absl::Duration half_life) {
+                            absl::Duration half_life, UsageReset reset) {
   policy_ = std::move(policy);
   absl::MutexLock lock(&mu_);
-  usage_ = UsageLedger(half_life);
+  usage_ = UsageLedger(half_life, reset);
 }
 
 absl::Duration JobManager::GraceOf(const v1::Job& job) const {

@@ -103,9 +103,10 @@ class JobManager final : public JobLifecycle,
                      absl::Duration max_grace = absl::Minutes(10));
   // Sharing (set once, before serving): `policy` gives accounts' quotas and shares and users'
   // accounts and caps, read at each submission and scheduling pass; usage decays with
-  // `half_life`. Without it, every job is in the default account with no limits.
+  // `half_life` and starts over at each `reset`. Without it, every job is in the default account
+  // with no limits.
   void SetSharing(std::function<std::shared_ptr<const SharingPolicy>()> policy,
-                  absl::Duration half_life);
+                  absl::Duration half_life, UsageReset reset = UsageReset::kNone);
   // Charges running jobs' devices since the last charge to their accounts' and owners' decayed
   // usage (at most 5 minutes' worth: a stalled coordinator does not bill its pause).
   void ChargeUsage();

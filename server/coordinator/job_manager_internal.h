@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/time.h"
 #include "server/coordinator/job_manager.h"
 
@@ -30,6 +31,14 @@ inline std::string StartText(const std::optional<absl::Time>& start, absl::Time 
   return absl::StrCat("expected to start in ",
                       absl::FormatDuration(absl::Trunc(std::max(absl::ZeroDuration(), *start - now),
                                                        absl::Seconds(1))));
+}
+
+// A duration for people: "40 minutes", "4.8 hours", "3.5 days".
+inline std::string HumanDuration(absl::Duration d) {
+  const double hours = absl::ToDoubleHours(std::max(d, absl::ZeroDuration()));
+  if (hours < 1) return absl::StrFormat("%.0f minutes", hours * 60);
+  if (hours < 48) return absl::StrFormat("%.1f hours", hours);
+  return absl::StrFormat("%.1f days", hours / 24);
 }
 
 // How long the devices of a stopped rank on a connected node stay allocated when its exit is never

@@ -218,6 +218,54 @@ std::string JobManager::WhyWaiting(const std::string& job_id, const std::string&
                          " devices, more than the ready nodes that take its owner's jobs have");
       break;
   }
+  // Behind another account's job of the same priority: that account goes first by fair share (or
+  // by its quota). Say so, and when, at the current use, it stops going first: an account that
+  // arrives late takes back its whole deficit, which with a long half-life takes a while.
+  const auto head = jobs_.find(last_pass_->head);
+  if ((wait.reason == WaitReason::kBehindHead || wait.reason == WaitReason::kHeadStartUnknown) &&
+      head != jobs_.end() && AccountOf(head->second) != account &&
+      head->second.spec().priority() == job.spec().priority()) {
+    const std::string& other = AccountOf(head->second);
+    const SharingPolicy::Account other_limits = policy.AccountOf(other);
+    const std::string other_text =
+        viewer_is_admin ? absl::StrCat("account ", other) : std::string("another account");
+    const Use& mine = by_account[account];
+    const Use& theirs = by_account[other];
+    if (other_limits.quota > 0 &&
+        theirs.running_devices + head->second.spec().resources().gpus() <= other_limits.quota) {
+      absl::StrAppend(&why, "; ", other_text, " goes first: that job is within its quota");
+    } else if (limits.share > 0 && other_limits.share > 0) {
+      const double my_usage = usage_.At(AccountKey(account), now);
+      const double their_usage = usage_.At(AccountKey(other), now);
+      const double mine_per_share = my_usage / limits.share / 3600;
+      const double theirs_per_share = their_usage / other_limits.share / 3600;
+      if (theirs_per_share < mine_per_share) {
+        absl::StrAppend(&why,
+                        absl::StrFormat("; %s goes first by fair share: its usage per share is "
+                                        "%.1f device-hours, %s's %.1f",
+                                        other_text, theirs_per_share, account, mine_per_share));
+        const auto even =
+            TimeUntilEvenUsage(my_usage, limits.share, mine.running_devices, their_usage,
+                               other_limits.share, theirs.running_devices, usage_.half_life());
+        const absl::Time reset = NextReset(usage_.reset(), now);
+        if (even.has_value() && now + *even < reset) {
+          absl::StrAppend(
+              &why, absl::StrFormat(
+                        ", until about %s from now at the current use (%d devices against %d; "
+                        "usage halves every %s)",
+                        HumanDuration(*even), theirs.running_devices, mine.running_devices,
+                        absl::FormatDuration(usage_.half_life())));
+        } else if (reset != absl::InfiniteFuture()) {
+          absl::StrAppend(
+              &why, absl::StrFormat(", until usage starts over in %s (%s reset)",
+                                    HumanDuration(reset - now), UsageResetName(usage_.reset())));
+        } else {
+          absl::StrAppend(&why, absl::StrFormat(", for as long as it uses %d devices against %d",
+                                                theirs.running_devices, mine.running_devices));
+        }
+      }
+    }
+  }
   const v1::AccountUsage usage =
       AccountUsageOf(account, policy, TotalsOf(policy, by_account, now), by_account, now);
   absl::StrAppend(

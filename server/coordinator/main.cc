@@ -26,6 +26,7 @@ using trainyard::coordinator::CoordinatorOptions;
 struct Flags {
   std::string node_timeout = "10s", heartbeat_interval = "2s";
   std::string preemption_grace = "120s", min_run_time = "5m", max_grace = "10m", half_life = "168h";
+  std::string usage_reset = "none";
   std::string finished_retention = "5m", history_retention = "720h";
   double refill_seconds = 1;
   std::string lease_ttl = "5s", renew_interval = "1s", lease_poll = "500ms";
@@ -100,6 +101,10 @@ void AddSchedulingFlags(CLI::App& app, CoordinatorOptions& options, Flags& f) {
   app.add_option("--fair-share-half-life", f.half_life,
                  "accounts' and users' usage (device-seconds) halves every this long, as Slurm's "
                  "PriorityDecayHalfLife")
+      ->capture_default_str();
+  app.add_option("--fair-share-usage-reset", f.usage_reset,
+                 "none, daily, weekly (Mondays) or monthly: all usage starts over from zero at "
+                 "the start of each such period (UTC), as Slurm's PriorityUsageResetPeriod")
       ->capture_default_str();
   app.add_option("--min-run-time", f.min_run_time,
                  "a job runs at least this long before it may be preempted (again)")
@@ -261,6 +266,14 @@ bool ApplyFlags(const Flags& f, CoordinatorOptions& options) {
     return false;
   }
   options.fair_share_half_life = *half_life_d;
+  const auto reset = trainyard::coordinator::ParseUsageReset(f.usage_reset);
+  if (!reset.has_value()) {
+    std::cerr << "trainyard-coordinator: --fair-share-usage-reset: expected none, daily, weekly "
+                 "or monthly, got '"
+              << f.usage_reset << "'\n";
+    return false;
+  }
+  options.fair_share_usage_reset = *reset;
   limits.finished_job_retention = *finished_d;
   limits.history.retention = *history_d;
   return true;
