@@ -97,4 +97,9 @@ if [ -x build/bin/trainyard-trainer ]; then
   fi
   echo "check-cuda-build: 4 steps on the CPU: the same losses as build/ (within 1e-3)"
 fi
+# The GPU hosts' image (deploy/container/Dockerfile.worker) installs what this trainer links from
+# the system; it copies the folders of $LIBS.
+if [ -x build/bin/trainyard-worker ]; then
+  python3 tests/check_deploy.py . build/bin build-cuda/bin/trainyard-trainer "$LIBS"
+fi
 echo "check-cuda-build: trainyard-trainer built against the CUDA LibTorch $TORCH_VERSION"

@@ -8,9 +8,12 @@
   annotations) is the --metrics-address port of the program that job scrapes, with https where
   that program serves --metrics-tls and a bearer token where it wants --metrics-token-file.
 - The container's runtime packages cover every library the control-plane programs link (ldd,
-  then dpkg -S), but for those of the slim base image.
+  then dpkg -S), but for those of the slim base image; the worker image's
+  (deploy/container/Dockerfile.worker) cover what trainyard-worker links, and, given the CUDA
+  build of trainyard-trainer and the folders of its LibTorch and CUDA libraries (which the image
+  copies), what that trainer links from the system.
 
-    python3 tests/check_deploy.py PROJECT_ROOT BIN_DIR
+    python3 tests/check_deploy.py PROJECT_ROOT BIN_DIR [CUDA_TRAINER LIBRARY_PATH]
 """
 import json
 import os
@@ -101,15 +104,15 @@ def systemd_units(root, bin_dir):
     return units
 
 
-def container(root, bin_dir):
+def container(root, bin_dir, name="Dockerfile"):
     """The Dockerfile's runtime packages, and its default invocation checked."""
-    path = os.path.join(root, "deploy/container/Dockerfile")
+    path = os.path.join(root, "deploy/container", name)
     text = open(path).read()
     entry = json.loads(re.search(r"^ENTRYPOINT (\[.*?\])$", text, re.M | re.S).group(1))
     cmd_match = re.search(r"^CMD (\[.*?\])$", text.replace("\\\n", ""), re.M | re.S)
     cmd = json.loads(cmd_match.group(1)) if cmd_match else []
     program = os.path.basename(entry[0])
-    check_invocation("Dockerfile", bin_dir, program, entry[1:] + cmd)
+    check_invocation(name, bin_dir, program, entry[1:] + cmd)
     runtime = text[text.rindex("FROM "):]
     install = re.search(r"apt-get install -y --no-install-recommends(.*?)&&", runtime.replace(
         "\\\n", " "), re.S)
@@ -207,23 +210,32 @@ def with_dependencies(packages):
     return seen
 
 
-def check_packages(bin_dir, packages):
+def check_packages(bin_dir, packages, programs=CONTAINER_PROGRAMS, image="Dockerfile",
+                   library_path=None):
+    """Every library `programs` link (paths in BIN_DIR, or absolute) is in a package of the image,
+    but those under `library_path`'s folders, which the image copies itself."""
     needed = {}
-    for program in CONTAINER_PROGRAMS:
-        out = subprocess.run(["ldd", os.path.join(bin_dir, program)], capture_output=True,
-                             text=True, check=True).stdout
+    copied = [d for d in (library_path or "").split(":") if d]
+    env = dict(os.environ, LD_LIBRARY_PATH=library_path) if library_path else None
+    for program in programs:
+        path = program if os.path.isabs(program) else os.path.join(bin_dir, program)
+        out = subprocess.run(["ldd", path], capture_output=True, text=True, check=True,
+                             env=env).stdout
         for line in out.splitlines():
+            if "not found" in line:
+                fail(image, f"{os.path.basename(program)} links {line.split()[0]}, not found")
+                continue
             match = re.search(r"=> (/\S+)", line)
-            if not match:
+            if not match or any(match.group(1).startswith(d.rstrip("/") + "/") for d in copied):
                 continue
             package = package_of(match.group(1))
             if package is None:
-                fail("Dockerfile", f"{program} links {match.group(1)}, which no package owns")
+                fail(image, f"{program} links {match.group(1)}, which no package owns")
                 continue
-            needed.setdefault(package, set()).add(program)
+            needed.setdefault(package, set()).add(os.path.basename(program))
     for package in sorted(set(needed) - BASE_PACKAGES - with_dependencies(packages)):
-        fail("Dockerfile", f"the runtime image lacks {package} (linked by "
-                           f"{', '.join(sorted(needed[package]))})")
+        fail(image, f"the runtime image lacks {package} (linked by "
+                    f"{', '.join(sorted(needed[package]))})")
     return needed
 
 
@@ -234,13 +246,21 @@ def main():
     pods = kubernetes(root, bin_dir, image_program)
     check_scrapes(root, units, pods)
     needed = check_packages(bin_dir, packages)
+    worker_program, worker_packages = container(root, bin_dir, "Dockerfile.worker")
+    if worker_program != "trainyard-worker":
+        fail("Dockerfile.worker", f"runs {worker_program}, not trainyard-worker")
+    check_packages(bin_dir, worker_packages, ["trainyard-worker"], "Dockerfile.worker")
+    if len(sys.argv) > 4:  # the CUDA trainer the worker image ships
+        check_packages(bin_dir, worker_packages, [os.path.abspath(sys.argv[3])],
+                       "Dockerfile.worker", sys.argv[4])
     for f in failures:
         print("FAIL", f)
     if failures:
         return 1
     print(f"deploy files agree: {len(units)} units, {len(pods)} pod templates, the container's "
           f"{len(packages)} packages cover the {len(needed)} that "
-          f"{', '.join(CONTAINER_PROGRAMS)} link")
+          f"{', '.join(CONTAINER_PROGRAMS)} link, the worker image's cover trainyard-worker"
+          + (" and the CUDA trainer" if len(sys.argv) > 4 else ""))
     return 0
 
 
