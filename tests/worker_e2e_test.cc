@@ -811,6 +811,36 @@ TEST_F(WorkerE2eTest, ARestartedWorkerAdoptsItsRunningRanksAndTheJobKeepsItsAtte
   EXPECT_THAT(logs, ::testing::Contains("1: stopping on SIGTERM"));
 }
 
+// A rank whose shepherd is killed while no worker runs dies with it. The next worker cannot
+// adopt it: it reports the rank gone, so the attempt fails and the job restarts (attempt 2),
+// rather than the rank being started again into an attempt whose other ranks moved on.
+TEST_F(WorkerE2eTest, ARankWhoseShepherdDiedWhileItsWorkerWasAwayRestartsItsJob) {
+  auto job = client_->Submit(testing::TinySpec("hang", 1, /*max_restarts=*/1));
+  ASSERT_TRUE(job.ok());
+  WaitForReadyLines(job->id(), 1);
+  const std::vector<pid_t> pids = RankPids(job->id(), 1);
+  ASSERT_EQ(pids.size(), 1u);
+  worker_->Signal(SIGUSR2);
+  ASSERT_TRUE(worker_->Wait(absl::Seconds(20)).has_value());
+  // The rank's parent is its shepherd.
+  std::ifstream stat(absl::StrCat("/proc/", pids[0], "/stat"));
+  std::string line;
+  ASSERT_TRUE(std::getline(stat, line));
+  const std::vector<std::string> fields =
+      absl::StrSplit(line.substr(line.rfind(')') + 2), ' ');  // state, ppid, ...
+  pid_t shepherd = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(fields.at(1), &shepherd));
+  ASSERT_GT(shepherd, 1);
+  ASSERT_EQ(kill(shepherd, SIGKILL), 0);
+  EXPECT_TRUE(AllGone(pids, absl::Seconds(10))) << "the rank outlived its shepherd";
+  StartWorker({"--gpus", "none"});
+  const v1::Job restarted = WaitFor(
+      job->id(), [](const v1::Job& j) { return j.attempt() >= 2 && j.state() == v1::RUNNING; });
+  EXPECT_EQ(restarted.attempt(), 2);
+  EXPECT_EQ(restarted.restarts(), 1);
+  ASSERT_TRUE(client_->Cancel(job->id(), "done").ok());
+}
+
 // A rank that ends while its worker is away (here crashed: SIGKILL): the next worker collects its
 // exit, so the job succeeds on its first attempt, with the lines the rank printed meanwhile, and
 // the lines from before the crash sent once.

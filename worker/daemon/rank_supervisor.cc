@@ -249,23 +249,38 @@ std::vector<v1::RankStatus> RankSupervisor::Adopt() {
             !absl::SimpleAtoi(name.substr(5, name.size() - 10), &rank)) {
           continue;
         }
+        const RankKey key{job.path().filename().string(), attempt, rank};
+        // "rank PID DEVICE OFFSET" from its shepherd.
         auto conn = ConnectShepherdSocket(entry.path().string());
-        if (!conn.ok()) {  // its shepherd has ended
-          unlink(entry.path().c_str());
-          continue;
-        }
-        // "rank PID DEVICE OFFSET"
-        auto hello = ReceiveShepherdMessage(*conn, absl::Seconds(5));
+        auto hello = conn.ok() ? ReceiveShepherdMessage(*conn, absl::Seconds(5))
+                               : absl::StatusOr<std::string>(conn.status());
         const std::vector<std::string> words = absl::StrSplit(hello.ok() ? *hello : "", ' ');
         pid_t pid = 0;
         int device = 0;
         int64_t offset = 0;
         if (words.size() != 4 || words[0] != "rank" || !absl::SimpleAtoi(words[1], &pid) ||
             !absl::SimpleAtoi(words[2], &device) || !absl::SimpleAtoi(words[3], &offset)) {
-          close(*conn);
+          // Its shepherd ended without a worker to tell (it was killed; its rank died with it):
+          // the rank is reported gone, so its attempt fails and the job restarts from its
+          // checkpoint, rather than being started again into an attempt that has moved on.
+          if (conn.ok()) close(*conn);
+          unlink(entry.path().c_str());
+          const std::string why =
+              "its shepherd ended while no worker held it (the rank died with it)";
+          {
+            absl::MutexLock lock(&mu_);
+            started_.insert(key);
+          }
+          ReportExit(key, 128 + SIGKILL, why);
+          v1::RankStatus& s = adopted.emplace_back();
+          s.set_job_id(std::get<0>(key));
+          s.set_attempt(attempt);
+          s.set_rank(rank);
+          s.set_phase(v1::RANK_EXITED);
+          s.set_exit_code(128 + SIGKILL);
+          s.set_message(why);
           continue;
         }
-        const RankKey key{job.path().filename().string(), attempt, rank};
         absl::MutexLock lock(&mu_);
         started_.insert(key);
         Rank& r = ranks_[key];

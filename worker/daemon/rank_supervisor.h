@@ -77,7 +77,9 @@ class RankSupervisor {
   // rank any more. Nothing is started afterwards.
   void Detach();
   // Takes over the ranks that a worker before this one left on the work directory, still running
-  // or ended but not yet collected, and returns them. Call before the first session's hello.
+  // or ended but not yet collected, and returns them (RANK_RUNNING). A rank whose shepherd is gone
+  // (killed while no worker ran) cannot be: it is reported ended (137) and returned as
+  // RANK_EXITED with the reason. Call before the first session's hello.
   std::vector<v1::RankStatus> Adopt();
   // How long a shepherd keeps its rank once no worker holds it (the coordinator's node timeout:
   // by then the rank's attempt has been given up). Applies to ranks started afterwards.

@@ -263,8 +263,17 @@ void WorkerDaemon::Send(v1::NodeMessage message) {
 
 void WorkerDaemon::Run() {
   for (const v1::RankStatus& r : supervisor_->Adopt()) {
-    spdlog::info("adopted rank {} of {} attempt {} on device {}, left running by the worker before",
-                 r.rank(), r.job_id(), r.attempt(), r.device());
+    if (r.phase() == v1::RANK_RUNNING) {
+      spdlog::info(
+          "adopted rank {} of {} attempt {} on device {}, left running by the worker "
+          "before",
+          r.rank(), r.job_id(), r.attempt(), r.device());
+    } else {
+      spdlog::warn(
+          "cannot adopt rank {} of {} attempt {}: {}; its attempt ends and the job "
+          "restarts from its checkpoint",
+          r.rank(), r.job_id(), r.attempt(), r.message());
+    }
   }
   absl::Duration backoff = absl::Milliseconds(100);
   // Each worker's pauses differ by up to 20%, so that a cluster's workers do not all come back
