@@ -67,9 +67,15 @@ void PrintJob(const v1::Job& job) {
                              m.vocab(), " (", HumanCount(ModelParameterCount(m)), " params)")},
       {"data", absl::StrCat(s.data().path(), " (", s.data().format(), ")")},
       {"train",
-       absl::StrCat("steps=", t.steps(), " micro_batch=", t.micro_batch(),
-                    " grad_accum=", t.grad_accum(), " lr=", t.lr(), " warmup=", t.warmup(), " ",
-                    MixedPrecisionName(t.mixed_precision()), " ", OptimizerName(t.optimizer()))},
+       absl::StrCat(
+           "steps=", t.steps(), " micro_batch=", t.micro_batch(), " grad_accum=", t.grad_accum(),
+           " lr=", t.lr(), " ",
+           LrScheduleName(t.lr_schedule() == v1::LR_SCHEDULE_UNSPECIFIED ? v1::WARMUP_COSINE
+                                                                         : t.lr_schedule()),
+           t.warmup_ratio() > 0 ? absl::StrCat(" warmup_ratio=", t.warmup_ratio())
+                                : absl::StrCat(" warmup=", t.warmup()),
+           t.has_min_lr_ratio() ? absl::StrCat(" min_lr_ratio=", t.min_lr_ratio()) : "", " ",
+           MixedPrecisionName(t.mixed_precision()), " ", OptimizerName(t.optimizer()))},
       {"parallel", absl::StrCat(StrategyName(s.parallel().strategy()), " ",
                                 ShardingStrategyName(s.parallel().sharding_strategy()),
                                 " bucket_mb=", s.parallel().bucket_mb())},

@@ -27,6 +27,15 @@ enum class PipelineSchedule { kGpipe, kOneFOneB };
 enum class ExportFormat { kNone, kHf, kHfMerged };
 // train.optimizer.
 enum class OptimizerKind { kAdamW, kAdafactor, kLion, kAdamW8bit };
+// train.lr_schedule (common/lr_schedule.h).
+enum class LrSchedule {
+  kWarmupCosine,
+  kConstant,
+  kConstantWithWarmup,
+  kLinear,
+  kCosine,
+  kCosineWithMinLr
+};
 
 // One table per enum: each value, its number in trainyard.v1 (the wire) and its name as written in
 // specs. Name(), the spec's YAML choices and the conversion from the wire (common/spec.cc, which
@@ -65,6 +74,13 @@ inline constexpr EnumEntry<OptimizerKind> kOptimizers[] = {
     {OptimizerKind::kAdafactor, 2, "adafactor"},
     {OptimizerKind::kLion, 3, "lion"},
     {OptimizerKind::kAdamW8bit, 4, "adamw_8bit"}};
+inline constexpr EnumEntry<LrSchedule> kLrSchedules[] = {
+    {LrSchedule::kWarmupCosine, 1, "warmup_cosine"},
+    {LrSchedule::kConstant, 2, "constant"},
+    {LrSchedule::kConstantWithWarmup, 3, "constant_with_warmup"},
+    {LrSchedule::kLinear, 4, "linear"},
+    {LrSchedule::kCosine, 5, "cosine"},
+    {LrSchedule::kCosineWithMinLr, 6, "cosine_with_min_lr"}};
 
 // The name of `value` in `table` ("?" if it has no row).
 template <typename E, size_t N>
@@ -94,6 +110,7 @@ inline const char* Name(Precision p) { return NameIn(kPrecisions, p); }
 inline const char* Name(PipelineSchedule s) { return NameIn(kPipelineSchedules, s); }
 inline const char* Name(ExportFormat f) { return NameIn(kExportFormats, f); }
 inline const char* Name(OptimizerKind k) { return NameIn(kOptimizers, k); }
+inline const char* Name(LrSchedule s) { return NameIn(kLrSchedules, s); }
 
 struct ModelConfig {
   std::string kind;  // "gpt", "mlp" or "llama"
@@ -118,6 +135,9 @@ struct ModelConfig {
   double rope_high_freq_factor = 4;
   int64_t rope_original_max_position = 0;
   int64_t max_position_embeddings = 0;
+  // Mistral's sliding_window, from model.from's config.json (0: none): at least seq_len (checked),
+  // so it changes nothing in training; kept for the export.
+  int64_t sliding_window = 0;
 
   int HeadDim() const { return head_dim > 0 ? head_dim : n_head > 0 ? d_model / n_head : 0; }
   int KvHeads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
@@ -147,7 +167,9 @@ struct TrainConfig {
   int micro_batch = 0;
   int grad_accum = 1;
   double lr = 0;
-  int64_t warmup = 0;
+  int64_t warmup = 0;  // steps (warmup_ratio resolved)
+  LrSchedule lr_schedule = LrSchedule::kWarmupCosine;
+  double min_lr_ratio = 0.1;  // warmup_cosine and cosine_with_min_lr
   Precision precision = Precision::kFp32;
   bool activation_checkpointing = false;
   uint64_t seed = 0;
@@ -182,6 +204,7 @@ struct JobConfig {
   TrainConfig train;
   ParallelConfig parallel;
   int64_t checkpoint_every_steps = 0;  // 0 = on request and before a graceful stop only
+  int64_t checkpoint_keep_last = 0;    // 0 = every checkpoint is kept (retention.h)
   // Written into <checkpoint dir>/export by rank 0 at the end of a run that trained every step.
   ExportFormat export_format = ExportFormat::kNone;
 };

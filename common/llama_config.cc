@@ -89,6 +89,20 @@ absl::StatusOr<LlamaConfig> ParseLlamaConfig(absl::string_view json, const std::
     if (!t->is_boolean()) return bad("tie_word_embeddings: expected true or false");
     c.tie_word_embeddings = t->get<bool>();
   }
+  // What the model computes and trainyard does not: refused, naming the field, rather than trained
+  // as something else.
+  if (auto t = j.find("hidden_act"); t != j.end() && !t->is_null()) {
+    if (!t->is_string() || (*t != "silu" && *t != "swish")) {
+      return bad("hidden_act: ", t->dump(), " is not supported (silu, Llama's and Mistral's)");
+    }
+  }
+  if (auto t = j.find("sliding_window"); t != j.end() && !t->is_null()) {
+    if (!t->is_number_unsigned() || t->get<uint64_t>() < 1 ||
+        t->get<uint64_t>() > (uint64_t{1} << 31)) {
+      return bad("sliding_window: expected null or a count in 1..2^31, got ", t->dump());
+    }
+    c.sliding_window = static_cast<int64_t>(t->get<uint64_t>());
+  }
   for (const char* field : {"attention_bias", "mlp_bias"}) {
     if (auto t = j.find(field); t != j.end() && t->is_boolean() && t->get<bool>()) {
       return bad(field, ": biases are not supported (Llama has none)");
@@ -191,6 +205,17 @@ absl::Status ResolveLlamaConfig(const LlamaConfig& c, const std::string& file, M
   m->rope_high_freq_factor = c.rope_high_freq_factor;
   m->rope_original_max_position = c.rope_original_max_position_embeddings;
   m->max_position_embeddings = c.max_position_embeddings;
+  // Windowed attention is not implemented: trained only where the window covers every window of
+  // the data (then it is plain causal attention, exactly).
+  if (c.sliding_window > 0 && m->seq_len > c.sliding_window) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model.seq_len: ", m->seq_len, " is longer than ", file, "'s sliding_window (",
+                     c.sliding_window,
+                     "); sliding-window attention is not implemented, so train with "
+                     "model.seq_len <= ",
+                     c.sliding_window));
+  }
+  m->sliding_window = c.sliding_window;
   return absl::OkStatus();
 }
 
@@ -225,6 +250,7 @@ LlamaConfig LlamaConfigOf(const ModelConfig& m) {
   c.rope_high_freq_factor = m.rope_high_freq_factor;
   c.rope_original_max_position_embeddings = m.rope_original_max_position;
   c.torch_dtype = "float32";
+  c.sliding_window = m.sliding_window;
   return c;
 }
 
@@ -250,6 +276,11 @@ std::string LlamaConfigJson(const ModelConfig& m) {
       {"torch_dtype", c.torch_dtype},
       {"rope_scaling", nullptr},
   };
+  if (c.sliding_window > 0) {  // a Mistral model stays one: its window applies beyond seq_len
+    j["architectures"] = {"MistralForCausalLM"};
+    j["model_type"] = "mistral";
+    j["sliding_window"] = c.sliding_window;
+  }
   if (!c.rope_scaling_type.empty()) {
     j["rope_scaling"] = {{"rope_type", c.rope_scaling_type}, {"factor", c.rope_scaling_factor}};
     if (c.rope_scaling_type == "llama3") {

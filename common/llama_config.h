@@ -41,6 +41,9 @@ struct LlamaConfig {
   double rope_high_freq_factor = 4;
   int64_t rope_original_max_position_embeddings = 0;
   std::string torch_dtype;  // as saved: "float32", "bfloat16", "float16" or ""
+  // Mistral's sliding_window (0: none): each position attends to at most this many. Trained only
+  // where it changes nothing (model.seq_len <= it), and kept in the export.
+  int64_t sliding_window = 0;
 };
 
 // INVALID_ARGUMENT naming `file` and the field: not JSON, another architecture, a size missing

@@ -68,6 +68,7 @@ std::string StrategyName(v1::Strategy s);                  // "ddp"
 std::string ShardingStrategyName(v1::ShardingStrategy s);  // "FULL_SHARD"
 std::string MixedPrecisionName(v1::MixedPrecision p);      // "fp32"
 std::string OptimizerName(v1::Optimizer o);                // "adamw_8bit"
+std::string LrScheduleName(v1::LrSchedule s);              // "cosine_with_min_lr"
 
 // A llama spec's sizes left at 0 filled from model.from's config.json when this process can read
 // it (yard does, so that the coordinator's memory check at submit sees the model): NOT_FOUND when

@@ -2,6 +2,7 @@
 #include "common/spec.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
@@ -32,6 +33,8 @@ static_assert(SameNumbers(kPipelineSchedules, {v1::GPIPE, v1::ONE_F_ONE_B}));
 static_assert(SameNumbers(kExportFormats,
                           {v1::EXPORT_FORMAT_UNSPECIFIED, v1::EXPORT_HF, v1::EXPORT_HF_MERGED}));
 static_assert(SameNumbers(kOptimizers, {v1::ADAMW, v1::ADAFACTOR, v1::LION, v1::ADAMW_8BIT}));
+static_assert(SameNumbers(kLrSchedules, {v1::WARMUP_COSINE, v1::CONSTANT, v1::CONSTANT_WITH_WARMUP,
+                                         v1::LINEAR, v1::COSINE, v1::COSINE_WITH_MIN_LR}));
 
 // The spec name of a wire value; the generated name, lower-cased, for a number with no row.
 template <typename E, size_t N, typename W>
@@ -64,6 +67,8 @@ std::string ShardingStrategyName(v1::ShardingStrategy s) { return WireName(kShar
 std::string MixedPrecisionName(v1::MixedPrecision p) { return WireName(kPrecisions, p); }
 
 std::string OptimizerName(v1::Optimizer o) { return WireName(kOptimizers, o); }
+
+std::string LrScheduleName(v1::LrSchedule s) { return WireName(kLrSchedules, s); }
 
 ModelConfig ToModelConfig(const v1::ModelSpec& m) {
   ModelConfig c;
@@ -114,7 +119,13 @@ JobConfig ToJobConfig(const v1::JobSpec& spec) {
   c.train.micro_batch = t.micro_batch();
   c.train.grad_accum = t.grad_accum();
   c.train.lr = t.lr();
-  c.train.warmup = t.warmup();
+  // Hugging Face's TrainingArguments.get_warmup_steps: ceil(steps x warmup_ratio).
+  c.train.warmup =
+      t.warmup() > 0
+          ? t.warmup()
+          : static_cast<int64_t>(std::ceil(static_cast<double>(t.steps()) * t.warmup_ratio()));
+  c.train.lr_schedule = FromWire(kLrSchedules, t.lr_schedule(), LrSchedule::kWarmupCosine);
+  if (t.has_min_lr_ratio()) c.train.min_lr_ratio = t.min_lr_ratio();
   c.train.precision = FromWire(kPrecisions, t.mixed_precision(), Precision::kFp32);
   c.train.activation_checkpointing = t.activation_checkpointing();
   c.train.seed = t.seed();
@@ -148,6 +159,7 @@ JobConfig ToJobConfig(const v1::JobSpec& spec) {
   c.parallel.sequence_parallel = p.sequence_parallel();
   c.train.micro_batches = std::max(1, t.micro_batches());
   c.checkpoint_every_steps = spec.checkpoint().every_steps();
+  c.checkpoint_keep_last = spec.checkpoint().keep_last();
   c.export_format =
       FromWire(kExportFormats, spec.checkpoint().export_format(), ExportFormat::kNone);
   return c;

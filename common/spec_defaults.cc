@@ -11,6 +11,7 @@ using v1::JobSpec;
 void ApplyJobSpecDefaults(JobSpec& spec) {
   if (spec.priority() == 0) spec.set_priority(50);
   if (IsCommandJob(spec)) return;  // the program's own settings are its business
+  if (!spec.checkpoint().has_keep_last()) spec.mutable_checkpoint()->set_keep_last(3);
   auto& m = *spec.mutable_model();
   if (m.kind().empty()) m.set_kind("gpt");
   if (m.kind() == "mlp" && m.d_hidden() == 0) m.set_d_hidden(4 * m.d_model());
@@ -31,6 +32,7 @@ void ApplyJobSpecDefaults(JobSpec& spec) {
   if (t.lr() == 0) t.set_lr(3e-4);
   if (t.mixed_precision() == v1::MIXED_PRECISION_UNSPECIFIED) t.set_mixed_precision(v1::FP32);
   if (t.optimizer() == v1::OPTIMIZER_UNSPECIFIED) t.set_optimizer(v1::ADAMW);
+  if (t.lr_schedule() == v1::LR_SCHEDULE_UNSPECIFIED) t.set_lr_schedule(v1::WARMUP_COSINE);
   if (t.seed() == 0) t.set_seed(1);
   if (t.has_lora()) {  // PEFT's LoraConfig defaults, with its llama targets
     auto& lora = *t.mutable_lora();

@@ -338,6 +338,41 @@ absl::Status ValidateTrain(const JobSpec& spec) {
     return FieldError("train.lr", absl::StrCat("must be in (0, 10], got ", t.lr()));
   }
   RETURN_IF_ERROR(CheckRange("train.warmup", t.warmup(), 0, t.steps()));
+  if (!v1::LrSchedule_IsValid(t.lr_schedule())) {
+    return FieldError("train.lr_schedule",
+                      absl::StrCat("unknown value ", t.lr_schedule(),
+                                   " (warmup_cosine, constant, constant_with_warmup, linear, "
+                                   "cosine or cosine_with_min_lr)"));
+  }
+  if (!(t.warmup_ratio() >= 0 && t.warmup_ratio() <= 1)) {
+    return FieldError("train.warmup_ratio",
+                      absl::StrCat("must be in [0, 1], got ", t.warmup_ratio()));
+  }
+  if (t.warmup_ratio() > 0 && t.warmup() > 0) {
+    return FieldError("train.warmup_ratio",
+                      "give train.warmup (steps) or train.warmup_ratio, "
+                      "not both");
+  }
+  if (t.lr_schedule() == v1::CONSTANT && (t.warmup() > 0 || t.warmup_ratio() > 0)) {
+    return FieldError("train.lr_schedule",
+                      "constant has no warmup: use constant_with_warmup, or drop train.warmup");
+  }
+  const bool ends_at_min = t.lr_schedule() == v1::COSINE_WITH_MIN_LR ||
+                           t.lr_schedule() == v1::WARMUP_COSINE ||
+                           t.lr_schedule() == v1::LR_SCHEDULE_UNSPECIFIED;
+  if (t.has_min_lr_ratio() && !ends_at_min) {
+    return FieldError("train.min_lr_ratio",
+                      absl::StrCat("only warmup_cosine and cosine_with_min_lr end at a minimum; ",
+                                   LrScheduleName(t.lr_schedule()), " does not"));
+  }
+  if (t.has_min_lr_ratio() && !(t.min_lr_ratio() >= 0 && t.min_lr_ratio() <= 1)) {
+    return FieldError("train.min_lr_ratio",
+                      absl::StrCat("must be in [0, 1], got ", t.min_lr_ratio()));
+  }
+  if (t.lr_schedule() == v1::COSINE_WITH_MIN_LR && !t.has_min_lr_ratio()) {
+    return FieldError("train.min_lr_ratio",
+                      "cosine_with_min_lr needs it (transformers' min_lr_rate), in [0, 1]");
+  }
   if (!v1::MixedPrecision_IsValid(t.mixed_precision()) ||
       t.mixed_precision() == v1::MIXED_PRECISION_UNSPECIFIED) {
     return FieldError("train.mixed_precision",
@@ -449,6 +484,7 @@ absl::Status ValidateCheckpoint(const JobSpec& spec) {
   const auto& t = spec.train();
   RETURN_IF_ERROR(
       CheckRange("checkpoint.every_steps", spec.checkpoint().every_steps(), 0, int64_t{1} << 40));
+  RETURN_IF_ERROR(CheckRange("checkpoint.keep_last", spec.checkpoint().keep_last(), 0, 1000000));
   if (const v1::ExportFormat f = spec.checkpoint().export_format();
       f != v1::EXPORT_FORMAT_UNSPECIFIED) {
     if (!v1::ExportFormat_IsValid(f)) {

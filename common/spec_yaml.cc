@@ -264,10 +264,11 @@ absl::Status ParseData(const YAML::Node& n, SpecParser& p, JobSpec& spec) {
 
 // The spec's `train`.
 absl::Status ParseTrain(const YAML::Node& n, SpecParser& p, JobSpec& spec) {
-  RETURN_IF_ERROR(p.Mapping(n, "train",
-                            {"steps", "micro_batch", "grad_accum", "lr", "warmup",
-                             "mixed_precision", "activation_checkpointing", "seed", "weight_decay",
-                             "grad_clip", "lora", "optimizer", "micro_batches"}));
+  RETURN_IF_ERROR(
+      p.Mapping(n, "train",
+                {"steps", "micro_batch", "grad_accum", "lr", "warmup", "mixed_precision",
+                 "activation_checkpointing", "seed", "weight_decay", "grad_clip", "lora",
+                 "optimizer", "micro_batches", "lr_schedule", "warmup_ratio", "min_lr_ratio"}));
   auto& t = *spec.mutable_train();
   int64_t i64 = 0;
   int32_t i32 = 0;
@@ -307,6 +308,17 @@ absl::Status ParseTrain(const YAML::Node& n, SpecParser& p, JobSpec& spec) {
   d = 0;
   RETURN_IF_ERROR(p.Double(n, "grad_clip", "train", d));
   t.set_grad_clip(d);
+  v1::LrSchedule schedule = v1::LR_SCHEDULE_UNSPECIFIED;
+  RETURN_IF_ERROR(
+      p.Choice(n, "lr_schedule", "train", Choices<v1::LrSchedule>(kLrSchedules), schedule));
+  t.set_lr_schedule(schedule);
+  d = 0;
+  RETURN_IF_ERROR(p.Double(n, "warmup_ratio", "train", d));
+  t.set_warmup_ratio(d);
+  if (n["min_lr_ratio"]) {
+    RETURN_IF_ERROR(p.Double(n, "min_lr_ratio", "train", d));
+    t.set_min_lr_ratio(d);
+  }
   if (const YAML::Node l = n["lora"]) {
     RETURN_IF_ERROR(p.Mapping(l, "train.lora", {"r", "alpha", "dropout", "target_modules"}));
     auto& lora = *t.mutable_lora();
@@ -419,10 +431,15 @@ absl::Status ParseParallel(const YAML::Node& n, SpecParser& p, JobSpec& spec) {
 
 // The spec's `checkpoint`.
 absl::Status ParseCheckpoint(const YAML::Node& n, SpecParser& p, JobSpec& spec) {
-  RETURN_IF_ERROR(p.Mapping(n, "checkpoint", {"every_steps", "export"}));
+  RETURN_IF_ERROR(p.Mapping(n, "checkpoint", {"every_steps", "export", "keep_last"}));
   int64_t every = 0;
   RETURN_IF_ERROR(p.Integer(n, "every_steps", "checkpoint", every));
   spec.mutable_checkpoint()->set_every_steps(every);
+  if (n["keep_last"]) {
+    int32_t keep = 0;
+    RETURN_IF_ERROR(p.Integer(n, "keep_last", "checkpoint", keep));
+    spec.mutable_checkpoint()->set_keep_last(keep);
+  }
   v1::ExportFormat format = v1::EXPORT_FORMAT_UNSPECIFIED;
   RETURN_IF_ERROR(
       p.Choice(n, "export", "checkpoint", Choices<v1::ExportFormat>(kExportFormats), format));

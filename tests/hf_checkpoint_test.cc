@@ -105,6 +105,49 @@ TEST(HfCheckpointTest, ABadConfigNamesTheField) {
                          "attention_bias": true})"),
               HasSubstr("attention_bias: biases are not supported"));
   EXPECT_THAT(ErrorOf("{not json"), HasSubstr("not a JSON object"));
+  // What changes the computation and is not implemented is refused, not trained as something else.
+  EXPECT_THAT(ErrorOf(R"({"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+                         "num_hidden_layers": 1, "num_attention_heads": 2,
+                         "hidden_act": "gelu"})"),
+              HasSubstr("hidden_act: \"gelu\" is not supported (silu"));
+  EXPECT_THAT(ErrorOf(R"({"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+                         "num_hidden_layers": 1, "num_attention_heads": 2,
+                         "sliding_window": 0})"),
+              HasSubstr("sliding_window: expected null or a count"));
+}
+
+// Mistral's sliding window: trained only where it covers the whole window of data (then the
+// attention is exactly causal), refused naming model.seq_len otherwise, and kept by the export.
+TEST(LlamaConfigTest, ASlidingWindowIsTrainedOnlyWhereItChangesNothingAndExported) {
+  auto c = ParseLlamaConfig(R"({"model_type": "mistral", "vocab_size": 10, "hidden_size": 8,
+                               "intermediate_size": 16, "num_hidden_layers": 1,
+                               "num_attention_heads": 2, "hidden_act": "silu",
+                               "sliding_window": 8})",
+                            "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->sliding_window, 8);
+  ModelConfig wide;
+  wide.kind = "llama";
+  wide.seq_len = 16;
+  absl::Status refused = ResolveLlamaConfig(*c, "config.json", &wide);
+  EXPECT_THAT(std::string(refused.message()),
+              HasSubstr("model.seq_len: 16 is longer than config.json's sliding_window (8)"));
+  ModelConfig fits;
+  fits.kind = "llama";
+  fits.seq_len = 8;
+  ASSERT_TRUE(ResolveLlamaConfig(*c, "config.json", &fits).ok());
+  EXPECT_EQ(fits.sliding_window, 8);
+  const std::string exported = LlamaConfigJson(fits);
+  EXPECT_THAT(exported, HasSubstr("\"model_type\": \"mistral\""));
+  EXPECT_THAT(exported, HasSubstr("\"sliding_window\": 8"));
+  EXPECT_THAT(exported, HasSubstr("MistralForCausalLM"));
+  auto again = ParseLlamaConfig(exported, "exported/config.json");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->sliding_window, 8);
+  // Without a window the export is a llama, as before.
+  ModelConfig plain = fits;
+  plain.sliding_window = 0;
+  EXPECT_THAT(LlamaConfigJson(plain), HasSubstr("\"model_type\": \"llama\""));
 }
 
 class ModelDir : public ::testing::Test {

@@ -9,6 +9,7 @@
 #include <signal.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -454,6 +455,58 @@ TEST_F(TrainerE2eTest, ResumeAfterSigkillReproducesEveryLoss) {
   }
   ExpectSameParams(ReadDump(dir_.path() + "/killed.params"),
                    ReadDump(dir_.path() + "/straight.params"), 1e-6);
+}
+
+// checkpoint.keep_last: a job that checkpoints every 2 steps keeps the newest 2 folders. Killed
+// after its step-6 checkpoint, it resumes from the newest (what retention never removes), its
+// losses are the straight run's, and at the end only step-10 and step-12 are left.
+TEST_F(TrainerE2eTest, RetentionKeepsTheNewestCheckpointsAndAKilledRunStillResumes) {
+  v1::JobSpec spec = TinySpec(1, 8);
+  spec.mutable_train()->set_steps(12);
+  spec.mutable_checkpoint()->set_every_steps(2);
+  spec.mutable_checkpoint()->set_keep_last(2);
+  const Job straight = StartJob(spec, "straight");
+  const Job killed = StartJob(spec, "killed");
+  const std::string straight_metrics = dir_.path() + "/straight.jsonl";
+  const std::string killed_metrics = dir_.path() + "/killed.jsonl";
+  const std::string resumed_metrics = dir_.path() + "/resumed.jsonl";
+  auto folders = [](const std::string& dir) {
+    std::vector<std::string> names;
+    for (const auto& e : std::filesystem::directory_iterator(dir)) {
+      names.push_back(e.path().filename().string());
+    }
+    std::sort(names.begin(), names.end());
+    return names;
+  };
+  RunResult a = Run(straight, 1, {"--metrics-file", straight_metrics});
+  ASSERT_THAT(a.exit_codes, ::testing::ElementsAre(0)) << Joined(a);
+  EXPECT_THAT(folders(straight.checkpoint_dir),
+              ::testing::ElementsAre("latest", "step-10", "step-12"));
+  EXPECT_THAT(Joined(a), HasSubstr("removed step-2 (checkpoint.keep_last 2)"));
+
+  auto procs = Launch(killed, 1, {"--metrics-file", killed_metrics});
+  ASSERT_EQ(procs.size(), 1u);
+  bool saw_checkpoint = false;
+  while (auto line = procs[0]->ReadLine(kRunTimeout)) {
+    if (absl::StartsWith(*line, "checkpoint step 6 ")) {
+      saw_checkpoint = true;
+      procs[0]->Signal(SIGKILL);
+      break;
+    }
+  }
+  ASSERT_TRUE(saw_checkpoint);
+  ASSERT_TRUE(procs[0]->Wait(absl::Seconds(30)).has_value());
+  RunResult b = Run(killed, 1, {"--metrics-file", resumed_metrics});
+  ASSERT_THAT(b.exit_codes, ::testing::ElementsAre(0)) << Joined(b);
+  EXPECT_THAT(Joined(b), HasSubstr("resumed from"));
+  const auto expected = ReadLosses(straight_metrics);
+  for (const std::string& file : {killed_metrics, resumed_metrics}) {
+    for (const auto& [step, loss] : ReadLosses(file)) {
+      EXPECT_NEAR(loss, expected.at(step), 1e-6) << file << " step " << step;
+    }
+  }
+  EXPECT_THAT(folders(killed.checkpoint_dir),
+              ::testing::ElementsAre("latest", "step-10", "step-12"));
 }
 
 TEST_F(TrainerE2eTest, SigtermCheckpointsAndExitsZeroOnEveryRank) {
@@ -2186,6 +2239,9 @@ TEST_F(TrainerE2eTest, AnswersHelpAndVersion) {
   testing::CommandResult h = testing::RunCommand({testing::BinPath("trainyard-trainer"), "--help"});
   EXPECT_EQ(h.exit_code, 0);
   EXPECT_THAT(h.out, HasSubstr("--checkpoint-dir"));
+  // The tool modes are listed too.
+  EXPECT_THAT(h.out, HasSubstr("--export-hf CHECKPOINT_DIR --spec SPEC --out DIR [--merge-lora]"));
+  EXPECT_THAT(h.out, HasSubstr("--consolidate-checkpoint DIR/step-N --out DIR"));
 }
 
 // Each rank logs which BLAS kernels do its matmuls (they can halve a step's speed), and so does

@@ -22,6 +22,7 @@
 
 #include "common/job_config.h"
 #include "tests/testing/subprocess.h"
+#include "worker/trainer/checkpoint/retention.h"
 #include "worker/trainer/comm/communicator.h"
 #include "worker/trainer/comm/shm_allreduce.h"
 #include "worker/trainer/io/data.h"
@@ -355,6 +356,43 @@ TEST(ScheduleTest, WarmsUpLinearlyThenDecaysToATenth) {
   EXPECT_NEAR(LearningRate(100, 100, 10, 1e-3), 1e-4, 1e-12);
   EXPECT_NEAR(LearningRate(0, 50, 0, 2e-3), 2e-3, 1e-12);  // no warmup
   EXPECT_GT(LearningRate(30, 100, 10, 1e-3), LearningRate(31, 100, 10, 1e-3));
+}
+
+// checkpoint.keep_last: the newest checkpoints up to the one `latest` names are kept, a newer one
+// (an attempt that wrote past it) too, and removals a crash interrupted are finished.
+TEST(RetentionTest, KeepsTheNewestAndNeverWhatLatestNames) {
+  testing::TempDir dir;
+  const std::string d = dir.path();
+  for (int step : {2, 4, 6, 8, 10})
+    std::filesystem::create_directories(d + "/step-" + std::to_string(step));
+  std::filesystem::create_directories(d + "/.step-1.removing/sub");  // a crash halfway
+  std::filesystem::create_directories(d + "/export");
+  std::ofstream(d + "/step-4/model.pt") << "x";
+  auto names = [&] {
+    std::vector<std::string> out;
+    for (const auto& e : std::filesystem::directory_iterator(d)) {
+      out.push_back(e.path().filename().string());
+    }
+    std::sort(out.begin(), out.end());
+    return out;
+  };
+  // Nothing published yet: nothing is known to be safe to remove.
+  auto none = PruneCheckpoints(d, 1);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_TRUE(none->empty());
+  std::ofstream(d + "/latest") << "step-8\n";
+  auto removed = PruneCheckpoints(d, 2);
+  ASSERT_TRUE(removed.ok()) << removed.status();
+  EXPECT_THAT(*removed, ::testing::ElementsAre("step-2", "step-4"));
+  EXPECT_THAT(names(), ::testing::ElementsAre("export", "latest", "step-10", "step-6", "step-8"));
+  // keep_last 0 keeps everything.
+  removed = PruneCheckpoints(d, 0);
+  ASSERT_TRUE(removed.ok());
+  EXPECT_TRUE(removed->empty());
+  removed = PruneCheckpoints(d, 1);
+  ASSERT_TRUE(removed.ok());
+  EXPECT_THAT(*removed, ::testing::ElementsAre("step-6"));
+  EXPECT_THAT(names(), ::testing::ElementsAre("export", "latest", "step-10", "step-8"));
 }
 
 TEST(SamplerTest, RankShardsAreDisjointAndCoverTheGlobalBatch) {

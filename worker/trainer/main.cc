@@ -181,6 +181,16 @@ int Main(int argc, char** argv) {
 
   CLI::App app{"trainyard-trainer: one rank of a trainyard training job (LibTorch, DDP over Gloo)"};
   app.set_version_flag("--version", absl::StrCat("trainyard-trainer ", kVersion, "\n", blas));
+  // The tool modes parse their own flags (each one's --help lists them).
+  app.footer(
+      "Tool modes (no job):\n"
+      "  trainyard-trainer --export-hf CHECKPOINT_DIR --spec SPEC --out DIR [--merge-lora]\n"
+      "      a job's latest checkpoint as a Hugging Face model directory (a LoRA job: its adapter\n"
+      "      in PEFT's layout, or with --merge-lora the model with the adapters merged in)\n"
+      "  trainyard-trainer --consolidate-checkpoint DIR/step-N --out DIR\n"
+      "      a sharded (fsdp) checkpoint as a consolidated (ddp) one\n"
+      "  trainyard-trainer --supported-devices\n"
+      "      the devices this build trains on (cpu, cuda)");
   std::string spec_path, context_path;
   TrainerOptions o;
   app.add_option("--context", context_path,

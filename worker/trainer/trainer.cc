@@ -22,10 +22,12 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "common/lr_schedule.h"
 #include "common/status_macros.h"
 #include "worker/trainer/checkpoint/checkpoint.h"
 #include "worker/trainer/checkpoint/fsdp_checkpoint.h"
 #include "worker/trainer/checkpoint/hf_weights.h"
+#include "worker/trainer/checkpoint/retention.h"
 #include "worker/trainer/checkpoint/staged_checkpoint.h"
 #include "worker/trainer/comm/communicator.h"
 #include "worker/trainer/comm/coordinator_store.h"
@@ -717,7 +719,7 @@ absl::Status Trainer::Update(StepStats& s) {
   }
   const double clip_scale =
       t_.grad_clip > 0 && s.grad_norm > t_.grad_clip ? t_.grad_clip / (s.grad_norm + 1e-6) : 1.0;
-  s.lr = LearningRate(step_, t_.steps, t_.warmup, t_.lr);
+  s.lr = ScheduledLearningRate(step_, t_);
   if (s.overflow) {
     // Skipped, as GradScaler skips optimizer.step(): parameters and optimizer state stay.
     for (auto& p : params_) p.mutable_grad() = torch::Tensor();
@@ -849,6 +851,14 @@ absl::Status Trainer::Checkpoint() {
     Log(absl::StrCat("checkpoint step ", info.step, " path ", info.path, " bytes ", info.bytes,
                      kind));
     if (reporter_) reporter_->ReportCheckpoint({info.step, info.path, info.bytes});
+    // Durable and published: the oldest beyond checkpoint.keep_last go.
+    auto removed = PruneCheckpoints(o_.checkpoint_dir, spec_.checkpoint_keep_last);
+    if (!removed.ok()) {
+      Log(absl::StrCat("checkpoint retention: ", removed.status().message()));
+    } else if (!removed->empty()) {
+      Log(absl::StrCat("removed ", absl::StrJoin(*removed, ", "), " (checkpoint.keep_last ",
+                       spec_.checkpoint_keep_last, ")"));
+    }
   };
   if (pipeline_) {
     // Each stage's first replica writes its part; rank 0 meta.json. Under fsdp, the stage's

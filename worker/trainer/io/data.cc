@@ -9,6 +9,7 @@
 #include <iterator>
 
 #include "absl/strings/str_cat.h"
+#include "common/lr_schedule.h"
 
 namespace trainyard::trainer {
 namespace {
@@ -122,12 +123,11 @@ std::vector<int64_t> DistributedSampler::GlobalBatch(int64_t step) {
 }
 
 double LearningRate(int64_t step, int64_t total_steps, int64_t warmup, double lr) {
-  if (warmup > 0 && step < warmup) return lr * static_cast<double>(step + 1) / warmup;
-  const double min_lr = 0.1 * lr;
-  const int64_t decay_steps = std::max<int64_t>(1, total_steps - warmup);
-  const double progress =
-      std::min(1.0, static_cast<double>(step - warmup) / static_cast<double>(decay_steps));
-  return min_lr + 0.5 * (lr - min_lr) * (1.0 + std::cos(M_PI * progress));
+  TrainConfig t;  // warmup_cosine to 0.1 x lr
+  t.steps = total_steps;
+  t.warmup = warmup;
+  t.lr = lr;
+  return ScheduledLearningRate(step, t);
 }
 
 absl::StatusOr<std::vector<uint8_t>> LoadLossMask(const std::string& path, int64_t num_tokens) {
