@@ -1,12 +1,8 @@
 #include "worker/daemon/rank_supervisor.h"
 
 #include <fcntl.h>
-#include <grp.h>
 #include <netinet/in.h>
-#include <poll.h>
 #include <signal.h>
-#include <sys/mman.h>
-#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -250,16 +246,12 @@ std::vector<v1::RankStatus> RankSupervisor::Adopt() {
           continue;
         }
         const RankKey key{job.path().filename().string(), attempt, rank};
-        // "rank PID DEVICE OFFSET" from its shepherd.
         auto conn = ConnectShepherdSocket(entry.path().string());
-        auto hello = conn.ok() ? ReceiveShepherdMessage(*conn, absl::Seconds(5))
-                               : absl::StatusOr<std::string>(conn.status());
-        const std::vector<std::string> words = absl::StrSplit(hello.ok() ? *hello : "", ' ');
-        pid_t pid = 0;
-        int device = 0;
-        int64_t offset = 0;
-        if (words.size() != 4 || words[0] != "rank" || !absl::SimpleAtoi(words[1], &pid) ||
-            !absl::SimpleAtoi(words[2], &device) || !absl::SimpleAtoi(words[3], &offset)) {
+        auto message = conn.ok() ? ReceiveShepherdMessage(*conn, absl::Seconds(5))
+                                 : absl::StatusOr<std::string>(conn.status());
+        const std::optional<ShepherdHello> hello =
+            message.ok() ? ParseShepherdHello(*message) : std::nullopt;
+        if (!hello.has_value()) {
           // Its shepherd ended without a worker to tell (it was killed; its rank died with it):
           // the rank is reported gone, so its attempt fails and the job restarts from its
           // checkpoint, rather than being started again into an attempt that has moved on.
@@ -284,15 +276,15 @@ std::vector<v1::RankStatus> RankSupervisor::Adopt() {
         absl::MutexLock lock(&mu_);
         started_.insert(key);
         Rank& r = ranks_[key];
-        r.pid = pid;
-        r.device = device;
+        r.device = hello->device;
         r.conn = *conn;
-        r.reader = std::thread([this, key, conn = *conn, offset] { Follow(key, conn, 0, offset); });
+        r.reader = std::thread(
+            [this, key, conn = *conn, offset = hello->offset] { Follow(key, conn, 0, offset); });
         v1::RankStatus& s = adopted.emplace_back();
         s.set_job_id(std::get<0>(key));
         s.set_attempt(attempt);
         s.set_rank(rank);
-        s.set_device(device);
+        s.set_device(hello->device);
         s.set_phase(v1::RANK_RUNNING);
       }
     }
@@ -634,13 +626,8 @@ void RankSupervisor::Follow(RankKey key, int conn, pid_t shepherd, int64_t offse
   std::optional<int> exit_code;
   std::string gone;  // why the shepherd cannot say how the rank ended
   if (offset < 0) {  // a shepherd this worker started: its hello first
-    auto hello = ReceiveShepherdMessage(conn, absl::Seconds(30));
-    const std::vector<std::string> words = absl::StrSplit(hello.ok() ? *hello : "", ' ');
-    pid_t pid = 0;
-    if (words.size() == 4 && words[0] == "rank" && absl::SimpleAtoi(words[1], &pid)) {
-      absl::MutexLock lock(&mu_);
-      ranks_[key].pid = pid;
-    } else {
+    auto message = ReceiveShepherdMessage(conn, absl::Seconds(30));
+    if (!message.ok() || !ParseShepherdHello(*message).has_value()) {
       gone = "the rank's shepherd did not start";
     }
     offset = 0;

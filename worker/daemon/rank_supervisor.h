@@ -92,7 +92,6 @@ class RankSupervisor {
  private:
   using RankKey = std::tuple<std::string, int, int>;  // job, attempt, rank
   struct Rank {
-    pid_t pid = 0;  // the rank's own, once its shepherd has said
     int device = 0;
     int conn = -1;  // to its shepherd
     bool stop_sent = false;

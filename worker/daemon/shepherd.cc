@@ -37,23 +37,35 @@ namespace {
 constexpr int kListenFd = 3;  // the socket RankSupervisor hands over
 constexpr size_t kMaxMessageBytes = 256;
 
-// `path` as a Unix socket address short enough for sun_path: its folder opened and named through
-// /proc/self/fd. `dir_fd` receives the folder's descriptor, to close after bind or connect.
-absl::StatusOr<sockaddr_un> SocketAddress(const std::string& path, int* dir_fd) {
+// A new SOCK_SEQPACKET socket and the address of `path` for it, short enough for sun_path at
+// any length of `path`: its folder opened (`dir_fd`, to close after bind or connect) and named
+// through /proc/self/fd.
+struct UnixSocket {
+  int fd = -1;
+  int dir_fd = -1;
+  sockaddr_un addr{};
+};
+absl::StatusOr<UnixSocket> NewSocket(const std::string& path) {
   const std::filesystem::path p(path);
-  *dir_fd = open(p.parent_path().c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
-  if (*dir_fd < 0) {
+  UnixSocket s;
+  s.dir_fd = open(p.parent_path().c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
+  if (s.dir_fd < 0) {
     return absl::NotFoundError(absl::StrCat(p.parent_path().string(), ": ", strerror(errno)));
   }
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  const std::string name = absl::StrCat("/proc/self/fd/", *dir_fd, "/", p.filename().string());
-  if (name.size() >= sizeof(addr.sun_path)) {
-    close(*dir_fd);
+  s.addr.sun_family = AF_UNIX;
+  const std::string name = absl::StrCat("/proc/self/fd/", s.dir_fd, "/", p.filename().string());
+  if (name.size() >= sizeof(s.addr.sun_path)) {
+    close(s.dir_fd);
     return absl::InvalidArgumentError(absl::StrCat(path, ": the socket's name is too long"));
   }
-  memcpy(addr.sun_path, name.c_str(), name.size() + 1);
-  return addr;
+  memcpy(s.addr.sun_path, name.c_str(), name.size() + 1);
+  s.fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (s.fd < 0) {
+    const int err = errno;
+    close(s.dir_fd);
+    return absl::InternalError(absl::StrCat("socket: ", strerror(err)));
+  }
+  return s;
 }
 
 // The all-reduce segment a trainer of rank 0 names /dev/shm/trainyard-allreduce-PID-... exists
@@ -211,48 +223,49 @@ void Note(int log_fd, const std::string& text) {
 }  // namespace
 
 absl::StatusOr<int> ListenShepherdSocket(const std::string& path) {
-  int dir_fd = -1;
-  auto addr = SocketAddress(path, &dir_fd);
-  if (!addr.ok()) return addr.status();
-  const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-  if (fd < 0) {
-    close(dir_fd);
-    return absl::InternalError(absl::StrCat("socket: ", strerror(errno)));
-  }
+  auto s = NewSocket(path);
+  if (!s.ok()) return s.status();
   unlink(path.c_str());
   // Mode 0600 at once (connecting needs write permission); the shepherd also takes connections
   // from its own account only.
-  const bool bound = bind(fd, reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr)) == 0 &&
-                     chmod(path.c_str(), 0600) == 0;
+  const bool bound =
+      bind(s->fd, reinterpret_cast<const sockaddr*>(&s->addr), sizeof(s->addr)) == 0 &&
+      chmod(path.c_str(), 0600) == 0 && listen(s->fd, 4) == 0;
   const int err = errno;
-  close(dir_fd);
-  if (!bound || listen(fd, 4) != 0) {
-    close(fd);
+  close(s->dir_fd);
+  if (!bound) {
+    close(s->fd);
     return absl::UnavailableError(absl::StrCat("cannot listen at ", path, ": ", strerror(err)));
   }
-  return fd;
+  return s->fd;
 }
 
 absl::StatusOr<int> ConnectShepherdSocket(const std::string& path) {
-  int dir_fd = -1;
-  auto addr = SocketAddress(path, &dir_fd);
-  if (!addr.ok()) return addr.status();
-  const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-  if (fd < 0) {
-    close(dir_fd);
-    return absl::InternalError(absl::StrCat("socket: ", strerror(errno)));
-  }
+  auto s = NewSocket(path);
+  if (!s.ok()) return s.status();
   int rc;
-  while ((rc = connect(fd, reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr))) != 0 &&
+  while ((rc = connect(s->fd, reinterpret_cast<const sockaddr*>(&s->addr), sizeof(s->addr))) != 0 &&
          errno == EINTR) {
   }
   const int err = errno;
-  close(dir_fd);
+  close(s->dir_fd);
   if (rc != 0) {
-    close(fd);
+    close(s->fd);
     return absl::NotFoundError(absl::StrCat("no shepherd at ", path, ": ", strerror(err)));
   }
-  return fd;
+  return s->fd;
+}
+
+std::optional<ShepherdHello> ParseShepherdHello(const std::string& message) {
+  const std::vector<std::string> words = absl::StrSplit(message, ' ');
+  pid_t pid = 0;
+  ShepherdHello hello;
+  if (words.size() != 4 || words[0] != "rank" || !absl::SimpleAtoi(words[1], &pid) ||
+      !absl::SimpleAtoi(words[2], &hello.device) || !absl::SimpleAtoi(words[3], &hello.offset) ||
+      hello.offset < 0) {
+    return std::nullopt;
+  }
+  return hello;
 }
 
 bool SendShepherdMessage(int fd, const std::string& message) {

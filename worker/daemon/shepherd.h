@@ -22,6 +22,8 @@
 #ifndef TRAINYARD_WORKER_DAEMON_SHEPHERD_H_
 #define TRAINYARD_WORKER_DAEMON_SHEPHERD_H_
 
+#include <cstdint>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -43,6 +45,12 @@ int RunShepherd(int argc, char** argv);
 absl::StatusOr<int> ListenShepherdSocket(const std::string& path);
 // A connection to the shepherd socket at `path`; NOT_FOUND when nothing listens there.
 absl::StatusOr<int> ConnectShepherdSocket(const std::string& path);
+// A shepherd's first message, "rank PID DEVICE OFFSET".
+struct ShepherdHello {
+  int device = 0;
+  int64_t offset = 0;  // log bytes the last worker said it had sent on
+};
+std::optional<ShepherdHello> ParseShepherdHello(const std::string& message);
 // One message of at most 256 bytes sent on `fd`; false when the peer is gone.
 bool SendShepherdMessage(int fd, const std::string& message);
 // The next message on `fd`, waiting at most `timeout`: empty when none came in time;

@@ -299,10 +299,7 @@ void WorkerDaemon::Run() {
     absl::MutexLock lock(&mu_);
     mode = shutdown_mode_;
   }
-  if (mode == kLeaveRanks) {
-    supervisor_->Detach();  // done by Shutdown already: a no-op
-    return;
-  }
+  if (mode == kLeaveRanks) return;  // Shutdown detached the ranks already
   spdlog::info("stopping {} rank(s)", supervisor_->running_count());
   supervisor_->StopAll();
 }
