@@ -138,6 +138,8 @@ WorkerDaemon::~WorkerDaemon() { Shutdown(); }
 void WorkerDaemon::Connect() {
   grpc::ChannelArguments args = CoordinatorChannelArguments();
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
+  // Its own subchannels, not the process-wide pool's: a new channel starts afresh (RunSession).
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   // main() checked the TLS files: a failure here fails closed (every call fails, none in clear).
   auto credentials = MakeChannelCredentials(options_.tls);
   channel_ = grpc::CreateCustomChannel(
@@ -348,6 +350,12 @@ void WorkerDaemon::RunSession() {
       // A standby names the leader; a replica that is gone sends us down the list.
       if (endpoints_.Follow(s, ctx)) {
         spdlog::info("trying the coordinator at {}", endpoints_.current());
+        Connect();
+      } else if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+        // A channel of its own each time: gRPC 1.51's channel, once its connection attempts
+        // have failed for a while, kept failing calls for seconds after the coordinator was back
+        // (attempts cut off as "tcp handshaker shutdown"), long enough for the node to be
+        // declared lost; a new channel connects on its first call.
         Connect();
       }
       return;
