@@ -13,9 +13,9 @@ int64_t BlockParameterCount(const ModelConfig& m) {
   const int64_t d = m.d_model;
   if (m.kind == "mlp") return d * m.d_hidden + m.d_hidden + m.d_hidden * d + d;
   if (m.kind == "llama") {
-    // Two RMSNorms, q/k/v/o projections without bias, gate/up/down.
+    // Two RMSNorms, q/k/v/o projections (Qwen2: q/k/v with biases), gate/up/down.
     const int64_t q = int64_t{m.n_head} * m.HeadDim(), kv = int64_t{m.KvHeads()} * m.HeadDim();
-    return 2 * d + d * q + 2 * d * kv + q * d + 3 * d * m.d_hidden;
+    return 2 * d + d * q + 2 * d * kv + q * d + 3 * d * m.d_hidden + (m.qkv_bias ? q + 2 * kv : 0);
   }
   // Two LayerNorms, qkv and output projections, a 4x MLP.
   return 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d);

@@ -135,9 +135,16 @@ struct ModelConfig {
   double rope_high_freq_factor = 4;
   int64_t rope_original_max_position = 0;
   int64_t max_position_embeddings = 0;
-  // Mistral's sliding_window, from model.from's config.json (0: none): at least seq_len (checked),
-  // so it changes nothing in training; kept for the export.
+  // Mistral's sliding_window, from model.from's config.json (0: none): each position attends to
+  // itself and the sliding_window - 1 before it.
   int64_t sliding_window = 0;
+  // From model.from's config.json: the family ("llama", "mistral" or "qwen2"; the export writes
+  // it back), the MLP's activation (hidden_act: "silu", "gelu", "gelu_pytorch_tanh" or "relu")
+  // and whether q/k/v have biases (Qwen2's).
+  std::string family = "llama";
+  std::string hidden_act = "silu";
+  bool qkv_bias = false;
+  int64_t max_window_layers = 0;  // Qwen2's, for the export
 
   int HeadDim() const { return head_dim > 0 ? head_dim : n_head > 0 ? d_model / n_head : 0; }
   int KvHeads() const { return n_kv_head > 0 ? n_kv_head : n_head; }

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 #include <tuple>
 #include <utility>
@@ -32,12 +33,16 @@ absl::StatusOr<LlamaConfig> ParseLlamaConfig(absl::string_view json, const std::
   const nlohmann::json j =
       nlohmann::json::parse(json.begin(), json.end(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return bad("not a JSON object");
-  if (auto t = j.find("model_type"); t != j.end()) {
-    if (!t->is_string() || (*t != "llama" && *t != "mistral")) {
-      return bad("model_type: ", t->dump(), " is not a Llama-family model (llama or mistral)");
-    }
-  }
   LlamaConfig c;
+  if (auto t = j.find("model_type"); t != j.end()) {
+    if (!t->is_string() || (*t != "llama" && *t != "mistral" && *t != "qwen2")) {
+      return bad("model_type: ", t->dump(),
+                 " is not a Llama-family model (llama, mistral or qwen2)");
+    }
+    c.model_type = t->get<std::string>();
+  }
+  const bool qwen2 = c.model_type == "qwen2";
+  c.qkv_bias = qwen2;
   auto count = [&](const char* field, int64_t* out, bool required) -> absl::Status {
     auto it = j.find(field);
     if (it == j.end() || it->is_null()) {
@@ -76,6 +81,7 @@ absl::StatusOr<LlamaConfig> ParseLlamaConfig(absl::string_view json, const std::
     return bad("num_key_value_heads: ", c.num_key_value_heads,
                " does not divide num_attention_heads (", c.num_attention_heads, ")");
   }
+  if (qwen2) c.head_dim = 0;  // Qwen2 has none: hidden_size / num_attention_heads
   if (c.head_dim == 0) {
     if (c.hidden_size % c.num_attention_heads != 0) {
       return bad("num_attention_heads: ", c.num_attention_heads, " does not divide hidden_size (",
@@ -92,9 +98,20 @@ absl::StatusOr<LlamaConfig> ParseLlamaConfig(absl::string_view json, const std::
   // What the model computes and trainyard does not: refused, naming the field, rather than trained
   // as something else.
   if (auto t = j.find("hidden_act"); t != j.end() && !t->is_null()) {
-    if (!t->is_string() || (*t != "silu" && *t != "swish")) {
-      return bad("hidden_act: ", t->dump(), " is not supported (silu, Llama's and Mistral's)");
+    static const std::pair<const char*, const char*> kActivations[] = {
+        {"silu", "silu"},
+        {"swish", "silu"},
+        {"gelu", "gelu"},
+        {"gelu_pytorch_tanh", "gelu_pytorch_tanh"},
+        {"gelu_new", "gelu_pytorch_tanh"},
+        {"relu", "relu"}};
+    auto known = std::find_if(std::begin(kActivations), std::end(kActivations),
+                              [&](const auto& a) { return t->is_string() && *t == a.first; });
+    if (known == std::end(kActivations)) {
+      return bad("hidden_act: ", t->dump(),
+                 " is not supported (silu, gelu, gelu_pytorch_tanh, gelu_new or relu)");
     }
+    c.hidden_act = known->second;
   }
   if (auto t = j.find("sliding_window"); t != j.end() && !t->is_null()) {
     if (!t->is_number_unsigned() || t->get<uint64_t>() < 1 ||
@@ -103,9 +120,24 @@ absl::StatusOr<LlamaConfig> ParseLlamaConfig(absl::string_view json, const std::
     }
     c.sliding_window = static_cast<int64_t>(t->get<uint64_t>());
   }
+  if (qwen2) {
+    // Qwen2's window applies only with use_sliding_window, and then only to the layers from
+    // max_window_layers on: not implemented.
+    if (auto t = j.find("use_sliding_window"); t != j.end() && !t->is_null()) {
+      if (!t->is_boolean()) return bad("use_sliding_window: expected true or false");
+      if (t->get<bool>()) {
+        return bad("use_sliding_window: true is not supported for qwen2 (its per-layer windows)");
+      }
+    }
+    if (auto t = j.find("max_window_layers");
+        t != j.end() && t->is_number_unsigned() && t->get<uint64_t>() <= (uint64_t{1} << 31)) {
+      c.max_window_layers = static_cast<int64_t>(t->get<uint64_t>());
+    }
+    c.sliding_window = 0;
+  }
   for (const char* field : {"attention_bias", "mlp_bias"}) {
     if (auto t = j.find(field); t != j.end() && t->is_boolean() && t->get<bool>()) {
-      return bad(field, ": biases are not supported (Llama has none)");
+      return bad(field, ": true is not supported (biases are implemented only on Qwen2's q/k/v)");
     }
   }
   if (auto t = j.find("torch_dtype"); t != j.end() && t->is_string()) {
@@ -205,17 +237,11 @@ absl::Status ResolveLlamaConfig(const LlamaConfig& c, const std::string& file, M
   m->rope_high_freq_factor = c.rope_high_freq_factor;
   m->rope_original_max_position = c.rope_original_max_position_embeddings;
   m->max_position_embeddings = c.max_position_embeddings;
-  // Windowed attention is not implemented: trained only where the window covers every window of
-  // the data (then it is plain causal attention, exactly).
-  if (c.sliding_window > 0 && m->seq_len > c.sliding_window) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("model.seq_len: ", m->seq_len, " is longer than ", file, "'s sliding_window (",
-                     c.sliding_window,
-                     "); sliding-window attention is not implemented, so train with "
-                     "model.seq_len <= ",
-                     c.sliding_window));
-  }
   m->sliding_window = c.sliding_window;
+  m->family = c.model_type;
+  m->hidden_act = c.hidden_act;
+  m->qkv_bias = c.qkv_bias;
+  m->max_window_layers = c.max_window_layers;
   return absl::OkStatus();
 }
 
@@ -251,14 +277,21 @@ LlamaConfig LlamaConfigOf(const ModelConfig& m) {
   c.rope_original_max_position_embeddings = m.rope_original_max_position;
   c.torch_dtype = "float32";
   c.sliding_window = m.sliding_window;
+  c.model_type = m.family;
+  c.hidden_act = m.hidden_act;
+  c.qkv_bias = m.qkv_bias;
+  c.max_window_layers = m.max_window_layers;
   return c;
 }
 
 std::string LlamaConfigJson(const ModelConfig& m) {
   const LlamaConfig c = LlamaConfigOf(m);
+  const char* architecture = c.model_type == "qwen2"     ? "Qwen2ForCausalLM"
+                             : c.model_type == "mistral" ? "MistralForCausalLM"
+                                                         : "LlamaForCausalLM";
   nlohmann::json j = {
-      {"architectures", {"LlamaForCausalLM"}},
-      {"model_type", "llama"},
+      {"architectures", {architecture}},
+      {"model_type", c.model_type},
       {"vocab_size", c.vocab_size},
       {"hidden_size", c.hidden_size},
       {"intermediate_size", c.intermediate_size},
@@ -270,16 +303,20 @@ std::string LlamaConfigJson(const ModelConfig& m) {
       {"rope_theta", c.rope_theta},
       {"rms_norm_eps", c.rms_norm_eps},
       {"tie_word_embeddings", c.tie_word_embeddings},
-      {"hidden_act", "silu"},
-      {"attention_bias", false},
-      {"mlp_bias", false},
+      {"hidden_act", c.hidden_act},
       {"torch_dtype", c.torch_dtype},
       {"rope_scaling", nullptr},
   };
-  if (c.sliding_window > 0) {  // a Mistral model stays one: its window applies beyond seq_len
-    j["architectures"] = {"MistralForCausalLM"};
-    j["model_type"] = "mistral";
-    j["sliding_window"] = c.sliding_window;
+  if (c.model_type == "llama") {
+    j["attention_bias"] = false;
+    j["mlp_bias"] = false;
+  } else if (c.model_type == "mistral") {
+    j["sliding_window"] = c.sliding_window > 0 ? nlohmann::json(c.sliding_window) : nullptr;
+  } else if (c.model_type == "qwen2") {
+    // Qwen2Config has no head_dim: hidden_size / num_attention_heads (checked when read).
+    j.erase("head_dim");
+    j["use_sliding_window"] = false;
+    j["max_window_layers"] = c.max_window_layers > 0 ? c.max_window_layers : c.num_hidden_layers;
   }
   if (!c.rope_scaling_type.empty()) {
     j["rope_scaling"] = {{"rope_type", c.rope_scaling_type}, {"factor", c.rope_scaling_factor}};

@@ -20,8 +20,10 @@ namespace trainyard {
 // A whole file of at most 64 MiB (NOT_FOUND when it cannot be read).
 absl::StatusOr<std::string> ReadSmallFile(const std::string& path);
 
-// config.json of a LlamaForCausalLM (model_type "llama" or "mistral").
+// config.json of a LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM (model_type "llama",
+// "mistral" or "qwen2": Llama with, for Mistral, a sliding window and, for Qwen2, biases on q/k/v).
 struct LlamaConfig {
+  std::string model_type = "llama";
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
@@ -41,13 +43,21 @@ struct LlamaConfig {
   double rope_high_freq_factor = 4;
   int64_t rope_original_max_position_embeddings = 0;
   std::string torch_dtype;  // as saved: "float32", "bfloat16", "float16" or ""
-  // Mistral's sliding_window (0: none): each position attends to at most this many. Trained only
-  // where it changes nothing (model.seq_len <= it), and kept in the export.
+  // Mistral's sliding_window (0: none): each position attends to at most this many (itself
+  // included). Qwen2's is taken only with use_sliding_window, which is refused.
   int64_t sliding_window = 0;
+  // The MLP's activation: "silu" (swish), "gelu" (erf), "gelu_pytorch_tanh" (gelu_new: the tanh
+  // approximation) or "relu".
+  std::string hidden_act = "silu";
+  bool qkv_bias = false;  // Qwen2: q_proj, k_proj and v_proj have biases
+  // Qwen2's, kept for the export (sliding windows are off there).
+  int64_t max_window_layers = 0;
 };
 
 // INVALID_ARGUMENT naming `file` and the field: not JSON, another architecture, a size missing
-// or out of range, heads that do not divide the hidden size or the key-value heads.
+// or out of range, heads that do not divide the hidden size or the key-value heads, a field that
+// changes the computation in a way trainyard does not implement (an activation, biases, a rope
+// type, Qwen2's use_sliding_window).
 absl::StatusOr<LlamaConfig> ParseLlamaConfig(absl::string_view json, const std::string& file);
 
 // DIR/config.json, read and parsed (NOT_FOUND when it cannot be read).
@@ -61,7 +71,8 @@ absl::Status ResolveLlamaConfig(const LlamaConfig& config, const std::string& fi
 // sizes resolved against it (ResolveLlamaConfig); returns the config.
 absl::StatusOr<LlamaConfig> ResolveFromCheckpoint(ModelConfig* model);
 
-// The config.json of a llama `model` (as transformers' LlamaConfig writes it, float32).
+// The config.json of a llama `model` (as transformers' LlamaConfig, MistralConfig or Qwen2Config
+// writes it, by model.family; float32).
 std::string LlamaConfigJson(const ModelConfig& model);
 
 // PEFT's adapter_config.json for a LoRA adapter of a llama model (peft_type LORA, task_type

@@ -6,10 +6,13 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "tests/testing/subprocess.h"
 
@@ -17,6 +20,7 @@ namespace trainyard::trainer {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 // As transformers 4.4x saves a small GQA Llama (with Llama 3's rope scaling).
 constexpr char kConfig[] = R"({
@@ -103,22 +107,32 @@ TEST(HfCheckpointTest, ABadConfigNamesTheField) {
   EXPECT_THAT(ErrorOf(R"({"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
                          "num_hidden_layers": 1, "num_attention_heads": 2,
                          "attention_bias": true})"),
-              HasSubstr("attention_bias: biases are not supported"));
+              HasSubstr("attention_bias: true is not supported"));
+  EXPECT_THAT(ErrorOf(R"({"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+                         "num_hidden_layers": 1, "num_attention_heads": 2,
+                         "mlp_bias": true})"),
+              HasSubstr("mlp_bias: true is not supported"));
+  EXPECT_THAT(ErrorOf(R"({"model_type": "qwen2", "vocab_size": 10, "hidden_size": 8,
+                         "intermediate_size": 16, "num_hidden_layers": 1,
+                         "num_attention_heads": 2, "use_sliding_window": true})"),
+              HasSubstr("use_sliding_window: true is not supported for qwen2"));
+  EXPECT_THAT(ErrorOf(R"({"model_type": "gemma", "vocab_size": 10})"),
+              HasSubstr("model_type: \"gemma\" is not a Llama-family model"));
   EXPECT_THAT(ErrorOf("{not json"), HasSubstr("not a JSON object"));
   // What changes the computation and is not implemented is refused, not trained as something else.
   EXPECT_THAT(ErrorOf(R"({"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
                          "num_hidden_layers": 1, "num_attention_heads": 2,
-                         "hidden_act": "gelu"})"),
-              HasSubstr("hidden_act: \"gelu\" is not supported (silu"));
+                         "hidden_act": "quick_gelu"})"),
+              HasSubstr("hidden_act: \"quick_gelu\" is not supported (silu, gelu"));
   EXPECT_THAT(ErrorOf(R"({"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
                          "num_hidden_layers": 1, "num_attention_heads": 2,
                          "sliding_window": 0})"),
               HasSubstr("sliding_window: expected null or a count"));
 }
 
-// Mistral's sliding window: trained only where it covers the whole window of data (then the
-// attention is exactly causal), refused naming model.seq_len otherwise, and kept by the export.
-TEST(LlamaConfigTest, ASlidingWindowIsTrainedOnlyWhereItChangesNothingAndExported) {
+// Mistral's sliding window is taken whatever model.seq_len (the model masks beyond it; see
+// LlamaReferenceTest's mistral variant) and kept by the export, as a Mistral model.
+TEST(LlamaConfigTest, ASlidingWindowIsTakenAndExported) {
   auto c = ParseLlamaConfig(R"({"model_type": "mistral", "vocab_size": 10, "hidden_size": 8,
                                "intermediate_size": 16, "num_hidden_layers": 1,
                                "num_attention_heads": 2, "hidden_act": "silu",
@@ -126,28 +140,86 @@ TEST(LlamaConfigTest, ASlidingWindowIsTrainedOnlyWhereItChangesNothingAndExporte
                             "config.json");
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->sliding_window, 8);
+  EXPECT_EQ(c->model_type, "mistral");
   ModelConfig wide;
   wide.kind = "llama";
   wide.seq_len = 16;
-  absl::Status refused = ResolveLlamaConfig(*c, "config.json", &wide);
-  EXPECT_THAT(std::string(refused.message()),
-              HasSubstr("model.seq_len: 16 is longer than config.json's sliding_window (8)"));
-  ModelConfig fits;
-  fits.kind = "llama";
-  fits.seq_len = 8;
-  ASSERT_TRUE(ResolveLlamaConfig(*c, "config.json", &fits).ok());
-  EXPECT_EQ(fits.sliding_window, 8);
-  const std::string exported = LlamaConfigJson(fits);
+  ASSERT_TRUE(ResolveLlamaConfig(*c, "config.json", &wide).ok());
+  EXPECT_EQ(wide.sliding_window, 8);
+  EXPECT_EQ(wide.family, "mistral");
+  const std::string exported = LlamaConfigJson(wide);
   EXPECT_THAT(exported, HasSubstr("\"model_type\": \"mistral\""));
   EXPECT_THAT(exported, HasSubstr("\"sliding_window\": 8"));
   EXPECT_THAT(exported, HasSubstr("MistralForCausalLM"));
   auto again = ParseLlamaConfig(exported, "exported/config.json");
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(again->sliding_window, 8);
-  // Without a window the export is a llama, as before.
-  ModelConfig plain = fits;
+  // A Mistral without a window stays a Mistral.
+  ModelConfig plain = wide;
   plain.sliding_window = 0;
-  EXPECT_THAT(LlamaConfigJson(plain), HasSubstr("\"model_type\": \"llama\""));
+  EXPECT_THAT(LlamaConfigJson(plain), HasSubstr("\"sliding_window\": null"));
+  EXPECT_THAT(LlamaConfigJson(plain), HasSubstr("\"model_type\": \"mistral\""));
+}
+
+// hidden_act's names as transformers' ACT2FN has them, gelu_new and swish by what they compute;
+// written back by the export.
+TEST(LlamaConfigTest, ActivationsAreReadByNameAndExported) {
+  for (const auto& [given, taken] :
+       std::vector<std::pair<std::string, std::string>>{{"silu", "silu"},
+                                                        {"swish", "silu"},
+                                                        {"gelu", "gelu"},
+                                                        {"gelu_pytorch_tanh", "gelu_pytorch_tanh"},
+                                                        {"gelu_new", "gelu_pytorch_tanh"},
+                                                        {"relu", "relu"}}) {
+    SCOPED_TRACE(given);
+    auto c = ParseLlamaConfig(absl::StrCat(R"({"vocab_size": 10, "hidden_size": 8,
+        "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "hidden_act": ")",
+                                           given, "\"}"),
+                              "config.json");
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(c->hidden_act, taken);
+    ModelConfig m;
+    m.kind = "llama";
+    m.seq_len = 8;
+    ASSERT_TRUE(ResolveLlamaConfig(*c, "config.json", &m).ok());
+    EXPECT_THAT(LlamaConfigJson(m), HasSubstr(absl::StrCat("\"hidden_act\": \"", taken, "\"")));
+  }
+}
+
+// Qwen2: Llama with q/k/v biases; its head size is always hidden_size / num_attention_heads, its
+// window off; exported as a Qwen2 model.
+TEST(LlamaConfigTest, Qwen2HasQkvBiasesAndIsExportedAsQwen2) {
+  auto c = ParseLlamaConfig(R"({"model_type": "qwen2", "vocab_size": 10, "hidden_size": 8,
+                               "intermediate_size": 16, "num_hidden_layers": 3,
+                               "num_attention_heads": 2, "num_key_value_heads": 1,
+                               "use_sliding_window": false, "sliding_window": 4,
+                               "max_window_layers": 2, "tie_word_embeddings": true})",
+                            "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->qkv_bias);
+  EXPECT_EQ(c->sliding_window, 0);
+  EXPECT_EQ(c->head_dim, 4);
+  const std::vector<ExpectedTensor> tensors = LlamaTensors(*c);
+  EXPECT_EQ(std::count_if(tensors.begin(), tensors.end(),
+                          [](const ExpectedTensor& t) { return absl::EndsWith(t.name, ".bias"); }),
+            3 * 3);
+  ModelConfig m;
+  m.kind = "llama";
+  m.seq_len = 8;
+  ASSERT_TRUE(ResolveLlamaConfig(*c, "config.json", &m).ok());
+  EXPECT_TRUE(m.qkv_bias);
+  // The biases are counted: 2*8 + 8*8 + 2*8*4 + 8*8 + 3*8*16 + (8 + 2*4) per block.
+  EXPECT_EQ(BlockParameterCount(m), 16 + 64 + 64 + 64 + 384 + 16);
+  const std::string exported = LlamaConfigJson(m);
+  EXPECT_THAT(exported, HasSubstr("Qwen2ForCausalLM"));
+  EXPECT_THAT(exported, HasSubstr("\"use_sliding_window\": false"));
+  EXPECT_THAT(exported, HasSubstr("\"max_window_layers\": 2"));
+  EXPECT_THAT(exported, Not(HasSubstr("head_dim")));
+  auto again = ParseLlamaConfig(exported, "exported/config.json");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(again->qkv_bias);
+  EXPECT_EQ(again->model_type, "qwen2");
 }
 
 class ModelDir : public ::testing::Test {

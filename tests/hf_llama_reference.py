@@ -8,9 +8,14 @@ writes what the model computes on fixed tokens into reference.safetensors beside
   grad.<name>  float32, the loss's gradient for each parameter, by its state-dict name
 
   hf_llama_reference.py OUT_DIR VARIANT [DTYPE]
-VARIANT: mha (4 heads), gqa (4 query heads, 2 key-value heads, llama3 rope scaling) or tied (tied
-embeddings); DTYPE: float32 (default), bfloat16 or float16 for the saved weights (the outputs are
-always those of the float32 model).
+  train_losses float32 [10]: the losses of 10 steps of torch.optim.AdamW (lr 1e-2, betas 0.9 and
+               0.95, eps 1e-8, no weight decay) on those tokens, from the saved weights
+
+VARIANT: mha (4 heads), gqa (4 query heads, 2 key-value heads, llama3 rope scaling), tied (tied
+embeddings); gelu, gelu_tanh, relu (mha with hidden_act gelu, gelu_pytorch_tanh, relu); mistral
+(MistralForCausalLM with a sliding window of 5 positions, shorter than the tokens); qwen2 and
+qwen2_tied (Qwen2ForCausalLM: q/k/v biases, two key-value heads). DTYPE: float32 (default),
+bfloat16 or float16 for the saved weights (the outputs are always those of the float32 model).
 
 With --check-export DIR: loads a model directory trainyard exported, runs it on OUT_DIR's tokens,
 and writes DIR/transformers_logits.safetensors (the logits transformers computes with it).
@@ -30,8 +35,10 @@ import sys
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          Qwen2Config)
 
+MHA = dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
 VARIANTS = {
     "mha": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
     "gqa": dict(
@@ -47,7 +54,17 @@ VARIANTS = {
         },
     ),
     "tied": dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
+    "gelu": dict(MHA, hidden_act="gelu"),
+    "gelu_tanh": dict(MHA, hidden_act="gelu_pytorch_tanh"),
+    "relu": dict(MHA, hidden_act="relu"),
+    "mistral": dict(MHA, num_key_value_heads=2, sliding_window=5),
+    "qwen2": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                  use_sliding_window=False),
+    "qwen2_tied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                       use_sliding_window=False),
 }
+CONFIGS = {"mistral": MistralConfig, "qwen2": Qwen2Config, "qwen2_tied": Qwen2Config}
+TRAIN_STEPS = 10
 
 
 def forward_backward(model, tokens):
@@ -63,7 +80,7 @@ def forward_backward(model, tokens):
 
 def reference(out_dir, variant, dtype):
     torch.manual_seed(7)
-    config = LlamaConfig(
+    config = CONFIGS.get(variant, LlamaConfig)(
         vocab_size=96,
         hidden_size=32,
         intermediate_size=56,
@@ -74,22 +91,34 @@ def reference(out_dir, variant, dtype):
         attn_implementation="eager",
         **VARIANTS[variant],
     )
-    model = LlamaForCausalLM(config).float()
-    # Norm weights away from 1, so that a norm without its weight shows.
+    model = AutoModelForCausalLM.from_config(config).float()
+    # Norm weights away from 1, so that a norm without its weight shows; biases away from 0.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
     model.eval()
     saved = model.to(getattr(torch, dtype))
     saved.save_pretrained(out_dir, max_shard_size="20KB", safe_serialization=True)
-    model = LlamaForCausalLM.from_pretrained(out_dir, torch_dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(out_dir, torch_dtype=torch.float32, attn_implementation="eager")
     model.eval()
     tokens = torch.randint(0, config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(3))
     tensors = forward_backward(model, tokens)
     for name, p in model.named_parameters():
         if p.grad is not None:
-            tensors["grad." + name] = p.grad.detach().float().contiguous()
+            tensors["grad." + name] = p.grad.detach().float().clone()  # zero_grad reuses it
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
+                                  weight_decay=0.0)
+    losses = []
+    for _ in range(TRAIN_STEPS):
+        optimizer.zero_grad()
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    tensors["train_losses"] = torch.tensor(losses, dtype=torch.float32)
     save_file(tensors, f"{out_dir}/reference.safetensors")
 
 
@@ -146,7 +175,7 @@ def main():
         return
     if sys.argv[1] == "--check-export":
         tokens = load_file(f"{sys.argv[2]}/reference.safetensors")["tokens"]
-        model = LlamaForCausalLM.from_pretrained(sys.argv[3], attn_implementation="eager")
+        model = AutoModelForCausalLM.from_pretrained(sys.argv[3], attn_implementation="eager")
         save_file({"logits": logits_of(model, tokens)}, f"{sys.argv[3]}/transformers_logits.safetensors")
         return
     reference(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "float32")

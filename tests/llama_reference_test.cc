@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "common/job_config.h"
 #include "tests/testing/reference_venv.h"
 #include "tests/testing/subprocess.h"
@@ -20,6 +21,7 @@
 #include "worker/trainer/io/hf_checkpoint.h"
 #include "worker/trainer/io/safetensors.h"
 #include "worker/trainer/model/model.h"
+#include "worker/trainer/optim/optimizers.h"
 
 namespace trainyard::trainer {
 namespace {
@@ -107,8 +109,16 @@ TEST_P(LlamaReferenceTest, LogitsLossAndGradientsMatchTransformers) {
   ModelConfig m;
   std::shared_ptr<LanguageModel> model = Load(ref, &m);
   ASSERT_NE(model, nullptr);
-  EXPECT_EQ(m.tie_weights, GetParam().name == "tied");
-  EXPECT_EQ(m.n_kv_head, GetParam().name == "gqa" ? 2 : GetParam().name == "tied" ? 1 : 4);
+  const std::string& name = GetParam().name;
+  const bool qwen2 = absl::StartsWith(name, "qwen2");
+  EXPECT_EQ(m.tie_weights, name == "tied" || name == "qwen2_tied");
+  EXPECT_EQ(m.n_kv_head, name == "tied" ? 1
+                         : name == "mha" || name == "gelu" || name == "gelu_tanh" || name == "relu"
+                             ? 4
+                             : 2);
+  EXPECT_EQ(m.qkv_bias, qwen2);
+  EXPECT_EQ(m.sliding_window, name == "mistral" ? 5 : 0);
+  EXPECT_EQ(m.family, qwen2 ? "qwen2" : name == "mistral" ? "mistral" : "llama");
 
   // The logits, one training step's loss and every gradient.
   ExpectReferenceLogitsAndLoss(*model, expected);
@@ -121,7 +131,33 @@ TEST_P(LlamaReferenceTest, LogitsLossAndGradientsMatchTransformers) {
     ++compared;
   }
   EXPECT_EQ(compared, static_cast<int>(model->named_parameters().size()));
-  EXPECT_GE(compared, 2 * 9 + 2);  // 9 tensors per layer, embedding, norm (and lm_head)
+  // 9 tensors per layer (12 with Qwen2's biases), embedding, norm (and lm_head)
+  EXPECT_GE(compared, 2 * (qwen2 ? 12 : 9) + 2);
+}
+
+// Ten AdamW steps (lr 1e-2, betas 0.9 and 0.95, eps 1e-8) from the checkpoint on the reference's
+// tokens: the losses transformers and torch.optim.AdamW give, step by step.
+TEST_P(LlamaReferenceTest, TenTrainingStepsGiveTransformersLosses) {
+  TempDir dir;
+  const std::string ref = dir.path() + "/model";
+  ASSERT_NO_FATAL_FAILURE(RunReference({ref, GetParam().name, GetParam().dtype}));
+  std::map<std::string, torch::Tensor> expected = ReadAll(ref + "/reference.safetensors");
+  ModelConfig m;
+  std::shared_ptr<LanguageModel> model = Load(ref, &m);
+  ASSERT_NE(model, nullptr);
+  ParameterOptimizer optimizer(model->parameters(), HyperFor(OptimizerKind::kAdamW, 0.0));
+  const torch::Tensor tokens = expected.at("tokens");
+  const torch::Tensor want = expected.at("train_losses");
+  ASSERT_EQ(want.numel(), 10);
+  for (int64_t step = 0; step < want.numel(); ++step) {
+    optimizer.zero_grad();
+    torch::Tensor loss = model->Loss(tokens);
+    loss.backward();
+    optimizer.Update(1e-2, 1.0);
+    EXPECT_NEAR(loss.item<double>(), want[step].item<double>(), 1e-4) << "step " << step;
+  }
+  // Training moved: the last loss is well below the first.
+  EXPECT_LT(want[9].item<double>(), want[0].item<double>() - 0.1);
 }
 
 class LlamaExportTest : public ::testing::TestWithParam<std::string> {};
@@ -234,9 +270,16 @@ TEST(LlamaLoraReferenceTest, ExportedAdapterLoadsInPeftAndMergedModelInTransform
 INSTANTIATE_TEST_SUITE_P(Variants, LlamaReferenceTest,
                          ::testing::Values(Variant{"mha", "float32"}, Variant{"gqa", "float32"},
                                            Variant{"tied", "float32"}, Variant{"gqa", "bfloat16"},
-                                           Variant{"mha", "float16"}),
+                                           Variant{"mha", "float16"}, Variant{"gelu", "float32"},
+                                           Variant{"gelu_tanh", "float32"},
+                                           Variant{"relu", "float32"},
+                                           Variant{"mistral", "float32"},
+                                           Variant{"qwen2", "float32"},
+                                           Variant{"qwen2_tied", "bfloat16"}),
                          [](const auto& info) { return info.param.name + "_" + info.param.dtype; });
-INSTANTIATE_TEST_SUITE_P(Variants, LlamaExportTest, ::testing::Values("mha", "gqa", "tied"));
+INSTANTIATE_TEST_SUITE_P(Variants, LlamaExportTest,
+                         ::testing::Values("mha", "gqa", "tied", "gelu_tanh", "mistral", "qwen2",
+                                           "qwen2_tied"));
 
 }  // namespace
 }  // namespace trainyard::trainer

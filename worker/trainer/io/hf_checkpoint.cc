@@ -38,6 +38,11 @@ std::vector<ExpectedTensor> LlamaTensors(const LlamaConfig& c) {
     out.push_back({l + "self_attn.q_proj.weight", {q, d}});
     out.push_back({l + "self_attn.k_proj.weight", {kv, d}});
     out.push_back({l + "self_attn.v_proj.weight", {kv, d}});
+    if (c.qkv_bias) {
+      out.push_back({l + "self_attn.q_proj.bias", {q}});
+      out.push_back({l + "self_attn.k_proj.bias", {kv}});
+      out.push_back({l + "self_attn.v_proj.bias", {kv}});
+    }
     out.push_back({l + "self_attn.o_proj.weight", {d, q}});
     out.push_back({l + "post_attention_layernorm.weight", {d}});
     out.push_back({l + "mlp.gate_proj.weight", {f, d}});

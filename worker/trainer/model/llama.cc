@@ -1,5 +1,7 @@
 // Llama as transformers' LlamaForCausalLM: RoPE (with rope_scaling), RMSNorm, grouped-query
-// attention, SwiGLU; LoRA adapters on its projections (see model.h).
+// attention, a gated MLP (SwiGLU, or GELU or ReLU by hidden_act); LoRA adapters on its projections
+// (see model.h). The same with Mistral's sliding window (MistralForCausalLM) and Qwen2's q/k/v
+// biases (Qwen2ForCausalLM).
 #include "worker/trainer/model/layers.h"
 
 #include <cmath>
@@ -79,18 +81,43 @@ torch::Tensor RotateHalf(const torch::Tensor& x) {
   return torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
 }
 
+// The attention mask of `t` positions: 0 where query i may see key j (j <= i, and i - j < window
+// when window > 0), -inf elsewhere; as transformers' causal mask with Mistral's sliding window.
+torch::Tensor CausalMask(int64_t t, int64_t window, const torch::TensorOptions& options) {
+  const float inf = std::numeric_limits<float>::infinity();
+  torch::Tensor mask = torch::full({t, t}, -inf, options.requires_grad(false)).triu(1);
+  if (window > 0 && t > window) {
+    mask = mask + torch::full({t, t}, -inf, options.requires_grad(false)).tril(-window);
+  }
+  return mask;
+}
+
+// The gated MLP's activation by config.json's hidden_act (transformers' ACT2FN).
+torch::Tensor Activate(const std::string& act, const torch::Tensor& x) {
+  if (act == "gelu") return torch::gelu(x);
+  if (act == "gelu_pytorch_tanh") return torch::gelu(x, "tanh");
+  if (act == "relu") return torch::relu(x);
+  return F::silu(x);
+}
+
+// A projection with a bias (Qwen2's q/k/v) or without.
+torch::nn::Linear Projection(int64_t in, int64_t out, bool bias, const ModelOptions& options) {
+  return Keep(torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias)), options);
+}
+
 class LlamaAttentionImpl : public torch::nn::Module {
  public:
   LlamaAttentionImpl(const ModelConfig& m, const ModelOptions& options, const TensorParallel* tp)
       : heads_(m.n_head),
         kv_heads_(m.KvHeads()),
         head_dim_(m.HeadDim()),
+        window_(m.sliding_window),
         bf16_(options.bf16),
         tp_(tp) {
     const int64_t d = m.d_model;
-    q_proj = register_module("q_proj", NoBias(d, heads_ * head_dim_, options));
-    k_proj = register_module("k_proj", NoBias(d, kv_heads_ * head_dim_, options));
-    v_proj = register_module("v_proj", NoBias(d, kv_heads_ * head_dim_, options));
+    q_proj = register_module("q_proj", Projection(d, heads_ * head_dim_, m.qkv_bias, options));
+    k_proj = register_module("k_proj", Projection(d, kv_heads_ * head_dim_, m.qkv_bias, options));
+    v_proj = register_module("v_proj", Projection(d, kv_heads_ * head_dim_, m.qkv_bias, options));
     o_proj = register_module("o_proj", NoBias(heads_ * head_dim_, d, options));
     q_lora_ = Attach(q_proj, "q_proj", options);
     k_lora_ = Attach(k_proj, "k_proj", options);
@@ -114,9 +141,14 @@ class LlamaAttentionImpl : public torch::nn::Module {
     k = k * cos + RotateHalf(k) * sin;
 #if TRAINYARD_TORCH2
     if (x.is_cuda()) {
-      // On the GPU: fused causal attention, grouped-query heads shared inside the kernel.
-      torch::Tensor y = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true,
-                                                         std::nullopt, /*enable_gqa=*/rep > 1);
+      // On the GPU: fused causal attention, grouped-query heads shared inside the kernel; a
+      // window shorter than the sequence as a boolean mask (true: attend).
+      const bool windowed = window_ > 0 && t > window_;
+      const torch::Tensor allowed =
+          windowed ? CausalMask(t, window_, x.options()).eq(0) : torch::Tensor();
+      torch::Tensor y = at::scaled_dot_product_attention(
+          q, k, v, windowed ? std::optional<torch::Tensor>(allowed) : std::nullopt, 0.0,
+          /*is_causal=*/!windowed, std::nullopt, /*enable_gqa=*/rep > 1);
       y = y.transpose(1, 2).reshape({b, t, heads * hd});
       if (tp_->on()) return RowOutput(y, o_proj, bf16_, *tp_);
       return Project(y, o_proj, o_lora_, bf16_, is_training());
@@ -127,9 +159,7 @@ class LlamaAttentionImpl : public torch::nn::Module {
       if (rep == 1) return kv.reshape({b * heads, t, hd});
       return kv.unsqueeze(2).expand({b, kv_heads, rep, t, hd}).reshape({b * heads, t, hd});
     };
-    const torch::Tensor mask = torch::full({t, t}, -std::numeric_limits<float>::infinity(),
-                                           x.options().requires_grad(false))
-                                   .triu(1);
+    const torch::Tensor mask = CausalMask(t, window_, x.options());
     torch::Tensor scores = BatchedMatmul(q.reshape({b * heads, t, hd}), expand(k).transpose(1, 2),
                                          1.0 / std::sqrt(double(hd)), mask);
     torch::Tensor y = BatchedMatmul(torch::softmax(scores, -1), expand(v), 1.0, torch::Tensor());
@@ -142,7 +172,7 @@ class LlamaAttentionImpl : public torch::nn::Module {
 
  private:
   Adapter q_lora_, k_lora_, v_lora_, o_lora_;
-  int64_t heads_, kv_heads_, head_dim_;
+  int64_t heads_, kv_heads_, head_dim_, window_;
   bool bf16_;
   const TensorParallel* tp_;
 };
@@ -151,7 +181,7 @@ TORCH_MODULE(LlamaAttention);
 class LlamaMlpImpl : public torch::nn::Module {
  public:
   LlamaMlpImpl(const ModelConfig& m, const ModelOptions& options, const TensorParallel* tp)
-      : bf16_(options.bf16), tp_(tp) {
+      : act_(m.hidden_act), bf16_(options.bf16), tp_(tp) {
     gate_proj = register_module("gate_proj", NoBias(m.d_model, m.d_hidden, options));
     up_proj = register_module("up_proj", NoBias(m.d_model, m.d_hidden, options));
     down_proj = register_module("down_proj", NoBias(m.d_hidden, m.d_model, options));
@@ -162,8 +192,9 @@ class LlamaMlpImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& in) {
     const bool training = is_training();
     const torch::Tensor x = ColumnInput(in, *tp_);
-    const torch::Tensor hidden = F::silu(Project(x, gate_proj, gate_lora_, bf16_, training)) *
-                                 Project(x, up_proj, up_lora_, bf16_, training);
+    const torch::Tensor hidden =
+        Activate(act_, Project(x, gate_proj, gate_lora_, bf16_, training)) *
+        Project(x, up_proj, up_lora_, bf16_, training);
     if (tp_->on()) return RowOutput(hidden, down_proj, bf16_, *tp_);  // no LoRA under it
     return Project(hidden, down_proj, down_lora_, bf16_, training);
   }
@@ -171,6 +202,7 @@ class LlamaMlpImpl : public torch::nn::Module {
 
  private:
   Adapter gate_lora_, up_lora_, down_lora_;
+  std::string act_;
   bool bf16_;
   const TensorParallel* tp_;
 };
