@@ -3,6 +3,7 @@ two CPU slots, on loopback): a command job whose program uses the rank API repor
 metrics, answers `checkpoint`, and the client submits, lists, describes, waits, reads logs and
 metrics and cancels. Run by scripts/test.sh (ctest SdkTest) with the SDK's venv; needs
 TRAINYARD_BIN (the build's bin folder)."""
+import json
 import os
 import pathlib
 import re
@@ -151,6 +152,26 @@ def test_a_bad_spec_is_refused_naming_the_field_and_a_failed_job_raises(client):
         client.wait(job.id, timeout=120)
     assert failed.value.job.state == job_pb2.FAILED
     assert "code 4" in failed.value.job.message and "error: no data" in failed.value.job.message
+
+
+def test_a_job_trains_on_what_trainyard_data_prepared(client, tmp_path):
+    from test_data import RECORDS, make_tokenizer
+
+    from trainyard import data
+
+    tokenizer = make_tokenizer(tmp_path / "tokenizer")
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS * 4))
+    done = data.prepare(tokenizer, tmp_path / "in.jsonl", tmp_path / "chat")
+    assert done.tokens == 4 * 54
+    job = client.submit({
+        "name": "prepared", "resources": {"gpus": 1},
+        "model": {"kind": "gpt", "n_layer": 1, "n_head": 1, "d_model": 8, "seq_len": 8,
+                  "vocab": 32},
+        "data": {"path": done.tokens_path, "format": done.dtype, "loss_mask": done.mask_path},
+        "train": {"steps": 3, "micro_batch": 2, "lr": 1e-3}})
+    finished = client.wait(job.id, timeout=180)
+    assert finished.state == job_pb2.SUCCEEDED
+    assert [s.step for s in client.metrics(job.id)] == [1, 2, 3]
 
 
 def test_cancel_and_list_by_state(client):
