@@ -20,8 +20,8 @@ bfloat16 or float16 for the saved weights (the outputs are always those of the f
 With --check-export DIR: loads a model directory trainyard exported, runs it on OUT_DIR's tokens,
 and writes DIR/transformers_logits.safetensors (the logits transformers computes with it).
 
-  hf_llama_reference.py --lora OUT_DIR
-LoRA with PEFT: the gqa base saved into OUT_DIR as above, then PEFT's LoRA (r 4, alpha 8, every
+  hf_llama_reference.py --lora OUT_DIR [VARIANT]
+LoRA with PEFT: the VARIANT base (default gqa) saved into OUT_DIR as above, then PEFT's LoRA (r 4, alpha 8, every
 projection targeted) with random A and B saved by save_pretrained into OUT_DIR/adapter, and what
 the adapted model computes into OUT_DIR/lora_reference.safetensors: tokens, logits, loss and
 grad.<name> for each adapter matrix, named as in the adapter file.
@@ -35,8 +35,7 @@ import sys
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          Qwen2Config)
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 MHA = dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
 VARIANTS = {
@@ -131,11 +130,11 @@ def logits_of(model, tokens):
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def lora_reference(out_dir):
+def lora_reference(out_dir, variant):
     from peft import LoraConfig, get_peft_model
 
-    reference(out_dir, "gqa", "float32")
-    base = LlamaForCausalLM.from_pretrained(out_dir, torch_dtype=torch.float32, attn_implementation="eager")
+    reference(out_dir, variant, "float32")
+    base = AutoModelForCausalLM.from_pretrained(out_dir, torch_dtype=torch.float32, attn_implementation="eager")
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS))
     torch.manual_seed(11)
     with torch.no_grad():
@@ -161,14 +160,14 @@ def check_adapter(base_dir, adapter_dir):
     from peft import PeftModel
 
     tokens = load_file(f"{base_dir}/reference.safetensors")["tokens"]
-    base = LlamaForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32, attn_implementation="eager")
+    base = AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32, attn_implementation="eager")
     model = PeftModel.from_pretrained(base, adapter_dir)
     save_file({"logits": logits_of(model, tokens)}, f"{adapter_dir}/peft_logits.safetensors")
 
 
 def main():
     if sys.argv[1] == "--lora":
-        lora_reference(sys.argv[2])
+        lora_reference(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "gqa")
         return
     if sys.argv[1] == "--check-adapter":
         check_adapter(sys.argv[2], sys.argv[3])

@@ -211,10 +211,13 @@ std::shared_ptr<LanguageModel> LoadWithPeftAdapter(const std::string& ref, Model
   return model;
 }
 
-TEST(LlamaLoraReferenceTest, LogitsLossAndAdapterGradientsMatchPeft) {
+// The gqa Llama and Qwen2 (whose q/k/v have biases besides their adapters).
+class LlamaLoraReferenceTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(LlamaLoraReferenceTest, LogitsLossAndAdapterGradientsMatchPeft) {
   TempDir dir;
   const std::string ref = dir.path() + "/model";
-  ASSERT_NO_FATAL_FAILURE(RunReference({"--lora", ref}));
+  ASSERT_NO_FATAL_FAILURE(RunReference({"--lora", ref, GetParam()}));
   std::map<std::string, torch::Tensor> expected = ReadAll(ref + "/lora_reference.safetensors");
   ModelConfig m;
   std::shared_ptr<LanguageModel> model = LoadWithPeftAdapter(ref, &m);
@@ -241,11 +244,11 @@ TEST(LlamaLoraReferenceTest, LogitsLossAndAdapterGradientsMatchPeft) {
   EXPECT_EQ(compared, 2 * 7 * m.n_layer);
 }
 
-TEST(LlamaLoraReferenceTest, ExportedAdapterLoadsInPeftAndMergedModelInTransformers) {
+TEST_P(LlamaLoraReferenceTest, ExportedAdapterLoadsInPeftAndMergedModelInTransformers) {
   TempDir dir;
   const std::string ref = dir.path() + "/model", adapter = dir.path() + "/adapter",
                     merged = dir.path() + "/merged";
-  ASSERT_NO_FATAL_FAILURE(RunReference({"--lora", ref}));
+  ASSERT_NO_FATAL_FAILURE(RunReference({"--lora", ref, GetParam()}));
   ModelConfig m;
   std::shared_ptr<LanguageModel> model = LoadWithPeftAdapter(ref, &m);
   ASSERT_NE(model, nullptr);
@@ -277,6 +280,7 @@ INSTANTIATE_TEST_SUITE_P(Variants, LlamaReferenceTest,
                                            Variant{"qwen2", "float32"},
                                            Variant{"qwen2_tied", "bfloat16"}),
                          [](const auto& info) { return info.param.name + "_" + info.param.dtype; });
+INSTANTIATE_TEST_SUITE_P(Variants, LlamaLoraReferenceTest, ::testing::Values("gqa", "qwen2"));
 INSTANTIATE_TEST_SUITE_P(Variants, LlamaExportTest,
                          ::testing::Values("mha", "gqa", "tied", "gelu_tanh", "mistral", "qwen2",
                                            "qwen2_tied"));

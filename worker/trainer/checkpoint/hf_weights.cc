@@ -5,6 +5,7 @@
 #include <fstream>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "worker/trainer/model/model.h"
@@ -90,11 +91,13 @@ absl::Status ExportHfModel(const ModelConfig& config, const LoraConfig& lora,
   for (const auto& item : params) {
     if (IsLoraParameter(item.key())) continue;
     torch::Tensor t = item.value().detach().to(torch::kFloat);
-    // "<projection>.weight" with an adapter: merged.
+    // "<projection>.weight" with an adapter: merged (its bias, Qwen2's, is the base's).
     const std::string projection = item.key().substr(0, item.key().rfind('.'));
     const torch::Tensor* a = params.find(projection + ".lora_A.weight");
     const torch::Tensor* b = params.find(projection + ".lora_B.weight");
-    if (a != nullptr && b != nullptr) t = t + torch::matmul(*b, *a) * lora.scale();
+    if (a != nullptr && b != nullptr && absl::EndsWith(item.key(), ".weight")) {
+      t = t + torch::matmul(*b, *a) * lora.scale();
+    }
     entries.push_back(Entry(item.key(), t));
   }
   auto file = SerializeSafetensors(std::move(entries), {{"format", "pt"}});
