@@ -3,12 +3,16 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <deque>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <limits>
 #include <map>
+#include <string>
+#include <tuple>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -44,6 +48,37 @@ std::string PlacementText(const v1::Job& job) {
   return parts.empty() ? "-" : absl::StrJoin(parts, "; ");
 }
 
+// The optimizer's constants the spec sets and the kinds weight decay skips ("" when none).
+std::string OptimizerSettingsText(const v1::TrainSpec& t) {
+  std::string out;
+  for (const auto& [name, has, value] : std::vector<std::tuple<const char*, bool, double>>{
+           {"adam_beta1", t.has_adam_beta1(), t.adam_beta1()},
+           {"adam_beta2", t.has_adam_beta2(), t.adam_beta2()},
+           {"adam_epsilon", t.has_adam_epsilon(), t.adam_epsilon()},
+           {"adafactor_eps", t.has_adafactor_eps(), t.adafactor_eps()},
+           {"adafactor_clip_threshold", t.has_adafactor_clip_threshold(),
+            t.adafactor_clip_threshold()},
+           {"adafactor_decay_rate", t.has_adafactor_decay_rate(), t.adafactor_decay_rate()}}) {
+    if (has) absl::StrAppend(&out, " ", name, "=", value);
+  }
+  if (t.weight_decay() > 0) absl::StrAppend(&out, " weight_decay=", t.weight_decay());
+  if (t.no_weight_decay_size() > 0) {
+    absl::StrAppend(&out, " no_weight_decay=", absl::StrJoin(t.no_weight_decay(), ","));
+  }
+  return out;
+}
+
+// The checkpoints retention keeps, oldest first: "step-N (eval_loss x), ...".
+std::string KeptText(const v1::Job& job) {
+  std::vector<std::string> kept;
+  for (const v1::CheckpointInfo& c : job.kept_checkpoints()) {
+    kept.push_back(c.has_eval_loss()
+                       ? absl::StrFormat("step-%d (eval_loss %.4f)", c.step(), c.eval_loss())
+                       : absl::StrCat("step-", c.step()));
+  }
+  return kept.empty() ? "-" : absl::StrJoin(kept, ", ");
+}
+
 void PrintJob(const v1::Job& job) {
   const auto& s = job.spec();
   const auto& m = s.model();
@@ -65,7 +100,10 @@ void PrintJob(const v1::Job& job) {
       {"model", absl::StrCat(m.kind(), " n_layer=", m.n_layer(), " n_head=", m.n_head(),
                              " d_model=", m.d_model(), " seq_len=", m.seq_len(), " vocab=",
                              m.vocab(), " (", HumanCount(ModelParameterCount(m)), " params)")},
-      {"data", absl::StrCat(s.data().path(), " (", s.data().format(), ")")},
+      {"data",
+       absl::StrCat(
+           s.data().path(), " (", s.data().format(), ")",
+           s.data().eval_path().empty() ? "" : absl::StrCat("; held out: ", s.data().eval_path()))},
       {"train",
        absl::StrCat(
            "steps=", t.steps(), " micro_batch=", t.micro_batch(), " grad_accum=", t.grad_accum(),
@@ -75,7 +113,11 @@ void PrintJob(const v1::Job& job) {
            t.warmup_ratio() > 0 ? absl::StrCat(" warmup_ratio=", t.warmup_ratio())
                                 : absl::StrCat(" warmup=", t.warmup()),
            t.has_min_lr_ratio() ? absl::StrCat(" min_lr_ratio=", t.min_lr_ratio()) : "", " ",
-           MixedPrecisionName(t.mixed_precision()), " ", OptimizerName(t.optimizer()))},
+           MixedPrecisionName(t.mixed_precision()), " ", OptimizerName(t.optimizer()),
+           OptimizerSettingsText(t),
+           t.eval_every() > 0 || !s.data().eval_path().empty()
+               ? absl::StrCat(" eval_every=", t.eval_every(), " eval_batches=", t.eval_batches())
+               : "")},
       {"parallel", absl::StrCat(StrategyName(s.parallel().strategy()), " ",
                                 ShardingStrategyName(s.parallel().sharding_strategy()),
                                 " bucket_mb=", s.parallel().bucket_mb())},
@@ -105,6 +147,15 @@ void PrintJob(const v1::Job& job) {
     f.push_back({"command", absl::StrJoin(s.command(), " ")});
     f.push_back({"workdir", s.workdir().empty() ? "- (a fresh folder per attempt)" : s.workdir()});
     f.push_back({"env", names.empty() ? "-" : absl::StrJoin(names, " ")});
+  }
+  if (!IsCommandJob(s)) {
+    f.push_back({"checkpoints",
+                 absl::StrCat("kept ", KeptText(job), " (keep_last ", s.checkpoint().keep_last(),
+                              s.checkpoint().keep_best() ? ", keep_best" : "", ")")});
+    if (job.eval_loss() > 0) {
+      f.push_back({"eval_loss", absl::StrFormat("%.4f (perplexity %.2f)", job.eval_loss(),
+                                                std::exp(job.eval_loss()))});
+    }
   }
   if (!job.why_waiting().empty()) f.push_back({"waiting", job.why_waiting()});
   if (job.backfilled()) f.push_back({"backfilled", "yes"});
@@ -519,6 +570,7 @@ int Metrics(const Globals& g, const std::string& id, bool follow) {
   std::deque<double> recent;        // seconds of the last steps, for the ETA
   bool pipelined = false;           // a BUBBLE column
   std::vector<std::string> extras;  // a program's own metrics (the SDK's), one entry per row
+  std::vector<std::string> evals;   // train.eval_every: "loss (perplexity)" or "", per row
   absl::Status s = client.Metrics(NormalizeJobId(id), follow, [&](const v1::StepReport& r) {
     if (g.json()) {
       series.push_back({{"attempt", r.attempt()},
@@ -533,6 +585,10 @@ int Metrics(const Globals& g, const std::string& id, bool follow) {
                         {"model_state_peak_bytes", r.model_state_peak_bytes()},
                         {"comm_bytes", r.comm_bytes()},
                         {"time_ms", r.time_ms()}});
+      if (r.has_eval_loss()) {
+        series.back()["eval_loss"] = r.eval_loss();
+        series.back()["eval_perplexity"] = std::exp(r.eval_loss());
+      }
       if (r.metrics_size() > 0) {  // a program's own, reported through the Python SDK
         series.back()["metrics"] =
             std::map<std::string, double>(r.metrics().begin(), r.metrics().end());
@@ -557,6 +613,9 @@ int Metrics(const Globals& g, const std::string& id, bool follow) {
       }
       std::sort(own.begin(), own.end());
       extras.push_back(absl::StrJoin(own, " "));
+      evals.push_back(r.has_eval_loss()
+                          ? absl::StrFormat("%.4f (%.2f)", r.eval_loss(), std::exp(r.eval_loss()))
+                          : "");
       if (r.pipeline_stage_idle_size() > 0) {
         pipelined = true;
         std::vector<std::string> stages;
@@ -588,6 +647,13 @@ int Metrics(const Globals& g, const std::string& id, bool follow) {
     // each stage's.
     if (pipelined) header.push_back("BUBBLE (THEORY) [PER STAGE]");
     for (auto& row : rows) row.resize(header.size(), "-");
+    // Evaluations (train.eval_every): the held-out loss and its perplexity, on their steps.
+    if (std::any_of(evals.begin(), evals.end(), [](const auto& e) { return !e.empty(); })) {
+      header.push_back("EVAL_LOSS (PPL)");
+      for (size_t i = 0; i < rows.size(); ++i) {
+        rows[i].push_back(evals[i].empty() ? "-" : evals[i]);
+      }
+    }
     // A program's own metrics (trainyard.init().report(step, accuracy=...)), by name.
     if (std::any_of(extras.begin(), extras.end(), [](const auto& e) { return !e.empty(); })) {
       header.push_back("METRICS");

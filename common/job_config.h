@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -154,6 +155,9 @@ struct DataConfig {
   std::string path;
   std::string format;     // "bytes", "uint16" or "uint32"
   std::string loss_mask;  // "": every target counts; else one 0/1 byte per token
+  // Held-out data (train.eval_every), of `format`; "": no evaluation.
+  std::string eval_path;
+  std::string eval_loss_mask;
 };
 
 // LoRA (PEFT's LoraConfig): each targeted projection W (a llama q/k/v/o/gate/up/down_proj) gains
@@ -185,7 +189,21 @@ struct TrainConfig {
   LoraConfig lora;
   OptimizerKind optimizer = OptimizerKind::kAdamW;
   int micro_batches = 1;  // pipeline parallelism: micro-batches per step
+  // Evaluation on data.eval_path: every eval_every steps (0: after the last step only), over
+  // eval_batches global batches of its windows (0: all of them, up to kMaxEvalWindows).
+  int64_t eval_every = 0;
+  int eval_batches = 0;
+  // The optimizer's constants; unset: the optimizer's defaults (OptimizerDefaults).
+  std::optional<double> adam_beta1, adam_beta2, adam_epsilon;
+  double adafactor_eps = 1e-30;
+  double adafactor_clip_threshold = 1.0;
+  double adafactor_decay_rate = -0.8;
+  // Parameter kinds weight_decay skips: "bias", "norm", "embedding".
+  std::vector<std::string> no_weight_decay;
 };
+
+// Most held-out windows one evaluation reads.
+inline constexpr int64_t kMaxEvalWindows = 65536;
 
 struct ParallelConfig {
   Strategy strategy = Strategy::kDdp;
@@ -212,6 +230,7 @@ struct JobConfig {
   ParallelConfig parallel;
   int64_t checkpoint_every_steps = 0;  // 0 = on request and before a graceful stop only
   int64_t checkpoint_keep_last = 0;    // 0 = every checkpoint is kept (retention.h)
+  bool checkpoint_keep_best = false;   // also the one of the lowest eval_loss
   // Written into <checkpoint dir>/export by rank 0 at the end of a run that trained every step.
   ExportFormat export_format = ExportFormat::kNone;
 };

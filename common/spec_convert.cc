@@ -114,6 +114,8 @@ JobConfig ToJobConfig(const v1::JobSpec& spec) {
   c.data.path = spec.data().path();
   c.data.format = spec.data().format();
   c.data.loss_mask = spec.data().loss_mask();
+  c.data.eval_path = spec.data().eval_path();
+  c.data.eval_loss_mask = spec.data().eval_loss_mask();
   const v1::TrainSpec& t = spec.train();
   c.train.steps = t.steps();
   c.train.micro_batch = t.micro_batch();
@@ -132,6 +134,17 @@ JobConfig ToJobConfig(const v1::JobSpec& spec) {
   c.train.weight_decay = t.weight_decay();
   c.train.grad_clip = t.grad_clip();
   c.train.optimizer = FromWire(kOptimizers, t.optimizer(), OptimizerKind::kAdamW);
+  c.train.eval_every = t.eval_every();
+  c.train.eval_batches = t.eval_batches();
+  if (t.has_adam_beta1()) c.train.adam_beta1 = t.adam_beta1();
+  if (t.has_adam_beta2()) c.train.adam_beta2 = t.adam_beta2();
+  if (t.has_adam_epsilon()) c.train.adam_epsilon = t.adam_epsilon();
+  if (t.has_adafactor_eps()) c.train.adafactor_eps = t.adafactor_eps();
+  if (t.has_adafactor_clip_threshold()) {
+    c.train.adafactor_clip_threshold = t.adafactor_clip_threshold();
+  }
+  if (t.has_adafactor_decay_rate()) c.train.adafactor_decay_rate = t.adafactor_decay_rate();
+  c.train.no_weight_decay.assign(t.no_weight_decay().begin(), t.no_weight_decay().end());
   if (t.has_lora()) {
     c.train.lora.r = t.lora().r();
     c.train.lora.alpha = t.lora().alpha();
@@ -160,6 +173,7 @@ JobConfig ToJobConfig(const v1::JobSpec& spec) {
   c.train.micro_batches = std::max(1, t.micro_batches());
   c.checkpoint_every_steps = spec.checkpoint().every_steps();
   c.checkpoint_keep_last = spec.checkpoint().keep_last();
+  c.checkpoint_keep_best = spec.checkpoint().keep_best();
   c.export_format =
       FromWire(kExportFormats, spec.checkpoint().export_format(), ExportFormat::kNone);
   return c;

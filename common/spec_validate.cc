@@ -4,7 +4,10 @@
 #include <algorithm>
 #include <cmath>
 #include <set>
+#include <string>
+#include <tuple>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -324,6 +327,79 @@ absl::Status ValidateData(const JobSpec& spec) {
     return FieldError("model.vocab",
                       absl::StrCat("must be <= 65536 for data.format uint16, got ", m.vocab()));
   }
+  if (!d.eval_loss_mask().empty() && d.eval_path().empty()) {
+    return FieldError("data.eval_loss_mask", "needs data.eval_path (the held-out tokens it masks)");
+  }
+  if (d.eval_path().empty() && spec.train().eval_every() > 0) {
+    return FieldError("train.eval_every", "needs data.eval_path (the held-out tokens)");
+  }
+  return absl::OkStatus();
+}
+
+// The optimizer's constants (train.adam_*, train.adafactor_*, train.no_weight_decay).
+absl::Status ValidateOptimizerSettings(const JobSpec& spec) {
+  const auto& t = spec.train();
+  const bool adafactor = t.optimizer() == v1::ADAFACTOR, lion = t.optimizer() == v1::LION;
+  const std::string name = OptimizerName(t.optimizer());
+  for (const auto& [field, has, value] : std::vector<std::tuple<const char*, bool, double>>{
+           {"train.adam_beta1", t.has_adam_beta1(), t.adam_beta1()},
+           {"train.adam_beta2", t.has_adam_beta2(), t.adam_beta2()}}) {
+    if (!has) continue;
+    if (adafactor) {
+      return FieldError(field, "adafactor has no betas (see train.adafactor_decay_rate)");
+    }
+    if (!(value >= 0 && value < 1)) {
+      return FieldError(field, absl::StrCat("must be in [0, 1), got ", value));
+    }
+  }
+  if (t.has_adam_epsilon()) {
+    if (adafactor || lion) {
+      return FieldError("train.adam_epsilon",
+                        absl::StrCat(name, " has no epsilon",
+                                     adafactor ? " of Adam's (see train.adafactor_eps)" : ""));
+    }
+    if (!(t.adam_epsilon() > 0 && t.adam_epsilon() <= 1)) {
+      return FieldError("train.adam_epsilon",
+                        absl::StrCat("must be in (0, 1], got ", t.adam_epsilon()));
+    }
+  }
+  for (const auto& [field, has] : std::vector<std::pair<const char*, bool>>{
+           {"train.adafactor_eps", t.has_adafactor_eps()},
+           {"train.adafactor_clip_threshold", t.has_adafactor_clip_threshold()},
+           {"train.adafactor_decay_rate", t.has_adafactor_decay_rate()}}) {
+    if (has && !adafactor) {
+      return FieldError(field, absl::StrCat("is adafactor's; train.optimizer is ", name));
+    }
+  }
+  if (t.has_adafactor_eps() && !(t.adafactor_eps() > 0 && t.adafactor_eps() <= 1e-3)) {
+    return FieldError("train.adafactor_eps",
+                      absl::StrCat("must be in (0, 1e-3], got ", t.adafactor_eps()));
+  }
+  if (t.has_adafactor_clip_threshold() &&
+      !(t.adafactor_clip_threshold() > 0 && std::isfinite(t.adafactor_clip_threshold()))) {
+    return FieldError("train.adafactor_clip_threshold",
+                      absl::StrCat("must be > 0, got ", t.adafactor_clip_threshold()));
+  }
+  if (t.has_adafactor_decay_rate() &&
+      !(t.adafactor_decay_rate() >= -1 && t.adafactor_decay_rate() < 0)) {
+    return FieldError("train.adafactor_decay_rate",
+                      absl::StrCat("must be in [-1, 0), got ", t.adafactor_decay_rate()));
+  }
+  std::set<std::string> kinds;
+  for (const std::string& kind : t.no_weight_decay()) {
+    if (kind != "bias" && kind != "norm" && kind != "embedding") {
+      return FieldError("train.no_weight_decay",
+                        absl::StrCat("unknown kind '", kind, "' (bias, norm or embedding)"));
+    }
+    if (!kinds.insert(kind).second) {
+      return FieldError("train.no_weight_decay", absl::StrCat("'", kind, "' is listed twice"));
+    }
+  }
+  if (!kinds.empty() && spec.parallel().strategy() == v1::OFFLOAD) {
+    return FieldError("train.no_weight_decay",
+                      "not with parallel.strategy offload (the parameter servers decay every "
+                      "parameter): use ddp or fsdp");
+  }
   return absl::OkStatus();
 }
 
@@ -338,6 +414,8 @@ absl::Status ValidateTrain(const JobSpec& spec) {
     return FieldError("train.lr", absl::StrCat("must be in (0, 10], got ", t.lr()));
   }
   RETURN_IF_ERROR(CheckRange("train.warmup", t.warmup(), 0, t.steps()));
+  RETURN_IF_ERROR(CheckRange("train.eval_every", t.eval_every(), 0, t.steps()));
+  RETURN_IF_ERROR(CheckRange("train.eval_batches", t.eval_batches(), 0, kMaxEvalWindows));
   if (!v1::LrSchedule_IsValid(t.lr_schedule())) {
     return FieldError("train.lr_schedule",
                       absl::StrCat("unknown value ", t.lr_schedule(),
@@ -485,6 +563,10 @@ absl::Status ValidateCheckpoint(const JobSpec& spec) {
   RETURN_IF_ERROR(
       CheckRange("checkpoint.every_steps", spec.checkpoint().every_steps(), 0, int64_t{1} << 40));
   RETURN_IF_ERROR(CheckRange("checkpoint.keep_last", spec.checkpoint().keep_last(), 0, 1000000));
+  if (spec.checkpoint().keep_best() && spec.data().eval_path().empty()) {
+    return FieldError("checkpoint.keep_best",
+                      "needs an evaluation to rank checkpoints by (data.eval_path)");
+  }
   if (const v1::ExportFormat f = spec.checkpoint().export_format();
       f != v1::EXPORT_FORMAT_UNSPECIFIED) {
     if (!v1::ExportFormat_IsValid(f)) {
@@ -528,6 +610,7 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   RETURN_IF_ERROR(ValidateModel(spec));
   RETURN_IF_ERROR(ValidateData(spec));
   RETURN_IF_ERROR(ValidateTrain(spec));
+  RETURN_IF_ERROR(ValidateOptimizerSettings(spec));
   RETURN_IF_ERROR(ValidateParallel(spec));
   RETURN_IF_ERROR(ValidateCheckpoint(spec));
   RETURN_IF_ERROR(CheckRange("max_restarts", spec.max_restarts(), 0, 100));

@@ -255,8 +255,12 @@ absl::Status ParseModel(const YAML::Node& n, SpecParser& p, JobSpec& spec) {
 
 // The spec's `data`.
 absl::Status ParseData(const YAML::Node& n, SpecParser& p, JobSpec& spec) {
-  RETURN_IF_ERROR(p.Mapping(n, "data", {"path", "format", "loss_mask"}));
+  RETURN_IF_ERROR(
+      p.Mapping(n, "data", {"path", "format", "loss_mask", "eval_path", "eval_loss_mask"}));
   RETURN_IF_ERROR(p.String(n, "loss_mask", "data", *spec.mutable_data()->mutable_loss_mask()));
+  RETURN_IF_ERROR(p.String(n, "eval_path", "data", *spec.mutable_data()->mutable_eval_path()));
+  RETURN_IF_ERROR(
+      p.String(n, "eval_loss_mask", "data", *spec.mutable_data()->mutable_eval_loss_mask()));
   RETURN_IF_ERROR(p.String(n, "path", "data", *spec.mutable_data()->mutable_path()));
   RETURN_IF_ERROR(p.String(n, "format", "data", *spec.mutable_data()->mutable_format()));
   return absl::OkStatus();
@@ -264,11 +268,32 @@ absl::Status ParseData(const YAML::Node& n, SpecParser& p, JobSpec& spec) {
 
 // The spec's `train`.
 absl::Status ParseTrain(const YAML::Node& n, SpecParser& p, JobSpec& spec) {
-  RETURN_IF_ERROR(
-      p.Mapping(n, "train",
-                {"steps", "micro_batch", "grad_accum", "lr", "warmup", "mixed_precision",
-                 "activation_checkpointing", "seed", "weight_decay", "grad_clip", "lora",
-                 "optimizer", "micro_batches", "lr_schedule", "warmup_ratio", "min_lr_ratio"}));
+  RETURN_IF_ERROR(p.Mapping(n, "train",
+                            {"steps",
+                             "micro_batch",
+                             "grad_accum",
+                             "lr",
+                             "warmup",
+                             "mixed_precision",
+                             "activation_checkpointing",
+                             "seed",
+                             "weight_decay",
+                             "grad_clip",
+                             "lora",
+                             "optimizer",
+                             "micro_batches",
+                             "lr_schedule",
+                             "warmup_ratio",
+                             "min_lr_ratio",
+                             "eval_every",
+                             "eval_batches",
+                             "adam_beta1",
+                             "adam_beta2",
+                             "adam_epsilon",
+                             "adafactor_eps",
+                             "adafactor_clip_threshold",
+                             "adafactor_decay_rate",
+                             "no_weight_decay"}));
   auto& t = *spec.mutable_train();
   int64_t i64 = 0;
   int32_t i32 = 0;
@@ -318,6 +343,35 @@ absl::Status ParseTrain(const YAML::Node& n, SpecParser& p, JobSpec& spec) {
   if (n["min_lr_ratio"]) {
     RETURN_IF_ERROR(p.Double(n, "min_lr_ratio", "train", d));
     t.set_min_lr_ratio(d);
+  }
+  i64 = 0;
+  RETURN_IF_ERROR(p.Integer(n, "eval_every", "train", i64));
+  t.set_eval_every(i64);
+  i32 = 0;
+  RETURN_IF_ERROR(p.Integer(n, "eval_batches", "train", i32));
+  t.set_eval_batches(i32);
+  // Present ones only: an absent constant is the optimizer's default, not 0.
+  for (const auto& [field, set] :
+       std::vector<std::pair<const char*, void (v1::TrainSpec::*)(double)>>{
+           {"adam_beta1", &v1::TrainSpec::set_adam_beta1},
+           {"adam_beta2", &v1::TrainSpec::set_adam_beta2},
+           {"adam_epsilon", &v1::TrainSpec::set_adam_epsilon},
+           {"adafactor_eps", &v1::TrainSpec::set_adafactor_eps},
+           {"adafactor_clip_threshold", &v1::TrainSpec::set_adafactor_clip_threshold},
+           {"adafactor_decay_rate", &v1::TrainSpec::set_adafactor_decay_rate}}) {
+    if (!n[field]) continue;
+    RETURN_IF_ERROR(p.Double(n, field, "train", d));
+    (t.*set)(d);
+  }
+  if (const YAML::Node kinds = n["no_weight_decay"]) {
+    if (!kinds.IsSequence()) {
+      return p.Error(kinds, "train.no_weight_decay: expected a list, e.g. [bias, norm]");
+    }
+    for (const auto& item : kinds) {
+      std::string kind;
+      RETURN_IF_ERROR(p.Scalar(item, "train.no_weight_decay", kind));
+      t.add_no_weight_decay(kind);
+    }
   }
   if (const YAML::Node l = n["lora"]) {
     RETURN_IF_ERROR(p.Mapping(l, "train.lora", {"r", "alpha", "dropout", "target_modules"}));
@@ -431,7 +485,7 @@ absl::Status ParseParallel(const YAML::Node& n, SpecParser& p, JobSpec& spec) {
 
 // The spec's `checkpoint`.
 absl::Status ParseCheckpoint(const YAML::Node& n, SpecParser& p, JobSpec& spec) {
-  RETURN_IF_ERROR(p.Mapping(n, "checkpoint", {"every_steps", "export", "keep_last"}));
+  RETURN_IF_ERROR(p.Mapping(n, "checkpoint", {"every_steps", "export", "keep_last", "keep_best"}));
   int64_t every = 0;
   RETURN_IF_ERROR(p.Integer(n, "every_steps", "checkpoint", every));
   spec.mutable_checkpoint()->set_every_steps(every);
@@ -440,6 +494,9 @@ absl::Status ParseCheckpoint(const YAML::Node& n, SpecParser& p, JobSpec& spec) 
     RETURN_IF_ERROR(p.Integer(n, "keep_last", "checkpoint", keep));
     spec.mutable_checkpoint()->set_keep_last(keep);
   }
+  bool keep_best = false;
+  RETURN_IF_ERROR(p.Bool(n, "keep_best", "checkpoint", keep_best));
+  spec.mutable_checkpoint()->set_keep_best(keep_best);
   v1::ExportFormat format = v1::EXPORT_FORMAT_UNSPECIFIED;
   RETURN_IF_ERROR(
       p.Choice(n, "export", "checkpoint", Choices<v1::ExportFormat>(kExportFormats), format));

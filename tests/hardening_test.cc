@@ -46,6 +46,7 @@ class HardeningTest : public testing::CoordinatorFixture {
     options.metrics_address = "127.0.0.1:0";
     options.limits.max_queued_jobs_per_user = 20;
     options.limits.max_tokens_per_user = 5;
+    options.limits.max_kept_checkpoints = 4;
     options.limits.rendezvous.max_keys = 4;
     options.limits.rendezvous.max_bytes = 1000;
     options.limits.rendezvous.max_value_bytes = 600;
@@ -112,6 +113,26 @@ v1::JobSpec OffloadSpec(const std::string& name) {
   v1::JobSpec s = testing::TinySpec(name, 1);
   s.mutable_parallel()->set_strategy(v1::OFFLOAD);
   return s;
+}
+
+// --max-kept-checkpoints: a spec keeping more checkpoints than the cluster allows, or every one,
+// is refused naming checkpoint.keep_last; within it (and the default 3) it is taken.
+TEST_F(HardeningTest, ASpecKeepingMoreCheckpointsThanTheClusterCapIsRefused) {
+  const std::string alice = tokens_->User("alice");
+  v1::JobSpec spec = testing::TinySpec("keeps", 1);
+  spec.mutable_checkpoint()->set_keep_last(5);
+  grpc::Status s = Submit(alice, spec);
+  EXPECT_EQ(s.error_code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(s.error_message(),
+            "checkpoint.keep_last: this cluster keeps at most 4 checkpoints per job; got 5");
+  spec.mutable_checkpoint()->set_keep_last(0);
+  s = Submit(alice, spec);
+  EXPECT_EQ(s.error_code(), StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("got 0 (every one)"));
+  spec.mutable_checkpoint()->set_keep_last(4);
+  EXPECT_TRUE(Submit(alice, spec).ok());
+  spec.mutable_checkpoint()->clear_keep_last();  // the default, 3
+  EXPECT_TRUE(Submit(alice, spec).ok());
 }
 
 TEST_F(HardeningTest, AnOwnersLimitedParameterServerNeverGetsAnotherOwnersShards) {

@@ -28,8 +28,8 @@ cat >"$tmp/spec.yaml" <<SPEC
 name: monitoring-e2e
 resources: {gpus: 2}
 model: {kind: gpt, n_layer: 2, n_head: 2, d_model: 64, seq_len: 32, vocab: 256}
-data: {path: /usr/share/common-licenses/GPL-3, format: bytes}
-train: {steps: 1000000, micro_batch: 4, lr: 1.0e-3, warmup: 10, seed: 1}
+data: {path: /usr/share/common-licenses/GPL-3, format: bytes, eval_path: /usr/share/common-licenses/GPL-2}
+train: {steps: 1000000, micro_batch: 4, lr: 1.0e-3, warmup: 10, seed: 1, eval_every: 5, eval_batches: 1}
 parallel: {strategy: offload}
 SPEC
 # The job runs in an account with a quota, so that the account panels have a quota series too.

@@ -9,11 +9,17 @@
               (dequantize with the old absmax, update the moments, step the parameter, decay it,
               quantize to the nearest code with the new absmax, keep m's sign).
 
-usage: optimizer_reference.py KIND OUT_DIR
+  adamw       torch.optim.AdamW.
+
+usage: optimizer_reference.py KIND OUT_DIR [--settings]
 Writes OUT_DIR/input.safetensors (the initial parameters "param.<i>", the gradients
-"grad.<step>.<i>", the gradient scale of each step "grad_scale" and "hyper" = [lr, weight_decay])
-and OUT_DIR/expected.safetensors (the parameters after the steps, "param.<i>", and the state,
-"state.<i>.<name>" named as trainyard's SlotOptimizer names it).
+"grad.<step>.<i>", the gradient scale of each step "grad_scale", "hyper" = [lr, weight_decay] and
+"settings" = [beta1, beta2, eps, adafactor eps[0], clip_threshold, decay_rate, the index of the
+parameter weight decay leaves alone or -1]) and OUT_DIR/expected.safetensors (the parameters after
+the steps, "param.<i>", and the state, "state.<i>.<name>" named as trainyard's SlotOptimizer names
+it). With --settings the constants are not the defaults (train.adam_beta1/2, adam_epsilon,
+adafactor_*), and parameter 3 (a vector) is in a parameter group without weight decay
+(train.no_weight_decay), as HF Trainer groups its parameters.
 """
 import math
 import sys
@@ -23,14 +29,30 @@ from safetensors.torch import save_file
 
 SHAPES = [(64, 96), (17, 300), (3, 20, 30), (96,), (5000,)]
 SCALES = [1.0, 0.5, 1.0, 1.0, 0.25, 1.0]
-HYPER = {"adafactor": (1e-2, 0.1), "lion": (1e-3, 0.1), "adamw_8bit": (1e-2, 0.1)}
+HYPER = {"adafactor": (1e-2, 0.1), "lion": (1e-3, 0.1), "adamw_8bit": (1e-2, 0.1),
+         "adamw": (1e-2, 0.1)}
+# [beta1, beta2, eps, adafactor eps[0], clip_threshold, decay_rate, undecayed parameter]
+DEFAULTS = {"adafactor": [0, 0, 0, 1e-30, 1.0, -0.8, -1], "lion": [0.9, 0.99, 0, 0, 0, 0, -1],
+            "adamw_8bit": [0.9, 0.95, 1e-8, 0, 0, 0, -1], "adamw": [0.9, 0.95, 1e-8, 0, 0, 0, -1]}
+SETTINGS = {"adafactor": [0, 0, 0, 1e-20, 0.5, -0.6, 3], "lion": [0.8, 0.95, 0, 0, 0, 0, 3],
+            "adamw_8bit": [0.85, 0.99, 1e-6, 0, 0, 0, 3], "adamw": [0.85, 0.99, 1e-6, 0, 0, 0, 3]}
 
 
-def adafactor(params, lr, wd):
+def groups(params, wd, settings):
+    """HF Trainer's two parameter groups: with weight decay, and the undecayed one without."""
+    skip = int(settings[6])
+    if skip < 0:
+        return [{"params": params, "weight_decay": wd}]
+    return [{"params": [p for i, p in enumerate(params) if i != skip], "weight_decay": wd},
+            {"params": [params[skip]], "weight_decay": 0.0}]
+
+
+def adafactor(params, lr, wd, settings):
     from transformers.optimization import Adafactor
 
-    opt = Adafactor(params, lr=lr, relative_step=False, scale_parameter=False,
-                    warmup_init=False, weight_decay=wd)
+    opt = Adafactor(groups(params, wd, settings), lr=lr, relative_step=False,
+                    scale_parameter=False, warmup_init=False, eps=(settings[3], 1e-3),
+                    clip_threshold=settings[4], decay_rate=settings[5])
 
     def state(i, p):
         st = opt.state[p]
@@ -42,11 +64,18 @@ def adafactor(params, lr, wd):
     return opt.step, state
 
 
-def lion(params, lr, wd):
+def lion(params, lr, wd, settings):
     from lion_pytorch import Lion
 
-    opt = Lion(params, lr=lr, betas=(0.9, 0.99), weight_decay=wd)
+    opt = Lion(groups(params, wd, settings), lr=lr, betas=(settings[0], settings[1]))
     return opt.step, lambda i, p: {"exp_avg": opt.state[p]["exp_avg"].reshape(-1)}
+
+
+def adamw(params, lr, wd, settings):
+    opt = torch.optim.AdamW(groups(params, wd, settings), lr=lr, betas=(settings[0], settings[1]),
+                            eps=settings[2])
+    return opt.step, lambda i, p: {"exp_avg": opt.state[p]["exp_avg"].reshape(-1),
+                                   "exp_avg_sq": opt.state[p]["exp_avg_sq"].reshape(-1)}
 
 
 def nearest(x, code):
@@ -56,11 +85,12 @@ def nearest(x, code):
     return (x.unsqueeze(-1) - code).abs().argmin(-1)
 
 
-def adamw_8bit(params, lr, wd):
+def adamw_8bit(params, lr, wd, settings):
     import bitsandbytes.functional as F
 
     f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # the kernel's float arithmetic
-    b1, b2, eps, rate, decay = f32(0.9), f32(0.95), f32(1e-8), f32(lr), f32(wd)
+    b1, b2, eps, rate = f32(settings[0]), f32(settings[1]), f32(settings[2]), f32(lr)
+    skip = int(settings[6])
     q1, q2 = F.create_dynamic_map(signed=True), F.create_dynamic_map(signed=False)
     states = {}
     step = [0]
@@ -71,7 +101,8 @@ def adamw_8bit(params, lr, wd):
         correction1 = 1.0 - torch.pow(b1, t)
         correction2 = torch.sqrt(1.0 - torch.pow(b2, t))
         step_size = -rate * correction2 / correction1
-        for p in params:
+        for index, p in enumerate(params):
+            decay = f32(0.0 if index == skip else wd)
             g = p.grad.reshape(-1)
             n = p.numel()
             st = states.setdefault(p, {})
@@ -110,6 +141,7 @@ def adamw_8bit(params, lr, wd):
 
 def main():
     kind, out = sys.argv[1], sys.argv[2]
+    settings = (SETTINGS if "--settings" in sys.argv[3:] else DEFAULTS)[kind]
     lr, wd = HYPER[kind]
     torch.manual_seed(7)
     params = [torch.randn(s) for s in SHAPES]
@@ -120,11 +152,12 @@ def main():
             inputs[f"grad.{k}.{i}"] = g
     inputs["grad_scale"] = torch.tensor(SCALES, dtype=torch.float32)
     inputs["hyper"] = torch.tensor([lr, wd], dtype=torch.float32)
+    inputs["settings"] = torch.tensor(settings, dtype=torch.float64)
     save_file(inputs, f"{out}/input.safetensors")
 
     params = [torch.nn.Parameter(p) for p in params]
-    step, state = {"adafactor": adafactor, "lion": lion, "adamw_8bit": adamw_8bit}[kind](
-        params, lr, wd)
+    step, state = {"adafactor": adafactor, "lion": lion, "adamw_8bit": adamw_8bit,
+                   "adamw": adamw}[kind](params, lr, wd, settings)
     for scale, step_grads in zip(SCALES, grads):
         for p, g in zip(params, step_grads):
             p.grad = g * scale

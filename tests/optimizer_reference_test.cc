@@ -24,13 +24,22 @@ namespace {
 
 using testing::TempDir;
 
-class OptimizerReferenceTest : public ::testing::TestWithParam<OptimizerKind> {};
+// Each optimizer with its defaults, and with the spec's constants set otherwise
+// (train.adam_beta1/2, adam_epsilon, adafactor_*) and a parameter weight decay leaves alone
+// (train.no_weight_decay; the reference puts it in a group without weight decay).
+struct Case {
+  OptimizerKind kind;
+  bool settings;
+};
+
+class OptimizerReferenceTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(OptimizerReferenceTest, ParametersAndStateMatchTheReferenceAfterSixSteps) {
-  const OptimizerKind kind = GetParam();
+  const OptimizerKind kind = GetParam().kind;
   TempDir dir;
-  ASSERT_NO_FATAL_FAILURE(
-      testing::RunReferenceScript("optimizer_reference.py", {Name(kind), dir.path()}));
+  std::vector<std::string> args = {Name(kind), dir.path()};
+  if (GetParam().settings) args.push_back("--settings");
+  ASSERT_NO_FATAL_FAILURE(testing::RunReferenceScript("optimizer_reference.py", args));
   auto in = testing::ReadSafetensorsTensors(dir.path() + "/input.safetensors");
   auto want = testing::ReadSafetensorsTensors(dir.path() + "/expected.safetensors");
   ASSERT_FALSE(in.empty());
@@ -41,7 +50,40 @@ TEST_P(OptimizerReferenceTest, ParametersAndStateMatchTheReferenceAfterSixSteps)
   }
   ASSERT_EQ(params.size(), 5u);
 
-  ParameterOptimizer optimizer(params, HyperFor(kind, wd));
+  // [beta1, beta2, eps, adafactor eps[0], clip_threshold, decay_rate, undecayed parameter]
+  const torch::Tensor st = in.at("settings");
+  auto setting = [&](int i) { return st[i].item<double>(); };
+  OptimizerHyper hyper = HyperFor(kind, wd);
+  if (GetParam().settings) {
+    TrainConfig train;
+    train.optimizer = kind;
+    train.weight_decay = wd;
+    if (kind == OptimizerKind::kAdafactor) {
+      train.adafactor_eps = setting(3);
+      train.adafactor_clip_threshold = setting(4);
+      train.adafactor_decay_rate = setting(5);
+    } else {
+      train.adam_beta1 = setting(0);
+      train.adam_beta2 = setting(1);
+      if (kind != OptimizerKind::kLion) train.adam_epsilon = setting(2);
+    }
+    hyper = HyperFor(train);
+  }
+  // The defaults are the reference's.
+  if (kind == OptimizerKind::kAdafactor) {
+    EXPECT_EQ(hyper.adafactor_eps1, setting(3));
+    EXPECT_EQ(hyper.adafactor_clip, setting(4));
+    EXPECT_EQ(hyper.adafactor_decay, setting(5));
+  } else {
+    EXPECT_EQ(hyper.beta1, setting(0));
+    EXPECT_EQ(hyper.beta2, setting(1));
+    if (kind != OptimizerKind::kLion) {
+      EXPECT_EQ(hyper.eps, setting(2));
+    }
+  }
+  std::vector<bool> decay(params.size(), true);
+  if (setting(6) >= 0) decay[static_cast<size_t>(setting(6))] = false;
+  ParameterOptimizer optimizer(params, hyper, decay);
   const torch::Tensor scales = in.at("grad_scale");
   for (int64_t k = 0; k < scales.numel(); ++k) {
     for (size_t i = 0; i < params.size(); ++i) {
@@ -90,14 +132,17 @@ TEST_P(OptimizerReferenceTest, ParametersAndStateMatchTheReferenceAfterSixSteps)
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Kinds, OptimizerReferenceTest,
-                         ::testing::Values(OptimizerKind::kAdafactor, OptimizerKind::kLion,
-                                           OptimizerKind::kAdamW8bit),
-                         [](const auto& info) {
-                           std::string name = Name(info.param);
-                           name.erase(std::remove(name.begin(), name.end(), '_'), name.end());
-                           return name;
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Kinds, OptimizerReferenceTest,
+    ::testing::Values(Case{OptimizerKind::kAdafactor, false}, Case{OptimizerKind::kLion, false},
+                      Case{OptimizerKind::kAdamW8bit, false}, Case{OptimizerKind::kAdamW, false},
+                      Case{OptimizerKind::kAdafactor, true}, Case{OptimizerKind::kLion, true},
+                      Case{OptimizerKind::kAdamW8bit, true}, Case{OptimizerKind::kAdamW, true}),
+    [](const auto& info) {
+      std::string name = Name(info.param.kind);
+      name.erase(std::remove(name.begin(), name.end(), '_'), name.end());
+      return name + (info.param.settings ? "WithSettings" : "");
+    });
 
 // The state each optimizer holds after a step of each model is what estimate-memory counts
 // (common/job_config's TrainedParameterShapes and OptimizerStateBytes).

@@ -557,6 +557,123 @@ data: {path: /data/tokens.bin}
               ::testing::Not(HasSubstr("train.optimizer")));
 }
 
+// The optimizer's constants and weight-decay exclusions: read as given (absent ones stay unset,
+// the optimizer's defaults), and checked naming the field.
+TEST(SpecTest, OptimizerSettingsAreReadAndChecked) {
+  const std::string base = R"(name: o
+resources: {gpus: 1}
+model: {kind: gpt, n_layer: 2, n_head: 4, d_model: 64, seq_len: 32}
+data: {path: /data/tokens.bin}
+)";
+  auto parse = [&](const std::string& train) { return ParseJobSpecYaml(base + train, "s.yaml"); };
+  auto parsed = parse(
+      "train: {steps: 10, adam_beta1: 0.85, adam_beta2: 0.999, adam_epsilon: 1.0e-6, "
+      "no_weight_decay: [bias, norm], weight_decay: 0.1}\n");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  ApplyJobSpecDefaults(parsed->spec);
+  ASSERT_TRUE(ValidateJobSpec(parsed->spec).ok()) << ValidateJobSpec(parsed->spec);
+  const TrainConfig t = ToJobConfig(parsed->spec).train;
+  EXPECT_EQ(t.adam_beta1, 0.85);
+  EXPECT_EQ(t.adam_beta2, 0.999);
+  EXPECT_EQ(t.adam_epsilon, 1e-6);
+  EXPECT_THAT(t.no_weight_decay, ElementsAre("bias", "norm"));
+  auto plain = parse(
+      "train: {steps: 10, optimizer: adafactor, adafactor_eps: 1.0e-20, "
+      "adafactor_clip_threshold: 0.5, adafactor_decay_rate: -0.6}\n");
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  ApplyJobSpecDefaults(plain->spec);
+  ASSERT_TRUE(ValidateJobSpec(plain->spec).ok()) << ValidateJobSpec(plain->spec);
+  const TrainConfig a = ToJobConfig(plain->spec).train;
+  EXPECT_FALSE(a.adam_beta1.has_value());
+  EXPECT_EQ(a.adafactor_eps, 1e-20);
+  EXPECT_EQ(a.adafactor_clip_threshold, 0.5);
+  EXPECT_EQ(a.adafactor_decay_rate, -0.6);
+
+  auto bad = parse("train: {steps: 10, no_weight_decay: bias}\n");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.status().message()),
+              StartsWith("s.yaml:5: train.no_weight_decay: expected a list"));
+  auto error = [&](std::function<void(v1::TrainSpec&)> mutate) {
+    v1::JobSpec spec = parsed->spec;
+    mutate(*spec.mutable_train());
+    return std::string(ValidateJobSpec(spec).message());
+  };
+  EXPECT_THAT(error([](v1::TrainSpec& t) { t.set_adam_beta1(1); }),
+              StartsWith("train.adam_beta1: must be in [0, 1), got 1"));
+  EXPECT_THAT(error([](v1::TrainSpec& t) { t.set_adam_beta2(-0.1); }),
+              StartsWith("train.adam_beta2: must be in [0, 1)"));
+  EXPECT_THAT(error([](v1::TrainSpec& t) { t.set_adam_epsilon(0); }),
+              StartsWith("train.adam_epsilon: must be in (0, 1]"));
+  EXPECT_THAT(error([](v1::TrainSpec& t) { t.set_optimizer(v1::LION); }),
+              StartsWith("train.adam_epsilon: lion has no epsilon"));
+  EXPECT_THAT(error([](v1::TrainSpec& t) { t.set_optimizer(v1::ADAFACTOR); }),
+              StartsWith("train.adam_beta1: adafactor has no betas"));
+  EXPECT_THAT(error([](v1::TrainSpec& t) { t.set_adafactor_clip_threshold(1); }),
+              StartsWith("train.adafactor_clip_threshold: is adafactor's; train.optimizer is "
+                         "adamw"));
+  EXPECT_THAT(error([](v1::TrainSpec& t) { t.add_no_weight_decay("layernorm"); }),
+              StartsWith("train.no_weight_decay: unknown kind 'layernorm' (bias, norm or "
+                         "embedding)"));
+  EXPECT_THAT(error([](v1::TrainSpec& t) { t.add_no_weight_decay("bias"); }),
+              StartsWith("train.no_weight_decay: 'bias' is listed twice"));
+  v1::JobSpec offload = parsed->spec;
+  offload.mutable_parallel()->set_strategy(v1::OFFLOAD);
+  EXPECT_THAT(std::string(ValidateJobSpec(offload).message()),
+              StartsWith("train.no_weight_decay: not with parallel.strategy offload"));
+  auto adafactor_error = [&](std::function<void(v1::TrainSpec&)> mutate) {
+    v1::JobSpec spec = plain->spec;
+    mutate(*spec.mutable_train());
+    return std::string(ValidateJobSpec(spec).message());
+  };
+  EXPECT_THAT(adafactor_error([](v1::TrainSpec& t) { t.set_adafactor_decay_rate(0); }),
+              StartsWith("train.adafactor_decay_rate: must be in [-1, 0)"));
+  EXPECT_THAT(adafactor_error([](v1::TrainSpec& t) { t.set_adafactor_eps(0.1); }),
+              StartsWith("train.adafactor_eps: must be in (0, 1e-3]"));
+}
+
+// Evaluation and keep_best: read, and refused without the held-out data they need.
+TEST(SpecTest, EvaluationAndKeepBestAreReadAndChecked) {
+  auto parsed = ParseJobSpecYaml(R"(name: e
+resources: {gpus: 1}
+model: {kind: gpt, n_layer: 2, n_head: 4, d_model: 64, seq_len: 32, vocab: 1000}
+data: {path: /data/train.bin, format: uint16, eval_path: /data/val.bin, eval_loss_mask: /data/val.mask}
+train: {steps: 100, eval_every: 20, eval_batches: 4}
+checkpoint: {every_steps: 20, keep_last: 2, keep_best: true}
+)",
+                                 "s.yaml");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  ApplyJobSpecDefaults(parsed->spec);
+  ASSERT_TRUE(ValidateJobSpec(parsed->spec).ok()) << ValidateJobSpec(parsed->spec);
+  const JobConfig c = ToJobConfig(parsed->spec);
+  EXPECT_EQ(c.data.eval_path, "/data/val.bin");
+  EXPECT_EQ(c.data.eval_loss_mask, "/data/val.mask");
+  EXPECT_EQ(c.train.eval_every, 20);
+  EXPECT_EQ(c.train.eval_batches, 4);
+  EXPECT_TRUE(c.checkpoint_keep_best);
+  auto error = [&](std::function<void(v1::JobSpec&)> mutate) {
+    v1::JobSpec spec = parsed->spec;
+    mutate(spec);
+    return std::string(ValidateJobSpec(spec).message());
+  };
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_train()->set_eval_every(101); }),
+              StartsWith("train.eval_every: must be in 0..100, got 101"));
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_train()->set_eval_batches(-1); }),
+              StartsWith("train.eval_batches:"));
+  EXPECT_THAT(error([](v1::JobSpec& s) {
+                s.mutable_data()->clear_eval_path();
+                s.mutable_data()->clear_eval_loss_mask();
+              }),
+              StartsWith("train.eval_every: needs data.eval_path"));
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_data()->clear_eval_path(); }),
+              StartsWith("data.eval_loss_mask: needs data.eval_path"));
+  EXPECT_THAT(error([](v1::JobSpec& s) {
+                s.mutable_data()->clear_eval_path();
+                s.mutable_data()->clear_eval_loss_mask();
+                s.mutable_train()->set_eval_every(0);
+              }),
+              StartsWith("checkpoint.keep_best: needs an evaluation"));
+}
+
 TEST(SpecTest, CheckpointExportIsReadAndChecked) {
   auto parsed = ParseJobSpecYaml(R"(name: ft
 resources: {gpus: 1}

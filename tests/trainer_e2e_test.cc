@@ -17,6 +17,7 @@
 #include <functional>
 #include <random>
 #include <regex>
+#include <tuple>
 
 #include <grpcpp/grpcpp.h>
 #include <nlohmann/json.hpp>
@@ -1355,6 +1356,192 @@ TEST_F(TrainerE2eTest, Qwen2TrainsTheSameUnderFsdpAndPipelineWithTensorParallelA
     EXPECT_NE(p.values, start.at(p.name)) << "the bias did not train";
   }
   EXPECT_EQ(biases, 2 * 2);
+}
+
+// Evaluation (train.eval_every, data.eval_path with a loss mask): the eval loss after the last
+// step is what transformers computes from the exported model on the same held-out windows, and
+// one rank, two DDP ranks, two FSDP ranks, two pipeline stages and two tensor-parallel ranks report
+// the same eval losses, on the steps asked for only.
+TEST_F(TrainerE2eTest, EvalLossIsTransformersOnTheSameWindowsUnderEveryLayout) {
+  // Nine devices for the five runs (whose attempts stay placed).
+  auto more = testing::NodeSession::Connect(channel_, tokens_->Node("n2"), "n2", 8);
+  std::mt19937 gen(17);
+  std::uniform_int_distribution<int> token(0, 255), bit(0, 1);
+  auto write_tokens = [&](const std::string& path, int n) {
+    std::string bytes;
+    for (int i = 0; i < n; ++i) {
+      const uint16_t t = static_cast<uint16_t>(token(gen));
+      bytes.append(reinterpret_cast<const char*>(&t), 2);
+    }
+    std::ofstream(path, std::ios::binary) << bytes;
+  };
+  const std::string train = dir_.path() + "/train.u16", held = dir_.path() + "/held.u16",
+                    mask = dir_.path() + "/held.mask";
+  write_tokens(train, 4000);
+  write_tokens(held, 1000);
+  std::string mask_bytes;
+  for (int i = 0; i < 1000; ++i) mask_bytes.push_back(static_cast<char>(bit(gen)));
+  std::ofstream(mask, std::ios::binary) << mask_bytes;
+
+  v1::JobSpec spec = LlamaSpec(2, 4);
+  spec.mutable_model()->set_n_kv_head(2);  // two tensor-parallel ranks split the heads
+  spec.mutable_data()->set_path(train);
+  spec.mutable_data()->set_format("uint16");
+  spec.mutable_data()->set_eval_path(held);
+  spec.mutable_data()->set_eval_loss_mask(mask);
+  spec.mutable_train()->set_steps(4);
+  spec.mutable_train()->set_eval_every(2);
+  spec.mutable_train()->set_eval_batches(2);  // 2 global batches of 8: 16 windows
+  ASSERT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  auto eval_losses = [&](const v1::JobSpec& s, int ranks, const std::string& name) {
+    const std::string metrics = dir_.path() + "/" + name + ".jsonl";
+    RunResult r = Run(StartJob(s, name), ranks, {"--metrics-file", metrics});
+    EXPECT_THAT(r.exit_codes, ::testing::Each(0)) << Joined(r);
+    EXPECT_THAT(Joined(r), HasSubstr("eval step 4 eval_loss "));
+    std::map<int64_t, double> out;
+    for (const auto& j : ReadReports(metrics)) {
+      if (!j.contains("eval_loss")) continue;
+      out[j.at("step").get<int64_t>()] = j.at("eval_loss").get<double>();
+      EXPECT_NEAR(j.at("eval_perplexity").get<double>(), std::exp(j.at("eval_loss").get<double>()),
+                  1e-9);
+    }
+    return out;
+  };
+  v1::JobSpec one = OneRankWholeBatch(spec);
+  one.mutable_checkpoint()->set_export_format(v1::EXPORT_HF);
+  const Job one_job = StartJob(one, "one");
+  const std::string one_metrics = dir_.path() + "/one.jsonl";
+  RunResult r1 = Run(one_job, 1, {"--metrics-file", one_metrics});
+  ASSERT_THAT(r1.exit_codes, ::testing::ElementsAre(0)) << Joined(r1);
+  std::map<int64_t, double> single;
+  for (const auto& j : ReadReports(one_metrics)) {
+    if (j.contains("eval_loss")) single[j.at("step").get<int64_t>()] = j.at("eval_loss");
+  }
+  ASSERT_EQ(single.size(), 2u);  // steps 2 and 4
+  ASSERT_EQ(single.count(2), 1u);
+  ASSERT_EQ(single.count(4), 1u);
+
+  // transformers on the exported model (the parameters after step 4), windows 0..15.
+  const testing::CommandResult ref =
+      testing::RunCommand({testing::TestBinPath("../hf-venv/bin/python"),
+                           std::string(TRAINYARD_SOURCE_DIR) + "/tests/eval_loss_reference.py",
+                           one_job.checkpoint_dir + "/export", held, mask, "16", "16"},
+                          {"HF_HUB_OFFLINE=1", "TRANSFORMERS_VERBOSITY=error"}, absl::Seconds(240));
+  ASSERT_EQ(ref.exit_code, 0) << ref.out << ref.err;
+  const nlohmann::json want = nlohmann::json::parse(ref.out);
+  EXPECT_NEAR(single.at(4), want.at("loss").get<double>(), 1e-5 * want.at("loss").get<double>());
+  EXPECT_GT(want.at("count").get<double>(), 16 * 16 / 4);  // the mask leaves about half
+
+  v1::JobSpec fsdp = spec;
+  fsdp.mutable_parallel()->set_strategy(v1::FSDP);
+  v1::JobSpec staged = spec;
+  staged.mutable_parallel()->set_pipeline_stages(2);
+  staged.mutable_train()->set_micro_batch(4);
+  staged.mutable_train()->set_micro_batches(2);
+  v1::JobSpec tensor = spec;
+  tensor.mutable_train()->set_micro_batch(8);
+  tensor.mutable_parallel()->set_tensor_parallel(2);
+  for (const auto& [name, s] : std::vector<std::pair<std::string, v1::JobSpec>>{
+           {"ddp", spec}, {"fsdp", fsdp}, {"staged", staged}, {"tensor", tensor}}) {
+    SCOPED_TRACE(name);
+    const auto got = eval_losses(s, 2, name);
+    ASSERT_EQ(got.size(), 2u);
+    for (const auto& [step, loss] : single) {
+      ASSERT_EQ(got.count(step), 1u) << step;
+      EXPECT_NEAR(got.at(step), loss, 1e-5 * loss) << "step " << step;
+    }
+  }
+}
+
+// checkpoint.keep_best: besides the newest (keep_last 1), the checkpoint of the lowest eval loss
+// stays; the coordinator lists what is kept, with the eval losses.
+TEST_F(TrainerE2eTest, KeepBestKeepsTheLowestEvalLossCheckpointAndTheCoordinatorListsIt) {
+  v1::JobSpec spec = TinySpec(1, 8);
+  spec.mutable_train()->set_steps(8);
+  // Large enough that the held-out loss is lowest at step 4 and rises after (seeded: it does).
+  spec.mutable_train()->set_lr(3e-2);
+  spec.mutable_train()->set_eval_every(2);
+  spec.mutable_train()->set_eval_batches(2);
+  spec.mutable_data()->set_eval_path("/usr/share/common-licenses/GPL-2");
+  spec.mutable_checkpoint()->set_every_steps(2);
+  spec.mutable_checkpoint()->set_keep_last(1);
+  spec.mutable_checkpoint()->set_keep_best(true);
+  const Job job = StartJob(spec, "best");
+  const std::string metrics = dir_.path() + "/best.jsonl";
+  RunResult r = Run(job, 1, {"--metrics-file", metrics});
+  ASSERT_THAT(r.exit_codes, ::testing::ElementsAre(0)) << Joined(r);
+  std::map<int64_t, double> evals;
+  for (const auto& j : ReadReports(metrics)) {
+    if (j.contains("eval_loss")) evals[j.at("step").get<int64_t>()] = j.at("eval_loss");
+  }
+  ASSERT_EQ(evals.size(), 4u);
+  int64_t best = 0;
+  for (const auto& [step, loss] : evals) {
+    if (best == 0 || loss <= evals.at(best)) best = step;
+  }
+  EXPECT_NE(best, 8) << "the best is the newest: the test no longer shows keep_best";
+  std::vector<std::string> folders;
+  for (const auto& e : std::filesystem::directory_iterator(job.checkpoint_dir)) {
+    folders.push_back(e.path().filename().string());
+  }
+  std::sort(folders.begin(), folders.end());
+  std::vector<std::string> want = {"latest", absl::StrCat("step-", best)};
+  if (best != 8) want.push_back("step-8");
+  std::sort(want.begin(), want.end());
+  EXPECT_EQ(folders, want);
+  // The coordinator's record of the job: what is kept, with its eval loss, and the latest eval.
+  grpc::ClientContext ctx;
+  Prepare(ctx);
+  v1::GetJobRequest get;
+  get.set_job_id(job.id);
+  v1::Job got;
+  ASSERT_TRUE(jobs_->GetJob(&ctx, get, &got).ok());
+  ASSERT_EQ(got.kept_checkpoints_size(), best == 8 ? 1 : 2);
+  EXPECT_EQ(got.kept_checkpoints(0).step(), best);
+  ASSERT_TRUE(got.kept_checkpoints(0).has_eval_loss());
+  EXPECT_NEAR(got.kept_checkpoints(0).eval_loss(), evals.at(best), 1e-12);
+  EXPECT_EQ(got.kept_checkpoints(got.kept_checkpoints_size() - 1).step(), 8);
+  EXPECT_NEAR(got.eval_loss(), evals.at(8), 1e-12);
+}
+
+// A resume keeps the schedule and the optimizer's settings: another adam_beta2 is refused naming
+// the field, the same ones resume.
+TEST_F(TrainerE2eTest, AResumeWithOtherOptimizerSettingsIsRefusedNamingTheField) {
+  v1::JobSpec spec = TinySpec(1, 8);
+  spec.mutable_train()->set_steps(4);
+  spec.mutable_train()->set_adam_beta2(0.99);
+  spec.mutable_train()->add_no_weight_decay("bias");
+  spec.mutable_checkpoint()->set_every_steps(2);
+  const Job job = StartJob(spec, "settings");
+  RunResult first = Run(job, 1, {"--stop-after-steps", "2"});
+  ASSERT_THAT(first.exit_codes, ::testing::ElementsAre(0)) << Joined(first);
+  auto with = [&](const std::string& name, std::function<void(v1::TrainSpec&)> change) {
+    v1::JobSpec other;
+    std::ifstream in(job.spec_path, std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_TRUE(other.ParseFromString(bytes));
+    change(*other.mutable_train());
+    Job changed = job;
+    changed.spec_path = dir_.path() + "/" + name + ".spec";
+    std::ofstream(changed.spec_path, std::ios::binary) << other.SerializeAsString();
+    return changed;
+  };
+  for (const auto& [name, change, field] :
+       std::vector<std::tuple<std::string, std::function<void(v1::TrainSpec&)>, std::string>>{
+           {"beta2", [](v1::TrainSpec& t) { t.set_adam_beta2(0.999); }, "train.adam_beta2"},
+           {"decay", [](v1::TrainSpec& t) { t.add_no_weight_decay("norm"); },
+            "train.no_weight_decay"},
+           {"lr", [](v1::TrainSpec& t) { t.set_lr(2e-3); }, "train.lr"}}) {
+    SCOPED_TRACE(name);
+    const testing::CommandResult r =
+        testing::RunCommand(Argv(with(name, change), 0, 1, {}), {}, absl::Seconds(60));
+    EXPECT_NE(r.exit_code, 0);
+    EXPECT_THAT(r.err, HasSubstr(absl::StrCat(field, ": the checkpoint ", job.checkpoint_dir,
+                                              "/step-2 was trained with ")));
+  }
+  RunResult resumed = Run(job, 1, {});
+  ASSERT_THAT(resumed.exit_codes, ::testing::ElementsAre(0)) << Joined(resumed);
+  EXPECT_THAT(Joined(resumed), HasSubstr("resumed from"));
 }
 
 TEST_F(TrainerE2eTest, ABadLlamaCheckpointIsRefusedAtStartNamingTheTensorAndTheFile) {

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <numeric>
 #include <set>
 #include <thread>
@@ -377,22 +378,60 @@ TEST(RetentionTest, KeepsTheNewestAndNeverWhatLatestNames) {
     return out;
   };
   // Nothing published yet: nothing is known to be safe to remove.
-  auto none = PruneCheckpoints(d, 1);
+  auto none = PruneCheckpoints(d, {1});
   ASSERT_TRUE(none.ok()) << none.status();
-  EXPECT_TRUE(none->empty());
+  EXPECT_TRUE(none->removed.empty());
+  EXPECT_EQ(none->kept.size(), 5u);
   std::ofstream(d + "/latest") << "step-8\n";
-  auto removed = PruneCheckpoints(d, 2);
-  ASSERT_TRUE(removed.ok()) << removed.status();
-  EXPECT_THAT(*removed, ::testing::ElementsAre("step-2", "step-4"));
+  auto pruned = PruneCheckpoints(d, {2});
+  ASSERT_TRUE(pruned.ok()) << pruned.status();
+  EXPECT_THAT(pruned->removed, ::testing::ElementsAre("step-2", "step-4"));
   EXPECT_THAT(names(), ::testing::ElementsAre("export", "latest", "step-10", "step-6", "step-8"));
+  ASSERT_EQ(pruned->kept.size(), 3u);
+  EXPECT_EQ(pruned->kept[0].name, "step-6");
+  EXPECT_EQ(pruned->kept[2].step, 10);
   // keep_last 0 keeps everything.
-  removed = PruneCheckpoints(d, 0);
-  ASSERT_TRUE(removed.ok());
-  EXPECT_TRUE(removed->empty());
-  removed = PruneCheckpoints(d, 1);
-  ASSERT_TRUE(removed.ok());
-  EXPECT_THAT(*removed, ::testing::ElementsAre("step-6"));
+  pruned = PruneCheckpoints(d, {0});
+  ASSERT_TRUE(pruned.ok());
+  EXPECT_TRUE(pruned->removed.empty());
+  pruned = PruneCheckpoints(d, {1});
+  ASSERT_TRUE(pruned.ok());
+  EXPECT_THAT(pruned->removed, ::testing::ElementsAre("step-6"));
   EXPECT_THAT(names(), ::testing::ElementsAre("export", "latest", "step-10", "step-8"));
+}
+
+// checkpoint.keep_best: besides the newest keep_last, the checkpoint whose meta.json records the
+// lowest eval_loss (the newest of equals); checkpoints without one never count as best.
+TEST(RetentionTest, KeepBestKeepsTheLowestEvalLossBesidesTheNewest) {
+  testing::TempDir dir;
+  const std::string d = dir.path();
+  const std::map<int, std::string> metas = {{2, R"({"step": 2, "eval_loss": 3.0})"},
+                                            {4, R"({"step": 4, "eval_loss": 1.5})"},
+                                            {6, R"({"step": 6, "eval_loss": 2.0})"},
+                                            {8, R"({"step": 8, "eval_loss": 1.5})"},
+                                            {10, R"({"step": 10})"},
+                                            {12, R"({"step": 12, "eval_loss": 2.5})"}};
+  for (const auto& [step, meta] : metas) {
+    const std::string folder = d + "/step-" + std::to_string(step);
+    std::filesystem::create_directories(folder);
+    std::ofstream(folder + "/meta.json") << meta;
+  }
+  std::ofstream(d + "/latest") << "step-12\n";
+  auto pruned = PruneCheckpoints(d, {1, /*keep_best=*/true});
+  ASSERT_TRUE(pruned.ok()) << pruned.status();
+  // The best is step 8 (1.5, newer than step 4's 1.5); the newest is 12.
+  EXPECT_THAT(pruned->removed, ::testing::ElementsAre("step-2", "step-4", "step-6", "step-10"));
+  ASSERT_EQ(pruned->kept.size(), 2u);
+  EXPECT_EQ(pruned->kept[0].step, 8);
+  EXPECT_EQ(pruned->kept[0].eval_loss, 1.5);
+  EXPECT_EQ(pruned->kept[1].step, 12);
+  EXPECT_EQ(pruned->kept[1].eval_loss, 2.5);
+  // Without keep_best the best goes too.
+  pruned = PruneCheckpoints(d, {1, false});
+  ASSERT_TRUE(pruned.ok());
+  EXPECT_THAT(pruned->removed, ::testing::ElementsAre("step-8"));
+  EXPECT_EQ(CheckpointEvalLoss(d + "/step-12"), 2.5);
+  EXPECT_EQ(CheckpointEvalLoss(d + "/step-8"), std::nullopt);
 }
 
 TEST(SamplerTest, RankShardsAreDisjointAndCoverTheGlobalBatch) {

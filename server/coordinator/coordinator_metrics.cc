@@ -1,5 +1,7 @@
 #include "server/coordinator/coordinator_metrics.h"
 
+#include <cmath>
+
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/strip.h"
@@ -182,7 +184,16 @@ CoordinatorMetrics::CoordinatorMetrics()
       job_resident_bytes_(prometheus::BuildGauge()
                               .Name("trainyard_job_resident_bytes")
                               .Help("Resident memory of a running job's rank 0")
-                              .Register(*registry_)) {
+                              .Register(*registry_)),
+      job_eval_loss_(prometheus::BuildGauge()
+                         .Name("trainyard_job_eval_loss")
+                         .Help("Held-out loss of a running job's latest evaluation "
+                               "(train.eval_every)")
+                         .Register(*registry_)),
+      job_eval_perplexity_(prometheus::BuildGauge()
+                               .Name("trainyard_job_eval_perplexity")
+                               .Help("exp(eval_loss) of a running job's latest evaluation")
+                               .Register(*registry_)) {
   for (int s = v1::JobState_MIN; s <= v1::JobState_MAX; ++s) {
     if (s == v1::JOB_STATE_UNSPECIFIED || !v1::JobState_IsValid(s)) continue;
     jobs_.Add({{"state", v1::JobState_Name(static_cast<v1::JobState>(s))}});
@@ -288,6 +299,10 @@ void CoordinatorMetrics::Refresh(const std::map<v1::JobState, int>& jobs_by_stat
     job_total_steps_.Remove(s.total_steps);
     job_grad_norm_.Remove(s.grad_norm);
     job_resident_bytes_.Remove(s.resident_bytes);
+    if (s.eval_loss != nullptr) {
+      job_eval_loss_.Remove(s.eval_loss);
+      job_eval_perplexity_.Remove(s.eval_perplexity);
+    }
     it = job_series_.erase(it);
   }
 }
@@ -336,7 +351,16 @@ void CoordinatorMetrics::ObserveStep(const v1::StepReport& r) {
                                 &job_resident_bytes_.Add(labels)})
              .first;
   }
-  const JobSeries& s = it->second;
+  JobSeries& s = it->second;
+  if (r.has_eval_loss() && std::isfinite(r.eval_loss())) {
+    if (s.eval_loss == nullptr) {
+      const prometheus::Labels labels = {{"job", r.job_id()}};
+      s.eval_loss = &job_eval_loss_.Add(labels);
+      s.eval_perplexity = &job_eval_perplexity_.Add(labels);
+    }
+    s.eval_loss->Set(r.eval_loss());
+    s.eval_perplexity->Set(std::exp(r.eval_loss()));
+  }
   s.loss->Set(r.loss());
   s.tokens_per_second->Set(r.tokens_per_second());
   s.step_seconds->Set(r.step_seconds());

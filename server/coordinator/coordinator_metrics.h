@@ -68,6 +68,9 @@ class CoordinatorMetrics {
     prometheus::Gauge* total_steps;
     prometheus::Gauge* grad_norm;
     prometheus::Gauge* resident_bytes;
+    // From the job's first evaluation (train.eval_every) on; nullptr before.
+    prometheus::Gauge* eval_loss = nullptr;
+    prometheus::Gauge* eval_perplexity = nullptr;
   };
 
   std::shared_ptr<prometheus::Registry> registry_;
@@ -97,6 +100,8 @@ class CoordinatorMetrics {
   prometheus::Family<prometheus::Gauge>& job_total_steps_;
   prometheus::Family<prometheus::Gauge>& job_grad_norm_;
   prometheus::Family<prometheus::Gauge>& job_resident_bytes_;
+  prometheus::Family<prometheus::Gauge>& job_eval_loss_;
+  prometheus::Family<prometheus::Gauge>& job_eval_perplexity_;
 
   absl::Mutex mu_;
   std::map<std::string, JobSeries> job_series_ ABSL_GUARDED_BY(mu_);

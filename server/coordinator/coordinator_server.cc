@@ -227,6 +227,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s->jobs_->SetMetrics(s->metrics_prom_.get());
   s->jobs_->SetDefaultMaxQueuedJobs(s->options_.limits.max_queued_jobs_per_user);
   s->jobs_->SetMaxPendingSubmits(s->options_.limits.max_pending_submits);
+  s->jobs_->SetMaxKeptCheckpoints(s->options_.limits.max_kept_checkpoints);
   // A listing stays well inside a message, whatever its jobs hold.
   s->jobs_->SetMaxListBytes(static_cast<size_t>(s->options_.max_message_bytes) / 2);
   s->jobs_->SetPreemption(s->options_.preemption, s->options_.preemption_grace,

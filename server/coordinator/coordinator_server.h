@@ -41,7 +41,9 @@ struct CoordinatorLimits {
   // it a submit is refused with RESOURCE_EXHAUSTED and retry advice (back-pressure at the rate the
   // store commits) instead of queueing without bound. Negative: no cap.
   int64_t max_pending_submits = 2048;
-  int64_t max_tokens_per_user = 100;           // unrevoked, unexpired; negative: no cap
+  int64_t max_tokens_per_user = 100;  // unrevoked, unexpired; negative: no cap
+  // checkpoint.keep_last at most this (keep_last 0, every checkpoint, refused); 0: no cap.
+  int64_t max_kept_checkpoints = 0;
   RendezvousLimits rendezvous;                 // per job attempt
   size_t max_log_bytes_per_job = 64 << 20;     // kept in memory; the oldest lines go first
   size_t max_metric_bytes_per_job = 64 << 20;  // kept in memory; the oldest steps go first

@@ -5,6 +5,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <limits>
 #include <tuple>
@@ -22,6 +23,9 @@
 #include "server/coordinator/scheduler.h"
 
 namespace trainyard::coordinator {
+
+// The kept checkpoints a job records at most (the newest): what `yard describe` lists.
+constexpr int kMaxKeptShown = 100;
 
 absl::StatusOr<v1::Job*> JobManager::FindRunningAttempt(const std::string& job_id, int attempt) {
   v1::Job* job = Find(job_id);
@@ -81,6 +85,9 @@ absl::StatusOr<v1::TrainerCommands> JobManager::OnStepReport(const v1::StepRepor
   if (report.rank() == 0) {
     job->set_step(report.step());
     job->set_loss(report.loss());
+    if (report.has_eval_loss() && std::isfinite(report.eval_loss())) {
+      job->set_eval_loss(report.eval_loss());
+    }
   }
   return CommandsFor(*job);
 }
@@ -95,6 +102,17 @@ absl::StatusOr<v1::TrainerCommands> JobManager::OnCheckpointReport(
   info->set_bytes(report.bytes());
   info->set_time_ms(NowMs(clock_));
   info->set_attempt(report.attempt());
+  if (report.has_eval_loss()) info->set_eval_loss(report.eval_loss());
+  // What retention kept (the newest kMaxKeptShown, for `yard describe`), this one with its time.
+  job->clear_kept_checkpoints();
+  const int first = std::max(0, report.kept_size() - kMaxKeptShown);
+  for (int i = first; i < report.kept_size(); ++i) {
+    v1::CheckpointInfo* kept = job->add_kept_checkpoints();
+    kept->set_step(report.kept(i).step());
+    kept->set_path(report.kept(i).path());
+    if (report.kept(i).has_eval_loss()) kept->set_eval_loss(report.kept(i).eval_loss());
+    if (report.kept(i).step() == report.step()) *kept = *info;
+  }
   if (job->step() < report.step()) job->set_step(report.step());
   if (job->state() == v1::CHECKPOINTING) {
     Transition(*job, v1::RUNNING, "");

@@ -170,6 +170,14 @@ void JobManager::Submit(const std::string& owner, v1::JobSpec spec, JobCallback 
     done(s);
     return;
   }
+  const int64_t keep = spec.checkpoint().keep_last();
+  if (max_kept_checkpoints_ > 0 && !IsCommandJob(spec) &&
+      (keep == 0 || keep > max_kept_checkpoints_)) {
+    done(absl::InvalidArgumentError(
+        absl::StrCat("checkpoint.keep_last: this cluster keeps at most ", max_kept_checkpoints_,
+                     " checkpoints per job; got ", keep, keep == 0 ? " (every one)" : "")));
+    return;
+  }
   // A command job's memory is its program's business.
   if (absl::Status s = IsCommandJob(spec) ? absl::OkStatus() : CheckFitsSomeNode(spec); !s.ok()) {
     done(s);

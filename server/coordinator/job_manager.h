@@ -99,6 +99,8 @@ class JobManager final : public JobLifecycle,
   // (TrainerCommands.stop_requested), their ranks stopped after their grace (the spec's
   // preemption_grace_seconds, else `grace`, at most `max_grace`), and they go to PREEMPTED and wait
   // to be placed again, resuming from that checkpoint. Off by default.
+  // The cluster's cap on checkpoint.keep_last (0: none): a spec over it is refused at submit.
+  void SetMaxKeptCheckpoints(int64_t n) { max_kept_checkpoints_ = n; }
   void SetPreemption(bool enabled, absl::Duration grace, absl::Duration min_run_time,
                      absl::Duration max_grace = absl::Minutes(10));
   // Sharing (set once, before serving): `policy` gives accounts' quotas and shares and users'
@@ -273,9 +275,10 @@ class JobManager final : public JobLifecycle,
   NodeRegistry& nodes_;
   Rendezvous& rendezvous_;
   const Clock& clock_;
-  std::function<void()> wakeup_;     // set before serving; immutable after
-  std::string coordinator_address_;  // set before serving; immutable after
-  bool preemption_ = false;          // likewise, with the two below
+  std::function<void()> wakeup_;      // set before serving; immutable after
+  std::string coordinator_address_;   // set before serving; immutable after
+  bool preemption_ = false;           // likewise, with the two below
+  int64_t max_kept_checkpoints_ = 0;  // set once, before serving
   absl::Duration preemption_grace_ = absl::Seconds(120);
   absl::Duration min_run_time_ = absl::Minutes(5);
   absl::Duration max_preemption_grace_ = absl::Minutes(10);

@@ -158,6 +158,13 @@ void AddLimitFlags(CLI::App& app, CoordinatorOptions& options, Flags& f) {
                  "jobs a user may have queued unless an admin set the user's own max_queued_jobs "
                  "(negative: no cap)")
       ->capture_default_str();
+  app.add_option(
+         "--max-kept-checkpoints", limits.max_kept_checkpoints,
+         "the most checkpoints a job may keep (its checkpoint.keep_last; keep_best may keep "
+         "one more); a spec keeping more, or every one (keep_last 0), is refused (0: no "
+         "cap)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--max-pending-submits", limits.max_pending_submits,
                  "submissions waiting for the store, all users together, before a submit is "
                  "refused with RESOURCE_EXHAUSTED and retry advice (negative: no cap)")

@@ -32,7 +32,7 @@ inline void RunReferenceScript(const std::string& script, const std::vector<std:
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
 }
 
-// Every tensor of a safetensors file (F32, I64 or U8), as torch tensors (copies).
+// Every tensor of a safetensors file (F32, F64, I64 or U8), as torch tensors (copies).
 inline std::map<std::string, torch::Tensor> ReadSafetensorsTensors(const std::string& path) {
   using trainer::SafetensorsDtype;
   auto file = trainer::SafetensorsFile::Open(path);
@@ -40,11 +40,12 @@ inline std::map<std::string, torch::Tensor> ReadSafetensorsTensors(const std::st
   std::map<std::string, torch::Tensor> out;
   if (!file.ok()) return out;
   for (const trainer::SafetensorsTensor& t : (*file)->header().tensors) {
-    const torch::ScalarType type = t.dtype == SafetensorsDtype::kI64  ? torch::kLong
-                                   : t.dtype == SafetensorsDtype::kU8 ? torch::kUInt8
-                                                                      : torch::kFloat;
+    const torch::ScalarType type = t.dtype == SafetensorsDtype::kI64   ? torch::kLong
+                                   : t.dtype == SafetensorsDtype::kU8  ? torch::kUInt8
+                                   : t.dtype == SafetensorsDtype::kF64 ? torch::kDouble
+                                                                       : torch::kFloat;
     EXPECT_TRUE(t.dtype == SafetensorsDtype::kI64 || t.dtype == SafetensorsDtype::kF32 ||
-                t.dtype == SafetensorsDtype::kU8)
+                t.dtype == SafetensorsDtype::kU8 || t.dtype == SafetensorsDtype::kF64)
         << t.name;
     auto bytes = (*file)->Bytes(t);
     out[t.name] = torch::from_blob(const_cast<uint8_t*>(bytes.data()), t.shape, type).clone();

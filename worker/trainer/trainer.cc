@@ -6,18 +6,22 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <limits>
+#include <map>
 #include <optional>
 #include <thread>
 
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -155,6 +159,71 @@ absl::Status WriteJobExport(const ModelConfig& m, const LoraConfig& lora, Langua
 // One rank's training run: Setup (the model, its layout and groups, the optimizer, a resumed
 // checkpoint), then Step until the last step or a stop, then Finish. Members are declared in the
 // order the run makes them, so that they go in the reverse one (the communicators last).
+// train.no_weight_decay: whether weight decay applies to the parameter `name` of `model` (shape
+// `p`): "bias" leaves out biases, "norm" normalization weights (the other vectors), "embedding"
+// the embeddings (a tied head's weight with them), as HF Trainer's get_decay_parameter_names.
+bool Decays(const LanguageModel& model, const std::vector<std::string>& skip,
+            const std::string& name, const torch::Tensor& p) {
+  auto skips = [&](const char* kind) {
+    return std::find(skip.begin(), skip.end(), kind) != skip.end();
+  };
+  const bool bias = absl::EndsWith(name, ".bias");
+  if (bias) return !skips("bias");
+  if (p.dim() == 1) return !skips("norm");
+  if (model.IsEmbedding(name)) return !skips("embedding");
+  return true;
+}
+
+// The settings a resume must keep, as meta.json records them: the schedule and the optimizer's
+// constants in effect, by their spec names under train.
+std::string TrainingSettings(const TrainConfig& t, const OptimizerHyper& hyper) {
+  nlohmann::json j = {{"lr", t.lr},
+                      {"lr_schedule", Name(t.lr_schedule)},
+                      {"warmup", t.warmup},
+                      {"min_lr_ratio", t.min_lr_ratio},
+                      {"weight_decay", t.weight_decay}};
+  if (t.optimizer == OptimizerKind::kAdafactor) {
+    j["adafactor_eps"] = hyper.adafactor_eps1;
+    j["adafactor_clip_threshold"] = hyper.adafactor_clip;
+    j["adafactor_decay_rate"] = hyper.adafactor_decay;
+  } else {
+    j["adam_beta1"] = hyper.beta1;
+    j["adam_beta2"] = hyper.beta2;
+    if (t.optimizer != OptimizerKind::kLion) j["adam_epsilon"] = hyper.eps;
+  }
+  std::vector<std::string> skip = t.no_weight_decay;
+  std::sort(skip.begin(), skip.end());
+  j["no_weight_decay"] = skip;
+  return j.dump();
+}
+
+// A resume from `path` (its meta.json's settings) under `settings` (TrainingSettings) with
+// `optimizer`: the first setting that differs, named, as FAILED_PRECONDITION; a checkpoint that
+// records none (written before they were) is taken as it is, one of another optimizer is left to
+// the load, which refuses it naming train.optimizer.
+absl::Status CheckResumeSettings(const std::string& path, const std::string& settings,
+                                 OptimizerKind optimizer) {
+  // Another optimizer's checkpoint: its load refuses it, naming train.optimizer.
+  if (auto written = CheckpointOptimizer(path); written.ok() && *written != Name(optimizer)) {
+    return absl::OkStatus();
+  }
+  ASSIGN_OR_RETURN(const std::string recorded, CheckpointSettings(path));
+  if (recorded.empty()) return absl::OkStatus();
+  const nlohmann::json then = nlohmann::json::parse(recorded, nullptr, false);
+  const nlohmann::json now = nlohmann::json::parse(settings, nullptr, false);
+  if (!then.is_object() || !now.is_object()) return absl::OkStatus();
+  for (const auto& [key, value] : now.items()) {
+    auto it = then.find(key);
+    if (it == then.end() || *it == value) continue;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "train.", key, ": the checkpoint ", path, " was trained with ", it->dump(),
+        ", the spec says ", value.dump(),
+        "; a resume keeps the schedule and the optimizer's settings (to change them, start a "
+        "new job from the checkpoint's weights)"));
+  }
+  return absl::OkStatus();
+}
+
 class Trainer {
  public:
   explicit Trainer(const TrainerOptions& o)
@@ -184,6 +253,8 @@ class Trainer {
     bool overflow = false;         // fp16: inf or NaN gradients, the update skipped
     double grad_norm = 0, lr = 0;
     int64_t comm_bytes = 0;
+    Clock::time_point end;            // of the step's training, before an evaluation
+    std::optional<double> eval_loss;  // train.eval_every: when an evaluation ran after it
   };
   // What every rank agrees on after a step (one small all-reduce).
   struct Agreement {
@@ -211,6 +282,12 @@ class Trainer {
   void Report(const StepStats& s, const Agreement& a);
   absl::Status Checkpoint();
   absl::Status Finish();
+  // train.eval_every: the mean loss over the held-out windows, the same every time: each replica
+  // forwards its share (no autograd), the last stages' sums added over the ranks. Every rank calls
+  // it.
+  double Evaluate();
+  // Whether weight decay applies to each of `params` (train.no_weight_decay).
+  std::vector<bool> DecayFlags(const std::vector<torch::Tensor>& params) const;
 
   // Bytes this rank sent for gradients and parameters so far (model parallelism: activations,
   // and over its data- and tensor-parallel groups too).
@@ -232,6 +309,11 @@ class Trainer {
   std::vector<PsRangeRef> ps_ranges_;
   std::optional<TokenData> data_;
   std::vector<uint8_t> loss_mask_;
+  // data.eval_path: the held-out tokens, their mask, and the windows one evaluation reads.
+  std::optional<TokenData> eval_data_;
+  std::vector<uint8_t> eval_mask_;
+  int64_t eval_windows_ = 0;
+  std::string settings_;  // TrainingSettings, recorded in every checkpoint
   int64_t num_samples_ = 0;
   CommGroups groups_;
   std::shared_ptr<LanguageModel> model_;
@@ -246,6 +328,7 @@ class Trainer {
   std::vector<std::pair<std::string, torch::Tensor>> stage_params_;
   std::vector<torch::Tensor> optimized_;
   std::unique_ptr<FsdpModel> fsdp_;
+  FsdpConfig fsdp_config_;  // model parallelism: a stage's FsdpModel's, less what it holds
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   ExtraState extra_state_;  // amp.pt of the checkpoint resumed from
   int64_t step_ = 0;
@@ -327,6 +410,28 @@ absl::Status Trainer::LoadData() {
         absl::StrCat("model.seq_len: ", m_.seq_len, " needs at least ", m_.seq_len + 1,
                      " tokens, but data.path '", spec_.data.path, "' has only ", data_->size()));
   }
+  if (!spec_.data.eval_path.empty()) {
+    auto eval = TokenData::Load(spec_.data.eval_path, spec_.data.format, m_.vocab);
+    if (!eval.ok()) {
+      return absl::Status(eval.status().code(),
+                          absl::StrCat("data.eval_path: ", eval.status().message()));
+    }
+    eval_data_ = *std::move(eval);
+    if (!spec_.data.eval_loss_mask.empty()) {
+      auto mask = LoadLossMask(spec_.data.eval_loss_mask, eval_data_->size());
+      if (!mask.ok()) {
+        return absl::Status(mask.status().code(),
+                            absl::StrCat("data.eval_loss_mask: ", mask.status().message()));
+      }
+      eval_mask_ = *std::move(mask);
+    }
+    eval_windows_ = std::min(NumSamples(eval_data_->size(), m_.seq_len), kMaxEvalWindows);
+    if (eval_windows_ < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "data.eval_path: '", spec_.data.eval_path, "' has ", eval_data_->size(),
+          " tokens; one window of model.seq_len + 1 = ", m_.seq_len + 1, " needs more"));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -377,9 +482,12 @@ absl::Status Trainer::MakeModel() {
   if (device_.is_cuda()) MoveModel(*model_, device_);
   params_ = model_->parameters();
   trainable_ = TrainableParameters(*model_);
-  // train.optimizer (AdamW's betas (0.9, 0.95) as in GPT-3 / nanoGPT); weight decay on every
-  // parameter that trains.
-  hyper_ = HyperFor(t_.optimizer, t_.weight_decay);
+  // train.optimizer (AdamW's betas (0.9, 0.95) as in GPT-3 / nanoGPT, unless the spec sets its
+  // constants); weight decay on every parameter that trains but the kinds train.no_weight_decay
+  // names.
+  hyper_ = HyperFor(t_);
+  settings_ = TrainingSettings(t_, hyper_);
+  SetMetaNotes({settings_, std::nullopt});
   optimized_ = trainable_;
   if (dims_.model_parallel) {
     layout_ =
@@ -391,6 +499,19 @@ absl::Status Trainer::MakeModel() {
     }
   }
   return absl::OkStatus();
+}
+
+std::vector<bool> Trainer::DecayFlags(const std::vector<torch::Tensor>& params) const {
+  if (t_.no_weight_decay.empty()) return {};
+  std::map<const void*, std::string> names;
+  for (const auto& item : model_->named_parameters()) {
+    names[item.value().unsafeGetTensorImpl()] = item.key();
+  }
+  std::vector<bool> out;
+  for (const torch::Tensor& p : params) {
+    out.push_back(Decays(*model_, t_.no_weight_decay, names[p.unsafeGetTensorImpl()], p));
+  }
+  return out;
 }
 
 FsdpConfig MakeFsdpConfig(const ParallelConfig& par, const OptimizerHyper& hyper) {
@@ -408,10 +529,26 @@ FsdpConfig MakeFsdpConfig(const ParallelConfig& par, const OptimizerHyper& hyper
 // The strategy's model and optimizer (FsdpModel, or an optimizer of the whole parameters), and
 // the checkpoint resumed from.
 absl::Status Trainer::BuildStrategy() {
+  // A resume keeps the settings its checkpoint was trained with (every rank reads the same one).
+  if (!o_.checkpoint_dir.empty()) {
+    ASSIGN_OR_RETURN(const std::optional<CheckpointInfo> latest,
+                     FindLatestCheckpoint(o_.checkpoint_dir));
+    if (latest.has_value()) {
+      RETURN_IF_ERROR(CheckResumeSettings(latest->path, settings_, t_.optimizer));
+    }
+  }
+  FsdpConfig fsdp_config = MakeFsdpConfig(par_, hyper_);
+  if (!t_.no_weight_decay.empty()) {
+    std::map<std::string, torch::Tensor> by_name;
+    for (const auto& item : model_->named_parameters()) by_name[item.key()] = item.value();
+    fsdp_config.decays = [this, by_name](const std::string& name) {
+      auto it = by_name.find(name);
+      return it == by_name.end() || Decays(*model_, t_.no_weight_decay, name, it->second);
+    };
+  }
   if (dims_.fsdp && !dims_.model_parallel) {
-    ASSIGN_OR_RETURN(
-        fsdp_, FsdpModel::Create(*model_, *groups_.world, *groups_.shard, groups_.replica.get(),
-                                 MakeFsdpConfig(par_, hyper_), from_rank0_));
+    ASSIGN_OR_RETURN(fsdp_, FsdpModel::Create(*model_, *groups_.world, *groups_.shard,
+                                              groups_.replica.get(), fsdp_config, from_rank0_));
     if (!o_.checkpoint_dir.empty()) {
       ASSIGN_OR_RETURN(auto loaded, LoadLatestShardedCheckpoint(o_.checkpoint_dir, *fsdp_));
       if (loaded.has_value()) {
@@ -421,11 +558,14 @@ absl::Status Trainer::BuildStrategy() {
     }
     return absl::OkStatus();
   }
-  if (!dims_.fsdp) optimizer_ = MakeOptimizer(optimized_, hyper_, t_.lr);
+  if (!dims_.fsdp) optimizer_ = MakeOptimizer(optimized_, hyper_, t_.lr, DecayFlags(optimized_));
   // Model parallelism: the checkpoint (of any layout) is read into the whole model and an
   // optimizer of every parameter that trains; the stage keeps its part of both.
   std::unique_ptr<torch::optim::Optimizer> whole;
-  if (dims_.model_parallel) whole = MakeOptimizer(trainable_, hyper_, t_.lr);
+  if (dims_.model_parallel) {
+    whole = MakeOptimizer(trainable_, hyper_, t_.lr, DecayFlags(trainable_));
+  }
+  fsdp_config_ = std::move(fsdp_config);
   std::optional<CheckpointInfo> loaded;
   if (!o_.checkpoint_dir.empty()) {
     ASSIGN_OR_RETURN(loaded, LoadLatestCheckpoint(o_.checkpoint_dir, *model_,
@@ -447,7 +587,7 @@ absl::Status Trainer::ResumeModelParallel(std::unique_ptr<torch::optim::Optimize
   if (dims_.fsdp) {
     // The stage's replicas shard its parameters (an FsdpModel over their group, or under
     // HYBRID_SHARD over those on this node), which averages the gradients too.
-    FsdpConfig config = MakeFsdpConfig(par_, hyper_);
+    FsdpConfig config = fsdp_config_;
     config.holds = [this](const std::string& name) { return StageHolds(*model_, *layout_, name); };
     // (`world`: the part's replicas, over which the gradients are averaged.)
     ASSIGN_OR_RETURN(fsdp_,
@@ -603,6 +743,13 @@ absl::StatusOr<bool> Trainer::Step() {
   RETURN_IF_ERROR(Update(s));
   ++step_;
   s.comm_bytes = BytesSent() - s.bytes_before;  // before the flags' all-reduce
+  s.end = Clock::now();
+  // train.eval_every (and after the last step): every rank knows when.
+  if (eval_data_ && ((t_.eval_every > 0 && step_ % t_.eval_every == 0) || step_ == t_.steps)) {
+    const double loss = Evaluate();
+    if (std::isfinite(loss)) s.eval_loss = loss;
+  }
+  SetMetaNotes({settings_, s.eval_loss});  // what a checkpoint of this step records
   const Agreement a = Agree(s.loss_sum);
   if (rank0_) Report(s, a);
 
@@ -773,7 +920,8 @@ Trainer::Agreement Trainer::Agree(double loss_sum) {
 
 // Rank 0: the step's line in the log, the --metrics-file and the report to the coordinator.
 void Trainer::Report(const StepStats& s, const Agreement& a) {
-  const double step_s = Seconds(s.start);
+  // (Without the evaluation, which has a line of its own.)
+  const double step_s = std::chrono::duration<double>(s.end - s.start).count();
   const double tokens_per_s =
       sampler_->global_batch() * model_->TokensPerWindow() / std::max(step_s, 1e-9);
   const int64_t model_state_bytes = fsdp_ ? fsdp_->peak_bytes() : dense_state_bytes_;
@@ -800,6 +948,10 @@ void Trainer::Report(const StepStats& s, const Agreement& a) {
                                     scaler_->skipped_steps())
                   : "",
           device_.is_cuda() ? absl::StrCat(" device_peak_bytes ", CudaPeakAllocatedBytes()) : "")));
+  if (s.eval_loss.has_value()) {
+    Log(absl::StrFormat("eval step %d eval_loss %.4f perplexity %.3f (%d held-out windows)", step_,
+                        *s.eval_loss, std::exp(*s.eval_loss), eval_windows_));
+  }
   if (metrics_.is_open()) {
     nlohmann::json line = {
         {"step", step_},
@@ -824,6 +976,10 @@ void Trainer::Report(const StepStats& s, const Agreement& a) {
       line["skipped_steps"] = scaler_->skipped_steps();
     }
     if (device_.is_cuda()) line["device_peak_bytes"] = CudaPeakAllocatedBytes();
+    if (s.eval_loss.has_value()) {
+      line["eval_loss"] = *s.eval_loss;
+      line["eval_perplexity"] = std::exp(*s.eval_loss);
+    }
     metrics_ << line.dump() << std::endl;
   }
   if (reporter_) {
@@ -841,6 +997,7 @@ void Trainer::Report(const StepStats& s, const Agreement& a) {
     r.time_ms = UnixMillis();
     r.pipeline_stage_idle = a.stage_idle;
     r.pipeline_bubble_theory = bubble_theory;
+    r.eval_loss = s.eval_loss;
     reporter_->ReportStep(r);
   }
 }
@@ -850,15 +1007,24 @@ absl::Status Trainer::Checkpoint() {
     if (!rank0_) return;
     Log(absl::StrCat("checkpoint step ", info.step, " path ", info.path, " bytes ", info.bytes,
                      kind));
-    if (reporter_) reporter_->ReportCheckpoint({info.step, info.path, info.bytes});
-    // Durable and published: the oldest beyond checkpoint.keep_last go.
-    auto removed = PruneCheckpoints(o_.checkpoint_dir, spec_.checkpoint_keep_last);
-    if (!removed.ok()) {
-      Log(absl::StrCat("checkpoint retention: ", removed.status().message()));
-    } else if (!removed->empty()) {
-      Log(absl::StrCat("removed ", absl::StrJoin(*removed, ", "), " (checkpoint.keep_last ",
-                       spec_.checkpoint_keep_last, ")"));
+    CheckpointReport report{info.step, info.path, info.bytes, CheckpointEvalLoss(info.path), {}};
+    // Durable and published: the oldest beyond checkpoint.keep_last go (but the best, with
+    // keep_best).
+    auto pruned = PruneCheckpoints(o_.checkpoint_dir,
+                                   {spec_.checkpoint_keep_last, spec_.checkpoint_keep_best});
+    if (!pruned.ok()) {
+      Log(absl::StrCat("checkpoint retention: ", pruned.status().message()));
+    } else {
+      if (!pruned->removed.empty()) {
+        Log(absl::StrCat("removed ", absl::StrJoin(pruned->removed, ", "),
+                         " (checkpoint.keep_last ", spec_.checkpoint_keep_last,
+                         spec_.checkpoint_keep_best ? ", keep_best" : "", ")"));
+      }
+      for (const Retained::Checkpoint& c : pruned->kept) {
+        report.kept.push_back({c.step, o_.checkpoint_dir + "/" + c.name, c.eval_loss});
+      }
     }
+    if (reporter_) reporter_->ReportCheckpoint(report);
   };
   if (pipeline_) {
     // Each stage's first replica writes its part; rank 0 meta.json. Under fsdp, the stage's
@@ -933,6 +1099,74 @@ absl::Status Trainer::Finish() {
   }
   Log(absl::StrCat("trainer rank ", o_.rank, " done at step ", step_));
   return absl::OkStatus();
+}
+
+double Trainer::Evaluate() {
+  torch::NoGradGuard no_grad;
+  model_->eval();  // no LoRA dropout
+  // Replica r reads windows [r * per, (r + 1) * per) of the first eval_windows_ (or eval_batches
+  // global batches of them) in micro-batches; every replica runs as many (FSDP's gathers and the
+  // pipeline's sends match up), the windows past the end weighing nothing.
+  const int64_t total =
+      t_.eval_batches > 0
+          ? std::min(eval_windows_, int64_t{t_.eval_batches} * sampler_->global_batch())
+          : eval_windows_;
+  const int replica = dims_.model_parallel ? layout_->replica : o_.rank;
+  const int64_t per = (total + replicas_ - 1) / replicas_, micro = t_.micro_batch;
+  const int micro_batches = static_cast<int>((per + micro - 1) / micro);
+  auto samples = [&](int b) {
+    std::vector<int64_t> out;
+    for (int64_t j = 0; j < micro; ++j) {
+      const int64_t in_share = b * micro + j, window = int64_t{replica} * per + in_share;
+      out.push_back(in_share < per && window < total ? window : 0);
+    }
+    return out;
+  };
+  auto weights = [&](int b) {
+    const std::vector<int64_t> windows = samples(b);
+    torch::Tensor w = eval_mask_.empty() ? torch::ones({micro, m_.seq_len}, torch::kFloat)
+                                         : MaskWeights(eval_mask_, windows, m_.seq_len);
+    for (int64_t j = 0; j < micro; ++j) {
+      const int64_t in_share = b * micro + j;
+      if (in_share >= per || int64_t{replica} * per + in_share >= total) w[j].zero_();
+    }
+    return w;
+  };
+  double sum = 0, count = 0;
+  for (int b = 0; b < micro_batches; ++b) {
+    const torch::Tensor w = weights(b);
+    // The MLP predicts each window's last token only.
+    count += (m_.kind == "mlp" ? w.select(1, m_.seq_len - 1) : w).sum().item<double>();
+  }
+  auto batch = [&](int b) {
+    return ToDevice(MakeBatch(*eval_data_, samples(b), m_.seq_len), device_);
+  };
+  {
+    AutocastScope autocast(device_, t_.precision);
+    if (pipeline_) {
+      sum = pipeline_->Evaluate(
+          micro_batches, batch, [&](int b, const torch::Tensor& logits, const torch::Tensor& w) {
+            return model_->MaskedLossSumOf(logits, w, ToDevice(weights(b), device_));
+          });
+    } else {
+      for (int b = 0; b < micro_batches; ++b) {
+        if (fsdp_) fsdp_->BeginForward(/*sync_gradients=*/false);
+        sum += model_->MaskedLossSum(batch(b), ToDevice(weights(b), device_)).item<double>();
+      }
+      if (fsdp_) fsdp_->ReleaseAfterForward();
+    }
+  }
+  model_->train();
+  // One rank of a tensor-parallel group counts (all compute the sum); the last stage's.
+  if (layout_ && (layout_->tp_rank != 0 || !layout_->last())) sum = count = 0;
+  torch::Tensor both = torch::tensor({sum, count}, torch::kDouble);
+  groups_.world->AllReduceSum({both})->Wait();
+  const double total_count = both[1].item<double>();
+  if (total_count == 0) {
+    Log("eval: data.eval_loss_mask counts no target of the held-out windows; no eval_loss");
+    return std::numeric_limits<double>::quiet_NaN();
+  }
+  return both[0].item<double>() / total_count;
 }
 
 absl::Status Train(const TrainerOptions& o) { return Trainer(o).Run(); }

@@ -7,16 +7,20 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <utility>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <nlohmann/json.hpp>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 #include "common/status_macros.h"
 #include "worker/trainer/optim/optimizers.h"
@@ -139,10 +143,36 @@ absl::Status WriteStepDirectory(const std::string& tmp, int64_t step, torch::nn:
 
 }  // namespace
 
+namespace {
+
+MetaNotes& Notes() {
+  static MetaNotes* notes = new MetaNotes();
+  return *notes;
+}
+
+}  // namespace
+
+void SetMetaNotes(MetaNotes notes) { Notes() = std::move(notes); }
+
 std::string MetaJson(int64_t step, const std::string& optimizer, int pipeline_stages) {
+  const MetaNotes& notes = Notes();
   return absl::StrCat(
       "{\"step\": ", step, ", \"optimizer\": \"", optimizer, "\"",
-      pipeline_stages > 0 ? absl::StrCat(", \"pipeline_stages\": ", pipeline_stages) : "", "}\n");
+      pipeline_stages > 0 ? absl::StrCat(", \"pipeline_stages\": ", pipeline_stages) : "",
+      notes.eval_loss.has_value() && std::isfinite(*notes.eval_loss)
+          ? absl::StrFormat(", \"eval_loss\": %.17g", *notes.eval_loss)
+          : "",
+      notes.settings.empty() ? "" : absl::StrCat(", \"settings\": ", notes.settings), "}\n");
+}
+
+absl::StatusOr<std::string> CheckpointSettings(const std::string& path) {
+  ASSIGN_OR_RETURN(std::string text, ReadFile(path + "/meta.json"));
+  const nlohmann::json meta = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!meta.is_object()) {
+    return absl::DataLossError(absl::StrCat("'", path, "/meta.json' is malformed"));
+  }
+  auto it = meta.find("settings");
+  return it == meta.end() ? std::string() : it->dump();
 }
 
 absl::StatusOr<std::string> CheckpointOptimizer(const std::string& path) {

@@ -82,6 +82,19 @@ int64_t DirectoryBytes(const std::string& path);  // of the regular files direct
 // `pipeline_stages` > 0: written by a pipeline (pipeline.h), which records its stages.
 std::string MetaJson(int64_t step, const std::string& optimizer, int pipeline_stages = 0);
 absl::StatusOr<std::string> CheckpointOptimizer(const std::string& path);
+// What every meta.json this process writes (MetaJson) records besides the step and the
+// optimizer: the training settings a resume must keep (a JSON object's text, "settings"; "" for
+// none) and the evaluation loss of the step being checkpointed ("eval_loss"; nullopt: none ran at
+// it). The trainer sets them before each checkpoint; the tools that write checkpoints
+// (consolidation) record none.
+struct MetaNotes {
+  std::string settings;
+  std::optional<double> eval_loss;
+};
+void SetMetaNotes(MetaNotes notes);
+// The settings a checkpoint folder's meta.json records, as JSON text ("" when it has none: one
+// written before they were recorded). DATA_LOSS when meta.json cannot be read or parsed.
+absl::StatusOr<std::string> CheckpointSettings(const std::string& path);
 torch::Tensor SaveRngState();
 void RestoreRngState(const torch::Tensor& state);
 

@@ -3,9 +3,12 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <string>
 #include <system_error>
+
+#include <nlohmann/json.hpp>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -14,11 +17,19 @@
 
 namespace trainyard::trainer {
 
-absl::StatusOr<std::vector<std::string>> PruneCheckpoints(const std::string& dir,
-                                                          int64_t keep_last) {
+std::optional<double> CheckpointEvalLoss(const std::string& path) {
+  std::ifstream in(path + "/meta.json");
+  if (!in) return std::nullopt;
+  const nlohmann::json meta = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!meta.is_object()) return std::nullopt;
+  auto it = meta.find("eval_loss");
+  if (it == meta.end() || !it->is_number()) return std::nullopt;
+  return it->get<double>();
+}
+
+absl::StatusOr<Retained> PruneCheckpoints(const std::string& dir, const RetentionPolicy& policy) {
   namespace fs = std::filesystem;
-  std::vector<std::string> removed;
-  if (keep_last <= 0) return removed;
+  Retained out;
   std::string latest;
   {
     std::ifstream in(dir + "/latest");
@@ -40,16 +51,32 @@ absl::StatusOr<std::vector<std::string>> PruneCheckpoints(const std::string& dir
   }
   if (ec)
     return absl::UnavailableError(absl::StrCat("checkpoint folder ", dir, ": ", ec.message()));
+  std::map<int64_t, std::optional<double>> losses;
+  for (const auto& [step, name] : steps) losses[step] = CheckpointEvalLoss(dir + "/" + name);
+  auto kept_list = [&] {
+    for (const auto& [step, name] : steps) out.kept.push_back({step, name, losses[step]});
+    return out;
+  };
   // Only what is older than the checkpoint `latest` names goes: never it, nor a newer one.
   int64_t latest_step = -1;
   for (const auto& [step, name] : steps) {
     if (name == latest) latest_step = step;
   }
-  if (latest_step < 0) return removed;  // nothing published yet: nothing is known to be safe
+  // Nothing published yet: nothing is known to be safe.
+  if (policy.keep_last <= 0 || latest_step < 0) return kept_list();
+  // keep_best: the lowest eval_loss up to latest (the newest of equals).
+  int64_t best = -1;
+  if (policy.keep_best) {
+    for (const auto& [step, loss] : losses) {
+      if (step > latest_step || !loss.has_value()) continue;
+      if (best < 0 || *loss <= *losses[best]) best = step;
+    }
+  }
   int64_t kept = 0;
-  for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
-    if (it->first >= latest_step || kept < keep_last) {
-      if (it->first <= latest_step) ++kept;
+  for (auto it = steps.rbegin(); it != steps.rend();) {
+    if (it->first >= latest_step || kept < policy.keep_last || it->first == best) {
+      if (it->first <= latest_step && it->first != best) ++kept;
+      ++it;
       continue;
     }
     const fs::path from = fs::path(dir) / it->second;
@@ -60,7 +87,8 @@ absl::StatusOr<std::vector<std::string>> PruneCheckpoints(const std::string& dir
           absl::StrCat("cannot remove checkpoint ", from.string(), ": ", ec.message()));
     }
     leftovers.push_back(to);
-    removed.push_back(it->second);
+    out.removed.push_back(it->second);
+    it = std::map<int64_t, std::string>::reverse_iterator(steps.erase(std::next(it).base()));
   }
   for (const fs::path& p : leftovers) {
     fs::remove_all(p, ec);
@@ -69,8 +97,8 @@ absl::StatusOr<std::vector<std::string>> PruneCheckpoints(const std::string& dir
           absl::StrCat("cannot remove checkpoint ", p.string(), ": ", ec.message()));
     }
   }
-  std::reverse(removed.begin(), removed.end());
-  return removed;
+  std::reverse(out.removed.begin(), out.removed.end());
+  return kept_list();
 }
 
 }  // namespace trainyard::trainer

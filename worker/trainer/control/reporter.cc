@@ -57,6 +57,7 @@ class Reporter::Impl {
     r.set_time_ms(s.time_ms);
     for (double idle : s.pipeline_stage_idle) r.add_pipeline_stage_idle(idle);
     r.set_pipeline_bubble_theory(s.pipeline_bubble_theory);
+    if (s.eval_loss.has_value()) r.set_eval_loss(*s.eval_loss);
     absl::MutexLock lock(&mu_);
     if (queue_.size() > 100) queue_.pop_front();  // never grow without bound
     queue_.push_back(std::move(r));
@@ -74,6 +75,15 @@ class Reporter::Impl {
     r.set_step(c.step);
     r.set_path(c.path);
     r.set_bytes(c.bytes);
+    if (c.eval_loss.has_value()) r.set_eval_loss(*c.eval_loss);
+    // The newest 100 (the coordinator shows no more; the report stays small).
+    const size_t first = c.kept.size() > 100 ? c.kept.size() - 100 : 0;
+    for (size_t i = first; i < c.kept.size(); ++i) {
+      v1::KeptCheckpoint* kept = r.add_kept();
+      kept->set_step(c.kept[i].step);
+      kept->set_path(c.kept[i].path);
+      if (c.kept[i].eval_loss.has_value()) kept->set_eval_loss(*c.kept[i].eval_loss);
+    }
     grpc::ClientContext ctx;
     Authorize(ctx);
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));

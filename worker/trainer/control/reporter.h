@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,12 +31,21 @@ struct StepReport {
   int64_t time_ms = 0;                      // Unix ms when the step ended
   std::vector<double> pipeline_stage_idle;  // per stage; empty without a pipeline
   double pipeline_bubble_theory = 0;
+  std::optional<double> eval_loss;  // train.eval_every: on the steps an evaluation ran
 };
 
 struct CheckpointReport {
   int64_t step = 0;
   std::string path;
   int64_t bytes = 0;
+  std::optional<double> eval_loss;  // the evaluation's at this step, when one ran
+  // What retention keeps after it (each step, path and eval_loss), oldest first.
+  struct Kept {
+    int64_t step = 0;
+    std::string path;
+    std::optional<double> eval_loss;
+  };
+  std::vector<Kept> kept;
 };
 
 // What the coordinator asked for since the last TakeCommands.

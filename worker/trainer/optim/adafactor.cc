@@ -116,8 +116,8 @@ void SlotOptimizer::StepAdafactor(double lr, double grad_scale) {
   // their mean, then of its columns (transformers' _approx_sq_grad factors), or of a vector's
   // second moment.
   const auto beta2t =
-      static_cast<float>(1.0 - std::pow(static_cast<double>(step_), kAdafactorDecay));
-  const auto eps1 = static_cast<float>(kAdafactorEps1);
+      static_cast<float>(1.0 - std::pow(static_cast<double>(step_), hyper_.adafactor_decay));
+  const auto eps1 = static_cast<float>(hyper_.adafactor_eps1);
   std::vector<std::vector<std::vector<float>>> rsqrt(num_slots());
   for (int i = 0; i < num_slots(); ++i) {
     rsqrt[i].resize(parts[i].size());
@@ -215,7 +215,7 @@ void SlotOptimizer::StepAdafactor(double lr, double grad_scale) {
       if (part.lo >= part.hi) continue;
       const double rms = std::sqrt(update_sq.data_ptr<double>()[param_base[i] + j] /
                                    static_cast<double>(part.numel));
-      const auto divisor = static_cast<float>(std::max(1.0, rms / kAdafactorClip));
+      const auto divisor = static_cast<float>(std::max(1.0, rms / hyper_.adafactor_clip));
       float* pp = p + part.at;  // pp[e - part.lo]: element e
       ForEachChunk(part.f, part.lo, part.hi,
                    [&](int64_t, int64_t first, int64_t end, int64_t l, int64_t r, int64_t c) {

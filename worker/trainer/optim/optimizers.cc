@@ -30,12 +30,24 @@ OptimizerHyper HyperFor(OptimizerKind kind, double weight_decay) {
   return h;
 }
 
+OptimizerHyper HyperFor(const TrainConfig& t) {
+  OptimizerHyper h = HyperFor(t.optimizer, t.weight_decay);
+  h.beta1 = t.adam_beta1.value_or(h.beta1);
+  h.beta2 = t.adam_beta2.value_or(h.beta2);
+  h.eps = t.adam_epsilon.value_or(h.eps);
+  h.adafactor_eps1 = t.adafactor_eps;
+  h.adafactor_clip = t.adafactor_clip_threshold;
+  h.adafactor_decay = t.adafactor_decay_rate;
+  return h;
+}
+
 SlotOptimizer::SlotOptimizer(const OptimizerHyper& hyper, std::vector<OptimizerSlot> slots,
                              Communicator* group)
     : hyper_(hyper), slots_(std::move(slots)), group_(group) {
   for (const OptimizerSlot& s : slots_) {
     TORCH_CHECK(s.param.scalar_type() == torch::kFloat && s.param.is_contiguous(),
                 "SlotOptimizer: slots must be contiguous fp32");
+    for (const OptimizerSlot::Param& p : s.params) has_undecayed_ = has_undecayed_ || !p.decay;
     TORCH_CHECK(s.param.device() == slots_[0].param.device(),
                 "SlotOptimizer: slots on different devices");
   }
@@ -90,15 +102,32 @@ void SlotOptimizer::Step(double lr, double grad_scale) {
   torch::NoGradGuard no_grad;
   if (!initialized_) Initialize();
   ++step_;
+  const double factor = 1.0 - lr * hyper_.weight_decay;
+  const bool undecay = factor != 1.0 && factor != 0.0 && has_undecayed_;
+  const bool decays_last = hyper_.kind == OptimizerKind::kAdamW8bit;
+  if (undecay && !decays_last) Undecay(factor);
   if (host_stepped_) {
     StepOnHost(lr, grad_scale);
-    return;
-  }
-  if (on_device_ || tensor_ops_) {
+  } else if (on_device_ || tensor_ops_) {
     StepOnDevice(lr, grad_scale);
-    return;
+  } else {
+    StepOnCpu(lr, grad_scale);
   }
-  StepOnCpu(lr, grad_scale);
+  if (undecay && decays_last) Undecay(factor);
+}
+
+void SlotOptimizer::Undecay(double factor) {
+  for (const OptimizerSlot& s : slots_) {
+    const torch::Tensor flat = s.param.detach().view({-1});
+    const int64_t end = s.begin + flat.numel();
+    for (const OptimizerSlot::Param& p : s.params) {
+      if (p.decay) continue;
+      int64_t numel = 1;
+      for (int64_t d : p.shape) numel *= d;
+      const int64_t lo = std::max(p.offset, s.begin), hi = std::min(p.offset + numel, end);
+      if (lo < hi) flat.narrow(0, lo - s.begin, hi - lo).div_(factor);
+    }
+  }
 }
 
 void SlotOptimizer::StepOnHost(double lr, double grad_scale) {
@@ -343,12 +372,13 @@ absl::StatusOr<std::map<std::string, torch::Tensor>> SlotOptimizer::Elementwise(
 
 namespace {
 
-std::vector<OptimizerSlot> WholeParameters(const std::vector<torch::Tensor>& params) {
+std::vector<OptimizerSlot> WholeParameters(const std::vector<torch::Tensor>& params,
+                                           const std::vector<bool>& decay) {
   std::vector<OptimizerSlot> slots;
-  for (const torch::Tensor& p : params) {
+  for (size_t i = 0; i < params.size(); ++i) {
     OptimizerSlot s;
-    s.param = p;
-    s.params.push_back({p.sizes().vec(), 0});
+    s.param = params[i];
+    s.params.push_back({params[i].sizes().vec(), 0, decay.empty() || decay[i]});
     slots.push_back(std::move(s));
   }
   return slots;
@@ -362,9 +392,12 @@ std::unique_ptr<torch::optim::OptimizerOptions> LrOptions() {
 }  // namespace
 
 ParameterOptimizer::ParameterOptimizer(const std::vector<torch::Tensor>& params,
-                                       const OptimizerHyper& hyper)
+                                       const OptimizerHyper& hyper, const std::vector<bool>& decay)
     : torch::optim::Optimizer({torch::optim::OptimizerParamGroup(params)}, LrOptions()),
-      core_(hyper, WholeParameters(params), nullptr) {}
+      core_(hyper, WholeParameters(params, decay), nullptr) {
+  TORCH_CHECK(decay.empty() || decay.size() == params.size(),
+              "ParameterOptimizer: one decay flag per parameter");
+}
 
 torch::Tensor ParameterOptimizer::step(LossClosure /*closure*/) {
   TORCH_CHECK(false, "ParameterOptimizer: call Update(lr, grad_scale)");
@@ -420,7 +453,10 @@ void OptimizerStep(torch::optim::Optimizer& optimizer, double lr, double grad_sc
 }
 
 std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(const std::vector<torch::Tensor>& params,
-                                                       const OptimizerHyper& hyper, double lr) {
+                                                       const OptimizerHyper& hyper, double lr,
+                                                       const std::vector<bool>& decay) {
+  const bool all_decay = std::all_of(decay.begin(), decay.end(), [](bool d) { return d; });
+  if (!all_decay) return std::make_unique<ParameterOptimizer>(params, hyper, decay);
   if (hyper.kind == OptimizerKind::kAdamW) {
     return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(lr)
                                                              .betas({hyper.beta1, hyper.beta2})

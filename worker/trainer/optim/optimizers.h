@@ -47,18 +47,23 @@
 
 namespace trainyard::trainer {
 
-struct OptimizerHyper {
-  OptimizerKind kind = OptimizerKind::kAdamW;
-  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0;
-};
-
-// A job's hyper-parameters: AdamW's (and 8-bit AdamW's) betas (0.9, 0.95) and eps 1e-8 as in
-// GPT-3 and nanoGPT; Lion's betas (0.9, 0.99) as in its paper; Adafactor's constants below.
-OptimizerHyper HyperFor(OptimizerKind kind, double weight_decay);
-
 inline constexpr double kAdafactorEps1 = 1e-30;  // added to the squared gradient
 inline constexpr double kAdafactorClip = 1.0;    // the update's RMS threshold
 inline constexpr double kAdafactorDecay = -0.8;  // beta2 at step t: 1 - t^decay
+
+struct OptimizerHyper {
+  OptimizerKind kind = OptimizerKind::kAdamW;
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0;
+  // Adafactor's (train.adafactor_*; transformers' defaults).
+  double adafactor_eps1 = kAdafactorEps1, adafactor_clip = kAdafactorClip,
+         adafactor_decay = kAdafactorDecay;
+};
+
+// A job's hyper-parameters: AdamW's (and 8-bit AdamW's) betas (0.9, 0.95) and eps 1e-8 as in
+// GPT-3 and nanoGPT; Lion's betas (0.9, 0.99) as in its paper; Adafactor's constants above.
+OptimizerHyper HyperFor(OptimizerKind kind, double weight_decay);
+// The same with what the spec sets (train.adam_beta1/2, adam_epsilon, adafactor_*).
+OptimizerHyper HyperFor(const TrainConfig& train);
 
 inline constexpr int64_t k8bitBlock = 256;
 inline constexpr int64_t k8bitMinSize = 4096;
@@ -75,6 +80,7 @@ struct OptimizerSlot {
   struct Param {
     std::vector<int64_t> shape;
     int64_t offset = 0;
+    bool decay = true;  // false: weight decay leaves it alone (train.no_weight_decay)
   };
   torch::Tensor param;
   int64_t begin = 0;
@@ -158,6 +164,11 @@ class SlotOptimizer {
   // Every slot's update by the CPU kernels (slots_ on the CPU).
   void StepOnCpu(double lr, double grad_scale);
   void Initialize();
+  // Divides the elements of the parameters weight decay leaves alone by `factor` (the step's
+  // decay, 1 - lr * weight_decay): before a step that decays first (AdamW, Lion, Adafactor) or
+  // after one that decays last (8-bit AdamW), so that those elements come out undecayed (within
+  // fp32 rounding) whatever path stepped them.
+  void Undecay(double factor);
   // State's tensors themselves (on the slots' device).
   std::map<std::string, torch::Tensor> LiveState(int i) const;
 
@@ -167,9 +178,10 @@ class SlotOptimizer {
   std::vector<std::unique_ptr<SlotState>> state_;
   int64_t step_ = 0;
   bool initialized_ = false;
-  bool on_device_ = false;     // the slots are on a GPU
-  bool host_stepped_ = false;  // StepOnHost: adafactor and adamw_8bit on a GPU
-  bool tensor_ops_ = false;    // UseDeviceArithmetic
+  bool on_device_ = false;      // the slots are on a GPU
+  bool host_stepped_ = false;   // StepOnHost: adafactor and adamw_8bit on a GPU
+  bool tensor_ops_ = false;     // UseDeviceArithmetic
+  bool has_undecayed_ = false;  // a parameter of a slot that weight decay leaves alone
   // StepOnHost: the slots' pinned host copies and their gradients' (made at the first step).
   std::vector<OptimizerSlot> host_;
   std::vector<torch::Tensor> host_grads_;
@@ -180,7 +192,9 @@ class SlotOptimizer {
 // parameter's state. Loading a file of another optimizer fails naming both.
 class ParameterOptimizer : public torch::optim::Optimizer {
  public:
-  ParameterOptimizer(const std::vector<torch::Tensor>& params, const OptimizerHyper& hyper);
+  // `decay`: per parameter, false where weight decay leaves it alone (empty: all decay).
+  ParameterOptimizer(const std::vector<torch::Tensor>& params, const OptimizerHyper& hyper,
+                     const std::vector<bool>& decay = {});
 
   void Update(double lr, double grad_scale) { core_.Step(lr, grad_scale); }
   SlotOptimizer& core() { return core_; }
@@ -201,9 +215,12 @@ const char* OptimizerName(const torch::optim::Optimizer& optimizer);
 // ParameterOptimizer).
 void OptimizerStep(torch::optim::Optimizer& optimizer, double lr, double grad_scale);
 
-// The optimizer of `params` a job with these hyper-parameters trains with.
+// The optimizer of `params` a job with these hyper-parameters trains with. `decay`: per
+// parameter, false where weight decay leaves it alone (empty: all decay); AdamW with such
+// parameters is a ParameterOptimizer, whose checkpoints are its own (a resume keeps the setting).
 std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(const std::vector<torch::Tensor>& params,
-                                                       const OptimizerHyper& hyper, double lr);
+                                                       const OptimizerHyper& hyper, double lr,
+                                                       const std::vector<bool>& decay = {});
 
 // Moves torch::optim::AdamW's state tensors (its moments) to `device`: checkpoints hold them on
 // the CPU, a GPU rank steps them on its device. A no-op for the other optimizers, whose state is

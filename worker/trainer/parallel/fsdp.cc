@@ -236,8 +236,14 @@ absl::Status FsdpModel::Build(bool from_rank0) {
     }
     const FlatParam& f = Flat(i);
     slot_of_flat_.push_back(static_cast<int>(slots.size()));
-    slots.push_back({f.shard, single_shard() ? 0 : shard_.rank() * f.shard_numel,
-                     OptimizerParams(layout_.units[i])});
+    std::vector<OptimizerSlot::Param> params = OptimizerParams(layout_.units[i]);
+    if (config_.decays) {
+      for (size_t k = 0; k < params.size(); ++k) {
+        params[k].decay = config_.decays(layout_.units[i].params[k].name);
+      }
+    }
+    slots.push_back(
+        {f.shard, single_shard() ? 0 : shard_.rank() * f.shard_numel, std::move(params)});
   }
   optimizer_ = std::make_unique<SlotOptimizer>(config_.optimizer, std::move(slots), &shard_);
   comm_thread_ = std::make_unique<CommThread>();
@@ -350,6 +356,11 @@ void FsdpModel::AfterBlock(int block, const torch::Tensor& output) {
     output.register_hook([this, ui](const torch::Tensor&) { PreBackward(ui); });
   }
   if (!training || config_.sharding != Sharding::kShardGradOp) Release(ui);
+}
+
+void FsdpModel::ReleaseAfterForward() {
+  if (!hooks_on_) return;
+  for (int ui = 0; ui < num_units(); ++ui) Release(ui);
 }
 
 void FsdpModel::WatchLoss(const torch::Tensor& loss) {

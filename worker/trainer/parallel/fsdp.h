@@ -79,6 +79,8 @@ struct FsdpConfig {
   // The parameters to shard, by name (empty: all of the model's). Under pipeline parallelism a
   // stage's: the others are never run here, and blocks without parameters to shard form no unit.
   std::function<bool(const std::string&)> holds;
+  // Whether weight decay applies to a parameter, by name (empty: to all; train.no_weight_decay).
+  std::function<bool(const std::string&)> decays;
 };
 
 // Block units under a wrap policy: each entry is the blocks [first, last] of one unit, in order.
@@ -151,6 +153,9 @@ class FsdpModel : public BlockHooks {
   }
   // After the forward, before backward: gathers the root's gradients when backward starts.
   void WatchLoss(const torch::Tensor& loss);
+  // After forwards that have no backward (evaluation, under no_grad: each block unit is freed
+  // after its last block already): frees the root too, and any unit still gathered.
+  void ReleaseAfterForward();
   // After each micro-step's backward: reduce-scatters what backward left (gradients that never
   // came count as zero), waits for all of it and frees every gathered unit. Returns the seconds
   // spent waiting. The gradient shards accumulate over micro-steps.

@@ -291,6 +291,45 @@ double PipelineStage::Step(
   return loss_sum;
 }
 
+double PipelineStage::Evaluate(
+    int micro_batches, const std::function<torch::Tensor(int)>& windows,
+    const std::function<torch::Tensor(int, const torch::Tensor&, const torch::Tensor&)>& loss) {
+  torch::NoGradGuard no_grad;
+  const int prev = layout_.first() ? -1 : layout_.RankOf(layout_.stage - 1, layout_.replica);
+  const int next = layout_.last() ? -1 : layout_.RankOf(layout_.stage + 1, layout_.replica);
+  const std::vector<int64_t> hidden = model_.HiddenShape(micro_batch_);
+  const int begin = layout_.bounds[layout_.stage], end = layout_.bounds[layout_.stage + 1];
+  double loss_sum = 0;
+  std::deque<std::pair<std::unique_ptr<CommHandle>, torch::Tensor>> sends;
+  for (int micro = 0; micro < micro_batches; ++micro) {
+    if (fsdp_ != nullptr) fsdp_->BeginForward(/*sync_gradients=*/false);
+    torch::Tensor w;
+    if (layout_.first() || layout_.last()) w = windows(micro);
+    torch::Tensor x;
+    if (layout_.first()) {
+      x = model_.Embed(w.narrow(1, 0, w.size(1) - 1));
+    } else {
+      x = torch::empty(hidden, hidden_options_);
+      world_.Recv(x, prev, kActivationTag);
+    }
+    for (int b = begin; b < end; ++b) x = model_.RunBlock(b, x);
+    if (layout_.last()) {
+      loss_sum += loss(micro, model_.Head(x), w).item<double>();
+    } else {
+      torch::Tensor out = x.to(torch::kFloat).contiguous();
+      sends.emplace_back(world_.Send(out, next, kActivationTag), out);
+      // At most P sends in flight, as Step keeps them.
+      if (static_cast<int>(sends.size()) > layout_.stages) {
+        sends.front().first->Wait();
+        sends.pop_front();
+      }
+    }
+  }
+  for (auto& [handle, tensor] : sends) handle->Wait();
+  if (fsdp_ != nullptr) fsdp_->ReleaseAfterForward();
+  return loss_sum;
+}
+
 void PipelineStage::SyncTiedGradient() {
   if (!tied_.defined() || !tied_.requires_grad()) return;  // frozen (LoRA): nothing to add
   const int other = layout_.RankOf(layout_.first() ? layout_.stages - 1 : 0, layout_.replica);

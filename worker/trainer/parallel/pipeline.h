@@ -136,6 +136,12 @@ class PipelineStage {
   double Step(
       int micro_batches, const std::function<torch::Tensor(int)>& windows,
       const std::function<torch::Tensor(int, const torch::Tensor&, const torch::Tensor&)>& loss);
+  // Forwards alone (evaluation, under no_grad): micro-batch i's activations flow from stage to
+  // stage as in Step, none back; `loss(i, logits, windows)` on the last stage gives what it sums.
+  // Returns the sum on the last stage, 0 elsewhere. Every rank of the replica calls it.
+  double Evaluate(
+      int micro_batches, const std::function<torch::Tensor(int)>& windows,
+      const std::function<torch::Tensor(int, const torch::Tensor&, const torch::Tensor&)>& loss);
   // Tied weights: adds the gradient of the other end's copy (first and last stage); call after
   // the reducer's Finish (under fsdp, the two ends' shard groups put it together whole to send
   // it). No-op elsewhere.
