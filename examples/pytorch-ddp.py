@@ -85,6 +85,12 @@ def main():
         if stop:  # preempted: checkpointed; exit 0 to be requeued
             print(f"stopping at step {step}", flush=True)
             break
+    # Teardown in this order, while the tensors the collectives used are still referenced here:
+    # with torch 1.13's Gloo, a process group destroyed holding the GIL (the DDP reducer's, when
+    # the model goes at the function's end) can deadlock with its worker thread freeing such a
+    # tensor (pytorch/pytorch#56297); one rank then never exits.
+    dist.barrier()
+    del model
     dist.destroy_process_group()
 
 
