@@ -340,19 +340,16 @@ absl::Status ParseTrain(const YAML::Node& n, SpecParser& p, JobSpec& spec) {
   d = 0;
   RETURN_IF_ERROR(p.Double(n, "warmup_ratio", "train", d));
   t.set_warmup_ratio(d);
-  if (n["min_lr_ratio"]) {
-    RETURN_IF_ERROR(p.Double(n, "min_lr_ratio", "train", d));
-    t.set_min_lr_ratio(d);
-  }
   i64 = 0;
   RETURN_IF_ERROR(p.Integer(n, "eval_every", "train", i64));
   t.set_eval_every(i64);
   i32 = 0;
   RETURN_IF_ERROR(p.Integer(n, "eval_batches", "train", i32));
   t.set_eval_batches(i32);
-  // Present ones only: an absent constant is the optimizer's default, not 0.
+  // Present ones only: an absent one is its default (the schedule's, the optimizer's), not 0.
   for (const auto& [field, set] :
        std::vector<std::pair<const char*, void (v1::TrainSpec::*)(double)>>{
+           {"min_lr_ratio", &v1::TrainSpec::set_min_lr_ratio},
            {"adam_beta1", &v1::TrainSpec::set_adam_beta1},
            {"adam_beta2", &v1::TrainSpec::set_adam_beta2},
            {"adam_epsilon", &v1::TrainSpec::set_adam_epsilon},

@@ -593,10 +593,12 @@ data: {path: /data/tokens.bin}
   ASSERT_FALSE(bad.ok());
   EXPECT_THAT(std::string(bad.status().message()),
               StartsWith("s.yaml:5: train.no_weight_decay: expected a list"));
-  auto error = [&](std::function<void(v1::TrainSpec&)> mutate) {
-    v1::JobSpec spec = parsed->spec;
+  auto error_of = [](v1::JobSpec spec, std::function<void(v1::TrainSpec&)> mutate) {
     mutate(*spec.mutable_train());
     return std::string(ValidateJobSpec(spec).message());
+  };
+  auto error = [&](std::function<void(v1::TrainSpec&)> mutate) {
+    return error_of(parsed->spec, mutate);
   };
   EXPECT_THAT(error([](v1::TrainSpec& t) { t.set_adam_beta1(1); }),
               StartsWith("train.adam_beta1: must be in [0, 1), got 1"));
@@ -621,9 +623,7 @@ data: {path: /data/tokens.bin}
   EXPECT_THAT(std::string(ValidateJobSpec(offload).message()),
               StartsWith("train.no_weight_decay: not with parallel.strategy offload"));
   auto adafactor_error = [&](std::function<void(v1::TrainSpec&)> mutate) {
-    v1::JobSpec spec = plain->spec;
-    mutate(*spec.mutable_train());
-    return std::string(ValidateJobSpec(spec).message());
+    return error_of(plain->spec, mutate);
   };
   EXPECT_THAT(adafactor_error([](v1::TrainSpec& t) { t.set_adafactor_decay_rate(0); }),
               StartsWith("train.adafactor_decay_rate: must be in [-1, 0)"));

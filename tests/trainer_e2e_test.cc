@@ -235,6 +235,19 @@ class TrainerE2eTest : public ::testing::Test {
     return out;
   }
 
+  // eval_loss by step from a --metrics-file (the steps an evaluation ran), each line's perplexity
+  // checked to be its exp.
+  static std::map<int64_t, double> ReadEvalLosses(const std::string& path) {
+    std::map<int64_t, double> out;
+    for (const auto& j : ReadReports(path)) {
+      if (!j.contains("eval_loss")) continue;
+      out[j.at("step").get<int64_t>()] = j.at("eval_loss").get<double>();
+      EXPECT_NEAR(j.at("eval_perplexity").get<double>(), std::exp(j.at("eval_loss").get<double>()),
+                  1e-9);
+    }
+    return out;
+  }
+
   // ||a - b|| / ||b|| over values [begin, end) of one parameter.
   static double RelativeDifference(const DumpedParam& a, const DumpedParam& b, size_t begin,
                                    size_t end) {
@@ -1398,14 +1411,7 @@ TEST_F(TrainerE2eTest, EvalLossIsTransformersOnTheSameWindowsUnderEveryLayout) {
     RunResult r = Run(StartJob(s, name), ranks, {"--metrics-file", metrics});
     EXPECT_THAT(r.exit_codes, ::testing::Each(0)) << Joined(r);
     EXPECT_THAT(Joined(r), HasSubstr("eval step 4 eval_loss "));
-    std::map<int64_t, double> out;
-    for (const auto& j : ReadReports(metrics)) {
-      if (!j.contains("eval_loss")) continue;
-      out[j.at("step").get<int64_t>()] = j.at("eval_loss").get<double>();
-      EXPECT_NEAR(j.at("eval_perplexity").get<double>(), std::exp(j.at("eval_loss").get<double>()),
-                  1e-9);
-    }
-    return out;
+    return ReadEvalLosses(metrics);
   };
   v1::JobSpec one = OneRankWholeBatch(spec);
   one.mutable_checkpoint()->set_export_format(v1::EXPORT_HF);
@@ -1413,10 +1419,7 @@ TEST_F(TrainerE2eTest, EvalLossIsTransformersOnTheSameWindowsUnderEveryLayout) {
   const std::string one_metrics = dir_.path() + "/one.jsonl";
   RunResult r1 = Run(one_job, 1, {"--metrics-file", one_metrics});
   ASSERT_THAT(r1.exit_codes, ::testing::ElementsAre(0)) << Joined(r1);
-  std::map<int64_t, double> single;
-  for (const auto& j : ReadReports(one_metrics)) {
-    if (j.contains("eval_loss")) single[j.at("step").get<int64_t>()] = j.at("eval_loss");
-  }
+  const std::map<int64_t, double> single = ReadEvalLosses(one_metrics);
   ASSERT_EQ(single.size(), 2u);  // steps 2 and 4
   ASSERT_EQ(single.count(2), 1u);
   ASSERT_EQ(single.count(4), 1u);
@@ -1470,10 +1473,7 @@ TEST_F(TrainerE2eTest, KeepBestKeepsTheLowestEvalLossCheckpointAndTheCoordinator
   const std::string metrics = dir_.path() + "/best.jsonl";
   RunResult r = Run(job, 1, {"--metrics-file", metrics});
   ASSERT_THAT(r.exit_codes, ::testing::ElementsAre(0)) << Joined(r);
-  std::map<int64_t, double> evals;
-  for (const auto& j : ReadReports(metrics)) {
-    if (j.contains("eval_loss")) evals[j.at("step").get<int64_t>()] = j.at("eval_loss");
-  }
+  const std::map<int64_t, double> evals = ReadEvalLosses(metrics);
   ASSERT_EQ(evals.size(), 4u);
   int64_t best = 0;
   for (const auto& [step, loss] : evals) {
@@ -1502,6 +1502,33 @@ TEST_F(TrainerE2eTest, KeepBestKeepsTheLowestEvalLossCheckpointAndTheCoordinator
   EXPECT_NEAR(got.kept_checkpoints(0).eval_loss(), evals.at(best), 1e-12);
   EXPECT_EQ(got.kept_checkpoints(got.kept_checkpoints_size() - 1).step(), 8);
   EXPECT_NEAR(got.eval_loss(), evals.at(8), 1e-12);
+}
+
+// train.no_weight_decay under FSDP (the exclusions fall inside flat buffers' shards) trains what
+// one DDP rank trains, and it matters: without it the model trains otherwise.
+TEST_F(TrainerE2eTest, NoWeightDecayTrainsTheSameUnderFsdpAsOnOneRank) {
+  v1::JobSpec spec = TinySpec(2, 4);
+  spec.mutable_train()->set_weight_decay(0.5);
+  spec.mutable_train()->add_no_weight_decay("bias");
+  spec.mutable_train()->add_no_weight_decay("norm");
+  spec.mutable_parallel()->set_strategy(v1::FSDP);
+  auto train = [&](const v1::JobSpec& s, int ranks, const std::string& name) {
+    const std::string dump = dir_.path() + "/" + name + ".params";
+    RunResult r = Run(StartJob(s, name), ranks, {"--dump-params", dump});
+    EXPECT_THAT(r.exit_codes, ::testing::Each(0)) << Joined(r);
+    return ReadDump(dump);
+  };
+  const auto one = train(OneRankWholeBatch(spec), 1, "one");
+  ExpectSameParams(train(spec, 2, "fsdp"), one, 1e-5, /*skip_key_bias=*/true);
+  v1::JobSpec decayed = OneRankWholeBatch(spec);
+  decayed.mutable_train()->clear_no_weight_decay();
+  const auto all = train(decayed, 1, "all");
+  ASSERT_EQ(all.size(), one.size());
+  double moved = 0;
+  for (size_t i = 0; i < one.size(); ++i) {
+    moved = std::max(moved, RelativeDifference(one[i], all[i], 0, one[i].values.size()));
+  }
+  EXPECT_GT(moved, 1e-4);
 }
 
 // A resume keeps the schedule and the optimizer's settings: another adam_beta2 is refused naming

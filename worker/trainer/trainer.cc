@@ -159,17 +159,18 @@ absl::Status WriteJobExport(const ModelConfig& m, const LoraConfig& lora, Langua
 // One rank's training run: Setup (the model, its layout and groups, the optimizer, a resumed
 // checkpoint), then Step until the last step or a stop, then Finish. Members are declared in the
 // order the run makes them, so that they go in the reverse one (the communicators last).
-// train.no_weight_decay: whether weight decay applies to the parameter `name` of `model` (shape
-// `p`): "bias" leaves out biases, "norm" normalization weights (the other vectors), "embedding"
-// the embeddings (a tied head's weight with them), as HF Trainer's get_decay_parameter_names.
+// train.no_weight_decay: whether weight decay applies to the parameter `name` of `model` (of
+// `dim` dimensions): "bias" leaves out biases, "norm" normalization weights (the other vectors),
+// "embedding" the embeddings (a tied head's weight with them), as HF Trainer's
+// get_decay_parameter_names.
 bool Decays(const LanguageModel& model, const std::vector<std::string>& skip,
-            const std::string& name, const torch::Tensor& p) {
+            const std::string& name, int64_t dim) {
   auto skips = [&](const char* kind) {
     return std::find(skip.begin(), skip.end(), kind) != skip.end();
   };
   const bool bias = absl::EndsWith(name, ".bias");
   if (bias) return !skips("bias");
-  if (p.dim() == 1) return !skips("norm");
+  if (dim == 1) return !skips("norm");
   if (model.IsEmbedding(name)) return !skips("embedding");
   return true;
 }
@@ -509,7 +510,7 @@ std::vector<bool> Trainer::DecayFlags(const std::vector<torch::Tensor>& params) 
   }
   std::vector<bool> out;
   for (const torch::Tensor& p : params) {
-    out.push_back(Decays(*model_, t_.no_weight_decay, names[p.unsafeGetTensorImpl()], p));
+    out.push_back(Decays(*model_, t_.no_weight_decay, names[p.unsafeGetTensorImpl()], p.dim()));
   }
   return out;
 }
@@ -539,11 +540,8 @@ absl::Status Trainer::BuildStrategy() {
   }
   FsdpConfig fsdp_config = MakeFsdpConfig(par_, hyper_);
   if (!t_.no_weight_decay.empty()) {
-    std::map<std::string, torch::Tensor> by_name;
-    for (const auto& item : model_->named_parameters()) by_name[item.key()] = item.value();
-    fsdp_config.decays = [this, by_name](const std::string& name) {
-      auto it = by_name.find(name);
-      return it == by_name.end() || Decays(*model_, t_.no_weight_decay, name, it->second);
+    fsdp_config.decays = [this](const std::string& name, int64_t dim) {
+      return Decays(*model_, t_.no_weight_decay, name, dim);
     };
   }
   if (dims_.fsdp && !dims_.model_parallel) {
@@ -1114,44 +1112,40 @@ double Trainer::Evaluate() {
   const int replica = dims_.model_parallel ? layout_->replica : o_.rank;
   const int64_t per = (total + replicas_ - 1) / replicas_, micro = t_.micro_batch;
   const int micro_batches = static_cast<int>((per + micro - 1) / micro);
-  auto samples = [&](int b) {
-    std::vector<int64_t> out;
-    for (int64_t j = 0; j < micro; ++j) {
-      const int64_t in_share = b * micro + j, window = int64_t{replica} * per + in_share;
-      out.push_back(in_share < per && window < total ? window : 0);
-    }
-    return out;
-  };
-  auto weights = [&](int b) {
-    const std::vector<int64_t> windows = samples(b);
-    torch::Tensor w = eval_mask_.empty() ? torch::ones({micro, m_.seq_len}, torch::kFloat)
-                                         : MaskWeights(eval_mask_, windows, m_.seq_len);
-    for (int64_t j = 0; j < micro; ++j) {
-      const int64_t in_share = b * micro + j;
-      if (in_share >= per || int64_t{replica} * per + in_share >= total) w[j].zero_();
-    }
-    return w;
-  };
+  // Each micro-batch's windows and target weights (a padding window is window 0, weighing 0).
+  std::vector<std::vector<int64_t>> samples(micro_batches);
+  std::vector<torch::Tensor> weights(micro_batches);
   double sum = 0, count = 0;
   for (int b = 0; b < micro_batches; ++b) {
-    const torch::Tensor w = weights(b);
+    std::vector<bool> padding;
+    for (int64_t j = 0; j < micro; ++j) {
+      const int64_t in_share = b * micro + j, window = int64_t{replica} * per + in_share;
+      padding.push_back(in_share >= per || window >= total);
+      samples[b].push_back(padding.back() ? 0 : window);
+    }
+    weights[b] = eval_mask_.empty() ? torch::ones({micro, m_.seq_len}, torch::kFloat)
+                                    : MaskWeights(eval_mask_, samples[b], m_.seq_len);
+    for (int64_t j = 0; j < micro; ++j) {
+      if (padding[j]) weights[b][j].zero_();
+    }
     // The MLP predicts each window's last token only.
+    const torch::Tensor& w = weights[b];
     count += (m_.kind == "mlp" ? w.select(1, m_.seq_len - 1) : w).sum().item<double>();
   }
   auto batch = [&](int b) {
-    return ToDevice(MakeBatch(*eval_data_, samples(b), m_.seq_len), device_);
+    return ToDevice(MakeBatch(*eval_data_, samples[b], m_.seq_len), device_);
   };
   {
     AutocastScope autocast(device_, t_.precision);
     if (pipeline_) {
       sum = pipeline_->Evaluate(
           micro_batches, batch, [&](int b, const torch::Tensor& logits, const torch::Tensor& w) {
-            return model_->MaskedLossSumOf(logits, w, ToDevice(weights(b), device_));
+            return model_->MaskedLossSumOf(logits, w, ToDevice(weights[b], device_));
           });
     } else {
       for (int b = 0; b < micro_batches; ++b) {
         if (fsdp_) fsdp_->BeginForward(/*sync_gradients=*/false);
-        sum += model_->MaskedLossSum(batch(b), ToDevice(weights(b), device_)).item<double>();
+        sum += model_->MaskedLossSum(batch(b), ToDevice(weights[b], device_)).item<double>();
       }
       if (fsdp_) fsdp_->ReleaseAfterForward();
     }

@@ -239,7 +239,8 @@ absl::Status FsdpModel::Build(bool from_rank0) {
     std::vector<OptimizerSlot::Param> params = OptimizerParams(layout_.units[i]);
     if (config_.decays) {
       for (size_t k = 0; k < params.size(); ++k) {
-        params[k].decay = config_.decays(layout_.units[i].params[k].name);
+        const FsdpLayout::Param& param = layout_.units[i].params[k];
+        params[k].decay = config_.decays(param.name, static_cast<int64_t>(param.shape.size()));
       }
     }
     slots.push_back(

@@ -79,8 +79,9 @@ struct FsdpConfig {
   // The parameters to shard, by name (empty: all of the model's). Under pipeline parallelism a
   // stage's: the others are never run here, and blocks without parameters to shard form no unit.
   std::function<bool(const std::string&)> holds;
-  // Whether weight decay applies to a parameter, by name (empty: to all; train.no_weight_decay).
-  std::function<bool(const std::string&)> decays;
+  // Whether weight decay applies to a parameter, by name and dimensions (empty: to all;
+  // train.no_weight_decay).
+  std::function<bool(const std::string& name, int64_t dim)> decays;
 };
 
 // Block units under a wrap policy: each entry is the blocks [first, last] of one unit, in order.
