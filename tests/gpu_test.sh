@@ -35,9 +35,11 @@ spec() {
 }
 # train SPEC DEVICE CHECKPOINT_DIR [flags...]: the rank's log on stdout.
 train() {
+  local start=$SECONDS
   "$bin/trainyard-trainer" --spec "$work/$1.yaml" --job-id "" --attempt 1 --rank 0 \
     --world-size 1 --coordinator 127.0.0.1:1 --device "$2" --checkpoint-dir "$work/$3" \
     --threads 8 --metrics-file "$work/$3.jsonl" "${@:4}" >"$work/$3.log" 2>&1 || { tail -20 "$work/$3.log" >&2; fail "$3: trainer failed"; }
+  echo "($3 on $2: $((SECONDS - start)) s)" >&2
   cat "$work/$3.log"
 }
 # losses RUN: the losses of run RUN (its checkpoint dir's name), in full, from the metrics file;
@@ -194,14 +196,12 @@ PY
     done
     ;;
   model_parallel)
-    # Pipeline and tensor parallelism on the GPU: two ranks sharing it (a local cluster of two
-    # workers; Gloo through host copies, as in the fsdp case). Two stages with two micro-batches
-    # give DDP's losses over two ranks (the same 16 windows a step), under both schedules; two
-    # tensor-parallel ranks give one rank's (the same 8 windows); fp32, 1e-5 over 10 steps. bf16
-    # pipelines train. A tensor-parallel pipeline of 2 x 2 needs four ranks: on the CPU only
-    # (trainer_e2e_test).
-    spec one 10 fp32
-    train one cuda one | losses one >"$work/one.txt"
+    # Pipelines on the GPU: two ranks sharing it (a local cluster of two workers; Gloo through
+    # host copies, as in the fsdp case). Two stages with two micro-batches give DDP's losses over
+    # two ranks (the same 16 windows a step), under both schedules (fp32, 1e-5 over 10 steps);
+    # bf16 pipelines train. Tensor parallelism needs its group on one node, which a cluster of
+    # one-GPU workers cannot give: the gpu_layouts test runs it (trainer_e2e_test's ranks on the
+    # GPU).
     export TRAINYARD_COLLECTIVES=gloo
     cluster_up 2
     job_spec ddp2 10
@@ -213,9 +213,6 @@ PY
       grep -q "pipeline stage 0/2" "$work/pipe2-$schedule.log" || fail "pipe2-$schedule: not two stages"
       close "$work/ddp2.txt" "$work/pipe2-$schedule.txt" 1e-5 || fail "the $schedule pipeline on the GPU differs from DDP"
     done
-    job_spec tp2 10 "s/strategy: ddp,/strategy: ddp, tensor_parallel: 2,/"
-    run_job tp2 10
-    close "$work/one.txt" "$work/tp2.txt" 1e-5 || fail "tensor parallelism on the GPU differs from one rank"
     job_spec pipe2-bf16 40 "s/strategy: ddp,/strategy: ddp, pipeline_stages: 2,/" 's/seed: 1}/seed: 1, micro_batches: 2}/' \
       's/mixed_precision: fp32/mixed_precision: bf16/'
     run_job pipe2-bf16 40
@@ -284,6 +281,54 @@ PY
     train ckpt8 cuda g2c8 --stop-after-steps 3 >/dev/null
     train ckpt8 cpu g2c8 | losses g2c8 >"$work/g2c8.txt"
     close "$work/whole8.txt" "$work/g2c8.txt" 1e-4 || fail "an 8-bit GPU checkpoint resumed on the CPU changed the losses"
+    ;;
+  llama)
+    # The Llama family on the GPU, from a Hugging Face folder (a random Llama written by the
+    # trainer's own export, 2 layers, grouped-query attention): one GPU rank gives the CPU's losses
+    # (fp32, 1e-5 over 10 steps) as Llama; as Mistral with a sliding window of 5 on 32-token
+    # windows (SDPA with a banded boolean mask on the GPU, an explicit mask on the CPU), which must
+    # train otherwise than without it; and under LoRA (only the adapters train). bf16 trains.
+    dev=${TRAINYARD_GPU_TEST_DEVICE:-cuda}  # (cpu: to try the case's logic without a GPU)
+    llama_spec() {  # NAME STEPS FROM PRECISION [train fields]; without FROM, exported at the end
+      local export=", export: hf"
+      [ -n "$3" ] && export=""
+      cat >"$work/$1.yaml" <<SPEC
+name: $1
+resources: {gpus: 1}
+model: {kind: llama, ${3:+from: $3, }n_layer: 2, n_head: 4, n_kv_head: 2, d_model: 64, seq_len: 32, vocab: 256}
+data: {path: /usr/share/common-licenses/GPL-3, format: bytes}
+train: {steps: $2, micro_batch: 8, lr: 1.0e-3, warmup: $(($2 > 2 ? 2 : 0)), mixed_precision: $4, seed: 1${5:+, $5}}
+checkpoint: {every_steps: 0$export}
+SPEC
+    }
+    llama_spec init 1 "" fp32
+    train init cpu init >/dev/null
+    [ -f "$work/init/export/config.json" ] || fail "the export wrote no config.json"
+    cp -r "$work/init/export" "$work/mistral"
+    python3 - "$work/mistral/config.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+c.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=5)
+json.dump(c, open(sys.argv[1], "w"))
+PY
+    for m in llama mistral; do
+      from=$work/mistral
+      [ $m = llama ] && from=$work/init/export
+      llama_spec $m 10 "$from" fp32
+      train $m cpu $m-cpu | losses $m-cpu >"$work/$m-cpu.txt"
+      train $m "$dev" $m-gpu | losses $m-gpu >"$work/$m-gpu.txt"
+      grep -q "device: $dev" "$work/$m-gpu.log" || fail "$m: not on $dev"
+      [ "$(wc -l <"$work/$m-gpu.txt")" -eq 10 ] || fail "$m: expected 10 steps"
+      close "$work/$m-cpu.txt" "$work/$m-gpu.txt" 1e-5 || fail "$m: GPU losses differ from the CPU's"
+    done
+    ! close "$work/llama-gpu.txt" "$work/mistral-gpu.txt" 1e-3 2>/dev/null || fail "the window changed nothing"
+    llama_spec lora 10 "$work/mistral" fp32 "lora: {r: 4, alpha: 8, target_modules: [q_proj, v_proj, down_proj]}"
+    train lora cpu lora-cpu | losses lora-cpu >"$work/lora-cpu.txt"
+    train lora "$dev" lora-gpu | losses lora-gpu >"$work/lora-gpu.txt"
+    close "$work/lora-cpu.txt" "$work/lora-gpu.txt" 1e-5 || fail "LoRA: GPU losses differ from the CPU's"
+    llama_spec bf16 40 "$work/mistral" bf16
+    train bf16 "$dev" bf16 | losses bf16 >"$work/bf16.txt"
+    awk 'NR == 1 { f = $1 } END { exit !($1 < f - 0.5) }' "$work/bf16.txt" || fail "bf16 Mistral did not train"
     ;;
   cluster)
     # A local cluster on this GPU host: the worker offers the GPU, `yard` trains the example with

@@ -326,6 +326,24 @@ TEST_F(SharingE2eTest, AWaitingJobSaysWhyItWaits) {
   EXPECT_THAT(seen_by_carol, Not(HasSubstr(big)));
 }
 
+// Tensor-parallel groups stay on one node each: a job whose groups fit no node says so, though
+// the cluster has its devices in all, and it does not hold back a job behind it.
+TEST_F(SharingE2eTest, AJobWhoseTensorParallelGroupsFitNoNodeSaysSo) {
+  auto n2 = testing::NodeSession::Connect(channel_, tokens_->Node("n2"), "n2", 4);
+  const std::string tp = MustSubmit(admin_, 8, [](v1::JobSpec& s) {
+    s.mutable_model()->set_n_head(8);
+    s.mutable_model()->set_d_model(64);
+    s.mutable_parallel()->set_tensor_parallel(8);
+  });
+  const std::string plain = MustSubmit(admin_, 8, [](v1::JobSpec& s) { s.set_priority(40); });
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  EXPECT_EQ(GetJob(plain).state(), v1::RUNNING);
+  EXPECT_THAT(GetJob(tp).why_waiting(),
+              HasSubstr("needs 8 devices in groups of 8 on one node each "
+                        "(parallel.tensor_parallel), more than the ready nodes that take its "
+                        "owner's jobs hold in whole groups"));
+}
+
 // An account that arrives late goes first until its usage per share reaches the early one's:
 // a waiting job of the early account says so, and when that ends at the current use.
 TEST_F(SharingE2eTest, AJobHeldBackByALateAccountsDeficitSaysSoAndUntilWhen) {

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -161,6 +162,11 @@ class TrainerE2eTest : public ::testing::Test {
                                      job.checkpoint_dir,
                                      "--threads",
                                      "1"};
+    // TRAINYARD_TEST_DEVICE=cuda (the CUDA build's gpu_layouts test): every rank on that device,
+    // one GPU shared through Gloo (TRAINYARD_COLLECTIVES=gloo: NCCL refuses two ranks on one GPU).
+    if (const char* device = std::getenv("TRAINYARD_TEST_DEVICE"); device != nullptr && *device) {
+      argv.insert(argv.end(), {"--device", device});
+    }
     argv.insert(argv.end(), extra.begin(), extra.end());
     return argv;
   }

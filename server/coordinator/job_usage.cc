@@ -17,6 +17,7 @@
 #include "absl/strings/str_split.h"
 #include "common/check.h"
 #include "common/ps_layout.h"
+#include "common/spec.h"
 #include "common/status_macros.h"
 
 namespace trainyard::coordinator {
@@ -214,8 +215,17 @@ std::string JobManager::WhyWaiting(const std::string& job_id, const std::string&
                          by_account[account].running_devices, " are in use");
       break;
     case WaitReason::kUnplaceable:
-      why = absl::StrCat("needs ", devices,
-                         " devices, more than the ready nodes that take its owner's jobs have");
+      if (const int block = RankBlockOf(job.spec()); block > 1) {
+        // Its groups stay on one node each: a node counts only its whole groups.
+        const bool tensor = job.spec().parallel().tensor_parallel() == block;
+        why = absl::StrCat(
+            "needs ", devices, " devices in groups of ", block, " on one node each (",
+            tensor ? "parallel.tensor_parallel" : "HYBRID_SHARD's replica of stages x tensor ranks",
+            "), more than the ready nodes that take its owner's jobs hold in whole groups");
+      } else {
+        why = absl::StrCat("needs ", devices,
+                           " devices, more than the ready nodes that take its owner's jobs have");
+      }
       break;
   }
   // Behind another account's job of the same priority: that account goes first by fair share (or
