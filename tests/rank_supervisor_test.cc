@@ -2,19 +2,132 @@
 // that arrive more than once, as they do when a session opens while a placement is being sent.
 #include "worker/daemon/rank_supervisor.h"
 
+#include <grp.h>
 #include <gtest/gtest.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "tests/testing/subprocess.h"
 #include "tests/testing/tiny_spec.h"
+#include "worker/daemon/shepherd.h"
 
 namespace trainyard::worker {
 namespace {
+
+// How a connection to a shepherd's socket from another account went, seen from that account:
+// what its first receive got. Forked, then only system calls (no allocation after the fork).
+enum class PeerOutcome { kNotPermitted, kClosedWithoutHello, kGotHello, kOther };
+PeerOutcome ConnectAs(uid_t uid, gid_t gid, const std::string& path) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof(addr.sun_path)) return PeerOutcome::kOther;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  const pid_t child = fork();
+  if (child == 0) {
+    if (setgroups(0, nullptr) != 0 || setgid(gid) != 0 || setuid(uid) != 0) _exit(10);
+    const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (fd < 0) _exit(10);
+    if (connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
+      _exit(errno == EACCES ? 11 : 10);
+    }
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, 10000) != 1) _exit(10);  // the shepherd answers at once either way
+    char buf[256];
+    const ssize_t n = recv(fd, buf, sizeof(buf), 0);
+    _exit(n == 0 ? 12 : n > 0 ? 13 : 10);
+  }
+  int status = 0;
+  if (child < 0 || waitpid(child, &status, 0) != child || !WIFEXITED(status)) {
+    return PeerOutcome::kOther;
+  }
+  switch (WEXITSTATUS(status)) {
+    case 11:
+      return PeerOutcome::kNotPermitted;
+    case 12:
+      return PeerOutcome::kClosedWithoutHello;
+    case 13:
+      return PeerOutcome::kGotHello;
+    default:
+      return PeerOutcome::kOther;
+  }
+}
+
+// A rank's shepherd listens on a socket of mode 0600, which another account cannot connect to;
+// and were the mode wider, it still takes connections from its own account only: another's is
+// closed before the hello, and the worker's connection stays and still stops the rank.
+TEST(ShepherdTest, TakesConnectionsFromItsOwnAccountOnly) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root, to connect as another account";
+  const uid_t nobody = 65534;
+  testing::TempDir dir;
+  ASSERT_EQ(chmod(dir.path().c_str(), 0711), 0);  // the socket's mode decides, not the folder's
+  const std::string prefix = dir.path() + "/rank-0", path = prefix + ".sock";
+  auto listener = ListenShepherdSocket(path);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  struct stat st {};
+  ASSERT_EQ(stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600);
+
+  const std::vector<std::string> args = {testing::BinPath("trainyard-worker"),
+                                         kShepherdFlag,
+                                         "prefix=" + prefix,
+                                         "cwd=" + dir.path(),
+                                         "device=0",
+                                         "grace_ms=5000",
+                                         "orphan_ms=60000",
+                                         "--",
+                                         "/bin/sleep",
+                                         "60"};
+  std::vector<char*> argv;
+  for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  const pid_t shepherd = fork();
+  ASSERT_GE(shepherd, 0);
+  if (shepherd == 0) {
+    if (dup2(*listener, 3) != 3) _exit(127);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  close(*listener);
+  auto worker = ConnectShepherdSocket(path);
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  auto hello = ReceiveShepherdMessage(*worker, absl::Seconds(10));
+  ASSERT_TRUE(hello.ok()) << hello.status();
+  EXPECT_TRUE(ParseShepherdHello(*hello).has_value()) << *hello;
+
+  EXPECT_EQ(ConnectAs(nobody, nobody, path), PeerOutcome::kNotPermitted);
+  ASSERT_EQ(chmod(path.c_str(), 0666), 0);
+  EXPECT_EQ(ConnectAs(nobody, nobody, path), PeerOutcome::kClosedWithoutHello);
+  // Its own account is taken: a connection from it gets the hello and replaces the one before,
+  // as a restarted worker's does.
+  EXPECT_EQ(ConnectAs(0, 0, path), PeerOutcome::kGotHello);
+
+  auto again = ConnectShepherdSocket(path);
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_TRUE(ReceiveShepherdMessage(*again, absl::Seconds(10)).ok());
+  ASSERT_TRUE(SendShepherdMessage(*again, "stop"));
+  auto exit = ReceiveShepherdMessage(*again, absl::Seconds(10));
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_EQ(*exit, absl::StrCat("exit ", 128 + SIGTERM));
+  ASSERT_TRUE(SendShepherdMessage(*again, "done"));
+  int status = 0;
+  ASSERT_EQ(waitpid(shepherd, &status, 0), shepherd);
+  EXPECT_TRUE(WIFEXITED(status)) << status;
+  close(*worker);
+  close(*again);
+}
 
 // A failed rank's message leads with its cause, not with the first thing it printed.
 TEST(FailureMessageTest, LeadsWithTheLastErrorLine) {
