@@ -1463,6 +1463,33 @@ TEST_F(CoordinatorServiceTest, GpuSamplesAreKeptOnlyWhenTheyNameAGpuAndAreInRang
   n = Node("g");
   EXPECT_FLOAT_EQ(n.devices(0).sample().utilization(), 0.5f);  // unchanged
   EXPECT_FALSE(n.devices(1).has_sample());
+
+  // A fault's text is the node's own: one with control characters or over 256 bytes is not a
+  // worker's, and is dropped with its sample; it does not cordon the node.
+  for (const std::string& fault :
+       {std::string("XID 79\n\x1b[31mfake log line"), std::string(257, 'x')}) {
+    v1::NodeMessage bad;
+    v1::DeviceSample s = sample(1, 0.75f);
+    s.set_fault(fault);
+    *bad.mutable_heartbeat()->add_devices() = s;
+    ASSERT_TRUE(node->Write(bad));
+    node->Heartbeat();
+    n = Node("g");
+    EXPECT_FALSE(n.devices(1).has_sample());
+    EXPECT_FALSE(n.cordoned());
+  }
+  // A well-formed fault is kept and cordons the node, naming the GPU.
+  v1::NodeMessage faulty;
+  v1::DeviceSample s = sample(1, 0.75f);
+  s.set_fault(std::string(256, 'x'));
+  *faulty.mutable_heartbeat()->add_devices() = s;
+  ASSERT_TRUE(node->Write(faulty));
+  node->Heartbeat();
+  n = Node("g");
+  ASSERT_TRUE(n.devices(1).has_sample());
+  EXPECT_EQ(n.devices(1).sample().fault(), std::string(256, 'x'));
+  EXPECT_TRUE(n.cordoned());
+  EXPECT_THAT(n.cordon_reason(), HasSubstr("GPU 1"));
 }
 
 // Back-pressure: past --max-pending-submits submissions waiting for the store, a submit is
