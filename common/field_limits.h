@@ -28,6 +28,10 @@ struct FieldLimits {
 // (lists, maps), then "ROOT: N bytes serialized, at most M" (the whole message; ROOT "request"
 // when `root` is empty). `root` prefixes
 // every path ("spec" gives "spec.data.path"); empty: paths start at the message's fields.
+// CheckpointReport.kept: the newest checkpoints retention keeps that a report carries and a job
+// records (what `yard describe` lists).
+inline constexpr int kMaxKeptCheckpoints = 100;
+
 absl::Status CheckFieldSizes(const google::protobuf::Message& message, const FieldLimits& limits,
                              absl::string_view root = "");
 

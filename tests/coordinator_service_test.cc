@@ -7,9 +7,13 @@
 #include <grpcpp/grpcpp.h>
 
 #include <csignal>
+#include <functional>
 #include <future>
+#include <limits>
 #include <map>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "absl/time/clock.h"
 #include "common/clock.h"
@@ -1009,6 +1013,52 @@ TEST_F(CoordinatorServiceTest, StepReportsFeedMetricsAndCarryCheckpointRequestsU
   EXPECT_EQ(j.last_checkpoint().step(), 2);
   EXPECT_EQ(j.last_checkpoint().path(), "/ckpt/step-2");
   EXPECT_EQ(j.step(), 2);
+  {  // A malformed report is refused naming the field, and changes nothing.
+    auto checkpoint = [&](const std::function<void(v1::CheckpointReport&)>& edit) {
+      grpc::ClientContext ctx;
+      PrepareToken(ctx, tokens_->Job(job.id(), 1));
+      v1::CheckpointReport r;
+      r.set_job_id(job.id());
+      r.set_attempt(1);
+      r.set_step(2);
+      r.set_path("/ckpt/step-2");
+      v1::KeptCheckpoint* kept = r.add_kept();
+      kept->set_step(1);  // an older checkpoint that retention keeps
+      kept->set_path("/ckpt/step-1");
+      kept->set_eval_loss(1.5);
+      edit(r);
+      return trainer_->ReportCheckpoint(&ctx, r, &commands);
+    };
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    const std::vector<std::pair<std::function<void(v1::CheckpointReport&)>, std::string>> bad = {
+        {[&](v1::CheckpointReport& r) { r.mutable_kept(0)->set_eval_loss(nan); },
+         "kept[0].eval_loss: must be finite"},
+        {[&](v1::CheckpointReport& r) { r.set_eval_loss(std::numeric_limits<double>::infinity()); },
+         "eval_loss: must be finite"},
+        {[](v1::CheckpointReport& r) { r.mutable_kept(0)->clear_path(); },
+         "kept[0].path: required"},
+        {[](v1::CheckpointReport& r) { r.mutable_kept(0)->set_step(-1); },
+         "kept[0].step: must be >= 0, got -1"},
+        {[](v1::CheckpointReport& r) { r.set_bytes(-5); }, "bytes: must be >= 0, got -5"},
+        {[](v1::CheckpointReport& r) {
+           for (int i = 0; i < 100; ++i) *r.add_kept() = r.kept(0);
+         },
+         "kept: 101 entries, at most 100"},
+    };
+    for (const auto& [edit, message] : bad) {
+      const grpc::Status s = checkpoint(edit);
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << message;
+      EXPECT_EQ(s.error_message(), message);
+    }
+    v1::Job kept;
+    ASSERT_TRUE(Get(job.id(), &kept).ok());
+    EXPECT_EQ(kept.kept_checkpoints_size(), 0);
+    ASSERT_TRUE(checkpoint([](v1::CheckpointReport&) {}).ok());
+    ASSERT_TRUE(Get(job.id(), &kept).ok());
+    ASSERT_EQ(kept.kept_checkpoints_size(), 1);
+    EXPECT_EQ(kept.kept_checkpoints(0).step(), 1);
+    EXPECT_EQ(kept.kept_checkpoints(0).eval_loss(), 1.5);
+  }
   ASSERT_TRUE(report(3, 1, &commands).ok());
   EXPECT_FALSE(commands.checkpoint_requested());
   {

@@ -24,9 +24,6 @@
 
 namespace trainyard::coordinator {
 
-// The kept checkpoints a job records at most (the newest): what `yard describe` lists.
-constexpr int kMaxKeptShown = 100;
-
 absl::StatusOr<v1::Job*> JobManager::FindRunningAttempt(const std::string& job_id, int attempt) {
   v1::Job* job = Find(job_id);
   if (job == nullptr) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
@@ -103,10 +100,10 @@ absl::StatusOr<v1::TrainerCommands> JobManager::OnCheckpointReport(
   info->set_time_ms(NowMs(clock_));
   info->set_attempt(report.attempt());
   if (report.has_eval_loss()) info->set_eval_loss(report.eval_loss());
-  // What retention kept (the newest kMaxKeptShown, for `yard describe`), this one with its time.
+  // What retention kept (at most kMaxKeptCheckpoints, checked by the service), for `yard
+  // describe`; this one with its time.
   job->clear_kept_checkpoints();
-  const int first = std::max(0, report.kept_size() - kMaxKeptShown);
-  for (int i = first; i < report.kept_size(); ++i) {
+  for (int i = 0; i < report.kept_size(); ++i) {
     v1::CheckpointInfo* kept = job->add_kept_checkpoints();
     kept->set_step(report.kept(i).step());
     kept->set_path(report.kept(i).path());

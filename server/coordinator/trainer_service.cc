@@ -1,6 +1,8 @@
 #include "server/coordinator/service_auth.h"
 #include "server/coordinator/services.h"
 
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
 #include "common/field_limits.h"
 
@@ -9,6 +11,28 @@ namespace {
 
 // The largest step or checkpoint report a rank may send.
 constexpr size_t kMaxReportBytes = 64 * 1024;
+
+// What a rank's CheckpointReport must hold beyond the size limits, each error naming the field.
+absl::Status CheckCheckpointReport(const v1::CheckpointReport& r) {
+  auto bad = [](auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
+  if (r.job_id().empty()) return bad("job_id: required");
+  if (r.path().empty()) return bad("path: required");
+  if (r.step() < 0) return bad("step: must be >= 0, got ", r.step());
+  if (r.bytes() < 0) return bad("bytes: must be >= 0, got ", r.bytes());
+  if (r.has_eval_loss() && !std::isfinite(r.eval_loss())) return bad("eval_loss: must be finite");
+  if (r.kept_size() > kMaxKeptCheckpoints) {
+    return bad("kept: ", r.kept_size(), " entries, at most ", kMaxKeptCheckpoints);
+  }
+  for (int i = 0; i < r.kept_size(); ++i) {
+    const v1::KeptCheckpoint& k = r.kept(i);
+    if (k.step() < 0) return bad("kept[", i, "].step: must be >= 0, got ", k.step());
+    if (k.path().empty()) return bad("kept[", i, "].path: required");
+    if (k.has_eval_loss() && !std::isfinite(k.eval_loss())) {
+      return bad("kept[", i, "].eval_loss: must be finite");
+    }
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -59,8 +83,7 @@ grpc::ServerUnaryReactor* TrainerServiceImpl::ReportCheckpoint(grpc::CallbackSer
       !s.ok()) {
     return Done(ctx, s);
   }
-  if (request->job_id().empty()) return Done(ctx, absl::InvalidArgumentError("job_id: required"));
-  if (request->path().empty()) return Done(ctx, absl::InvalidArgumentError("path: required"));
+  if (absl::Status s = CheckCheckpointReport(*request); !s.ok()) return Done(ctx, s);
   auto commands = jobs_.OnCheckpointReport(*request);
   if (commands.ok()) *response = *commands;
   return Done(ctx, commands.status());

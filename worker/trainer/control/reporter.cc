@@ -3,7 +3,9 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <cmath>
 #include <deque>
+#include <optional>
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
@@ -12,6 +14,7 @@
 #include "common/coordinator_channel.h"
 #include "common/coordinator_endpoints.h"
 #include "common/credentials.h"
+#include "common/field_limits.h"
 #include "common/tls.h"
 #include "trainyard/v1/trainer.grpc.pb.h"
 
@@ -75,14 +78,17 @@ class Reporter::Impl {
     r.set_step(c.step);
     r.set_path(c.path);
     r.set_bytes(c.bytes);
-    if (c.eval_loss.has_value()) r.set_eval_loss(*c.eval_loss);
-    // The newest 100 (the coordinator shows no more; the report stays small).
-    const size_t first = c.kept.size() > 100 ? c.kept.size() - 100 : 0;
+    // A non-finite eval loss (a diverged run) is left out: the coordinator takes finite ones only.
+    auto finite = [](const std::optional<double>& x) { return x.has_value() && std::isfinite(*x); };
+    if (finite(c.eval_loss)) r.set_eval_loss(*c.eval_loss);
+    // The newest kMaxKeptCheckpoints (the coordinator takes no more; the report stays small).
+    const size_t max_kept = kMaxKeptCheckpoints;
+    const size_t first = c.kept.size() > max_kept ? c.kept.size() - max_kept : 0;
     for (size_t i = first; i < c.kept.size(); ++i) {
       v1::KeptCheckpoint* kept = r.add_kept();
       kept->set_step(c.kept[i].step);
       kept->set_path(c.kept[i].path);
-      if (c.kept[i].eval_loss.has_value()) kept->set_eval_loss(*c.kept[i].eval_loss);
+      if (finite(c.kept[i].eval_loss)) kept->set_eval_loss(*c.kept[i].eval_loss);
     }
     grpc::ClientContext ctx;
     Authorize(ctx);
