@@ -2065,10 +2065,29 @@ TEST_P(FsdpCheckpointTest, ShardedCheckpointResumesSameAndOtherWorldSizes) {
                            step10, "--out", consolidated},
                           {}, absl::Seconds(60));
   ASSERT_EQ(k.exit_code, 0) << k.out << k.err;
+  // It records the settings the sharded one does, so a resume under others is refused.
+  auto settings_of = [](const std::string& path) {
+    std::ifstream in(path + "/meta.json");
+    const nlohmann::json meta = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    return meta.is_object() && meta.contains("settings") ? meta.at("settings").dump() : "";
+  };
+  EXPECT_THAT(settings_of(step10), HasSubstr("\"lr\""));
+  EXPECT_EQ(settings_of(consolidated + "/step-10"), settings_of(step10));
   v1::JobSpec ddp_spec = one_spec;
   ddp_spec.mutable_parallel()->set_strategy(v1::DDP);
   Job ddp = StartJob(ddp_spec, "ddp");
   ddp.checkpoint_dir = consolidated;
+  {  // The same job (its credential) with another learning rate.
+    v1::JobSpec other_spec = ddp_spec;
+    other_spec.mutable_train()->set_lr(ddp_spec.train().lr() * 2);
+    Job other = ddp;
+    other.spec_path = dir_.path() + "/other.spec";
+    std::ofstream(other.spec_path, std::ios::binary) << other_spec.SerializeAsString();
+    const testing::CommandResult refused =
+        testing::RunCommand(Argv(other, 0, 1, {}), {}, absl::Seconds(60));
+    EXPECT_NE(refused.exit_code, 0);
+    EXPECT_THAT(refused.err, HasSubstr("train.lr: the checkpoint " + consolidated + "/step-10"));
+  }
   const std::string ddp_metrics = dir_.path() + "/ddp.jsonl";
   RunResult d = Run(ddp, 1, {"--metrics-file", ddp_metrics});
   ASSERT_THAT(d.exit_codes, ::testing::ElementsAre(0)) << Joined(d);

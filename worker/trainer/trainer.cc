@@ -1169,6 +1169,10 @@ absl::Status Train(const TrainerOptions& o) { return Trainer(o).Run(); }
 
 absl::Status RunConsolidate(const std::string& sharded, const std::string& out_dir) {
   try {
+    // The consolidated checkpoint records what the sharded one does (the settings a resume must
+    // keep, the eval loss), so that a resume from it is checked as from the original.
+    ASSIGN_OR_RETURN(std::string settings, CheckpointSettings(sharded));
+    SetMetaNotes({std::move(settings), CheckpointEvalLoss(sharded)});
     ASSIGN_OR_RETURN(CheckpointInfo info, ConsolidateShardedCheckpoint(sharded, out_dir));
     Log(absl::StrCat("consolidated step ", info.step, " into ", info.path, " (", info.bytes,
                      " bytes)"));

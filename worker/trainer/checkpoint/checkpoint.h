@@ -85,8 +85,8 @@ absl::StatusOr<std::string> CheckpointOptimizer(const std::string& path);
 // What every meta.json this process writes (MetaJson) records besides the step and the
 // optimizer: the training settings a resume must keep (a JSON object's text, "settings"; "" for
 // none) and the evaluation loss of the step being checkpointed ("eval_loss"; nullopt: none ran at
-// it). The trainer sets them before each checkpoint; the tools that write checkpoints
-// (consolidation) record none.
+// it). The trainer sets them before each checkpoint; consolidation copies the sharded
+// checkpoint's.
 struct MetaNotes {
   std::string settings;
   std::optional<double> eval_loss;
