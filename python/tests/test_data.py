@@ -96,6 +96,27 @@ def test_tokens_and_masks_are_those_written_by_hand_and_the_librarys(tmp_path, t
     assert read(tmp_path / "wide", "I") == (tokens, mask)
 
 
+def test_written_in_chunks_the_files_are_the_same_and_a_late_bad_record_leaves_none(
+        tmp_path, tokenizer_dir, monkeypatch):
+    # Memory holds one chunk whatever the input's size: here chunks of 3 tokens, which the
+    # records' ends do not line up with.
+    write_jsonl(tmp_path / "in.jsonl", RECORDS * 7)
+    whole = data.prepare(tokenizer_dir, tmp_path / "in.jsonl", tmp_path / "whole")
+    monkeypatch.setattr(data, "_CHUNK_TOKENS", 3)
+    chunked = data.prepare(tokenizer_dir, tmp_path / "in.jsonl", tmp_path / "chunked")
+    assert read(tmp_path / "chunked") == read(tmp_path / "whole")
+    per_pass = (sum(len(t) for t, _ in BY_HAND), sum(sum(m) for _, m in BY_HAND))
+    assert (chunked.records, chunked.tokens, chunked.trained) == \
+        (whole.records, whole.tokens, whole.trained) == (35, 7 * per_pass[0], 7 * per_pass[1])
+    # A bad record after several chunks were written: no output, no temporary file.
+    (tmp_path / "bad.jsonl").write_text((tmp_path / "in.jsonl").read_text() + "{not json\n")
+    with pytest.raises(data.DataError) as e:
+        data.prepare(tokenizer_dir, tmp_path / "bad.jsonl", tmp_path / "bad")
+    assert str(e.value).startswith(f"{tmp_path / 'bad.jsonl'}:36: not JSON")
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "chunked.mask", "chunked.tokens",
+                                            "in.jsonl", "tokenizer", "whole.mask", "whole.tokens"]
+
+
 def test_the_command_line_prints_what_it_wrote_and_the_spec_lines(tmp_path, tokenizer_dir):
     write_jsonl(tmp_path / "in.jsonl", RECORDS[:2])
     out = subprocess.run([sys.executable, "-m", "trainyard.data", "prepare", "--tokenizer",

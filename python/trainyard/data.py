@@ -210,60 +210,90 @@ def prepare(tokenizer, input_path, out_prefix, kind="auto", dtype="auto", eos=No
     if dtype == "uint16" and encoder.vocab_size > 1 << 16:
         raise DataError(f"--dtype: uint16 cannot hold the {encoder.vocab_size} tokens of the "
                         "vocabulary; use uint32")
-    tokens = array("H" if dtype == "uint16" else "I")
-    mask = bytearray()
-    records = 0
     try:
         source = open(input_path, "rb")
     except OSError as e:
         raise DataError(f"--input: cannot read {input_path}: {e.strerror}") from None
-    with source:
-        number = 0
-        while True:
-            line = source.readline(MAX_LINE_BYTES + 1)
-            if not line:
-                break
-            number += 1
-            where = f"{input_path}:{number}"
-            if len(line) > MAX_LINE_BYTES:
-                raise DataError(f"{where}: a record longer than 16 MiB")
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line.decode("utf-8"))
-            except UnicodeDecodeError:
-                raise DataError(f"{where}: not UTF-8") from None
-            except ValueError as e:
-                raise DataError(f"{where}: not JSON ({e})") from None
-            try:
-                t, m = encode_record(encoder, record, kind)
-            except (ValueError, DataError) as e:
-                raise DataError(f"{where}: {e}") from None
-            tokens.extend(t)
-            mask.extend(m)
-            records += 1
-    if records == 0:
-        raise DataError(f"--input: {input_path} holds no records")
-    if sys.byteorder != "little":
-        tokens.byteswap()
     out_prefix = str(out_prefix)
     paths = (out_prefix + ".tokens", out_prefix + ".mask")
     folder = os.path.dirname(os.path.abspath(out_prefix))
-    # Each file complete or not at all: written beside its place, then renamed.
-    for path, data in zip(paths, (tokens.tobytes(), bytes(mask))):
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".prepare-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+    # Streamed into files beside their places, renamed once complete: each file is complete or
+    # absent, and memory holds one chunk whatever the input's size.
+    temps = []
+    try:
+        for _ in paths:
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".prepare-")
+            temps.append((os.fdopen(fd, "wb"), tmp))
+        (tokens_file, _), (mask_file, _) = temps
+        counts = _encode_file(encoder, source, input_path, kind, dtype, tokens_file, mask_file)
+        for f, tmp in temps:
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
             os.chmod(tmp, 0o644)
+        for (_, tmp), path in zip(temps, paths):
             os.replace(tmp, path)
-        except BaseException:
+    except OSError as e:
+        raise DataError(f"--out: cannot write {out_prefix}: {e.strerror}") from None
+    finally:
+        source.close()
+        for f, tmp in temps:
+            f.close()
             if os.path.exists(tmp):
                 os.unlink(tmp)
-            raise
-    return Prepared(records, len(mask), sum(mask), dtype, *paths)
+    return Prepared(*counts, dtype, *paths)
+
+
+# Tokens gathered before a write: 4 MiB of uint32.
+_CHUNK_TOKENS = 1 << 20
+
+
+def _encode_file(encoder, source, input_path, kind, dtype, tokens_file, mask_file):
+    """Encodes every record of `source` into the two files; (records, tokens, trained)."""
+    code = "H" if dtype == "uint16" else "I"
+    tokens, mask = array(code), bytearray()
+    records = total = trained = 0
+
+    def flush():
+        if sys.byteorder != "little":
+            tokens.byteswap()
+        tokens_file.write(tokens.tobytes())
+        mask_file.write(bytes(mask))
+        del tokens[:]
+        del mask[:]
+
+    number = 0
+    while True:
+        line = source.readline(MAX_LINE_BYTES + 1)
+        if not line:
+            break
+        number += 1
+        where = f"{input_path}:{number}"
+        if len(line) > MAX_LINE_BYTES:
+            raise DataError(f"{where}: a record longer than 16 MiB")
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise DataError(f"{where}: not UTF-8") from None
+        except ValueError as e:
+            raise DataError(f"{where}: not JSON ({e})") from None
+        try:
+            t, m = encode_record(encoder, record, kind)
+        except (ValueError, DataError) as e:
+            raise DataError(f"{where}: {e}") from None
+        tokens.extend(t)
+        mask.extend(m)
+        records += 1
+        total += len(m)
+        trained += sum(m)
+        if len(tokens) >= _CHUNK_TOKENS:
+            flush()
+    if records == 0:
+        raise DataError(f"--input: {input_path} holds no records")
+    flush()
+    return records, total, trained
 
 
 def main(argv=None):
