@@ -731,18 +731,27 @@ class OffloadE2eTest : public TrainerE2eTest {
   std::vector<std::string> ps_addresses_;  // their gRPC addresses, in the order of ps_
 };
 
-// The optimizer on two parameter servers trains exactly what DDP's local AdamW trains.
+// The optimizer on two parameter servers trains exactly what DDP's local AdamW trains, and the
+// held-out evaluation of the parameters it pulls back equals DDP's.
 TEST_F(OffloadE2eTest, TwoRanksTwoServersMatchDdp) {
-  const Job offload = StartJob(OffloadSpec(2, 4), "offload");
-  const Job ddp = StartJob(TinySpec(2, 4), "ddp");
+  auto with_eval = [](v1::JobSpec s) {
+    s.mutable_data()->set_eval_path("/usr/share/common-licenses/Apache-2.0");
+    s.mutable_train()->set_eval_every(5);
+    s.mutable_train()->set_eval_batches(2);
+    return s;
+  };
+  const Job offload = StartJob(with_eval(OffloadSpec(2, 4)), "offload");
+  const Job ddp = StartJob(with_eval(TinySpec(2, 4)), "ddp");
   const std::string ps = PsFlag(offload);
   const std::string offload_dump = dir_.path() + "/offload.params";
   const std::string ddp_dump = dir_.path() + "/ddp.params";
+  const std::string offload_metrics = dir_.path() + "/offload.jsonl";
+  const std::string ddp_metrics = dir_.path() + "/ddp.jsonl";
 
   // The ranks' server connections with reno rather than the host's congestion control: the
   // option changes nothing but the TCP behaviour (tests/tcp_congestion_test.cc checks the sockets).
-  RunResult ro =
-      Run(offload, 2, {"--dump-params", offload_dump}, {"--ps", ps, "--ps-tcp-congestion", "reno"});
+  RunResult ro = Run(offload, 2, {"--dump-params", offload_dump, "--metrics-file", offload_metrics},
+                     {"--ps", ps, "--ps-tcp-congestion", "reno"});
   EXPECT_THAT(ro.exit_codes, ::testing::ElementsAre(0, 0)) << Joined(ro);
   EXPECT_THAT(Joined(ro), HasSubstr("step 10/10"));
   EXPECT_THAT(Joined(ro), HasSubstr("parameter-server connections: TCP congestion control reno"));
@@ -751,8 +760,16 @@ TEST_F(OffloadE2eTest, TwoRanksTwoServersMatchDdp) {
                               "parameter-server transfers: ", ps_addresses_[0],
                               ": data plane 127\\.0\\.0\\.1:[0-9]+, ", ps_addresses_[1],
                               ": gRPC \\(the server's data plane is off\\)")));
-  RunResult rd = Run(ddp, 2, {"--dump-params", ddp_dump});
+  RunResult rd = Run(ddp, 2, {"--dump-params", ddp_dump, "--metrics-file", ddp_metrics});
   EXPECT_THAT(rd.exit_codes, ::testing::ElementsAre(0, 0)) << Joined(rd);
+  const std::map<int64_t, double> offload_eval = ReadEvalLosses(offload_metrics);
+  const std::map<int64_t, double> ddp_eval = ReadEvalLosses(ddp_metrics);
+  ASSERT_EQ(ddp_eval.size(), 2u);  // steps 5 and 10
+  ASSERT_EQ(offload_eval.size(), 2u);
+  for (const auto& [step, loss] : ddp_eval) {
+    ASSERT_EQ(offload_eval.count(step), 1u) << step;
+    EXPECT_NEAR(offload_eval.at(step), loss, 1e-5 * loss) << step;
+  }
 
   // The key third of each qkv bias is left out as in DdpEquivalenceTest: its gradient is rounding
   // noise, which Adam scales up to lr-sized steps, so the last-bit differences between the
