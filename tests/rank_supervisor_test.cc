@@ -5,6 +5,7 @@
 #include <grp.h>
 #include <gtest/gtest.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -17,6 +18,7 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -101,6 +103,14 @@ TEST(ShepherdTest, TakesConnectionsFromItsOwnAccountOnly) {
     _exit(127);
   }
   close(*listener);
+  // Whatever fails below, the shepherd (and its rank, which dies with it) does not outlive the
+  // test.
+  bool reaped = false;
+  absl::Cleanup kill_shepherd = [&] {
+    if (reaped) return;
+    kill(shepherd, SIGKILL);
+    waitpid(shepherd, nullptr, 0);
+  };
   auto worker = ConnectShepherdSocket(path);
   ASSERT_TRUE(worker.ok()) << worker.status();
   auto hello = ReceiveShepherdMessage(*worker, absl::Seconds(10));
@@ -124,6 +134,7 @@ TEST(ShepherdTest, TakesConnectionsFromItsOwnAccountOnly) {
   ASSERT_TRUE(SendShepherdMessage(*again, "done"));
   int status = 0;
   ASSERT_EQ(waitpid(shepherd, &status, 0), shepherd);
+  reaped = true;
   EXPECT_TRUE(WIFEXITED(status)) << status;
   close(*worker);
   close(*again);

@@ -103,7 +103,24 @@ def test_written_in_chunks_the_files_are_the_same_and_a_late_bad_record_leaves_n
     write_jsonl(tmp_path / "in.jsonl", RECORDS * 7)
     whole = data.prepare(tokenizer_dir, tmp_path / "in.jsonl", tmp_path / "whole")
     monkeypatch.setattr(data, "_CHUNK_TOKENS", 3)
+    writes = []
+    real_fdopen = os.fdopen
+
+    class Counted:  # the output files, their writes counted
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, b):
+            writes.append(len(b))
+            return self.f.write(b)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    monkeypatch.setattr(data.os, "fdopen", lambda *a, **k: Counted(real_fdopen(*a, **k)))
     chunked = data.prepare(tokenizer_dir, tmp_path / "in.jsonl", tmp_path / "chunked")
+    monkeypatch.setattr(data.os, "fdopen", real_fdopen)
+    assert len(writes) > 2 * 35 / 2  # two files, a write each at least every other record
     assert read(tmp_path / "chunked") == read(tmp_path / "whole")
     per_pass = (sum(len(t) for t, _ in BY_HAND), sum(sum(m) for _, m in BY_HAND))
     assert (chunked.records, chunked.tokens, chunked.trained) == \
@@ -146,6 +163,32 @@ def test_a_bad_record_is_refused_naming_the_line_and_nothing_is_written(tmp_path
         data.prepare(tokenizer_dir, tmp_path / "in.jsonl", tmp_path / "out")
     assert str(e.value).startswith(f"{tmp_path / 'in.jsonl'}:3: ")
     assert message in str(e.value)
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "tokenizer"]
+
+
+def test_a_full_disk_is_named_and_leaves_no_temporary_file(tmp_path, tokenizer_dir,
+                                                           monkeypatch):
+    write_jsonl(tmp_path / "in.jsonl", RECORDS)
+    real_fdopen = os.fdopen
+
+    class Full:  # writes fail as on a full disk, closing too (the buffer's write)
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, b):
+            raise OSError(28, "No space left on device")
+
+        def close(self):
+            self.f.close()
+            raise OSError(28, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    monkeypatch.setattr(data.os, "fdopen", lambda *a, **k: Full(real_fdopen(*a, **k)))
+    with pytest.raises(data.DataError) as e:
+        data.prepare(tokenizer_dir, tmp_path / "in.jsonl", tmp_path / "out")
+    assert str(e.value) == f"--out: cannot write {tmp_path / 'out'}: No space left on device"
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "tokenizer"]
 
 

@@ -26,6 +26,7 @@ and the `data:` lines of a job spec. A record that cannot be read stops it with 
 the file and the line; nothing is written then.
 """
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -234,12 +235,14 @@ def prepare(tokenizer, input_path, out_prefix, kind="auto", dtype="auto", eos=No
         for (_, tmp), path in zip(temps, paths):
             os.replace(tmp, path)
     except OSError as e:
-        raise DataError(f"--out: cannot write {out_prefix}: {e.strerror}") from None
+        raise DataError(f"--out: cannot write {out_prefix}: {e.strerror or e}") from None
     finally:
         source.close()
         for f, tmp in temps:
-            f.close()
-            if os.path.exists(tmp):
+            # A full disk fails the close too (its buffer's write): the file goes all the same.
+            with contextlib.suppress(OSError):
+                f.close()
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
     return Prepared(*counts, dtype, *paths)
 
@@ -264,7 +267,10 @@ def _encode_file(encoder, source, input_path, kind, dtype, tokens_file, mask_fil
 
     number = 0
     while True:
-        line = source.readline(MAX_LINE_BYTES + 1)
+        try:
+            line = source.readline(MAX_LINE_BYTES + 1)
+        except OSError as e:
+            raise DataError(f"--input: cannot read {input_path}: {e.strerror or e}") from None
         if not line:
             break
         number += 1

@@ -1171,7 +1171,11 @@ absl::Status RunConsolidate(const std::string& sharded, const std::string& out_d
   try {
     // The consolidated checkpoint records what the sharded one does (the settings a resume must
     // keep, the eval loss), so that a resume from it is checked as from the original.
-    ASSIGN_OR_RETURN(std::string settings, CheckpointSettings(sharded));
+    // (A copy without meta.json records none; the manifest decides whether it consolidates.)
+    std::string settings;
+    if (std::filesystem::exists(sharded + "/meta.json")) {
+      ASSIGN_OR_RETURN(settings, CheckpointSettings(sharded));
+    }
     SetMetaNotes({std::move(settings), CheckpointEvalLoss(sharded)});
     ASSIGN_OR_RETURN(CheckpointInfo info, ConsolidateShardedCheckpoint(sharded, out_dir));
     Log(absl::StrCat("consolidated step ", info.step, " into ", info.path, " (", info.bytes,
