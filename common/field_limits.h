@@ -31,6 +31,8 @@ struct FieldLimits {
 // CheckpointReport.kept: the newest checkpoints retention keeps that a report carries and a job
 // records (what `yard describe` lists).
 inline constexpr int kMaxKeptCheckpoints = 100;
+// The largest step or checkpoint report a rank may send (serialized).
+inline constexpr size_t kMaxReportBytes = 64 * 1024;
 
 absl::Status CheckFieldSizes(const google::protobuf::Message& message, const FieldLimits& limits,
                              absl::string_view root = "");

@@ -52,6 +52,9 @@ fi
 test_bin="$(cd "$bin/.." && pwd)/tests"
 "$yard" admin token create --node gpu-1 --out "$tmp/gpu-1.token" >/dev/null
 echo "$(id -un) $(id -un)" >"$tmp/gpu-user-map"
+# Its output file exists before the loop below reads it (the background process opens it only
+# once forked, which may be after the first read).
+: >"$tmp/gpu-1.out"
 "$bin/trainyard-worker" --coordinator "$CLUSTER_ADDRESS" --node-id gpu-1 --gpus all \
   --cuda-library "$test_bin/libfake_cuda.so" --nvml-library "$test_bin/libfake_nvml.so" \
   --work-dir "$tmp/gpu-1" --token-file "$tmp/gpu-1.token" --user-map "$tmp/gpu-user-map" \

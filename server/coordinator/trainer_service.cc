@@ -9,9 +9,6 @@
 namespace trainyard::coordinator {
 namespace {
 
-// The largest step or checkpoint report a rank may send.
-constexpr size_t kMaxReportBytes = 64 * 1024;
-
 // What a rank's CheckpointReport must hold beyond the size limits, each error naming the field.
 absl::Status CheckCheckpointReport(const v1::CheckpointReport& r) {
   auto bad = [](auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };

@@ -3,6 +3,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <deque>
 #include <optional>
@@ -19,6 +20,19 @@
 #include "trainyard/v1/trainer.grpc.pb.h"
 
 namespace trainyard::trainer {
+
+std::vector<size_t> KeptToReport(const CheckpointReport& report, size_t path_budget_bytes) {
+  std::vector<size_t> out;
+  size_t bytes = 0;
+  for (size_t i = report.kept.size(); i-- > 0;) {
+    if (out.size() == static_cast<size_t>(kMaxKeptCheckpoints)) break;
+    bytes += report.kept[i].path.size();
+    if (bytes > path_budget_bytes) break;
+    out.push_back(i);
+  }
+  std::reverse(out.begin(), out.end());
+  return out;
+}
 
 class Reporter::Impl {
  public:
@@ -81,10 +95,10 @@ class Reporter::Impl {
     // A non-finite eval loss (a diverged run) is left out: the coordinator takes finite ones only.
     auto finite = [](const std::optional<double>& x) { return x.has_value() && std::isfinite(*x); };
     if (finite(c.eval_loss)) r.set_eval_loss(*c.eval_loss);
-    // The newest kMaxKeptCheckpoints (the coordinator takes no more; the report stays small).
-    const size_t max_kept = kMaxKeptCheckpoints;
-    const size_t first = c.kept.size() > max_kept ? c.kept.size() - max_kept : 0;
-    for (size_t i = first; i < c.kept.size(); ++i) {
+    // The newest kept checkpoints whose paths fit in half the coordinator's report cap beside
+    // this one's path (a step, an eval loss and framing add under 30 bytes an entry).
+    const size_t budget = kMaxReportBytes / 2 - std::min(kMaxReportBytes / 2, c.path.size());
+    for (size_t i : KeptToReport(c, budget)) {
       v1::KeptCheckpoint* kept = r.add_kept();
       kept->set_step(c.kept[i].step);
       kept->set_path(c.kept[i].path);

@@ -8,6 +8,7 @@
 #ifndef TRAINYARD_WORKER_TRAINER_CONTROL_REPORTER_H_
 #define TRAINYARD_WORKER_TRAINER_CONTROL_REPORTER_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -47,6 +48,11 @@ struct CheckpointReport {
   };
   std::vector<Kept> kept;
 };
+
+// Which of `report.kept` a checkpoint report carries: the newest that fit, at most
+// kMaxKeptCheckpoints of them and their paths at most `path_budget_bytes` together (the
+// coordinator refuses a report over its size cap whole), oldest first, as indices.
+std::vector<size_t> KeptToReport(const CheckpointReport& report, size_t path_budget_bytes);
 
 // What the coordinator asked for since the last TakeCommands.
 struct TrainerCommands {
