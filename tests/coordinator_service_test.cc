@@ -997,7 +997,8 @@ TEST_F(CoordinatorServiceTest, StepReportsFeedMetricsAndCarryCheckpointRequestsU
   }
   ASSERT_TRUE(report(2, 1, &commands).ok());
   EXPECT_TRUE(commands.checkpoint_requested());
-  {
+  // Rank 0's report of its step-2 checkpoint, edited by `edit`.
+  auto checkpoint = [&](const std::function<void(v1::CheckpointReport&)>& edit) {
     grpc::ClientContext ctx;
     PrepareToken(ctx, tokens_->Job(job.id(), 1));
     v1::CheckpointReport r;
@@ -1006,28 +1007,25 @@ TEST_F(CoordinatorServiceTest, StepReportsFeedMetricsAndCarryCheckpointRequestsU
     r.set_step(2);
     r.set_path("/ckpt/step-2");
     r.set_bytes(1234);
-    ASSERT_TRUE(trainer_->ReportCheckpoint(&ctx, r, &commands).ok());
-    EXPECT_FALSE(commands.checkpoint_requested());
-  }
+    edit(r);
+    return trainer_->ReportCheckpoint(&ctx, r, &commands);
+  };
+  ASSERT_TRUE(checkpoint([](v1::CheckpointReport&) {}).ok());
+  EXPECT_FALSE(commands.checkpoint_requested());
   v1::Job j = WaitForState(job.id(), v1::RUNNING);
   EXPECT_EQ(j.last_checkpoint().step(), 2);
   EXPECT_EQ(j.last_checkpoint().path(), "/ckpt/step-2");
   EXPECT_EQ(j.step(), 2);
   {  // A malformed report is refused naming the field, and changes nothing.
-    auto checkpoint = [&](const std::function<void(v1::CheckpointReport&)>& edit) {
-      grpc::ClientContext ctx;
-      PrepareToken(ctx, tokens_->Job(job.id(), 1));
-      v1::CheckpointReport r;
-      r.set_job_id(job.id());
-      r.set_attempt(1);
-      r.set_step(2);
-      r.set_path("/ckpt/step-2");
-      v1::KeptCheckpoint* kept = r.add_kept();
-      kept->set_step(1);  // an older checkpoint that retention keeps
-      kept->set_path("/ckpt/step-1");
-      kept->set_eval_loss(1.5);
-      edit(r);
-      return trainer_->ReportCheckpoint(&ctx, r, &commands);
+    // With an older checkpoint that retention keeps.
+    auto with_kept = [&](const std::function<void(v1::CheckpointReport&)>& edit) {
+      return checkpoint([&](v1::CheckpointReport& r) {
+        v1::KeptCheckpoint* kept = r.add_kept();
+        kept->set_step(1);
+        kept->set_path("/ckpt/step-1");
+        kept->set_eval_loss(1.5);
+        edit(r);
+      });
     };
     const double nan = std::numeric_limits<double>::quiet_NaN();
     const std::vector<std::pair<std::function<void(v1::CheckpointReport&)>, std::string>> bad = {
@@ -1046,14 +1044,14 @@ TEST_F(CoordinatorServiceTest, StepReportsFeedMetricsAndCarryCheckpointRequestsU
          "kept: 101 entries, at most 100"},
     };
     for (const auto& [edit, message] : bad) {
-      const grpc::Status s = checkpoint(edit);
+      const grpc::Status s = with_kept(edit);
       EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << message;
       EXPECT_EQ(s.error_message(), message);
     }
     v1::Job kept;
     ASSERT_TRUE(Get(job.id(), &kept).ok());
     EXPECT_EQ(kept.kept_checkpoints_size(), 0);
-    ASSERT_TRUE(checkpoint([](v1::CheckpointReport&) {}).ok());
+    ASSERT_TRUE(with_kept([](v1::CheckpointReport&) {}).ok());
     ASSERT_TRUE(Get(job.id(), &kept).ok());
     ASSERT_EQ(kept.kept_checkpoints_size(), 1);
     EXPECT_EQ(kept.kept_checkpoints(0).step(), 1);

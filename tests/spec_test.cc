@@ -512,19 +512,23 @@ train: {steps: 10, lora: {}}
               StartsWith("train.lora.target_modules: 'q_proj' is listed twice"));
 }
 
-TEST(SpecTest, OptimizerIsReadDefaultedAndChecked) {
-  const std::string base = R"(name: o
+// A small GPT spec in s.yaml whose fifth line is `train` (a "train: {...}" line).
+absl::StatusOr<ParsedSpec> ParseWithTrain(const std::string& train) {
+  return ParseJobSpecYaml(R"(name: o
 resources: {gpus: 1}
 model: {kind: gpt, n_layer: 2, n_head: 4, d_model: 64, seq_len: 32}
 data: {path: /data/tokens.bin}
-)";
-  auto parse = [&](const std::string& train) { return ParseJobSpecYaml(base + train, "s.yaml"); };
+)" + train,
+                          "s.yaml");
+}
+
+TEST(SpecTest, OptimizerIsReadDefaultedAndChecked) {
   for (const auto& [name, kind] : std::vector<std::pair<std::string, OptimizerKind>>{
            {"adamw", OptimizerKind::kAdamW},
            {"adafactor", OptimizerKind::kAdafactor},
            {"lion", OptimizerKind::kLion},
            {"adamw_8bit", OptimizerKind::kAdamW8bit}}) {
-    auto parsed = parse("train: {steps: 10, optimizer: " + name + "}\n");
+    auto parsed = ParseWithTrain("train: {steps: 10, optimizer: " + name + "}\n");
     ASSERT_TRUE(parsed.ok()) << parsed.status();
     ApplyJobSpecDefaults(parsed->spec);
     ASSERT_TRUE(ValidateJobSpec(parsed->spec).ok()) << ValidateJobSpec(parsed->spec);
@@ -532,12 +536,12 @@ data: {path: /data/tokens.bin}
     EXPECT_EQ(OptimizerName(parsed->spec.train().optimizer()), name);
     EXPECT_STREQ(Name(kind), name.c_str());
   }
-  auto plain = parse("train: {steps: 10}\n");
+  auto plain = ParseWithTrain("train: {steps: 10}\n");
   ASSERT_TRUE(plain.ok()) << plain.status();
   ApplyJobSpecDefaults(plain->spec);
   EXPECT_EQ(plain->spec.train().optimizer(), v1::ADAMW);
 
-  auto bad = parse("train: {steps: 10, optimizer: sgd}\n");
+  auto bad = ParseWithTrain("train: {steps: 10, optimizer: sgd}\n");
   ASSERT_FALSE(bad.ok());
   EXPECT_THAT(std::string(bad.status().message()), StartsWith("s.yaml:5: train.optimizer: "));
   EXPECT_THAT(std::string(bad.status().message()), HasSubstr("'sgd'"));
@@ -560,13 +564,7 @@ data: {path: /data/tokens.bin}
 // The optimizer's constants and weight-decay exclusions: read as given (absent ones stay unset,
 // the optimizer's defaults), and checked naming the field.
 TEST(SpecTest, OptimizerSettingsAreReadAndChecked) {
-  const std::string base = R"(name: o
-resources: {gpus: 1}
-model: {kind: gpt, n_layer: 2, n_head: 4, d_model: 64, seq_len: 32}
-data: {path: /data/tokens.bin}
-)";
-  auto parse = [&](const std::string& train) { return ParseJobSpecYaml(base + train, "s.yaml"); };
-  auto parsed = parse(
+  auto parsed = ParseWithTrain(
       "train: {steps: 10, adam_beta1: 0.85, adam_beta2: 0.999, adam_epsilon: 1.0e-6, "
       "no_weight_decay: [bias, norm], weight_decay: 0.1}\n");
   ASSERT_TRUE(parsed.ok()) << parsed.status();
@@ -577,7 +575,7 @@ data: {path: /data/tokens.bin}
   EXPECT_EQ(t.adam_beta2, 0.999);
   EXPECT_EQ(t.adam_epsilon, 1e-6);
   EXPECT_THAT(t.no_weight_decay, ElementsAre("bias", "norm"));
-  auto plain = parse(
+  auto plain = ParseWithTrain(
       "train: {steps: 10, optimizer: adafactor, adafactor_eps: 1.0e-20, "
       "adafactor_clip_threshold: 0.5, adafactor_decay_rate: -0.6}\n");
   ASSERT_TRUE(plain.ok()) << plain.status();
@@ -589,7 +587,7 @@ data: {path: /data/tokens.bin}
   EXPECT_EQ(a.adafactor_clip_threshold, 0.5);
   EXPECT_EQ(a.adafactor_decay_rate, -0.6);
 
-  auto bad = parse("train: {steps: 10, no_weight_decay: bias}\n");
+  auto bad = ParseWithTrain("train: {steps: 10, no_weight_decay: bias}\n");
   ASSERT_FALSE(bad.ok());
   EXPECT_THAT(std::string(bad.status().message()),
               StartsWith("s.yaml:5: train.no_weight_decay: expected a list"));

@@ -217,6 +217,17 @@ class TrainerE2eTest : public ::testing::Test {
 
   static std::string Joined(const RunResult& r) { return absl::StrJoin(r.lines, "\n"); }
 
+  // The job as the coordinator has it (its placement included).
+  v1::Job Stored(const Job& job) {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::GetJobRequest g;
+    g.set_job_id(job.id);
+    v1::Job j;
+    EXPECT_TRUE(jobs_->GetJob(&ctx, g, &j).ok());
+    return j;
+  }
+
   static std::vector<DumpedParam> ReadDump(const std::string& path) {
     auto params = trainer::ReadParamDump(path);
     EXPECT_TRUE(params.ok()) << params.status();
@@ -691,17 +702,6 @@ class OffloadE2eTest : public TrainerE2eTest {
       if (absl::StartsWith(*line, "step 3/")) break;
     }
     return procs;
-  }
-
-  // The job as the coordinator has it (its placement included).
-  v1::Job Stored(const Job& job) {
-    grpc::ClientContext ctx;
-    Prepare(ctx);
-    v1::GetJobRequest g;
-    g.set_job_id(job.id);
-    v1::Job j;
-    EXPECT_TRUE(jobs_->GetJob(&ctx, g, &j).ok());
-    return j;
   }
 
   // `credential` with the last character of its signature changed.
@@ -1513,12 +1513,7 @@ TEST_F(TrainerE2eTest, KeepBestKeepsTheLowestEvalLossCheckpointAndTheCoordinator
   std::sort(want.begin(), want.end());
   EXPECT_EQ(folders, want);
   // The coordinator's record of the job: what is kept, with its eval loss, and the latest eval.
-  grpc::ClientContext ctx;
-  Prepare(ctx);
-  v1::GetJobRequest get;
-  get.set_job_id(job.id);
-  v1::Job got;
-  ASSERT_TRUE(jobs_->GetJob(&ctx, get, &got).ok());
+  const v1::Job got = Stored(job);
   ASSERT_EQ(got.kept_checkpoints_size(), best == 8 ? 1 : 2);
   EXPECT_EQ(got.kept_checkpoints(0).step(), best);
   ASSERT_TRUE(got.kept_checkpoints(0).has_eval_loss());
