@@ -1,14 +1,28 @@
 #!/usr/bin/env bash
 # GPU throughput of trainyard-trainer (one rank on one GPU, run as the worker runs it: --device
 # cuda) beside PyTorch on the same GPU (bench/gpu_reference.py, eager and torch.compile), for the
-# example GPT and a GPT-2-small-sized one (12 layers, d768, 12 heads, T1024, batch 16, vocab 50304,
-# tied head), bf16 autocast, SDPA, fused AdamW, clipping at 1.0. Prints tokens/s (median over the
-# timed steps), step time, MFU and peak GPU memory, and the ratios, as Markdown rows.
+# example GPT, a GPT-2-small-sized one (12 layers, d768, 12 heads, T1024, batch 16, vocab 50304,
+# tied head) and, with --llama, a Llama with Llama 3.2 1B's shapes (16 layers, d2048, 32 heads, 8
+# key-value heads, SwiGLU 8192, vocab 128256, tied, rope_theta 500000; T2048, batch 4), bf16
+# autocast, SDPA, fused AdamW, clipping at 1.0. Each model also runs once more with the plain LM
+# head (--fused-loss off): what the fused head + cross-entropy buys. Prints tokens/s (median over
+# the timed steps), step time, MFU and peak GPU memory, and the ratios, as Markdown rows.
 #
-#   bash bench/gpu_bench.sh [BUILD_DIR] [STEPS]   # defaults build-gpu, 30 (the first 5 untimed)
+#   bash bench/gpu_bench.sh [--llama] [--only NAME] [BUILD_DIR] [STEPS]
+#     # defaults build-gpu, 30 (the first 5 untimed)
 # Needs the CUDA build (scripts/test-gpu.sh builds it) and python3 with torch (the GPU host's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+llama=0
+only=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --llama) llama=1 ;;
+    --only) only=$2; shift ;;
+    *) break ;;
+  esac
+  shift
+done
 build=${1:-build-gpu}
 steps=${2:-30}
 warmup=5
@@ -23,54 +37,87 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 python3 -c "
 import array, random
 r = random.Random(1)
-array.array('H', (r.randrange(50304) for _ in range(16 * 1025 * 8))).tofile(open('$work/tokens.u16', 'wb'))"
+array.array('H', (r.randrange(50304) for _ in range(16 * 1025 * 8))).tofile(open('$work/tokens.u16', 'wb'))
+# Llama 3's vocabulary does not fit uint16: uint32 tokens.
+array.array('I', (r.randrange(128256) for _ in range(4 * 2049 * 8))).tofile(open('$work/tokens.u32', 'wb'))"
 
-# NAME LAYERS HEADS D T VOCAB BATCH TIE DATA FORMAT
+# NAME BATCH DATA FORMAT MODEL_YAML REFERENCE_ARGS...: trainyard (fused head, then plain head),
+# PyTorch eager and torch.compile on one model; Markdown rows on stdout.
 run_case() {
-  local name=$1 layers=$2 heads=$3 d=$4 t=$5 vocab=$6 batch=$7 tie=$8 data=$9 format=${10}
-  cat >"$work/$name.yaml" <<SPEC
+  local name=$1 batch=$2 data=$3 format=$4 model=$5
+  shift 5
+  local ref=("$@")
+  [ -n "$only" ] && [ "$only" != "$name" ] && return 0
+  local variant
+  for variant in auto off; do
+    cat >"$work/$name-$variant.yaml" <<SPEC
 name: $name
 resources: {gpus: 1}
-model: {kind: gpt, n_layer: $layers, n_head: $heads, d_model: $d, seq_len: $t, vocab: $vocab, tie_weights: $tie}
+model: $model
 data: {path: $data, format: $format}
 train: {steps: $steps, micro_batch: $batch, lr: 3.0e-4, warmup: 2, mixed_precision: bf16, weight_decay: 0.1, grad_clip: 1.0, seed: 1}
 parallel: {strategy: ddp}
 SPEC
-  rm -f "$work/$name.jsonl"
-  "$trainer" --spec "$work/$name.yaml" --job-id "" --attempt 1 --rank 0 --world-size 1 \
-    --coordinator 127.0.0.1:1 --checkpoint-dir "" --device cuda --threads 4 --metrics-file "$work/$name.jsonl" \
-    >"$work/$name.log" 2>&1 || { tail -20 "$work/$name.log"; echo "gpu_bench: $name failed" >&2; exit 1; }
-  local tie_flag=""
-  [ "$tie" = true ] && tie_flag=--tie
-  local args=(--n-layer "$layers" --n-head "$heads" --d-model "$d" --seq-len "$t" --vocab "$vocab"
-    --batch "$batch" --steps "$steps" --warmup-steps "$warmup" $tie_flag)
+    rm -f "$work/$name-$variant.jsonl"
+    "$trainer" --spec "$work/$name-$variant.yaml" --job-id "" --attempt 1 --rank 0 --world-size 1 \
+      --coordinator 127.0.0.1:1 --checkpoint-dir "" --device cuda --threads 4 \
+      --fused-loss "$variant" --metrics-file "$work/$name-$variant.jsonl" \
+      >"$work/$name-$variant.log" 2>&1 ||
+      { tail -20 "$work/$name-$variant.log"; echo "gpu_bench: $name ($variant) failed" >&2; exit 1; }
+  done
+  local args=("${ref[@]}" --batch "$batch" --steps "$steps" --warmup-steps "$warmup")
   python3 bench/gpu_reference.py "${args[@]}" >"$work/$name.eager.json"
   python3 bench/gpu_reference.py "${args[@]}" --compile >"$work/$name.compile.json" 2>"$work/$name.compile.err" ||
     echo '{"tokens_per_second": 0, "step_ms": 0, "peak_bytes": 0}' >"$work/$name.compile.json"
-  python3 - "$work" "$name" "$warmup" "$layers" "$d" "$t" "$peak_tflops" "$gpu" <<'PY'
+  python3 - "$work" "$name" "$warmup" "$peak_tflops" "$gpu" "${ref[@]}" <<'PY'
 import json, statistics, sys
-work, name, warmup, layers, d, t, peak, gpu = sys.argv[1:]
-warmup, layers, d, t, peak = int(warmup), int(layers), int(d), int(t), float(peak)
-rows = [json.loads(l) for l in open(f"{work}/{name}.jsonl")]
-timed = [r for r in rows if r["step"] > warmup]
-tps = statistics.median(r["tokens_per_second"] for r in timed)
-peak_bytes = max(r.get("device_peak_bytes", 0) for r in rows)
-params = next(int(l.split()[5]) for l in open(f"{work}/{name}.log", errors="replace") if "parameters," in l and "model," in l)
+work, name, warmup, peak, gpu = sys.argv[1:6]
+ref = sys.argv[6:]
+warmup, peak = int(warmup), float(peak)
+arg = lambda flag: int(ref[ref.index(flag) + 1])
+layers, d, t = arg("--n-layer"), arg("--d-model"), arg("--seq-len")
+def trainyard(variant):
+    rows = [json.loads(l) for l in open(f"{work}/{name}-{variant}.jsonl")]
+    timed = [r for r in rows if r["step"] > warmup]
+    return (rows, statistics.median(r["tokens_per_second"] for r in timed),
+            statistics.median(r["step_seconds"] for r in timed),
+            max(r.get("device_peak_bytes", 0) for r in rows))
+rows, tps, step_s, peak_bytes = trainyard("auto")
+_, plain_tps, plain_step_s, plain_peak = trainyard("off")
+params = next(int(l.split()[5]) for l in open(f"{work}/{name}-auto.log", errors="replace") if "parameters," in l and "model," in l)
 flops_per_token = 6 * params + 12 * layers * d * t  # forward + backward, attention included (causal counted whole)
 def mfu(x): return 100 * x * flops_per_token / (peak * 1e12)
 eager = json.load(open(f"{work}/{name}.eager.json"))
 comp = json.load(open(f"{work}/{name}.compile.json"))
-print(f"| {name} | {gpu} | trainyard | {tps:,.0f} | {1e3 * timed[-1]['step_seconds']:.1f} | {mfu(tps):.1f}% | {peak_bytes / 2**30:.2f} GiB | |")
-print(f"| {name} | {gpu} | PyTorch eager | {eager['tokens_per_second']:,.0f} | {eager['step_ms']:.1f} | {mfu(eager['tokens_per_second']):.1f}% | {eager['peak_bytes'] / 2**30:.2f} GiB | trainyard {tps / eager['tokens_per_second']:.2f}x |")
+def vs(x):
+    out = f"{x / eager['tokens_per_second']:.2f}x eager"
+    if comp["tokens_per_second"] > 0:
+        out += f", {x / comp['tokens_per_second']:.2f}x compile"
+    return out
+print(f"| {name} | {gpu} | trainyard | {tps:,.0f} | {1e3 * step_s:.1f} | {mfu(tps):.1f}% | {peak_bytes / 2**30:.2f} GiB | {vs(tps)} |")
+print(f"| {name} | {gpu} | trainyard, plain head (--fused-loss off) | {plain_tps:,.0f} | {1e3 * plain_step_s:.1f} | {mfu(plain_tps):.1f}% | {plain_peak / 2**30:.2f} GiB | {vs(plain_tps)} |")
+print(f"| {name} | {gpu} | PyTorch eager | {eager['tokens_per_second']:,.0f} | {eager['step_ms']:.1f} | {mfu(eager['tokens_per_second']):.1f}% | {eager['peak_bytes'] / 2**30:.2f} GiB | |")
 if comp["tokens_per_second"] > 0:
-    print(f"| {name} | {gpu} | PyTorch torch.compile | {comp['tokens_per_second']:,.0f} | {comp['step_ms']:.1f} | {mfu(comp['tokens_per_second']):.1f}% | {comp['peak_bytes'] / 2**30:.2f} GiB | trainyard {tps / comp['tokens_per_second']:.2f}x |")
+    print(f"| {name} | {gpu} | PyTorch torch.compile | {comp['tokens_per_second']:,.0f} | {comp['step_ms']:.1f} | {mfu(comp['tokens_per_second']):.1f}% | {comp['peak_bytes'] / 2**30:.2f} GiB | |")
 else:
     print(f"| {name} | {gpu} | PyTorch torch.compile | failed (see its stderr) | | | | |")
 print(f"losses {name}: " + " ".join(f"{r['loss']:.3f}" for r in rows[:3]) + " ... " + f"{rows[-1]['loss']:.3f}", file=sys.stderr)
 PY
 }
 
+# (GPT-2 small first, the example last: a session cut short keeps the rows that matter most.)
 echo "| model | GPU | run | tokens/s | step ms | MFU | peak memory | ratio |"
 echo "|---|---|---|---|---|---|---|---|"
-run_case example-gpt 4 4 256 128 256 8 false /usr/share/common-licenses/GPL-3 bytes
-run_case gpt2-small 12 12 768 1024 50304 16 true "$work/tokens.u16" uint16
+gpt() {  # LAYERS HEADS D T VOCAB TIE: the model's YAML and the reference's arguments
+  echo "{kind: gpt, n_layer: $1, n_head: $2, d_model: $3, seq_len: $4, vocab: $5, tie_weights: $6}"
+}
+run_case gpt2-small 16 "$work/tokens.u16" uint16 "$(gpt 12 12 768 1024 50304 true)" \
+  --n-layer 12 --n-head 12 --d-model 768 --seq-len 1024 --vocab 50304 --tie
+if [ $llama -eq 1 ]; then
+  run_case llama-1b 4 "$work/tokens.u32" uint32 \
+    "{kind: llama, n_layer: 16, n_head: 32, n_kv_head: 8, d_model: 2048, d_hidden: 8192, seq_len: 2048, vocab: 128256, tie_weights: true, rope_theta: 500000}" \
+    --arch llama --n-layer 16 --n-head 32 --n-kv-head 8 --d-model 2048 --d-hidden 8192 \
+    --seq-len 2048 --vocab 128256 --tie --rope-theta 500000
+fi
+run_case example-gpt 8 /usr/share/common-licenses/GPL-3 bytes "$(gpt 4 4 256 128 256 false)" \
+  --n-layer 4 --n-head 4 --d-model 256 --seq-len 128 --vocab 256

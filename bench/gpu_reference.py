@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """PyTorch reference for bench/gpu_bench.sh: the GPT trainyard-trainer trains (token and position
 embeddings, pre-norm blocks with a fused qkv projection and a 4x GELU MLP, final LayerNorm, head
-tied to the token embedding or not), on one GPU, as a PyTorch user would write it today: bf16
+tied to the token embedding or not), or with --arch llama its Llama (transformers' LlamaForCausalLM
+written plainly: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU, no biases), on one GPU, as a PyTorch user would write it today: bf16
 autocast with fp32 master weights, scaled_dot_product_attention (flash attention), fused AdamW
 (betas 0.9, 0.95, the trainer's), gradient clipping, eager or torch.compile. The same
 initialisation scale (N(0, 0.02)) and random tokens; only speed and memory are compared.
@@ -38,6 +39,80 @@ class Block(nn.Module):
         return h + self.fc_out(F.gelu(self.fc(self.ln2(h))))
 
 
+class RmsNorm(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):  # transformers' LlamaRMSNorm
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, d, n_head, n_kv_head, d_hidden):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.hd = n_head, n_kv_head, d // n_head
+        self.input_layernorm = RmsNorm(d)
+        self.q_proj = nn.Linear(d, n_head * self.hd, bias=False)
+        self.k_proj = nn.Linear(d, n_kv_head * self.hd, bias=False)
+        self.v_proj = nn.Linear(d, n_kv_head * self.hd, bias=False)
+        self.o_proj = nn.Linear(n_head * self.hd, d, bias=False)
+        self.post_attention_layernorm = RmsNorm(d)
+        self.gate_proj = nn.Linear(d, d_hidden, bias=False)
+        self.up_proj = nn.Linear(d, d_hidden, bias=False)
+        self.down_proj = nn.Linear(d_hidden, d, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, d = x.shape
+        h = self.input_layernorm(x)
+        q = self.q_proj(h).view(b, t, self.n_head, self.hd).transpose(1, 2)
+        k = self.k_proj(h).view(b, t, self.n_kv_head, self.hd).transpose(1, 2)
+        v = self.v_proj(h).view(b, t, self.n_kv_head, self.hd).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           enable_gqa=self.n_kv_head != self.n_head)
+        x = x + self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, n_layer, n_head, n_kv_head, d, d_hidden, seq_len, vocab, tie, rope_theta):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(LlamaLayer(d, n_head, n_kv_head, d_hidden)
+                                    for _ in range(n_layer))
+        self.norm = RmsNorm(d)
+        self.lm_head = None if tie else nn.Linear(d, vocab, bias=False)
+        hd = d // n_head
+        inv_freq = 1.0 / rope_theta ** (torch.arange(0, hd, 2).float() / hd)
+        emb = torch.outer(torch.arange(seq_len).float(), inv_freq).repeat(1, 2)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+        for name, p in self.named_parameters():
+            if p.dim() > 1:
+                nn.init.normal_(p, 0.0, 0.02)
+
+    def forward(self, idx, targets):
+        t = idx.size(1)
+        x = self.embed_tokens(idx)
+        cos, sin = self.cos[:t], self.sin[:t]
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        x = self.norm(x)
+        logits = x @ self.embed_tokens.weight.t() if self.lm_head is None else self.lm_head(x)
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
 class Gpt(nn.Module):
     def __init__(self, n_layer, n_head, d, seq_len, vocab, tie):
         super().__init__()
@@ -64,6 +139,10 @@ class Gpt(nn.Module):
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", choices=["gpt", "llama"], default="gpt")
+    ap.add_argument("--n-kv-head", type=int, default=0)
+    ap.add_argument("--d-hidden", type=int, default=0)
+    ap.add_argument("--rope-theta", type=float, default=10000.0)
     ap.add_argument("--n-layer", type=int, required=True)
     ap.add_argument("--n-head", type=int, required=True)
     ap.add_argument("--d-model", type=int, required=True)
@@ -80,7 +159,11 @@ def main():
     torch.manual_seed(1)
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
-    model = Gpt(a.n_layer, a.n_head, a.d_model, a.seq_len, a.vocab, a.tie).to(dev)
+    if a.arch == "llama":
+        model = Llama(a.n_layer, a.n_head, a.n_kv_head or a.n_head, a.d_model, a.d_hidden,
+                      a.seq_len, a.vocab, a.tie, a.rope_theta).to(dev)
+    else:
+        model = Gpt(a.n_layer, a.n_head, a.d_model, a.seq_len, a.vocab, a.tie).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=0.1, fused=True)
     step_fn = torch.compile(model) if a.compile else model

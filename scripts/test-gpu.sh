@@ -6,18 +6,25 @@
 # device tool's output folder) or gpu-logs/.
 #
 # --only REGEX runs only the GPU tests whose names match (a rerun of those that failed).
+# --quick builds only the trainer and fused_kernels_test (no servers, yard or worker: the cases
+# that start a cluster cannot run), for a short session; give --only with it.
+# --bench-args "ARGS" passes ARGS to bench/gpu_bench.sh (--llama, --only NAME, the steps).
 #
-#   bash scripts/test-gpu.sh [--bench] [--only REGEX]
+#   bash scripts/test-gpu.sh [--bench] [--bench-args "ARGS"] [--quick] [--only REGEX]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
 bench=0
 only=""
+quick=()
+bench_args=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --bench) bench=1 ;;
     --only) only=$2; shift ;;
+    --quick) quick=(-DTRAINYARD_GPU_TRAINER_ONLY=ON -DTRAINYARD_GPU_TEST_PROGRAMS=fused_kernels_test) ;;
+    --bench-args) bench_args=$2; shift ;;
     *) echo "test-gpu: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -32,7 +39,7 @@ head -20 "$out/machine.txt"
 start=$(date +%s)
 # Without the benchmarks and the test programs no GPU test runs (about half the build).
 if ! bash .gpu/device-build.sh -DTRAINYARD_BUILD_BENCH=OFF -DTRAINYARD_GPU_TESTS_ONLY=ON \
-  >"$out/build.txt" 2>&1; then
+  ${quick[@]+"${quick[@]}"} >"$out/build.txt" 2>&1; then
   cat "$out/build.txt"
   cp build-gpu.log "$out/" 2>/dev/null
   echo "test-gpu: the build failed" >&2
@@ -60,7 +67,8 @@ grep -a -E "tests passed|Test +#|FAIL|worst relative|largest parameter|bf16 GPU|
 [ $rc -eq 0 ] || grep -a -B2 -A40 "FAIL\|Failed\|\*\*\*" "$out/ctest-gpu.txt" | tail -120
 
 if [ $bench -eq 1 ]; then
-  bash bench/gpu_bench.sh build-gpu >"$out/gpu-bench.md" 2>"$out/gpu-bench.err" || rc=1
+  # shellcheck disable=SC2086
+  bash bench/gpu_bench.sh $bench_args build-gpu >"$out/gpu-bench.md" 2>"$out/gpu-bench.err" || rc=1
   cat "$out/gpu-bench.md"
   tail -8 "$out/gpu-bench.err"
 fi

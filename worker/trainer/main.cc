@@ -238,6 +238,12 @@ int Main(int argc, char** argv) {
                  "tests: under fp16, make this step's gradients overflow on rank 0")
       ->check(CLI::NonNegativeNumber)
       ->group("");  // hidden
+  app.add_option("--fused-loss", o.fused_loss,
+                 "auto: on a GPU the LM head and its cross-entropy run fused, in chunks of rows; "
+                 "off: the plain head (benchmarks)")
+      ->check(CLI::IsMember({"auto", "off"}))
+      ->envname("TRAINYARD_FUSED_LOSS")
+      ->group("");  // hidden
   CLI11_PARSE(app, argc, argv);
   absl::StatusOr<v1::JobSpec> spec;
   if (!context_path.empty()) {

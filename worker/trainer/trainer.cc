@@ -43,6 +43,7 @@
 #include "worker/trainer/kernels/blas.h"
 #include "worker/trainer/kernels/onednn_matmul.h"
 #include "worker/trainer/model/model.h"
+#include "worker/trainer/optim/fused_adamw.h"
 #include "worker/trainer/optim/optimizers.h"
 #include "worker/trainer/parallel/ddp.h"
 #include "worker/trainer/parallel/fsdp.h"
@@ -253,6 +254,9 @@ class Trainer {
     bool inject_overflow = false;  // fp16 tests: this step's loss scaled by inf on rank 0
     bool overflow = false;         // fp16: inf or NaN gradients, the update skipped
     double grad_norm = 0, lr = 0;
+    // CUDA: the loss summed and the gradient norm computed on the device, read back once after
+    // the update (ReadBack) rather than each at its own wait inside the step.
+    torch::Tensor loss_device, grad_norm_device;
     int64_t comm_bytes = 0;
     Clock::time_point end;            // of the step's training, before an evaluation
     std::optional<double> eval_loss;  // train.eval_every: when an evaluation ran after it
@@ -279,6 +283,7 @@ class Trainer {
   absl::StatusOr<bool> Step();
   void ForwardBackward(StepStats& s);
   absl::Status Update(StepStats& s);
+  void ReadBack(StepStats& s);
   Agreement Agree(double loss_sum);
   void Report(const StepStats& s, const Agreement& a);
   absl::Status Checkpoint();
@@ -469,6 +474,12 @@ absl::Status Trainer::MakeModel() {
       dims_.fsdp && par_.cpu_ram_efficient_loading && o_.world_size > 1 && !dims_.model_parallel;
   model_options.materialize = !from_rank0_ || rank0_;
   model_ = BuildModel(m_, model_options, t_.seed);
+  // fp16: the loss scale must reach the logits' gradient before it is rounded to fp16 (small
+  // probabilities would underflow); the fused loss applies the scale after, so fp16 keeps the
+  // plain head.
+  if (o_.fused_loss == "off" || t_.precision == Precision::kFp16) {
+    model_->set_fused_loss(LanguageModel::FusedLoss::kOff);
+  }
   // The checkpoint's weights, on the ranks whose parameters are not sent to them from rank 0
   // (model parallelism broadcasts nothing: every rank keeps its part of what it loaded).
   if (hf_checkpoint_ != nullptr && model_options.materialize &&
@@ -720,7 +731,10 @@ void Trainer::LogSetup() const {
                    device_.is_cuda() && t_.precision != Precision::kFp32
                        ? " (autocast, fp32 master weights)"
                        : "",
-                   scaler_ ? absl::StrCat(", dynamic loss scale from ", scaler_->scale()) : ""));
+                   scaler_ ? absl::StrCat(", dynamic loss scale from ", scaler_->scale()) : "",
+                   !pipeline_ && model_->UsesFusedLoss(device_, int64_t{t_.micro_batch} * m_.seq_len)
+                       ? "; fused LM head + cross-entropy"
+                       : ""));
   if (device_.is_cuda()) CudaResetPeak();
   // A tensor-parallel group is consecutive ranks; the scheduler gives each node whole groups, but
   // ranks started otherwise may split one.
@@ -739,6 +753,7 @@ absl::StatusOr<bool> Trainer::Step() {
   s.bytes_before = BytesSent();
   ForwardBackward(s);
   RETURN_IF_ERROR(Update(s));
+  ReadBack(s);
   ++step_;
   s.comm_bytes = BytesSent() - s.bytes_before;  // before the flags' all-reduce
   s.end = Clock::now();
@@ -838,7 +853,12 @@ void Trainer::ForwardBackward(StepStats& s) {
     }
     if (fsdp_) s.comm_wait_s += fsdp_->FinishBackward();
     s.backward_s += Seconds(backward_start);
-    s.loss_sum += loss.item<double>();
+    if (device_.is_cuda()) {
+      const torch::Tensor l = loss.detach().to(torch::kDouble);
+      s.loss_device = s.loss_device.defined() ? s.loss_device + l : l;
+    } else {
+      s.loss_sum += loss.item<double>();
+    }
   }
   if (reducer_) s.comm_wait_s = reducer_->Finish();
 }
@@ -859,6 +879,10 @@ absl::Status Trainer::Update(StepStats& s) {
     ASSIGN_OR_RETURN(s.grad_norm, offloaded_->FinishBackward(&s.comm_wait_s));
   } else if (fsdp_) {
     s.grad_norm = fsdp_->GradNorm();
+  } else if (device_.is_cuda() && !scaler_ &&
+             dynamic_cast<torch::optim::AdamW*>(optimizer_.get()) != nullptr) {
+    // CUDA with the fused AdamW: the norm and the clipping stay on the device.
+    s.grad_norm_device = GradNormTensor(params_);
   } else {
     s.grad_norm = GradNorm(params_);
   }
@@ -876,6 +900,11 @@ absl::Status Trainer::Update(StepStats& s) {
     RETURN_IF_ERROR(offloaded_->Step(s.lr, clip_scale));
   } else if (fsdp_) {
     fsdp_->Step(s.lr, clip_scale);
+  } else if (s.grad_norm_device.defined()) {
+    FusedAdamWStep(dynamic_cast<torch::optim::AdamW&>(*optimizer_), s.lr,
+                   t_.grad_clip > 0 ? ClipDivisor(s.grad_norm_device, t_.grad_clip)
+                                    : torch::Tensor());
+    for (auto& p : params_) p.mutable_grad() = torch::Tensor();
   } else {
     OptimizerStep(*optimizer_, s.lr, clip_scale);
     // zero_grad(set_to_none=True): the next backward hands its gradients over instead of adding
@@ -883,6 +912,20 @@ absl::Status Trainer::Update(StepStats& s) {
     for (auto& p : params_) p.mutable_grad() = torch::Tensor();
   }
   return absl::OkStatus();
+}
+
+// The step's one wait for the device (CUDA): its loss and gradient norm in one copy to the host.
+void Trainer::ReadBack(StepStats& s) {
+  std::vector<torch::Tensor> parts;
+  if (s.loss_device.defined()) parts.push_back(s.loss_device.reshape({1}));
+  if (s.grad_norm_device.defined()) {
+    parts.push_back(s.grad_norm_device.to(torch::kDouble).reshape({1}));
+  }
+  if (parts.empty()) return;
+  const torch::Tensor host = torch::cat(parts).to(torch::kCPU);
+  const double* v = host.data_ptr<double>();
+  if (s.loss_device.defined()) s.loss_sum += *v++;
+  if (s.grad_norm_device.defined()) s.grad_norm = *v;
 }
 
 // One tiny all-reduce per step: the global mean loss, and the flags every rank must agree on

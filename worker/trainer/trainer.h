@@ -52,6 +52,9 @@ struct TrainerOptions {
   // Tests: under fp16, rank 0 scales this step's loss (1-based) by inf, an overflow the loss
   // scaler must skip. 0: none.
   int64_t inject_overflow_step = 0;
+  // "auto": the head and its cross-entropy fused on CUDA (model.h FusedLoss); "off": the plain
+  // head everywhere (benchmarks measure what the fusion buys).
+  std::string fused_loss = "auto";
 };
 
 // Makes SIGTERM set a flag that the training loop polls.

@@ -156,6 +156,10 @@ class GptModel : public LanguageModel {
     return tie_weights_ ? Dense(x, tok_emb_->weight, torch::Tensor(), options_.bf16)
                         : Dense(x, head_, options_.bf16);
   }
+  torch::Tensor HeadWeight() const override {
+    return tie_weights_ ? tok_emb_->weight : head_->weight;
+  }
+  torch::Tensor HeadInput(const torch::Tensor& h) override { return ln_f_(h); }
   std::vector<int64_t> HiddenShape(int64_t batch) const override {
     return {batch, tp_.sequence ? seq_len_ / tp_.size : seq_len_, d_model_};
   }

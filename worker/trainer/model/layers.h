@@ -95,6 +95,13 @@ class RmsNormImpl : public torch::nn::Module {
   RmsNormImpl(int64_t d, double eps)
       : eps_(eps), weight(register_parameter("weight", torch::ones({d}))) {}
   torch::Tensor forward(const torch::Tensor& x) {
+#if TRAINYARD_TORCH2
+    // On the GPU: LibTorch's fused RMSNorm (one kernel forward, one backward), the same
+    // arithmetic in fp32.
+    if (x.is_cuda() && x.scalar_type() == torch::kFloat) {
+      return at::rms_norm(x, {x.size(-1)}, weight, eps_);
+    }
+#endif
     return weight * (x * torch::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps_));
   }
 

@@ -307,6 +307,10 @@ class LlamaModel : public LanguageModel {
     return tie_weights_ ? Dense(x, model_->embed_tokens->weight, torch::Tensor(), options_.bf16)
                         : Dense(x, lm_head_, options_.bf16);
   }
+  torch::Tensor HeadWeight() const override {
+    return tie_weights_ ? model_->embed_tokens->weight : lm_head_->weight;
+  }
+  torch::Tensor HeadInput(const torch::Tensor& h) override { return model_->norm(h); }
   std::vector<int64_t> HiddenShape(int64_t batch) const override {
     return {batch, tp_.sequence ? seq_len_ / tp_.size : seq_len_, d_model_};
   }

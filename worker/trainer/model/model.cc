@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "worker/trainer/kernels/fused_loss.h"
 #include "worker/trainer/model/layers.h"
 
 namespace trainyard::trainer {
@@ -111,10 +112,30 @@ torch::Tensor LanguageModel::RunBlock(int i, torch::Tensor x) {
   return x;
 }
 
-torch::Tensor LanguageModel::Logits(const torch::Tensor& inputs) {
+torch::Tensor LanguageModel::Hidden(const torch::Tensor& inputs) {
   torch::Tensor x = Embed(inputs);
   for (int i = 0; i < NumBlocks(); ++i) x = RunBlock(i, x);
-  return Head(x);
+  return x;
+}
+
+bool LanguageModel::UsesFusedLoss(const torch::Device& device, int64_t rows) const {
+  if (fused_loss_ == FusedLoss::kOff || (fused_loss_ == FusedLoss::kAuto && !device.is_cuda())) {
+    return false;
+  }
+  if (tp_.on() || PredictsLastTokenOnly()) return false;
+  const torch::Tensor weight = HeadWeight();
+  if (!weight.defined()) return false;
+  const int64_t vocab = weight.size(0);
+  return fused_loss_ == FusedLoss::kOn || rows >= (kFusedLossMinLogits + vocab - 1) / vocab;
+}
+
+torch::Tensor LanguageModel::FusedLossSum(const torch::Tensor& windows,
+                                          const torch::Tensor& weights) {
+  const int64_t t = windows.size(1) - 1;
+  const torch::Tensor x = HeadInput(Hidden(windows.narrow(1, 0, t)));
+  return FusedLinearCrossEntropySum(x.reshape({-1, x.size(-1)}), HeadWeight(),
+                                    windows.narrow(1, 1, t).reshape({-1}),
+                                    weights.defined() ? weights.reshape({-1}) : weights);
 }
 
 torch::Tensor LanguageModel::LossOf(const torch::Tensor& logits,
@@ -147,11 +168,18 @@ torch::Tensor LanguageModel::MaskedLossSumOf(const torch::Tensor& logits,
 }
 
 torch::Tensor LanguageModel::Loss(const torch::Tensor& windows) {
+  if (UsesFusedLoss(windows.device(), windows.size(0) * (windows.size(1) - 1))) {
+    return FusedLossSum(windows, torch::Tensor()) /
+           static_cast<double>(windows.size(0) * (windows.size(1) - 1));
+  }
   return LossOf(Logits(windows.narrow(1, 0, windows.size(1) - 1)), windows);
 }
 
 torch::Tensor LanguageModel::MaskedLossSum(const torch::Tensor& windows,
                                            const torch::Tensor& weights) {
+  if (UsesFusedLoss(windows.device(), windows.size(0) * (windows.size(1) - 1))) {
+    return FusedLossSum(windows, weights);
+  }
   return MaskedLossSumOf(Logits(windows.narrow(1, 0, windows.size(1) - 1)), windows, weights);
 }
 

@@ -26,6 +26,7 @@
 
 #include <torch/torch.h>
 
+#include <limits>
 #include <memory>
 #include <vector>
 
@@ -94,6 +95,10 @@ class LanguageModel : public torch::nn::Module {
   torch::Tensor RunBlock(int i, torch::Tensor x);
   // The last block's output -> logits ([b, t, vocab]; the MLP's [b, vocab]).
   virtual torch::Tensor Head(const torch::Tensor& x) = 0;
+  // When Head(x) is HeadInput(x) times HeadWeight() transposed and nothing else: that weight
+  // ([vocab, d]); undefined otherwise (the fused loss is then not used).
+  virtual torch::Tensor HeadWeight() const { return torch::Tensor(); }
+  virtual torch::Tensor HeadInput(const torch::Tensor& x) { return x; }
   // Shape of what the blocks take and return for `batch` windows of seq_len tokens.
   virtual std::vector<int64_t> HiddenShape(int64_t batch) const = 0;
 
@@ -108,6 +113,19 @@ class LanguageModel : public torch::nn::Module {
   torch::Tensor LossOf(const torch::Tensor& logits, const torch::Tensor& windows) const;
   torch::Tensor MaskedLossSumOf(const torch::Tensor& logits, const torch::Tensor& windows,
                                 const torch::Tensor& weights) const;
+  // Where Loss and MaskedLossSum take the head and its cross-entropy in one fused, chunked step
+  // that never holds the whole batch's logits (kernels/fused_loss.h): kAuto on CUDA when the
+  // logits would hold at least kFusedLossMinLogits values, kOn on any device and size (tests
+  // compare it with the unfused composition on the CPU), kOff never. Only for a head that is one
+  // bias-free product (HeadWeight), without tensor parallelism. Below the threshold the fused
+  // path's extra launches cost more than the passes over the logits it saves (the example GPT,
+  // vocabulary 256, ran 17% slower with it on an H100: bench/RESULTS.md).
+  enum class FusedLoss { kAuto, kOn, kOff };
+  static constexpr int64_t kFusedLossMinLogits = int64_t{1} << 24;
+  void set_fused_loss(FusedLoss fused) { fused_loss_ = fused; }
+  // Whether Loss and MaskedLossSum of `rows` predicted positions on `device` use the fused loss.
+  bool UsesFusedLoss(const torch::Device& device,
+                     int64_t rows = std::numeric_limits<int64_t>::max() / 2) const;
   // Tokens that one window contributes to throughput figures.
   int64_t TokensPerWindow() const { return seq_len_; }
   // Logits [vocab] of the token that follows `context` ([1, t] int64, t >= 1); only the last
@@ -127,9 +145,15 @@ class LanguageModel : public torch::nn::Module {
   TensorParallel tp_;  // the blocks keep a pointer to it
   int64_t seq_len_;
   bool activation_checkpointing_;
+  FusedLoss fused_loss_ = FusedLoss::kAuto;
 
  private:
-  torch::Tensor Logits(const torch::Tensor& inputs);
+  // Embed and the blocks: the last block's output.
+  torch::Tensor Hidden(const torch::Tensor& inputs);
+  torch::Tensor Logits(const torch::Tensor& inputs) { return Head(Hidden(inputs)); }
+  // sum_i weights_i * CE_i of the windows' targets through the fused loss (weights may be
+  // undefined: all ones).
+  torch::Tensor FusedLossSum(const torch::Tensor& windows, const torch::Tensor& weights);
 };
 
 // Frees a tensor's storage in place: the tensor (and every view and saved copy that shares the

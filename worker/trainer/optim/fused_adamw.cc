@@ -51,9 +51,10 @@ void CpuStep(const torch::optim::AdamWOptions& options, torch::Tensor& p,
 }
 
 // CUDA parameters: LibTorch's fused AdamW kernel (torch.optim.AdamW(fused=True)), one launch for
-// every tensor.
+// every tensor, the gradients divided by `grad_divisor` (undefined: 1).
 void CudaStep(torch::optim::AdamW& optimizer, const torch::optim::AdamWOptions& options,
-              const std::vector<torch::Tensor>& params, double lr, double grad_scale) {
+              const std::vector<torch::Tensor>& params, double lr,
+              const torch::Tensor& grad_divisor) {
   if (params.empty()) return;
   std::vector<torch::Tensor> grads, m, v;
   int64_t step = 0;
@@ -68,12 +69,17 @@ void CudaStep(torch::optim::AdamW& optimizer, const torch::optim::AdamWOptions& 
   }
   FusedAdamWOnDevice(params, grads, m, v, step, lr, std::get<0>(options.betas()),
                      std::get<1>(options.betas()), options.weight_decay(), options.eps(),
-                     grad_scale);
+                     grad_divisor);
 }
 
-}  // namespace
+// `grad_scale` as the fused kernel's divisor on the parameters' device; undefined for 1.
+torch::Tensor Divisor(const std::vector<torch::Tensor>& params, double grad_scale) {
+  if (params.empty() || grad_scale == 1.0) return torch::Tensor();
+  return torch::full({}, 1.0 / grad_scale, params[0].options().dtype(torch::kFloat));
+}
 
-void FusedAdamWStep(torch::optim::AdamW& optimizer, double lr, double grad_scale) {
+void Step(torch::optim::AdamW& optimizer, double lr, double grad_scale,
+          const torch::Tensor* grad_divisor) {
   torch::NoGradGuard no_grad;
   for (auto& group : optimizer.param_groups()) {
     const auto& options = static_cast<const torch::optim::AdamWOptions&>(group.options());
@@ -83,11 +89,24 @@ void FusedAdamWStep(torch::optim::AdamW& optimizer, double lr, double grad_scale
       if (p.is_cuda()) {
         on_gpu.push_back(p);
       } else {
+        TORCH_CHECK(grad_divisor == nullptr,
+                    "FusedAdamWStep: a gradient divisor tensor is for CUDA parameters");
         CpuStep(options, p, AdvanceState(optimizer, p), lr, grad_scale);
       }
     }
-    CudaStep(optimizer, options, on_gpu, lr, grad_scale);
+    CudaStep(optimizer, options, on_gpu, lr,
+             grad_divisor != nullptr ? *grad_divisor : Divisor(on_gpu, grad_scale));
   }
+}
+
+}  // namespace
+
+void FusedAdamWStep(torch::optim::AdamW& optimizer, double lr, double grad_scale) {
+  Step(optimizer, lr, grad_scale, nullptr);
+}
+
+void FusedAdamWStep(torch::optim::AdamW& optimizer, double lr, const torch::Tensor& grad_divisor) {
+  Step(optimizer, lr, 1.0, &grad_divisor);
 }
 
 void FusedAdamWOnDevice(const std::vector<torch::Tensor>& params,
@@ -95,6 +114,15 @@ void FusedAdamWOnDevice(const std::vector<torch::Tensor>& params,
                         const std::vector<torch::Tensor>& m, const std::vector<torch::Tensor>& v,
                         int64_t step, double lr, double beta1, double beta2, double weight_decay,
                         double eps, double grad_scale) {
+  FusedAdamWOnDevice(params, grads, m, v, step, lr, beta1, beta2, weight_decay, eps,
+                     Divisor(params, grad_scale));
+}
+
+void FusedAdamWOnDevice(const std::vector<torch::Tensor>& params,
+                        const std::vector<torch::Tensor>& grads,
+                        const std::vector<torch::Tensor>& m, const std::vector<torch::Tensor>& v,
+                        int64_t step, double lr, double beta1, double beta2, double weight_decay,
+                        double eps, const torch::Tensor& grad_divisor) {
   if (params.empty()) return;
 #if TRAINYARD_TORCH2
   torch::NoGradGuard no_grad;
@@ -103,14 +131,14 @@ void FusedAdamWOnDevice(const std::vector<torch::Tensor>& params,
   const torch::Tensor steps = torch::full({}, static_cast<double>(step), opts);
   const std::vector<torch::Tensor> state_steps(params.size(), steps);
   // The kernel divides the gradients by its grad_scale.
-  std::optional<torch::Tensor> inv_scale;
-  if (grad_scale != 1.0) inv_scale = torch::full({}, 1.0 / grad_scale, opts);
+  std::optional<torch::Tensor> divisor;
+  if (grad_divisor.defined()) divisor = grad_divisor.to(opts).reshape({});
   at::_fused_adamw_(params, grads, m, v, /*max_exp_avg_sqs=*/{}, state_steps, lr, beta1, beta2,
-                    weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false, inv_scale,
+                    weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false, divisor,
                     std::nullopt);
 #else
   (void)grads, (void)m, (void)v, (void)step, (void)lr, (void)beta1, (void)beta2;
-  (void)weight_decay, (void)eps, (void)grad_scale;
+  (void)weight_decay, (void)eps, (void)grad_divisor;
   TORCH_CHECK(false, "FusedAdamWOnDevice: this LibTorch has no CUDA");
 #endif
 }

@@ -27,6 +27,10 @@ namespace trainyard::trainer {
 // threads. Leaves the gradients as they are.
 void FusedAdamWStep(torch::optim::AdamW& optimizer, double lr, double grad_scale);
 
+// The same for CUDA parameters with the gradients divided by `grad_divisor` (a one-element fp32
+// tensor on their device, computed there: gradient clipping without reading the norm back).
+void FusedAdamWStep(torch::optim::AdamW& optimizer, double lr, const torch::Tensor& grad_divisor);
+
 // LibTorch's fused CUDA AdamW over GPU tensors at optimizer step `step` (already counted), the
 // gradients multiplied by `grad_scale`; one launch for all of them. The CUDA LibTorch only (a
 // TORCH_CHECK failure in the CPU one).
@@ -35,6 +39,12 @@ void FusedAdamWOnDevice(const std::vector<torch::Tensor>& params,
                         const std::vector<torch::Tensor>& m, const std::vector<torch::Tensor>& v,
                         int64_t step, double lr, double beta1, double beta2, double weight_decay,
                         double eps, double grad_scale);
+// With the gradients divided by `grad_divisor` (one fp32 element on the device; undefined: 1).
+void FusedAdamWOnDevice(const std::vector<torch::Tensor>& params,
+                        const std::vector<torch::Tensor>& grads,
+                        const std::vector<torch::Tensor>& m, const std::vector<torch::Tensor>& v,
+                        int64_t step, double lr, double beta1, double beta2, double weight_decay,
+                        double eps, const torch::Tensor& grad_divisor);
 
 }  // namespace trainyard::trainer
 

@@ -103,13 +103,31 @@ double GradNorm(const std::vector<torch::Tensor>& params) {
     }
     return std::sqrt(sq);
   }
-#if TRAINYARD_TORCH2
+  return GradNormTensor(params).item<double>();
+}
+
+torch::Tensor GradNormTensor(const std::vector<torch::Tensor>& params) {
   torch::NoGradGuard no_grad;
-  const std::vector<torch::Tensor> norms = at::_foreach_norm(grads, 2, torch::kFloat);
-  return torch::stack(norms).to(torch::kDouble).norm().item<double>();
-#else
-  return 0;
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : params) {
+    if (p.grad().defined()) grads.push_back(p.grad());
+  }
+  if (grads.empty()) return torch::Tensor();
+#if TRAINYARD_TORCH2
+  if (grads[0].is_cuda()) {
+    const std::vector<torch::Tensor> norms = at::_foreach_norm(grads, 2, torch::kFloat);
+    return torch::stack(norms).to(torch::kDouble).norm();
+  }
 #endif
+  std::vector<torch::Tensor> norms;
+  for (const auto& g : grads) norms.push_back(g.norm().to(torch::kDouble));
+  return torch::stack(norms).norm();
+}
+
+torch::Tensor ClipDivisor(const torch::Tensor& norm, double max_norm) {
+  torch::NoGradGuard no_grad;
+  const torch::Tensor n = norm.to(torch::kFloat).reshape({});
+  return torch::where(n > max_norm, (n + 1e-6) / max_norm, torch::ones_like(n));
 }
 
 LossScaler::LossScaler(const Options& options) : options_(options), scale_(options.init_scale) {}

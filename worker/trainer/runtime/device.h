@@ -58,6 +58,13 @@ class AutocastScope {
 
 // sqrt(sum of squares) of every defined gradient among `params`, read back once.
 double GradNorm(const std::vector<torch::Tensor>& params);
+// The same as a 0-dim fp64 tensor on the gradients' device, not read back (CUDA: one
+// multi-tensor kernel and a reduction, queued); an undefined tensor when no gradient is defined.
+torch::Tensor GradNormTensor(const std::vector<torch::Tensor>& params);
+// The divisor that clips gradients of norm `norm` (a 0-dim tensor) to `max_norm`, computed where
+// `norm` is: (norm + 1e-6) / max_norm when norm > max_norm, else 1 (torch's clip_grad_norm_).
+// fp32, 0-dim.
+torch::Tensor ClipDivisor(const torch::Tensor& norm, double max_norm);
 
 // Dynamic loss scaling for fp16, torch.amp.GradScaler's: the loss is multiplied by scale() before
 // backward; Unscale divides the gradients by it and says whether any is inf or NaN; the step is

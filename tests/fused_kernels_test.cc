@@ -1,0 +1,291 @@
+// The GPU step's fused pieces against the unfused LibTorch composition, on fresh random inputs,
+// gradients included: the cross-entropy rows kernel (kernels/fused_loss.h) against
+// F::cross_entropy in fp64; the fused linear + cross-entropy against linear then cross_entropy;
+// the models' Loss with the fused head against their plain head; the on-device gradient norm and
+// clipping divisor against the host's. The CPU cases run everywhere (the LibTorch composition
+// behind the same interface); the Cuda cases run the project's CUDA kernel on a GPU and skip
+// elsewhere, unless TRAINYARD_REQUIRE_CUDA=1 (scripts/test-gpu.sh), where a missing GPU fails.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "worker/trainer/kernels/fused_loss.h"
+#include "worker/trainer/model/model.h"
+#include "worker/trainer/runtime/device.h"
+
+namespace trainyard::trainer {
+namespace {
+
+namespace F = torch::nn::functional;
+
+// ||a - b|| / ||b|| in fp64.
+double RelativeError(const torch::Tensor& a, const torch::Tensor& b) {
+  const torch::Tensor a64 = a.detach().to(torch::kCPU, torch::kDouble);
+  const torch::Tensor b64 = b.detach().to(torch::kCPU, torch::kDouble);
+  return (a64 - b64).norm().item<double>() / std::max(b64.norm().item<double>(), 1e-30);
+}
+
+bool RequireCuda() {
+  const char* v = std::getenv("TRAINYARD_REQUIRE_CUDA");
+  return v != nullptr && std::string(v) == "1";
+}
+
+#define SKIP_WITHOUT_CUDA()                                                        \
+  do {                                                                             \
+    if (!CudaUsable()) {                                                           \
+      if (RequireCuda()) FAIL() << "TRAINYARD_REQUIRE_CUDA=1 but no usable GPU";   \
+      GTEST_SKIP() << "no usable GPU";                                             \
+    }                                                                              \
+  } while (0)
+
+// Reference: loss_i = w_i * CE(logits_i, t_i) and its gradient w.r.t. the logits, in fp64.
+struct RowsReference {
+  torch::Tensor loss, grad;
+};
+RowsReference ReferenceRows(const torch::Tensor& logits, const torch::Tensor& targets,
+                            const torch::Tensor& weights) {
+  torch::Tensor x = logits.detach().to(torch::kCPU, torch::kDouble).requires_grad_(true);
+  torch::Tensor each =
+      F::cross_entropy(x, targets.to(torch::kCPU),
+                       F::CrossEntropyFuncOptions().reduction(torch::kNone));
+  if (weights.defined()) each = each * weights.to(torch::kCPU, torch::kDouble);
+  each.sum().backward();
+  return {each.detach(), x.grad()};
+}
+
+// Logits, targets and weights (some zero) on `device`; vocab need not be a multiple of 8.
+struct Rows {
+  torch::Tensor logits, targets, weights;
+};
+Rows RandomRows(int64_t rows, int64_t vocab, torch::Dtype type, const torch::Device& device,
+                uint64_t seed) {
+  torch::manual_seed(seed);
+  Rows r;
+  r.logits = (torch::randn({rows, vocab}, torch::kDouble) * 3).to(device, type);
+  r.targets = torch::randint(vocab, {rows}, torch::kLong).to(device);
+  r.weights = (torch::rand({rows}) > 0.25).to(torch::kFloat).to(device);
+  return r;
+}
+
+void CheckRows(const torch::Device& device, torch::Dtype type, int64_t rows, int64_t vocab,
+               bool weighted, double tolerance, uint64_t seed) {
+  SCOPED_TRACE(testing::Message() << device << " " << type << " rows " << rows << " vocab "
+                                  << vocab << (weighted ? " weighted" : ""));
+  Rows r = RandomRows(rows, vocab, type, device, seed);
+  if (!weighted) r.weights = torch::Tensor();
+  const RowsReference ref = ReferenceRows(r.logits, r.targets, r.weights);
+  // Poisoned outputs: every element must be written.
+  torch::Tensor loss = torch::full({rows}, std::nanf(""), r.logits.options().dtype(torch::kFloat));
+  torch::Tensor grad = r.logits.clone();
+  CrossEntropyRows(grad, r.targets, r.weights, loss, /*write_grad=*/true);
+  EXPECT_TRUE(torch::isfinite(loss).all().item<bool>());
+  EXPECT_TRUE(torch::isfinite(grad).all().item<bool>());
+  EXPECT_LT(RelativeError(loss, ref.loss), tolerance);
+  EXPECT_LT(RelativeError(grad, ref.grad), tolerance);
+  // Loss only: the logits are left as they were.
+  torch::Tensor kept = r.logits.clone();
+  torch::Tensor loss_only = torch::zeros({rows}, loss.options());
+  CrossEntropyRows(kept, r.targets, r.weights, loss_only, /*write_grad=*/false);
+  EXPECT_TRUE(kept.equal(r.logits));
+  EXPECT_LT(RelativeError(loss_only, ref.loss), tolerance);
+}
+
+TEST(CrossEntropyRowsTest, MatchesCrossEntropyAndItsGradientOnTheCpu) {
+  CheckRows(torch::kCPU, torch::kFloat, 37, 301, /*weighted=*/false, 1e-6, 1);
+  CheckRows(torch::kCPU, torch::kFloat, 16, 256, /*weighted=*/true, 1e-6, 2);
+  // (The loss is fp32 whatever the logits.)
+  CheckRows(torch::kCPU, torch::kDouble, 5, 1000, /*weighted=*/true, 1e-7, 3);
+}
+
+TEST(CrossEntropyRowsTest, CudaKernelMatchesCrossEntropyAndItsGradient) {
+  SKIP_WITHOUT_CUDA();
+  ASSERT_TRUE(HasCrossEntropyKernel()) << "the CUDA flavour builds the kernel";
+  const torch::Device cuda(torch::kCUDA, 0);
+  // Vector loads (vocab a multiple of 8) and the scalar path (not), large and small rows.
+  CheckRows(cuda, torch::kFloat, 64, 50304, /*weighted=*/false, 1e-6, 4);
+  CheckRows(cuda, torch::kFloat, 33, 1001, /*weighted=*/true, 1e-6, 5);
+  CheckRows(cuda, torch::kDouble, 9, 515, /*weighted=*/true, 1e-6, 6);
+  // 16-bit logits: the kernel computes in fp32 from the rounded inputs and rounds the gradient.
+  CheckRows(cuda, torch::kBFloat16, 128, 50304, /*weighted=*/true, 8e-3, 7);
+  CheckRows(cuda, torch::kBFloat16, 7, 77, /*weighted=*/false, 8e-3, 8);
+  CheckRows(cuda, torch::kHalf, 64, 32000, /*weighted=*/false, 1e-3, 9);
+}
+
+// The fused linear + cross-entropy against the unfused composition: loss and the gradients of x
+// and the weight, in fp64.
+void CheckFusedLinear(const torch::Device& device, int64_t rows, int64_t d, int64_t vocab,
+                      int64_t chunk_rows, bool weighted, bool bf16, double tolerance,
+                      uint64_t seed) {
+  SCOPED_TRACE(testing::Message() << device << " rows " << rows << " d " << d << " vocab "
+                                  << vocab << " chunk " << chunk_rows << (bf16 ? " bf16" : ""));
+  torch::manual_seed(seed);
+  const auto opts = torch::TensorOptions().dtype(torch::kFloat).device(device);
+  torch::Tensor x = torch::randn({rows, d}, opts).requires_grad_(true);
+  torch::Tensor w = (torch::randn({vocab, d}, opts) * 0.2).requires_grad_(true);
+  const torch::Tensor targets = torch::randint(vocab, {rows}, torch::kLong).to(device);
+  const torch::Tensor weights =
+      weighted ? (torch::rand({rows}) > 0.3).to(torch::kFloat).to(device) : torch::Tensor();
+
+  torch::Tensor x64 = x.detach().to(torch::kCPU, torch::kDouble).requires_grad_(true);
+  torch::Tensor w64 = w.detach().to(torch::kCPU, torch::kDouble).requires_grad_(true);
+  torch::Tensor each =
+      F::cross_entropy(torch::mm(x64, w64.t()), targets.to(torch::kCPU),
+                       F::CrossEntropyFuncOptions().reduction(torch::kNone));
+  if (weighted) each = each * weights.to(torch::kCPU, torch::kDouble);
+  // A loss gradient other than 1 (as a mean over grad_accum micro-batches gives).
+  (each.sum() * 0.25).backward();
+
+  torch::Tensor loss;
+  {
+    AutocastScope autocast(device, bf16 ? Precision::kBf16 : Precision::kFp32);
+    loss = FusedLinearCrossEntropySum(x, w, targets, weights, chunk_rows);
+  }
+  (loss * 0.25).backward();
+  EXPECT_EQ(loss.scalar_type(), torch::kFloat);
+  EXPECT_LT(RelativeError(loss, each.sum()), tolerance);
+  EXPECT_LT(RelativeError(x.grad(), x64.grad()), tolerance);
+  EXPECT_LT(RelativeError(w.grad(), w64.grad()), tolerance);
+  EXPECT_EQ(x.grad().scalar_type(), torch::kFloat);
+  EXPECT_EQ(w.grad().scalar_type(), torch::kFloat);
+
+  // Without gradients (evaluation): the same loss.
+  torch::NoGradGuard no_grad;
+  AutocastScope autocast(device, bf16 ? Precision::kBf16 : Precision::kFp32);
+  EXPECT_LT(RelativeError(FusedLinearCrossEntropySum(x, w, targets, weights, chunk_rows),
+                          each.sum()),
+            tolerance);
+}
+
+TEST(FusedLinearCrossEntropyTest, MatchesLinearThenCrossEntropyOnTheCpu) {
+  // Chunks that do not divide the rows, one chunk, one row per chunk.
+  CheckFusedLinear(torch::kCPU, 29, 24, 131, 8, /*weighted=*/false, false, 1e-5, 11);
+  CheckFusedLinear(torch::kCPU, 16, 32, 256, 0, /*weighted=*/true, false, 1e-5, 12);
+  CheckFusedLinear(torch::kCPU, 5, 8, 40, 1, /*weighted=*/true, false, 1e-5, 13);
+}
+
+TEST(FusedLinearCrossEntropyTest, CudaMatchesLinearThenCrossEntropy) {
+  SKIP_WITHOUT_CUDA();
+  const torch::Device cuda(torch::kCUDA, 0);
+  CheckFusedLinear(cuda, 300, 64, 1000, 64, /*weighted=*/true, false, 1e-5, 14);
+  CheckFusedLinear(cuda, 2048, 256, 50304, 512, /*weighted=*/false, false, 1e-5, 15);
+  // bf16 products (autocast): the error of bf16 operands, against fp64.
+  CheckFusedLinear(cuda, 2048, 256, 50304, 0, /*weighted=*/true, true, 2e-2, 16);
+  CheckFusedLinear(cuda, 77, 64, 1001, 16, /*weighted=*/false, true, 2e-2, 17);
+}
+
+ModelConfig SmallModel(const std::string& kind, bool tied) {
+  ModelConfig m;
+  m.kind = kind;
+  m.n_layer = 2;
+  m.d_model = 32;
+  m.n_head = 4;
+  m.seq_len = 16;
+  m.vocab = 200;
+  m.tie_weights = tied;
+  if (kind == "llama") {
+    m.n_kv_head = 2;
+    m.d_hidden = 56;
+  }
+  return m;
+}
+
+// A model's Loss and MaskedLossSum with the fused head give the plain head's loss and gradients.
+void CheckModel(const ModelConfig& m, const torch::Device& device, bool bf16, double tolerance) {
+  SCOPED_TRACE(testing::Message() << m.kind << (m.tie_weights ? " tied" : "") << " " << device
+                                  << (bf16 ? " bf16" : ""));
+  auto fused = BuildModel(m, {}, 7), plain = BuildModel(m, {}, 7);
+  fused->set_fused_loss(LanguageModel::FusedLoss::kOn);
+  plain->set_fused_loss(LanguageModel::FusedLoss::kOff);
+  ASSERT_TRUE(fused->UsesFusedLoss(device));
+  ASSERT_FALSE(plain->UsesFusedLoss(device));
+  fused->to(device);
+  plain->to(device);
+  torch::manual_seed(21);
+  const torch::Tensor windows = torch::randint(m.vocab, {3, m.seq_len + 1}, torch::kLong).to(device);
+  const torch::Tensor weights = (torch::rand({3, m.seq_len}) > 0.5).to(torch::kFloat).to(device);
+  const Precision precision = bf16 ? Precision::kBf16 : Precision::kFp32;
+  torch::Tensor lf, lp;
+  {
+    AutocastScope autocast(device, precision);
+    lf = fused->Loss(windows) + fused->MaskedLossSum(windows, weights) * 0.1;
+    lp = plain->Loss(windows) + plain->MaskedLossSum(windows, weights) * 0.1;
+  }
+  lf.backward();
+  lp.backward();
+  EXPECT_LT(RelativeError(lf, lp), tolerance);
+  auto pf = fused->named_parameters(), pp = plain->named_parameters();
+  for (const auto& item : pp) {
+    ASSERT_TRUE(pf[item.key()].grad().defined()) << item.key();
+    EXPECT_LT(RelativeError(pf[item.key()].grad(), item.value().grad()), tolerance) << item.key();
+  }
+}
+
+TEST(FusedLossModelTest, GptAndLlamaMatchThePlainHeadOnTheCpu) {
+  for (const std::string kind : {"gpt", "llama"}) {
+    for (bool tied : {false, true}) CheckModel(SmallModel(kind, tied), torch::kCPU, false, 1e-5);
+  }
+  // Where it applies: kAuto only on CUDA and for logits of at least kFusedLossMinLogits values;
+  // never for the MLP (last token only).
+  auto model = BuildModel(SmallModel("gpt", true), {}, 1);
+  const torch::Device cuda(torch::kCUDA, 0);
+  const int64_t enough = (LanguageModel::kFusedLossMinLogits + 199) / 200;  // vocab 200
+  EXPECT_FALSE(model->UsesFusedLoss(torch::kCPU, enough));
+  EXPECT_TRUE(model->UsesFusedLoss(cuda, enough));
+  EXPECT_FALSE(model->UsesFusedLoss(cuda, enough - 1));
+  model->set_fused_loss(LanguageModel::FusedLoss::kOn);
+  EXPECT_TRUE(model->UsesFusedLoss(torch::kCPU, 1));
+  ModelConfig mlp = SmallModel("gpt", false);
+  mlp.kind = "mlp";
+  mlp.d_hidden = 32;
+  auto mlp_model = BuildModel(mlp, {}, 1);
+  mlp_model->set_fused_loss(LanguageModel::FusedLoss::kOn);
+  EXPECT_FALSE(mlp_model->UsesFusedLoss(torch::kCPU));
+}
+
+TEST(FusedLossModelTest, CudaGptAndLlamaMatchThePlainHead) {
+  SKIP_WITHOUT_CUDA();
+  const torch::Device cuda(torch::kCUDA, 0);
+  for (const std::string kind : {"gpt", "llama"}) {
+    for (bool tied : {false, true}) {
+      CheckModel(SmallModel(kind, tied), cuda, false, 1e-5);
+      // bf16: the plain head's logits are bf16 too; both round the products alike.
+      CheckModel(SmallModel(kind, tied), cuda, true, 3e-2);
+    }
+  }
+}
+
+// The on-device gradient norm and clipping divisor give the host's norm and clip_grad_norm_'s
+// scale.
+void CheckClip(const torch::Device& device) {
+  SCOPED_TRACE(testing::Message() << device);
+  torch::manual_seed(31);
+  std::vector<torch::Tensor> params;
+  for (int64_t n : {10, 1000, 33}) {
+    torch::Tensor p = torch::zeros({n}, torch::TensorOptions().device(device));
+    p.mutable_grad() = torch::randn({n}).to(device);
+    params.push_back(p);
+  }
+  params.push_back(torch::zeros({4}, torch::TensorOptions().device(device)));  // no gradient
+  double sq = 0;
+  for (size_t i = 0; i < 3; ++i) sq += params[i].grad().to(torch::kDouble).pow(2).sum().item<double>();
+  const double norm = std::sqrt(sq);
+  const torch::Tensor t = GradNormTensor(params);
+  EXPECT_EQ(t.device(), params[0].device());
+  EXPECT_NEAR(t.item<double>(), norm, 1e-5 * norm);
+  EXPECT_NEAR(GradNorm(params), norm, 1e-5 * norm);
+  // Clipped: (norm + 1e-6) / max_norm; not clipped: 1.
+  EXPECT_NEAR(ClipDivisor(t, norm / 4).item<float>(), (norm + 1e-6) / (norm / 4), 1e-5);
+  EXPECT_EQ(ClipDivisor(t, norm * 2).item<float>(), 1.0f);
+  EXPECT_FALSE(GradNormTensor({params[3]}).defined());
+}
+
+TEST(DeviceClipTest, NormAndDivisorMatchTheHost) { CheckClip(torch::kCPU); }
+
+TEST(DeviceClipTest, CudaNormAndDivisorMatchTheHost) {
+  SKIP_WITHOUT_CUDA();
+  CheckClip(torch::Device(torch::kCUDA, 0));
+}
+
+}  // namespace
+}  // namespace trainyard::trainer

@@ -1,0 +1,144 @@
+// FusedLinearCrossEntropySum and CrossEntropyRows (see fused_loss.h).
+#include "worker/trainer/kernels/fused_loss.h"
+
+#include <algorithm>
+
+#include "worker/trainer/runtime/device.h"
+
+namespace trainyard::trainer {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The product's dtype: autocast's on CUDA (as the unfused Linear), x's otherwise.
+c10::ScalarType ComputeType(const torch::Tensor& x) {
+  if (x.is_cuda()) {
+    switch (AutocastScope::ActivePrecision()) {
+      case Precision::kBf16:
+        return torch::kBFloat16;
+      case Precision::kFp16:
+        return torch::kHalf;
+      default:
+        break;
+    }
+  }
+  return x.scalar_type();
+}
+
+int64_t ChunkRows(int64_t rows, int64_t vocab, int64_t element_bytes, int64_t asked) {
+  if (asked > 0) return std::min(asked, std::max<int64_t>(rows, 1));
+  constexpr int64_t kChunkBytes = int64_t{256} << 20;
+  return std::clamp<int64_t>(kChunkBytes / std::max<int64_t>(1, vocab * element_bytes), 1,
+                             std::max<int64_t>(rows, 1));
+}
+
+// Forward computes the loss and, when asked, both gradients (for a loss gradient of 1); backward
+// scales them by the loss's actual gradient. `weights` is empty (not undefined: autograd's
+// functions take defined tensors) when every row counts once.
+class FusedLinearCrossEntropy : public torch::autograd::Function<FusedLinearCrossEntropy> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& weight, const torch::Tensor& targets,
+                               const torch::Tensor& weights, int64_t chunk_rows, bool grad_x,
+                               bool grad_weight) {
+    const c10::ScalarType type = ComputeType(x);
+    const torch::Tensor xc = x.to(type).contiguous();
+    const torch::Tensor wc = weight.to(type).contiguous();
+    const int64_t rows = xc.size(0), vocab = wc.size(0);
+    const torch::Tensor loss = torch::empty({rows}, x.options().dtype(torch::kFloat));
+    torch::Tensor gx, gw;
+    if (grad_x) gx = torch::empty_like(xc);
+    if (grad_weight) gw = torch::zeros(wc.sizes(), weight.options().dtype(torch::kFloat));
+    const int64_t chunk = ChunkRows(rows, vocab, xc.element_size(), chunk_rows);
+    for (int64_t r = 0; r < rows; r += chunk) {
+      const int64_t n = std::min(chunk, rows - r);
+      const torch::Tensor xs = xc.narrow(0, r, n);
+      torch::Tensor logits = torch::mm(xs, wc.t());
+      CrossEntropyRows(logits, targets.narrow(0, r, n),
+                       weights.numel() > 0 ? weights.narrow(0, r, n) : torch::Tensor(),
+                       loss.narrow(0, r, n), grad_x || grad_weight);
+      // `logits` now holds the chunk's gradient of the loss.
+      if (grad_x) {
+        torch::Tensor out = gx.narrow(0, r, n);
+        torch::mm_out(out, logits, wc);
+      }
+      if (grad_weight) gw.add_(torch::mm(logits.t(), xs));
+    }
+    ctx->saved_data["grad_x"] = gx;
+    ctx->saved_data["grad_weight"] = gw;
+    ctx->saved_data["x_type"] = static_cast<int64_t>(x.scalar_type());
+    ctx->saved_data["weight_type"] = static_cast<int64_t>(weight.scalar_type());
+    return loss.sum();
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const torch::Tensor& g = grad_outputs[0];
+    const torch::Tensor gx = ctx->saved_data["grad_x"].toTensor();
+    const torch::Tensor gw = ctx->saved_data["grad_weight"].toTensor();
+    const auto x_type = static_cast<c10::ScalarType>(ctx->saved_data["x_type"].toInt());
+    const auto w_type = static_cast<c10::ScalarType>(ctx->saved_data["weight_type"].toInt());
+    return {gx.defined() ? gx.to(x_type) * g : torch::Tensor(),
+            gw.defined() ? gw.to(w_type) * g : torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+bool HasCrossEntropyKernel() { return TRAINYARD_CUDA_KERNELS != 0; }
+
+void CrossEntropyRows(const torch::Tensor& logits, const torch::Tensor& targets,
+                      const torch::Tensor& weights, const torch::Tensor& loss, bool write_grad) {
+  TORCH_CHECK(logits.dim() == 2 && targets.dim() == 1 && targets.size(0) == logits.size(0) &&
+                  loss.size(0) == logits.size(0) && loss.scalar_type() == torch::kFloat,
+              "CrossEntropyRows: logits [rows, vocab], targets and loss [rows] (loss fp32)");
+  TORCH_CHECK(!weights.defined() ||
+                  (weights.dim() == 1 && weights.size(0) == logits.size(0) &&
+                   weights.scalar_type() == torch::kFloat && weights.is_contiguous()),
+              "CrossEntropyRows: weights must be [rows] contiguous fp32");
+  torch::NoGradGuard no_grad;
+#if TRAINYARD_CUDA_KERNELS
+  if (logits.is_cuda()) {
+    TORCH_CHECK(targets.scalar_type() == torch::kLong && targets.is_contiguous() &&
+                    loss.is_contiguous(),
+                "CrossEntropyRows: targets must be contiguous int64, loss contiguous");
+    CrossEntropyRowsCuda(logits, targets, weights, loss, write_grad);
+    return;
+  }
+#endif
+  const torch::Tensor f =
+      logits.scalar_type() == torch::kDouble ? logits : logits.to(torch::kFloat);
+  const torch::Tensor lse = f.logsumexp(1);
+  const torch::Tensor index = targets.to(torch::kLong).unsqueeze(1);
+  torch::Tensor row_loss = lse - f.gather(1, index).squeeze(1);
+  if (weights.defined()) row_loss = row_loss * weights;
+  // (The losses first: the gradient may overwrite the logits they read.)
+  loss.copy_(row_loss);
+  if (!write_grad) return;
+  torch::Tensor grad = (f - lse.unsqueeze(1)).exp_();
+  grad.scatter_add_(1, index, torch::full({f.size(0), 1}, -1.0, f.options()));
+  if (weights.defined()) grad.mul_(weights.unsqueeze(1).to(f.scalar_type()));
+  logits.copy_(grad);
+}
+
+torch::Tensor FusedLinearCrossEntropySum(const torch::Tensor& x, const torch::Tensor& weight,
+                                         const torch::Tensor& targets,
+                                         const torch::Tensor& weights, int64_t chunk_rows) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "FusedLinearCrossEntropySum: x [rows, d] and weight [vocab, d]");
+  TORCH_CHECK(targets.dim() == 1 && targets.size(0) == x.size(0),
+              "FusedLinearCrossEntropySum: targets must be [rows]");
+  const bool grad = torch::GradMode::is_enabled();
+  const torch::Tensor w = weights.defined() ? weights.to(torch::kFloat).contiguous()
+                                           : torch::empty({0}, x.options().dtype(torch::kFloat));
+  return FusedLinearCrossEntropy::apply(x, weight, targets.to(torch::kLong).contiguous(), w,
+                                        chunk_rows, grad && x.requires_grad(),
+                                        grad && weight.requires_grad());
+}
+
+}  // namespace trainyard::trainer
