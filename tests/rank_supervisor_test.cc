@@ -140,6 +140,45 @@ TEST(ShepherdTest, TakesConnectionsFromItsOwnAccountOnly) {
   close(*again);
 }
 
+// A rank's environment: the documented base, then the worker's variables that --rank-env names
+// (never its token), then trainyard's and the spec's, each replacing what came before.
+TEST(RankEnvironmentTest, BaseThenTheNamedWorkerVariablesThenTheRanksOwn) {
+  UnixAccount alice;
+  alice.name = "alice";
+  alice.home = "/home/alice";
+  alice.shell = "/bin/bash";
+  const std::vector<std::string> worker = {"PATH=/opt/worker/bin",
+                                           "LANG=de_DE.UTF-8",
+                                           "HOME=/root",
+                                           "SSH_AUTH_SOCK=/tmp/agent",
+                                           "LD_LIBRARY_PATH=/opt/cuda",
+                                           "NCCL_SOCKET_IFNAME=eth1",
+                                           "TRAINYARD_TOKEN=tyn.secret",
+                                           "TRAINYARD_TOKEN_FILE=/etc/trainyard/token",
+                                           "TRAINYARD_COLLECTIVES=gloo",
+                                           "OMP_NUM_THREADS=64",
+                                           "NOVALUE"};
+  const std::vector<std::string> own = {"OMP_NUM_THREADS=4", "RANK=1", "PATH=/home/alice/bin",
+                                        "LD_PRELOAD=/home/alice/lib.so"};
+  const std::vector<std::string> env = RankEnvironment(alice, worker, DefaultRankEnv(), own);
+  EXPECT_EQ(env, (std::vector<std::string>{
+                     "PATH=/home/alice/bin", "LANG=de_DE.UTF-8", "HOME=/home/alice", "USER=alice",
+                     "LOGNAME=alice", "SHELL=/bin/bash", "LD_LIBRARY_PATH=/opt/cuda",
+                     "NCCL_SOCKET_IFNAME=eth1", "TRAINYARD_COLLECTIVES=gloo", "OMP_NUM_THREADS=4",
+                     "RANK=1", "LD_PRELOAD=/home/alice/lib.so"}));
+  // Nothing named: only the base and the rank's own; no LANG in the worker's: C.UTF-8; TZ passed.
+  const std::vector<std::string> bare =
+      RankEnvironment(alice, {"TZ=Europe/Berlin", "NCCL_DEBUG=INFO"}, {}, {"RANK=0"});
+  EXPECT_EQ(bare, (std::vector<std::string>{"PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8",
+                                            "TZ=Europe/Berlin", "HOME=/home/alice", "USER=alice",
+                                            "LOGNAME=alice", "SHELL=/bin/bash", "RANK=0"}));
+  // Exact names and prefixes; the token never, even when named.
+  const std::vector<std::string> named =
+      RankEnvironment(alice, worker, {"SSH_AUTH_SOCK", "TRAINYARD_TOKEN", "TRAINYARD_T*"}, {});
+  EXPECT_EQ(std::vector<std::string>(named.begin() + 6, named.end()),
+            std::vector<std::string>{"SSH_AUTH_SOCK=/tmp/agent"});
+}
+
 // A failed rank's message leads with its cause, not with the first thing it printed.
 TEST(FailureMessageTest, LeadsWithTheLastErrorLine) {
   EXPECT_EQ(FailureMessage({"LibTorch 1.13.0", "BLAS: OpenBLAS",

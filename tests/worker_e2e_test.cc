@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -23,6 +24,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "client/yard_client.h"
@@ -617,6 +619,90 @@ TEST_F(WorkerE2eTest, ACommandJobsRanksRunAsTheirOwnersAccount) {
   for (int rank : {0, 1}) {
     EXPECT_THAT(Logs(done.id()), Contains(absl::StrCat(rank, ": nobody 65534 nobody in ", work)));
   }
+}
+
+// Least privilege (issue 52): nothing a job's env names runs as root. The worker (root) hands the
+// rank's environment to its shepherd in a memfd; the shepherd runs with a fixed environment, and
+// only its child, once it is the owner's account, reads that environment, looks command[0] up
+// and executes it. A library that records its loader's euid, named by LD_PRELOAD, LD_AUDIT or
+// LD_LIBRARY_PATH (with a bare LD_PRELOAD name), is loaded by the owner's processes only; a PATH
+// into a folder only root can read says no more than a PATH to nowhere; and a variable of the
+// worker's own environment that --rank-env does not name never reaches the rank.
+TEST_F(WorkerE2eTest, NothingAJobsEnvNamesRunsAsRootAndTheWorkersEnvironmentStaysWithIt) {
+  if (geteuid() != 0) GTEST_SKIP() << "switching ranks to another account needs root";
+  ASSERT_EQ(chmod(dir_.path().c_str(), 0755), 0);  // the ranks' folders are below it
+  StopWorker();
+  alice_account_ = "nobody";
+  StartWorker({"--gpus", "none"},
+              {"WORKER_PRIVATE_SETTING=only-for-the-worker", "TRAINYARD_OPERATOR_SETTING=passed"});
+  WaitForReadyNodes(1);
+
+  const std::string probe = TRAINYARD_ENV_PROBE;
+  const std::string probe_dir = std::filesystem::path(probe).parent_path().string();
+  const std::string probe_name = std::filesystem::path(probe).filename().string();
+  const std::string records = dir_.path() + "/probe.txt";
+  { std::ofstream(records).flush(); }
+  ASSERT_EQ(chmod(records.c_str(), 0666), 0);
+  const std::string show =
+      "echo \"uid $(id -u) worker=${WORKER_PRIVATE_SETTING:-unset} "
+      "operator=${TRAINYARD_OPERATOR_SETTING:-unset} path=$PATH shell=$SHELL home=$HOME\"";
+  struct Case {
+    std::string name;
+    std::map<std::string, std::string> env;
+  };
+  const std::vector<Case> cases = {
+      {"preload", {{"LD_PRELOAD", probe}}},
+      {"audit", {{"LD_AUDIT", probe}}},
+      {"library-path", {{"LD_LIBRARY_PATH", probe_dir}, {"LD_PRELOAD", probe_name}}},
+  };
+  for (const Case& c : cases) {
+    v1::JobSpec spec = CommandSpec(c.name, 1, {"sh", "-c", show});
+    for (const auto& [name, value] : c.env) (*spec.mutable_env())[name] = value;
+    (*spec.mutable_env())["ENV_PROBE_OUT"] = records;
+    const v1::Job done = RunToEnd(*client_, spec);
+    ASSERT_EQ(done.state(), v1::SUCCEEDED) << c.name << ": " << done.message();
+    EXPECT_THAT(Logs(done.id()),
+                Contains(absl::StrCat("0: uid 65534 worker=unset operator=passed "
+                                      "path=/usr/local/bin:/usr/bin:/bin shell=/usr/sbin/nologin "
+                                      "home=/nonexistent")))
+        << c.name;
+  }
+  // Every process that loaded the library ran as nobody, and some did (the rank's shell).
+  std::ifstream in(records);
+  std::string line;
+  int loads = 0;
+  while (std::getline(in, line)) {
+    ++loads;
+    EXPECT_THAT(line, HasSubstr(" euid 65534 ")) << "loaded by another account: " << line;
+  }
+  EXPECT_GE(loads, 3) << "the probe never ran: the test would show nothing";
+
+  // A program in a folder only root can read: the owner hears what it would of a missing one.
+  const std::string secret = dir_.path() + "/root-only";
+  std::filesystem::create_directories(secret);
+  ASSERT_EQ(chmod(secret.c_str(), 0700), 0);
+  {
+    std::ofstream program(secret + "/secret-tool");
+    program << "#!/bin/sh\necho should not run\n";
+  }
+  ASSERT_EQ(chmod((secret + "/secret-tool").c_str(), 0755), 0);
+  v1::JobSpec hidden = CommandSpec("hidden", 1, {"secret-tool"});
+  (*hidden.mutable_env())["PATH"] = secret;
+  v1::JobSpec missing = CommandSpec("missing", 1, {"no-such-tool"});
+  (*missing.mutable_env())["PATH"] = secret;
+  const v1::Job hidden_done = RunToEnd(*client_, hidden);
+  const v1::Job missing_done = RunToEnd(*client_, missing);
+  EXPECT_EQ(hidden_done.state(), v1::FAILED);
+  EXPECT_EQ(missing_done.state(), v1::FAILED);
+  EXPECT_THAT(hidden_done.message(),
+              HasSubstr(absl::StrCat("'secret-tool' is not in the PATH (", secret, ")")));
+  // What each rank said, the program's name aside: the same.
+  std::vector<std::string> said_hidden = Logs(hidden_done.id()),
+                           said_missing = Logs(missing_done.id());
+  for (std::string& l : said_hidden) l = absl::StrReplaceAll(l, {{"secret-tool", "X"}});
+  for (std::string& l : said_missing) l = absl::StrReplaceAll(l, {{"no-such-tool", "X"}});
+  EXPECT_EQ(said_hidden, said_missing);
+  EXPECT_THAT(said_hidden, Not(Contains(HasSubstr("should not run"))));
 }
 
 TEST_F(WorkerE2eTest, AWorkerWithoutRootTakesOnlyItsAccountsJobs) {

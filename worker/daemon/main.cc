@@ -171,6 +171,14 @@ int main(int argc, char** argv) {
                  "user's ranks (default: the account of the same name). As root the worker runs "
                  "every rank as its owner's account; otherwise it takes only the jobs of the "
                  "users mapped to its own account (and of the user of its name)");
+  std::string rank_env = absl::StrJoin(trainyard::worker::DefaultRankEnv(), ",");
+  app.add_option("--rank-env", rank_env,
+                 "this worker's environment variables that reach its ranks: comma-separated "
+                 "names, or prefixes ending in '*' (never its node token). Ranks start from a "
+                 "fixed base (PATH, LANG, TZ, HOME, USER, LOGNAME, SHELL of the owner), then "
+                 "these, then trainyard's and torchrun's variables, then the spec's env; empty: "
+                 "none of the worker's")
+      ->capture_default_str();
   app.add_option("--tls-ca", options.tls.ca_file,
                  "CA (PEM) to verify the coordinator and parameter servers with; also given to "
                  "the ranks (env TRAINYARD_TLS_CA)")
@@ -193,6 +201,7 @@ int main(int argc, char** argv) {
                  "file holding this node's node token (yard admin token create --node NAME; "
                  "mode 0600); default: env TRAINYARD_TOKEN");
   CLI11_PARSE(app, argc, argv);
+  options.supervisor.rank_env = absl::StrSplit(rank_env, ',', absl::SkipWhitespace());
 
   trainyard::InstallEscapingLogger("worker");
   // Ranks run in folders of their own: every path handed to them (or used after a chdir) is made

@@ -2,7 +2,9 @@
 
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <pwd.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -125,7 +127,84 @@ int FreeLocalPort() {
   return port;
 }
 
+// Writes all of `text` to `fd`; false (errno set) on failure.
+bool WriteAll(int fd, const std::string& text) {
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    done += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+// This process's own account, for the ranks of a worker that does not switch accounts.
+UnixAccount OwnAccount() {
+  const passwd* pw = getpwuid(geteuid());
+  if (pw != nullptr) {
+    auto found = LookUpAccount(pw->pw_name);
+    if (found.ok()) return *found;
+  }
+  UnixAccount a;
+  a.uid = geteuid();
+  a.gid = getegid();
+  a.name = absl::StrCat(a.uid);
+  a.home = "/";
+  a.shell = "/bin/sh";
+  return a;
+}
+
+// NAME of a NAME=VALUE entry.
+absl::string_view NameOf(absl::string_view entry) { return entry.substr(0, entry.find('=')); }
+
 }  // namespace
+
+std::vector<std::string> DefaultRankEnv() {
+  return {"LD_LIBRARY_PATH", "NCCL_*", "GLOO_*", "OMP_*", "OPENBLAS_*", "MKL_*", "TRAINYARD_*"};
+}
+
+std::vector<std::string> RankEnvironment(const UnixAccount& account,
+                                         const std::vector<std::string>& worker_env,
+                                         const std::vector<std::string>& rank_env,
+                                         const std::vector<std::string>& own) {
+  std::vector<std::string> out;
+  std::map<std::string, size_t, std::less<>> at;  // name -> index in out
+  auto set = [&](const std::string& entry) {
+    const std::string name(NameOf(entry));
+    auto it = at.find(name);
+    if (it != at.end()) {
+      out[it->second] = entry;
+    } else {
+      at[name] = out.size();
+      out.push_back(entry);
+    }
+  };
+  auto worker_value = [&](absl::string_view name) -> const std::string* {
+    for (const std::string& e : worker_env) {
+      if (NameOf(e) == name && e.size() > name.size()) return &e;
+    }
+    return nullptr;
+  };
+  set("PATH=/usr/local/bin:/usr/bin:/bin");
+  const std::string* lang = worker_value("LANG");
+  set(lang != nullptr ? *lang : "LANG=C.UTF-8");
+  if (const std::string* tz = worker_value("TZ"); tz != nullptr) set(*tz);
+  set("HOME=" + account.home);
+  set("USER=" + account.name);
+  set("LOGNAME=" + account.name);
+  set("SHELL=" + (account.shell.empty() ? std::string("/bin/sh") : account.shell));
+  for (const std::string& e : worker_env) {
+    const absl::string_view name = NameOf(e);
+    if (name.size() == e.size() || name == kTokenEnv || name == "TRAINYARD_TOKEN_FILE") continue;
+    const bool passed = std::any_of(rank_env.begin(), rank_env.end(), [&](const std::string& p) {
+      return absl::EndsWith(p, "*") ? absl::StartsWith(name, p.substr(0, p.size() - 1)) : name == p;
+    });
+    if (passed) set(e);
+  }
+  for (const std::string& e : own) set(e);
+  return out;
+}
 
 std::string FailureMessage(const std::vector<std::string>& last_lines) {
   int cause = -1;
@@ -481,36 +560,9 @@ void RankSupervisor::StartCommand(const v1::Assignment& a, const v1::JobSpec& sp
   if (spec.env().count("OMP_NUM_THREADS") == 0) {
     env.push_back(absl::StrCat("OMP_NUM_THREADS=", options_.threads_per_rank));
   }
-  // The program as the spec names it; a bare name is looked up in the PATH the rank gets.
+  // The program as the spec names it: its shepherd's child looks a bare name up in the PATH the
+  // rank gets, as the owner's account (shepherd.h), never this worker.
   std::vector<std::string> argv(spec.command().begin(), spec.command().end());
-  if (argv[0].find('/') == std::string::npos) {
-    std::string path = "/usr/local/bin:/usr/bin:/bin";
-    auto in_env = [&](const std::vector<std::string>& entries) {
-      for (const std::string& e : entries) {
-        if (absl::StartsWith(e, "PATH=")) return std::optional<std::string>(e.substr(5));
-      }
-      return std::optional<std::string>();
-    };
-    if (auto p = in_env(env); p.has_value()) {
-      path = *p;
-    } else if (const char* own = getenv("PATH"); own != nullptr) {
-      path = own;
-    }
-    std::string found;
-    for (absl::string_view d : absl::StrSplit(path, ':', absl::SkipEmpty())) {
-      const std::string candidate = absl::StrCat(d, "/", argv[0]);
-      if (access(candidate.c_str(), X_OK) == 0) {
-        found = candidate;
-        break;
-      }
-    }
-    if (found.empty()) {
-      ReportExit(key, 127,
-                 absl::StrCat("command[0]: '", argv[0], "' is not in the PATH (", path, ")"));
-      return;
-    }
-    argv[0] = found;
-  }
   Exec(a, key, device, account, std::move(argv), std::move(env),
        spec.workdir().empty() ? work : spec.workdir());
 }
@@ -518,24 +570,26 @@ void RankSupervisor::StartCommand(const v1::Assignment& a, const v1::JobSpec& sp
 void RankSupervisor::Exec(const v1::Assignment& a, const RankKey& key, int device,
                           const std::optional<UnixAccount>& account, std::vector<std::string> argv,
                           std::vector<std::string> env, const std::string& cwd) {
-  if (account.has_value()) {
-    env.push_back("USER=" + account->name);
-    env.push_back("LOGNAME=" + account->name);
-    env.push_back("HOME=" + account->home);
-  }
   // Marks every process of the rank (inherited by its children, also those that leave its
   // process group or session), so that its shepherd finds them all when it stops the rank.
-  env.push_back(absl::StrCat("TRAINYARD_RANK_MARK=", absl::Hex(mark_random_()), "/",
-                             std::get<0>(key), "/", std::get<1>(key), "/", std::get<2>(key)));
-  const size_t own = env.size();
-  for (char** e = environ; *e != nullptr; ++e) {
-    const std::string_view entry(*e);
-    // The worker's own node token stays with the worker.
-    if (entry.substr(0, entry.find('=')) == kTokenEnv) continue;
-    const bool overridden = std::any_of(env.begin(), env.begin() + own, [&](const std::string& o) {
-      return entry.substr(0, entry.find('=') + 1) == o.substr(0, o.find('=') + 1);
-    });
-    if (!overridden) env.emplace_back(entry);
+  const std::string mark = absl::StrCat(absl::Hex(mark_random_()), "/", std::get<0>(key), "/",
+                                        std::get<1>(key), "/", std::get<2>(key));
+  env.push_back("TRAINYARD_RANK_MARK=" + mark);
+  std::vector<std::string> worker_env;
+  for (char** e = environ; *e != nullptr; ++e) worker_env.emplace_back(*e);
+  const UnixAccount identity = account.has_value() ? *account : OwnAccount();
+  const std::vector<std::string> rank_env =
+      RankEnvironment(identity, worker_env, options_.rank_env, env);
+  // The rank's environment travels in a memfd that its shepherd's child reads once it runs as
+  // the owner: no file on disk (it holds the job's credential), nothing in argv.
+  const int env_fd = memfd_create("trainyard-rank-env", MFD_CLOEXEC);
+  std::string env_text;
+  for (const std::string& e : rank_env) absl::StrAppend(&env_text, e, std::string(1, '\0'));
+  if (env_fd < 0 || !WriteAll(env_fd, env_text)) {
+    const int err = errno;
+    if (env_fd >= 0) close(env_fd);
+    ReportExit(key, 127, absl::StrCat("the rank's environment: ", strerror(err)));
+    return;
   }
   // The rank runs under a shepherd (shepherd.h) that outlives this worker: a restarted worker
   // adopts it.
@@ -546,6 +600,8 @@ void RankSupervisor::Exec(const v1::Assignment& a, const RankKey& key, int devic
       kShepherdFlag,
       "prefix=" + prefix,
       "cwd=" + cwd,
+      "mark=" + mark,
+      "env_fd=4",
       absl::StrCat("device=", device),
       absl::StrCat("grace_ms=", absl::ToInt64Milliseconds(options_.stop_grace)),
       absl::StrCat("orphan_ms=", absl::ToInt64Milliseconds(orphan_timeout_))};
@@ -559,16 +615,19 @@ void RankSupervisor::Exec(const v1::Assignment& a, const RankKey& key, int devic
   std::vector<char*> c_argv, c_env;
   for (auto& s : shepherd) c_argv.push_back(s.data());
   c_argv.push_back(nullptr);
-  for (auto& s : env) c_env.push_back(s.data());
-  c_env.push_back(nullptr);
+  // The shepherd's own environment is fixed: nothing of the job's or of this worker's.
+  std::string shepherd_path_env = "PATH=/usr/sbin:/usr/bin:/sbin:/bin";
+  c_env = {shepherd_path_env.data(), nullptr};
 
   // The log starts empty and is the worker's (the shepherd appends the rank's output to it).
   if (absl::Status s = WriteOwnedFile(prefix + ".log", "", nullptr); !s.ok()) {
+    close(env_fd);
     ReportExit(key, 127, std::string(s.message()));
     return;
   }
   auto listener = ListenShepherdSocket(prefix + ".sock");
   if (!listener.ok()) {
+    close(env_fd);
     ReportExit(key, 127, std::string(listener.status().message()));
     return;
   }
@@ -587,12 +646,14 @@ void RankSupervisor::Exec(const v1::Assignment& a, const RankKey& key, int devic
       dup2(devnull, STDERR_FILENO);
     }
     if (dup2(*listener, 3) != 3) _exit(127);  // the shepherd's listening socket
-    close_range(4, ~0U, 0);  // nothing else of the worker's (sockets, driver files) leaks in
+    if (dup2(env_fd, 4) != 4) _exit(127);     // the rank's environment
+    close_range(5, ~0U, 0);  // nothing else of the worker's (sockets, driver files) leaks in
     execve(c_argv[0], c_argv.data(), c_env.data());
     _exit(127);
   }
   const int fork_errno = errno;
   close(*listener);
+  close(env_fd);
   if (pid < 0) {
     ReportExit(key, 127, absl::StrCat("fork: ", strerror(fork_errno)));
     return;

@@ -33,6 +33,11 @@
 
 namespace trainyard::worker {
 
+// The worker's variables that reach ranks unless --rank-env says otherwise: how the operator set
+// up libraries, collectives, threads and trainyard itself on this host (LD_LIBRARY_PATH, NCCL_*,
+// GLOO_*, OMP_*, OPENBLAS_*, MKL_*, TRAINYARD_*), nothing else of its environment.
+std::vector<std::string> DefaultRankEnv();
+
 struct SupervisorOptions {
   std::string trainer_path;  // the trainyard-trainer binary
   std::string work_dir;      // per-attempt folders with the spec and each rank's log
@@ -50,7 +55,23 @@ struct SupervisorOptions {
   // The CA ranks verify the coordinator and parameter servers with (TRAINYARD_TLS_CA); empty:
   // plaintext.
   std::string tls_ca;
+  // Which of this worker's own environment variables reach its ranks: names, or prefixes ending
+  // in '*' (the worker's --rank-env). Never its node token. See RankEnvironment.
+  std::vector<std::string> rank_env = DefaultRankEnv();
 };
+
+// A rank's environment, in this order, a later entry replacing an earlier one of the same name:
+//  1. the documented base: PATH=/usr/local/bin:/usr/bin:/bin, LANG (the worker's, else
+//     C.UTF-8), TZ (the worker's, if set), and HOME, USER, LOGNAME and SHELL of `account`;
+//  2. the variables of `worker_env` (NAME=VALUE entries, the worker's environment) that
+//     `rank_env` names (names or prefixes ending in '*'), never TRAINYARD_TOKEN or
+//     TRAINYARD_TOKEN_FILE;
+//  3. `own`: trainyard's and torchrun's variables, then the spec's env (whose names the spec's
+//     validation keeps apart from trainyard's).
+std::vector<std::string> RankEnvironment(const UnixAccount& account,
+                                         const std::vector<std::string>& worker_env,
+                                         const std::vector<std::string>& rank_env,
+                                         const std::vector<std::string>& own);
 
 // The message a failed rank's exit carries, from its last output lines: its cause first (the last
 // line that says error, exception, fatal, failed or Traceback's last line, else the last non-empty

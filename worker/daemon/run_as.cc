@@ -31,6 +31,7 @@ absl::StatusOr<UnixAccount> LookUpAccount(const std::string& name) {
   a.uid = pw.pw_uid;
   a.gid = pw.pw_gid;
   a.home = pw.pw_dir != nullptr ? pw.pw_dir : "/";
+  a.shell = pw.pw_shell != nullptr && pw.pw_shell[0] != '\0' ? pw.pw_shell : "/bin/sh";
   int count = 64;
   a.groups.resize(count);
   while (getgrouplist(name.c_str(), a.gid, a.groups.data(), &count) < 0) {

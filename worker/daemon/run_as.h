@@ -27,6 +27,7 @@ struct UnixAccount {
   gid_t gid = 0;
   std::vector<gid_t> groups;  // supplementary, as initgroups would set them
   std::string home;
+  std::string shell;  // the login shell (passwd), "/bin/sh" when it names none
 };
 
 class RunAs {

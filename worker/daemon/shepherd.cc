@@ -29,12 +29,14 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 
-extern char** environ;
-
 namespace trainyard::worker {
 namespace {
 
 constexpr int kListenFd = 3;  // the socket RankSupervisor hands over
+// Where a bare command[0] is looked for when the rank's environment has no PATH.
+constexpr char kDefaultPath[] = "/usr/local/bin:/usr/bin:/bin";
+// At most this much environment is read (RankSupervisor's is far smaller).
+constexpr size_t kMaxEnvBytes = size_t{4} << 20;
 constexpr size_t kMaxMessageBytes = 256;
 
 // A new SOCK_SEQPACKET socket and the address of `path` for it, short enough for sun_path at
@@ -117,6 +119,8 @@ struct Settings {
   int device = 0;
   absl::Duration grace = absl::Seconds(10), orphan = absl::Seconds(10);
   bool switch_account = false;
+  std::string mark;  // the rank's TRAINYARD_RANK_MARK value
+  int env_fd = -1;   // the rank's environment (RankSupervisor's memfd); -1: an empty one
   uid_t uid = 0;
   gid_t gid = 0;
   std::vector<gid_t> groups;
@@ -137,6 +141,10 @@ absl::StatusOr<Settings> ParseSettings(int argc, char** argv) {
       s.prefix = value;
     } else if (name == "cwd") {
       s.cwd = value;
+    } else if (name == "mark") {
+      s.mark = value;
+    } else if (name == "env_fd" && numeric && number > kListenFd && number < 1024) {
+      s.env_fd = static_cast<int>(number);
     } else if (name == "device" && numeric) {
       s.device = static_cast<int>(number);
     } else if (name == "grace_ms" && numeric) {
@@ -165,19 +173,71 @@ absl::StatusOr<Settings> ParseSettings(int argc, char** argv) {
   return s;
 }
 
-// Forks the rank: its own process group, killed when this shepherd dies, output to `log_fd`,
-// the shepherd's environment, as the settings' account, in their folder. Returns its pid (or -1).
+// Writes `text` to standard error, from a forked child (no allocation).
+void ChildError(const char* text) { (void)!write(STDERR_FILENO, text, strlen(text)); }
+
+// The rank's environment, NUL-separated NAME=VALUE entries read from `fd` (none for -1). Called
+// in the forked child after it switched to the owner's account: no process running as root
+// interprets what the job set. The shepherd is single-threaded, so allocating after fork is safe.
+std::vector<std::string> ReadRankEnvironment(int fd) {
+  std::string text;
+  char buf[65536];
+  off_t offset = 0;
+  ssize_t n;
+  while (fd >= 0 && text.size() < kMaxEnvBytes && (n = pread(fd, buf, sizeof(buf), offset)) > 0) {
+    text.append(buf, static_cast<size_t>(n));
+    offset += n;
+  }
+  std::vector<std::string> env;
+  for (absl::string_view e : absl::StrSplit(text, '\0', absl::SkipEmpty())) env.emplace_back(e);
+  return env;
+}
+
+// execve of `argv` with `env`; a bare argv[0] is looked for in the environment's PATH (as
+// execvpe would, but in the PATH the rank gets, and by the owner's account). Returns only on
+// failure, having said why on standard error (the rank's log).
+void ExecRank(std::vector<std::string> argv, const std::vector<std::string>& env) {
+  std::vector<char*> c_env;
+  std::string path = kDefaultPath;
+  for (const std::string& e : env) {
+    c_env.push_back(const_cast<char*>(e.c_str()));
+    if (absl::StartsWith(e, "PATH=")) path = e.substr(5);
+  }
+  c_env.push_back(nullptr);
+  auto exec = [&](const std::string& program) {
+    std::vector<char*> c_argv;
+    c_argv.push_back(const_cast<char*>(program.c_str()));
+    for (size_t i = 1; i < argv.size(); ++i) c_argv.push_back(const_cast<char*>(argv[i].c_str()));
+    c_argv.push_back(nullptr);
+    execve(program.c_str(), c_argv.data(), c_env.data());
+    return errno;
+  };
+  if (argv[0].find('/') != std::string::npos) {
+    const int err = exec(argv[0]);
+    ChildError(absl::StrCat("trainyard-worker: cannot execute ", argv[0], ": ", strerror(err), "\n")
+                   .c_str());
+    return;
+  }
+  int denied = 0;  // as execvp: a program found but not executable is reported as such
+  for (absl::string_view dir : absl::StrSplit(path, ':', absl::SkipEmpty())) {
+    const int err = exec(absl::StrCat(dir, "/", argv[0]));
+    if (err == EACCES) denied = err;
+  }
+  ChildError(absl::StrCat("trainyard-worker: command[0]: '", argv[0], "' is not in the PATH (",
+                          path, ")", denied != 0 ? " or not executable there" : "", "\n")
+                 .c_str());
+}
+
+// Forks the rank: its own process group, killed when this shepherd dies, output to `log_fd`, as
+// the settings' account, in their folder, with the environment RankSupervisor handed over on
+// env_fd (read only after the switch of account). Returns its pid (or -1).
 pid_t StartRank(const Settings& s, int log_fd) {
-  std::vector<char*> c_argv;
-  for (const std::string& a : s.argv) c_argv.push_back(const_cast<char*>(a.c_str()));
-  c_argv.push_back(nullptr);
   const pid_t parent = getpid();
   const pid_t pid = fork();
   if (pid != 0) {
     if (pid > 0) setpgid(pid, pid);
     return pid;
   }
-  // Only async-signal-safe calls until exec.
   setpgid(0, 0);
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (getppid() != parent) _exit(127);
@@ -191,11 +251,15 @@ pid_t StartRank(const Settings& s, int log_fd) {
   dup2(log_fd, STDERR_FILENO);
   const int devnull = open("/dev/null", O_RDONLY);
   if (devnull >= 0) dup2(devnull, STDIN_FILENO);
-  close_range(3, ~0U, 0);
+  if (s.env_fd >= 0) {
+    close_range(3, s.env_fd - 1, 0);
+    close_range(s.env_fd + 1, ~0U, 0);
+  } else {
+    close_range(3, ~0U, 0);
+  }
   if (s.switch_account && (setgroups(s.groups.size(), s.groups.data()) != 0 || setgid(s.gid) != 0 ||
                            setuid(s.uid) != 0)) {
-    const char msg[] = "cannot switch to the job owner's Unix account\n";
-    (void)!write(STDERR_FILENO, msg, sizeof(msg) - 1);
+    ChildError("cannot switch to the job owner's Unix account\n");
     _exit(126);
   }
   // A change of credentials clears the parent-death signal: set it again.
@@ -204,13 +268,12 @@ pid_t StartRank(const Settings& s, int log_fd) {
     if (getppid() != parent) _exit(127);
   }
   if (chdir(s.cwd.c_str()) != 0) {
-    const char msg[] = "cannot enter the working directory (workdir)\n";
-    (void)!write(STDERR_FILENO, msg, sizeof(msg) - 1);
+    ChildError("cannot enter the working directory (workdir)\n");
     _exit(127);
   }
-  execve(c_argv[0], c_argv.data(), environ);
-  const char msg[] = "cannot execute the program\n";
-  (void)!write(STDERR_FILENO, msg, sizeof(msg) - 1);
+  const std::vector<std::string> env = ReadRankEnvironment(s.env_fd);
+  if (s.env_fd >= 0) close(s.env_fd);
+  ExecRank(s.argv, env);
   _exit(127);
 }
 
@@ -306,18 +369,18 @@ int RunShepherd(int argc, char** argv) {
   sigprocmask(SIG_BLOCK, &watched, nullptr);
   const int signals = signalfd(-1, &watched, SFD_CLOEXEC);
   fcntl(kListenFd, F_SETFD, FD_CLOEXEC);
+  if (s.env_fd >= 0) fcntl(s.env_fd, F_SETFD, FD_CLOEXEC);
 
   const std::string log_path = s.prefix + ".log", socket_path = s.prefix + ".sock";
   const int log_fd =
       open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (log_fd < 0 || signals < 0) return 3;  // the worker then reports the rank as not started
-  // The rank's mark (RankSupervisor puts it in the environment): its processes that leave the
-  // group are found by it.
-  const char* mark_value = getenv("TRAINYARD_RANK_MARK");
-  const std::string mark =
-      mark_value != nullptr ? absl::StrCat("TRAINYARD_RANK_MARK=", mark_value) : "";
+  // The rank's mark (RankSupervisor puts it in the rank's environment too): its processes that
+  // leave the group are found by it.
+  const std::string mark = s.mark.empty() ? "" : absl::StrCat("TRAINYARD_RANK_MARK=", s.mark);
 
   const pid_t rank = StartRank(s, log_fd);
+  if (s.env_fd >= 0) close(s.env_fd);  // the rank has it; the shepherd keeps none of it
   if (rank < 0) {
     Note(log_fd, absl::StrCat("fork: ", strerror(errno)));
     return 3;

@@ -7,8 +7,13 @@
 //
 // The shepherd is trainyard-worker itself, run by RankSupervisor as
 //   trainyard-worker --shepherd NAME=VALUE... -- PROGRAM ARGS...
-// with the rank's environment and its listening socket as file descriptor 3. It is
-// single-threaded (nothing of gRPC starts in it).
+// with a fixed environment of its own, its listening socket as file descriptor 3 and the rank's
+// environment in a memfd (env_fd=4). It runs as the worker's account (root on a shared cluster)
+// and holds nothing the job controls in a way it acts on: it forks the rank, which switches to
+// the owner's account first and only then reads its environment, looks a bare PROGRAM up in
+// that environment's PATH and executes it. So LD_PRELOAD, LD_AUDIT, LD_LIBRARY_PATH and the like
+// in a job's env reach only the owner's processes, and a PATH into folders the owner cannot read
+// tells the owner nothing. It is single-threaded (nothing of gRPC starts in it).
 //
 // Its socket, PREFIX.sock (SOCK_SEQPACKET, mode 0600, the worker's account, in the attempt's
 // folder that only the worker's account writes), carries one message per packet:
@@ -36,8 +41,10 @@ inline constexpr char kShepherdFlag[] = "--shepherd";
 
 // Runs a shepherd with `argv` (what follows kShepherdFlag): NAME=VALUE settings, "--", then the
 // rank's program and arguments. Settings: prefix (the log is PREFIX.log, the socket PREFIX.sock),
-// cwd, device, grace_ms, orphan_ms, and uid, gid, groups (comma-separated) to run the rank as
-// another account. Returns the process's exit code.
+// cwd, device, grace_ms, orphan_ms, mark (the rank's TRAINYARD_RANK_MARK, by which its processes
+// are found), env_fd (the descriptor of the rank's environment, NUL-separated NAME=VALUE entries;
+// without it the rank's environment is empty), and uid, gid, groups (comma-separated) to run the
+// rank as another account. Returns the process's exit code.
 int RunShepherd(int argc, char** argv);
 
 // A listening SOCK_SEQPACKET socket at `path` (replacing a stale one), mode 0600. Paths of any
