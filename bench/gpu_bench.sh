@@ -4,9 +4,11 @@
 # example GPT, a GPT-2-small-sized one (12 layers, d768, 12 heads, T1024, batch 16, vocab 50304,
 # tied head) and, with --llama, a Llama with Llama 3.2 1B's shapes (16 layers, d2048, 32 heads, 8
 # key-value heads, SwiGLU 8192, vocab 128256, tied, rope_theta 500000; T2048, batch 4), bf16
-# autocast, SDPA, fused AdamW, clipping at 1.0. Each model also runs once more with the plain LM
-# head (--fused-loss off): what the fused head + cross-entropy buys. Prints tokens/s (median over
-# the timed steps), step time, MFU and peak GPU memory, and the ratios, as Markdown rows.
+# autocast, SDPA, fused AdamW, clipping at 1.0. Each model also runs with the plain LM head
+# (--fused-loss off: what the fused head + cross-entropy buys) and, for the GPTs, with torch's
+# LayerNorm (--fused-norm off: what the fused residual add + LayerNorm + cast buys). Prints
+# tokens/s (median over the timed steps), step time, MFU and peak GPU memory, and the ratios, as
+# Markdown rows.
 #
 #   bash bench/gpu_bench.sh [--llama] [--only NAME] [BUILD_DIR] [STEPS]
 #     # defaults build-gpu, 30 (the first 5 untimed)
@@ -48,8 +50,15 @@ run_case() {
   shift 5
   local ref=("$@")
   [ -n "$only" ] && [ "$only" != "$name" ] && return 0
-  local variant
-  for variant in auto off; do
+  local variant flags
+  for variant in auto plain-head plain-norm; do
+    case $variant in
+      auto) flags=() ;;
+      plain-head) flags=(--fused-loss off) ;;
+      plain-norm) flags=(--fused-norm off) ;;
+    esac
+    # (Llama has no LayerNorm: nothing to compare.)
+    [ "$variant" = plain-norm ] && [[ $model == *llama* ]] && continue
     cat >"$work/$name-$variant.yaml" <<SPEC
 name: $name
 resources: {gpus: 1}
@@ -61,7 +70,7 @@ SPEC
     rm -f "$work/$name-$variant.jsonl"
     "$trainer" --spec "$work/$name-$variant.yaml" --job-id "" --attempt 1 --rank 0 --world-size 1 \
       --coordinator 127.0.0.1:1 --checkpoint-dir "" --device cuda --threads 4 \
-      --fused-loss "$variant" --metrics-file "$work/$name-$variant.jsonl" \
+      "${flags[@]}" --metrics-file "$work/$name-$variant.jsonl" \
       >"$work/$name-$variant.log" 2>&1 ||
       { tail -20 "$work/$name-$variant.log"; echo "gpu_bench: $name ($variant) failed" >&2; exit 1; }
   done
@@ -82,8 +91,8 @@ def trainyard(variant):
     return (rows, statistics.median(r["tokens_per_second"] for r in timed),
             statistics.median(r["step_seconds"] for r in timed),
             max(r.get("device_peak_bytes", 0) for r in rows))
+import os
 rows, tps, step_s, peak_bytes = trainyard("auto")
-_, plain_tps, plain_step_s, plain_peak = trainyard("off")
 params = next(int(l.split()[5]) for l in open(f"{work}/{name}-auto.log", errors="replace") if "parameters," in l and "model," in l)
 flops_per_token = 6 * params + 12 * layers * d * t  # forward + backward, attention included (causal counted whole)
 def mfu(x): return 100 * x * flops_per_token / (peak * 1e12)
@@ -95,7 +104,11 @@ def vs(x):
         out += f", {x / comp['tokens_per_second']:.2f}x compile"
     return out
 print(f"| {name} | {gpu} | trainyard | {tps:,.0f} | {1e3 * step_s:.1f} | {mfu(tps):.1f}% | {peak_bytes / 2**30:.2f} GiB | {vs(tps)} |")
-print(f"| {name} | {gpu} | trainyard, plain head (--fused-loss off) | {plain_tps:,.0f} | {1e3 * plain_step_s:.1f} | {mfu(plain_tps):.1f}% | {plain_peak / 2**30:.2f} GiB | {vs(plain_tps)} |")
+for variant, label in (("plain-head", "plain head (--fused-loss off)"), ("plain-norm", "torch's LayerNorm (--fused-norm off)")):
+    if not os.path.exists(f"{work}/{name}-{variant}.jsonl"):
+        continue
+    _, v_tps, v_step_s, v_peak = trainyard(variant)
+    print(f"| {name} | {gpu} | trainyard, {label} | {v_tps:,.0f} | {1e3 * v_step_s:.1f} | {mfu(v_tps):.1f}% | {v_peak / 2**30:.2f} GiB | {vs(v_tps)} |")
 print(f"| {name} | {gpu} | PyTorch eager | {eager['tokens_per_second']:,.0f} | {eager['step_ms']:.1f} | {mfu(eager['tokens_per_second']):.1f}% | {eager['peak_bytes'] / 2**30:.2f} GiB | |")
 if comp["tokens_per_second"] > 0:
     print(f"| {name} | {gpu} | PyTorch torch.compile | {comp['tokens_per_second']:,.0f} | {comp['step_ms']:.1f} | {mfu(comp['tokens_per_second']):.1f}% | {comp['peak_bytes'] / 2**30:.2f} GiB | |")

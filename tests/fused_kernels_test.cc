@@ -9,8 +9,10 @@
 
 #include <cstdlib>
 #include <string>
+#include <tuple>
 
 #include "worker/trainer/kernels/fused_loss.h"
+#include "worker/trainer/kernels/fused_norm.h"
 #include "worker/trainer/model/model.h"
 #include "worker/trainer/runtime/device.h"
 
@@ -31,12 +33,12 @@ bool RequireCuda() {
   return v != nullptr && std::string(v) == "1";
 }
 
-#define SKIP_WITHOUT_CUDA()                                                        \
-  do {                                                                             \
-    if (!CudaUsable()) {                                                           \
-      if (RequireCuda()) FAIL() << "TRAINYARD_REQUIRE_CUDA=1 but no usable GPU";   \
-      GTEST_SKIP() << "no usable GPU";                                             \
-    }                                                                              \
+#define SKIP_WITHOUT_CUDA()                                                      \
+  do {                                                                           \
+    if (!CudaUsable()) {                                                         \
+      if (RequireCuda()) FAIL() << "TRAINYARD_REQUIRE_CUDA=1 but no usable GPU"; \
+      GTEST_SKIP() << "no usable GPU";                                           \
+    }                                                                            \
   } while (0)
 
 // Reference: loss_i = w_i * CE(logits_i, t_i) and its gradient w.r.t. the logits, in fp64.
@@ -46,9 +48,8 @@ struct RowsReference {
 RowsReference ReferenceRows(const torch::Tensor& logits, const torch::Tensor& targets,
                             const torch::Tensor& weights) {
   torch::Tensor x = logits.detach().to(torch::kCPU, torch::kDouble).requires_grad_(true);
-  torch::Tensor each =
-      F::cross_entropy(x, targets.to(torch::kCPU),
-                       F::CrossEntropyFuncOptions().reduction(torch::kNone));
+  torch::Tensor each = F::cross_entropy(x, targets.to(torch::kCPU),
+                                        F::CrossEntropyFuncOptions().reduction(torch::kNone));
   if (weights.defined()) each = each * weights.to(torch::kCPU, torch::kDouble);
   each.sum().backward();
   return {each.detach(), x.grad()};
@@ -70,8 +71,8 @@ Rows RandomRows(int64_t rows, int64_t vocab, torch::Dtype type, const torch::Dev
 
 void CheckRows(const torch::Device& device, torch::Dtype type, int64_t rows, int64_t vocab,
                bool weighted, double tolerance, uint64_t seed) {
-  SCOPED_TRACE(testing::Message() << device << " " << type << " rows " << rows << " vocab "
-                                  << vocab << (weighted ? " weighted" : ""));
+  SCOPED_TRACE(testing::Message() << device << " " << type << " rows " << rows << " vocab " << vocab
+                                  << (weighted ? " weighted" : ""));
   Rows r = RandomRows(rows, vocab, type, device, seed);
   if (!weighted) r.weights = torch::Tensor();
   const RowsReference ref = ReferenceRows(r.logits, r.targets, r.weights);
@@ -117,8 +118,8 @@ TEST(CrossEntropyRowsTest, CudaKernelMatchesCrossEntropyAndItsGradient) {
 void CheckFusedLinear(const torch::Device& device, int64_t rows, int64_t d, int64_t vocab,
                       int64_t chunk_rows, bool weighted, bool bf16, double tolerance,
                       uint64_t seed) {
-  SCOPED_TRACE(testing::Message() << device << " rows " << rows << " d " << d << " vocab "
-                                  << vocab << " chunk " << chunk_rows << (bf16 ? " bf16" : ""));
+  SCOPED_TRACE(testing::Message() << device << " rows " << rows << " d " << d << " vocab " << vocab
+                                  << " chunk " << chunk_rows << (bf16 ? " bf16" : ""));
   torch::manual_seed(seed);
   const auto opts = torch::TensorOptions().dtype(torch::kFloat).device(device);
   torch::Tensor x = torch::randn({rows, d}, opts).requires_grad_(true);
@@ -129,9 +130,8 @@ void CheckFusedLinear(const torch::Device& device, int64_t rows, int64_t d, int6
 
   torch::Tensor x64 = x.detach().to(torch::kCPU, torch::kDouble).requires_grad_(true);
   torch::Tensor w64 = w.detach().to(torch::kCPU, torch::kDouble).requires_grad_(true);
-  torch::Tensor each =
-      F::cross_entropy(torch::mm(x64, w64.t()), targets.to(torch::kCPU),
-                       F::CrossEntropyFuncOptions().reduction(torch::kNone));
+  torch::Tensor each = F::cross_entropy(torch::mm(x64, w64.t()), targets.to(torch::kCPU),
+                                        F::CrossEntropyFuncOptions().reduction(torch::kNone));
   if (weighted) each = each * weights.to(torch::kCPU, torch::kDouble);
   // A loss gradient other than 1 (as a mean over grad_accum micro-batches gives).
   (each.sum() * 0.25).backward();
@@ -152,9 +152,9 @@ void CheckFusedLinear(const torch::Device& device, int64_t rows, int64_t d, int6
   // Without gradients (evaluation): the same loss.
   torch::NoGradGuard no_grad;
   AutocastScope autocast(device, bf16 ? Precision::kBf16 : Precision::kFp32);
-  EXPECT_LT(RelativeError(FusedLinearCrossEntropySum(x, w, targets, weights, chunk_rows),
-                          each.sum()),
-            tolerance);
+  EXPECT_LT(
+      RelativeError(FusedLinearCrossEntropySum(x, w, targets, weights, chunk_rows), each.sum()),
+      tolerance);
 }
 
 TEST(FusedLinearCrossEntropyTest, MatchesLinearThenCrossEntropyOnTheCpu) {
@@ -202,7 +202,8 @@ void CheckModel(const ModelConfig& m, const torch::Device& device, bool bf16, do
   fused->to(device);
   plain->to(device);
   torch::manual_seed(21);
-  const torch::Tensor windows = torch::randint(m.vocab, {3, m.seq_len + 1}, torch::kLong).to(device);
+  const torch::Tensor windows =
+      torch::randint(m.vocab, {3, m.seq_len + 1}, torch::kLong).to(device);
   const torch::Tensor weights = (torch::rand({3, m.seq_len}) > 0.5).to(torch::kFloat).to(device);
   const Precision precision = bf16 ? Precision::kBf16 : Precision::kFp32;
   torch::Tensor lf, lp;
@@ -255,6 +256,111 @@ TEST(FusedLossModelTest, CudaGptAndLlamaMatchThePlainHead) {
   }
 }
 
+// LayerNormCast and AddLayerNorm against layer_norm (and the add) in fp64: outputs and the
+// gradients of x, y, weight and bias, for a random upstream gradient of both outputs.
+void CheckNorm(const torch::Device& device, int64_t rows, int64_t d, bool add, bool bf16,
+               double tolerance, uint64_t seed) {
+  SCOPED_TRACE(testing::Message() << device << " rows " << rows << " d " << d << (add ? " add" : "")
+                                  << (bf16 ? " bf16" : ""));
+  torch::manual_seed(seed);
+  const auto opts = torch::TensorOptions().dtype(torch::kFloat).device(device);
+  torch::Tensor x = (torch::randn({2, rows, d}, opts) * 2 + 0.5).requires_grad_(true);
+  torch::Tensor y = torch::randn({2, rows, d}, opts)
+                        .to(bf16 ? torch::kBFloat16 : torch::kFloat)
+                        .requires_grad_(true);
+  torch::Tensor w = (torch::randn({d}, opts) * 0.3 + 1).requires_grad_(true);
+  torch::Tensor b = (torch::randn({d}, opts) * 0.1).requires_grad_(true);
+  const torch::Tensor dn = torch::randn({2, rows, d}, opts);
+  const torch::Tensor dh = torch::randn({2, rows, d}, opts);
+
+  auto f64 = [](const torch::Tensor& t) {
+    return t.detach().to(torch::kCPU, torch::kDouble).requires_grad_(true);
+  };
+  torch::Tensor x64 = f64(x), y64 = f64(y), w64 = f64(w), b64 = f64(b);
+  const torch::Tensor h64 = add ? x64 + y64 : x64;
+  const torch::Tensor n64 = torch::layer_norm(h64, {d}, w64, b64, 1e-5);
+  torch::Tensor total = (n64 * dn.to(torch::kCPU, torch::kDouble)).sum();
+  if (add) total = total + (h64 * dh.to(torch::kCPU, torch::kDouble)).sum();
+  total.backward();
+
+  torch::Tensor h, n;
+  {
+    AutocastScope autocast(device, bf16 ? Precision::kBf16 : Precision::kFp32);
+    if (add) {
+      std::tie(h, n) = AddLayerNorm(x, y, w, b, 1e-5);
+    } else {
+      n = LayerNormCast(x, w, b, 1e-5);
+    }
+  }
+  EXPECT_EQ(n.scalar_type(), bf16 && device.is_cuda() ? torch::kBFloat16 : torch::kFloat);
+  torch::Tensor loss = (n.to(torch::kFloat) * dn).sum();
+  if (add) {
+    EXPECT_EQ(h.scalar_type(), torch::kFloat);
+    EXPECT_LT(RelativeError(h, h64), 1e-6);
+    loss = loss + (h * dh).sum();
+  }
+  loss.backward();
+  EXPECT_LT(RelativeError(n, n64), tolerance);
+  EXPECT_LT(RelativeError(x.grad(), x64.grad()), tolerance);
+  EXPECT_LT(RelativeError(w.grad(), w64.grad()), tolerance);
+  EXPECT_LT(RelativeError(b.grad(), b64.grad()), tolerance);
+  if (add) {
+    EXPECT_EQ(y.grad().scalar_type(), y.scalar_type());
+    EXPECT_LT(RelativeError(y.grad(), y64.grad()), tolerance);
+  }
+}
+
+TEST(FusedNormTest, MatchesLayerNormOnTheCpu) {
+  CheckNorm(torch::kCPU, 7, 48, /*add=*/false, false, 1e-5, 41);
+  CheckNorm(torch::kCPU, 7, 48, /*add=*/true, false, 1e-5, 42);
+}
+
+TEST(FusedNormTest, CudaKernelsMatchLayerNorm) {
+  SKIP_WITHOUT_CUDA();
+  ASSERT_TRUE(HasLayerNormKernel(768));
+  const torch::Device cuda(torch::kCUDA, 0);
+  // GPT-2's width and odd ones (not a multiple of 32), many rows (several backward blocks
+  // each), fp32 and bf16 autocast (the output rounded to bf16 once).
+  for (bool add : {false, true}) {
+    CheckNorm(cuda, 4096, 768, add, false, 1e-5, 43);
+    CheckNorm(cuda, 33, 100, add, false, 1e-5, 44);
+    CheckNorm(cuda, 1000, 2048, add, true, 1e-2, 45);
+    CheckNorm(cuda, 5, 37, add, true, 1e-2, 46);
+  }
+}
+
+// The GPT with its fused norms gives the plain modules' loss and gradients on the GPU.
+TEST(FusedNormTest, CudaGptMatchesItsPlainLayerNorms) {
+  SKIP_WITHOUT_CUDA();
+  const torch::Device cuda(torch::kCUDA, 0);
+  for (bool bf16 : {false, true}) {
+    SCOPED_TRACE(bf16 ? "bf16" : "fp32");
+    const ModelConfig m = SmallModel("gpt", true);
+    ModelOptions plain_options;
+    plain_options.fused_norms = false;
+    auto fused = BuildModel(m, {}, 9), plain = BuildModel(m, plain_options, 9);
+    fused->to(cuda);
+    plain->to(cuda);
+    torch::manual_seed(22);
+    const torch::Tensor windows =
+        torch::randint(m.vocab, {3, m.seq_len + 1}, torch::kLong).to(cuda);
+    torch::Tensor lf, lp;
+    {
+      AutocastScope autocast(cuda, bf16 ? Precision::kBf16 : Precision::kFp32);
+      lf = fused->Loss(windows);
+      lp = plain->Loss(windows);
+    }
+    lf.backward();
+    lp.backward();
+    const double tolerance = bf16 ? 3e-2 : 1e-5;
+    EXPECT_LT(RelativeError(lf, lp), tolerance);
+    auto pf = fused->named_parameters(), pp = plain->named_parameters();
+    for (const auto& item : pp) {
+      EXPECT_LT(RelativeError(pf[item.key()].grad(), item.value().grad()), tolerance) << item.key();
+    }
+  }
+}
+
 // The on-device gradient norm and clipping divisor give the host's norm and clip_grad_norm_'s
 // scale.
 void CheckClip(const torch::Device& device) {
@@ -268,7 +374,8 @@ void CheckClip(const torch::Device& device) {
   }
   params.push_back(torch::zeros({4}, torch::TensorOptions().device(device)));  // no gradient
   double sq = 0;
-  for (size_t i = 0; i < 3; ++i) sq += params[i].grad().to(torch::kDouble).pow(2).sum().item<double>();
+  for (size_t i = 0; i < 3; ++i)
+    sq += params[i].grad().to(torch::kDouble).pow(2).sum().item<double>();
   const double norm = std::sqrt(sq);
   const torch::Tensor t = GradNormTensor(params);
   EXPECT_EQ(t.device(), params[0].device());

@@ -244,6 +244,12 @@ int Main(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "off"}))
       ->envname("TRAINYARD_FUSED_LOSS")
       ->group("");  // hidden
+  app.add_option("--fused-norm", o.fused_norm,
+                 "auto: on a GPU the GPT block's LayerNorms run fused with the residual add and "
+                 "the cast; off: torch's LayerNorm (benchmarks)")
+      ->check(CLI::IsMember({"auto", "off"}))
+      ->envname("TRAINYARD_FUSED_NORM")
+      ->group("");  // hidden
   CLI11_PARSE(app, argc, argv);
   absl::StatusOr<v1::JobSpec> spec;
   if (!context_path.empty()) {

@@ -466,6 +466,7 @@ absl::Status Trainer::MakeModel() {
   // (Debian's LibTorch has no fp16 CPU matmuls).
   model_options.bf16 = t_.precision == Precision::kBf16 && !device_.is_cuda();
   model_options.activation_checkpointing = t_.activation_checkpointing;
+  model_options.fused_norms = o_.fused_norm != "off";
   model_options.lora = t_.lora;
   // FSDP with cpu_ram_efficient_loading: only rank 0 holds the whole model, the others receive
   // their shards from it. (Not under model parallelism, where every rank keeps its part of the
@@ -727,14 +728,14 @@ void Trainer::LogSetup() const {
               : std::string(Name(par_.strategy)),
       Name(t_.optimizer), step_, t_.steps));
   Log(absl::StrCat("collectives: ", groups_.world->Describe()));
-  Log(absl::StrCat("device: ", DescribeDevice(device_), "; precision ", Name(t_.precision),
-                   device_.is_cuda() && t_.precision != Precision::kFp32
-                       ? " (autocast, fp32 master weights)"
-                       : "",
-                   scaler_ ? absl::StrCat(", dynamic loss scale from ", scaler_->scale()) : "",
-                   !pipeline_ && model_->UsesFusedLoss(device_, int64_t{t_.micro_batch} * m_.seq_len)
-                       ? "; fused LM head + cross-entropy"
-                       : ""));
+  Log(absl::StrCat(
+      "device: ", DescribeDevice(device_), "; precision ", Name(t_.precision),
+      device_.is_cuda() && t_.precision != Precision::kFp32 ? " (autocast, fp32 master weights)"
+                                                            : "",
+      scaler_ ? absl::StrCat(", dynamic loss scale from ", scaler_->scale()) : "",
+      !pipeline_ && model_->UsesFusedLoss(device_, int64_t{t_.micro_batch} * m_.seq_len)
+          ? "; fused LM head + cross-entropy"
+          : ""));
   if (device_.is_cuda()) CudaResetPeak();
   // A tensor-parallel group is consecutive ranks; the scheduler gives each node whole groups, but
   // ranks started otherwise may split one.
@@ -901,9 +902,9 @@ absl::Status Trainer::Update(StepStats& s) {
   } else if (fsdp_) {
     fsdp_->Step(s.lr, clip_scale);
   } else if (s.grad_norm_device.defined()) {
-    FusedAdamWStep(dynamic_cast<torch::optim::AdamW&>(*optimizer_), s.lr,
-                   t_.grad_clip > 0 ? ClipDivisor(s.grad_norm_device, t_.grad_clip)
-                                    : torch::Tensor());
+    FusedAdamWStep(
+        dynamic_cast<torch::optim::AdamW&>(*optimizer_), s.lr,
+        t_.grad_clip > 0 ? ClipDivisor(s.grad_norm_device, t_.grad_clip) : torch::Tensor());
     for (auto& p : params_) p.mutable_grad() = torch::Tensor();
   } else {
     OptimizerStep(*optimizer_, s.lr, clip_scale);

@@ -55,6 +55,9 @@ struct TrainerOptions {
   // "auto": the head and its cross-entropy fused on CUDA (model.h FusedLoss); "off": the plain
   // head everywhere (benchmarks measure what the fusion buys).
   std::string fused_loss = "auto";
+  // "auto": on a GPU the GPT block's LayerNorms run fused with the residual add and the cast
+  // (ModelOptions::fused_norms); "off": torch's LayerNorm (benchmarks).
+  std::string fused_norm = "auto";
 };
 
 // Makes SIGTERM set a flag that the training loop polls.

@@ -97,16 +97,16 @@ void CrossEntropyRows(const torch::Tensor& logits, const torch::Tensor& targets,
   TORCH_CHECK(logits.dim() == 2 && targets.dim() == 1 && targets.size(0) == logits.size(0) &&
                   loss.size(0) == logits.size(0) && loss.scalar_type() == torch::kFloat,
               "CrossEntropyRows: logits [rows, vocab], targets and loss [rows] (loss fp32)");
-  TORCH_CHECK(!weights.defined() ||
-                  (weights.dim() == 1 && weights.size(0) == logits.size(0) &&
-                   weights.scalar_type() == torch::kFloat && weights.is_contiguous()),
-              "CrossEntropyRows: weights must be [rows] contiguous fp32");
+  TORCH_CHECK(
+      !weights.defined() || (weights.dim() == 1 && weights.size(0) == logits.size(0) &&
+                             weights.scalar_type() == torch::kFloat && weights.is_contiguous()),
+      "CrossEntropyRows: weights must be [rows] contiguous fp32");
   torch::NoGradGuard no_grad;
 #if TRAINYARD_CUDA_KERNELS
   if (logits.is_cuda()) {
-    TORCH_CHECK(targets.scalar_type() == torch::kLong && targets.is_contiguous() &&
-                    loss.is_contiguous(),
-                "CrossEntropyRows: targets must be contiguous int64, loss contiguous");
+    TORCH_CHECK(
+        targets.scalar_type() == torch::kLong && targets.is_contiguous() && loss.is_contiguous(),
+        "CrossEntropyRows: targets must be contiguous int64, loss contiguous");
     CrossEntropyRowsCuda(logits, targets, weights, loss, write_grad);
     return;
   }
@@ -127,15 +127,15 @@ void CrossEntropyRows(const torch::Tensor& logits, const torch::Tensor& targets,
 }
 
 torch::Tensor FusedLinearCrossEntropySum(const torch::Tensor& x, const torch::Tensor& weight,
-                                         const torch::Tensor& targets,
-                                         const torch::Tensor& weights, int64_t chunk_rows) {
+                                         const torch::Tensor& targets, const torch::Tensor& weights,
+                                         int64_t chunk_rows) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "FusedLinearCrossEntropySum: x [rows, d] and weight [vocab, d]");
   TORCH_CHECK(targets.dim() == 1 && targets.size(0) == x.size(0),
               "FusedLinearCrossEntropySum: targets must be [rows]");
   const bool grad = torch::GradMode::is_enabled();
   const torch::Tensor w = weights.defined() ? weights.to(torch::kFloat).contiguous()
-                                           : torch::empty({0}, x.options().dtype(torch::kFloat));
+                                            : torch::empty({0}, x.options().dtype(torch::kFloat));
   return FusedLinearCrossEntropy::apply(x, weight, targets.to(torch::kLong).contiguous(), w,
                                         chunk_rows, grad && x.requires_grad(),
                                         grad && weight.requires_grad());

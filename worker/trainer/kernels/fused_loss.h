@@ -25,8 +25,8 @@ namespace trainyard::trainer {
 // product runs in autocast's dtype, as the unfused Linear would; otherwise in x's dtype.
 // `chunk_rows` 0 picks chunks of about 256 MiB of logits. Targets must lie in [0, vocab).
 torch::Tensor FusedLinearCrossEntropySum(const torch::Tensor& x, const torch::Tensor& weight,
-                                         const torch::Tensor& targets,
-                                         const torch::Tensor& weights, int64_t chunk_rows = 0);
+                                         const torch::Tensor& targets, const torch::Tensor& weights,
+                                         int64_t chunk_rows = 0);
 
 // The kernel's contract, for a [rows, vocab] block of logits (unit column stride): loss[i] =
 // weights_i * (logsumexp(row i) - row_i[targets_i]) in fp32; with `write_grad`, row i is

@@ -1,4 +1,5 @@
 // GPT-2: pre-norm transformer blocks with fused qkv, GELU MLP, learned positions (see model.h).
+#include "worker/trainer/kernels/fused_norm.h"
 #include "worker/trainer/model/layers.h"
 
 #include <cmath>
@@ -16,9 +17,10 @@ namespace F = torch::nn::functional;
 
 class BlockImpl : public torch::nn::Module {
  public:
-  BlockImpl(int64_t d_model, int64_t n_head, bool bf16, const TensorParallel* tp)
+  BlockImpl(int64_t d_model, int64_t n_head, bool bf16, bool fused_norms, const TensorParallel* tp)
       : n_head_(n_head),
         bf16_(bf16),
+        fused_norms_(fused_norms),
         tp_(tp),
         ln1_(register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})))),
         qkv_(register_module("qkv", torch::nn::Linear(d_model, 3 * d_model))),
@@ -28,6 +30,15 @@ class BlockImpl : public torch::nn::Module {
         fc_out_(register_module("fc_out", torch::nn::Linear(4 * d_model, d_model))) {}
 
   torch::Tensor forward(const torch::Tensor& x) {
+    if (fused_norms_ && x.is_cuda() && !tp_->on() && HasLayerNormKernel(x.size(-1))) {
+      // On the GPU: ln1 and its cast in one kernel, the residual add, ln2 and its cast in
+      // another (kernels/fused_norm.h), forward and backward.
+      const double eps1 = ln1_->options.eps(), eps2 = ln2_->options.eps();
+      const auto [h, normed] =
+          AddLayerNorm(x, Attention(LayerNormCast(x, ln1_->weight, ln1_->bias, eps1)), ln2_->weight,
+                       ln2_->bias, eps2);
+      return h + RowOutput(F::gelu(Dense(normed, fc_, bf16_)), fc_out_, bf16_, *tp_);
+    }
     torch::Tensor h = x + Attention(ln1_(x));
     return h +
            RowOutput(F::gelu(Dense(ColumnInput(ln2_(h), *tp_), fc_, bf16_)), fc_out_, bf16_, *tp_);
@@ -82,6 +93,7 @@ class BlockImpl : public torch::nn::Module {
 
   int64_t n_head_;
   bool bf16_;
+  bool fused_norms_;
   const TensorParallel* tp_;
   torch::nn::LayerNorm ln1_;
   torch::nn::Linear qkv_, proj_;
@@ -102,7 +114,8 @@ class GptModel : public LanguageModel {
     pos_emb_ = register_module("pos_emb", Keep(torch::nn::Embedding(spec.seq_len, d), options));
     blocks_ = register_module("blocks", torch::nn::ModuleList());
     for (int i = 0; i < spec.n_layer; ++i) {
-      blocks_->push_back(Keep(Block(d, spec.n_head, options.bf16, &tp_), options));
+      blocks_->push_back(
+          Keep(Block(d, spec.n_head, options.bf16, options.fused_norms, &tp_), options));
     }
     ln_f_ = register_module("ln_f",
                             Keep(torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})), options));

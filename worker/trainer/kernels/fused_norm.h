@@ -1,0 +1,49 @@
+// LayerNorm fused with the residual add before it and the cast after it, for the GPT block on a
+// GPU: where eager runs `h = x + branch`, `layer_norm(h)` and autocast's cast of its output to
+// bf16 as three kernels (and three more in backward, plus the add of the residual's gradients),
+// AddLayerNorm runs one each way (layer_norm_cuda.cu). The arithmetic is torch's layer_norm in
+// fp32; only the output is rounded, once, to the dtype the next product reads. On the CPU, and
+// wherever the kernel does not apply (a width over 4096), the same functions run the ATen
+// composition, which the tests compare the kernels with. LibTorch side only.
+#ifndef TRAINYARD_WORKER_TRAINER_KERNELS_FUSED_NORM_H_
+#define TRAINYARD_WORKER_TRAINER_KERNELS_FUSED_NORM_H_
+
+#include <torch/torch.h>
+
+#include <utility>
+
+#include "worker/trainer/kernels/fused_loss.h"  // TRAINYARD_CUDA_KERNELS
+
+namespace trainyard::trainer {
+
+// layer_norm(x) over the last dimension with `weight` and `bias` (fp32, [d]) and `eps`, its output
+// in autocast's dtype on CUDA (as the Linear after it would cast it), else in x's. x fp32.
+torch::Tensor LayerNormCast(const torch::Tensor& x, const torch::Tensor& weight,
+                            const torch::Tensor& bias, double eps);
+
+// {h, layer_norm(h)} for h = x + y (x fp32, y any float dtype of x's shape); the norm's output as
+// LayerNormCast's. Differentiable in x, y, weight and bias.
+std::pair<torch::Tensor, torch::Tensor> AddLayerNorm(const torch::Tensor& x, const torch::Tensor& y,
+                                                     const torch::Tensor& weight,
+                                                     const torch::Tensor& bias, double eps);
+
+// Whether these run the project's CUDA kernels for CUDA tensors of width `d`.
+bool HasLayerNormKernel(int64_t d);
+
+#if TRAINYARD_CUDA_KERNELS
+// layer_norm_cuda.cu: x [rows, d] fp32; y undefined or [rows, d]; sum undefined (no y) or [rows,
+// d] fp32; out [rows, d]; mean and rstd [rows] fp32.
+void LayerNormForwardCuda(const at::Tensor& x, const at::Tensor& y, const at::Tensor& gamma,
+                          const at::Tensor& beta, double eps, const at::Tensor& sum,
+                          const at::Tensor& out, const at::Tensor& mean, const at::Tensor& rstd);
+// dn [rows, d]; s [rows, d] fp32 (the norm's input); ds_extra undefined or [rows, d] fp32; ds
+// [rows, d] fp32; the partials [blocks, d] fp32, one row per thread block of the launch.
+void LayerNormBackwardCuda(const at::Tensor& dn, const at::Tensor& s, const at::Tensor& mean,
+                           const at::Tensor& rstd, const at::Tensor& gamma,
+                           const at::Tensor& ds_extra, const at::Tensor& ds,
+                           const at::Tensor& dgamma_part, const at::Tensor& dbeta_part);
+#endif
+
+}  // namespace trainyard::trainer
+
+#endif  // TRAINYARD_WORKER_TRAINER_KERNELS_FUSED_NORM_H_
