@@ -33,6 +33,7 @@
 #include "tests/testing/subprocess.h"
 #include "tests/testing/tiny_spec.h"
 #include "trainyard/v1/node.grpc.pb.h"
+#include "worker/daemon/cgroups.h"
 
 namespace trainyard {
 namespace {
@@ -703,6 +704,112 @@ TEST_F(WorkerE2eTest, NothingAJobsEnvNamesRunsAsRootAndTheWorkersEnvironmentStay
   for (std::string& l : said_missing) l = absl::StrReplaceAll(l, {{"no-such-tool", "X"}});
   EXPECT_EQ(said_hidden, said_missing);
   EXPECT_THAT(said_hidden, Not(Contains(HasSubstr("should not run"))));
+}
+
+// Whether this host's cgroups can hold ranks (root, and v1 or a delegated v2).
+bool CgroupsUsable() { return geteuid() == 0 && trainyard::worker::DetectCgroups().version != 0; }
+
+// Containment (issue 52): each rank in a cgroup of its own, held to the worker's per-slot limits.
+// A rank that allocates past its memory is OOM-killed and its job FAILED naming the limit, while
+// a job beside it on the same worker finishes; four spinning processes under `cpus 1` get at most
+// 1.1 CPU-seconds a second; a fork bomb stops at the pids limit; a daemon that left the rank's
+// session and cleared its environment (env -i) dies when the job is cancelled.
+TEST_F(WorkerE2eTest, RanksAreHeldToTheirMemoryCpusAndPidsAndEndWhole) {
+  if (!CgroupsUsable()) GTEST_SKIP() << "needs root and usable cgroups";
+  ASSERT_EQ(chmod(dir_.path().c_str(), 0755), 0);
+  StopWorker();
+  alice_account_ = "nobody";
+  StartWorker({"--gpus", "none", "--cgroups", "require", "--memory-per-slot", "96MiB",
+               "--cpus-per-slot", "1", "--pids-per-rank", "48"});
+  WaitForReadyNodes(1);
+
+  // Beside it, a job that finishes while the other one is killed.
+  auto beside = client_->Submit(CommandSpec("beside", 1, {"/bin/sh", "-c", "sleep 2; echo fine"}));
+  ASSERT_TRUE(beside.ok()) << beside.status();
+  const v1::Job hog =
+      RunToEnd(*client_, CommandSpec("hog", 1,
+                                     {"/usr/bin/python3", "-c",
+                                      "b = b'x' * (512 << 20)\nprint('allocated', len(b))"}));
+  EXPECT_EQ(hog.state(), v1::FAILED);
+  EXPECT_THAT(hog.message(), HasSubstr("out of memory: the rank reached its memory limit (96 MiB"));
+  EXPECT_THAT(Logs(hog.id()), Not(Contains(HasSubstr("allocated"))));
+  const auto beside_end =
+      client_->Watch(beside->id(), absl::Seconds(60), [](const v1::Job&) { return false; });
+  ASSERT_TRUE(beside_end.ok()) << beside_end.status();
+  EXPECT_EQ(beside_end->state(), v1::SUCCEEDED) << beside_end->message();
+
+  // CPU: four processes spin for 2 s of wall-clock time; their CPU time is what they got.
+  const v1::Job spin = RunToEnd(
+      *client_,
+      CommandSpec("spin", 1,
+                  {"/usr/bin/python3", "-c",
+                   "import os, resource, time\n"
+                   "start = time.monotonic()\n"
+                   "kids = []\n"
+                   "for _ in range(4):\n"
+                   "    pid = os.fork()\n"
+                   "    if pid == 0:\n"
+                   "        while time.monotonic() - start < 2: pass\n"
+                   "        os._exit(0)\n"
+                   "    kids.append(pid)\n"
+                   "for pid in kids: os.waitpid(pid, 0)\n"
+                   "wall = time.monotonic() - start\n"
+                   "u = resource.getrusage(resource.RUSAGE_CHILDREN)\n"
+                   "print('cpu per second %.3f' % ((u.ru_utime + u.ru_stime) / wall))\n"}));
+  ASSERT_EQ(spin.state(), v1::SUCCEEDED) << spin.message();
+  double per_second = -1;
+  for (const std::string& line : Logs(spin.id())) {
+    const size_t at = line.find("cpu per second ");
+    if (at != std::string::npos) {
+      ASSERT_TRUE(absl::SimpleAtod(line.substr(at + 15), &per_second)) << line;
+    }
+  }
+  EXPECT_LE(per_second, 1.1);
+  // (A loose floor, for a loaded machine: only that the spinning ran at all.)
+  EXPECT_GT(per_second, 0.2) << "the spinning processes hardly ran: the test would show nothing";
+
+  // A fork bomb (of sleeping processes) stops at 48 processes.
+  const v1::Job bomb =
+      RunToEnd(*client_, CommandSpec("bomb", 1,
+                                     {"/usr/bin/python3", "-c",
+                                      "import os, time\n"
+                                      "n = 0\n"
+                                      "try:\n"
+                                      "    for _ in range(500):\n"
+                                      "        if os.fork() == 0:\n"
+                                      "            time.sleep(30)\n"
+                                      "            os._exit(0)\n"
+                                      "        n += 1\n"
+                                      "except OSError as e:\n"
+                                      "    print('stopped after', n, 'forks:', e.strerror)\n"}));
+  ASSERT_EQ(bomb.state(), v1::SUCCEEDED) << bomb.message();
+  bool stopped = false;
+  for (const std::string& line : Logs(bomb.id())) {
+    int forks = 0;
+    if (absl::StrContains(line, "stopped after ")) {
+      const std::vector<std::string> words = absl::StrSplit(line, ' ');
+      ASSERT_GE(words.size(), 4u) << line;
+      ASSERT_TRUE(absl::SimpleAtoi(words[3], &forks)) << line;
+      EXPECT_LT(forks, 48) << line;
+      stopped = true;
+    }
+  }
+  EXPECT_TRUE(stopped) << "the fork bomb was not stopped";
+
+  // A daemon with an empty environment, in a session of its own: gone once the job is cancelled.
+  const std::string run = dir_.path() + "/daemons";
+  std::filesystem::create_directories(run);
+  ASSERT_EQ(chmod(run.c_str(), 0777), 0);
+  auto daemon = client_->Submit(
+      CommandSpec("daemon", 1,
+                  {"/bin/sh", "-c",
+                   absl::StrCat("/usr/bin/setsid /usr/bin/env -i /bin/sh -c 'echo $$ > ", run,
+                                "/daemon.pid; exec sleep 600' & sleep 600")}));
+  ASSERT_TRUE(daemon.ok()) << daemon.status();
+  const pid_t hidden = PidIn(run + "/daemon.pid");
+  ASSERT_GT(hidden, 0);
+  ASSERT_TRUE(client_->Cancel(daemon->id(), "").ok());
+  EXPECT_TRUE(GoneSoon(hidden)) << "the env -i daemon outlived its job";
 }
 
 TEST_F(WorkerE2eTest, AWorkerWithoutRootTakesOnlyItsAccountsJobs) {

@@ -179,6 +179,27 @@ int main(int argc, char** argv) {
                  "these, then trainyard's and torchrun's variables, then the spec's env; empty: "
                  "none of the worker's")
       ->capture_default_str();
+  std::string cgroups_mode = "auto", memory_per_slot;
+  double cpus_per_slot = 0;
+  int64_t pids_per_rank = 8192;
+  app.add_option("--cgroups", cgroups_mode,
+                 "auto: each rank in a cgroup of its own under the worker's, held to the limits "
+                 "below and ended whole (cgroup v2 with a delegated subtree, or v1), else ranks "
+                 "run unconfined and the worker says why; require: refuse to start without "
+                 "them; off: never")
+      ->check(CLI::IsMember({"auto", "require", "off"}))
+      ->capture_default_str();
+  app.add_option("--memory-per-slot", memory_per_slot,
+                 "each rank's memory limit (16GiB, 512MiB; as Slurm's DefMemPerGPU): a rank "
+                 "past it is OOM-killed and its job fails saying so; default none");
+  app.add_option("--cpus-per-slot", cpus_per_slot,
+                 "each rank's CPU quota, in CPUs (1.5: one and a half; as DefCpuPerGPU); "
+                 "default none")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--pids-per-rank", pids_per_rank,
+                 "processes and threads each rank may have (a fork bomb stops there; 0: none)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--tls-ca", options.tls.ca_file,
                  "CA (PEM) to verify the coordinator and parameter servers with; also given to "
                  "the ranks (env TRAINYARD_TLS_CA)")
@@ -266,6 +287,51 @@ int main(int argc, char** argv) {
   } else {
     spdlog::info("not running as root: taking the jobs of {} only",
                  absl::StrJoin(options.supervisor.run_as->Owners(), ", "));
+  }
+  // The ranks' cgroups: detected, and this worker's folder made in each hierarchy.
+  options.supervisor.rank_limits.cpus = cpus_per_slot;
+  options.supervisor.rank_limits.pids = pids_per_rank;
+  if (!memory_per_slot.empty()) {
+    auto bytes = trainyard::worker::ParseBytes(memory_per_slot, "--memory-per-slot");
+    if (!bytes.ok()) {
+      std::cerr << "trainyard-worker: " << bytes.status().message() << "\n";
+      return 2;
+    }
+    options.supervisor.rank_limits.memory_bytes = *bytes;
+  }
+  options.supervisor.cgroup_prefix =
+      "trainyard-" + absl::StrReplaceAll(options.node_id, {{"/", "_"}, {".", "_"}});
+  if (cgroups_mode != "off") {
+    trainyard::worker::CgroupHost host = trainyard::worker::DetectCgroups();
+    for (const auto& [controller, parent] : host.parents) {
+      const std::string mine = parent + "/" + options.supervisor.cgroup_prefix;
+      std::error_code ec;
+      std::filesystem::create_directories(mine, ec);
+      if (ec && host.version != 0) {
+        host.why = "cannot make " + mine + ": " + ec.message();
+        host.version = 0;
+      }
+    }
+    if (host.version == 0 && cgroups_mode == "require") {
+      std::cerr << "trainyard-worker: --cgroups require: " << host.why << "\n";
+      return 2;
+    }
+    const auto& l = options.supervisor.rank_limits;
+    if (host.version == 0) {
+      spdlog::warn("ranks are not confined: {}", trainyard::worker::DescribeCgroups(host));
+    } else {
+      spdlog::info("each rank in a cgroup of its own: {}; per rank: memory {}, CPUs {}, pids {}",
+                   trainyard::worker::DescribeCgroups(host),
+                   l.memory_bytes > 0 ? trainyard::worker::FormatBytes(l.memory_bytes) : "no limit",
+                   l.cpus > 0 ? absl::StrCat(l.cpus) : "no limit",
+                   l.pids > 0 ? absl::StrCat(l.pids) : "no limit");
+    }
+    options.supervisor.cgroups =
+        std::make_shared<const trainyard::worker::CgroupHost>(std::move(host));
+  } else if (options.supervisor.rank_limits.memory_bytes > 0 || cpus_per_slot > 0) {
+    std::cerr << "trainyard-worker: --memory-per-slot and --cpus-per-slot need cgroups "
+                 "(--cgroups auto or require)\n";
+    return 2;
   }
   // The node token, once the devices are settled (their errors come first).
   if (auto tls = trainyard::MakeChannelCredentials(options.tls); !tls.ok()) {

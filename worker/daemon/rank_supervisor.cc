@@ -605,6 +605,20 @@ void RankSupervisor::Exec(const v1::Assignment& a, const RankKey& key, int devic
       absl::StrCat("device=", device),
       absl::StrCat("grace_ms=", absl::ToInt64Milliseconds(options_.stop_grace)),
       absl::StrCat("orphan_ms=", absl::ToInt64Milliseconds(orphan_timeout_))};
+  // Its cgroup, held to the rank's limits (cgroups.h).
+  if (options_.cgroups != nullptr && options_.cgroups->version != 0) {
+    auto dirs =
+        CreateRankCgroup(*options_.cgroups,
+                         absl::StrCat(options_.cgroup_prefix, "/", std::get<0>(key), "/attempt-",
+                                      std::get<1>(key), "/rank-", std::get<2>(key)),
+                         options_.rank_limits);
+    if (!dirs.ok()) {
+      close(env_fd);
+      ReportExit(key, 127, std::string(dirs.status().message()));
+      return;
+    }
+    for (const std::string& d : *dirs) shepherd.push_back("cgroup=" + d);
+  }
   if (account.has_value()) {
     shepherd.push_back(absl::StrCat("uid=", account->uid));
     shepherd.push_back(absl::StrCat("gid=", account->gid));
@@ -645,8 +659,14 @@ void RankSupervisor::Exec(const v1::Assignment& a, const RankKey& key, int devic
       dup2(devnull, STDOUT_FILENO);
       dup2(devnull, STDERR_FILENO);
     }
-    if (dup2(*listener, 3) != 3) _exit(127);  // the shepherd's listening socket
-    if (dup2(env_fd, 4) != 4) _exit(127);     // the rank's environment
+    // The listening socket as 3, the rank's environment as 4, whatever numbers they have here
+    // (either may be 3 or 4 already, and dup2 onto itself would keep close-on-exec): both
+    // moved above first.
+    const int listen_high = fcntl(*listener, F_DUPFD_CLOEXEC, 10);
+    const int env_high = fcntl(env_fd, F_DUPFD_CLOEXEC, 10);
+    if (listen_high < 0 || env_high < 0 || dup2(listen_high, 3) != 3 || dup2(env_high, 4) != 4) {
+      _exit(127);
+    }
     close_range(5, ~0U, 0);  // nothing else of the worker's (sockets, driver files) leaks in
     execve(c_argv[0], c_argv.data(), c_env.data());
     _exit(127);

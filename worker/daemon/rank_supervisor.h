@@ -29,6 +29,7 @@
 #include "absl/time/time.h"
 #include "trainyard/v1/job.pb.h"
 #include "trainyard/v1/node.pb.h"
+#include "worker/daemon/cgroups.h"
 #include "worker/daemon/run_as.h"
 
 namespace trainyard::worker {
@@ -58,6 +59,10 @@ struct SupervisorOptions {
   // Which of this worker's own environment variables reach its ranks: names, or prefixes ending
   // in '*' (the worker's --rank-env). Never its node token. See RankEnvironment.
   std::vector<std::string> rank_env = DefaultRankEnv();
+  // Where each rank's cgroup is made (cgroups.h); null or version 0: ranks are not confined.
+  std::shared_ptr<const CgroupHost> cgroups;
+  CgroupLimits rank_limits;                 // each rank's (one device or CPU slot)
+  std::string cgroup_prefix = "trainyard";  // the ranks' folders: PREFIX/JOB/attempt-N/rank-R
 };
 
 // A rank's environment, in this order, a later entry replacing an earlier one of the same name:

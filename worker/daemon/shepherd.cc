@@ -28,6 +28,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "worker/daemon/cgroups.h"
 
 namespace trainyard::worker {
 namespace {
@@ -121,6 +122,7 @@ struct Settings {
   bool switch_account = false;
   std::string mark;  // the rank's TRAINYARD_RANK_MARK value
   int env_fd = -1;   // the rank's environment (RankSupervisor's memfd); -1: an empty one
+  std::vector<std::string> cgroups;  // the rank's cgroup folders (cgroups.h); none: not confined
   uid_t uid = 0;
   gid_t gid = 0;
   std::vector<gid_t> groups;
@@ -143,6 +145,8 @@ absl::StatusOr<Settings> ParseSettings(int argc, char** argv) {
       s.cwd = value;
     } else if (name == "mark") {
       s.mark = value;
+    } else if (name == "cgroup" && absl::StartsWith(value, "/")) {
+      s.cgroups.push_back(value);
     } else if (name == "env_fd" && numeric && number > kListenFd && number < 1024) {
       s.env_fd = static_cast<int>(number);
     } else if (name == "device" && numeric) {
@@ -256,6 +260,11 @@ pid_t StartRank(const Settings& s, int log_fd) {
     close_range(s.env_fd + 1, ~0U, 0);
   } else {
     close_range(3, ~0U, 0);
+  }
+  // Into the rank's cgroups while still root (the folders are root's); its children follow.
+  if (!s.cgroups.empty() && !JoinCgroups(s.cgroups, getpid())) {
+    ChildError("cannot join the rank's cgroup\n");
+    _exit(126);
   }
   if (s.switch_account && (setgroups(s.groups.size(), s.groups.data()) != 0 || setgid(s.gid) != 0 ||
                            setuid(s.uid) != 0)) {
@@ -395,6 +404,7 @@ int RunShepherd(int argc, char** argv) {
   auto stop = [&](int sig) {
     kill(-rank, sig);
     SignalMarked(mark, sig);
+    SignalCgroups(s.cgroups, sig);  // also what left the group and cleared its environment
   };
   auto say_exit = [&] {
     if (conn >= 0 && exit_code.has_value()) {
@@ -432,6 +442,15 @@ int RunShepherd(int argc, char** argv) {
           if (!exit_code.has_value() && waitpid(rank, &status, WNOHANG) == rank) {
             exit_code = ExitCodeOf(status);
             stop(SIGKILL);  // what it left behind, in its group or outside
+            // Killed at its memory limit: said in its log, where its failure message comes from.
+            if (const auto memory = ReadMemory(s.cgroups);
+                memory.has_value() && memory->oom_kills > 0) {
+              Note(log_fd, absl::StrCat("error: out of memory: the rank reached its memory limit (",
+                                        memory->limit_bytes > 0 ? FormatBytes(memory->limit_bytes)
+                                                                : std::string("none"),
+                                        ", peak ", FormatBytes(memory->peak_bytes),
+                                        ") and the kernel killed a process of it"));
+            }
             RemoveSharedMemoryOf(rank);
             say_exit();
           }
@@ -489,6 +508,12 @@ int RunShepherd(int argc, char** argv) {
     stop(SIGKILL);
     waitpid(rank, nullptr, 0);
   }
+  // Nothing of the rank is left in its cgroups; then they go.
+  for (int i = 0; i < 50 && !s.cgroups.empty() && !CgroupsEmpty(s.cgroups); ++i) {
+    SignalCgroups(s.cgroups, SIGKILL);
+    usleep(20000);
+  }
+  RemoveCgroups(s.cgroups);
   return 0;
 }
 

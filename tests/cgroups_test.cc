@@ -1,0 +1,203 @@
+// The worker's cgroups (worker/daemon/cgroups.h): detection from /proc's texts for v1, a delegated
+// v2, a container's mounts and hosts with neither (pure); sizes; and, as root on a host with
+// usable cgroups (this development machine mounts v1 writable), a rank's cgroup made for real:
+// its limits written, a process joined, signalled whole, its OOM kill counted, the folder removed.
+#include "worker/daemon/cgroups.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+namespace trainyard::worker {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kV1Mounts[] =
+    "31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n"
+    "32 31 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu\n"
+    "33 31 0:30 / /sys/fs/cgroup/cpuacct rw,relatime - cgroup cgroup rw,cpuacct\n"
+    "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n"
+    "37 31 0:34 / /sys/fs/cgroup/freezer rw,relatime - cgroup cgroup rw,freezer\n"
+    "39 31 0:36 / /sys/fs/cgroup/pids rw,relatime - cgroup cgroup rw,pids\n"
+    "41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n";
+constexpr char kV1Self[] =
+    "8:pids:/\n6:freezer:/\n4:memory:/process_api/50e1\n2:cpuacct:/\n1:cpu:/\n0::/\n";
+
+std::string NoControllers(const std::string&) { return ""; }
+
+TEST(DetectCgroupsTest, V1WithAnUndelegatedUnifiedHierarchyBesideIt) {
+  const CgroupHost host = DetectCgroupsFrom(kV1Mounts, kV1Self, NoControllers);
+  EXPECT_EQ(host.version, 1) << host.why;
+  EXPECT_EQ(host.parents.at("memory"), "/sys/fs/cgroup/memory/process_api/50e1");
+  EXPECT_EQ(host.parents.at("cpu"), "/sys/fs/cgroup/cpu");
+  EXPECT_EQ(host.parents.at("pids"), "/sys/fs/cgroup/pids");
+  EXPECT_EQ(host.parents.at("freezer"), "/sys/fs/cgroup/freezer");
+  EXPECT_EQ(host.parents.at("cpuacct"), "/sys/fs/cgroup/cpuacct");
+  EXPECT_THAT(DescribeCgroups(host), HasSubstr("cgroup v1 ("));
+}
+
+TEST(DetectCgroupsTest, V2WhereTheServiceWasDelegatedItsSubtree) {
+  const std::string mounts = "30 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw\n";
+  const std::string self = "0::/system.slice/trainyard-worker.service\n";
+  std::string asked;
+  const CgroupHost host = DetectCgroupsFrom(mounts, self, [&](const std::string& dir) {
+    asked = dir;
+    return std::string("cpuset cpu io memory pids\n");
+  });
+  EXPECT_EQ(asked, "/sys/fs/cgroup/system.slice/trainyard-worker.service");
+  EXPECT_EQ(host.version, 2) << host.why;
+  EXPECT_EQ(host.parents.at(""), "/sys/fs/cgroup/system.slice/trainyard-worker.service");
+}
+
+TEST(DetectCgroupsTest, AContainersMountsShowOnlyItsOwnSubtree) {
+  // The hierarchy's root is the container's cgroup: the worker's path is relative to it.
+  const std::string mounts =
+      "50 40 0:32 /docker/abc /sys/fs/cgroup/memory ro - cgroup cgroup rw,memory\n"
+      "51 40 0:29 /docker/abc /sys/fs/cgroup/cpu,cpuacct ro - cgroup cgroup rw,cpu,cpuacct\n"
+      "52 40 0:36 /docker/abc /sys/fs/cgroup/pids ro - cgroup cgroup rw,pids\n"
+      "53 40 0:34 /docker/abc /sys/fs/cgroup/freezer ro - cgroup cgroup rw,freezer\n";
+  const std::string self =
+      "4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc/worker\n2:pids:/docker/abc\n"
+      "1:freezer:/docker/abc\n";
+  const CgroupHost host = DetectCgroupsFrom(mounts, self, NoControllers);
+  EXPECT_EQ(host.version, 1) << host.why;
+  EXPECT_EQ(host.parents.at("memory"), "/sys/fs/cgroup/memory");
+  EXPECT_EQ(host.parents.at("cpu"), "/sys/fs/cgroup/cpu,cpuacct/worker");
+  EXPECT_EQ(host.parents.at("cpuacct"), "/sys/fs/cgroup/cpu,cpuacct/worker");
+}
+
+TEST(DetectCgroupsTest, NeitherSaysWhy) {
+  const std::string mounts =
+      "30 23 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n"
+      "35 31 0:32 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n";
+  const CgroupHost host =
+      DetectCgroupsFrom(mounts, "4:memory:/\n0::/user.slice\n",
+                        [](const std::string&) { return std::string("memory io\n"); });
+  EXPECT_EQ(host.version, 0);
+  EXPECT_TRUE(host.parents.empty());
+  EXPECT_THAT(host.why, HasSubstr("/sys/fs/cgroup/user.slice does not offer cpu, pids"));
+  EXPECT_THAT(host.why, HasSubstr("cgroup v1 lacks cpu, pids, freezer"));
+  EXPECT_THAT(DescribeCgroups(host), HasSubstr("no usable cgroups: "));
+}
+
+TEST(SizesTest, ParsedInBinaryUnitsAndPrintedBack) {
+  EXPECT_EQ(*ParseBytes("16GiB", "--memory-per-slot"), int64_t{16} << 30);
+  EXPECT_EQ(*ParseBytes("512MiB", "x"), int64_t{512} << 20);
+  EXPECT_EQ(*ParseBytes("4G", "x"), int64_t{4} << 30);
+  EXPECT_EQ(*ParseBytes("1.5GB", "x"), int64_t{3} << 29);
+  EXPECT_EQ(*ParseBytes("4096", "x"), 4096);
+  EXPECT_THAT(ParseBytes("lots", "--memory-per-slot").status().message(),
+              HasSubstr("--memory-per-slot: 'lots' is not a size"));
+  EXPECT_THAT(ParseBytes("4PB", "--memory-per-slot").status().message(), HasSubstr("unknown unit"));
+  EXPECT_EQ(FormatBytes(int64_t{4} << 30), "4 GiB");
+  EXPECT_EQ(FormatBytes(int64_t{64} << 20), "64 MiB");
+  EXPECT_EQ(FormatBytes(int64_t{3} << 29), "1.5 GiB");
+  EXPECT_EQ(FormatBytes(100), "100 B");
+}
+
+// Processes in the cgroup (its first folder's cgroup.procs).
+int Count(const std::vector<std::string>& dirs) {
+  std::ifstream in(dirs[0] + "/cgroup.procs");
+  int n = 0;
+  for (std::string line; std::getline(in, line);) n += !line.empty();
+  return n;
+}
+
+// As root where this host's cgroups are usable: a rank's cgroup for real.
+TEST(RankCgroupTest, LimitsAreWrittenAProcessJoinsAndIsKilledWholeAndAnOomIsCounted) {
+  if (geteuid() != 0) GTEST_SKIP() << "making cgroups needs root";
+  const CgroupHost host = DetectCgroups();
+  if (host.version == 0) GTEST_SKIP() << DescribeCgroups(host);
+  const std::string name = absl::StrCat("trainyard-test-", getpid(), "/job/attempt-1/rank-0");
+  CgroupLimits limits;
+  limits.memory_bytes = int64_t{32} << 20;
+  limits.cpus = 0.5;
+  limits.pids = 16;
+  auto dirs = CreateRankCgroup(host, name, limits);
+  ASSERT_TRUE(dirs.ok()) << dirs.status();
+  auto file = [](const std::string& path) {
+    std::ifstream in(path);
+    std::stringstream text;
+    text << in.rdbuf();
+    return text.str();
+  };
+  if (host.version == 1) {
+    EXPECT_EQ(file(host.parents.at("memory") + "/" + name + "/memory.limit_in_bytes"),
+              absl::StrCat(int64_t{32} << 20, "\n"));
+    EXPECT_EQ(file(host.parents.at("cpu") + "/" + name + "/cpu.cfs_quota_us"), "50000\n");
+    EXPECT_EQ(file(host.parents.at("pids") + "/" + name + "/pids.max"), "16\n");
+  } else {
+    EXPECT_EQ(file(host.parents.at("") + "/" + name + "/memory.max"),
+              absl::StrCat(int64_t{32} << 20, "\n"));
+    EXPECT_EQ(file(host.parents.at("") + "/" + name + "/cpu.max"), "50000 100000\n");
+  }
+  EXPECT_TRUE(CgroupsEmpty(*dirs));
+
+  // A process that joins, then one it starts in a session of its own: both end with the cgroup.
+  int ready[2];
+  ASSERT_EQ(pipe(ready), 0);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    if (!JoinCgroups(*dirs, getpid())) _exit(3);
+    if (fork() == 0) {
+      setsid();
+      execl("/bin/sleep", "sleep", "60", nullptr);
+      _exit(4);
+    }
+    (void)!write(ready[1], "x", 1);
+    execl("/bin/sleep", "sleep", "60", nullptr);
+    _exit(4);
+  }
+  close(ready[1]);
+  char byte = 0;
+  ASSERT_EQ(read(ready[0], &byte, 1), 1);
+  close(ready[0]);
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < deadline && Count(*dirs) < 2) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_FALSE(CgroupsEmpty(*dirs));
+  SignalCgroups(*dirs, SIGKILL);
+  while (absl::Now() < deadline && !CgroupsEmpty(*dirs)) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_TRUE(CgroupsEmpty(*dirs)) << "a process of the cgroup outlived SIGKILL to it";
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+
+  // A process past the memory limit is OOM-killed, and the cgroup says so.
+  const pid_t hog = fork();
+  ASSERT_GE(hog, 0);
+  if (hog == 0) {
+    if (!JoinCgroups(*dirs, getpid())) _exit(3);
+    for (int i = 0; i < 256; ++i) {
+      char* block = new char[1 << 20];
+      for (int j = 0; j < (1 << 20); j += 4096) block[j] = static_cast<char>(j);
+    }
+    _exit(0);
+  }
+  ASSERT_EQ(waitpid(hog, &status, 0), hog);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << status;
+  const auto memory = ReadMemory(*dirs);
+  ASSERT_TRUE(memory.has_value());
+  EXPECT_EQ(memory->limit_bytes, int64_t{32} << 20);
+  EXPECT_GE(memory->oom_kills, 1);
+  EXPECT_GT(memory->peak_bytes, int64_t{16} << 20);
+  EXPECT_TRUE(RemoveCgroups(*dirs));
+  for (const std::string& d : *dirs) EXPECT_NE(access(d.c_str(), F_OK), 0) << d;
+  // The test's own top folders.
+  for (const auto& [controller, parent] : host.parents) {
+    rmdir(absl::StrCat(parent, "/trainyard-test-", getpid()).c_str());
+  }
+}
+
+}  // namespace
+}  // namespace trainyard::worker

@@ -1,0 +1,98 @@
+// Per-rank cgroups, as Slurm's task/cgroup and proctrack/cgroup: each rank runs in a cgroup of its
+// own under the worker's, held to a memory limit (ConstrainRAMSpace), a CPU quota and a number of
+// processes, and ending the rank ends every process in it, also one that left its session and
+// cleared its environment.
+//
+// Both hierarchies are supported, detected at the worker's start (DetectCgroups):
+//  - v1: the memory, cpu, pids and freezer controllers each mounted (cpuacct too, where mounted:
+//    CPU time); the rank's folder is made in each, under the worker's own cgroup there, and a
+//    stop freezes the rank's cgroup, signals every process in it and thaws it.
+//  - v2: a unified hierarchy whose subtree the worker may manage (systemd's Delegate=yes): the
+//    worker's cgroup offers memory, cpu and pids; the worker moves itself into a leaf ("worker")
+//    so that its cgroup may enable them for the ranks' folders; a stop writes cgroup.kill.
+// Device access is limited by CUDA_VISIBLE_DEVICES only (a rank could open another GPU's device
+// node; v1's devices controller and v2's BPF device filter are not used yet).
+//
+// The worker makes a rank's cgroup (CreateRankCgroup) and hands its folders to the rank's shepherd
+// (shepherd.h), which puts the rank's process into them before it drops privileges, signals them
+// when it stops the rank, reads the OOM count and peak memory when the rank ends, and removes
+// them. Plain functions over paths: the shepherd is single-threaded and needs no object.
+#ifndef TRAINYARD_WORKER_DAEMON_CGROUPS_H_
+#define TRAINYARD_WORKER_DAEMON_CGROUPS_H_
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace trainyard::worker {
+
+// What a rank is held to; 0: no limit of that kind.
+struct CgroupLimits {
+  int64_t memory_bytes = 0;  // resident memory (and swap, where the kernel counts it)
+  double cpus = 0;           // CPU time per wall-clock second
+  int64_t pids = 0;          // processes and threads
+};
+
+// Where ranks' cgroups go on this host.
+struct CgroupHost {
+  int version = 0;  // 1, 2; 0: none usable
+  std::string why;  // when none: why not
+  // v1: controller -> the worker's own cgroup folder in that controller's hierarchy; v2: "" ->
+  // the folder under which the ranks' cgroups are made (the worker's cgroup).
+  std::map<std::string, std::string> parents;
+};
+
+// Detection from the texts of /proc/self/mountinfo and /proc/self/cgroup (pure: unit-tested).
+// v2 when the unified hierarchy holds the worker's cgroup and `controllers_of` (the text of that
+// cgroup's cgroup.controllers; empty when unreadable) names memory, cpu and pids; else v1 when
+// memory, cpu, pids and freezer are mounted; else none, saying why.
+CgroupHost DetectCgroupsFrom(const std::string& mountinfo, const std::string& self_cgroup,
+                             const std::function<std::string(const std::string&)>& controllers_of);
+
+// The host's, read from /proc; on v2 it also moves this process into a leaf "worker" of its
+// cgroup and enables the controllers for the ranks' folders (a failure makes it none, saying why).
+CgroupHost DetectCgroups();
+
+// One line for the log: "cgroup v1 (memory, cpu, cpuacct, pids, freezer)" or "no usable cgroups:
+// WHY".
+std::string DescribeCgroups(const CgroupHost& host);
+
+// Makes the cgroup folders of a rank, `name` a relative path ("trainyard-w1/JOB/attempt-1/rank-0"),
+// under each parent, with `limits`; returns the folders to join (one per v1 hierarchy, one on
+// v2). A folder of that name already there (a rank that ended without cleaning up) is reused.
+absl::StatusOr<std::vector<std::string>> CreateRankCgroup(const CgroupHost& host,
+                                                          const std::string& name,
+                                                          const CgroupLimits& limits);
+
+// The shepherd's side. Puts `pid` into each of `dirs` (before it drops privileges).
+bool JoinCgroups(const std::vector<std::string>& dirs, pid_t pid);
+// Sends `sig` to every process in the cgroups (v2: cgroup.kill for SIGKILL; v1: frozen while
+// signalled, so that none forks past it).
+void SignalCgroups(const std::vector<std::string>& dirs, int sig);
+// Whether any process is left in them.
+bool CgroupsEmpty(const std::vector<std::string>& dirs);
+// The memory cgroup's limit, peak and OOM kills, when `dirs` has one.
+struct MemoryReport {
+  int64_t limit_bytes = 0;  // 0: none
+  int64_t peak_bytes = 0;
+  int64_t oom_kills = 0;
+};
+std::optional<MemoryReport> ReadMemory(const std::vector<std::string>& dirs);
+// Removes the (empty) folders; false if one stays.
+bool RemoveCgroups(const std::vector<std::string>& dirs);
+
+// "4 GiB", "64 MiB", "1.5 GiB" (binary units, as `yard` prints sizes).
+std::string FormatBytes(int64_t bytes);
+// "16GiB", "512MiB", "4G", "100000" (bytes); INVALID_ARGUMENT naming `flag`.
+absl::StatusOr<int64_t> ParseBytes(const std::string& text, const std::string& flag);
+
+}  // namespace trainyard::worker
+
+#endif  // TRAINYARD_WORKER_DAEMON_CGROUPS_H_
