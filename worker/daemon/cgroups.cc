@@ -209,10 +209,11 @@ std::string DescribeCgroups(const CgroupHost& host) {
   return absl::StrCat("cgroup v", host.version, " (", absl::StrJoin(parts, ", "), ")");
 }
 
-absl::StatusOr<std::vector<std::string>> CreateRankCgroup(const CgroupHost& host,
-                                                          const std::string& name,
-                                                          const CgroupLimits& limits) {
-  if (host.version == 0) return absl::FailedPreconditionError("no usable cgroups");
+namespace {
+
+absl::StatusOr<std::vector<std::string>> TryCreateRankCgroup(const CgroupHost& host,
+                                                             const std::string& name,
+                                                             const CgroupLimits& limits) {
   std::vector<std::string> dirs;
   std::map<std::string, std::string> by_controller;
   for (const auto& [controller, parent] : host.parents) {
@@ -266,6 +267,22 @@ absl::StatusOr<std::vector<std::string>> CreateRankCgroup(const CgroupHost& host
     s = set(pids + "/pids.max", limits.pids > 0 ? absl::StrCat(limits.pids) : std::string("max"));
   }
   if (!s.ok()) return s;
+  return dirs;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<std::string>> CreateRankCgroup(const CgroupHost& host,
+                                                          const std::string& name,
+                                                          const CgroupLimits& limits) {
+  if (host.version == 0) return absl::FailedPreconditionError("no usable cgroups");
+  // Another rank's shepherd may remove the attempt's folder (its last rank ended) while this one
+  // is being made: made again then.
+  absl::StatusOr<std::vector<std::string>> dirs;
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    dirs = TryCreateRankCgroup(host, name, limits);
+    if (dirs.ok()) break;
+  }
   return dirs;
 }
 

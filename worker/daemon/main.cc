@@ -288,51 +288,6 @@ int main(int argc, char** argv) {
     spdlog::info("not running as root: taking the jobs of {} only",
                  absl::StrJoin(options.supervisor.run_as->Owners(), ", "));
   }
-  // The ranks' cgroups: detected, and this worker's folder made in each hierarchy.
-  options.supervisor.rank_limits.cpus = cpus_per_slot;
-  options.supervisor.rank_limits.pids = pids_per_rank;
-  if (!memory_per_slot.empty()) {
-    auto bytes = trainyard::worker::ParseBytes(memory_per_slot, "--memory-per-slot");
-    if (!bytes.ok()) {
-      std::cerr << "trainyard-worker: " << bytes.status().message() << "\n";
-      return 2;
-    }
-    options.supervisor.rank_limits.memory_bytes = *bytes;
-  }
-  options.supervisor.cgroup_prefix =
-      "trainyard-" + absl::StrReplaceAll(options.node_id, {{"/", "_"}, {".", "_"}});
-  if (cgroups_mode != "off") {
-    trainyard::worker::CgroupHost host = trainyard::worker::DetectCgroups();
-    for (const auto& [controller, parent] : host.parents) {
-      const std::string mine = parent + "/" + options.supervisor.cgroup_prefix;
-      std::error_code ec;
-      std::filesystem::create_directories(mine, ec);
-      if (ec && host.version != 0) {
-        host.why = "cannot make " + mine + ": " + ec.message();
-        host.version = 0;
-      }
-    }
-    if (host.version == 0 && cgroups_mode == "require") {
-      std::cerr << "trainyard-worker: --cgroups require: " << host.why << "\n";
-      return 2;
-    }
-    const auto& l = options.supervisor.rank_limits;
-    if (host.version == 0) {
-      spdlog::warn("ranks are not confined: {}", trainyard::worker::DescribeCgroups(host));
-    } else {
-      spdlog::info("each rank in a cgroup of its own: {}; per rank: memory {}, CPUs {}, pids {}",
-                   trainyard::worker::DescribeCgroups(host),
-                   l.memory_bytes > 0 ? trainyard::worker::FormatBytes(l.memory_bytes) : "no limit",
-                   l.cpus > 0 ? absl::StrCat(l.cpus) : "no limit",
-                   l.pids > 0 ? absl::StrCat(l.pids) : "no limit");
-    }
-    options.supervisor.cgroups =
-        std::make_shared<const trainyard::worker::CgroupHost>(std::move(host));
-  } else if (options.supervisor.rank_limits.memory_bytes > 0 || cpus_per_slot > 0) {
-    std::cerr << "trainyard-worker: --memory-per-slot and --cpus-per-slot need cgroups "
-                 "(--cgroups auto or require)\n";
-    return 2;
-  }
   // The node token, once the devices are settled (their errors come first).
   if (auto tls = trainyard::MakeChannelCredentials(options.tls); !tls.ok()) {
     std::cerr << "trainyard-worker: " << tls.status().message() << "\n";
@@ -375,6 +330,56 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.supervisor.work_dir = work_dir;
+  // The ranks' cgroups: detected, and this worker's folder made in each hierarchy.
+  options.supervisor.rank_limits.cpus = cpus_per_slot;
+  options.supervisor.rank_limits.pids = pids_per_rank;
+  if (!memory_per_slot.empty()) {
+    auto bytes = trainyard::worker::ParseBytes(memory_per_slot, "--memory-per-slot");
+    if (!bytes.ok()) {
+      std::cerr << "trainyard-worker: " << bytes.status().message() << "\n";
+      return 2;
+    }
+    options.supervisor.rank_limits.memory_bytes = *bytes;
+  }
+  // The worker's folder: its node and its work directory, so that two workers on one host (tests
+  // run several named alike) never share one, and a restarted worker keeps its own.
+  uint32_t work_hash = 2166136261u;  // FNV-1a
+  for (unsigned char c : work_dir) work_hash = (work_hash ^ c) * 16777619u;
+  options.supervisor.cgroup_prefix =
+      absl::StrCat("trainyard-", absl::StrReplaceAll(options.node_id, {{"/", "_"}, {".", "_"}}),
+                   "-", absl::Hex(work_hash, absl::kZeroPad8));
+  if (cgroups_mode != "off") {
+    trainyard::worker::CgroupHost host = trainyard::worker::DetectCgroups();
+    for (const auto& [controller, parent] : host.parents) {
+      const std::string mine = parent + "/" + options.supervisor.cgroup_prefix;
+      std::error_code ec;
+      std::filesystem::create_directories(mine, ec);
+      if (ec && host.version != 0) {
+        host.why = "cannot make " + mine + ": " + ec.message();
+        host.version = 0;
+      }
+    }
+    if (host.version == 0 && cgroups_mode == "require") {
+      std::cerr << "trainyard-worker: --cgroups require: " << host.why << "\n";
+      return 2;
+    }
+    const auto& l = options.supervisor.rank_limits;
+    if (host.version == 0) {
+      spdlog::warn("ranks are not confined: {}", trainyard::worker::DescribeCgroups(host));
+    } else {
+      spdlog::info("each rank in a cgroup of its own: {}; per rank: memory {}, CPUs {}, pids {}",
+                   trainyard::worker::DescribeCgroups(host),
+                   l.memory_bytes > 0 ? trainyard::worker::FormatBytes(l.memory_bytes) : "no limit",
+                   l.cpus > 0 ? absl::StrCat(l.cpus) : "no limit",
+                   l.pids > 0 ? absl::StrCat(l.pids) : "no limit");
+    }
+    options.supervisor.cgroups =
+        std::make_shared<const trainyard::worker::CgroupHost>(std::move(host));
+  } else if (options.supervisor.rank_limits.memory_bytes > 0 || cpus_per_slot > 0) {
+    std::cerr << "trainyard-worker: --memory-per-slot and --cpus-per-slot need cgroups "
+                 "(--cgroups auto or require)\n";
+    return 2;
+  }
 
   trainyard::worker::WorkerDaemon daemon(options);
   std::unique_ptr<trainyard::MetricsEndpoint> metrics;
