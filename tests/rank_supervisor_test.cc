@@ -140,8 +140,9 @@ TEST(ShepherdTest, TakesConnectionsFromItsOwnAccountOnly) {
   close(*again);
 }
 
-// A rank's environment: the documented base, then the worker's variables that --rank-env names
-// (never its token), then trainyard's and the spec's, each replacing what came before.
+// A rank's environment: the documented base (the worker's PATH, LANG and TZ; the owner's HOME,
+// USER, LOGNAME, SHELL), then the worker's variables that --rank-env names (never its token), then
+// trainyard's and the spec's, each replacing what came before.
 TEST(RankEnvironmentTest, BaseThenTheNamedWorkerVariablesThenTheRanksOwn) {
   UnixAccount alice;
   alice.name = "alice";
@@ -177,6 +178,8 @@ TEST(RankEnvironmentTest, BaseThenTheNamedWorkerVariablesThenTheRanksOwn) {
       RankEnvironment(alice, worker, {"SSH_AUTH_SOCK", "TRAINYARD_TOKEN", "TRAINYARD_T*"}, {});
   EXPECT_EQ(std::vector<std::string>(named.begin() + 6, named.end()),
             std::vector<std::string>{"SSH_AUTH_SOCK=/tmp/agent"});
+  // The worker's PATH is the base's when the rank sets none (where the operator put python3).
+  EXPECT_EQ(named[0], "PATH=/opt/worker/bin");
 }
 
 // A failed rank's message leads with its cause, not with the first thing it printed.

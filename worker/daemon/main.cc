@@ -6,6 +6,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -354,11 +355,20 @@ int main(int argc, char** argv) {
       const std::string mine = parent + "/" + options.supervisor.cgroup_prefix;
       std::error_code ec;
       std::filesystem::create_directories(mine, ec);
-      if (ec && host.version != 0) {
-        host.why = "cannot make " + mine + ": " + ec.message();
+      // Made, or there already (an earlier worker of this work directory, perhaps root's):
+      // whether this process may make the ranks' folders in it.
+      const std::string probe = absl::StrCat(mine, "/.probe-", getpid());
+      if (!ec && mkdir(probe.c_str(), 0755) != 0) {
+        ec = std::error_code(errno, std::generic_category());
+      }
+      rmdir(probe.c_str());
+      if (ec) {
+        host.why = "cannot make the ranks' cgroups in " + mine + ": " + ec.message();
         host.version = 0;
+        break;
       }
     }
+    if (host.version == 0) host.parents.clear();
     if (host.version == 0 && cgroups_mode == "require") {
       std::cerr << "trainyard-worker: --cgroups require: " << host.why << "\n";
       return 2;

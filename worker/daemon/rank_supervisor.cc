@@ -186,7 +186,10 @@ std::vector<std::string> RankEnvironment(const UnixAccount& account,
     }
     return nullptr;
   };
-  set("PATH=/usr/local/bin:/usr/bin:/bin");
+  // The operator's PATH (where they put the programs and interpreters jobs use), else a plain
+  // one; a job's env may set its own.
+  const std::string* path = worker_value("PATH");
+  set(path != nullptr ? *path : "PATH=/usr/local/bin:/usr/bin:/bin");
   const std::string* lang = worker_value("LANG");
   set(lang != nullptr ? *lang : "LANG=C.UTF-8");
   if (const std::string* tz = worker_value("TZ"); tz != nullptr) set(*tz);

@@ -66,8 +66,9 @@ struct SupervisorOptions {
 };
 
 // A rank's environment, in this order, a later entry replacing an earlier one of the same name:
-//  1. the documented base: PATH=/usr/local/bin:/usr/bin:/bin, LANG (the worker's, else
-//     C.UTF-8), TZ (the worker's, if set), and HOME, USER, LOGNAME and SHELL of `account`;
+//  1. the documented base: PATH (the worker's, else /usr/local/bin:/usr/bin:/bin), LANG (the
+//     worker's, else C.UTF-8), TZ (the worker's, if set), and HOME, USER, LOGNAME and SHELL of
+//     `account`;
 //  2. the variables of `worker_env` (NAME=VALUE entries, the worker's environment) that
 //     `rank_env` names (names or prefixes ending in '*'), never TRAINYARD_TOKEN or
 //     TRAINYARD_TOKEN_FILE;
