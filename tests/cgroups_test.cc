@@ -199,5 +199,35 @@ TEST(RankCgroupTest, LimitsAreWrittenAProcessJoinsAndIsKilledWholeAndAnOomIsCoun
   }
 }
 
+// What killed workers left (empty trees) goes; a tree with a process in it stays.
+TEST(RankCgroupTest, TheSweepRemovesEmptyTreesOnly) {
+  if (geteuid() != 0) GTEST_SKIP() << "making cgroups needs root";
+  const CgroupHost host = DetectCgroups();
+  if (host.version == 0) GTEST_SKIP() << DescribeCgroups(host);
+  const std::string empty = absl::StrCat("trainyard-sweep-", getpid(), "/job-1/attempt-1/rank-0");
+  const std::string busy = absl::StrCat("trainyard-busy-", getpid(), "/job-1/attempt-1/rank-0");
+  auto empty_dirs = CreateRankCgroup(host, empty, {});
+  auto busy_dirs = CreateRankCgroup(host, busy, {});
+  ASSERT_TRUE(empty_dirs.ok() && busy_dirs.ok());
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    if (!JoinCgroups(*busy_dirs, getpid())) _exit(3);
+    execl("/bin/sleep", "sleep", "60", nullptr);
+    _exit(4);
+  }
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < deadline && Count(*busy_dirs) < 1) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_GE(SweepEmptyCgroups(host), 4);  // rank, attempt, job and the top, at least
+  for (const std::string& d : *empty_dirs) EXPECT_NE(access(d.c_str(), F_OK), 0) << d;
+  for (const std::string& d : *busy_dirs) EXPECT_EQ(access(d.c_str(), F_OK), 0) << d;
+  SignalCgroups(*busy_dirs, SIGKILL);
+  waitpid(child, nullptr, 0);
+  while (absl::Now() < deadline && !CgroupsEmpty(*busy_dirs))
+    absl::SleepFor(absl::Milliseconds(10));
+  SweepEmptyCgroups(host);
+  for (const std::string& d : *busy_dirs) EXPECT_NE(access(d.c_str(), F_OK), 0) << d;
+}
+
 }  // namespace
 }  // namespace trainyard::worker

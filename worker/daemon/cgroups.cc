@@ -353,6 +353,32 @@ bool RemoveCgroups(const std::vector<std::string>& dirs) {
   return all;
 }
 
+int SweepEmptyCgroups(const CgroupHost& host) {
+  int removed = 0;
+  std::set<std::string> seen;
+  for (const auto& [controller, parent] : host.parents) {
+    if (!seen.insert(parent).second) continue;
+    std::error_code ec;
+    for (const auto& top : std::filesystem::directory_iterator(parent, ec)) {
+      if (!top.is_directory() || !absl::StartsWith(top.path().filename().string(), "trainyard-")) {
+        continue;
+      }
+      // Deepest first: a folder's subfolders before it.
+      std::vector<std::string> folders;
+      std::error_code walk;
+      for (auto it = std::filesystem::recursive_directory_iterator(top.path(), walk);
+           !walk && it != std::filesystem::recursive_directory_iterator(); it.increment(walk)) {
+        if (it->is_directory()) folders.push_back(it->path().string());
+      }
+      std::sort(folders.begin(), folders.end(),
+                [](const std::string& a, const std::string& b) { return a.size() > b.size(); });
+      folders.push_back(top.path().string());
+      for (const std::string& f : folders) removed += rmdir(f.c_str()) == 0;
+    }
+  }
+  return removed;
+}
+
 std::string FormatBytes(int64_t bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   double v = static_cast<double>(bytes);

@@ -351,6 +351,9 @@ int main(int argc, char** argv) {
                    "-", absl::Hex(work_hash, absl::kZeroPad8));
   if (cgroups_mode != "off") {
     trainyard::worker::CgroupHost host = trainyard::worker::DetectCgroups();
+    if (const int swept = trainyard::worker::SweepEmptyCgroups(host); swept > 0) {
+      spdlog::info("removed {} empty cgroup folder(s) that stopped workers left", swept);
+    }
     for (const auto& [controller, parent] : host.parents) {
       const std::string mine = parent + "/" + options.supervisor.cgroup_prefix;
       std::error_code ec;
@@ -430,6 +433,19 @@ int main(int argc, char** argv) {
                options.coordinator, devices, options.gpus.empty() ? "CPU slot(s)" : "CUDA GPU(s)",
                options.supervisor.threads_per_rank, options.supervisor.trainer_path);
   daemon.Run();
+  // The worker's cgroup folders, once its ranks' are gone (their shepherds remove those as the
+  // ranks end; a worker that leaves its ranks running for the next one leaves its folders too).
+  if (options.supervisor.cgroups != nullptr) {
+    for (int i = 0; i < 20; ++i) {
+      bool all = true;
+      for (const auto& [controller, parent] : options.supervisor.cgroups->parents) {
+        const std::string mine = parent + "/" + options.supervisor.cgroup_prefix;
+        if (rmdir(mine.c_str()) != 0 && errno != ENOENT) all = false;
+      }
+      if (all) break;
+      usleep(50000);
+    }
+  }
   spdlog::info("stopped");
   // The signal thread waits in sigwait; nothing more to clean up.
   signals.detach();
