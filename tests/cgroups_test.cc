@@ -4,9 +4,11 @@
 // its limits written, a process joined, signalled whole, its OOM kill counted, the folder removed.
 #include "worker/daemon/cgroups.h"
 
+#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -15,6 +17,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 
 namespace trainyard::worker {
@@ -199,8 +202,9 @@ TEST(RankCgroupTest, LimitsAreWrittenAProcessJoinsAndIsKilledWholeAndAnOomIsCoun
   }
 }
 
-// What killed workers left (empty trees) goes; a tree with a process in it stays.
-TEST(RankCgroupTest, TheSweepRemovesEmptyTreesOnly) {
+// What killed workers left (empty trees a minute old) goes; a tree with a process in it, and one
+// made a moment ago (a worker may be starting a rank in it), stay.
+TEST(RankCgroupTest, TheSweepRemovesEmptyTreesAMinuteOldOnly) {
   if (geteuid() != 0) GTEST_SKIP() << "making cgroups needs root";
   const CgroupHost host = DetectCgroups();
   if (host.version == 0) GTEST_SKIP() << DescribeCgroups(host);
@@ -217,16 +221,34 @@ TEST(RankCgroupTest, TheSweepRemovesEmptyTreesOnly) {
     _exit(4);
   }
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (absl::Now() < deadline && Count(*busy_dirs) < 1) absl::SleepFor(absl::Milliseconds(10));
+  while (absl::Now() < deadline && Count(*busy_dirs) < 1) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  SweepEmptyCgroups(host);
+  for (const std::string& d : *empty_dirs) EXPECT_EQ(access(d.c_str(), F_OK), 0) << d;
+  // Two minutes old, every folder of both trees.
+  const timespec old_times[2] = {{time(nullptr) - 120, 0}, {time(nullptr) - 120, 0}};
+  for (const auto& [controller, parent] : host.parents) {
+    for (const std::string& tree : {empty, busy}) {
+      std::string path = parent;
+      for (absl::string_view part : absl::StrSplit(tree, '/')) {
+        absl::StrAppend(&path, "/", part);
+        utimensat(AT_FDCWD, path.c_str(), old_times, 0);
+      }
+    }
+  }
   EXPECT_GE(SweepEmptyCgroups(host), 4);  // rank, attempt, job and the top, at least
   for (const std::string& d : *empty_dirs) EXPECT_NE(access(d.c_str(), F_OK), 0) << d;
   for (const std::string& d : *busy_dirs) EXPECT_EQ(access(d.c_str(), F_OK), 0) << d;
   SignalCgroups(*busy_dirs, SIGKILL);
   waitpid(child, nullptr, 0);
-  while (absl::Now() < deadline && !CgroupsEmpty(*busy_dirs))
+  while (absl::Now() < deadline && !CgroupsEmpty(*busy_dirs)) {
     absl::SleepFor(absl::Milliseconds(10));
-  SweepEmptyCgroups(host);
-  for (const std::string& d : *busy_dirs) EXPECT_NE(access(d.c_str(), F_OK), 0) << d;
+  }
+  EXPECT_TRUE(RemoveCgroups(*busy_dirs));
+  for (const auto& [controller, parent] : host.parents) {
+    rmdir(absl::StrCat(parent, "/trainyard-busy-", getpid()).c_str());
+  }
 }
 
 }  // namespace

@@ -373,7 +373,14 @@ int SweepEmptyCgroups(const CgroupHost& host) {
       std::sort(folders.begin(), folders.end(),
                 [](const std::string& a, const std::string& b) { return a.size() > b.size(); });
       folders.push_back(top.path().string());
-      for (const std::string& f : folders) removed += rmdir(f.c_str()) == 0;
+      // Only folders a minute old: a rank's folder is made a few milliseconds before its
+      // process joins it, and another worker may be starting that rank right now.
+      const time_t minute_ago = time(nullptr) - 60;
+      for (const std::string& f : folders) {
+        struct stat st {};
+        if (stat(f.c_str(), &st) == 0 && st.st_mtime <= minute_ago)
+          removed += rmdir(f.c_str()) == 0;
+      }
     }
   }
   return removed;

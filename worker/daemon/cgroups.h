@@ -87,9 +87,10 @@ struct MemoryReport {
 std::optional<MemoryReport> ReadMemory(const std::vector<std::string>& dirs);
 // Removes the (empty) folders; false if one stays.
 bool RemoveCgroups(const std::vector<std::string>& dirs);
-// Removes every empty "trainyard-*" cgroup tree under the host's parents, deepest first: what
-// workers killed without their clean-up left (a tree with a process in it stays; a live worker
-// makes a removed folder again when it next starts a rank). Returns how many folders went.
+// Removes every empty "trainyard-*" cgroup folder under the host's parents that is a minute old,
+// deepest first: what workers killed without their clean-up left (a tree with a process in it
+// stays; a live worker makes a removed folder again when it next starts a rank). Returns how many
+// folders went.
 int SweepEmptyCgroups(const CgroupHost& host);
 
 // "4 GiB", "64 MiB", "1.5 GiB" (binary units, as `yard` prints sizes).
