@@ -25,6 +25,7 @@
 #include "client/verbs.h"
 #include "client/yard_client.h"
 #include "common/credentials.h"
+#include "common/log_text.h"
 #include "common/memory_estimate.h"
 #include "common/spec.h"
 
@@ -525,7 +526,28 @@ int Fetch(const Globals& g, const std::string& id, const std::string& out_dir) {
   return 0;
 }
 
-int Logs(const Globals& g, const std::string& id, bool follow, int tail) {
+// A job's output line for a terminal: its control characters (C0 but tab, DEL, and C1 encoded as
+// UTF-8: an 8-bit CSI) written as escapes, so that a job cannot set the reader's window title,
+// clear the screen, write the clipboard (OSC 52) or overwrite what was printed before.
+std::string TerminalSafe(const std::string& text) {
+  std::string out;
+  out.reserve(text.size());
+  for (size_t i = 0; i < text.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(text[i]);
+    if (c == 0xc2 && i + 1 < text.size() && static_cast<unsigned char>(text[i + 1]) >= 0x80 &&
+        static_cast<unsigned char>(text[i + 1]) <= 0x9f) {
+      absl::StrAppend(&out, "\\u00",
+                      absl::Hex(static_cast<unsigned char>(text[++i]), absl::kZeroPad2));
+    } else if ((c < 0x20 && c != '\t') || c == 0x7f) {
+      absl::StrAppend(&out, EscapeControl(absl::string_view(&text[i], 1)));
+    } else {
+      out.push_back(text[i]);
+    }
+  }
+  return out;
+}
+
+int Logs(const Globals& g, const std::string& id, bool follow, int tail, bool raw) {
   YardClient client(g.coordinator, g.Token(), g.tls);
   absl::Status s = client.Logs(NormalizeJobId(id), follow, tail, [&](const v1::LogLine& l) {
     if (g.json()) {
@@ -533,7 +555,8 @@ int Logs(const Globals& g, const std::string& id, bool follow, int tail) {
           << nlohmann::json{{"attempt", l.attempt()}, {"rank", l.rank()}, {"text", l.text()}}.dump()
           << "\n";
     } else {
-      std::cout << "[rank " << l.rank() << "] " << l.text() << "\n";
+      std::cout << "[rank " << l.rank() << "] " << (raw ? l.text() : TerminalSafe(l.text()))
+                << "\n";
     }
     std::cout.flush();
   });
@@ -718,7 +741,11 @@ void AddJobVerbs(CLI::App& app, Cli& c) {
   logs->add_option("job", job_id, "job id")->required();
   logs->add_flag("-f,--follow", follow, "keep printing until the job ends");
   logs->add_option("--tail", tail, "only the last N lines (0 = all kept)")->capture_default_str();
-  logs->callback([&] { rc = Logs(g, job_id, follow, tail); });
+  auto& raw = a.raw;
+  logs->add_flag("--raw", raw,
+                 "print the job's control characters as they are (terminal escapes included); "
+                 "by default they are shown as escapes (\\x1b, \\r)");
+  logs->callback([&] { rc = Logs(g, job_id, follow, tail, raw); });
 
   auto* metrics = app.add_subcommand(
       "metrics", "a job's training metrics: a table, or with -f a live progress bar and ETA");

@@ -63,6 +63,7 @@ struct VerbArgs {
   int limit = 0;
   bool follow = false;
   int tail = 0;
+  bool raw = false;  // yard logs --raw
   std::string out_dir;
   int world = 0, per_node = 0;
   std::string device_memory;

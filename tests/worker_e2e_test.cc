@@ -507,6 +507,31 @@ TEST_F(WorkerE2eTest, YardPrintsLogsPrefixedByRankAndRefusesToCheckpointAnEndedJ
   EXPECT_THAT(ckpt.err, HasSubstr("FAILED_PRECONDITION"));
 }
 
+// A job's terminal escapes (window title, clear screen, OSC 52 clipboard, a carriage return, an
+// 8-bit CSI) reach `yard logs` as escapes, not as commands to the reader's terminal; --raw gives
+// them as they are; tabs and UTF-8 stay.
+TEST_F(WorkerE2eTest, YardLogsShowsAJobsTerminalEscapesAsText) {
+  const v1::Job done =
+      RunToEnd(*client_, CommandSpec("escapes", 1,
+                                     {"/usr/bin/printf",
+                                      "\\033]0;owned\\007\\033[2J\\033]52;c;ZXZpbA==\\007a\\tb "
+                                      "\\302\\233\\303\\251t\\303\\251\\rZ\\n"}));
+  ASSERT_EQ(done.state(), v1::SUCCEEDED) << done.message();
+  const std::vector<std::string> env = {"TRAINYARD_TOKEN=" + alice_token_};
+  auto logs =
+      testing::RunCommand({BinPath("yard"), "--coordinator", address_, "logs", done.id()}, env);
+  ASSERT_EQ(logs.exit_code, 0) << logs.err;
+  EXPECT_EQ(logs.out,
+            "[rank 0] \\x1b]0;owned\\x07\\x1b[2J\\x1b]52;c;ZXZpbA==\\x07a\tb "
+            "\\u009b\xc3\xa9t\xc3\xa9\\rZ\n");
+  auto raw = testing::RunCommand(
+      {BinPath("yard"), "--coordinator", address_, "logs", done.id(), "--raw"}, env);
+  ASSERT_EQ(raw.exit_code, 0) << raw.err;
+  EXPECT_EQ(raw.out,
+            "[rank 0] \x1b]0;owned\x07\x1b[2J\x1b]52;c;ZXZpbA==\x07"
+            "a\tb \xc2\x9b\xc3\xa9t\xc3\xa9\rZ\n");
+}
+
 TEST_F(WorkerE2eTest, RanksGetTheirAttemptsJobCredentialButNotTheWorkersNodeToken) {
   // This worker has its node token in the environment, where ranks would inherit it.
   worker_->Signal(SIGTERM);
