@@ -42,6 +42,10 @@ int main(int argc, char** argv) {
   app.add_option("--tls-ca", g.tls.ca_file,
                  "CA (PEM) to verify a coordinator that serves TLS with (env TRAINYARD_TLS_CA)")
       ->envname(trainyard::kTlsCaEnv);
+  app.add_flag("--insecure", g.tls.plaintext_token_ok,
+               "send your API token without TLS to a coordinator that is not on this host (only "
+               "on a network you trust; env TRAINYARD_INSECURE=1)")
+      ->envname("TRAINYARD_INSECURE");
 
   AddJobVerbs(app, c);
   AddIdentityVerbs(app, c);

@@ -27,6 +27,14 @@ void YardClient::Connect() {
   args.SetMaxReceiveMessageSize(64 << 20);
   auto credentials = MakeChannelCredentials(tls_);
   if (!credentials.ok() && token_.ok()) token_ = credentials.status();  // every call fails so
+  // A token is a bearer credential: never in clear to another host unless told so.
+  if (token_.ok() && !tls_.enabled() && !tls_.plaintext_token_ok &&
+      !IsLoopback(endpoints_.current())) {
+    token_ = absl::FailedPreconditionError(absl::StrCat(
+        "refusing to send your API token in clear to ", endpoints_.current(),
+        ", which is not this host: give the coordinator's CA with --tls-ca (env "
+        "TRAINYARD_TLS_CA), or --insecure (env TRAINYARD_INSECURE=1) on a network you trust"));
+  }
   channel_ = grpc::CreateCustomChannel(
       endpoints_.current(), credentials.ok() ? *credentials : grpc::InsecureChannelCredentials(),
       args);

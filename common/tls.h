@@ -42,6 +42,9 @@ struct TlsClientOptions {
   std::string ca_file;    // PEM roots to verify the server with; empty: plaintext
   std::string cert_file;  // a client certificate (mutual TLS), with its key
   std::string key_file;
+  // yard: a bearer token may go in clear to a coordinator that is not on this host (`--insecure`,
+  // env TRAINYARD_INSECURE); without TLS it otherwise goes to loopback addresses only.
+  bool plaintext_token_ok = false;
   bool enabled() const { return !ca_file.empty(); }
 };
 

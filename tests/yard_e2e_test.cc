@@ -324,6 +324,35 @@ TEST_F(YardE2eTest, UnknownFieldNamesItAndItsLineAndStoresNothing) {
   EXPECT_THAT(ListedIds(), IsEmpty());
 }
 
+// A bearer token never goes in clear to another host: without --tls-ca yard refuses before any
+// call (the documentation addresses below are never dialled) and names both ways out. With
+// --insecure it sends it: here to an address yard cannot tell is this host's (an IPv4-mapped
+// IPv6 loopback, which reaches the coordinator's 127.0.0.1 listener), so nothing leaves it.
+TEST_F(YardE2eTest, RefusesToSendItsTokenInClearToAnotherHostUnlessInsecure) {
+  for (const std::string remote : {"192.0.2.1:7070", "coordinator.example:7070"}) {
+    CommandResult r =
+        YardAlone({"--coordinator", remote, "--token-file", TokenFile("alice"), "ls"});
+    ExpectOneLineFailure(r);
+    EXPECT_THAT(r.err, AllOf(HasSubstr("refusing to send your API token in clear to " + remote),
+                             HasSubstr("--tls-ca"), HasSubstr("--insecure")));
+  }
+  const std::string port = address_.substr(address_.rfind(':') + 1);
+  const std::string mapped = "[::ffff:127.0.0.1]:" + port;
+  CommandResult refused =
+      YardAlone({"--coordinator", mapped, "--token-file", TokenFile("alice"), "ls"});
+  ExpectOneLineFailure(refused);
+  EXPECT_THAT(refused.err, HasSubstr("refusing to send your API token in clear"));
+  const std::string id = SubmitCharGpt();
+  CommandResult insecure =
+      YardAlone({"--insecure", "--coordinator", mapped, "--token-file", TokenFile("alice"), "ls"});
+  EXPECT_EQ(insecure.exit_code, 0) << insecure.err;
+  EXPECT_THAT(insecure.out, HasSubstr(id));
+  CommandResult via_env =
+      YardAlone({"--coordinator", mapped, "--token-file", TokenFile("alice"), "ls"},
+                {"TRAINYARD_INSECURE=1"});
+  EXPECT_EQ(via_env.exit_code, 0) << via_env.err;
+}
+
 TEST_F(YardE2eTest, MissingSpecFileNamesThePathAndStoresNothing) {
   const std::string path = dir_.path() + "/no-such-spec.yaml";
   CommandResult r = Yard({"submit", path});
