@@ -2,6 +2,9 @@
 as yard's (common/coordinator_endpoints.h). Pure logic, with stand-ins for gRPC's errors."""
 import grpc
 
+import pytest
+
+from trainyard import Client
 from trainyard._channel import Endpoints
 
 
@@ -53,3 +56,18 @@ def test_a_name_that_is_not_one_host_and_port_is_taken_as_none():
     for bad in ("c:3\nforged", "c:3,d:4", "no-port", "x" * 400):
         assert e.follow(Error(grpc.StatusCode.UNAVAILABLE, bad))
     assert e.addresses == ["a:1", "b:2"]
+
+
+def test_the_client_refuses_to_send_its_token_in_clear_to_another_host(monkeypatch):
+    # (No call is made: gRPC's channels connect on their first call, and none is made here.)
+    monkeypatch.delenv("TRAINYARD_TLS_CA", raising=False)
+    monkeypatch.delenv("TRAINYARD_INSECURE", raising=False)
+    for remote in ("192.0.2.1:7070", "coordinator.example:7070", "127.0.0.1:7070,192.0.2.1:7070",
+                   "[::ffff:127.0.0.1]:7070"):
+        with pytest.raises(ValueError, match="refusing to send your API token in clear"):
+            Client(remote, token="tyk.x")
+    for local in ("127.0.0.1:7070", "localhost:7070", "[::1]:7070", "127.0.0.1:1,127.0.0.2:2"):
+        Client(local, token="tyk.x").close()
+    Client("192.0.2.1:7070", token="tyk.x", insecure=True).close()
+    monkeypatch.setenv("TRAINYARD_INSECURE", "1")
+    Client("192.0.2.1:7070", token="tyk.x").close()

@@ -1,6 +1,7 @@
 """A client of the coordinator's JobService, as yard is, in the manner of Ray's
 JobSubmissionClient. Every call is made as the token's user: users see their own jobs, admins
 everyone's."""
+import ipaddress
 import os
 
 import grpc
@@ -37,11 +38,34 @@ def _default_token():
                      f"saved token in {saved} (yard login)")
 
 
+def _is_loopback(address):
+    """Whether HOST:PORT's host is this host's loopback (127.0.0.0/8, ::1, localhost), as yard
+    decides (common/tls.h IsLoopback)."""
+    host = address.strip().rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class Client:
-    def __init__(self, address=None, token=None, tls_ca=None, timeout=30.0):
+    def __init__(self, address=None, token=None, tls_ca=None, timeout=30.0, insecure=None):
+        """`insecure`: send the token without TLS to a coordinator that is not on this host
+        (default: env TRAINYARD_INSECURE=1); otherwise, without `tls_ca` (env TRAINYARD_TLS_CA),
+        such an address is refused with ValueError before any call, as yard refuses it."""
         from trainyard.v1 import job_pb2_grpc
 
         self.address = address or os.environ.get("TRAINYARD_COORDINATOR") or "127.0.0.1:7070"
+        if insecure is None:
+            insecure = os.environ.get("TRAINYARD_INSECURE", "") not in ("", "0")
+        ca = tls_ca if tls_ca is not None else os.environ.get("TRAINYARD_TLS_CA", "")
+        remote = [a.strip() for a in self.address.split(",") if a.strip() and not _is_loopback(a)]
+        if remote and not ca and not insecure:
+            raise ValueError(f"refusing to send your API token in clear to {remote[0]}, which is "
+                             "not this host: give tls_ca= (env TRAINYARD_TLS_CA), or "
+                             "insecure=True (env TRAINYARD_INSECURE=1) on a network you trust")
         self._metadata = bearer(token if token is not None else _default_token())
         self._timeout = timeout
         # (Several replicas: "a:7070,b:7070"; calls follow the leader.)
