@@ -168,6 +168,32 @@ TEST(BackupE2eTest, ARestoredCoordinatorHasEveryJobUserAccountAndTokenOfTheBacku
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_THAT(bad.err, HasSubstr(junk + " is not a trainyard coordinator's database"));
   EXPECT_NE(::stat((dir.path() + "/third/coordinator.db").c_str(), &st), 0);
+
+  // A database that looks like a backup (a schema version, a table named jobs) but holds another
+  // schema: refused, and the state directory is left as it was, so a retry with the real backup
+  // works.
+  const std::string foreign = dir.path() + "/foreign.db";
+  ASSERT_EQ(testing::RunCommand({"/usr/bin/sqlite3", foreign,
+                                 "PRAGMA user_version = 1; CREATE TABLE jobs (x TEXT); "
+                                 "INSERT INTO jobs VALUES ('not a job');"})
+                .exit_code,
+            0);
+  const std::string fourth = dir.path() + "/fourth";
+  testing::CommandResult wrong =
+      testing::RunCommand({BinPath("trainyard-coordinator"), "--listen", "127.0.0.1:0",
+                           "--state-dir", fourth, "--restore", foreign});
+  EXPECT_NE(wrong.exit_code, 0);
+  EXPECT_THAT(wrong.err, HasSubstr("restore_from: "));
+  for (const char* left : {"/coordinator.db", "/coordinator.db.restoring",
+                           "/coordinator.db.restoring-wal", "/coordinator.db.restoring-shm"}) {
+    EXPECT_NE(::stat((fourth + left).c_str(), &st), 0) << left << " left behind";
+  }
+  CoordinatorProcess retry = StartCoordinator(fourth, backup);
+  ASSERT_NE(retry.process, nullptr);
+  EXPECT_FALSE(retry.address.empty()) << "the retry with the real backup did not start";
+  retry.process->Signal(SIGTERM);
+  ASSERT_TRUE(retry.process->Wait(absl::Seconds(20)).has_value());
+  EXPECT_EQ(::stat((fourth + "/coordinator.db").c_str(), &st), 0);
 }
 
 }  // namespace

@@ -193,6 +193,22 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
       const std::string part = db + ".restoring";
       ::unlink(part.c_str());  // (an interrupted restore's)
       absl::Status restored = RestoreSqliteBackup(s->options_.restore_from, part);
+      // Read whole, as the start below will, before it takes the state directory's name: a
+      // file that only looks like a backup (another schema under the same table name) fails
+      // here and leaves the directory as it was, so that a retry with the right file works.
+      if (restored.ok()) {
+        auto probe = OpenSqliteJobStore(part, store_options);
+        if (!probe.ok()) {
+          restored = probe.status();
+        } else if (auto jobs = (*probe)->LoadJobs(); !jobs.ok()) {
+          restored = jobs.status();
+        } else if (auto nodes = (*probe)->LoadNodes(); !nodes.ok()) {
+          restored = nodes.status();
+        }
+      }
+      for (const char* suffix : {"-wal", "-shm"}) {
+        if (!restored.ok()) ::unlink(absl::StrCat(part, suffix).c_str());
+      }
       if (restored.ok() && ::rename(part.c_str(), db.c_str()) != 0) {
         restored = absl::InternalError(absl::StrCat("cannot rename ", part, ": ", strerror(errno)));
       }
