@@ -10,6 +10,8 @@
 #include <utility>
 #include <vector>
 
+#include "common/units.h"
+
 namespace trainyard::client {
 
 // Columns padded to their widest cell; one line per row.
@@ -21,10 +23,9 @@ std::string FormatFields(const std::vector<std::pair<std::string, std::string>>&
 std::string ToJson(const google::protobuf::Message& message);
 // "42s ago", "3m ago", "2h ago", "5d ago"; "-" for 0.
 std::string Ago(int64_t unix_ms, int64_t now_ms);
-// "512.0 MiB", "16.0 GiB".
-std::string HumanBytes(int64_t bytes);
-// "16GiB", "80G", "512MiB", "1.5GB" or plain bytes; nullopt if malformed.
-std::optional<int64_t> ParseBytes(const std::string& text);
+// (Sizes: common/units.h.)
+using ::trainyard::HumanBytes;
+using ::trainyard::ParseBytes;
 // "1.2M", "110.0M", "7.0B".
 std::string HumanCount(int64_t n);
 

@@ -93,21 +93,6 @@ TEST(DetectCgroupsTest, NeitherSaysWhy) {
   EXPECT_THAT(DescribeCgroups(host), HasSubstr("no usable cgroups: "));
 }
 
-TEST(SizesTest, ParsedInBinaryUnitsAndPrintedBack) {
-  EXPECT_EQ(*ParseBytes("16GiB", "--memory-per-slot"), int64_t{16} << 30);
-  EXPECT_EQ(*ParseBytes("512MiB", "x"), int64_t{512} << 20);
-  EXPECT_EQ(*ParseBytes("4G", "x"), int64_t{4} << 30);
-  EXPECT_EQ(*ParseBytes("1.5GB", "x"), int64_t{3} << 29);
-  EXPECT_EQ(*ParseBytes("4096", "x"), 4096);
-  EXPECT_THAT(ParseBytes("lots", "--memory-per-slot").status().message(),
-              HasSubstr("--memory-per-slot: 'lots' is not a size"));
-  EXPECT_THAT(ParseBytes("4PB", "--memory-per-slot").status().message(), HasSubstr("unknown unit"));
-  EXPECT_EQ(FormatBytes(int64_t{4} << 30), "4 GiB");
-  EXPECT_EQ(FormatBytes(int64_t{64} << 20), "64 MiB");
-  EXPECT_EQ(FormatBytes(int64_t{3} << 29), "1.5 GiB");
-  EXPECT_EQ(FormatBytes(100), "100 B");
-}
-
 // Processes in the cgroup (its first folder's cgroup.procs).
 int Count(const std::vector<std::string>& dirs) {
   std::ifstream in(dirs[0] + "/cgroup.procs");

@@ -757,7 +757,8 @@ TEST_F(WorkerE2eTest, RanksAreHeldToTheirMemoryCpusAndPidsAndEndWhole) {
                                      {"/usr/bin/python3", "-c",
                                       "b = b'x' * (512 << 20)\nprint('allocated', len(b))"}));
   EXPECT_EQ(hog.state(), v1::FAILED);
-  EXPECT_THAT(hog.message(), HasSubstr("out of memory: the rank reached its memory limit (96 MiB"));
+  EXPECT_THAT(hog.message(),
+              HasSubstr("out of memory: the rank reached its memory limit (96.0 MiB"));
   EXPECT_THAT(Logs(hog.id()), Not(Contains(HasSubstr("allocated"))));
   const auto beside_end =
       client_->Watch(beside->id(), absl::Seconds(60), [](const v1::Job&) { return false; });

@@ -386,44 +386,4 @@ int SweepEmptyCgroups(const CgroupHost& host) {
   return removed;
 }
 
-std::string FormatBytes(int64_t bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(bytes);
-  int u = 0;
-  while (v >= 1024 && u < 4) {
-    v /= 1024;
-    ++u;
-  }
-  if (u == 0 || std::fabs(v - std::round(v)) < 0.05) {
-    return absl::StrFormat("%d %s", static_cast<int64_t>(std::llround(v)), units[u]);
-  }
-  return absl::StrFormat("%.1f %s", v, units[u]);
-}
-
-absl::StatusOr<int64_t> ParseBytes(const std::string& text, const std::string& flag) {
-  absl::string_view t = absl::StripAsciiWhitespace(text);
-  size_t digits = 0;
-  while (digits < t.size() && (absl::ascii_isdigit(t[digits]) || t[digits] == '.')) ++digits;
-  double number = 0;
-  if (digits == 0 || !absl::SimpleAtod(t.substr(0, digits), &number) || number < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(flag, ": '", text, "' is not a size (such as 16GiB, 512MiB or 4G)"));
-  }
-  std::string unit = absl::AsciiStrToUpper(absl::StripAsciiWhitespace(t.substr(digits)));
-  if (absl::EndsWith(unit, "IB")) unit = unit.substr(0, unit.size() - 2);
-  if (unit.size() == 2 && unit[1] == 'B') unit = unit.substr(0, 1);
-  const std::map<std::string, int> shift = {{"", 0},   {"B", 0},  {"K", 10},
-                                            {"M", 20}, {"G", 30}, {"T", 40}};
-  auto it = shift.find(unit);
-  if (it == shift.end()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(flag, ": unknown unit in '", text, "' (B, KiB, MiB, GiB or TiB)"));
-  }
-  const double bytes = number * std::ldexp(1.0, it->second);
-  if (bytes >= std::ldexp(1.0, 62)) {
-    return absl::InvalidArgumentError(absl::StrCat(flag, ": '", text, "' is too large"));
-  }
-  return static_cast<int64_t>(std::llround(bytes));
-}
-
 }  // namespace trainyard::worker

@@ -93,11 +93,6 @@ bool RemoveCgroups(const std::vector<std::string>& dirs);
 // folders went.
 int SweepEmptyCgroups(const CgroupHost& host);
 
-// "4 GiB", "64 MiB", "1.5 GiB" (binary units, as `yard` prints sizes).
-std::string FormatBytes(int64_t bytes);
-// "16GiB", "512MiB", "4G", "100000" (bytes); INVALID_ARGUMENT naming `flag`.
-absl::StatusOr<int64_t> ParseBytes(const std::string& text, const std::string& flag);
-
 }  // namespace trainyard::worker
 
 #endif  // TRAINYARD_WORKER_DAEMON_CGROUPS_H_

@@ -34,6 +34,7 @@
 #include "common/metrics_endpoint.h"
 #include "common/server_main.h"
 #include "common/tls.h"
+#include "common/units.h"
 #include "common/version.h"
 #include "worker/daemon/cuda_devices.h"
 #include "worker/daemon/nvml.h"
@@ -335,9 +336,10 @@ int main(int argc, char** argv) {
   options.supervisor.rank_limits.cpus = cpus_per_slot;
   options.supervisor.rank_limits.pids = pids_per_rank;
   if (!memory_per_slot.empty()) {
-    auto bytes = trainyard::worker::ParseBytes(memory_per_slot, "--memory-per-slot");
-    if (!bytes.ok()) {
-      std::cerr << "trainyard-worker: " << bytes.status().message() << "\n";
+    const std::optional<int64_t> bytes = trainyard::ParseBytes(memory_per_slot);
+    if (!bytes.has_value() || *bytes <= 0) {
+      std::cerr << "trainyard-worker: --memory-per-slot: '" << memory_per_slot
+                << "' is not a size (such as 16GiB, 512MiB)\n";
       return 2;
     }
     options.supervisor.rank_limits.memory_bytes = *bytes;
@@ -382,7 +384,7 @@ int main(int argc, char** argv) {
     } else {
       spdlog::info("each rank in a cgroup of its own: {}; per rank: memory {}, CPUs {}, pids {}",
                    trainyard::worker::DescribeCgroups(host),
-                   l.memory_bytes > 0 ? trainyard::worker::FormatBytes(l.memory_bytes) : "no limit",
+                   l.memory_bytes > 0 ? trainyard::HumanBytes(l.memory_bytes) : "no limit",
                    l.cpus > 0 ? absl::StrCat(l.cpus) : "no limit",
                    l.pids > 0 ? absl::StrCat(l.pids) : "no limit");
     }

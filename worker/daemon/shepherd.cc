@@ -28,6 +28,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "common/units.h"
 #include "worker/daemon/cgroups.h"
 
 namespace trainyard::worker {
@@ -446,9 +447,9 @@ int RunShepherd(int argc, char** argv) {
             if (const auto memory = ReadMemory(s.cgroups);
                 memory.has_value() && memory->oom_kills > 0) {
               Note(log_fd, absl::StrCat("error: out of memory: the rank reached its memory limit (",
-                                        memory->limit_bytes > 0 ? FormatBytes(memory->limit_bytes)
+                                        memory->limit_bytes > 0 ? HumanBytes(memory->limit_bytes)
                                                                 : std::string("none"),
-                                        ", peak ", FormatBytes(memory->peak_bytes),
+                                        ", peak ", HumanBytes(memory->peak_bytes),
                                         ") and the kernel killed a process of it"));
             }
             RemoveSharedMemoryOf(rank);

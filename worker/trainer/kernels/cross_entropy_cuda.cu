@@ -140,9 +140,8 @@ void CrossEntropyRowsCuda(const at::Tensor& logits, const at::Tensor& targets,
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, logits.scalar_type(), "CrossEntropyRowsCuda", [&] {
         constexpr int kVec = 16 / sizeof(scalar_t);
-        const bool aligned =
-            logits.size(1) % kVec == 0 && logits.stride(0) % kVec == 0 &&
-            reinterpret_cast<uintptr_t>(logits.data_ptr()) % 16 == 0;
+        const bool aligned = logits.size(1) % kVec == 0 && logits.stride(0) % kVec == 0 &&
+                             reinterpret_cast<uintptr_t>(logits.data_ptr()) % 16 == 0;
         if (aligned) {
           Launch<scalar_t, kVec>(logits, targets, w, loss, write_grad);
         } else {

@@ -11,21 +11,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The product's dtype: autocast's on CUDA (as the unfused Linear), x's otherwise.
-c10::ScalarType ComputeType(const torch::Tensor& x) {
-  if (x.is_cuda()) {
-    switch (AutocastScope::ActivePrecision()) {
-      case Precision::kBf16:
-        return torch::kBFloat16;
-      case Precision::kFp16:
-        return torch::kHalf;
-      default:
-        break;
-    }
-  }
-  return x.scalar_type();
-}
-
 int64_t ChunkRows(int64_t rows, int64_t vocab, int64_t element_bytes, int64_t asked) {
   if (asked > 0) return std::min(asked, std::max<int64_t>(rows, 1));
   constexpr int64_t kChunkBytes = int64_t{256} << 20;
@@ -42,7 +27,7 @@ class FusedLinearCrossEntropy : public torch::autograd::Function<FusedLinearCros
                                const torch::Tensor& weight, const torch::Tensor& targets,
                                const torch::Tensor& weights, int64_t chunk_rows, bool grad_x,
                                bool grad_weight) {
-    const c10::ScalarType type = ComputeType(x);
+    const c10::ScalarType type = AutocastScope::ProductType(x);
     const torch::Tensor xc = x.to(type).contiguous();
     const torch::Tensor wc = weight.to(type).contiguous();
     const int64_t rows = xc.size(0), vocab = wc.size(0);

@@ -13,22 +13,6 @@ using torch::autograd::variable_list;
 
 constexpr int64_t kMaxKernelWidth = 4096;  // the backward's partial sums live in shared memory
 
-// The norm's output dtype: autocast's on CUDA (what the Linear after it would cast it to), else
-// x's.
-c10::ScalarType OutType(const torch::Tensor& x) {
-  if (x.is_cuda()) {
-    switch (AutocastScope::ActivePrecision()) {
-      case Precision::kBf16:
-        return torch::kBFloat16;
-      case Precision::kFp16:
-        return torch::kHalf;
-      default:
-        break;
-    }
-  }
-  return x.scalar_type();
-}
-
 #if TRAINYARD_CUDA_KERNELS
 constexpr int64_t kRowsPerBlock = 8;  // layer_norm_cuda.cu's warps per block
 constexpr int64_t kMaxBackwardBlocks = 1024;
@@ -108,7 +92,7 @@ bool HasLayerNormKernel(int64_t d) {
 
 torch::Tensor LayerNormCast(const torch::Tensor& x, const torch::Tensor& weight,
                             const torch::Tensor& bias, double eps) {
-  const c10::ScalarType out_type = OutType(x);
+  const c10::ScalarType out_type = AutocastScope::ProductType(x);
 #if TRAINYARD_CUDA_KERNELS
   if (UsesKernel(x, weight, bias)) {
     return FusedLayerNorm::apply(x, torch::empty({0}, x.options()), weight, bias, eps,
@@ -122,7 +106,7 @@ std::pair<torch::Tensor, torch::Tensor> AddLayerNorm(const torch::Tensor& x, con
                                                      const torch::Tensor& weight,
                                                      const torch::Tensor& bias, double eps) {
   TORCH_CHECK(x.sizes() == y.sizes(), "AddLayerNorm: x and y must have one shape");
-  const c10::ScalarType out_type = OutType(x);
+  const c10::ScalarType out_type = AutocastScope::ProductType(x);
 #if TRAINYARD_CUDA_KERNELS
   if (UsesKernel(x, weight, bias) && y.is_cuda() && y.numel() > 0) {
     const variable_list out =

@@ -39,9 +39,7 @@ __global__ void __launch_bounds__(kThreads)
   const float* xr = x + row * d;
   const TY* yr = y == nullptr ? nullptr : y + row * d;
   float* sr = sum == nullptr ? nullptr : sum + row * d;
-  auto value = [&](int i) {
-    return yr == nullptr ? xr[i] : xr[i] + static_cast<float>(yr[i]);
-  };
+  auto value = [&](int i) { return yr == nullptr ? xr[i] : xr[i] + static_cast<float>(yr[i]); };
   float acc = 0.f;
   for (int i = lane; i < d; i += 32) {
     const float v = value(i);

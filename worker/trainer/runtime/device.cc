@@ -89,6 +89,20 @@ Precision AutocastScope::ActivePrecision() {
   return Active() ? autocast_precision : Precision::kFp32;
 }
 
+c10::ScalarType AutocastScope::ProductType(const torch::Tensor& x) {
+  if (x.is_cuda()) {
+    switch (ActivePrecision()) {
+      case Precision::kBf16:
+        return torch::kBFloat16;
+      case Precision::kFp16:
+        return torch::kHalf;
+      default:
+        break;
+    }
+  }
+  return x.scalar_type();
+}
+
 double GradNorm(const std::vector<torch::Tensor>& params) {
   std::vector<torch::Tensor> grads;
   for (const auto& p : params) {

@@ -50,6 +50,9 @@ class AutocastScope {
   // forward's precision (activation checkpointing).
   static bool Active();
   static Precision ActivePrecision();
+  // The dtype a product of `x` runs in: autocast's (bf16 or fp16) for a CUDA tensor while it is
+  // active, else x's own.
+  static c10::ScalarType ProductType(const torch::Tensor& x);
 
  private:
   bool on_ = false;
