@@ -1,8 +1,10 @@
-// AuthThrottle: slows guessing. Each key (a token id whose secret was wrong, a peer address) has
-// a bucket of `burst` failed authentications that refills at `per_second`; once a key's bucket is
-// empty its calls are refused with RESOURCE_EXHAUSTED, before any secret is checked, until it
-// refills (about 1/per_second seconds per failure). Successful calls cost nothing. Memory is
-// bounded: at most `max_keys` buckets, full ones dropped first, then the oldest.
+// AuthThrottle: counts failed authentications. Each key (a token id whose secret was wrong, a
+// peer address) has a bucket of `burst` failures that refills at `per_second`; once a key's
+// bucket is empty, Admit says so (RESOURCE_EXHAUSTED) until it refills (about 1/per_second
+// seconds per failure). The caller decides what a held key loses: the coordinator answers its
+// further failures RESOURCE_EXHAUSTED, never its valid credentials (IdentityRegistry::
+// AuthenticateFrom). Memory is bounded: at most `max_keys` buckets, full ones dropped first,
+// then the oldest.
 //
 // Pure logic on an injected clock. Thread-safe.
 #ifndef TRAINYARD_SERVER_COORDINATOR_AUTH_THROTTLE_H_

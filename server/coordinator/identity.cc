@@ -74,29 +74,35 @@ void IdentityRegistry::SetAuthThrottle(AuthThrottleOptions per_token,
 
 absl::StatusOr<Principal> IdentityRegistry::AuthenticateFrom(absl::string_view credential,
                                                              const std::string& peer) const {
+  // The credential is checked first, whatever others sent: a valid one is never refused for the
+  // failures of another client at the same address or of a guesser at the same token id. That
+  // costs one SHA-256 (or HMAC) a call; guessing stays hopeless because a secret is 256 random
+  // bits, and a guesser past its burst is answered RESOURCE_EXHAUSTED, uncounted, so a flood
+  // neither fills the failure counters nor tells it more than "wrong".
+  bool guess = false;
+  auto p = Authenticate(credential, &guess);
+  if (p.ok()) return p;
+  if (!guess) {
+    if (on_auth_failure_) on_auth_failure_("stale");
+    return p;
+  }
   const std::string peer_key = absl::StrCat("peer ", peer);
   std::string token_key;
   if (auto token = ParseApiToken(credential); token.ok()) {
     token_key = absl::StrCat("token ", token->id);
   }
-  absl::Status admitted = peer_throttle_->Admit(peer_key);
-  if (admitted.ok() && !token_key.empty()) admitted = token_throttle_->Admit(token_key);
-  if (!admitted.ok()) {
+  absl::Status held = peer_throttle_->Admit(peer_key);
+  if (held.ok() && !token_key.empty()) held = token_throttle_->Admit(token_key);
+  if (!held.ok()) {
     if (on_auth_failure_) on_auth_failure_("throttled");
-    return admitted;
+    return held;
   }
-  bool guess = false;
-  auto p = Authenticate(credential, &guess);
-  if (!p.ok()) {
-    if (guess) {
-      peer_throttle_->Failed(peer_key);
-      // Only a known token id has a secret to guess (unknown ids are counted per peer).
-      if (!token_key.empty() && absl::StrContains(p.status().message(), "wrong secret")) {
-        token_throttle_->Failed(token_key);
-      }
-    }
-    if (on_auth_failure_) on_auth_failure_(guess ? "guess" : "stale");
+  peer_throttle_->Failed(peer_key);
+  // Only a known token id has a secret to guess (unknown ids are counted per peer).
+  if (!token_key.empty() && absl::StrContains(p.status().message(), "wrong secret")) {
+    token_throttle_->Failed(token_key);
   }
+  if (on_auth_failure_) on_auth_failure_("guess");
   return p;
 }
 

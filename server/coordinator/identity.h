@@ -66,11 +66,11 @@ class IdentityRegistry {
   // credential, an unknown token id, a wrong secret, a job credential this coordinator did not
   // sign) rather than a stale credential (expired, revoked, user disabled or gone).
   absl::StatusOr<Principal> Authenticate(absl::string_view credential, bool* guess = nullptr) const;
-  // Authenticate for a call from `peer` (an address without its port), throttled: guesses are
-  // counted against the peer and, for a wrong secret, against the token id (SetAuthThrottle); a
-  // peer or token id that has used up its failures is refused with RESOURCE_EXHAUSTED before
-  // anything is checked. `on_failure` (if set) hears of every refusal: "throttled", "guess" or
-  // "stale".
+  // Authenticate for a call from `peer` (an address without its port), with failures throttled:
+  // a valid credential is always taken; a guess is counted against the peer and, for a wrong
+  // secret, against the token id (SetAuthThrottle), and once either has used up its failures
+  // the guesses are answered RESOURCE_EXHAUSTED instead of UNAUTHENTICATED. `on_failure` (if
+  // set) hears of every refusal: "throttled", "guess" or "stale".
   absl::StatusOr<Principal> AuthenticateFrom(absl::string_view credential,
                                              const std::string& peer) const;
   // Before serving. Burst <= 0 turns that throttle off.

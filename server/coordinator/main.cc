@@ -138,12 +138,14 @@ void AddSecurityFlags(CLI::App& app, CoordinatorOptions& options, Flags& f) {
                  "(created 0600; for log shippers)");
   auto& limits = options.limits;
   app.add_option("--auth-failures-per-token", limits.auth_per_token.burst,
-                 "wrong secrets a token id may be sent before its calls are refused unchecked "
-                 "(one more allowed each --auth-failure-refill seconds; 0: no throttle)")
+                 "wrong secrets a token id may be sent before further wrong ones are answered "
+                 "RESOURCE_EXHAUSTED (one more allowed each --auth-failure-refill seconds; its "
+                 "right secret is always taken; 0: no throttle)")
       ->capture_default_str();
   app.add_option("--auth-failures-per-peer", limits.auth_per_peer.burst,
-                 "malformed, unknown or wrong credentials one address may send before its calls "
-                 "are refused unchecked (0: no throttle)")
+                 "malformed, unknown or wrong credentials one address may send before further "
+                 "failures are answered RESOURCE_EXHAUSTED (valid credentials from it are always "
+                 "taken; 0: no throttle)")
       ->capture_default_str();
   app.add_option("--auth-failure-refill", f.refill_seconds,
                  "seconds after which one more failed authentication is forgiven")
