@@ -36,7 +36,7 @@ namespace {
 
 constexpr size_t kMaxRequestBytes = 8 << 10;
 constexpr int kIoTimeoutSeconds = 5;
-constexpr int kMaxConnections = 16;
+constexpr int kMaxConnections = 64;
 
 // "HOST:PORT" ("[v6]:PORT" too) into its parts; false if it is not that.
 bool SplitAddress(const std::string& address, std::string* host, std::string* port) {
@@ -97,6 +97,7 @@ struct MetricsEndpoint::Impl {
   int wakeup = -1;  // an eventfd written to stop the accept loop
   std::string bound;
   std::thread accept_thread;
+  absl::Duration request_deadline;
 
   absl::Mutex mu;
   bool stopping ABSL_GUARDED_BY(mu) = false;
@@ -104,6 +105,10 @@ struct MetricsEndpoint::Impl {
     int fd = -1;
     std::thread thread;
     bool done = false;
+    // The whole exchange (TLS handshake, request, answer) must end by then; past it the accept
+    // loop shuts the socket down under the connection's blocked read or write.
+    absl::Time deadline;
+    bool expired = false;
   };
   std::list<Connection> connections ABSL_GUARDED_BY(mu);
 
@@ -187,12 +192,37 @@ struct MetricsEndpoint::Impl {
     return SSL_new(tls);
   }
 
+  // Shuts down the sockets of connections past their deadline; the milliseconds until the next
+  // deadline (-1: none).
+  int ExpireConnections() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    const absl::Time now = absl::Now();
+    absl::Time next = absl::InfiniteFuture();
+    for (Connection& c : connections) {
+      if (c.done || c.expired) continue;
+      if (c.deadline <= now) {
+        ::shutdown(c.fd, SHUT_RDWR);
+        c.expired = true;
+      } else {
+        next = std::min(next, c.deadline);
+      }
+    }
+    if (next == absl::InfiniteFuture()) return -1;
+    return static_cast<int>(
+        absl::ToInt64Milliseconds(absl::Ceil(next - now, absl::Milliseconds(1))));
+  }
+
   void AcceptLoop() {
+    int wait_ms = -1;
     while (true) {
       pollfd fds[2] = {{listener, POLLIN, 0}, {wakeup, POLLIN, 0}};
-      const int r = ::poll(fds, 2, -1);
+      const int r = ::poll(fds, 2, wait_ms);
       if (r < 0 && errno == EINTR) continue;
       if (r < 0 || fds[1].revents != 0) return;
+      if (r == 0) {
+        absl::MutexLock lock(&mu);
+        wait_ms = ExpireConnections();
+        continue;
+      }
       const int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
       if (fd < 0) continue;
       absl::MutexLock lock(&mu);
@@ -206,13 +236,16 @@ struct MetricsEndpoint::Impl {
           ++it;
         }
       }
+      wait_ms = ExpireConnections();
       if (stopping || static_cast<int>(connections.size()) >= kMaxConnections) {
         ::close(fd);
         continue;
       }
       Connection& c = connections.emplace_back();
       c.fd = fd;
+      c.deadline = absl::Now() + request_deadline;
       c.thread = std::thread([this, &c] { Serve(&c); });
+      if (wait_ms < 0) wait_ms = static_cast<int>(absl::ToInt64Milliseconds(request_deadline)) + 1;
     }
   }
 
@@ -322,6 +355,7 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
   }
   auto impl = std::make_unique<Impl>();
   impl->registry = std::move(registry);
+  impl->request_deadline = options.request_deadline;
   if (!options.token_file.empty()) {
     auto token = ReadSecretFile(options.token_file);
     if (!token.ok()) {

@@ -5,8 +5,9 @@
 // address needs a token unless the operator says --metrics-insecure: metrics name jobs, users
 // and accounts.
 //
-// A small HTTP/1.1 server of its own (one answer per connection, requests up to 8 KiB, 5 s to
-// send one, at most 16 connections at once), so that the token check and TLS are ours.
+// A small HTTP/1.1 server of its own (one answer per connection, requests up to 8 KiB, at most 64
+// connections at once, each closed at its whole-request deadline however slowly its bytes
+// trickle), so that the token check and TLS are ours.
 // Thread-safe: Start and the destructor from the owner's thread; scrapes on its own threads.
 #ifndef TRAINYARD_COMMON_METRICS_ENDPOINT_H_
 #define TRAINYARD_COMMON_METRICS_ENDPOINT_H_
@@ -31,6 +32,9 @@ struct MetricsEndpointOptions {
   absl::Duration tls_reload = absl::Seconds(10);
   // Serve a non-loopback address without a token.
   bool insecure = false;
+  // From accept to the last byte of the answer (TLS handshake and request included): a client
+  // that takes longer loses its connection, so slow clients hold a slot this long at most.
+  absl::Duration request_deadline = absl::Seconds(10);
 };
 
 class MetricsEndpoint {

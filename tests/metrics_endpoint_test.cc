@@ -1,11 +1,13 @@
 // The servers' /metrics endpoint: Prometheus text over plain HTTP or TLS, with an optional bearer
 // token (401 without it, constant-time compared), only GET /metrics, and no non-loopback address
-// without a token unless --metrics-insecure. A real endpoint on loopback; TLS certificates from
+// without a token unless --metrics-insecure; trickling clients lose their connection at the
+// whole-request deadline. A real endpoint on loopback; TLS certificates from
 // the openssl command; the clients are raw sockets and OpenSSL, as a scraper is.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <netdb.h>
 #include <openssl/ssl.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -15,8 +17,10 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/credentials.h"
 #include "common/metrics_endpoint.h"
 #include "tests/testing/subprocess.h"
@@ -134,6 +138,52 @@ TEST_F(MetricsEndpointTest, ServesTheRegistryAsPrometheusTextOnlyAtMetrics) {
   const ssize_t n = recv(fd, buf, sizeof(buf) - 1, 0);
   close(fd);
   EXPECT_THAT(std::string(buf, n > 0 ? n : 0), StartsWith("HTTP/1.1 431 "));
+}
+
+// Slow clients (issue 52): twenty clients that trickle bytes of a request that never ends keep a
+// byte arriving far more often than the 5 s a single read may wait, yet each loses its
+// connection at the whole-request deadline, and a scrape beside them is answered meanwhile.
+TEST_F(MetricsEndpointTest, TricklingClientsLoseTheirConnectionAtTheDeadlineAndScrapesGoOn) {
+  MetricsEndpointOptions options;
+  options.address = "127.0.0.1:0";
+  options.request_deadline = absl::Seconds(1);
+  auto endpoint = MetricsEndpoint::Start(options, registry_);
+  ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+  const std::string address = (*endpoint)->bound_address();
+  const absl::Time start = absl::Now();
+  std::vector<int> slow;
+  for (int i = 0; i < 20; ++i) {
+    const int fd = Dial(address);
+    ASSERT_GE(fd, 0);
+    slow.push_back(fd);
+  }
+  EXPECT_THAT(Get(address, "/metrics"), StartsWith("HTTP/1.1 200 OK"));
+
+  std::vector<pollfd> fds;
+  for (int fd : slow) fds.push_back({fd, POLLIN, 0});
+  size_t open = fds.size();
+  absl::Duration last_closed;
+  while (open > 0 && absl::Now() - start < absl::Seconds(8)) {
+    for (pollfd& p : fds) {
+      if (p.fd >= 0) send(p.fd, "X", 1, MSG_NOSIGNAL);  // header bytes, never a blank line
+    }
+    if (poll(fds.data(), fds.size(), 100) <= 0) continue;
+    for (pollfd& p : fds) {
+      if (p.fd < 0 || p.revents == 0) continue;
+      char buf[64];
+      EXPECT_LE(recv(p.fd, buf, sizeof(buf), 0), 0) << "a trickled request got an answer";
+      close(p.fd);
+      p.fd = -1;
+      --open;
+      last_closed = absl::Now() - start;
+    }
+  }
+  EXPECT_EQ(open, 0u) << "slow clients still connected after 8 s";
+  EXPECT_LT(last_closed, absl::Seconds(4.5)) << "closed by the 5 s read timeout, not the deadline";
+  for (const pollfd& p : fds) {
+    if (p.fd >= 0) close(p.fd);
+  }
+  EXPECT_THAT(Get(address, "/metrics"), StartsWith("HTTP/1.1 200 OK"));
 }
 
 TEST_F(MetricsEndpointTest, WithATokenFileScrapesNeedItsBearerToken) {
