@@ -17,6 +17,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -289,6 +290,8 @@ int EstimateMemoryVerb(const Globals& g, const std::string& path, int world, int
   // ready nodes offer, else unknown.
   int64_t device_bytes = 0;
   std::string device_source = "unknown (no --device-memory and no coordinator reachable)";
+  // Host memory: the most a ready worker offers its ranks, and its default per device.
+  int64_t host_bytes = 0, host_per_device = 0;
   if (!device_memory.empty()) {
     auto bytes = ParseBytes(device_memory);
     if (!bytes.has_value() || *bytes <= 0) {
@@ -305,6 +308,10 @@ int EstimateMemoryVerb(const Globals& g, const std::string& path, int world, int
         int64_t smallest = std::numeric_limits<int64_t>::max();
         for (const auto& d : n.devices()) smallest = std::min(smallest, d.memory_bytes());
         device_bytes = std::max(device_bytes, smallest);
+        if (n.host().memory_bytes() > host_bytes) {
+          host_bytes = n.host().memory_bytes();
+          host_per_device = n.host().memory_per_device();
+        }
       }
       if (device_bytes > 0) device_source = "the largest device of the cluster's ready nodes";
     }
@@ -322,6 +329,9 @@ int EstimateMemoryVerb(const Globals& g, const std::string& path, int world, int
                           {"largest_unit_parameters", LargestUnitParameters(spec.model())},
                           {"world_size", world},
                           {"device_memory_bytes", device_bytes},
+                          {"host_memory_per_rank_bytes", spec.resources().memory_bytes()},
+                          {"node_host_memory_bytes", host_bytes},
+                          {"node_host_memory_per_device_bytes", host_per_device},
                           {"estimates", nlohmann::json::array()}};
     for (const auto& e : estimates) {
       out["estimates"].push_back({{"strategy", e.Name()},
@@ -351,6 +361,18 @@ int EstimateMemoryVerb(const Globals& g, const std::string& path, int world, int
   std::cout << "device memory: "
             << (device_bytes > 0 ? absl::StrCat(HumanBytes(device_bytes), " (", device_source, ")")
                                  : device_source)
+            << "\n";
+  // Host memory beside it: what each rank asks for (resources.memory; a rank asking none is
+  // charged its node's share per device), and the most a ready worker offers.
+  std::cout << "host memory: "
+            << (spec.resources().memory_bytes() > 0
+                    ? absl::StrCat(HumanBytes(spec.resources().memory_bytes()),
+                                   " per rank (resources.memory)")
+                    : std::string("the node's share per device (no resources.memory)"))
+            << (host_bytes > 0
+                    ? absl::StrCat("; the largest worker offers ", HumanBytes(host_bytes), " (",
+                                   HumanBytes(host_per_device), " per device)")
+                    : std::string(""))
             << "\n\n";
   std::vector<std::vector<std::string>> rows;
   for (const auto& e : estimates) {
@@ -420,18 +442,35 @@ int Nodes(const Globals& g) {
     const std::string health = !faults.empty() ? absl::StrJoin(faults, "; ")
                                : sampled > 0   ? "ok"
                                                : "-";
-    // Parameter servers: shard memory held by running offload jobs / offered.
+    // Workers: the host's CPUs and memory held by running ranks / offered to them (where the
+    // worker counts them; its physical memory otherwise), and how ranks are held: "v1", "v2",
+    // or "none" (unconfined). Parameter servers: shard memory held by offload jobs / offered.
+    const v1::HostResources& host = n.host();
+    const std::string cpus =
+        ps || host.cpus() <= 0 ? "-" : absl::StrFormat("%g/%g", n.allocated_cpus(), host.cpus());
+    std::string memory = HumanBytes(n.memory_bytes());
+    if (ps) {
+      memory = absl::StrCat(HumanBytes(n.reserved_bytes()), "/", HumanBytes(n.memory_bytes()));
+    } else if (host.memory_bytes() > 0) {
+      memory = absl::StrCat(HumanBytes(n.allocated_memory_bytes()), "/",
+                            HumanBytes(host.memory_bytes()));
+    }
+    std::string cgroups = "-";
+    if (absl::StartsWith(host.cgroups(), "cgroup v")) {
+      cgroups = host.cgroups().substr(7, 2);
+    } else if (!host.cgroups().empty()) {
+      cgroups = "none";
+    }
     rows.push_back(
         {n.id(), ps ? "ps" : "worker", state,
          ps ? "-" : absl::StrCat(n.allocated_devices_size(), "/", n.devices_size(), " ", kind),
-         ps ? absl::StrCat(HumanBytes(n.reserved_bytes()), "/", HumanBytes(n.memory_bytes()))
-            : HumanBytes(n.memory_bytes()),
-         gpus, health, n.address().empty() ? "-" : n.address(),
+         cpus, memory, cgroups, gpus, health, n.address().empty() ? "-" : n.address(),
          Ago(n.last_heartbeat_ms(), NowMs())});
   }
-  std::cout << FormatTable({"NODE", "ROLE", "STATE", "DEVICES(USED/ALL)", "MEMORY",
-                            "GPU UTIL MEM TEMP", "GPU HEALTH", "ADDRESS", "HEARTBEAT"},
-                           rows);
+  std::cout << FormatTable(
+      {"NODE", "ROLE", "STATE", "DEVICES(USED/ALL)", "CPUS(USED/ALL)", "MEMORY(USED/ALL)",
+       "CGROUPS", "GPU UTIL MEM TEMP", "GPU HEALTH", "ADDRESS", "HEARTBEAT"},
+      rows);
   return 0;
 }
 

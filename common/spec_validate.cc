@@ -603,6 +603,13 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   }
   RETURN_IF_ERROR(CheckRange("priority", spec.priority(), 1, 100));
   RETURN_IF_ERROR(CheckRequired("resources.gpus", spec.resources().gpus(), 1, 4096));
+  if (const double cpus = spec.resources().cpus();
+      !std::isfinite(cpus) || cpus < 0 || cpus > kMaxRankCpus) {
+    return FieldError("resources.cpus",
+                      absl::StrCat("CPUs per rank, at most ", kMaxRankCpus, ", got ", cpus));
+  }
+  RETURN_IF_ERROR(
+      CheckRange("resources.memory", spec.resources().memory_bytes(), 0, kMaxRankMemoryBytes));
   if (IsCommandJob(spec)) return ValidateCommandJob(spec);
   if (!spec.workdir().empty()) return FieldError("workdir", "only a command job has a workdir");
   if (!spec.env().empty()) return FieldError("env", "only a command job has env");

@@ -19,6 +19,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "common/status_macros.h"
+#include "common/units.h"
 
 namespace trainyard {
 
@@ -198,13 +199,33 @@ absl::Status ParseEnv(const YAML::Node& n, SpecParser& p, JobSpec& spec) {
 
 // The spec's `resources`.
 absl::Status ParseResources(const YAML::Node& n, SpecParser& p, JobSpec& spec) {
-  RETURN_IF_ERROR(p.Mapping(n, "resources", {"gpus"}));
+  RETURN_IF_ERROR(p.Mapping(n, "resources", {"gpus", "cpus", "memory"}));
   int32_t gpus = 0;
   RETURN_IF_ERROR(p.Integer(n, "gpus", "resources", gpus));
   if (n["gpus"] && gpus <= 0) {
     return p.Error(n["gpus"], absl::StrCat("resources.gpus: must be >= 1, got ", gpus));
   }
   spec.mutable_resources()->set_gpus(gpus);
+  double cpus = 0;
+  RETURN_IF_ERROR(p.Double(n, "cpus", "resources", cpus));
+  if (n["cpus"] && (cpus <= 0 || cpus > kMaxRankCpus)) {
+    return p.Error(n["cpus"],
+                   absl::StrCat("resources.cpus: CPUs per rank, more than 0 and at most ",
+                                kMaxRankCpus, ", got ", cpus));
+  }
+  spec.mutable_resources()->set_cpus(cpus);
+  if (n["memory"]) {
+    std::string text;
+    RETURN_IF_ERROR(p.Scalar(n["memory"], "resources.memory", text));
+    const std::optional<int64_t> bytes = ParseBytes(text);
+    if (!bytes.has_value() || *bytes <= 0 || *bytes > kMaxRankMemoryBytes) {
+      return p.Error(n["memory"],
+                     absl::StrCat("resources.memory: a size per rank such as 16GiB or 512MiB, at "
+                                  "most 64TiB, got '",
+                                  text, "'"));
+    }
+    spec.mutable_resources()->set_memory_bytes(*bytes);
+  }
   return absl::OkStatus();
 }
 

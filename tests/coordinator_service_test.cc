@@ -392,6 +392,65 @@ TEST_F(CoordinatorServiceTest, PlacedGangReachesItsNodeAndSucceedsWhenAllRanksEx
   EXPECT_EQ(WaitForState(job.id(), v1::SUCCEEDED).state(), v1::SUCCEEDED);
 }
 
+// CPUs and memory (issue 52): a job whose ranks no set of nodes holds is refused at submit naming
+// the field; placement counts what running jobs' ranks hold (their requests, or the node's charge
+// per device); the node lists what it offers and what is held.
+TEST_F(CoordinatorServiceTest, JobsArePlacedByTheirRanksCpusAndMemoryAndRefusedWhenNoNodeHolds) {
+  const int64_t gib = int64_t{1} << 30;
+  v1::RegisterNodeRequest r;
+  r.set_node_id("n1");
+  r.set_hostname("localhost");
+  r.set_memory_bytes(20 * gib);
+  for (int i = 0; i < 4; ++i) {
+    v1::Device* d = r.add_devices();
+    d->set_index(i);
+    d->set_kind(v1::CPU_SLOT);
+  }
+  r.mutable_host()->set_cpus(4);
+  r.mutable_host()->set_memory_bytes(16 * gib);
+  r.mutable_host()->set_cpus_per_device(1);
+  r.mutable_host()->set_memory_per_device(4 * gib);
+  r.mutable_host()->set_cgroups("cgroup v1 (memory, cpu, pids, freezer)");
+  auto n1 = testing::NodeSession::ConnectWith(channel_, tokens_->Node("n1"), r);
+
+  v1::JobSpec too_much = Spec(1, "too-much");
+  too_much.mutable_resources()->set_memory_bytes(32 * gib);
+  grpc::Status s = Submit(too_much, nullptr);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(),
+              HasSubstr("resources.memory: 1 ranks of 32.0 GiB each fit on no set of nodes"));
+  v1::JobSpec cpus = Spec(2, "cpus");
+  cpus.mutable_resources()->set_cpus(3);
+  s = Submit(cpus, nullptr);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("resources.cpus: 2 ranks of 3 CPUs each"));
+  v1::JobSpec bad = Spec(1, "bad");
+  bad.mutable_resources()->set_cpus(-1);
+  s = Submit(bad, nullptr);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("resources.cpus"));
+
+  // a: 2 ranks of 6 GiB hold 12 of the 16 GiB; b asks nothing (4 GiB a rank here) for 2 ranks:
+  // 2 devices are free, but memory for 1 rank only.
+  v1::JobSpec big = Spec(2, "a");
+  big.mutable_resources()->set_memory_bytes(6 * gib);
+  const v1::Job a = MustSubmit(big);
+  const v1::Job b = MustSubmit(Spec(2, "b"));
+  EXPECT_EQ(server_->jobs().SchedulePass(), 1);
+  v1::Job got;
+  ASSERT_TRUE(Get(a.id(), &got).ok());
+  EXPECT_EQ(got.state(), v1::RUNNING);
+  ASSERT_TRUE(Get(b.id(), &got).ok());
+  EXPECT_EQ(got.state(), v1::QUEUED);
+  EXPECT_THAT(got.why_waiting(), HasSubstr("waiting for 2 free devices (with the CPUs and memory"));
+  const v1::Node node = Node("n1");
+  EXPECT_EQ(node.host().memory_bytes(), 16 * gib);
+  EXPECT_EQ(node.host().cgroups(), "cgroup v1 (memory, cpu, pids, freezer)");
+  EXPECT_EQ(node.allocated_memory_bytes(), 12 * gib);
+  EXPECT_DOUBLE_EQ(node.allocated_cpus(), 2);  // a's ranks asked no CPUs: 1 each here
+  EXPECT_EQ(node.allocated_devices_size(), 2);
+}
+
 // yard admin node cordon|drain|uncordon: admins only; a cordoned node takes no new ranks while
 // its running ones go on; a drain asks its running jobs to checkpoint and stop (the preemption
 // path), after which they wait to be placed elsewhere and the node is empty.

@@ -143,6 +143,24 @@ TEST(ShepherdTest, TakesConnectionsFromItsOwnAccountOnly) {
 // A rank's environment: the documented base (the worker's PATH, LANG and TZ; the owner's HOME,
 // USER, LOGNAME, SHELL), then the worker's variables that --rank-env names (never its token), then
 // trainyard's and the spec's, each replacing what came before.
+// What a job asks for (resources.cpus, resources.memory) replaces the worker's per-slot limits;
+// what it leaves unset keeps them, and the pids limit is the worker's alone.
+TEST(RankLimitsTest, AJobsCpusAndMemoryReplaceTheSlotsDefaults) {
+  const CgroupLimits slot{96 << 20, 0.5, 48};
+  v1::Resources asked;
+  CgroupLimits limits = RankLimits(slot, asked);
+  EXPECT_EQ(limits.memory_bytes, 96 << 20);
+  EXPECT_DOUBLE_EQ(limits.cpus, 0.5);
+  asked.set_memory_bytes(int64_t{16} << 30);
+  asked.set_cpus(2);
+  limits = RankLimits(slot, asked);
+  EXPECT_EQ(limits.memory_bytes, int64_t{16} << 30);
+  EXPECT_DOUBLE_EQ(limits.cpus, 2);
+  EXPECT_EQ(limits.pids, 48);
+  // A worker without per-slot limits still holds a rank to what its job asks for.
+  EXPECT_EQ(RankLimits(CgroupLimits{}, asked).memory_bytes, int64_t{16} << 30);
+}
+
 TEST(RankEnvironmentTest, BaseThenTheNamedWorkerVariablesThenTheRanksOwn) {
   UnixAccount alice;
   alice.name = "alice";

@@ -91,6 +91,83 @@ TEST(SchedulerTest, ANodeThatTakesOnlySomeOwnersGetsOnlyTheirJobs) {
   EXPECT_THAT(r.unplaceable, IsEmpty());
 }
 
+// CPUs and memory (issue 52): node 0 has 4 free devices but 16 GiB; node 1, 8 devices and
+// 64 GiB. Best fit would put a 4-rank job on node 0, but at 8 GiB a rank only 2 fit there.
+ClusterSnapshot HostsWithMemory() {
+  ClusterSnapshot s = Cluster({4, 8});
+  const int64_t gib = int64_t{1} << 30;
+  s.nodes[0].total_memory = 16 * gib;
+  s.nodes[0].free_memory = 16 * gib;
+  s.nodes[0].memory_per_device = 2 * gib;
+  s.nodes[1].total_memory = 64 * gib;
+  s.nodes[1].free_memory = 64 * gib;
+  s.nodes[1].memory_per_device = 8 * gib;
+  return s;
+}
+
+PendingJobInfo JobWithMemory(const std::string& id, int devices, int64_t gib_per_rank,
+                             int64_t submit_seq) {
+  PendingJobInfo job = Job(id, devices, 50, submit_seq);
+  job.memory_bytes = gib_per_rank << 30;
+  return job;
+}
+
+TEST(SchedulerTest, ANodeTakesOnlyTheRanksItsMemoryHolds) {
+  ClusterSnapshot s = HostsWithMemory();
+  // big: 4 x 8 GiB goes to node 1; small asks nothing (2 GiB a rank on node 0) and best-fits
+  // node 0's 4 devices; wide: 5 x 8 GiB, with node 1 left 4 devices and 32 GiB, and node 0 none.
+  s.pending = {JobWithMemory("big", 4, 8, 1), Job("small", 4, 50, 2),
+               JobWithMemory("wide", 5, 8, 3)};
+  ScheduleResult r = Schedule(s);
+  ASSERT_THAT(PlacedIds(r), ElementsAre("big", "small"));
+  EXPECT_THAT(r.placements[0].grants, ElementsAre(Grant(1, 4)));
+  EXPECT_THAT(r.placements[1].grants, ElementsAre(Grant(0, 4)));
+  EXPECT_EQ(r.waits[2].reason, WaitReason::kDevices);
+
+  // A gang split by memory: 3 x 8 GiB, where node 0 holds 2 and node 1 (its memory held by
+  // running ranks but 8 GiB) holds 1.
+  s = HostsWithMemory();
+  s.nodes[1].free_memory = 8LL << 30;  // running ranks hold the rest: 1 more fits there
+  s.pending = {JobWithMemory("gang", 3, 8, 1)};
+  r = Schedule(s);
+  ASSERT_THAT(PlacedIds(r), ElementsAre("gang"));
+  int on0 = 0, on1 = 0;
+  for (const DeviceGrant& g : r.placements[0].grants) (g.node == 0 ? on0 : on1) += g.devices;
+  EXPECT_EQ(on0, 2);
+  EXPECT_EQ(on1, 1);
+}
+
+TEST(SchedulerTest, CpusCountAsMemoryDoesAndANodeThatCountsNeitherTakesAny) {
+  ClusterSnapshot s = Cluster({8, 8});
+  s.nodes[0].total_cpu_millis = 4000;
+  s.nodes[0].free_cpu_millis = 4000;
+  PendingJobInfo two = Job("two-cpus", 2, 50, 1);
+  two.cpu_millis = 2000;
+  PendingJobInfo more = Job("one-more", 1, 50, 2);
+  more.cpu_millis = 1000;
+  s.nodes[1].schedulable = false;
+  s.pending = {two, more};
+  ScheduleResult r = Schedule(s);
+  // two-cpus holds all 4 CPUs of node 0; one-more waits though 6 devices are free.
+  EXPECT_THAT(PlacedIds(r), ElementsAre("two-cpus"));
+  EXPECT_EQ(r.waits[1].reason, WaitReason::kDevices);
+  // Node 1 counts no CPUs: it takes the rank.
+  s.nodes[1].schedulable = true;
+  r = Schedule(s);
+  ASSERT_THAT(PlacedIds(r), ElementsAre("two-cpus", "one-more"));
+  EXPECT_THAT(r.placements[1].grants, ElementsAre(Grant(1, 1)));
+}
+
+TEST(SchedulerTest, AJobWhoseRanksNoNodeSetHoldsIsUnplaceableAndBlocksNothing) {
+  ClusterSnapshot s = HostsWithMemory();
+  // 80 GiB a rank: no node holds one. 6 x 16 GiB: node 0 holds 1, node 1 4, so 5 in all.
+  s.pending = {JobWithMemory("huge", 1, 80, 1), JobWithMemory("many", 6, 16, 2),
+               JobWithMemory("fits", 5, 16, 3)};
+  ScheduleResult r = Schedule(s);
+  EXPECT_THAT(r.unplaceable, ElementsAre("huge", "many"));
+  ASSERT_THAT(PlacedIds(r), ElementsAre("fits"));
+}
+
 TEST(SchedulerTest, AJobLargerThanTheNodesItMayUseIsUnplaceable) {
   ClusterSnapshot s = Cluster({8, 8}, 8);
   s.nodes[1].owners = {"alice"};

@@ -233,6 +233,27 @@ TEST(SpecTest, ExplicitZeroGpusIsRejectedAtItsLine) {
               StartsWith("s.yaml:3: resources.gpus: must be >= 1, got 0"));
 }
 
+TEST(SpecTest, ResourcesTakeCpusAndMemoryPerRankAndRefuseBadOnesAtTheirLine) {
+  auto parsed =
+      ParseJobSpecYaml("name: x\nresources:\n  gpus: 2\n  cpus: 1.5\n  memory: 16GiB\n", "s.yaml");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->spec.resources().gpus(), 2);
+  EXPECT_DOUBLE_EQ(parsed->spec.resources().cpus(), 1.5);
+  EXPECT_EQ(parsed->spec.resources().memory_bytes(), int64_t{16} << 30);
+  for (const auto& [text, error] : std::vector<std::pair<std::string, std::string>>{
+           {"  memory: lots\n", "s.yaml:3: resources.memory: a size per rank such as 16GiB"},
+           {"  memory: 0\n", "s.yaml:3: resources.memory: a size per rank"},
+           {"  memory: 65TiB\n", "s.yaml:3: resources.memory: a size per rank"},
+           {"  cpus: 0\n", "s.yaml:3: resources.cpus: CPUs per rank, more than 0"},
+           {"  cpus: two\n", "s.yaml:3: resources.cpus: expected a number, got 'two'"},
+           {"  disk: 1\n",
+            "s.yaml:3: unknown field 'resources.disk' (known: cpus, gpus, memory)"}}) {
+    auto bad = ParseJobSpecYaml("name: x\nresources:\n" + text, "s.yaml");
+    ASSERT_FALSE(bad.ok()) << text;
+    EXPECT_THAT(std::string(bad.status().message()), StartsWith(error)) << text;
+  }
+}
+
 TEST(SpecTest, UnknownStrategyIsRejectedWithTheChoices) {
   auto parsed = ParseJobSpecYaml("name: x\nparallel: {strategy: zero3}\n", "s.yaml");
   ASSERT_FALSE(parsed.ok());

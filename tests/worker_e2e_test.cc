@@ -41,6 +41,7 @@ namespace {
 using ::testing::AllOf;
 using testing::BinPath;
 using ::testing::Contains;
+using ::testing::ContainsRegex;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::Not;
@@ -746,28 +747,42 @@ TEST_F(WorkerE2eTest, RanksAreHeldToTheirMemoryCpusAndPidsAndEndWhole) {
   StopWorker();
   alice_account_ = "nobody";
   StartWorker({"--gpus", "none", "--cgroups", "require", "--memory-per-slot", "96MiB",
-               "--cpus-per-slot", "1", "--pids-per-rank", "48"});
+               "--cpus-per-slot", "0.5", "--pids-per-rank", "48"});
   WaitForReadyNodes(1);
+  // The node reports its host: the slots' defaults, and its cgroups.
+  auto nodes = client_->ListNodes();
+  ASSERT_TRUE(nodes.ok()) << nodes.status();
+  ASSERT_EQ(nodes->nodes_size(), 1);
+  const v1::HostResources& host = nodes->nodes(0).host();
+  EXPECT_DOUBLE_EQ(host.cpus_per_device(), 0.5);
+  EXPECT_EQ(host.memory_per_device(), 96 << 20);
+  EXPECT_TRUE(absl::StartsWith(host.cgroups(), "cgroup v")) << host.cgroups();
+  EXPECT_GT(host.memory_bytes(), 0);
+  auto table = testing::RunCommand({BinPath("yard"), "--coordinator", address_, "nodes"},
+                                   {"TRAINYARD_TOKEN=" + alice_token_});
+  EXPECT_THAT(table.out, HasSubstr("CPUS(USED/ALL)"));
+  EXPECT_THAT(table.out, ContainsRegex(" v[12] ")) << table.out;
 
-  // Beside it, a job that finishes while the other one is killed.
+  // Beside it, a job held to the slot's 96 MiB that finishes while the other one, asking for
+  // 64 MiB (resources.memory), is killed at that.
   auto beside = client_->Submit(CommandSpec("beside", 1, {"/bin/sh", "-c", "sleep 2; echo fine"}));
   ASSERT_TRUE(beside.ok()) << beside.status();
-  const v1::Job hog =
-      RunToEnd(*client_, CommandSpec("hog", 1,
-                                     {"/usr/bin/python3", "-c",
-                                      "b = b'x' * (512 << 20)\nprint('allocated', len(b))"}));
+  v1::JobSpec hog_spec = CommandSpec(
+      "hog", 1, {"/usr/bin/python3", "-c", "b = b'x' * (512 << 20)\nprint('allocated', len(b))"});
+  hog_spec.mutable_resources()->set_memory_bytes(64 << 20);
+  const v1::Job hog = RunToEnd(*client_, hog_spec);
   EXPECT_EQ(hog.state(), v1::FAILED);
   EXPECT_THAT(hog.message(),
-              HasSubstr("out of memory: the rank reached its memory limit (96.0 MiB"));
+              HasSubstr("out of memory: the rank reached its memory limit (64.0 MiB"));
   EXPECT_THAT(Logs(hog.id()), Not(Contains(HasSubstr("allocated"))));
   const auto beside_end =
       client_->Watch(beside->id(), absl::Seconds(60), [](const v1::Job&) { return false; });
   ASSERT_TRUE(beside_end.ok()) << beside_end.status();
   EXPECT_EQ(beside_end->state(), v1::SUCCEEDED) << beside_end->message();
 
-  // CPU: four processes spin for 2 s of wall-clock time; their CPU time is what they got.
-  const v1::Job spin = RunToEnd(
-      *client_,
+  // CPU: four processes spin for 2 s of wall-clock time in a rank asking for 1 CPU
+  // (resources.cpus, over the slot's 0.5); their CPU time is what they got.
+  v1::JobSpec spin_spec =
       CommandSpec("spin", 1,
                   {"/usr/bin/python3", "-c",
                    "import os, resource, time\n"
@@ -782,7 +797,9 @@ TEST_F(WorkerE2eTest, RanksAreHeldToTheirMemoryCpusAndPidsAndEndWhole) {
                    "for pid in kids: os.waitpid(pid, 0)\n"
                    "wall = time.monotonic() - start\n"
                    "u = resource.getrusage(resource.RUSAGE_CHILDREN)\n"
-                   "print('cpu per second %.3f' % ((u.ru_utime + u.ru_stime) / wall))\n"}));
+                   "print('cpu per second %.3f' % ((u.ru_utime + u.ru_stime) / wall))\n"});
+  spin_spec.mutable_resources()->set_cpus(1);
+  const v1::Job spin = RunToEnd(*client_, spin_spec);
   ASSERT_EQ(spin.state(), v1::SUCCEEDED) << spin.message();
   double per_second = -1;
   for (const std::string& line : Logs(spin.id())) {

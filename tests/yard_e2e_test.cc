@@ -729,6 +729,7 @@ TEST_F(YardE2eTest, EstimateMemoryTabulatesEveryStrategyAndSaysWhichFit) {
       Yard({"estimate-memory", CharGptSpec(), "--device-memory", "130MiB", "--world-size", "2"});
   EXPECT_EQ(table.exit_code, 0) << table.err;
   EXPECT_THAT(table.out, HasSubstr("3.3M parameters"));
+  EXPECT_THAT(table.out, HasSubstr("host memory: the node's share per device"));
   EXPECT_THAT(table.out, ContainsRegex("ddp \\* +fp32 .* no\n"));  // 140.7 MiB per rank
   EXPECT_THAT(table.out, ContainsRegex("fsdp FULL_SHARD +fp32 .* yes\n"));
   EXPECT_THAT(table.out, ContainsRegex("offload +bf16 .* yes\n"));

@@ -18,6 +18,7 @@
 #include "common/ps_layout.h"
 #include "common/spec.h"
 #include "common/status_macros.h"
+#include "common/units.h"
 
 namespace trainyard::coordinator {
 
@@ -61,6 +62,58 @@ absl::Status JobManager::CheckFitsSomeNode(const v1::JobSpec& spec) const {
     absl::StrAppend(&message, "; no strategy or layout fits at this precision and world size");
   }
   return absl::InvalidArgumentError(message);
+}
+
+absl::Status JobManager::CheckFitsHosts(const std::string& owner, const v1::JobSpec& spec) const {
+  const v1::Resources& asked = spec.resources();
+  if (asked.cpus() <= 0 && asked.memory_bytes() <= 0) return absl::OkStatus();
+  const int64_t cpu = CpuMillis(asked.cpus());
+  const int block = std::max(1, RankBlockOf(spec));
+  // Ranks the nodes hold: with both limits, with CPUs only, with memory only; and the most CPUs
+  // and memory one node offers.
+  int64_t both = 0, by_cpus = 0, by_memory = 0;
+  double most_cpus = 0;
+  int64_t most_memory = 0;
+  int workers = 0;
+  for (const SchedulingNode& n : nodes_.SchedulingView()) {
+    if (n.state != v1::NODE_READY || n.device_indices.empty()) continue;
+    if (!n.owners.empty() && std::find(n.owners.begin(), n.owners.end(), owner) == n.owners.end()) {
+      continue;
+    }
+    ++workers;
+    const int64_t devices = static_cast<int64_t>(n.device_indices.size());
+    int64_t cpu_fit = devices, memory_fit = devices;
+    if (n.host.cpus() > 0 && cpu > 0) {
+      cpu_fit = std::min(devices, CpuMillis(n.host.cpus()) / cpu);
+      most_cpus = std::max(most_cpus, n.host.cpus());
+    }
+    if (n.host.memory_bytes() > 0 && asked.memory_bytes() > 0) {
+      memory_fit = std::min(devices, n.host.memory_bytes() / asked.memory_bytes());
+      most_memory = std::max(most_memory, n.host.memory_bytes());
+    }
+    both += std::min(cpu_fit, memory_fit) / block * block;
+    by_cpus += cpu_fit / block * block;
+    by_memory += memory_fit / block * block;
+  }
+  const int64_t ranks = asked.gpus();
+  if (workers == 0 || both >= ranks) return absl::OkStatus();
+  const std::string whose = absl::StrCat("the ready workers that take ", owner, "'s jobs");
+  if (by_memory < ranks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "resources.memory: ", ranks, " ranks of ", HumanBytes(asked.memory_bytes()),
+        " each fit on no set of nodes: ", whose, " hold ", by_memory,
+        " such ranks (the most memory one node offers ranks is ", HumanBytes(most_memory), ")"));
+  }
+  if (by_cpus < ranks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("resources.cpus: ", ranks, " ranks of ", asked.cpus(),
+                     " CPUs each fit on no set of nodes: ", whose, " hold ", by_cpus,
+                     " such ranks (the most CPUs one node offers ranks is ", most_cpus, ")"));
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("resources.cpus and resources.memory: ", ranks, " ranks of ", asked.cpus(),
+                   " CPUs and ", HumanBytes(asked.memory_bytes()),
+                   " each fit on no set of nodes: ", whose, " hold ", both, " such ranks"));
 }
 
 absl::Status JobManager::CheckFitsParameterServers(const std::string& owner,

@@ -183,6 +183,10 @@ void JobManager::Submit(const std::string& owner, v1::JobSpec spec, JobCallback 
     done(s);
     return;
   }
+  if (absl::Status s = CheckFitsHosts(owner, spec); !s.ok()) {
+    done(s);
+    return;
+  }
   if (absl::Status s = CheckFitsParameterServers(owner, spec); !s.ok()) {
     done(s);
     return;

@@ -180,6 +180,12 @@ class JobManager final : public JobLifecycle,
   // every ready node's devices, naming a strategy that would fit. Nodes with devices of unknown
   // size (0 bytes), or no nodes at all, are not judged.
   absl::Status CheckFitsSomeNode(const v1::JobSpec& spec) const ABSL_LOCKS_EXCLUDED(mu_);
+  // INVALID_ARGUMENT naming resources.cpus or resources.memory when the job's ranks, with what
+  // they ask for, fit on no set of the ready workers that take `owner`'s jobs (each node holding
+  // as many as its devices, CPUs and memory allow, in whole rank blocks). Not judged without
+  // such workers; nodes that do not count CPUs or memory hold as many as their devices.
+  absl::Status CheckFitsHosts(const std::string& owner, const v1::JobSpec& spec) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   // For offload jobs: INVALID_ARGUMENT when the ready parameter servers together have too little
   // memory for the job's optimizer state, FAILED_PRECONDITION when none is registered.
   // Only servers that take `owner`'s jobs count.
@@ -214,6 +220,9 @@ class JobManager final : public JobLifecycle,
   ClusterSnapshot BuildSnapshot(const SharingPolicy& policy,
                                 const std::vector<SchedulingNode>& nodes, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Per node: the CPUs (thousandths) and memory running jobs' ranks hold there.
+  std::map<std::string, std::pair<int64_t, int64_t>> HostUse(
+      const std::vector<SchedulingNode>& nodes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RecordPass(const ClusterSnapshot& snapshot, const ScheduleResult& result)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void StartPreemption(const ScheduleResult::Preemption& preemption, absl::Time now)

@@ -111,6 +111,8 @@ ClusterSnapshot JobManager::BuildSnapshot(const SharingPolicy& policy,
     }
     return it->second;
   };
+  // The CPUs and memory running jobs' ranks hold, on the nodes that count them.
+  std::map<std::string, std::pair<int64_t, int64_t>> host_used = HostUse(nodes);
   snapshot.nodes.reserve(nodes.size());
   for (const SchedulingNode& n : nodes) {
     auto held = allocated_.find(n.id);
@@ -125,6 +127,17 @@ ClusterSnapshot JobManager::BuildSnapshot(const SharingPolicy& policy,
     // A cordoned node (an admin's hold, or draining) gets none either.
     sn.schedulable = n.state == v1::NODE_READY && n.connected && !n.cordoned;
     sn.owners = n.owners;
+    const auto& [cpu_used, memory_used] = host_used[n.id];
+    if (n.host.cpus() > 0) {
+      sn.total_cpu_millis = CpuMillis(n.host.cpus());
+      sn.free_cpu_millis = sn.total_cpu_millis - cpu_used;
+      sn.cpu_millis_per_device = CpuMillis(n.host.cpus_per_device());
+    }
+    if (n.host.memory_bytes() > 0) {
+      sn.total_memory = n.host.memory_bytes();
+      sn.free_memory = sn.total_memory - memory_used;
+      sn.memory_per_device = n.host.memory_per_device();
+    }
     snapshot.nodes.push_back(std::move(sn));
   }
   for (const std::string& id : unfinished_) {
@@ -142,6 +155,8 @@ ClusterSnapshot JobManager::BuildSnapshot(const SharingPolicy& policy,
       p.preemptible = !job.spec().has_preemptible() || job.spec().preemptible();
       // A tensor-parallel group's ranks (or HYBRID_SHARD's replica) stay on one node.
       p.rank_block = RankBlockOf(job.spec());
+      p.cpu_millis = CpuMillis(job.spec().resources().cpus());
+      p.memory_bytes = job.spec().resources().memory_bytes();
       snapshot.pending.push_back(std::move(p));
     } else if (IsActive(job.state())) {
       RunningJobInfo r;
@@ -318,13 +333,36 @@ std::vector<v1::Assignment> JobManager::AssignmentsFor(const std::string& node_i
   return out;
 }
 
+std::map<std::string, std::pair<int64_t, int64_t>> JobManager::HostUse(
+    const std::vector<SchedulingNode>& nodes) const {
+  std::map<std::string, std::pair<int64_t, int64_t>> used;
+  for (const std::string& id : unfinished_) {
+    const v1::Job& job = jobs_.at(id);
+    if (!IsActive(job.state())) continue;
+    for (const auto& pl : job.placement()) {
+      const SchedulingNode* on = FindNode(nodes, pl.node_id());
+      if (on == nullptr) continue;
+      auto& [cpu, memory] = used[pl.node_id()];
+      cpu += pl.device_indices_size() * RankCpuMillis(job.spec().resources(), on->host);
+      memory += pl.device_indices_size() * RankMemoryBytes(job.spec().resources(), on->host);
+    }
+  }
+  return used;
+}
+
 std::vector<v1::Node> JobManager::NodesWithAllocations() const {
   absl::MutexLock lock(&mu_);
   std::vector<v1::Node> nodes = nodes_.List();
+  const std::map<std::string, std::pair<int64_t, int64_t>> host_used =
+      HostUse(nodes_.SchedulingView());
   for (v1::Node& node : nodes) {
     auto it = allocated_.find(node.id());
     if (it != allocated_.end()) {
       node.mutable_allocated_devices()->Add(it->second.begin(), it->second.end());
+    }
+    if (auto used = host_used.find(node.id()); used != host_used.end()) {
+      node.set_allocated_cpus(used->second.first / 1000.0);
+      node.set_allocated_memory_bytes(used->second.second);
     }
   }
   std::map<std::string, int64_t> reserved = ReservedPsBytes();

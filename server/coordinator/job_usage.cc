@@ -188,7 +188,10 @@ std::string JobManager::WhyWaiting(const std::string& job_id, const std::string&
       if (!job.message().empty()) why = job.message();
       break;
     case WaitReason::kDevices:
-      why = absl::StrCat("first in line, waiting for ", devices, " free devices; ",
+      // "free devices" counts, on nodes that count them, the CPUs and memory its ranks take.
+      why = absl::StrCat("first in line, waiting for ", devices,
+                         " free devices (with the CPUs and memory of its ranks, where nodes "
+                         "count them); ",
                          StartText(last_pass_->head_start, now));
       break;
     case WaitReason::kBehindHead:
@@ -225,6 +228,9 @@ std::string JobManager::WhyWaiting(const std::string& job_id, const std::string&
       } else {
         why = absl::StrCat("needs ", devices,
                            " devices, more than the ready nodes that take its owner's jobs have");
+      }
+      if (job.spec().resources().cpus() > 0 || job.spec().resources().memory_bytes() > 0) {
+        absl::StrAppend(&why, " (a node counts only the ranks its CPUs and memory hold)");
       }
       break;
   }

@@ -69,6 +69,14 @@ absl::Status ValidateRegisterNodeRequest(const v1::RegisterNodeRequest& r) {
     if (d.memory_bytes() < 0) return FieldError(field + ".memory_bytes", "must be >= 0");
   }
   if (r.memory_bytes() < 0) return FieldError("memory_bytes", "must be >= 0");
+  const v1::HostResources& h = r.host();
+  auto bad_cpus = [](double cpus) { return !std::isfinite(cpus) || cpus < 0 || cpus > 1e6; };
+  if (bad_cpus(h.cpus())) return FieldError("host.cpus", "must be in [0, 1e6]");
+  if (bad_cpus(h.cpus_per_device()))
+    return FieldError("host.cpus_per_device", "must be in [0, 1e6]");
+  if (h.memory_bytes() < 0) return FieldError("host.memory_bytes", "must be >= 0");
+  if (h.memory_per_device() < 0) return FieldError("host.memory_per_device", "must be >= 0");
+  if (h.cgroups().size() > 256) return FieldError("host.cgroups", "at most 256 bytes");
   return absl::OkStatus();
 }
 
@@ -170,6 +178,7 @@ void NodeRegistry::Register(const v1::RegisterNodeRequest& request,
     *node.mutable_labels() = request.labels();
     node.set_role(request.role() == v1::PARAMETER_SERVER ? v1::PARAMETER_SERVER : v1::WORKER);
     *node.mutable_owners() = request.owners();
+    *node.mutable_host() = request.host();
     node.set_state(v1::NODE_READY);
     node.set_registered_time_ms(ToUnixMs(now));
     node.set_last_heartbeat_ms(ToUnixMs(now));
@@ -344,6 +353,7 @@ std::vector<SchedulingNode> NodeRegistry::SchedulingView() const {
     for (const v1::Device& d : entry.node.devices()) n.device_indices.push_back(d.index());
     n.owners.assign(entry.node.owners().begin(), entry.node.owners().end());
     n.cordoned = entry.node.cordoned();
+    n.host = entry.node.host();
   }
   return out;
 }

@@ -21,6 +21,7 @@
 #include "absl/time/time.h"
 #include "common/clock.h"
 #include "server/coordinator/job_store.h"
+#include "trainyard/v1/job.pb.h"
 #include "trainyard/v1/node.pb.h"
 
 namespace trainyard::coordinator {
@@ -45,8 +46,20 @@ struct SchedulingNode {
   bool connected = false;
   std::vector<int> device_indices;
   std::vector<std::string> owners;
-  bool cordoned = false;  // an admin's hold: no new ranks
+  bool cordoned = false;   // an admin's hold: no new ranks
+  v1::HostResources host;  // CPUs and memory as its worker counts them (zeros: not counted)
 };
+
+// CPUs in thousandths (the scheduler counts whole numbers).
+inline int64_t CpuMillis(double cpus) { return static_cast<int64_t>(cpus * 1000 + 0.5); }
+// What one rank of a job asking `r` holds on a node whose worker reports `host`: its request,
+// else the node's charge per device; thousandths of a CPU, and bytes.
+inline int64_t RankCpuMillis(const v1::Resources& r, const v1::HostResources& host) {
+  return CpuMillis(r.cpus() > 0 ? r.cpus() : host.cpus_per_device());
+}
+inline int64_t RankMemoryBytes(const v1::Resources& r, const v1::HostResources& host) {
+  return r.memory_bytes() > 0 ? r.memory_bytes() : host.memory_per_device();
+}
 
 struct ClusterCapacity {
   // Of the READY workers: the largest "smallest device" of a node (0: none, or sizes unknown)

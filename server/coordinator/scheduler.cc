@@ -330,6 +330,29 @@ class SchedulePass {
     const int a = s_.users[u].account;
     return a >= 0 && a < num_accounts_ ? a : -1;
   }
+  // How many ranks of `job` `cpu_millis` and `memory` of node n hold (INT_MAX: no limit there).
+  int RanksFit(int n, const PendingJobInfo& job, int64_t cpu_millis, int64_t memory) const {
+    const SchedNode& node = s_.nodes[n];
+    int64_t fit = INT_MAX;
+    if (const int64_t c = CpuCharge(node, job); node.total_cpu_millis >= 0 && c > 0) {
+      fit = std::min(fit, std::max<int64_t>(0, cpu_millis) / c);
+    }
+    if (const int64_t m = MemoryCharge(node, job); node.total_memory >= 0 && m > 0) {
+      fit = std::min(fit, std::max<int64_t>(0, memory) / m);
+    }
+    return static_cast<int>(fit);
+  }
+  static int64_t CpuCharge(const SchedNode& node, const PendingJobInfo& job) {
+    return job.cpu_millis > 0 ? job.cpu_millis : std::max<int64_t>(0, node.cpu_millis_per_device);
+  }
+  static int64_t MemoryCharge(const SchedNode& node, const PendingJobInfo& job) {
+    return job.memory_bytes > 0 ? job.memory_bytes : std::max<int64_t>(0, node.memory_per_device);
+  }
+  // The devices of node n that `job` could ever hold: its CPUs and memory counted.
+  int JobTotalOn(int n, const PendingJobInfo& job) const {
+    return std::min(total_devices_[n],
+                    RanksFit(n, job, s_.nodes[n].total_cpu_millis, s_.nodes[n].total_memory));
+  }
   bool FitsQuota(const PendingJobInfo& job) const {
     const int a = account_of(job.user);
     return a >= 0 && s_.accounts[a].quota >= 0 &&
@@ -361,6 +384,11 @@ class SchedulePass {
   // not take it are hidden from the index while its placement is decided.
   std::vector<int> restricted_;
   std::vector<Hidden> hidden_for_job_;
+  // CPUs and memory free on the nodes that count them (`counted_`), as placements take them; for
+  // the job being decided, the nodes whose free devices its ranks' CPUs or memory cut down.
+  std::vector<int64_t> free_cpu_, free_memory_;
+  std::vector<int> counted_;
+  std::vector<Hidden> capped_for_job_;
   std::vector<bool> usable_for_job_;
   // Sharing: the devices accounts and users hold, and which running jobs their account's quota
   // protects (of an account's running jobs, the earliest started that fit in its quota).
@@ -394,6 +422,19 @@ void SchedulePass::IndexNodes() {
   index_.emplace(free_devices_, usable_, max_devices_per_node_);
   for (int n = 0; n < num_nodes_; ++n) {
     if (usable_[n] && !s_.nodes[n].owners.empty()) restricted_.push_back(n);
+  }
+  free_cpu_.assign(num_nodes_, 0);
+  free_memory_.assign(num_nodes_, 0);
+  for (int n = 0; n < num_nodes_; ++n) {
+    const SchedNode& node = s_.nodes[n];
+    if (!usable_[n] || (node.total_cpu_millis < 0 && node.total_memory < 0)) continue;
+    counted_.push_back(n);
+    if (node.total_cpu_millis >= 0) {
+      free_cpu_[n] = std::clamp<int64_t>(node.free_cpu_millis, 0, node.total_cpu_millis);
+    }
+    if (node.total_memory >= 0) {
+      free_memory_[n] = std::clamp<int64_t>(node.free_memory, 0, node.total_memory);
+    }
   }
 }
 
@@ -511,6 +552,11 @@ WaitReason SchedulePass::HeldByLimits(const PendingJobInfo& job) const {
 
 void SchedulePass::Place(const PendingJobInfo& job, std::vector<DeviceGrant> grants,
                          bool backfilled) {
+  for (const DeviceGrant& g : grants) {
+    const SchedNode& node = s_.nodes[g.node];
+    if (node.total_cpu_millis >= 0) free_cpu_[g.node] -= g.devices * CpuCharge(node, job);
+    if (node.total_memory >= 0) free_memory_[g.node] -= g.devices * MemoryCharge(node, job);
+  }
   if (const int a = account_of(job.user); a >= 0) account_used_[a] += job.devices;
   if (const int u = user_of(job.user); u >= 0) user_used_[u] += job.devices;
   result_.placements.push_back({job.id, std::move(grants), backfilled});
@@ -532,24 +578,27 @@ void SchedulePass::Consider(int i, int position) {
   wait.position = position;
   hidden_for_job_.clear();
   FreeIndex& index = *index_;
+  auto takes = [&](int n) {
+    const auto& owners = s_.nodes[n].owners;
+    return owners.empty() || std::find(owners.begin(), owners.end(), job.owner) != owners.end();
+  };
   int64_t capacity = schedulable_capacity_;
   for (int n : restricted_) {
-    const auto& owners = s_.nodes[n].owners;
-    if (std::find(owners.begin(), owners.end(), job.owner) != owners.end()) continue;
+    if (takes(n)) continue;
     hidden_for_job_.push_back({n, index.free(n)});
     capacity -= total_devices_[n];
+  }
+  // Nodes that count CPUs and memory hold only as many of its ranks as those fit.
+  for (int n : counted_) {
+    if (takes(n)) capacity -= total_devices_[n] - JobTotalOn(n, job);
   }
   // In blocks: the nodes' whole blocks.
   const int block = std::max(1, job.rank_block);
   if (block > 1) {
     capacity = 0;
     for (int n = 0; n < num_nodes_; ++n) {
-      if (!usable_[n]) continue;
-      const auto& owners = s_.nodes[n].owners;
-      if (!owners.empty() && std::find(owners.begin(), owners.end(), job.owner) == owners.end()) {
-        continue;
-      }
-      capacity += total_devices_[n] / block * block;
+      if (!usable_[n] || !takes(n)) continue;
+      capacity += JobTotalOn(n, job) / block * block;
     }
   }
   if (job.devices <= 0 || job.devices > capacity || job.devices % block != 0) {
@@ -566,10 +615,31 @@ void SchedulePass::Consider(int i, int position) {
     return;
   }
   for (const Hidden& h : hidden_for_job_) index.Set(h.node, 0);
-  if (!hidden_for_job_.empty()) head_protected_stale_ = true;  // computed with them visible
+  // Its view of the nodes that count CPUs and memory: as many free devices as its ranks fit.
+  capped_for_job_.clear();
+  for (int n : counted_) {
+    const int free = index.free(n);
+    if (free == 0) continue;  // full, or hidden from it
+    if (const int fit = RanksFit(n, job, free_cpu_[n], free_memory_[n]); fit < free) {
+      capped_for_job_.push_back({n, free});
+      index.Set(n, fit);
+    }
+  }
+  const bool changed = !hidden_for_job_.empty() || !capped_for_job_.empty();
+  if (changed) head_protected_stale_ = true;  // computed with them whole
+  const size_t placed_before = result_.placements.size();
   wait.reason = Decide(job);
   for (const Hidden& h : hidden_for_job_) index.Set(h.node, h.free);  // it took nothing there
-  if (!hidden_for_job_.empty()) head_protected_stale_ = true;
+  for (const Hidden& h : capped_for_job_) {
+    int taken = 0;
+    if (result_.placements.size() > placed_before) {
+      for (const DeviceGrant& g : result_.placements.back().grants) {
+        if (g.node == h.node) taken += g.devices;
+      }
+    }
+    index.Set(h.node, h.free - taken);
+  }
+  if (changed) head_protected_stale_ = true;
 }
 
 // Places `job` (its nodes' view in the index), makes it the head, or backfills it; returns why
@@ -604,7 +674,10 @@ WaitReason SchedulePass::MakeHead(const PendingJobInfo& job, int block) {
       result_.preemption = ScheduleResult::Preemption{job.id, std::move(victims)};
     }
   }
-  head_ = ComputeReservation(s_, usable_for_job_, total_devices_, max_devices_per_node_, index,
+  // Projected releases fill a node up to what it could hold of this job.
+  std::vector<int> job_total = total_devices_;
+  for (int n : counted_) job_total[n] = JobTotalOn(n, job);
+  head_ = ComputeReservation(s_, usable_for_job_, job_total, max_devices_per_node_, index,
                              result_.placements, placement_ends_, job.devices, block);
   if (!head_.has_value()) {
     phase_ = Phase::kStopped;  // unknown start: backfill could delay the head forever

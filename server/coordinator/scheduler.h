@@ -41,6 +41,13 @@ struct SchedNode {
   // Non-empty: only jobs of these owners are placed here (a worker that cannot run ranks as
   // other accounts); empty: any owner's.
   std::vector<std::string> owners;
+  // CPUs (in thousandths) and memory (bytes) ranks may use on the node, and what running ranks
+  // leave free; negative: not counted (only devices limit the node). A free value outside
+  // [0, total] is clamped into it.
+  int64_t total_cpu_millis = -1, free_cpu_millis = -1;
+  int64_t total_memory = -1, free_memory = -1;
+  // What a rank of a job that asks for no CPUs (no memory) holds here; 0: nothing.
+  int64_t cpu_millis_per_device = 0, memory_per_device = 0;
 };
 
 struct DeviceGrant {
@@ -97,6 +104,9 @@ struct PendingJobInfo {
   // Every node's share of the job is a multiple of this (parallel.tensor_parallel: a
   // tensor-parallel group's consecutive ranks stay on one node). 1: any split.
   int rank_block = 1;
+  // Per rank (resources.cpus in thousandths, resources.memory); 0: the node's per-device charge.
+  int64_t cpu_millis = 0;
+  int64_t memory_bytes = 0;
 };
 
 struct ClusterSnapshot {
@@ -198,8 +208,15 @@ struct ScheduleResult {
 // below its quota. Jobs already stopping (preempting) are not counted within their account's
 // quota.
 //
+// CPUs and memory: on a node that counts them, a job may take only as many devices as its ranks'
+// CPUs and memory fit in what the node has free (each rank charged its request, or the node's
+// per-device charge), for placement, backfill, its capacity (a job no node set can hold is
+// unplaceable) and the room its preemption counts; a placement holds them until the job ends.
+// Reservations project the devices that running jobs release, within what each node could hold
+// of the head's ranks.
+//
 // Cost: O(P log P + R log R + N log N + placed * (D + log N)) for P pending, R running grants,
-// N nodes, D = max devices per node.
+// N nodes, D = max devices per node; plus O(P * C) for C nodes that count CPUs or memory.
 ScheduleResult Schedule(const ClusterSnapshot& snapshot);
 
 }  // namespace trainyard::coordinator

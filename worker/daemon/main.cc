@@ -198,6 +198,16 @@ int main(int argc, char** argv) {
                  "each rank's CPU quota, in CPUs (1.5: one and a half; as DefCpuPerGPU); "
                  "default none")
       ->check(CLI::NonNegativeNumber);
+  double host_cpus = 0;
+  std::string reserved_memory = "1GiB";
+  app.add_option("--cpus", host_cpus,
+                 "CPUs the ranks may use together, as the scheduler counts them against jobs' "
+                 "resources.cpus (default: the CPUs this worker may run on)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--reserved-memory", reserved_memory,
+                 "memory kept for the system and the worker: the ranks may use the rest, as the "
+                 "scheduler counts it against jobs' resources.memory (as Slurm's MemSpecLimit)")
+      ->capture_default_str();
   app.add_option("--pids-per-rank", pids_per_rank,
                  "processes and threads each rank may have (a fork bomb stops there; 0: none)")
       ->check(CLI::NonNegativeNumber)
@@ -396,6 +406,26 @@ int main(int argc, char** argv) {
     return 2;
   }
 
+  // The host as the scheduler counts it beside the devices.
+  {
+    const std::optional<int64_t> reserved = trainyard::ParseBytes(reserved_memory);
+    if (!reserved.has_value() || *reserved < 0) {
+      std::cerr << "trainyard-worker: --reserved-memory: '" << reserved_memory
+                << "' is not a size (such as 1GiB, 512MiB)\n";
+      return 2;
+    }
+    const int64_t physical = trainyard::worker::PhysicalMemoryBytes();
+    if (*reserved >= physical) {
+      std::cerr << "trainyard-worker: --reserved-memory: " << trainyard::HumanBytes(*reserved)
+                << " leaves nothing of this host's " << trainyard::HumanBytes(physical) << "\n";
+      return 2;
+    }
+    const auto& cgroups = options.supervisor.cgroups;
+    options.host = trainyard::worker::HostResourcesOf(
+        host_cpus > 0 ? host_cpus : trainyard::worker::AffinityCpus(), physical - *reserved,
+        devices, options.supervisor.rank_limits,
+        cgroups != nullptr ? trainyard::worker::DescribeCgroups(*cgroups) : "none: --cgroups off");
+  }
   trainyard::worker::WorkerDaemon daemon(options);
   std::unique_ptr<trainyard::MetricsEndpoint> metrics;
   if (!metrics_address.empty()) {

@@ -209,6 +209,13 @@ std::vector<std::string> RankEnvironment(const UnixAccount& account,
   return out;
 }
 
+CgroupLimits RankLimits(const CgroupLimits& node, const v1::Resources& resources) {
+  CgroupLimits limits = node;
+  if (resources.memory_bytes() > 0) limits.memory_bytes = resources.memory_bytes();
+  if (resources.cpus() > 0) limits.cpus = resources.cpus();
+  return limits;
+}
+
 std::string FailureMessage(const std::vector<std::string>& last_lines) {
   int cause = -1;
   for (int i = static_cast<int>(last_lines.size()) - 1; i >= 0; --i) {
@@ -517,7 +524,7 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
       // The attempt's credential for the rendezvous and reports: environment only, never argv.
       absl::StrCat(kJobCredentialEnv, "=", a.job_credential()),
       absl::StrCat(kTlsCaEnv, "=", options_.tls_ca)};
-  Exec(a, key, device, account, std::move(argv), std::move(env), work);
+  Exec(a, key, device, account, std::move(argv), std::move(env), work, spec.resources());
 }
 
 void RankSupervisor::StartCommand(const v1::Assignment& a, const v1::JobSpec& spec,
@@ -567,12 +574,13 @@ void RankSupervisor::StartCommand(const v1::Assignment& a, const v1::JobSpec& sp
   // rank gets, as the owner's account (shepherd.h), never this worker.
   std::vector<std::string> argv(spec.command().begin(), spec.command().end());
   Exec(a, key, device, account, std::move(argv), std::move(env),
-       spec.workdir().empty() ? work : spec.workdir());
+       spec.workdir().empty() ? work : spec.workdir(), spec.resources());
 }
 
 void RankSupervisor::Exec(const v1::Assignment& a, const RankKey& key, int device,
                           const std::optional<UnixAccount>& account, std::vector<std::string> argv,
-                          std::vector<std::string> env, const std::string& cwd) {
+                          std::vector<std::string> env, const std::string& cwd,
+                          const v1::Resources& resources) {
   // Marks every process of the rank (inherited by its children, also those that leave its
   // process group or session), so that its shepherd finds them all when it stops the rank.
   const std::string mark = absl::StrCat(absl::Hex(mark_random_()), "/", std::get<0>(key), "/",
@@ -614,7 +622,7 @@ void RankSupervisor::Exec(const v1::Assignment& a, const RankKey& key, int devic
         CreateRankCgroup(*options_.cgroups,
                          absl::StrCat(options_.cgroup_prefix, "/", std::get<0>(key), "/attempt-",
                                       std::get<1>(key), "/rank-", std::get<2>(key)),
-                         options_.rank_limits);
+                         RankLimits(options_.rank_limits, resources));
     if (!dirs.ok()) {
       close(env_fd);
       ReportExit(key, 127, std::string(dirs.status().message()));

@@ -61,7 +61,9 @@ struct SupervisorOptions {
   std::vector<std::string> rank_env = DefaultRankEnv();
   // Where each rank's cgroup is made (cgroups.h); null or version 0: ranks are not confined.
   std::shared_ptr<const CgroupHost> cgroups;
-  CgroupLimits rank_limits;                 // each rank's (one device or CPU slot)
+  // Each rank's (one device or CPU slot), unless its job asks for CPUs or memory
+  // (RankLimits).
+  CgroupLimits rank_limits;
   std::string cgroup_prefix = "trainyard";  // the ranks' folders: PREFIX/JOB/attempt-N/rank-R
 };
 
@@ -78,6 +80,10 @@ std::vector<std::string> RankEnvironment(const UnixAccount& account,
                                          const std::vector<std::string>& worker_env,
                                          const std::vector<std::string>& rank_env,
                                          const std::vector<std::string>& own);
+
+// A rank's cgroup limits: `node` (the worker's per-slot ones), with the CPUs and memory its job
+// asks for in `resources` in their place.
+CgroupLimits RankLimits(const CgroupLimits& node, const v1::Resources& resources);
 
 // The message a failed rank's exit carries, from its last output lines: its cause first (the last
 // line that says error, exception, fatal, failed or Traceback's last line, else the last non-empty
@@ -132,10 +138,11 @@ class RankSupervisor {
                     int device, const std::optional<UnixAccount>& account, const std::string& work,
                     const std::string& checkpoint_dir) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Forks and execs `argv` in `cwd` with `env` (then the worker's environment, without its token
-  // and the names `env` sets), as `account` when set, in a process group of its own.
+  // and the names `env` sets), as `account` when set, in a process group of its own, held to
+  // `resources` (the spec's: what it asks for overrides rank_limits).
   void Exec(const v1::Assignment& a, const RankKey& key, int device,
             const std::optional<UnixAccount>& account, std::vector<std::string> argv,
-            std::vector<std::string> env, const std::string& cwd)
+            std::vector<std::string> env, const std::string& cwd, const v1::Resources& resources)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Follows one rank through its shepherd (connection `conn`; `shepherd`: its pid when this
   // worker started it, else 0): relays its log from byte `offset` (-1: a new shepherd, whose hello

@@ -1,9 +1,11 @@
 #include "worker/daemon/worker_daemon.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <random>
 #include <thread>
 
@@ -16,12 +18,6 @@ namespace trainyard::worker {
 namespace {
 
 constexpr int kMaxQueuedLogMessages = 2000;
-
-int64_t PhysicalMemoryBytes() {
-  const long pages = sysconf(_SC_PHYS_PAGES);
-  const long page = sysconf(_SC_PAGE_SIZE);
-  return pages > 0 && page > 0 ? int64_t{pages} * page : 0;
-}
 
 // XIDs that an application causes (NVIDIA's Kubernetes device plugin skips the same ones): the
 // GPU itself is fine. Every other critical XID marks it faulty.
@@ -48,6 +44,33 @@ std::string XidFault(int64_t xid) {
 }
 
 }  // namespace
+
+int64_t PhysicalMemoryBytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? int64_t{pages} * page : 0;
+}
+
+int AffinityCpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  const long online = sysconf(_SC_NPROCESSORS_ONLN);
+  return online > 0 ? static_cast<int>(online) : 1;
+}
+
+v1::HostResources HostResourcesOf(double cpus, int64_t memory_bytes, int devices,
+                                  const CgroupLimits& limits, const std::string& cgroups) {
+  v1::HostResources host;
+  devices = std::max(1, devices);
+  host.set_cpus(cpus);
+  host.set_memory_bytes(memory_bytes);
+  host.set_cpus_per_device(limits.cpus > 0 ? limits.cpus : cpus / devices);
+  host.set_memory_per_device(limits.memory_bytes > 0 ? limits.memory_bytes
+                                                     : memory_bytes / devices);
+  host.set_cgroups(cgroups.substr(0, 256));
+  return host;
+}
 
 WorkerDaemon::WorkerDaemon(WorkerOptions options)
     : options_(std::move(options)),
@@ -314,6 +337,7 @@ void WorkerDaemon::RunSession() {
   request.set_hostname(host);
   request.set_address(options_.address);
   request.set_memory_bytes(PhysicalMemoryBytes());
+  *request.mutable_host() = options_.host;
   // The users whose jobs this worker can run (all, as root).
   if (options_.supervisor.run_as != nullptr) {
     for (const std::string& owner : options_.supervisor.run_as->Owners()) {

@@ -45,11 +45,24 @@ struct WorkerOptions {
   // Samples `gpus` at each heartbeat (metrics and `yard nodes`); null: no samples.
   std::shared_ptr<Nvml> nvml;
   SupervisorOptions supervisor;
+  // The CPUs and memory ranks may use, a rank's charge when its job asks for none, and how ranks
+  // are held (RegisterNodeRequest.host; HostResourcesOf).
+  v1::HostResources host;
   // The longest pause between attempts to reach the coordinator (before jitter of up to 20%). With
   // the channel's own reconnect backoff (coordinator_channel.h) a worker is back within about
   // 3.4 s of a restarted coordinator, well inside the default --node-timeout of 10 s.
   absl::Duration max_backoff = absl::Seconds(2);
 };
+
+// Physical memory (sysconf), and the CPUs this process may run on (its affinity).
+int64_t PhysicalMemoryBytes();
+int AffinityCpus();
+
+// What a worker offering `devices` reports of its host: `cpus` and `memory_bytes` ranks may use,
+// each device's share of them as the charge of a rank that asks for nothing (or `limits`, the
+// per-slot cgroup limits, where set), and `cgroups` (DescribeCgroups).
+v1::HostResources HostResourcesOf(double cpus, int64_t memory_bytes, int devices,
+                                  const CgroupLimits& limits, const std::string& cgroups);
 
 class WorkerDaemon {
  public:
