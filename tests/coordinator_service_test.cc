@@ -449,6 +449,9 @@ TEST_F(CoordinatorServiceTest, JobsArePlacedByTheirRanksCpusAndMemoryAndRefusedW
   EXPECT_EQ(node.allocated_memory_bytes(), 12 * gib);
   EXPECT_DOUBLE_EQ(node.allocated_cpus(), 2);  // a's ranks asked no CPUs: 1 each here
   EXPECT_EQ(node.allocated_devices_size(), 2);
+  // A node's per-device share of its CPUs (2/3 of one), on each of its 3 devices, fits its CPUs.
+  EXPECT_LE(3 * CpuMillis(2.0 / 3), CpuMillis(2));
+  EXPECT_EQ(CpuMillis(4.35), 4350);
 }
 
 // yard admin node cordon|drain|uncordon: admins only; a cordoned node takes no new ranks while

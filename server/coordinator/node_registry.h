@@ -50,8 +50,9 @@ struct SchedulingNode {
   v1::HostResources host;  // CPUs and memory as its worker counts them (zeros: not counted)
 };
 
-// CPUs in thousandths (the scheduler counts whole numbers).
-inline int64_t CpuMillis(double cpus) { return static_cast<int64_t>(cpus * 1000 + 0.5); }
+// CPUs in thousandths (the scheduler counts whole numbers), rounded down: a node's per-device
+// share (2/3 CPU) times its devices never exceeds its CPUs.
+inline int64_t CpuMillis(double cpus) { return static_cast<int64_t>(cpus * 1000 + 1e-6); }
 // What one rank of a job asking `r` holds on a node whose worker reports `host`: its request,
 // else the node's charge per device; thousandths of a CPU, and bytes.
 inline int64_t RankCpuMillis(const v1::Resources& r, const v1::HostResources& host) {
