@@ -32,9 +32,11 @@ constexpr char kV1Mounts[] =
     "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n"
     "37 31 0:34 / /sys/fs/cgroup/freezer rw,relatime - cgroup cgroup rw,freezer\n"
     "39 31 0:36 / /sys/fs/cgroup/pids rw,relatime - cgroup cgroup rw,pids\n"
+    "40 31 0:37 / /sys/fs/cgroup/devices rw,relatime - cgroup cgroup rw,devices\n"
     "41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n";
 constexpr char kV1Self[] =
-    "8:pids:/\n6:freezer:/\n4:memory:/process_api/50e1\n2:cpuacct:/\n1:cpu:/\n0::/\n";
+    "8:pids:/\n6:freezer:/\n5:devices:/\n4:memory:/process_api/50e1\n2:cpuacct:/\n1:cpu:/\n"
+    "0::/\n";
 
 std::string NoControllers(const std::string&) { return ""; }
 
@@ -46,6 +48,7 @@ TEST(DetectCgroupsTest, V1WithAnUndelegatedUnifiedHierarchyBesideIt) {
   EXPECT_EQ(host.parents.at("pids"), "/sys/fs/cgroup/pids");
   EXPECT_EQ(host.parents.at("freezer"), "/sys/fs/cgroup/freezer");
   EXPECT_EQ(host.parents.at("cpuacct"), "/sys/fs/cgroup/cpuacct");
+  EXPECT_EQ(host.parents.at("devices"), "/sys/fs/cgroup/devices");
   EXPECT_THAT(DescribeCgroups(host), HasSubstr("cgroup v1 ("));
 }
 
@@ -189,6 +192,44 @@ TEST(RankCgroupTest, LimitsAreWrittenAProcessJoinsAndIsKilledWholeAndAnOomIsCoun
 
 // What killed workers left (empty trees a minute old) goes; a tree with a process in it, and one
 // made a moment ago (a worker may be starting a rank in it), stay.
+// The v1 devices controller (issue 52): a device the rank's limits deny cannot be opened from its
+// cgroup, others can; a folder made again for a rank without denials (reused) lets it be opened.
+TEST(RankCgroupTest, OnV1ADeniedDeviceCannotBeOpenedFromTheCgroup) {
+  if (geteuid() != 0) GTEST_SKIP() << "making cgroups needs root";
+  const CgroupHost host = DetectCgroups();
+  if (host.version != 1 || host.parents.count("devices") == 0) {
+    GTEST_SKIP() << "needs the cgroup v1 devices controller: " << DescribeCgroups(host);
+  }
+  const std::string name = absl::StrCat("trainyard-test-", getpid(), "/job/attempt-1/rank-0");
+  // 0: both opened; 1: /dev/full opened; 2: /dev/full refused with EPERM and /dev/zero opened.
+  auto try_open = [](const std::vector<std::string>& dirs) {
+    const pid_t child = fork();
+    if (child == 0) {
+      if (!JoinCgroups(dirs, getpid())) _exit(3);
+      const int full = open("/dev/full", O_RDONLY);
+      const int full_errno = errno;
+      const int zero = open("/dev/zero", O_RDONLY);
+      if (zero < 0) _exit(4);
+      _exit(full >= 0 ? 1 : (full_errno == EPERM ? 2 : 5));
+    }
+    int status = 0;
+    waitpid(child, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  };
+  CgroupLimits limits;
+  limits.denied_devices = {"c 1:7 rwm"};  // /dev/full
+  auto dirs = CreateRankCgroup(host, name, limits);
+  ASSERT_TRUE(dirs.ok()) << dirs.status();
+  EXPECT_EQ(try_open(*dirs), 2);
+  dirs = CreateRankCgroup(host, name, CgroupLimits{});
+  ASSERT_TRUE(dirs.ok()) << dirs.status();
+  EXPECT_EQ(try_open(*dirs), 1);
+  EXPECT_TRUE(RemoveCgroups(*dirs));
+  for (const auto& [controller, parent] : host.parents) {
+    rmdir(absl::StrCat(parent, "/trainyard-test-", getpid()).c_str());
+  }
+}
+
 TEST(RankCgroupTest, TheSweepRemovesEmptyTreesAMinuteOldOnly) {
   if (geteuid() != 0) GTEST_SKIP() << "making cgroups needs root";
   const CgroupHost host = DetectCgroups();

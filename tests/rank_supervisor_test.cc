@@ -161,6 +161,12 @@ TEST(RankLimitsTest, AJobsCpusAndMemoryReplaceTheSlotsDefaults) {
   EXPECT_EQ(RankLimits(CgroupLimits{}, asked).memory_bytes, int64_t{16} << 30);
 }
 
+TEST(RankLimitsTest, ARankOnAGpuIsDeniedEveryOtherGpusDeviceFile) {
+  const std::vector<std::string> rules = {"c 195:0 rwm", "c 195:1 rwm", "c 195:2 rwm"};
+  EXPECT_EQ(DeniedDevices(rules, 1), (std::vector<std::string>{"c 195:0 rwm", "c 195:2 rwm"}));
+  EXPECT_TRUE(DeniedDevices({}, 0).empty());  // CPU slots, or GPUs without device files
+}
+
 TEST(RankEnvironmentTest, BaseThenTheNamedWorkerVariablesThenTheRanksOwn) {
   UnixAccount alice;
   alice.name = "alice";

@@ -9,6 +9,7 @@
 #include <pwd.h>
 #include <signal.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/wait.h>
 
 #include <algorithm>
@@ -1316,6 +1317,65 @@ TEST_F(WorkerGpuE2eTest, OffersEachGpuAndGivesEachRankOnlyItsOwn) {
   EXPECT_EQ(devices_seen.size(), 2u);
   EXPECT_EQ(std::unique(devices_seen.begin(), devices_seen.end()), devices_seen.end())
       << "two ranks on one GPU";
+}
+
+// Devices (issue 52): on cgroup v1 a rank's devices cgroup denies the GPUs it was not given, so a
+// rank that ignores CUDA_VISIBLE_DEVICES still cannot open them. Stand-in device nodes with the
+// NVIDIA major (195) and minors 0 and 1, mode 0666, no driver behind them: a rank's own gets past
+// the cgroup to the missing driver (ENXIO or ENODEV), the other GPU's is refused (EPERM).
+TEST_F(WorkerGpuE2eTest, ARankCannotOpenTheDeviceFileOfAGpuItWasNotGiven) {
+  if (!CgroupsUsable()) GTEST_SKIP() << "needs root and usable cgroups";
+  const trainyard::worker::CgroupHost host = trainyard::worker::DetectCgroups();
+  if (host.version != 1 || host.parents.count("devices") == 0) {
+    GTEST_SKIP() << "needs the cgroup v1 devices controller";
+  }
+  ASSERT_EQ(chmod(dir_.path().c_str(), 0755), 0);
+  const std::string dev = dir_.path() + "/dev";
+  std::filesystem::create_directories(dev);
+  ASSERT_EQ(chmod(dev.c_str(), 0755), 0);
+  for (int i = 0; i < 2; ++i) {
+    const std::string node = absl::StrCat(dev, "/nvidia", i);
+    ASSERT_EQ(mknod(node.c_str(), S_IFCHR | 0666, makedev(195, i)), 0) << strerror(errno);
+    ASSERT_EQ(chmod(node.c_str(), 0666), 0);
+  }
+  alice_account_ = "nobody";
+  StartWorker({"--gpus", "all", "--cuda-library", FakeDriver(), "--cgroups", "require",
+               "--gpu-device-files", dev + "/nvidia%d"},
+              {"FAKE_CUDA_DEVICES=2"});
+  ASSERT_EQ(WaitForDevices(v1::CUDA_GPU, 2).size(), 2u);
+  const v1::Job job = RunToEnd(
+      *client_,
+      CommandSpec("open-gpus", 2,
+                  {"/usr/bin/python3", "-c",
+                   absl::StrCat("import errno, os\n"
+                                "for i in (0, 1):\n"
+                                "    try:\n"
+                                "        os.close(os.open('",
+                                dev,
+                                "/nvidia%d' % i, os.O_RDWR))\n"
+                                "        got = 'opened'\n"
+                                "    except OSError as e:\n"
+                                "        got = errno.errorcode[e.errno]\n"
+                                "    print('device', os.environ['TRAINYARD_DEVICE'], 'opens', i, "
+                                "got, flush=True)\n")}));
+  ASSERT_EQ(job.state(), v1::SUCCEEDED) << job.message();
+  int checked = 0;
+  for (const std::string& line : Logs(job.id())) {
+    for (int own = 0; own < 2; ++own) {
+      for (int other = 0; other < 2; ++other) {
+        if (!absl::StrContains(line, absl::StrCat("device ", own, " opens ", other, " "))) {
+          continue;
+        }
+        ++checked;
+        if (own == other) {
+          EXPECT_THAT(line, Not(HasSubstr("EPERM"))) << "a rank could not open its own GPU";
+        } else {
+          EXPECT_THAT(line, HasSubstr("EPERM")) << "a rank opened another rank's GPU";
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, 4);
 }
 
 TEST_F(WorkerGpuE2eTest, AutoOffersGpusOnlyToATrainerThatTrainsOnThem) {

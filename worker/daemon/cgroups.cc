@@ -168,8 +168,10 @@ CgroupHost DetectCgroupsFrom(const std::string& mountinfo, const std::string& se
     host.parents[c] = FolderOf(m->second.point, m->second.root, p->second);
   }
   if (missing.empty()) {
-    if (auto m = v1.find("cpuacct"); m != v1.end() && path_of.count("cpuacct") > 0) {
-      host.parents["cpuacct"] = FolderOf(m->second.point, m->second.root, path_of["cpuacct"]);
+    for (const char* optional : {"cpuacct", "devices"}) {
+      if (auto m = v1.find(optional); m != v1.end() && path_of.count(optional) > 0) {
+        host.parents[optional] = FolderOf(m->second.point, m->second.root, path_of[optional]);
+      }
     }
     host.version = 1;
     return host;
@@ -265,6 +267,17 @@ absl::StatusOr<std::vector<std::string>> TryCreateRankCgroup(const CgroupHost& h
   if (s.ok()) s = set(cpu + "/cpu.cfs_quota_us", absl::StrCat(quota_us));
   if (s.ok()) {
     s = set(pids + "/pids.max", limits.pids > 0 ? absl::StrCat(limits.pids) : std::string("max"));
+  }
+  // Devices: all that the worker's own cgroup allows (a reused folder may hold an earlier rank's
+  // denials), less the GPUs that are not this rank's.
+  if (auto devices = by_controller.find("devices"); s.ok() && devices != by_controller.end()) {
+    s = set(devices->second + "/devices.allow", "a");
+    for (const std::string& rule : limits.denied_devices) {
+      if (s.ok()) s = set(devices->second + "/devices.deny", rule);
+    }
+  } else if (s.ok() && !limits.denied_devices.empty()) {
+    s = absl::FailedPreconditionError(
+        "cgroup v1 has no devices controller: the rank's GPUs cannot be confined");
   }
   if (!s.ok()) return s;
   return dirs;

@@ -38,6 +38,9 @@ struct CgroupLimits {
   int64_t memory_bytes = 0;  // resident memory (and swap, where the kernel counts it)
   double cpus = 0;           // CPU time per wall-clock second
   int64_t pids = 0;          // processes and threads
+  // Devices the rank may not open, as the v1 devices controller writes them ("c 195:1 rwm"):
+  // the GPUs it was not given. v1 only (on v2 that takes a BPF device program: not done).
+  std::vector<std::string> denied_devices;
 };
 
 // Where ranks' cgroups go on this host.
@@ -52,7 +55,8 @@ struct CgroupHost {
 // Detection from the texts of /proc/self/mountinfo and /proc/self/cgroup (pure: unit-tested).
 // v2 when the unified hierarchy holds the worker's cgroup and `controllers_of` (the text of that
 // cgroup's cgroup.controllers; empty when unreadable) names memory, cpu and pids; else v1 when
-// memory, cpu, pids and freezer are mounted; else none, saying why.
+// memory, cpu, pids and freezer are mounted (with cpuacct and devices where they are); else none,
+// saying why.
 CgroupHost DetectCgroupsFrom(const std::string& mountinfo, const std::string& self_cgroup,
                              const std::function<std::string(const std::string&)>& controllers_of);
 

@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <spawn.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -25,6 +26,7 @@
 
 #include "absl/algorithm/container.h"
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
@@ -198,6 +200,12 @@ int main(int argc, char** argv) {
                  "each rank's CPU quota, in CPUs (1.5: one and a half; as DefCpuPerGPU); "
                  "default none")
       ->check(CLI::NonNegativeNumber);
+  std::string gpu_device_files = "/dev/nvidia%d";
+  app.add_option("--gpu-device-files", gpu_device_files,
+                 "each GPU's device file, by CUDA device number: a pattern with %d, or a comma "
+                 "list; on cgroup v1 a rank's devices cgroup denies those of the GPUs it was not "
+                 "given (the minors follow PCI order, as CUDA's on a host of one GPU model)")
+      ->capture_default_str();
   double host_cpus = 0;
   std::string reserved_memory = "1GiB";
   app.add_option("--cpus", host_cpus,
@@ -397,6 +405,34 @@ int main(int argc, char** argv) {
                    l.memory_bytes > 0 ? trainyard::HumanBytes(l.memory_bytes) : "no limit",
                    l.cpus > 0 ? absl::StrCat(l.cpus) : "no limit",
                    l.pids > 0 ? absl::StrCat(l.pids) : "no limit");
+    }
+    // GPUs: each one's device file, for the devices controller (v1) to deny the others' to a rank.
+    if (!options.gpus.empty() && host.parents.count("devices") > 0) {
+      const std::vector<std::string> listed = absl::StrSplit(gpu_device_files, ',');
+      for (size_t i = 0; i < options.gpus.size(); ++i) {
+        const std::string file =
+            absl::StrContains(gpu_device_files, "%d")
+                ? absl::StrReplaceAll(gpu_device_files, {{"%d", absl::StrCat(i)}})
+                : (i < listed.size() ? listed[i] : "");
+        struct stat st;
+        if (file.empty() || stat(file.c_str(), &st) != 0 || !S_ISCHR(st.st_mode)) {
+          spdlog::warn(
+              "GPU {}: no device file {}: its ranks are confined by "
+              "CUDA_VISIBLE_DEVICES only",
+              i, file.empty() ? "named" : file);
+          options.supervisor.gpu_device_rules.clear();
+          break;
+        }
+        options.supervisor.gpu_device_rules.push_back(
+            absl::StrCat("c ", major(st.st_rdev), ":", minor(st.st_rdev), " rwm"));
+      }
+      if (!options.supervisor.gpu_device_rules.empty()) {
+        spdlog::info("each rank may open only its own GPU's device file ({})", gpu_device_files);
+      }
+    } else if (!options.gpus.empty()) {
+      spdlog::warn("GPUs are confined by CUDA_VISIBLE_DEVICES only: {}",
+                   host.version == 2 ? "cgroup v2 needs a BPF device program (not done)"
+                                     : "no cgroup v1 devices controller");
     }
     options.supervisor.cgroups =
         std::make_shared<const trainyard::worker::CgroupHost>(std::move(host));

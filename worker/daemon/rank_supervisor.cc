@@ -209,6 +209,14 @@ std::vector<std::string> RankEnvironment(const UnixAccount& account,
   return out;
 }
 
+std::vector<std::string> DeniedDevices(const std::vector<std::string>& rules, int device) {
+  std::vector<std::string> denied;
+  for (size_t i = 0; i < rules.size(); ++i) {
+    if (static_cast<int>(i) != device && !rules[i].empty()) denied.push_back(rules[i]);
+  }
+  return denied;
+}
+
 CgroupLimits RankLimits(const CgroupLimits& node, const v1::Resources& resources) {
   CgroupLimits limits = node;
   if (resources.memory_bytes() > 0) limits.memory_bytes = resources.memory_bytes();
@@ -577,6 +585,12 @@ void RankSupervisor::StartCommand(const v1::Assignment& a, const v1::JobSpec& sp
        spec.workdir().empty() ? work : spec.workdir(), spec.resources());
 }
 
+CgroupLimits RankSupervisor::RankCgroupLimits(const v1::Resources& resources, int device) const {
+  CgroupLimits limits = RankLimits(options_.rank_limits, resources);
+  limits.denied_devices = DeniedDevices(options_.gpu_device_rules, device);
+  return limits;
+}
+
 void RankSupervisor::Exec(const v1::Assignment& a, const RankKey& key, int device,
                           const std::optional<UnixAccount>& account, std::vector<std::string> argv,
                           std::vector<std::string> env, const std::string& cwd,
@@ -622,7 +636,7 @@ void RankSupervisor::Exec(const v1::Assignment& a, const RankKey& key, int devic
         CreateRankCgroup(*options_.cgroups,
                          absl::StrCat(options_.cgroup_prefix, "/", std::get<0>(key), "/attempt-",
                                       std::get<1>(key), "/rank-", std::get<2>(key)),
-                         RankLimits(options_.rank_limits, resources));
+                         RankCgroupLimits(resources, device));
     if (!dirs.ok()) {
       close(env_fd);
       ReportExit(key, 127, std::string(dirs.status().message()));

@@ -49,6 +49,10 @@ struct SupervisorOptions {
   // a GPU sees only its own (CUDA_VISIBLE_DEVICES) and gets `--device cuda`; one on a CPU slot
   // sees none.
   std::vector<std::string> gpu_uuids;
+  // The v1 devices-controller rule of each GPU's device file ("c 195:0 rwm"), by device index:
+  // a rank's cgroup denies those of the GPUs it was not given. Empty: not confined beyond
+  // CUDA_VISIBLE_DEVICES.
+  std::vector<std::string> gpu_device_rules;
   // The program run as each rank's shepherd with kShepherdFlag: this worker's own binary.
   std::string shepherd_path = "/proc/self/exe";
   // Which account runs each rank (run_as.h); null: this process's own, for any owner.
@@ -84,6 +88,10 @@ std::vector<std::string> RankEnvironment(const UnixAccount& account,
 // A rank's cgroup limits: `node` (the worker's per-slot ones), with the CPUs and memory its job
 // asks for in `resources` in their place.
 CgroupLimits RankLimits(const CgroupLimits& node, const v1::Resources& resources);
+
+// The rules of `rules` (by device index) but the one of `device`: the GPUs a rank on `device` may
+// not open.
+std::vector<std::string> DeniedDevices(const std::vector<std::string>& rules, int device);
 
 // The message a failed rank's exit carries, from its last output lines: its cause first (the last
 // line that says error, exception, fatal, failed or Traceback's last line, else the last non-empty
@@ -137,6 +145,8 @@ class RankSupervisor {
   void StartCommand(const v1::Assignment& a, const v1::JobSpec& spec, const RankKey& key, int rank,
                     int device, const std::optional<UnixAccount>& account, const std::string& work,
                     const std::string& checkpoint_dir) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A rank's cgroup limits: RankLimits, and the GPUs other than `device` denied.
+  CgroupLimits RankCgroupLimits(const v1::Resources& resources, int device) const;
   // Forks and execs `argv` in `cwd` with `env` (then the worker's environment, without its token
   // and the names `env` sets), as `account` when set, in a process group of its own, held to
   // `resources` (the spec's: what it asks for overrides rank_limits).
