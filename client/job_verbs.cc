@@ -40,6 +40,37 @@ constexpr int kExitTimedOut = 3;
 
 std::string Devices(const v1::Job& job) { return absl::StrCat(job.spec().resources().gpus()); }
 
+// "2; per rank 1.5 CPUs, 16.0 GiB" (what each rank asks for beside its device).
+std::string ResourcesText(const v1::Job& job) {
+  const v1::Resources& r = job.spec().resources();
+  std::vector<std::string> per_rank;
+  if (r.cpus() > 0) per_rank.push_back(absl::StrCat(r.cpus(), " CPUs"));
+  if (r.memory_bytes() > 0) per_rank.push_back(HumanBytes(r.memory_bytes()));
+  return per_rank.empty()
+             ? Devices(job)
+             : absl::StrCat(Devices(job), "; per rank ", absl::StrJoin(per_rank, ", "));
+}
+
+// What the ranks of the job's latest attempt with reports used, as sacct lists a step's tasks:
+// a table, or "" when no rank has ended.
+std::string RankUsageText(const v1::Job& job) {
+  if (job.rank_usage().empty()) return "";
+  const int attempt = job.rank_usage(job.rank_usage_size() - 1).attempt();
+  std::vector<std::vector<std::string>> rows;
+  for (const v1::RankUsage& u : job.rank_usage()) {
+    if (u.attempt() != attempt) continue;
+    rows.push_back({absl::StrCat(u.rank()), u.node_id(), absl::StrCat(u.exit_code()),
+                    HumanBytes(u.peak_rss_bytes()),
+                    u.memory_peak_bytes() > 0 ? HumanBytes(u.memory_peak_bytes()) : "-",
+                    absl::StrFormat("%.2f s", u.cpu_seconds())});
+  }
+  std::sort(rows.begin(), rows.end(),
+            [](const auto& a, const auto& b) { return std::stoi(a[0]) < std::stoi(b[0]); });
+  return absl::StrCat(
+      "\nranks of attempt ", attempt, " that ended:\n",
+      FormatTable({"RANK", "NODE", "EXIT", "PEAK RSS", "CGROUP PEAK", "CPU TIME"}, rows));
+}
+
 std::string PlacementText(const v1::Job& job) {
   std::vector<std::string> parts;
   for (const auto& p : job.placement()) {
@@ -92,7 +123,7 @@ void PrintJob(const v1::Job& job) {
       {"state", v1::JobState_Name(job.state())},
       {"message", job.message().empty() ? "-" : job.message()},
       {"priority", absl::StrCat(s.priority())},
-      {"devices", Devices(job)},
+      {"devices", ResourcesText(job)},
       {"attempt",
        absl::StrCat(job.attempt(), " (restarts ", job.restarts(), " of ", s.max_restarts(), ")")},
       {"placement", PlacementText(job)},
@@ -161,7 +192,7 @@ void PrintJob(const v1::Job& job) {
   }
   if (!job.why_waiting().empty()) f.push_back({"waiting", job.why_waiting()});
   if (job.backfilled()) f.push_back({"backfilled", "yes"});
-  std::cout << FormatFields(f);
+  std::cout << FormatFields(f) << RankUsageText(job);
 }
 
 // A llama spec with model.from: its sizes from config.json when yard can read it (see
@@ -629,10 +660,11 @@ int Metrics(const Globals& g, const std::string& id, bool follow) {
   const bool tty = isatty(STDOUT_FILENO);
   nlohmann::json series = nlohmann::json::array();
   std::vector<std::vector<std::string>> rows;
-  std::deque<double> recent;        // seconds of the last steps, for the ETA
-  bool pipelined = false;           // a BUBBLE column
-  std::vector<std::string> extras;  // a program's own metrics (the SDK's), one entry per row
-  std::vector<std::string> evals;   // train.eval_every: "loss (perplexity)" or "", per row
+  std::deque<double> recent;          // seconds of the last steps, for the ETA
+  bool pipelined = false;             // a BUBBLE column
+  std::vector<std::string> extras;    // a program's own metrics (the SDK's), one entry per row
+  std::vector<std::string> evals;     // train.eval_every: "loss (perplexity)" or "", per row
+  std::vector<int64_t> device_peaks;  // peak GPU memory, per row (0: on CPU)
   absl::Status s = client.Metrics(NormalizeJobId(id), follow, [&](const v1::StepReport& r) {
     if (g.json()) {
       series.push_back({{"attempt", r.attempt()},
@@ -646,6 +678,7 @@ int Metrics(const Globals& g, const std::string& id, bool follow) {
                         {"resident_bytes", r.resident_bytes()},
                         {"model_state_peak_bytes", r.model_state_peak_bytes()},
                         {"comm_bytes", r.comm_bytes()},
+                        {"device_peak_bytes", r.device_peak_bytes()},
                         {"time_ms", r.time_ms()}});
       if (r.has_eval_loss()) {
         series.back()["eval_loss"] = r.eval_loss();
@@ -675,6 +708,7 @@ int Metrics(const Globals& g, const std::string& id, bool follow) {
       }
       std::sort(own.begin(), own.end());
       extras.push_back(absl::StrJoin(own, " "));
+      device_peaks.push_back(r.device_peak_bytes());
       evals.push_back(r.has_eval_loss()
                           ? absl::StrFormat("%.4f (%.2f)", r.eval_loss(), std::exp(r.eval_loss()))
                           : "");
@@ -709,6 +743,13 @@ int Metrics(const Globals& g, const std::string& id, bool follow) {
     // each stage's.
     if (pipelined) header.push_back("BUBBLE (THEORY) [PER STAGE]");
     for (auto& row : rows) row.resize(header.size(), "-");
+    // GPUs: the peak memory each step's report says rank 0 allocated so far.
+    if (std::any_of(device_peaks.begin(), device_peaks.end(), [](int64_t b) { return b > 0; })) {
+      header.push_back("GPU_PEAK");
+      for (size_t i = 0; i < rows.size(); ++i) {
+        rows[i].push_back(device_peaks[i] > 0 ? HumanBytes(device_peaks[i]) : "-");
+      }
+    }
     // Evaluations (train.eval_every): the held-out loss and its perplexity, on their steps.
     if (std::any_of(evals.begin(), evals.end(), [](const auto& e) { return !e.empty(); })) {
       header.push_back("EVAL_LOSS (PPL)");

@@ -25,6 +25,7 @@ GAUGES = {
     "trainyard_job_loss", "trainyard_job_tokens_per_second", "trainyard_job_step_seconds",
     "trainyard_job_step", "trainyard_job_total_steps", "trainyard_job_grad_norm",
     "trainyard_job_resident_bytes", "trainyard_job_eval_loss", "trainyard_job_eval_perplexity",
+    "trainyard_job_device_peak_bytes",
     "trainyard_account_running_devices", "trainyard_account_queued_devices",
     "trainyard_account_quota_devices", "trainyard_account_share_ratio",
     "trainyard_account_usage_ratio", "trainyard_account_usage_device_seconds",
@@ -40,6 +41,7 @@ GAUGES = {
 COUNTERS = {
     "trainyard_placements_total", "trainyard_rpc_requests_total", "trainyard_preemptions_total",
     "trainyard_auth_refusals_total", "trainyard_auth_failures_total",
+    "trainyard_rank_cpu_seconds_total",
     "trainyard_worker_rank_exits_total", "trainyard_worker_gpu_xid_events_total",
     "trainyard_ps_pushed_bytes_total", "trainyard_ps_pulled_bytes_total",
 }
@@ -47,7 +49,7 @@ HISTOGRAMS = {
     "trainyard_job_queue_wait_seconds", "trainyard_scheduling_pass_seconds",
     "trainyard_rpc_duration_seconds", "trainyard_store_commit_seconds",
     "trainyard_worker_heartbeat_rtt_seconds", "trainyard_ps_adam_step_seconds",
-    "trainyard_node_event_delay_seconds",
+    "trainyard_node_event_delay_seconds", "trainyard_rank_peak_rss_bytes",
 }
 BUILTIN = {"up"}  # Prometheus's own per-target series
 KNOWN = GAUGES | COUNTERS | BUILTIN | {h + s for h in HISTOGRAMS for s in ("_bucket", "_sum", "_count")}

@@ -597,6 +597,51 @@ TEST_F(HardeningTest, AFloodOfBadCredentialsIsThrottledWhileValidOnesFromTheSame
   EXPECT_THAT(*metrics, HasSubstr("trainyard_auth_failures_total{reason=\"throttled\"} 5"));
 }
 
+// Accounting (issue 52): what a worker says each rank used is kept with the job (rank, node,
+// attempt) and counted for Prometheus: CPU seconds by account, peak RSS in a histogram; a
+// negative or non-finite figure from a node is not taken.
+TEST_F(HardeningTest, RankUsageIsKeptWithTheJobAndCountedByAccount) {
+  const v1::Job job = RunningJob();
+  ASSERT_EQ(job.state(), v1::RUNNING);
+  const v1::CoordinatorMessage m = node_->NextCommand();
+  ASSERT_TRUE(m.has_assignment());
+  v1::RankUsage usage;
+  usage.set_peak_rss_bytes(int64_t{300} << 20);
+  usage.set_memory_peak_bytes(int64_t{320} << 20);
+  usage.set_cpu_seconds(12.5);
+  usage.set_rank(7);  // the coordinator's own say: the status's rank
+  node_->ReportExit(m.assignment(), 0, 0, &usage);
+  // The job's watch: its changes until it ends.
+  grpc::ClientContext ctx;
+  Prepare(ctx, tokens_->User("alice"));
+  v1::WatchJobRequest watch;
+  watch.set_job_id(job.id());
+  auto reader = jobs_->WatchJob(&ctx, watch);
+  v1::JobEvent event;
+  std::optional<v1::Job> done;
+  while (reader->Read(&event)) {
+    if (event.job().state() == v1::SUCCEEDED) {
+      done = event.job();
+      ctx.TryCancel();
+      break;
+    }
+  }
+  reader->Finish();
+  ASSERT_TRUE(done.has_value()) << "the job did not succeed";
+  ASSERT_EQ(done->rank_usage_size(), 1);
+  const v1::RankUsage& kept = done->rank_usage(0);
+  EXPECT_EQ(kept.rank(), 0);
+  EXPECT_EQ(kept.attempt(), job.attempt());
+  EXPECT_EQ(kept.node_id(), "n1");
+  EXPECT_EQ(kept.peak_rss_bytes(), int64_t{300} << 20);
+  EXPECT_EQ(kept.memory_peak_bytes(), int64_t{320} << 20);
+  EXPECT_DOUBLE_EQ(kept.cpu_seconds(), 12.5);
+  auto metrics = testing::HttpGet(server_->metrics_address(), "/metrics");
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_THAT(*metrics, HasSubstr("trainyard_rank_cpu_seconds_total{account=\"default\"} 12.5"));
+  EXPECT_THAT(*metrics, HasSubstr("trainyard_rank_peak_rss_bytes_count 1"));
+}
+
 TEST_F(HardeningTest, AnotherUsersJobAnswersExactlyAsAMissingOne) {
   v1::Job job;
   ASSERT_TRUE(Submit(tokens_->User("alice"), testing::TinySpec("mine", 1), &job).ok());

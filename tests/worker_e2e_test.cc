@@ -857,6 +857,34 @@ TEST_F(WorkerE2eTest, RanksAreHeldToTheirMemoryCpusAndPidsAndEndWhole) {
   EXPECT_TRUE(GoneSoon(hidden)) << "the env -i daemon outlived its job";
 }
 
+// Accounting (issue 52), as sacct's MaxRSS and TotalCPU: a rank that allocates 200 MiB and spins
+// a CPU for a second ends with a peak RSS within 10% of 200 MiB and at least that second of CPU
+// time, kept with its job and shown by yard describe.
+TEST_F(WorkerE2eTest, DescribeShowsEachRanksPeakRssAndCpuTime) {
+  const v1::Job job = RunToEnd(*client_, CommandSpec("alloc", 1,
+                                                     {"/usr/bin/python3", "-c",
+                                                      "import time\n"
+                                                      "b = b'x' * (200 << 20)\n"
+                                                      "end = time.process_time() + 1\n"
+                                                      "while time.process_time() < end: pass\n"
+                                                      "print('held', len(b))\n"}));
+  ASSERT_EQ(job.state(), v1::SUCCEEDED) << job.message();
+  ASSERT_EQ(job.rank_usage_size(), 1);
+  const v1::RankUsage& used = job.rank_usage(0);
+  EXPECT_EQ(used.rank(), 0);
+  EXPECT_EQ(used.node_id(), "w1");
+  EXPECT_NEAR(static_cast<double>(used.peak_rss_bytes()), 200 << 20, 0.1 * (200 << 20));
+  EXPECT_GE(used.cpu_seconds(), 0.95);
+  EXPECT_LT(used.cpu_seconds(), 30);
+  auto described =
+      testing::RunCommand({BinPath("yard"), "--coordinator", address_, "describe", job.id()},
+                          {"TRAINYARD_TOKEN=" + alice_token_});
+  EXPECT_EQ(described.exit_code, 0) << described.err;
+  EXPECT_THAT(described.out, HasSubstr("ranks of attempt 1 that ended:"));
+  EXPECT_THAT(described.out, HasSubstr("PEAK RSS"));
+  EXPECT_THAT(described.out, ContainsRegex("0 +w1 +0 +2[01][0-9]\\.[0-9] MiB"));
+}
+
 TEST_F(WorkerE2eTest, AWorkerWithoutRootTakesOnlyItsAccountsJobs) {
   if (geteuid() != 0) GTEST_SKIP() << "starting the worker as another account needs root";
   ASSERT_EQ(chmod(dir_.path().c_str(), 0755), 0);

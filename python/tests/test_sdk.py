@@ -111,6 +111,11 @@ def test_a_rank_reports_steps_and_metrics_that_yard_and_the_client_read(client, 
     assert [s.step for s in steps] == [1, 2, 3, 4, 5]
     assert steps[0].loss > steps[-1].loss
     assert steps[-1].metrics["accuracy"] == pytest.approx(1.0)
+    # The rank's resident set, as the built-in trainer reports its own (a Python rank: megabytes).
+    assert all(s.resident_bytes > 1 << 20 for s in steps)
+    # Each rank's use at its end, as sacct: its peak RSS and CPU time.
+    assert sorted(u.rank for u in done.rank_usage) == [0, 1]
+    assert all(u.peak_rss_bytes > 1 << 20 and u.cpu_seconds > 0 for u in done.rank_usage)
     lines = [(line.rank, line.text) for line in client.logs(job.id)]
     assert (0, f"rank 0 of 2 in {job.id} attempt 1") in lines
     assert (1, f"rank 1 of 2 in {job.id} attempt 1") in lines

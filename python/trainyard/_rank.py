@@ -1,7 +1,30 @@
 """The rank side: what a training program calls from inside a trainyard job."""
 import glob
 import os
+import sys
 import time
+
+
+def resident_bytes():
+    """This process's resident set now (/proc/self/statm), as the built-in trainer reports it;
+    0 where /proc is absent."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def device_peak_bytes():
+    """The peak GPU memory torch allocated in this process (torch.cuda.max_memory_allocated),
+    when the program imported torch and uses CUDA; else 0. Never imports torch itself."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_initialized():
+            return int(torch.cuda.max_memory_allocated())
+    except Exception:  # a torch without CUDA, or a broken one: no figure rather than a failure
+        pass
+    return 0
 
 from trainyard._channel import Endpoints, FollowingStub, bearer
 
@@ -49,7 +72,8 @@ class Context:
         report = trainer_pb2.StepReport(
             job_id=self.job_id, attempt=self.attempt, rank=self.rank, step=int(step),
             total_steps=int(total_steps), loss=float(loss), lr=float(lr),
-            time_ms=int(time.time() * 1000))
+            time_ms=int(time.time() * 1000), resident_bytes=resident_bytes(),
+            device_peak_bytes=device_peak_bytes())
         for name, value in metrics.items():
             report.metrics[name] = float(value)
         self._remember(self._stub.ReportStep(report, timeout=self._timeout,

@@ -193,7 +193,26 @@ CoordinatorMetrics::CoordinatorMetrics()
       job_eval_perplexity_(prometheus::BuildGauge()
                                .Name("trainyard_job_eval_perplexity")
                                .Help("exp(eval_loss) of a running job's latest evaluation")
-                               .Register(*registry_)) {
+                               .Register(*registry_)),
+      job_device_peak_bytes_(prometheus::BuildGauge()
+                                 .Name("trainyard_job_device_peak_bytes")
+                                 .Help("Peak GPU memory a running job's rank 0 allocated so far")
+                                 .Register(*registry_)),
+      rank_cpu_seconds_(prometheus::BuildCounter()
+                            .Name("trainyard_rank_cpu_seconds_total")
+                            .Help("CPU time of the ranks that ended, by the account charged "
+                                  "(as sacct's TotalCPU)")
+                            .Register(*registry_)),
+      rank_peak_rss_(prometheus::BuildHistogram()
+                         .Name("trainyard_rank_peak_rss_bytes")
+                         .Help("Peak resident set of each rank that ended (its largest process, "
+                               "as sacct's MaxRSS)")
+                         .Register(*registry_)
+                         .Add({}, prometheus::Histogram::BucketBoundaries{
+                                      double(int64_t{64} << 20), double(int64_t{256} << 20),
+                                      double(int64_t{1} << 30), double(int64_t{4} << 30),
+                                      double(int64_t{16} << 30), double(int64_t{64} << 30),
+                                      double(int64_t{256} << 30)})) {
   for (int s = v1::JobState_MIN; s <= v1::JobState_MAX; ++s) {
     if (s == v1::JOB_STATE_UNSPECIFIED || !v1::JobState_IsValid(s)) continue;
     jobs_.Add({{"state", v1::JobState_Name(static_cast<v1::JobState>(s))}});
@@ -299,6 +318,7 @@ void CoordinatorMetrics::Refresh(const std::map<v1::JobState, int>& jobs_by_stat
     job_total_steps_.Remove(s.total_steps);
     job_grad_norm_.Remove(s.grad_norm);
     job_resident_bytes_.Remove(s.resident_bytes);
+    job_device_peak_bytes_.Remove(s.device_peak_bytes);
     if (s.eval_loss != nullptr) {
       job_eval_loss_.Remove(s.eval_loss);
       job_eval_perplexity_.Remove(s.eval_perplexity);
@@ -344,11 +364,12 @@ void CoordinatorMetrics::ObserveStep(const v1::StepReport& r) {
   if (it == job_series_.end()) {
     const prometheus::Labels labels = {{"job", r.job_id()}};
     it = job_series_
-             .emplace(r.job_id(),
-                      JobSeries{&job_loss_.Add(labels), &job_tokens_per_second_.Add(labels),
-                                &job_step_seconds_.Add(labels), &job_step_.Add(labels),
-                                &job_total_steps_.Add(labels), &job_grad_norm_.Add(labels),
-                                &job_resident_bytes_.Add(labels)})
+             .emplace(
+                 r.job_id(),
+                 JobSeries{&job_loss_.Add(labels), &job_tokens_per_second_.Add(labels),
+                           &job_step_seconds_.Add(labels), &job_step_.Add(labels),
+                           &job_total_steps_.Add(labels), &job_grad_norm_.Add(labels),
+                           &job_resident_bytes_.Add(labels), &job_device_peak_bytes_.Add(labels)})
              .first;
   }
   JobSeries& s = it->second;
@@ -368,6 +389,16 @@ void CoordinatorMetrics::ObserveStep(const v1::StepReport& r) {
   s.total_steps->Set(static_cast<double>(r.total_steps()));
   s.grad_norm->Set(r.grad_norm());
   s.resident_bytes->Set(static_cast<double>(r.resident_bytes()));
+  s.device_peak_bytes->Set(static_cast<double>(r.device_peak_bytes()));
+}
+
+void CoordinatorMetrics::ObserveRankUsage(const std::string& account, const v1::RankUsage& usage) {
+  if (usage.cpu_seconds() > 0 && std::isfinite(usage.cpu_seconds())) {
+    rank_cpu_seconds_.Add({{"account", account.empty() ? "-" : account}})
+        .Increment(usage.cpu_seconds());
+  }
+  if (usage.peak_rss_bytes() > 0)
+    rank_peak_rss_.Observe(static_cast<double>(usage.peak_rss_bytes()));
 }
 
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>

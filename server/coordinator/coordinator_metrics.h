@@ -52,6 +52,8 @@ class CoordinatorMetrics {
   void ObserveStoreCommit(double seconds);
   void ObserveRpc(const std::string& method, const std::string& code, double seconds);
   void ObserveStep(const v1::StepReport& report);
+  // A rank that ended: its CPU time counted to `account`, its peak RSS into the histogram.
+  void ObserveRankUsage(const std::string& account, const v1::RankUsage& usage);
   // A failed authentication: "guess" (malformed, unknown, wrong secret), "stale" (expired,
   // revoked, user disabled) or "throttled" (refused unchecked: too many failures lately).
   void ObserveAuthFailure(const char* reason);
@@ -68,6 +70,7 @@ class CoordinatorMetrics {
     prometheus::Gauge* total_steps;
     prometheus::Gauge* grad_norm;
     prometheus::Gauge* resident_bytes;
+    prometheus::Gauge* device_peak_bytes;
     // From the job's first evaluation (train.eval_every) on; nullptr before.
     prometheus::Gauge* eval_loss = nullptr;
     prometheus::Gauge* eval_perplexity = nullptr;
@@ -102,6 +105,9 @@ class CoordinatorMetrics {
   prometheus::Family<prometheus::Gauge>& job_resident_bytes_;
   prometheus::Family<prometheus::Gauge>& job_eval_loss_;
   prometheus::Family<prometheus::Gauge>& job_eval_perplexity_;
+  prometheus::Family<prometheus::Gauge>& job_device_peak_bytes_;
+  prometheus::Family<prometheus::Counter>& rank_cpu_seconds_;
+  prometheus::Histogram& rank_peak_rss_;
 
   absl::Mutex mu_;
   std::map<std::string, JobSeries> job_series_ ABSL_GUARDED_BY(mu_);

@@ -375,9 +375,32 @@ bool JobManager::RankRunsOn(const std::string& node_id, const std::string& job_i
   return draining != draining_.end() && draining->second.node_id == node_id;
 }
 
+// What a rank that ended used, kept with its job (its latest kRankUsageKept ranks), persisted with
+// the job's next change (its last rank's exit changes its state), and counted for Prometheus.
+void JobManager::RecordRankUsage(v1::Job& job, const std::string& node_id,
+                                 const v1::RankStatus& status) {
+  constexpr int kRankUsageKept = 1024;
+  v1::RankUsage usage = status.usage();
+  usage.set_attempt(status.attempt());
+  usage.set_rank(status.rank());
+  usage.set_node_id(node_id);
+  usage.set_exit_code(status.exit_code());
+  if (!std::isfinite(usage.cpu_seconds()) || usage.cpu_seconds() < 0) usage.set_cpu_seconds(0);
+  if (usage.peak_rss_bytes() < 0) usage.set_peak_rss_bytes(0);
+  if (usage.memory_peak_bytes() < 0) usage.set_memory_peak_bytes(0);
+  if (job.rank_usage_size() >= kRankUsageKept) {
+    job.mutable_rank_usage()->DeleteSubrange(0, job.rank_usage_size() - kRankUsageKept + 1);
+  }
+  *job.add_rank_usage() = usage;
+  if (metrics_ != nullptr) metrics_->ObserveRankUsage(AccountOf(job), usage);
+}
+
 void JobManager::OnRankStatus(const std::string& node_id, const v1::RankStatus& status) {
   absl::MutexLock lock(&mu_);
   v1::Job* job = Find(status.job_id());
+  if (job != nullptr && status.phase() == v1::RANK_EXITED && status.has_usage()) {
+    RecordRankUsage(*job, node_id, status);
+  }
   const bool current =
       job != nullptr && IsActive(job->state()) && status.attempt() == job->attempt();
   if (current && !PlacedOn(*job, node_id, status.rank())) {

@@ -217,6 +217,8 @@ class JobManager final : public JobLifecycle,
   // SchedulePass's parts (job_manager.cc).
   void ExpireDraining(const std::vector<SchedulingNode>& nodes, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RecordRankUsage(v1::Job& job, const std::string& node_id, const v1::RankStatus& status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   ClusterSnapshot BuildSnapshot(const SharingPolicy& policy,
                                 const std::vector<SchedulingNode>& nodes, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

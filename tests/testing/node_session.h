@@ -109,7 +109,8 @@ class NodeSession {
     FAIL() << "no heartbeat ack";
   }
 
-  void ReportExit(const v1::Assignment& a, int rank, int exit_code) {
+  void ReportExit(const v1::Assignment& a, int rank, int exit_code,
+                  const v1::RankUsage* usage = nullptr) {
     v1::NodeMessage m;
     v1::RankStatus* rs = m.mutable_rank_status();
     rs->set_job_id(a.job_id());
@@ -117,6 +118,7 @@ class NodeSession {
     rs->set_rank(rank);
     rs->set_phase(v1::RANK_EXITED);
     rs->set_exit_code(exit_code);
+    if (usage != nullptr) *rs->mutable_usage() = *usage;
     ASSERT_TRUE(stream_->Write(m));
   }
 

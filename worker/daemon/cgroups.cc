@@ -352,6 +352,16 @@ std::optional<MemoryReport> ReadMemory(const std::vector<std::string>& dirs) {
   return r;
 }
 
+std::optional<double> ReadCpuSeconds(const std::vector<std::string>& dirs) {
+  for (const std::string& d : dirs) {
+    if (Exists(d + "/cpuacct.usage")) return ReadNumber(d + "/cpuacct.usage") / 1e9;  // v1: ns
+    if (Exists(d + "/cpu.stat") && !Exists(d + "/cpu.cfs_quota_us")) {                // v2
+      return ReadKey(d + "/cpu.stat", "usage_usec") / 1e6;
+    }
+  }
+  return std::nullopt;
+}
+
 bool RemoveCgroups(const std::vector<std::string>& dirs) {
   bool all = true;
   for (const std::string& d : dirs) {

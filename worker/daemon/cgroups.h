@@ -89,6 +89,9 @@ struct MemoryReport {
   int64_t oom_kills = 0;
 };
 std::optional<MemoryReport> ReadMemory(const std::vector<std::string>& dirs);
+// CPU time every process of the cgroups used (v1 cpuacct.usage, v2 cpu.stat's usage_usec), in
+// seconds; nullopt without a CPU accounting folder among `dirs`.
+std::optional<double> ReadCpuSeconds(const std::vector<std::string>& dirs);
 // Removes the (empty) folders; false if one stays.
 bool RemoveCgroups(const std::vector<std::string>& dirs);
 // Removes every empty "trainyard-*" cgroup folder under the host's parents that is a minute old,

@@ -730,6 +730,7 @@ void RankSupervisor::Follow(RankKey key, int conn, pid_t shepherd, int64_t offse
   const std::string log_path =
       absl::StrCat(options_.work_dir, "/", job_id, "/attempt-", attempt, "/rank-", rank, ".log");
   std::optional<int> exit_code;
+  v1::RankUsage usage;
   std::string gone;  // why the shepherd cannot say how the rank ended
   if (offset < 0) {  // a shepherd this worker started: its hello first
     auto message = ReceiveShepherdMessage(conn, absl::Seconds(30));
@@ -800,8 +801,17 @@ void RankSupervisor::Follow(RankKey key, int conn, pid_t shepherd, int64_t offse
     if (!message.ok()) {
       gone = "the rank's shepherd ended without saying how the rank did";
     } else if (absl::StartsWith(*message, "exit ")) {
+      // "exit CODE PEAK_RSS CPU_MS CGROUP_PEAK" (a shepherd of an older worker: "exit CODE").
+      const std::vector<std::string> f = absl::StrSplit(message->substr(5), ' ');
       int code = 0;
-      exit_code = absl::SimpleAtoi(message->substr(5), &code) ? code : -1;
+      exit_code = absl::SimpleAtoi(f[0], &code) ? code : -1;
+      int64_t rss = 0, cpu_ms = 0, cgroup_peak = 0;
+      if (f.size() >= 4 && absl::SimpleAtoi(f[1], &rss) && absl::SimpleAtoi(f[2], &cpu_ms) &&
+          absl::SimpleAtoi(f[3], &cgroup_peak)) {
+        usage.set_peak_rss_bytes(rss);
+        usage.set_cpu_seconds(cpu_ms / 1000.0);
+        usage.set_memory_peak_bytes(cgroup_peak);
+      }
     }
     if (absl::Now() >= tell_at) {
       tell_offset();
@@ -825,7 +835,7 @@ void RankSupervisor::Follow(RankKey key, int conn, pid_t shepherd, int64_t offse
     std::string message = code == 0 ? "" : FailureMessage({last.begin(), last.end()});
     if (!exit_code.has_value())
       message = message.empty() ? gone : absl::StrCat(gone, ": ", message);
-    ReportExit(key, code, message);
+    ReportExit(key, code, message, usage);
     SendShepherdMessage(conn, "done");
   }
   if (log_fd >= 0) close(log_fd);
@@ -842,7 +852,8 @@ void RankSupervisor::Follow(RankKey key, int conn, pid_t shepherd, int64_t offse
   }
 }
 
-void RankSupervisor::ReportExit(const RankKey& key, int exit_code, const std::string& message) {
+void RankSupervisor::ReportExit(const RankKey& key, int exit_code, const std::string& message,
+                                const v1::RankUsage& usage) {
   v1::NodeMessage m;
   auto* s = m.mutable_rank_status();
   s->set_job_id(std::get<0>(key));
@@ -851,6 +862,7 @@ void RankSupervisor::ReportExit(const RankKey& key, int exit_code, const std::st
   s->set_phase(v1::RANK_EXITED);
   s->set_exit_code(exit_code);
   s->set_message(message);
+  *s->mutable_usage() = usage;
   send_(m);
 }
 

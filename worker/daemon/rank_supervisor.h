@@ -159,7 +159,8 @@ class RankSupervisor {
   // comes first) and reports its exit, unless the supervisor detaches first.
   void Follow(RankKey key, int conn, pid_t shepherd, int64_t offset);
   void AskToStop(Rank& rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ReportExit(const RankKey& key, int exit_code, const std::string& message);
+  void ReportExit(const RankKey& key, int exit_code, const std::string& message,
+                  const v1::RankUsage& usage = {});
 
   const SupervisorOptions options_;
   const std::function<void(v1::NodeMessage)> send_;

@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -15,6 +16,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -398,6 +400,11 @@ int RunShepherd(int argc, char** argv) {
   int conn = -1;
   int64_t sent_offset = 0;
   std::optional<int> exit_code;
+  // What the rank used, as sacct's MaxRSS and TotalCPU: its largest process's peak resident set
+  // (getrusage of it and the children it waited for), its cgroup's peak memory (page cache
+  // included; 0 without cgroups) and CPU time (the cgroup's, else getrusage's).
+  int64_t peak_rss_bytes = 0, cgroup_peak_bytes = 0;
+  int64_t cpu_ms = 0;
   bool stopping = false, collected = false;
   absl::Time kill_at = absl::InfiniteFuture();
   // No worker yet: the one that started this shepherd connects at once.
@@ -409,7 +416,8 @@ int RunShepherd(int argc, char** argv) {
   };
   auto say_exit = [&] {
     if (conn >= 0 && exit_code.has_value()) {
-      SendShepherdMessage(conn, absl::StrCat("exit ", *exit_code));
+      SendShepherdMessage(conn, absl::StrCat("exit ", *exit_code, " ", peak_rss_bytes, " ", cpu_ms,
+                                             " ", cgroup_peak_bytes));
     }
   };
   while (!collected) {
@@ -440,8 +448,16 @@ int RunShepherd(int argc, char** argv) {
       while (read(signals, &info, sizeof(info)) == sizeof(info)) {
         if (info.ssi_signo == SIGCHLD) {
           int status = 0;
-          if (!exit_code.has_value() && waitpid(rank, &status, WNOHANG) == rank) {
+          rusage usage{};
+          if (!exit_code.has_value() && wait4(rank, &status, WNOHANG, &usage) == rank) {
             exit_code = ExitCodeOf(status);
+            peak_rss_bytes = int64_t{usage.ru_maxrss} * 1024;
+            const double rusage_cpu = usage.ru_utime.tv_sec + usage.ru_stime.tv_sec +
+                                      (usage.ru_utime.tv_usec + usage.ru_stime.tv_usec) / 1e6;
+            cpu_ms = std::llround(ReadCpuSeconds(s.cgroups).value_or(rusage_cpu) * 1000);
+            if (const auto memory = ReadMemory(s.cgroups); memory.has_value()) {
+              cgroup_peak_bytes = memory->peak_bytes;
+            }
             stop(SIGKILL);  // what it left behind, in its group or outside
             // Killed at its memory limit: said in its log, where its failure message comes from.
             if (const auto memory = ReadMemory(s.cgroups);

@@ -1034,6 +1034,7 @@ void Trainer::Report(const StepStats& s, const Agreement& a) {
     r.step_seconds = step_s;
     r.grad_norm = s.grad_norm;
     r.resident_bytes = ResidentBytes();
+    r.device_peak_bytes = device_.is_cuda() ? CudaPeakAllocatedBytes() : 0;
     r.model_state_peak_bytes = model_state_bytes;
     r.comm_bytes = s.comm_bytes;
     r.time_ms = UnixMillis();

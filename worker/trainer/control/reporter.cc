@@ -12,6 +12,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/coordinator_channel.h"
 #include "common/coordinator_endpoints.h"
 #include "common/credentials.h"
@@ -36,6 +38,8 @@ std::vector<size_t> KeptToReport(const CheckpointReport& report, size_t path_bud
 
 class Reporter::Impl {
  public:
+  static constexpr absl::Duration kDrainTime = absl::Seconds(5);
+
   Impl(const std::string& coordinator, std::string job_id, int attempt, int rank,
        void (*log)(const std::string&))
       : endpoints_(coordinator),
@@ -47,11 +51,13 @@ class Reporter::Impl {
         log_(log),
         thread_([this] { Loop(); }) {}
 
+  // Sends what is queued (every step: `yard metrics` lists them all) for up to kDrainTime, then
+  // only the latest, so that a coordinator out of reach does not hold the trainer's exit long.
   ~Impl() {
     {
       absl::MutexLock lock(&mu_);
       stopping_ = true;
-      while (queue_.size() > 1) queue_.pop_front();
+      drain_until_ = absl::Now() + kDrainTime;
     }
     thread_.join();
   }
@@ -69,6 +75,7 @@ class Reporter::Impl {
     r.set_step_seconds(s.step_seconds);
     r.set_grad_norm(s.grad_norm);
     r.set_resident_bytes(s.resident_bytes);
+    r.set_device_peak_bytes(s.device_peak_bytes);
     r.set_model_state_peak_bytes(s.model_state_peak_bytes);
     r.set_comm_bytes(s.comm_bytes);
     r.set_time_ms(s.time_ms);
@@ -155,6 +162,9 @@ class Reporter::Impl {
         };
         mu_.Await(absl::Condition(&ready));
         if (queue_.empty()) return;
+        if (stopping_ && absl::Now() >= drain_until_) {
+          while (queue_.size() > 1) queue_.pop_front();
+        }
         report = std::move(queue_.front());
         queue_.pop_front();
       }
@@ -201,6 +211,7 @@ class Reporter::Impl {
   std::deque<v1::StepReport> queue_ ABSL_GUARDED_BY(mu_);
   TrainerCommands pending_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time drain_until_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   bool warned_ ABSL_GUARDED_BY(mu_) = false;
   int64_t checkpointed_step_ ABSL_GUARDED_BY(mu_) = -1;  // last checkpoint reported
   std::thread thread_;                                   // last: starts once the rest is built

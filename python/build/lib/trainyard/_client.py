@@ -1,0 +1,181 @@
+"""A client of the coordinator's JobService, as yard is, in the manner of Ray's
+JobSubmissionClient. Every call is made as the token's user: users see their own jobs, admins
+everyone's."""
+import ipaddress
+import os
+
+import grpc
+from google.protobuf import json_format
+
+from trainyard._channel import Endpoints, FollowingStub, bearer
+
+
+class JobFailed(Exception):
+    """wait() on a job that ended FAILED or CANCELLED; .job is the final Job."""
+
+    def __init__(self, job):
+        from trainyard.v1 import job_pb2
+
+        super().__init__(f"{job.id} {job_pb2.JobState.Name(job.state)}: {job.message}")
+        self.job = job
+
+
+def _default_token():
+    """--token-file's env TRAINYARD_TOKEN_FILE, else TRAINYARD_TOKEN, else the token `yard login`
+    saved ($XDG_CONFIG_HOME/trainyard/token or ~/.config/trainyard/token), as yard looks."""
+    path = os.environ.get("TRAINYARD_TOKEN_FILE")
+    if path:
+        with open(path) as f:
+            return f.read().strip()
+    if os.environ.get("TRAINYARD_TOKEN"):
+        return os.environ["TRAINYARD_TOKEN"]
+    config = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    saved = os.path.join(config, "trainyard", "token")
+    if os.path.exists(saved):
+        with open(saved) as f:
+            return f.read().strip()
+    raise ValueError("token: none given, no TRAINYARD_TOKEN_FILE or TRAINYARD_TOKEN, and no "
+                     f"saved token in {saved} (yard login)")
+
+
+def _is_loopback(address):
+    """Whether HOST:PORT's host is this host's loopback (127.0.0.0/8, ::1, localhost), as yard
+    decides (common/tls.h IsLoopback)."""
+    host = address.strip().rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Client:
+    def __init__(self, address=None, token=None, tls_ca=None, timeout=30.0, insecure=None):
+        """`insecure`: send the token without TLS to a coordinator that is not on this host
+        (default: env TRAINYARD_INSECURE=1); otherwise, without `tls_ca` (env TRAINYARD_TLS_CA),
+        such an address is refused with ValueError before any call, as yard refuses it."""
+        from trainyard.v1 import job_pb2_grpc
+
+        self.address = address or os.environ.get("TRAINYARD_COORDINATOR") or "127.0.0.1:7070"
+        if insecure is None:
+            insecure = os.environ.get("TRAINYARD_INSECURE", "") not in ("", "0")
+        ca = tls_ca if tls_ca is not None else os.environ.get("TRAINYARD_TLS_CA", "")
+        remote = [a.strip() for a in self.address.split(",") if a.strip() and not _is_loopback(a)]
+        if remote and not ca and not insecure:
+            raise ValueError(f"refusing to send your API token in clear to {remote[0]}, which is "
+                             "not this host: give tls_ca= (env TRAINYARD_TLS_CA), or "
+                             "insecure=True (env TRAINYARD_INSECURE=1) on a network you trust")
+        self._metadata = bearer(token if token is not None else _default_token())
+        self._timeout = timeout
+        # (Several replicas: "a:7070,b:7070"; calls follow the leader.)
+        self._endpoints = Endpoints(self.address, tls_ca)
+        self._jobs = FollowingStub(self._endpoints, job_pb2_grpc.JobServiceStub)
+
+    def close(self):
+        self._endpoints.channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def submit(self, spec=None, **fields):
+        """Submits a job and returns it (QUEUED). `spec`: a trainyard.v1.JobSpec, or a dict in
+        the JobSpec's JSON form; or keyword fields: name, gpus, command, workdir, env,
+        priority, max_restarts, max_runtime_seconds, preemptible. The coordinator validates it:
+        a bad one raises grpc.RpcError INVALID_ARGUMENT naming the field."""
+        from trainyard.v1 import job_pb2
+
+        if isinstance(spec, job_pb2.JobSpec):
+            message = spec
+        elif isinstance(spec, dict):
+            message = json_format.ParseDict(spec, job_pb2.JobSpec())
+        elif spec is None:
+            message = job_pb2.JobSpec(name=fields.pop("name", ""))
+            message.resources.gpus = int(fields.pop("gpus", 1))
+            message.command.extend(fields.pop("command", []))
+            message.workdir = fields.pop("workdir", "")
+            message.env.update(fields.pop("env", {}))
+            for key in ("priority", "max_restarts", "max_runtime_seconds", "preemptible"):
+                if key in fields:
+                    setattr(message, key, fields.pop(key))
+            if fields:
+                raise TypeError(f"submit: unknown fields {sorted(fields)}")
+        else:
+            raise TypeError("submit: spec must be a JobSpec or a dict")
+        response = self._jobs.SubmitJob(job_pb2.SubmitJobRequest(spec=message),
+                                        timeout=self._timeout, metadata=self._metadata)
+        return response.job
+
+    def describe(self, job_id):
+        from trainyard.v1 import job_pb2
+
+        return self._jobs.GetJob(job_pb2.GetJobRequest(job_id=job_id), timeout=self._timeout,
+                                 metadata=self._metadata)
+
+    def list(self, states=(), owner="", limit=None):
+        """Jobs, newest first (every page), optionally only in `states` (names or values)."""
+        from trainyard.v1 import job_pb2
+
+        values = [job_pb2.JobState.Value(s.upper()) if isinstance(s, str) else s for s in states]
+        request = job_pb2.ListJobsRequest(states=values, owner=owner)
+        out = []
+        while True:
+            page = self._jobs.ListJobs(request, timeout=self._timeout, metadata=self._metadata)
+            out.extend(page.jobs)
+            if not page.next_page_token or (limit is not None and len(out) >= limit):
+                return out[:limit] if limit is not None else out
+            request.page_token = page.next_page_token
+
+    def cancel(self, job_id, reason=""):
+        from trainyard.v1 import job_pb2
+
+        return self._jobs.CancelJob(job_pb2.CancelJobRequest(job_id=job_id, reason=reason),
+                                    timeout=self._timeout, metadata=self._metadata)
+
+    def checkpoint(self, job_id):
+        """Asks a running job for a checkpoint (its ranks see checkpoint_requested())."""
+        from trainyard.v1 import job_pb2
+
+        return self._jobs.CheckpointJob(job_pb2.CheckpointJobRequest(job_id=job_id),
+                                        timeout=self._timeout, metadata=self._metadata)
+
+    def wait(self, job_id, timeout=None):
+        """Blocks until the job ends; returns it when SUCCEEDED, raises JobFailed otherwise and
+        grpc.RpcError DEADLINE_EXCEEDED past `timeout` seconds."""
+        from trainyard.v1 import job_pb2
+
+        terminal = (job_pb2.SUCCEEDED, job_pb2.FAILED, job_pb2.CANCELLED)
+        stream = self._jobs.WatchJob(job_pb2.WatchJobRequest(job_id=job_id), timeout=timeout,
+                                     metadata=self._metadata)
+        last = None
+        for event in stream:
+            last = event.job
+            if last.state in terminal:
+                stream.cancel()
+                break
+        if last is None or last.state not in terminal:
+            raise RuntimeError(f"{job_id}: the watch ended before the job did")
+        if last.state != job_pb2.SUCCEEDED:
+            raise JobFailed(last)
+        return last
+
+    def logs(self, job_id, follow=False, tail=0, timeout=None):
+        """The job's log lines (LogLine: attempt, rank, text), oldest first; with `follow`, until
+        the job ends (or `timeout` seconds: grpc.RpcError DEADLINE_EXCEEDED)."""
+        from trainyard.v1 import job_pb2
+
+        request = job_pb2.StreamLogsRequest(job_id=job_id, follow=follow, tail=tail)
+        yield from self._jobs.StreamLogs(request, metadata=self._metadata,
+                                         timeout=timeout if follow else self._timeout)
+
+    def metrics(self, job_id, follow=False, timeout=None):
+        """The job's step reports (StepReport: step, loss, ..., and `metrics` by name); with
+        `follow`, until the job ends (or `timeout` seconds)."""
+        from trainyard.v1 import job_pb2
+
+        request = job_pb2.StreamMetricsRequest(job_id=job_id, follow=follow)
+        yield from self._jobs.StreamMetrics(request, metadata=self._metadata,
+                                            timeout=timeout if follow else self._timeout)
