@@ -547,6 +547,16 @@ absl::Status ValidateParallel(const JobSpec& spec) {
   RETURN_IF_ERROR(CheckRange("parallel.max_gathered_units", p.max_gathered_units(), 1, 1024));
   RETURN_IF_ERROR(ValidatePipeline(spec));
   RETURN_IF_ERROR(ValidateTensorParallel(spec));
+  // fp16's dynamic loss scaling is DDP's only (the trainer's ParallelDims says the same, for a
+  // spec that reached it another way): refused at submit, not on a rank after placement.
+  const bool sharded = p.strategy() == v1::FSDP && p.sharding_strategy() != v1::NO_SHARD;
+  if (spec.train().mixed_precision() == v1::FP16 &&
+      (sharded || p.strategy() == v1::OFFLOAD || p.pipeline_stages() > 1 ||
+       p.tensor_parallel() > 1)) {
+    return FieldError("train.mixed_precision",
+                      "fp16 (dynamic loss scaling) runs with strategy ddp (or fsdp NO_SHARD) "
+                      "without pipeline stages or tensor parallelism only so far; use bf16");
+  }
   // The sizes the layout cuts (those model.from fills are checked by the trainer).
   if (const std::string misfit =
           ModelParallelMisfit(ToModelConfig(spec.model()), ToJobConfig(spec).parallel);

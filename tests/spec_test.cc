@@ -254,6 +254,31 @@ TEST(SpecTest, ResourcesTakeCpusAndMemoryPerRankAndRefuseBadOnesAtTheirLine) {
   }
 }
 
+// The layout-and-precision rule lives in the validator (issue 53): fp16 with a sharded or
+// model-parallel layout is refused at submit, naming the field and its line, not on a rank.
+TEST(SpecTest, Fp16WithFsdpIsRefusedByTheValidatorNamingTheField) {
+  const std::string dir = ::testing::TempDir();
+  const std::string path = dir + "/fp16-fsdp.yaml";
+  std::ofstream(path) << "name: x\nresources: {gpus: 2}\n"
+                         "model: {kind: gpt, n_layer: 1, n_head: 1, d_model: 8, seq_len: 8, "
+                         "vocab: 256}\n"
+                         "data: {path: /etc/hostname}\n"
+                         "train: {steps: 1, mixed_precision: fp16}\n"
+                         "parallel: {strategy: fsdp}\n";
+  auto parsed = LoadValidJobSpecFile(path);
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_THAT(std::string(parsed.status().message()),
+              HasSubstr("train.mixed_precision: fp16 (dynamic loss scaling) runs with strategy "
+                        "ddp"));
+  std::ofstream(path) << "name: x\nresources: {gpus: 2}\n"
+                         "model: {kind: gpt, n_layer: 1, n_head: 1, d_model: 8, seq_len: 8, "
+                         "vocab: 256}\n"
+                         "data: {path: /etc/hostname}\n"
+                         "train: {steps: 1, mixed_precision: fp16}\n"
+                         "parallel: {strategy: ddp}\n";
+  EXPECT_TRUE(LoadValidJobSpecFile(path).ok());
+}
+
 TEST(SpecTest, UnknownStrategyIsRejectedWithTheChoices) {
   auto parsed = ParseJobSpecYaml("name: x\nparallel: {strategy: zero3}\n", "s.yaml");
   ASSERT_FALSE(parsed.ok());
