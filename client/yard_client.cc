@@ -1,5 +1,7 @@
 #include "client/yard_client.h"
 
+#include <random>
+
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -96,6 +98,12 @@ absl::Status YardClient::Convert(const grpc::Status& s) const {
 absl::StatusOr<v1::Job> YardClient::Submit(const v1::JobSpec& spec) {
   v1::SubmitJobRequest request;
   *request.mutable_spec() = spec;
+  // One id for this submit, sent again by every retry (Call re-sends the same request after
+  // UNAVAILABLE or a deadline): the coordinator stores the job once.
+  std::random_device random;
+  request.set_request_id(
+      absl::StrCat(absl::Hex(random(), absl::kZeroPad8), absl::Hex(random(), absl::kZeroPad8),
+                   absl::Hex(random(), absl::kZeroPad8), absl::Hex(random(), absl::kZeroPad8)));
   auto response = Call(&YardClient::jobs_, &v1::JobService::Stub::SubmitJob, request);
   if (!response.ok()) return response.status();
   return response->job();

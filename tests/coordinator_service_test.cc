@@ -392,6 +392,46 @@ TEST_F(CoordinatorServiceTest, PlacedGangReachesItsNodeAndSucceedsWhenAllRanksEx
   EXPECT_EQ(WaitForState(job.id(), v1::SUCCEEDED).state(), v1::SUCCEEDED);
 }
 
+// Idempotent submits (issue 54): a submit sent again with its request id (a client retrying after
+// a lost answer) gets the first job, and the job is stored once, across a restart of the
+// coordinator too; another owner's same id is its own; after 24 h the id is forgotten; a
+// malformed id is refused naming the field.
+TEST_F(CoordinatorServiceTest, ASubmitRetriedWithItsRequestIdReturnsTheFirstJobOnly) {
+  auto submit = [&](const std::string& user, const std::string& request_id, v1::Job* job) {
+    grpc::ClientContext ctx;
+    Prepare(ctx, user);
+    v1::SubmitJobRequest r;
+    *r.mutable_spec() = Spec(1, "once");
+    r.set_request_id(request_id);
+    v1::SubmitJobResponse resp;
+    grpc::Status s = jobs_->SubmitJob(&ctx, r, &resp);
+    *job = resp.job();
+    return s;
+  };
+  v1::Job first, again, bobs;
+  ASSERT_TRUE(submit("alice", "req-1", &first).ok());
+  EXPECT_EQ(first.request_id(), "req-1");
+  ASSERT_TRUE(submit("alice", "req-1", &again).ok());
+  EXPECT_EQ(again.id(), first.id());
+  ASSERT_TRUE(submit("bob", "req-1", &bobs).ok());
+  EXPECT_NE(bobs.id(), first.id());
+  EXPECT_EQ(List({}).jobs_size(), 1);  // alice's
+
+  Restart();
+  ASSERT_TRUE(submit("alice", "req-1", &again).ok());
+  EXPECT_EQ(again.id(), first.id());
+  EXPECT_EQ(List({}).jobs_size(), 1);
+
+  v1::Job other;
+  grpc::Status bad = submit("alice", "has space", &other);
+  EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(bad.error_message(), HasSubstr("request_id:"));
+  clock_.Advance(absl::Hours(25));
+  ASSERT_TRUE(submit("alice", "req-1", &other).ok());
+  EXPECT_NE(other.id(), first.id());
+  EXPECT_EQ(List({}).jobs_size(), 2);
+}
+
 // CPUs and memory (issue 52): a job whose ranks no set of nodes holds is refused at submit naming
 // the field; placement counts what running jobs' ranks hold (their requests, or the node's charge
 // per device); the node lists what it offers and what is held.
@@ -1154,7 +1194,7 @@ TEST_F(CoordinatorServiceTest, StepReportsFeedMetricsAndCarryCheckpointRequestsU
 }
 
 // A coordinator restarted under a running job (an upgrade) shows the job's logs and metrics from
-// before the restart, and adds to them.
+// before the restart, and adds to them; restarted again once the job ended, it still shows them.
 TEST_F(CoordinatorServiceTest, ARunningJobsLogsAndMetricsSurviveARestart) {
   auto node = Connect("n1", 2);
   v1::Job job = MustSubmit(Spec(2));
@@ -1225,6 +1265,19 @@ TEST_F(CoordinatorServiceTest, ARunningJobsLogsAndMetricsSurviveARestart) {
   EXPECT_THAT(steps(), ElementsAre(1, 2, 3, 4));
   EXPECT_THAT(lines(), ElementsAre("before the restart", "after it"));
   EXPECT_EQ(WaitForState(job.id(), v1::RUNNING).attempt(), 1);
+
+  // It ends, and the coordinator restarts within the finished job's retention (the job is held
+  // in memory again): its logs and metrics are all there (issue 54; they were lost).
+  v1::Assignment a;
+  a.set_job_id(job.id());
+  a.set_attempt(1);
+  node->ReportExit(a, 0, 0);
+  node->ReportExit(a, 1, 0);
+  ASSERT_EQ(WaitForState(job.id(), v1::SUCCEEDED).state(), v1::SUCCEEDED);
+  node.reset();
+  Restart();
+  EXPECT_THAT(steps(), ElementsAre(1, 2, 3, 4));
+  EXPECT_THAT(lines(), ElementsAre("before the restart", "after it"));
 }
 
 // A coordinator that writes running jobs' logs and metrics out at every tick.

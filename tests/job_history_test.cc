@@ -377,7 +377,7 @@ TEST_F(JobHistoryTest, TwentyThousandFinishedJobsLeaveTheHeapWithinAFixedBound) 
       std::vector<std::string> ids(kChunk);
       absl::BlockingCounter submits(kChunk);
       for (int i = 0; i < kChunk; ++i) {
-        jobs.Submit("alice", testing::TinySpec("j", 1), [&, i](absl::StatusOr<v1::Job> job) {
+        jobs.Submit("alice", testing::TinySpec("j", 1), "", [&, i](absl::StatusOr<v1::Job> job) {
           EXPECT_TRUE(job.ok()) << job.status();
           if (job.ok()) ids[i] = job->id();
           submits.DecrementCount();

@@ -3,6 +3,7 @@ JobSubmissionClient. Every call is made as the token's user: users see their own
 everyone's."""
 import ipaddress
 import os
+import uuid
 
 import grpc
 from google.protobuf import json_format
@@ -105,8 +106,10 @@ class Client:
                 raise TypeError(f"submit: unknown fields {sorted(fields)}")
         else:
             raise TypeError("submit: spec must be a JobSpec or a dict")
-        response = self._jobs.SubmitJob(job_pb2.SubmitJobRequest(spec=message),
-                                        timeout=self._timeout, metadata=self._metadata)
+        # One request id for this submit and every retry of it (the stub follows the leader and
+        # retries): the coordinator stores the job once.
+        request = job_pb2.SubmitJobRequest(spec=message, request_id=uuid.uuid4().hex)
+        response = self._jobs.SubmitJob(request, timeout=self._timeout, metadata=self._metadata)
         return response.job
 
     def describe(self, job_id):

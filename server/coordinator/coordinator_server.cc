@@ -251,6 +251,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   s->jobs_->SetSharing([ids = s->identities_.get()] { return ids->Sharing(); },
                        s->options_.fair_share_half_life, s->options_.fair_share_usage_reset);
   RETURN_IF_ERROR(s->jobs_->LoadUsage());
+  RETURN_IF_ERROR(s->jobs_->LoadRequestIds());
   s->identities_->SetAccountInUse([jobs = s->jobs_.get()](const std::string& account) {
     return jobs->UnfinishedJobOf(account);
   });
@@ -399,8 +400,13 @@ void CoordinatorServer::Tick() {
       spdlog::error("saving accounts' usage failed: {}", std::string(s.message()));
     }
   }
-  if (now - last_unfinished_save_ >= options_.limits.history.save_unfinished_interval) {
+  // Every interval, and at once after a job ended (its last lines and steps are then durable
+  // within a tick of its end, for a failover or a backup).
+  const int64_t ended = jobs_->EndedCount();
+  if (now - last_unfinished_save_ >= options_.limits.history.save_unfinished_interval ||
+      ended != saved_at_ended_) {
     last_unfinished_save_ = now;
+    saved_at_ended_ = ended;
     if (absl::Status s = history_->SaveUnfinished(/*changed_only=*/true).status(); !s.ok()) {
       spdlog::error("saving running jobs' logs and metrics failed: {}", std::string(s.message()));
     }

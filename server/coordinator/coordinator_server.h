@@ -178,7 +178,8 @@ class CoordinatorServer {
   bool schedule_requested_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time last_usage_save_ = absl::Now();       // the ticker thread's
   absl::Time last_unfinished_save_ = absl::Now();  // (ticker thread)
-  absl::Time last_history_purge_;                  // likewise
+  int64_t saved_at_ended_ = 0;     // JobManager::EndedCount at the last save (ticker thread)
+  absl::Time last_history_purge_;  // likewise
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   std::thread scheduler_thread_;

@@ -45,8 +45,11 @@ class JobLifecycle {
   // some node's devices and the owner's limits (RESOURCE_EXHAUSTED at max_queued_jobs;
   // INVALID_ARGUMENT for more devices than its caps or account allow ever, or preemptible: false
   // beyond its account's quota), stores the job durably as QUEUED (charged to the owner's
-  // account), then calls `done` with it. Nothing is stored on error.
-  virtual void Submit(const std::string& owner, v1::JobSpec spec, JobCallback done) = 0;
+  // account), then calls `done` with it. Nothing is stored on error. `request_id` (may be empty)
+  // makes it idempotent: the owner's earlier job of that id, if any within kRequestIdLifetime,
+  // is answered instead (UNAVAILABLE while that one is still being stored: retry).
+  virtual void Submit(const std::string& owner, v1::JobSpec spec, const std::string& request_id,
+                      JobCallback done) = 0;
   // From memory, or for a finished job past its retention from the store. NOT_FOUND, or the
   // store's error.
   virtual absl::StatusOr<v1::Job> Get(const std::string& job_id) const = 0;

@@ -183,7 +183,12 @@ absl::StatusOr<int> JobHistory::SaveUnfinished(bool changed_only) {
   WriteBatch batch;
   std::map<std::string, std::pair<uint64_t, uint64_t>> saved;
   int jobs = 0;
-  for (const std::string& id : jobs_.UnfinishedJobIds()) {
+  for (const auto& [id, end_ms] : jobs_.ResidentJobEnds()) {
+    // A finished job's records expire as its eviction would have them expire.
+    const int64_t expires_ms =
+        end_ms == 0 || options_.retention == absl::InfiniteDuration()
+            ? 0
+            : absl::ToUnixMillis(absl::FromUnixMillis(end_ms) + options_.retention);
     // (Read before the snapshots: an append in between is written again next time.)
     const std::pair<uint64_t, uint64_t> now = {logs_.Appends(id), metrics_.Appends(id)};
     auto last = saved_.find(id);
@@ -192,12 +197,14 @@ absl::StatusOr<int> JobHistory::SaveUnfinished(bool changed_only) {
     const std::vector<v1::LogLine> lines = logs_.Snapshot(id);
     const std::vector<v1::StepReport> steps = metrics_.Snapshot(id);
     if (!lines.empty()) {
-      batch.put_records.push_back(
-          {kJobLogsRecord, id, EncodeSeries(lines, options_.max_log_bytes_per_job, false), 0});
+      batch.put_records.push_back({kJobLogsRecord, id,
+                                   EncodeSeries(lines, options_.max_log_bytes_per_job, false),
+                                   expires_ms});
     }
     if (!steps.empty()) {
-      batch.put_records.push_back(
-          {kJobMetricsRecord, id, EncodeSeries(steps, options_.max_metric_bytes_per_job, true), 0});
+      batch.put_records.push_back({kJobMetricsRecord, id,
+                                   EncodeSeries(steps, options_.max_metric_bytes_per_job, true),
+                                   expires_ms});
     }
     jobs += !lines.empty() || !steps.empty();
   }
@@ -208,7 +215,7 @@ absl::StatusOr<int> JobHistory::SaveUnfinished(bool changed_only) {
 
 absl::StatusOr<int> JobHistory::LoadUnfinished() {
   int jobs = 0;
-  for (const std::string& id : jobs_.UnfinishedJobIds()) {
+  for (const auto& [id, end_ms] : jobs_.ResidentJobEnds()) {
     ASSIGN_OR_RETURN(std::vector<v1::LogLine> lines, Logs(id));
     ASSIGN_OR_RETURN(std::vector<v1::StepReport> steps, Metrics(id));
     jobs += !lines.empty() || !steps.empty();

@@ -70,14 +70,15 @@ class JobHistory {
   // Deletes the persisted logs and metrics whose retention has passed.
   absl::Status PurgeExpired();
 
-  // Writes the kept logs and metrics of every unfinished job to the store (as the same records,
-  // without expiry), so that a coordinator started again on the store (a restart, an upgrade, a
-  // standby taking over) still shows them: at shutdown, and every save_unfinished_interval with
-  // `changed_only` (only the series appended to since they were last written). Returns how many
-  // jobs were written.
+  // Writes the kept logs and metrics of every job held in memory to the store (as the same
+  // records; without expiry for unfinished jobs, a finished one's as its eviction would set it),
+  // so that a coordinator started again on the store (a restart, an upgrade, a standby taking
+  // over, a restored backup) still shows them: at shutdown, every save_unfinished_interval with
+  // `changed_only` (only the series appended to since they were last written), and as soon as a
+  // job ended. Returns how many jobs were written.
   absl::StatusOr<int> SaveUnfinished(bool changed_only = false);
-  // Reads back into memory what SaveUnfinished wrote for the jobs still unfinished: at start.
-  // Returns how many jobs had any.
+  // Reads back into memory what SaveUnfinished wrote for the jobs held in memory (unfinished, and
+  // finished within the retention): at start. Returns how many jobs had any.
   absl::StatusOr<int> LoadUnfinished();
 
   // A finished job's persisted lines or steps, oldest first; none if it had none or they have

@@ -11,6 +11,7 @@
 #include <optional>
 #include <tuple>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -125,6 +126,7 @@ void JobManager::Transition(v1::Job& job, v1::JobState to, std::string message) 
     queued_by_owner_.erase(job.owner());
   }
   if (to == v1::QUEUED) ++queued_by_owner_[job.owner()];
+  if (IsTerminal(to)) ++ended_;
   job.set_state(to);
   job.set_message(std::move(message));
   job.set_version(job.version() + 1);
@@ -164,7 +166,75 @@ void JobManager::NotifyWatchers(const v1::Job& job) {
   for (const auto& cb : callbacks) (*cb)(job);
 }
 
-void JobManager::Submit(const std::string& owner, v1::JobSpec spec, JobCallback done) {
+namespace {
+
+constexpr char kSubmitRequestKind[] = "submit_request";
+constexpr absl::Duration kRequestIdLifetime = absl::Hours(24);
+
+absl::Status CheckRequestId(const std::string& id) {
+  const bool ok = id.size() <= 64 && std::all_of(id.begin(), id.end(), [](char c) {
+                    return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' ||
+                           c == '_' || c == '-';
+                  });
+  if (ok) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      "request_id: at most 64 letters, digits, '.', '_' or '-' (one per logical submit)");
+}
+
+// The record id of an owner's request id ('/' is in neither a request id nor needed to split).
+std::string RequestKey(const std::string& owner, const std::string& request_id) {
+  return absl::StrCat(owner, "/", request_id);
+}
+
+}  // namespace
+
+absl::Status JobManager::LoadRequestIds() {
+  ASSIGN_OR_RETURN(std::vector<StoredRecord> records, store_.LoadRecords(kSubmitRequestKind));
+  absl::MutexLock lock(&mu_);
+  const int64_t now_ms = NowMs(clock_);
+  for (StoredRecord& r : records) {
+    if (r.expires_ms != 0 && r.expires_ms <= now_ms) continue;
+    request_expiry_.emplace(r.expires_ms, r.id);
+    requests_[r.id] = SubmitRequest{std::move(r.payload), true, r.expires_ms};
+  }
+  return absl::OkStatus();
+}
+
+void JobManager::Submit(const std::string& owner, v1::JobSpec spec, const std::string& request_id,
+                        JobCallback done) {
+  // A submit retried with its request id answers with the job the first one stored, before
+  // anything else is checked (that job counts against the owner's queue now).
+  const std::string request_key = RequestKey(owner, request_id);
+  if (!request_id.empty()) {
+    if (absl::Status s = CheckRequestId(request_id); !s.ok()) {
+      done(s);
+      return;
+    }
+    std::string earlier;
+    bool storing = false;
+    {
+      absl::MutexLock lock(&mu_);
+      const int64_t now_ms = NowMs(clock_);
+      while (!request_expiry_.empty() && request_expiry_.begin()->first <= now_ms) {
+        auto it = requests_.find(request_expiry_.begin()->second);
+        if (it != requests_.end() && it->second.expires_ms <= now_ms) requests_.erase(it);
+        request_expiry_.erase(request_expiry_.begin());
+      }
+      if (auto it = requests_.find(request_key); it != requests_.end()) {
+        earlier = it->second.job_id;
+        storing = !it->second.durable;
+      }
+    }
+    if (storing) {
+      done(absl::UnavailableError(absl::StrCat("request_id: the submit of request ", request_id,
+                                               " is being stored; retry")));
+      return;
+    }
+    if (!earlier.empty()) {
+      done(Get(earlier));
+      return;
+    }
+  }
   ApplyJobSpecDefaults(spec);
   if (absl::Status s = ValidateJobSpec(spec); !s.ok()) {
     done(s);
@@ -208,6 +278,11 @@ void JobManager::Submit(const std::string& owner, v1::JobSpec spec, JobCallback 
           "with backoff")));
       return;
     }
+    if (!request_id.empty() && requests_.count(request_key) > 0) {  // a concurrent submit of it
+      done(absl::UnavailableError(absl::StrCat("request_id: the submit of request ", request_id,
+                                               " is being stored; retry")));
+      return;
+    }
     ++pending_submits_;
     ++submitting_[owner];
     const int64_t seq = next_seq_++;
@@ -221,6 +296,19 @@ void JobManager::Submit(const std::string& owner, v1::JobSpec spec, JobCallback 
     job.set_world_size(job.spec().resources().gpus());
     job.set_version(1);
     WriteBatch batch;
+    if (!request_id.empty()) {
+      // Stored in the job's own transaction.
+      const int64_t now_ms = NowMs(clock_);
+      const int64_t expires_ms = now_ms + absl::ToInt64Milliseconds(kRequestIdLifetime);
+      requests_[request_key] = SubmitRequest{job.id(), false, expires_ms};
+      request_expiry_.emplace(expires_ms, request_key);
+      job.set_request_id(request_id);
+      batch.put_records.push_back({kSubmitRequestKind, request_key, job.id(), expires_ms});
+      if (now_ms - requests_pruned_ms_ >= 60'000) {  // the store's expired ids, once a minute
+        batch.delete_records_expired_at_ms = now_ms;
+        requests_pruned_ms_ = now_ms;
+      }
+    }
     batch.put_jobs.push_back(ToStored(job));
     // The job becomes visible only once durable: a crash before that loses nothing acknowledged.
     store_.Commit(std::move(batch), [this, job, done = std::move(done)](absl::Status s) {
@@ -228,6 +316,16 @@ void JobManager::Submit(const std::string& owner, v1::JobSpec spec, JobCallback 
         absl::MutexLock lock(&mu_);
         --pending_submits_;
         if (--submitting_[job.owner()] == 0) submitting_.erase(job.owner());
+        if (!job.request_id().empty()) {
+          auto it = requests_.find(RequestKey(job.owner(), job.request_id()));
+          if (it != requests_.end() && it->second.job_id == job.id()) {
+            if (s.ok()) {
+              it->second.durable = true;
+            } else {
+              requests_.erase(it);  // nothing was stored: a retry submits afresh
+            }
+          }
+        }
       }
       if (!s.ok()) {
         done(absl::Status(s.code(), absl::StrCat("storing the job failed: ", s.message())));
@@ -272,6 +370,21 @@ absl::StatusOr<v1::Job> JobManager::ReadFromStore(const std::string& job_id) con
 std::vector<std::string> JobManager::UnfinishedJobIds() const {
   absl::MutexLock lock(&mu_);
   return std::vector<std::string>(unfinished_.begin(), unfinished_.end());
+}
+
+std::vector<std::pair<std::string, int64_t>> JobManager::ResidentJobEnds() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::pair<std::string, int64_t>> out;
+  out.reserve(jobs_.size());
+  for (const auto& [id, job] : jobs_) {
+    out.emplace_back(id, IsTerminal(job.state()) ? job.end_time_ms() : 0);
+  }
+  return out;
+}
+
+int64_t JobManager::EndedCount() const {
+  absl::MutexLock lock(&mu_);
+  return ended_;
 }
 
 std::vector<v1::Job> JobManager::TakeEvictionCandidates(size_t max) {

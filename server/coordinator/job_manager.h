@@ -52,7 +52,10 @@ class JobManager final : public JobLifecycle,
 
   // The handlers (job_handlers.h, where each is documented).
   // JobLifecycle: job_manager.cc (reads, lists, watches, cancels), job_admission.cc (Submit).
-  void Submit(const std::string& owner, v1::JobSpec spec, JobCallback done) override;
+  void Submit(const std::string& owner, v1::JobSpec spec, const std::string& request_id,
+              JobCallback done) override;
+  // Submits' request ids, as stored (record kind "submit_request"): loaded at start.
+  absl::Status LoadRequestIds();
   absl::StatusOr<v1::Job> Get(const std::string& job_id) const override ABSL_LOCKS_EXCLUDED(mu_);
   bool IsResident(const std::string& job_id) const override ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<ListResult> List(const v1::ListJobsRequest& request) const override;
@@ -132,6 +135,11 @@ class JobManager final : public JobLifecycle,
   std::vector<v1::Job> TakeEvictionCandidates(size_t max) ABSL_LOCKS_EXCLUDED(mu_);
   // The ids of the jobs not in a terminal state.
   std::vector<std::string> UnfinishedJobIds() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Every job held in memory (unfinished, and finished within the retention), with its end time
+  // (Unix ms; 0 while unfinished).
+  std::vector<std::pair<std::string, int64_t>> ResidentJobEnds() const ABSL_LOCKS_EXCLUDED(mu_);
+  // How many jobs have ended since this process started (a change means a job ended).
+  int64_t EndedCount() const ABSL_LOCKS_EXCLUDED(mu_);
   // Forgets jobs taken by TakeEvictionCandidates, or offers them again at the next call.
   void Evict(const std::vector<std::string>& job_ids) ABSL_LOCKS_EXCLUDED(mu_);
   void EvictionFailed(const std::vector<std::string>& job_ids) ABSL_LOCKS_EXCLUDED(mu_);
@@ -330,6 +338,17 @@ class JobManager final : public JobLifecycle,
   int64_t next_watch_handle_ ABSL_GUARDED_BY(mu_) = 1;
   // Submissions not yet durable, by owner (for max_queued_jobs).
   std::map<std::string, int> submitting_ ABSL_GUARDED_BY(mu_);
+  // Submits by (owner, request id): the job id, and whether it is durable yet; each kept
+  // kRequestIdLifetime (request_expiry_ orders them for pruning).
+  struct SubmitRequest {
+    std::string job_id;
+    bool durable = false;
+    int64_t expires_ms = 0;
+  };
+  std::map<std::string, SubmitRequest> requests_ ABSL_GUARDED_BY(mu_);
+  int64_t ended_ ABSL_GUARDED_BY(mu_) = 0;  // EndedCount
+  std::multimap<int64_t, std::string> request_expiry_ ABSL_GUARDED_BY(mu_);
+  int64_t requests_pruned_ms_ ABSL_GUARDED_BY(mu_) = 0;  // the store's expired ones, last deleted
   // QUEUED jobs by owner, kept by Transition (max_queued_jobs without a scan per submit).
   std::map<std::string, int64_t> queued_by_owner_ ABSL_GUARDED_BY(mu_);
   int64_t default_max_queued_jobs_ = -1;  // set before serving

@@ -274,7 +274,7 @@ grpc::ServerUnaryReactor* JobServiceImpl::SubmitJob(grpc::CallbackServerContext*
   auto user = AuthenticateUser(ctx, identities_, "SubmitJob");
   if (!user.ok()) return Done(ctx, user.status());
   auto* reactor = ctx->DefaultReactor();
-  jobs_.Submit(user->user, request->spec(),
+  jobs_.Submit(user->user, request->spec(), request->request_id(),
                [reactor, response, who = *user](absl::StatusOr<v1::Job> job) {
                  Audit(who, "SubmitJob", job.ok() ? job->id() : "-", job.status());
                  if (job.ok()) *response->mutable_job() = *std::move(job);
