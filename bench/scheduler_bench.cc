@@ -19,6 +19,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -158,6 +159,32 @@ struct ClusterState {
   std::vector<SchedAccount> accounts;
   std::vector<SchedUser> users;
   std::unordered_map<std::string, PendingJobInfo> started;  // with sharing: to requeue victims
+  // Nodes that count CPUs and memory (EnableHostResources): what each running job's ranks hold.
+  bool host = false;
+  std::unordered_map<std::string, std::pair<int64_t, int64_t>> rank_charge;
+
+  // Every node offers 64 CPUs and 512 GiB (8 CPUs and 64 GiB per device to ranks that ask for
+  // none); 30% of the queued jobs ask 4-16 CPUs and 32-128 GiB a rank, so that CPUs and memory,
+  // not devices, bound some nodes.
+  void EnableHostResources(uint32_t seed) {
+    std::mt19937 rng(seed);
+    host = true;
+    for (SchedNode& n : nodes) {
+      n.total_cpu_millis = n.free_cpu_millis = 64'000;
+      n.total_memory = n.free_memory = int64_t{512} << 30;
+      n.cpu_millis_per_device = 8'000;
+      n.memory_per_device = int64_t{64} << 30;
+    }
+    for (PendingJobInfo& job : pending) {
+      if (std::uniform_int_distribution<int>(0, 9)(rng) >= 3) continue;
+      job.cpu_millis = int64_t{4'000} << std::uniform_int_distribution<int>(0, 2)(rng);
+      job.memory_bytes = int64_t{32} << (30 + std::uniform_int_distribution<int>(0, 2)(rng));
+    }
+  }
+  std::pair<int64_t, int64_t> Charge(const SchedNode& n, const PendingJobInfo& job) const {
+    return {job.cpu_millis > 0 ? job.cpu_millis : n.cpu_millis_per_device,
+            job.memory_bytes > 0 ? job.memory_bytes : n.memory_per_device};
+  }
 
   ClusterSnapshot Snapshot() const {
     ClusterSnapshot s{now, nodes, running, pending};
@@ -220,7 +247,16 @@ struct ClusterState {
         still_pending.push_back(std::move(job));
         continue;
       }
-      for (const DeviceGrant& g : it->second->grants) nodes[g.node].free_devices -= g.devices;
+      for (const DeviceGrant& g : it->second->grants) {
+        SchedNode& n = nodes[g.node];
+        n.free_devices -= g.devices;
+        if (host) {
+          const auto [cpu, memory] = Charge(n, job);
+          n.free_cpu_millis -= g.devices * cpu;
+          n.free_memory -= g.devices * memory;
+          rank_charge[job.id] = {job.cpu_millis, job.memory_bytes};
+        }
+      }
       std::optional<absl::Time> end;
       if (job.max_runtime.has_value()) end = now + *job.max_runtime;
       RunningJobInfo r{job.id, it->second->grants, end};
@@ -249,7 +285,18 @@ struct ClusterState {
     for (RunningJobInfo& job : running) {
       const bool preempted = job.preempting;
       if (preempted || finishes(rng)) {
-        for (const DeviceGrant& g : job.grants) nodes[g.node].free_devices += g.devices;
+        for (const DeviceGrant& g : job.grants) {
+          SchedNode& n = nodes[g.node];
+          n.free_devices += g.devices;
+          if (host) {
+            PendingJobInfo asked;
+            std::tie(asked.cpu_millis, asked.memory_bytes) = rank_charge[job.id];
+            const auto [cpu, memory] = Charge(n, asked);
+            n.free_cpu_millis += g.devices * cpu;
+            n.free_memory += g.devices * memory;
+          }
+        }
+        rank_charge.erase(job.id);
         if (preempted) pending.push_back(started.at(job.id));
         started.erase(job.id);
       } else {
@@ -354,6 +401,12 @@ int Main(int argc, char** argv) {
   time_pass("full pass, empty cluster: indexed + sharing", sharing_empty.Snapshot(), Schedule,
             &sharing_first);
 
+  ClusterState host_empty = empty;
+  host_empty.EnableHostResources(5);
+  ScheduleResult host_first;
+  time_pass("full pass, empty cluster: indexed + CPUs and memory", host_empty.Snapshot(), Schedule,
+            &host_first);
+
   // (b) Steady state from the cluster as the first pass left it.
   ClusterState loaded = empty;
   loaded.Apply(first);
@@ -385,6 +438,10 @@ int Main(int argc, char** argv) {
   steady("steady, " + cycles + " cycles x 5% finish: indexed", loaded, Schedule, true);
   steady("steady, " + cycles + " cycles x 5% finish: naive first-fit", loaded, NaiveSchedule,
          false);
+  ClusterState host_loaded = host_empty;
+  host_loaded.Apply(host_first);
+  steady("steady, " + cycles + " cycles x 5% finish: indexed + CPUs and memory", host_loaded,
+         Schedule, false);
   steady("steady, " + cycles + " cycles x 5% finish: indexed + sharing", sharing_loaded,
          count_preemptions, true);
 

@@ -192,6 +192,14 @@ void PrintJob(const v1::Job& job) {
   }
   if (!job.why_waiting().empty()) f.push_back({"waiting", job.why_waiting()});
   if (job.backfilled()) f.push_back({"backfilled", "yes"});
+  // Rank 0 as its latest step report had it.
+  if (job.cpu_seconds() > 0 || job.device_peak_bytes() > 0) {
+    f.push_back({"rank 0 use",
+                 absl::StrCat(absl::StrFormat("CPU %.1f s", job.cpu_seconds()),
+                              job.device_peak_bytes() > 0
+                                  ? absl::StrCat(", GPU peak ", HumanBytes(job.device_peak_bytes()))
+                                  : "")});
+  }
   std::cout << FormatFields(f) << RankUsageText(job);
 }
 
@@ -679,6 +687,7 @@ int Metrics(const Globals& g, const std::string& id, bool follow) {
                         {"model_state_peak_bytes", r.model_state_peak_bytes()},
                         {"comm_bytes", r.comm_bytes()},
                         {"device_peak_bytes", r.device_peak_bytes()},
+                        {"cpu_seconds", r.cpu_seconds()},
                         {"time_ms", r.time_ms()}});
       if (r.has_eval_loss()) {
         series.back()["eval_loss"] = r.eval_loss();
@@ -701,7 +710,8 @@ int Metrics(const Globals& g, const std::string& id, bool follow) {
                       absl::StrFormat("%.2e", r.lr()), absl::StrFormat("%.3f", r.grad_norm()),
                       HumanCount(static_cast<int64_t>(r.tokens_per_second())),
                       absl::StrFormat("%.0f", 1000 * r.step_seconds()),
-                      HumanBytes(r.resident_bytes()), HumanBytes(r.model_state_peak_bytes())});
+                      HumanBytes(r.resident_bytes()), absl::StrFormat("%.1f", r.cpu_seconds()),
+                      HumanBytes(r.model_state_peak_bytes())});
       std::vector<std::string> own;
       for (const auto& [name, value] : r.metrics()) {
         own.push_back(absl::StrFormat("%s=%.4g", name, value));
@@ -737,8 +747,8 @@ int Metrics(const Globals& g, const std::string& id, bool follow) {
   if (g.json()) {
     std::cout << series.dump(1) << "\n";
   } else if (!follow) {
-    std::vector<std::string> header = {"STEP",  "LOSS",    "LR",  "GRAD_NORM",
-                                       "TOK/S", "STEP_MS", "RSS", "MODEL_STATE"};
+    std::vector<std::string> header = {"STEP",    "LOSS", "LR",    "GRAD_NORM",  "TOK/S",
+                                       "STEP_MS", "RSS",  "CPU_S", "MODEL_STATE"};
     // Pipeline parallelism: the measured bubble (the stages' mean idle share), its theory, and
     // each stage's.
     if (pipelined) header.push_back("BUBBLE (THEORY) [PER STAGE]");

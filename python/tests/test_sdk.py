@@ -103,6 +103,7 @@ def test_a_rank_reports_steps_and_metrics_that_yard_and_the_client_read(client, 
     job = client.submit(name="sdk-report", gpus=2, command=[sys.executable, "train.py", "5", "0"],
                         workdir=str(folder))
     assert job.state == job_pb2.QUEUED
+    assert len(job.request_id) == 32  # the submit's idempotency id, one per call
     done = client.wait(job.id, timeout=120)
     assert done.state == job_pb2.SUCCEEDED
     assert done.step == 5
@@ -113,6 +114,7 @@ def test_a_rank_reports_steps_and_metrics_that_yard_and_the_client_read(client, 
     assert steps[-1].metrics["accuracy"] == pytest.approx(1.0)
     # The rank's resident set, as the built-in trainer reports its own (a Python rank: megabytes).
     assert all(s.resident_bytes > 1 << 20 for s in steps)
+    assert steps[-1].cpu_seconds > 0 and steps[-1].device_peak_bytes == 0  # on CPU
     # Each rank's use at its end, as sacct: its peak RSS and CPU time.
     assert sorted(u.rank for u in done.rank_usage) == [0, 1]
     assert all(u.peak_rss_bytes > 1 << 20 and u.cpu_seconds > 0 for u in done.rank_usage)
@@ -125,6 +127,7 @@ def test_a_rank_reports_steps_and_metrics_that_yard_and_the_client_read(client, 
                            capture_output=True, text=True, timeout=60)
     assert table.returncode == 0, table.stderr
     assert "METRICS" in table.stdout.splitlines()[0]
+    assert "CPU_S" in table.stdout.splitlines()[0]
     assert "accuracy=1" in table.stdout.splitlines()[-1]
     assert [j.id for j in client.list(limit=1)] == [job.id]
     assert client.describe(job.id).spec.command[1] == "train.py"

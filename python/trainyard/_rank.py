@@ -73,7 +73,7 @@ class Context:
             job_id=self.job_id, attempt=self.attempt, rank=self.rank, step=int(step),
             total_steps=int(total_steps), loss=float(loss), lr=float(lr),
             time_ms=int(time.time() * 1000), resident_bytes=resident_bytes(),
-            device_peak_bytes=device_peak_bytes())
+            device_peak_bytes=device_peak_bytes(), cpu_seconds=time.process_time())
         for name, value in metrics.items():
             report.metrics[name] = float(value)
         self._remember(self._stub.ReportStep(report, timeout=self._timeout,

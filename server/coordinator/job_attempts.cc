@@ -82,6 +82,10 @@ absl::StatusOr<v1::TrainerCommands> JobManager::OnStepReport(const v1::StepRepor
   if (report.rank() == 0) {
     job->set_step(report.step());
     job->set_loss(report.loss());
+    job->set_device_peak_bytes(std::max<int64_t>(0, report.device_peak_bytes()));
+    if (std::isfinite(report.cpu_seconds()) && report.cpu_seconds() >= 0) {
+      job->set_cpu_seconds(report.cpu_seconds());
+    }
     if (report.has_eval_loss() && std::isfinite(report.eval_loss())) {
       job->set_eval_loss(report.eval_loss());
     }

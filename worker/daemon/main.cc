@@ -193,6 +193,8 @@ int main(int argc, char** argv) {
                  "them; off: never")
       ->check(CLI::IsMember({"auto", "require", "off"}))
       ->capture_default_str();
+  bool require_cgroups = false;
+  app.add_flag("--require-cgroups", require_cgroups, "the same as --cgroups require");
   app.add_option("--memory-per-slot", memory_per_slot,
                  "each rank's memory limit (16GiB, 512MiB; as Slurm's DefMemPerGPU): a rank "
                  "past it is OOM-killed and its job fails saying so; default none");
@@ -350,6 +352,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.supervisor.work_dir = work_dir;
+  if (require_cgroups) cgroups_mode = "require";
   // The ranks' cgroups: detected, and this worker's folder made in each hierarchy.
   options.supervisor.rank_limits.cpus = cpus_per_slot;
   options.supervisor.rank_limits.pids = pids_per_rank;

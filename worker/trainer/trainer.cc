@@ -4,6 +4,7 @@
 #include "worker/trainer/trainer.h"
 
 #include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -82,6 +83,13 @@ int64_t ResidentBytes() {
   int64_t pages = 0, resident = 0;
   f >> pages >> resident;
   return resident * ::sysconf(_SC_PAGESIZE);
+}
+
+// This process's CPU time so far, user and system.
+double CpuSeconds() {
+  rusage u{};
+  if (getrusage(RUSAGE_SELF, &u) != 0) return 0;
+  return u.ru_utime.tv_sec + u.ru_stime.tv_sec + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
 }
 
 int64_t UnixMillis() {
@@ -1035,6 +1043,7 @@ void Trainer::Report(const StepStats& s, const Agreement& a) {
     r.grad_norm = s.grad_norm;
     r.resident_bytes = ResidentBytes();
     r.device_peak_bytes = device_.is_cuda() ? CudaPeakAllocatedBytes() : 0;
+    r.cpu_seconds = CpuSeconds();
     r.model_state_peak_bytes = model_state_bytes;
     r.comm_bytes = s.comm_bytes;
     r.time_ms = UnixMillis();

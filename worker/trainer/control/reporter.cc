@@ -76,6 +76,7 @@ class Reporter::Impl {
     r.set_grad_norm(s.grad_norm);
     r.set_resident_bytes(s.resident_bytes);
     r.set_device_peak_bytes(s.device_peak_bytes);
+    r.set_cpu_seconds(s.cpu_seconds);
     r.set_model_state_peak_bytes(s.model_state_peak_bytes);
     r.set_comm_bytes(s.comm_bytes);
     r.set_time_ms(s.time_ms);

@@ -28,6 +28,7 @@ struct StepReport {
   double grad_norm = 0;
   int64_t resident_bytes = 0;
   int64_t device_peak_bytes = 0;  // peak GPU memory allocated so far; 0 on CPU
+  double cpu_seconds = 0;         // this process's CPU time so far
   int64_t model_state_peak_bytes = 0;
   int64_t comm_bytes = 0;
   int64_t time_ms = 0;                      // Unix ms when the step ended
