@@ -192,50 +192,50 @@ absl::StatusOr<v1::Job> YardClient::Checkpoint(const std::string& job_id) {
 
 absl::Status YardClient::Logs(const std::string& job_id, bool follow, int tail,
                               const std::function<void(const v1::LogLine&)>& on_line) {
-  grpc::ClientContext ctx;
-  if (absl::Status s = Prepare(ctx, follow ? absl::ZeroDuration() : absl::Seconds(60)); !s.ok())
-    return s;
   v1::StreamLogsRequest request;
   request.set_job_id(job_id);
   request.set_follow(follow);
   request.set_tail(tail);
-  auto reader = jobs_->StreamLogs(&ctx, request);
-  v1::LogLine line;
-  while (reader->Read(&line)) on_line(line);
-  return Convert(reader->Finish());
+  return Stream<v1::LogLine>(
+      follow ? absl::ZeroDuration() : absl::Seconds(60),
+      [&](grpc::ClientContext* ctx) { return jobs_->StreamLogs(ctx, request); },
+      [&](const v1::LogLine& line) {
+        on_line(line);
+        return absl::OkStatus();
+      });
 }
 
 absl::Status YardClient::FetchExport(
     const std::string& job_id,
     const std::function<absl::Status(const v1::ExportChunk&)>& on_chunk) {
-  grpc::ClientContext ctx;
-  // No deadline: a model's export may take long to move; a stalled stream is the user's to stop.
-  if (absl::Status s = Prepare(ctx, absl::ZeroDuration()); !s.ok()) return s;
   v1::FetchExportRequest request;
   request.set_job_id(job_id);
-  return ReadChunks(ctx, *jobs_->FetchExport(&ctx, request), on_chunk);
+  // No deadline: a model's export may take long to move; a stalled stream is the user's to stop.
+  return Stream<v1::ExportChunk>(
+      absl::ZeroDuration(),
+      [&](grpc::ClientContext* ctx) { return jobs_->FetchExport(ctx, request); }, on_chunk);
 }
 
 absl::Status YardClient::Backup(
     const std::function<absl::Status(const v1::BackupChunk&)>& on_chunk) {
-  grpc::ClientContext ctx;
   // No deadline: a large state takes long to move; a stalled stream is the admin's to stop.
-  if (absl::Status s = Prepare(ctx, absl::ZeroDuration()); !s.ok()) return s;
-  return ReadChunks(ctx, *admin_->Backup(&ctx, v1::BackupRequest()), on_chunk);
+  return Stream<v1::BackupChunk>(
+      absl::ZeroDuration(),
+      [&](grpc::ClientContext* ctx) { return admin_->Backup(ctx, v1::BackupRequest()); }, on_chunk);
 }
 
 absl::Status YardClient::Metrics(const std::string& job_id, bool follow,
                                  const std::function<void(const v1::StepReport&)>& on_step) {
-  grpc::ClientContext ctx;
-  if (absl::Status s = Prepare(ctx, follow ? absl::ZeroDuration() : absl::Seconds(60)); !s.ok())
-    return s;
   v1::StreamMetricsRequest request;
   request.set_job_id(job_id);
   request.set_follow(follow);
-  auto reader = jobs_->StreamMetrics(&ctx, request);
-  v1::StepReport step;
-  while (reader->Read(&step)) on_step(step);
-  return Convert(reader->Finish());
+  return Stream<v1::StepReport>(
+      follow ? absl::ZeroDuration() : absl::Seconds(60),
+      [&](grpc::ClientContext* ctx) { return jobs_->StreamMetrics(ctx, request); },
+      [&](const v1::StepReport& step) {
+        on_step(step);
+        return absl::OkStatus();
+      });
 }
 
 // ---- IdentityService ----

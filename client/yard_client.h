@@ -110,20 +110,39 @@ class YardClient {
                     absl::Time give_up);
   void Connect();
   absl::Status Convert(const grpc::Status& s) const;
-  // Reads a server stream of chunks into `on_chunk`; an error from `on_chunk` cancels the stream
-  // (what is still in flight is drained) and is returned.
-  template <typename Chunk>
-  absl::Status ReadChunks(grpc::ClientContext& ctx, grpc::ClientReader<Chunk>& reader,
-                          const std::function<absl::Status(const Chunk&)>& on_chunk) {
-    Chunk chunk;
-    absl::Status mine;
-    while (mine.ok() && reader.Read(&chunk)) mine = on_chunk(chunk);
-    if (mine.ok()) return Convert(reader.Finish());
-    ctx.TryCancel();
-    while (reader.Read(&chunk)) {
+  // A server stream: `open` starts it on the current channel; each message goes to `on_message`,
+  // whose error cancels the stream (what is in flight is drained) and is returned. A stream that
+  // fails before its first message follows the leader as Call does (a dead address first in the
+  // list, a standby, a leader stepping down); one that fails later returns its error.
+  // `timeout`: the whole stream's (zero: none).
+  template <typename Message>
+  absl::Status Stream(
+      absl::Duration timeout,
+      const std::function<std::unique_ptr<grpc::ClientReader<Message>>(grpc::ClientContext*)>& open,
+      const std::function<absl::Status(const Message&)>& on_message) {
+    const absl::Time give_up = absl::Now() + kFollowFor;
+    for (int attempt = 0;; ++attempt) {
+      grpc::ClientContext ctx;
+      if (absl::Status s = Prepare(ctx, timeout); !s.ok()) return s;
+      std::unique_ptr<grpc::ClientReader<Message>> reader = open(&ctx);
+      Message message;
+      absl::Status mine;
+      bool any = false;
+      while (mine.ok() && reader->Read(&message)) {
+        any = true;
+        mine = on_message(message);
+      }
+      if (!mine.ok()) {
+        ctx.TryCancel();
+        while (reader->Read(&message)) {
+        }
+        reader->Finish();
+        return mine;
+      }
+      const grpc::Status status = reader->Finish();
+      if (status.ok()) return absl::OkStatus();
+      if (any || !FollowLeader(status, ctx, attempt, give_up)) return Convert(status);
     }
-    reader.Finish();
-    return mine;
   }
 
   static constexpr absl::Duration kFollowFor = absl::Seconds(30);

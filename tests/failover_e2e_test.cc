@@ -249,6 +249,18 @@ TEST_F(FailoverE2eTest, AKilledLeadersStandbyLeadsWithEveryAckedSubmitAndTheRunn
   EXPECT_EQ(done->state(), v1::SUCCEEDED) << done->message();
   EXPECT_EQ(done->attempt(), 1);
   EXPECT_EQ(done->restarts(), 0);
+
+  // The streams follow the leader as the unary calls do (issue 54): the dead replica is first in
+  // the list, and yard logs and yard metrics of the job are answered by the new leader.
+  client::YardClient dead_first(absl::StrCat(a_.address, ",", b_.address), alice_token_);
+  int lines = 0, steps = 0;
+  const absl::Status logs =
+      dead_first.Logs(job->id(), false, 0, [&](const v1::LogLine&) { ++lines; });
+  EXPECT_TRUE(logs.ok()) << logs;
+  const absl::Status metrics =
+      dead_first.Metrics(job->id(), false, [&](const v1::StepReport&) { ++steps; });
+  EXPECT_TRUE(metrics.ok()) << metrics;
+  EXPECT_GT(lines + steps, 0) << "the job's logs and metrics are empty at the new leader";
 }
 
 TEST_F(FailoverE2eTest, APausedLeaderThatResumesAfterTheTakeoverWritesNothing) {

@@ -800,5 +800,75 @@ TEST(SchedulerTest, RandomSnapshotsKeepInvariants) {
   EXPECT_GT(backfills, 50);
 }
 
+// CPUs and memory on random clusters: whatever the mix of jobs asking for nothing, for less than
+// a device's share and for more, no node's placements hold more CPUs or memory than it had free,
+// and every placed job is one that asked for devices the pass could give.
+TEST(SchedulerTest, RandomClustersThatCountCpusAndMemoryAreNeverOvercommitted) {
+  std::mt19937 rng(7);
+  auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  int placed = 0, capped_somewhere = 0;
+  for (int iter = 0; iter < 300; ++iter) {
+    ClusterSnapshot s;
+    s.now = kNow;
+    const int nodes = uniform(1, 8);
+    for (int n = 0; n < nodes; ++n) {
+      SchedNode node{"node" + std::to_string(n), 8, uniform(0, 8), true};
+      if (uniform(0, 3) > 0) {
+        node.total_cpu_millis = 16'000;
+        node.free_cpu_millis = uniform(0, 16) * 1000;
+        node.cpu_millis_per_device = 2'000;
+        node.total_memory = 64;
+        node.free_memory = uniform(0, 64);
+        node.memory_per_device = 8;
+      }
+      s.nodes.push_back(node);
+    }
+    const int jobs = uniform(1, 12);
+    for (int j = 0; j < jobs; ++j) {
+      PendingJobInfo job = Job("j" + std::to_string(j), uniform(1, 10), uniform(1, 100), j);
+      const int kind = uniform(0, 2);  // nothing, at most a device's share, more
+      if (kind == 1) {
+        job.cpu_millis = uniform(1, 2) * 1000;
+        job.memory_bytes = uniform(1, 8);
+      } else if (kind == 2) {
+        job.cpu_millis = uniform(3, 8) * 1000;
+        job.memory_bytes = uniform(9, 32);
+      }
+      s.pending.push_back(job);
+    }
+    const ScheduleResult r = Schedule(s);
+    std::vector<int64_t> cpu(nodes, 0), memory(nodes, 0), devices(nodes, 0);
+    std::map<std::string, const PendingJobInfo*> by_id;
+    for (const PendingJobInfo& j : s.pending) by_id[j.id] = &j;
+    for (const Placement& p : r.placements) {
+      const PendingJobInfo& job = *by_id.at(p.job_id);
+      int total = 0;
+      for (const DeviceGrant& g : p.grants) {
+        const SchedNode& n = s.nodes[g.node];
+        devices[g.node] += g.devices;
+        cpu[g.node] += g.devices * (job.cpu_millis > 0 ? job.cpu_millis : n.cpu_millis_per_device);
+        memory[g.node] +=
+            g.devices * (job.memory_bytes > 0 ? job.memory_bytes : n.memory_per_device);
+        total += g.devices;
+      }
+      EXPECT_EQ(total, job.devices) << p.job_id;
+      ++placed;
+    }
+    for (int n = 0; n < nodes; ++n) {
+      const SchedNode& node = s.nodes[n];
+      SCOPED_TRACE("iteration " + std::to_string(iter) + " node " + std::to_string(n));
+      EXPECT_LE(devices[n], node.free_devices);
+      if (node.total_cpu_millis >= 0) {
+        EXPECT_LE(cpu[n], node.free_cpu_millis);
+        capped_somewhere += devices[n] < node.free_devices && node.free_cpu_millis - cpu[n] < 2'000;
+      }
+      if (node.total_memory >= 0) EXPECT_LE(memory[n], node.free_memory);
+    }
+    if (HasFailure()) return;
+  }
+  EXPECT_GT(placed, 300);           // the generator places plenty
+  EXPECT_GT(capped_somewhere, 20);  // and CPUs, not devices, often bound a node
+}
+
 }  // namespace
 }  // namespace trainyard::coordinator

@@ -9,6 +9,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <map>
 #include <numeric>
 #include <optional>
 #include <set>
@@ -389,6 +390,41 @@ class SchedulePass {
   std::vector<int64_t> free_cpu_, free_memory_;
   std::vector<int> counted_;
   std::vector<Hidden> capped_for_job_;
+  // The counted nodes whose free CPUs or memory hold fewer ranks at their per-device charge than
+  // they have free devices (ranks that asked for more than a device's share took them): the only
+  // nodes that cut down a "small" job, one asking at most the smallest per-device charge, which
+  // then costs O(|deficit_|) rather than O(|counted_|). Kept for the real free devices.
+  std::set<int> deficit_;
+  std::vector<char> in_deficit_;
+  int64_t min_cpu_per_device_ = INT64_MAX, min_memory_per_device_ = INT64_MAX;
+  // Devices that ranks asking for nothing can never use on the counted nodes (per-device charges
+  // beyond a node's CPUs or memory); small jobs are judged quickly only when it is 0.
+  int64_t default_capacity_loss_ = 0;
+  // Per (cpu_millis, memory_bytes) asked: the devices the counted nodes can never give such a
+  // job (totals only: the same all pass).
+  std::map<std::pair<int64_t, int64_t>, int64_t> capacity_loss_;
+
+  void UpdateDeficit(int n) {
+    const SchedNode& node = s_.nodes[n];
+    const int64_t free = index_->free(n);
+    const bool short_cpu = node.total_cpu_millis >= 0 &&
+                           free_cpu_[n] < free * std::max<int64_t>(0, node.cpu_millis_per_device);
+    const bool short_memory = node.total_memory >= 0 &&
+                              free_memory_[n] < free * std::max<int64_t>(0, node.memory_per_device);
+    const bool deficit = short_cpu || short_memory;
+    if (deficit == static_cast<bool>(in_deficit_[n])) return;
+    in_deficit_[n] = deficit;
+    if (deficit) {
+      deficit_.insert(n);
+    } else {
+      deficit_.erase(n);
+    }
+  }
+  bool Small(const PendingJobInfo& job) const {
+    return default_capacity_loss_ == 0 &&
+           (job.cpu_millis <= 0 || job.cpu_millis <= min_cpu_per_device_) &&
+           (job.memory_bytes <= 0 || job.memory_bytes <= min_memory_per_device_);
+  }
   std::vector<bool> usable_for_job_;
   // Sharing: the devices accounts and users hold, and which running jobs their account's quota
   // protects (of an account's running jobs, the earliest started that fit in its quota).
@@ -435,7 +471,16 @@ void SchedulePass::IndexNodes() {
     if (node.total_memory >= 0) {
       free_memory_[n] = std::clamp<int64_t>(node.free_memory, 0, node.total_memory);
     }
+    if (node.total_cpu_millis >= 0) {
+      min_cpu_per_device_ = std::min(min_cpu_per_device_, node.cpu_millis_per_device);
+    }
+    if (node.total_memory >= 0) {
+      min_memory_per_device_ = std::min(min_memory_per_device_, node.memory_per_device);
+    }
+    default_capacity_loss_ += total_devices_[n] - JobTotalOn(n, PendingJobInfo{});
   }
+  in_deficit_.assign(num_nodes_, 0);
+  for (int n : counted_) UpdateDeficit(n);
 }
 
 void SchedulePass::CountShares() {
@@ -588,9 +633,23 @@ void SchedulePass::Consider(int i, int position) {
     hidden_for_job_.push_back({n, index.free(n)});
     capacity -= total_devices_[n];
   }
-  // Nodes that count CPUs and memory hold only as many of its ranks as those fit.
-  for (int n : counted_) {
-    if (takes(n)) capacity -= total_devices_[n] - JobTotalOn(n, job);
+  // Nodes that count CPUs and memory hold only as many of its ranks as those fit (a small job
+  // all of their devices: Small).
+  const bool small = Small(job);
+  if (!small) {
+    // (The same for every job of the same asks when no node is owners-only: computed once.)
+    const std::pair<int64_t, int64_t> asks = {job.cpu_millis, job.memory_bytes};
+    auto cached = restricted_.empty() ? capacity_loss_.find(asks) : capacity_loss_.end();
+    int64_t loss = 0;
+    if (cached != capacity_loss_.end()) {
+      loss = cached->second;
+    } else {
+      for (int n : counted_) {
+        if (takes(n)) loss += total_devices_[n] - JobTotalOn(n, job);
+      }
+      if (restricted_.empty()) capacity_loss_[asks] = loss;
+    }
+    capacity -= loss;
   }
   // In blocks: the nodes' whole blocks.
   const int block = std::max(1, job.rank_block);
@@ -617,13 +676,18 @@ void SchedulePass::Consider(int i, int position) {
   for (const Hidden& h : hidden_for_job_) index.Set(h.node, 0);
   // Its view of the nodes that count CPUs and memory: as many free devices as its ranks fit.
   capped_for_job_.clear();
-  for (int n : counted_) {
+  auto cap = [&](int n) {
     const int free = index.free(n);
-    if (free == 0) continue;  // full, or hidden from it
+    if (free == 0) return;  // full, or hidden from it
     if (const int fit = RanksFit(n, job, free_cpu_[n], free_memory_[n]); fit < free) {
       capped_for_job_.push_back({n, free});
       index.Set(n, fit);
     }
+  };
+  if (small) {
+    for (int n : deficit_) cap(n);
+  } else {
+    for (int n : counted_) cap(n);
   }
   const bool changed = !hidden_for_job_.empty() || !capped_for_job_.empty();
   if (changed) head_protected_stale_ = true;  // computed with them whole
@@ -640,6 +704,13 @@ void SchedulePass::Consider(int i, int position) {
     index.Set(h.node, h.free - taken);
   }
   if (changed) head_protected_stale_ = true;
+  if (result_.placements.size() > placed_before && !counted_.empty()) {
+    for (const DeviceGrant& g : result_.placements.back().grants) {
+      if (s_.nodes[g.node].total_cpu_millis >= 0 || s_.nodes[g.node].total_memory >= 0) {
+        UpdateDeficit(g.node);
+      }
+    }
+  }
 }
 
 // Places `job` (its nodes' view in the index), makes it the head, or backfills it; returns why

@@ -216,7 +216,10 @@ struct ScheduleResult {
 // of the head's ranks.
 //
 // Cost: O(P log P + R log R + N log N + placed * (D + log N)) for P pending, R running grants,
-// N nodes, D = max devices per node; plus O(P * C) for C nodes that count CPUs or memory.
+// N nodes, D = max devices per node. Nodes that count CPUs or memory add, per job that asks for
+// no more than the smallest per-device charge (most jobs), O(K) for the K of them whose free CPUs
+// or memory hold fewer such ranks than their free devices; per job that asks for more, O(C) for
+// all C of them.
 ScheduleResult Schedule(const ClusterSnapshot& snapshot);
 
 }  // namespace trainyard::coordinator
