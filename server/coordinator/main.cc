@@ -45,7 +45,8 @@ void AddReplicaFlags(CLI::App& app, CoordinatorOptions& options,
   app.add_option("--lease-poll-interval", f.lease_poll,
                  "how often a standby tries to take the lease")
       ->capture_default_str();
-  app.add_option("--replica-id", replica.id, "this replica's name in the lease (default HOST-PID)");
+  app.add_option("--replica-id", replica.id,
+                 "this replica's name in the lease (default HOST:STATE_DIR, the absolute path)");
   app.add_option("--advertise-address", replica.advertise_address,
                  "HOST:PORT clients reach this replica at, given by standbys to callers "
                  "(default: the address it listens on)");

@@ -25,7 +25,7 @@
 namespace trainyard::coordinator {
 
 struct ReplicaOptions {
-  std::string id;                 // in the lease row and logs; default HOSTNAME-PID
+  std::string id;                 // in the lease row and logs; default HOST:STATE_DIR (absolute)
   std::string advertise_address;  // what clients dial to reach it; default the bound address
   absl::Duration lease_ttl = absl::Seconds(5);
   absl::Duration renew_interval = absl::Seconds(1);
