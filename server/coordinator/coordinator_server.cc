@@ -299,6 +299,11 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  // Set before serving: a submit's callback wakes the scheduler at once.
+  s->jobs_->SetCheckpointRoot(s->options_.checkpoint_root.empty()
+                                  ? std::filesystem::absolute(dir + "/checkpoints").string()
+                                  : s->options_.checkpoint_root);
+  s->jobs_->SetSchedulerWakeup([raw = s.get()] { raw->WakeScheduler(); });
   grpc::ServerBuilder builder;
   builder.AddListeningPort(s->options_.listen_address, credentials, &s->port_);
   builder.SetMaxReceiveMessageSize(s->options_.max_message_bytes);
@@ -320,12 +325,11 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   }
   const std::string& listen = s->options_.listen_address;
   s->address_ = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", s->port_);
+  // (The address exists only now, with the server already serving: JobManager holds it under
+  // its lock. A node's hello in the instant before this line would be sent its assignments
+  // without it; new placements come only from the scheduler, which starts below.)
   s->jobs_->SetCoordinatorAddress(
       RankCoordinators(s->options_.rank_coordinator_addresses, s->address_));
-  s->jobs_->SetCheckpointRoot(s->options_.checkpoint_root.empty()
-                                  ? std::filesystem::absolute(dir + "/checkpoints").string()
-                                  : s->options_.checkpoint_root);
-  s->jobs_->SetSchedulerWakeup([raw = s.get()] { raw->WakeScheduler(); });
 
   if (s->options_.background_threads) {
     // Named, so that top -H and /proc/PID/task show where the coordinator's time goes.

@@ -65,6 +65,7 @@ void JobManager::SetJobCredentials(
 }
 
 void JobManager::SetCoordinatorAddress(std::string address) {
+  absl::MutexLock lock(&mu_);
   coordinator_address_ = std::move(address);
 }
 

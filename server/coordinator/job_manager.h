@@ -294,8 +294,9 @@ class JobManager final : public JobLifecycle,
   NodeRegistry& nodes_;
   Rendezvous& rendezvous_;
   const Clock& clock_;
-  std::function<void()> wakeup_;      // set before serving; immutable after
-  std::string coordinator_address_;   // set before serving; immutable after
+  std::function<void()> wakeup_;  // set before serving; immutable after
+  // Known only once the server is bound (it may already serve): read and written under mu_.
+  std::string coordinator_address_ ABSL_GUARDED_BY(mu_);
   bool preemption_ = false;           // likewise, with the two below
   int64_t max_kept_checkpoints_ = 0;  // set once, before serving
   absl::Duration preemption_grace_ = absl::Seconds(120);
