@@ -56,16 +56,19 @@ std::string ResourcesText(const v1::Job& job) {
 std::string RankUsageText(const v1::Job& job) {
   if (job.rank_usage().empty()) return "";
   const int attempt = job.rank_usage(job.rank_usage_size() - 1).attempt();
-  std::vector<std::vector<std::string>> rows;
+  std::vector<const v1::RankUsage*> ranks;
   for (const v1::RankUsage& u : job.rank_usage()) {
-    if (u.attempt() != attempt) continue;
-    rows.push_back({absl::StrCat(u.rank()), u.node_id(), absl::StrCat(u.exit_code()),
-                    HumanBytes(u.peak_rss_bytes()),
-                    u.memory_peak_bytes() > 0 ? HumanBytes(u.memory_peak_bytes()) : "-",
-                    absl::StrFormat("%.2f s", u.cpu_seconds())});
+    if (u.attempt() == attempt) ranks.push_back(&u);
   }
-  std::sort(rows.begin(), rows.end(),
-            [](const auto& a, const auto& b) { return std::stoi(a[0]) < std::stoi(b[0]); });
+  std::sort(ranks.begin(), ranks.end(),
+            [](const v1::RankUsage* a, const v1::RankUsage* b) { return a->rank() < b->rank(); });
+  std::vector<std::vector<std::string>> rows;
+  for (const v1::RankUsage* u : ranks) {
+    rows.push_back({absl::StrCat(u->rank()), u->node_id(), absl::StrCat(u->exit_code()),
+                    HumanBytes(u->peak_rss_bytes()),
+                    u->memory_peak_bytes() > 0 ? HumanBytes(u->memory_peak_bytes()) : "-",
+                    absl::StrFormat("%.2f s", u->cpu_seconds())});
+  }
   return absl::StrCat(
       "\nranks of attempt ", attempt, " that ended:\n",
       FormatTable({"RANK", "NODE", "EXIT", "PEAK RSS", "CGROUP PEAK", "CPU TIME"}, rows));

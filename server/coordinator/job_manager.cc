@@ -172,6 +172,12 @@ namespace {
 constexpr char kSubmitRequestKind[] = "submit_request";
 constexpr absl::Duration kRequestIdLifetime = absl::Hours(24);
 
+// A submit of `request_id` arrived while its first copy is still being stored.
+absl::Status StillStoring(const std::string& request_id) {
+  return absl::UnavailableError(
+      absl::StrCat("request_id: the submit of request ", request_id, " is being stored; retry"));
+}
+
 absl::Status CheckRequestId(const std::string& id) {
   const bool ok = id.size() <= 64 && std::all_of(id.begin(), id.end(), [](char c) {
                     return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' ||
@@ -227,8 +233,7 @@ void JobManager::Submit(const std::string& owner, v1::JobSpec spec, const std::s
       }
     }
     if (storing) {
-      done(absl::UnavailableError(absl::StrCat("request_id: the submit of request ", request_id,
-                                               " is being stored; retry")));
+      done(StillStoring(request_id));
       return;
     }
     if (!earlier.empty()) {
@@ -280,8 +285,7 @@ void JobManager::Submit(const std::string& owner, v1::JobSpec spec, const std::s
       return;
     }
     if (!request_id.empty() && requests_.count(request_key) > 0) {  // a concurrent submit of it
-      done(absl::UnavailableError(absl::StrCat("request_id: the submit of request ", request_id,
-                                               " is being stored; retry")));
+      done(StillStoring(request_id));
       return;
     }
     ++pending_submits_;

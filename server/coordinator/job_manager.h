@@ -230,9 +230,6 @@ class JobManager final : public JobLifecycle,
   ClusterSnapshot BuildSnapshot(const SharingPolicy& policy,
                                 const std::vector<SchedulingNode>& nodes, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Per node: the CPUs (thousandths) and memory running jobs' ranks hold there.
-  std::map<std::string, std::pair<int64_t, int64_t>> HostUse(
-      const std::vector<SchedulingNode>& nodes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RecordPass(const ClusterSnapshot& snapshot, const ScheduleResult& result)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void StartPreemption(const ScheduleResult::Preemption& preemption, absl::Time now)

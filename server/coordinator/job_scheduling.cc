@@ -111,8 +111,6 @@ ClusterSnapshot JobManager::BuildSnapshot(const SharingPolicy& policy,
     }
     return it->second;
   };
-  // The CPUs and memory running jobs' ranks hold, on the nodes that count them.
-  std::map<std::string, std::pair<int64_t, int64_t>> host_used = HostUse(nodes);
   snapshot.nodes.reserve(nodes.size());
   for (const SchedulingNode& n : nodes) {
     auto held = allocated_.find(n.id);
@@ -127,15 +125,13 @@ ClusterSnapshot JobManager::BuildSnapshot(const SharingPolicy& policy,
     // A cordoned node (an admin's hold, or draining) gets none either.
     sn.schedulable = n.state == v1::NODE_READY && n.connected && !n.cordoned;
     sn.owners = n.owners;
-    const auto& [cpu_used, memory_used] = host_used[n.id];
+    // CPUs and memory where the node counts them; running ranks' are taken off below.
     if (n.host.cpus() > 0) {
-      sn.total_cpu_millis = CpuMillis(n.host.cpus());
-      sn.free_cpu_millis = sn.total_cpu_millis - cpu_used;
+      sn.total_cpu_millis = sn.free_cpu_millis = CpuMillis(n.host.cpus());
       sn.cpu_millis_per_device = CpuMillis(n.host.cpus_per_device());
     }
     if (n.host.memory_bytes() > 0) {
-      sn.total_memory = n.host.memory_bytes();
-      sn.free_memory = sn.total_memory - memory_used;
+      sn.total_memory = sn.free_memory = n.host.memory_bytes();
       sn.memory_per_device = n.host.memory_per_device();
     }
     snapshot.nodes.push_back(std::move(sn));
@@ -163,7 +159,16 @@ ClusterSnapshot JobManager::BuildSnapshot(const SharingPolicy& policy,
       r.id = id;
       for (const auto& pl : job.placement()) {
         if (const SchedulingNode* on = FindNode(nodes, pl.node_id()); on != nullptr) {
-          r.grants.push_back({static_cast<int>(on - nodes.data()), pl.device_indices_size()});
+          const int index = static_cast<int>(on - nodes.data());
+          const int ranks = pl.device_indices_size();
+          r.grants.push_back({index, ranks});
+          SchedNode& sn = snapshot.nodes[index];
+          if (sn.total_cpu_millis >= 0) {
+            sn.free_cpu_millis -= ranks * RankCpuMillis(job.spec().resources(), on->host);
+          }
+          if (sn.total_memory >= 0) {
+            sn.free_memory -= ranks * RankMemoryBytes(job.spec().resources(), on->host);
+          }
         }
       }
       if (max_runtime_s > 0) {
@@ -333,36 +338,30 @@ std::vector<v1::Assignment> JobManager::AssignmentsFor(const std::string& node_i
   return out;
 }
 
-std::map<std::string, std::pair<int64_t, int64_t>> JobManager::HostUse(
-    const std::vector<SchedulingNode>& nodes) const {
-  std::map<std::string, std::pair<int64_t, int64_t>> used;
-  for (const std::string& id : unfinished_) {
-    const v1::Job& job = jobs_.at(id);
-    if (!IsActive(job.state())) continue;
-    for (const auto& pl : job.placement()) {
-      const SchedulingNode* on = FindNode(nodes, pl.node_id());
-      if (on == nullptr) continue;
-      auto& [cpu, memory] = used[pl.node_id()];
-      cpu += pl.device_indices_size() * RankCpuMillis(job.spec().resources(), on->host);
-      memory += pl.device_indices_size() * RankMemoryBytes(job.spec().resources(), on->host);
-    }
-  }
-  return used;
-}
-
 std::vector<v1::Node> JobManager::NodesWithAllocations() const {
   absl::MutexLock lock(&mu_);
   std::vector<v1::Node> nodes = nodes_.List();
-  const std::map<std::string, std::pair<int64_t, int64_t>> host_used =
-      HostUse(nodes_.SchedulingView());
+  std::map<std::string, v1::Node*> by_id;
   for (v1::Node& node : nodes) {
+    by_id[node.id()] = &node;
     auto it = allocated_.find(node.id());
     if (it != allocated_.end()) {
       node.mutable_allocated_devices()->Add(it->second.begin(), it->second.end());
     }
-    if (auto used = host_used.find(node.id()); used != host_used.end()) {
-      node.set_allocated_cpus(used->second.first / 1000.0);
-      node.set_allocated_memory_bytes(used->second.second);
+  }
+  // The CPUs and memory running ranks hold (their requests, or the node's per-device charge).
+  for (const std::string& id : unfinished_) {
+    const v1::Job& job = jobs_.at(id);
+    if (!IsActive(job.state())) continue;
+    for (const auto& pl : job.placement()) {
+      auto on = by_id.find(pl.node_id());
+      if (on == by_id.end()) continue;
+      v1::Node& node = *on->second;
+      const int ranks = pl.device_indices_size();
+      node.set_allocated_cpus(node.allocated_cpus() +
+                              ranks * RankCpuMillis(job.spec().resources(), node.host()) / 1000.0);
+      node.set_allocated_memory_bytes(node.allocated_memory_bytes() +
+                                      ranks * RankMemoryBytes(job.spec().resources(), node.host()));
     }
   }
   std::map<std::string, int64_t> reserved = ReservedPsBytes();
