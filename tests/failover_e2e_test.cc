@@ -1,9 +1,9 @@
 // Failovers between two trainyard-coordinator replicas sharing a PostgreSQL store (a private
 // server the test starts): the leader SIGKILLed while clients submit and a two-rank job runs, and
-// the leader paused (SIGSTOP) past its lease and then resumed. The standby must lead within the
-// bound, every acknowledged submit must be there, the running job must finish on its first
-// attempt, yard must keep working through the address list, and a resumed old leader must write
-// nothing.
+// the leader paused (SIGSTOP) past its lease, also inside a write transaction, and then resumed.
+// The standby must lead within the bound, every acknowledged submit must be there once, the
+// running job must finish on its first attempt, yard must keep working through the address list,
+// and a resumed old leader must write nothing.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <pwd.h>
@@ -45,6 +45,68 @@ constexpr char kLeaseTtl[] = "3s";
 // What a takeover may take after the leader's death: the lease's 3 s, a standby's poll, the new
 // leader's start, a client's backoff.
 constexpr absl::Duration kTakeoverBound = absl::Seconds(8);
+
+// Clients that submit tiny jobs through `list` until stopped (at the latest when this goes out of
+// scope, so that a failed assertion leaves no thread behind): which submits were acknowledged,
+// and how many after mark() was set.
+class Submitters {
+ public:
+  Submitters(int clients, const std::string& list, const std::string& token) {
+    for (int c = 0; c < clients; ++c) {
+      threads_.emplace_back([this, c, list, token] {
+        client::YardClient mine(list, token);
+        for (int i = 0; !stop_.load(); ++i) {
+          const bool after = mark.load();
+          auto submitted = mine.Submit(testing::TinySpec("succeed", 1));
+          absl::MutexLock lock(&mu_);
+          if (submitted.ok()) {
+            acked_.insert(submitted->id());
+            if (after) ++acked_after_mark_;
+          } else {
+            ++failed_;
+            ADD_FAILURE() << "client " << c << " submit " << i << ": " << submitted.status();
+          }
+        }
+      });
+    }
+  }
+  ~Submitters() { Stop(); }
+
+  void Stop() {
+    stop_ = true;
+    for (std::thread& t : threads_) t.join();
+    threads_.clear();
+  }
+  // Waits until `n` submits were acknowledged after the mark (or, before it, in all); false when
+  // `timeout` passed first.
+  bool WaitForAcks(size_t n, bool after_mark, absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    auto enough = [&] { return (after_mark ? acked_after_mark_ : acked_.size()) >= n; };
+    return mu_.AwaitWithTimeout(absl::Condition(&enough), timeout);
+  }
+  std::set<std::string> acked() {
+    absl::MutexLock lock(&mu_);
+    return acked_;
+  }
+  size_t acked_after_mark() {
+    absl::MutexLock lock(&mu_);
+    return acked_after_mark_;
+  }
+  int failed() {
+    absl::MutexLock lock(&mu_);
+    return failed_;
+  }
+
+  std::atomic<bool> mark{false};
+
+ private:
+  std::atomic<bool> stop_{false};
+  absl::Mutex mu_;
+  std::set<std::string> acked_ ABSL_GUARDED_BY(mu_);
+  size_t acked_after_mark_ ABSL_GUARDED_BY(mu_) = 0;
+  int failed_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::thread> threads_;
+};
 
 class FailoverE2eTest : public ::testing::Test {
  protected:
@@ -183,52 +245,21 @@ TEST_F(FailoverE2eTest, AKilledLeadersStandbyLeadsWithEveryAckedSubmitAndTheRunn
   ASSERT_EQ(running->state(), v1::RUNNING);
 
   // Four clients submit through the address list, before, during and after the failover.
-  constexpr int kClients = 4;
-  absl::Mutex mu;
-  std::set<std::string> acked;
-  int failed = 0;
-  std::atomic<bool> killed{false}, stop{false};
-  std::atomic<int> acked_after_kill{0};
-  std::vector<std::thread> clients;
-  for (int c = 0; c < kClients; ++c) {
-    clients.emplace_back([&, c] {
-      auto mine = Client();
-      for (int i = 0; !stop.load(); ++i) {
-        const bool after = killed.load();
-        auto submitted = mine->Submit(testing::TinySpec("succeed", 1));
-        absl::MutexLock lock(&mu);
-        if (submitted.ok()) {
-          acked.insert(submitted->id());
-          if (after) ++acked_after_kill;
-        } else {
-          ++failed;
-          ADD_FAILURE() << "client " << c << " submit " << i << ": " << submitted.status();
-        }
-      }
-    });
-  }
-  auto acks = [&] {
-    absl::MutexLock lock(&mu);
-    return acked.size();
-  };
-  const absl::Time until = absl::Now() + absl::Seconds(30);
-  while (acks() < 20 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(10));
-  ASSERT_GE(acks(), 20u);
+  Submitters submitters(4, list_, alice_token_);
+  ASSERT_TRUE(submitters.WaitForAcks(20, false, absl::Seconds(30)));
 
   a_.process->Signal(SIGKILL);
   const absl::Time death = absl::Now();
-  killed = true;
+  submitters.mark = true;
   ASSERT_TRUE(a_.process->Wait(absl::Seconds(10)).has_value());
   const absl::Duration takeover = WaitUntilLeads(b_.address, death);
   EXPECT_LT(takeover, kTakeoverBound);
   std::cout << "the standby led " << absl::FormatDuration(takeover) << " after the leader died\n";
-  while (acked_after_kill.load() < 20 && absl::Now() < death + absl::Seconds(40)) {
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  stop = true;
-  for (std::thread& t : clients) t.join();
-  EXPECT_GE(acked_after_kill.load(), 20) << "yard did not follow the new leader";
-  EXPECT_EQ(failed, 0);
+  submitters.WaitForAcks(20, true, death + absl::Seconds(40) - absl::Now());
+  submitters.Stop();
+  EXPECT_GE(submitters.acked_after_mark(), 20u) << "yard did not follow the new leader";
+  EXPECT_EQ(submitters.failed(), 0);
+  const std::set<std::string> acked = submitters.acked();
 
   // Every acknowledged submit is at the new leader.
   auto listed = client->List({}, 0);
@@ -306,6 +337,111 @@ TEST_F(FailoverE2eTest, APausedLeaderThatResumesAfterTheTakeoverWritesNothing) {
   EXPECT_EQ(*rows, absl::StrCat(expected));
   std::cout << "the direct submit to the resumed leader: "
             << (direct.ok() ? "taken by the new leader" : direct.status().ToString()) << "\n";
+}
+
+// Issue 54: paused (SIGSTOP) while its write session is idle in a transaction, the leader once
+// held the lease row's lock for as long as the pause lasted, and no standby could take over. Now
+// the standby takes the lease within its TTL and a poll, serves, and the resumed leader commits
+// nothing: every acknowledged submit is stored once (by request id), including those whose first
+// try was in the paused transaction.
+TEST_F(FailoverE2eTest, ALeaderPausedInsideAWriteTransactionIsTakenOverWithinItsLease) {
+  Submitters submitters(4, list_, alice_token_);
+  // (However this test ends, the old leader runs again before the clients are stopped.)
+  struct Resume {
+    Subprocess* process;
+    ~Resume() { process->Signal(SIGCONT); }
+  } resume{a_.process.get()};
+  ASSERT_TRUE(submitters.WaitForAcks(10, false, absl::Seconds(30)));
+
+  // Stop the leader until the database shows its write session idle inside a transaction (the
+  // clients keep its commit thread busy); a stop that lands between transactions is undone at
+  // once, well within the lease.
+  const std::string in_transaction =
+      absl::StrCat("SELECT count(*) FROM pg_stat_activity WHERE datname = '", database_,
+                   "' AND state = 'idle in transaction'");
+  const std::string still_busy =
+      absl::StrCat("SELECT count(*) FROM pg_stat_activity WHERE datname = '", database_,
+                   "' AND state = 'active' AND pid <> pg_backend_pid() AND application_name = "
+                   "'trainyard-coordinator'");
+  absl::Time paused;
+  bool caught = false;
+  for (int attempt = 0; attempt < 200 && !caught; ++attempt) {
+    a_.process->Signal(SIGSTOP);
+    paused = absl::Now();
+    // What the session does once the statement in flight (if any) is done.
+    for (int i = 0; i < 50 && server_->Query(database_, still_busy).value_or("") != "0"; ++i) {
+      absl::SleepFor(absl::Milliseconds(2));
+    }
+    caught = server_->Query(database_, in_transaction).value_or("") == "1";
+    if (!caught) {
+      a_.process->Signal(SIGCONT);
+      absl::SleepFor(absl::Milliseconds(5 + attempt % 7));
+    }
+  }
+  ASSERT_TRUE(caught) << "the leader was never stopped inside a write transaction";
+  submitters.mark = true;
+
+  // The lease passes within its TTL and one poll (a second of slack for a loaded machine), and
+  // the standby serves within the bound, while the old leader is still stopped.
+  const absl::Time lease_deadline = paused + absl::Seconds(20);
+  std::string holder;
+  while (absl::Now() < lease_deadline) {
+    holder = server_->Query(database_, "SELECT holder FROM trainyard_leader").value_or("");
+    if (holder == "b") break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  const absl::Duration lease_takeover = absl::Now() - paused;
+  ASSERT_EQ(holder, "b") << "the standby never took the lease from the paused leader";
+  EXPECT_LT(lease_takeover, absl::Seconds(3) + absl::Milliseconds(200) + absl::Seconds(1));
+  const absl::Duration takeover = WaitUntilLeads(b_.address, paused);
+  EXPECT_LT(takeover, kTakeoverBound);
+  std::cout << "the standby took the lease " << absl::FormatDuration(lease_takeover)
+            << " and served " << absl::FormatDuration(takeover)
+            << " after the leader stopped inside a transaction\n";
+  // The paused transaction ends at its idle limit, on the server, so nothing waits on its rows.
+  const absl::Time ended_by = paused + absl::Seconds(10);
+  while (server_->Query(database_, in_transaction).value_or("") != "0" && absl::Now() < ended_by) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(server_->Query(database_, in_transaction).value_or(""), "0");
+  // Clients whose submits were stuck at the paused leader give up on it and go to b.
+  EXPECT_TRUE(submitters.WaitForAcks(10, true, absl::Seconds(40)))
+      << "yard did not follow the new leader";
+  std::cout << "10 submits acknowledged by the new leader "
+            << absl::FormatDuration(absl::Now() - paused) << " after the pause\n";
+
+  // The old leader resumes, finds its lease gone and stands by, naming b.
+  a_.process->Signal(SIGCONT);
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  std::string leader;
+  grpc::Status probe;
+  while (absl::Now() < deadline) {
+    leader.clear();
+    probe = Probe(a_.address, alice_token_, &leader);
+    if (probe.error_code() == grpc::StatusCode::UNAVAILABLE && leader == b_.address) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(leader, b_.address) << probe.error_message();
+  submitters.Stop();
+  EXPECT_EQ(submitters.failed(), 0);
+  const std::set<std::string> acked = submitters.acked();
+
+  // Every acknowledged submit is stored, each logical submit once: no two jobs share a request
+  // id (the paused transaction held first tries of submits that were retried at b).
+  auto listed = client::YardClient(list_, alice_token_).List({}, 0);
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  std::set<std::string> present, request_ids;
+  for (const v1::Job& j : listed->jobs()) {
+    present.insert(j.id());
+    EXPECT_FALSE(j.request_id().empty()) << j.id();
+    EXPECT_TRUE(request_ids.insert(j.request_id()).second)
+        << "request " << j.request_id() << " stored twice (again as " << j.id() << ")";
+  }
+  for (const std::string& id : acked) EXPECT_EQ(present.count(id), 1u) << id << " was lost";
+  EXPECT_EQ(present.size(), acked.size());
+  auto rows = server_->Query(database_, "SELECT count(*) FROM jobs");
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  EXPECT_EQ(*rows, absl::StrCat(present.size()));
 }
 
 }  // namespace

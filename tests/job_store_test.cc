@@ -936,10 +936,11 @@ class PostgresJobStoreTest : public ::testing::Test {
   std::string database_;
 };
 
-TEST_F(PostgresJobStoreTest, CreatesSchemaVersion2WithIndexesAndStoresPayloadsAsBytea) {
+TEST_F(PostgresJobStoreTest, CreatesSchemaVersion3WithIndexesAndStoresPayloadsAsBytea) {
   auto store = OpenPostgresJobStore(uri_);
   ASSERT_TRUE(store.ok()) << store.status();
-  EXPECT_EQ(Query("SELECT version FROM trainyard_schema"), "2");
+  EXPECT_EQ(Query("SELECT version FROM trainyard_schema"), "3");
+  EXPECT_EQ(Query("SELECT count(*) FROM pg_proc WHERE proname = 'trainyard_fence'"), "1");
   EXPECT_EQ(Query("SELECT epoch || ':' || (expires_at = '-infinity') FROM trainyard_leader"),
             "0:true");
   EXPECT_EQ(Query("SELECT count(*) FROM trainyard_schema"), "1");
@@ -954,7 +955,7 @@ TEST_F(PostgresJobStoreTest, CreatesSchemaVersion2WithIndexesAndStoresPayloadsAs
   // Opening again (a second coordinator, a restart) migrates nothing and keeps the rows.
   auto again = OpenPostgresJobStore(uri_);
   ASSERT_TRUE(again.ok()) << again.status();
-  EXPECT_EQ(Query("SELECT version FROM trainyard_schema"), "2");
+  EXPECT_EQ(Query("SELECT version FROM trainyard_schema"), "3");
   EXPECT_THAT(*(*again)->LoadJobs(), ElementsAre(Job(7, BinaryPayload())));
 }
 
@@ -967,7 +968,7 @@ TEST_F(PostgresJobStoreTest, StoresOpenedTogetherMigrateOnce) {
   }
   for (std::thread& t : threads) t.join();
   for (auto& store : stores) ASSERT_TRUE(store.ok()) << store.status();
-  EXPECT_EQ(Query("SELECT count(*) || ':' || max(version) FROM trainyard_schema"), "1:2");
+  EXPECT_EQ(Query("SELECT count(*) || ':' || max(version) FROM trainyard_schema"), "1:3");
   EXPECT_EQ(Query("SELECT count(*) FROM trainyard_leader"), "1");
   ASSERT_TRUE((*stores[0])->CommitSync(PutJobs({Job(1)})).ok());
   EXPECT_EQ((*stores[3])->LoadJobs()->size(), 1u);
@@ -1030,11 +1031,13 @@ TEST_F(PostgresJobStoreTest, MigratesAVersion1DatabaseToTheLeaseKeepingItsJobs) 
     ASSERT_TRUE(store.ok()) << store.status();
     ASSERT_TRUE((*store)->CommitSync(PutJobs({Job(1)})).ok());
   }
-  // What a build of schema version 1 left: no lease table.
-  ASSERT_EQ(Query("DROP TABLE trainyard_leader; UPDATE trainyard_schema SET version = 1"), "");
+  // What a build of schema version 1 left: no lease table, no fence.
+  ASSERT_EQ(Query("DROP TABLE trainyard_leader; DROP FUNCTION trainyard_fence; "
+                  "UPDATE trainyard_schema SET version = 1"),
+            "");
   auto store = OpenPostgresJobStore(uri_);
   ASSERT_TRUE(store.ok()) << store.status();
-  EXPECT_EQ(Query("SELECT version FROM trainyard_schema"), "2");
+  EXPECT_EQ(Query("SELECT version FROM trainyard_schema"), "3");
   EXPECT_EQ(Query("SELECT epoch FROM trainyard_leader"), "0");
   EXPECT_THAT(Seqs(*(*store)->LoadJobs()), ElementsAre(1));
 }
@@ -1128,7 +1131,7 @@ TEST_F(PostgresJobStoreTest, AFencedStoreCommitsNothingOnceItsLeaseHasPassedOn) 
   ASSERT_TRUE(epoch_b.ok());
   for (int i = 2; i <= 3; ++i) {
     const absl::Status status = (*store)->CommitSync(PutJobs({Job(i)}));
-    EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+    EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
     EXPECT_THAT(status.message(), HasSubstr("passed to another coordinator"));
   }
   EXPECT_EQ(fenced.load(), 1);
@@ -1140,46 +1143,100 @@ TEST_F(PostgresJobStoreTest, AFencedStoreCommitsNothingOnceItsLeaseHasPassedOn) 
   auto store_b = OpenPostgresJobStore(uri_, options);
   ASSERT_TRUE(store_b.ok());
   EXPECT_TRUE((*store_b)->CommitSync(PutJobs({Job(4)})).ok());
-  EXPECT_EQ((*store)->CommitSync(PutJobs({Job(5)})).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*store)->CommitSync(PutJobs({Job(5)})).code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(Query("SELECT string_agg(id, ',' ORDER BY seq) FROM jobs"), "job-1,job-4");
 }
 
-TEST_F(PostgresJobStoreTest, ATakeoverWaitsForTheOldLeadersTransactionInFlight) {
+// Issue 54: a leader paused inside a write transaction (its session idle in transaction, as under
+// SIGSTOP) must hold up neither the takeover of its lease nor the new leader's writes, and must
+// commit nothing once it resumes.
+TEST_F(PostgresJobStoreTest, ALeaderPausedInATransactionHoldsUpNoTakeoverAndCommitsNothingAfter) {
   ASSERT_TRUE(OpenPostgresJobStore(uri_).ok());
   auto a = OpenLeaderLease(uri_, "replica-a", "a:7070");
-  ASSERT_TRUE(a.ok());
-  auto epoch_a = (*a)->TryAcquire(absl::Seconds(30));
-  ASSERT_TRUE(epoch_a.ok());
-  // The old leader's transaction, stopped after its fence check: the lease row is locked FOR
-  // SHARE.
-  auto old_leader = testing::PostgresSession::Connect(uri_);
-  ASSERT_TRUE(old_leader.ok()) << old_leader.status();
-  ASSERT_TRUE((*old_leader)->Exec("BEGIN").ok());
-  EXPECT_EQ(*(*old_leader)
-                 ->Exec(absl::StrCat("SELECT epoch FROM trainyard_leader WHERE id = 1 AND epoch = ",
-                                     *epoch_a, " AND expires_at > clock_timestamp() FOR SHARE")),
-            absl::StrCat(*epoch_a));
-  // A takeover (by force here, as if the lease had expired) must wait for that transaction.
-  std::atomic<bool> taken{false};
-  std::thread takeover([&] {
-    auto standby = testing::PostgresSession::Connect(uri_ + "&application_name=takeover");
-    if (standby.ok()) {
-      EXPECT_TRUE((*standby)->Exec("UPDATE trainyard_leader SET epoch = epoch + 1").ok());
-    }
-    taken = true;
+  auto b = OpenLeaderLease(uri_, "replica-b", "b:7070");
+  ASSERT_TRUE(a.ok() && b.ok());
+  constexpr absl::Duration kTtl = absl::Seconds(1);
+  const absl::Time acquired = absl::Now();
+  auto epoch_a = (*a)->TryAcquire(kTtl);
+  ASSERT_TRUE(epoch_a.ok()) << epoch_a.status();
+  std::atomic<int> commits{0};
+  absl::Notification paused, resume;
+  JobStoreOptions options;
+  options.fence_epoch = *epoch_a;
+  options.idle_in_transaction_limit = absl::Milliseconds(500);
+  options.before_commit = [&] {
+    if (++commits != 2) return;  // the second transaction pauses, once
+    paused.Notify();
+    resume.WaitForNotification();
+  };
+  auto store_a = OpenPostgresJobStore(uri_, options);
+  ASSERT_TRUE(store_a.ok()) << store_a.status();
+  ASSERT_TRUE((*store_a)->CommitSync(PutJobs({Job(1)})).ok());
+  absl::Notification a_done;
+  absl::Status a_status;
+  (*store_a)->Commit(PutJobs({Job(2, "from a")}), [&](const absl::Status& status) {
+    a_status = status;
+    a_done.Notify();
   });
-  const std::string waiting =
-      "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'takeover' "
-      "AND wait_event_type = 'Lock'";
+  paused.WaitForNotification();
+  EXPECT_EQ(Query(absl::StrCat("SELECT count(*) FROM pg_stat_activity WHERE datname = '", database_,
+                               "' AND state = 'idle in transaction'")),
+            "1");
+
+  // The standby polls as a replica does; it takes the lease when it expires, not when a resumes.
+  absl::StatusOr<int64_t> epoch_b;
   const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  while (Query(waiting) != "1" && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
-  EXPECT_EQ(Query(waiting), "1") << "the takeover never waited for the lease row";
-  EXPECT_FALSE(taken.load());
-  EXPECT_TRUE((*old_leader)->Exec("INSERT INTO nodes VALUES ('n-old', '')").ok());
-  EXPECT_TRUE((*old_leader)->Exec("COMMIT").ok());
-  takeover.join();
-  EXPECT_EQ(Query("SELECT epoch FROM trainyard_leader"), absl::StrCat(*epoch_a + 1));
-  EXPECT_EQ(Query("SELECT id FROM nodes"), "n-old");
+  while (absl::Now() < deadline) {
+    epoch_b = (*b)->TryAcquire(absl::Seconds(30));
+    if (epoch_b.ok()) break;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  const absl::Duration takeover = absl::Now() - acquired;
+  ASSERT_TRUE(epoch_b.ok()) << epoch_b.status();
+  EXPECT_LT(takeover, kTtl + absl::Seconds(1)) << "the takeover waited for the paused leader";
+  // The new leader writes the very row that a's open transaction wrote: the server ended that
+  // transaction at its idle limit, so nothing waits for a.
+  options.fence_epoch = *epoch_b;
+  options.before_commit = nullptr;
+  auto store_b = OpenPostgresJobStore(uri_, options);
+  ASSERT_TRUE(store_b.ok()) << store_b.status();
+  const absl::Time b_writes = absl::Now();
+  EXPECT_TRUE((*store_b)->CommitSync(PutJobs({Job(2, "from b")})).ok());
+  EXPECT_LT(absl::Now() - b_writes, absl::Seconds(5));
+  EXPECT_FALSE(a_done.HasBeenNotified());
+
+  // a resumes: its transaction commits nothing, and neither does any after it.
+  resume.Notify();
+  a_done.WaitForNotification();
+  EXPECT_EQ(a_status.code(), absl::StatusCode::kUnavailable) << a_status;
+  EXPECT_THAT(a_status.message(), HasSubstr("passed to another coordinator"));
+  const absl::Status later = (*store_a)->CommitSync(PutJobs({Job(3)}));
+  EXPECT_THAT(later.message(), HasSubstr("passed to another coordinator"));
+  EXPECT_EQ(Query("SELECT string_agg(id || '=' || encode(payload, 'escape'), ',' ORDER BY seq) "
+                  "FROM jobs"),
+            "job-1=payload-1,job-2=from b");
+}
+
+// A connection that broke with its COMMIT in flight used to leave the outcome unknown (UNAVAILABLE,
+// "may or may not have been applied"); the store now asks the server by the transaction's id.
+// Here the server ends the session just before the commit is sent: the transaction was rolled
+// back, so the store writes it again on a new connection, and it is stored once.
+TEST_F(PostgresJobStoreTest, ACommitWhoseConnectionBrokeAsItWasSentIsResolvedByTheServer) {
+  std::atomic<int> commits{0};
+  JobStoreOptions options;
+  options.before_commit = [&] {
+    if (++commits != 1) return;
+    EXPECT_EQ(Query(absl::StrCat("SELECT count(pg_terminate_backend(pid, 5000)) FROM "
+                                 "pg_stat_activity WHERE datname = '",
+                                 database_, "' AND state = 'idle in transaction'")),
+              "1");
+  };
+  auto store = OpenPostgresJobStore(uri_, options);
+  ASSERT_TRUE(store.ok()) << store.status();
+  const absl::Status status = (*store)->CommitSync(PutJobs({Job(1)}));
+  EXPECT_TRUE(status.ok()) << status;
+  EXPECT_EQ(commits.load(), 2);
+  EXPECT_EQ(Query("SELECT string_agg(id, ',') FROM jobs"), "job-1");
 }
 
 // What docs/operations.md tells operators to do: pg_dump while the store serves, pg_restore into

@@ -170,6 +170,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   };
   store_options.fence_epoch = s->options_.fence_epoch;
   store_options.on_fenced = s->options_.on_fenced;
+  store_options.idle_in_transaction_limit = s->options_.idle_in_transaction_limit;
   if (IsPostgresLocation(s->options_.store)) {
     if (!s->options_.restore_from.empty()) {
       return absl::InvalidArgumentError(

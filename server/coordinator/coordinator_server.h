@@ -101,6 +101,8 @@ struct CoordinatorOptions {
   // (JobStoreOptions::fence_epoch), and on_fenced runs when a write found the lease passed on.
   int64_t fence_epoch = 0;
   std::function<void()> on_fenced;
+  // JobStoreOptions::idle_in_transaction_limit: set by a leading replica below its lease.
+  absl::Duration idle_in_transaction_limit = absl::ZeroDuration();
   // The coordinator addresses that ranks are given (TRAINYARD_COORDINATOR): every replica's, so
   // that they follow a failover. Empty: this coordinator's own address.
   std::string rank_coordinator_addresses;

@@ -16,6 +16,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 
 namespace trainyard::coordinator {
 
@@ -130,10 +131,19 @@ struct JobStoreOptions {
   // Called on the commit thread after each durable transaction with its duration (for metrics).
   std::function<void(double seconds)> on_commit;
   // PostgreSQL: when > 0, every transaction commits only while this epoch holds the leader's lease
-  // (leader_lease.h); otherwise it fails with FAILED_PRECONDITION and applies nothing, and
-  // on_fenced runs (once, on the commit thread).
+  // (leader_lease.h); otherwise it fails with UNAVAILABLE ("passed to another coordinator") and
+  // applies nothing, and on_fenced runs (once, on the commit thread).
   int64_t fence_epoch = 0;
   std::function<void()> on_fenced;
+  // PostgreSQL: the longest the server lets a write transaction wait on this process between
+  // statements before it ends the session, rolling the transaction back and releasing its locks
+  // (idle_in_transaction_session_timeout). A leader sets it shorter than its lease, so that a
+  // coordinator paused inside a transaction holds nothing a new leader needs once its lease can
+  // have passed on. Zero: no limit.
+  absl::Duration idle_in_transaction_limit = absl::ZeroDuration();
+  // Tests only: runs on the commit thread inside each write transaction, after its rows and before
+  // the fence and the commit (where a paused process leaves its session idle in transaction).
+  std::function<void()> before_commit;
 };
 using SqliteJobStoreOptions = JobStoreOptions;
 using PostgresJobStoreOptions = JobStoreOptions;

@@ -5,10 +5,14 @@
 // expiry is on the database server's clock, so the coordinators' clocks never matter. A replica
 // takes the lease only when it is free or expired, and then with the next epoch; the leader
 // extends it well before it expires. Every write transaction of a store opened with
-// PostgresJobStoreOptions::fence_epoch first locks the row FOR SHARE and checks that the epoch is
-// still its own and the lease unexpired, so a leader that was paused, partitioned or overtaken can
-// never commit: either its transaction commits before the new leader's takeover (which waits for
-// the lock), or it sees the new epoch and fails.
+// PostgresJobStoreOptions::fence_epoch ends with one message that the server runs as a whole,
+// `SELECT trainyard_fence(epoch); COMMIT`: the fence locks the row FOR SHARE and fails unless the
+// epoch is still its own and the lease unexpired, so a leader that was paused, partitioned or
+// overtaken never commits after its lease, and holds the row only while the server commits (a
+// takeover, which waits at most lock_timeout for the row, is never held up by a stalled leader).
+// A leader's write session also has idle_in_transaction_session_timeout shorter than its lease:
+// the server ends a transaction that a paused leader left open, with its row locks, before a
+// standby can take over.
 //
 // Used by the coordinator's main (take the lease, stand by, renew) and by the store tests.
 #ifndef TRAINYARD_SERVER_COORDINATOR_LEADER_LEASE_H_

@@ -71,6 +71,19 @@ constexpr const char* kMigrations[] = {
     "  address TEXT NOT NULL,"
     "  expires_at TIMESTAMPTZ NOT NULL);"
     "INSERT INTO trainyard_leader VALUES (1, 0, '', '', '-infinity');",
+    // Version 3: the fence of a leader's write transaction (leader_lease.h), run in the message
+    // that commits it: the lease row locked FOR SHARE only from here to the end of the commit, on
+    // the server, whatever the coordinator does meanwhile; SQLSTATE TYF01 when the lease has ended
+    // or passed on.
+    "CREATE OR REPLACE FUNCTION trainyard_fence(held BIGINT) RETURNS VOID LANGUAGE plpgsql AS $$ "
+    "BEGIN "
+    "  PERFORM 1 FROM trainyard_leader WHERE id = 1 AND epoch = held "
+    "    AND expires_at > clock_timestamp() FOR SHARE; "
+    "  IF NOT FOUND THEN "
+    "    RAISE EXCEPTION 'the leader''s lease of epoch % has ended or passed on', held "
+    "      USING ERRCODE = 'TYF01'; "
+    "  END IF; "
+    "END $$;",
 };
 constexpr int kSchemaVersion = sizeof(kMigrations) / sizeof(kMigrations[0]);
 
@@ -87,6 +100,9 @@ struct ResultClearer {
 };
 using ResultPtr = std::unique_ptr<PGresult, ResultClearer>;
 
+// trainyard_fence's SQLSTATE: the lease is no longer the transaction's.
+constexpr char kFencedState[] = "TYF01";
+
 // The status for a failed result (or a connection that failed before one), by SQLSTATE class.
 absl::Status PostgresError(PGconn* conn, const PGresult* result, const std::string& context) {
   const char* state = result != nullptr ? PQresultErrorField(result, PG_DIAG_SQLSTATE) : nullptr;
@@ -102,12 +118,14 @@ absl::Status PostgresError(PGconn* conn, const PGresult* result, const std::stri
     code = absl::StatusCode::kAlreadyExists;  // unique_violation
   } else if (absl::StartsWith(sqlstate, "23") || absl::StartsWith(sqlstate, "22")) {
     code = absl::StatusCode::kInvalidArgument;  // integrity constraint, data exception
+  } else if (sqlstate == kFencedState) {
+    code = absl::StatusCode::kFailedPrecondition;
   } else if (sqlstate == "40001" || sqlstate == "40P01") {
     code = absl::StatusCode::kAborted;  // serialization failure, deadlock
   } else if (absl::StartsWith(sqlstate, "08") || absl::StartsWith(sqlstate, "53") ||
-             absl::StartsWith(sqlstate, "57") || sqlstate == "25006") {
-    // connection, insufficient resources, operator intervention, read-only transaction (a
-    // standby server)
+             absl::StartsWith(sqlstate, "57") || sqlstate == "25006" || sqlstate == "55P03") {
+    // connection, insufficient resources, operator intervention (a statement timeout too),
+    // read-only transaction (a standby server), a lock not taken within lock_timeout
     code = absl::StatusCode::kUnavailable;
   } else if (absl::StartsWith(sqlstate, "28") || absl::StartsWith(sqlstate, "42501")) {
     code = absl::StatusCode::kPermissionDenied;
@@ -199,13 +217,8 @@ constexpr Statement kDeleteRecord = {"delete_record",
                                      "DELETE FROM records WHERE kind = $1 AND id = $2"};
 constexpr Statement kDeleteExpired = {
     "delete_expired", "DELETE FROM records WHERE expires_ms > 0 AND expires_ms <= $1"};
-// The fence of a leader's write transaction (leader_lease.h): the lease row locked FOR SHARE, so
-// that a takeover waits for this transaction, and a row only while the lease is still this epoch's.
-constexpr Statement kFence = {"fence",
-                              "SELECT epoch FROM trainyard_leader WHERE id = 1 AND epoch = $1 "
-                              "AND expires_at > clock_timestamp() FOR SHARE"};
-constexpr Statement kWriteStatements[] = {kPutJob,       kPutNode,       kDeleteNode, kPutRecord,
-                                          kDeleteRecord, kDeleteExpired, kFence};
+constexpr Statement kWriteStatements[] = {kPutJob,    kPutNode,      kDeleteNode,
+                                          kPutRecord, kDeleteRecord, kDeleteExpired};
 
 constexpr Statement kSelectJobs = {"select_jobs",
                                    "SELECT id, seq, owner, state, payload FROM jobs ORDER BY seq"};
@@ -242,8 +255,13 @@ struct Timeouts {
 
 class Connection {
  public:
-  Connection(std::string uri, std::vector<Statement> statements, Timeouts timeouts = {})
-      : uri_(std::move(uri)), statements_(std::move(statements)), timeouts_(timeouts) {}
+  // `settings`: SET statements for the session, run after the common ones.
+  Connection(std::string uri, std::vector<Statement> statements, Timeouts timeouts = {},
+             std::string settings = "")
+      : uri_(std::move(uri)),
+        statements_(std::move(statements)),
+        timeouts_(timeouts),
+        settings_(std::move(settings)) {}
 
   // Connects (again) if not connected, then sets the session up and prepares the statements.
   absl::Status Ensure() {
@@ -274,7 +292,8 @@ class Connection {
         conn_.get(), [](void*, const char*) {}, nullptr);
     absl::Status status = Exec(conn_.get(),
                                "SET synchronous_commit = on; SET client_min_messages = warning; "
-                               "SET default_transaction_isolation = 'read committed'",
+                               "SET default_transaction_isolation = 'read committed'; " +
+                                   settings_,
                                "set up the session");
     if (status.ok()) status = PrepareAll();
     if (!status.ok()) conn_.reset();
@@ -311,6 +330,7 @@ class Connection {
   const std::string uri_;
   const std::vector<Statement> statements_;
   const Timeouts timeouts_;
+  const std::string settings_;
   ConnPtr conn_;
 };
 
@@ -472,8 +492,16 @@ class PostgresJobStore final : public JobStore {
   PostgresJobStore(const std::string& uri, const PostgresJobStoreOptions& options)
       : options_(options),
         write_(uri,
-               std::vector<Statement>(std::begin(kWriteStatements), std::end(kWriteStatements))),
+               std::vector<Statement>(std::begin(kWriteStatements), std::end(kWriteStatements)),
+               Timeouts{}, WriteSessionSettings(options)),
         read_(uri, std::vector<Statement>(std::begin(kReadStatements), std::end(kReadStatements))) {
+  }
+
+  static std::string WriteSessionSettings(const PostgresJobStoreOptions& options) {
+    const int64_t idle_ms = absl::ToInt64Milliseconds(options.idle_in_transaction_limit);
+    if (idle_ms <= 0) return "";
+    return absl::StrCat("SET idle_in_transaction_session_timeout = ",
+                        std::max<int64_t>(idle_ms, 1));
   }
 
   // The job in `row` of a result that selects id, seq, owner, state, payload.
@@ -543,28 +571,45 @@ class PostgresJobStore final : public JobStore {
     return results;
   }
 
-  // Writes `batches` in one BEGIN..COMMIT transaction. On error nothing of them is applied, except
-  // where the connection broke after COMMIT was sent (UNAVAILABLE, outcome unknown).
-  // A connection that broke before COMMIT was sent (the server restarted, or closed an idle
-  // session) applied nothing, and the transaction is tried once more on a new connection.
+  // Writes `batches` in one BEGIN..COMMIT transaction. On error nothing of them is applied.
+  // A connection that broke before COMMIT was sent (the server restarted, closed an idle session,
+  // or ended one this process left idle in the transaction by a pause) applied nothing, and the
+  // transaction is tried once more on a new connection. One that broke after COMMIT was sent
+  // leaves the outcome to ask the server by the transaction's id (txid_status): committed is
+  // success, aborted is tried once more as above, and only a server that cannot say leaves it
+  // unknown (UNAVAILABLE, "may or may not have been applied").
+  // A fenced store checks its lease in the message that commits (trainyard_fence; COMMIT): the
+  // server runs both at once, so a transaction commits only while its lease holds, and holds the
+  // lease row only for its commit, however long this process stalls before or between them.
   absl::Status RunTransaction(const std::vector<const WriteBatch*>& batches) {
     const absl::Time start = absl::Now();
+    const std::string commit =
+        options_.fence_epoch > 0
+            ? absl::StrCat("SELECT trainyard_fence(", options_.fence_epoch, "); COMMIT")
+            : "COMMIT";
     for (int attempt = 0;; ++attempt) {
       RETURN_IF_ERROR(write_.Ensure());
       PGconn* conn = write_.get();
+      std::string txid;
       bool commit_sent = false;
       absl::Status status = [&]() -> absl::Status {
-        RETURN_IF_ERROR(Exec(conn, "BEGIN", "begin transaction"));
-        if (options_.fence_epoch > 0) RETURN_IF_ERROR(CheckFence());
+        ResultPtr begun(PQexec(conn, "BEGIN; SELECT txid_current()"));
+        if (PQresultStatus(begun.get()) != PGRES_TUPLES_OK || PQntuples(begun.get()) != 1) {
+          return PostgresError(conn, begun.get(), "begin transaction");
+        }
+        txid = PQgetvalue(begun.get(), 0, 0);
         for (const WriteBatch* batch : batches) RETURN_IF_ERROR(WriteBatchRows(*batch));
+        if (options_.before_commit) options_.before_commit();
         commit_sent = true;
-        return Exec(conn, "COMMIT", "commit transaction");
+        return Exec(conn, commit, "commit transaction");
       }();
       if (status.ok()) break;
       if (PQstatus(conn) != CONNECTION_OK) {
         write_.Drop();  // reconnect
-        if (!commit_sent && attempt == 0) continue;
-        if (commit_sent) {
+        const std::string outcome = commit_sent ? TransactionOutcome(txid) : "aborted";
+        if (outcome == "committed") break;
+        if (outcome == "aborted" && attempt == 0) continue;
+        if (outcome != "aborted") {
           return absl::UnavailableError(
               absl::StrCat(status.message(),
                            " (the connection broke after COMMIT was sent: the batch may "
@@ -573,6 +618,7 @@ class PostgresJobStore final : public JobStore {
       } else if (PQtransactionStatus(conn) != PQTRANS_IDLE) {
         Exec(conn, "ROLLBACK", "roll back").IgnoreError();
       }
+      if (absl::IsFailedPrecondition(status)) return Fenced();
       return status;
     }
     const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
@@ -585,19 +631,40 @@ class PostgresJobStore final : public JobStore {
     return absl::OkStatus();
   }
 
-  // Fails the transaction (FAILED_PRECONDITION) unless this store's epoch still holds the lease;
-  // the first time, tells options_.on_fenced.
-  absl::Status CheckFence() {
-    ASSIGN_OR_RETURN(ResultPtr result,
-                     write_.Run(kFence, Params().Int(options_.fence_epoch), "check the lease"));
-    if (PQntuples(result.get()) == 1) return absl::OkStatus();
+  // What became of transaction `txid` after its connection broke, on a new connection:
+  // "committed", "aborted", or "" when the server cannot say (unreachable, or the transaction
+  // still in progress on a session the server has not yet noticed is gone, for up to 2 s).
+  std::string TransactionOutcome(const std::string& txid) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(2);
+    while (true) {
+      if (!write_.Ensure().ok()) return "";
+      const char* values[] = {txid.c_str()};
+      ResultPtr result(PQexecParams(write_.get(), "SELECT txid_status($1::bigint)", 1, nullptr,
+                                    values, nullptr, nullptr, /*resultFormat=*/0));
+      if (PQresultStatus(result.get()) != PGRES_TUPLES_OK || PQntuples(result.get()) != 1 ||
+          PQgetisnull(result.get(), 0, 0)) {
+        return "";
+      }
+      const std::string outcome = PQgetvalue(result.get(), 0, 0);
+      if (outcome != "in progress" || absl::Now() > deadline) {
+        return outcome == "in progress" ? "" : outcome;
+      }
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+  }
+
+  // A transaction that trainyard_fence failed: this store's epoch no longer holds the lease. The
+  // first time, tells options_.on_fenced. UNAVAILABLE, as what this coordinator answers then is a
+  // call to try at the leader (safe for a retried submit: its request id holds it to one job).
+  absl::Status Fenced() {
     if (!fenced_) {
       fenced_ = true;
       if (options_.on_fenced) options_.on_fenced();
     }
-    return absl::FailedPreconditionError(
+    return absl::UnavailableError(
         absl::StrCat("this coordinator's lease (epoch ", options_.fence_epoch,
-                     ") has ended or passed to another coordinator: it writes nothing more"));
+                     ") has ended or passed to another coordinator: it writes nothing more; "
+                     "try the leader"));
   }
 
   absl::Status WriteBatchRows(const WriteBatch& batch) {
@@ -683,8 +750,10 @@ class PostgresLeaderLease final : public LeaderLease {
  public:
   PostgresLeaderLease(const std::string& uri, std::string holder, std::string address)
       : conn_(uri, {kAcquire, kRenew, kRelease, kCurrent},
-              // Short: a renewal must fail well within the lease, not hang.
-              Timeouts{"2", "2000"}),
+              // Short: a renewal must fail well within the lease, not hang; a takeover waits for
+              // no lock longer than a commit takes (a fenced commit holds the row), and tries
+              // again at its next poll.
+              Timeouts{"2", "2000"}, "SET lock_timeout = '1s'; SET statement_timeout = '2s'"),
         holder_(std::move(holder)),
         address_(std::move(address)) {}
 

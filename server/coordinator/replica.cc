@@ -5,6 +5,7 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <filesystem>
 #include <iostream>
@@ -169,6 +170,10 @@ int RunReplica(CoordinatorOptions options, ReplicaOptions replica,
     CoordinatorOptions leading = options;
     leading.fence_epoch = epoch;
     leading.on_fenced = [&fenced] { fenced = true; };
+    // A transaction left open by a pause of this process ends before a standby can take over
+    // (this replica steps down at the same point), so that the new leader waits on no row of it.
+    leading.idle_in_transaction_limit =
+        std::max(replica.lease_ttl - replica.renew_interval, absl::Milliseconds(100));
     auto server = CoordinatorServer::Start(leading);
     if (!server.ok()) {
       spdlog::error("cannot serve as the leader: {}", std::string(server.status().message()));
