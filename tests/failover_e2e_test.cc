@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <pwd.h>
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -15,6 +16,7 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -120,7 +122,7 @@ class FailoverE2eTest : public ::testing::Test {
     store_ = server_->Uri(database_);
     key_file_ = dir_.path() + "/job-credential.key";
     ASSERT_TRUE(WriteSecretFile(key_file_, std::string(44, 'k')).ok());
-    a_ = StartReplica("a");
+    a_ = StartReplica("a", a_env_);
     ASSERT_FALSE(a_.address.empty());
     // a is the first replica: it takes the lease and, as the first leader, makes the admin.
     ASSERT_TRUE(WaitForFile(dir_.path() + "/a/admin.token")) << "replica a never led";
@@ -140,7 +142,7 @@ class FailoverE2eTest : public ::testing::Test {
     std::string address;
   };
 
-  Replica StartReplica(const std::string& name) {
+  Replica StartReplica(const std::string& name, const std::vector<std::string>& env = {}) {
     Replica r;
     auto p = Subprocess::Start({BinPath("trainyard-coordinator"),
                                 "--listen",
@@ -162,7 +164,8 @@ class FailoverE2eTest : public ::testing::Test {
                                 "--heartbeat-interval",
                                 "0.25",
                                 "--node-timeout",
-                                "6s"});
+                                "6s"},
+                               env);
     EXPECT_TRUE(p.ok()) << p.status();
     if (!p.ok()) return r;
     r.process = std::move(*p);
@@ -223,6 +226,7 @@ class FailoverE2eTest : public ::testing::Test {
     return absl::InfiniteDuration();
   }
 
+  std::vector<std::string> a_env_;  // replica a's extra environment (set before SetUp)
   TempDir dir_;
   testing::PostgresServer* server_ = nullptr;
   std::string database_, store_, key_file_, list_, alice_token_;
@@ -439,6 +443,50 @@ TEST_F(FailoverE2eTest, ALeaderPausedInsideAWriteTransactionIsTakenOverWithinIts
   }
   for (const std::string& id : acked) EXPECT_EQ(present.count(id), 1u) << id << " was lost";
   EXPECT_EQ(present.size(), acked.size());
+  auto rows = server_->Query(database_, "SELECT count(*) FROM jobs");
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  EXPECT_EQ(*rows, absl::StrCat(present.size()));
+}
+
+// Replica a dies (as if SIGKILLed) at its 30th submit, after the job's commit and before the
+// answer: the instant a retried submit could once be stored twice.
+class FailoverKilledAfterCommitTest : public FailoverE2eTest {
+ protected:
+  void SetUp() override {
+    a_env_ = {"TRAINYARD_FAILPOINTS=submit-after-commit=exit@30"};
+    FailoverE2eTest::SetUp();
+  }
+};
+
+TEST_F(FailoverKilledAfterCommitTest, EveryLogicalSubmitIsStoredExactlyOnce) {
+  Submitters submitters(4, list_, alice_token_);
+  // a exits by itself, at the failpoint, while the clients submit.
+  const std::optional<int> status = a_.process->Wait(absl::Seconds(60));
+  ASSERT_TRUE(status.has_value()) << "replica a never reached its 30th submit";
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 137) << *status;
+  const absl::Time death = absl::Now();
+  submitters.mark = true;
+  EXPECT_LT(WaitUntilLeads(b_.address, death), kTakeoverBound);
+  EXPECT_TRUE(submitters.WaitForAcks(20, true, absl::Seconds(40)))
+      << "yard did not follow the new leader";
+  submitters.Stop();
+  EXPECT_EQ(submitters.failed(), 0);
+  const std::set<std::string> acked = submitters.acked();
+
+  // Each logical submit once: the submits that a had stored without answering were retried at b
+  // with their request ids, and b answered with the jobs a had stored.
+  auto listed = client::YardClient(list_, alice_token_).List({}, 0);
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  std::set<std::string> present, request_ids;
+  for (const v1::Job& j : listed->jobs()) {
+    present.insert(j.id());
+    EXPECT_FALSE(j.request_id().empty()) << j.id();
+    EXPECT_TRUE(request_ids.insert(j.request_id()).second)
+        << "request " << j.request_id() << " stored twice (again as " << j.id() << ")";
+  }
+  EXPECT_GE(present.size(), 30u);
+  for (const std::string& id : acked) EXPECT_EQ(present.count(id), 1u) << id << " was lost";
+  EXPECT_EQ(present.size(), acked.size()) << "a stored job that no client was given";
   auto rows = server_->Query(database_, "SELECT count(*) FROM jobs");
   ASSERT_TRUE(rows.ok()) << rows.status();
   EXPECT_EQ(*rows, absl::StrCat(present.size()));

@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/check.h"
+#include "common/failpoint.h"
 #include "common/memory_estimate.h"
 #include "common/ps_layout.h"
 #include "common/spec.h"
@@ -336,6 +337,7 @@ void JobManager::Submit(const std::string& owner, v1::JobSpec spec, const std::s
         done(absl::Status(s.code(), absl::StrCat("storing the job failed: ", s.message())));
         return;
       }
+      Failpoint("submit-after-commit");  // (tests: a crash between the commit and the answer)
       {
         absl::MutexLock lock(&mu_);
         jobs_[job.id()] = job;
