@@ -1,6 +1,9 @@
 #include "client/yard_client.h"
 
+#include <algorithm>
+#include <map>
 #include <random>
+#include <utility>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
@@ -147,7 +150,9 @@ absl::StatusOr<v1::ListNodesResponse> YardClient::ListNodes() {
 
 absl::StatusOr<v1::Job> YardClient::Watch(const std::string& job_id, absl::Duration timeout,
                                           const std::function<bool(const v1::Job&)>& on_event) {
-  const absl::Time give_up = absl::Now() + kFollowFor;
+  absl::Time give_up = absl::Now() + kFollowFor;
+  const absl::Time end =
+      timeout == absl::ZeroDuration() ? absl::InfiniteFuture() : absl::Now() + timeout;
   v1::WatchJobRequest request;
   request.set_job_id(job_id);
   v1::Job last;
@@ -155,7 +160,10 @@ absl::StatusOr<v1::Job> YardClient::Watch(const std::string& job_id, absl::Durat
   grpc::Status status;
   for (int attempt = 0;; ++attempt) {
     grpc::ClientContext ctx;
-    if (absl::Status s = Prepare(ctx, timeout); !s.ok()) return s;
+    const absl::Duration left = end == absl::InfiniteFuture()
+                                    ? absl::ZeroDuration()
+                                    : std::max(end - absl::Now(), absl::Milliseconds(1));
+    if (absl::Status s = Prepare(ctx, left); !s.ok()) return s;
     auto reader = jobs_->WatchJob(&ctx, request);
     v1::JobEvent event;
     bool any = false;
@@ -169,8 +177,14 @@ absl::StatusOr<v1::Job> YardClient::Watch(const std::string& job_id, absl::Durat
       }
     }
     status = reader->Finish();
-    // (Only a watch that saw nothing yet starts again elsewhere.)
-    if (stopped || status.ok() || any || !FollowLeader(status, ctx, attempt, give_up)) break;
+    // A watch the leader's end broke starts again at the next leader, which sends the job as it
+    // is first (on_event sees that state once more).
+    if (any && status.error_code() != grpc::StatusCode::UNAVAILABLE) break;
+    if (any) {
+      give_up = absl::Now() + kFollowFor;
+      attempt = 0;
+    }
+    if (stopped || status.ok() || !FollowLeader(status, ctx, attempt, give_up)) break;
   }
   if (stopped) return last;
   if (!status.ok()) {
@@ -196,13 +210,26 @@ absl::Status YardClient::Logs(const std::string& job_id, bool follow, int tail,
   request.set_job_id(job_id);
   request.set_follow(follow);
   request.set_tail(tail);
+  // Across a failover the stream starts again at the new leader, from the first line it has:
+  // what was printed already is dropped by seq (per attempt and rank).
+  std::map<std::pair<int32_t, int32_t>, int64_t> printed;
+  bool opened = false;
   return Stream<v1::LogLine>(
       follow ? absl::ZeroDuration() : absl::Seconds(60),
-      [&](grpc::ClientContext* ctx) { return jobs_->StreamLogs(ctx, request); },
+      [&](grpc::ClientContext* ctx) {
+        if (std::exchange(opened, true)) request.set_tail(0);  // resumed: from the first line
+        return jobs_->StreamLogs(ctx, request);
+      },
       [&](const v1::LogLine& line) {
+        if (line.seq() > 0) {
+          int64_t& last = printed[{line.attempt(), line.rank()}];
+          if (line.seq() <= last) return absl::OkStatus();
+          last = line.seq();
+        }
         on_line(line);
         return absl::OkStatus();
-      });
+      },
+      /*resume=*/true);
 }
 
 absl::Status YardClient::FetchExport(
@@ -229,13 +256,20 @@ absl::Status YardClient::Metrics(const std::string& job_id, bool follow,
   v1::StreamMetricsRequest request;
   request.set_job_id(job_id);
   request.set_follow(follow);
+  std::map<std::pair<int32_t, int32_t>, int64_t> printed;  // as Logs
   return Stream<v1::StepReport>(
       follow ? absl::ZeroDuration() : absl::Seconds(60),
       [&](grpc::ClientContext* ctx) { return jobs_->StreamMetrics(ctx, request); },
       [&](const v1::StepReport& step) {
+        if (step.seq() > 0) {
+          int64_t& last = printed[{step.attempt(), step.rank()}];
+          if (step.seq() <= last) return absl::OkStatus();
+          last = step.seq();
+        }
         on_step(step);
         return absl::OkStatus();
-      });
+      },
+      /*resume=*/true);
 }
 
 // ---- IdentityService ----

@@ -113,14 +113,16 @@ class YardClient {
   // A server stream: `open` starts it on the current channel; each message goes to `on_message`,
   // whose error cancels the stream (what is in flight is drained) and is returned. A stream that
   // fails before its first message follows the leader as Call does (a dead address first in the
-  // list, a standby, a leader stepping down); one that fails later returns its error.
+  // list, a standby, a leader stepping down); one that fails later returns its error, unless
+  // `resume`: then it is opened again at the leader too (a failover under `yard logs -f`), and
+  // `on_message` gets the stream from its start again (it drops what it had, by sequence number).
   // `timeout`: the whole stream's (zero: none).
   template <typename Message>
   absl::Status Stream(
       absl::Duration timeout,
       const std::function<std::unique_ptr<grpc::ClientReader<Message>>(grpc::ClientContext*)>& open,
-      const std::function<absl::Status(const Message&)>& on_message) {
-    const absl::Time give_up = absl::Now() + kFollowFor;
+      const std::function<absl::Status(const Message&)>& on_message, bool resume = false) {
+    absl::Time give_up = absl::Now() + kFollowFor;
     for (int attempt = 0;; ++attempt) {
       grpc::ClientContext ctx;
       if (absl::Status s = Prepare(ctx, timeout); !s.ok()) return s;
@@ -141,7 +143,13 @@ class YardClient {
       }
       const grpc::Status status = reader->Finish();
       if (status.ok()) return absl::OkStatus();
-      if (any || !FollowLeader(status, ctx, attempt, give_up)) return Convert(status);
+      // The leader went away under the stream (not its deadline): follow it afresh.
+      const bool resumed = any && resume && status.error_code() == grpc::StatusCode::UNAVAILABLE;
+      if (resumed) {
+        give_up = absl::Now() + kFollowFor;
+        attempt = 0;
+      }
+      if ((any && !resumed) || !FollowLeader(status, ctx, attempt, give_up)) return Convert(status);
     }
   }
 

@@ -7,6 +7,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <csignal>
+#include <fstream>
 #include <functional>
 #include <future>
 #include <limits>
@@ -24,6 +25,7 @@
 #include "tests/testing/grpc_probe.h"
 #include "tests/testing/node_session.h"
 #include "tests/testing/subprocess.h"
+#include "trainyard/v1/admin.grpc.pb.h"
 #include "trainyard/v1/job.grpc.pb.h"
 #include "trainyard/v1/node.grpc.pb.h"
 #include "trainyard/v1/rendezvous.grpc.pb.h"
@@ -1278,6 +1280,64 @@ TEST_F(CoordinatorServiceTest, ARunningJobsLogsAndMetricsSurviveARestart) {
   Restart();
   EXPECT_THAT(steps(), ElementsAre(1, 2, 3, 4));
   EXPECT_THAT(lines(), ElementsAre("before the restart", "after it"));
+}
+
+// Issue 54: a job's logs and metrics are stored in the transaction that ends it, so that a
+// coordinator killed, failed over or backed up right after the end (before any tick could save
+// them; this fixture runs none) has them.
+TEST_F(CoordinatorServiceTest, AJobsEndStoresItsLogsAndMetricsWithItForABackupRightAfter) {
+  auto node = Connect("n1", 1);
+  v1::Job job = MustSubmit(Spec(1));
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  ASSERT_TRUE(node->NextCommand().has_assignment());
+  for (int64_t step = 1; step <= 3; ++step) {
+    grpc::ClientContext ctx;
+    PrepareToken(ctx, tokens_->Job(job.id(), 1));
+    v1::StepReport r;
+    r.set_job_id(job.id());
+    r.set_attempt(1);
+    r.set_step(step);
+    r.set_seq(step);
+    v1::TrainerCommands commands;
+    ASSERT_TRUE(trainer_->ReportStep(&ctx, r, &commands).ok());
+  }
+  v1::NodeMessage m;
+  m.mutable_logs()->set_job_id(job.id());
+  m.mutable_logs()->set_attempt(1);
+  m.mutable_logs()->add_lines("the last words");
+  m.mutable_logs()->add_seqs(1);
+  ASSERT_TRUE(node->Write(m));
+  v1::Assignment a;
+  a.set_job_id(job.id());
+  a.set_attempt(1);
+  node->ReportExit(a, 0, 0);
+  ASSERT_EQ(WaitForState(job.id(), v1::SUCCEEDED).state(), v1::SUCCEEDED);
+
+  // A backup at once, as an admin would take it.
+  auto admin = v1::AdminService::NewStub(channel_);
+  grpc::ClientContext ctx;
+  PrepareToken(ctx, tokens_->User("root", v1::ADMIN));
+  auto reader = admin->Backup(&ctx, v1::BackupRequest());
+  std::string bytes;
+  for (v1::BackupChunk chunk; reader->Read(&chunk);) bytes += chunk.data();
+  ASSERT_TRUE(reader->Finish().ok());
+  const std::string backup = dir_.path() + "/backup.db";
+  std::ofstream(backup, std::ios::binary) << bytes;
+  auto store = coordinator::OpenSqliteJobStore(backup);
+  ASSERT_TRUE(store.ok()) << store.status();
+  auto logs = (*store)->GetRecord(coordinator::kJobLogsRecord, job.id());
+  auto metrics = (*store)->GetRecord(coordinator::kJobMetricsRecord, job.id());
+  ASSERT_TRUE(logs.ok()) << logs.status();
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  auto lines = coordinator::DecodeSeries<v1::LogLine>(logs->payload);
+  auto steps = coordinator::DecodeSeries<v1::StepReport>(metrics->payload);
+  ASSERT_TRUE(lines.ok() && steps.ok());
+  ASSERT_EQ(lines->size(), 1u);
+  EXPECT_EQ((*lines)[0].text(), "the last words");
+  ASSERT_EQ(steps->size(), 3u);
+  EXPECT_EQ((*steps)[2].step(), 3);
+  // They expire with the finished job's retention, as its eviction would have them.
+  EXPECT_GT(logs->expires_ms, 0);
 }
 
 // A coordinator that writes running jobs' logs and metrics out at every tick.

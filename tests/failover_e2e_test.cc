@@ -16,12 +16,15 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -341,6 +344,122 @@ TEST_F(FailoverE2eTest, APausedLeaderThatResumesAfterTheTakeoverWritesNothing) {
   EXPECT_EQ(*rows, absl::StrCat(expected));
   std::cout << "the direct submit to the resumed leader: "
             << (direct.ok() ? "taken by the new leader" : direct.status().ToString()) << "\n";
+}
+
+// Issue 54: the logs and step metrics of a job running across a failover have every line and
+// step once. The old leader had stored none of them (it saves running jobs' series every 30 s);
+// the worker sends its ranks' recent lines again on its session with the new leader, and the rank
+// its recent step reports on meeting a new incarnation, and the new leader keeps each once.
+TEST_F(FailoverE2eTest, ARunningJobsLogsAndMetricsKeepEveryLineAndStepAcrossAFailover) {
+  StartWorker();
+  auto client = Client();
+  const std::string release = dir_.path() + "/release";
+  v1::JobSpec spec = testing::TinySpec("count-until-data-exists", 1);
+  spec.mutable_data()->set_path(release);
+  auto job = client->Submit(spec);
+  ASSERT_TRUE(job.ok()) << job.status();
+  auto steps_at = [&](client::YardClient& at) {
+    int steps = 0;
+    const absl::Status s = at.Metrics(job->id(), false, [&](const v1::StepReport&) { ++steps; });
+    return s.ok() ? steps : -1;
+  };
+  client::YardClient at_a(a_.address, alice_token_);
+  absl::Time deadline = absl::Now() + absl::Seconds(60);
+  while (steps_at(at_a) < 50 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_GE(steps_at(at_a), 50);
+  // `yard logs -f` and `yard metrics -f` through the address list, across the failover: they
+  // resume at the new leader and print each line and step once.
+  auto numbered = [](const std::string& text) -> std::optional<int64_t> {
+    int64_t n = 0;
+    if (absl::StartsWith(text, "line ") && absl::SimpleAtoi(text.substr(5), &n)) return n;
+    return std::nullopt;
+  };
+  std::vector<int64_t> followed_lines, followed_steps;
+  std::atomic<int> steps_followed{0};
+  absl::Status followed_logs, followed_metrics;
+  std::thread follow_logs([&] {
+    client::YardClient c(list_, alice_token_);
+    followed_logs = c.Logs(job->id(), true, 0, [&](const v1::LogLine& line) {
+      if (auto n = numbered(line.text())) followed_lines.push_back(*n);
+    });
+  });
+  std::thread follow_metrics([&] {
+    client::YardClient c(list_, alice_token_);
+    followed_metrics = c.Metrics(job->id(), true, [&](const v1::StepReport& r) {
+      followed_steps.push_back(r.step());
+      ++steps_followed;
+    });
+  });
+  struct Joiner {
+    std::thread& a;
+    std::thread& b;
+    const std::string& release;
+    ~Joiner() {
+      std::ofstream(release) << "go\n";  // (the follows end with the job)
+      a.join();
+      b.join();
+    }
+  } joiner{follow_logs, follow_metrics, release};
+  deadline = absl::Now() + absl::Seconds(30);
+  while (steps_followed.load() == 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+
+  a_.process->Signal(SIGKILL);
+  const absl::Time death = absl::Now();
+  ASSERT_TRUE(a_.process->Wait(absl::Seconds(10)).has_value());
+  EXPECT_LT(WaitUntilLeads(b_.address, death), kTakeoverBound);
+  // The job goes on at b for a while (its worker and rank back with b) before the test lets it
+  // end.
+  client::YardClient at_b(b_.address, alice_token_);
+  auto lines_at = [&](client::YardClient& at) {
+    int lines = 0;
+    const absl::Status s = at.Logs(job->id(), false, 0, [&](const v1::LogLine& line) {
+      if (numbered(line.text())) ++lines;
+    });
+    return s.ok() ? lines : -1;
+  };
+  deadline = absl::Now() + absl::Seconds(60);
+  while ((steps_at(at_b) < 150 || lines_at(at_b) < 150) && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  std::ofstream(release) << "go\n";
+  auto done = client->Watch(job->id(), absl::Seconds(60), [](const v1::Job&) { return false; });
+  ASSERT_TRUE(done.ok()) << done.status();
+  ASSERT_EQ(done->state(), v1::SUCCEEDED) << done->message();
+  EXPECT_EQ(done->attempt(), 1);
+
+  // Every line the rank printed, once, in order: "line 1" .. "line N", then "released after N".
+  std::vector<int64_t> numbers;
+  int64_t released = -1;
+  const absl::Status logs = at_b.Logs(job->id(), false, 0, [&](const v1::LogLine& line) {
+    if (auto n = numbered(line.text())) {
+      numbers.push_back(*n);
+    } else if (absl::StartsWith(line.text(), "released after ")) {
+      ASSERT_TRUE(absl::SimpleAtoi(line.text().substr(15), &released)) << line.text();
+    }
+  });
+  ASSERT_TRUE(logs.ok()) << logs;
+  ASSERT_GE(released, 150);
+  std::vector<int64_t> expected(static_cast<size_t>(released));
+  std::iota(expected.begin(), expected.end(), 1);
+  EXPECT_EQ(numbers, expected) << "lines lost or doubled across the failover";
+  // Every step the rank reported, once, in order.
+  std::vector<int64_t> steps;
+  const absl::Status metrics =
+      at_b.Metrics(job->id(), false, [&](const v1::StepReport& r) { steps.push_back(r.step()); });
+  ASSERT_TRUE(metrics.ok()) << metrics;
+  EXPECT_EQ(steps, expected) << "steps lost or doubled across the failover";
+
+  follow_logs.join();
+  follow_metrics.join();
+  follow_logs = std::thread([] {});  // (joined by Joiner)
+  follow_metrics = std::thread([] {});
+  EXPECT_TRUE(followed_logs.ok()) << followed_logs;
+  EXPECT_TRUE(followed_metrics.ok()) << followed_metrics;
+  EXPECT_EQ(followed_lines, expected) << "yard logs -f lost or doubled lines across the failover";
+  EXPECT_EQ(followed_steps, expected)
+      << "yard metrics -f lost or doubled steps across the failover";
 }
 
 // Issue 54: paused (SIGSTOP) while its write session is idle in a transaction, the leader once

@@ -51,6 +51,56 @@ std::vector<int64_t> StepsOf(const std::vector<v1::StepReport>& reports) {
   return steps;
 }
 
+v1::LogLine Line(int attempt, int rank, int64_t seq, const std::string& text) {
+  v1::LogLine l;
+  l.set_attempt(attempt);
+  l.set_rank(rank);
+  l.set_seq(seq);
+  l.set_text(text);
+  return l;
+}
+
+std::vector<std::string> Texts(const std::vector<v1::LogLine>& lines) {
+  std::vector<std::string> out;
+  for (const v1::LogLine& l : lines) out.push_back(l.text());
+  return out;
+}
+
+// Issue 54: a worker sends its ranks' recent lines again on each new session, a rank its recent
+// step reports to a new coordinator: the series keeps each seq of an attempt's rank once, and
+// what it read back from the store counts.
+TEST(JobSeriesTest, ACopySentAgainIsKeptOnceAndUnsequencedRecordsAlways) {
+  JobLogs logs(1000, 1 << 20);
+  std::vector<std::vector<std::string>> delivered;
+  logs.Subscribe("job-1", 0, [&](const std::vector<v1::LogLine>& lines) {
+    if (!lines.empty()) delivered.push_back(Texts(lines));
+  });
+  EXPECT_EQ(logs.Append("job-1", {Line(1, 0, 1, "a"), Line(1, 0, 3, "b")}), 2u);
+  // Sent again with one new line: only the new one is kept and delivered.
+  EXPECT_EQ(logs.Append("job-1", {Line(1, 0, 1, "a"), Line(1, 0, 3, "b"), Line(1, 0, 9, "c")}), 1u);
+  // Seqs are per attempt and rank; a line without one (an older worker's) is always kept.
+  EXPECT_EQ(logs.Append("job-1", {Line(1, 1, 1, "rank 1"), Line(2, 0, 1, "attempt 2"),
+                                  Line(1, 0, 0, "old worker"), Line(1, 0, 0, "old worker")}),
+            4u);
+  EXPECT_EQ(logs.Append("job-1", {Line(1, 0, 9, "c"), Line(1, 1, 1, "rank 1")}), 0u);
+  EXPECT_THAT(Texts(logs.Snapshot("job-1")),
+              ElementsAre("a", "b", "c", "rank 1", "attempt 2", "old worker", "old worker"));
+  EXPECT_THAT(delivered,
+              ElementsAre(ElementsAre("a", "b"), ElementsAre("c"),
+                          ElementsAre("rank 1", "attempt 2", "old worker", "old worker")));
+  EXPECT_FALSE(logs.Fresh("job-1", Line(1, 0, 9, "c")));
+  EXPECT_TRUE(logs.Fresh("job-1", Line(1, 0, 10, "d")));
+  EXPECT_TRUE(logs.Fresh("job-1", Line(1, 0, 0, "unsequenced")));
+  EXPECT_TRUE(logs.Fresh("job-2", Line(1, 0, 1, "another job")));
+
+  // A coordinator that read the series back from the store (LoadUnfinished appends it) drops
+  // the copies a worker sends it, even of lines the cap has since pushed out of memory.
+  JobLogs capped(2, 1 << 20);
+  capped.Append("job-1", {Line(1, 0, 1, "a"), Line(1, 0, 2, "b"), Line(1, 0, 3, "c")});
+  EXPECT_EQ(capped.Append("job-1", {Line(1, 0, 1, "a"), Line(1, 0, 4, "d")}), 1u);
+  EXPECT_THAT(Texts(capped.Snapshot("job-1")), ElementsAre("c", "d"));
+}
+
 TEST(SeriesEncodingTest, RoundTripsEveryRecordWhenItFits) {
   const std::vector<v1::LogLine> lines = {Line(0, "a"), Line(1, std::string("b\0c", 3)),
                                           Line(0, "")};

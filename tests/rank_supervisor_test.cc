@@ -211,6 +211,13 @@ TEST(RankEnvironmentTest, BaseThenTheNamedWorkerVariablesThenTheRanksOwn) {
 }
 
 // A failed rank's message leads with its cause, not with the first thing it printed.
+TEST(RankCoordinatorListTest, TheLeadersListThenTheWorkersAddressesItLacks) {
+  EXPECT_EQ(RankCoordinatorList("a:1", "b:2,a:1"), "a:1,b:2");
+  EXPECT_EQ(RankCoordinatorList("a:1,c:3", " b:2 , a:1,"), "a:1,c:3,b:2");
+  EXPECT_EQ(RankCoordinatorList("a:1", ""), "a:1");
+  EXPECT_EQ(RankCoordinatorList("", "b:2"), "b:2");
+}
+
 TEST(FailureMessageTest, LeadsWithTheLastErrorLine) {
   EXPECT_EQ(FailureMessage({"LibTorch 1.13.0", "BLAS: OpenBLAS",
                             "trainyard-trainer: error: data.path: cannot open '/nope'"}),

@@ -10,7 +10,10 @@
 // "print-identity" (print its uid, gid and USER), "print-binary" (print bytes that are not
 // UTF-8, exit 0), "read-data" (read data.path, exit 3 naming it
 // when it cannot), "until-data-exists" (print "waiting", poll every 20 ms until data.path exists,
-// print "released", exit 0: a job that runs until the test lets it end). Asked
+// print "released", exit 0: a job that runs until the test lets it end), "count-until-data-exists"
+// (until data.path exists, every 20 ms print "line N" and report step N through the trainer's
+// Reporter, N = 1, 2, ...; then print "released after N", exit 0: a running job whose logs and
+// metrics a test can count). Asked
 // `--supported-devices`, it answers TEST_RANK_SUPPORTED_DEVICES (default "cpu"). Each rank writes
 // its pid (and its grandchild's) to pids-rank-R in its working directory, so tests can check that
 // none survive.
@@ -21,6 +24,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -30,6 +34,7 @@
 #include <string>
 
 #include "trainyard/v1/job.pb.h"
+#include "worker/trainer/control/reporter.h"
 
 int main(int argc, char** argv) {
   if (argc == 2 && !std::strcmp(argv[1], "--supported-devices")) {
@@ -120,6 +125,26 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     while (access(spec.data().path().c_str(), F_OK) != 0) usleep(20'000);
     std::printf("released\n");
+    return 0;
+  }
+  if (mode == "count-until-data-exists") {
+    trainyard::trainer::Reporter reporter(
+        context.coordinator_address(), job_id, context.attempt(), rank,
+        [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); });
+    int64_t n = 0;
+    while (access(spec.data().path().c_str(), F_OK) != 0) {
+      ++n;
+      std::printf("line %lld\n", static_cast<long long>(n));
+      std::fflush(stdout);
+      if (rank == 0) {
+        trainyard::trainer::StepReport report;
+        report.step = n;
+        report.loss = 1.0 / static_cast<double>(n);
+        reporter.ReportStep(report);
+      }
+      usleep(20'000);
+    }
+    std::printf("released after %lld\n", static_cast<long long>(n));
     return 0;
   }
   if (mode == "fail-rank-1") {

@@ -71,3 +71,63 @@ def test_the_client_refuses_to_send_its_token_in_clear_to_another_host(monkeypat
     Client("192.0.2.1:7070", token="tyk.x", insecure=True).close()
     monkeypatch.setenv("TRAINYARD_INSECURE", "1")
     Client("192.0.2.1:7070", token="tyk.x").close()
+
+
+class _Line:
+    def __init__(self, seq, attempt=1, rank=0):
+        self.seq, self.attempt, self.rank = seq, attempt, rank
+
+
+class _Call:
+    """A server stream's call as gRPC returns it: iterable, cancellable; it may end in `error`."""
+
+    def __init__(self, messages, error=None):
+        self._messages, self._error, self.cancelled = messages, error, False
+
+    def __iter__(self):
+        yield from self._messages
+        if self._error is not None:
+            raise self._error
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def _stub_class(calls, requests):
+    class Stub:
+        def __init__(self, channel):
+            pass
+
+        def StreamLogs(self, request, **kwargs):
+            requests.append(request)
+            return calls.pop(0)
+
+    return Stub
+
+
+def test_a_stream_the_leader_dropped_goes_on_at_the_next_one_each_line_once():
+    from trainyard._channel import FollowingStub
+    from trainyard._client import _Seen
+
+    calls = [_Call([_Line(1), _Line(2), _Line(3)], Error(grpc.StatusCode.UNAVAILABLE)),
+             _Call([_Line(2), _Line(3), _Line(4), _Line(1, rank=1), _Line(0), _Line(5)])]
+    requests = []
+    stub = FollowingStub(Endpoints("a:1,b:2"), _stub_class(calls, requests))
+    got = [(line.rank, line.seq) for line in
+           stub.stream("StreamLogs", "first", seen=_Seen(), resume_request="again")]
+    assert got == [(0, 1), (0, 2), (0, 3), (0, 4), (1, 1), (0, 0), (0, 5)]
+    assert requests == ["first", "again"]
+    assert stub._endpoints.current == "b:2"
+
+
+def test_a_stream_without_a_way_to_drop_copies_fails_where_it_broke():
+    from trainyard._channel import FollowingStub
+
+    broken = _Call([_Line(1)], Error(grpc.StatusCode.UNAVAILABLE))
+    stub = FollowingStub(Endpoints("a:1,b:2"), _stub_class([broken], []))
+    got = []
+    with pytest.raises(grpc.RpcError):
+        for line in stub.stream("StreamLogs", "first"):
+            got.append(line.seq)
+    assert got == [1]
+    assert broken.cancelled

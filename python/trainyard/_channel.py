@@ -79,7 +79,7 @@ class Endpoints:
 
 class FollowingStub:
     """A stub whose unary calls follow the leader (Endpoints.follow) for up to `follow_for`
-    seconds, pausing longer while nobody answers. Streaming calls go to the address in use."""
+    seconds, pausing longer while nobody answers. Server streams follow it through stream()."""
 
     def __init__(self, endpoints, stub_class, follow_for=30.0):
         self._endpoints = endpoints
@@ -101,3 +101,36 @@ class FollowingStub:
                     attempt += 1
 
         return call
+
+    def stream(self, name, request, seen=None, resume_request=None, **kwargs):
+        """Server stream `name`, as a generator that follows the leader as unary calls do while it
+        fails before its first message. With `seen` (True for a message already yielded), also
+        when the leader goes away under it (UNAVAILABLE: a failover under `logs(follow=True)`):
+        it is opened again at the leader with `resume_request` (default: `request`), from its
+        start, and `seen` drops what was yielded before."""
+        give_up = time.monotonic() + self._follow_for
+        attempt = 0
+        while True:
+            call = getattr(self._stub_class(self._endpoints.channel), name)(request, **kwargs)
+            got = False
+            try:
+                for message in call:
+                    got = True
+                    if seen is None or not seen(message):
+                        yield message
+                return
+            except grpc.RpcError as error:
+                resumed = (got and seen is not None and
+                           error.code() == grpc.StatusCode.UNAVAILABLE)
+                if got and not resumed:
+                    raise
+                if resumed:
+                    give_up = time.monotonic() + self._follow_for
+                    attempt = 0
+                    request = resume_request if resume_request is not None else request
+                if time.monotonic() > give_up or not self._endpoints.follow(error):
+                    raise
+                time.sleep(min(0.1 * (2 ** min(attempt, 4)), 1.0))
+                attempt += 1
+            finally:
+                call.cancel()  # (a no-op once it ended; a consumer that stopped early ends it)

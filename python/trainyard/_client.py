@@ -21,6 +21,23 @@ class JobFailed(Exception):
         self.job = job
 
 
+class _Seen:
+    """Whether a log line or step report was yielded already, by its seq per attempt and rank
+    (the stream starts again from the first after a failover); unsequenced ones never were."""
+
+    def __init__(self):
+        self._last = {}
+
+    def __call__(self, message):
+        if message.seq <= 0:
+            return False
+        key = (message.attempt, message.rank)
+        if message.seq <= self._last.get(key, 0):
+            return True
+        self._last[key] = message.seq
+        return False
+
+
 def _default_token():
     """--token-file's env TRAINYARD_TOKEN_FILE, else TRAINYARD_TOKEN, else the token `yard login`
     saved ($XDG_CONFIG_HOME/trainyard/token or ~/.config/trainyard/token), as yard looks."""
@@ -151,13 +168,15 @@ class Client:
         from trainyard.v1 import job_pb2
 
         terminal = (job_pb2.SUCCEEDED, job_pb2.FAILED, job_pb2.CANCELLED)
-        stream = self._jobs.WatchJob(job_pb2.WatchJobRequest(job_id=job_id), timeout=timeout,
-                                     metadata=self._metadata)
+        # (Across a failover the watch starts again at the new leader, which sends the job first.)
+        stream = self._jobs.stream("WatchJob", job_pb2.WatchJobRequest(job_id=job_id),
+                                   seen=lambda event: False, timeout=timeout,
+                                   metadata=self._metadata)
         last = None
         for event in stream:
             last = event.job
             if last.state in terminal:
-                stream.cancel()
+                stream.close()
                 break
         if last is None or last.state not in terminal:
             raise RuntimeError(f"{job_id}: the watch ended before the job did")
@@ -166,19 +185,24 @@ class Client:
         return last
 
     def logs(self, job_id, follow=False, tail=0, timeout=None):
-        """The job's log lines (LogLine: attempt, rank, text), oldest first; with `follow`, until
-        the job ends (or `timeout` seconds: grpc.RpcError DEADLINE_EXCEEDED)."""
+        """The job's log lines (LogLine: attempt, rank, text, seq), oldest first; with `follow`,
+        until the job ends (or `timeout` seconds: grpc.RpcError DEADLINE_EXCEEDED). Across a
+        failover it goes on at the new leader, each line once."""
         from trainyard.v1 import job_pb2
 
         request = job_pb2.StreamLogsRequest(job_id=job_id, follow=follow, tail=tail)
-        yield from self._jobs.StreamLogs(request, metadata=self._metadata,
-                                         timeout=timeout if follow else self._timeout)
+        yield from self._jobs.stream(
+            "StreamLogs", request, seen=_Seen(),
+            resume_request=job_pb2.StreamLogsRequest(job_id=job_id, follow=follow),
+            metadata=self._metadata, timeout=timeout if follow else self._timeout)
 
     def metrics(self, job_id, follow=False, timeout=None):
         """The job's step reports (StepReport: step, loss, ..., and `metrics` by name); with
-        `follow`, until the job ends (or `timeout` seconds)."""
+        `follow`, until the job ends (or `timeout` seconds). Across a failover it goes on at the
+        new leader, each step once."""
         from trainyard.v1 import job_pb2
 
         request = job_pb2.StreamMetricsRequest(job_id=job_id, follow=follow)
-        yield from self._jobs.StreamMetrics(request, metadata=self._metadata,
-                                            timeout=timeout if follow else self._timeout)
+        yield from self._jobs.stream("StreamMetrics", request, seen=_Seen(),
+                                     metadata=self._metadata,
+                                     timeout=timeout if follow else self._timeout)

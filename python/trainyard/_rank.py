@@ -1,4 +1,5 @@
 """The rank side: what a training program calls from inside a trainyard job."""
+import collections
 import glob
 import os
 import sys
@@ -52,6 +53,13 @@ class Context:
         self._checkpoint_requested = False
         self._stop_requested = False
         self._stub = None
+        # Step reports not yet answered, and the newest answered ones: sent again to a coordinator
+        # of a new incarnation (a failover or restart may have lost what the last one had not
+        # stored; it keeps each seq once), as the built-in trainer does.
+        self._seq = 0
+        self._unsent = collections.deque(maxlen=self._KEEP)
+        self._recent = collections.deque(maxlen=self._KEEP)
+        self._incarnation = ""
         if self.in_job:
             from trainyard.v1 import trainer_pb2_grpc
 
@@ -61,24 +69,61 @@ class Context:
             self._stub = FollowingStub(endpoints, trainer_pb2_grpc.TrainerServiceStub,
                                        follow_for=10.0)
 
+    _KEEP = 1024  # reports kept unanswered, and answered for sending again
+
     def report(self, step, loss=0.0, total_steps=0, lr=0.0, **metrics):
         """Reports optimizer step `step` (1-based) with its loss and any other metrics by name
         (numbers). Returns the job's pending commands, also kept for checkpoint_requested() and
-        should_stop()."""
+        should_stop().
+
+        A report that finds no coordinator (after following the replicas for 10 s: a failover,
+        a restart) is kept and sent before the next one, and the recent ones are sent again to a
+        coordinator that is not the one before, so `yard metrics` keeps every step."""
         if not self._stub:
             return self._commands()
         from trainyard.v1 import trainer_pb2
 
+        self._seq += 1
         report = trainer_pb2.StepReport(
             job_id=self.job_id, attempt=self.attempt, rank=self.rank, step=int(step),
             total_steps=int(total_steps), loss=float(loss), lr=float(lr),
             time_ms=int(time.time() * 1000), resident_bytes=resident_bytes(),
-            device_peak_bytes=device_peak_bytes(), cpu_seconds=time.process_time())
+            device_peak_bytes=device_peak_bytes(), cpu_seconds=time.process_time(),
+            seq=self._seq)
         for name, value in metrics.items():
             report.metrics[name] = float(value)
-        self._remember(self._stub.ReportStep(report, timeout=self._timeout,
-                                             metadata=bearer(self._credential)))
+        self._unsent.append(report)
+        self._send_unsent()
         return self._commands()
+
+    def _send_unsent(self):
+        import grpc
+
+        retryable = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                     grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+                     grpc.StatusCode.RESOURCE_EXHAUSTED)
+        while self._unsent:
+            report = self._unsent[0]
+            report.incarnation = self._incarnation
+            try:
+                commands = self._stub.ReportStep(report, timeout=self._timeout,
+                                                 metadata=bearer(self._credential))
+            except grpc.RpcError as error:
+                if error.code() in retryable:
+                    return  # kept: sent before the next report
+                self._unsent.popleft()
+                raise
+            self._unsent.popleft()
+            self._remember(commands)
+            moved = bool(self._incarnation) and commands.incarnation != self._incarnation
+            self._incarnation = commands.incarnation
+            if moved and self.rank == 0:
+                # It recorded nothing of this one: the kept ones and it again, oldest first.
+                again = list(self._recent) + [report]
+                self._recent.clear()
+                self._unsent.extendleft(reversed(again))
+                continue
+            self._recent.append(report)
 
     def report_checkpoint(self, step, path, size_bytes=0):
         """Says that the job's checkpoint of step `step` is complete at `path` (rank 0, once every

@@ -240,7 +240,17 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   }
   s->nodes_ = std::make_unique<NodeRegistry>(*s->store_, s->clock_, s->options_.node_timeout);
   s->rendezvous_ = std::make_unique<Rendezvous>(s->options_.limits.rendezvous);
-  s->jobs_ = std::make_unique<JobManager>(*s->store_, *s->nodes_, *s->rendezvous_, s->clock_);
+  s->logs_ = std::make_unique<JobLogs>(/*max_records_per_job=*/50'000,
+                                       s->options_.limits.max_log_bytes_per_job);
+  s->metrics_ = std::make_unique<JobMetrics>(/*max_records_per_job=*/200'000,
+                                             s->options_.limits.max_metric_bytes_per_job);
+  // A job's end stores its logs and metrics in the same transaction.
+  s->jobs_ = std::make_unique<JobManager>(
+      *s->store_, *s->nodes_, *s->rendezvous_, s->clock_,
+      [logs = s->logs_.get(), metrics = s->metrics_.get(),
+       history = s->options_.limits.history](const v1::Job& job) {
+        return SeriesRecords(*logs, *metrics, history, job.id(), job.end_time_ms());
+      });
   s->jobs_->SetMetrics(s->metrics_prom_.get());
   s->jobs_->SetDefaultMaxQueuedJobs(s->options_.limits.max_queued_jobs_per_user);
   s->jobs_->SetMaxPendingSubmits(s->options_.limits.max_pending_submits);
@@ -269,10 +279,6 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
       "loaded {} jobs and {} nodes from {}", stored_jobs.size(), stored_nodes.size(),
       IsPostgresLocation(s->options_.store) ? DescribePostgresLocation(s->options_.store) : dir);
 
-  s->logs_ = std::make_unique<JobLogs>(/*max_records_per_job=*/50'000,
-                                       s->options_.limits.max_log_bytes_per_job);
-  s->metrics_ = std::make_unique<JobMetrics>(/*max_records_per_job=*/200'000,
-                                             s->options_.limits.max_metric_bytes_per_job);
   s->history_ = std::make_unique<JobHistory>(*s->store_, *s->jobs_, *s->logs_, *s->metrics_,
                                              s->clock_, s->options_.limits.history);
   // Running jobs' logs and metrics from before a restart (or from the leader before this one).
@@ -288,8 +294,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   // Each service gets the handlers it calls (job_handlers.h).
   s->job_service_ = std::make_unique<JobServiceImpl>(*s->jobs_, *s->jobs_, *s->logs_, *s->metrics_,
                                                      *s->history_, ids);
-  s->trainer_service_ =
-      std::make_unique<TrainerServiceImpl>(*s->jobs_, *s->metrics_, s->metrics_prom_.get(), ids);
+  // (A new name for this coordinator's life: ranks send their recent reports again to it.)
+  s->trainer_service_ = std::make_unique<TrainerServiceImpl>(
+      *s->jobs_, *s->metrics_, s->metrics_prom_.get(), ids, Base64Url(RandomBytes(12)));
   s->node_service_ = std::make_unique<NodeServiceImpl>(
       *s->nodes_, *s->jobs_, *s->jobs_, *s->logs_, s->options_.heartbeat_interval, ids,
       /*node_certificates=*/!s->options_.tls.client_ca_file.empty());

@@ -74,12 +74,13 @@ void JobManager::RequestCheckpoint(const std::string& job_id, JobCallback done) 
   });
 }
 
-absl::StatusOr<v1::TrainerCommands> JobManager::OnStepReport(const v1::StepReport& report) {
+absl::StatusOr<v1::TrainerCommands> JobManager::OnStepReport(const v1::StepReport& report,
+                                                             bool record) {
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(v1::Job * job, FindRunningAttempt(report.job_id(), report.attempt()));
   // Progress is kept in memory only: a write per step would cost more than it is worth. It is
   // stored with the next durable change of the job. Rank 0's is the job's.
-  if (report.rank() == 0) {
+  if (record) {
     job->set_step(report.step());
     job->set_loss(report.loss());
     job->set_device_peak_bytes(std::max<int64_t>(0, report.device_peak_bytes()));

@@ -92,9 +92,11 @@ class TrainerReports {
  public:
   virtual ~TrainerReports() = default;
 
-  // A step report from a job's rank 0: updates the job's progress and returns its pending
-  // commands. FAILED_PRECONDITION for an attempt that is not the job's running one.
-  virtual absl::StatusOr<v1::TrainerCommands> OnStepReport(const v1::StepReport& report) = 0;
+  // A step report from one of a job's ranks: returns the job's pending commands, and with
+  // `record` (rank 0's report, new) updates the job's progress. FAILED_PRECONDITION for an
+  // attempt that is not the job's running one.
+  virtual absl::StatusOr<v1::TrainerCommands> OnStepReport(const v1::StepReport& report,
+                                                           bool record) = 0;
   // A checkpoint written by a job's ranks: recorded durably; CHECKPOINTING → RUNNING.
   virtual absl::StatusOr<v1::TrainerCommands> OnCheckpointReport(
       const v1::CheckpointReport& report) = 0;

@@ -178,35 +178,41 @@ absl::StatusOr<std::vector<T>> ReadSeries(JobStore& store, const char* kind,
 
 }  // namespace
 
+std::vector<StoredRecord> SeriesRecords(const JobLogs& logs, const JobMetrics& metrics,
+                                        const JobHistoryOptions& options, const std::string& id,
+                                        int64_t end_ms) {
+  const int64_t expires_ms =
+      end_ms == 0 || options.retention == absl::InfiniteDuration()
+          ? 0
+          : absl::ToUnixMillis(absl::FromUnixMillis(end_ms) + options.retention);
+  std::vector<StoredRecord> records;
+  const std::vector<v1::LogLine> lines = logs.Snapshot(id);
+  const std::vector<v1::StepReport> steps = metrics.Snapshot(id);
+  if (!lines.empty()) {
+    records.push_back({kJobLogsRecord, id,
+                       EncodeSeries(lines, options.max_log_bytes_per_job, false), expires_ms});
+  }
+  if (!steps.empty()) {
+    records.push_back({kJobMetricsRecord, id,
+                       EncodeSeries(steps, options.max_metric_bytes_per_job, true), expires_ms});
+  }
+  return records;
+}
+
 absl::StatusOr<int> JobHistory::SaveUnfinished(bool changed_only) {
   absl::MutexLock lock(&save_mu_);
   WriteBatch batch;
   std::map<std::string, std::pair<uint64_t, uint64_t>> saved;
   int jobs = 0;
   for (const auto& [id, end_ms] : jobs_.ResidentJobEnds()) {
-    // A finished job's records expire as its eviction would have them expire.
-    const int64_t expires_ms =
-        end_ms == 0 || options_.retention == absl::InfiniteDuration()
-            ? 0
-            : absl::ToUnixMillis(absl::FromUnixMillis(end_ms) + options_.retention);
     // (Read before the snapshots: an append in between is written again next time.)
     const std::pair<uint64_t, uint64_t> now = {logs_.Appends(id), metrics_.Appends(id)};
     auto last = saved_.find(id);
     saved[id] = now;
     if (changed_only && last != saved_.end() && last->second == now) continue;
-    const std::vector<v1::LogLine> lines = logs_.Snapshot(id);
-    const std::vector<v1::StepReport> steps = metrics_.Snapshot(id);
-    if (!lines.empty()) {
-      batch.put_records.push_back({kJobLogsRecord, id,
-                                   EncodeSeries(lines, options_.max_log_bytes_per_job, false),
-                                   expires_ms});
-    }
-    if (!steps.empty()) {
-      batch.put_records.push_back({kJobMetricsRecord, id,
-                                   EncodeSeries(steps, options_.max_metric_bytes_per_job, true),
-                                   expires_ms});
-    }
-    jobs += !lines.empty() || !steps.empty();
+    std::vector<StoredRecord> records = SeriesRecords(logs_, metrics_, options_, id, end_ms);
+    jobs += !records.empty();
+    for (StoredRecord& r : records) batch.put_records.push_back(std::move(r));
   }
   if (!batch.empty()) RETURN_IF_ERROR(store_.CommitSync(std::move(batch)));
   saved_ = std::move(saved);  // (finished jobs drop out)

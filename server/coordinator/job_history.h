@@ -98,6 +98,13 @@ class JobHistory {
   std::map<std::string, std::pair<uint64_t, uint64_t>> saved_ ABSL_GUARDED_BY(save_mu_);
 };
 
+// The records of job `id`'s kept logs and metrics as SaveUnfinished and a job's end write them
+// (JobManager::EndRecords): none for a series with nothing kept; a finished job's (`end_ms` > 0)
+// expire `options.retention` after its end, as its eviction would have them expire.
+std::vector<StoredRecord> SeriesRecords(const JobLogs& logs, const JobMetrics& metrics,
+                                        const JobHistoryOptions& options, const std::string& id,
+                                        int64_t end_ms);
+
 // The persisted form of a series: each record as a varint length and its bytes. Exposed for
 // tests. Logs keep their newest records within `max_bytes`; metrics (thin) keep every k-th.
 template <typename T>

@@ -34,8 +34,12 @@ const std::string& AccountOf(const v1::Job& job) {
 }
 
 JobManager::JobManager(JobStore& store, NodeRegistry& nodes, Rendezvous& rendezvous,
-                       const Clock& clock)
-    : store_(store), nodes_(nodes), rendezvous_(rendezvous), clock_(clock) {}
+                       const Clock& clock, EndRecords end_records)
+    : end_records_(std::move(end_records)),
+      store_(store),
+      nodes_(nodes),
+      rendezvous_(rendezvous),
+      clock_(clock) {}
 
 void JobManager::SetSchedulerWakeup(std::function<void()> wakeup) { wakeup_ = std::move(wakeup); }
 
@@ -143,6 +147,7 @@ void JobManager::Transition(v1::Job& job, v1::JobState to, std::string message) 
 void JobManager::Persist(const v1::Job& job, std::function<void(absl::Status)> after) {
   WriteBatch batch;
   batch.put_jobs.push_back(ToStored(job));
+  if (IsTerminal(job.state()) && end_records_) batch.put_records = end_records_(job);
   store_.Commit(std::move(batch), [this, job, after = std::move(after)](absl::Status s) {
     if (!s.ok()) {
       spdlog::error("store: writing job {} failed: {}", job.id(), s.ToString());

@@ -48,7 +48,13 @@ class JobManager final : public JobLifecycle,
   using JobLifecycle::ListResult;
   using JobLifecycle::WatchCallback;
 
-  JobManager(JobStore& store, NodeRegistry& nodes, Rendezvous& rendezvous, const Clock& clock);
+  // What a job's end writes beside the job, in the same transaction: its logs' and metrics'
+  // records (JobHistory's SeriesRecords), so that they are as durable as the end itself (a
+  // failover, a restart or a backup right after it has them).
+  using EndRecords = std::function<std::vector<StoredRecord>(const v1::Job& job)>;
+
+  JobManager(JobStore& store, NodeRegistry& nodes, Rendezvous& rendezvous, const Clock& clock,
+             EndRecords end_records = nullptr);
 
   // The handlers (job_handlers.h, where each is documented).
   // JobLifecycle: job_manager.cc (reads, lists, watches, cancels), job_admission.cc (Submit).
@@ -72,7 +78,8 @@ class JobManager final : public JobLifecycle,
                          bool viewer_is_admin) const override ABSL_LOCKS_EXCLUDED(mu_);
   std::string UnfinishedJobOf(const std::string& account) const override ABSL_LOCKS_EXCLUDED(mu_);
   // TrainerReports: job_attempts.cc.
-  absl::StatusOr<v1::TrainerCommands> OnStepReport(const v1::StepReport& report) override;
+  absl::StatusOr<v1::TrainerCommands> OnStepReport(const v1::StepReport& report,
+                                                   bool record) override;
   absl::StatusOr<v1::TrainerCommands> OnCheckpointReport(
       const v1::CheckpointReport& report) override;
   // AttemptTracker: job_attempts.cc.
@@ -287,6 +294,7 @@ class JobManager final : public JobLifecycle,
   // identity registry's lock: call it before mu_.
   std::shared_ptr<const SharingPolicy> CurrentPolicy() const ABSL_LOCKS_EXCLUDED(mu_);
 
+  const EndRecords end_records_;
   JobStore& store_;
   NodeRegistry& nodes_;
   Rendezvous& rendezvous_;

@@ -2,9 +2,11 @@
 // on their number and their bytes (the oldest go first),
 // with subscribers that get the backlog and then every new record, for `yard logs -f` and
 // `yard metrics -f`. When a finished job leaves the coordinator's memory its records are persisted
-// (job_history.h) and Erased here; records of a job that has not finished do not survive a
-// coordinator restart (the worker keeps each rank's full log on its node). Thread-safe; subscriber
-// callbacks run on the appending thread, outside the lock, in append order per job.
+// (job_history.h) and Erased here. Records with a seq (LogLine.seq, StepReport.seq: growing per
+// attempt and rank) are kept once: a record whose seq is not past the last one kept of its attempt
+// and rank is a copy sent again (after a failover or a restart) and is dropped, also when the
+// series was read back from the store. Thread-safe; subscriber callbacks run on the appending
+// thread, outside the lock, in append order per job.
 #ifndef TRAINYARD_SERVER_COORDINATOR_JOB_SERIES_H_
 #define TRAINYARD_SERVER_COORDINATOR_JOB_SERIES_H_
 
@@ -14,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -30,11 +33,25 @@ class JobSeries {
   JobSeries(size_t max_records_per_job, size_t max_bytes_per_job)
       : max_records_(max_records_per_job), max_bytes_(max_bytes_per_job) {}
 
-  void Append(const std::string& job_id, std::vector<T> records) {
+  // Returns how many of `records` were new (kept and delivered).
+  size_t Append(const std::string& job_id, std::vector<T> records) {
     std::vector<std::shared_ptr<Callback>> callbacks;
     {
       absl::MutexLock lock(&mu_);
       Series& s = series_[job_id];
+      // Copies sent again go first (in place: records stay in order).
+      size_t kept = 0;
+      for (size_t i = 0; i < records.size(); ++i) {
+        if (records[i].seq() > 0) {
+          int64_t& last = s.last_seq[{records[i].attempt(), records[i].rank()}];
+          if (records[i].seq() <= last) continue;
+          last = records[i].seq();
+        }
+        if (kept != i) records[kept] = std::move(records[i]);
+        ++kept;
+      }
+      records.resize(kept);
+      if (records.empty()) return 0;
       ++s.appends;
       for (const T& r : records) {
         s.records.push_back(r);
@@ -49,6 +66,17 @@ class JobSeries {
       // stream (a node session or a rank's reports), so they do not race each other.
     }
     for (const auto& cb : callbacks) (*cb)(records);
+    return records.size();
+  }
+
+  // Whether Append would keep `record` now (it has no seq, or one past the last kept).
+  bool Fresh(const std::string& job_id, const T& record) const {
+    if (record.seq() <= 0) return true;
+    absl::MutexLock lock(&mu_);
+    auto it = series_.find(job_id);
+    if (it == series_.end()) return true;
+    auto last = it->second.last_seq.find({record.attempt(), record.rank()});
+    return last == it->second.last_seq.end() || record.seq() > last->second;
   }
 
   // Returns a handle for Unsubscribe. `on_records` gets the kept records first (the last `tail`
@@ -120,6 +148,7 @@ class JobSeries {
     std::deque<T> records;
     size_t bytes = 0;  // of records
     uint64_t appends = 0;
+    std::map<std::pair<int32_t, int32_t>, int64_t> last_seq;  // (attempt, rank) -> seq kept
     std::map<int64_t, std::shared_ptr<Callback>> subscribers;
   };
 

@@ -173,6 +173,7 @@ class SessionReactor final
   static void HandleLogs(AttemptTracker& jobs, JobLogs& logs, const std::string& node,
                          const v1::LogLines& in) {
     if (!jobs.RankRunsOn(node, in.job_id(), in.attempt(), in.rank())) {
+      if (in.again()) return;  // an ended rank's lines, sent again on a new session
       // A node speaks only for the ranks it runs.
       spdlog::warn("audit: node {} sent lines of rank {} of {}, which it does not run: dropped",
                    node, in.rank(), Quoted(in.job_id()));
@@ -180,10 +181,14 @@ class SessionReactor final
     }
     std::vector<v1::LogLine> lines;
     lines.reserve(in.lines_size());
-    for (const std::string& text : in.lines()) {
+    // (Seqs are the worker's word for which lines it sends again; a malformed list is ignored.)
+    const bool sequenced = in.seqs_size() == in.lines_size();
+    for (int i = 0; i < in.lines_size(); ++i) {
+      const std::string& text = in.lines(i);
       v1::LogLine l;
       l.set_attempt(in.attempt());
       l.set_rank(in.rank());
+      if (sequenced) l.set_seq(std::max<int64_t>(0, in.seqs(i)));
       if (text.size() > kMaxLogLineBytes) {
         // Kept, cut: a rank's line is its owner's data, but no line may be unbounded.
         l.set_text(absl::StrCat(text.substr(0, kMaxLogLineBytes), " [truncated ",

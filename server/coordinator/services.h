@@ -81,9 +81,14 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
 class TrainerServiceImpl final : public v1::TrainerService::CallbackService {
  public:
   // `prometheus` may be null.
+  // `incarnation`: this coordinator's (TrainerCommands.incarnation), new at each start.
   TrainerServiceImpl(TrainerReports& jobs, JobMetrics& metrics, CoordinatorMetrics* prometheus,
-                     const IdentityRegistry& identities)
-      : jobs_(jobs), metrics_(metrics), prometheus_(prometheus), identities_(identities) {}
+                     const IdentityRegistry& identities, std::string incarnation)
+      : jobs_(jobs),
+        metrics_(metrics),
+        prometheus_(prometheus),
+        identities_(identities),
+        incarnation_(std::move(incarnation)) {}
 
   grpc::ServerUnaryReactor* ReportStep(grpc::CallbackServerContext* ctx,
                                        const v1::StepReport* request,
@@ -97,6 +102,7 @@ class TrainerServiceImpl final : public v1::TrainerService::CallbackService {
   JobMetrics& metrics_;
   CoordinatorMetrics* prometheus_;
   const IdentityRegistry& identities_;
+  const std::string incarnation_;
 };
 
 class NodeServiceImpl final : public v1::NodeService::CallbackService {

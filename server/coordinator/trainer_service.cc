@@ -56,13 +56,18 @@ grpc::ServerUnaryReactor* TrainerServiceImpl::ReportStep(grpc::CallbackServerCon
     return Done(ctx, absl::InvalidArgumentError(absl::StrCat("metrics: ", request->metrics_size(),
                                                              " entries, at most 64")));
   }
-  auto commands = jobs_.OnStepReport(*request);
+  // Other ranks' reports only fetch the commands, as does a report sent again that this
+  // coordinator already has (StepReport.seq), and one from a rank that last spoke to another
+  // coordinator: it sends its recent reports again, in order, on seeing this one's incarnation.
+  const bool record = request->rank() == 0 &&
+                      (request->incarnation().empty() || request->incarnation() == incarnation_) &&
+                      metrics_.Fresh(request->job_id(), *request);
+  auto commands = jobs_.OnStepReport(*request, record);
   if (commands.ok()) {
     *response = *commands;
-    // Other ranks' reports only fetch the commands.
-    if (request->rank() == 0) {
-      metrics_.Append(request->job_id(), {*request});
-      if (prometheus_ != nullptr) prometheus_->ObserveStep(*request);
+    response->set_incarnation(incarnation_);
+    if (record && metrics_.Append(request->job_id(), {*request}) > 0 && prometheus_ != nullptr) {
+      prometheus_->ObserveStep(*request);
     }
   }
   return Done(ctx, commands.status());

@@ -316,6 +316,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.supervisor.tls_ca = options.tls.ca_file;
+  options.supervisor.coordinators = options.coordinator;
   auto token = trainyard::FindNodeToken(token_file, !options.tls.cert_file.empty());
   if (!token.ok()) {
     std::cerr << "trainyard-worker: " << token.status().message() << "\n";

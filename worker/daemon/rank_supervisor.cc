@@ -242,6 +242,19 @@ std::string FailureMessage(const std::vector<std::string>& last_lines) {
   return out;
 }
 
+std::string RankCoordinatorList(const std::string& leader_list, const std::string& worker_list) {
+  std::vector<std::string> out;
+  for (const std::string& list : {leader_list, worker_list}) {
+    for (absl::string_view part : absl::StrSplit(list, ',')) {
+      std::string address(absl::StripAsciiWhitespace(part));
+      if (!address.empty() && std::find(out.begin(), out.end(), address) == out.end()) {
+        out.push_back(std::move(address));
+      }
+    }
+  }
+  return absl::StrJoin(out, ",");
+}
+
 RankSupervisor::RankSupervisor(SupervisorOptions options, std::function<void(v1::NodeMessage)> send)
     : options_(std::move(options)),
       send_(std::move(send)),
@@ -507,7 +520,8 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
   context.set_world_size(a.world_size());
   context.set_local_world_size(a.device_indices_size());
   context.set_device(options_.gpu_uuids.empty() ? "cpu" : "cuda");
-  context.set_coordinator_address(a.coordinator_address());
+  context.set_coordinator_address(
+      RankCoordinatorList(a.coordinator_address(), options_.coordinators));
   context.set_checkpoint_dir(checkpoint_dir);
   context.set_threads(options_.threads_per_rank);
   *context.mutable_ps_ranges() = a.ps_ranges();
@@ -570,7 +584,8 @@ void RankSupervisor::StartCommand(const v1::Assignment& a, const v1::JobSpec& sp
       absl::StrCat("TRAINYARD_WORLD_SIZE=", a.world_size()),
       absl::StrCat("TRAINYARD_DEVICE=", device),
       absl::StrCat("TRAINYARD_CHECKPOINT_DIR=", checkpoint_dir),
-      absl::StrCat("TRAINYARD_COORDINATOR=", a.coordinator_address()),
+      absl::StrCat("TRAINYARD_COORDINATOR=",
+                   RankCoordinatorList(a.coordinator_address(), options_.coordinators)),
       absl::StrCat(kJobCredentialEnv, "=", a.job_credential()),
       absl::StrCat(kTlsCaEnv, "=", options_.tls_ca)};
   for (const auto& [name, value] : spec.env()) env.push_back(absl::StrCat(name, "=", value));
@@ -742,44 +757,64 @@ void RankSupervisor::Follow(RankKey key, int conn, pid_t shepherd, int64_t offse
   const int log_fd = open(log_path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
   std::deque<std::string> last;
   std::string partial;
-  auto flush = [&](std::vector<std::string>& lines) {
+  // A line's seq (LogLines.seqs): where it starts in the log, plus one, plus the bytes of the log
+  // before each time the rank cut it (so that seqs keep growing). Stable across a restart of this
+  // worker, which adopts the rank at its offset (but forgets the cuts before it).
+  int64_t partial_start = offset < 0 ? 0 : offset;  // where `partial` begins in the log
+  int64_t cut_bytes = 0;
+  using Batch = std::vector<std::pair<int64_t, std::string>>;  // (seq, line)
+  auto flush = [&](Batch& lines) {
     if (lines.empty()) return;
     v1::NodeMessage m;
     auto* l = m.mutable_logs();
     l->set_job_id(job_id);
     l->set_attempt(attempt);
     l->set_rank(rank);
-    for (auto& line : lines) l->add_lines(std::move(line));
+    for (auto& [seq, line] : lines) {
+      l->add_seqs(seq);
+      l->add_lines(std::move(line));
+    }
     lines.clear();
     send_(m);
   };
-  auto take = [&](std::string line, std::vector<std::string>& batch) {
+  auto take = [&](std::string line, int64_t start, Batch& batch) {
     // The coordinator's messages carry text: a rank may print any bytes (a byte-level model's
     // sample), and one invalid UTF-8 line would fail the whole session's stream.
     line = ValidUtf8(std::move(line));
     last.push_back(line);
     if (static_cast<int>(last.size()) > options_.failure_log_lines) last.pop_front();
-    batch.push_back(std::move(line));
+    const int64_t seq = cut_bytes + start + 1;
+    Remember(key, seq, line);
+    batch.emplace_back(seq, std::move(line));
   };
   // The log's new bytes since `offset`, as lines (a rank that cut its own log starts over).
   auto read_log = [&] {
     if (log_fd < 0) return;
     struct stat st {};
-    if (fstat(log_fd, &st) == 0 && st.st_size < offset) offset = st.st_size;
+    if (fstat(log_fd, &st) == 0 && st.st_size < offset) {
+      cut_bytes += offset;
+      offset = st.st_size;
+      partial.clear();
+      partial_start = offset;
+    }
     char buf[65536];
-    std::vector<std::string> batch;
+    Batch batch;
     ssize_t n;
     while ((n = pread(log_fd, buf, sizeof(buf), offset)) > 0) {
       offset += n;
       partial.append(buf, static_cast<size_t>(n));
       size_t start = 0, nl;
       while ((nl = partial.find('\n', start)) != std::string::npos) {
-        take(partial.substr(start, nl - start), batch);
+        take(partial.substr(start, nl - start), partial_start + static_cast<int64_t>(start), batch);
         start = nl + 1;
       }
       partial.erase(0, start);
+      partial_start += static_cast<int64_t>(start);
       // A line longer than the coordinator keeps is sent in pieces rather than held forever.
-      if (partial.size() > 1 << 20) take(std::exchange(partial, ""), batch);
+      if (partial.size() > 1 << 20) {
+        take(std::exchange(partial, ""), partial_start, batch);
+        partial_start = offset;
+      }
       if (batch.size() >= 512) flush(batch);
     }
     flush(batch);
@@ -828,8 +863,8 @@ void RankSupervisor::Follow(RankKey key, int conn, pid_t shepherd, int64_t offse
     tell_offset();
   } else {
     read_log();
-    std::vector<std::string> batch;
-    if (!partial.empty()) take(partial, batch);
+    Batch batch;
+    if (!partial.empty()) take(partial, partial_start, batch);
     flush(batch);
     const int code = exit_code.value_or(128 + SIGKILL);
     std::string message = code == 0 ? "" : FailureMessage({last.begin(), last.end()});
@@ -839,6 +874,12 @@ void RankSupervisor::Follow(RankKey key, int conn, pid_t shepherd, int64_t offse
     SendShepherdMessage(conn, "done");
   }
   if (log_fd >= 0) close(log_fd);
+  {
+    // Its last lines stay for a while: the rank may have ended while no coordinator could be
+    // reached, and the next session sends them again too.
+    absl::MutexLock lock(&recent_mu_);
+    if (auto it = recent_.find(key); it != recent_.end()) it->second.ended = absl::Now();
+  }
   if (shepherd > 0) {  // this worker's child: it ends once the exit is collected
     while (!detached && waitpid(shepherd, nullptr, 0) < 0 && errno == EINTR) {
     }
@@ -850,6 +891,52 @@ void RankSupervisor::Follow(RankKey key, int conn, pid_t shepherd, int64_t offse
     finished_readers_.push_back(std::move(it->second.reader));
     ranks_.erase(it);
   }
+}
+
+void RankSupervisor::Remember(const RankKey& key, int64_t seq, const std::string& line) {
+  absl::MutexLock lock(&recent_mu_);
+  if (recent_.count(key) == 0) {
+    // A new rank: the ended ones' lines go once past kEndedRecentLogs or kEndedRecentLogsFor.
+    std::vector<std::pair<absl::Time, RankKey>> ended;
+    for (const auto& [k, r] : recent_) {
+      if (r.ended != absl::InfiniteFuture()) ended.emplace_back(r.ended, k);
+    }
+    std::sort(ended.begin(), ended.end());
+    for (size_t i = 0; i < ended.size(); ++i) {
+      if (ended.size() - i > kEndedRecentLogs ||
+          absl::Now() - ended[i].first > kEndedRecentLogsFor) {
+        recent_.erase(ended[i].second);
+      }
+    }
+  }
+  RecentLines& recent = recent_[key];
+  recent.lines.emplace_back(seq, line);
+  recent.bytes += line.size();
+  while (recent.lines.size() > kRecentLogLines || recent.bytes > kRecentLogBytes) {
+    recent.bytes -= recent.lines.front().second.size();
+    recent.lines.pop_front();
+  }
+}
+
+std::vector<v1::NodeMessage> RankSupervisor::RecentLogs() const {
+  std::vector<v1::NodeMessage> out;
+  absl::MutexLock lock(&recent_mu_);
+  for (const auto& [key, recent] : recent_) {
+    for (size_t i = 0; i < recent.lines.size(); i += 512) {
+      v1::NodeMessage m;
+      auto* l = m.mutable_logs();
+      l->set_job_id(std::get<0>(key));
+      l->set_attempt(std::get<1>(key));
+      l->set_rank(std::get<2>(key));
+      l->set_again(true);
+      for (size_t j = i; j < std::min(recent.lines.size(), i + 512); ++j) {
+        l->add_seqs(recent.lines[j].first);
+        l->add_lines(recent.lines[j].second);
+      }
+      out.push_back(std::move(m));
+    }
+  }
+  return out;
 }
 
 void RankSupervisor::ReportExit(const RankKey& key, int exit_code, const std::string& message,

@@ -39,10 +39,18 @@ namespace trainyard::worker {
 // GLOO_*, OMP_*, OPENBLAS_*, MKL_*, TRAINYARD_*), nothing else of its environment.
 std::vector<std::string> DefaultRankEnv();
 
+// The coordinators a rank is given (TRAINYARD_COORDINATOR, RankContext.coordinator_address): the
+// leader's list, then the addresses of `worker_list` it lacks. Both are comma-separated.
+std::string RankCoordinatorList(const std::string& leader_list, const std::string& worker_list);
+
 struct SupervisorOptions {
   std::string trainer_path;  // the trainyard-trainer binary
   std::string work_dir;      // per-attempt folders with the spec and each rank's log
-  int threads_per_rank = 1;  // torch / OpenMP threads of each rank
+  // The worker's own coordinator list (--coordinator): ranks get the leader's list (its
+  // --coordinators) and then these addresses it lacks, so that they follow a failover also where
+  // the replicas were not given --coordinators.
+  std::string coordinators;
+  int threads_per_rank = 1;                       // torch / OpenMP threads of each rank
   absl::Duration stop_grace = absl::Seconds(10);  // SIGTERM → SIGKILL
   int failure_log_lines = 8;  // last output lines sent with a failed rank's exit
   // UUIDs of the CUDA GPUs offered, by device index; empty: the devices are CPU slots. A rank on
@@ -129,6 +137,16 @@ class RankSupervisor {
   // (RANK_STARTING): the hello of a session lists them.
   std::vector<v1::RankStatus> Running() const;
   int running_count() const;
+  // The recent lines of every live rank (the newest kRecentLogLines, kRecentLogBytes at most), and
+  // of the last kEndedRecentLogs ranks that ended within kEndedRecentLogsFor, as log messages
+  // with their seqs (LogLines.again), oldest first: what a new session sends again, so that a
+  // coordinator that took over or restarted gets what its predecessor had received but not
+  // stored (it keeps each line once, LogLines.seqs).
+  std::vector<v1::NodeMessage> RecentLogs() const;
+  static constexpr size_t kRecentLogLines = 4096;
+  static constexpr size_t kRecentLogBytes = size_t{1} << 20;
+  static constexpr size_t kEndedRecentLogs = 16;
+  static constexpr absl::Duration kEndedRecentLogsFor = absl::Minutes(2);
 
  private:
   using RankKey = std::tuple<std::string, int, int>;  // job, attempt, rank
@@ -159,6 +177,8 @@ class RankSupervisor {
   // comes first) and reports its exit, unless the supervisor detaches first.
   void Follow(RankKey key, int conn, pid_t shepherd, int64_t offset);
   void AskToStop(Rank& rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Keeps a line of a rank's for RecentLogs.
+  void Remember(const RankKey& key, int64_t seq, const std::string& line);
   void ReportExit(const RankKey& key, int exit_code, const std::string& message,
                   const v1::RankUsage& usage = {});
 
@@ -178,6 +198,13 @@ class RankSupervisor {
   bool detaching_ ABSL_GUARDED_BY(mu_) = false;
   absl::Duration orphan_timeout_ ABSL_GUARDED_BY(mu_) = absl::Seconds(10);
   std::mt19937_64 mark_random_ ABSL_GUARDED_BY(mu_){std::random_device{}()};
+  struct RecentLines {
+    std::deque<std::pair<int64_t, std::string>> lines;  // (seq, line)
+    size_t bytes = 0;
+    absl::Time ended = absl::InfiniteFuture();  // when the rank ended
+  };
+  mutable absl::Mutex recent_mu_;  // never held while calling send_
+  std::map<RankKey, RecentLines> recent_ ABSL_GUARDED_BY(recent_mu_);
   std::thread supervisor_;
 };
 

@@ -410,9 +410,21 @@ void WorkerDaemon::RunSession() {
     *hello.mutable_hello()->add_running() = std::move(r);
   bool ok = stream->Write(hello);
   if (ok) {
+    // The running ranks' recent lines go first, again: a coordinator that took over (or came
+    // back) may lack what the one before it received but had not stored; it keeps each line once.
+    std::vector<v1::NodeMessage> again = supervisor_->RecentLogs();
+    if (!again.empty()) {
+      int lines = 0;
+      for (const v1::NodeMessage& m : again) lines += m.logs().lines_size();
+      spdlog::info("sending the ranks' last {} log line(s) again", lines);
+    }
     {
       absl::MutexLock lock(&mu_);
       session_open_ = true;
+      for (auto it = again.rbegin(); it != again.rend(); ++it) {
+        outbox_.push_front(std::move(*it));
+        ++outbox_log_messages_;
+      }
     }
     connected_.Set(1);
     // Heartbeats unanswered this long: the coordinator has judged this node lost by now (or the

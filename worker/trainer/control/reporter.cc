@@ -84,7 +84,8 @@ class Reporter::Impl {
     r.set_pipeline_bubble_theory(s.pipeline_bubble_theory);
     if (s.eval_loss.has_value()) r.set_eval_loss(*s.eval_loss);
     absl::MutexLock lock(&mu_);
-    if (queue_.size() > 100) queue_.pop_front();  // never grow without bound
+    r.set_seq(++last_seq_);
+    if (queue_.size() >= kMaxQueued) queue_.pop_front();  // never grow without bound
     queue_.push_back(std::move(r));
   }
 
@@ -153,7 +154,14 @@ class Reporter::Impl {
     if (!bearer_.empty()) ctx.AddMetadata(kAuthorizationMetadata, bearer_);
   }
 
+  // Sends the queue's reports in order. A report stays queued until the coordinator answered it:
+  // one that failed for want of a coordinator (a failover, a restart) is tried again after a
+  // pause, until the drain at exit runs out. Each answered report is kept (the newest
+  // kRecentReports): an answer from a coordinator of another incarnation than the last means that
+  // it recorded nothing of this report and may lack what its predecessor had not stored, so the
+  // kept reports and this one are sent again, oldest first (it keeps each seq once).
   void Loop() {
+    absl::Duration pause = absl::Milliseconds(100);
     while (true) {
       v1::StepReport report;
       {
@@ -166,8 +174,8 @@ class Reporter::Impl {
         if (stopping_ && absl::Now() >= drain_until_) {
           while (queue_.size() > 1) queue_.pop_front();
         }
-        report = std::move(queue_.front());
-        queue_.pop_front();
+        report = queue_.front();
+        report.set_incarnation(incarnation_);
       }
       grpc::ClientContext ctx;
       Authorize(ctx);
@@ -176,7 +184,40 @@ class Reporter::Impl {
       const grpc::Status s = CurrentStub()->ReportStep(&ctx, report, &commands);
       Follow(s, ctx);
       Handle(s, commands, "ReportStep", report.step());
+      absl::MutexLock lock(&mu_);
+      const bool retry =
+          !s.ok() && Retryable(s.error_code()) && !(stopping_ && absl::Now() >= drain_until_);
+      if (retry) {
+        mu_.Unlock();
+        absl::SleepFor(pause);
+        mu_.Lock();
+        pause = std::min(2 * pause, absl::Seconds(1));
+        continue;
+      }
+      pause = absl::Milliseconds(100);
+      // (The report may have been dropped from a full queue meanwhile.)
+      if (!queue_.empty() && queue_.front().seq() == report.seq()) queue_.pop_front();
+      if (!s.ok()) continue;
+      const bool moved = !incarnation_.empty() && commands.incarnation() != incarnation_;
+      incarnation_ = commands.incarnation();
+      if (moved && rank_ == 0) {
+        queue_.push_front(std::move(report));
+        while (!recent_.empty()) {
+          queue_.push_front(std::move(recent_.back()));
+          recent_.pop_back();
+        }
+        continue;
+      }
+      recent_.push_back(std::move(report));
+      if (recent_.size() > kRecentReports) recent_.pop_front();
     }
+  }
+
+  // A call that failed for want of a coordinator (not for what it said).
+  static bool Retryable(grpc::StatusCode code) {
+    return code == grpc::StatusCode::UNAVAILABLE || code == grpc::StatusCode::DEADLINE_EXCEEDED ||
+           code == grpc::StatusCode::CANCELLED || code == grpc::StatusCode::UNKNOWN ||
+           code == grpc::StatusCode::RESOURCE_EXHAUSTED;
   }
 
   // `step`: the last step the coordinator knew of when it replied.
@@ -209,7 +250,12 @@ class Reporter::Impl {
   const int rank_;
   void (*const log_)(const std::string&);
   absl::Mutex mu_;
+  static constexpr size_t kMaxQueued = 1024;
+  static constexpr size_t kRecentReports = 1024;
   std::deque<v1::StepReport> queue_ ABSL_GUARDED_BY(mu_);
+  std::deque<v1::StepReport> recent_ ABSL_GUARDED_BY(mu_);  // answered, newest last
+  std::string incarnation_ ABSL_GUARDED_BY(mu_);            // of the last answer
+  int64_t last_seq_ ABSL_GUARDED_BY(mu_) = 0;
   TrainerCommands pending_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time drain_until_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();

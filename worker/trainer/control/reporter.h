@@ -3,8 +3,11 @@
 // or protobuf type, so the training loop (LibTorch side) can use it.
 //
 // Step reports go through a queue to a thread of the reporter's own, so that a slow or missing
-// coordinator never stalls training; failures are logged once and otherwise ignored. Thread-safe:
-// the training thread enqueues and takes commands; the reporter's thread sends.
+// coordinator never stalls training; failures are logged once. A report that found no coordinator
+// (a failover, a restart) is sent again until one answers, and the recent ones are sent again to a
+// coordinator of a new incarnation (StepReport.seq and .incarnation), so that `yard metrics` has
+// every step across a failover. Thread-safe: the training thread enqueues and takes commands; the
+// reporter's thread sends.
 #ifndef TRAINYARD_WORKER_TRAINER_CONTROL_REPORTER_H_
 #define TRAINYARD_WORKER_TRAINER_CONTROL_REPORTER_H_
 
