@@ -344,6 +344,22 @@ TEST_F(FailoverE2eTest, APausedLeaderThatResumesAfterTheTakeoverWritesNothing) {
   EXPECT_EQ(*rows, absl::StrCat(expected));
   std::cout << "the direct submit to the resumed leader: "
             << (direct.ok() ? "taken by the new leader" : direct.status().ToString()) << "\n";
+
+  // Pointed at the standby only, the streams reach the leader it names (issue 54): logs and
+  // metrics answer, fetch-export gets the leader's word on a job with no export, and backup the
+  // leader's store's (PostgreSQL: pg_dump), never the standby's UNAVAILABLE.
+  client::YardClient at_standby(a_.address, alice_token_);
+  EXPECT_TRUE(at_standby.Logs(at_b->id(), false, 0, [](const v1::LogLine&) {}).ok());
+  EXPECT_TRUE(at_standby.Metrics(at_b->id(), false, [](const v1::StepReport&) {}).ok());
+  const absl::Status fetched =
+      at_standby.FetchExport(at_b->id(), [](const v1::ExportChunk&) { return absl::OkStatus(); });
+  EXPECT_NE(fetched.code(), absl::StatusCode::kUnavailable) << fetched;
+  EXPECT_FALSE(fetched.ok());
+  client::YardClient admin_at_standby(a_.address, testing::AdminToken(dir_.path() + "/a"));
+  const absl::Status backup =
+      admin_at_standby.Backup([](const v1::BackupChunk&) { return absl::OkStatus(); });
+  EXPECT_EQ(backup.code(), absl::StatusCode::kFailedPrecondition) << backup;
+  EXPECT_THAT(backup.message(), HasSubstr("pg_dump"));
 }
 
 // Issue 54: the logs and step metrics of a job running across a failover have every line and
