@@ -352,7 +352,16 @@ TEST_F(HardeningTest, ANewlineInARefusedFieldNeverStartsALogLine) {
   EXPECT_GE(escaped, 4);
 }
 
-TEST_F(HardeningTest, OversizedFieldsAreRefusedNamingThemAndListingsKeepWorking) {
+// A coordinator whose job listings page at 20,000 bytes: pages of two large jobs.
+class HardeningListingTest : public HardeningTest {
+ protected:
+  void Configure(CoordinatorOptions& options) override {
+    HardeningTest::Configure(options);
+    options.limits.max_list_bytes = 20'000;
+  }
+};
+
+TEST_F(HardeningListingTest, OversizedFieldsAreRefusedNamingThemAndListingsKeepWorking) {
   const std::string& alice = tokens_->User("alice");
   v1::JobSpec big = testing::TinySpec("big", 1);
   big.mutable_data()->set_path(std::string(1 << 20, 'a'));
@@ -382,7 +391,7 @@ TEST_F(HardeningTest, OversizedFieldsAreRefusedNamingThemAndListingsKeepWorking)
   large.mutable_data()->set_path("/" + std::string(4000, 'p'));
   large.mutable_data()->set_loss_mask("/" + std::string(4000, 'm'));
   for (int i = 0; i < 6; ++i) ASSERT_TRUE(Submit(alice, large).ok());
-  server_->jobs().SetMaxListBytes(20'000);  // pages of two such jobs
+  // (This fixture's pages end at 20,000 bytes: two such jobs.)
   std::string token;
   int listed = 0, pages = 0;
   do {

@@ -244,33 +244,50 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
                                        s->options_.limits.max_log_bytes_per_job);
   s->metrics_ = std::make_unique<JobMetrics>(/*max_records_per_job=*/200'000,
                                              s->options_.limits.max_metric_bytes_per_job);
-  // A job's end stores its logs and metrics in the same transaction.
-  s->jobs_ = std::make_unique<JobManager>(
-      *s->store_, *s->nodes_, *s->rendezvous_, s->clock_,
-      [logs = s->logs_.get(), metrics = s->metrics_.get(),
-       history = s->options_.limits.history](const v1::Job& job) {
-        return SeriesRecords(*logs, *metrics, history, job.id(), job.end_time_ms());
-      });
-  s->jobs_->SetMetrics(s->metrics_prom_.get());
-  s->jobs_->SetDefaultMaxQueuedJobs(s->options_.limits.max_queued_jobs_per_user);
-  s->jobs_->SetMaxPendingSubmits(s->options_.limits.max_pending_submits);
-  s->jobs_->SetMaxKeptCheckpoints(s->options_.limits.max_kept_checkpoints);
+  JobManagerOptions jobs;
+  // Set before serving: a submit's callback wakes the scheduler at once.
+  jobs.scheduler_wakeup = [raw = s.get()] { raw->WakeScheduler(); };
+  // (The address exists only once the server is bound, with the server already serving: a
+  // node's hello in the instant before would be sent its assignments without it; new placements
+  // come only from the scheduler, which starts after.)
+  jobs.rank_coordinators = [raw = s.get()] {
+    absl::MutexLock lock(&raw->address_mu_);
+    return raw->rank_coordinators_;
+  };
+  jobs.preemption = s->options_.preemption;
+  jobs.preemption_grace = s->options_.preemption_grace;
+  jobs.min_run_time = s->options_.min_run_time;
+  jobs.max_preemption_grace = s->options_.max_preemption_grace;
+  jobs.max_kept_checkpoints = s->options_.limits.max_kept_checkpoints;
+  jobs.sharing = [ids = s->identities_.get()] { return ids->Sharing(); };
+  jobs.fair_share_half_life = s->options_.fair_share_half_life;
+  jobs.usage_reset = s->options_.fair_share_usage_reset;
+  jobs.job_credential = [ids = s->identities_.get()](const std::string& job, int32_t attempt) {
+    return ids->JobCredentialFor(job, attempt);
+  };
+  jobs.checkpoint_root = s->options_.checkpoint_root.empty()
+                             ? std::filesystem::absolute(dir + "/checkpoints").string()
+                             : s->options_.checkpoint_root;
+  jobs.finished_job_retention = s->options_.limits.finished_job_retention;
+  jobs.metrics = s->metrics_prom_.get();
+  jobs.default_max_queued_jobs = s->options_.limits.max_queued_jobs_per_user;
+  jobs.max_pending_submits = s->options_.limits.max_pending_submits;
   // A listing stays well inside a message, whatever its jobs hold.
-  s->jobs_->SetMaxListBytes(static_cast<size_t>(s->options_.max_message_bytes) / 2);
-  s->jobs_->SetPreemption(s->options_.preemption, s->options_.preemption_grace,
-                          s->options_.min_run_time, s->options_.max_preemption_grace);
-  s->jobs_->SetSharing([ids = s->identities_.get()] { return ids->Sharing(); },
-                       s->options_.fair_share_half_life, s->options_.fair_share_usage_reset);
+  jobs.max_list_bytes = s->options_.limits.max_list_bytes > 0
+                            ? s->options_.limits.max_list_bytes
+                            : static_cast<size_t>(s->options_.max_message_bytes) / 2;
+  // A job's end stores its logs and metrics in the same transaction.
+  jobs.end_records = [logs = s->logs_.get(), metrics = s->metrics_.get(),
+                      history = s->options_.limits.history](const v1::Job& job) {
+    return SeriesRecords(*logs, *metrics, history, job.id(), job.end_time_ms());
+  };
+  s->jobs_ = std::make_unique<JobManager>(*s->store_, *s->nodes_, *s->rendezvous_, s->clock_,
+                                          std::move(jobs));
   RETURN_IF_ERROR(s->jobs_->LoadUsage());
   RETURN_IF_ERROR(s->jobs_->LoadRequestIds());
   s->identities_->SetAccountInUse([jobs = s->jobs_.get()](const std::string& account) {
     return jobs->UnfinishedJobOf(account);
   });
-  s->jobs_->SetFinishedJobRetention(s->options_.limits.finished_job_retention);
-  s->jobs_->SetJobCredentials(
-      [ids = s->identities_.get()](const std::string& job, int32_t attempt) {
-        return ids->JobCredentialFor(job, attempt);
-      });
   ASSIGN_OR_RETURN(auto stored_nodes, s->store_->LoadNodes());
   RETURN_IF_ERROR(s->nodes_->Load(stored_nodes));
   ASSIGN_OR_RETURN(auto stored_jobs, s->store_->LoadJobs());
@@ -307,11 +324,6 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  // Set before serving: a submit's callback wakes the scheduler at once.
-  s->jobs_->SetCheckpointRoot(s->options_.checkpoint_root.empty()
-                                  ? std::filesystem::absolute(dir + "/checkpoints").string()
-                                  : s->options_.checkpoint_root);
-  s->jobs_->SetSchedulerWakeup([raw = s.get()] { raw->WakeScheduler(); });
   grpc::ServerBuilder builder;
   builder.AddListeningPort(s->options_.listen_address, credentials, &s->port_);
   builder.SetMaxReceiveMessageSize(s->options_.max_message_bytes);
@@ -333,11 +345,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   }
   const std::string& listen = s->options_.listen_address;
   s->address_ = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", s->port_);
-  // (The address exists only now, with the server already serving: JobManager holds it under
-  // its lock. A node's hello in the instant before this line would be sent its assignments
-  // without it; new placements come only from the scheduler, which starts below.)
-  s->jobs_->SetCoordinatorAddress(
-      RankCoordinators(s->options_.rank_coordinator_addresses, s->address_));
+  {
+    absl::MutexLock lock(&s->address_mu_);
+    s->rank_coordinators_ = RankCoordinators(s->options_.rank_coordinator_addresses, s->address_);
+  }
 
   if (s->options_.background_threads) {
     // Named, so that top -H and /proc/PID/task show where the coordinator's time goes.

@@ -44,6 +44,8 @@ struct CoordinatorLimits {
   int64_t max_tokens_per_user = 100;  // unrevoked, unexpired; negative: no cap
   // checkpoint.keep_last at most this (keep_last 0, every checkpoint, refused); 0: no cap.
   int64_t max_kept_checkpoints = 0;
+  // A job listing's page ends before its jobs pass this many bytes (0: half of max_message_bytes).
+  size_t max_list_bytes = 0;
   RendezvousLimits rendezvous;                 // per job attempt
   size_t max_log_bytes_per_job = 64 << 20;     // kept in memory; the oldest lines go first
   size_t max_metric_bytes_per_job = 64 << 20;  // kept in memory; the oldest steps go first
@@ -83,7 +85,7 @@ struct CoordinatorOptions {
   bool background_threads = true;
   // Share one fsync among concurrent writes. Off only to measure what it buys (bench/).
   bool group_commit = true;
-  // Preemption that checkpoints first (JobManager::SetPreemption); off by default.
+  // Preemption that checkpoints first (JobManagerOptions::preemption); off by default.
   bool preemption = false;
   absl::Duration preemption_grace = absl::Seconds(120);
   absl::Duration min_run_time = absl::Minutes(5);
@@ -180,6 +182,9 @@ class CoordinatorServer {
   bool schedule_requested_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time last_usage_save_ = absl::Now();       // the ticker thread's
   absl::Time last_unfinished_save_ = absl::Now();  // (ticker thread)
+  // The coordinators ranks are given (JobManagerOptions::rank_coordinators), known once bound.
+  absl::Mutex address_mu_;  // held only to read or write it
+  std::string rank_coordinators_ ABSL_GUARDED_BY(address_mu_);
   int64_t saved_at_ended_ = 0;     // JobManager::EndedCount at the last save (ticker thread)
   absl::Time last_history_purge_;  // likewise
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

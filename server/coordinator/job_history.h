@@ -1,7 +1,7 @@
 // JobHistory: what is left of a finished job once it leaves the coordinator's memory. After the
-// job's retention (JobManager::SetFinishedJobRetention), EvictFinished writes the job's kept log
-// lines and step metrics to the store as records ("job_logs" and "job_metrics", keyed by job id,
-// capped in bytes and expiring after their own retention), and only once they are durable does
+// job's retention (JobManagerOptions::finished_job_retention), EvictFinished writes the job's kept
+// log lines and step metrics to the store as records ("job_logs" and "job_metrics", keyed by job
+// id, capped in bytes and expiring after their own retention), and only once they are durable does
 // memory forget the job and its records. `yard describe`, `ls`, `logs` and `metrics` of such a
 // job are then served from the store (JobManager::Get and List, Logs and Metrics here), as Slurm
 // serves finished jobs from its accounting store once MinJobAge has passed.

@@ -34,47 +34,34 @@ const std::string& AccountOf(const v1::Job& job) {
 }
 
 JobManager::JobManager(JobStore& store, NodeRegistry& nodes, Rendezvous& rendezvous,
-                       const Clock& clock, EndRecords end_records)
-    : end_records_(std::move(end_records)),
-      store_(store),
+                       const Clock& clock, JobManagerOptions options)
+    : store_(store),
       nodes_(nodes),
       rendezvous_(rendezvous),
-      clock_(clock) {}
-
-void JobManager::SetSchedulerWakeup(std::function<void()> wakeup) { wakeup_ = std::move(wakeup); }
-
-void JobManager::SetPreemption(bool enabled, absl::Duration grace, absl::Duration min_run_time,
-                               absl::Duration max_grace) {
-  preemption_ = enabled;
-  preemption_grace_ = grace;
-  min_run_time_ = min_run_time;
-  max_preemption_grace_ = max_grace;
-}
-
-void JobManager::SetSharing(std::function<std::shared_ptr<const SharingPolicy>()> policy,
-                            absl::Duration half_life, UsageReset reset) {
-  policy_ = std::move(policy);
-  absl::MutexLock lock(&mu_);
-  usage_ = UsageLedger(half_life, reset);
-}
+      clock_(clock),
+      wakeup_(std::move(options.scheduler_wakeup)),
+      rank_coordinators_(std::move(options.rank_coordinators)),
+      preemption_(options.preemption),
+      max_kept_checkpoints_(options.max_kept_checkpoints),
+      preemption_grace_(options.preemption_grace),
+      min_run_time_(options.min_run_time),
+      max_preemption_grace_(options.max_preemption_grace),
+      policy_(std::move(options.sharing)),
+      credential_for_(std::move(options.job_credential)),
+      checkpoint_root_(std::move(options.checkpoint_root)),
+      metrics_(options.metrics),
+      retention_(options.finished_job_retention),
+      default_max_queued_jobs_(options.default_max_queued_jobs),
+      max_pending_submits_(options.max_pending_submits),
+      max_list_bytes_(options.max_list_bytes),
+      end_records_(std::move(options.end_records)),
+      usage_(options.fair_share_half_life, options.usage_reset) {}
 
 absl::Duration JobManager::GraceOf(const v1::Job& job) const {
   const int64_t seconds = job.spec().preemption_grace_seconds();
   const absl::Duration grace = seconds > 0 ? absl::Seconds(seconds) : preemption_grace_;
   return std::min(grace, max_preemption_grace_);
 }
-
-void JobManager::SetJobCredentials(
-    std::function<std::string(const std::string& job_id, int32_t attempt)> credential_for) {
-  credential_for_ = std::move(credential_for);
-}
-
-void JobManager::SetCoordinatorAddress(std::string address) {
-  absl::MutexLock lock(&mu_);
-  coordinator_address_ = std::move(address);
-}
-
-void JobManager::SetCheckpointRoot(std::string root) { checkpoint_root_ = std::move(root); }
 
 std::string JobManager::CheckpointDir(const std::string& job_id) const {
   return absl::StrCat(checkpoint_root_, "/", job_id);

@@ -39,6 +39,53 @@
 
 namespace trainyard::coordinator {
 
+// Everything a JobManager is configured with, given at construction (nothing is set later).
+struct JobManagerOptions {
+  // Called after every change that may let a waiting job start.
+  std::function<void()> scheduler_wakeup;
+  // The coordinators ranks are given (rendezvous and reports), read at each assignment: the
+  // server's address is known only once it is bound. Null: none.
+  std::function<std::string()> rank_coordinators;
+  // Preemption: a job the scheduler cannot place may preempt running jobs of lower priority that
+  // ran for `min_run_time`; they are asked to checkpoint and stop (TrainerCommands.stop_requested),
+  // their ranks stopped after their grace (the spec's preemption_grace_seconds, else
+  // `preemption_grace`, at most `max_preemption_grace`), and they go to PREEMPTED and wait to be
+  // placed again, resuming from that checkpoint. Off by default.
+  bool preemption = false;
+  absl::Duration preemption_grace = absl::Seconds(120);
+  absl::Duration min_run_time = absl::Minutes(5);
+  absl::Duration max_preemption_grace = absl::Minutes(10);
+  // The cluster's cap on checkpoint.keep_last (0: none): a spec over it is refused at submit.
+  int64_t max_kept_checkpoints = 0;
+  // Sharing: `sharing` gives accounts' quotas and shares and users' accounts and caps, read at
+  // each submission and scheduling pass; usage decays with `fair_share_half_life` and starts
+  // over at each `usage_reset`. Null: every job is in the default account with no limits.
+  std::function<std::shared_ptr<const SharingPolicy>()> sharing;
+  absl::Duration fair_share_half_life = absl::Hours(24 * 7);
+  UsageReset usage_reset = UsageReset::kNone;
+  // Makes the job credential of an attempt, put into its assignments. Null: none.
+  std::function<std::string(const std::string& job_id, int32_t attempt)> job_credential;
+  // Where jobs' checkpoints live: ROOT/JOB_ID, shared by the job's attempts so a restarted
+  // attempt resumes (empty: the worker picks a local folder).
+  std::string checkpoint_root;
+  // Finished jobs leave memory `finished_job_retention` after they end (infinite: never): their
+  // later reads are served from the store.
+  absl::Duration finished_job_retention = absl::InfiniteDuration();
+  // Where placements are counted (may be null).
+  CoordinatorMetrics* metrics = nullptr;
+  // The cap on a user's queued jobs when an admin set none for the user (negative: none).
+  int64_t default_max_queued_jobs = -1;
+  // Submissions waiting for the store, all owners together, past which Submit answers
+  // RESOURCE_EXHAUSTED with retry advice (negative: none).
+  int64_t max_pending_submits = -1;
+  // A List page ends before its jobs pass this many serialized bytes (always at least one job).
+  size_t max_list_bytes = size_t{2} << 20;
+  // What a job's end writes beside the job, in the same transaction: its logs' and metrics'
+  // records (JobHistory's SeriesRecords), so that they are as durable as the end itself (a
+  // failover, a restart or a backup right after it has them). Null: nothing.
+  std::function<std::vector<StoredRecord>(const v1::Job& job)> end_records;
+};
+
 class JobManager final : public JobLifecycle,
                          public UsageReports,
                          public TrainerReports,
@@ -48,13 +95,8 @@ class JobManager final : public JobLifecycle,
   using JobLifecycle::ListResult;
   using JobLifecycle::WatchCallback;
 
-  // What a job's end writes beside the job, in the same transaction: its logs' and metrics'
-  // records (JobHistory's SeriesRecords), so that they are as durable as the end itself (a
-  // failover, a restart or a backup right after it has them).
-  using EndRecords = std::function<std::vector<StoredRecord>(const v1::Job& job)>;
-
   JobManager(JobStore& store, NodeRegistry& nodes, Rendezvous& rendezvous, const Clock& clock,
-             EndRecords end_records = nullptr);
+             JobManagerOptions options = {});
 
   // The handlers (job_handlers.h, where each is documented).
   // JobLifecycle: job_manager.cc (reads, lists, watches, cancels), job_admission.cc (Submit).
@@ -100,25 +142,6 @@ class JobManager final : public JobLifecycle,
   // wait for their nodes to come back; DATA_LOSS for an unreadable record.
   absl::Status Load(const std::vector<StoredJob>& jobs);
 
-  // Called after every change that may let a waiting job start (set once, before serving).
-  void SetSchedulerWakeup(std::function<void()> wakeup);
-  // The address ranks use for rendezvous, put into assignments (set once, before serving).
-  void SetCoordinatorAddress(std::string address);
-  // Preemption (set once, before serving): a job the scheduler cannot place may preempt running
-  // jobs of lower priority that ran for `min_run_time`; they are asked to checkpoint and stop
-  // (TrainerCommands.stop_requested), their ranks stopped after their grace (the spec's
-  // preemption_grace_seconds, else `grace`, at most `max_grace`), and they go to PREEMPTED and wait
-  // to be placed again, resuming from that checkpoint. Off by default.
-  // The cluster's cap on checkpoint.keep_last (0: none): a spec over it is refused at submit.
-  void SetMaxKeptCheckpoints(int64_t n) { max_kept_checkpoints_ = n; }
-  void SetPreemption(bool enabled, absl::Duration grace, absl::Duration min_run_time,
-                     absl::Duration max_grace = absl::Minutes(10));
-  // Sharing (set once, before serving): `policy` gives accounts' quotas and shares and users'
-  // accounts and caps, read at each submission and scheduling pass; usage decays with
-  // `half_life` and starts over at each `reset`. Without it, every job is in the default account
-  // with no limits.
-  void SetSharing(std::function<std::shared_ptr<const SharingPolicy>()> policy,
-                  absl::Duration half_life, UsageReset reset = UsageReset::kNone);
   // Charges running jobs' devices since the last charge to their accounts' and owners' decayed
   // usage (at most 5 minutes' worth: a stalled coordinator does not bill its pause).
   void ChargeUsage();
@@ -126,16 +149,6 @@ class JobManager final : public JobLifecycle,
   // store's commit thread), loaded before serving (DATA_LOSS for an unreadable record).
   absl::Status SaveUsage();
   absl::Status LoadUsage();
-  // Makes the job credential of an attempt, put into its assignments (set once, before serving).
-  void SetJobCredentials(
-      std::function<std::string(const std::string& job_id, int32_t attempt)> credential_for);
-  // Where jobs' checkpoints live: ROOT/JOB_ID, shared by the job's attempts so a restarted
-  // attempt resumes (set once, before serving; empty: the worker picks a local folder).
-  void SetCheckpointRoot(std::string root);
-
-  // Finished jobs leave memory `retention` after they end (infinite: never): their later reads are
-  // served from the store. Set once, before Load.
-  void SetFinishedJobRetention(absl::Duration retention) { retention_ = retention; }
   // Up to `max` finished jobs whose retention has passed, whose final state is durable and whose
   // ranks have all exited, oldest first, now marked as being evicted: not offered again unless
   // handed back to EvictionFailed. Their logs and metrics are the caller's to persist first.
@@ -163,17 +176,6 @@ class JobManager final : public JobLifecycle,
   // For metrics: how many jobs are in each state, and which jobs run.
   std::map<v1::JobState, int> CountByState() const;
   std::vector<std::string> RunningJobs() const;
-  // Where placements are counted (set once, before serving; may stay null).
-  void SetMetrics(CoordinatorMetrics* metrics) { metrics_ = metrics; }
-  // The cap on a user's queued jobs when an admin set none for the user (negative: none). Set
-  // once, before serving.
-  void SetDefaultMaxQueuedJobs(int64_t max_queued) { default_max_queued_jobs_ = max_queued; }
-  // Submissions waiting for the store, all owners together, past which Submit answers
-  // RESOURCE_EXHAUSTED with retry advice (negative: none). Set once, before serving.
-  void SetMaxPendingSubmits(int64_t max_pending) { max_pending_submits_ = max_pending; }
-  // A List page ends before its jobs pass this many serialized bytes (always at least one job).
-  // Set once, before serving.
-  void SetMaxListBytes(size_t max_bytes) { max_list_bytes_ = max_bytes; }
 
  private:
   struct Watcher {
@@ -294,30 +296,32 @@ class JobManager final : public JobLifecycle,
   // identity registry's lock: call it before mu_.
   std::shared_ptr<const SharingPolicy> CurrentPolicy() const ABSL_LOCKS_EXCLUDED(mu_);
 
-  const EndRecords end_records_;
   JobStore& store_;
   NodeRegistry& nodes_;
   Rendezvous& rendezvous_;
   const Clock& clock_;
-  std::function<void()> wakeup_;  // set before serving; immutable after
-  // Known only once the server is bound (it may already serve): read and written under mu_.
-  std::string coordinator_address_ ABSL_GUARDED_BY(mu_);
-  bool preemption_ = false;           // likewise, with the two below
-  int64_t max_kept_checkpoints_ = 0;  // set once, before serving
-  absl::Duration preemption_grace_ = absl::Seconds(120);
-  absl::Duration min_run_time_ = absl::Minutes(5);
-  absl::Duration max_preemption_grace_ = absl::Minutes(10);
-  // Likewise; null: the default account, no limits.
-  std::function<std::shared_ptr<const SharingPolicy>()> policy_;
-  std::function<std::string(const std::string&, int32_t)> credential_for_;  // likewise
-  std::string checkpoint_root_;            // set before serving; immutable after
-  CoordinatorMetrics* metrics_ = nullptr;  // set before serving; immutable after
+  // From JobManagerOptions (their comments there), immutable.
+  const std::function<void()> wakeup_;
+  const std::function<std::string()> rank_coordinators_;
+  const bool preemption_;
+  const int64_t max_kept_checkpoints_;
+  const absl::Duration preemption_grace_;
+  const absl::Duration min_run_time_;
+  const absl::Duration max_preemption_grace_;
+  const std::function<std::shared_ptr<const SharingPolicy>()> policy_;
+  const std::function<std::string(const std::string&, int32_t)> credential_for_;
+  const std::string checkpoint_root_;
+  CoordinatorMetrics* const metrics_;
+  const absl::Duration retention_;
+  const int64_t default_max_queued_jobs_;
+  const int64_t max_pending_submits_;
+  const size_t max_list_bytes_;
+  const std::function<std::vector<StoredRecord>(const v1::Job&)> end_records_;
 
   mutable absl::Mutex mu_;
   std::map<std::string, v1::Job> jobs_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, std::string> ids_by_seq_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> unfinished_ ABSL_GUARDED_BY(mu_);  // ids of jobs not in a terminal state
-  absl::Duration retention_ = absl::InfiniteDuration();    // set before Load; immutable after
   // Finished jobs in memory by (end time in Unix ms, id): the eviction order.
   std::set<std::pair<int64_t, std::string>> finished_by_end_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> evicting_ ABSL_GUARDED_BY(mu_);  // taken, not yet evicted
@@ -357,10 +361,7 @@ class JobManager final : public JobLifecycle,
   int64_t requests_pruned_ms_ ABSL_GUARDED_BY(mu_) = 0;  // the store's expired ones, last deleted
   // QUEUED jobs by owner, kept by Transition (max_queued_jobs without a scan per submit).
   std::map<std::string, int64_t> queued_by_owner_ ABSL_GUARDED_BY(mu_);
-  int64_t default_max_queued_jobs_ = -1;  // set before serving
-  int64_t max_pending_submits_ = -1;      // set before serving
   int64_t pending_submits_ ABSL_GUARDED_BY(mu_) = 0;
-  size_t max_list_bytes_ = size_t{2} << 20;  // set before serving
   // Decayed device-seconds by "account:NAME" and "user:NAME".
   UsageLedger usage_ ABSL_GUARDED_BY(mu_);
   std::optional<absl::Time> last_charge_ ABSL_GUARDED_BY(mu_);

@@ -314,7 +314,7 @@ std::vector<std::pair<std::string, v1::Assignment>> JobManager::AssignmentsOf(
     a.set_first_rank(p.first_rank());
     *a.mutable_device_indices() = p.device_indices();
     a.set_spec(spec);
-    a.set_coordinator_address(coordinator_address_);
+    if (rank_coordinators_) a.set_coordinator_address(rank_coordinators_());
     a.set_owner(job.owner());
     if (credential_for_) a.set_job_credential(credential_for_(job.id(), job.attempt()));
     if (!checkpoint_root_.empty())
