@@ -920,8 +920,12 @@ void RankSupervisor::Remember(const RankKey& key, int64_t seq, const std::string
 
 std::vector<v1::NodeMessage> RankSupervisor::RecentLogs() const {
   std::vector<v1::NodeMessage> out;
+  const absl::Time now = absl::Now();
   absl::MutexLock lock(&recent_mu_);
   for (const auto& [key, recent] : recent_) {
+    if (recent.ended != absl::InfiniteFuture() && now - recent.ended > kEndedRecentLogsFor) {
+      continue;  // (dropped when the next rank starts)
+    }
     for (size_t i = 0; i < recent.lines.size(); i += 512) {
       v1::NodeMessage m;
       auto* l = m.mutable_logs();
