@@ -1,7 +1,6 @@
 #include "client/yard_client.h"
 
 #include <algorithm>
-#include <map>
 #include <random>
 #include <utility>
 
@@ -10,6 +9,7 @@
 #include "absl/time/clock.h"
 #include "common/coordinator_channel.h"
 #include "common/credentials.h"
+#include "common/seq_filter.h"
 
 namespace trainyard::client {
 
@@ -212,7 +212,7 @@ absl::Status YardClient::Logs(const std::string& job_id, bool follow, int tail,
   request.set_tail(tail);
   // Across a failover the stream starts again at the new leader, from the first line it has:
   // what was printed already is dropped by seq (per attempt and rank).
-  std::map<std::pair<int32_t, int32_t>, int64_t> printed;
+  SeqFilter printed;
   bool opened = false;
   return Stream<v1::LogLine>(
       follow ? absl::ZeroDuration() : absl::Seconds(60),
@@ -221,12 +221,7 @@ absl::Status YardClient::Logs(const std::string& job_id, bool follow, int tail,
         return jobs_->StreamLogs(ctx, request);
       },
       [&](const v1::LogLine& line) {
-        if (line.seq() > 0) {
-          int64_t& last = printed[{line.attempt(), line.rank()}];
-          if (line.seq() <= last) return absl::OkStatus();
-          last = line.seq();
-        }
-        on_line(line);
+        if (printed.Take(line)) on_line(line);
         return absl::OkStatus();
       },
       /*resume=*/true);
@@ -256,17 +251,12 @@ absl::Status YardClient::Metrics(const std::string& job_id, bool follow,
   v1::StreamMetricsRequest request;
   request.set_job_id(job_id);
   request.set_follow(follow);
-  std::map<std::pair<int32_t, int32_t>, int64_t> printed;  // as Logs
+  SeqFilter printed;  // as Logs
   return Stream<v1::StepReport>(
       follow ? absl::ZeroDuration() : absl::Seconds(60),
       [&](grpc::ClientContext* ctx) { return jobs_->StreamMetrics(ctx, request); },
       [&](const v1::StepReport& step) {
-        if (step.seq() > 0) {
-          int64_t& last = printed[{step.attempt(), step.rank()}];
-          if (step.seq() <= last) return absl::OkStatus();
-          last = step.seq();
-        }
-        on_step(step);
+        if (printed.Take(step)) on_step(step);
         return absl::OkStatus();
       },
       /*resume=*/true);

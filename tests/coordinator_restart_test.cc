@@ -202,23 +202,9 @@ TEST_P(CoordinatorRestartTest, LogsAndMetricsOfEndedAndRunningJobsSurviveSigkill
   const std::string state = dir.path() + "/state";
   const std::string store = Store("restart_logs");
   auto start = [&](const std::string& listen) {
-    std::vector<std::string> argv = {BinPath("trainyard-coordinator"),
-                                     "--listen",
-                                     listen,
-                                     "--state-dir",
-                                     state,
-                                     "--node-timeout",
-                                     "30s",
-                                     "--heartbeat-interval",
-                                     "0.25"};
-    if (!store.empty()) argv.insert(argv.end(), {"--store", store});
-    CoordinatorProcess c;
-    auto p = testing::Subprocess::Start(argv);
-    EXPECT_TRUE(p.ok()) << p.status();
-    if (!p.ok()) return c;
-    c.process = std::move(*p);
-    c.address = c.process->ReadLine(absl::Seconds(30)).value_or("");
-    return c;
+    std::vector<std::string> flags = {"--node-timeout", "30s", "--heartbeat-interval", "0.25"};
+    if (!store.empty()) flags.insert(flags.end(), {"--store", store});
+    return testing::StartCoordinatorProcess(state, flags, listen);
   };
   CoordinatorProcess c = start("127.0.0.1:0");
   ASSERT_FALSE(c.address.empty());

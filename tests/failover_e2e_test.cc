@@ -230,6 +230,43 @@ class FailoverE2eTest : public ::testing::Test {
   }
 
   std::vector<std::string> a_env_;  // replica a's extra environment (set before SetUp)
+  // Waits until the replica at `address` stands by, naming `leader`; the last probe's status.
+  grpc::Status WaitUntilStandsBy(const std::string& address, const std::string& leader) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    std::string named;
+    grpc::Status probe;
+    while (absl::Now() < deadline) {
+      named.clear();
+      probe = Probe(address, alice_token_, &named);
+      if (probe.error_code() == grpc::StatusCode::UNAVAILABLE && named == leader) return probe;
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    ADD_FAILURE() << address << " never stood by naming " << leader << ": "
+                  << probe.error_message();
+    return probe;
+  }
+
+  // Checks that every submit in `acked` is stored, and each logical submit once: no two jobs
+  // share a request id, and the store holds no job that no client was given. Returns how many
+  // jobs there are.
+  size_t ExpectEachSubmitStoredOnce(const std::set<std::string>& acked) {
+    auto listed = client::YardClient(list_, alice_token_).List({}, 0);
+    EXPECT_TRUE(listed.ok()) << listed.status();
+    if (!listed.ok()) return 0;
+    std::set<std::string> present, request_ids;
+    for (const v1::Job& j : listed->jobs()) {
+      present.insert(j.id());
+      EXPECT_FALSE(j.request_id().empty()) << j.id();
+      EXPECT_TRUE(request_ids.insert(j.request_id()).second)
+          << "request " << j.request_id() << " stored twice (again as " << j.id() << ")";
+    }
+    for (const std::string& id : acked) EXPECT_EQ(present.count(id), 1u) << id << " was lost";
+    EXPECT_EQ(present.size(), acked.size()) << "a stored job that no client was given";
+    EXPECT_EQ(server_->Query(database_, "SELECT count(*) FROM jobs").value_or(""),
+              absl::StrCat(present.size()));
+    return present.size();
+  }
+
   TempDir dir_;
   testing::PostgresServer* server_ = nullptr;
   std::string database_, store_, key_file_, list_, alice_token_;
@@ -317,17 +354,8 @@ TEST_F(FailoverE2eTest, APausedLeaderThatResumesAfterTheTakeoverWritesNothing) {
   a_.process->Signal(SIGCONT);
   auto direct = client::YardClient(a_.address, alice_token_).Submit(testing::TinySpec("late", 1));
   // It stands by now (within a renewal or two), naming the new leader.
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  std::string leader;
-  grpc::Status probe;
-  while (absl::Now() < deadline) {
-    leader.clear();
-    probe = Probe(a_.address, alice_token_, &leader);
-    if (probe.error_code() == grpc::StatusCode::UNAVAILABLE && leader == b_.address) break;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
+  const grpc::Status probe = WaitUntilStandsBy(a_.address, b_.address);
   EXPECT_EQ(probe.error_code(), grpc::StatusCode::UNAVAILABLE) << probe.error_message();
-  EXPECT_EQ(leader, b_.address);
   EXPECT_THAT(probe.error_message(), HasSubstr("standby"));
 
   // The store holds what b acknowledged and, of the direct submit, only what b itself took (the
@@ -551,36 +579,12 @@ TEST_F(FailoverE2eTest, ALeaderPausedInsideAWriteTransactionIsTakenOverWithinIts
 
   // The old leader resumes, finds its lease gone and stands by, naming b.
   a_.process->Signal(SIGCONT);
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  std::string leader;
-  grpc::Status probe;
-  while (absl::Now() < deadline) {
-    leader.clear();
-    probe = Probe(a_.address, alice_token_, &leader);
-    if (probe.error_code() == grpc::StatusCode::UNAVAILABLE && leader == b_.address) break;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  EXPECT_EQ(leader, b_.address) << probe.error_message();
+  WaitUntilStandsBy(a_.address, b_.address);
   submitters.Stop();
   EXPECT_EQ(submitters.failed(), 0);
-  const std::set<std::string> acked = submitters.acked();
-
-  // Every acknowledged submit is stored, each logical submit once: no two jobs share a request
-  // id (the paused transaction held first tries of submits that were retried at b).
-  auto listed = client::YardClient(list_, alice_token_).List({}, 0);
-  ASSERT_TRUE(listed.ok()) << listed.status();
-  std::set<std::string> present, request_ids;
-  for (const v1::Job& j : listed->jobs()) {
-    present.insert(j.id());
-    EXPECT_FALSE(j.request_id().empty()) << j.id();
-    EXPECT_TRUE(request_ids.insert(j.request_id()).second)
-        << "request " << j.request_id() << " stored twice (again as " << j.id() << ")";
-  }
-  for (const std::string& id : acked) EXPECT_EQ(present.count(id), 1u) << id << " was lost";
-  EXPECT_EQ(present.size(), acked.size());
-  auto rows = server_->Query(database_, "SELECT count(*) FROM jobs");
-  ASSERT_TRUE(rows.ok()) << rows.status();
-  EXPECT_EQ(*rows, absl::StrCat(present.size()));
+  // Every acknowledged submit is stored, each logical submit once (the paused transaction held
+  // first tries of submits that were retried at b).
+  ExpectEachSubmitStoredOnce(submitters.acked());
 }
 
 // Replica a dies (as if SIGKILLed) at its 30th submit, after the job's commit and before the
@@ -606,25 +610,9 @@ TEST_F(FailoverKilledAfterCommitTest, EveryLogicalSubmitIsStoredExactlyOnce) {
       << "yard did not follow the new leader";
   submitters.Stop();
   EXPECT_EQ(submitters.failed(), 0);
-  const std::set<std::string> acked = submitters.acked();
-
   // Each logical submit once: the submits that a had stored without answering were retried at b
   // with their request ids, and b answered with the jobs a had stored.
-  auto listed = client::YardClient(list_, alice_token_).List({}, 0);
-  ASSERT_TRUE(listed.ok()) << listed.status();
-  std::set<std::string> present, request_ids;
-  for (const v1::Job& j : listed->jobs()) {
-    present.insert(j.id());
-    EXPECT_FALSE(j.request_id().empty()) << j.id();
-    EXPECT_TRUE(request_ids.insert(j.request_id()).second)
-        << "request " << j.request_id() << " stored twice (again as " << j.id() << ")";
-  }
-  EXPECT_GE(present.size(), 30u);
-  for (const std::string& id : acked) EXPECT_EQ(present.count(id), 1u) << id << " was lost";
-  EXPECT_EQ(present.size(), acked.size()) << "a stored job that no client was given";
-  auto rows = server_->Query(database_, "SELECT count(*) FROM jobs");
-  ASSERT_TRUE(rows.ok()) << rows.status();
-  EXPECT_EQ(*rows, absl::StrCat(present.size()));
+  EXPECT_GE(ExpectEachSubmitStoredOnce(submitters.acked()), 30u);
 }
 
 }  // namespace

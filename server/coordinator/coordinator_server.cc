@@ -423,13 +423,9 @@ void CoordinatorServer::Tick() {
       spdlog::error("saving accounts' usage failed: {}", std::string(s.message()));
     }
   }
-  // Every interval, and at once after a job ended (its last lines and steps are then durable
-  // within a tick of its end, for a failover or a backup).
-  const int64_t ended = jobs_->EndedCount();
-  if (now - last_unfinished_save_ >= options_.limits.history.save_unfinished_interval ||
-      ended != saved_at_ended_) {
+  // Every interval (a job's end stores its own in the transaction that ends it).
+  if (now - last_unfinished_save_ >= options_.limits.history.save_unfinished_interval) {
     last_unfinished_save_ = now;
-    saved_at_ended_ = ended;
     if (absl::Status s = history_->SaveUnfinished(/*changed_only=*/true).status(); !s.ok()) {
       spdlog::error("saving running jobs' logs and metrics failed: {}", std::string(s.message()));
     }

@@ -185,7 +185,6 @@ class CoordinatorServer {
   // The coordinators ranks are given (JobManagerOptions::rank_coordinators), known once bound.
   absl::Mutex address_mu_;  // held only to read or write it
   std::string rank_coordinators_ ABSL_GUARDED_BY(address_mu_);
-  int64_t saved_at_ended_ = 0;     // JobManager::EndedCount at the last save (ticker thread)
   absl::Time last_history_purge_;  // likewise
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;

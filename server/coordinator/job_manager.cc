@@ -119,7 +119,7 @@ void JobManager::Transition(v1::Job& job, v1::JobState to, std::string message) 
     queued_by_owner_.erase(job.owner());
   }
   if (to == v1::QUEUED) ++queued_by_owner_[job.owner()];
-  if (IsTerminal(to)) ++ended_;
+  if (IsTerminal(to)) ends_to_store_.insert(job.id());
   job.set_state(to);
   job.set_message(std::move(message));
   job.set_version(job.version() + 1);
@@ -134,7 +134,9 @@ void JobManager::Transition(v1::Job& job, v1::JobState to, std::string message) 
 void JobManager::Persist(const v1::Job& job, std::function<void(absl::Status)> after) {
   WriteBatch batch;
   batch.put_jobs.push_back(ToStored(job));
-  if (IsTerminal(job.state()) && end_records_) batch.put_records = end_records_(job);
+  // The end's own write carries the job's logs and metrics; later writes of the ended job (its
+  // other ranks' exits) do not encode them again.
+  if (ends_to_store_.erase(job.id()) > 0 && end_records_) batch.put_records = end_records_(job);
   store_.Commit(std::move(batch), [this, job, after = std::move(after)](absl::Status s) {
     if (!s.ok()) {
       spdlog::error("store: writing job {} failed: {}", job.id(), s.ToString());
@@ -379,11 +381,6 @@ std::vector<std::pair<std::string, int64_t>> JobManager::ResidentJobEnds() const
     out.emplace_back(id, IsTerminal(job.state()) ? job.end_time_ms() : 0);
   }
   return out;
-}
-
-int64_t JobManager::EndedCount() const {
-  absl::MutexLock lock(&mu_);
-  return ended_;
 }
 
 std::vector<v1::Job> JobManager::TakeEvictionCandidates(size_t max) {

@@ -158,8 +158,6 @@ class JobManager final : public JobLifecycle,
   // Every job held in memory (unfinished, and finished within the retention), with its end time
   // (Unix ms; 0 while unfinished).
   std::vector<std::pair<std::string, int64_t>> ResidentJobEnds() const ABSL_LOCKS_EXCLUDED(mu_);
-  // How many jobs have ended since this process started (a change means a job ended).
-  int64_t EndedCount() const ABSL_LOCKS_EXCLUDED(mu_);
   // Forgets jobs taken by TakeEvictionCandidates, or offers them again at the next call.
   void Evict(const std::vector<std::string>& job_ids) ABSL_LOCKS_EXCLUDED(mu_);
   void EvictionFailed(const std::vector<std::string>& job_ids) ABSL_LOCKS_EXCLUDED(mu_);
@@ -356,7 +354,8 @@ class JobManager final : public JobLifecycle,
     int64_t expires_ms = 0;
   };
   std::map<std::string, SubmitRequest> requests_ ABSL_GUARDED_BY(mu_);
-  int64_t ended_ ABSL_GUARDED_BY(mu_) = 0;  // EndedCount
+  // Jobs that ended and whose end Persist has not written yet (with their logs and metrics).
+  std::set<std::string> ends_to_store_ ABSL_GUARDED_BY(mu_);
   std::multimap<int64_t, std::string> request_expiry_ ABSL_GUARDED_BY(mu_);
   int64_t requests_pruned_ms_ ABSL_GUARDED_BY(mu_) = 0;  // the store's expired ones, last deleted
   // QUEUED jobs by owner, kept by Transition (max_queued_jobs without a scan per submit).

@@ -10,6 +10,7 @@
 #ifndef TRAINYARD_SERVER_COORDINATOR_JOB_SERIES_H_
 #define TRAINYARD_SERVER_COORDINATOR_JOB_SERIES_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -21,6 +22,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "common/seq_filter.h"
 
 namespace trainyard::coordinator {
 
@@ -39,18 +41,10 @@ class JobSeries {
     {
       absl::MutexLock lock(&mu_);
       Series& s = series_[job_id];
-      // Copies sent again go first (in place: records stay in order).
-      size_t kept = 0;
-      for (size_t i = 0; i < records.size(); ++i) {
-        if (records[i].seq() > 0) {
-          int64_t& last = s.last_seq[{records[i].attempt(), records[i].rank()}];
-          if (records[i].seq() <= last) continue;
-          last = records[i].seq();
-        }
-        if (kept != i) records[kept] = std::move(records[i]);
-        ++kept;
-      }
-      records.resize(kept);
+      // Copies sent again go first (records stay in order).
+      records.erase(std::remove_if(records.begin(), records.end(),
+                                   [&s](const T& r) { return !s.seqs.Take(r); }),
+                    records.end());
       if (records.empty()) return 0;
       ++s.appends;
       for (const T& r : records) {
@@ -71,12 +65,9 @@ class JobSeries {
 
   // Whether Append would keep `record` now (it has no seq, or one past the last kept).
   bool Fresh(const std::string& job_id, const T& record) const {
-    if (record.seq() <= 0) return true;
     absl::MutexLock lock(&mu_);
     auto it = series_.find(job_id);
-    if (it == series_.end()) return true;
-    auto last = it->second.last_seq.find({record.attempt(), record.rank()});
-    return last == it->second.last_seq.end() || record.seq() > last->second;
+    return it == series_.end() || it->second.seqs.Fresh(record);
   }
 
   // Returns a handle for Unsubscribe. `on_records` gets the kept records first (the last `tail`
@@ -148,7 +139,7 @@ class JobSeries {
     std::deque<T> records;
     size_t bytes = 0;  // of records
     uint64_t appends = 0;
-    std::map<std::pair<int32_t, int32_t>, int64_t> last_seq;  // (attempt, rank) -> seq kept
+    SeqFilter seqs;  // what was kept, by seq
     std::map<int64_t, std::shared_ptr<Callback>> subscribers;
   };
 

@@ -17,11 +17,13 @@ struct CoordinatorProcess {
   std::string address;  // empty if it did not start
 };
 
-// Starts trainyard-coordinator on a free loopback port with `state_dir` and more `flags`, and
-// waits for the address it prints once it serves (a test failure if none comes within 30 s).
+// Starts trainyard-coordinator on `listen` (default: a free loopback port) with `state_dir` and
+// more `flags`, and waits for the address it prints once it serves (a test failure if none comes
+// within 30 s).
 inline CoordinatorProcess StartCoordinatorProcess(const std::string& state_dir,
-                                                  const std::vector<std::string>& flags = {}) {
-  std::vector<std::string> argv = {BinPath("trainyard-coordinator"), "--listen", "127.0.0.1:0",
+                                                  const std::vector<std::string>& flags = {},
+                                                  const std::string& listen = "127.0.0.1:0") {
+  std::vector<std::string> argv = {BinPath("trainyard-coordinator"), "--listen", listen,
                                    "--state-dir", state_dir};
   argv.insert(argv.end(), flags.begin(), flags.end());
   CoordinatorProcess c;
