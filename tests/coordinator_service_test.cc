@@ -217,6 +217,20 @@ TEST_F(CoordinatorServiceTest, BadSpecsAreRejectedNamingTheFieldAndNothingIsStor
   EXPECT_EQ(List({}).jobs_size(), 0);
 }
 
+// A layout rule is the validator's, so the coordinator refuses such a job at submit (it used to
+// be queued and placed, then fail on its ranks): fp16's loss scaling runs with DDP only.
+TEST_F(CoordinatorServiceTest, Fp16WithFsdpIsRefusedAtSubmitNamingTheFieldNotOnARank) {
+  v1::JobSpec spec = Spec(2);
+  spec.mutable_train()->set_mixed_precision(v1::FP16);
+  spec.mutable_parallel()->set_strategy(v1::FSDP);
+  grpc::Status s = Submit(spec, nullptr);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), StartsWith("train.mixed_precision: fp16"));
+  EXPECT_EQ(List({}).jobs_size(), 0);
+  spec.mutable_parallel()->set_strategy(v1::DDP);
+  MustSubmit(spec);
+}
+
 TEST_F(CoordinatorServiceTest, OversizedRequestIsResourceExhaustedAndNothingIsStored) {
   v1::JobSpec spec = Spec(1);
   spec.set_name(std::string(5 << 20, 'a'));  // over the 4 MiB limit

@@ -313,6 +313,21 @@ TEST_F(YardE2eTest, ZeroGpusNamesResourcesGpusAndStoresNothing) {
   EXPECT_THAT(ListedIds(), IsEmpty());
 }
 
+// The layout and precision rules are the one validator's, which yard calls before sending: fp16
+// with FSDP is refused by `yard submit` naming the field, not by a rank after placement.
+TEST_F(YardE2eTest, Fp16WithFsdpIsRefusedAtSubmitNamingTheFieldAndStoresNothing) {
+  const std::string path =
+      WriteSpec("fp16.yaml",
+                "name: e2e\nresources: {gpus: 2}\nmodel: {n_layer: 2, n_head: 2, d_model: 64, "
+                "seq_len: 16}\ndata: {path: /usr/share/common-licenses/GPL-3}\n"
+                "train: {steps: 10, mixed_precision: fp16}\nparallel: {strategy: fsdp}\n");
+  CommandResult r = Yard({"submit", path});
+  ExpectOneLineFailure(r);
+  EXPECT_THAT(r.err, HasSubstr("train.mixed_precision: fp16 (dynamic loss scaling) runs with "
+                               "strategy ddp"));
+  EXPECT_THAT(ListedIds(), IsEmpty());
+}
+
 TEST_F(YardE2eTest, UnknownFieldNamesItAndItsLineAndStoresNothing) {
   const std::string path = WriteSpec("unknown.yaml", BlockSpec("  n_layer: 2\n"   // 5
                                                                "  n_heads: 2\n"   // 6

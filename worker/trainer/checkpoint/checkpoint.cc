@@ -110,7 +110,8 @@ torch::Device ParametersDevice(torch::optim::Optimizer& optimizer) {
 }
 
 absl::Status WriteStepDirectory(const std::string& tmp, int64_t step, torch::nn::Module& model,
-                                torch::optim::Optimizer& optimizer, const ExtraState& extra) {
+                                torch::optim::Optimizer& optimizer, const MetaNotes& notes,
+                                const ExtraState& extra) {
   const torch::Device device = ParametersDevice(optimizer);
   try {
     torch::serialize::OutputArchive archive;
@@ -137,25 +138,15 @@ absl::Status WriteStepDirectory(const std::string& tmp, int64_t step, torch::nn:
     RETURN_IF_ERROR(SyncPath(tmp + file));
   }
   if (!extra.empty()) RETURN_IF_ERROR(SyncPath(tmp + "/amp.pt"));
-  RETURN_IF_ERROR(WriteSyncedFile(tmp + "/meta.json", MetaJson(step, OptimizerName(optimizer))));
+  RETURN_IF_ERROR(
+      WriteSyncedFile(tmp + "/meta.json", MetaJson(step, OptimizerName(optimizer), notes)));
   return SyncPath(tmp);
 }
 
 }  // namespace
 
-namespace {
-
-MetaNotes& Notes() {
-  static MetaNotes* notes = new MetaNotes();
-  return *notes;
-}
-
-}  // namespace
-
-void SetMetaNotes(MetaNotes notes) { Notes() = std::move(notes); }
-
-std::string MetaJson(int64_t step, const std::string& optimizer, int pipeline_stages) {
-  const MetaNotes& notes = Notes();
+std::string MetaJson(int64_t step, const std::string& optimizer, const MetaNotes& notes,
+                     int pipeline_stages) {
   return absl::StrCat(
       "{\"step\": ", step, ", \"optimizer\": \"", optimizer, "\"",
       pipeline_stages > 0 ? absl::StrCat(", \"pipeline_stages\": ", pipeline_stages) : "",
@@ -276,7 +267,7 @@ absl::StatusOr<std::optional<CheckpointInfo>> FindLatestCheckpoint(const std::st
 absl::StatusOr<CheckpointInfo> WriteCheckpoint(const std::string& dir, int64_t step,
                                                torch::nn::Module& model,
                                                torch::optim::Optimizer& optimizer,
-                                               const ExtraState& extra) {
+                                               const MetaNotes& notes, const ExtraState& extra) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return absl::InternalError(absl::StrCat("cannot create '", dir, "': ", ec.message()));
@@ -287,7 +278,7 @@ absl::StatusOr<CheckpointInfo> WriteCheckpoint(const std::string& dir, int64_t s
     fs::remove_all(tmp, ec);
     fs::create_directories(tmp, ec);
     if (ec) return absl::InternalError(absl::StrCat("cannot create '", tmp, "': ", ec.message()));
-    RETURN_IF_ERROR(WriteStepDirectory(tmp, step, model, optimizer, extra));
+    RETURN_IF_ERROR(WriteStepDirectory(tmp, step, model, optimizer, notes, extra));
     fs::remove_all(final_path, ec);  // an incomplete leftover (no meta.json) cannot be named
     if (::rename(tmp.c_str(), final_path.c_str()) != 0) return Errno("cannot rename", tmp);
     RETURN_IF_ERROR(SyncPath(dir));

@@ -31,15 +31,26 @@ struct CheckpointInfo {
   int64_t bytes = 0;
 };
 
+// What a meta.json records besides the step and the optimizer: the training settings a resume
+// must keep (a JSON object's text, "settings"; "" for none) and the evaluation loss of the step
+// being checkpointed ("eval_loss"; nullopt: none ran at it). The trainer passes them with each
+// checkpoint; consolidation copies the sharded checkpoint's.
+struct MetaNotes {
+  std::string settings;
+  std::optional<double> eval_loss;
+};
+
 // Writes the checkpoint of `step` (optimizer steps completed). If DIR/step-<N> already exists
 // complete (written by an earlier attempt at the same step: training is deterministic, so it is
 // the same state) it is kept and only `latest` moves.
 // Tensors are written from the CPU whatever device they live on (checkpoints load anywhere).
 // `extra`: more training state by name (fp16's loss scale), written to amp.pt when not empty.
+// `notes`: what meta.json records besides the step and the optimizer (MetaNotes).
 using ExtraState = std::vector<std::pair<std::string, torch::Tensor>>;
 absl::StatusOr<CheckpointInfo> WriteCheckpoint(const std::string& dir, int64_t step,
                                                torch::nn::Module& model,
                                                torch::optim::Optimizer& optimizer,
+                                               const MetaNotes& notes,
                                                const ExtraState& extra = {});
 
 // Loads DIR/latest into `model` and `optimizer` and restores the RNG; nullopt when there is none.
@@ -80,18 +91,9 @@ int64_t DirectoryBytes(const std::string& path);  // of the regular files direct
 // meta.json's text, and the optimizer a checkpoint directory's meta.json names ("adamw" when it
 // names none, as before train.optimizer).
 // `pipeline_stages` > 0: written by a pipeline (pipeline.h), which records its stages.
-std::string MetaJson(int64_t step, const std::string& optimizer, int pipeline_stages = 0);
+std::string MetaJson(int64_t step, const std::string& optimizer, const MetaNotes& notes,
+                     int pipeline_stages = 0);
 absl::StatusOr<std::string> CheckpointOptimizer(const std::string& path);
-// What every meta.json this process writes (MetaJson) records besides the step and the
-// optimizer: the training settings a resume must keep (a JSON object's text, "settings"; "" for
-// none) and the evaluation loss of the step being checkpointed ("eval_loss"; nullopt: none ran at
-// it). The trainer sets them before each checkpoint; consolidation copies the sharded
-// checkpoint's.
-struct MetaNotes {
-  std::string settings;
-  std::optional<double> eval_loss;
-};
-void SetMetaNotes(MetaNotes notes);
 // The settings a checkpoint folder's meta.json records, as JSON text ("" when it has none: one
 // written before they were recorded). DATA_LOSS when meta.json cannot be read or parsed.
 absl::StatusOr<std::string> CheckpointSettings(const std::string& path);

@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "worker/trainer/checkpoint/retention.h"
 #include "worker/trainer/optim/optimizers.h"
 
 namespace trainyard::trainer {
@@ -180,7 +181,7 @@ void CopyOverlap(const torch::Tensor& old_shard, int k, int old_count, torch::Te
 
 absl::StatusOr<CheckpointInfo> WriteShardedCheckpoint(const std::string& dir, int64_t step,
                                                       FsdpModel& fsdp, Communicator& world,
-                                                      double lr) {
+                                                      double lr, const MetaNotes& notes) {
   const bool rank0 = world.rank() == 0;
   auto write_shard = [&](const std::string& tmp) -> absl::Status {
     if (!fsdp.writes_shards()) return absl::OkStatus();
@@ -202,7 +203,7 @@ absl::StatusOr<CheckpointInfo> WriteShardedCheckpoint(const std::string& dir, in
   auto finish = [&](const std::string& tmp) -> absl::Status {
     RETURN_IF_ERROR(
         WriteSyncedFile(tmp + "/manifest.json", ManifestJson(fsdp, step, lr).dump(1) + "\n"));
-    return WriteSyncedFile(tmp + "/meta.json", MetaJson(step, Name(fsdp.optimizer().kind)));
+    return WriteSyncedFile(tmp + "/meta.json", MetaJson(step, Name(fsdp.optimizer().kind), notes));
   };
   return WriteCollectiveCheckpoint(dir, step, world, write_shard, finish);
 }
@@ -485,7 +486,14 @@ absl::StatusOr<CheckpointInfo> ConsolidateShardedCheckpoint(const std::string& s
   for (const char* file : {"/model.pt", "/optimizer.pt", "/rng.pt"}) {
     RETURN_IF_ERROR(SyncPath(tmp + file));
   }
-  RETURN_IF_ERROR(WriteSyncedFile(tmp + "/meta.json", MetaJson(m.step, Name(m.optimizer.kind))));
+  // (A copy without meta.json records none; the manifest decides whether it consolidates.)
+  MetaNotes notes;
+  if (fs::exists(sharded + "/meta.json")) {
+    ASSIGN_OR_RETURN(notes.settings, CheckpointSettings(sharded));
+    notes.eval_loss = CheckpointEvalLoss(sharded);
+  }
+  RETURN_IF_ERROR(
+      WriteSyncedFile(tmp + "/meta.json", MetaJson(m.step, Name(m.optimizer.kind), notes)));
   RETURN_IF_ERROR(SyncPath(tmp));
   std::error_code ec;
   fs::remove_all(final_path, ec);

@@ -41,10 +41,10 @@ namespace trainyard::trainer {
 
 // Every rank calls it after the step's optimizer update; `world` is every rank. The manifest
 // records `fsdp`'s optimizer and its hyper-parameters, and the job's learning rate `lr`, which a
-// consolidated checkpoint's optimizer is built with.
+// consolidated checkpoint's optimizer is built with; meta.json `notes`.
 absl::StatusOr<CheckpointInfo> WriteShardedCheckpoint(const std::string& dir, int64_t step,
                                                       FsdpModel& fsdp, Communicator& world,
-                                                      double lr);
+                                                      double lr, const MetaNotes& notes);
 
 // Loads DIR/latest into `fsdp`'s shards (and the RNG); nullopt when there is none.
 // FAILED_PRECONDITION for a checkpoint of another model or a DDP-format one.
@@ -80,7 +80,8 @@ absl::Status ImportParameterStates(
     int64_t step);
 
 // Writes the consolidated checkpoint of `sharded` (a DIR/step-<N>) as OUT/step-<N> and points
-// OUT/latest at it.
+// OUT/latest at it. Its meta.json records what the sharded one's does (the settings a resume must
+// keep, the eval loss), so that a resume from it is checked as from the original.
 absl::StatusOr<CheckpointInfo> ConsolidateShardedCheckpoint(const std::string& sharded,
                                                             const std::string& out_dir);
 

@@ -8,9 +8,22 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/status_macros.h"
 #include "worker/trainer/model/model.h"
 
 namespace trainyard::trainer {
+
+absl::StatusOr<std::unique_ptr<HfCheckpoint>> OpenModelFrom(ModelConfig* m) {
+  if (m->from.empty()) return nullptr;
+  auto prefixed = [](const absl::Status& s) {
+    return absl::Status(s.code(), absl::StrCat("model.from: ", s.message()));
+  };
+  ASSIGN_OR_RETURN(const LlamaConfig config, ResolveFromCheckpoint(m));
+  auto opened = HfCheckpoint::Open(m->from);
+  if (!opened.ok()) return prefixed(opened.status());
+  if (absl::Status s = (*opened)->Check(LlamaTensors(config)); !s.ok()) return prefixed(s);
+  return opened;
+}
 namespace {
 
 absl::Status WriteFileAtomically(const std::string& path, const std::string& bytes) {

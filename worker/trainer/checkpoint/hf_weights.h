@@ -9,13 +9,20 @@
 
 #include <torch/torch.h>
 
+#include <memory>
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "common/job_config.h"
 #include "worker/trainer/io/hf_checkpoint.h"
 
 namespace trainyard::trainer {
+
+// model.from: fills the sizes `m` leaves out from the checkpoint's config.json and opens it, every
+// tensor checked (names, shapes, dtypes; headers only), so that a bad checkpoint fails before any
+// rank waits for another. Errors name model.from. Null when `m` has no model.from.
+absl::StatusOr<std::unique_ptr<HfCheckpoint>> OpenModelFrom(ModelConfig* m);
 
 // Copies every parameter of `model` but LoRA adapters from the mapped `checkpoint`, converting F16
 // and BF16 to the parameter's fp32 (exactly: both widen without rounding). INVALID_ARGUMENT naming

@@ -14,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace trainyard::trainer {
 
@@ -99,6 +100,26 @@ absl::StatusOr<Retained> PruneCheckpoints(const std::string& dir, const Retentio
   }
   std::reverse(out.removed.begin(), out.removed.end());
   return kept_list();
+}
+
+CheckpointReport RetainAfterCheckpoint(const std::string& dir, const RetentionPolicy& policy,
+                                       int64_t step, const std::string& path, int64_t bytes,
+                                       void (*log)(const std::string& line)) {
+  CheckpointReport report{step, path, bytes, CheckpointEvalLoss(path), {}};
+  // The oldest beyond checkpoint.keep_last go (but the best, with keep_best).
+  absl::StatusOr<Retained> pruned = PruneCheckpoints(dir, policy);
+  if (!pruned.ok()) {
+    log(absl::StrCat("checkpoint retention: ", pruned.status().message()));
+    return report;
+  }
+  if (!pruned->removed.empty()) {
+    log(absl::StrCat("removed ", absl::StrJoin(pruned->removed, ", "), " (checkpoint.keep_last ",
+                     policy.keep_last, policy.keep_best ? ", keep_best" : "", ")"));
+  }
+  for (const Retained::Checkpoint& c : pruned->kept) {
+    report.kept.push_back({c.step, dir + "/" + c.name, c.eval_loss});
+  }
+  return report;
 }
 
 }  // namespace trainyard::trainer

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "worker/trainer/control/reporter.h"
 
 namespace trainyard::trainer {
 
@@ -35,6 +36,13 @@ struct Retained {
 // Removes what `policy` does not keep. An error names the folder it could not remove (the rest
 // stay).
 absl::StatusOr<Retained> PruneCheckpoints(const std::string& dir, const RetentionPolicy& policy);
+
+// After the checkpoint of `step` at `path` (`bytes` big) is durable and DIR/latest names it:
+// prunes `dir` by `policy`, logging what went (or why nothing could), and returns the coordinator's
+// report of the checkpoint and of what retention kept.
+CheckpointReport RetainAfterCheckpoint(const std::string& dir, const RetentionPolicy& policy,
+                                       int64_t step, const std::string& path, int64_t bytes,
+                                       void (*log)(const std::string& line));
 
 // The eval_loss a checkpoint folder's meta.json records (nullopt: none, or unreadable).
 std::optional<double> CheckpointEvalLoss(const std::string& path);

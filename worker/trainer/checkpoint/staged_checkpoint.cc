@@ -12,7 +12,8 @@ namespace trainyard::trainer {
 absl::StatusOr<CheckpointInfo> WriteStagedCheckpoint(
     const std::string& dir, int64_t step, const PipelineLayout& layout, const LanguageModel& model,
     const std::vector<std::pair<std::string, torch::Tensor>>& params,
-    torch::optim::Optimizer& optimizer, Communicator& world, Communicator* tensor) {
+    torch::optim::Optimizer& optimizer, Communicator& world, Communicator* tensor,
+    const MetaNotes& notes) {
   // The first replica's tensor-parallel group gathers its shards; its rank 0 writes.
   auto write_stage = [&](const std::string& tmp) -> absl::Status {
     if (layout.replica != 0) return absl::OkStatus();
@@ -54,7 +55,7 @@ absl::StatusOr<CheckpointInfo> WriteStagedCheckpoint(
     }
     RETURN_IF_ERROR(SyncPath(tmp + "/rng.pt"));
     return WriteSyncedFile(tmp + "/meta.json",
-                           MetaJson(step, OptimizerName(optimizer), layout.stages));
+                           MetaJson(step, OptimizerName(optimizer), notes, layout.stages));
   };
   return WriteCollectiveCheckpoint(dir, step, world, write_stage, finish);
 }

@@ -25,11 +25,12 @@ namespace trainyard::trainer {
 // stage's `params` and their state in `optimizer`, whose parameters are the trainable ones among
 // them, in order; tensor-parallel shards of `model` gathered over `tensor` into whole tensors),
 // rank 0 rng.pt and meta.json, then DIR/latest; every rank of `world` calls it. A complete
-// DIR/step-N from an earlier attempt is kept.
+// DIR/step-N from an earlier attempt is kept. meta.json records `notes`.
 absl::StatusOr<CheckpointInfo> WriteStagedCheckpoint(
     const std::string& dir, int64_t step, const PipelineLayout& layout, const LanguageModel& model,
     const std::vector<std::pair<std::string, torch::Tensor>>& params,
-    torch::optim::Optimizer& optimizer, Communicator& world, Communicator* tensor);
+    torch::optim::Optimizer& optimizer, Communicator& world, Communicator* tensor,
+    const MetaNotes& notes);
 
 }  // namespace trainyard::trainer
 

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/lr_schedule.h"
+#include "common/status_macros.h"
 
 namespace trainyard::trainer {
 namespace {
@@ -181,6 +182,57 @@ uint64_t DropoutSeed(uint64_t seed, int rank, int64_t step, int micro) {
     x ^= x >> 31;
   }
   return x;
+}
+
+absl::StatusOr<TrainingData> LoadTrainingData(const DataConfig& data, const ModelConfig& m) {
+  // A failure of `s` with its message under `field`.
+  auto named = [](const char* field, const absl::Status& s) {
+    return absl::Status(s.code(), absl::StrCat(field, ": ", s.message()));
+  };
+  TrainingData out;
+  ASSIGN_OR_RETURN(out.train, TokenData::Load(data.path, data.format, m.vocab));
+  if (!data.loss_mask.empty()) {
+    ASSIGN_OR_RETURN(out.loss_mask, LoadLossMask(data.loss_mask, out.train.size()));
+  }
+  out.num_samples = NumSamples(out.train.size(), m.seq_len);
+  if (out.num_samples < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("model.seq_len: ", m.seq_len, " needs at least ",
+                                                   m.seq_len + 1, " tokens, but data.path '",
+                                                   data.path, "' has only ", out.train.size()));
+  }
+  if (data.eval_path.empty()) return out;
+  auto eval = TokenData::Load(data.eval_path, data.format, m.vocab);
+  if (!eval.ok()) return named("data.eval_path", eval.status());
+  out.eval = *std::move(eval);
+  if (!data.eval_loss_mask.empty()) {
+    auto mask = LoadLossMask(data.eval_loss_mask, out.eval->size());
+    if (!mask.ok()) return named("data.eval_loss_mask", mask.status());
+    out.eval_mask = *std::move(mask);
+  }
+  out.eval_windows = std::min(NumSamples(out.eval->size(), m.seq_len), kMaxEvalWindows);
+  if (out.eval_windows < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("data.eval_path: '", data.eval_path, "' has ", out.eval->size(),
+                     " tokens; one window of model.seq_len + 1 = ", m.seq_len + 1, " needs more"));
+  }
+  return out;
+}
+
+EvalShare PlanEvalShare(int64_t total, int replica, int replicas, int micro) {
+  const int64_t per = (total + replicas - 1) / replicas;
+  const int micro_batches = static_cast<int>((per + micro - 1) / micro);
+  EvalShare share;
+  share.windows.resize(micro_batches);
+  share.padding.resize(micro_batches);
+  for (int b = 0; b < micro_batches; ++b) {
+    for (int64_t j = 0; j < micro; ++j) {
+      const int64_t in_share = b * int64_t{micro} + j, window = int64_t{replica} * per + in_share;
+      const bool padding = in_share >= per || window >= total;
+      share.padding[b].push_back(padding);
+      share.windows[b].push_back(padding ? 0 : window);
+    }
+  }
+  return share;
 }
 
 }  // namespace trainyard::trainer

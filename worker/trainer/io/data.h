@@ -9,10 +9,12 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/job_config.h"
 
 namespace trainyard::trainer {
 
@@ -91,6 +93,29 @@ class DistributedSampler {
 // Learning rate of optimizer step `step` (0-based): linear warmup from lr / warmup to lr over the
 // first `warmup` steps, then cosine decay to 0.1 * lr at step `total_steps`.
 double LearningRate(int64_t step, int64_t total_steps, int64_t warmup, double lr);
+
+// What a job trains and evaluates on: data.path and its loss mask, data.eval_path and its.
+struct TrainingData {
+  TokenData train;
+  std::vector<uint8_t> loss_mask;  // empty: every target counts
+  int64_t num_samples = 0;         // the training windows of model.seq_len + 1 tokens
+  std::optional<TokenData> eval;   // data.eval_path
+  std::vector<uint8_t> eval_mask;
+  int64_t eval_windows = 0;  // the held-out windows an evaluation reads (at most kMaxEvalWindows)
+};
+
+// Loads the spec's data for a model of `m`'s sizes. Errors name the spec field and the file;
+// INVALID_ARGUMENT when a file has no whole window.
+absl::StatusOr<TrainingData> LoadTrainingData(const DataConfig& data, const ModelConfig& m);
+
+// One replica's share of an evaluation over the first `total` held-out windows: replica r reads
+// windows [r * per, (r + 1) * per) in micro-batches of `micro`, every replica as many (FSDP's
+// gathers and a pipeline's sends match up); a window past the end is window 0, a padding.
+struct EvalShare {
+  std::vector<std::vector<int64_t>> windows;  // per micro-batch
+  std::vector<std::vector<bool>> padding;     // per micro-batch: the windows that weigh nothing
+};
+EvalShare PlanEvalShare(int64_t total, int replica, int replicas, int micro);
 
 }  // namespace trainyard::trainer
 

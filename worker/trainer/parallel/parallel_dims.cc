@@ -36,6 +36,9 @@ absl::StatusOr<ParallelDims> ParallelDims::Make(const JobConfig& spec, const Mod
   d.tensor = par.tensor_parallel;
   d.pipelined = d.stages > 1;
   d.model_parallel = d.pipelined || d.tensor > 1;
+  // (Model parallelism: every rank keeps its part of the model it built.)
+  d.from_rank0 = d.fsdp && par.cpu_ram_efficient_loading && world_size > 1 && !d.model_parallel;
+  d.every_rank_loads = d.fsdp || d.model_parallel;
   if (d.model_parallel) {
     // The sizes the layout cuts, model.from's config.json read by now.
     if (const std::string misfit = ModelParallelMisfit(m, par); !misfit.empty()) {

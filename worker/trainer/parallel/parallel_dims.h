@@ -39,6 +39,12 @@ struct ParallelDims {
   bool pipelined = false;
   bool model_parallel = false;    // pipeline stages or tensor parallelism
   std::vector<int> stage_bounds;  // model parallelism: the first block of each stage, then the end
+  // FSDP with cpu_ram_efficient_loading: only rank 0 materializes the model, the others receive
+  // their shards from it.
+  bool from_rank0 = false;
+  // Whether every rank that materializes the model loads model.from's weights itself (FSDP, model
+  // parallelism), or rank 0 alone, whose parameters the others receive (DDP, offload).
+  bool every_rank_loads = false;
 
   // The ranks that hold one copy of the model (stages x tensor-parallel ranks).
   int group() const { return stages * tensor; }

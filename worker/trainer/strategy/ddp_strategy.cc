@@ -1,0 +1,192 @@
+// DdpStrategy and OffloadStrategy (strategy.h).
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/status_macros.h"
+#include "worker/trainer/optim/fused_adamw.h"
+#include "worker/trainer/parallel/ddp.h"
+#include "worker/trainer/runtime/device.h"
+#include "worker/trainer/strategy/strategy.h"
+
+namespace trainyard::trainer {
+namespace {
+
+// Whole parameters and optimizer on every rank; every rank starts from rank 0's parameters and
+// averages its gradients in buckets (PyTorch's DDP). Rank 0 writes the checkpoints.
+class DdpStrategy : public DataParallelStrategy {
+ public:
+  explicit DdpStrategy(const StrategyInputs& in)
+      : DataParallelStrategy(in),
+        params_(in.model->parameters()),
+        trainable_(TrainableParameters(*in.model)),
+        state_bytes_(DenseStateBytes(CountElements(params_), trainable_, in.train->optimizer,
+                                     in.dims->offload)) {}
+
+  // The optimizer, resumed from the latest checkpoint, and every rank on rank 0's parameters.
+  absl::Status Resume(Resumed* resumed) {
+    optimizer_ = MakeOptimizer(trainable_, in_.hyper, train().lr, DecayFlags(trainable_));
+    if (!in_.checkpoint_dir.empty()) {
+      ASSIGN_OR_RETURN(
+          const std::optional<CheckpointInfo> loaded,
+          LoadLatestCheckpoint(in_.checkpoint_dir, model(), *optimizer_, &resumed->extra));
+      LogResumed(loaded);
+      if (loaded.has_value()) resumed->step = loaded->step;
+    }
+    groups().world->Broadcast(params_, 0);
+    return absl::OkStatus();
+  }
+
+  // The buckets (one rank that is not a NCCL test has nothing to average); the first of 1 MiB like
+  // PyTorch's, or smaller when the buckets are.
+  void MakeReducer() {
+    if (dims().world_size > 1 || groups().nccl_one_rank) {
+      const double mb = parallel().bucket_mb;
+      reducer_ =
+          std::make_unique<GradientReducer>(trainable_, *groups().world, mb, std::min(1.0, mb));
+    }
+  }
+
+  absl::Status ComputeGradNorm(StepResult& r) override {
+    if (in_.device.is_cuda() && train().precision != Precision::kFp16 &&
+        dynamic_cast<torch::optim::AdamW*>(optimizer_.get()) != nullptr) {
+      // CUDA with the fused AdamW: the norm and the clipping stay on the device.
+      r.grad_norm_device = GradNormTensor(params_);
+    } else {
+      r.grad_norm = GradNorm(params_);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status OptimizerStep(double lr, double clip_scale, const StepResult& r) override {
+    if (r.grad_norm_device.defined()) {
+      const double clip = train().grad_clip;
+      FusedAdamWStep(dynamic_cast<torch::optim::AdamW&>(*optimizer_), lr,
+                     clip > 0 ? ClipDivisor(r.grad_norm_device, clip) : torch::Tensor());
+    } else {
+      trainyard::trainer::OptimizerStep(*optimizer_, lr, clip_scale);
+    }
+    // zero_grad(set_to_none=True): the next backward hands its gradients over instead of adding
+    // them to zeros (and the reducer's bucket views are dropped).
+    for (auto& p : params_) p.mutable_grad() = torch::Tensor();
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::optional<SavedCheckpoint>> Save(const std::string& dir, int64_t step,
+                                                      const MetaNotes& notes,
+                                                      const ExtraState& extra) override {
+    std::optional<SavedCheckpoint> saved;
+    if (rank0()) {
+      RETURN_IF_ERROR(BeforeRankZeroWrites(step));
+      ASSIGN_OR_RETURN(CheckpointInfo info,
+                       WriteCheckpoint(dir, step, model(), *optimizer_, notes, extra));
+      saved = SavedCheckpoint{std::move(info), ""};
+    }
+    groups().world->Barrier();  // no rank runs ahead of (or exits before) a durable checkpoint
+    return saved;
+  }
+
+  absl::Status GatherModel() override {
+    if (in_.device.is_cuda()) MoveModel(model(), torch::kCPU);
+    return absl::OkStatus();
+  }
+
+  LayoutStepStats LayoutStats() const override {
+    LayoutStepStats s;
+    s.allreduce_bytes = reducer_ ? reducer_->bytes_per_step() : 0;
+    s.model_state_peak_bytes = state_bytes_;
+    return s;
+  }
+
+  int64_t BytesSent() const override { return groups().world->bytes_sent(); }
+  std::string Describe() const override { return std::string(Name(parallel().strategy)); }
+  int num_buckets() const override { return reducer_ ? reducer_->num_buckets() : 0; }
+
+ protected:
+  void BeforeMicroBatch(bool last, int64_t) override {
+    if (reducer_) reducer_->Prepare(last);
+  }
+  double AfterMicroBatches() override { return reducer_ ? reducer_->Finish() : 0; }
+  // Offload: the servers' state into the optimizer before rank 0 writes it.
+  virtual absl::Status BeforeRankZeroWrites(int64_t) { return absl::OkStatus(); }
+
+  std::vector<torch::Tensor> params_, trainable_;
+  const int64_t state_bytes_;  // weights, gradients and (unless offloaded) optimizer state
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::unique_ptr<GradientReducer> reducer_;
+};
+
+// DDP whose optimizer lives on the parameter servers: each rank reduces and pushes its slice of
+// the gradients, the servers apply AdamW and the ranks pull the parameters back. The optimizer
+// here (DDP's) only carries the state into and out of checkpoints.
+class OffloadStrategy : public DdpStrategy {
+ public:
+  explicit OffloadStrategy(const StrategyInputs& in) : DdpStrategy(in) {}
+
+  absl::Status Connect(int64_t step) {
+    ASSIGN_OR_RETURN(offloaded_, OffloadOptimizer::Create(params_, *groups().world, in_.ps_ranges,
+                                                          in_.offload, parallel().bucket_mb));
+    if (rank0()) {
+      Log(absl::StrCat("parameter-server connections: TCP congestion control ",
+                       offloaded_->servers().TcpCongestionInUse()));
+      Log(absl::StrCat("parameter-server transfers: ", offloaded_->servers().TransportSummary()));
+    }
+    return offloaded_->Initialize(step, *optimizer_);
+  }
+
+  absl::Status ComputeGradNorm(StepResult& r) override {
+    ASSIGN_OR_RETURN(r.grad_norm, offloaded_->FinishBackward(&r.comm_wait_s));
+    return absl::OkStatus();
+  }
+  // The parameter servers scale the gradients (clipping) as they apply AdamW.
+  absl::Status OptimizerStep(double lr, double clip_scale, const StepResult&) override {
+    return offloaded_->Step(lr, clip_scale);
+  }
+  absl::StatusOr<std::optional<SavedCheckpoint>> Save(const std::string& dir, int64_t step,
+                                                      const MetaNotes& notes,
+                                                      const ExtraState& extra) override {
+    // delayed_update: the checkpoint holds the parameters after `step`'s update (every rank).
+    RETURN_IF_ERROR(offloaded_->Flush());
+    return DdpStrategy::Save(dir, step, notes, extra);
+  }
+  absl::Status GatherModel() override {
+    RETURN_IF_ERROR(offloaded_->Flush());
+    return DdpStrategy::GatherModel();
+  }
+  LayoutStepStats LayoutStats() const override {
+    LayoutStepStats s = DdpStrategy::LayoutStats();
+    s.log_fields = absl::StrFormat(" ps_push_bytes %d ps_pull_bytes %d", offloaded_->pushed_bytes(),
+                                   offloaded_->pulled_bytes());
+    return s;
+  }
+  int num_buckets() const override { return offloaded_->num_buckets(); }
+
+ protected:
+  void BeforeMicroBatch(bool last, int64_t step) override { offloaded_->Prepare(last, step + 1); }
+  absl::Status BeforeRankZeroWrites(int64_t step) override {
+    return offloaded_->ReadIntoShadow(step, *optimizer_);
+  }
+
+ private:
+  std::unique_ptr<OffloadOptimizer> offloaded_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ParallelStrategy>> MakeDdpStrategy(const StrategyInputs& inputs,
+                                                                  Resumed* resumed) {
+  auto strategy = std::make_unique<DdpStrategy>(inputs);
+  RETURN_IF_ERROR(strategy->Resume(resumed));
+  strategy->MakeReducer();
+  return strategy;
+}
+
+absl::StatusOr<std::unique_ptr<ParallelStrategy>> MakeOffloadStrategy(const StrategyInputs& inputs,
+                                                                      Resumed* resumed) {
+  auto strategy = std::make_unique<OffloadStrategy>(inputs);
+  RETURN_IF_ERROR(strategy->Resume(resumed));
+  RETURN_IF_ERROR(strategy->Connect(resumed->step));
+  return strategy;
+}
+
+}  // namespace trainyard::trainer
