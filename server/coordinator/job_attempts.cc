@@ -125,37 +125,25 @@ absl::StatusOr<v1::TrainerCommands> JobManager::OnCheckpointReport(
   return CommandsFor(*job);
 }
 
-int JobManager::ReserveMasterPort(const std::string& node_id) {
-  std::set<int>& used = master_ports_[node_id];
-  for (int port = kFirstMasterPort; port < kFirstMasterPort + kMasterPorts; ++port) {
-    if (used.insert(port).second) return port;
-  }
-  return 0;  // all in use: the rank 0 node's worker picks a free port itself
-}
-
 void JobManager::ReleaseAttempt(v1::Job& job, const std::string& reason) {
   if (job.master_port() != 0 && job.placement_size() > 0) {
-    auto ports = master_ports_.find(job.placement(0).node_id());
-    if (ports != master_ports_.end()) {
-      ports->second.erase(job.master_port());
-      if (ports->second.empty()) master_ports_.erase(ports);
-    }
+    devices_.ReleasePort(job.placement(0).node_id(), job.master_port());
     job.set_master_port(0);
   }
   v1::CoordinatorMessage cancel;
   cancel.mutable_cancel()->set_job_id(job.id());
   cancel.mutable_cancel()->set_attempt(job.attempt());
   cancel.mutable_cancel()->set_reason(reason);
-  const std::set<int>& exited = finished_ranks_[job.id()];
+  const std::set<int>& exited = devices_.Exited(job.id());
   const absl::Time drain_deadline = clock_.Now() + kDrainTimeout;
   for (const auto& p : job.placement()) {
     for (int i = 0; i < p.device_indices_size(); ++i) {
       const int rank = p.first_rank() + i;
       if (reason.empty() || exited.count(rank) > 0) {
-        FreeDevice(p.node_id(), p.device_indices(i));
+        devices_.Free(p.node_id(), p.device_indices(i));
       } else {  // still running: the device is free once the rank reports its exit
-        draining_[{job.id(), job.attempt(), rank}] =
-            DrainingRank{p.node_id(), p.device_indices(i), drain_deadline};
+        devices_.Drain({job.id(), job.attempt(), rank}, p.node_id(), p.device_indices(i),
+                       drain_deadline);
       }
     }
     if (!reason.empty()) nodes_.Send(p.node_id(), cancel);
@@ -164,22 +152,10 @@ void JobManager::ReleaseAttempt(v1::Job& job, const std::string& reason) {
   for (const v1::PsRange& r : job.ps_placement()) nodes_.Send(r.node_id(), cancel);
   job.clear_ps_placement();
   rendezvous_.CloseScope({job.id(), job.attempt()});
-  finished_ranks_.erase(job.id());
+  devices_.ForgetExited(job.id());
   // A preemption asked of this attempt ends with it (the next attempt is not asked to stop).
   job.set_preempt_deadline_ms(0);
   preempt_stopped_.erase(job.id());
-}
-
-void JobManager::FreeDevice(const std::string& node_id, int device) {
-  auto held = allocated_.find(node_id);
-  if (held == allocated_.end()) return;
-  held->second.erase(device);
-  if (held->second.empty()) allocated_.erase(held);
-}
-
-JobManager::DrainingMap::iterator JobManager::EndDraining(DrainingMap::iterator it) {
-  FreeDevice(it->second.node_id, it->second.device);
-  return draining_.erase(it);
 }
 
 void JobManager::Preempted(v1::Job& job) {
@@ -316,23 +292,10 @@ void JobManager::OnNodeHello(const std::string& node_id,
                              const google::protobuf::RepeatedPtrField<v1::RankStatus>& running) {
   {
     absl::MutexLock lock(&mu_);
-    std::set<std::tuple<std::string, int, int>> alive;
+    std::set<DeviceLedger::RankKey> alive;
     for (const v1::RankStatus& r : running) alive.insert({r.job_id(), r.attempt(), r.rank()});
-    bool freed = false;
-    for (auto it = draining_.begin(); it != draining_.end();) {
-      if (it->second.node_id != node_id) {
-        ++it;
-        continue;
-      }
-      if (alive.count(it->first) > 0) {  // told to stop (again) now: a new grace to report it
-        it->second.deadline = clock_.Now() + kDrainTimeout;
-        ++it;
-        continue;
-      }
-      it = EndDraining(it);
-      freed = true;
-    }
-    if (freed) WakeScheduler();
+    // Those still running are told to stop (again) now: a new grace to report it.
+    if (devices_.SettleNode(node_id, alive, clock_.Now() + kDrainTimeout)) WakeScheduler();
     // Ranks of attempts that are no longer current and that this coordinator does not know to
     // be draining (it restarted since they were told to stop): their devices stay taken until
     // they report their exit, as for any draining rank, so no new rank shares them meanwhile.
@@ -340,15 +303,14 @@ void JobManager::OnNodeHello(const std::string& node_id,
       const v1::Job* job = Find(r.job_id());
       const bool current =
           job != nullptr && IsActive(job->state()) && r.attempt() == job->attempt();
-      const std::tuple<std::string, int, int> key{r.job_id(), r.attempt(), r.rank()};
-      if (current || !r.has_device() || draining_.count(key) > 0) continue;
-      std::set<int>& held = allocated_[node_id];
-      if (!held.insert(r.device()).second) {
+      const DeviceLedger::RankKey key{r.job_id(), r.attempt(), r.rank()};
+      if (current || !r.has_device() || devices_.IsDraining(key)) continue;
+      if (!devices_.Hold(node_id, r.device())) {
         spdlog::warn("node {} still runs rank {} of {} attempt {} on device {}, which is taken",
                      node_id, r.rank(), r.job_id(), r.attempt(), r.device());
         continue;
       }
-      draining_[key] = DrainingRank{node_id, r.device(), clock_.Now() + kDrainTimeout};
+      devices_.Drain(key, node_id, r.device(), clock_.Now() + kDrainTimeout);
     }
   }
   for (const v1::RankStatus& r : running) OnRankStatus(node_id, r);
@@ -376,8 +338,7 @@ bool JobManager::RankRunsOn(const std::string& node_id, const std::string& job_i
   if (it != jobs_.end() && it->second.attempt() == attempt && PlacedOn(it->second, node_id, rank)) {
     return true;
   }
-  auto draining = draining_.find({job_id, attempt, rank});
-  return draining != draining_.end() && draining->second.node_id == node_id;
+  return devices_.DrainsOn({job_id, attempt, rank}, node_id);
 }
 
 // What a rank that ended used, kept with its job (its latest kRankUsageKept ranks), persisted with
@@ -416,9 +377,7 @@ void JobManager::OnRankStatus(const std::string& node_id, const v1::RankStatus& 
   }
   if (!current) {
     if (status.phase() == v1::RANK_EXITED) {
-      auto draining = draining_.find({status.job_id(), status.attempt(), status.rank()});
-      if (draining != draining_.end() && draining->second.node_id == node_id) {
-        EndDraining(draining);
+      if (devices_.EndDraining({status.job_id(), status.attempt(), status.rank()}, node_id)) {
         WakeScheduler();
       }
     } else {
@@ -433,7 +392,7 @@ void JobManager::OnRankStatus(const std::string& node_id, const v1::RankStatus& 
   if (status.phase() != v1::RANK_EXITED) return;
   const bool preempting = job->preempt_deadline_ms() != 0;
   if (status.exit_code() == 0) {
-    std::set<int>& done_ranks = finished_ranks_[job->id()];
+    std::set<int>& done_ranks = devices_.Exited(job->id());
     done_ranks.insert(status.rank());
     if (static_cast<int>(done_ranks.size()) >= job->world_size()) {
       ReleaseAttempt(*job, "");
@@ -452,14 +411,14 @@ void JobManager::OnRankStatus(const std::string& node_id, const v1::RankStatus& 
     return;
   }
   if (preempting) {  // stopped after its grace (or failed while stopping): requeued all the same
-    finished_ranks_[job->id()].insert(status.rank());
+    devices_.Exited(job->id()).insert(status.rank());
     ReleaseAttempt(*job, absl::StrCat("preempted by ", job->preempted_by()));
     Preempted(*job);
     Persist(*job);
     WakeScheduler();
     return;
   }
-  finished_ranks_[job->id()].insert(status.rank());  // its device is free at once
+  devices_.Exited(job->id()).insert(status.rank());  // its device is free at once
   std::string reason = absl::StrCat("rank ", status.rank(), " on node ", node_id,
                                     " exited with code ", status.exit_code());
   if (!status.message().empty()) absl::StrAppend(&reason, ": ", status.message());

@@ -94,10 +94,10 @@ absl::Status JobManager::Load(const std::vector<StoredJob>& stored) {
     if (job.state() == v1::QUEUED) ++queued_by_owner_[job.owner()];
     if (IsActive(job.state())) {
       for (const auto& p : job.placement()) {
-        allocated_[p.node_id()].insert(p.device_indices().begin(), p.device_indices().end());
+        for (int device : p.device_indices()) devices_.Hold(p.node_id(), device);
       }
       if (job.master_port() != 0 && job.placement_size() > 0) {
-        master_ports_[job.placement(0).node_id()].insert(job.master_port());
+        devices_.HoldPort(job.placement(0).node_id(), job.master_port());
       }
       rendezvous_.OpenScope({job.id(), job.attempt()});
     }
@@ -126,7 +126,7 @@ void JobManager::Transition(v1::Job& job, v1::JobState to, std::string message) 
   if (IsTerminal(to)) {
     job.set_end_time_ms(NowMs(clock_));
     unfinished_.erase(job.id());
-    finished_ranks_.erase(job.id());
+    devices_.ForgetExited(job.id());
     finished_by_end_.insert({job.end_time_ms(), job.id()});
   }
 }
@@ -396,9 +396,7 @@ std::vector<v1::Job> JobManager::TakeEvictionCandidates(size_t max) {
     auto durable = durable_version_.find(id);
     if (durable == durable_version_.end() || durable->second < job.version()) continue;
     // Ranks still stopping may send lines; the job stays until they exit (or the drain ends).
-    auto draining = draining_.lower_bound(
-        {id, std::numeric_limits<int>::min(), std::numeric_limits<int>::min()});
-    if (draining != draining_.end() && std::get<0>(draining->first) == id) continue;
+    if (devices_.AnyDraining(id)) continue;
     evicting_.insert(id);
     out.push_back(job);
   }

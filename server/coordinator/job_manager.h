@@ -25,6 +25,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/clock.h"
 #include "server/coordinator/coordinator_metrics.h"
+#include "server/coordinator/device_ledger.h"
 #include "server/coordinator/fair_share.h"
 #include "server/coordinator/job_handlers.h"
 #include "server/coordinator/job_store.h"
@@ -225,10 +226,6 @@ class JobManager final : public JobLifecycle,
   // Frees the devices of the job's current attempt, closes its rendezvous scope and tells its
   // nodes to stop its ranks (with `reason`, unless empty).
   void ReleaseAttempt(v1::Job& job, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FreeDevice(const std::string& node_id, int device) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A port for a command job's rank 0 on `node_id` (MASTER_PORT), none of the node's running
-  // attempts holds: from kFirstMasterPort on (torchrun's 29500); 0 when all are taken.
-  int ReserveMasterPort(const std::string& node_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // SchedulePass's parts (job_manager.cc).
   void ExpireDraining(const std::vector<SchedulingNode>& nodes, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -243,16 +240,6 @@ class JobManager final : public JobLifecycle,
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool StartPlacement(const Placement& placement, const std::vector<SchedulingNode>& nodes,
                       absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  static constexpr int kFirstMasterPort = 29500;
-  static constexpr int kMasterPorts = 1000;
-  struct DrainingRank {
-    std::string node_id;
-    int device = 0;
-    absl::Time deadline;  // freed then if no exit report came
-  };
-  using DrainingMap = std::map<std::tuple<std::string, int, int>, DrainingRank>;
-  // Frees a draining rank's device and forgets the rank; returns the next entry.
-  DrainingMap::iterator EndDraining(DrainingMap::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends the current attempt as failed: RESTARTING within max_restarts, else FAILED.
   // The attempt of a preempted job has ended (its ranks released): PREEMPTED, to be placed
   // again (no restart counted).
@@ -328,16 +315,8 @@ class JobManager final : public JobLifecycle,
   bool jobs_in_store_only_ ABSL_GUARDED_BY(mu_) = false;
   // Preempting jobs whose grace ran out and whose ranks were told to stop.
   std::set<std::string> preempt_stopped_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::set<int>> allocated_ ABSL_GUARDED_BY(mu_);  // node id → devices
-  // Ports reserved for running command jobs' rank 0, by node id.
-  std::map<std::string, std::set<int>> master_ports_ ABSL_GUARDED_BY(mu_);
-  // Ranks of the current attempt that have exited, by job id (all successfully, until one fails
-  // and ends the attempt).
-  std::map<std::string, std::set<int>> finished_ranks_ ABSL_GUARDED_BY(mu_);
-  // Ranks of an ended attempt that were told to stop but have not reported their exit yet: their
-  // devices stay allocated until the exit report, so that no new rank shares a device with one
-  // that is still shutting down (a GPU's memory).
-  DrainingMap draining_ ABSL_GUARDED_BY(mu_);  // (job id, attempt, rank) → its device
+  // Attempts and devices: held devices, draining ranks, exited ranks, master ports.
+  DeviceLedger devices_ ABSL_GUARDED_BY(mu_);
   int64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<int64_t, Watcher> watchers_ ABSL_GUARDED_BY(mu_);
   // Highest version of each job known to be on disk. Reads (Get, List) may be a few ms ahead of

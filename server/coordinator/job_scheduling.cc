@@ -63,16 +63,13 @@ int JobManager::SchedulePass() {
 // Ranks that never reported their exit. Not on a node without a session: its ranks may still run
 // (cut off, not dead), and its hello settles them when it is back.
 void JobManager::ExpireDraining(const std::vector<SchedulingNode>& nodes, absl::Time now) {
-  for (auto it = draining_.begin(); it != draining_.end();) {
-    const SchedulingNode* on = FindNode(nodes, it->second.node_id);
-    if (it->second.deadline > now || on == nullptr || !on->connected) {
-      ++it;
-      continue;
-    }
-    const auto& [job_id, attempt, rank] = it->first;
+  auto reachable = [&nodes](const std::string& node_id) {
+    const SchedulingNode* on = FindNode(nodes, node_id);
+    return on != nullptr && on->connected;
+  };
+  for (const auto& [key, rank] : devices_.Expire(now, reachable)) {
     spdlog::warn("rank {} of {} attempt {} on node {} never reported its exit; device {} freed",
-                 rank, job_id, attempt, it->second.node_id, it->second.device);
-    it = EndDraining(it);
+                 std::get<2>(key), std::get<0>(key), std::get<1>(key), rank.node_id, rank.device);
   }
 }
 
@@ -113,8 +110,7 @@ ClusterSnapshot JobManager::BuildSnapshot(const SharingPolicy& policy,
   };
   snapshot.nodes.reserve(nodes.size());
   for (const SchedulingNode& n : nodes) {
-    auto held = allocated_.find(n.id);
-    const int used = held == allocated_.end() ? 0 : static_cast<int>(held->second.size());
+    const int used = devices_.HeldCount(n.id);
     const int total = static_cast<int>(n.device_indices.size());
     SchedNode sn;
     sn.id = n.id;
@@ -251,13 +247,12 @@ bool JobManager::StartPlacement(const Placement& placement,
   int rank = 0;
   for (const DeviceGrant& g : placement.grants) {
     const SchedulingNode& node = nodes[g.node];
-    std::set<int>& held = allocated_[node.id];
     v1::RankPlacement* rp = job.add_placement();
     rp->set_node_id(node.id);
     rp->set_first_rank(rank);
     for (const int index : node.device_indices) {
       if (rp->device_indices_size() == g.devices) break;
-      if (held.insert(index).second) rp->add_device_indices(index);
+      if (devices_.Hold(node.id, index)) rp->add_device_indices(index);
     }
     TY_CHECK(rp->device_indices_size() == g.devices,
              absl::StrCat("scheduler over-allocated node ", node.id));
@@ -273,7 +268,8 @@ bool JobManager::StartPlacement(const Placement& placement,
   }
   job.set_start_time_ms(absl::ToUnixMillis(now));
   job.set_backfilled(placement.backfilled);
-  if (IsCommandJob(job.spec())) job.set_master_port(ReserveMasterPort(job.placement(0).node_id()));
+  if (IsCommandJob(job.spec()))
+    job.set_master_port(devices_.ReservePort(job.placement(0).node_id()));
   // After a restart, `yard describe` still says why the previous attempt ended.
   Transition(job, v1::RUNNING,
              job.state() == v1::RESTARTING  ? absl::StrCat("restarted: ", job.message())
@@ -344,10 +340,8 @@ std::vector<v1::Node> JobManager::NodesWithAllocations() const {
   std::map<std::string, v1::Node*> by_id;
   for (v1::Node& node : nodes) {
     by_id[node.id()] = &node;
-    auto it = allocated_.find(node.id());
-    if (it != allocated_.end()) {
-      node.mutable_allocated_devices()->Add(it->second.begin(), it->second.end());
-    }
+    const std::vector<int> held = devices_.HeldOn(node.id());
+    node.mutable_allocated_devices()->Add(held.begin(), held.end());
   }
   // The CPUs and memory running ranks hold (their requests, or the node's per-device charge).
   for (const std::string& id : unfinished_) {

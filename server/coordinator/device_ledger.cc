@@ -1,0 +1,105 @@
+#include "server/coordinator/device_ledger.h"
+
+#include <limits>
+
+namespace trainyard::coordinator {
+
+bool DeviceLedger::Hold(const std::string& node_id, int device) {
+  return held_[node_id].insert(device).second;
+}
+
+void DeviceLedger::Free(const std::string& node_id, int device) {
+  auto held = held_.find(node_id);
+  if (held == held_.end()) return;
+  held->second.erase(device);
+  if (held->second.empty()) held_.erase(held);
+}
+
+int DeviceLedger::HeldCount(const std::string& node_id) const {
+  auto held = held_.find(node_id);
+  return held == held_.end() ? 0 : static_cast<int>(held->second.size());
+}
+
+std::vector<int> DeviceLedger::HeldOn(const std::string& node_id) const {
+  auto held = held_.find(node_id);
+  if (held == held_.end()) return {};
+  return std::vector<int>(held->second.begin(), held->second.end());
+}
+
+void DeviceLedger::Drain(const RankKey& rank, const std::string& node_id, int device,
+                         absl::Time deadline) {
+  draining_[rank] = DrainingRank{node_id, device, deadline};
+}
+
+bool DeviceLedger::IsDraining(const RankKey& rank) const { return draining_.count(rank) > 0; }
+
+bool DeviceLedger::DrainsOn(const RankKey& rank, const std::string& node_id) const {
+  auto it = draining_.find(rank);
+  return it != draining_.end() && it->second.node_id == node_id;
+}
+
+bool DeviceLedger::EndDraining(const RankKey& rank, const std::string& node_id) {
+  auto it = draining_.find(rank);
+  if (it == draining_.end() || it->second.node_id != node_id) return false;
+  Free(it->second.node_id, it->second.device);
+  draining_.erase(it);
+  return true;
+}
+
+bool DeviceLedger::AnyDraining(const std::string& job_id) const {
+  auto it = draining_.lower_bound(
+      {job_id, std::numeric_limits<int>::min(), std::numeric_limits<int>::min()});
+  return it != draining_.end() && std::get<0>(it->first) == job_id;
+}
+
+bool DeviceLedger::SettleNode(const std::string& node_id, const std::set<RankKey>& alive,
+                              absl::Time deadline) {
+  bool freed = false;
+  for (auto it = draining_.begin(); it != draining_.end();) {
+    if (it->second.node_id != node_id) {
+      ++it;
+    } else if (alive.count(it->first) > 0) {
+      it->second.deadline = deadline;
+      ++it;
+    } else {
+      Free(it->second.node_id, it->second.device);
+      it = draining_.erase(it);
+      freed = true;
+    }
+  }
+  return freed;
+}
+
+std::vector<std::pair<DeviceLedger::RankKey, DeviceLedger::DrainingRank>> DeviceLedger::Expire(
+    absl::Time now, const std::function<bool(const std::string& node_id)>& reachable) {
+  std::vector<std::pair<RankKey, DrainingRank>> expired;
+  for (auto it = draining_.begin(); it != draining_.end();) {
+    if (it->second.deadline > now || !reachable(it->second.node_id)) {
+      ++it;
+      continue;
+    }
+    expired.emplace_back(*it);
+    Free(it->second.node_id, it->second.device);
+    it = draining_.erase(it);
+  }
+  return expired;
+}
+
+int DeviceLedger::ReservePort(const std::string& node_id) {
+  std::set<int>& used = ports_[node_id];
+  for (int port = kFirstMasterPort; port < kFirstMasterPort + kMasterPorts; ++port) {
+    if (used.insert(port).second) return port;
+  }
+  return 0;
+}
+
+void DeviceLedger::HoldPort(const std::string& node_id, int port) { ports_[node_id].insert(port); }
+
+void DeviceLedger::ReleasePort(const std::string& node_id, int port) {
+  auto ports = ports_.find(node_id);
+  if (ports == ports_.end()) return;
+  ports->second.erase(port);
+  if (ports->second.empty()) ports_.erase(ports);
+}
+
+}  // namespace trainyard::coordinator
