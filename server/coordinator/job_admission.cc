@@ -1,5 +1,5 @@
-// JobManager: what a job may ask for at submit (fits some node, fits the parameter servers, the
-// owner's caps and quota) (see job_manager.h).
+// JobManager: Submit, and what a job may ask for at submit (fits some node, fits the parameter
+// servers, the owner's caps and quota) (see job_manager.h).
 #include "server/coordinator/job_manager.h"
 #include "server/coordinator/job_manager_internal.h"
 #include "server/coordinator/job_state.h"
@@ -9,11 +9,13 @@
 #include <limits>
 #include <tuple>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "common/check.h"
+#include "common/failpoint.h"
 #include "common/memory_estimate.h"
 #include "common/ps_layout.h"
 #include "common/spec.h"
@@ -21,6 +23,165 @@
 #include "common/units.h"
 
 namespace trainyard::coordinator {
+
+namespace {
+
+// A submit of `request_id` arrived while its first copy is still being stored.
+absl::Status StillStoring(const std::string& request_id) {
+  return absl::UnavailableError(
+      absl::StrCat("request_id: the submit of request ", request_id, " is being stored; retry"));
+}
+
+absl::Status CheckRequestId(const std::string& id) {
+  const bool ok = id.size() <= 64 && std::all_of(id.begin(), id.end(), [](char c) {
+                    return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' ||
+                           c == '_' || c == '-';
+                  });
+  if (ok) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      "request_id: at most 64 letters, digits, '.', '_' or '-' (one per logical submit)");
+}
+
+}  // namespace
+
+absl::Status JobManager::LoadRequestIds() {
+  ASSIGN_OR_RETURN(std::vector<StoredRecord> records,
+                   store_.LoadRecords(SubmitRequests::kRecordKind));
+  absl::MutexLock lock(&mu_);
+  const int64_t now_ms = NowMs(clock_);
+  for (StoredRecord& r : records) {
+    if (r.expires_ms != 0 && r.expires_ms <= now_ms) continue;
+    requests_.Load(r.id, std::move(r.payload), r.expires_ms);
+  }
+  return absl::OkStatus();
+}
+
+void JobManager::Submit(const std::string& owner, v1::JobSpec spec, const std::string& request_id,
+                        JobCallback done) {
+  // A submit retried with its request id answers with the job the first one stored, before
+  // anything else is checked (that job counts against the owner's queue now).
+  const std::string request_key = SubmitRequests::Key(owner, request_id);
+  if (!request_id.empty()) {
+    if (absl::Status s = CheckRequestId(request_id); !s.ok()) {
+      done(s);
+      return;
+    }
+    std::string earlier;
+    bool storing = false;
+    {
+      absl::MutexLock lock(&mu_);
+      if (auto known = requests_.Find(request_key, NowMs(clock_)); known.has_value()) {
+        earlier = known->job_id;
+        storing = !known->durable;
+      }
+    }
+    if (storing) {
+      done(StillStoring(request_id));
+      return;
+    }
+    if (!earlier.empty()) {
+      done(Get(earlier));
+      return;
+    }
+  }
+  ApplyJobSpecDefaults(spec);
+  if (absl::Status s = ValidateJobSpec(spec); !s.ok()) {
+    done(s);
+    return;
+  }
+  const int64_t keep = spec.checkpoint().keep_last();
+  if (max_kept_checkpoints_ > 0 && !IsCommandJob(spec) &&
+      (keep == 0 || keep > max_kept_checkpoints_)) {
+    done(absl::InvalidArgumentError(
+        absl::StrCat("checkpoint.keep_last: this cluster keeps at most ", max_kept_checkpoints_,
+                     " checkpoints per job; got ", keep, keep == 0 ? " (every one)" : "")));
+    return;
+  }
+  // A command job's memory is its program's business.
+  if (absl::Status s = IsCommandJob(spec) ? absl::OkStatus() : CheckFitsSomeNode(spec); !s.ok()) {
+    done(s);
+    return;
+  }
+  if (absl::Status s = CheckFitsHosts(owner, spec); !s.ok()) {
+    done(s);
+    return;
+  }
+  if (absl::Status s = CheckFitsParameterServers(owner, spec); !s.ok()) {
+    done(s);
+    return;
+  }
+  const std::shared_ptr<const SharingPolicy> current = CurrentPolicy();
+  const SharingPolicy& policy = *current;
+  v1::Job job;
+  {
+    absl::MutexLock lock(&mu_);
+    if (absl::Status s = CheckSharingLimits(policy, owner, spec); !s.ok()) {
+      done(s);
+      return;
+    }
+    if (max_pending_submits_ >= 0 && pending_submits_ >= max_pending_submits_) {
+      // Back-pressure: accepted at the rate the store commits, not queued without bound.
+      done(absl::ResourceExhaustedError(absl::StrCat(
+          "the coordinator has ", pending_submits_,
+          " submissions waiting for its store (--max-pending-submits); retry in a second, "
+          "with backoff")));
+      return;
+    }
+    if (!request_id.empty() && requests_.Contains(request_key)) {  // a concurrent submit of it
+      done(StillStoring(request_id));
+      return;
+    }
+    ++pending_submits_;
+    ++submitting_[owner];
+    const int64_t seq = next_seq_++;
+    job.set_id(JobIdForSeq(seq));
+    job.set_seq(seq);
+    job.set_owner(owner);
+    job.set_account(policy.UserOf(owner).account);
+    *job.mutable_spec() = std::move(spec);
+    job.set_state(v1::QUEUED);
+    job.set_submit_time_ms(NowMs(clock_));
+    job.set_world_size(job.spec().resources().gpus());
+    job.set_version(1);
+    WriteBatch batch;
+    if (!request_id.empty()) {
+      // Stored in the job's own transaction.
+      const int64_t now_ms = NowMs(clock_);
+      const int64_t expires_ms = requests_.Start(request_key, job.id(), now_ms);
+      job.set_request_id(request_id);
+      batch.put_records.push_back({SubmitRequests::kRecordKind, request_key, job.id(), expires_ms});
+      if (requests_.PruneStoreDue(now_ms)) batch.delete_records_expired_at_ms = now_ms;
+    }
+    batch.put_jobs.push_back(ToStored(job));
+    // The job becomes visible only once durable: a crash before that loses nothing acknowledged.
+    store_.Commit(std::move(batch), [this, job, done = std::move(done)](absl::Status s) {
+      {
+        absl::MutexLock lock(&mu_);
+        --pending_submits_;
+        if (--submitting_[job.owner()] == 0) submitting_.erase(job.owner());
+        if (!job.request_id().empty()) {
+          // Not stored: a retry submits afresh.
+          requests_.Stored(SubmitRequests::Key(job.owner(), job.request_id()), job.id(), s.ok());
+        }
+      }
+      if (!s.ok()) {
+        done(absl::Status(s.code(), absl::StrCat("storing the job failed: ", s.message())));
+        return;
+      }
+      Failpoint("submit-after-commit");  // (tests: a crash between the commit and the answer)
+      {
+        absl::MutexLock lock(&mu_);
+        jobs_[job.id()] = job;
+        ids_by_seq_[job.seq()] = job.id();
+        unfinished_.insert(job.id());
+        ++queued_by_owner_[job.owner()];
+        watchers_.SetDurable(job.id(), job.version());
+      }
+      done(job);
+      WakeScheduler();
+    });
+  }
+}
 
 absl::Status JobManager::CheckFitsSomeNode(const v1::JobSpec& spec) const {
   // The largest device any ready node offers (a node's smallest device counts for it), and the

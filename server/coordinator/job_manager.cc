@@ -11,12 +11,10 @@
 #include <optional>
 #include <tuple>
 
-#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/check.h"
-#include "common/failpoint.h"
 #include "common/memory_estimate.h"
 #include "common/ps_layout.h"
 #include "common/spec.h"
@@ -89,7 +87,7 @@ absl::Status JobManager::Load(const std::vector<StoredJob>& stored) {
       finished_by_end_.insert({job.end_time_ms(), job.id()});
     }
     ids_by_seq_[job.seq()] = job.id();
-    durable_version_[job.id()] = job.version();
+    watchers_.SetDurable(job.id(), job.version());
     if (!IsTerminal(job.state())) unfinished_.insert(job.id());
     if (job.state() == v1::QUEUED) ++queued_by_owner_[job.owner()];
     if (IsActive(job.state())) {
@@ -153,197 +151,9 @@ void JobManager::NotifyWatchers(const v1::Job& job) {
     // Recording the durable version and collecting watchers under one lock: a concurrent Watch
     // either sees this version as durable or is among the watchers notified of it.
     absl::MutexLock lock(&mu_);
-    int64_t& durable = durable_version_[job.id()];
-    durable = std::max(durable, job.version());
-    for (const auto& [handle, w] : watchers_) {
-      if (w.job_id == job.id()) callbacks.push_back(w.callback);
-    }
+    callbacks = watchers_.Durable(job.id(), job.version());
   }
   for (const auto& cb : callbacks) (*cb)(job);
-}
-
-namespace {
-
-constexpr char kSubmitRequestKind[] = "submit_request";
-constexpr absl::Duration kRequestIdLifetime = absl::Hours(24);
-
-// A submit of `request_id` arrived while its first copy is still being stored.
-absl::Status StillStoring(const std::string& request_id) {
-  return absl::UnavailableError(
-      absl::StrCat("request_id: the submit of request ", request_id, " is being stored; retry"));
-}
-
-absl::Status CheckRequestId(const std::string& id) {
-  const bool ok = id.size() <= 64 && std::all_of(id.begin(), id.end(), [](char c) {
-                    return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' ||
-                           c == '_' || c == '-';
-                  });
-  if (ok) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      "request_id: at most 64 letters, digits, '.', '_' or '-' (one per logical submit)");
-}
-
-// The record id of an owner's request id ('/' is in neither a request id nor needed to split).
-std::string RequestKey(const std::string& owner, const std::string& request_id) {
-  return absl::StrCat(owner, "/", request_id);
-}
-
-}  // namespace
-
-absl::Status JobManager::LoadRequestIds() {
-  ASSIGN_OR_RETURN(std::vector<StoredRecord> records, store_.LoadRecords(kSubmitRequestKind));
-  absl::MutexLock lock(&mu_);
-  const int64_t now_ms = NowMs(clock_);
-  for (StoredRecord& r : records) {
-    if (r.expires_ms != 0 && r.expires_ms <= now_ms) continue;
-    request_expiry_.emplace(r.expires_ms, r.id);
-    requests_[r.id] = SubmitRequest{std::move(r.payload), true, r.expires_ms};
-  }
-  return absl::OkStatus();
-}
-
-void JobManager::Submit(const std::string& owner, v1::JobSpec spec, const std::string& request_id,
-                        JobCallback done) {
-  // A submit retried with its request id answers with the job the first one stored, before
-  // anything else is checked (that job counts against the owner's queue now).
-  const std::string request_key = RequestKey(owner, request_id);
-  if (!request_id.empty()) {
-    if (absl::Status s = CheckRequestId(request_id); !s.ok()) {
-      done(s);
-      return;
-    }
-    std::string earlier;
-    bool storing = false;
-    {
-      absl::MutexLock lock(&mu_);
-      const int64_t now_ms = NowMs(clock_);
-      while (!request_expiry_.empty() && request_expiry_.begin()->first <= now_ms) {
-        auto it = requests_.find(request_expiry_.begin()->second);
-        if (it != requests_.end() && it->second.expires_ms <= now_ms) requests_.erase(it);
-        request_expiry_.erase(request_expiry_.begin());
-      }
-      if (auto it = requests_.find(request_key); it != requests_.end()) {
-        earlier = it->second.job_id;
-        storing = !it->second.durable;
-      }
-    }
-    if (storing) {
-      done(StillStoring(request_id));
-      return;
-    }
-    if (!earlier.empty()) {
-      done(Get(earlier));
-      return;
-    }
-  }
-  ApplyJobSpecDefaults(spec);
-  if (absl::Status s = ValidateJobSpec(spec); !s.ok()) {
-    done(s);
-    return;
-  }
-  const int64_t keep = spec.checkpoint().keep_last();
-  if (max_kept_checkpoints_ > 0 && !IsCommandJob(spec) &&
-      (keep == 0 || keep > max_kept_checkpoints_)) {
-    done(absl::InvalidArgumentError(
-        absl::StrCat("checkpoint.keep_last: this cluster keeps at most ", max_kept_checkpoints_,
-                     " checkpoints per job; got ", keep, keep == 0 ? " (every one)" : "")));
-    return;
-  }
-  // A command job's memory is its program's business.
-  if (absl::Status s = IsCommandJob(spec) ? absl::OkStatus() : CheckFitsSomeNode(spec); !s.ok()) {
-    done(s);
-    return;
-  }
-  if (absl::Status s = CheckFitsHosts(owner, spec); !s.ok()) {
-    done(s);
-    return;
-  }
-  if (absl::Status s = CheckFitsParameterServers(owner, spec); !s.ok()) {
-    done(s);
-    return;
-  }
-  const std::shared_ptr<const SharingPolicy> current = CurrentPolicy();
-  const SharingPolicy& policy = *current;
-  v1::Job job;
-  {
-    absl::MutexLock lock(&mu_);
-    if (absl::Status s = CheckSharingLimits(policy, owner, spec); !s.ok()) {
-      done(s);
-      return;
-    }
-    if (max_pending_submits_ >= 0 && pending_submits_ >= max_pending_submits_) {
-      // Back-pressure: accepted at the rate the store commits, not queued without bound.
-      done(absl::ResourceExhaustedError(absl::StrCat(
-          "the coordinator has ", pending_submits_,
-          " submissions waiting for its store (--max-pending-submits); retry in a second, "
-          "with backoff")));
-      return;
-    }
-    if (!request_id.empty() && requests_.count(request_key) > 0) {  // a concurrent submit of it
-      done(StillStoring(request_id));
-      return;
-    }
-    ++pending_submits_;
-    ++submitting_[owner];
-    const int64_t seq = next_seq_++;
-    job.set_id(JobIdForSeq(seq));
-    job.set_seq(seq);
-    job.set_owner(owner);
-    job.set_account(policy.UserOf(owner).account);
-    *job.mutable_spec() = std::move(spec);
-    job.set_state(v1::QUEUED);
-    job.set_submit_time_ms(NowMs(clock_));
-    job.set_world_size(job.spec().resources().gpus());
-    job.set_version(1);
-    WriteBatch batch;
-    if (!request_id.empty()) {
-      // Stored in the job's own transaction.
-      const int64_t now_ms = NowMs(clock_);
-      const int64_t expires_ms = now_ms + absl::ToInt64Milliseconds(kRequestIdLifetime);
-      requests_[request_key] = SubmitRequest{job.id(), false, expires_ms};
-      request_expiry_.emplace(expires_ms, request_key);
-      job.set_request_id(request_id);
-      batch.put_records.push_back({kSubmitRequestKind, request_key, job.id(), expires_ms});
-      if (now_ms - requests_pruned_ms_ >= 60'000) {  // the store's expired ids, once a minute
-        batch.delete_records_expired_at_ms = now_ms;
-        requests_pruned_ms_ = now_ms;
-      }
-    }
-    batch.put_jobs.push_back(ToStored(job));
-    // The job becomes visible only once durable: a crash before that loses nothing acknowledged.
-    store_.Commit(std::move(batch), [this, job, done = std::move(done)](absl::Status s) {
-      {
-        absl::MutexLock lock(&mu_);
-        --pending_submits_;
-        if (--submitting_[job.owner()] == 0) submitting_.erase(job.owner());
-        if (!job.request_id().empty()) {
-          auto it = requests_.find(RequestKey(job.owner(), job.request_id()));
-          if (it != requests_.end() && it->second.job_id == job.id()) {
-            if (s.ok()) {
-              it->second.durable = true;
-            } else {
-              requests_.erase(it);  // nothing was stored: a retry submits afresh
-            }
-          }
-        }
-      }
-      if (!s.ok()) {
-        done(absl::Status(s.code(), absl::StrCat("storing the job failed: ", s.message())));
-        return;
-      }
-      Failpoint("submit-after-commit");  // (tests: a crash between the commit and the answer)
-      {
-        absl::MutexLock lock(&mu_);
-        jobs_[job.id()] = job;
-        ids_by_seq_[job.seq()] = job.id();
-        unfinished_.insert(job.id());
-        ++queued_by_owner_[job.owner()];
-        durable_version_[job.id()] = job.version();
-      }
-      done(job);
-      WakeScheduler();
-    });
-  }
 }
 
 absl::StatusOr<v1::Job> JobManager::Get(const std::string& job_id) const {
@@ -393,8 +203,7 @@ std::vector<v1::Job> JobManager::TakeEvictionCandidates(size_t max) {
     const std::string& id = it->second;
     if (evicting_.count(id) > 0) continue;
     const v1::Job& job = jobs_.at(id);
-    auto durable = durable_version_.find(id);
-    if (durable == durable_version_.end() || durable->second < job.version()) continue;
+    if (!watchers_.IsDurable(id, job.version())) continue;
     // Ranks still stopping may send lines; the job stays until they exit (or the drain ends).
     if (devices_.AnyDraining(id)) continue;
     evicting_.insert(id);
@@ -411,7 +220,7 @@ void JobManager::Evict(const std::vector<std::string>& job_ids) {
     if (it == jobs_.end()) continue;
     finished_by_end_.erase({it->second.end_time_ms(), id});
     ids_by_seq_.erase(it->second.seq());
-    durable_version_.erase(id);
+    watchers_.Forget(id);
     preempt_stopped_.erase(id);
     if (last_pass_.has_value()) last_pass_->waits.erase(id);
     jobs_.erase(it);
@@ -573,7 +382,7 @@ absl::StatusOr<int64_t> JobManager::Watch(const std::string& job_id, WatchCallba
     absl::MutexLock lock(&mu_);
     if (v1::Job* job = Find(job_id); job != nullptr) {
       *current = *job;
-      *current_durable = job->version() <= durable_version_[job_id];
+      *current_durable = watchers_.IsDurable(job_id, job->version());
     } else if (stored.has_value()) {
       if (!stored->ok()) return stored->status();
       *current = **stored;
@@ -581,16 +390,14 @@ absl::StatusOr<int64_t> JobManager::Watch(const std::string& job_id, WatchCallba
     } else {
       continue;
     }
-    const int64_t handle = next_watch_handle_++;
-    watchers_[handle] = Watcher{job_id, std::make_shared<WatchCallback>(std::move(on_change))};
-    return handle;
+    return watchers_.Add(job_id, std::move(on_change));
   }
   return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
 }
 
 void JobManager::Unwatch(int64_t handle) {
   absl::MutexLock lock(&mu_);
-  watchers_.erase(handle);
+  watchers_.Remove(handle);
 }
 
 std::map<v1::JobState, int> JobManager::CountByState() const {

@@ -29,11 +29,13 @@
 #include "server/coordinator/fair_share.h"
 #include "server/coordinator/job_handlers.h"
 #include "server/coordinator/job_store.h"
+#include "server/coordinator/job_watchers.h"
 #include "server/coordinator/node_registry.h"
 #include "server/coordinator/ps_placement.h"
 #include "server/coordinator/rendezvous.h"
 #include "server/coordinator/scheduler.h"
 #include "server/coordinator/sharing_policy.h"
+#include "server/coordinator/submit_requests.h"
 #include "trainyard/v1/job.pb.h"
 #include "trainyard/v1/node.pb.h"
 #include "trainyard/v1/trainer.pb.h"
@@ -100,7 +102,8 @@ class JobManager final : public JobLifecycle,
              JobManagerOptions options = {});
 
   // The handlers (job_handlers.h, where each is documented).
-  // JobLifecycle: job_manager.cc (reads, lists, watches, cancels), job_admission.cc (Submit).
+  // JobLifecycle: job_manager.cc (reads, lists, watches, cancels), job_admission.cc (Submit and
+  // its checks).
   void Submit(const std::string& owner, v1::JobSpec spec, const std::string& request_id,
               JobCallback done) override;
   // Submits' request ids, as stored (record kind "submit_request"): loaded at start.
@@ -177,11 +180,6 @@ class JobManager final : public JobLifecycle,
   std::vector<std::string> RunningJobs() const;
 
  private:
-  struct Watcher {
-    std::string job_id;
-    std::shared_ptr<WatchCallback> callback;
-  };
-
   v1::Job* Find(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The job as the store has it: NOT_FOUND, DATA_LOSS for an unreadable record, or the store's
   // error. For jobs not in memory.
@@ -318,25 +316,15 @@ class JobManager final : public JobLifecycle,
   // Attempts and devices: held devices, draining ranks, exited ranks, master ports.
   DeviceLedger devices_ ABSL_GUARDED_BY(mu_);
   int64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
-  std::map<int64_t, Watcher> watchers_ ABSL_GUARDED_BY(mu_);
-  // Highest version of each job known to be on disk. Reads (Get, List) may be a few ms ahead of
-  // the disk; watch events never are.
-  std::map<std::string, int64_t> durable_version_ ABSL_GUARDED_BY(mu_);
-  int64_t next_watch_handle_ ABSL_GUARDED_BY(mu_) = 1;
+  // Watches, and the version of each job known to be on disk. Reads (Get, List) may be a few ms
+  // ahead of the disk; watch events never are.
+  JobWatchers watchers_ ABSL_GUARDED_BY(mu_);
   // Submissions not yet durable, by owner (for max_queued_jobs).
   std::map<std::string, int> submitting_ ABSL_GUARDED_BY(mu_);
-  // Submits by (owner, request id): the job id, and whether it is durable yet; each kept
-  // kRequestIdLifetime (request_expiry_ orders them for pruning).
-  struct SubmitRequest {
-    std::string job_id;
-    bool durable = false;
-    int64_t expires_ms = 0;
-  };
-  std::map<std::string, SubmitRequest> requests_ ABSL_GUARDED_BY(mu_);
+  // Submits by (owner, request id): the job each made, and whether it is durable yet.
+  SubmitRequests requests_ ABSL_GUARDED_BY(mu_);
   // Jobs that ended and whose end Persist has not written yet (with their logs and metrics).
   std::set<std::string> ends_to_store_ ABSL_GUARDED_BY(mu_);
-  std::multimap<int64_t, std::string> request_expiry_ ABSL_GUARDED_BY(mu_);
-  int64_t requests_pruned_ms_ ABSL_GUARDED_BY(mu_) = 0;  // the store's expired ones, last deleted
   // QUEUED jobs by owner, kept by Transition (max_queued_jobs without a scan per submit).
   std::map<std::string, int64_t> queued_by_owner_ ABSL_GUARDED_BY(mu_);
   int64_t pending_submits_ ABSL_GUARDED_BY(mu_) = 0;
