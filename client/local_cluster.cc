@@ -22,6 +22,7 @@
 #include "absl/time/clock.h"
 #include "client/yard_client.h"
 #include "common/credentials.h"
+#include "common/status_macros.h"
 #include "rpc/ps/tcp_congestion.h"
 
 namespace trainyard::client {
@@ -190,39 +191,31 @@ absl::StatusOr<LocalCluster> LocalStatus(const std::string& state_dir) {
   return c;
 }
 
-absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& given) {
-  // Every path handed to the servers (and through the workers to the ranks, which run in
-  // folders of their own) is absolute, and so is every path the cluster's record keeps.
-  LocalUpOptions options = given;
-  for (std::string* path : {&options.state_dir, &options.bin_dir, &options.save_token_to,
-                            &options.tls_cert, &options.tls_key, &options.tls_ca}) {
-    if (!path->empty() && path->front() != '/') *path = fs::absolute(*path).string();
-  }
-  if (absl::Status s = ps::CheckTcpCongestion(options.tcp_congestion, "--tcp-congestion");
-      !s.ok()) {
-    return s;
-  }
-  if (auto existing = LocalStatus(options.state_dir); existing.ok()) {
-    for (const auto& p : existing->processes) {
-      if (p.alive) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("a local cluster is already running from ", options.state_dir, " (",
-                         p.name, " pid ", p.pid, " on ", p.address, "); `yard local down` first"));
-      }
+namespace {
+
+// A daemon of the cluster with --metrics-address 127.0.0.1:0: waits for the line (`line` of its
+// output, 0-based) that says where it serves them.
+absl::Status AwaitMetricsAddress(LocalProcess& p, const std::string& out, size_t line) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (p.metrics_address.empty()) {
+    const std::vector<std::string> lines = PrintedLines(ReadFile(out));
+    if (lines.size() > line) p.metrics_address = MetricsAddressIn(lines[line]);
+    if (!p.metrics_address.empty()) break;
+    if (absl::Now() > deadline || waitpid(p.pid, nullptr, WNOHANG) == p.pid) {
+      return absl::UnavailableError(absl::StrCat(p.name, " did not serve metrics; see ", p.log));
     }
+    absl::SleepFor(absl::Milliseconds(20));  // a detached child: no event to wait on
   }
-  std::error_code ec;
-  fs::create_directories(options.state_dir, ec);
-  if (ec) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--state-dir: cannot create ", options.state_dir, ": ", ec.message()));
-  }
+  return absl::OkStatus();
+}
+
+// The coordinator, started and serving (its bound address, and its metrics address, read from
+// its output).
+absl::StatusOr<LocalProcess> StartLocalCoordinator(const LocalUpOptions& options) {
   const std::string bin = options.bin_dir + "/trainyard-coordinator";
   if (access(bin.c_str(), X_OK) != 0) {
     return absl::NotFoundError(absl::StrCat("cannot find ", bin));
   }
-  LocalCluster c;
-  c.state_dir = options.state_dir;
   LocalProcess coord;
   coord.name = "coordinator";
   coord.log = options.state_dir + "/coordinator.log";
@@ -231,7 +224,6 @@ absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& given) {
                                          options.state_dir};
   coord_argv.insert(coord_argv.end(), options.coordinator_flags.begin(),
                     options.coordinator_flags.end());
-  const TlsClientOptions tls{options.tls_ca, "", ""};
   if (!options.tls_cert.empty()) {
     if (options.tls_ca.empty()) {
       return absl::InvalidArgumentError(
@@ -271,178 +263,154 @@ absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& given) {
     absl::SleepFor(absl::Milliseconds(20));  // a detached child: no event to wait on
   }
   coord.alive = true;
-  c.coordinator_address = coord.address;
-  c.processes.push_back(coord);
-  if (absl::Status s = Save(c); !s.ok()) return s;
+  return coord;
+}
 
-  // The local admin made by the coordinator at its first start; each daemon gets a node token.
-  c.admin_token_file = options.state_dir + "/admin.token";
-  auto admin_token = ReadSecretFile(c.admin_token_file);
-  if (!admin_token.ok()) return admin_token.status();
-  c.tls_ca = options.tls_ca;
-  YardClient admin(c.coordinator_address, *admin_token, tls);
+// The daemons' side of the cluster: node tokens made through the local admin, the user map.
+class LocalDaemons {
+ public:
+  LocalDaemons(const LocalUpOptions& options, LocalCluster& c, YardClient& admin)
+      : options_(options), c_(c), admin_(admin) {}
+
   // The local admin's jobs run as the account that started the cluster (workers running as root
   // run each rank as its owner's account, and there is no Unix account "admin").
-  const std::string user_map = options.state_dir + "/user-map";
-  {
+  absl::Status WriteUserMap() {
     const passwd* me = getpwuid(geteuid());
-    std::ofstream map(user_map, std::ios::trunc);
+    std::ofstream map(user_map(), std::ios::trunc);
     map << "# trainyard user -> Unix account (trainyard-worker --user-map)\n"
         << "admin " << (me != nullptr ? me->pw_name : "root") << "\n";
-    if (!map) return absl::UnavailableError(absl::StrCat("cannot write ", user_map));
+    if (!map) return absl::UnavailableError(absl::StrCat("cannot write ", user_map()));
+    // Workers not running as root take only the jobs of the users mapped to their account
+    // (admin, and the user of the account's name): their node tokens must name those owners.
+    if (geteuid() != 0) {
+      if (me != nullptr && std::string(me->pw_name) != "admin") {
+        worker_owners_.push_back(me->pw_name);
+      }
+      worker_owners_.push_back("admin");
+    }
+    return absl::OkStatus();
   }
-  // Workers not running as root take only the jobs of the users mapped to their account (admin,
-  // and the user of the account's name): their node tokens must name those owners.
-  std::vector<std::string> worker_owners;
-  if (geteuid() != 0) {
-    const passwd* me = getpwuid(geteuid());
-    if (me != nullptr && std::string(me->pw_name) != "admin") worker_owners.push_back(me->pw_name);
-    worker_owners.push_back("admin");
+
+  absl::Status StartWorkers() {
+    const std::string worker_bin = options_.bin_dir + "/trainyard-worker";
+    if (options_.workers > 0 && access(worker_bin.c_str(), X_OK) != 0) {
+      return absl::NotFoundError(absl::StrCat("cannot find ", worker_bin));
+    }
+    for (int i = 1; i <= options_.workers; ++i) {
+      LocalProcess w;
+      const std::string node = absl::StrCat("local-", i);
+      w.name = absl::StrCat("worker ", node);
+      w.address = c_.coordinator_address;
+      w.log = absl::StrCat(options_.state_dir, "/worker-", i, ".log");
+      std::vector<std::string> argv = {worker_bin,
+                                       "--coordinator",
+                                       c_.coordinator_address,
+                                       "--node-id",
+                                       node,
+                                       "--address",
+                                       "127.0.0.1",
+                                       "--cpu-slots",
+                                       absl::StrCat(options_.slots_per_worker),
+                                       "--work-dir",
+                                       absl::StrCat(options_.state_dir, "/worker-", i)};
+      auto token_file = NodeTokenFile(node, worker_owners_);
+      if (!token_file.ok()) return token_file.status();
+      argv.insert(argv.end(), {"--token-file", *token_file, "--user-map", user_map()});
+      if (!options_.tls_ca.empty()) argv.insert(argv.end(), {"--tls-ca", options_.tls_ca});
+      // The workers share this machine: split its cores among all their slots.
+      const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+      const int threads = options_.threads_per_slot > 0
+                              ? options_.threads_per_slot
+                              : std::max(1, cores / (options_.workers * options_.slots_per_worker));
+      argv.insert(argv.end(), {"--threads-per-slot", absl::StrCat(threads)});
+      // Its first line says where it serves metrics.
+      RETURN_IF_ERROR(StartDaemon(w, argv, absl::StrCat(options_.state_dir, "/worker-", i, ".out"),
+                                  /*metrics_line=*/0));
+    }
+    return absl::OkStatus();
   }
-  auto node_token_file =
-      [&](const std::string& node,
-          const std::vector<std::string>& owners = {}) -> absl::StatusOr<std::string> {
-    const std::string path = absl::StrCat(options.state_dir, "/", node, ".token");
-    if (ReadSecretFile(path).ok()) return path;  // from an earlier `up` of this state directory
+
+  absl::Status StartParameterServers() {
+    const std::string ps_bin = options_.bin_dir + "/trainyard-ps";
+    if (options_.parameter_servers > 0 && access(ps_bin.c_str(), X_OK) != 0) {
+      return absl::NotFoundError(absl::StrCat("cannot find ", ps_bin));
+    }
+    for (int i = 1; i <= options_.parameter_servers; ++i) {
+      LocalProcess ps;
+      const std::string node = absl::StrCat("local-ps-", i);
+      ps.name = absl::StrCat("parameter server ", node);
+      ps.address = c_.coordinator_address;
+      ps.log = absl::StrCat(options_.state_dir, "/ps-", i, ".log");
+      std::vector<std::string> argv = {ps_bin,
+                                       "--listen",
+                                       "127.0.0.1:0",
+                                       "--coordinator",
+                                       c_.coordinator_address,
+                                       "--node-id",
+                                       node,
+                                       "--threads",
+                                       "1"};
+      auto token_file = NodeTokenFile(node);
+      if (!token_file.ok()) return token_file.status();
+      argv.insert(argv.end(), {"--token-file", *token_file});
+      if (!options_.tls_cert.empty()) {
+        argv.insert(argv.end(), {"--tls-cert", options_.tls_cert, "--tls-key", options_.tls_key,
+                                 "--tls-ca", options_.tls_ca});
+      }
+      if (options_.ps_memory_bytes > 0) {
+        argv.insert(argv.end(), {"--memory-bytes", absl::StrCat(options_.ps_memory_bytes)});
+      }
+      // Its second line says where it serves metrics.
+      RETURN_IF_ERROR(StartDaemon(ps, argv, absl::StrCat(options_.state_dir, "/ps-", i, ".out"),
+                                  /*metrics_line=*/1));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  std::string user_map() const { return options_.state_dir + "/user-map"; }
+
+  // A node's token file: from an earlier `up` of this state directory, or made now.
+  absl::StatusOr<std::string> NodeTokenFile(const std::string& node,
+                                            const std::vector<std::string>& owners = {}) {
+    const std::string path = absl::StrCat(options_.state_dir, "/", node, ".token");
+    if (ReadSecretFile(path).ok()) return path;
     v1::CreateTokenRequest request;
     request.set_node(node);
     for (const std::string& owner : owners) request.add_owners(owner);
     request.set_description("yard local up");
-    auto created = admin.CreateToken(request);
+    auto created = admin_.CreateToken(request);
     if (!created.ok()) return created.status();
-    if (absl::Status s = WriteSecretFile(path, created->token()); !s.ok()) return s;
+    RETURN_IF_ERROR(WriteSecretFile(path, created->token()));
     return path;
-  };
+  }
 
-  // Workers pass it on to their ranks.
-  const std::vector<std::pair<std::string, std::string>> congestion_env = {
-      {ps::kTcpCongestionEnv, options.tcp_congestion}};
-  const std::string worker_bin = options.bin_dir + "/trainyard-worker";
-  if (options.workers > 0 && access(worker_bin.c_str(), X_OK) != 0) {
-    return absl::NotFoundError(absl::StrCat("cannot find ", worker_bin));
+  // Spawns `p` with `argv` (and the metrics flag), its output in `out`; recorded in the cluster.
+  absl::Status StartDaemon(LocalProcess& p, std::vector<std::string> argv, const std::string& out,
+                           size_t metrics_line) {
+    if (options_.metrics) argv.insert(argv.end(), {"--metrics-address", "127.0.0.1:0"});
+    // Workers pass it on to their ranks.
+    const std::vector<std::pair<std::string, std::string>> congestion_env = {
+        {ps::kTcpCongestionEnv, options_.tcp_congestion}};
+    auto pid = SpawnDaemon(argv, out, p.log, congestion_env);
+    if (!pid.ok()) return pid.status();
+    p.pid = *pid;
+    if (options_.metrics) RETURN_IF_ERROR(AwaitMetricsAddress(p, out, metrics_line));
+    p.alive = true;
+    c_.processes.push_back(p);
+    return Save(c_);
   }
-  for (int i = 1; i <= options.workers; ++i) {
-    LocalProcess w;
-    const std::string node = absl::StrCat("local-", i);
-    w.name = absl::StrCat("worker ", node);
-    w.address = c.coordinator_address;
-    w.log = absl::StrCat(options.state_dir, "/worker-", i, ".log");
-    std::vector<std::string> argv = {worker_bin,
-                                     "--coordinator",
-                                     c.coordinator_address,
-                                     "--node-id",
-                                     node,
-                                     "--address",
-                                     "127.0.0.1",
-                                     "--cpu-slots",
-                                     absl::StrCat(options.slots_per_worker),
-                                     "--work-dir",
-                                     absl::StrCat(options.state_dir, "/worker-", i)};
-    auto token_file = node_token_file(node, worker_owners);
-    if (!token_file.ok()) return token_file.status();
-    argv.push_back("--token-file");
-    argv.push_back(*token_file);
-    argv.push_back("--user-map");
-    argv.push_back(user_map);
-    if (!options.tls_ca.empty()) argv.insert(argv.end(), {"--tls-ca", options.tls_ca});
-    // The workers share this machine: split its cores among all their slots.
-    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    const int threads = options.threads_per_slot > 0
-                            ? options.threads_per_slot
-                            : std::max(1, cores / (options.workers * options.slots_per_worker));
-    argv.push_back("--threads-per-slot");
-    argv.push_back(absl::StrCat(threads));
-    if (options.metrics) {
-      argv.push_back("--metrics-address");
-      argv.push_back("127.0.0.1:0");
-    }
-    const std::string worker_out = absl::StrCat(options.state_dir, "/worker-", i, ".out");
-    auto wpid = SpawnDaemon(argv, worker_out, w.log, congestion_env);
-    if (!wpid.ok()) return wpid.status();
-    w.pid = *wpid;
-    if (options.metrics) {  // its first line says where
-      const absl::Time metrics_deadline = absl::Now() + absl::Seconds(30);
-      while (w.metrics_address.empty()) {
-        const std::vector<std::string> lines = PrintedLines(ReadFile(worker_out));
-        if (!lines.empty()) w.metrics_address = MetricsAddressIn(lines[0]);
-        if (!w.metrics_address.empty()) break;
-        if (absl::Now() > metrics_deadline || waitpid(w.pid, nullptr, WNOHANG) == w.pid) {
-          return absl::UnavailableError(
-              absl::StrCat(w.name, " did not serve metrics; see ", w.log));
-        }
-        absl::SleepFor(absl::Milliseconds(20));  // a detached child: no event to wait on
-      }
-    }
-    w.alive = true;
-    c.processes.push_back(w);
-    if (absl::Status s = Save(c); !s.ok()) return s;
-  }
-  const std::string ps_bin = options.bin_dir + "/trainyard-ps";
-  if (options.parameter_servers > 0 && access(ps_bin.c_str(), X_OK) != 0) {
-    return absl::NotFoundError(absl::StrCat("cannot find ", ps_bin));
-  }
-  for (int i = 1; i <= options.parameter_servers; ++i) {
-    LocalProcess ps;
-    ps.name = absl::StrCat("parameter server local-ps-", i);
-    ps.address = c.coordinator_address;
-    ps.log = absl::StrCat(options.state_dir, "/ps-", i, ".log");
-    std::vector<std::string> argv = {ps_bin,
-                                     "--listen",
-                                     "127.0.0.1:0",
-                                     "--coordinator",
-                                     c.coordinator_address,
-                                     "--node-id",
-                                     absl::StrCat("local-ps-", i),
-                                     "--threads",
-                                     "1"};
-    auto token_file = node_token_file(absl::StrCat("local-ps-", i));
-    if (!token_file.ok()) return token_file.status();
-    argv.push_back("--token-file");
-    argv.push_back(*token_file);
-    if (!options.tls_cert.empty()) {
-      argv.insert(argv.end(), {"--tls-cert", options.tls_cert, "--tls-key", options.tls_key,
-                               "--tls-ca", options.tls_ca});
-    }
-    if (options.ps_memory_bytes > 0) {
-      argv.push_back("--memory-bytes");
-      argv.push_back(absl::StrCat(options.ps_memory_bytes));
-    }
-    if (options.metrics) {
-      argv.push_back("--metrics-address");
-      argv.push_back("127.0.0.1:0");
-    }
-    const std::string ps_out = absl::StrCat(options.state_dir, "/ps-", i, ".out");
-    auto ppid = SpawnDaemon(argv, ps_out, ps.log, congestion_env);
-    if (!ppid.ok()) return ppid.status();
-    ps.pid = *ppid;
-    if (options.metrics) {  // its second line says where
-      const absl::Time metrics_deadline = absl::Now() + absl::Seconds(30);
-      while (ps.metrics_address.empty()) {
-        const std::vector<std::string> lines = PrintedLines(ReadFile(ps_out));
-        if (lines.size() >= 2) ps.metrics_address = MetricsAddressIn(lines[1]);
-        if (!ps.metrics_address.empty()) break;
-        if (absl::Now() > metrics_deadline || waitpid(ps.pid, nullptr, WNOHANG) == ps.pid) {
-          return absl::UnavailableError(
-              absl::StrCat(ps.name, " did not serve metrics; see ", ps.log));
-        }
-        absl::SleepFor(absl::Milliseconds(20));  // a detached child: no event to wait on
-      }
-    }
-    ps.alive = true;
-    c.processes.push_back(ps);
-    if (absl::Status s = Save(c); !s.ok()) return s;
-  }
-  if (!options.save_token_to.empty()) {
-    if (absl::Status s =
-            SaveTokenForYard(c.coordinator_address, *admin_token, options.save_token_to, tls);
-        !s.ok()) {
-      return s;
-    }
-    c.saved_token_to = options.save_token_to;
-  }
-  // Ready once every worker and parameter server has registered.
-  YardClient& client = admin;
-  const absl::Time workers_deadline = absl::Now() + absl::Seconds(30);
+
+  const LocalUpOptions& options_;
+  LocalCluster& c_;
+  YardClient& admin_;
+  std::vector<std::string> worker_owners_;
+};
+
+// Ready once every worker and parameter server has registered; a daemon that exits fails it.
+absl::Status AwaitNodes(const LocalUpOptions& options, const LocalCluster& c, YardClient& client,
+                        pid_t coordinator) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
   const int expected = options.workers + options.parameter_servers;
   while (expected > 0) {
     auto nodes = client.ListNodes();
@@ -453,18 +421,69 @@ absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& given) {
     if (ready >= expected) break;
     for (const auto& p : c.processes) {
       int status = 0;
-      if (p.pid != coord.pid && waitpid(p.pid, &status, WNOHANG) == p.pid) {
+      if (p.pid != coordinator && waitpid(p.pid, &status, WNOHANG) == p.pid) {
         return absl::UnavailableError(absl::StrCat(p.name, " exited at start; ", p.log,
                                                    " ends with:\n", Tail(ReadFile(p.log), 5)));
       }
     }
-    if (absl::Now() > workers_deadline) {
+    if (absl::Now() > deadline) {
       return absl::DeadlineExceededError(
           absl::StrCat(ready, " of ", expected, " nodes registered within 30 s; see their logs in ",
                        options.state_dir));
     }
     absl::SleepFor(absl::Milliseconds(50));  // polling the coordinator's view of the nodes
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& given) {
+  // Every path handed to the servers (and through the workers to the ranks, which run in
+  // folders of their own) is absolute, and so is every path the cluster's record keeps.
+  LocalUpOptions options = given;
+  for (std::string* path : {&options.state_dir, &options.bin_dir, &options.save_token_to,
+                            &options.tls_cert, &options.tls_key, &options.tls_ca}) {
+    if (!path->empty() && path->front() != '/') *path = fs::absolute(*path).string();
+  }
+  RETURN_IF_ERROR(ps::CheckTcpCongestion(options.tcp_congestion, "--tcp-congestion"));
+  if (auto existing = LocalStatus(options.state_dir); existing.ok()) {
+    for (const auto& p : existing->processes) {
+      if (p.alive) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("a local cluster is already running from ", options.state_dir, " (",
+                         p.name, " pid ", p.pid, " on ", p.address, "); `yard local down` first"));
+      }
+    }
+  }
+  std::error_code ec;
+  fs::create_directories(options.state_dir, ec);
+  if (ec) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--state-dir: cannot create ", options.state_dir, ": ", ec.message()));
+  }
+  LocalCluster c;
+  c.state_dir = options.state_dir;
+  ASSIGN_OR_RETURN(const LocalProcess coord, StartLocalCoordinator(options));
+  c.coordinator_address = coord.address;
+  c.processes.push_back(coord);
+  RETURN_IF_ERROR(Save(c));
+  // The local admin made by the coordinator at its first start; each daemon gets a node token.
+  c.admin_token_file = options.state_dir + "/admin.token";
+  ASSIGN_OR_RETURN(const std::string admin_token, ReadSecretFile(c.admin_token_file));
+  c.tls_ca = options.tls_ca;
+  const TlsClientOptions tls{options.tls_ca, "", ""};
+  YardClient admin(c.coordinator_address, admin_token, tls);
+  LocalDaemons daemons(options, c, admin);
+  RETURN_IF_ERROR(daemons.WriteUserMap());
+  RETURN_IF_ERROR(daemons.StartWorkers());
+  RETURN_IF_ERROR(daemons.StartParameterServers());
+  if (!options.save_token_to.empty()) {
+    RETURN_IF_ERROR(
+        SaveTokenForYard(c.coordinator_address, admin_token, options.save_token_to, tls));
+    c.saved_token_to = options.save_token_to;
+  }
+  RETURN_IF_ERROR(AwaitNodes(options, c, admin, coord.pid));
   return c;
 }
 

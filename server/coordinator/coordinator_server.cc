@@ -136,220 +136,14 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   };
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
                    MakeServerCredentials(s->options_.tls, s->options_.listen_address));
-  const std::string& dir = s->options_.state_dir;
-  RETURN_IF_ERROR(MakePrivateDir(dir, /*passable=*/s->options_.checkpoint_root.empty()));
-  const std::string lock_path = dir + "/coordinator.lock";
-  s->lock_fd_ = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
-  if (s->lock_fd_ < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("state_dir: cannot open ", lock_path, ": ", strerror(errno)));
-  }
-  if (flock(s->lock_fd_, LOCK_EX | LOCK_NB) != 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("state_dir: ", dir, " is in use by another coordinator"));
-  }
-
-  s->metrics_prom_ = std::make_unique<CoordinatorMetrics>();
-  if (!s->options_.metrics_address.empty()) {
-    MetricsEndpointOptions metrics;
-    metrics.address = s->options_.metrics_address;
-    metrics.token_file = s->options_.metrics_token_file;
-    metrics.insecure = s->options_.metrics_insecure;
-    if (s->options_.metrics_tls) {
-      metrics.tls_cert_file = s->options_.tls.cert_file;
-      metrics.tls_key_file = s->options_.tls.key_file;
-      metrics.tls_reload = absl::Seconds(s->options_.tls.reload_seconds);
-    }
-    ASSIGN_OR_RETURN(s->metrics_endpoint_,
-                     MetricsEndpoint::Start(metrics, s->metrics_prom_->registry()));
-  }
-  SqliteJobStoreOptions store_options;
-  store_options.group_commit = s->options_.group_commit;
-  store_options.on_commit = [m = s->metrics_prom_.get()](double seconds) {
-    m->ObserveStoreCommit(seconds);
-  };
-  store_options.fence_epoch = s->options_.fence_epoch;
-  store_options.on_fenced = s->options_.on_fenced;
-  store_options.idle_in_transaction_limit = s->options_.idle_in_transaction_limit;
-  if (IsPostgresLocation(s->options_.store)) {
-    if (!s->options_.restore_from.empty()) {
-      return absl::InvalidArgumentError(
-          "restore_from: a PostgreSQL store is restored with pg_restore or psql, not --restore "
-          "(docs/operations.md)");
-    }
-    ASSIGN_OR_RETURN(s->store_, OpenPostgresJobStore(s->options_.store, store_options));
-    spdlog::info("state in PostgreSQL: {}", DescribePostgresLocation(s->options_.store));
-  } else if (!s->options_.store.empty()) {
-    return absl::InvalidArgumentError(
-        "store: a PostgreSQL URI, postgresql://[user@]host[:port]/database (or leave it out for "
-        "STATE_DIR/coordinator.db)");
-  } else {
-    if (!s->options_.restore_from.empty()) {
-      // Only into an empty state directory: a restore never overwrites state.
-      const std::string db = dir + "/coordinator.db";
-      if (::access(db.c_str(), F_OK) == 0) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "restore_from: ", db, " exists; restore into a state directory without one"));
-      }
-      const std::string part = db + ".restoring";
-      ::unlink(part.c_str());  // (an interrupted restore's)
-      absl::Status restored = RestoreSqliteBackup(s->options_.restore_from, part);
-      // Read whole, as the start below will, before it takes the state directory's name: a
-      // file that only looks like a backup (another schema under the same table name) fails
-      // here and leaves the directory as it was, so that a retry with the right file works.
-      if (restored.ok()) {
-        auto probe = OpenSqliteJobStore(part, store_options);
-        if (!probe.ok()) {
-          restored = probe.status();
-        } else if (auto jobs = (*probe)->LoadJobs(); !jobs.ok()) {
-          restored = jobs.status();
-        } else if (auto nodes = (*probe)->LoadNodes(); !nodes.ok()) {
-          restored = nodes.status();
-        }
-      }
-      for (const char* suffix : {"-wal", "-shm"}) {
-        if (!restored.ok()) ::unlink(absl::StrCat(part, suffix).c_str());
-      }
-      if (restored.ok() && ::rename(part.c_str(), db.c_str()) != 0) {
-        restored = absl::InternalError(absl::StrCat("cannot rename ", part, ": ", strerror(errno)));
-      }
-      if (!restored.ok()) {
-        ::unlink(part.c_str());
-        return absl::Status(restored.code(), absl::StrCat("restore_from: ", restored.message()));
-      }
-      spdlog::info("restored the state from {}", s->options_.restore_from);
-    }
-    // SQLite gives its -wal and -shm files the database file's mode.
-    RETURN_IF_ERROR(MakePrivateFile(dir + "/coordinator.db"));
-    ASSIGN_OR_RETURN(s->store_, OpenSqliteJobStore(dir + "/coordinator.db", store_options));
-  }
+  RETURN_IF_ERROR(s->LockStateDir());
+  RETURN_IF_ERROR(s->StartMetricsEndpoint());
+  RETURN_IF_ERROR(s->OpenStore());
   if (!s->options_.audit_log.empty()) RETURN_IF_ERROR(OpenAuditJsonLog(s->options_.audit_log));
-  ASSIGN_OR_RETURN(std::string job_key, JobCredentialKey(dir, s->options_.job_credential_key_file));
-  s->identities_ = std::make_unique<IdentityRegistry>(*s->store_, s->clock_, std::move(job_key));
-  s->identities_->SetAuthThrottle(s->options_.limits.auth_per_token,
-                                  s->options_.limits.auth_per_peer);
-  s->identities_->SetMaxTokensPerUser(s->options_.limits.max_tokens_per_user);
-  s->identities_->SetAuthFailureObserver(
-      [m = s->metrics_prom_.get()](const char* reason) { m->ObserveAuthFailure(reason); });
-  RETURN_IF_ERROR(s->identities_->Load());
-  ASSIGN_OR_RETURN(std::optional<std::string> admin_token, s->identities_->BootstrapAdmin());
-  if (admin_token.has_value()) {
-    RETURN_IF_ERROR(WriteSecretFile(s->admin_token_path(), *admin_token));
-    spdlog::info("created user admin; its token is in {} (readable only by this account)",
-                 s->admin_token_path());
-  }
-  s->nodes_ = std::make_unique<NodeRegistry>(*s->store_, s->clock_, s->options_.node_timeout);
-  s->rendezvous_ = std::make_unique<Rendezvous>(s->options_.limits.rendezvous);
-  s->logs_ = std::make_unique<JobLogs>(/*max_records_per_job=*/50'000,
-                                       s->options_.limits.max_log_bytes_per_job);
-  s->metrics_ = std::make_unique<JobMetrics>(/*max_records_per_job=*/200'000,
-                                             s->options_.limits.max_metric_bytes_per_job);
-  JobManagerOptions jobs;
-  // Set before serving: a submit's callback wakes the scheduler at once.
-  jobs.scheduler_wakeup = [raw = s.get()] { raw->WakeScheduler(); };
-  // (The address exists only once the server is bound, with the server already serving: a
-  // node's hello in the instant before would be sent its assignments without it; new placements
-  // come only from the scheduler, which starts after.)
-  jobs.rank_coordinators = [raw = s.get()] {
-    absl::MutexLock lock(&raw->address_mu_);
-    return raw->rank_coordinators_;
-  };
-  jobs.preemption = s->options_.preemption;
-  jobs.preemption_grace = s->options_.preemption_grace;
-  jobs.min_run_time = s->options_.min_run_time;
-  jobs.max_preemption_grace = s->options_.max_preemption_grace;
-  jobs.max_kept_checkpoints = s->options_.limits.max_kept_checkpoints;
-  jobs.sharing = [ids = s->identities_.get()] { return ids->Sharing(); };
-  jobs.fair_share_half_life = s->options_.fair_share_half_life;
-  jobs.usage_reset = s->options_.fair_share_usage_reset;
-  jobs.job_credential = [ids = s->identities_.get()](const std::string& job, int32_t attempt) {
-    return ids->JobCredentialFor(job, attempt);
-  };
-  jobs.checkpoint_root = s->options_.checkpoint_root.empty()
-                             ? std::filesystem::absolute(dir + "/checkpoints").string()
-                             : s->options_.checkpoint_root;
-  jobs.finished_job_retention = s->options_.limits.finished_job_retention;
-  jobs.metrics = s->metrics_prom_.get();
-  jobs.default_max_queued_jobs = s->options_.limits.max_queued_jobs_per_user;
-  jobs.max_pending_submits = s->options_.limits.max_pending_submits;
-  // A listing stays well inside a message, whatever its jobs hold.
-  jobs.max_list_bytes = s->options_.limits.max_list_bytes > 0
-                            ? s->options_.limits.max_list_bytes
-                            : static_cast<size_t>(s->options_.max_message_bytes) / 2;
-  // A job's end stores its logs and metrics in the same transaction.
-  jobs.end_records = [logs = s->logs_.get(), metrics = s->metrics_.get(),
-                      history = s->options_.limits.history](const v1::Job& job) {
-    return SeriesRecords(*logs, *metrics, history, job.id(), job.end_time_ms());
-  };
-  s->jobs_ = std::make_unique<JobManager>(*s->store_, *s->nodes_, *s->rendezvous_, s->clock_,
-                                          std::move(jobs));
-  RETURN_IF_ERROR(s->jobs_->LoadUsage());
-  RETURN_IF_ERROR(s->jobs_->LoadRequestIds());
-  s->identities_->SetAccountInUse([jobs = s->jobs_.get()](const std::string& account) {
-    return jobs->UnfinishedJobOf(account);
-  });
-  ASSIGN_OR_RETURN(auto stored_nodes, s->store_->LoadNodes());
-  RETURN_IF_ERROR(s->nodes_->Load(stored_nodes));
-  ASSIGN_OR_RETURN(auto stored_jobs, s->store_->LoadJobs());
-  RETURN_IF_ERROR(s->jobs_->Load(stored_jobs));
-  spdlog::info(
-      "loaded {} jobs and {} nodes from {}", stored_jobs.size(), stored_nodes.size(),
-      IsPostgresLocation(s->options_.store) ? DescribePostgresLocation(s->options_.store) : dir);
-
-  s->history_ = std::make_unique<JobHistory>(*s->store_, *s->jobs_, *s->logs_, *s->metrics_,
-                                             s->clock_, s->options_.limits.history);
-  // Running jobs' logs and metrics from before a restart (or from the leader before this one).
-  ASSIGN_OR_RETURN(const int resumed, s->history_->LoadUnfinished());
-  if (resumed > 0) spdlog::info("loaded the logs and metrics of {} unfinished job(s)", resumed);
-  const IdentityRegistry& ids = *s->identities_;
-  // Node loss reaches the job manager's attempt tracker by the registry's listener.
-  AttemptTracker* attempts = s->jobs_.get();
-  s->nodes_->SetLostListener([attempts](const std::vector<std::string>& lost) {
-    for (const auto& id : lost) spdlog::warn("node {} lost: no heartbeat", id);
-    attempts->OnNodesLost(lost);
-  });
-  // Each service gets the handlers it calls (job_handlers.h).
-  s->job_service_ = std::make_unique<JobServiceImpl>(*s->jobs_, *s->jobs_, *s->logs_, *s->metrics_,
-                                                     *s->history_, ids);
-  // (A new name for this coordinator's life: ranks send their recent reports again to it.)
-  s->trainer_service_ = std::make_unique<TrainerServiceImpl>(
-      *s->jobs_, *s->metrics_, s->metrics_prom_.get(), ids, Base64Url(RandomBytes(12)));
-  s->node_service_ = std::make_unique<NodeServiceImpl>(
-      *s->nodes_, *s->jobs_, *s->jobs_, *s->logs_, s->options_.heartbeat_interval, ids,
-      /*node_certificates=*/!s->options_.tls.client_ca_file.empty());
-  s->node_service_->SetMetrics(s->metrics_prom_.get());
-  s->rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(*s->rendezvous_, ids);
-  s->identity_service_ = std::make_unique<IdentityServiceImpl>(*s->identities_);
-  s->admin_service_ = std::make_unique<AdminServiceImpl>(*s->store_, dir, *s->identities_);
-
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort(s->options_.listen_address, credentials, &s->port_);
-  builder.SetMaxReceiveMessageSize(s->options_.max_message_bytes);
-  builder.SetMaxSendMessageSize(s->options_.max_message_bytes);
-  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
-  // First, so that the metrics count the corrected code.
-  interceptors.push_back(MalformedRequestInterceptorFactory());
-  interceptors.push_back(s->metrics_prom_->InterceptorFactory());
-  builder.experimental().SetInterceptorCreators(std::move(interceptors));
-  builder.RegisterService(s->job_service_.get());
-  builder.RegisterService(s->node_service_.get());
-  builder.RegisterService(s->rendezvous_service_.get());
-  builder.RegisterService(s->trainer_service_.get());
-  builder.RegisterService(s->identity_service_.get());
-  builder.RegisterService(s->admin_service_.get());
-  s->server_ = builder.BuildAndStart();
-  if (s->server_ == nullptr || s->port_ == 0) {
-    return absl::UnavailableError(absl::StrCat("listen: cannot bind ", s->options_.listen_address));
-  }
-  const std::string& listen = s->options_.listen_address;
-  s->address_ = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", s->port_);
-  {
-    absl::MutexLock lock(&s->address_mu_);
-    s->rank_coordinators_ = RankCoordinators(s->options_.rank_coordinator_addresses, s->address_);
-  }
-
+  RETURN_IF_ERROR(s->LoadIdentities());
+  RETURN_IF_ERROR(s->LoadJobs());
+  s->MakeServices();
+  RETURN_IF_ERROR(s->Serve(std::move(credentials)));
   if (s->options_.background_threads) {
     // Named, so that top -H and /proc/PID/task show where the coordinator's time goes.
     s->scheduler_thread_ = std::thread([raw = s.get()] {
@@ -363,6 +157,246 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     s->WakeScheduler();
   }
   return s;
+}
+
+absl::Status CoordinatorServer::LockStateDir() {
+  const std::string& dir = options_.state_dir;
+  RETURN_IF_ERROR(MakePrivateDir(dir, /*passable=*/options_.checkpoint_root.empty()));
+  const std::string lock_path = dir + "/coordinator.lock";
+  lock_fd_ = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (lock_fd_ < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("state_dir: cannot open ", lock_path, ": ", strerror(errno)));
+  }
+  if (flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("state_dir: ", dir, " is in use by another coordinator"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CoordinatorServer::StartMetricsEndpoint() {
+  metrics_prom_ = std::make_unique<CoordinatorMetrics>();
+  if (options_.metrics_address.empty()) return absl::OkStatus();
+  MetricsEndpointOptions metrics;
+  metrics.address = options_.metrics_address;
+  metrics.token_file = options_.metrics_token_file;
+  metrics.insecure = options_.metrics_insecure;
+  if (options_.metrics_tls) {
+    metrics.tls_cert_file = options_.tls.cert_file;
+    metrics.tls_key_file = options_.tls.key_file;
+    metrics.tls_reload = absl::Seconds(options_.tls.reload_seconds);
+  }
+  ASSIGN_OR_RETURN(metrics_endpoint_, MetricsEndpoint::Start(metrics, metrics_prom_->registry()));
+  return absl::OkStatus();
+}
+
+absl::Status CoordinatorServer::OpenStore() {
+  SqliteJobStoreOptions store_options;
+  store_options.group_commit = options_.group_commit;
+  store_options.on_commit = [m = metrics_prom_.get()](double seconds) {
+    m->ObserveStoreCommit(seconds);
+  };
+  store_options.fence_epoch = options_.fence_epoch;
+  store_options.on_fenced = options_.on_fenced;
+  store_options.idle_in_transaction_limit = options_.idle_in_transaction_limit;
+  if (IsPostgresLocation(options_.store)) {
+    if (!options_.restore_from.empty()) {
+      return absl::InvalidArgumentError(
+          "restore_from: a PostgreSQL store is restored with pg_restore or psql, not --restore "
+          "(docs/operations.md)");
+    }
+    ASSIGN_OR_RETURN(store_, OpenPostgresJobStore(options_.store, store_options));
+    spdlog::info("state in PostgreSQL: {}", DescribePostgresLocation(options_.store));
+    return absl::OkStatus();
+  }
+  if (!options_.store.empty()) {
+    return absl::InvalidArgumentError(
+        "store: a PostgreSQL URI, postgresql://[user@]host[:port]/database (or leave it out for "
+        "STATE_DIR/coordinator.db)");
+  }
+  const std::string db = options_.state_dir + "/coordinator.db";
+  if (!options_.restore_from.empty()) RETURN_IF_ERROR(RestoreSqliteState(db, store_options));
+  // SQLite gives its -wal and -shm files the database file's mode.
+  RETURN_IF_ERROR(MakePrivateFile(db));
+  ASSIGN_OR_RETURN(store_, OpenSqliteJobStore(db, store_options));
+  return absl::OkStatus();
+}
+
+absl::Status CoordinatorServer::RestoreSqliteState(const std::string& db,
+                                                   const SqliteJobStoreOptions& store_options) {
+  // Only into an empty state directory: a restore never overwrites state.
+  if (::access(db.c_str(), F_OK) == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("restore_from: ", db, " exists; restore into a state directory without one"));
+  }
+  const std::string part = db + ".restoring";
+  ::unlink(part.c_str());  // (an interrupted restore's)
+  absl::Status restored = RestoreSqliteBackup(options_.restore_from, part);
+  // Read whole, as the start will, before it takes the state directory's name: a file that only
+  // looks like a backup (another schema under the same table name) fails here and leaves the
+  // directory as it was, so that a retry with the right file works.
+  if (restored.ok()) {
+    auto probe = OpenSqliteJobStore(part, store_options);
+    if (!probe.ok()) {
+      restored = probe.status();
+    } else if (auto jobs = (*probe)->LoadJobs(); !jobs.ok()) {
+      restored = jobs.status();
+    } else if (auto nodes = (*probe)->LoadNodes(); !nodes.ok()) {
+      restored = nodes.status();
+    }
+  }
+  for (const char* suffix : {"-wal", "-shm"}) {
+    if (!restored.ok()) ::unlink(absl::StrCat(part, suffix).c_str());
+  }
+  if (restored.ok() && ::rename(part.c_str(), db.c_str()) != 0) {
+    restored = absl::InternalError(absl::StrCat("cannot rename ", part, ": ", strerror(errno)));
+  }
+  if (!restored.ok()) {
+    ::unlink(part.c_str());
+    return absl::Status(restored.code(), absl::StrCat("restore_from: ", restored.message()));
+  }
+  spdlog::info("restored the state from {}", options_.restore_from);
+  return absl::OkStatus();
+}
+
+absl::Status CoordinatorServer::LoadIdentities() {
+  ASSIGN_OR_RETURN(std::string job_key,
+                   JobCredentialKey(options_.state_dir, options_.job_credential_key_file));
+  identities_ = std::make_unique<IdentityRegistry>(*store_, clock_, std::move(job_key));
+  identities_->SetAuthThrottle(options_.limits.auth_per_token, options_.limits.auth_per_peer);
+  identities_->SetMaxTokensPerUser(options_.limits.max_tokens_per_user);
+  identities_->SetAuthFailureObserver(
+      [m = metrics_prom_.get()](const char* reason) { m->ObserveAuthFailure(reason); });
+  RETURN_IF_ERROR(identities_->Load());
+  ASSIGN_OR_RETURN(std::optional<std::string> admin_token, identities_->BootstrapAdmin());
+  if (admin_token.has_value()) {
+    RETURN_IF_ERROR(WriteSecretFile(admin_token_path(), *admin_token));
+    spdlog::info("created user admin; its token is in {} (readable only by this account)",
+                 admin_token_path());
+  }
+  return absl::OkStatus();
+}
+
+JobManagerOptions CoordinatorServer::JobOptions() {
+  JobManagerOptions jobs;
+  // Set before serving: a submit's callback wakes the scheduler at once.
+  jobs.scheduler_wakeup = [this] { WakeScheduler(); };
+  // (The address exists only once the server is bound, with the server already serving: a
+  // node's hello in the instant before would be sent its assignments without it; new placements
+  // come only from the scheduler, which starts after.)
+  jobs.rank_coordinators = [this] {
+    absl::MutexLock lock(&address_mu_);
+    return rank_coordinators_;
+  };
+  jobs.preemption = options_.preemption;
+  jobs.preemption_grace = options_.preemption_grace;
+  jobs.min_run_time = options_.min_run_time;
+  jobs.max_preemption_grace = options_.max_preemption_grace;
+  jobs.max_kept_checkpoints = options_.limits.max_kept_checkpoints;
+  jobs.sharing = [ids = identities_.get()] { return ids->Sharing(); };
+  jobs.fair_share_half_life = options_.fair_share_half_life;
+  jobs.usage_reset = options_.fair_share_usage_reset;
+  jobs.job_credential = [ids = identities_.get()](const std::string& job, int32_t attempt) {
+    return ids->JobCredentialFor(job, attempt);
+  };
+  jobs.checkpoint_root =
+      options_.checkpoint_root.empty()
+          ? std::filesystem::absolute(options_.state_dir + "/checkpoints").string()
+          : options_.checkpoint_root;
+  jobs.finished_job_retention = options_.limits.finished_job_retention;
+  jobs.metrics = metrics_prom_.get();
+  jobs.default_max_queued_jobs = options_.limits.max_queued_jobs_per_user;
+  jobs.max_pending_submits = options_.limits.max_pending_submits;
+  // A listing stays well inside a message, whatever its jobs hold.
+  jobs.max_list_bytes = options_.limits.max_list_bytes > 0
+                            ? options_.limits.max_list_bytes
+                            : static_cast<size_t>(options_.max_message_bytes) / 2;
+  // A job's end stores its logs and metrics in the same transaction.
+  jobs.end_records = [logs = logs_.get(), metrics = metrics_.get(),
+                      history = options_.limits.history](const v1::Job& job) {
+    return SeriesRecords(*logs, *metrics, history, job.id(), job.end_time_ms());
+  };
+  return jobs;
+}
+
+absl::Status CoordinatorServer::LoadJobs() {
+  nodes_ = std::make_unique<NodeRegistry>(*store_, clock_, options_.node_timeout);
+  rendezvous_ = std::make_unique<Rendezvous>(options_.limits.rendezvous);
+  logs_ = std::make_unique<JobLogs>(/*max_records_per_job=*/50'000,
+                                    options_.limits.max_log_bytes_per_job);
+  metrics_ = std::make_unique<JobMetrics>(/*max_records_per_job=*/200'000,
+                                          options_.limits.max_metric_bytes_per_job);
+  jobs_ = std::make_unique<JobManager>(*store_, *nodes_, *rendezvous_, clock_, JobOptions());
+  RETURN_IF_ERROR(jobs_->LoadUsage());
+  RETURN_IF_ERROR(jobs_->LoadRequestIds());
+  identities_->SetAccountInUse(
+      [jobs = jobs_.get()](const std::string& account) { return jobs->UnfinishedJobOf(account); });
+  ASSIGN_OR_RETURN(auto stored_nodes, store_->LoadNodes());
+  RETURN_IF_ERROR(nodes_->Load(stored_nodes));
+  ASSIGN_OR_RETURN(auto stored_jobs, store_->LoadJobs());
+  RETURN_IF_ERROR(jobs_->Load(stored_jobs));
+  spdlog::info("loaded {} jobs and {} nodes from {}", stored_jobs.size(), stored_nodes.size(),
+               IsPostgresLocation(options_.store) ? DescribePostgresLocation(options_.store)
+                                                  : options_.state_dir);
+  history_ = std::make_unique<JobHistory>(*store_, *jobs_, *logs_, *metrics_, clock_,
+                                          options_.limits.history);
+  // Running jobs' logs and metrics from before a restart (or from the leader before this one).
+  ASSIGN_OR_RETURN(const int resumed, history_->LoadUnfinished());
+  if (resumed > 0) spdlog::info("loaded the logs and metrics of {} unfinished job(s)", resumed);
+  // Node loss reaches the job manager's attempt tracker by the registry's listener.
+  AttemptTracker* attempts = jobs_.get();
+  nodes_->SetLostListener([attempts](const std::vector<std::string>& lost) {
+    for (const auto& id : lost) spdlog::warn("node {} lost: no heartbeat", id);
+    attempts->OnNodesLost(lost);
+  });
+  return absl::OkStatus();
+}
+
+// Each service gets the handlers it calls (job_handlers.h).
+void CoordinatorServer::MakeServices() {
+  const IdentityRegistry& ids = *identities_;
+  job_service_ =
+      std::make_unique<JobServiceImpl>(*jobs_, *jobs_, *logs_, *metrics_, *history_, ids);
+  // (A new name for this coordinator's life: ranks send their recent reports again to it.)
+  trainer_service_ = std::make_unique<TrainerServiceImpl>(*jobs_, *metrics_, metrics_prom_.get(),
+                                                          ids, Base64Url(RandomBytes(12)));
+  node_service_ = std::make_unique<NodeServiceImpl>(
+      *nodes_, *jobs_, *jobs_, *logs_, options_.heartbeat_interval, ids,
+      /*node_certificates=*/!options_.tls.client_ca_file.empty());
+  node_service_->SetMetrics(metrics_prom_.get());
+  rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(*rendezvous_, ids);
+  identity_service_ = std::make_unique<IdentityServiceImpl>(*identities_);
+  admin_service_ = std::make_unique<AdminServiceImpl>(*store_, options_.state_dir, *identities_);
+}
+
+absl::Status CoordinatorServer::Serve(std::shared_ptr<grpc::ServerCredentials> credentials) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options_.listen_address, credentials, &port_);
+  builder.SetMaxReceiveMessageSize(options_.max_message_bytes);
+  builder.SetMaxSendMessageSize(options_.max_message_bytes);
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  // First, so that the metrics count the corrected code.
+  interceptors.push_back(MalformedRequestInterceptorFactory());
+  interceptors.push_back(metrics_prom_->InterceptorFactory());
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
+  builder.RegisterService(job_service_.get());
+  builder.RegisterService(node_service_.get());
+  builder.RegisterService(rendezvous_service_.get());
+  builder.RegisterService(trainer_service_.get());
+  builder.RegisterService(identity_service_.get());
+  builder.RegisterService(admin_service_.get());
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr || port_ == 0) {
+    return absl::UnavailableError(absl::StrCat("listen: cannot bind ", options_.listen_address));
+  }
+  const std::string& listen = options_.listen_address;
+  address_ = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port_);
+  absl::MutexLock lock(&address_mu_);
+  rank_coordinators_ = RankCoordinators(options_.rank_coordinator_addresses, address_);
+  return absl::OkStatus();
 }
 
 CoordinatorServer::~CoordinatorServer() {

@@ -151,6 +151,17 @@ class CoordinatorServer {
 
  private:
   explicit CoordinatorServer(CoordinatorOptions options);
+  // Start's steps, in order.
+  absl::Status LockStateDir();  // the state directory, private, and its lock (one coordinator)
+  absl::Status StartMetricsEndpoint();
+  absl::Status OpenStore();  // SQLite in the state directory (restored first), or PostgreSQL
+  absl::Status RestoreSqliteState(const std::string& db,
+                                  const SqliteJobStoreOptions& store_options);
+  absl::Status LoadIdentities();  // users, tokens, accounts; the first admin's token
+  absl::Status LoadJobs();        // nodes, jobs, usage, request ids, running jobs' logs
+  JobManagerOptions JobOptions();
+  void MakeServices();
+  absl::Status Serve(std::shared_ptr<grpc::ServerCredentials> credentials);
   void SchedulerLoop();
   void TickerLoop();
   void WakeScheduler();
