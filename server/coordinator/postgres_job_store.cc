@@ -34,6 +34,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/status_macros.h"
+#include "server/coordinator/group_committer.h"
 #include "server/coordinator/job_store.h"
 #include "server/coordinator/leader_lease.h"
 
@@ -388,25 +389,15 @@ class PostgresJobStore final : public JobStore {
       absl::MutexLock lock(&store->read_mu_);
       RETURN_IF_ERROR(store->read_.Ensure());
     }
-    store->commit_thread_ = std::thread([s = store.get()] {
-      pthread_setname_np(pthread_self(), "ty-store-commit");
-      s->CommitLoop();
-    });
+    store->committer_.Start();
     return store;
   }
 
   // Writes every queued batch and runs its callback, then closes the connections.
-  ~PostgresJobStore() override {
-    {
-      absl::MutexLock lock(&mu_);
-      stopping_ = true;
-    }
-    if (commit_thread_.joinable()) commit_thread_.join();
-  }
+  ~PostgresJobStore() override { committer_.Stop(); }
 
   void Commit(WriteBatch batch, DoneCallback done) override {
-    absl::MutexLock lock(&mu_);
-    queue_.push_back({std::move(batch), std::move(done)});
+    committer_.Commit(std::move(batch), std::move(done));
   }
 
   absl::Status Backup(const std::string& path) override {
@@ -478,24 +469,21 @@ class PostgresJobStore final : public JobStore {
     return jobs;
   }
 
-  JobStoreStats Stats() const override {
-    absl::MutexLock lock(&mu_);
-    return stats_;
-  }
+  JobStoreStats Stats() const override { return committer_.Stats(); }
 
  private:
-  struct Pending {
-    WriteBatch batch;
-    DoneCallback done;
-  };
-
   PostgresJobStore(const std::string& uri, const PostgresJobStoreOptions& options)
       : options_(options),
         write_(uri,
                std::vector<Statement>(std::begin(kWriteStatements), std::end(kWriteStatements)),
                Timeouts{}, WriteSessionSettings(options)),
-        read_(uri, std::vector<Statement>(std::begin(kReadStatements), std::end(kReadStatements))) {
-  }
+        read_(uri, std::vector<Statement>(std::begin(kReadStatements), std::end(kReadStatements))),
+        committer_(
+            options.group_commit,
+            [this](const std::vector<const WriteBatch*>& batches) {
+              return RunTransaction(batches);
+            },
+            options.on_commit) {}
 
   static std::string WriteSessionSettings(const PostgresJobStoreOptions& options) {
     const int64_t idle_ms = absl::ToInt64Milliseconds(options.idle_in_transaction_limit);
@@ -522,55 +510,6 @@ class PostgresJobStore final : public JobStore {
     }
   }
 
-  void CommitLoop() {
-    while (true) {
-      std::vector<Pending> pending;
-      {
-        absl::MutexLock lock(&mu_);
-        mu_.Await(absl::Condition(
-            +[](PostgresJobStore* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) {
-              return s->stopping_ || !s->queue_.empty();
-            },
-            this));
-        if (queue_.empty()) return;  // stopping, and everything queued has been written
-        const size_t take = options_.group_commit ? queue_.size() : 1;
-        for (size_t i = 0; i < take; ++i) {
-          pending.push_back(std::move(queue_.front()));
-          queue_.pop_front();
-        }
-      }
-      std::vector<absl::Status> results = WriteGroup(pending);
-      for (size_t i = 0; i < pending.size(); ++i) pending[i].done(std::move(results[i]));
-    }
-  }
-
-  // Writes `pending` in one transaction or, if that fails, each batch in a transaction of its
-  // own, so that one bad batch does not fail the others. Returns each batch's status, in order.
-  std::vector<absl::Status> WriteGroup(const std::vector<Pending>& pending) {
-    std::vector<absl::Status> results(pending.size());
-    std::vector<size_t> to_write;
-    for (size_t i = 0; i < pending.size(); ++i) {
-      if (!pending[i].batch.empty()) to_write.push_back(i);
-    }
-    if (!to_write.empty()) {
-      std::vector<const WriteBatch*> batches;
-      for (size_t i : to_write) batches.push_back(&pending[i].batch);
-      absl::Status group_status = RunTransaction(batches);
-      if (!group_status.ok()) {
-        if (to_write.size() == 1) {
-          results[to_write[0]] = std::move(group_status);
-        } else {
-          for (size_t i : to_write) results[i] = RunTransaction({&pending[i].batch});
-        }
-      }
-    }
-    int64_t committed = 0;
-    for (const absl::Status& status : results) committed += status.ok() ? 1 : 0;
-    absl::MutexLock lock(&mu_);
-    stats_.batches += committed;
-    return results;
-  }
-
   // Writes `batches` in one BEGIN..COMMIT transaction. On error nothing of them is applied.
   // A connection that broke before COMMIT was sent (the server restarted, closed an idle session,
   // or ended one this process left idle in the transaction by a pause) applied nothing, and the
@@ -582,7 +521,6 @@ class PostgresJobStore final : public JobStore {
   // server runs both at once, so a transaction commits only while its lease holds, and holds the
   // lease row only for its commit, however long this process stalls before or between them.
   absl::Status RunTransaction(const std::vector<const WriteBatch*>& batches) {
-    const absl::Time start = absl::Now();
     const std::string commit =
         options_.fence_epoch > 0
             ? absl::StrCat("SELECT trainyard_fence(", options_.fence_epoch, "); COMMIT")
@@ -621,13 +559,6 @@ class PostgresJobStore final : public JobStore {
       if (absl::IsFailedPrecondition(status)) return Fenced();
       return status;
     }
-    const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
-    {
-      absl::MutexLock lock(&mu_);
-      ++stats_.transactions;
-      stats_.last_commit_seconds = seconds;
-    }
-    if (options_.on_commit) options_.on_commit(seconds);
     return absl::OkStatus();
   }
 
@@ -721,12 +652,8 @@ class PostgresJobStore final : public JobStore {
   absl::Mutex read_mu_;  // serializes reads on the read connection
   Connection read_ ABSL_GUARDED_BY(read_mu_);
 
-  mutable absl::Mutex mu_;
-  std::deque<Pending> queue_ ABSL_GUARDED_BY(mu_);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  JobStoreStats stats_ ABSL_GUARDED_BY(mu_);
-
-  std::thread commit_thread_;
+  // Last: stopped (everything queued written) before the connections close.
+  GroupCommitter committer_;
 };
 
 constexpr Statement kAcquire = {

@@ -28,6 +28,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/status_macros.h"
+#include "server/coordinator/group_committer.h"
 #include "server/coordinator/job_store.h"
 
 namespace trainyard::coordinator {
@@ -265,25 +266,15 @@ class SqliteJobStore final : public JobStore {
     std::unique_ptr<SqliteJobStore> store(
         new SqliteJobStore(options, std::move(write_db), std::move(read_db)));
     RETURN_IF_ERROR(store->PrepareStatements());
-    store->commit_thread_ = std::thread([s = store.get()] {
-      pthread_setname_np(pthread_self(), "ty-store-commit");
-      s->CommitLoop();
-    });
+    store->committer_.Start();
     return store;
   }
 
   // Writes every queued batch and runs its callback, then closes the database.
-  ~SqliteJobStore() override {
-    {
-      absl::MutexLock lock(&mu_);
-      stopping_ = true;
-    }
-    if (commit_thread_.joinable()) commit_thread_.join();
-  }
+  ~SqliteJobStore() override { committer_.Stop(); }
 
   void Commit(WriteBatch batch, DoneCallback done) override {
-    absl::MutexLock lock(&mu_);
-    queue_.push_back({std::move(batch), std::move(done)});
+    committer_.Commit(std::move(batch), std::move(done));
   }
 
   absl::Status Backup(const std::string& path) override {
@@ -373,17 +364,9 @@ class SqliteJobStore final : public JobStore {
     return jobs;
   }
 
-  JobStoreStats Stats() const override {
-    absl::MutexLock lock(&mu_);
-    return stats_;
-  }
+  JobStoreStats Stats() const override { return committer_.Stats(); }
 
  private:
-  struct Pending {
-    WriteBatch batch;
-    DoneCallback done;
-  };
-
   // The job in the current row of a statement that selects id, seq, owner, state, payload.
   static StoredJob JobAt(sqlite3_stmt* stmt) {
     StoredJob job;
@@ -396,7 +379,15 @@ class SqliteJobStore final : public JobStore {
   }
 
   SqliteJobStore(const SqliteJobStoreOptions& options, DbPtr write_db, DbPtr read_db)
-      : options_(options), write_db_(std::move(write_db)), read_db_(std::move(read_db)) {}
+      : options_(options),
+        write_db_(std::move(write_db)),
+        read_db_(std::move(read_db)),
+        committer_(
+            options.group_commit,
+            [this](const std::vector<const WriteBatch*>& batches) {
+              return RunTransaction(batches);
+            },
+            options.on_commit) {}
 
   absl::Status PrepareStatements() {
     sqlite3* w = write_db_.get();
@@ -452,63 +443,10 @@ class SqliteJobStore final : public JobStore {
     return absl::OkStatus();
   }
 
-  void CommitLoop() {
-    while (true) {
-      std::vector<Pending> pending;
-      {
-        absl::MutexLock lock(&mu_);
-        mu_.Await(absl::Condition(
-            +[](SqliteJobStore* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) {
-              return s->stopping_ || !s->queue_.empty();
-            },
-            this));
-        if (queue_.empty()) return;  // stopping, and everything queued has been written
-        // With group commit, everything queued while the previous transaction was written shares
-        // the next one; without, one batch at a time.
-        const size_t take = options_.group_commit ? queue_.size() : 1;
-        for (size_t i = 0; i < take; ++i) {
-          pending.push_back(std::move(queue_.front()));
-          queue_.pop_front();
-        }
-      }
-      std::vector<absl::Status> results = WriteGroup(pending);
-      for (size_t i = 0; i < pending.size(); ++i) pending[i].done(std::move(results[i]));
-    }
-  }
-
-  // Writes `pending` in one transaction or, if that fails, each batch in a transaction of its
-  // own, so that one bad batch does not fail the others. Returns each batch's status, in order,
-  // and updates stats_ before the callbacks run.
-  std::vector<absl::Status> WriteGroup(const std::vector<Pending>& pending) {
-    std::vector<absl::Status> results(pending.size());
-    std::vector<size_t> to_write;  // an empty batch needs no transaction and cannot fail
-    for (size_t i = 0; i < pending.size(); ++i) {
-      if (!pending[i].batch.empty()) to_write.push_back(i);
-    }
-    if (!to_write.empty()) {
-      std::vector<const WriteBatch*> batches;
-      for (size_t i : to_write) batches.push_back(&pending[i].batch);
-      absl::Status group_status = RunTransaction(batches);
-      if (!group_status.ok()) {
-        if (to_write.size() == 1) {
-          results[to_write[0]] = std::move(group_status);
-        } else {
-          for (size_t i : to_write) results[i] = RunTransaction({&pending[i].batch});
-        }
-      }
-    }
-    int64_t committed = 0;
-    for (const absl::Status& status : results) committed += status.ok() ? 1 : 0;
-    absl::MutexLock lock(&mu_);
-    stats_.batches += committed;
-    return results;
-  }
-
   // Writes `batches` in one BEGIN IMMEDIATE..COMMIT transaction (one fsync). On error nothing of
   // them is applied.
   absl::Status RunTransaction(const std::vector<const WriteBatch*>& batches) {
     sqlite3* db = write_db_.get();
-    const absl::Time start = absl::Now();
     absl::Status status = [&]() -> absl::Status {
       {
         ScopedReset reset(begin_.get());
@@ -525,13 +463,6 @@ class SqliteJobStore final : public JobStore {
       }
       return status;
     }
-    const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
-    {
-      absl::MutexLock lock(&mu_);
-      ++stats_.transactions;
-      stats_.last_commit_seconds = seconds;
-    }
-    if (options_.on_commit) options_.on_commit(seconds);
     return absl::OkStatus();
   }
 
@@ -603,12 +534,8 @@ class SqliteJobStore final : public JobStore {
   StmtPtr list_jobs_ ABSL_GUARDED_BY(read_mu_);
   StmtPtr list_owner_jobs_ ABSL_GUARDED_BY(read_mu_);
 
-  mutable absl::Mutex mu_;
-  std::deque<Pending> queue_ ABSL_GUARDED_BY(mu_);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  JobStoreStats stats_ ABSL_GUARDED_BY(mu_);
-
-  std::thread commit_thread_;
+  // Last: stopped (everything queued written) before the connections close.
+  GroupCommitter committer_;
 };
 
 }  // namespace
