@@ -1,5 +1,5 @@
 """The held-out loss trainyard's evaluation (train.eval_every) must report, computed by Hugging Face
-transformers itself from a model directory trainyard exported (tests/trainer_e2e_test.cc).
+transformers itself from a model directory trainyard exported (tests/model_e2e_test.cc).
 
   eval_loss_reference.py MODEL_DIR TOKENS MASK SEQ_LEN WINDOWS
 

@@ -200,7 +200,7 @@ PY
     # host copies, as in the fsdp case). Two stages with two micro-batches give DDP's losses over
     # two ranks (the same 16 windows a step), under both schedules (fp32, 1e-5 over 10 steps);
     # bf16 pipelines train. Tensor parallelism needs its group on one node, which a cluster of
-    # one-GPU workers cannot give: the gpu_layouts test runs it (trainer_e2e_test's ranks on the
+    # one-GPU workers cannot give: the gpu_layouts test runs it (pipeline_e2e_test's ranks on the
     # GPU).
     export TRAINYARD_COLLECTIVES=gloo
     cluster_up 2
