@@ -6,8 +6,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
-#include <grpcpp/health_check_service_interface.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -21,8 +19,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/credentials.h"
+#include "common/grpc_server.h"
 #include "common/log_text.h"
-#include "common/malformed_request.h"
 #include "common/status_macros.h"
 #include "server/coordinator/audit.h"
 
@@ -178,16 +176,12 @@ absl::Status CoordinatorServer::LockStateDir() {
 absl::Status CoordinatorServer::StartMetricsEndpoint() {
   metrics_prom_ = std::make_unique<CoordinatorMetrics>();
   if (options_.metrics_address.empty()) return absl::OkStatus();
-  MetricsEndpointOptions metrics;
-  metrics.address = options_.metrics_address;
-  metrics.token_file = options_.metrics_token_file;
-  metrics.insecure = options_.metrics_insecure;
-  if (options_.metrics_tls) {
-    metrics.tls_cert_file = options_.tls.cert_file;
-    metrics.tls_key_file = options_.tls.key_file;
-    metrics.tls_reload = absl::Seconds(options_.tls.reload_seconds);
-  }
-  ASSIGN_OR_RETURN(metrics_endpoint_, MetricsEndpoint::Start(metrics, metrics_prom_->registry()));
+  ASSIGN_OR_RETURN(
+      metrics_endpoint_,
+      MetricsEndpoint::Start(
+          MetricsOptionsFor(options_.metrics_address, options_.metrics_token_file,
+                            options_.metrics_insecure, options_.metrics_tls, options_.tls),
+          metrics_prom_->registry()));
   return absl::OkStatus();
 }
 
@@ -371,27 +365,17 @@ void CoordinatorServer::MakeServices() {
 }
 
 absl::Status CoordinatorServer::Serve(std::shared_ptr<grpc::ServerCredentials> credentials) {
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort(options_.listen_address, credentials, &port_);
-  builder.SetMaxReceiveMessageSize(options_.max_message_bytes);
-  builder.SetMaxSendMessageSize(options_.max_message_bytes);
-  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
-  // First, so that the metrics count the corrected code.
-  interceptors.push_back(MalformedRequestInterceptorFactory());
-  interceptors.push_back(metrics_prom_->InterceptorFactory());
-  builder.experimental().SetInterceptorCreators(std::move(interceptors));
-  builder.RegisterService(job_service_.get());
-  builder.RegisterService(node_service_.get());
-  builder.RegisterService(rendezvous_service_.get());
-  builder.RegisterService(trainer_service_.get());
-  builder.RegisterService(identity_service_.get());
-  builder.RegisterService(admin_service_.get());
-  server_ = builder.BuildAndStart();
-  if (server_ == nullptr || port_ == 0) {
-    return absl::UnavailableError(absl::StrCat("listen: cannot bind ", options_.listen_address));
-  }
+  GrpcServerOptions grpc_options;
+  grpc_options.listen_address = options_.listen_address;
+  grpc_options.credentials = std::move(credentials);
+  grpc_options.max_message_bytes = options_.max_message_bytes;
+  grpc_options.services = {job_service_.get(),        node_service_.get(),
+                           rendezvous_service_.get(), trainer_service_.get(),
+                           identity_service_.get(),   admin_service_.get()};
+  grpc_options.interceptors.push_back(metrics_prom_->InterceptorFactory());
+  ASSIGN_OR_RETURN(StartedGrpcServer started, StartGrpcServer(std::move(grpc_options)));
+  server_ = std::move(started.server);
+  port_ = started.port;
   const std::string& listen = options_.listen_address;
   address_ = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port_);
   absl::MutexLock lock(&address_mu_);

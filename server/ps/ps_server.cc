@@ -7,13 +7,10 @@
 #include <prometheus/histogram.h>
 #include <spdlog/spdlog.h>
 
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
-#include <grpcpp/health_check_service_interface.h>
-
 #include "absl/strings/str_cat.h"
 #include "common/coordinator_channel.h"
 #include "common/credentials.h"
-#include "common/malformed_request.h"
+#include "common/grpc_server.h"
 #include "common/status_macros.h"
 #include "rpc/ps/tcp_congestion.h"
 #include "rpc/ps/tcp_io.h"
@@ -129,48 +126,36 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(PsOptions options) {
   s->service_ = std::make_unique<ParameterServiceImpl>(*s->shards_, metrics, s->data_plane_address_,
                                                        s->authorizer_.get(), s->data_plane_tls_);
 
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(s->options_.listen_address, server_credentials, &port);
-  builder.SetMaxReceiveMessageSize(s->options_.max_message_bytes);
-  builder.SetMaxSendMessageSize(s->options_.max_message_bytes);
-  // Pings on connections with calls in flight, so a client that vanished (host down, half-open
-  // connection) ends its calls: a pull it left holds its range against updates until then.
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 20000);
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
-  builder.RegisterService(s->service_.get());
-  {
-    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
-    creators.push_back(MalformedRequestInterceptorFactory());
-    builder.experimental().SetInterceptorCreators(std::move(creators));
-  }
-  if (!s->options_.tcp_congestion.empty()) {
-    builder.SetOption(TcpCongestionOption(s->options_.tcp_congestion));
-  }
-  s->server_ = builder.BuildAndStart();
-  if (s->server_ == nullptr || port == 0) {
-    return absl::UnavailableError(
-        absl::StrCat("--listen: cannot bind ", s->options_.listen_address));
-  }
+  GrpcServerOptions grpc_options;
+  grpc_options.listen_address = s->options_.listen_address;
+  grpc_options.listen_flag = "--listen";
+  grpc_options.credentials = server_credentials;
+  grpc_options.max_message_bytes = s->options_.max_message_bytes;
+  grpc_options.services = {s->service_.get()};
+  grpc_options.configure = [tcp_congestion =
+                                s->options_.tcp_congestion](grpc::ServerBuilder& builder) {
+    // Pings on connections with calls in flight, so a client that vanished (host down,
+    // half-open connection) ends its calls: a pull it left holds its range against updates
+    // until then.
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 20000);
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+    if (!tcp_congestion.empty()) builder.SetOption(TcpCongestionOption(tcp_congestion));
+  };
+  ASSIGN_OR_RETURN(StartedGrpcServer started, StartGrpcServer(std::move(grpc_options)));
+  s->server_ = std::move(started.server);
+  const int port = started.port;
   s->address_ = JoinHostPort(listen_host, port);
   if (s->options_.advertise.empty()) s->options_.advertise = s->address_;
   if (s->options_.node_id.empty()) s->options_.node_id = absl::StrCat("ps-", HostName(), "-", port);
   if (!s->options_.metrics_address.empty()) {
-    MetricsEndpointOptions metrics;
-    metrics.address = s->options_.metrics_address;
-    metrics.token_file = s->options_.metrics_token_file;
-    metrics.insecure = s->options_.metrics_insecure;
-    if (s->options_.metrics_tls) {
-      metrics.tls_cert_file = s->options_.tls.cert_file;
-      metrics.tls_key_file = s->options_.tls.key_file;
-      metrics.tls_reload = absl::Seconds(s->options_.tls.reload_seconds);
-    }
-    auto endpoint = MetricsEndpoint::Start(metrics, s->registry_);
-    if (!endpoint.ok()) return endpoint.status();
-    s->metrics_endpoint_ = *std::move(endpoint);
+    ASSIGN_OR_RETURN(
+        s->metrics_endpoint_,
+        MetricsEndpoint::Start(
+            MetricsOptionsFor(s->options_.metrics_address, s->options_.metrics_token_file,
+                              s->options_.metrics_insecure, s->options_.metrics_tls,
+                              s->options_.tls),
+            s->registry_));
   }
   s->RefreshGauges();
   s->registration_thread_ = std::thread([raw = s.get()] { raw->RegistrationLoop(); });
