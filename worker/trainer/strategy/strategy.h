@@ -11,8 +11,8 @@
 //    (OffloadOptimizer); its checkpoints are DDP's.
 //  - FsdpStrategy (fsdp_strategy.cc): FsdpModel's shards; sharded checkpoints.
 //  - PipelineStrategy (pipeline_strategy.cc): pipeline stages and tensor parallelism
-//  (PipelineStage),
-//    the stage's replicas averaging (ddp) or sharding (fsdp) it; staged checkpoints.
+//    (PipelineStage), the stage's replicas averaging (ddp) or sharding (fsdp) it; staged
+//    checkpoints.
 // The three data-parallel ones share one micro-batch loop (DataParallelStrategy).
 //
 // The training thread alone calls a strategy. Every rank calls each method that communicates (all
