@@ -11,6 +11,7 @@
 #include <csignal>
 #include <iostream>
 #include <limits>
+#include <memory>
 #include <optional>
 
 #include "absl/strings/str_format.h"
@@ -338,13 +339,17 @@ StepWork Trainer::Work(StepStats& s) {
                 static_cast<double>(std::max<int64_t>(
                     1, CountedTargets(data_.loss_mask, sampler_->GlobalBatch(step), m_.seq_len,
                                       /*last_only=*/m_.kind == "mlp")));
-  auto mask = [this, step](int micro) {
-    return ToDevice(MaskWeights(data_.loss_mask, sampler_->MicroBatch(step, micro), m_.seq_len),
-                    device_);
+  // Each micro-batch's windows, drawn once: its tokens and its loss weights read them.
+  auto samples = std::make_shared<std::vector<std::vector<int64_t>>>();
+  for (int micro = 0; micro < accumulation; ++micro) {
+    samples->push_back(sampler_->MicroBatch(step, micro));
+  }
+  auto mask = [this, samples](int micro) {
+    return ToDevice(MaskWeights(data_.loss_mask, (*samples)[micro], m_.seq_len), device_);
   };
   w.micro.count = accumulation;
-  w.micro.windows = [this, step](int micro) {
-    return ToDevice(MakeBatch(data_.train, sampler_->MicroBatch(step, micro), m_.seq_len), device_);
+  w.micro.windows = [this, samples](int micro) {
+    return ToDevice(MakeBatch(data_.train, (*samples)[micro], m_.seq_len), device_);
   };
   w.micro.loss = [=](int micro, const torch::Tensor& windows) {
     if (data_.loss_mask.empty()) return model_->Loss(windows) / accumulation;

@@ -16,12 +16,14 @@ namespace {
 // averages its gradients in buckets (PyTorch's DDP). Rank 0 writes the checkpoints.
 class DdpStrategy : public DataParallelStrategy {
  public:
-  explicit DdpStrategy(const StrategyInputs& in)
+  // `offloaded`: the optimizer's state lives elsewhere (OffloadStrategy), not in this rank's
+  // model state.
+  explicit DdpStrategy(const StrategyInputs& in, bool offloaded = false)
       : DataParallelStrategy(in),
         params_(in.model->parameters()),
         trainable_(TrainableParameters(*in.model)),
-        state_bytes_(DenseStateBytes(CountElements(params_), trainable_, in.train->optimizer,
-                                     in.dims->offload)) {}
+        state_bytes_(
+            DenseStateBytes(CountElements(params_), trainable_, in.train->optimizer, offloaded)) {}
 
   // The optimizer, resumed from the latest checkpoint, and every rank on rank 0's parameters.
   absl::Status Resume(Resumed* resumed) {
@@ -121,7 +123,7 @@ class DdpStrategy : public DataParallelStrategy {
 // here (DDP's) only carries the state into and out of checkpoints.
 class OffloadStrategy : public DdpStrategy {
  public:
-  explicit OffloadStrategy(const StrategyInputs& in) : DdpStrategy(in) {}
+  explicit OffloadStrategy(const StrategyInputs& in) : DdpStrategy(in, /*offloaded=*/true) {}
 
   absl::Status Connect(int64_t step) {
     ASSIGN_OR_RETURN(offloaded_, OffloadOptimizer::Create(params_, *groups().world, in_.ps_ranges,
