@@ -18,7 +18,7 @@ trainyard_run() {
   local ranks=$1 spec="$state/spec-$ranks.yaml"
   cat >"$spec" <<SPEC
 name: ddp-bench-$ranks
-resources: {gpus: $ranks}
+resources: {slots: $ranks}
 model: {kind: gpt, n_layer: 4, n_head: 4, d_model: 256, seq_len: 128, vocab: 256}
 data: {path: /usr/share/common-licenses/GPL-3, format: bytes}
 train: {steps: $((steps + warmup)), micro_batch: 8, lr: 3.0e-4, warmup: 0, seed: 1}

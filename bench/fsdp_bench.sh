@@ -25,7 +25,7 @@ run() {
   local name=$1 parallel=$2 spec="$state/spec-$1.yaml"
   cat >"$spec" <<SPEC
 name: fsdp-bench-$name
-resources: {gpus: $world}
+resources: {slots: $world}
 model: {kind: gpt, n_layer: $n_layer, n_head: 4, d_model: $d_model, seq_len: $seq_len, vocab: $vocab}
 data: {path: /usr/share/common-licenses/GPL-3, format: bytes}
 train: {steps: $((steps + warmup)), micro_batch: 8, lr: 3.0e-4, warmup: 0, seed: 1}

@@ -61,7 +61,7 @@ run_case() {
     [ "$variant" = plain-norm ] && [[ $model == *llama* ]] && continue
     cat >"$work/$name-$variant.yaml" <<SPEC
 name: $name
-resources: {gpus: 1}
+resources: {slots: 1}
 model: $model
 data: {path: $data, format: $format}
 train: {steps: $steps, micro_batch: $batch, lr: 3.0e-4, warmup: 2, mixed_precision: bf16, weight_decay: 0.1, grad_clip: 1.0, seed: 1}

@@ -27,7 +27,7 @@ run() {
   local name=$1 parallel=$2 extra=$3 spec="$state/spec-$1.yaml"
   cat >"$spec" <<SPEC
 name: lora-bench-$name
-resources: {gpus: $world}
+resources: {slots: $world}
 model: {kind: llama, n_layer: $n_layer, n_head: $n_head, n_kv_head: $n_kv_head, d_model: $d_model, d_hidden: $d_hidden, seq_len: $seq_len, vocab: 256}
 data: {path: /usr/share/common-licenses/GPL-3, format: bytes}
 train: {steps: $((steps + warmup)), micro_batch: $micro_batch, lr: 1.0e-3, warmup: 0, seed: 1 $extra}

@@ -361,7 +361,7 @@ v1::JobSpec Spec(int i) {
   v1::JobSpec s;
   s.set_name(absl::StrFormat("burst-%d", i));
   s.set_priority(50);
-  s.mutable_resources()->set_gpus(1);
+  s.mutable_resources()->set_slots(1);
   auto* m = s.mutable_model();
   m->set_kind("gpt");
   m->set_n_layer(2);

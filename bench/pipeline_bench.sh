@@ -31,7 +31,7 @@ run() {
   local name=$1 train=$2 parallel=$3 spec="$state/spec-$1.yaml"
   cat >"$spec" <<SPEC
 name: pipeline-bench-$name
-resources: {gpus: ${4:-$world}}
+resources: {slots: ${4:-$world}}
 model: {kind: gpt, n_layer: $n_layer, n_head: 4, d_model: $d_model, seq_len: $seq_len, vocab: $vocab}
 data: {path: /usr/share/common-licenses/GPL-3, format: bytes}
 train: {steps: $((steps + warmup)), lr: 3.0e-4, warmup: 0, seed: 1, $train}

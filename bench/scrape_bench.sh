@@ -25,7 +25,7 @@ local_cluster_up "$yard" "$state" --workers 1 --slots 2 --metrics
 
 cat >"$tmp/spec.yaml" <<SPEC
 name: scrape-bench
-resources: {gpus: 2}
+resources: {slots: 2}
 model: {kind: gpt, n_layer: 4, n_head: 4, d_model: 256, seq_len: 128, vocab: 256}
 data: {path: /usr/share/common-licenses/GPL-3, format: bytes}
 train: {steps: $((steps + warmup)), micro_batch: 8, lr: 3.0e-4, warmup: 0, seed: 1}

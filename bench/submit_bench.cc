@@ -40,7 +40,7 @@ v1::JobSpec Spec(int i) {
   v1::JobSpec s;
   s.set_name(absl::StrFormat("bench-%d", i));
   s.set_priority(1 + i % 100);
-  s.mutable_resources()->set_gpus(1 + i % 8);
+  s.mutable_resources()->set_slots(1 + i % 8);
   auto* m = s.mutable_model();
   m->set_n_layer(4);
   m->set_n_head(4);

@@ -38,7 +38,7 @@ constexpr int kExitJobFailed = 1;
 constexpr int kExitJobCancelled = 2;
 constexpr int kExitTimedOut = 3;
 
-std::string Devices(const v1::Job& job) { return absl::StrCat(job.spec().resources().gpus()); }
+std::string Devices(const v1::Job& job) { return absl::StrCat(job.spec().resources().slots()); }
 
 // "2; per rank 1.5 CPUs, 16.0 GiB" (what each rank asks for beside its device).
 std::string ResourcesText(const v1::Job& job) {
@@ -115,6 +115,8 @@ std::string KeptText(const v1::Job& job) {
   return kept.empty() ? "-" : absl::StrJoin(kept, ", ");
 }
 
+std::string TerminalSafe(const std::string& text);
+
 void PrintJob(const v1::Job& job) {
   const auto& s = job.spec();
   const auto& m = s.model();
@@ -122,6 +124,7 @@ void PrintJob(const v1::Job& job) {
   std::vector<std::pair<std::string, std::string>> f = {
       {"id", job.id()},
       {"name", s.name()},
+      {"description", s.description().empty() ? "-" : TerminalSafe(s.description())},
       {"owner", job.owner()},
       {"state", v1::JobState_Name(job.state())},
       {"message", job.message().empty() ? "-" : job.message()},
@@ -326,7 +329,7 @@ int EstimateMemoryVerb(const Globals& g, const std::string& path, int world, int
   if (!parsed.ok()) return Fail(parsed.status());
   if (absl::Status s = FillFromCheckpoint(*parsed, path); !s.ok()) return Fail(s);
   const v1::JobSpec& spec = parsed->spec;
-  if (world <= 0) world = spec.resources().gpus();
+  if (world <= 0) world = spec.resources().slots();
   if (per_node <= 0) per_node = world;
   // The devices to judge against: --device-memory, else the largest device the coordinator's
   // ready nodes offer, else unknown.
@@ -863,7 +866,7 @@ void AddJobVerbs(CLI::App& app, Cli& c) {
   auto* estimate = app.add_subcommand(
       "estimate-memory", "memory per rank of a spec under every strategy and precision");
   estimate->add_option("spec", spec_path, "job spec (YAML)")->required();
-  estimate->add_option("--world-size", world, "ranks (default: the spec's resources.gpus)");
+  estimate->add_option("--world-size", world, "ranks (default: the spec's resources.slots)");
   estimate->add_option("--ranks-per-node", per_node, "ranks sharing a node (default: all)");
   estimate->add_option("--device-memory", device_memory,
                        "memory of one device, e.g. 80GiB (default: ask the coordinator)");

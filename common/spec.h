@@ -35,7 +35,7 @@ absl::StatusOr<ParsedSpec> LoadJobSpecFile(const std::string& path);
 absl::StatusOr<ParsedSpec> LoadValidJobSpecFile(const std::string& path);
 
 // Fills unset optional fields with their defaults (priority 50, grad_accum 1, ddp, ...).
-// Fields that are required (name, resources.gpus, model sizes, data.path, train.steps) stay unset.
+// Fields that are required (name, resources.slots, model sizes, data.path, train.steps) stay unset.
 void ApplyJobSpecDefaults(v1::JobSpec& spec);
 
 // The largest YAML job spec read or parsed (1 MiB), and the limits on its fields once parsed:

@@ -1,4 +1,5 @@
-// The job spec's checks: one function per section, each error naming its field.
+// The job spec's checks: the table's ranges and enums (spec_schema.cc), then the rules between
+// fields, one function per section, each error naming its field.
 #include "common/spec.h"
 
 #include <algorithm>
@@ -15,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "common/field_limits.h"
 #include "common/llama_config.h"
+#include "common/spec_schema.h"
 #include "common/status_macros.h"
 
 namespace trainyard {
@@ -59,12 +61,6 @@ absl::Status ValidateModelParallelStrategy(const v1::ParallelSpec& p, const std:
 absl::Status ValidatePipeline(const JobSpec& spec) {
   const auto& p = spec.parallel();
   const auto& t = spec.train();
-  RETURN_IF_ERROR(CheckRange("parallel.pipeline_stages", p.pipeline_stages(), 1, 1024));
-  if (!v1::PipelineSchedule_IsValid(p.pipeline_schedule()) ||
-      p.pipeline_schedule() == v1::PIPELINE_SCHEDULE_UNSPECIFIED) {
-    return FieldError("parallel.pipeline_schedule",
-                      absl::StrCat("unknown value ", p.pipeline_schedule(), " (gpipe or 1f1b)"));
-  }
   const int stages = p.pipeline_stages();
   if (stages == 1) {
     if (p.pipeline_split_size() > 0) {
@@ -78,9 +74,9 @@ absl::Status ValidatePipeline(const JobSpec& spec) {
     return absl::OkStatus();
   }
   RETURN_IF_ERROR(ValidateModelParallelStrategy(p, "parallel.pipeline_stages", "pipeline stages"));
-  if (spec.resources().gpus() % stages != 0) {
-    return FieldError("resources.gpus",
-                      absl::StrCat(spec.resources().gpus(), " ranks do not split into ", stages,
+  if (spec.resources().slots() % stages != 0) {
+    return FieldError("resources.slots",
+                      absl::StrCat(spec.resources().slots(), " ranks do not split into ", stages,
                                    " pipeline stages (parallel.pipeline_stages): use a multiple"));
   }
   RETURN_IF_ERROR(CheckRange("train.micro_batches", t.micro_batches(), 1, 1 << 16));
@@ -110,7 +106,6 @@ absl::Status ValidateTensorParallel(const JobSpec& spec) {
   const auto& p = spec.parallel();
   const auto& m = spec.model();
   const auto& t = spec.train();
-  RETURN_IF_ERROR(CheckRange("parallel.tensor_parallel", p.tensor_parallel(), 1, 1024));
   const int tp = p.tensor_parallel();
   if (tp == 1) {
     if (p.sequence_parallel()) {
@@ -128,9 +123,9 @@ absl::Status ValidateTensorParallel(const JobSpec& spec) {
         absl::StrCat("splits the layers of gpt and llama models; model.kind is ", m.kind()));
   }
   const int64_t group = int64_t{p.pipeline_stages()} * tp;
-  if (spec.resources().gpus() % group != 0) {
-    return FieldError("resources.gpus",
-                      absl::StrCat(spec.resources().gpus(), " ranks do not split into ",
+  if (spec.resources().slots() % group != 0) {
+    return FieldError("resources.slots",
+                      absl::StrCat(spec.resources().slots(), " ranks do not split into ",
                                    p.pipeline_stages(), " pipeline stages x ", tp,
                                    " tensor-parallel ranks: use a multiple of ", group));
   }
@@ -213,9 +208,7 @@ absl::Status ValidateCommandJob(const JobSpec& spec) {
   if (spec.checkpoint().export_format() != v1::EXPORT_FORMAT_UNSPECIFIED) {
     return FieldError("checkpoint.export", "only the built-in trainer exports models");
   }
-  RETURN_IF_ERROR(CheckRange("max_restarts", spec.max_restarts(), 0, 100));
-  RETURN_IF_ERROR(CheckRange("max_runtime", spec.max_runtime_seconds(), 0, int64_t{1} << 40));
-  return CheckRange("preemption_grace", spec.preemption_grace_seconds(), 0, int64_t{1} << 40);
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -231,7 +224,6 @@ absl::Status ValidateModel(const JobSpec& spec) {
     return FieldError("model.kind",
                       absl::StrCat("unknown value '", m.kind(), "' (gpt, mlp or llama)"));
   }
-  RETURN_IF_ERROR(CheckRequired("model.seq_len", m.seq_len(), 1, 1 << 20));
   if (m.kind() != "llama" && !m.from().empty()) {
     return FieldError("model.from", "only model.kind llama starts from a checkpoint");
   }
@@ -252,8 +244,6 @@ absl::Status ValidateModel(const JobSpec& spec) {
   if (m.kind() == "llama") {
     RETURN_IF_ERROR(size("model.n_head", m.n_head(), 1024));
     RETURN_IF_ERROR(size("model.d_hidden", m.d_hidden(), 1 << 20));
-    RETURN_IF_ERROR(CheckRange("model.n_kv_head", m.n_kv_head(), 0, 1024));
-    RETURN_IF_ERROR(CheckRange("model.head_dim", m.head_dim(), 0, 4096));
     if (m.n_head() > 0 && m.n_kv_head() > 0 && m.n_head() % m.n_kv_head() != 0) {
       return FieldError("model.n_kv_head", absl::StrCat("must divide model.n_head (", m.n_head(),
                                                         "), got ", m.n_kv_head()));
@@ -336,32 +326,22 @@ absl::Status ValidateData(const JobSpec& spec) {
   return absl::OkStatus();
 }
 
-// The optimizer's constants (train.adam_*, train.adafactor_*, train.no_weight_decay).
+// The optimizer's constants (train.adam_*, train.adafactor_*, train.no_weight_decay) against the
+// optimizer (their ranges are the table's).
 absl::Status ValidateOptimizerSettings(const JobSpec& spec) {
   const auto& t = spec.train();
   const bool adafactor = t.optimizer() == v1::ADAFACTOR, lion = t.optimizer() == v1::LION;
   const std::string name = OptimizerName(t.optimizer());
-  for (const auto& [field, has, value] : std::vector<std::tuple<const char*, bool, double>>{
-           {"train.adam_beta1", t.has_adam_beta1(), t.adam_beta1()},
-           {"train.adam_beta2", t.has_adam_beta2(), t.adam_beta2()}}) {
-    if (!has) continue;
-    if (adafactor) {
+  for (const auto& [field, has] : std::vector<std::pair<const char*, bool>>{
+           {"train.adam_beta1", t.has_adam_beta1()}, {"train.adam_beta2", t.has_adam_beta2()}}) {
+    if (has && adafactor) {
       return FieldError(field, "adafactor has no betas (see train.adafactor_decay_rate)");
     }
-    if (!(value >= 0 && value < 1)) {
-      return FieldError(field, absl::StrCat("must be in [0, 1), got ", value));
-    }
   }
-  if (t.has_adam_epsilon()) {
-    if (adafactor || lion) {
-      return FieldError("train.adam_epsilon",
-                        absl::StrCat(name, " has no epsilon",
-                                     adafactor ? " of Adam's (see train.adafactor_eps)" : ""));
-    }
-    if (!(t.adam_epsilon() > 0 && t.adam_epsilon() <= 1)) {
-      return FieldError("train.adam_epsilon",
-                        absl::StrCat("must be in (0, 1], got ", t.adam_epsilon()));
-    }
+  if (t.has_adam_epsilon() && (adafactor || lion)) {
+    return FieldError("train.adam_epsilon",
+                      absl::StrCat(name, " has no epsilon",
+                                   adafactor ? " of Adam's (see train.adafactor_eps)" : ""));
   }
   for (const auto& [field, has] : std::vector<std::pair<const char*, bool>>{
            {"train.adafactor_eps", t.has_adafactor_eps()},
@@ -370,20 +350,6 @@ absl::Status ValidateOptimizerSettings(const JobSpec& spec) {
     if (has && !adafactor) {
       return FieldError(field, absl::StrCat("is adafactor's; train.optimizer is ", name));
     }
-  }
-  if (t.has_adafactor_eps() && !(t.adafactor_eps() > 0 && t.adafactor_eps() <= 1e-3)) {
-    return FieldError("train.adafactor_eps",
-                      absl::StrCat("must be in (0, 1e-3], got ", t.adafactor_eps()));
-  }
-  if (t.has_adafactor_clip_threshold() &&
-      !(t.adafactor_clip_threshold() > 0 && std::isfinite(t.adafactor_clip_threshold()))) {
-    return FieldError("train.adafactor_clip_threshold",
-                      absl::StrCat("must be > 0, got ", t.adafactor_clip_threshold()));
-  }
-  if (t.has_adafactor_decay_rate() &&
-      !(t.adafactor_decay_rate() >= -1 && t.adafactor_decay_rate() < 0)) {
-    return FieldError("train.adafactor_decay_rate",
-                      absl::StrCat("must be in [-1, 0), got ", t.adafactor_decay_rate()));
   }
   std::set<std::string> kinds;
   for (const std::string& kind : t.no_weight_decay()) {
@@ -407,25 +373,8 @@ absl::Status ValidateOptimizerSettings(const JobSpec& spec) {
 absl::Status ValidateTrain(const JobSpec& spec) {
   const auto& m = spec.model();
   const auto& t = spec.train();
-  RETURN_IF_ERROR(CheckRequired("train.steps", t.steps(), 1, int64_t{1} << 40));
-  RETURN_IF_ERROR(CheckRange("train.micro_batch", t.micro_batch(), 1, 1 << 16));
-  RETURN_IF_ERROR(CheckRange("train.grad_accum", t.grad_accum(), 1, 1 << 16));
-  if (!(t.lr() > 0) || !std::isfinite(t.lr()) || t.lr() > 10) {
-    return FieldError("train.lr", absl::StrCat("must be in (0, 10], got ", t.lr()));
-  }
   RETURN_IF_ERROR(CheckRange("train.warmup", t.warmup(), 0, t.steps()));
   RETURN_IF_ERROR(CheckRange("train.eval_every", t.eval_every(), 0, t.steps()));
-  RETURN_IF_ERROR(CheckRange("train.eval_batches", t.eval_batches(), 0, kMaxEvalWindows));
-  if (!v1::LrSchedule_IsValid(t.lr_schedule())) {
-    return FieldError("train.lr_schedule",
-                      absl::StrCat("unknown value ", t.lr_schedule(),
-                                   " (warmup_cosine, constant, constant_with_warmup, linear, "
-                                   "cosine or cosine_with_min_lr)"));
-  }
-  if (!(t.warmup_ratio() >= 0 && t.warmup_ratio() <= 1)) {
-    return FieldError("train.warmup_ratio",
-                      absl::StrCat("must be in [0, 1], got ", t.warmup_ratio()));
-  }
   if (t.warmup_ratio() > 0 && t.warmup() > 0) {
     return FieldError("train.warmup_ratio",
                       "give train.warmup (steps) or train.warmup_ratio, "
@@ -443,34 +392,15 @@ absl::Status ValidateTrain(const JobSpec& spec) {
                       absl::StrCat("only warmup_cosine and cosine_with_min_lr end at a minimum; ",
                                    LrScheduleName(t.lr_schedule()), " does not"));
   }
-  if (t.has_min_lr_ratio() && !(t.min_lr_ratio() >= 0 && t.min_lr_ratio() <= 1)) {
-    return FieldError("train.min_lr_ratio",
-                      absl::StrCat("must be in [0, 1], got ", t.min_lr_ratio()));
-  }
   if (t.lr_schedule() == v1::COSINE_WITH_MIN_LR && !t.has_min_lr_ratio()) {
     return FieldError("train.min_lr_ratio",
                       "cosine_with_min_lr needs it (transformers' min_lr_rate), in [0, 1]");
-  }
-  if (!v1::MixedPrecision_IsValid(t.mixed_precision()) ||
-      t.mixed_precision() == v1::MIXED_PRECISION_UNSPECIFIED) {
-    return FieldError("train.mixed_precision",
-                      absl::StrCat("unknown value ", t.mixed_precision(), " (fp32, bf16 or fp16)"));
-  }
-  if (!v1::Optimizer_IsValid(t.optimizer()) || t.optimizer() == v1::OPTIMIZER_UNSPECIFIED) {
-    return FieldError("train.optimizer", absl::StrCat("unknown value ", t.optimizer(),
-                                                      " (adamw, adafactor, lion or adamw_8bit)"));
   }
   if (t.optimizer() != v1::ADAMW && spec.parallel().strategy() == v1::OFFLOAD) {
     return FieldError("train.optimizer",
                       absl::StrCat(OptimizerName(t.optimizer()),
                                    " does not run on the parameter servers, which apply AdamW: "
                                    "use adamw with parallel.strategy offload, or ddp or fsdp"));
-  }
-  if (t.weight_decay() < 0 || !std::isfinite(t.weight_decay())) {
-    return FieldError("train.weight_decay", absl::StrCat("must be >= 0, got ", t.weight_decay()));
-  }
-  if (t.grad_clip() < 0 || !std::isfinite(t.grad_clip())) {
-    return FieldError("train.grad_clip", absl::StrCat("must be >= 0, got ", t.grad_clip()));
   }
   if (t.has_lora()) {
     const auto& lora = t.lora();
@@ -482,14 +412,6 @@ absl::Status ValidateTrain(const JobSpec& spec) {
       return FieldError("train.lora",
                         "not with parallel.strategy offload (the adapters are small enough to "
                         "train where they are: use ddp or fsdp)");
-    }
-    RETURN_IF_ERROR(CheckRange("train.lora.r", lora.r(), 1, 4096));
-    if (!(lora.alpha() > 0) || !std::isfinite(lora.alpha())) {
-      return FieldError("train.lora.alpha", absl::StrCat("must be > 0, got ", lora.alpha()));
-    }
-    if (!(lora.dropout() >= 0 && lora.dropout() < 1)) {
-      return FieldError("train.lora.dropout",
-                        absl::StrCat("must be in [0, 1), got ", lora.dropout()));
     }
     std::set<std::string> seen;
     for (const std::string& target : lora.target_modules()) {
@@ -514,37 +436,9 @@ absl::Status ValidateTrain(const JobSpec& spec) {
 // The spec's `parallel`, and the layout against the model's sizes.
 absl::Status ValidateParallel(const JobSpec& spec) {
   const auto& p = spec.parallel();
-  if (!v1::Strategy_IsValid(p.strategy()) || p.strategy() == v1::STRATEGY_UNSPECIFIED) {
-    return FieldError("parallel.strategy",
-                      absl::StrCat("unknown value ", p.strategy(), " (ddp, fsdp or offload)"));
-  }
-  if (!v1::ShardingStrategy_IsValid(p.sharding_strategy()) ||
-      p.sharding_strategy() == v1::SHARDING_STRATEGY_UNSPECIFIED) {
-    return FieldError("parallel.sharding_strategy",
-                      absl::StrCat("unknown value ", p.sharding_strategy(),
-                                   " (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD)"));
-  }
-  if (!(p.bucket_mb() > 0) || p.bucket_mb() > 1024) {
-    return FieldError("parallel.bucket_mb",
-                      absl::StrCat("must be in (0, 1024], got ", p.bucket_mb()));
-  }
   if (p.delayed_update() && p.strategy() != v1::OFFLOAD) {
     return FieldError("parallel.delayed_update", "only applies to strategy offload");
   }
-  if (!v1::WrapPolicy_IsValid(p.auto_wrap_policy()) ||
-      p.auto_wrap_policy() == v1::WRAP_POLICY_UNSPECIFIED) {
-    return FieldError("parallel.auto_wrap_policy",
-                      absl::StrCat("unknown value ", p.auto_wrap_policy(),
-                                   " (TRANSFORMER_BASED_WRAP or SIZE_BASED_WRAP)"));
-  }
-  RETURN_IF_ERROR(CheckRange("parallel.min_num_params", p.min_num_params(), 1, int64_t{1} << 50));
-  if (!v1::BackwardPrefetch_IsValid(p.backward_prefetch()) ||
-      p.backward_prefetch() == v1::BACKWARD_PREFETCH_UNSPECIFIED) {
-    return FieldError("parallel.backward_prefetch",
-                      absl::StrCat("unknown value ", p.backward_prefetch(),
-                                   " (BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH)"));
-  }
-  RETURN_IF_ERROR(CheckRange("parallel.max_gathered_units", p.max_gathered_units(), 1, 1024));
   RETURN_IF_ERROR(ValidatePipeline(spec));
   RETURN_IF_ERROR(ValidateTensorParallel(spec));
   // fp16's dynamic loss scaling is DDP's only (the trainer's ParallelDims says the same, for a
@@ -570,19 +464,12 @@ absl::Status ValidateParallel(const JobSpec& spec) {
 absl::Status ValidateCheckpoint(const JobSpec& spec) {
   const auto& m = spec.model();
   const auto& t = spec.train();
-  RETURN_IF_ERROR(
-      CheckRange("checkpoint.every_steps", spec.checkpoint().every_steps(), 0, int64_t{1} << 40));
-  RETURN_IF_ERROR(CheckRange("checkpoint.keep_last", spec.checkpoint().keep_last(), 0, 1000000));
   if (spec.checkpoint().keep_best() && spec.data().eval_path().empty()) {
     return FieldError("checkpoint.keep_best",
                       "needs an evaluation to rank checkpoints by (data.eval_path)");
   }
   if (const v1::ExportFormat f = spec.checkpoint().export_format();
       f != v1::EXPORT_FORMAT_UNSPECIFIED) {
-    if (!v1::ExportFormat_IsValid(f)) {
-      return FieldError("checkpoint.export",
-                        absl::StrCat("unknown value ", f, " (hf or hf_merged)"));
-    }
     if (m.kind() != "llama") {
       return FieldError("checkpoint.export", absl::StrCat("writes Llama-family models (llama); "
                                                           "model.kind is ",
@@ -611,30 +498,18 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
                                              spec.name(), "'"));
     }
   }
-  RETURN_IF_ERROR(CheckRange("priority", spec.priority(), 1, 100));
-  RETURN_IF_ERROR(CheckRequired("resources.gpus", spec.resources().gpus(), 1, 4096));
-  if (const double cpus = spec.resources().cpus();
-      !std::isfinite(cpus) || cpus < 0 || cpus > kMaxRankCpus) {
-    return FieldError("resources.cpus",
-                      absl::StrCat("CPUs per rank, at most ", kMaxRankCpus, ", got ", cpus));
-  }
-  RETURN_IF_ERROR(
-      CheckRange("resources.memory", spec.resources().memory_bytes(), 0, kMaxRankMemoryBytes));
+  RETURN_IF_ERROR(spec_schema::CheckRanges(spec, spec_schema::Scope::kEveryJob));
   if (IsCommandJob(spec)) return ValidateCommandJob(spec);
   if (!spec.workdir().empty()) return FieldError("workdir", "only a command job has a workdir");
   if (!spec.env().empty()) return FieldError("env", "only a command job has env");
+  RETURN_IF_ERROR(spec_schema::CheckRanges(spec, spec_schema::Scope::kTrainingJob));
 
   RETURN_IF_ERROR(ValidateModel(spec));
   RETURN_IF_ERROR(ValidateData(spec));
   RETURN_IF_ERROR(ValidateTrain(spec));
   RETURN_IF_ERROR(ValidateOptimizerSettings(spec));
   RETURN_IF_ERROR(ValidateParallel(spec));
-  RETURN_IF_ERROR(ValidateCheckpoint(spec));
-  RETURN_IF_ERROR(CheckRange("max_restarts", spec.max_restarts(), 0, 100));
-  RETURN_IF_ERROR(CheckRange("max_runtime", spec.max_runtime_seconds(), 0, int64_t{1} << 40));
-  RETURN_IF_ERROR(
-      CheckRange("preemption_grace", spec.preemption_grace_seconds(), 0, int64_t{1} << 40));
-  return absl::OkStatus();
+  return ValidateCheckpoint(spec);
 }
 
 }  // namespace trainyard

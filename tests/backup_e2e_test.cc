@@ -35,7 +35,7 @@ CoordinatorProcess StartCoordinator(const std::string& state_dir, const std::str
 v1::JobSpec Spec(const std::string& name, int devices) {
   v1::JobSpec s;
   s.set_name(name);
-  s.mutable_resources()->set_gpus(devices);
+  s.mutable_resources()->set_slots(devices);
   auto* m = s.mutable_model();
   m->set_n_layer(2);
   m->set_n_head(2);

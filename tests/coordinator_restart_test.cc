@@ -49,7 +49,7 @@ v1::JobSpec Spec(const std::string& name, int devices, int priority) {
   v1::JobSpec s;
   s.set_name(name);
   s.set_priority(priority);
-  s.mutable_resources()->set_gpus(devices);
+  s.mutable_resources()->set_slots(devices);
   auto* m = s.mutable_model();
   m->set_n_layer(2);
   m->set_n_head(2);

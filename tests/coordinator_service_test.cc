@@ -42,7 +42,7 @@ using ::testing::StartsWith;
 v1::JobSpec Spec(int devices, const std::string& name = "job", int max_restarts = 0) {
   v1::JobSpec s;
   s.set_name(name);
-  s.mutable_resources()->set_gpus(devices);
+  s.mutable_resources()->set_slots(devices);
   auto* m = s.mutable_model();
   m->set_kind("gpt");
   m->set_n_layer(2);
@@ -196,8 +196,8 @@ TEST_F(CoordinatorServiceTest, BadSpecsAreRejectedNamingTheFieldAndNothingIsStor
     std::string field;
   };
   const std::vector<Case> cases = {
-      {[](v1::JobSpec& s) { s.mutable_resources()->set_gpus(0); }, "resources.gpus"},
-      {[](v1::JobSpec& s) { s.mutable_resources()->set_gpus(-2); }, "resources.gpus"},
+      {[](v1::JobSpec& s) { s.mutable_resources()->set_slots(0); }, "resources.slots"},
+      {[](v1::JobSpec& s) { s.mutable_resources()->set_slots(-2); }, "resources.slots"},
       {[](v1::JobSpec& s) { s.mutable_model()->set_n_head(3); }, "model.n_head"},
       {[](v1::JobSpec& s) { s.set_priority(101); }, "priority"},
       {[](v1::JobSpec& s) { s.set_priority(-5); }, "priority"},

@@ -294,7 +294,7 @@ PY
       [ -n "$3" ] && export=""
       cat >"$work/$1.yaml" <<SPEC
 name: $1
-resources: {gpus: 1}
+resources: {slots: 1}
 model: {kind: llama, ${3:+from: $3, }n_layer: 2, n_head: 4, n_kv_head: 2, d_model: 64, seq_len: 32, vocab: 256}
 data: {path: /usr/share/common-licenses/GPL-3, format: bytes}
 train: {steps: $2, micro_batch: 8, lr: 1.0e-3, warmup: $(($2 > 2 ? 2 : 0)), mixed_precision: $4, seed: 1${5:+, $5}}
@@ -332,7 +332,7 @@ PY
     ;;
   cluster)
     # A local cluster on this GPU host: the worker offers the GPU, `yard` trains the example with
-    # resources {gpus: 1} on it, checkpoints on request, and the cancelled job frees the GPU for
+    # resources {slots: 1} on it, checkpoints on request, and the cancelled job frees the GPU for
     # the next one.
     export HOME=$work
     yard="$bin/yard"
@@ -341,7 +341,7 @@ PY
     eval "$(grep '^export ' "$work/up.log")"
     "$yard" nodes | tee "$work/nodes.txt"
     grep -qi "gpu\|cuda\|nvidia" "$work/nodes.txt" || fail "the worker offers no GPU"
-    sed -e 's/gpus: 2/gpus: 1/' -e 's/steps: 300/steps: 100000/' "$root/examples/char-gpt.yaml" >"$work/long.yaml"
+    sed -e 's/slots: 2/slots: 1/' -e 's/steps: 300/steps: 100000/' "$root/examples/char-gpt.yaml" >"$work/long.yaml"
     job=$("$yard" submit "$work/long.yaml")
     wait_log() {  # PATTERN SECONDS
       for _ in $(seq "$2"); do
@@ -367,7 +367,7 @@ PY
       sleep 1
     done
     [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader)" ] || fail "the GPU is still in use"
-    sed -e 's/gpus: 2/gpus: 1/' -e 's/steps: 300/steps: 20/' -e 's/warmup: 30/warmup: 2/' \
+    sed -e 's/slots: 2/slots: 1/' -e 's/steps: 300/steps: 20/' -e 's/warmup: 30/warmup: 2/' \
       -e 's/every_steps: 100/every_steps: 0/' \
       "$root/examples/char-gpt.yaml" >"$work/short.yaml"
     job=$("$yard" submit "$work/short.yaml")

@@ -85,7 +85,7 @@ TEST(FieldLimitsTest, WalksRepeatedMessagesAndMaps) {
 TEST(SpecLimitsTest, ASpecIsRefusedWhenItsFieldsOrItsYamlAreTooLarge) {
   v1::JobSpec spec;
   spec.set_name("big");
-  spec.mutable_resources()->set_gpus(1);
+  spec.mutable_resources()->set_slots(1);
   spec.mutable_data()->set_path(std::string(1 << 20, 'a'));
   absl::Status s = ValidateJobSpec(spec);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);

@@ -420,7 +420,7 @@ TEST_F(TrainerE2eTest, LoraDropoutIsTheSameRecomputedAndResumed) {
     Job job = StartJob(spec, name);
     if (reuse != nullptr) job.checkpoint_dir = reuse->checkpoint_dir;
     const std::string metrics = dir_.path() + "/" + name + ".jsonl";
-    RunResult r = Run(job, spec.resources().gpus(), {"--metrics-file", metrics}, every_rank);
+    RunResult r = Run(job, spec.resources().slots(), {"--metrics-file", metrics}, every_rank);
     EXPECT_THAT(r.exit_codes, ::testing::Each(0)) << Joined(r);
     return std::make_pair(job, ReadLosses(metrics));
   };

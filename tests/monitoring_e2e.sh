@@ -26,7 +26,7 @@ local_cluster_up "$yard" "$state" --workers 1 --slots 2 --ps 1 --ps-memory-bytes
 
 cat >"$tmp/spec.yaml" <<SPEC
 name: monitoring-e2e
-resources: {gpus: 2}
+resources: {slots: 2}
 model: {kind: gpt, n_layer: 2, n_head: 2, d_model: 64, seq_len: 32, vocab: 256}
 data: {path: /usr/share/common-licenses/GPL-3, format: bytes, eval_path: /usr/share/common-licenses/GPL-2}
 train: {steps: 1000000, micro_batch: 4, lr: 1.0e-3, warmup: 10, seed: 1, eval_every: 5, eval_batches: 1}

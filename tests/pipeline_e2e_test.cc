@@ -36,7 +36,7 @@ TEST_F(TrainerE2eTest, Qwen2TrainsTheSameUnderFsdpAndPipelineWithTensorParallelA
   const auto single = train(one, 1, "one");
   ExpectSameParams(train(spec, 2, "fsdp"), single, 1e-5, /*skip_key_bias=*/true);
   v1::JobSpec staged = spec;
-  staged.mutable_resources()->set_gpus(4);
+  staged.mutable_resources()->set_slots(4);
   staged.mutable_train()->set_micro_batch(2);
   staged.mutable_train()->set_micro_batches(4);
   staged.mutable_parallel()->set_strategy(v1::DDP);
@@ -156,8 +156,8 @@ v1::JobSpec PipelineSpec(const PipelineVariant& v) {
 v1::JobSpec OneRankOf(const v1::JobSpec& pipelined) {
   v1::JobSpec s = pipelined;
   const int replicas =
-      s.resources().gpus() / (s.parallel().pipeline_stages() * s.parallel().tensor_parallel());
-  s.mutable_resources()->set_gpus(1);
+      s.resources().slots() / (s.parallel().pipeline_stages() * s.parallel().tensor_parallel());
+  s.mutable_resources()->set_slots(1);
   s.mutable_train()->set_micro_batch(s.train().micro_batch() * replicas);
   if (s.parallel().pipeline_stages() > 1)
     s.mutable_train()->set_grad_accum(s.train().micro_batches());

@@ -184,7 +184,7 @@ TEST_F(SharingE2eTest, AccountsAndUserCapsAreCheckedAndDurable) {
   std::string id;
   s = Submit(alice_, 3, &id);
   EXPECT_EQ(s.error_code(), grpc::INVALID_ARGUMENT);
-  EXPECT_THAT(s.error_message(), HasSubstr("resources.gpus: 3 devices exceed user alice's cap"));
+  EXPECT_THAT(s.error_message(), HasSubstr("resources.slots: 3 devices exceed user alice's cap"));
   s = Submit(bob_, 1, &id, [](v1::JobSpec& spec) { spec.set_preemptible(false); });
   EXPECT_EQ(s.error_code(), grpc::INVALID_ARGUMENT);
   EXPECT_THAT(s.error_message(), HasSubstr("preemptible: false needs a quota"));

@@ -6,15 +6,21 @@
 
 #include <stdlib.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
+
+#include "absl/strings/str_split.h"
+#include "common/spec_schema.h"
 
 namespace trainyard {
 namespace {
 
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using ::testing::StartsWith;
 
 constexpr char kValid[] = R"(name: char-gpt
@@ -50,7 +56,7 @@ TEST(SpecTest, ParsesTheBriefExampleIntoEveryField) {
   v1::JobSpec spec = ValidSpec();
   EXPECT_EQ(spec.name(), "char-gpt");
   EXPECT_EQ(spec.priority(), 50);
-  EXPECT_EQ(spec.resources().gpus(), 2);
+  EXPECT_EQ(spec.resources().slots(), 2);
   EXPECT_EQ(spec.model().kind(), "gpt");
   EXPECT_EQ(spec.model().n_layer(), 4);
   EXPECT_EQ(spec.model().n_head(), 4);
@@ -237,7 +243,7 @@ TEST(SpecTest, ResourcesTakeCpusAndMemoryPerRankAndRefuseBadOnesAtTheirLine) {
   auto parsed =
       ParseJobSpecYaml("name: x\nresources:\n  gpus: 2\n  cpus: 1.5\n  memory: 16GiB\n", "s.yaml");
   ASSERT_TRUE(parsed.ok()) << parsed.status();
-  EXPECT_EQ(parsed->spec.resources().gpus(), 2);
+  EXPECT_EQ(parsed->spec.resources().slots(), 2);
   EXPECT_DOUBLE_EQ(parsed->spec.resources().cpus(), 1.5);
   EXPECT_EQ(parsed->spec.resources().memory_bytes(), int64_t{16} << 30);
   for (const auto& [text, error] : std::vector<std::pair<std::string, std::string>>{
@@ -247,11 +253,114 @@ TEST(SpecTest, ResourcesTakeCpusAndMemoryPerRankAndRefuseBadOnesAtTheirLine) {
            {"  cpus: 0\n", "s.yaml:3: resources.cpus: CPUs per rank, more than 0"},
            {"  cpus: two\n", "s.yaml:3: resources.cpus: expected a number, got 'two'"},
            {"  disk: 1\n",
-            "s.yaml:3: unknown field 'resources.disk' (known: cpus, gpus, memory)"}}) {
+            "s.yaml:3: unknown field 'resources.disk' (known: cpus, memory, slots)"}}) {
     auto bad = ParseJobSpecYaml("name: x\nresources:\n" + text, "s.yaml");
     ASSERT_FALSE(bad.ok()) << text;
     EXPECT_THAT(std::string(bad.status().message()), StartsWith(error)) << text;
   }
+}
+
+// resources.slots counts devices (GPUs, or CPU slots): its old name, gpus, reads as it.
+TEST(SpecTest, SlotsIsReadUnderItsOldNameGpusToo) {
+  for (const std::string key : {"slots", "gpus"}) {
+    auto parsed = ParseJobSpecYaml("name: x\nresources:\n  " + key + ": 3\n", "s.yaml");
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    EXPECT_EQ(parsed->spec.resources().slots(), 3) << key;
+    EXPECT_EQ(parsed->field_lines.at("resources.slots"), 3) << key;
+  }
+  auto both = ParseJobSpecYaml("name: x\nresources:\n  slots: 1\n  gpus: 2\n", "s.yaml");
+  ASSERT_FALSE(both.ok());
+  EXPECT_THAT(std::string(both.status().message()),
+              StartsWith("s.yaml:4: resources.gpus: the old name of resources.slots, which is "
+                         "given too: give one"));
+  // A check after parsing names the field by its name now, at the line of the old one.
+  const std::string path = ::testing::TempDir() + "/old-name.yaml";
+  std::ofstream(path) << "name: x\nresources:\n  gpus: 3\nmodel: {n_layer: 2, n_head: 2, "
+                         "d_model: 64, seq_len: 32}\ndata: {path: /d}\ntrain: {steps: 1}\n"
+                         "parallel: {pipeline_stages: 2}\n";
+  auto loaded = LoadValidJobSpecFile(path);
+  ASSERT_FALSE(loaded.ok());
+  EXPECT_THAT(std::string(loaded.status().message()),
+              StartsWith(path + ":3: resources.slots: 3 ranks do not split into 2 pipeline"));
+}
+
+// The spec's table (common/spec_schema.cc): every row names a JobSpec field, its range reads,
+// its default is a value of its field; and every JobSpec field is read from YAML under a name.
+TEST(SpecTest, TheSchemaTableNamesRealFieldsWithReadableRangesAndDefaults) {
+  v1::JobSpec filled;
+  filled.mutable_train()->mutable_lora();  // the one option group with defaults
+  spec_schema::ApplyDefaults(filled, spec_schema::Scope::kEveryJob);
+  spec_schema::ApplyDefaults(filled, spec_schema::Scope::kTrainingJob);
+  for (const spec_schema::Field& row : spec_schema::AllFields()) {
+    SCOPED_TRACE(std::string(row.path));
+    const std::string proto = spec_schema::ProtoPath(row.path);
+    const google::protobuf::Message* at = &filled;
+    const google::protobuf::FieldDescriptor* field = nullptr;
+    for (absl::string_view part : absl::StrSplit(proto, '.')) {
+      if (field != nullptr) at = &at->GetReflection()->GetMessage(*at, field);
+      field = at->GetDescriptor()->FindFieldByName(std::string(part));
+      ASSERT_NE(field, nullptr) << proto;
+    }
+    for (absl::string_view range : {row.range, row.given}) {
+      if (range.empty()) continue;
+      std::string why;
+      spec_schema::InRange(range, 0, true, &why);
+      EXPECT_THAT(why, Not(HasSubstr("unreadable"))) << range;
+    }
+    if (!row.default_value.empty()) {
+      const google::protobuf::Reflection& r = *at->GetReflection();
+      EXPECT_TRUE(field->is_repeated()    ? r.FieldSize(*at, field) > 0
+                  : field->has_presence() ? r.HasField(*at, field)
+                                          : spec_schema::NumberOf(*at, *field).value_or(1) != 0)
+          << "default " << row.default_value << " not applied";
+    }
+  }
+  EXPECT_EQ(filled.priority(), 50);
+  EXPECT_EQ(filled.train().lora().target_modules_size(), 2);
+  EXPECT_EQ(filled.parallel().pipeline_schedule(), v1::ONE_F_ONE_B);
+  EXPECT_TRUE(filled.parallel().cpu_ram_efficient_loading());
+  EXPECT_DOUBLE_EQ(filled.train().lr(), 3e-4);
+
+  // Every field, at every depth, has its YAML name (renamed ones by their row).
+  std::vector<std::pair<const google::protobuf::Descriptor*, std::string>> todo = {
+      {v1::JobSpec::descriptor(), ""}};
+  int named = 0;
+  while (!todo.empty()) {
+    auto [d, path] = todo.back();
+    todo.pop_back();
+    for (int i = 0; i < d->field_count(); ++i) {
+      const std::string name = spec_schema::YamlName(path, *d->field(i));
+      ASSERT_FALSE(name.empty()) << path << "." << d->field(i)->name();
+      const std::string field = path.empty() ? name : path + "." + name;
+      EXPECT_EQ(spec_schema::ProtoPath(field),
+                path.empty() ? d->field(i)->name() : path + "." + d->field(i)->name());
+      ++named;
+      if (d->field(i)->message_type() != nullptr && !d->field(i)->is_map()) {
+        todo.emplace_back(d->field(i)->message_type(), field);
+      }
+    }
+  }
+  EXPECT_GT(named, 80);
+}
+
+// A range written in the table is the range checked and the range the error says.
+TEST(SpecTest, TableRangesReadAsWritten) {
+  std::string why;
+  EXPECT_TRUE(spec_schema::InRange("1..100", 100, true, &why));
+  EXPECT_FALSE(spec_schema::InRange("1..100", 101, true, &why));
+  EXPECT_EQ(why, "must be in 1..100, got 101");
+  EXPECT_TRUE(spec_schema::InRange("(0, 10]", 10, false, &why));
+  EXPECT_FALSE(spec_schema::InRange("(0, 10]", 0, false, &why));
+  EXPECT_EQ(why, "must be in (0, 10], got 0");
+  EXPECT_FALSE(spec_schema::InRange("[0, 1)", 1, false, &why));
+  EXPECT_TRUE(spec_schema::InRange(">= 0", 0, false, &why));
+  EXPECT_FALSE(spec_schema::InRange(">= 0", -0.5, false, &why));
+  EXPECT_EQ(why, "must be >= 0, got -0.5");
+  EXPECT_FALSE(spec_schema::InRange("> 0", 0, false, &why));
+  EXPECT_FALSE(spec_schema::InRange(">= 0", std::numeric_limits<double>::infinity(), false, &why));
+  EXPECT_FALSE(spec_schema::InRange("[0, 1]", std::nan(""), false, &why));
+  EXPECT_FALSE(spec_schema::InRange("1 to 2", 1, true, &why));
+  EXPECT_THAT(why, HasSubstr("unreadable range"));
 }
 
 // The layout-and-precision rule lives in the validator (issue 53): fp16 with a sharded or
@@ -398,8 +507,8 @@ TEST(SpecTest, MissingFileIsNotFound) {
 }
 
 TEST(SpecTest, ValidationNamesTheField) {
-  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.mutable_resources()->set_gpus(0); }),
-              StartsWith("resources.gpus: required"));
+  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.mutable_resources()->set_slots(0); }),
+              StartsWith("resources.slots: required"));
   EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.mutable_model()->set_n_head(3); }),
               StartsWith("model.n_head: must divide model.d_model (256), got 3"));
   EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.set_priority(101); }),
@@ -874,8 +983,8 @@ train: {steps: 10}
     mutate(spec);
     return std::string(ValidateJobSpec(spec).message());
   };
-  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_resources()->set_gpus(3); }),
-              StartsWith("resources.gpus: 3 ranks do not split into 2 pipeline stages"));
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_resources()->set_slots(3); }),
+              StartsWith("resources.slots: 3 ranks do not split into 2 pipeline stages"));
   // FSDP within the stages, every sharding strategy (NO_SHARD is ddp).
   for (v1::ShardingStrategy ss :
        {v1::FULL_SHARD, v1::SHARD_GRAD_OP, v1::NO_SHARD, v1::HYBRID_SHARD}) {
@@ -902,7 +1011,7 @@ train: {steps: 10}
   EXPECT_THAT(error([](v1::JobSpec& s) {
                 s.mutable_parallel()->clear_pipeline_split();
                 s.mutable_parallel()->set_pipeline_stages(8);
-                s.mutable_resources()->set_gpus(8);
+                s.mutable_resources()->set_slots(8);
               }),
               StartsWith("parallel.pipeline_stages: 8 stages need at least as many blocks; "
                          "model.n_layer is 6"));
@@ -945,15 +1054,15 @@ train: {steps: 10}
     mutate(spec);
     return std::string(ValidateJobSpec(spec).message());
   };
-  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_resources()->set_gpus(6); }),
-              StartsWith("resources.gpus: 6 ranks do not split into 2 pipeline stages"));
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_resources()->set_slots(6); }),
+              StartsWith("resources.slots: 6 ranks do not split into 2 pipeline stages"));
   EXPECT_THAT(error([](v1::JobSpec& s) {
                 s.mutable_parallel()->set_pipeline_stages(1);
                 s.mutable_train()->set_micro_batches(0);
-                s.mutable_resources()->set_gpus(6);
+                s.mutable_resources()->set_slots(6);
                 s.mutable_parallel()->set_tensor_parallel(4);
               }),
-              StartsWith("resources.gpus: 6 ranks do not split into 1 pipeline stages x 4 "
+              StartsWith("resources.slots: 6 ranks do not split into 1 pipeline stages x 4 "
                          "tensor-parallel ranks: use a multiple of 4"));
   EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_parallel()->set_tensor_parallel(0); }),
               StartsWith("parallel.tensor_parallel: must be in 1..1024, got 0"));

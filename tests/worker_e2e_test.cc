@@ -292,7 +292,7 @@ TEST_F(WorkerE2eTest, RanksRunTheirLogsReachTheCoordinatorAndTheJobSucceeds) {
 v1::JobSpec CommandSpec(const std::string& name, int ranks, std::vector<std::string> command) {
   v1::JobSpec s;
   s.set_name(name);
-  s.mutable_resources()->set_gpus(ranks);
+  s.mutable_resources()->set_slots(ranks);
   for (std::string& arg : command) s.add_command(std::move(arg));
   return s;
 }

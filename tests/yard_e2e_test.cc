@@ -463,6 +463,24 @@ TEST_F(YardE2eTest, DescribeAcceptsNumericAndPrefixedIds) {
   }
 }
 
+// spec.description, the first field added after the spec became one schema (issue 53): its
+// protobuf field, the line of `yard describe` that shows it and docs/job-spec.md; no parser,
+// default or check of its own. A job's text reaches the terminal with its controls escaped.
+TEST_F(YardE2eTest, DescribeShowsTheDescriptionWithItsControlsEscaped) {
+  std::ifstream in(CharGptSpec());
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  text.replace(text.find("\npriority:"), 0,
+               "\ndescription: \"char model \\e]0;owned\\a for the GPL\"");
+  CommandResult submit = Yard({"submit", WriteSpec("described.yaml", text)});
+  ASSERT_EQ(submit.exit_code, 0) << submit.err;
+  CommandResult r = Yard({"describe", "1"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, ContainsRegex("\ndescription: +char model "));
+  EXPECT_THAT(r.out, HasSubstr(" char model \\x1b]0;owned\\x07 for the GPL\n"));
+  EXPECT_EQ(ParseJson(Yard({"-o", "json", "describe", "1"}).out)["spec"].value("description", ""),
+            "char model \x1b]0;owned\x07 for the GPL");
+}
+
 TEST_F(YardE2eTest, DescribeJsonIncludesTheSpec) {
   SubmitCharGpt();
   CommandResult r = YardViaEnv({"-o", "json", "describe", "1"});
@@ -473,7 +491,7 @@ TEST_F(YardE2eTest, DescribeJsonIncludesTheSpec) {
   const json& spec = job["spec"];
   EXPECT_EQ(spec.value("name", ""), "char-gpt");
   EXPECT_EQ(spec.value("priority", 0), 50);
-  EXPECT_EQ(spec["resources"].value("gpus", 0), 2);
+  EXPECT_EQ(spec["resources"].value("slots", 0), 2);
   EXPECT_EQ(spec["model"].value("d_model", 0), 256);
   EXPECT_EQ(spec["data"].value("path", ""), "/usr/share/common-licenses/GPL-3");
 }

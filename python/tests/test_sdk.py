@@ -100,7 +100,7 @@ SDK = str(pathlib.Path(trainyard.__file__).parents[1])
 
 def test_a_rank_reports_steps_and_metrics_that_yard_and_the_client_read(client, tmp_path):
     folder = program(tmp_path, RANK_PROGRAM.format(sdk=SDK))
-    job = client.submit(name="sdk-report", gpus=2, command=[sys.executable, "train.py", "5", "0"],
+    job = client.submit(name="sdk-report", slots=2, command=[sys.executable, "train.py", "5", "0"],
                         workdir=str(folder))
     assert job.state == job_pb2.QUEUED
     assert len(job.request_id) == 32  # the submit's idempotency id, one per call

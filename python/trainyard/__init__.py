@@ -18,7 +18,7 @@ Outside a trainyard job every call works as a no-op, so the same script runs by 
 A client of the coordinator, as `yard` is (same address and token lookup):
 
     client = trainyard.Client()                          # TRAINYARD_COORDINATOR, the saved token
-    job = client.submit(name="ddp", gpus=2, command=["python3", "train.py"], workdir="/shared/x")
+    job = client.submit(name="ddp", slots=2, command=["python3", "train.py"], workdir="/shared/x")
     client.wait(job.id)
     for line in client.logs(job.id): print(line.rank, line.text)
 

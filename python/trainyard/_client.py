@@ -101,18 +101,27 @@ class Client:
 
     def submit(self, spec=None, **fields):
         """Submits a job and returns it (QUEUED). `spec`: a trainyard.v1.JobSpec, or a dict in
-        the JobSpec's JSON form; or keyword fields: name, gpus, command, workdir, env,
-        priority, max_restarts, max_runtime_seconds, preemptible. The coordinator validates it:
-        a bad one raises grpc.RpcError INVALID_ARGUMENT naming the field."""
+        the JobSpec's JSON form; or keyword fields: name, slots (or gpus, its old name), command,
+        workdir, env, priority, max_restarts, max_runtime_seconds, preemptible. The coordinator
+        validates it: a bad one raises grpc.RpcError INVALID_ARGUMENT naming the field."""
         from trainyard.v1 import job_pb2
 
         if isinstance(spec, job_pb2.JobSpec):
             message = spec
         elif isinstance(spec, dict):
+            resources = spec.get("resources")
+            if isinstance(resources, dict) and "gpus" in resources:  # the old name of slots
+                if "slots" in resources:
+                    raise ValueError("resources.gpus is the old name of resources.slots: give one")
+                resources = dict(resources)
+                resources["slots"] = resources.pop("gpus")
+                spec = dict(spec, resources=resources)
             message = json_format.ParseDict(spec, job_pb2.JobSpec())
         elif spec is None:
             message = job_pb2.JobSpec(name=fields.pop("name", ""))
-            message.resources.gpus = int(fields.pop("gpus", 1))
+            if "slots" in fields and "gpus" in fields:
+                raise TypeError("submit: gpus is the old name of slots: give one")
+            message.resources.slots = int(fields.pop("slots", fields.pop("gpus", 1)))
             message.command.extend(fields.pop("command", []))
             message.workdir = fields.pop("workdir", "")
             message.env.update(fields.pop("env", {}))

@@ -141,7 +141,7 @@ void JobManager::Submit(const std::string& owner, v1::JobSpec spec, const std::s
     *job.mutable_spec() = std::move(spec);
     job.set_state(v1::QUEUED);
     job.set_submit_time_ms(NowMs(clock_));
-    job.set_world_size(job.spec().resources().gpus());
+    job.set_world_size(job.spec().resources().slots());
     job.set_version(1);
     WriteBatch batch;
     if (!request_id.empty()) {
@@ -191,7 +191,7 @@ absl::Status JobManager::CheckFitsSomeNode(const v1::JobSpec& spec) const {
   const int64_t device_bytes = capacity.largest_device_bytes;
   const int ranks_per_node = std::max(1, capacity.max_devices_per_node);
   if (device_bytes <= 0) return absl::OkStatus();
-  const int world = spec.resources().gpus();
+  const int world = spec.resources().slots();
   const MemoryEstimate e = EstimateMemory(spec, world, ranks_per_node);
   if (e.total() <= device_bytes) return absl::OkStatus();
   auto gib = [](int64_t b) { return absl::StrFormat("%.2f GiB", b / double(int64_t{1} << 30)); };
@@ -256,7 +256,7 @@ absl::Status JobManager::CheckFitsHosts(const std::string& owner, const v1::JobS
     by_cpus += cpu_fit / block * block;
     by_memory += memory_fit / block * block;
   }
-  const int64_t ranks = asked.gpus();
+  const int64_t ranks = asked.slots();
   if (workers == 0 || both >= ranks) return absl::OkStatus();
   const std::string whose = absl::StrCat("the ready workers that take ", owner, "'s jobs");
   if (by_memory < ranks) {
@@ -333,16 +333,16 @@ absl::Status JobManager::CheckSharingLimits(const SharingPolicy& policy, const s
                                             const v1::JobSpec& spec) const {
   const SharingPolicy::User user = policy.UserOf(owner);
   const SharingPolicy::Account account = policy.AccountOf(user.account);
-  const int64_t devices = spec.resources().gpus();
+  const int64_t devices = spec.resources().slots();
   if (user.max_running_devices >= 0 && devices > user.max_running_devices) {
     return absl::InvalidArgumentError(
-        absl::StrCat("resources.gpus: ", devices, " devices exceed user ", owner, "'s cap of ",
+        absl::StrCat("resources.slots: ", devices, " devices exceed user ", owner, "'s cap of ",
                      user.max_running_devices, " running devices (max_running_devices)"));
   }
   if (account.quota >= 0 && account.borrow_limit >= 0 &&
       devices > account.quota + account.borrow_limit) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "resources.gpus: ", devices, " devices exceed account ", user.account, "'s quota of ",
+        "resources.slots: ", devices, " devices exceed account ", user.account, "'s quota of ",
         account.quota, " plus its borrow limit of ", account.borrow_limit));
   }
   if (spec.has_preemptible() && !spec.preemptible()) {

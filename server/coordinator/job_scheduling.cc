@@ -140,7 +140,7 @@ ClusterSnapshot JobManager::BuildSnapshot(const SharingPolicy& policy,
       p.id = id;
       p.priority = job.spec().priority();
       p.submit_seq = job.seq();
-      p.devices = job.spec().resources().gpus();
+      p.devices = job.spec().resources().slots();
       p.owner = job.owner();
       if (max_runtime_s > 0) p.max_runtime = absl::Seconds(max_runtime_s);
       p.user = user_of(job);

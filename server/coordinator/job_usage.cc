@@ -27,7 +27,7 @@ void JobManager::CountUse(std::map<std::string, Use>* by_account,
   for (const std::string& id : unfinished_) {
     const v1::Job& job = jobs_.at(id);
     const std::string& account = AccountOf(job);
-    const int64_t devices = job.spec().resources().gpus();
+    const int64_t devices = job.spec().resources().slots();
     for (Use* use : {&(*by_account)[account], by_owner ? &(*by_owner)[job.owner()] : nullptr}) {
       if (use == nullptr) continue;
       if (IsActive(job.state())) use->running_devices += devices;
@@ -164,7 +164,7 @@ std::string JobManager::WhyWaiting(const std::string& job_id, const std::string&
   const auto it = last_pass_->waits.find(job.id());
   if (it == last_pass_->waits.end()) return "waiting for the next scheduling pass";
   const JobWait& wait = it->second;
-  const int64_t devices = job.spec().resources().gpus();
+  const int64_t devices = job.spec().resources().slots();
   const std::string& account = AccountOf(job);
   const SharingPolicy::Account limits = policy.AccountOf(account);
   std::map<std::string, Use> by_account, by_owner;
@@ -177,7 +177,7 @@ std::string JobManager::WhyWaiting(const std::string& job_id, const std::string&
       // Another user's job is not named to users who may not see it.
       if (!viewer_is_admin && h->second.owner() != viewer) text = "another user's job";
       absl::StrAppend(&text, " (priority ", h->second.spec().priority(), ", ",
-                      h->second.spec().resources().gpus(), " devices, ",
+                      h->second.spec().resources().slots(), " devices, ",
                       StartText(last_pass_->head_start, now), ")");
     }
     return text;
@@ -248,7 +248,7 @@ std::string JobManager::WhyWaiting(const std::string& job_id, const std::string&
     const Use& mine = by_account[account];
     const Use& theirs = by_account[other];
     if (other_limits.quota > 0 &&
-        theirs.running_devices + head->second.spec().resources().gpus() <= other_limits.quota) {
+        theirs.running_devices + head->second.spec().resources().slots() <= other_limits.quota) {
       absl::StrAppend(&why, "; ", other_text, " goes first: that job is within its quota");
     } else if (limits.share > 0 && other_limits.share > 0) {
       const double my_usage = usage_.At(AccountKey(account), now);

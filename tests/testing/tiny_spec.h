@@ -12,7 +12,7 @@ namespace trainyard::testing {
 inline v1::JobSpec TinySpec(const std::string& name, int devices, int max_restarts = 0) {
   v1::JobSpec s;
   s.set_name(name);
-  s.mutable_resources()->set_gpus(devices);
+  s.mutable_resources()->set_slots(devices);
   auto* m = s.mutable_model();
   m->set_n_layer(1);
   m->set_n_head(1);

@@ -62,7 +62,7 @@ constexpr absl::Duration kRunTimeout = absl::Seconds(120);
 inline v1::JobSpec TinySpec(int ranks, int micro_batch) {
   v1::JobSpec s;
   s.set_name("tiny");
-  s.mutable_resources()->set_gpus(ranks);
+  s.mutable_resources()->set_slots(ranks);
   auto* m = s.mutable_model();
   m->set_kind("gpt");
   m->set_n_layer(2);
@@ -438,7 +438,7 @@ inline void UseCheckpoint(v1::JobSpec& spec, const std::string& model_dir) {
 // The one-rank DDP reference of a two-rank `spec` of micro-batch 4: the same global batch.
 inline v1::JobSpec OneRankWholeBatch(const v1::JobSpec& spec) {
   v1::JobSpec one = spec;
-  one.mutable_resources()->set_gpus(1);
+  one.mutable_resources()->set_slots(1);
   one.mutable_train()->set_micro_batch(8);
   one.mutable_parallel()->set_strategy(v1::DDP);
   return one;
