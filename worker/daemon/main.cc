@@ -35,6 +35,7 @@
 #include "common/log_text.h"
 #include "common/metrics_endpoint.h"
 #include "common/server_main.h"
+#include "common/status_macros.h"
 #include "common/tls.h"
 #include "common/units.h"
 #include "common/version.h"
@@ -107,6 +108,391 @@ absl::StatusOr<std::vector<std::string>> TrainerDevices(const std::string& train
   return std::vector<std::string>(absl::StrSplit(out, absl::ByAnyChar(" \n"), absl::SkipEmpty()));
 }
 
+// What main reads from its flags beyond WorkerOptions' own fields.
+struct Flags {
+  std::string work_dir, stop_grace = "10s", metrics_address, gpus = "auto",
+                        cuda_library = "libcuda.so.1", nvml_library = "libnvidia-ml.so.1";
+  int threads_per_slot = 0;
+  std::string user_map, rank_env = absl::StrJoin(trainyard::worker::DefaultRankEnv(), ",");
+  std::string cgroups_mode = "auto", memory_per_slot;
+  bool require_cgroups = false;
+  double cpus_per_slot = 0;
+  int64_t pids_per_rank = 8192;
+  std::string gpu_device_files = "/dev/nvidia%d";
+  double host_cpus = 0;
+  std::string reserved_memory = "1GiB";
+  std::string metrics_token_file, token_file;
+  bool metrics_tls = false, metrics_insecure = false;
+};
+
+// The worker's flags: a table of what each one sets.
+void AddFlags(CLI::App& app, Flags& f, trainyard::worker::WorkerOptions& options) {
+  app.set_version_flag("--version", std::string("trainyard-worker ") + trainyard::kVersion);
+  app.add_option("--coordinator", options.coordinator,
+                 "coordinator HOST:PORT, or every replica's HOST:PORT,HOST:PORT (env "
+                 "TRAINYARD_COORDINATOR)")
+      ->capture_default_str();
+  app.add_option("--node-id", options.node_id, "stable name of this node")->capture_default_str();
+  app.add_option("--address", options.address,
+                 "where other nodes reach this node's ranks: command jobs' MASTER_ADDR when rank 0 "
+                 "runs here (default: the host name)");
+  app.add_option("--cpu-slots", options.cpu_slots, "CPU slots offered (one rank each)")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  app.add_option("--gpus", f.gpus,
+                 "auto: this host's CUDA GPUs if the trainer can train on them, else --cpu-slots; "
+                 "all: every GPU the CUDA driver shows (it applies CUDA_VISIBLE_DEVICES); none: "
+                 "CPU slots only")
+      ->check(CLI::IsMember({"auto", "all", "none"}))
+      ->capture_default_str();
+  app.add_option("--nvml-library", f.nvml_library,
+                 "the NVML library to read each GPU's utilization, memory and temperature with "
+                 "(\"\": none)")
+      ->capture_default_str();
+  app.add_option("--cuda-library", f.cuda_library, "the CUDA driver library to list GPUs with")
+      ->capture_default_str();
+  app.add_option("--threads-per-slot", f.threads_per_slot,
+                 "threads of each rank (default: cores / devices)");
+  app.add_option("--work-dir", f.work_dir,
+                 "spec files and rank logs (default ~/.trainyard/worker-NODE_ID)");
+  app.add_option("--trainer", options.supervisor.trainer_path, "the trainyard-trainer binary")
+      ->capture_default_str();
+  app.add_option("--stop-grace", f.stop_grace, "SIGTERM to SIGKILL delay when stopping a rank")
+      ->capture_default_str();
+  app.add_option("--metrics-address", f.metrics_address,
+                 "HOST:PORT of the Prometheus /metrics endpoint (port 0: a free one, printed "
+                 "on stdout)");
+  app.add_option("--user-map", f.user_map,
+                 "file of \"USER ACCOUNT\" lines: the Unix account that runs each trainyard "
+                 "user's ranks (default: the account of the same name). As root the worker runs "
+                 "every rank as its owner's account; otherwise it takes only the jobs of the "
+                 "users mapped to its own account (and of the user of its name)");
+  app.add_option("--rank-env", f.rank_env,
+                 "this worker's environment variables that reach its ranks: comma-separated "
+                 "names, or prefixes ending in '*' (never its node token). Ranks start from a "
+                 "fixed base (PATH, LANG, TZ, HOME, USER, LOGNAME, SHELL of the owner), then "
+                 "these, then trainyard's and torchrun's variables, then the spec's env; empty: "
+                 "none of the worker's")
+      ->capture_default_str();
+  app.add_option("--cgroups", f.cgroups_mode,
+                 "auto: each rank in a cgroup of its own under the worker's, held to the limits "
+                 "below and ended whole (cgroup v2 with a delegated subtree, or v1), else ranks "
+                 "run unconfined and the worker says why; require: refuse to start without "
+                 "them; off: never")
+      ->check(CLI::IsMember({"auto", "require", "off"}))
+      ->capture_default_str();
+  app.add_flag("--require-cgroups", f.require_cgroups, "the same as --cgroups require");
+  app.add_option("--memory-per-slot", f.memory_per_slot,
+                 "each rank's memory limit (16GiB, 512MiB; as Slurm's DefMemPerGPU): a rank "
+                 "past it is OOM-killed and its job fails saying so; default none");
+  app.add_option("--cpus-per-slot", f.cpus_per_slot,
+                 "each rank's CPU quota, in CPUs (1.5: one and a half; as DefCpuPerGPU); "
+                 "default none")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--gpu-device-files", f.gpu_device_files,
+                 "each GPU's device file, by CUDA device number: a pattern with %d, or a comma "
+                 "list; on cgroup v1 a rank's devices cgroup denies those of the GPUs it was not "
+                 "given (the minors follow PCI order, as CUDA's on a host of one GPU model)")
+      ->capture_default_str();
+  app.add_option("--cpus", f.host_cpus,
+                 "CPUs the ranks may use together, as the scheduler counts them against jobs' "
+                 "resources.cpus (default: the CPUs this worker may run on)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--reserved-memory", f.reserved_memory,
+                 "memory kept for the system and the worker: the ranks may use the rest, as the "
+                 "scheduler counts it against jobs' resources.memory (as Slurm's MemSpecLimit)")
+      ->capture_default_str();
+  app.add_option("--pids-per-rank", f.pids_per_rank,
+                 "processes and threads each rank may have (a fork bomb stops there; 0: none)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--tls-ca", options.tls.ca_file,
+                 "CA (PEM) to verify the coordinator and parameter servers with; also given to "
+                 "the ranks (env TRAINYARD_TLS_CA)")
+      ->envname(trainyard::kTlsCaEnv);
+  app.add_option("--tls-cert", options.tls.cert_file,
+                 "client certificate (PEM) for a coordinator that asks for mutual TLS; its common "
+                 "name must be --node-id");
+  app.add_option("--tls-key", options.tls.key_file, "its private key (PEM)");
+  app.add_option("--metrics-token-file", f.metrics_token_file,
+                 "scrapes of /metrics need \"Authorization: Bearer <the file's token>\" (mode "
+                 "0600)");
+  app.add_flag("--metrics-tls", f.metrics_tls,
+               "serve /metrics over TLS with --tls-cert/--tls-key (this node's certificate)");
+  app.add_flag("--metrics-insecure", f.metrics_insecure,
+               "serve /metrics on a non-loopback address without --metrics-token-file");
+  app.add_option("--token-file", f.token_file,
+                 "file holding this node's node token (yard admin token create --node NAME; "
+                 "mode 0600); default: env TRAINYARD_TOKEN");
+}
+
+// The devices offered: the CUDA GPUs (--gpus all, or auto when the trainer trains on them), else
+// CPU slots. An error only for --gpus all without GPUs.
+absl::Status SettleDevices(const Flags& f, trainyard::worker::WorkerOptions& options) {
+  if (f.gpus == "none") return absl::OkStatus();
+  auto found = trainyard::worker::ListCudaDevices(f.cuda_library);
+  if (f.gpus == "all" && (!found.ok() || found->empty())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--gpus all: ", found.ok() ? "the CUDA driver shows no GPU" : found.status().message()));
+  }
+  if (!found.ok()) {
+    // No driver library is an ordinary CPU host; a driver that fails is worth a warning.
+    const std::string why(found.status().message());
+    if (absl::IsNotFound(found.status())) {
+      spdlog::info("{}: offering CPU slots", why);
+    } else {
+      spdlog::warn("{}: offering CPU slots", why);
+    }
+  } else if (f.gpus == "all") {
+    options.gpus = *std::move(found);
+  } else if (!found->empty()) {
+    auto trainer_devices = TrainerDevices(options.supervisor.trainer_path);
+    if (trainer_devices.ok() && absl::c_linear_search(*trainer_devices, "cuda")) {
+      options.gpus = *std::move(found);
+    } else {
+      spdlog::warn(
+          "{} CUDA GPU(s) here, but {} {}: offering {} CPU slot(s) (--gpus all offers the GPUs "
+          "anyway)",
+          found->size(), options.supervisor.trainer_path,
+          trainer_devices.ok()
+              ? absl::StrCat("trains on [", absl::StrJoin(*trainer_devices, ", "), "] only")
+              : absl::StrCat("did not say which devices it trains on (",
+                             trainer_devices.status().message(), ")"),
+          options.cpu_slots);
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Whose ranks this worker runs and as whom, its TLS and its node token.
+absl::Status SettleIdentity(const Flags& f, trainyard::worker::WorkerOptions& options) {
+  auto run_as = trainyard::worker::RunAs::Create(f.user_map, geteuid() == 0);
+  if (!run_as.ok()) return run_as.status();
+  options.supervisor.run_as = std::make_shared<const trainyard::worker::RunAs>(*std::move(run_as));
+  if (options.supervisor.run_as->switches()) {
+    spdlog::info("running as root: each rank runs as its job owner's Unix account");
+  } else {
+    spdlog::info("not running as root: taking the jobs of {} only",
+                 absl::StrJoin(options.supervisor.run_as->Owners(), ", "));
+  }
+  // The node token, once the devices are settled (their errors come first).
+  if (auto tls = trainyard::MakeChannelCredentials(options.tls); !tls.ok()) return tls.status();
+  options.supervisor.tls_ca = options.tls.ca_file;
+  options.supervisor.coordinators = options.coordinator;
+  auto token = trainyard::FindNodeToken(f.token_file, !options.tls.cert_file.empty());
+  if (!token.ok()) return token.status();
+  options.token = *std::move(token);
+  return absl::OkStatus();
+}
+
+// Each GPU's device file, for the devices controller (v1) to deny the others' to a rank.
+void SettleGpuDeviceRules(const Flags& f, const trainyard::worker::CgroupHost& host,
+                          trainyard::worker::WorkerOptions& options) {
+  if (options.gpus.empty()) return;
+  if (host.parents.count("devices") == 0) {
+    spdlog::warn("GPUs are confined by CUDA_VISIBLE_DEVICES only: {}",
+                 host.version == 2 ? "cgroup v2 needs a BPF device program (not done)"
+                                   : "no cgroup v1 devices controller");
+    return;
+  }
+  const std::vector<std::string> listed = absl::StrSplit(f.gpu_device_files, ',');
+  for (size_t i = 0; i < options.gpus.size(); ++i) {
+    const std::string file =
+        absl::StrContains(f.gpu_device_files, "%d")
+            ? absl::StrReplaceAll(f.gpu_device_files, {{"%d", absl::StrCat(i)}})
+            : (i < listed.size() ? listed[i] : "");
+    struct stat st;
+    if (file.empty() || stat(file.c_str(), &st) != 0 || !S_ISCHR(st.st_mode)) {
+      spdlog::warn("GPU {}: no device file {}: its ranks are confined by CUDA_VISIBLE_DEVICES only",
+                   i, file.empty() ? "named" : file);
+      options.supervisor.gpu_device_rules.clear();
+      return;
+    }
+    options.supervisor.gpu_device_rules.push_back(
+        absl::StrCat("c ", major(st.st_rdev), ":", minor(st.st_rdev), " rwm"));
+  }
+  spdlog::info("each rank may open only its own GPU's device file ({})", f.gpu_device_files);
+}
+
+// The ranks' cgroups and limits: detected, and this worker's folder made in each hierarchy.
+absl::Status SettleCgroups(const Flags& f, trainyard::worker::WorkerOptions& options) {
+  auto& supervisor = options.supervisor;
+  supervisor.rank_limits.cpus = f.cpus_per_slot;
+  supervisor.rank_limits.pids = f.pids_per_rank;
+  if (!f.memory_per_slot.empty()) {
+    const std::optional<int64_t> bytes = trainyard::ParseBytes(f.memory_per_slot);
+    if (!bytes.has_value() || *bytes <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--memory-per-slot: '", f.memory_per_slot,
+                                                     "' is not a size (such as 16GiB, 512MiB)"));
+    }
+    supervisor.rank_limits.memory_bytes = *bytes;
+  }
+  // The worker's folder: its node and its work directory, so that two workers on one host (tests
+  // run several named alike) never share one, and a restarted worker keeps its own.
+  uint32_t work_hash = 2166136261u;  // FNV-1a
+  for (unsigned char c : supervisor.work_dir) work_hash = (work_hash ^ c) * 16777619u;
+  supervisor.cgroup_prefix =
+      absl::StrCat("trainyard-", absl::StrReplaceAll(options.node_id, {{"/", "_"}, {".", "_"}}),
+                   "-", absl::Hex(work_hash, absl::kZeroPad8));
+  const std::string mode = f.require_cgroups ? "require" : f.cgroups_mode;
+  if (mode == "off") {
+    if (supervisor.rank_limits.memory_bytes > 0 || f.cpus_per_slot > 0) {
+      return absl::InvalidArgumentError(
+          "--memory-per-slot and --cpus-per-slot need cgroups (--cgroups auto or require)");
+    }
+    return absl::OkStatus();
+  }
+  trainyard::worker::CgroupHost host = trainyard::worker::DetectCgroups();
+  if (const int swept = trainyard::worker::SweepEmptyCgroups(host); swept > 0) {
+    spdlog::info("removed {} empty cgroup folder(s) that stopped workers left", swept);
+  }
+  for (const auto& [controller, parent] : host.parents) {
+    const std::string mine = parent + "/" + supervisor.cgroup_prefix;
+    std::error_code ec;
+    std::filesystem::create_directories(mine, ec);
+    // Made, or there already (an earlier worker of this work directory, perhaps root's):
+    // whether this process may make the ranks' folders in it.
+    const std::string probe = absl::StrCat(mine, "/.probe-", getpid());
+    if (!ec && mkdir(probe.c_str(), 0755) != 0) {
+      ec = std::error_code(errno, std::generic_category());
+    }
+    rmdir(probe.c_str());
+    if (ec) {
+      host.why = "cannot make the ranks' cgroups in " + mine + ": " + ec.message();
+      host.version = 0;
+      break;
+    }
+  }
+  if (host.version == 0) host.parents.clear();
+  if (host.version == 0 && mode == "require") {
+    return absl::FailedPreconditionError(absl::StrCat("--cgroups require: ", host.why));
+  }
+  const auto& l = supervisor.rank_limits;
+  if (host.version == 0) {
+    spdlog::warn("ranks are not confined: {}", trainyard::worker::DescribeCgroups(host));
+  } else {
+    spdlog::info("each rank in a cgroup of its own: {}; per rank: memory {}, CPUs {}, pids {}",
+                 trainyard::worker::DescribeCgroups(host),
+                 l.memory_bytes > 0 ? trainyard::HumanBytes(l.memory_bytes) : "no limit",
+                 l.cpus > 0 ? absl::StrCat(l.cpus) : "no limit",
+                 l.pids > 0 ? absl::StrCat(l.pids) : "no limit");
+  }
+  SettleGpuDeviceRules(f, host, options);
+  supervisor.cgroups = std::make_shared<const trainyard::worker::CgroupHost>(std::move(host));
+  return absl::OkStatus();
+}
+
+// The host as the scheduler counts it beside the devices.
+absl::Status SettleHost(const Flags& f, int devices, trainyard::worker::WorkerOptions& options) {
+  const std::optional<int64_t> reserved = trainyard::ParseBytes(f.reserved_memory);
+  if (!reserved.has_value() || *reserved < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--reserved-memory: '", f.reserved_memory,
+                                                   "' is not a size (such as 1GiB, 512MiB)"));
+  }
+  const int64_t physical = trainyard::worker::PhysicalMemoryBytes();
+  if (*reserved >= physical) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--reserved-memory: ", trainyard::HumanBytes(*reserved),
+                     " leaves nothing of this host's ", trainyard::HumanBytes(physical)));
+  }
+  const auto& cgroups = options.supervisor.cgroups;
+  options.host = trainyard::worker::HostResourcesOf(
+      f.host_cpus > 0 ? f.host_cpus : trainyard::worker::AffinityCpus(), physical - *reserved,
+      devices, options.supervisor.rank_limits,
+      cgroups != nullptr ? trainyard::worker::DescribeCgroups(*cgroups) : "none: --cgroups off");
+  return absl::OkStatus();
+}
+
+// Everything the flags say, settled into `options` in order: paths, devices, identity, the work
+// directory, cgroups and the host. The first error, for main to print.
+absl::Status Settle(Flags& f, trainyard::worker::WorkerOptions& options) {
+  options.supervisor.rank_env = absl::StrSplit(f.rank_env, ',', absl::SkipWhitespace());
+  // Ranks run in folders of their own: every path handed to them (or used after a chdir) is made
+  // absolute here, so that a relative --tls-ca given to the worker means the same file to them.
+  for (std::string* path : {&options.tls.ca_file, &options.tls.cert_file, &options.tls.key_file,
+                            &f.work_dir, &f.token_file, &f.user_map}) {
+    if (!path->empty() && path->front() != '/') *path = std::filesystem::absolute(*path).string();
+  }
+  std::string& trainer = options.supervisor.trainer_path;
+  if (trainer.find('/') != std::string::npos && trainer.front() != '/') {
+    trainer = std::filesystem::absolute(trainer).string();
+  }
+  auto grace = trainyard::ParseFlagDuration("--stop-grace", f.stop_grace);
+  if (!grace.ok()) return grace.status();
+  options.supervisor.stop_grace = *grace;
+  RETURN_IF_ERROR(SettleDevices(f, options));
+  RETURN_IF_ERROR(SettleIdentity(f, options));
+  for (const auto& gpu : options.gpus) {
+    spdlog::info("GPU {}: {}, {}, {} MiB", gpu.ordinal, gpu.name, gpu.uuid, gpu.memory_bytes >> 20);
+    options.supervisor.gpu_uuids.push_back(gpu.uuid);
+  }
+  if (!options.gpus.empty() && !f.nvml_library.empty()) {
+    // Without NVML the GPUs still train; only their samples are missing.
+    auto nvml = trainyard::worker::Nvml::Open(f.nvml_library);
+    if (nvml.ok()) {
+      options.nvml = *std::move(nvml);
+    } else {
+      spdlog::warn("{}: no GPU utilization, memory or temperature samples",
+                   std::string(nvml.status().message()));
+    }
+  }
+  const int devices =
+      options.gpus.empty() ? options.cpu_slots : static_cast<int>(options.gpus.size());
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  options.supervisor.threads_per_rank =
+      f.threads_per_slot > 0 ? f.threads_per_slot : std::max(1, cores / devices);
+  if (f.work_dir.empty()) {
+    const char* home = std::getenv("HOME");
+    f.work_dir =
+        std::string(home != nullptr ? home : ".") + "/.trainyard/worker-" + options.node_id;
+  }
+  std::error_code ec;
+  std::filesystem::create_directories(f.work_dir, ec);
+  if (ec) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--work-dir: cannot create ", f.work_dir, ": ", ec.message()));
+  }
+  options.supervisor.work_dir = f.work_dir;
+  RETURN_IF_ERROR(SettleCgroups(f, options));
+  return SettleHost(f, devices, options);
+}
+
+// The /metrics endpoint of --metrics-address, if given; its address printed on stdout (scripts
+// and tests read it there, as the servers' bound address).
+absl::StatusOr<std::unique_ptr<trainyard::MetricsEndpoint>> StartMetrics(
+    const Flags& f, const trainyard::worker::WorkerOptions& options,
+    trainyard::worker::WorkerDaemon& daemon) {
+  if (f.metrics_address.empty()) return nullptr;
+  trainyard::MetricsEndpointOptions metrics_options;
+  metrics_options.address = f.metrics_address;
+  metrics_options.token_file = f.metrics_token_file;
+  metrics_options.insecure = f.metrics_insecure;
+  if (f.metrics_tls) {
+    metrics_options.tls_cert_file = options.tls.cert_file;
+    metrics_options.tls_key_file = options.tls.key_file;
+  }
+  auto endpoint = trainyard::MetricsEndpoint::Start(metrics_options, daemon.registry());
+  if (!endpoint.ok()) return endpoint.status();
+  std::printf("metrics %s\n", (*endpoint)->bound_address().c_str());
+  std::fflush(stdout);
+  return endpoint;
+}
+
+// The worker's cgroup folders, once its ranks' are gone (their shepherds remove those as the
+// ranks end; a worker that leaves its ranks running for the next one leaves its folders too).
+void RemoveCgroupFolders(const trainyard::worker::WorkerOptions& options) {
+  if (options.supervisor.cgroups == nullptr) return;
+  for (int i = 0; i < 20; ++i) {
+    bool all = true;
+    for (const auto& [controller, parent] : options.supervisor.cgroups->parents) {
+      const std::string mine = parent + "/" + options.supervisor.cgroup_prefix;
+      if (rmdir(mine.c_str()) != 0 && errno != ENOENT) all = false;
+    }
+    if (all) return;
+    usleep(50000);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -126,366 +512,24 @@ int main(int argc, char** argv) {
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);
   options.node_id = host;
-  std::string work_dir, stop_grace = "10s", metrics_address, gpus = "auto",
-                        cuda_library = "libcuda.so.1", nvml_library = "libnvidia-ml.so.1";
-  int threads_per_slot = 0;
   std::error_code ec;
   const auto self_dir = std::filesystem::read_symlink("/proc/self/exe", ec).parent_path();
   options.supervisor.trainer_path = (self_dir / "trainyard-trainer").string();
 
   CLI::App app{"trainyard-worker: runs trainer ranks on this host for a trainyard coordinator"};
-  app.set_version_flag("--version", std::string("trainyard-worker ") + trainyard::kVersion);
-  app.add_option("--coordinator", options.coordinator,
-                 "coordinator HOST:PORT, or every replica's HOST:PORT,HOST:PORT (env "
-                 "TRAINYARD_COORDINATOR)")
-      ->capture_default_str();
-  app.add_option("--node-id", options.node_id, "stable name of this node")->capture_default_str();
-  app.add_option("--address", options.address,
-                 "where other nodes reach this node's ranks: command jobs' MASTER_ADDR when rank 0 "
-                 "runs here (default: the host name)");
-  app.add_option("--cpu-slots", options.cpu_slots, "CPU slots offered (one rank each)")
-      ->check(CLI::Range(1, 1024))
-      ->capture_default_str();
-  app.add_option("--gpus", gpus,
-                 "auto: this host's CUDA GPUs if the trainer can train on them, else --cpu-slots; "
-                 "all: every GPU the CUDA driver shows (it applies CUDA_VISIBLE_DEVICES); none: "
-                 "CPU slots only")
-      ->check(CLI::IsMember({"auto", "all", "none"}))
-      ->capture_default_str();
-  app.add_option("--nvml-library", nvml_library,
-                 "the NVML library to read each GPU's utilization, memory and temperature with "
-                 "(\"\": none)")
-      ->capture_default_str();
-  app.add_option("--cuda-library", cuda_library, "the CUDA driver library to list GPUs with")
-      ->capture_default_str();
-  app.add_option("--threads-per-slot", threads_per_slot,
-                 "threads of each rank (default: cores / devices)");
-  app.add_option("--work-dir", work_dir,
-                 "spec files and rank logs (default ~/.trainyard/worker-NODE_ID)");
-  app.add_option("--trainer", options.supervisor.trainer_path, "the trainyard-trainer binary")
-      ->capture_default_str();
-  app.add_option("--stop-grace", stop_grace, "SIGTERM to SIGKILL delay when stopping a rank")
-      ->capture_default_str();
-  app.add_option("--metrics-address", metrics_address,
-                 "HOST:PORT of the Prometheus /metrics endpoint (port 0: a free one, printed "
-                 "on stdout)");
-  std::string user_map;
-  app.add_option("--user-map", user_map,
-                 "file of \"USER ACCOUNT\" lines: the Unix account that runs each trainyard "
-                 "user's ranks (default: the account of the same name). As root the worker runs "
-                 "every rank as its owner's account; otherwise it takes only the jobs of the "
-                 "users mapped to its own account (and of the user of its name)");
-  std::string rank_env = absl::StrJoin(trainyard::worker::DefaultRankEnv(), ",");
-  app.add_option("--rank-env", rank_env,
-                 "this worker's environment variables that reach its ranks: comma-separated "
-                 "names, or prefixes ending in '*' (never its node token). Ranks start from a "
-                 "fixed base (PATH, LANG, TZ, HOME, USER, LOGNAME, SHELL of the owner), then "
-                 "these, then trainyard's and torchrun's variables, then the spec's env; empty: "
-                 "none of the worker's")
-      ->capture_default_str();
-  std::string cgroups_mode = "auto", memory_per_slot;
-  double cpus_per_slot = 0;
-  int64_t pids_per_rank = 8192;
-  app.add_option("--cgroups", cgroups_mode,
-                 "auto: each rank in a cgroup of its own under the worker's, held to the limits "
-                 "below and ended whole (cgroup v2 with a delegated subtree, or v1), else ranks "
-                 "run unconfined and the worker says why; require: refuse to start without "
-                 "them; off: never")
-      ->check(CLI::IsMember({"auto", "require", "off"}))
-      ->capture_default_str();
-  bool require_cgroups = false;
-  app.add_flag("--require-cgroups", require_cgroups, "the same as --cgroups require");
-  app.add_option("--memory-per-slot", memory_per_slot,
-                 "each rank's memory limit (16GiB, 512MiB; as Slurm's DefMemPerGPU): a rank "
-                 "past it is OOM-killed and its job fails saying so; default none");
-  app.add_option("--cpus-per-slot", cpus_per_slot,
-                 "each rank's CPU quota, in CPUs (1.5: one and a half; as DefCpuPerGPU); "
-                 "default none")
-      ->check(CLI::NonNegativeNumber);
-  std::string gpu_device_files = "/dev/nvidia%d";
-  app.add_option("--gpu-device-files", gpu_device_files,
-                 "each GPU's device file, by CUDA device number: a pattern with %d, or a comma "
-                 "list; on cgroup v1 a rank's devices cgroup denies those of the GPUs it was not "
-                 "given (the minors follow PCI order, as CUDA's on a host of one GPU model)")
-      ->capture_default_str();
-  double host_cpus = 0;
-  std::string reserved_memory = "1GiB";
-  app.add_option("--cpus", host_cpus,
-                 "CPUs the ranks may use together, as the scheduler counts them against jobs' "
-                 "resources.cpus (default: the CPUs this worker may run on)")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--reserved-memory", reserved_memory,
-                 "memory kept for the system and the worker: the ranks may use the rest, as the "
-                 "scheduler counts it against jobs' resources.memory (as Slurm's MemSpecLimit)")
-      ->capture_default_str();
-  app.add_option("--pids-per-rank", pids_per_rank,
-                 "processes and threads each rank may have (a fork bomb stops there; 0: none)")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  app.add_option("--tls-ca", options.tls.ca_file,
-                 "CA (PEM) to verify the coordinator and parameter servers with; also given to "
-                 "the ranks (env TRAINYARD_TLS_CA)")
-      ->envname(trainyard::kTlsCaEnv);
-  app.add_option("--tls-cert", options.tls.cert_file,
-                 "client certificate (PEM) for a coordinator that asks for mutual TLS; its common "
-                 "name must be --node-id");
-  app.add_option("--tls-key", options.tls.key_file, "its private key (PEM)");
-  std::string metrics_token_file;
-  bool metrics_tls = false, metrics_insecure = false;
-  app.add_option("--metrics-token-file", metrics_token_file,
-                 "scrapes of /metrics need \"Authorization: Bearer <the file's token>\" (mode "
-                 "0600)");
-  app.add_flag("--metrics-tls", metrics_tls,
-               "serve /metrics over TLS with --tls-cert/--tls-key (this node's certificate)");
-  app.add_flag("--metrics-insecure", metrics_insecure,
-               "serve /metrics on a non-loopback address without --metrics-token-file");
-  std::string token_file;
-  app.add_option("--token-file", token_file,
-                 "file holding this node's node token (yard admin token create --node NAME; "
-                 "mode 0600); default: env TRAINYARD_TOKEN");
+  Flags flags;
+  AddFlags(app, flags, options);
   CLI11_PARSE(app, argc, argv);
-  options.supervisor.rank_env = absl::StrSplit(rank_env, ',', absl::SkipWhitespace());
-
   trainyard::InstallEscapingLogger("worker");
-  // Ranks run in folders of their own: every path handed to them (or used after a chdir) is made
-  // absolute here, so that a relative --tls-ca given to the worker means the same file to them.
-  for (std::string* path : {&options.tls.ca_file, &options.tls.cert_file, &options.tls.key_file,
-                            &work_dir, &token_file, &user_map}) {
-    if (!path->empty() && path->front() != '/') *path = std::filesystem::absolute(*path).string();
-  }
-  if (options.supervisor.trainer_path.find('/') != std::string::npos &&
-      options.supervisor.trainer_path.front() != '/') {
-    options.supervisor.trainer_path =
-        std::filesystem::absolute(options.supervisor.trainer_path).string();
-  }
-  auto grace = trainyard::ParseFlagDuration("--stop-grace", stop_grace);
-  if (!grace.ok()) {
-    std::cerr << "trainyard-worker: " << grace.status().message() << "\n";
+  if (absl::Status s = Settle(flags, options); !s.ok()) {
+    std::cerr << "trainyard-worker: " << s.message() << "\n";
     return 2;
-  }
-  options.supervisor.stop_grace = *grace;
-  if (gpus != "none") {
-    auto found = trainyard::worker::ListCudaDevices(cuda_library);
-    if (gpus == "all" && (!found.ok() || found->empty())) {
-      std::cerr << "trainyard-worker: --gpus all: "
-                << (found.ok() ? "the CUDA driver shows no GPU" : found.status().message()) << "\n";
-      return 2;
-    }
-    if (!found.ok()) {
-      // No driver library is an ordinary CPU host; a driver that fails is worth a warning.
-      const std::string why(found.status().message());
-      if (absl::IsNotFound(found.status())) {
-        spdlog::info("{}: offering CPU slots", why);
-      } else {
-        spdlog::warn("{}: offering CPU slots", why);
-      }
-    } else if (gpus == "all") {
-      options.gpus = *std::move(found);
-    } else if (!found->empty()) {
-      auto trainer_devices = TrainerDevices(options.supervisor.trainer_path);
-      if (trainer_devices.ok() && absl::c_linear_search(*trainer_devices, "cuda")) {
-        options.gpus = *std::move(found);
-      } else {
-        spdlog::warn(
-            "{} CUDA GPU(s) here, but {} {}: offering {} CPU slot(s) (--gpus all offers the GPUs "
-            "anyway)",
-            found->size(), options.supervisor.trainer_path,
-            trainer_devices.ok()
-                ? absl::StrCat("trains on [", absl::StrJoin(*trainer_devices, ", "), "] only")
-                : absl::StrCat("did not say which devices it trains on (",
-                               trainer_devices.status().message(), ")"),
-            options.cpu_slots);
-      }
-    }
-  }
-  auto run_as = trainyard::worker::RunAs::Create(user_map, geteuid() == 0);
-  if (!run_as.ok()) {
-    std::cerr << "trainyard-worker: " << run_as.status().message() << "\n";
-    return 2;
-  }
-  options.supervisor.run_as = std::make_shared<const trainyard::worker::RunAs>(*std::move(run_as));
-  if (options.supervisor.run_as->switches()) {
-    spdlog::info("running as root: each rank runs as its job owner's Unix account");
-  } else {
-    spdlog::info("not running as root: taking the jobs of {} only",
-                 absl::StrJoin(options.supervisor.run_as->Owners(), ", "));
-  }
-  // The node token, once the devices are settled (their errors come first).
-  if (auto tls = trainyard::MakeChannelCredentials(options.tls); !tls.ok()) {
-    std::cerr << "trainyard-worker: " << tls.status().message() << "\n";
-    return 2;
-  }
-  options.supervisor.tls_ca = options.tls.ca_file;
-  options.supervisor.coordinators = options.coordinator;
-  auto token = trainyard::FindNodeToken(token_file, !options.tls.cert_file.empty());
-  if (!token.ok()) {
-    std::cerr << "trainyard-worker: " << token.status().message() << "\n";
-    return 2;
-  }
-  options.token = *std::move(token);
-  for (const auto& gpu : options.gpus) {
-    spdlog::info("GPU {}: {}, {}, {} MiB", gpu.ordinal, gpu.name, gpu.uuid, gpu.memory_bytes >> 20);
-    options.supervisor.gpu_uuids.push_back(gpu.uuid);
-  }
-  if (!options.gpus.empty() && !nvml_library.empty()) {
-    // Without NVML the GPUs still train; only their samples are missing.
-    auto nvml = trainyard::worker::Nvml::Open(nvml_library);
-    if (nvml.ok()) {
-      options.nvml = *std::move(nvml);
-    } else {
-      spdlog::warn("{}: no GPU utilization, memory or temperature samples",
-                   std::string(nvml.status().message()));
-    }
-  }
-  const int devices =
-      options.gpus.empty() ? options.cpu_slots : static_cast<int>(options.gpus.size());
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  options.supervisor.threads_per_rank =
-      threads_per_slot > 0 ? threads_per_slot : std::max(1, cores / devices);
-  if (work_dir.empty()) {
-    const char* home = std::getenv("HOME");
-    work_dir = std::string(home != nullptr ? home : ".") + "/.trainyard/worker-" + options.node_id;
-  }
-  std::filesystem::create_directories(work_dir, ec);
-  if (ec) {
-    std::cerr << "trainyard-worker: --work-dir: cannot create " << work_dir << ": " << ec.message()
-              << "\n";
-    return 2;
-  }
-  options.supervisor.work_dir = work_dir;
-  if (require_cgroups) cgroups_mode = "require";
-  // The ranks' cgroups: detected, and this worker's folder made in each hierarchy.
-  options.supervisor.rank_limits.cpus = cpus_per_slot;
-  options.supervisor.rank_limits.pids = pids_per_rank;
-  if (!memory_per_slot.empty()) {
-    const std::optional<int64_t> bytes = trainyard::ParseBytes(memory_per_slot);
-    if (!bytes.has_value() || *bytes <= 0) {
-      std::cerr << "trainyard-worker: --memory-per-slot: '" << memory_per_slot
-                << "' is not a size (such as 16GiB, 512MiB)\n";
-      return 2;
-    }
-    options.supervisor.rank_limits.memory_bytes = *bytes;
-  }
-  // The worker's folder: its node and its work directory, so that two workers on one host (tests
-  // run several named alike) never share one, and a restarted worker keeps its own.
-  uint32_t work_hash = 2166136261u;  // FNV-1a
-  for (unsigned char c : work_dir) work_hash = (work_hash ^ c) * 16777619u;
-  options.supervisor.cgroup_prefix =
-      absl::StrCat("trainyard-", absl::StrReplaceAll(options.node_id, {{"/", "_"}, {".", "_"}}),
-                   "-", absl::Hex(work_hash, absl::kZeroPad8));
-  if (cgroups_mode != "off") {
-    trainyard::worker::CgroupHost host = trainyard::worker::DetectCgroups();
-    if (const int swept = trainyard::worker::SweepEmptyCgroups(host); swept > 0) {
-      spdlog::info("removed {} empty cgroup folder(s) that stopped workers left", swept);
-    }
-    for (const auto& [controller, parent] : host.parents) {
-      const std::string mine = parent + "/" + options.supervisor.cgroup_prefix;
-      std::error_code ec;
-      std::filesystem::create_directories(mine, ec);
-      // Made, or there already (an earlier worker of this work directory, perhaps root's):
-      // whether this process may make the ranks' folders in it.
-      const std::string probe = absl::StrCat(mine, "/.probe-", getpid());
-      if (!ec && mkdir(probe.c_str(), 0755) != 0) {
-        ec = std::error_code(errno, std::generic_category());
-      }
-      rmdir(probe.c_str());
-      if (ec) {
-        host.why = "cannot make the ranks' cgroups in " + mine + ": " + ec.message();
-        host.version = 0;
-        break;
-      }
-    }
-    if (host.version == 0) host.parents.clear();
-    if (host.version == 0 && cgroups_mode == "require") {
-      std::cerr << "trainyard-worker: --cgroups require: " << host.why << "\n";
-      return 2;
-    }
-    const auto& l = options.supervisor.rank_limits;
-    if (host.version == 0) {
-      spdlog::warn("ranks are not confined: {}", trainyard::worker::DescribeCgroups(host));
-    } else {
-      spdlog::info("each rank in a cgroup of its own: {}; per rank: memory {}, CPUs {}, pids {}",
-                   trainyard::worker::DescribeCgroups(host),
-                   l.memory_bytes > 0 ? trainyard::HumanBytes(l.memory_bytes) : "no limit",
-                   l.cpus > 0 ? absl::StrCat(l.cpus) : "no limit",
-                   l.pids > 0 ? absl::StrCat(l.pids) : "no limit");
-    }
-    // GPUs: each one's device file, for the devices controller (v1) to deny the others' to a rank.
-    if (!options.gpus.empty() && host.parents.count("devices") > 0) {
-      const std::vector<std::string> listed = absl::StrSplit(gpu_device_files, ',');
-      for (size_t i = 0; i < options.gpus.size(); ++i) {
-        const std::string file =
-            absl::StrContains(gpu_device_files, "%d")
-                ? absl::StrReplaceAll(gpu_device_files, {{"%d", absl::StrCat(i)}})
-                : (i < listed.size() ? listed[i] : "");
-        struct stat st;
-        if (file.empty() || stat(file.c_str(), &st) != 0 || !S_ISCHR(st.st_mode)) {
-          spdlog::warn(
-              "GPU {}: no device file {}: its ranks are confined by "
-              "CUDA_VISIBLE_DEVICES only",
-              i, file.empty() ? "named" : file);
-          options.supervisor.gpu_device_rules.clear();
-          break;
-        }
-        options.supervisor.gpu_device_rules.push_back(
-            absl::StrCat("c ", major(st.st_rdev), ":", minor(st.st_rdev), " rwm"));
-      }
-      if (!options.supervisor.gpu_device_rules.empty()) {
-        spdlog::info("each rank may open only its own GPU's device file ({})", gpu_device_files);
-      }
-    } else if (!options.gpus.empty()) {
-      spdlog::warn("GPUs are confined by CUDA_VISIBLE_DEVICES only: {}",
-                   host.version == 2 ? "cgroup v2 needs a BPF device program (not done)"
-                                     : "no cgroup v1 devices controller");
-    }
-    options.supervisor.cgroups =
-        std::make_shared<const trainyard::worker::CgroupHost>(std::move(host));
-  } else if (options.supervisor.rank_limits.memory_bytes > 0 || cpus_per_slot > 0) {
-    std::cerr << "trainyard-worker: --memory-per-slot and --cpus-per-slot need cgroups "
-                 "(--cgroups auto or require)\n";
-    return 2;
-  }
-
-  // The host as the scheduler counts it beside the devices.
-  {
-    const std::optional<int64_t> reserved = trainyard::ParseBytes(reserved_memory);
-    if (!reserved.has_value() || *reserved < 0) {
-      std::cerr << "trainyard-worker: --reserved-memory: '" << reserved_memory
-                << "' is not a size (such as 1GiB, 512MiB)\n";
-      return 2;
-    }
-    const int64_t physical = trainyard::worker::PhysicalMemoryBytes();
-    if (*reserved >= physical) {
-      std::cerr << "trainyard-worker: --reserved-memory: " << trainyard::HumanBytes(*reserved)
-                << " leaves nothing of this host's " << trainyard::HumanBytes(physical) << "\n";
-      return 2;
-    }
-    const auto& cgroups = options.supervisor.cgroups;
-    options.host = trainyard::worker::HostResourcesOf(
-        host_cpus > 0 ? host_cpus : trainyard::worker::AffinityCpus(), physical - *reserved,
-        devices, options.supervisor.rank_limits,
-        cgroups != nullptr ? trainyard::worker::DescribeCgroups(*cgroups) : "none: --cgroups off");
   }
   trainyard::worker::WorkerDaemon daemon(options);
-  std::unique_ptr<trainyard::MetricsEndpoint> metrics;
-  if (!metrics_address.empty()) {
-    trainyard::MetricsEndpointOptions metrics_options;
-    metrics_options.address = metrics_address;
-    metrics_options.token_file = metrics_token_file;
-    metrics_options.insecure = metrics_insecure;
-    if (metrics_tls) {
-      metrics_options.tls_cert_file = options.tls.cert_file;
-      metrics_options.tls_key_file = options.tls.key_file;
-    }
-    auto endpoint = trainyard::MetricsEndpoint::Start(metrics_options, daemon.registry());
-    if (!endpoint.ok()) {
-      std::cerr << "trainyard-worker: " << endpoint.status().message() << "\n";
-      return 2;
-    }
-    metrics = std::move(*endpoint);
-    // Like the servers' bound address: scripts and tests read it from stdout.
-    std::printf("metrics %s\n", metrics->bound_address().c_str());
-    std::fflush(stdout);
+  auto metrics = StartMetrics(flags, options, daemon);
+  if (!metrics.ok()) {
+    std::cerr << "trainyard-worker: " << metrics.status().message() << "\n";
+    return 2;
   }
   std::thread signals([&daemon] {
     sigset_t set;
@@ -501,23 +545,13 @@ int main(int argc, char** argv) {
       daemon.Shutdown();
     }
   });
+  const int devices =
+      options.gpus.empty() ? options.cpu_slots : static_cast<int>(options.gpus.size());
   spdlog::info("worker {} for {} ({} {}, {} thread(s) each, trainer {})", options.node_id,
                options.coordinator, devices, options.gpus.empty() ? "CPU slot(s)" : "CUDA GPU(s)",
                options.supervisor.threads_per_rank, options.supervisor.trainer_path);
   daemon.Run();
-  // The worker's cgroup folders, once its ranks' are gone (their shepherds remove those as the
-  // ranks end; a worker that leaves its ranks running for the next one leaves its folders too).
-  if (options.supervisor.cgroups != nullptr) {
-    for (int i = 0; i < 20; ++i) {
-      bool all = true;
-      for (const auto& [controller, parent] : options.supervisor.cgroups->parents) {
-        const std::string mine = parent + "/" + options.supervisor.cgroup_prefix;
-        if (rmdir(mine.c_str()) != 0 && errno != ENOENT) all = false;
-      }
-      if (all) break;
-      usleep(50000);
-    }
-  }
+  RemoveCgroupFolders(options);
   spdlog::info("stopped");
   // The signal thread waits in sigwait; nothing more to clean up.
   signals.detach();
