@@ -3,6 +3,7 @@
 #include "common/spec_schema.h"
 
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <optional>
@@ -29,29 +30,51 @@ constexpr Scope kEvery = Scope::kEveryJob;
 
 // Every spec field with more to it than its protobuf type, in the spec's order. A new field needs
 // a row here only for a default, a range, a unit, a list's shape or a YAML name of its own.
-// clang-format off: a table, a row per field.
 constexpr Field kFields[] = {
     // The job.
-    {.path = "priority", .scope = kEvery, .default_value = "50", .range = "1..100",
+    {.path = "priority",
+     .scope = kEvery,
+     .default_value = "50",
+     .range = "1..100",
      .given = "1..100"},
     {.path = "max_restarts", .scope = kEvery, .range = "0..100"},
-    {.path = "max_runtime", .proto = "max_runtime_seconds", .scope = kEvery,
-     .unit = Unit::kSeconds, .range = "0..1099511627776", .given = "> 0",
+    {.path = "max_runtime",
+     .proto = "max_runtime_seconds",
+     .scope = kEvery,
+     .unit = Unit::kSeconds,
+     .range = "0..1099511627776",
+     .given = "> 0",
      .what = "must be positive"},
-    {.path = "preemption_grace", .proto = "preemption_grace_seconds", .scope = kEvery,
-     .unit = Unit::kSeconds, .range = "0..1099511627776", .given = "> 0",
+    {.path = "preemption_grace",
+     .proto = "preemption_grace_seconds",
+     .scope = kEvery,
+     .unit = Unit::kSeconds,
+     .range = "0..1099511627776",
+     .given = "> 0",
      .what = "must be positive"},
-    {.path = "command", .scope = kEvery, .shape = "a non-empty list, e.g. [python3, train.py]",
+    {.path = "command",
+     .scope = kEvery,
+     .shape = "a non-empty list, e.g. [python3, train.py]",
      .non_empty = true},
     {.path = "env", .scope = kEvery, .shape = "a mapping of NAME: value"},
     // resources: per rank.
-    {.path = "resources.slots", .scope = kEvery, .range = "1..4096", .required = true,
+    {.path = "resources.slots",
+     .scope = kEvery,
+     .range = "1..4096",
+     .required = true,
      .given = ">= 1"},
     {.path = "resources.gpus", .scope = kEvery, .alias_of = "resources.slots"},
-    {.path = "resources.cpus", .scope = kEvery, .range = "[0, 4096]", .given = "(0, 4096]",
+    {.path = "resources.cpus",
+     .scope = kEvery,
+     .range = "[0, 4096]",
+     .given = "(0, 4096]",
      .what = "CPUs per rank, more than 0 and at most 4096"},
-    {.path = "resources.memory", .proto = "resources.memory_bytes", .scope = kEvery,
-     .unit = Unit::kBytes, .range = "0..70368744177664", .given = "1..70368744177664",
+    {.path = "resources.memory",
+     .proto = "resources.memory_bytes",
+     .scope = kEvery,
+     .unit = Unit::kBytes,
+     .range = "0..70368744177664",
+     .given = "1..70368744177664",
      .what = "a size per rank such as 16GiB or 512MiB, at most 64TiB"},
     // model: the sizes that model.from may give are checked in spec_validate.cc.
     {.path = "model.kind", .default_value = "gpt"},
@@ -85,21 +108,25 @@ constexpr Field kFields[] = {
     {.path = "train.lora.r", .default_value = "8", .range = "1..4096", .given = ">= 1"},
     {.path = "train.lora.alpha", .default_value = "8", .range = "> 0", .given = "> 0"},
     {.path = "train.lora.dropout", .range = "[0, 1)"},
-    {.path = "train.lora.target_modules", .default_value = "q_proj, v_proj",
-     .shape = "a non-empty list of module names", .non_empty = true},
+    {.path = "train.lora.target_modules",
+     .default_value = "q_proj, v_proj",
+     .shape = "a non-empty list of module names",
+     .non_empty = true},
     // parallel
     {.path = "parallel.strategy", .default_value = "ddp"},
     {.path = "parallel.sharding_strategy", .default_value = "FULL_SHARD"},
     {.path = "parallel.bucket_mb", .default_value = "25", .range = "(0, 1024]"},
     {.path = "parallel.auto_wrap_policy", .default_value = "TRANSFORMER_BASED_WRAP"},
-    {.path = "parallel.min_num_params", .default_value = "100000000",  // PyTorch's
+    {.path = "parallel.min_num_params",
+     .default_value = "100000000",  // PyTorch's
      .range = "1..1125899906842624"},
     {.path = "parallel.backward_prefetch", .default_value = "BACKWARD_PRE"},
     {.path = "parallel.max_gathered_units", .default_value = "2", .range = "1..1024"},
     {.path = "parallel.cpu_ram_efficient_loading", .default_value = "true"},
     {.path = "parallel.pipeline_stages", .default_value = "1", .range = "1..1024"},
     {.path = "parallel.pipeline_schedule", .default_value = "1f1b"},
-    {.path = "parallel.pipeline_split", .shape = "a list of blocks per stage, e.g. [3, 5]",
+    {.path = "parallel.pipeline_split",
+     .shape = "a list of blocks per stage, e.g. [3, 5]",
      .non_empty = true},
     {.path = "parallel.tensor_parallel", .default_value = "1", .range = "1..1024"},
     // checkpoint
@@ -107,7 +134,6 @@ constexpr Field kFields[] = {
     {.path = "checkpoint.keep_last", .default_value = "3", .range = "0..1000000"},
     {.path = "checkpoint.export", .proto = "checkpoint.export_format"},
 };
-// clang-format on
 
 template <typename E, size_t N>
 std::vector<std::pair<std::string, int>> Rows(const EnumEntry<E> (&table)[N]) {
@@ -186,15 +212,38 @@ struct Located {
   const FieldDescriptor* field = nullptr;
 };
 
-Located Locate(const Message& root, Message* mutable_root, absl::string_view proto_path) {
-  const std::vector<absl::string_view> parts = absl::StrSplit(proto_path, '.');
+// Each row's JobSpec field, as the fields on the way to it from JobSpec (empty for an alias),
+// resolved once from its path.
+const std::vector<std::vector<const FieldDescriptor*>>& Chains() {
+  static const auto* const kChains = [] {
+    auto* chains = new std::vector<std::vector<const FieldDescriptor*>>();
+    for (const Field& row : kFields) {
+      std::vector<const FieldDescriptor*> chain;
+      const google::protobuf::Descriptor* d = v1::JobSpec::descriptor();
+      for (absl::string_view part : absl::StrSplit(ProtoPath(row.path), '.')) {
+        const FieldDescriptor* f = d == nullptr ? nullptr : d->FindFieldByName(std::string(part));
+        if (f == nullptr || !row.alias_of.empty()) {
+          chain.clear();
+          break;
+        }
+        chain.push_back(f);
+        d = f->message_type();
+      }
+      chains->push_back(std::move(chain));
+    }
+    return chains;
+  }();
+  return *kChains;
+}
+
+Located Locate(const Message& root, Message* mutable_root,
+               const std::vector<const FieldDescriptor*>& chain) {
+  if (chain.empty()) return {};
   const Message* at = &root;
   Message* mutable_at = mutable_root;
-  for (size_t i = 0; i + 1 < parts.size(); ++i) {
-    const FieldDescriptor* f = at->GetDescriptor()->FindFieldByName(std::string(parts[i]));
-    if (f == nullptr || f->cpp_type() != FieldDescriptor::CPPTYPE_MESSAGE || f->is_repeated()) {
-      return {};
-    }
+  for (size_t i = 0; i + 1 < chain.size(); ++i) {
+    const FieldDescriptor* f = chain[i];
+    if (f->cpp_type() != FieldDescriptor::CPPTYPE_MESSAGE || f->is_repeated()) return {};
     const Reflection& r = *at->GetReflection();
     if (i > 0 && !r.HasField(*at, f)) return {};  // an option group not given
     if (mutable_at != nullptr) {
@@ -204,9 +253,7 @@ Located Locate(const Message& root, Message* mutable_root, absl::string_view pro
       at = &r.GetMessage(*at, f);
     }
   }
-  const FieldDescriptor* f = at->GetDescriptor()->FindFieldByName(std::string(parts.back()));
-  if (f == nullptr) return {};
-  return {mutable_at, at, f};
+  return {mutable_at, at, chain.back()};
 }
 
 // Whether a singular field holds nothing: not set where it has presence, else its zero.
@@ -436,9 +483,10 @@ bool InRange(absl::string_view range, double value, bool integer, std::string* w
 }
 
 void ApplyDefaults(v1::JobSpec& spec, Scope scope) {
-  for (const Field& row : kFields) {
+  for (size_t i = 0; i < std::size(kFields); ++i) {
+    const Field& row = kFields[i];
     if (row.scope != scope || row.default_value.empty()) continue;
-    const Located at = Locate(spec, &spec, ProtoPath(row.path));
+    const Located at = Locate(spec, &spec, Chains()[i]);
     if (at.field == nullptr || !IsUnset(*at.message, *at.field)) continue;
     const std::vector<std::string> values =
         at.field->is_repeated() ? absl::StrSplit(row.default_value, ", ")
@@ -451,9 +499,10 @@ void ApplyDefaults(v1::JobSpec& spec, Scope scope) {
 }
 
 absl::Status CheckRanges(const v1::JobSpec& spec, Scope scope) {
-  for (const Field& row : kFields) {
+  for (size_t i = 0; i < std::size(kFields); ++i) {
+    const Field& row = kFields[i];
     if (row.scope != scope || (row.range.empty() && !row.required)) continue;
-    const Located at = Locate(spec, nullptr, ProtoPath(row.path));
+    const Located at = Locate(spec, nullptr, Chains()[i]);
     if (at.field == nullptr || at.field->is_repeated()) continue;
     const Message& m = *at.const_message;
     if (at.field->has_presence() && !m.GetReflection()->HasField(m, at.field)) continue;
