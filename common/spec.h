@@ -42,9 +42,6 @@ void ApplyJobSpecDefaults(v1::JobSpec& spec);
 // each string at most 4096 bytes, each list or map at most 1024 entries, the whole spec at most
 // 64 KiB serialized. ValidateJobSpec applies them first.
 inline constexpr size_t kMaxSpecYamlBytes = 1 << 20;
-// resources.cpus and resources.memory, per rank.
-inline constexpr double kMaxRankCpus = 4096;
-inline constexpr int64_t kMaxRankMemoryBytes = int64_t{64} << 40;
 inline FieldLimits JobSpecFieldLimits() { return FieldLimits{4096, 1024, 64 * 1024}; }
 
 // Checks every field of a spec (after defaults). INVALID_ARGUMENT whose message starts with the

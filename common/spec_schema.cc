@@ -145,19 +145,19 @@ std::vector<std::pair<std::string, int>> Rows(const EnumEntry<E> (&table)[N]) {
 // An enum's rows, every one (the unset one included where the table has it).
 const std::vector<std::pair<std::string, int>>& AllEnumRows(const EnumDescriptor& e) {
   static const auto* const kTables =
-      new std::map<std::string, std::vector<std::pair<std::string, int>>>{
-          {v1::Strategy_descriptor()->full_name(), Rows(kStrategies)},
-          {v1::ShardingStrategy_descriptor()->full_name(), Rows(kShardings)},
-          {v1::WrapPolicy_descriptor()->full_name(), Rows(kWrapPolicies)},
-          {v1::BackwardPrefetch_descriptor()->full_name(), Rows(kBackwardPrefetches)},
-          {v1::MixedPrecision_descriptor()->full_name(), Rows(kPrecisions)},
-          {v1::PipelineSchedule_descriptor()->full_name(), Rows(kPipelineSchedules)},
-          {v1::ExportFormat_descriptor()->full_name(), Rows(kExportFormats)},
-          {v1::Optimizer_descriptor()->full_name(), Rows(kOptimizers)},
-          {v1::LrSchedule_descriptor()->full_name(), Rows(kLrSchedules)},
+      new std::map<const EnumDescriptor*, std::vector<std::pair<std::string, int>>>{
+          {v1::Strategy_descriptor(), Rows(kStrategies)},
+          {v1::ShardingStrategy_descriptor(), Rows(kShardings)},
+          {v1::WrapPolicy_descriptor(), Rows(kWrapPolicies)},
+          {v1::BackwardPrefetch_descriptor(), Rows(kBackwardPrefetches)},
+          {v1::MixedPrecision_descriptor(), Rows(kPrecisions)},
+          {v1::PipelineSchedule_descriptor(), Rows(kPipelineSchedules)},
+          {v1::ExportFormat_descriptor(), Rows(kExportFormats)},
+          {v1::Optimizer_descriptor(), Rows(kOptimizers)},
+          {v1::LrSchedule_descriptor(), Rows(kLrSchedules)},
       };
   static const auto* const kNone = new std::vector<std::pair<std::string, int>>();
-  auto it = kTables->find(e.full_name());
+  auto it = kTables->find(&e);
   return it == kTables->end() ? *kNone : it->second;
 }
 
@@ -212,28 +212,34 @@ struct Located {
   const FieldDescriptor* field = nullptr;
 };
 
-// Each row's JobSpec field, as the fields on the way to it from JobSpec (empty for an alias),
-// resolved once from its path.
-const std::vector<std::vector<const FieldDescriptor*>>& Chains() {
-  static const auto* const kChains = [] {
-    auto* chains = new std::vector<std::vector<const FieldDescriptor*>>();
+// A row as the checks use it, worked out once: its JobSpec field, as the fields on the way to it
+// from JobSpec (empty for an alias, or a path that names no field), and its range, read.
+struct Resolved {
+  std::vector<const FieldDescriptor*> chain;
+  std::optional<Range> range;
+};
+
+const std::vector<Resolved>& ResolvedRows() {
+  static const auto* const kResolved = [] {
+    auto* rows = new std::vector<Resolved>();
     for (const Field& row : kFields) {
-      std::vector<const FieldDescriptor*> chain;
+      Resolved& r = rows->emplace_back();
+      if (!row.range.empty()) r.range = ParseRange(row.range);
+      if (!row.alias_of.empty()) continue;
       const google::protobuf::Descriptor* d = v1::JobSpec::descriptor();
       for (absl::string_view part : absl::StrSplit(ProtoPath(row.path), '.')) {
         const FieldDescriptor* f = d == nullptr ? nullptr : d->FindFieldByName(std::string(part));
-        if (f == nullptr || !row.alias_of.empty()) {
-          chain.clear();
+        if (f == nullptr) {
+          r.chain.clear();
           break;
         }
-        chain.push_back(f);
+        r.chain.push_back(f);
         d = f->message_type();
       }
-      chains->push_back(std::move(chain));
     }
-    return chains;
+    return rows;
   }();
-  return *kChains;
+  return *kResolved;
 }
 
 Located Locate(const Message& root, Message* mutable_root,
@@ -261,29 +267,17 @@ bool IsUnset(const Message& m, const FieldDescriptor& f) {
   const Reflection& r = *m.GetReflection();
   if (f.is_repeated()) return r.FieldSize(m, &f) == 0;
   if (f.has_presence()) return !r.HasField(m, &f);
+  if (const std::optional<double> number = NumberOf(m, f)) return *number == 0;
   switch (f.cpp_type()) {
-    case FieldDescriptor::CPPTYPE_INT32:
-      return r.GetInt32(m, &f) == 0;
-    case FieldDescriptor::CPPTYPE_INT64:
-      return r.GetInt64(m, &f) == 0;
-    case FieldDescriptor::CPPTYPE_UINT32:
-      return r.GetUInt32(m, &f) == 0;
-    case FieldDescriptor::CPPTYPE_UINT64:
-      return r.GetUInt64(m, &f) == 0;
-    case FieldDescriptor::CPPTYPE_DOUBLE:
-      return r.GetDouble(m, &f) == 0;
-    case FieldDescriptor::CPPTYPE_FLOAT:
-      return r.GetFloat(m, &f) == 0;
     case FieldDescriptor::CPPTYPE_BOOL:
       return !r.GetBool(m, &f);
     case FieldDescriptor::CPPTYPE_ENUM:
       return r.GetEnumValue(m, &f) == 0;
     case FieldDescriptor::CPPTYPE_STRING:
       return r.GetString(m, &f).empty();
-    case FieldDescriptor::CPPTYPE_MESSAGE:
+    default:
       return !r.HasField(m, &f);
   }
-  return false;
 }
 
 bool IsInteger(const FieldDescriptor& f) {
@@ -293,6 +287,23 @@ bool IsInteger(const FieldDescriptor& f) {
 
 std::string NumberText(double value, bool integer) {
   return integer ? absl::StrCat(static_cast<int64_t>(value)) : absl::StrCat(value);
+}
+
+// Whether `value` is in `r` (the parse of `text`, the range as the table writes it); the error's
+// "must be ..." part in `why` when not.
+bool InParsedRange(const std::optional<Range>& r, absl::string_view text, double value,
+                   bool integer, std::string* why) {
+  if (!r.has_value()) {  // a table's typo: refuse loudly rather than let anything through
+    *why = absl::StrCat("has an unreadable range in the spec's table: '", text, "'");
+    return false;
+  }
+  const bool in = std::isfinite(value) && (r->lo_open ? value > r->lo : value >= r->lo) &&
+                  (r->hi_open ? value < r->hi : value <= r->hi);
+  if (!in) {
+    *why = absl::StrCat("must be ", std::isinf(r->hi) ? "" : "in ", text, ", got ",
+                        NumberText(value, integer));
+  }
+  return in;
 }
 
 // "a, b or c" of an enum's names (the unset one left out).
@@ -441,8 +452,8 @@ absl::Status SetFromText(Message& message, const FieldDescriptor& field, const F
       return absl::InvalidArgumentError(
           absl::StrCat("unknown value '", text, "' (one of ", absl::StrJoin(allowed, ", "), ")"));
     }
-    default:
-      return absl::InvalidArgumentError("expected a mapping");
+    default:  // no JobSpec field of another type is written as text
+      return absl::InvalidArgumentError("cannot be written as text");
   }
 }
 
@@ -467,26 +478,29 @@ std::optional<double> NumberOf(const Message& m, const FieldDescriptor& f) {
 }
 
 bool InRange(absl::string_view range, double value, bool integer, std::string* why) {
-  const std::optional<Range> r = ParseRange(range);
-  if (!r.has_value()) {  // a table's typo: refuse loudly rather than let anything through
-    *why = absl::StrCat("has an unreadable range in the spec's table: '", range, "'");
-    return false;
+  return InParsedRange(ParseRange(range), range, value, integer, why);
+}
+
+absl::Status CheckGiven(const Field& row, const Message& message, const FieldDescriptor& field,
+                        const std::string& text) {
+  const std::optional<double> value = NumberOf(message, field);
+  std::string why;
+  if (row.given.empty() || !value.has_value() ||
+      InRange(row.given, *value, IsInteger(field), &why)) {
+    return absl::OkStatus();
   }
-  const bool in = std::isfinite(value) && (r->lo_open ? value > r->lo : value >= r->lo) &&
-                  (r->hi_open ? value < r->hi : value <= r->hi);
-  if (!in) {
-    const bool open_ended = std::isinf(r->hi);
-    *why = absl::StrCat("must be ", open_ended ? "" : "in ", range, ", got ",
-                        NumberText(value, integer));
-  }
-  return in;
+  if (row.what.empty()) return absl::InvalidArgumentError(why);
+  return absl::InvalidArgumentError(absl::StrCat(row.what, ", got ",
+                                                 row.unit == Unit::kPlain
+                                                     ? NumberText(*value, IsInteger(field))
+                                                     : absl::StrCat("'", text, "'")));
 }
 
 void ApplyDefaults(v1::JobSpec& spec, Scope scope) {
   for (size_t i = 0; i < std::size(kFields); ++i) {
     const Field& row = kFields[i];
     if (row.scope != scope || row.default_value.empty()) continue;
-    const Located at = Locate(spec, &spec, Chains()[i]);
+    const Located at = Locate(spec, &spec, ResolvedRows()[i].chain);
     if (at.field == nullptr || !IsUnset(*at.message, *at.field)) continue;
     const std::vector<std::string> values =
         at.field->is_repeated() ? absl::StrSplit(row.default_value, ", ")
@@ -502,7 +516,8 @@ absl::Status CheckRanges(const v1::JobSpec& spec, Scope scope) {
   for (size_t i = 0; i < std::size(kFields); ++i) {
     const Field& row = kFields[i];
     if (row.scope != scope || (row.range.empty() && !row.required)) continue;
-    const Located at = Locate(spec, nullptr, Chains()[i]);
+    const Resolved& resolved = ResolvedRows()[i];
+    const Located at = Locate(spec, nullptr, resolved.chain);
     if (at.field == nullptr || at.field->is_repeated()) continue;
     const Message& m = *at.const_message;
     if (at.field->has_presence() && !m.GetReflection()->HasField(m, at.field)) continue;
@@ -512,7 +527,8 @@ absl::Status CheckRanges(const v1::JobSpec& spec, Scope scope) {
       return absl::InvalidArgumentError(absl::StrCat(row.path, ": required"));
     }
     std::string why;
-    if (!row.range.empty() && !InRange(row.range, *value, IsInteger(*at.field), &why)) {
+    if (!row.range.empty() &&
+        !InParsedRange(resolved.range, row.range, *value, IsInteger(*at.field), &why)) {
       return absl::InvalidArgumentError(absl::StrCat(row.path, ": ", why));
     }
   }

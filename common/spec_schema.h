@@ -85,6 +85,11 @@ std::optional<double> NumberOf(const google::protobuf::Message& message,
 // "must be ..." part in `why` when not.
 bool InRange(absl::string_view range, double value, bool integer, std::string* why);
 
+// The row's `given` check of a value just read from YAML `text` into `field`: INVALID_ARGUMENT
+// with the message only ("must be >= 1, got 0", or the row's `what` and the value) if it fails.
+absl::Status CheckGiven(const Field& row, const google::protobuf::Message& message,
+                        const google::protobuf::FieldDescriptor& field, const std::string& text);
+
 // Every row's default filled into `spec` where unset, for the rows of `scope`. Sections (model,
 // train, ...) are created; an option group inside one (train.lora) only gets defaults when given.
 void ApplyDefaults(v1::JobSpec& spec, Scope scope);

@@ -126,17 +126,9 @@ class SpecParser {
     }
     // A value given where 0 would read as unset (and become the default), or where it means
     // "not given" later: checked here, on what the YAML says.
-    if (row != nullptr && !row->given.empty()) {
-      const bool integer = f.cpp_type() != FieldDescriptor::CPPTYPE_DOUBLE;
-      const double value = spec_schema::NumberOf(message, f).value_or(0);
-      std::string why;
-      if (!spec_schema::InRange(row->given, value, integer, &why)) {
-        if (row->what.empty()) return Error(node, absl::StrCat(field, ": ", why));
-        const std::string got = row->unit == spec_schema::Unit::kPlain
-                                    ? why.substr(why.rfind(", got ") + 6)
-                                    : absl::StrCat("'", text, "'");
-        return Error(node, absl::StrCat(field, ": ", row->what, ", got ", got));
-      }
+    if (row == nullptr) return absl::OkStatus();
+    if (absl::Status s = spec_schema::CheckGiven(*row, message, f, text); !s.ok()) {
+      return Error(node, absl::StrCat(field, ": ", s.message()));
     }
     return absl::OkStatus();
   }

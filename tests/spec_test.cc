@@ -343,6 +343,29 @@ TEST(SpecTest, TheSchemaTableNamesRealFieldsWithReadableRangesAndDefaults) {
   EXPECT_GT(named, 80);
 }
 
+// The table's text ranges agree with the constants the trainer reads.
+TEST(SpecTest, TableRangesAgreeWithTheTrainersLimits) {
+  const spec_schema::Field* eval = spec_schema::FindField("train.eval_batches");
+  ASSERT_NE(eval, nullptr);
+  std::string why;
+  EXPECT_TRUE(spec_schema::InRange(eval->range, kMaxEvalWindows, true, &why));
+  EXPECT_FALSE(spec_schema::InRange(eval->range, kMaxEvalWindows + 1, true, &why));
+}
+
+// description, like every spec string, is at most 4096 bytes, refused naming the field.
+TEST(SpecTest, DescriptionIsFreeTextWithinTheStringLimit) {
+  auto parsed =
+      ParseJobSpecYaml(std::string(kValid) + "description: \"a job\\tfor tests\"\n", "spec.yaml");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->spec.description(), "a job\tfor tests");
+  v1::JobSpec spec = parsed->spec;
+  ApplyJobSpecDefaults(spec);
+  ASSERT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  spec.set_description(std::string(4097, 'x'));
+  EXPECT_THAT(std::string(ValidateJobSpec(spec).message()),
+              StartsWith("description: 4097 bytes, at most 4096"));
+}
+
 // A range written in the table is the range checked and the range the error says.
 TEST(SpecTest, TableRangesReadAsWritten) {
   std::string why;

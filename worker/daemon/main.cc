@@ -226,6 +226,11 @@ void AddFlags(CLI::App& app, Flags& f, trainyard::worker::WorkerOptions& options
                  "mode 0600); default: env TRAINYARD_TOKEN");
 }
 
+// The devices the worker offers, one rank each: its GPUs, else its CPU slots.
+int DeviceCount(const trainyard::worker::WorkerOptions& options) {
+  return options.gpus.empty() ? options.cpu_slots : static_cast<int>(options.gpus.size());
+}
+
 // The devices offered: the CUDA GPUs (--gpus all, or auto when the trainer trains on them), else
 // CPU slots. An error only for --gpus all without GPUs.
 absl::Status SettleDevices(const Flags& f, trainyard::worker::WorkerOptions& options) {
@@ -436,8 +441,7 @@ absl::Status Settle(Flags& f, trainyard::worker::WorkerOptions& options) {
                    std::string(nvml.status().message()));
     }
   }
-  const int devices =
-      options.gpus.empty() ? options.cpu_slots : static_cast<int>(options.gpus.size());
+  const int devices = DeviceCount(options);
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   options.supervisor.threads_per_rank =
       f.threads_per_slot > 0 ? f.threads_per_slot : std::max(1, cores / devices);
@@ -545,8 +549,7 @@ int main(int argc, char** argv) {
       daemon.Shutdown();
     }
   });
-  const int devices =
-      options.gpus.empty() ? options.cpu_slots : static_cast<int>(options.gpus.size());
+  const int devices = DeviceCount(options);
   spdlog::info("worker {} for {} ({} {}, {} thread(s) each, trainer {})", options.node_id,
                options.coordinator, devices, options.gpus.empty() ? "CPU slot(s)" : "CUDA GPU(s)",
                options.supervisor.threads_per_rank, options.supervisor.trainer_path);
