@@ -18,6 +18,7 @@
 #include "common/spec.h"
 #include "common/version.h"
 #include "rpc/ps/tcp_congestion.h"
+#include "worker/trainer/control/stop_signal.h"
 #include "worker/trainer/trainer.h"
 
 namespace trainyard::trainer {
@@ -134,7 +135,7 @@ int Main(int argc, char** argv) {
       break;
     }
   }
-  InstallSigtermHandler();  // graceful stop: finish the step, checkpoint, exit 0
+  HoldStopSignal();  // graceful stop: finish the step, checkpoint, exit 0
 
   // What the worker asks before offering GPUs: the devices this trainer can train on.
   if (argc == 2 && std::string(argv[1]) == "--supported-devices") {

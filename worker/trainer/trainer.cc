@@ -3,12 +3,9 @@
 // its StepReporter's (control/step_report.h).
 #include "worker/trainer/trainer.h"
 
-#include <signal.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <csignal>
 #include <iostream>
 #include <limits>
 #include <memory>
@@ -27,6 +24,7 @@
 #include "worker/trainer/comm/cuda_support.h"
 #include "worker/trainer/control/reporter.h"
 #include "worker/trainer/control/step_report.h"
+#include "worker/trainer/control/stop_signal.h"
 #include "worker/trainer/io/data.h"
 #include "worker/trainer/io/hf_checkpoint.h"
 #include "worker/trainer/kernels/blas.h"
@@ -46,17 +44,6 @@ using Clock = std::chrono::steady_clock;
 
 void Log(const std::string& line) {
   std::cout << line << std::endl;  // flushed: the worker ships lines as they come
-}
-
-volatile std::sig_atomic_t sigterm_received = 0;
-
-void OnSigterm(int) { sigterm_received = 1; }
-
-// True once SIGTERM arrived (see InstallSigtermHandler). Consumes it.
-bool TakeSigterm() {
-  if (sigterm_received == 0) return false;
-  sigterm_received = 0;
-  return true;
 }
 
 // One rank's training run: Setup (the data, the layout and its groups, the model, its strategy and
@@ -414,7 +401,7 @@ Trainer::Agreement Trainer::Agree(double loss_sum) {
   if (reporter_) commands = reporter_->TakeCommands();
   if (!strategy_->CountsLoss()) loss_sum = 0;
   std::vector<double> flags = {loss_sum, commands.checkpoint_requested ? 1.0 : 0.0,
-                               commands.stop_requested ? 1.0 : 0.0, TakeSigterm() ? 1.0 : 0.0};
+                               commands.stop_requested ? 1.0 : 0.0, TakeStopSignal() ? 1.0 : 0.0};
   const std::vector<double> idle = strategy_->StageIdleShares();
   flags.insert(flags.end(), idle.begin(), idle.end());
   torch::Tensor agree = torch::tensor(flags, torch::kDouble);
@@ -567,14 +554,6 @@ std::string DescribeCompute() {
 }
 
 std::string SupportedDevices() { return CudaUsable() ? "cpu cuda" : "cpu"; }
-
-void InstallSigtermHandler() {
-  struct sigaction action = {};
-  action.sa_handler = OnSigterm;
-  sigemptyset(&action.sa_mask);
-  action.sa_flags = SA_RESTART;
-  sigaction(SIGTERM, &action, nullptr);
-}
 
 absl::Status RunTrainer(const TrainerOptions& options) {
   try {

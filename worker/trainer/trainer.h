@@ -10,10 +10,9 @@
 // checkpoints), offload (OffloadOptimizer, parameter servers), pipeline and tensor parallelism
 // (PipelineStage).
 //
-// Called once, from main's thread. SIGTERM is caught by a handler (InstallSigtermHandler, which
-// main calls first) that sets a flag; the loop polls it between steps, so the ranks agree on it,
-// finish the step, checkpoint and exit 0. (Blocking the signal is not enough: LibTorch and Gloo
-// may start threads before main runs, and one of them would take the default action.)
+// Called once, from main's thread. SIGTERM waits as pending on that thread (HoldStopSignal,
+// control/stop_signal.h, which main calls first); the loop takes it between steps, so the ranks
+// agree on it, finish the step, checkpoint and exit 0.
 #ifndef TRAINYARD_WORKER_TRAINER_TRAINER_H_
 #define TRAINYARD_WORKER_TRAINER_TRAINER_H_
 
@@ -59,9 +58,6 @@ struct TrainerOptions {
   // (ModelOptions::fused_norms); "off": torch's LayerNorm (benchmarks).
   std::string fused_norm = "auto";
 };
-
-// Makes SIGTERM set a flag that the training loop polls.
-void InstallSigtermHandler();
 
 // Runs training to the end (or to a graceful stop). INVALID_ARGUMENT / NOT_FOUND for bad spec or
 // data; other codes for failures of the run itself. Messages are one line, fit for users.
