@@ -114,8 +114,7 @@ class AdafactorStep {
       for (size_t j = 0; j < parts_[i].size(); ++j) {
         const Part& part = parts_[i][j];
         if (part.lo >= part.hi) continue;
-        std::vector<double> partial((part.hi - part.lo + kAdafactorChunk - 1) / kAdafactorChunk,
-                                    0);
+        std::vector<double> partial((part.hi - part.lo + kAdafactorChunk - 1) / kAdafactorChunk, 0);
         ForEachChunk(part.f, part.lo, part.hi,
                      [&](int64_t ch, int64_t first, int64_t end, int64_t l, int64_t r, int64_t c) {
                        double sq = 0;
@@ -261,8 +260,8 @@ class AdafactorStep {
   const float scale_;
   const bool grouped_;
   std::vector<std::vector<Part>> parts_;
-  std::vector<int64_t> factor_base_, param_base_;  // slot i's first factor, first parameter
-  std::vector<torch::Tensor> grads_;                // contiguous; undefined: no gradient
+  std::vector<int64_t> factor_base_, param_base_;       // slot i's first factor, first parameter
+  std::vector<torch::Tensor> grads_;                    // contiguous; undefined: no gradient
   std::vector<std::vector<std::vector<float>>> rsqrt_;  // [slot][part]: UpdateFactors's roots
 };
 
@@ -271,8 +270,7 @@ class AdafactorStep {
 void SlotOptimizer::StepAdafactor(double lr, double grad_scale) {
   std::vector<torch::Tensor> factors;
   for (const auto& state : state_) factors.push_back(state->factors);
-  AdafactorStep step(slots_, std::move(factors), static_cast<float>(grad_scale),
-                     group_ != nullptr);
+  AdafactorStep step(slots_, std::move(factors), static_cast<float>(grad_scale), group_ != nullptr);
   const bool reduce = group_ != nullptr && group_->world_size() > 1;
   torch::Tensor sums = step.SquaredGradientSums();
   if (reduce) group_->AllReduceSum({sums})->Wait();
