@@ -364,6 +364,190 @@ absl::StatusOr<std::string> ReceiveShepherdMessage(int fd, absl::Duration timeou
   }
 }
 
+namespace {
+
+// One started rank's shepherd: the loop over the rank's signals, the worker's connection and the
+// timers of an orphaned or stopping rank, until a worker has collected the rank's exit.
+class Shepherd {
+ public:
+  // `mark`: "TRAINYARD_RANK_MARK=..." (empty: none), as in the rank's environment.
+  Shepherd(const Settings& s, int log_fd, int signals, pid_t rank, std::string mark)
+      : s_(s),
+        log_fd_(log_fd),
+        signals_(signals),
+        rank_(rank),
+        mark_(std::move(mark)),
+        orphan_at_(absl::Now() + s.orphan) {}  // no worker yet: the one that started us connects
+
+  // Until a worker collects the exit, nobody comes for it, or polling fails.
+  void Run() {
+    while (!collected_ && Tick()) {
+      absl::Time wake = std::min(kill_at_, absl::Now() + absl::Seconds(1));
+      if (conn_ < 0) wake = std::min(wake, orphan_at_);
+      pollfd fds[3] = {{signals_, POLLIN, 0}, {kListenFd, POLLIN, 0}, {conn_, POLLIN, 0}};
+      const int ms = static_cast<int>(
+          std::clamp<int64_t>(absl::ToInt64Milliseconds(wake - absl::Now()), 0, 1000));
+      if (poll(fds, conn_ >= 0 ? 3 : 2, ms) < 0 && errno != EINTR) return;
+      if (fds[0].revents & POLLIN) OnSignal();
+      if (fds[1].revents & POLLIN) {
+        OnConnection();
+        continue;  // fds[2] was the connection before
+      }
+      if (conn_ >= 0 && (fds[2].revents & (POLLIN | POLLHUP | POLLERR))) OnMessage();
+    }
+  }
+
+  // The rank goes if it has not (Run left on an error), then whatever is left in its cgroups,
+  // then the cgroups.
+  void Finish() {
+    if (!exit_code_.has_value()) {
+      Stop(SIGKILL);
+      waitpid(rank_, nullptr, 0);
+    }
+    for (int i = 0; i < 50 && !s_.cgroups.empty() && !CgroupsEmpty(s_.cgroups); ++i) {
+      SignalCgroups(s_.cgroups, SIGKILL);
+      usleep(20000);
+    }
+    RemoveCgroups(s_.cgroups);
+  }
+
+ private:
+  // The timers: an orphan (no worker for s.orphan) is stopped, a stopping rank past its grace is
+  // killed. False when nobody came for an exited rank: the loop ends.
+  bool Tick() {
+    const absl::Time now = absl::Now();
+    if (conn_ < 0 && now >= orphan_at_) {
+      if (exit_code_.has_value()) return false;
+      if (!stopping_) {
+        Note(log_fd_, absl::StrCat("no worker has held this rank for ",
+                                   absl::FormatDuration(s_.orphan), ": stopping it"));
+        BeginStop();
+      }
+    }
+    if (!exit_code_.has_value() && now >= kill_at_) {
+      Stop(SIGKILL);
+      kill_at_ = absl::InfiniteFuture();
+    }
+    return true;
+  }
+
+  // One signal at a time (poll again for the next): SIGCHLD reaps the rank; SIGTERM and SIGINT
+  // stop it gracefully.
+  void OnSignal() {
+    signalfd_siginfo info;
+    if (read(signals_, &info, sizeof(info)) != sizeof(info)) return;
+    if (info.ssi_signo != SIGCHLD) {
+      if (!stopping_ && !exit_code_.has_value()) BeginStop();
+      return;
+    }
+    int status = 0;
+    rusage usage{};
+    if (!exit_code_.has_value() && wait4(rank_, &status, WNOHANG, &usage) == rank_) {
+      Reaped(status, usage);
+    }
+  }
+
+  // What the rank used, as sacct's MaxRSS and TotalCPU: its largest process's peak resident set
+  // (getrusage of it and the children it waited for), its cgroup's peak memory (page cache
+  // included; 0 without cgroups) and CPU time (the cgroup's, else getrusage's).
+  void Reaped(int status, const rusage& usage) {
+    exit_code_ = ExitCodeOf(status);
+    peak_rss_bytes_ = int64_t{usage.ru_maxrss} * 1024;
+    const double rusage_cpu = usage.ru_utime.tv_sec + usage.ru_stime.tv_sec +
+                              (usage.ru_utime.tv_usec + usage.ru_stime.tv_usec) / 1e6;
+    cpu_ms_ = std::llround(ReadCpuSeconds(s_.cgroups).value_or(rusage_cpu) * 1000);
+    if (const auto memory = ReadMemory(s_.cgroups); memory.has_value()) {
+      cgroup_peak_bytes_ = memory->peak_bytes;
+    }
+    Stop(SIGKILL);  // what it left behind, in its group or outside
+    // Killed at its memory limit: said in its log, where its failure message comes from.
+    if (const auto memory = ReadMemory(s_.cgroups); memory.has_value() && memory->oom_kills > 0) {
+      Note(log_fd_, absl::StrCat("error: out of memory: the rank reached its memory limit (",
+                                 memory->limit_bytes > 0 ? HumanBytes(memory->limit_bytes)
+                                                         : std::string("none"),
+                                 ", peak ", HumanBytes(memory->peak_bytes),
+                                 ") and the kernel killed a process of it"));
+    }
+    RemoveSharedMemoryOf(rank_);
+    SayExit();
+  }
+
+  // A worker connects: only the worker's account speaks for the rank; a new worker replaces the
+  // one before.
+  void OnConnection() {
+    int next = accept4(kListenFd, nullptr, nullptr, SOCK_CLOEXEC);
+    ucred peer{};
+    socklen_t peer_len = sizeof(peer);
+    if (next >= 0 && (getsockopt(next, SOL_SOCKET, SO_PEERCRED, &peer, &peer_len) != 0 ||
+                      peer.uid != geteuid())) {
+      close(next);
+      next = -1;
+    }
+    if (next < 0) return;
+    if (conn_ >= 0) close(conn_);
+    conn_ = next;
+    orphan_at_ = absl::InfiniteFuture();
+    SendShepherdMessage(conn_, absl::StrCat("rank ", rank_, " ", s_.device, " ", sent_offset_));
+    SayExit();
+  }
+
+  // The worker's messages: "sent N" (its log offset), "stop", "done" (it has the exit).
+  void OnMessage() {
+    char buf[kMaxMessageBytes + 1];
+    const ssize_t n = recv(conn_, buf, kMaxMessageBytes, MSG_DONTWAIT);
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) return;
+    if (n <= 0) {  // the worker is gone (a restart, a crash): wait for the next one
+      close(conn_);
+      conn_ = -1;
+      orphan_at_ = absl::Now() + s_.orphan;
+      return;
+    }
+    const std::string message(buf, static_cast<size_t>(n));
+    int64_t offset = 0;
+    if (absl::StartsWith(message, "sent ") && absl::SimpleAtoi(message.substr(5), &offset)) {
+      sent_offset_ = offset;
+    } else if (message == "stop" && !stopping_ && !exit_code_.has_value()) {
+      BeginStop();
+    } else if (message == "done" && exit_code_.has_value()) {
+      collected_ = true;
+    }
+  }
+
+  // SIGTERM now, SIGKILL after the grace.
+  void BeginStop() {
+    stopping_ = true;
+    kill_at_ = absl::Now() + s_.grace;
+    Stop(SIGTERM);
+  }
+
+  void Stop(int sig) {
+    kill(-rank_, sig);
+    SignalMarked(mark_, sig);
+    SignalCgroups(s_.cgroups, sig);  // also what left the group and cleared its environment
+  }
+
+  void SayExit() {
+    if (conn_ >= 0 && exit_code_.has_value()) {
+      SendShepherdMessage(conn_, absl::StrCat("exit ", *exit_code_, " ", peak_rss_bytes_, " ",
+                                              cpu_ms_, " ", cgroup_peak_bytes_));
+    }
+  }
+
+  const Settings& s_;
+  const int log_fd_, signals_;
+  const pid_t rank_;
+  const std::string mark_;
+  int conn_ = -1;  // the worker's connection
+  int64_t sent_offset_ = 0;
+  std::optional<int> exit_code_;
+  int64_t peak_rss_bytes_ = 0, cgroup_peak_bytes_ = 0, cpu_ms_ = 0;
+  bool stopping_ = false, collected_ = false;
+  absl::Time kill_at_ = absl::InfiniteFuture();
+  absl::Time orphan_at_;
+};
+
+}  // namespace
+
 int RunShepherd(int argc, char** argv) {
   auto settings = ParseSettings(argc, argv);
   if (!settings.ok()) {
@@ -397,140 +581,10 @@ int RunShepherd(int argc, char** argv) {
     Note(log_fd, absl::StrCat("fork: ", strerror(errno)));
     return 3;
   }
-  int conn = -1;
-  int64_t sent_offset = 0;
-  std::optional<int> exit_code;
-  // What the rank used, as sacct's MaxRSS and TotalCPU: its largest process's peak resident set
-  // (getrusage of it and the children it waited for), its cgroup's peak memory (page cache
-  // included; 0 without cgroups) and CPU time (the cgroup's, else getrusage's).
-  int64_t peak_rss_bytes = 0, cgroup_peak_bytes = 0;
-  int64_t cpu_ms = 0;
-  bool stopping = false, collected = false;
-  absl::Time kill_at = absl::InfiniteFuture();
-  // No worker yet: the one that started this shepherd connects at once.
-  absl::Time orphan_at = absl::Now() + s.orphan;
-  auto stop = [&](int sig) {
-    kill(-rank, sig);
-    SignalMarked(mark, sig);
-    SignalCgroups(s.cgroups, sig);  // also what left the group and cleared its environment
-  };
-  auto say_exit = [&] {
-    if (conn >= 0 && exit_code.has_value()) {
-      SendShepherdMessage(conn, absl::StrCat("exit ", *exit_code, " ", peak_rss_bytes, " ", cpu_ms,
-                                             " ", cgroup_peak_bytes));
-    }
-  };
-  while (!collected) {
-    const absl::Time now = absl::Now();
-    if (conn < 0 && now >= orphan_at) {
-      if (exit_code.has_value()) break;  // nobody came for it
-      if (!stopping) {
-        Note(log_fd, absl::StrCat("no worker has held this rank for ",
-                                  absl::FormatDuration(s.orphan), ": stopping it"));
-        stopping = true;
-        kill_at = now + s.grace;
-        stop(SIGTERM);
-      }
-    }
-    if (!exit_code.has_value() && now >= kill_at) {
-      stop(SIGKILL);
-      kill_at = absl::InfiniteFuture();
-    }
-    absl::Time wake = std::min(kill_at, absl::Now() + absl::Seconds(1));
-    if (conn < 0) wake = std::min(wake, orphan_at);
-    pollfd fds[3] = {{signals, POLLIN, 0}, {kListenFd, POLLIN, 0}, {conn, POLLIN, 0}};
-    const int ms = static_cast<int>(
-        std::clamp<int64_t>(absl::ToInt64Milliseconds(wake - absl::Now()), 0, 1000));
-    if (poll(fds, conn >= 0 ? 3 : 2, ms) < 0 && errno != EINTR) break;
-
-    if (fds[0].revents & POLLIN) {
-      signalfd_siginfo info;
-      while (read(signals, &info, sizeof(info)) == sizeof(info)) {
-        if (info.ssi_signo == SIGCHLD) {
-          int status = 0;
-          rusage usage{};
-          if (!exit_code.has_value() && wait4(rank, &status, WNOHANG, &usage) == rank) {
-            exit_code = ExitCodeOf(status);
-            peak_rss_bytes = int64_t{usage.ru_maxrss} * 1024;
-            const double rusage_cpu = usage.ru_utime.tv_sec + usage.ru_stime.tv_sec +
-                                      (usage.ru_utime.tv_usec + usage.ru_stime.tv_usec) / 1e6;
-            cpu_ms = std::llround(ReadCpuSeconds(s.cgroups).value_or(rusage_cpu) * 1000);
-            if (const auto memory = ReadMemory(s.cgroups); memory.has_value()) {
-              cgroup_peak_bytes = memory->peak_bytes;
-            }
-            stop(SIGKILL);  // what it left behind, in its group or outside
-            // Killed at its memory limit: said in its log, where its failure message comes from.
-            if (const auto memory = ReadMemory(s.cgroups);
-                memory.has_value() && memory->oom_kills > 0) {
-              Note(log_fd, absl::StrCat("error: out of memory: the rank reached its memory limit (",
-                                        memory->limit_bytes > 0 ? HumanBytes(memory->limit_bytes)
-                                                                : std::string("none"),
-                                        ", peak ", HumanBytes(memory->peak_bytes),
-                                        ") and the kernel killed a process of it"));
-            }
-            RemoveSharedMemoryOf(rank);
-            say_exit();
-          }
-        } else if (!stopping && !exit_code.has_value()) {  // SIGTERM, SIGINT: a graceful stop
-          stopping = true;
-          kill_at = absl::Now() + s.grace;
-          stop(SIGTERM);
-        }
-        break;  // one at a time; poll again
-      }
-    }
-    if (fds[1].revents & POLLIN) {
-      int next = accept4(kListenFd, nullptr, nullptr, SOCK_CLOEXEC);
-      ucred peer{};
-      socklen_t peer_len = sizeof(peer);
-      if (next >= 0 && (getsockopt(next, SOL_SOCKET, SO_PEERCRED, &peer, &peer_len) != 0 ||
-                        peer.uid != geteuid())) {
-        close(next);  // only the worker's account speaks for the rank
-        next = -1;
-      }
-      if (next >= 0) {
-        if (conn >= 0) close(conn);  // a new worker replaces the one before
-        conn = next;
-        orphan_at = absl::InfiniteFuture();
-        SendShepherdMessage(conn, absl::StrCat("rank ", rank, " ", s.device, " ", sent_offset));
-        say_exit();
-      }
-      continue;  // fds[2] was the connection before
-    }
-    if (conn >= 0 && (fds[2].revents & (POLLIN | POLLHUP | POLLERR))) {
-      char buf[kMaxMessageBytes + 1];
-      const ssize_t n = recv(conn, buf, kMaxMessageBytes, MSG_DONTWAIT);
-      if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-      if (n <= 0) {  // the worker is gone (a restart, a crash): wait for the next one
-        close(conn);
-        conn = -1;
-        orphan_at = absl::Now() + s.orphan;
-        continue;
-      }
-      const std::string message(buf, static_cast<size_t>(n));
-      int64_t offset = 0;
-      if (absl::StartsWith(message, "sent ") && absl::SimpleAtoi(message.substr(5), &offset)) {
-        sent_offset = offset;
-      } else if (message == "stop" && !stopping && !exit_code.has_value()) {
-        stopping = true;
-        kill_at = absl::Now() + s.grace;
-        stop(SIGTERM);
-      } else if (message == "done" && exit_code.has_value()) {
-        collected = true;
-      }
-    }
-  }
+  Shepherd shepherd(s, log_fd, signals, rank, mark);
+  shepherd.Run();
   unlink(socket_path.c_str());
-  if (!exit_code.has_value()) {  // left its loop on an error: the rank goes too
-    stop(SIGKILL);
-    waitpid(rank, nullptr, 0);
-  }
-  // Nothing of the rank is left in its cgroups; then they go.
-  for (int i = 0; i < 50 && !s.cgroups.empty() && !CgroupsEmpty(s.cgroups); ++i) {
-    SignalCgroups(s.cgroups, SIGKILL);
-    usleep(20000);
-  }
-  RemoveCgroups(s.cgroups);
+  shepherd.Finish();
   return 0;
 }
 
