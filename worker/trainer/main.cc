@@ -8,6 +8,7 @@
 
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 
 #include <CLI/CLI.hpp>
@@ -118,8 +119,8 @@ int Fail(const absl::Status& s) {
   return bad_input ? 2 : 1;
 }
 
-int Main(int argc, char** argv) {
-  const std::string blas = DescribeCompute();
+// Allocator settings, before any other thread allocates (glibc reads them once).
+void SetUpAllocator(int argc, char** argv) {
   // Multi-MiB gradient and parameter messages: keep freed buffers in the heap instead of handing
   // them back to the kernel, or every message touches fresh pages (page faults dominated the
   // push/pull time in bench/ps_transfer_bench: 2-5x slower).
@@ -135,8 +136,11 @@ int Main(int argc, char** argv) {
       break;
     }
   }
-  HoldStopSignal();  // graceful stop: finish the step, checkpoint, exit 0
+}
 
+// The modes without a job (--supported-devices, --consolidate-checkpoint, --export-hf): their
+// exit code, or nothing when argv asks for a rank.
+std::optional<int> RunToolMode(int argc, char** argv) {
   // What the worker asks before offering GPUs: the devices this trainer can train on.
   if (argc == 2 && std::string(argv[1]) == "--supported-devices") {
     std::cout << SupportedDevices() << std::endl;
@@ -180,20 +184,12 @@ int Main(int argc, char** argv) {
     return s.ok() ? 0 : Fail(s);
   }
 
-  CLI::App app{"trainyard-trainer: one rank of a trainyard training job (LibTorch, DDP over Gloo)"};
-  app.set_version_flag("--version", absl::StrCat("trainyard-trainer ", kVersion, "\n", blas));
-  // The tool modes parse their own flags (each one's --help lists them).
-  app.footer(
-      "Tool modes (no job):\n"
-      "  trainyard-trainer --export-hf CHECKPOINT_DIR --spec SPEC --out DIR [--merge-lora]\n"
-      "      a job's latest checkpoint as a Hugging Face model directory (a LoRA job: its adapter\n"
-      "      in PEFT's layout, or with --merge-lora the model with the adapters merged in)\n"
-      "  trainyard-trainer --consolidate-checkpoint DIR/step-N --out DIR\n"
-      "      a sharded (fsdp) checkpoint as a consolidated (ddp) one\n"
-      "  trainyard-trainer --supported-devices\n"
-      "      the devices this build trains on (cpu, cuda)");
-  std::string spec_path, context_path;
-  TrainerOptions o;
+  return std::nullopt;
+}
+
+// The rank's flags into `o` (and the two files it may be given as).
+void AddRankFlags(CLI::App& app, TrainerOptions& o, std::string& spec_path,
+                  std::string& context_path) {
   app.add_option("--context", context_path,
                  "the rank's context: a binary trainyard.v1.RankContext (the spec, job, attempt, "
                  "rank, world, device, coordinator, checkpoint folder, threads, parameter "
@@ -251,6 +247,29 @@ int Main(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "off"}))
       ->envname("TRAINYARD_FUSED_NORM")
       ->group("");  // hidden
+}
+
+int Main(int argc, char** argv) {
+  HoldStopSignal();  // first, before threads start: graceful stop (finish the step, checkpoint)
+  const std::string blas = DescribeCompute();
+  SetUpAllocator(argc, argv);
+  if (const std::optional<int> code = RunToolMode(argc, argv); code.has_value()) return *code;
+
+  CLI::App app{"trainyard-trainer: one rank of a trainyard training job (LibTorch, DDP over Gloo)"};
+  app.set_version_flag("--version", absl::StrCat("trainyard-trainer ", kVersion, "\n", blas));
+  // The tool modes parse their own flags (each one's --help lists them).
+  app.footer(
+      "Tool modes (no job):\n"
+      "  trainyard-trainer --export-hf CHECKPOINT_DIR --spec SPEC --out DIR [--merge-lora]\n"
+      "      a job's latest checkpoint as a Hugging Face model directory (a LoRA job: its adapter\n"
+      "      in PEFT's layout, or with --merge-lora the model with the adapters merged in)\n"
+      "  trainyard-trainer --consolidate-checkpoint DIR/step-N --out DIR\n"
+      "      a sharded (fsdp) checkpoint as a consolidated (ddp) one\n"
+      "  trainyard-trainer --supported-devices\n"
+      "      the devices this build trains on (cpu, cuda)");
+  std::string spec_path, context_path;
+  TrainerOptions o;
+  AddRankFlags(app, o, spec_path, context_path);
   CLI11_PARSE(app, argc, argv);
   absl::StatusOr<v1::JobSpec> spec;
   if (!context_path.empty()) {
