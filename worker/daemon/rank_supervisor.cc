@@ -13,10 +13,13 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <optional>
 #include <string_view>
+#include <utility>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -157,6 +160,116 @@ UnixAccount OwnAccount() {
 
 // NAME of a NAME=VALUE entry.
 absl::string_view NameOf(absl::string_view entry) { return entry.substr(0, entry.find('=')); }
+
+// A rank's log as the worker follows it: the bytes after `offset` as whole lines, each with its
+// seq (LogLines.seqs): where it starts in the log, plus one, plus the bytes of the log before
+// each time the rank cut it (so that seqs keep growing). Stable across a restart of this worker,
+// which adopts the rank at its offset (but forgets the cuts before it). Keeps the last `keep`
+// lines for a failure message.
+class RankLogFollower {
+ public:
+  using Batch = std::vector<std::pair<int64_t, std::string>>;  // (seq, line)
+
+  // `emit` takes each batch of lines (at most 512) as they are read.
+  RankLogFollower(const std::string& path, int64_t offset, int keep,
+                  std::function<void(Batch&)> emit)
+      : fd_(open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC)),
+        offset_(offset),
+        partial_start_(offset),
+        keep_(keep),
+        emit_(std::move(emit)) {}
+  ~RankLogFollower() {
+    if (fd_ >= 0) close(fd_);
+  }
+  RankLogFollower(const RankLogFollower&) = delete;
+  RankLogFollower& operator=(const RankLogFollower&) = delete;
+
+  // The log's new bytes since the last read, as lines (a rank that cut its own log starts over).
+  void ReadNew() {
+    if (fd_ < 0) return;
+    struct stat st {};
+    if (fstat(fd_, &st) == 0 && st.st_size < offset_) {
+      cut_bytes_ += offset_;
+      offset_ = st.st_size;
+      partial_.clear();
+      partial_start_ = offset_;
+    }
+    char buf[65536];
+    Batch batch;
+    ssize_t n;
+    while ((n = pread(fd_, buf, sizeof(buf), offset_)) > 0) {
+      offset_ += n;
+      partial_.append(buf, static_cast<size_t>(n));
+      size_t start = 0, nl;
+      while ((nl = partial_.find('\n', start)) != std::string::npos) {
+        Take(partial_.substr(start, nl - start), partial_start_ + static_cast<int64_t>(start),
+             batch);
+        start = nl + 1;
+      }
+      partial_.erase(0, start);
+      partial_start_ += static_cast<int64_t>(start);
+      // A line longer than the coordinator keeps is sent in pieces rather than held forever.
+      if (partial_.size() > 1 << 20) {
+        Take(std::exchange(partial_, ""), partial_start_, batch);
+        partial_start_ = offset_;
+      }
+      if (batch.size() >= 512) Emit(batch);
+    }
+    Emit(batch);
+  }
+
+  // The rank has ended: what is new, and a last line without its newline.
+  void ReadToEnd() {
+    ReadNew();
+    Batch batch;
+    if (!partial_.empty()) Take(std::exchange(partial_, ""), partial_start_, batch);
+    Emit(batch);
+  }
+
+  // Bytes of the log in whole lines read: what the shepherd is told the worker has sent.
+  int64_t complete_bytes() const { return offset_ - static_cast<int64_t>(partial_.size()); }
+  const std::deque<std::string>& last_lines() const { return last_; }
+
+ private:
+  void Take(std::string line, int64_t start, Batch& batch) {
+    // The coordinator's messages carry text: a rank may print any bytes (a byte-level model's
+    // sample), and one invalid UTF-8 line would fail the whole session's stream.
+    line = ValidUtf8(std::move(line));
+    last_.push_back(line);
+    if (static_cast<int>(last_.size()) > keep_) last_.pop_front();
+    batch.emplace_back(cut_bytes_ + start + 1, std::move(line));
+  }
+
+  void Emit(Batch& batch) {
+    if (!batch.empty()) emit_(batch);
+    batch.clear();
+  }
+
+  const int fd_;
+  int64_t offset_;
+  int64_t partial_start_;  // where partial_ begins in the log
+  int64_t cut_bytes_ = 0;
+  std::string partial_;  // the last line, until its newline comes
+  std::deque<std::string> last_;
+  const int keep_;
+  const std::function<void(Batch&)> emit_;
+};
+
+// The shepherd's "exit CODE PEAK_RSS CPU_MS CGROUP_PEAK" (a shepherd of an older worker: "exit
+// CODE"), after "exit ": the code (-1 when unreadable); `usage` filled when given.
+int ParseShepherdExit(const std::string& fields, v1::RankUsage* usage) {
+  const std::vector<std::string> f = absl::StrSplit(fields, ' ');
+  int code = 0;
+  if (!absl::SimpleAtoi(f[0], &code)) code = -1;
+  int64_t rss = 0, cpu_ms = 0, cgroup_peak = 0;
+  if (f.size() >= 4 && absl::SimpleAtoi(f[1], &rss) && absl::SimpleAtoi(f[2], &cpu_ms) &&
+      absl::SimpleAtoi(f[3], &cgroup_peak)) {
+    usage->set_peak_rss_bytes(rss);
+    usage->set_cpu_seconds(cpu_ms / 1000.0);
+    usage->set_memory_peak_bytes(cgroup_peak);
+  }
+  return code;
+}
 
 }  // namespace
 
@@ -742,8 +855,6 @@ void RankSupervisor::Exec(const v1::Assignment& a, const RankKey& key, int devic
 
 void RankSupervisor::Follow(RankKey key, int conn, pid_t shepherd, int64_t offset) {
   const auto& [job_id, attempt, rank] = key;
-  const std::string log_path =
-      absl::StrCat(options_.work_dir, "/", job_id, "/attempt-", attempt, "/rank-", rank, ".log");
   std::optional<int> exit_code;
   v1::RankUsage usage;
   std::string gone;  // why the shepherd cannot say how the rank ended
@@ -754,77 +865,27 @@ void RankSupervisor::Follow(RankKey key, int conn, pid_t shepherd, int64_t offse
     }
     offset = 0;
   }
-  const int log_fd = open(log_path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-  std::deque<std::string> last;
-  std::string partial;
-  // A line's seq (LogLines.seqs): where it starts in the log, plus one, plus the bytes of the log
-  // before each time the rank cut it (so that seqs keep growing). Stable across a restart of this
-  // worker, which adopts the rank at its offset (but forgets the cuts before it).
-  int64_t partial_start = offset < 0 ? 0 : offset;  // where `partial` begins in the log
-  int64_t cut_bytes = 0;
-  using Batch = std::vector<std::pair<int64_t, std::string>>;  // (seq, line)
-  auto flush = [&](Batch& lines) {
-    if (lines.empty()) return;
-    v1::NodeMessage m;
-    auto* l = m.mutable_logs();
-    l->set_job_id(job_id);
-    l->set_attempt(attempt);
-    l->set_rank(rank);
-    for (auto& [seq, line] : lines) {
-      l->add_seqs(seq);
-      l->add_lines(std::move(line));
-    }
-    lines.clear();
-    send_(m);
-  };
-  auto take = [&](std::string line, int64_t start, Batch& batch) {
-    // The coordinator's messages carry text: a rank may print any bytes (a byte-level model's
-    // sample), and one invalid UTF-8 line would fail the whole session's stream.
-    line = ValidUtf8(std::move(line));
-    last.push_back(line);
-    if (static_cast<int>(last.size()) > options_.failure_log_lines) last.pop_front();
-    const int64_t seq = cut_bytes + start + 1;
-    Remember(key, seq, line);
-    batch.emplace_back(seq, std::move(line));
-  };
-  // The log's new bytes since `offset`, as lines (a rank that cut its own log starts over).
-  auto read_log = [&] {
-    if (log_fd < 0) return;
-    struct stat st {};
-    if (fstat(log_fd, &st) == 0 && st.st_size < offset) {
-      cut_bytes += offset;
-      offset = st.st_size;
-      partial.clear();
-      partial_start = offset;
-    }
-    char buf[65536];
-    Batch batch;
-    ssize_t n;
-    while ((n = pread(log_fd, buf, sizeof(buf), offset)) > 0) {
-      offset += n;
-      partial.append(buf, static_cast<size_t>(n));
-      size_t start = 0, nl;
-      while ((nl = partial.find('\n', start)) != std::string::npos) {
-        take(partial.substr(start, nl - start), partial_start + static_cast<int64_t>(start), batch);
-        start = nl + 1;
-      }
-      partial.erase(0, start);
-      partial_start += static_cast<int64_t>(start);
-      // A line longer than the coordinator keeps is sent in pieces rather than held forever.
-      if (partial.size() > 1 << 20) {
-        take(std::exchange(partial, ""), partial_start, batch);
-        partial_start = offset;
-      }
-      if (batch.size() >= 512) flush(batch);
-    }
-    flush(batch);
-  };
+  RankLogFollower log(
+      absl::StrCat(options_.work_dir, "/", job_id, "/attempt-", attempt, "/rank-", rank, ".log"),
+      offset, options_.failure_log_lines, [&](RankLogFollower::Batch& lines) {
+        v1::NodeMessage m;
+        auto* l = m.mutable_logs();
+        l->set_job_id(job_id);
+        l->set_attempt(attempt);
+        l->set_rank(rank);
+        for (auto& [seq, line] : lines) {
+          Remember(key, seq, line);
+          l->add_seqs(seq);
+          l->add_lines(std::move(line));
+        }
+        send_(m);
+      });
   // Offsets are told to the shepherd at most once a second: a worker that crashes and comes back
   // sends at most that much of the log twice.
   int64_t told = offset;
   absl::Time tell_at = absl::Now() + absl::Seconds(1);
   auto tell_offset = [&] {
-    const int64_t complete = offset - static_cast<int64_t>(partial.size());  // whole lines only
+    const int64_t complete = log.complete_bytes();
     if (complete != told && SendShepherdMessage(conn, absl::StrCat("sent ", complete))) {
       told = complete;
     }
@@ -832,21 +893,11 @@ void RankSupervisor::Follow(RankKey key, int conn, pid_t shepherd, int64_t offse
   bool detached = false;
   while (gone.empty() && !exit_code.has_value()) {
     auto message = ReceiveShepherdMessage(conn, absl::Milliseconds(200));
-    read_log();
+    log.ReadNew();
     if (!message.ok()) {
       gone = "the rank's shepherd ended without saying how the rank did";
     } else if (absl::StartsWith(*message, "exit ")) {
-      // "exit CODE PEAK_RSS CPU_MS CGROUP_PEAK" (a shepherd of an older worker: "exit CODE").
-      const std::vector<std::string> f = absl::StrSplit(message->substr(5), ' ');
-      int code = 0;
-      exit_code = absl::SimpleAtoi(f[0], &code) ? code : -1;
-      int64_t rss = 0, cpu_ms = 0, cgroup_peak = 0;
-      if (f.size() >= 4 && absl::SimpleAtoi(f[1], &rss) && absl::SimpleAtoi(f[2], &cpu_ms) &&
-          absl::SimpleAtoi(f[3], &cgroup_peak)) {
-        usage.set_peak_rss_bytes(rss);
-        usage.set_cpu_seconds(cpu_ms / 1000.0);
-        usage.set_memory_peak_bytes(cgroup_peak);
-      }
+      exit_code = ParseShepherdExit(message->substr(5), &usage);
     }
     if (absl::Now() >= tell_at) {
       tell_offset();
@@ -862,18 +913,15 @@ void RankSupervisor::Follow(RankKey key, int conn, pid_t shepherd, int64_t offse
     // This worker goes (an upgrade): the shepherd keeps the rank for the next one.
     tell_offset();
   } else {
-    read_log();
-    Batch batch;
-    if (!partial.empty()) take(partial, partial_start, batch);
-    flush(batch);
+    log.ReadToEnd();
     const int code = exit_code.value_or(128 + SIGKILL);
+    const std::deque<std::string>& last = log.last_lines();
     std::string message = code == 0 ? "" : FailureMessage({last.begin(), last.end()});
     if (!exit_code.has_value())
       message = message.empty() ? gone : absl::StrCat(gone, ": ", message);
     ReportExit(key, code, message, usage);
     SendShepherdMessage(conn, "done");
   }
-  if (log_fd >= 0) close(log_fd);
   {
     // Its last lines stay for a while: the rank may have ended while no coordinator could be
     // reached, and the next session sends them again too.
