@@ -14,9 +14,11 @@
 #include <tuple>
 #include <vector>
 
+#include <yaml-cpp/yaml.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -28,6 +30,7 @@
 #include "common/credentials.h"
 #include "common/log_text.h"
 #include "common/memory_estimate.h"
+#include "common/signal_names.h"
 #include "common/spec.h"
 
 namespace trainyard::client {
@@ -218,13 +221,102 @@ absl::Status FillFromCheckpoint(ParsedSpec& parsed, const std::string& path) {
   return s.ok() ? s : AnnotateWithLine(s, parsed, path);
 }
 
-int Submit(const Globals& g, const std::string& path) {
-  auto parsed = LoadValidJobSpecFile(path);
-  if (!parsed.ok()) return Fail(parsed.status());
-  if (absl::Status s = FillFromCheckpoint(*parsed, path); !s.ok()) return Fail(s);
+// The spec's fields that `f` gives, as YAML in the spec's shape (empty: none). Without a spec
+// file (`inline_job`), a program after -- is the whole job: one slot, named after the script
+// (else the program), run in the current folder unless --workdir says otherwise.
+absl::StatusOr<std::string> SubmitFlagsYaml(const SubmitFlags& f, bool inline_job) {
+  YAML::Emitter out;
+  out << YAML::BeginMap;
+  std::string name = f.name;
+  if (name.empty() && inline_job) {
+    std::string program = std::filesystem::path(f.command[0]).filename().string();
+    for (const std::string& arg : f.command) {
+      if (absl::EndsWith(arg, ".py") || absl::EndsWith(arg, ".sh")) {
+        program = std::filesystem::path(arg).stem().string();
+        break;
+      }
+    }
+    for (char c : program) {
+      if (absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.') {
+        name.push_back(c);
+      }
+    }
+    if (name.empty() || absl::ascii_isdigit(static_cast<unsigned char>(name[0]))) {
+      name = "job-" + name;
+    }
+    name.resize(std::min<size_t>(name.size(), 64));
+  }
+  if (!name.empty()) out << YAML::Key << "name" << YAML::Value << name;
+  if (!f.description.empty()) out << YAML::Key << "description" << YAML::Value << f.description;
+  if (f.priority != 0) out << YAML::Key << "priority" << YAML::Value << f.priority;
+  if (f.max_restarts >= 0) out << YAML::Key << "max_restarts" << YAML::Value << f.max_restarts;
+  const int slots = f.slots > 0 ? f.slots : (inline_job ? 1 : 0);
+  if (slots > 0 || f.cpus > 0 || !f.memory.empty()) {
+    out << YAML::Key << "resources" << YAML::Value << YAML::BeginMap;
+    if (slots > 0) out << YAML::Key << "slots" << YAML::Value << slots;
+    if (f.cpus > 0) out << YAML::Key << "cpus" << YAML::Value << f.cpus;
+    if (!f.memory.empty()) out << YAML::Key << "memory" << YAML::Value << f.memory;
+    out << YAML::EndMap;
+  }
+  if (!f.command.empty()) {
+    out << YAML::Key << "command" << YAML::Value << YAML::BeginSeq;
+    for (const std::string& arg : f.command) out << YAML::DoubleQuoted << arg;
+    out << YAML::EndSeq;
+  }
+  std::string workdir = f.workdir;
+  if (workdir.empty() && inline_job) workdir = std::filesystem::current_path().string();
+  if (!workdir.empty()) {
+    std::error_code ec;
+    const std::filesystem::path absolute = std::filesystem::absolute(workdir, ec);
+    if (!ec) workdir = absolute.lexically_normal().string();
+    out << YAML::Key << "workdir" << YAML::Value << YAML::DoubleQuoted << workdir;
+  }
+  if (!f.env.empty()) {
+    out << YAML::Key << "env" << YAML::Value << YAML::BeginMap;
+    for (const std::string& entry : f.env) {
+      const size_t eq = entry.find('=');
+      if (eq == std::string::npos || eq == 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--env: expected NAME=VALUE, got '", entry, "'"));
+      }
+      out << YAML::Key << entry.substr(0, eq) << YAML::Value << YAML::DoubleQuoted
+          << entry.substr(eq + 1);
+    }
+    out << YAML::EndMap;
+  }
+  out << YAML::EndMap;
+  if (!out.good()) return absl::InvalidArgumentError(absl::StrCat("flags: ", out.GetLastError()));
+  return std::string(out.c_str()) == "{}" ? std::string() : std::string(out.c_str());
+}
+
+int Submit(const Globals& g, const std::string& path, const SubmitFlags& flags) {
+  if (path.empty() && flags.command.empty()) {
+    return Fail(absl::InvalidArgumentError(
+        "give a spec file (yard submit job.yaml) or a program after -- (yard submit --gpus 2 -- "
+        "python train.py)"));
+  }
+  auto overrides = SubmitFlagsYaml(flags, path.empty());
+  if (!overrides.ok()) return Fail(overrides.status());
+  // The flags win over the file; what they set is checked as the file's fields are.
+  ParsedSpec parsed;
+  if (!path.empty()) {
+    auto loaded = LoadValidJobSpecFile(path, *overrides, "yard submit");
+    if (!loaded.ok()) return Fail(loaded.status());
+    parsed = *std::move(loaded);
+  } else {
+    absl::Status s = OverrideJobSpecYaml(parsed, *overrides, "yard submit");
+    if (s.ok()) {
+      ApplyJobSpecDefaults(parsed.spec);
+      s = ValidateJobSpec(parsed.spec);
+    }
+    if (!s.ok()) return Fail(s);
+  }
+  if (absl::Status s = FillFromCheckpoint(parsed, path); !s.ok()) return Fail(s);
   YardClient client(g.coordinator, g.Token(), g.tls);
-  auto job = client.Submit(parsed->spec);
-  if (!job.ok()) return Fail(AnnotateWithLine(job.status(), *parsed, path));
+  auto job = client.Submit(parsed.spec);
+  if (!job.ok()) {
+    return Fail(path.empty() ? job.status() : AnnotateWithLine(job.status(), parsed, path));
+  }
   if (g.json()) {
     std::cout << ToJson(*job);
   } else {
@@ -519,6 +611,15 @@ int Nodes(const Globals& g) {
   return 0;
 }
 
+int Signal(const Globals& g, const std::string& id, const std::string& signal) {
+  if (CanonicalSignalName(signal).empty()) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("signal: '", signal, "' is not one of ", SignalNamesText())));
+  }
+  YardClient client(g.coordinator, g.Token(), g.tls);
+  return PrintChangedJob(g, client.Signal(NormalizeJobId(id), signal));
+}
+
 int Checkpoint(const Globals& g, const std::string& id) {
   YardClient client(g.coordinator, g.Token(), g.tls);
   return PrintChangedJob(g, client.Checkpoint(NormalizeJobId(id)));
@@ -801,14 +902,31 @@ void AddJobVerbs(CLI::App& app, Cli& c) {
   auto& states = a.states;
   auto& limit = a.limit;
 
+  auto& sf = a.submit;
   auto* submit = app.add_subcommand(
       "submit",
-      "submit a job from a YAML spec; prints its id. The spec trains a built-in model (model:, "
+      "submit a job; prints its id. From a YAML spec, which trains a built-in model (model:, "
       "data:, train:, parallel:) or runs your own program on each rank (command: [python3, "
       "train.py], workdir: /abs/path, env: {NAME: value}) with torchrun's environment (RANK, "
-      "WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...)");
-  submit->add_option("spec", spec_path, "job spec (YAML)")->required();
-  submit->callback([&] { rc = Submit(g, spec_path); });
+      "WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...); or without one, a program after --: `yard "
+      "submit --gpus 2 -- python train.py --lr 3e-4` (one slot unless given, named after the "
+      "script, run in the current folder, which every worker must see). The flags below set "
+      "those fields of a spec file too, over what it says");
+  submit->add_option("spec", spec_path, "job spec (YAML); optional with a program after --");
+  submit->add_option("--gpus,--slots", sf.slots, "resources.slots: ranks (a GPU each on GPUs)")
+      ->check(CLI::PositiveNumber);
+  submit->add_option("--cpus", sf.cpus, "resources.cpus: CPUs per rank (1.5: one and a half)")
+      ->check(CLI::PositiveNumber);
+  submit->add_option("--memory", sf.memory, "resources.memory: memory per rank, e.g. 16GiB");
+  submit->add_option("--name", sf.name, "name (default: the script's or the program's)");
+  submit->add_option("--description", sf.description, "description: free text");
+  submit->add_option("--env", sf.env, "env: NAME=VALUE for every rank (repeatable)");
+  submit->add_option("--workdir", sf.workdir,
+                     "workdir: the ranks' folder (default for a program after --: this one)");
+  submit->add_option("--priority", sf.priority, "priority: 1..100, higher first");
+  submit->add_option("--max-restarts", sf.max_restarts, "max_restarts: attempts after a failure")
+      ->check(CLI::NonNegativeNumber);
+  submit->callback([&] { rc = Submit(g, spec_path, sf); });
 
   auto* ls = app.add_subcommand("ls", "list jobs, newest first");
   ls->add_option("--state", states, "only jobs in these states (repeatable)");
@@ -852,6 +970,16 @@ void AddJobVerbs(CLI::App& app, Cli& c) {
   auto* checkpoint = app.add_subcommand("checkpoint", "ask a running job to write a checkpoint");
   checkpoint->add_option("job", job_id, "job id")->required();
   checkpoint->callback([&] { rc = Checkpoint(g, job_id); });
+
+  auto& signal = a.signal;
+  auto* signal_verb = app.add_subcommand(
+      "signal",
+      absl::StrCat("send a signal to every rank of a running job, each rank's whole process tree "
+                   "(scancel --signal); the job's owner and admins. Signals: ",
+                   SignalNamesText()));
+  signal_verb->add_option("job", job_id, "job id")->required();
+  signal_verb->add_option("signal", signal, "USR1, SIGUSR1, ...")->required();
+  signal_verb->callback([&] { rc = Signal(g, job_id, signal); });
 
   auto& out_dir = a.out_dir;
   auto* fetch = app.add_subcommand(

@@ -5,6 +5,7 @@
 #include <grpc/support/log.h>
 
 #include <cstdlib>
+#include <string>
 
 #include <CLI/CLI.hpp>
 
@@ -47,6 +48,18 @@ int main(int argc, char** argv) {
                "on a network you trust; env TRAINYARD_INSECURE=1)")
       ->envname("TRAINYARD_INSECURE");
 
+  // `yard submit [FLAGS] -- PROGRAM ARGS...`: what follows the first "--" after the verb is the
+  // program, never yard's flags.
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) != "submit") continue;
+    for (int j = i + 1; j < argc; ++j) {
+      if (std::string(argv[j]) != "--") continue;
+      c.args.submit.command.assign(argv + j + 1, argv + argc);
+      argc = j;
+      break;
+    }
+    break;
+  }
   AddJobVerbs(app, c);
   AddIdentityVerbs(app, c);
   AddAdminVerbs(app, c);

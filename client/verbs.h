@@ -57,8 +57,21 @@ struct TokenCreateArgs {
 
 // The values of every verb's options and arguments: CLI11 writes them as it parses, after the
 // Add*Verbs functions have returned, and the verbs' callbacks read them.
+// `yard submit`'s flags that build or change a spec: from a spec file, over it; without one
+// (a program after --), the whole spec.
+struct SubmitFlags {
+  std::vector<std::string> command;  // what follows `--` on yard's command line
+  int slots = 0;                     // --gpus/--slots; 0: not given
+  double cpus = 0;                   // 0: not given
+  std::string memory, name, workdir, description;
+  std::vector<std::string> env;  // NAME=VALUE
+  int priority = 0, max_restarts = -1;
+};
+
 struct VerbArgs {
   std::string spec_path, job_id, reason, timeout, owner;
+  SubmitFlags submit;
+  std::string signal;
   std::vector<std::string> states;
   int limit = 0;
   bool follow = false;

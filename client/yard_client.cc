@@ -204,6 +204,13 @@ absl::StatusOr<v1::Job> YardClient::Checkpoint(const std::string& job_id) {
   return Call(&YardClient::jobs_, &v1::JobService::Stub::CheckpointJob, request);
 }
 
+absl::StatusOr<v1::Job> YardClient::Signal(const std::string& job_id, const std::string& signal) {
+  v1::SignalJobRequest request;
+  request.set_job_id(job_id);
+  request.set_signal(signal);
+  return Call(&YardClient::jobs_, &v1::JobService::Stub::SignalJob, request);
+}
+
 absl::Status YardClient::Logs(const std::string& job_id, bool follow, int tail,
                               const std::function<void(const v1::LogLine&)>& on_line) {
   v1::StreamLogsRequest request;

@@ -38,6 +38,7 @@ class YardClient {
   absl::StatusOr<v1::Job> Cancel(const std::string& job_id, const std::string& reason);
   absl::StatusOr<v1::ListNodesResponse> ListNodes();
   absl::StatusOr<v1::Job> Checkpoint(const std::string& job_id);
+  absl::StatusOr<v1::Job> Signal(const std::string& job_id, const std::string& signal);
   // Streams the job's log lines (the last `tail`, 0 = all kept) to `on_line`; with `follow`,
   // until the job ends.
   absl::Status Logs(const std::string& job_id, bool follow, int tail,

@@ -26,13 +26,25 @@ struct ParsedSpec {
 absl::StatusOr<ParsedSpec> ParseJobSpecYaml(const std::string& yaml_text,
                                             const std::string& filename);
 
+// Sets the fields that `yaml_text` gives (in the spec's shape: "resources: {slots: 2}") over
+// `spec`, as a file would have set them: names, units and checks as ParseJobSpecYaml's; a list or
+// map given replaces the spec's. For command-line flags (`yard submit --gpus 2 -- ...`): errors
+// are INVALID_ARGUMENT "ORIGIN: FIELD: message", without lines. Does not apply defaults or
+// validate.
+absl::Status OverrideJobSpecYaml(ParsedSpec& parsed, const std::string& yaml_text,
+                                 const std::string& origin);
+
 // Reads and parses a spec file; NOT_FOUND if it cannot be read.
 absl::StatusOr<ParsedSpec> LoadJobSpecFile(const std::string& path);
 
 // LoadJobSpecFile, then ApplyJobSpecDefaults and ValidateJobSpec on the spec; a validation error
 // carries the file and line of the field (AnnotateWithLine). A command job's relative workdir is
 // made absolute first, from the folder of the file (`workdir: .` is the spec's own folder).
-absl::StatusOr<ParsedSpec> LoadValidJobSpecFile(const std::string& path);
+// `overrides_yaml` (OverrideJobSpecYaml, errors from `overrides_origin`) is set over the file's
+// fields before defaults and validation.
+absl::StatusOr<ParsedSpec> LoadValidJobSpecFile(const std::string& path,
+                                                const std::string& overrides_yaml = "",
+                                                const std::string& overrides_origin = "");
 
 // Fills unset optional fields with their defaults (priority 50, grad_accum 1, ddp, ...).
 // Fields that are required (name, resources.slots, model sizes, data.path, train.steps) stay unset.

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/spec_schema.h"
@@ -30,9 +31,13 @@ namespace {
 // errors as FILE:LINE: message. Names, units, shapes and values given are read from the table.
 class SpecParser {
  public:
-  SpecParser(const std::string& filename, ParsedSpec& out) : filename_(filename), out_(out) {}
+  // `lines`: errors say the line of the file (false: YAML made from flags, whose lines mean
+  // nothing to the user).
+  SpecParser(const std::string& filename, ParsedSpec& out, bool lines = true)
+      : filename_(filename), out_(out), lines_(lines) {}
 
   absl::Status Error(const YAML::Node& node, const std::string& message) const {
+    if (!lines_) return absl::InvalidArgumentError(absl::StrCat(filename_, ": ", message));
     return absl::InvalidArgumentError(
         absl::StrCat(filename_, ":", node.Mark().line + 1, ": ", message));
   }
@@ -145,7 +150,28 @@ class SpecParser {
 
   std::string filename_;
   ParsedSpec& out_;
+  bool lines_;
 };
+
+// The lists and maps that `node` gives, cleared in `message` (the parser appends to them): an
+// override replaces them.
+void ClearGivenCollections(const YAML::Node& node, const std::string& path,
+                           google::protobuf::Message& message) {
+  if (!node.IsMap()) return;
+  const google::protobuf::Descriptor& d = *message.GetDescriptor();
+  const google::protobuf::Reflection& r = *message.GetReflection();
+  for (int i = 0; i < d.field_count(); ++i) {
+    const FieldDescriptor& f = *d.field(i);
+    const std::string name = spec_schema::YamlName(path, f);
+    if (name.empty() || !node[name]) continue;
+    if (f.is_repeated()) {
+      r.ClearField(&message, &f);
+    } else if (f.cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE) {
+      ClearGivenCollections(node[name], path.empty() ? name : absl::StrCat(path, ".", name),
+                            *r.MutableMessage(&message, &f));
+    }
+  }
+}
 
 // 1-based line of the innermost '{' or '[' that is never closed, or 0 if none is found. yaml-cpp
 // reports an unclosed flow collection where it gave up (often the end of the file), not where the
@@ -233,6 +259,32 @@ absl::StatusOr<ParsedSpec> ParseJobSpecYaml(const std::string& yaml_text,
   return parsed;
 }
 
+absl::Status OverrideJobSpecYaml(ParsedSpec& parsed, const std::string& yaml_text,
+                                 const std::string& origin) {
+  if (yaml_text.size() > kMaxSpecYamlBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        origin, ": ", yaml_text.size(), " bytes; a job spec is at most ", kMaxSpecYamlBytes));
+  }
+  ParsedSpec scratch;
+  SpecParser parser(origin, scratch, /*lines=*/false);
+  try {
+    const YAML::Node root = YAML::Load(yaml_text);
+    if (!root || root.IsNull()) return absl::OkStatus();
+    ClearGivenCollections(root, "", parsed.spec);
+    RETURN_IF_ERROR(parser.Message(root, "", parsed.spec));
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(origin, ": ", e.msg));
+  }
+  // What the file said of the fields set is not what the spec holds now (its sections stay).
+  for (auto it = scratch.field_lines.begin(); it != scratch.field_lines.end(); ++it) {
+    const auto next = std::next(it);
+    const bool section = next != scratch.field_lines.end() &&
+                         absl::StartsWith(next->first, absl::StrCat(it->first, "."));
+    if (!section) parsed.field_lines.erase(it->first);
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<ParsedSpec> LoadJobSpecFile(const std::string& path) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot read the file"));
@@ -243,8 +295,11 @@ absl::StatusOr<ParsedSpec> LoadJobSpecFile(const std::string& path) {
   return ParseJobSpecYaml(text, path);
 }
 
-absl::StatusOr<ParsedSpec> LoadValidJobSpecFile(const std::string& path) {
+absl::StatusOr<ParsedSpec> LoadValidJobSpecFile(const std::string& path,
+                                                const std::string& overrides_yaml,
+                                                const std::string& overrides_origin) {
   ASSIGN_OR_RETURN(ParsedSpec parsed, LoadJobSpecFile(path));
+  RETURN_IF_ERROR(OverrideJobSpecYaml(parsed, overrides_yaml, overrides_origin));
   // In a file, a command job's relative workdir is the spec file's folder's (`workdir: .` runs
   // the program beside its spec); sent on, every workdir is absolute.
   JobSpec& spec = parsed.spec;

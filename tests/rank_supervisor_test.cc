@@ -235,6 +235,69 @@ TEST(FailureMessageTest, LeadsWithTheLastErrorLine) {
   EXPECT_EQ(FailureMessage({"only line: Error"}), "only line: Error");
 }
 
+// What torch's @record writes (torch/distributed/elastic/multiprocessing/errors/error_handler.py),
+// `callstack` JSON-escaped already.
+std::string RecordedError(const std::string& message, const std::string& callstack) {
+  return absl::StrCat("{\"message\": {\"message\": \"", message,
+                      "\", \"extraInfo\": {\"py_callstack\": \"", callstack,
+                      "\", \"timestamp\": \"1700000000\"}}}");
+}
+
+std::string WriteFileIn(const std::string& dir, const std::string& name, const std::string& text) {
+  const std::string path = absl::StrCat(dir, "/", name);
+  FILE* f = fopen(path.c_str(), "w");
+  fwrite(text.data(), 1, text.size(), f);
+  fclose(f);
+  return path;
+}
+
+TEST(ErrorFileMessageTest, TheRecordedExceptionThenWhereItWasRaised) {
+  const std::string dir = ::testing::TempDir();
+  const std::string path = WriteFileIn(
+      dir, "recorded.json",
+      RecordedError("RuntimeError: boom on rank 1",
+                    "Traceback (most recent call last):\\n  File \\\"train.py\\\", line 9, in "
+                    "main\\n    raise RuntimeError(\\\"boom on rank 1\\\")\\nRuntimeError: boom "
+                    "on rank 1\\n"));
+  EXPECT_EQ(ErrorFileMessage(path),
+            "RuntimeError: boom on rank 1\nTraceback (most recent call last):\n"
+            "  File \"train.py\", line 9, in main\n    raise RuntimeError(\"boom on rank 1\")\n"
+            "RuntimeError: boom on rank 1");
+  // A message as a plain string (a C++ program's own), no callstack.
+  EXPECT_EQ(ErrorFileMessage(WriteFileIn(dir, "plain.json", "{\"message\": \"out of shards\"}")),
+            "out of shards");
+}
+
+TEST(ErrorFileMessageTest, NothingReadableIsNoMessage) {
+  const std::string dir = ::testing::TempDir();
+  EXPECT_EQ(ErrorFileMessage(dir + "/absent.json"), "");
+  EXPECT_EQ(ErrorFileMessage(WriteFileIn(dir, "text.json", "Traceback, not JSON")), "");
+  EXPECT_EQ(ErrorFileMessage(WriteFileIn(dir, "other.json", "{\"error\": \"x\"}")), "");
+  EXPECT_EQ(ErrorFileMessage(WriteFileIn(dir, "blank.json", "{\"message\": {\"message\": \" \"}}")),
+            "");
+  // The owner wrote the file: a link to another file is not followed, a FIFO not waited on.
+  const std::string secret = WriteFileIn(dir, "secret", "{\"message\": \"the worker's secret\"}");
+  unlink((dir + "/link.json").c_str());
+  ASSERT_EQ(symlink(secret.c_str(), (dir + "/link.json").c_str()), 0);
+  EXPECT_EQ(ErrorFileMessage(dir + "/link.json"), "");
+  unlink((dir + "/fifo.json").c_str());
+  ASSERT_EQ(mkfifo((dir + "/fifo.json").c_str(), 0600), 0);
+  EXPECT_EQ(ErrorFileMessage(dir + "/fifo.json"), "");
+}
+
+TEST(ErrorFileMessageTest, ALongCallstackKeepsItsLastLinesWithinTheLimit) {
+  std::string callstack = "Traceback (most recent call last):";
+  for (int i = 0; i < 500; ++i) absl::StrAppend(&callstack, "\\n  File \\\"f.py\\\", line ", i);
+  absl::StrAppend(&callstack, "\\nValueError: the cause");
+  const std::string m =
+      ErrorFileMessage(WriteFileIn(::testing::TempDir(), "long.json",
+                                   RecordedError("ValueError: the cause", callstack)),
+                       512);
+  EXPECT_LE(m.size(), 512u);
+  EXPECT_TRUE(absl::StartsWith(m, "ValueError: the cause\n  File")) << m;
+  EXPECT_TRUE(absl::EndsWith(m, "line 499\nValueError: the cause")) << m;
+}
+
 using testing::TempDir;
 
 // The rank status messages a supervisor sent, in order.

@@ -284,6 +284,43 @@ TEST(SpecTest, SlotsIsReadUnderItsOldNameGpusToo) {
               StartsWith(path + ":3: resources.slots: 3 ranks do not split into 2 pipeline"));
 }
 
+// Flags over a spec (`yard submit job.yaml --gpus 2`): set as the file's fields are, lists and
+// maps replaced, errors naming the field after the flags' origin, without a line.
+TEST(SpecTest, OverridesSetFieldsAsTheFileWouldAndReplaceListsAndMaps) {
+  auto parsed = ParseJobSpecYaml(
+      "name: x\nresources: {slots: 1}\ncommand: [python3, a.py]\nenv: {A: '1', B: '2'}\n",
+      "s.yaml");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  ASSERT_TRUE(OverrideJobSpecYaml(*parsed,
+                                  "resources: {slots: 4, memory: 2GiB}\ncommand: [python3, b.py, "
+                                  "'--lr', '3e-4']\nenv: {C: '3'}\nname: y\n",
+                                  "yard submit")
+                  .ok());
+  const v1::JobSpec& spec = parsed->spec;
+  EXPECT_EQ(spec.name(), "y");
+  EXPECT_EQ(spec.resources().slots(), 4);
+  EXPECT_EQ(spec.resources().memory_bytes(), int64_t{2} << 30);
+  EXPECT_THAT(spec.command(), ElementsAre("python3", "b.py", "--lr", "3e-4"));
+  EXPECT_EQ(spec.env_size(), 1);
+  EXPECT_EQ(spec.env().at("C"), "3");
+  // What the flags set has no line of the file any more; the rest keeps its own.
+  EXPECT_EQ(parsed->field_lines.count("resources.slots"), 0u);
+  EXPECT_EQ(parsed->field_lines.at("resources"), 2);
+  // Empty overrides change nothing.
+  EXPECT_TRUE(OverrideJobSpecYaml(*parsed, "", "yard submit").ok());
+  EXPECT_EQ(parsed->spec.name(), "y");
+
+  for (const auto& [yaml, error] : std::vector<std::pair<std::string, std::string>>{
+           {"resources: {memory: lots}", "yard submit: resources.memory: "},
+           {"resources: {slots: 0}", "yard submit: resources.slots: must be"},
+           {"colour: red", "yard submit: unknown field 'colour'"},
+           {"command: {a: b}", "yard submit: command: expected"}}) {
+    ParsedSpec fresh;
+    const absl::Status s = OverrideJobSpecYaml(fresh, yaml, "yard submit");
+    EXPECT_THAT(std::string(s.message()), StartsWith(error)) << yaml;
+  }
+}
+
 // The spec's table (common/spec_schema.cc): every row names a JobSpec field, its range reads,
 // its default is a value of its field; and every JobSpec field is read from YAML under a name.
 TEST(SpecTest, TheSchemaTableNamesRealFieldsWithReadableRangesAndDefaults) {

@@ -16,6 +16,11 @@ class Unavailable(grpc.RpcError):
 
 class Refused(grpc.RpcError):
     def code(self):
+        return grpc.StatusCode.INVALID_ARGUMENT
+
+
+class Ended(grpc.RpcError):
+    def code(self):
         return grpc.StatusCode.FAILED_PRECONDITION
 
 
@@ -26,6 +31,7 @@ class Coordinators:
         self.incarnation = "A"
         self.down = False
         self.refuse = False
+        self.ended = False  # the attempt is no longer running
         self.sent = []  # (step, seq, the incarnation the report named)
         self.recorded = {}  # incarnation -> steps recorded, as the coordinator keeps them
 
@@ -34,6 +40,8 @@ class Coordinators:
             raise Unavailable()
         if self.refuse:
             raise Refused()
+        if self.ended:
+            raise Ended()
         self.sent.append((report.step, report.seq, report.incarnation))
         steps = self.recorded.setdefault(self.incarnation, [])
         if report.incarnation in ("", self.incarnation) and (not steps or report.seq > steps[-1][1]):
@@ -79,4 +87,17 @@ def test_a_refused_report_is_raised_and_not_sent_again():
         ctx.report(2)
     coordinators.refuse = False
     ctx.report(3)
+    assert [step for step, _, _ in coordinators.sent] == [1, 3]
+
+
+def test_a_report_after_the_attempt_ended_turns_into_a_stop_not_an_exception():
+    coordinators = Coordinators()
+    ctx = context(coordinators)
+    ctx.report(1)
+    assert not ctx.should_stop()
+    coordinators.ended = True
+    assert ctx.report(2) == {"checkpoint_requested": False, "stop_requested": True}
+    assert ctx.should_stop() and ctx.checkpoint_requested()
+    coordinators.ended = False
+    ctx.report(3)  # what the ended attempt refused is not sent again
     assert [step for step, _, _ in coordinators.sent] == [1, 3]

@@ -8,9 +8,9 @@ Inside a rank of a job (a command job's program, or any script run by hand):
         ...
         ctx.report(step, loss=loss, accuracy=acc)       # rows in `yard metrics`
         if ctx.checkpoint_requested() or ctx.should_stop():
-            save(ctx.checkpoint_dir)
-            ctx.report_checkpoint(step, ctx.checkpoint_dir)
-            if ctx.should_stop():                        # preempted: requeued, resumes later
+            trainyard.save_checkpoint(f"{ctx.checkpoint_dir}/step-{step}.pt",
+                                      lambda tmp: torch.save(state, tmp), step=step)
+            if ctx.should_stop():      # preempted, cancelled or SIGTERM: saved within the grace
                 break
 
 Outside a trainyard job every call works as a no-op, so the same script runs by hand.
@@ -26,6 +26,6 @@ The protobuf and gRPC stubs (trainyard.v1) are generated from proto/ when the pa
 (python/build_stubs.py).
 """
 from trainyard._client import Client, JobFailed
-from trainyard._rank import Context, init
+from trainyard._rank import Context, init, save_checkpoint
 
-__all__ = ["Client", "Context", "JobFailed", "init"]
+__all__ = ["Client", "Context", "JobFailed", "init", "save_checkpoint"]

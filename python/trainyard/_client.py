@@ -171,6 +171,14 @@ class Client:
         return self._jobs.CheckpointJob(job_pb2.CheckpointJobRequest(job_id=job_id),
                                         timeout=self._timeout, metadata=self._metadata)
 
+    def signal(self, job_id, signal):
+        """Sends `signal` ("USR1", "SIGUSR1", ...) to every rank of the running job, each rank's
+        whole process tree, as `yard signal` does (the job's owner and admins)."""
+        from trainyard.v1 import job_pb2
+
+        return self._jobs.SignalJob(job_pb2.SignalJobRequest(job_id=job_id, signal=str(signal)),
+                                    timeout=self._timeout, metadata=self._metadata)
+
     def wait(self, job_id, timeout=None):
         """Blocks until the job ends; returns it when SUCCEEDED, raises JobFailed otherwise and
         grpc.RpcError DEADLINE_EXCEEDED past `timeout` seconds."""

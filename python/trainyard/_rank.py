@@ -2,7 +2,10 @@
 import collections
 import glob
 import os
+import shutil
+import signal
 import sys
+import threading
 import time
 
 
@@ -60,7 +63,12 @@ class Context:
         self._unsent = collections.deque(maxlen=self._KEEP)
         self._recent = collections.deque(maxlen=self._KEEP)
         self._incarnation = ""
+        self._sigterm = False
+        self._kept = []  # (step, path) that save_checkpoint keeps, oldest first
+        keep = env.get("TRAINYARD_CHECKPOINT_KEEP_LAST", "")
+        self.keep_last = int(keep) if keep.isdigit() else 0
         if self.in_job:
+            self._catch_sigterm()
             from trainyard.v1 import trainer_pb2_grpc
 
             # (The replicas' list; reports follow the leader across a failover.)
@@ -70,6 +78,22 @@ class Context:
                                        follow_for=10.0)
 
     _KEEP = 1024  # reports kept unanswered, and answered for sending again
+
+    def _catch_sigterm(self):
+        """SIGTERM (a cancel, a preemption past its grace, a drain) makes should_stop() true, so
+        the loop saves and exits within the grace instead of dying mid-step. A handler the
+        program set before init() still runs after ours; one it sets afterwards replaces ours.
+        Only from the main thread (Python runs handlers there)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum, frame):
+            self._sigterm = True
+            if callable(previous):
+                previous(signum, frame)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
 
     def report(self, step, loss=0.0, total_steps=0, lr=0.0, **metrics):
         """Reports optimizer step `step` (1-based) with its loss and any other metrics by name
@@ -112,6 +136,12 @@ class Context:
                 if error.code() in retryable:
                     return  # kept: sent before the next report
                 self._unsent.popleft()
+                if error.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    # The attempt has ended (cancelled, preempted, failed elsewhere): stop,
+                    # rather than die before the checkpoint a stopping program saves.
+                    self._stop_requested = True
+                    self._unsent.clear()
+                    return
                 raise
             self._unsent.popleft()
             self._remember(commands)
@@ -130,22 +160,37 @@ class Context:
         rank wrote its part): `yard describe` shows it and a requested checkpoint is answered."""
         if not self._stub or self.rank != 0:
             return self._commands()
+        import grpc
         from trainyard.v1 import trainer_pb2
 
-        self._remember(self._stub.ReportCheckpoint(
-            trainer_pb2.CheckpointReport(job_id=self.job_id, attempt=self.attempt, step=int(step),
-                                         path=str(path), bytes=int(size_bytes)),
-            timeout=self._timeout, metadata=bearer(self._credential)))
+        report = trainer_pb2.CheckpointReport(job_id=self.job_id, attempt=self.attempt,
+                                              step=int(step), path=str(path),
+                                              bytes=int(size_bytes))
+        for kept_step, kept_path in self._kept_checkpoints(step, path):
+            report.kept.add(step=kept_step, path=kept_path)
+        try:
+            self._remember(self._stub.ReportCheckpoint(report, timeout=self._timeout,
+                                                       metadata=bearer(self._credential)))
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            self._stop_requested = True  # the attempt has ended; the checkpoint is on disk
         return self._commands()
 
+    def _kept_checkpoints(self, step, path):
+        """(step, path) of the checkpoints save_checkpoint kept beside `path`, oldest first."""
+        return [(s, p) for s, p in self._kept if p != str(path)] + [(int(step), str(path))]
+
     def checkpoint_requested(self):
-        """Whether `yard checkpoint` (or a preemption) asks for a checkpoint after this step."""
-        return self._checkpoint_requested or self._stop_requested
+        """Whether `yard checkpoint` asks for a checkpoint after this step; also whenever
+        should_stop() is true (a stop saves first)."""
+        return self._checkpoint_requested or self.should_stop()
 
     def should_stop(self):
-        """Whether the job is asked to checkpoint and exit 0 (it is requeued, and its next attempt
-        resumes from that checkpoint)."""
-        return self._stop_requested
+        """Whether the job is asked to checkpoint and exit 0: a preemption (it is requeued, and
+        its next attempt resumes from that checkpoint), a cancel or SIGTERM (the rank has its stop
+        grace, spec.preemption_grace_seconds, to save before SIGKILL)."""
+        return self._stop_requested or self._sigterm
 
     def latest_checkpoint(self, pattern="*"):
         """The newest entry of checkpoint_dir matching `pattern` (by modification time), or None."""
@@ -161,6 +206,86 @@ class Context:
                 "stop_requested": self._stop_requested}
 
 
+def _fsync_tree(path):
+    """fsync every file under `path` (or `path` itself), then the folders that hold them."""
+    if os.path.isdir(path):
+        for root, dirs, files in os.walk(path):
+            for name in files:
+                _fsync_tree(os.path.join(root, name))
+            _fsync_dir(root)
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path):
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def save_checkpoint(path, write, step=None, context=None):
+    """Saves a checkpoint atomically: `write(tmp)` writes it to a temporary path beside `path`
+    (a file, or a folder it creates), which is fsynced and renamed to `path` (a checkpoint that
+    exists is replaced), so that a kill mid-write never leaves a torn checkpoint where the next
+    attempt looks. With `step`, rank 0 then reports it (describe shows it; a requested checkpoint
+    is answered), and checkpoint.keep_last (when the spec sets it) removes the oldest ones this
+    program saved. Returns `path`.
+
+        trainyard.save_checkpoint(f"{ctx.checkpoint_dir}/step-{step}.pt",
+                                  lambda tmp: torch.save(state, tmp), step=step)
+    """
+    ctx = context if context is not None else init()
+    path = os.path.abspath(str(path))
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    _remove(tmp)
+    try:
+        write(tmp)
+        if not os.path.exists(tmp):
+            raise FileNotFoundError(f"save_checkpoint: write() did not create {tmp}")
+        _fsync_tree(tmp)
+        if os.path.isdir(tmp) and os.path.isdir(path):
+            _remove(path)  # a folder cannot be renamed over a full one
+        os.replace(tmp, path)
+        _fsync_dir(folder)
+    except BaseException:
+        _remove(tmp)
+        raise
+    if step is None:
+        return path
+    size = 0
+    if os.path.isdir(path):
+        for root, _, files in os.walk(path):
+            size += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+    else:
+        size = os.path.getsize(path)
+    ctx._kept = [(s, p) for s, p in ctx._kept if p != path] + [(int(step), path)]
+    if ctx.keep_last > 0 and ctx.rank == 0:
+        while len(ctx._kept) > ctx.keep_last:
+            _, old = ctx._kept.pop(0)
+            _remove(old)
+    ctx._kept = ctx._kept[-100:]  # what a report carries at most
+    ctx.report_checkpoint(step, path, size)
+    return path
+
+
 _context = None
 
 
@@ -172,4 +297,4 @@ def init(environ=None):
     return _context
 
 
-__all__ = ["Context", "init"]
+__all__ = ["Context", "init", "save_checkpoint"]

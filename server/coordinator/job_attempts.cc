@@ -8,6 +8,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <set>
 #include <tuple>
 
 #include "absl/strings/numbers.h"
@@ -74,10 +75,58 @@ void JobManager::RequestCheckpoint(const std::string& job_id, JobCallback done) 
   });
 }
 
+absl::StatusOr<v1::Job> JobManager::Signal(const std::string& job_id, const std::string& signal) {
+  absl::ReleasableMutexLock lock(&mu_);
+  const v1::Job* job = Find(job_id);
+  if (job == nullptr) {
+    lock.Release();
+    ASSIGN_OR_RETURN(v1::Job stored, ReadFromStore(job_id));
+    return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " is ",
+                                                      v1::JobState_Name(stored.state()),
+                                                      "; only running ranks take signals"));
+  }
+  if (!IsActive(job->state()) || job->placement_size() == 0) {
+    return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " is ",
+                                                      v1::JobState_Name(job->state()),
+                                                      "; only running ranks take signals"));
+  }
+  v1::CoordinatorMessage message;
+  v1::SignalRanks* s = message.mutable_signal();
+  s->set_job_id(job->id());
+  s->set_attempt(job->attempt());
+  s->set_signal(signal);
+  std::set<std::string> nodes;
+  for (const auto& p : job->placement()) {
+    if (nodes.insert(p.node_id()).second) nodes_.Send(p.node_id(), message);
+  }
+  return *job;
+}
+
+bool JobManager::InStopGrace(const v1::Job& job, int attempt, int rank) const {
+  return job.attempt() == attempt && !IsActive(job.state()) &&
+         devices_.IsDraining({job.id(), attempt, rank});
+}
+
+namespace {
+
+v1::TrainerCommands StopCommands() {
+  v1::TrainerCommands stop;
+  stop.set_stop_requested(true);
+  return stop;
+}
+
+}  // namespace
+
 absl::StatusOr<v1::TrainerCommands> JobManager::OnStepReport(const v1::StepReport& report,
                                                              bool record) {
   absl::MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(v1::Job * job, FindRunningAttempt(report.job_id(), report.attempt()));
+  absl::StatusOr<v1::Job*> running = FindRunningAttempt(report.job_id(), report.attempt());
+  if (!running.ok()) {
+    const v1::Job* job = Find(report.job_id());
+    if (job != nullptr && InStopGrace(*job, report.attempt(), report.rank())) return StopCommands();
+    return running.status();
+  }
+  v1::Job* job = *running;
   // Progress is kept in memory only: a write per step would cost more than it is worth. It is
   // stored with the next durable change of the job. Rank 0's is the job's.
   if (record) {
@@ -97,8 +146,30 @@ absl::StatusOr<v1::TrainerCommands> JobManager::OnStepReport(const v1::StepRepor
 absl::StatusOr<v1::TrainerCommands> JobManager::OnCheckpointReport(
     const v1::CheckpointReport& report) {
   absl::MutexLock lock(&mu_);
-  ASSIGN_OR_RETURN(v1::Job * job, FindRunningAttempt(report.job_id(), report.attempt()));
-  v1::CheckpointInfo* info = job->mutable_last_checkpoint();
+  absl::StatusOr<v1::Job*> running = FindRunningAttempt(report.job_id(), report.attempt());
+  if (!running.ok()) {
+    // A program that saves in its SIGTERM handler after a cancel: recorded all the same (rank 0
+    // reports checkpoints), so that describe shows it and a next attempt resumes from it.
+    v1::Job* job = Find(report.job_id());
+    if (job == nullptr || !InStopGrace(*job, report.attempt(), 0)) return running.status();
+    RecordCheckpoint(*job, report);
+    job->set_version(job->version() + 1);
+    Persist(*job);
+    return StopCommands();
+  }
+  v1::Job* job = *running;
+  RecordCheckpoint(*job, report);
+  if (job->state() == v1::CHECKPOINTING) {
+    Transition(*job, v1::RUNNING, "");
+  } else {
+    job->set_version(job->version() + 1);
+  }
+  Persist(*job);
+  return CommandsFor(*job);
+}
+
+void JobManager::RecordCheckpoint(v1::Job& job, const v1::CheckpointReport& report) {
+  v1::CheckpointInfo* info = job.mutable_last_checkpoint();
   info->set_step(report.step());
   info->set_path(report.path());
   info->set_bytes(report.bytes());
@@ -107,22 +178,15 @@ absl::StatusOr<v1::TrainerCommands> JobManager::OnCheckpointReport(
   if (report.has_eval_loss()) info->set_eval_loss(report.eval_loss());
   // What retention kept (at most kMaxKeptCheckpoints, checked by the service), for `yard
   // describe`; this one with its time.
-  job->clear_kept_checkpoints();
+  job.clear_kept_checkpoints();
   for (int i = 0; i < report.kept_size(); ++i) {
-    v1::CheckpointInfo* kept = job->add_kept_checkpoints();
+    v1::CheckpointInfo* kept = job.add_kept_checkpoints();
     kept->set_step(report.kept(i).step());
     kept->set_path(report.kept(i).path());
     if (report.kept(i).has_eval_loss()) kept->set_eval_loss(report.kept(i).eval_loss());
     if (report.kept(i).step() == report.step()) *kept = *info;
   }
-  if (job->step() < report.step()) job->set_step(report.step());
-  if (job->state() == v1::CHECKPOINTING) {
-    Transition(*job, v1::RUNNING, "");
-  } else {
-    job->set_version(job->version() + 1);
-  }
-  Persist(*job);
-  return CommandsFor(*job);
+  if (job.step() < report.step()) job.set_step(report.step());
 }
 
 void JobManager::ReleaseAttempt(v1::Job& job, const std::string& reason) {

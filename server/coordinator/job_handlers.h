@@ -62,6 +62,10 @@ class JobLifecycle {
   // Asks a running job for a checkpoint: RUNNING → CHECKPOINTING until its ranks report one.
   // NOT_FOUND, or FAILED_PRECONDITION if the job is not running.
   virtual void RequestCheckpoint(const std::string& job_id, JobCallback done) = 0;
+  // Sends signal `signal` (common/signal_names.h: checked by the caller) to every rank of the
+  // running job's current attempt, through the workers that run them. Nothing is stored.
+  // NOT_FOUND, or FAILED_PRECONDITION if the job is not running.
+  virtual absl::StatusOr<v1::Job> Signal(const std::string& job_id, const std::string& signal) = 0;
   // ROOT/JOB_ID: the job's checkpoints (and checkpoint.export's files in its "export" folder).
   virtual std::string CheckpointDir(const std::string& job_id) const = 0;
   // Subscribes to a job's durable changes. Returns a handle for Unwatch and fills `current`

@@ -113,6 +113,8 @@ class JobManager final : public JobLifecycle,
   absl::StatusOr<ListResult> List(const v1::ListJobsRequest& request) const override;
   void Cancel(const std::string& job_id, const std::string& reason, JobCallback done) override;
   void RequestCheckpoint(const std::string& job_id, JobCallback done) override;
+  absl::StatusOr<v1::Job> Signal(const std::string& job_id, const std::string& signal) override
+      ABSL_LOCKS_EXCLUDED(mu_);
   std::string CheckpointDir(const std::string& job_id) const override;
   absl::StatusOr<int64_t> Watch(const std::string& job_id, WatchCallback on_change,
                                 v1::Job* current, bool* current_durable) override;
@@ -213,6 +215,14 @@ class JobManager final : public JobLifecycle,
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The job if `attempt` is its running attempt; else NOT_FOUND or FAILED_PRECONDITION.
   absl::StatusOr<v1::Job*> FindRunningAttempt(const std::string& job_id, int attempt)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether `rank` of `attempt` is in its stop grace: the attempt was ended (cancelled,
+  // preempted past its grace, failed elsewhere) and the rank has not exited yet (its device
+  // drains). Such a rank may still report, and is told to stop; its checkpoint is recorded.
+  bool InStopGrace(const v1::Job& job, int attempt, int rank) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records a checkpoint report as the job's last checkpoint and what retention kept.
+  void RecordCheckpoint(v1::Job& job, const v1::CheckpointReport& report)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::TrainerCommands CommandsFor(const v1::Job& job) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves `job` to `to` (a broken transition is a bug: CHECK) and bumps its version.

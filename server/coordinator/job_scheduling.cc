@@ -302,6 +302,7 @@ std::vector<std::pair<std::string, v1::Assignment>> JobManager::AssignmentsOf(
   for (const auto& p : job.placement()) {
     v1::Assignment a;
     a.set_group_rank(group_rank++);
+    a.set_group_world_size(job.placement_size());
     a.set_master_addr(master_addr);
     a.set_master_port(job.master_port());
     a.set_job_id(job.id());

@@ -11,6 +11,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
+#include "common/log_text.h"
+#include "common/signal_names.h"
 #include "common/status_macros.h"
 #include "server/coordinator/job_state.h"
 
@@ -440,6 +442,29 @@ grpc::ServerUnaryReactor* JobServiceImpl::CheckpointJob(grpc::CallbackServerCont
     reactor->Finish(ToGrpcStatus(job.status()));
   });
   return reactor;
+}
+
+// The job's owner and admins (AccessibleJob); every attempt at it audited, refusals included.
+grpc::ServerUnaryReactor* JobServiceImpl::SignalJob(grpc::CallbackServerContext* ctx,
+                                                    const v1::SignalJobRequest* request,
+                                                    v1::Job* response) {
+  if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
+  Principal caller;
+  auto job = AccessibleJob(ctx, request->job_id(), "SignalJob", &caller);
+  if (!job.ok()) return Done(ctx, job.status());
+  const std::string signal = CanonicalSignalName(request->signal());
+  const std::string subject =
+      absl::StrCat(request->job_id(), " SIG", signal.empty() ? std::string("?") : signal);
+  if (signal.empty()) {
+    job = absl::InvalidArgumentError(absl::StrCat("signal: '",
+                                                  EscapeControl(request->signal().substr(0, 32)),
+                                                  "' is not one of ", SignalNamesText()));
+  } else {
+    job = jobs_.Signal(request->job_id(), signal);
+  }
+  Audit(caller, "SignalJob", subject, job.status());
+  if (job.ok()) *response = *std::move(job);
+  return Done(ctx, job.status());
 }
 
 grpc::ServerUnaryReactor* JobServiceImpl::GetQuota(grpc::CallbackServerContext* ctx,

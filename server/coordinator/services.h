@@ -59,6 +59,9 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
   grpc::ServerUnaryReactor* CheckpointJob(grpc::CallbackServerContext* ctx,
                                           const v1::CheckpointJobRequest* request,
                                           v1::Job* response) override;
+  grpc::ServerUnaryReactor* SignalJob(grpc::CallbackServerContext* ctx,
+                                      const v1::SignalJobRequest* request,
+                                      v1::Job* response) override;
   grpc::ServerUnaryReactor* GetQuota(grpc::CallbackServerContext* ctx,
                                      const v1::GetQuotaRequest* request,
                                      v1::QuotaReport* response) override;

@@ -21,6 +21,8 @@
 #include <string_view>
 #include <utility>
 
+#include <nlohmann/json.hpp>
+
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -355,6 +357,46 @@ std::string FailureMessage(const std::vector<std::string>& last_lines) {
   return out;
 }
 
+std::string ErrorFileMessage(const std::string& path, size_t max_bytes) {
+  const int fd = open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return "";
+  struct stat st {};
+  std::string text;
+  if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) {
+    text.resize(64 * 1024);
+    const ssize_t n = pread(fd, text.data(), text.size(), 0);
+    text.resize(n > 0 ? static_cast<size_t>(n) : 0);
+  }
+  close(fd);
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || !j.contains("message")) return "";
+  std::string message, callstack;
+  const nlohmann::json& m = j["message"];
+  if (m.is_string()) {
+    message = m.get<std::string>();
+  } else if (m.is_object() && m.contains("message") && m["message"].is_string()) {
+    message = m["message"].get<std::string>();
+    const nlohmann::json& extra = m.value("extraInfo", nlohmann::json::object());
+    if (extra.is_object() && extra.contains("py_callstack") && extra["py_callstack"].is_string()) {
+      callstack = extra["py_callstack"].get<std::string>();
+    }
+  }
+  message = ValidUtf8(std::string(absl::StripAsciiWhitespace(message)));
+  if (message.empty()) return "";
+  if (message.size() > max_bytes / 2) message = ValidUtf8(message.substr(0, max_bytes / 2));
+  // The callstack's last lines (where it failed) that fit in what is left.
+  const std::vector<std::string> lines =
+      absl::StrSplit(ValidUtf8(std::string(absl::StripAsciiWhitespace(callstack))), '\n');
+  size_t room = max_bytes - message.size();
+  int first = static_cast<int>(lines.size());
+  while (first > 0 && !callstack.empty() && lines[first - 1].size() + 1 <= room) {
+    room -= lines[--first].size() + 1;
+  }
+  std::string out = message;
+  for (size_t i = first; i < lines.size(); ++i) absl::StrAppend(&out, "\n", lines[i]);
+  return out;
+}
+
 std::string RankCoordinatorList(const std::string& leader_list, const std::string& worker_list) {
   std::vector<std::string> out;
   for (const std::string& list : {leader_list, worker_list}) {
@@ -420,6 +462,22 @@ void RankSupervisor::AskToStop(Rank& rank) {
   // The shepherd sends SIGTERM to the rank's processes and SIGKILL after the grace. One it
   // cannot hear has ended, and its rank with it (the death signal).
   SendShepherdMessage(rank.conn, "stop");
+}
+
+std::string RankSupervisor::ErrorFilePath(const RankKey& key) const {
+  const auto& [job_id, attempt, rank] = key;
+  return absl::StrCat(options_.work_dir, "/", job_id, "/attempt-", attempt, "/errors/rank-", rank,
+                      ".json");
+}
+
+int RankSupervisor::Signal(const std::string& job_id, int attempt, int signal) {
+  absl::MutexLock lock(&mu_);
+  int sent = 0;
+  for (auto& [key, rank] : ranks_) {
+    if (std::get<0>(key) != job_id || std::get<1>(key) != attempt) continue;
+    if (SendShepherdMessage(rank.conn, absl::StrCat("signal ", signal))) ++sent;
+  }
+  return sent;
 }
 
 void RankSupervisor::StopAll() {
@@ -679,16 +737,35 @@ void RankSupervisor::StartCommand(const v1::Assignment& a, const v1::JobSpec& sp
     master_port = single_node || a.master_port() == 0 ? FreeLocalPort() : a.master_port();
   }
   if (a.world_size() == a.device_indices_size()) master_addr = "127.0.0.1";
+  const std::string error_file = ErrorFilePath(key);
+  const std::string errors = std::filesystem::path(error_file).parent_path().string();
+  std::error_code ec;
+  std::filesystem::create_directories(errors, ec);
+  if (absl::Status s = GiveFolder(errors, account.has_value() ? &*account : nullptr); !s.ok()) {
+    ReportExit(key, 126, std::string(s.message()));
+    return;
+  }
+  // Every name torchrun's agent gives its workers (torch.distributed.elastic's
+  // LocalElasticAgent; one role, "default", as torchrun's): ranks own the rendezvous store
+  // (MASTER_PORT), so there is no agent store. TORCHELASTIC_ERROR_FILE is where @record writes
+  // the rank's exception, which becomes its failure message (ErrorFileMessage).
   std::vector<std::string> env = {
       absl::StrCat("RANK=", rank),
       absl::StrCat("LOCAL_RANK=", rank - a.first_rank()),
       absl::StrCat("WORLD_SIZE=", a.world_size()),
       absl::StrCat("LOCAL_WORLD_SIZE=", a.device_indices_size()),
       absl::StrCat("GROUP_RANK=", a.group_rank()),
+      absl::StrCat("GROUP_WORLD_SIZE=", std::max(1, a.group_world_size())),
+      absl::StrCat("ROLE_RANK=", rank),
+      absl::StrCat("ROLE_WORLD_SIZE=", a.world_size()),
+      "ROLE_NAME=default",
       absl::StrCat("MASTER_ADDR=", master_addr),
       absl::StrCat("MASTER_PORT=", master_port),
       absl::StrCat("TORCHELASTIC_RESTART_COUNT=", a.attempt() - 1),
+      absl::StrCat("TORCHELASTIC_MAX_RESTARTS=", spec.max_restarts()),
       absl::StrCat("TORCHELASTIC_RUN_ID=", a.job_id()),
+      "TORCHELASTIC_USE_AGENT_STORE=False",
+      absl::StrCat("TORCHELASTIC_ERROR_FILE=", error_file),
       absl::StrCat("CUDA_VISIBLE_DEVICES=",
                    options_.gpu_uuids.empty() ? "" : options_.gpu_uuids[device]),
       absl::StrCat("TRAINYARD_JOB_ID=", a.job_id()),
@@ -701,10 +778,19 @@ void RankSupervisor::StartCommand(const v1::Assignment& a, const v1::JobSpec& sp
                    RankCoordinatorList(a.coordinator_address(), options_.coordinators)),
       absl::StrCat(kJobCredentialEnv, "=", a.job_credential()),
       absl::StrCat(kTlsCaEnv, "=", options_.tls_ca)};
+  // The SDK's save_checkpoint keeps this many of the program's checkpoints (0: all).
+  if (spec.checkpoint().keep_last() > 0) {
+    env.push_back(absl::StrCat("TRAINYARD_CHECKPOINT_KEEP_LAST=", spec.checkpoint().keep_last()));
+  }
   for (const auto& [name, value] : spec.env()) env.push_back(absl::StrCat(name, "=", value));
-  // torchrun's default: one thread per rank unless the program or the spec says otherwise.
-  if (spec.env().count("OMP_NUM_THREADS") == 0) {
-    env.push_back(absl::StrCat("OMP_NUM_THREADS=", options_.threads_per_rank));
+  // Defaults the spec may override: torchrun's one thread per rank and its asynchronous NCCL
+  // error handling; Python's output unbuffered, so that `yard logs -f` shows a print as it
+  // happens (srun --unbuffered; Ray and Determined set it too).
+  for (const auto& [name, value] : {std::pair<std::string, std::string>{
+                                        "OMP_NUM_THREADS", absl::StrCat(options_.threads_per_rank)},
+                                    {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"},
+                                    {"PYTHONUNBUFFERED", "1"}}) {
+    if (spec.env().count(name) == 0) env.push_back(absl::StrCat(name, "=", value));
   }
   // The program as the spec names it: its shepherd's child looks a bare name up in the PATH the
   // rank gets, as the owner's account (shepherd.h), never this worker.
@@ -916,7 +1002,10 @@ void RankSupervisor::Follow(RankKey key, int conn, pid_t shepherd, int64_t offse
     log.ReadToEnd();
     const int code = exit_code.value_or(128 + SIGKILL);
     const std::deque<std::string>& last = log.last_lines();
-    std::string message = code == 0 ? "" : FailureMessage({last.begin(), last.end()});
+    // The exception a torchelastic-aware program recorded leads; else the cause in its output.
+    std::string message;
+    if (code != 0) message = ErrorFileMessage(ErrorFilePath(key));
+    if (code != 0 && message.empty()) message = FailureMessage({last.begin(), last.end()});
     if (!exit_code.has_value())
       message = message.empty() ? gone : absl::StrCat(gone, ": ", message);
     ReportExit(key, code, message, usage);

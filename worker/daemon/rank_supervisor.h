@@ -107,6 +107,14 @@ std::vector<std::string> DeniedDevices(const std::vector<std::string>& rules, in
 // printed first (a start-up banner); then the lines themselves, for context.
 std::string FailureMessage(const std::vector<std::string>& last_lines);
 
+// The failure a rank wrote to its TORCHELASTIC_ERROR_FILE (torch.distributed.elastic's @record:
+// {"message": {"message": "RuntimeError: ...", "extraInfo": {"py_callstack": "Traceback ...",
+// ...}}}, or a plain string as "message"): the exception's line, then the callstack's last lines,
+// at most `max_bytes` in all (valid UTF-8); empty when there is no such file or it says nothing
+// readable. The rank's owner wrote it: opened without following a link, a regular file only, at
+// most 64 KiB read.
+std::string ErrorFileMessage(const std::string& path, size_t max_bytes = 2048);
+
 class RankSupervisor {
  public:
   // `send` receives log lines and rank status for the coordinator; it must not block long.
@@ -119,6 +127,9 @@ class RankSupervisor {
   void Launch(const v1::Assignment& assignment);
   // Stops the ranks of one job attempt (attempt 0: every attempt of the job).
   void Stop(const std::string& job_id, int attempt);
+  // Sends `signal` (a number) to each running rank of the attempt, its whole process tree
+  // (through its shepherd). Returns how many ranks it went to.
+  int Signal(const std::string& job_id, int attempt, int signal);
   // Stops every rank and waits until all have exited.
   void StopAll();
   // Leaves every rank running under its shepherd, for the next worker to adopt (an upgrade); the
@@ -158,6 +169,9 @@ class RankSupervisor {
   };
 
   void SupervisorLoop();
+  // Where a command job's rank finds TORCHELASTIC_ERROR_FILE: WORK/JOB/attempt-N/errors/rank-R.json
+  // (the folder its owner's, the attempt's folder the worker's).
+  std::string ErrorFilePath(const RankKey& key) const;
   void Start(const v1::Assignment& a, int rank, int device) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A command job's rank: the spec's program with torchrun's environment (Start's part for them).
   void StartCommand(const v1::Assignment& a, const v1::JobSpec& spec, const RankKey& key, int rank,

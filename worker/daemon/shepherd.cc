@@ -30,6 +30,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "common/signal_names.h"
 #include "common/units.h"
 #include "worker/daemon/cgroups.h"
 
@@ -491,7 +492,8 @@ class Shepherd {
     SayExit();
   }
 
-  // The worker's messages: "sent N" (its log offset), "stop", "done" (it has the exit).
+  // The worker's messages: "sent N" (its log offset), "stop", "done" (it has the exit), "signal
+  // N" (a user's signal for the rank).
   void OnMessage() {
     char buf[kMaxMessageBytes + 1];
     const ssize_t n = recv(conn_, buf, kMaxMessageBytes, MSG_DONTWAIT);
@@ -510,6 +512,10 @@ class Shepherd {
       BeginStop();
     } else if (message == "done" && exit_code_.has_value()) {
       collected_ = true;
+    } else if (int sig = 0; absl::StartsWith(message, "signal ") &&
+                            absl::SimpleAtoi(message.substr(7), &sig) && IsUserSignal(sig) &&
+                            !exit_code_.has_value()) {
+      Stop(sig);  // `yard signal`: to the whole rank, as a stop's signals go
     }
   }
 

@@ -13,6 +13,7 @@
 #include "absl/time/clock.h"
 #include "common/coordinator_channel.h"
 #include "common/credentials.h"
+#include "common/signal_names.h"
 
 namespace trainyard::worker {
 namespace {
@@ -451,6 +452,13 @@ void WorkerDaemon::RunSession() {
         spdlog::info("stop {} attempt {}: {}", in.cancel().job_id(), in.cancel().attempt(),
                      in.cancel().reason());
         supervisor_->Stop(in.cancel().job_id(), in.cancel().attempt());
+      } else if (in.has_signal()) {
+        const v1::SignalRanks& s = in.signal();
+        const std::optional<int> number = SignalNumber(s.signal());
+        const int ranks =
+            number.has_value() ? supervisor_->Signal(s.job_id(), s.attempt(), *number) : 0;
+        spdlog::info("signal {} to {} attempt {}: {} ranks", s.signal(), s.job_id(), s.attempt(),
+                     ranks);
       }
     }
     {

@@ -1,0 +1,240 @@
+"""Users' own programs as at home (issue 55), against a real local cluster: torchrun's whole
+environment (compared with Debian's torchrun running the same script), a failing @record script's
+exception as the job's failure, a Python rank's print in the logs while it runs, a program that
+saves in its stop grace after a cancel, `yard signal`, and `yard submit -- PROGRAM`. Run by
+scripts/test.sh (ctest SdkTest) with the SDK's venv (over Debian's python3-torch)."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+import trainyard
+from trainyard.v1 import job_pb2
+
+from conftest import BIN, SDK, program  # noqa: E402  (shared helpers)
+
+DUMP_ENVIRONMENT = """
+    import json, os, sys
+    with open(os.path.join(sys.argv[1], f"{sys.argv[2]}-{os.environ['RANK']}.json"), "w") as f:
+        json.dump(dict(os.environ), f)
+"""
+
+# Values that may differ between torchrun and trainyard: addresses, ports and ids (the error
+# file's path holds the run's ids).
+MAY_DIFFER = {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
+# torch < 2.2's name of what torchrun 2.x sets as TORCH_NCCL_ASYNC_ERROR_HANDLING.
+RENAMED = {"NCCL_ASYNC_ERROR_HANDLING": "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log_texts(client, job_id):
+    return [line.text for line in client.logs(job_id)]
+
+
+def wait_for_line(client, job_id, predicate, count=1, timeout=60):
+    """Follows the job's log until `count` lines satisfy `predicate`; returns them."""
+    found = []
+    for line in client.logs(job_id, follow=True, timeout=timeout):
+        if predicate(line.text):
+            found.append(line)
+            if len(found) == count:
+                return found
+    raise AssertionError(f"the job ended with {len(found)} of {count} lines: "
+                         f"{log_texts(client, job_id)}")
+
+
+def test_the_environment_is_torchruns(client, tmp_path):
+    folder = program(tmp_path, DUMP_ENVIRONMENT)
+    parent = dict(os.environ)
+    parent.pop("OMP_NUM_THREADS", None)
+    # torchrun itself: two ranks on one node, one restart allowed, its own store (c10d).
+    # (--redirects/--tee 1: Debian's torch 1.13 reads their default "0" as None on Python 3.11.)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+                    "--nproc_per_node", "2", "--max_restarts", "1", "--rdzv_backend", "c10d",
+                    "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "--redirects", "1", "--tee",
+                    "1", str(folder / "train.py"), str(folder), "torchrun"], env=parent,
+                   cwd=folder, check=True, timeout=120, capture_output=True)
+    job = client.submit(name="torchrun-env", gpus=2, max_restarts=1, workdir=str(folder),
+                        command=[sys.executable, "train.py", str(folder), "trainyard"])
+    assert client.wait(job.id, timeout=120).state == job_pb2.SUCCEEDED
+    for rank in (0, 1):
+        theirs = json.loads((folder / f"torchrun-{rank}.json").read_text())
+        ours = json.loads((folder / f"trainyard-{rank}.json").read_text())
+        set_by_torchrun = {RENAMED.get(k, k): v for k, v in theirs.items() if parent.get(k) != v}
+        assert "GROUP_WORLD_SIZE" in set_by_torchrun and "ROLE_RANK" in set_by_torchrun
+        missing = sorted(set(set_by_torchrun) - set(ours))
+        assert not missing, f"rank {rank}: torchrun sets {missing}, trainyard does not"
+        differ = {k: (v, ours[k]) for k, v in set_by_torchrun.items()
+                  if k not in MAY_DIFFER and ours[k] != v}
+        assert not differ, f"rank {rank}: (torchrun, trainyard) {differ}"
+        # The error file is the rank's own, where it may write.
+        assert ours["TORCHELASTIC_ERROR_FILE"].endswith(f"/errors/rank-{rank}.json")
+        assert ours["PYTHONUNBUFFERED"] == "1"
+
+
+RECORDED_FAILURE = """
+    import os
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    @record
+    def main():
+        print("a line that is not the cause", flush=True)
+        if os.environ["RANK"] == "1":
+            raise RuntimeError("boom on rank 1")
+
+    main()
+"""
+
+
+def test_a_failing_record_scripts_exception_is_the_jobs_failure(client, tmp_path):
+    folder = program(tmp_path, RECORDED_FAILURE)
+    job = client.submit(name="recorded", gpus=2, workdir=str(folder),
+                        command=[sys.executable, "train.py"])
+    with pytest.raises(trainyard.JobFailed) as failed:
+        client.wait(job.id, timeout=120)
+    message = failed.value.job.message
+    # The root cause as torchelastic's ChildFailedError names it: the rank, its exception, where.
+    assert "rank 1 on node" in message and "exited with code 1: RuntimeError: boom on rank 1" in \
+        message, message
+    assert 'raise RuntimeError("boom on rank 1")' in message, message
+    assert "a line that is not the cause" not in message
+
+
+UNBUFFERED = """
+    import os, sys, time
+    print(f"printed at {time.time()}")  # no flush: PYTHONUNBUFFERED=1 sends it at once
+    deadline = time.time() + 60
+    while not os.path.exists(sys.argv[1]) and time.time() < deadline:
+        time.sleep(0.02)
+"""
+
+
+def test_a_python_ranks_print_reaches_the_logs_while_it_runs(client, tmp_path):
+    folder = program(tmp_path, UNBUFFERED)
+    release = folder / "release"
+    job = client.submit(name="unbuffered", gpus=1, workdir=str(folder),
+                        command=[sys.executable, "train.py", str(release)])
+    try:
+        (line,) = wait_for_line(client, job.id, lambda t: t.startswith("printed at"))
+        lag = time.time() - float(line.text.split()[-1])
+    finally:
+        release.touch()
+    assert lag < 2.0, f"the print took {lag:.1f} s to reach the logs"
+    assert client.wait(job.id, timeout=60).state == job_pb2.SUCCEEDED
+
+
+SAVES_WHEN_STOPPED = """
+    import os, sys, time
+    sys.path.insert(0, {sdk!r})
+    import trainyard
+    ctx = trainyard.init()
+    step = 0
+    while not ctx.should_stop():  # SIGTERM (the cancel) or the coordinator's answer says stop
+        step += 1
+        ctx.report(step, loss=1.0 / step)
+        time.sleep(0.05)
+    ctx.report(step + 1, loss=0.5)  # in the grace: no exception
+    trainyard.save_checkpoint(os.path.join(ctx.checkpoint_dir, f"step-{{step}}"),
+                              lambda tmp: open(tmp, "w").write(str(step)), step=step)
+    print(f"saved step {{step}}", flush=True)
+"""
+
+
+def test_a_cancelled_program_saves_in_its_grace_and_the_checkpoint_is_recorded(client, tmp_path):
+    folder = program(tmp_path, SAVES_WHEN_STOPPED.format(sdk=SDK))
+    job = client.submit(name="saves-on-cancel", gpus=1, workdir=str(folder),
+                        command=[sys.executable, "train.py"])
+    for _ in client.metrics(job.id, follow=True, timeout=60):
+        break  # it runs and reports
+    assert client.cancel(job.id).state == job_pb2.CANCELLED
+    deadline = time.time() + 60
+    saved = []
+    while not saved and time.time() < deadline:
+        saved = [t for t in log_texts(client, job.id) if t.startswith("saved step")]
+        if not saved:
+            time.sleep(0.1)  # the cancelled job's logs do not follow: read again
+    assert saved, log_texts(client, job.id)
+    step = int(saved[0].split()[-1])
+    described = client.describe(job.id)
+    assert described.state == job_pb2.CANCELLED
+    assert described.last_checkpoint.step == step, described
+    assert described.last_checkpoint.path.endswith(f"/step-{step}")
+    assert [c.step for c in described.kept_checkpoints] == [step]
+
+
+WAITS_FOR_A_SIGNAL = """
+    import os, signal, time
+    got = []
+    signal.signal(signal.SIGUSR1, lambda number, frame: got.append(number))
+    print("ready", flush=True)
+    deadline = time.time() + 60
+    while not got and time.time() < deadline:
+        time.sleep(0.02)
+    print(f"rank {os.environ['RANK']} got {'USR1' if got else 'nothing'}", flush=True)
+"""
+
+
+def test_yard_signal_reaches_every_rank(cluster, client, tmp_path):
+    folder = program(tmp_path, WAITS_FOR_A_SIGNAL)
+    job = client.submit(name="signalled", gpus=2, workdir=str(folder),
+                        command=[sys.executable, "train.py"])
+    wait_for_line(client, job.id, lambda t: t == "ready", count=2)
+    with pytest.raises(grpc.RpcError) as bad:
+        client.signal(job.id, "SEGV")
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad.value.details().startswith("signal: 'SEGV' is not one of HUP, INT")
+    env = dict(cluster["env"], TRAINYARD_COORDINATOR=cluster["address"])
+    sent = subprocess.run([str(BIN / "yard"), "signal", job.id, "sigusr1"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert sent.returncode == 0, sent.stderr
+    assert client.wait(job.id, timeout=60).state == job_pb2.SUCCEEDED
+    texts = log_texts(client, job.id)
+    assert "rank 0 got USR1" in texts and "rank 1 got USR1" in texts, texts
+    with pytest.raises(grpc.RpcError) as ended:
+        client.signal(job.id, "USR1")
+    assert ended.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def yard(cluster, *args, cwd=None):
+    env = dict(cluster["env"], TRAINYARD_COORDINATOR=cluster["address"])
+    return subprocess.run([str(BIN / "yard"), *args], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_yard_submit_runs_a_program_given_after_a_double_dash(cluster, client, tmp_path):
+    folder = program(tmp_path, "import os, sys; print('rank', os.environ['RANK'], sys.argv[1:])")
+    submitted = yard(cluster, "submit", "--gpus", "2", "--env", "GREETING=hi there", "--",
+                     sys.executable, "train.py", "--lr", "3e-4", cwd=folder)
+    assert submitted.returncode == 0, submitted.stderr
+    done = client.wait(submitted.stdout.strip(), timeout=120)
+    assert done.spec.name == "train" and done.spec.resources.slots == 2
+    assert list(done.spec.command) == [sys.executable, "train.py", "--lr", "3e-4"]
+    assert done.spec.workdir == str(folder) and done.spec.env["GREETING"] == "hi there"
+    assert "rank 1 ['--lr', '3e-4']" in log_texts(client, done.id)
+
+    # The flags over a spec file: they win, and are checked as its fields are.
+    (folder / "job.yaml").write_text(
+        "name: from-file\nresources: {gpus: 1}\ncommand: [python3, train.py, x]\nworkdir: .\n")
+    over = yard(cluster, "submit", "job.yaml", "--slots", "2", "--name", "flagged", cwd=folder)
+    assert over.returncode == 0, over.stderr
+    job = client.describe(over.stdout.strip())
+    assert job.spec.name == "flagged" and job.spec.resources.slots == 2
+    assert list(job.spec.command) == ["python3", "train.py", "x"]
+    client.wait(job.id, timeout=120)
+
+    bad = yard(cluster, "submit", "--memory", "lots", "--", "python3", "train.py", cwd=folder)
+    assert bad.returncode != 0 and "yard submit: resources.memory:" in bad.stderr, bad.stderr
+    reserved = yard(cluster, "submit", "--env", "RANK=3", "--", "python3", "train.py", cwd=folder)
+    assert reserved.returncode != 0 and "env" in reserved.stderr and "RANK" in reserved.stderr
+    nothing = yard(cluster, "submit", cwd=folder)
+    assert nothing.returncode != 0 and "a program after --" in nothing.stderr, nothing.stderr
