@@ -130,7 +130,7 @@ void PrintJob(const v1::Job& job) {
       {"description", s.description().empty() ? "-" : TerminalSafe(s.description())},
       {"owner", job.owner()},
       {"state", v1::JobState_Name(job.state())},
-      {"message", job.message().empty() ? "-" : job.message()},
+      {"message", job.message().empty() ? "-" : TerminalSafe(job.message())},
       {"priority", absl::StrCat(s.priority())},
       {"devices", ResourcesText(job)},
       {"attempt",
@@ -186,14 +186,28 @@ void PrintJob(const v1::Job& job) {
     std::vector<std::string> names;
     for (const auto& [name, value] : s.env()) names.push_back(name);
     std::sort(names.begin(), names.end());
-    f.push_back({"command", absl::StrJoin(s.command(), " ")});
-    f.push_back({"workdir", s.workdir().empty() ? "- (a fresh folder per attempt)" : s.workdir()});
-    f.push_back({"env", names.empty() ? "-" : absl::StrJoin(names, " ")});
+    f.push_back({"command", TerminalSafe(absl::StrJoin(s.command(), " "))});
+    f.push_back({"workdir", s.workdir().empty() ? "- (a fresh folder per attempt)"
+                                                : TerminalSafe(s.workdir())});
+    f.push_back({"env", names.empty() ? "-" : TerminalSafe(absl::StrJoin(names, " "))});
   }
+  // Every job's: the last checkpoint reported (a command job's through the SDK), and what
+  // retention keeps (the trainer's, or the SDK's save_checkpoint under checkpoint.keep_last).
+  const v1::CheckpointInfo& last = job.last_checkpoint();
+  f.push_back({"last checkpoint",
+               last.step() == 0
+                   ? "-"
+                   : absl::StrCat("step ", last.step(), " at ", TerminalSafe(last.path()),
+                                  last.bytes() > 0 ? absl::StrCat(", ", HumanBytes(last.bytes()))
+                                                   : "",
+                                  ", attempt ", last.attempt(), ", ",
+                                  Ago(last.time_ms(), NowMs()))});
+  const int keep = s.checkpoint().keep_last();
+  f.push_back({"checkpoints",
+               absl::StrCat("kept ", KeptText(job), " (keep_last ",
+                            keep > 0 ? absl::StrCat(keep) : std::string("all"),
+                            s.checkpoint().keep_best() ? ", keep_best" : "", ")")});
   if (!IsCommandJob(s)) {
-    f.push_back({"checkpoints",
-                 absl::StrCat("kept ", KeptText(job), " (keep_last ", s.checkpoint().keep_last(),
-                              s.checkpoint().keep_best() ? ", keep_best" : "", ")")});
     if (job.eval_loss() > 0) {
       f.push_back({"eval_loss", absl::StrFormat("%.4f (perplexity %.2f)", job.eval_loss(),
                                                 std::exp(job.eval_loss()))});

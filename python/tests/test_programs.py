@@ -150,7 +150,8 @@ SAVES_WHEN_STOPPED = """
 """
 
 
-def test_a_cancelled_program_saves_in_its_grace_and_the_checkpoint_is_recorded(client, tmp_path):
+def test_a_cancelled_program_saves_in_its_grace_and_the_checkpoint_is_recorded(cluster, client,
+                                                                              tmp_path):
     folder = program(tmp_path, SAVES_WHEN_STOPPED.format(sdk=SDK))
     job = client.submit(name="saves-on-cancel", gpus=1, workdir=str(folder),
                         command=[sys.executable, "train.py"])
@@ -170,6 +171,11 @@ def test_a_cancelled_program_saves_in_its_grace_and_the_checkpoint_is_recorded(c
     assert described.last_checkpoint.step == step, described
     assert described.last_checkpoint.path.endswith(f"/step-{step}")
     assert [c.step for c in described.kept_checkpoints] == [step]
+    shown = yard(cluster, "describe", job.id)
+    assert shown.returncode == 0, shown.stderr
+    size = len(str(step))  # the bytes the program wrote
+    assert f"step {step} at {described.last_checkpoint.path}, {size} B, attempt 1" in shown.stdout
+    assert f"kept step-{step} (keep_last all)" in shown.stdout, shown.stdout
 
 
 WAITS_FOR_A_SIGNAL = """
