@@ -194,19 +194,17 @@ void PrintJob(const v1::Job& job) {
   // Every job's: the last checkpoint reported (a command job's through the SDK), and what
   // retention keeps (the trainer's, or the SDK's save_checkpoint under checkpoint.keep_last).
   const v1::CheckpointInfo& last = job.last_checkpoint();
-  f.push_back({"last checkpoint",
-               last.step() == 0
-                   ? "-"
-                   : absl::StrCat("step ", last.step(), " at ", TerminalSafe(last.path()),
-                                  last.bytes() > 0 ? absl::StrCat(", ", HumanBytes(last.bytes()))
-                                                   : "",
-                                  ", attempt ", last.attempt(), ", ",
-                                  Ago(last.time_ms(), NowMs()))});
+  f.push_back(
+      {"last checkpoint",
+       last.step() == 0
+           ? "-"
+           : absl::StrCat("step ", last.step(), " at ", TerminalSafe(last.path()),
+                          last.bytes() > 0 ? absl::StrCat(", ", HumanBytes(last.bytes())) : "",
+                          ", attempt ", last.attempt(), ", ", Ago(last.time_ms(), NowMs()))});
   const int keep = s.checkpoint().keep_last();
-  f.push_back({"checkpoints",
-               absl::StrCat("kept ", KeptText(job), " (keep_last ",
-                            keep > 0 ? absl::StrCat(keep) : std::string("all"),
-                            s.checkpoint().keep_best() ? ", keep_best" : "", ")")});
+  f.push_back({"checkpoints", absl::StrCat("kept ", KeptText(job), " (keep_last ",
+                                           keep > 0 ? absl::StrCat(keep) : std::string("all"),
+                                           s.checkpoint().keep_best() ? ", keep_best" : "", ")")});
   if (!IsCommandJob(s)) {
     if (job.eval_loss() > 0) {
       f.push_back({"eval_loss", absl::StrFormat("%.4f (perplexity %.2f)", job.eval_loss(),
