@@ -6,10 +6,14 @@
 #include <pwd.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <fstream>
+#include <map>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "client/yard_client.h"
@@ -174,8 +178,37 @@ TEST_F(MetricsE2eTest, TrainingSeriesExistWhileTheJobRuns) {
     if (usage.value_or(0) == 0) absl::SleepFor(absl::Milliseconds(50));  // the next tick
   }
   EXPECT_GT(usage.value_or(0), 0);
+  // The program's own metrics: one family labelled by job and name, at most 64 names a job
+  // whatever the reports say, finite values only, names as text (escaped in the exposition).
+  auto report_metrics = [&](int step, const std::map<std::string, double>& metrics) {
+    grpc::ClientContext c;
+    testing::Authorize(c, MakeJobCredential(*key, job->id(), 1));
+    v1::StepReport m = r;
+    m.set_step(step);
+    for (const auto& [name, value] : metrics) (*m.mutable_metrics())[name] = value;
+    v1::TrainerCommands answer;
+    ASSERT_TRUE(trainer->ReportStep(&c, m, &answer).ok());
+  };
+  std::map<std::string, double> first;
+  for (int i = 0; i < 63; ++i) first[absl::StrFormat("m%02d", i)] = i;
+  first["quote\"d"] = 0.5;
+  report_metrics(8, first);
+  report_metrics(9, {{"m00", 42}, {"m01", std::nan("")}, {"late", 1}});
+  const std::string metric = absl::StrCat("trainyard_job_metric{job=\"", job->id(), "\",name=");
+  const std::string page_m = ScrapeUntil(coordinator_metrics_, metric + "\"m00\"}", 42);
+  EXPECT_EQ(Sample(page_m, metric + "\"m01\"}"), 1);  // NaN left it as it was
+  EXPECT_EQ(Sample(page_m, metric + "\"m62\"}"), 62);
+  EXPECT_EQ(Sample(page_m, metric + "\"quote\\\"d\"}"), 0.5);
+  EXPECT_EQ(Sample(page_m, metric + "\"late\"}"), std::nullopt);  // the 65th name
+  int names = 0;
+  for (absl::string_view line : absl::StrSplit(page_m, '\n'))
+    names += absl::StartsWith(line, metric);
+  EXPECT_EQ(names, 64);
+  ExpectPromtoolAccepts(page_m);
   ASSERT_TRUE(client_->Cancel(job->id(), "done").ok());
   ScrapeUntil(coordinator_metrics_, series, std::nullopt);  // removed with the job
+  EXPECT_EQ(Sample(HttpGet(coordinator_metrics_, "/metrics").value_or(""), metric + "\"m00\"}"),
+            std::nullopt);
 }
 
 TEST_F(MetricsE2eTest, RefusedCallsAreCountedByMethodAndReason) {

@@ -198,6 +198,11 @@ CoordinatorMetrics::CoordinatorMetrics()
                                  .Name("trainyard_job_device_peak_bytes")
                                  .Help("Peak GPU memory a running job's rank 0 allocated so far")
                                  .Register(*registry_)),
+      job_metric_(prometheus::BuildGauge()
+                      .Name("trainyard_job_metric")
+                      .Help("A running job's own metric by name, as its program reports it "
+                            "(report(step, accuracy=...)): the first 64 names of a job")
+                      .Register(*registry_)),
       rank_cpu_seconds_(prometheus::BuildCounter()
                             .Name("trainyard_rank_cpu_seconds_total")
                             .Help("CPU time of the ranks that ended, by the account charged "
@@ -323,6 +328,7 @@ void CoordinatorMetrics::Refresh(const std::map<v1::JobState, int>& jobs_by_stat
       job_eval_loss_.Remove(s.eval_loss);
       job_eval_perplexity_.Remove(s.eval_perplexity);
     }
+    for (const auto& [name, gauge] : s.program) job_metric_.Remove(gauge);
     it = job_series_.erase(it);
   }
 }
@@ -390,6 +396,16 @@ void CoordinatorMetrics::ObserveStep(const v1::StepReport& r) {
   s.grad_norm->Set(r.grad_norm());
   s.resident_bytes->Set(static_cast<double>(r.resident_bytes()));
   s.device_peak_bytes->Set(static_cast<double>(r.device_peak_bytes()));
+  for (const auto& [name, value] : r.metrics()) {
+    if (!std::isfinite(value) || name.empty() || name.size() > kMaxProgramMetricNameBytes) continue;
+    auto gauge = s.program.find(name);
+    if (gauge == s.program.end()) {
+      if (s.program.size() >= kMaxProgramMetrics) continue;
+      gauge =
+          s.program.emplace(name, &job_metric_.Add({{"job", r.job_id()}, {"name", name}})).first;
+    }
+    gauge->second->Set(value);
+  }
 }
 
 void CoordinatorMetrics::ObserveRankUsage(const std::string& account, const v1::RankUsage& usage) {

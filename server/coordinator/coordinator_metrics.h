@@ -51,7 +51,13 @@ class CoordinatorMetrics {
   void ObserveNodeEventDelay(double seconds);
   void ObserveStoreCommit(double seconds);
   void ObserveRpc(const std::string& method, const std::string& code, double seconds);
+  // A running job's step: its training series, and its program's own metrics by name
+  // (trainyard_job_metric{job, name}; the first kMaxProgramMetrics names of a job, each at most
+  // kMaxProgramMetricNameBytes, finite values only: bounded cardinality whatever a program
+  // reports).
   void ObserveStep(const v1::StepReport& report);
+  static constexpr size_t kMaxProgramMetrics = 64;
+  static constexpr size_t kMaxProgramMetricNameBytes = 128;
   // A rank that ended: its CPU time counted to `account`, its peak RSS into the histogram.
   void ObserveRankUsage(const std::string& account, const v1::RankUsage& usage);
   // A failed authentication: "guess" (malformed, unknown, wrong secret), "stale" (expired,
@@ -74,6 +80,8 @@ class CoordinatorMetrics {
     // From the job's first evaluation (train.eval_every) on; nullptr before.
     prometheus::Gauge* eval_loss = nullptr;
     prometheus::Gauge* eval_perplexity = nullptr;
+    // The program's own metrics (StepReport.metrics) by name, the first kMaxProgramMetrics.
+    std::map<std::string, prometheus::Gauge*> program;
   };
 
   std::shared_ptr<prometheus::Registry> registry_;
@@ -106,6 +114,7 @@ class CoordinatorMetrics {
   prometheus::Family<prometheus::Gauge>& job_eval_loss_;
   prometheus::Family<prometheus::Gauge>& job_eval_perplexity_;
   prometheus::Family<prometheus::Gauge>& job_device_peak_bytes_;
+  prometheus::Family<prometheus::Gauge>& job_metric_;
   prometheus::Family<prometheus::Counter>& rank_cpu_seconds_;
   prometheus::Histogram& rank_peak_rss_;
 
