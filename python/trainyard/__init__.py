@@ -13,7 +13,8 @@ Inside a rank of a job (a command job's program, or any script run by hand):
             if ctx.should_stop():      # preempted, cancelled or SIGTERM: saved within the grace
                 break
 
-Outside a trainyard job every call works as a no-op, so the same script runs by hand.
+Outside a trainyard job every call works as a no-op, so the same script runs by hand. A Hugging
+Face Trainer script needs only `callbacks=[trainyard.hf.TrainyardCallback()]` (trainyard/hf.py).
 
 A client of the coordinator, as `yard` is (same address and token lookup):
 
