@@ -211,6 +211,7 @@ void PrintJob(const v1::Job& job) {
                                                 std::exp(job.eval_loss()))});
     }
   }
+  if (s.after_size() > 0) f.push_back({"after", absl::StrJoin(s.after(), " ")});
   if (!job.why_waiting().empty()) f.push_back({"waiting", job.why_waiting()});
   if (job.backfilled()) f.push_back({"backfilled", "yes"});
   // Rank 0 as its latest step report had it.
@@ -282,6 +283,11 @@ absl::StatusOr<std::string> SubmitFlagsYaml(const SubmitFlags& f, bool inline_jo
     const std::filesystem::path absolute = std::filesystem::absolute(workdir, ec);
     if (!ec) workdir = absolute.lexically_normal().string();
     out << YAML::Key << "workdir" << YAML::Value << YAML::DoubleQuoted << workdir;
+  }
+  if (!f.after.empty()) {
+    out << YAML::Key << "after" << YAML::Value << YAML::BeginSeq;
+    for (const std::string& id : f.after) out << YAML::DoubleQuoted << NormalizeJobId(id);
+    out << YAML::EndSeq;
   }
   if (!f.env.empty()) {
     out << YAML::Key << "env" << YAML::Value << YAML::BeginMap;
@@ -938,6 +944,11 @@ void AddJobVerbs(CLI::App& app, Cli& c) {
   submit->add_option("--priority", sf.priority, "priority: 1..100, higher first");
   submit->add_option("--max-restarts", sf.max_restarts, "max_restarts: attempts after a failure")
       ->check(CLI::NonNegativeNumber);
+  submit
+      ->add_option("--after", sf.after,
+                   "after: start once these jobs (yours) have succeeded; fail at once if one "
+                   "fails or is cancelled (JOB[,JOB]; sbatch --dependency=afterok)")
+      ->delimiter(',');
   submit->callback([&] { rc = Submit(g, spec_path, sf); });
 
   auto* ls = app.add_subcommand("ls", "list jobs, newest first");

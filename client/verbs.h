@@ -64,7 +64,8 @@ struct SubmitFlags {
   int slots = 0;                     // --gpus/--slots; 0: not given
   double cpus = 0;                   // 0: not given
   std::string memory, name, workdir, description;
-  std::vector<std::string> env;  // NAME=VALUE
+  std::vector<std::string> env;    // NAME=VALUE
+  std::vector<std::string> after;  // job ids (7 or job-7)
   int priority = 0, max_restarts = -1;
 };
 

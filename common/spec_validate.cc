@@ -11,6 +11,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/field_limits.h"
@@ -491,6 +492,29 @@ absl::Status ValidateCheckpoint(const JobSpec& spec) {
 
 }  // namespace
 
+namespace {
+
+// `after`: job ids ("job-7"), each once, at most 64.
+absl::Status ValidateAfter(const JobSpec& spec) {
+  if (spec.after_size() > 64) {
+    return FieldError("after", absl::StrCat("at most 64 jobs, got ", spec.after_size()));
+  }
+  std::set<std::string> seen;
+  for (int i = 0; i < spec.after_size(); ++i) {
+    const std::string& id = spec.after(i);
+    const std::string field = absl::StrCat("after[", i, "]");
+    int64_t number = 0;
+    if (!absl::StartsWith(id, "job-") || !absl::SimpleAtoi(id.substr(4), &number) || number < 1 ||
+        id != absl::StrCat("job-", number)) {
+      return FieldError(field, absl::StrCat("expected a job id such as job-7, got '", id, "'"));
+    }
+    if (!seen.insert(id).second) return FieldError(field, absl::StrCat(id, " is given twice"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status ValidateJobSpec(const JobSpec& spec) {
   RETURN_IF_ERROR(CheckFieldSizes(spec, JobSpecFieldLimits(), ""));
   if (spec.name().empty()) return FieldError("name", "required");
@@ -505,6 +529,7 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
     }
   }
   RETURN_IF_ERROR(spec_schema::CheckRanges(spec, spec_schema::Scope::kEveryJob));
+  RETURN_IF_ERROR(ValidateAfter(spec));
   if (IsCommandJob(spec)) return ValidateCommandJob(spec);
   if (!spec.workdir().empty()) return FieldError("workdir", "only a command job has a workdir");
   if (!spec.env().empty()) return FieldError("env", "only a command job has env");

@@ -12,6 +12,7 @@
 #include <functional>
 #include <limits>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/spec_schema.h"
 
@@ -282,6 +283,30 @@ TEST(SpecTest, SlotsIsReadUnderItsOldNameGpusToo) {
   ASSERT_FALSE(loaded.ok());
   EXPECT_THAT(std::string(loaded.status().message()),
               StartsWith(path + ":3: resources.slots: 3 ranks do not split into 2 pipeline"));
+}
+
+// `after`: job ids, each once, at most 64; read from YAML as a list.
+TEST(SpecTest, AfterNamesJobsByIdEachOnce) {
+  auto parsed = ParseJobSpecYaml(
+      "name: x\nresources: {slots: 1}\ncommand: [true]\nafter: [job-3, job-12]\n", "s.yaml");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  ApplyJobSpecDefaults(parsed->spec);
+  EXPECT_TRUE(ValidateJobSpec(parsed->spec).ok());
+  EXPECT_THAT(parsed->spec.after(), ElementsAre("job-3", "job-12"));
+  for (const auto& [after, error] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"7"}, "after[0]: expected a job id such as job-7, got '7'"},
+           {{"job-3", "job-03"}, "after[1]: expected a job id such as job-7, got 'job-03'"},
+           {{"job-0"}, "after[0]: expected a job id"},
+           {{"job-3", "job-3"}, "after[1]: job-3 is given twice"}}) {
+    v1::JobSpec spec = parsed->spec;
+    spec.clear_after();
+    for (const std::string& id : after) spec.add_after(id);
+    EXPECT_THAT(std::string(ValidateJobSpec(spec).message()), StartsWith(error));
+  }
+  v1::JobSpec many = parsed->spec;
+  many.clear_after();
+  for (int i = 1; i <= 65; ++i) many.add_after(absl::StrCat("job-", i));
+  EXPECT_EQ(ValidateJobSpec(many).message(), "after: at most 64 jobs, got 65");
 }
 
 // Flags over a spec (`yard submit job.yaml --gpus 2`): set as the file's fields are, lists and

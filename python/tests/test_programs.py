@@ -244,3 +244,67 @@ def test_yard_submit_runs_a_program_given_after_a_double_dash(cluster, client, t
     assert reserved.returncode != 0 and "env" in reserved.stderr and "RANK" in reserved.stderr
     nothing = yard(cluster, "submit", cwd=folder)
     assert nothing.returncode != 0 and "a program after --" in nothing.stderr, nothing.stderr
+
+
+WAITS_FOR_RELEASE = """
+    import os, sys, time
+    print("started", flush=True)
+    deadline = time.time() + 60
+    while not os.path.exists(sys.argv[1]) and time.time() < deadline:
+        time.sleep(0.02)
+    sys.exit(int(sys.argv[2]))
+"""
+
+
+def test_after_waits_for_success_and_fails_fast_when_a_dependency_fails(cluster, client,
+                                                                        tmp_path):
+    folder = program(tmp_path, WAITS_FOR_RELEASE)
+    release = folder / "release"
+
+    def submit(name, code, *after):
+        return client.submit({"name": name, "resources": {"slots": 1}, "workdir": str(folder),
+                              "command": [sys.executable, "train.py", str(release), str(code)],
+                              "after": list(after)})
+
+    first = submit("first", 0)
+    wait_for_line(client, first.id, lambda t: t == "started")
+    then = yard(cluster, "submit", "--after", first.id.split("-")[1], "--name", "then", "--",
+                sys.executable, "train.py", str(release), "0", cwd=folder)
+    assert then.returncode == 0, then.stderr
+    then_id = then.stdout.strip()
+    # It waits (a free slot notwithstanding) and says for what.
+    waiting = client.describe(then_id)
+    assert waiting.state == job_pb2.QUEUED and list(waiting.spec.after) == [first.id]
+    assert waiting.why_waiting == f"waiting for job {first.id} (RUNNING) to succeed (after)"
+    release.touch()
+    assert client.wait(first.id, timeout=60).state == job_pb2.SUCCEEDED
+    assert client.wait(then_id, timeout=60).state == job_pb2.SUCCEEDED
+
+    # A dependency that fails fails its dependents at once, and theirs in turn.
+    release.unlink()
+    failing = submit("failing", 3)
+    child = submit("child", 0, failing.id)
+    grandchild = submit("grandchild", 0, child.id)
+    release.touch()
+    with pytest.raises(trainyard.JobFailed):
+        client.wait(failing.id, timeout=60)
+    with pytest.raises(trainyard.JobFailed) as child_failed:
+        client.wait(child.id, timeout=60)
+    assert child_failed.value.job.message == \
+        f"after: job {failing.id} ended FAILED; this job cannot start"
+    with pytest.raises(trainyard.JobFailed) as grandchild_failed:
+        client.wait(grandchild.id, timeout=60)
+    assert f"after: job {child.id} ended FAILED" in grandchild_failed.value.job.message
+
+    # Refused at submit: after a job that already failed, one that does not exist, or itself twice.
+    with pytest.raises(grpc.RpcError) as ended:
+        submit("late", 0, failing.id)
+    assert ended.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert ended.value.details() == \
+        f"after[0]: job {failing.id} ended FAILED: this job could never start"
+    with pytest.raises(grpc.RpcError) as unknown:
+        submit("unknown", 0, "job-99999")
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+    assert unknown.value.details() == "after[0]: job job-99999 not found"
+    bad = yard(cluster, "submit", "--after", "first", "--", "true", cwd=folder)
+    assert bad.returncode != 0 and "after[0]: expected a job id" in bad.stderr, bad.stderr

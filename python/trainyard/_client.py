@@ -102,7 +102,8 @@ class Client:
     def submit(self, spec=None, **fields):
         """Submits a job and returns it (QUEUED). `spec`: a trainyard.v1.JobSpec, or a dict in
         the JobSpec's JSON form; or keyword fields: name, slots (or gpus, its old name), command,
-        workdir, env, priority, max_restarts, max_runtime_seconds, preemptible. The coordinator
+        workdir, env, after (job ids), priority, max_restarts, max_runtime_seconds, preemptible.
+        The coordinator
         validates it: a bad one raises grpc.RpcError INVALID_ARGUMENT naming the field."""
         from trainyard.v1 import job_pb2
 
@@ -125,6 +126,7 @@ class Client:
             message.command.extend(fields.pop("command", []))
             message.workdir = fields.pop("workdir", "")
             message.env.update(fields.pop("env", {}))
+            message.after.extend(fields.pop("after", []))
             for key in ("priority", "max_restarts", "max_runtime_seconds", "preemptible"):
                 if key in fields:
                     setattr(message, key, fields.pop(key))

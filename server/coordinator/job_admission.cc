@@ -110,6 +110,10 @@ void JobManager::Submit(const std::string& owner, v1::JobSpec spec, const std::s
     done(s);
     return;
   }
+  if (absl::Status s = CheckDependencies(owner, spec); !s.ok()) {
+    done(s);
+    return;
+  }
   const std::shared_ptr<const SharingPolicy> current = CurrentPolicy();
   const SharingPolicy& policy = *current;
   v1::Job job;
@@ -181,6 +185,23 @@ void JobManager::Submit(const std::string& owner, v1::JobSpec spec, const std::s
       WakeScheduler();
     });
   }
+}
+
+absl::Status JobManager::CheckDependencies(const std::string& owner,
+                                           const v1::JobSpec& spec) const {
+  for (int i = 0; i < spec.after_size(); ++i) {
+    const std::string& id = spec.after(i);
+    const absl::StatusOr<v1::Job> dependency = Get(id);
+    if (!dependency.ok() || dependency->owner() != owner) {
+      return absl::NotFoundError(absl::StrCat("after[", i, "]: job ", id, " not found"));
+    }
+    if (IsTerminal(dependency->state()) && dependency->state() != v1::SUCCEEDED) {
+      return absl::FailedPreconditionError(absl::StrCat("after[", i, "]: job ", id, " ended ",
+                                                        v1::JobState_Name(dependency->state()),
+                                                        ": this job could never start"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status JobManager::CheckFitsSomeNode(const v1::JobSpec& spec) const {

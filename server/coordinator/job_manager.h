@@ -213,6 +213,23 @@ class JobManager final : public JobLifecycle,
   // theirs) and their memory not held by running offload jobs.
   std::vector<PsCapacity> ParameterServerCapacity(const std::string& owner) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `after`: the same owner's jobs, none failed or cancelled already (NOT_FOUND naming the entry
+  // for a job that is not found or is another user's; FAILED_PRECONDITION for one that ended
+  // without success).
+  absl::Status CheckDependencies(const std::string& owner, const v1::JobSpec& spec) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // A waiting job's `after` jobs: the first that has not succeeded yet, or ended without success
+  // (`failed`); empty when all have. A job no longer held in memory ended long enough ago that
+  // the passes since would have failed its dependents had it failed: it succeeded.
+  struct Dependency {
+    std::string job_id;
+    v1::JobState state = v1::JOB_STATE_UNSPECIFIED;
+    bool failed = false;
+  };
+  std::optional<Dependency> UnmetDependency(const v1::Job& job) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fails the waiting jobs one of whose `after` jobs ended without success (each pass).
+  void FailJobsWithFailedDependencies() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The job if `attempt` is its running attempt; else NOT_FOUND or FAILED_PRECONDITION.
   absl::StatusOr<v1::Job*> FindRunningAttempt(const std::string& job_id, int attempt)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

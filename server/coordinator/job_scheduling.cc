@@ -41,6 +41,7 @@ int JobManager::SchedulePass() {
   absl::MutexLock lock(&mu_);
   const absl::Time now = clock_.Now();
   ExpireDraining(nodes, now);
+  FailJobsWithFailedDependencies();
   const ClusterSnapshot snapshot = BuildSnapshot(*current, nodes, now);
   if (snapshot.pending.empty()) {
     last_pass_.reset();
@@ -136,6 +137,7 @@ ClusterSnapshot JobManager::BuildSnapshot(const SharingPolicy& policy,
     const v1::Job& job = jobs_.at(id);
     const int64_t max_runtime_s = job.spec().max_runtime_seconds();
     if (IsPending(job.state())) {
+      if (job.spec().after_size() > 0 && UnmetDependency(job).has_value()) continue;
       PendingJobInfo p;
       p.id = id;
       p.priority = job.spec().priority();
@@ -182,6 +184,36 @@ ClusterSnapshot JobManager::BuildSnapshot(const SharingPolicy& policy,
     }
   }
   return snapshot;
+}
+
+std::optional<JobManager::Dependency> JobManager::UnmetDependency(const v1::Job& job) const {
+  for (const std::string& id : job.spec().after()) {
+    const auto it = jobs_.find(id);
+    if (it == jobs_.end() || it->second.state() == v1::SUCCEEDED) continue;
+    const v1::JobState state = it->second.state();
+    return Dependency{id, state, IsTerminal(state)};
+  }
+  return std::nullopt;
+}
+
+void JobManager::FailJobsWithFailedDependencies() {
+  std::vector<std::pair<std::string, Dependency>> failing;
+  for (const std::string& id : unfinished_) {
+    const v1::Job& job = jobs_.at(id);
+    if (!IsPending(job.state()) || job.spec().after_size() == 0) continue;
+    if (auto unmet = UnmetDependency(job); unmet.has_value() && unmet->failed) {
+      failing.emplace_back(id, *unmet);
+    }
+  }
+  for (const auto& [id, dependency] : failing) {
+    v1::Job& job = jobs_.at(id);
+    Transition(job, v1::FAILED,
+               absl::StrCat("after: job ", dependency.job_id, " ended ",
+                            v1::JobState_Name(dependency.state), "; this job cannot start"));
+    Persist(job);
+  }
+  // Their own dependents fail in the next pass, which their end asks for.
+  if (!failing.empty()) WakeScheduler();
 }
 
 // Why each job waits (WhyWaiting), the head and its expected start.

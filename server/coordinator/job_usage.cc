@@ -160,6 +160,12 @@ std::string JobManager::WhyWaiting(const std::string& job_id, const std::string&
   const auto found = jobs_.find(job_id);
   if (found == jobs_.end() || !IsPending(found->second.state())) return "";
   const v1::Job& job = found->second;
+  if (job.spec().after_size() > 0) {
+    if (const auto unmet = UnmetDependency(job); unmet.has_value()) {
+      return absl::StrCat("waiting for job ", unmet->job_id, " (", v1::JobState_Name(unmet->state),
+                          ") to succeed (after)");
+    }
+  }
   if (!last_pass_.has_value()) return "waiting for the next scheduling pass";
   const auto it = last_pass_->waits.find(job.id());
   if (it == last_pass_->waits.end()) return "waiting for the next scheduling pass";
