@@ -10,6 +10,8 @@
 #include <iostream>
 #include <limits>
 #include <map>
+#include <random>
+#include <set>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -212,6 +214,14 @@ void PrintJob(const v1::Job& job) {
     }
   }
   if (s.after_size() > 0) f.push_back({"after", absl::StrJoin(s.after(), " ")});
+  if (s.has_array()) {
+    f.push_back(
+        {"array",
+         absl::StrCat(s.array().id(), ": task ", s.array().index(), " of ", s.array().count(),
+                      s.array().max_running() > 0
+                          ? absl::StrCat(", at most ", s.array().max_running(), " at once")
+                          : std::string())});
+  }
   if (!job.why_waiting().empty()) f.push_back({"waiting", job.why_waiting()});
   if (job.backfilled()) f.push_back({"backfilled", "yes"});
   // Rank 0 as its latest step report had it.
@@ -307,6 +317,73 @@ absl::StatusOr<std::string> SubmitFlagsYaml(const SubmitFlags& f, bool inline_jo
   return std::string(out.c_str()) == "{}" ? std::string() : std::string(out.c_str());
 }
 
+bool IsTerminalState(v1::JobState state) {
+  return state == v1::SUCCEEDED || state == v1::FAILED || state == v1::CANCELLED;
+}
+
+// `--array` text: indices ("0-15", "1,3,5-7"; at most 10000, each in 0..1000000) and, after
+// '%', how many may run at once (0: any).
+absl::StatusOr<std::pair<std::vector<int>, int>> ParseArray(const std::string& text) {
+  auto bad = [&](const std::string& why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--array: ", why, ", got '", text, "' (e.g. 0-15%4 or 1,3,5-7)"));
+  };
+  std::string indices = text;
+  int max_running = 0;
+  if (const size_t percent = text.find('%'); percent != std::string::npos) {
+    indices = text.substr(0, percent);
+    if (!absl::SimpleAtoi(text.substr(percent + 1), &max_running) || max_running < 1) {
+      return bad("the number after % must be at least 1");
+    }
+  }
+  std::vector<int> out;
+  std::set<int> seen;
+  for (absl::string_view part : absl::StrSplit(indices, ',')) {
+    int lo = 0, hi = 0;
+    const std::vector<std::string> ends = absl::StrSplit(part, '-');
+    if (ends.size() > 2 || !absl::SimpleAtoi(ends[0], &lo) || !absl::SimpleAtoi(ends.back(), &hi) ||
+        lo < 0 || hi < lo || hi > 1000000) {
+      return bad("expected indices A or A-B, 0 <= A <= B <= 1000000");
+    }
+    for (int i = lo; i <= hi; ++i) {
+      if (seen.insert(i).second) out.push_back(i);
+      if (out.size() > 10000) return bad("at most 10000 tasks");
+    }
+  }
+  return std::make_pair(out, max_running);
+}
+
+// An array: one job per index, each its task (ArraySpec), submitted in index order; prints the
+// array's name, then each job's id.
+int SubmitArray(const Globals& g, const ParsedSpec& parsed, const std::string& path,
+                const std::string& array_text) {
+  auto array = ParseArray(array_text);
+  if (!array.ok()) return Fail(array.status());
+  const auto& [indices, max_running] = *array;
+  std::random_device random;
+  const std::string id =
+      absl::StrCat(parsed.spec.name().substr(0, 40), "-", absl::Hex(random(), absl::kZeroPad8));
+  YardClient client(g.coordinator, g.Token(), g.tls);
+  std::cout << "array " << id << "\n" << std::flush;
+  for (size_t i = 0; i < indices.size(); ++i) {
+    v1::JobSpec spec = parsed.spec;
+    v1::ArraySpec* task = spec.mutable_array();
+    task->set_id(id);
+    task->set_index(indices[i]);
+    task->set_count(static_cast<int>(indices.size()));
+    task->set_max_running(max_running);
+    auto job = client.Submit(spec);
+    if (!job.ok()) {
+      const absl::Status s =
+          path.empty() ? job.status() : AnnotateWithLine(job.status(), parsed, path);
+      return Fail(absl::Status(s.code(), absl::StrCat(s.message(), " (array ", id, ": ", i, " of ",
+                                                      indices.size(), " tasks submitted)")));
+    }
+    std::cout << job->id() << "\n" << std::flush;
+  }
+  return 0;
+}
+
 int Submit(const Globals& g, const std::string& path, const SubmitFlags& flags) {
   if (path.empty() && flags.command.empty()) {
     return Fail(absl::InvalidArgumentError(
@@ -330,6 +407,7 @@ int Submit(const Globals& g, const std::string& path, const SubmitFlags& flags) 
     if (!s.ok()) return Fail(s);
   }
   if (absl::Status s = FillFromCheckpoint(parsed, path); !s.ok()) return Fail(s);
+  if (!flags.array.empty()) return SubmitArray(g, parsed, path, flags.array);
   YardClient client(g.coordinator, g.Token(), g.tls);
   auto job = client.Submit(parsed.spec);
   if (!job.ok()) {
@@ -344,7 +422,7 @@ int Submit(const Globals& g, const std::string& path, const SubmitFlags& flags) 
 }
 
 int List(const Globals& g, const std::vector<std::string>& states, const std::string& owner,
-         int limit) {
+         int limit, const std::string& array) {
   v1::ListJobsRequest request;
   for (const auto& name : states) {
     v1::JobState state;
@@ -358,17 +436,29 @@ int List(const Globals& g, const std::vector<std::string>& states, const std::st
   }
   request.set_owner(owner);
   YardClient client(g.coordinator, g.Token(), g.tls);
-  auto jobs = client.List(request, limit);
+  auto jobs = client.List(request, array.empty() ? limit : 0);
   if (!jobs.ok()) return Fail(jobs.status());
+  if (!array.empty()) {  // an array's tasks, newest first
+    v1::ListJobsResponse tasks;
+    for (const v1::Job& j : jobs->jobs()) {
+      if (j.spec().array().id() != array) continue;
+      if (limit > 0 && tasks.jobs_size() == limit) break;
+      *tasks.add_jobs() = j;
+    }
+    *jobs = std::move(tasks);
+  }
   if (g.json()) {
     std::cout << ToJson(*jobs);
     return 0;
   }
   std::vector<std::vector<std::string>> rows;
   for (const auto& j : jobs->jobs()) {
-    rows.push_back({j.id(), j.spec().name(), j.owner(), v1::JobState_Name(j.state()),
-                    absl::StrCat(j.spec().priority()), Devices(j),
-                    Ago(j.submit_time_ms(), NowMs())});
+    rows.push_back({j.id(),
+                    j.spec().has_array()
+                        ? absl::StrCat(j.spec().name(), "[", j.spec().array().index(), "]")
+                        : j.spec().name(),
+                    j.owner(), v1::JobState_Name(j.state()), absl::StrCat(j.spec().priority()),
+                    Devices(j), Ago(j.submit_time_ms(), NowMs())});
   }
   std::cout << FormatTable({"ID", "NAME", "OWNER", "STATE", "PRIO", "DEVICES", "SUBMITTED"}, rows);
   return 0;
@@ -397,9 +487,32 @@ int PrintChangedJob(const Globals& g, const absl::StatusOr<v1::Job>& job) {
   return 0;
 }
 
-int Cancel(const Globals& g, const std::string& id, const std::string& reason) {
+int Cancel(const Globals& g, const std::string& id, const std::string& reason,
+           const std::string& array) {
+  if (id.empty() == array.empty()) {
+    return Fail(absl::InvalidArgumentError("give a job, or --array NAME (not both)"));
+  }
   YardClient client(g.coordinator, g.Token(), g.tls);
-  return PrintChangedJob(g, client.Cancel(NormalizeJobId(id), reason));
+  if (array.empty()) return PrintChangedJob(g, client.Cancel(NormalizeJobId(id), reason));
+  // Every task of the array that has not ended, oldest first.
+  v1::ListJobsRequest request;
+  auto jobs = client.List(request, 0);
+  if (!jobs.ok()) return Fail(jobs.status());
+  int cancelled = 0;
+  for (int i = jobs->jobs_size() - 1; i >= 0; --i) {
+    const v1::Job& j = jobs->jobs(i);
+    if (j.spec().array().id() != array || IsTerminalState(j.state())) continue;
+    auto done = client.Cancel(j.id(), reason);
+    if (!done.ok() && !absl::IsFailedPrecondition(done.status())) return Fail(done.status());
+    if (done.ok()) {
+      std::cout << done->id() << " " << v1::JobState_Name(done->state()) << "\n";
+      ++cancelled;
+    }
+  }
+  if (cancelled == 0) {
+    return Fail(absl::NotFoundError(absl::StrCat("array ", array, ": no task left to cancel")));
+  }
+  return 0;
 }
 
 int Wait(const Globals& g, const std::string& id, const std::string& timeout_text) {
@@ -949,22 +1062,28 @@ void AddJobVerbs(CLI::App& app, Cli& c) {
                    "after: start once these jobs (yours) have succeeded; fail at once if one "
                    "fails or is cancelled (JOB[,JOB]; sbatch --dependency=afterok)")
       ->delimiter(',');
+  submit->add_option("--array", sf.array,
+                     "a job array: one job per index, TRAINYARD_ARRAY_INDEX in its environment, "
+                     "at most K running after %: 0-15%4, 1,3,5-7 (sbatch --array)");
   submit->callback([&] { rc = Submit(g, spec_path, sf); });
 
   auto* ls = app.add_subcommand("ls", "list jobs, newest first");
   ls->add_option("--state", states, "only jobs in these states (repeatable)");
   ls->add_option("--owner", owner, "only jobs of this user");
   ls->add_option("--limit", limit, "at most this many jobs (0 = all)")->capture_default_str();
-  ls->callback([&] { rc = List(g, states, owner, limit); });
+  ls->add_option("--array", a.array, "only the tasks of this job array (its name)");
+  ls->callback([&] { rc = List(g, states, owner, limit, a.array); });
 
   auto* describe = app.add_subcommand("describe", "show one job in full");
   describe->add_option("job", job_id, "job id (job-7 or 7)")->required();
   describe->callback([&] { rc = Describe(g, job_id); });
 
-  auto* cancel = app.add_subcommand("cancel", "cancel a waiting or running job");
-  cancel->add_option("job", job_id, "job id")->required();
+  auto* cancel =
+      app.add_subcommand("cancel", "cancel a waiting or running job, or an array's tasks");
+  cancel->add_option("job", job_id, "job id");
+  cancel->add_option("--array", a.array, "every task of this job array that has not ended");
   cancel->add_option("--reason", reason, "recorded with the job");
-  cancel->callback([&] { rc = Cancel(g, job_id, reason); });
+  cancel->callback([&] { rc = Cancel(g, job_id, reason, a.array); });
 
   auto* wait = app.add_subcommand(
       "wait", "wait until a job ends; exit 0 succeeded, 1 failed, 2 cancelled, 3 timed out");

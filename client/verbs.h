@@ -66,6 +66,7 @@ struct SubmitFlags {
   std::string memory, name, workdir, description;
   std::vector<std::string> env;    // NAME=VALUE
   std::vector<std::string> after;  // job ids (7 or job-7)
+  std::string array;               // "0-15%4", "1,3,5-7": one job per index
   int priority = 0, max_restarts = -1;
 };
 
@@ -73,6 +74,7 @@ struct VerbArgs {
   std::string spec_path, job_id, reason, timeout, owner;
   SubmitFlags submit;
   std::string signal;
+  std::string array;  // yard ls / cancel --array
   std::vector<std::string> states;
   int limit = 0;
   bool follow = false;

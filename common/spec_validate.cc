@@ -513,6 +513,32 @@ absl::Status ValidateAfter(const JobSpec& spec) {
   return absl::OkStatus();
 }
 
+// `array`: a name (letters, digits, '-', '_', '.'; at most 64), an index below the count (at most
+// 10000), a limit on running tasks that is not negative.
+absl::Status ValidateArray(const JobSpec& spec) {
+  if (!spec.has_array()) return absl::OkStatus();
+  const v1::ArraySpec& a = spec.array();
+  if (a.id().empty() || a.id().size() > 64) {
+    return FieldError("array.id", "required, at most 64 characters");
+  }
+  for (char c : a.id()) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.') {
+      return FieldError("array.id", absl::StrCat("only letters, digits, '-', '_' and '.' are "
+                                                 "allowed, got '",
+                                                 a.id(), "'"));
+    }
+  }
+  if (a.count() < 1 || a.count() > 10000) {
+    return FieldError("array.count", absl::StrCat("must be in 1..10000, got ", a.count()));
+  }
+  if (a.index() < 0)
+    return FieldError("array.index", absl::StrCat("must be >= 0, got ", a.index()));
+  if (a.max_running() < 0) {
+    return FieldError("array.max_running", absl::StrCat("must be >= 0, got ", a.max_running()));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status ValidateJobSpec(const JobSpec& spec) {
@@ -530,6 +556,7 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   }
   RETURN_IF_ERROR(spec_schema::CheckRanges(spec, spec_schema::Scope::kEveryJob));
   RETURN_IF_ERROR(ValidateAfter(spec));
+  RETURN_IF_ERROR(ValidateArray(spec));
   if (IsCommandJob(spec)) return ValidateCommandJob(spec);
   if (!spec.workdir().empty()) return FieldError("workdir", "only a command job has a workdir");
   if (!spec.env().empty()) return FieldError("env", "only a command job has env");

@@ -309,6 +309,30 @@ TEST(SpecTest, AfterNamesJobsByIdEachOnce) {
   EXPECT_EQ(ValidateJobSpec(many).message(), "after: at most 64 jobs, got 65");
 }
 
+// `array`: one task of a job array; its name, count and limit checked.
+TEST(SpecTest, AnArrayTaskHasANameACountAndALimit) {
+  auto parsed = ParseJobSpecYaml(
+      "name: x\nresources: {slots: 1}\ncommand: [true]\n"
+      "array: {id: sweep-1a2b, index: 7, count: 16, max_running: 4}\n",
+      "s.yaml");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  ApplyJobSpecDefaults(parsed->spec);
+  EXPECT_TRUE(ValidateJobSpec(parsed->spec).ok());
+  EXPECT_EQ(parsed->spec.array().index(), 7);
+  const std::vector<std::pair<std::function<void(v1::ArraySpec&)>, std::string>> bad = {
+      {[](v1::ArraySpec& a) { a.set_id(""); }, "array.id: required"},
+      {[](v1::ArraySpec& a) { a.set_id("a b"); }, "array.id: only letters"},
+      {[](v1::ArraySpec& a) { a.set_count(0); }, "array.count: must be in 1..10000, got 0"},
+      {[](v1::ArraySpec& a) { a.set_count(10001); }, "array.count: must be in 1..10000"},
+      {[](v1::ArraySpec& a) { a.set_index(-1); }, "array.index: must be >= 0, got -1"},
+      {[](v1::ArraySpec& a) { a.set_max_running(-2); }, "array.max_running: must be >= 0"}};
+  for (const auto& [change, error] : bad) {
+    v1::JobSpec spec = parsed->spec;
+    change(*spec.mutable_array());
+    EXPECT_THAT(std::string(ValidateJobSpec(spec).message()), StartsWith(error));
+  }
+}
+
 // Flags over a spec (`yard submit job.yaml --gpus 2`): set as the file's fields are, lists and
 // maps replaced, errors naming the field after the flags' origin, without a line.
 TEST(SpecTest, OverridesSetFieldsAsTheFileWouldAndReplaceListsAndMaps) {

@@ -308,3 +308,55 @@ def test_after_waits_for_success_and_fails_fast_when_a_dependency_fails(cluster,
     assert unknown.value.details() == "after[0]: job job-99999 not found"
     bad = yard(cluster, "submit", "--after", "first", "--", "true", cwd=folder)
     assert bad.returncode != 0 and "after[0]: expected a job id" in bad.stderr, bad.stderr
+
+
+ARRAY_TASK = """
+    import os, sys, time
+    running = os.path.join(sys.argv[1], "running")
+    os.makedirs(running, exist_ok=True)
+    index = os.environ["TRAINYARD_ARRAY_INDEX"]
+    open(os.path.join(running, index), "w").close()
+    at_once = len(os.listdir(running))  # this task and any other running now
+    time.sleep(0.3)
+    os.unlink(os.path.join(running, index))
+    print(f"task {index} of {os.environ['TRAINYARD_ARRAY_COUNT']} in "
+          f"{os.environ['TRAINYARD_ARRAY_ID']}: {at_once} running", flush=True)
+"""
+
+
+def test_an_array_runs_a_job_per_index_never_more_than_its_limit_at_once(cluster, client,
+                                                                         tmp_path):
+    folder = program(tmp_path, ARRAY_TASK)
+    submitted = yard(cluster, "submit", "--array", "0-5%1", "--name", "sweep", "--", sys.executable,
+                     "train.py", str(folder), cwd=folder)
+    assert submitted.returncode == 0, submitted.stderr
+    first, *ids = submitted.stdout.split("\n")[:7]
+    name = first.split()[1]
+    assert first.startswith("array sweep-") and len(ids) == 6, submitted.stdout
+    # Two slots are free, but the array runs one task at a time; the last says why it waits.
+    expected = f"waiting: 1 tasks of array {name} run, at most 1 at once"
+    deadline = time.time() + 30
+    waits = []
+    while expected not in waits and time.time() < deadline:
+        waits.append(client.describe(ids[-1]).why_waiting)  # until a task runs
+    assert expected in waits, waits[-5:]
+    lines = []
+    for index, job_id in enumerate(ids):
+        done = client.wait(job_id, timeout=120)
+        assert done.spec.array.index == index and done.spec.array.count == 6
+        lines += log_texts(client, job_id)
+    assert sorted(lines) == sorted(f"task {i} of 6 in {name}: 1 running" for i in range(6)), lines
+    listed = yard(cluster, "ls", "--array", name)
+    assert listed.returncode == 0 and listed.stdout.count("sweep[") == 6, listed.stdout
+
+    # Cancelled as a group: every task that has not ended.
+    held = yard(cluster, "submit", "--array", "0-3%1", "--name", "held", "--", sys.executable,
+                "-c", "import time; time.sleep(60)", cwd=folder)
+    assert held.returncode == 0, held.stderr
+    held_name, *held_ids = held.stdout.split()[1:]
+    cancelled = yard(cluster, "cancel", "--array", held_name)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert cancelled.stdout.count("CANCELLED") == 4, cancelled.stdout
+    assert all(client.describe(i).state == job_pb2.CANCELLED for i in held_ids)
+    bad = yard(cluster, "submit", "--array", "3-1", "--", "true", cwd=folder)
+    assert bad.returncode != 0 and "--array: expected indices" in bad.stderr, bad.stderr

@@ -177,7 +177,7 @@ void JobManager::Submit(const std::string& owner, v1::JobSpec spec, const std::s
         absl::MutexLock lock(&mu_);
         jobs_[job.id()] = job;
         ids_by_seq_[job.seq()] = job.id();
-        unfinished_.insert(job.id());
+        AddUnfinished(job);
         ++queued_by_owner_[job.owner()];
         watchers_.SetDurable(job.id(), job.version());
       }

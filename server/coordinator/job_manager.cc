@@ -88,7 +88,7 @@ absl::Status JobManager::Load(const std::vector<StoredJob>& stored) {
     }
     ids_by_seq_[job.seq()] = job.id();
     watchers_.SetDurable(job.id(), job.version());
-    if (!IsTerminal(job.state())) unfinished_.insert(job.id());
+    if (!IsTerminal(job.state())) AddUnfinished(job);
     if (job.state() == v1::QUEUED) ++queued_by_owner_[job.owner()];
     if (IsActive(job.state())) {
       for (const auto& p : job.placement()) {
@@ -123,10 +123,31 @@ void JobManager::Transition(v1::Job& job, v1::JobState to, std::string message) 
   job.set_version(job.version() + 1);
   if (IsTerminal(to)) {
     job.set_end_time_ms(NowMs(clock_));
-    unfinished_.erase(job.id());
+    RemoveUnfinished(job);
     devices_.ForgetExited(job.id());
     finished_by_end_.insert({job.end_time_ms(), job.id()});
   }
+}
+
+bool JobManager::IsAwaited(const std::string& job_id) const {
+  if (unfinished_with_after_ == 0) return false;
+  for (const std::string& id : unfinished_) {
+    const auto& after = jobs_.at(id).spec().after();
+    if (std::find(after.begin(), after.end(), job_id) != after.end()) return true;
+  }
+  return false;
+}
+
+void JobManager::AddUnfinished(const v1::Job& job) {
+  if (!unfinished_.insert(job.id()).second) return;
+  if (job.spec().after_size() > 0) ++unfinished_with_after_;
+  if (job.spec().array().max_running() > 0) ++unfinished_array_tasks_;
+}
+
+void JobManager::RemoveUnfinished(const v1::Job& job) {
+  if (unfinished_.erase(job.id()) == 0) return;
+  if (job.spec().after_size() > 0) --unfinished_with_after_;
+  if (job.spec().array().max_running() > 0) --unfinished_array_tasks_;
 }
 
 void JobManager::Persist(const v1::Job& job, std::function<void(absl::Status)> after) {
@@ -206,6 +227,9 @@ std::vector<v1::Job> JobManager::TakeEvictionCandidates(size_t max) {
     if (!watchers_.IsDurable(id, job.version())) continue;
     // Ranks still stopping may send lines; the job stays until they exit (or the drain ends).
     if (devices_.AnyDraining(id)) continue;
+    // A job that did not succeed stays while a waiting job is `after` it, until the next pass
+    // fails that one (a job no longer held is taken to have succeeded: UnmetDependency).
+    if (job.state() != v1::SUCCEEDED && IsAwaited(id)) continue;
     evicting_.insert(id);
     out.push_back(job);
   }

@@ -228,6 +228,11 @@ class JobManager final : public JobLifecycle,
   };
   std::optional<Dependency> UnmetDependency(const v1::Job& job) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The waiting tasks of job arrays that may be considered this pass: per array (owner and
+  // array.id), the oldest, as many as array.max_running leaves beside its running tasks.
+  std::set<std::string> ArrayTasksToConsider() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The owner's running tasks of `job`'s array.
+  int RunningArrayTasks(const v1::Job& job) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Fails the waiting jobs one of whose `after` jobs ended without success (each pass).
   void FailJobsWithFailedDependencies() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The job if `attempt` is its running attempt; else NOT_FOUND or FAILED_PRECONDITION.
@@ -332,6 +337,15 @@ class JobManager final : public JobLifecycle,
   std::map<std::string, v1::Job> jobs_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, std::string> ids_by_seq_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> unfinished_ ABSL_GUARDED_BY(mu_);  // ids of jobs not in a terminal state
+  // Of those, how many wait on `after` jobs or are tasks of an array with a limit: the passes
+  // skip their work when none do.
+  int unfinished_with_after_ ABSL_GUARDED_BY(mu_) = 0;
+  int unfinished_array_tasks_ ABSL_GUARDED_BY(mu_) = 0;
+  // unfinished_ and its counts, as a job starts or stops being unfinished.
+  void AddUnfinished(const v1::Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether an unfinished job names `job_id` in its `after`.
+  bool IsAwaited(const std::string& job_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RemoveUnfinished(const v1::Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Finished jobs in memory by (end time in Unix ms, id): the eviction order.
   std::set<std::pair<int64_t, std::string>> finished_by_end_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> evicting_ ABSL_GUARDED_BY(mu_);  // taken, not yet evicted

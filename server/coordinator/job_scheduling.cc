@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <functional>
 #include <limits>
+#include <map>
+#include <set>
 #include <tuple>
 
 #include "absl/strings/numbers.h"
@@ -80,6 +82,7 @@ ClusterSnapshot JobManager::BuildSnapshot(const SharingPolicy& policy,
                                           const std::vector<SchedulingNode>& nodes,
                                           absl::Time now) {
   ClusterSnapshot snapshot;
+  const std::set<std::string> array_tasks = ArrayTasksToConsider();
   snapshot.now = now;
   snapshot.preemption = preemption_;
   snapshot.min_run_time = min_run_time_;
@@ -138,6 +141,7 @@ ClusterSnapshot JobManager::BuildSnapshot(const SharingPolicy& policy,
     const int64_t max_runtime_s = job.spec().max_runtime_seconds();
     if (IsPending(job.state())) {
       if (job.spec().after_size() > 0 && UnmetDependency(job).has_value()) continue;
+      if (job.spec().array().max_running() > 0 && array_tasks.count(id) == 0) continue;
       PendingJobInfo p;
       p.id = id;
       p.priority = job.spec().priority();
@@ -186,6 +190,45 @@ ClusterSnapshot JobManager::BuildSnapshot(const SharingPolicy& policy,
   return snapshot;
 }
 
+namespace {
+
+std::pair<std::string, std::string> ArrayKey(const v1::Job& job) {
+  return {job.owner(), job.spec().array().id()};
+}
+
+}  // namespace
+
+std::set<std::string> JobManager::ArrayTasksToConsider() const {
+  if (unfinished_array_tasks_ == 0) return {};
+  std::map<std::pair<std::string, std::string>, int> room;
+  std::vector<const v1::Job*> waiting;
+  for (const std::string& id : unfinished_) {
+    const v1::Job& job = jobs_.at(id);
+    if (job.spec().array().max_running() <= 0) continue;
+    auto [it, added] = room.try_emplace(ArrayKey(job), job.spec().array().max_running());
+    if (IsActive(job.state())) --it->second;
+    if (IsPending(job.state())) waiting.push_back(&job);
+  }
+  std::sort(waiting.begin(), waiting.end(),
+            [](const v1::Job* a, const v1::Job* b) { return a->seq() < b->seq(); });
+  std::set<std::string> out;
+  for (const v1::Job* job : waiting) {
+    if (room[ArrayKey(*job)]-- > 0) out.insert(job->id());
+  }
+  return out;
+}
+
+int JobManager::RunningArrayTasks(const v1::Job& job) const {
+  int running = 0;
+  for (const std::string& id : unfinished_) {
+    const v1::Job& other = jobs_.at(id);
+    if (IsActive(other.state()) && other.spec().has_array() && ArrayKey(other) == ArrayKey(job)) {
+      ++running;
+    }
+  }
+  return running;
+}
+
 std::optional<JobManager::Dependency> JobManager::UnmetDependency(const v1::Job& job) const {
   for (const std::string& id : job.spec().after()) {
     const auto it = jobs_.find(id);
@@ -197,6 +240,7 @@ std::optional<JobManager::Dependency> JobManager::UnmetDependency(const v1::Job&
 }
 
 void JobManager::FailJobsWithFailedDependencies() {
+  if (unfinished_with_after_ == 0) return;
   std::vector<std::pair<std::string, Dependency>> failing;
   for (const std::string& id : unfinished_) {
     const v1::Job& job = jobs_.at(id);

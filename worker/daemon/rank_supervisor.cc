@@ -778,6 +778,11 @@ void RankSupervisor::StartCommand(const v1::Assignment& a, const v1::JobSpec& sp
                    RankCoordinatorList(a.coordinator_address(), options_.coordinators)),
       absl::StrCat(kJobCredentialEnv, "=", a.job_credential()),
       absl::StrCat(kTlsCaEnv, "=", options_.tls_ca)};
+  if (spec.has_array()) {  // a task of a job array (sbatch's SLURM_ARRAY_TASK_ID and kin)
+    env.push_back(absl::StrCat("TRAINYARD_ARRAY_ID=", spec.array().id()));
+    env.push_back(absl::StrCat("TRAINYARD_ARRAY_INDEX=", spec.array().index()));
+    env.push_back(absl::StrCat("TRAINYARD_ARRAY_COUNT=", spec.array().count()));
+  }
   // The SDK's save_checkpoint keeps this many of the program's checkpoints (0: all).
   if (spec.checkpoint().keep_last() > 0) {
     env.push_back(absl::StrCat("TRAINYARD_CHECKPOINT_KEEP_LAST=", spec.checkpoint().keep_last()));
