@@ -494,19 +494,27 @@ int Cancel(const Globals& g, const std::string& id, const std::string& reason,
   }
   YardClient client(g.coordinator, g.Token(), g.tls);
   if (array.empty()) return PrintChangedJob(g, client.Cancel(NormalizeJobId(id), reason));
-  // Every task of the array that has not ended, oldest first.
+  // Every task of the caller's array that has not ended (an admin's list holds everyone's: an
+  // array is its owner's); the waiting ones first, so that none starts in a slot a cancelled
+  // running one frees.
+  auto me = client.WhoAmI();
+  if (!me.ok()) return Fail(me.status());
   v1::ListJobsRequest request;
+  request.set_owner(me->user());
   auto jobs = client.List(request, 0);
   if (!jobs.ok()) return Fail(jobs.status());
   int cancelled = 0;
-  for (int i = jobs->jobs_size() - 1; i >= 0; --i) {
-    const v1::Job& j = jobs->jobs(i);
-    if (j.spec().array().id() != array || IsTerminalState(j.state())) continue;
-    auto done = client.Cancel(j.id(), reason);
-    if (!done.ok() && !absl::IsFailedPrecondition(done.status())) return Fail(done.status());
-    if (done.ok()) {
-      std::cout << done->id() << " " << v1::JobState_Name(done->state()) << "\n";
-      ++cancelled;
+  for (const bool running : {false, true}) {
+    for (int i = jobs->jobs_size() - 1; i >= 0; --i) {
+      const v1::Job& j = jobs->jobs(i);
+      if (j.spec().array().id() != array || IsTerminalState(j.state())) continue;
+      if ((j.state() == v1::RUNNING || j.state() == v1::CHECKPOINTING) != running) continue;
+      auto done = client.Cancel(j.id(), reason);
+      if (!done.ok() && !absl::IsFailedPrecondition(done.status())) return Fail(done.status());
+      if (done.ok()) {
+        std::cout << done->id() << " " << v1::JobState_Name(done->state()) << "\n";
+        ++cancelled;
+      }
     }
   }
   if (cancelled == 0) {
@@ -526,7 +534,7 @@ int Wait(const Globals& g, const std::string& id, const std::string& timeout_tex
   auto job = client.Watch(NormalizeJobId(id), timeout, [&](const v1::Job& j) {
     if (j.state() != last && !g.json()) {
       std::cerr << j.id() << " " << v1::JobState_Name(j.state())
-                << (j.message().empty() ? "" : ": " + j.message()) << "\n";
+                << (j.message().empty() ? "" : ": " + TerminalSafe(j.message())) << "\n";
     }
     last = j.state();
     return false;

@@ -13,6 +13,8 @@
 #   --timeout SECS  bound of each wait: ready, targets up, $job listed, data, rules (default 60)
 #   --rate-interval DUR   substituted for $__rate_interval (default 5s; scrapes are every 1s)
 #   --prometheus PATH     the prometheus binary (default: prometheus on PATH)
+#   --may-be-empty METRIC an expression selecting METRIC may return no data (a series the job
+#                         under test has no reason to have); it must still evaluate
 #
 # Prometheus runs on 127.0.0.1 on a free port with its data in a temp dir; both are gone when the
 # script exits, whatever the outcome. Exit 0 when everything has data, 1 otherwise (listing the
@@ -26,8 +28,9 @@ job_id=""
 skip_ps=0
 skip_job=0
 prometheus_bin="prometheus"
+may_be_empty=""
 targets=()
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 while (($#)); do
   case "$1" in
     --job) job_id="${2:?--job needs a value}"; shift 2 ;;
@@ -36,6 +39,7 @@ while (($#)); do
     --timeout) timeout="${2:?--timeout needs a value}"; shift 2 ;;
     --rate-interval) rate_interval="${2:?--rate-interval needs a value}"; shift 2 ;;
     --prometheus) prometheus_bin="${2:?--prometheus needs a value}"; shift 2 ;;
+    --may-be-empty) may_be_empty="$may_be_empty ${2:?--may-be-empty needs a metric}"; shift 2 ;;
     -h|--help) usage ;;
     -*) echo "unknown option $1" >&2; usage ;;
     *) targets+=("$1"); shift ;;
@@ -170,7 +174,8 @@ def all_nan(res):
     vals += [v[1] for s in r if isinstance(s, dict) for v in s.get("values", [])]
     return bool(vals) and all(v in ("NaN",) for v in vals)
 
-def cmd_check(base, timeout, dashboards_dir, job, skip_ps, skip_job, rate_interval, started):
+def cmd_check(base, timeout, dashboards_dir, job, skip_ps, skip_job, rate_interval, started,
+              may_be_empty=""):
     deadline = time.time() + float(timeout)
     started = float(started)
     # 1. every target up
@@ -242,7 +247,12 @@ def cmd_check(base, timeout, dashboards_dir, job, skip_ps, skip_job, rate_interv
     for i in sorted(nan): print(f"  note: NaN only (no observations yet?): {exprs[i][0]}")
     print(f"  {len(rules)} alert rules evaluated" + (f"; pending/firing: {', '.join(firing)}" if firing else ""))
     for where, e, err in errors.values(): failures.append(f"ERROR   {where}: {err}\n          {e}")
-    for where, e in pending.values(): failures.append(f"NO DATA {where}\n          {e}")
+    optional = may_be_empty.split()
+    for where, e in pending.values():
+        if any(re.search(r"\b" + re.escape(m) + r"\b", e) for m in optional):
+            print(f"  note: no data, as allowed (--may-be-empty): {where}")
+            continue
+        failures.append(f"NO DATA {where}\n          {e}")
     failures += [f"RULE    {x}" for x in rule_errors]
     if failures:
         print("FAILED:")
@@ -279,7 +289,7 @@ echo "prometheus $("$prometheus_bin" --version 2>&1 | head -1 | awk '{print $3}'
 
 rc=0
 "$PY" -c "$HELPER" check "$base" "$timeout" "$repo/dashboards/grafana" "$job_id" "$skip_ps" "$skip_job" \
-  "$rate_interval" "$started" || rc=$?
+  "$rate_interval" "$started" "$may_be_empty" || rc=$?
 if ((rc != 0)); then
   echo "--- prometheus log (tail) ---"; tail -20 "$tmp/prometheus.log"
 fi

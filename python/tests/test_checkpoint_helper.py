@@ -1,6 +1,7 @@
 """trainyard.save_checkpoint and the rank's stop on SIGTERM, outside a cluster: a checkpoint is
 there whole or not at all, keep_last removes the oldest, and SIGTERM turns into should_stop()."""
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -90,3 +91,41 @@ def test_sigterm_makes_should_stop_true_and_the_programs_own_handler_still_runs(
                          timeout=60)
     assert out.returncode == 0 and out.stdout.split() == ["True", "True"], (out.stdout,
                                                                           out.stderr)
+
+
+NEVER_ASKS = """
+    import os, signal, sys, time
+    sys.path.insert(0, {sdk!r})
+    import trainyard
+    ctx = trainyard.init()
+    # never asks ctx.should_stop(): SIGTERM ends it, as without the SDK
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+    print("still alive")
+"""
+
+
+def test_a_program_that_never_asks_should_stop_still_ends_on_sigterm(tmp_path):
+    sdk = os.path.dirname(os.path.dirname(trainyard.__file__))
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent(NEVER_ASKS.format(sdk=sdk)))
+    env = dict(os.environ, TRAINYARD_JOB_ID="job-1", TRAINYARD_JOB_CREDENTIAL="tyj.x",
+               TRAINYARD_COORDINATOR="127.0.0.1:1")
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == -signal.SIGTERM and "still alive" not in out.stdout, out
+
+
+def test_a_failed_write_over_a_folder_keeps_the_folder_that_was_there(tmp_path):
+    ctx = context(tmp_path)
+    (tmp_path / "step-5").mkdir()
+    (tmp_path / "step-5" / "weights").write_text("good")
+
+    def torn(tmp):
+        os.makedirs(tmp)
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        trainyard.save_checkpoint(tmp_path / "step-5", torn, context=ctx)
+    assert (tmp_path / "step-5" / "weights").read_text() == "good"
+    assert os.listdir(tmp_path) == ["step-5"]

@@ -171,6 +171,8 @@ def test_a_cancelled_program_saves_in_its_grace_and_the_checkpoint_is_recorded(c
     assert described.last_checkpoint.step == step, described
     assert described.last_checkpoint.path.endswith(f"/step-{step}")
     assert [c.step for c in described.kept_checkpoints] == [step]
+    # The steps it reported in its grace were answered "stop", not recorded as the job's.
+    assert max(r.step for r in client.metrics(job.id)) <= step
     shown = yard(cluster, "describe", job.id)
     assert shown.returncode == 0, shown.stderr
     size = len(str(step))  # the bytes the program wrote
@@ -339,6 +341,7 @@ def test_an_array_runs_a_job_per_index_never_more_than_its_limit_at_once(cluster
     waits = []
     while expected not in waits and time.time() < deadline:
         waits.append(client.describe(ids[-1]).why_waiting)  # until a task runs
+        time.sleep(0.02)
     assert expected in waits, waits[-5:]
     lines = []
     for index, job_id in enumerate(ids):

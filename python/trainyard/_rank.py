@@ -4,6 +4,7 @@ import glob
 import os
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -64,6 +65,7 @@ class Context:
         self._recent = collections.deque(maxlen=self._KEEP)
         self._incarnation = ""
         self._sigterm = False
+        self._polled = False  # should_stop() asked at least once: SIGTERM is the program's to act on
         self._kept = []  # (step, path) that save_checkpoint keeps, oldest first
         keep = env.get("TRAINYARD_CHECKPOINT_KEEP_LAST", "")
         self.keep_last = int(keep) if keep.isdigit() else 0
@@ -89,9 +91,15 @@ class Context:
         previous = signal.getsignal(signal.SIGTERM)
 
         def on_sigterm(signum, frame):
+            again = self._sigterm
             self._sigterm = True
             if callable(previous):
                 previous(signum, frame)
+            elif previous == signal.SIG_DFL and (again or not self._polled):
+                # A program that never asks should_stop() (or a second SIGTERM): ends as it
+                # would have without the SDK.
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
 
         signal.signal(signal.SIGTERM, on_sigterm)
 
@@ -178,8 +186,12 @@ class Context:
         return self._commands()
 
     def _kept_checkpoints(self, step, path):
-        """(step, path) of the checkpoints save_checkpoint kept beside `path`, oldest first."""
-        return [(s, p) for s, p in self._kept if p != str(path)] + [(int(step), str(path))]
+        """(step, path) of the checkpoints save_checkpoint keeps with `path`, oldest first: the
+        newest keep_last (when set), at most 100 (what a report carries)."""
+        kept = [(s, p) for s, p in self._kept if p != str(path)] + [(int(step), str(path))]
+        if self.keep_last > 0:
+            kept = kept[-self.keep_last:]
+        return kept[-100:]
 
     def checkpoint_requested(self):
         """Whether `yard checkpoint` asks for a checkpoint after this step; also whenever
@@ -189,7 +201,8 @@ class Context:
     def should_stop(self):
         """Whether the job is asked to checkpoint and exit 0: a preemption (it is requeued, and
         its next attempt resumes from that checkpoint), a cancel or SIGTERM (the rank has its stop
-        grace, spec.preemption_grace_seconds, to save before SIGKILL)."""
+        grace, the worker's --stop-grace, to save before SIGKILL)."""
+        self._polled = True
         return self._stop_requested or self._sigterm
 
     def latest_checkpoint(self, pattern="*"):
@@ -242,10 +255,11 @@ def _remove(path):
 def save_checkpoint(path, write, step=None, context=None):
     """Saves a checkpoint atomically: `write(tmp)` writes it to a temporary path beside `path`
     (a file, or a folder it creates), which is fsynced and renamed to `path` (a checkpoint that
-    exists is replaced), so that a kill mid-write never leaves a torn checkpoint where the next
-    attempt looks. With `step`, rank 0 then reports it (describe shows it; a requested checkpoint
-    is answered), and checkpoint.keep_last (when the spec sets it) removes the oldest ones this
-    program saved. Returns `path`.
+    exists is replaced: a folder is first moved aside, then removed), so that a kill mid-write
+    never leaves a torn checkpoint where the next attempt looks. With `step`, rank 0 then reports
+    it (describe shows it; a requested checkpoint is answered), and checkpoint.keep_last (when the
+    spec sets it) removes the oldest ones this program saved once the new one is reported. Call it
+    from one rank for a path the ranks share. Returns `path`.
 
         trainyard.save_checkpoint(f"{ctx.checkpoint_dir}/step-{step}.pt",
                                   lambda tmp: torch.save(state, tmp), step=step)
@@ -254,20 +268,24 @@ def save_checkpoint(path, write, step=None, context=None):
     path = os.path.abspath(str(path))
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    _remove(tmp)
+    unique = f"{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{unique}")
+    old = os.path.join(folder, f".{os.path.basename(path)}.old-{unique}")
     try:
         write(tmp)
         if not os.path.exists(tmp):
             raise FileNotFoundError(f"save_checkpoint: write() did not create {tmp}")
         _fsync_tree(tmp)
         if os.path.isdir(tmp) and os.path.isdir(path):
-            _remove(path)  # a folder cannot be renamed over a full one
+            os.replace(path, old)  # a folder cannot be renamed over a full one
         os.replace(tmp, path)
         _fsync_dir(folder)
     except BaseException:
         _remove(tmp)
+        if os.path.exists(old) and not os.path.exists(path):
+            os.replace(old, path)  # the checkpoint that was there stays
         raise
+    _remove(old)
     if step is None:
         return path
     size = 0
@@ -277,12 +295,12 @@ def save_checkpoint(path, write, step=None, context=None):
     else:
         size = os.path.getsize(path)
     ctx._kept = [(s, p) for s, p in ctx._kept if p != path] + [(int(step), path)]
+    ctx.report_checkpoint(step, path, size)
     if ctx.keep_last > 0 and ctx.rank == 0:
         while len(ctx._kept) > ctx.keep_last:
-            _, old = ctx._kept.pop(0)
-            _remove(old)
-    ctx._kept = ctx._kept[-100:]  # what a report carries at most
-    ctx.report_checkpoint(step, path, size)
+            _, gone = ctx._kept.pop(0)
+            _remove(gone)
+    ctx._kept = ctx._kept[-max(ctx.keep_last, 100):]
     return path
 
 

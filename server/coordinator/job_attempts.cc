@@ -118,12 +118,15 @@ v1::TrainerCommands StopCommands() {
 }  // namespace
 
 absl::StatusOr<v1::TrainerCommands> JobManager::OnStepReport(const v1::StepReport& report,
-                                                             bool record) {
+                                                             bool& record) {
   absl::MutexLock lock(&mu_);
   absl::StatusOr<v1::Job*> running = FindRunningAttempt(report.job_id(), report.attempt());
   if (!running.ok()) {
     const v1::Job* job = Find(report.job_id());
-    if (job != nullptr && InStopGrace(*job, report.attempt(), report.rank())) return StopCommands();
+    if (job != nullptr && InStopGrace(*job, report.attempt(), report.rank())) {
+      record = false;
+      return StopCommands();
+    }
     return running.status();
   }
   v1::Job* job = *running;

@@ -97,10 +97,11 @@ class TrainerReports {
   virtual ~TrainerReports() = default;
 
   // A step report from one of a job's ranks: returns the job's pending commands, and with
-  // `record` (rank 0's report, new) updates the job's progress. FAILED_PRECONDITION for an
-  // attempt that is not the job's running one.
+  // `record` (rank 0's report, new) updates the job's progress. A rank of an ended attempt in
+  // its stop grace is told to stop and `record` is set false (its steps are not the job's any
+  // more). FAILED_PRECONDITION for an attempt that is not the job's running one otherwise.
   virtual absl::StatusOr<v1::TrainerCommands> OnStepReport(const v1::StepReport& report,
-                                                           bool record) = 0;
+                                                           bool& record) = 0;
   // A checkpoint written by a job's ranks: recorded durably; CHECKPOINTING → RUNNING.
   virtual absl::StatusOr<v1::TrainerCommands> OnCheckpointReport(
       const v1::CheckpointReport& report) = 0;

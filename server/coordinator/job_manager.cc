@@ -72,15 +72,23 @@ void JobManager::WakeScheduler() {
 absl::Status JobManager::Load(const std::vector<StoredJob>& stored) {
   absl::MutexLock lock(&mu_);
   const absl::Time now = clock_.Now();
-  for (const StoredJob& s : stored) {
-    v1::Job job;
-    if (!job.ParseFromString(s.payload)) {
-      return absl::DataLossError(absl::StrCat("job ", s.id, ": unreadable record"));
+  std::vector<v1::Job> jobs(stored.size());
+  std::set<std::string> awaited;  // named in an unfinished job's `after`
+  for (size_t i = 0; i < stored.size(); ++i) {
+    if (!jobs[i].ParseFromString(stored[i].payload)) {
+      return absl::DataLossError(absl::StrCat("job ", stored[i].id, ": unreadable record"));
     }
+    if (!IsTerminal(jobs[i].state())) {
+      awaited.insert(jobs[i].spec().after().begin(), jobs[i].spec().after().end());
+    }
+  }
+  for (v1::Job& job : jobs) {
     next_seq_ = std::max(next_seq_, job.seq() + 1);
     if (IsTerminal(job.state())) {
-      // Finished jobs past their retention stay in the store.
-      if (absl::FromUnixMillis(job.end_time_ms()) + retention_ <= now) {
+      // Finished jobs past their retention stay in the store; one that did not succeed stays in
+      // memory while a waiting job is after it, until the first pass fails that one.
+      const bool awaited_failure = job.state() != v1::SUCCEEDED && awaited.count(job.id()) > 0;
+      if (absl::FromUnixMillis(job.end_time_ms()) + retention_ <= now && !awaited_failure) {
         jobs_in_store_only_ = true;
         continue;
       }

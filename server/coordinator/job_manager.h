@@ -127,7 +127,7 @@ class JobManager final : public JobLifecycle,
   std::string UnfinishedJobOf(const std::string& account) const override ABSL_LOCKS_EXCLUDED(mu_);
   // TrainerReports: job_attempts.cc.
   absl::StatusOr<v1::TrainerCommands> OnStepReport(const v1::StepReport& report,
-                                                   bool record) override;
+                                                   bool& record) override;
   absl::StatusOr<v1::TrainerCommands> OnCheckpointReport(
       const v1::CheckpointReport& report) override;
   // AttemptTracker: job_attempts.cc.

@@ -166,11 +166,12 @@ std::string JobManager::WhyWaiting(const std::string& job_id, const std::string&
                           ") to succeed (after)");
     }
   }
-  if (const int limit = job.spec().array().max_running(); limit > 0) {
-    if (const int running = RunningArrayTasks(job); running >= limit) {
-      return absl::StrCat("waiting: ", running, " tasks of array ", job.spec().array().id(),
-                          " run, at most ", limit, " at once");
-    }
+  if (const int limit = job.spec().array().max_running();
+      limit > 0 && ArrayTasksToConsider().count(job.id()) == 0) {
+    const int running = RunningArrayTasks(job);
+    return absl::StrCat("waiting: ", running, " tasks of array ", job.spec().array().id(),
+                        " run, at most ", limit, " at once",
+                        running < limit ? "; its older tasks go first" : "");
   }
   if (!last_pass_.has_value()) return "waiting for the next scheduling pass";
   const auto it = last_pass_->waits.find(job.id());

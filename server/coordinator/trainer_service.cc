@@ -59,9 +59,9 @@ grpc::ServerUnaryReactor* TrainerServiceImpl::ReportStep(grpc::CallbackServerCon
   // Other ranks' reports only fetch the commands, as does a report sent again that this
   // coordinator already has (StepReport.seq), and one from a rank that last spoke to another
   // coordinator: it sends its recent reports again, in order, on seeing this one's incarnation.
-  const bool record = request->rank() == 0 &&
-                      (request->incarnation().empty() || request->incarnation() == incarnation_) &&
-                      metrics_.Fresh(request->job_id(), *request);
+  bool record = request->rank() == 0 &&
+                (request->incarnation().empty() || request->incarnation() == incarnation_) &&
+                metrics_.Fresh(request->job_id(), *request);
   auto commands = jobs_.OnStepReport(*request, record);
   if (commands.ok()) {
     *response = *commands;

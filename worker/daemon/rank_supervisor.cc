@@ -362,7 +362,8 @@ std::string ErrorFileMessage(const std::string& path, size_t max_bytes) {
   if (fd < 0) return "";
   struct stat st {};
   std::string text;
-  if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) {
+  // A regular file with one name: not a hard link to a file the owner could not read.
+  if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_nlink == 1) {
     text.resize(64 * 1024);
     const ssize_t n = pread(fd, text.data(), text.size(), 0);
     text.resize(n > 0 ? static_cast<size_t>(n) : 0);

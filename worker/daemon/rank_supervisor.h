@@ -111,8 +111,8 @@ std::string FailureMessage(const std::vector<std::string>& last_lines);
 // {"message": {"message": "RuntimeError: ...", "extraInfo": {"py_callstack": "Traceback ...",
 // ...}}}, or a plain string as "message"): the exception's line, then the callstack's last lines,
 // at most `max_bytes` in all (valid UTF-8); empty when there is no such file or it says nothing
-// readable. The rank's owner wrote it: opened without following a link, a regular file only, at
-// most 64 KiB read.
+// readable. The rank's owner wrote it: opened without following a link, a regular file with one
+// name only (no hard link to another's file), at most 64 KiB read.
 std::string ErrorFileMessage(const std::string& path, size_t max_bytes = 2048);
 
 class RankSupervisor {
