@@ -283,6 +283,10 @@ TEST(ErrorFileMessageTest, NothingReadableIsNoMessage) {
   unlink((dir + "/fifo.json").c_str());
   ASSERT_EQ(mkfifo((dir + "/fifo.json").c_str(), 0600), 0);
   EXPECT_EQ(ErrorFileMessage(dir + "/fifo.json"), "");
+  // Nor a hard link (where fs.protected_hardlinks is off, one to a file the owner cannot read).
+  unlink((dir + "/hard.json").c_str());
+  ASSERT_EQ(link(secret.c_str(), (dir + "/hard.json").c_str()), 0);
+  EXPECT_EQ(ErrorFileMessage(dir + "/hard.json"), "");
 }
 
 TEST(ErrorFileMessageTest, ALongCallstackKeepsItsLastLinesWithinTheLimit) {

@@ -81,14 +81,20 @@ SIGTERMED = """
 """
 
 
-def test_sigterm_makes_should_stop_true_and_the_programs_own_handler_still_runs(tmp_path):
+def run_as_rank(tmp_path, body):
+    """Runs `body` (its {sdk} filled) as a rank of a job would be: in a process of its own, with
+    a job's id and credential (a coordinator it never reaches)."""
     sdk = os.path.dirname(os.path.dirname(trainyard.__file__))
     script = tmp_path / "rank.py"
-    script.write_text(textwrap.dedent(SIGTERMED.format(sdk=sdk)))
+    script.write_text(textwrap.dedent(body.format(sdk=sdk)))
     env = dict(os.environ, TRAINYARD_JOB_ID="job-1", TRAINYARD_JOB_CREDENTIAL="tyj.x",
                TRAINYARD_COORDINATOR="127.0.0.1:1")
-    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                         timeout=60)
+    return subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_sigterm_makes_should_stop_true_and_the_programs_own_handler_still_runs(tmp_path):
+    out = run_as_rank(tmp_path, SIGTERMED)
     assert out.returncode == 0 and out.stdout.split() == ["True", "True"], (out.stdout,
                                                                           out.stderr)
 
@@ -106,13 +112,7 @@ NEVER_ASKS = """
 
 
 def test_a_program_that_never_asks_should_stop_still_ends_on_sigterm(tmp_path):
-    sdk = os.path.dirname(os.path.dirname(trainyard.__file__))
-    script = tmp_path / "rank.py"
-    script.write_text(textwrap.dedent(NEVER_ASKS.format(sdk=sdk)))
-    env = dict(os.environ, TRAINYARD_JOB_ID="job-1", TRAINYARD_JOB_CREDENTIAL="tyj.x",
-               TRAINYARD_COORDINATOR="127.0.0.1:1")
-    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                         timeout=60)
+    out = run_as_rank(tmp_path, NEVER_ASKS)
     assert out.returncode == -signal.SIGTERM and "still alive" not in out.stdout, out
 
 
