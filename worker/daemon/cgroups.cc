@@ -307,7 +307,8 @@ bool JoinCgroups(const std::vector<std::string>& dirs, pid_t pid) {
   return true;
 }
 
-void SignalCgroups(const std::vector<std::string>& dirs, int sig) {
+void SignalCgroups(const std::vector<std::string>& dirs, int sig,
+                   const std::function<bool(pid_t)>& skip) {
   if (dirs.empty()) return;
   for (const std::string& d : dirs) {
     if (sig == SIGKILL && Exists(d + "/cgroup.kill")) {  // v2 (Linux 5.14 and later)
@@ -328,7 +329,9 @@ void SignalCgroups(const std::vector<std::string>& dirs, int sig) {
       usleep(1000);
     }
   }
-  for (pid_t pid : Members(dirs)) kill(pid, sig);
+  for (pid_t pid : Members(dirs)) {
+    if (!skip || !skip(pid)) kill(pid, sig);
+  }
   if (freezer.has_value()) WriteSmallFile(*freezer + "/freezer.state", "THAWED");
 }
 

@@ -77,9 +77,10 @@ absl::StatusOr<std::vector<std::string>> CreateRankCgroup(const CgroupHost& host
 
 // The shepherd's side. Puts `pid` into each of `dirs` (before it drops privileges).
 bool JoinCgroups(const std::vector<std::string>& dirs, pid_t pid);
-// Sends `sig` to every process in the cgroups (v2: cgroup.kill for SIGKILL; v1: frozen while
-// signalled, so that none forks past it).
-void SignalCgroups(const std::vector<std::string>& dirs, int sig);
+// Sends `sig` to every process in the cgroups but those `skip` is true for (v2: cgroup.kill for
+// SIGKILL, skipping none; v1: frozen while signalled, so that none forks past it).
+void SignalCgroups(const std::vector<std::string>& dirs, int sig,
+                   const std::function<bool(pid_t)>& skip = nullptr);
 // Whether any process is left in them.
 bool CgroupsEmpty(const std::vector<std::string>& dirs);
 // The memory cgroup's limit, peak and OOM kills, when `dirs` has one.

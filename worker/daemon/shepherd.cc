@@ -21,7 +21,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -86,10 +88,10 @@ void RemoveSharedMemoryOf(pid_t pid) {
   }
 }
 
-// Sends `sig` to every process but this one whose environment holds `mark` (a whole entry, as
-// /proc shows it: to this account, or any with root). A process that cleared its environment is
-// not found.
-void SignalMarked(const std::string& mark, int sig) {
+// Sends `sig` to every process but this one (and those `skip` is true for) whose environment
+// holds `mark` (a whole entry, as /proc shows it: to this account, or any with root). A process
+// that cleared its environment is not found.
+void SignalMarked(const std::string& mark, int sig, const std::function<bool(pid_t)>& skip) {
   if (mark.empty()) return;
   const pid_t self = getpid();
   const std::string nul(1, '\0');
@@ -107,7 +109,8 @@ void SignalMarked(const std::string& mark, int sig) {
       text.append(buf, static_cast<size_t>(n));
     }
     close(fd);
-    if (absl::StartsWith(text, mark + nul) || absl::StrContains(text, nul + mark + nul)) {
+    if ((absl::StartsWith(text, mark + nul) || absl::StrContains(text, nul + mark + nul)) &&
+        !skip(pid)) {
       kill(pid, sig);
     }
   }
@@ -526,10 +529,15 @@ class Shepherd {
     Stop(SIGTERM);
   }
 
+  // `sig` to the rank's process group, then to what left the group: the processes with its mark,
+  // and those in its cgroups (also what cleared its environment). Each process gets it once: to
+  // many programs a second SIGTERM means "stop now, without saving" (the SDK's, torchrun's).
   void Stop(int sig) {
     kill(-rank_, sig);
-    SignalMarked(mark_, sig);
-    SignalCgroups(s_.cgroups, sig);  // also what left the group and cleared its environment
+    std::set<pid_t> sent;
+    const auto skip = [&](pid_t pid) { return getpgid(pid) == rank_ || !sent.insert(pid).second; };
+    SignalMarked(mark_, sig, skip);
+    SignalCgroups(s_.cgroups, sig, skip);
   }
 
   void SayExit() {
