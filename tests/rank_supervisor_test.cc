@@ -3,6 +3,7 @@
 #include "worker/daemon/rank_supervisor.h"
 
 #include <grp.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <signal.h>
@@ -211,6 +212,18 @@ TEST(RankEnvironmentTest, BaseThenTheNamedWorkerVariablesThenTheRanksOwn) {
 }
 
 // A failed rank's message leads with its cause, not with the first thing it printed.
+// The shepherd (trainyard-worker itself) finds its libraries where the worker did, and holds
+// nothing else of the worker's environment. (The GPU hosts' kit is under LD_LIBRARY_PATH: without
+// it, no shepherd started there and every rank failed "the rank's shepherd did not start".)
+TEST(ShepherdEnvironmentTest, AFixedPathAndTheWorkersLibraryPathOnly) {
+  EXPECT_THAT(ShepherdEnvironment({"HOME=/root", "LD_LIBRARY_PATH=/opt/kit/lib:/opt/torch/lib",
+                                   "LD_PRELOAD=/x.so", "PATH=/opt/bin", "SECRET=1"}),
+              ::testing::ElementsAre("PATH=/usr/sbin:/usr/bin:/sbin:/bin",
+                                   "LD_LIBRARY_PATH=/opt/kit/lib:/opt/torch/lib"));
+  EXPECT_THAT(ShepherdEnvironment({"HOME=/root", "XLD_LIBRARY_PATH=/x"}),
+              ::testing::ElementsAre("PATH=/usr/sbin:/usr/bin:/sbin:/bin"));
+}
+
 TEST(RankCoordinatorListTest, TheLeadersListThenTheWorkersAddressesItLacks) {
   EXPECT_EQ(RankCoordinatorList("a:1", "b:2,a:1"), "a:1,b:2");
   EXPECT_EQ(RankCoordinatorList("a:1,c:3", " b:2 , a:1,"), "a:1,c:3,b:2");

@@ -275,6 +275,14 @@ int ParseShepherdExit(const std::string& fields, v1::RankUsage* usage) {
 
 }  // namespace
 
+std::vector<std::string> ShepherdEnvironment(const std::vector<std::string>& worker_env) {
+  std::vector<std::string> out = {"PATH=/usr/sbin:/usr/bin:/sbin:/bin"};
+  for (const std::string& e : worker_env) {
+    if (absl::StartsWith(e, "LD_LIBRARY_PATH=")) out.push_back(e);
+  }
+  return out;
+}
+
 std::vector<std::string> DefaultRankEnv() {
   return {"LD_LIBRARY_PATH", "NCCL_*", "GLOO_*", "OMP_*", "OPENBLAS_*", "MKL_*", "TRAINYARD_*"};
 }
@@ -874,9 +882,10 @@ void RankSupervisor::Exec(const v1::Assignment& a, const RankKey& key, int devic
   std::vector<char*> c_argv, c_env;
   for (auto& s : shepherd) c_argv.push_back(s.data());
   c_argv.push_back(nullptr);
-  // The shepherd's own environment is fixed: nothing of the job's or of this worker's.
-  std::string shepherd_path_env = "PATH=/usr/sbin:/usr/bin:/sbin:/bin";
-  c_env = {shepherd_path_env.data(), nullptr};
+  // The shepherd's own environment: nothing of the job's, of this worker's only its libraries.
+  std::vector<std::string> shepherd_env = ShepherdEnvironment(worker_env);
+  for (auto& e : shepherd_env) c_env.push_back(e.data());
+  c_env.push_back(nullptr);
 
   // The log starts empty and is the worker's (the shepherd appends the rank's output to it).
   if (absl::Status s = WriteOwnedFile(prefix + ".log", "", nullptr); !s.ok()) {

@@ -39,6 +39,12 @@ namespace trainyard::worker {
 // GLOO_*, OMP_*, OPENBLAS_*, MKL_*, TRAINYARD_*), nothing else of its environment.
 std::vector<std::string> DefaultRankEnv();
 
+// The shepherd's own environment (it holds nothing of the job's): a fixed PATH, and the worker's
+// LD_LIBRARY_PATH when it has one: the shepherd is trainyard-worker itself and finds its libraries
+// as the worker did (a host whose gRPC or Abseil live outside the loader's default folders, as the
+// GPU hosts' kit under /opt/kit). The operator's setting, not a job's.
+std::vector<std::string> ShepherdEnvironment(const std::vector<std::string>& worker_env);
+
 // The coordinators a rank is given (TRAINYARD_COORDINATOR, RankContext.coordinator_address): the
 // leader's list, then the addresses of `worker_list` it lacks. Both are comma-separated.
 std::string RankCoordinatorList(const std::string& leader_list, const std::string& worker_list);

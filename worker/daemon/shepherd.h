@@ -7,7 +7,8 @@
 //
 // The shepherd is trainyard-worker itself, run by RankSupervisor as
 //   trainyard-worker --shepherd NAME=VALUE... -- PROGRAM ARGS...
-// with a fixed environment of its own, its listening socket as file descriptor 3 and the rank's
+// with a fixed environment of its own (PATH, and the worker's LD_LIBRARY_PATH: its libraries), its
+// listening socket as file descriptor 3 and the rank's
 // environment in a memfd (env_fd=4). It runs as the worker's account (root on a shared cluster)
 // and holds nothing the job controls in a way it acts on: it forks the rank, which switches to
 // the owner's account first and only then reads its environment, looks a bare PROGRAM up in
