@@ -10,17 +10,23 @@
 # tokens/s (median over the timed steps), step time, MFU and peak GPU memory, and the ratios, as
 # Markdown rows.
 #
-#   bash bench/gpu_bench.sh [--llama] [--only NAME] [BUILD_DIR] [STEPS]
+# With --profile DIR, 3 steps of each run are traced too (trainyard's in a run of its own, eager's
+# and compile's after their timed steps) and bench/trace_summary.py's tables of where the GPU
+# time goes land in DIR/NAME.md, the traces gzipped beside them.
+#
+#   bash bench/gpu_bench.sh [--llama] [--only NAME] [--profile DIR] [BUILD_DIR] [STEPS]
 #     # defaults build-gpu, 30 (the first 5 untimed)
 # Needs the CUDA build (scripts/test-gpu.sh builds it) and python3 with torch (the GPU host's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 llama=0
 only=""
+profile=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --llama) llama=1 ;;
     --only) only=$2; shift ;;
+    --profile) profile=$2; mkdir -p "$profile"; shift ;;
     *) break ;;
   esac
   shift
@@ -43,6 +49,24 @@ array.array('H', (r.randrange(50304) for _ in range(16 * 1025 * 8))).tofile(open
 # Llama 3's vocabulary does not fit uint16: uint32 tokens.
 array.array('I', (r.randrange(128256) for _ in range(4 * 2049 * 8))).tofile(open('$work/tokens.u32', 'wb'))"
 
+# NAME: trainyard's trace of 3 steps after the untimed ones (run_case's spec; eager's and
+# compile's were taken after their timed steps), and the summary in $profile/NAME.md. A failed
+# trace is said and skipped, not the bench's end.
+profile_case() {
+  local name=$1 traces=()
+  "$trainer" --spec "$work/$name-auto.yaml" --job-id "" --attempt 1 --rank 0 --world-size 1 \
+    --coordinator 127.0.0.1:1 --checkpoint-dir "" --device cuda --threads 4 \
+    --profile-steps $((warmup + 1)):3 --profile-out "$profile/$name-trainyard.json" \
+    >"$profile/$name-trainyard.log" 2>&1 || echo "gpu_bench: $name: the traced run failed" >&2
+  local run
+  for run in trainyard eager compile; do
+    [ -s "$profile/$name-$run.json" ] && traces+=("$run=$profile/$name-$run.json")
+  done
+  python3 bench/trace_summary.py --steps 3 "${traces[@]}" >"$profile/$name.md" 2>&1 ||
+    echo "gpu_bench: $name: no trace summary (see $profile/$name.md)" >&2
+  gzip -f "$profile/$name"-*.json 2>/dev/null || true
+}
+
 # NAME BATCH DATA FORMAT MODEL_YAML REFERENCE_ARGS...: trainyard (fused head, then plain head),
 # PyTorch eager and torch.compile on one model; Markdown rows on stdout.
 run_case() {
@@ -51,7 +75,8 @@ run_case() {
   local ref=("$@")
   [ -n "$only" ] && [ "$only" != "$name" ] && return 0
   local variant flags
-  for variant in auto plain-head plain-norm; do
+  # (TRAINYARD_BENCH_VARIANTS=auto: only the fused run, for a short GPU session.)
+  for variant in ${TRAINYARD_BENCH_VARIANTS:-auto plain-head plain-norm}; do
     case $variant in
       auto) flags=() ;;
       plain-head) flags=(--fused-loss off) ;;
@@ -75,9 +100,16 @@ SPEC
       { tail -20 "$work/$name-$variant.log"; echo "gpu_bench: $name ($variant) failed" >&2; exit 1; }
   done
   local args=("${ref[@]}" --batch "$batch" --steps "$steps" --warmup-steps "$warmup")
-  python3 bench/gpu_reference.py "${args[@]}" >"$work/$name.eager.json"
-  python3 bench/gpu_reference.py "${args[@]}" --compile >"$work/$name.compile.json" 2>"$work/$name.compile.err" ||
+  local eager_trace=() compile_trace=()
+  if [ -n "$profile" ]; then
+    eager_trace=(--profile "$profile/$name-eager.json")
+    compile_trace=(--profile "$profile/$name-compile.json")
+  fi
+  python3 bench/gpu_reference.py "${args[@]}" ${eager_trace[@]+"${eager_trace[@]}"} >"$work/$name.eager.json"
+  python3 bench/gpu_reference.py "${args[@]}" --compile ${compile_trace[@]+"${compile_trace[@]}"} \
+    >"$work/$name.compile.json" 2>"$work/$name.compile.err" ||
     echo '{"tokens_per_second": 0, "step_ms": 0, "peak_bytes": 0}' >"$work/$name.compile.json"
+  [ -n "$profile" ] && profile_case "$name"
   python3 - "$work" "$name" "$warmup" "$peak_tflops" "$gpu" "${ref[@]}" <<'PY'
 import json, statistics, sys
 work, name, warmup, peak, gpu = sys.argv[1:6]

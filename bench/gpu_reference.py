@@ -154,6 +154,9 @@ def main():
     ap.add_argument("--warmup-steps", type=int, default=5)
     ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--profile", default="",
+                    help="then 3 more steps (not timed) traced into this Chrome trace "
+                         "(bench/trace_summary.py)")
     a = ap.parse_args()
 
     torch.manual_seed(1)
@@ -172,7 +175,13 @@ def main():
                for _ in range(4)]
     times = []
     torch.cuda.reset_peak_memory_stats()
-    for i in range(a.steps):
+    profiler = None
+    for i in range(a.steps + (3 if a.profile else 0)):
+        if i == a.steps:  # --profile: the traced steps, after the timed ones
+            torch.cuda.synchronize()
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                          torch.profiler.ProfilerActivity.CUDA])
+            profiler.__enter__()
         start = time.perf_counter()
         w = batches[i % len(batches)].pin_memory().to(dev, non_blocking=True)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=a.precision == "bf16"):
@@ -182,8 +191,12 @@ def main():
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss.item()  # as the trainer: the step's loss on the host
-        if i >= a.warmup_steps:
+        if a.warmup_steps <= i < a.steps:
             times.append(time.perf_counter() - start)
+    if profiler is not None:
+        torch.cuda.synchronize()
+        profiler.__exit__(None, None, None)
+        profiler.export_chrome_trace(a.profile)
     step_s = statistics.median(times)
     print(json.dumps({"tokens_per_second": a.batch * a.seq_len / step_s, "step_ms": step_s * 1e3,
                       "peak_bytes": torch.cuda.max_memory_allocated(),

@@ -56,7 +56,8 @@ export TRAINYARD_GPU_LOGS=$PWD/gpu-case-logs
 rm -rf "$TRAINYARD_GPU_LOGS"
 select=(-L gpu)
 [ -n "$only" ] && select+=(-R "$only")
-ctest --test-dir build-gpu "${select[@]}" -E gpu_cluster -j 4 --output-on-failure --timeout 240 \
+ctest --test-dir build-gpu "${select[@]}" -E gpu_cluster -j "${TRAINYARD_GPU_JOBS:-4}" \
+  --output-on-failure --timeout 240 \
   >"$out/ctest-gpu.txt" 2>&1 || rc=1
 if [ -z "$only" ] || [[ gpu_cluster =~ $only ]]; then
   ctest --test-dir build-gpu -R gpu_cluster --output-on-failure --timeout 200 \

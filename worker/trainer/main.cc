@@ -247,6 +247,12 @@ void AddRankFlags(CLI::App& app, TrainerOptions& o, std::string& spec_path,
       ->check(CLI::IsMember({"auto", "off"}))
       ->envname("TRAINYARD_FUSED_NORM")
       ->group("");  // hidden
+  app.add_option("--profile-steps", o.profile_steps,
+                 "FIRST:COUNT: rank 0 traces these steps (operators, and kernels on a GPU) into "
+                 "--profile-out as a Chrome trace (benchmarks, developers)")
+      ->group("");  // hidden
+  app.add_option("--profile-out", o.profile_out, "where --profile-steps' trace goes")
+      ->group("");  // hidden
 }
 
 int Main(int argc, char** argv) {

@@ -33,6 +33,7 @@
 #include "worker/trainer/optim/optimizers.h"
 #include "worker/trainer/parallel/parallel_dims.h"
 #include "worker/trainer/runtime/batches.h"
+#include "worker/trainer/runtime/profiler.h"
 #include "worker/trainer/runtime/device.h"
 #include "worker/trainer/runtime/torch_compat.h"
 #include "worker/trainer/strategy/strategy.h"
@@ -128,6 +129,7 @@ class Trainer {
   std::unique_ptr<StepReporter> step_reporter_;  // rank 0
   std::optional<DistributedSampler> sampler_;
   int64_t params_count_ = 0, trainable_count_ = 0;
+  StepProfiler profiler_;  // rank 0: --profile-steps
 };
 
 absl::Status Trainer::Setup() {
@@ -137,6 +139,10 @@ absl::Status Trainer::Setup() {
   ASSIGN_OR_RETURN(hf_checkpoint_, OpenModelFrom(&m_));
   // Bad input fails here, before this rank makes the others wait at the rendezvous.
   ASSIGN_OR_RETURN(device_, ResolveDevice(o_.device));
+  if (rank0_) {
+    ASSIGN_OR_RETURN(profiler_,
+                     StepProfiler::Make(o_.profile_steps, o_.profile_out, device_.is_cuda()));
+  }
   ASSIGN_OR_RETURN(dims_,
                    ParallelDims::Make(spec_, m_, o_.rank, o_.world_size, o_.local_world_size));
   ASSIGN_OR_RETURN(ps_ranges_, OffloadRanges(dims_, o_.ps_ranges));
@@ -274,10 +280,16 @@ absl::StatusOr<bool> Trainer::Step() {
   StepStats s;
   s.start = Clock::now();
   s.bytes_before = strategy_->BytesSent();
+  profiler_.Before(step_ + 1);
   strategy_->ForwardBackward(Work(s), s.r);
   RETURN_IF_ERROR(Update(s));
   ReadBack(s);
   ++step_;
+  if (absl::Status traced = profiler_.After(step_); !traced.ok()) {
+    Log(absl::StrCat("no trace of the steps: ", traced.message()));
+  } else if (step_ == profiler_.last_step()) {
+    Log(absl::StrCat("traced steps ", o_.profile_steps, " into ", o_.profile_out));
+  }
   s.comm_bytes = strategy_->BytesSent() - s.bytes_before;  // before the flags' all-reduce
   s.end = Clock::now();
   // train.eval_every (and after the last step): every rank knows when.

@@ -57,6 +57,9 @@ struct TrainerOptions {
   // "auto": on a GPU the GPT block's LayerNorms run fused with the residual add and the cast
   // (ModelOptions::fused_norms); "off": torch's LayerNorm (benchmarks).
   std::string fused_norm = "auto";
+  // Rank 0 traces steps FIRST:COUNT into profile_out (runtime/profiler.h); empty: none.
+  std::string profile_steps;
+  std::string profile_out;
 };
 
 // Runs training to the end (or to a graceful stop). INVALID_ARGUMENT / NOT_FOUND for bad spec or
