@@ -5,6 +5,8 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <string>
 #include <vector>
@@ -17,12 +19,54 @@
 #include "worker/trainer/model/model.h"
 #include "worker/trainer/optim/optimizers.h"
 #include "worker/trainer/runtime/device.h"
+#include "worker/trainer/runtime/profiler.h"
 #include "worker/trainer/trainer.h"
 
 namespace trainyard::trainer {
 namespace {
 
 using ::testing::HasSubstr;
+
+// --profile-steps: refused naming the flag when malformed; traces the steps it names, or (a
+// LibTorch built without Kineto, as Debian's 1.13) says it cannot and the training goes on.
+TEST(StepProfilerTest, ParsesItsStepsAndTracesThemOrSaysWhyNot) {
+  for (const char* bad : {"3", "0:2", "2:0", "2:101", "a:b", "1:2:3"}) {
+    auto p = StepProfiler::Make(bad, "/tmp/x.json", false);
+    ASSERT_FALSE(p.ok()) << bad;
+    EXPECT_THAT(std::string(p.status().message()), HasSubstr("--profile-steps")) << bad;
+  }
+  EXPECT_THAT(std::string(StepProfiler::Make("2:3", "", false).status().message()),
+              HasSubstr("--profile-out"));
+  auto none = StepProfiler::Make("", "", false);
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->last_step(), 0);
+
+  const std::string out = ::testing::TempDir() + "/profile-test.json";
+  std::filesystem::remove(out);
+  auto p = StepProfiler::Make("2:2", out, false);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->last_step(), 3);
+  torch::Tensor x = torch::ones({64, 64});
+  for (int64_t step = 1; step <= 4; ++step) {
+    p->Before(step);
+    x = torch::mm(x, x) / 64;
+    const absl::Status traced = p->After(step);
+    if (step != 3) {
+      EXPECT_TRUE(traced.ok()) << step << ": " << traced;
+      continue;
+    }
+    if (traced.ok()) {
+      std::ifstream in(out);
+      const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      EXPECT_THAT(text, HasSubstr("traceEvents"));
+      EXPECT_THAT(text, HasSubstr("aten::mm"));
+    } else {
+      EXPECT_EQ(traced.code(), absl::StatusCode::kUnavailable) << traced;
+      EXPECT_THAT(std::string(traced.message()), HasSubstr("Kineto"));
+    }
+  }
+  std::filesystem::remove(out);
+}
 
 TEST(LossScalerTest, BacksOffOnOverflowAndGrowsAfterTheIntervalAsGradScaler) {
   LossScaler::Options o;
