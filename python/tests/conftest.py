@@ -44,6 +44,14 @@ def preemptive_cluster(tmp_path_factory):
                              "--preemption-grace", "60s")
 
 
+@pytest.fixture(scope="module")
+def quick_preemption_cluster(tmp_path_factory):
+    """Preemption whose grace (1 s) ends before a program that is mid-step reports again: the
+    worker's SIGTERM is what stops it."""
+    yield from local_cluster(tmp_path_factory, "--preemption", "--min-run-time", "1ms",
+                             "--preemption-grace", "1s")
+
+
 @pytest.fixture()
 def client(cluster):
     with trainyard.Client(cluster["address"], cluster["token"]) as c:

@@ -241,3 +241,54 @@ def test_a_preempted_command_job_checkpoints_requeues_and_resumes(preemptive_clu
         assert stopped and resumed, lines
         assert resumed[0] == stopped[0]  # no step lost beyond the checkpoint
         assert (2, 0, "finished") in lines
+
+
+LONG_STEP_PROGRAM = """
+    import os, sys, time
+    sys.path.insert(0, {sdk!r})
+    import trainyard
+    ctx = trainyard.init()
+    latest = ctx.latest_checkpoint("step-*")
+    start = int(open(latest).read()) if latest else 0
+    if latest:
+        print(f"resumed from step {{start}}", flush=True)
+    step = start + 1
+    ctx.report(step, loss=1.0 / step)
+    if ctx.attempt == 1:
+        # One long step: no report until it ends, so no answer can say "stop"; only SIGTERM can.
+        deadline = time.time() + 120
+        while not ctx.should_stop() and time.time() < deadline:
+            time.sleep(0.02)
+        if ctx.rank == 0:
+            trainyard.save_checkpoint(os.path.join(ctx.checkpoint_dir, f"step-{{step:06d}}"),
+                                      lambda tmp: open(tmp, "w").write(str(step)), step=step)
+        print(f"stopped at step {{step}}", flush=True)
+        sys.exit(0)
+    print("finished", flush=True)
+"""
+
+
+def test_a_preempted_program_mid_step_saves_on_sigterm_and_resumes(quick_preemption_cluster,
+                                                                   tmp_path):
+    cluster = quick_preemption_cluster
+    with trainyard.Client(cluster["address"], cluster["token"]) as client:
+        folder = program(tmp_path, LONG_STEP_PROGRAM.format(sdk=SDK))
+        low = client.submit(name="long-step", gpus=2, priority=10, workdir=str(folder),
+                            command=[sys.executable, "train.py"])
+        rows = []
+        for row in client.metrics(low.id, follow=True, timeout=120):
+            rows.append(row)
+            break  # its step 1 is reported: it is inside its long step now
+        assert rows and rows[0].step == 1
+        high = client.submit(name="urgent", gpus=2, priority=90,
+                             command=["/bin/sh", "-c", "echo urgent"])
+        assert client.wait(high.id, timeout=120).state == job_pb2.SUCCEEDED
+        done = client.wait(low.id, timeout=180)
+        lines = attempt_lines(client, low.id)
+        assert done.state == job_pb2.SUCCEEDED, (done, lines)
+        assert done.preemptions == 1 and done.attempt == 2 and done.restarts == 0, (done, lines)
+        # Each rank stopped in the worker's stop grace after SIGTERM (rank 0 saving), and attempt
+        # 2 went on from the checkpoint.
+        assert (1, 0, "stopped at step 1") in lines and (1, 1, "stopped at step 1") in lines, lines
+        assert (2, 0, "resumed from step 1") in lines and (2, 0, "finished") in lines, lines
+        assert done.last_checkpoint.step == 1 and done.last_checkpoint.attempt == 1, done
