@@ -57,7 +57,8 @@ TEST(StepProfilerTest, ParsesItsStepsAndTracesThemOrSaysWhyNot) {
     }
     if (traced.ok()) {
       std::ifstream in(out);
-      const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      const std::string text((std::istreambuf_iterator<char>(in)),
+                             std::istreambuf_iterator<char>());
       EXPECT_THAT(text, HasSubstr("traceEvents"));
       EXPECT_THAT(text, HasSubstr("aten::mm"));
     } else {

@@ -2,8 +2,8 @@
 // that arrive more than once, as they do when a session opens while a placement is being sent.
 #include "worker/daemon/rank_supervisor.h"
 
-#include <grp.h>
 #include <gmock/gmock.h>
+#include <grp.h>
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <signal.h>
@@ -219,7 +219,7 @@ TEST(ShepherdEnvironmentTest, AFixedPathAndTheWorkersLibraryPathOnly) {
   EXPECT_THAT(ShepherdEnvironment({"HOME=/root", "LD_LIBRARY_PATH=/opt/kit/lib:/opt/torch/lib",
                                    "LD_PRELOAD=/x.so", "PATH=/opt/bin", "SECRET=1"}),
               ::testing::ElementsAre("PATH=/usr/sbin:/usr/bin:/sbin:/bin",
-                                   "LD_LIBRARY_PATH=/opt/kit/lib:/opt/torch/lib"));
+                                     "LD_LIBRARY_PATH=/opt/kit/lib:/opt/torch/lib"));
   EXPECT_THAT(ShepherdEnvironment({"HOME=/root", "XLD_LIBRARY_PATH=/x"}),
               ::testing::ElementsAre("PATH=/usr/sbin:/usr/bin:/sbin:/bin"));
 }

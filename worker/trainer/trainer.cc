@@ -33,8 +33,8 @@
 #include "worker/trainer/optim/optimizers.h"
 #include "worker/trainer/parallel/parallel_dims.h"
 #include "worker/trainer/runtime/batches.h"
-#include "worker/trainer/runtime/profiler.h"
 #include "worker/trainer/runtime/device.h"
+#include "worker/trainer/runtime/profiler.h"
 #include "worker/trainer/runtime/torch_compat.h"
 #include "worker/trainer/strategy/strategy.h"
 

@@ -23,7 +23,8 @@ absl::StatusOr<StepProfiler> StepProfiler::Make(const std::string& steps, const 
     return absl::InvalidArgumentError(absl::StrCat(
         "--profile-steps: want FIRST:COUNT (a step from 1, 1 to 100 steps), got \"", steps, "\""));
   }
-  if (out.empty()) return absl::InvalidArgumentError("--profile-out: required with --profile-steps");
+  if (out.empty())
+    return absl::InvalidArgumentError("--profile-out: required with --profile-steps");
   p.out_ = out;
   p.cuda_ = cuda;
   return p;
