@@ -2,19 +2,24 @@
 // gradients included: the cross-entropy rows kernel (kernels/fused_loss.h) against
 // F::cross_entropy in fp64; the fused linear + cross-entropy against linear then cross_entropy;
 // the models' Loss with the fused head against their plain head; the on-device gradient norm and
-// clipping divisor against the host's. The CPU cases run everywhere (the LibTorch composition
-// behind the same interface); the Cuda cases run the project's CUDA kernel on a GPU and skip
-// elsewhere, unless TRAINYARD_REQUIRE_CUDA=1 (scripts/test-gpu.sh), where a missing GPU fails.
+// clipping divisor against the host's; SplitHeads against view, permute and unbind. The CPU cases
+// run everywhere (the LibTorch composition behind the same interface); the Cuda cases run the
+// project's CUDA kernel on a GPU and skip elsewhere, unless TRAINYARD_REQUIRE_CUDA=1
+// (scripts/test-gpu.sh), where a missing GPU fails.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cstdlib>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "worker/trainer/kernels/fused_loss.h"
 #include "worker/trainer/kernels/fused_norm.h"
+#include "worker/trainer/kernels/split_heads.h"
 #include "worker/trainer/model/model.h"
 #include "worker/trainer/runtime/device.h"
+#include "worker/trainer/runtime/torch_compat.h"
 
 namespace trainyard::trainer {
 namespace {
@@ -392,6 +397,61 @@ TEST(DeviceClipTest, NormAndDivisorMatchTheHost) { CheckClip(torch::kCPU); }
 TEST(DeviceClipTest, CudaNormAndDivisorMatchTheHost) {
   SKIP_WITHOUT_CUDA();
   CheckClip(torch::Device(torch::kCUDA, 0));
+}
+
+// SplitHeads gives unbind's q, k and v (the same views) and, through attention (SDPA on the GPU,
+// whose gradients have layouts of their own; a product on the CPU), the same gradient of the qkv
+// product; a head left unused gets a zero gradient.
+void CheckSplitHeads(torch::Device device, torch::Dtype dtype) {
+  torch::manual_seed(7);
+  const int64_t b = 2, t = 16, heads = 4, hd = 8;
+  const auto options = torch::TensorOptions().device(device).dtype(dtype);
+  const torch::Tensor x0 = torch::randn({b, t, 3 * heads * hd}, options);
+  const torch::Tensor w = torch::randn({b, heads, t, hd}, options);
+  const auto attend = [&](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+#if TRAINYARD_TORCH2
+    if (device.is_cuda()) {
+      return (at::scaled_dot_product_attention(q, k, v, {}, 0.0, true) * w).sum();
+    }
+#endif
+    return (torch::softmax(torch::matmul(q, k.transpose(-2, -1)), -1).matmul(v) * w).sum();
+  };
+  for (const bool use_v : {true, false}) {
+    torch::Tensor xa = x0.clone().requires_grad_(true), xb = x0.clone().requires_grad_(true);
+    const std::array<torch::Tensor, 3> split = SplitHeads(xa, heads);
+    const std::vector<torch::Tensor> unbound =
+        xb.view({b, t, 3, heads, hd}).permute({2, 0, 3, 1, 4}).unbind(0);
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_TRUE(torch::equal(split[i], unbound[i])) << i;
+      EXPECT_EQ(split[i].sizes(), unbound[i].sizes());
+      EXPECT_EQ(split[i].strides(), unbound[i].strides());
+    }
+    if (use_v) {
+      attend(split[0], split[1], split[2]).backward();
+      attend(unbound[0], unbound[1], unbound[2]).backward();
+    } else {
+      (split[0] * split[1] * w).sum().backward();
+      (unbound[0] * unbound[1] * w).sum().backward();
+      EXPECT_EQ(xa.grad().slice(2, 2 * heads * hd).abs().max().item<double>(), 0.0);
+    }
+    ASSERT_TRUE(xa.grad().defined());
+    EXPECT_EQ(xa.grad().sizes(), x0.sizes());
+    EXPECT_EQ(xa.grad().scalar_type(), dtype);
+    // (The GPU's attention backward may sum in another order run to run.)
+    EXPECT_LT(RelativeError(xa.grad(), xb.grad()), dtype == torch::kFloat ? 1e-6 : 1e-2)
+        << "use_v " << use_v;
+  }
+}
+
+TEST(SplitHeadsTest, MatchesUnbindAndItsGradientOnTheCpu) {
+  CheckSplitHeads(torch::kCPU, torch::kFloat);
+  CheckSplitHeads(torch::kCPU, torch::kBFloat16);
+}
+
+TEST(SplitHeadsTest, CudaMatchesUnbindThroughAttention) {
+  SKIP_WITHOUT_CUDA();
+  CheckSplitHeads(torch::Device(torch::kCUDA, 0), torch::kFloat);
+  CheckSplitHeads(torch::Device(torch::kCUDA, 0), torch::kBFloat16);
 }
 
 }  // namespace

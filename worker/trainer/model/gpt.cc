@@ -1,7 +1,9 @@
 // GPT-2: pre-norm transformer blocks with fused qkv, GELU MLP, learned positions (see model.h).
 #include "worker/trainer/kernels/fused_norm.h"
+#include "worker/trainer/kernels/split_heads.h"
 #include "worker/trainer/model/layers.h"
 
+#include <array>
 #include <cmath>
 #include <limits>
 
@@ -51,10 +53,9 @@ class BlockImpl : public torch::nn::Module {
     // Sequence parallelism: `in` is this rank's part of the sequence, x the whole of it.
     const torch::Tensor x = ColumnInput(in, *tp_);
     const int64_t b = x.size(0), t = x.size(1), hd = x.size(2) / n_head_, d = heads * hd;
-    // unbind, not qkv[i]: its backward stacks the three gradients in one pass, where three
-    // selects would each zero a buffer of all three and then add them up.
-    const std::vector<torch::Tensor> qkv =
-        Dense(x, qkv_, bf16_).view({b, t, 3, heads, hd}).permute({2, 0, 3, 1, 4}).unbind(0);
+    // [b, heads, t, hd] each; the backward writes the three gradients into one buffer of the
+    // product's layout in one pass (kernels/split_heads.h).
+    const std::array<torch::Tensor, 3> qkv = SplitHeads(Dense(x, qkv_, bf16_), heads);
 #if TRAINYARD_TORCH2
     if (x.is_cuda()) {
       // On the GPU: fused causal attention (flash or memory-efficient kernels; [b, h, t, hd]).
