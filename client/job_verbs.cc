@@ -887,7 +887,8 @@ int Logs(const Globals& g, const std::string& id, bool follow, int tail, bool ra
   return s.ok() ? 0 : Fail(s);
 }
 
-// One status line: "step 120/300 [=======>       ] 40% ETA 1m12s loss 2.3100 tok/s 12.3K".
+// One status line: "step 120/300 [=======>       ] 40% ETA 1m12s loss 2.3100 tok/s 12.3K" (and
+// "mfu 35.7%" on GPUs).
 std::string ProgressLine(const v1::StepReport& r, double seconds_per_step) {
   const int width = 24;
   const double frac = r.total_steps() > 0 ? double(r.step()) / r.total_steps() : 0;
@@ -896,10 +897,11 @@ std::string ProgressLine(const v1::StepReport& r, double seconds_per_step) {
   for (int i = 0; i < filled && i < width; ++i) bar[i] = '=';
   if (filled < width) bar[filled] = '>';
   const double eta_s = std::max<double>(0, (r.total_steps() - r.step()) * seconds_per_step);
-  return absl::StrFormat("step %d/%d [%s] %3.0f%% ETA %s loss %.4f tok/s %s", r.step(),
+  return absl::StrFormat("step %d/%d [%s] %3.0f%% ETA %s loss %.4f tok/s %s%s", r.step(),
                          r.total_steps(), bar, 100 * frac,
                          absl::FormatDuration(absl::Seconds(static_cast<int64_t>(eta_s))), r.loss(),
-                         HumanCount(static_cast<int64_t>(r.tokens_per_second())));
+                         HumanCount(static_cast<int64_t>(r.tokens_per_second())),
+                         r.mfu() > 0 ? absl::StrFormat(" mfu %.1f%%", 100 * r.mfu()) : "");
 }
 
 // The mean of a step's per-stage idle shares: the measured pipeline bubble.
@@ -919,6 +921,7 @@ int Metrics(const Globals& g, const std::string& id, bool follow) {
   std::vector<std::string> extras;    // a program's own metrics (the SDK's), one entry per row
   std::vector<std::string> evals;     // train.eval_every: "loss (perplexity)" or "", per row
   std::vector<int64_t> device_peaks;  // peak GPU memory, per row (0: on CPU)
+  std::vector<double> mfus;           // model FLOPs utilisation, per row (0: unknown)
   absl::Status s = client.Metrics(NormalizeJobId(id), follow, [&](const v1::StepReport& r) {
     if (g.json()) {
       series.push_back({{"attempt", r.attempt()},
@@ -927,6 +930,7 @@ int Metrics(const Globals& g, const std::string& id, bool follow) {
                         {"loss", r.loss()},
                         {"lr", r.lr()},
                         {"tokens_per_second", r.tokens_per_second()},
+                        {"mfu", r.mfu()},
                         {"step_seconds", r.step_seconds()},
                         {"grad_norm", r.grad_norm()},
                         {"resident_bytes", r.resident_bytes()},
@@ -965,6 +969,7 @@ int Metrics(const Globals& g, const std::string& id, bool follow) {
       std::sort(own.begin(), own.end());
       extras.push_back(absl::StrJoin(own, " "));
       device_peaks.push_back(r.device_peak_bytes());
+      mfus.push_back(r.mfu());
       evals.push_back(r.has_eval_loss()
                           ? absl::StrFormat("%.4f (%.2f)", r.eval_loss(), std::exp(r.eval_loss()))
                           : "");
@@ -999,6 +1004,14 @@ int Metrics(const Globals& g, const std::string& id, bool follow) {
     // each stage's.
     if (pipelined) header.push_back("BUBBLE (THEORY) [PER STAGE]");
     for (auto& row : rows) row.resize(header.size(), "-");
+    // GPUs: the model FLOPs utilisation, beside the tokens/s it comes from.
+    if (std::any_of(mfus.begin(), mfus.end(), [](double m) { return m > 0; })) {
+      header.insert(header.begin() + 5, "MFU");
+      for (size_t i = 0; i < rows.size(); ++i) {
+        rows[i].insert(rows[i].begin() + 5,
+                       mfus[i] > 0 ? absl::StrFormat("%.1f%%", 100 * mfus[i]) : "-");
+      }
+    }
     // GPUs: the peak memory each step's report says rank 0 allocated so far.
     if (std::any_of(device_peaks.begin(), device_peaks.end(), [](int64_t b) { return b > 0; })) {
       header.push_back("GPU_PEAK");

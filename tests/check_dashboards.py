@@ -25,7 +25,7 @@ GAUGES = {
     "trainyard_job_loss", "trainyard_job_tokens_per_second", "trainyard_job_step_seconds",
     "trainyard_job_step", "trainyard_job_total_steps", "trainyard_job_grad_norm",
     "trainyard_job_resident_bytes", "trainyard_job_eval_loss", "trainyard_job_eval_perplexity",
-    "trainyard_job_device_peak_bytes", "trainyard_job_metric",
+    "trainyard_job_device_peak_bytes", "trainyard_job_metric", "trainyard_job_mfu",
     "trainyard_account_running_devices", "trainyard_account_queued_devices",
     "trainyard_account_quota_devices", "trainyard_account_share_ratio",
     "trainyard_account_usage_ratio", "trainyard_account_usage_device_seconds",

@@ -448,6 +448,26 @@ TEST_F(ClusterE2eTest, TrainsWithFsdpFullAndHybridShardAndReportsModelState) {
   }
 }
 
+// MFU through the product path: the worker's TRAINYARD_PEAK_TFLOPS reaches its ranks, whose
+// reports carry the MFU; `yard metrics` shows it beside TOK/S (a column, -o json, and -f's line).
+class PeakClusterE2eTest : public ClusterE2eTest {
+ protected:
+  PeakClusterE2eTest() { extra_env_ = {"TRAINYARD_PEAK_TFLOPS=0.002"}; }
+};
+
+TEST_F(PeakClusterE2eTest, YardMetricsShowsTheMfuBesideTheTokensPerSecond) {
+  const std::string job = SubmitAndWait(WriteSpec("mfu", 6));
+  ASSERT_FALSE(job.empty());
+  const auto series = nlohmann::json::parse(Yard({"metrics", job, "-o", "json"}).out);
+  ASSERT_EQ(series.size(), 6u);
+  for (const auto& step : series) EXPECT_GT(step["mfu"].get<double>(), 0) << step.dump();
+  const std::string table = Yard({"metrics", job}).out;
+  EXPECT_THAT(table, ::testing::ContainsRegex("TOK/S +MFU +STEP_MS"));
+  EXPECT_THAT(table, ::testing::ContainsRegex("\n6 .* [0-9.]+% "));
+  EXPECT_THAT(Yard({"metrics", "-f", job}).out,
+              ::testing::ContainsRegex("step 6/6 .* mfu [0-9.]+%"));
+}
+
 // Pipeline parallelism through the product path: two stages, whose measured bubble `yard
 // metrics` shows next to the theory, (P - 1) / (m + P - 1) = 1/5 for 4 micro-batches.
 TEST_F(ClusterE2eTest, TrainsAPipelineAndShowsItsBubble) {

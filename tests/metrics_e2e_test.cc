@@ -165,6 +165,29 @@ TEST_F(MetricsE2eTest, TrainingSeriesExistWhileTheJobRuns) {
   const std::string page = ScrapeUntil(coordinator_metrics_, series, 2.5);
   EXPECT_EQ(Sample(page, "trainyard_job_step{job=\"" + job->id() + "\"}"), 7);
   EXPECT_EQ(Sample(page, "trainyard_job_tokens_per_second{job=\"" + job->id() + "\"}"), 1234);
+  // No MFU (a CPU rank's report): no series; from the first report with one, its value.
+  const std::string mfu = "trainyard_job_mfu{job=\"" + job->id() + "\"}";
+  EXPECT_EQ(Sample(page, mfu), std::nullopt);
+  {
+    grpc::ClientContext c;
+    testing::Authorize(c, MakeJobCredential(*key, job->id(), 1));
+    v1::StepReport gpu = r;
+    gpu.set_step(8);
+    gpu.set_mfu(0.357);
+    v1::TrainerCommands answer;
+    ASSERT_TRUE(trainer->ReportStep(&c, gpu, &answer).ok());
+    EXPECT_EQ(Sample(ScrapeUntil(coordinator_metrics_, mfu, 0.357), mfu), 0.357);
+    // A later report without one (a requeued attempt on an unknown GPU) takes the series away.
+    grpc::ClientContext c2;
+    testing::Authorize(c2, MakeJobCredential(*key, job->id(), 1));
+    gpu.set_step(9);
+    gpu.set_mfu(0);
+    ASSERT_TRUE(trainer->ReportStep(&c2, gpu, &answer).ok());
+    EXPECT_EQ(Sample(ScrapeUntil(coordinator_metrics_,
+                                 "trainyard_job_step{job=\"" + job->id() + "\"}", 9),
+                     mfu),
+              std::nullopt);
+  }
   // Its account (the default one: no quota series) holds its device; usage grows as it runs.
   const std::string account = ScrapeUntil(
       coordinator_metrics_, "trainyard_account_running_devices{account=\"default\"}", 1);
@@ -192,8 +215,8 @@ TEST_F(MetricsE2eTest, TrainingSeriesExistWhileTheJobRuns) {
   std::map<std::string, double> first;
   for (int i = 0; i < 63; ++i) first[absl::StrFormat("m%02d", i)] = i;
   first["quote\"d"] = 0.5;
-  report_metrics(8, first);
-  report_metrics(9, {{"m00", 42}, {"m01", std::nan("")}, {"late", 1}});
+  report_metrics(10, first);
+  report_metrics(11, {{"m00", 42}, {"m01", std::nan("")}, {"late", 1}});
   const std::string metric = absl::StrCat("trainyard_job_metric{job=\"", job->id(), "\",name=");
   const std::string page_m = ScrapeUntil(coordinator_metrics_, metric + "\"m00\"}", 42);
   EXPECT_EQ(Sample(page_m, metric + "\"m01\"}"), 1);  // NaN left it as it was
@@ -205,10 +228,21 @@ TEST_F(MetricsE2eTest, TrainingSeriesExistWhileTheJobRuns) {
     names += absl::StartsWith(line, metric);
   EXPECT_EQ(names, 64);
   ExpectPromtoolAccepts(page_m);
+  {  // an MFU again, to see it go with the job
+    grpc::ClientContext c;
+    testing::Authorize(c, MakeJobCredential(*key, job->id(), 1));
+    v1::StepReport gpu = r;
+    gpu.set_step(12);
+    gpu.set_mfu(0.5);
+    v1::TrainerCommands answer;
+    ASSERT_TRUE(trainer->ReportStep(&c, gpu, &answer).ok());
+    ScrapeUntil(coordinator_metrics_, mfu, 0.5);
+  }
   ASSERT_TRUE(client_->Cancel(job->id(), "done").ok());
   ScrapeUntil(coordinator_metrics_, series, std::nullopt);  // removed with the job
-  EXPECT_EQ(Sample(HttpGet(coordinator_metrics_, "/metrics").value_or(""), metric + "\"m00\"}"),
-            std::nullopt);
+  const std::string after = HttpGet(coordinator_metrics_, "/metrics").value_or("");
+  EXPECT_EQ(Sample(after, metric + "\"m00\"}"), std::nullopt);
+  EXPECT_EQ(Sample(after, mfu), std::nullopt);
 }
 
 TEST_F(MetricsE2eTest, RefusedCallsAreCountedByMethodAndReason) {

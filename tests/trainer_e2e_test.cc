@@ -3,6 +3,8 @@
 // --help and --version, the BLAS it reports.
 #include "tests/testing/trainer_e2e.h"
 
+#include "absl/strings/numbers.h"
+
 namespace trainyard {
 namespace {
 
@@ -372,6 +374,65 @@ TEST_F(TrainerE2eTest, ReportsItsBlasKernels) {
   RunResult r = Run(job, 1, {}, {}, {"OPENBLAS_CORETYPE=Prescott"});
   EXPECT_THAT(r.exit_codes, ::testing::ElementsAre(0)) << Joined(r);
   EXPECT_THAT(Joined(r), HasSubstr("kernels Prescott (set by OPENBLAS_CORETYPE)"));
+}
+
+// MFU (common/mfu.h): with a peak (the worker's TRAINYARD_PEAK_TFLOPS; a GPU's from the table),
+// each step's log line, metrics-file line and report to the coordinator carry the model FLOPs
+// at its tokens/s over that peak; without one (the CPU), none do.
+TEST_F(TrainerE2eTest, ReportsMfuWhereThePeakIsKnown) {
+  v1::JobSpec spec = TinySpec(1, 4);
+  spec.mutable_train()->set_steps(3);
+  const Job job = StartJob(spec, "mfu");
+  const std::string metrics = dir_.path() + "/mfu.jsonl";
+  RunResult r = Run(job, 1, {"--metrics-file", metrics}, {}, {"TRAINYARD_PEAK_TFLOPS=0.002"});
+  ASSERT_THAT(r.exit_codes, ::testing::ElementsAre(0)) << Joined(r);
+  int64_t parameters = 0;
+  for (const std::string& line : r.lines) {
+    if (auto at = line.find(" model, "); at != std::string::npos && parameters == 0) {
+      ASSERT_TRUE(
+          absl::SimpleAtoi(line.substr(at + 8, line.find(' ', at + 8) - at - 8), &parameters))
+          << line;
+    }
+  }
+  ASSERT_GT(parameters, 0) << Joined(r);
+  const v1::ModelSpec& m = spec.model();
+  const double flops =
+      6.0 * parameters + 12.0 * m.n_layer() * m.d_model() * m.seq_len();  // a token's
+  std::ifstream in(metrics);
+  int steps = 0;
+  for (std::string line; std::getline(in, line); ++steps) {
+    const auto row = nlohmann::json::parse(line);
+    ASSERT_TRUE(row.contains("mfu")) << line;
+    EXPECT_NEAR(row["mfu"].get<double>(), row["tokens_per_second"].get<double>() * flops / 0.002e12,
+                1e-9 * row["mfu"].get<double>())
+        << line;
+  }
+  EXPECT_EQ(steps, 3);
+  EXPECT_THAT(Joined(r), ::testing::ContainsRegex("step 3/3 .* mfu [0-9.]+%"));
+  // The coordinator has it with each step.
+  grpc::ClientContext ctx;
+  Prepare(ctx);
+  v1::StreamMetricsRequest request;
+  request.set_job_id(job.id);
+  auto reader = jobs_->StreamMetrics(&ctx, request);
+  int reported = 0;
+  for (v1::StepReport report; reader->Read(&report); ++reported) EXPECT_GT(report.mfu(), 0);
+  EXPECT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(reported, 3);
+
+  // No peak: no MFU anywhere (on the CPU; a GPU in the table has one without being told).
+  const char* device = std::getenv("TRAINYARD_TEST_DEVICE");
+  if ((device != nullptr && std::string(device) != "cpu") ||
+      std::getenv("TRAINYARD_PEAK_TFLOPS") != nullptr) {
+    return;
+  }
+  const Job plain = StartJob(spec, "no-mfu");
+  const std::string plain_metrics = dir_.path() + "/no-mfu.jsonl";
+  RunResult p = Run(plain, 1, {"--metrics-file", plain_metrics});
+  ASSERT_THAT(p.exit_codes, ::testing::ElementsAre(0)) << Joined(p);
+  EXPECT_THAT(Joined(p), Not(HasSubstr(" mfu ")));
+  std::ifstream plain_in(plain_metrics);
+  for (std::string line; std::getline(plain_in, line);) EXPECT_THAT(line, Not(HasSubstr("mfu")));
 }
 
 }  // namespace

@@ -165,6 +165,11 @@ CoordinatorMetrics::CoordinatorMetrics()
                                  .Name("trainyard_job_tokens_per_second")
                                  .Help("Latest tokens/s of a running job (all ranks)")
                                  .Register(*registry_)),
+      job_mfu_(prometheus::BuildGauge()
+                   .Name("trainyard_job_mfu")
+                   .Help("Latest model FLOPs utilisation of a running job on GPUs, 0 to 1 "
+                         "(model FLOPs at its tokens/s over its GPUs' peak)")
+                   .Register(*registry_)),
       job_step_seconds_(prometheus::BuildGauge()
                             .Name("trainyard_job_step_seconds")
                             .Help("Duration of a running job's latest optimizer step")
@@ -324,6 +329,7 @@ void CoordinatorMetrics::Refresh(const std::map<v1::JobState, int>& jobs_by_stat
     job_grad_norm_.Remove(s.grad_norm);
     job_resident_bytes_.Remove(s.resident_bytes);
     job_device_peak_bytes_.Remove(s.device_peak_bytes);
+    if (s.mfu != nullptr) job_mfu_.Remove(s.mfu);
     if (s.eval_loss != nullptr) {
       job_eval_loss_.Remove(s.eval_loss);
       job_eval_perplexity_.Remove(s.eval_perplexity);
@@ -387,6 +393,13 @@ void CoordinatorMetrics::ObserveStep(const v1::StepReport& r) {
     }
     s.eval_loss->Set(r.eval_loss());
     s.eval_perplexity->Set(std::exp(r.eval_loss()));
+  }
+  if (r.mfu() > 0 && std::isfinite(r.mfu())) {
+    if (s.mfu == nullptr) s.mfu = &job_mfu_.Add({{"job", r.job_id()}});
+    s.mfu->Set(r.mfu());
+  } else if (s.mfu != nullptr) {  // (an attempt on a device without a known peak)
+    job_mfu_.Remove(s.mfu);
+    s.mfu = nullptr;
   }
   s.loss->Set(r.loss());
   s.tokens_per_second->Set(r.tokens_per_second());

@@ -80,6 +80,8 @@ class CoordinatorMetrics {
     // From the job's first evaluation (train.eval_every) on; nullptr before.
     prometheus::Gauge* eval_loss = nullptr;
     prometheus::Gauge* eval_perplexity = nullptr;
+    // From the job's first step with a known MFU on; nullptr before (the CPU's jobs: never).
+    prometheus::Gauge* mfu = nullptr;
     // The program's own metrics (StepReport.metrics) by name, the first kMaxProgramMetrics.
     std::map<std::string, prometheus::Gauge*> program;
   };
@@ -106,6 +108,7 @@ class CoordinatorMetrics {
   prometheus::Histogram& store_commit_;
   prometheus::Family<prometheus::Gauge>& job_loss_;
   prometheus::Family<prometheus::Gauge>& job_tokens_per_second_;
+  prometheus::Family<prometheus::Gauge>& job_mfu_;
   prometheus::Family<prometheus::Gauge>& job_step_seconds_;
   prometheus::Family<prometheus::Gauge>& job_step_;
   prometheus::Family<prometheus::Gauge>& job_total_steps_;

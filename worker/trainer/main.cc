@@ -247,6 +247,12 @@ void AddRankFlags(CLI::App& app, TrainerOptions& o, std::string& spec_path,
       ->check(CLI::IsMember({"auto", "off"}))
       ->envname("TRAINYARD_FUSED_NORM")
       ->group("");  // hidden
+  app.add_option("--peak-tflops", o.peak_tflops,
+                 "the GPU's dense peak TFLOP/s in the training's precision, for the MFU of each "
+                 "step (default: a table of known GPUs)")
+      ->check(CLI::NonNegativeNumber)
+      ->envname("TRAINYARD_PEAK_TFLOPS")
+      ->group("");  // hidden
   app.add_option("--profile-steps", o.profile_steps,
                  "FIRST:COUNT: rank 0 traces these steps (operators, and kernels on a GPU) into "
                  "--profile-out as a Chrome trace (benchmarks, developers)")

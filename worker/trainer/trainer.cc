@@ -15,6 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/lr_schedule.h"
+#include "common/mfu.h"
 #include "common/status_macros.h"
 #include "worker/trainer/checkpoint/checkpoint.h"
 #include "worker/trainer/checkpoint/export.h"
@@ -130,6 +131,8 @@ class Trainer {
   std::optional<DistributedSampler> sampler_;
   int64_t params_count_ = 0, trainable_count_ = 0;
   StepProfiler profiler_;  // rank 0: --profile-steps
+  // Rank 0's MFU (common/mfu.h): the model's FLOPs a token, each GPU's peak (0: unknown, none).
+  double flops_per_token_ = 0, peak_flops_ = 0;
 };
 
 absl::Status Trainer::Setup() {
@@ -188,6 +191,12 @@ absl::Status Trainer::MakeModel() {
   params_ = model_->parameters();
   params_count_ = CountElements(params_);
   trainable_count_ = CountElements(TrainableParameters(*model_));
+  if (rank0_ && (device_.is_cuda() || o_.peak_tflops > 0)) {  // (the CPU's: given only)
+    flops_per_token_ = ModelFlopsPerToken(params_count_, m_.n_layer, m_.d_model, m_.seq_len);
+    peak_flops_ =
+        PeakFlops(device_.is_cuda() ? CudaDeviceName(std::max<int>(device_.index(), 0)) : "",
+                  t_.precision != Precision::kFp32, o_.peak_tflops);
+  }
   // train.optimizer (AdamW's betas (0.9, 0.95) as in GPT-3 / nanoGPT, unless the spec sets its
   // constants); weight decay on every parameter that trains but the kinds train.no_weight_decay
   // names.
@@ -440,6 +449,11 @@ void Trainer::Report(const StepStats& s, const Agreement& a) {
   r.step_seconds = std::chrono::duration<double>(s.end - s.start).count();
   r.tokens_per_second =
       sampler_->global_batch() * model_->TokensPerWindow() / std::max(r.step_seconds, 1e-9);
+  // Over world_size GPUs like rank 0's (ranks sharing one GPU through Gloo, as tests do,
+  // under-report by their number).
+  if (peak_flops_ > 0) {
+    r.mfu = Mfu(r.tokens_per_second, flops_per_token_, peak_flops_, o_.world_size);
+  }
   r.backward_seconds = s.r.backward_s;
   r.comm_wait_seconds = s.r.comm_wait_s;
   r.comm_bytes = s.comm_bytes;

@@ -57,6 +57,8 @@ struct TrainerOptions {
   // "auto": on a GPU the GPT block's LayerNorms run fused with the residual add and the cast
   // (ModelOptions::fused_norms); "off": torch's LayerNorm (benchmarks).
   std::string fused_norm = "auto";
+  // A GPU's peak TFLOP/s for the steps' MFU, in place of common/mfu.h's table (0: the table's).
+  double peak_tflops = 0;
   // Rank 0 traces steps FIRST:COUNT into profile_out (runtime/profiler.h); empty: none.
   std::string profile_steps;
   std::string profile_out;

@@ -161,6 +161,8 @@ std::string CudaDeviceSummary(int index) {
                          static_cast<double>(p->totalGlobalMem) / (1 << 30), p->major, p->minor);
 }
 
+std::string CudaDeviceName(int index) { return at::cuda::getDeviceProperties(index)->name; }
+
 void CudaSynchronize() { torch::cuda::synchronize(); }
 
 int64_t CudaPeakAllocatedBytes() {

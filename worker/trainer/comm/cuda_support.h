@@ -22,6 +22,9 @@ bool CudaBuild();
 // "NVIDIA H100 80GB HBM3, 79.1 GiB, compute 9.0" for CUDA device `index`.
 std::string CudaDeviceSummary(int index);
 
+// CUDA's name of device `index` ("NVIDIA H100 80GB HBM3"); "" without CUDA.
+std::string CudaDeviceName(int index);
+
 // Waits for every stream of the current device.
 void CudaSynchronize();
 

@@ -5,6 +5,7 @@ namespace trainyard::trainer {
 
 bool CudaBuild() { return false; }
 std::string CudaDeviceSummary(int) { return "no CUDA in this build"; }
+std::string CudaDeviceName(int) { return ""; }
 void CudaSynchronize() {}
 int64_t CudaPeakAllocatedBytes() { return 0; }
 void CudaResetPeak() {}

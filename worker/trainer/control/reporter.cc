@@ -72,6 +72,7 @@ class Reporter::Impl {
     r.set_loss(s.loss);
     r.set_lr(s.lr);
     r.set_tokens_per_second(s.tokens_per_second);
+    r.set_mfu(s.mfu);
     r.set_step_seconds(s.step_seconds);
     r.set_grad_norm(s.grad_norm);
     r.set_resident_bytes(s.resident_bytes);

@@ -38,6 +38,7 @@ struct StepReport {
   std::vector<double> pipeline_stage_idle;  // per stage; empty without a pipeline
   double pipeline_bubble_theory = 0;
   std::optional<double> eval_loss;  // train.eval_every: on the steps an evaluation ran
+  double mfu = 0;                   // 0 to 1; 0: unknown (StepRecord::mfu)
 };
 
 struct CheckpointReport {

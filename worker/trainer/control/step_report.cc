@@ -64,14 +64,15 @@ void StepReporter::Report(const StepRecord& r) {
                 l.pipeline_activation_peak_bytes);
   log_(absl::StrFormat(
       "step %d/%d loss %.4f lr %.2e grad_norm %.2f tok/s %.0f step_ms %.0f backward_ms %.0f "
-      "comm_wait_ms %.1f allreduce_bytes %d comm_bytes %d model_state_peak_bytes %d%s%s%s%s",
+      "comm_wait_ms %.1f allreduce_bytes %d comm_bytes %d model_state_peak_bytes %d%s%s%s%s%s",
       r.step, r.total_steps, r.loss, r.lr, r.grad_norm, r.tokens_per_second, r.step_seconds * 1e3,
       r.backward_seconds * 1e3, r.comm_wait_seconds * 1e3, l.allreduce_bytes, r.comm_bytes,
       l.model_state_peak_bytes, l.log_fields, pipeline_fields,
       r.loss_scale ? absl::StrFormat(" loss_scale %g skipped_steps %d", r.loss_scale->scale,
                                      r.loss_scale->skipped_steps)
                    : "",
-      r.device_peak_bytes ? absl::StrCat(" device_peak_bytes ", *r.device_peak_bytes) : ""));
+      r.device_peak_bytes ? absl::StrCat(" device_peak_bytes ", *r.device_peak_bytes) : "",
+      r.mfu ? absl::StrFormat(" mfu %.1f%%", 100 * *r.mfu) : ""));
   if (r.eval_loss.has_value()) {
     log_(absl::StrFormat("eval step %d eval_loss %.4f perplexity %.3f (%d held-out windows)",
                          r.step, *r.eval_loss, std::exp(*r.eval_loss), r.eval_windows));
@@ -98,6 +99,7 @@ void StepReporter::Report(const StepRecord& r) {
       line["skipped_steps"] = r.loss_scale->skipped_steps;
     }
     if (r.device_peak_bytes) line["device_peak_bytes"] = *r.device_peak_bytes;
+    if (r.mfu) line["mfu"] = *r.mfu;
     if (r.eval_loss.has_value()) {
       line["eval_loss"] = *r.eval_loss;
       line["eval_perplexity"] = std::exp(*r.eval_loss);
@@ -111,6 +113,7 @@ void StepReporter::Report(const StepRecord& r) {
     report.loss = r.loss;
     report.lr = r.lr;
     report.tokens_per_second = r.tokens_per_second;
+    report.mfu = r.mfu.value_or(0);
     report.step_seconds = r.step_seconds;
     report.grad_norm = r.grad_norm;
     report.resident_bytes = ResidentBytes();

@@ -39,6 +39,8 @@ struct StepRecord {
   double lr = 0;
   double grad_norm = 0;
   double tokens_per_second = 0;
+  // Model FLOPs utilisation, 0 to 1 (common/mfu.h), on a GPU the peak table knows; else none.
+  std::optional<double> mfu;
   double step_seconds = 0;  // of training, without an evaluation after it
   double backward_seconds = 0;
   double comm_wait_seconds = 0;
