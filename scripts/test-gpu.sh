@@ -49,14 +49,17 @@ echo "test-gpu: built in $(($(date +%s) - start)) s"
 eval "$(sed -n 's/^run with: //p' "$out/build.txt")"
 
 rc=0
-# Four at a time (the GPU has room; most of their time is the CPU reference runs), then the
-# cluster case alone: it checks that no process holds the GPU once its job is cancelled.
+# One at a time (TRAINYARD_GPU_JOBS=N for more), then the cluster case alone: it checks that no
+# process holds the GPU once its job is cancelled. Side by side they were far slower, not faster:
+# each run's 8 LibTorch threads spin-wait, and on the H200 of 2026-11-28 a 10-step CPU reference
+# run that takes 4 s alone took 84-288 s beside five other cases (141 s each beside three), a GPU
+# run 227 s (bench/RESULTS.md, the sixth GPU session).
 # Every case's whole output, passed or failed, comes back as $out/cases.tgz.
 export TRAINYARD_GPU_LOGS=$PWD/gpu-case-logs
 rm -rf "$TRAINYARD_GPU_LOGS"
 select=(-L gpu)
 [ -n "$only" ] && select+=(-R "$only")
-ctest --test-dir build-gpu "${select[@]}" -E gpu_cluster -j "${TRAINYARD_GPU_JOBS:-4}" \
+ctest --test-dir build-gpu "${select[@]}" -E gpu_cluster -j "${TRAINYARD_GPU_JOBS:-1}" \
   --output-on-failure --timeout 240 \
   >"$out/ctest-gpu.txt" 2>&1 || rc=1
 if [ -z "$only" ] || [[ gpu_cluster =~ $only ]]; then
