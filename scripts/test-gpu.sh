@@ -50,10 +50,10 @@ eval "$(sed -n 's/^run with: //p' "$out/build.txt")"
 
 rc=0
 # One at a time (TRAINYARD_GPU_JOBS=N for more), then the cluster case alone: it checks that no
-# process holds the GPU once its job is cancelled. Side by side they were far slower, not faster:
-# (by our reading) each run's 8 LibTorch threads spin-wait, and on the H200 of 2026-11-28 a 10-step CPU reference
-# run that takes 4 s alone took 84-288 s beside five other cases (141 s each beside three), a GPU
-# run 227 s (bench/RESULTS.md, the sixth GPU session).
+# process holds the GPU once its job is cancelled. Side by side they were far slower, not faster
+# (by our reading, each run's 8 LibTorch threads spin-wait): on the H200 of 2026-11-28 a 10-step
+# CPU reference run that takes 4 s alone took 84-288 s beside five other cases (141 s each beside
+# three), a GPU run 227 s (bench/RESULTS.md, the sixth GPU session).
 # Every case's whole output, passed or failed, comes back as $out/cases.tgz.
 export TRAINYARD_GPU_LOGS=$PWD/gpu-case-logs
 rm -rf "$TRAINYARD_GPU_LOGS"
