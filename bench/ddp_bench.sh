@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # tokens/s of trainyard's DDP (1 and 2 ranks, through the real product path: a local cluster,
-# `yard submit`, the step reports in `yard metrics`) against PyTorch DDP (Debian python3-torch,
-# Gloo, bench/ddp_reference.py) with the same GPT, batch, sequence length and threads, in one run.
+# `yard submit`, the step reports in `yard metrics`) against PyTorch DDP (Gloo,
+# bench/ddp_reference.py) with the same GPT, batch, sequence length and threads, in one run:
+# Debian's python3-torch (1.13), and PyPI's torch 2.11 (scripts/lib/torch211.sh, made on first
+# use) eager with SDPA and fused AdamW, and with torch.compile. TRAINYARD_BENCH_TORCH211=0 leaves
+# 2.11 out.
 #
 #   bash bench/ddp_bench.sh [STEPS] [REPS]     # defaults 30 timed steps (+5 warm-up), 3 reps
 set -euo pipefail
@@ -11,6 +14,9 @@ reps=${2:-3}
 warmup=5
 yard=build/bin/yard
 source scripts/lib/cluster.sh
+source scripts/lib/torch211.sh
+torch211=${TRAINYARD_BENCH_TORCH211:-1}
+[ "$torch211" = 1 ] && torch211_setup
 bench_cluster_up ddp-bench --workers 1 --slots 2 --threads-per-slot 1
 
 # trainyard: median tokens/s over the timed steps of one job.
@@ -44,6 +50,15 @@ pytorch_run() {
     | awk '/tokens_per_second/ {print $2}'
 }
 
+# RANKS eager|compile: PyTorch 2.11, SDPA and fused AdamW (and torch.compile).
+torch211_run() {
+  local flags=(--sdpa --fused-adamw)
+  [ "$2" = compile ] && flags+=(--compile)
+  torch211_python bench/ddp_reference.py --world-size "$1" --threads 1 --steps "$steps" \
+    --warmup "$warmup" --micro-batch 8 --seq-len 128 --d-model 256 --n-layer 4 --n-head 4 \
+    "${flags[@]}" 2>/dev/null | awk '/tokens_per_second/ {print $2}'
+}
+
 printf "GPT n_layer 4, d_model 256, seq_len 128, micro_batch 8 per rank, fp32, 1 thread per rank;\n"
 printf "median tokens/s over %d timed steps, median of %d reps, runs interleaved\n" "$steps" "$reps"
 # The matmuls decide most of a step's time. PyTorch does them all in OpenBLAS, with the kernels it
@@ -54,12 +69,17 @@ printf "%s; OPENBLAS_CORETYPE=%s\n%s; TRAINYARD_MATMUL=%s\n\n" "$(grep '^BLAS' <
   "${OPENBLAS_CORETYPE-(unset)}" "$(grep '^Matmuls' <<<"$version")" "${TRAINYARD_MATMUL-(unset)}"
 printf "| ranks | trainyard tok/s | PyTorch DDP tok/s | trainyard / PyTorch | goal | backward ms | comm wait after backward ms |\n"
 printf "|-------|-----------------|-------------------|---------------------|------|-------------|------------------------------|\n"
+rows211=()
 for ranks in 1 2; do
-  ours=(); theirs=(); backward=(); wait_ms=()
+  ours=(); theirs=(); backward=(); wait_ms=(); eager=(); compiled=()
   for ((r = 0; r < reps; r++)); do
     read -r tps bwd cw < <(trainyard_run "$ranks")
     ours+=("$tps"); backward+=("$bwd"); wait_ms+=("$cw")
     theirs+=("$(pytorch_run "$ranks")")
+    if [ "$torch211" = 1 ]; then
+      eager+=("$(torch211_run "$ranks" eager)")
+      compiled+=("$(torch211_run "$ranks" compile)")
+    fi
   done
   o=$(printf "%s\n" "${ours[@]}" | median)
   t=$(printf "%s\n" "${theirs[@]}" | median)
@@ -68,6 +88,22 @@ for ranks in 1 2; do
   ratio=$(awk -v o="$o" -v t="$t" 'BEGIN {printf "%.2f", o / t}')
   goal=$(awk -v r="$ratio" 'BEGIN {print (r >= 1.1 ? "met (>= 1.1x)" : "NOT met (< 1.1x)")}')
   printf "| %5d | %15.0f | %17.0f | %19s | %s | %11.0f | %28.1f |\n" "$ranks" "$o" "$t" "${ratio}x" "$goal" "$b" "$c"
+  if [ "$torch211" = 1 ]; then
+    e=$(printf "%s\n" "${eager[@]}" | median)
+    k=$(printf "%s\n" "${compiled[@]}" | median)
+    rows211+=("$(awk -v n="$ranks" -v o="$o" -v e="$e" -v k="$k" 'BEGIN {
+      re = o / e; rk = (k > 0 ? o / k : 0)
+      printf "| %5d | %15.0f | %18.0f | %9.2fx | %20.0f | %11.2fx | %s |", n, o, e, re, k, rk,
+        (re >= 1.0 ? "met (>= 1.0x eager)" : "NOT met (< 1.0x eager)") }')")
+  fi
 done
 printf "\nbackward ms: rank 0's backward pass, all-reduces of full buckets running meanwhile (1 rank:\n"
 printf "no communication). comm wait: time after backward spent waiting for the last all-reduces.\n"
+if [ "$torch211" = 1 ]; then
+  printf "\nPyTorch %s (PyPI; %s), SDPA attention and AdamW(fused=True), eager and torch.compile:\n\n" \
+    "$(torch211_python -c 'import torch; print(torch.__version__)' 2>/dev/null)" \
+    "$(torch211_python -c 'import torch; print(torch.__config__.show())' 2>/dev/null | grep -o 'CPU capability usage: [A-Z0-9_]*')"
+  printf "| ranks | trainyard tok/s | 2.11 eager tok/s | vs eager | 2.11 compile tok/s | vs compile | goal (issue 56) |\n"
+  printf "|-------|-----------------|------------------|----------|--------------------|------------|-----------------|\n"
+  printf "%s\n" "${rows211[@]}"
+fi

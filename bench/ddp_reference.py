@@ -6,6 +6,11 @@ threads. Prints one line: 'tokens_per_second <median over timed steps>'.
 
 Debian's torchrun fails under Python 3.11, so this script starts its ranks itself with
 MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE set by hand.
+
+Under PyTorch 2.x (scripts/lib/torch211.sh: PyPI's 2.11, the CPU anchor of issue 56) --sdpa
+runs the attention as F.scaled_dot_product_attention(is_causal=True), --fused-adamw steps
+AdamW(fused=True), and --compile runs the DDP-wrapped model through torch.compile (the first
+warm-up step compiles).
 """
 import argparse
 import math
@@ -23,9 +28,10 @@ import torch.nn.functional as F
 
 
 class Block(nn.Module):
-    def __init__(self, d, n_head):
+    def __init__(self, d, n_head, sdpa=False):
         super().__init__()
         self.n_head = n_head
+        self.sdpa = sdpa
         self.ln1 = nn.LayerNorm(d)
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
@@ -38,6 +44,9 @@ class Block(nn.Module):
         hd = d // self.n_head
         qkv = self.qkv(x).view(b, t, 3, self.n_head, hd).permute(2, 0, 3, 1, 4)
         q, k, v = qkv[0], qkv[1], qkv[2]
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.proj(y.transpose(1, 2).reshape(b, t, d))
         scores = q @ k.transpose(-2, -1) / math.sqrt(hd)
         future = torch.ones(t, t, dtype=torch.bool).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
@@ -50,11 +59,11 @@ class Block(nn.Module):
 
 
 class Gpt(nn.Module):
-    def __init__(self, n_layer, n_head, d, seq_len, vocab):
+    def __init__(self, n_layer, n_head, d, seq_len, vocab, sdpa=False):
         super().__init__()
         self.tok_emb = nn.Embedding(vocab, d)
         self.pos_emb = nn.Embedding(seq_len, d)
-        self.blocks = nn.ModuleList(Block(d, n_head) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(d, n_head, sdpa) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
 
@@ -73,9 +82,12 @@ def run_rank(args):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(args.seed)
-    model = Gpt(args.n_layer, args.n_head, args.d_model, args.seq_len, 256)
+    model = Gpt(args.n_layer, args.n_head, args.d_model, args.seq_len, 256, args.sdpa)
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0)
+    if args.compile:
+        ddp = torch.compile(ddp)
+    extra = {"fused": True} if args.fused_adamw else {}
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0, **extra)
     data = torch.frombuffer(bytearray(open(args.data, "rb").read()), dtype=torch.uint8).long()
     gen = torch.Generator().manual_seed(args.seed + rank)
     n = data.numel() - args.seq_len - 1
@@ -120,6 +132,9 @@ def main():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--data", default="/usr/share/common-licenses/GPL-3")
+    p.add_argument("--sdpa", action="store_true")
+    p.add_argument("--fused-adamw", action="store_true")
+    p.add_argument("--compile", action="store_true")
     args = p.parse_args()
     if "RANK" in os.environ:
         run_rank(args)
