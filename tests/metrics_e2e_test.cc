@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <map>
 
 #include "absl/strings/match.h"
@@ -165,29 +166,27 @@ TEST_F(MetricsE2eTest, TrainingSeriesExistWhileTheJobRuns) {
   const std::string page = ScrapeUntil(coordinator_metrics_, series, 2.5);
   EXPECT_EQ(Sample(page, "trainyard_job_step{job=\"" + job->id() + "\"}"), 7);
   EXPECT_EQ(Sample(page, "trainyard_job_tokens_per_second{job=\"" + job->id() + "\"}"), 1234);
+  // Rank 0's report `r` as of step `step`, changed by `edit`, sent with the attempt's credential.
+  auto report = [&](int step, const std::function<void(v1::StepReport&)>& edit) {
+    grpc::ClientContext c;
+    testing::Authorize(c, MakeJobCredential(*key, job->id(), 1));
+    v1::StepReport m = r;
+    m.set_step(step);
+    edit(m);
+    v1::TrainerCommands answer;
+    ASSERT_TRUE(trainer->ReportStep(&c, m, &answer).ok());
+  };
   // No MFU (a CPU rank's report): no series; from the first report with one, its value.
   const std::string mfu = "trainyard_job_mfu{job=\"" + job->id() + "\"}";
   EXPECT_EQ(Sample(page, mfu), std::nullopt);
-  {
-    grpc::ClientContext c;
-    testing::Authorize(c, MakeJobCredential(*key, job->id(), 1));
-    v1::StepReport gpu = r;
-    gpu.set_step(8);
-    gpu.set_mfu(0.357);
-    v1::TrainerCommands answer;
-    ASSERT_TRUE(trainer->ReportStep(&c, gpu, &answer).ok());
-    EXPECT_EQ(Sample(ScrapeUntil(coordinator_metrics_, mfu, 0.357), mfu), 0.357);
-    // A later report without one (a requeued attempt on an unknown GPU) takes the series away.
-    grpc::ClientContext c2;
-    testing::Authorize(c2, MakeJobCredential(*key, job->id(), 1));
-    gpu.set_step(9);
-    gpu.set_mfu(0);
-    ASSERT_TRUE(trainer->ReportStep(&c2, gpu, &answer).ok());
-    EXPECT_EQ(Sample(ScrapeUntil(coordinator_metrics_,
-                                 "trainyard_job_step{job=\"" + job->id() + "\"}", 9),
-                     mfu),
-              std::nullopt);
-  }
+  report(8, [](v1::StepReport& m) { m.set_mfu(0.357); });
+  EXPECT_EQ(Sample(ScrapeUntil(coordinator_metrics_, mfu, 0.357), mfu), 0.357);
+  // A later report without one (a requeued attempt on an unknown GPU) takes the series away.
+  report(9, [](v1::StepReport& m) { m.set_mfu(0); });
+  EXPECT_EQ(
+      Sample(ScrapeUntil(coordinator_metrics_, "trainyard_job_step{job=\"" + job->id() + "\"}", 9),
+             mfu),
+      std::nullopt);
   // Its account (the default one: no quota series) holds its device; usage grows as it runs.
   const std::string account = ScrapeUntil(
       coordinator_metrics_, "trainyard_account_running_devices{account=\"default\"}", 1);
@@ -204,13 +203,9 @@ TEST_F(MetricsE2eTest, TrainingSeriesExistWhileTheJobRuns) {
   // The program's own metrics: one family labelled by job and name, at most 64 names a job
   // whatever the reports say, finite values only, names as text (escaped in the exposition).
   auto report_metrics = [&](int step, const std::map<std::string, double>& metrics) {
-    grpc::ClientContext c;
-    testing::Authorize(c, MakeJobCredential(*key, job->id(), 1));
-    v1::StepReport m = r;
-    m.set_step(step);
-    for (const auto& [name, value] : metrics) (*m.mutable_metrics())[name] = value;
-    v1::TrainerCommands answer;
-    ASSERT_TRUE(trainer->ReportStep(&c, m, &answer).ok());
+    report(step, [&](v1::StepReport& m) {
+      for (const auto& [name, value] : metrics) (*m.mutable_metrics())[name] = value;
+    });
   };
   std::map<std::string, double> first;
   for (int i = 0; i < 63; ++i) first[absl::StrFormat("m%02d", i)] = i;
@@ -228,16 +223,8 @@ TEST_F(MetricsE2eTest, TrainingSeriesExistWhileTheJobRuns) {
     names += absl::StartsWith(line, metric);
   EXPECT_EQ(names, 64);
   ExpectPromtoolAccepts(page_m);
-  {  // an MFU again, to see it go with the job
-    grpc::ClientContext c;
-    testing::Authorize(c, MakeJobCredential(*key, job->id(), 1));
-    v1::StepReport gpu = r;
-    gpu.set_step(12);
-    gpu.set_mfu(0.5);
-    v1::TrainerCommands answer;
-    ASSERT_TRUE(trainer->ReportStep(&c, gpu, &answer).ok());
-    ScrapeUntil(coordinator_metrics_, mfu, 0.5);
-  }
+  report(12, [](v1::StepReport& m) { m.set_mfu(0.5); });  // an MFU again, to see it go
+  ScrapeUntil(coordinator_metrics_, mfu, 0.5);
   ASSERT_TRUE(client_->Cancel(job->id(), "done").ok());
   ScrapeUntil(coordinator_metrics_, series, std::nullopt);  // removed with the job
   const std::string after = HttpGet(coordinator_metrics_, "/metrics").value_or("");

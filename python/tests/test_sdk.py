@@ -165,7 +165,8 @@ def test_the_client_finds_the_token_as_yard_does(cluster, monkeypatch):
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-RESUMING_PROGRAM = """
+# Both resuming programs start so: the step of the newest checkpoint, if any.
+RESUME_PRELUDE = """
     import os, sys, time
     sys.path.insert(0, {sdk!r})
     import trainyard
@@ -174,6 +175,9 @@ RESUMING_PROGRAM = """
     start = int(open(latest).read()) if latest else 0
     if latest:
         print(f"resumed from step {{start}}", flush=True)
+"""
+
+RESUMING_PROGRAM = RESUME_PRELUDE + """
     steps, crash_at = int(sys.argv[1]), int(sys.argv[2])
     for step in range(start + 1, steps + 1):
         ctx.report(step, loss=1.0 / step, total_steps=steps)
@@ -243,15 +247,7 @@ def test_a_preempted_command_job_checkpoints_requeues_and_resumes(preemptive_clu
         assert (2, 0, "finished") in lines
 
 
-LONG_STEP_PROGRAM = """
-    import os, sys, time
-    sys.path.insert(0, {sdk!r})
-    import trainyard
-    ctx = trainyard.init()
-    latest = ctx.latest_checkpoint("step-*")
-    start = int(open(latest).read()) if latest else 0
-    if latest:
-        print(f"resumed from step {{start}}", flush=True)
+LONG_STEP_PROGRAM = RESUME_PRELUDE + """
     step = start + 1
     ctx.report(step, loss=1.0 / step)
     if ctx.attempt == 1:
