@@ -12,7 +12,7 @@ PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   prometheus-cpp-dev libsqlite3-dev libpq-dev postgresql libhwy-dev libcli11-dev libyaml-cpp-dev
   nlohmann-json3-dev libspdlog-dev libgtest-dev libgmock-dev libbenchmark-dev
-  sqlite3 clang-format prometheus libssl-dev openssl
+  sqlite3 clang-format prometheus libssl-dev openssl zlib1g-dev
   libtorch-dev libgloo-dev libdnnl-dev ocl-icd-opencl-dev libopenblas0-pthread python3-torch
   python3-venv python3-pip python3-yaml
 )
