@@ -29,6 +29,7 @@
 #include "client/output.h"
 #include "client/verbs.h"
 #include "client/yard_client.h"
+#include "common/context_archive.h"
 #include "common/credentials.h"
 #include "common/log_text.h"
 #include "common/memory_estimate.h"
@@ -189,8 +190,10 @@ void PrintJob(const v1::Job& job) {
     for (const auto& [name, value] : s.env()) names.push_back(name);
     std::sort(names.begin(), names.end());
     f.push_back({"command", TerminalSafe(absl::StrJoin(s.command(), " "))});
-    f.push_back({"workdir", s.workdir().empty() ? "- (a fresh folder per attempt)"
-                                                : TerminalSafe(s.workdir())});
+    f.push_back({"workdir", !s.context().empty()  ? "- (the context, unpacked per attempt)"
+                            : s.workdir().empty() ? "- (a fresh folder per attempt)"
+                                                  : TerminalSafe(s.workdir())});
+    if (!s.context().empty()) f.push_back({"context", TerminalSafe(s.context())});
     f.push_back({"env", names.empty() ? "-" : TerminalSafe(absl::StrJoin(names, " "))});
   }
   // Every job's: the last checkpoint reported (a command job's through the SDK), and what
@@ -244,6 +247,44 @@ absl::Status FillFromCheckpoint(ParsedSpec& parsed, const std::string& path) {
   return s.ok() ? s : AnnotateWithLine(s, parsed, path);
 }
 
+// Whether `command` runs a script in this folder by a relative name: its program (./train.sh) or,
+// for an interpreter, its first argument ending in .py or .sh (python train.py).
+bool NamesALocalScript(const std::vector<std::string>& command) {
+  auto local = [](const std::string& path) {
+    std::error_code ec;
+    return !path.empty() && path[0] != '/' && std::filesystem::is_regular_file(path, ec);
+  };
+  if (command.empty()) return false;
+  if (command[0].find('/') != std::string::npos) return local(command[0]);
+  for (size_t i = 1; i < command.size(); ++i) {
+    if (absl::EndsWith(command[i], ".py") || absl::EndsWith(command[i], ".sh")) {
+      return local(command[i]);
+    }
+  }
+  return false;
+}
+
+// A spec's context folder (`context: DIR`, `--context DIR`), packed and uploaded: the spec then
+// names the upload's digest. What was left out is said on stderr. A digest given is kept.
+absl::Status UploadSpecContext(YardClient& client, v1::JobSpec& spec) {
+  if (spec.context().empty() || IsContextDigest(spec.context())) return absl::OkStatus();
+  absl::StatusOr<PackedContext> packed = PackContext(spec.context());
+  if (!packed.ok()) return packed.status();
+  if (!packed->skipped_links.empty()) {
+    std::cerr << "context: left out " << packed->skipped_links.size()
+              << " link(s) and special file(s), e.g. " << TerminalSafe(packed->skipped_links[0])
+              << "\n";
+  }
+  auto uploaded = client.UploadContext(packed->digest, packed->archive);
+  if (!uploaded.ok()) return uploaded.status();
+  std::cerr << "context: " << TerminalSafe(spec.context()) << ", " << packed->files << " files, "
+            << HumanBytes(packed->content_bytes) << " ("
+            << HumanBytes(static_cast<int64_t>(packed->archive.size())) << " packed) uploaded as "
+            << packed->digest.substr(0, 19) << "\n";
+  spec.set_context(uploaded->context());
+  return absl::OkStatus();
+}
+
 // The spec's fields that `f` gives, as YAML in the spec's shape (empty: none). Without a spec
 // file (`inline_job`), a program after -- is the whole job: one slot, named after the script
 // (else the program), run in the current folder unless --workdir says otherwise.
@@ -287,7 +328,22 @@ absl::StatusOr<std::string> SubmitFlagsYaml(const SubmitFlags& f, bool inline_jo
     out << YAML::EndSeq;
   }
   std::string workdir = f.workdir;
-  if (workdir.empty() && inline_job) workdir = std::filesystem::current_path().string();
+  std::string context = f.context;
+  // A program after -- that names a script here (./train.sh, python train.py): this folder is
+  // uploaded as its context, so that no worker needs to see it. Else it runs in this folder.
+  if (workdir.empty() && context.empty() && inline_job && NamesALocalScript(f.command)) {
+    context = ".";
+  }
+  if (workdir.empty() && context.empty() && inline_job) {
+    workdir = std::filesystem::current_path().string();
+  }
+  if (!context.empty()) {
+    std::error_code ec;
+    const std::filesystem::path absolute = std::filesystem::absolute(context, ec);
+    if (!ec) context = absolute.lexically_normal().string();
+    if (context.size() > 1 && context.back() == '/') context.pop_back();
+    out << YAML::Key << "context" << YAML::Value << YAML::DoubleQuoted << context;
+  }
   if (!workdir.empty()) {
     std::error_code ec;
     const std::filesystem::path absolute = std::filesystem::absolute(workdir, ec);
@@ -407,8 +463,11 @@ int Submit(const Globals& g, const std::string& path, const SubmitFlags& flags) 
     if (!s.ok()) return Fail(s);
   }
   if (absl::Status s = FillFromCheckpoint(parsed, path); !s.ok()) return Fail(s);
-  if (!flags.array.empty()) return SubmitArray(g, parsed, path, flags.array);
   YardClient client(g.coordinator, g.Token(), g.tls);
+  if (absl::Status s = UploadSpecContext(client, parsed.spec); !s.ok()) {
+    return Fail(path.empty() ? s : AnnotateWithLine(s, parsed, path));
+  }
+  if (!flags.array.empty()) return SubmitArray(g, parsed, path, flags.array);
   auto job = client.Submit(parsed.spec);
   if (!job.ok()) {
     return Fail(path.empty() ? job.status() : AnnotateWithLine(job.status(), parsed, path));
@@ -1062,7 +1121,8 @@ void AddJobVerbs(CLI::App& app, Cli& c) {
       "train.py], workdir: /abs/path, env: {NAME: value}) with torchrun's environment (RANK, "
       "WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...); or without one, a program after --: `yard "
       "submit --gpus 2 -- python train.py --lr 3e-4` (one slot unless given, named after the "
-      "script, run in the current folder, which every worker must see). The flags below set "
+      "script; this folder is uploaded when the program is a script here, else the ranks run in "
+      "it, which every worker must then see). The flags below set "
       "those fields of a spec file too, over what it says");
   submit->add_option("spec", spec_path, "job spec (YAML); optional with a program after --");
   submit->add_option("--gpus,--slots", sf.slots, "resources.slots: ranks (a GPU each on GPUs)")
@@ -1075,6 +1135,10 @@ void AddJobVerbs(CLI::App& app, Cli& c) {
   submit->add_option("--env", sf.env, "env: NAME=VALUE for every rank (repeatable)");
   submit->add_option("--workdir", sf.workdir,
                      "workdir: the ranks' folder (default for a program after --: this one)");
+  submit->add_option("--context", sf.context,
+                     "context: a folder to upload (its .gitignore and .yardignore honoured, at "
+                     "most 64 MiB), unpacked on each node as the ranks' folder (default for a "
+                     "program after -- that names a script here: this folder)");
   submit->add_option("--priority", sf.priority, "priority: 1..100, higher first");
   submit->add_option("--max-restarts", sf.max_restarts, "max_restarts: attempts after a failure")
       ->check(CLI::NonNegativeNumber);

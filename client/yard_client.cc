@@ -112,6 +112,35 @@ absl::StatusOr<v1::Job> YardClient::Submit(const v1::JobSpec& spec) {
   return response->job();
 }
 
+absl::StatusOr<v1::UploadContextResponse> YardClient::UploadContext(const std::string& digest,
+                                                                    const std::string& archive) {
+  constexpr size_t kChunkBytes = size_t{1} << 20;
+  const absl::Time give_up = absl::Now() + absl::Minutes(2);
+  for (int attempt = 0;; ++attempt) {
+    grpc::ClientContext ctx;
+    if (absl::Status s = Prepare(ctx, absl::Minutes(10)); !s.ok()) return s;
+    v1::UploadContextResponse response;
+    auto writer = jobs_->UploadContext(&ctx, &response);
+    bool ok = true;
+    size_t at = 0;
+    do {
+      v1::ContextChunk chunk;
+      if (at == 0) {
+        chunk.set_digest(digest);
+        chunk.set_size_bytes(static_cast<int64_t>(archive.size()));
+      }
+      const size_t n = std::min(kChunkBytes, archive.size() - at);
+      chunk.set_data(archive.substr(at, n));
+      at += n;
+      ok = writer->Write(chunk);
+    } while (ok && at < archive.size());
+    if (ok) writer->WritesDone();
+    const grpc::Status s = writer->Finish();
+    if (s.ok()) return response;
+    if (!FollowLeader(s, ctx, attempt, give_up)) return Convert(s);
+  }
+}
+
 absl::StatusOr<v1::Job> YardClient::Get(const std::string& job_id) {
   v1::GetJobRequest request;
   request.set_job_id(job_id);

@@ -32,6 +32,10 @@ class YardClient {
              const TlsClientOptions& tls = {});
 
   absl::StatusOr<v1::Job> Submit(const v1::JobSpec& spec);
+  // Uploads a job's context (common/context_archive.h: `archive`, named `digest`) in chunks of
+  // 1 MiB, following the leader as every call does; the whole is sent again on a retry.
+  absl::StatusOr<v1::UploadContextResponse> UploadContext(const std::string& digest,
+                                                          const std::string& archive);
   absl::StatusOr<v1::Job> Get(const std::string& job_id);
   // Follows next_page_token until `limit` jobs (0 = all) are collected.
   absl::StatusOr<v1::ListJobsResponse> List(const v1::ListJobsRequest& request, int limit);

@@ -363,6 +363,11 @@ absl::StatusOr<PackedContext> PackContext(const std::string& dir, int64_t max_by
   }
   tar.resize(tar.size() + 2 * kBlock, '\0');
   ASSIGN_OR_RETURN(packed.archive, Gzip(tar));
+  if (static_cast<int64_t>(packed.archive.size()) > kMaxContextArchiveBytes) {
+    return PackError(absl::StrCat(root.string(), " packs to ", Mib(packed.archive.size()),
+                                  ", at most ", Mib(kMaxContextArchiveBytes),
+                                  " (its many small files' headers); leave some out"));
+  }
   packed.digest = ContextDigest(packed.archive);
   return packed;
 }

@@ -24,8 +24,9 @@ namespace trainyard {
 // and folders. The archive is smaller (compressed) or a little larger (headers) than the first.
 inline constexpr int64_t kMaxContextBytes = int64_t{64} << 20;
 inline constexpr int kMaxContextEntries = 100000;
-// The largest archive accepted anywhere (headers of kMaxContextEntries entries on top).
-inline constexpr int64_t kMaxContextArchiveBytes = kMaxContextBytes + (int64_t{100} << 20);
+// The largest archive accepted anywhere: gzip makes 64 MiB of files that do not compress a little
+// larger, and headers (which compress well) come on top.
+inline constexpr int64_t kMaxContextArchiveBytes = int64_t{80} << 20;
 
 // One rule of a .gitignore / .yardignore file (a subset of git's: '#' comments, '!' negation, a
 // trailing '/' for folders only, a '/' elsewhere anchors the pattern at the context's root,

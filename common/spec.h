@@ -39,7 +39,8 @@ absl::StatusOr<ParsedSpec> LoadJobSpecFile(const std::string& path);
 
 // LoadJobSpecFile, then ApplyJobSpecDefaults and ValidateJobSpec on the spec; a validation error
 // carries the file and line of the field (AnnotateWithLine). A command job's relative workdir is
-// made absolute first, from the folder of the file (`workdir: .` is the spec's own folder).
+// made absolute first, from the folder of the file (`workdir: .` is the spec's own folder), and so
+// is its context's folder (`context: .`), which yard then uploads.
 // `overrides_yaml` (OverrideJobSpecYaml, errors from `overrides_origin`) is set over the file's
 // fields before defaults and validation.
 absl::StatusOr<ParsedSpec> LoadValidJobSpecFile(const std::string& path,

@@ -14,6 +14,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/context_archive.h"
 #include "common/field_limits.h"
 #include "common/llama_config.h"
 #include "common/spec_schema.h"
@@ -193,6 +194,17 @@ absl::Status ValidateCommandJob(const JobSpec& spec) {
     return FieldError("workdir", absl::StrCat("must be an absolute path (the ranks run elsewhere), "
                                               "got '",
                                               spec.workdir(), "'"));
+  }
+  if (!spec.context().empty()) {
+    // Uploaded: its digest. In a spec file yard has not sent yet: the folder it packs.
+    if (!IsContextDigest(spec.context()) && spec.context()[0] != '/') {
+      return FieldError("context", absl::StrCat("a folder to upload (yard makes it absolute) or an "
+                                                "uploaded context's sha256:<64 hex>, got '",
+                                                spec.context(), "'"));
+    }
+    if (!spec.workdir().empty()) {
+      return FieldError("workdir", "not with context: the ranks start in the unpacked context");
+    }
   }
   for (const auto& [name, value] : spec.env()) {
     bool valid = !name.empty() && !absl::ascii_isdigit(static_cast<unsigned char>(name[0]));
@@ -560,6 +572,11 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
   if (IsCommandJob(spec)) return ValidateCommandJob(spec);
   if (!spec.workdir().empty()) return FieldError("workdir", "only a command job has a workdir");
   if (!spec.env().empty()) return FieldError("env", "only a command job has env");
+  if (!spec.context().empty()) {
+    return FieldError("context",
+                      "only a command job has a context (the built-in trainer's code "
+                      "is on every worker)");
+  }
   RETURN_IF_ERROR(spec_schema::CheckRanges(spec, spec_schema::Scope::kTrainingJob));
 
   RETURN_IF_ERROR(ValidateModel(spec));

@@ -17,6 +17,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/context_archive.h"
 #include "common/spec_schema.h"
 #include "common/status_macros.h"
 
@@ -310,6 +311,16 @@ absl::StatusOr<ParsedSpec> LoadValidJobSpecFile(const std::string& path,
     if (!ec) spec.set_workdir((folder / spec.workdir()).lexically_normal().string());
     if (spec.workdir().size() > 1 && spec.workdir().back() == '/')
       spec.mutable_workdir()->pop_back();
+  }
+  // So is its context's folder (`context: .` uploads the spec's own folder).
+  if (IsCommandJob(spec) && !spec.context().empty() && !IsContextDigest(spec.context()) &&
+      spec.context()[0] != '/') {
+    std::error_code ec;
+    const std::filesystem::path folder =
+        std::filesystem::absolute(std::filesystem::path(path), ec).parent_path();
+    if (!ec) spec.set_context((folder / spec.context()).lexically_normal().string());
+    if (spec.context().size() > 1 && spec.context().back() == '/')
+      spec.mutable_context()->pop_back();
   }
   ApplyJobSpecDefaults(parsed.spec);
   if (absl::Status s = ValidateJobSpec(parsed.spec); !s.ok()) {

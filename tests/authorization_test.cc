@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/clock.h"
+#include "common/context_archive.h"
 #include "server/coordinator/coordinator_server.h"
 #include "tests/testing/coordinator_fixture.h"
 #include "tests/testing/node_session.h"
@@ -275,6 +276,21 @@ class AuthorizationTest : public testing::CoordinatorFixture {
                                  ? grpc::Status::OK
                                  : s;
                     }});
+    rpcs.push_back({"UploadContext", Admits::kUsers,
+                    [&](const std::string& token) {
+                      grpc::ClientContext ctx;
+                      Prepare(ctx, token);
+                      v1::UploadContextResponse resp;
+                      auto writer = jobs_->UploadContext(&ctx, &resp);
+                      v1::ContextChunk c;
+                      c.set_data("archive bytes");
+                      c.set_digest(ContextDigest(c.data()));
+                      c.set_size_bytes(static_cast<int64_t>(c.data().size()));
+                      writer->Write(c);
+                      writer->WritesDone();
+                      return writer->Finish();
+                    },
+                    true});
     // AdminService.
     rpcs.push_back({"Backup", Admits::kAdmins, [&](const std::string& token) {
                       grpc::ClientContext ctx;
@@ -332,6 +348,20 @@ class AuthorizationTest : public testing::CoordinatorFixture {
                  ? grpc::Status::OK
                  : s;
     });
+    rpcs.push_back({"FetchContext", Admits::kNode, [&, job](const std::string& token) {
+                      grpc::ClientContext ctx;
+                      Prepare(ctx, token);
+                      v1::FetchContextRequest r;
+                      r.set_node_id("n1");
+                      r.set_job_id(job);
+                      auto reader = nodes_->FetchContext(&ctx, r);
+                      v1::ContextChunk c;
+                      const grpc::Status s = FinishStream(ctx, reader, c);
+                      // Past authorization: alice's job, on n1, has no context.
+                      return s.error_message().find("has no context") != std::string::npos
+                                 ? grpc::Status::OK
+                                 : s;
+                    }});
     // RendezvousService: the scope of alice's job, attempt 1.
     unary("Set", Admits::kOwnJob, true, [&, scope](grpc::ClientContext& ctx) {
       v1::SetRequest r;
@@ -527,7 +557,7 @@ class AuthorizationTest : public testing::CoordinatorFixture {
 
 TEST_F(AuthorizationTest, EveryRpcGetsTheExpectedCodeForEveryCredentialAndRefusalsChangeNothing) {
   const std::vector<Rpc> rpcs = Rpcs();
-  ASSERT_EQ(rpcs.size(), 41u) << "every RPC of JobService (10), NodeService (5), "
+  ASSERT_EQ(rpcs.size(), 43u) << "every RPC of JobService (11), NodeService (6), "
                                  "RendezvousService (9), TrainerService (2), IdentityService (14), "
                                  "AdminService (1)";
   // Refusals first, each checked to change nothing; then the calls that are let through (those

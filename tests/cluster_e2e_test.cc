@@ -344,6 +344,88 @@ TEST_F(ClusterE2eTest, TheLlamaLoraExampleFineTunesThroughYardAndExportsItsAdapt
   EXPECT_THAT(moved.err, HasSubstr("export is not in"));
 }
 
+// Code upload (issue 55): `yard submit --gpus 2 -- sh run.sh` in a folder that exists nowhere
+// else (removed once submitted) uploads it (the script is here: --context . by default), and both
+// ranks, on two workers with work roots of their own, run in its unpacked copy; what .yardignore
+// and .git hold stays behind. A folder over the limit is refused before anything is sent; another
+// user cannot name the upload, nor read its copies on the workers.
+TEST_F(ClusterE2eTest, AFolderUploadedAsTheContextRunsOnTwoWorkersThatNeverSawIt) {
+  namespace fs = std::filesystem;
+  const fs::path project = fs::path(dir_.path()) / "project";
+  fs::create_directories(project / "data");
+  fs::create_directories(project / ".git");
+  std::ofstream(project / "run.sh") << "set -e\n"
+                                       "echo \"rank $RANK in $(pwd): $(cat data/greeting.txt) "
+                                       "[$(ls -A | tr '\\n' ' ')]\"\n";
+  std::ofstream(project / "data/greeting.txt") << "hello from the context";
+  std::ofstream(project / ".git/HEAD") << "ref: refs/heads/main\n";
+  std::ofstream(project / ".yardignore") << "*.bin\n";
+  std::ofstream(project / "weights.bin").close();
+  fs::resize_file(project / "weights.bin", int64_t{100} << 20);  // sparse; ignored
+  const std::string in_project =
+      absl::StrCat("cd '", project.string(), "' && exec '", BinPath("yard"), "' --coordinator ",
+                   address_, " submit --gpus 2 --name ctx -- sh run.sh");
+  CommandResult submit = RunCommand({"/bin/sh", "-c", in_project}, YardEnv());
+  ASSERT_EQ(submit.exit_code, 0) << submit.err;
+  EXPECT_THAT(submit.err, HasSubstr("uploaded as sha256:"));
+  const std::string job(absl::StripAsciiWhitespace(submit.out));
+  fs::remove_all(project);
+
+  CommandResult wait = Yard({"wait", job}, absl::Seconds(120));
+  ASSERT_EQ(wait.exit_code, 0) << wait.err << Yard({"describe", job}).out;
+  const std::string logs = Yard({"logs", job}).out;
+  for (int worker : {1, 2}) {
+    // Each rank in its own worker's copy (which rank lands where is the scheduler's).
+    const std::string work = absl::StrCat(state_, "/worker-", worker, "/", job, "/attempt-1/work");
+    EXPECT_THAT(logs, HasSubstr(absl::StrCat(
+                          " in ", work, ": hello from the context [.yardignore data run.sh ]")))
+        << logs;
+    // Its copy is its owner's alone, and so is the cached archive.
+    EXPECT_EQ(fs::status(work).permissions() & fs::perms::all, fs::perms::owner_all);
+    const fs::path cache = absl::StrCat(state_, "/worker-", worker, "/.contexts");
+    EXPECT_EQ(fs::status(cache).permissions() & fs::perms::all, fs::perms::owner_all);
+    int archives = 0;
+    for (const auto& e : fs::directory_iterator(cache)) {
+      ++archives;
+      EXPECT_EQ(e.status().permissions() & fs::perms::all,
+                fs::perms::owner_read | fs::perms::owner_write);
+    }
+    EXPECT_EQ(archives, 1);
+  }
+  const auto described = nlohmann::json::parse(Yard({"describe", job, "-o", "json"}).out);
+  const std::string digest = described["spec"]["context"].get<std::string>();
+  EXPECT_EQ(digest.rfind("sha256:", 0), 0u) << digest;
+  ASSERT_EQ(described["placement"].size(), 2u);
+  EXPECT_NE(described["placement"][0]["node_id"], described["placement"][1]["node_id"]);
+
+  // Over the limit: refused by yard before it connects (this coordinator address answers
+  // nothing, and the error is the folder's).
+  const fs::path big = fs::path(dir_.path()) / "big";
+  fs::create_directories(big);
+  std::ofstream(big / "train.py") << "print('hi')\n";
+  std::ofstream(big / "weights.bin").close();
+  fs::resize_file(big / "weights.bin", int64_t{65} << 20);
+  CommandResult over = RunCommand({BinPath("yard"), "--coordinator", "127.0.0.1:1", "submit",
+                                   "--context", big.string(), "--", "python3", "train.py"},
+                                  YardEnv());
+  ExpectOneLineFailure(over);
+  EXPECT_THAT(over.err, HasSubstr("context: "));
+  EXPECT_THAT(over.err, HasSubstr("65.0 MiB of files, at most 64.0 MiB (largest: weights.bin"));
+  EXPECT_THAT(over.err, Not(HasSubstr("reach")));
+
+  // Another user cannot run it by its digest.
+  ASSERT_EQ(Yard({"admin", "user", "add", "bob"}).exit_code, 0);
+  const std::string bob = dir_.path() + "/bob.token";
+  ASSERT_EQ(Yard({"admin", "token", "create", "--user", "bob", "--out", bob}).exit_code, 0);
+  const std::string spec = dir_.path() + "/bob.yaml";
+  std::ofstream(spec) << "name: borrowed\nresources: {gpus: 1}\ncommand: [sh, run.sh]\ncontext: "
+                      << digest << "\n";
+  CommandResult borrowed = RunCommand(
+      {BinPath("yard"), "--coordinator", address_, "--token-file", bob, "submit", spec}, YardEnv());
+  ExpectOneLineFailure(borrowed);
+  EXPECT_THAT(borrowed.err, HasSubstr("is not a context you uploaded"));
+}
+
 TEST_F(ClusterE2eTest, CheckpointsOnRequestResumesAfterAKilledRankAndCancelStopsTheRanks) {
   const std::string spec = WriteSpec("long", 100000);
   {  // one restart allowed

@@ -605,6 +605,33 @@ TEST(SpecTest, ARelativeWorkdirInAFileIsTheFilesFolders) {
   std::filesystem::remove_all(root);
 }
 
+TEST(SpecTest, AContextIsAFolderBesideTheFileOrAnUploadsDigestAndOnlyForCommandJobs) {
+  char tmpl[] = "/tmp/spec-test-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string root = tmpl;
+  std::filesystem::create_directories(root + "/project");
+  const std::string path = root + "/project/job.yaml";
+  std::ofstream(path) << "name: j\nresources: {gpus: 1}\ncommand: [python3, t.py]\ncontext: .\n";
+  auto parsed = LoadValidJobSpecFile(path);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->spec.context(), root + "/project");  // yard uploads it
+  std::ofstream(path) << "name: j\nresources: {gpus: 1}\ncommand: [python3, t.py]\ncontext: .\n"
+                         "workdir: /tmp\n";
+  EXPECT_THAT(std::string(LoadValidJobSpecFile(path).status().message()),
+              HasSubstr("workdir: not with context"));
+  std::filesystem::remove_all(root);
+
+  v1::JobSpec spec = parsed->spec;
+  spec.set_context("sha256:" + std::string(64, 'e'));
+  EXPECT_TRUE(ValidateJobSpec(spec).ok());
+  spec.set_context("relative/dir");
+  EXPECT_THAT(std::string(ValidateJobSpec(spec).message()), StartsWith("context: a folder"));
+  v1::JobSpec builtin = ValidSpec();
+  builtin.set_context("sha256:" + std::string(64, 'e'));
+  EXPECT_THAT(std::string(ValidateJobSpec(builtin).message()),
+              StartsWith("context: only a command job"));
+}
+
 TEST(SpecTest, EmptyFileIsAnError) {
   auto parsed = ParseJobSpecYaml("", "empty.yaml");
   ASSERT_FALSE(parsed.ok());

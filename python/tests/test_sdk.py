@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -129,6 +130,30 @@ def test_a_job_trains_on_what_trainyard_data_prepared(client, tmp_path):
     finished = client.wait(job.id, timeout=180)
     assert finished.state == job_pb2.SUCCEEDED
     assert [s.step for s in client.metrics(job.id)] == [1, 2, 3]
+
+
+def test_a_folder_submitted_as_the_context_runs_after_it_is_gone(client, tmp_path):
+    project = tmp_path / "code"
+    (project / "pkg").mkdir(parents=True)
+    (project / "pkg" / "__init__.py").write_text("GREETING = 'hello from the uploaded package'\n")
+    (project / "train.py").write_text("import os, pkg\nprint(pkg.GREETING, sorted(os.listdir('.')))\n")
+    (project / "data.bin").write_bytes(b"\0" * 1024)
+    (project / ".gitignore").write_text("*.bin\n__pycache__/\n")
+    job = client.submit(name="uploaded", slots=1, command=["python3", "train.py"],
+                        context=project)
+    assert job.spec.context.startswith("sha256:")
+    shutil.rmtree(project)
+    finished = client.wait(job.id, timeout=120)
+    assert finished.state == job_pb2.SUCCEEDED, finished.message
+    lines = [line.text for line in client.logs(job.id)]
+    assert "hello from the uploaded package ['.gitignore', 'pkg', 'train.py']" in lines, lines
+
+    big = tmp_path / "big"
+    big.mkdir()
+    with open(big / "weights.bin", "wb") as f:
+        f.truncate(65 << 20)
+    with pytest.raises(ValueError, match=r"context: .* 65.0 MiB of files, at most 64.0 MiB"):
+        client.submit(name="big", slots=1, command=["python3", "x.py"], context=big)
 
 
 def test_cancel_and_list_by_state(client):

@@ -3,6 +3,7 @@ JobSubmissionClient. Every call is made as the token's user: users see their own
 everyone's."""
 import ipaddress
 import os
+import time
 import uuid
 
 import grpc
@@ -102,8 +103,10 @@ class Client:
     def submit(self, spec=None, **fields):
         """Submits a job and returns it (QUEUED). `spec`: a trainyard.v1.JobSpec, or a dict in
         the JobSpec's JSON form; or keyword fields: name, slots (or gpus, its old name), command,
-        workdir, env, after (job ids), priority, max_restarts, max_runtime_seconds, preemptible.
-        The coordinator
+        workdir, context, env, after (job ids), priority, max_restarts, max_runtime_seconds,
+        preemptible. A context that is a folder (not an uploaded "sha256:..." digest) is packed
+        and uploaded first, as `yard submit --context DIR` does (ValueError naming "context" when
+        it holds more than 64 MiB of files). The coordinator
         validates it: a bad one raises grpc.RpcError INVALID_ARGUMENT naming the field."""
         from trainyard.v1 import job_pb2
 
@@ -125,6 +128,7 @@ class Client:
             message.resources.slots = int(fields.pop("slots", fields.pop("gpus", 1)))
             message.command.extend(fields.pop("command", []))
             message.workdir = fields.pop("workdir", "")
+            message.context = os.fspath(fields.pop("context", ""))
             message.env.update(fields.pop("env", {}))
             message.after.extend(fields.pop("after", []))
             for key in ("priority", "max_restarts", "max_runtime_seconds", "preemptible"):
@@ -134,11 +138,34 @@ class Client:
                 raise TypeError(f"submit: unknown fields {sorted(fields)}")
         else:
             raise TypeError("submit: spec must be a JobSpec or a dict")
+        if message.context and not message.context.startswith("sha256:"):
+            message.context = self.upload_context(message.context)
         # One request id for this submit and every retry of it (the stub follows the leader and
         # retries): the coordinator stores the job once.
         request = job_pb2.SubmitJobRequest(spec=message, request_id=uuid.uuid4().hex)
         response = self._jobs.SubmitJob(request, timeout=self._timeout, metadata=self._metadata)
         return response.job
+
+    def upload_context(self, folder):
+        """Packs and uploads `folder` as a job's context; returns its digest for JobSpec.context
+        (kept for you alone: a day, or as long as the logs of a job that names it)."""
+        from trainyard import _context
+
+        from trainyard.v1 import job_pb2_grpc
+
+        archive, digest = _context.pack(folder)
+        chunks = _context.chunks(archive, digest)
+        # Sent whole again to the leader when a standby or a leader going away answers.
+        give_up = time.monotonic() + 30
+        while True:
+            stub = job_pb2_grpc.JobServiceStub(self._endpoints.channel)
+            try:
+                return stub.UploadContext(iter(chunks), timeout=max(self._timeout or 0, 600),
+                                          metadata=self._metadata).context
+            except grpc.RpcError as error:
+                if time.monotonic() > give_up or not self._endpoints.follow(error):
+                    raise
+                time.sleep(0.2)
 
     def describe(self, job_id):
         from trainyard.v1 import job_pb2

@@ -335,6 +335,10 @@ absl::Status CoordinatorServer::LoadJobs() {
                                                   : options_.state_dir);
   history_ = std::make_unique<JobHistory>(*store_, *jobs_, *logs_, *metrics_, clock_,
                                           options_.limits.history);
+  // Jobs' contexts stay as long as their logs (never-ending retention: ten years).
+  ContextStoreOptions context_options;
+  context_options.claimed = std::min(options_.limits.history.retention, absl::Hours(24 * 3650));
+  contexts_ = std::make_unique<ContextStore>(*store_, clock_, context_options);
   // Running jobs' logs and metrics from before a restart (or from the leader before this one).
   ASSIGN_OR_RETURN(const int resumed, history_->LoadUnfinished());
   if (resumed > 0) spdlog::info("loaded the logs and metrics of {} unfinished job(s)", resumed);
@@ -350,13 +354,13 @@ absl::Status CoordinatorServer::LoadJobs() {
 // Each service gets the handlers it calls (job_handlers.h).
 void CoordinatorServer::MakeServices() {
   const IdentityRegistry& ids = *identities_;
-  job_service_ =
-      std::make_unique<JobServiceImpl>(*jobs_, *jobs_, *logs_, *metrics_, *history_, ids);
+  job_service_ = std::make_unique<JobServiceImpl>(*jobs_, *jobs_, *logs_, *metrics_, *history_, ids,
+                                                  *contexts_);
   // (A new name for this coordinator's life: ranks send their recent reports again to it.)
   trainer_service_ = std::make_unique<TrainerServiceImpl>(*jobs_, *metrics_, metrics_prom_.get(),
                                                           ids, Base64Url(RandomBytes(12)));
   node_service_ = std::make_unique<NodeServiceImpl>(
-      *nodes_, *jobs_, *jobs_, *logs_, options_.heartbeat_interval, ids,
+      *nodes_, *jobs_, *jobs_, *logs_, *contexts_, options_.heartbeat_interval, ids,
       /*node_certificates=*/!options_.tls.client_ca_file.empty());
   node_service_->SetMetrics(metrics_prom_.get());
   rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(*rendezvous_, ids);

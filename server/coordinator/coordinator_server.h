@@ -20,6 +20,7 @@
 #include "common/clock.h"
 #include "common/metrics_endpoint.h"
 #include "common/tls.h"
+#include "server/coordinator/context_store.h"
 #include "server/coordinator/coordinator_metrics.h"
 #include "server/coordinator/identity.h"
 #include "server/coordinator/job_history.h"
@@ -179,6 +180,7 @@ class CoordinatorServer {
   std::unique_ptr<JobLogs> logs_;
   std::unique_ptr<JobMetrics> metrics_;
   std::unique_ptr<JobHistory> history_;
+  std::unique_ptr<ContextStore> contexts_;
   std::unique_ptr<JobServiceImpl> job_service_;
   std::unique_ptr<TrainerServiceImpl> trainer_service_;
   std::unique_ptr<NodeServiceImpl> node_service_;

@@ -10,6 +10,7 @@
 #include <cerrno>
 
 #include "absl/strings/str_cat.h"
+#include "common/context_archive.h"
 #include "common/grpc_status.h"
 #include "common/log_text.h"
 #include "common/signal_names.h"
@@ -248,6 +249,87 @@ class ExportReactor final : public grpc::ServerWriteReactor<v1::ExportChunk> {
   v1::ExportChunk chunk_;
 };
 
+// UploadContext: the chunks of one archive, checked against the first chunk's digest and size,
+// then stored for the caller (the store's write waits on the gRPC thread that read the last
+// chunk: once an upload).
+class UploadContextReactor final : public grpc::ServerReadReactor<v1::ContextChunk> {
+ public:
+  static constexpr size_t kMaxChunkBytes = size_t{1} << 20;
+
+  UploadContextReactor(ContextStore& contexts, Principal caller,
+                       v1::UploadContextResponse* response)
+      : contexts_(contexts), caller_(std::move(caller)), response_(response) {
+    StartRead(&chunk_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the client has sent everything (or went away: then Finish goes nowhere)
+      Complete();
+      return;
+    }
+    if (first_) {
+      first_ = false;
+      digest_ = chunk_.digest();
+      size_ = chunk_.size_bytes();
+      if (!IsContextDigest(digest_)) {
+        return Refuse(absl::InvalidArgumentError(
+            absl::StrCat("digest: expected sha256: and 64 lowercase hex digits, got '",
+                         EscapeControl(digest_.substr(0, 80)), "'")));
+      }
+      if (size_ <= 0 || size_ > kMaxContextArchiveBytes) {
+        return Refuse(absl::InvalidArgumentError(
+            absl::StrCat("size_bytes: ", size_, ", expected 1..", kMaxContextArchiveBytes,
+                         " (a context holds at most 64 MiB of files)")));
+      }
+      archive_.reserve(static_cast<size_t>(size_));
+    } else if (!chunk_.digest().empty() || chunk_.size_bytes() != 0) {
+      return Refuse(absl::InvalidArgumentError("digest, size_bytes: only in the first chunk"));
+    }
+    if (chunk_.data().size() > kMaxChunkBytes ||
+        archive_.size() + chunk_.data().size() > static_cast<size_t>(size_)) {
+      return Refuse(absl::InvalidArgumentError(
+          absl::StrCat("data: more than the ", size_, " bytes of size_bytes (or a chunk over ",
+                       kMaxChunkBytes, ")")));
+    }
+    archive_ += chunk_.data();
+    StartRead(&chunk_);
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  void Refuse(absl::Status status) {
+    Audit(caller_, "UploadContext", digest_.empty() ? "-" : digest_, status);
+    Finish(ToGrpcStatus(status));
+  }
+  void Complete() {
+    if (first_ || archive_.size() != static_cast<size_t>(size_)) {
+      return Refuse(absl::InvalidArgumentError(
+          absl::StrCat("data: ", archive_.size(), " bytes arrived, size_bytes said ", size_)));
+    }
+    if (ContextDigest(archive_) != digest_) {
+      return Refuse(absl::InvalidArgumentError(absl::StrCat(
+          "digest: the bytes' digest is ", ContextDigest(archive_), ", not ", digest_)));
+    }
+    absl::StatusOr<int64_t> expires = contexts_.Put(caller_.user, digest_, archive_);
+    Audit(caller_, "UploadContext", digest_, expires.status());
+    if (expires.ok()) {
+      response_->set_context(digest_);
+      response_->set_size_bytes(size_);
+      response_->set_expires_ms(*expires);
+    }
+    Finish(ToGrpcStatus(expires.status()));
+  }
+
+  ContextStore& contexts_;
+  const Principal caller_;
+  v1::UploadContextResponse* response_;
+  v1::ContextChunk chunk_;
+  bool first_ = true;
+  std::string digest_;
+  int64_t size_ = 0;
+  std::string archive_;
+};
+
 }  // namespace
 
 // ---- JobService ----
@@ -275,6 +357,19 @@ grpc::ServerUnaryReactor* JobServiceImpl::SubmitJob(grpc::CallbackServerContext*
   if (absl::Status s = CheckRequest(*request); !s.ok()) return Done(ctx, s);
   auto user = AuthenticateUser(ctx, identities_, "SubmitJob");
   if (!user.ok()) return Done(ctx, user.status());
+  // A context is one the submitter uploaded (never another user's, whatever its digest).
+  if (const std::string& context = request->spec().context(); !context.empty()) {
+    absl::Status s =
+        IsContextDigest(context)
+            ? contexts_.Claim(user->user, context)
+            : absl::InvalidArgumentError(absl::StrCat(
+                  "context: the uploaded context's sha256:<64 hex>, got '",
+                  EscapeControl(context.substr(0, 80)), "' (yard submit --context DIR)"));
+    if (!s.ok()) {
+      Audit(*user, "SubmitJob", "-", s);
+      return Done(ctx, s);
+    }
+  }
   auto* reactor = ctx->DefaultReactor();
   jobs_.Submit(user->user, request->spec(), request->request_id(),
                [reactor, response, who = *user](absl::StatusOr<v1::Job> job) {
@@ -411,6 +506,21 @@ grpc::ServerWriteReactor<v1::ExportChunk>* JobServiceImpl::FetchExport(
   }
   Audit(caller, "FetchExport", request->job_id(), absl::OkStatus());
   return new ExportReactor(*std::move(dir));
+}
+
+grpc::ServerReadReactor<v1::ContextChunk>* JobServiceImpl::UploadContext(
+    grpc::CallbackServerContext* ctx, v1::UploadContextResponse* response) {
+  auto caller = AuthenticateUser(ctx, identities_, "UploadContext");
+  if (!caller.ok()) {
+    // A reactor that refuses at once (nothing read).
+    class Refuse final : public grpc::ServerReadReactor<v1::ContextChunk> {
+     public:
+      explicit Refuse(grpc::Status s) { Finish(s); }
+      void OnDone() override { delete this; }
+    };
+    return new Refuse(ToGrpcStatus(caller.status()));
+  }
+  return new UploadContextReactor(contexts_, *std::move(caller), response);
 }
 
 grpc::ServerWriteReactor<v1::StepReport>* JobServiceImpl::StreamMetrics(

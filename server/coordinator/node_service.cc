@@ -411,3 +411,82 @@ grpc::ServerUnaryReactor* NodeServiceImpl::VerifyJobCredential(
 }
 
 }  // namespace trainyard::coordinator
+
+namespace trainyard::coordinator {
+namespace {
+
+// FetchContext: an archive held in memory, written in chunks of 1 MiB (the first names it).
+class ContextReactor final : public grpc::ServerWriteReactor<v1::ContextChunk> {
+ public:
+  static constexpr size_t kChunkBytes = size_t{1} << 20;
+
+  ContextReactor(std::string digest, std::string archive)
+      : digest_(std::move(digest)), archive_(std::move(archive)) {
+    Next();
+  }
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the node went away"));
+      return;
+    }
+    Next();
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  void Next() {
+    if (offset_ >= archive_.size()) {
+      Finish(grpc::Status::OK);
+      return;
+    }
+    chunk_.Clear();
+    if (offset_ == 0) {
+      chunk_.set_digest(digest_);
+      chunk_.set_size_bytes(static_cast<int64_t>(archive_.size()));
+    }
+    const size_t n = std::min(kChunkBytes, archive_.size() - offset_);
+    chunk_.set_data(archive_.substr(offset_, n));
+    offset_ += n;
+    StartWrite(&chunk_);
+  }
+
+  const std::string digest_;
+  const std::string archive_;
+  size_t offset_ = 0;
+  v1::ContextChunk chunk_;
+};
+
+}  // namespace
+
+grpc::ServerWriteReactor<v1::ContextChunk>* NodeServiceImpl::FetchContext(
+    grpc::CallbackServerContext* ctx, const v1::FetchContextRequest* request) {
+  if (absl::Status s = CheckRequest(*request); !s.ok()) {
+    return RejectStream<v1::ContextChunk>(ToGrpcStatus(s));
+  }
+  auto caller =
+      AuthenticateNode(ctx, identities_, "FetchContext", request->node_id(), node_certificates_);
+  if (!caller.ok()) return RejectStream<v1::ContextChunk>(ToGrpcStatus(caller.status()));
+  auto refuse = [&](absl::Status status) {
+    return RejectStream<v1::ContextChunk>(ToGrpcStatus(
+        Refused("FetchContext", caller->Describe(), std::move(status), request->job_id())));
+  };
+  // Only a node that runs the job's current attempt: the code is the owner's, as its files are.
+  auto job = lifecycle_.Get(request->job_id());
+  const bool placed =
+      job.ok() && IsActive(job->state()) &&
+      std::any_of(job->placement().begin(), job->placement().end(),
+                  [&](const v1::RankPlacement& p) { return p.node_id() == request->node_id(); });
+  if (!placed) {
+    return refuse(absl::PermissionDeniedError(absl::StrCat(
+        "job_id: ", request->job_id(), " has no running attempt on ", request->node_id())));
+  }
+  if (job->spec().context().empty()) {
+    return RejectStream<v1::ContextChunk>(
+        ToGrpcStatus(absl::NotFoundError(absl::StrCat(request->job_id(), " has no context"))));
+  }
+  absl::StatusOr<std::string> archive = contexts_.Read(job->owner(), job->spec().context());
+  if (!archive.ok()) return RejectStream<v1::ContextChunk>(ToGrpcStatus(archive.status()));
+  return new ContextReactor(job->spec().context(), *std::move(archive));
+}
+
+}  // namespace trainyard::coordinator

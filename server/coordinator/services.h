@@ -9,6 +9,7 @@
 #ifndef TRAINYARD_SERVER_COORDINATOR_SERVICES_H_
 #define TRAINYARD_SERVER_COORDINATOR_SERVICES_H_
 
+#include "server/coordinator/context_store.h"
 #include "server/coordinator/coordinator_metrics.h"
 #include "server/coordinator/identity.h"
 #include "server/coordinator/job_handlers.h"
@@ -30,14 +31,17 @@ namespace trainyard::coordinator {
 class JobServiceImpl final : public v1::JobService::CallbackService {
  public:
   // Logs and metrics of jobs no longer in memory come from `history`.
+  // Jobs' contexts (uploads, and the check that a submit names one of the owner's) in `contexts`.
   JobServiceImpl(JobLifecycle& jobs, const UsageReports& usage, JobLogs& logs, JobMetrics& metrics,
-                 const JobHistory& history, const IdentityRegistry& identities)
+                 const JobHistory& history, const IdentityRegistry& identities,
+                 ContextStore& contexts)
       : jobs_(jobs),
         usage_(usage),
         logs_(logs),
         metrics_(metrics),
         history_(history),
-        identities_(identities) {}
+        identities_(identities),
+        contexts_(contexts) {}
 
   grpc::ServerUnaryReactor* SubmitJob(grpc::CallbackServerContext* ctx,
                                       const v1::SubmitJobRequest* request,
@@ -67,6 +71,8 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
                                      v1::QuotaReport* response) override;
   grpc::ServerWriteReactor<v1::ExportChunk>* FetchExport(
       grpc::CallbackServerContext* ctx, const v1::FetchExportRequest* request) override;
+  grpc::ServerReadReactor<v1::ContextChunk>* UploadContext(
+      grpc::CallbackServerContext* ctx, v1::UploadContextResponse* response) override;
 
  private:
   // The job, if the caller may see and control it: its owner or an admin.
@@ -79,6 +85,7 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
   JobMetrics& metrics_;
   const JobHistory& history_;
   const IdentityRegistry& identities_;
+  ContextStore& contexts_;
 };
 
 class TrainerServiceImpl final : public v1::TrainerService::CallbackService {
@@ -113,13 +120,15 @@ class NodeServiceImpl final : public v1::NodeService::CallbackService {
   // `node_certificates`: node calls authenticate with a verified client certificate whose common
   // name is the node id (mutual TLS), a node token being optional.
   // `lifecycle`: only to find the job of a parameter-server credential.
+  // `contexts`: the jobs' contexts its nodes fetch.
   NodeServiceImpl(NodeRegistry& nodes, AttemptTracker& jobs, const JobLifecycle& lifecycle,
-                  JobLogs& logs, absl::Duration heartbeat_interval,
+                  JobLogs& logs, ContextStore& contexts, absl::Duration heartbeat_interval,
                   const IdentityRegistry& identities, bool node_certificates = false)
       : nodes_(nodes),
         jobs_(jobs),
         lifecycle_(lifecycle),
         logs_(logs),
+        contexts_(contexts),
         heartbeat_interval_(heartbeat_interval),
         identities_(identities),
         node_certificates_(node_certificates) {}
@@ -142,12 +151,15 @@ class NodeServiceImpl final : public v1::NodeService::CallbackService {
   grpc::ServerUnaryReactor* CordonNode(grpc::CallbackServerContext* ctx,
                                        const v1::CordonNodeRequest* request,
                                        v1::CordonNodeResponse* response) override;
+  grpc::ServerWriteReactor<v1::ContextChunk>* FetchContext(
+      grpc::CallbackServerContext* ctx, const v1::FetchContextRequest* request) override;
 
  private:
   NodeRegistry& nodes_;
   AttemptTracker& jobs_;
   const JobLifecycle& lifecycle_;
   JobLogs& logs_;
+  ContextStore& contexts_;
   const absl::Duration heartbeat_interval_;
   CoordinatorMetrics* metrics_ = nullptr;
   // The sessions' work that may wait on the job manager, in arrival order (serial_executor.h).

@@ -40,6 +40,7 @@
 #include "common/units.h"
 #include "common/version.h"
 #include "worker/daemon/cuda_devices.h"
+#include "worker/daemon/job_context.h"
 #include "worker/daemon/nvml.h"
 #include "worker/daemon/shepherd.h"
 #include "worker/daemon/worker_daemon.h"
@@ -502,6 +503,9 @@ void RemoveCgroupFolders(const trainyard::worker::WorkerOptions& options) {
 int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], trainyard::worker::kShepherdFlag) == 0) {
     return trainyard::worker::RunShepherd(argc - 2, argv + 2);
+  }
+  if (argc > 1 && std::strcmp(argv[1], trainyard::worker::kUnpackContextFlag) == 0) {
+    return trainyard::worker::RunUnpackContext(argc - 2, argv + 2);
   }
   trainyard::BlockTerminationSignals();
   {

@@ -31,6 +31,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/credentials.h"
+#include "common/status_macros.h"
 #include "common/tls.h"
 #include "worker/daemon/shepherd.h"
 
@@ -619,9 +620,27 @@ void RankSupervisor::SupervisorLoop() {
     mu_.Await(absl::Condition(&has_work));
     while (!launches_.empty()) {
       const v1::Assignment a = launches_.front();
-      launches_.pop_front();
+      const std::pair<std::string, int> attempt{a.job_id(), a.attempt()};
+      bool unstarted = false;
       for (int i = 0; i < a.device_indices_size(); ++i) {
-        Start(a, a.first_rank() + i, a.device_indices(i));
+        unstarted = unstarted || started_.count({a.job_id(), a.attempt(), a.first_rank() + i}) == 0;
+      }
+      if (unstarted && contexts_.count(attempt) == 0) {
+        v1::JobSpec spec;
+        if (spec.ParseFromString(a.spec()) && !spec.context().empty()) {
+          // Fetched and unpacked without the lock (a Stop meanwhile drops the launch as ever).
+          mu_.Unlock();
+          absl::Status prepared = PrepareContext(a, spec.context());
+          mu_.Lock();
+          contexts_[attempt] = std::move(prepared);
+          continue;
+        }
+      }
+      launches_.pop_front();
+      auto context = contexts_.find(attempt);
+      for (int i = 0; i < a.device_indices_size(); ++i) {
+        Start(a, a.first_rank() + i, a.device_indices(i),
+              context == contexts_.end() ? absl::OkStatus() : context->second);
       }
     }
     std::vector<std::thread> done;
@@ -635,11 +654,46 @@ void RankSupervisor::SupervisorLoop() {
   }
 }
 
-void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
+absl::StatusOr<std::optional<UnixAccount>> RankSupervisor::AccountOf(
+    const std::string& owner) const {
+  if (options_.run_as == nullptr) return std::nullopt;
+  auto found = options_.run_as->AccountFor(owner);
+  if (!found.ok()) return found.status();
+  if (!options_.run_as->switches()) return std::nullopt;
+  return std::optional<UnixAccount>(*std::move(found));
+}
+
+absl::Status RankSupervisor::PrepareContext(const v1::Assignment& a, const std::string& digest) {
+  if (options_.contexts == nullptr) {
+    return absl::FailedPreconditionError("this worker cannot fetch a job's context");
+  }
+  ASSIGN_OR_RETURN(const std::optional<UnixAccount> account, AccountOf(a.owner()));
+  const UnixAccount* owner = account.has_value() ? &*account : nullptr;
+  // The attempt's folder as Start makes it; its "work" folder the owner's, empty.
+  const std::string dir =
+      absl::StrCat(options_.work_dir, "/", a.job_id(), "/attempt-", a.attempt());
+  const std::string work = dir + "/work";
+  std::error_code ec;
+  std::filesystem::create_directories(work, ec);
+  if (owner != nullptr) chmod(dir.c_str(), 0711);
+  RETURN_IF_ERROR(GiveFolder(work, owner));
+  ASSIGN_OR_RETURN(const std::string archive, options_.contexts->Get(a.job_id(), digest));
+  std::vector<std::string> worker_env;
+  for (char** e = environ; *e != nullptr; ++e) worker_env.emplace_back(*e);
+  return UnpackContextAs(options_.shepherd_path, ShepherdEnvironment(worker_env), archive, work,
+                         owner);
+}
+
+void RankSupervisor::Start(const v1::Assignment& a, int rank, int device,
+                           const absl::Status& prepared) {
   const RankKey key{a.job_id(), a.attempt(), rank};
   // Assignments arrive at least once: the coordinator resends them when a session opens, which
   // can cross the first send. A rank of an attempt runs once, even when it has already ended.
   if (!started_.insert(key).second) return;
+  if (!prepared.ok()) {
+    ReportExit(key, 126, std::string(prepared.message()));
+    return;
+  }
   if (!options_.gpu_uuids.empty() &&
       (device < 0 || device >= static_cast<int>(options_.gpu_uuids.size()))) {
     ReportExit(key, 127, absl::StrCat("no GPU with index ", device, " on this worker"));
@@ -647,15 +701,12 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device) {
   }
 
   // The account that runs the rank: the owner's, when this worker runs as root.
-  std::optional<UnixAccount> account;
-  if (options_.run_as != nullptr) {
-    auto found = options_.run_as->AccountFor(a.owner());
-    if (!found.ok()) {
-      ReportExit(key, 126, std::string(found.status().message()));
-      return;
-    }
-    if (options_.run_as->switches()) account = *std::move(found);
+  absl::StatusOr<std::optional<UnixAccount>> found = AccountOf(a.owner());
+  if (!found.ok()) {
+    ReportExit(key, 126, std::string(found.status().message()));
+    return;
   }
+  const std::optional<UnixAccount> account = *std::move(found);
 
   // The attempt's folder stays the worker's (the spec and the ranks' logs, which the worker
   // writes, live there, where a rank cannot plant a link); the rank works in its "work" folder

@@ -25,11 +25,13 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "trainyard/v1/job.pb.h"
 #include "trainyard/v1/node.pb.h"
 #include "worker/daemon/cgroups.h"
+#include "worker/daemon/job_context.h"
 #include "worker/daemon/run_as.h"
 
 namespace trainyard::worker {
@@ -83,6 +85,9 @@ struct SupervisorOptions {
   // (RankLimits).
   CgroupLimits rank_limits;
   std::string cgroup_prefix = "trainyard";  // the ranks' folders: PREFIX/JOB/attempt-N/rank-R
+  // Where jobs' contexts come from (job_context.h); null: a job with one fails to start here. They
+  // are unpacked by shepherd_path run with kUnpackContextFlag.
+  std::shared_ptr<ContextCache> contexts;
 };
 
 // A rank's environment, in this order, a later entry replacing an earlier one of the same name:
@@ -178,7 +183,16 @@ class RankSupervisor {
   // Where a command job's rank finds TORCHELASTIC_ERROR_FILE: WORK/JOB/attempt-N/errors/rank-R.json
   // (the folder its owner's, the attempt's folder the worker's).
   std::string ErrorFilePath(const RankKey& key) const;
-  void Start(const v1::Assignment& a, int rank, int device) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `prepared`: how preparing the attempt's context went (PrepareContext); an error fails the rank.
+  void Start(const v1::Assignment& a, int rank, int device, const absl::Status& prepared)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The account that runs the ranks of `owner`'s jobs: the owner's when this worker switches
+  // accounts (run_as), else none (this worker's own).
+  absl::StatusOr<std::optional<UnixAccount>> AccountOf(const std::string& owner) const;
+  // A command job's context (JobSpec.context): fetched through options_.contexts and unpacked,
+  // as the owner, into the attempt's "work" folder, before its first rank here starts. Without
+  // the supervisor's lock: it may wait on the coordinator.
+  absl::Status PrepareContext(const v1::Assignment& a, const std::string& digest);
   // A command job's rank: the spec's program with torchrun's environment (Start's part for them).
   void StartCommand(const v1::Assignment& a, const v1::JobSpec& spec, const RankKey& key, int rank,
                     int device, const std::optional<UnixAccount>& account, const std::string& work,
@@ -213,6 +227,8 @@ class RankSupervisor {
   // Command jobs: the MASTER_PORT of each attempt with ranks here, the same for all of them.
   std::map<std::pair<std::string, int>, int> attempt_ports_ ABSL_GUARDED_BY(mu_);
   std::deque<v1::Assignment> launches_ ABSL_GUARDED_BY(mu_);
+  // Attempts whose context was prepared here, and how that went (one small entry each).
+  std::map<std::pair<std::string, int>, absl::Status> contexts_ ABSL_GUARDED_BY(mu_);
   std::vector<std::thread> finished_readers_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool detaching_ ABSL_GUARDED_BY(mu_) = false;

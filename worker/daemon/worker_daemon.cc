@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/context_archive.h"
 #include "common/coordinator_channel.h"
 #include "common/credentials.h"
 #include "common/signal_names.h"
@@ -153,7 +154,14 @@ WorkerDaemon::WorkerDaemon(WorkerOptions options)
   }
   devices_.Add({{"state", "allocated"}}).Set(0);
   Connect();
-  supervisor_ = std::make_unique<RankSupervisor>(options_.supervisor,
+  // Jobs' contexts, fetched from the coordinator, cached beside the attempts' folders.
+  SupervisorOptions supervisor = options_.supervisor;
+  if (supervisor.contexts == nullptr) {
+    supervisor.contexts = std::make_shared<ContextCache>(
+        supervisor.work_dir + "/.contexts",
+        [this](const std::string& job_id) { return FetchContext(job_id); });
+  }
+  supervisor_ = std::make_unique<RankSupervisor>(std::move(supervisor),
                                                  [this](v1::NodeMessage m) { Send(std::move(m)); });
 }
 
@@ -170,6 +178,48 @@ void WorkerDaemon::Connect() {
       endpoints_.current(),
       credentials.ok() ? *credentials : grpc::SslCredentials(grpc::SslCredentialsOptions()), args);
   stub_ = v1::NodeService::NewStub(channel_);
+  absl::MutexLock lock(&channel_mu_);
+  fetch_channel_ = channel_;
+}
+
+absl::StatusOr<std::string> WorkerDaemon::FetchContext(const std::string& job_id) {
+  std::shared_ptr<grpc::Channel> channel;
+  {
+    absl::MutexLock lock(&channel_mu_);
+    channel = fetch_channel_;
+  }
+  auto stub = v1::NodeService::NewStub(channel);
+  grpc::ClientContext ctx;
+  if (!options_.token.empty()) ctx.AddMetadata(kAuthorizationMetadata, "Bearer " + options_.token);
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Minutes(5)));
+  v1::FetchContextRequest request;
+  request.set_node_id(options_.node_id);
+  request.set_job_id(job_id);
+  auto reader = stub->FetchContext(&ctx, request);
+  std::string archive;
+  int64_t size = -1;
+  v1::ContextChunk chunk;
+  bool too_large = false;
+  while (reader->Read(&chunk)) {
+    if (size < 0) size = chunk.size_bytes();
+    if (size > kMaxContextArchiveBytes ||
+        static_cast<int64_t>(archive.size() + chunk.data().size()) > size) {
+      too_large = true;
+      ctx.TryCancel();
+      break;
+    }
+    archive += chunk.data();
+  }
+  const grpc::Status s = reader->Finish();
+  if (too_large) return absl::DataLossError("the job's context arrived larger than announced");
+  if (!s.ok()) {
+    return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                        absl::StrCat("fetching the job's context: ", s.error_message()));
+  }
+  if (static_cast<int64_t>(archive.size()) != size) {
+    return absl::DataLossError("the job's context arrived cut short");
+  }
+  return archive;
 }
 
 void WorkerDaemon::Shutdown(ShutdownMode mode) {

@@ -98,6 +98,9 @@ class WorkerDaemon {
   }
   // (Re)makes channel_ and stub_ for endpoints_.current(); on the session thread only.
   void Connect();
+  // Job `job_id`'s context archive, from the coordinator of the current channel (NodeService.
+  // FetchContext); the supervisor's thread calls it (through its ContextCache).
+  absl::StatusOr<std::string> FetchContext(const std::string& job_id);
   void RefreshGauges();
   // Reads each GPU through NVML into the gauges and `heartbeat` (writer thread).
   void SampleGpus(v1::Heartbeat* heartbeat);
@@ -126,6 +129,8 @@ class WorkerDaemon {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::NodeService::Stub> stub_;
   std::unique_ptr<RankSupervisor> supervisor_;
+  absl::Mutex channel_mu_;
+  std::shared_ptr<grpc::Channel> fetch_channel_ ABSL_GUARDED_BY(channel_mu_);  // channel_'s copy
 
   absl::Mutex mu_;
   std::deque<v1::NodeMessage> outbox_ ABSL_GUARDED_BY(mu_);

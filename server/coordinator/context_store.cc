@@ -1,0 +1,64 @@
+#include "server/coordinator/context_store.h"
+
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace trainyard::coordinator {
+
+std::string ContextStore::Key(const std::string& owner, const std::string& digest) {
+  return absl::StrCat(owner, "/", digest);  // no '/' in a user name or a digest
+}
+
+absl::StatusOr<int64_t> ContextStore::Write(const std::string& owner, const std::string& digest,
+                                            const std::string& archive, int64_t expires_ms) {
+  WriteBatch batch;
+  batch.put_records.push_back({kRecordKind, Key(owner, digest), archive, expires_ms});
+  batch.put_records.push_back(
+      {kInfoKind, Key(owner, digest), absl::StrCat(archive.size()), expires_ms});
+  RETURN_IF_ERROR(store_.CommitSync(std::move(batch)));
+  return expires_ms;
+}
+
+absl::StatusOr<int64_t> ContextStore::Put(const std::string& owner, const std::string& digest,
+                                          const std::string& archive) {
+  const int64_t now_ms = absl::ToUnixMillis(clock_.Now());
+  int64_t expires_ms = now_ms + absl::ToInt64Milliseconds(options_.unclaimed);
+  // Uploaded again (the same folder): kept at least as long as before.
+  if (auto info = store_.GetRecord(kInfoKind, Key(owner, digest)); info.ok()) {
+    expires_ms = std::max(expires_ms, info->expires_ms);
+  }
+  return Write(owner, digest, archive, expires_ms);
+}
+
+absl::Status ContextStore::Claim(const std::string& owner, const std::string& digest) {
+  const int64_t now_ms = absl::ToUnixMillis(clock_.Now());
+  auto info = store_.GetRecord(kInfoKind, Key(owner, digest));
+  if (absl::IsNotFound(info.status()) || (info.ok() && info->expires_ms <= now_ms)) {
+    return absl::NotFoundError(
+        absl::StrCat("context: ", digest,
+                     " is not a context you uploaded (or it expired: an upload no job "
+                     "names is kept for a day); yard submit --context DIR uploads it"));
+  }
+  if (!info.ok()) return info.status();
+  const int64_t keep_ms = absl::ToInt64Milliseconds(options_.claimed);
+  if (info->expires_ms - now_ms >= keep_ms / 2) return absl::OkStatus();
+  ASSIGN_OR_RETURN(const std::string archive, Read(owner, digest));
+  return Write(owner, digest, archive, now_ms + keep_ms).status();
+}
+
+absl::StatusOr<std::string> ContextStore::Read(const std::string& owner,
+                                               const std::string& digest) {
+  auto record = store_.GetRecord(kRecordKind, Key(owner, digest));
+  if (absl::IsNotFound(record.status()) ||
+      (record.ok() && record->expires_ms <= absl::ToUnixMillis(clock_.Now()))) {
+    return absl::NotFoundError(
+        absl::StrCat("context ", digest, " of ", owner, " is not stored (it expired?)"));
+  }
+  if (!record.ok()) return record.status();
+  return std::move(record->payload);
+}
+
+}  // namespace trainyard::coordinator

@@ -1,0 +1,64 @@
+// ContextStore: the coordinator's jobs' contexts (JobService.UploadContext, `yard submit
+// --context DIR`), the user's folder as an archive (common/context_archive.h) kept in the job store
+// (record kind "context", keyed by owner and digest, so one user's upload is never another's),
+// beside a small "context_info" record of its size and expiry that a submit reads. A context
+// expires a day after its upload unless a job names it; a job's submit extends it to the history
+// retention (as long as the job's logs), so that it is removed with what it ran (the store's
+// expired records are purged by JobHistory::PurgeExpired). Nodes fetch a job's through
+// NodeService.FetchContext.
+//
+// Thread-safe (the store is); each call waits for the store: call from a handler or a thread of the
+// coordinator's, never from a store callback.
+#ifndef TRAINYARD_SERVER_COORDINATOR_CONTEXT_STORE_H_
+#define TRAINYARD_SERVER_COORDINATOR_CONTEXT_STORE_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/clock.h"
+#include "server/coordinator/job_store.h"
+
+namespace trainyard::coordinator {
+
+struct ContextStoreOptions {
+  // An upload that no job names is removed after this.
+  absl::Duration unclaimed = absl::Hours(24);
+  // A context a job names is kept this long after the latest submit that named it (the history
+  // retention: JobHistoryOptions::retention).
+  absl::Duration claimed = absl::Hours(24 * 30);
+};
+
+class ContextStore {
+ public:
+  static constexpr char kRecordKind[] = "context";
+  static constexpr char kInfoKind[] = "context_info";
+
+  ContextStore(JobStore& store, const Clock& clock, ContextStoreOptions options)
+      : store_(store), clock_(clock), options_(options) {}
+
+  // Stores `archive` (whose digest the caller checked) for `owner`. Returns when it expires (Unix
+  // ms). Storing what is stored already only extends it.
+  absl::StatusOr<int64_t> Put(const std::string& owner, const std::string& digest,
+                              const std::string& archive);
+  // A job of `owner`'s names `digest`: NOT_FOUND naming "context" unless `owner` uploaded it and it
+  // has not expired. Keeps it for `claimed` from now (rewritten when less than half of that is
+  // left).
+  absl::Status Claim(const std::string& owner, const std::string& digest);
+  // The archive `owner` uploaded as `digest`; NOT_FOUND when there is none (or it expired).
+  absl::StatusOr<std::string> Read(const std::string& owner, const std::string& digest);
+
+ private:
+  static std::string Key(const std::string& owner, const std::string& digest);
+  absl::StatusOr<int64_t> Write(const std::string& owner, const std::string& digest,
+                                const std::string& archive, int64_t expires_ms);
+
+  JobStore& store_;
+  const Clock& clock_;
+  const ContextStoreOptions options_;
+};
+
+}  // namespace trainyard::coordinator
+
+#endif  // TRAINYARD_SERVER_COORDINATOR_CONTEXT_STORE_H_

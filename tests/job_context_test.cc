@@ -1,0 +1,131 @@
+// The worker's side of a job's context (worker/daemon/job_context.h): the cache of fetched
+// archives (checked against their digest on every use, refetched when damaged, old ones removed),
+// and unpacking through trainyard-worker --unpack-context as the job's owner.
+#include "worker/daemon/job_context.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "common/context_archive.h"
+#include "tests/testing/subprocess.h"
+
+namespace trainyard::worker {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::BinPath;
+using ::testing::HasSubstr;
+using testing::TempDir;
+
+// An archive of one file, hello.txt.
+PackedContext OneFile(const std::string& text) {
+  TempDir src;
+  std::ofstream(src.path() + "/hello.txt") << text;
+  auto packed = PackContext(src.path());
+  EXPECT_TRUE(packed.ok()) << packed.status();
+  return *packed;
+}
+
+TEST(ContextCacheTest, FetchesOnceChecksEveryUseAndRefetchesADamagedCopy) {
+  TempDir dir;
+  const PackedContext context = OneFile("hi");
+  int fetches = 0;
+  std::string served = context.archive;
+  ContextCache cache(dir.path() + "/cache", [&](const std::string& job) {
+    EXPECT_EQ(job, "job-1");
+    ++fetches;
+    return absl::StatusOr<std::string>(served);
+  });
+  auto got = cache.Get("job-1", context.digest);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, context.archive);
+  EXPECT_EQ(cache.Get("job-1", context.digest).value_or(""), context.archive);
+  EXPECT_EQ(fetches, 1);
+  EXPECT_EQ(fs::status(cache.dir()).permissions() & fs::perms::all, fs::perms::owner_all);
+  const fs::path copy = cache.dir() + "/" + context.digest.substr(7) + ".tar.gz";
+  EXPECT_EQ(fs::status(copy).permissions() & fs::perms::all,
+            fs::perms::owner_read | fs::perms::owner_write);
+
+  // A damaged copy is not used: fetched again.
+  std::ofstream(copy, std::ios::binary) << "damaged";
+  EXPECT_EQ(cache.Get("job-1", context.digest).value_or(""), context.archive);
+  EXPECT_EQ(fetches, 2);
+
+  // What the coordinator sends must be what the spec names.
+  served = OneFile("other").archive;
+  const PackedContext wanted = OneFile("wanted");
+  auto wrong = cache.Get("job-1", wanted.digest);
+  EXPECT_EQ(wrong.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(wrong.status().message(), HasSubstr("is not " + wanted.digest));
+  EXPECT_FALSE(fs::exists(cache.dir() + "/" + wanted.digest.substr(7) + ".tar.gz"));
+}
+
+TEST(ContextCacheTest, ArchivesUnusedForTheirKeepAreRemovedWhenAnotherIsFetched) {
+  TempDir dir;
+  const PackedContext a = OneFile("a"), b = OneFile("b");
+  ContextCache cache(
+      dir.path(),
+      [&](const std::string& job) {
+        return absl::StatusOr<std::string>(job == "a" ? a.archive : b.archive);
+      },
+      absl::Hours(1));
+  ASSERT_TRUE(cache.Get("a", a.digest).ok());
+  const fs::path old = dir.path() + "/" + a.digest.substr(7) + ".tar.gz";
+  fs::last_write_time(old, fs::file_time_type::clock::now() - std::chrono::hours(2));
+  ASSERT_TRUE(cache.Get("b", b.digest).ok());
+  EXPECT_FALSE(fs::exists(old));
+  EXPECT_TRUE(fs::exists(dir.path() + "/" + b.digest.substr(7) + ".tar.gz"));
+}
+
+TEST(UnpackContextAsTest, UnpacksThroughTheWorkerBinaryAsTheOwner) {
+  TempDir dir;
+  const PackedContext context = OneFile("hello");
+  const std::string dest = dir.path() + "/work";
+  fs::create_directories(dest);
+  ASSERT_TRUE(
+      UnpackContextAs(BinPath("trainyard-worker"), {}, context.archive, dest, nullptr).ok());
+  std::ifstream in(dest + "/hello.txt");
+  std::string text;
+  in >> text;
+  EXPECT_EQ(text, "hello");
+  // A second time into the same folder: the file exists, and the unpacker says so.
+  absl::Status again =
+      UnpackContextAs(BinPath("trainyard-worker"), {}, context.archive, dest, nullptr);
+  EXPECT_THAT(again.message(), HasSubstr("hello.txt: File exists"));
+  EXPECT_THAT(
+      std::string(
+          UnpackContextAs(BinPath("trainyard-worker"), {}, "junk", dest, nullptr).message()),
+      HasSubstr("not gzip"));
+
+  if (geteuid() != 0) GTEST_SKIP() << "switching accounts needs root";
+  // As root, it unpacks as the owner (nobody): into nobody's folder, files nobody's; into a folder
+  // of root's it cannot write.
+  UnixAccount nobody;
+  nobody.uid = 65534;
+  nobody.gid = 65534;
+  ASSERT_EQ(chmod(dir.path().c_str(), 0755), 0);
+  const std::string theirs = dir.path() + "/theirs";
+  fs::create_directories(theirs);
+  ASSERT_EQ(chown(theirs.c_str(), nobody.uid, nobody.gid), 0);
+  ASSERT_TRUE(
+      UnpackContextAs(BinPath("trainyard-worker"), {}, context.archive, theirs, &nobody).ok());
+  struct stat st;
+  ASSERT_EQ(stat((theirs + "/hello.txt").c_str(), &st), 0);
+  EXPECT_EQ(st.st_uid, nobody.uid);
+  const std::string roots = dir.path() + "/roots";
+  fs::create_directories(roots);
+  ASSERT_EQ(chmod(roots.c_str(), 0700), 0);
+  EXPECT_THAT(
+      std::string(UnpackContextAs(BinPath("trainyard-worker"), {}, context.archive, roots, &nobody)
+                      .message()),
+      HasSubstr("Permission denied"));
+  EXPECT_FALSE(fs::exists(roots + "/hello.txt"));
+}
+
+}  // namespace
+}  // namespace trainyard::worker
