@@ -255,7 +255,7 @@ bool NamesALocalScript(const std::vector<std::string>& command) {
     return !path.empty() && path[0] != '/' && std::filesystem::is_regular_file(path, ec);
   };
   if (command.empty()) return false;
-  if (command[0].find('/') != std::string::npos) return local(command[0]);
+  if (command[0][0] != '/' && command[0].find('/') != std::string::npos) return local(command[0]);
   for (size_t i = 1; i < command.size(); ++i) {
     if (absl::EndsWith(command[i], ".py") || absl::EndsWith(command[i], ".sh")) {
       return local(command[i]);

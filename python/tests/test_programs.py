@@ -227,8 +227,17 @@ def test_yard_submit_runs_a_program_given_after_a_double_dash(cluster, client, t
     done = client.wait(submitted.stdout.strip(), timeout=120)
     assert done.spec.name == "train" and done.spec.resources.slots == 2
     assert list(done.spec.command) == [sys.executable, "train.py", "--lr", "3e-4"]
-    assert done.spec.workdir == str(folder) and done.spec.env["GREETING"] == "hi there"
+    # train.py is here: this folder went up as the job's context (no worker needs to see it).
+    assert done.spec.context.startswith("sha256:") and done.spec.workdir == ""
+    assert done.spec.env["GREETING"] == "hi there"
     assert "rank 1 ['--lr', '3e-4']" in log_texts(client, done.id)
+    # A program that names no script here runs in this folder, as before.
+    here = yard(cluster, "submit", "--", sys.executable, "-c", "print('in', __import__('os').getcwd())",
+                cwd=folder)
+    assert here.returncode == 0, here.stderr
+    in_folder = client.wait(here.stdout.strip(), timeout=120)
+    assert in_folder.spec.workdir == str(folder) and in_folder.spec.context == ""
+    assert f"in {folder}" in log_texts(client, in_folder.id)
 
     # The flags over a spec file: they win, and are checked as its fields are.
     (folder / "job.yaml").write_text(
