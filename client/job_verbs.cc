@@ -33,6 +33,7 @@
 #include "common/credentials.h"
 #include "common/log_text.h"
 #include "common/memory_estimate.h"
+#include "common/placement.h"
 #include "common/signal_names.h"
 #include "common/spec.h"
 
@@ -52,9 +53,15 @@ std::string ResourcesText(const v1::Job& job) {
   std::vector<std::string> per_rank;
   if (r.cpus() > 0) per_rank.push_back(absl::StrCat(r.cpus(), " CPUs"));
   if (r.memory_bytes() > 0) per_rank.push_back(HumanBytes(r.memory_bytes()));
-  return per_rank.empty()
-             ? Devices(job)
-             : absl::StrCat(Devices(job), "; per rank ", absl::StrJoin(per_rank, ", "));
+  // resources.nodes: "2 on 2 nodes, 4 ranks each".
+  std::string devices = Devices(job);
+  if (r.nodes() > 0) {
+    absl::StrAppend(&devices, " on ", r.nodes(), " node", r.nodes() == 1 ? "" : "s",
+                    r.ranks_per_node() > 0 ? absl::StrCat(", ", r.ranks_per_node(), " ranks each")
+                                           : std::string());
+  }
+  return per_rank.empty() ? devices
+                          : absl::StrCat(devices, "; per rank ", absl::StrJoin(per_rank, ", "));
 }
 
 // What the ranks of the job's latest attempt with reports used, as sacct lists a step's tasks:
@@ -84,8 +91,7 @@ std::string PlacementText(const v1::Job& job) {
   std::vector<std::string> parts;
   for (const auto& p : job.placement()) {
     parts.push_back(absl::StrCat(p.node_id(), "[", absl::StrJoin(p.device_indices(), ","),
-                                 "] ranks ", p.first_rank(), "-",
-                                 p.first_rank() + p.device_indices_size() - 1));
+                                 "] ranks ", p.first_rank(), "-", p.first_rank() + RanksOf(p) - 1));
   }
   return parts.empty() ? "-" : absl::StrJoin(parts, "; ");
 }
@@ -314,10 +320,15 @@ absl::StatusOr<std::string> SubmitFlagsYaml(const SubmitFlags& f, bool inline_jo
   if (!f.description.empty()) out << YAML::Key << "description" << YAML::Value << f.description;
   if (f.priority != 0) out << YAML::Key << "priority" << YAML::Value << f.priority;
   if (f.max_restarts >= 0) out << YAML::Key << "max_restarts" << YAML::Value << f.max_restarts;
-  const int slots = f.slots > 0 ? f.slots : (inline_job ? 1 : 0);
-  if (slots > 0 || f.cpus > 0 || !f.memory.empty()) {
+  // (With --nodes, slots default to one a node.)
+  const int slots = f.slots > 0 ? f.slots : (inline_job && f.nodes == 0 ? 1 : 0);
+  if (slots > 0 || f.cpus > 0 || !f.memory.empty() || f.nodes > 0 || f.ranks_per_node > 0) {
     out << YAML::Key << "resources" << YAML::Value << YAML::BeginMap;
     if (slots > 0) out << YAML::Key << "slots" << YAML::Value << slots;
+    if (f.nodes > 0) out << YAML::Key << "nodes" << YAML::Value << f.nodes;
+    if (f.ranks_per_node > 0) {
+      out << YAML::Key << "ranks_per_node" << YAML::Value << f.ranks_per_node;
+    }
     if (f.cpus > 0) out << YAML::Key << "cpus" << YAML::Value << f.cpus;
     if (!f.memory.empty()) out << YAML::Key << "memory" << YAML::Value << f.memory;
     out << YAML::EndMap;
@@ -1130,6 +1141,16 @@ void AddJobVerbs(CLI::App& app, Cli& c) {
   submit->add_option("--cpus", sf.cpus, "resources.cpus: CPUs per rank (1.5: one and a half)")
       ->check(CLI::PositiveNumber);
   submit->add_option("--memory", sf.memory, "resources.memory: memory per rank, e.g. 16GiB");
+  submit
+      ->add_option("--nodes,--nnodes", sf.nodes,
+                   "resources.nodes: on exactly this many nodes, --gpus / N devices each "
+                   "(--gpus defaults to N): torchrun's --nnodes")
+      ->check(CLI::PositiveNumber);
+  submit
+      ->add_option("--ranks-per-node,--nproc-per-node", sf.ranks_per_node,
+                   "resources.ranks_per_node: ranks on each node, sharing its devices (a "
+                   "multiple of them; default one per device): torchrun's --nproc-per-node")
+      ->check(CLI::PositiveNumber);
   submit->add_option("--name", sf.name, "name (default: the script's or the program's)");
   submit->add_option("--description", sf.description, "description: free text");
   submit->add_option("--env", sf.env, "env: NAME=VALUE for every rank (repeatable)");

@@ -60,9 +60,10 @@ struct TokenCreateArgs {
 // `yard submit`'s flags that build or change a spec: from a spec file, over it; without one
 // (a program after --), the whole spec.
 struct SubmitFlags {
-  std::vector<std::string> command;  // what follows `--` on yard's command line
-  int slots = 0;                     // --gpus/--slots; 0: not given
-  double cpus = 0;                   // 0: not given
+  std::vector<std::string> command;   // what follows `--` on yard's command line
+  int slots = 0;                      // --gpus/--slots; 0: not given
+  int nodes = 0, ranks_per_node = 0;  // --nodes, --ranks-per-node; 0: not given
+  double cpus = 0;                    // 0: not given
   std::string memory, name, workdir, description;
   std::string context;             // --context DIR: uploaded, unpacked on each node
   std::vector<std::string> env;    // NAME=VALUE

@@ -72,6 +72,12 @@ bool IsCommandJob(const v1::JobSpec& spec);
 // replicas. 1 otherwise.
 int RankBlockOf(const v1::JobSpec& spec);
 
+// Ranks that share each of the job's devices: resources.ranks_per_node over the devices per node
+// (slots / nodes); 1 without them.
+int RanksPerDevice(const v1::JobSpec& spec);
+// The job's ranks: its devices times RanksPerDevice.
+int WorldSizeOf(const v1::JobSpec& spec);
+
 // If `status` names a field that `parsed` has a line for, prefixes "FILENAME:LINE: ".
 absl::Status AnnotateWithLine(const absl::Status& status, const ParsedSpec& parsed,
                               const std::string& filename);

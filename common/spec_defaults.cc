@@ -9,6 +9,9 @@ using v1::JobSpec;
 
 void ApplyJobSpecDefaults(JobSpec& spec) {
   spec_schema::ApplyDefaults(spec, spec_schema::Scope::kEveryJob);
+  // nodes (torchrun's --nnodes) alone: a device on each.
+  auto& r = *spec.mutable_resources();
+  if (r.nodes() > 0 && r.slots() == 0) r.set_slots(r.nodes());
   if (IsCommandJob(spec)) return;  // the program's own settings are its business
   spec_schema::ApplyDefaults(spec, spec_schema::Scope::kTrainingJob);
   auto& m = *spec.mutable_model();

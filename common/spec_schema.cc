@@ -64,6 +64,8 @@ constexpr Field kFields[] = {
      .required = true,
      .given = ">= 1"},
     {.path = "resources.gpus", .scope = kEvery, .alias_of = "resources.slots"},
+    {.path = "resources.nodes", .scope = kEvery, .range = "0..1024", .given = "1..1024"},
+    {.path = "resources.ranks_per_node", .scope = kEvery, .range = "0..1024", .given = "1..1024"},
     {.path = "resources.cpus",
      .scope = kEvery,
      .range = "[0, 4096]",

@@ -175,6 +175,39 @@ bool ReservedEnvName(const std::string& name) {
   return kReserved.count(name) > 0 || absl::StartsWith(name, "TRAINYARD_");
 }
 
+// resources.nodes and ranks_per_node (torchrun's --nnodes and --nproc-per-node): command jobs,
+// whole devices per node, whole ranks per device.
+absl::Status ValidateNodes(const JobSpec& spec) {
+  const v1::Resources& r = spec.resources();
+  if (r.nodes() == 0 && r.ranks_per_node() == 0) return absl::OkStatus();
+  const char* field = r.nodes() > 0 ? "resources.nodes" : "resources.ranks_per_node";
+  if (!IsCommandJob(spec)) {
+    return FieldError(field,
+                      "only a command job (the built-in trainer places a rank on each "
+                      "device, as parallel: says)");
+  }
+  if (r.nodes() == 0) {
+    return FieldError("resources.ranks_per_node",
+                      "give resources.nodes too (torchrun's --nnodes; 1 for one node)");
+  }
+  if (r.slots() % r.nodes() != 0) {
+    return FieldError("resources.slots",
+                      absl::StrCat(r.slots(), " devices do not split evenly over ", r.nodes(),
+                                   " nodes (resources.nodes)"));
+  }
+  const int per_node = r.slots() / r.nodes();
+  if (r.ranks_per_node() > 0 && r.ranks_per_node() % per_node != 0) {
+    return FieldError("resources.ranks_per_node",
+                      absl::StrCat(r.ranks_per_node(), " ranks do not share ", per_node,
+                                   " devices a node evenly: give a multiple of ", per_node,
+                                   " (resources.slots / resources.nodes)"));
+  }
+  if (static_cast<int64_t>(r.nodes()) * std::max(r.ranks_per_node(), per_node) > 65536) {
+    return FieldError(field, "more than 65536 ranks in all");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateCommandJob(const JobSpec& spec) {
   if (spec.has_model() || spec.has_data() || spec.has_train() || spec.has_parallel()) {
     const char* given = spec.has_model()   ? "model"
@@ -233,6 +266,14 @@ absl::Status ValidateCommandJob(const JobSpec& spec) {
 }  // namespace
 
 bool IsCommandJob(const JobSpec& spec) { return spec.command_size() > 0; }
+
+int RanksPerDevice(const JobSpec& spec) {
+  const v1::Resources& r = spec.resources();
+  if (r.nodes() <= 0 || r.ranks_per_node() <= 0 || r.slots() < r.nodes()) return 1;
+  return std::max(1, r.ranks_per_node() / (r.slots() / r.nodes()));
+}
+
+int WorldSizeOf(const JobSpec& spec) { return spec.resources().slots() * RanksPerDevice(spec); }
 
 namespace {
 
@@ -567,6 +608,7 @@ absl::Status ValidateJobSpec(const JobSpec& spec) {
     }
   }
   RETURN_IF_ERROR(spec_schema::CheckRanges(spec, spec_schema::Scope::kEveryJob));
+  RETURN_IF_ERROR(ValidateNodes(spec));
   RETURN_IF_ERROR(ValidateAfter(spec));
   RETURN_IF_ERROR(ValidateArray(spec));
   if (IsCommandJob(spec)) return ValidateCommandJob(spec);

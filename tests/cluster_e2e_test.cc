@@ -31,6 +31,7 @@ namespace {
 
 using testing::BinPath;
 using testing::CommandResult;
+using ::testing::ContainsRegex;
 using testing::ExpectOneLineFailure;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
@@ -424,6 +425,51 @@ TEST_F(ClusterE2eTest, AFolderUploadedAsTheContextRunsOnTwoWorkersThatNeverSawIt
       {BinPath("yard"), "--coordinator", address_, "--token-file", bob, "submit", spec}, YardEnv());
   ExpectOneLineFailure(borrowed);
   EXPECT_THAT(borrowed.err, HasSubstr("is not a context you uploaded"));
+}
+
+// torchrun's --nnodes 2 --nproc-per-node 3 (issue 55): `yard submit --nodes 2 --ranks-per-node 3`
+// runs six ranks, three on each of the two workers sharing its one CPU slot, with torchrun's
+// numbering, and a Gloo all-reduce over all six agrees.
+TEST_F(ClusterE2eTest, RanksPerNodeRunsSeveralRanksOnEachNodeAsTorchrunWould) {
+  if (RunCommand({"/usr/bin/python3", "-c", "import torch"}).exit_code != 0) {
+    GTEST_SKIP() << "no python3-torch";
+  }
+  namespace fs = std::filesystem;
+  const fs::path project = fs::path(dir_.path()) / "ddp";
+  fs::create_directories(project);
+  std::ofstream(project / "ddp.py")
+      << "import os, torch, torch.distributed as dist\n"
+         "dist.init_process_group('gloo')\n"
+         "t = torch.tensor([float(dist.get_rank())])\n"
+         "dist.all_reduce(t)\n"
+         "e = os.environ\n"
+         "print(f\"rank {e['RANK']} local {e['LOCAL_RANK']}/{e['LOCAL_WORLD_SIZE']} group \"\n"
+         "      f\"{e['GROUP_RANK']}/{e['GROUP_WORLD_SIZE']} world {e['WORLD_SIZE']} sum \"\n"
+         "      f\"{t.item():.0f}\")\n"
+         "dist.destroy_process_group()\n";
+  CommandResult submit =
+      Yard({"submit", "--nodes", "2", "--nproc-per-node", "3", "--context", project.string(),
+            "--env", "PYTHONDONTWRITEBYTECODE=1", "--", "/usr/bin/python3", "ddp.py"});
+  ASSERT_EQ(submit.exit_code, 0) << submit.err;
+  const std::string job(absl::StripAsciiWhitespace(submit.out));
+  CommandResult wait = Yard({"wait", job}, absl::Seconds(300));
+  ASSERT_EQ(wait.exit_code, 0) << wait.err << Yard({"describe", job}).out
+                               << Yard({"logs", job}).out;
+  const std::string logs = Yard({"logs", job}).out;
+  for (int rank = 0; rank < 6; ++rank) {
+    EXPECT_THAT(logs, HasSubstr(absl::StrCat("[rank ", rank, "] rank ", rank, " local ", rank % 3,
+                                             "/3 group ", rank / 3, "/2 world 6 sum 15")))
+        << logs;
+  }
+  const std::string described = Yard({"describe", job}).out;
+  EXPECT_THAT(described, HasSubstr("2 on 2 nodes, 3 ranks each"));
+  EXPECT_THAT(described, ContainsRegex("local-[12]\\[0\\] ranks 0-2; local-[12]\\[0\\] ranks 3-5"));
+  // Both workers' slots are free again: a job on both runs.
+  CommandResult again = Yard({"submit", "--nodes", "2", "--", "/bin/true"});
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_EQ(Yard({"wait", std::string(absl::StripAsciiWhitespace(again.out))}, absl::Seconds(120))
+                .exit_code,
+            0);
 }
 
 TEST_F(ClusterE2eTest, CheckpointsOnRequestResumesAfterAKilledRankAndCancelStopsTheRanks) {

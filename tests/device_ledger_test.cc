@@ -48,6 +48,23 @@ TEST(DeviceLedgerTest, ADrainingRankKeepsItsDeviceUntilItsExitOnItsNode) {
   EXPECT_TRUE(ledger.Hold("a", 3));
 }
 
+// resources.ranks_per_node: ranks sharing a device hold it until the last of them has exited,
+// whichever way each one's draining ends.
+TEST(DeviceLedgerTest, RanksSharingADeviceHoldItUntilTheLastOfThemEnds) {
+  DeviceLedger ledger;
+  ASSERT_TRUE(ledger.Hold("a", 0));
+  const DeviceLedger::RankKey r0{"job-1", 1, 0}, r1{"job-1", 1, 1}, r2{"job-1", 1, 2};
+  for (const auto& r : {r0, r1, r2}) ledger.Drain(r, "a", 0, kT0 + absl::Seconds(10));
+  EXPECT_TRUE(ledger.EndDraining(r0, "a"));
+  EXPECT_FALSE(ledger.Hold("a", 0));                                   // r1 and r2 still stop on it
+  EXPECT_TRUE(ledger.SettleNode("a", {r2}, kT0 + absl::Seconds(10)));  // r1 is gone
+  EXPECT_FALSE(ledger.Hold("a", 0));
+  auto expired = ledger.Expire(kT0 + absl::Seconds(11), [](const std::string&) { return true; });
+  ASSERT_EQ(expired.size(), 1u);
+  EXPECT_EQ(expired[0].first, r2);
+  EXPECT_TRUE(ledger.Hold("a", 0));  // the last one: free
+}
+
 TEST(DeviceLedgerTest, ANodesHelloFreesItsGoneRanksAndGivesRunningOnesANewDeadline) {
   DeviceLedger ledger;
   const DeviceLedger::RankKey gone{"job-1", 1, 0}, alive{"job-1", 1, 1}, other{"job-2", 1, 0};

@@ -166,6 +166,26 @@ TEST(RankLimitsTest, AJobsCpusAndMemoryReplaceTheSlotsDefaults) {
   EXPECT_EQ(RankLimits(CgroupLimits{}, asked).memory_bytes, int64_t{16} << 30);
 }
 
+TEST(RankLimitsTest, RanksSharingASlotShareItsDefaultsButGetWhatTheyAskFor) {
+  CgroupLimits slot;
+  slot.memory_bytes = int64_t{8} << 30;
+  slot.cpus = 2;
+  slot.pids = 400;
+  v1::Resources shared;
+  shared.set_nodes(2);
+  shared.set_slots(2);
+  shared.set_ranks_per_node(4);  // four ranks on each node's one slot
+  CgroupLimits limits = RankLimits(slot, shared);
+  EXPECT_EQ(limits.memory_bytes, int64_t{2} << 30);
+  EXPECT_DOUBLE_EQ(limits.cpus, 0.5);
+  EXPECT_EQ(limits.pids, 100);
+  shared.set_memory_bytes(int64_t{3} << 30);
+  shared.set_cpus(1);
+  limits = RankLimits(slot, shared);
+  EXPECT_EQ(limits.memory_bytes, int64_t{3} << 30);
+  EXPECT_DOUBLE_EQ(limits.cpus, 1);
+}
+
 TEST(RankLimitsTest, ARankOnAGpuIsDeniedEveryOtherGpusDeviceFile) {
   const std::vector<std::string> rules = {"c 195:0 rwm", "c 195:1 rwm", "c 195:2 rwm"};
   EXPECT_EQ(DeniedDevices(rules, 1), (std::vector<std::string>{"c 195:0 rwm", "c 195:2 rwm"}));

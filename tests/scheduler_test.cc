@@ -387,6 +387,50 @@ TEST(SchedulerTest, FragmentedFreeDevicesHostGangUpToTheirSum) {
   EXPECT_THAT(r.unplaceable, IsEmpty());
 }
 
+// resources.nodes (torchrun's --nnodes): one block of devices on each of that many distinct nodes,
+// the best-fitting ones, never two blocks on one node.
+TEST(SchedulerTest, AJobOnNNodesTakesOneBlockOnEachOfNDistinctNodes) {
+  ClusterSnapshot s = Cluster({8, 2, 3});
+  PendingJobInfo job = Job("nodes3", 3);  // 3 nodes, 1 device each
+  job.one_block_per_node = true;
+  s.pending = {job};
+  ScheduleResult r = Schedule(s);
+  ASSERT_EQ(r.placements.size(), 1u);
+  // Packed, it would all go to node 2 (3 free): spread, one on each, best fit first.
+  EXPECT_THAT(r.placements[0].grants, ElementsAre(Grant(1, 1), Grant(2, 1), Grant(0, 1)));
+  // The nodes keep their other devices for the next job of the pass.
+  s.pending = {job, Job("after", 9, 50, 1)};
+  r = Schedule(s);
+  EXPECT_THAT(PlacedIds(r), ElementsAre("nodes3", "after"));
+
+  // 2 nodes of 2 devices each: a node with 3 free takes 2, not 3 (or 2 + 2).
+  s = Cluster({3, 1, 4});
+  job = Job("nodes2x2", 4);
+  job.rank_block = 2;
+  job.one_block_per_node = true;
+  s.pending = {job};
+  r = Schedule(s);
+  ASSERT_EQ(r.placements.size(), 1u);
+  EXPECT_THAT(r.placements[0].grants, ElementsAre(Grant(0, 2), Grant(2, 2)));
+
+  // Enough devices, too few nodes with a block free: it waits (for node 1's running job); on a
+  // cluster of fewer nodes than it asks for, it can never run.
+  s = Cluster({8, 0});
+  s.running = {Running("r", {{1, 8}}, kNow + absl::Hours(1))};
+  job = Job("nodes2", 2);
+  job.one_block_per_node = true;
+  s.pending = {job};
+  r = Schedule(s);
+  EXPECT_THAT(r.placements, IsEmpty());
+  EXPECT_THAT(r.unplaceable, IsEmpty());
+  ASSERT_TRUE(r.reservation.has_value());
+  EXPECT_EQ(r.reservation->start, kNow + absl::Hours(1));
+  EXPECT_THAT(r.reservation->grants, ElementsAre(Grant(0, 1), Grant(1, 1)));
+  s = Cluster({8});
+  s.pending = {job};
+  EXPECT_THAT(Schedule(s).unplaceable, ElementsAre("nodes2"));
+}
+
 // parallel.tensor_parallel: every node's share of the job is a whole number of tensor-parallel
 // groups, so no group spans nodes.
 TEST(SchedulerTest, ATensorParallelJobTakesEachNodeInWholeGroups) {

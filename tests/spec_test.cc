@@ -254,7 +254,8 @@ TEST(SpecTest, ResourcesTakeCpusAndMemoryPerRankAndRefuseBadOnesAtTheirLine) {
            {"  cpus: 0\n", "s.yaml:3: resources.cpus: CPUs per rank, more than 0"},
            {"  cpus: two\n", "s.yaml:3: resources.cpus: expected a number, got 'two'"},
            {"  disk: 1\n",
-            "s.yaml:3: unknown field 'resources.disk' (known: cpus, memory, slots)"}}) {
+            "s.yaml:3: unknown field 'resources.disk' (known: cpus, memory, nodes, ranks_per_node, "
+            "slots)"}}) {
     auto bad = ParseJobSpecYaml("name: x\nresources:\n" + text, "s.yaml");
     ASSERT_FALSE(bad.ok()) << text;
     EXPECT_THAT(std::string(bad.status().message()), StartsWith(error)) << text;
@@ -630,6 +631,39 @@ TEST(SpecTest, AContextIsAFolderBesideTheFileOrAnUploadsDigestAndOnlyForCommandJ
   builtin.set_context("sha256:" + std::string(64, 'e'));
   EXPECT_THAT(std::string(ValidateJobSpec(builtin).message()),
               StartsWith("context: only a command job"));
+}
+
+TEST(SpecTest, NodesAndRanksPerNodeAreTorchrunsAndOnlyForCommandJobs) {
+  auto parsed = ParseJobSpecYaml(
+      "name: j\nresources: {nodes: 2, ranks_per_node: 4}\ncommand: [python3, t.py]\n", "s.yaml");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  v1::JobSpec spec = parsed->spec;
+  ApplyJobSpecDefaults(spec);
+  EXPECT_EQ(spec.resources().slots(), 2);  // a device on each node
+  ASSERT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  EXPECT_EQ(RanksPerDevice(spec), 4);
+  EXPECT_EQ(WorldSizeOf(spec), 8);
+  spec.mutable_resources()->set_slots(4);  // 2 devices a node, 2 ranks on each
+  EXPECT_EQ(RanksPerDevice(spec), 2);
+  EXPECT_EQ(WorldSizeOf(spec), 8);
+  auto error = [&](auto mutate) {
+    v1::JobSpec s = spec;
+    mutate(s);
+    return std::string(ValidateJobSpec(s).message());
+  };
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_resources()->set_slots(3); }),
+              StartsWith("resources.slots: 3 devices do not split evenly over 2 nodes"));
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_resources()->set_ranks_per_node(3); }),
+              StartsWith("resources.ranks_per_node: 3 ranks do not share 2 devices"));
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_resources()->set_nodes(0); }),
+              StartsWith("resources.ranks_per_node: give resources.nodes too"));
+  v1::JobSpec builtin = ValidSpec();
+  builtin.mutable_resources()->set_nodes(1);
+  EXPECT_THAT(std::string(ValidateJobSpec(builtin).message()),
+              StartsWith("resources.nodes: only a command job"));
+  EXPECT_EQ(WorldSizeOf(ValidSpec()), ValidSpec().resources().slots());
+  auto zero = ParseJobSpecYaml("name: j\nresources: {nodes: 0}\ncommand: [a]\n", "s.yaml");
+  EXPECT_THAT(std::string(zero.status().message()), HasSubstr("resources.nodes"));
 }
 
 TEST(SpecTest, EmptyFileIsAnError) {

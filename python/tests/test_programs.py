@@ -372,3 +372,18 @@ def test_an_array_runs_a_job_per_index_never_more_than_its_limit_at_once(cluster
     assert all(client.describe(i).state == job_pb2.CANCELLED for i in held_ids)
     bad = yard(cluster, "submit", "--array", "3-1", "--", "true", cwd=folder)
     assert bad.returncode != 0 and "--array: expected indices" in bad.stderr, bad.stderr
+
+
+def test_ranks_per_node_shares_a_slot_among_several_ranks(client):
+    """torchrun's --nnodes 1 --nproc-per-node 4 through the client: four ranks on one CPU slot."""
+    job = client.submit(name="four", nodes=1, ranks_per_node=4,
+                        command=["/bin/sh", "-c", "echo rank $RANK local $LOCAL_RANK of "
+                                 "$LOCAL_WORLD_SIZE world $WORLD_SIZE"])
+    assert job.spec.resources.slots == 1 and job.world_size == 4
+    done = client.wait(job.id, timeout=120)
+    assert done.state == job_pb2.SUCCEEDED, done.message
+    texts = log_texts(client, done.id)
+    for rank in range(4):
+        assert f"rank {rank} local {rank} of 4 world 4" in texts, texts
+    # One slot, its four ranks.
+    assert [(p.first_rank, p.ranks, len(p.device_indices)) for p in done.placement] == [(0, 4, 1)]

@@ -102,8 +102,8 @@ class Client:
 
     def submit(self, spec=None, **fields):
         """Submits a job and returns it (QUEUED). `spec`: a trainyard.v1.JobSpec, or a dict in
-        the JobSpec's JSON form; or keyword fields: name, slots (or gpus, its old name), command,
-        workdir, context, env, after (job ids), priority, max_restarts, max_runtime_seconds,
+        the JobSpec's JSON form; or keyword fields: name, slots (or gpus, its old name), nodes and
+        ranks_per_node (torchrun's --nnodes and --nproc-per-node), command, workdir, context, env, after (job ids), priority, max_restarts, max_runtime_seconds,
         preemptible. A context that is a folder (not an uploaded "sha256:..." digest) is packed
         and uploaded first, as `yard submit --context DIR` does (ValueError naming "context" when
         it holds more than 64 MiB of files). The coordinator
@@ -125,7 +125,11 @@ class Client:
             message = job_pb2.JobSpec(name=fields.pop("name", ""))
             if "slots" in fields and "gpus" in fields:
                 raise TypeError("submit: gpus is the old name of slots: give one")
-            message.resources.slots = int(fields.pop("slots", fields.pop("gpus", 1)))
+            nodes = int(fields.pop("nodes", 0))
+            message.resources.nodes = nodes
+            message.resources.ranks_per_node = int(fields.pop("ranks_per_node", 0))
+            # With nodes (torchrun's --nnodes), slots default to one a node (the coordinator's).
+            message.resources.slots = int(fields.pop("slots", fields.pop("gpus", 0 if nodes else 1)))
             message.command.extend(fields.pop("command", []))
             message.workdir = fields.pop("workdir", "")
             message.context = os.fspath(fields.pop("context", ""))

@@ -38,11 +38,19 @@ bool DeviceLedger::DrainsOn(const RankKey& rank, const std::string& node_id) con
   return it != draining_.end() && it->second.node_id == node_id;
 }
 
+void DeviceLedger::FreeUnlessDraining(const std::string& node_id, int device) {
+  for (const auto& [key, d] : draining_) {
+    if (d.node_id == node_id && d.device == device) return;  // a rank sharing it still stops
+  }
+  Free(node_id, device);
+}
+
 bool DeviceLedger::EndDraining(const RankKey& rank, const std::string& node_id) {
   auto it = draining_.find(rank);
   if (it == draining_.end() || it->second.node_id != node_id) return false;
-  Free(it->second.node_id, it->second.device);
+  const DrainingRank d = it->second;
   draining_.erase(it);
+  FreeUnlessDraining(d.node_id, d.device);
   return true;
 }
 
@@ -55,6 +63,7 @@ bool DeviceLedger::AnyDraining(const std::string& job_id) const {
 bool DeviceLedger::SettleNode(const std::string& node_id, const std::set<RankKey>& alive,
                               absl::Time deadline) {
   bool freed = false;
+  std::vector<DrainingRank> gone;
   for (auto it = draining_.begin(); it != draining_.end();) {
     if (it->second.node_id != node_id) {
       ++it;
@@ -62,11 +71,12 @@ bool DeviceLedger::SettleNode(const std::string& node_id, const std::set<RankKey
       it->second.deadline = deadline;
       ++it;
     } else {
-      Free(it->second.node_id, it->second.device);
+      gone.push_back(it->second);
       it = draining_.erase(it);
       freed = true;
     }
   }
+  for (const DrainingRank& d : gone) FreeUnlessDraining(d.node_id, d.device);
   return freed;
 }
 
@@ -79,9 +89,9 @@ std::vector<std::pair<DeviceLedger::RankKey, DeviceLedger::DrainingRank>> Device
       continue;
     }
     expired.emplace_back(*it);
-    Free(it->second.node_id, it->second.device);
     it = draining_.erase(it);
   }
+  for (const auto& [key, d] : expired) FreeUnlessDraining(d.node_id, d.device);
   return expired;
 }
 

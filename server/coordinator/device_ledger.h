@@ -40,7 +40,8 @@ class DeviceLedger {
   std::vector<int> HeldOn(const std::string& node_id) const;  // ascending
 
   // Draining ranks. Drain keeps `device` held (it must be) until EndDraining, SettleNode or
-  // Expire frees it.
+  // Expire frees it: once no draining rank is left on it (ranks may share a device:
+  // resources.ranks_per_node).
   void Drain(const RankKey& rank, const std::string& node_id, int device, absl::Time deadline);
   bool IsDraining(const RankKey& rank) const;
   bool DrainsOn(const RankKey& rank, const std::string& node_id) const;
@@ -68,6 +69,9 @@ class DeviceLedger {
   void ReleasePort(const std::string& node_id, int port);
 
  private:
+  // Frees the device unless a draining rank still holds it.
+  void FreeUnlessDraining(const std::string& node_id, int device);
+
   std::map<std::string, std::set<int>> held_;  // node id → devices
   std::map<RankKey, DrainingRank> draining_;
   std::map<std::string, std::set<int>> exited_;  // job id → ranks

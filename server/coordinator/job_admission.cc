@@ -145,7 +145,7 @@ void JobManager::Submit(const std::string& owner, v1::JobSpec spec, const std::s
     *job.mutable_spec() = std::move(spec);
     job.set_state(v1::QUEUED);
     job.set_submit_time_ms(NowMs(clock_));
-    job.set_world_size(job.spec().resources().slots());
+    job.set_world_size(WorldSizeOf(job.spec()));
     job.set_version(1);
     WriteBatch batch;
     if (!request_id.empty()) {

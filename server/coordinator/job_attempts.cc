@@ -16,6 +16,7 @@
 #include "absl/strings/str_split.h"
 #include "common/check.h"
 #include "common/log_text.h"
+#include "common/placement.h"
 #include "common/ps_layout.h"
 #include "common/spec.h"
 #include "common/status_macros.h"
@@ -204,14 +205,17 @@ void JobManager::ReleaseAttempt(v1::Job& job, const std::string& reason) {
   const std::set<int>& exited = devices_.Exited(job.id());
   const absl::Time drain_deadline = clock_.Now() + kDrainTimeout;
   for (const auto& p : job.placement()) {
-    for (int i = 0; i < p.device_indices_size(); ++i) {
+    // A rank still running keeps its device until it reports its exit (every rank sharing it).
+    std::set<int> draining;
+    for (int i = 0; i < RanksOf(p); ++i) {
       const int rank = p.first_rank() + i;
-      if (reason.empty() || exited.count(rank) > 0) {
-        devices_.Free(p.node_id(), p.device_indices(i));
-      } else {  // still running: the device is free once the rank reports its exit
-        devices_.Drain({job.id(), job.attempt(), rank}, p.node_id(), p.device_indices(i),
-                       drain_deadline);
-      }
+      if (reason.empty() || exited.count(rank) > 0) continue;
+      const int device = DeviceOfRank(p, i);
+      devices_.Drain({job.id(), job.attempt(), rank}, p.node_id(), device, drain_deadline);
+      draining.insert(device);
+    }
+    for (const int device : p.device_indices()) {
+      if (draining.count(device) == 0) devices_.Free(p.node_id(), device);
     }
     if (!reason.empty()) nodes_.Send(p.node_id(), cancel);
   }
@@ -388,8 +392,7 @@ namespace {
 // Whether rank `rank` of `job`'s current placement runs on `node_id`.
 bool PlacedOn(const v1::Job& job, const std::string& node_id, int rank) {
   for (const v1::RankPlacement& p : job.placement()) {
-    if (p.node_id() == node_id && rank >= p.first_rank() &&
-        rank < p.first_rank() + p.device_indices_size()) {
+    if (p.node_id() == node_id && rank >= p.first_rank() && rank < p.first_rank() + RanksOf(p)) {
       return true;
     }
   }

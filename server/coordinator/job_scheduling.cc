@@ -17,14 +17,25 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/check.h"
+#include "common/placement.h"
 #include "common/ps_layout.h"
 #include "common/spec.h"
 #include "common/status_macros.h"
 #include "server/coordinator/scheduler.h"
 
 namespace trainyard::coordinator {
-
 namespace {
+
+// What a job's ranks on one node of its placement hold: each rank's request, or (none given) the
+// node's charge per device, which ranks sharing a device share.
+int64_t PlacementCpuMillis(const v1::Resources& r, const v1::RankPlacement& pl,
+                           const v1::HostResources& host) {
+  return (r.cpus() > 0 ? RanksOf(pl) : pl.device_indices_size()) * RankCpuMillis(r, host);
+}
+int64_t PlacementMemoryBytes(const v1::Resources& r, const v1::RankPlacement& pl,
+                             const v1::HostResources& host) {
+  return (r.memory_bytes() > 0 ? RanksOf(pl) : pl.device_indices_size()) * RankMemoryBytes(r, host);
+}
 
 // Nodes are ordered by id: looked up by binary search.
 const SchedulingNode* FindNode(const std::vector<SchedulingNode>& nodes, const std::string& id) {
@@ -153,8 +164,15 @@ ClusterSnapshot JobManager::BuildSnapshot(const SharingPolicy& policy,
       p.preemptible = !job.spec().has_preemptible() || job.spec().preemptible();
       // A tensor-parallel group's ranks (or HYBRID_SHARD's replica) stay on one node.
       p.rank_block = RankBlockOf(job.spec());
-      p.cpu_millis = CpuMillis(job.spec().resources().cpus());
-      p.memory_bytes = job.spec().resources().memory_bytes();
+      // resources.nodes: slots / nodes devices on each of that many nodes.
+      const v1::Resources& asks = job.spec().resources();
+      if (asks.nodes() > 0) {
+        p.rank_block = std::max(1, asks.slots() / asks.nodes());
+        p.one_block_per_node = true;
+      }
+      // Per device: ranks sharing one ask for theirs together.
+      p.cpu_millis = CpuMillis(asks.cpus()) * RanksPerDevice(job.spec());
+      p.memory_bytes = asks.memory_bytes() * RanksPerDevice(job.spec());
       snapshot.pending.push_back(std::move(p));
     } else if (IsActive(job.state())) {
       RunningJobInfo r;
@@ -162,14 +180,13 @@ ClusterSnapshot JobManager::BuildSnapshot(const SharingPolicy& policy,
       for (const auto& pl : job.placement()) {
         if (const SchedulingNode* on = FindNode(nodes, pl.node_id()); on != nullptr) {
           const int index = static_cast<int>(on - nodes.data());
-          const int ranks = pl.device_indices_size();
-          r.grants.push_back({index, ranks});
+          r.grants.push_back({index, pl.device_indices_size()});
           SchedNode& sn = snapshot.nodes[index];
           if (sn.total_cpu_millis >= 0) {
-            sn.free_cpu_millis -= ranks * RankCpuMillis(job.spec().resources(), on->host);
+            sn.free_cpu_millis -= PlacementCpuMillis(job.spec().resources(), pl, on->host);
           }
           if (sn.total_memory >= 0) {
-            sn.free_memory -= ranks * RankMemoryBytes(job.spec().resources(), on->host);
+            sn.free_memory -= PlacementMemoryBytes(job.spec().resources(), pl, on->host);
           }
         }
       }
@@ -332,7 +349,11 @@ bool JobManager::StartPlacement(const Placement& placement,
     }
     TY_CHECK(rp->device_indices_size() == g.devices,
              absl::StrCat("scheduler over-allocated node ", node.id));
-    rank += g.devices;
+    // resources.ranks_per_node: the node's ranks share its devices.
+    if (const int per_device = RanksPerDevice(job.spec()); per_device > 1) {
+      rp->set_ranks(g.devices * per_device);
+    }
+    rank += RanksOf(*rp);
   }
   job.set_attempt(job.attempt() + 1);
   job.set_world_size(rank);
@@ -386,6 +407,7 @@ std::vector<std::pair<std::string, v1::Assignment>> JobManager::AssignmentsOf(
     a.set_world_size(job.world_size());
     a.set_first_rank(p.first_rank());
     *a.mutable_device_indices() = p.device_indices();
+    a.set_ranks(p.ranks());
     a.set_spec(spec);
     if (rank_coordinators_) a.set_coordinator_address(rank_coordinators_());
     a.set_owner(job.owner());
@@ -428,11 +450,11 @@ std::vector<v1::Node> JobManager::NodesWithAllocations() const {
       auto on = by_id.find(pl.node_id());
       if (on == by_id.end()) continue;
       v1::Node& node = *on->second;
-      const int ranks = pl.device_indices_size();
       node.set_allocated_cpus(node.allocated_cpus() +
-                              ranks * RankCpuMillis(job.spec().resources(), node.host()) / 1000.0);
-      node.set_allocated_memory_bytes(node.allocated_memory_bytes() +
-                                      ranks * RankMemoryBytes(job.spec().resources(), node.host()));
+                              PlacementCpuMillis(job.spec().resources(), pl, node.host()) / 1000.0);
+      node.set_allocated_memory_bytes(
+          node.allocated_memory_bytes() +
+          PlacementMemoryBytes(job.spec().resources(), pl, node.host()));
     }
   }
   std::map<std::string, int64_t> reserved = ReservedPsBytes();

@@ -15,6 +15,7 @@
 #include "common/credentials.h"
 #include "common/grpc_status.h"
 #include "common/log_text.h"
+#include "common/placement.h"
 #include "server/coordinator/job_state.h"
 
 namespace trainyard::coordinator {
@@ -80,7 +81,7 @@ class SessionReactor final
         for (const v1::RankStatus& r : running) runs.emplace(r.job_id(), r.attempt(), r.rank());
         for (const v1::Assignment& a : jobs.AssignmentsFor(node)) {
           bool has = false;
-          for (int i = 0; i < a.device_indices_size() && !has; ++i) {
+          for (int i = 0; i < RanksOf(a) && !has; ++i) {
             has = runs.count({a.job_id(), a.attempt(), a.first_rank() + i}) > 0;
           }
           if (has) continue;

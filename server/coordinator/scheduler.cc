@@ -40,8 +40,15 @@ class FreeIndex {
   int64_t total() const { return total_; }
   int free(int node) const { return free_[node]; }
   // The devices a job can take in whole blocks of `block` (each node's free devices rounded down
-  // to a multiple of it).
-  int64_t BlockTotal(int block) const {
+  // to a multiple of it; with `spread`, one block a node at most).
+  int64_t BlockTotal(int block, bool spread = false) const {
+    if (spread) {
+      int64_t nodes = 0;
+      for (size_t f = static_cast<size_t>(std::max(block, 1)); f < buckets_.size(); ++f) {
+        nodes += static_cast<int64_t>(buckets_[f].size());
+      }
+      return nodes * std::max(block, 1);
+    }
     if (block <= 1) return total_;
     int64_t sum = 0;
     for (size_t f = static_cast<size_t>(block); f < buckets_.size(); ++f) {
@@ -62,10 +69,27 @@ class FreeIndex {
 
   // Picks `devices` devices by the packing rule, every node's share a multiple of `block` (a
   // multiple of which `devices` is), takes them out of the index and returns the grants in rank
-  // order. Requires 0 < devices <= BlockTotal(block).
-  std::vector<DeviceGrant> Take(int devices, int block = 1) {
+  // order. Requires 0 < devices <= BlockTotal(block, spread). With `spread`, one block on each of
+  // devices / block nodes, the best-fitting ones (resources.nodes).
+  std::vector<DeviceGrant> Take(int devices, int block = 1, bool spread = false) {
     std::vector<DeviceGrant> grants;
     int remaining = devices;
+    if (spread) {
+      block = std::max(block, 1);
+      std::vector<std::pair<int, int>> left;  // (node, free after its block): out of the way
+      while (remaining > 0) {
+        int fit = block;
+        while (fit < static_cast<int>(buckets_.size()) && buckets_[fit].empty()) ++fit;
+        if (fit >= static_cast<int>(buckets_.size())) break;  // unreachable within BlockTotal
+        const int node = *buckets_[fit].begin();
+        grants.push_back({node, block});
+        left.push_back({node, fit - block});
+        Set(node, 0);
+        remaining -= block;
+      }
+      for (const auto& [node, free] : left) Set(node, free);
+      return grants;
+    }
     while (remaining > 0) {
       // Best fit: the smallest free count that still holds the remainder.
       int fit = remaining < static_cast<int>(buckets_.size()) ? remaining : -1;
@@ -116,7 +140,8 @@ std::optional<HeadReservation> ComputeReservation(
     const ClusterSnapshot& snapshot, const std::vector<bool>& usable,
     const std::vector<int>& total_devices, int max_devices_per_node, const FreeIndex& index,
     const std::vector<Placement>& placements,
-    const std::vector<std::optional<absl::Time>>& placement_ends, int devices, int block) {
+    const std::vector<std::optional<absl::Time>>& placement_ends, int devices, int block,
+    bool spread) {
   const int num_nodes = static_cast<int>(snapshot.nodes.size());
   std::vector<Release> releases;
   auto add_releases = [&](const std::vector<DeviceGrant>& grants, absl::Time end) {
@@ -152,7 +177,9 @@ std::optional<HeadReservation> ComputeReservation(
     }
     if (projected_total >= devices) {
       int64_t in_blocks = 0;
-      for (int n = 0; n < num_nodes; ++n) in_blocks += projected[n] / block * block;
+      for (int n = 0; n < num_nodes; ++n) {
+        in_blocks += spread ? (projected[n] >= block ? block : 0) : projected[n] / block * block;
+      }
       if (in_blocks >= devices) {
         start = t;
         break;
@@ -164,7 +191,7 @@ std::optional<HeadReservation> ComputeReservation(
   HeadReservation reservation;
   reservation.start = *start;
   FreeIndex at_start(projected, usable, max_devices_per_node);
-  reservation.grants = at_start.Take(devices, block);
+  reservation.grants = at_start.Take(devices, block, spread);
   for (const DeviceGrant& g : reservation.grants) {
     reservation.projected_free_at_start.push_back(projected[g.node]);
   }
@@ -233,9 +260,11 @@ std::vector<std::string> ChooseVictims(const ClusterSnapshot& snapshot, const Pe
     }
   };
   auto room = [&] {
-    if (block == 1) return available;
+    if (block == 1 && !head.one_block_per_node) return available;
     int64_t in_blocks = 0;
-    for (int64_t f : on_node) in_blocks += f / block * block;
+    for (int64_t f : on_node) {
+      in_blocks += head.one_block_per_node ? (f >= block ? block : 0) : f / block * block;
+    }
     return in_blocks;
   };
   std::vector<Candidate> candidates;
@@ -653,11 +682,12 @@ void SchedulePass::Consider(int i, int position) {
   }
   // In blocks: the nodes' whole blocks.
   const int block = std::max(1, job.rank_block);
-  if (block > 1) {
+  if (block > 1 || job.one_block_per_node) {
     capacity = 0;
     for (int n = 0; n < num_nodes_; ++n) {
       if (!usable_[n] || !takes(n)) continue;
-      capacity += JobTotalOn(n, job) / block * block;
+      const int total = JobTotalOn(n, job);
+      capacity += job.one_block_per_node ? (total >= block ? block : 0) : total / block * block;
     }
   }
   if (job.devices <= 0 || job.devices > capacity || job.devices % block != 0) {
@@ -717,10 +747,10 @@ void SchedulePass::Consider(int i, int position) {
 // it waits (kPlaced: it does not).
 WaitReason SchedulePass::Decide(const PendingJobInfo& job) {
   const int block = std::max(1, job.rank_block);
-  const bool fits_now = job.devices <= index_->BlockTotal(block);
+  const bool fits_now = job.devices <= index_->BlockTotal(block, job.one_block_per_node);
   if (phase_ == Phase::kInOrder) {
     if (fits_now) {
-      Place(job, index_->Take(job.devices, block), /*backfilled=*/false);
+      Place(job, index_->Take(job.devices, block, job.one_block_per_node), /*backfilled=*/false);
       return WaitReason::kPlaced;
     }
     return MakeHead(job, block);
@@ -749,7 +779,8 @@ WaitReason SchedulePass::MakeHead(const PendingJobInfo& job, int block) {
   std::vector<int> job_total = total_devices_;
   for (int n : counted_) job_total[n] = JobTotalOn(n, job);
   head_ = ComputeReservation(s_, usable_for_job_, job_total, max_devices_per_node_, index,
-                             result_.placements, placement_ends_, job.devices, block);
+                             result_.placements, placement_ends_, job.devices, block,
+                             job.one_block_per_node);
   if (!head_.has_value()) {
     phase_ = Phase::kStopped;  // unknown start: backfill could delay the head forever
     return WaitReason::kDevices;
@@ -769,13 +800,13 @@ WaitReason SchedulePass::Backfill(const PendingJobInfo& job, int block) {
   FreeIndex& index = *index_;
   if (job.max_runtime.has_value() && s_.now + *job.max_runtime <= head_->start) {
     // (a) Done before the head starts: its devices are back by then.
-    Place(job, index.Take(job.devices, block), /*backfilled=*/true);
+    Place(job, index.Take(job.devices, block, job.one_block_per_node), /*backfilled=*/true);
     head_protected_stale_ = true;
     return WaitReason::kPlaced;
   }
   // (b) Pack only on devices the head's reservation leaves spare (jobs placed in blocks do not:
   // the spare devices are counted one by one).
-  if (block > 1) return WaitReason::kBehindHead;
+  if (block > 1 || job.one_block_per_node) return WaitReason::kBehindHead;
   if (head_protected_stale_) {
     head_protected_ = 0;
     for (size_t h = 0; h < head_->grants.size(); ++h) {

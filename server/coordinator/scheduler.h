@@ -104,6 +104,9 @@ struct PendingJobInfo {
   // Every node's share of the job is a multiple of this (parallel.tensor_parallel: a
   // tensor-parallel group's consecutive ranks stay on one node). 1: any split.
   int rank_block = 1;
+  // One block on each of devices / rank_block distinct nodes, no more (resources.nodes:
+  // torchrun's --nnodes).
+  bool one_block_per_node = false;
   // Per rank (resources.cpus in thousandths, resources.memory); 0: the node's per-device charge.
   int64_t cpu_millis = 0;
   int64_t memory_bytes = 0;

@@ -31,6 +31,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/credentials.h"
+#include "common/placement.h"
 #include "common/status_macros.h"
 #include "common/tls.h"
 #include "worker/daemon/shepherd.h"
@@ -343,6 +344,15 @@ std::vector<std::string> DeniedDevices(const std::vector<std::string>& rules, in
 
 CgroupLimits RankLimits(const CgroupLimits& node, const v1::Resources& resources) {
   CgroupLimits limits = node;
+  // Ranks sharing each device (RanksPerDevice's rule, from the resources alone).
+  int share = 1;
+  if (resources.nodes() > 0 && resources.ranks_per_node() > 0 &&
+      resources.slots() >= resources.nodes()) {
+    share = std::max(1, resources.ranks_per_node() / (resources.slots() / resources.nodes()));
+  }
+  limits.memory_bytes /= share;
+  limits.cpus /= share;
+  limits.pids = limits.pids > 0 ? std::max<int64_t>(1, limits.pids / share) : 0;
   if (resources.memory_bytes() > 0) limits.memory_bytes = resources.memory_bytes();
   if (resources.cpus() > 0) limits.cpus = resources.cpus();
   return limits;
@@ -450,7 +460,7 @@ void RankSupervisor::Stop(const std::string& job_id, int attempt) {
     for (auto it = launches_.begin(); it != launches_.end();) {
       const v1::Assignment& a = *it;
       if (a.job_id() == job_id && (attempt == 0 || a.attempt() == attempt)) {
-        for (int i = 0; i < a.device_indices_size(); ++i) {
+        for (int i = 0; i < RanksOf(a); ++i) {
           // Reported as ended, so a resend does not start it; a copy of an assignment whose
           // ranks already run is not reported (they report their own exit).
           const RankKey key{a.job_id(), a.attempt(), a.first_rank() + i};
@@ -599,8 +609,8 @@ std::vector<v1::RankStatus> RankSupervisor::Running() const {
     add(std::get<0>(key), std::get<1>(key), std::get<2>(key), rank.device, v1::RANK_RUNNING);
   }
   for (const v1::Assignment& a : launches_) {  // not started yet
-    for (int i = 0; i < a.device_indices_size(); ++i) {
-      add(a.job_id(), a.attempt(), a.first_rank() + i, a.device_indices(i), v1::RANK_STARTING);
+    for (int i = 0; i < RanksOf(a); ++i) {
+      add(a.job_id(), a.attempt(), a.first_rank() + i, DeviceOfRank(a, i), v1::RANK_STARTING);
     }
   }
   return out;
@@ -622,7 +632,7 @@ void RankSupervisor::SupervisorLoop() {
       const v1::Assignment a = launches_.front();
       const std::pair<std::string, int> attempt{a.job_id(), a.attempt()};
       bool unstarted = false;
-      for (int i = 0; i < a.device_indices_size(); ++i) {
+      for (int i = 0; i < RanksOf(a); ++i) {
         unstarted = unstarted || started_.count({a.job_id(), a.attempt(), a.first_rank() + i}) == 0;
       }
       if (unstarted && contexts_.count(attempt) == 0) {
@@ -638,8 +648,8 @@ void RankSupervisor::SupervisorLoop() {
       }
       launches_.pop_front();
       auto context = contexts_.find(attempt);
-      for (int i = 0; i < a.device_indices_size(); ++i) {
-        Start(a, a.first_rank() + i, a.device_indices(i),
+      for (int i = 0; i < RanksOf(a); ++i) {
+        Start(a, a.first_rank() + i, DeviceOfRank(a, i),
               context == contexts_.end() ? absl::OkStatus() : context->second);
       }
     }
@@ -749,7 +759,7 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device,
   context.set_attempt(a.attempt());
   context.set_rank(rank);
   context.set_world_size(a.world_size());
-  context.set_local_world_size(a.device_indices_size());
+  context.set_local_world_size(RanksOf(a));
   context.set_device(options_.gpu_uuids.empty() ? "cpu" : "cuda");
   context.set_coordinator_address(
       RankCoordinatorList(a.coordinator_address(), options_.coordinators));
@@ -773,7 +783,7 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device,
                    options_.gpu_uuids.empty() ? "" : options_.gpu_uuids[device]),
       // torchrun's names, for code that looks for them.
       absl::StrCat("LOCAL_RANK=", rank - a.first_rank()),
-      absl::StrCat("LOCAL_WORLD_SIZE=", a.device_indices_size()),
+      absl::StrCat("LOCAL_WORLD_SIZE=", RanksOf(a)),
       // The attempt's credential for the rendezvous and reports: environment only, never argv.
       absl::StrCat(kJobCredentialEnv, "=", a.job_credential()),
       absl::StrCat(kTlsCaEnv, "=", options_.tls_ca)};
@@ -793,10 +803,10 @@ void RankSupervisor::StartCommand(const v1::Assignment& a, const v1::JobSpec& sp
   std::string master_addr = a.master_addr().empty() ? "127.0.0.1" : a.master_addr();
   int& master_port = attempt_ports_[{a.job_id(), a.attempt()}];
   if (master_port == 0) {
-    const bool single_node = a.world_size() == a.device_indices_size();
+    const bool single_node = a.world_size() == RanksOf(a);
     master_port = single_node || a.master_port() == 0 ? FreeLocalPort() : a.master_port();
   }
-  if (a.world_size() == a.device_indices_size()) master_addr = "127.0.0.1";
+  if (a.world_size() == RanksOf(a)) master_addr = "127.0.0.1";
   const std::string error_file = ErrorFilePath(key);
   const std::string errors = std::filesystem::path(error_file).parent_path().string();
   std::error_code ec;
@@ -813,7 +823,7 @@ void RankSupervisor::StartCommand(const v1::Assignment& a, const v1::JobSpec& sp
       absl::StrCat("RANK=", rank),
       absl::StrCat("LOCAL_RANK=", rank - a.first_rank()),
       absl::StrCat("WORLD_SIZE=", a.world_size()),
-      absl::StrCat("LOCAL_WORLD_SIZE=", a.device_indices_size()),
+      absl::StrCat("LOCAL_WORLD_SIZE=", RanksOf(a)),
       absl::StrCat("GROUP_RANK=", a.group_rank()),
       absl::StrCat("GROUP_WORLD_SIZE=", std::max(1, a.group_world_size())),
       absl::StrCat("ROLE_RANK=", rank),

@@ -105,7 +105,8 @@ std::vector<std::string> RankEnvironment(const UnixAccount& account,
                                          const std::vector<std::string>& own);
 
 // A rank's cgroup limits: `node` (the worker's per-slot ones), with the CPUs and memory its job
-// asks for in `resources` in their place.
+// asks for in `resources` in their place; ranks that share a slot (resources.ranks_per_node)
+// share its defaults evenly.
 CgroupLimits RankLimits(const CgroupLimits& node, const v1::Resources& resources);
 
 // The rules of `rules` (by device index) but the one of `device`: the GPUs a rank on `device` may

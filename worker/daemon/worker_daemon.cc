@@ -14,6 +14,7 @@
 #include "common/context_archive.h"
 #include "common/coordinator_channel.h"
 #include "common/credentials.h"
+#include "common/placement.h"
 #include "common/signal_names.h"
 
 namespace trainyard::worker {
@@ -489,7 +490,7 @@ void WorkerDaemon::RunSession() {
       if (in.has_assignment()) {
         const auto& a = in.assignment();
         spdlog::info("assignment: {} attempt {} ranks {}..{} of {}", a.job_id(), a.attempt(),
-                     a.first_rank(), a.first_rank() + a.device_indices_size() - 1, a.world_size());
+                     a.first_rank(), a.first_rank() + RanksOf(a) - 1, a.world_size());
         supervisor_->Launch(a);
       } else if (in.has_heartbeat_ack()) {
         absl::MutexLock lock(&mu_);
