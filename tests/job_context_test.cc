@@ -93,10 +93,14 @@ TEST(UnpackContextAsTest, UnpacksThroughTheWorkerBinaryAsTheOwner) {
   std::string text;
   in >> text;
   EXPECT_EQ(text, "hello");
-  // A second time into the same folder: the file exists, and the unpacker says so.
-  absl::Status again =
-      UnpackContextAs(BinPath("trainyard-worker"), {}, context.archive, dest, nullptr);
-  EXPECT_THAT(again.message(), HasSubstr("hello.txt: File exists"));
+  // Again into the same folder (a worker that restarted before the ranks started): what was
+  // there goes first.
+  fs::create_directories(dest + "/stale/deeper");
+  std::ofstream(dest + "/stale/deeper/left.txt") << "from before";
+  ASSERT_TRUE(
+      UnpackContextAs(BinPath("trainyard-worker"), {}, context.archive, dest, nullptr).ok());
+  EXPECT_FALSE(fs::exists(dest + "/stale"));
+  EXPECT_TRUE(fs::exists(dest + "/hello.txt"));
   EXPECT_THAT(
       std::string(
           UnpackContextAs(BinPath("trainyard-worker"), {}, "junk", dest, nullptr).message()),

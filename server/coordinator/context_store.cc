@@ -1,6 +1,7 @@
 #include "server/coordinator/context_store.h"
 
 #include <utility>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -25,6 +26,25 @@ absl::StatusOr<int64_t> ContextStore::Write(const std::string& owner, const std:
 absl::StatusOr<int64_t> ContextStore::Put(const std::string& owner, const std::string& digest,
                                           const std::string& archive) {
   const int64_t now_ms = absl::ToUnixMillis(clock_.Now());
+  // The owner's other contexts, by their small info records.
+  ASSIGN_OR_RETURN(const std::vector<StoredRecord> infos, store_.LoadRecords(kInfoKind));
+  int64_t kept = 0;
+  const std::string mine = owner + "/";
+  for (const StoredRecord& info : infos) {
+    int64_t bytes = 0;
+    if (info.id.rfind(mine, 0) != 0 || info.id == Key(owner, digest) ||
+        (info.expires_ms > 0 && info.expires_ms <= now_ms) ||
+        !absl::SimpleAtoi(info.payload, &bytes)) {
+      continue;
+    }
+    kept += bytes;
+  }
+  if (kept + static_cast<int64_t>(archive.size()) > options_.max_bytes_per_user) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "context: you keep ", kept >> 20, " MiB of uploaded contexts; with this one's ",
+        archive.size() >> 20, " MiB that is over ", options_.max_bytes_per_user >> 20,
+        " MiB (an upload no job names goes after a day, one a job names with the job's logs)"));
+  }
   int64_t expires_ms = now_ms + absl::ToInt64Milliseconds(options_.unclaimed);
   // Uploaded again (the same folder): kept at least as long as before.
   if (auto info = store_.GetRecord(kInfoKind, Key(owner, digest)); info.ok()) {

@@ -28,6 +28,8 @@ struct ContextStoreOptions {
   // A context a job names is kept this long after the latest submit that named it (the history
   // retention: JobHistoryOptions::retention).
   absl::Duration claimed = absl::Hours(24 * 30);
+  // A user's contexts kept at once (those not expired), at most this many bytes together.
+  int64_t max_bytes_per_user = int64_t{2} << 30;
 };
 
 class ContextStore {
@@ -39,7 +41,8 @@ class ContextStore {
       : store_(store), clock_(clock), options_(options) {}
 
   // Stores `archive` (whose digest the caller checked) for `owner`. Returns when it expires (Unix
-  // ms). Storing what is stored already only extends it.
+  // ms). Storing what is stored already only extends it. RESOURCE_EXHAUSTED when the owner's
+  // other contexts and this one would hold more than max_bytes_per_user.
   absl::StatusOr<int64_t> Put(const std::string& owner, const std::string& digest,
                               const std::string& archive);
   // A job of `owner`'s names `digest`: NOT_FOUND naming "context" unless `owner` uploaded it and it

@@ -89,6 +89,13 @@ int RunUnpackContext(int argc, char** argv) {
     std::cerr << "cannot switch to the job owner's Unix account: " << strerror(errno) << "\n";
     return 1;
   }
+  // What an earlier unpack left there (a worker that restarted before the ranks started) goes
+  // first, removed with the owner's rights.
+  std::error_code ec;
+  for (fs::directory_iterator it(dest, ec), end; !ec && it != end; it.increment(ec)) {
+    std::error_code e;
+    fs::remove_all(it->path(), e);
+  }
   const std::string archive = ReadAllFd(STDIN_FILENO, static_cast<size_t>(kMaxContextArchiveBytes));
   if (absl::Status s = UnpackContext(archive, dest); !s.ok()) {
     std::cerr << s.message() << "\n";

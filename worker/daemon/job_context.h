@@ -20,8 +20,9 @@ namespace trainyard::worker {
 
 // The first argument that makes trainyard-worker a context unpacker:
 //   trainyard-worker --unpack-context dest=DIR [uid=U gid=G groups=G1,G2]
-// with the archive on standard input. It switches to the account first (when given), then
-// unpacks into DIR; exit 0, or 1 with the reason on standard error.
+// with the archive on standard input. It switches to the account first (when given), empties DIR
+// (what an earlier unpack left), then unpacks into it; exit 0, or 1 with the reason on standard
+// error.
 inline constexpr char kUnpackContextFlag[] = "--unpack-context";
 int RunUnpackContext(int argc, char** argv);
 

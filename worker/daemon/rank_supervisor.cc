@@ -631,11 +631,14 @@ void RankSupervisor::SupervisorLoop() {
     while (!launches_.empty()) {
       const v1::Assignment a = launches_.front();
       const std::pair<std::string, int> attempt{a.job_id(), a.attempt()};
-      bool unstarted = false;
+      // Prepared before the first rank here starts; never under ranks already running (ranks
+      // a restarted worker adopted: their folder is as it was).
+      bool none_started = true;
       for (int i = 0; i < RanksOf(a); ++i) {
-        unstarted = unstarted || started_.count({a.job_id(), a.attempt(), a.first_rank() + i}) == 0;
+        none_started =
+            none_started && started_.count({a.job_id(), a.attempt(), a.first_rank() + i}) == 0;
       }
-      if (unstarted && contexts_.count(attempt) == 0) {
+      if (none_started && contexts_.count(attempt) == 0) {
         v1::JobSpec spec;
         if (spec.ParseFromString(a.spec()) && !spec.context().empty()) {
           // Fetched and unpacked without the lock (a Stop meanwhile drops the launch as ever).
