@@ -302,25 +302,20 @@ absl::StatusOr<ParsedSpec> LoadValidJobSpecFile(const std::string& path,
   ASSIGN_OR_RETURN(ParsedSpec parsed, LoadJobSpecFile(path));
   RETURN_IF_ERROR(OverrideJobSpecYaml(parsed, overrides_yaml, overrides_origin));
   // In a file, a command job's relative workdir is the spec file's folder's (`workdir: .` runs
-  // the program beside its spec); sent on, every workdir is absolute.
+  // the program beside its spec), and so is its context's folder (`context: .` uploads the spec's
+  // own folder); sent on, every workdir is absolute and every context a digest.
   JobSpec& spec = parsed.spec;
-  if (IsCommandJob(spec) && !spec.workdir().empty() && spec.workdir()[0] != '/') {
+  auto from_file = [&path](std::string* folder) {
+    if (folder->empty() || (*folder)[0] == '/') return;
     std::error_code ec;
-    const std::filesystem::path folder =
+    const std::filesystem::path base =
         std::filesystem::absolute(std::filesystem::path(path), ec).parent_path();
-    if (!ec) spec.set_workdir((folder / spec.workdir()).lexically_normal().string());
-    if (spec.workdir().size() > 1 && spec.workdir().back() == '/')
-      spec.mutable_workdir()->pop_back();
-  }
-  // So is its context's folder (`context: .` uploads the spec's own folder).
-  if (IsCommandJob(spec) && !spec.context().empty() && !IsContextDigest(spec.context()) &&
-      spec.context()[0] != '/') {
-    std::error_code ec;
-    const std::filesystem::path folder =
-        std::filesystem::absolute(std::filesystem::path(path), ec).parent_path();
-    if (!ec) spec.set_context((folder / spec.context()).lexically_normal().string());
-    if (spec.context().size() > 1 && spec.context().back() == '/')
-      spec.mutable_context()->pop_back();
+    if (!ec) *folder = (base / *folder).lexically_normal().string();
+    if (folder->size() > 1 && folder->back() == '/') folder->pop_back();
+  };
+  if (IsCommandJob(spec)) {
+    from_file(spec.mutable_workdir());
+    if (!IsContextDigest(spec.context())) from_file(spec.mutable_context());
   }
   ApplyJobSpecDefaults(parsed.spec);
   if (absl::Status s = ValidateJobSpec(parsed.spec); !s.ok()) {

@@ -27,17 +27,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-bool WriteAllFd(int fd, const std::string& data) {
-  size_t at = 0;
-  while (at < data.size()) {
-    const ssize_t n = write(fd, data.data() + at, data.size() - at);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    at += static_cast<size_t>(n);
-  }
-  return true;
-}
-
 std::string ReadAllFd(int fd, size_t max) {
   std::string out;
   char buf[65536];
@@ -51,6 +40,17 @@ std::string ReadAllFd(int fd, size_t max) {
 }
 
 }  // namespace
+
+bool WriteAll(int fd, const std::string& text) {
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    done += static_cast<size_t>(n);
+  }
+  return true;
+}
 
 int RunUnpackContext(int argc, char** argv) {
   std::string dest;
@@ -138,7 +138,7 @@ absl::StatusOr<std::string> ContextCache::Get(const std::string& job_id,
   }
   const std::string temp = absl::StrCat(path, ".part");
   const int fd = open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
-  const bool written = fd >= 0 && WriteAllFd(fd, *archive) && fsync(fd) == 0;
+  const bool written = fd >= 0 && WriteAll(fd, *archive) && fsync(fd) == 0;
   if (fd >= 0) close(fd);
   if (!written || rename(temp.c_str(), path.c_str()) != 0) {
     fs::remove(temp, ec);  // not cached: this attempt still has it
@@ -163,7 +163,7 @@ absl::Status UnpackContextAs(const std::string& unpacker, const std::vector<std:
   // The archive reaches the unpacker as a memfd on its standard input: no file of the worker's
   // to open after it dropped the worker's rights, no pipe to stall on.
   const int in = memfd_create("trainyard-context", MFD_CLOEXEC);
-  if (in < 0 || !WriteAllFd(in, archive) || lseek(in, 0, SEEK_SET) != 0) {
+  if (in < 0 || !WriteAll(in, archive) || lseek(in, 0, SEEK_SET) != 0) {
     const int err = errno;
     if (in >= 0) close(in);
     return absl::InternalError(absl::StrCat("the context's memfd: ", strerror(err)));

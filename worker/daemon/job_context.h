@@ -26,6 +26,10 @@ namespace trainyard::worker {
 inline constexpr char kUnpackContextFlag[] = "--unpack-context";
 int RunUnpackContext(int argc, char** argv);
 
+// Writes all of `text` to `fd` (the worker's descriptors: memfds, cached archives); false (errno
+// set) on failure.
+bool WriteAll(int fd, const std::string& text);
+
 // Thread-safe: one fetch at a time (the supervisor's thread calls it).
 class ContextCache {
  public:

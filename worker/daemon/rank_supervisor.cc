@@ -134,18 +134,6 @@ int FreeLocalPort() {
   return port;
 }
 
-// Writes all of `text` to `fd`; false (errno set) on failure.
-bool WriteAll(int fd, const std::string& text) {
-  size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t n = write(fd, text.data() + done, text.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    done += static_cast<size_t>(n);
-  }
-  return true;
-}
-
 // This process's own account, for the ranks of a worker that does not switch accounts.
 UnixAccount OwnAccount() {
   const passwd* pw = getpwuid(geteuid());
