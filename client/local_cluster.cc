@@ -119,6 +119,7 @@ absl::Status Save(const LocalCluster& c) {
   j["coordinator_address"] = c.coordinator_address;
   j["admin_token_file"] = c.admin_token_file;
   j["tls_ca"] = c.tls_ca;
+  j["web_url"] = c.web_url;
   for (const auto& p : c.processes) {
     j["processes"].push_back({{"name", p.name},
                               {"pid", p.pid},
@@ -175,6 +176,7 @@ absl::StatusOr<LocalCluster> LocalStatus(const std::string& state_dir) {
     c.coordinator_address = j.at("coordinator_address").get<std::string>();
     c.admin_token_file = j.value("admin_token_file", std::string());
     c.tls_ca = j.value("tls_ca", std::string());
+    c.web_url = j.value("web_url", std::string());
     for (const auto& p : j.at("processes")) {
       LocalProcess lp;
       lp.name = p.at("name").get<std::string>();
@@ -236,6 +238,8 @@ absl::StatusOr<LocalProcess> StartLocalCoordinator(const LocalUpOptions& options
     coord_argv.push_back("--metrics-address");
     coord_argv.push_back("127.0.0.1:0");
   }
+  const bool web = !options.web_address.empty();
+  if (web) coord_argv.insert(coord_argv.end(), {"--web-address", options.web_address});
   auto pid = SpawnDaemon(coord_argv, out, coord.log);
   if (!pid.ok()) return pid.status();
   coord.pid = *pid;
@@ -243,11 +247,15 @@ absl::StatusOr<LocalProcess> StartLocalCoordinator(const LocalUpOptions& options
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
   while (true) {
     const std::string printed = ReadFile(out);
-    // The bound address on the first line, then "metrics ADDRESS" when serving metrics.
+    // The bound address on the first line, then "metrics ADDRESS" when serving metrics, then
+    // "web URL" when serving the web console.
     const std::vector<std::string> lines = PrintedLines(printed);
-    if (lines.size() >= (options.metrics ? 2u : 1u)) {
+    if (lines.size() >= 1u + (options.metrics ? 1u : 0u) + (web ? 1u : 0u)) {
       coord.address = lines[0];
       if (options.metrics) coord.metrics_address = MetricsAddressIn(lines[1]);
+      for (const std::string& l : lines) {
+        if (web && l.rfind("web ", 0) == 0) coord.web_url = l.substr(4);
+      }
       break;
     }
     int status = 0;
@@ -279,6 +287,7 @@ class LocalDaemons {
     std::ofstream map(user_map(), std::ios::trunc);
     map << "# trainyard user -> Unix account (trainyard-worker --user-map)\n"
         << "admin " << (me != nullptr ? me->pw_name : "root") << "\n";
+    for (const auto& [user, account] : options_.run_as) map << user << " " << account << "\n";
     if (!map) return absl::UnavailableError(absl::StrCat("cannot write ", user_map()));
     // Workers not running as root take only the jobs of the users mapped to their account
     // (admin, and the user of the account's name): their node tokens must name those owners.
@@ -287,6 +296,9 @@ class LocalDaemons {
         worker_owners_.push_back(me->pw_name);
       }
       worker_owners_.push_back("admin");
+      for (const auto& [user, account] : options_.run_as) {
+        if (me != nullptr && account == me->pw_name) worker_owners_.push_back(user);
+      }
     }
     return absl::OkStatus();
   }
@@ -466,6 +478,7 @@ absl::StatusOr<LocalCluster> LocalUp(const LocalUpOptions& given) {
   c.state_dir = options.state_dir;
   ASSIGN_OR_RETURN(const LocalProcess coord, StartLocalCoordinator(options));
   c.coordinator_address = coord.address;
+  c.web_url = coord.web_url;
   c.processes.push_back(coord);
   RETURN_IF_ERROR(Save(c));
   // The local admin made by the coordinator at its first start; each daemon gets a node token.

@@ -7,6 +7,7 @@
 #include <sys/types.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -19,6 +20,7 @@ struct LocalProcess {
   std::string address;          // what it serves on
   std::string log;              // its stderr
   std::string metrics_address;  // its Prometheus /metrics endpoint, if serving one
+  std::string web_url;          // the coordinator's web console, if serving one
   bool alive = false;
 };
 
@@ -28,6 +30,7 @@ struct LocalCluster {
   std::string admin_token_file;  // the local admin's token (STATE_DIR/admin.token)
   std::string saved_token_to;    // where LocalUp saved it for yard, if it did
   std::string tls_ca;            // the CA its clients verify it with; empty: plaintext
+  std::string web_url;           // the web console (http://127.0.0.1:PORT); empty: none
   std::vector<LocalProcess> processes;
 };
 
@@ -41,6 +44,7 @@ struct LocalUpOptions {
   int parameter_servers = 0;    // trainyard-ps shards, named local-ps-1, ... (offload jobs)
   int64_t ps_memory_bytes = 0;  // each; 0: trainyard-ps's default (half the host's memory)
   bool metrics = false;         // every process serves /metrics on a free loopback port
+  std::string web_address;      // the coordinator's --web-address (HOST:PORT); empty: none
   // TCP congestion control of the parameter-server connections (trainyard-ps and the workers'
   // ranks get it as TRAINYARD_TCP_CONGESTION); empty: the host's default.
   std::string tcp_congestion;
@@ -51,6 +55,9 @@ struct LocalUpOptions {
   // TLS: the coordinator and parameter servers serve with tls_cert/tls_key (valid for
   // 127.0.0.1), every client verifies them with tls_ca. All empty: plaintext on loopback.
   std::string tls_cert, tls_key, tls_ca;
+  // More lines of the workers' user map: (trainyard user, Unix account) for users whose ranks run
+  // as an account of another name (a local cluster with several users on one account).
+  std::vector<std::pair<std::string, std::string>> run_as;
   // More flags for the coordinator (e.g. --preemption --min-run-time 0s).
   std::vector<std::string> coordinator_flags;
 };

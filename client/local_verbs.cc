@@ -23,6 +23,7 @@ void PrintCluster(const Globals& g, const LocalCluster& c) {
                         {"admin_token_file", c.admin_token_file},
                         {"saved_token_to", c.saved_token_to},
                         {"tls_ca", c.tls_ca},
+                        {"web_url", c.web_url},
                         {"processes", nlohmann::json::array()}};
     for (const auto& p : c.processes) {
       j["processes"].push_back({{"name", p.name},
@@ -46,6 +47,7 @@ void PrintCluster(const Globals& g, const LocalCluster& c) {
     if (!c.saved_token_to.empty()) std::cout << " (yard uses it: " << c.saved_token_to << ")";
     std::cout << "\n";
   }
+  if (!c.web_url.empty()) std::cout << "web console: " << c.web_url << "\n";
 }
 
 }  // namespace
@@ -84,6 +86,13 @@ void AddLocalVerbs(CLI::App& app, Cli& c) {
                  "serve the coordinator and parameter servers over TLS with this certificate "
                  "(PEM, valid for 127.0.0.1; clients verify it with the global --tls-ca)");
   up->add_option("--tls-key", up_options.tls_key, "its private key (PEM)");
+  auto& up_run_as = a.up_run_as;
+  up->add_option("--run-as", up_run_as,
+                 "USER=ACCOUNT: the workers run trainyard user USER's ranks as Unix account "
+                 "ACCOUNT (repeatable; admin runs as you)");
+  up->add_option("--web", up_options.web_address,
+                 "the coordinator serves the web console on this HOST:PORT (127.0.0.1:0: a free "
+                 "port; see status)");
   up->add_flag("--metrics", up_options.metrics,
                "every process serves Prometheus /metrics on a free loopback port (see status)");
   up->add_option("--threads-per-slot", up_options.threads_per_slot,
@@ -111,6 +120,16 @@ void AddLocalVerbs(CLI::App& app, Cli& c) {
       up_options.tcp_congestion.clear();
     }
     up_options.tls_ca = g.tls.ca_file;
+    for (const std::string& pair : up_run_as) {
+      const size_t eq = pair.find('=');
+      if (eq == 0 || eq == std::string::npos || eq + 1 == pair.size() ||
+          pair.find_first_of(" \t\n") != std::string::npos) {
+        rc = Fail(absl::InvalidArgumentError(
+            absl::StrCat("--run-as: expected USER=ACCOUNT, got '", pair, "'")));
+        return;
+      }
+      up_options.run_as.emplace_back(pair.substr(0, eq), pair.substr(eq + 1));
+    }
     if (up_preemption) up_options.coordinator_flags.push_back("--preemption");
     if (!up_preemption_grace.empty()) {
       up_options.coordinator_flags.insert(up_options.coordinator_flags.end(),

@@ -64,6 +64,7 @@ int main(int argc, char** argv) {
   AddIdentityVerbs(app, c);
   AddAdminVerbs(app, c);
   AddLocalVerbs(app, c);
+  AddWebVerb(app, c);
   CLI11_PARSE(app, argc, argv);
   return c.rc;
 }

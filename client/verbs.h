@@ -102,6 +102,8 @@ struct VerbArgs {
   LocalUpOptions up_options;
   bool up_preemption = false;
   std::string up_preemption_grace, up_min_run_time;
+  std::vector<std::string> up_run_as;  // yard local up --run-as USER=ACCOUNT
+  std::string web_url;                 // yard web --url
 };
 
 struct Cli {
@@ -123,5 +125,6 @@ void AddJobVerbs(CLI::App& app, Cli& c);
 void AddIdentityVerbs(CLI::App& app, Cli& c);
 void AddAdminVerbs(CLI::App& app, Cli& c);
 void AddLocalVerbs(CLI::App& app, Cli& c);
+void AddWebVerb(CLI::App& app, Cli& c);  // web_verb.cc
 
 }  // namespace trainyard::client

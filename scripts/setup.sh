@@ -12,7 +12,8 @@ PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   prometheus-cpp-dev libsqlite3-dev libpq-dev postgresql libhwy-dev libcli11-dev libyaml-cpp-dev
   nlohmann-json3-dev libspdlog-dev libgtest-dev libgmock-dev libbenchmark-dev
-  sqlite3 clang-format prometheus libssl-dev openssl zlib1g-dev
+  sqlite3 clang-format prometheus libssl-dev openssl zlib1g-dev libcpp-httplib-dev libjs-dygraphs
+  chromium
   libtorch-dev libgloo-dev libdnnl-dev ocl-icd-opencl-dev libopenblas0-pthread python3-torch
   python3-venv python3-pip python3-yaml
 )
@@ -68,6 +69,17 @@ if ! cmp -s tests/k8s-requirements.txt "$k8s/requirements.txt" 2>/dev/null; then
   /usr/bin/python3 -m venv "$k8s"
   "$k8s/bin/pip" install -q --disable-pip-version-check -r tests/k8s-requirements.txt
   cp tests/k8s-requirements.txt "$k8s/requirements.txt"
+fi
+
+# Playwright from PyPI, for the web console's browser tests (ctest WebConsoleTest), which drive
+# Debian's chromium (installed above); made again only when tests/web-requirements.txt changes.
+web=build/web-venv
+if ! cmp -s tests/web-requirements.txt "$web/requirements.txt" 2>/dev/null; then
+  echo "setup: creating $web (Playwright from PyPI)"
+  rm -rf "$web"
+  /usr/bin/python3 -m venv "$web"
+  "$web/bin/pip" install -q --disable-pip-version-check -r tests/web-requirements.txt
+  cp tests/web-requirements.txt "$web/requirements.txt"
 fi
 
 # The Python SDK (python/): its stubs generated from proto/ at every run (cheap), installed

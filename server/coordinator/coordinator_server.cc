@@ -382,8 +382,25 @@ absl::Status CoordinatorServer::Serve(std::shared_ptr<grpc::ServerCredentials> c
   port_ = started.port;
   const std::string& listen = options_.listen_address;
   address_ = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port_);
-  absl::MutexLock lock(&address_mu_);
-  rank_coordinators_ = RankCoordinators(options_.rank_coordinator_addresses, address_);
+  {
+    absl::MutexLock lock(&address_mu_);
+    rank_coordinators_ = RankCoordinators(options_.rank_coordinator_addresses, address_);
+  }
+  if (!options_.web_address.empty()) {
+    web::WebConsoleOptions web_options;
+    web_options.address = options_.web_address;
+    web_options.tls_cert_file = options_.tls.cert_file;
+    web_options.tls_key_file = options_.tls.key_file;
+    if (web_options.tls_cert_file.empty() && !options_.tls.insecure &&
+        !IsLoopback(options_.web_address)) {
+      return absl::InvalidArgumentError(
+          "--web-address: a non-loopback address sends tokens and session cookies: serve it "
+          "with --tls-cert/--tls-key (or say --insecure)");
+    }
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(64 << 20);
+    ASSIGN_OR_RETURN(web_, web::WebConsole::Start(web_options, server_->InProcessChannel(args)));
+  }
   return absl::OkStatus();
 }
 
@@ -498,6 +515,7 @@ void CoordinatorServer::Shutdown() {
     }
     stopping_ = true;
   }
+  web_.reset();  // its live streams are calls of server_
   if (server_ != nullptr) {
     // Streams (watches, node sessions) are cancelled after the deadline.
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));

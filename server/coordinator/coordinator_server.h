@@ -29,6 +29,7 @@
 #include "server/coordinator/node_registry.h"
 #include "server/coordinator/rendezvous.h"
 #include "server/coordinator/services.h"
+#include "server/web/web_console.h"
 
 namespace trainyard::coordinator {
 
@@ -77,7 +78,10 @@ struct CoordinatorOptions {
   std::string metrics_token_file;  // scrapes need this bearer token (common/metrics_endpoint.h)
   bool metrics_tls = false;        // serve /metrics over TLS with tls.cert_file / tls.key_file
   bool metrics_insecure = false;   // a non-loopback metrics address without a token
-  std::string checkpoint_root;     // jobs' checkpoints (ROOT/JOB_ID); default STATE_DIR/checkpoints
+  // HOST:PORT of the web console and its HTTP/JSON API (server/web/web_console.h), over TLS with
+  // tls.cert_file / tls.key_file when the coordinator has them; empty: none.
+  std::string web_address;
+  std::string checkpoint_root;  // jobs' checkpoints (ROOT/JOB_ID); default STATE_DIR/checkpoints
   absl::Duration node_timeout = absl::Seconds(10);
   absl::Duration heartbeat_interval = absl::Seconds(2);
   int max_message_bytes = 4 << 20;  // larger requests get RESOURCE_EXHAUSTED
@@ -134,6 +138,8 @@ class CoordinatorServer {
     return metrics_endpoint_ ? metrics_endpoint_->bound_address() : std::string();
   }
   int port() const { return port_; }
+  // "http(s)://host:port" of the web console, empty if not serving it.
+  std::string web_url() const { return web_ ? web_->url() : std::string(); }
 
   JobManager& jobs() { return *jobs_; }
   IdentityRegistry& identities() { return *identities_; }
@@ -188,6 +194,7 @@ class CoordinatorServer {
   std::unique_ptr<IdentityServiceImpl> identity_service_;
   std::unique_ptr<AdminServiceImpl> admin_service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<web::WebConsole> web_;  // after server_: it calls it in-process
   std::string address_;
   int port_ = 0;
 

@@ -76,6 +76,9 @@ void AddServingFlags(CLI::App& app, CoordinatorOptions& options, Flags& f) {
   app.add_option("--metrics-address", options.metrics_address,
                  "HOST:PORT of the Prometheus /metrics endpoint (port 0: a free one, printed "
                  "on the second line of stdout)");
+  app.add_option("--web-address", options.web_address,
+                 "HOST:PORT of the web console and its HTTP/JSON API, HTTPS with --tls-cert "
+                 "(port 0: a free one; its URL printed as \"web URL\" after the address lines)");
   app.add_option(
       "--checkpoint-root", options.checkpoint_root,
       "where jobs' checkpoints live, seen by every worker (default STATE_DIR/checkpoints)");
@@ -330,6 +333,7 @@ int main(int argc, char** argv) {
   if (!(*server)->metrics_address().empty()) {
     std::printf("metrics %s\n", (*server)->metrics_address().c_str());
   }
+  if (!(*server)->web_url().empty()) std::printf("web %s\n", (*server)->web_url().c_str());
   std::fflush(stdout);
   spdlog::info("serving on {} (state in {})", (*server)->address(),
                options.store.empty()

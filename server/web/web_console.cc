@@ -1,0 +1,952 @@
+#include "server/web/web_console.h"
+
+#include <httplib.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <chrono>
+#include <deque>
+#include <functional>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <google/protobuf/util/json_util.h>
+#include <grpcpp/grpcpp.h>
+#include <spdlog/spdlog.h>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "common/credentials.h"
+#include "server/web/web_assets.h"
+#include "trainyard/v1/identity.grpc.pb.h"
+#include "trainyard/v1/job.grpc.pb.h"
+#include "trainyard/v1/node.grpc.pb.h"
+
+namespace trainyard::web {
+namespace {
+
+namespace v1 = ::trainyard::v1;
+using httplib::Request;
+using httplib::Response;
+
+constexpr char kCookie[] = "ty_session";
+constexpr char kCsrfHeader[] = "X-CSRF-Token";
+constexpr size_t kMaxBody = 64 << 10;       // a request's body: sign-in, cancel, cordon
+constexpr int kMaxLogLines = 100000;        // GET .../logs?tail=
+constexpr size_t kMaxSteps = 100000;        // GET .../metrics
+constexpr int kFilterScanJobs = 10000;      // name/account filters look at most this far a page
+constexpr size_t kMaxQueuedEvents = 20000;  // a live stream this far behind its reader is ended
+constexpr absl::Duration kLinkLifetime = absl::Minutes(1);  // yard web's link
+constexpr char kIdPattern[] = "([A-Za-z0-9][A-Za-z0-9._:-]{0,127})";
+
+// Every answer's headers: the pages run only their own scripts and styles, fetch only from here,
+// are never framed, and nothing is sniffed or cached.
+httplib::Headers SecurityHeaders() {
+  return {
+      {"Content-Security-Policy",
+       "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+       "connect-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"},
+      {"X-Content-Type-Options", "nosniff"},
+      {"X-Frame-Options", "DENY"},
+      {"Referrer-Policy", "no-referrer"},
+      {"Cache-Control", "no-store"},
+      {"Cross-Origin-Opener-Policy", "same-origin"},
+      {"Cross-Origin-Resource-Policy", "same-origin"},
+  };
+}
+
+int HttpStatus(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::OK:
+      return 200;
+    case grpc::StatusCode::INVALID_ARGUMENT:
+    case grpc::StatusCode::OUT_OF_RANGE:
+      return 400;
+    case grpc::StatusCode::UNAUTHENTICATED:
+      return 401;
+    case grpc::StatusCode::PERMISSION_DENIED:
+      return 403;
+    case grpc::StatusCode::NOT_FOUND:
+      return 404;
+    case grpc::StatusCode::ALREADY_EXISTS:
+    case grpc::StatusCode::ABORTED:
+    case grpc::StatusCode::FAILED_PRECONDITION:
+      return 409;
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      return 429;
+    case grpc::StatusCode::UNIMPLEMENTED:
+      return 501;
+    case grpc::StatusCode::UNAVAILABLE:
+      return 503;
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      return 504;
+    default:
+      return 500;
+  }
+}
+
+const char* CodeName(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::OK:
+      return "OK";
+    case grpc::StatusCode::CANCELLED:
+      return "CANCELLED";
+    case grpc::StatusCode::INVALID_ARGUMENT:
+      return "INVALID_ARGUMENT";
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      return "DEADLINE_EXCEEDED";
+    case grpc::StatusCode::NOT_FOUND:
+      return "NOT_FOUND";
+    case grpc::StatusCode::ALREADY_EXISTS:
+      return "ALREADY_EXISTS";
+    case grpc::StatusCode::PERMISSION_DENIED:
+      return "PERMISSION_DENIED";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      return "RESOURCE_EXHAUSTED";
+    case grpc::StatusCode::FAILED_PRECONDITION:
+      return "FAILED_PRECONDITION";
+    case grpc::StatusCode::ABORTED:
+      return "ABORTED";
+    case grpc::StatusCode::OUT_OF_RANGE:
+      return "OUT_OF_RANGE";
+    case grpc::StatusCode::UNIMPLEMENTED:
+      return "UNIMPLEMENTED";
+    case grpc::StatusCode::UNAVAILABLE:
+      return "UNAVAILABLE";
+    case grpc::StatusCode::UNAUTHENTICATED:
+      return "UNAUTHENTICATED";
+    default:
+      return "INTERNAL";
+  }
+}
+
+std::string Dump(const nlohmann::json& j) {
+  // Text from jobs may hold invalid UTF-8: replaced, never a thrown exception.
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+void Fail(Response& res, grpc::StatusCode code, const std::string& message) {
+  res.status = HttpStatus(code);
+  res.set_content(Dump({{"error", {{"code", CodeName(code)}, {"message", message}}}}),
+                  "application/json");
+}
+
+std::string ToJson(const google::protobuf::Message& m) {
+  google::protobuf::util::JsonPrintOptions options;
+  std::string out;
+  if (!google::protobuf::util::MessageToJsonString(m, &out, options).ok()) return "{}";
+  return out;
+}
+
+// The request's body into `m` (protobuf's JSON mapping; an empty body is an empty message); false
+// with the answer written when it does not parse.
+bool ParseBody(const Request& req, google::protobuf::Message* m, Response& res) {
+  if (req.body.empty()) return true;
+  google::protobuf::util::JsonParseOptions options;
+  const auto status = google::protobuf::util::JsonStringToMessage(req.body, m, options);
+  if (!status.ok()) {
+    Fail(res, grpc::StatusCode::INVALID_ARGUMENT,
+         absl::StrCat("body: not a ", m->GetDescriptor()->name(),
+                      " in JSON: ", std::string(status.message())));
+    return false;
+  }
+  return true;
+}
+
+// The value of cookie `name` in the request's Cookie headers; empty when absent.
+std::string CookieValue(const Request& req, absl::string_view name) {
+  const size_t count = req.get_header_value_count("Cookie");
+  for (size_t i = 0; i < count; ++i) {
+    for (absl::string_view part : absl::StrSplit(req.get_header_value("Cookie", i), ';')) {
+      part = absl::StripAsciiWhitespace(part);
+      if (absl::ConsumePrefix(&part, name) && absl::ConsumePrefix(&part, "=")) {
+        return std::string(part);
+      }
+    }
+  }
+  return "";
+}
+
+std::string Lower(absl::string_view s) { return absl::AsciiStrToLower(s); }
+
+// A live stream's events, from its producer threads to the HTTP thread writing them.
+class EventQueue {
+ public:
+  // Queues one server-sent event; false once closed or too far behind (then closed).
+  bool Push(absl::string_view event, absl::string_view data) {
+    absl::MutexLock lock(&mu_);
+    if (closed_) return false;
+    if (queue_.size() >= kMaxQueuedEvents) {
+      closed_ = true;
+      return false;
+    }
+    queue_.push_back(absl::StrCat("event: ", event, "\ndata: ", data, "\n\n"));
+    return true;
+  }
+  // Waits up to `timeout` for events; moves them to `out`. False once closed and drained.
+  bool Take(std::string* out, absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !queue_.empty() || closed_; };
+    mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
+    while (!queue_.empty()) {
+      out->append(queue_.front());
+      queue_.pop_front();
+    }
+    return !closed_;
+  }
+  void Close() {
+    absl::MutexLock lock(&mu_);
+    closed_ = true;
+  }
+  bool closed() {
+    absl::MutexLock lock(&mu_);
+    return closed_;
+  }
+  // Sleeps up to `d`, less when closed.
+  void Sleep(absl::Duration d) {
+    absl::MutexLock lock(&mu_);
+    auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return closed_; };
+    mu_.AwaitWithTimeout(absl::Condition(&done), d);
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::deque<std::string> queue_ ABSL_GUARDED_BY(mu_);
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// A live stream: its queue, the gRPC calls feeding it and their threads. Closed (calls cancelled,
+// threads joined) by the HTTP side when the browser goes or the console stops.
+class LiveStream {
+ public:
+  explicit LiveStream(std::atomic<int>* open) : open_(open) {}
+  ~LiveStream() { Close(); }
+
+  EventQueue& queue() { return queue_; }
+
+  // A gRPC call of this stream, with `token`: cancelled at Close.
+  grpc::ClientContext* NewContext(const std::string& token) {
+    auto ctx = std::make_unique<grpc::ClientContext>();
+    ctx->AddMetadata(kAuthorizationMetadata, "Bearer " + token);
+    absl::MutexLock lock(&mu_);
+    contexts_.push_back(std::move(ctx));
+    return contexts_.back().get();
+  }
+  void Run(std::function<void()> producer) { threads_.emplace_back(std::move(producer)); }
+
+  void Close() {
+    if (closed_.exchange(true)) return;
+    queue_.Close();
+    {
+      absl::MutexLock lock(&mu_);
+      for (auto& ctx : contexts_) ctx->TryCancel();
+    }
+    for (auto& t : threads_) {
+      if (t.joinable()) t.join();
+    }
+    open_->fetch_sub(1);
+  }
+
+ private:
+  std::atomic<int>* open_;
+  std::atomic<bool> closed_{false};
+  EventQueue queue_;
+  absl::Mutex mu_;
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::thread> threads_;  // started and joined by the HTTP thread only
+};
+
+// Who is calling: a program's bearer token, or a browser's session.
+struct Caller {
+  std::string token;
+  std::optional<WebSession> session;
+};
+
+}  // namespace
+
+struct WebConsole::Impl {
+  WebConsoleOptions options;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::JobService::Stub> jobs;
+  std::unique_ptr<v1::NodeService::Stub> nodes;
+  std::unique_ptr<v1::IdentityService::Stub> identity;
+  std::unique_ptr<httplib::Server> server;
+  std::thread listener;
+  std::string url;
+  bool tls = false;
+  WebSessions sessions{WebSessionLimits{}};
+  std::atomic<int> streams{0};
+  std::atomic<bool> stopping{false};
+
+  explicit Impl(const WebConsoleOptions& o) : options(o), sessions(o.sessions) {}
+
+  // --- who calls ---
+
+  // The caller of `req`, or false with the refusal written. `action`: the request changes
+  // something, so a browser's session must prove it came from this console's own page.
+  bool Identify(const Request& req, Response& res, bool action, Caller* caller) {
+    const std::string auth = req.get_header_value("Authorization");
+    if (!auth.empty()) {
+      absl::string_view v = auth;
+      if (!absl::ConsumePrefix(&v, "Bearer ") || v.empty() || v.size() > 1024) {
+        Fail(res, grpc::StatusCode::UNAUTHENTICATED,
+             "Authorization: expected \"Bearer <API token>\"");
+        return false;
+      }
+      caller->token = std::string(v);
+      return true;
+    }
+    const std::string id = CookieValue(req, kCookie);
+    std::optional<WebSession> session = id.empty() ? std::nullopt : sessions.Find(id);
+    if (!session.has_value()) {
+      Fail(res, grpc::StatusCode::UNAUTHENTICATED,
+           "not signed in: POST /api/v1/session with an API token, or send "
+           "\"Authorization: Bearer <API token>\"");
+      return false;
+    }
+    if (action) {
+      if (!SameOrigin(req)) {
+        Fail(res, grpc::StatusCode::PERMISSION_DENIED,
+             "Origin: a request from another site may not act with this session");
+        return false;
+      }
+      if (!ConstantTimeEquals(req.get_header_value(kCsrfHeader), session->csrf)) {
+        Fail(res, grpc::StatusCode::PERMISSION_DENIED,
+             "X-CSRF-Token: missing or wrong (the console's pages send it; see GET "
+             "/api/v1/session)");
+        return false;
+      }
+    }
+    caller->token = session->token;
+    caller->session = std::move(session);
+    return true;
+  }
+
+  // Where the browser says the request came from (Origin, Sec-Fetch-Site), if it says: this
+  // console's own origin.
+  bool SameOrigin(const Request& req) const {
+    const std::string site = req.get_header_value("Sec-Fetch-Site");
+    if (!site.empty() && site != "same-origin" && site != "none") return false;
+    const std::string origin = req.get_header_value("Origin");
+    if (origin.empty()) return true;
+    const std::string host = req.get_header_value("Host");
+    return !host.empty() && origin == absl::StrCat(tls ? "https://" : "http://", host);
+  }
+
+  std::unique_ptr<grpc::ClientContext> Context(const Caller& caller) {
+    auto ctx = std::make_unique<grpc::ClientContext>();
+    ctx->AddMetadata(kAuthorizationMetadata, "Bearer " + caller.token);
+    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    return ctx;
+  }
+
+  // Answers with `m` for an OK status, else the error; a token that no longer authenticates
+  // ends its sessions.
+  void Answer(const Caller& caller, const grpc::Status& status, const google::protobuf::Message& m,
+              Response& res) {
+    if (status.ok()) {
+      res.set_content(ToJson(m), "application/json");
+      return;
+    }
+    Refusal(caller, status, res);
+  }
+  void Refusal(const Caller& caller, const grpc::Status& status, Response& res) {
+    if (status.error_code() == grpc::StatusCode::UNAUTHENTICATED) {
+      sessions.RemoveToken(caller.token);
+    }
+    Fail(res, status.error_code(), status.error_message());
+  }
+
+  // --- sessions ---
+
+  void SignIn(const Request& req, Response& res) {
+    if (!SameOrigin(req)) {
+      Fail(res, grpc::StatusCode::PERMISSION_DENIED,
+           "Origin: sign in from this console's own page");
+      return;
+    }
+    nlohmann::json body = nlohmann::json::parse(req.body, nullptr, /*allow_exceptions=*/false);
+    Caller caller;
+    if (body.is_object() && body.contains("code") && body["code"].is_string()) {
+      std::optional<std::string> token = sessions.TakeCode(body["code"].get<std::string>());
+      if (!token.has_value()) {
+        Fail(res, grpc::StatusCode::UNAUTHENTICATED,
+             "code: unknown, used or expired (a link from yard web is good once, for a minute)");
+        return;
+      }
+      caller.token = *std::move(token);
+    } else if (body.is_object() && body.contains("token") && body["token"].is_string()) {
+      caller.token = body["token"].get<std::string>();
+    } else {
+      Fail(res, grpc::StatusCode::INVALID_ARGUMENT,
+           "token: expected {\"token\": \"tyt....\"} (or {\"code\": ...} from yard web)");
+      return;
+    }
+    if (caller.token.empty() || caller.token.size() > 1024) {
+      Fail(res, grpc::StatusCode::INVALID_ARGUMENT, "token: empty or longer than 1024 bytes");
+      return;
+    }
+    v1::WhoAmIResponse who;
+    auto ctx = Context(caller);
+    grpc::Status s = identity->WhoAmI(ctx.get(), v1::WhoAmIRequest(), &who);
+    if (!s.ok()) {
+      Fail(res, s.error_code(), s.error_message());
+      return;
+    }
+    if (who.user().empty()) {
+      Fail(res, grpc::StatusCode::PERMISSION_DENIED,
+           "token: only a user's API token signs in (this is a node's or a job's credential)");
+      return;
+    }
+    const bool admin = who.role() == v1::ADMIN;
+    const std::string id = sessions.Create(caller.token, who.user(), admin);
+    res.set_header("Set-Cookie",
+                   absl::StrCat(kCookie, "=", id, "; Path=/; HttpOnly; SameSite=Strict",
+                                tls ? "; Secure" : ""));
+    std::optional<WebSession> session = sessions.Find(id);
+    res.set_content(Dump({{"user", who.user()},
+                          {"admin", admin},
+                          {"csrfToken", session.has_value() ? session->csrf : ""}}),
+                    "application/json");
+  }
+
+  // POST /api/v1/session/link (a bearer token; yard web): a link that signs a browser in once,
+  // within a minute, as the token's user.
+  void SignInLink(const Request& req, Response& res) {
+    if (req.get_header_value("Authorization").empty()) {
+      Fail(res, grpc::StatusCode::UNAUTHENTICATED,
+           "Authorization: a sign-in link is made with \"Bearer <API token>\" (yard web)");
+      return;
+    }
+    Caller caller;
+    if (!Identify(req, res, false, &caller)) return;
+    v1::WhoAmIResponse who;
+    auto ctx = Context(caller);
+    grpc::Status s = identity->WhoAmI(ctx.get(), v1::WhoAmIRequest(), &who);
+    if (!s.ok()) return Refusal(caller, s, res);
+    if (who.user().empty()) {
+      Fail(res, grpc::StatusCode::PERMISSION_DENIED,
+           "token: only a user's API token signs in (this is a node's or a job's credential)");
+      return;
+    }
+    const std::string code = sessions.CreateCode(caller.token, kLinkLifetime);
+    const std::string host = req.get_header_value("Host");
+    const std::string base =
+        host.empty() || host.size() > 256 || host.find_first_of("/#?@ \\") != std::string::npos
+            ? url
+            : absl::StrCat(tls ? "https://" : "http://", host);
+    res.set_content(Dump({{"url", absl::StrCat(base, "/#/signin?code=", code)},
+                          {"user", who.user()},
+                          {"expiresInSeconds", absl::ToInt64Seconds(kLinkLifetime)}}),
+                    "application/json");
+  }
+
+  void Session(const Request& req, Response& res) {
+    const std::string id = CookieValue(req, kCookie);
+    std::optional<WebSession> session = id.empty() ? std::nullopt : sessions.Find(id);
+    if (!session.has_value()) {
+      Fail(res, grpc::StatusCode::UNAUTHENTICATED, "not signed in");
+      return;
+    }
+    res.set_content(
+        Dump({{"user", session->user}, {"admin", session->admin}, {"csrfToken", session->csrf}}),
+        "application/json");
+  }
+
+  void SignOut(const Request& req, Response& res) {
+    Caller caller;
+    if (!Identify(req, res, /*action=*/true, &caller)) return;
+    sessions.Remove(CookieValue(req, kCookie));
+    res.set_header("Set-Cookie", absl::StrCat(kCookie,
+                                              "=; Path=/; Max-Age=0; HttpOnly; "
+                                              "SameSite=Strict",
+                                              tls ? "; Secure" : ""));
+    res.set_content("{}", "application/json");
+  }
+
+  // --- jobs ---
+
+  // GET /api/v1/jobs?state=RUNNING&state=...&owner=&name=&account=&page_size=&page_token=
+  void ListJobs(const Request& req, Response& res) {
+    Caller caller;
+    if (!Identify(req, res, false, &caller)) return;
+    v1::ListJobsRequest r;
+    std::string name, account;
+    if (!ListRequest(req, res, &r, &name, &account)) return;
+    v1::ListJobsResponse page;
+    grpc::Status s = List(caller, r, name, account, &page);
+    Answer(caller, s, page, res);
+  }
+
+  bool ListRequest(const Request& req, Response& res, v1::ListJobsRequest* r, std::string* name,
+                   std::string* account) {
+    for (size_t i = 0; i < req.get_param_value_count("state"); ++i) {
+      v1::JobState state;
+      const std::string text = req.get_param_value("state", i);
+      if (!v1::JobState_Parse(absl::AsciiStrToUpper(text), &state) ||
+          state == v1::JOB_STATE_UNSPECIFIED) {
+        Fail(res, grpc::StatusCode::INVALID_ARGUMENT,
+             absl::StrCat("state: unknown job state '", text.substr(0, 64), "'"));
+        return false;
+      }
+      r->add_states(state);
+    }
+    r->set_owner(req.get_param_value("owner"));
+    r->set_page_token(req.get_param_value("page_token"));
+    const std::string size = req.get_param_value("page_size");
+    int page_size = 0;
+    if (!size.empty() &&
+        (!absl::SimpleAtoi(size, &page_size) || page_size < 0 || page_size > 1000)) {
+      Fail(res, grpc::StatusCode::INVALID_ARGUMENT, "page_size: expected 0..1000");
+      return false;
+    }
+    r->set_page_size(page_size);
+    *name = Lower(req.get_param_value("name"));
+    *account = req.get_param_value("account");
+    if (name->size() > 256 || account->size() > 256) {
+      Fail(res, grpc::StatusCode::INVALID_ARGUMENT, "name, account: at most 256 bytes");
+      return false;
+    }
+    return true;
+  }
+
+  // One page of ListJobs; with a name or account filter, pages of the unfiltered list are read
+  // until `page_size` jobs match or kFilterScanJobs were looked at (then a shorter page, with the
+  // token to go on from).
+  grpc::Status List(const Caller& caller, const v1::ListJobsRequest& r, const std::string& name,
+                    const std::string& account, v1::ListJobsResponse* out) {
+    if (name.empty() && account.empty()) {
+      auto ctx = Context(caller);
+      return jobs->ListJobs(ctx.get(), r, out);
+    }
+    const int want = r.page_size() == 0 ? 100 : r.page_size();
+    v1::ListJobsRequest scan = r;
+    scan.set_page_size(1000);
+    int looked = 0;
+    while (true) {
+      v1::ListJobsResponse part;
+      auto ctx = Context(caller);
+      grpc::Status s = jobs->ListJobs(ctx.get(), scan, &part);
+      if (!s.ok()) return s;
+      for (const v1::Job& job : part.jobs()) {
+        ++looked;
+        if ((account.empty() || job.account() == account) &&
+            (name.empty() || absl::StrContains(Lower(job.spec().name()), name))) {
+          *out->add_jobs() = job;
+          if (out->jobs_size() == want) {
+            // The list's token is the sequence number to continue below.
+            out->set_next_page_token(absl::StrCat(job.seq()));
+            return grpc::Status::OK;
+          }
+        }
+      }
+      if (part.next_page_token().empty()) return grpc::Status::OK;
+      scan.set_page_token(part.next_page_token());
+      if (looked >= kFilterScanJobs) {
+        out->set_next_page_token(part.next_page_token());
+        return grpc::Status::OK;
+      }
+    }
+  }
+
+  void GetJob(const Request& req, Response& res) {
+    Caller caller;
+    if (!Identify(req, res, false, &caller)) return;
+    v1::GetJobRequest r;
+    r.set_job_id(req.matches[1]);
+    v1::Job job;
+    auto ctx = Context(caller);
+    Answer(caller, jobs->GetJob(ctx.get(), r, &job), job, res);
+  }
+
+  // GET /api/v1/jobs/ID/logs?tail=N: {"lines": [LogLine...]}, the last N kept (default 1000).
+  void Logs(const Request& req, Response& res) {
+    Caller caller;
+    if (!Identify(req, res, false, &caller)) return;
+    v1::StreamLogsRequest r;
+    r.set_job_id(req.matches[1]);
+    int tail = 1000;
+    const std::string t = req.get_param_value("tail");
+    if (!t.empty() && (!absl::SimpleAtoi(t, &tail) || tail < 1 || tail > kMaxLogLines)) {
+      Fail(res, grpc::StatusCode::INVALID_ARGUMENT,
+           absl::StrCat("tail: expected 1..", kMaxLogLines));
+      return;
+    }
+    r.set_tail(tail);
+    auto ctx = Context(caller);
+    auto reader = jobs->StreamLogs(ctx.get(), r);
+    std::string body = "{\"lines\":[";
+    v1::LogLine line;
+    bool first = true;
+    while (reader->Read(&line)) {
+      if (!first) body += ",";
+      first = false;
+      body += ToJson(line);
+    }
+    grpc::Status s = reader->Finish();
+    if (!s.ok()) return Refusal(caller, s, res);
+    body += "]}";
+    res.set_content(body, "application/json");
+  }
+
+  // GET /api/v1/jobs/ID/metrics: {"steps": [StepReport...]}, every step kept.
+  void Metrics(const Request& req, Response& res) {
+    Caller caller;
+    if (!Identify(req, res, false, &caller)) return;
+    v1::StreamMetricsRequest r;
+    r.set_job_id(req.matches[1]);
+    auto ctx = Context(caller);
+    auto reader = jobs->StreamMetrics(ctx.get(), r);
+    std::string body = "{\"steps\":[";
+    v1::StepReport step;
+    size_t n = 0;
+    while (reader->Read(&step)) {
+      if (n++ >= kMaxSteps) {
+        ctx->TryCancel();
+        break;
+      }
+      if (n > 1) body += ",";
+      body += ToJson(step);
+    }
+    grpc::Status s = reader->Finish();
+    if (!s.ok() && n <= kMaxSteps) return Refusal(caller, s, res);
+    body += "]}";
+    res.set_content(body, "application/json");
+  }
+
+  void Cancel(const Request& req, Response& res) {
+    Caller caller;
+    if (!Identify(req, res, true, &caller)) return;
+    v1::CancelJobRequest r;
+    if (!ParseBody(req, &r, res)) return;
+    r.set_job_id(req.matches[1]);
+    if (r.reason().empty()) r.set_reason("cancelled from the web console");
+    v1::Job job;
+    auto ctx = Context(caller);
+    Answer(caller, jobs->CancelJob(ctx.get(), r, &job), job, res);
+  }
+
+  void Checkpoint(const Request& req, Response& res) {
+    Caller caller;
+    if (!Identify(req, res, true, &caller)) return;
+    v1::CheckpointJobRequest r;
+    r.set_job_id(req.matches[1]);
+    v1::Job job;
+    auto ctx = Context(caller);
+    Answer(caller, jobs->CheckpointJob(ctx.get(), r, &job), job, res);
+  }
+
+  // --- the cluster ---
+
+  void ListNodes(const Request& req, Response& res) {
+    Caller caller;
+    if (!Identify(req, res, false, &caller)) return;
+    v1::ListNodesResponse nodes_out;
+    auto ctx = Context(caller);
+    Answer(caller, nodes->ListNodes(ctx.get(), v1::ListNodesRequest(), &nodes_out), nodes_out, res);
+  }
+
+  // POST /api/v1/nodes/ID/cordon {"action": "CORDON" | "UNCORDON" | "DRAIN", "reason": "..."}
+  void Cordon(const Request& req, Response& res) {
+    Caller caller;
+    if (!Identify(req, res, true, &caller)) return;
+    v1::CordonNodeRequest r;
+    if (!ParseBody(req, &r, res)) return;
+    r.set_node_id(req.matches[1]);
+    v1::CordonNodeResponse out;
+    auto ctx = Context(caller);
+    Answer(caller, nodes->CordonNode(ctx.get(), r, &out), out, res);
+  }
+
+  void Quota(const Request& req, Response& res) {
+    Caller caller;
+    if (!Identify(req, res, false, &caller)) return;
+    v1::GetQuotaRequest r;
+    r.set_user(req.get_param_value("user"));
+    r.set_all_accounts(req.get_param_value("all_accounts") == "true");
+    v1::QuotaReport out;
+    auto ctx = Context(caller);
+    Answer(caller, jobs->GetQuota(ctx.get(), r, &out), out, res);
+  }
+
+  void Accounts(const Request& req, Response& res) {
+    Caller caller;
+    if (!Identify(req, res, false, &caller)) return;
+    v1::ListAccountsResponse out;
+    auto ctx = Context(caller);
+    Answer(caller, identity->ListAccounts(ctx.get(), v1::ListAccountsRequest(), &out), out, res);
+  }
+
+  void WhoAmI(const Request& req, Response& res) {
+    Caller caller;
+    if (!Identify(req, res, false, &caller)) return;
+    v1::WhoAmIResponse out;
+    auto ctx = Context(caller);
+    Answer(caller, identity->WhoAmI(ctx.get(), v1::WhoAmIRequest(), &out), out, res);
+  }
+
+  // --- live streams (server-sent events) ---
+
+  // A stream slot, or false with 503 written.
+  bool OpenStream(Response& res) {
+    if (streams.fetch_add(1) >= options.max_streams) {
+      streams.fetch_sub(1);
+      Fail(res, grpc::StatusCode::UNAVAILABLE,
+           absl::StrCat("too many live streams open (", options.max_streams, "); try again"));
+      return false;
+    }
+    return true;
+  }
+
+  // Writes `stream`'s events to the browser until it goes, the stream ends or the console stops.
+  void Serve(Response& res, std::shared_ptr<LiveStream> stream) {
+    res.set_header("X-Accel-Buffering", "no");
+    res.set_chunked_content_provider(
+        "text/event-stream",
+        [this, stream](size_t, httplib::DataSink& sink) {
+          std::string out;
+          absl::Time last_write = absl::Now();
+          while (!stopping.load()) {
+            const bool open = stream->queue().Take(&out, absl::Milliseconds(500));
+            if (out.empty() && absl::Now() - last_write > absl::Seconds(15)) out = ": ping\n\n";
+            if (!out.empty()) {
+              if (!sink.write(out.data(), out.size())) return false;
+              out.clear();
+              last_write = absl::Now();
+            }
+            if (!open) break;
+          }
+          sink.done();
+          return true;
+        },
+        [stream](bool) { stream->Close(); });
+  }
+
+  // GET /api/v1/jobs/ID/events: "job" (the job after each change), "log" (the last 1000 lines,
+  // then each new one), "step" (every step kept, then each new one), "error".
+  void JobEvents(const Request& req, Response& res) {
+    Caller caller;
+    if (!Identify(req, res, false, &caller)) return;
+    const std::string job_id = req.matches[1];
+    {
+      // Refused before the stream starts: another user's job is a plain 403/404.
+      v1::GetJobRequest r;
+      r.set_job_id(job_id);
+      v1::Job job;
+      auto ctx = Context(caller);
+      grpc::Status s = jobs->GetJob(ctx.get(), r, &job);
+      if (!s.ok()) return Refusal(caller, s, res);
+    }
+    if (!OpenStream(res)) return;
+    auto stream = std::make_shared<LiveStream>(&streams);
+    auto* stub = jobs.get();
+    grpc::ClientContext* watch_ctx = stream->NewContext(caller.token);
+    stream->Run([stream, stub, watch_ctx, job_id] {
+      v1::WatchJobRequest r;
+      r.set_job_id(job_id);
+      auto reader = stub->WatchJob(watch_ctx, r);
+      v1::JobEvent event;
+      while (reader->Read(&event)) {
+        if (!stream->queue().Push("job", ToJson(event.job()))) break;
+      }
+      reader->Finish();
+    });
+    grpc::ClientContext* log_ctx = stream->NewContext(caller.token);
+    stream->Run([stream, stub, log_ctx, job_id] {
+      v1::StreamLogsRequest r;
+      r.set_job_id(job_id);
+      r.set_follow(true);
+      r.set_tail(1000);
+      auto reader = stub->StreamLogs(log_ctx, r);
+      v1::LogLine line;
+      while (reader->Read(&line)) {
+        if (!stream->queue().Push("log", ToJson(line))) break;
+      }
+      reader->Finish();
+    });
+    grpc::ClientContext* step_ctx = stream->NewContext(caller.token);
+    stream->Run([stream, stub, step_ctx, job_id] {
+      v1::StreamMetricsRequest r;
+      r.set_job_id(job_id);
+      r.set_follow(true);
+      auto reader = stub->StreamMetrics(step_ctx, r);
+      v1::StepReport step;
+      while (reader->Read(&step)) {
+        if (!stream->queue().Push("step", ToJson(step))) break;
+      }
+      reader->Finish();
+    });
+    Serve(res, std::move(stream));
+  }
+
+  // GET /api/v1/jobs/events?<the list's filters>: "jobs" (a ListJobsResponse) at once and after
+  // every change of the first page.
+  void ListEvents(const Request& req, Response& res) {
+    Caller caller;
+    if (!Identify(req, res, false, &caller)) return;
+    v1::ListJobsRequest r;
+    std::string name, account;
+    if (!ListRequest(req, res, &r, &name, &account)) return;
+    v1::ListJobsResponse first;
+    grpc::Status s = List(caller, r, name, account, &first);
+    if (!s.ok()) return Refusal(caller, s, res);
+    if (!OpenStream(res)) return;
+    auto stream = std::make_shared<LiveStream>(&streams);
+    std::string last = ToJson(first);
+    stream->queue().Push("jobs", last);
+    stream->Run([this, stream, caller, r, name, account, last]() mutable {
+      while (!stream->queue().closed()) {
+        stream->queue().Sleep(options.list_poll);
+        if (stream->queue().closed()) break;
+        v1::ListJobsResponse page;
+        grpc::Status s = List(caller, r, name, account, &page);
+        if (!s.ok()) {
+          if (s.error_code() == grpc::StatusCode::UNAUTHENTICATED)
+            sessions.RemoveToken(caller.token);
+          stream->queue().Push(
+              "error", Dump({{"code", CodeName(s.error_code())}, {"message", s.error_message()}}));
+          stream->queue().Close();
+          break;
+        }
+        std::string now = ToJson(page);
+        if (now != last) {
+          last = std::move(now);
+          if (!stream->queue().Push("jobs", last)) break;
+        }
+      }
+    });
+    Serve(res, std::move(stream));
+  }
+
+  // --- pages ---
+
+  void Routes() {
+    httplib::Server& s = *server;
+    s.set_default_headers(SecurityHeaders());
+    s.set_payload_max_length(kMaxBody);
+    s.set_read_timeout(10, 0);
+    s.set_write_timeout(10, 0);
+    s.set_keep_alive_max_count(100);
+    const int threads = options.threads;
+    s.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+    auto bind = [this](void (Impl::*f)(const Request&, Response&)) {
+      return [this, f](const Request& req, Response& res) { (this->*f)(req, res); };
+    };
+    const std::string id = kIdPattern;
+    s.Post("/api/v1/session", bind(&Impl::SignIn));
+    s.Post("/api/v1/session/link", bind(&Impl::SignInLink));
+    s.Get("/api/v1/session", bind(&Impl::Session));
+    s.Delete("/api/v1/session", bind(&Impl::SignOut));
+    s.Get("/api/v1/whoami", bind(&Impl::WhoAmI));
+    s.Get("/api/v1/jobs", bind(&Impl::ListJobs));
+    s.Get("/api/v1/jobs/events", bind(&Impl::ListEvents));
+    s.Get("/api/v1/jobs/" + id, bind(&Impl::GetJob));
+    s.Get("/api/v1/jobs/" + id + "/logs", bind(&Impl::Logs));
+    s.Get("/api/v1/jobs/" + id + "/metrics", bind(&Impl::Metrics));
+    s.Get("/api/v1/jobs/" + id + "/events", bind(&Impl::JobEvents));
+    s.Post("/api/v1/jobs/" + id + "/cancel", bind(&Impl::Cancel));
+    s.Post("/api/v1/jobs/" + id + "/checkpoint", bind(&Impl::Checkpoint));
+    s.Get("/api/v1/nodes", bind(&Impl::ListNodes));
+    s.Post("/api/v1/nodes/" + id + "/cordon", bind(&Impl::Cordon));
+    s.Get("/api/v1/quota", bind(&Impl::Quota));
+    s.Get("/api/v1/accounts", bind(&Impl::Accounts));
+    for (size_t i = 0; i < kWebAssetCount; ++i) {
+      const WebAsset& a = kWebAssets[i];
+      const std::string type = absl::StrCat(a.content_type, "; charset=utf-8");
+      auto serve = [&a, type](const Request&, Response& res) {
+        res.set_content(reinterpret_cast<const char*>(a.data), a.size, type.c_str());
+      };
+      s.Get(a.path, serve);
+      if (std::string(a.path) == "/index.html") s.Get("/", serve);
+    }
+    s.set_error_handler([](const Request& req, Response& res) {
+      if (!res.body.empty()) return;
+      if (res.status == 404) {
+        Fail(res, grpc::StatusCode::NOT_FOUND, "no such page or API path");
+      } else if (res.status == 413) {
+        Fail(res, grpc::StatusCode::INVALID_ARGUMENT,
+             absl::StrCat("body: larger than ", kMaxBody, " bytes"));
+      } else if (res.status >= 400) {
+        res.set_content(Dump({{"error", {{"code", res.status}}}}), "application/json");
+      }
+    });
+    s.set_exception_handler([](const Request&, Response& res, std::exception_ptr) {
+      Fail(res, grpc::StatusCode::INTERNAL, "internal error");
+    });
+  }
+};
+
+WebConsole::WebConsole(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+absl::StatusOr<std::unique_ptr<WebConsole>> WebConsole::Start(
+    const WebConsoleOptions& options, std::shared_ptr<grpc::Channel> coordinator) {
+  const size_t colon = options.address.rfind(':');
+  int port = -1;
+  if (colon == std::string::npos || colon == 0 ||
+      !absl::SimpleAtoi(options.address.substr(colon + 1), &port) || port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--web-address: expected HOST:PORT, got '", options.address, "'"));
+  }
+  std::string host = options.address.substr(0, colon);
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
+    return absl::InvalidArgumentError("--tls-cert, --tls-key: give both or neither");
+  }
+  auto impl = std::make_unique<Impl>(options);
+  impl->channel = std::move(coordinator);
+  impl->jobs = v1::JobService::NewStub(impl->channel);
+  impl->nodes = v1::NodeService::NewStub(impl->channel);
+  impl->identity = v1::IdentityService::NewStub(impl->channel);
+  if (!options.tls_cert_file.empty()) {
+    auto ssl = std::make_unique<httplib::SSLServer>(options.tls_cert_file.c_str(),
+                                                    options.tls_key_file.c_str());
+    if (!ssl->is_valid()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--tls-cert: the web console cannot serve with ", options.tls_cert_file,
+                       " and ", options.tls_key_file));
+    }
+    impl->server = std::move(ssl);
+    impl->tls = true;
+  } else {
+    impl->server = std::make_unique<httplib::Server>();
+  }
+  impl->Routes();
+  int bound = port;
+  if (port == 0) {
+    bound = impl->server->bind_to_any_port(host);
+  } else if (!impl->server->bind_to_port(host, port)) {
+    bound = -1;
+  }
+  if (bound <= 0) {
+    return absl::UnavailableError(
+        absl::StrCat("--web-address: cannot listen on ", options.address));
+  }
+  const std::string shown = host.find(':') != std::string::npos ? "[" + host + "]" : host;
+  impl->url = absl::StrCat(impl->tls ? "https://" : "http://", shown, ":", bound);
+  httplib::Server* server = impl->server.get();
+  impl->listener = std::thread([server] {
+    pthread_setname_np(pthread_self(), "ty-web");
+    server->listen_after_bind();
+  });
+  spdlog::info("web console at {}", impl->url);
+  return std::unique_ptr<WebConsole>(new WebConsole(std::move(impl)));
+}
+
+WebConsole::~WebConsole() {
+  impl_->stopping.store(true);
+  impl_->server->stop();
+  if (impl_->listener.joinable()) impl_->listener.join();
+}
+
+const std::string& WebConsole::url() const { return impl_->url; }
+
+}  // namespace trainyard::web

@@ -1,0 +1,62 @@
+// The coordinator's web console: a browser's view of the cluster (jobs, a job's logs and charts,
+// nodes, fair share) and the HTTP/JSON API under it, on a listener of its own
+// (trainyard-coordinator --web-address; off unless given). docs/web-console.md.
+//
+// The API (/api/v1/...) answers in protobuf's JSON mapping of the gRPC messages, and every call is
+// made as a gRPC call to the coordinator's own services over an in-process channel, with the
+// caller's token: authorization, limits and audit are exactly the gRPC API's. A caller is either
+//   - a program: "Authorization: Bearer <API token>" (curl; no cookie, no CSRF token), or
+//   - a browser: the HttpOnly session cookie from POST /api/v1/session, where every request that
+//     changes something also sends the session's CSRF token (X-CSRF-Token) and, when the browser
+//     says where it came from (Origin, Sec-Fetch-Site), came from this origin.
+// Pages and assets are built into the binary; every answer carries a Content-Security-Policy
+// without inline scripts or external sources.
+//
+// Thread-safe: Start and the destructor from the owner's thread; requests on the server's pool.
+#ifndef TRAINYARD_SERVER_WEB_WEB_CONSOLE_H_
+#define TRAINYARD_SERVER_WEB_WEB_CONSOLE_H_
+
+#include <memory>
+#include <string>
+
+#include <grpcpp/channel.h>
+
+#include "absl/status/statusor.h"
+#include "server/web/web_sessions.h"
+
+namespace trainyard::web {
+
+struct WebConsoleOptions {
+  std::string address;  // HOST:PORT; port 0 picks a free one
+  // HTTPS with this certificate chain and key (PEM), both or neither: the coordinator's own. The
+  // session cookie is then Secure.
+  std::string tls_cert_file, tls_key_file;
+  WebSessionLimits sessions;
+  int threads = 48;      // requests served at once (live streams included)
+  int max_streams = 32;  // live streams (server-sent events) open at once; more get 503
+  // How often a live job list looks for changes.
+  absl::Duration list_poll = absl::Seconds(1);
+};
+
+class WebConsole {
+ public:
+  // Serves on options.address, calling the coordinator through `coordinator` (an in-process
+  // channel of its gRPC server). INVALID_ARGUMENT naming the flag (--web-address, --tls-cert)
+  // for a bad address or certificate; UNAVAILABLE if it cannot bind.
+  static absl::StatusOr<std::unique_ptr<WebConsole>> Start(
+      const WebConsoleOptions& options, std::shared_ptr<grpc::Channel> coordinator);
+  ~WebConsole();  // stops serving; returns when every request and stream is done
+
+  // "http://HOST:PORT" or "https://HOST:PORT", the port the bound one.
+  const std::string& url() const;
+
+  struct Impl;
+
+ private:
+  explicit WebConsole(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace trainyard::web
+
+#endif  // TRAINYARD_SERVER_WEB_WEB_CONSOLE_H_

@@ -1,0 +1,106 @@
+#include "server/web/web_sessions.h"
+
+#include <iterator>
+#include <utility>
+
+#include "common/credentials.h"
+
+namespace trainyard::web {
+
+WebSessions::WebSessions(WebSessionLimits limits, std::function<absl::Time()> now)
+    : limits_(limits), now_(std::move(now)) {}
+
+std::string WebSessions::Create(std::string token, std::string user, bool admin) {
+  const std::string id = Base64Url(RandomBytes(32));
+  WebSession s;
+  s.token = std::move(token);
+  s.user = std::move(user);
+  s.admin = admin;
+  s.csrf = Base64Url(RandomBytes(32));
+  s.created = s.last_used = now_();
+  absl::MutexLock lock(&mu_);
+  while (limits_.max_sessions > 0 && sessions_.size() >= limits_.max_sessions) {
+    EvictLeastRecentLocked();
+  }
+  sessions_.emplace(Sha256(id), std::move(s));
+  return id;
+}
+
+std::optional<WebSession> WebSessions::Find(absl::string_view id) {
+  if (id.empty() || id.size() > 128) return std::nullopt;
+  const std::string key = Sha256(id);
+  const absl::Time now = now_();
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(key);
+  if (it == sessions_.end()) return std::nullopt;
+  WebSession& s = it->second;
+  if (now - s.last_used >= limits_.idle || now - s.created >= limits_.lifetime) {
+    sessions_.erase(it);
+    return std::nullopt;
+  }
+  s.last_used = now;
+  return s;
+}
+
+void WebSessions::Remove(absl::string_view id) {
+  const std::string key = Sha256(id);
+  absl::MutexLock lock(&mu_);
+  sessions_.erase(key);
+}
+
+void WebSessions::RemoveToken(absl::string_view token) {
+  absl::MutexLock lock(&mu_);
+  for (auto it = sessions_.begin(); it != sessions_.end();) {
+    if (ConstantTimeEquals(it->second.token, token)) {
+      it = sessions_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+std::string WebSessions::CreateCode(std::string token, absl::Duration ttl) {
+  const std::string code = Base64Url(RandomBytes(32));
+  const absl::Time now = now_();
+  absl::MutexLock lock(&mu_);
+  for (auto it = codes_.begin(); it != codes_.end();) {
+    it = it->second.expires <= now ? codes_.erase(it) : std::next(it);
+  }
+  while (limits_.max_sessions > 0 && codes_.size() >= limits_.max_sessions) {
+    auto oldest = codes_.begin();
+    for (auto it = codes_.begin(); it != codes_.end(); ++it) {
+      if (it->second.expires < oldest->second.expires) oldest = it;
+    }
+    codes_.erase(oldest);
+  }
+  codes_.emplace(Sha256(code), Code{std::move(token), now + ttl});
+  return code;
+}
+
+std::optional<std::string> WebSessions::TakeCode(absl::string_view code) {
+  if (code.empty() || code.size() > 128) return std::nullopt;
+  const std::string key = Sha256(code);
+  const absl::Time now = now_();
+  absl::MutexLock lock(&mu_);
+  auto it = codes_.find(key);
+  if (it == codes_.end()) return std::nullopt;
+  Code taken = std::move(it->second);
+  codes_.erase(it);
+  if (taken.expires <= now) return std::nullopt;
+  return std::move(taken.token);
+}
+
+size_t WebSessions::size() const {
+  absl::MutexLock lock(&mu_);
+  return sessions_.size();
+}
+
+void WebSessions::EvictLeastRecentLocked() {
+  auto oldest = sessions_.begin();
+  for (auto it = sessions_.begin(); it != sessions_.end(); ++it) {
+    if (it->second.last_used < oldest->second.last_used) oldest = it;
+  }
+  if (oldest != sessions_.end()) sessions_.erase(oldest);
+}
+
+}  // namespace trainyard::web

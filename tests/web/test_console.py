@@ -1,0 +1,370 @@
+"""The web console in a real browser (Playwright driving Debian's chromium, headless) against a
+real local cluster (`yard local up --web`): sign-in, a job appearing live, its charts and logs
+following, the owner cancelling it, another user seeing none of it, an admin cordoning a node, job
+text shown as text, cross-site requests refused, sign-out and revoked tokens. Screenshots of each
+page go to TRAINYARD_WEB_ARTIFACTS (default build/test-artifacts/web).
+
+Needs TRAINYARD_BIN (the build's bin folder) and chromium; run by ctest (WebConsoleTest) with
+build/web-venv's Python (scripts/setup.sh)."""
+import http.server
+import json
+import os
+import pathlib
+import pwd
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+from playwright.sync_api import expect, sync_playwright
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BIN = pathlib.Path(os.environ.get("TRAINYARD_BIN", ROOT / "build" / "bin"))
+ARTIFACTS = pathlib.Path(os.environ.get("TRAINYARD_WEB_ARTIFACTS",
+                                        ROOT / "build" / "test-artifacts" / "web"))
+XSS = "<img src=x onerror=alert(1)>"
+TIMEOUT_MS = 90_000
+
+
+def run(args, env, check=True, cwd=None, timeout=120):
+    r = subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert r.returncode == 0, f"{args}: {r.stderr}"
+    return r
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    home = tmp_path_factory.mktemp("home")
+    state = home / "local"
+    env = dict(os.environ, HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"))
+    for k in ("TRAINYARD_TOKEN", "TRAINYARD_TOKEN_FILE", "TRAINYARD_COORDINATOR"):
+        env.pop(k, None)
+    me = pwd.getpwuid(os.geteuid()).pw_name
+    up = run([str(BIN / "yard"), "local", "--state-dir", str(state), "up", "--listen",
+              "127.0.0.1:0", "--workers", "1", "--slots", "2", "--web", "127.0.0.1:0",
+              "--run-as", f"alice={me}", "--run-as", f"bob={me}"], env)
+    try:
+        address = re.search(r"export TRAINYARD_COORDINATOR=(\S+)", up.stdout).group(1)
+        url = re.search(r"web console: (http://\S+)", up.stdout).group(1)
+        env["TRAINYARD_COORDINATOR"] = address
+        tokens = {"admin": (home / ".config" / "trainyard" / "token").read_text().strip()}
+        for user in ("alice", "bob"):
+            run([str(BIN / "yard"), "admin", "user", "add", user], env)
+            out = home / f"{user}.token"
+            run([str(BIN / "yard"), "admin", "token", "create", "--user", user, "--out", str(out)],
+                env)
+            tokens[user] = out.read_text().strip()
+        yield {"url": url, "env": env, "tokens": tokens, "home": home}
+    finally:
+        subprocess.run([str(BIN / "yard"), "local", "--state-dir", str(state), "down"], env=env,
+                       capture_output=True, timeout=120)
+
+
+def yard(cluster, user, *args, check=True, cwd=None):
+    env = dict(cluster["env"], TRAINYARD_TOKEN=cluster["tokens"][user])
+    return run([str(BIN / "yard"), *args], env, check=check, cwd=cwd)
+
+
+def call(cluster, method, path, token=None, body=None, headers=None):
+    """(status, JSON body, headers) of one API call, as curl would make it."""
+    req = urllib.request.Request(cluster["url"] + path, method=method,
+                                 data=None if body is None else json.dumps(body).encode())
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    if body is not None:
+        req.add_header("Content-Type", "application/json")
+    for k, v in (headers or {}).items():
+        req.add_header(k, v)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read() or b"{}"), r.headers
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}"), e.headers
+
+
+@pytest.fixture(scope="module")
+def browser():
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.fail("chromium is not installed (scripts/setup.sh installs Debian's)")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=chromium, headless=True,
+                              args=["--no-sandbox", "--disable-dev-shm-usage"])
+        yield b
+        b.close()
+
+
+def signed_in(browser, cluster, key, user=None):
+    """A page of a new browser context, signed in with token `key` (of `user`, by default the
+    same name) through the sign-in page."""
+    context = browser.new_context()
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    # Any alert, confirm or prompt that is not ours fails the test (job text run as markup).
+    page.dialogs = []
+
+    def on_dialog(d):
+        page.dialogs.append(d.message)
+        if d.type == "confirm":
+            d.accept()
+        else:
+            d.dismiss()
+    page.on("dialog", on_dialog)
+    page.goto(cluster["url"] + "/")
+    page.wait_for_url(re.compile(r"#/signin$"))
+    page.fill("#token", cluster["tokens"][key])
+    page.click("#signin")
+    expect(page.locator("#me")).to_contain_text(user or key)
+    return page
+
+
+def session_cookie(page):
+    return next(c["value"] for c in page.context.cookies() if c["name"] == "ty_session")
+
+
+def shot(page, name):
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+@pytest.fixture(scope="module")
+def alice_page(browser, cluster):
+    page = signed_in(browser, cluster, "alice")
+    yield page
+    page.context.close()
+
+
+@pytest.fixture(scope="module")
+def alice_job(cluster, alice_page, tmp_path_factory):
+    """Alice's job, submitted while her jobs page is open: it reports a step every 0.3 s and
+    prints a line with markup in it, until cancelled."""
+    page = alice_page
+    expect(page.locator("#jobs-body")).to_be_visible()
+    folder = tmp_path_factory.mktemp("project")
+    (folder / "train.py").write_text(textwrap.dedent("""\
+        import time
+        import trainyard
+        ctx = trainyard.init()
+        for step in range(1, 1_000_000):
+            print(f"step {step} <script>alert(1)</script>", flush=True)
+            ctx.report(step, loss=10.0 / step, lr=0.001, accuracy=step / (step + 1.0))
+            time.sleep(0.3)
+        """))
+    os.chmod(folder, 0o755)
+    # A name is letters, digits, '-', '_' and '.' (refused otherwise); markup goes in the
+    # description, which is free text.
+    refused = yard(cluster, "alice", "submit", "--name", XSS, "--", "/bin/true", check=False)
+    assert refused.returncode != 0 and "name: only letters" in refused.stderr, refused.stderr
+    sub = yard(cluster, "alice", "submit", "--name", "markup", "--description", XSS, "--context",
+               str(folder),
+               "--env", f"PYTHONPATH={ROOT / 'python'}", "--env", "PYTHONDONTWRITEBYTECODE=1",
+               "--", sys.executable, "train.py", cwd=folder)
+    job = sub.stdout.strip()
+    assert re.fullmatch(r"[A-Za-z0-9._:-]+", job), sub.stdout
+    yield job
+    yard(cluster, "admin", "cancel", job, check=False)
+
+
+def test_the_api_answers_a_bearer_token_as_curl_would_and_nothing_else(cluster):
+    status, body, headers = call(cluster, "GET", "/api/v1/whoami", cluster["tokens"]["alice"])
+    assert status == 200, body
+    assert body["user"] == "alice"
+    csp = headers["Content-Security-Policy"]
+    assert "script-src 'self'" in csp and "unsafe-inline" not in csp, csp
+    assert headers["X-Content-Type-Options"] == "nosniff"
+    status, body, _ = call(cluster, "GET", "/api/v1/jobs")
+    assert status == 401 and body["error"]["code"] == "UNAUTHENTICATED", body
+    status, body, _ = call(cluster, "GET", "/api/v1/jobs", "tyt.nope.nope")
+    assert status == 401, body
+    status, body, _ = call(cluster, "GET", "/api/v1/jobs?state=SLEEPING", cluster["tokens"]["alice"])
+    assert status == 400 and "state" in body["error"]["message"], body
+    status, body, _ = call(cluster, "GET", "/api/v1/nope", cluster["tokens"]["alice"])
+    assert status == 404, body
+    # A node's credential is not a user's: it does not sign in.
+    status, body, _ = call(cluster, "POST", "/api/v1/session", body={"token": "x" * 2000})
+    assert status == 400 and "token" in body["error"]["message"], body
+
+
+def test_a_job_appears_live_and_its_chart_and_logs_follow(cluster, alice_page, alice_job):
+    page = alice_page
+    row = page.locator(f'tr[data-job="{alice_job}"]')
+    expect(row).to_be_visible()  # no reload: the list's stream brought it
+    # The name is text, never markup.
+    expect(row.locator(".job-name")).to_have_text("markup")
+    expect(row.locator(".job-desc")).to_have_text(XSS)
+    assert page.locator("#jobs img").count() == 0
+    shot(page, "jobs")
+    row.locator("a").click()
+    page.wait_for_url(re.compile(r"#/jobs/"))
+    expect(page.locator('#job-facts [data-fact="Description"]')).to_have_text(XSS)
+    loss = page.locator('[data-chart="loss"]')
+    expect(loss).to_have_attribute("data-points", re.compile(r"^([3-9]|\d\d+)$"))
+    first = int(loss.get_attribute("data-points"))
+    page.wait_for_function(
+        "n => Number(document.querySelector('[data-chart=\"loss\"]').dataset.points) > n",
+        arg=first, timeout=TIMEOUT_MS)
+    expect(page.locator('[data-chart="metric:accuracy"]')).to_be_visible()
+    expect(page.locator('[data-chart="lr"]')).to_be_visible()
+    # The logs follow: a later step's line arrives while the page is open.
+    logs = page.locator("#job-logs")
+    expect(logs).to_contain_text("step 2 <script>alert(1)</script>")
+    seen = int(re.findall(r"step (\d+)", logs.inner_text())[-1])
+    expect(logs).to_contain_text(f"step {seen + 2} ")
+    assert page.locator("#job-logs script").count() == 0
+    assert page.locator("#job-facts img").count() == 0
+    # Search keeps the matching lines only.
+    page.fill("#log-search", "step 1 ")
+    expect(page.locator("#job-logs .line:not(.hidden)")).to_have_count(1)
+    page.fill("#log-search", "")
+    expect(page.locator("#cancel")).to_be_visible()
+    shot(page, "job")
+    assert page.dialogs == []
+
+
+def test_another_user_sees_neither_the_job_nor_its_buttons(browser, cluster, alice_job):
+    page = signed_in(browser, cluster, "bob")
+    try:
+        expect(page.locator("#jobs-body")).to_contain_text("No jobs.")
+        assert page.locator(f'tr[data-job="{alice_job}"]').count() == 0
+        page.goto(f"{cluster['url']}/#/jobs/{alice_job}")
+        expect(page.locator("#flash")).to_contain_text(alice_job)
+        assert page.locator("#cancel").count() == 0
+        assert page.locator("#job-facts dd").count() == 0
+        # Nor does the API answer bob, by cookie or by token.
+        for verb, path in (("GET", f"/api/v1/jobs/{alice_job}"),
+                           ("GET", f"/api/v1/jobs/{alice_job}/logs"),
+                           ("GET", f"/api/v1/jobs/{alice_job}/events"),
+                           ("POST", f"/api/v1/jobs/{alice_job}/cancel")):
+            status, body, _ = call(cluster, verb, path, cluster["tokens"]["bob"],
+                                   body={} if verb == "POST" else None)
+            assert status in (403, 404), (path, status, body)
+        status, body, _ = call(cluster, "GET", "/api/v1/jobs?owner=alice", cluster["tokens"]["bob"])
+        assert status == 403, body
+        assert page.dialogs == []
+    finally:
+        page.context.close()
+
+
+def test_a_cross_site_post_is_refused(cluster, alice_page, alice_job, tmp_path):
+    # Another origin on the same host (same site, so the SameSite=Strict cookie still goes along):
+    # a page there posts a form to the console's cancel.
+    target = f"{cluster['url']}/api/v1/jobs/{alice_job}/cancel"
+    (tmp_path / "evil.html").write_text(
+        f'<form method="post" action="{target}" enctype="text/plain">'
+        '<input name="x" value="y"></form>')
+    handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(  # noqa: E731
+        *a, directory=str(tmp_path), **k)
+    evil = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=evil.serve_forever, daemon=True).start()
+    try:
+        page = alice_page.context.new_page()
+        page.goto(f"http://127.0.0.1:{evil.server_address[1]}/evil.html")
+        with page.expect_response(target) as answer:
+            page.evaluate("document.forms[0].submit()")
+        assert answer.value.status == 403, answer.value.text()
+        page.close()
+    finally:
+        evil.shutdown()
+    # The cookie alone, without the page's CSRF token, acts on nothing either.
+    cookie = next(c for c in alice_page.context.cookies() if c["name"] == "ty_session")
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+    status, body, _ = call(cluster, "POST", f"/api/v1/jobs/{alice_job}/cancel", body={},
+                           headers={"Cookie": f"ty_session={cookie['value']}"})
+    assert status == 403 and "X-CSRF-Token" in body["error"]["message"], body
+    status, body, _ = call(cluster, "GET", f"/api/v1/jobs/{alice_job}", cluster["tokens"]["alice"])
+    assert body["state"] == "RUNNING", body
+
+
+def test_the_owner_cancels_the_job_from_its_page(cluster, alice_page, alice_job):
+    page = alice_page
+    page.goto(f"{cluster['url']}/#/jobs/{alice_job}")
+    page.click("#cancel")
+    expect(page.locator('#job-title [data-state="CANCELLED"]')).to_be_visible()
+    expect(page.locator("#cancel")).to_have_count(0)
+    status, body, _ = call(cluster, "GET", f"/api/v1/jobs/{alice_job}", cluster["tokens"]["alice"])
+    assert body["state"] == "CANCELLED" and "web console" in body.get("message", ""), body
+    assert page.dialogs == [f"Cancel {alice_job}?"]
+
+
+def test_an_admin_cordons_a_node_from_the_page(browser, cluster, alice_page):
+    # A user sees the nodes but no buttons, and the API refuses the user.
+    alice_page.goto(f"{cluster['url']}/#/nodes")
+    expect(alice_page.locator('tr[data-node="local-1"]')).to_be_visible()
+    assert alice_page.locator("button[data-action]").count() == 0
+    status, body, _ = call(cluster, "POST", "/api/v1/nodes/local-1/cordon",
+                           cluster["tokens"]["alice"], body={"action": "CORDON"})
+    assert status == 403, body
+    page = signed_in(browser, cluster, "admin")
+    try:
+        page.goto(f"{cluster['url']}/#/nodes")
+        node = page.locator('tr[data-node="local-1"]')
+        node.locator('button[data-action="cordon"]').click()
+        expect(node.locator(".cordon")).to_contain_text("cordoned by admin")
+        shot(page, "nodes")
+        status, body, _ = call(cluster, "GET", "/api/v1/nodes", cluster["tokens"]["admin"])
+        assert next(n for n in body["nodes"] if n["id"] == "local-1").get("cordoned"), body
+        node.locator('button[data-action="uncordon"]').click()
+        expect(node.locator(".cordon")).to_have_text("—")
+        page.goto(f"{cluster['url']}/#/sharing")
+        expect(page.locator('tr[data-account="default"]')).to_be_visible()
+        shot(page, "sharing")
+        assert page.dialogs == []
+    finally:
+        page.context.close()
+
+
+def test_sign_out_and_a_revoked_token_end_the_session(browser, cluster):
+    page = signed_in(browser, cluster, "alice")
+    try:
+        cookie = session_cookie(page)
+        page.click("#signout")
+        page.wait_for_url(re.compile(r"#/signin$"))
+        status, _, _ = call(cluster, "GET", "/api/v1/jobs",
+                            headers={"Cookie": f"ty_session={cookie}"})
+        assert status == 401
+    finally:
+        page.context.close()
+    # A token of its own, signed in, then revoked: the next call finds the session gone.
+    out = cluster["home"] / "short.token"
+    yard(cluster, "admin", "admin", "token", "create", "--user", "alice", "--out", str(out))
+    cluster["tokens"]["short"] = out.read_text().strip()
+    page = signed_in(browser, cluster, "short", "alice")
+    try:
+        token_id = cluster["tokens"]["short"].split(".")[1]
+        yard(cluster, "admin", "admin", "token", "revoke", token_id)
+        page.goto(f"{cluster['url']}/#/sharing")
+        page.wait_for_url(re.compile(r"#/signin$"))
+        status, _, _ = call(cluster, "GET", "/api/v1/session", headers={
+            "Cookie": f"ty_session={session_cookie(page)}"})
+        assert status == 401
+    finally:
+        page.context.close()
+
+
+def test_yard_web_prints_a_link_that_signs_a_browser_in_once(browser, cluster):
+    out = yard(cluster, "alice", "web", "--url", cluster["url"]).stdout
+    link = re.search(r"(http://\S+/#/signin\?code=\S+)", out).group(1)
+    assert cluster["tokens"]["alice"] not in out
+    context = browser.new_context()
+    try:
+        page = context.new_page()
+        page.goto(link)
+        expect(page.locator("#me")).to_contain_text("alice")
+        page.wait_for_url(re.compile(r"#/jobs$"))
+        # Used: a second browser gets nothing from it.
+        other = browser.new_context().new_page()
+        other.goto(link)
+        expect(other.locator("#flash")).to_contain_text("used or expired")
+        assert other.locator("#me").count() == 0
+        other.context.close()
+    finally:
+        context.close()
+    # Without a token of a user, no link.
+    status, body, _ = call(cluster, "POST", "/api/v1/session/link", body={})
+    assert status == 401, body
