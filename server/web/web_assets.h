@@ -9,7 +9,7 @@ namespace trainyard::web {
 
 struct WebAsset {
   const char* path;          // "/assets/app.js"
-  const char* content_type;  // "text/javascript" (text is UTF-8)
+  const char* content_type;  // "application/javascript" (text is UTF-8)
   const unsigned char* data;
   size_t size;
 };

@@ -37,6 +37,10 @@ using httplib::Request;
 using httplib::Response;
 
 constexpr char kCookie[] = "ty_session";
+// Answers are never compressed: cpp-httplib compresses "application/json" and "text/..." (but
+// not these spellings) with Brotli's slowest quality, some 200 ms for the charting library.
+// Loopback and a LAN do not need it.
+constexpr char kJson[] = "application/json; charset=utf-8";
 constexpr char kCsrfHeader[] = "X-CSRF-Token";
 constexpr size_t kMaxBody = 64 << 10;       // a request's body: sign-in, cancel, cordon
 constexpr int kMaxLogLines = 100000;        // GET .../logs?tail=
@@ -135,7 +139,7 @@ std::string Dump(const nlohmann::json& j) {
 void Fail(Response& res, grpc::StatusCode code, const std::string& message) {
   res.status = HttpStatus(code);
   res.set_content(Dump({{"error", {{"code", CodeName(code)}, {"message", message}}}}),
-                  "application/json");
+                  kJson);
 }
 
 std::string ToJson(const google::protobuf::Message& m) {
@@ -352,7 +356,7 @@ struct WebConsole::Impl {
   void Answer(const Caller& caller, const grpc::Status& status, const google::protobuf::Message& m,
               Response& res) {
     if (status.ok()) {
-      res.set_content(ToJson(m), "application/json");
+      res.set_content(ToJson(m), kJson);
       return;
     }
     Refusal(caller, status, res);
@@ -414,7 +418,7 @@ struct WebConsole::Impl {
     res.set_content(Dump({{"user", who.user()},
                           {"admin", admin},
                           {"csrfToken", session.has_value() ? session->csrf : ""}}),
-                    "application/json");
+                    kJson);
   }
 
   // POST /api/v1/session/link (a bearer token; yard web): a link that signs a browser in once,
@@ -445,7 +449,7 @@ struct WebConsole::Impl {
     res.set_content(Dump({{"url", absl::StrCat(base, "/#/signin?code=", code)},
                           {"user", who.user()},
                           {"expiresInSeconds", absl::ToInt64Seconds(kLinkLifetime)}}),
-                    "application/json");
+                    kJson);
   }
 
   void Session(const Request& req, Response& res) {
@@ -457,7 +461,7 @@ struct WebConsole::Impl {
     }
     res.set_content(
         Dump({{"user", session->user}, {"admin", session->admin}, {"csrfToken", session->csrf}}),
-        "application/json");
+        kJson);
   }
 
   void SignOut(const Request& req, Response& res) {
@@ -468,7 +472,7 @@ struct WebConsole::Impl {
                                               "=; Path=/; Max-Age=0; HttpOnly; "
                                               "SameSite=Strict",
                                               tls ? "; Secure" : ""));
-    res.set_content("{}", "application/json");
+    res.set_content("{}", kJson);
   }
 
   // --- jobs ---
@@ -593,7 +597,7 @@ struct WebConsole::Impl {
     grpc::Status s = reader->Finish();
     if (!s.ok()) return Refusal(caller, s, res);
     body += "]}";
-    res.set_content(body, "application/json");
+    res.set_content(body, kJson);
   }
 
   // GET /api/v1/jobs/ID/metrics: {"steps": [StepReport...]}, every step kept.
@@ -618,7 +622,7 @@ struct WebConsole::Impl {
     grpc::Status s = reader->Finish();
     if (!s.ok() && n <= kMaxSteps) return Refusal(caller, s, res);
     body += "]}";
-    res.set_content(body, "application/json");
+    res.set_content(body, kJson);
   }
 
   void Cancel(const Request& req, Response& res) {
@@ -715,7 +719,10 @@ struct WebConsole::Impl {
           absl::Time last_write = absl::Now();
           while (!stopping.load()) {
             const bool open = stream->queue().Take(&out, absl::Milliseconds(500));
-            if (out.empty() && absl::Now() - last_write > absl::Seconds(15)) out = ": ping\n\n";
+            // A comment each idle second: a browser that left is noticed at the next write or
+            // the one after (the HTTP library tells nothing sooner), so its stream slot and
+            // gRPC calls are given back within about two seconds.
+            if (out.empty() && absl::Now() - last_write >= absl::Seconds(1)) out = ":\n\n";
             if (!out.empty()) {
               if (!sink.write(out.data(), out.size())) return false;
               out.clear();
@@ -730,7 +737,7 @@ struct WebConsole::Impl {
   }
 
   // GET /api/v1/jobs/ID/events: "job" (the job after each change), "log" (the last 1000 lines,
-  // then each new one), "step" (every step kept, then each new one), "error".
+  // then each new one), "step" (every step kept, then each new one).
   void JobEvents(const Request& req, Response& res) {
     Caller caller;
     if (!Identify(req, res, false, &caller)) return;
@@ -787,7 +794,8 @@ struct WebConsole::Impl {
   }
 
   // GET /api/v1/jobs/events?<the list's filters>: "jobs" (a ListJobsResponse) at once and after
-  // every change of the first page.
+  // every change of the first page; "refused" ({code, message}) and the end when a later read
+  // is refused (the token was revoked).
   void ListEvents(const Request& req, Response& res) {
     Caller caller;
     if (!Identify(req, res, false, &caller)) return;
@@ -808,10 +816,11 @@ struct WebConsole::Impl {
         v1::ListJobsResponse page;
         grpc::Status s = List(caller, r, name, account, &page);
         if (!s.ok()) {
-          if (s.error_code() == grpc::StatusCode::UNAUTHENTICATED)
+          if (s.error_code() == grpc::StatusCode::UNAUTHENTICATED) {
             sessions.RemoveToken(caller.token);
-          stream->queue().Push(
-              "error", Dump({{"code", CodeName(s.error_code())}, {"message", s.error_message()}}));
+          }
+          stream->queue().Push("refused", Dump({{"code", CodeName(s.error_code())},
+                                                {"message", s.error_message()}}));
           stream->queue().Close();
           break;
         }
@@ -834,6 +843,9 @@ struct WebConsole::Impl {
     s.set_read_timeout(10, 0);
     s.set_write_timeout(10, 0);
     s.set_keep_alive_max_count(100);
+    // Answers go out as written: a header and its body, or an event, are never held back for
+    // the peer's delayed ACK (Nagle's 40 ms).
+    s.set_tcp_nodelay(true);
     const int threads = options.threads;
     s.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
     auto bind = [this](void (Impl::*f)(const Request&, Response&)) {
@@ -857,6 +869,7 @@ struct WebConsole::Impl {
     s.Post("/api/v1/nodes/" + id + "/cordon", bind(&Impl::Cordon));
     s.Get("/api/v1/quota", bind(&Impl::Quota));
     s.Get("/api/v1/accounts", bind(&Impl::Accounts));
+    s.Get("/favicon.ico", [](const Request&, Response& res) { res.status = 204; });
     for (size_t i = 0; i < kWebAssetCount; ++i) {
       const WebAsset& a = kWebAssets[i];
       const std::string type = absl::StrCat(a.content_type, "; charset=utf-8");
@@ -874,7 +887,7 @@ struct WebConsole::Impl {
         Fail(res, grpc::StatusCode::INVALID_ARGUMENT,
              absl::StrCat("body: larger than ", kMaxBody, " bytes"));
       } else if (res.status >= 400) {
-        res.set_content(Dump({{"error", {{"code", res.status}}}}), "application/json");
+        res.set_content(Dump({{"error", {{"code", res.status}}}}), kJson);
       }
     });
     s.set_exception_handler([](const Request&, Response& res, std::exception_ptr) {
