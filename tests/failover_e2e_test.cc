@@ -37,6 +37,10 @@
 #include "tests/testing/tiny_spec.h"
 #include "trainyard/v1/job.grpc.pb.h"
 
+#ifdef TRAINYARD_TEST_WEB
+#include <httplib.h>
+#endif
+
 namespace trainyard {
 namespace {
 
@@ -143,36 +147,42 @@ class FailoverE2eTest : public ::testing::Test {
   struct Replica {
     std::unique_ptr<Subprocess> process;
     std::string address;
+    std::string web_url;  // with web_
   };
 
   Replica StartReplica(const std::string& name, const std::vector<std::string>& env = {}) {
     Replica r;
-    auto p = Subprocess::Start({BinPath("trainyard-coordinator"),
-                                "--listen",
-                                "127.0.0.1:0",
-                                "--state-dir",
-                                dir_.path() + "/" + name,
-                                "--store",
-                                store_,
-                                "--job-credential-key",
-                                key_file_,
-                                "--replica-id",
-                                name,
-                                "--lease-ttl",
-                                kLeaseTtl,
-                                "--lease-renew-interval",
-                                "0.5s",
-                                "--lease-poll-interval",
-                                "0.2s",
-                                "--heartbeat-interval",
-                                "0.25",
-                                "--node-timeout",
-                                "6s"},
-                               env);
+    std::vector<std::string> argv = {BinPath("trainyard-coordinator"),
+                                     "--listen",
+                                     "127.0.0.1:0",
+                                     "--state-dir",
+                                     dir_.path() + "/" + name,
+                                     "--store",
+                                     store_,
+                                     "--job-credential-key",
+                                     key_file_,
+                                     "--replica-id",
+                                     name,
+                                     "--lease-ttl",
+                                     kLeaseTtl,
+                                     "--lease-renew-interval",
+                                     "0.5s",
+                                     "--lease-poll-interval",
+                                     "0.2s",
+                                     "--heartbeat-interval",
+                                     "0.25",
+                                     "--node-timeout",
+                                     "6s"};
+    if (web_) argv.insert(argv.end(), {"--web-address", "127.0.0.1:0"});
+    auto p = Subprocess::Start(argv, env);
     EXPECT_TRUE(p.ok()) << p.status();
     if (!p.ok()) return r;
     r.process = std::move(*p);
     r.address = r.process->ReadLine(absl::Seconds(30)).value_or("");
+    if (web_) {
+      const std::string line = r.process->ReadLine(absl::Seconds(30)).value_or("");
+      if (absl::StartsWith(line, "web ")) r.web_url = line.substr(4);
+    }
     return r;
   }
 
@@ -230,6 +240,7 @@ class FailoverE2eTest : public ::testing::Test {
   }
 
   std::vector<std::string> a_env_;  // replica a's extra environment (set before SetUp)
+  bool web_ = false;                // replicas serve the web console (set before SetUp)
   // Waits until the replica at `address` stands by, naming `leader`; the last probe's status.
   grpc::Status WaitUntilStandsBy(const std::string& address, const std::string& leader) {
     const absl::Time deadline = absl::Now() + absl::Seconds(20);
@@ -614,6 +625,67 @@ TEST_F(FailoverKilledAfterCommitTest, EveryLogicalSubmitIsStoredExactlyOnce) {
   // with their request ids, and b answered with the jobs a had stored.
   EXPECT_GE(ExpectEachSubmitStoredOnce(submitters.acked()), 30u);
 }
+
+
+#ifdef TRAINYARD_TEST_WEB
+// Both replicas serve the web console (issue 57).
+class FailoverWebE2eTest : public FailoverE2eTest {
+ protected:
+  void SetUp() override {
+    web_ = true;
+    FailoverE2eTest::SetUp();
+  }
+
+  // The first answer of `path` at `url` whose status `want` accepts, within 30 s (a standby learns
+  // the leader at its next poll; a new leader's console binds as it starts); nullptr if none.
+  static httplib::Result Await(const std::string& url, const std::string& path,
+                               const httplib::Headers& headers,
+                               const std::function<bool(int)>& want) {
+    httplib::Client client(url);
+    client.set_connection_timeout(2, 0);
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    while (true) {
+      httplib::Result res = client.Get(path, headers);
+      if ((res && want(res->status)) || absl::Now() > deadline) return res;
+      absl::SleepFor(absl::Milliseconds(50));  // polled: nothing tells a client when
+    }
+  }
+};
+
+// The standby's console sends browsers (GETs and POSTs alike) to the leader's, same path and
+// query; when the leader dies, the standby leads and serves the console on its own address.
+TEST_F(FailoverWebE2eTest, TheStandbysConsoleRedirectsToTheLeadersAndServesItOnceItLeads) {
+  ASSERT_TRUE(absl::StartsWith(a_.web_url, "http://127.0.0.1:")) << a_.web_url;
+  ASSERT_TRUE(absl::StartsWith(b_.web_url, "http://127.0.0.1:")) << b_.web_url;
+  ASSERT_NE(a_.web_url, b_.web_url);
+  const std::string path = "/api/v1/jobs?state=RUNNING&page_size=5";
+  httplib::Result redirected = Await(b_.web_url, path, {}, [](int s) { return s == 307; });
+  ASSERT_TRUE(redirected) << httplib::to_string(redirected.error());
+  ASSERT_EQ(redirected->status, 307) << redirected->body;
+  EXPECT_EQ(redirected->get_header_value("Location"), a_.web_url + path);
+  httplib::Client b(b_.web_url);
+  httplib::Result post = b.Post("/api/v1/session", "{\"token\": \"x\"}", "application/json");
+  ASSERT_TRUE(post);
+  EXPECT_EQ(post->status, 307);
+  EXPECT_EQ(post->get_header_value("Location"), a_.web_url + "/api/v1/session");
+  // The leader answers itself: who you are, by your token.
+  const httplib::Headers alice = {{"Authorization", "Bearer " + alice_token_}};
+  httplib::Result at_a = Await(a_.web_url, "/api/v1/whoami", alice, [](int) { return true; });
+  ASSERT_TRUE(at_a);
+  EXPECT_EQ(at_a->status, 200) << at_a->body;
+  EXPECT_THAT(at_a->body, ::testing::HasSubstr("\"user\":\"alice\""));
+
+  a_.process->Signal(SIGKILL);
+  const absl::Time death = absl::Now();
+  ASSERT_TRUE(a_.process->Wait(absl::Seconds(10)).has_value());
+  WaitUntilLeads(b_.address, death);
+  httplib::Result at_b =
+      Await(b_.web_url, "/api/v1/whoami", alice, [](int s) { return s != 307 && s != 503; });
+  ASSERT_TRUE(at_b) << httplib::to_string(at_b.error());
+  EXPECT_EQ(at_b->status, 200) << at_b->body;
+  EXPECT_THAT(at_b->body, ::testing::HasSubstr("\"user\":\"alice\""));
+}
+#endif  // TRAINYARD_TEST_WEB
 
 }  // namespace
 }  // namespace trainyard

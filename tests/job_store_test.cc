@@ -936,13 +936,14 @@ class PostgresJobStoreTest : public ::testing::Test {
   std::string database_;
 };
 
-TEST_F(PostgresJobStoreTest, CreatesSchemaVersion3WithIndexesAndStoresPayloadsAsBytea) {
+TEST_F(PostgresJobStoreTest, CreatesSchemaVersion4WithIndexesAndStoresPayloadsAsBytea) {
   auto store = OpenPostgresJobStore(uri_);
   ASSERT_TRUE(store.ok()) << store.status();
-  EXPECT_EQ(Query("SELECT version FROM trainyard_schema"), "3");
+  EXPECT_EQ(Query("SELECT version FROM trainyard_schema"), "4");
   EXPECT_EQ(Query("SELECT count(*) FROM pg_proc WHERE proname = 'trainyard_fence'"), "1");
-  EXPECT_EQ(Query("SELECT epoch || ':' || (expires_at = '-infinity') FROM trainyard_leader"),
-            "0:true");
+  EXPECT_EQ(Query("SELECT epoch || ':' || (expires_at = '-infinity') || ':' || web_url "
+                  "FROM trainyard_leader"),
+            "0:true:");
   EXPECT_EQ(Query("SELECT count(*) FROM trainyard_schema"), "1");
   EXPECT_EQ(Query("SELECT string_agg(indexname, ',' ORDER BY indexname) FROM pg_indexes "
                   "WHERE tablename IN ('jobs', 'records')"),
@@ -955,7 +956,7 @@ TEST_F(PostgresJobStoreTest, CreatesSchemaVersion3WithIndexesAndStoresPayloadsAs
   // Opening again (a second coordinator, a restart) migrates nothing and keeps the rows.
   auto again = OpenPostgresJobStore(uri_);
   ASSERT_TRUE(again.ok()) << again.status();
-  EXPECT_EQ(Query("SELECT version FROM trainyard_schema"), "3");
+  EXPECT_EQ(Query("SELECT version FROM trainyard_schema"), "4");
   EXPECT_THAT(*(*again)->LoadJobs(), ElementsAre(Job(7, BinaryPayload())));
 }
 
@@ -968,7 +969,7 @@ TEST_F(PostgresJobStoreTest, StoresOpenedTogetherMigrateOnce) {
   }
   for (std::thread& t : threads) t.join();
   for (auto& store : stores) ASSERT_TRUE(store.ok()) << store.status();
-  EXPECT_EQ(Query("SELECT count(*) || ':' || max(version) FROM trainyard_schema"), "1:3");
+  EXPECT_EQ(Query("SELECT count(*) || ':' || max(version) FROM trainyard_schema"), "1:4");
   EXPECT_EQ(Query("SELECT count(*) FROM trainyard_leader"), "1");
   ASSERT_TRUE((*stores[0])->CommitSync(PutJobs({Job(1)})).ok());
   EXPECT_EQ((*stores[3])->LoadJobs()->size(), 1u);
@@ -1037,15 +1038,15 @@ TEST_F(PostgresJobStoreTest, MigratesAVersion1DatabaseToTheLeaseKeepingItsJobs) 
             "");
   auto store = OpenPostgresJobStore(uri_);
   ASSERT_TRUE(store.ok()) << store.status();
-  EXPECT_EQ(Query("SELECT version FROM trainyard_schema"), "3");
+  EXPECT_EQ(Query("SELECT version FROM trainyard_schema"), "4");
   EXPECT_EQ(Query("SELECT epoch FROM trainyard_leader"), "0");
   EXPECT_THAT(Seqs(*(*store)->LoadJobs()), ElementsAre(1));
 }
 
 TEST_F(PostgresJobStoreTest, TheLeaseGoesToOneReplicaAtATimeWithAGrowingEpoch) {
   ASSERT_TRUE(OpenPostgresJobStore(uri_).ok());  // the schema
-  auto a = OpenLeaderLease(uri_, "replica-a", "10.0.0.1:7070");
-  auto b = OpenLeaderLease(uri_, "replica-b", "10.0.0.2:7070");
+  auto a = OpenLeaderLease(uri_, "replica-a", "10.0.0.1:7070", "https://10.0.0.1:8443");
+  auto b = OpenLeaderLease(uri_, "replica-b", "10.0.0.2:7070");  // no web console
   ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
   auto epoch_a = (*a)->TryAcquire(absl::Seconds(30));
   ASSERT_TRUE(epoch_a.ok()) << epoch_a.status();
@@ -1056,6 +1057,7 @@ TEST_F(PostgresJobStoreTest, TheLeaseGoesToOneReplicaAtATimeWithAGrowingEpoch) {
   EXPECT_EQ(current->epoch, 1);
   EXPECT_EQ(current->holder, "replica-a");
   EXPECT_EQ(current->address, "10.0.0.1:7070");
+  EXPECT_EQ(current->web_url, "https://10.0.0.1:8443");  // where standbys send browsers
   EXPECT_FALSE(current->expired);
   EXPECT_TRUE((*a)->Renew(*epoch_a, absl::Seconds(30)).ok());
   // A clean shutdown hands it over at once.
@@ -1064,6 +1066,7 @@ TEST_F(PostgresJobStoreTest, TheLeaseGoesToOneReplicaAtATimeWithAGrowingEpoch) {
   auto epoch_b = (*b)->TryAcquire(absl::Seconds(30));
   ASSERT_TRUE(epoch_b.ok()) << epoch_b.status();
   EXPECT_EQ(*epoch_b, 2);
+  EXPECT_EQ((*a)->Current()->web_url, "");
   EXPECT_EQ((*a)->Renew(*epoch_a, absl::Seconds(30)).code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ((*a)->TryAcquire(absl::Seconds(30)).status().code(), absl::StatusCode::kNotFound);
   // Releasing an epoch that is not the holder's changes nothing.

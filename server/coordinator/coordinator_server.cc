@@ -368,6 +368,16 @@ void CoordinatorServer::MakeServices() {
   admin_service_ = std::make_unique<AdminServiceImpl>(*store_, options_.state_dir, *identities_);
 }
 
+absl::Status CheckWebAddress(const CoordinatorOptions& options) {
+  if (!options.web_address.empty() && options.tls.cert_file.empty() && !options.tls.insecure &&
+      !IsLoopback(options.web_address)) {
+    return absl::InvalidArgumentError(
+        "--web-address: a non-loopback address sends tokens and session cookies: serve it "
+        "with --tls-cert/--tls-key (or say --insecure)");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CoordinatorServer::Serve(std::shared_ptr<grpc::ServerCredentials> credentials) {
   GrpcServerOptions grpc_options;
   grpc_options.listen_address = options_.listen_address;
@@ -391,12 +401,7 @@ absl::Status CoordinatorServer::Serve(std::shared_ptr<grpc::ServerCredentials> c
     web_options.address = options_.web_address;
     web_options.tls_cert_file = options_.tls.cert_file;
     web_options.tls_key_file = options_.tls.key_file;
-    if (web_options.tls_cert_file.empty() && !options_.tls.insecure &&
-        !IsLoopback(options_.web_address)) {
-      return absl::InvalidArgumentError(
-          "--web-address: a non-loopback address sends tokens and session cookies: serve it "
-          "with --tls-cert/--tls-key (or say --insecure)");
-    }
+    RETURN_IF_ERROR(CheckWebAddress(options_));
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(64 << 20);
     ASSIGN_OR_RETURN(web_, web::WebConsole::Start(web_options, server_->InProcessChannel(args)));

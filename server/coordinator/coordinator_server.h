@@ -115,6 +115,10 @@ struct CoordinatorOptions {
   std::string rank_coordinator_addresses;
 };
 
+// INVALID_ARGUMENT for a web console on a non-loopback address without TLS (tokens and cookies
+// in clear) unless tls.insecure.
+absl::Status CheckWebAddress(const CoordinatorOptions& options);
+
 class CoordinatorServer {
  public:
   // Opens the store (taking an exclusive lock on the state directory), reloads jobs, nodes, users

@@ -1,7 +1,8 @@
 // Leadership among coordinators that share one PostgreSQL database: a lease row with an expiry
 // and an epoch that grows by one at every change of leader.
 //
-// The lease is the one row of table trainyard_leader (epoch, holder, address, expires_at). Its
+// The lease is the one row of table trainyard_leader (epoch, holder, address, expires_at,
+// web_url). Its
 // expiry is on the database server's clock, so the coordinators' clocks never matter. A replica
 // takes the lease only when it is free or expired, and then with the next epoch; the leader
 // extends it well before it expires. Every write transaction of a store opened with
@@ -32,6 +33,7 @@ struct LeaseHolder {
   int64_t epoch = 0;    // 0: no leader has ever held it
   std::string holder;   // the replica's id
   std::string address;  // where clients reach it (gRPC HOST:PORT)
+  std::string web_url;  // its web console (http(s)://HOST:PORT); empty: none
   bool expired = true;  // on the database's clock
 };
 
@@ -57,10 +59,12 @@ class LeaderLease {
 };
 
 // The lease in the PostgreSQL database `uri` (whose schema OpenPostgresJobStore made), for the
-// replica `holder` reachable at `address`. UNIMPLEMENTED in a build without libpq.
+// replica `holder` reachable at `address`, its web console (if any) at `web_url`. UNIMPLEMENTED
+// in a build without libpq.
 absl::StatusOr<std::unique_ptr<LeaderLease>> OpenLeaderLease(const std::string& uri,
                                                              const std::string& holder,
-                                                             const std::string& address);
+                                                             const std::string& address,
+                                                             const std::string& web_url = "");
 
 }  // namespace trainyard::coordinator
 

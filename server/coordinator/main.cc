@@ -318,10 +318,12 @@ int main(int argc, char** argv) {
                    "pg_restore or psql (docs/operations.md)\n";
       return 2;
     }
-    return trainyard::coordinator::RunReplica(options, replica, [](const std::string& address) {
-      std::printf("%s\n", address.c_str());
-      std::fflush(stdout);
-    });
+    return trainyard::coordinator::RunReplica(
+        options, replica, [](const std::string& address, const std::string& web_url) {
+          std::printf("%s\n", address.c_str());
+          if (!web_url.empty()) std::printf("web %s\n", web_url.c_str());
+          std::fflush(stdout);
+        });
   }
 
   auto server = trainyard::coordinator::CoordinatorServer::Start(options);

@@ -85,6 +85,8 @@ constexpr const char* kMigrations[] = {
     "      USING ERRCODE = 'TYF01'; "
     "  END IF; "
     "END $$;",
+    // Version 4: the leader's web console (a standby sends browsers there); '' for none.
+    "ALTER TABLE trainyard_leader ADD COLUMN web_url TEXT NOT NULL DEFAULT '';",
 };
 constexpr int kSchemaVersion = sizeof(kMigrations) / sizeof(kMigrations[0]);
 
@@ -659,7 +661,7 @@ class PostgresJobStore final : public JobStore {
 constexpr Statement kAcquire = {
     "acquire",
     "UPDATE trainyard_leader SET epoch = epoch + 1, holder = $1, address = $2, "
-    "expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond' "
+    "expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond', web_url = $4 "
     "WHERE id = 1 AND (expires_at <= clock_timestamp() OR holder = $1) RETURNING epoch"};
 constexpr Statement kRenew = {
     "renew",
@@ -670,25 +672,30 @@ constexpr Statement kRelease = {
     "release", "UPDATE trainyard_leader SET expires_at = '-infinity' WHERE id = 1 AND epoch = $1"};
 constexpr Statement kCurrent = {
     "current",
-    "SELECT epoch, holder, address, expires_at <= clock_timestamp() FROM trainyard_leader "
-    "WHERE id = 1"};
+    "SELECT epoch, holder, address, expires_at <= clock_timestamp(), web_url "
+    "FROM trainyard_leader WHERE id = 1"};
 
 class PostgresLeaderLease final : public LeaderLease {
  public:
-  PostgresLeaderLease(const std::string& uri, std::string holder, std::string address)
+  PostgresLeaderLease(const std::string& uri, std::string holder, std::string address,
+                      std::string web_url)
       : conn_(uri, {kAcquire, kRenew, kRelease, kCurrent},
               // Short: a renewal must fail well within the lease, not hang; a takeover waits for
               // no lock longer than a commit takes (a fenced commit holds the row), and tries
               // again at its next poll.
               Timeouts{"2", "2000"}, "SET lock_timeout = '1s'; SET statement_timeout = '2s'"),
         holder_(std::move(holder)),
-        address_(std::move(address)) {}
+        address_(std::move(address)),
+        web_url_(std::move(web_url)) {}
 
   absl::StatusOr<int64_t> TryAcquire(absl::Duration ttl) override {
-    ASSIGN_OR_RETURN(
-        ResultPtr result,
-        Run(kAcquire, Params().Text(holder_).Text(address_).Int(absl::ToInt64Milliseconds(ttl)),
-            "take the leader's lease"));
+    ASSIGN_OR_RETURN(ResultPtr result, Run(kAcquire,
+                                           Params()
+                                               .Text(holder_)
+                                               .Text(address_)
+                                               .Int(absl::ToInt64Milliseconds(ttl))
+                                               .Text(web_url_),
+                                           "take the leader's lease"));
     if (PQntuples(result.get()) == 0) {
       return absl::NotFoundError("another coordinator holds the leader's lease");
     }
@@ -718,6 +725,7 @@ class PostgresLeaderLease final : public LeaderLease {
     lease.holder = Bytes(result.get(), 0, 1);
     lease.address = Bytes(result.get(), 0, 2);
     lease.expired = PQgetlength(result.get(), 0, 3) == 1 && PQgetvalue(result.get(), 0, 3)[0] != 0;
+    lease.web_url = Bytes(result.get(), 0, 4);
     return lease;
   }
 
@@ -737,14 +745,16 @@ class PostgresLeaderLease final : public LeaderLease {
   Connection conn_;
   const std::string holder_;
   const std::string address_;
+  const std::string web_url_;
 };
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<LeaderLease>> OpenLeaderLease(const std::string& uri,
                                                              const std::string& holder,
-                                                             const std::string& address) {
-  auto lease = std::make_unique<PostgresLeaderLease>(uri, holder, address);
+                                                             const std::string& address,
+                                                             const std::string& web_url) {
+  auto lease = std::make_unique<PostgresLeaderLease>(uri, holder, address, web_url);
   RETURN_IF_ERROR(lease->Current().status());
   return lease;
 }

@@ -20,7 +20,8 @@ absl::StatusOr<std::unique_ptr<JobStore>> OpenPostgresJobStore(
 
 absl::StatusOr<std::unique_ptr<LeaderLease>> OpenLeaderLease(const std::string& uri,
                                                              const std::string& holder,
-                                                             const std::string& address) {
+                                                             const std::string& address,
+                                                             const std::string& web_url) {
   return absl::UnimplementedError("this build has no PostgreSQL client library");
 }
 

@@ -105,7 +105,8 @@ enum class LeaderEnd { kSignal, kSteppedDown };
 }  // namespace
 
 int RunReplica(CoordinatorOptions options, ReplicaOptions replica,
-               const std::function<void(const std::string& address)>& on_listening) {
+               const std::function<void(const std::string& address, const std::string& web_url)>&
+                   on_listening) {
   if (replica.id.empty()) replica.id = DefaultReplicaId(options.state_dir);
   // The schema first (the lease's table is in it), as any replica may be the first to start.
   {
@@ -125,12 +126,39 @@ int RunReplica(CoordinatorOptions options, ReplicaOptions replica,
   const std::string& listen = options.listen_address;
   options.listen_address = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);
   if (replica.advertise_address.empty()) replica.advertise_address = options.listen_address;
-  auto lease = OpenLeaderLease(options.store, replica.id, replica.advertise_address);
+  // The web console: while standing by, a redirect to the leader's on the same address; its port
+  // (a port 0 resolved) is the replica's for good, and its URL (on the advertised host) goes in
+  // the lease for the other replicas' redirects.
+  std::unique_ptr<web::WebRedirect> redirect;
+  std::string web_url;
+  web::WebConsoleOptions web_options;
+  web_options.address = options.web_address;
+  web_options.tls_cert_file = options.tls.cert_file;
+  web_options.tls_key_file = options.tls.key_file;
+  if (!options.web_address.empty()) {
+    if (absl::Status s = CheckWebAddress(options); !s.ok()) {
+      std::cerr << "trainyard-coordinator: " << s.message() << "\n";
+      return 1;
+    }
+    auto started = web::WebRedirect::Start(web_options);
+    if (!started.ok()) {
+      std::cerr << "trainyard-coordinator: " << started.status().message() << "\n";
+      return 1;
+    }
+    redirect = *std::move(started);
+    const std::string& web = options.web_address;
+    options.web_address = web_options.address =
+        absl::StrCat(web.substr(0, web.rfind(':')), ":", redirect->port());
+    const std::string& advertised = replica.advertise_address;
+    web_url = absl::StrCat(options.tls.cert_file.empty() ? "http://" : "https://",
+                           advertised.substr(0, advertised.rfind(':')), ":", redirect->port());
+  }
+  auto lease = OpenLeaderLease(options.store, replica.id, replica.advertise_address, web_url);
   if (!lease.ok()) {
     std::cerr << "trainyard-coordinator: " << lease.status().message() << "\n";
     return 1;
   }
-  on_listening(options.listen_address);
+  on_listening(options.listen_address, web_url);
   spdlog::info("replica {} at {}: standing by for the leader's lease of {}", replica.id,
                replica.advertise_address, DescribePostgresLocation(options.store));
 
@@ -139,6 +167,15 @@ int RunReplica(CoordinatorOptions options, ReplicaOptions replica,
     if (standby.server == nullptr) {
       standby = StartStandby(options, options.listen_address, &port);
       if (standby.server == nullptr) return 1;
+    }
+    if (!web_url.empty() && redirect == nullptr) {
+      auto started = web::WebRedirect::Start(web_options);
+      if (!started.ok()) {
+        spdlog::error("cannot serve the standby's web console: {}",
+                      std::string(started.status().message()));
+        return 1;
+      }
+      redirect = *std::move(started);
     }
     int64_t epoch = 0;
     absl::Time acquired_at;
@@ -153,6 +190,7 @@ int RunReplica(CoordinatorOptions options, ReplicaOptions replica,
         spdlog::warn("cannot take the leader's lease: {}", std::string(taken.status().message()));
       } else if (auto current = (*lease)->Current(); current.ok()) {
         standby.service->SetLeader(current->expired ? "" : current->address);
+        if (redirect != nullptr) redirect->SetLeader(current->expired ? "" : current->web_url);
       }
       if (const int sig = WaitForTerminationSignalFor(replica.poll_interval); sig != 0) {
         spdlog::info("signal {}: shutting down the standby", sig);
@@ -174,6 +212,8 @@ int RunReplica(CoordinatorOptions options, ReplicaOptions replica,
     // (this replica steps down at the same point), so that the new leader waits on no row of it.
     leading.idle_in_transaction_limit =
         std::max(replica.lease_ttl - replica.renew_interval, absl::Milliseconds(100));
+    // (The console's port is given up first: unlike gRPC's, it cannot be bound twice.)
+    redirect.reset();
     auto server = CoordinatorServer::Start(leading);
     if (!server.ok()) {
       spdlog::error("cannot serve as the leader: {}", std::string(server.status().message()));

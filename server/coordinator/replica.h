@@ -33,10 +33,16 @@ struct ReplicaOptions {
 };
 
 // Runs the replica until SIGTERM or SIGINT (blocked by the caller). `on_listening` runs once, with
-// the bound address, when the replica first listens. Returns the process's exit code: 0 after a
-// signal, 1 when it cannot start (the reason logged and on stderr).
+// the bound address and its web console's URL (empty: none), when the replica first listens.
+// Returns the process's exit code: 0 after a signal, 1 when it cannot start (the reason logged
+// and on stderr).
+//
+// With options.web_address, a standby answers every request there with a redirect to the leader's
+// console (web::WebRedirect; the leader's URL is in the lease), and the leader serves the console
+// there itself.
 int RunReplica(CoordinatorOptions options, ReplicaOptions replica,
-               const std::function<void(const std::string& address)>& on_listening);
+               const std::function<void(const std::string& address, const std::string& web_url)>&
+                   on_listening);
 
 }  // namespace trainyard::coordinator
 

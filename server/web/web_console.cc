@@ -24,6 +24,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "common/credentials.h"
+#include "common/status_macros.h"
 #include "server/web/web_assets.h"
 #include "trainyard/v1/identity.grpc.pb.h"
 #include "trainyard/v1/job.grpc.pb.h"
@@ -138,8 +139,7 @@ std::string Dump(const nlohmann::json& j) {
 
 void Fail(Response& res, grpc::StatusCode code, const std::string& message) {
   res.status = HttpStatus(code);
-  res.set_content(Dump({{"error", {{"code", CodeName(code)}, {"message", message}}}}),
-                  kJson);
+  res.set_content(Dump({{"error", {{"code", CodeName(code)}, {"message", message}}}}), kJson);
 }
 
 std::string ToJson(const google::protobuf::Message& m) {
@@ -898,27 +898,32 @@ struct WebConsole::Impl {
 
 WebConsole::WebConsole(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
-absl::StatusOr<std::unique_ptr<WebConsole>> WebConsole::Start(
-    const WebConsoleOptions& options, std::shared_ptr<grpc::Channel> coordinator) {
+namespace {
+
+// A server for options.address, HTTPS with options' certificate when it has one; not yet bound.
+struct Listener {
+  std::unique_ptr<httplib::Server> server;
+  bool tls = false;
+  std::string host;  // without brackets
+  int port = 0;      // 0: any
+};
+
+absl::StatusOr<Listener> NewListener(const WebConsoleOptions& options) {
+  Listener l;
   const size_t colon = options.address.rfind(':');
-  int port = -1;
   if (colon == std::string::npos || colon == 0 ||
-      !absl::SimpleAtoi(options.address.substr(colon + 1), &port) || port < 0 || port > 65535) {
+      !absl::SimpleAtoi(options.address.substr(colon + 1), &l.port) || l.port < 0 ||
+      l.port > 65535) {
     return absl::InvalidArgumentError(
         absl::StrCat("--web-address: expected HOST:PORT, got '", options.address, "'"));
   }
-  std::string host = options.address.substr(0, colon);
-  if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
+  l.host = options.address.substr(0, colon);
+  if (l.host.size() > 2 && l.host.front() == '[' && l.host.back() == ']') {
+    l.host = l.host.substr(1, l.host.size() - 2);
   }
   if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
     return absl::InvalidArgumentError("--tls-cert, --tls-key: give both or neither");
   }
-  auto impl = std::make_unique<Impl>(options);
-  impl->channel = std::move(coordinator);
-  impl->jobs = v1::JobService::NewStub(impl->channel);
-  impl->nodes = v1::NodeService::NewStub(impl->channel);
-  impl->identity = v1::IdentityService::NewStub(impl->channel);
   if (!options.tls_cert_file.empty()) {
     auto ssl = std::make_unique<httplib::SSLServer>(options.tls_cert_file.c_str(),
                                                     options.tls_key_file.c_str());
@@ -927,29 +932,50 @@ absl::StatusOr<std::unique_ptr<WebConsole>> WebConsole::Start(
           absl::StrCat("--tls-cert: the web console cannot serve with ", options.tls_cert_file,
                        " and ", options.tls_key_file));
     }
-    impl->server = std::move(ssl);
-    impl->tls = true;
+    l.server = std::move(ssl);
+    l.tls = true;
   } else {
-    impl->server = std::make_unique<httplib::Server>();
+    l.server = std::make_unique<httplib::Server>();
   }
-  impl->Routes();
-  int bound = port;
-  if (port == 0) {
-    bound = impl->server->bind_to_any_port(host);
-  } else if (!impl->server->bind_to_port(host, port)) {
+  return l;
+}
+
+// Binds `server` (l's, or where it went) to l's address and serves on a thread of its own
+// (`thread`): the URL, with the bound port (also set in l.port).
+absl::StatusOr<std::string> Serve(httplib::Server& server, Listener& l, const std::string& address,
+                                  std::thread* thread) {
+  int bound = l.port;
+  if (l.port == 0) {
+    bound = server.bind_to_any_port(l.host);
+  } else if (!server.bind_to_port(l.host, l.port)) {
     bound = -1;
   }
   if (bound <= 0) {
-    return absl::UnavailableError(
-        absl::StrCat("--web-address: cannot listen on ", options.address));
+    return absl::UnavailableError(absl::StrCat("--web-address: cannot listen on ", address));
   }
-  const std::string shown = host.find(':') != std::string::npos ? "[" + host + "]" : host;
-  impl->url = absl::StrCat(impl->tls ? "https://" : "http://", shown, ":", bound);
-  httplib::Server* server = impl->server.get();
-  impl->listener = std::thread([server] {
+  l.port = bound;
+  *thread = std::thread([&server] {
     pthread_setname_np(pthread_self(), "ty-web");
-    server->listen_after_bind();
+    server.listen_after_bind();
   });
+  const std::string shown = l.host.find(':') != std::string::npos ? "[" + l.host + "]" : l.host;
+  return absl::StrCat(l.tls ? "https://" : "http://", shown, ":", bound);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<WebConsole>> WebConsole::Start(
+    const WebConsoleOptions& options, std::shared_ptr<grpc::Channel> coordinator) {
+  ASSIGN_OR_RETURN(Listener l, NewListener(options));
+  auto impl = std::make_unique<Impl>(options);
+  impl->channel = std::move(coordinator);
+  impl->jobs = v1::JobService::NewStub(impl->channel);
+  impl->nodes = v1::NodeService::NewStub(impl->channel);
+  impl->identity = v1::IdentityService::NewStub(impl->channel);
+  impl->server = std::move(l.server);
+  impl->tls = l.tls;
+  impl->Routes();
+  ASSIGN_OR_RETURN(impl->url, Serve(*impl->server, l, options.address, &impl->listener));
   spdlog::info("web console at {}", impl->url);
   return std::unique_ptr<WebConsole>(new WebConsole(std::move(impl)));
 }
@@ -961,5 +987,61 @@ WebConsole::~WebConsole() {
 }
 
 const std::string& WebConsole::url() const { return impl_->url; }
+
+struct WebRedirect::Impl {
+  Listener listener;
+  std::thread thread;
+  absl::Mutex mu;
+  std::string leader ABSL_GUARDED_BY(mu);
+};
+
+WebRedirect::WebRedirect(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+absl::StatusOr<std::unique_ptr<WebRedirect>> WebRedirect::Start(const WebConsoleOptions& options) {
+  auto impl = std::make_unique<Impl>();
+  ASSIGN_OR_RETURN(impl->listener, NewListener(options));
+  httplib::Server& s = *impl->listener.server;
+  s.set_default_headers(SecurityHeaders());
+  s.set_payload_max_length(kMaxBody);
+  s.set_read_timeout(10, 0);
+  s.set_tcp_nodelay(true);
+  Impl* raw = impl.get();
+  auto answer = [raw](const Request& req, Response& res) {
+    std::string leader;
+    {
+      absl::MutexLock lock(&raw->mu);
+      leader = raw->leader;
+    }
+    if (leader.empty()) {
+      Fail(res, grpc::StatusCode::UNAVAILABLE,
+           "this coordinator stands by and no replica leads now (or the leader serves no web "
+           "console); try again shortly");
+      res.set_header("Retry-After", "1");
+      return;
+    }
+    // The same path and query at the leader's (307 keeps a POST a POST).
+    res.status = 307;
+    res.set_header("Location", leader + req.target);
+    res.set_content(Dump({{"leader", leader}}), kJson);
+  };
+  s.Get(".*", answer);
+  s.Post(".*", answer);
+  s.Delete(".*", answer);
+  ASSIGN_OR_RETURN(std::string url, Serve(s, impl->listener, options.address, &impl->thread));
+  spdlog::info("standing by: the web console at {} sends browsers to the leader's", url);
+  return std::unique_ptr<WebRedirect>(new WebRedirect(std::move(impl)));
+}
+
+WebRedirect::~WebRedirect() {
+  impl_->listener.server->stop();
+  if (impl_->thread.joinable()) impl_->thread.join();
+}
+
+void WebRedirect::SetLeader(const std::string& url) {
+  absl::MutexLock lock(&impl_->mu);
+  impl_->leader = url;
+}
+
+int WebRedirect::port() const { return impl_->listener.port; }
 
 }  // namespace trainyard::web

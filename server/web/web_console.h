@@ -57,6 +57,26 @@ class WebConsole {
   std::unique_ptr<Impl> impl_;
 };
 
+// A standby replica's console (server/coordinator/replica.h): every request is answered with
+// 307 Temporary Redirect to the same path and query at the leader's console, or 503 while no
+// replica leads (or the leader serves no console). Thread-safe.
+class WebRedirect {
+ public:
+  // Listens on options.address (port 0: a free one), as WebConsole::Start does.
+  static absl::StatusOr<std::unique_ptr<WebRedirect>> Start(const WebConsoleOptions& options);
+  ~WebRedirect();  // stops listening; returns when every request is answered
+
+  // "http(s)://HOST:PORT" of the leader's console; empty while there is none.
+  void SetLeader(const std::string& url);
+  int port() const;
+
+  struct Impl;
+
+ private:
+  explicit WebRedirect(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
 }  // namespace trainyard::web
 
 #endif  // TRAINYARD_SERVER_WEB_WEB_CONSOLE_H_

@@ -22,4 +22,18 @@ WebConsole::~WebConsole() = default;
 
 const std::string& WebConsole::url() const { return impl_->url; }
 
+struct WebRedirect::Impl {};
+
+WebRedirect::WebRedirect(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+absl::StatusOr<std::unique_ptr<WebRedirect>> WebRedirect::Start(const WebConsoleOptions&) {
+  return absl::UnimplementedError(
+      "--web-address: this coordinator was built without the web console (install "
+      "libcpp-httplib-dev and libjs-dygraphs, then build again)");
+}
+
+WebRedirect::~WebRedirect() = default;
+void WebRedirect::SetLeader(const std::string&) {}
+int WebRedirect::port() const { return 0; }
+
 }  // namespace trainyard::web
