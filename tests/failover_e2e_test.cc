@@ -626,7 +626,6 @@ TEST_F(FailoverKilledAfterCommitTest, EveryLogicalSubmitIsStoredExactlyOnce) {
   EXPECT_GE(ExpectEachSubmitStoredOnce(submitters.acked()), 30u);
 }
 
-
 #ifdef TRAINYARD_TEST_WEB
 // Both replicas serve the web console (issue 57).
 class FailoverWebE2eTest : public FailoverE2eTest {
