@@ -29,6 +29,9 @@ ARTIFACTS = pathlib.Path(os.environ.get("TRAINYARD_WEB_ARTIFACTS",
                                         ROOT / "build" / "test-artifacts" / "web"))
 XSS = "<img src=x onerror=alert(1)>"
 TIMEOUT_MS = 90_000
+# Assertions wait as long as actions do: under load (other tests on the 2 cores) a job takes a
+# while to start and report.
+expect.set_options(timeout=TIMEOUT_MS)
 
 
 def run(args, env, check=True, cwd=None, timeout=120):
@@ -292,6 +295,23 @@ def test_the_owner_cancels_the_job_from_its_page(cluster, alice_page, alice_job)
     assert page.dialogs == [f"Cancel {alice_job}?"]
 
 
+def test_a_failed_jobs_page_says_why_and_shows_its_attempts(cluster, alice_page):
+    sub = yard(cluster, "alice", "submit", "--name", "fails", "--max-restarts", "1", "--",
+               "/bin/sh", "-c", "echo about to fail; exit 3")
+    job = sub.stdout.strip()
+    page = alice_page
+    page.goto(f"{cluster['url']}/#/jobs/{job}")
+    expect(page.locator('#job-title [data-state="FAILED"]')).to_be_visible()
+    expect(page.locator('#job-facts [data-fact="Message"]')).to_contain_text("3")
+    # Both attempts, where their rank ran and how it exited; the logs of both.
+    for attempt in (1, 2):
+        expect(page.locator(f'#job-timeline [data-attempt="{attempt}"]')).to_contain_text(
+            "1 rank on local-1 exited 3")
+    expect(page.locator("#job-logs")).to_contain_text("[2:0] about to fail")
+    expect(page.locator("#cancel")).to_have_count(0)
+    shot(page, "failed-job")
+
+
 def test_an_admin_cordons_a_node_from_the_page(browser, cluster, alice_page):
     # A user sees the nodes but no buttons, and the API refuses the user.
     alice_page.goto(f"{cluster['url']}/#/nodes")
@@ -368,3 +388,63 @@ def test_yard_web_prints_a_link_that_signs_a_browser_in_once(browser, cluster):
     # Without a token of a user, no link.
     status, body, _ = call(cluster, "POST", "/api/v1/session/link", body={})
     assert status == 401, body
+
+
+@pytest.fixture(scope="module")
+def tls_cluster(tmp_path_factory):
+    """A local cluster (no workers) serving gRPC and the console over TLS, with certificates from
+    scripts/tls-init.sh."""
+    home = tmp_path_factory.mktemp("tls-home")
+    pki = home / "pki"
+    run(["bash", str(ROOT / "scripts" / "tls-init.sh"), "--out", str(pki)], dict(os.environ))
+    env = dict(os.environ, HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"),
+               TRAINYARD_TLS_CA=str(pki / "ca.pem"))
+    for k in ("TRAINYARD_TOKEN", "TRAINYARD_TOKEN_FILE", "TRAINYARD_COORDINATOR"):
+        env.pop(k, None)
+    state = home / "local"
+    up = run([str(BIN / "yard"), "local", "--state-dir", str(state), "up", "--listen",
+              "127.0.0.1:0", "--workers", "0", "--web", "127.0.0.1:0",
+              "--tls-cert", str(pki / "coordinator.pem"), "--tls-key", str(pki / "coordinator.key")],
+             env)
+    try:
+        env["TRAINYARD_COORDINATOR"] = re.search(r"export TRAINYARD_COORDINATOR=(\S+)",
+                                                 up.stdout).group(1)
+        url = re.search(r"web console: (https://\S+)", up.stdout).group(1)
+        token = (home / ".config" / "trainyard" / "token").read_text().strip()
+        yield {"url": url, "env": env, "ca": pki / "ca.pem", "token": token}
+    finally:
+        subprocess.run([str(BIN / "yard"), "local", "--state-dir", str(state), "down"], env=env,
+                       capture_output=True, timeout=120)
+
+
+def test_with_the_coordinators_certificate_the_console_is_https_only(browser, tls_cluster):
+    import ssl
+    context = ssl.create_default_context(cafile=str(tls_cluster["ca"]))
+    req = urllib.request.Request(tls_cluster["url"] + "/api/v1/session", method="POST",
+                                 data=json.dumps({"token": tls_cluster["token"]}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, context=context, timeout=30) as r:
+        assert r.status == 200
+        cookie = r.headers["Set-Cookie"]
+    assert "; Secure" in cookie and "HttpOnly" in cookie and "SameSite=Strict" in cookie, cookie
+    # Plain HTTP on that port is not answered as HTTP.
+    with pytest.raises(Exception):
+        urllib.request.urlopen(tls_cluster["url"].replace("https://", "http://") + "/", timeout=10)
+    # yard web speaks TLS, verified with the CA, and its link signs a browser in.
+    out = run([str(BIN / "yard"), "web", "--url", tls_cluster["url"]], tls_cluster["env"]).stdout
+    link = re.search(r"(https://\S+/#/signin\?code=\S+)", out).group(1)
+    page = browser.new_context(ignore_https_errors=True).new_page()
+    try:
+        page.goto(link)
+        expect(page.locator("#me")).to_contain_text("admin")
+        assert next(c for c in page.context.cookies() if c["name"] == "ty_session")["secure"]
+    finally:
+        page.context.close()
+
+
+def test_a_console_on_another_host_without_tls_is_refused(tmp_path):
+    r = subprocess.run([str(BIN / "trainyard-coordinator"), "--state-dir", str(tmp_path / "s"),
+                        "--listen", "127.0.0.1:0", "--web-address", "0.0.0.0:0"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "--web-address: a non-loopback address" in r.stderr, r.stderr

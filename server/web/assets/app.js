@@ -291,10 +291,26 @@ function viewJob(main, id) {
       ['Placement', (j.placement || []).map((p) => `${p.nodeId || ''}[${(p.deviceIndices || []).join(',')}]`).join(' ') || '—'],
     ];
     facts.replaceChildren(...rows.flatMap(([k, v]) => [el('dt', {}, k), el('dd', { 'data-fact': k }, v)]));
+    // Each attempt whose ranks ended, from what they used (rankUsage): where they ran and how
+    // they exited; then the current attempt's start and the end.
+    const attempts = new Map();
+    for (const u of j.rankUsage || []) {
+      const a = num(u.attempt);
+      if (!attempts.has(a)) attempts.set(a, []);
+      attempts.get(a).push(u);
+    }
+    const ended = [...attempts.keys()].sort((x, y) => x - y).map((a) => {
+      const ranks = attempts.get(a);
+      const codes = [...new Set(ranks.map((u) => num(u.exitCode)))].join(', ');
+      const nodes = [...new Set(ranks.map((u) => u.nodeId || '?'))].join(', ');
+      return el('li', { 'data-attempt': a }, el('b', {}, `Attempt ${a}`),
+        `${ranks.length} rank${ranks.length === 1 ? '' : 's'} on ${nodes} exited ${codes}`);
+    });
     timeline.replaceChildren(
       el('li', {}, el('b', {}, 'Submitted'), when(j.submitTimeMs)),
-      el('li', {}, el('b', {}, num(j.attempt) > 1 ? `Attempt ${num(j.attempt)} started` : 'Started'),
-        when(j.startTimeMs)),
+      ...ended,
+      num(j.startTimeMs) > 0 ? el('li', {}, el('b', {}, `Attempt ${num(j.attempt)} started`),
+        when(j.startTimeMs)) : null,
       el('li', {}, el('b', {}, TERMINAL.has(j.state) ? j.state.toLowerCase() : 'Now'),
         TERMINAL.has(j.state) ? when(j.endTimeMs) : stateBadge(j.state)));
     checkpoints.replaceChildren(...(j.keptCheckpoints || []).map((c) => el('tr', {},
