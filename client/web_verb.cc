@@ -51,33 +51,59 @@ int Web(const Globals& g, const std::string& url_flag) {
         "network you trust")));
   }
 #ifdef TRAINYARD_YARD_WEB
-  httplib::Client client(*url);
-  client.set_connection_timeout(10, 0);
-  client.set_read_timeout(30, 0);
-  if (https) {
-    if (!g.tls.ca_file.empty()) client.set_ca_cert_path(g.tls.ca_file.c_str());
-    client.enable_server_certificate_verification(true);
+  // A standby replica answers 307 with the leader's console: followed once, if the token would
+  // still go only over TLS or to this host.
+  auto post = [&](const std::string& at) {
+    httplib::Client client(at);
+    client.set_connection_timeout(10, 0);
+    client.set_read_timeout(30, 0);
+    if (absl::StartsWith(at, "https://")) {
+      if (!g.tls.ca_file.empty()) client.set_ca_cert_path(g.tls.ca_file.c_str());
+      client.enable_server_certificate_verification(true);
+    }
+    return client.Post("/api/v1/session/link", {{"Authorization", "Bearer " + *token}}, "",
+                       "application/json");
+  };
+  std::string base = *url;
+  httplib::Result res = post(base);
+  if (res && res->status == 307) {
+    const std::string location = res->get_header_value("Location");
+    const size_t scheme = location.find("//");
+    const std::string leader =
+        scheme == std::string::npos ? "" : location.substr(0, location.find('/', scheme + 2));
+    const bool tls_or_here = absl::StartsWith(leader, "https://") ||
+                             (absl::StartsWith(leader, "http://") &&
+                              (g.tls.plaintext_token_ok || IsLoopback(leader.substr(7))));
+    if (!leader.empty() && tls_or_here) {
+      base = leader;
+      res = post(base);
+    }
   }
-  auto res = client.Post("/api/v1/session/link", {{"Authorization", "Bearer " + *token}}, "",
-                         "application/json");
   if (!res) {
-    return Fail(absl::UnavailableError(absl::StrCat("cannot reach the web console at ", *url, ": ",
+    return Fail(absl::UnavailableError(absl::StrCat("cannot reach the web console at ", base, ": ",
                                                     httplib::to_string(res.error()))));
   }
   const nlohmann::json body = nlohmann::json::parse(res->body, nullptr, false);
-  if (res->status != 200 || !body.is_object() || !body.contains("url")) {
-    std::string message = absl::StrCat("the web console answered HTTP ", res->status);
-    if (body.is_object() && body.contains("error") && body["error"].contains("message")) {
+  auto text = [&body](const char* key) -> std::string {
+    return body.is_object() && body.contains(key) && body[key].is_string()
+               ? body[key].get<std::string>()
+               : std::string();
+  };
+  if (res->status != 200 || text("url").empty()) {
+    std::string message = absl::StrCat("the web console at ", base, " answered HTTP ", res->status);
+    if (body.is_object() && body.contains("error") && body["error"].is_object() &&
+        body["error"].contains("message") && body["error"]["message"].is_string()) {
       message = body["error"]["message"].get<std::string>();
     }
     return Fail(res->status == 401 ? absl::UnauthenticatedError(message)
                                    : absl::FailedPreconditionError(message));
   }
   if (g.json()) {
-    std::cout << body.dump(1) << "\n";
+    std::cout << body.dump(1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
   } else {
-    std::cout << body["url"].get<std::string>() << "\n(signs a browser in as "
-              << body.value("user", "you") << "; works once, within a minute)\n";
+    std::cout << text("url") << "\n(signs a browser in as "
+              << (text("user").empty() ? "you" : text("user"))
+              << "; works once, within a minute)\n";
   }
   return 0;
 #else

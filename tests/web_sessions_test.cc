@@ -85,6 +85,22 @@ TEST_F(WebSessionsTest, AFullTableGivesWayByTheLeastRecentlyUsed) {
   EXPECT_TRUE(sessions_.Find(d).has_value());
 }
 
+TEST_F(WebSessionsTest, AUserSigningInOverAndOverEndsOnlyTheirOwnOldestSessions) {
+  WebSessions sessions({absl::Hours(1), absl::Hours(8), 10, 2}, [this] { return now_; });
+  const std::string bob = sessions.Create("tb", "bob", false);
+  std::string alice[4];
+  for (std::string& id : alice) {
+    now_ += absl::Seconds(1);
+    id = sessions.Create("ta", "alice", false);
+  }
+  EXPECT_EQ(sessions.size(), 3u);  // bob's and alice's latest two
+  EXPECT_TRUE(sessions.Find(bob).has_value());
+  EXPECT_FALSE(sessions.Find(alice[0]).has_value());
+  EXPECT_FALSE(sessions.Find(alice[1]).has_value());
+  EXPECT_TRUE(sessions.Find(alice[2]).has_value());
+  EXPECT_TRUE(sessions.Find(alice[3]).has_value());
+}
+
 TEST_F(WebSessionsTest, ASignInCodeIsGoodOnceWithinItsTime) {
   const std::string code = sessions_.CreateCode("tok", absl::Minutes(1));
   const std::string other = sessions_.CreateCode("tok2", absl::Minutes(1));

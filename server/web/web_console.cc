@@ -8,6 +8,7 @@
 #include <chrono>
 #include <deque>
 #include <functional>
+#include <map>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -23,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "common/credentials.h"
 #include "common/status_macros.h"
 #include "server/web/web_assets.h"
@@ -37,7 +39,10 @@ namespace v1 = ::trainyard::v1;
 using httplib::Request;
 using httplib::Response;
 
+// The session cookie: under TLS with the __Host- prefix (Secure, Path=/, this host only: no
+// subdomain can set one).
 constexpr char kCookie[] = "ty_session";
+constexpr char kTlsCookie[] = "__Host-ty_session";
 // Answers are never compressed: cpp-httplib compresses "application/json" and "text/..." (but
 // not these spellings) with Brotli's slowest quality, some 200 ms for the charting library.
 // Loopback and a LAN do not need it.
@@ -47,7 +52,8 @@ constexpr size_t kMaxBody = 64 << 10;       // a request's body: sign-in, cancel
 constexpr int kMaxLogLines = 100000;        // GET .../logs?tail=
 constexpr size_t kMaxSteps = 100000;        // GET .../metrics
 constexpr int kFilterScanJobs = 10000;      // name/account filters look at most this far a page
-constexpr size_t kMaxQueuedEvents = 20000;  // a live stream this far behind its reader is ended
+constexpr int kStreamsPerCaller = 8;        // live streams of one user (or token) at once
+constexpr size_t kMaxQueuedEvents = 20000;  // a live stream this far ahead of its reader waits
 constexpr absl::Duration kLinkLifetime = absl::Minutes(1);  // yard web's link
 constexpr char kIdPattern[] = "([A-Za-z0-9][A-Za-z0-9._:-]{0,127})";
 
@@ -180,34 +186,44 @@ std::string CookieValue(const Request& req, absl::string_view name) {
 
 std::string Lower(absl::string_view s) { return absl::AsciiStrToLower(s); }
 
-// A live stream's events, from its producer threads to the HTTP thread writing them.
+// A live stream's events, from its producer threads to the HTTP thread writing them. Closed: the
+// reader is gone (producers stop); ended: the producers are done (the reader drains it, then
+// ends the response).
 class EventQueue {
  public:
-  // Queues one server-sent event; false once closed or too far behind (then closed).
+  // Queues one server-sent event, waiting while kMaxQueuedEvents wait (a reader slower than the
+  // cluster holds its producers back); false once closed.
   bool Push(absl::string_view event, absl::string_view data) {
     absl::MutexLock lock(&mu_);
+    auto room = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return closed_ || queue_.size() < kMaxQueuedEvents;
+    };
+    mu_.Await(absl::Condition(&room));
     if (closed_) return false;
-    if (queue_.size() >= kMaxQueuedEvents) {
-      closed_ = true;
-      return false;
-    }
     queue_.push_back(absl::StrCat("event: ", event, "\ndata: ", data, "\n\n"));
     return true;
   }
-  // Waits up to `timeout` for events; moves them to `out`. False once closed and drained.
+  // Waits up to `timeout` for events; moves them to `out`. False once closed, or ended and
+  // drained: nothing more will come.
   bool Take(std::string* out, absl::Duration timeout) {
     absl::MutexLock lock(&mu_);
-    auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !queue_.empty() || closed_; };
+    auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return !queue_.empty() || closed_ || ended_;
+    };
     mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
     while (!queue_.empty()) {
       out->append(queue_.front());
       queue_.pop_front();
     }
-    return !closed_;
+    return !closed_ && !ended_;
   }
   void Close() {
     absl::MutexLock lock(&mu_);
     closed_ = true;
+  }
+  void End() {
+    absl::MutexLock lock(&mu_);
+    ended_ = true;
   }
   bool closed() {
     absl::MutexLock lock(&mu_);
@@ -224,13 +240,16 @@ class EventQueue {
   absl::Mutex mu_;
   std::deque<std::string> queue_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  bool ended_ ABSL_GUARDED_BY(mu_) = false;
 };
 
-// A live stream: its queue, the gRPC calls feeding it and their threads. Closed (calls cancelled,
-// threads joined) by the HTTP side when the browser goes or the console stops.
+// A live stream: its queue, the gRPC calls feeding it and their threads. When the last producer
+// returns, an "end" event ends it (the page closes its EventSource rather than reconnecting).
+// Closed (calls cancelled, threads joined, `on_close` run) by the HTTP side when the browser goes
+// or the console stops.
 class LiveStream {
  public:
-  explicit LiveStream(std::atomic<int>* open) : open_(open) {}
+  explicit LiveStream(std::function<void()> on_close) : on_close_(std::move(on_close)) {}
   ~LiveStream() { Close(); }
 
   EventQueue& queue() { return queue_; }
@@ -243,7 +262,16 @@ class LiveStream {
     contexts_.push_back(std::move(ctx));
     return contexts_.back().get();
   }
-  void Run(std::function<void()> producer) { threads_.emplace_back(std::move(producer)); }
+  // A producer on a thread of its own (the HTTP thread that made the stream calls this).
+  void Run(std::function<void()> producer) {
+    running_.fetch_add(1);
+    threads_.emplace_back([this, producer = std::move(producer)] {
+      producer();
+      Returned();
+    });
+  }
+  // Every producer is running: the stream ends when the last returns.
+  void Started() { Returned(); }
 
   void Close() {
     if (closed_.exchange(true)) return;
@@ -255,16 +283,24 @@ class LiveStream {
     for (auto& t : threads_) {
       if (t.joinable()) t.join();
     }
-    open_->fetch_sub(1);
+    if (on_close_) on_close_();
   }
 
  private:
-  std::atomic<int>* open_;
+  void Returned() {
+    if (running_.fetch_sub(1) == 1) {
+      queue_.Push("end", "{}");
+      queue_.End();
+    }
+  }
+
+  const std::function<void()> on_close_;
   std::atomic<bool> closed_{false};
+  std::atomic<int> running_{1};  // producers, and 1 until Started()
   EventQueue queue_;
   absl::Mutex mu_;
   std::vector<std::unique_ptr<grpc::ClientContext>> contexts_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::thread> threads_;  // started and joined by the HTTP thread only
+  std::vector<std::thread> threads_;  // started and joined by the HTTP threads only
 };
 
 // Who is calling: a program's bearer token, or a browser's session.
@@ -286,10 +322,14 @@ struct WebConsole::Impl {
   std::string url;
   bool tls = false;
   WebSessions sessions{WebSessionLimits{}};
-  std::atomic<int> streams{0};
+  absl::Mutex streams_mu;
+  int open_streams ABSL_GUARDED_BY(streams_mu) = 0;
+  std::map<std::string, int> streams_by_caller ABSL_GUARDED_BY(streams_mu);
   std::atomic<bool> stopping{false};
 
   explicit Impl(const WebConsoleOptions& o) : options(o), sessions(o.sessions) {}
+
+  const char* cookie() const { return tls ? kTlsCookie : kCookie; }
 
   // --- who calls ---
 
@@ -307,7 +347,7 @@ struct WebConsole::Impl {
       caller->token = std::string(v);
       return true;
     }
-    const std::string id = CookieValue(req, kCookie);
+    const std::string id = CookieValue(req, cookie());
     std::optional<WebSession> session = id.empty() ? std::nullopt : sessions.Find(id);
     if (!session.has_value()) {
       Fail(res, grpc::StatusCode::UNAUTHENTICATED,
@@ -412,7 +452,7 @@ struct WebConsole::Impl {
     const bool admin = who.role() == v1::ADMIN;
     const std::string id = sessions.Create(caller.token, who.user(), admin);
     res.set_header("Set-Cookie",
-                   absl::StrCat(kCookie, "=", id, "; Path=/; HttpOnly; SameSite=Strict",
+                   absl::StrCat(cookie(), "=", id, "; Path=/; HttpOnly; SameSite=Strict",
                                 tls ? "; Secure" : ""));
     std::optional<WebSession> session = sessions.Find(id);
     res.set_content(Dump({{"user", who.user()},
@@ -453,7 +493,7 @@ struct WebConsole::Impl {
   }
 
   void Session(const Request& req, Response& res) {
-    const std::string id = CookieValue(req, kCookie);
+    const std::string id = CookieValue(req, cookie());
     std::optional<WebSession> session = id.empty() ? std::nullopt : sessions.Find(id);
     if (!session.has_value()) {
       Fail(res, grpc::StatusCode::UNAUTHENTICATED, "not signed in");
@@ -467,8 +507,8 @@ struct WebConsole::Impl {
   void SignOut(const Request& req, Response& res) {
     Caller caller;
     if (!Identify(req, res, /*action=*/true, &caller)) return;
-    sessions.Remove(CookieValue(req, kCookie));
-    res.set_header("Set-Cookie", absl::StrCat(kCookie,
+    sessions.Remove(CookieValue(req, cookie()));
+    res.set_header("Set-Cookie", absl::StrCat(cookie(),
                                               "=; Path=/; Max-Age=0; HttpOnly; "
                                               "SameSite=Strict",
                                               tls ? "; Secure" : ""));
@@ -525,7 +565,8 @@ struct WebConsole::Impl {
   // until `page_size` jobs match or kFilterScanJobs were looked at (then a shorter page, with the
   // token to go on from).
   grpc::Status List(const Caller& caller, const v1::ListJobsRequest& r, const std::string& name,
-                    const std::string& account, v1::ListJobsResponse* out) {
+                    const std::string& account, v1::ListJobsResponse* out,
+                    EventQueue* reader = nullptr) {
     if (name.empty() && account.empty()) {
       auto ctx = Context(caller);
       return jobs->ListJobs(ctx.get(), r, out);
@@ -552,6 +593,9 @@ struct WebConsole::Impl {
         }
       }
       if (part.next_page_token().empty()) return grpc::Status::OK;
+      if (reader != nullptr && reader->closed()) {  // (a live list whose page left)
+        return grpc::Status(grpc::StatusCode::CANCELLED, "the reader left");
+      }
       scan.set_page_token(part.next_page_token());
       if (looked >= kFilterScanJobs) {
         out->set_next_page_token(part.next_page_token());
@@ -698,15 +742,38 @@ struct WebConsole::Impl {
 
   // --- live streams (server-sent events) ---
 
-  // A stream slot, or false with 503 written.
-  bool OpenStream(Response& res) {
-    if (streams.fetch_add(1) >= options.max_streams) {
-      streams.fetch_sub(1);
-      Fail(res, grpc::StatusCode::UNAVAILABLE,
-           absl::StrCat("too many live streams open (", options.max_streams, "); try again"));
-      return false;
+  // A new live stream for `caller`, or nullptr with 503 written: at most options.max_streams
+  // at once, kStreamsPerCaller of them a caller's (a user's sessions, or one token).
+  std::shared_ptr<LiveStream> OpenStream(const Caller& caller, Response& res) {
+    const std::string key = caller.session.has_value() ? "user:" + caller.session->user
+                                                       : "token:" + Sha256(caller.token);
+    {
+      absl::MutexLock lock(&streams_mu);
+      int& mine = streams_by_caller[key];
+      if (open_streams >= options.max_streams || mine >= kStreamsPerCaller) {
+        if (mine == 0) streams_by_caller.erase(key);
+        Fail(res, grpc::StatusCode::UNAVAILABLE,
+             absl::StrCat("too many live streams open (", options.max_streams, " at once, ",
+                          kStreamsPerCaller, " of them yours); close a page and try again"));
+        return nullptr;
+      }
+      ++mine;
+      ++open_streams;
     }
-    return true;
+    return std::make_shared<LiveStream>([this, key] {
+      absl::MutexLock lock(&streams_mu);
+      --open_streams;
+      if (--streams_by_caller[key] <= 0) streams_by_caller.erase(key);
+    });
+  }
+
+  // What a producer's call ended with, for the page: "refused" unless it ended well or was
+  // cancelled (the page left); a token that no longer authenticates ends its sessions.
+  void Ended(const Caller& caller, const grpc::Status& s, LiveStream* stream) {
+    if (s.ok() || s.error_code() == grpc::StatusCode::CANCELLED) return;
+    if (s.error_code() == grpc::StatusCode::UNAUTHENTICATED) sessions.RemoveToken(caller.token);
+    stream->queue().Push(
+        "refused", Dump({{"code", CodeName(s.error_code())}, {"message", s.error_message()}}));
   }
 
   // Writes `stream`'s events to the browser until it goes, the stream ends or the console stops.
@@ -751,22 +818,24 @@ struct WebConsole::Impl {
       grpc::Status s = jobs->GetJob(ctx.get(), r, &job);
       if (!s.ok()) return Refusal(caller, s, res);
     }
-    if (!OpenStream(res)) return;
-    auto stream = std::make_shared<LiveStream>(&streams);
+    std::shared_ptr<LiveStream> stream = OpenStream(caller, res);
+    if (stream == nullptr) return;
+    // (Producers hold the stream by pointer: it is closed, which joins them, before it goes.)
+    LiveStream* live = stream.get();
     auto* stub = jobs.get();
-    grpc::ClientContext* watch_ctx = stream->NewContext(caller.token);
-    stream->Run([stream, stub, watch_ctx, job_id] {
+    grpc::ClientContext* watch_ctx = live->NewContext(caller.token);
+    live->Run([this, caller, live, stub, watch_ctx, job_id] {
       v1::WatchJobRequest r;
       r.set_job_id(job_id);
       auto reader = stub->WatchJob(watch_ctx, r);
       v1::JobEvent event;
       while (reader->Read(&event)) {
-        if (!stream->queue().Push("job", ToJson(event.job()))) break;
+        if (!live->queue().Push("job", ToJson(event.job()))) break;
       }
-      reader->Finish();
+      Ended(caller, reader->Finish(), live);
     });
-    grpc::ClientContext* log_ctx = stream->NewContext(caller.token);
-    stream->Run([stream, stub, log_ctx, job_id] {
+    grpc::ClientContext* log_ctx = live->NewContext(caller.token);
+    live->Run([this, caller, live, stub, log_ctx, job_id] {
       v1::StreamLogsRequest r;
       r.set_job_id(job_id);
       r.set_follow(true);
@@ -774,22 +843,23 @@ struct WebConsole::Impl {
       auto reader = stub->StreamLogs(log_ctx, r);
       v1::LogLine line;
       while (reader->Read(&line)) {
-        if (!stream->queue().Push("log", ToJson(line))) break;
+        if (!live->queue().Push("log", ToJson(line))) break;
       }
-      reader->Finish();
+      Ended(caller, reader->Finish(), live);
     });
-    grpc::ClientContext* step_ctx = stream->NewContext(caller.token);
-    stream->Run([stream, stub, step_ctx, job_id] {
+    grpc::ClientContext* step_ctx = live->NewContext(caller.token);
+    live->Run([this, caller, live, stub, step_ctx, job_id] {
       v1::StreamMetricsRequest r;
       r.set_job_id(job_id);
       r.set_follow(true);
       auto reader = stub->StreamMetrics(step_ctx, r);
       v1::StepReport step;
       while (reader->Read(&step)) {
-        if (!stream->queue().Push("step", ToJson(step))) break;
+        if (!live->queue().Push("step", ToJson(step))) break;
       }
-      reader->Finish();
+      Ended(caller, reader->Finish(), live);
     });
+    live->Started();
     Serve(res, std::move(stream));
   }
 
@@ -805,32 +875,29 @@ struct WebConsole::Impl {
     v1::ListJobsResponse first;
     grpc::Status s = List(caller, r, name, account, &first);
     if (!s.ok()) return Refusal(caller, s, res);
-    if (!OpenStream(res)) return;
-    auto stream = std::make_shared<LiveStream>(&streams);
+    std::shared_ptr<LiveStream> stream = OpenStream(caller, res);
+    if (stream == nullptr) return;
+    LiveStream* live = stream.get();
     std::string last = ToJson(first);
-    stream->queue().Push("jobs", last);
-    stream->Run([this, stream, caller, r, name, account, last]() mutable {
-      while (!stream->queue().closed()) {
-        stream->queue().Sleep(options.list_poll);
-        if (stream->queue().closed()) break;
+    live->queue().Push("jobs", last);
+    live->Run([this, live, caller, r, name, account, last]() mutable {
+      while (!live->queue().closed()) {
+        live->queue().Sleep(options.list_poll);
+        if (live->queue().closed()) break;
         v1::ListJobsResponse page;
-        grpc::Status s = List(caller, r, name, account, &page);
+        grpc::Status s = List(caller, r, name, account, &page, &live->queue());
         if (!s.ok()) {
-          if (s.error_code() == grpc::StatusCode::UNAUTHENTICATED) {
-            sessions.RemoveToken(caller.token);
-          }
-          stream->queue().Push("refused", Dump({{"code", CodeName(s.error_code())},
-                                                {"message", s.error_message()}}));
-          stream->queue().Close();
+          Ended(caller, s, live);
           break;
         }
         std::string now = ToJson(page);
         if (now != last) {
           last = std::move(now);
-          if (!stream->queue().Push("jobs", last)) break;
+          if (!live->queue().Push("jobs", last)) break;
         }
       }
     });
+    live->Started();
     Serve(res, std::move(stream));
   }
 
@@ -958,6 +1025,9 @@ absl::StatusOr<std::string> Serve(httplib::Server& server, Listener& l, const st
     pthread_setname_np(pthread_self(), "ty-web");
     server.listen_after_bind();
   });
+  // A stop() before the thread listens would be lost (and its join wait for ever): return once
+  // it listens. (Polled: the library tells nothing.)
+  for (int i = 0; i < 10000 && !server.is_running(); ++i) absl::SleepFor(absl::Milliseconds(1));
   const std::string shown = l.host.find(':') != std::string::npos ? "[" + l.host + "]" : l.host;
   return absl::StrCat(l.tls ? "https://" : "http://", shown, ":", bound);
 }
@@ -1017,6 +1087,10 @@ absl::StatusOr<std::unique_ptr<WebRedirect>> WebRedirect::Start(const WebConsole
            "this coordinator stands by and no replica leads now (or the leader serves no web "
            "console); try again shortly");
       res.set_header("Retry-After", "1");
+      return;
+    }
+    if (req.target.empty() || req.target[0] != '/') {
+      Fail(res, grpc::StatusCode::INVALID_ARGUMENT, "the request's target must be a path");
       return;
     }
     // The same path and query at the leader's (307 keeps a POST a POST).

@@ -19,8 +19,13 @@ std::string WebSessions::Create(std::string token, std::string user, bool admin)
   s.csrf = Base64Url(RandomBytes(32));
   s.created = s.last_used = now_();
   absl::MutexLock lock(&mu_);
+  size_t mine = 0;
+  for (const auto& [key, other] : sessions_) mine += other.user == s.user ? 1 : 0;
+  for (; limits_.max_sessions_per_user > 0 && mine >= limits_.max_sessions_per_user; --mine) {
+    EvictLeastRecentLocked(s.user);
+  }
   while (limits_.max_sessions > 0 && sessions_.size() >= limits_.max_sessions) {
-    EvictLeastRecentLocked();
+    EvictLeastRecentLocked("");
   }
   sessions_.emplace(Sha256(id), std::move(s));
   return id;
@@ -95,10 +100,11 @@ size_t WebSessions::size() const {
   return sessions_.size();
 }
 
-void WebSessions::EvictLeastRecentLocked() {
-  auto oldest = sessions_.begin();
+void WebSessions::EvictLeastRecentLocked(const std::string& user) {
+  auto oldest = sessions_.end();
   for (auto it = sessions_.begin(); it != sessions_.end(); ++it) {
-    if (it->second.last_used < oldest->second.last_used) oldest = it;
+    if (!user.empty() && it->second.user != user) continue;
+    if (oldest == sessions_.end() || it->second.last_used < oldest->second.last_used) oldest = it;
   }
   if (oldest != sessions_.end()) sessions_.erase(oldest);
 }

@@ -3,7 +3,8 @@
 // store or a log) and a per-session CSRF token that every action must send back in a header.
 //
 // A session ends at sign-out, after `idle` without a request, `lifetime` after sign-in, when the
-// table is full and it is the least recently used, or when its token stops authenticating (the
+// table (or its user's share of it) is full and it is the least recently used, or when its token
+// stops authenticating (the
 // console removes it on the first UNAUTHENTICATED answer: a revoked token ends its sessions).
 // Sessions live in the coordinator's memory: a restart or failover signs everyone out.
 // Thread-safe.
@@ -36,6 +37,9 @@ struct WebSessionLimits {
   absl::Duration idle = absl::Hours(12);
   absl::Duration lifetime = absl::Hours(24 * 7);
   size_t max_sessions = 10000;
+  // A user's sessions at once: one more ends that user's least recently used, so that signing
+  // in over and over never pushes other users' sessions out of the table.
+  size_t max_sessions_per_user = 32;
 };
 
 class WebSessions {
@@ -69,8 +73,9 @@ class WebSessions {
     absl::Time expires;
   };
 
-  // Keyed by the SHA-256 of the id: the table never holds what a cookie carries.
-  void EvictLeastRecentLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Keyed by the SHA-256 of the id: the table never holds what a cookie carries. Ends the least
+  // recently used session (of `user` only, when not empty).
+  void EvictLeastRecentLocked(const std::string& user) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const WebSessionLimits limits_;
   const std::function<absl::Time()> now_;

@@ -310,6 +310,14 @@ def test_a_failed_jobs_page_says_why_and_shows_its_attempts(cluster, alice_page)
     expect(page.locator("#job-logs")).to_contain_text("[2:0] about to fail")
     expect(page.locator("#cancel")).to_have_count(0)
     shot(page, "failed-job")
+    # An ended job's stream sends what there is, then "end", and the response ends.
+    req = urllib.request.Request(f"{cluster['url']}/api/v1/jobs/{job}/events",
+                                 headers={"Authorization": f"Bearer {cluster['tokens']['alice']}"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        events = r.read().decode()
+    assert "event: job\n" in events and "about to fail" in events, events
+    assert events.rstrip().endswith("event: end\ndata: {}"), events[-200:]
 
 
 def test_an_admin_cordons_a_node_from_the_page(browser, cluster, alice_page):
@@ -375,11 +383,16 @@ def test_yard_web_prints_a_link_that_signs_a_browser_in_once(browser, cluster):
     try:
         page = context.new_page()
         page.goto(link)
+        # Never by opening it: the page asks first (a link someone else made signs in as them).
+        expect(page.locator("#use-link")).to_be_visible()
+        assert page.locator("#me").count() == 0
+        page.click("#use-link")
         expect(page.locator("#me")).to_contain_text("alice")
         page.wait_for_url(re.compile(r"#/jobs$"))
         # Used: a second browser gets nothing from it.
         other = browser.new_context().new_page()
         other.goto(link)
+        other.click("#use-link")
         expect(other.locator("#flash")).to_contain_text("used or expired")
         assert other.locator("#me").count() == 0
         other.context.close()
@@ -436,8 +449,10 @@ def test_with_the_coordinators_certificate_the_console_is_https_only(browser, tl
     page = browser.new_context(ignore_https_errors=True).new_page()
     try:
         page.goto(link)
+        page.click("#use-link")
         expect(page.locator("#me")).to_contain_text("admin")
-        assert next(c for c in page.context.cookies() if c["name"] == "ty_session")["secure"]
+        # Under TLS the cookie is __Host-: Secure, for this host only.
+        assert next(c for c in page.context.cookies() if c["name"] == "__Host-ty_session")["secure"]
     finally:
         page.context.close()
 

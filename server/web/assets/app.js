@@ -27,6 +27,14 @@ function el(tag, props, ...children) {
   return e;
 }
 
+function safeDecode(text) {
+  try {
+    return decodeURIComponent(text);
+  } catch (e) {
+    return text;  // (a malformed escape: the id as written, which the API refuses)
+  }
+}
+
 function flash(message) {
   const f = document.getElementById('flash');
   f.textContent = message || '';
@@ -97,7 +105,9 @@ function stream(path, handlers) {
   for (const [event, f] of Object.entries(handlers)) {
     source.addEventListener(event, (e) => f(JSON.parse(e.data)));
   }
-  // The server ended it for good (the session's token was revoked): no reconnecting.
+  // The server ended it: the job ended (nothing more will come) or a read was refused (the
+  // session's token was revoked). No reconnecting either way.
+  source.addEventListener('end', () => source.close());
   source.addEventListener('refused', (e) => {
     source.close();
     const r = JSON.parse(e.data);
@@ -108,7 +118,14 @@ function stream(path, handlers) {
       flash(r.message);
     }
   });
-  // (Dropped connections: the browser reconnects by itself.)
+  // A dropped connection is retried by the browser itself; an answer that is not a stream (401,
+  // 403, 503) closes it: say why, or sign in again.
+  source.addEventListener('error', () => {
+    if (source.readyState !== EventSource.CLOSED) return;
+    api('GET', '/api/v1/session').then(
+      () => flash('Live updates stopped (too many pages open?); reload to try again.'),
+      () => {});  // (api() went to the sign-in page)
+  });
   onLeave(() => source.close());
   return source;
 }
@@ -160,9 +177,18 @@ function viewSignIn(main, params) {
     e.preventDefault();
     signIn({ token: token.value.trim() });
   });
+  // A one-time link from `yard web` (#/signin?code=...) signs in as whoever made it: only when
+  // asked here, never by opening a link someone sent.
+  if (params.get('code')) {
+    main.append(el('div', { class: 'signin', id: 'link-signin' },
+      el('h1', {}, 'Sign in with a link'),
+      el('p', {}, 'This link signs you in as the user who made it with ', el('code', {}, 'yard web'),
+        '. Use it only if you made it yourself.'),
+      el('p', {}, el('button', { class: 'primary', id: 'use-link',
+        onclick: () => signIn({ code: params.get('code') }) }, 'Sign in with this link'))));
+    return;
+  }
   main.append(form);
-  // A one-time link from `yard web`: #/signin?code=...
-  if (params.get('code')) signIn({ code: params.get('code') });
 }
 
 // --- jobs ---
@@ -369,7 +395,13 @@ function viewJob(main, id) {
   search.addEventListener('input', () => {
     for (const line of logs.children) line.classList.toggle('hidden', !matches(line));
   });
+  const seen = new Set();  // attempt:rank:seq of the lines shown (a reconnect sends some again)
   const addLog = (l) => {
+    if (num(l.seq) > 0) {
+      const key = `${num(l.attempt)}:${num(l.rank)}:${l.seq}`;
+      if (seen.has(key)) return;
+      seen.add(key);
+    }
     const follow = logs.scrollTop + logs.clientHeight >= logs.scrollHeight - 4;
     const line = el('div', { class: 'line' }, el('span', { class: 'meta' }, `[${num(l.attempt)}:${num(l.rank)}] `), l.text || '');
     if (!matches(line)) line.classList.add('hidden');
@@ -478,7 +510,10 @@ function viewSharing(main) {
 
 // --- routing ---
 
+let routing = 0;  // the latest route(): an earlier one still waiting renders nothing
+
 async function route() {
+  const mine = ++routing;
   leave();
   flash('');
   const [path, query] = (location.hash.replace(/^#/, '') || '/jobs').split('?');
@@ -489,16 +524,17 @@ async function route() {
       app.me = me;
       app.csrf = me.csrfToken;
     } catch (e) {
-      location.hash = '#/signin';
+      if (mine === routing) location.hash = '#/signin';
       return;
     }
+    if (mine !== routing) return;
   }
   renderFrame();
   const main = document.getElementById('main');
   main.replaceChildren();
   const job = path.match(/^\/jobs\/(.+)$/);
   if (path === '/signin') viewSignIn(main, params);
-  else if (job) viewJob(main, decodeURIComponent(job[1]));
+  else if (job) viewJob(main, safeDecode(job[1]));
   else if (path === '/nodes') viewNodes(main);
   else if (path === '/sharing') viewSharing(main);
   else viewJobs(main, params);
