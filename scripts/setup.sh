@@ -38,62 +38,61 @@ if [ "${1:-}" = "--programs" ]; then
   echo "setup: built the programs into $(pwd)/build/bin"
   exit 0
 fi
-cmake --build build -j "$jobs"
+# The tests' venvs come from PyPI while the build compiles (the downloads wait on the network, not
+# on the cores). Each is made again only when its requirements file changes.
+venv_is_current() {  # DIR REQUIREMENTS
+  cmp -s "$2" "$1/requirements.txt" 2>/dev/null
+}
+make_venv() {  # DIR REQUIREMENTS WHAT [venv options]: the venv with REQUIREMENTS from PyPI
+  local dir=$1 requirements=$2 what=$3
+  shift 3
+  venv_is_current "$dir" "$requirements" && return 0
+  echo "setup: creating $dir ($what from PyPI)"
+  rm -rf "$dir"
+  /usr/bin/python3 -m venv "$@" "$dir"
+  "$dir/bin/pip" install -q --disable-pip-version-check -r "$requirements"
+  cp "$requirements" "$dir/requirements.txt"
+}
+make_venvs() {
+  # Hugging Face transformers (and PEFT), for the tests that compare the llama model with the
+  # reference implementation: over Debian's python3-torch, never a download of another torch (a
+  # requirement that needs one fails here instead).
+  local hf=build/hf-venv
+  if ! venv_is_current "$hf" tests/hf-requirements.txt; then
+    echo "setup: creating $hf (transformers from PyPI)"
+    rm -rf "$hf"
+    /usr/bin/python3 -m venv --system-site-packages "$hf"
+    echo "torch==$(/usr/bin/python3 -c 'import torch; print(torch.__version__)')" >"$hf/constraints.txt"
+    "$hf/bin/pip" install -q --disable-pip-version-check -c "$hf/constraints.txt" \
+      -r tests/hf-requirements.txt
+    # PEFT declares torch>=1.13.0, which Debian's 1.13.0a0 (a pre-release number) does not meet,
+    # though PEFT runs on it: installed without its dependencies, which the file above lists.
+    "$hf/bin/pip" install -q --disable-pip-version-check --no-deps \
+      $(sed -n 's/^# no-deps: //p' tests/hf-requirements.txt)
+    cp tests/hf-requirements.txt "$hf/requirements.txt"
+  fi
+  # kubernetes-validate, for the schema check of deploy/kubernetes (ctest KubernetesSchemas).
+  make_venv build/k8s-venv tests/k8s-requirements.txt kubernetes-validate
+  # Playwright, for the web console's browser tests (ctest WebConsoleTest), which drive Debian's
+  # chromium (installed above).
+  make_venv build/web-venv tests/web-requirements.txt Playwright
+  # The Python SDK (python/): grpcio, protobuf and pytest over Debian's python3-torch (for the
+  # examples); its stubs generated from proto/ at every run (cheap), the SDK installed editable.
+  local sdk=build/sdk-venv
+  make_venv "$sdk" python/requirements.txt "grpcio, protobuf and pytest" --system-site-packages
+  "$sdk/bin/python" python/build_stubs.py >/dev/null
+  if ! "$sdk/bin/python" -c 'import trainyard' 2>/dev/null; then
+    "$sdk/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation -e python
+  fi
+}
+make_venvs &
+venvs_pid=$!
+if ! cmake --build build -j "$jobs"; then
+  wait "$venvs_pid" || true
+  exit 1
+fi
 echo "setup: built into $(pwd)/build/bin"
-
-# Hugging Face transformers (and PEFT) from PyPI, for the tests that compare the llama model with
-# the reference implementation: a virtual environment over Debian's python3-torch, made again
-# only when tests/hf-requirements.txt changes.
-venv=build/hf-venv
-if ! cmp -s tests/hf-requirements.txt "$venv/requirements.txt" 2>/dev/null; then
-  echo "setup: creating $venv (transformers from PyPI)"
-  rm -rf "$venv"
-  /usr/bin/python3 -m venv --system-site-packages "$venv"
-  # Debian's torch, not a download of another (a requirement that needs one fails here instead).
-  echo "torch==$(/usr/bin/python3 -c 'import torch; print(torch.__version__)')" > "$venv/constraints.txt"
-  "$venv/bin/pip" install -q --disable-pip-version-check -c "$venv/constraints.txt" \
-    -r tests/hf-requirements.txt
-  # PEFT declares torch>=1.13.0, which Debian's 1.13.0a0 (a pre-release number) does not meet,
-  # though PEFT runs on it: installed without its dependencies, which the file above lists.
-  "$venv/bin/pip" install -q --disable-pip-version-check --no-deps \
-    $(sed -n 's/^# no-deps: //p' tests/hf-requirements.txt)
-  cp tests/hf-requirements.txt "$venv/requirements.txt"
-fi
-
-# kubernetes-validate from PyPI, for the schema check of deploy/kubernetes (ctest
-# KubernetesSchemas); made again only when tests/k8s-requirements.txt changes.
-k8s=build/k8s-venv
-if ! cmp -s tests/k8s-requirements.txt "$k8s/requirements.txt" 2>/dev/null; then
-  echo "setup: creating $k8s (kubernetes-validate from PyPI)"
-  rm -rf "$k8s"
-  /usr/bin/python3 -m venv "$k8s"
-  "$k8s/bin/pip" install -q --disable-pip-version-check -r tests/k8s-requirements.txt
-  cp tests/k8s-requirements.txt "$k8s/requirements.txt"
-fi
-
-# Playwright from PyPI, for the web console's browser tests (ctest WebConsoleTest), which drive
-# Debian's chromium (installed above); made again only when tests/web-requirements.txt changes.
-web=build/web-venv
-if ! cmp -s tests/web-requirements.txt "$web/requirements.txt" 2>/dev/null; then
-  echo "setup: creating $web (Playwright from PyPI)"
-  rm -rf "$web"
-  /usr/bin/python3 -m venv "$web"
-  "$web/bin/pip" install -q --disable-pip-version-check -r tests/web-requirements.txt
-  cp tests/web-requirements.txt "$web/requirements.txt"
-fi
-
-# The Python SDK (python/): its stubs generated from proto/ at every run (cheap), installed
-# editable into build/sdk-venv with grpcio and pytest from PyPI (over Debian's python3-torch, for
-# the examples); the venv is made again only when python/requirements.txt changes.
-sdk=build/sdk-venv
-if ! cmp -s python/requirements.txt "$sdk/requirements.txt" 2>/dev/null; then
-  echo "setup: creating $sdk (grpcio, protobuf and pytest from PyPI)"
-  rm -rf "$sdk"
-  /usr/bin/python3 -m venv --system-site-packages "$sdk"
-  "$sdk/bin/pip" install -q --disable-pip-version-check -r python/requirements.txt
-  cp python/requirements.txt "$sdk/requirements.txt"
-fi
-"$sdk/bin/python" python/build_stubs.py >/dev/null
-if ! "$sdk/bin/python" -c 'import trainyard' 2>/dev/null; then
-  "$sdk/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation -e python
+if ! wait "$venvs_pid"; then
+  echo "setup: making the test venvs failed (above)" >&2
+  exit 1
 fi

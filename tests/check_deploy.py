@@ -8,13 +8,14 @@
   annotations) is the --metrics-address port of the program that job scrapes, with https where
   that program serves --metrics-tls and a bearer token where it wants --metrics-token-file.
 - The container's runtime packages cover every library the control-plane programs link (ldd,
-  then dpkg -S), but for those of the slim base image; the worker image's
+  then dpkg's file lists), but for those of the slim base image; the worker image's
   (deploy/container/Dockerfile.worker) cover what trainyard-worker links, and, given the CUDA
   build of trainyard-trainer and the folders of its LibTorch and CUDA libraries (which the image
   copies), what that trainer links from the system.
 
     python3 tests/check_deploy.py PROJECT_ROOT BIN_DIR [CUDA_TRAINER LIBRARY_PATH]
 """
+import glob
 import json
 import os
 import re
@@ -178,31 +179,49 @@ def check_scrapes(root, units, pods):
             fail(name, "prometheus.io/scheme https exactly when --metrics-tls")
 
 
+def dpkg_owners(cache={}):
+    """Every file an installed package ships -> the package (dpkg's lists, read once: `dpkg -S`
+    reads them all on every call, a second or so each)."""
+    if not cache:
+        for list_file in glob.glob("/var/lib/dpkg/info/*.list"):
+            package = os.path.basename(list_file)[:-len(".list")].split(":", 1)[0]
+            with open(list_file, errors="replace") as f:
+                for line in f:
+                    cache.setdefault(line.rstrip("\n"), package)
+    return cache
+
+
 def package_of(path):
+    owners = dpkg_owners()
     for candidate in (path, os.path.realpath(path), "/usr" + path,
                       path[4:] if path.startswith("/usr/") else None):
-        if not candidate:
-            continue
-        out = subprocess.run(["dpkg", "-S", candidate], capture_output=True, text=True)
-        if out.returncode == 0:
-            return out.stdout.split(":", 1)[0].strip()
+        if candidate and candidate in owners:
+            return owners[candidate]
     return None
+
+
+def dpkg_depends(cache={}):
+    """Installed package -> its Depends and Pre-Depends clauses (one dpkg-query for all)."""
+    if not cache:
+        out = subprocess.run(["dpkg-query", "-W", "-f=${Package}\t${Depends}, ${Pre-Depends}\n"],
+                             capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            package, _, depends = line.partition("\t")
+            cache[package] = cache.get(package, "") + ", " + depends
+    return cache
 
 
 def with_dependencies(packages):
     """`packages` and what apt installs with them: the closure of their Depends and Pre-Depends
     (every alternative counted; the names as dpkg knows them on this machine)."""
+    depends = dpkg_depends()
     seen, todo = set(), list(packages)
     while todo:
         package = todo.pop()
         if package in seen:
             continue
         seen.add(package)
-        out = subprocess.run(["dpkg-query", "-W", "-f=${Depends}, ${Pre-Depends}", package],
-                             capture_output=True, text=True)
-        if out.returncode != 0:
-            continue
-        for clause in out.stdout.split(","):
+        for clause in depends.get(package, "").split(","):
             for alternative in clause.split("|"):
                 name = alternative.strip().split(" ")[0].split(":")[0]
                 if name:
