@@ -1,6 +1,6 @@
 // trainyard-trainer end to end (tests/testing/trainer_e2e.h): DDP against a single rank,
 // checkpoint and resume (also after SIGKILL), retention, SIGTERM, bad input, the rank's context,
-// --help and --version, the BLAS it reports.
+// --help and --version, the BLAS it reports and the matmul path it chooses.
 #include "tests/testing/trainer_e2e.h"
 
 #include "absl/strings/numbers.h"
@@ -374,6 +374,51 @@ TEST_F(TrainerE2eTest, ReportsItsBlasKernels) {
   RunResult r = Run(job, 1, {}, {}, {"OPENBLAS_CORETYPE=Prescott"});
   EXPECT_THAT(r.exit_codes, ::testing::ElementsAre(0)) << Joined(r);
   EXPECT_THAT(Joined(r), HasSubstr("kernels Prescott (set by OPENBLAS_CORETYPE)"));
+}
+
+// With TRAINYARD_MATMUL auto, rank 0 times oneDNN and the BLAS on the model's own GEMMs at start,
+// says which won and by how much, and every rank takes that path. Each side is made slow in turn,
+// by more than any load on the machine hides: OpenBLAS held to its SSE3 kernels (Prescott), then
+// oneDNN held to SSE4.1 against OpenBLAS's kernels for this CPU. TRAINYARD_MATMUL pins the path
+// (no timing); a value it does not know stops the trainer before its rendezvous.
+TEST_F(TrainerE2eTest, ChoosesItsMatmulPathByTimingTheModelsGemms) {
+  v1::JobSpec spec = TinySpec(2, 8);
+  spec.mutable_model()->set_d_model(256);
+  spec.mutable_model()->set_n_head(4);
+  spec.mutable_model()->set_seq_len(128);
+  spec.mutable_train()->set_steps(2);
+  spec.mutable_train()->set_warmup(1);
+  const std::regex timed(
+      R"(matmuls: (oneDNN|the BLAS): ([0-9.]+) ms a micro-batch's GEMMs \(forward and backward\), )"
+      R"((oneDNN|the BLAS) ([0-9.]+) ms \(timed at start)");
+  struct Case {
+    std::string env, winner;
+  };
+  for (const Case& c : {Case{"OPENBLAS_CORETYPE=Prescott", "oneDNN"},
+                        Case{"ONEDNN_MAX_CPU_ISA=SSE41", "the BLAS"}}) {
+    const Job job = StartJob(spec, "matmuls");
+    RunResult r = Run(job, 2, {}, {}, {"TRAINYARD_MATMUL=auto", c.env});
+    ASSERT_THAT(r.exit_codes, ::testing::ElementsAre(0, 0)) << c.env << "\n" << Joined(r);
+    const std::string log = Joined(r);
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(log, m, timed)) << c.env << "\n" << log;
+    EXPECT_EQ(m[1].str(), c.winner) << c.env << "\n" << m[0];
+    EXPECT_LT(std::stod(m[2].str()), std::stod(m[4].str())) << m[0];
+  }
+
+  const Job pinned = StartJob(spec, "matmuls");
+  RunResult r = Run(pinned, 1, {}, {}, {"TRAINYARD_MATMUL=blas"});
+  ASSERT_THAT(r.exit_codes, ::testing::ElementsAre(0)) << Joined(r);
+  EXPECT_THAT(Joined(r), HasSubstr("matmuls: BLAS (TRAINYARD_MATMUL)"));
+  EXPECT_THAT(Joined(r), ::testing::Not(HasSubstr("timed at start")));
+
+  const std::string trainer = testing::BinPath("trainyard-trainer");
+  testing::CommandResult version =
+      testing::RunCommand({trainer, "--version"}, {"TRAINYARD_MATMUL=auto"});
+  EXPECT_THAT(version.out, HasSubstr("or the BLAS, the faster on the model's GEMMs"));
+  const Job bad = StartJob(spec, "matmuls");
+  RunResult refused = Run(bad, 1, {}, {}, {"TRAINYARD_MATMUL=fastest"});
+  EXPECT_THAT(refused.exit_codes, ::testing::ElementsAre(::testing::Ne(0))) << Joined(refused);
 }
 
 // MFU (common/mfu.h): with a peak (the worker's TRAINYARD_PEAK_TFLOPS; a GPU's from the table),

@@ -15,6 +15,7 @@
 #include <functional>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <set>
 #include <thread>
 #include <tuple>
@@ -28,6 +29,7 @@
 #include "worker/trainer/comm/shm_allreduce.h"
 #include "worker/trainer/io/data.h"
 #include "worker/trainer/io/param_dump.h"
+#include "worker/trainer/kernels/matmul_choice.h"
 #include "worker/trainer/kernels/onednn_matmul.h"
 #include "worker/trainer/model/model.h"
 #include "worker/trainer/optim/fused_adamw.h"
@@ -329,6 +331,106 @@ TEST(OneDnnMatmulTest, ModelShapesUseJitKernels) {
   EXPECT_THAT(AttentionImplementations(32, 128, 64, 64, 64),
               ::testing::Not(::testing::HasSubstr("ref")));
   EXPECT_THAT(DescribeMatmuls(), ::testing::StartsWith("Matmuls: oneDNN "));
+}
+
+// The path chosen by timing: the BLAS only when it beats oneDNN by more than the margin.
+TEST(MatmulChoiceTest, TheBlasWinsOnlyByMoreThanTheMargin) {
+  EXPECT_EQ(FasterPath(100, 50), MatmulPath::kBlas);
+  EXPECT_EQ(FasterPath(100, 94.9), MatmulPath::kBlas);
+  EXPECT_EQ(FasterPath(100, 95.1), MatmulPath::kOneDnn);  // within 5%: noise keeps oneDNN
+  EXPECT_EQ(FasterPath(100, 100), MatmulPath::kOneDnn);
+  EXPECT_EQ(FasterPath(50, 100), MatmulPath::kOneDnn);
+  EXPECT_EQ(FasterPath(100, 80, 0.25), MatmulPath::kOneDnn);
+  MatmulTiming t;
+  t.onednn_ms = 12.34;
+  t.blas_ms = 20;
+  EXPECT_EQ(t.Describe(),
+            "oneDNN: 12.3 ms a micro-batch's GEMMs (forward and backward), the BLAS 20.0 ms "
+            "(timed at start)");
+  t.path = MatmulPath::kBlas;
+  t.blas_ms = 6;
+  EXPECT_THAT(t.Describe(), ::testing::StartsWith("the BLAS: 6.0 ms a micro-batch's GEMMs"));
+  t.path = MatmulPath::kOneDnn;
+  t.blas_ms = 12;
+  EXPECT_THAT(t.Describe(), ::testing::HasSubstr("within the 5% that keeps oneDNN"));
+}
+
+// TRAINYARD_MATMUL: auto (or unset, or empty) leaves the choice to the timing; onednn and blas pin
+// it; anything else is refused, naming the variable (its value escaped).
+TEST(MatmulChoiceTest, TheEnvironmentPinsThePathOrLeavesItToTheTiming) {
+  const char* was = std::getenv("TRAINYARD_MATMUL");
+  const std::string saved = was == nullptr ? "" : was;
+  for (const auto& [value, want] : std::vector<std::pair<std::string, std::optional<MatmulPath>>>{
+           {"", std::nullopt},
+           {"auto", std::nullopt},
+           {"onednn", MatmulPath::kOneDnn},
+           {"blas", MatmulPath::kBlas}}) {
+    ::setenv("TRAINYARD_MATMUL", value.c_str(), 1);
+    absl::StatusOr<std::optional<MatmulPath>> got = MatmulPathFromEnvironment();
+    ASSERT_TRUE(got.ok()) << value << ": " << got.status();
+    EXPECT_EQ(*got, want) << value;
+  }
+  ::unsetenv("TRAINYARD_MATMUL");
+  EXPECT_EQ(MatmulPathFromEnvironment().value(), std::nullopt);
+  ::setenv("TRAINYARD_MATMUL", "mkl\nx", 1);
+  absl::StatusOr<std::optional<MatmulPath>> bad = MatmulPathFromEnvironment();
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad.status().message(), "TRAINYARD_MATMUL: \"mkl\\nx\" is none of auto, onednn, blas");
+  if (was != nullptr) {
+    ::setenv("TRAINYARD_MATMUL", saved.c_str(), 1);
+  } else {
+    ::unsetenv("TRAINYARD_MATMUL");
+  }
+}
+
+// What the timing runs is the model's own GEMMs: each Linear shape (counted), a tied head, the
+// attention on every block's heads; the MLP's rows are one a window and it has no attention.
+TEST(MatmulChoiceTest, TheModelsGemmsAreItsLinearShapesHeadAndAttention) {
+  const ModelConfig gpt = Gpt(3, 64, 4, 32, 256, /*tie=*/true);
+  auto model = BuildModel(gpt, ModelOptions(), 1);
+  const MatmulWork work = GemmWorkOf(*model, gpt, 8, /*fp32_linear=*/true);
+  std::map<std::tuple<int64_t, int64_t, int64_t, bool>, int64_t> linear;  // (rows, in, out, bias)
+  for (const LinearWork& l : work.linear) linear[{l.rows, l.in, l.out, l.bias}] += l.count;
+  const std::map<std::tuple<int64_t, int64_t, int64_t, bool>, int64_t> want = {
+      {{256, 64, 192, true}, 3},   // qkv
+      {{256, 64, 64, true}, 3},    // proj
+      {{256, 64, 256, true}, 3},   // fc
+      {{256, 256, 64, true}, 3},   // fc_out
+      {{256, 64, 256, false}, 1},  // the head, tied to the token embedding
+  };
+  EXPECT_EQ(linear, want);
+  ASSERT_EQ(work.attention.size(), 1u);
+  EXPECT_EQ(work.attention[0].batch_heads, 8 * 4);
+  EXPECT_EQ(work.attention[0].seq_len, 32);
+  EXPECT_EQ(work.attention[0].head_dim, 16);
+  EXPECT_EQ(work.attention[0].count, 3);
+  // bf16 Linear layers are torch's: the attention only.
+  EXPECT_TRUE(GemmWorkOf(*model, gpt, 8, /*fp32_linear=*/false).linear.empty());
+
+  ModelConfig mlp = Gpt(2, 32, 0, 16, 256, false);
+  mlp.kind = "mlp";
+  mlp.d_hidden = 48;
+  auto mlp_model = BuildModel(mlp, ModelOptions(), 1);
+  const MatmulWork mlp_work = GemmWorkOf(*mlp_model, mlp, 8, true);
+  EXPECT_TRUE(mlp_work.attention.empty());
+  ASSERT_FALSE(mlp_work.linear.empty());
+  for (const LinearWork& l : mlp_work.linear) EXPECT_EQ(l.rows, 8) << l.in << " -> " << l.out;
+}
+
+// The timing runs both paths and leaves the process's path as it was; its choice is FasterPath
+// of what it measured.
+TEST(MatmulChoiceTest, TimingMeasuresBothPathsAndLeavesThePathAlone) {
+  ASSERT_TRUE(OneDnnMatmulsAvailable());
+  MatmulWork work;
+  work.linear.push_back({512, 64, 128, true, 2});
+  work.attention.push_back({8, 32, 16, 2});
+  const bool before = OneDnnMatmulsEnabled();
+  const MatmulTiming t = TimeMatmulPaths(work, 3);
+  EXPECT_EQ(OneDnnMatmulsEnabled(), before);
+  EXPECT_GT(t.onednn_ms, 0);
+  EXPECT_GT(t.blas_ms, 0);
+  EXPECT_EQ(t.path, FasterPath(t.onednn_ms, t.blas_ms));
+  EXPECT_EQ(TimeMatmulPaths(MatmulWork(), 1).onednn_ms, 0);  // nothing to time
 }
 
 TEST(ModelTest, Bf16LossIsCloseToFp32) {

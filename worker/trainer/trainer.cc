@@ -29,6 +29,7 @@
 #include "worker/trainer/io/data.h"
 #include "worker/trainer/io/hf_checkpoint.h"
 #include "worker/trainer/kernels/blas.h"
+#include "worker/trainer/kernels/matmul_choice.h"
 #include "worker/trainer/kernels/onednn_matmul.h"
 #include "worker/trainer/model/model.h"
 #include "worker/trainer/optim/optimizers.h"
@@ -89,6 +90,9 @@ class Trainer {
   absl::Status Setup();
   absl::Status MakeModel();
   absl::Status BuildStrategy();
+  // The fp32 CPU matmul path (kernels/matmul_choice.h): TRAINYARD_MATMUL's, or rank 0 times both
+  // on this rank's shapes of the model and every rank takes its choice (the replicas round alike).
+  absl::Status ChooseMatmuls();
   absl::Status BuildLoop();
   void LogSetup() const;
 
@@ -129,6 +133,8 @@ class Trainer {
   std::unique_ptr<Reporter> reporter_;
   std::unique_ptr<StepReporter> step_reporter_;  // rank 0
   std::optional<DistributedSampler> sampler_;
+  std::optional<MatmulPath> pinned_matmuls_;  // TRAINYARD_MATMUL
+  std::string matmuls_;                       // the choice and why, for the log ("": none made)
   int64_t params_count_ = 0, trainable_count_ = 0;
   StepProfiler profiler_;  // rank 0: --profile-steps
   // Rank 0's MFU (common/mfu.h): the model's FLOPs a token, each GPU's peak (0: unknown, none).
@@ -142,6 +148,7 @@ absl::Status Trainer::Setup() {
   ASSIGN_OR_RETURN(hf_checkpoint_, OpenModelFrom(&m_));
   // Bad input fails here, before this rank makes the others wait at the rendezvous.
   ASSIGN_OR_RETURN(device_, ResolveDevice(o_.device));
+  ASSIGN_OR_RETURN(pinned_matmuls_, MatmulPathFromEnvironment());
   if (rank0_) {
     ASSIGN_OR_RETURN(profiler_,
                      StepProfiler::Make(o_.profile_steps, o_.profile_out, device_.is_cuda()));
@@ -151,10 +158,12 @@ absl::Status Trainer::Setup() {
   ASSIGN_OR_RETURN(ps_ranges_, OffloadRanges(dims_, o_.ps_ranges));
   ASSIGN_OR_RETURN(data_, LoadTrainingData(spec_.data, m_));
   torch::set_num_threads(o_.threads);
+  SetBlasThreads(o_.threads);
   ASSIGN_OR_RETURN(groups_, BuildGroups(dims_, device_,
                                         {o_.coordinator, o_.job_id, o_.attempt, o_.gloo_hostname}));
   RETURN_IF_ERROR(MakeModel());
   RETURN_IF_ERROR(BuildStrategy());
+  RETURN_IF_ERROR(ChooseMatmuls());
   RETURN_IF_ERROR(BuildLoop());
   LogSetup();
   return absl::OkStatus();
@@ -244,6 +253,34 @@ absl::Status Trainer::BuildStrategy() {
   return absl::OkStatus();
 }
 
+absl::Status Trainer::ChooseMatmuls() {
+  if (device_.is_cuda() || !OneDnnMatmulsAvailable()) return absl::OkStatus();  // no choice
+  if (pinned_matmuls_.has_value()) {
+    SetMatmulPath(*pinned_matmuls_);
+    matmuls_ = absl::StrCat(MatmulPathName(*pinned_matmuls_), " (TRAINYARD_MATMUL)");
+    return absl::OkStatus();
+  }
+  MatmulPath path = MatmulPath::kOneDnn;
+  if (rank0_) {
+    // bf16 on the CPU: the Linear layers compute in bf16 (torch's), the attention in fp32.
+    const MatmulWork work =
+        GemmWorkOf(*model_, m_, t_.micro_batch, t_.precision != Precision::kBf16);
+    if (!work.empty()) {
+      const MatmulTiming timing = TimeMatmulPaths(work);
+      path = timing.path;
+      matmuls_ = timing.Describe();
+    }
+  }
+  if (o_.world_size > 1) {
+    torch::Tensor choice = torch::full({1}, static_cast<float>(path));
+    groups_.world->Broadcast({choice}, 0);
+    path = static_cast<MatmulPath>(static_cast<int>(choice.item<float>()));
+    if (!rank0_) matmuls_ = absl::StrCat(MatmulPathName(path), " (rank 0's timing)");
+  }
+  SetMatmulPath(path);
+  return absl::OkStatus();
+}
+
 // The loop's parts: loss scaling, reports and the sampler.
 absl::Status Trainer::BuildLoop() {
   if (t_.precision == Precision::kFp16) {
@@ -282,6 +319,7 @@ void Trainer::LogSetup() const {
                            model_->UsesFusedLoss(device_, int64_t{t_.micro_batch} * m_.seq_len)
                        ? "; fused LM head + cross-entropy"
                        : ""));
+  if (!matmuls_.empty()) Log(absl::StrCat("matmuls: ", matmuls_));
   if (device_.is_cuda()) CudaResetPeak();
 }
 

@@ -29,4 +29,10 @@ std::string DescribeBlas() {
       std::getenv("OPENBLAS_CORETYPE") != nullptr ? " (set by OPENBLAS_CORETYPE)" : "");
 }
 
+void SetBlasThreads(int threads) {
+  using Fn = void (*)(int);
+  auto fn = reinterpret_cast<Fn>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  if (fn != nullptr && threads > 0) fn(threads);
+}
+
 }  // namespace trainyard::trainer

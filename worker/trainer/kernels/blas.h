@@ -15,6 +15,13 @@ namespace trainyard::trainer {
 // chose them.
 std::string DescribeBlas();
 
+// Has OpenBLAS run its matmuls on `threads` threads. Its pthreads build keeps a pool of its own,
+// sized at load by OPENBLAS_NUM_THREADS, else OMP_NUM_THREADS, else every CPU the process may use;
+// torch::set_num_threads does not reach it. A trainer started with --threads 1 and no
+// OMP_NUM_THREADS (by hand, by a bench) would otherwise run two ranks' BLAS on twice the cores, and
+// its spinning threads lose badly to other work on the cores. Nothing for another BLAS.
+void SetBlasThreads(int threads);
+
 }  // namespace trainyard::trainer
 
 #endif  // TRAINYARD_WORKER_TRAINER_KERNELS_BLAS_H_

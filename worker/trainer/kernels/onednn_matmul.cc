@@ -5,12 +5,14 @@
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include <array>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <optional>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 
 namespace trainyard::trainer {
@@ -269,9 +271,12 @@ std::string Implementations(const std::vector<GemmShape>& shapes) {
   return out;
 }
 
-bool ReadEnabled() {
-  const char* env = std::getenv("TRAINYARD_MATMUL");
-  return env == nullptr || std::strcmp(env, "blas") != 0;
+constexpr int kUnset = -1;
+std::atomic<int> g_path{kUnset};  // a MatmulPath once read or set
+
+MatmulPath InitialPath() {
+  absl::StatusOr<std::optional<MatmulPath>> pinned = MatmulPathFromEnvironment();
+  return pinned.ok() && pinned->has_value() ? **pinned : MatmulPath::kOneDnn;
 }
 
 std::string IsaName(dnnl::cpu_isa isa) {
@@ -290,9 +295,34 @@ std::string IsaName(dnnl::cpu_isa isa) {
 
 }  // namespace
 
+const char* MatmulPathName(MatmulPath path) {
+  return path == MatmulPath::kOneDnn ? "oneDNN" : "BLAS";
+}
+
+absl::StatusOr<std::optional<MatmulPath>> MatmulPathFromEnvironment() {
+  const char* env = std::getenv("TRAINYARD_MATMUL");
+  const std::string value = env == nullptr ? "" : env;
+  if (value.empty() || value == "auto") return std::nullopt;
+  if (value == "onednn") return MatmulPath::kOneDnn;
+  if (value == "blas") return MatmulPath::kBlas;
+  return absl::InvalidArgumentError(absl::StrCat("TRAINYARD_MATMUL: \"",
+                                                 absl::CHexEscape(value.substr(0, 64)),
+                                                 "\" is none of auto, onednn, blas"));
+}
+
+void SetMatmulPath(MatmulPath path) { g_path.store(static_cast<int>(path)); }
+
+bool OneDnnMatmulsAvailable() { return true; }
+
 bool OneDnnMatmulsEnabled() {
-  static const bool enabled = ReadEnabled();
-  return enabled;
+  int path = g_path.load(std::memory_order_relaxed);
+  if (path == kUnset) {
+    int initial = static_cast<int>(InitialPath());
+    // The first reader's value wins (a SetMatmulPath in between keeps its own).
+    g_path.compare_exchange_strong(path, initial);
+    path = g_path.load();
+  }
+  return path == static_cast<int>(MatmulPath::kOneDnn);
 }
 
 torch::Tensor Linear(const torch::Tensor& x, const torch::Tensor& weight,
@@ -349,10 +379,18 @@ std::string AttentionImplementations(int64_t batch_heads, int64_t seq_len, int64
 }
 
 std::string DescribeMatmuls() {
-  if (!OneDnnMatmulsEnabled()) return "Matmuls: BLAS (TRAINYARD_MATMUL=blas)";
   const dnnl_version_t* v = dnnl::version();
-  return absl::StrCat("Matmuls: oneDNN ", v->major, ".", v->minor, ".", v->patch, " (",
-                      IsaName(dnnl::get_effective_cpu_isa()), ")");
+  const std::string onednn = absl::StrCat("oneDNN ", v->major, ".", v->minor, ".", v->patch, " (",
+                                          IsaName(dnnl::get_effective_cpu_isa()), ")");
+  absl::StatusOr<std::optional<MatmulPath>> pinned = MatmulPathFromEnvironment();
+  if (!pinned.ok()) return absl::StrCat("Matmuls: ", pinned.status().message());
+  if (!pinned->has_value()) {
+    return absl::StrCat("Matmuls: ", onednn,
+                        " or the BLAS, the faster on the model's GEMMs (timed at start)");
+  }
+  return absl::StrCat("Matmuls: ", **pinned == MatmulPath::kOneDnn ? onednn : "BLAS",
+                      " (TRAINYARD_MATMUL=", **pinned == MatmulPath::kOneDnn ? "onednn" : "blas",
+                      ")");
 }
 
 }  // namespace trainyard::trainer

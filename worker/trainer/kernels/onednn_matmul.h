@@ -11,14 +11,18 @@
 // loops goes to LibTorch instead.
 //
 // Used for fp32 tensors on the CPU with autocast off; anything else goes to torch::linear and
-// torch::baddbmm. The environment variable TRAINYARD_MATMUL=blas sends everything there (for
-// comparisons).
+// torch::baddbmm. Which of the two libraries runs the fp32 CPU matmuls is the process's matmul
+// path: the trainer times both on its model's own GEMM shapes at start and takes the faster
+// (matmul_choice.h); TRAINYARD_MATMUL=onednn or =blas pins it (for comparisons).
 #ifndef TRAINYARD_WORKER_TRAINER_KERNELS_ONEDNN_MATMUL_H_
 #define TRAINYARD_WORKER_TRAINER_KERNELS_ONEDNN_MATMUL_H_
 
 #include <torch/torch.h>
 
+#include <optional>
 #include <string>
+
+#include "absl/status/statusor.h"
 
 namespace trainyard::trainer {
 
@@ -34,7 +38,23 @@ torch::Tensor Linear(const torch::Tensor& x, const torch::Tensor& weight,
 torch::Tensor BatchedMatmul(const torch::Tensor& a, const torch::Tensor& b, double alpha,
                             const torch::Tensor& addend);
 
-// Whether Linear and BatchedMatmul use oneDNN for fp32 (false when TRAINYARD_MATMUL=blas).
+// The library that runs Linear's and BatchedMatmul's fp32 CPU matmuls.
+enum class MatmulPath { kOneDnn, kBlas };
+const char* MatmulPathName(MatmulPath path);
+
+// TRAINYARD_MATMUL: "onednn" or "blas" pin the path; unset, "" or "auto" give nullopt (the trainer
+// chooses by timing). Anything else is an error naming the variable and the values it takes.
+absl::StatusOr<std::optional<MatmulPath>> MatmulPathFromEnvironment();
+
+// The process's path from now on; set before training (a step must not see it change). Until
+// set: BLAS when TRAINYARD_MATMUL=blas, else oneDNN.
+void SetMatmulPath(MatmulPath path);
+
+// False in builds without callable oneDNN GEMMs (the CUDA LibTorch's): every matmul is then
+// LibTorch's, and there is nothing to choose.
+bool OneDnnMatmulsAvailable();
+
+// Whether Linear and BatchedMatmul use oneDNN for fp32 now.
 bool OneDnnMatmulsEnabled();
 
 // The implementations oneDNN picks for a Linear's three GEMMs (forward, input gradient, weight
@@ -45,8 +65,8 @@ std::string LinearImplementations(int64_t rows, int64_t in, int64_t out, bool bi
 std::string AttentionImplementations(int64_t batch_heads, int64_t seq_len, int64_t head_dim,
                                      int64_t row, int64_t rows);
 
-// One line for the log, e.g. "Matmuls: oneDNN 2.6.3 (avx512_core_bf16)" or
-// "Matmuls: BLAS (TRAINYARD_MATMUL=blas)".
+// One line for --version, e.g. "Matmuls: oneDNN 2.6.3 (avx512_core_bf16) or the BLAS, the faster
+// on the model's GEMMs (timed at start)" or "Matmuls: BLAS (TRAINYARD_MATMUL=blas)".
 std::string DescribeMatmuls();
 
 }  // namespace trainyard::trainer

@@ -6,6 +6,16 @@
 
 namespace trainyard::trainer {
 
+const char* MatmulPathName(MatmulPath path) {
+  return path == MatmulPath::kOneDnn ? "oneDNN" : "BLAS";
+}
+
+absl::StatusOr<std::optional<MatmulPath>> MatmulPathFromEnvironment() { return std::nullopt; }
+
+void SetMatmulPath(MatmulPath) {}
+
+bool OneDnnMatmulsAvailable() { return false; }
+
 bool OneDnnMatmulsEnabled() { return false; }
 
 torch::Tensor Linear(const torch::Tensor& x, const torch::Tensor& weight,

@@ -5,6 +5,8 @@
 #include <c10/core/CPUAllocator.h>
 
 #include <cmath>
+#include <map>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -192,6 +194,35 @@ torch::Tensor LanguageModel::NextTokenLogits(const torch::Tensor& context) {
 
 bool IsLoraParameter(const std::string& name) {
   return absl::StrContains(name, ".lora_A.") || absl::StrContains(name, ".lora_B.");
+}
+
+MatmulWork GemmWorkOf(const LanguageModel& model, const ModelConfig& spec, int64_t micro_batch,
+                      bool fp32_linear) {
+  MatmulWork work;
+  const bool last_token_only = spec.kind == "mlp";  // its blocks see one row a window
+  const int64_t rows = micro_batch * (last_token_only ? 1 : spec.seq_len);
+  if (fp32_linear) {
+    std::map<std::tuple<int64_t, int64_t, bool>, int64_t> shapes;  // (in, out, bias) -> count
+    for (const auto& item : model.named_modules()) {
+      if (const auto* linear = item.value()->as<torch::nn::Linear>()) {
+        ++shapes[{linear->weight.size(1), linear->weight.size(0), linear->bias.defined()}];
+      }
+    }
+    if (!model.TiedWeight().empty()) {
+      const torch::Tensor head = model.HeadWeight();
+      ++shapes[{head.size(1), head.size(0), false}];
+    }
+    for (const auto& [shape, count] : shapes) {
+      work.linear.push_back(
+          {rows, std::get<0>(shape), std::get<1>(shape), std::get<2>(shape), count});
+    }
+  }
+  if (!last_token_only && spec.n_head > 0) {
+    const int64_t heads = spec.n_head / std::max(model.tensor_parallel().size, 1);
+    work.attention.push_back({micro_batch * heads, spec.seq_len, spec.HeadDim(),
+                              static_cast<int64_t>(model.NumBlocks())});
+  }
+  return work;
 }
 
 std::shared_ptr<LanguageModel> BuildModel(const ModelConfig& spec, const ModelOptions& options,

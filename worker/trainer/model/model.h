@@ -16,7 +16,8 @@
 // Parameter counts equal common/job_config.h ModelParameterCount.
 //
 // fp32: every Linear (and the tied head) and the attention's batched products run their matmuls,
-// forward and backward, on oneDNN (onednn_matmul.h).
+// forward and backward, on oneDNN or the BLAS, the trainer's choice at start (onednn_matmul.h,
+// matmul_choice.h).
 // bf16: every Linear (and the tied head) runs its matmul in bfloat16 on bf16 copies of its input
 // and weights, with fp32 master weights and fp32 everywhere else (LayerNorm, softmax, loss).
 //
@@ -31,6 +32,7 @@
 #include <vector>
 
 #include "common/job_config.h"
+#include "worker/trainer/kernels/matmul_choice.h"
 #include "worker/trainer/model/tensor_parallel.h"
 
 namespace trainyard::trainer {
@@ -174,6 +176,13 @@ std::vector<int64_t> Generate(LanguageModel& model, const std::vector<int64_t>& 
 bool IsLoraParameter(const std::string& name);
 // The parameters that train (all of them, or under LoRA the adapters), in registration order.
 std::vector<torch::Tensor> TrainableParameters(torch::nn::Module& model);
+
+// The GEMMs one forward of `micro_batch` windows runs through Linear and BatchedMatmul, for timing
+// the matmul paths (kernels/matmul_choice.h): each Linear module's shape (this rank's shard under
+// tensor parallelism) and a tied head's, and the causal attention's two products in every block on
+// this rank's heads. `fp32_linear` false (bf16 Linear layers): the attention's only.
+MatmulWork GemmWorkOf(const LanguageModel& model, const ModelConfig& spec, int64_t micro_batch,
+                      bool fp32_linear);
 
 // Builds model.kind with its parameters drawn from `seed`.
 std::shared_ptr<LanguageModel> BuildModel(const ModelConfig& spec, const ModelOptions& options,
