@@ -651,6 +651,54 @@ TEST_F(HardeningTest, RankUsageIsKeptWithTheJobAndCountedByAccount) {
   EXPECT_THAT(*metrics, HasSubstr("trainyard_rank_peak_rss_bytes_count 1"));
 }
 
+// A cancelled job's rank exits after the cancel (its stop grace): what it used is kept with the
+// job and written to the store, though the job itself changes no more (before, it stayed in
+// memory and was gone after a restart).
+TEST_F(HardeningTest, RankUsageOfACancelledJobIsStoredToo) {
+  const v1::Job job = RunningJob();
+  ASSERT_EQ(job.state(), v1::RUNNING);
+  const v1::CoordinatorMessage m = node_->NextCommand();
+  ASSERT_TRUE(m.has_assignment());
+  {
+    grpc::ClientContext ctx;
+    Prepare(ctx, tokens_->User("alice"));
+    v1::CancelJobRequest r;
+    r.set_job_id(job.id());
+    v1::Job resp;
+    ASSERT_TRUE(jobs_->CancelJob(&ctx, r, &resp).ok());
+  }
+  auto cancelled = server_->jobs().Get(job.id());
+  ASSERT_TRUE(cancelled.ok());
+  ASSERT_EQ(cancelled->state(), v1::CANCELLED);
+  ASSERT_EQ(cancelled->rank_usage_size(), 0);
+
+  v1::RankUsage usage;
+  usage.set_cpu_seconds(3.5);
+  usage.set_peak_rss_bytes(int64_t{100} << 20);
+  node_->ReportExit(m.assignment(), 0, 143, &usage);
+  std::optional<v1::Job> used;  // the node's message is handled on the coordinator's own time
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(30);
+       !used.has_value() && absl::Now() < deadline;) {
+    auto now = server_->jobs().Get(job.id());
+    if (now.ok() && now->rank_usage_size() > 0) {
+      used = *now;
+    } else {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+  }
+  ASSERT_TRUE(used.has_value()) << "the rank's usage was not recorded";
+  EXPECT_GT(used->version(), cancelled->version());
+  node_.reset();
+  Restart();  // SIGTERM's path: the store's pending writes finish first
+  auto stored = server_->jobs().Get(job.id());
+  ASSERT_TRUE(stored.ok()) << stored.status();
+  EXPECT_EQ(stored->state(), v1::CANCELLED);
+  ASSERT_EQ(stored->rank_usage_size(), 1);
+  EXPECT_EQ(stored->rank_usage(0).exit_code(), 143);
+  EXPECT_DOUBLE_EQ(stored->rank_usage(0).cpu_seconds(), 3.5);
+  EXPECT_EQ(stored->rank_usage(0).peak_rss_bytes(), int64_t{100} << 20);
+}
+
 TEST_F(HardeningTest, AnotherUsersJobAnswersExactlyAsAMissingOne) {
   v1::Job job;
   ASSERT_TRUE(Submit(tokens_->User("alice"), testing::TinySpec("mine", 1), &job).ok());

@@ -412,7 +412,8 @@ bool JobManager::RankRunsOn(const std::string& node_id, const std::string& job_i
 }
 
 // What a rank that ended used, kept with its job (its latest kRankUsageKept ranks), persisted with
-// the job's next change (its last rank's exit changes its state), and counted for Prometheus.
+// the change its exit makes (OnRankStatus writes the job itself when the exit changes nothing:
+// the job ended before it), and counted for Prometheus.
 void JobManager::RecordRankUsage(v1::Job& job, const std::string& node_id,
                                  const v1::RankStatus& status) {
   constexpr int kRankUsageKept = 1024;
@@ -434,9 +435,8 @@ void JobManager::RecordRankUsage(v1::Job& job, const std::string& node_id,
 void JobManager::OnRankStatus(const std::string& node_id, const v1::RankStatus& status) {
   absl::MutexLock lock(&mu_);
   v1::Job* job = Find(status.job_id());
-  if (job != nullptr && status.phase() == v1::RANK_EXITED && status.has_usage()) {
-    RecordRankUsage(*job, node_id, status);
-  }
+  const bool used = job != nullptr && status.phase() == v1::RANK_EXITED && status.has_usage();
+  if (used) RecordRankUsage(*job, node_id, status);
   const bool current =
       job != nullptr && IsActive(job->state()) && status.attempt() == job->attempt();
   if (current && !PlacedOn(*job, node_id, status.rank())) {
@@ -446,6 +446,12 @@ void JobManager::OnRankStatus(const std::string& node_id, const v1::RankStatus& 
     return;
   }
   if (!current) {
+    if (used) {
+      // The rank of an ended job (cancelled: it exits after its stop grace) or of an earlier
+      // attempt: no change of the job's is coming to carry its usage to the store and watchers.
+      job->set_version(job->version() + 1);
+      Persist(*job);
+    }
     if (status.phase() == v1::RANK_EXITED) {
       if (devices_.EndDraining({status.job_id(), status.attempt(), status.rank()}, node_id)) {
         WakeScheduler();
