@@ -376,6 +376,49 @@ TEST_F(TrainerE2eTest, ReportsItsBlasKernels) {
   EXPECT_THAT(Joined(r), HasSubstr("kernels Prescott (set by OPENBLAS_CORETYPE)"));
 }
 
+// A step's loss and gradient norm come back while the next step runs, so its line is written one
+// step later; a step after which something happens (a checkpoint, an evaluation, a stop, the last
+// step) is reported before it. Every step is reported once, in order, with its own loss (the
+// metrics file's losses are the log's), over two ranks.
+TEST_F(TrainerE2eTest, ReportsEachStepOnceAndBeforeItsCheckpointEvaluationOrStop) {
+  v1::JobSpec spec = TinySpec(2, 4);
+  spec.mutable_train()->set_steps(9);
+  spec.mutable_checkpoint()->set_every_steps(3);
+  spec.mutable_data()->set_eval_path("/usr/share/common-licenses/GPL-2");
+  spec.mutable_train()->set_eval_every(5);
+  spec.mutable_train()->set_eval_batches(1);
+  const std::string metrics = dir_.path() + "/steps.jsonl";
+  // Stopped by --stop-after-steps 7, before its last step: 7 steps reported.
+  RunResult r =
+      Run(StartJob(spec, "behind"), 2, {"--metrics-file", metrics}, {"--stop-after-steps", "7"});
+  ASSERT_THAT(r.exit_codes, ::testing::ElementsAre(0, 0)) << Joined(r);
+  std::vector<std::string> events;  // "step N", "checkpoint N", "eval N", "stop N" in log order
+  std::map<int64_t, double> logged;
+  const std::regex step_line(R"(^step (\d+)/9 loss ([0-9.]+) )");
+  for (const std::string& line : r.lines) {
+    std::smatch m;
+    int64_t n = 0;
+    if (std::regex_search(line, m, step_line)) {
+      events.push_back("step " + m[1].str());
+      logged[std::stoll(m[1].str())] = std::stod(m[2].str());
+    } else if (absl::StartsWith(line, "checkpoint step ") &&
+               absl::SimpleAtoi(line.substr(16, 1), &n)) {
+      events.push_back("checkpoint " + std::to_string(n));
+    } else if (absl::StartsWith(line, "eval step ")) {
+      events.push_back("eval " + line.substr(10, line.find(' ', 10) - 10));
+    } else if (absl::StartsWith(line, "stopping after step ")) {
+      events.push_back("stop " + line.substr(20, line.find(' ', 20) - 20));
+    }
+  }
+  EXPECT_THAT(events, ::testing::ElementsAre("step 1", "step 2", "step 3", "checkpoint 3", "step 4",
+                                             "step 5", "eval 5", "step 6", "checkpoint 6", "step 7",
+                                             "checkpoint 7", "stop 7"))
+      << Joined(r);
+  const std::map<int64_t, double> recorded = ReadLosses(metrics);
+  ASSERT_EQ(recorded.size(), 7u);
+  for (const auto& [step, loss] : recorded) EXPECT_NEAR(logged.at(step), loss, 1e-4) << step;
+}
+
 // With TRAINYARD_MATMUL auto, rank 0 times oneDNN and the BLAS on the model's own GEMMs at start,
 // says which won and by how much, and every rank takes that path. Each side is made slow in turn,
 // by more than any load on the machine hides: OpenBLAS held to its SSE3 kernels (Prescott), then

@@ -40,6 +40,11 @@
 #include "worker/trainer/runtime/torch_compat.h"
 #include "worker/trainer/strategy/strategy.h"
 
+#if TRAINYARD_TORCH2  // CUDA's events, for the read-back without a wait (torch_compat.h)
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#endif
+
 namespace trainyard::trainer {
 namespace {
 
@@ -77,13 +82,21 @@ class Trainer {
     bool overflow = false;         // fp16: inf or NaN gradients, the update skipped
     double lr = 0;
     int64_t comm_bytes = 0;
-    Clock::time_point end;            // of the step's training, before an evaluation
+    int64_t step = 0;                 // optimizer steps done after it
     std::optional<double> eval_loss;  // train.eval_every: when an evaluation ran after it
+    std::vector<double> idle;         // pipeline: this rank's stage idle shares (StageIdleShares)
+    // The loss and gradient norm on their way to the host (StartReadBack): CUDA's copy into
+    // pinned memory and the event after it; undefined once read (or on the CPU, where they are
+    // read already).
+    torch::Tensor host_values;
+    std::shared_ptr<void> copied;  // a c10::Event (CUDA), recorded after the copy
+    Clock::time_point ready;       // when the host had its values
   };
-  // What every rank agrees on after a step (one small all-reduce).
+  // What every rank agrees on after a step (one small all-reduce): the flags of the step just run,
+  // the loss and stage idle shares of the step being reported.
   struct Agreement {
-    double loss = 0;
     bool checkpoint_requested = false, stop_requested = false, sigterm = false;
+    double loss = 0;
     std::vector<double> stage_idle;  // pipeline: each stage's idle share of the schedule
   };
 
@@ -100,8 +113,14 @@ class Trainer {
   absl::StatusOr<bool> Step();
   StepWork Work(StepStats& s);
   absl::Status Update(StepStats& s);
-  void ReadBack(StepStats& s);
-  Agreement Agree(double loss_sum);
+  // The step's loss and gradient norm to the host without waiting for the device: on CUDA one
+  // non-blocking copy queued behind the step's kernels; FinishReadBack waits for it, by when the
+  // next step's work is queued (so the device never idles while the host waits).
+  void StartReadBack(StepStats& s);
+  void FinishReadBack(StepStats& s);
+  // The flags of the step just run (every rank), with `reported`'s loss and idle shares when
+  // not null. `take_flags` false: the flags stay for the next agreement (a step's second one).
+  Agreement Agree(const StepStats* reported, bool take_flags = true);
   void Report(const StepStats& s, const Agreement& a);
   absl::Status Checkpoint(const std::optional<double>& eval_loss);
   absl::Status Finish();
@@ -133,6 +152,10 @@ class Trainer {
   std::unique_ptr<Reporter> reporter_;
   std::unique_ptr<StepReporter> step_reporter_;  // rank 0
   std::optional<DistributedSampler> sampler_;
+  // The last step whose report waits for the next step (its values read back meanwhile), and when
+  // the host had the values of the last step reported.
+  std::optional<StepStats> pending_;
+  Clock::time_point last_ready_;
   std::optional<MatmulPath> pinned_matmuls_;  // TRAINYARD_MATMUL
   std::string matmuls_;                       // the choice and why, for the log ("": none made)
   int64_t params_count_ = 0, trainable_count_ = 0;
@@ -323,6 +346,10 @@ void Trainer::LogSetup() const {
   if (device_.is_cuda()) CudaResetPeak();
 }
 
+// A step reports one step behind: its loss and gradient norm travel to the host while the next
+// step runs (no wait for the device inside a step), and that step's agreement carries them. A step
+// that checkpoints, evaluates, stops or ends the run reports at once: its line comes before what
+// follows it, and no step goes unreported.
 absl::StatusOr<bool> Trainer::Step() {
   StepStats s;
   s.start = Clock::now();
@@ -330,30 +357,42 @@ absl::StatusOr<bool> Trainer::Step() {
   profiler_.Before(step_ + 1);
   strategy_->ForwardBackward(Work(s), s.r);
   RETURN_IF_ERROR(Update(s));
-  ReadBack(s);
-  ++step_;
+  StartReadBack(s);
+  s.step = ++step_;
   if (absl::Status traced = profiler_.After(step_); !traced.ok()) {
     Log(absl::StrCat("no trace of the steps: ", traced.message()));
   } else if (step_ == profiler_.last_step()) {
     Log(absl::StrCat("traced steps ", o_.profile_steps, " into ", o_.profile_out));
   }
   s.comm_bytes = strategy_->BytesSent() - s.bytes_before;  // before the flags' all-reduce
-  s.end = Clock::now();
+  s.idle = strategy_->StageIdleShares();
   // train.eval_every (and after the last step): every rank knows when.
-  if (data_.eval && ((t_.eval_every > 0 && step_ % t_.eval_every == 0) || step_ == t_.steps)) {
+  const bool evaluate =
+      data_.eval && ((t_.eval_every > 0 && step_ % t_.eval_every == 0) || step_ == t_.steps);
+  if (evaluate) {
     const double loss = Evaluate();
     if (std::isfinite(loss)) s.eval_loss = loss;
   }
-  const Agreement a = Agree(s.r.loss_sum);
-  if (rank0_) Report(s, a);
+  if (pending_) FinishReadBack(*pending_);
+  const Agreement a = Agree(pending_ ? &*pending_ : nullptr);
+  if (pending_ && rank0_) Report(*pending_, a);
+  pending_.reset();
 
   const bool stop_after = o_.stop_after_steps > 0 && step_ - run_start_step_ >= o_.stop_after_steps;
   const bool stop = a.stop_requested || a.sigterm || stop_after;
   const int64_t every = spec_.checkpoint_every_steps;
-  if (!o_.checkpoint_dir.empty() &&
-      (stop || a.checkpoint_requested || step_ == t_.steps || (every > 0 && step_ % every == 0))) {
-    RETURN_IF_ERROR(Checkpoint(s.eval_loss));
+  const bool checkpoint =
+      !o_.checkpoint_dir.empty() &&
+      (stop || a.checkpoint_requested || step_ == t_.steps || (every > 0 && step_ % every == 0));
+  const std::optional<double> eval_loss = s.eval_loss;
+  if (checkpoint || stop || evaluate || step_ == t_.steps) {
+    FinishReadBack(s);
+    const Agreement now = Agree(&s, /*take_flags=*/false);
+    if (rank0_) Report(s, now);
+  } else {
+    pending_ = std::move(s);
   }
+  if (checkpoint) RETURN_IF_ERROR(Checkpoint(eval_loss));
   if (stop) {
     Log(absl::StrCat("stopping after step ", step_, " (",
                      a.sigterm          ? "SIGTERM"
@@ -437,54 +476,84 @@ absl::Status Trainer::Update(StepStats& s) {
   return strategy_->OptimizerStep(s.lr, clip_scale, s.r);
 }
 
-// The step's one wait for the device (CUDA): its loss and gradient norm in one copy to the host.
-void Trainer::ReadBack(StepStats& s) {
+void Trainer::StartReadBack(StepStats& s) {
   StepResult& r = s.r;
   std::vector<torch::Tensor> parts;
   if (r.loss_device.defined()) parts.push_back(r.loss_device.reshape({1}));
   if (r.grad_norm_device.defined()) {
     parts.push_back(r.grad_norm_device.to(torch::kDouble).reshape({1}));
   }
-  if (parts.empty()) return;
-  const torch::Tensor host = torch::cat(parts).to(torch::kCPU);
-  const double* v = host.data_ptr<double>();
-  if (r.loss_device.defined()) r.loss_sum += *v++;
-  if (r.grad_norm_device.defined()) r.grad_norm = *v;
+  if (parts.empty()) {  // the CPU's strategies have them on the host already
+    s.ready = Clock::now();
+    return;
+  }
+  // From CUDA, a non-blocking copy lands in pinned memory; the event says when it has.
+  s.host_values =
+      torch::cat(parts).to(torch::TensorOptions().device(torch::kCPU), /*non_blocking=*/true);
+#if TRAINYARD_TORCH2
+  if (device_.is_cuda()) {
+    auto event = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
+    event->record(c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStream(device_));
+    s.copied = std::move(event);
+  }
+#endif
 }
 
-// One tiny all-reduce per step: the global mean loss, and the flags every rank must agree on
-// (coordinator commands reach rank 0 only; SIGTERM may reach any rank), and under a pipeline
-// each stage's idle share of the schedule.
-Trainer::Agreement Trainer::Agree(double loss_sum) {
+void Trainer::FinishReadBack(StepStats& s) {
+  if (!s.host_values.defined()) return;
+#if TRAINYARD_TORCH2
+  if (s.copied) static_cast<c10::Event*>(s.copied.get())->synchronize();
+#endif
+  s.ready = Clock::now();
+  StepResult& r = s.r;
+  const double* v = s.host_values.data_ptr<double>();
+  if (r.loss_device.defined()) r.loss_sum += *v++;
+  if (r.grad_norm_device.defined()) r.grad_norm = *v;
+  s.host_values = torch::Tensor();
+  s.copied.reset();
+  // (The device tensors go with the step's stats; nothing reads them again.)
+  r.loss_device = torch::Tensor();
+  r.grad_norm_device = torch::Tensor();
+}
+
+// One tiny all-reduce per step: the flags every rank must agree on (coordinator commands reach
+// rank 0 only; SIGTERM may reach any rank), and for the step being reported its global mean loss
+// and, under a pipeline, each stage's idle share of the schedule.
+Trainer::Agreement Trainer::Agree(const StepStats* reported, bool take_flags) {
   TrainerCommands commands;
-  if (reporter_) commands = reporter_->TakeCommands();
-  if (!strategy_->CountsLoss()) loss_sum = 0;
+  if (reporter_ && take_flags) commands = reporter_->TakeCommands();
+  const bool signalled = take_flags && TakeStopSignal();
+  const double loss_sum = reported != nullptr && strategy_->CountsLoss() ? reported->r.loss_sum : 0;
   std::vector<double> flags = {loss_sum, commands.checkpoint_requested ? 1.0 : 0.0,
-                               commands.stop_requested ? 1.0 : 0.0, TakeStopSignal() ? 1.0 : 0.0};
-  const std::vector<double> idle = strategy_->StageIdleShares();
+                               commands.stop_requested ? 1.0 : 0.0, signalled ? 1.0 : 0.0};
+  const std::vector<double> idle = reported != nullptr ? reported->idle : std::vector<double>();
   flags.insert(flags.end(), idle.begin(), idle.end());
   torch::Tensor agree = torch::tensor(flags, torch::kDouble);
   groups_.world->AllReduceSum({agree})->Wait();
   Agreement a;
+  const double* v = agree.data_ptr<double>();
   // The loss is the last stages' under pipeline parallelism (one per replica).
-  a.loss = agree[0].item<double>() / strategy_->replicas();
-  a.checkpoint_requested = agree[1].item<double>() > 0;
-  a.stop_requested = agree[2].item<double>() > 0;
-  a.sigterm = agree[3].item<double>() > 0;
-  for (size_t i = 0; i < idle.size(); ++i) a.stage_idle.push_back(agree[4 + i].item<double>());
+  a.loss = v[0] / strategy_->replicas();
+  a.checkpoint_requested = v[1] > 0;
+  a.stop_requested = v[2] > 0;
+  a.sigterm = v[3] > 0;
+  a.stage_idle.assign(v + 4, v + 4 + idle.size());
   return a;
 }
 
 // Rank 0: the step's line in the log, the --metrics-file and the report to the coordinator.
 void Trainer::Report(const StepStats& s, const Agreement& a) {
   StepRecord r;
-  r.step = step_;
+  r.step = s.step;
   r.total_steps = t_.steps;
   r.loss = a.loss;
   r.lr = s.lr;
   r.grad_norm = s.r.grad_norm;
-  // (Without the evaluation, which has a line of its own.)
-  r.step_seconds = std::chrono::duration<double>(s.end - s.start).count();
+  // From its start, or from when the previous step's values came back if that was later (the
+  // host queues a CUDA step while the device still runs the one before); without the evaluation,
+  // which has a line of its own.
+  r.step_seconds = std::chrono::duration<double>(s.ready - std::max(s.start, last_ready_)).count();
+  last_ready_ = s.ready;
   r.tokens_per_second =
       sampler_->global_batch() * model_->TokensPerWindow() / std::max(r.step_seconds, 1e-9);
   // Over world_size GPUs like rank 0's (ranks sharing one GPU through Gloo, as tests do,

@@ -7,6 +7,8 @@
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/cuda/nccl.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
@@ -37,7 +39,9 @@ class NcclHandle : public CommHandle {
 class NcclCommunicator : public Communicator {
  public:
   explicit NcclCommunicator(c10::intrusive_ptr<c10d::ProcessGroupNCCL> pg)
-      : pg_(std::move(pg)), device_(torch::kCUDA, c10::cuda::current_device()) {}
+      : pg_(std::move(pg)),
+        device_(torch::kCUDA, c10::cuda::current_device()),
+        host_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_.index())) {}
 
   int rank() const override { return pg_->getRank(); }
   int world_size() const override { return pg_->getSize(); }
@@ -53,7 +57,10 @@ class NcclCommunicator : public Communicator {
     for (auto& t : tensors) {
       bytes_sent_ += 2 * (n - 1) * t.numel() * t.element_size() / n;  // as a ring sends it
       if (!t.is_cuda()) {
-        // Small host tensors (flags, sizes): through the device, blocking.
+        // Small host tensors (the step's flags and loss): through the device, blocking, on a
+        // stream of their own. On the current stream the copies would queue behind the training
+        // kernels already launched, and the host would wait for the step it has just queued.
+        c10::cuda::CUDAStreamGuard side(host_stream_);
         torch::Tensor d = t.to(device_);
         std::vector<at::Tensor> one{d};
         pg_->allreduce(one)->wait();
@@ -149,6 +156,7 @@ class NcclCommunicator : public Communicator {
  private:
   c10::intrusive_ptr<c10d::ProcessGroupNCCL> pg_;
   torch::Device device_;
+  c10::cuda::CUDAStream host_stream_;  // the host tensors' copies and collectives
 };
 
 }  // namespace
