@@ -2,7 +2,8 @@
 // gradients included: the cross-entropy rows kernel (kernels/fused_loss.h) against
 // F::cross_entropy in fp64; the fused linear + cross-entropy against linear then cross_entropy;
 // the models' Loss with the fused head against their plain head; the on-device gradient norm and
-// clipping divisor against the host's; SplitHeads against view, permute and unbind. The CPU cases
+// clipping divisor against the host's; SplitHeads against view, permute and unbind; SwiGlu
+// against silu(gate) * up. The CPU cases
 // run everywhere (the LibTorch composition behind the same interface); the Cuda cases run the
 // project's CUDA kernel on a GPU and skip elsewhere, unless TRAINYARD_REQUIRE_CUDA=1
 // (scripts/test-gpu.sh), where a missing GPU fails.
@@ -17,6 +18,7 @@
 #include "worker/trainer/kernels/fused_loss.h"
 #include "worker/trainer/kernels/fused_norm.h"
 #include "worker/trainer/kernels/split_heads.h"
+#include "worker/trainer/kernels/swiglu.h"
 #include "worker/trainer/model/model.h"
 #include "worker/trainer/runtime/device.h"
 #include "worker/trainer/runtime/torch_compat.h"
@@ -452,6 +454,84 @@ TEST(SplitHeadsTest, CudaMatchesUnbindThroughAttention) {
   SKIP_WITHOUT_CUDA();
   CheckSplitHeads(torch::Device(torch::kCUDA, 0), torch::kFloat);
   CheckSplitHeads(torch::Device(torch::kCUDA, 0), torch::kBFloat16);
+}
+
+}  // namespace
+}  // namespace trainyard::trainer
+
+namespace trainyard::trainer {
+namespace {
+
+// SwiGlu of [rows, width] on `device` in `dtype` against silu(gate) * up in fp64: the output and
+// both gradients (of a random upstream gradient), within `tolerance` (relative, the whole tensor).
+void CheckSwiGlu(const torch::Device& device, torch::ScalarType dtype, int64_t rows, int64_t width,
+                 double tolerance, uint64_t seed) {
+  torch::manual_seed(seed);
+  const auto options = torch::TensorOptions().device(device).dtype(dtype);
+  torch::Tensor gate = (torch::randn({rows, width}) * 3).to(options).requires_grad_(true);
+  torch::Tensor up = torch::randn({rows, width}).to(options).requires_grad_(true);
+  const torch::Tensor dout = torch::randn({rows, width}).to(options);
+  auto f64 = [](const torch::Tensor& t) {
+    return t.detach().to(torch::kCPU, torch::kDouble).requires_grad_(true);
+  };
+  torch::Tensor g64 = f64(gate), u64 = f64(up);
+  const torch::Tensor out64 = torch::silu(g64) * u64;
+  (out64 * dout.to(torch::kCPU, torch::kDouble)).sum().backward();
+
+  const torch::Tensor out = SwiGlu(gate, up);
+  EXPECT_EQ(out.scalar_type(), dtype);
+  out.backward(dout);
+  EXPECT_EQ(gate.grad().scalar_type(), dtype);
+  EXPECT_LT(RelativeError(out, out64), tolerance) << rows << "x" << width;
+  EXPECT_LT(RelativeError(gate.grad(), g64.grad()), tolerance) << rows << "x" << width;
+  EXPECT_LT(RelativeError(up.grad(), u64.grad()), tolerance) << rows << "x" << width;
+}
+
+TEST(SwiGluTest, MatchesSiluTimesUpOnTheCpu) {
+  EXPECT_FALSE(UsesSwiGluKernel(torch::zeros({2, 3}), torch::zeros({2, 3})));
+  CheckSwiGlu(torch::kCPU, torch::kFloat, 9, 40, 1e-6, 51);
+}
+
+TEST(SwiGluTest, CudaKernelMatchesSiluTimesUp) {
+  SKIP_WITHOUT_CUDA();
+  const torch::Device cuda(torch::kCUDA, 0);
+  const torch::Tensor probe = torch::zeros({2, 3}, torch::TensorOptions().device(cuda));
+  ASSERT_TRUE(UsesSwiGluKernel(probe, probe));
+  EXPECT_FALSE(UsesSwiGluKernel(probe, torch::zeros({3, 2}, probe.options())));
+  // Llama 3.2 1B's width on a batch of tokens (more elements than the grid: the loop strides),
+  // and an odd size; fp32, and bf16 rounded once per output.
+  CheckSwiGlu(cuda, torch::kFloat, 4096, 8192, 1e-6, 52);
+  CheckSwiGlu(cuda, torch::kFloat, 7, 37, 1e-6, 53);
+  CheckSwiGlu(cuda, torch::kBFloat16, 2048, 8192, 1e-2, 54);
+  CheckSwiGlu(cuda, torch::kHalf, 33, 100, 5e-3, 55);
+}
+
+// The Llama MLP through SwiGlu on the GPU gives the CPU's loss and gradients (fp32).
+TEST(SwiGluTest, CudaLlamaMatchesTheCpu) {
+  SKIP_WITHOUT_CUDA();
+  ModelConfig m;
+  m.kind = "llama";
+  m.n_layer = 2;
+  m.n_head = 4;
+  m.n_kv_head = 2;
+  m.d_model = 64;
+  m.d_hidden = 176;
+  m.seq_len = 32;
+  m.vocab = 128;
+  auto cpu = BuildModel(m, ModelOptions(), 7);
+  auto gpu = BuildModel(m, ModelOptions(), 7);
+  gpu->to(torch::Device(torch::kCUDA, 0));
+  torch::manual_seed(8);
+  const torch::Tensor windows = torch::randint(0, m.vocab, {4, m.seq_len + 1}, torch::kLong);
+  cpu->Loss(windows).backward();
+  const torch::Tensor loss = gpu->Loss(windows.to(torch::kCUDA));
+  loss.backward();
+  auto cpu_params = cpu->named_parameters(), gpu_params = gpu->named_parameters();
+  for (const auto& item : cpu_params) {
+    const torch::Tensor& g = gpu_params[item.key()].grad();
+    ASSERT_TRUE(g.defined()) << item.key();
+    EXPECT_LT(RelativeError(g, item.value().grad()), 1e-4) << item.key();
+  }
 }
 
 }  // namespace

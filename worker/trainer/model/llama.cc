@@ -13,6 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "worker/trainer/kernels/swiglu.h"
 
 namespace trainyard::trainer {
 namespace {
@@ -92,12 +93,13 @@ torch::Tensor CausalMask(int64_t t, int64_t window, const torch::TensorOptions& 
   return mask;
 }
 
-// The gated MLP's activation by config.json's hidden_act (transformers' ACT2FN).
-torch::Tensor Activate(const std::string& act, const torch::Tensor& x) {
-  if (act == "gelu") return torch::gelu(x);
-  if (act == "gelu_pytorch_tanh") return torch::gelu(x, "tanh");
-  if (act == "relu") return torch::relu(x);
-  return F::silu(x);
+// The gated MLP, act(gate) * up, by config.json's hidden_act (transformers' ACT2FN): silu (Llama's,
+// and anything else) as one fused product on a GPU (kernels/swiglu.h).
+torch::Tensor Gated(const std::string& act, const torch::Tensor& gate, const torch::Tensor& up) {
+  if (act == "gelu") return torch::gelu(gate) * up;
+  if (act == "gelu_pytorch_tanh") return torch::gelu(gate, "tanh") * up;
+  if (act == "relu") return torch::relu(gate) * up;
+  return SwiGlu(gate, up);
 }
 
 // A projection with a bias (Qwen2's q/k/v) or without.
@@ -192,9 +194,8 @@ class LlamaMlpImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& in) {
     const bool training = is_training();
     const torch::Tensor x = ColumnInput(in, *tp_);
-    const torch::Tensor hidden =
-        Activate(act_, Project(x, gate_proj, gate_lora_, bf16_, training)) *
-        Project(x, up_proj, up_lora_, bf16_, training);
+    const torch::Tensor hidden = Gated(act_, Project(x, gate_proj, gate_lora_, bf16_, training),
+                                       Project(x, up_proj, up_lora_, bf16_, training));
     if (tp_->on()) return RowOutput(hidden, down_proj, bf16_, *tp_);  // no LoRA under it
     return Project(hidden, down_proj, down_lora_, bf16_, training);
   }
