@@ -36,6 +36,9 @@ SPEC
   # "TOKENS_PER_S BACKWARD_MS COMM_WAIT_MS", medians over the timed steps (rank 0's log lines).
   local tps
   tps=$(job_tokens_per_second "$yard" "$job" "$warmup")
+  # The matmul path the trainer chose at start, and why (rank 0's log).
+  $yard logs "$job" | grep -m1 '^\[rank 0\] matmuls: ' | sed 's/^\[rank 0\] //' \
+    >>"$state/matmuls-$ranks" || true
   $yard logs "$job" | /usr/bin/python3 -c "
 import re, statistics, sys
 rows = [m.groups() for m in (re.search(r'step (\d+)/\d+ .*backward_ms ([\d.]+) comm_wait_ms ([\d.]+)', l)
@@ -61,9 +64,10 @@ torch211_run() {
 
 printf "GPT n_layer 4, d_model 256, seq_len 128, micro_batch 8 per rank, fp32, 1 thread per rank;\n"
 printf "median tokens/s over %d timed steps, median of %d reps, runs interleaved\n" "$steps" "$reps"
-# The matmuls decide most of a step's time. PyTorch does them all in OpenBLAS, with the kernels it
-# picked for the CPU (or OPENBLAS_CORETYPE forced); trainyard does them in oneDNN (Linear layers
-# and attention; TRAINYARD_MATMUL=blas: in OpenBLAS, as PyTorch).
+# The matmuls decide most of a step's time. PyTorch 1.13 does them all in OpenBLAS, with the kernels
+# it picked for the CPU (or OPENBLAS_CORETYPE forced); trainyard does them (Linear layers and
+# attention) in oneDNN or OpenBLAS, whichever it timed faster on the model's GEMMs at start
+# (TRAINYARD_MATMUL=onednn or =blas pins one); each run's choice is listed under the table.
 version=$(build/bin/trainyard-trainer --version)
 printf "%s; OPENBLAS_CORETYPE=%s\n%s; TRAINYARD_MATMUL=%s\n\n" "$(grep '^BLAS' <<<"$version")" \
   "${OPENBLAS_CORETYPE-(unset)}" "$(grep '^Matmuls' <<<"$version")" "${TRAINYARD_MATMUL-(unset)}"
@@ -96,6 +100,12 @@ for ranks in 1 2; do
       printf "| %5d | %15.0f | %18.0f | %9.2fx | %20.0f | %11.2fx | %s |", n, o, e, re, k, rk,
         (re >= 1.0 ? "met (>= 1.0x eager)" : "NOT met (< 1.0x eager)") }')")
   fi
+done
+printf "\ntrainyard's matmul path, each run (rank 0's log):\n"
+for ranks in 1 2; do
+  sort "$state/matmuls-$ranks" 2>/dev/null | sed -E 's/[0-9.]+ ms/N ms/g' | uniq -c |
+    sed "s/^ */  $ranks rank(s): /" || true
+  sed "s/^/    /" "$state/matmuls-$ranks" 2>/dev/null || true
 done
 printf "\nbackward ms: rank 0's backward pass, all-reduces of full buckets running meanwhile (1 rank:\n"
 printf "no communication). comm wait: time after backward spent waiting for the last all-reduces.\n"
