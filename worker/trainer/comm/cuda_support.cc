@@ -57,9 +57,10 @@ class NcclCommunicator : public Communicator {
     for (auto& t : tensors) {
       bytes_sent_ += 2 * (n - 1) * t.numel() * t.element_size() / n;  // as a ring sends it
       if (!t.is_cuda()) {
-        // Small host tensors (the step's flags and loss): through the device, blocking, on a
-        // stream of their own. On the current stream the copies would queue behind the training
-        // kernels already launched, and the host would wait for the step it has just queued.
+        // Small host tensors (the step's flags and loss): through the device, blocking, the
+        // copies on a stream of their own (on the current one they would queue behind the
+        // training kernels already launched). The all-reduce itself still runs on the group's
+        // NCCL stream, behind the gradients' all-reduces (docs/gpu.md).
         c10::cuda::CUDAStreamGuard side(host_stream_);
         torch::Tensor d = t.to(device_);
         std::vector<at::Tensor> one{d};
