@@ -80,6 +80,8 @@ class Trainer {
     StepResult r;                  // the strategy's: loss, gradient norm, backward and waits
     bool inject_overflow = false;  // fp16 tests: this step's loss scaled by inf on rank 0
     bool overflow = false;         // fp16: inf or NaN gradients, the update skipped
+    double loss_scale = 0;         // fp16: the scale after the step's update, and the steps
+    int64_t skipped_steps = 0;     // skipped so far (the report comes a step later)
     double lr = 0;
     int64_t comm_bytes = 0;
     int64_t step = 0;                 // optimizer steps done after it
@@ -357,6 +359,10 @@ absl::StatusOr<bool> Trainer::Step() {
   profiler_.Before(step_ + 1);
   strategy_->ForwardBackward(Work(s), s.r);
   RETURN_IF_ERROR(Update(s));
+  if (scaler_) {
+    s.loss_scale = scaler_->scale();
+    s.skipped_steps = scaler_->skipped_steps();
+  }
   StartReadBack(s);
   s.step = ++step_;
   if (absl::Status traced = profiler_.After(step_); !traced.ok()) {
@@ -366,14 +372,17 @@ absl::StatusOr<bool> Trainer::Step() {
   }
   s.comm_bytes = strategy_->BytesSent() - s.bytes_before;  // before the flags' all-reduce
   s.idle = strategy_->StageIdleShares();
+  // The previous step's values (its time is when they came back); this step's too before an
+  // evaluation, which waits for the device and is no part of either step's time.
+  if (pending_) FinishReadBack(*pending_);
   // train.eval_every (and after the last step): every rank knows when.
   const bool evaluate =
       data_.eval && ((t_.eval_every > 0 && step_ % t_.eval_every == 0) || step_ == t_.steps);
   if (evaluate) {
+    FinishReadBack(s);
     const double loss = Evaluate();
     if (std::isfinite(loss)) s.eval_loss = loss;
   }
-  if (pending_) FinishReadBack(*pending_);
   const Agreement a = Agree(pending_ ? &*pending_ : nullptr);
   if (pending_ && rank0_) Report(*pending_, a);
   pending_.reset();
@@ -566,7 +575,7 @@ void Trainer::Report(const StepStats& s, const Agreement& a) {
   r.comm_bytes = s.comm_bytes;
   r.stage_idle = a.stage_idle;
   r.layout = strategy_->LayoutStats();
-  if (scaler_) r.loss_scale = {scaler_->scale(), s.overflow, scaler_->skipped_steps()};
+  if (scaler_) r.loss_scale = {s.loss_scale, s.overflow, s.skipped_steps};
   if (device_.is_cuda()) r.device_peak_bytes = CudaPeakAllocatedBytes();
   r.eval_loss = s.eval_loss;
   r.eval_windows = data_.eval_windows;

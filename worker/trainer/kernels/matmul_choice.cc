@@ -1,6 +1,8 @@
 // Timing the matmul paths on the model's shapes (see matmul_choice.h).
 #include "worker/trainer/kernels/matmul_choice.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+
 #include <algorithm>
 #include <chrono>
 #include <limits>
@@ -30,16 +32,19 @@ int64_t TimedCount(int64_t full, double flops_each) {
 }
 
 std::vector<Timed> Prepare(const MatmulWork& work) {
-  torch::manual_seed(0);  // the numbers do not matter, only that they are finite
+  // The numbers do not matter, only that they are finite; drawn from a generator of their own, so
+  // that rank 0's global one stays where the other ranks' are.
+  at::Generator generator = at::detail::createCPUGenerator(0);
+  const auto randn = [&](at::IntArrayRef size) { return torch::randn(size, generator); };
   std::vector<Timed> out;
   for (const LinearWork& l : work.linear) {
     if (l.rows <= 0 || l.in <= 0 || l.out <= 0 || l.count <= 0) continue;
     const int64_t rows = TimedCount(l.rows, 6.0 * static_cast<double>(l.in * l.out));
     Timed t;
-    t.a = torch::randn({rows, l.in}).requires_grad_(true);
-    t.b = torch::randn({l.out, l.in}).requires_grad_(true);
-    if (l.bias) t.bias_or_mask = torch::randn({l.out}).requires_grad_(true);
-    t.grad = torch::randn({rows, l.out});
+    t.a = randn({rows, l.in}).requires_grad_(true);
+    t.b = randn({l.out, l.in}).requires_grad_(true);
+    if (l.bias) t.bias_or_mask = randn({l.out}).requires_grad_(true);
+    t.grad = randn({rows, l.out});
     t.scale = static_cast<double>(l.count) * static_cast<double>(l.rows) / rows;
     out.push_back(std::move(t));
   }
@@ -49,12 +54,12 @@ std::vector<Timed> Prepare(const MatmulWork& work) {
     const int64_t heads = TimedCount(w.batch_heads, per_head);
     Timed t;
     t.attention = true;
-    t.a = torch::randn({heads, w.seq_len, w.head_dim}).requires_grad_(true);  // q (and k, v)
-    t.b = torch::randn({heads, w.seq_len, w.head_dim}).requires_grad_(true);
+    t.a = randn({heads, w.seq_len, w.head_dim}).requires_grad_(true);  // q (and k, v)
+    t.b = randn({heads, w.seq_len, w.head_dim}).requires_grad_(true);
     t.bias_or_mask =
         torch::full({w.seq_len, w.seq_len}, -std::numeric_limits<float>::infinity()).triu(1);
     t.alpha = 1.0 / std::sqrt(static_cast<double>(w.head_dim));
-    t.grad = torch::randn({heads, w.seq_len, w.head_dim});
+    t.grad = randn({heads, w.seq_len, w.head_dim});
     t.scale = static_cast<double>(w.count) * static_cast<double>(w.batch_heads) / heads;
     out.push_back(std::move(t));
   }
