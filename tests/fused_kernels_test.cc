@@ -509,15 +509,7 @@ TEST(SwiGluTest, CudaKernelMatchesSiluTimesUp) {
 // The Llama MLP through SwiGlu on the GPU gives the CPU's loss and gradients (fp32).
 TEST(SwiGluTest, CudaLlamaMatchesTheCpu) {
   SKIP_WITHOUT_CUDA();
-  ModelConfig m;
-  m.kind = "llama";
-  m.n_layer = 2;
-  m.n_head = 4;
-  m.n_kv_head = 2;
-  m.d_model = 64;
-  m.d_hidden = 176;
-  m.seq_len = 32;
-  m.vocab = 128;
+  const ModelConfig m = SmallModel("llama", /*tied=*/false);
   auto cpu = BuildModel(m, ModelOptions(), 7);
   auto gpu = BuildModel(m, ModelOptions(), 7);
   gpu->to(torch::Device(torch::kCUDA, 0));

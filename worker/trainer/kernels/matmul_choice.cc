@@ -95,6 +95,10 @@ double Median(std::vector<double> v) {
 
 }  // namespace
 
+const char* MatmulPathName(MatmulPath path) {
+  return path == MatmulPath::kOneDnn ? "oneDNN" : "BLAS";
+}
+
 MatmulPath FasterPath(double onednn_ms, double blas_ms, double margin) {
   return blas_ms < onednn_ms * (1 - margin) ? MatmulPath::kBlas : MatmulPath::kOneDnn;
 }
@@ -105,7 +109,9 @@ std::string MatmulTiming::Describe() const {
       "%s: %.1f ms a micro-batch's GEMMs (forward and backward), %s %.1f ms (timed at start%s)",
       onednn ? "oneDNN" : "the BLAS", onednn ? onednn_ms : blas_ms, onednn ? "the BLAS" : "oneDNN",
       onednn ? blas_ms : onednn_ms,
-      onednn && blas_ms < onednn_ms ? "; within the 5% that keeps oneDNN" : "");
+      onednn && blas_ms < onednn_ms
+          ? absl::StrFormat("; within the %.0f%% that keeps oneDNN", 100 * kKeepOneDnnMargin)
+          : "");
 }
 
 MatmulTiming TimeMatmulPaths(const MatmulWork& work, int reps) {

@@ -49,7 +49,8 @@ struct MatmulTiming {
 
 // The BLAS when it is faster than oneDNN by more than `margin` (a fraction of oneDNN's time),
 // oneDNN otherwise.
-MatmulPath FasterPath(double onednn_ms, double blas_ms, double margin = 0.05);
+inline constexpr double kKeepOneDnnMargin = 0.05;
+MatmulPath FasterPath(double onednn_ms, double blas_ms, double margin = kKeepOneDnnMargin);
 
 // Times `work` on both paths (`reps` timed repetitions after one warm-up each) and returns the
 // result with the faster path (FasterPath). Runs on torch's intra-op threads, as training does;

@@ -295,10 +295,6 @@ std::string IsaName(dnnl::cpu_isa isa) {
 
 }  // namespace
 
-const char* MatmulPathName(MatmulPath path) {
-  return path == MatmulPath::kOneDnn ? "oneDNN" : "BLAS";
-}
-
 absl::StatusOr<std::optional<MatmulPath>> MatmulPathFromEnvironment() {
   const char* env = std::getenv("TRAINYARD_MATMUL");
   const std::string value = env == nullptr ? "" : env;

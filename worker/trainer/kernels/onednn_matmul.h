@@ -40,7 +40,7 @@ torch::Tensor BatchedMatmul(const torch::Tensor& a, const torch::Tensor& b, doub
 
 // The library that runs Linear's and BatchedMatmul's fp32 CPU matmuls.
 enum class MatmulPath { kOneDnn, kBlas };
-const char* MatmulPathName(MatmulPath path);
+const char* MatmulPathName(MatmulPath path);  // (in matmul_choice.cc: both flavours build it)
 
 // TRAINYARD_MATMUL: "onednn" or "blas" pin the path; unset, "" or "auto" give nullopt (the trainer
 // chooses by timing). Anything else is an error naming the variable and the values it takes.

@@ -6,10 +6,6 @@
 
 namespace trainyard::trainer {
 
-const char* MatmulPathName(MatmulPath path) {
-  return path == MatmulPath::kOneDnn ? "oneDNN" : "BLAS";
-}
-
 absl::StatusOr<std::optional<MatmulPath>> MatmulPathFromEnvironment() { return std::nullopt; }
 
 void SetMatmulPath(MatmulPath) {}
