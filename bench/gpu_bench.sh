@@ -5,8 +5,9 @@
 # tied head) and, with --llama, a Llama with Llama 3.2 1B's shapes (16 layers, d2048, 32 heads, 8
 # key-value heads, SwiGLU 8192, vocab 128256, tied, rope_theta 500000; T2048, batch 4), bf16
 # autocast, SDPA, fused AdamW, clipping at 1.0. Each model also runs with the plain LM head
-# (--fused-loss off: what the fused head + cross-entropy buys) and, for the GPTs, with torch's
-# LayerNorm (--fused-norm off: what the fused residual add + LayerNorm + cast buys). Prints
+# (--fused-loss off: what the fused head + cross-entropy buys), eagerly (--cuda-graphs off: what
+# replaying the step as a CUDA graph buys) and, for the GPTs, with torch's LayerNorm
+# (--fused-norm off: what the fused residual add + LayerNorm + cast buys). Prints
 # tokens/s (median over the timed steps), step time, MFU and peak GPU memory, and the ratios, as
 # Markdown rows.
 #
@@ -76,9 +77,10 @@ run_case() {
   [ -n "$only" ] && [ "$only" != "$name" ] && return 0
   local variant flags
   # (TRAINYARD_BENCH_VARIANTS=auto: only the fused run, for a short GPU session.)
-  for variant in ${TRAINYARD_BENCH_VARIANTS:-auto plain-head plain-norm}; do
+  for variant in ${TRAINYARD_BENCH_VARIANTS:-auto eager-step plain-head plain-norm}; do
     case $variant in
       auto) flags=() ;;
+      eager-step) flags=(--cuda-graphs off) ;;
       plain-head) flags=(--fused-loss off) ;;
       plain-norm) flags=(--fused-norm off) ;;
     esac
@@ -136,7 +138,7 @@ def vs(x):
         out += f", {x / comp['tokens_per_second']:.2f}x compile"
     return out
 print(f"| {name} | {gpu} | trainyard | {tps:,.0f} | {1e3 * step_s:.1f} | {mfu(tps):.1f}% | {peak_bytes / 2**30:.2f} GiB | {vs(tps)} |")
-for variant, label in (("plain-head", "plain head (--fused-loss off)"), ("plain-norm", "torch's LayerNorm (--fused-norm off)")):
+for variant, label in (("eager-step", "eager step (--cuda-graphs off)"), ("plain-head", "plain head (--fused-loss off)"), ("plain-norm", "torch's LayerNorm (--fused-norm off)")):
     if not os.path.exists(f"{work}/{name}-{variant}.jsonl"):
         continue
     _, v_tps, v_step_s, v_peak = trainyard(variant)
@@ -146,6 +148,7 @@ if comp["tokens_per_second"] > 0:
     print(f"| {name} | {gpu} | PyTorch torch.compile | {comp['tokens_per_second']:,.0f} | {comp['step_ms']:.1f} | {mfu(comp['tokens_per_second']):.1f}% | {comp['peak_bytes'] / 2**30:.2f} GiB | |")
 else:
     print(f"| {name} | {gpu} | PyTorch torch.compile | failed (see its stderr) | | | | |")
+print(f"{name}: " + "; ".join(l.strip() for l in open(f"{work}/{name}-auto.log", errors="replace") if "cuda graphs:" in l), file=sys.stderr)
 print(f"losses {name}: " + " ".join(f"{r['loss']:.3f}" for r in rows[:3]) + " ... " + f"{rows[-1]['loss']:.3f}", file=sys.stderr)
 PY
 }

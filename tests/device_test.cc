@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -15,11 +16,13 @@
 #include "gtest/gtest.h"
 #include "tests/testing/subprocess.h"
 #include "worker/trainer/checkpoint/checkpoint.h"
+#include "worker/trainer/comm/cuda_support.h"
 #include "worker/trainer/io/param_dump.h"
 #include "worker/trainer/model/model.h"
 #include "worker/trainer/optim/optimizers.h"
 #include "worker/trainer/runtime/device.h"
 #include "worker/trainer/runtime/profiler.h"
+#include "worker/trainer/runtime/step_graph.h"
 #include "worker/trainer/trainer.h"
 
 namespace trainyard::trainer {
@@ -123,6 +126,109 @@ TEST(LossScalerTest, StateRoundTripsAndBadStateIsRefusedNamingIt) {
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(status.message()), HasSubstr("loss_scale"));
   EXPECT_FALSE(t.SetState({}).ok());
+}
+
+// Where a step is captured as a CUDA graph: one rank's DDP with AdamW in fp32 or bf16 on a GPU;
+// everything else says why not (nothing on the CPU, where there is nothing to capture).
+TEST(StepGraphPlanTest, OnForDdpWithAdamWOnAGpuAndSaysWhyNotElsewhere) {
+  StepGraphFacts gpu;
+  gpu.cuda = true;
+  gpu.can_capture = true;
+  gpu.precision = Precision::kBf16;
+  EXPECT_TRUE(PlanStepGraphs(gpu).on);
+  EXPECT_EQ(PlanStepGraphs(gpu).why_not, "");
+  gpu.precision = Precision::kFp32;
+  EXPECT_TRUE(PlanStepGraphs(gpu).on);
+
+  StepGraphFacts cpu = gpu;
+  cpu.cuda = false;
+  EXPECT_FALSE(PlanStepGraphs(cpu).on);
+  EXPECT_EQ(PlanStepGraphs(cpu).why_not, "");
+
+  auto why_not = [&](const std::function<void(StepGraphFacts&)>& change) {
+    StepGraphFacts f = gpu;
+    change(f);
+    const StepGraphPlan plan = PlanStepGraphs(f);
+    EXPECT_FALSE(plan.on);
+    return plan.why_not;
+  };
+  EXPECT_EQ(why_not([](StepGraphFacts& f) { f.requested = false; }), "--cuda-graphs off");
+  EXPECT_THAT(why_not([](StepGraphFacts& f) { f.can_capture = false; }),
+              HasSubstr("cannot capture"));
+  EXPECT_EQ(why_not([](StepGraphFacts& f) { f.layout_blocker = "FSDP gathers"; }), "FSDP gathers");
+  EXPECT_THAT(why_not([](StepGraphFacts& f) { f.precision = Precision::kFp16; }),
+              HasSubstr("fp16's dynamic loss scaling"));
+  EXPECT_THAT(why_not([](StepGraphFacts& f) { f.optimizer = OptimizerKind::kLion; }),
+              HasSubstr("lion takes its learning rate as a host number"));
+  EXPECT_THAT(why_not([](StepGraphFacts& f) { f.optimizer = OptimizerKind::kAdafactor; }),
+              HasSubstr("adafactor steps its state in host memory"));
+  EXPECT_THAT(why_not([](StepGraphFacts& f) { f.optimizer = OptimizerKind::kAdamW8bit; }),
+              HasSubstr("steps its state in host memory"));
+  EXPECT_THAT(why_not([](StepGraphFacts& f) { f.loss_mask = true; }), HasSubstr("loss_mask"));
+  EXPECT_THAT(why_not([](StepGraphFacts& f) { f.lora_dropout = true; }), HasSubstr("LoRA dropout"));
+}
+
+// StepGraphs' bookkeeping, with a capture that records what it is asked: warm-up steps run
+// eagerly, then one capture and replays (each after its inputs are filled); new shapes drop the
+// graph, warm up again and capture again; a failed capture turns graphs off for the run, said
+// once in the log.
+TEST(StepGraphsTest, WarmsUpCapturesOnceReplaysAndCapturesAgainForNewShapes) {
+  std::vector<std::string> events, log;
+  int captures = 0;
+  bool fail = false;
+  GraphCapture capture = [&](const std::function<void()>& body) -> absl::StatusOr<GraphReplay> {
+    ++captures;
+    events.push_back("capture");
+    if (fail) return absl::InternalError("operation not permitted when stream is capturing");
+    return GraphReplay([&events] { events.push_back("replay"); });
+  };
+  StepGraphs graphs(
+      capture, [&](const std::string& line) { log.push_back(line); }, 2);
+  auto step = [&](const std::string& shapes, int64_t n) {
+    events.clear();
+    const bool replayed = graphs.Run(
+        shapes, n, [] {}, [&events] { events.push_back("fill"); });
+    if (!replayed) events.push_back("eager");
+    return events;
+  };
+  using V = std::vector<std::string>;
+  EXPECT_EQ(step("2x9", 1), V({"eager"}));
+  EXPECT_EQ(step("2x9", 2), V({"eager"}));
+  EXPECT_EQ(step("2x9", 3), V({"capture", "fill", "replay"}));
+  EXPECT_EQ(step("2x9", 4), V({"fill", "replay"}));
+  EXPECT_EQ(step("2x9", 5), V({"fill", "replay"}));
+  EXPECT_EQ(captures, 1);
+  EXPECT_EQ(graphs.replays(), 3);
+  ASSERT_EQ(log.size(), 1u);
+  EXPECT_THAT(log[0], HasSubstr("step 3 captured (inputs 2x9) after 2 eager steps"));
+
+  // New shapes: warm-up again, then a second capture.
+  EXPECT_EQ(step("1x9", 6), V({"eager"}));
+  EXPECT_THAT(log.back(), HasSubstr("(1x9) differ from the graph's (2x9)"));
+  EXPECT_EQ(step("1x9", 7), V({"eager"}));
+  EXPECT_EQ(step("1x9", 8), V({"capture", "fill", "replay"}));
+  EXPECT_EQ(graphs.captures(), 2);
+
+  // Back to the first shapes, and this time the capture fails: eager from then on.
+  fail = true;
+  EXPECT_EQ(step("2x9", 9), V({"eager"}));
+  EXPECT_EQ(step("2x9", 10), V({"eager"}));
+  EXPECT_EQ(step("2x9", 11), V({"capture", "eager"}));
+  EXPECT_FALSE(graphs.on());
+  EXPECT_THAT(log.back(), HasSubstr("cuda graphs: off from step 11: the capture failed: operation "
+                                    "not permitted when stream is capturing"));
+  const size_t lines = log.size();
+  EXPECT_EQ(step("2x9", 12), V({"eager"}));
+  EXPECT_EQ(step("5x9", 13), V({"eager"}));
+  EXPECT_EQ(captures, 3);
+  EXPECT_EQ(log.size(), lines);
+}
+
+// Without CUDA the capture says so (the plan never asks for it there).
+TEST(StepGraphsTest, TheCpuFlavourCannotCapture) {
+  if (CudaGraphsBuilt()) GTEST_SKIP() << "the CUDA flavour";
+  auto captured = CaptureCudaGraph([] {});
+  EXPECT_EQ(captured.status().code(), absl::StatusCode::kUnimplemented);
 }
 
 TEST(DeviceTest, GradNormIsTheNormOfAllGradients) {

@@ -98,6 +98,10 @@ case "$case_name" in
     TRAINYARD_NCCL_ONE_RANK=1 train fp32 cuda nccl | losses nccl >"$work/nccl.txt"
     grep -q "collectives: nccl" "$work/nccl.log" || fail "the NCCL run did not use NCCL"
     grep -q "device: cuda:0" "$work/cuda.log" || fail "the rank did not say it trains on cuda:0"
+    # (One rank without NCCL replays its step as a CUDA graph from step 4; through NCCL, eager.)
+    grep -q "cuda graphs: step 4 captured" "$work/cuda.log" || fail "the step was not captured"
+    grep -q "cuda graphs: off (the gradients are averaged" "$work/nccl.log" ||
+      fail "the NCCL run did not say why it has no graphs"
     [ "$(wc -l <"$work/cuda.txt")" -eq 10 ] || fail "expected 10 steps"
     close "$work/cpu.txt" "$work/cuda.txt" 1e-5 || fail "GPU losses differ from the CPU's"
     close "$work/cpu.txt" "$work/nccl.txt" 1e-5 || fail "GPU (NCCL) losses differ from the CPU's"
@@ -282,6 +286,47 @@ PY
     train ckpt8 cpu g2c8 | losses g2c8 >"$work/g2c8.txt"
     close "$work/whole8.txt" "$work/g2c8.txt" 1e-4 || fail "an 8-bit GPU checkpoint resumed on the CPU changed the losses"
     ;;
+  cuda_graphs)
+    # The step as a CUDA graph, captured after 3 eager steps and replayed: fp32 with two
+    # micro-batches a step (the accumulation inside the graph), a learning rate that changes every
+    # step (warm-up, then cosine), an evaluation every 4 steps between replays and checkpoints at
+    # steps 6 and 8. The eager steps' losses (--cuda-graphs off) within 1e-6, and their evaluation
+    # losses; the CPU's within 1e-5; a checkpoint written after replays resumes (warm-up and a
+    # capture again) with the straight run's losses (1e-5). bf16 trains with graphs as without.
+    spec fp32 12 fp32
+    sed -i -e 's/grad_accum: 1/grad_accum: 2/' -e 's/warmup: 2/warmup: 5/' -e 's/every_steps: 0/every_steps: 6/' \
+      -e 's/seed: 1}/seed: 1, eval_every: 4, eval_batches: 1}/' \
+      -e 's|format: bytes}|format: bytes, eval_path: /usr/share/common-licenses/GPL-2}|' "$work/fp32.yaml"
+    train fp32 cuda graphed | losses graphed >"$work/graphed.txt"
+    train fp32 cuda eager --cuda-graphs off | losses eager >"$work/eager.txt"
+    train fp32 cpu cpu | losses cpu >"$work/cpu.txt"
+    grep "cuda graphs" "$work/graphed.log"
+    grep -q "cuda graphs: on" "$work/graphed.log" || fail "graphs are not on"
+    grep -q "cuda graphs: step 4 captured (inputs 8x129 8x129) after 3 eager steps" "$work/graphed.log" ||
+      fail "the step was not captured at step 4"
+    ! grep -q "cuda graphs: off from" "$work/graphed.log" || fail "the capture failed"
+    grep -q "cuda graphs: off (--cuda-graphs off)" "$work/eager.log" || fail "--cuda-graphs off was not said"
+    [ "$(wc -l <"$work/graphed.txt")" -eq 12 ] || fail "expected 12 steps"
+    close "$work/eager.txt" "$work/graphed.txt" 1e-6 || fail "the replayed steps differ from the eager ones"
+    close "$work/cpu.txt" "$work/graphed.txt" 1e-5 || fail "the replayed steps differ from the CPU's"
+    eval_losses() {
+      python3 -c "import json, sys; [print(repr(r['eval_loss'])) for r in map(json.loads, open(sys.argv[1])) if 'eval_loss' in r]" "$work/$1.jsonl"
+    }
+    eval_losses graphed >"$work/graphed-eval.txt"
+    eval_losses eager >"$work/eager-eval.txt"
+    [ "$(wc -l <"$work/graphed-eval.txt")" -eq 3 ] || fail "expected evaluations after steps 4, 8 and 12"
+    close "$work/eager-eval.txt" "$work/graphed-eval.txt" 1e-6 || fail "evaluations between replays differ"
+    train fp32 cuda resumed --stop-after-steps 8 >/dev/null
+    train fp32 cuda resumed | losses resumed >"$work/resumed.txt"  # both runs' steps, appended
+    grep -q "resumed from .*step-8 at step 8" "$work/resumed.log" || fail "not resumed from step 8"
+    grep -q "cuda graphs: step 12 captured" "$work/resumed.log" || fail "the resumed run did not capture"
+    close "$work/graphed.txt" "$work/resumed.txt" 1e-5 || fail "a checkpoint written after replays resumed otherwise"
+    spec bf16 30 bf16
+    train bf16 cuda bf16-graphed | losses bf16-graphed >"$work/bf16-graphed.txt"
+    train bf16 cuda bf16-eager --cuda-graphs off | losses bf16-eager >"$work/bf16-eager.txt"
+    grep -q "cuda graphs: step 4 captured" "$work/bf16-graphed.log" || fail "bf16: the step was not captured"
+    close "$work/bf16-eager.txt" "$work/bf16-graphed.txt" 1e-2 || fail "bf16 with graphs trains otherwise"
+    ;;
   llama)
     # The Llama family on the GPU, from a Hugging Face folder (a random Llama written by the
     # trainer's own export, 2 layers, grouped-query attention): one GPU rank gives the CPU's losses
@@ -320,6 +365,7 @@ PY
       grep -q "device: $dev" "$work/$m-gpu.log" || fail "$m: not on $dev"
       [ "$(wc -l <"$work/$m-gpu.txt")" -eq 10 ] || fail "$m: expected 10 steps"
       close "$work/$m-cpu.txt" "$work/$m-gpu.txt" 1e-5 || fail "$m: GPU losses differ from the CPU's"
+      [ "$dev" = cpu ] || grep -q "cuda graphs: step 4 captured" "$work/$m-gpu.log" || fail "$m: the step was not captured"
     done
     ! close "$work/llama-gpu.txt" "$work/mistral-gpu.txt" 1e-3 2>/dev/null || fail "the window changed nothing"
     llama_spec lora 10 "$work/mistral" fp32 "lora: {r: 4, alpha: 8, target_modules: [q_proj, v_proj, down_proj]}"

@@ -72,11 +72,26 @@ struct RunResult {
   bool holds_whole = true;
 };
 
+// CUDA graphs' bookkeeping on the CPU (StepGraphs, runtime/step_graph.h): a stand-in for a
+// graph that keeps the captured body and runs it again at each replay, as a graph's kernels run
+// again on its input tensors (the windows, the learning rate and the step count, filled before
+// each replay). The capture itself needs a GPU (tests/gpu_test.sh cuda_graphs).
+struct GraphStandIn {
+  int warmup_steps = 0;
+  int captures = 0;
+  int64_t replays = 0;
+};
+
+// The learning rate of `step`: it changes every step (a graph must not keep the first one).
+double StepLr(const JobConfig& job, int64_t step) { return job.train.lr / (1 + step % 3); }
+
 // Runs `steps` steps of `job` on `world` ranks (threads with real Gloo groups), each rank's
 // windows of the global batch by the strategy's split. With `resumed_step`, first resumes from
 // `dir` (and says from which step); without, writes a checkpoint into `dir` after (when not "").
+// With `graphs`, each step goes through the strategy's step graphs, with a GraphStandIn.
 std::vector<RunResult> RunLayout(const JobConfig& job, int world, const std::string& dir = "",
-                                 int64_t* resumed_step = nullptr, int steps = kSteps) {
+                                 int64_t* resumed_step = nullptr, int steps = kSteps,
+                                 GraphStandIn* graphs = nullptr) {
   // oneDNN's matmul primitives share their scratchpad: two ranks in one process must not run them
   // at once (a trainer's ranks are processes of their own). Read at the first matmul.
   ::setenv("TRAINYARD_MATMUL", "blas", 1);
@@ -126,6 +141,17 @@ std::vector<RunResult> RunLayout(const JobConfig& job, int world, const std::str
     ASSERT_TRUE(made.ok()) << made.status();
     ParallelStrategy& strategy = **made;
     if (resumed_step != nullptr && rank == 0) *resumed_step = resumed.step;
+    const StepGraphs* step_graphs = nullptr;
+    if (graphs != nullptr) {
+      ASSERT_EQ(strategy.StepGraphBlocker(), "");
+      GraphCapture stand_in = [graphs](const std::function<void()>& body) {
+        ++graphs->captures;
+        return absl::StatusOr<GraphReplay>(body);
+      };
+      auto owned = std::make_unique<StepGraphs>(stand_in, &Log, graphs->warmup_steps);
+      step_graphs = owned.get();
+      strategy.UseStepGraphs(std::move(owned));
+    }
     const int count = strategy.micro_batches();
     for (int64_t step = resumed.step; step < resumed.step + steps; ++step) {
       const torch::Tensor batch = GlobalBatch(step, job.model);
@@ -141,11 +167,22 @@ std::vector<RunResult> RunLayout(const JobConfig& job, int world, const std::str
         return model.LossOf(logits, w) / count;
       };
       StepResult r;
+      const double lr = StepLr(job, step);
+      if (strategy.GraphedStep(work, lr, r)) {
+        ASSERT_TRUE(r.grad_norm_device.defined());
+        results[rank].grad_norms.push_back(r.grad_norm_device.item<double>());
+        continue;
+      }
       strategy.ForwardBackward(work, r);
       ASSERT_TRUE(strategy.ComputeGradNorm(r).ok());
       results[rank].grad_norms.push_back(r.grad_norm);
-      ASSERT_TRUE(strategy.OptimizerStep(job.train.lr, 1.0, r).ok());
+      const double clip = job.train.grad_clip;
+      ASSERT_TRUE(strategy
+                      .OptimizerStep(
+                          lr, clip > 0 && r.grad_norm > clip ? clip / (r.grad_norm + 1e-6) : 1.0, r)
+                      .ok());
     }
+    if (graphs != nullptr) graphs->replays = step_graphs->replays();
     if (!dir.empty() && resumed_step == nullptr) {
       auto saved = strategy.Save(dir, resumed.step + steps, {"", std::nullopt}, {});
       ASSERT_TRUE(saved.ok()) << saved.status();
@@ -222,6 +259,36 @@ TEST(StrategyTest, EachLayoutResumesFromTheCheckpointItWrites) {
           << layout << " resumed step " << kSteps + i;
     }
   }
+}
+
+// A one-rank DDP step through CUDA graphs' bookkeeping (GraphStandIn): after its warm-up steps the
+// step is captured once and replayed, and each replay updates the model as the eager step does,
+// with that step's windows, learning rate and AdamW step count (bias correction), clipping
+// included; a checkpoint written after replays resumes the eager run's way.
+TEST(StrategyTest, TheStepThroughAGraphUpdatesAsTheEagerStep) {
+  JobConfig job = Job("ddp", 1);
+  job.train.grad_clip = 0.05;  // (small enough to clip: the divisor is the graph's)
+  const int steps = 6;
+  const std::vector<RunResult> eager = RunLayout(job, 1, "", nullptr, steps);
+  testing::TempDir tmp;
+  const std::string dir = tmp.path() + "/checkpoints";
+  GraphStandIn graphs;
+  graphs.warmup_steps = 2;
+  const std::vector<RunResult> graphed = RunLayout(job, 1, dir, nullptr, steps, &graphs);
+  EXPECT_EQ(graphs.captures, 1);
+  EXPECT_EQ(graphs.replays, steps - graphs.warmup_steps);
+  ASSERT_EQ(graphed.size(), 1u);
+  ExpectSameNorms(graphed[0], eager[0], "graphed");
+  ExpectSameModel(graphed[0], eager[0], "graphed");
+  EXPECT_GT(eager[0].grad_norms.back(), job.train.grad_clip);  // the clipping was used
+
+  // The replays' checkpoint (its AdamW step counts are the host's) resumes as the eager run goes
+  // on: 2 more steps from it against 8 straight.
+  int64_t resumed_step = -1;
+  const std::vector<RunResult> resumed = RunLayout(job, 1, dir, &resumed_step, 2);
+  EXPECT_EQ(resumed_step, steps);
+  const std::vector<RunResult> straight = RunLayout(job, 1, "", nullptr, steps + 2);
+  ExpectSameModel(resumed[0], straight[0], "resumed after replays");
 }
 
 // Offload's strategy needs parameter servers (OffloadE2eTest runs it against real ones); what it

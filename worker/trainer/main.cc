@@ -247,6 +247,12 @@ void AddRankFlags(CLI::App& app, TrainerOptions& o, std::string& spec_path,
       ->check(CLI::IsMember({"auto", "off"}))
       ->envname("TRAINYARD_FUSED_NORM")
       ->group("");  // hidden
+  app.add_option("--cuda-graphs", o.cuda_graphs,
+                 "auto: on a GPU the step is captured as a CUDA graph after a few eager steps and "
+                 "replayed, where its layout allows (the log says); off: eager (benchmarks)")
+      ->check(CLI::IsMember({"auto", "off"}))
+      ->envname("TRAINYARD_CUDA_GRAPHS")
+      ->group("");  // hidden
   app.add_option("--peak-tflops", o.peak_tflops,
                  "the GPU's dense peak TFLOP/s in the training's precision, for the MFU of each "
                  "step (default: a table of known GPUs)")

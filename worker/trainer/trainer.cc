@@ -37,6 +37,7 @@
 #include "worker/trainer/runtime/batches.h"
 #include "worker/trainer/runtime/device.h"
 #include "worker/trainer/runtime/profiler.h"
+#include "worker/trainer/runtime/step_graph.h"
 #include "worker/trainer/runtime/torch_compat.h"
 #include "worker/trainer/strategy/strategy.h"
 
@@ -109,6 +110,9 @@ class Trainer {
   // on this rank's shapes of the model and every rank takes its choice (the replicas round alike).
   absl::Status ChooseMatmuls();
   absl::Status BuildLoop();
+  // CUDA graphs (runtime/step_graph.h): on where the plan allows, the rank then queueing its work
+  // on a stream of its own.
+  void PlanGraphs();
   void LogSetup() const;
 
   // One optimizer step, its report and checkpoint; true when the run stops after it.
@@ -160,6 +164,7 @@ class Trainer {
   Clock::time_point last_ready_;
   std::optional<MatmulPath> pinned_matmuls_;  // TRAINYARD_MATMUL
   std::string matmuls_;                       // the choice and why, for the log ("": none made)
+  std::string graphs_;                        // CUDA graphs: on, or off and why ("": the CPU)
   int64_t params_count_ = 0, trainable_count_ = 0;
   StepProfiler profiler_;  // rank 0: --profile-steps
   // Rank 0's MFU (common/mfu.h): the model's FLOPs a token, each GPU's peak (0: unknown, none).
@@ -190,6 +195,7 @@ absl::Status Trainer::Setup() {
   RETURN_IF_ERROR(BuildStrategy());
   RETURN_IF_ERROR(ChooseMatmuls());
   RETURN_IF_ERROR(BuildLoop());
+  PlanGraphs();
   LogSetup();
   return absl::OkStatus();
 }
@@ -324,6 +330,27 @@ absl::Status Trainer::BuildLoop() {
   return absl::OkStatus();
 }
 
+void Trainer::PlanGraphs() {
+  StepGraphFacts facts;
+  facts.requested = o_.cuda_graphs != "off";
+  facts.cuda = device_.is_cuda();
+  facts.can_capture = CudaGraphsBuilt();
+  facts.layout_blocker = strategy_->StepGraphBlocker();
+  facts.precision = t_.precision;
+  facts.optimizer = t_.optimizer;
+  facts.loss_mask = !data_.loss_mask.empty();
+  facts.lora_dropout = t_.lora.enabled() && t_.lora.dropout > 0;
+  const StepGraphPlan plan = PlanStepGraphs(facts);
+  if (!plan.on) {
+    if (!plan.why_not.empty()) graphs_ = absl::StrCat("off (", plan.why_not, ")");
+    return;
+  }
+  UseStreamOfItsOwn(std::max<int>(device_.index(), 0));
+  strategy_->UseStepGraphs(std::make_unique<StepGraphs>(&CaptureCudaGraph, &Log));
+  graphs_ = absl::StrCat("on (the step captured after ", StepGraphs::kWarmupSteps,
+                         " eager steps, then replayed)");
+}
+
 void Trainer::LogSetup() const {
   Log(absl::StrFormat(
       "trainer rank %d/%d: %s model, %d parameters%s, %d tokens (%d samples), global batch %d, "
@@ -345,6 +372,7 @@ void Trainer::LogSetup() const {
                        ? "; fused LM head + cross-entropy"
                        : ""));
   if (!matmuls_.empty()) Log(absl::StrCat("matmuls: ", matmuls_));
+  if (!graphs_.empty()) Log(absl::StrCat("cuda graphs: ", graphs_));
   if (device_.is_cuda()) CudaResetPeak();
 }
 
@@ -357,8 +385,12 @@ absl::StatusOr<bool> Trainer::Step() {
   s.start = Clock::now();
   s.bytes_before = strategy_->BytesSent();
   profiler_.Before(step_ + 1);
-  strategy_->ForwardBackward(Work(s), s.r);
-  RETURN_IF_ERROR(Update(s));
+  StepWork work = Work(s);
+  s.lr = ScheduledLearningRate(step_, t_);
+  if (!strategy_->GraphedStep(work, s.lr, s.r)) {
+    strategy_->ForwardBackward(work, s.r);
+    RETURN_IF_ERROR(Update(s));
+  }
   if (scaler_) {
     s.loss_scale = scaler_->scale();
     s.skipped_steps = scaler_->skipped_steps();

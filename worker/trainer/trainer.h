@@ -57,6 +57,9 @@ struct TrainerOptions {
   // "auto": on a GPU the GPT block's LayerNorms run fused with the residual add and the cast
   // (ModelOptions::fused_norms); "off": torch's LayerNorm (benchmarks).
   std::string fused_norm = "auto";
+  // "auto": on a GPU the step is captured as a CUDA graph and replayed where its layout allows
+  // (runtime/step_graph.h; the rank's log says whether, and why not); "off": eager (benchmarks).
+  std::string cuda_graphs = "auto";
   // A GPU's peak TFLOP/s for the steps' MFU, in place of common/mfu.h's table (0: the table's).
   double peak_tflops = 0;
   // Rank 0 traces steps FIRST:COUNT into profile_out (runtime/profiler.h); empty: none.

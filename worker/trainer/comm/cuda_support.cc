@@ -6,7 +6,9 @@
 #endif
 
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/cuda/nccl.h>
@@ -14,6 +16,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 
 #include <algorithm>
+#include <exception>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -184,6 +187,48 @@ void CudaResetPeak() {
   if (torch::cuda::is_available()) {
     c10::cuda::CUDACachingAllocator::resetPeakStats(c10::cuda::current_device());
   }
+}
+
+bool CudaGraphsBuilt() { return true; }
+
+void UseStreamOfItsOwn(int index) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(index));
+  c10::cuda::device_synchronize();  // what the default stream queued is done
+  c10::cuda::setCurrentCUDAStream(
+      c10::cuda::getStreamFromPool(/*isHighPriority=*/false, static_cast<c10::DeviceIndex>(index)));
+}
+
+absl::StatusOr<std::function<void()>> CaptureCudaGraph(const std::function<void()>& body) {
+  auto one_line = [](std::string what) {
+    std::replace(what.begin(), what.end(), '\n', ' ');
+    return absl::InternalError(what.substr(0, 400));
+  };
+  c10::cuda::device_synchronize();
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  // Destroyed (the last replay's copy gone) after the device is done with it.
+  std::shared_ptr<at::cuda::CUDAGraph> graph(new at::cuda::CUDAGraph(), [](at::cuda::CUDAGraph* g) {
+    c10::cuda::device_synchronize();
+    delete g;
+  });
+  try {
+    graph->capture_begin();
+    try {
+      body();
+    } catch (...) {
+      // The body's error is the one to report; ending the capture releases the stream.
+      try {
+        graph->capture_end();
+      } catch (...) {
+      }
+      throw;
+    }
+    graph->capture_end();
+  } catch (const c10::Error& e) {
+    return one_line(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return one_line(e.what());
+  }
+  return std::function<void()>([graph] { graph->replay(); });
 }
 
 absl::StatusOr<std::unique_ptr<Communicator>> MakeNcclCommunicator(

@@ -8,6 +8,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -32,6 +33,23 @@ void CudaSynchronize();
 // reset; 0 without CUDA.
 int64_t CudaPeakAllocatedBytes();
 void CudaResetPeak();
+
+// Whether this trainer can capture CUDA graphs (the CUDA flavour).
+bool CudaGraphsBuilt();
+
+// After waiting for device `index`, makes a stream of its own (from LibTorch's pool) this
+// thread's current stream there: CUDA graphs are not captured on the default stream, and the
+// eager steps before a capture must run on the stream the capture will (cuBLAS keeps a workspace
+// per stream). Everything the thread queues from then on goes to that stream.
+void UseStreamOfItsOwn(int index);
+
+// Captures `body` on the current stream into a CUDA graph (at::cuda::CUDAGraph, a private memory
+// pool; its kernels are recorded, not run), after waiting for the device and handing the caching
+// allocator's free blocks back, as torch.cuda.graph does. Returns the graph's replay, queued on
+// the current stream; destroying the last copy waits for the device and frees the graph. An
+// error (one line) when the body throws or does what a capture cannot (a wait for the device, a
+// copy from pageable memory): the capture is ended and nothing ran. UNIMPLEMENTED without CUDA.
+absl::StatusOr<std::function<void()>> CaptureCudaGraph(const std::function<void()>& body);
 
 // NCCL (c10d::ProcessGroupNCCL) over `store`, whose rendezvous carries NCCL's unique id: the
 // collectives of CUDA tensors run on NCCL's own stream per group, ordered after the producing

@@ -9,6 +9,12 @@ std::string CudaDeviceName(int) { return ""; }
 void CudaSynchronize() {}
 int64_t CudaPeakAllocatedBytes() { return 0; }
 void CudaResetPeak() {}
+bool CudaGraphsBuilt() { return false; }
+void UseStreamOfItsOwn(int) {}
+
+absl::StatusOr<std::function<void()>> CaptureCudaGraph(const std::function<void()>&) {
+  return absl::UnimplementedError("CUDA graphs: this trainer was built without CUDA");
+}
 
 absl::StatusOr<std::unique_ptr<Communicator>> MakeNcclCommunicator(c10::intrusive_ptr<c10d::Store>,
                                                                    int, int,

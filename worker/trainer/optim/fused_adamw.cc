@@ -4,6 +4,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <unordered_set>
+
 #include "kernels/adam/cpu_adam.h"
 
 namespace trainyard::trainer {
@@ -141,6 +143,68 @@ void FusedAdamWOnDevice(const std::vector<torch::Tensor>& params,
   (void)weight_decay, (void)eps, (void)grad_divisor;
   TORCH_CHECK(false, "FusedAdamWOnDevice: this LibTorch has no CUDA");
 #endif
+}
+
+int64_t AdvanceAdamWSteps(torch::optim::AdamW& optimizer,
+                          const std::vector<torch::Tensor>& params) {
+  int64_t step = -1;
+  for (const auto& p : params) {
+    auto it = optimizer.state().find(OptimizerStateKey(p));
+    TORCH_CHECK(it != optimizer.state().end() && it->second != nullptr,
+                "AdvanceAdamWSteps: a parameter without AdamW state");
+    auto& st = static_cast<torch::optim::AdamWParamState&>(*it->second);
+    st.step(st.step() + 1);
+    TORCH_CHECK(step < 0 || st.step() == step,
+                "AdvanceAdamWSteps: parameters at different step counts");
+    step = st.step();
+  }
+  return step;
+}
+
+void FusedAdamWFromDevice(torch::optim::AdamW& optimizer, const std::vector<torch::Tensor>& params,
+                          const torch::Tensor& lr, const torch::Tensor& step,
+                          const torch::Tensor& grad_divisor) {
+  torch::NoGradGuard no_grad;
+  std::unordered_set<const void*> wanted;
+  for (const auto& p : params) wanted.insert(p.unsafeGetTensorImpl());
+  // One launch per parameter group (their weight decays differ).
+  for (auto& group : optimizer.param_groups()) {
+    const auto& options = static_cast<const torch::optim::AdamWOptions&>(group.options());
+    std::vector<torch::Tensor> ps, grads, m, v;
+    for (auto& p : group.params()) {
+      if (!p.grad().defined() || wanted.count(p.unsafeGetTensorImpl()) == 0) continue;
+      auto it = optimizer.state().find(OptimizerStateKey(p));
+      TORCH_CHECK(it != optimizer.state().end() && it->second != nullptr,
+                  "FusedAdamWFromDevice: a parameter without AdamW state");
+      auto& st = static_cast<torch::optim::AdamWParamState&>(*it->second);
+      if (!p.is_cuda()) {
+        // The CPU (tests of the graphs' bookkeeping): the values read back, the step count
+        // checked against the host's.
+        TORCH_CHECK(step.item<double>() == static_cast<double>(st.step()),
+                    "FusedAdamWFromDevice: the step tensor says ", step.item<double>(),
+                    ", the parameter's state ", st.step());
+        CpuStep(options, p, st, lr.item<double>(),
+                grad_divisor.defined() ? 1.0 / grad_divisor.item<double>() : 1.0);
+        continue;
+      }
+      ps.push_back(p);
+      grads.push_back(p.grad());
+      m.push_back(st.exp_avg());
+      v.push_back(st.exp_avg_sq());
+    }
+    if (ps.empty()) continue;
+#if TRAINYARD_TORCH2
+    std::optional<torch::Tensor> divisor;
+    if (grad_divisor.defined()) divisor = grad_divisor.to(torch::kFloat).reshape({});
+    const std::vector<torch::Tensor> state_steps(ps.size(), step);
+    at::_fused_adamw_(ps, grads, m, v, /*max_exp_avg_sqs=*/{}, state_steps, lr,
+                      std::get<0>(options.betas()), std::get<1>(options.betas()),
+                      options.weight_decay(), options.eps(), /*amsgrad=*/false,
+                      /*maximize=*/false, divisor, std::nullopt);
+#else
+    TORCH_CHECK(false, "FusedAdamWFromDevice: this LibTorch has no CUDA");
+#endif
+  }
 }
 
 }  // namespace trainyard::trainer

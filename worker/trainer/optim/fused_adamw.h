@@ -46,6 +46,20 @@ void FusedAdamWOnDevice(const std::vector<torch::Tensor>& params,
                         int64_t step, double lr, double beta1, double beta2, double weight_decay,
                         double eps, const torch::Tensor& grad_divisor);
 
+// A CUDA graph's AdamW (runtime/step_graph.h): the update's host side and device side apart.
+// AdvanceAdamWSteps counts one more step for each of `params` (each must have its state: the
+// eager steps before a capture made it) and returns the step count they are now at (the same for
+// all); FusedAdamWFromDevice applies the update to those of `params` with a gradient, reading the
+// learning rate and the step count from one-element fp32 tensors on their device and dividing
+// the gradients by `grad_divisor` (undefined: 1), and writes nothing on the host: a graph replays
+// it with each step's values filled into `lr` and `step`. (CPU parameters, for tests of the
+// graphs' bookkeeping: the values are read back, the step checked against the host's count, and
+// the CPU kernel steps them.)
+int64_t AdvanceAdamWSteps(torch::optim::AdamW& optimizer, const std::vector<torch::Tensor>& params);
+void FusedAdamWFromDevice(torch::optim::AdamW& optimizer, const std::vector<torch::Tensor>& params,
+                          const torch::Tensor& lr, const torch::Tensor& step,
+                          const torch::Tensor& grad_divisor);
+
 }  // namespace trainyard::trainer
 
 #endif  // TRAINYARD_WORKER_TRAINER_OPTIM_FUSED_ADAMW_H_

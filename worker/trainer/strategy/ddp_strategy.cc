@@ -3,10 +3,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "worker/trainer/optim/fused_adamw.h"
 #include "worker/trainer/parallel/ddp.h"
 #include "worker/trainer/runtime/device.h"
+#include "worker/trainer/runtime/torch_compat.h"
 #include "worker/trainer/strategy/strategy.h"
 
 namespace trainyard::trainer {
@@ -74,6 +76,86 @@ class DdpStrategy : public DataParallelStrategy {
     return absl::OkStatus();
   }
 
+  std::string StepGraphBlocker() const override {
+    if (reducer_) {
+      return absl::StrCat("the gradients are averaged through c10d's ProcessGroupNCCL (",
+                          dims().world_size, (dims().world_size == 1 ? " rank" : " ranks"),
+                          "), whose collectives are not captured; one rank without NCCL has "
+                          "none to average");
+    }
+    if (dynamic_cast<torch::optim::AdamW*>(optimizer_.get()) == nullptr) {
+      return "the optimizer is not AdamW";
+    }
+    return "";
+  }
+
+  void UseStepGraphs(std::unique_ptr<StepGraphs> graphs) override {
+    graphs_ = std::move(graphs);
+    const auto opts = torch::TensorOptions().device(in_.device).dtype(torch::kFloat);
+    graph_lr_ = torch::zeros({}, opts);
+    graph_step_ = torch::zeros({}, opts);
+  }
+
+  // The step as a graph: its windows copied into the graph's inputs, AdamW's step counts advanced
+  // on the host and the learning rate and step count filled into the graph's device tensors,
+  // then one replay. The capture records ForwardBackward, the gradient norm, the clipping
+  // divisor and FusedAdamWFromDevice, reading the same tensors, as the eager step runs them.
+  bool GraphedStep(StepWork& work, double lr, StepResult& r) override {
+    if (!graphs_ || !graphs_->on()) return false;
+    const int n = work.micro.count;
+    std::vector<torch::Tensor> windows;
+    std::string shapes;
+    for (int i = 0; i < n; ++i) {
+      windows.push_back(work.micro.windows(i));
+      absl::StrAppend(&shapes, i > 0 ? " " : "", absl::StrJoin(windows.back().sizes(), "x"));
+    }
+    if (shapes != graph_shapes_) {  // the graph's inputs, made before its capture
+      graph_windows_.clear();
+      for (const auto& w : windows) graph_windows_.push_back(torch::empty_like(w));
+      graph_shapes_ = shapes;
+    }
+    auto& adamw = dynamic_cast<torch::optim::AdamW&>(*optimizer_);
+    // The parameters the graph updates: those the eager steps gave AdamW state (every one that
+    // had a gradient).
+    graph_params_.clear();
+    for (const auto& p : trainable_) {
+      if (adamw.state().count(OptimizerStateKey(p)) > 0) graph_params_.push_back(p);
+    }
+    // (What the body holds it holds by value or is a member: a graph records it once, and the
+    // CPU tests' stand-in for a graph runs it again at each replay.)
+    StepWork captured = work;
+    captured.micro.windows = [this](int i) { return graph_windows_[i]; };
+    captured.seed_dropout = nullptr;
+    auto body = [this, &adamw, captured] {
+      StepResult cr;
+      ForwardBackward(captured, cr);
+      const torch::Tensor norm = GradNormTensor(params_);
+      const double clip = train().grad_clip;
+      FusedAdamWFromDevice(adamw, graph_params_, graph_lr_, graph_step_,
+                           clip > 0 ? ClipDivisor(norm, clip) : torch::Tensor());
+      for (auto& p : params_) p.mutable_grad() = torch::Tensor();
+      // (On the CPU the micro-batches' losses are summed on the host.)
+      graph_loss_ =
+          cr.loss_device.defined() ? cr.loss_device : torch::full({}, cr.loss_sum, torch::kDouble);
+      graph_norm_ = norm;
+    };
+    auto before_replay = [&] {
+      for (int i = 0; i < n; ++i) graph_windows_[i].copy_(windows[i], /*non_blocking=*/true);
+      const int64_t step = AdvanceAdamWSteps(adamw, graph_params_);
+      graph_lr_.fill_(lr);
+      graph_step_.fill_(static_cast<double>(step));
+    };
+    if (!graphs_->Run(shapes, work.step + 1, body, before_replay)) {
+      // (A failed capture may have left gradients in the graph's memory.)
+      for (auto& p : params_) p.mutable_grad() = torch::Tensor();
+      work.micro.windows = [windows = std::move(windows)](int i) { return windows[i]; };
+      return false;
+    }
+    r.loss_device = graph_loss_;
+    r.grad_norm_device = graph_norm_;
+    return true;
+  }
+
   absl::StatusOr<std::optional<SavedCheckpoint>> Save(const std::string& dir, int64_t step,
                                                       const MetaNotes& notes,
                                                       const ExtraState& extra) override {
@@ -116,6 +198,12 @@ class DdpStrategy : public DataParallelStrategy {
   const int64_t state_bytes_;  // weights, gradients and (unless offloaded) optimizer state
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::unique_ptr<GradientReducer> reducer_;
+  // CUDA graphs: the step's graph, its inputs (the windows, the learning rate and AdamW's step
+  // count), the parameters it updates and its outputs (the loss sum and the gradient norm).
+  std::unique_ptr<StepGraphs> graphs_;
+  std::string graph_shapes_;
+  std::vector<torch::Tensor> graph_windows_, graph_params_;
+  torch::Tensor graph_lr_, graph_step_, graph_loss_, graph_norm_;
 };
 
 // DDP whose optimizer lives on the parameter servers: each rank reduces and pushes its slice of
@@ -124,6 +212,11 @@ class DdpStrategy : public DataParallelStrategy {
 class OffloadStrategy : public DdpStrategy {
  public:
   explicit OffloadStrategy(const StrategyInputs& in) : DdpStrategy(in, /*offloaded=*/true) {}
+
+  std::string StepGraphBlocker() const override {
+    return "parallel.strategy offload: the parameter servers apply the update, called from the "
+           "host";
+  }
 
   absl::Status Connect(int64_t step) {
     ASSIGN_OR_RETURN(offloaded_, OffloadOptimizer::Create(params_, *groups().world, in_.ps_ranges,

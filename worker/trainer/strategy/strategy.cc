@@ -34,6 +34,18 @@ bool Decays(const LanguageModel& model, const std::vector<std::string>& skip,
 
 }  // namespace
 
+std::string ParallelStrategy::StepGraphBlocker() const {
+  if (dims().model_parallel) {
+    return "pipeline stages and tensor parallelism exchange activations in sends and receives "
+           "that the host schedules";
+  }
+  if (dims().fsdp) {
+    return "FSDP gathers and frees its shards unit by unit from the host and reads the gradient "
+           "norm back";
+  }
+  return "this layout's step is not captured";
+}
+
 void ParallelStrategy::LogResumed(const std::optional<CheckpointInfo>& loaded) const {
   if (loaded.has_value()) {
     Log(absl::StrCat("resumed from ", loaded->path, " at step ", loaded->step));

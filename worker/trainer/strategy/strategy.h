@@ -39,6 +39,7 @@
 #include "worker/trainer/parallel/fsdp.h"
 #include "worker/trainer/parallel/offload.h"
 #include "worker/trainer/parallel/parallel_dims.h"
+#include "worker/trainer/runtime/step_graph.h"
 
 namespace trainyard::trainer {
 
@@ -122,6 +123,17 @@ class ParallelStrategy {
   // HoldsWholeModel (FSDP gathers its shards, offload brings the last update in, a pipeline
   // gathers its stages on rank 0).
   virtual absl::Status GatherModel() = 0;
+
+  // CUDA graphs (runtime/step_graph.h): why this layout's step cannot be captured ("": it can).
+  virtual std::string StepGraphBlocker() const;
+  // Steps through `graphs` from now on (the Trainer's plan allows them; a layout whose
+  // StepGraphBlocker is "").
+  virtual void UseStepGraphs(std::unique_ptr<StepGraphs> graphs) {}
+  // The whole step (ForwardBackward, ComputeGradNorm and OptimizerStep with `lr` and the
+  // clipping) replayed as a CUDA graph: true when it was, its loss and gradient norm in r's device
+  // tensors. False: the caller runs the step eagerly, with `work` (whose windows may have been
+  // drawn already, and then are handed over).
+  virtual bool GraphedStep(StepWork& work, double lr, StepResult& r) { return false; }
 
   virtual bool HoldsWholeModel() const { return true; }
   // Whether this rank's loss counts in the ranks' sum (of a tensor-parallel group, its rank 0; of
