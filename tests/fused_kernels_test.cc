@@ -3,7 +3,7 @@
 // F::cross_entropy in fp64; the fused linear + cross-entropy against linear then cross_entropy;
 // the models' Loss with the fused head against their plain head; the on-device gradient norm and
 // clipping divisor against the host's; SplitHeads against view, permute and unbind; SwiGlu
-// against silu(gate) * up. The CPU cases
+// against silu(gate) * up; the rotary embedding against each pair rotated in fp64. The CPU cases
 // run everywhere (the LibTorch composition behind the same interface); the Cuda cases run the
 // project's CUDA kernel on a GPU and skip elsewhere, unless TRAINYARD_REQUIRE_CUDA=1
 // (scripts/test-gpu.sh), where a missing GPU fails.
@@ -13,10 +13,12 @@
 #include <cstdlib>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "worker/trainer/kernels/fused_loss.h"
 #include "worker/trainer/kernels/fused_norm.h"
+#include "worker/trainer/kernels/rotary.h"
 #include "worker/trainer/kernels/split_heads.h"
 #include "worker/trainer/kernels/swiglu.h"
 #include "worker/trainer/model/model.h"
@@ -524,6 +526,90 @@ TEST(SwiGluTest, CudaLlamaMatchesTheCpu) {
     ASSERT_TRUE(g.defined()) << item.key();
     EXPECT_LT(RelativeError(g, item.value().grad()), 1e-4) << item.key();
   }
+}
+
+}  // namespace
+}  // namespace trainyard::trainer
+
+namespace trainyard::trainer {
+namespace {
+
+// cos and sin of [t, hd] as the Llama rope makes them (each frequency twice), fp32 on `device`.
+std::pair<torch::Tensor, torch::Tensor> RopeTables(int64_t t, int64_t hd,
+                                                   const torch::Device& device) {
+  const torch::Tensor inv_freq =
+      1.0 / torch::pow(10000.0, torch::arange(0, hd, 2, torch::kLong).to(torch::kFloat) / hd);
+  const torch::Tensor freqs = torch::outer(torch::arange(t, torch::kFloat), inv_freq);
+  const torch::Tensor emb = torch::cat({freqs, freqs}, -1);
+  return {emb.cos().to(device), emb.sin().to(device)};
+}
+
+// ApplyRotary of q as the attention has it ([b, heads, t, hd], a transposed view of a
+// [b, t, heads, hd] projection) on `device` in `dtype`: against each pair (i, i + hd/2) rotated
+// by its angle in fp64 (the output, and the input's gradient of a random upstream gradient: the
+// rotation back), within `tolerance`; and for fp32, against the ATen composition on the same
+// device to the bit.
+void CheckRotary(const torch::Device& device, torch::ScalarType dtype, int64_t b, int64_t heads,
+                 int64_t t, int64_t hd, double tolerance, uint64_t seed) {
+  torch::manual_seed(seed);
+  const auto options = torch::TensorOptions().device(device).dtype(dtype);
+  const torch::Tensor base = torch::randn({b, t, heads, hd}).to(options);
+  torch::Tensor x = base.clone().requires_grad_(true);
+  const torch::Tensor q = x.transpose(1, 2);
+  const auto [cos, sin] = RopeTables(t, hd, device);
+  const torch::Tensor dy = torch::randn({b, heads, t, hd}).to(options);
+
+  // fp64: each pair as a complex number times e^(i angle); the gradient rotates back.
+  const int64_t half = hd / 2;
+  auto f64 = [](const torch::Tensor& v) { return v.detach().to(torch::kCPU, torch::kDouble); };
+  const torch::Tensor q64 = f64(q), dy64 = f64(dy);
+  const torch::Tensor c = f64(cos).narrow(1, 0, half), s = f64(sin).narrow(1, 0, half);
+  auto rotate = [&](const torch::Tensor& v, double sign) {
+    const torch::Tensor a = v.narrow(-1, 0, half), bb = v.narrow(-1, half, half);
+    return torch::cat({a * c - sign * bb * s, bb * c + sign * a * s}, -1);
+  };
+  const torch::Tensor want = rotate(q64, 1.0), want_grad = rotate(dy64, -1.0);
+
+  const torch::Tensor y = ApplyRotary(q, cos, sin);
+  EXPECT_EQ(y.scalar_type(), dtype);
+  EXPECT_EQ(y.sizes(), q.sizes());
+  y.backward(dy);
+  EXPECT_EQ(x.grad().scalar_type(), dtype);
+  const std::string what = std::to_string(b) + "x" + std::to_string(heads) + "x" +
+                           std::to_string(t) + "x" + std::to_string(hd);
+  EXPECT_LT(RelativeError(y, want), tolerance) << what;
+  EXPECT_LT(RelativeError(x.grad().transpose(1, 2), want_grad), tolerance) << what;
+  if (dtype == torch::kFloat) {
+    torch::Tensor x2 = base.clone().requires_grad_(true);
+    const torch::Tensor q2 = x2.transpose(1, 2);
+    const torch::Tensor composed = q2 * cos + RotateHalf(q2) * sin;
+    composed.backward(dy);
+    EXPECT_TRUE(torch::equal(y, composed)) << what;
+    EXPECT_TRUE(torch::equal(x.grad(), x2.grad())) << what;
+  }
+}
+
+TEST(RotaryTest, RotatesEachPairByItsAngleOnTheCpu) {
+  const auto [cos, sin] = RopeTables(5, 8, torch::kCPU);
+  EXPECT_FALSE(UsesRotaryKernel(torch::zeros({1, 2, 5, 8}), cos, sin));
+  CheckRotary(torch::kCPU, torch::kFloat, 2, 3, 5, 8, 1e-6, 61);
+}
+
+TEST(RotaryTest, CudaKernelRotatesAsTheComposition) {
+  SKIP_WITHOUT_CUDA();
+  const torch::Device cuda(torch::kCUDA, 0);
+  const auto [cos, sin] = RopeTables(5, 8, cuda);
+  const auto options = torch::TensorOptions().device(cuda);
+  EXPECT_TRUE(UsesRotaryKernel(torch::zeros({1, 5, 2, 8}, options).transpose(1, 2), cos, sin));
+  EXPECT_FALSE(UsesRotaryKernel(torch::zeros({1, 2, 5, 6}, options), cos, sin));  // cos's hd
+  EXPECT_FALSE(UsesRotaryKernel(torch::zeros({1, 2, 5, 8}, options), cos.to(torch::kBFloat16),
+                                sin.to(torch::kBFloat16)));
+  // Llama 3.2 1B's query heads at T 2048 (more pairs than the grid: the loop strides), its key
+  // heads, and odd sizes; fp32 to the composition's bit, bf16 and fp16 rounded once.
+  CheckRotary(cuda, torch::kFloat, 2, 32, 2048, 64, 1e-6, 62);
+  CheckRotary(cuda, torch::kFloat, 3, 5, 7, 6, 1e-6, 63);
+  CheckRotary(cuda, torch::kBFloat16, 4, 8, 2048, 64, 1e-2, 64);
+  CheckRotary(cuda, torch::kHalf, 1, 3, 33, 128, 5e-3, 65);
 }
 
 }  // namespace

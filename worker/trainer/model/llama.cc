@@ -13,6 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "worker/trainer/kernels/rotary.h"
 #include "worker/trainer/kernels/swiglu.h"
 
 namespace trainyard::trainer {
@@ -76,12 +77,6 @@ class Rope {
   std::map<int64_t, std::pair<torch::Tensor, torch::Tensor>> cache_;
 };
 
-// [.., d] -> [.., d] with its halves swapped and the new first half negated.
-torch::Tensor RotateHalf(const torch::Tensor& x) {
-  const int64_t half = x.size(-1) / 2;
-  return torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
-}
-
 // The attention mask of `t` positions: 0 where query i may see key j (j <= i, and i - j < window
 // when window > 0), -inf elsewhere; as transformers' causal mask with Mistral's sliding window.
 torch::Tensor CausalMask(int64_t t, int64_t window, const torch::TensorOptions& options) {
@@ -139,8 +134,9 @@ class LlamaAttentionImpl : public torch::nn::Module {
     };
     torch::Tensor q = heads_of(q_proj, q_lora_, heads), k = heads_of(k_proj, k_lora_, kv_heads),
                   v = heads_of(v_proj, v_lora_, kv_heads);
-    q = q * cos + RotateHalf(q) * sin;
-    k = k * cos + RotateHalf(k) * sin;
+    // (On a GPU one kernel each way: kernels/rotary.h.)
+    q = ApplyRotary(q, cos, sin);
+    k = ApplyRotary(k, cos, sin);
 #if TRAINYARD_TORCH2
     if (x.is_cuda()) {
       // On the GPU: fused causal attention, grouped-query heads shared inside the kernel; a
