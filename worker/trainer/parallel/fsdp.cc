@@ -480,14 +480,9 @@ double FsdpModel::FinishBackward() {
 }
 
 double FsdpModel::GradNorm() {
-  torch::NoGradGuard no_grad;
-  double sq = 0;
-  for (Unit& u : units_) {
-    if (u.train.shard_numel > 0) sq += u.train.shard.grad().pow(2).sum().item<double>();
-  }
-  torch::Tensor t = torch::tensor({sq}, torch::kDouble);
-  shard_.AllReduceSum({t})->Wait();
-  return std::sqrt(t.item<double>());
+  torch::Tensor sq = ShardGradSquaredTensor({});
+  shard_.AllReduceSum({sq})->Wait();
+  return std::sqrt(sq.item<double>());  // the step's one read-back for it
 }
 
 void FsdpModel::Step(double lr, double clip_scale) {
@@ -508,19 +503,27 @@ void FsdpModel::GatherFullParameters() {
 }
 
 double FsdpModel::ShardGradSquared(const std::vector<std::string>& skip) {
+  return ShardGradSquaredTensor(skip).item<double>();
+}
+
+torch::Tensor FsdpModel::ShardGradSquaredTensor(const std::vector<std::string>& skip) {
   torch::NoGradGuard no_grad;
-  double sq = 0;
+  // Each shard's sum of squares in fp64 where it is (a GPU's stay queued there), summed there.
+  std::vector<torch::Tensor> held, skipped;
   for (const Unit& u : units_) {
     if (u.train.shard_numel > 0) {
-      sq += torch::sum(u.train.shard.grad().pow(2), torch::kDouble).item<double>();
+      held.push_back(torch::sum(u.train.shard.grad().pow(2), torch::kDouble).reshape({1}));
     }
   }
-  // (In double: a small part subtracted from a large whole.)
   for (const std::string& name : skip) {
     for (const torch::Tensor& g : ShardGradOf(name)) {
-      sq -= torch::sum(g.pow(2), torch::kDouble).item<double>();
+      skipped.push_back(torch::sum(g.pow(2), torch::kDouble).reshape({1}));
     }
   }
+  if (held.empty()) return torch::zeros({1}, torch::kDouble);
+  torch::Tensor sq = torch::cat(held).sum().reshape({1});
+  // (In double: a small part subtracted from a large whole.)
+  if (!skipped.empty()) sq = sq - torch::cat(skipped).sum();
   return sq;
 }
 

@@ -166,6 +166,8 @@ class FsdpModel : public BlockHooks {
   // This rank's part of the squared gradient norm: its gradient shards' squares, less those of
   // the parameters named in `skip`. No communication.
   double ShardGradSquared(const std::vector<std::string>& skip);
+  // The same as a one-element fp64 tensor where the shards are, not read back.
+  torch::Tensor ShardGradSquaredTensor(const std::vector<std::string>& skip);
   // The views of this rank's gradient shards that hold parameter `name`'s elements (at most one
   // per flat buffer; none when its elements lie in other ranks' shards). After FinishBackward;
   // every rank of the shard group has the same layout, so the same views of two groups' ranks

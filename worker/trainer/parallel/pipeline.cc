@@ -367,7 +367,7 @@ void PipelineStage::SyncSequenceParallelGradients() {
 }
 
 double PipelineStage::GradNormSquared(const std::vector<torch::Tensor>& trainable) {
-  double sq = 0;
+  torch::NoGradGuard no_grad;
   // The last stage's copy of the tied weight is the first stage's; count it there only.
   const bool skip_tied = tied_.defined() && !layout_.first();
   if (fsdp_ != nullptr) {
@@ -377,24 +377,27 @@ double PipelineStage::GradNormSquared(const std::vector<torch::Tensor>& trainabl
     if (skip_tied) skip.push_back(tied_name_);
     if (layout_.tp_rank != 0)
       skip.insert(skip.end(), replicated_names_.begin(), replicated_names_.end());
-    torch::Tensor total = torch::tensor({fsdp_->ShardGradSquared(skip)}, torch::kDouble);
+    torch::Tensor total = fsdp_->ShardGradSquaredTensor(skip);
     world_.AllReduceSum({total})->Wait();
-    return total.item<double>() / fsdp_->replica_count();
+    return total.item<double>() / fsdp_->replica_count();  // the one read-back
   }
   // Tensor parallelism: shards count on every rank, replicated parameters on rank 0 of the group.
   std::set<const void*> skip;
   if (layout_.tp_rank != 0) {
     for (const auto& p : replicated_) skip.insert(p.unsafeGetTensorImpl());
   }
+  // Each norm squared in fp64 where the gradients are, summed there (one read-back, after the
+  // all-reduce, in place of one per parameter).
+  std::vector<torch::Tensor> squares;
   for (const auto& p : trainable) {
     if (!p.grad().defined()) continue;
     if (skip_tied && p.is_same(tied_)) continue;
     if (skip.count(p.unsafeGetTensorImpl()) > 0) continue;
-    const double n = p.grad().norm().item<double>();
-    sq += n * n;
+    squares.push_back(p.grad().norm().to(torch::kDouble).pow(2).reshape({1}));
   }
   // Every replica holds the same averaged gradients: sum over all ranks, divide by replicas.
-  torch::Tensor total = torch::tensor({sq}, torch::kDouble);
+  torch::Tensor total =
+      squares.empty() ? torch::zeros({1}, torch::kDouble) : torch::cat(squares).sum().reshape({1});
   world_.AllReduceSum({total})->Wait();
   return total.item<double>() / layout_.replicas;
 }
