@@ -170,8 +170,8 @@ TEST(StepGraphPlanTest, OnForDdpWithAdamWOnAGpuAndSaysWhyNotElsewhere) {
 
 // StepGraphs' bookkeeping, with a capture that records what it is asked: warm-up steps run
 // eagerly, then one capture and replays (each after its inputs are filled); new shapes drop the
-// graph, warm up again and capture again; a failed capture turns graphs off for the run, said
-// once in the log.
+// graph, warm up again and capture again, as does a graph dropped because what it read moved; a
+// failed capture turns graphs off for the run, said once in the log.
 TEST(StepGraphsTest, WarmsUpCapturesOnceReplaysAndCapturesAgainForNewShapes) {
   std::vector<std::string> events, log;
   int captures = 0;
@@ -209,18 +209,28 @@ TEST(StepGraphsTest, WarmsUpCapturesOnceReplaysAndCapturesAgainForNewShapes) {
   EXPECT_EQ(step("1x9", 8), V({"capture", "fill", "replay"}));
   EXPECT_EQ(graphs.captures(), 2);
 
+  // Dropped (what it read has moved): warm-up and a capture again with the same shapes.
+  graphs.Drop(9, "parameters moved");
+  EXPECT_THAT(log.back(), HasSubstr("step 9: parameters moved: warming up to capture again"));
+  EXPECT_FALSE(graphs.captured());
+  EXPECT_EQ(step("1x9", 9), V({"eager"}));
+  EXPECT_EQ(step("1x9", 10), V({"eager"}));
+  EXPECT_EQ(step("1x9", 11), V({"capture", "fill", "replay"}));
+  EXPECT_TRUE(graphs.captured());
+  EXPECT_EQ(graphs.captures(), 3);
+
   // Back to the first shapes, and this time the capture fails: eager from then on.
   fail = true;
-  EXPECT_EQ(step("2x9", 9), V({"eager"}));
-  EXPECT_EQ(step("2x9", 10), V({"eager"}));
-  EXPECT_EQ(step("2x9", 11), V({"capture", "eager"}));
+  EXPECT_EQ(step("2x9", 12), V({"eager"}));
+  EXPECT_EQ(step("2x9", 13), V({"eager"}));
+  EXPECT_EQ(step("2x9", 14), V({"capture", "eager"}));
   EXPECT_FALSE(graphs.on());
-  EXPECT_THAT(log.back(), HasSubstr("cuda graphs: off from step 11: the capture failed: operation "
+  EXPECT_THAT(log.back(), HasSubstr("cuda graphs: off from step 14: the capture failed: operation "
                                     "not permitted when stream is capturing"));
   const size_t lines = log.size();
-  EXPECT_EQ(step("2x9", 12), V({"eager"}));
-  EXPECT_EQ(step("5x9", 13), V({"eager"}));
-  EXPECT_EQ(captures, 3);
+  EXPECT_EQ(step("2x9", 15), V({"eager"}));
+  EXPECT_EQ(step("5x9", 16), V({"eager"}));
+  EXPECT_EQ(captures, 4);
   EXPECT_EQ(log.size(), lines);
 }
 

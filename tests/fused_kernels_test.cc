@@ -604,9 +604,11 @@ TEST(RotaryTest, CudaKernelRotatesAsTheComposition) {
   EXPECT_FALSE(UsesRotaryKernel(torch::zeros({1, 2, 5, 6}, options), cos, sin));  // cos's hd
   EXPECT_FALSE(UsesRotaryKernel(torch::zeros({1, 2, 5, 8}, options), cos.to(torch::kBFloat16),
                                 sin.to(torch::kBFloat16)));
-  // Llama 3.2 1B's query heads at T 2048 (more pairs than the grid: the loop strides), its key
-  // heads, and odd sizes; fp32 to the composition's bit, bf16 and fp16 rounded once.
+  // Llama 3.2 1B's query heads at T 2048, and at T 4096 on 5 windows (20.9M pairs: more than the
+  // grid's 16.8M threads, so the loop strides), its key heads, and odd sizes; fp32 to the
+  // composition's bit, bf16 and fp16 rounded once.
   CheckRotary(cuda, torch::kFloat, 2, 32, 2048, 64, 1e-6, 62);
+  CheckRotary(cuda, torch::kFloat, 5, 32, 4096, 64, 1e-6, 66);
   CheckRotary(cuda, torch::kFloat, 3, 5, 7, 6, 1e-6, 63);
   CheckRotary(cuda, torch::kBFloat16, 4, 8, 2048, 64, 1e-2, 64);
   CheckRotary(cuda, torch::kHalf, 1, 3, 33, 128, 5e-3, 65);

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <utility>
 
@@ -119,10 +120,12 @@ absl::Status WriteStepDirectory(const std::string& tmp, int64_t step, torch::nn:
       archive.write(name, p.detach().to(torch::kCPU));
     }
     archive.save_to(tmp + "/model.pt");
-    // From the CPU, so that any host reads it; back to the device after.
-    if (!device.is_cpu()) OptimizerStateTo(optimizer, torch::kCPU);
-    torch::save(optimizer, tmp + "/optimizer.pt");
-    if (!device.is_cpu()) OptimizerStateTo(optimizer, device);
+    {
+      // From the CPU, so that any host reads it; the device's own tensors back after.
+      std::optional<OptimizerStateOnCpu> on_cpu;
+      if (!device.is_cpu()) on_cpu.emplace(optimizer);
+      torch::save(optimizer, tmp + "/optimizer.pt");
+    }
     torch::save(SaveRngState(), tmp + "/rng.pt");
     if (!extra.empty()) {
       torch::serialize::OutputArchive amp;
@@ -130,7 +133,6 @@ absl::Status WriteStepDirectory(const std::string& tmp, int64_t step, torch::nn:
       amp.save_to(tmp + "/amp.pt");
     }
   } catch (const c10::Error& e) {
-    if (!device.is_cpu()) OptimizerStateTo(optimizer, device);
     return absl::InternalError(
         absl::StrCat("cannot save the checkpoint to '", tmp, "': ", e.what_without_backtrace()));
   }

@@ -8,6 +8,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -205,13 +206,16 @@ absl::StatusOr<std::function<void()>> CaptureCudaGraph(const std::function<void(
   };
   c10::cuda::device_synchronize();
   c10::cuda::CUDACachingAllocator::emptyCache();
-  // Destroyed (the last replay's copy gone) after the device is done with it.
+  // Destroyed (the last replay's copy gone) after the device is done with it; a CUDA error there
+  // is a warning, not a throw from a deleter.
   std::shared_ptr<at::cuda::CUDAGraph> graph(new at::cuda::CUDAGraph(), [](at::cuda::CUDAGraph* g) {
-    c10::cuda::device_synchronize();
+    C10_CUDA_CHECK_WARN(cudaDeviceSynchronize());
     delete g;
   });
+  const c10::DeviceIndex device = c10::cuda::current_device();
+  const auto pool = at::cuda::graph_pool_handle();
   try {
-    graph->capture_begin();
+    graph->capture_begin(pool);
     try {
       body();
     } catch (...) {
@@ -223,10 +227,29 @@ absl::StatusOr<std::function<void()>> CaptureCudaGraph(const std::function<void(
       throw;
     }
     graph->capture_end();
-  } catch (const c10::Error& e) {
-    return one_line(e.what_without_backtrace());
   } catch (const std::exception& e) {
-    return one_line(e.what());
+    // A capture the CUDA runtime invalidated (a wait for the device, a copy from pageable memory)
+    // throws in capture_end before the allocator hears of its end, and the graph's destructor
+    // releases a pool only after a capture that ended: end it and release the pool here, or the
+    // partial step's memory stays held and the allocator keeps behaving as if mid-capture.
+    bool ended = true;
+    try {
+      (void)graph->pool();
+    } catch (...) {
+      ended = false;
+    }
+    if (!ended) {
+      try {
+        c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool);
+      } catch (...) {
+      }
+      try {
+        c10::cuda::CUDACachingAllocator::releasePool(device, pool);
+      } catch (...) {
+      }
+    }
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+    return one_line(c10_error != nullptr ? c10_error->what_without_backtrace() : e.what());
   }
   return std::function<void()>([graph] { graph->replay(); });
 }

@@ -227,6 +227,24 @@ std::unique_ptr<torch::optim::Optimizer> MakeOptimizer(const std::vector<torch::
 // made on their parameters' device.
 void OptimizerStateTo(torch::optim::Optimizer& optimizer, const torch::Device& device);
 
+// torch::optim::AdamW's state on the CPU while this lives (torch::save reads it there), then the
+// very device tensors back, not copies of them: a CUDA graph of the step holds their addresses
+// (runtime/step_graph.h). A no-op for the other optimizers, and for state on the CPU already.
+class OptimizerStateOnCpu {
+ public:
+  explicit OptimizerStateOnCpu(torch::optim::Optimizer& optimizer);
+  ~OptimizerStateOnCpu();
+  OptimizerStateOnCpu(const OptimizerStateOnCpu&) = delete;
+  OptimizerStateOnCpu& operator=(const OptimizerStateOnCpu&) = delete;
+
+ private:
+  struct Kept {
+    torch::optim::AdamWParamState* state;
+    torch::Tensor exp_avg, exp_avg_sq, max_exp_avg_sq;
+  };
+  std::vector<Kept> kept_;
+};
+
 // The state of parameter `i` (of the first parameter group) of a MakeOptimizer optimizer by
 // name (AdamW: exp_avg and exp_avg_sq; the others: SlotOptimizer::State's), empty before its
 // first step; `step` gets its optimizer steps. For checkpoints that move state between

@@ -49,6 +49,13 @@ StepGraphs::StepGraphs(GraphCapture capture, std::function<void(const std::strin
                        int warmup_steps)
     : capture_(std::move(capture)), log_(std::move(log)), warmup_steps_(warmup_steps) {}
 
+void StepGraphs::Drop(int64_t step, const std::string& why) {
+  if (!replay_) return;
+  log_(absl::StrCat("cuda graphs: step ", step, ": ", why, ": warming up to capture again"));
+  replay_ = nullptr;
+  eager_steps_ = 0;
+}
+
 bool StepGraphs::Run(const std::string& shapes, int64_t step, const std::function<void()>& body,
                      const std::function<void()>& before_replay) {
   if (!on_) return false;

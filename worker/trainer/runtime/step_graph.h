@@ -68,7 +68,12 @@ class StepGraphs {
   bool Run(const std::string& shapes, int64_t step, const std::function<void()>& body,
            const std::function<void()>& before_replay);
 
+  // Drops the graph (it read tensors that are gone: `why`, said in the log); the next steps warm
+  // up and capture again.
+  void Drop(int64_t step, const std::string& why);
+
   bool on() const { return on_; }
+  bool captured() const { return static_cast<bool>(replay_); }
   int captures() const { return captures_; }
   int64_t replays() const { return replays_; }
 

@@ -70,6 +70,12 @@ class DdpStrategy : public DataParallelStrategy {
     } else {
       trainyard::trainer::OptimizerStep(*optimizer_, lr, clip_scale);
     }
+    if (graphs_) {  // what a graph captured after this step updates
+      updated_.clear();
+      for (const auto& p : trainable_) {
+        if (p.grad().defined()) updated_.push_back(p);
+      }
+    }
     // zero_grad(set_to_none=True): the next backward hands its gradients over instead of adding
     // them to zeros (and the reducer's bucket views are dropped).
     for (auto& p : params_) p.mutable_grad() = torch::Tensor();
@@ -115,11 +121,13 @@ class DdpStrategy : public DataParallelStrategy {
       graph_shapes_ = shapes;
     }
     auto& adamw = dynamic_cast<torch::optim::AdamW&>(*optimizer_);
-    // The parameters the graph updates: those the eager steps gave AdamW state (every one that
-    // had a gradient).
-    graph_params_.clear();
-    for (const auto& p : trainable_) {
-      if (adamw.state().count(OptimizerStateKey(p)) > 0) graph_params_.push_back(p);
+    // The parameters the graph updates: those that had a gradient in the last eager step (with
+    // these shapes: the warm-up's). A graph reads their storage and their AdamW moments where
+    // they were at its capture: should any have moved, it is captured again.
+    if (!graphs_->captured()) graph_params_ = updated_;
+    std::vector<const void*> addresses = StateAddresses(adamw);
+    if (graphs_->captured() && addresses != graph_addresses_) {
+      graphs_->Drop(work.step + 1, "parameters or AdamW moments moved since the capture");
     }
     // (What the body holds it holds by value or is a member: a graph records it once, and the
     // CPU tests' stand-in for a graph runs it again at each replay.)
@@ -134,6 +142,7 @@ class DdpStrategy : public DataParallelStrategy {
       FusedAdamWFromDevice(adamw, graph_params_, graph_lr_, graph_step_,
                            clip > 0 ? ClipDivisor(norm, clip) : torch::Tensor());
       for (auto& p : params_) p.mutable_grad() = torch::Tensor();
+      graph_addresses_ = StateAddresses(adamw);
       // (On the CPU the micro-batches' losses are summed on the host.)
       graph_loss_ =
           cr.loss_device.defined() ? cr.loss_device : torch::full({}, cr.loss_sum, torch::kDouble);
@@ -198,11 +207,27 @@ class DdpStrategy : public DataParallelStrategy {
   const int64_t state_bytes_;  // weights, gradients and (unless offloaded) optimizer state
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::unique_ptr<GradientReducer> reducer_;
+  // Where the graph's parameters and their AdamW moments are (their storage).
+  std::vector<const void*> StateAddresses(torch::optim::AdamW& adamw) const {
+    std::vector<const void*> out;
+    for (const auto& p : graph_params_) {
+      out.push_back(p.data_ptr());
+      auto it = adamw.state().find(OptimizerStateKey(p));
+      if (it == adamw.state().end()) continue;
+      const auto& st = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+      out.push_back(st.exp_avg().data_ptr());
+      out.push_back(st.exp_avg_sq().data_ptr());
+    }
+    return out;
+  }
+
   // CUDA graphs: the step's graph, its inputs (the windows, the learning rate and AdamW's step
   // count), the parameters it updates and its outputs (the loss sum and the gradient norm).
   std::unique_ptr<StepGraphs> graphs_;
   std::string graph_shapes_;
   std::vector<torch::Tensor> graph_windows_, graph_params_;
+  std::vector<torch::Tensor> updated_;        // the parameters the last eager step updated
+  std::vector<const void*> graph_addresses_;  // StateAddresses at the capture
   torch::Tensor graph_lr_, graph_step_, graph_loss_, graph_norm_;
 };
 
