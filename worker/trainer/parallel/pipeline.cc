@@ -200,7 +200,7 @@ std::vector<PipelineStage::Op> PipelineStage::Schedule(int m) const {
   return ops;
 }
 
-double PipelineStage::Step(
+torch::Tensor PipelineStage::Step(
     int micro_batches, const std::function<torch::Tensor(int)>& windows,
     const std::function<torch::Tensor(int, const torch::Tensor&, const torch::Tensor&)>& loss) {
   const auto start = Clock::now();
@@ -219,7 +219,7 @@ double PipelineStage::Step(
   // takes them in order), so a stage keeps O(P) boundary tensors, not O(m).
   std::map<int, std::pair<std::unique_ptr<CommHandle>, torch::Tensor>> activation_sends;
   std::deque<std::pair<std::unique_ptr<CommHandle>, torch::Tensor>> gradient_sends;
-  double loss_sum = 0;
+  torch::Tensor loss_sum;
   int backwards_left = micro_batches;
   for (const Op& op : Schedule(micro_batches)) {
     if (op.forward) {
@@ -241,7 +241,8 @@ double PipelineStage::Step(
       if (layout_.last()) {
         y = loss(op.micro, model_.Head(y), w);
         if (fsdp_ != nullptr) fsdp_->WatchLoss(y);
-        loss_sum += y.item<double>();
+        const torch::Tensor value = y.detach().to(torch::kDouble);
+        loss_sum = loss_sum.defined() ? loss_sum + value : value;
       } else {
         // (fp32 whatever autocast computed the block's last operation in: the next stage's
         // buffer is.)

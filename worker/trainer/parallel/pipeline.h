@@ -132,8 +132,10 @@ class PipelineStage {
 
   // One step: `windows(i)` gives micro-batch i's windows ([micro_batch, seq_len + 1]; read on the
   // first and the last stage), `loss(i, logits, windows)` its loss (last stage), already scaled
-  // for accumulation. Returns the sum of the losses' values on the last stage, 0 elsewhere.
-  double Step(
+  // for accumulation. Returns the sum of the losses on the last stage, a 0-dim fp64 tensor where
+  // they were computed (on a GPU: not read back, so that the host never waits for a micro-batch's
+  // forward); undefined elsewhere.
+  torch::Tensor Step(
       int micro_batches, const std::function<torch::Tensor(int)>& windows,
       const std::function<torch::Tensor(int, const torch::Tensor&, const torch::Tensor&)>& loss);
   // Forwards alone (evaluation, under no_grad): micro-batch i's activations flow from stage to

@@ -71,7 +71,14 @@ class PipelineStrategy : public ParallelStrategy {
       // (On a GPU autocast covers the schedule's backwards too, as it does not touch them:
       // autograd runs them on its device threads.)
       AutocastScope autocast(in_.device, train().precision);
-      r.loss_sum = pipeline_->Step(work.micro.count, work.micro.windows, work.micro.loss_of);
+      const torch::Tensor loss =
+          pipeline_->Step(work.micro.count, work.micro.windows, work.micro.loss_of);
+      // (A GPU's loss is read back a step later, with the step's report.)
+      if (loss.defined() && loss.is_cuda()) {
+        r.loss_device = loss;
+      } else if (loss.defined()) {
+        r.loss_sum = loss.item<double>();
+      }
     }
     r.backward_s = pipeline_->last_step().seconds;
     r.comm_wait_s = pipeline_->last_step().comm_wait_seconds;
