@@ -266,11 +266,12 @@ TEST(FusedLossModelTest, CudaGptAndLlamaMatchThePlainHead) {
 }
 
 // LayerNormCast and AddLayerNorm against layer_norm (and the add) in fp64: outputs and the
-// gradients of x, y, weight and bias, for a random upstream gradient of both outputs.
+// gradients of x, y, weight and bias, for a random upstream gradient of both outputs. `rms`:
+// RmsNormCast and AddRmsNorm against the Llama family's RMSNorm (no bias).
 void CheckNorm(const torch::Device& device, int64_t rows, int64_t d, bool add, bool bf16,
-               double tolerance, uint64_t seed) {
+               double tolerance, uint64_t seed, bool rms = false) {
   SCOPED_TRACE(testing::Message() << device << " rows " << rows << " d " << d << (add ? " add" : "")
-                                  << (bf16 ? " bf16" : ""));
+                                  << (bf16 ? " bf16" : "") << (rms ? " rms" : ""));
   torch::manual_seed(seed);
   const auto opts = torch::TensorOptions().dtype(torch::kFloat).device(device);
   torch::Tensor x = (torch::randn({2, rows, d}, opts) * 2 + 0.5).requires_grad_(true);
@@ -287,7 +288,9 @@ void CheckNorm(const torch::Device& device, int64_t rows, int64_t d, bool add, b
   };
   torch::Tensor x64 = f64(x), y64 = f64(y), w64 = f64(w), b64 = f64(b);
   const torch::Tensor h64 = add ? x64 + y64 : x64;
-  const torch::Tensor n64 = torch::layer_norm(h64, {d}, w64, b64, 1e-5);
+  const torch::Tensor n64 =
+      rms ? w64 * (h64 * torch::rsqrt(h64.pow(2).mean(-1, /*keepdim=*/true) + 1e-5))
+          : torch::layer_norm(h64, {d}, w64, b64, 1e-5);
   torch::Tensor total = (n64 * dn.to(torch::kCPU, torch::kDouble)).sum();
   if (add) total = total + (h64 * dh.to(torch::kCPU, torch::kDouble)).sum();
   total.backward();
@@ -296,9 +299,9 @@ void CheckNorm(const torch::Device& device, int64_t rows, int64_t d, bool add, b
   {
     AutocastScope autocast(device, bf16 ? Precision::kBf16 : Precision::kFp32);
     if (add) {
-      std::tie(h, n) = AddLayerNorm(x, y, w, b, 1e-5);
+      std::tie(h, n) = rms ? AddRmsNorm(x, y, w, 1e-5) : AddLayerNorm(x, y, w, b, 1e-5);
     } else {
-      n = LayerNormCast(x, w, b, 1e-5);
+      n = rms ? RmsNormCast(x, w, 1e-5) : LayerNormCast(x, w, b, 1e-5);
     }
   }
   EXPECT_EQ(n.scalar_type(), bf16 && device.is_cuda() ? torch::kBFloat16 : torch::kFloat);
@@ -312,7 +315,11 @@ void CheckNorm(const torch::Device& device, int64_t rows, int64_t d, bool add, b
   EXPECT_LT(RelativeError(n, n64), tolerance);
   EXPECT_LT(RelativeError(x.grad(), x64.grad()), tolerance);
   EXPECT_LT(RelativeError(w.grad(), w64.grad()), tolerance);
-  EXPECT_LT(RelativeError(b.grad(), b64.grad()), tolerance);
+  if (rms) {
+    EXPECT_FALSE(b.grad().defined());
+  } else {
+    EXPECT_LT(RelativeError(b.grad(), b64.grad()), tolerance);
+  }
   if (add) {
     EXPECT_EQ(y.grad().scalar_type(), y.scalar_type());
     EXPECT_LT(RelativeError(y.grad(), y64.grad()), tolerance);
@@ -322,6 +329,11 @@ void CheckNorm(const torch::Device& device, int64_t rows, int64_t d, bool add, b
 TEST(FusedNormTest, MatchesLayerNormOnTheCpu) {
   CheckNorm(torch::kCPU, 7, 48, /*add=*/false, false, 1e-5, 41);
   CheckNorm(torch::kCPU, 7, 48, /*add=*/true, false, 1e-5, 42);
+}
+
+TEST(FusedNormTest, MatchesRmsNormOnTheCpu) {
+  CheckNorm(torch::kCPU, 7, 48, /*add=*/false, false, 1e-5, 47, /*rms=*/true);
+  CheckNorm(torch::kCPU, 7, 48, /*add=*/true, false, 1e-5, 48, /*rms=*/true);
 }
 
 TEST(FusedNormTest, CudaKernelsMatchLayerNorm) {
@@ -338,36 +350,51 @@ TEST(FusedNormTest, CudaKernelsMatchLayerNorm) {
   }
 }
 
-// The GPT with its fused norms gives the plain modules' loss and gradients on the GPU.
-TEST(FusedNormTest, CudaGptMatchesItsPlainLayerNorms) {
+TEST(FusedNormTest, CudaKernelsMatchRmsNorm) {
   SKIP_WITHOUT_CUDA();
   const torch::Device cuda(torch::kCUDA, 0);
-  for (bool bf16 : {false, true}) {
-    SCOPED_TRACE(bf16 ? "bf16" : "fp32");
-    const ModelConfig m = SmallModel("gpt", true);
-    ModelOptions plain_options;
-    plain_options.fused_norms = false;
-    auto fused = BuildModel(m, {}, 9), plain = BuildModel(m, plain_options, 9);
-    fused->to(cuda);
-    plain->to(cuda);
-    torch::manual_seed(22);
-    const torch::Tensor windows =
-        torch::randint(m.vocab, {3, m.seq_len + 1}, torch::kLong).to(cuda);
-    torch::Tensor lf, lp;
-    {
-      AutocastScope autocast(cuda, bf16 ? Precision::kBf16 : Precision::kFp32);
-      lf = fused->Loss(windows);
-      lp = plain->Loss(windows);
-    }
-    lf.backward();
-    lp.backward();
-    const double tolerance = bf16 ? 3e-2 : 1e-5;
-    EXPECT_LT(RelativeError(lf, lp), tolerance);
-    auto pf = fused->named_parameters(), pp = plain->named_parameters();
-    for (const auto& item : pp) {
-      EXPECT_LT(RelativeError(pf[item.key()].grad(), item.value().grad()), tolerance) << item.key();
-    }
+  // Llama 3.2 1B's width and odd ones, fp32 and bf16 autocast.
+  for (bool add : {false, true}) {
+    CheckNorm(cuda, 4096, 2048, add, false, 1e-5, 49, /*rms=*/true);
+    CheckNorm(cuda, 33, 100, add, false, 1e-5, 50, /*rms=*/true);
+    CheckNorm(cuda, 1000, 2048, add, true, 1e-2, 56, /*rms=*/true);
+    CheckNorm(cuda, 5, 37, add, true, 1e-2, 57, /*rms=*/true);
   }
+}
+
+// The GPT and the Llama with their fused norms give the plain modules' loss and gradients on the
+// GPU.
+TEST(FusedNormTest, CudaGptAndLlamaMatchTheirPlainNorms) {
+  SKIP_WITHOUT_CUDA();
+  const torch::Device cuda(torch::kCUDA, 0);
+  for (const std::string kind : {"gpt", "llama"})
+    for (bool bf16 : {false, true}) {
+      SCOPED_TRACE(kind + (bf16 ? " bf16" : " fp32"));
+      const ModelConfig m = SmallModel(kind, true);
+      ModelOptions plain_options;
+      plain_options.fused_norms = false;
+      auto fused = BuildModel(m, {}, 9), plain = BuildModel(m, plain_options, 9);
+      fused->to(cuda);
+      plain->to(cuda);
+      torch::manual_seed(22);
+      const torch::Tensor windows =
+          torch::randint(m.vocab, {3, m.seq_len + 1}, torch::kLong).to(cuda);
+      torch::Tensor lf, lp;
+      {
+        AutocastScope autocast(cuda, bf16 ? Precision::kBf16 : Precision::kFp32);
+        lf = fused->Loss(windows);
+        lp = plain->Loss(windows);
+      }
+      lf.backward();
+      lp.backward();
+      const double tolerance = bf16 ? 3e-2 : 1e-5;
+      EXPECT_LT(RelativeError(lf, lp), tolerance);
+      auto pf = fused->named_parameters(), pp = plain->named_parameters();
+      for (const auto& item : pp) {
+        EXPECT_LT(RelativeError(pf[item.key()].grad(), item.value().grad()), tolerance)
+            << item.key();
+      }
+    }
 }
 
 // The on-device gradient norm and clipping divisor give the host's norm and clip_grad_norm_'s

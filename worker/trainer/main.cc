@@ -242,8 +242,8 @@ void AddRankFlags(CLI::App& app, TrainerOptions& o, std::string& spec_path,
       ->envname("TRAINYARD_FUSED_LOSS")
       ->group("");  // hidden
   app.add_option("--fused-norm", o.fused_norm,
-                 "auto: on a GPU the GPT block's LayerNorms run fused with the residual add and "
-                 "the cast; off: torch's LayerNorm (benchmarks)")
+                 "auto: on a GPU the GPT block's LayerNorms (the Llama layer's RMSNorms) run fused "
+                 "with the residual add and the cast; off: torch's (benchmarks)")
       ->check(CLI::IsMember({"auto", "off"}))
       ->envname("TRAINYARD_FUSED_NORM")
       ->group("");  // hidden

@@ -54,8 +54,8 @@ struct TrainerOptions {
   // "auto": the head and its cross-entropy fused on CUDA (model.h FusedLoss); "off": the plain
   // head everywhere (benchmarks measure what the fusion buys).
   std::string fused_loss = "auto";
-  // "auto": on a GPU the GPT block's LayerNorms run fused with the residual add and the cast
-  // (ModelOptions::fused_norms); "off": torch's LayerNorm (benchmarks).
+  // "auto": on a GPU the GPT block's LayerNorms and the Llama layer's RMSNorms run fused with the
+  // residual add and the cast (ModelOptions::fused_norms); "off": torch's (benchmarks).
   std::string fused_norm = "auto";
   // "auto": on a GPU the step is captured as a CUDA graph and replayed where its layout allows
   // (runtime/step_graph.h; the rank's log says whether, and why not); "off": eager (benchmarks).

@@ -1,10 +1,10 @@
-// LayerNorm fused with the residual add before it and the cast after it, for the GPT block on a
-// GPU: where eager runs `h = x + branch`, `layer_norm(h)` and autocast's cast of its output to
-// bf16 as three kernels (and three more in backward, plus the add of the residual's gradients),
-// AddLayerNorm runs one each way (layer_norm_cuda.cu). The arithmetic is torch's layer_norm in
-// fp32; only the output is rounded, once, to the dtype the next product reads. On the CPU, and
-// wherever the kernel does not apply (a width over 4096), the same functions run the ATen
-// composition, which the tests compare the kernels with. LibTorch side only.
+// LayerNorm (the GPT block's) and RMSNorm (the Llama family's) fused with the residual add before
+// it and the cast after it, on a GPU: where eager runs `h = x + branch`, the norm and autocast's
+// cast of its output to bf16 as three kernels (and three more in backward, plus the add of the
+// residual's gradients), AddLayerNorm and AddRmsNorm run one each way (layer_norm_cuda.cu). The
+// arithmetic is torch's layer_norm in fp32; only the output is rounded, once, to the dtype the next
+// product reads. On the CPU, and wherever the kernel does not apply (a width over 4096), the same
+// functions run the ATen composition, which the tests compare the kernels with. LibTorch side only.
 #ifndef TRAINYARD_WORKER_TRAINER_KERNELS_FUSED_NORM_H_
 #define TRAINYARD_WORKER_TRAINER_KERNELS_FUSED_NORM_H_
 
@@ -27,21 +27,36 @@ std::pair<torch::Tensor, torch::Tensor> AddLayerNorm(const torch::Tensor& x, con
                                                      const torch::Tensor& weight,
                                                      const torch::Tensor& bias, double eps);
 
+// RMSNorm as the Llama family's (x * rsqrt(mean(x^2) + eps) * weight, weight fp32 [d]) over the
+// last dimension, its output as LayerNormCast's. x fp32.
+torch::Tensor RmsNormCast(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+
+// {h, rms_norm(h)} for h = x + y, as AddLayerNorm. Differentiable in x, y and weight.
+std::pair<torch::Tensor, torch::Tensor> AddRmsNorm(const torch::Tensor& x, const torch::Tensor& y,
+                                                   const torch::Tensor& weight, double eps);
+
+// The RMSNorm of a module (layers.h RmsNorm): LibTorch's fused rms_norm for fp32 CUDA tensors
+// (the CUDA LibTorch), else the composition, both in x's dtype.
+torch::Tensor RmsNormOf(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+
 // Whether these run the project's CUDA kernels for CUDA tensors of width `d`.
 bool HasLayerNormKernel(int64_t d);
 
 #if TRAINYARD_CUDA_KERNELS
 // layer_norm_cuda.cu: x [rows, d] fp32; y undefined or [rows, d]; sum undefined (no y) or [rows,
-// d] fp32; out [rows, d]; mean and rstd [rows] fp32.
+// d] fp32; out [rows, d]; mean and rstd [rows] fp32. `rms`: RMSNorm (beta undefined; mean
+// written as 0).
 void LayerNormForwardCuda(const at::Tensor& x, const at::Tensor& y, const at::Tensor& gamma,
                           const at::Tensor& beta, double eps, const at::Tensor& sum,
-                          const at::Tensor& out, const at::Tensor& mean, const at::Tensor& rstd);
+                          const at::Tensor& out, const at::Tensor& mean, const at::Tensor& rstd,
+                          bool rms);
 // dn [rows, d]; s [rows, d] fp32 (the norm's input); ds_extra undefined or [rows, d] fp32; ds
-// [rows, d] fp32; the partials [blocks, d] fp32, one row per thread block of the launch.
+// [rows, d] fp32; the partials [blocks, d] fp32, one row per thread block of the launch. `rms`:
+// RMSNorm's (dbeta_part undefined).
 void LayerNormBackwardCuda(const at::Tensor& dn, const at::Tensor& s, const at::Tensor& mean,
                            const at::Tensor& rstd, const at::Tensor& gamma,
                            const at::Tensor& ds_extra, const at::Tensor& ds,
-                           const at::Tensor& dgamma_part, const at::Tensor& dbeta_part);
+                           const at::Tensor& dgamma_part, const at::Tensor& dbeta_part, bool rms);
 #endif
 
 }  // namespace trainyard::trainer

@@ -1,4 +1,5 @@
-// LayerNormForwardCuda and LayerNormBackwardCuda (see fused_norm.h): one warp per row.
+// LayerNormForwardCuda and LayerNormBackwardCuda (see fused_norm.h): one warp per row; with
+// `rms`, RMSNorm's (no centring, no bias: x * rsqrt(mean(x^2) + eps) * gamma).
 // Forward adds the branch to the residual (when there is one), writes the fp32 sum, and writes
 // the normalized row straight in the dtype its next product reads (bf16 under autocast), with
 // the row's mean and 1/std for backward: one pass to write what eager's add, LayerNorm and cast
@@ -26,8 +27,9 @@ __device__ __forceinline__ float WarpSum(float v) {
   return v;
 }
 
-// s = x (+ y) -> sum (when given); n = (s - mean) * rstd * gamma + beta.
-template <typename TY, typename TO>
+// s = x (+ y) -> sum (when given); n = (s - mean) * rstd * gamma + beta (RMS: mean 0, no beta,
+// rstd from the mean square).
+template <typename TY, typename TO, bool kRms>
 __global__ void __launch_bounds__(kThreads)
     ForwardKernel(const float* __restrict__ x, const TY* __restrict__ y,
                   const float* __restrict__ gamma, const float* __restrict__ beta, float eps,
@@ -44,19 +46,28 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = lane; i < d; i += 32) {
     const float v = value(i);
     if (sr != nullptr) sr[i] = v;
-    acc += v;
+    acc += kRms ? v * v : v;
   }
-  const float mean = WarpSum(acc) / d;
-  float sq = 0.f;
-  for (int i = lane; i < d; i += 32) {
-    const float c = (sr != nullptr ? sr[i] : value(i)) - mean;
-    sq += c * c;
+  float mean = 0.f, rstd;
+  if (kRms) {
+    rstd = rsqrtf(WarpSum(acc) / d + eps);
+  } else {
+    mean = WarpSum(acc) / d;
+    float sq = 0.f;
+    for (int i = lane; i < d; i += 32) {
+      const float c = (sr != nullptr ? sr[i] : value(i)) - mean;
+      sq += c * c;
+    }
+    rstd = rsqrtf(WarpSum(sq) / d + eps);
   }
-  const float rstd = rsqrtf(WarpSum(sq) / d + eps);
   TO* orow = out + row * d;
   for (int i = lane; i < d; i += 32) {
     const float v = sr != nullptr ? sr[i] : value(i);
-    orow[i] = static_cast<TO>((v - mean) * rstd * gamma[i] + beta[i]);
+    if (kRms) {
+      orow[i] = static_cast<TO>(v * rstd * gamma[i]);
+    } else {
+      orow[i] = static_cast<TO>((v - mean) * rstd * gamma[i] + beta[i]);
+    }
   }
   if (lane == 0) {
     mean_out[row] = mean;
@@ -65,8 +76,9 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ds = rstd * (g - mean(g) - xhat * mean(g * xhat)) (+ ds_extra), g = dn * gamma; per block,
-// dgamma += dn * xhat and dbeta += dn over its rows, into row blockIdx.x of the partials.
-template <typename TD>
+// dgamma += dn * xhat and dbeta += dn over its rows, into row blockIdx.x of the partials. RMS:
+// no mean(g) term (the mean was not subtracted), xhat = s * rstd, no dbeta.
+template <typename TD, bool kRms>
 __global__ void __launch_bounds__(kThreads)
     BackwardKernel(const TD* __restrict__ dn, const float* __restrict__ s,
                    const float* __restrict__ mean, const float* __restrict__ rstd,
@@ -83,7 +95,7 @@ __global__ void __launch_bounds__(kThreads)
        row += int64_t{gridDim.x} * kWarpsPerBlock) {
     const TD* dnr = dn + row * d;
     const float* sr = s + row * d;
-    const float mu = mean[row], r = rstd[row];
+    const float mu = kRms ? 0.f : mean[row], r = rstd[row];
     float c1 = 0.f, c2 = 0.f;
     for (int i = lane; i < d; i += 32) {
       const float g = static_cast<float>(dnr[i]) * gamma[i];
@@ -91,7 +103,7 @@ __global__ void __launch_bounds__(kThreads)
       c1 += g;
       c2 += g * xhat;
     }
-    c1 = WarpSum(c1) / d;
+    c1 = kRms ? 0.f : WarpSum(c1) / d;
     c2 = WarpSum(c2) / d;
     float* dsr = ds + row * d;
     const float* er = ds_extra == nullptr ? nullptr : ds_extra + row * d;
@@ -101,13 +113,13 @@ __global__ void __launch_bounds__(kThreads)
       const float v = r * (dni * gamma[i] - c1 - xhat * c2);
       dsr[i] = er == nullptr ? v : v + er[i];
       atomicAdd(&dgamma[i], dni * xhat);
-      atomicAdd(&dbeta[i], dni);
+      if (!kRms) atomicAdd(&dbeta[i], dni);
     }
   }
   __syncthreads();
   for (int i = threadIdx.x; i < d; i += kThreads) {
     dgamma_part[int64_t{blockIdx.x} * d + i] = dgamma[i];
-    dbeta_part[int64_t{blockIdx.x} * d + i] = dbeta[i];
+    if (!kRms) dbeta_part[int64_t{blockIdx.x} * d + i] = dbeta[i];
   }
 }
 
@@ -116,7 +128,8 @@ __global__ void __launch_bounds__(kThreads)
 // Declared in fused_norm.h.
 void LayerNormForwardCuda(const at::Tensor& x, const at::Tensor& y, const at::Tensor& gamma,
                           const at::Tensor& beta, double eps, const at::Tensor& sum,
-                          const at::Tensor& out, const at::Tensor& mean, const at::Tensor& rstd) {
+                          const at::Tensor& out, const at::Tensor& mean, const at::Tensor& rstd,
+                          bool rms) {
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.size(0);
   const int d = static_cast<int>(x.size(1));
@@ -128,11 +141,18 @@ void LayerNormForwardCuda(const at::Tensor& x, const at::Tensor& y, const at::Te
     using TO = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y_type, "LayerNormY", [&] {
       using TY = scalar_t;
-      ForwardKernel<TY, TO><<<blocks, kThreads, 0, stream>>>(
-          x.data_ptr<float>(), y.defined() ? y.data_ptr<TY>() : nullptr, gamma.data_ptr<float>(),
-          beta.data_ptr<float>(), static_cast<float>(eps), rows, d,
-          sum.defined() ? sum.data_ptr<float>() : nullptr, out.data_ptr<TO>(),
-          mean.data_ptr<float>(), rstd.data_ptr<float>());
+      auto launch = [&](auto kernel) {
+        kernel<<<blocks, kThreads, 0, stream>>>(
+            x.data_ptr<float>(), y.defined() ? y.data_ptr<TY>() : nullptr, gamma.data_ptr<float>(),
+            beta.defined() ? beta.data_ptr<float>() : nullptr, static_cast<float>(eps), rows, d,
+            sum.defined() ? sum.data_ptr<float>() : nullptr, out.data_ptr<TO>(),
+            mean.data_ptr<float>(), rstd.data_ptr<float>());
+      };
+      if (rms) {
+        launch(ForwardKernel<TY, TO, true>);
+      } else {
+        launch(ForwardKernel<TY, TO, false>);
+      }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
@@ -142,7 +162,7 @@ void LayerNormForwardCuda(const at::Tensor& x, const at::Tensor& y, const at::Te
 void LayerNormBackwardCuda(const at::Tensor& dn, const at::Tensor& s, const at::Tensor& mean,
                            const at::Tensor& rstd, const at::Tensor& gamma,
                            const at::Tensor& ds_extra, const at::Tensor& ds,
-                           const at::Tensor& dgamma_part, const at::Tensor& dbeta_part) {
+                           const at::Tensor& dgamma_part, const at::Tensor& dbeta_part, bool rms) {
   const c10::cuda::CUDAGuard guard(s.device());
   const int64_t rows = s.size(0);
   const int d = static_cast<int>(s.size(1));
@@ -150,11 +170,19 @@ void LayerNormBackwardCuda(const at::Tensor& dn, const at::Tensor& s, const at::
   const size_t shared_bytes = 2 * static_cast<size_t>(d) * sizeof(float);
   const auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dn.scalar_type(), "LayerNormBack", [&] {
-    BackwardKernel<scalar_t><<<blocks, kThreads, shared_bytes, stream>>>(
-        dn.data_ptr<scalar_t>(), s.data_ptr<float>(), mean.data_ptr<float>(),
-        rstd.data_ptr<float>(), gamma.data_ptr<float>(),
-        ds_extra.defined() ? ds_extra.data_ptr<float>() : nullptr, rows, d, ds.data_ptr<float>(),
-        dgamma_part.data_ptr<float>(), dbeta_part.data_ptr<float>());
+    auto launch = [&](auto kernel) {
+      kernel<<<blocks, kThreads, shared_bytes, stream>>>(
+          dn.data_ptr<scalar_t>(), s.data_ptr<float>(), mean.data_ptr<float>(),
+          rstd.data_ptr<float>(), gamma.data_ptr<float>(),
+          ds_extra.defined() ? ds_extra.data_ptr<float>() : nullptr, rows, d, ds.data_ptr<float>(),
+          dgamma_part.data_ptr<float>(),
+          dbeta_part.defined() ? dbeta_part.data_ptr<float>() : nullptr);
+    };
+    if (rms) {
+      launch(BackwardKernel<scalar_t, true>);
+    } else {
+      launch(BackwardKernel<scalar_t, false>);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

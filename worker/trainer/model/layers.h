@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 
+#include "worker/trainer/kernels/fused_norm.h"
 #include "worker/trainer/kernels/onednn_matmul.h"
 #include "worker/trainer/model/model.h"
 #include "worker/trainer/runtime/device.h"
@@ -94,16 +95,9 @@ class RmsNormImpl : public torch::nn::Module {
  public:
   RmsNormImpl(int64_t d, double eps)
       : eps_(eps), weight(register_parameter("weight", torch::ones({d}))) {}
-  torch::Tensor forward(const torch::Tensor& x) {
-#if TRAINYARD_TORCH2
-    // On the GPU: LibTorch's fused RMSNorm (one kernel forward, one backward), the same
-    // arithmetic in fp32.
-    if (x.is_cuda() && x.scalar_type() == torch::kFloat) {
-      return at::rms_norm(x, {x.size(-1)}, weight, eps_);
-    }
-#endif
-    return weight * (x * torch::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps_));
-  }
+  // (On the GPU LibTorch's fused RMSNorm: kernels/fused_norm.h RmsNormOf.)
+  torch::Tensor forward(const torch::Tensor& x) { return RmsNormOf(x, weight, eps_); }
+  double eps() const { return eps_; }
 
  private:
   double eps_;

@@ -209,7 +209,7 @@ class LlamaLayerImpl : public torch::nn::Module {
  public:
   LlamaLayerImpl(const ModelConfig& m, const ModelOptions& options, Rope* rope,
                  const TensorParallel* tp)
-      : rope_(rope), tp_(tp) {
+      : rope_(rope), tp_(tp), fused_norms_(options.fused_norms) {
     self_attn = register_module("self_attn", LlamaAttention(m, options, tp));
     mlp = register_module("mlp", LlamaMlp(m, options, tp));
     input_layernorm =
@@ -220,6 +220,15 @@ class LlamaLayerImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x) {
     // Sequence parallelism: x is this rank's part; attention sees the whole sequence.
     const auto [cos, sin] = rope_->CosSin(x.size(1) * (tp_->sequence ? tp_->size : 1), x.device());
+    if (fused_norms_ && x.is_cuda() && x.scalar_type() == torch::kFloat && !tp_->on() &&
+        HasLayerNormKernel(x.size(-1))) {
+      // On the GPU: input_layernorm and its cast in one kernel, the residual add,
+      // post_attention_layernorm and its cast in another (kernels/fused_norm.h), each way.
+      const auto [h, normed] = AddRmsNorm(
+          x, self_attn(RmsNormCast(x, input_layernorm->weight, input_layernorm->eps()), cos, sin),
+          post_attention_layernorm->weight, post_attention_layernorm->eps());
+      return h + mlp(normed);
+    }
     torch::Tensor h = x + self_attn(input_layernorm(x), cos, sin);
     return h + mlp(post_attention_layernorm(h));
   }
@@ -230,6 +239,7 @@ class LlamaLayerImpl : public torch::nn::Module {
  private:
   Rope* rope_;
   const TensorParallel* tp_;
+  bool fused_norms_;
 };
 TORCH_MODULE(LlamaLayer);
 

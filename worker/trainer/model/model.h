@@ -41,8 +41,9 @@ struct ModelOptions {
   bool bf16 = false;
   // Recompute each GPT block in backward instead of keeping its activations.
   bool activation_checkpointing = false;
-  // On CUDA, the GPT block's LayerNorms fused with the residual add before and the cast after
-  // them (kernels/fused_norm.h); false: torch's LayerNorm modules (benchmarks compare).
+  // On CUDA, the GPT block's LayerNorms (the Llama layer's RMSNorms) fused with the residual add
+  // before and the cast after them (kernels/fused_norm.h); false: torch's modules (benchmarks
+  // compare).
   bool fused_norms = true;
   // false: build the modules but leave every parameter without storage (right shape, zero bytes,
   // not to be read) and skip the initialization; a rank that receives its FSDP shards from rank 0
