@@ -5,6 +5,7 @@
 #define USE_C10D_NCCL 1
 #endif
 
+#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -245,6 +246,16 @@ absl::StatusOr<std::function<void()>> CaptureCudaGraph(const std::function<void(
       }
       try {
         c10::cuda::CUDACachingAllocator::releasePool(device, pool);
+      } catch (...) {
+      }
+      // The pinned host allocator records into the graph's pool too (where this LibTorch's
+      // capture_begin registers it; elsewhere these throw, and are ignored).
+      try {
+        at::getHostAllocator(at::kCUDA)->end_allocate_to_pool(pool);
+      } catch (...) {
+      }
+      try {
+        at::getHostAllocator(at::kCUDA)->release_pool(pool);
       } catch (...) {
       }
     }

@@ -481,21 +481,29 @@ OptimizerStateOnCpu::OptimizerStateOnCpu(torch::optim::Optimizer& optimizer) {
   auto* adamw = dynamic_cast<torch::optim::AdamW*>(&optimizer);
   if (adamw == nullptr) return;
   auto to_cpu = [](const torch::Tensor& t) { return t.defined() ? t.to(torch::kCPU) : t; };
-  for (auto& [key, state] : adamw->state()) {
-    auto& st = static_cast<torch::optim::AdamWParamState&>(*state);
-    kept_.push_back({&st, st.exp_avg(), st.exp_avg_sq(), st.max_exp_avg_sq()});
-    st.exp_avg(to_cpu(st.exp_avg()));
-    st.exp_avg_sq(to_cpu(st.exp_avg_sq()));
-    st.max_exp_avg_sq(to_cpu(st.max_exp_avg_sq()));
+  try {
+    for (auto& [key, state] : adamw->state()) {
+      auto& st = static_cast<torch::optim::AdamWParamState&>(*state);
+      kept_.push_back({&st, st.exp_avg(), st.exp_avg_sq(), st.max_exp_avg_sq()});
+      st.exp_avg(to_cpu(st.exp_avg()));
+      st.exp_avg_sq(to_cpu(st.exp_avg_sq()));
+      st.max_exp_avg_sq(to_cpu(st.max_exp_avg_sq()));
+    }
+  } catch (...) {
+    Restore();  // (a copy that failed half-way: no destructor will run)
+    throw;
   }
 }
 
-OptimizerStateOnCpu::~OptimizerStateOnCpu() {
+OptimizerStateOnCpu::~OptimizerStateOnCpu() { Restore(); }
+
+void OptimizerStateOnCpu::Restore() {
   for (Kept& k : kept_) {
     k.state->exp_avg(k.exp_avg);
     k.state->exp_avg_sq(k.exp_avg_sq);
     k.state->max_exp_avg_sq(k.max_exp_avg_sq);
   }
+  kept_.clear();
 }
 
 std::map<std::string, torch::Tensor> ParameterState(torch::optim::Optimizer& optimizer, size_t i,

@@ -238,6 +238,8 @@ class OptimizerStateOnCpu {
   OptimizerStateOnCpu& operator=(const OptimizerStateOnCpu&) = delete;
 
  private:
+  void Restore();
+
   struct Kept {
     torch::optim::AdamWParamState* state;
     torch::Tensor exp_avg, exp_avg_sq, max_exp_avg_sq;

@@ -502,10 +502,6 @@ void FsdpModel::GatherFullParameters() {
   for (int ui = 0; ui < num_units(); ++ui) EnsureGathered(ui);
 }
 
-double FsdpModel::ShardGradSquared(const std::vector<std::string>& skip) {
-  return ShardGradSquaredTensor(skip).item<double>();
-}
-
 torch::Tensor FsdpModel::ShardGradSquaredTensor(const std::vector<std::string>& skip) {
   torch::NoGradGuard no_grad;
   // Each shard's sum of squares in fp64 where it is (a GPU's stay queued there), summed there.

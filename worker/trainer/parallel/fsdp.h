@@ -164,9 +164,8 @@ class FsdpModel : public BlockHooks {
   // The global gradient norm (the shards' gradients all-reduced over the shard group).
   double GradNorm();
   // This rank's part of the squared gradient norm: its gradient shards' squares, less those of
-  // the parameters named in `skip`. No communication.
-  double ShardGradSquared(const std::vector<std::string>& skip);
-  // The same as a one-element fp64 tensor where the shards are, not read back.
+  // the parameters named in `skip`, as a one-element fp64 tensor where the shards are (not read
+  // back). No communication.
   torch::Tensor ShardGradSquaredTensor(const std::vector<std::string>& skip);
   // The views of this rank's gradient shards that hold parameter `name`'s elements (at most one
   // per flat buffer; none when its elements lie in other ranks' shards). After FinishBackward;
