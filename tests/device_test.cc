@@ -156,6 +156,12 @@ TEST(StepGraphPlanTest, OnForDdpWithAdamWOnAGpuAndSaysWhyNotElsewhere) {
   EXPECT_THAT(why_not([](StepGraphFacts& f) { f.can_capture = false; }),
               HasSubstr("cannot capture"));
   EXPECT_EQ(why_not([](StepGraphFacts& f) { f.layout_blocker = "FSDP gathers"; }), "FSDP gathers");
+  // (A feature's reason before the layout's.)
+  EXPECT_THAT(why_not([](StepGraphFacts& f) {
+                f.layout_blocker = "FSDP gathers";
+                f.precision = Precision::kFp16;
+              }),
+              HasSubstr("fp16's dynamic loss scaling"));
   EXPECT_THAT(why_not([](StepGraphFacts& f) { f.precision = Precision::kFp16; }),
               HasSubstr("fp16's dynamic loss scaling"));
   EXPECT_THAT(why_not([](StepGraphFacts& f) { f.optimizer = OptimizerKind::kLion; }),

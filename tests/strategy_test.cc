@@ -291,6 +291,41 @@ TEST(StrategyTest, TheStepThroughAGraphUpdatesAsTheEagerStep) {
   ExpectSameModel(resumed[0], straight[0], "resumed after replays");
 }
 
+// What keeps one rank's DDP step from a CUDA graph, as the strategy says it: nothing with AdamW;
+// another optimizer; AdamW in per-parameter groups (train.no_weight_decay); FSDP's layout.
+TEST(StrategyTest, SaysWhyItsStepCannotBeAGraph) {
+  auto blocker = [](const JobConfig& job) -> std::string {
+    auto dims = ParallelDims::Make(job, job.model, 0, 1, 1);
+    EXPECT_TRUE(dims.ok()) << dims.status();
+    if (!dims.ok()) return "";
+    auto model = BuildModel(job.model, ModelOptions(), job.train.seed);
+    CommGroups groups;
+    groups.world = MakeLocalCommunicator();
+    if (dims->fsdp) groups.shard = MakeLocalCommunicator();
+    StrategyInputs in;
+    in.model = model.get();
+    in.dims = &*dims;
+    in.groups = &groups;
+    in.train = &job.train;
+    in.parallel = &job.parallel;
+    in.hyper = HyperFor(job.train);
+    in.log = &Log;
+    Resumed resumed;
+    auto made = MakeStrategy(in, &resumed);
+    EXPECT_TRUE(made.ok()) << made.status();
+    return made.ok() ? (*made)->StepGraphBlocker() : "";
+  };
+  const JobConfig job = Job("ddp", 1);
+  EXPECT_EQ(blocker(job), "");
+  JobConfig lion = job;
+  lion.train.optimizer = OptimizerKind::kLion;
+  EXPECT_EQ(blocker(lion), "train.optimizer lion is not AdamW");
+  JobConfig groups = job;
+  groups.train.no_weight_decay = {"bias"};
+  EXPECT_THAT(blocker(groups), ::testing::HasSubstr("train.no_weight_decay"));
+  EXPECT_THAT(blocker(Job("fsdp", 1)), ::testing::HasSubstr("FSDP gathers and frees its shards"));
+}
+
 // Offload's strategy needs parameter servers (OffloadE2eTest runs it against real ones); what it
 // is given is checked before any rendezvous.
 TEST(StrategyTest, AnOffloadJobWithoutParameterServerRangesFailsBeforeItsRendezvous) {

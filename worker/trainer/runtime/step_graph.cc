@@ -16,7 +16,6 @@ StepGraphPlan PlanStepGraphs(const StepGraphFacts& f) {
   };
   if (!f.requested) return off("--cuda-graphs off");
   if (!f.can_capture) return off("this trainer's LibTorch cannot capture CUDA graphs");
-  if (!f.layout_blocker.empty()) return off(f.layout_blocker);
   if (f.precision == Precision::kFp16) {
     return off(
         "fp16's dynamic loss scaling reads its overflow check on the host to skip or apply each "
@@ -41,6 +40,8 @@ StepGraphPlan PlanStepGraphs(const StepGraphFacts& f) {
   if (f.lora_dropout) {
     return off("LoRA dropout seeds the generator from the host for each micro-batch");
   }
+  // (After the reasons above, which say more than the layout's own.)
+  if (!f.layout_blocker.empty()) return off(f.layout_blocker);
   plan.on = true;
   return plan;
 }

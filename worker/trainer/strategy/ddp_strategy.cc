@@ -90,7 +90,11 @@ class DdpStrategy : public DataParallelStrategy {
                           "none to average");
     }
     if (dynamic_cast<torch::optim::AdamW*>(optimizer_.get()) == nullptr) {
-      return "the optimizer is not AdamW";
+      if (train().optimizer != OptimizerKind::kAdamW) {
+        return absl::StrCat("train.optimizer ", Name(train().optimizer), " is not AdamW");
+      }
+      return "train.no_weight_decay gives AdamW a parameter group each, stepped by the "
+             "per-parameter optimizer, not LibTorch's fused AdamW";
     }
     return "";
   }
