@@ -203,6 +203,7 @@ TEST(RankEnvironmentTest, BaseThenTheNamedWorkerVariablesThenTheRanksOwn) {
                                            "SSH_AUTH_SOCK=/tmp/agent",
                                            "LD_LIBRARY_PATH=/opt/cuda",
                                            "NCCL_SOCKET_IFNAME=eth1",
+                                           "ONEDNN_MAX_CPU_ISA=AVX2",
                                            "TRAINYARD_TOKEN=tyn.secret",
                                            "TRAINYARD_TOKEN_FILE=/etc/trainyard/token",
                                            "TRAINYARD_COLLECTIVES=gloo",
@@ -211,11 +212,12 @@ TEST(RankEnvironmentTest, BaseThenTheNamedWorkerVariablesThenTheRanksOwn) {
   const std::vector<std::string> own = {"OMP_NUM_THREADS=4", "RANK=1", "PATH=/home/alice/bin",
                                         "LD_PRELOAD=/home/alice/lib.so"};
   const std::vector<std::string> env = RankEnvironment(alice, worker, DefaultRankEnv(), own);
-  EXPECT_EQ(env, (std::vector<std::string>{
-                     "PATH=/home/alice/bin", "LANG=de_DE.UTF-8", "HOME=/home/alice", "USER=alice",
-                     "LOGNAME=alice", "SHELL=/bin/bash", "LD_LIBRARY_PATH=/opt/cuda",
-                     "NCCL_SOCKET_IFNAME=eth1", "TRAINYARD_COLLECTIVES=gloo", "OMP_NUM_THREADS=4",
-                     "RANK=1", "LD_PRELOAD=/home/alice/lib.so"}));
+  EXPECT_EQ(env,
+            (std::vector<std::string>{
+                "PATH=/home/alice/bin", "LANG=de_DE.UTF-8", "HOME=/home/alice", "USER=alice",
+                "LOGNAME=alice", "SHELL=/bin/bash", "LD_LIBRARY_PATH=/opt/cuda",
+                "NCCL_SOCKET_IFNAME=eth1", "ONEDNN_MAX_CPU_ISA=AVX2", "TRAINYARD_COLLECTIVES=gloo",
+                "OMP_NUM_THREADS=4", "RANK=1", "LD_PRELOAD=/home/alice/lib.so"}));
   // Nothing named: only the base and the rank's own; no LANG in the worker's: C.UTF-8; TZ passed.
   const std::vector<std::string> bare =
       RankEnvironment(alice, {"TZ=Europe/Berlin", "NCCL_DEBUG=INFO"}, {}, {"RANK=0"});

@@ -274,7 +274,8 @@ std::vector<std::string> ShepherdEnvironment(const std::vector<std::string>& wor
 }
 
 std::vector<std::string> DefaultRankEnv() {
-  return {"LD_LIBRARY_PATH", "NCCL_*", "GLOO_*", "OMP_*", "OPENBLAS_*", "MKL_*", "TRAINYARD_*"};
+  return {"LD_LIBRARY_PATH", "NCCL_*",   "GLOO_*", "OMP_*",      "OPENBLAS_*",
+          "MKL_*",           "ONEDNN_*", "DNNL_*", "TRAINYARD_*"};
 }
 
 std::vector<std::string> RankEnvironment(const UnixAccount& account,

@@ -38,7 +38,8 @@ namespace trainyard::worker {
 
 // The worker's variables that reach ranks unless --rank-env says otherwise: how the operator set
 // up libraries, collectives, threads and trainyard itself on this host (LD_LIBRARY_PATH, NCCL_*,
-// GLOO_*, OMP_*, OPENBLAS_*, MKL_*, TRAINYARD_*), nothing else of its environment.
+// GLOO_*, OMP_*, OPENBLAS_*, MKL_*, ONEDNN_*, DNNL_*, TRAINYARD_*), nothing else of its
+// environment.
 std::vector<std::string> DefaultRankEnv();
 
 // The shepherd's own environment (it holds nothing of the job's): a fixed PATH, and the worker's
