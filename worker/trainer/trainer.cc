@@ -493,15 +493,14 @@ StepWork Trainer::Work(StepStats& s) {
   return w;
 }
 
-// The optimizer's update with the step's learning rate and clipping, or under fp16 a skipped
-// step when the gradients overflowed.
+// The optimizer's update with the step's learning rate (s.lr, set by Step) and clipping, or under
+// fp16 a skipped step when the gradients overflowed.
 absl::Status Trainer::Update(StepStats& s) {
   // fp16: the gradients divided by the loss scale; an inf or NaN among them (the same on every
   // rank: they were summed) skips this step's update.
   s.overflow = scaler_ && scaler_->Unscale(params_);
   const double scale_used = scaler_ ? scaler_->scale() : 1.0;
   if (scaler_) scaler_->Update(s.overflow);
-  s.lr = ScheduledLearningRate(step_, t_);
   if (s.overflow) {
     // Skipped, as GradScaler skips optimizer.step(): parameters and optimizer state stay.
     s.r.grad_norm = std::numeric_limits<double>::quiet_NaN();

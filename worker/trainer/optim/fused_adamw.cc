@@ -145,14 +145,19 @@ void FusedAdamWOnDevice(const std::vector<torch::Tensor>& params,
 #endif
 }
 
+torch::optim::AdamWParamState& AdamWStateOf(torch::optim::AdamW& optimizer, const torch::Tensor& p,
+                                            const char* caller) {
+  auto it = optimizer.state().find(OptimizerStateKey(p));
+  TORCH_CHECK(it != optimizer.state().end() && it->second != nullptr, caller,
+              ": a parameter without AdamW state");
+  return static_cast<torch::optim::AdamWParamState&>(*it->second);
+}
+
 int64_t AdvanceAdamWSteps(torch::optim::AdamW& optimizer,
                           const std::vector<torch::Tensor>& params) {
   int64_t step = -1;
   for (const auto& p : params) {
-    auto it = optimizer.state().find(OptimizerStateKey(p));
-    TORCH_CHECK(it != optimizer.state().end() && it->second != nullptr,
-                "AdvanceAdamWSteps: a parameter without AdamW state");
-    auto& st = static_cast<torch::optim::AdamWParamState&>(*it->second);
+    auto& st = AdamWStateOf(optimizer, p, "AdvanceAdamWSteps");
     st.step(st.step() + 1);
     TORCH_CHECK(step < 0 || st.step() == step,
                 "AdvanceAdamWSteps: parameters at different step counts");
@@ -173,10 +178,7 @@ void FusedAdamWFromDevice(torch::optim::AdamW& optimizer, const std::vector<torc
     std::vector<torch::Tensor> ps, grads, m, v;
     for (auto& p : group.params()) {
       if (!p.grad().defined() || wanted.count(p.unsafeGetTensorImpl()) == 0) continue;
-      auto it = optimizer.state().find(OptimizerStateKey(p));
-      TORCH_CHECK(it != optimizer.state().end() && it->second != nullptr,
-                  "FusedAdamWFromDevice: a parameter without AdamW state");
-      auto& st = static_cast<torch::optim::AdamWParamState&>(*it->second);
+      auto& st = AdamWStateOf(optimizer, p, "FusedAdamWFromDevice");
       if (!p.is_cuda()) {
         // The CPU (tests of the graphs' bookkeeping): the values read back, the step count
         // checked against the host's.

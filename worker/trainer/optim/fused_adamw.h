@@ -56,6 +56,9 @@ void FusedAdamWOnDevice(const std::vector<torch::Tensor>& params,
 // graphs' bookkeeping: the values are read back, the step checked against the host's count, and
 // the CPU kernel steps them.)
 int64_t AdvanceAdamWSteps(torch::optim::AdamW& optimizer, const std::vector<torch::Tensor>& params);
+// The AdamW state of `p`, which must have one (a TORCH_CHECK failure naming `caller` otherwise).
+torch::optim::AdamWParamState& AdamWStateOf(torch::optim::AdamW& optimizer, const torch::Tensor& p,
+                                            const char* caller);
 void FusedAdamWFromDevice(torch::optim::AdamW& optimizer, const std::vector<torch::Tensor>& params,
                           const torch::Tensor& lr, const torch::Tensor& step,
                           const torch::Tensor& grad_divisor);

@@ -8,7 +8,6 @@
 #include "worker/trainer/optim/fused_adamw.h"
 #include "worker/trainer/parallel/ddp.h"
 #include "worker/trainer/runtime/device.h"
-#include "worker/trainer/runtime/torch_compat.h"
 #include "worker/trainer/strategy/strategy.h"
 
 namespace trainyard::trainer {
@@ -129,8 +128,7 @@ class DdpStrategy : public DataParallelStrategy {
     // these shapes: the warm-up's). A graph reads their storage and their AdamW moments where
     // they were at its capture: should any have moved, it is captured again.
     if (!graphs_->captured()) graph_params_ = updated_;
-    std::vector<const void*> addresses = StateAddresses(adamw);
-    if (graphs_->captured() && addresses != graph_addresses_) {
+    if (graphs_->captured() && StateAddresses(adamw) != graph_addresses_) {
       graphs_->Drop(work.step + 1, "parameters or AdamW moments moved since the capture");
     }
     // (What the body holds it holds by value or is a member: a graph records it once, and the
@@ -216,9 +214,7 @@ class DdpStrategy : public DataParallelStrategy {
     std::vector<const void*> out;
     for (const auto& p : graph_params_) {
       out.push_back(p.data_ptr());
-      auto it = adamw.state().find(OptimizerStateKey(p));
-      if (it == adamw.state().end()) continue;
-      const auto& st = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+      const auto& st = AdamWStateOf(adamw, p, "StateAddresses");
       out.push_back(st.exp_avg().data_ptr());
       out.push_back(st.exp_avg_sq().data_ptr());
     }
