@@ -26,6 +26,11 @@ bool UsesKernel(const torch::Tensor& x, const torch::Tensor& weight, const torch
          (rms || bias.scalar_type() == torch::kFloat) && HasLayerNormKernel(x.size(-1));
 }
 
+// The branch the kernel adds to x: on x's GPU, floating point (the kernel reads its dtype).
+bool BranchFits(const torch::Tensor& x, const torch::Tensor& y) {
+  return y.is_cuda() && y.device() == x.device() && y.is_floating_point() && y.numel() > 0;
+}
+
 // y: an empty tensor when there is no branch to add (autograd's functions take defined tensors);
 // bias an empty tensor under `rms` (RMSNorm: none). Outputs {h, norm} with a branch, {norm}
 // without.
@@ -114,7 +119,7 @@ std::pair<torch::Tensor, torch::Tensor> AddLayerNorm(const torch::Tensor& x, con
   TORCH_CHECK(x.sizes() == y.sizes(), "AddLayerNorm: x and y must have one shape");
   const c10::ScalarType out_type = AutocastScope::ProductType(x);
 #if TRAINYARD_CUDA_KERNELS
-  if (UsesKernel(x, weight, bias) && y.is_cuda() && y.numel() > 0) {
+  if (UsesKernel(x, weight, bias) && BranchFits(x, y)) {
     const variable_list out =
         FusedLayerNorm::apply(x, y, weight, bias, eps, static_cast<int64_t>(out_type), false);
     return {out[0], out[1]};
@@ -151,7 +156,7 @@ std::pair<torch::Tensor, torch::Tensor> AddRmsNorm(const torch::Tensor& x, const
   TORCH_CHECK(x.sizes() == y.sizes(), "AddRmsNorm: x and y must have one shape");
   const c10::ScalarType out_type = AutocastScope::ProductType(x);
 #if TRAINYARD_CUDA_KERNELS
-  if (UsesKernel(x, weight, torch::Tensor(), /*rms=*/true) && y.is_cuda() && y.numel() > 0) {
+  if (UsesKernel(x, weight, torch::Tensor(), /*rms=*/true) && BranchFits(x, y)) {
     const variable_list out =
         FusedLayerNorm::apply(x, y, weight, torch::empty({0}, x.options()), eps,
                               static_cast<int64_t>(out_type), /*rms=*/true);

@@ -36,7 +36,8 @@ class FusedSwiGlu : public torch::autograd::Function<FusedSwiGlu> {
 bool UsesSwiGluKernel(const torch::Tensor& gate, const torch::Tensor& up) {
 #if TRAINYARD_CUDA_KERNELS
   const c10::ScalarType t = gate.scalar_type();
-  return gate.is_cuda() && up.is_cuda() && gate.sizes() == up.sizes() && up.scalar_type() == t &&
+  return gate.is_cuda() && up.is_cuda() && up.device() == gate.device() &&
+         gate.sizes() == up.sizes() && up.scalar_type() == t &&
          (t == torch::kFloat || t == torch::kBFloat16 || t == torch::kHalf) && gate.numel() > 0;
 #else
   (void)gate;

@@ -1,7 +1,7 @@
 // SwiGluForwardCuda and SwiGluBackwardCuda (see swiglu.h): elementwise, a grid-stride loop over
 // the flat tensors, fp32 arithmetic, one rounding per output. Built by nvcc in the CUDA flavour
 // only; ATen's headers only.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -20,7 +20,7 @@ unsigned BlocksFor(int64_t n) {
   return static_cast<unsigned>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535));
 }
 
-__device__ __forceinline__ float Sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
+__device__ __forceinline__ float Sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // out = silu(gate) * up = gate * sigmoid(gate) * up.
 template <typename T>
