@@ -6,8 +6,9 @@
 # key-value heads, SwiGLU 8192, vocab 128256, tied, rope_theta 500000; T2048, batch 4), bf16
 # autocast, SDPA, fused AdamW, clipping at 1.0. Each model also runs with the plain LM head
 # (--fused-loss off: what the fused head + cross-entropy buys), eagerly (--cuda-graphs off: what
-# replaying the step as a CUDA graph buys) and with torch's norms (--fused-norm off: what the
-# fused residual add + LayerNorm or RMSNorm + cast buys). Prints
+# replaying the step as a CUDA graph buys), with torch's norms (--fused-norm off: what the
+# fused residual add + LayerNorm or RMSNorm + cast buys) and with autocast's linear
+# (--fused-linear off: what the weight and bias gradients from one cuBLASLt product buy). Prints
 # tokens/s (median over the timed steps), step time, MFU and peak GPU memory, and the ratios, as
 # Markdown rows.
 #
@@ -77,12 +78,13 @@ run_case() {
   [ -n "$only" ] && [ "$only" != "$name" ] && return 0
   local variant flags
   # (TRAINYARD_BENCH_VARIANTS=auto: only the fused run, for a short GPU session.)
-  for variant in ${TRAINYARD_BENCH_VARIANTS:-auto eager-step plain-head plain-norm}; do
+  for variant in ${TRAINYARD_BENCH_VARIANTS:-auto eager-step plain-head plain-norm plain-linear}; do
     case $variant in
       auto) flags=() ;;
       eager-step) flags=(--cuda-graphs off) ;;
       plain-head) flags=(--fused-loss off) ;;
       plain-norm) flags=(--fused-norm off) ;;
+      plain-linear) flags=(--fused-linear off) ;;
     esac
     cat >"$work/$name-$variant.yaml" <<SPEC
 name: $name
@@ -136,7 +138,7 @@ def vs(x):
         out += f", {x / comp['tokens_per_second']:.2f}x compile"
     return out
 print(f"| {name} | {gpu} | trainyard | {tps:,.0f} | {1e3 * step_s:.1f} | {mfu(tps):.1f}% | {peak_bytes / 2**30:.2f} GiB | {vs(tps)} |")
-for variant, label in (("eager-step", "eager step (--cuda-graphs off)"), ("plain-head", "plain head (--fused-loss off)"), ("plain-norm", "torch's norms (--fused-norm off)")):
+for variant, label in (("eager-step", "eager step (--cuda-graphs off)"), ("plain-head", "plain head (--fused-loss off)"), ("plain-norm", "torch's norms (--fused-norm off)"), ("plain-linear", "autocast's linear (--fused-linear off)")):
     if not os.path.exists(f"{work}/{name}-{variant}.jsonl"):
         continue
     _, v_tps, v_step_s, v_peak = trainyard(variant)

@@ -3,19 +3,22 @@
 // F::cross_entropy in fp64; the fused linear + cross-entropy against linear then cross_entropy;
 // the models' Loss with the fused head against their plain head; the on-device gradient norm and
 // clipping divisor against the host's; SplitHeads against view, permute and unbind; SwiGlu
-// against silu(gate) * up; the rotary embedding against each pair rotated in fp64. The CPU cases
+// against silu(gate) * up; the rotary embedding against each pair rotated in fp64; GpuLinear's
+// one-product weight and bias gradients against autocast's linear and exact sums. The CPU cases
 // run everywhere (the LibTorch composition behind the same interface); the Cuda cases run the
 // project's CUDA kernel on a GPU and skip elsewhere, unless TRAINYARD_REQUIRE_CUDA=1
 // (scripts/test-gpu.sh), where a missing GPU fails.
 #include <gtest/gtest.h>
 
 #include <array>
+#include <cmath>
 #include <cstdlib>
 #include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
 
+#include "worker/trainer/kernels/dense.h"
 #include "worker/trainer/kernels/fused_loss.h"
 #include "worker/trainer/kernels/fused_norm.h"
 #include "worker/trainer/kernels/rotary.h"
@@ -639,6 +642,147 @@ TEST(RotaryTest, CudaKernelRotatesAsTheComposition) {
   CheckRotary(cuda, torch::kFloat, 3, 5, 7, 6, 1e-6, 63);
   CheckRotary(cuda, torch::kBFloat16, 4, 8, 2048, 64, 1e-2, 64);
   CheckRotary(cuda, torch::kHalf, 1, 3, 33, 128, 5e-3, 65);
+}
+
+}  // namespace
+}  // namespace trainyard::trainer
+
+namespace trainyard::trainer {
+namespace {
+
+// GpuLinear against autocast's linear (kernels/dense.h): x [shape..., in], weight [out, in] and
+// bias [out] (when `bias`) in fp32 on `device`, the product under `precision`'s autocast, and the
+// gradients of a random upstream gradient. The output and the input's gradient are autocast's own
+// products (compared within the dtype's rounding); the weight's and bias's gradients are compared
+// with fp64 sums of the same rounded operands, where the fused product, accumulating and writing
+// in fp32, must be close to exact (autocast's rounds its weight gradient to the dtype).
+void CheckGpuLinear(const torch::Device& device, Precision precision, std::vector<int64_t> shape,
+                    int64_t out, bool bias, bool weight_trained, uint64_t seed) {
+  SCOPED_TRACE(testing::Message() << device << " rows " << shape[0] << " in " << shape.back()
+                                  << " out " << out << (bias ? " bias" : "")
+                                  << (weight_trained ? "" : " frozen weight"));
+  torch::manual_seed(seed);
+  const int64_t in = shape.back();
+  const auto f32 = torch::TensorOptions().device(device);
+  const torch::Tensor x0 = torch::randn(shape, f32);
+  const torch::Tensor w0 = torch::randn({out, in}, f32) / std::sqrt(double(in));
+  const torch::Tensor b0 = torch::randn({out}, f32);
+  std::vector<int64_t> out_shape = shape;
+  out_shape.back() = out;
+  const torch::Tensor dy = torch::randn(out_shape, f32);
+  auto leaf = [](const torch::Tensor& t, bool grad) { return t.clone().requires_grad_(grad); };
+  struct Run {
+    torch::Tensor x, w, b, y;
+  };
+  auto run = [&](bool fused) {
+    Run r{leaf(x0, true), leaf(w0, weight_trained), bias ? leaf(b0, true) : torch::Tensor(), {}};
+    {
+      AutocastScope autocast(device, precision);
+      if (fused) {
+        EXPECT_EQ(UsesGpuLinear(r.x, r.w, r.b), device.is_cuda());
+        r.y = GpuLinear(r.x, r.w, r.b);
+      } else {
+        r.y = torch::linear(r.x, r.w, r.b);
+      }
+    }
+    r.y.backward(dy.to(r.y.scalar_type()));
+    return r;
+  };
+  const Run fused = run(true), plain = run(false);
+  const bool half = precision != Precision::kFp32;
+  EXPECT_EQ(fused.y.scalar_type(), plain.y.scalar_type());
+  EXPECT_LT(RelativeError(fused.y, plain.y), 1e-6);
+  EXPECT_EQ(fused.x.grad().scalar_type(), torch::kFloat);
+  EXPECT_LT(RelativeError(fused.x.grad(), plain.x.grad()), 1e-6);
+  // The exact sums of the operands the products read (rounded to autocast's dtype).
+  const auto product_type =
+      half ? (precision == Precision::kBf16 ? torch::kBFloat16 : torch::kHalf) : torch::kFloat;
+  auto rounded = [&](const torch::Tensor& t) {
+    return t.to(product_type).to(torch::kCPU, torch::kDouble).reshape({-1, t.size(-1)});
+  };
+  const torch::Tensor dy64 = rounded(dy), x64 = rounded(x0);
+  if (weight_trained) {
+    ASSERT_TRUE(fused.w.grad().defined());
+    EXPECT_EQ(fused.w.grad().scalar_type(), torch::kFloat);
+    const torch::Tensor dw64 = dy64.t().mm(x64);
+    // (1e-4: fp32 accumulation over thousands of rows; the dtype's rounding is 2e-3 for bf16.)
+    EXPECT_LT(RelativeError(fused.w.grad(), dw64), half ? 1e-4 : 1e-5);
+    EXPECT_LT(RelativeError(plain.w.grad(), dw64), half ? 1e-2 : 1e-5);
+  } else {
+    EXPECT_FALSE(fused.w.grad().defined());
+  }
+  if (bias) {
+    EXPECT_EQ(fused.b.grad().scalar_type(), torch::kFloat);
+    const torch::Tensor db64 = dy64.sum(0);
+    // (A frozen weight's trained bias: eager's reduction, rounded to the dtype.)
+    EXPECT_LT(RelativeError(fused.b.grad(), db64), weight_trained ? 1e-4 : 1e-2);
+    EXPECT_LT(RelativeError(plain.b.grad(), db64), 1e-2);
+  }
+}
+
+TEST(GpuLinearTest, IsTorchsLinearOnTheCpu) {
+  EXPECT_FALSE(UsesGpuLinear(torch::zeros({2, 3}), torch::zeros({4, 3}), torch::zeros({4})));
+  CheckGpuLinear(torch::kCPU, Precision::kFp32, {9, 40}, 24, true, true, 61);
+  CheckGpuLinear(torch::kCPU, Precision::kFp32, {2, 5, 16}, 8, false, true, 62);
+}
+
+TEST(GpuLinearTest, CudaWeightAndBiasGradientsFromOneProduct) {
+  SKIP_WITHOUT_CUDA();
+  const torch::Device cuda(torch::kCUDA, 0);
+  const torch::Tensor probe = torch::zeros({2, 8}, torch::TensorOptions().device(cuda));
+  const torch::Tensor w = torch::zeros({4, 8}, probe.options());
+  EXPECT_FALSE(UsesGpuLinear(probe, w, torch::Tensor()));  // no autocast: fp32 is torch's
+  {
+    AutocastScope autocast(cuda, Precision::kBf16);
+    EXPECT_TRUE(UsesGpuLinear(probe, w, torch::Tensor()));
+    EXPECT_FALSE(UsesGpuLinear(probe, w.to(torch::kBFloat16), torch::Tensor()));
+    SetGpuLinearEnabled(false);
+    EXPECT_FALSE(UsesGpuLinear(probe, w, torch::Tensor()));
+    SetGpuLinearEnabled(true);
+  }
+  // GPT-2 small's qkv product on a batch of 4096 tokens (bias), its MLP's down projection on an
+  // odd number of rows, a 3-D input without bias, a frozen weight (LoRA's base) with a trained
+  // bias, fp16.
+  CheckGpuLinear(cuda, Precision::kBf16, {4096, 768}, 2304, true, true, 63);
+  EXPECT_STREQ(GpuLinearBackwardPath(), "cublaslt");
+  CheckGpuLinear(cuda, Precision::kBf16, {1001, 3072}, 768, true, true, 64);
+  CheckGpuLinear(cuda, Precision::kBf16, {2, 33, 64}, 96, false, true, 65);
+  CheckGpuLinear(cuda, Precision::kBf16, {37, 40}, 24, true, false, 66);
+  CheckGpuLinear(cuda, Precision::kFp16, {300, 128}, 256, true, true, 67);
+  EXPECT_STREQ(GpuLinearBackwardPath(), "cublaslt");
+}
+
+// A GPT and a Llama in bf16 give the same loss and gradients with the fused dense layers as with
+// autocast's linear.
+TEST(GpuLinearTest, CudaGptAndLlamaMatchAutocastsLinear) {
+  SKIP_WITHOUT_CUDA();
+  const torch::Device cuda(torch::kCUDA, 0);
+  for (const std::string kind : {"gpt", "llama"}) {
+    SCOPED_TRACE(kind);
+    const ModelConfig m = SmallModel(kind, true);
+    auto fused = BuildModel(m, {}, 9), plain = BuildModel(m, {}, 9);
+    fused->to(cuda);
+    plain->to(cuda);
+    torch::manual_seed(23);
+    const torch::Tensor windows =
+        torch::randint(m.vocab, {3, m.seq_len + 1}, torch::kLong).to(cuda);
+    torch::Tensor lf, lp;
+    {
+      AutocastScope autocast(cuda, Precision::kBf16);
+      lf = fused->Loss(windows);
+      SetGpuLinearEnabled(false);
+      lp = plain->Loss(windows);
+      SetGpuLinearEnabled(true);
+    }
+    lf.backward();
+    lp.backward();
+    EXPECT_LT(RelativeError(lf, lp), 1e-2);
+    auto pf = fused->named_parameters(), pp = plain->named_parameters();
+    for (const auto& item : pp) {
+      EXPECT_EQ(pf[item.key()].grad().scalar_type(), torch::kFloat) << item.key();
+      EXPECT_LT(RelativeError(pf[item.key()].grad(), item.value().grad()), 3e-2) << item.key();
+    }
+  }
 }
 
 }  // namespace

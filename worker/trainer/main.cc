@@ -247,6 +247,13 @@ void AddRankFlags(CLI::App& app, TrainerOptions& o, std::string& spec_path,
       ->check(CLI::IsMember({"auto", "off"}))
       ->envname("TRAINYARD_FUSED_NORM")
       ->group("");  // hidden
+  app.add_option(
+         "--fused-linear", o.fused_linear,
+         "auto: on a GPU under autocast a dense layer's weight and bias gradients come from "
+         "one cuBLASLt product in fp32; off: autocast's linear (benchmarks)")
+      ->check(CLI::IsMember({"auto", "off"}))
+      ->envname("TRAINYARD_FUSED_LINEAR")
+      ->group("");  // hidden
   app.add_option("--cuda-graphs", o.cuda_graphs,
                  "auto: on a GPU the step is captured as a CUDA graph after a few eager steps and "
                  "replayed, where its layout allows (the log says); off: eager (benchmarks)")

@@ -29,6 +29,7 @@
 #include "worker/trainer/io/data.h"
 #include "worker/trainer/io/hf_checkpoint.h"
 #include "worker/trainer/kernels/blas.h"
+#include "worker/trainer/kernels/dense.h"
 #include "worker/trainer/kernels/matmul_choice.h"
 #include "worker/trainer/kernels/onednn_matmul.h"
 #include "worker/trainer/model/model.h"
@@ -208,6 +209,7 @@ absl::Status Trainer::MakeModel() {
   model_options.bf16 = t_.precision == Precision::kBf16 && !device_.is_cuda();
   model_options.activation_checkpointing = t_.activation_checkpointing;
   model_options.fused_norms = o_.fused_norm != "off";
+  SetGpuLinearEnabled(o_.fused_linear != "off");
   model_options.lora = t_.lora;
   model_options.materialize = !dims_.from_rank0 || rank0_;
   model_ = BuildModel(m_, model_options, t_.seed);

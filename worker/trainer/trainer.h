@@ -57,6 +57,9 @@ struct TrainerOptions {
   // "auto": on a GPU the GPT block's LayerNorms and the Llama layer's RMSNorms run fused with the
   // residual add and the cast (ModelOptions::fused_norms); "off": torch's (benchmarks).
   std::string fused_norm = "auto";
+  // "auto": on a GPU under autocast the dense layers' weight and bias gradients come from one
+  // cuBLASLt product (kernels/dense.h); "off": autocast's linear (benchmarks).
+  std::string fused_linear = "auto";
   // "auto": on a GPU the step is captured as a CUDA graph and replayed where its layout allows
   // (runtime/step_graph.h; the rank's log says whether, and why not); "off": eager (benchmarks).
   std::string cuda_graphs = "auto";

@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 
+#include "worker/trainer/kernels/dense.h"
 #include "worker/trainer/kernels/fused_norm.h"
 #include "worker/trainer/kernels/onednn_matmul.h"
 #include "worker/trainer/model/model.h"
@@ -15,10 +16,12 @@
 namespace trainyard::trainer {
 
 // y = x W^T + b, in bf16 when asked (autograd casts the gradients back to fp32); fp32 on oneDNN.
-// On a GPU the product's precision is autocast's (AutocastScope), so `bf16` is not looked at.
+// On a GPU the product's precision is autocast's (AutocastScope), so `bf16` is not looked at, and
+// the weight's and bias's gradients come from one cuBLASLt product (kernels/dense.h).
 inline torch::Tensor Dense(const torch::Tensor& x, const torch::Tensor& weight,
                            const torch::Tensor& bias, bool bf16) {
-  if (!bf16 || x.is_cuda()) return Linear(x, weight, bias);
+  if (x.is_cuda()) return GpuLinear(x, weight, bias);
+  if (!bf16) return Linear(x, weight, bias);
   const auto b16 = torch::kBFloat16;
   return torch::linear(x.to(b16), weight.to(b16), bias.defined() ? bias.to(b16) : bias)
       .to(torch::kFloat);
