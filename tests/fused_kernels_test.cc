@@ -726,12 +726,70 @@ TEST(GpuLinearTest, IsTorchsLinearOnTheCpu) {
   CheckGpuLinear(torch::kCPU, Precision::kFp32, {2, 5, 16}, 8, false, true, 62);
 }
 
+// GpuLinear's autograd Function on the CPU (its weight gradient is the composition there):
+// against torch::linear on the same operands cast to `dtype`, every gradient, with and without a
+// bias, a frozen weight, an input without a gradient, a 3-D input.
+TEST(GpuLinearTest, TheFunctionGivesTheCompositionsGradientsOnTheCpu) {
+  struct Case {
+    std::vector<int64_t> shape;
+    int64_t out;
+    bool bias, weight_trained, x_grad;
+  };
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16})
+    for (const Case& c :
+         {Case{{9, 40}, 24, true, true, true}, Case{{2, 5, 16}, 8, false, true, true},
+          Case{{7, 16}, 12, true, false, true}, Case{{7, 16}, 12, false, true, false},
+          Case{{3, 8}, 4, true, true, false}}) {
+      SCOPED_TRACE(testing::Message()
+                   << dtype << " in " << c.shape.back() << " out " << c.out
+                   << (c.bias ? " bias" : "") << (c.weight_trained ? "" : " frozen")
+                   << (c.x_grad ? "" : " x without gradient"));
+      torch::manual_seed(60);
+      const int64_t in = c.shape.back();
+      const torch::Tensor x0 = torch::randn(c.shape), w0 = torch::randn({c.out, in}),
+                          b0 = torch::randn({c.out});
+      std::vector<int64_t> out_shape = c.shape;
+      out_shape.back() = c.out;
+      const torch::Tensor dy = torch::randn(out_shape).to(dtype);
+      torch::Tensor x = x0.clone().requires_grad_(c.x_grad),
+                    w = w0.clone().requires_grad_(c.weight_trained),
+                    b = c.bias ? b0.clone().requires_grad_(true) : torch::Tensor();
+      torch::Tensor xr = x0.clone().requires_grad_(c.x_grad),
+                    wr = w0.clone().requires_grad_(c.weight_trained),
+                    br = c.bias ? b0.clone().requires_grad_(true) : torch::Tensor();
+      const torch::Tensor y = LinearThroughOneProductForTest(x, w, b, dtype);
+      const torch::Tensor yr =
+          torch::linear(xr.to(dtype), wr.to(dtype), c.bias ? br.to(dtype) : torch::Tensor());
+      EXPECT_EQ(y.scalar_type(), dtype);
+      EXPECT_EQ(y.sizes(), yr.sizes());
+      EXPECT_LT(RelativeError(y, yr), 1e-6);
+      y.backward(dy);
+      yr.backward(dy);
+      EXPECT_EQ(x.grad().defined(), c.x_grad);
+      if (c.x_grad) {
+        EXPECT_EQ(x.grad().scalar_type(), torch::kFloat);
+        EXPECT_LT(RelativeError(x.grad(), xr.grad()), 1e-6);
+      }
+      EXPECT_EQ(w.grad().defined(), c.weight_trained);
+      if (c.weight_trained) {
+        EXPECT_EQ(w.grad().scalar_type(), torch::kFloat);
+        EXPECT_LT(RelativeError(w.grad(), wr.grad()), 1e-6);
+      }
+      if (c.bias) {
+        EXPECT_EQ(b.grad().scalar_type(), torch::kFloat);
+        EXPECT_LT(RelativeError(b.grad(), br.grad()), dtype == torch::kFloat ? 1e-6 : 1e-2);
+      }
+    }
+  EXPECT_STREQ(GpuLinearBackwardPath(), "composition");
+}
+
 TEST(GpuLinearTest, CudaWeightAndBiasGradientsFromOneProduct) {
   SKIP_WITHOUT_CUDA();
   const torch::Device cuda(torch::kCUDA, 0);
   const torch::Tensor probe = torch::zeros({2, 8}, torch::TensorOptions().device(cuda));
   const torch::Tensor w = torch::zeros({4, 8}, probe.options());
   EXPECT_FALSE(UsesGpuLinear(probe, w, torch::Tensor()));  // no autocast: fp32 is torch's
+  EXPECT_FALSE(UsesGpuLinear(probe.to(torch::kBFloat16), w, torch::Tensor()));
   {
     AutocastScope autocast(cuda, Precision::kBf16);
     EXPECT_TRUE(UsesGpuLinear(probe, w, torch::Tensor()));
@@ -739,6 +797,8 @@ TEST(GpuLinearTest, CudaWeightAndBiasGradientsFromOneProduct) {
     SetGpuLinearEnabled(false);
     EXPECT_FALSE(UsesGpuLinear(probe, w, torch::Tensor()));
     SetGpuLinearEnabled(true);
+    torch::NoGradGuard no_grad;  // (evaluation: autocast's cached casts)
+    EXPECT_FALSE(UsesGpuLinear(probe, w, torch::Tensor()));
   }
   // GPT-2 small's qkv product on a batch of 4096 tokens (bias), its MLP's down projection on an
   // odd number of rows, a 3-D input without bias, a frozen weight (LoRA's base) with a trained

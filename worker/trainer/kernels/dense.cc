@@ -12,24 +12,35 @@ std::atomic<bool> g_enabled{true};
 // 0: no fused backward yet; 1: cuBLASLt; 2: the composition.
 std::atomic<int> g_backward_path{0};
 
-#if TRAINYARD_CUDA_KERNELS
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Forward as autocast's linear: x, the weight and the bias cast to autocast's dtype, one cuBLAS
-// product (its bias epilogue). The casts are made here, not taken from autocast's cache: a cached
-// copy made under this Function's forward carries no gradient, and another user of the same weight
-// would take it from the cache.
+#if !TRAINYARD_CUDA_KERNELS
+// (Without the CUDA build there is no cuBLASLt: the Function's weight gradient is the
+// composition, which the CPU tests of its wiring run.)
+bool WeightGradientCublasLt(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&) {
+  return false;
+}
+#endif
+
+// Forward as autocast's linear: x, the weight and the bias cast to `dtype`, one product (cuBLAS's
+// bias epilogue on a GPU). The casts are made here, not taken from autocast's cache: a cached copy
+// made under this Function's forward carries no gradient, and another user of the same weight
+// would take it from the cache. The bias is an optional: apply() takes an undefined tensor for a
+// variable and fails on it.
 class FusedDense : public torch::autograd::Function<FusedDense> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
-                               const torch::Tensor& weight, const torch::Tensor& bias) {
-    const c10::ScalarType dtype = AutocastScope::ProductType(x);
+                               const torch::Tensor& weight,
+                               const c10::optional<torch::Tensor>& bias, int64_t dtype_code) {
+    const auto dtype = static_cast<c10::ScalarType>(dtype_code);
     const torch::Tensor xh = x.to(dtype).contiguous(), wh = weight.to(dtype);
-    const torch::Tensor bh = bias.defined() ? bias.to(dtype) : torch::Tensor();
+    const bool has_bias = bias.has_value() && bias->defined();
+    const torch::Tensor bh = has_bias ? bias->to(dtype) : torch::Tensor();
     ctx->save_for_backward({xh, wh});
     ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
-    ctx->saved_data["bias"] = bias.defined();
+    ctx->saved_data["bias"] = has_bias;
     // Below autocast: the operands are in its dtype already.
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     return torch::linear(xh, wh, bh);
@@ -49,29 +60,34 @@ class FusedDense : public torch::autograd::Function<FusedDense> {
       // dy W in autocast's dtype, then x's own (autocast's cast backward).
       dx = torch::mm(dy, wh).view(xh.sizes()).to(x_dtype);
     }
+    // (No bias: no edge at index 2 to ask about.)
     const bool want_w = ctx->needs_input_grad(1), want_b = has_bias && ctx->needs_input_grad(2);
-    if (want_w || want_b) {
+    if (want_w) {
       const torch::Tensor x2 = xh.view({-1, in});
       const auto f32 = dy.options().dtype(torch::kFloat);
-      if (want_w) {
-        torch::Tensor w = torch::empty({out, in}, f32);
-        torch::Tensor b = want_b ? torch::empty({out}, f32) : torch::Tensor();
-        if (WeightGradientCublasLt(dy, x2, w, b)) {
-          g_backward_path.store(1, std::memory_order_relaxed);
-          dw = w;
-          db = b;
-        } else {
-          g_backward_path.store(2, std::memory_order_relaxed);
-          dw = torch::mm(dy.t(), x2).to(torch::kFloat);
-        }
+      torch::Tensor w = torch::empty({out, in}, f32);
+      torch::Tensor b = want_b ? torch::empty({out}, f32) : torch::Tensor();
+      if (dy.is_cuda() && WeightGradientCublasLt(dy, x2, w, b)) {
+        g_backward_path.store(1, std::memory_order_relaxed);
+        dw = w;
+        db = b;
+      } else {
+        g_backward_path.store(2, std::memory_order_relaxed);
+        dw = torch::mm(dy.t(), x2).to(torch::kFloat);
       }
-      // (A frozen weight with a trained bias, or no algorithm: the reduction eager runs.)
-      if (want_b && !db.defined()) db = dy.sum(0).to(torch::kFloat);
     }
-    return {dx, dw, db};
+    // (A frozen weight with a trained bias, or no algorithm: the reduction eager runs.)
+    if (want_b && !db.defined()) db = dy.sum(0).to(torch::kFloat);
+    return {dx, dw, db, torch::Tensor()};
   }
 };
-#endif
+
+torch::Tensor ApplyFusedDense(const torch::Tensor& x, const torch::Tensor& weight,
+                              const torch::Tensor& bias, c10::ScalarType dtype) {
+  return FusedDense::apply(x, weight,
+                           bias.defined() ? c10::optional<torch::Tensor>(bias) : c10::nullopt,
+                           static_cast<int64_t>(dtype));
+}
 
 }  // namespace
 
@@ -95,8 +111,12 @@ bool UsesGpuLinear(const torch::Tensor& x, const torch::Tensor& weight, const to
   if (!GpuLinearEnabled() || !x.defined() || !x.is_cuda() || x.dim() < 1 || x.numel() == 0) {
     return false;
   }
+  // Autocast on in bf16 or fp16; training (under no_grad autocast's cached casts serve better).
+  if (AutocastScope::ActivePrecision() == Precision::kFp32 || !torch::GradMode::is_enabled()) {
+    return false;
+  }
   const c10::ScalarType dtype = AutocastScope::ProductType(x);
-  if (dtype != torch::kBFloat16 && dtype != torch::kHalf) return false;  // autocast is off
+  if (dtype != torch::kBFloat16 && dtype != torch::kHalf) return false;
   if (x.scalar_type() != torch::kFloat && x.scalar_type() != dtype) return false;
   if (!weight.defined() || !weight.is_cuda() || weight.device() != x.device() ||
       weight.scalar_type() != torch::kFloat || weight.dim() != 2 || weight.size(1) != x.size(-1) ||
@@ -115,11 +135,16 @@ bool UsesGpuLinear(const torch::Tensor& x, const torch::Tensor& weight, const to
 #endif
 }
 
+torch::Tensor LinearThroughOneProductForTest(const torch::Tensor& x, const torch::Tensor& weight,
+                                             const torch::Tensor& bias, c10::ScalarType dtype) {
+  return ApplyFusedDense(x, weight, bias, dtype);
+}
+
 torch::Tensor GpuLinear(const torch::Tensor& x, const torch::Tensor& weight,
                         const torch::Tensor& bias) {
-#if TRAINYARD_CUDA_KERNELS
-  if (UsesGpuLinear(x, weight, bias)) return FusedDense::apply(x, weight, bias);
-#endif
+  if (UsesGpuLinear(x, weight, bias)) {
+    return ApplyFusedDense(x, weight, bias, AutocastScope::ProductType(x));
+  }
   return torch::linear(x, weight, bias);
 }
 

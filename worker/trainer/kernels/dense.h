@@ -22,9 +22,15 @@ torch::Tensor GpuLinear(const torch::Tensor& x, const torch::Tensor& weight,
                         const torch::Tensor& bias);
 
 // Whether GpuLinear takes the fused path for these tensors: a CUDA build, the path enabled, CUDA
-// tensors under bf16 or fp16 autocast (AutocastScope), fp32 weight and bias, x in fp32 or in
-// autocast's dtype, matching sizes.
+// tensors under bf16 or fp16 autocast (AutocastScope) with gradients recorded, fp32 weight and
+// bias, x in fp32 or in autocast's dtype, matching sizes.
 bool UsesGpuLinear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias);
+
+// GpuLinear's autograd Function itself, on any device, with its products in `dtype` (bf16, fp16
+// or fp32): for the CPU tests of its wiring (gradients, dtypes, no bias, frozen weights). Off the
+// GPU its weight gradient is the composition's.
+torch::Tensor LinearThroughOneProductForTest(const torch::Tensor& x, const torch::Tensor& weight,
+                                             const torch::Tensor& bias, c10::ScalarType dtype);
 
 // The process's choice (the trainer's --fused-linear; on by default). Set before training.
 void SetGpuLinearEnabled(bool enabled);
@@ -39,7 +45,7 @@ const char* GpuLinearBackwardPath();
 // dense_cuda.cc: dw = dy^T x (fp32 [out, in], contiguous) and, when db is defined, db = the sum of
 // dy's rows (fp32 [out]), in one cuBLASLt GEMM on the current stream. dy [rows, out] and x [rows,
 // in] contiguous, one dtype (bf16 or fp16). False, with nothing written, when cuBLASLt has no
-// algorithm for it; errors of the CUDA runtime throw.
+// algorithm for it (said once on stderr); any other error of cuBLASLt throws.
 bool WeightGradientCublasLt(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& dw,
                             const at::Tensor& db);
 #endif

@@ -10,10 +10,12 @@
 #include <ATen/cuda/Exceptions.h>
 #include <cublasLt.h>
 
+#include <cstdio>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <tuple>
+#include <type_traits>
 
 #include "worker/trainer/kernels/dense.h"
 
@@ -62,16 +64,18 @@ uint32_t Alignment(const void* p) {
 }
 
 // The heuristic's answer per problem: its query costs more host time than the product's launch.
-// (device, in, out, rows, dtype, bias, the three alignments, workspace) -> the algorithm, or
-// none.
-using Key =
-    std::tuple<int, int64_t, int64_t, int64_t, int, bool, uint32_t, uint32_t, uint32_t, size_t>;
+// (device, in, out, rows, dtype, bias, the four alignments, workspace) -> the algorithm, or none.
+// (Bounded: a run's shapes are few; an evaluation's other batch sizes add a handful.)
+using Key = std::tuple<int, int64_t, int64_t, int64_t, int, bool, uint32_t, uint32_t, uint32_t,
+                       uint32_t, size_t>;
+constexpr size_t kMaxChoices = 4096;
 struct Choice {
   bool found = false;
   cublasLtMatmulAlgo_t algo{};
 };
 std::mutex g_mu;
 std::map<Key, Choice> g_choices;
+bool g_said_none = false;  // (under g_mu)
 
 }  // namespace
 
@@ -105,6 +109,7 @@ bool WeightGradientCublasLt(const at::Tensor& dy, const at::Tensor& x, const at:
     // (The bias gradient's type is D's, fp32, by default.)
     Set(raw_desc, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BGRADB);
     Set(raw_desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, db.data_ptr());
+    Set(raw_desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<int32_t>(CUDA_R_32F));
   }
   const MatrixLayout a = Layout(operand, in, rows, in);
   const MatrixLayout b = Layout(operand, out, rows, out);
@@ -114,9 +119,11 @@ bool WeightGradientCublasLt(const at::Tensor& dy, const at::Tensor& x, const at:
   void* workspace = at::cuda::getCUDABlasLtWorkspace();
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
   const uint32_t align_a = Alignment(x.data_ptr()), align_b = Alignment(dy.data_ptr()),
-                 align_d = Alignment(dw.data_ptr());
+                 align_d = Alignment(dw.data_ptr()),
+                 align_bias = db.defined() ? Alignment(db.data_ptr()) : 0;
   const Key key{dy.get_device(), in,      out,     rows,    static_cast<int>(operand),
-                db.defined(),    align_a, align_b, align_d, workspace_size};
+                db.defined(),    align_a, align_b, align_d, align_bias,
+                workspace_size};
   Choice choice;
   {
     std::lock_guard<std::mutex> lock(g_mu);
@@ -137,8 +144,22 @@ bool WeightGradientCublasLt(const at::Tensor& dy, const at::Tensor& x, const at:
       const cublasStatus_t status =
           cublasLtMatmulAlgoGetHeuristic(handle, raw_desc, a.get(), b.get(), d.get(), d.get(),
                                          raw_preference, 1, &result, &returned);
+      // No algorithm for this problem: the caller computes it otherwise. Anything else is a
+      // mistake in the problem's description, not to be hidden behind the fallback.
+      if (status != CUBLAS_STATUS_NOT_SUPPORTED) TORCH_CUDABLAS_CHECK(status);
       choice.found = status == CUBLAS_STATUS_SUCCESS && returned > 0;
-      if (choice.found) choice.algo = result.algo;
+      if (choice.found) {
+        choice.algo = result.algo;
+      } else if (!g_said_none) {
+        g_said_none = true;
+        std::fprintf(stderr,
+                     "dense: cuBLASLt has no algorithm for the weight gradient of [%lld, %lld] x "
+                     "[%lld, %lld]%s; eager's product and sum instead\n",
+                     static_cast<long long>(rows), static_cast<long long>(out),
+                     static_cast<long long>(rows), static_cast<long long>(in),
+                     db.defined() ? " with its bias gradient" : "");
+      }
+      if (g_choices.size() >= kMaxChoices) g_choices.clear();
       g_choices.emplace(key, choice);
     }
   }
