@@ -17,7 +17,9 @@
 namespace trainyard::trainer {
 
 // x W^T + b for x [..., in], weight [out, in], bias [out] or undefined, differentiable in all
-// three: GpuLinear's product where UsesGpuLinear, else torch::linear.
+// three: GpuLinear's product where UsesGpuLinear, else torch::linear. (The fused path's output of a
+// 3-D input is a view made inside an autograd Function: autograd refuses in-place operations on
+// it, which no model makes.)
 torch::Tensor GpuLinear(const torch::Tensor& x, const torch::Tensor& weight,
                         const torch::Tensor& bias);
 
