@@ -85,6 +85,7 @@ run_case() {
       plain-head) flags=(--fused-loss off) ;;
       plain-norm) flags=(--fused-norm off) ;;
       plain-linear) flags=(--fused-linear off) ;;
+      *) echo "gpu_bench: unknown variant '$variant' (TRAINYARD_BENCH_VARIANTS)" >&2; exit 2 ;;
     esac
     cat >"$work/$name-$variant.yaml" <<SPEC
 name: $name

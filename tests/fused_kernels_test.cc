@@ -653,7 +653,9 @@ namespace {
 // GpuLinear against autocast's linear (kernels/dense.h): x [shape..., in], weight [out, in] and
 // bias [out] (when `bias`) in fp32 on `device`, the product under `precision`'s autocast, and the
 // gradients of a random upstream gradient. The output and the input's gradient are autocast's own
-// products (compared within the dtype's rounding); the weight's and bias's gradients are compared
+// products on the same operands (compared at 1e-6: the same cuBLAS calls give the same bits;
+// a LibTorch that laid out its linear's backward otherwise could differ by the dtype's rounding,
+// and this tolerance would say so); the weight's and bias's gradients are compared
 // with fp64 sums of the same rounded operands, where the fused product, accumulating and writing
 // in fp32, must be close to exact (autocast's rounds its weight gradient to the dtype).
 void CheckGpuLinear(const torch::Device& device, Precision precision, std::vector<int64_t> shape,
@@ -719,6 +721,12 @@ void CheckGpuLinear(const torch::Device& device, Precision precision, std::vecto
     EXPECT_LT(RelativeError(plain.b.grad(), db64), 1e-2);
   }
 }
+
+// Turns GpuLinear's path off for a scope and on again after it, whatever happens in between.
+struct GpuLinearOff {
+  GpuLinearOff() { SetGpuLinearEnabled(false); }
+  ~GpuLinearOff() { SetGpuLinearEnabled(true); }
+};
 
 TEST(GpuLinearTest, IsTorchsLinearOnTheCpu) {
   EXPECT_FALSE(UsesGpuLinear(torch::zeros({2, 3}), torch::zeros({4, 3}), torch::zeros({4})));
@@ -794,9 +802,10 @@ TEST(GpuLinearTest, CudaWeightAndBiasGradientsFromOneProduct) {
     AutocastScope autocast(cuda, Precision::kBf16);
     EXPECT_TRUE(UsesGpuLinear(probe, w, torch::Tensor()));
     EXPECT_FALSE(UsesGpuLinear(probe, w.to(torch::kBFloat16), torch::Tensor()));
-    SetGpuLinearEnabled(false);
-    EXPECT_FALSE(UsesGpuLinear(probe, w, torch::Tensor()));
-    SetGpuLinearEnabled(true);
+    {
+      GpuLinearOff off;
+      EXPECT_FALSE(UsesGpuLinear(probe, w, torch::Tensor()));
+    }
     torch::NoGradGuard no_grad;  // (evaluation: autocast's cached casts)
     EXPECT_FALSE(UsesGpuLinear(probe, w, torch::Tensor()));
   }
@@ -830,9 +839,8 @@ TEST(GpuLinearTest, CudaGptAndLlamaMatchAutocastsLinear) {
     {
       AutocastScope autocast(cuda, Precision::kBf16);
       lf = fused->Loss(windows);
-      SetGpuLinearEnabled(false);
+      GpuLinearOff off;
       lp = plain->Loss(windows);
-      SetGpuLinearEnabled(true);
     }
     lf.backward();
     lp.backward();

@@ -1,6 +1,8 @@
 // GpuLinear (see dense.h).
 #include "worker/trainer/kernels/dense.h"
 
+#include <ATen/autocast_mode.h>
+
 #include <atomic>
 
 #include "worker/trainer/runtime/device.h"
@@ -24,18 +26,22 @@ bool WeightGradientCublasLt(const at::Tensor&, const at::Tensor&, const at::Tens
 }
 #endif
 
-// Forward as autocast's linear: x, the weight and the bias cast to `dtype`, one product (cuBLAS's
-// bias epilogue on a GPU). The casts are made here, not taken from autocast's cache: a cached copy
-// made under this Function's forward carries no gradient, and another user of the same weight
-// would take it from the cache. The bias is an optional: apply() takes an undefined tensor for a
-// variable and fails on it.
+// Forward as autocast's linear: x and the bias cast to `dtype`, the weight's cast given
+// (`weight_cast`: autocast's cached copy on a GPU, detached, so one copy serves every micro-batch
+// of a scope, as eager's, and a pipeline keeps one per weight, not one per micro-batch in flight;
+// the gradient reaches `weight` through this Function alone), one product (cuBLAS's bias epilogue
+// on a GPU). The bias is an optional: apply() takes an undefined tensor for a variable and fails
+// on it. (Edges: x 0, weight 1, bias 2 when given, weight_cast after it.)
 class FusedDense : public torch::autograd::Function<FusedDense> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
                                const torch::Tensor& weight,
-                               const c10::optional<torch::Tensor>& bias, int64_t dtype_code) {
+                               const c10::optional<torch::Tensor>& bias,
+                               const torch::Tensor& weight_cast, int64_t dtype_code) {
     const auto dtype = static_cast<c10::ScalarType>(dtype_code);
-    const torch::Tensor xh = x.to(dtype).contiguous(), wh = weight.to(dtype);
+    TORCH_CHECK(weight_cast.scalar_type() == dtype && weight_cast.sizes() == weight.sizes(),
+                "FusedDense: the weight's cast must be the weight in the product's dtype");
+    const torch::Tensor xh = x.to(dtype).contiguous(), wh = weight_cast;
     const bool has_bias = bias.has_value() && bias->defined();
     const torch::Tensor bh = has_bias ? bias->to(dtype) : torch::Tensor();
     ctx->save_for_backward({xh, wh});
@@ -78,15 +84,16 @@ class FusedDense : public torch::autograd::Function<FusedDense> {
     }
     // (A frozen weight with a trained bias, or no algorithm: the reduction eager runs.)
     if (want_b && !db.defined()) db = dy.sum(0).to(torch::kFloat);
-    return {dx, dw, db, torch::Tensor()};
+    return {dx, dw, db, torch::Tensor(), torch::Tensor()};
   }
 };
 
 torch::Tensor ApplyFusedDense(const torch::Tensor& x, const torch::Tensor& weight,
-                              const torch::Tensor& bias, c10::ScalarType dtype) {
+                              const torch::Tensor& bias, const torch::Tensor& weight_cast,
+                              c10::ScalarType dtype) {
   return FusedDense::apply(x, weight,
                            bias.defined() ? c10::optional<torch::Tensor>(bias) : c10::nullopt,
-                           static_cast<int64_t>(dtype));
+                           weight_cast.detach(), static_cast<int64_t>(dtype));
 }
 
 }  // namespace
@@ -137,13 +144,16 @@ bool UsesGpuLinear(const torch::Tensor& x, const torch::Tensor& weight, const to
 
 torch::Tensor LinearThroughOneProductForTest(const torch::Tensor& x, const torch::Tensor& weight,
                                              const torch::Tensor& bias, c10::ScalarType dtype) {
-  return ApplyFusedDense(x, weight, bias, dtype);
+  return ApplyFusedDense(x, weight, bias, weight.to(dtype), dtype);
 }
 
 torch::Tensor GpuLinear(const torch::Tensor& x, const torch::Tensor& weight,
                         const torch::Tensor& bias) {
   if (UsesGpuLinear(x, weight, bias)) {
-    return ApplyFusedDense(x, weight, bias, AutocastScope::ProductType(x));
+    const c10::ScalarType dtype = AutocastScope::ProductType(x);
+    // (autocast's cache: a leaf weight is cast once per scope, as eager's linear casts it.)
+    return ApplyFusedDense(x, weight, bias,
+                           at::autocast::cached_cast(dtype, weight, c10::DeviceType::CUDA), dtype);
   }
   return torch::linear(x, weight, bias);
 }

@@ -40,7 +40,7 @@ bool GpuLinearEnabled();
 
 // How the last fused backward computed the weight's gradient: "cublaslt" (the one GEMM with its
 // bias-gradient epilogue), "composition" (cuBLASLt offered no algorithm: ATen's product and
-// sum), or "none" before any. For tests and the rank's log.
+// sum; the rank's log says so once, on stderr), or "none" before any. For tests.
 const char* GpuLinearBackwardPath();
 
 #if TRAINYARD_CUDA_KERNELS
