@@ -7,8 +7,8 @@
 // the logits, a log-softmax of it, and three more passes of that size in backward.
 // Built by nvcc for sm_80 and sm_90 in the CUDA flavour only (worker/CMakeLists.txt). ATen's
 // headers only: fused_loss.h (which declares the entry point) pulls in the whole of LibTorch.
-#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

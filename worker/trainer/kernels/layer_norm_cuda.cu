@@ -7,8 +7,8 @@
 // residual's own gradient, and leaves per-block partial sums of dgamma and dbeta (summed after).
 // Two-pass mean and variance in fp32 (the rows are re-read from L1). Built by nvcc in the CUDA
 // flavour only; ATen's headers only.
-#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

@@ -2,8 +2,8 @@
 // arithmetic with each product and sum rounded as eager's separate kernels round them (no fused
 // multiply-add), one rounding per output. Built by nvcc in the CUDA flavour only; ATen's headers
 // only.
-#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

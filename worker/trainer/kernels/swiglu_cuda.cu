@@ -1,8 +1,8 @@
 // SwiGluForwardCuda and SwiGluBackwardCuda (see swiglu.h): elementwise, a grid-stride loop over
 // the flat tensors, fp32 arithmetic, one rounding per output. Built by nvcc in the CUDA flavour
 // only; ATen's headers only.
-#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
