@@ -13,6 +13,9 @@
 #include <array>
 #include <cmath>
 #include <cstdlib>
+#include <memory>
+#include <optional>
+#include <set>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -270,11 +273,16 @@ TEST(FusedLossModelTest, CudaGptAndLlamaMatchThePlainHead) {
 
 // LayerNormCast and AddLayerNorm against layer_norm (and the add) in fp64: outputs and the
 // gradients of x, y, weight and bias, for a random upstream gradient of both outputs. `rms`:
-// RmsNormCast and AddRmsNorm against the Llama family's RMSNorm (no bias).
+// RmsNormCast and AddRmsNorm against the Llama family's RMSNorm (no bias). `residual` (without
+// `add`): LayerNormResidual or RmsNormResidual, x handed on beside the norm with a gradient of its
+// own. `bf16_norm`: the norm's output is bf16 (autocast's on a GPU; FusedNormsOnTheCpuForTest's).
 void CheckNorm(const torch::Device& device, int64_t rows, int64_t d, bool add, bool bf16,
-               double tolerance, uint64_t seed, bool rms = false) {
+               double tolerance, uint64_t seed, bool rms = false, bool residual = false,
+               std::optional<bool> bf16_norm = std::nullopt) {
   SCOPED_TRACE(testing::Message() << device << " rows " << rows << " d " << d << (add ? " add" : "")
-                                  << (bf16 ? " bf16" : "") << (rms ? " rms" : ""));
+                                  << (residual ? " residual" : "") << (bf16 ? " bf16" : "")
+                                  << (rms ? " rms" : ""));
+  const bool two_outputs = add || residual;
   torch::manual_seed(seed);
   const auto opts = torch::TensorOptions().dtype(torch::kFloat).device(device);
   torch::Tensor x = (torch::randn({2, rows, d}, opts) * 2 + 0.5).requires_grad_(true);
@@ -295,7 +303,7 @@ void CheckNorm(const torch::Device& device, int64_t rows, int64_t d, bool add, b
       rms ? w64 * (h64 * torch::rsqrt(h64.pow(2).mean(-1, /*keepdim=*/true) + 1e-5))
           : torch::layer_norm(h64, {d}, w64, b64, 1e-5);
   torch::Tensor total = (n64 * dn.to(torch::kCPU, torch::kDouble)).sum();
-  if (add) total = total + (h64 * dh.to(torch::kCPU, torch::kDouble)).sum();
+  if (two_outputs) total = total + (h64 * dh.to(torch::kCPU, torch::kDouble)).sum();
   total.backward();
 
   torch::Tensor h, n;
@@ -303,15 +311,19 @@ void CheckNorm(const torch::Device& device, int64_t rows, int64_t d, bool add, b
     AutocastScope autocast(device, bf16 ? Precision::kBf16 : Precision::kFp32);
     if (add) {
       std::tie(h, n) = rms ? AddRmsNorm(x, y, w, 1e-5) : AddLayerNorm(x, y, w, b, 1e-5);
+    } else if (residual) {
+      std::tie(h, n) = rms ? RmsNormResidual(x, w, 1e-5) : LayerNormResidual(x, w, b, 1e-5);
     } else {
       n = rms ? RmsNormCast(x, w, 1e-5) : LayerNormCast(x, w, b, 1e-5);
     }
   }
-  EXPECT_EQ(n.scalar_type(), bf16 && device.is_cuda() ? torch::kBFloat16 : torch::kFloat);
+  EXPECT_EQ(n.scalar_type(),
+            bf16_norm.value_or(bf16 && device.is_cuda()) ? torch::kBFloat16 : torch::kFloat);
   torch::Tensor loss = (n.to(torch::kFloat) * dn).sum();
-  if (add) {
+  if (two_outputs) {
     EXPECT_EQ(h.scalar_type(), torch::kFloat);
     EXPECT_LT(RelativeError(h, h64), 1e-6);
+    if (residual) EXPECT_TRUE(torch::equal(h, x));
     loss = loss + (h * dh).sum();
   }
   loss.backward();
@@ -339,6 +351,76 @@ TEST(FusedNormTest, MatchesRmsNormOnTheCpu) {
   CheckNorm(torch::kCPU, 7, 48, /*add=*/true, false, 1e-5, 48, /*rms=*/true);
 }
 
+// The fused path's autograd node on the CPU (the kernels' arithmetic in ATen): the norm alone,
+// with the add, handing x on; fp32, and the outputs in bf16 with a bf16 branch (whose gradient
+// the backward rounds itself).
+TEST(FusedNormTest, TheNodeMatchesTheNormsOnTheCpu) {
+  for (bool rms : {false, true}) {
+    {
+      FusedNormsOnTheCpuForTest fused;
+      CheckNorm(torch::kCPU, 7, 48, /*add=*/false, false, 1e-5, 141, rms);
+      CheckNorm(torch::kCPU, 7, 48, /*add=*/true, false, 1e-5, 142, rms);
+      CheckNorm(torch::kCPU, 7, 48, /*add=*/false, false, 1e-5, 143, rms, /*residual=*/true);
+      CheckNorm(torch::kCPU, 1, 5, /*add=*/true, false, 1e-5, 144, rms);
+    }
+    FusedNormsOnTheCpuForTest fused(torch::kBFloat16);
+    for (bool add : {false, true}) {
+      CheckNorm(torch::kCPU, 9, 64, add, /*bf16=*/true, 1e-2, 145, rms, /*residual=*/!add,
+                /*bf16_norm=*/true);
+    }
+  }
+}
+
+// Every edge of the graph under `root` that leads to `target`, each node visited once.
+int EdgesTo(const std::shared_ptr<torch::autograd::Node>& root,
+            const torch::autograd::Node* target) {
+  std::vector<torch::autograd::Node*> todo = {root.get()};
+  std::set<torch::autograd::Node*> seen = {root.get()};
+  int count = 0;
+  while (!todo.empty()) {
+    torch::autograd::Node* node = todo.back();
+    todo.pop_back();
+    for (const torch::autograd::Edge& edge : node->next_edges()) {
+      if (!edge.is_valid()) continue;
+      if (edge.function.get() == target) ++count;
+      if (seen.insert(edge.function.get()).second) todo.push_back(edge.function.get());
+    }
+  }
+  return count;
+}
+
+// A pre-norm block's residual stream around the fused norms has one user: x's gradient comes from
+// one node (its two parts summed in the norm's backward), where the composition sums two or more
+// in adds. The gradients are the composition's.
+TEST(FusedNormTest, TheResidualStreamReachesTheAddThroughTheNorm) {
+  for (bool rms : {false, true}) {
+    SCOPED_TRACE(rms ? "rms" : "layer norm");
+    torch::manual_seed(146);
+    const torch::Tensor x0 = torch::randn({2, 5, 32}), w0 = torch::randn({32}) * 0.3 + 1,
+                        b0 = torch::randn({32}) * 0.1, m = torch::randn({32, 32}) * 0.2;
+    auto block = [&](bool fused, torch::Tensor* x_grad) {
+      std::optional<FusedNormsOnTheCpuForTest> on;
+      if (fused) on.emplace();
+      const torch::Tensor x = x0.clone().requires_grad_(true);
+      const torch::Tensor w = w0.clone().requires_grad_(true), b = b0.clone().requires_grad_(true);
+      const auto [stream, n1] =
+          rms ? RmsNormResidual(x, w, 1e-5) : LayerNormResidual(x, w, b, 1e-5);
+      const torch::Tensor branch = torch::tanh(torch::matmul(n1, m));
+      const auto [h, n2] =
+          rms ? AddRmsNorm(stream, branch, w, 1e-5) : AddLayerNorm(stream, branch, w, b, 1e-5);
+      const torch::Tensor loss = (h * h).sum() + (n2 * torch::sin(h)).sum();
+      const int users = EdgesTo(loss.grad_fn(), torch::autograd::impl::grad_accumulator(x).get());
+      loss.backward();
+      *x_grad = x.grad();
+      return users;
+    };
+    torch::Tensor fused_grad, plain_grad;
+    EXPECT_EQ(block(true, &fused_grad), 1);
+    EXPECT_GE(block(false, &plain_grad), 2);  // RMSNorm's composition: 3 (x, x^2 and the add)
+    EXPECT_LT(RelativeError(fused_grad, plain_grad), 1e-5);
+  }
+}
+
 TEST(FusedNormTest, CudaKernelsMatchLayerNorm) {
   SKIP_WITHOUT_CUDA();
   ASSERT_TRUE(HasLayerNormKernel(768));
@@ -351,6 +433,9 @@ TEST(FusedNormTest, CudaKernelsMatchLayerNorm) {
     CheckNorm(cuda, 1000, 2048, add, true, 1e-2, 45);
     CheckNorm(cuda, 5, 37, add, true, 1e-2, 46);
   }
+  // x handed on through the norm's node: the kernel adds its gradient in.
+  CheckNorm(cuda, 4096, 768, false, false, 1e-5, 143, false, /*residual=*/true);
+  CheckNorm(cuda, 1000, 2048, false, true, 1e-2, 145, false, /*residual=*/true);
 }
 
 TEST(FusedNormTest, CudaKernelsMatchRmsNorm) {
@@ -363,41 +448,69 @@ TEST(FusedNormTest, CudaKernelsMatchRmsNorm) {
     CheckNorm(cuda, 1000, 2048, add, true, 1e-2, 56, /*rms=*/true);
     CheckNorm(cuda, 5, 37, add, true, 1e-2, 57, /*rms=*/true);
   }
+  CheckNorm(cuda, 4096, 2048, false, false, 1e-5, 149, /*rms=*/true, /*residual=*/true);
+  CheckNorm(cuda, 33, 100, false, true, 1e-2, 150, /*rms=*/true, /*residual=*/true);
 }
 
-// The GPT and the Llama with their fused norms give the plain modules' loss and gradients on the
-// GPU.
+// Whether a node named with `name` is in the graph under `root`.
+bool GraphHas(const std::shared_ptr<torch::autograd::Node>& root, const std::string& name) {
+  std::vector<torch::autograd::Node*> todo = {root.get()};
+  std::set<torch::autograd::Node*> seen = {root.get()};
+  while (!todo.empty()) {
+    torch::autograd::Node* node = todo.back();
+    todo.pop_back();
+    if (node->name().find(name) != std::string::npos) return true;
+    for (const torch::autograd::Edge& edge : node->next_edges()) {
+      if (edge.is_valid() && seen.insert(edge.function.get()).second) {
+        todo.push_back(edge.function.get());
+      }
+    }
+  }
+  return false;
+}
+
+// The GPT and the Llama with their fused norms (the blocks' arrangement of the residual stream
+// around them) give the plain modules' loss and gradients.
+void CheckModelNorms(const torch::Device& device, bool bf16) {
+  for (const std::string kind : {"gpt", "llama"}) {
+    SCOPED_TRACE(kind + (bf16 ? " bf16" : " fp32"));
+    const ModelConfig m = SmallModel(kind, true);
+    ModelOptions plain_options;
+    plain_options.fused_norms = false;
+    auto fused = BuildModel(m, {}, 9), plain = BuildModel(m, plain_options, 9);
+    fused->to(device);
+    plain->to(device);
+    torch::manual_seed(22);
+    const torch::Tensor windows =
+        torch::randint(m.vocab, {3, m.seq_len + 1}, torch::kLong).to(device);
+    torch::Tensor lf, lp;
+    {
+      AutocastScope autocast(device, bf16 ? Precision::kBf16 : Precision::kFp32);
+      lf = fused->Loss(windows);
+      lp = plain->Loss(windows);
+    }
+    EXPECT_TRUE(GraphHas(lf.grad_fn(), "FusedLayerNorm"));
+    EXPECT_FALSE(GraphHas(lp.grad_fn(), "FusedLayerNorm"));
+    lf.backward();
+    lp.backward();
+    const double tolerance = bf16 ? 3e-2 : 1e-5;
+    EXPECT_LT(RelativeError(lf, lp), tolerance);
+    auto pf = fused->named_parameters(), pp = plain->named_parameters();
+    for (const auto& item : pp) {
+      EXPECT_LT(RelativeError(pf[item.key()].grad(), item.value().grad()), tolerance) << item.key();
+    }
+  }
+}
+
+TEST(FusedNormTest, GptAndLlamaMatchTheirPlainNormsOnTheCpu) {
+  FusedNormsOnTheCpuForTest fused;
+  CheckModelNorms(torch::kCPU, false);
+}
+
 TEST(FusedNormTest, CudaGptAndLlamaMatchTheirPlainNorms) {
   SKIP_WITHOUT_CUDA();
   const torch::Device cuda(torch::kCUDA, 0);
-  for (const std::string kind : {"gpt", "llama"})
-    for (bool bf16 : {false, true}) {
-      SCOPED_TRACE(kind + (bf16 ? " bf16" : " fp32"));
-      const ModelConfig m = SmallModel(kind, true);
-      ModelOptions plain_options;
-      plain_options.fused_norms = false;
-      auto fused = BuildModel(m, {}, 9), plain = BuildModel(m, plain_options, 9);
-      fused->to(cuda);
-      plain->to(cuda);
-      torch::manual_seed(22);
-      const torch::Tensor windows =
-          torch::randint(m.vocab, {3, m.seq_len + 1}, torch::kLong).to(cuda);
-      torch::Tensor lf, lp;
-      {
-        AutocastScope autocast(cuda, bf16 ? Precision::kBf16 : Precision::kFp32);
-        lf = fused->Loss(windows);
-        lp = plain->Loss(windows);
-      }
-      lf.backward();
-      lp.backward();
-      const double tolerance = bf16 ? 3e-2 : 1e-5;
-      EXPECT_LT(RelativeError(lf, lp), tolerance);
-      auto pf = fused->named_parameters(), pp = plain->named_parameters();
-      for (const auto& item : pp) {
-        EXPECT_LT(RelativeError(pf[item.key()].grad(), item.value().grad()), tolerance)
-            << item.key();
-      }
-    }
+  for (bool bf16 : {false, true}) CheckModelNorms(cuda, bf16);
 }
 
 // The on-device gradient norm and clipping divisor give the host's norm and clip_grad_norm_'s

@@ -4,7 +4,8 @@
 // the normalized row straight in the dtype its next product reads (bf16 under autocast), with
 // the row's mean and 1/std for backward: one pass to write what eager's add, LayerNorm and cast
 // write in three. Backward takes the normalized output's gradient in any dtype, adds the
-// residual's own gradient, and leaves per-block partial sums of dgamma and dbeta (summed after).
+// residual's own gradient, writes the sum in fp32 and (for a branch in that dtype) rounded, and
+// leaves per-block partial sums of dgamma and dbeta (summed after).
 // Two-pass mean and variance in fp32 (the rows are re-read from L1). Built by nvcc in the CUDA
 // flavour only; ATen's headers only.
 #include <ATen/Dispatch.h>
@@ -75,16 +76,17 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// ds = rstd * (g - mean(g) - xhat * mean(g * xhat)) (+ ds_extra), g = dn * gamma; per block,
-// dgamma += dn * xhat and dbeta += dn over its rows, into row blockIdx.x of the partials. RMS:
-// no mean(g) term (the mean was not subtracted), xhat = s * rstd, no dbeta.
+// ds = rstd * (g - mean(g) - xhat * mean(g * xhat)) (+ ds_extra), g = dn * gamma, and ds rounded
+// to dn's dtype into ds_cast when given; per block, dgamma += dn * xhat and dbeta += dn over its
+// rows, into row blockIdx.x of the partials. RMS: no mean(g) term (the mean was not subtracted),
+// xhat = s * rstd, no dbeta.
 template <typename TD, bool kRms>
 __global__ void __launch_bounds__(kThreads)
     BackwardKernel(const TD* __restrict__ dn, const float* __restrict__ s,
                    const float* __restrict__ mean, const float* __restrict__ rstd,
                    const float* __restrict__ gamma, const float* __restrict__ ds_extra,
-                   int64_t rows, int d, float* __restrict__ ds, float* __restrict__ dgamma_part,
-                   float* __restrict__ dbeta_part) {
+                   int64_t rows, int d, float* __restrict__ ds, TD* __restrict__ ds_cast,
+                   float* __restrict__ dgamma_part, float* __restrict__ dbeta_part) {
   extern __shared__ float shared[];  // dgamma then dbeta, d each
   float* dgamma = shared;
   float* dbeta = shared + d;
@@ -106,12 +108,15 @@ __global__ void __launch_bounds__(kThreads)
     c1 = kRms ? 0.f : WarpSum(c1) / d;
     c2 = WarpSum(c2) / d;
     float* dsr = ds + row * d;
+    TD* dcr = ds_cast == nullptr ? nullptr : ds_cast + row * d;
     const float* er = ds_extra == nullptr ? nullptr : ds_extra + row * d;
     for (int i = lane; i < d; i += 32) {
       const float dni = static_cast<float>(dnr[i]);
       const float xhat = (sr[i] - mu) * r;
       const float v = r * (dni * gamma[i] - c1 - xhat * c2);
-      dsr[i] = er == nullptr ? v : v + er[i];
+      const float total = er == nullptr ? v : v + er[i];
+      dsr[i] = total;
+      if (dcr != nullptr) dcr[i] = static_cast<TD>(total);
       atomicAdd(&dgamma[i], dni * xhat);
       if (!kRms) atomicAdd(&dbeta[i], dni);
     }
@@ -162,7 +167,8 @@ void LayerNormForwardCuda(const at::Tensor& x, const at::Tensor& y, const at::Te
 void LayerNormBackwardCuda(const at::Tensor& dn, const at::Tensor& s, const at::Tensor& mean,
                            const at::Tensor& rstd, const at::Tensor& gamma,
                            const at::Tensor& ds_extra, const at::Tensor& ds,
-                           const at::Tensor& dgamma_part, const at::Tensor& dbeta_part, bool rms) {
+                           const at::Tensor& ds_cast, const at::Tensor& dgamma_part,
+                           const at::Tensor& dbeta_part, bool rms) {
   const c10::cuda::CUDAGuard guard(s.device());
   const int64_t rows = s.size(0);
   const int d = static_cast<int>(s.size(1));
@@ -175,7 +181,7 @@ void LayerNormBackwardCuda(const at::Tensor& dn, const at::Tensor& s, const at::
           dn.data_ptr<scalar_t>(), s.data_ptr<float>(), mean.data_ptr<float>(),
           rstd.data_ptr<float>(), gamma.data_ptr<float>(),
           ds_extra.defined() ? ds_extra.data_ptr<float>() : nullptr, rows, d, ds.data_ptr<float>(),
-          dgamma_part.data_ptr<float>(),
+          ds_cast.defined() ? ds_cast.data_ptr<scalar_t>() : nullptr, dgamma_part.data_ptr<float>(),
           dbeta_part.defined() ? dbeta_part.data_ptr<float>() : nullptr);
     };
     if (rms) {

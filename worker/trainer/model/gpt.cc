@@ -32,13 +32,14 @@ class BlockImpl : public torch::nn::Module {
         fc_out_(register_module("fc_out", torch::nn::Linear(4 * d_model, d_model))) {}
 
   torch::Tensor forward(const torch::Tensor& x) {
-    if (fused_norms_ && x.is_cuda() && !tp_->on() && HasLayerNormKernel(x.size(-1))) {
+    if (fused_norms_ && !tp_->on() && UsesFusedNorms(x)) {
       // On the GPU: ln1 and its cast in one kernel, the residual add, ln2 and its cast in
-      // another (kernels/fused_norm.h), forward and backward.
+      // another (kernels/fused_norm.h), forward and backward. x reaches the add through ln1's
+      // node, whose backward kernel sums the stream's two gradients.
       const double eps1 = ln1_->options.eps(), eps2 = ln2_->options.eps();
+      const auto [stream, normed1] = LayerNormResidual(x, ln1_->weight, ln1_->bias, eps1);
       const auto [h, normed] =
-          AddLayerNorm(x, Attention(LayerNormCast(x, ln1_->weight, ln1_->bias, eps1)), ln2_->weight,
-                       ln2_->bias, eps2);
+          AddLayerNorm(stream, Attention(normed1), ln2_->weight, ln2_->bias, eps2);
       return h + RowOutput(F::gelu(Dense(normed, fc_, bf16_)), fc_out_, bf16_, *tp_);
     }
     torch::Tensor h = x + Attention(ln1_(x));

@@ -220,13 +220,15 @@ class LlamaLayerImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x) {
     // Sequence parallelism: x is this rank's part; attention sees the whole sequence.
     const auto [cos, sin] = rope_->CosSin(x.size(1) * (tp_->sequence ? tp_->size : 1), x.device());
-    if (fused_norms_ && x.is_cuda() && x.scalar_type() == torch::kFloat && !tp_->on() &&
-        HasLayerNormKernel(x.size(-1))) {
+    if (fused_norms_ && !tp_->on() && UsesFusedNorms(x)) {
       // On the GPU: input_layernorm and its cast in one kernel, the residual add,
-      // post_attention_layernorm and its cast in another (kernels/fused_norm.h), each way.
-      const auto [h, normed] = AddRmsNorm(
-          x, self_attn(RmsNormCast(x, input_layernorm->weight, input_layernorm->eps()), cos, sin),
-          post_attention_layernorm->weight, post_attention_layernorm->eps());
+      // post_attention_layernorm and its cast in another (kernels/fused_norm.h), each way; x
+      // reaches the add through the first norm's node, whose backward sums its two gradients.
+      const auto [stream, normed1] =
+          RmsNormResidual(x, input_layernorm->weight, input_layernorm->eps());
+      const auto [h, normed] =
+          AddRmsNorm(stream, self_attn(normed1, cos, sin), post_attention_layernorm->weight,
+                     post_attention_layernorm->eps());
       return h + mlp(normed);
     }
     torch::Tensor h = x + self_attn(input_layernorm(x), cos, sin);
