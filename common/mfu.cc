@@ -1,5 +1,7 @@
 #include "common/mfu.h"
 
+#include <algorithm>
+
 #include "absl/strings/ascii.h"
 
 namespace trainyard {
@@ -34,10 +36,12 @@ bool HasWord(absl::string_view name, absl::string_view word) {
 
 }  // namespace
 
-double ModelFlopsPerToken(int64_t parameters, int64_t layers, int64_t d_model, int64_t seq_len) {
-  return 6.0 * static_cast<double>(parameters) + 12.0 * static_cast<double>(layers) *
-                                                     static_cast<double>(d_model) *
-                                                     static_cast<double>(seq_len);
+double ModelFlopsPerToken(int64_t parameters, int64_t layers, int64_t d_model, int64_t seq_len,
+                          int64_t frozen) {
+  const double fixed = static_cast<double>(std::clamp<int64_t>(frozen, 0, parameters));
+  return 6.0 * (static_cast<double>(parameters) - fixed) + 4.0 * fixed +
+         12.0 * static_cast<double>(layers) * static_cast<double>(d_model) *
+             static_cast<double>(seq_len);
 }
 
 double PeakFlops(absl::string_view gpu_name, bool half, double override_tflops) {

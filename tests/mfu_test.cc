@@ -14,6 +14,18 @@ TEST(MfuTest, FlopsPerTokenAreSixPerParameterPlusAttention) {
   EXPECT_DOUBLE_EQ(ModelFlopsPerToken(0, 0, 0, 0), 0);
 }
 
+TEST(MfuTest, FrozenParametersCountFourFlopsNotSix) {
+  // A LoRA fine-tune: the base weights compute forward and the input's gradient, no weight
+  // gradient; the adapters train.
+  EXPECT_DOUBLE_EQ(ModelFlopsPerToken(1000, 2, 8, 16, 900),
+                   6.0 * 100 + 4.0 * 900 + 12.0 * 2 * 8 * 16);
+  EXPECT_DOUBLE_EQ(ModelFlopsPerToken(1000, 0, 0, 0, 1000), 4000);
+  EXPECT_DOUBLE_EQ(ModelFlopsPerToken(1000, 0, 0, 0, 0), 6000);
+  // A count beyond the parameters' (none below zero) is held to them.
+  EXPECT_DOUBLE_EQ(ModelFlopsPerToken(1000, 0, 0, 0, 5000), 4000);
+  EXPECT_DOUBLE_EQ(ModelFlopsPerToken(1000, 0, 0, 0, -3), 6000);
+}
+
 TEST(MfuTest, PeaksByCudaNameTheLongerNamesFirst) {
   EXPECT_DOUBLE_EQ(PeakFlops("NVIDIA H100 80GB HBM3", true), 989e12);
   EXPECT_DOUBLE_EQ(PeakFlops("NVIDIA H100 80GB HBM3", false), 67e12);

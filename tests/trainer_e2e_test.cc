@@ -523,5 +523,43 @@ TEST_F(TrainerE2eTest, ReportsMfuWhereThePeakIsKnown) {
   for (std::string line; std::getline(plain_in, line);) EXPECT_THAT(line, Not(HasSubstr("mfu")));
 }
 
+// A LoRA job's MFU counts its frozen base weights at 4 FLOPs a token (forward and the input's
+// gradient; no weight gradient) and its adapters at 6.
+TEST_F(TrainerE2eTest, MfuCountsFrozenWeightsWithoutTheirGradient) {
+  v1::JobSpec spec = LlamaSpec(1, 4);
+  spec.mutable_train()->set_steps(4);
+  auto* lora = spec.mutable_train()->mutable_lora();
+  lora->set_r(4);
+  lora->set_alpha(8);
+  for (const std::string& t : LoraTargetNames()) lora->add_target_modules(t);
+  const Job job = StartJob(spec, "lora-mfu");
+  const std::string metrics = dir_.path() + "/lora-mfu.jsonl";
+  RunResult r = Run(job, 1, {"--metrics-file", metrics}, {}, {"TRAINYARD_PEAK_TFLOPS=0.002"});
+  ASSERT_THAT(r.exit_codes, ::testing::ElementsAre(0)) << Joined(r);
+  int64_t parameters = 0, trainable = 0;
+  for (const std::string& line : r.lines) {
+    const auto at = line.find(" model, "), paren = line.find(" parameters (");
+    if (at == std::string::npos || paren == std::string::npos || parameters != 0) continue;
+    ASSERT_TRUE(absl::SimpleAtoi(line.substr(at + 8, paren - at - 8), &parameters)) << line;
+    const size_t first = paren + 13;
+    ASSERT_TRUE(absl::SimpleAtoi(line.substr(first, line.find(' ', first) - first), &trainable))
+        << line;
+  }
+  ASSERT_GT(parameters, 0) << Joined(r);
+  ASSERT_GT(trainable, 0) << Joined(r);
+  ASSERT_LT(trainable, parameters / 2) << Joined(r);  // (6 x parameters: a quarter more)
+  const v1::ModelSpec& m = spec.model();
+  const double flops = 6.0 * trainable + 4.0 * (parameters - trainable) +
+                       12.0 * m.n_layer() * m.d_model() * m.seq_len();
+  const auto reports = ReadReports(metrics);
+  ASSERT_EQ(reports.size(), 4u);
+  for (const auto& row : reports) {
+    EXPECT_NEAR(row.at("mfu").get<double>(),
+                row.at("tokens_per_second").get<double>() * flops / 0.002e12,
+                1e-9 * row.at("mfu").get<double>())
+        << row.dump();
+  }
+}
+
 }  // namespace
 }  // namespace trainyard

@@ -234,7 +234,8 @@ absl::Status Trainer::MakeModel() {
   params_count_ = CountElements(params_);
   trainable_count_ = CountElements(TrainableParameters(*model_));
   if (rank0_ && (device_.is_cuda() || o_.peak_tflops > 0)) {  // (the CPU's: given only)
-    flops_per_token_ = ModelFlopsPerToken(params_count_, m_.n_layer, m_.d_model, m_.seq_len);
+    flops_per_token_ = ModelFlopsPerToken(params_count_, m_.n_layer, m_.d_model, m_.seq_len,
+                                          params_count_ - trainable_count_);
     peak_flops_ =
         PeakFlops(device_.is_cuda() ? CudaDeviceName(std::max<int>(device_.index(), 0)) : "",
                   t_.precision != Precision::kFp32, o_.peak_tflops);
