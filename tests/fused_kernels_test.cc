@@ -319,6 +319,11 @@ void CheckNorm(const torch::Device& device, int64_t rows, int64_t d, bool add, b
   }
   EXPECT_EQ(n.scalar_type(),
             bf16_norm.value_or(bf16 && device.is_cuda()) ? torch::kBFloat16 : torch::kFloat);
+  // The fused path (one node: the norm, and h beside it) wherever it applies.
+  const bool fused = UsesFusedNorms(x);
+  EXPECT_EQ(n.grad_fn()->name().find("FusedLayerNorm") != std::string::npos, fused)
+      << n.grad_fn()->name();
+  if (two_outputs) EXPECT_EQ(h.grad_fn() == n.grad_fn(), fused);
   torch::Tensor loss = (n.to(torch::kFloat) * dn).sum();
   if (two_outputs) {
     EXPECT_EQ(h.scalar_type(), torch::kFloat);
@@ -342,6 +347,7 @@ void CheckNorm(const torch::Device& device, int64_t rows, int64_t d, bool add, b
 }
 
 TEST(FusedNormTest, MatchesLayerNormOnTheCpu) {
+  EXPECT_FALSE(UsesFusedNorms(torch::zeros({2, 48})));  // the composition
   CheckNorm(torch::kCPU, 7, 48, /*add=*/false, false, 1e-5, 41);
   CheckNorm(torch::kCPU, 7, 48, /*add=*/true, false, 1e-5, 42);
 }
@@ -358,6 +364,8 @@ TEST(FusedNormTest, TheNodeMatchesTheNormsOnTheCpu) {
   for (bool rms : {false, true}) {
     {
       FusedNormsOnTheCpuForTest fused;
+      ASSERT_TRUE(UsesFusedNorms(torch::zeros({2, 48})));
+      EXPECT_FALSE(UsesFusedNorms(torch::zeros({2, 48}, torch::kDouble)));
       CheckNorm(torch::kCPU, 7, 48, /*add=*/false, false, 1e-5, 141, rms);
       CheckNorm(torch::kCPU, 7, 48, /*add=*/true, false, 1e-5, 142, rms);
       CheckNorm(torch::kCPU, 7, 48, /*add=*/false, false, 1e-5, 143, rms, /*residual=*/true);
@@ -398,7 +406,7 @@ TEST(FusedNormTest, TheResidualStreamReachesTheAddThroughTheNorm) {
     torch::manual_seed(146);
     const torch::Tensor x0 = torch::randn({2, 5, 32}), w0 = torch::randn({32}) * 0.3 + 1,
                         b0 = torch::randn({32}) * 0.1, m = torch::randn({32, 32}) * 0.2;
-    auto block = [&](bool fused, torch::Tensor* x_grad) {
+    auto block = [&](bool fused, std::vector<torch::Tensor>* grads) {
       std::optional<FusedNormsOnTheCpuForTest> on;
       if (fused) on.emplace();
       const torch::Tensor x = x0.clone().requires_grad_(true);
@@ -411,13 +419,15 @@ TEST(FusedNormTest, TheResidualStreamReachesTheAddThroughTheNorm) {
       const torch::Tensor loss = (h * h).sum() + (n2 * torch::sin(h)).sum();
       const int users = EdgesTo(loss.grad_fn(), torch::autograd::impl::grad_accumulator(x).get());
       loss.backward();
-      *x_grad = x.grad();
+      grads->assign({x.grad(), w.grad(), rms ? torch::zeros({1}) : b.grad()});
       return users;
     };
-    torch::Tensor fused_grad, plain_grad;
-    EXPECT_EQ(block(true, &fused_grad), 1);
-    EXPECT_GE(block(false, &plain_grad), 2);  // RMSNorm's composition: 3 (x, x^2 and the add)
-    EXPECT_LT(RelativeError(fused_grad, plain_grad), 1e-5);
+    std::vector<torch::Tensor> fused_grads, plain_grads;
+    EXPECT_EQ(block(true, &fused_grads), 1);
+    EXPECT_GE(block(false, &plain_grads), 2);  // RMSNorm's composition: 3 (x, x^2 and the add)
+    for (size_t i = 0; i < fused_grads.size(); ++i) {
+      EXPECT_LT(RelativeError(fused_grads[i], plain_grads[i]), 1e-5) << "gradient " << i;
+    }
   }
 }
 
@@ -498,6 +508,42 @@ void CheckModelNorms(const torch::Device& device, bool bf16) {
     auto pf = fused->named_parameters(), pp = plain->named_parameters();
     for (const auto& item : pp) {
       EXPECT_LT(RelativeError(pf[item.key()].grad(), item.value().grad()), tolerance) << item.key();
+    }
+    // A block's input reaches the graph through one node (the first norm's), where the plain
+    // block's reaches it through two or more.
+    {
+      AutocastScope autocast(device, bf16 ? Precision::kBf16 : Precision::kFp32);
+      auto users = [&](LanguageModel& model) {
+        const torch::Tensor x =
+            model.Embed(windows.slice(1, 0, m.seq_len)).detach().requires_grad_(true);
+        const torch::Tensor out = model.BlockForward(0, x).sum();
+        return EdgesTo(out.grad_fn(), torch::autograd::impl::grad_accumulator(x).get());
+      };
+      EXPECT_EQ(users(*fused), 1);
+      EXPECT_GE(users(*plain), 2);
+    }
+    // Evaluation (no gradients recorded) and activation checkpointing (each block's forward run
+    // again in backward) give the same.
+    {
+      torch::NoGradGuard no_grad;
+      AutocastScope autocast(device, bf16 ? Precision::kBf16 : Precision::kFp32);
+      EXPECT_LT(RelativeError(fused->Loss(windows), lp), tolerance);
+    }
+    ModelOptions recomputed_options;
+    recomputed_options.activation_checkpointing = true;
+    auto recomputed = BuildModel(m, recomputed_options, 9);
+    recomputed->to(device);
+    torch::Tensor lr;
+    {
+      AutocastScope autocast(device, bf16 ? Precision::kBf16 : Precision::kFp32);
+      lr = recomputed->Loss(windows);
+    }
+    lr.backward();
+    EXPECT_LT(RelativeError(lr, lp), tolerance);
+    auto pr = recomputed->named_parameters();
+    for (const auto& item : pp) {
+      EXPECT_LT(RelativeError(pr[item.key()].grad(), item.value().grad()), tolerance)
+          << "recomputed " << item.key();
     }
   }
 }

@@ -107,6 +107,8 @@ class FusedLayerNorm : public torch::autograd::Function<FusedLayerNorm> {
     const torch::Tensor mean = torch::empty({rows}, f32), rstd = torch::empty({rows}, f32);
     const torch::Tensor w = weight.contiguous(), b = rms ? torch::Tensor() : bias.contiguous();
     NormForward(x2, y2, w, b, eps, sum, out, mean, rstd, rms);
+    // An output nobody used brings no gradient (not a tensor of zeros to read and add).
+    ctx->set_materialize_grads(false);
     ctx->save_for_backward({has_y ? sum : x2, mean, rstd, w});
     ctx->saved_data["first"] = first;
     ctx->saved_data["rms"] = rms;

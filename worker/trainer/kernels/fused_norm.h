@@ -33,7 +33,9 @@ std::pair<torch::Tensor, torch::Tensor> AddLayerNorm(const torch::Tensor& x, con
 // autograd node, its norm as LayerNormCast's. A pre-norm block hands x' to its residual add, so
 // the residual stream has one user, and the add's gradient to it is summed into the norm's input
 // gradient inside the norm's backward kernel (eager: the norm's backward, then autograd's fp32
-// add of x's two gradients, one a block). Differentiable in x, weight and bias.
+// add of x's two gradients, one a block). Differentiable in x, weight and bias. Neither x nor x'
+// may be changed in place after (x' is a view that refuses it on the fused path, x itself on the
+// composition's).
 std::pair<torch::Tensor, torch::Tensor> LayerNormResidual(const torch::Tensor& x,
                                                           const torch::Tensor& weight,
                                                           const torch::Tensor& bias, double eps);
