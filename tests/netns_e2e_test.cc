@@ -402,5 +402,83 @@ TEST_F(NetnsE2eTest, AnOffloadJobTrainsWithItsParameterServerOnAnotherHostAndASh
   EXPECT_LT(shaped, open) << "the rate limit did not slow the transfers";
 }
 
+// A data-parallel job with one rank on each of two hosts: each rank's Gloo transport listens on
+// its node's address (the worker's --address), where the other host reaches it (on loopback, the
+// peer would dial its own host), and the job trains to its end.
+TEST_F(NetnsE2eTest, ADataParallelJobTrainsWithOneRankOnEachOfTwoHosts) {
+  if (::access(BinPath("trainyard-trainer").c_str(), X_OK) != 0) {
+    GTEST_SKIP() << "no trainyard-trainer in this build";
+  }
+  for (const char* host : {"ctl", "n1", "n2"}) ASSERT_TRUE(net_->AddHost(host).ok());
+  const std::string ctl = net_->Address("ctl");
+  testing::TestPki pki(dir_.path());
+  pki.SignWithSan("ctl", "ctl", "IP:" + ctl);
+  const std::string state = dir_.path() + "/state";
+  auto coordinator =
+      StartIn("ctl", {BinPath("trainyard-coordinator"), "--listen", ctl + ":7070", "--state-dir",
+                      state, "--tls-cert", pki.Path("ctl.pem"), "--tls-key", pki.Path("ctl.key"),
+                      "--heartbeat-interval", "0.25"});
+  ASSERT_NE(coordinator, nullptr);
+  const std::string address = coordinator->ReadLine(absl::Seconds(30)).value_or("");
+  ASSERT_EQ(address, ctl + ":7070");
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = ReadFile(pki.Path("ca.pem"));
+  const auto channel = grpc::CreateChannel(address, grpc::SslCredentials(ssl));
+  const std::string admin = testing::AdminToken(state);
+  const std::string alice_file = dir_.path() + "/alice.token";
+  ASSERT_TRUE(WriteSecretFile(alice_file, testing::CreateToken(channel, admin, "alice")).ok());
+  std::ofstream(dir_.path() + "/user-map") << "alice " << getpwuid(geteuid())->pw_name << "\n";
+  std::vector<std::unique_ptr<Subprocess>> workers;
+  for (const std::string node : {"n1", "n2"}) {
+    const std::string token_file = dir_.path() + "/" + node + ".token";
+    ASSERT_TRUE(
+        WriteSecretFile(token_file, testing::CreateToken(channel, admin, "admin", node)).ok());
+    workers.push_back(
+        StartIn(node, {BinPath("trainyard-worker"), "--coordinator", address, "--node-id", node,
+                       "--address", net_->Address(node), "--cpu-slots", "1", "--work-dir",
+                       dir_.path() + "/work-" + node, "--token-file", token_file, "--user-map",
+                       dir_.path() + "/user-map", "--tls-ca", pki.Path("ca.pem")}));
+    ASSERT_NE(workers.back(), nullptr);
+  }
+  client::YardClient client(address, testing::CreateToken(channel, admin, "alice"),
+                            TlsClientOptions{pki.Path("ca.pem"), "", ""});
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(30);;) {
+    auto nodes = client.ListNodes();
+    int ready = 0;
+    if (nodes.ok()) {
+      for (const auto& n : nodes->nodes()) ready += n.state() == v1::NODE_READY && n.connected();
+    }
+    if (ready == 2) break;
+    ASSERT_LT(absl::Now(), deadline) << "the workers did not register";
+    absl::SleepFor(absl::Milliseconds(20));  // no watch API for nodes
+  }
+  const std::string spec = dir_.path() + "/ddp.yaml";
+  std::ofstream(spec) << "name: ddp-two-hosts\n"
+                      << "resources: {gpus: 2}\n"
+                      << "model: {kind: gpt, n_layer: 2, n_head: 2, d_model: 64, seq_len: 32, "
+                         "vocab: 256}\n"
+                      << "data: {path: /usr/share/common-licenses/GPL-3, format: bytes}\n"
+                      << "train: {steps: 6, micro_batch: 4, lr: 3.0e-3, warmup: 2, seed: 1}\n"
+                      << "checkpoint: {every_steps: 0}\n";
+  auto yard = [&](std::vector<std::string> args) {
+    args.insert(args.begin(), {BinPath("yard"), "--coordinator", address, "--tls-ca",
+                               pki.Path("ca.pem"), "--token-file", alice_file});
+    return testing::RunCommand(args, {"HOME=" + dir_.path(), "TRAINYARD_TOKEN="},
+                               absl::Seconds(300));
+  };
+  const testing::CommandResult submit = yard({"submit", spec});
+  ASSERT_EQ(submit.exit_code, 0) << submit.err;
+  const std::string job(absl::StripAsciiWhitespace(submit.out));
+  const testing::CommandResult wait = yard({"wait", job});
+  const std::string logs = yard({"logs", job}).out;
+  ASSERT_EQ(wait.exit_code, 0) << wait.err << logs;
+  // Rank 0's line: its transport on its host's address (each node offers one slot: one rank
+  // each).
+  EXPECT_THAT(logs, ::testing::ContainsRegex("collectives: gloo on (" + net_->Address("n1") + "|" +
+                                             net_->Address("n2") + ")"));
+  const auto series = nlohmann::json::parse(yard({"metrics", job, "-o", "json"}).out);
+  EXPECT_EQ(series.size(), 6u);
+}
+
 }  // namespace
 }  // namespace trainyard

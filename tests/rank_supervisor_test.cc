@@ -246,6 +246,15 @@ TEST(ShepherdEnvironmentTest, AFixedPathAndTheWorkersLibraryPathOnly) {
               ::testing::ElementsAre("PATH=/usr/sbin:/usr/bin:/sbin:/bin"));
 }
 
+TEST(NodeHostTest, TheHostOfTheWorkersAddressElseItsName) {
+  EXPECT_EQ(NodeHost("10.1.2.3", "vm"), "10.1.2.3");
+  EXPECT_EQ(NodeHost("10.1.2.3:7000", "vm"), "10.1.2.3");
+  EXPECT_EQ(NodeHost(" gpu-7.example ", "vm"), "gpu-7.example");
+  EXPECT_EQ(NodeHost("[fd00::7]:7000", "vm"), "fd00::7");
+  EXPECT_EQ(NodeHost("fd00::7", "vm"), "fd00::7");
+  EXPECT_EQ(NodeHost("", "vm"), "vm");
+}
+
 TEST(RankCoordinatorListTest, TheLeadersListThenTheWorkersAddressesItLacks) {
   EXPECT_EQ(RankCoordinatorList("a:1", "b:2,a:1"), "a:1,b:2");
   EXPECT_EQ(RankCoordinatorList("a:1,c:3", " b:2 , a:1,"), "a:1,c:3,b:2");

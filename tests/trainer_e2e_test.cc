@@ -46,8 +46,9 @@ TEST_P(DdpEquivalenceTest, TwoRanksMatchOneRankWithTheWholeBatch) {
   EXPECT_THAT(Joined(r2), HasSubstr("step 10/10"));
   EXPECT_THAT(Joined(r2),
               HasSubstr(v.one_rank_per_node
-                            ? "collectives: gloo\n"
-                            : "collectives: gloo; fp32 all-reduce through shared memory (2 ranks "
+                            ? "collectives: gloo on 127.0.0.1\n"
+                            : "collectives: gloo on 127.0.0.1; fp32 all-reduce through shared "
+                              "memory (2 ranks "
                               "on this host)"));
   RunResult r1 = Run(one, 1, {"--dump-params", one_dump});
   EXPECT_THAT(r1.exit_codes, ::testing::ElementsAre(0)) << Joined(r1);

@@ -285,6 +285,11 @@ absl::Status SettleIdentity(const Flags& f, trainyard::worker::WorkerOptions& op
   if (auto tls = trainyard::MakeChannelCredentials(options.tls); !tls.ok()) return tls.status();
   options.supervisor.tls_ca = options.tls.ca_file;
   options.supervisor.coordinators = options.coordinator;
+  {
+    char host[256] = {0};
+    gethostname(host, sizeof(host) - 1);
+    options.supervisor.node_address = trainyard::worker::NodeHost(options.address, host);
+  }
   auto token = trainyard::FindNodeToken(f.token_file, !options.tls.cert_file.empty());
   if (!token.ok()) return token.status();
   options.token = *std::move(token);

@@ -406,6 +406,16 @@ std::string ErrorFileMessage(const std::string& path, size_t max_bytes) {
   return out;
 }
 
+std::string NodeHost(const std::string& address, const std::string& host_name) {
+  const std::string a(absl::StripAsciiWhitespace(address));
+  if (a.empty()) return host_name;
+  if (a.front() == '[') {  // [IPv6]:PORT
+    const size_t close = a.find(']');
+    return close == std::string::npos ? a : a.substr(1, close - 1);
+  }
+  return std::count(a.begin(), a.end(), ':') == 1 ? a.substr(0, a.find(':')) : a;
+}
+
 std::string RankCoordinatorList(const std::string& leader_list, const std::string& worker_list) {
   std::vector<std::string> out;
   for (const std::string& list : {leader_list, worker_list}) {
@@ -758,6 +768,7 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device,
   context.set_checkpoint_dir(checkpoint_dir);
   context.set_threads(options_.threads_per_rank);
   *context.mutable_ps_ranges() = a.ps_ranges();
+  context.set_node_address(options_.node_address);
   const std::string context_path = absl::StrCat(dir, "/rank-", rank, ".pb");
   if (absl::Status s = WriteOwnedFile(context_path, context.SerializeAsString(), owner); !s.ok()) {
     ReportExit(key, 126, std::string(s.message()));

@@ -52,6 +52,11 @@ std::vector<std::string> ShepherdEnvironment(const std::vector<std::string>& wor
 // leader's list, then the addresses of `worker_list` it lacks. Both are comma-separated.
 std::string RankCoordinatorList(const std::string& leader_list, const std::string& worker_list);
 
+// The host where this node's ranks listen for ranks on other nodes (RankContext.node_address),
+// from the worker's --address as the coordinator reads it for MASTER_ADDR: the host of HOST:PORT
+// or [IPv6]:PORT, a host or a bare IPv6 address as it is; without one, `host_name`.
+std::string NodeHost(const std::string& address, const std::string& host_name);
+
 struct SupervisorOptions {
   std::string trainer_path;  // the trainyard-trainer binary
   std::string work_dir;      // per-attempt folders with the spec and each rank's log
@@ -59,6 +64,9 @@ struct SupervisorOptions {
   // --coordinators) and then these addresses it lacks, so that they follow a failover also where
   // the replicas were not given --coordinators.
   std::string coordinators;
+  // Where this node's ranks listen for ranks on other nodes (RankContext.node_address): the host
+  // of the worker's --address, else its host name.
+  std::string node_address;
   int threads_per_rank = 1;                       // torch / OpenMP threads of each rank
   absl::Duration stop_grace = absl::Seconds(10);  // SIGTERM → SIGKILL
   int failure_log_lines = 8;  // last output lines sent with a failed rank's exit

@@ -100,6 +100,12 @@ absl::StatusOr<v1::JobSpec> ApplyContext(const std::string& path, const CLI::App
   o.coordinator = c.coordinator_address();
   o.checkpoint_dir = c.checkpoint_dir();
   o.threads = c.threads();
+  // Gloo listens where the job's ranks on other nodes reach this one; ranks of a job on one node
+  // keep loopback (and shared memory). --gloo-host, given, wins.
+  if (app.count("--gloo-host") == 0 && !c.node_address().empty() && c.local_world_size() > 0 &&
+      c.local_world_size() < c.world_size()) {
+    o.gloo_hostname = c.node_address();
+  }
   std::vector<std::string> ranges;
   for (const v1::PsRange& r : c.ps_ranges()) {
     ranges.push_back(absl::StrCat(r.address(), "=", r.begin(), ":", r.end()));
@@ -208,7 +214,8 @@ void AddRankFlags(CLI::App& app, TrainerOptions& o, std::string& spec_path,
   app.add_option("--stop-after-steps", o.stop_after_steps,
                  "checkpoint and exit 0 after this many steps of this run");
   app.add_option("--gloo-host", o.gloo_hostname,
-                 "address of this host that Gloo listens on (default 127.0.0.1)");
+                 "address of this host that Gloo listens on (default 127.0.0.1; with --context, "
+                 "the worker's node address when the job has ranks on other nodes)");
   app.add_option("--ps", o.ps_ranges,
                  "offload: parameter-server ranges ADDRESS=BEGIN:END,... (from the coordinator)");
   app.add_option("--ps-rpc-timeout", o.ps_rpc_timeout_s,

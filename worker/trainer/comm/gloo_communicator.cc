@@ -130,16 +130,19 @@ class GlooHandle : public CommHandle {
 
 class GlooCommunicator : public Communicator {
  public:
-  GlooCommunicator(c10::intrusive_ptr<c10d::ProcessGroupGloo> pg, std::unique_ptr<ShmAllReduce> shm)
-      : pg_(std::move(pg)), shm_(shm ? std::make_unique<ShmWorker>(std::move(shm)) : nullptr) {}
+  GlooCommunicator(c10::intrusive_ptr<c10d::ProcessGroupGloo> pg, std::unique_ptr<ShmAllReduce> shm,
+                   std::string hostname)
+      : pg_(std::move(pg)),
+        shm_(shm ? std::make_unique<ShmWorker>(std::move(shm)) : nullptr),
+        hostname_(std::move(hostname)) {}
 
   int rank() const override { return pg_->getRank(); }
   int world_size() const override { return pg_->getSize(); }
   std::string Describe() const override {
     // (GPU tensors travel through host copies: OnHost.)
-    return shm_ ? absl::StrCat("gloo; fp32 all-reduce through shared memory (", world_size(),
-                               " ranks on this host)")
-                : "gloo";
+    return shm_ ? absl::StrCat("gloo on ", hostname_, "; fp32 all-reduce through shared memory (",
+                               world_size(), " ranks on this host)")
+                : absl::StrCat("gloo on ", hostname_);
   }
 
   std::unique_ptr<CommHandle> AllReduceSum(std::vector<torch::Tensor> tensors) override {
@@ -215,6 +218,7 @@ class GlooCommunicator : public Communicator {
  private:
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
   std::unique_ptr<ShmWorker> shm_;
+  std::string hostname_;  // where its transport listens
 };
 
 }  // namespace
@@ -246,7 +250,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(
         std::cout << made.status().message() << "; all-reduce through Gloo" << std::endl;
       }
     }
-    return std::make_unique<GlooCommunicator>(std::move(pg), std::move(shm));
+    return std::make_unique<GlooCommunicator>(std::move(pg), std::move(shm), hostname);
   } catch (const std::exception& e) {
     return absl::UnavailableError(absl::StrCat("cannot build the Gloo group (rank ", rank, " of ",
                                                world_size, ", ", hostname, "): ", e.what()));
