@@ -403,8 +403,9 @@ TEST_F(NetnsE2eTest, AnOffloadJobTrainsWithItsParameterServerOnAnotherHostAndASh
 }
 
 // A data-parallel job with one rank on each of two hosts: each rank's Gloo transport listens on
-// its node's address (the worker's --address), where the other host reaches it (on loopback, the
-// peer would dial its own host), and the job trains to its end.
+// its node's address (the worker's --address, or without one its address toward the
+// coordinator), where the other host reaches it (on loopback, the peer would dial its own host),
+// and the job trains to its end.
 TEST_F(NetnsE2eTest, ADataParallelJobTrainsWithOneRankOnEachOfTwoHosts) {
   if (::access(BinPath("trainyard-trainer").c_str(), X_OK) != 0) {
     GTEST_SKIP() << "no trainyard-trainer in this build";
@@ -433,11 +434,24 @@ TEST_F(NetnsE2eTest, ADataParallelJobTrainsWithOneRankOnEachOfTwoHosts) {
     const std::string token_file = dir_.path() + "/" + node + ".token";
     ASSERT_TRUE(
         WriteSecretFile(token_file, testing::CreateToken(channel, admin, "admin", node)).ok());
-    workers.push_back(
-        StartIn(node, {BinPath("trainyard-worker"), "--coordinator", address, "--node-id", node,
-                       "--address", net_->Address(node), "--cpu-slots", "1", "--work-dir",
-                       dir_.path() + "/work-" + node, "--token-file", token_file, "--user-map",
-                       dir_.path() + "/user-map", "--tls-ca", pki.Path("ca.pem")}));
+    std::vector<std::string> argv = {BinPath("trainyard-worker"),
+                                     "--coordinator",
+                                     address,
+                                     "--node-id",
+                                     node,
+                                     "--cpu-slots",
+                                     "1",
+                                     "--work-dir",
+                                     dir_.path() + "/work-" + node,
+                                     "--token-file",
+                                     token_file,
+                                     "--user-map",
+                                     dir_.path() + "/user-map",
+                                     "--tls-ca",
+                                     pki.Path("ca.pem")};
+    // n2 finds its address itself: its source address toward the coordinator.
+    if (node == "n1") argv.insert(argv.end(), {"--address", net_->Address(node)});
+    workers.push_back(StartIn(node, argv));
     ASSERT_NE(workers.back(), nullptr);
   }
   client::YardClient client(address, testing::CreateToken(channel, admin, "alice"),
@@ -448,7 +462,10 @@ TEST_F(NetnsE2eTest, ADataParallelJobTrainsWithOneRankOnEachOfTwoHosts) {
     if (nodes.ok()) {
       for (const auto& n : nodes->nodes()) ready += n.state() == v1::NODE_READY && n.connected();
     }
-    if (ready == 2) break;
+    if (ready == 2) {
+      for (const auto& n : nodes->nodes()) EXPECT_EQ(n.address(), net_->Address(n.id()));
+      break;
+    }
     ASSERT_LT(absl::Now(), deadline) << "the workers did not register";
     absl::SleepFor(absl::Milliseconds(20));  // no watch API for nodes
   }

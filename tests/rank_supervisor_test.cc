@@ -255,6 +255,15 @@ TEST(NodeHostTest, TheHostOfTheWorkersAddressElseItsName) {
   EXPECT_EQ(NodeHost("", "vm"), "vm");
 }
 
+TEST(LocalAddressTowardTest, TheSourceAddressOfTheRouteThere) {
+  // Loopback is reached from loopback; the list's first address counts.
+  EXPECT_EQ(LocalAddressToward("127.0.0.1:7070").value_or(""), "127.0.0.1");
+  EXPECT_EQ(LocalAddressToward("127.0.0.1:7070,10.9.9.9:7070").value_or(""), "127.0.0.1");
+  for (const char* bad : {"", "7070", "host", "[::1]", "no-such-host.invalid:7070"}) {
+    EXPECT_FALSE(LocalAddressToward(bad).ok()) << bad;
+  }
+}
+
 TEST(RankCoordinatorListTest, TheLeadersListThenTheWorkersAddressesItLacks) {
   EXPECT_EQ(RankCoordinatorList("a:1", "b:2,a:1"), "a:1,b:2");
   EXPECT_EQ(RankCoordinatorList("a:1,c:3", " b:2 , a:1,"), "a:1,c:3,b:2");

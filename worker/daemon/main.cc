@@ -135,8 +135,9 @@ void AddFlags(CLI::App& app, Flags& f, trainyard::worker::WorkerOptions& options
       ->capture_default_str();
   app.add_option("--node-id", options.node_id, "stable name of this node")->capture_default_str();
   app.add_option("--address", options.address,
-                 "where other nodes reach this node's ranks: command jobs' MASTER_ADDR when rank 0 "
-                 "runs here (default: the host name)");
+                 "where other nodes reach this node's ranks (their Gloo transport; command jobs' "
+                 "MASTER_ADDR when rank 0 runs here); default: this host's address toward the "
+                 "coordinator");
   app.add_option("--cpu-slots", options.cpu_slots, "CPU slots offered (one rank each)")
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();
@@ -285,6 +286,20 @@ absl::Status SettleIdentity(const Flags& f, trainyard::worker::WorkerOptions& op
   if (auto tls = trainyard::MakeChannelCredentials(options.tls); !tls.ok()) return tls.status();
   options.supervisor.tls_ca = options.tls.ca_file;
   options.supervisor.coordinators = options.coordinator;
+  if (options.address.empty()) {
+    // Where other nodes reach this one: its address toward the coordinator, else its name.
+    auto local = trainyard::worker::LocalAddressToward(options.coordinator);
+    if (local.ok()) {
+      options.address = *std::move(local);
+      spdlog::info("address {}: this host's toward the coordinator (--address to choose)",
+                   options.address);
+    } else {
+      spdlog::warn(
+          "no address toward the coordinator ({}): other nodes reach this one by its "
+          "host name (--address to choose)",
+          std::string(local.status().message()));
+    }
+  }
   {
     char host[256] = {0};
     gethostname(host, sizeof(host) - 1);

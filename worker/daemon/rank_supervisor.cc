@@ -1,6 +1,8 @@
 #include "worker/daemon/rank_supervisor.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <pwd.h>
 #include <signal.h>
@@ -414,6 +416,53 @@ std::string NodeHost(const std::string& address, const std::string& host_name) {
     return close == std::string::npos ? a : a.substr(1, close - 1);
   }
   return std::count(a.begin(), a.end(), ':') == 1 ? a.substr(0, a.find(':')) : a;
+}
+
+absl::StatusOr<std::string> LocalAddressToward(const std::string& host_port) {
+  const std::string first(
+      absl::StripAsciiWhitespace(absl::string_view(host_port).substr(0, host_port.find(','))));
+  std::string host, port;
+  if (!first.empty() && first.front() == '[') {
+    const size_t close = first.find("]:");
+    if (close != std::string::npos) {
+      host = first.substr(1, close - 1);
+      port = first.substr(close + 2);
+    }
+  } else if (const size_t colon = first.rfind(':');
+             colon != std::string::npos && first.find(':') == colon) {
+    host = first.substr(0, colon);
+    port = first.substr(colon + 1);
+  }
+  if (host.empty() || port.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("'", first, "' is not HOST:PORT"));
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (const int r = getaddrinfo(host.c_str(), port.c_str(), &hints, &found); r != 0) {
+    return absl::UnavailableError(absl::StrCat("cannot resolve ", host, ": ", gai_strerror(r)));
+  }
+  std::string local;
+  for (const addrinfo* a = found; a != nullptr && local.empty(); a = a->ai_next) {
+    const int fd = socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    sockaddr_storage self{};
+    socklen_t len = sizeof(self);
+    if (connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+        getsockname(fd, reinterpret_cast<sockaddr*>(&self), &len) == 0) {
+      char text[INET6_ADDRSTRLEN] = {0};
+      const void* in =
+          self.ss_family == AF_INET6
+              ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in6*>(&self)->sin6_addr)
+              : static_cast<const void*>(&reinterpret_cast<const sockaddr_in*>(&self)->sin_addr);
+      if (inet_ntop(self.ss_family, in, text, sizeof(text)) != nullptr) local = text;
+    }
+    close(fd);
+  }
+  freeaddrinfo(found);
+  if (local.empty()) return absl::UnavailableError(absl::StrCat("no route to ", first));
+  return local;
 }
 
 std::string RankCoordinatorList(const std::string& leader_list, const std::string& worker_list) {

@@ -57,6 +57,13 @@ std::string RankCoordinatorList(const std::string& leader_list, const std::strin
 // or [IPv6]:PORT, a host or a bare IPv6 address as it is; without one, `host_name`.
 std::string NodeHost(const std::string& address, const std::string& host_name);
 
+// This host's address on the route toward `host_port` (HOST:PORT or [IPv6]:PORT; the first of a
+// comma-separated list): the source address the kernel picks for it (a UDP socket connected there,
+// nothing sent), as Ray finds a node's address. The worker's default --address, toward the
+// coordinator: the address other nodes on that network reach this one at, where the host name
+// may resolve to loopback (Debian's /etc/hosts). An error when the host does not resolve.
+absl::StatusOr<std::string> LocalAddressToward(const std::string& host_port);
+
 struct SupervisorOptions {
   std::string trainer_path;  // the trainyard-trainer binary
   std::string work_dir;      // per-attempt folders with the spec and each rank's log
