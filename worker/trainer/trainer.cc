@@ -364,7 +364,9 @@ void Trainer::LogSetup() const {
                         : "",
       data_.train.size(), data_.num_samples, sampler_->global_batch(), strategy_->num_buckets(),
       strategy_->Describe(), Name(t_.optimizer), step_, t_.steps));
-  Log(absl::StrCat("collectives: ", groups_.world->Describe()));
+  Log(absl::StrCat(
+      "collectives: ", groups_.world->Describe(),
+      groups_.host ? absl::StrCat("; the step's agreement over ", groups_.host->Describe()) : ""));
   Log(absl::StrCat("device: ", DescribeDevice(device_), "; precision ", Name(t_.precision),
                    device_.is_cuda() && t_.precision != Precision::kFp32
                        ? " (autocast, fp32 master weights)"
@@ -572,7 +574,7 @@ Trainer::Agreement Trainer::Agree(const StepStats* reported, bool take_flags) {
   const std::vector<double> idle = reported != nullptr ? reported->idle : std::vector<double>();
   flags.insert(flags.end(), idle.begin(), idle.end());
   torch::Tensor agree = torch::tensor(flags, torch::kDouble);
-  groups_.world->AllReduceSum({agree})->Wait();
+  groups_.Host().AllReduceSum({agree})->Wait();
   Agreement a;
   const double* v = agree.data_ptr<double>();
   // The loss is the last stages' under pipeline parallelism (one per replica).
@@ -702,7 +704,7 @@ double Trainer::Evaluate() {
   // One rank of a tensor-parallel group counts (all compute the sum); the last stage's.
   if (!strategy_->CountsLoss()) sum = count = 0;
   torch::Tensor both = torch::tensor({sum, count}, torch::kDouble);
-  groups_.world->AllReduceSum({both})->Wait();
+  groups_.Host().AllReduceSum({both})->Wait();
   const double total_count = both[1].item<double>();
   if (total_count == 0) {
     Log("eval: data.eval_loss_mask counts no target of the held-out windows; no eval_loss");

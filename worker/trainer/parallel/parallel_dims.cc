@@ -95,6 +95,9 @@ absl::StatusOr<CommGroups> BuildGroups(const ParallelDims& d, const torch::Devic
     if (use_nccl) {
       // NCCL's unique id travels through the coordinator's rendezvous, as Gloo's addresses do.
       ASSIGN_OR_RETURN(g.world, MakeNcclCommunicator(store, d.rank, d.world_size, kTimeout));
+      ASSIGN_OR_RETURN(g.host,
+                       MakeSubgroupCommunicator(store, "host-agreement", d.rank, d.world_size,
+                                                target.gloo_hostname, kTimeout));
     } else {
       // All ranks on this host (the worker says how many of the job's ranks it runs): gradients
       // are summed through shared memory instead of loopback TCP.

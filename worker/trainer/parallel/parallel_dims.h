@@ -62,6 +62,12 @@ struct CommGroups {
   std::unique_ptr<Communicator> shard, replica;  // FSDP: a shard's ranks; a shard's holders
   std::unique_ptr<Communicator> stage;           // pipeline: the ranks that run this stage
   std::unique_ptr<Communicator> tensor;          // tensor parallelism: the ranks of its layers
+  // The step's agreement and evaluation's sums (small host tensors), over Gloo where the world is
+  // NCCL with several ranks: through NCCL a host tensor is all-reduced on the group's stream,
+  // behind the step's gradient all-reduces, and the host would wait for the backward with it.
+  // Null where the world serves (Gloo's, or one rank).
+  std::unique_ptr<Communicator> host;
+  Communicator& Host() const { return host ? *host : *world; }
   // Tests: one GPU rank that still sends its gradients through NCCL (TRAINYARD_NCCL_ONE_RANK),
   // so that a machine with one GPU runs the NCCL path.
   bool nccl_one_rank = false;
