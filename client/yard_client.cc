@@ -53,9 +53,12 @@ bool YardClient::FollowLeader(const grpc::Status& status, const grpc::ClientCont
                               int attempt, absl::Time give_up) {
   if (absl::Now() >= give_up) return false;
   // A server that shut down under the call (a standby handing its address to the new leader, or
-  // a leader stepping down) cancels it: the same address is tried again.
-  if (status.error_code() == grpc::StatusCode::CANCELLED && attempt < 5) {
-    absl::SleepFor(absl::Milliseconds(50));
+  // a leader stepping down) cancels it: the same address is tried again, until give_up like any
+  // failover (the attempts count those made while the old leader was unreachable too, so a
+  // count of its own would give up on the first cancel after a slow takeover).
+  if (status.error_code() == grpc::StatusCode::CANCELLED) {
+    absl::SleepFor(
+        std::min(absl::Milliseconds(50) * (1 << std::min(attempt, 4)), absl::Milliseconds(500)));
     return true;
   }
   const bool named = ctx.GetServerTrailingMetadata().count(kLeaderMetadata) > 0;

@@ -507,7 +507,7 @@ TEST_F(TrainerE2eTest, ReportsMfuWhereThePeakIsKnown) {
   int reported = 0;
   for (v1::StepReport report; reader->Read(&report); ++reported) EXPECT_GT(report.mfu(), 0);
   EXPECT_TRUE(reader->Finish().ok());
-  EXPECT_EQ(reported, 3);
+  EXPECT_EQ(reported, 3) << Joined(r);  // (the rank's lines say what its reporter met)
 
   // No peak: no MFU anywhere (on the CPU; a GPU in the table has one without being told).
   const char* device = std::getenv("TRAINYARD_TEST_DEVICE");
