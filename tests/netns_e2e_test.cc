@@ -66,8 +66,68 @@ class NetnsE2eTest : public ::testing::Test {
     return p.ok() ? std::move(*p) : nullptr;
   }
 
+  // For the tests that train: host "ctl" with the coordinator (TLS, its certificate for its
+  // address; heartbeats every 0.25 s), alice's token in a file and a user map that runs her jobs
+  // as this account. The caller checks HasFatalFailure.
+  void StartControlHost() {
+    ASSERT_TRUE(net_->AddHost("ctl").ok());
+    const std::string ctl = net_->Address("ctl");
+    pki_ = std::make_unique<testing::TestPki>(dir_.path());
+    pki_->SignWithSan("ctl", "ctl", "IP:" + ctl);
+    const std::string state = dir_.path() + "/state";
+    coordinator_ =
+        StartIn("ctl", {BinPath("trainyard-coordinator"), "--listen", ctl + ":7070", "--state-dir",
+                        state, "--tls-cert", pki_->Path("ctl.pem"), "--tls-key",
+                        pki_->Path("ctl.key"), "--heartbeat-interval", "0.25"});
+    ASSERT_NE(coordinator_, nullptr);
+    address_ = coordinator_->ReadLine(absl::Seconds(30)).value_or("");
+    ASSERT_EQ(address_, ctl + ":7070");
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = ReadFile(pki_->Path("ca.pem"));
+    channel_ = grpc::CreateChannel(address_, grpc::SslCredentials(ssl));
+    admin_ = testing::AdminToken(state);
+    alice_file_ = dir_.path() + "/alice.token";
+    ASSERT_TRUE(WriteSecretFile(alice_file_, testing::CreateToken(channel_, admin_, "alice")).ok());
+    std::ofstream(dir_.path() + "/user-map") << "alice " << getpwuid(geteuid())->pw_name << "\n";
+  }
+
+  // A file with node `node`'s token: its path.
+  std::string NodeTokenFile(const std::string& node) {
+    const std::string path = dir_.path() + "/" + node + ".token";
+    EXPECT_TRUE(WriteSecretFile(path, testing::CreateToken(channel_, admin_, "admin", node)).ok());
+    return path;
+  }
+
+  // The nodes, once `count` of them are ready and connected (an error after 30 s).
+  absl::StatusOr<v1::ListNodesResponse> WaitForNodes(int count) {
+    client::YardClient client(address_, testing::CreateToken(channel_, admin_, "alice"),
+                              TlsClientOptions{pki_->Path("ca.pem"), "", ""});
+    for (const absl::Time deadline = absl::Now() + absl::Seconds(30);;) {
+      auto nodes = client.ListNodes();
+      int ready = 0;
+      if (nodes.ok()) {
+        for (const auto& n : nodes->nodes()) ready += n.state() == v1::NODE_READY && n.connected();
+      }
+      if (ready == count) return nodes;
+      if (absl::Now() > deadline) return absl::DeadlineExceededError("the nodes did not register");
+      absl::SleepFor(absl::Milliseconds(20));  // no watch API for nodes
+    }
+  }
+
+  // `yard ARGS...` as alice.
+  testing::CommandResult Yard(std::vector<std::string> args) {
+    args.insert(args.begin(), {BinPath("yard"), "--coordinator", address_, "--tls-ca",
+                               pki_->Path("ca.pem"), "--token-file", alice_file_});
+    return testing::RunCommand(args, {"HOME=" + dir_.path(), "TRAINYARD_TOKEN="},
+                               absl::Seconds(300));
+  }
+
   TempDir dir_;
   std::unique_ptr<TestNetwork> net_;
+  std::unique_ptr<testing::TestPki> pki_;
+  std::unique_ptr<Subprocess> coordinator_;
+  std::string address_, admin_, alice_file_;
+  std::shared_ptr<grpc::Channel> channel_;
 };
 
 // The pids in a rank's pids file (test_rank), or none yet.
@@ -292,38 +352,18 @@ TEST_F(NetnsE2eTest, AnOffloadJobTrainsWithItsParameterServerOnAnotherHostAndASh
   if (::access(BinPath("trainyard-trainer").c_str(), X_OK) != 0) {
     GTEST_SKIP() << "no trainyard-trainer in this build";
   }
-  for (const char* host : {"ctl", "n1", "ps"}) ASSERT_TRUE(net_->AddHost(host).ok());
-  const std::string ctl = net_->Address("ctl"), ps = net_->Address("ps");
-  testing::TestPki pki(dir_.path());
-  pki.SignWithSan("ctl", "ctl", "IP:" + ctl);
-  pki.SignWithSan("ps", "ps1", "IP:" + ps);
-  pki.Sign("n1", "n1");
-  const std::string state = dir_.path() + "/state";
-  auto coordinator =
-      StartIn("ctl", {BinPath("trainyard-coordinator"), "--listen", ctl + ":7070", "--state-dir",
-                      state, "--tls-cert", pki.Path("ctl.pem"), "--tls-key", pki.Path("ctl.key"),
-                      "--heartbeat-interval", "0.25"});
-  ASSERT_NE(coordinator, nullptr);
-  const std::string address = coordinator->ReadLine(absl::Seconds(30)).value_or("");
-  ASSERT_EQ(address, ctl + ":7070");
-  grpc::SslCredentialsOptions ssl;
-  ssl.pem_root_certs = ReadFile(pki.Path("ca.pem"));
-  const auto channel = grpc::CreateChannel(address, grpc::SslCredentials(ssl));
-  const std::string admin = testing::AdminToken(state);
-  const std::string alice_file = dir_.path() + "/alice.token";
-  ASSERT_TRUE(WriteSecretFile(alice_file, testing::CreateToken(channel, admin, "alice")).ok());
-  for (const std::string node : {"n1", "ps1"}) {
-    ASSERT_TRUE(WriteSecretFile(dir_.path() + "/" + node + ".token",
-                                testing::CreateToken(channel, admin, "admin", node))
-                    .ok());
-  }
+  StartControlHost();
+  if (HasFatalFailure()) return;
+  for (const char* host : {"n1", "ps"}) ASSERT_TRUE(net_->AddHost(host).ok());
+  const std::string ps = net_->Address("ps");
+  pki_->SignWithSan("ps", "ps1", "IP:" + ps);
   auto server = StartIn("ps", {BinPath("trainyard-ps"),
                                "--listen",
                                ps + ":7100",
                                "--data-listen",
                                ps + ":7101",
                                "--coordinator",
-                               address,
+                               address_,
                                "--node-id",
                                "ps1",
                                "--threads",
@@ -331,34 +371,21 @@ TEST_F(NetnsE2eTest, AnOffloadJobTrainsWithItsParameterServerOnAnotherHostAndASh
                                "--memory-bytes",
                                "268435456",
                                "--token-file",
-                               dir_.path() + "/ps1.token",
+                               NodeTokenFile("ps1"),
                                "--tls-cert",
-                               pki.Path("ps.pem"),
+                               pki_->Path("ps.pem"),
                                "--tls-key",
-                               pki.Path("ps.key"),
+                               pki_->Path("ps.key"),
                                "--tls-ca",
-                               pki.Path("ca.pem")});
+                               pki_->Path("ca.pem")});
   ASSERT_NE(server, nullptr);
-  std::ofstream(dir_.path() + "/user-map") << "alice " << getpwuid(geteuid())->pw_name << "\n";
   auto worker =
-      StartIn("n1", {BinPath("trainyard-worker"), "--coordinator", address, "--node-id", "n1",
+      StartIn("n1", {BinPath("trainyard-worker"), "--coordinator", address_, "--node-id", "n1",
                      "--address", net_->Address("n1"), "--cpu-slots", "2", "--work-dir",
-                     dir_.path() + "/work", "--token-file", dir_.path() + "/n1.token", "--user-map",
-                     dir_.path() + "/user-map", "--tls-ca", pki.Path("ca.pem")});
+                     dir_.path() + "/work", "--token-file", NodeTokenFile("n1"), "--user-map",
+                     dir_.path() + "/user-map", "--tls-ca", pki_->Path("ca.pem")});
   ASSERT_NE(worker, nullptr);
-
-  client::YardClient client(address, testing::CreateToken(channel, admin, "alice"),
-                            TlsClientOptions{pki.Path("ca.pem"), "", ""});
-  for (const absl::Time deadline = absl::Now() + absl::Seconds(30);;) {
-    auto nodes = client.ListNodes();
-    int ready = 0;
-    if (nodes.ok()) {
-      for (const auto& n : nodes->nodes()) ready += n.state() == v1::NODE_READY && n.connected();
-    }
-    if (ready == 2) break;
-    ASSERT_LT(absl::Now(), deadline) << "the worker and the parameter server did not register";
-    absl::SleepFor(absl::Milliseconds(20));  // no watch API for nodes
-  }
+  ASSERT_TRUE(WaitForNodes(2).ok()) << "the worker and the parameter server did not register";
   const std::string spec = dir_.path() + "/offload.yaml";
   std::ofstream(spec) << "name: offload\n"
                       << "resources: {gpus: 2}\n"
@@ -368,24 +395,18 @@ TEST_F(NetnsE2eTest, AnOffloadJobTrainsWithItsParameterServerOnAnotherHostAndASh
                       << "train: {steps: 30, micro_batch: 8, lr: 3.0e-3, warmup: 5, seed: 1}\n"
                       << "parallel: {strategy: offload}\n"
                       << "checkpoint: {every_steps: 0}\n";
-  auto yard = [&](std::vector<std::string> args) {
-    args.insert(args.begin(), {BinPath("yard"), "--coordinator", address, "--tls-ca",
-                               pki.Path("ca.pem"), "--token-file", alice_file});
-    return testing::RunCommand(args, {"HOME=" + dir_.path(), "TRAINYARD_TOKEN="},
-                               absl::Seconds(300));
-  };
   // Trains the spec to its end: the median tokens/s of its steps (0 on failure).
   auto train = [&]() -> double {
-    const testing::CommandResult submit = yard({"submit", spec});
+    const testing::CommandResult submit = Yard({"submit", spec});
     EXPECT_EQ(submit.exit_code, 0) << submit.err;
     const std::string job(absl::StripAsciiWhitespace(submit.out));
-    const testing::CommandResult wait = yard({"wait", job});
-    EXPECT_EQ(wait.exit_code, 0) << wait.err << yard({"logs", job}).out;
+    const testing::CommandResult wait = Yard({"wait", job});
+    EXPECT_EQ(wait.exit_code, 0) << wait.err << Yard({"logs", job}).out;
     if (wait.exit_code != 0) return 0;
-    const auto series = nlohmann::json::parse(yard({"metrics", job, "-o", "json"}).out);
+    const auto series = nlohmann::json::parse(Yard({"metrics", job, "-o", "json"}).out);
     EXPECT_EQ(series.size(), 30u);
     EXPECT_THAT(
-        yard({"logs", job}).out,
+        Yard({"logs", job}).out,
         ::testing::ContainsRegex("parameter-server transfers: " + ps + ":7100: data plane"));
     return Median(series, "tokens_per_second");
   };
@@ -410,33 +431,14 @@ TEST_F(NetnsE2eTest, ADataParallelJobTrainsWithOneRankOnEachOfTwoHosts) {
   if (::access(BinPath("trainyard-trainer").c_str(), X_OK) != 0) {
     GTEST_SKIP() << "no trainyard-trainer in this build";
   }
-  for (const char* host : {"ctl", "n1", "n2"}) ASSERT_TRUE(net_->AddHost(host).ok());
-  const std::string ctl = net_->Address("ctl");
-  testing::TestPki pki(dir_.path());
-  pki.SignWithSan("ctl", "ctl", "IP:" + ctl);
-  const std::string state = dir_.path() + "/state";
-  auto coordinator =
-      StartIn("ctl", {BinPath("trainyard-coordinator"), "--listen", ctl + ":7070", "--state-dir",
-                      state, "--tls-cert", pki.Path("ctl.pem"), "--tls-key", pki.Path("ctl.key"),
-                      "--heartbeat-interval", "0.25"});
-  ASSERT_NE(coordinator, nullptr);
-  const std::string address = coordinator->ReadLine(absl::Seconds(30)).value_or("");
-  ASSERT_EQ(address, ctl + ":7070");
-  grpc::SslCredentialsOptions ssl;
-  ssl.pem_root_certs = ReadFile(pki.Path("ca.pem"));
-  const auto channel = grpc::CreateChannel(address, grpc::SslCredentials(ssl));
-  const std::string admin = testing::AdminToken(state);
-  const std::string alice_file = dir_.path() + "/alice.token";
-  ASSERT_TRUE(WriteSecretFile(alice_file, testing::CreateToken(channel, admin, "alice")).ok());
-  std::ofstream(dir_.path() + "/user-map") << "alice " << getpwuid(geteuid())->pw_name << "\n";
+  StartControlHost();
+  if (HasFatalFailure()) return;
   std::vector<std::unique_ptr<Subprocess>> workers;
   for (const std::string node : {"n1", "n2"}) {
-    const std::string token_file = dir_.path() + "/" + node + ".token";
-    ASSERT_TRUE(
-        WriteSecretFile(token_file, testing::CreateToken(channel, admin, "admin", node)).ok());
+    ASSERT_TRUE(net_->AddHost(node).ok());
     std::vector<std::string> argv = {BinPath("trainyard-worker"),
                                      "--coordinator",
-                                     address,
+                                     address_,
                                      "--node-id",
                                      node,
                                      "--cpu-slots",
@@ -444,31 +446,19 @@ TEST_F(NetnsE2eTest, ADataParallelJobTrainsWithOneRankOnEachOfTwoHosts) {
                                      "--work-dir",
                                      dir_.path() + "/work-" + node,
                                      "--token-file",
-                                     token_file,
+                                     NodeTokenFile(node),
                                      "--user-map",
                                      dir_.path() + "/user-map",
                                      "--tls-ca",
-                                     pki.Path("ca.pem")};
+                                     pki_->Path("ca.pem")};
     // n2 finds its address itself: its source address toward the coordinator.
     if (node == "n1") argv.insert(argv.end(), {"--address", net_->Address(node)});
     workers.push_back(StartIn(node, argv));
     ASSERT_NE(workers.back(), nullptr);
   }
-  client::YardClient client(address, testing::CreateToken(channel, admin, "alice"),
-                            TlsClientOptions{pki.Path("ca.pem"), "", ""});
-  for (const absl::Time deadline = absl::Now() + absl::Seconds(30);;) {
-    auto nodes = client.ListNodes();
-    int ready = 0;
-    if (nodes.ok()) {
-      for (const auto& n : nodes->nodes()) ready += n.state() == v1::NODE_READY && n.connected();
-    }
-    if (ready == 2) {
-      for (const auto& n : nodes->nodes()) EXPECT_EQ(n.address(), net_->Address(n.id()));
-      break;
-    }
-    ASSERT_LT(absl::Now(), deadline) << "the workers did not register";
-    absl::SleepFor(absl::Milliseconds(20));  // no watch API for nodes
-  }
+  const auto nodes = WaitForNodes(2);
+  ASSERT_TRUE(nodes.ok()) << nodes.status();
+  for (const auto& n : nodes->nodes()) EXPECT_EQ(n.address(), net_->Address(n.id()));
   const std::string spec = dir_.path() + "/ddp.yaml";
   std::ofstream(spec) << "name: ddp-two-hosts\n"
                       << "resources: {gpus: 2}\n"
@@ -477,23 +467,17 @@ TEST_F(NetnsE2eTest, ADataParallelJobTrainsWithOneRankOnEachOfTwoHosts) {
                       << "data: {path: /usr/share/common-licenses/GPL-3, format: bytes}\n"
                       << "train: {steps: 6, micro_batch: 4, lr: 3.0e-3, warmup: 2, seed: 1}\n"
                       << "checkpoint: {every_steps: 0}\n";
-  auto yard = [&](std::vector<std::string> args) {
-    args.insert(args.begin(), {BinPath("yard"), "--coordinator", address, "--tls-ca",
-                               pki.Path("ca.pem"), "--token-file", alice_file});
-    return testing::RunCommand(args, {"HOME=" + dir_.path(), "TRAINYARD_TOKEN="},
-                               absl::Seconds(300));
-  };
-  const testing::CommandResult submit = yard({"submit", spec});
+  const testing::CommandResult submit = Yard({"submit", spec});
   ASSERT_EQ(submit.exit_code, 0) << submit.err;
   const std::string job(absl::StripAsciiWhitespace(submit.out));
-  const testing::CommandResult wait = yard({"wait", job});
-  const std::string logs = yard({"logs", job}).out;
+  const testing::CommandResult wait = Yard({"wait", job});
+  const std::string logs = Yard({"logs", job}).out;
   ASSERT_EQ(wait.exit_code, 0) << wait.err << logs;
   // Rank 0's line: its transport on its host's address (each node offers one slot: one rank
   // each).
   EXPECT_THAT(logs, ::testing::ContainsRegex("collectives: gloo on (" + net_->Address("n1") + "|" +
                                              net_->Address("n2") + ")"));
-  const auto series = nlohmann::json::parse(yard({"metrics", job, "-o", "json"}).out);
+  const auto series = nlohmann::json::parse(Yard({"metrics", job, "-o", "json"}).out);
   EXPECT_EQ(series.size(), 6u);
 }
 
