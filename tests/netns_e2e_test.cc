@@ -481,5 +481,51 @@ TEST_F(NetnsE2eTest, ADataParallelJobTrainsWithOneRankOnEachOfTwoHosts) {
   EXPECT_EQ(series.size(), 6u);
 }
 
+// A user's torch.distributed program (a command job) with one rank on each of two hosts: its Gloo
+// takes the interface of its node's address (GLOO_SOCKET_IFNAME from the worker; by the host
+// name, loopback here, it could not reach the other host), and the ranks all-reduce.
+TEST_F(NetnsE2eTest, ACommandJobsGlooReachesItsRankOnAnotherHost) {
+  const std::string python = TestBinPath("../sdk-venv/bin/python3");
+  if (testing::RunCommand({python, "-c", "import torch.distributed"}).exit_code != 0) {
+    GTEST_SKIP() << "no Python with torch (scripts/setup.sh makes build/sdk-venv)";
+  }
+  StartControlHost();
+  if (HasFatalFailure()) return;
+  std::vector<std::unique_ptr<Subprocess>> workers;
+  for (const std::string node : {"n1", "n2"}) {
+    ASSERT_TRUE(net_->AddHost(node).ok());
+    workers.push_back(StartIn(
+        node,
+        {BinPath("trainyard-worker"), "--coordinator", address_, "--node-id", node, "--cpu-slots",
+         "1", "--work-dir", dir_.path() + "/work-" + node, "--token-file", NodeTokenFile(node),
+         "--user-map", dir_.path() + "/user-map", "--tls-ca", pki_->Path("ca.pem")}));
+    ASSERT_NE(workers.back(), nullptr);
+  }
+  ASSERT_TRUE(WaitForNodes(2).ok());
+  const std::string script = dir_.path() + "/all_reduce.py";
+  std::ofstream(script)
+      << "import datetime, os, torch, torch.distributed as dist\n"
+      << "dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=60))\n"
+      << "t = torch.ones(1) * (dist.get_rank() + 1)\n"
+      << "dist.all_reduce(t)\n"
+      << "print('sum', t.item(), 'over', os.environ.get('GLOO_SOCKET_IFNAME'))\n"
+      << "dist.destroy_process_group()\n";
+  const std::string spec = dir_.path() + "/gloo.yaml";
+  std::ofstream(spec) << "name: gloo-two-hosts\n"
+                      << "resources: {slots: 2}\n"
+                      << "command: [" << python << ", " << script << "]\n"
+                      << "max_restarts: 0\n";
+  const testing::CommandResult submit = Yard({"submit", spec});
+  ASSERT_EQ(submit.exit_code, 0) << submit.err;
+  const std::string job(absl::StripAsciiWhitespace(submit.out));
+  const testing::CommandResult wait = Yard({"wait", job});
+  const std::string logs = Yard({"logs", job}).out;
+  ASSERT_EQ(wait.exit_code, 0) << wait.err << logs;
+  // Both ranks have 1 + 2, each over its host's interface (not loopback's).
+  EXPECT_THAT(logs, ::testing::ContainsRegex("\\[rank 0\\] sum 3.0 over [a-z]"));
+  EXPECT_THAT(logs, ::testing::ContainsRegex("\\[rank 1\\] sum 3.0 over [a-z]"));
+  EXPECT_THAT(logs, ::testing::Not(::testing::HasSubstr("over lo")));
+}
+
 }  // namespace
 }  // namespace trainyard

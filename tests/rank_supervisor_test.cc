@@ -264,6 +264,14 @@ TEST(LocalAddressTowardTest, TheSourceAddressOfTheRouteThere) {
   }
 }
 
+TEST(InterfaceWithTest, TheInterfaceThatHoldsTheAddress) {
+  EXPECT_EQ(InterfaceWith("127.0.0.1"), "lo");
+  EXPECT_EQ(InterfaceWith("localhost"), "lo");
+  EXPECT_EQ(InterfaceWith("192.0.2.77"), "");  // TEST-NET-1: on no interface
+  EXPECT_EQ(InterfaceWith(""), "");
+  EXPECT_EQ(InterfaceWith("no-such-host.invalid"), "");
+}
+
 TEST(RankCoordinatorListTest, TheLeadersListThenTheWorkersAddressesItLacks) {
   EXPECT_EQ(RankCoordinatorList("a:1", "b:2,a:1"), "a:1,b:2");
   EXPECT_EQ(RankCoordinatorList("a:1,c:3", " b:2 , a:1,"), "a:1,c:3,b:2");

@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <pwd.h>
@@ -14,6 +15,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <filesystem>
@@ -463,6 +465,45 @@ absl::StatusOr<std::string> LocalAddressToward(const std::string& host_port) {
   freeaddrinfo(found);
   if (local.empty()) return absl::UnavailableError(absl::StrCat("no route to ", first));
   return local;
+}
+
+std::string InterfaceWith(const std::string& address) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (address.empty() || getaddrinfo(address.c_str(), nullptr, &hints, &found) != 0) return "";
+  ifaddrs* interfaces = nullptr;
+  if (getifaddrs(&interfaces) != 0) {
+    freeaddrinfo(found);
+    return "";
+  }
+  // The same address: its family's bytes (IPv4's 4, IPv6's 16).
+  auto same = [](const sockaddr* a, const sockaddr* b) {
+    if (a == nullptr || b == nullptr || a->sa_family != b->sa_family) return false;
+    if (a->sa_family == AF_INET) {
+      return reinterpret_cast<const sockaddr_in*>(a)->sin_addr.s_addr ==
+             reinterpret_cast<const sockaddr_in*>(b)->sin_addr.s_addr;
+    }
+    if (a->sa_family == AF_INET6) {
+      return std::memcmp(&reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr,
+                         &reinterpret_cast<const sockaddr_in6*>(b)->sin6_addr,
+                         sizeof(in6_addr)) == 0;
+    }
+    return false;
+  };
+  std::string name;
+  for (const addrinfo* a = found; a != nullptr && name.empty(); a = a->ai_next) {
+    for (const ifaddrs* i = interfaces; i != nullptr; i = i->ifa_next) {
+      if (same(i->ifa_addr, a->ai_addr)) {
+        name = i->ifa_name;
+        break;
+      }
+    }
+  }
+  freeifaddrs(interfaces);
+  freeaddrinfo(found);
+  return name;
 }
 
 std::string RankCoordinatorList(const std::string& leader_list, const std::string& worker_list) {
@@ -918,6 +959,16 @@ void RankSupervisor::StartCommand(const v1::Assignment& a, const v1::JobSpec& sp
                                     {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"},
                                     {"PYTHONUNBUFFERED", "1"}}) {
     if (spec.env().count(name) == 0) env.push_back(absl::StrCat(name, "=", value));
+  }
+  // Across nodes, torch.distributed's Gloo listens on the interface of this node's address: by
+  // default it takes the host name's, loopback where /etc/hosts says so, and its peers on other
+  // nodes cannot reach it (torchrun leaves that to the user). The spec's, or the worker's own
+  // (an operator's choice its ranks inherit), wins.
+  if (a.world_size() != RanksOf(a) && spec.env().count("GLOO_SOCKET_IFNAME") == 0 &&
+      std::getenv("GLOO_SOCKET_IFNAME") == nullptr) {
+    if (const std::string name = InterfaceWith(options_.node_address); !name.empty()) {
+      env.push_back(absl::StrCat("GLOO_SOCKET_IFNAME=", name));
+    }
   }
   // The program as the spec names it: its shepherd's child looks a bare name up in the PATH the
   // rank gets, as the owner's account (shepherd.h), never this worker.

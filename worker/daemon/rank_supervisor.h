@@ -64,6 +64,10 @@ std::string NodeHost(const std::string& address, const std::string& host_name);
 // may resolve to loopback (Debian's /etc/hosts). An error when the host does not resolve.
 absl::StatusOr<std::string> LocalAddressToward(const std::string& host_port);
 
+// The name of this host's network interface that holds `address` (a host name is resolved
+// first), or "" when none does: a command job's GLOO_SOCKET_IFNAME across nodes.
+std::string InterfaceWith(const std::string& address);
+
 struct SupervisorOptions {
   std::string trainer_path;  // the trainyard-trainer binary
   std::string work_dir;      // per-attempt folders with the spec and each rank's log
