@@ -122,6 +122,64 @@ class NetnsE2eTest : public ::testing::Test {
                                absl::Seconds(300));
   }
 
+  // Workers on hosts n1 and n2 with `slots` CPU slots each; n2 without --address (it finds its
+  // source address toward the coordinator). Both registered at their hosts' addresses.
+  std::vector<std::unique_ptr<Subprocess>> StartTwoWorkers(int slots) {
+    std::vector<std::unique_ptr<Subprocess>> workers;
+    for (const std::string node : {"n1", "n2"}) {
+      EXPECT_TRUE(net_->AddHost(node).ok());
+      std::vector<std::string> argv = {BinPath("trainyard-worker"),
+                                       "--coordinator",
+                                       address_,
+                                       "--node-id",
+                                       node,
+                                       "--cpu-slots",
+                                       std::to_string(slots),
+                                       "--work-dir",
+                                       dir_.path() + "/work-" + node,
+                                       "--token-file",
+                                       NodeTokenFile(node),
+                                       "--user-map",
+                                       dir_.path() + "/user-map",
+                                       "--tls-ca",
+                                       pki_->Path("ca.pem")};
+      if (node == "n1") argv.insert(argv.end(), {"--address", net_->Address(node)});
+      workers.push_back(StartIn(node, argv));
+    }
+    const auto nodes = WaitForNodes(2);
+    EXPECT_TRUE(nodes.ok()) << nodes.status();
+    if (nodes.ok()) {
+      for (const auto& n : nodes->nodes()) EXPECT_EQ(n.address(), net_->Address(n.id()));
+    }
+    return workers;
+  }
+
+  // Trains a small GPT on `ranks` ranks with `parallel` (a spec's parallel: mapping) for 6
+  // steps, on whichever workers are up: its logs.
+  std::string TrainGpt(const std::string& name, int ranks, const std::string& parallel) {
+    const std::string spec = dir_.path() + "/" + name + ".yaml";
+    std::ofstream(spec) << "name: " << name << "\n"
+                        << "resources: {gpus: " << ranks << "}\n"
+                        << "model: {kind: gpt, n_layer: 2, n_head: 2, d_model: 64, seq_len: 32, "
+                           "vocab: 256}\n"
+                        << "data: {path: /usr/share/common-licenses/GPL-3, format: bytes}\n"
+                        << "train: {steps: 6, micro_batch: 4, lr: 3.0e-3, warmup: 2, seed: 1}\n"
+                        << "parallel: " << parallel << "\n"
+                        << "checkpoint: {every_steps: 0}\n";
+    const testing::CommandResult submit = Yard({"submit", spec});
+    EXPECT_EQ(submit.exit_code, 0) << submit.err;
+    const std::string job(absl::StripAsciiWhitespace(submit.out));
+    const testing::CommandResult wait = Yard({"wait", job});
+    const std::string logs = Yard({"logs", job}).out;
+    EXPECT_EQ(wait.exit_code, 0) << wait.err << logs;
+    const auto series = nlohmann::json::parse(Yard({"metrics", job, "-o", "json"}).out);
+    EXPECT_EQ(series.size(), 6u) << logs;
+    // Rank 0's line: its transport on its host's address, not loopback.
+    EXPECT_THAT(logs, ::testing::ContainsRegex("collectives: gloo on (" + net_->Address("n1") +
+                                               "|" + net_->Address("n2") + ")"));
+    return logs;
+  }
+
   TempDir dir_;
   std::unique_ptr<TestNetwork> net_;
   std::unique_ptr<testing::TestPki> pki_;
@@ -433,52 +491,24 @@ TEST_F(NetnsE2eTest, ADataParallelJobTrainsWithOneRankOnEachOfTwoHosts) {
   }
   StartControlHost();
   if (HasFatalFailure()) return;
-  std::vector<std::unique_ptr<Subprocess>> workers;
-  for (const std::string node : {"n1", "n2"}) {
-    ASSERT_TRUE(net_->AddHost(node).ok());
-    std::vector<std::string> argv = {BinPath("trainyard-worker"),
-                                     "--coordinator",
-                                     address_,
-                                     "--node-id",
-                                     node,
-                                     "--cpu-slots",
-                                     "1",
-                                     "--work-dir",
-                                     dir_.path() + "/work-" + node,
-                                     "--token-file",
-                                     NodeTokenFile(node),
-                                     "--user-map",
-                                     dir_.path() + "/user-map",
-                                     "--tls-ca",
-                                     pki_->Path("ca.pem")};
-    // n2 finds its address itself: its source address toward the coordinator.
-    if (node == "n1") argv.insert(argv.end(), {"--address", net_->Address(node)});
-    workers.push_back(StartIn(node, argv));
-    ASSERT_NE(workers.back(), nullptr);
+  const auto workers = StartTwoWorkers(1);
+  if (HasFailure()) return;
+  TrainGpt("ddp", 2, "{strategy: ddp}");
+}
+
+// Two ranks on each of two hosts: pipeline stages with a replica on each host (the stages' data-
+// parallel groups span the hosts), and FSDP sharding over all four: their subgroups listen where
+// the other host reaches them too.
+TEST_F(NetnsE2eTest, PipelineReplicasAndFsdpShardsTrainAcrossTwoHosts) {
+  if (::access(BinPath("trainyard-trainer").c_str(), X_OK) != 0) {
+    GTEST_SKIP() << "no trainyard-trainer in this build";
   }
-  const auto nodes = WaitForNodes(2);
-  ASSERT_TRUE(nodes.ok()) << nodes.status();
-  for (const auto& n : nodes->nodes()) EXPECT_EQ(n.address(), net_->Address(n.id()));
-  const std::string spec = dir_.path() + "/ddp.yaml";
-  std::ofstream(spec) << "name: ddp-two-hosts\n"
-                      << "resources: {gpus: 2}\n"
-                      << "model: {kind: gpt, n_layer: 2, n_head: 2, d_model: 64, seq_len: 32, "
-                         "vocab: 256}\n"
-                      << "data: {path: /usr/share/common-licenses/GPL-3, format: bytes}\n"
-                      << "train: {steps: 6, micro_batch: 4, lr: 3.0e-3, warmup: 2, seed: 1}\n"
-                      << "checkpoint: {every_steps: 0}\n";
-  const testing::CommandResult submit = Yard({"submit", spec});
-  ASSERT_EQ(submit.exit_code, 0) << submit.err;
-  const std::string job(absl::StripAsciiWhitespace(submit.out));
-  const testing::CommandResult wait = Yard({"wait", job});
-  const std::string logs = Yard({"logs", job}).out;
-  ASSERT_EQ(wait.exit_code, 0) << wait.err << logs;
-  // Rank 0's line: its transport on its host's address (each node offers one slot: one rank
-  // each).
-  EXPECT_THAT(logs, ::testing::ContainsRegex("collectives: gloo on (" + net_->Address("n1") + "|" +
-                                             net_->Address("n2") + ")"));
-  const auto series = nlohmann::json::parse(Yard({"metrics", job, "-o", "json"}).out);
-  EXPECT_EQ(series.size(), 6u);
+  StartControlHost();
+  if (HasFatalFailure()) return;
+  const auto workers = StartTwoWorkers(2);
+  if (HasFailure()) return;
+  TrainGpt("pipeline", 4, "{pipeline_stages: 2}");
+  TrainGpt("fsdp", 4, "{strategy: fsdp}");
 }
 
 // A user's torch.distributed program (a command job) with one rank on each of two hosts: its Gloo
