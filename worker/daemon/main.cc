@@ -286,25 +286,6 @@ absl::Status SettleIdentity(const Flags& f, trainyard::worker::WorkerOptions& op
   if (auto tls = trainyard::MakeChannelCredentials(options.tls); !tls.ok()) return tls.status();
   options.supervisor.tls_ca = options.tls.ca_file;
   options.supervisor.coordinators = options.coordinator;
-  if (options.address.empty()) {
-    // Where other nodes reach this one: its address toward the coordinator, else its name.
-    auto local = trainyard::worker::LocalAddressToward(options.coordinator);
-    if (local.ok()) {
-      options.address = *std::move(local);
-      spdlog::info("address {}: this host's toward the coordinator (--address to choose)",
-                   options.address);
-    } else {
-      spdlog::warn(
-          "no address toward the coordinator ({}): other nodes reach this one by its "
-          "host name (--address to choose)",
-          std::string(local.status().message()));
-    }
-  }
-  {
-    char host[256] = {0};
-    gethostname(host, sizeof(host) - 1);
-    options.supervisor.node_address = trainyard::worker::NodeHost(options.address, host);
-  }
   auto token = trainyard::FindNodeToken(f.token_file, !options.tls.cert_file.empty());
   if (!token.ok()) return token.status();
   options.token = *std::move(token);
@@ -429,6 +410,29 @@ absl::Status SettleHost(const Flags& f, int devices, trainyard::worker::WorkerOp
   return absl::OkStatus();
 }
 
+// Where other nodes reach this one's ranks: --address, else its address toward the coordinator,
+// else its host name; and the interface holding it (command jobs' GLOO_SOCKET_IFNAME).
+void SettleAddress(trainyard::worker::WorkerOptions& options) {
+  if (options.address.empty()) {
+    auto local = trainyard::worker::LocalAddressToward(options.coordinator);
+    if (local.ok()) {
+      options.address = *std::move(local);
+      spdlog::info("address {}: this host's toward the coordinator (--address to choose)",
+                   options.address);
+    } else {
+      spdlog::warn(
+          "no address toward the coordinator ({}): other nodes reach this one by its "
+          "host name (--address to choose)",
+          std::string(local.status().message()));
+    }
+  }
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  options.supervisor.node_address = trainyard::worker::NodeHost(options.address, host);
+  options.supervisor.node_interface =
+      trainyard::worker::InterfaceWith(options.supervisor.node_address);
+}
+
 // Everything the flags say, settled into `options` in order: paths, devices, identity, the work
 // directory, cgroups and the host. The first error, for main to print.
 absl::Status Settle(Flags& f, trainyard::worker::WorkerOptions& options) {
@@ -448,6 +452,7 @@ absl::Status Settle(Flags& f, trainyard::worker::WorkerOptions& options) {
   options.supervisor.stop_grace = *grace;
   RETURN_IF_ERROR(SettleDevices(f, options));
   RETURN_IF_ERROR(SettleIdentity(f, options));
+  SettleAddress(options);
   for (const auto& gpu : options.gpus) {
     spdlog::info("GPU {}: {}, {}, {} MiB", gpu.ordinal, gpu.name, gpu.uuid, gpu.memory_bytes >> 20);
     options.supervisor.gpu_uuids.push_back(gpu.uuid);

@@ -964,11 +964,9 @@ void RankSupervisor::StartCommand(const v1::Assignment& a, const v1::JobSpec& sp
   // default it takes the host name's, loopback where /etc/hosts says so, and its peers on other
   // nodes cannot reach it (torchrun leaves that to the user). The spec's, or the worker's own
   // (an operator's choice its ranks inherit), wins.
-  if (a.world_size() != RanksOf(a) && spec.env().count("GLOO_SOCKET_IFNAME") == 0 &&
-      std::getenv("GLOO_SOCKET_IFNAME") == nullptr) {
-    if (const std::string name = InterfaceWith(options_.node_address); !name.empty()) {
-      env.push_back(absl::StrCat("GLOO_SOCKET_IFNAME=", name));
-    }
+  if (a.world_size() != RanksOf(a) && !options_.node_interface.empty() &&
+      spec.env().count("GLOO_SOCKET_IFNAME") == 0 && std::getenv("GLOO_SOCKET_IFNAME") == nullptr) {
+    env.push_back(absl::StrCat("GLOO_SOCKET_IFNAME=", options_.node_interface));
   }
   // The program as the spec names it: its shepherd's child looks a bare name up in the PATH the
   // rank gets, as the owner's account (shepherd.h), never this worker.

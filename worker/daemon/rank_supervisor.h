@@ -78,6 +78,9 @@ struct SupervisorOptions {
   // Where this node's ranks listen for ranks on other nodes (RankContext.node_address): the host
   // of the worker's --address, else its host name.
   std::string node_address;
+  // The network interface holding node_address (InterfaceWith), or "": a command job's
+  // GLOO_SOCKET_IFNAME across nodes.
+  std::string node_interface;
   int threads_per_rank = 1;                       // torch / OpenMP threads of each rank
   absl::Duration stop_grace = absl::Seconds(10);  // SIGTERM → SIGKILL
   int failure_log_lines = 8;  // last output lines sent with a failed rank's exit
