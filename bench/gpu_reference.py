@@ -20,9 +20,10 @@ import torch.nn.functional as F
 
 
 class Block(nn.Module):
-    def __init__(self, d, n_head):
+    def __init__(self, d, n_head, gelu="none"):
         super().__init__()
         self.n_head = n_head
+        self.gelu = gelu  # "none": the exact GELU; "tanh": GPT-2's own (gelu_new)
         self.ln1 = nn.LayerNorm(d)
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
@@ -36,7 +37,7 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.n_head, hd).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         h = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return h + self.fc_out(F.gelu(self.fc(self.ln2(h))))
+        return h + self.fc_out(F.gelu(self.fc(self.ln2(h)), approximate=self.gelu))
 
 
 class RmsNorm(nn.Module):
@@ -114,11 +115,11 @@ class Llama(nn.Module):
 
 
 class Gpt(nn.Module):
-    def __init__(self, n_layer, n_head, d, seq_len, vocab, tie):
+    def __init__(self, n_layer, n_head, d, seq_len, vocab, tie, gelu="none"):
         super().__init__()
         self.tok_emb = nn.Embedding(vocab, d)
         self.pos_emb = nn.Embedding(seq_len, d)
-        self.blocks = nn.ModuleList(Block(d, n_head) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(d, n_head, gelu) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d)
         self.head = None if tie else nn.Linear(d, vocab, bias=False)
         for name, p in self.named_parameters():
@@ -149,6 +150,9 @@ def main():
     ap.add_argument("--seq-len", type=int, required=True)
     ap.add_argument("--vocab", type=int, required=True)
     ap.add_argument("--tie", action="store_true")
+    ap.add_argument("--gelu", choices=["none", "tanh"], default="none",
+                    help="gpt: the MLP's GELU, exact or tanh's approximation (the spec's "
+                         "model.activation gelu or gelu_tanh)")
     ap.add_argument("--batch", type=int, required=True)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup-steps", type=int, default=5)
@@ -166,7 +170,7 @@ def main():
         model = Llama(a.n_layer, a.n_head, a.n_kv_head or a.n_head, a.d_model, a.d_hidden,
                       a.seq_len, a.vocab, a.tie, a.rope_theta).to(dev)
     else:
-        model = Gpt(a.n_layer, a.n_head, a.d_model, a.seq_len, a.vocab, a.tie).to(dev)
+        model = Gpt(a.n_layer, a.n_head, a.d_model, a.seq_len, a.vocab, a.tie, a.gelu).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=0.1, fused=True)
     step_fn = torch.compile(model) if a.compile else model

@@ -122,6 +122,8 @@ struct ModelConfig {
   int vocab = 0;
   bool tie_weights = false;
   int d_hidden = 0;  // mlp; llama: the SwiGLU MLP's width
+  // gpt and mlp: the MLP's GELU, exact (erf) or GPT-2's tanh approximation (gelu_tanh).
+  bool gelu_tanh = false;
   // llama:
   std::string from;  // a Hugging Face model directory; "": random initialization
   int n_kv_head = 0;

@@ -80,6 +80,7 @@ ModelConfig ToModelConfig(const v1::ModelSpec& m) {
   c.vocab = m.vocab();
   c.tie_weights = m.tie_weights();
   c.d_hidden = m.d_hidden();
+  c.gelu_tanh = m.activation() == "gelu_tanh";
   c.from = m.from();
   c.n_kv_head = m.n_kv_head();
   c.head_dim = m.head_dim();

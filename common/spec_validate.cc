@@ -287,6 +287,17 @@ absl::Status ValidateModel(const JobSpec& spec) {
   if (m.kind() != "llama" && !m.from().empty()) {
     return FieldError("model.from", "only model.kind llama starts from a checkpoint");
   }
+  if (!m.activation().empty()) {
+    if (m.kind() == "llama") {
+      return FieldError("model.activation",
+                        "llama's comes from model.from's config.json (hidden_act; SwiGLU without "
+                        "one); leave it out");
+    }
+    if (m.activation() != "gelu" && m.activation() != "gelu_tanh") {
+      return FieldError("model.activation",
+                        absl::StrCat("unknown value '", m.activation(), "' (gelu or gelu_tanh)"));
+    }
+  }
   const bool from_checkpoint = !m.from().empty();
   if (from_checkpoint && m.from()[0] != '/') {
     return FieldError("model.from",

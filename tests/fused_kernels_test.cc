@@ -980,14 +980,18 @@ TEST(GpuLinearTest, CudaWeightAndBiasGradientsFromOneProduct) {
   EXPECT_STREQ(GpuLinearBackwardPath(), "cublaslt");
 }
 
-// A GPT and a Llama in bf16 give the same loss and gradients with the fused dense layers as with
-// autocast's linear.
+// A GPT (its MLP with the exact GELU, and with tanh's: GeluMlp's epilogues), an mlp model and a
+// Llama in bf16 give the same loss and gradients with the fused dense layers as with autocast's
+// linear.
 TEST(GpuLinearTest, CudaGptAndLlamaMatchAutocastsLinear) {
   SKIP_WITHOUT_CUDA();
   const torch::Device cuda(torch::kCUDA, 0);
-  for (const std::string kind : {"gpt", "llama"}) {
-    SCOPED_TRACE(kind);
-    const ModelConfig m = SmallModel(kind, true);
+  for (const std::string name : {"gpt", "gpt gelu_tanh", "mlp gelu_tanh", "llama"}) {
+    SCOPED_TRACE(name);
+    const std::string kind = name.substr(0, name.find(' '));
+    ModelConfig m = SmallModel(kind, true);
+    m.gelu_tanh = name.find("gelu_tanh") != std::string::npos;
+    if (kind == "mlp") m.d_hidden = 64;
     auto fused = BuildModel(m, {}, 9), plain = BuildModel(m, {}, 9);
     fused->to(cuda);
     plain->to(cuda);
@@ -1003,6 +1007,9 @@ TEST(GpuLinearTest, CudaGptAndLlamaMatchAutocastsLinear) {
     }
     lf.backward();
     lp.backward();
+    if (m.gelu_tanh) {
+      EXPECT_STREQ(GeluMlpPath(), "cublaslt");
+    }
     EXPECT_LT(RelativeError(lf, lp), 1e-2);
     auto pf = fused->named_parameters(), pp = plain->named_parameters();
     for (const auto& item : pp) {
@@ -1010,6 +1017,197 @@ TEST(GpuLinearTest, CudaGptAndLlamaMatchAutocastsLinear) {
       EXPECT_LT(RelativeError(pf[item.key()].grad(), item.value().grad()), 3e-2) << item.key();
     }
   }
+}
+
+// GeluMlp: the MLP as separate operations, each a leaf's gradient comparable.
+struct MlpLeaves {
+  torch::Tensor x, w1, b1, w2, b2;
+  torch::Tensor y;
+};
+MlpLeaves Leaves(const std::vector<torch::Tensor>& init, bool x_grad, bool w1_grad) {
+  MlpLeaves l;
+  l.x = init[0].clone().requires_grad_(x_grad);
+  l.w1 = init[1].clone().requires_grad_(w1_grad);
+  l.b1 = init[2].clone().requires_grad_(true);
+  l.w2 = init[3].clone().requires_grad_(true);
+  l.b2 = init[4].clone().requires_grad_(true);
+  return l;
+}
+// x [shape], w1 [hidden, in], b1, w2 [out, hidden], b2: random, fp32, on `device`.
+std::vector<torch::Tensor> MlpInputs(const std::vector<int64_t>& shape, int64_t hidden, int64_t out,
+                                     const torch::Device& device, uint64_t seed) {
+  torch::manual_seed(seed);
+  const int64_t in = shape.back();
+  const auto f32 = torch::TensorOptions().device(device);
+  return {torch::randn(shape, f32), torch::randn({hidden, in}, f32) / std::sqrt(double(in)),
+          torch::randn({hidden}, f32) * 0.5,
+          torch::randn({out, hidden}, f32) / std::sqrt(double(hidden)),
+          torch::randn({out}, f32) * 0.5};
+}
+// The MLP in fp64 on the CPU from the operands rounded to `dtype` (as the products read them):
+// the reference both paths are measured against.
+MlpLeaves MlpReference(const std::vector<torch::Tensor>& init, torch::Dtype dtype,
+                       const torch::Tensor& dy, bool gelu_tanh) {
+  std::vector<torch::Tensor> r;
+  for (const auto& t : init) r.push_back(t.to(dtype).to(torch::kCPU, torch::kDouble));
+  MlpLeaves l = Leaves(r, true, true);
+  l.y = torch::linear(torch::gelu(torch::linear(l.x, l.w1, l.b1), gelu_tanh ? "tanh" : "none"),
+                      l.w2, l.b2);
+  l.y.backward(dy.to(torch::kCPU, torch::kDouble));
+  return l;
+}
+
+TEST(GeluMlpTest, IsTheCompositionOnTheCpu) {
+  const std::vector<torch::Tensor> init = MlpInputs({5, 3, 16}, 64, 16, torch::kCPU, 71);
+  for (const bool gelu_tanh : {false, true}) {
+    SCOPED_TRACE(gelu_tanh ? "gelu_tanh" : "gelu");
+    MlpLeaves l = Leaves(init, true, true);
+    EXPECT_FALSE(UsesGeluEpilogue(l.x, l.w1, l.b1, l.w2, l.b2, gelu_tanh));
+    l.y = GeluMlp(l.x, l.w1, l.b1, l.w2, l.b2, gelu_tanh);
+    const torch::Tensor dy = torch::randn(l.y.sizes());
+    l.y.backward(dy);
+    const MlpLeaves ref = MlpReference(init, torch::kFloat, dy, gelu_tanh);
+    EXPECT_LT(RelativeError(l.y, ref.y), 1e-6);
+    EXPECT_LT(RelativeError(l.x.grad(), ref.x.grad()), 1e-6);
+    EXPECT_LT(RelativeError(l.w1.grad(), ref.w1.grad()), 1e-6);
+    EXPECT_LT(RelativeError(l.b2.grad(), ref.b2.grad()), 1e-6);
+    // The other GELU is measurably different: the flag reaches the activation.
+    const MlpLeaves other = MlpReference(init, torch::kFloat, dy, !gelu_tanh);
+    EXPECT_GT(RelativeError(l.y, other.y), 1e-5);
+  }
+}
+
+// model.activation reaches the GPT's and the mlp model's MLPs: a block of the same weights adds
+// a different residual branch with each GELU, by about the two GELUs' difference (far above
+// fp32's rounding, far below a different function).
+TEST(GeluMlpTest, GptAndMlpModelsTakeTheSpecsGelu) {
+  for (const std::string kind : {"gpt", "mlp"}) {
+    SCOPED_TRACE(kind);
+    ModelConfig erf = SmallModel(kind, false);
+    if (kind == "mlp") erf.d_hidden = 64;
+    ModelConfig tanh = erf;
+    tanh.gelu_tanh = true;
+    auto a = BuildModel(erf, {}, 5), b = BuildModel(tanh, {}, 5);
+    torch::NoGradGuard no_grad;
+    // Weights large enough that the MLPs' pre-activations reach where the two GELUs part (GPT's
+    // 0.02 initialization keeps them near 0, where they agree to fp32's precision); the same in
+    // both models.
+    torch::manual_seed(24);
+    auto pb = b->named_parameters();
+    for (const auto& item : a->named_parameters()) {
+      torch::Tensor w = item.value();
+      if (w.dim() == 2) w.copy_(torch::randn(w.sizes()) * (2.0 / std::sqrt(double(w.size(1)))));
+      pb[item.key()].copy_(w);
+    }
+    const torch::Tensor x = torch::randn(a->HiddenShape(3));
+    const torch::Tensor branch_a = a->BlockForward(0, x) - x, branch_b = b->BlockForward(0, x) - x;
+    const double difference = RelativeError(branch_b, branch_a);
+    // (fp32's own noise here is about 1e-7; the GELUs differ by up to about 5e-4 of a unit.)
+    EXPECT_GT(difference, 1e-5);
+    EXPECT_LT(difference, 1e-2);
+  }
+}
+
+// GeluMlp's Function on the CPU (its epilogues are ATen's operations there): against the
+// composition on the same operands in `dtype`, every gradient, a 3-D input, a frozen first
+// weight, an input without a gradient.
+TEST(GeluMlpTest, TheFunctionGivesTheCompositionsGradientsOnTheCpu) {
+  struct Case {
+    std::vector<int64_t> shape;
+    int64_t hidden, out;
+    bool x_grad, w1_grad;
+  };
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16})
+    for (const Case& c : {Case{{9, 40}, 64, 24, true, true}, Case{{2, 5, 16}, 48, 16, true, true},
+                          Case{{7, 16}, 32, 8, true, false}, Case{{7, 16}, 32, 8, false, true}}) {
+      SCOPED_TRACE(testing::Message() << dtype << " in " << c.shape.back() << " hidden " << c.hidden
+                                      << " out " << c.out << (c.w1_grad ? "" : " frozen w1")
+                                      << (c.x_grad ? "" : " x without gradient"));
+      const std::vector<torch::Tensor> init = MlpInputs(c.shape, c.hidden, c.out, torch::kCPU, 72);
+      MlpLeaves f = Leaves(init, c.x_grad, c.w1_grad), p = Leaves(init, c.x_grad, c.w1_grad);
+      f.y = GeluMlpThroughEpiloguesForTest(f.x, f.w1, f.b1, f.w2, f.b2, dtype);
+      p.y = torch::linear(
+          torch::gelu(torch::linear(p.x.to(dtype), p.w1.to(dtype), p.b1.to(dtype)), "tanh"),
+          p.w2.to(dtype), p.b2.to(dtype));
+      EXPECT_EQ(f.y.scalar_type(), dtype);
+      EXPECT_EQ(f.y.sizes(), p.y.sizes());
+      EXPECT_LT(RelativeError(f.y, p.y), 1e-6);
+      const torch::Tensor dy = torch::randn(p.y.sizes()).to(dtype);
+      f.y.backward(dy);
+      p.y.backward(dy);
+      // (bf16: the biases' gradients are summed in fp32 here, in bf16 by autograd's composition.)
+      const double bias_tolerance = dtype == torch::kFloat ? 1e-6 : 1e-2;
+      EXPECT_EQ(f.x.grad().defined(), c.x_grad);
+      if (c.x_grad) {
+        EXPECT_EQ(f.x.grad().scalar_type(), torch::kFloat);
+        EXPECT_LT(RelativeError(f.x.grad(), p.x.grad()), 1e-6);
+      }
+      EXPECT_EQ(f.w1.grad().defined(), c.w1_grad);
+      if (c.w1_grad) {
+        EXPECT_LT(RelativeError(f.w1.grad(), p.w1.grad()), 1e-6);
+      }
+      EXPECT_LT(RelativeError(f.b1.grad(), p.b1.grad()), bias_tolerance);
+      EXPECT_EQ(f.w2.grad().scalar_type(), torch::kFloat);
+      EXPECT_LT(RelativeError(f.w2.grad(), p.w2.grad()), 1e-6);
+      EXPECT_LT(RelativeError(f.b2.grad(), p.b2.grad()), bias_tolerance);
+    }
+  EXPECT_STREQ(GeluMlpPath(), "composition");
+}
+
+// On the GPU under autocast: GeluMlp's epilogues against autocast's composition, both measured
+// against fp64 on the same rounded operands; the epilogue keeps the pre-activation unrounded
+// before its GELU, so it may only be closer.
+void CheckGeluMlp(Precision precision, const std::vector<int64_t>& shape, int64_t hidden,
+                  int64_t out, bool w1_grad, uint64_t seed) {
+  SCOPED_TRACE(testing::Message() << "rows " << shape[0] << " in " << shape.back() << " hidden "
+                                  << hidden << " out " << out << (w1_grad ? "" : " frozen w1"));
+  const torch::Device cuda(torch::kCUDA, 0);
+  const std::vector<torch::Tensor> init = MlpInputs(shape, hidden, out, cuda, seed);
+  const torch::Dtype dtype = precision == Precision::kBf16 ? torch::kBFloat16 : torch::kHalf;
+  MlpLeaves f = Leaves(init, true, w1_grad), p = Leaves(init, true, w1_grad);
+  {
+    AutocastScope autocast(cuda, precision);
+    EXPECT_TRUE(UsesGeluEpilogue(f.x, f.w1, f.b1, f.w2, f.b2, true));
+    EXPECT_FALSE(UsesGeluEpilogue(f.x, f.w1, f.b1, f.w2, f.b2, false));  // erf: no epilogue
+    f.y = GeluMlp(f.x, f.w1, f.b1, f.w2, f.b2, true);
+    GpuLinearOff off;
+    EXPECT_FALSE(UsesGeluEpilogue(p.x, p.w1, p.b1, p.w2, p.b2, true));
+    p.y = GeluMlp(p.x, p.w1, p.b1, p.w2, p.b2, true);
+  }
+  EXPECT_EQ(f.y.scalar_type(), dtype);
+  EXPECT_EQ(f.y.sizes(), p.y.sizes());
+  const torch::Tensor dy = torch::randn(p.y.sizes(), p.y.options());
+  f.y.backward(dy);
+  p.y.backward(dy);
+  EXPECT_STREQ(GeluMlpPath(), "cublaslt");
+  const MlpLeaves ref = MlpReference(init, dtype, dy, true);
+  auto no_worse = [&](const char* what, const torch::Tensor& fused, const torch::Tensor& plain,
+                      const torch::Tensor& reference) {
+    const double ef = RelativeError(fused, reference), ep = RelativeError(plain, reference);
+    EXPECT_LT(ef, std::max(1.5 * ep, 2e-3)) << what << ": eager's error " << ep;
+    EXPECT_EQ(fused.scalar_type(), plain.scalar_type()) << what;
+  };
+  no_worse("y", f.y, p.y, ref.y);
+  no_worse("x's gradient", f.x.grad(), p.x.grad(), ref.x.grad());
+  if (w1_grad) {
+    no_worse("w1's gradient", f.w1.grad(), p.w1.grad(), ref.w1.grad());
+  } else {
+    EXPECT_FALSE(f.w1.grad().defined());
+  }
+  no_worse("b1's gradient", f.b1.grad(), p.b1.grad(), ref.b1.grad());
+  no_worse("w2's gradient", f.w2.grad(), p.w2.grad(), ref.w2.grad());
+  no_worse("b2's gradient", f.b2.grad(), p.b2.grad(), ref.b2.grad());
+}
+
+TEST(GeluMlpTest, CudaEpiloguesMatchTheComposition) {
+  SKIP_WITHOUT_CUDA();
+  // GPT-2 small's MLP on 4096 tokens, an odd number of rows, a 3-D input, a frozen first
+  // weight, fp16.
+  CheckGeluMlp(Precision::kBf16, {4096, 768}, 3072, 768, true, 73);
+  CheckGeluMlp(Precision::kBf16, {1001, 256}, 1024, 256, true, 74);
+  CheckGeluMlp(Precision::kBf16, {2, 33, 64}, 256, 64, true, 75);
+  CheckGeluMlp(Precision::kBf16, {37, 64}, 128, 64, false, 76);
+  CheckGeluMlp(Precision::kFp16, {300, 128}, 512, 128, true, 77);
 }
 
 }  // namespace

@@ -676,6 +676,26 @@ TEST(SpecTest, MissingFileIsNotFound) {
   EXPECT_EQ(LoadJobSpecFile("/nonexistent/spec.yaml").status().code(), absl::StatusCode::kNotFound);
 }
 
+// model.activation: GPT-2's tanh GELU reaches the trainer's model config; the default is erf's.
+TEST(SpecTest, ActivationChoosesTheGelu) {
+  v1::JobSpec spec = ValidSpec();
+  EXPECT_FALSE(ToModelConfig(spec.model()).gelu_tanh);
+  for (const char* activation : {"gelu", "gelu_tanh"}) {
+    spec.mutable_model()->set_activation(activation);
+    EXPECT_TRUE(ValidateJobSpec(spec).ok()) << activation << ": " << ValidateJobSpec(spec);
+    EXPECT_EQ(ToModelConfig(spec.model()).gelu_tanh, std::string(activation) == "gelu_tanh");
+  }
+  spec.mutable_model()->set_kind("mlp");
+  spec.mutable_model()->set_d_hidden(64);
+  EXPECT_TRUE(ValidateJobSpec(spec).ok()) << ValidateJobSpec(spec);
+  auto parsed = ParseJobSpecYaml(
+      "name: x\nmodel: {kind: gpt, n_layer: 1, n_head: 1, d_model: 8, seq_len: 8, vocab: 256, "
+      "activation: gelu_tanh}\ndata: {path: /d}\ntrain: {steps: 1}\n",
+      "s.yaml");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->spec.model().activation(), "gelu_tanh");
+}
+
 TEST(SpecTest, ValidationNamesTheField) {
   EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.mutable_resources()->set_slots(0); }),
               StartsWith("resources.slots: required"));
@@ -699,6 +719,13 @@ TEST(SpecTest, ValidationNamesTheField) {
               StartsWith("name: at most 128"));
   EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.mutable_model()->set_kind("rnn"); }),
               StartsWith("model.kind: unknown value 'rnn'"));
+  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.mutable_model()->set_activation("relu"); }),
+              StartsWith("model.activation: unknown value 'relu' (gelu or gelu_tanh)"));
+  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) {
+                s.mutable_model()->set_kind("llama");
+                s.mutable_model()->set_activation("gelu_tanh");
+              }),
+              StartsWith("model.activation: llama's comes from model.from's config.json"));
   EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.mutable_model()->set_vocab(100); }),
               StartsWith("model.vocab: must be >= 256 for data.format bytes"));
   EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.mutable_data()->set_path(""); }),

@@ -13,6 +13,8 @@ namespace {
 std::atomic<bool> g_enabled{true};
 // 0: no fused backward yet; 1: cuBLASLt; 2: the composition.
 std::atomic<int> g_backward_path{0};
+// GeluMlp's GELU: 0 none yet; 1 both epilogues; 2 the composition.
+std::atomic<int> g_gelu_path{0};
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
@@ -24,7 +26,38 @@ bool WeightGradientCublasLt(const at::Tensor&, const at::Tensor&, const at::Tens
                             const at::Tensor&) {
   return false;
 }
+bool GeluForwardCublasLt(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&) {
+  return false;
+}
+bool GeluBackwardCublasLt(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&) {
+  return false;
+}
 #endif
+
+// The gradients of a product's weight (dy^T x, fp32) and, with `want_b`, of its bias (dy's column
+// sums, fp32) for dy [rows, out] and x [rows, in] in one dtype, contiguous: one cuBLASLt GEMM on
+// a GPU (the bias's in its epilogue), else ATen's product and sum. Records which in
+// g_backward_path.
+void WeightAndBiasGradients(const torch::Tensor& dy, const torch::Tensor& x, bool want_w,
+                            bool want_b, torch::Tensor* dw, torch::Tensor* db) {
+  if (want_w) {
+    const auto f32 = dy.options().dtype(torch::kFloat);
+    torch::Tensor w = torch::empty({dy.size(1), x.size(1)}, f32);
+    torch::Tensor b = want_b ? torch::empty({dy.size(1)}, f32) : torch::Tensor();
+    if (dy.is_cuda() && WeightGradientCublasLt(dy, x, w, b)) {
+      g_backward_path.store(1, std::memory_order_relaxed);
+      *dw = w;
+      *db = b;
+    } else {
+      g_backward_path.store(2, std::memory_order_relaxed);
+      *dw = torch::mm(dy.t(), x).to(torch::kFloat);
+    }
+  }
+  // (A frozen weight with a trained bias, or no algorithm: the reduction eager runs.)
+  if (want_b && !db->defined()) *db = dy.sum(0).to(torch::kFloat);
+}
 
 // Forward as autocast's linear: x and the bias cast to `dtype`, the weight's cast given
 // (`weight_cast`: autocast's cached copy on a GPU, detached, so one copy serves every micro-batch
@@ -67,23 +100,8 @@ class FusedDense : public torch::autograd::Function<FusedDense> {
       dx = torch::mm(dy, wh).view(xh.sizes()).to(x_dtype);
     }
     // (No bias: no edge at index 2 to ask about.)
-    const bool want_w = ctx->needs_input_grad(1), want_b = has_bias && ctx->needs_input_grad(2);
-    if (want_w) {
-      const torch::Tensor x2 = xh.view({-1, in});
-      const auto f32 = dy.options().dtype(torch::kFloat);
-      torch::Tensor w = torch::empty({out, in}, f32);
-      torch::Tensor b = want_b ? torch::empty({out}, f32) : torch::Tensor();
-      if (dy.is_cuda() && WeightGradientCublasLt(dy, x2, w, b)) {
-        g_backward_path.store(1, std::memory_order_relaxed);
-        dw = w;
-        db = b;
-      } else {
-        g_backward_path.store(2, std::memory_order_relaxed);
-        dw = torch::mm(dy.t(), x2).to(torch::kFloat);
-      }
-    }
-    // (A frozen weight with a trained bias, or no algorithm: the reduction eager runs.)
-    if (want_b && !db.defined()) db = dy.sum(0).to(torch::kFloat);
+    WeightAndBiasGradients(dy, xh.view({-1, in}), ctx->needs_input_grad(1),
+                           has_bias && ctx->needs_input_grad(2), &dw, &db);
     return {dx, dw, db, torch::Tensor(), torch::Tensor()};
   }
 };
@@ -95,6 +113,75 @@ torch::Tensor ApplyFusedDense(const torch::Tensor& x, const torch::Tensor& weigh
                            bias.defined() ? c10::optional<torch::Tensor>(bias) : c10::nullopt,
                            weight_cast.detach(), static_cast<int64_t>(dtype));
 }
+
+// GeluMlp's Function: fc_out(gelu_tanh(fc(x))) with the GELU in the products' epilogues (see
+// dense.h). As FusedDense: the weights' casts given (autocast's cached copies, detached), both
+// biases required (so that the edges are fixed: x 0, w1 1, b1 2, w2 3, b2 4, the casts after).
+// Saved: x, the pre-activation and the activation in `dtype` (eager keeps the same three: the
+// linear's input, GELU's input, the second linear's input), and the casts.
+class GeluMlpFunction : public torch::autograd::Function<GeluMlpFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& w1, const torch::Tensor& b1,
+                               const torch::Tensor& w2, const torch::Tensor& b2,
+                               const torch::Tensor& w1_cast, const torch::Tensor& w2_cast,
+                               int64_t dtype_code) {
+    const auto dtype = static_cast<c10::ScalarType>(dtype_code);
+    TORCH_CHECK(w1_cast.scalar_type() == dtype && w1_cast.sizes() == w1.sizes() &&
+                    w2_cast.scalar_type() == dtype && w2_cast.sizes() == w2.sizes(),
+                "GeluMlp: the weights' casts must be the weights in the products' dtype");
+    const int64_t hidden = w1.size(0), out = w2.size(0);
+    const torch::Tensor xh = x.to(dtype).contiguous().view({-1, x.size(-1)});
+    const torch::Tensor b1h = b1.to(dtype), b2h = b2.to(dtype);
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    torch::Tensor pre, h;
+    bool epilogue = false;
+    if (xh.is_cuda()) {
+      pre = torch::empty({xh.size(0), hidden}, xh.options());
+      h = torch::empty_like(pre);
+      epilogue = GeluForwardCublasLt(xh, w1_cast, b1h, h, pre);
+    }
+    if (!epilogue) {
+      pre = torch::linear(xh, w1_cast, b1h);
+      h = torch::gelu(pre, "tanh");
+    }
+    ctx->save_for_backward({xh, pre, h, w1_cast, w2_cast});
+    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+    ctx->saved_data["epilogue"] = epilogue;
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes.back() = out;
+    return torch::linear(h, w2_cast, b2h).view(sizes);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    const variable_list saved = ctx->get_saved_variables();
+    const torch::Tensor &xh = saved[0], &pre = saved[1], &h = saved[2], &w1h = saved[3],
+                        &w2h = saved[4];
+    const auto x_dtype = static_cast<c10::ScalarType>(ctx->saved_data["x_dtype"].toInt());
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const torch::Tensor dy = grad[0].to(xh.scalar_type()).contiguous().view({-1, w2h.size(0)});
+    torch::Tensor dx, dw1, db1, dw2, db2;
+    WeightAndBiasGradients(dy, h, ctx->needs_input_grad(3), ctx->needs_input_grad(4), &dw2, &db2);
+    // The hidden gradient with GELU's derivative applied: one product where the forward's
+    // epilogue ran (and so on the GPU), else eager's product and gelu_backward.
+    torch::Tensor dpre;
+    bool epilogue = false;
+    if (ctx->saved_data["epilogue"].toBool()) {
+      dpre = torch::empty_like(pre);
+      epilogue = GeluBackwardCublasLt(dy, w2h, pre, dpre);
+    }
+    if (!epilogue) dpre = at::gelu_backward(torch::mm(dy, w2h), pre, "tanh");
+    g_gelu_path.store(epilogue ? 1 : 2, std::memory_order_relaxed);
+    WeightAndBiasGradients(dpre, xh, ctx->needs_input_grad(1), ctx->needs_input_grad(2), &dw1,
+                           &db1);
+    if (ctx->needs_input_grad(0)) {
+      std::vector<int64_t> sizes = grad[0].sizes().vec();
+      sizes.back() = w1h.size(1);
+      dx = torch::mm(dpre, w1h).view(sizes).to(x_dtype);
+    }
+    return {dx, dw1, db1, dw2, db2, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
 
 }  // namespace
 
@@ -156,6 +243,49 @@ torch::Tensor GpuLinear(const torch::Tensor& x, const torch::Tensor& weight,
                            at::autocast::cached_cast(dtype, weight, c10::DeviceType::CUDA), dtype);
   }
   return torch::linear(x, weight, bias);
+}
+
+const char* GeluMlpPath() {
+  switch (g_gelu_path.load(std::memory_order_relaxed)) {
+    case 1:
+      return "cublaslt";
+    case 2:
+      return "composition";
+    default:
+      return "none";
+  }
+}
+
+bool UsesGeluEpilogue(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1,
+                      const torch::Tensor& w2, const torch::Tensor& b2, bool gelu_tanh) {
+  if (!gelu_tanh || !b1.defined() || !b2.defined() || !UsesGpuLinear(x, w1, b1)) return false;
+  // The second product, whose input is the hidden activation: GpuLinear's checks of its weight
+  // and bias.
+  // (cuBLASLt reads the weights as laid out: contiguous ones, as the modules' are.)
+  const int64_t hidden = w1.size(0);
+  return hidden % 8 == 0 && w1.is_contiguous() && w2.defined() && w2.is_contiguous() &&
+         w2.device() == x.device() && w2.scalar_type() == torch::kFloat && w2.dim() == 2 &&
+         w2.size(1) == hidden && w2.size(0) > 0 && b2.device() == x.device() &&
+         b2.scalar_type() == torch::kFloat && b2.dim() == 1 && b2.size(0) == w2.size(0);
+}
+
+torch::Tensor GeluMlpThroughEpiloguesForTest(const torch::Tensor& x, const torch::Tensor& w1,
+                                             const torch::Tensor& b1, const torch::Tensor& w2,
+                                             const torch::Tensor& b2, c10::ScalarType dtype) {
+  return GeluMlpFunction::apply(x, w1, b1, w2, b2, w1.to(dtype).detach(), w2.to(dtype).detach(),
+                                static_cast<int64_t>(dtype));
+}
+
+torch::Tensor GeluMlp(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1,
+                      const torch::Tensor& w2, const torch::Tensor& b2, bool gelu_tanh) {
+  if (UsesGeluEpilogue(x, w1, b1, w2, b2, gelu_tanh)) {
+    const c10::ScalarType dtype = AutocastScope::ProductType(x);
+    return GeluMlpFunction::apply(
+        x, w1, b1, w2, b2, at::autocast::cached_cast(dtype, w1, c10::DeviceType::CUDA).detach(),
+        at::autocast::cached_cast(dtype, w2, c10::DeviceType::CUDA).detach(),
+        static_cast<int64_t>(dtype));
+  }
+  return GpuLinear(torch::gelu(GpuLinear(x, w1, b1), gelu_tanh ? "tanh" : "none"), w2, b2);
 }
 
 }  // namespace trainyard::trainer

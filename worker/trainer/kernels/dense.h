@@ -43,11 +43,54 @@ bool GpuLinearEnabled();
 // sum; the rank's log says so once, on stderr), or "none" before any. For tests.
 const char* GpuLinearBackwardPath();
 
+// A GPT MLP's fc_out(gelu(fc(x))): x W1^T + b1, GELU (tanh's approximation when `gelu_tanh`, else
+// the exact erf), then W2 and b2; weights fp32 [hidden, in] and [out, hidden], biases [hidden] and
+// [out]. Where UsesGeluEpilogue: one autograd Function whose first product adds the bias and
+// applies the GELU in cuBLASLt's epilogue (CUBLASLT_EPILOGUE_GELU_AUX_BIAS, keeping the
+// pre-activation for backward: eager's separate GELU pass forward is gone), and whose backward
+// applies GELU's derivative in the epilogue of the product that computes the hidden gradient
+// (CUBLASLT_EPILOGUE_DGELU: eager's gelu_backward pass is gone); the weight and bias gradients as
+// GpuLinear's (one cuBLASLt product each). cuBLASLt's GELU is the tanh approximation only, so the
+// exact GELU keeps the composition. Else GpuLinear, torch::gelu, GpuLinear.
+torch::Tensor GeluMlp(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1,
+                      const torch::Tensor& w2, const torch::Tensor& b2, bool gelu_tanh);
+
+// Whether GeluMlp takes its one Function: `gelu_tanh`, both products on GpuLinear's path
+// (UsesGpuLinear), both biases given, and a hidden width that is a multiple of 8 (cuBLASLt's
+// auxiliary matrix).
+bool UsesGeluEpilogue(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1,
+                      const torch::Tensor& w2, const torch::Tensor& b2, bool gelu_tanh);
+
+// GeluMlp's Function on any device, its products in `dtype`: for the CPU tests of its wiring.
+// Off the GPU (and where cuBLASLt has no algorithm) the epilogues are ATen's linear, gelu and
+// gelu_backward in `dtype`, as eager's autocast runs them.
+torch::Tensor GeluMlpThroughEpiloguesForTest(const torch::Tensor& x, const torch::Tensor& w1,
+                                             const torch::Tensor& b1, const torch::Tensor& w2,
+                                             const torch::Tensor& b2, c10::ScalarType dtype);
+
+// How the last GeluMlp Function applied its GELU, forward then backward: "cublaslt" (both in the
+// epilogues), "composition" (either without: no CUDA, or no algorithm, said once on stderr),
+// or "none" before any. For tests.
+const char* GeluMlpPath();
+
 #if TRAINYARD_CUDA_KERNELS
+// dense_cuda.cc: out = gelu_tanh(x w^T + b) and pre = x w^T + b ([rows, hidden] each, x's dtype,
+// contiguous) in one cuBLASLt GEMM (CUBLASLT_EPILOGUE_GELU_AUX_BIAS). x [rows, in], w [hidden,
+// in], b [hidden], contiguous, one dtype (bf16 or fp16); hidden a multiple of 8. False, with
+// nothing written, when cuBLASLt's heuristic offers no algorithm for it (said once on stderr,
+// with its status); an error of the product itself throws.
+bool GeluForwardCublasLt(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                         const at::Tensor& out, const at::Tensor& pre);
+// dpre = (dy w) * gelu_tanh'(pre) [rows, hidden] in one cuBLASLt GEMM (CUBLASLT_EPILOGUE_DGELU).
+// dy [rows, out], w [out, hidden], pre and dpre [rows, hidden], contiguous, one dtype. As above.
+bool GeluBackwardCublasLt(const at::Tensor& dy, const at::Tensor& w, const at::Tensor& pre,
+                          const at::Tensor& dpre);
+
 // dense_cuda.cc: dw = dy^T x (fp32 [out, in], contiguous) and, when db is defined, db = the sum of
 // dy's rows (fp32 [out]), in one cuBLASLt GEMM on the current stream. dy [rows, out] and x [rows,
-// in] contiguous, one dtype (bf16 or fp16). False, with nothing written, when cuBLASLt has no
-// algorithm for it (said once on stderr); any other error of cuBLASLt throws.
+// in] contiguous, one dtype (bf16 or fp16). False, with nothing written, when cuBLASLt's heuristic
+// offers no algorithm for it (said once on stderr, with its status); an error of the product
+// itself throws.
 bool WeightGradientCublasLt(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& dw,
                             const at::Tensor& db);
 #endif

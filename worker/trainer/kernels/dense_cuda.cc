@@ -1,16 +1,29 @@
-// WeightGradientCublasLt (see dense.h): the CUDA build's only direct cuBLASLt call.
+// The CUDA build's direct cuBLASLt calls (see dense.h): the weight gradient with its bias
+// gradient, and a GPT MLP's GELU in the epilogues of its products.
 //
-// cuBLASLt is column-major. Row-major dW [out, in] is column-major dW^T [in, out], and
+// cuBLASLt is column-major: a row-major [r, c] matrix is a column-major [c, r] one.
+// - The weight gradient: row-major dW [out, in] is column-major dW^T [in, out], and
 //   dW^T = x^T dy:  A = x, stored row-major [rows, in] = column-major [in, rows] (ld in), not
 //   transposed: m = in, k = rows; B = dy, row-major [rows, out] = column-major [out, rows] (ld
-//   out), transposed: [rows, out], n = out; D = dW^T [in, out] (ld in).
-// BGRADB sums B over k, one value per column of D: db[o] = sum over rows of dy[r, o]. (Apex's
-// fused dense and Transformer Engine's weight-gradient GEMMs take this layout and epilogue.)
+//   out), transposed: [rows, out], n = out; D = dW^T [in, out] (ld in). BGRADB sums B over k, one
+//   value per column of D: db[o] = sum over rows of dy[r, o]. (Apex's fused dense and Transformer
+//   Engine's weight-gradient GEMMs take this layout and epilogue.)
+// - The forward with GELU (torch::linear's own layout): out^T [hidden, rows] = W1 x^T: A = W1,
+//   row-major [hidden, in] = column-major [in, hidden] (ld in), transposed: m = hidden, k = in;
+//   B = x, column-major [in, rows] (ld in), not transposed: n = rows; D = out^T [hidden, rows] (ld
+//   hidden). The bias has m = hidden values, one a row of D; the auxiliary matrix (the
+//   pre-activation) is D's shape and leading dimension.
+// - The hidden gradient with GELU's derivative: dh^T [hidden, rows] = W2^T dy^T: A = W2, row-major
+//   [out, hidden] = column-major [hidden, out] (ld hidden), not transposed: m = hidden, k = out;
+//   B = dy, column-major [out, rows] (ld out), not transposed: n = rows; D = dpre^T (ld hidden),
+//   the auxiliary matrix the forward's pre-activation. (Transformer Engine's fc1 data gradient.)
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/Exceptions.h>
 #include <cublasLt.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -63,10 +76,27 @@ uint32_t Alignment(const void* p) {
   return alignment;
 }
 
+// The products this file runs; part of the cache's key.
+enum class Product { kWeightGradient, kWeightAndBiasGradient, kGeluForward, kGeluBackward };
+const char* NameOf(Product p) {
+  switch (p) {
+    case Product::kWeightGradient:
+      return "the weight gradient";
+    case Product::kWeightAndBiasGradient:
+      return "the weight gradient with its bias gradient";
+    case Product::kGeluForward:
+      return "the product with its bias and GELU";
+    case Product::kGeluBackward:
+      return "the hidden gradient with GELU's derivative";
+  }
+  return "?";
+}
+
 // The heuristic's answer per problem: its query costs more host time than the product's launch.
-// (device, in, out, rows, dtype, bias, the four alignments, workspace) -> the algorithm, or none.
-// (Bounded: a run's shapes are few; an evaluation's other batch sizes add a handful.)
-using Key = std::tuple<int, int64_t, int64_t, int64_t, int, bool, uint32_t, uint32_t, uint32_t,
+// (device, product, m, n, k, dtype, the alignments of A, B, D and the bias or auxiliary matrix,
+// workspace) -> the algorithm, or none. (Bounded: a run's shapes are few; an evaluation's other
+// batch sizes add a handful.)
+using Key = std::tuple<int, int, int64_t, int64_t, int64_t, int, uint32_t, uint32_t, uint32_t,
                        uint32_t, size_t>;
 constexpr size_t kMaxChoices = 4096;
 struct Choice {
@@ -75,54 +105,36 @@ struct Choice {
 };
 std::mutex g_mu;
 std::map<Key, Choice> g_choices;
-bool g_said_none = false;  // (under g_mu)
+bool g_said_none[4] = {};  // per Product (under g_mu)
 
-}  // namespace
-
-bool WeightGradientCublasLt(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& dw,
-                            const at::Tensor& db) {
-  TORCH_CHECK(dy.dim() == 2 && x.dim() == 2 && dy.size(0) == x.size(0) &&
-                  dy.scalar_type() == x.scalar_type() && dy.is_contiguous() && x.is_contiguous(),
-              "WeightGradientCublasLt: dy [rows, out] and x [rows, in], contiguous, one dtype");
-  const int64_t rows = dy.size(0), out = dy.size(1), in = x.size(1);
-  TORCH_CHECK(
-      dw.scalar_type() == at::kFloat && dw.is_contiguous() && dw.size(0) == out && dw.size(1) == in,
-      "WeightGradientCublasLt: dw fp32 [out, in], contiguous");
-  TORCH_CHECK(!db.defined() || (db.scalar_type() == at::kFloat && db.is_contiguous() &&
-                                db.dim() == 1 && db.size(0) == out),
-              "WeightGradientCublasLt: db fp32 [out]");
-  cudaDataType_t operand;
-  if (dy.scalar_type() == at::kBFloat16) {
-    operand = CUDA_R_16BF;
-  } else if (dy.scalar_type() == at::kHalf) {
-    operand = CUDA_R_16F;
-  } else {
-    return false;
-  }
-
-  cublasLtMatmulDesc_t raw_desc = nullptr;
-  TORCH_CUDABLAS_CHECK(cublasLtMatmulDescCreate(&raw_desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const MatmulDesc desc(raw_desc);
-  Set(raw_desc, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_N);
-  Set(raw_desc, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_T);
-  if (db.defined()) {
-    // (The bias gradient's type is D's, fp32, by default.)
-    Set(raw_desc, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BGRADB);
-    Set(raw_desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, db.data_ptr());
-    Set(raw_desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<int32_t>(CUDA_R_32F));
-  }
-  const MatrixLayout a = Layout(operand, in, rows, in);
-  const MatrixLayout b = Layout(operand, out, rows, out);
-  const MatrixLayout d = Layout(CUDA_R_32F, in, out, in);
-
+// One product D = op(A) op(B) (alpha 1, beta 0; C is D), described by `desc` and the layouts of
+// m x n D, on the current stream, with the heuristic's algorithm (cached per problem). False,
+// with nothing run, when the heuristic offers none (said once per kind of product); an error of
+// the product itself throws.
+// `extra`: the addresses of the bias and the auxiliary matrix, where the product has them (their
+// alignment is part of the problem: the heuristic's answer depends on it).
+bool Run(Product product, cublasLtMatmulDesc_t desc, const MatrixLayout& a, const MatrixLayout& b,
+         const MatrixLayout& d, const void* pa, const void* pb, void* pd,
+         std::initializer_list<const void*> extra, int64_t m, int64_t n, int64_t k,
+         cudaDataType_t operand, int device) {
   const size_t workspace_size = at::cuda::getCUDABlasLtWorkspaceSize();
   void* workspace = at::cuda::getCUDABlasLtWorkspace();
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
-  const uint32_t align_a = Alignment(x.data_ptr()), align_b = Alignment(dy.data_ptr()),
-                 align_d = Alignment(dw.data_ptr()),
-                 align_bias = db.defined() ? Alignment(db.data_ptr()) : 0;
-  const Key key{dy.get_device(), in,      out,     rows,    static_cast<int>(operand),
-                db.defined(),    align_a, align_b, align_d, align_bias,
+  const uint32_t align_a = Alignment(pa), align_b = Alignment(pb), align_d = Alignment(pd);
+  uint32_t align_extra = 0;
+  for (const void* p : extra) {
+    align_extra = align_extra == 0 ? Alignment(p) : std::min(align_extra, Alignment(p));
+  }
+  const Key key{device,
+                static_cast<int>(product),
+                m,
+                n,
+                k,
+                static_cast<int>(operand),
+                align_a,
+                align_b,
+                align_d,
+                align_extra,
                 workspace_size};
   Choice choice;
   {
@@ -141,23 +153,24 @@ bool WeightGradientCublasLt(const at::Tensor& dy, const at::Tensor& x, const at:
       Set(raw_preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d);
       cublasLtMatmulHeuristicResult_t result{};
       int returned = 0;
-      const cublasStatus_t status =
-          cublasLtMatmulAlgoGetHeuristic(handle, raw_desc, a.get(), b.get(), d.get(), d.get(),
-                                         raw_preference, 1, &result, &returned);
-      // No algorithm for this problem: the caller computes it otherwise. Anything else is a
-      // mistake in the problem's description, not to be hidden behind the fallback.
-      if (status != CUBLAS_STATUS_NOT_SUPPORTED) TORCH_CUDABLAS_CHECK(status);
+      const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+          handle, desc, a.get(), b.get(), d.get(), d.get(), raw_preference, 1, &result, &returned);
+      // No algorithm for this problem (or a description this cuBLASLt refuses: a status other
+      // than NOT_SUPPORTED): the caller computes it otherwise, and the rank's log says why,
+      // once per kind of product. A training run goes on at eager's speed; the GPU tests, which
+      // check that the products took this path (GpuLinearBackwardPath, GeluMlpPath), fail.
       choice.found = status == CUBLAS_STATUS_SUCCESS && returned > 0;
       if (choice.found) {
         choice.algo = result.algo;
-      } else if (!g_said_none) {
-        g_said_none = true;
-        std::fprintf(stderr,
-                     "dense: cuBLASLt has no algorithm for the weight gradient of [%lld, %lld] x "
-                     "[%lld, %lld]%s; eager's product and sum instead\n",
-                     static_cast<long long>(rows), static_cast<long long>(out),
-                     static_cast<long long>(rows), static_cast<long long>(in),
-                     db.defined() ? " with its bias gradient" : "");
+      } else if (!g_said_none[static_cast<int>(product)]) {
+        g_said_none[static_cast<int>(product)] = true;
+        std::fprintf(
+            stderr,
+            "dense: cuBLASLt has no algorithm for %s (m %lld, n %lld, k %lld: %s); "
+            "eager's operations instead\n",
+            NameOf(product), static_cast<long long>(m), static_cast<long long>(n),
+            static_cast<long long>(k),
+            status == CUBLAS_STATUS_SUCCESS ? "none returned" : cublasLtGetStatusString(status));
       }
       if (g_choices.size() >= kMaxChoices) g_choices.clear();
       g_choices.emplace(key, choice);
@@ -165,11 +178,119 @@ bool WeightGradientCublasLt(const at::Tensor& dy, const at::Tensor& x, const at:
   }
   if (!choice.found) return false;
   const float alpha = 1.0f, beta = 0.0f;
-  TORCH_CUDABLAS_CHECK(cublasLtMatmul(handle, raw_desc, &alpha, x.data_ptr(), a.get(),
-                                      dy.data_ptr(), b.get(), &beta, dw.data_ptr(), d.get(),
-                                      dw.data_ptr(), d.get(), &choice.algo, workspace,
-                                      workspace_size, at::cuda::getCurrentCUDAStream()));
+  TORCH_CUDABLAS_CHECK(cublasLtMatmul(handle, desc, &alpha, pa, a.get(), pb, b.get(), &beta, pd,
+                                      d.get(), pd, d.get(), &choice.algo, workspace, workspace_size,
+                                      at::cuda::getCurrentCUDAStream()));
   return true;
+}
+
+// bf16 or fp16's cuBLAS type; false for any other dtype.
+bool OperandType(at::ScalarType dtype, cudaDataType_t* type) {
+  if (dtype == at::kBFloat16) {
+    *type = CUDA_R_16BF;
+  } else if (dtype == at::kHalf) {
+    *type = CUDA_R_16F;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+MatmulDesc NewDesc(cublasOperation_t transa, cublasOperation_t transb) {
+  cublasLtMatmulDesc_t raw_desc = nullptr;
+  TORCH_CUDABLAS_CHECK(cublasLtMatmulDescCreate(&raw_desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  MatmulDesc desc(raw_desc);
+  Set(raw_desc, CUBLASLT_MATMUL_DESC_TRANSA, transa);
+  Set(raw_desc, CUBLASLT_MATMUL_DESC_TRANSB, transb);
+  return desc;
+}
+
+}  // namespace
+
+bool WeightGradientCublasLt(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& dw,
+                            const at::Tensor& db) {
+  TORCH_CHECK(dy.dim() == 2 && x.dim() == 2 && dy.size(0) == x.size(0) &&
+                  dy.scalar_type() == x.scalar_type() && dy.is_contiguous() && x.is_contiguous(),
+              "WeightGradientCublasLt: dy [rows, out] and x [rows, in], contiguous, one dtype");
+  const int64_t rows = dy.size(0), out = dy.size(1), in = x.size(1);
+  TORCH_CHECK(
+      dw.scalar_type() == at::kFloat && dw.is_contiguous() && dw.size(0) == out && dw.size(1) == in,
+      "WeightGradientCublasLt: dw fp32 [out, in], contiguous");
+  TORCH_CHECK(!db.defined() || (db.scalar_type() == at::kFloat && db.is_contiguous() &&
+                                db.dim() == 1 && db.size(0) == out),
+              "WeightGradientCublasLt: db fp32 [out]");
+  cudaDataType_t operand;
+  if (!OperandType(dy.scalar_type(), &operand)) return false;
+  const MatmulDesc desc = NewDesc(CUBLAS_OP_N, CUBLAS_OP_T);
+  if (db.defined()) {
+    // (The bias gradient's type is D's, fp32, by default.)
+    Set(desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BGRADB);
+    Set(desc.get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, db.data_ptr());
+    Set(desc.get(), CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<int32_t>(CUDA_R_32F));
+  }
+  const MatrixLayout a = Layout(operand, in, rows, in);
+  const MatrixLayout b = Layout(operand, out, rows, out);
+  const MatrixLayout d = Layout(CUDA_R_32F, in, out, in);
+  return Run(db.defined() ? Product::kWeightAndBiasGradient : Product::kWeightGradient, desc.get(),
+             a, b, d, x.data_ptr(), dy.data_ptr(), dw.data_ptr(),
+             db.defined() ? std::initializer_list<const void*>{db.data_ptr()}
+                          : std::initializer_list<const void*>{},
+             in, out, rows, operand, dy.get_device());
+}
+
+bool GeluForwardCublasLt(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                         const at::Tensor& out, const at::Tensor& pre) {
+  TORCH_CHECK(
+      x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && b.dim() == 1 &&
+          b.size(0) == w.size(0) && x.is_contiguous() && w.is_contiguous() && b.is_contiguous() &&
+          x.scalar_type() == w.scalar_type() && b.scalar_type() == x.scalar_type(),
+      "GeluForwardCublasLt: x [rows, in], w [hidden, in], b [hidden], contiguous, one dtype");
+  const int64_t rows = x.size(0), in = x.size(1), hidden = w.size(0);
+  for (const at::Tensor* t : {&out, &pre}) {
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == rows && t->size(1) == hidden && t->is_contiguous() &&
+                    t->scalar_type() == x.scalar_type(),
+                "GeluForwardCublasLt: out and pre [rows, hidden] in x's dtype, contiguous");
+  }
+  TORCH_CHECK(hidden % 8 == 0, "GeluForwardCublasLt: the hidden width must be a multiple of 8");
+  cudaDataType_t operand;
+  if (!OperandType(x.scalar_type(), &operand)) return false;
+  const MatmulDesc desc = NewDesc(CUBLAS_OP_T, CUBLAS_OP_N);
+  // (The bias and the auxiliary matrix are in D's type by default.)
+  Set(desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_GELU_AUX_BIAS);
+  Set(desc.get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, b.data_ptr());
+  Set(desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, pre.data_ptr());
+  Set(desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, static_cast<int64_t>(hidden));
+  const MatrixLayout a = Layout(operand, in, hidden, in);
+  const MatrixLayout bl = Layout(operand, in, rows, in);
+  const MatrixLayout d = Layout(operand, hidden, rows, hidden);
+  return Run(Product::kGeluForward, desc.get(), a, bl, d, w.data_ptr(), x.data_ptr(),
+             out.data_ptr(), {b.data_ptr(), pre.data_ptr()}, hidden, rows, in, operand,
+             x.get_device());
+}
+
+bool GeluBackwardCublasLt(const at::Tensor& dy, const at::Tensor& w, const at::Tensor& pre,
+                          const at::Tensor& dpre) {
+  TORCH_CHECK(dy.dim() == 2 && w.dim() == 2 && dy.size(1) == w.size(0) && dy.is_contiguous() &&
+                  w.is_contiguous() && dy.scalar_type() == w.scalar_type(),
+              "GeluBackwardCublasLt: dy [rows, out] and w [out, hidden], contiguous, one dtype");
+  const int64_t rows = dy.size(0), out = dy.size(1), hidden = w.size(1);
+  for (const at::Tensor* t : {&pre, &dpre}) {
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == rows && t->size(1) == hidden && t->is_contiguous() &&
+                    t->scalar_type() == dy.scalar_type(),
+                "GeluBackwardCublasLt: pre and dpre [rows, hidden] in dy's dtype, contiguous");
+  }
+  TORCH_CHECK(hidden % 8 == 0, "GeluBackwardCublasLt: the hidden width must be a multiple of 8");
+  cudaDataType_t operand;
+  if (!OperandType(dy.scalar_type(), &operand)) return false;
+  const MatmulDesc desc = NewDesc(CUBLAS_OP_N, CUBLAS_OP_N);
+  Set(desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_DGELU);
+  Set(desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, pre.data_ptr());
+  Set(desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, static_cast<int64_t>(hidden));
+  const MatrixLayout a = Layout(operand, hidden, out, hidden);
+  const MatrixLayout b = Layout(operand, out, rows, out);
+  const MatrixLayout d = Layout(operand, hidden, rows, hidden);
+  return Run(Product::kGeluBackward, desc.get(), a, b, d, w.data_ptr(), dy.data_ptr(),
+             dpre.data_ptr(), {pre.data_ptr()}, hidden, rows, out, operand, dy.get_device());
 }
 
 }  // namespace trainyard::trainer

@@ -19,9 +19,11 @@ namespace F = torch::nn::functional;
 
 class BlockImpl : public torch::nn::Module {
  public:
-  BlockImpl(int64_t d_model, int64_t n_head, bool bf16, bool fused_norms, const TensorParallel* tp)
+  BlockImpl(int64_t d_model, int64_t n_head, bool bf16, bool fused_norms, bool gelu_tanh,
+            const TensorParallel* tp)
       : n_head_(n_head),
         bf16_(bf16),
+        gelu_tanh_(gelu_tanh),
         fused_norms_(fused_norms),
         tp_(tp),
         ln1_(register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})))),
@@ -40,11 +42,12 @@ class BlockImpl : public torch::nn::Module {
       const auto [stream, normed1] = LayerNormResidual(x, ln1_->weight, ln1_->bias, eps1);
       const auto [h, normed] =
           AddLayerNorm(stream, Attention(normed1), ln2_->weight, ln2_->bias, eps2);
-      return h + RowOutput(F::gelu(Dense(normed, fc_, bf16_)), fc_out_, bf16_, *tp_);
+      return h + GeluMlpOf(normed, fc_, fc_out_, gelu_tanh_, bf16_);
     }
     torch::Tensor h = x + Attention(ln1_(x));
-    return h +
-           RowOutput(F::gelu(Dense(ColumnInput(ln2_(h), *tp_), fc_, bf16_)), fc_out_, bf16_, *tp_);
+    if (!tp_->on()) return h + GeluMlpOf(ln2_(h), fc_, fc_out_, gelu_tanh_, bf16_);
+    return h + RowOutput(Gelu(Dense(ColumnInput(ln2_(h), *tp_), fc_, bf16_), gelu_tanh_), fc_out_,
+                         bf16_, *tp_);
   }
 
  private:
@@ -95,6 +98,7 @@ class BlockImpl : public torch::nn::Module {
 
   int64_t n_head_;
   bool bf16_;
+  bool gelu_tanh_;
   bool fused_norms_;
   const TensorParallel* tp_;
   torch::nn::LayerNorm ln1_;
@@ -116,8 +120,8 @@ class GptModel : public LanguageModel {
     pos_emb_ = register_module("pos_emb", Keep(torch::nn::Embedding(spec.seq_len, d), options));
     blocks_ = register_module("blocks", torch::nn::ModuleList());
     for (int i = 0; i < spec.n_layer; ++i) {
-      blocks_->push_back(
-          Keep(Block(d, spec.n_head, options.bf16, options.fused_norms, &tp_), options));
+      blocks_->push_back(Keep(
+          Block(d, spec.n_head, options.bf16, options.fused_norms, spec.gelu_tanh, &tp_), options));
     }
     ln_f_ = register_module("ln_f",
                             Keep(torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})), options));

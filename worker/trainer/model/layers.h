@@ -31,6 +31,19 @@ inline torch::Tensor Dense(const torch::Tensor& x, torch::nn::Linear& linear, bo
   return Dense(x, linear->weight, linear->bias, bf16);
 }
 
+// GELU, exact (erf) or tanh's approximation (GPT-2's gelu_new).
+inline torch::Tensor Gelu(const torch::Tensor& x, bool gelu_tanh) {
+  return torch::gelu(x, gelu_tanh ? "tanh" : "none");
+}
+
+// out(gelu(fc(x))), the GPT's MLP and the mlp model's block: on a GPU GeluMlp (the GELU in
+// cuBLASLt's epilogues where they apply, kernels/dense.h), else Dense's products around Gelu.
+inline torch::Tensor GeluMlpOf(const torch::Tensor& x, torch::nn::Linear& fc,
+                               torch::nn::Linear& out, bool gelu_tanh, bool bf16) {
+  if (x.is_cuda()) return GeluMlp(x, fc->weight, fc->bias, out->weight, out->bias, gelu_tanh);
+  return Dense(Gelu(Dense(x, fc, bf16), gelu_tanh), out, bf16);
+}
+
 // A LoRA adapter's matrix: a module of its own so that it is named "lora_A.weight" /
 // "lora_B.weight" under its projection, as in PEFT's state dicts.
 class LoraWeightImpl : public torch::nn::Module {

@@ -9,13 +9,12 @@
 namespace trainyard::trainer {
 namespace {
 
-namespace F = torch::nn::functional;
-
 class MlpModel : public LanguageModel {
  public:
   MlpModel(const ModelConfig& spec, const ModelOptions& options)
       : LanguageModel(spec.seq_len, options.activation_checkpointing),
         options_(options),
+        gelu_tanh_(spec.gelu_tanh),
         d_model_(spec.d_model) {
     const int64_t d = spec.d_model, v = spec.vocab, h = spec.d_hidden;
     tok_emb_ = register_module("tok_emb", Keep(torch::nn::Embedding(v, d), options));
@@ -46,7 +45,7 @@ class MlpModel : public LanguageModel {
   // The mean of the context's token embeddings ([b, d]).
   torch::Tensor Embed(const torch::Tensor& contexts) override { return tok_emb_(contexts).mean(1); }
   torch::Tensor BlockForward(int i, const torch::Tensor& x) override {
-    return x + Dense(F::gelu(Dense(x, up_[i], options_.bf16)), down_[i], options_.bf16);
+    return x + GeluMlpOf(x, up_[i], down_[i], gelu_tanh_, options_.bf16);
   }
   torch::Tensor Head(const torch::Tensor& x) override { return Dense(x, head_, options_.bf16); }
   std::vector<int64_t> HiddenShape(int64_t batch) const override { return {batch, d_model_}; }
@@ -56,6 +55,7 @@ class MlpModel : public LanguageModel {
 
  private:
   ModelOptions options_;
+  bool gelu_tanh_;
   int64_t d_model_;
   torch::nn::Embedding tok_emb_{nullptr};
   std::vector<torch::nn::Linear> up_, down_;
