@@ -1009,6 +1009,7 @@ TEST(GpuLinearTest, CudaGptAndLlamaMatchAutocastsLinear) {
     lp.backward();
     if (m.gelu_tanh) {
       EXPECT_STREQ(GeluMlpPath(), "cublaslt");
+      EXPECT_STREQ(GeluMlpResidualPath(), "cublaslt");
     }
     EXPECT_LT(RelativeError(lf, lp), 1e-2);
     auto pf = fused->named_parameters(), pp = plain->named_parameters();
@@ -1022,6 +1023,7 @@ TEST(GpuLinearTest, CudaGptAndLlamaMatchAutocastsLinear) {
 // GeluMlp: the MLP as separate operations, each a leaf's gradient comparable.
 struct MlpLeaves {
   torch::Tensor x, w1, b1, w2, b2;
+  torch::Tensor residual;  // (where the case has one)
   torch::Tensor y;
 };
 MlpLeaves Leaves(const std::vector<torch::Tensor>& init, bool x_grad, bool w1_grad) {
@@ -1031,18 +1033,27 @@ MlpLeaves Leaves(const std::vector<torch::Tensor>& init, bool x_grad, bool w1_gr
   l.b1 = init[2].clone().requires_grad_(true);
   l.w2 = init[3].clone().requires_grad_(true);
   l.b2 = init[4].clone().requires_grad_(true);
+  if (init.size() > 5) l.residual = init[5].clone().requires_grad_(true);
   return l;
 }
-// x [shape], w1 [hidden, in], b1, w2 [out, hidden], b2: random, fp32, on `device`.
+// x [shape], w1 [hidden, in], b1, w2 [out, hidden], b2, and with `residual` a residual stream
+// [shape but out]: random, fp32, on `device`.
 std::vector<torch::Tensor> MlpInputs(const std::vector<int64_t>& shape, int64_t hidden, int64_t out,
-                                     const torch::Device& device, uint64_t seed) {
+                                     const torch::Device& device, uint64_t seed,
+                                     bool residual = false) {
   torch::manual_seed(seed);
   const int64_t in = shape.back();
   const auto f32 = torch::TensorOptions().device(device);
-  return {torch::randn(shape, f32), torch::randn({hidden, in}, f32) / std::sqrt(double(in)),
-          torch::randn({hidden}, f32) * 0.5,
-          torch::randn({out, hidden}, f32) / std::sqrt(double(hidden)),
-          torch::randn({out}, f32) * 0.5};
+  std::vector<torch::Tensor> init = {
+      torch::randn(shape, f32), torch::randn({hidden, in}, f32) / std::sqrt(double(in)),
+      torch::randn({hidden}, f32) * 0.5,
+      torch::randn({out, hidden}, f32) / std::sqrt(double(hidden)), torch::randn({out}, f32) * 0.5};
+  if (residual) {
+    std::vector<int64_t> out_shape = shape;
+    out_shape.back() = out;
+    init.push_back(torch::randn(out_shape, f32) * 2);
+  }
+  return init;
 }
 // The MLP in fp64 on the CPU from the operands rounded to `dtype` (as the products read them):
 // the reference both paths are measured against.
@@ -1050,9 +1061,11 @@ MlpLeaves MlpReference(const std::vector<torch::Tensor>& init, torch::Dtype dtyp
                        const torch::Tensor& dy, bool gelu_tanh) {
   std::vector<torch::Tensor> r;
   for (const auto& t : init) r.push_back(t.to(dtype).to(torch::kCPU, torch::kDouble));
+  if (r.size() > 5) r[5] = init[5].to(torch::kCPU, torch::kDouble);  // (fp32: not rounded)
   MlpLeaves l = Leaves(r, true, true);
   l.y = torch::linear(torch::gelu(torch::linear(l.x, l.w1, l.b1), gelu_tanh ? "tanh" : "none"),
                       l.w2, l.b2);
+  if (l.residual.defined()) l.y = l.residual + l.y;
   l.y.backward(dy.to(torch::kCPU, torch::kDouble));
   return l;
 }
@@ -1115,21 +1128,29 @@ TEST(GeluMlpTest, TheFunctionGivesTheCompositionsGradientsOnTheCpu) {
   struct Case {
     std::vector<int64_t> shape;
     int64_t hidden, out;
-    bool x_grad, w1_grad;
+    bool x_grad, w1_grad, residual;
   };
   for (const auto dtype : {torch::kFloat, torch::kBFloat16})
-    for (const Case& c : {Case{{9, 40}, 64, 24, true, true}, Case{{2, 5, 16}, 48, 16, true, true},
-                          Case{{7, 16}, 32, 8, true, false}, Case{{7, 16}, 32, 8, false, true}}) {
-      SCOPED_TRACE(testing::Message() << dtype << " in " << c.shape.back() << " hidden " << c.hidden
-                                      << " out " << c.out << (c.w1_grad ? "" : " frozen w1")
-                                      << (c.x_grad ? "" : " x without gradient"));
-      const std::vector<torch::Tensor> init = MlpInputs(c.shape, c.hidden, c.out, torch::kCPU, 72);
+    for (const Case& c :
+         {Case{{9, 40}, 64, 24, true, true, false}, Case{{2, 5, 16}, 48, 16, true, true, false},
+          Case{{7, 16}, 32, 8, true, false, false}, Case{{7, 16}, 32, 8, false, true, false},
+          Case{{9, 40}, 64, 24, true, true, true}, Case{{2, 5, 16}, 48, 16, true, false, true}}) {
+      SCOPED_TRACE(testing::Message()
+                   << dtype << " in " << c.shape.back() << " hidden " << c.hidden << " out "
+                   << c.out << (c.w1_grad ? "" : " frozen w1")
+                   << (c.x_grad ? "" : " x without gradient") << (c.residual ? " residual" : ""));
+      const std::vector<torch::Tensor> init =
+          MlpInputs(c.shape, c.hidden, c.out, torch::kCPU, 72, c.residual);
       MlpLeaves f = Leaves(init, c.x_grad, c.w1_grad), p = Leaves(init, c.x_grad, c.w1_grad);
-      f.y = GeluMlpThroughEpiloguesForTest(f.x, f.w1, f.b1, f.w2, f.b2, dtype);
+      f.y = GeluMlpThroughEpiloguesForTest(f.x, f.w1, f.b1, f.w2, f.b2, dtype, f.residual);
       p.y = torch::linear(
           torch::gelu(torch::linear(p.x.to(dtype), p.w1.to(dtype), p.b1.to(dtype)), "tanh"),
           p.w2.to(dtype), p.b2.to(dtype));
-      EXPECT_EQ(f.y.scalar_type(), dtype);
+      if (c.residual) {
+        p.y = p.residual + p.y;
+        EXPECT_STREQ(GeluMlpResidualPath(), "composition");
+      }
+      EXPECT_EQ(f.y.scalar_type(), c.residual ? torch::kFloat : dtype);
       EXPECT_EQ(f.y.sizes(), p.y.sizes());
       EXPECT_LT(RelativeError(f.y, p.y), 1e-6);
       const torch::Tensor dy = torch::randn(p.y.sizes()).to(dtype);
@@ -1150,6 +1171,11 @@ TEST(GeluMlpTest, TheFunctionGivesTheCompositionsGradientsOnTheCpu) {
       EXPECT_EQ(f.w2.grad().scalar_type(), torch::kFloat);
       EXPECT_LT(RelativeError(f.w2.grad(), p.w2.grad()), 1e-6);
       EXPECT_LT(RelativeError(f.b2.grad(), p.b2.grad()), bias_tolerance);
+      if (c.residual) {
+        // The stream's gradient is the output's, handed on.
+        EXPECT_EQ(f.residual.grad().scalar_type(), torch::kFloat);
+        EXPECT_TRUE(f.residual.grad().equal(p.residual.grad()));
+      }
     }
   EXPECT_STREQ(GeluMlpPath(), "composition");
 }
@@ -1158,23 +1184,28 @@ TEST(GeluMlpTest, TheFunctionGivesTheCompositionsGradientsOnTheCpu) {
 // against fp64 on the same rounded operands; the epilogue keeps the pre-activation unrounded
 // before its GELU, so it may only be closer.
 void CheckGeluMlp(Precision precision, const std::vector<int64_t>& shape, int64_t hidden,
-                  int64_t out, bool w1_grad, uint64_t seed) {
+                  int64_t out, bool w1_grad, uint64_t seed, bool residual = false) {
   SCOPED_TRACE(testing::Message() << "rows " << shape[0] << " in " << shape.back() << " hidden "
-                                  << hidden << " out " << out << (w1_grad ? "" : " frozen w1"));
+                                  << hidden << " out " << out << (w1_grad ? "" : " frozen w1")
+                                  << (residual ? " residual" : ""));
   const torch::Device cuda(torch::kCUDA, 0);
-  const std::vector<torch::Tensor> init = MlpInputs(shape, hidden, out, cuda, seed);
+  const std::vector<torch::Tensor> init = MlpInputs(shape, hidden, out, cuda, seed, residual);
   const torch::Dtype dtype = precision == Precision::kBf16 ? torch::kBFloat16 : torch::kHalf;
   MlpLeaves f = Leaves(init, true, w1_grad), p = Leaves(init, true, w1_grad);
   {
     AutocastScope autocast(cuda, precision);
     EXPECT_TRUE(UsesGeluEpilogue(f.x, f.w1, f.b1, f.w2, f.b2, true));
     EXPECT_FALSE(UsesGeluEpilogue(f.x, f.w1, f.b1, f.w2, f.b2, false));  // erf: no epilogue
-    f.y = GeluMlp(f.x, f.w1, f.b1, f.w2, f.b2, true);
+    f.y = GeluMlp(f.x, f.w1, f.b1, f.w2, f.b2, true, f.residual);
     GpuLinearOff off;
     EXPECT_FALSE(UsesGeluEpilogue(p.x, p.w1, p.b1, p.w2, p.b2, true));
-    p.y = GeluMlp(p.x, p.w1, p.b1, p.w2, p.b2, true);
+    p.y = GeluMlp(p.x, p.w1, p.b1, p.w2, p.b2, true, p.residual);
   }
-  EXPECT_EQ(f.y.scalar_type(), dtype);
+  if (residual) {
+    EXPECT_STREQ(GeluMlpResidualPath(), "cublaslt");
+  }
+  // (With the fp32 residual stream the sum is fp32, as eager's add promotes it.)
+  EXPECT_EQ(f.y.scalar_type(), residual ? torch::kFloat : dtype);
   EXPECT_EQ(f.y.sizes(), p.y.sizes());
   const torch::Tensor dy = torch::randn(p.y.sizes(), p.y.options());
   f.y.backward(dy);
@@ -1197,6 +1228,10 @@ void CheckGeluMlp(Precision precision, const std::vector<int64_t>& shape, int64_
   no_worse("b1's gradient", f.b1.grad(), p.b1.grad(), ref.b1.grad());
   no_worse("w2's gradient", f.w2.grad(), p.w2.grad(), ref.w2.grad());
   no_worse("b2's gradient", f.b2.grad(), p.b2.grad(), ref.b2.grad());
+  if (residual) {
+    EXPECT_TRUE(f.residual.grad().equal(p.residual.grad()));
+    EXPECT_TRUE(f.residual.grad().equal(dy));
+  }
 }
 
 TEST(GeluMlpTest, CudaEpiloguesMatchTheComposition) {
@@ -1208,6 +1243,11 @@ TEST(GeluMlpTest, CudaEpiloguesMatchTheComposition) {
   CheckGeluMlp(Precision::kBf16, {2, 33, 64}, 256, 64, true, 75);
   CheckGeluMlp(Precision::kBf16, {37, 64}, 128, 64, false, 76);
   CheckGeluMlp(Precision::kFp16, {300, 128}, 512, 128, true, 77);
+  // With the residual stream added in the second product's epilogue (fp32 out): GPT-2 small's
+  // block, a 3-D input, fp16.
+  CheckGeluMlp(Precision::kBf16, {4096, 768}, 3072, 768, true, 78, true);
+  CheckGeluMlp(Precision::kBf16, {2, 33, 64}, 256, 64, true, 79, true);
+  CheckGeluMlp(Precision::kFp16, {300, 128}, 512, 128, true, 80, true);
 }
 
 }  // namespace

@@ -13,8 +13,9 @@ namespace {
 std::atomic<bool> g_enabled{true};
 // 0: no fused backward yet; 1: cuBLASLt; 2: the composition.
 std::atomic<int> g_backward_path{0};
-// GeluMlp's GELU: 0 none yet; 1 both epilogues; 2 the composition.
+// GeluMlp's GELU, and its residual: 0 none yet; 1 in the epilogues; 2 the composition.
 std::atomic<int> g_gelu_path{0};
+std::atomic<int> g_residual_path{0};
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
@@ -32,6 +33,10 @@ bool GeluForwardCublasLt(const at::Tensor&, const at::Tensor&, const at::Tensor&
 }
 bool GeluBackwardCublasLt(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                           const at::Tensor&) {
+  return false;
+}
+bool ResidualForwardCublasLt(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             const at::Tensor&, const at::Tensor&) {
   return false;
 }
 #endif
@@ -114,17 +119,19 @@ torch::Tensor ApplyFusedDense(const torch::Tensor& x, const torch::Tensor& weigh
                            weight_cast.detach(), static_cast<int64_t>(dtype));
 }
 
-// GeluMlp's Function: fc_out(gelu_tanh(fc(x))) with the GELU in the products' epilogues (see
-// dense.h). As FusedDense: the weights' casts given (autocast's cached copies, detached), both
-// biases required (so that the edges are fixed: x 0, w1 1, b1 2, w2 3, b2 4, the casts after).
-// Saved: x, the pre-activation and the activation in `dtype` (eager keeps the same three: the
-// linear's input, GELU's input, the second linear's input), and the casts.
+// GeluMlp's Function: [residual +] fc_out(gelu_tanh(fc(x))) with the GELU (and the residual) in
+// the products' epilogues (see dense.h). As FusedDense: the weights' casts given (autocast's
+// cached copies, detached), both biases required and the residual an optional after the casts
+// (so that the edges are fixed: x 0, w1 1, b1 2, w2 3, b2 4, the casts, the residual 7 when
+// given). Saved: x, the pre-activation and the activation in `dtype` (eager keeps the same three:
+// the linear's input, GELU's input, the second linear's input), and the casts.
 class GeluMlpFunction : public torch::autograd::Function<GeluMlpFunction> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
                                const torch::Tensor& w1, const torch::Tensor& b1,
                                const torch::Tensor& w2, const torch::Tensor& b2,
                                const torch::Tensor& w1_cast, const torch::Tensor& w2_cast,
+                               const c10::optional<torch::Tensor>& residual_arg,
                                int64_t dtype_code) {
     const auto dtype = static_cast<c10::ScalarType>(dtype_code);
     TORCH_CHECK(w1_cast.scalar_type() == dtype && w1_cast.sizes() == w1.sizes() &&
@@ -150,7 +157,24 @@ class GeluMlpFunction : public torch::autograd::Function<GeluMlpFunction> {
     ctx->saved_data["epilogue"] = epilogue;
     std::vector<int64_t> sizes = x.sizes().vec();
     sizes.back() = out;
-    return torch::linear(h, w2_cast, b2h).view(sizes);
+    const bool has_residual = residual_arg.has_value() && residual_arg->defined();
+    ctx->saved_data["residual"] = has_residual;
+    if (!has_residual) return torch::linear(h, w2_cast, b2h).view(sizes);
+    const torch::Tensor& residual = *residual_arg;
+    TORCH_CHECK(residual.sizes() == c10::IntArrayRef(sizes),
+                "GeluMlp: the residual must have the output's shape");
+    ctx->saved_data["residual_dtype"] = static_cast<int64_t>(residual.scalar_type());
+    // The fp32 residual stream added in the second product's epilogue, with the fp32 bias.
+    if (epilogue && residual.scalar_type() == torch::kFloat && residual.is_contiguous() &&
+        b2.is_contiguous()) {
+      torch::Tensor y = torch::empty(sizes, residual.options());
+      if (ResidualForwardCublasLt(h, w2_cast, b2, residual.view({-1, out}), y.view({-1, out}))) {
+        g_residual_path.store(1, std::memory_order_relaxed);
+        return y;
+      }
+    }
+    g_residual_path.store(2, std::memory_order_relaxed);
+    return residual + torch::linear(h, w2_cast, b2h).view(sizes);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad) {
@@ -179,7 +203,13 @@ class GeluMlpFunction : public torch::autograd::Function<GeluMlpFunction> {
       sizes.back() = w1h.size(1);
       dx = torch::mm(dpre, w1h).view(sizes).to(x_dtype);
     }
-    return {dx, dw1, db1, dw2, db2, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    // The residual's gradient is the output's (the stream's own, handed on).
+    torch::Tensor dresidual;
+    if (ctx->saved_data["residual"].toBool() && ctx->needs_input_grad(7)) {
+      dresidual =
+          grad[0].to(static_cast<c10::ScalarType>(ctx->saved_data["residual_dtype"].toInt()));
+    }
+    return {dx, dw1, db1, dw2, db2, torch::Tensor(), torch::Tensor(), dresidual, torch::Tensor()};
   }
 };
 
@@ -245,8 +275,9 @@ torch::Tensor GpuLinear(const torch::Tensor& x, const torch::Tensor& weight,
   return torch::linear(x, weight, bias);
 }
 
-const char* GeluMlpPath() {
-  switch (g_gelu_path.load(std::memory_order_relaxed)) {
+namespace {
+const char* PathName(int path) {
+  switch (path) {
     case 1:
       return "cublaslt";
     case 2:
@@ -254,6 +285,17 @@ const char* GeluMlpPath() {
     default:
       return "none";
   }
+}
+
+c10::optional<torch::Tensor> Optional(const torch::Tensor& t) {
+  return t.defined() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
+}
+}  // namespace
+
+const char* GeluMlpPath() { return PathName(g_gelu_path.load(std::memory_order_relaxed)); }
+
+const char* GeluMlpResidualPath() {
+  return PathName(g_residual_path.load(std::memory_order_relaxed));
 }
 
 bool UsesGeluEpilogue(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1,
@@ -271,21 +313,25 @@ bool UsesGeluEpilogue(const torch::Tensor& x, const torch::Tensor& w1, const tor
 
 torch::Tensor GeluMlpThroughEpiloguesForTest(const torch::Tensor& x, const torch::Tensor& w1,
                                              const torch::Tensor& b1, const torch::Tensor& w2,
-                                             const torch::Tensor& b2, c10::ScalarType dtype) {
+                                             const torch::Tensor& b2, c10::ScalarType dtype,
+                                             const torch::Tensor& residual) {
   return GeluMlpFunction::apply(x, w1, b1, w2, b2, w1.to(dtype).detach(), w2.to(dtype).detach(),
-                                static_cast<int64_t>(dtype));
+                                Optional(residual), static_cast<int64_t>(dtype));
 }
 
 torch::Tensor GeluMlp(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1,
-                      const torch::Tensor& w2, const torch::Tensor& b2, bool gelu_tanh) {
+                      const torch::Tensor& w2, const torch::Tensor& b2, bool gelu_tanh,
+                      const torch::Tensor& residual) {
   if (UsesGeluEpilogue(x, w1, b1, w2, b2, gelu_tanh)) {
     const c10::ScalarType dtype = AutocastScope::ProductType(x);
     return GeluMlpFunction::apply(
         x, w1, b1, w2, b2, at::autocast::cached_cast(dtype, w1, c10::DeviceType::CUDA).detach(),
-        at::autocast::cached_cast(dtype, w2, c10::DeviceType::CUDA).detach(),
+        at::autocast::cached_cast(dtype, w2, c10::DeviceType::CUDA).detach(), Optional(residual),
         static_cast<int64_t>(dtype));
   }
-  return GpuLinear(torch::gelu(GpuLinear(x, w1, b1), gelu_tanh ? "tanh" : "none"), w2, b2);
+  const torch::Tensor y =
+      GpuLinear(torch::gelu(GpuLinear(x, w1, b1), gelu_tanh ? "tanh" : "none"), w2, b2);
+  return residual.defined() ? residual + y : y;
 }
 
 }  // namespace trainyard::trainer

@@ -52,8 +52,13 @@ const char* GpuLinearBackwardPath();
 // (CUBLASLT_EPILOGUE_DGELU: eager's gelu_backward pass is gone); the weight and bias gradients as
 // GpuLinear's (one cuBLASLt product each). cuBLASLt's GELU is the tanh approximation only, so the
 // exact GELU keeps the composition. Else GpuLinear, torch::gelu, GpuLinear.
+// With `residual` (the block's residual stream, x's shape but for the last dimension, `out`),
+// residual + that: on the Function's path the second product adds the bias (fp32) and the
+// residual (fp32) in its epilogue and writes the fp32 sum (eager: a bf16 product, then an fp32
+// add that reads it back), and the residual's gradient is the output's, untouched.
 torch::Tensor GeluMlp(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1,
-                      const torch::Tensor& w2, const torch::Tensor& b2, bool gelu_tanh);
+                      const torch::Tensor& w2, const torch::Tensor& b2, bool gelu_tanh,
+                      const torch::Tensor& residual = torch::Tensor());
 
 // Whether GeluMlp takes its one Function: `gelu_tanh`, both products on GpuLinear's path
 // (UsesGpuLinear), both biases given, and a hidden width that is a multiple of 8 (cuBLASLt's
@@ -66,12 +71,16 @@ bool UsesGeluEpilogue(const torch::Tensor& x, const torch::Tensor& w1, const tor
 // gelu_backward in `dtype`, as eager's autocast runs them.
 torch::Tensor GeluMlpThroughEpiloguesForTest(const torch::Tensor& x, const torch::Tensor& w1,
                                              const torch::Tensor& b1, const torch::Tensor& w2,
-                                             const torch::Tensor& b2, c10::ScalarType dtype);
+                                             const torch::Tensor& b2, c10::ScalarType dtype,
+                                             const torch::Tensor& residual = torch::Tensor());
 
 // How the last GeluMlp Function applied its GELU, forward then backward: "cublaslt" (both in the
 // epilogues), "composition" (either without: no CUDA, or no algorithm, said once on stderr),
 // or "none" before any. For tests.
 const char* GeluMlpPath();
+// How the last GeluMlp Function with a residual added it: "cublaslt" (in the second product's
+// epilogue), "composition" (an add after it), or "none" before any. For tests.
+const char* GeluMlpResidualPath();
 
 #if TRAINYARD_CUDA_KERNELS
 // dense_cuda.cc: out = gelu_tanh(x w^T + b) and pre = x w^T + b ([rows, hidden] each, x's dtype,
@@ -85,6 +94,11 @@ bool GeluForwardCublasLt(const at::Tensor& x, const at::Tensor& w, const at::Ten
 // dy [rows, out], w [out, hidden], pre and dpre [rows, hidden], contiguous, one dtype. As above.
 bool GeluBackwardCublasLt(const at::Tensor& dy, const at::Tensor& w, const at::Tensor& pre,
                           const at::Tensor& dpre);
+// y = h w^T + b + residual in one cuBLASLt GEMM (CUBLASLT_EPILOGUE_BIAS, beta 1): h [rows,
+// hidden] and w [out, hidden] in one dtype (bf16 or fp16), b fp32 [out], residual and y fp32
+// [rows, out] (y a tensor of its own), all contiguous. As above.
+bool ResidualForwardCublasLt(const at::Tensor& h, const at::Tensor& w, const at::Tensor& b,
+                             const at::Tensor& residual, const at::Tensor& y);
 
 // dense_cuda.cc: dw = dy^T x (fp32 [out, in], contiguous) and, when db is defined, db = the sum of
 // dy's rows (fp32 [out]), in one cuBLASLt GEMM on the current stream. dy [rows, out] and x [rows,

@@ -17,6 +17,10 @@
 //   [out, hidden] = column-major [hidden, out] (ld hidden), not transposed: m = hidden, k = out;
 //   B = dy, column-major [out, rows] (ld out), not transposed: n = rows; D = dpre^T (ld hidden),
 //   the auxiliary matrix the forward's pre-activation. (Transformer Engine's fc1 data gradient.)
+// - The second product with the residual added: y^T [out, rows] = W2 h^T + b2 + residual^T: A =
+//   W2, column-major [hidden, out] (ld hidden), transposed: m = out, k = hidden; B = h,
+//   column-major [hidden, rows] (ld hidden): n = rows; C = the residual and D = y, fp32 [out,
+//   rows] (ld out), beta 1; the bias in D's type, fp32.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/Exceptions.h>
 #include <cublasLt.h>
@@ -77,7 +81,13 @@ uint32_t Alignment(const void* p) {
 }
 
 // The products this file runs; part of the cache's key.
-enum class Product { kWeightGradient, kWeightAndBiasGradient, kGeluForward, kGeluBackward };
+enum class Product {
+  kWeightGradient,
+  kWeightAndBiasGradient,
+  kGeluForward,
+  kGeluBackward,
+  kResidualForward
+};
 const char* NameOf(Product p) {
   switch (p) {
     case Product::kWeightGradient:
@@ -88,6 +98,8 @@ const char* NameOf(Product p) {
       return "the product with its bias and GELU";
     case Product::kGeluBackward:
       return "the hidden gradient with GELU's derivative";
+    case Product::kResidualForward:
+      return "the product with its bias and the residual added";
   }
   return "?";
 }
@@ -105,18 +117,18 @@ struct Choice {
 };
 std::mutex g_mu;
 std::map<Key, Choice> g_choices;
-bool g_said_none[4] = {};  // per Product (under g_mu)
+bool g_said_none[5] = {};  // per Product (under g_mu)
 
-// One product D = op(A) op(B) (alpha 1, beta 0; C is D), described by `desc` and the layouts of
-// m x n D, on the current stream, with the heuristic's algorithm (cached per problem). False,
-// with nothing run, when the heuristic offers none (said once per kind of product); an error of
-// the product itself throws.
+// One product D = op(A) op(B) (alpha 1, beta 0; C is D), or with `pc`, D = op(A) op(B) + C (beta
+// 1; C in D's layout), described by `desc` and the layouts of m x n D, on the current stream,
+// with the heuristic's algorithm (cached per problem). False, with nothing run, when the
+// heuristic offers none (said once per kind of product); an error of the product itself throws.
 // `extra`: the addresses of the bias and the auxiliary matrix, where the product has them (their
 // alignment is part of the problem: the heuristic's answer depends on it).
 bool Run(Product product, cublasLtMatmulDesc_t desc, const MatrixLayout& a, const MatrixLayout& b,
          const MatrixLayout& d, const void* pa, const void* pb, void* pd,
          std::initializer_list<const void*> extra, int64_t m, int64_t n, int64_t k,
-         cudaDataType_t operand, int device) {
+         cudaDataType_t operand, int device, const void* pc = nullptr) {
   const size_t workspace_size = at::cuda::getCUDABlasLtWorkspaceSize();
   void* workspace = at::cuda::getCUDABlasLtWorkspace();
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
@@ -124,6 +136,11 @@ bool Run(Product product, cublasLtMatmulDesc_t desc, const MatrixLayout& a, cons
   uint32_t align_extra = 0;
   for (const void* p : extra) {
     align_extra = align_extra == 0 ? Alignment(p) : std::min(align_extra, Alignment(p));
+  }
+  // (C's alignment, where C is not D, joins the extras' in the key.)
+  const uint32_t align_c = pc != nullptr ? std::min(align_d, Alignment(pc)) : align_d;
+  if (pc != nullptr) {
+    align_extra = align_extra == 0 ? Alignment(pc) : std::min(align_extra, Alignment(pc));
   }
   const Key key{device,
                 static_cast<int>(product),
@@ -149,7 +166,7 @@ bool Run(Product product, cublasLtMatmulDesc_t desc, const MatrixLayout& a, cons
       Set(raw_preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, workspace_size);
       Set(raw_preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a);
       Set(raw_preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b);
-      Set(raw_preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_d);
+      Set(raw_preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c);
       Set(raw_preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d);
       cublasLtMatmulHeuristicResult_t result{};
       int returned = 0;
@@ -177,10 +194,10 @@ bool Run(Product product, cublasLtMatmulDesc_t desc, const MatrixLayout& a, cons
     }
   }
   if (!choice.found) return false;
-  const float alpha = 1.0f, beta = 0.0f;
-  TORCH_CUDABLAS_CHECK(cublasLtMatmul(handle, desc, &alpha, pa, a.get(), pb, b.get(), &beta, pd,
-                                      d.get(), pd, d.get(), &choice.algo, workspace, workspace_size,
-                                      at::cuda::getCurrentCUDAStream()));
+  const float alpha = 1.0f, beta = pc != nullptr ? 1.0f : 0.0f;
+  TORCH_CUDABLAS_CHECK(cublasLtMatmul(handle, desc, &alpha, pa, a.get(), pb, b.get(), &beta,
+                                      pc != nullptr ? pc : pd, d.get(), pd, d.get(), &choice.algo,
+                                      workspace, workspace_size, at::cuda::getCurrentCUDAStream()));
   return true;
 }
 
@@ -291,6 +308,36 @@ bool GeluBackwardCublasLt(const at::Tensor& dy, const at::Tensor& w, const at::T
   const MatrixLayout d = Layout(operand, hidden, rows, hidden);
   return Run(Product::kGeluBackward, desc.get(), a, b, d, w.data_ptr(), dy.data_ptr(),
              dpre.data_ptr(), {pre.data_ptr()}, hidden, rows, out, operand, dy.get_device());
+}
+
+bool ResidualForwardCublasLt(const at::Tensor& h, const at::Tensor& w, const at::Tensor& b,
+                             const at::Tensor& residual, const at::Tensor& y) {
+  TORCH_CHECK(
+      h.dim() == 2 && w.dim() == 2 && h.size(1) == w.size(1) && h.is_contiguous() &&
+          w.is_contiguous() && h.scalar_type() == w.scalar_type(),
+      "ResidualForwardCublasLt: h [rows, hidden] and w [out, hidden], contiguous, one dtype");
+  const int64_t rows = h.size(0), hidden = h.size(1), out = w.size(0);
+  TORCH_CHECK(
+      b.dim() == 1 && b.size(0) == out && b.is_contiguous() && b.scalar_type() == at::kFloat,
+      "ResidualForwardCublasLt: b fp32 [out], contiguous");
+  for (const at::Tensor* t : {&residual, &y}) {
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == rows && t->size(1) == out && t->is_contiguous() &&
+                    t->scalar_type() == at::kFloat,
+                "ResidualForwardCublasLt: residual and y fp32 [rows, out], contiguous");
+  }
+  TORCH_CHECK(residual.data_ptr() != y.data_ptr(), "ResidualForwardCublasLt: y is a new tensor");
+  cudaDataType_t operand;
+  if (!OperandType(h.scalar_type(), &operand)) return false;
+  const MatmulDesc desc = NewDesc(CUBLAS_OP_T, CUBLAS_OP_N);
+  // (The bias in D's type: fp32, the master bias itself.)
+  Set(desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
+  Set(desc.get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, b.data_ptr());
+  const MatrixLayout a = Layout(operand, hidden, out, hidden);
+  const MatrixLayout bl = Layout(operand, hidden, rows, hidden);
+  const MatrixLayout d = Layout(CUDA_R_32F, out, rows, out);
+  return Run(Product::kResidualForward, desc.get(), a, bl, d, w.data_ptr(), h.data_ptr(),
+             y.data_ptr(), {b.data_ptr()}, out, rows, hidden, operand, h.get_device(),
+             residual.data_ptr());
 }
 
 }  // namespace trainyard::trainer

@@ -42,10 +42,10 @@ class BlockImpl : public torch::nn::Module {
       const auto [stream, normed1] = LayerNormResidual(x, ln1_->weight, ln1_->bias, eps1);
       const auto [h, normed] =
           AddLayerNorm(stream, Attention(normed1), ln2_->weight, ln2_->bias, eps2);
-      return h + GeluMlpOf(normed, fc_, fc_out_, gelu_tanh_, bf16_);
+      return GeluMlpOf(h, normed, fc_, fc_out_, gelu_tanh_, bf16_);
     }
     torch::Tensor h = x + Attention(ln1_(x));
-    if (!tp_->on()) return h + GeluMlpOf(ln2_(h), fc_, fc_out_, gelu_tanh_, bf16_);
+    if (!tp_->on()) return GeluMlpOf(h, ln2_(h), fc_, fc_out_, gelu_tanh_, bf16_);
     return h + RowOutput(Gelu(Dense(ColumnInput(ln2_(h), *tp_), fc_, bf16_), gelu_tanh_), fc_out_,
                          bf16_, *tp_);
   }

@@ -36,12 +36,16 @@ inline torch::Tensor Gelu(const torch::Tensor& x, bool gelu_tanh) {
   return torch::gelu(x, gelu_tanh ? "tanh" : "none");
 }
 
-// out(gelu(fc(x))), the GPT's MLP and the mlp model's block: on a GPU GeluMlp (the GELU in
-// cuBLASLt's epilogues where they apply, kernels/dense.h), else Dense's products around Gelu.
-inline torch::Tensor GeluMlpOf(const torch::Tensor& x, torch::nn::Linear& fc,
-                               torch::nn::Linear& out, bool gelu_tanh, bool bf16) {
-  if (x.is_cuda()) return GeluMlp(x, fc->weight, fc->bias, out->weight, out->bias, gelu_tanh);
-  return Dense(Gelu(Dense(x, fc, bf16), gelu_tanh), out, bf16);
+// residual + out(gelu(fc(x))), the GPT's MLP and the mlp model's block: on a GPU GeluMlp (the
+// GELU and the residual add in cuBLASLt's epilogues where they apply, kernels/dense.h), else
+// Dense's products around Gelu, and the add.
+inline torch::Tensor GeluMlpOf(const torch::Tensor& residual, const torch::Tensor& x,
+                               torch::nn::Linear& fc, torch::nn::Linear& out, bool gelu_tanh,
+                               bool bf16) {
+  if (x.is_cuda()) {
+    return GeluMlp(x, fc->weight, fc->bias, out->weight, out->bias, gelu_tanh, residual);
+  }
+  return residual + Dense(Gelu(Dense(x, fc, bf16), gelu_tanh), out, bf16);
 }
 
 // A LoRA adapter's matrix: a module of its own so that it is named "lora_A.weight" /

@@ -45,7 +45,7 @@ class MlpModel : public LanguageModel {
   // The mean of the context's token embeddings ([b, d]).
   torch::Tensor Embed(const torch::Tensor& contexts) override { return tok_emb_(contexts).mean(1); }
   torch::Tensor BlockForward(int i, const torch::Tensor& x) override {
-    return x + GeluMlpOf(x, up_[i], down_[i], gelu_tanh_, options_.bf16);
+    return GeluMlpOf(x, x, up_[i], down_[i], gelu_tanh_, options_.bf16);
   }
   torch::Tensor Head(const torch::Tensor& x) override { return Dense(x, head_, options_.bf16); }
   std::vector<int64_t> HiddenShape(int64_t batch) const override { return {batch, d_model_}; }
