@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# A whole GPU session in one device call, most valuable first, each part cut to the time left
+# (BUDGET seconds, default 570, from the call's start): the trainer and fused_kernels_test built
+# (.gpu/device-build.sh, about 115 s on the H200), the fused kernels' CUDA cases, bench/gpu_bench.sh
+# for GPT-2 small (the fused run, the exact GELU, autocast's linear), Llama 1B and the example GPT
+# (the fused run each), then the trainer-only GPU cases (cpu_losses, bf16, cuda_graphs, llama).
+# Logs and the bench's Markdown rows land in $OUT (the device tool's folder) or gpu-logs/.
+# (gpu_fsdp and the cluster cases need yard and the worker: scripts/test-gpu.sh without --quick.)
+#
+#   BUDGET=560 bash scripts/gpu-session.sh        # on the GPU machine, .gpu/ carried beside
+# FUSED_FILTER (gtest filter, default *Cuda*) and GPT2_VARIANTS (default "auto erf-gelu
+# plain-linear") narrow a short session.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-logs}
+mkdir -p "$out"
+T0=$(date +%s)
+DEADLINE=$((T0 + ${BUDGET:-570}))
+el() { echo "[$(($(date +%s) - T0)) s] $*"; }
+left() { echo $((DEADLINE - $(date +%s))); }
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c 'import torch; print("torch", torch.__version__)'; } >"$out/machine.txt" 2>&1
+cat "$out/machine.txt"
+el build
+if ! bash .gpu/device-build.sh -DTRAINYARD_BUILD_BENCH=OFF -DTRAINYARD_GPU_TESTS_ONLY=ON \
+  -DTRAINYARD_GPU_TRAINER_ONLY=ON -DTRAINYARD_GPU_TEST_PROGRAMS=fused_kernels_test >"$out/build.txt" 2>&1; then
+  tail -80 "$out/build.txt"; cp build-gpu.log "$out/" 2>/dev/null; el "build failed"; exit 1
+fi
+eval "$(sed -n 's/^run with: //p' "$out/build.txt")"
+el built
+TRAINYARD_REQUIRE_CUDA=1 timeout 100 build-gpu/tests/fused_kernels_test --gtest_filter="${FUSED_FILTER:-*Cuda*}" >"$out/fused.txt" 2>&1
+echo "fused rc=$?"
+grep -a -E "^\[  (PASSED|FAILED) |^\[       OK|^\[  FAILED|Failure|dense:" "$out/fused.txt" | head -60
+el fused
+bench() {  # NAME TIMEOUT VARIANTS ARGS...
+  local name=$1 t=$2 variants=$3; shift 3
+  local l; l=$(left)
+  [ "$l" -lt 40 ] && { el "skip $name (no time)"; return; }
+  [ "$t" -gt "$l" ] && t=$l
+  TRAINYARD_BENCH_VARIANTS="$variants" timeout "$t" bash bench/gpu_bench.sh "$@" build-gpu \
+    >"$out/bench-$name.md" 2>"$out/bench-$name.err"
+  echo "bench $name rc=$?"
+  cat "$out/bench-$name.md"; tail -6 "$out/bench-$name.err"
+  el "$name"
+}
+bench gpt2 200 "${GPT2_VARIANTS:-auto erf-gelu plain-linear}" --only gpt2-small
+bench llama 170 "auto" --llama --only llama-1b
+bench example 80 "auto" --only example-gpt
+l=$(left)
+if [ "$l" -gt 30 ]; then
+  timeout "$l" ctest --test-dir build-gpu -L gpu -R 'cpu_losses|bf16|cuda_graphs|llama' \
+    --output-on-failure --timeout 120 >"$out/ctest.txt" 2>&1
+  echo "ctest rc=$?"
+  grep -a -E "tests passed|Test +#|worst relative|bf16 GPU|Failed" "$out/ctest.txt" | head -30
+fi
+el done
