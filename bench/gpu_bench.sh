@@ -16,7 +16,10 @@
 #
 # With --profile DIR, 3 steps of each run are traced too (trainyard's in a run of its own, eager's
 # and compile's after their timed steps) and bench/trace_summary.py's tables of where the GPU
-# time goes land in DIR/NAME.md, the traces gzipped beside them.
+# time goes land in DIR/NAME.md, the traces gzipped beside them. TRAINYARD_PROFILE_FLAGS adds
+# trainer flags to the traced run: "--cuda-graphs off" traces it eagerly, so that each kernel
+# can be traced to the operation that launched it (a replayed graph's kernels trace to
+# cudaGraphLaunch only).
 #
 #   bash bench/gpu_bench.sh [--llama] [--only NAME] [--profile DIR] [BUILD_DIR] [STEPS]
 #     # defaults build-gpu, 30 (the first 5 untimed)
@@ -61,6 +64,7 @@ profile_case() {
   "$trainer" --spec "$work/$name-auto.yaml" --job-id "" --attempt 1 --rank 0 --world-size 1 \
     --coordinator 127.0.0.1:1 --checkpoint-dir "" --device cuda --threads 4 \
     --profile-steps $((warmup + 1)):3 --profile-out "$profile/$name-trainyard.json" \
+    ${TRAINYARD_PROFILE_FLAGS:-} \
     >"$profile/$name-trainyard.log" 2>&1 || echo "gpu_bench: $name: the traced run failed" >&2
   local run
   for run in trainyard eager compile; do
