@@ -8,7 +8,8 @@
 # (--fused-loss off: what the fused head + cross-entropy buys), eagerly (--cuda-graphs off: what
 # replaying the step as a CUDA graph buys), with torch's norms (--fused-norm off: what the
 # fused residual add + LayerNorm or RMSNorm + cast buys) and with autocast's linear
-# (--fused-linear off: what the weight and bias gradients from one cuBLASLt product buy); a GPT
+# (--fused-linear off: what the weight and bias gradients from one cuBLASLt product buy, and with
+# them the MLP's GELU and residual epilogues, which are the dense layers' path); a GPT
 # with GPT-2's tanh GELU also runs with the exact GELU (activation: gelu, which has no cuBLASLt
 # epilogue: what the GELU in the products' epilogues buys; the PyTorch runs keep tanh's). Prints
 # tokens/s (median over the timed steps), step time, MFU and peak GPU memory, and the ratios, as

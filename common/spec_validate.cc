@@ -290,8 +290,8 @@ absl::Status ValidateModel(const JobSpec& spec) {
   if (!m.activation().empty()) {
     if (m.kind() == "llama") {
       return FieldError("model.activation",
-                        "llama's comes from model.from's config.json (hidden_act; SwiGLU without "
-                        "one); leave it out");
+                        "llama's MLP is SwiGLU, or hidden_act from model.from's config.json; "
+                        "leave it out");
     }
     if (m.activation() != "gelu" && m.activation() != "gelu_tanh") {
       return FieldError("model.activation",

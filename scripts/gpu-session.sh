@@ -27,7 +27,10 @@ if ! bash .gpu/device-build.sh -DTRAINYARD_BUILD_BENCH=OFF -DTRAINYARD_GPU_TESTS
 fi
 eval "$(sed -n 's/^run with: //p' "$out/build.txt")"
 el built
-TRAINYARD_REQUIRE_CUDA=1 timeout 100 build-gpu/tests/fused_kernels_test --gtest_filter="${FUSED_FILTER:-*Cuda*}" >"$out/fused.txt" 2>&1
+t=$(left)
+[ "$t" -gt 100 ] && t=100
+[ "$t" -lt 1 ] && t=1
+TRAINYARD_REQUIRE_CUDA=1 timeout "$t" build-gpu/tests/fused_kernels_test --gtest_filter="${FUSED_FILTER:-*Cuda*}" >"$out/fused.txt" 2>&1
 echo "fused rc=$?"
 grep -a -E "^\[  (PASSED|FAILED) |^\[       OK|^\[  FAILED|Failure|dense:" "$out/fused.txt" | head -60
 el fused

@@ -1178,6 +1178,22 @@ TEST(GeluMlpTest, TheFunctionGivesTheCompositionsGradientsOnTheCpu) {
       }
     }
   EXPECT_STREQ(GeluMlpPath(), "composition");
+  // Nothing below the GELU trains (x without a gradient, the first product frozen): only the
+  // second product's weight and bias and the stream get gradients, the composition's.
+  const std::vector<torch::Tensor> init = MlpInputs({6, 16}, 32, 8, torch::kCPU, 73, true);
+  MlpLeaves f = Leaves(init, false, false), p = Leaves(init, false, false);
+  f.b1.requires_grad_(false);
+  p.b1.requires_grad_(false);
+  f.y = GeluMlpThroughEpiloguesForTest(f.x, f.w1, f.b1, f.w2, f.b2, torch::kFloat, f.residual);
+  p.y = p.residual + torch::linear(torch::gelu(torch::linear(p.x, p.w1, p.b1), "tanh"), p.w2, p.b2);
+  const torch::Tensor dy = torch::randn(p.y.sizes());
+  f.y.backward(dy);
+  p.y.backward(dy);
+  EXPECT_FALSE(f.b1.grad().defined());
+  EXPECT_FALSE(f.w1.grad().defined());
+  EXPECT_LT(RelativeError(f.w2.grad(), p.w2.grad()), 1e-6);
+  EXPECT_LT(RelativeError(f.b2.grad(), p.b2.grad()), 1e-6);
+  EXPECT_TRUE(f.residual.grad().equal(p.residual.grad()));
 }
 
 // On the GPU under autocast: GeluMlp's epilogues against autocast's composition, both measured

@@ -725,7 +725,7 @@ TEST(SpecTest, ValidationNamesTheField) {
                 s.mutable_model()->set_kind("llama");
                 s.mutable_model()->set_activation("gelu_tanh");
               }),
-              StartsWith("model.activation: llama's comes from model.from's config.json"));
+              StartsWith("model.activation: llama's MLP is SwiGLU, or hidden_act from"));
   EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.mutable_model()->set_vocab(100); }),
               StartsWith("model.vocab: must be >= 256 for data.format bytes"));
   EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.mutable_data()->set_path(""); }),

@@ -176,6 +176,35 @@ def test_outside_a_job_the_rank_api_is_a_no_op(tmp_path):
     assert ctx.latest_checkpoint().endswith("step-1")
 
 
+def test_init_destroys_a_process_group_the_program_left_at_exit():
+    """A program that returns with torch.distributed's default group alive can abort in Gloo's
+    threads at interpreter exit (a Trainer script's rank failed so); trainyard.init() registers
+    an exit handler that destroys it first, and leaves alone a group already destroyed."""
+    body = textwrap.dedent(f"""
+        import sys, types
+        sys.path.insert(0, {SDK!r})
+        torch = types.ModuleType("torch")
+        dist = types.ModuleType("torch.distributed")
+        state = {{"initialized": sys.argv[1] == "alive"}}
+        dist.is_available = lambda: True
+        dist.is_initialized = lambda: state["initialized"]
+        def destroy():
+            state["initialized"] = False
+            print("destroyed", flush=True)
+        dist.destroy_process_group = destroy
+        torch.distributed = dist
+        sys.modules["torch"], sys.modules["torch.distributed"] = torch, dist
+        import trainyard
+        trainyard.init(environ={{}})
+        trainyard.init(environ={{}})  # (registered once)
+        print("returning", flush=True)
+    """)
+    for group, expected in (("alive", "returning\ndestroyed\n"), ("gone", "returning\n")):
+        done = subprocess.run([sys.executable, "-c", body, group], capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0 and done.stdout == expected, (group, done)
+
+
 def test_the_client_finds_the_token_as_yard_does(cluster, monkeypatch):
     monkeypatch.setenv("HOME", str(cluster["home"]))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(cluster["home"] / ".config"))

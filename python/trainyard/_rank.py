@@ -305,13 +305,34 @@ def save_checkpoint(path, write, step=None, context=None):
 
 
 _context = None
+_exit_hook = False
+
+
+def _destroy_process_group_at_exit():
+    """A rank whose program returns without torch.distributed.destroy_process_group() can abort
+    at interpreter exit ("terminate called without an active exception": Gloo's worker threads
+    outlive the interpreter, pytorch/pytorch#190489), and the job fails after its work is done, as
+    a Hugging Face Trainer script's rank did here. The handler PyTorch proposed in
+    pytorch/pytorch#179291: destroy the default group while the interpreter is whole. A no-op
+    where torch was never imported or the program destroyed its group itself."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as e:  # the program is ending: say it, do not mask its own exit
+        print(f"trainyard: destroying the process group at exit: {e!r}", file=sys.stderr)
 
 
 def init(environ=None):
-    """The rank's Context (made once per process)."""
-    global _context
+    """The rank's Context (made once per process). Also registers, once, an exit handler that
+    destroys torch.distributed's default process group if the program left it."""
+    global _context, _exit_hook
     if _context is None or environ is not None:
         _context = Context(environ)
+    if not _exit_hook:
+        import atexit
+        atexit.register(_destroy_process_group_at_exit)
+        _exit_hook = True
     return _context
 
 

@@ -188,16 +188,21 @@ class GeluMlpFunction : public torch::autograd::Function<GeluMlpFunction> {
     WeightAndBiasGradients(dy, h, ctx->needs_input_grad(3), ctx->needs_input_grad(4), &dw2, &db2);
     // The hidden gradient with GELU's derivative applied: one product where the forward's
     // epilogue ran (and so on the GPU), else eager's product and gelu_backward.
+    // (Nothing below the GELU to train and x without a gradient: no hidden gradient at all.)
+    const bool below =
+        ctx->needs_input_grad(0) || ctx->needs_input_grad(1) || ctx->needs_input_grad(2);
     torch::Tensor dpre;
     bool epilogue = false;
-    if (ctx->saved_data["epilogue"].toBool()) {
+    if (below && ctx->saved_data["epilogue"].toBool()) {
       dpre = torch::empty_like(pre);
       epilogue = GeluBackwardCublasLt(dy, w2h, pre, dpre);
     }
-    if (!epilogue) dpre = at::gelu_backward(torch::mm(dy, w2h), pre, "tanh");
-    g_gelu_path.store(epilogue ? 1 : 2, std::memory_order_relaxed);
-    WeightAndBiasGradients(dpre, xh, ctx->needs_input_grad(1), ctx->needs_input_grad(2), &dw1,
-                           &db1);
+    if (below && !epilogue) dpre = at::gelu_backward(torch::mm(dy, w2h), pre, "tanh");
+    if (below) g_gelu_path.store(epilogue ? 1 : 2, std::memory_order_relaxed);
+    if (below) {
+      WeightAndBiasGradients(dpre, xh, ctx->needs_input_grad(1), ctx->needs_input_grad(2), &dw1,
+                             &db1);
+    }
     if (ctx->needs_input_grad(0)) {
       std::vector<int64_t> sizes = grad[0].sizes().vec();
       sizes.back() = w1h.size(1);

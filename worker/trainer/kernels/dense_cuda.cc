@@ -105,11 +105,11 @@ const char* NameOf(Product p) {
 }
 
 // The heuristic's answer per problem: its query costs more host time than the product's launch.
-// (device, product, m, n, k, dtype, the alignments of A, B, D and the bias or auxiliary matrix,
-// workspace) -> the algorithm, or none. (Bounded: a run's shapes are few; an evaluation's other
-// batch sizes add a handful.)
+// (device, product, m, n, k, dtype, the alignments of A, B, C, D and the bias and auxiliary
+// matrix, workspace) -> the algorithm, or none. (Bounded: a run's shapes are few; an evaluation's
+// other batch sizes add a handful.)
 using Key = std::tuple<int, int, int64_t, int64_t, int64_t, int, uint32_t, uint32_t, uint32_t,
-                       uint32_t, size_t>;
+                       uint32_t, uint32_t, size_t>;
 constexpr size_t kMaxChoices = 4096;
 struct Choice {
   bool found = false;
@@ -137,22 +137,14 @@ bool Run(Product product, cublasLtMatmulDesc_t desc, const MatrixLayout& a, cons
   for (const void* p : extra) {
     align_extra = align_extra == 0 ? Alignment(p) : std::min(align_extra, Alignment(p));
   }
-  // (C's alignment, where C is not D, joins the extras' in the key.)
+  // (C's alignment, where C is not D, is asked for as C's and is part of the key.)
   const uint32_t align_c = pc != nullptr ? std::min(align_d, Alignment(pc)) : align_d;
-  if (pc != nullptr) {
-    align_extra = align_extra == 0 ? Alignment(pc) : std::min(align_extra, Alignment(pc));
-  }
-  const Key key{device,
-                static_cast<int>(product),
-                m,
-                n,
-                k,
-                static_cast<int>(operand),
-                align_a,
-                align_b,
-                align_d,
-                align_extra,
-                workspace_size};
+  const Key key{device,      static_cast<int>(product),
+                m,           n,
+                k,           static_cast<int>(operand),
+                align_a,     align_b,
+                align_c,     align_d,
+                align_extra, workspace_size};
   Choice choice;
   {
     std::lock_guard<std::mutex> lock(g_mu);

@@ -15,8 +15,6 @@
 namespace trainyard::trainer {
 namespace {
 
-namespace F = torch::nn::functional;
-
 class BlockImpl : public torch::nn::Module {
  public:
   BlockImpl(int64_t d_model, int64_t n_head, bool bf16, bool fused_norms, bool gelu_tanh,
