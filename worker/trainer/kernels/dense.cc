@@ -17,6 +17,21 @@ std::atomic<int> g_backward_path{0};
 std::atomic<int> g_gelu_path{0};
 std::atomic<int> g_residual_path{0};
 
+const char* PathName(int path) {
+  switch (path) {
+    case 1:
+      return "cublaslt";
+    case 2:
+      return "composition";
+    default:
+      return "none";
+  }
+}
+
+c10::optional<torch::Tensor> Optional(const torch::Tensor& t) {
+  return t.defined() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
+}
+
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
@@ -114,9 +129,8 @@ class FusedDense : public torch::autograd::Function<FusedDense> {
 torch::Tensor ApplyFusedDense(const torch::Tensor& x, const torch::Tensor& weight,
                               const torch::Tensor& bias, const torch::Tensor& weight_cast,
                               c10::ScalarType dtype) {
-  return FusedDense::apply(x, weight,
-                           bias.defined() ? c10::optional<torch::Tensor>(bias) : c10::nullopt,
-                           weight_cast.detach(), static_cast<int64_t>(dtype));
+  return FusedDense::apply(x, weight, Optional(bias), weight_cast.detach(),
+                           static_cast<int64_t>(dtype));
 }
 
 // GeluMlp's Function: [residual +] fc_out(gelu_tanh(fc(x))) with the GELU (and the residual) in
@@ -139,7 +153,7 @@ class GeluMlpFunction : public torch::autograd::Function<GeluMlpFunction> {
                 "GeluMlp: the weights' casts must be the weights in the products' dtype");
     const int64_t hidden = w1.size(0), out = w2.size(0);
     const torch::Tensor xh = x.to(dtype).contiguous().view({-1, x.size(-1)});
-    const torch::Tensor b1h = b1.to(dtype), b2h = b2.to(dtype);
+    const torch::Tensor b1h = b1.to(dtype);
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     torch::Tensor pre, h;
     bool epilogue = false;
@@ -159,7 +173,7 @@ class GeluMlpFunction : public torch::autograd::Function<GeluMlpFunction> {
     sizes.back() = out;
     const bool has_residual = residual_arg.has_value() && residual_arg->defined();
     ctx->saved_data["residual"] = has_residual;
-    if (!has_residual) return torch::linear(h, w2_cast, b2h).view(sizes);
+    if (!has_residual) return torch::linear(h, w2_cast, b2.to(dtype)).view(sizes);
     const torch::Tensor& residual = *residual_arg;
     TORCH_CHECK(residual.sizes() == c10::IntArrayRef(sizes),
                 "GeluMlp: the residual must have the output's shape");
@@ -174,7 +188,7 @@ class GeluMlpFunction : public torch::autograd::Function<GeluMlpFunction> {
       }
     }
     g_residual_path.store(2, std::memory_order_relaxed);
-    return residual + torch::linear(h, w2_cast, b2h).view(sizes);
+    return residual + torch::linear(h, w2_cast, b2.to(dtype)).view(sizes);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad) {
@@ -225,14 +239,7 @@ void SetGpuLinearEnabled(bool enabled) { g_enabled.store(enabled); }
 bool GpuLinearEnabled() { return g_enabled.load(); }
 
 const char* GpuLinearBackwardPath() {
-  switch (g_backward_path.load(std::memory_order_relaxed)) {
-    case 1:
-      return "cublaslt";
-    case 2:
-      return "composition";
-    default:
-      return "none";
-  }
+  return PathName(g_backward_path.load(std::memory_order_relaxed));
 }
 
 bool UsesGpuLinear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
@@ -279,23 +286,6 @@ torch::Tensor GpuLinear(const torch::Tensor& x, const torch::Tensor& weight,
   }
   return torch::linear(x, weight, bias);
 }
-
-namespace {
-const char* PathName(int path) {
-  switch (path) {
-    case 1:
-      return "cublaslt";
-    case 2:
-      return "composition";
-    default:
-      return "none";
-  }
-}
-
-c10::optional<torch::Tensor> Optional(const torch::Tensor& t) {
-  return t.defined() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
-}
-}  // namespace
 
 const char* GeluMlpPath() { return PathName(g_gelu_path.load(std::memory_order_relaxed)); }
 
