@@ -9,8 +9,11 @@
 #
 #   BUDGET=560 bash scripts/gpu-session.sh        # on the GPU machine, .gpu/ carried beside
 # FUSED_FILTER (gtest filter, default *Cuda*) and GPT2_VARIANTS (default "auto erf-gelu
-# plain-linear") narrow a short session.
+# plain-linear") narrow a short session. PROFILE=1 traces GPT-2 small and Llama 1B too (gpu_bench's
+# --profile into $OUT/profile, the trainer run eagerly unless TRAINYARD_PROFILE_FLAGS says
+# otherwise, so each kernel traces to its operation); EXAMPLE=0 leaves the example GPT out.
 set -uo pipefail
+PROFILE=${PROFILE:-0}
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
@@ -32,22 +35,25 @@ t=$(left)
 [ "$t" -lt 1 ] && t=1
 TRAINYARD_REQUIRE_CUDA=1 timeout "$t" build-gpu/tests/fused_kernels_test --gtest_filter="${FUSED_FILTER:-*Cuda*}" >"$out/fused.txt" 2>&1
 echo "fused rc=$?"
-grep -a -E "^\[  (PASSED|FAILED) |^\[       OK|^\[  FAILED|Failure|dense:" "$out/fused.txt" | head -60
+grep -a -E "^\[  (PASSED|FAILED) |^\[       OK|^\[  FAILED|Failure|dense:|norm backward" "$out/fused.txt" | head -60
 el fused
 bench() {  # NAME TIMEOUT VARIANTS ARGS...
   local name=$1 t=$2 variants=$3; shift 3
   local l; l=$(left)
   [ "$l" -lt 40 ] && { el "skip $name (no time)"; return; }
   [ "$t" -gt "$l" ] && t=$l
-  TRAINYARD_BENCH_VARIANTS="$variants" timeout "$t" bash bench/gpu_bench.sh "$@" build-gpu \
+  local profile=()
+  [ "${PROFILE:-0}" = 1 ] && profile=(--profile "$out/profile")
+  TRAINYARD_PROFILE_FLAGS=${TRAINYARD_PROFILE_FLAGS---cuda-graphs off} TRAINYARD_BENCH_VARIANTS="$variants" \
+    timeout "$t" bash bench/gpu_bench.sh ${profile[@]+"${profile[@]}"} "$@" build-gpu \
     >"$out/bench-$name.md" 2>"$out/bench-$name.err"
   echo "bench $name rc=$?"
   cat "$out/bench-$name.md"; tail -6 "$out/bench-$name.err"
   el "$name"
 }
-bench gpt2 200 "${GPT2_VARIANTS:-auto erf-gelu plain-linear}" --only gpt2-small
-bench llama 170 "auto" --llama --only llama-1b
-bench example 80 "auto" --only example-gpt
+bench gpt2 $((PROFILE ? 260 : 200)) "${GPT2_VARIANTS:-auto erf-gelu plain-linear}" --only gpt2-small
+bench llama $((PROFILE ? 240 : 170)) "auto" --llama --only llama-1b
+[ "${EXAMPLE:-1}" = 1 ] && bench example 80 "auto" --only example-gpt
 l=$(left)
 if [ "$l" -gt 30 ]; then
   timeout "$l" ctest --test-dir build-gpu -L gpu -R 'cpu_losses|bf16|cuda_graphs|llama' \

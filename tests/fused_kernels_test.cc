@@ -11,8 +11,10 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <iostream>
 #include <memory>
 #include <optional>
 #include <set>
@@ -157,6 +159,13 @@ void CheckFusedLinear(const torch::Device& device, int64_t rows, int64_t d, int6
     loss = FusedLinearCrossEntropySum(x, w, targets, weights, chunk_rows);
   }
   (loss * 0.25).backward();
+  // The weight gradient's chunks add up in one product each where the GPU's products are bf16
+  // (cuBLASLt's heuristic may refuse widths that are not a multiple of 8: either path then).
+  if (!device.is_cuda() || !bf16 || !HasCrossEntropyKernel()) {
+    EXPECT_STREQ(FusedLinearCrossEntropyWeightPath(), "composition");
+  } else if (vocab % 8 == 0 && d % 8 == 0) {
+    EXPECT_STREQ(FusedLinearCrossEntropyWeightPath(), "cublaslt");
+  }
   EXPECT_EQ(loss.scalar_type(), torch::kFloat);
   EXPECT_LT(RelativeError(loss, each.sum()), tolerance);
   EXPECT_LT(RelativeError(x.grad(), x64.grad()), tolerance);
@@ -187,6 +196,8 @@ TEST(FusedLinearCrossEntropyTest, CudaMatchesLinearThenCrossEntropy) {
   // bf16 products (autocast): the error of bf16 operands, against fp64.
   CheckFusedLinear(cuda, 2048, 256, 50304, 0, /*weighted=*/true, true, 2e-2, 16);
   CheckFusedLinear(cuda, 77, 64, 1001, 16, /*weighted=*/false, true, 2e-2, 17);
+  // Several chunks, the last a short one: the weight gradient added up in fp32 by the products.
+  CheckFusedLinear(cuda, 1000, 256, 50304, 384, /*weighted=*/true, true, 2e-2, 18);
 }
 
 ModelConfig SmallModel(const std::string& kind, bool tied) {
@@ -436,12 +447,31 @@ TEST(FusedNormTest, CudaKernelsMatchLayerNorm) {
   ASSERT_TRUE(HasLayerNormKernel(768));
   const torch::Device cuda(torch::kCUDA, 0);
   // GPT-2's width and odd ones (not a multiple of 32), many rows (several backward blocks
-  // each), fp32 and bf16 autocast (the output rounded to bf16 once).
+  // each), fp32 and bf16 autocast (the output rounded to bf16 once). The backward's vectorised
+  // kernel takes widths that are multiples of 4 up to 2048 (all its lanes' chunks full: 768,
+  // 2048, 512; some lanes idle: 1536, 36), the other kernel the rest (100, 37, 3000).
+#if TRAINYARD_CUDA_KERNELS
+  for (const auto& [d, vectorised] : std::vector<std::pair<int64_t, bool>>{{768, true},
+                                                                           {2048, true},
+                                                                           {512, true},
+                                                                           {1536, true},
+                                                                           {36, true},
+                                                                           {100, true},
+                                                                           {37, false},
+                                                                           {3000, false}}) {
+    EXPECT_EQ(LayerNormBackwardIsVectorisedCuda(d, torch::kBFloat16), vectorised) << d;
+    EXPECT_EQ(LayerNormBackwardIsVectorisedCuda(d, torch::kFloat), vectorised) << d;
+  }
+#endif
   for (bool add : {false, true}) {
     CheckNorm(cuda, 4096, 768, add, false, 1e-5, 43);
     CheckNorm(cuda, 33, 100, add, false, 1e-5, 44);
     CheckNorm(cuda, 1000, 2048, add, true, 1e-2, 45);
     CheckNorm(cuda, 5, 37, add, true, 1e-2, 46);
+    CheckNorm(cuda, 1001, 512, add, true, 1e-2, 47);
+    CheckNorm(cuda, 300, 1536, add, false, 1e-5, 48);
+    CheckNorm(cuda, 7, 36, add, true, 1e-2, 51);
+    CheckNorm(cuda, 20, 3000, add, false, 1e-5, 52);
   }
   // x handed on through the norm's node: the kernel adds its gradient in.
   CheckNorm(cuda, 4096, 768, false, false, 1e-5, 143, false, /*residual=*/true);
@@ -461,6 +491,74 @@ TEST(FusedNormTest, CudaKernelsMatchRmsNorm) {
   CheckNorm(cuda, 4096, 2048, false, false, 1e-5, 149, /*rms=*/true, /*residual=*/true);
   CheckNorm(cuda, 33, 100, false, true, 1e-2, 150, /*rms=*/true, /*residual=*/true);
 }
+
+#if TRAINYARD_CUDA_KERNELS
+// The backward kernels one against another on one input (GPT-2 small's LayerNorm rows under
+// autocast, with the stream's gradient and the branch's rounded copy; Llama 3.2 1B's RMSNorm
+// rows): the same ds, its bf16 copy and dgamma and dbeta (summed over the blocks), within float
+// rounding (they sum in other orders); and each one's time a call, printed for bench/RESULTS.md.
+void CompareBackwardKernels(int64_t rows, int64_t d, bool rms, bool cast) {
+  SCOPED_TRACE(testing::Message() << "rows " << rows << " d " << d << (rms ? " rms" : ""));
+  torch::manual_seed(rows + d);
+  const auto f32 = torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA, 0);
+  const torch::Tensor dn = torch::randn({rows, d}, f32).to(torch::kBFloat16);
+  const torch::Tensor s = torch::randn({rows, d}, f32) * 2 + 0.5;
+  const torch::Tensor mean = rms ? torch::zeros({rows}, f32) : s.mean(1);
+  const torch::Tensor rstd = torch::rand({rows}, f32) + 0.5;
+  const torch::Tensor gamma = torch::randn({d}, f32) * 0.3 + 1;
+  const torch::Tensor extra = torch::randn({rows, d}, f32);
+  using K = LayerNormBackwardKernel;
+  struct Result {
+    torch::Tensor ds, ds_cast, dgamma, dbeta;
+  };
+  const auto run = [&](K kernel) {
+    const int64_t blocks = LayerNormBackwardBlocksCuda(rows, d, torch::kBFloat16, rms, kernel);
+    Result r{torch::empty({rows, d}, f32),
+             cast ? torch::empty({rows, d}, f32.dtype(torch::kBFloat16)) : torch::Tensor(),
+             torch::empty({blocks, d}, f32),
+             rms ? torch::Tensor() : torch::empty({blocks, d}, f32)};
+    LayerNormBackwardCuda(dn, s, mean, rstd, gamma, extra, r.ds, r.ds_cast, r.dgamma, r.dbeta, rms,
+                          kernel);
+    return r;
+  };
+  const Result want = run(K::kScalar);
+  std::vector<std::pair<const char*, K>> kernels = {{"scalar", K::kScalar}, {"reread", K::kReread}};
+  if (d <= 1024) kernels.emplace_back("held", K::kHeld);
+  std::string times;
+  for (const auto& [name, kernel] : kernels) {
+    const Result got = run(kernel);
+    EXPECT_LT(RelativeError(got.ds, want.ds), 1e-5) << name;
+    if (cast) {
+      EXPECT_LE(RelativeError(got.ds_cast, want.ds_cast), 1e-2) << name;
+    }
+    EXPECT_LT(RelativeError(got.dgamma.sum(0), want.dgamma.sum(0)), 1e-5) << name;
+    if (!rms) {
+      EXPECT_LT(RelativeError(got.dbeta.sum(0), want.dbeta.sum(0)), 1e-5) << name;
+    }
+    constexpr int kCalls = 20;
+    torch::cuda::synchronize();
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < kCalls; ++i) run(kernel);
+    torch::cuda::synchronize();
+    const double us =
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
+            .count() /
+        kCalls;
+    const double bytes = static_cast<double>(rows * d) * (2 + 4 + 4 + 4 + (cast ? 2 : 0));
+    times += std::string(" ") + name + " " + std::to_string(static_cast<int>(us)) + " us (" +
+             std::to_string(static_cast<int>(bytes / us / 1e3)) + " GB/s);";
+  }
+  std::cout << "norm backward, rows " << rows << " d " << d << (rms ? " rms" : "") << ":" << times
+            << std::endl;
+}
+
+TEST(FusedNormTest, CudaBackwardKernelsAgree) {
+  SKIP_WITHOUT_CUDA();
+  CompareBackwardKernels(16384, 768, false, true);
+  CompareBackwardKernels(8192, 2048, true, false);
+  CompareBackwardKernels(1001, 512, false, true);
+}
+#endif
 
 // Whether a node named with `name` is in the graph under `root`.
 bool GraphHas(const std::shared_ptr<torch::autograd::Node>& root, const std::string& name) {
@@ -609,7 +707,11 @@ void CheckSplitHeads(torch::Device device, torch::Dtype dtype) {
 #endif
     return (torch::softmax(torch::matmul(q, k.transpose(-2, -1)), -1).matmul(v) * w).sum();
   };
-  for (const bool use_v : {true, false}) {
+  // mode 0: attention (on a GPU its gradients come in [b, t, heads, hd] order); 1: v unused;
+  // 2: the three read through [b, t, heads, hd] copies (their gradients in that order on any
+  // device: one cat writes them).
+  const torch::Tensor w_bshd = w.transpose(1, 2).contiguous();
+  for (const int mode : {0, 1, 2}) {
     torch::Tensor xa = x0.clone().requires_grad_(true), xb = x0.clone().requires_grad_(true);
     const std::array<torch::Tensor, 3> split = SplitHeads(xa, heads);
     const std::vector<torch::Tensor> unbound =
@@ -619,20 +721,28 @@ void CheckSplitHeads(torch::Device device, torch::Dtype dtype) {
       EXPECT_EQ(split[i].sizes(), unbound[i].sizes());
       EXPECT_EQ(split[i].strides(), unbound[i].strides());
     }
-    if (use_v) {
+    if (mode == 0) {
       attend(split[0], split[1], split[2]).backward();
       attend(unbound[0], unbound[1], unbound[2]).backward();
-    } else {
+    } else if (mode == 1) {
       (split[0] * split[1] * w).sum().backward();
       (unbound[0] * unbound[1] * w).sum().backward();
       EXPECT_EQ(xa.grad().slice(2, 2 * heads * hd).abs().max().item<double>(), 0.0);
+    } else {
+      const auto bshd = [&](const torch::Tensor& q, const torch::Tensor& k,
+                            const torch::Tensor& v) {
+        const auto copy = [](const torch::Tensor& x) { return x.transpose(1, 2).contiguous(); };
+        return ((copy(q) + 2 * copy(k) - copy(v)) * w_bshd).sum();
+      };
+      bshd(split[0], split[1], split[2]).backward();
+      bshd(unbound[0], unbound[1], unbound[2]).backward();
     }
     ASSERT_TRUE(xa.grad().defined());
     EXPECT_EQ(xa.grad().sizes(), x0.sizes());
     EXPECT_EQ(xa.grad().scalar_type(), dtype);
     // (The GPU's attention backward may sum in another order run to run.)
     EXPECT_LT(RelativeError(xa.grad(), xb.grad()), dtype == torch::kFloat ? 1e-6 : 1e-2)
-        << "use_v " << use_v;
+        << "mode " << mode;
   }
 }
 
@@ -655,12 +765,22 @@ namespace {
 
 // SwiGlu of [rows, width] on `device` in `dtype` against silu(gate) * up in fp64: the output and
 // both gradients (of a random upstream gradient), within `tolerance` (relative, the whole tensor).
+// `offset`: gate and up start one value into their storage (contiguous, but not at an address the
+// kernel's 16-byte loads take).
 void CheckSwiGlu(const torch::Device& device, torch::ScalarType dtype, int64_t rows, int64_t width,
-                 double tolerance, uint64_t seed) {
+                 double tolerance, uint64_t seed, bool offset = false) {
+  SCOPED_TRACE(testing::Message() << device << " " << dtype << " " << rows << "x" << width
+                                  << (offset ? " offset" : ""));
   torch::manual_seed(seed);
   const auto options = torch::TensorOptions().device(device).dtype(dtype);
-  torch::Tensor gate = (torch::randn({rows, width}) * 3).to(options).requires_grad_(true);
-  torch::Tensor up = torch::randn({rows, width}).to(options).requires_grad_(true);
+  const auto place = [&](const torch::Tensor& t) {
+    if (!offset) return t.to(options).requires_grad_(true);
+    const torch::Tensor storage = torch::empty({t.numel() + 1}, options);
+    storage.narrow(0, 1, t.numel()).copy_(t.flatten());
+    return storage.narrow(0, 1, t.numel()).view(t.sizes()).detach().requires_grad_(true);
+  };
+  torch::Tensor gate = place(torch::randn({rows, width}) * 3);
+  torch::Tensor up = place(torch::randn({rows, width}));
   const torch::Tensor dout = torch::randn({rows, width}).to(options);
   auto f64 = [](const torch::Tensor& t) {
     return t.detach().to(torch::kCPU, torch::kDouble).requires_grad_(true);
@@ -695,6 +815,9 @@ TEST(SwiGluTest, CudaKernelMatchesSiluTimesUp) {
   CheckSwiGlu(cuda, torch::kFloat, 7, 37, 1e-6, 53);
   CheckSwiGlu(cuda, torch::kBFloat16, 2048, 8192, 1e-2, 54);
   CheckSwiGlu(cuda, torch::kHalf, 33, 100, 5e-3, 55);
+  // (Widths and addresses off the 16-byte loads: the remainder and the one-value kernel.)
+  CheckSwiGlu(cuda, torch::kBFloat16, 5, 64, 1e-2, 56, /*offset=*/true);
+  CheckSwiGlu(cuda, torch::kFloat, 3, 33, 1e-6, 57, /*offset=*/true);
 }
 
 // The Llama MLP through SwiGlu on the GPU gives the CPU's loss and gradients (fp32).

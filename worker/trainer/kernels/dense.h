@@ -101,12 +101,13 @@ bool ResidualForwardCublasLt(const at::Tensor& h, const at::Tensor& w, const at:
                              const at::Tensor& residual, const at::Tensor& y);
 
 // dense_cuda.cc: dw = dy^T x (fp32 [out, in], contiguous) and, when db is defined, db = the sum of
-// dy's rows (fp32 [out]), in one cuBLASLt GEMM on the current stream. dy [rows, out] and x [rows,
-// in] contiguous, one dtype (bf16 or fp16). False, with nothing written, when cuBLASLt's heuristic
-// offers no algorithm for it (said once on stderr, with its status); an error of the product
-// itself throws.
+// dy's rows (fp32 [out]), in one cuBLASLt GEMM on the current stream; with `add` (and no db), dw
+// += dy^T x in the same GEMM (beta 1: no product rounded to dy's dtype and added after). dy
+// [rows, out] and x [rows, in] contiguous, one dtype (bf16 or fp16). False, with nothing written,
+// when cuBLASLt's heuristic offers no algorithm for it (said once on stderr, with its status); an
+// error of the product itself throws.
 bool WeightGradientCublasLt(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& dw,
-                            const at::Tensor& db);
+                            const at::Tensor& db, bool add = false);
 #endif
 
 }  // namespace trainyard::trainer

@@ -86,7 +86,8 @@ enum class Product {
   kWeightAndBiasGradient,
   kGeluForward,
   kGeluBackward,
-  kResidualForward
+  kResidualForward,
+  kWeightGradientAdded
 };
 const char* NameOf(Product p) {
   switch (p) {
@@ -100,6 +101,8 @@ const char* NameOf(Product p) {
       return "the hidden gradient with GELU's derivative";
     case Product::kResidualForward:
       return "the product with its bias and the residual added";
+    case Product::kWeightGradientAdded:
+      return "the weight gradient added to the one so far";
   }
   return "?";
 }
@@ -117,7 +120,7 @@ struct Choice {
 };
 std::mutex g_mu;
 std::map<Key, Choice> g_choices;
-bool g_said_none[5] = {};  // per Product (under g_mu)
+bool g_said_none[6] = {};  // per Product (under g_mu)
 
 // One product D = op(A) op(B) (alpha 1, beta 0; C is D), or with `pc`, D = op(A) op(B) + C (beta
 // 1; C in D's layout), described by `desc` and the layouts of m x n D, on the current stream,
@@ -217,7 +220,7 @@ MatmulDesc NewDesc(cublasOperation_t transa, cublasOperation_t transb) {
 }  // namespace
 
 bool WeightGradientCublasLt(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& dw,
-                            const at::Tensor& db) {
+                            const at::Tensor& db, bool add) {
   TORCH_CHECK(dy.dim() == 2 && x.dim() == 2 && dy.size(0) == x.size(0) &&
                   dy.scalar_type() == x.scalar_type() && dy.is_contiguous() && x.is_contiguous(),
               "WeightGradientCublasLt: dy [rows, out] and x [rows, in], contiguous, one dtype");
@@ -228,6 +231,7 @@ bool WeightGradientCublasLt(const at::Tensor& dy, const at::Tensor& x, const at:
   TORCH_CHECK(!db.defined() || (db.scalar_type() == at::kFloat && db.is_contiguous() &&
                                 db.dim() == 1 && db.size(0) == out),
               "WeightGradientCublasLt: db fp32 [out]");
+  TORCH_CHECK(!add || !db.defined(), "WeightGradientCublasLt: adds dw only, without db");
   cudaDataType_t operand;
   if (!OperandType(dy.scalar_type(), &operand)) return false;
   const MatmulDesc desc = NewDesc(CUBLAS_OP_N, CUBLAS_OP_T);
@@ -240,11 +244,14 @@ bool WeightGradientCublasLt(const at::Tensor& dy, const at::Tensor& x, const at:
   const MatrixLayout a = Layout(operand, in, rows, in);
   const MatrixLayout b = Layout(operand, out, rows, out);
   const MatrixLayout d = Layout(CUDA_R_32F, in, out, in);
-  return Run(db.defined() ? Product::kWeightAndBiasGradient : Product::kWeightGradient, desc.get(),
-             a, b, d, x.data_ptr(), dy.data_ptr(), dw.data_ptr(),
+  const Product product = add            ? Product::kWeightGradientAdded
+                          : db.defined() ? Product::kWeightAndBiasGradient
+                                         : Product::kWeightGradient;
+  // (Adding: dw is C as well as D, beta 1, in place.)
+  return Run(product, desc.get(), a, b, d, x.data_ptr(), dy.data_ptr(), dw.data_ptr(),
              db.defined() ? std::initializer_list<const void*>{db.data_ptr()}
                           : std::initializer_list<const void*>{},
-             in, out, rows, operand, dy.get_device());
+             in, out, rows, operand, dy.get_device(), add ? dw.data_ptr() : nullptr);
 }
 
 bool GeluForwardCublasLt(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,

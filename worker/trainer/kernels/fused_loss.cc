@@ -2,7 +2,9 @@
 #include "worker/trainer/kernels/fused_loss.h"
 
 #include <algorithm>
+#include <atomic>
 
+#include "worker/trainer/kernels/dense.h"
 #include "worker/trainer/runtime/device.h"
 
 namespace trainyard::trainer {
@@ -10,6 +12,30 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
+
+// FusedLinearCrossEntropyWeightPath's answer: 0 none yet, 1 cublaslt, 2 composition.
+std::atomic<int> weight_path{0};
+
+// gw (fp32) = (first chunk) or += (the others) dlogits^T xs: on a GPU in one cuBLASLt product with
+// fp32 output (beta 1 after the first chunk) where it applies; otherwise a product in the
+// operands' dtype, then a copy or an fp32 add (an unvectorised mixed-dtype pass over the whole
+// head's gradient a chunk: 8 ms of a Llama 3.2 1B step on an H200, bench/RESULTS.md).
+void AddWeightGradient(const torch::Tensor& dlogits, const torch::Tensor& xs,
+                       const torch::Tensor& gw, bool first) {
+#if TRAINYARD_CUDA_KERNELS
+  if (dlogits.is_cuda() && WeightGradientCublasLt(dlogits, xs, gw, {}, /*add=*/!first)) {
+    weight_path = 1;
+    return;
+  }
+#endif
+  weight_path = 2;
+  const torch::Tensor product = torch::mm(dlogits.t(), xs);
+  if (first) {
+    gw.copy_(product);
+  } else {
+    gw.add_(product);
+  }
+}
 
 int64_t ChunkRows(int64_t rows, int64_t vocab, int64_t element_bytes, int64_t asked) {
   if (asked > 0) return std::min(asked, std::max<int64_t>(rows, 1));
@@ -34,7 +60,7 @@ class FusedLinearCrossEntropy : public torch::autograd::Function<FusedLinearCros
     const torch::Tensor loss = torch::empty({rows}, x.options().dtype(torch::kFloat));
     torch::Tensor gx, gw;
     if (grad_x) gx = torch::empty_like(xc);
-    if (grad_weight) gw = torch::zeros(wc.sizes(), weight.options().dtype(torch::kFloat));
+    if (grad_weight) gw = torch::empty(wc.sizes(), weight.options().dtype(torch::kFloat));
     const int64_t chunk = ChunkRows(rows, vocab, xc.element_size(), chunk_rows);
     for (int64_t r = 0; r < rows; r += chunk) {
       const int64_t n = std::min(chunk, rows - r);
@@ -48,7 +74,7 @@ class FusedLinearCrossEntropy : public torch::autograd::Function<FusedLinearCros
         torch::Tensor out = gx.narrow(0, r, n);
         torch::mm_out(out, logits, wc);
       }
-      if (grad_weight) gw.add_(torch::mm(logits.t(), xs));
+      if (grad_weight) AddWeightGradient(logits, xs, gw, r == 0);
     }
     ctx->saved_data["grad_x"] = gx;
     ctx->saved_data["grad_weight"] = gw;
@@ -76,6 +102,17 @@ class FusedLinearCrossEntropy : public torch::autograd::Function<FusedLinearCros
 }  // namespace
 
 bool HasCrossEntropyKernel() { return TRAINYARD_CUDA_KERNELS != 0; }
+
+const char* FusedLinearCrossEntropyWeightPath() {
+  switch (weight_path.load()) {
+    case 1:
+      return "cublaslt";
+    case 2:
+      return "composition";
+    default:
+      return "none";
+  }
+}
 
 void CrossEntropyRows(const torch::Tensor& logits, const torch::Tensor& targets,
                       const torch::Tensor& weights, const torch::Tensor& loss, bool write_grad) {

@@ -39,6 +39,11 @@ void CrossEntropyRows(const torch::Tensor& logits, const torch::Tensor& targets,
 // flavour), rather than the LibTorch composition.
 bool HasCrossEntropyKernel();
 
+// How the last chunk of FusedLinearCrossEntropySum added its weight gradient: "cublaslt" (one
+// GEMM with fp32 output adding to the sum so far: CUDA tensors in bf16 or fp16, the CUDA
+// flavour), "composition" (a product, then an add), or "none" before any. For tests.
+const char* FusedLinearCrossEntropyWeightPath();
+
 #if TRAINYARD_CUDA_KERNELS
 // cross_entropy_cuda.cu.
 void CrossEntropyRowsCuda(const at::Tensor& logits, const at::Tensor& targets,

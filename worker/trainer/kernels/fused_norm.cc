@@ -1,7 +1,6 @@
 // LayerNormCast, LayerNormResidual, AddLayerNorm and their RMSNorm forms (see fused_norm.h).
 #include "worker/trainer/kernels/fused_norm.h"
 
-#include <algorithm>
 #include <atomic>
 
 #include "worker/trainer/runtime/device.h"
@@ -14,8 +13,6 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 constexpr int64_t kMaxKernelWidth = 4096;  // the backward's partial sums live in shared memory
-constexpr int64_t kRowsPerBlock = 8;       // layer_norm_cuda.cu's warps per block
-constexpr int64_t kMaxBackwardBlocks = 1024;
 
 std::atomic<int> cpu_for_test{0};  // FusedNormsOnTheCpuForTest guards alive
 std::atomic<int> cpu_out_type_for_test{static_cast<int>(torch::kFloat)};
@@ -148,10 +145,10 @@ class FusedLayerNorm : public torch::autograd::Function<FusedLayerNorm> {
       if (has_y && y_type != torch::kFloat && y_type == dn.scalar_type()) {
         ds_cast = torch::empty({rows, d}, f32.dtype(y_type));
       }
-      const int64_t blocks = s.is_cuda()
-                                 ? std::clamp<int64_t>((rows + kRowsPerBlock - 1) / kRowsPerBlock,
-                                                       1, kMaxBackwardBlocks)
-                                 : 1;
+      int64_t blocks = 1;
+#if TRAINYARD_CUDA_KERNELS
+      if (s.is_cuda()) blocks = LayerNormBackwardBlocksCuda(rows, d, dn.scalar_type(), rms);
+#endif
       const torch::Tensor dgamma_part = torch::empty({blocks, d}, f32);
       const torch::Tensor dbeta_part = rms ? torch::Tensor() : torch::empty({blocks, d}, f32);
       NormBackward(dn.reshape({-1, d}).contiguous(), s, mean, rstd, w, ds_extra, ds, ds_cast,

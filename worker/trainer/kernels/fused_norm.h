@@ -15,6 +15,9 @@
 #include <utility>
 
 #include "worker/trainer/kernels/fused_loss.h"  // TRAINYARD_CUDA_KERNELS
+#if TRAINYARD_CUDA_KERNELS
+#include "worker/trainer/kernels/layer_norm_cuda.h"
+#endif
 
 namespace trainyard::trainer {
 
@@ -75,25 +78,6 @@ class FusedNormsOnTheCpuForTest {
   FusedNormsOnTheCpuForTest(const FusedNormsOnTheCpuForTest&) = delete;
   FusedNormsOnTheCpuForTest& operator=(const FusedNormsOnTheCpuForTest&) = delete;
 };
-
-#if TRAINYARD_CUDA_KERNELS
-// layer_norm_cuda.cu: x [rows, d] fp32; y undefined or [rows, d]; sum undefined (no y) or [rows,
-// d] fp32; out [rows, d]; mean and rstd [rows] fp32. `rms`: RMSNorm (beta undefined; mean
-// written as 0).
-void LayerNormForwardCuda(const at::Tensor& x, const at::Tensor& y, const at::Tensor& gamma,
-                          const at::Tensor& beta, double eps, const at::Tensor& sum,
-                          const at::Tensor& out, const at::Tensor& mean, const at::Tensor& rstd,
-                          bool rms);
-// dn [rows, d]; s [rows, d] fp32 (the norm's input); ds_extra undefined or [rows, d] fp32; ds
-// [rows, d] fp32; ds_cast undefined or [rows, d] in dn's dtype (ds again, rounded: the gradient
-// of a branch in that dtype); the partials [blocks, d] fp32, one row per thread block of the
-// launch. `rms`: RMSNorm's (dbeta_part undefined).
-void LayerNormBackwardCuda(const at::Tensor& dn, const at::Tensor& s, const at::Tensor& mean,
-                           const at::Tensor& rstd, const at::Tensor& gamma,
-                           const at::Tensor& ds_extra, const at::Tensor& ds,
-                           const at::Tensor& ds_cast, const at::Tensor& dgamma_part,
-                           const at::Tensor& dbeta_part, bool rms);
-#endif
 
 }  // namespace trainyard::trainer
 

@@ -8,14 +8,24 @@
 // leaves per-block partial sums of dgamma and dbeta (summed after).
 // Two-pass mean and variance in fp32 (the rows are re-read from L1). Built by nvcc in the CUDA
 // flavour only; ATen's headers only.
+// Backward has two kernels. For a width that is a multiple of 4 up to kMaxVecWidth, with aligned
+// rows (GPT-2's 768, Llama's 2048), VecBackwardKernel: 4 values a load or store, and each lane
+// keeps its columns' dgamma and dbeta in registers across the rows it takes, into shared memory
+// once per block at the end. BackwardKernel (any width): one value a load and two shared-memory
+// atomics an element, which held the previous kernel to about 40% of the card's bandwidth on
+// GPT-2 small (bench/RESULTS.md).
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "worker/trainer/kernels/layer_norm_cuda.h"
+
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace trainyard::trainer {
 namespace {
@@ -128,9 +138,203 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// 4 consecutive values at p (aligned to 4 of them) as one access, in fp32.
+template <typename T>
+struct alignas(4 * sizeof(T)) Pack4 {
+  T v[4];
+};
+
+template <typename T>
+__device__ __forceinline__ void Load4(const T* p, float (&out)[4]) {
+  const Pack4<T> pack = *reinterpret_cast<const Pack4<T>*>(p);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) out[k] = static_cast<float>(pack.v[k]);
+}
+
+template <typename T>
+__device__ __forceinline__ void Store4(T* p, const float (&in)[4]) {
+  Pack4<T> pack;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) pack.v[k] = static_cast<T>(in[k]);
+  *reinterpret_cast<Pack4<T>*>(p) = pack;
+}
+
+// The widest row VecBackwardKernel takes is 32 lanes x 4 values x kMaxChunks.
+constexpr int kMaxChunks = 16;
+
+// BackwardKernel's arithmetic, 4 values a load: lane `lane` takes columns 4 * (32 * j + lane)
+// .. +3 for j < kChunks (those below d). kHold: dn and xhat stay in registers between the row's
+// two passes; otherwise the second pass reads them again (from L1), for fewer registers. Each
+// lane sums dgamma and dbeta for its columns over all the rows its warp takes, in registers.
+template <typename TD, bool kRms, int kChunks, bool kHold>
+__global__ void __launch_bounds__(kThreads)
+    VecBackwardKernel(const TD* __restrict__ dn, const float* __restrict__ s,
+                      const float* __restrict__ mean, const float* __restrict__ rstd,
+                      const float* __restrict__ gamma, const float* __restrict__ ds_extra,
+                      int64_t rows, int d, float* __restrict__ ds, TD* __restrict__ ds_cast,
+                      float* __restrict__ dgamma_part, float* __restrict__ dbeta_part) {
+  constexpr int kHeld = kHold ? kChunks : 1;
+  extern __shared__ float shared[];  // dgamma then dbeta, d each
+  float* dgamma = shared;
+  float* dbeta = shared + d;
+  for (int i = threadIdx.x; i < 2 * d; i += kThreads) shared[i] = 0.f;
+  __syncthreads();
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  float acc_g[kChunks][4] = {}, acc_b[kChunks][4] = {};
+  for (int64_t row = int64_t{blockIdx.x} * kWarpsPerBlock + warp; row < rows;
+       row += int64_t{gridDim.x} * kWarpsPerBlock) {
+    const TD* dnr = dn + row * d;
+    const float* sr = s + row * d;
+    const float mu = kRms ? 0.f : mean[row], r = rstd[row];
+    float dn_held[kHeld][4], xhat_held[kHeld][4];
+    float c1 = 0.f, c2 = 0.f;
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j) {
+      const int c = 4 * (32 * j + lane);
+      if (c >= d) continue;
+      float dnv[4], sv[4], gv[4];
+      Load4(dnr + c, dnv);
+      Load4(sr + c, sv);
+      Load4(gamma + c, gv);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float xhat = (sv[k] - mu) * r, g = dnv[k] * gv[k];
+        c1 += g;
+        c2 += g * xhat;
+        if constexpr (kHold) {
+          dn_held[j][k] = dnv[k];
+          xhat_held[j][k] = xhat;
+        }
+      }
+    }
+    c1 = kRms ? 0.f : WarpSum(c1) / d;
+    c2 = WarpSum(c2) / d;
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j) {
+      const int c = 4 * (32 * j + lane);
+      if (c >= d) continue;
+      float dnv[4], xhat[4], gv[4], extra[4] = {0.f, 0.f, 0.f, 0.f}, out[4];
+      if constexpr (kHold) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          dnv[k] = dn_held[j][k];
+          xhat[k] = xhat_held[j][k];
+        }
+      } else {
+        float sv[4];
+        Load4(dnr + c, dnv);
+        Load4(sr + c, sv);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) xhat[k] = (sv[k] - mu) * r;
+      }
+      Load4(gamma + c, gv);
+      if (ds_extra != nullptr) Load4(ds_extra + row * d + c, extra);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        out[k] = r * (dnv[k] * gv[k] - c1 - xhat[k] * c2) + extra[k];
+        acc_g[j][k] += dnv[k] * xhat[k];
+        if (!kRms) acc_b[j][k] += dnv[k];
+      }
+      Store4(ds + row * d + c, out);
+      if (ds_cast != nullptr) Store4(ds_cast + row * d + c, out);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    const int c = 4 * (32 * j + lane);
+    if (c >= d) continue;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      atomicAdd(&dgamma[c + k], acc_g[j][k]);
+      if (!kRms) atomicAdd(&dbeta[c + k], acc_b[j][k]);
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < d; i += kThreads) {
+    dgamma_part[int64_t{blockIdx.x} * d + i] = dgamma[i];
+    if (!kRms) dbeta_part[int64_t{blockIdx.x} * d + i] = dbeta[i];
+  }
+}
+
+bool Aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+template <typename TD>
+using BackwardFn = void (*)(const TD*, const float*, const float*, const float*, const float*,
+                            const float*, int64_t, int, float*, TD*, float*, float*);
+
+// The backward kernel `kernel` names (kAuto: the vectorised one wherever it applies, holding the
+// row for up to 8 chunks a lane, re-reading it beyond), or null where the named one cannot take
+// width d.
+template <typename TD>
+BackwardFn<TD> PickBackward(int64_t d, bool rms, LayerNormBackwardKernel kernel) {
+  using K = LayerNormBackwardKernel;
+  const int64_t chunks = (d + 127) / 128;
+  const bool vectorisable =
+      !std::is_same_v<TD, double> && d > 0 && d % 4 == 0 && chunks <= kMaxChunks;
+  if (kernel == K::kAuto) kernel = !vectorisable ? K::kScalar : chunks <= 8 ? K::kHeld : K::kReread;
+  if (kernel == K::kScalar) return rms ? BackwardKernel<TD, true> : BackwardKernel<TD, false>;
+  if constexpr (std::is_same_v<TD, double>) {
+    return nullptr;
+  } else {
+    if (!vectorisable) return nullptr;
+    if (kernel == K::kHeld) {
+      if (chunks <= 6) {
+        return rms ? VecBackwardKernel<TD, true, 6, true> : VecBackwardKernel<TD, false, 6, true>;
+      }
+      if (chunks <= 8) {
+        return rms ? VecBackwardKernel<TD, true, 8, true> : VecBackwardKernel<TD, false, 8, true>;
+      }
+      return nullptr;
+    }
+    if (chunks <= 8) {
+      return rms ? VecBackwardKernel<TD, true, 8, false> : VecBackwardKernel<TD, false, 8, false>;
+    }
+    return rms ? VecBackwardKernel<TD, true, kMaxChunks, false>
+               : VecBackwardKernel<TD, false, kMaxChunks, false>;
+  }
+}
+
+template <typename TD>
+bool IsScalar(BackwardFn<TD> fn) {
+  return fn == BackwardKernel<TD, true> || fn == BackwardKernel<TD, false>;
+}
+
+size_t BackwardSharedBytes(int64_t d) { return 2 * static_cast<size_t>(d) * sizeof(float); }
+
 }  // namespace
 
-// Declared in fused_norm.h.
+// Declared in layer_norm_cuda.h.
+bool LayerNormBackwardIsVectorisedCuda(int64_t d, at::ScalarType dn_type) {
+  bool vectorised = false;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dn_type, "LayerNormBackPick", [&] {
+    const auto fn = PickBackward<scalar_t>(d, false, LayerNormBackwardKernel::kAuto);
+    vectorised = !IsScalar<scalar_t>(fn);
+  });
+  return vectorised;
+}
+
+// Declared in layer_norm_cuda.h. The vectorised kernels: one wave of blocks, as many as fit on the
+// card at once (each warp then takes several rows, and its lanes' sums in registers cover them
+// all); the other: a block per 8 rows, up to 1024.
+int64_t LayerNormBackwardBlocksCuda(int64_t rows, int64_t d, at::ScalarType dn_type, bool rms,
+                                    LayerNormBackwardKernel kernel) {
+  const int64_t needed = std::max<int64_t>((rows + kWarpsPerBlock - 1) / kWarpsPerBlock, 1);
+  int64_t blocks = std::min<int64_t>(needed, 1024);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dn_type, "LayerNormBackBlocks", [&] {
+    const auto fn = PickBackward<scalar_t>(d, rms, kernel);
+    TORCH_CHECK(fn != nullptr,
+                "LayerNormBackwardBlocksCuda: the kernel asked for cannot take width ", d);
+    if (IsScalar<scalar_t>(fn)) return;
+    int per_sm = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, kThreads,
+                                                                 BackwardSharedBytes(d)));
+    const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    blocks = std::min<int64_t>(needed, int64_t{std::max(per_sm, 1)} * sms);
+  });
+  return blocks;
+}
+
+// Declared in layer_norm_cuda.h.
 void LayerNormForwardCuda(const at::Tensor& x, const at::Tensor& y, const at::Tensor& gamma,
                           const at::Tensor& beta, double eps, const at::Tensor& sum,
                           const at::Tensor& out, const at::Tensor& mean, const at::Tensor& rstd,
@@ -163,32 +367,35 @@ void LayerNormForwardCuda(const at::Tensor& x, const at::Tensor& y, const at::Te
   });
 }
 
-// Declared in fused_norm.h.
+// Declared in layer_norm_cuda.h.
 void LayerNormBackwardCuda(const at::Tensor& dn, const at::Tensor& s, const at::Tensor& mean,
                            const at::Tensor& rstd, const at::Tensor& gamma,
                            const at::Tensor& ds_extra, const at::Tensor& ds,
                            const at::Tensor& ds_cast, const at::Tensor& dgamma_part,
-                           const at::Tensor& dbeta_part, bool rms) {
+                           const at::Tensor& dbeta_part, bool rms, LayerNormBackwardKernel kernel) {
   const c10::cuda::CUDAGuard guard(s.device());
   const int64_t rows = s.size(0);
   const int d = static_cast<int>(s.size(1));
   const unsigned blocks = static_cast<unsigned>(dgamma_part.size(0));
-  const size_t shared_bytes = 2 * static_cast<size_t>(d) * sizeof(float);
   const auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dn.scalar_type(), "LayerNormBack", [&] {
-    auto launch = [&](auto kernel) {
-      kernel<<<blocks, kThreads, shared_bytes, stream>>>(
-          dn.data_ptr<scalar_t>(), s.data_ptr<float>(), mean.data_ptr<float>(),
-          rstd.data_ptr<float>(), gamma.data_ptr<float>(),
-          ds_extra.defined() ? ds_extra.data_ptr<float>() : nullptr, rows, d, ds.data_ptr<float>(),
-          ds_cast.defined() ? ds_cast.data_ptr<scalar_t>() : nullptr, dgamma_part.data_ptr<float>(),
-          dbeta_part.defined() ? dbeta_part.data_ptr<float>() : nullptr);
-    };
-    if (rms) {
-      launch(BackwardKernel<scalar_t, true>);
-    } else {
-      launch(BackwardKernel<scalar_t, false>);
-    }
+    BackwardFn<scalar_t> fn = PickBackward<scalar_t>(d, rms, kernel);
+    TORCH_CHECK(fn != nullptr, "LayerNormBackwardCuda: the kernel asked for cannot take width ", d);
+    // The vectorised kernels read and write every row 4 values at a time, and every row starts at
+    // a multiple of 4 values (d is one): the base addresses decide. (The allocator's are aligned;
+    // a view's may not be.)
+    const size_t pack = 4 * sizeof(scalar_t);
+    const bool aligned = Aligned(dn.data_ptr(), pack) && Aligned(s.data_ptr(), 16) &&
+                         Aligned(gamma.data_ptr(), 16) && Aligned(ds.data_ptr(), 16) &&
+                         (!ds_extra.defined() || Aligned(ds_extra.data_ptr(), 16)) &&
+                         (!ds_cast.defined() || Aligned(ds_cast.data_ptr(), pack));
+    if (!aligned) fn = rms ? BackwardKernel<scalar_t, true> : BackwardKernel<scalar_t, false>;
+    fn<<<blocks, kThreads, BackwardSharedBytes(d), stream>>>(
+        dn.data_ptr<scalar_t>(), s.data_ptr<float>(), mean.data_ptr<float>(),
+        rstd.data_ptr<float>(), gamma.data_ptr<float>(),
+        ds_extra.defined() ? ds_extra.data_ptr<float>() : nullptr, rows, d, ds.data_ptr<float>(),
+        ds_cast.defined() ? ds_cast.data_ptr<scalar_t>() : nullptr, dgamma_part.data_ptr<float>(),
+        dbeta_part.defined() ? dbeta_part.data_ptr<float>() : nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

@@ -34,6 +34,21 @@ class SplitHeadsFunction : public torch::autograd::Function<SplitHeadsFunction> 
       if (g.defined()) like = &g;
     }
     if (like == nullptr) return {torch::Tensor(), torch::Tensor()};
+    // Attention's backward on a GPU (cuDNN's, flash's) hands dq, dk and dv in [b, t, heads, hd]
+    // order: then dx is their concatenation along a new axis after t, one cat (16 bytes a load)
+    // where three copies into strided slots go a value at a time (1.14 ms of a GPT-2-small step on
+    // an H200, bench/RESULTS.md).
+    bool bshd = true;
+    for (const torch::Tensor& g : grads) {
+      bshd = bshd && g.defined() && g.scalar_type() == like->scalar_type() &&
+             g.transpose(1, 2).is_contiguous();
+    }
+    if (bshd) {
+      const int64_t b = shape[0], t = shape[1];
+      std::vector<torch::Tensor> parts;
+      for (const torch::Tensor& g : grads) parts.push_back(g.transpose(1, 2).view({b, t, 1, -1}));
+      return {torch::cat(parts, 2).view(shape), torch::Tensor()};
+    }
     const torch::Tensor dx = torch::empty(shape, like->options());
     const torch::Tensor slots = HeadsView(dx, heads);
     for (int i = 0; i < 3; ++i) {
