@@ -9,7 +9,9 @@
 # replaying the step as a CUDA graph buys), with torch's norms (--fused-norm off: what the
 # fused residual add + LayerNorm or RMSNorm + cast buys) and with autocast's linear
 # (--fused-linear off: what the weight and bias gradients from one cuBLASLt product buy, and with
-# them the MLP's GELU and residual epilogues, which are the dense layers' path); a GPT
+# them the MLP's GELU and residual epilogues, which are the dense layers' path), with the fused
+# head's logits 1 GiB a chunk instead of 256 MiB (--loss-chunk-mib 1024: fewer, larger products,
+# a higher peak); a GPT
 # with GPT-2's tanh GELU also runs with the exact GELU (activation: gelu, which has no cuBLASLt
 # epilogue: what the GELU in the products' epilogues buys; the PyTorch runs keep tanh's). Prints
 # tokens/s (median over the timed steps), step time, MFU and peak GPU memory, and the ratios, as
@@ -85,7 +87,7 @@ run_case() {
   [ -n "$only" ] && [ "$only" != "$name" ] && return 0
   local variant flags
   # (TRAINYARD_BENCH_VARIANTS=auto: only the fused run, for a short GPU session.)
-  for variant in ${TRAINYARD_BENCH_VARIANTS:-auto eager-step plain-head plain-norm plain-linear erf-gelu}; do
+  for variant in ${TRAINYARD_BENCH_VARIANTS:-auto eager-step plain-head plain-norm plain-linear erf-gelu big-chunks}; do
     local spec_model=$model
     case $variant in
       auto) flags=() ;;
@@ -98,6 +100,7 @@ run_case() {
       plain-head) flags=(--fused-loss off) ;;
       plain-norm) flags=(--fused-norm off) ;;
       plain-linear) flags=(--fused-linear off) ;;
+      big-chunks) flags=(--loss-chunk-mib 1024) ;;
       *) echo "gpu_bench: unknown variant '$variant' (TRAINYARD_BENCH_VARIANTS)" >&2; exit 2 ;;
     esac
     cat >"$work/$name-$variant.yaml" <<SPEC
@@ -157,7 +160,7 @@ def vs(x):
         out += f", {x / comp['tokens_per_second']:.2f}x compile"
     return out
 print(f"| {name} | {gpu} | trainyard | {tps:,.0f} | {1e3 * step_s:.1f} | {mfu(tps):.1f}% | {peak_bytes / 2**30:.2f} GiB | {vs(tps)} |")
-for variant, label in (("eager-step", "eager step (--cuda-graphs off)"), ("plain-head", "plain head (--fused-loss off)"), ("plain-norm", "torch's norms (--fused-norm off)"), ("plain-linear", "autocast's linear (--fused-linear off)"), ("erf-gelu", "exact GELU (activation: gelu; no epilogue)")):
+for variant, label in (("eager-step", "eager step (--cuda-graphs off)"), ("plain-head", "plain head (--fused-loss off)"), ("plain-norm", "torch's norms (--fused-norm off)"), ("plain-linear", "autocast's linear (--fused-linear off)"), ("erf-gelu", "exact GELU (activation: gelu; no epilogue)"), ("big-chunks", "1 GiB loss chunks (--loss-chunk-mib 1024)")):
     if not os.path.exists(f"{work}/{name}-{variant}.jsonl"):
         continue
     _, v_tps, v_step_s, v_peak = trainyard(variant)

@@ -2,16 +2,17 @@
 # A whole GPU session in one device call, most valuable first, each part cut to the time left
 # (BUDGET seconds, default 570, from the call's start): the trainer and fused_kernels_test built
 # (.gpu/device-build.sh, about 115 s on the H200), the fused kernels' CUDA cases, bench/gpu_bench.sh
-# for GPT-2 small (the fused run, the exact GELU, autocast's linear), Llama 1B and the example GPT
-# (the fused run each), then the trainer-only GPU cases (cpu_losses, bf16, cuda_graphs, llama).
+# for GPT-2 small and Llama 1B (the fused run, and with 1 GiB loss chunks) and the example GPT
+# (the fused run), then the trainer-only GPU cases (cpu_losses, bf16, cuda_graphs, llama).
 # Logs and the bench's Markdown rows land in $OUT (the device tool's folder) or gpu-logs/.
 # (gpu_fsdp and the cluster cases need yard and the worker: scripts/test-gpu.sh without --quick.)
 #
 #   BUDGET=560 bash scripts/gpu-session.sh        # on the GPU machine, .gpu/ carried beside
-# FUSED_FILTER (gtest filter, default *Cuda*) and GPT2_VARIANTS (default "auto erf-gelu
-# plain-linear") narrow a short session. PROFILE=1 traces GPT-2 small and Llama 1B too (gpu_bench's
-# --profile into $OUT/profile, the trainer run eagerly unless TRAINYARD_PROFILE_FLAGS says
-# otherwise, so each kernel traces to its operation); EXAMPLE=0 leaves the example GPT out.
+# FUSED_FILTER (gtest filter, default *Cuda*), GPT2_VARIANTS and LLAMA_VARIANTS (gpu_bench's,
+# default "auto big-chunks") narrow a short session. PROFILE=1 traces GPT-2 small and Llama 1B too (gpu_bench's
+# --profile, the trainer run eagerly unless TRAINYARD_PROFILE_FLAGS says otherwise, so each
+# kernel traces to its operation), packed as $OUT/profile.tgz (the device tool brings back only a
+# handful of files); EXAMPLE=0 leaves the example GPT out.
 set -uo pipefail
 PROFILE=${PROFILE:-0}
 cd "$(dirname "$0")/.."
@@ -51,8 +52,8 @@ bench() {  # NAME TIMEOUT VARIANTS ARGS...
   cat "$out/bench-$name.md"; tail -6 "$out/bench-$name.err"
   el "$name"
 }
-bench gpt2 $((PROFILE ? 260 : 200)) "${GPT2_VARIANTS:-auto erf-gelu plain-linear}" --only gpt2-small
-bench llama $((PROFILE ? 240 : 170)) "auto" --llama --only llama-1b
+bench gpt2 $((PROFILE ? 260 : 200)) "${GPT2_VARIANTS:-auto big-chunks}" --only gpt2-small
+bench llama $((PROFILE ? 260 : 190)) "${LLAMA_VARIANTS:-auto big-chunks}" --llama --only llama-1b
 [ "${EXAMPLE:-1}" = 1 ] && bench example 80 "auto" --only example-gpt
 l=$(left)
 if [ "$l" -gt 30 ]; then
@@ -60,5 +61,8 @@ if [ "$l" -gt 30 ]; then
     --output-on-failure --timeout 120 >"$out/ctest.txt" 2>&1
   echo "ctest rc=$?"
   grep -a -E "tests passed|Test +#|worst relative|bf16 GPU|Failed" "$out/ctest.txt" | head -30
+fi
+if [ "$PROFILE" = 1 ] && [ -d "$out/profile" ]; then
+  tar czf "$out/profile.tgz" -C "$out" profile && rm -rf "$out/profile"
 fi
 el done

@@ -186,6 +186,25 @@ TEST(FusedLinearCrossEntropyTest, MatchesLinearThenCrossEntropyOnTheCpu) {
   CheckFusedLinear(torch::kCPU, 29, 24, 131, 8, /*weighted=*/false, false, 1e-5, 11);
   CheckFusedLinear(torch::kCPU, 16, 32, 256, 0, /*weighted=*/true, false, 1e-5, 12);
   CheckFusedLinear(torch::kCPU, 5, 8, 40, 1, /*weighted=*/true, false, 1e-5, 13);
+  // Chunks of the logits' bytes (--loss-chunk-mib): 3 rows of 131 fp32 logits a chunk.
+  SetFusedLossChunkBytes(3 * 131 * 4);
+  CheckFusedLinear(torch::kCPU, 29, 24, 131, 0, /*weighted=*/true, false, 1e-5, 19);
+  SetFusedLossChunkBytes(0);
+}
+
+TEST(FusedLinearCrossEntropyTest, BackwardRunsOnce) {
+  // (The node scales its gradients in place on a GPU: a second backward would scale them twice.)
+  torch::manual_seed(3);
+  const torch::Tensor x = torch::randn({6, 8}).requires_grad_(true);
+  const torch::Tensor w = torch::randn({20, 8}).requires_grad_(true);
+  const torch::Tensor loss = FusedLinearCrossEntropySum(x, w, torch::randint(20, {6}), {});
+  loss.backward({}, /*retain_graph=*/true);
+  try {
+    loss.backward();
+    FAIL() << "a second backward ran";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("backward runs once"), std::string::npos) << e.what();
+  }
 }
 
 TEST(FusedLinearCrossEntropyTest, CudaMatchesLinearThenCrossEntropy) {

@@ -261,6 +261,12 @@ void AddRankFlags(CLI::App& app, TrainerOptions& o, std::string& spec_path,
       ->check(CLI::IsMember({"auto", "off"}))
       ->envname("TRAINYARD_FUSED_LINEAR")
       ->group("");  // hidden
+  app.add_option("--loss-chunk-mib", o.loss_chunk_mib,
+                 "the fused head's logits are computed this many MiB at a time (0: 256); larger "
+                 "chunks, larger products and a higher peak (benchmarks)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 16))
+      ->envname("TRAINYARD_LOSS_CHUNK_MIB")
+      ->group("");  // hidden
   app.add_option("--cuda-graphs", o.cuda_graphs,
                  "auto: on a GPU the step is captured as a CUDA graph after a few eager steps and "
                  "replayed, where its layout allows (the log says); off: eager (benchmarks)")

@@ -210,6 +210,7 @@ absl::Status Trainer::MakeModel() {
   model_options.activation_checkpointing = t_.activation_checkpointing;
   model_options.fused_norms = o_.fused_norm != "off";
   SetGpuLinearEnabled(o_.fused_linear != "off");
+  SetFusedLossChunkBytes(o_.loss_chunk_mib << 20);
   model_options.lora = t_.lora;
   model_options.materialize = !dims_.from_rank0 || rank0_;
   model_ = BuildModel(m_, model_options, t_.seed);

@@ -60,6 +60,8 @@ struct TrainerOptions {
   // "auto": on a GPU under autocast the dense layers' weight and bias gradients come from one
   // cuBLASLt product (kernels/dense.h); "off": autocast's linear (benchmarks).
   std::string fused_linear = "auto";
+  // The fused head's chunk of logits in MiB (kernels/fused_loss.h; 0: its default, 256).
+  int64_t loss_chunk_mib = 0;
   // "auto": on a GPU the step is captured as a CUDA graph and replayed where its layout allows
   // (runtime/step_graph.h; the rank's log says whether, and why not); "off": eager (benchmarks).
   std::string cuda_graphs = "auto";

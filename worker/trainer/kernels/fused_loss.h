@@ -23,10 +23,16 @@ namespace trainyard::trainer {
 // sum_i weights_i * cross_entropy(x_i W^T, targets_i), fp32, differentiable in x ([rows, d]) and
 // weight ([vocab, d]); weights ([rows] fp32) may be undefined (all ones). Under CUDA autocast the
 // product runs in autocast's dtype, as the unfused Linear would; otherwise in x's dtype.
-// `chunk_rows` 0 picks chunks of about 256 MiB of logits. Targets must lie in [0, vocab).
+// `chunk_rows` 0 picks chunks of about 256 MiB of logits (SetFusedLossChunkBytes). Targets must
+// lie in [0, vocab).
 torch::Tensor FusedLinearCrossEntropySum(const torch::Tensor& x, const torch::Tensor& weight,
                                          const torch::Tensor& targets, const torch::Tensor& weights,
                                          int64_t chunk_rows = 0);
+
+// The logits' bytes a chunk of FusedLinearCrossEntropySum takes when not told its rows (0: the
+// default, 256 MiB). Larger chunks: fewer, larger products, and a higher peak. Process-wide (the
+// trainer's --loss-chunk-mib).
+void SetFusedLossChunkBytes(int64_t bytes);
 
 // The kernel's contract, for a [rows, vocab] block of logits (unit column stride): loss[i] =
 // weights_i * (logsumexp(row i) - row_i[targets_i]) in fp32; with `write_grad`, row i is
