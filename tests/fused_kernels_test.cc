@@ -542,13 +542,21 @@ void CompareBackwardKernels(int64_t rows, int64_t d, bool rms, bool cast) {
   };
   const Result want = run(K::kScalar);
   std::vector<std::pair<const char*, K>> kernels = {{"scalar", K::kScalar}, {"reread", K::kReread}};
-  if (d <= 1024) kernels.emplace_back("held", K::kHeld);
+  if (d <= 1024 || rms) kernels.emplace_back("held", K::kHeld);
   std::string times;
   for (const auto& [name, kernel] : kernels) {
     const Result got = run(kernel);
     EXPECT_LT(RelativeError(got.ds, want.ds), 1e-5) << name;
     if (cast) {
       EXPECT_LE(RelativeError(got.ds_cast, want.ds_cast), 1e-2) << name;
+    }
+    // (The partials summed by the kernel the node uses, against ATen's sum.)
+    torch::Tensor dgamma = torch::empty({d}, f32),
+                  dbeta = rms ? torch::Tensor() : torch::empty({d}, f32);
+    LayerNormSumPartialsCuda(got.dgamma, got.dbeta, dgamma, dbeta);
+    EXPECT_LT(RelativeError(dgamma, got.dgamma.sum(0)), 1e-6) << name;
+    if (!rms) {
+      EXPECT_LT(RelativeError(dbeta, got.dbeta.sum(0)), 1e-6) << name;
     }
     EXPECT_LT(RelativeError(got.dgamma.sum(0), want.dgamma.sum(0)), 1e-5) << name;
     if (!rms) {

@@ -153,8 +153,18 @@ class FusedLayerNorm : public torch::autograd::Function<FusedLayerNorm> {
       const torch::Tensor dbeta_part = rms ? torch::Tensor() : torch::empty({blocks, d}, f32);
       NormBackward(dn.reshape({-1, d}).contiguous(), s, mean, rstd, w, ds_extra, ds, ds_cast,
                    dgamma_part, dbeta_part, rms);
-      dgamma = dgamma_part.sum(0);
-      if (!rms) dbeta = dbeta_part.sum(0);
+#if TRAINYARD_CUDA_KERNELS
+      if (s.is_cuda()) {
+        // (One launch for both sums: ATen's two reductions took 14 us a norm on an H200.)
+        dgamma = torch::empty({d}, f32);
+        if (!rms) dbeta = torch::empty({d}, f32);
+        LayerNormSumPartialsCuda(dgamma_part, dbeta_part, dgamma, dbeta);
+      }
+#endif
+      if (!dgamma.defined()) {
+        dgamma = dgamma_part.sum(0);
+        if (!rms) dbeta = dbeta_part.sum(0);
+      }
     } else {
       ds = ds_extra.defined() ? ds_extra : torch::zeros({rows, d}, f32);
     }

@@ -256,6 +256,38 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// out_g[c] = sum over rows r of part_g[r][c] (and out_b from part_b, when given): the backward's
+// per-block partial sums, in a fixed order. A block takes 32 columns; its 8 warps each sum every
+// 8th row of them (a warp's loads one 128-byte line), then one warp adds the 8 sums.
+constexpr int kSumColumns = 32, kSumGroups = kThreads / kSumColumns;
+
+__global__ void __launch_bounds__(kThreads)
+    SumPartialsKernel(const float* __restrict__ part_g, const float* __restrict__ part_b,
+                      int64_t parts, int d, float* __restrict__ out_g, float* __restrict__ out_b) {
+  __shared__ float sums[2][kSumGroups][kSumColumns];
+  const int column = blockIdx.x * kSumColumns + threadIdx.x % kSumColumns;
+  const int group = threadIdx.x / kSumColumns;
+  float g = 0.f, b = 0.f;
+  if (column < d) {
+    for (int64_t r = group; r < parts; r += kSumGroups) {
+      g += part_g[r * d + column];
+      if (part_b != nullptr) b += part_b[r * d + column];
+    }
+  }
+  sums[0][group][threadIdx.x % kSumColumns] = g;
+  sums[1][group][threadIdx.x % kSumColumns] = b;
+  __syncthreads();
+  if (group != 0 || column >= d) return;
+  float total_g = 0.f, total_b = 0.f;
+#pragma unroll
+  for (int k = 0; k < kSumGroups; ++k) {
+    total_g += sums[0][k][threadIdx.x];
+    total_b += sums[1][k][threadIdx.x];
+  }
+  out_g[column] = total_g;
+  if (out_b != nullptr) out_b[column] = total_b;
+}
+
 bool Aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 template <typename TD>
@@ -284,7 +316,8 @@ BackwardFn<TD> PickBackward(int64_t d, bool rms, LayerNormBackwardKernel kernel)
       if (chunks <= 8) {
         return rms ? VecBackwardKernel<TD, true, 8, true> : VecBackwardKernel<TD, false, 8, true>;
       }
-      return nullptr;
+      // (RMSNorm only up to 2048 wide: LayerNorm's dbeta sums would not fit the registers too.)
+      return rms ? VecBackwardKernel<TD, true, kMaxChunks, true> : nullptr;
     }
     if (chunks <= 8) {
       return rms ? VecBackwardKernel<TD, true, 8, false> : VecBackwardKernel<TD, false, 8, false>;
@@ -398,6 +431,20 @@ void LayerNormBackwardCuda(const at::Tensor& dn, const at::Tensor& s, const at::
         dbeta_part.defined() ? dbeta_part.data_ptr<float>() : nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+}
+
+// Declared in layer_norm_cuda.h.
+void LayerNormSumPartialsCuda(const at::Tensor& dgamma_part, const at::Tensor& dbeta_part,
+                              const at::Tensor& dgamma, const at::Tensor& dbeta) {
+  const c10::cuda::CUDAGuard guard(dgamma_part.device());
+  const int64_t parts = dgamma_part.size(0);
+  const int d = static_cast<int>(dgamma_part.size(1));
+  if (d == 0) return;
+  const unsigned blocks = static_cast<unsigned>((d + kSumColumns - 1) / kSumColumns);
+  SumPartialsKernel<<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      dgamma_part.data_ptr<float>(), dbeta_part.defined() ? dbeta_part.data_ptr<float>() : nullptr,
+      parts, d, dgamma.data_ptr<float>(), dbeta.defined() ? dbeta.data_ptr<float>() : nullptr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace trainyard::trainer

@@ -19,7 +19,8 @@ void LayerNormForwardCuda(const at::Tensor& x, const at::Tensor& y, const at::Te
 // Which backward kernel runs: kAuto picks. kScalar: one value a load, dgamma and dbeta summed by
 // shared-memory atomics (any width). kHeld and kReread: 4 values a load and the lanes' sums of
 // dgamma and dbeta in registers (widths a multiple of 4 up to 2048), the row held in registers
-// between its two passes (up to 1024 wide) or read again. The others are for timing them.
+// between its two passes (up to 1024 wide; RMSNorm's up to 2048) or read again. The others are
+// for timing them.
 enum class LayerNormBackwardKernel { kAuto, kScalar, kHeld, kReread };
 // dn [rows, d]; s [rows, d] fp32 (the norm's input); ds_extra undefined or [rows, d] fp32; ds
 // [rows, d] fp32; ds_cast undefined or [rows, d] in dn's dtype (ds again, rounded: the gradient
@@ -35,6 +36,10 @@ void LayerNormBackwardCuda(const at::Tensor& dn, const at::Tensor& s, const at::
 int64_t LayerNormBackwardBlocksCuda(
     int64_t rows, int64_t d, at::ScalarType dn_type, bool rms,
     LayerNormBackwardKernel kernel = LayerNormBackwardKernel::kAuto);
+// dgamma = dgamma_part.sum(0) and dbeta = dbeta_part.sum(0) (both undefined, or neither) in one
+// launch: the partials [blocks, d] fp32, the sums [d] fp32, contiguous.
+void LayerNormSumPartialsCuda(const at::Tensor& dgamma_part, const at::Tensor& dbeta_part,
+                              const at::Tensor& dgamma, const at::Tensor& dbeta);
 // Whether kAuto takes a vectorised kernel for rows of width d with a gradient in dn_type (given
 // aligned tensors, as the allocator's are).
 bool LayerNormBackwardIsVectorisedCuda(int64_t d, at::ScalarType dn_type);
