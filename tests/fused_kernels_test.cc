@@ -1149,14 +1149,20 @@ TEST(GpuLinearTest, CudaGptAndLlamaMatchAutocastsLinear) {
     const torch::Tensor windows =
         torch::randint(m.vocab, {3, m.seq_len + 1}, torch::kLong).to(cuda);
     torch::Tensor lf, lp;
+    std::string residual_path;
     {
       AutocastScope autocast(cuda, Precision::kBf16);
       lf = fused->Loss(windows);
+      residual_path = GpuLinearResidualPath();
       GpuLinearOff off;
       lp = plain->Loss(windows);
     }
     lf.backward();
     lp.backward();
+    // (The Llama layer's MLP adds the residual stream in down_proj's product.)
+    if (kind == "llama") {
+      EXPECT_EQ(residual_path, "cublaslt");
+    }
     if (m.gelu_tanh) {
       EXPECT_STREQ(GeluMlpPath(), "cublaslt");
       EXPECT_STREQ(GeluMlpResidualPath(), "cublaslt");
@@ -1168,6 +1174,60 @@ TEST(GpuLinearTest, CudaGptAndLlamaMatchAutocastsLinear) {
       EXPECT_LT(RelativeError(pf[item.key()].grad(), item.value().grad()), 3e-2) << item.key();
     }
   }
+}
+
+// GpuLinearResidual against residual + linear under autocast: the output (fp32) and the
+// gradients of x, the weight and the residual, for a random upstream gradient.
+void CheckLinearResidual(const torch::Device& device, const std::vector<int64_t>& shape,
+                         int64_t out, uint64_t seed) {
+  SCOPED_TRACE(testing::Message() << device << " in " << shape.back() << " out " << out);
+  torch::manual_seed(seed);
+  const auto f32 = torch::TensorOptions().device(device);
+  std::vector<int64_t> out_shape = shape;
+  out_shape.back() = out;
+  const torch::Tensor x0 = torch::randn(shape, f32),
+                      w0 = torch::randn({out, shape.back()}, f32) * 0.1;
+  const torch::Tensor r0 = torch::randn(out_shape, f32), dy = torch::randn(out_shape, f32);
+  const Precision precision = device.is_cuda() ? Precision::kBf16 : Precision::kFp32;
+  auto run = [&](bool fused) {
+    torch::Tensor x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true),
+                  r = r0.clone().requires_grad_(true);
+    torch::Tensor y;
+    {
+      AutocastScope autocast(device, precision);
+      if (fused) {
+        y = GpuLinearResidual(x, w, r);
+      } else {
+        y = r + torch::linear(x, w);
+      }
+    }
+    (y * dy).sum().backward();
+    return std::vector<torch::Tensor>{y, x.grad(), w.grad(), r.grad()};
+  };
+  const std::vector<torch::Tensor> got = run(true);
+  if (device.is_cuda()) {
+    EXPECT_STREQ(GpuLinearResidualPath(), "cublaslt");
+  }
+  const std::vector<torch::Tensor> want = run(false);
+  EXPECT_EQ(got[0].scalar_type(), torch::kFloat);
+  const double tolerance = device.is_cuda() ? 1e-2 : 1e-6;
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].scalar_type(), torch::kFloat) << i;
+    EXPECT_LT(RelativeError(got[i], want[i]), tolerance) << i;
+  }
+  EXPECT_TRUE(torch::equal(got[3], dy));  // the residual's gradient: the output's
+}
+
+TEST(GpuLinearTest, ResidualIsTheCompositionOnTheCpu) {
+  CheckLinearResidual(torch::kCPU, {2, 7, 24}, 16, 81);
+}
+
+TEST(GpuLinearTest, CudaResidualAddedInTheProduct) {
+  SKIP_WITHOUT_CUDA();
+  const torch::Device cuda(torch::kCUDA, 0);
+  // Llama 3.2 1B's down projection on 2 x 512 tokens, and a small one.
+  CheckLinearResidual(cuda, {2, 512, 8192}, 2048, 82);
+  CheckLinearResidual(cuda, {3, 16, 64}, 32, 83);
 }
 
 // GeluMlp: the MLP as separate operations, each a leaf's gradient comparable.

@@ -16,6 +16,7 @@ std::atomic<int> g_backward_path{0};
 // GeluMlp's GELU, and its residual: 0 none yet; 1 in the epilogues; 2 the composition.
 std::atomic<int> g_gelu_path{0};
 std::atomic<int> g_residual_path{0};
+std::atomic<int> g_linear_residual_path{0};  // GpuLinearResidual's
 
 const char* PathName(int path) {
   switch (path) {
@@ -123,6 +124,57 @@ class FusedDense : public torch::autograd::Function<FusedDense> {
     WeightAndBiasGradients(dy, xh.view({-1, in}), ctx->needs_input_grad(1),
                            has_bias && ctx->needs_input_grad(2), &dw, &db);
     return {dx, dw, db, torch::Tensor(), torch::Tensor()};
+  }
+};
+
+// FusedDense without a bias and with the residual added to its product: residual + x W^T, the
+// sum in the residual's dtype (fp32: one cuBLASLt product with the residual as its C where it
+// applies). Edges: x 0, weight 1, weight_cast 2 (detached), residual 3.
+class FusedDenseResidual : public torch::autograd::Function<FusedDenseResidual> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& weight, const torch::Tensor& weight_cast,
+                               const torch::Tensor& residual, int64_t dtype_code) {
+    const auto dtype = static_cast<c10::ScalarType>(dtype_code);
+    TORCH_CHECK(weight_cast.scalar_type() == dtype && weight_cast.sizes() == weight.sizes(),
+                "FusedDenseResidual: the weight's cast must be the weight in the product's dtype");
+    const int64_t out = weight.size(0), in = weight.size(1);
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes.back() = out;
+    TORCH_CHECK(residual.sizes() == c10::IntArrayRef(sizes),
+                "FusedDenseResidual: the residual must have the output's shape");
+    const torch::Tensor xh = x.to(dtype).contiguous();
+    ctx->save_for_backward({xh, weight_cast});
+    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+    ctx->saved_data["residual_dtype"] = static_cast<int64_t>(residual.scalar_type());
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    if (xh.is_cuda() && residual.scalar_type() == torch::kFloat && residual.is_contiguous()) {
+      torch::Tensor y = torch::empty(sizes, residual.options());
+      if (ResidualForwardCublasLt(xh.view({-1, in}), weight_cast, torch::Tensor(),
+                                  residual.view({-1, out}), y.view({-1, out}))) {
+        g_linear_residual_path.store(1, std::memory_order_relaxed);
+        return y;
+      }
+    }
+    g_linear_residual_path.store(2, std::memory_order_relaxed);
+    return residual + torch::linear(xh, weight_cast);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    const variable_list saved = ctx->get_saved_variables();
+    const torch::Tensor& xh = saved[0];
+    const torch::Tensor& wh = saved[1];
+    const auto x_dtype = static_cast<c10::ScalarType>(ctx->saved_data["x_dtype"].toInt());
+    const auto r_dtype = static_cast<c10::ScalarType>(ctx->saved_data["residual_dtype"].toInt());
+    const int64_t out = wh.size(0), in = wh.size(1);
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const torch::Tensor dy = grad[0].to(xh.scalar_type()).contiguous().view({-1, out});
+    torch::Tensor dx, dw, db;
+    if (ctx->needs_input_grad(0)) dx = torch::mm(dy, wh).view(xh.sizes()).to(x_dtype);
+    WeightAndBiasGradients(dy, xh.view({-1, in}), ctx->needs_input_grad(1), false, &dw, &db);
+    const torch::Tensor dresidual =
+        ctx->needs_input_grad(3) ? grad[0].to(r_dtype) : torch::Tensor();
+    return {dx, dw, torch::Tensor(), dresidual, torch::Tensor()};
   }
 };
 
@@ -285,6 +337,22 @@ torch::Tensor GpuLinear(const torch::Tensor& x, const torch::Tensor& weight,
                            at::autocast::cached_cast(dtype, weight, c10::DeviceType::CUDA), dtype);
   }
   return torch::linear(x, weight, bias);
+}
+
+torch::Tensor GpuLinearResidual(const torch::Tensor& x, const torch::Tensor& weight,
+                                const torch::Tensor& residual) {
+  if (UsesGpuLinear(x, weight, torch::Tensor()) && residual.defined() &&
+      residual.device() == x.device()) {
+    const c10::ScalarType dtype = AutocastScope::ProductType(x);
+    return FusedDenseResidual::apply(
+        x, weight, at::autocast::cached_cast(dtype, weight, c10::DeviceType::CUDA).detach(),
+        residual, static_cast<int64_t>(dtype));
+  }
+  return residual + GpuLinear(x, weight, torch::Tensor());
+}
+
+const char* GpuLinearResidualPath() {
+  return PathName(g_linear_residual_path.load(std::memory_order_relaxed));
 }
 
 const char* GeluMlpPath() { return PathName(g_gelu_path.load(std::memory_order_relaxed)); }

@@ -23,6 +23,18 @@ namespace trainyard::trainer {
 torch::Tensor GpuLinear(const torch::Tensor& x, const torch::Tensor& weight,
                         const torch::Tensor& bias);
 
+// residual + x W^T for x [..., in], weight [out, in] (no bias) and residual [..., out], the fp32
+// residual stream (the Llama layer's add after its MLP): where UsesGpuLinear and the residual is
+// fp32 and contiguous, one cuBLASLt product whose output is the fp32 sum (the stream as its C,
+// beta 1), where eager rounds the product to bf16 and adds it in an unvectorised mixed-dtype
+// kernel (1.06 ms of a Llama 3.2 1B step on an H200, bench/RESULTS.md); its backward is
+// GpuLinear's, the residual's gradient the output's. Otherwise residual + GpuLinear(x, weight).
+torch::Tensor GpuLinearResidual(const torch::Tensor& x, const torch::Tensor& weight,
+                                const torch::Tensor& residual);
+// How the last GpuLinearResidual added the residual: "cublaslt" (in the product), "composition"
+// (an add after it), or "none" before any. For tests.
+const char* GpuLinearResidualPath();
+
 // Whether GpuLinear takes the fused path for these tensors: a CUDA build, the path enabled, CUDA
 // tensors under bf16 or fp16 autocast (AutocastScope) with gradients recorded, fp32 weight and
 // bias, x in fp32 or in autocast's dtype, matching sizes.
@@ -95,8 +107,8 @@ bool GeluForwardCublasLt(const at::Tensor& x, const at::Tensor& w, const at::Ten
 bool GeluBackwardCublasLt(const at::Tensor& dy, const at::Tensor& w, const at::Tensor& pre,
                           const at::Tensor& dpre);
 // y = h w^T + b + residual in one cuBLASLt GEMM (CUBLASLT_EPILOGUE_BIAS, beta 1): h [rows,
-// hidden] and w [out, hidden] in one dtype (bf16 or fp16), b fp32 [out], residual and y fp32
-// [rows, out] (y a tensor of its own), all contiguous. As above.
+// hidden] and w [out, hidden] in one dtype (bf16 or fp16), b fp32 [out] or undefined (no bias),
+// residual and y fp32 [rows, out] (y a tensor of its own), all contiguous. As above.
 bool ResidualForwardCublasLt(const at::Tensor& h, const at::Tensor& w, const at::Tensor& b,
                              const at::Tensor& residual, const at::Tensor& y);
 

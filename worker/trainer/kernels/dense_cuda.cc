@@ -316,9 +316,9 @@ bool ResidualForwardCublasLt(const at::Tensor& h, const at::Tensor& w, const at:
           w.is_contiguous() && h.scalar_type() == w.scalar_type(),
       "ResidualForwardCublasLt: h [rows, hidden] and w [out, hidden], contiguous, one dtype");
   const int64_t rows = h.size(0), hidden = h.size(1), out = w.size(0);
-  TORCH_CHECK(
-      b.dim() == 1 && b.size(0) == out && b.is_contiguous() && b.scalar_type() == at::kFloat,
-      "ResidualForwardCublasLt: b fp32 [out], contiguous");
+  TORCH_CHECK(!b.defined() || (b.dim() == 1 && b.size(0) == out && b.is_contiguous() &&
+                               b.scalar_type() == at::kFloat),
+              "ResidualForwardCublasLt: b fp32 [out], contiguous, or undefined");
   for (const at::Tensor* t : {&residual, &y}) {
     TORCH_CHECK(t->dim() == 2 && t->size(0) == rows && t->size(1) == out && t->is_contiguous() &&
                     t->scalar_type() == at::kFloat,
@@ -328,15 +328,20 @@ bool ResidualForwardCublasLt(const at::Tensor& h, const at::Tensor& w, const at:
   cudaDataType_t operand;
   if (!OperandType(h.scalar_type(), &operand)) return false;
   const MatmulDesc desc = NewDesc(CUBLAS_OP_T, CUBLAS_OP_N);
-  // (The bias in D's type: fp32, the master bias itself.)
-  Set(desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
-  Set(desc.get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, b.data_ptr());
+  // (The bias in D's type: fp32, the master bias itself. Without one, no epilogue: C's add is
+  // the GEMM's own.)
+  if (b.defined()) {
+    Set(desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
+    Set(desc.get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, b.data_ptr());
+  }
   const MatrixLayout a = Layout(operand, hidden, out, hidden);
   const MatrixLayout bl = Layout(operand, hidden, rows, hidden);
   const MatrixLayout d = Layout(CUDA_R_32F, out, rows, out);
   return Run(Product::kResidualForward, desc.get(), a, bl, d, w.data_ptr(), h.data_ptr(),
-             y.data_ptr(), {b.data_ptr()}, out, rows, hidden, operand, h.get_device(),
-             residual.data_ptr());
+             y.data_ptr(),
+             b.defined() ? std::initializer_list<const void*>{b.data_ptr()}
+                         : std::initializer_list<const void*>{},
+             out, rows, hidden, operand, h.get_device(), residual.data_ptr());
 }
 
 }  // namespace trainyard::trainer

@@ -195,6 +195,16 @@ class LlamaMlpImpl : public torch::nn::Module {
     if (tp_->on()) return RowOutput(hidden, down_proj, bf16_, *tp_);  // no LoRA under it
     return Project(hidden, down_proj, down_lora_, bf16_, training);
   }
+  // residual + forward(in): on a GPU without tensor parallelism or an adapter on down_proj, the
+  // residual added by down_proj's product itself (GpuLinearResidual: the fp32 sum out of the
+  // GEMM, no bf16 output and mixed-dtype add after it).
+  torch::Tensor AddedTo(const torch::Tensor& residual, const torch::Tensor& in) {
+    if (!in.is_cuda() || tp_->on() || !down_lora_.a.is_empty()) return residual + forward(in);
+    const bool training = is_training();
+    const torch::Tensor hidden = Gated(act_, Project(in, gate_proj, gate_lora_, bf16_, training),
+                                       Project(in, up_proj, up_lora_, bf16_, training));
+    return GpuLinearResidual(hidden, down_proj->weight, residual);
+  }
   torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 
  private:
@@ -229,7 +239,7 @@ class LlamaLayerImpl : public torch::nn::Module {
       const auto [h, normed] =
           AddRmsNorm(stream, self_attn(normed1, cos, sin), post_attention_layernorm->weight,
                      post_attention_layernorm->eps());
-      return h + mlp(normed);
+      return mlp->AddedTo(h, normed);
     }
     torch::Tensor h = x + self_attn(input_layernorm(x), cos, sin);
     return h + mlp(post_attention_layernorm(h));
