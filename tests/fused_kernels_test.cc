@@ -1157,11 +1157,16 @@ TEST(GpuLinearTest, CudaGptAndLlamaMatchAutocastsLinear) {
       GpuLinearOff off;
       lp = plain->Loss(windows);
     }
+    const bool stacked_f = GraphHas(lf.grad_fn(), "CatBackward"),
+               stacked_p = GraphHas(lp.grad_fn(), "CatBackward");
     lf.backward();
     lp.backward();
-    // (The Llama layer's MLP adds the residual stream in down_proj's product.)
+    // (The Llama layer's MLP adds the residual stream in down_proj's product, and q, k and v
+    // come from one product of the three weights stacked.)
     if (kind == "llama") {
       EXPECT_EQ(residual_path, "cublaslt");
+      EXPECT_TRUE(stacked_f);
+      EXPECT_FALSE(stacked_p);
     }
     if (m.gelu_tanh) {
       EXPECT_STREQ(GeluMlpPath(), "cublaslt");
