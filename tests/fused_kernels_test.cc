@@ -773,6 +773,56 @@ void CheckSplitHeads(torch::Device device, torch::Dtype dtype) {
   }
 }
 
+// SplitQkv gives the narrows' views of a [b, t, (heads + 2 kv) hd] product and, through a loss of
+// all three, of q and k only, and of [b, t, n, hd] copies, the narrows' gradient.
+void CheckSplitQkv(torch::Device device, torch::Dtype dtype) {
+  torch::manual_seed(8);
+  const int64_t b = 2, t = 16, heads = 4, kv = 2, hd = 8;
+  const auto options = torch::TensorOptions().device(device).dtype(dtype);
+  const torch::Tensor x0 = torch::randn({b, t, (heads + 2 * kv) * hd}, options);
+  const torch::Tensor wq = torch::randn({b, heads, t, hd}, options);
+  const torch::Tensor wk = torch::randn({b, kv, t, hd}, options);
+  for (const int mode : {0, 1, 2}) {
+    torch::Tensor xa = x0.clone().requires_grad_(true), xb = x0.clone().requires_grad_(true);
+    const std::array<torch::Tensor, 3> split = SplitQkv(xa, heads, kv);
+    auto part = [&](int64_t first, int64_t n) {
+      return xb.narrow(2, first * hd, n * hd).view({b, t, n, hd}).transpose(1, 2);
+    };
+    const std::array<torch::Tensor, 3> want = {part(0, heads), part(heads, kv),
+                                               part(heads + kv, kv)};
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_TRUE(torch::equal(split[i], want[i])) << i;
+      EXPECT_EQ(split[i].strides(), want[i].strides()) << i;
+    }
+    auto loss = [&](const std::array<torch::Tensor, 3>& s) {
+      if (mode == 1) return (s[0] * wq).sum() + (s[1] * wk).sum();
+      const auto copy = [](const torch::Tensor& x) { return x.transpose(1, 2).contiguous(); };
+      if (mode == 2) {
+        return (copy(s[0]) * copy(wq)).sum() + (copy(s[1]) * copy(wk)).sum() -
+               (copy(s[2]) * copy(wk)).sum();
+      }
+      return (s[0] * wq).sum() + (s[1] * wk).sum() + (s[2] * s[1]).sum();
+    };
+    loss(split).backward();
+    loss(want).backward();
+    EXPECT_EQ(xa.grad().scalar_type(), dtype);
+    EXPECT_LT(RelativeError(xa.grad(), xb.grad()), 1e-6) << "mode " << mode;
+    if (mode == 1) {
+      EXPECT_EQ(xa.grad().slice(2, (heads + kv) * hd).abs().max().item<double>(), 0.0);
+    }
+  }
+}
+
+TEST(SplitQkvTest, MatchesTheNarrowsAndTheirGradientOnTheCpu) {
+  CheckSplitQkv(torch::kCPU, torch::kFloat);
+  CheckSplitQkv(torch::kCPU, torch::kBFloat16);
+}
+
+TEST(SplitQkvTest, CudaMatchesTheNarrows) {
+  SKIP_WITHOUT_CUDA();
+  CheckSplitQkv(torch::Device(torch::kCUDA, 0), torch::kBFloat16);
+}
+
 TEST(SplitHeadsTest, MatchesUnbindAndItsGradientOnTheCpu) {
   CheckSplitHeads(torch::kCPU, torch::kFloat);
   CheckSplitHeads(torch::kCPU, torch::kBFloat16);

@@ -62,7 +62,51 @@ class SplitHeadsFunction : public torch::autograd::Function<SplitHeadsFunction> 
   }
 };
 
+// q, k and v of x [b, t, (heads + 2 kv_heads) hd] as [b, n, t, hd] views; backward: one cat of
+// the three gradients in [b, t, n, hd] order (each copied there first only if it is not so laid
+// out already), where autograd's three narrows would each fill a zero tensor of x's size, copy
+// their slice in, and add the three up.
+class SplitQkvFunction : public torch::autograd::Function<SplitQkvFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const torch::Tensor& x, int64_t heads,
+                               int64_t kv_heads) {
+    ctx->set_materialize_grads(false);  // an unused output's gradient: zeros written here, once
+    const int64_t b = x.size(0), t = x.size(1), hd = x.size(2) / (heads + 2 * kv_heads);
+    ctx->saved_data["shape"] = x.sizes().vec();
+    ctx->saved_data["widths"] = std::vector<int64_t>{heads * hd, kv_heads * hd, kv_heads * hd};
+    auto part = [&](int64_t first, int64_t n) {
+      return x.narrow(2, first * hd, n * hd).view({b, t, n, hd}).transpose(1, 2);
+    };
+    return {part(0, heads), part(heads, kv_heads), part(heads + kv_heads, kv_heads)};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const std::vector<int64_t> shape = ctx->saved_data["shape"].toIntVector();
+    const std::vector<int64_t> widths = ctx->saved_data["widths"].toIntVector();
+    const torch::Tensor* like = nullptr;
+    for (const torch::Tensor& g : grads) {
+      if (g.defined()) like = &g;
+    }
+    if (like == nullptr) return {torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    const int64_t b = shape[0], t = shape[1];
+    std::vector<torch::Tensor> parts;
+    for (int i = 0; i < 3; ++i) {
+      parts.push_back(grads[i].defined()
+                          ? grads[i].to(like->scalar_type()).transpose(1, 2).reshape({b, t, -1})
+                          : torch::zeros({b, t, widths[i]}, like->options()));
+    }
+    return {torch::cat(parts, 2), torch::Tensor(), torch::Tensor()};
+  }
+};
+
 }  // namespace
+
+std::array<torch::Tensor, 3> SplitQkv(const torch::Tensor& x, int64_t heads, int64_t kv_heads) {
+  TORCH_CHECK(x.dim() == 3 && heads > 0 && kv_heads > 0 && x.size(2) % (heads + 2 * kv_heads) == 0,
+              "SplitQkv: x must be [b, t, (heads + 2 kv_heads) hd]");
+  const variable_list qkv = SplitQkvFunction::apply(x, heads, kv_heads);
+  return {qkv[0], qkv[1], qkv[2]};
+}
 
 std::array<torch::Tensor, 3> SplitHeads(const torch::Tensor& x, int64_t heads) {
   TORCH_CHECK(x.dim() == 3 && heads > 0 && x.size(2) % (3 * heads) == 0,

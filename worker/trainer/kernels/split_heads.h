@@ -16,6 +16,13 @@ namespace trainyard::trainer {
 // of a GPT-2-small step on an H200, bench/RESULTS.md).
 std::array<torch::Tensor, 3> SplitHeads(const torch::Tensor& x, int64_t heads);
 
+// q [b, heads, t, hd], k and v [b, kv_heads, t, hd] of x = [b, t, (heads + 2 kv_heads) hd] (one
+// product of the Llama layer's three projections stacked: q's heads, then k's, then v's), as
+// views. Its backward is one cat of the three gradients (each in [b, t, n, hd] order, copied
+// there first only if not already so), where autograd's three narrows of x would each fill a
+// zero tensor of x's size, copy their slice in, and add the three up.
+std::array<torch::Tensor, 3> SplitQkv(const torch::Tensor& x, int64_t heads, int64_t kv_heads);
+
 }  // namespace trainyard::trainer
 
 #endif  // TRAINYARD_WORKER_TRAINER_KERNELS_SPLIT_HEADS_H_

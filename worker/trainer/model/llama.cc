@@ -14,6 +14,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "worker/trainer/kernels/rotary.h"
+#include "worker/trainer/kernels/split_heads.h"
 #include "worker/trainer/kernels/swiglu.h"
 
 namespace trainyard::trainer {
@@ -142,13 +143,10 @@ class LlamaAttentionImpl : public torch::nn::Module {
       const torch::Tensor bias = q_proj->bias.defined()
                                      ? torch::cat({q_proj->bias, k_proj->bias, v_proj->bias})
                                      : torch::Tensor();
-      const torch::Tensor qkv = GpuLinear(x, w, bias);
-      auto part = [&](int64_t first, int64_t n) {
-        return qkv.narrow(2, first * hd, n * hd).view({b, t, n, hd}).transpose(1, 2);
-      };
-      q = part(0, heads);
-      k = part(heads, kv_heads);
-      v = part(heads + kv_heads, kv_heads);
+      const std::array<torch::Tensor, 3> qkv = SplitQkv(GpuLinear(x, w, bias), heads, kv_heads);
+      q = qkv[0];
+      k = qkv[1];
+      v = qkv[2];
     } else {
       q = heads_of(q_proj, q_lora_, heads);
       k = heads_of(k_proj, k_lora_, kv_heads);
