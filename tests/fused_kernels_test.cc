@@ -938,13 +938,16 @@ std::pair<torch::Tensor, torch::Tensor> RopeTables(int64_t t, int64_t hd,
 // by its angle in fp64 (the output, and the input's gradient of a random upstream gradient: the
 // rotation back), within `tolerance`; and for fp32, against the ATen composition on the same
 // device to the bit.
+// `others`: q is the first `heads` heads of a projection with `others` more (the Llama layer's
+// stacked q, k and v): not dense.
 void CheckRotary(const torch::Device& device, torch::ScalarType dtype, int64_t b, int64_t heads,
-                 int64_t t, int64_t hd, double tolerance, uint64_t seed) {
+                 int64_t t, int64_t hd, double tolerance, uint64_t seed, int64_t others = 0) {
+  SCOPED_TRACE(testing::Message() << device << " " << dtype << " others " << others);
   torch::manual_seed(seed);
   const auto options = torch::TensorOptions().device(device).dtype(dtype);
-  const torch::Tensor base = torch::randn({b, t, heads, hd}).to(options);
+  const torch::Tensor base = torch::randn({b, t, heads + others, hd}).to(options);
   torch::Tensor x = base.clone().requires_grad_(true);
-  const torch::Tensor q = x.transpose(1, 2);
+  const torch::Tensor q = x.narrow(2, 0, heads).transpose(1, 2);
   const auto [cos, sin] = RopeTables(t, hd, device);
   const torch::Tensor dy = torch::randn({b, heads, t, hd}).to(options);
 
@@ -967,10 +970,14 @@ void CheckRotary(const torch::Device& device, torch::ScalarType dtype, int64_t b
   const std::string what = std::to_string(b) + "x" + std::to_string(heads) + "x" +
                            std::to_string(t) + "x" + std::to_string(hd);
   EXPECT_LT(RelativeError(y, want), tolerance) << what;
-  EXPECT_LT(RelativeError(x.grad().transpose(1, 2), want_grad), tolerance) << what;
+  EXPECT_LT(RelativeError(x.grad().narrow(2, 0, heads).transpose(1, 2), want_grad), tolerance)
+      << what;
+  if (others > 0) {
+    EXPECT_EQ(x.grad().narrow(2, heads, others).abs().max().item<double>(), 0.0);
+  }
   if (dtype == torch::kFloat) {
     torch::Tensor x2 = base.clone().requires_grad_(true);
-    const torch::Tensor q2 = x2.transpose(1, 2);
+    const torch::Tensor q2 = x2.narrow(2, 0, heads).transpose(1, 2);
     const torch::Tensor composed = q2 * cos + RotateHalf(q2) * sin;
     composed.backward(dy);
     EXPECT_TRUE(torch::equal(y, composed)) << what;
@@ -1001,6 +1008,13 @@ TEST(RotaryTest, CudaKernelRotatesAsTheComposition) {
   CheckRotary(cuda, torch::kFloat, 3, 5, 7, 6, 1e-6, 63);
   CheckRotary(cuda, torch::kBFloat16, 4, 8, 2048, 64, 1e-2, 64);
   CheckRotary(cuda, torch::kHalf, 1, 3, 33, 128, 5e-3, 65);
+  // q and k as Llama 3.2 1B's stacked product gives them (not dense): 16 bytes a load; and a head
+  // width the 16-byte kernel does not take (one pair a thread).
+  EXPECT_TRUE(UsesRotaryKernel(torch::zeros({1, 5, 6, 8}, options).narrow(2, 0, 2).transpose(1, 2),
+                               cos, sin));
+  CheckRotary(cuda, torch::kBFloat16, 2, 32, 2048, 64, 1e-2, 67, /*others=*/16);
+  CheckRotary(cuda, torch::kFloat, 2, 8, 512, 64, 1e-6, 68, /*others=*/16);
+  CheckRotary(cuda, torch::kBFloat16, 2, 3, 9, 12, 1e-2, 69, /*others=*/2);
 }
 
 }  // namespace

@@ -12,7 +12,13 @@ class FusedRotary : public torch::autograd::Function<FusedRotary> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
                                const torch::Tensor& cos, const torch::Tensor& sin) {
-    torch::Tensor out = torch::empty_like(x);  // (x's strides: it is dense)
+    // x's strides where it is dense; a view of a wider product (the Llama layer's q and k of its
+    // stacked q, k and v: SplitQkv) gets the [b, t, n, hd] order its product had.
+    const torch::Tensor out =
+        x.is_non_overlapping_and_dense()
+            ? torch::empty_like(x)
+            : torch::empty({x.size(0), x.size(2), x.size(1), x.size(3)}, x.options())
+                  .transpose(1, 2);
     RotaryCuda(x, cos, sin, out, /*inverse=*/false);
     ctx->save_for_backward({cos, sin});
     ctx->saved_data["dtype"] = static_cast<int64_t>(x.scalar_type());
@@ -45,8 +51,7 @@ bool UsesRotaryKernel(const torch::Tensor& x, const torch::Tensor& cos, const to
     return false;
   }
   if (t != torch::kFloat && t != torch::kBFloat16 && t != torch::kHalf) return false;
-  // Dense (empty_like keeps its strides), and cos and sin fp32 [t, hd] beside it.
-  if (!x.is_non_overlapping_and_dense()) return false;
+  // (Any strides but the last's: the kernel takes each tensor's own.) cos and sin fp32 [t, hd].
   for (const torch::Tensor& c : {cos, sin}) {
     if (!c.is_cuda() || c.device() != x.device() || c.scalar_type() != torch::kFloat ||
         !c.is_contiguous() || c.dim() != 2 || c.size(0) != x.size(2) || c.size(1) != x.size(3)) {
