@@ -1,18 +1,19 @@
-// LayerNormForwardCuda and LayerNormBackwardCuda (see fused_norm.h): one warp per row; with
+// LayerNormForwardCuda and LayerNormBackwardCuda (see layer_norm_cuda.h): one warp per row; with
 // `rms`, RMSNorm's (no centring, no bias: x * rsqrt(mean(x^2) + eps) * gamma).
 // Forward adds the branch to the residual (when there is one), writes the fp32 sum, and writes
 // the normalized row straight in the dtype its next product reads (bf16 under autocast), with
 // the row's mean and 1/std for backward: one pass to write what eager's add, LayerNorm and cast
 // write in three. Backward takes the normalized output's gradient in any dtype, adds the
 // residual's own gradient, writes the sum in fp32 and (for a branch in that dtype) rounded, and
-// leaves per-block partial sums of dgamma and dbeta (summed after).
-// Two-pass mean and variance in fp32 (the rows are re-read from L1). Built by nvcc in the CUDA
-// flavour only; ATen's headers only.
-// Backward has two kernels. For a width that is a multiple of 4 up to kMaxVecWidth, with aligned
-// rows (GPT-2's 768, Llama's 2048), VecBackwardKernel: 4 values a load or store, and each lane
-// keeps its columns' dgamma and dbeta in registers across the rows it takes, into shared memory
-// once per block at the end. BackwardKernel (any width): one value a load and two shared-memory
-// atomics an element, which held the previous kernel to about 40% of the card's bandwidth on
+// leaves per-block partial sums of dgamma and dbeta (summed after, by SumPartialsKernel).
+// Two-pass mean and variance in fp32. Built by nvcc in the CUDA flavour only; ATen's headers only.
+// Each way has two kernels. For a width that is a multiple of 4 up to 2048, with aligned rows
+// (GPT-2's 768, Llama's 2048): VecForwardKernel and VecBackwardKernel, 4 values a load or store,
+// the row in registers between its passes (forward; backward up to 1024 wide, RMSNorm's up to
+// 2048, when asked for), and in backward each lane's dgamma and dbeta summed in registers across
+// the rows it takes, into shared memory once per block at the end. ForwardKernel and
+// BackwardKernel (any width): one value a load, the row re-read from L1, and two shared-memory
+// atomics an element backward, which held that kernel to about 40% of the card's bandwidth on
 // GPT-2 small (bench/RESULTS.md).
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
@@ -288,6 +289,68 @@ __global__ void __launch_bounds__(kThreads)
   if (out_b != nullptr) out_b[column] = total_b;
 }
 
+// ForwardKernel's arithmetic, 4 values a load: lane `lane` takes columns 4 * (32 * j + lane) .. +3
+// for j < kChunks (those below d), and keeps the row's sums in registers between the passes (one
+// read of x and y where the other kernel reads them again from L1).
+template <typename TY, typename TO, bool kRms, int kChunks>
+__global__ void __launch_bounds__(kThreads)
+    VecForwardKernel(const float* __restrict__ x, const TY* __restrict__ y,
+                     const float* __restrict__ gamma, const float* __restrict__ beta, float eps,
+                     int64_t rows, int d, float* __restrict__ sum, TO* __restrict__ out,
+                     float* __restrict__ mean_out, float* __restrict__ rstd_out) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
+  if (row >= rows) return;
+  float v[kChunks][4];
+  float acc = 0.f;
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    const int c = 4 * (32 * j + lane);
+    if (c >= d) continue;
+    Load4(x + row * d + c, v[j]);
+    if (y != nullptr) {
+      float yv[4];
+      Load4(y + row * d + c, yv);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) v[j][k] += yv[k];
+    }
+    if (sum != nullptr) Store4(sum + row * d + c, v[j]);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) acc += kRms ? v[j][k] * v[j][k] : v[j][k];
+  }
+  float mean = 0.f, rstd;
+  if (kRms) {
+    rstd = rsqrtf(WarpSum(acc) / d + eps);
+  } else {
+    mean = WarpSum(acc) / d;
+    float sq = 0.f;
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j) {
+      if (4 * (32 * j + lane) >= d) continue;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) sq += (v[j][k] - mean) * (v[j][k] - mean);
+    }
+    rstd = rsqrtf(WarpSum(sq) / d + eps);
+  }
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    const int c = 4 * (32 * j + lane);
+    if (c >= d) continue;
+    float g[4], b[4] = {0.f, 0.f, 0.f, 0.f}, o[4];
+    Load4(gamma + c, g);
+    if (!kRms) Load4(beta + c, b);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      o[k] = kRms ? v[j][k] * rstd * g[k] : (v[j][k] - mean) * rstd * g[k] + b[k];
+    }
+    Store4(out + row * d + c, o);
+  }
+  if (lane == 0) {
+    mean_out[row] = mean;
+    rstd_out[row] = rstd;
+  }
+}
+
 bool Aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 template <typename TD>
@@ -333,6 +396,36 @@ bool IsScalar(BackwardFn<TD> fn) {
 }
 
 size_t BackwardSharedBytes(int64_t d) { return 2 * static_cast<size_t>(d) * sizeof(float); }
+
+template <typename TY, typename TO>
+using ForwardFn = void (*)(const float*, const TY*, const float*, const float*, float, int64_t, int,
+                           float*, TO*, float*, float*);
+
+// VecForwardKernel for these tensors (fp32, bf16 or fp16 branch and output; a width a multiple of
+// 4 up to 2048; every row aligned to 4 values, which d and the allocator's addresses give), or
+// null for ForwardKernel.
+template <typename TY, typename TO>
+ForwardFn<TY, TO> PickForward(const at::Tensor& x, const at::Tensor& y, const at::Tensor& gamma,
+                              const at::Tensor& beta, const at::Tensor& sum, const at::Tensor& out,
+                              bool rms) {
+  if constexpr (std::is_same_v<TY, double> || std::is_same_v<TO, double>) {
+    return nullptr;
+  } else {
+    const int64_t d = x.size(1);
+    if (d <= 0 || d % 4 != 0 || d > 32 * 4 * kMaxChunks) return nullptr;
+    const bool aligned = Aligned(x.data_ptr(), 16) && Aligned(gamma.data_ptr(), 16) &&
+                         (!beta.defined() || Aligned(beta.data_ptr(), 16)) &&
+                         (!y.defined() || Aligned(y.data_ptr(), 4 * sizeof(TY))) &&
+                         (!sum.defined() || Aligned(sum.data_ptr(), 16)) &&
+                         Aligned(out.data_ptr(), 4 * sizeof(TO));
+    if (!aligned) return nullptr;
+    if (d <= 32 * 4 * 8) {
+      return rms ? VecForwardKernel<TY, TO, true, 8> : VecForwardKernel<TY, TO, false, 8>;
+    }
+    return rms ? VecForwardKernel<TY, TO, true, kMaxChunks>
+               : VecForwardKernel<TY, TO, false, kMaxChunks>;
+  }
+}
 
 }  // namespace
 
@@ -390,7 +483,10 @@ void LayerNormForwardCuda(const at::Tensor& x, const at::Tensor& y, const at::Te
             sum.defined() ? sum.data_ptr<float>() : nullptr, out.data_ptr<TO>(),
             mean.data_ptr<float>(), rstd.data_ptr<float>());
       };
-      if (rms) {
+      const ForwardFn<TY, TO> vec = PickForward<TY, TO>(x, y, gamma, beta, sum, out, rms);
+      if (vec != nullptr) {
+        launch(vec);
+      } else if (rms) {
         launch(ForwardKernel<TY, TO, true>);
       } else {
         launch(ForwardKernel<TY, TO, false>);
