@@ -192,6 +192,17 @@ TEST(FusedLinearCrossEntropyTest, MatchesLinearThenCrossEntropyOnTheCpu) {
   SetFusedLossChunkBytes(0);
 }
 
+TEST(FusedLinearCrossEntropyTest, NoRowsGiveZeroGradients) {
+  const torch::Tensor x = torch::randn({0, 8}).requires_grad_(true);
+  const torch::Tensor w = torch::randn({20, 8}).requires_grad_(true);
+  const torch::Tensor loss =
+      FusedLinearCrossEntropySum(x, w, torch::zeros({0}, torch::kLong), torch::Tensor());
+  loss.backward();
+  EXPECT_EQ(loss.item<double>(), 0.0);
+  ASSERT_TRUE(w.grad().defined());
+  EXPECT_EQ(w.grad().abs().max().item<double>(), 0.0);
+}
+
 TEST(FusedLinearCrossEntropyTest, BackwardRunsOnce) {
   // (The node scales its gradients in place on a GPU: a second backward would scale them twice.)
   torch::manual_seed(3);

@@ -341,8 +341,11 @@ torch::Tensor GpuLinear(const torch::Tensor& x, const torch::Tensor& weight,
 
 torch::Tensor GpuLinearResidual(const torch::Tensor& x, const torch::Tensor& weight,
                                 const torch::Tensor& residual) {
+  std::vector<int64_t> sizes = x.sizes().vec();
+  if (!sizes.empty()) sizes.back() = weight.size(0);
+  // (A residual that would broadcast: the composition's add.)
   if (UsesGpuLinear(x, weight, torch::Tensor()) && residual.defined() &&
-      residual.device() == x.device()) {
+      residual.device() == x.device() && residual.sizes() == c10::IntArrayRef(sizes)) {
     const c10::ScalarType dtype = AutocastScope::ProductType(x);
     return FusedDenseResidual::apply(
         x, weight, at::autocast::cached_cast(dtype, weight, c10::DeviceType::CUDA).detach(),
