@@ -148,13 +148,20 @@ void PrintJob(const v1::Job& job) {
       {"submitted", Ago(job.submit_time_ms(), NowMs())},
       {"started", Ago(job.start_time_ms(), NowMs())},
       {"ended", Ago(job.end_time_ms(), NowMs())},
-      {"model", absl::StrCat(m.kind(), " n_layer=", m.n_layer(), " n_head=", m.n_head(),
-                             " d_model=", m.d_model(), " seq_len=", m.seq_len(), " vocab=",
-                             m.vocab(), " (", HumanCount(ModelParameterCount(m)), " params)")},
-      {"data",
+      {"model",
        absl::StrCat(
-           s.data().path(), " (", s.data().format(), ")",
-           s.data().eval_path().empty() ? "" : absl::StrCat("; held out: ", s.data().eval_path()))},
+           m.kind(), m.from().empty() ? "" : absl::StrCat(" from=", TerminalSafe(m.from())),
+           " n_layer=", m.n_layer(), " n_head=", m.n_head(), " d_model=", m.d_model(),
+           " seq_len=", m.seq_len(), " vocab=", m.vocab(),
+           m.n_kv_head() > 0 ? absl::StrCat(" n_kv_head=", m.n_kv_head()) : "",
+           m.d_hidden() > 0 ? absl::StrCat(" d_hidden=", m.d_hidden()) : "",
+           m.tie_weights() ? " tied" : "",
+           m.activation().empty() ? "" : absl::StrCat(" activation=", TerminalSafe(m.activation())),
+           " (", HumanCount(ModelParameterCount(m)), " params)")},
+      {"data", absl::StrCat(s.data().path(), " (", s.data().format(), ")",
+                            s.data().eval_path().empty()
+                                ? ""
+                                : absl::StrCat("; held out: ", s.data().eval_path()))},
       {"train",
        absl::StrCat(
            "steps=", t.steps(), " micro_batch=", t.micro_batch(), " grad_accum=", t.grad_accum(),

@@ -463,6 +463,23 @@ TEST_F(YardE2eTest, DescribeAcceptsNumericAndPrefixedIds) {
   }
 }
 
+// The model's line names the shape's optional fields where the spec sets them: the tied head and
+// the GELU (model.activation).
+TEST_F(YardE2eTest, DescribeNamesTheModelsTiedHeadAndActivation) {
+  std::ifstream in(CharGptSpec());
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string shape = "vocab: 256}";
+  ASSERT_NE(text.find(shape), std::string::npos);
+  text.replace(text.find(shape), shape.size(),
+               "vocab: 256, tie_weights: true, activation: gelu_tanh}");
+  CommandResult submit = Yard({"submit", WriteSpec("tied.yaml", text)});
+  ASSERT_EQ(submit.exit_code, 0) << submit.err;
+  CommandResult r = Yard({"describe", "1"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, ContainsRegex("\nmodel: +gpt n_layer=4 n_head=4 d_model=256 seq_len=128 "
+                                   "vocab=256 tied activation=gelu_tanh \\([0-9.]+M params\\)\n"));
+}
+
 // spec.description, the first field added after the spec became one schema (issue 53): its
 // protobuf field, the line of `yard describe` that shows it and docs/job-spec.md; no parser,
 // default or check of its own. A job's text reaches the terminal with its controls escaped.
