@@ -18,17 +18,6 @@ std::atomic<int> g_gelu_path{0};
 std::atomic<int> g_residual_path{0};
 std::atomic<int> g_linear_residual_path{0};  // GpuLinearResidual's
 
-const char* PathName(int path) {
-  switch (path) {
-    case 1:
-      return "cublaslt";
-    case 2:
-      return "composition";
-    default:
-      return "none";
-  }
-}
-
 c10::optional<torch::Tensor> Optional(const torch::Tensor& t) {
   return t.defined() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
 }
@@ -286,12 +275,23 @@ class GeluMlpFunction : public torch::autograd::Function<GeluMlpFunction> {
 
 }  // namespace
 
+const char* KernelPathName(int path) {
+  switch (path) {
+    case 1:
+      return "cublaslt";
+    case 2:
+      return "composition";
+    default:
+      return "none";
+  }
+}
+
 void SetGpuLinearEnabled(bool enabled) { g_enabled.store(enabled); }
 
 bool GpuLinearEnabled() { return g_enabled.load(); }
 
 const char* GpuLinearBackwardPath() {
-  return PathName(g_backward_path.load(std::memory_order_relaxed));
+  return KernelPathName(g_backward_path.load(std::memory_order_relaxed));
 }
 
 bool UsesGpuLinear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
@@ -355,13 +355,13 @@ torch::Tensor GpuLinearResidual(const torch::Tensor& x, const torch::Tensor& wei
 }
 
 const char* GpuLinearResidualPath() {
-  return PathName(g_linear_residual_path.load(std::memory_order_relaxed));
+  return KernelPathName(g_linear_residual_path.load(std::memory_order_relaxed));
 }
 
-const char* GeluMlpPath() { return PathName(g_gelu_path.load(std::memory_order_relaxed)); }
+const char* GeluMlpPath() { return KernelPathName(g_gelu_path.load(std::memory_order_relaxed)); }
 
 const char* GeluMlpResidualPath() {
-  return PathName(g_residual_path.load(std::memory_order_relaxed));
+  return KernelPathName(g_residual_path.load(std::memory_order_relaxed));
 }
 
 bool UsesGeluEpilogue(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1,

@@ -35,6 +35,10 @@ torch::Tensor GpuLinearResidual(const torch::Tensor& x, const torch::Tensor& wei
 // (an add after it), or "none" before any. For tests.
 const char* GpuLinearResidualPath();
 
+// The name of a fused kernel's path as the *Path() functions give it: 1 "cublaslt" (in the
+// product or its epilogue), 2 "composition" (ATen's kernels), anything else "none" (none yet).
+const char* KernelPathName(int path);
+
 // Whether GpuLinear takes the fused path for these tensors: a CUDA build, the path enabled, CUDA
 // tensors under bf16 or fp16 autocast (AutocastScope) with gradients recorded, fp32 weight and
 // bias, x in fp32 or in autocast's dtype, matching sizes.

@@ -135,16 +135,7 @@ bool HasCrossEntropyKernel() { return TRAINYARD_CUDA_KERNELS != 0; }
 
 void SetFusedLossChunkBytes(int64_t bytes) { chunk_bytes = bytes > 0 ? bytes : kDefaultChunkBytes; }
 
-const char* FusedLinearCrossEntropyWeightPath() {
-  switch (weight_path.load()) {
-    case 1:
-      return "cublaslt";
-    case 2:
-      return "composition";
-    default:
-      return "none";
-  }
-}
+const char* FusedLinearCrossEntropyWeightPath() { return KernelPathName(weight_path.load()); }
 
 void CrossEntropyRows(const torch::Tensor& logits, const torch::Tensor& targets,
                       const torch::Tensor& weights, const torch::Tensor& loss, bool write_grad) {
