@@ -26,6 +26,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <type_traits>
 
 namespace trainyard::trainer {
@@ -427,6 +430,25 @@ ForwardFn<TY, TO> PickForward(const at::Tensor& x, const at::Tensor& y, const at
   }
 }
 
+// The blocks of `fn` (a backward kernel for width d) that fit on the current device at once.
+// Asked of the driver once per (device, kernel, width) and kept: eagerly the backward runs 25
+// times a step, and the occupancy query is a host call of microseconds each time.
+int64_t WaveBlocks(const void* fn, int64_t d) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, const void*, int64_t>, int64_t> waves;
+  const int device = at::cuda::current_device();
+  const auto key = std::make_tuple(device, fn, d);
+  const std::lock_guard<std::mutex> lock(mu);
+  if (const auto it = waves.find(key); it != waves.end()) return it->second;
+  int per_sm = 0;
+  C10_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, kThreads, BackwardSharedBytes(d)));
+  const int sms = at::cuda::getDeviceProperties(device)->multiProcessorCount;
+  const int64_t wave = int64_t{std::max(per_sm, 1)} * sms;
+  waves.emplace(key, wave);
+  return wave;
+}
+
 }  // namespace
 
 // Declared in layer_norm_cuda.h.
@@ -451,11 +473,7 @@ int64_t LayerNormBackwardBlocksCuda(int64_t rows, int64_t d, at::ScalarType dn_t
     TORCH_CHECK(fn != nullptr,
                 "LayerNormBackwardBlocksCuda: the kernel asked for cannot take width ", d);
     if (IsScalar<scalar_t>(fn)) return;
-    int per_sm = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, kThreads,
-                                                                 BackwardSharedBytes(d)));
-    const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    blocks = std::min<int64_t>(needed, int64_t{std::max(per_sm, 1)} * sms);
+    blocks = std::min<int64_t>(needed, WaveBlocks(reinterpret_cast<const void*>(fn), d));
   });
   return blocks;
 }
