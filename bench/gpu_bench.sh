@@ -87,7 +87,7 @@ run_case() {
   [ -n "$only" ] && [ "$only" != "$name" ] && return 0
   local variant flags
   # (TRAINYARD_BENCH_VARIANTS=auto: only the fused run, for a short GPU session.)
-  for variant in ${TRAINYARD_BENCH_VARIANTS:-auto eager-step plain-head plain-norm plain-linear erf-gelu big-chunks}; do
+  for variant in ${TRAINYARD_BENCH_VARIANTS:-auto eager-step plain-head plain-norm plain-linear erf-gelu big-chunks torch-adamw}; do
     local spec_model=$model
     case $variant in
       auto) flags=() ;;
@@ -101,6 +101,7 @@ run_case() {
       plain-norm) flags=(--fused-norm off) ;;
       plain-linear) flags=(--fused-linear off) ;;
       big-chunks) flags=(--loss-chunk-mib 1024) ;;
+      torch-adamw) flags=(--adamw-kernel torch) ;;
       *) echo "gpu_bench: unknown variant '$variant' (TRAINYARD_BENCH_VARIANTS)" >&2; exit 2 ;;
     esac
     cat >"$work/$name-$variant.yaml" <<SPEC
@@ -160,7 +161,7 @@ def vs(x):
         out += f", {x / comp['tokens_per_second']:.2f}x compile"
     return out
 print(f"| {name} | {gpu} | trainyard | {tps:,.0f} | {1e3 * step_s:.1f} | {mfu(tps):.1f}% | {peak_bytes / 2**30:.2f} GiB | {vs(tps)} |")
-for variant, label in (("eager-step", "eager step (--cuda-graphs off)"), ("plain-head", "plain head (--fused-loss off)"), ("plain-norm", "torch's norms (--fused-norm off)"), ("plain-linear", "autocast's linear (--fused-linear off)"), ("erf-gelu", "exact GELU (activation: gelu; no epilogue)"), ("big-chunks", "1 GiB loss chunks (--loss-chunk-mib 1024)")):
+for variant, label in (("eager-step", "eager step (--cuda-graphs off)"), ("plain-head", "plain head (--fused-loss off)"), ("plain-norm", "torch's norms (--fused-norm off)"), ("plain-linear", "autocast's linear (--fused-linear off)"), ("erf-gelu", "exact GELU (activation: gelu; no epilogue)"), ("big-chunks", "1 GiB loss chunks (--loss-chunk-mib 1024)"), ("torch-adamw", "LibTorch's fused AdamW (--adamw-kernel torch)")):
     if not os.path.exists(f"{work}/{name}-{variant}.jsonl"):
         continue
     _, v_tps, v_step_s, v_peak = trainyard(variant)

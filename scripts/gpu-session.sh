@@ -9,7 +9,7 @@
 #
 #   BUDGET=560 bash scripts/gpu-session.sh        # on the GPU machine, .gpu/ carried beside
 # FUSED_FILTER (gtest filter, default *Cuda*), GPT2_VARIANTS and LLAMA_VARIANTS (gpu_bench's,
-# default "auto big-chunks") narrow a short session. PROFILE=1 traces GPT-2 small and Llama 1B too (gpu_bench's
+# default "auto big-chunks", Llama's with "torch-adamw" too) narrow a short session. PROFILE=1 traces GPT-2 small and Llama 1B too (gpu_bench's
 # --profile, the trainer run eagerly unless TRAINYARD_PROFILE_FLAGS says otherwise, so each
 # kernel traces to its operation), packed as $OUT/profile.tgz (the device tool brings back only a
 # handful of files); EXAMPLE=0 leaves the example GPT out.
@@ -53,7 +53,7 @@ bench() {  # NAME TIMEOUT VARIANTS ARGS...
   el "$name"
 }
 bench gpt2 $((PROFILE ? 260 : 200)) "${GPT2_VARIANTS:-auto big-chunks}" --only gpt2-small
-bench llama $((PROFILE ? 260 : 190)) "${LLAMA_VARIANTS:-auto big-chunks}" --llama --only llama-1b
+bench llama $((PROFILE ? 290 : 220)) "${LLAMA_VARIANTS:-auto big-chunks torch-adamw}" --llama --only llama-1b
 [ "${EXAMPLE:-1}" = 1 ] && bench example 80 "auto" --only example-gpt
 l=$(left)
 if [ "$l" -gt 30 ]; then

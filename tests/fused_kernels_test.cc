@@ -2,7 +2,9 @@
 // gradients included: the cross-entropy rows kernel (kernels/fused_loss.h) against
 // F::cross_entropy in fp64; the fused linear + cross-entropy against linear then cross_entropy;
 // the models' Loss with the fused head against their plain head; the on-device gradient norm and
-// clipping divisor against the host's; SplitHeads against view, permute and unbind; SwiGlu
+// clipping divisor against the host's; AdamW's update of CUDA parameters (the project's
+// multi-tensor kernel and LibTorch's) against the update in fp64; SplitHeads against view,
+// permute and unbind; SwiGlu
 // against silu(gate) * up; the rotary embedding against each pair rotated in fp64; GpuLinear's
 // one-product weight and bias gradients against autocast's linear and exact sums. The CPU cases
 // run everywhere (the LibTorch composition behind the same interface); the Cuda cases run the
@@ -30,6 +32,7 @@
 #include "worker/trainer/kernels/split_heads.h"
 #include "worker/trainer/kernels/swiglu.h"
 #include "worker/trainer/model/model.h"
+#include "worker/trainer/optim/fused_adamw.h"
 #include "worker/trainer/runtime/device.h"
 #include "worker/trainer/runtime/torch_compat.h"
 
@@ -1554,6 +1557,163 @@ TEST(GeluMlpTest, CudaEpiloguesMatchTheComposition) {
   CheckGeluMlp(Precision::kBf16, {4096, 768}, 3072, 768, true, 78, true);
   CheckGeluMlp(Precision::kBf16, {2, 33, 64}, 256, 64, true, 79, true);
   CheckGeluMlp(Precision::kFp16, {300, 128}, 512, 128, true, 80, true);
+}
+
+// AdamW's update in fp64 (torch.optim.AdamW's formula) of fp32 tensors, on the CPU.
+struct AdamWState {
+  torch::Tensor p, g, m, v;
+};
+constexpr double kLr = 1e-2, kBeta1 = 0.9, kBeta2 = 0.95, kDecay = 0.1, kEps = 1e-8, kDivisor = 2.5;
+AdamWState ReferenceAdamW(const AdamWState& s, int64_t step) {
+  const auto f64 = [](const torch::Tensor& t) {
+    return t.detach().to(torch::kCPU, torch::kDouble);
+  };
+  const torch::Tensor g = f64(s.g) / kDivisor;
+  torch::Tensor p = f64(s.p) * (1 - kLr * kDecay);
+  const torch::Tensor m = kBeta1 * f64(s.m) + (1 - kBeta1) * g;
+  const torch::Tensor v = kBeta2 * f64(s.v) + (1 - kBeta2) * g * g;
+  const double bc1 = 1 - std::pow(kBeta1, step), bc2 = 1 - std::pow(kBeta2, step);
+  p = p - kLr / bc1 * m / (v.sqrt() / std::sqrt(bc2) + kEps);
+  return {p, s.g, m, v};
+}
+
+// Tensors of the sizes that test the kernel's edges: empty, shorter than a 4-value access, a
+// chunk's 16384 values and one either side, several chunks with a tail; 70 in all (two launches
+// of 64); one not 16-byte aligned (a view one value into its storage), for the one-value path.
+std::vector<AdamWState> RandomAdamWStates(const torch::Device& device) {
+  torch::manual_seed(31);
+  const std::vector<int64_t> sizes = {0, 1, 3, 5, 4096, 16383, 16384, 16385, 100003, 70001};
+  std::vector<AdamWState> states;
+  for (int i = 0; i < 70; ++i) {
+    const int64_t n = sizes[i % sizes.size()];
+    const auto f32 = torch::TensorOptions().device(device).dtype(torch::kFloat);
+    const auto make = [&](bool positive) {
+      torch::Tensor t = torch::randn({n + (i == 13 ? 1 : 0)}, f32);
+      if (positive) t = t.abs() * 0.01;
+      return i == 13 ? t.narrow(0, 1, n) : t;
+    };
+    states.push_back({make(false), make(false), make(false) * 0.1, make(true)});
+  }
+  return states;
+}
+
+// Runs FusedAdamWOnDevice at `step` over copies of `states` and checks each tensor against the
+// fp64 update: p's change, m and v. Returns the copies.
+std::vector<AdamWState> CheckAdamWAgainstFp64(const std::vector<AdamWState>& states, int64_t step,
+                                              const char* kernel) {
+  std::vector<AdamWState> got;
+  std::vector<torch::Tensor> ps, gs, ms, vs;
+  for (const AdamWState& s : states) {
+    got.push_back({s.p.clone(), s.g.clone(), s.m.clone(), s.v.clone()});
+    if (s.p.data_ptr() != s.p.storage().data()) {  // the unaligned view: keep it one
+      for (torch::Tensor* t : {&got.back().p, &got.back().g, &got.back().m, &got.back().v}) {
+        torch::Tensor buffer = torch::empty({t->numel() + 1}, t->options());
+        buffer.narrow(0, 1, t->numel()).copy_(*t);
+        *t = buffer.narrow(0, 1, t->numel());
+      }
+    }
+    ps.push_back(got.back().p);
+    gs.push_back(got.back().g);
+    ms.push_back(got.back().m);
+    vs.push_back(got.back().v);
+  }
+  FusedAdamWOnDevice(ps, gs, ms, vs, step, kLr, kBeta1, kBeta2, kDecay, kEps, 1.0 / kDivisor);
+  EXPECT_STREQ(DeviceAdamWKernel(), kernel);
+  for (size_t i = 0; i < states.size(); ++i) {
+    if (states[i].p.numel() == 0) continue;
+    SCOPED_TRACE(std::string(kernel) + " tensor " + std::to_string(i) + " of " +
+                 std::to_string(states[i].p.numel()));
+    const AdamWState want = ReferenceAdamW(states[i], step);
+    const torch::Tensor p0 = states[i].p.to(torch::kCPU, torch::kDouble);
+    // (The change is about 1e-2 of p: fp32's rounding of p is 1e-5 of it.)
+    EXPECT_LT(RelativeError(got[i].p.to(torch::kDouble).cpu() - p0, want.p - p0), 1e-4);
+    EXPECT_LT(RelativeError(got[i].m, want.m), 1e-6);
+    EXPECT_LT(RelativeError(got[i].v, want.v), 1e-6);
+  }
+  return got;
+}
+
+// The fp64 reference itself, against the CPU's AdamW (the parameter server's kernel, which
+// cpu_adam_test checks against PyTorch): FusedAdamWStep from a state made by a first step.
+TEST(AdamWTest, ReferenceMatchesTheCpuKernel) {
+  torch::manual_seed(32);
+  const torch::Tensor p = torch::randn({1001}), g1 = torch::randn({1001}),
+                      g2 = torch::randn({1001});
+  torch::Tensor param = p.clone().requires_grad_(true);
+  torch::optim::AdamW adamw(
+      {param},
+      torch::optim::AdamWOptions(kLr).betas({kBeta1, kBeta2}).eps(kEps).weight_decay(kDecay));
+  param.mutable_grad() = g1.clone();
+  FusedAdamWStep(adamw, kLr, 1.0 / kDivisor);
+  auto& st = AdamWStateOf(adamw, param, "test");
+  const AdamWState before = {param.detach().clone(), g2, st.exp_avg().clone(),
+                             st.exp_avg_sq().clone()};
+  param.mutable_grad() = g2.clone();
+  FusedAdamWStep(adamw, kLr, 1.0 / kDivisor);
+  const AdamWState want = ReferenceAdamW(before, 2);
+  const torch::Tensor p0 = before.p.to(torch::kDouble);
+  EXPECT_LT(RelativeError(param.detach().to(torch::kDouble) - p0, want.p - p0), 1e-4);
+  EXPECT_LT(RelativeError(st.exp_avg(), want.m), 1e-6);
+  EXPECT_LT(RelativeError(st.exp_avg_sq(), want.v), 1e-6);
+}
+
+// The project's multi-tensor kernel and LibTorch's fused one against the fp64 update, at step 1
+// and at step 3 from the first's state; the project's kernel leaves the gradients as they are.
+// Then each timed on Llama 3.2 1B's tensors (printed, for bench/RESULTS.md).
+TEST(AdamWTest, CudaKernelsMatchTheUpdateInFp64) {
+  SKIP_WITHOUT_CUDA();
+  const torch::Device device(torch::kCUDA, 0);
+  const std::vector<AdamWState> states = RandomAdamWStates(device);
+  SetOwnAdamWKernel(true);
+  const std::vector<AdamWState> own =
+      CheckAdamWAgainstFp64(states, 1, HasCrossEntropyKernel() ? "trainyard" : "torch");
+  for (size_t i = 0; i < states.size(); ++i) {
+    EXPECT_TRUE(torch::equal(own[i].g, states[i].g)) << i;
+  }
+  CheckAdamWAgainstFp64(own, 3, HasCrossEntropyKernel() ? "trainyard" : "torch");
+  SetOwnAdamWKernel(false);
+  CheckAdamWAgainstFp64(states, 1, "torch");
+  SetOwnAdamWKernel(true);
+
+  // Llama 3.2 1B's tensors a layer (q, k, v, o, gate, up, down, two norms) times 16, the
+  // embedding and the final norm: 1.24e9 values, 28 bytes of traffic each.
+  std::vector<int64_t> sizes = {128256LL * 2048, 2048};
+  for (int layer = 0; layer < 16; ++layer) {
+    for (const int64_t n : {2048LL * 2048, 512LL * 2048, 512LL * 2048, 2048LL * 2048, 8192LL * 2048,
+                            8192LL * 2048, 8192LL * 2048, 2048LL, 2048LL}) {
+      sizes.push_back(n);
+    }
+  }
+  std::vector<torch::Tensor> ps, gs, ms, vs;
+  double values = 0;
+  for (const int64_t n : sizes) {
+    const auto f32 = torch::TensorOptions().device(device).dtype(torch::kFloat);
+    ps.push_back(torch::randn({n}, f32));
+    gs.push_back(torch::randn({n}, f32) * 1e-3);
+    ms.push_back(torch::zeros({n}, f32));
+    vs.push_back(torch::zeros({n}, f32));
+    values += static_cast<double>(n);
+  }
+  std::string times;
+  for (const bool own_kernel : {true, false}) {
+    SetOwnAdamWKernel(own_kernel);
+    FusedAdamWOnDevice(ps, gs, ms, vs, 1, kLr, kBeta1, kBeta2, kDecay, kEps, 1.0);
+    constexpr int kCalls = 10;
+    torch::cuda::synchronize();
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < kCalls; ++i) {
+      FusedAdamWOnDevice(ps, gs, ms, vs, 2 + i, kLr, kBeta1, kBeta2, kDecay, kEps, 1.0 / kDivisor);
+    }
+    torch::cuda::synchronize();
+    const double ms_each =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+            .count() /
+        kCalls;
+    times += std::string(" ") + DeviceAdamWKernel() + " " + std::to_string(ms_each) + " ms (" +
+             std::to_string(static_cast<int>(values * 28 / ms_each / 1e6)) + " GB/s);";
+  }
+  SetOwnAdamWKernel(true);
+  std::cout << "adamw, Llama 3.2 1B's " << sizes.size() << " tensors:" << times << std::endl;
 }
 
 }  // namespace

@@ -33,6 +33,7 @@
 #include "worker/trainer/kernels/matmul_choice.h"
 #include "worker/trainer/kernels/onednn_matmul.h"
 #include "worker/trainer/model/model.h"
+#include "worker/trainer/optim/fused_adamw.h"
 #include "worker/trainer/optim/optimizers.h"
 #include "worker/trainer/parallel/parallel_dims.h"
 #include "worker/trainer/runtime/batches.h"
@@ -211,6 +212,7 @@ absl::Status Trainer::MakeModel() {
   model_options.fused_norms = o_.fused_norm != "off";
   SetGpuLinearEnabled(o_.fused_linear != "off");
   SetFusedLossChunkBytes(o_.loss_chunk_mib << 20);
+  SetOwnAdamWKernel(o_.adamw_kernel != "torch");
   model_options.lora = t_.lora;
   model_options.materialize = !dims_.from_rank0 || rank0_;
   model_ = BuildModel(m_, model_options, t_.seed);

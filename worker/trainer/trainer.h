@@ -60,6 +60,9 @@ struct TrainerOptions {
   // "auto": on a GPU under autocast the dense layers' weight and bias gradients come from one
   // cuBLASLt product (kernels/dense.h); "off": autocast's linear (benchmarks).
   std::string fused_linear = "auto";
+  // "auto": AdamW's update of CUDA parameters is the project's multi-tensor kernel where the
+  // build has it (kernels/adamw_cuda.h); "torch": LibTorch's _fused_adamw_ (benchmarks).
+  std::string adamw_kernel = "auto";
   // The fused head's chunk of logits in MiB (kernels/fused_loss.h; 0: its default, 256).
   int64_t loss_chunk_mib = 0;
   // "auto": on a GPU the step is captured as a CUDA graph and replayed where its layout allows

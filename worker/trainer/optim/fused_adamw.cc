@@ -4,13 +4,67 @@
 
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <unordered_set>
 
 #include "kernels/adam/cpu_adam.h"
+#if TRAINYARD_CUDA_KERNELS
+#include "worker/trainer/kernels/adamw_cuda.h"
+#endif
 
 namespace trainyard::trainer {
 
 namespace {
+
+std::atomic<bool> g_own_kernel{true};
+// DeviceAdamWKernel's answer: 0 none yet, 1 the project's kernel, 2 LibTorch's.
+std::atomic<int> g_device_path{0};
+
+// One AdamW update of CUDA tensors at `step` with `lr` (or, where lr_t and step_t are defined,
+// with the values they hold on the device when the update runs), the gradients divided by
+// `divisor` (undefined: 1): the project's multi-tensor kernel where it takes them and is chosen,
+// else LibTorch's _fused_adamw_.
+void DeviceAdamW(const std::vector<torch::Tensor>& ps, const std::vector<torch::Tensor>& grads,
+                 const std::vector<torch::Tensor>& m, const std::vector<torch::Tensor>& v,
+                 double lr, int64_t step, const torch::Tensor& lr_t, const torch::Tensor& step_t,
+                 double beta1, double beta2, double weight_decay, double eps,
+                 const torch::Tensor& divisor) {
+  if (ps.empty()) return;
+  torch::NoGradGuard no_grad;
+  const auto opts = ps[0].options().dtype(torch::kFloat);
+  const torch::Tensor div = divisor.defined() ? divisor.to(opts).reshape({}) : torch::Tensor();
+#if TRAINYARD_CUDA_KERNELS
+  if (g_own_kernel.load() && AdamWMultiTensorCudaTakes(ps, grads, m, v)) {
+    AdamWMultiTensorCuda(ps, grads, m, v, lr, step, lr_t, step_t, beta1, beta2, weight_decay, eps,
+                         div);
+    g_device_path = 1;
+    return;
+  }
+#endif
+#if TRAINYARD_TORCH2
+  // The kernel divides the gradients by its grad_scale.
+  std::optional<torch::Tensor> grad_scale;
+  if (div.defined()) grad_scale = div;
+  if (lr_t.defined()) {
+    const std::vector<torch::Tensor> state_steps(ps.size(), step_t);
+    at::_fused_adamw_(ps, grads, m, v, /*max_exp_avg_sqs=*/{}, state_steps, lr_t, beta1, beta2,
+                      weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false, grad_scale,
+                      std::nullopt);
+  } else {
+    // Every tensor is at the same step: one tensor read by the kernel for all of them.
+    const std::vector<torch::Tensor> state_steps(ps.size(),
+                                                 torch::full({}, static_cast<double>(step), opts));
+    at::_fused_adamw_(ps, grads, m, v, /*max_exp_avg_sqs=*/{}, state_steps, lr, beta1, beta2,
+                      weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false, grad_scale,
+                      std::nullopt);
+  }
+  g_device_path = 2;
+#else
+  (void)grads, (void)m, (void)v, (void)step, (void)lr, (void)lr_t, (void)step_t, (void)beta1;
+  (void)beta2, (void)weight_decay, (void)eps, (void)div;
+  TORCH_CHECK(false, "FusedAdamWOnDevice: this LibTorch has no CUDA");
+#endif
+}
 
 // The parameter's AdamW state, made as torch::optim::AdamW makes it (zero moments, step 0) the
 // first time, with its step count advanced for the update about to be applied.
@@ -125,24 +179,21 @@ void FusedAdamWOnDevice(const std::vector<torch::Tensor>& params,
                         const std::vector<torch::Tensor>& m, const std::vector<torch::Tensor>& v,
                         int64_t step, double lr, double beta1, double beta2, double weight_decay,
                         double eps, const torch::Tensor& grad_divisor) {
-  if (params.empty()) return;
-#if TRAINYARD_TORCH2
-  torch::NoGradGuard no_grad;
-  const auto opts = params[0].options().dtype(torch::kFloat);
-  // Every tensor is at the same step: one tensor read by the kernel for all of them.
-  const torch::Tensor steps = torch::full({}, static_cast<double>(step), opts);
-  const std::vector<torch::Tensor> state_steps(params.size(), steps);
-  // The kernel divides the gradients by its grad_scale.
-  std::optional<torch::Tensor> divisor;
-  if (grad_divisor.defined()) divisor = grad_divisor.to(opts).reshape({});
-  at::_fused_adamw_(params, grads, m, v, /*max_exp_avg_sqs=*/{}, state_steps, lr, beta1, beta2,
-                    weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false, divisor,
-                    std::nullopt);
-#else
-  (void)grads, (void)m, (void)v, (void)step, (void)lr, (void)beta1, (void)beta2;
-  (void)weight_decay, (void)eps, (void)grad_divisor;
-  TORCH_CHECK(false, "FusedAdamWOnDevice: this LibTorch has no CUDA");
-#endif
+  DeviceAdamW(params, grads, m, v, lr, step, torch::Tensor(), torch::Tensor(), beta1, beta2,
+              weight_decay, eps, grad_divisor);
+}
+
+void SetOwnAdamWKernel(bool enabled) { g_own_kernel = enabled; }
+
+const char* DeviceAdamWKernel() {
+  switch (g_device_path.load()) {
+    case 1:
+      return "trainyard";
+    case 2:
+      return "torch";
+    default:
+      return "none";
+  }
 }
 
 torch::optim::AdamWParamState& AdamWStateOf(torch::optim::AdamW& optimizer, const torch::Tensor& p,
@@ -194,18 +245,8 @@ void FusedAdamWFromDevice(torch::optim::AdamW& optimizer, const std::vector<torc
       m.push_back(st.exp_avg());
       v.push_back(st.exp_avg_sq());
     }
-    if (ps.empty()) continue;
-#if TRAINYARD_TORCH2
-    std::optional<torch::Tensor> divisor;
-    if (grad_divisor.defined()) divisor = grad_divisor.to(torch::kFloat).reshape({});
-    const std::vector<torch::Tensor> state_steps(ps.size(), step);
-    at::_fused_adamw_(ps, grads, m, v, /*max_exp_avg_sqs=*/{}, state_steps, lr,
-                      std::get<0>(options.betas()), std::get<1>(options.betas()),
-                      options.weight_decay(), options.eps(), /*amsgrad=*/false,
-                      /*maximize=*/false, divisor, std::nullopt);
-#else
-    TORCH_CHECK(false, "FusedAdamWFromDevice: this LibTorch has no CUDA");
-#endif
+    DeviceAdamW(ps, grads, m, v, 0.0, 0, lr, step, std::get<0>(options.betas()),
+                std::get<1>(options.betas()), options.weight_decay(), options.eps(), grad_divisor);
   }
 }
 

@@ -4,8 +4,9 @@
 // one, with the gradient-clipping scale folded in. The arithmetic is PyTorch's torch.optim.AdamW
 // (the Python one, whose lerp LibTorch's C++ AdamW writes as a multiply and an add: the two agree
 // to fp32 rounding), and the moments and step count stay in the torch::optim::AdamW's state, so
-// checkpoints are unchanged and can be read either way. Parameters on a GPU go to LibTorch's own
-// fused CUDA AdamW (torch.optim.AdamW(fused=True)), one launch for all of them.
+// checkpoints are unchanged and can be read either way. Parameters on a GPU go to the project's
+// multi-tensor CUDA kernel (kernels/adamw_cuda.h) in the CUDA build, or to LibTorch's own fused
+// CUDA AdamW (torch.optim.AdamW(fused=True)).
 #ifndef TRAINYARD_WORKER_TRAINER_OPTIM_FUSED_ADAMW_H_
 #define TRAINYARD_WORKER_TRAINER_OPTIM_FUSED_ADAMW_H_
 
@@ -31,9 +32,9 @@ void FusedAdamWStep(torch::optim::AdamW& optimizer, double lr, double grad_scale
 // tensor on their device, computed there: gradient clipping without reading the norm back).
 void FusedAdamWStep(torch::optim::AdamW& optimizer, double lr, const torch::Tensor& grad_divisor);
 
-// LibTorch's fused CUDA AdamW over GPU tensors at optimizer step `step` (already counted), the
-// gradients multiplied by `grad_scale`; one launch for all of them. The CUDA LibTorch only (a
-// TORCH_CHECK failure in the CPU one).
+// AdamW over GPU tensors at optimizer step `step` (already counted), the gradients multiplied by
+// `grad_scale`: the project's kernel (SetOwnAdamWKernel) or LibTorch's fused one. The CUDA
+// LibTorch only (a TORCH_CHECK failure in the CPU one).
 void FusedAdamWOnDevice(const std::vector<torch::Tensor>& params,
                         const std::vector<torch::Tensor>& grads,
                         const std::vector<torch::Tensor>& m, const std::vector<torch::Tensor>& v,
@@ -45,6 +46,14 @@ void FusedAdamWOnDevice(const std::vector<torch::Tensor>& params,
                         const std::vector<torch::Tensor>& m, const std::vector<torch::Tensor>& v,
                         int64_t step, double lr, double beta1, double beta2, double weight_decay,
                         double eps, const torch::Tensor& grad_divisor);
+
+// The process's choice of kernel for CUDA parameters (the trainer's --adamw-kernel): the
+// project's multi-tensor kernel where the build has it and the tensors suit it (contiguous fp32;
+// the default), or LibTorch's _fused_adamw_ always (false). Set before training.
+void SetOwnAdamWKernel(bool enabled);
+// Which kernel the last update of CUDA parameters ran: "trainyard", "torch", or "none" before
+// any. For tests.
+const char* DeviceAdamWKernel();
 
 // A CUDA graph's AdamW (runtime/step_graph.h): the update's host side and device side apart.
 // AdvanceAdamWSteps counts one more step for each of `params` (each must have its state: the
