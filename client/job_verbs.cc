@@ -29,6 +29,7 @@
 #include "client/output.h"
 #include "client/verbs.h"
 #include "client/yard_client.h"
+#include "common/cli_checks.h"
 #include "common/context_archive.h"
 #include "common/credentials.h"
 #include "common/log_text.h"
@@ -1144,20 +1145,20 @@ void AddJobVerbs(CLI::App& app, Cli& c) {
       "those fields of a spec file too, over what it says");
   submit->add_option("spec", spec_path, "job spec (YAML); optional with a program after --");
   submit->add_option("--gpus,--slots", sf.slots, "resources.slots: ranks (a GPU each on GPUs)")
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   submit->add_option("--cpus", sf.cpus, "resources.cpus: CPUs per rank (1.5: one and a half)")
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   submit->add_option("--memory", sf.memory, "resources.memory: memory per rank, e.g. 16GiB");
   submit
       ->add_option("--nodes,--nnodes", sf.nodes,
                    "resources.nodes: on exactly this many nodes, --gpus / N devices each "
                    "(--gpus defaults to N): torchrun's --nnodes")
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   submit
       ->add_option("--ranks-per-node,--nproc-per-node", sf.ranks_per_node,
                    "resources.ranks_per_node: ranks on each node, sharing its devices (a "
                    "multiple of them; default one per device): torchrun's --nproc-per-node")
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   submit->add_option("--name", sf.name, "name (default: the script's or the program's)");
   submit->add_option("--description", sf.description, "description: free text");
   submit->add_option("--env", sf.env, "env: NAME=VALUE for every rank (repeatable)");
@@ -1169,7 +1170,7 @@ void AddJobVerbs(CLI::App& app, Cli& c) {
                      "program after -- that names a script here: this folder)");
   submit->add_option("--priority", sf.priority, "priority: 1..100, higher first");
   submit->add_option("--max-restarts", sf.max_restarts, "max_restarts: attempts after a failure")
-      ->check(CLI::NonNegativeNumber);
+      ->check(NonNegative());
   submit
       ->add_option("--after", sf.after,
                    "after: start once these jobs (yours) have succeeded; fail at once if one "

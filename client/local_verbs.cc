@@ -10,6 +10,7 @@
 #include "client/local_cluster.h"
 #include "client/output.h"
 #include "client/verbs.h"
+#include "common/cli_checks.h"
 #include "common/credentials.h"
 #include "rpc/ps/tcp_congestion.h"
 
@@ -104,7 +105,7 @@ void AddLocalVerbs(CLI::App& app, Cli& c) {
       ->capture_default_str();
   up->add_option("--ps-memory-bytes", up_options.ps_memory_bytes,
                  "memory each parameter server offers (0: half this machine's)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(NonNegative());
   // On loopback, pacing (BBR without fq, say) only costs: reno unless the environment says.
   const char* congestion_env = std::getenv(trainyard::ps::kTcpCongestionEnv);  // (static storage)
   up_options.tcp_congestion = congestion_env != nullptr ? congestion_env : "reno";

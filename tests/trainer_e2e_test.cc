@@ -291,6 +291,33 @@ TEST_F(TrainerE2eTest, SeqLenLongerThanTheDataFailsWithAClearMessage) {
   EXPECT_THAT(r.err, HasSubstr(small));
 }
 
+// The hidden benchmark flags' bad values are refused naming the flag (CLI11 leaves a hidden
+// option's name out of its own message), as the listed flags' are; numbers out of range say the
+// bound (common/cli_checks.h), not CLI11's range up to the largest double.
+TEST_F(TrainerE2eTest, HiddenFlagsBadValuesNameTheFlag) {
+  const std::string trainer = testing::BinPath("trainyard-trainer");
+  struct Case {
+    std::vector<std::string> flag;
+    std::string error;
+  };
+  for (const Case& c :
+       {Case{{"--loss-chunk-mib", "-5"}, "--loss-chunk-mib: Value -5 not in range 0 to 65536"},
+        Case{{"--fused-loss", "bogus"}, "--fused-loss: bogus not in {auto,off}"},
+        Case{{"--fused-linear", "on"}, "--fused-linear: on not in {auto,off}"},
+        Case{{"--adamw-kernel", "apex"}, "--adamw-kernel: apex not in"},
+        Case{{"--peak-tflops", "-1"}, "--peak-tflops: must be >= 0, got -1"},
+        Case{{"--world-size", "0"}, "--world-size: must be > 0, got 0"},
+        Case{{"--threads", "two"}, "--threads: not a number: two"},
+        Case{{"--device", "tpu"}, "--device: tpu not in {cpu,cuda}"}}) {
+    std::vector<std::string> argv = {trainer, "--spec", "unused.yaml"};
+    argv.insert(argv.end(), c.flag.begin(), c.flag.end());
+    testing::CommandResult r = testing::RunCommand(argv);
+    EXPECT_NE(r.exit_code, 0) << c.flag[0];
+    EXPECT_THAT(r.err, HasSubstr(c.error)) << r.err;
+    EXPECT_THAT(r.err, Not(::testing::StartsWith(":"))) << r.err;
+  }
+}
+
 // A rank's context comes whole, from the worker's RankContext file, or whole from flags: a flag
 // beside --context, a missing flag, or a file that is not a context is refused naming it.
 TEST_F(TrainerE2eTest, TakesItsContextFromOneFileOrFromFlagsNotBoth) {

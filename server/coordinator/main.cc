@@ -10,6 +10,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "common/cli_checks.h"
 #include "common/coordinator_endpoints.h"
 #include "common/log_text.h"
 #include "common/server_main.h"
@@ -126,7 +127,7 @@ void AddSecurityFlags(CLI::App& app, CoordinatorOptions& options, Flags& f) {
                  "seconds between reads of --tls-cert, --tls-key and --tls-client-ca: renewed "
                  "files take effect for new connections without a restart")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(trainyard::Positive());
   app.add_flag("--insecure", options.tls.insecure,
                "serve without TLS on a non-loopback --listen address (tokens in clear)");
   app.add_option("--metrics-token-file", options.metrics_token_file,
@@ -154,7 +155,7 @@ void AddSecurityFlags(CLI::App& app, CoordinatorOptions& options, Flags& f) {
   app.add_option("--auth-failure-refill", f.refill_seconds,
                  "seconds after which one more failed authentication is forgiven")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(trainyard::Positive());
 }
 
 // What users, jobs and attempts may hold, and how long finished jobs are kept.
@@ -170,7 +171,7 @@ void AddLimitFlags(CLI::App& app, CoordinatorOptions& options, Flags& f) {
          "one more); a spec keeping more, or every one (keep_last 0), is refused (0: no "
          "cap)")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(trainyard::NonNegative());
   app.add_option("--max-pending-submits", limits.max_pending_submits,
                  "submissions waiting for the store, all users together, before a submit is "
                  "refused with RESOURCE_EXHAUSTED and retry advice (negative: no cap)")
@@ -181,23 +182,23 @@ void AddLimitFlags(CLI::App& app, CoordinatorOptions& options, Flags& f) {
   app.add_option("--rendezvous-max-keys", limits.rendezvous.max_keys,
                  "rendezvous keys and barriers one job attempt may hold")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(trainyard::Positive());
   app.add_option("--rendezvous-max-bytes", limits.rendezvous.max_bytes,
                  "bytes of rendezvous keys and values one job attempt may hold")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(trainyard::Positive());
   app.add_option("--rendezvous-max-value-bytes", limits.rendezvous.max_value_bytes,
                  "the largest rendezvous value")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(trainyard::Positive());
   app.add_option("--max-log-bytes-per-job", limits.max_log_bytes_per_job,
                  "log lines kept in memory per job (the oldest go first)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(trainyard::Positive());
   app.add_option("--max-metric-bytes-per-job", limits.max_metric_bytes_per_job,
                  "step reports kept in memory per job (the oldest go first)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(trainyard::Positive());
   app.add_option("--finished-job-retention", f.finished_retention,
                  "a finished job stays in memory this long; then it, its logs and its metrics "
                  "are read from the store (\"inf\": kept in memory until restart)")
@@ -209,12 +210,12 @@ void AddLimitFlags(CLI::App& app, CoordinatorOptions& options, Flags& f) {
   app.add_option("--history-log-bytes-per-job", limits.history.max_log_bytes_per_job,
                  "log bytes of a finished job written to the store (the newest lines)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(trainyard::Positive());
   app.add_option("--history-metric-bytes-per-job", limits.history.max_metric_bytes_per_job,
                  "step-report bytes of a finished job written to the store (thinned evenly, the "
                  "first and last steps kept)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(trainyard::Positive());
 }
 
 // The parsed flags into `options`; false (after saying why on stderr) when one is wrong.

@@ -13,6 +13,7 @@
 #include <CLI/CLI.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "common/cli_checks.h"
 #include "common/credentials.h"
 #include "common/log_text.h"
 #include "common/server_main.h"
@@ -46,9 +47,9 @@ int main(int argc, char** argv) {
                  "address trainers dial (default: the bound address)");
   app.add_option("--memory-bytes", options.capacity_bytes,
                  "memory offered to shards, 18 bytes per parameter (default: half the host's)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(trainyard::NonNegative());
   app.add_option("--threads", options.threads, "AdamW threads (default: every core)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(trainyard::NonNegative());
   app.add_option("--metrics-address", options.metrics_address,
                  "HOST:PORT of the Prometheus /metrics endpoint (port 0: a free one)");
   app.add_option("--max-message-bytes", options.max_message_bytes, "largest gRPC message")
@@ -75,7 +76,7 @@ int main(int argc, char** argv) {
                  "seconds between reads of --tls-cert and --tls-key (gRPC): renewed files take "
                  "effect for new connections without a restart")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(trainyard::Positive());
   app.add_option("--metrics-token-file", options.metrics_token_file,
                  "scrapes of /metrics need \"Authorization: Bearer <the file's token>\" (mode "
                  "0600)");

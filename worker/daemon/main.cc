@@ -31,6 +31,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
+#include "common/cli_checks.h"
 #include "common/credentials.h"
 #include "common/log_text.h"
 #include "common/metrics_endpoint.h"
@@ -190,7 +191,7 @@ void AddFlags(CLI::App& app, Flags& f, trainyard::worker::WorkerOptions& options
   app.add_option("--cpus-per-slot", f.cpus_per_slot,
                  "each rank's CPU quota, in CPUs (1.5: one and a half; as DefCpuPerGPU); "
                  "default none")
-      ->check(CLI::NonNegativeNumber);
+      ->check(trainyard::NonNegative());
   app.add_option("--gpu-device-files", f.gpu_device_files,
                  "each GPU's device file, by CUDA device number: a pattern with %d, or a comma "
                  "list; on cgroup v1 a rank's devices cgroup denies those of the GPUs it was not "
@@ -199,14 +200,14 @@ void AddFlags(CLI::App& app, Flags& f, trainyard::worker::WorkerOptions& options
   app.add_option("--cpus", f.host_cpus,
                  "CPUs the ranks may use together, as the scheduler counts them against jobs' "
                  "resources.cpus (default: the CPUs this worker may run on)")
-      ->check(CLI::PositiveNumber);
+      ->check(trainyard::Positive());
   app.add_option("--reserved-memory", f.reserved_memory,
                  "memory kept for the system and the worker: the ranks may use the rest, as the "
                  "scheduler counts it against jobs' resources.memory (as Slurm's MemSpecLimit)")
       ->capture_default_str();
   app.add_option("--pids-per-rank", f.pids_per_rank,
                  "processes and threads each rank may have (a fork bomb stops there; 0: none)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(trainyard::NonNegative())
       ->capture_default_str();
   app.add_option("--tls-ca", options.tls.ca_file,
                  "CA (PEM) to verify the coordinator and parameter servers with; also given to "

@@ -16,6 +16,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/cli_checks.h"
 #include "common/spec.h"
 #include "common/version.h"
 #include "rpc/ps/tcp_congestion.h"
@@ -194,6 +195,29 @@ std::optional<int> RunToolMode(int argc, char** argv) {
 }
 
 // The rank's flags into `o` (and the two files it may be given as).
+// CLI11 leaves a hidden option's name (group "") out of its validation errors ("Value -1 not in
+// range ..."): its check names the option itself.
+CLI::Validator NamedCheck(const std::string& flag, CLI::Validator check) {
+  std::string description = check.get_description();
+  return CLI::Validator(
+      [flag, check = std::move(check)](std::string& value) {
+        std::string error = check(value);
+        return error.empty() ? error : flag + ": " + error;
+      },
+      std::move(description));
+}
+
+// app.exit(e), except that a hidden option's error, which CLI11 prints with an empty name
+// (": --loss-chunk-mib: ..."; NamedCheck named it), loses the empty name's ": ".
+int ParseFailed(CLI::App& app, const CLI::ParseError& e) {
+  const std::string what = e.what();
+  if (e.get_exit_code() != 0 && what.rfind(": ", 0) == 0) {
+    std::cerr << what.substr(2) << "\nRun with --help for more information." << std::endl;
+    return e.get_exit_code();
+  }
+  return app.exit(e);
+}
+
 void AddRankFlags(CLI::App& app, TrainerOptions& o, std::string& spec_path,
                   std::string& context_path) {
   app.add_option("--context", context_path,
@@ -204,11 +228,11 @@ void AddRankFlags(CLI::App& app, TrainerOptions& o, std::string& spec_path,
   app.add_option("--spec", spec_path, "job spec: binary trainyard.v1.JobSpec, or .yaml/.yml");
   app.add_option("--job-id", o.job_id, "job id (rendezvous scope)");
   app.add_option("--attempt", o.attempt, "job attempt (rendezvous scope)");
-  app.add_option("--rank", o.rank, "this rank")->check(CLI::NonNegativeNumber);
-  app.add_option("--world-size", o.world_size, "number of ranks")->check(CLI::PositiveNumber);
+  app.add_option("--rank", o.rank, "this rank")->check(NonNegative());
+  app.add_option("--world-size", o.world_size, "number of ranks")->check(Positive());
   app.add_option("--coordinator", o.coordinator, "coordinator HOST:PORT");
   app.add_option("--checkpoint-dir", o.checkpoint_dir, "checkpoint directory shared by all ranks");
-  app.add_option("--threads", o.threads, "torch intra-op threads")->check(CLI::PositiveNumber);
+  app.add_option("--threads", o.threads, "torch intra-op threads")->check(Positive());
   app.add_option("--metrics-file", o.metrics_file, "rank 0 appends a JSON line per step");
   app.add_option("--dump-params", o.dump_params, "write all parameters here at the end");
   app.add_option("--stop-after-steps", o.stop_after_steps,
@@ -221,7 +245,7 @@ void AddRankFlags(CLI::App& app, TrainerOptions& o, std::string& spec_path,
   app.add_option("--ps-rpc-timeout", o.ps_rpc_timeout_s,
                  "offload: seconds one call to a parameter server may take (a push, an update and "
                  "pull) before the rank fails naming the server (default 120)")
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   app.add_option("--ps-tcp-congestion", o.ps_tcp_congestion,
                  "offload: TCP congestion control of the connections to parameter servers, e.g. "
                  "reno or cubic (default: the host's; see trainyard-ps --tcp-congestion)")
@@ -234,49 +258,55 @@ void AddRankFlags(CLI::App& app, TrainerOptions& o, std::string& spec_path,
       ->capture_default_str();
   app.add_option("--local-world-size", o.local_world_size,
                  "ranks of this job on this node (consecutive ranks share a node; default: all)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(NonNegative());
   app.add_option("--device", o.device, "the device the worker gave this rank: cpu or cuda")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
   app.add_option("--inject-overflow-at-step", o.inject_overflow_step,
                  "tests: under fp16, make this step's gradients overflow on rank 0")
-      ->check(CLI::NonNegativeNumber)
+      ->check(NamedCheck("--inject-overflow-at-step", NonNegative()))
       ->group("");  // hidden
   app.add_option("--fused-loss", o.fused_loss,
                  "auto: on a GPU the LM head and its cross-entropy run fused, in chunks of rows; "
                  "off: the plain head (benchmarks)")
-      ->check(CLI::IsMember({"auto", "off"}))
+      ->check(NamedCheck("--fused-loss", CLI::IsMember({"auto", "off"})))
       ->envname("TRAINYARD_FUSED_LOSS")
       ->group("");  // hidden
   app.add_option("--fused-norm", o.fused_norm,
                  "auto: on a GPU the GPT block's LayerNorms (the Llama layer's RMSNorms) run fused "
                  "with the residual add and the cast; off: torch's (benchmarks)")
-      ->check(CLI::IsMember({"auto", "off"}))
+      ->check(NamedCheck("--fused-norm", CLI::IsMember({"auto", "off"})))
       ->envname("TRAINYARD_FUSED_NORM")
       ->group("");  // hidden
   app.add_option(
          "--fused-linear", o.fused_linear,
          "auto: on a GPU under autocast a dense layer's weight and bias gradients come from "
          "one cuBLASLt product in fp32; off: autocast's linear (benchmarks)")
-      ->check(CLI::IsMember({"auto", "off"}))
+      ->check(NamedCheck("--fused-linear", CLI::IsMember({"auto", "off"})))
       ->envname("TRAINYARD_FUSED_LINEAR")
+      ->group("");  // hidden
+  app.add_option("--adamw-kernel", o.adamw_kernel,
+                 "auto: on a GPU AdamW's update is trainyard's multi-tensor kernel (CUDA build); "
+                 "torch: LibTorch's fused AdamW (benchmarks)")
+      ->check(NamedCheck("--adamw-kernel", CLI::IsMember({"auto", "torch"})))
+      ->envname("TRAINYARD_ADAMW_KERNEL")
       ->group("");  // hidden
   app.add_option("--loss-chunk-mib", o.loss_chunk_mib,
                  "the fused head's logits are computed this many MiB at a time (0: 256); larger "
                  "chunks, larger products and a higher peak (benchmarks)")
-      ->check(CLI::Range(int64_t{0}, int64_t{1} << 16))
+      ->check(NamedCheck("--loss-chunk-mib", CLI::Range(int64_t{0}, int64_t{1} << 16)))
       ->envname("TRAINYARD_LOSS_CHUNK_MIB")
       ->group("");  // hidden
   app.add_option("--cuda-graphs", o.cuda_graphs,
                  "auto: on a GPU the step is captured as a CUDA graph after a few eager steps and "
                  "replayed, where its layout allows (the log says); off: eager (benchmarks)")
-      ->check(CLI::IsMember({"auto", "off"}))
+      ->check(NamedCheck("--cuda-graphs", CLI::IsMember({"auto", "off"})))
       ->envname("TRAINYARD_CUDA_GRAPHS")
       ->group("");  // hidden
   app.add_option("--peak-tflops", o.peak_tflops,
                  "the GPU's dense peak TFLOP/s in the training's precision, for the MFU of each "
                  "step (default: a table of known GPUs)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(NamedCheck("--peak-tflops", NonNegative()))
       ->envname("TRAINYARD_PEAK_TFLOPS")
       ->group("");  // hidden
   app.add_option("--profile-steps", o.profile_steps,
@@ -308,7 +338,11 @@ int Main(int argc, char** argv) {
   std::string spec_path, context_path;
   TrainerOptions o;
   AddRankFlags(app, o, spec_path, context_path);
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return ParseFailed(app, e);
+  }
   absl::StatusOr<v1::JobSpec> spec;
   if (!context_path.empty()) {
     spec = ApplyContext(context_path, app, o);
