@@ -1543,6 +1543,49 @@ void CheckGeluMlp(Precision precision, const std::vector<int64_t>& shape, int64_
   }
 }
 
+// Under activation checkpointing (each block's forward run again in backward, its fused
+// Functions with it: GeluMlp's epilogues, the residual in the product, the stacked q/k/v split,
+// rotary, SwiGLU, the fused norms) a GPT with GPT-2's GELU and a Llama give the loss and
+// gradients of the same model without it.
+TEST(GeluMlpTest, CudaFusionsUnderActivationCheckpointing) {
+  SKIP_WITHOUT_CUDA();
+  const torch::Device cuda(torch::kCUDA, 0);
+  for (const std::string kind : {"gpt", "llama"}) {
+    SCOPED_TRACE(kind);
+    ModelConfig m = SmallModel(kind, true);
+    m.gelu_tanh = kind == "gpt";
+    ModelOptions recomputed_options;
+    recomputed_options.activation_checkpointing = true;
+    auto recomputed = BuildModel(m, recomputed_options, 9), plain = BuildModel(m, {}, 9);
+    recomputed->to(cuda);
+    plain->to(cuda);
+    torch::manual_seed(24);
+    const torch::Tensor windows =
+        torch::randint(m.vocab, {3, m.seq_len + 1}, torch::kLong).to(cuda);
+    torch::Tensor lr, lp;
+    {
+      AutocastScope autocast(cuda, Precision::kBf16);
+      lr = recomputed->Loss(windows);
+      lp = plain->Loss(windows);
+    }
+    lr.backward();
+    if (m.gelu_tanh) {
+      // (The last GeluMlp to run was a recomputed block's.)
+      EXPECT_STREQ(GeluMlpPath(), "cublaslt");
+      EXPECT_STREQ(GeluMlpResidualPath(), "cublaslt");
+    }
+    lp.backward();
+    // (The first forward records no gradients, so its products may take other paths: bf16's
+    // rounding apart, as in the other model cases.)
+    EXPECT_LT(RelativeError(lr, lp), 1e-2);
+    auto pr = recomputed->named_parameters(), pp = plain->named_parameters();
+    for (const auto& item : pp) {
+      ASSERT_TRUE(pr[item.key()].grad().defined()) << item.key();
+      EXPECT_LT(RelativeError(pr[item.key()].grad(), item.value().grad()), 3e-2) << item.key();
+    }
+  }
+}
+
 TEST(GeluMlpTest, CudaEpiloguesMatchTheComposition) {
   SKIP_WITHOUT_CUDA();
   // GPT-2 small's MLP on 4096 tokens, an odd number of rows, a 3-D input, a frozen first
