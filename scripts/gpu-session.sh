@@ -36,7 +36,7 @@ t=$(left)
 [ "$t" -lt 1 ] && t=1
 TRAINYARD_REQUIRE_CUDA=1 timeout "$t" build-gpu/tests/fused_kernels_test --gtest_filter="${FUSED_FILTER:-*Cuda*}" >"$out/fused.txt" 2>&1
 echo "fused rc=$?"
-grep -a -E "^\[  (PASSED|FAILED) |^\[       OK|^\[  FAILED|Failure|dense:|norm backward" "$out/fused.txt" | head -60
+grep -a -E "^\[  (PASSED|FAILED) |^\[       OK|^\[  FAILED|Failure|dense:|norm backward|adamw" "$out/fused.txt" | head -60
 el fused
 bench() {  # NAME TIMEOUT VARIANTS ARGS...
   local name=$1 t=$2 variants=$3; shift 3
