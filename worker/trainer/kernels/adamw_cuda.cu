@@ -12,6 +12,7 @@
 #include "worker/trainer/kernels/adamw_cuda.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <map>
@@ -141,9 +142,14 @@ int64_t WaveBlocks(int device) {
   return wave;
 }
 
+std::atomic<int64_t> g_blocks_for_test{0};
+
 const float* DataOrNull(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
 
 }  // namespace
+
+// Declared in adamw_cuda.h.
+void SetAdamWBlocksForTest(int64_t blocks) { g_blocks_for_test = blocks; }
 
 // Declared in adamw_cuda.h.
 bool AdamWMultiTensorCudaTakes(const std::vector<at::Tensor>& params,
@@ -197,7 +203,8 @@ void AdamWMultiTensorCuda(const std::vector<at::Tensor>& params,
   h.beta2 = static_cast<float>(beta2);
   h.weight_decay = static_cast<float>(weight_decay);
   h.eps = static_cast<float>(eps);
-  const int64_t wave = WaveBlocks(device.index());
+  const int64_t cap = g_blocks_for_test.load();
+  const int64_t wave = cap > 0 ? cap : WaveBlocks(device.index());
   TensorList list;
   list.count = 0;
   list.first_chunk[0] = 0;

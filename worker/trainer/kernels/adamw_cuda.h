@@ -39,6 +39,10 @@ void AdamWMultiTensorCuda(const std::vector<at::Tensor>& params,
                           double beta2, double weight_decay, double eps,
                           const at::Tensor& grad_divisor);
 
+// Tests: launch at most `blocks` blocks (0: one wave, as many as fit on the card), so that a few
+// blocks walk many chunks and cross from tensor to tensor.
+void SetAdamWBlocksForTest(int64_t blocks);
+
 }  // namespace trainyard::trainer
 
 #endif  // TRAINYARD_WORKER_TRAINER_KERNELS_ADAMW_CUDA_H_
