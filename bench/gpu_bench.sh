@@ -78,13 +78,26 @@ profile_case() {
   gzip -f "$profile/$name"-*.json 2>/dev/null || true
 }
 
-# NAME BATCH DATA FORMAT MODEL_YAML REFERENCE_ARGS...: trainyard (fused head, then plain head),
-# PyTorch eager and torch.compile on one model; Markdown rows on stdout.
+# NAME BATCH DATA FORMAT MODEL_YAML REFERENCE_ARGS...: PyTorch eager and torch.compile, then
+# trainyard (the fused run, then each comparison variant) on one model; Markdown rows on stdout,
+# each as its run ends.
 run_case() {
   local name=$1 batch=$2 data=$3 format=$4 model=$5
   shift 5
   local ref=("$@")
   [ -n "$only" ] && [ "$only" != "$name" ] && return 0
+  # PyTorch's runs first: each of trainyard's rows is printed as its run ends, its ratios beside
+  # it, so a case cut short (a device session's time) keeps the rows it finished.
+  local args=("${ref[@]}" --batch "$batch" --steps "$steps" --warmup-steps "$warmup")
+  local eager_trace=() compile_trace=()
+  if [ -n "$profile" ]; then
+    eager_trace=(--profile "$profile/$name-eager.json")
+    compile_trace=(--profile "$profile/$name-compile.json")
+  fi
+  python3 bench/gpu_reference.py "${args[@]}" ${eager_trace[@]+"${eager_trace[@]}"} >"$work/$name.eager.json"
+  python3 bench/gpu_reference.py "${args[@]}" --compile ${compile_trace[@]+"${compile_trace[@]}"} \
+    >"$work/$name.compile.json" 2>"$work/$name.compile.err" ||
+    echo '{"tokens_per_second": 0, "step_ms": 0, "peak_bytes": 0}' >"$work/$name.compile.json"
   local variant flags
   # (TRAINYARD_BENCH_VARIANTS=auto: only the fused run, for a short GPU session.)
   for variant in ${TRAINYARD_BENCH_VARIANTS:-auto eager-step plain-head plain-norm plain-linear erf-gelu big-chunks torch-adamw}; do
@@ -122,35 +135,32 @@ SPEC
       # (A comparison variant's failure costs its row only; the fused run's is the case's end.)
       [ "$variant" = auto ] && exit 1
       rm -f "$work/$name-$variant.jsonl"
+      continue
     }
+    row "$name" "$variant"
   done
-  local args=("${ref[@]}" --batch "$batch" --steps "$steps" --warmup-steps "$warmup")
-  local eager_trace=() compile_trace=()
-  if [ -n "$profile" ]; then
-    eager_trace=(--profile "$profile/$name-eager.json")
-    compile_trace=(--profile "$profile/$name-compile.json")
-  fi
-  python3 bench/gpu_reference.py "${args[@]}" ${eager_trace[@]+"${eager_trace[@]}"} >"$work/$name.eager.json"
-  python3 bench/gpu_reference.py "${args[@]}" --compile ${compile_trace[@]+"${compile_trace[@]}"} \
-    >"$work/$name.compile.json" 2>"$work/$name.compile.err" ||
-    echo '{"tokens_per_second": 0, "step_ms": 0, "peak_bytes": 0}' >"$work/$name.compile.json"
   [ -n "$profile" ] && profile_case "$name"
-  python3 - "$work" "$name" "$warmup" "$peak_tflops" "$gpu" "${ref[@]}" <<'PY'
+  return 0
+}
+
+# NAME VARIANT: trainyard's row for the run (auto's with PyTorch's two rows after it), its MFU
+# from the parameter count its log states, its ratios against PyTorch's runs of the case.
+row() {
+  python3 - "$work" "$1" "$2" "$warmup" "$peak_tflops" "$gpu" "${ref[@]}" <<'PY'
 import json, statistics, sys
-work, name, warmup, peak, gpu = sys.argv[1:6]
-ref = sys.argv[6:]
+work, name, variant, warmup, peak, gpu = sys.argv[1:7]
+ref = sys.argv[7:]
 warmup, peak = int(warmup), float(peak)
 arg = lambda flag: int(ref[ref.index(flag) + 1])
 layers, d, t = arg("--n-layer"), arg("--d-model"), arg("--seq-len")
-def trainyard(variant):
-    rows = [json.loads(l) for l in open(f"{work}/{name}-{variant}.jsonl")]
-    timed = [r for r in rows if r["step"] > warmup]
-    return (rows, statistics.median(r["tokens_per_second"] for r in timed),
-            statistics.median(r["step_seconds"] for r in timed),
-            max(r.get("device_peak_bytes", 0) for r in rows))
-import os
-rows, tps, step_s, peak_bytes = trainyard("auto")
-params = next(int(l.split()[5]) for l in open(f"{work}/{name}-auto.log", errors="replace") if "parameters," in l and "model," in l)
+labels = {"auto": "trainyard", "eager-step": "trainyard, eager step (--cuda-graphs off)", "plain-head": "trainyard, plain head (--fused-loss off)", "plain-norm": "trainyard, torch's norms (--fused-norm off)", "plain-linear": "trainyard, autocast's linear (--fused-linear off)", "erf-gelu": "trainyard, exact GELU (activation: gelu; no epilogue)", "big-chunks": "trainyard, 1 GiB loss chunks (--loss-chunk-mib 1024)", "torch-adamw": "trainyard, LibTorch's fused AdamW (--adamw-kernel torch)"}
+log = f"{work}/{name}-{variant}.log"
+rows = [json.loads(l) for l in open(f"{work}/{name}-{variant}.jsonl")]
+timed = [r for r in rows if r["step"] > warmup]
+tps = statistics.median(r["tokens_per_second"] for r in timed)
+step_s = statistics.median(r["step_seconds"] for r in timed)
+peak_bytes = max(r.get("device_peak_bytes", 0) for r in rows)
+params = next(int(l.split()[5]) for l in open(log, errors="replace") if "parameters," in l and "model," in l)
 flops_per_token = 6 * params + 12 * layers * d * t  # forward + backward, attention included (causal counted whole)
 def mfu(x): return 100 * x * flops_per_token / (peak * 1e12)
 eager = json.load(open(f"{work}/{name}.eager.json"))
@@ -160,19 +170,16 @@ def vs(x):
     if comp["tokens_per_second"] > 0:
         out += f", {x / comp['tokens_per_second']:.2f}x compile"
     return out
-print(f"| {name} | {gpu} | trainyard | {tps:,.0f} | {1e3 * step_s:.1f} | {mfu(tps):.1f}% | {peak_bytes / 2**30:.2f} GiB | {vs(tps)} |")
-for variant, label in (("eager-step", "eager step (--cuda-graphs off)"), ("plain-head", "plain head (--fused-loss off)"), ("plain-norm", "torch's norms (--fused-norm off)"), ("plain-linear", "autocast's linear (--fused-linear off)"), ("erf-gelu", "exact GELU (activation: gelu; no epilogue)"), ("big-chunks", "1 GiB loss chunks (--loss-chunk-mib 1024)"), ("torch-adamw", "LibTorch's fused AdamW (--adamw-kernel torch)")):
-    if not os.path.exists(f"{work}/{name}-{variant}.jsonl"):
-        continue
-    _, v_tps, v_step_s, v_peak = trainyard(variant)
-    print(f"| {name} | {gpu} | trainyard, {label} | {v_tps:,.0f} | {1e3 * v_step_s:.1f} | {mfu(v_tps):.1f}% | {v_peak / 2**30:.2f} GiB | {vs(v_tps)} |")
-print(f"| {name} | {gpu} | PyTorch eager | {eager['tokens_per_second']:,.0f} | {eager['step_ms']:.1f} | {mfu(eager['tokens_per_second']):.1f}% | {eager['peak_bytes'] / 2**30:.2f} GiB | |")
-if comp["tokens_per_second"] > 0:
-    print(f"| {name} | {gpu} | PyTorch torch.compile | {comp['tokens_per_second']:,.0f} | {comp['step_ms']:.1f} | {mfu(comp['tokens_per_second']):.1f}% | {comp['peak_bytes'] / 2**30:.2f} GiB | |")
-else:
-    print(f"| {name} | {gpu} | PyTorch torch.compile | failed (see its stderr) | | | | |")
-print(f"{name}: " + "; ".join(l.strip() for l in open(f"{work}/{name}-auto.log", errors="replace") if "cuda graphs:" in l), file=sys.stderr)
-print(f"losses {name}: " + " ".join(f"{r['loss']:.3f}" for r in rows[:3]) + " ... " + f"{rows[-1]['loss']:.3f}", file=sys.stderr)
+print(f"| {name} | {gpu} | {labels[variant]} | {tps:,.0f} | {1e3 * step_s:.1f} | {mfu(tps):.1f}% | {peak_bytes / 2**30:.2f} GiB | {vs(tps)} |")
+if variant == "auto":
+    print(f"| {name} | {gpu} | PyTorch eager | {eager['tokens_per_second']:,.0f} | {eager['step_ms']:.1f} | {mfu(eager['tokens_per_second']):.1f}% | {eager['peak_bytes'] / 2**30:.2f} GiB | |")
+    if comp["tokens_per_second"] > 0:
+        print(f"| {name} | {gpu} | PyTorch torch.compile | {comp['tokens_per_second']:,.0f} | {comp['step_ms']:.1f} | {mfu(comp['tokens_per_second']):.1f}% | {comp['peak_bytes'] / 2**30:.2f} GiB | |")
+    else:
+        print(f"| {name} | {gpu} | PyTorch torch.compile | failed (see its stderr) | | | | |")
+    print(f"{name}: " + "; ".join(l.strip() for l in open(log, errors="replace") if "cuda graphs:" in l), file=sys.stderr)
+    print(f"losses {name}: " + " ".join(f"{r['loss']:.3f}" for r in rows[:3]) + " ... " + f"{rows[-1]['loss']:.3f}", file=sys.stderr)
+sys.stdout.flush()
 PY
 }
 
