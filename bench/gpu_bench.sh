@@ -11,7 +11,8 @@
 # (--fused-linear off: what the weight and bias gradients from one cuBLASLt product buy, and with
 # them the MLP's GELU and residual epilogues, which are the dense layers' path), with the fused
 # head's logits 1 GiB a chunk instead of 256 MiB (--loss-chunk-mib 1024: fewer, larger products,
-# a higher peak); a GPT
+# a higher peak) and with LibTorch's fused AdamW (--adamw-kernel torch: what the project's
+# multi-tensor kernel buys); a GPT
 # with GPT-2's tanh GELU also runs with the exact GELU (activation: gelu, which has no cuBLASLt
 # epilogue: what the GELU in the products' epilogues buys; the PyTorch runs keep tanh's). Prints
 # tokens/s (median over the timed steps), step time, MFU and peak GPU memory, and the ratios, as

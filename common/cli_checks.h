@@ -1,6 +1,7 @@
 // Checks of command-line numbers whose errors read as the user wrote the value: "must be >= 0,
 // got -1", where CLI11's NonNegativeNumber says "Value -1 not in range 0.000000 to " and the
-// largest double's 309 digits. For the programs' CLI11 options (yard, the servers, the worker,
+// largest double's 309 digits; inf and nan are refused (CLI11's took nan). For the programs' CLI11
+// options (yard, the servers, the worker,
 // the trainer); header only, as CLI11 is.
 #ifndef TRAINYARD_COMMON_CLI_CHECKS_H_
 #define TRAINYARD_COMMON_CLI_CHECKS_H_
@@ -8,6 +9,7 @@
 #include <CLI/CLI.hpp>
 
 #include <cerrno>
+#include <cmath>
 #include <cstdlib>
 #include <string>
 
@@ -22,9 +24,8 @@ inline CLI::Validator AtLeastZero(bool zero_allowed) {
         char* end = nullptr;
         errno = 0;
         const double x = std::strtod(begin, &end);
-        if (value.empty() || end != begin + value.size() || errno == ERANGE) {
-          return "not a number: " + value;
-        }
+        if (value.empty() || end != begin + value.size()) return "not a number: " + value;
+        if (errno == ERANGE || !std::isfinite(x)) return "out of range: " + value;
         if (zero_allowed ? x >= 0 : x > 0) return std::string();
         return std::string(zero_allowed ? "must be >= 0" : "must be > 0") + ", got " + value;
       },

@@ -308,6 +308,8 @@ TEST_F(TrainerE2eTest, HiddenFlagsBadValuesNameTheFlag) {
         Case{{"--peak-tflops", "-1"}, "--peak-tflops: must be >= 0, got -1"},
         Case{{"--world-size", "0"}, "--world-size: must be > 0, got 0"},
         Case{{"--threads", "two"}, "--threads: not a number: two"},
+        Case{{"--ps-rpc-timeout", "inf"}, "--ps-rpc-timeout: out of range: inf"},
+        Case{{"--inject-overflow-at-step", "1.5"}, "--inject-overflow-at-step:"},
         Case{{"--device", "tpu"}, "--device: tpu not in {cpu,cuda}"}}) {
     std::vector<std::string> argv = {trainer, "--spec", "unused.yaml"};
     argv.insert(argv.end(), c.flag.begin(), c.flag.end());

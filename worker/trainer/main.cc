@@ -194,7 +194,6 @@ std::optional<int> RunToolMode(int argc, char** argv) {
   return std::nullopt;
 }
 
-// The rank's flags into `o` (and the two files it may be given as).
 // CLI11 leaves a hidden option's name (group "") out of its validation errors ("Value -1 not in
 // range ..."): its check names the option itself.
 CLI::Validator NamedCheck(const std::string& flag, CLI::Validator check) {
@@ -218,6 +217,7 @@ int ParseFailed(CLI::App& app, const CLI::ParseError& e) {
   return app.exit(e);
 }
 
+// The rank's flags into `o` (and the two files it may be given as).
 void AddRankFlags(CLI::App& app, TrainerOptions& o, std::string& spec_path,
                   std::string& context_path) {
   app.add_option("--context", context_path,
@@ -264,7 +264,8 @@ void AddRankFlags(CLI::App& app, TrainerOptions& o, std::string& spec_path,
       ->capture_default_str();
   app.add_option("--inject-overflow-at-step", o.inject_overflow_step,
                  "tests: under fp16, make this step's gradients overflow on rank 0")
-      ->check(NamedCheck("--inject-overflow-at-step", NonNegative()))
+      ->check(NamedCheck("--inject-overflow-at-step",
+                         CLI::Range(int64_t{0}, std::numeric_limits<int64_t>::max())))
       ->group("");  // hidden
   app.add_option("--fused-loss", o.fused_loss,
                  "auto: on a GPU the LM head and its cross-entropy run fused, in chunks of rows; "

@@ -106,8 +106,8 @@ void CpuStep(const torch::optim::AdamWOptions& options, torch::Tensor& p,
   });
 }
 
-// CUDA parameters: LibTorch's fused AdamW kernel (torch.optim.AdamW(fused=True)), one launch for
-// every tensor, the gradients divided by `grad_divisor` (undefined: 1).
+// CUDA parameters: DeviceAdamW (the project's multi-tensor kernel, or LibTorch's fused one), the
+// gradients divided by `grad_divisor` (undefined: 1).
 void CudaStep(torch::optim::AdamW& optimizer, const torch::optim::AdamWOptions& options,
               const std::vector<torch::Tensor>& params, double lr,
               const torch::Tensor& grad_divisor) {

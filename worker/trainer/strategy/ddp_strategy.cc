@@ -93,7 +93,7 @@ class DdpStrategy : public DataParallelStrategy {
         return absl::StrCat("train.optimizer ", Name(train().optimizer), " is not AdamW");
       }
       return "train.no_weight_decay gives AdamW a parameter group each, stepped by the "
-             "per-parameter optimizer, not LibTorch's fused AdamW";
+             "per-parameter optimizer, not the fused AdamW";
     }
     return "";
   }
