@@ -244,9 +244,11 @@ RESUMING_PROGRAM = RESUME_PRELUDE + """
                 print(f"stopping at step {{step}}", flush=True)
                 sys.exit(0)
         # Once, in the first attempt that gets there (not by its number: an attempt lost before
-        # its ranks ran, to a node's fault, is not a restart and leaves the next one number 2).
+        # its ranks ran, to a node's fault, is not a restart and leaves the next one number 2);
+        # at crash_at, or at its first step if it resumed past it (ranks start apart: under load
+        # rank 0 may have saved step 6 before rank 1 reads the folder).
         crashed = os.path.join(ctx.checkpoint_dir, "rank-1-crashed")
-        if step == crash_at and ctx.rank == 1 and not os.path.exists(crashed):
+        if crash_at and step >= crash_at and ctx.rank == 1 and not os.path.exists(crashed):
             deadline = time.time() + 30
             while ctx.latest_checkpoint("step-*") is None and time.time() < deadline:
                 time.sleep(0.01)  # once rank 0's first checkpoint is there
@@ -272,7 +274,8 @@ def test_a_killed_rank_restarts_the_attempt_from_the_latest_checkpoint(client, t
     assert len(crashed) == 1, lines
     first, last = crashed[0], done.attempt
     assert done.restarts == 1 and last > first, (done, lines)
-    # Rank 0 checkpointed step 3 before rank 1 crashed at step 4; the program has no barrier, so
+    # Rank 0 checkpointed step 3 before rank 1 crashed at step 4 (or, had rank 1 started after
+    # rank 0's step 6, at step 7); the program has no barrier, so
     # rank 0 may have gone on, and it saves again when told to stop (its next report, or the
     # SIGTERM, in its grace). The next attempt starts from the last it saved, whole.
     stopped = [int(t.split()[-1]) for a, r, t in lines if a == first and r == 0
