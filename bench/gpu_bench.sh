@@ -60,6 +60,26 @@ array.array('H', (r.randrange(50304) for _ in range(16 * 1025 * 8))).tofile(open
 # Llama 3's vocabulary does not fit uint16: uint32 tokens.
 array.array('I', (r.randrange(128256) for _ in range(4 * 2049 * 8))).tofile(open('$work/tokens.u32', 'wb'))"
 
+# trainyard's runs of each model, one a line: VARIANT|WHAT|FLAGS. auto is the fused run; each
+# other one changes one thing (its trainer flags; erf-gelu the model's GELU instead, where the
+# model has GPT-2's) and is labelled "trainyard, WHAT (FLAGS)" in its row.
+declare -A variant_what variant_flags
+variants=()
+while IFS='|' read -r variant what flags; do
+  variants+=("$variant")
+  variant_what[$variant]=$what
+  variant_flags[$variant]=$flags
+done <<'VARIANTS'
+auto||
+eager-step|eager step|--cuda-graphs off
+plain-head|plain head|--fused-loss off
+plain-norm|torch's norms|--fused-norm off
+plain-linear|autocast's linear|--fused-linear off
+erf-gelu|exact GELU (activation: gelu; no epilogue)|
+big-chunks|1 GiB loss chunks|--loss-chunk-mib 1024
+torch-adamw|LibTorch's fused AdamW|--adamw-kernel torch
+VARIANTS
+
 # NAME: trainyard's trace of 3 steps after the untimed ones (run_case's spec; eager's and
 # compile's were taken after their timed steps), and the summary in $profile/NAME.md. A failed
 # trace is said and skipped, not the bench's end.
@@ -101,23 +121,17 @@ run_case() {
     echo '{"tokens_per_second": 0, "step_ms": 0, "peak_bytes": 0}' >"$work/$name.compile.json"
   local variant flags
   # (TRAINYARD_BENCH_VARIANTS=auto: only the fused run, for a short GPU session.)
-  for variant in ${TRAINYARD_BENCH_VARIANTS:-auto eager-step plain-head plain-norm plain-linear erf-gelu big-chunks torch-adamw}; do
+  for variant in ${TRAINYARD_BENCH_VARIANTS:-${variants[*]}}; do
+    if [ -z "${variant_what[$variant]+set}" ]; then
+      echo "gpu_bench: unknown variant '$variant' (TRAINYARD_BENCH_VARIANTS; one of: ${variants[*]})" >&2
+      exit 2
+    fi
     local spec_model=$model
-    case $variant in
-      auto) flags=() ;;
-      erf-gelu)
-        [[ $model == *"activation: gelu_tanh"* ]] || continue
-        flags=()
-        spec_model=${model/activation: gelu_tanh/activation: gelu}
-        ;;
-      eager-step) flags=(--cuda-graphs off) ;;
-      plain-head) flags=(--fused-loss off) ;;
-      plain-norm) flags=(--fused-norm off) ;;
-      plain-linear) flags=(--fused-linear off) ;;
-      big-chunks) flags=(--loss-chunk-mib 1024) ;;
-      torch-adamw) flags=(--adamw-kernel torch) ;;
-      *) echo "gpu_bench: unknown variant '$variant' (TRAINYARD_BENCH_VARIANTS)" >&2; exit 2 ;;
-    esac
+    read -r -a flags <<<"${variant_flags[$variant]}"
+    if [ "$variant" = erf-gelu ]; then
+      [[ $model == *"activation: gelu_tanh"* ]] || continue
+      spec_model=${model/activation: gelu_tanh/activation: gelu}
+    fi
     cat >"$work/$name-$variant.yaml" <<SPEC
 name: $name
 resources: {slots: 1}
@@ -129,7 +143,7 @@ SPEC
     rm -f "$work/$name-$variant.jsonl"
     "$trainer" --spec "$work/$name-$variant.yaml" --job-id "" --attempt 1 --rank 0 --world-size 1 \
       --coordinator 127.0.0.1:1 --checkpoint-dir "" --device cuda --threads 4 \
-      "${flags[@]}" --metrics-file "$work/$name-$variant.jsonl" \
+      ${flags[@]+"${flags[@]}"} --metrics-file "$work/$name-$variant.jsonl" \
       >"$work/$name-$variant.log" 2>&1 || {
       tail -20 "$work/$name-$variant.log" >&2
       echo "gpu_bench: $name ($variant) failed" >&2
@@ -138,23 +152,23 @@ SPEC
       rm -f "$work/$name-$variant.jsonl"
       continue
     }
-    row "$name" "$variant"
+    local what=${variant_what[$variant]} flagtext=${variant_flags[$variant]}
+    row "$name" "$variant" "trainyard${what:+, $what}${flagtext:+ ($flagtext)}"
   done
   [ -n "$profile" ] && profile_case "$name"
   return 0
 }
 
-# NAME VARIANT: trainyard's row for the run (auto's with PyTorch's two rows after it), its MFU
+# NAME VARIANT LABEL: trainyard's row for the run (auto's with PyTorch's two rows after it), its MFU
 # from the parameter count its log states, its ratios against PyTorch's runs of the case.
 row() {
-  python3 - "$work" "$1" "$2" "$warmup" "$peak_tflops" "$gpu" "${ref[@]}" <<'PY'
+  python3 - "$work" "$1" "$2" "$3" "$warmup" "$peak_tflops" "$gpu" "${ref[@]}" <<'PY'
 import json, statistics, sys
-work, name, variant, warmup, peak, gpu = sys.argv[1:7]
-ref = sys.argv[7:]
+work, name, variant, label, warmup, peak, gpu = sys.argv[1:8]
+ref = sys.argv[8:]
 warmup, peak = int(warmup), float(peak)
 arg = lambda flag: int(ref[ref.index(flag) + 1])
 layers, d, t = arg("--n-layer"), arg("--d-model"), arg("--seq-len")
-labels = {"auto": "trainyard", "eager-step": "trainyard, eager step (--cuda-graphs off)", "plain-head": "trainyard, plain head (--fused-loss off)", "plain-norm": "trainyard, torch's norms (--fused-norm off)", "plain-linear": "trainyard, autocast's linear (--fused-linear off)", "erf-gelu": "trainyard, exact GELU (activation: gelu; no epilogue)", "big-chunks": "trainyard, 1 GiB loss chunks (--loss-chunk-mib 1024)", "torch-adamw": "trainyard, LibTorch's fused AdamW (--adamw-kernel torch)"}
 log = f"{work}/{name}-{variant}.log"
 rows = [json.loads(l) for l in open(f"{work}/{name}-{variant}.jsonl")]
 timed = [r for r in rows if r["step"] > warmup]
@@ -171,7 +185,7 @@ def vs(x):
     if comp["tokens_per_second"] > 0:
         out += f", {x / comp['tokens_per_second']:.2f}x compile"
     return out
-print(f"| {name} | {gpu} | {labels[variant]} | {tps:,.0f} | {1e3 * step_s:.1f} | {mfu(tps):.1f}% | {peak_bytes / 2**30:.2f} GiB | {vs(tps)} |")
+print(f"| {name} | {gpu} | {label} | {tps:,.0f} | {1e3 * step_s:.1f} | {mfu(tps):.1f}% | {peak_bytes / 2**30:.2f} GiB | {vs(tps)} |")
 if variant == "auto":
     print(f"| {name} | {gpu} | PyTorch eager | {eager['tokens_per_second']:,.0f} | {eager['step_ms']:.1f} | {mfu(eager['tokens_per_second']):.1f}% | {eager['peak_bytes'] / 2**30:.2f} GiB | |")
     if comp["tokens_per_second"] > 0:
