@@ -91,7 +91,7 @@ if ! cmake --build build -j "$jobs"; then
   wait "$venvs_pid" || true
   exit 1
 fi
-echo "setup: built into $(pwd)/build/bin"
+echo "setup: built into $(pwd)/build/bin (${SECONDS} s since setup began)"
 if ! wait "$venvs_pid"; then
   echo "setup: making the test venvs failed (above)" >&2
   exit 1
