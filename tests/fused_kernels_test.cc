@@ -252,36 +252,57 @@ ModelConfig SmallModel(const std::string& kind, bool tied) {
   return m;
 }
 
+// Two models of `m` from the same seed, each with its own options, on `device`, and the batch
+// (3 windows from `batch_seed`) both train on.
+struct ModelPair {
+  std::shared_ptr<LanguageModel> a, b;
+  torch::Tensor windows;
+};
+ModelPair TwoModels(const ModelConfig& m, const ModelOptions& a_options,
+                    const ModelOptions& b_options, const torch::Device& device, uint64_t model_seed,
+                    uint64_t batch_seed) {
+  ModelPair pair{BuildModel(m, a_options, model_seed), BuildModel(m, b_options, model_seed), {}};
+  pair.a->to(device);
+  pair.b->to(device);
+  torch::manual_seed(batch_seed);
+  pair.windows = torch::randint(m.vocab, {3, m.seq_len + 1}, torch::kLong).to(device);
+  return pair;
+}
+
+// Each of `reference`'s parameters has a gradient in `model`, within `tolerance` of its own.
+void ExpectGradientsMatch(LanguageModel& model, LanguageModel& reference, double tolerance,
+                          const std::string& what = "") {
+  auto got = model.named_parameters();
+  for (const auto& item : reference.named_parameters()) {
+    ASSERT_TRUE(got[item.key()].grad().defined()) << what << item.key();
+    EXPECT_LT(RelativeError(got[item.key()].grad(), item.value().grad()), tolerance)
+        << what << item.key();
+  }
+}
+
 // A model's Loss and MaskedLossSum with the fused head give the plain head's loss and gradients.
 void CheckModel(const ModelConfig& m, const torch::Device& device, bool bf16, double tolerance) {
   SCOPED_TRACE(testing::Message() << m.kind << (m.tie_weights ? " tied" : "") << " " << device
                                   << (bf16 ? " bf16" : ""));
-  auto fused = BuildModel(m, {}, 7), plain = BuildModel(m, {}, 7);
-  fused->set_fused_loss(LanguageModel::FusedLoss::kOn);
-  plain->set_fused_loss(LanguageModel::FusedLoss::kOff);
-  ASSERT_TRUE(fused->UsesFusedLoss(device));
-  ASSERT_FALSE(plain->UsesFusedLoss(device));
-  fused->to(device);
-  plain->to(device);
-  torch::manual_seed(21);
-  const torch::Tensor windows =
-      torch::randint(m.vocab, {3, m.seq_len + 1}, torch::kLong).to(device);
+  ModelPair pair = TwoModels(m, {}, {}, device, 7, 21);
+  LanguageModel &fused = *pair.a, &plain = *pair.b;
+  fused.set_fused_loss(LanguageModel::FusedLoss::kOn);
+  plain.set_fused_loss(LanguageModel::FusedLoss::kOff);
+  ASSERT_TRUE(fused.UsesFusedLoss(device));
+  ASSERT_FALSE(plain.UsesFusedLoss(device));
+  const torch::Tensor& windows = pair.windows;
   const torch::Tensor weights = (torch::rand({3, m.seq_len}) > 0.5).to(torch::kFloat).to(device);
   const Precision precision = bf16 ? Precision::kBf16 : Precision::kFp32;
   torch::Tensor lf, lp;
   {
     AutocastScope autocast(device, precision);
-    lf = fused->Loss(windows) + fused->MaskedLossSum(windows, weights) * 0.1;
-    lp = plain->Loss(windows) + plain->MaskedLossSum(windows, weights) * 0.1;
+    lf = fused.Loss(windows) + fused.MaskedLossSum(windows, weights) * 0.1;
+    lp = plain.Loss(windows) + plain.MaskedLossSum(windows, weights) * 0.1;
   }
   lf.backward();
   lp.backward();
   EXPECT_LT(RelativeError(lf, lp), tolerance);
-  auto pf = fused->named_parameters(), pp = plain->named_parameters();
-  for (const auto& item : pp) {
-    ASSERT_TRUE(pf[item.key()].grad().defined()) << item.key();
-    EXPECT_LT(RelativeError(pf[item.key()].grad(), item.value().grad()), tolerance) << item.key();
-  }
+  ExpectGradientsMatch(fused, plain, tolerance);
 }
 
 TEST(FusedLossModelTest, GptAndLlamaMatchThePlainHeadOnTheCpu) {
@@ -621,25 +642,28 @@ bool GraphHas(const std::shared_ptr<torch::autograd::Node>& root, const std::str
   return false;
 }
 
-// The GPT and the Llama with their fused norms (the blocks' arrangement of the residual stream
-// around them) give the plain modules' loss and gradients.
+// The GPT (with GPT-2's GELU) and the Llama with their fused norms (the blocks' arrangement of the
+// residual stream around them) give the plain modules' loss and gradients; so do they under
+// activation checkpointing, each block's forward run again in backward with its fused Functions
+// (the norms, and on a GPU GeluMlp's epilogues, the residual in the product, the stacked q/k/v
+// split, rotary, SwiGLU).
 void CheckModelNorms(const torch::Device& device, bool bf16) {
   for (const std::string kind : {"gpt", "llama"}) {
     SCOPED_TRACE(kind + (bf16 ? " bf16" : " fp32"));
-    const ModelConfig m = SmallModel(kind, true);
-    ModelOptions plain_options;
+    ModelConfig m = SmallModel(kind, true);
+    m.gelu_tanh = kind == "gpt";
+    ModelOptions plain_options, recomputed_options;
     plain_options.fused_norms = false;
-    auto fused = BuildModel(m, {}, 9), plain = BuildModel(m, plain_options, 9);
-    fused->to(device);
-    plain->to(device);
-    torch::manual_seed(22);
-    const torch::Tensor windows =
-        torch::randint(m.vocab, {3, m.seq_len + 1}, torch::kLong).to(device);
+    recomputed_options.activation_checkpointing = true;
+    ModelPair pair = TwoModels(m, {}, plain_options, device, 9, 22);
+    LanguageModel &fused = *pair.a, &plain = *pair.b;
+    const torch::Tensor& windows = pair.windows;
+    const Precision precision = bf16 ? Precision::kBf16 : Precision::kFp32;
     torch::Tensor lf, lp;
     {
-      AutocastScope autocast(device, bf16 ? Precision::kBf16 : Precision::kFp32);
-      lf = fused->Loss(windows);
-      lp = plain->Loss(windows);
+      AutocastScope autocast(device, precision);
+      lf = fused.Loss(windows);
+      lp = plain.Loss(windows);
     }
     EXPECT_TRUE(GraphHas(lf.grad_fn(), "FusedLayerNorm"));
     EXPECT_FALSE(GraphHas(lp.grad_fn(), "FusedLayerNorm"));
@@ -647,46 +671,42 @@ void CheckModelNorms(const torch::Device& device, bool bf16) {
     lp.backward();
     const double tolerance = bf16 ? 3e-2 : 1e-5;
     EXPECT_LT(RelativeError(lf, lp), tolerance);
-    auto pf = fused->named_parameters(), pp = plain->named_parameters();
-    for (const auto& item : pp) {
-      EXPECT_LT(RelativeError(pf[item.key()].grad(), item.value().grad()), tolerance) << item.key();
-    }
+    ExpectGradientsMatch(fused, plain, tolerance);
     // A block's input reaches the graph through one node (the first norm's), where the plain
     // block's reaches it through two or more.
     {
-      AutocastScope autocast(device, bf16 ? Precision::kBf16 : Precision::kFp32);
+      AutocastScope autocast(device, precision);
       auto users = [&](LanguageModel& model) {
         const torch::Tensor x =
             model.Embed(windows.slice(1, 0, m.seq_len)).detach().requires_grad_(true);
         const torch::Tensor out = model.BlockForward(0, x).sum();
         return EdgesTo(out.grad_fn(), torch::autograd::impl::grad_accumulator(x).get());
       };
-      EXPECT_EQ(users(*fused), 1);
-      EXPECT_GE(users(*plain), 2);
+      EXPECT_EQ(users(fused), 1);
+      EXPECT_GE(users(plain), 2);
     }
-    // Evaluation (no gradients recorded) and activation checkpointing (each block's forward run
-    // again in backward) give the same.
+    // Evaluation (no gradients recorded) and activation checkpointing give the same.
     {
       torch::NoGradGuard no_grad;
-      AutocastScope autocast(device, bf16 ? Precision::kBf16 : Precision::kFp32);
-      EXPECT_LT(RelativeError(fused->Loss(windows), lp), tolerance);
+      AutocastScope autocast(device, precision);
+      EXPECT_LT(RelativeError(fused.Loss(windows), lp), tolerance);
     }
-    ModelOptions recomputed_options;
-    recomputed_options.activation_checkpointing = true;
     auto recomputed = BuildModel(m, recomputed_options, 9);
     recomputed->to(device);
+    ResetKernelPathsForTest();
     torch::Tensor lr;
     {
-      AutocastScope autocast(device, bf16 ? Precision::kBf16 : Precision::kFp32);
+      AutocastScope autocast(device, precision);
       lr = recomputed->Loss(windows);
     }
     lr.backward();
-    EXPECT_LT(RelativeError(lr, lp), tolerance);
-    auto pr = recomputed->named_parameters();
-    for (const auto& item : pp) {
-      EXPECT_LT(RelativeError(pr[item.key()].grad(), item.value().grad()), tolerance)
-          << "recomputed " << item.key();
+    if (device.is_cuda() && bf16 && kind == "gpt") {
+      // (The last GeluMlp to run was a block's forward run again in backward.)
+      EXPECT_STREQ(GeluMlpPath(), "cublaslt") << "recomputed";
+      EXPECT_STREQ(GeluMlpResidualPath(), "cublaslt") << "recomputed";
     }
+    EXPECT_LT(RelativeError(lr, lp), tolerance);
+    ExpectGradientsMatch(*recomputed, plain, tolerance, "recomputed ");
   }
 }
 
@@ -926,12 +946,7 @@ TEST(SwiGluTest, CudaLlamaMatchesTheCpu) {
   cpu->Loss(windows).backward();
   const torch::Tensor loss = gpu->Loss(windows.to(torch::kCUDA));
   loss.backward();
-  auto cpu_params = cpu->named_parameters(), gpu_params = gpu->named_parameters();
-  for (const auto& item : cpu_params) {
-    const torch::Tensor& g = gpu_params[item.key()].grad();
-    ASSERT_TRUE(g.defined()) << item.key();
-    EXPECT_LT(RelativeError(g, item.value().grad()), 1e-4) << item.key();
-  }
+  ExpectGradientsMatch(*gpu, *cpu, 1e-4);
 }
 
 }  // namespace
@@ -1223,20 +1238,16 @@ TEST(GpuLinearTest, CudaGptAndLlamaMatchAutocastsLinear) {
     ModelConfig m = SmallModel(kind, true);
     m.gelu_tanh = name.find("gelu_tanh") != std::string::npos;
     if (kind == "mlp") m.d_hidden = 64;
-    auto fused = BuildModel(m, {}, 9), plain = BuildModel(m, {}, 9);
-    fused->to(cuda);
-    plain->to(cuda);
-    torch::manual_seed(23);
-    const torch::Tensor windows =
-        torch::randint(m.vocab, {3, m.seq_len + 1}, torch::kLong).to(cuda);
+    ModelPair pair = TwoModels(m, {}, {}, cuda, 9, 23);
+    LanguageModel &fused = *pair.a, &plain = *pair.b;
     torch::Tensor lf, lp;
     std::string residual_path;
     {
       AutocastScope autocast(cuda, Precision::kBf16);
-      lf = fused->Loss(windows);
+      lf = fused.Loss(pair.windows);
       residual_path = GpuLinearResidualPath();
       GpuLinearOff off;
-      lp = plain->Loss(windows);
+      lp = plain.Loss(pair.windows);
     }
     const bool stacked_f = GraphHas(lf.grad_fn(), "CatBackward"),
                stacked_p = GraphHas(lp.grad_fn(), "CatBackward");
@@ -1254,10 +1265,9 @@ TEST(GpuLinearTest, CudaGptAndLlamaMatchAutocastsLinear) {
       EXPECT_STREQ(GeluMlpResidualPath(), "cublaslt");
     }
     EXPECT_LT(RelativeError(lf, lp), 1e-2);
-    auto pf = fused->named_parameters(), pp = plain->named_parameters();
-    for (const auto& item : pp) {
-      EXPECT_EQ(pf[item.key()].grad().scalar_type(), torch::kFloat) << item.key();
-      EXPECT_LT(RelativeError(pf[item.key()].grad(), item.value().grad()), 3e-2) << item.key();
+    ExpectGradientsMatch(fused, plain, 3e-2);
+    for (const auto& item : fused.named_parameters()) {
+      EXPECT_EQ(item.value().grad().scalar_type(), torch::kFloat) << item.key();
     }
   }
 }
@@ -1543,49 +1553,6 @@ void CheckGeluMlp(Precision precision, const std::vector<int64_t>& shape, int64_
   if (residual) {
     EXPECT_TRUE(f.residual.grad().equal(p.residual.grad()));
     EXPECT_TRUE(f.residual.grad().equal(dy));
-  }
-}
-
-// Under activation checkpointing (each block's forward run again in backward, its fused
-// Functions with it: GeluMlp's epilogues, the residual in the product, the stacked q/k/v split,
-// rotary, SwiGLU, the fused norms) a GPT with GPT-2's GELU and a Llama give the loss and
-// gradients of the same model without it.
-TEST(GeluMlpTest, CudaFusionsUnderActivationCheckpointing) {
-  SKIP_WITHOUT_CUDA();
-  const torch::Device cuda(torch::kCUDA, 0);
-  for (const std::string kind : {"gpt", "llama"}) {
-    SCOPED_TRACE(kind);
-    ModelConfig m = SmallModel(kind, true);
-    m.gelu_tanh = kind == "gpt";
-    ModelOptions recomputed_options;
-    recomputed_options.activation_checkpointing = true;
-    auto recomputed = BuildModel(m, recomputed_options, 9), plain = BuildModel(m, {}, 9);
-    recomputed->to(cuda);
-    plain->to(cuda);
-    torch::manual_seed(24);
-    const torch::Tensor windows =
-        torch::randint(m.vocab, {3, m.seq_len + 1}, torch::kLong).to(cuda);
-    torch::Tensor lr, lp;
-    {
-      AutocastScope autocast(cuda, Precision::kBf16);
-      lr = recomputed->Loss(windows);
-      lp = plain->Loss(windows);
-    }
-    lr.backward();
-    if (m.gelu_tanh) {
-      // (The last GeluMlp to run was a recomputed block's.)
-      EXPECT_STREQ(GeluMlpPath(), "cublaslt");
-      EXPECT_STREQ(GeluMlpResidualPath(), "cublaslt");
-    }
-    lp.backward();
-    // (The first forward records no gradients, so its products may take other paths: bf16's
-    // rounding apart, as in the other model cases.)
-    EXPECT_LT(RelativeError(lr, lp), 1e-2);
-    auto pr = recomputed->named_parameters(), pp = plain->named_parameters();
-    for (const auto& item : pp) {
-      ASSERT_TRUE(pr[item.key()].grad().defined()) << item.key();
-      EXPECT_LT(RelativeError(pr[item.key()].grad(), item.value().grad()), 3e-2) << item.key();
-    }
   }
 }
 

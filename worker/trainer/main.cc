@@ -194,20 +194,29 @@ std::optional<int> RunToolMode(int argc, char** argv) {
   return std::nullopt;
 }
 
-// CLI11 leaves a hidden option's name (group "") out of its validation errors ("Value -1 not in
-// range ..."): its check names the option itself.
-CLI::Validator NamedCheck(const std::string& flag, CLI::Validator check) {
-  std::string description = check.get_description();
-  return CLI::Validator(
-      [flag, check = std::move(check)](std::string& value) {
-        std::string error = check(value);
-        return error.empty() ? error : flag + ": " + error;
-      },
-      std::move(description));
+// A hidden option (group ""; tests, benchmarks, developers), settable from `env` when one is
+// given. CLI11 leaves a hidden option's name out of its validation errors ("Value -1 not in
+// range ..."), so its check is wrapped to name the option; the name is written once, here.
+template <typename T>
+CLI::Option* AddHidden(CLI::App& app, const std::string& flag, T& value, const std::string& help,
+                       std::optional<CLI::Validator> check = std::nullopt,
+                       const std::string& env = "") {
+  CLI::Option* option = app.add_option(flag, value, help)->group("");
+  if (check.has_value()) {
+    std::string description = check->get_description();
+    option->check(CLI::Validator(
+        [flag, check = *std::move(check)](std::string& text) {
+          std::string error = check(text);
+          return error.empty() ? error : flag + ": " + error;
+        },
+        std::move(description)));
+  }
+  if (!env.empty()) option->envname(env);
+  return option;
 }
 
 // app.exit(e), except that a hidden option's error, which CLI11 prints with an empty name
-// (": --loss-chunk-mib: ..."; NamedCheck named it), loses the empty name's ": ".
+// (": --loss-chunk-mib: ..."; AddHidden named it), loses the empty name's ": ".
 int ParseFailed(CLI::App& app, const CLI::ParseError& e) {
   const std::string what = e.what();
   if (e.get_exit_code() != 0 && what.rfind(": ", 0) == 0) {
@@ -262,60 +271,41 @@ void AddRankFlags(CLI::App& app, TrainerOptions& o, std::string& spec_path,
   app.add_option("--device", o.device, "the device the worker gave this rank: cpu or cuda")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
-  app.add_option("--inject-overflow-at-step", o.inject_overflow_step,
-                 "tests: under fp16, make this step's gradients overflow on rank 0")
-      ->check(NamedCheck("--inject-overflow-at-step",
-                         CLI::Range(int64_t{0}, std::numeric_limits<int64_t>::max())))
-      ->group("");  // hidden
-  app.add_option("--fused-loss", o.fused_loss,
-                 "auto: on a GPU the LM head and its cross-entropy run fused, in chunks of rows; "
-                 "off: the plain head (benchmarks)")
-      ->check(NamedCheck("--fused-loss", CLI::IsMember({"auto", "off"})))
-      ->envname("TRAINYARD_FUSED_LOSS")
-      ->group("");  // hidden
-  app.add_option("--fused-norm", o.fused_norm,
-                 "auto: on a GPU the GPT block's LayerNorms (the Llama layer's RMSNorms) run fused "
-                 "with the residual add and the cast; off: torch's (benchmarks)")
-      ->check(NamedCheck("--fused-norm", CLI::IsMember({"auto", "off"})))
-      ->envname("TRAINYARD_FUSED_NORM")
-      ->group("");  // hidden
-  app.add_option(
-         "--fused-linear", o.fused_linear,
-         "auto: on a GPU under autocast a dense layer's weight and bias gradients come from "
-         "one cuBLASLt product in fp32; off: autocast's linear (benchmarks)")
-      ->check(NamedCheck("--fused-linear", CLI::IsMember({"auto", "off"})))
-      ->envname("TRAINYARD_FUSED_LINEAR")
-      ->group("");  // hidden
-  app.add_option("--adamw-kernel", o.adamw_kernel,
-                 "auto: on a GPU AdamW's update is trainyard's multi-tensor kernel (CUDA build); "
-                 "torch: LibTorch's fused AdamW (benchmarks)")
-      ->check(NamedCheck("--adamw-kernel", CLI::IsMember({"auto", "torch"})))
-      ->envname("TRAINYARD_ADAMW_KERNEL")
-      ->group("");  // hidden
-  app.add_option("--loss-chunk-mib", o.loss_chunk_mib,
-                 "the fused head's logits are computed this many MiB at a time (0: 256); larger "
-                 "chunks, larger products and a higher peak (benchmarks)")
-      ->check(NamedCheck("--loss-chunk-mib", CLI::Range(int64_t{0}, int64_t{1} << 16)))
-      ->envname("TRAINYARD_LOSS_CHUNK_MIB")
-      ->group("");  // hidden
-  app.add_option("--cuda-graphs", o.cuda_graphs,
-                 "auto: on a GPU the step is captured as a CUDA graph after a few eager steps and "
-                 "replayed, where its layout allows (the log says); off: eager (benchmarks)")
-      ->check(NamedCheck("--cuda-graphs", CLI::IsMember({"auto", "off"})))
-      ->envname("TRAINYARD_CUDA_GRAPHS")
-      ->group("");  // hidden
-  app.add_option("--peak-tflops", o.peak_tflops,
-                 "the GPU's dense peak TFLOP/s in the training's precision, for the MFU of each "
-                 "step (default: a table of known GPUs)")
-      ->check(NamedCheck("--peak-tflops", NonNegative()))
-      ->envname("TRAINYARD_PEAK_TFLOPS")
-      ->group("");  // hidden
-  app.add_option("--profile-steps", o.profile_steps,
-                 "FIRST:COUNT: rank 0 traces these steps (operators, and kernels on a GPU) into "
-                 "--profile-out as a Chrome trace (benchmarks, developers)")
-      ->group("");  // hidden
-  app.add_option("--profile-out", o.profile_out, "where --profile-steps' trace goes")
-      ->group("");  // hidden
+  AddHidden(app, "--inject-overflow-at-step", o.inject_overflow_step,
+            "tests: under fp16, make this step's gradients overflow on rank 0",
+            CLI::Range(int64_t{0}, std::numeric_limits<int64_t>::max()));
+  AddHidden(app, "--fused-loss", o.fused_loss,
+            "auto: on a GPU the LM head and its cross-entropy run fused, in chunks of rows; "
+            "off: the plain head (benchmarks)",
+            CLI::IsMember({"auto", "off"}), "TRAINYARD_FUSED_LOSS");
+  AddHidden(app, "--fused-norm", o.fused_norm,
+            "auto: on a GPU the GPT block's LayerNorms (the Llama layer's RMSNorms) run fused "
+            "with the residual add and the cast; off: torch's (benchmarks)",
+            CLI::IsMember({"auto", "off"}), "TRAINYARD_FUSED_NORM");
+  AddHidden(app, "--fused-linear", o.fused_linear,
+            "auto: on a GPU under autocast a dense layer's weight and bias gradients come from "
+            "one cuBLASLt product in fp32; off: autocast's linear (benchmarks)",
+            CLI::IsMember({"auto", "off"}), "TRAINYARD_FUSED_LINEAR");
+  AddHidden(app, "--adamw-kernel", o.adamw_kernel,
+            "auto: on a GPU AdamW's update is trainyard's multi-tensor kernel (CUDA build); "
+            "torch: LibTorch's fused AdamW (benchmarks)",
+            CLI::IsMember({"auto", "torch"}), "TRAINYARD_ADAMW_KERNEL");
+  AddHidden(app, "--loss-chunk-mib", o.loss_chunk_mib,
+            "the fused head's logits are computed this many MiB at a time (0: 256); larger "
+            "chunks, larger products and a higher peak (benchmarks)",
+            CLI::Range(int64_t{0}, int64_t{1} << 16), "TRAINYARD_LOSS_CHUNK_MIB");
+  AddHidden(app, "--cuda-graphs", o.cuda_graphs,
+            "auto: on a GPU the step is captured as a CUDA graph after a few eager steps and "
+            "replayed, where its layout allows (the log says); off: eager (benchmarks)",
+            CLI::IsMember({"auto", "off"}), "TRAINYARD_CUDA_GRAPHS");
+  AddHidden(app, "--peak-tflops", o.peak_tflops,
+            "the GPU's dense peak TFLOP/s in the training's precision, for the MFU of each "
+            "step (default: a table of known GPUs)",
+            NonNegative(), "TRAINYARD_PEAK_TFLOPS");
+  AddHidden(app, "--profile-steps", o.profile_steps,
+            "FIRST:COUNT: rank 0 traces these steps (operators, and kernels on a GPU) into "
+            "--profile-out as a Chrome trace (benchmarks, developers)");
+  AddHidden(app, "--profile-out", o.profile_out, "where --profile-steps' trace goes");
 }
 
 int Main(int argc, char** argv) {

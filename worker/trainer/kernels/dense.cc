@@ -364,6 +364,13 @@ const char* GeluMlpResidualPath() {
   return KernelPathName(g_residual_path.load(std::memory_order_relaxed));
 }
 
+void ResetKernelPathsForTest() {
+  for (std::atomic<int>* path :
+       {&g_backward_path, &g_gelu_path, &g_residual_path, &g_linear_residual_path}) {
+    path->store(0, std::memory_order_relaxed);
+  }
+}
+
 bool UsesGeluEpilogue(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1,
                       const torch::Tensor& w2, const torch::Tensor& b2, bool gelu_tanh) {
   if (!gelu_tanh || !b1.defined() || !b2.defined() || !UsesGpuLinear(x, w1, b1)) return false;

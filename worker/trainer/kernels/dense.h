@@ -97,6 +97,8 @@ const char* GeluMlpPath();
 // How the last GeluMlp Function with a residual added it: "cublaslt" (in the second product's
 // epilogue), "composition" (an add after it), or "none" before any. For tests.
 const char* GeluMlpResidualPath();
+// Sets every *Path() above back to "none": a test's next reading is from what ran after this.
+void ResetKernelPathsForTest();
 
 #if TRAINYARD_CUDA_KERNELS
 // dense_cuda.cc: out = gelu_tanh(x w^T + b) and pre = x w^T + b ([rows, hidden] each, x's dtype,
