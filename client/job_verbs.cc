@@ -32,7 +32,6 @@
 #include "common/cli_checks.h"
 #include "common/context_archive.h"
 #include "common/credentials.h"
-#include "common/log_text.h"
 #include "common/memory_estimate.h"
 #include "common/placement.h"
 #include "common/signal_names.h"
@@ -128,8 +127,6 @@ std::string KeptText(const v1::Job& job) {
   return kept.empty() ? "-" : absl::StrJoin(kept, ", ");
 }
 
-std::string TerminalSafe(const std::string& text);
-
 void PrintJob(const v1::Job& job) {
   const auto& s = job.spec();
   const auto& m = s.model();
@@ -159,10 +156,11 @@ void PrintJob(const v1::Job& job) {
            m.tie_weights() ? " tied" : "",
            m.activation().empty() ? "" : absl::StrCat(" activation=", TerminalSafe(m.activation())),
            " (", HumanCount(ModelParameterCount(m)), " params)")},
-      {"data", absl::StrCat(s.data().path(), " (", s.data().format(), ")",
-                            s.data().eval_path().empty()
-                                ? ""
-                                : absl::StrCat("; held out: ", s.data().eval_path()))},
+      {"data",
+       absl::StrCat(TerminalSafe(s.data().path()), " (", s.data().format(), ")",
+                    s.data().eval_path().empty()
+                        ? ""
+                        : absl::StrCat("; held out: ", TerminalSafe(s.data().eval_path())))},
       {"train",
        absl::StrCat(
            "steps=", t.steps(), " micro_batch=", t.micro_batch(), " grad_accum=", t.grad_accum(),
@@ -926,27 +924,6 @@ int Fetch(const Globals& g, const std::string& id, const std::string& out_dir) {
               << NormalizeJobId(id) << "'s export into " << out_dir << "\n";
   }
   return 0;
-}
-
-// A job's output line for a terminal: its control characters (C0 but tab, DEL, and C1 encoded as
-// UTF-8: an 8-bit CSI) written as escapes, so that a job cannot set the reader's window title,
-// clear the screen, write the clipboard (OSC 52) or overwrite what was printed before.
-std::string TerminalSafe(const std::string& text) {
-  std::string out;
-  out.reserve(text.size());
-  for (size_t i = 0; i < text.size(); ++i) {
-    const unsigned char c = static_cast<unsigned char>(text[i]);
-    if (c == 0xc2 && i + 1 < text.size() && static_cast<unsigned char>(text[i + 1]) >= 0x80 &&
-        static_cast<unsigned char>(text[i + 1]) <= 0x9f) {
-      absl::StrAppend(&out, "\\u00",
-                      absl::Hex(static_cast<unsigned char>(text[++i]), absl::kZeroPad2));
-    } else if ((c < 0x20 && c != '\t') || c == 0x7f) {
-      absl::StrAppend(&out, EscapeControl(absl::string_view(&text[i], 1)));
-    } else {
-      out.push_back(text[i]);
-    }
-  }
-  return out;
 }
 
 int Logs(const Globals& g, const std::string& id, bool follow, int tail, bool raw) {

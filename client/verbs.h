@@ -24,8 +24,11 @@ namespace trainyard::client {
 std::string DefaultTokenFile();
 std::string DefaultCoordinator();
 std::string DefaultLocalStateDir();
-// Prints "yard: <message> (<CODE>)" on stderr and returns 1.
+// Prints "yard: <message> (<CODE>)" on stderr, the message TerminalSafe, and returns 1.
 int Fail(const absl::Status& s);
+// `text` with its control characters (C0 but tab, DEL, and C1 encoded as UTF-8) written as
+// escapes: text a job or its owner wrote, before it reaches a terminal.
+std::string TerminalSafe(const std::string& text);
 int64_t NowMs();
 std::string RoleName(v1::Role role);
 // "YYYY-MM-DD HH:MM:SS" local time, or "-" for 0.

@@ -498,6 +498,44 @@ TEST_F(YardE2eTest, DescribeShowsTheDescriptionWithItsControlsEscaped) {
             "char model \x1b]0;owned\x07 for the GPL");
 }
 
+// The spec's paths (model.from, data.path, data.eval_path) are its owner's text too: escaped on the
+// terminal, kept as written in the JSON; and a coordinator's or a check's error that quotes one
+// is escaped as well.
+TEST_F(YardE2eTest, DescribeAndErrorsEscapeTheSpecsPaths) {
+  std::ifstream in(CharGptSpec());
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t model = text.find("\nmodel:"), train = text.find("\ntrain:");
+  ASSERT_NE(model, std::string::npos);
+  ASSERT_NE(train, std::string::npos);
+  auto with_model = [&](const std::string& from) {
+    return text.substr(0, model) + "\nmodel: {kind: llama, from: \"" + from +
+           "\", n_layer: 2, n_head: 4, d_model: 64, seq_len: 32, vocab: 256}\n" +
+           "data: {path: \"/data/\\e[2Jtokens\", format: bytes, eval_path: "
+           "\"/data/\\e]52;c;eA==\\a\"}" +
+           text.substr(train);
+  };
+  CommandResult submit =
+      Yard({"submit", WriteSpec("hostile.yaml", with_model("/m/\\e]0;owned\\a/tiny"))});
+  ASSERT_EQ(submit.exit_code, 0) << submit.err;
+  CommandResult r = Yard({"describe", "1"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("\nmodel: "));
+  EXPECT_THAT(r.out, HasSubstr(" llama from=/m/\\x1b]0;owned\\x07/tiny n_layer=2 "));
+  EXPECT_THAT(r.out,
+              HasSubstr(" /data/\\x1b[2Jtokens (bytes); held out: /data/\\x1b]52;c;eA==\\x07\n"));
+  EXPECT_EQ(r.out.find('\x1b'), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find('\x07'), std::string::npos) << r.out;
+  const json spec = ParseJson(Yard({"-o", "json", "describe", "1"}).out)["spec"];
+  EXPECT_EQ(spec["model"].value("from", ""), "/m/\x1b]0;owned\x07/tiny");
+  EXPECT_EQ(spec["data"].value("path", ""), "/data/\x1b[2Jtokens");
+  // A relative from is refused by a message that quotes it.
+  CommandResult refused =
+      Yard({"submit", WriteSpec("relative.yaml", with_model("m\\e]0;owned\\a"))});
+  ExpectOneLineFailure(refused);
+  EXPECT_THAT(refused.err, AllOf(HasSubstr("model.from"), HasSubstr("got 'm\\x1b]0;owned\\x07'")));
+  EXPECT_EQ(refused.err.find('\x1b'), std::string::npos) << refused.err;
+}
+
 TEST_F(YardE2eTest, DescribeJsonIncludesTheSpec) {
   SubmitCharGpt();
   CommandResult r = YardViaEnv({"-o", "json", "describe", "1"});
