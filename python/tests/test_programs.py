@@ -374,6 +374,53 @@ def test_an_array_runs_a_job_per_index_never_more_than_its_limit_at_once(cluster
     assert bad.returncode != 0 and "--array: expected indices" in bad.stderr, bad.stderr
 
 
+ARRAY_TASK_SLOW_TO_STOP = """
+    import os, signal, sys, time
+    running = os.path.join(sys.argv[1], "running")
+    os.makedirs(running, exist_ok=True)
+    index = os.environ["TRAINYARD_ARRAY_INDEX"]
+    marker = os.path.join(running, index)
+    open(marker, "w").close()
+    print(f"task {index}: {len(os.listdir(running))} running", flush=True)
+    if index == "0":
+        def stop(signum, frame):
+            time.sleep(3)  # saving its work: still running, on its device
+            os.unlink(marker)
+            sys.exit(143)
+        signal.signal(signal.SIGTERM, stop)
+        time.sleep(600)
+    os.unlink(marker)
+"""
+
+
+def test_a_cancelled_array_task_counts_against_the_limit_until_its_processes_exit(cluster, client,
+                                                                                   tmp_path):
+    """Slurm's %N counts a task until it has completed: a cancelled task whose program takes a few
+    seconds to stop after SIGTERM still holds its place (and its device), so the next task waits
+    for its exit, not only for its cancel, though the other slot is free."""
+    folder = program(tmp_path, ARRAY_TASK_SLOW_TO_STOP)
+    submitted = yard(cluster, "submit", "--array", "0-1%1", "--name", "slow", "--",
+                     sys.executable, "train.py", str(folder), cwd=folder)
+    assert submitted.returncode == 0, submitted.stderr
+    name, *ids = submitted.stdout.split()[1:4]
+    # Task 0 is running (its marker is written) before it is cancelled.
+    deadline = time.time() + 60
+    while not (folder / "running" / "0").exists() and time.time() < deadline:
+        time.sleep(0.02)
+    assert (folder / "running" / "0").exists(), client.describe(ids[0])
+    cancelled = yard(cluster, "cancel", ids[0])
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert client.describe(ids[0]).state == job_pb2.CANCELLED
+    # While task 0 stops, task 1 says it waits for the array's limit.
+    expected = f"waiting: 1 tasks of array {name} run, at most 1 at once"
+    waits = [client.describe(ids[1]).why_waiting]
+    assert waits[0] == expected or not (folder / "running" / "0").exists(), waits
+    done = client.wait(ids[1], timeout=120)
+    assert done.state == job_pb2.SUCCEEDED, done.message
+    assert log_texts(client, ids[1]) == ["task 1: 1 running"], log_texts(client, ids[1])
+    assert not (folder / "running" / "0").exists()
+
+
 def test_ranks_per_node_shares_a_slot_among_several_ranks(client):
     """torchrun's --nnodes 1 --nproc-per-node 4 through the client: four ranks on one CPU slot."""
     job = client.submit(name="four", nodes=1, ranks_per_node=4,

@@ -60,6 +60,12 @@ bool DeviceLedger::AnyDraining(const std::string& job_id) const {
   return it != draining_.end() && std::get<0>(it->first) == job_id;
 }
 
+std::set<std::string> DeviceLedger::DrainingJobs() const {
+  std::set<std::string> jobs;
+  for (const auto& [rank, draining] : draining_) jobs.insert(std::get<0>(rank));
+  return jobs;
+}
+
 bool DeviceLedger::SettleNode(const std::string& node_id, const std::set<RankKey>& alive,
                               absl::Time deadline) {
   bool freed = false;

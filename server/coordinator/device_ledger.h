@@ -49,6 +49,8 @@ class DeviceLedger {
   // there (nothing changes).
   bool EndDraining(const RankKey& rank, const std::string& node_id);
   bool AnyDraining(const std::string& job_id) const;
+  // The jobs with a rank draining (any attempt).
+  std::set<std::string> DrainingJobs() const;
   // A node said hello running `alive`: its draining ranks not among them are gone (their devices
   // freed); those among them were told to stop again and get `deadline`. True when any was freed.
   bool SettleNode(const std::string& node_id, const std::set<RankKey>& alive, absl::Time deadline);

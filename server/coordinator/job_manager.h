@@ -233,6 +233,10 @@ class JobManager final : public JobLifecycle,
   std::set<std::string> ArrayTasksToConsider() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The owner's running tasks of `job`'s array.
   int RunningArrayTasks(const v1::Job& job) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The tasks of arrays with a limit that count against it: those running, and those whose ended
+  // attempt's ranks are still stopping (a cancelled or preempted task draining: its processes
+  // run until they exit, as Slurm counts a completing task against %N).
+  std::vector<const v1::Job*> RunningLimitedArrayTasks() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Fails the waiting jobs one of whose `after` jobs ended without success (each pass).
   void FailJobsWithFailedDependencies() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The job if `attempt` is its running attempt; else NOT_FOUND or FAILED_PRECONDITION.

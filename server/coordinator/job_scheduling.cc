@@ -215,33 +215,50 @@ std::pair<std::string, std::string> ArrayKey(const v1::Job& job) {
 
 }  // namespace
 
+std::vector<const v1::Job*> JobManager::RunningLimitedArrayTasks() const {
+  std::vector<const v1::Job*> out;
+  const std::set<std::string> draining = devices_.DrainingJobs();
+  auto add = [&](const v1::Job& job) {
+    if (job.spec().array().max_running() > 0) out.push_back(&job);
+  };
+  for (const std::string& id : unfinished_) {
+    const v1::Job& job = jobs_.at(id);
+    if (IsActive(job.state()) || draining.count(id) > 0) add(job);
+  }
+  // (Ended tasks: cancelled, or failed, their ranks told to stop.)
+  for (const std::string& id : draining) {
+    const auto it = jobs_.find(id);
+    if (it != jobs_.end() && IsTerminal(it->second.state())) add(it->second);
+  }
+  return out;
+}
+
 std::set<std::string> JobManager::ArrayTasksToConsider() const {
   if (unfinished_array_tasks_ == 0) return {};
   std::map<std::pair<std::string, std::string>, int> room;
+  for (const v1::Job* job : RunningLimitedArrayTasks()) {
+    auto [it, added] = room.try_emplace(ArrayKey(*job), job->spec().array().max_running());
+    --it->second;
+  }
   std::vector<const v1::Job*> waiting;
   for (const std::string& id : unfinished_) {
     const v1::Job& job = jobs_.at(id);
-    if (job.spec().array().max_running() <= 0) continue;
-    auto [it, added] = room.try_emplace(ArrayKey(job), job.spec().array().max_running());
-    if (IsActive(job.state())) --it->second;
-    if (IsPending(job.state())) waiting.push_back(&job);
+    if (job.spec().array().max_running() > 0 && IsPending(job.state())) waiting.push_back(&job);
   }
   std::sort(waiting.begin(), waiting.end(),
             [](const v1::Job* a, const v1::Job* b) { return a->seq() < b->seq(); });
   std::set<std::string> out;
   for (const v1::Job* job : waiting) {
-    if (room[ArrayKey(*job)]-- > 0) out.insert(job->id());
+    auto [it, added] = room.try_emplace(ArrayKey(*job), job->spec().array().max_running());
+    if (it->second-- > 0) out.insert(job->id());
   }
   return out;
 }
 
 int JobManager::RunningArrayTasks(const v1::Job& job) const {
   int running = 0;
-  for (const std::string& id : unfinished_) {
-    const v1::Job& other = jobs_.at(id);
-    if (IsActive(other.state()) && other.spec().has_array() && ArrayKey(other) == ArrayKey(job)) {
-      ++running;
-    }
+  for (const v1::Job* other : RunningLimitedArrayTasks()) {
+    if (ArrayKey(*other) == ArrayKey(job)) ++running;
   }
   return running;
 }
