@@ -26,6 +26,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/host_port.h"
 
 namespace trainyard {
 namespace {
@@ -38,16 +39,6 @@ absl::StatusOr<std::string> ReadPem(const std::string& path, const char* flag) {
     return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot read ", path));
   }
   return text.str();
-}
-
-std::string HostOf(const std::string& address) {
-  std::string host = address;
-  if (absl::StartsWith(host, "[")) {  // [::1]:port
-    const size_t end = host.find(']');
-    return end == std::string::npos ? host : host.substr(1, end - 1);
-  }
-  const size_t colon = host.rfind(':');
-  return colon == std::string::npos ? host : host.substr(0, colon);
 }
 
 std::string AsnTime(const ASN1_TIME* t);
@@ -136,7 +127,7 @@ std::string AsnTime(const ASN1_TIME* t) {
 }  // namespace
 
 bool IsLoopback(const std::string& address) {
-  const std::string host = HostOf(address);
+  const std::string host = HostOfAddress(address);
   if (host == "localhost") return true;
   in_addr v4{};
   if (inet_pton(AF_INET, host.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
@@ -305,7 +296,7 @@ std::string DiagnoseTls(const std::string& address, const TlsClientOptions& opti
   if (const size_t scheme = target.find(":///"); scheme != std::string::npos) {
     target = target.substr(scheme + 4);
   }
-  const std::string host = HostOf(target);
+  const std::string host = HostOfAddress(target);
   const size_t colon = target.rfind(':');
   if (colon == std::string::npos) return "";
   const std::string port = target.substr(colon + 1);

@@ -25,6 +25,8 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/host_port.h"
+#include "common/tls.h"
 #include "tests/testing/subprocess.h"
 #include "tests/testing/tiny_spec.h"
 #include "worker/daemon/shepherd.h"
@@ -253,6 +255,22 @@ TEST(NodeHostTest, TheHostOfTheWorkersAddressElseItsName) {
   EXPECT_EQ(NodeHost("[fd00::7]:7000", "vm"), "fd00::7");
   EXPECT_EQ(NodeHost("fd00::7", "vm"), "fd00::7");
   EXPECT_EQ(NodeHost("", "vm"), "vm");
+}
+
+// The one reading of an address's host (common/host_port.h) that the worker, the coordinator and
+// the TLS checks share: IsLoopback knows a bare IPv6 loopback too (its own copy had read "::1"
+// as the host "::" of port 1).
+TEST(NodeHostTest, LoopbackIsTheHostsNotTheAddresss) {
+  EXPECT_EQ(HostOfAddress("[::1]:7070"), "::1");
+  EXPECT_EQ(HostOfAddress("[::1"), "[::1");  // malformed: as it is
+  EXPECT_EQ(HostOfAddress(""), "");
+  for (const char* loopback :
+       {"127.0.0.1:7070", "127.9.9.9", "localhost:8080", "[::1]:7070", "::1"}) {
+    EXPECT_TRUE(IsLoopback(loopback)) << loopback;
+  }
+  for (const char* other : {"10.0.0.1:7070", "gpu-7:7070", "[fd00::7]:7070", "::2", ""}) {
+    EXPECT_FALSE(IsLoopback(other)) << other;
+  }
 }
 
 TEST(LocalAddressTowardTest, TheSourceAddressOfTheRouteThere) {

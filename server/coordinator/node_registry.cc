@@ -11,6 +11,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/host_port.h"
 #include "common/log_text.h"
 #include "common/status_macros.h"
 
@@ -425,15 +426,8 @@ std::string NodeRegistry::HostOf(const std::string& node_id) const {
   absl::MutexLock lock(&mu_);
   auto it = nodes_.find(node_id);
   if (it == nodes_.end()) return "";
-  const std::string& address = it->second.node.address();
-  if (address.empty()) return it->second.node.hostname();
-  if (address.front() == '[') {  // [IPv6]:PORT
-    const size_t close = address.find(']');
-    return close == std::string::npos ? address : address.substr(1, close - 1);
-  }
-  // HOST:PORT; a host alone, or a bare IPv6 address, as it is.
-  return std::count(address.begin(), address.end(), ':') == 1 ? address.substr(0, address.find(':'))
-                                                              : address;
+  const std::string host = HostOfAddress(it->second.node.address());
+  return host.empty() ? it->second.node.hostname() : host;
 }
 
 }  // namespace trainyard::coordinator

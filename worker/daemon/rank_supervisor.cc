@@ -35,6 +35,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/credentials.h"
+#include "common/host_port.h"
 #include "common/placement.h"
 #include "common/status_macros.h"
 #include "common/tls.h"
@@ -411,13 +412,8 @@ std::string ErrorFileMessage(const std::string& path, size_t max_bytes) {
 }
 
 std::string NodeHost(const std::string& address, const std::string& host_name) {
-  const std::string a(absl::StripAsciiWhitespace(address));
-  if (a.empty()) return host_name;
-  if (a.front() == '[') {  // [IPv6]:PORT
-    const size_t close = a.find(']');
-    return close == std::string::npos ? a : a.substr(1, close - 1);
-  }
-  return std::count(a.begin(), a.end(), ':') == 1 ? a.substr(0, a.find(':')) : a;
+  const std::string host = HostOfAddress(address);
+  return host.empty() ? host_name : host;
 }
 
 absl::StatusOr<std::string> LocalAddressToward(const std::string& host_port) {

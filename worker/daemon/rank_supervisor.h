@@ -53,8 +53,8 @@ std::vector<std::string> ShepherdEnvironment(const std::vector<std::string>& wor
 std::string RankCoordinatorList(const std::string& leader_list, const std::string& worker_list);
 
 // The host where this node's ranks listen for ranks on other nodes (RankContext.node_address),
-// from the worker's --address as the coordinator reads it for MASTER_ADDR: the host of HOST:PORT
-// or [IPv6]:PORT, a host or a bare IPv6 address as it is; without one, `host_name`.
+// from the worker's --address as the coordinator reads it for MASTER_ADDR (NodeRegistry::HostOf:
+// both are common/host_port.h's HostOfAddress); without one, `host_name`.
 std::string NodeHost(const std::string& address, const std::string& host_name);
 
 // This host's address on the route toward `host_port` (HOST:PORT or [IPv6]:PORT; the first of a
