@@ -8,7 +8,6 @@
 #include <signal.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <prometheus/text_serializer.h>
@@ -141,16 +140,7 @@ struct MetricsEndpoint::Impl {
     if (tls != nullptr) SSL_CTX_free(tls);
   }
 
-  // The two files' inode and modification time ("" if one cannot be read).
-  std::string Stamp() const {
-    std::string out;
-    for (const std::string* path : {&tls_cert_file, &tls_key_file}) {
-      struct stat st;
-      if (::stat(path->c_str(), &st) != 0) return "";
-      absl::StrAppend(&out, st.st_ino, ":", st.st_mtim.tv_sec, ".", st.st_mtim.tv_nsec, ";");
-    }
-    return out;
-  }
+  std::string Stamp() const { return CertificateFilesStamp(tls_cert_file, tls_key_file); }
 
   // A context with the files' certificate and key; null (the queue cleared) if they do not load.
   static SSL_CTX* NewContext(const std::string& cert_file, const std::string& key_file,

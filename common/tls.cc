@@ -14,7 +14,9 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <spdlog/spdlog.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -25,6 +27,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/host_port.h"
 
@@ -430,5 +433,113 @@ std::string DiagnoseTls(const std::string& address, const TlsClientOptions& opti
   pthread_sigmask(SIG_SETMASK, &old, nullptr);
   return why;
 }
+
+std::string CertificateFilesStamp(const std::string& cert_file, const std::string& key_file) {
+  std::string out;
+  for (const std::string* path : {&cert_file, &key_file}) {
+    struct stat st;
+    if (::stat(path->c_str(), &st) != 0) return "";
+    absl::StrAppend(&out, st.st_ino, ":", st.st_mtim.tv_sec, ".", st.st_mtim.tv_nsec, ";");
+  }
+  return out;
+}
+
+struct CertificateFollower::Impl {
+  std::string cert_file, key_file;
+  absl::Duration check_every;
+  absl::Mutex mu;
+  absl::Time checked ABSL_GUARDED_BY(mu);
+  std::string stamp ABSL_GUARDED_BY(mu);
+  // The pair loaded since start (null until a renewal loads: the context's own serves).
+  X509* cert ABSL_GUARDED_BY(mu) = nullptr;
+  STACK_OF(X509) * chain ABSL_GUARDED_BY(mu) = nullptr;
+  EVP_PKEY* key ABSL_GUARDED_BY(mu) = nullptr;
+
+  ~Impl() {
+    absl::MutexLock lock(&mu);
+    Release();
+  }
+  void Release() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    X509_free(cert);
+    sk_X509_pop_free(chain, X509_free);
+    EVP_PKEY_free(key);
+    cert = nullptr;
+    chain = nullptr;
+    key = nullptr;
+  }
+
+  // The files' pair, if they load and match; else nothing changes.
+  void Load() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    BIO* cert_bio = BIO_new_file(cert_file.c_str(), "r");
+    BIO* key_bio = BIO_new_file(key_file.c_str(), "r");
+    X509* leaf =
+        cert_bio != nullptr ? PEM_read_bio_X509(cert_bio, nullptr, nullptr, nullptr) : nullptr;
+    STACK_OF(X509)* rest = sk_X509_new_null();
+    while (leaf != nullptr && rest != nullptr) {
+      X509* next = PEM_read_bio_X509(cert_bio, nullptr, nullptr, nullptr);
+      if (next == nullptr) break;
+      sk_X509_push(rest, next);
+    }
+    EVP_PKEY* pkey =
+        key_bio != nullptr ? PEM_read_bio_PrivateKey(key_bio, nullptr, nullptr, nullptr) : nullptr;
+    BIO_free(cert_bio);
+    BIO_free(key_bio);
+    ERR_clear_error();  // (the chain's end reads as an error)
+    if (leaf == nullptr || rest == nullptr || pkey == nullptr ||
+        X509_check_private_key(leaf, pkey) != 1) {
+      spdlog::warn(
+          "TLS: {} and {} changed but do not load as a matching pair ({}); serving the "
+          "last good certificate",
+          cert_file, key_file, OpenSslErrors());
+      X509_free(leaf);
+      sk_X509_pop_free(rest, X509_free);
+      EVP_PKEY_free(pkey);
+      return;
+    }
+    Release();
+    cert = leaf;
+    chain = rest;
+    key = pkey;
+    spdlog::info("TLS: serving the renewed certificate of {}", cert_file);
+  }
+
+  // OpenSSL's certificate callback, at each handshake before the certificate is chosen.
+  static int Select(SSL* ssl, void* arg) {
+    auto* self = static_cast<Impl*>(arg);
+    absl::MutexLock lock(&self->mu);
+    const absl::Time now = absl::Now();
+    if (now - self->checked >= self->check_every) {
+      self->checked = now;
+      const std::string stamp = CertificateFilesStamp(self->cert_file, self->key_file);
+      if (!stamp.empty() && stamp != self->stamp) {
+        self->stamp = stamp;
+        self->Load();
+      }
+    }
+    if (self->cert == nullptr) return 1;  // the context's own pair
+    return SSL_use_cert_and_key(ssl, self->cert, self->key, self->chain, /*override=*/1) == 1 ? 1
+                                                                                              : 0;
+  }
+};
+
+std::unique_ptr<CertificateFollower> CertificateFollower::Install(SSL_CTX* ctx,
+                                                                  std::string cert_file,
+                                                                  std::string key_file,
+                                                                  absl::Duration check_every) {
+  auto impl = std::make_unique<Impl>();
+  impl->cert_file = std::move(cert_file);
+  impl->key_file = std::move(key_file);
+  impl->check_every = check_every;
+  {
+    absl::MutexLock lock(&impl->mu);
+    impl->checked = absl::Now();
+    impl->stamp = CertificateFilesStamp(impl->cert_file, impl->key_file);
+  }
+  SSL_CTX_set_cert_cb(ctx, &Impl::Select, impl.get());
+  return std::unique_ptr<CertificateFollower>(new CertificateFollower(std::move(impl)));
+}
+
+CertificateFollower::CertificateFollower(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CertificateFollower::~CertificateFollower() = default;
 
 }  // namespace trainyard

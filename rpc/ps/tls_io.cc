@@ -7,7 +7,6 @@
 #include <openssl/x509v3.h>
 #include <poll.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -217,13 +216,7 @@ absl::StatusOr<std::shared_ptr<ReloadingTlsConfig>> ReloadingTlsConfig::Server(
 }
 
 std::string ReloadingTlsConfig::Stamp() const {
-  std::string out;
-  for (const std::string* path : {&cert_file_, &key_file_}) {
-    struct stat st;
-    if (::stat(path->c_str(), &st) != 0) return "";
-    absl::StrAppend(&out, st.st_ino, ":", st.st_mtim.tv_sec, ".", st.st_mtim.tv_nsec, ";");
-  }
-  return out;
+  return CertificateFilesStamp(cert_file_, key_file_);
 }
 
 std::shared_ptr<const TlsConfig> ReloadingTlsConfig::Current() {

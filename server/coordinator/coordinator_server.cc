@@ -401,6 +401,7 @@ absl::Status CoordinatorServer::Serve(std::shared_ptr<grpc::ServerCredentials> c
     web_options.address = options_.web_address;
     web_options.tls_cert_file = options_.tls.cert_file;
     web_options.tls_key_file = options_.tls.key_file;
+    web_options.tls_reload = absl::Seconds(std::max(1, options_.tls.reload_seconds));
     RETURN_IF_ERROR(CheckWebAddress(options_));
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(64 << 20);

@@ -27,6 +27,7 @@
 #include "absl/time/clock.h"
 #include "common/credentials.h"
 #include "common/status_macros.h"
+#include "common/tls.h"
 #include "server/web/web_assets.h"
 #include "trainyard/v1/identity.grpc.pb.h"
 #include "trainyard/v1/job.grpc.pb.h"
@@ -317,6 +318,7 @@ struct WebConsole::Impl {
   std::unique_ptr<v1::JobService::Stub> jobs;
   std::unique_ptr<v1::NodeService::Stub> nodes;
   std::unique_ptr<v1::IdentityService::Stub> identity;
+  std::unique_ptr<CertificateFollower> certificate;  // HTTPS: (destroyed after the server)
   std::unique_ptr<httplib::Server> server;
   std::thread listener;
   std::string url;
@@ -969,6 +971,8 @@ namespace {
 
 // A server for options.address, HTTPS with options' certificate when it has one; not yet bound.
 struct Listener {
+  // (Before the server: destroyed after it, as its handshakes call it.)
+  std::unique_ptr<CertificateFollower> certificate;
   std::unique_ptr<httplib::Server> server;
   bool tls = false;
   std::string host;  // without brackets
@@ -999,6 +1003,9 @@ absl::StatusOr<Listener> NewListener(const WebConsoleOptions& options) {
           absl::StrCat("--tls-cert: the web console cannot serve with ", options.tls_cert_file,
                        " and ", options.tls_key_file));
     }
+    // A renewed certificate serves new connections without a restart, as gRPC's listener's does.
+    l.certificate = CertificateFollower::Install(ssl->ssl_context(), options.tls_cert_file,
+                                                 options.tls_key_file, options.tls_reload);
     l.server = std::move(ssl);
     l.tls = true;
   } else {
@@ -1042,6 +1049,7 @@ absl::StatusOr<std::unique_ptr<WebConsole>> WebConsole::Start(
   impl->jobs = v1::JobService::NewStub(impl->channel);
   impl->nodes = v1::NodeService::NewStub(impl->channel);
   impl->identity = v1::IdentityService::NewStub(impl->channel);
+  impl->certificate = std::move(l.certificate);
   impl->server = std::move(l.server);
   impl->tls = l.tls;
   impl->Routes();

@@ -31,6 +31,9 @@ struct WebConsoleOptions {
   // HTTPS with this certificate chain and key (PEM), both or neither: the coordinator's own. The
   // session cookie is then Secure.
   std::string tls_cert_file, tls_key_file;
+  // How often the files are looked at: a renewed pair serves new connections without a restart,
+  // as the gRPC listener's does (--tls-reload).
+  absl::Duration tls_reload = absl::Seconds(10);
   WebSessionLimits sessions;
   int threads = 48;      // requests served at once (live streams included)
   int max_streams = 32;  // live streams (server-sent events) open at once; more get 503

@@ -424,7 +424,8 @@ def tls_cluster(tmp_path_factory):
                                                  up.stdout).group(1)
         url = re.search(r"web console: (https://\S+)", up.stdout).group(1)
         token = (home / ".config" / "trainyard" / "token").read_text().strip()
-        yield {"url": url, "env": env, "ca": pki / "ca.pem", "token": token}
+        yield {"url": url, "env": env, "ca": pki / "ca.pem", "token": token,
+               "log": state / "coordinator.log"}
     finally:
         subprocess.run([str(BIN / "yard"), "local", "--state-dir", str(state), "down"], env=env,
                        capture_output=True, timeout=120)
@@ -455,6 +456,53 @@ def test_with_the_coordinators_certificate_the_console_is_https_only(browser, tl
         assert next(c for c in page.context.cookies() if c["name"] == "__Host-ty_session")["secure"]
     finally:
         page.context.close()
+
+
+def test_a_renewed_certificate_serves_new_connections_without_a_restart(tls_cluster, tmp_path):
+    """As the gRPC listener does (--tls-reload, 10 s): a renewal (cert-manager's, or
+    tls-init.sh's from the same CA) renames a new pair into place, and the console's next
+    connections get it, verified by the same CA; until then, and while the files do not make a
+    matching pair (the key renamed first), the old one serves."""
+    import ssl
+    import time
+    host, port = tls_cluster["url"][len("https://"):].rsplit(":", 1)
+
+    def served():
+        return ssl.PEM_cert_to_DER_cert(ssl.get_server_certificate((host, int(port)), timeout=10))
+
+    pki = pathlib.Path(tls_cluster["ca"]).parent
+    before = served()
+    assert before == ssl.PEM_cert_to_DER_cert((pki / "coordinator.pem").read_text())
+    renewed = tmp_path / "renewed"
+    renewed.mkdir(mode=0o700)
+    shutil.copy(pki / "ca.pem", renewed)
+    shutil.copy(pki / "ca.key", renewed)
+    run(["bash", str(ROOT / "scripts" / "tls-init.sh"), "--out", str(renewed)], dict(os.environ))
+    after = ssl.PEM_cert_to_DER_cert((renewed / "coordinator.pem").read_text())
+    assert after != before
+    # The key first: a pair that does not match is left aside (the log says so), the old one serves.
+    os.replace(renewed / "coordinator.key", pki / "coordinator.key")
+    deadline = time.time() + 60
+    while "do not load as a matching pair" not in tls_cluster["log"].read_text(errors="replace"):
+        assert time.time() < deadline, "no word of the mismatched pair in the coordinator's log"
+        assert served() == before
+        time.sleep(0.2)
+    assert served() == before
+    os.replace(renewed / "coordinator.pem", pki / "coordinator.pem")
+    deadline = time.time() + 60
+    seen = served()
+    while seen != after and time.time() < deadline:
+        assert seen == before  # the old pair until the new one loads, nothing in between
+        time.sleep(0.2)
+        seen = served()
+    assert seen == after, "the console still serves the certificate it started with"
+    # Verified against the cluster's CA, the API answers over it.
+    context = ssl.create_default_context(cafile=str(tls_cluster["ca"]))
+    req = urllib.request.Request(tls_cluster["url"] + "/api/v1/session", method="POST",
+                                 data=json.dumps({"token": tls_cluster["token"]}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, context=context, timeout=30) as r:
+        assert r.status == 200
 
 
 def test_a_console_on_another_host_without_tls_is_refused(tmp_path):
