@@ -21,6 +21,10 @@
 namespace trainyard {
 
 inline constexpr char kAuthorizationMetadata[] = "authorization";
+// The web console's in-process calls on a browser's behalf: the key the coordinator gave it at
+// start, and the browser's address, under which failed authentications are then counted.
+inline constexpr char kConsoleKeyMetadata[] = "x-trainyard-console-key";
+inline constexpr char kConsoleClientMetadata[] = "x-trainyard-console-client";
 // The environment variables a credential may come from: yard and the daemons read
 // kTokenEnv; ranks read kJobCredentialEnv (set by their worker, which keeps kTokenEnv from them).
 inline constexpr char kTokenEnv[] = "TRAINYARD_TOKEN";

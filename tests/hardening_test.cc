@@ -78,9 +78,11 @@ class HardeningTest : public testing::CoordinatorFixture {
     return jobs_->GetJob(&ctx, r, &job);
   }
 
-  grpc::Status WhoAmI(const std::string& token) {
+  grpc::Status WhoAmI(const std::string& token,
+                      const std::vector<std::pair<std::string, std::string>>& metadata = {}) {
     grpc::ClientContext ctx;
     Prepare(ctx, token);
+    for (const auto& [key, value] : metadata) ctx.AddMetadata(key, value);
     v1::WhoAmIResponse resp;
     return identity_->WhoAmI(&ctx, {}, &resp);
   }
@@ -604,6 +606,26 @@ TEST_F(HardeningTest, AFloodOfBadCredentialsIsThrottledWhileValidOnesFromTheSame
   ASSERT_TRUE(metrics.ok()) << metrics.status();
   EXPECT_THAT(*metrics, HasSubstr("trainyard_auth_failures_total{reason=\"guess\"} 31"));
   EXPECT_THAT(*metrics, HasSubstr("trainyard_auth_failures_total{reason=\"throttled\"} 5"));
+}
+
+// Only the web console may name the browser a call's failures count under (with the key the
+// coordinator gave it; this coordinator has no console): a client that names other addresses
+// itself, with or without a key, is throttled as its own peer all the same.
+TEST_F(HardeningTest, AClientCannotNameAnotherAddressForItsFailures) {
+  for (int i = 0; i < 30; ++i) {
+    EXPECT_EQ(WhoAmI(absl::StrCat("tyt.nosuchid", i, ".secret"),
+                     {{kConsoleKeyMetadata, i % 2 == 0 ? "" : "guessed-key"},
+                      {kConsoleClientMetadata, absl::StrCat("10.0.0.", i)}})
+                  .error_code(),
+              StatusCode::UNAUTHENTICATED)
+        << i;
+  }
+  EXPECT_EQ(WhoAmI("tyt.nosuchid30.secret",
+                   {{kConsoleKeyMetadata, "guessed-key"}, {kConsoleClientMetadata, "10.0.0.99"}})
+                .error_code(),
+            StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(WhoAmI("tyt.nosuchid31.secret").error_code(), StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_TRUE(WhoAmI(tokens_->User("alice")).ok());
 }
 
 // Accounting (issue 52): what a worker says each rank used is kept with the job (rank, node,

@@ -260,6 +260,10 @@ absl::Status CoordinatorServer::LoadIdentities() {
   identities_ = std::make_unique<IdentityRegistry>(*store_, clock_, std::move(job_key));
   identities_->SetAuthThrottle(options_.limits.auth_per_token, options_.limits.auth_per_peer);
   identities_->SetMaxTokensPerUser(options_.limits.max_tokens_per_user);
+  if (!options_.web_address.empty()) {
+    console_key_ = Base64Url(RandomBytes(32));
+    identities_->SetConsoleKey(console_key_);
+  }
   identities_->SetAuthFailureObserver(
       [m = metrics_prom_.get()](const char* reason) { m->ObserveAuthFailure(reason); });
   RETURN_IF_ERROR(identities_->Load());
@@ -402,6 +406,7 @@ absl::Status CoordinatorServer::Serve(std::shared_ptr<grpc::ServerCredentials> c
     web_options.tls_cert_file = options_.tls.cert_file;
     web_options.tls_key_file = options_.tls.key_file;
     web_options.tls_reload = absl::Seconds(std::max(1, options_.tls.reload_seconds));
+    web_options.console_key = console_key_;
     RETURN_IF_ERROR(CheckWebAddress(options_));
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(64 << 20);

@@ -199,6 +199,9 @@ class CoordinatorServer {
   std::unique_ptr<AdminServiceImpl> admin_service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<web::WebConsole> web_;  // after server_: it calls it in-process
+  // The web console's key to name the browser of each of its calls (IdentityRegistry::
+  // SetConsoleKey); random at each start, never stored.
+  std::string console_key_;
   std::string address_;
   int port_ = 0;
 

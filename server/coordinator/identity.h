@@ -22,6 +22,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "common/clock.h"
+#include "common/credentials.h"
 #include "server/coordinator/auth_throttle.h"
 #include "server/coordinator/job_store.h"
 #include "server/coordinator/sharing_policy.h"
@@ -75,6 +76,12 @@ class IdentityRegistry {
                                              const std::string& peer) const;
   // Before serving. Burst <= 0 turns that throttle off.
   void SetAuthThrottle(AuthThrottleOptions per_token, AuthThrottleOptions per_peer);
+  // The web console's key (before serving; empty: no console): a call that shows it names the
+  // browser it is made for, whose address AuthenticateFrom's peer is then.
+  void SetConsoleKey(std::string key) { console_key_ = std::move(key); }
+  bool IsConsoleKey(absl::string_view key) const {
+    return !console_key_.empty() && ConstantTimeEquals(key, console_key_);
+  }
   void SetAuthFailureObserver(std::function<void(const char* reason)> on_failure) {
     on_auth_failure_ = std::move(on_failure);
   }
@@ -146,6 +153,7 @@ class IdentityRegistry {
   const std::string job_key_;
   std::function<std::string(const std::string&)> account_in_use_;  // set before serving
   std::function<void(const char*)> on_auth_failure_;               // set before serving
+  std::string console_key_;                                        // set before serving
   std::unique_ptr<AuthThrottle> token_throttle_;                   // set before serving
   std::unique_ptr<AuthThrottle> peer_throttle_;                    // set before serving
   int64_t max_tokens_per_user_ = 100;

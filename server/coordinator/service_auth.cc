@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 
 #include "absl/strings/str_cat.h"
@@ -30,6 +31,21 @@ std::string PeerHost(grpc::CallbackServerContext* ctx) {
   return peer;
 }
 
+// The key failed authentications of the call count under: its peer's address, or for the web
+// console's in-process calls (which show the key it was given) the browser's it names, so that
+// one browser's wrong tokens do not throttle every other's.
+std::string ThrottledPeer(grpc::CallbackServerContext* ctx, const IdentityRegistry& identities) {
+  const auto& md = ctx->client_metadata();
+  const auto key = md.find(kConsoleKeyMetadata), client = md.find(kConsoleClientMetadata);
+  if (key != md.end() && client != md.end() &&
+      identities.IsConsoleKey(absl::string_view(key->second.data(), key->second.size()))) {
+    // (An address: at most 64 bytes are kept.)
+    return absl::StrCat("web ", absl::string_view(client->second.data(),
+                                                  std::min<size_t>(client->second.size(), 64)));
+  }
+  return PeerHost(ctx);
+}
+
 // The principal of the call's "authorization: Bearer <credential>" metadata.
 absl::StatusOr<Principal> Authenticate(grpc::CallbackServerContext* ctx,
                                        const IdentityRegistry& identities) {
@@ -42,7 +58,7 @@ absl::StatusOr<Principal> Authenticate(grpc::CallbackServerContext* ctx,
   }
   ASSIGN_OR_RETURN(std::string credential,
                    BearerCredential(absl::string_view(it->second.data(), it->second.size())));
-  return identities.AuthenticateFrom(credential, PeerHost(ctx));
+  return identities.AuthenticateFrom(credential, ThrottledPeer(ctx, identities));
 }
 
 // Audits a refusal and passes it on.

@@ -255,10 +255,11 @@ class LiveStream {
 
   EventQueue& queue() { return queue_; }
 
-  // A gRPC call of this stream, with `token`: cancelled at Close.
-  grpc::ClientContext* NewContext(const std::string& token) {
+  // A gRPC call of this stream, with `metadata` (the caller's): cancelled at Close.
+  grpc::ClientContext* NewContext(
+      const std::vector<std::pair<std::string, std::string>>& metadata) {
     auto ctx = std::make_unique<grpc::ClientContext>();
-    ctx->AddMetadata(kAuthorizationMetadata, "Bearer " + token);
+    for (const auto& [key, value] : metadata) ctx->AddMetadata(key, value);
     absl::MutexLock lock(&mu_);
     contexts_.push_back(std::move(ctx));
     return contexts_.back().get();
@@ -308,6 +309,7 @@ class LiveStream {
 struct Caller {
   std::string token;
   std::optional<WebSession> session;
+  std::string client;  // the browser's address (its failed sign-ins count under it)
 };
 
 }  // namespace
@@ -338,6 +340,7 @@ struct WebConsole::Impl {
   // The caller of `req`, or false with the refusal written. `action`: the request changes
   // something, so a browser's session must prove it came from this console's own page.
   bool Identify(const Request& req, Response& res, bool action, Caller* caller) {
+    caller->client = req.remote_addr;
     const std::string auth = req.get_header_value("Authorization");
     if (!auth.empty()) {
       absl::string_view v = auth;
@@ -386,9 +389,21 @@ struct WebConsole::Impl {
     return !host.empty() && origin == absl::StrCat(tls ? "https://" : "http://", host);
   }
 
+  // The metadata of a call for `caller`: its token, and (to the coordinator, with the console's
+  // key) the browser's address.
+  std::vector<std::pair<std::string, std::string>> Metadata(const Caller& caller) const {
+    std::vector<std::pair<std::string, std::string>> out = {
+        {kAuthorizationMetadata, "Bearer " + caller.token}};
+    if (!options.console_key.empty()) {
+      out.emplace_back(kConsoleKeyMetadata, options.console_key);
+      out.emplace_back(kConsoleClientMetadata, caller.client);
+    }
+    return out;
+  }
+
   std::unique_ptr<grpc::ClientContext> Context(const Caller& caller) {
     auto ctx = std::make_unique<grpc::ClientContext>();
-    ctx->AddMetadata(kAuthorizationMetadata, "Bearer " + caller.token);
+    for (const auto& [key, value] : Metadata(caller)) ctx->AddMetadata(key, value);
     ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
     return ctx;
   }
@@ -420,6 +435,7 @@ struct WebConsole::Impl {
     }
     nlohmann::json body = nlohmann::json::parse(req.body, nullptr, /*allow_exceptions=*/false);
     Caller caller;
+    caller.client = req.remote_addr;
     if (body.is_object() && body.contains("code") && body["code"].is_string()) {
       std::optional<std::string> token = sessions.TakeCode(body["code"].get<std::string>());
       if (!token.has_value()) {
@@ -825,7 +841,7 @@ struct WebConsole::Impl {
     // (Producers hold the stream by pointer: it is closed, which joins them, before it goes.)
     LiveStream* live = stream.get();
     auto* stub = jobs.get();
-    grpc::ClientContext* watch_ctx = live->NewContext(caller.token);
+    grpc::ClientContext* watch_ctx = live->NewContext(Metadata(caller));
     live->Run([this, caller, live, stub, watch_ctx, job_id] {
       v1::WatchJobRequest r;
       r.set_job_id(job_id);
@@ -836,7 +852,7 @@ struct WebConsole::Impl {
       }
       Ended(caller, reader->Finish(), live);
     });
-    grpc::ClientContext* log_ctx = live->NewContext(caller.token);
+    grpc::ClientContext* log_ctx = live->NewContext(Metadata(caller));
     live->Run([this, caller, live, stub, log_ctx, job_id] {
       v1::StreamLogsRequest r;
       r.set_job_id(job_id);
@@ -849,7 +865,7 @@ struct WebConsole::Impl {
       }
       Ended(caller, reader->Finish(), live);
     });
-    grpc::ClientContext* step_ctx = live->NewContext(caller.token);
+    grpc::ClientContext* step_ctx = live->NewContext(Metadata(caller));
     live->Run([this, caller, live, stub, step_ctx, job_id] {
       v1::StreamMetricsRequest r;
       r.set_job_id(job_id);

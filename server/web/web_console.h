@@ -34,6 +34,9 @@ struct WebConsoleOptions {
   // How often the files are looked at: a renewed pair serves new connections without a restart,
   // as the gRPC listener's does (--tls-reload).
   absl::Duration tls_reload = absl::Seconds(10);
+  // Shown with each call it makes for a browser, beside the browser's address: the coordinator
+  // counts failed authentications per browser, not per console (empty: it does not).
+  std::string console_key;
   WebSessionLimits sessions;
   int threads = 48;      // requests served at once (live streams included)
   int max_streams = 32;  // live streams (server-sent events) open at once; more get 503

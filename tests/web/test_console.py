@@ -194,6 +194,40 @@ def test_the_api_answers_a_bearer_token_as_curl_would_and_nothing_else(cluster):
     assert status == 400 and "token" in body["error"]["message"], body
 
 
+def test_a_browsers_wrong_tokens_throttle_that_browser_only(cluster):
+    """The console calls the coordinator in-process for every browser; it names the browser (with
+    a key only it holds), so failed sign-ins count per browser address, as gRPC clients' do per
+    peer, and not under the console's one peer for everyone."""
+    import http.client
+    host, port = cluster["url"][len("http://"):].rsplit(":", 1)
+
+    def sign_in(source, token):
+        c = http.client.HTTPConnection(host, int(port), timeout=30, source_address=(source, 0))
+        try:
+            c.request("POST", "/api/v1/session", body=json.dumps({"token": token}),
+                      headers={"Content-Type": "application/json"})
+            r = c.getresponse()
+            return r.status, json.loads(r.read() or b"{}")
+        finally:
+            c.close()
+
+    # A guessing browser (127.0.0.2) is told to back off after its burst (30 a peer).
+    for i in range(60):
+        status, body = sign_in("127.0.0.2", f"tyt.guess{i}.wrong")
+        if status != 401:
+            break
+    assert status == 429, body
+    assert "too many failed authentications" in body["error"]["message"], body
+    # Another browser's wrong token is only wrong, and its right one signs in.
+    status, body = sign_in("127.0.0.3", "tyt.other.wrong")
+    assert status == 401 and "too many" not in body["error"]["message"], body
+    status, body = sign_in("127.0.0.3", cluster["tokens"]["bob"])
+    assert status == 200, body
+    # A valid token is taken even from the guessing browser's address.
+    status, body = sign_in("127.0.0.2", cluster["tokens"]["bob"])
+    assert status == 200, body
+
+
 def test_a_job_appears_live_and_its_chart_and_logs_follow(cluster, alice_page, alice_job):
     page = alice_page
     row = page.locator(f'tr[data-job="{alice_job}"]')
