@@ -484,13 +484,17 @@ struct CertificateFollower::Impl {
         key_bio != nullptr ? PEM_read_bio_PrivateKey(key_bio, nullptr, nullptr, nullptr) : nullptr;
     BIO_free(cert_bio);
     BIO_free(key_bio);
-    ERR_clear_error();  // (the chain's end reads as an error)
-    if (leaf == nullptr || rest == nullptr || pkey == nullptr ||
-        X509_check_private_key(leaf, pkey) != 1) {
+    const char* wrong = leaf == nullptr || rest == nullptr ? "no certificate in the first"
+                        : pkey == nullptr                  ? "no private key in the second"
+                        : X509_check_private_key(leaf, pkey) != 1
+                            ? "the key is not the certificate's"
+                            : nullptr;
+    ERR_clear_error();  // (the end of the chain reads as an error too)
+    if (wrong != nullptr) {
       spdlog::warn(
-          "TLS: {} and {} changed but do not load as a matching pair ({}); serving the "
-          "last good certificate",
-          cert_file, key_file, OpenSslErrors());
+          "TLS: {} and {} changed but do not load as a matching pair ({}); serving the last good "
+          "certificate until they change again",
+          cert_file, key_file, wrong);
       X509_free(leaf);
       sk_X509_pop_free(rest, X509_free);
       EVP_PKEY_free(pkey);

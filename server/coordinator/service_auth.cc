@@ -31,6 +31,8 @@ std::string PeerHost(grpc::CallbackServerContext* ctx) {
   return peer;
 }
 
+namespace {
+
 // The key failed authentications of the call count under: its peer's address, or for the web
 // console's in-process calls (which show the key it was given) the browser's it names, so that
 // one browser's wrong tokens do not throttle every other's.
@@ -45,6 +47,8 @@ std::string ThrottledPeer(grpc::CallbackServerContext* ctx, const IdentityRegist
   }
   return PeerHost(ctx);
 }
+
+}  // namespace
 
 // The principal of the call's "authorization: Bearer <credential>" metadata.
 absl::StatusOr<Principal> Authenticate(grpc::CallbackServerContext* ctx,
