@@ -39,14 +39,15 @@ TEST(DeviceLedgerTest, ADrainingRankKeepsItsDeviceUntilItsExitOnItsNode) {
   EXPECT_FALSE(ledger.DrainsOn(rank, "b"));
   EXPECT_TRUE(ledger.AnyDraining("job-1"));
   EXPECT_FALSE(ledger.AnyDraining("job-10"));  // a prefix is not the job
-  EXPECT_THAT(ledger.DrainingJobs(), ElementsAre("job-1"));
+  EXPECT_THAT(ledger.DrainingJobs(kT0 - absl::Seconds(1)), ElementsAre("job-1"));
+  EXPECT_THAT(ledger.DrainingJobs(kT0), IsEmpty());  // past its deadline (a node away)
   EXPECT_FALSE(ledger.Hold("a", 3));
   EXPECT_FALSE(ledger.EndDraining(rank, "b"));  // another node speaks only for its own ranks
   EXPECT_TRUE(ledger.IsDraining(rank));
   EXPECT_TRUE(ledger.EndDraining(rank, "a"));
   EXPECT_FALSE(ledger.IsDraining(rank));
   EXPECT_FALSE(ledger.AnyDraining("job-1"));
-  EXPECT_THAT(ledger.DrainingJobs(), IsEmpty());
+  EXPECT_THAT(ledger.DrainingJobs(kT0 - absl::Seconds(1)), IsEmpty());
   EXPECT_TRUE(ledger.Hold("a", 3));
 }
 

@@ -380,14 +380,15 @@ ARRAY_TASK_SLOW_TO_STOP = """
     os.makedirs(running, exist_ok=True)
     index = os.environ["TRAINYARD_ARRAY_INDEX"]
     marker = os.path.join(running, index)
+
+    def stop(signum, frame):
+        time.sleep(3)  # saving its work: still running, on its device
+        os.unlink(marker)
+        sys.exit(143)
+    signal.signal(signal.SIGTERM, stop)  # (before the marker: the test cancels once it is there)
     open(marker, "w").close()
     print(f"task {index}: {len(os.listdir(running))} running", flush=True)
     if index == "0":
-        def stop(signum, frame):
-            time.sleep(3)  # saving its work: still running, on its device
-            os.unlink(marker)
-            sys.exit(143)
-        signal.signal(signal.SIGTERM, stop)
         time.sleep(600)
     os.unlink(marker)
 """
@@ -411,10 +412,11 @@ def test_a_cancelled_array_task_counts_against_the_limit_until_its_processes_exi
     cancelled = yard(cluster, "cancel", ids[0])
     assert cancelled.returncode == 0, cancelled.stderr
     assert client.describe(ids[0]).state == job_pb2.CANCELLED
-    # While task 0 stops, task 1 says it waits for the array's limit.
-    expected = f"waiting: 1 tasks of array {name} run, at most 1 at once"
-    waits = [client.describe(ids[1]).why_waiting]
-    assert waits[0] == expected or not (folder / "running" / "0").exists(), waits
+    # While task 0 stops, task 1 says it waits for the array's limit (unless task 0 has exited by
+    # the time the marker is looked at).
+    expected = f"waiting: 1 tasks of array {name} run (1 stopping), at most 1 at once"
+    why = client.describe(ids[1]).why_waiting
+    assert why == expected or not (folder / "running" / "0").exists(), why
     done = client.wait(ids[1], timeout=120)
     assert done.state == job_pb2.SUCCEEDED, done.message
     assert log_texts(client, ids[1]) == ["task 1: 1 running"], log_texts(client, ids[1])

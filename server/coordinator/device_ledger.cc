@@ -60,9 +60,11 @@ bool DeviceLedger::AnyDraining(const std::string& job_id) const {
   return it != draining_.end() && std::get<0>(it->first) == job_id;
 }
 
-std::set<std::string> DeviceLedger::DrainingJobs() const {
+std::set<std::string> DeviceLedger::DrainingJobs(absl::Time now) const {
   std::set<std::string> jobs;
-  for (const auto& [rank, draining] : draining_) jobs.insert(std::get<0>(rank));
+  for (const auto& [rank, draining] : draining_) {
+    if (draining.deadline > now) jobs.insert(std::get<0>(rank));
+  }
   return jobs;
 }
 

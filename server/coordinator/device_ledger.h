@@ -49,8 +49,9 @@ class DeviceLedger {
   // there (nothing changes).
   bool EndDraining(const RankKey& rank, const std::string& node_id);
   bool AnyDraining(const std::string& job_id) const;
-  // The jobs with a rank draining (any attempt).
-  std::set<std::string> DrainingJobs() const;
+  // The jobs with a rank draining (any attempt) within its deadline at `now`: one past it (on a
+  // node that is away, which Expire leaves to the node's hello) no longer counts.
+  std::set<std::string> DrainingJobs(absl::Time now) const;
   // A node said hello running `alive`: its draining ranks not among them are gone (their devices
   // freed); those among them were told to stop again and get `deadline`. True when any was freed.
   bool SettleNode(const std::string& node_id, const std::set<RankKey>& alive, absl::Time deadline);

@@ -231,11 +231,14 @@ class JobManager final : public JobLifecycle,
   // The waiting tasks of job arrays that may be considered this pass: per array (owner and
   // array.id), the oldest, as many as array.max_running leaves beside its running tasks.
   std::set<std::string> ArrayTasksToConsider() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The owner's running tasks of `job`'s array.
-  int RunningArrayTasks(const v1::Job& job) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The owner's tasks of `job`'s array that count against its limit, and of those how many are
+  // only stopping (`stopping`, when given).
+  int RunningArrayTasks(const v1::Job& job, int* stopping = nullptr) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The tasks of arrays with a limit that count against it: those running, and those whose ended
   // attempt's ranks are still stopping (a cancelled or preempted task draining: its processes
-  // run until they exit, as Slurm counts a completing task against %N).
+  // run until they exit, as Slurm counts a completing task against %N; at most until the drain
+  // timeout, so that a node that went away does not hold an array for ever).
   std::vector<const v1::Job*> RunningLimitedArrayTasks() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Fails the waiting jobs one of whose `after` jobs ended without success (each pass).
   void FailJobsWithFailedDependencies() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -217,7 +217,7 @@ std::pair<std::string, std::string> ArrayKey(const v1::Job& job) {
 
 std::vector<const v1::Job*> JobManager::RunningLimitedArrayTasks() const {
   std::vector<const v1::Job*> out;
-  const std::set<std::string> draining = devices_.DrainingJobs();
+  const std::set<std::string> draining = devices_.DrainingJobs(clock_.Now());
   auto add = [&](const v1::Job& job) {
     if (job.spec().array().max_running() > 0) out.push_back(&job);
   };
@@ -255,10 +255,13 @@ std::set<std::string> JobManager::ArrayTasksToConsider() const {
   return out;
 }
 
-int JobManager::RunningArrayTasks(const v1::Job& job) const {
+int JobManager::RunningArrayTasks(const v1::Job& job, int* stopping) const {
   int running = 0;
+  if (stopping != nullptr) *stopping = 0;
   for (const v1::Job* other : RunningLimitedArrayTasks()) {
-    if (ArrayKey(*other) == ArrayKey(job)) ++running;
+    if (ArrayKey(*other) != ArrayKey(job)) continue;
+    ++running;
+    if (stopping != nullptr && !IsActive(other->state())) ++*stopping;
   }
   return running;
 }

@@ -168,9 +168,11 @@ std::string JobManager::WhyWaiting(const std::string& job_id, const std::string&
   }
   if (const int limit = job.spec().array().max_running();
       limit > 0 && ArrayTasksToConsider().count(job.id()) == 0) {
-    const int running = RunningArrayTasks(job);
+    int stopping = 0;
+    const int running = RunningArrayTasks(job, &stopping);
     return absl::StrCat("waiting: ", running, " tasks of array ", job.spec().array().id(),
-                        " run, at most ", limit, " at once",
+                        stopping > 0 ? absl::StrCat(" run (", stopping, " stopping)") : " run",
+                        ", at most ", limit, " at once",
                         running < limit ? "; its older tasks go first" : "");
   }
   if (!last_pass_.has_value()) return "waiting for the next scheduling pass";
