@@ -521,6 +521,9 @@ struct CertificateFollower::Impl {
       }
     }
     if (self->cert == nullptr) return 1;  // the context's own pair
+    // (Cleared first: a renewal of another key type would otherwise leave the old pair in the
+    // slot of its type, for clients that prefer it.)
+    SSL_certs_clear(ssl);
     return SSL_use_cert_and_key(ssl, self->cert, self->key, self->chain, /*override=*/1) == 1 ? 1
                                                                                               : 0;
   }

@@ -105,9 +105,8 @@ class CertificateFollower {
   CertificateFollower(const CertificateFollower&) = delete;
   CertificateFollower& operator=(const CertificateFollower&) = delete;
 
-  struct Impl;
-
  private:
+  struct Impl;
   explicit CertificateFollower(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };

@@ -1267,6 +1267,7 @@ TEST(GpuLinearTest, CudaGptAndLlamaMatchAutocastsLinear) {
     EXPECT_LT(RelativeError(lf, lp), 1e-2);
     ExpectGradientsMatch(fused, plain, 3e-2);
     for (const auto& item : fused.named_parameters()) {
+      ASSERT_TRUE(item.value().grad().defined()) << item.key();
       EXPECT_EQ(item.value().grad().scalar_type(), torch::kFloat) << item.key();
     }
   }

@@ -609,9 +609,19 @@ TEST_F(HardeningTest, AFloodOfBadCredentialsIsThrottledWhileValidOnesFromTheSame
 }
 
 // Only the web console may name the browser a call's failures count under (with the key the
-// coordinator gave it; this coordinator has no console): a client that names other addresses
-// itself, with or without a key, is throttled as its own peer all the same.
-TEST_F(HardeningTest, AClientCannotNameAnotherAddressForItsFailures) {
+// coordinator gave it at start, here with its console on): a client that names other addresses
+// itself, without a key or with a guessed one, is throttled as its own peer all the same.
+class HardeningWithConsoleTest : public HardeningTest {
+ protected:
+  void Configure(CoordinatorOptions& options) override {
+    HardeningTest::Configure(options);
+#ifdef TRAINYARD_TEST_WEB
+    options.web_address = "127.0.0.1:0";
+#endif
+  }
+};
+
+TEST_F(HardeningWithConsoleTest, AClientCannotNameAnotherAddressForItsFailures) {
   for (int i = 0; i < 30; ++i) {
     EXPECT_EQ(WhoAmI(absl::StrCat("tyt.nosuchid", i, ".secret"),
                      {{kConsoleKeyMetadata, i % 2 == 0 ? "" : "guessed-key"},

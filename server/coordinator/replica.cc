@@ -135,6 +135,7 @@ int RunReplica(CoordinatorOptions options, ReplicaOptions replica,
   web_options.address = options.web_address;
   web_options.tls_cert_file = options.tls.cert_file;
   web_options.tls_key_file = options.tls.key_file;
+  web_options.tls_reload = absl::Seconds(std::max(1, options.tls.reload_seconds));
   if (!options.web_address.empty()) {
     if (absl::Status s = CheckWebAddress(options); !s.ok()) {
       std::cerr << "trainyard-coordinator: " << s.message() << "\n";

@@ -22,6 +22,7 @@
 #include <grpcpp/channel.h>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "server/web/web_sessions.h"
 
 namespace trainyard::web {
