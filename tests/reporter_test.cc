@@ -1,14 +1,23 @@
 // Which kept checkpoints a rank's checkpoint report carries (KeptToReport): the newest, at most
-// kMaxKeptCheckpoints and within a budget of path bytes, oldest first.
+// kMaxKeptCheckpoints and within a budget of path bytes, oldest first. And the reporter's drain at
+// exit against a real gRPC TrainerService: every step while the coordinator answers, however
+// slowly; a bounded wait, and a count in the log, when it is gone.
 #include "worker/trainer/control/reporter.h"
 
 #include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/field_limits.h"
+#include "trainyard/v1/trainer.grpc.pb.h"
 
 namespace trainyard::trainer {
 namespace {
@@ -46,6 +55,105 @@ TEST(KeptToReportTest, LongPathsAreCutToTheBudget) {
   const std::vector<size_t> kept = KeptToReport(WithKept(100, 4096), kMaxReportBytes / 2);
   EXPECT_EQ(kept.size(), 8u);
   EXPECT_EQ(kept.back(), 99u);
+}
+
+// A coordinator's TrainerService that takes `latency` to answer each step report (a busy machine)
+// and keeps the steps it was sent.
+class SlowTrainerService final : public v1::TrainerService::Service {
+ public:
+  explicit SlowTrainerService(absl::Duration latency) : latency_(latency) {}
+
+  grpc::Status ReportStep(grpc::ServerContext*, const v1::StepReport* report,
+                          v1::TrainerCommands* commands) override {
+    absl::SleepFor(latency_);  // (the service's speed, not a wait for an event)
+    commands->set_incarnation("one");
+    absl::MutexLock lock(&mu_);
+    steps_.push_back(report->step());
+    return grpc::Status::OK;
+  }
+
+  std::vector<int64_t> steps() {
+    absl::MutexLock lock(&mu_);
+    return steps_;
+  }
+
+ private:
+  const absl::Duration latency_;
+  absl::Mutex mu_;
+  std::vector<int64_t> steps_ ABSL_GUARDED_BY(mu_);
+};
+
+absl::Mutex log_mu;
+std::vector<std::string>* log_lines ABSL_GUARDED_BY(log_mu) = new std::vector<std::string>;
+
+void Log(const std::string& line) {
+  absl::MutexLock lock(&log_mu);
+  log_lines->push_back(line);
+}
+
+std::vector<std::string> LogLines() {
+  absl::MutexLock lock(&log_mu);
+  std::vector<std::string> out = *log_lines;
+  log_lines->clear();
+  return out;
+}
+
+void ReportSteps(Reporter& reporter, int steps) {
+  for (int i = 1; i <= steps; ++i) {
+    StepReport r;
+    r.step = i;
+    r.total_steps = steps;
+    reporter.ReportStep(r);
+  }
+}
+
+// A coordinator that answers, slowly, gets every step, though sending them takes longer than the
+// 5 s the drain waits for a coordinator that does not answer (the last steps were lost so on a
+// busy machine).
+TEST(ReporterTest, AtExitEveryStepIsSentWhileTheCoordinatorAnswers) {
+  SlowTrainerService service(absl::Milliseconds(100));
+  int port = 0;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  constexpr int kSteps = 80;  // 8 s of answers at least
+  {
+    Reporter reporter(absl::StrCat("127.0.0.1:", port), "job-1", 1, 0, &Log);
+    ReportSteps(reporter, kSteps);
+  }
+  std::vector<int64_t> expected;
+  for (int i = 1; i <= kSteps; ++i) expected.push_back(i);
+  EXPECT_EQ(service.steps(), expected);
+  EXPECT_THAT(LogLines(), ::testing::IsEmpty());
+  server->Shutdown();
+}
+
+// A coordinator that is gone holds the exit for the drain's 5 s and the last report's deadline,
+// not for each report, and the log says how many were not sent.
+TEST(ReporterTest, AtExitACoordinatorThatIsGoneCostsSecondsAndIsLogged) {
+  // A port that was just free (a server started and stopped on it).
+  int port = 0;
+  {
+    SlowTrainerService unused(absl::ZeroDuration());
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(&unused);
+    std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+    ASSERT_NE(server, nullptr);
+    server->Shutdown();
+  }
+  const absl::Time start = absl::Now();
+  {
+    Reporter reporter(absl::StrCat("127.0.0.1:", port), "job-1", 1, 0, &Log);
+    ReportSteps(reporter, 20);
+  }
+  EXPECT_LT(absl::Now() - start, absl::Seconds(30));
+  EXPECT_THAT(LogLines(),
+              ::testing::Contains(::testing::HasSubstr(
+                  "warning: 20 step reports were not sent: the coordinator did not answer them at "
+                  "exit (a rank waits 5s for an answer, 1m in all)")));
 }
 
 }  // namespace

@@ -308,7 +308,7 @@ TEST_F(TlsE2eTest, TheWholeLocalClusterTrainsOverTls) {
   CommandResult metrics = yard({"metrics", job, "-o", "json"});
   ASSERT_EQ(metrics.exit_code, 0) << metrics.err;
   const auto series = nlohmann::json::parse(metrics.out);
-  ASSERT_EQ(series.size(), 40u);
+  ASSERT_EQ(series.size(), 40u) << yard({"logs", job}).out;  // (the rank says what it did not send)
   double first = 0, last = 0;
   for (int i = 0; i < 5; ++i) first += series[i]["loss"].get<double>() / 5;
   for (int i = 35; i < 40; ++i) last += series[i]["loss"].get<double>() / 5;

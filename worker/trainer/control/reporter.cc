@@ -38,7 +38,11 @@ std::vector<size_t> KeptToReport(const CheckpointReport& report, size_t path_bud
 
 class Reporter::Impl {
  public:
+  // At exit the queue is sent for as long as the coordinator answers: the drain gives up
+  // kDrainTime after the stop or the last answer, and kDrainLimit after the stop in all (the
+  // queue holds at most kMaxQueued reports).
   static constexpr absl::Duration kDrainTime = absl::Seconds(5);
+  static constexpr absl::Duration kDrainLimit = absl::Seconds(60);
 
   Impl(const std::string& coordinator, std::string job_id, int attempt, int rank,
        void (*log)(const std::string&))
@@ -51,15 +55,25 @@ class Reporter::Impl {
         log_(log),
         thread_([this] { Loop(); }) {}
 
-  // Sends what is queued (every step: `yard metrics` lists them all) for up to kDrainTime, then
-  // only the latest, so that a coordinator out of reach does not hold the trainer's exit long.
+  // Sends what is queued (every step: `yard metrics` lists them all) while the coordinator
+  // answers, then only the latest, so that a coordinator out of reach does not hold the trainer's
+  // exit long (and a slow one, on a busy machine, does not lose the last steps). Says how many
+  // reports were not sent.
   ~Impl() {
     {
       absl::MutexLock lock(&mu_);
       stopping_ = true;
-      drain_until_ = absl::Now() + kDrainTime;
+      stopped_at_ = absl::Now();
+      drain_until_ = stopped_at_ + kDrainTime;
     }
     thread_.join();
+    if (unsent_ > 0) {
+      log_(absl::StrCat("warning: ", unsent_, " step report", unsent_ == 1 ? " was" : "s were",
+                        " not sent: the coordinator did not answer them at exit (a rank waits ",
+                        absl::FormatDuration(kDrainTime), " for an answer, ",
+                        absl::FormatDuration(kDrainLimit),
+                        " in all); yard metrics lacks those steps"));
+    }
   }
 
   void ReportStep(const StepReport& s) {
@@ -173,7 +187,10 @@ class Reporter::Impl {
         mu_.Await(absl::Condition(&ready));
         if (queue_.empty()) return;
         if (stopping_ && absl::Now() >= drain_until_) {
-          while (queue_.size() > 1) queue_.pop_front();
+          while (queue_.size() > 1) {
+            queue_.pop_front();
+            ++unsent_;
+          }
         }
         report = queue_.front();
         report.set_incarnation(incarnation_);
@@ -198,7 +215,11 @@ class Reporter::Impl {
       pause = absl::Milliseconds(100);
       // (The report may have been dropped from a full queue meanwhile.)
       if (!queue_.empty() && queue_.front().seq() == report.seq()) queue_.pop_front();
-      if (!s.ok()) continue;
+      if (!s.ok()) {
+        if (stopping_ && Retryable(s.error_code())) ++unsent_;
+        continue;
+      }
+      if (stopping_) drain_until_ = std::min(stopped_at_ + kDrainLimit, absl::Now() + kDrainTime);
       const bool moved = !incarnation_.empty() && commands.incarnation() != incarnation_;
       incarnation_ = commands.incarnation();
       if (moved && rank_ == 0) {
@@ -259,7 +280,9 @@ class Reporter::Impl {
   int64_t last_seq_ ABSL_GUARDED_BY(mu_) = 0;
   TrainerCommands pending_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time stopped_at_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   absl::Time drain_until_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
+  int64_t unsent_ = 0;  // reports dropped at exit; the reporter's thread's until it is joined
   bool warned_ ABSL_GUARDED_BY(mu_) = false;
   int64_t checkpointed_step_ ABSL_GUARDED_BY(mu_) = -1;  // last checkpoint reported
   std::thread thread_;                                   // last: starts once the rest is built

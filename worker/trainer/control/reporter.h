@@ -71,8 +71,9 @@ class Reporter {
   // `log`: where the one warning about a failing coordinator goes (a line, flushed).
   Reporter(const std::string& coordinator, std::string job_id, int attempt, int rank,
            void (*log)(const std::string& line));
-  // Sends at most the latest queued report (so exit takes at most one call's deadline, also when
-  // the coordinator is gone), then joins the thread.
+  // Sends the queued reports while the coordinator answers (up to a minute), giving up 5 s after
+  // its last answer save for the latest report (so a coordinator that is gone costs the exit about
+  // 7 s), then joins the thread and logs how many reports were not sent.
   ~Reporter();
 
   void ReportStep(const StepReport& report);
