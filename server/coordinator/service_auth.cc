@@ -9,6 +9,7 @@
 #include "common/credentials.h"
 #include "common/field_limits.h"
 #include "common/grpc_status.h"
+#include "common/host_port.h"
 #include "common/status_macros.h"
 #include "common/tls.h"
 #include "server/coordinator/audit.h"
@@ -21,31 +22,23 @@ grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx, const absl::Sta
   return reactor;
 }
 
-// The caller's address without its port ("ipv4:127.0.0.1", "ipv6:[::1]"): the key failed
-// authentications are counted under.
-std::string PeerHost(grpc::CallbackServerContext* ctx) {
-  std::string peer = ctx->peer();
-  const size_t colon = peer.rfind(':');
-  const size_t first = peer.find(':');
-  if (colon != std::string::npos && colon != first) peer.resize(colon);
-  return peer;
-}
-
 namespace {
 
-// The key failed authentications of the call count under: its peer's address, or for the web
-// console's in-process calls (which show the key it was given) the browser's it names, so that
-// one browser's wrong tokens do not throttle every other's.
+// The key failed authentications of the call count under: its peer's client (an IPv4 address or
+// an IPv6 /64, common/host_port.h), or for the web console's in-process calls (which show the key
+// it was given) the browser's it names, so that one browser's wrong tokens do not throttle every
+// other's.
 std::string ThrottledPeer(grpc::CallbackServerContext* ctx, const IdentityRegistry& identities) {
   const auto& md = ctx->client_metadata();
   const auto key = md.find(kConsoleKeyMetadata), client = md.find(kConsoleClientMetadata);
   if (key != md.end() && client != md.end() &&
       identities.IsConsoleKey(absl::string_view(key->second.data(), key->second.size()))) {
-    // (An address: at most 64 bytes are kept.)
-    return absl::StrCat("web ", absl::string_view(client->second.data(),
-                                                  std::min<size_t>(client->second.size(), 64)));
+    // (An address: at most 64 bytes are read.)
+    return absl::StrCat(
+        "web ", ClientOfAddress(absl::string_view(client->second.data(),
+                                                  std::min<size_t>(client->second.size(), 64))));
   }
-  return PeerHost(ctx);
+  return ClientOfAddress(ctx->peer());
 }
 
 }  // namespace

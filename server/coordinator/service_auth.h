@@ -21,10 +21,6 @@ namespace trainyard::coordinator {
 // Finishes a unary call with `status` and returns its reactor.
 grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx, const absl::Status& status);
 
-// The caller's address without its port ("ipv4:127.0.0.1", "ipv6:[::1]"): the key failed
-// authentications are counted under.
-std::string PeerHost(grpc::CallbackServerContext* ctx);
-
 // The principal of the call's "authorization: Bearer <credential>" metadata.
 absl::StatusOr<Principal> Authenticate(grpc::CallbackServerContext* ctx,
                                        const IdentityRegistry& identities);

@@ -1,0 +1,45 @@
+// The client a peer's address stands for (common/host_port.h ClientOfAddress), the key the
+// coordinator counts failed sign-ins under: an IPv4 address, an IPv6 /64, gRPC's peer forms.
+#include "common/host_port.h"
+
+#include <gtest/gtest.h>
+
+namespace trainyard {
+namespace {
+
+TEST(ClientOfAddressTest, AnIpv4AddressIsItsOwnClient) {
+  EXPECT_EQ(ClientOfAddress("ipv4:10.1.2.3:5000"), "ipv4:10.1.2.3");
+  EXPECT_EQ(ClientOfAddress("10.1.2.3"), "ipv4:10.1.2.3");
+  EXPECT_EQ(ClientOfAddress(" 127.0.0.2:80 "), "ipv4:127.0.0.2");
+  EXPECT_NE(ClientOfAddress("ipv4:10.1.2.3:1"), ClientOfAddress("ipv4:10.1.2.4:1"));
+}
+
+// A host is given a /64: every address in it is one client, so rotating addresses does not start
+// a fresh count; another /64 is another client.
+TEST(ClientOfAddressTest, AnIpv6AddressCountsAsItsSlash64) {
+  EXPECT_EQ(ClientOfAddress("ipv6:[2001:db8:1:2::7]:5000"), "ipv6:2001:db8:1:2::/64");
+  EXPECT_EQ(ClientOfAddress("ipv6:%5B2001:db8:1:2:aaaa:bbbb:cccc:dddd%5D:5000"),
+            "ipv6:2001:db8:1:2::/64");
+  EXPECT_EQ(ClientOfAddress("2001:db8:1:2:ffff::1"), "ipv6:2001:db8:1:2::/64");  // a browser's
+  EXPECT_EQ(ClientOfAddress("[fe80::1%25eth0]:7"), "ipv6:fe80::/64");
+  EXPECT_EQ(ClientOfAddress("fe80::1%eth0"), "ipv6:fe80::/64");
+  EXPECT_NE(ClientOfAddress("2001:db8:1:2::1"), ClientOfAddress("2001:db8:1:3::1"));
+  EXPECT_EQ(ClientOfAddress("ipv6:[::1]:5000"), "ipv6:::/64");
+}
+
+// A dual-stack listener sees IPv4 clients as IPv4-mapped IPv6 addresses: each is its IPv4 address,
+// not one /64 that every IPv4 client would share.
+TEST(ClientOfAddressTest, AnIpv4MappedAddressIsTheIpv4Address) {
+  EXPECT_EQ(ClientOfAddress("ipv6:[::ffff:10.1.2.3]:5000"), "ipv4:10.1.2.3");
+  EXPECT_EQ(ClientOfAddress("::ffff:10.1.2.4"), "ipv4:10.1.2.4");
+}
+
+TEST(ClientOfAddressTest, AnythingElseIsAsItIs) {
+  EXPECT_EQ(ClientOfAddress("unix:/run/trainyard.sock"), "unix:/run/trainyard.sock");
+  EXPECT_EQ(ClientOfAddress("unknown"), "unknown");
+  EXPECT_EQ(ClientOfAddress(""), "");
+  EXPECT_EQ(ClientOfAddress("ipv6:[::1"), "ipv6:[::1");
+}
+
+}  // namespace
+}  // namespace trainyard
