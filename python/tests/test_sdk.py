@@ -100,6 +100,36 @@ def test_a_checkpoint_request_reaches_every_rank_and_is_reported(client, tmp_pat
     assert any(r == 1 and t.startswith("checkpointed at step") for r, t in lines)
 
 
+KEEPS = """
+    import os, sys
+    sys.path.insert(0, {sdk!r})
+    import trainyard
+    ctx = trainyard.init()
+    for step in range(1, 6):
+        path = os.path.join(ctx.checkpoint_dir, f"step-{{step}}")
+        trainyard.save_checkpoint(path, lambda tmp: open(tmp, "w").write(str(step)), step=step)
+    print("left", sorted(os.listdir(ctx.checkpoint_dir)), flush=True)
+"""
+
+
+def test_a_command_jobs_checkpoints_are_kept_to_the_specs_keep_last(client, tmp_path):
+    """checkpoint.keep_last reaches a command job (the SDK's save_checkpoint removes the oldest it
+    saved) and the coordinator lists the kept ones, as the built-in trainer's."""
+    folder = program(tmp_path, KEEPS.format(sdk=SDK))
+    job = client.submit({"name": "keeps", "resources": {"slots": 1},
+                         "command": [sys.executable, "train.py"], "workdir": str(folder),
+                         "checkpoint": {"keep_last": 2}})
+    done = client.wait(job.id, timeout=120)
+    assert done.state == job_pb2.SUCCEEDED, done.message
+    lines = [line.text for line in client.logs(job.id)]
+    assert "left ['step-4', 'step-5']" in lines, lines
+    assert done.last_checkpoint.step == 5
+    assert [(k.step, os.path.basename(k.path)) for k in done.kept_checkpoints] == [
+        (4, "step-4"), (5, "step-5")]
+    assert all(os.path.dirname(k.path) == os.path.dirname(done.last_checkpoint.path)
+               for k in done.kept_checkpoints)
+
+
 def test_a_bad_spec_is_refused_naming_the_field_and_a_failed_job_raises(client):
     with pytest.raises(grpc.RpcError) as refused:
         client.submit(name="bad", gpus=1, command=["python3"], workdir="relative")
