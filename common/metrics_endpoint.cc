@@ -85,13 +85,10 @@ struct Stream {
 struct MetricsEndpoint::Impl {
   std::shared_ptr<prometheus::Registry> registry;
   std::string token;  // empty: none needed
-  // TLS: the context (null: plain HTTP), made again when the certificate's or key's files change
-  // (looked at most every tls_reload by a new connection).
-  std::string tls_cert_file, tls_key_file;
-  absl::Duration tls_reload;
-  SSL_CTX* tls ABSL_GUARDED_BY(mu) = nullptr;
-  std::string tls_stamp ABSL_GUARDED_BY(mu);
-  absl::Time tls_checked ABSL_GUARDED_BY(mu);
+  // TLS: the context (null: plain HTTP), whose certificate follows its files (looked at most
+  // every tls_reload by a handshake). Set before the accept loop starts.
+  SSL_CTX* tls = nullptr;
+  std::unique_ptr<CertificateFollower> follower;
   int listener = -1;
   int wakeup = -1;  // an eventfd written to stop the accept loop
   std::string bound;
@@ -136,11 +133,8 @@ struct MetricsEndpoint::Impl {
     }
     if (listener >= 0) ::close(listener);
     if (wakeup >= 0) ::close(wakeup);
-    absl::MutexLock lock(&mu);
-    if (tls != nullptr) SSL_CTX_free(tls);
+    if (tls != nullptr) SSL_CTX_free(tls);  // (the follower, after: no handshake is left)
   }
-
-  std::string Stamp() const { return CertificateFilesStamp(tls_cert_file, tls_key_file); }
 
   // A context with the files' certificate and key; null (the queue cleared) if they do not load.
   static SSL_CTX* NewContext(const std::string& cert_file, const std::string& key_file,
@@ -161,25 +155,6 @@ struct MetricsEndpoint::Impl {
     }
     SSL_CTX_free(ctx);
     return nullptr;
-  }
-
-  // A new session on the current context, the files looked at first (at most every tls_reload).
-  SSL* NewSession() {
-    absl::MutexLock lock(&mu);
-    const absl::Time now = absl::Now();
-    if (now - tls_checked >= tls_reload) {
-      tls_checked = now;
-      const std::string stamp = Stamp();
-      if (!stamp.empty() && stamp != tls_stamp) {
-        tls_stamp = stamp;
-        std::string error;
-        if (SSL_CTX* next = NewContext(tls_cert_file, tls_key_file, &error)) {
-          SSL_CTX_free(tls);  // sessions on it hold their own reference
-          tls = next;
-        }
-      }
-    }
-    return SSL_new(tls);
   }
 
   // Shuts down the sockets of connections past their deadline; the milliseconds until the next
@@ -249,8 +224,8 @@ struct MetricsEndpoint::Impl {
     ::setsockopt(c->fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
     ::setsockopt(c->fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
     Stream stream{c->fd, nullptr};
-    if (!tls_cert_file.empty()) {
-      stream.ssl = NewSession();
+    if (tls != nullptr) {
+      stream.ssl = SSL_new(tls);
       if (stream.ssl == nullptr || SSL_set_fd(stream.ssl, c->fd) != 1 ||
           SSL_accept(stream.ssl) != 1) {
         ERR_clear_error();
@@ -361,16 +336,11 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
         "token), or --metrics-insecure to let anyone who can reach it read the metrics"));
   }
   if (!options.tls_cert_file.empty()) {
-    impl->tls_cert_file = options.tls_cert_file;
-    impl->tls_key_file = options.tls_key_file;
-    impl->tls_reload = options.tls_reload;
     std::string error;
-    SSL_CTX* ctx = Impl::NewContext(options.tls_cert_file, options.tls_key_file, &error);
-    if (ctx == nullptr) return absl::InvalidArgumentError(error);
-    absl::MutexLock lock(&impl->mu);
-    impl->tls = ctx;
-    impl->tls_stamp = impl->Stamp();
-    impl->tls_checked = absl::Now();
+    impl->tls = Impl::NewContext(options.tls_cert_file, options.tls_key_file, &error);
+    if (impl->tls == nullptr) return absl::InvalidArgumentError(error);
+    impl->follower = CertificateFollower::Install(impl->tls, options.tls_cert_file,
+                                                  options.tls_key_file, options.tls_reload);
   }
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;

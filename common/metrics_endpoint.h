@@ -26,8 +26,9 @@ struct MetricsEndpointOptions {
   std::string address;  // HOST:PORT
   // A file holding the token scrapes must send (mode 0600, as every secret file); empty: none.
   std::string token_file;
-  // TLS: the server's certificate chain and key (PEM); empty: plain HTTP. Loaded again, for new
-  // connections, when their files change (looked at most every tls_reload).
+  // TLS: the server's certificate chain and key (PEM); empty: plain HTTP. Followed (common/tls.h
+  // CertificateFollower): a renewed pair serves new connections once a handshake sees the files
+  // changed (it looks at most every tls_reload).
   std::string tls_cert_file, tls_key_file;
   absl::Duration tls_reload = absl::Seconds(10);
   // Serve a non-loopback address without a token.

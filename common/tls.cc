@@ -434,6 +434,10 @@ std::string DiagnoseTls(const std::string& address, const TlsClientOptions& opti
   return why;
 }
 
+namespace {
+
+// The certificate and key files' identities and modification times as one string ("" when one
+// cannot be read): what a server compares to learn that its pair was renewed.
 std::string CertificateFilesStamp(const std::string& cert_file, const std::string& key_file) {
   std::string out;
   for (const std::string* path : {&cert_file, &key_file}) {
@@ -443,6 +447,8 @@ std::string CertificateFilesStamp(const std::string& cert_file, const std::strin
   }
   return out;
 }
+
+}  // namespace
 
 struct CertificateFollower::Impl {
   std::string cert_file, key_file;

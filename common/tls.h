@@ -86,15 +86,12 @@ std::string DiagnoseTls(const std::string& address, const TlsClientOptions& opti
 // The common name of the call's verified client certificate; empty if none.
 std::string PeerCertificateName(const grpc::ServerContextBase& ctx);
 
-// The certificate and key files' identities and modification times as one string ("" when one
-// cannot be read): what a server compares to learn that its pair was renewed.
-std::string CertificateFilesStamp(const std::string& cert_file, const std::string& key_file);
-
 // Keeps an OpenSSL server context's certificate current with its files, as gRPC's listeners keep
 // theirs (TlsServerOptions::reload_seconds): each handshake looks at the files (at most every
 // `check_every`) and, when their stamp changed, loads them again; a pair that does not load or
-// match is left aside (the last good one stays, until the next change). For servers whose TLS is
-// OpenSSL's own (the web console's HTTPS). Lives as long as the context's handshakes may run.
+// match is left aside (the last good one stays, until the next change). For the servers whose TLS
+// is OpenSSL's own: the web console's HTTPS, the metrics endpoint, the parameter server's data
+// plane (rpc/ps/tls_io.h). Lives as long as the context's handshakes may run.
 class CertificateFollower {
  public:
   // Installs itself on `ctx`, which holds cert_file and key_file already (loaded at start).

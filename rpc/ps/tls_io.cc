@@ -164,11 +164,14 @@ absl::StatusOr<Conn> Handshake(UniqueFd fd, const TlsConfig& config, const std::
 
 }  // namespace
 
-absl::StatusOr<std::shared_ptr<const TlsConfig>> TlsConfig::Server(const std::string& cert_file,
-                                                                   const std::string& key_file) {
+TlsConfig::TlsConfig(SSL_CTX* ctx, bool server) : ctx_(ctx), server_(server) {}
+
+absl::StatusOr<std::shared_ptr<const TlsConfig>> TlsConfig::Server(
+    const std::string& cert_file, const std::string& key_file,
+    std::optional<absl::Duration> follow_every) {
   SSL_CTX* ctx = NewContext(true);
   if (ctx == nullptr) return absl::InternalError(absl::StrCat("TLS: ", OpenSslErrors()));
-  std::shared_ptr<const TlsConfig> config(new TlsConfig(ctx, true));
+  std::shared_ptr<TlsConfig> config(new TlsConfig(ctx, true));
   if (SSL_CTX_use_certificate_chain_file(ctx, cert_file.c_str()) != 1) {
     return FlagError("--tls-cert", cert_file);
   }
@@ -178,6 +181,9 @@ absl::StatusOr<std::shared_ptr<const TlsConfig>> TlsConfig::Server(const std::st
   if (SSL_CTX_check_private_key(ctx) != 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("--tls-key: ", key_file, " is not the key of ", cert_file));
+  }
+  if (follow_every.has_value()) {
+    config->follower_ = CertificateFollower::Install(ctx, cert_file, key_file, *follow_every);
   }
   return config;
 }
@@ -203,34 +209,6 @@ absl::StatusOr<std::shared_ptr<const TlsConfig>> TlsConfig::Client(const std::st
 }
 
 TlsConfig::~TlsConfig() { SSL_CTX_free(ctx_); }
-
-absl::StatusOr<std::shared_ptr<ReloadingTlsConfig>> ReloadingTlsConfig::Server(
-    const std::string& cert_file, const std::string& key_file, absl::Duration check_every) {
-  std::shared_ptr<ReloadingTlsConfig> r(new ReloadingTlsConfig(cert_file, key_file, check_every));
-  ASSIGN_OR_RETURN(std::shared_ptr<const TlsConfig> first, TlsConfig::Server(cert_file, key_file));
-  absl::MutexLock lock(&r->mu_);
-  r->current_ = std::move(first);
-  r->stamp_ = r->Stamp();
-  r->checked_ = absl::Now();
-  return r;
-}
-
-std::string ReloadingTlsConfig::Stamp() const {
-  return CertificateFilesStamp(cert_file_, key_file_);
-}
-
-std::shared_ptr<const TlsConfig> ReloadingTlsConfig::Current() {
-  absl::MutexLock lock(&mu_);
-  const absl::Time now = absl::Now();
-  if (now - checked_ < check_every_) return current_;
-  checked_ = now;
-  const std::string stamp = Stamp();
-  if (stamp.empty() || stamp == stamp_) return current_;
-  stamp_ = stamp;
-  auto next = TlsConfig::Server(cert_file_, key_file_);
-  if (next.ok()) current_ = *std::move(next);  // else: the last good one, until the next change
-  return current_;
-}
 
 Conn::Conn(Conn&& other) noexcept : fd_(std::move(other.fd_)), ssl_(other.ssl_) {
   other.ssl_ = nullptr;

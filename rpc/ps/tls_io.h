@@ -14,12 +14,11 @@
 
 #include <cstddef>
 #include <memory>
+#include <optional>
 #include <string>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "rpc/ps/tcp_io.h"
@@ -27,15 +26,23 @@
 typedef struct ssl_st SSL;
 typedef struct ssl_ctx_st SSL_CTX;
 
+namespace trainyard {
+class CertificateFollower;  // common/tls.h
+}  // namespace trainyard
+
 namespace trainyard::ps {
 
 // An OpenSSL context: a server's (certificate and key) or a client's (CA, optional client
-// certificate). Immutable once made.
+// certificate). Immutable once made, save for a following server's certificate.
 class TlsConfig {
  public:
-  // INVALID_ARGUMENT naming the flag for an unreadable or mismatched file.
-  static absl::StatusOr<std::shared_ptr<const TlsConfig>> Server(const std::string& cert_file,
-                                                                 const std::string& key_file);
+  // INVALID_ARGUMENT naming the flag for an unreadable or mismatched file. With `follow_every`,
+  // the certificate follows its files (common/tls.h CertificateFollower): a handshake looks at
+  // them at most that often, and a renewed pair counts for the next connection without a restart;
+  // a pair that does not load or match leaves the last good one in place.
+  static absl::StatusOr<std::shared_ptr<const TlsConfig>> Server(
+      const std::string& cert_file, const std::string& key_file,
+      std::optional<absl::Duration> follow_every = std::nullopt);
   static absl::StatusOr<std::shared_ptr<const TlsConfig>> Client(const std::string& ca_file,
                                                                  const std::string& cert_file = "",
                                                                  const std::string& key_file = "");
@@ -47,37 +54,10 @@ class TlsConfig {
   bool is_server() const { return server_; }
 
  private:
-  TlsConfig(SSL_CTX* ctx, bool server) : ctx_(ctx), server_(server) {}
+  TlsConfig(SSL_CTX* ctx, bool server);
   SSL_CTX* ctx_;
   bool server_;
-};
-
-// A server TlsConfig that follows its files: Current() loads them again when the certificate's or
-// the key's modification time changed (looked at most every `check_every`), so a renewed
-// certificate counts for new connections without a restart; files that do not load leave the
-// last good config in place (and are tried again at the next change). Thread-safe.
-class ReloadingTlsConfig {
- public:
-  // INVALID_ARGUMENT naming the flag when the files do not load now.
-  static absl::StatusOr<std::shared_ptr<ReloadingTlsConfig>> Server(
-      const std::string& cert_file, const std::string& key_file,
-      absl::Duration check_every = absl::Seconds(10));
-  std::shared_ptr<const TlsConfig> Current();
-
- private:
-  ReloadingTlsConfig(std::string cert_file, std::string key_file, absl::Duration check_every)
-      : cert_file_(std::move(cert_file)),
-        key_file_(std::move(key_file)),
-        check_every_(check_every) {}
-  // The two files' modification times, as one string ("" when one cannot be read).
-  std::string Stamp() const;
-
-  const std::string cert_file_, key_file_;
-  const absl::Duration check_every_;
-  absl::Mutex mu_;
-  std::shared_ptr<const TlsConfig> current_ ABSL_GUARDED_BY(mu_);
-  std::string stamp_ ABSL_GUARDED_BY(mu_);
-  absl::Time checked_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<CertificateFollower> follower_;  // a following server's; after ctx_'s free
 };
 
 // A connected socket, and over it a TLS session when `ssl` is set. Movable; frees both.

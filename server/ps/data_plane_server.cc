@@ -177,7 +177,7 @@ void DataPlaneServer::Serve(Connection* c) {
   // socket stays in c->fd, so that Shutdown can shut it down, until the thread ends).
   Conn conn;
   if (options_.tls != nullptr) {
-    auto shaken = TlsAccept(UniqueFd(::dup(fd)), *options_.tls->Current(), limit);
+    auto shaken = TlsAccept(UniqueFd(::dup(fd)), *options_.tls, limit);
     if (!shaken.ok()) {
       spdlog::warn("data plane: a connection refused: {}", std::string(shaken.status().message()));
       absl::MutexLock lock(&mu_);

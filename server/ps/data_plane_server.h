@@ -43,7 +43,7 @@ struct DataPlaneOptions {
   JobAuthorizer* authorizer = nullptr;
   // TLS on every connection (the server's certificate, followed when its files change); null:
   // plain TCP. A connection whose handshake fails is closed.
-  std::shared_ptr<ReloadingTlsConfig> tls;
+  std::shared_ptr<const TlsConfig> tls;
 };
 
 class DataPlaneServer {

@@ -114,9 +114,9 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(PsOptions options) {
     data.tcp_congestion = s->options_.tcp_congestion;
     // TLS wherever gRPC has it, with the same certificate, unless asked otherwise.
     if (!s->options_.tls.cert_file.empty() && !s->options_.data_plane_insecure) {
-      ASSIGN_OR_RETURN(data.tls, ReloadingTlsConfig::Server(
-                                     s->options_.tls.cert_file, s->options_.tls.key_file,
-                                     absl::Seconds(std::max(1, s->options_.tls.reload_seconds))));
+      ASSIGN_OR_RETURN(
+          data.tls, TlsConfig::Server(s->options_.tls.cert_file, s->options_.tls.key_file,
+                                      absl::Seconds(std::max(1, s->options_.tls.reload_seconds))));
     }
     s->data_plane_tls_ = data.tls != nullptr;
     ASSIGN_OR_RETURN(s->data_plane_, DataPlaneServer::Start(data, *s->shards_, metrics));
