@@ -932,6 +932,44 @@ TEST_F(CoordinatorServiceTest, AFailedAttemptsDevicesFreeAsItsRanksExitOrAfterTh
   EXPECT_EQ(node->NextCommand().assignment().job_id(), two.id());
 }
 
+// A worker that gives its ranks a long stop grace (--stop-grace 5m) says so at registration: a
+// cancelled rank that has not reported its exit keeps its device through that grace and a margin,
+// not the default minute, so that no new rank is placed beside one still saving its checkpoint.
+TEST_F(CoordinatorServiceTest, AStoppedRanksDeviceIsHeldThroughItsNodesStopGrace) {
+  v1::RegisterNodeRequest r;
+  r.set_node_id("n1");
+  r.set_hostname("localhost");
+  r.set_memory_bytes(int64_t{8} << 30);
+  r.add_devices()->set_kind(v1::CPU_SLOT);
+  r.mutable_host()->set_stop_grace_ms(5 * 60 * 1000);
+  auto node = testing::NodeSession::ConnectWith(channel_, tokens_->Node("n1"), r);
+  EXPECT_EQ(Node("n1").host().stop_grace_ms(), 5 * 60 * 1000);
+  v1::Job job = MustSubmit(Spec(1));
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  node->NextCommand();  // its assignment
+  ASSERT_TRUE(Cancel(job.id()).ok());
+  ASSERT_TRUE(node->NextCommand().has_cancel());
+  v1::Job next = MustSubmit(Spec(1, "next"));
+  clock_.Advance(absl::Minutes(5));  // past the default minute, within the grace and margin
+  node->Heartbeat();
+  EXPECT_EQ(server_->jobs().SchedulePass(), 0) << "the cancelled rank may still be saving";
+  EXPECT_EQ(Node("n1").allocated_devices_size(), 1);
+  clock_.Advance(absl::Seconds(31));
+  node->Heartbeat();
+  EXPECT_EQ(server_->jobs().SchedulePass(), 1);
+  EXPECT_EQ(node->NextCommand().assignment().job_id(), next.id());
+
+  // A grace over a day is refused, naming the field.
+  grpc::ClientContext ctx;
+  PrepareToken(ctx, tokens_->Node("n2"));
+  r.set_node_id("n2");
+  r.mutable_host()->set_stop_grace_ms(int64_t{25} * 3600 * 1000);
+  v1::RegisterNodeResponse resp;
+  const grpc::Status refused = nodes_->RegisterNode(&ctx, r, &resp);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(refused.error_message(), HasSubstr("host.stop_grace_ms: must be in"));
+}
+
 TEST_F(CoordinatorServiceTest, BadNodeRegistrationsAndSessionsAreRejected) {
   grpc::ClientContext ctx;
   PrepareToken(ctx, tokens_->Node("n1"));

@@ -1213,9 +1213,28 @@ class OwnWorkerE2eTest : public WorkerE2eTest {
   }
 };
 
+// A stop grace is a duration of at most a day (the coordinator holds a stopping rank's device
+// that long); anything else is refused at start, naming the flag.
+TEST(WorkerFlagsTest, ABadStopGraceIsRefusedNamingTheFlag) {
+  testing::TempDir dir;
+  for (const char* grace : {"25h", "abc", "-1s"}) {
+    testing::CommandResult r = testing::RunCommand(
+        {BinPath("trainyard-worker"), "--coordinator", "127.0.0.1:1", "--work-dir",
+         dir.path() + "/work", "--stop-grace", grace},
+        {}, absl::Seconds(30));
+    EXPECT_NE(r.exit_code, 0) << grace;
+    EXPECT_THAT(r.err, HasSubstr("--stop-grace: ")) << grace;
+  }
+}
+
 TEST_F(OwnWorkerE2eTest, RestartedCoordinatorKeepsTheDeviceOfARankStillStopping) {
   StartWorker({"--gpus", "none"}, {}, /*stop_grace=*/"120s");
   WaitForReadyNodes(1);
+  // The worker told the coordinator its grace, which holds a stopping rank's device that long.
+  auto nodes = client_->ListNodes();
+  ASSERT_TRUE(nodes.ok()) << nodes.status();
+  ASSERT_EQ(nodes->nodes_size(), 1);
+  EXPECT_EQ(nodes->nodes(0).host().stop_grace_ms(), 120000);
   auto job = client_->Submit(testing::TinySpec("ignore-term", 1));
   ASSERT_TRUE(job.ok());
   WaitForReadyLines(job->id(), 1);

@@ -42,8 +42,10 @@ inline std::string HumanDuration(absl::Duration d) {
 }
 
 // How long the devices of a stopped rank on a connected node stay allocated when its exit is never
-// reported (a lost message): longer than a worker's SIGTERM → SIGKILL grace (10 s by default).
+// reported (a lost message): the node's SIGTERM → SIGKILL grace (its worker's --stop-grace, 10 s
+// by default) and kDrainMargin, at least kDrainTimeout (JobManager::DrainDeadline).
 inline constexpr absl::Duration kDrainTimeout = absl::Seconds(60);
+inline constexpr absl::Duration kDrainMargin = absl::Seconds(30);
 // Placements one pass applies; the rest wait for the next pass, which follows at once. Bounds how
 // long a pass holds the job manager under a burst (rank reports and submits wait for it).
 inline constexpr int kMaxPlacementsPerPass = 128;

@@ -78,6 +78,9 @@ absl::Status ValidateRegisterNodeRequest(const v1::RegisterNodeRequest& r) {
   if (h.memory_bytes() < 0) return FieldError("host.memory_bytes", "must be >= 0");
   if (h.memory_per_device() < 0) return FieldError("host.memory_per_device", "must be >= 0");
   if (h.cgroups().size() > 256) return FieldError("host.cgroups", "at most 256 bytes");
+  if (h.stop_grace_ms() < 0 || h.stop_grace_ms() > 24 * 3600 * 1000) {
+    return FieldError("host.stop_grace_ms", "must be in [0, 86400000] (a day)");
+  }
   return absl::OkStatus();
 }
 
@@ -420,6 +423,13 @@ std::vector<v1::Node> NodeRegistry::List() const {
     out.back().set_connected(entry.session != nullptr);
   }
   return out;
+}
+
+absl::Duration NodeRegistry::StopGraceOf(const std::string& node_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = nodes_.find(node_id);
+  return it == nodes_.end() ? absl::ZeroDuration()
+                            : absl::Milliseconds(it->second.node.host().stop_grace_ms());
 }
 
 std::string NodeRegistry::HostOf(const std::string& node_id) const {

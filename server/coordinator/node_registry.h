@@ -135,6 +135,9 @@ class NodeRegistry {
   // Where other hosts reach the node: its registered address without the port, else its
   // hostname ("" for an unknown node).
   std::string HostOf(const std::string& node_id) const;
+  // How long the node's worker gives a rank it stops before SIGKILL (its --stop-grace; zero for
+  // an unknown node or an older worker).
+  absl::Duration StopGraceOf(const std::string& node_id) const;
 
   absl::Duration node_timeout() const { return node_timeout_; }
 

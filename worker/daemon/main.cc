@@ -450,6 +450,10 @@ absl::Status Settle(Flags& f, trainyard::worker::WorkerOptions& options) {
   }
   auto grace = trainyard::ParseFlagDuration("--stop-grace", f.stop_grace);
   if (!grace.ok()) return grace.status();
+  if (*grace > absl::Hours(24)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--stop-grace: ", f.stop_grace, " is over a day, the most a rank is given"));
+  }
   options.supervisor.stop_grace = *grace;
   RETURN_IF_ERROR(SettleDevices(f, options));
   RETURN_IF_ERROR(SettleIdentity(f, options));

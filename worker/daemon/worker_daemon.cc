@@ -390,6 +390,8 @@ void WorkerDaemon::RunSession() {
   request.set_address(options_.address);
   request.set_memory_bytes(PhysicalMemoryBytes());
   *request.mutable_host() = options_.host;
+  request.mutable_host()->set_stop_grace_ms(
+      absl::ToInt64Milliseconds(options_.supervisor.stop_grace));
   // The users whose jobs this worker can run (all, as root).
   if (options_.supervisor.run_as != nullptr) {
     for (const std::string& owner : options_.supervisor.run_as->Owners()) {
