@@ -1218,10 +1218,10 @@ class OwnWorkerE2eTest : public WorkerE2eTest {
 TEST(WorkerFlagsTest, ABadStopGraceIsRefusedNamingTheFlag) {
   testing::TempDir dir;
   for (const char* grace : {"25h", "abc", "-1s"}) {
-    testing::CommandResult r = testing::RunCommand(
-        {BinPath("trainyard-worker"), "--coordinator", "127.0.0.1:1", "--work-dir",
-         dir.path() + "/work", "--stop-grace", grace},
-        {}, absl::Seconds(30));
+    testing::CommandResult r =
+        testing::RunCommand({BinPath("trainyard-worker"), "--coordinator", "127.0.0.1:1",
+                             "--work-dir", dir.path() + "/work", "--stop-grace", grace},
+                            {}, absl::Seconds(30));
     EXPECT_NE(r.exit_code, 0) << grace;
     EXPECT_THAT(r.err, HasSubstr("--stop-grace: ")) << grace;
   }
