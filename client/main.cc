@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/local_cluster.h"
 #include "client/verbs.h"
+#include "common/cli_checks.h"
 #include "common/credentials.h"
 #include "common/version.h"
 
@@ -65,6 +66,7 @@ int main(int argc, char** argv) {
   AddAdminVerbs(app, c);
   AddLocalVerbs(app, c);
   AddWebVerb(app, c);
+  trainyard::DecimalIntegers(app);
   CLI11_PARSE(app, argc, argv);
   return c.rc;
 }

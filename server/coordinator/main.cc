@@ -309,6 +309,7 @@ int main(int argc, char** argv) {
   AddLimitFlags(app, options, flags);
   trainyard::coordinator::ReplicaOptions replica;
   AddReplicaFlags(app, options, replica, flags);
+  trainyard::DecimalIntegers(app);
   CLI11_PARSE(app, argc, argv);
   trainyard::InstallEscapingLogger("coordinator");
   if (!ApplyFlags(flags, options) || !ApplyReplicaFlags(flags, options, replica)) return 2;

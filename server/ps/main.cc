@@ -95,6 +95,7 @@ int main(int argc, char** argv) {
   app.add_option("--token-file", token_file,
                  "file holding this server's node token for --coordinator (yard admin token "
                  "create --node NAME; mode 0600); default: env TRAINYARD_TOKEN");
+  trainyard::DecimalIntegers(app);
   CLI11_PARSE(app, argc, argv);
 
   trainyard::InstallEscapingLogger("ps");

@@ -557,6 +557,7 @@ int main(int argc, char** argv) {
   CLI::App app{"trainyard-worker: runs trainer ranks on this host for a trainyard coordinator"};
   Flags flags;
   AddFlags(app, flags, options);
+  trainyard::DecimalIntegers(app);
   CLI11_PARSE(app, argc, argv);
   trainyard::InstallEscapingLogger("worker");
   if (absl::Status s = Settle(flags, options); !s.ok()) {

@@ -329,6 +329,7 @@ int Main(int argc, char** argv) {
   std::string spec_path, context_path;
   TrainerOptions o;
   AddRankFlags(app, o, spec_path, context_path);
+  DecimalIntegers(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
