@@ -970,6 +970,38 @@ TEST_F(CoordinatorServiceTest, AStoppedRanksDeviceIsHeldThroughItsNodesStopGrace
   EXPECT_THAT(refused.error_message(), HasSubstr("host.stop_grace_ms: must be in"));
 }
 
+// A job array's %N counts a task once: a task restarting while its failed attempt's ranks still
+// stop holds its own place (it starts again on free devices, as any job does), and the array's
+// other tasks still wait for it.
+TEST_F(CoordinatorServiceTest, ARestartingArrayTaskIsNotHeldByItsOwnStoppingRanks) {
+  auto node = Connect("n1", 4);
+  std::vector<v1::Job> tasks;
+  for (int i = 0; i < 2; ++i) {
+    v1::JobSpec spec = Spec(2, absl::StrCat("task-", i), /*max_restarts=*/1);
+    spec.mutable_array()->set_id("sweep");
+    spec.mutable_array()->set_index(i);
+    spec.mutable_array()->set_count(2);
+    spec.mutable_array()->set_max_running(1);
+    tasks.push_back(MustSubmit(spec));
+  }
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  const v1::Assignment first = node->NextCommand().assignment();
+  ASSERT_EQ(first.job_id(), tasks[0].id());
+  node->ReportExit(first, 1, 3);                  // rank 1 fails...
+  ASSERT_TRUE(node->NextCommand().has_cancel());  // ...rank 0 is told to stop, and does not yet
+  ASSERT_EQ(WaitForState(tasks[0].id(), v1::RESTARTING).state(), v1::RESTARTING);
+  // Three devices are free: task 0 starts again on two; task 1 still waits for the array.
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  const v1::Assignment again = node->NextCommand().assignment();
+  EXPECT_EQ(again.job_id(), tasks[0].id());
+  EXPECT_EQ(again.attempt(), first.attempt() + 1);
+  EXPECT_EQ(server_->jobs().SchedulePass(), 0);
+  v1::Job waiting;
+  ASSERT_TRUE(Get(tasks[1].id(), &waiting).ok());
+  EXPECT_EQ(waiting.state(), v1::QUEUED);
+  EXPECT_THAT(waiting.why_waiting(), HasSubstr("at most 1 at once"));
+}
+
 TEST_F(CoordinatorServiceTest, BadNodeRegistrationsAndSessionsAreRejected) {
   grpc::ClientContext ctx;
   PrepareToken(ctx, tokens_->Node("n1"));

@@ -236,9 +236,11 @@ std::vector<const v1::Job*> JobManager::RunningLimitedArrayTasks() const {
 std::set<std::string> JobManager::ArrayTasksToConsider() const {
   if (unfinished_array_tasks_ == 0) return {};
   std::map<std::pair<std::string, std::string>, int> room;
+  std::set<std::string> counted;
   for (const v1::Job* job : RunningLimitedArrayTasks()) {
     auto [it, added] = room.try_emplace(ArrayKey(*job), job->spec().array().max_running());
     --it->second;
+    counted.insert(job->id());
   }
   std::vector<const v1::Job*> waiting;
   for (const std::string& id : unfinished_) {
@@ -249,6 +251,12 @@ std::set<std::string> JobManager::ArrayTasksToConsider() const {
             [](const v1::Job* a, const v1::Job* b) { return a->seq() < b->seq(); });
   std::set<std::string> out;
   for (const v1::Job* job : waiting) {
+    // A restarting task whose last attempt still stops holds its own place already: it is one
+    // task, however many of its attempts are on the nodes.
+    if (counted.count(job->id()) > 0) {
+      out.insert(job->id());
+      continue;
+    }
     auto [it, added] = room.try_emplace(ArrayKey(*job), job->spec().array().max_running());
     if (it->second-- > 0) out.insert(job->id());
   }
