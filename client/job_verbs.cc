@@ -181,6 +181,9 @@ void PrintJob(const v1::Job& job) {
       {"max_runtime", s.max_runtime_seconds() == 0
                           ? "-"
                           : absl::FormatDuration(absl::Seconds(s.max_runtime_seconds()))},
+      {"stop_grace", s.stop_grace_seconds() == 0
+                         ? "the worker's"
+                         : absl::FormatDuration(absl::Seconds(s.stop_grace_seconds()))},
       {"account", job.account().empty() ? "default" : job.account()},
       {"preemptible",
        absl::StrCat(!s.has_preemptible() || s.preemptible() ? "yes" : "no", " (grace ",

@@ -34,9 +34,10 @@ inline std::string HostOfAddress(absl::string_view address) {
 // The client a peer's address stands for, the key its failed sign-ins are counted under: an IPv4
 // address ("ipv4:10.1.2.3"), or the /64 network of an IPv6 one ("ipv6:2001:db8:1:2::/64"), since
 // a host is given a /64 and may take any address in it (a guesser rotating its addresses would
-// start a fresh count with each); an IPv4-mapped IPv6 address is its IPv4 address. Takes gRPC's
-// peer ("ipv4:10.1.2.3:5000", "ipv6:[::1]:5000", "ipv6:%5B::1%5D:5000") and plain addresses
-// with or without a port; anything else (a Unix socket's peer) is returned as it is.
+// start a fresh count with each). An IPv4-mapped (::ffff:0:0/96) or NAT64 (64:ff9b::/96) address
+// is the IPv4 address it holds; a link-local one (fe80::/10, every host's on a link) is itself.
+// Takes gRPC's peer ("ipv4:10.1.2.3:5000", "ipv6:[::1]:5000", "ipv6:%5B::1%5D:5000") and plain
+// addresses with or without a port; anything else (a Unix socket's peer) is returned as it is.
 inline std::string ClientOfAddress(absl::string_view peer) {
   const std::string decoded = absl::StrReplaceAll(
       absl::StripAsciiWhitespace(peer), {{"%5B", "["}, {"%5b", "["}, {"%5D", "]"}, {"%5d", "]"}});
@@ -52,10 +53,15 @@ inline std::string ClientOfAddress(absl::string_view peer) {
     return std::string("ipv4:") + text;
   }
   if (inet_pton(AF_INET6, host.c_str(), &v6) != 1) return std::string(peer);
-  if (IN6_IS_ADDR_V4MAPPED(&v6)) {
+  static constexpr unsigned char kNat64[12] = {0x00, 0x64, 0xff, 0x9b};
+  if (IN6_IS_ADDR_V4MAPPED(&v6) || std::memcmp(v6.s6_addr, kNat64, 12) == 0) {
     std::memcpy(&v4, &v6.s6_addr[12], 4);
     inet_ntop(AF_INET, &v4, text, sizeof(text));
     return std::string("ipv4:") + text;
+  }
+  if (IN6_IS_ADDR_LINKLOCAL(&v6)) {
+    inet_ntop(AF_INET6, &v6, text, sizeof(text));
+    return std::string("ipv6:") + text;
   }
   std::memset(&v6.s6_addr[8], 0, 8);
   inet_ntop(AF_INET6, &v6, text, sizeof(text));

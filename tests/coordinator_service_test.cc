@@ -970,6 +970,41 @@ TEST_F(CoordinatorServiceTest, AStoppedRanksDeviceIsHeldThroughItsNodesStopGrace
   EXPECT_THAT(refused.error_message(), HasSubstr("host.stop_grace_ms: must be in"));
 }
 
+// A job's own stop_grace, up to the node's --max-stop-grace, is how long its stopping rank keeps
+// its device (with the margin), as the worker gives it that long before SIGKILL.
+TEST_F(CoordinatorServiceTest, AStoppedRanksDeviceIsHeldThroughItsJobsStopGraceUpToTheNodes) {
+  v1::RegisterNodeRequest r;
+  r.set_node_id("n1");
+  r.set_hostname("localhost");
+  r.set_memory_bytes(int64_t{8} << 30);
+  r.add_devices()->set_kind(v1::CPU_SLOT);
+  r.mutable_host()->set_stop_grace_ms(10 * 1000);
+  r.mutable_host()->set_max_stop_grace_ms(10 * 60 * 1000);
+  auto node = testing::NodeSession::ConnectWith(channel_, tokens_->Node("n1"), r);
+  // (asked, what it gets: the node's maximum caps the second)
+  for (const auto& [asked, held] :
+       {std::pair{absl::Minutes(3), absl::Minutes(3)}, {absl::Hours(1), absl::Minutes(10)}}) {
+    v1::JobSpec spec = Spec(1);
+    spec.set_stop_grace_seconds(absl::ToInt64Seconds(asked));
+    v1::Job job = MustSubmit(spec);
+    ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+    EXPECT_EQ(node->NextCommand().assignment().job_id(), job.id());
+    ASSERT_TRUE(Cancel(job.id()).ok());
+    ASSERT_TRUE(node->NextCommand().has_cancel());
+    v1::Job next = MustSubmit(Spec(1, "next"));
+    clock_.Advance(held + absl::Seconds(29));
+    node->Heartbeat();
+    EXPECT_EQ(server_->jobs().SchedulePass(), 0) << FormatDuration(asked);
+    clock_.Advance(absl::Seconds(2));
+    node->Heartbeat();
+    ASSERT_EQ(server_->jobs().SchedulePass(), 1) << FormatDuration(asked);
+    const v1::Assignment a = node->NextCommand().assignment();
+    ASSERT_EQ(a.job_id(), next.id());
+    node->ReportExit(a, 0, 0);
+    ASSERT_EQ(WaitForState(next.id(), v1::SUCCEEDED).state(), v1::SUCCEEDED);
+  }
+}
+
 // A job array's %N counts a task once: a task restarting while its failed attempt's ranks still
 // stop holds its own place (it starts again on free devices, as any job does), and the array's
 // other tasks still wait for it.

@@ -21,17 +21,25 @@ TEST(ClientOfAddressTest, AnIpv6AddressCountsAsItsSlash64) {
   EXPECT_EQ(ClientOfAddress("ipv6:%5B2001:db8:1:2:aaaa:bbbb:cccc:dddd%5D:5000"),
             "ipv6:2001:db8:1:2::/64");
   EXPECT_EQ(ClientOfAddress("2001:db8:1:2:ffff::1"), "ipv6:2001:db8:1:2::/64");  // a browser's
-  EXPECT_EQ(ClientOfAddress("[fe80::1%25eth0]:7"), "ipv6:fe80::/64");
-  EXPECT_EQ(ClientOfAddress("fe80::1%eth0"), "ipv6:fe80::/64");
   EXPECT_NE(ClientOfAddress("2001:db8:1:2::1"), ClientOfAddress("2001:db8:1:3::1"));
   EXPECT_EQ(ClientOfAddress("ipv6:[::1]:5000"), "ipv6:::/64");
 }
 
-// A dual-stack listener sees IPv4 clients as IPv4-mapped IPv6 addresses: each is its IPv4 address,
-// not one /64 that every IPv4 client would share.
-TEST(ClientOfAddressTest, AnIpv4MappedAddressIsTheIpv4Address) {
+// A dual-stack listener sees IPv4 clients as IPv4-mapped IPv6 addresses, and a NAT64 gateway
+// passes them on in 64:ff9b::/96: each is its IPv4 address, not one /64 that every IPv4 client
+// would share.
+TEST(ClientOfAddressTest, AnIpv4MappedOrNat64AddressIsTheIpv4Address) {
   EXPECT_EQ(ClientOfAddress("ipv6:[::ffff:10.1.2.3]:5000"), "ipv4:10.1.2.3");
   EXPECT_EQ(ClientOfAddress("::ffff:10.1.2.4"), "ipv4:10.1.2.4");
+  EXPECT_EQ(ClientOfAddress("ipv6:[64:ff9b::10.1.2.5]:5000"), "ipv4:10.1.2.5");
+  EXPECT_EQ(ClientOfAddress("64:ff9b::a01:206"), "ipv4:10.1.2.6");
+}
+
+// Every host on a link has an address in fe80::/64: each is its own client (its zone dropped).
+TEST(ClientOfAddressTest, ALinkLocalAddressIsItsOwnClient) {
+  EXPECT_EQ(ClientOfAddress("[fe80::1%25eth0]:7"), "ipv6:fe80::1");
+  EXPECT_EQ(ClientOfAddress("fe80::1%eth0"), "ipv6:fe80::1");
+  EXPECT_NE(ClientOfAddress("fe80::1"), ClientOfAddress("fe80::2"));
 }
 
 TEST(ClientOfAddressTest, AnythingElseIsAsItIs) {

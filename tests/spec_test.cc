@@ -533,6 +533,21 @@ TEST(SpecTest, PreemptibleAndItsGraceAreReadAndChecked) {
               StartsWith("preemption_grace:"));
 }
 
+TEST(SpecTest, StopGraceIsADurationOfAtMostADay) {
+  auto set = ParseJobSpecYaml("stop_grace: 2m\n", "s.yaml");
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_EQ(set->spec.stop_grace_seconds(), 120);
+  for (const char* bad : {"stop_grace: 0\n", "stop_grace: 25h\n", "stop_grace: soon\n"}) {
+    auto refused = ParseJobSpecYaml(bad, "s.yaml");
+    ASSERT_FALSE(refused.ok()) << bad;
+    EXPECT_THAT(std::string(refused.status().message()), HasSubstr("stop_grace")) << bad;
+  }
+  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.set_stop_grace_seconds(86401); }),
+              StartsWith("stop_grace:"));
+  EXPECT_THAT(ErrorAfter([](v1::JobSpec& s) { s.set_stop_grace_seconds(-1); }),
+              StartsWith("stop_grace:"));
+}
+
 TEST(SpecTest, CommandJobsAreReadAndChecked) {
   auto parsed = ParseJobSpecYaml(
       "name: my-ddp\nresources: {gpus: 2}\ncommand: [python3, train.py, --epochs, \"3\"]\n"

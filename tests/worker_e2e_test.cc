@@ -365,6 +365,29 @@ TEST_F(WorkerE2eTest, ACommandJobsRanksGetTorchrunsEnvironmentAndTrainWithGloo) 
       std::filesystem::exists(dir_.path() + "/state/checkpoints/" + done.id() + "/pytorch-ddp.pt"));
 }
 
+// A job's own stop_grace (a program whose checkpoint takes longer than the worker's 1 s grace)
+// is the time its ranks get between SIGTERM and SIGKILL; without it, the worker's.
+TEST_F(WorkerE2eTest, AJobsStopGraceIsTheTimeItsRanksGetToSaveWhenStopped) {
+  const std::string saves_slowly =
+      "trap 'sleep 2; echo saved; exit 0' TERM; echo ready; while :; do sleep 0.05; done";
+  for (const int grace : {30, 0}) {
+    v1::JobSpec spec = CommandSpec(absl::StrCat("grace-", grace), 1, {"sh", "-c", saves_slowly});
+    spec.set_stop_grace_seconds(grace);
+    auto job = client_->Submit(spec);
+    ASSERT_TRUE(job.ok()) << job.status();
+    WaitForReadyLines(job->id(), 1);
+    ASSERT_TRUE(client_->Cancel(job->id(), "test").ok());
+    // Its rank has exited once the node's device is free again.
+    auto next = RunToEnd(*client_, CommandSpec("after", 2, {"true"}));
+    EXPECT_EQ(next.state(), v1::SUCCEEDED) << next.message();
+    if (grace > 0) {
+      EXPECT_THAT(Logs(job->id()), Contains("0: saved")) << "killed within its own grace";
+    } else {
+      EXPECT_THAT(Logs(job->id()), Not(Contains("0: saved"))) << "the worker's 1 s grace";
+    }
+  }
+}
+
 TEST_F(WorkerE2eTest, ACommandJobRunsInItsWorkdirWithItsEnvAndANonZeroExitFailsIt) {
   const std::string workdir = dir_.path() + "/project";
   std::filesystem::create_directories(workdir);

@@ -104,7 +104,7 @@ class Client:
         """Submits a job and returns it (QUEUED). `spec`: a trainyard.v1.JobSpec, or a dict in
         the JobSpec's JSON form; or keyword fields: name, slots (or gpus, its old name), nodes and
         ranks_per_node (torchrun's --nnodes and --nproc-per-node), command, workdir, context, env, after (job ids), priority, max_restarts, max_runtime_seconds,
-        preemptible. A context that is a folder (not an uploaded "sha256:..." digest) is packed
+        preemptible, stop_grace_seconds. A context that is a folder (not an uploaded "sha256:..." digest) is packed
         and uploaded first, as `yard submit --context DIR` does (ValueError naming "context" when
         it holds more than 64 MiB of files). The coordinator
         validates it: a bad one raises grpc.RpcError INVALID_ARGUMENT naming the field."""
@@ -135,7 +135,8 @@ class Client:
             message.context = os.fspath(fields.pop("context", ""))
             message.env.update(fields.pop("env", {}))
             message.after.extend(fields.pop("after", []))
-            for key in ("priority", "max_restarts", "max_runtime_seconds", "preemptible"):
+            for key in ("priority", "max_restarts", "max_runtime_seconds", "preemptible",
+                        "stop_grace_seconds"):
                 if key in fields:
                     setattr(message, key, fields.pop(key))
             if fields:

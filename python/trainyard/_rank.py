@@ -201,7 +201,7 @@ class Context:
     def should_stop(self):
         """Whether the job is asked to checkpoint and exit 0: a preemption (it is requeued, and
         its next attempt resumes from that checkpoint), a cancel or SIGTERM (the rank has its stop
-        grace, the worker's --stop-grace, to save before SIGKILL)."""
+        grace, the spec's stop_grace or else the worker's --stop-grace, to save before SIGKILL)."""
         self._polled = True
         return self._stop_requested or self._sigterm
 

@@ -13,8 +13,8 @@ What it does, as DeepSpeed's and Determined's Trainer integrations do:
 - `yard checkpoint` makes the Trainer save a checkpoint (checkpoint-N in output_dir) at the end of
   the current step, on every rank at once, and rank 0 reports it (`yard describe` shows it);
 - a preemption makes it save and stop training: the script returns from `train()`, exits 0, and
-  the next attempt resumes from that checkpoint; so does a cancel or SIGTERM, within the worker's
-  stop grace (--stop-grace, 10 s by default);
+  the next attempt resumes from that checkpoint; so does a cancel or SIGTERM, within the job's
+  stop grace (its spec's stop_grace, else the worker's --stop-grace, 10 s by default);
 - every checkpoint the Trainer saves (save_steps, ...) is reported.
 The ranks agree on the job's commands with one all-reduce of two flags per step (torch.distributed,
 when the Trainer runs distributed), so that they save and stop at the same step.

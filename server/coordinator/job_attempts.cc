@@ -103,8 +103,10 @@ absl::StatusOr<v1::Job> JobManager::Signal(const std::string& job_id, const std:
   return *job;
 }
 
-absl::Time JobManager::DrainDeadline(const std::string& node_id) const {
-  return clock_.Now() + std::max(kDrainTimeout, nodes_.StopGraceOf(node_id) + kDrainMargin);
+absl::Time JobManager::DrainDeadline(const std::string& node_id, const v1::Job* job) const {
+  const int64_t job_grace = job != nullptr ? job->spec().stop_grace_seconds() : -1;
+  return clock_.Now() +
+         std::max(kDrainTimeout, nodes_.StopGraceOf(node_id, job_grace) + kDrainMargin);
 }
 
 bool JobManager::InStopGrace(const v1::Job& job, int attempt, int rank) const {
@@ -208,7 +210,7 @@ void JobManager::ReleaseAttempt(v1::Job& job, const std::string& reason) {
   cancel.mutable_cancel()->set_reason(reason);
   const std::set<int>& exited = devices_.Exited(job.id());
   for (const auto& p : job.placement()) {
-    const absl::Time drain_deadline = DrainDeadline(p.node_id());
+    const absl::Time drain_deadline = DrainDeadline(p.node_id(), &job);
     // A rank still running keeps its device until it reports its exit (every rank sharing it).
     std::set<int> draining;
     for (int i = 0; i < RanksOf(p); ++i) {
@@ -370,7 +372,7 @@ void JobManager::OnNodeHello(const std::string& node_id,
     std::set<DeviceLedger::RankKey> alive;
     for (const v1::RankStatus& r : running) alive.insert({r.job_id(), r.attempt(), r.rank()});
     // Those still running are told to stop (again) now: a new grace to report it.
-    if (devices_.SettleNode(node_id, alive, DrainDeadline(node_id))) WakeScheduler();
+    if (devices_.SettleNode(node_id, alive, DrainDeadline(node_id, nullptr))) WakeScheduler();
     // Ranks of attempts that are no longer current and that this coordinator does not know to
     // be draining (it restarted since they were told to stop): their devices stay taken until
     // they report their exit, as for any draining rank, so no new rank shares them meanwhile.
@@ -385,7 +387,7 @@ void JobManager::OnNodeHello(const std::string& node_id,
                      node_id, r.rank(), r.job_id(), r.attempt(), r.device());
         continue;
       }
-      devices_.Drain(key, node_id, r.device(), DrainDeadline(node_id));
+      devices_.Drain(key, node_id, r.device(), DrainDeadline(node_id, job));
     }
   }
   for (const v1::RankStatus& r : running) OnRankStatus(node_id, r);

@@ -250,9 +250,11 @@ class JobManager final : public JobLifecycle,
   // drains). Such a rank may still report, and is told to stop; its checkpoint is recorded.
   bool InStopGrace(const v1::Job& job, int attempt, int rank) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Until when a rank told now to stop on `node_id` keeps its device while its exit is not
-  // reported: the node's stop grace and a margin, at least kDrainTimeout.
-  absl::Time DrainDeadline(const std::string& node_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Until when a rank of `job` (null: of any job) told now to stop on `node_id` keeps its device
+  // while its exit is not reported: the stop grace the node gives it and a margin, at least
+  // kDrainTimeout.
+  absl::Time DrainDeadline(const std::string& node_id, const v1::Job* job) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Records a checkpoint report as the job's last checkpoint and what retention kept.
   void RecordCheckpoint(v1::Job& job, const v1::CheckpointReport& report)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -148,7 +148,8 @@ void AddSecurityFlags(CLI::App& app, CoordinatorOptions& options, Flags& f) {
                  "right secret is always taken; 0: no throttle)")
       ->capture_default_str();
   app.add_option("--auth-failures-per-peer", limits.auth_per_peer.burst,
-                 "malformed, unknown or wrong credentials one address may send before further "
+                 "malformed, unknown or wrong credentials one address (an IPv6 client's /64) may "
+                 "send before further "
                  "failures are answered RESOURCE_EXHAUSTED (valid credentials from it are always "
                  "taken; 0: no throttle)")
       ->capture_default_str();

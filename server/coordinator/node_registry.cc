@@ -81,6 +81,9 @@ absl::Status ValidateRegisterNodeRequest(const v1::RegisterNodeRequest& r) {
   if (h.stop_grace_ms() < 0 || h.stop_grace_ms() > 24 * 3600 * 1000) {
     return FieldError("host.stop_grace_ms", "must be in [0, 86400000] (a day)");
   }
+  if (h.max_stop_grace_ms() < 0 || h.max_stop_grace_ms() > 24 * 3600 * 1000) {
+    return FieldError("host.max_stop_grace_ms", "must be in [0, 86400000] (a day)");
+  }
   return absl::OkStatus();
 }
 
@@ -425,11 +428,20 @@ std::vector<v1::Node> NodeRegistry::List() const {
   return out;
 }
 
-absl::Duration NodeRegistry::StopGraceOf(const std::string& node_id) const {
+absl::Duration NodeRegistry::StopGraceOf(const std::string& node_id,
+                                         int64_t job_stop_grace_seconds) const {
   absl::MutexLock lock(&mu_);
   auto it = nodes_.find(node_id);
-  return it == nodes_.end() ? absl::ZeroDuration()
-                            : absl::Milliseconds(it->second.node.host().stop_grace_ms());
+  if (it == nodes_.end()) return absl::ZeroDuration();
+  const v1::HostResources& h = it->second.node.host();
+  if (job_stop_grace_seconds < 0) {
+    return absl::Milliseconds(std::max(h.stop_grace_ms(), h.max_stop_grace_ms()));
+  }
+  // (An older worker says no maximum, and gives every job its own grace.)
+  if (job_stop_grace_seconds == 0 || h.max_stop_grace_ms() == 0) {
+    return absl::Milliseconds(h.stop_grace_ms());
+  }
+  return std::min(absl::Seconds(job_stop_grace_seconds), absl::Milliseconds(h.max_stop_grace_ms()));
 }
 
 std::string NodeRegistry::HostOf(const std::string& node_id) const {

@@ -411,6 +411,11 @@ std::string ErrorFileMessage(const std::string& path, size_t max_bytes) {
   return out;
 }
 
+absl::Duration StopGrace(const v1::JobSpec& spec, const SupervisorOptions& options) {
+  if (spec.stop_grace_seconds() <= 0) return options.stop_grace;
+  return std::min(absl::Seconds(spec.stop_grace_seconds()), options.max_stop_grace);
+}
+
 std::string NodeHost(const std::string& address, const std::string& host_name) {
   const std::string host = HostOfAddress(address);
   return host.empty() ? host_name : host;
@@ -876,7 +881,7 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device,
       // The attempt's credential for the rendezvous and reports: environment only, never argv.
       absl::StrCat(kJobCredentialEnv, "=", a.job_credential()),
       absl::StrCat(kTlsCaEnv, "=", options_.tls_ca)};
-  Exec(a, key, device, account, std::move(argv), std::move(env), work, spec.resources());
+  Exec(a, key, device, account, std::move(argv), std::move(env), work, spec);
 }
 
 void RankSupervisor::StartCommand(const v1::Assignment& a, const v1::JobSpec& spec,
@@ -968,7 +973,7 @@ void RankSupervisor::StartCommand(const v1::Assignment& a, const v1::JobSpec& sp
   // rank gets, as the owner's account (shepherd.h), never this worker.
   std::vector<std::string> argv(spec.command().begin(), spec.command().end());
   Exec(a, key, device, account, std::move(argv), std::move(env),
-       spec.workdir().empty() ? work : spec.workdir(), spec.resources());
+       spec.workdir().empty() ? work : spec.workdir(), spec);
 }
 
 CgroupLimits RankSupervisor::RankCgroupLimits(const v1::Resources& resources, int device) const {
@@ -980,7 +985,7 @@ CgroupLimits RankSupervisor::RankCgroupLimits(const v1::Resources& resources, in
 void RankSupervisor::Exec(const v1::Assignment& a, const RankKey& key, int device,
                           const std::optional<UnixAccount>& account, std::vector<std::string> argv,
                           std::vector<std::string> env, const std::string& cwd,
-                          const v1::Resources& resources) {
+                          const v1::JobSpec& spec) {
   // Marks every process of the rank (inherited by its children, also those that leave its
   // process group or session), so that its shepherd finds them all when it stops the rank.
   const std::string mark = absl::StrCat(absl::Hex(mark_random_()), "/", std::get<0>(key), "/",
@@ -1014,7 +1019,7 @@ void RankSupervisor::Exec(const v1::Assignment& a, const RankKey& key, int devic
       "mark=" + mark,
       "env_fd=4",
       absl::StrCat("device=", device),
-      absl::StrCat("grace_ms=", absl::ToInt64Milliseconds(options_.stop_grace)),
+      absl::StrCat("grace_ms=", absl::ToInt64Milliseconds(StopGrace(spec, options_))),
       absl::StrCat("orphan_ms=", absl::ToInt64Milliseconds(orphan_timeout_))};
   // Its cgroup, held to the rank's limits (cgroups.h).
   if (options_.cgroups != nullptr && options_.cgroups->version != 0) {
@@ -1022,7 +1027,7 @@ void RankSupervisor::Exec(const v1::Assignment& a, const RankKey& key, int devic
         CreateRankCgroup(*options_.cgroups,
                          absl::StrCat(options_.cgroup_prefix, "/", std::get<0>(key), "/attempt-",
                                       std::get<1>(key), "/rank-", std::get<2>(key)),
-                         RankCgroupLimits(resources, device));
+                         RankCgroupLimits(spec.resources(), device));
     if (!dirs.ok()) {
       close(env_fd);
       ReportExit(key, 127, std::string(dirs.status().message()));

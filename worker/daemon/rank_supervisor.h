@@ -81,8 +81,10 @@ struct SupervisorOptions {
   // The network interface holding node_address (InterfaceWith), or "": a command job's
   // GLOO_SOCKET_IFNAME across nodes.
   std::string node_interface;
-  int threads_per_rank = 1;                       // torch / OpenMP threads of each rank
-  absl::Duration stop_grace = absl::Seconds(10);  // SIGTERM → SIGKILL
+  int threads_per_rank = 1;  // torch / OpenMP threads of each rank
+  // SIGTERM → SIGKILL for a job that sets no stop_grace_seconds, and the most one that does gets.
+  absl::Duration stop_grace = absl::Seconds(10);
+  absl::Duration max_stop_grace = absl::Minutes(10);
   int failure_log_lines = 8;  // last output lines sent with a failed rank's exit
   // UUIDs of the CUDA GPUs offered, by device index; empty: the devices are CPU slots. A rank on
   // a GPU sees only its own (CUDA_VISIBLE_DEVICES) and gets `--device cuda`; one on a CPU slot
@@ -112,6 +114,10 @@ struct SupervisorOptions {
   // are unpacked by shepherd_path run with kUnpackContextFlag.
   std::shared_ptr<ContextCache> contexts;
 };
+
+// How long a rank of `spec` gets between SIGTERM and SIGKILL on this worker: the spec's
+// stop_grace_seconds, up to max_stop_grace, else stop_grace.
+absl::Duration StopGrace(const v1::JobSpec& spec, const SupervisorOptions& options);
 
 // A rank's environment, in this order, a later entry replacing an earlier one of the same name:
 //  1. the documented base: PATH (the worker's, else /usr/local/bin:/usr/bin:/bin), LANG (the
@@ -228,7 +234,7 @@ class RankSupervisor {
   // `resources` (the spec's: what it asks for overrides rank_limits).
   void Exec(const v1::Assignment& a, const RankKey& key, int device,
             const std::optional<UnixAccount>& account, std::vector<std::string> argv,
-            std::vector<std::string> env, const std::string& cwd, const v1::Resources& resources)
+            std::vector<std::string> env, const std::string& cwd, const v1::JobSpec& spec)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Follows one rank through its shepherd (connection `conn`; `shepherd`: its pid when this
   // worker started it, else 0): relays its log from byte `offset` (-1: a new shepherd, whose hello

@@ -392,6 +392,8 @@ void WorkerDaemon::RunSession() {
   *request.mutable_host() = options_.host;
   request.mutable_host()->set_stop_grace_ms(
       absl::ToInt64Milliseconds(options_.supervisor.stop_grace));
+  request.mutable_host()->set_max_stop_grace_ms(
+      absl::ToInt64Milliseconds(options_.supervisor.max_stop_grace));
   // The users whose jobs this worker can run (all, as root).
   if (options_.supervisor.run_as != nullptr) {
     for (const std::string& owner : options_.supervisor.run_as->Owners()) {

@@ -67,11 +67,15 @@ class Reporter::Impl {
       drain_until_ = stopped_at_ + kDrainTime;
     }
     thread_.join();
-    if (unsent_ > 0) {
-      log_(absl::StrCat("warning: ", unsent_, " step report", unsent_ == 1 ? " was" : "s were",
-                        " not sent: the coordinator did not answer them at exit (a rank waits ",
-                        absl::FormatDuration(kDrainTime), " for an answer, ",
-                        absl::FormatDuration(kDrainLimit),
+    int64_t unsent = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      unsent = unsent_;
+    }
+    if (unsent > 0) {
+      log_(absl::StrCat("warning: ", unsent, " step report", unsent == 1 ? " was" : "s were",
+                        " not sent at exit (a rank waits ", absl::FormatDuration(kDrainTime),
+                        " for the coordinator's answer, ", absl::FormatDuration(kDrainLimit),
                         " in all); yard metrics lacks those steps"));
     }
   }
@@ -282,7 +286,7 @@ class Reporter::Impl {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time stopped_at_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   absl::Time drain_until_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
-  int64_t unsent_ = 0;  // reports dropped at exit; the reporter's thread's until it is joined
+  int64_t unsent_ ABSL_GUARDED_BY(mu_) = 0;  // reports dropped at exit
   bool warned_ ABSL_GUARDED_BY(mu_) = false;
   int64_t checkpointed_step_ ABSL_GUARDED_BY(mu_) = -1;  // last checkpoint reported
   std::thread thread_;                                   // last: starts once the rest is built
