@@ -183,7 +183,8 @@ void PrintJob(const v1::Job& job) {
                           : absl::FormatDuration(absl::Seconds(s.max_runtime_seconds()))},
       {"stop_grace", s.stop_grace_seconds() == 0
                          ? "the worker's"
-                         : absl::FormatDuration(absl::Seconds(s.stop_grace_seconds()))},
+                         : absl::StrCat(absl::FormatDuration(absl::Seconds(s.stop_grace_seconds())),
+                                        " (up to the node's --max-stop-grace)")},
       {"account", job.account().empty() ? "default" : job.account()},
       {"preemptible",
        absl::StrCat(!s.has_preemptible() || s.preemptible() ? "yes" : "no", " (grace ",

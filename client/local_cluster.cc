@@ -314,17 +314,12 @@ class LocalDaemons {
       w.name = absl::StrCat("worker ", node);
       w.address = c_.coordinator_address;
       w.log = absl::StrCat(options_.state_dir, "/worker-", i, ".log");
-      std::vector<std::string> argv = {worker_bin,
-                                       "--coordinator",
-                                       c_.coordinator_address,
-                                       "--node-id",
-                                       node,
-                                       "--address",
-                                       "127.0.0.1",
-                                       "--cpu-slots",
-                                       absl::StrCat(options_.slots_per_worker),
-                                       "--work-dir",
-                                       absl::StrCat(options_.state_dir, "/worker-", i)};
+      std::vector<std::string> argv = {worker_bin, "--coordinator", c_.coordinator_address,
+                                       "--node-id", node, "--address", "127.0.0.1", "--cpu-slots",
+                                       absl::StrCat(options_.slots_per_worker), "--work-dir",
+                                       absl::StrCat(options_.state_dir, "/worker-", i),
+                                       // (down gives a worker 15 s: no rank outlasts it)
+                                       "--max-stop-grace", "10s"};
       auto token_file = NodeTokenFile(node, worker_owners_);
       if (!token_file.ok()) return token_file.status();
       argv.insert(argv.end(), {"--token-file", *token_file, "--user-map", user_map()});

@@ -248,6 +248,21 @@ TEST(ShepherdEnvironmentTest, AFixedPathAndTheWorkersLibraryPathOnly) {
               ::testing::ElementsAre("PATH=/usr/sbin:/usr/bin:/sbin:/bin"));
 }
 
+// A rank's stop grace on this worker: the job's own up to --max-stop-grace, else --stop-grace.
+TEST(StopGraceTest, TheJobsOwnUpToTheWorkersMaximumElseTheWorkers) {
+  SupervisorOptions o;
+  o.stop_grace = absl::Seconds(10);
+  o.max_stop_grace = absl::Minutes(5);
+  v1::JobSpec spec;
+  EXPECT_EQ(StopGrace(spec, o), absl::Seconds(10));
+  spec.set_stop_grace_seconds(120);
+  EXPECT_EQ(StopGrace(spec, o), absl::Minutes(2));
+  spec.set_stop_grace_seconds(3600);
+  EXPECT_EQ(StopGrace(spec, o), absl::Minutes(5));
+  spec.set_stop_grace_seconds(2);
+  EXPECT_EQ(StopGrace(spec, o), absl::Seconds(2));  // shorter than the worker's: the job's
+}
+
 TEST(NodeHostTest, TheHostOfTheWorkersAddressElseItsName) {
   EXPECT_EQ(NodeHost("10.1.2.3", "vm"), "10.1.2.3");
   EXPECT_EQ(NodeHost("10.1.2.3:7000", "vm"), "10.1.2.3");

@@ -369,7 +369,7 @@ TEST_F(WorkerE2eTest, ACommandJobsRanksGetTorchrunsEnvironmentAndTrainWithGloo) 
 // is the time its ranks get between SIGTERM and SIGKILL; without it, the worker's.
 TEST_F(WorkerE2eTest, AJobsStopGraceIsTheTimeItsRanksGetToSaveWhenStopped) {
   const std::string saves_slowly =
-      "trap 'sleep 2; echo saved; exit 0' TERM; echo ready; while :; do sleep 0.05; done";
+      "trap 'sleep 5; echo saved; exit 0' TERM; echo ready; while :; do sleep 0.05; done";
   for (const int grace : {30, 0}) {
     v1::JobSpec spec = CommandSpec(absl::StrCat("grace-", grace), 1, {"sh", "-c", saves_slowly});
     spec.set_stop_grace_seconds(grace);
@@ -1247,6 +1247,15 @@ TEST(WorkerFlagsTest, ABadStopGraceIsRefusedNamingTheFlag) {
                             {}, absl::Seconds(30));
     EXPECT_NE(r.exit_code, 0) << grace;
     EXPECT_THAT(r.err, HasSubstr("--stop-grace: ")) << grace;
+  }
+  // The most a job's own grace gets: at least --stop-grace, at most a day.
+  for (const char* max : {"25h", "5s", "abc"}) {
+    testing::CommandResult r = testing::RunCommand(
+        {BinPath("trainyard-worker"), "--coordinator", "127.0.0.1:1", "--work-dir",
+         dir.path() + "/work", "--stop-grace", "10s", "--max-stop-grace", max},
+        {}, absl::Seconds(30));
+    EXPECT_NE(r.exit_code, 0) << max;
+    EXPECT_THAT(r.err, HasSubstr("--max-stop-grace: ")) << max;
   }
 }
 

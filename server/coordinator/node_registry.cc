@@ -437,7 +437,7 @@ absl::Duration NodeRegistry::StopGraceOf(const std::string& node_id,
   if (job_stop_grace_seconds < 0) {
     return absl::Milliseconds(std::max(h.stop_grace_ms(), h.max_stop_grace_ms()));
   }
-  // (An older worker says no maximum, and gives every job its own grace.)
+  // (An older worker says no maximum: it gives every job its --stop-grace.)
   if (job_stop_grace_seconds == 0 || h.max_stop_grace_ms() == 0) {
     return absl::Milliseconds(h.stop_grace_ms());
   }

@@ -112,7 +112,7 @@ absl::StatusOr<std::vector<std::string>> TrainerDevices(const std::string& train
 
 // What main reads from its flags beyond WorkerOptions' own fields.
 struct Flags {
-  std::string work_dir, stop_grace = "10s", max_stop_grace = "10m", metrics_address, gpus = "auto",
+  std::string work_dir, stop_grace = "10s", max_stop_grace, metrics_address, gpus = "auto",
                         cuda_library = "libcuda.so.1", nvml_library = "libnvidia-ml.so.1";
   int threads_per_slot = 0;
   std::string user_map, rank_env = absl::StrJoin(trainyard::worker::DefaultRankEnv(), ",");
@@ -165,8 +165,8 @@ void AddFlags(CLI::App& app, Flags& f, trainyard::worker::WorkerOptions& options
                  "(at most a day; the coordinator holds a stopping rank's device that long)")
       ->capture_default_str();
   app.add_option("--max-stop-grace", f.max_stop_grace,
-                 "the most a job's own stop_grace gets on this node (at least --stop-grace)")
-      ->capture_default_str();
+                 "the most a job's own stop_grace gets on this node (at least --stop-grace; "
+                 "default: 10m, or --stop-grace when that is longer)");
   app.add_option("--metrics-address", f.metrics_address,
                  "HOST:PORT of the Prometheus /metrics endpoint (port 0: a free one, printed "
                  "on stdout)");
@@ -460,14 +460,18 @@ absl::Status Settle(Flags& f, trainyard::worker::WorkerOptions& options) {
         absl::StrCat("--stop-grace: ", f.stop_grace, " is over a day, the most a rank is given"));
   }
   options.supervisor.stop_grace = *grace;
-  auto max_grace = trainyard::ParseFlagDuration("--max-stop-grace", f.max_stop_grace);
-  if (!max_grace.ok()) return max_grace.status();
-  if (*max_grace > absl::Hours(24) || *max_grace < *grace) {
-    return absl::InvalidArgumentError(absl::StrCat("--max-stop-grace: ", f.max_stop_grace,
-                                                   " must be at least --stop-grace (", f.stop_grace,
-                                                   ") and at most a day"));
+  absl::Duration max_grace = std::max(absl::Minutes(10), *grace);
+  if (!f.max_stop_grace.empty()) {
+    auto given = trainyard::ParseFlagDuration("--max-stop-grace", f.max_stop_grace);
+    if (!given.ok()) return given.status();
+    if (*given > absl::Hours(24) || *given < *grace) {
+      return absl::InvalidArgumentError(absl::StrCat("--max-stop-grace: ", f.max_stop_grace,
+                                                     " must be at least --stop-grace (",
+                                                     f.stop_grace, ") and at most a day"));
+    }
+    max_grace = *given;
   }
-  options.supervisor.max_stop_grace = *max_grace;
+  options.supervisor.max_stop_grace = max_grace;
   RETURN_IF_ERROR(SettleDevices(f, options));
   RETURN_IF_ERROR(SettleIdentity(f, options));
   SettleAddress(options);
