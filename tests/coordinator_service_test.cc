@@ -168,6 +168,20 @@ class CoordinatorServiceTest : public testing::CoordinatorFixture {
   std::unique_ptr<testing::NodeSession> Connect(const std::string& node_id, int devices) {
     return testing::NodeSession::Connect(channel_, tokens_->Node(node_id), node_id, devices);
   }
+
+  // A one-slot worker's registration that says its stop graces (--stop-grace, --max-stop-grace;
+  // 0: not said).
+  static v1::RegisterNodeRequest WithGraces(const std::string& node_id, absl::Duration grace,
+                                            absl::Duration max_grace) {
+    v1::RegisterNodeRequest r;
+    r.set_node_id(node_id);
+    r.set_hostname("localhost");
+    r.set_memory_bytes(int64_t{8} << 30);
+    r.add_devices()->set_kind(v1::CPU_SLOT);
+    r.mutable_host()->set_stop_grace_ms(absl::ToInt64Milliseconds(grace));
+    r.mutable_host()->set_max_stop_grace_ms(absl::ToInt64Milliseconds(max_grace));
+    return r;
+  }
 };
 
 TEST_F(CoordinatorServiceTest, SubmitStoresAQueuedJobThatGetReturns) {
@@ -936,13 +950,8 @@ TEST_F(CoordinatorServiceTest, AFailedAttemptsDevicesFreeAsItsRanksExitOrAfterTh
 // cancelled rank that has not reported its exit keeps its device through that grace and a margin,
 // not the default minute, so that no new rank is placed beside one still saving its checkpoint.
 TEST_F(CoordinatorServiceTest, AStoppedRanksDeviceIsHeldThroughItsNodesStopGrace) {
-  v1::RegisterNodeRequest r;
-  r.set_node_id("n1");
-  r.set_hostname("localhost");
-  r.set_memory_bytes(int64_t{8} << 30);
-  r.add_devices()->set_kind(v1::CPU_SLOT);
-  r.mutable_host()->set_stop_grace_ms(5 * 60 * 1000);
-  auto node = testing::NodeSession::ConnectWith(channel_, tokens_->Node("n1"), r);
+  auto node = testing::NodeSession::ConnectWith(
+      channel_, tokens_->Node("n1"), WithGraces("n1", absl::Minutes(5), absl::ZeroDuration()));
   EXPECT_EQ(Node("n1").host().stop_grace_ms(), 5 * 60 * 1000);
   v1::Job job = MustSubmit(Spec(1));
   ASSERT_EQ(server_->jobs().SchedulePass(), 1);
@@ -959,28 +968,24 @@ TEST_F(CoordinatorServiceTest, AStoppedRanksDeviceIsHeldThroughItsNodesStopGrace
   EXPECT_EQ(server_->jobs().SchedulePass(), 1);
   EXPECT_EQ(node->NextCommand().assignment().job_id(), next.id());
 
-  // A grace over a day is refused, naming the field.
-  grpc::ClientContext ctx;
-  PrepareToken(ctx, tokens_->Node("n2"));
-  r.set_node_id("n2");
-  r.mutable_host()->set_stop_grace_ms(int64_t{25} * 3600 * 1000);
-  v1::RegisterNodeResponse resp;
-  const grpc::Status refused = nodes_->RegisterNode(&ctx, r, &resp);
-  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_THAT(refused.error_message(), HasSubstr("host.stop_grace_ms: must be in"));
+  // A grace over a day, or a maximum over a day, is refused, naming the field.
+  for (const auto& [r, field] :
+       {std::pair{WithGraces("n2", absl::Hours(25), absl::ZeroDuration()), "host.stop_grace_ms"},
+        {WithGraces("n2", absl::Seconds(10), absl::Hours(25)), "host.max_stop_grace_ms"}}) {
+    grpc::ClientContext ctx;
+    PrepareToken(ctx, tokens_->Node("n2"));
+    v1::RegisterNodeResponse resp;
+    const grpc::Status refused = nodes_->RegisterNode(&ctx, r, &resp);
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << field;
+    EXPECT_THAT(refused.error_message(), HasSubstr(absl::StrCat(field, ": must be in")));
+  }
 }
 
 // A job's own stop_grace, up to the node's --max-stop-grace, is how long its stopping rank keeps
 // its device (with the margin), as the worker gives it that long before SIGKILL.
 TEST_F(CoordinatorServiceTest, AStoppedRanksDeviceIsHeldThroughItsJobsStopGraceUpToTheNodes) {
-  v1::RegisterNodeRequest r;
-  r.set_node_id("n1");
-  r.set_hostname("localhost");
-  r.set_memory_bytes(int64_t{8} << 30);
-  r.add_devices()->set_kind(v1::CPU_SLOT);
-  r.mutable_host()->set_stop_grace_ms(10 * 1000);
-  r.mutable_host()->set_max_stop_grace_ms(10 * 60 * 1000);
-  auto node = testing::NodeSession::ConnectWith(channel_, tokens_->Node("n1"), r);
+  auto node = testing::NodeSession::ConnectWith(
+      channel_, tokens_->Node("n1"), WithGraces("n1", absl::Seconds(10), absl::Minutes(10)));
   // (asked, what it gets: the node's maximum caps the second)
   for (const auto& [asked, held] :
        {std::pair{absl::Minutes(3), absl::Minutes(3)}, {absl::Hours(1), absl::Minutes(10)}}) {
