@@ -213,6 +213,9 @@ def cmd_check(base, timeout, dashboards_dir, job, skip_ps, skip_job, rate_interv
         return e.replace("${job}", job or "").replace("$job", job or "")
     pending = {i: (where, sub(e)) for i, (where, e) in enumerate(exprs)}
     errors, ranged, nan = {}, set(), set()
+    optional = may_be_empty.split()
+    def may_be_empty_expr(e):
+        return any(re.search(r"\b" + re.escape(m) + r"\b", e) for m in optional)
     deadline = time.time() + float(timeout)
     # 3. every expr: no error, and data now (or, failing that, at some point since Prometheus started)
     while pending:
@@ -226,7 +229,8 @@ def cmd_check(base, timeout, dashboards_dir, job, skip_ps, skip_job, rate_interv
             rr = api(base, "/api/v1/query_range", query=e, start=f"{started:.3f}", end=f"{time.time():.3f}", step="1")
             if rr.get("status") == "success" and has_data(rr):
                 ranged.add(i); del pending[i]
-        if not pending or time.time() > deadline: break
+        # What is still empty may stay empty (--may-be-empty): no reason to wait out the timeout.
+        if all(may_be_empty_expr(e) for _, e in pending.values()) or time.time() > deadline: break
         time.sleep(1)
     # 4. alert rules evaluate without error
     rule_errors = []
@@ -247,9 +251,8 @@ def cmd_check(base, timeout, dashboards_dir, job, skip_ps, skip_job, rate_interv
     for i in sorted(nan): print(f"  note: NaN only (no observations yet?): {exprs[i][0]}")
     print(f"  {len(rules)} alert rules evaluated" + (f"; pending/firing: {', '.join(firing)}" if firing else ""))
     for where, e, err in errors.values(): failures.append(f"ERROR   {where}: {err}\n          {e}")
-    optional = may_be_empty.split()
     for where, e in pending.values():
-        if any(re.search(r"\b" + re.escape(m) + r"\b", e) for m in optional):
+        if may_be_empty_expr(e):
             print(f"  note: no data, as allowed (--may-be-empty): {where}")
             continue
         failures.append(f"NO DATA {where}\n          {e}")
