@@ -326,6 +326,87 @@ TEST_F(SharingE2eTest, AWaitingJobSaysWhyItWaits) {
   EXPECT_THAT(seen_by_carol, Not(HasSubstr(big)));
 }
 
+// A cancelled job's ranks keep their devices while they stop (saving, say): those devices are
+// still its owner's. They count against the account's quota (a cancel is no way past it), show
+// in GetQuota and are charged as usage, until the ranks report their exit.
+TEST_F(SharingE2eTest, AStoppingJobsDevicesCountAgainstItsQuotaAndUsageUntilItsRanksExit) {
+  ASSERT_TRUE(CreateAccount("research", 2, 0, 1).ok());
+  ASSERT_TRUE(MoveUser("alice", "research").ok());
+  const std::string first = MustSubmit(alice_, 2);
+  server_->jobs().ChargeUsage();  // starts the clock
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  const v1::Assignment a = node_->NextCommand().assignment();
+  ASSERT_EQ(a.job_id(), first);
+  {
+    grpc::ClientContext ctx;
+    testing::Authorize(ctx, alice_);
+    v1::CancelJobRequest r;
+    r.set_job_id(first);
+    v1::Job cancelled;
+    ASSERT_TRUE(jobs_->CancelJob(&ctx, r, &cancelled).ok());
+  }
+  ASSERT_TRUE(node_->NextCommand().has_cancel());  // its ranks are told to stop, and do not yet
+  const std::string second = MustSubmit(alice_, 2);
+  EXPECT_EQ(server_->jobs().SchedulePass(), 0) << "two devices are free, but research's are held";
+  EXPECT_THAT(GetJob(second).why_waiting(),
+              HasSubstr("account research holds 2 devices: its quota of 2 plus its borrow limit "
+                        "of 0 leave no room for 2 more"));
+  v1::QuotaReport report;
+  ASSERT_TRUE(GetQuota(alice_, "", false, &report).ok());
+  EXPECT_EQ(report.running_devices(), 2);
+  EXPECT_EQ(report.accounts(0).running_devices(), 2);
+  clock_.Advance(absl::Seconds(30));  // within the minute a node without a stop grace gets
+  server_->jobs().ChargeUsage();
+  ASSERT_TRUE(GetQuota(alice_, "", false, &report).ok());
+  EXPECT_NEAR(report.usage_device_hours(), 2.0 * 30 / 3600, 1e-4);
+
+  node_->ReportExit(a, 0, 0);
+  node_->ReportExit(a, 1, 0);
+  node_->Heartbeat();  // processed
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  EXPECT_EQ(node_->NextCommand().assignment().job_id(), second);
+  clock_.Advance(absl::Seconds(30));
+  server_->jobs().ChargeUsage();
+  ASSERT_TRUE(GetQuota(alice_, "", false, &report).ok());
+  EXPECT_EQ(report.running_devices(), 2) << "the second job's, no more";
+  EXPECT_NEAR(report.usage_device_hours(), 2.0 * 60 / 3600, 1e-4);
+}
+
+// A victim killed after its grace is requeued at its first rank's exit; its other rank may still
+// stop, holding its device. The head waits for that device: no second victim is asked to stop
+// for room that is coming free.
+TEST_F(SharingE2eTest, AKilledVictimsStoppingRankIsWaitedForNotMadeRoomForWithAnotherVictim) {
+  const std::string low = MustSubmit(alice_, 2, [](v1::JobSpec& s) { s.set_priority(10); });
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  ASSERT_EQ(node_->NextCommand().assignment().job_id(), low);
+  clock_.Advance(absl::Seconds(1));
+  const std::string victim = MustSubmit(alice_, 2, [](v1::JobSpec& s) { s.set_priority(20); });
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  const v1::Assignment a = node_->NextCommand().assignment();
+  ASSERT_EQ(a.job_id(), victim);
+  clock_.Advance(absl::Minutes(2));  // both past their minimum run time
+  const std::string high = MustSubmit(bob_, 2, [](v1::JobSpec& s) { s.set_priority(90); });
+  EXPECT_EQ(server_->jobs().SchedulePass(), 0);
+  ASSERT_EQ(GetJob(victim).preempted_by(), high) << "the one with less work to lose";
+  ASSERT_EQ(GetJob(low).preempt_deadline_ms(), 0);
+
+  clock_.Advance(absl::Seconds(121));  // past its 120 s grace without stopping
+  server_->jobs().EnforceRuntimeLimits();
+  ASSERT_TRUE(node_->NextCommand().has_cancel());
+  node_->ReportExit(a, 0, 128 + 15);  // rank 0 stops; rank 1 is still saving
+  ASSERT_TRUE(node_->NextCommand().has_cancel());
+  node_->Heartbeat();  // processed
+  ASSERT_EQ(GetJob(victim).state(), v1::PREEMPTED);
+  EXPECT_EQ(server_->jobs().SchedulePass(), 0);
+  EXPECT_EQ(GetJob(low).preempt_deadline_ms(), 0) << "the victim's last rank makes the room";
+
+  node_->ReportExit(a, 1, 128 + 15);
+  node_->Heartbeat();
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  EXPECT_EQ(node_->NextCommand().assignment().job_id(), high);
+  EXPECT_EQ(GetJob(low).state(), v1::RUNNING);
+}
+
 // Tensor-parallel groups stay on one node each: a job whose groups fit no node says so, though
 // the cluster has its devices in all, and it does not hold back a job behind it.
 TEST_F(SharingE2eTest, AJobWhoseTensorParallelGroupsFitNoNodeSaysSo) {

@@ -68,6 +68,15 @@ std::set<std::string> DeviceLedger::DrainingJobs(absl::Time now) const {
   return jobs;
 }
 
+std::vector<std::pair<DeviceLedger::RankKey, DeviceLedger::DrainingRank>> DeviceLedger::Draining(
+    absl::Time now) const {
+  std::vector<std::pair<RankKey, DrainingRank>> out;
+  for (const auto& [rank, draining] : draining_) {
+    if (draining.deadline > now) out.emplace_back(rank, draining);
+  }
+  return out;
+}
+
 bool DeviceLedger::SettleNode(const std::string& node_id, const std::set<RankKey>& alive,
                               absl::Time deadline) {
   bool freed = false;

@@ -52,6 +52,8 @@ class DeviceLedger {
   // The jobs with a rank draining (any attempt) within its deadline at `now`: one past it (on a
   // node that is away, which Expire leaves to the node's hello) no longer counts.
   std::set<std::string> DrainingJobs(absl::Time now) const;
+  // The draining ranks that count at `now` (as DrainingJobs counts them), in key order.
+  std::vector<std::pair<RankKey, DrainingRank>> Draining(absl::Time now) const;
   // A node said hello running `alive`: its draining ranks not among them are gone (their devices
   // freed); those among them were told to stop again and get `deadline`. True when any was freed.
   bool SettleNode(const std::string& node_id, const std::set<RankKey>& alive, absl::Time deadline);

@@ -240,6 +240,19 @@ class JobManager final : public JobLifecycle,
   // run until they exit, as Slurm counts a completing task against %N; at most until the drain
   // timeout, so that a node that went away does not hold an array for ever).
   std::vector<const v1::Job*> RunningLimitedArrayTasks() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What the ranks of ended attempts still stopping hold (draining within their deadline), by
+  // job: their devices and their number on each node, and when the last one's device is freed
+  // at the latest. They are their job's until they exit: they count against its account's quota
+  // and its owner's cap, are charged to its fair-share usage, and hold their CPUs and memory on
+  // their nodes (a job cancelled or preempted is no way past a quota while it saves).
+  struct StoppingRanks {
+    std::map<std::string, std::set<int>> devices;  // node id -> devices
+    std::map<std::string, int> ranks;              // node id -> ranks
+    absl::Time until = absl::InfinitePast();
+    int64_t DeviceCount() const;
+  };
+  std::map<std::string, StoppingRanks> Stopping(absl::Time now) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Fails the waiting jobs one of whose `after` jobs ended without success (each pass).
   void FailJobsWithFailedDependencies() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The job if `attempt` is its running attempt; else NOT_FOUND or FAILED_PRECONDITION.

@@ -204,7 +204,61 @@ ClusterSnapshot JobManager::BuildSnapshot(const SharingPolicy& policy,
       snapshot.running.push_back(std::move(r));
     }
   }
+  // The ranks still stopping: a job leaving (never a victim; its devices come free by their
+  // deadline, which backfill counts on), whose devices count for its owner and account, and
+  // whose CPUs and memory stay taken on its nodes.
+  for (const auto& [id, stopping] : Stopping(now)) {
+    const v1::Job& job = jobs_.at(id);
+    const v1::Resources& asks = job.spec().resources();
+    RunningJobInfo r;
+    r.id = id;
+    for (const auto& [node_id, devices] : stopping.devices) {
+      const SchedulingNode* on = FindNode(nodes, node_id);
+      if (on == nullptr) continue;
+      const int index = static_cast<int>(on - nodes.data());
+      r.grants.push_back({index, static_cast<int>(devices.size())});
+      SchedNode& sn = snapshot.nodes[index];
+      // As PlacementCpuMillis: per rank when the job asks for CPUs (memory), else per device.
+      const int64_t ranks = stopping.ranks.at(node_id);
+      const int64_t held = static_cast<int64_t>(devices.size());
+      if (sn.total_cpu_millis >= 0) {
+        sn.free_cpu_millis -= (asks.cpus() > 0 ? ranks : held) * RankCpuMillis(asks, on->host);
+      }
+      if (sn.total_memory >= 0) {
+        sn.free_memory -=
+            (asks.memory_bytes() > 0 ? ranks : held) * RankMemoryBytes(asks, on->host);
+      }
+    }
+    r.expected_end = stopping.until;
+    r.priority = job.spec().priority();
+    r.preempting = true;
+    r.preemptible = false;
+    r.user = user_of(job);
+    snapshot.running.push_back(std::move(r));
+  }
   return snapshot;
+}
+
+int64_t JobManager::StoppingRanks::DeviceCount() const {
+  int64_t count = 0;
+  for (const auto& [node_id, held] : devices) count += static_cast<int64_t>(held.size());
+  return count;
+}
+
+std::map<std::string, JobManager::StoppingRanks> JobManager::Stopping(absl::Time now) const {
+  std::map<std::string, StoppingRanks> out;
+  for (const auto& [key, rank] : devices_.Draining(now)) {
+    const auto& [job_id, attempt, index] = key;
+    const auto it = jobs_.find(job_id);
+    if (it == jobs_.end()) continue;
+    // (The running attempt's ranks count as running; a draining rank of it would be a slip.)
+    if (IsActive(it->second.state()) && attempt == it->second.attempt()) continue;
+    StoppingRanks& stopping = out[job_id];
+    stopping.devices[rank.node_id].insert(rank.device);
+    ++stopping.ranks[rank.node_id];
+    stopping.until = std::max(stopping.until, rank.deadline);
+  }
+  return out;
 }
 
 namespace {

@@ -37,6 +37,12 @@ void JobManager::CountUse(std::map<std::string, Use>* by_account,
       }
     }
   }
+  // Ranks still stopping hold their devices for their job (as the scheduler counts them).
+  for (const auto& [id, stopping] : Stopping(clock_.Now())) {
+    const v1::Job& job = jobs_.at(id);
+    (*by_account)[AccountOf(job)].running_devices += stopping.DeviceCount();
+    if (by_owner != nullptr) (*by_owner)[job.owner()].running_devices += stopping.DeviceCount();
+  }
 }
 
 std::shared_ptr<const SharingPolicy> JobManager::CurrentPolicy() const {
@@ -327,6 +333,13 @@ void JobManager::ChargeUsage() {
     const std::string& account = AccountOf(job);
     usage_.Charge(AccountKey(account), devices * seconds, now);
     usage_.Charge(UserKey(job.owner()), devices * seconds, now);
+  }
+  // A stopping rank's device is its job's until it exits (saving, say): charged as running.
+  for (const auto& [id, stopping] : Stopping(now)) {
+    const v1::Job& job = jobs_.at(id);
+    const double device_seconds = static_cast<double>(stopping.DeviceCount()) * seconds;
+    usage_.Charge(AccountKey(AccountOf(job)), device_seconds, now);
+    usage_.Charge(UserKey(job.owner()), device_seconds, now);
   }
 }
 

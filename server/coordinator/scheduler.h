@@ -86,7 +86,9 @@ struct RunningJobInfo {
   int priority = 50;
   absl::Time start = absl::InfinitePast();    // of its current attempt
   std::optional<absl::Time> last_checkpoint;  // its latest checkpoint, if any
-  bool preempting = false;  // already asked to stop for another job: its devices come free soon
+  // Already stopping (asked to stop for another job, or an ended attempt's ranks still exiting):
+  // its devices come free soon, and it is no victim.
+  bool preempting = false;
   int user = -1;            // index into ClusterSnapshot::users; -1: outside accounts and caps
   bool preemptible = true;  // false: never a victim
 };
