@@ -524,6 +524,50 @@ TEST_F(CoordinatorServiceTest, JobsArePlacedByTheirRanksCpusAndMemoryAndRefusedW
   EXPECT_EQ(CpuMillis(4.35), 4350);
 }
 
+// A cancelled job's ranks hold their CPUs and memory, not only their devices, until they exit:
+// a job that needs them waits (and the node lists them as held), though devices are free.
+TEST_F(CoordinatorServiceTest, AStoppingRanksCpusAndMemoryStayHeldUntilItExits) {
+  const int64_t gib = int64_t{1} << 30;
+  v1::RegisterNodeRequest r;
+  r.set_node_id("n1");
+  r.set_hostname("localhost");
+  r.set_memory_bytes(20 * gib);
+  for (int i = 0; i < 4; ++i) {
+    v1::Device* d = r.add_devices();
+    d->set_index(i);
+    d->set_kind(v1::CPU_SLOT);
+  }
+  r.mutable_host()->set_cpus(4);
+  r.mutable_host()->set_memory_bytes(16 * gib);
+  r.mutable_host()->set_cpus_per_device(1);
+  r.mutable_host()->set_memory_per_device(4 * gib);
+  auto n1 = testing::NodeSession::ConnectWith(channel_, tokens_->Node("n1"), r);
+  // a: 2 ranks of 2 CPUs and 6 GiB each, all the CPUs and 12 of the 16 GiB.
+  v1::JobSpec big = Spec(2, "a");
+  big.mutable_resources()->set_cpus(2);
+  big.mutable_resources()->set_memory_bytes(6 * gib);
+  const v1::Job a = MustSubmit(big);
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  const v1::Assignment placed = n1->NextCommand().assignment();
+  ASSERT_TRUE(Cancel(a.id()).ok());
+  ASSERT_TRUE(n1->NextCommand().has_cancel());
+  v1::JobSpec small = Spec(1, "b");  // 1 CPU and 4 GiB, the node's charge per device
+  const v1::Job b = MustSubmit(small);
+  EXPECT_EQ(server_->jobs().SchedulePass(), 0) << "2 devices are free, no CPU is";
+  v1::Node node = Node("n1");
+  EXPECT_DOUBLE_EQ(node.allocated_cpus(), 4);
+  EXPECT_EQ(node.allocated_memory_bytes(), 12 * gib);
+  EXPECT_EQ(node.allocated_devices_size(), 2);
+
+  n1->ReportExit(placed, 0, 128 + SIGTERM);
+  n1->Heartbeat();  // processed
+  node = Node("n1");
+  EXPECT_DOUBLE_EQ(node.allocated_cpus(), 2);
+  EXPECT_EQ(node.allocated_memory_bytes(), 6 * gib);
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  EXPECT_EQ(n1->NextCommand().assignment().job_id(), b.id());
+}
+
 // yard admin node cordon|drain|uncordon: admins only; a cordoned node takes no new ranks while
 // its running ones go on; a drain asks its running jobs to checkpoint and stop (the preemption
 // path), after which they wait to be placed elsewhere and the node is empty.

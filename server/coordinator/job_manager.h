@@ -250,6 +250,12 @@ class JobManager final : public JobLifecycle,
     std::map<std::string, int> ranks;              // node id -> ranks
     absl::Time until = absl::InfinitePast();
     int64_t DeviceCount() const;
+    // What its ranks on `node_id` hold of the node's CPUs (thousandths) and memory, as a running
+    // placement does: per rank when the job asks for them, else the node's charge per device.
+    int64_t CpuMillisOn(const std::string& node_id, const v1::Resources& asks,
+                        const v1::HostResources& host) const;
+    int64_t MemoryBytesOn(const std::string& node_id, const v1::Resources& asks,
+                          const v1::HostResources& host) const;
   };
   std::map<std::string, StoppingRanks> Stopping(absl::Time now) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -218,16 +218,9 @@ ClusterSnapshot JobManager::BuildSnapshot(const SharingPolicy& policy,
       const int index = static_cast<int>(on - nodes.data());
       r.grants.push_back({index, static_cast<int>(devices.size())});
       SchedNode& sn = snapshot.nodes[index];
-      // As PlacementCpuMillis: per rank when the job asks for CPUs (memory), else per device.
-      const int64_t ranks = stopping.ranks.at(node_id);
-      const int64_t held = static_cast<int64_t>(devices.size());
-      if (sn.total_cpu_millis >= 0) {
-        sn.free_cpu_millis -= (asks.cpus() > 0 ? ranks : held) * RankCpuMillis(asks, on->host);
-      }
-      if (sn.total_memory >= 0) {
-        sn.free_memory -=
-            (asks.memory_bytes() > 0 ? ranks : held) * RankMemoryBytes(asks, on->host);
-      }
+      if (sn.total_cpu_millis >= 0)
+        sn.free_cpu_millis -= stopping.CpuMillisOn(node_id, asks, on->host);
+      if (sn.total_memory >= 0) sn.free_memory -= stopping.MemoryBytesOn(node_id, asks, on->host);
     }
     r.expected_end = stopping.until;
     r.priority = job.spec().priority();
@@ -243,6 +236,24 @@ int64_t JobManager::StoppingRanks::DeviceCount() const {
   int64_t count = 0;
   for (const auto& [node_id, held] : devices) count += static_cast<int64_t>(held.size());
   return count;
+}
+
+int64_t JobManager::StoppingRanks::CpuMillisOn(const std::string& node_id,
+                                               const v1::Resources& asks,
+                                               const v1::HostResources& host) const {
+  const auto ranks = this->ranks.find(node_id);
+  if (ranks == this->ranks.end()) return 0;
+  const int64_t held = static_cast<int64_t>(devices.at(node_id).size());
+  return (asks.cpus() > 0 ? ranks->second : held) * RankCpuMillis(asks, host);
+}
+
+int64_t JobManager::StoppingRanks::MemoryBytesOn(const std::string& node_id,
+                                                 const v1::Resources& asks,
+                                                 const v1::HostResources& host) const {
+  const auto ranks = this->ranks.find(node_id);
+  if (ranks == this->ranks.end()) return 0;
+  const int64_t held = static_cast<int64_t>(devices.at(node_id).size());
+  return (asks.memory_bytes() > 0 ? ranks->second : held) * RankMemoryBytes(asks, host);
 }
 
 std::map<std::string, JobManager::StoppingRanks> JobManager::Stopping(absl::Time now) const {
@@ -537,6 +548,19 @@ std::vector<v1::Node> JobManager::NodesWithAllocations() const {
       node.set_allocated_memory_bytes(
           node.allocated_memory_bytes() +
           PlacementMemoryBytes(job.spec().resources(), pl, node.host()));
+    }
+  }
+  // And what stopping ranks still hold (their devices are among the held ones above).
+  for (const auto& [id, stopping] : Stopping(clock_.Now())) {
+    const v1::Resources& asks = jobs_.at(id).spec().resources();
+    for (const auto& [node_id, ranks] : stopping.ranks) {
+      auto on = by_id.find(node_id);
+      if (on == by_id.end()) continue;
+      v1::Node& node = *on->second;
+      node.set_allocated_cpus(node.allocated_cpus() +
+                              stopping.CpuMillisOn(node_id, asks, node.host()) / 1000.0);
+      node.set_allocated_memory_bytes(node.allocated_memory_bytes() +
+                                      stopping.MemoryBytesOn(node_id, asks, node.host()));
     }
   }
   std::map<std::string, int64_t> reserved = ReservedPsBytes();
