@@ -214,6 +214,30 @@ TEST(SharingTest, AJobStoppingForAnotherIsNotCountedWithinItsAccountsQuota) {
   EXPECT_FALSE(Schedule(s).preemption.has_value()) << "b-new is within b's quota";
 }
 
+// What an account's stopping jobs give back is the head's room, not slack over its quota: b
+// holds 10 with a quota of 4, but 4 of them are leaving; taking b-borrowing too would leave b
+// with 2 once they are gone.
+TEST(SharingTest, AnAccountsStoppingDevicesAreNoSlackForTakingAnotherOfItsJobs) {
+  ClusterSnapshot s = TwoAccounts(3, 4);
+  s.preemption = true;
+  s.accounts[0].quota = 8;
+  s.accounts[1].quota = 4;
+  s.running = {Running("b-kept", 1, 0, 2, 10, absl::Hours(4)),
+               Running("b-borrowing", 1, 1, 4, 10, absl::Hours(3)),
+               Running("b-stopping", 1, 2, 4, 10, absl::Hours(2))};
+  s.running[2].preempting = true;
+  s.running[2].preemptible = false;
+  Hold(s, 0, 2);
+  Hold(s, 1, 4);
+  Hold(s, 2, 4);
+  s.pending = {Job("a-own", 0, 8, 50)};
+  EXPECT_FALSE(Schedule(s).preemption.has_value()) << "b would end below its quota";
+  s.accounts[1].quota = 2;  // now b-borrowing borrows all its devices
+  ScheduleResult r = Schedule(s);
+  ASSERT_TRUE(r.preemption.has_value());
+  EXPECT_THAT(r.preemption->victims, ElementsAre("b-borrowing"));
+}
+
 TEST(SharingTest, WithinAnAccountTheUserWithLessUsageGoesFirst) {
   ClusterSnapshot s = TwoAccounts(1, 1);
   s.users.push_back({"carol", 0});

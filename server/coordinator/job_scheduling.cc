@@ -260,6 +260,8 @@ std::map<std::string, JobManager::StoppingRanks> JobManager::Stopping(absl::Time
   std::map<std::string, StoppingRanks> out;
   for (const auto& [key, rank] : devices_.Draining(now)) {
     const auto& [job_id, attempt, index] = key;
+    // (A rank of a job this coordinator does not know, adopted at its node's hello, holds its
+    // device but counts for no account.)
     const auto it = jobs_.find(job_id);
     if (it == jobs_.end()) continue;
     // (The running attempt's ranks count as running; a draining rank of it would be a slip.)

@@ -223,11 +223,19 @@ std::vector<std::string> ChooseVictims(const ClusterSnapshot& snapshot, const Pe
     int64_t all;    // all its devices
     int account;
   };
-  // Devices each account may still lose to other accounts' heads without going below its quota.
+  // Devices each account may still lose to other accounts' heads without going below its quota:
+  // of what it holds, what its jobs already stopping give back anyway (they make the head's room
+  // below, so they are no slack for another of its jobs to be taken).
+  std::vector<int64_t> leaving(account_used.size(), 0);
+  for (size_t i = 0; i < snapshot.running.size(); ++i) {
+    const int a = shares[i].account;
+    if (!snapshot.running[i].preempting || a < 0) continue;
+    for (const DeviceGrant& g : snapshot.running[i].grants) leaving[a] += std::max(0, g.devices);
+  }
   std::vector<int64_t> spare(account_used.size(), 0);
   for (size_t a = 0; a < account_used.size(); ++a) {
     const int64_t quota = snapshot.accounts[a].quota;
-    spare[a] = quota < 0 ? INT64_MAX : std::max<int64_t>(0, account_used[a] - quota);
+    spare[a] = quota < 0 ? INT64_MAX : std::max<int64_t>(0, account_used[a] - leaving[a] - quota);
   }
   const int num_nodes = static_cast<int>(snapshot.nodes.size());
   auto devices_on_eligible = [&](const RunningJobInfo& r, int64_t* all) {
