@@ -69,6 +69,27 @@ TEST_F(ContextStoreTest, AnUploadIsItsOwnersAloneAndExpiresUnlessAJobNamesIt) {
   EXPECT_TRUE(absl::IsNotFound(contexts.Claim("alice", ContextDigest(other))));
 }
 
+// A job's nodes fetch its context at once: while one copy is held, every fetch shares it without
+// reading the store again (here the store no longer has it); once none is held, the store is read.
+TEST_F(ContextStoreTest, FetchesInFlightShareOneCopyOfAnArchive) {
+  ContextStore contexts = Contexts();
+  const std::string archive(3 << 20, 'x'), digest = ContextDigest(archive);
+  ASSERT_TRUE(contexts.Put("alice", digest, archive).ok());
+  auto first = contexts.ReadShared("alice", digest);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(**first, archive);
+  EXPECT_TRUE(absl::IsNotFound(contexts.ReadShared("bob", digest).status())) << "alice's alone";
+
+  clock_.Advance(absl::Hours(25));  // unclaimed: expired, and purged from the store
+  Purge();
+  auto second = contexts.ReadShared("alice", digest);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->get(), first->get()) << "one copy";
+  first->reset();
+  second->reset();
+  EXPECT_TRUE(absl::IsNotFound(contexts.ReadShared("alice", digest).status()));
+}
+
 TEST_F(ContextStoreTest, AUsersUploadsTogetherAreCapped) {
   ContextStore contexts = Contexts(/*max_bytes_per_user=*/100);
   const std::string a(60, 'a'), b(60, 'b');

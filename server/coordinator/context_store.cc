@@ -81,4 +81,20 @@ absl::StatusOr<std::string> ContextStore::Read(const std::string& owner,
   return std::move(record->payload);
 }
 
+absl::StatusOr<std::shared_ptr<const std::string>> ContextStore::ReadShared(
+    const std::string& owner, const std::string& digest) {
+  absl::MutexLock lock(&shared_mu_);
+  for (auto it = shared_.begin(); it != shared_.end();) {
+    it = it->second.expired() ? shared_.erase(it) : std::next(it);
+  }
+  const std::string key = Key(owner, digest);
+  if (auto it = shared_.find(key); it != shared_.end()) {
+    if (std::shared_ptr<const std::string> held = it->second.lock()) return held;
+  }
+  ASSIGN_OR_RETURN(std::string archive, Read(owner, digest));
+  auto shared = std::make_shared<const std::string>(std::move(archive));
+  shared_[key] = shared;
+  return shared;
+}
+
 }  // namespace trainyard::coordinator

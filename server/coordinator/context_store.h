@@ -13,9 +13,13 @@
 #define TRAINYARD_SERVER_COORDINATOR_CONTEXT_STORE_H_
 
 #include <cstdint>
+#include <map>
+#include <memory>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
 #include "server/coordinator/job_store.h"
@@ -51,6 +55,12 @@ class ContextStore {
   absl::Status Claim(const std::string& owner, const std::string& digest);
   // The archive `owner` uploaded as `digest`; NOT_FOUND when there is none (or it expired).
   absl::StatusOr<std::string> Read(const std::string& owner, const std::string& digest);
+  // The same, shared by every caller that holds it: a job's nodes fetch its context together, and
+  // get one copy in memory and one read of the store between them, not one each (an archive is
+  // up to 80 MiB; 64 nodes would hold 5 GiB). A copy still held is returned without reading the
+  // store again (its expiry was checked when it was read).
+  absl::StatusOr<std::shared_ptr<const std::string>> ReadShared(const std::string& owner,
+                                                                const std::string& digest);
 
  private:
   static std::string Key(const std::string& owner, const std::string& digest);
@@ -60,6 +70,9 @@ class ContextStore {
   JobStore& store_;
   const Clock& clock_;
   const ContextStoreOptions options_;
+  // Held while a shared copy is read, so that callers that come meanwhile wait for it.
+  absl::Mutex shared_mu_;
+  std::map<std::string, std::weak_ptr<const std::string>> shared_ ABSL_GUARDED_BY(shared_mu_);
 };
 
 }  // namespace trainyard::coordinator

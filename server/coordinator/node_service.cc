@@ -2,6 +2,7 @@
 #include "server/coordinator/services.h"
 
 #include <algorithm>
+#include <memory>
 #include <set>
 #include <string>
 #include <tuple>
@@ -416,12 +417,13 @@ grpc::ServerUnaryReactor* NodeServiceImpl::VerifyJobCredential(
 namespace trainyard::coordinator {
 namespace {
 
-// FetchContext: an archive held in memory, written in chunks of 1 MiB (the first names it).
+// FetchContext: an archive held in memory (one copy for the fetches of it in flight), written in
+// chunks of 1 MiB (the first names it).
 class ContextReactor final : public grpc::ServerWriteReactor<v1::ContextChunk> {
  public:
   static constexpr size_t kChunkBytes = size_t{1} << 20;
 
-  ContextReactor(std::string digest, std::string archive)
+  ContextReactor(std::string digest, std::shared_ptr<const std::string> archive)
       : digest_(std::move(digest)), archive_(std::move(archive)) {
     Next();
   }
@@ -436,23 +438,24 @@ class ContextReactor final : public grpc::ServerWriteReactor<v1::ContextChunk> {
 
  private:
   void Next() {
-    if (offset_ >= archive_.size()) {
+    const std::string& archive = *archive_;
+    if (offset_ >= archive.size()) {
       Finish(grpc::Status::OK);
       return;
     }
     chunk_.Clear();
     if (offset_ == 0) {
       chunk_.set_digest(digest_);
-      chunk_.set_size_bytes(static_cast<int64_t>(archive_.size()));
+      chunk_.set_size_bytes(static_cast<int64_t>(archive.size()));
     }
-    const size_t n = std::min(kChunkBytes, archive_.size() - offset_);
-    chunk_.set_data(archive_.substr(offset_, n));
+    const size_t n = std::min(kChunkBytes, archive.size() - offset_);
+    chunk_.set_data(archive.data() + offset_, n);
     offset_ += n;
     StartWrite(&chunk_);
   }
 
   const std::string digest_;
-  const std::string archive_;
+  const std::shared_ptr<const std::string> archive_;
   size_t offset_ = 0;
   v1::ContextChunk chunk_;
 };
@@ -485,7 +488,8 @@ grpc::ServerWriteReactor<v1::ContextChunk>* NodeServiceImpl::FetchContext(
     return RejectStream<v1::ContextChunk>(
         ToGrpcStatus(absl::NotFoundError(absl::StrCat(request->job_id(), " has no context"))));
   }
-  absl::StatusOr<std::string> archive = contexts_.Read(job->owner(), job->spec().context());
+  absl::StatusOr<std::shared_ptr<const std::string>> archive =
+      contexts_.ReadShared(job->owner(), job->spec().context());
   if (!archive.ok()) return RejectStream<v1::ContextChunk>(ToGrpcStatus(archive.status()));
   return new ContextReactor(job->spec().context(), *std::move(archive));
 }
