@@ -4,6 +4,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <functional>
+
 namespace trainyard::coordinator {
 namespace {
 
@@ -11,6 +13,11 @@ using ::testing::ElementsAre;
 using ::testing::IsEmpty;
 
 const absl::Time kT0 = absl::FromUnixSeconds(1'000'000);
+
+// SettleNode's deadline for every rank: `t`.
+std::function<absl::Time(const DeviceLedger::RankKey&)> At(absl::Time t) {
+  return [t](const DeviceLedger::RankKey&) { return t; };
+}
 
 TEST(DeviceLedgerTest, ADeviceIsHeldOnceUntilFreed) {
   DeviceLedger ledger;
@@ -59,8 +66,8 @@ TEST(DeviceLedgerTest, RanksSharingADeviceHoldItUntilTheLastOfThemEnds) {
   const DeviceLedger::RankKey r0{"job-1", 1, 0}, r1{"job-1", 1, 1}, r2{"job-1", 1, 2};
   for (const auto& r : {r0, r1, r2}) ledger.Drain(r, "a", 0, kT0 + absl::Seconds(10));
   EXPECT_TRUE(ledger.EndDraining(r0, "a"));
-  EXPECT_FALSE(ledger.Hold("a", 0));                                   // r1 and r2 still stop on it
-  EXPECT_TRUE(ledger.SettleNode("a", {r2}, kT0 + absl::Seconds(10)));  // r1 is gone
+  EXPECT_FALSE(ledger.Hold("a", 0));  // r1 and r2 still stop on it
+  EXPECT_TRUE(ledger.SettleNode("a", {r2}, At(kT0 + absl::Seconds(10))));  // r1 is gone
   EXPECT_FALSE(ledger.Hold("a", 0));
   auto expired = ledger.Expire(kT0 + absl::Seconds(11), [](const std::string&) { return true; });
   ASSERT_EQ(expired.size(), 1u);
@@ -76,11 +83,11 @@ TEST(DeviceLedgerTest, ANodesHelloFreesItsGoneRanksAndGivesRunningOnesANewDeadli
   ledger.Drain(gone, "a", 0, kT0);
   ledger.Drain(alive, "a", 1, kT0);
   ledger.Drain(other, "b", 0, kT0);
-  EXPECT_TRUE(ledger.SettleNode("a", {alive}, kT0 + absl::Seconds(60)));
+  EXPECT_TRUE(ledger.SettleNode("a", {alive}, At(kT0 + absl::Seconds(60))));
   EXPECT_FALSE(ledger.IsDraining(gone));
   EXPECT_THAT(ledger.HeldOn("a"), ElementsAre(1));
-  EXPECT_TRUE(ledger.IsDraining(other));                                   // node b said nothing
-  EXPECT_FALSE(ledger.SettleNode("a", {alive}, kT0 + absl::Seconds(60)));  // nothing to free
+  EXPECT_TRUE(ledger.IsDraining(other));  // node b said nothing
+  EXPECT_FALSE(ledger.SettleNode("a", {alive}, At(kT0 + absl::Seconds(60))));  // nothing to free
   // Past the first deadline only node b's rank expires; a's got a new one.
   const auto expired =
       ledger.Expire(kT0 + absl::Seconds(1), [](const std::string&) { return true; });

@@ -78,14 +78,14 @@ std::vector<std::pair<DeviceLedger::RankKey, DeviceLedger::DrainingRank>> Device
 }
 
 bool DeviceLedger::SettleNode(const std::string& node_id, const std::set<RankKey>& alive,
-                              absl::Time deadline) {
+                              const std::function<absl::Time(const RankKey& rank)>& deadline_of) {
   bool freed = false;
   std::vector<DrainingRank> gone;
   for (auto it = draining_.begin(); it != draining_.end();) {
     if (it->second.node_id != node_id) {
       ++it;
     } else if (alive.count(it->first) > 0) {
-      it->second.deadline = deadline;
+      it->second.deadline = deadline_of(it->first);
       ++it;
     } else {
       gone.push_back(it->second);

@@ -55,8 +55,10 @@ class DeviceLedger {
   // The draining ranks that count at `now` (as DrainingJobs counts them), in key order.
   std::vector<std::pair<RankKey, DrainingRank>> Draining(absl::Time now) const;
   // A node said hello running `alive`: its draining ranks not among them are gone (their devices
-  // freed); those among them were told to stop again and get `deadline`. True when any was freed.
-  bool SettleNode(const std::string& node_id, const std::set<RankKey>& alive, absl::Time deadline);
+  // freed); those among them were told to stop again and get the deadline `deadline_of` gives
+  // each. True when any was freed.
+  bool SettleNode(const std::string& node_id, const std::set<RankKey>& alive,
+                  const std::function<absl::Time(const RankKey& rank)>& deadline_of);
   // Draining ranks past their deadline on nodes that `reachable` says are there (a node cut off
   // may still run them; its hello settles them): their devices freed, and they are returned.
   std::vector<std::pair<RankKey, DrainingRank>> Expire(

@@ -371,8 +371,11 @@ void JobManager::OnNodeHello(const std::string& node_id,
     absl::MutexLock lock(&mu_);
     std::set<DeviceLedger::RankKey> alive;
     for (const v1::RankStatus& r : running) alive.insert({r.job_id(), r.attempt(), r.rank()});
-    // Those still running are told to stop (again) now: a new grace to report it.
-    if (devices_.SettleNode(node_id, alive, DrainDeadline(node_id, nullptr))) WakeScheduler();
+    // Those still running are told to stop (again) now: a new grace to report it, their job's.
+    auto deadline_of = [&](const DeviceLedger::RankKey& key) {
+      return DrainDeadline(node_id, Find(std::get<0>(key)));
+    };
+    if (devices_.SettleNode(node_id, alive, deadline_of)) WakeScheduler();
     // Ranks of attempts that are no longer current and that this coordinator does not know to
     // be draining (it restarted since they were told to stop): their devices stay taken until
     // they report their exit, as for any draining rank, so no new rank shares them meanwhile.
