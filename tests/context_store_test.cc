@@ -70,7 +70,8 @@ TEST_F(ContextStoreTest, AnUploadIsItsOwnersAloneAndExpiresUnlessAJobNamesIt) {
 }
 
 // A job's nodes fetch its context at once: while one copy is held, every fetch shares it without
-// reading the store again (here the store no longer has it); once none is held, the store is read.
+// reading the store again (here the store's record is overwritten meanwhile, and the fetch still
+// gets the held copy); once none is held, or once it has expired, the store is read.
 TEST_F(ContextStoreTest, FetchesInFlightShareOneCopyOfAnArchive) {
   ContextStore contexts = Contexts();
   const std::string archive(3 << 20, 'x'), digest = ContextDigest(archive);
@@ -80,13 +81,24 @@ TEST_F(ContextStoreTest, FetchesInFlightShareOneCopyOfAnArchive) {
   EXPECT_EQ(**first, archive);
   EXPECT_TRUE(absl::IsNotFound(contexts.ReadShared("bob", digest).status())) << "alice's alone";
 
-  clock_.Advance(absl::Hours(25));  // unclaimed: expired, and purged from the store
-  Purge();
+  auto overwrite = [&](const std::string& payload) {
+    WriteBatch batch;
+    auto record = store_->GetRecord(ContextStore::kRecordKind, "alice/" + digest);
+    ASSERT_TRUE(record.ok()) << record.status();
+    batch.put_records.push_back(
+        {ContextStore::kRecordKind, "alice/" + digest, payload, record->expires_ms});
+    ASSERT_TRUE(store_->CommitSync(std::move(batch)).ok());
+  };
+  overwrite("changed");
   auto second = contexts.ReadShared("alice", digest);
   ASSERT_TRUE(second.ok()) << second.status();
-  EXPECT_EQ(second->get(), first->get()) << "one copy";
+  EXPECT_EQ(second->get(), first->get()) << "one copy, not read again";
   first->reset();
   second->reset();
+  EXPECT_EQ(*contexts.ReadShared("alice", digest).value(), "changed") << "none held: read";
+
+  auto held = contexts.ReadShared("alice", digest);
+  clock_.Advance(absl::Hours(25));  // unclaimed: expired, though a copy is held
   EXPECT_TRUE(absl::IsNotFound(contexts.ReadShared("alice", digest).status()));
 }
 

@@ -71,6 +71,12 @@ absl::Status ContextStore::Claim(const std::string& owner, const std::string& di
 
 absl::StatusOr<std::string> ContextStore::Read(const std::string& owner,
                                                const std::string& digest) {
+  int64_t expires_ms = 0;
+  return Read(owner, digest, &expires_ms);
+}
+
+absl::StatusOr<std::string> ContextStore::Read(const std::string& owner, const std::string& digest,
+                                               int64_t* expires_ms) {
   auto record = store_.GetRecord(kRecordKind, Key(owner, digest));
   if (absl::IsNotFound(record.status()) ||
       (record.ok() && record->expires_ms <= absl::ToUnixMillis(clock_.Now()))) {
@@ -78,6 +84,7 @@ absl::StatusOr<std::string> ContextStore::Read(const std::string& owner,
         absl::StrCat("context ", digest, " of ", owner, " is not stored (it expired?)"));
   }
   if (!record.ok()) return record.status();
+  *expires_ms = record->expires_ms;
   return std::move(record->payload);
 }
 
@@ -85,15 +92,17 @@ absl::StatusOr<std::shared_ptr<const std::string>> ContextStore::ReadShared(
     const std::string& owner, const std::string& digest) {
   absl::MutexLock lock(&shared_mu_);
   for (auto it = shared_.begin(); it != shared_.end();) {
-    it = it->second.expired() ? shared_.erase(it) : std::next(it);
+    it = it->second.archive.expired() ? shared_.erase(it) : std::next(it);
   }
   const std::string key = Key(owner, digest);
-  if (auto it = shared_.find(key); it != shared_.end()) {
-    if (std::shared_ptr<const std::string> held = it->second.lock()) return held;
+  if (auto it = shared_.find(key);
+      it != shared_.end() && it->second.expires_ms > absl::ToUnixMillis(clock_.Now())) {
+    if (std::shared_ptr<const std::string> held = it->second.archive.lock()) return held;
   }
-  ASSIGN_OR_RETURN(std::string archive, Read(owner, digest));
+  int64_t expires_ms = 0;
+  ASSIGN_OR_RETURN(std::string archive, Read(owner, digest, &expires_ms));
   auto shared = std::make_shared<const std::string>(std::move(archive));
-  shared_[key] = shared;
+  shared_[key] = {shared, expires_ms};
   return shared;
 }
 

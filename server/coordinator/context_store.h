@@ -58,12 +58,15 @@ class ContextStore {
   // The same, shared by every caller that holds it: a job's nodes fetch its context together, and
   // get one copy in memory and one read of the store between them, not one each (an archive is
   // up to 80 MiB; 64 nodes would hold 5 GiB). A copy still held is returned without reading the
-  // store again (its expiry was checked when it was read).
+  // store again, until the context expires (as of that read).
   absl::StatusOr<std::shared_ptr<const std::string>> ReadShared(const std::string& owner,
                                                                 const std::string& digest);
 
  private:
   static std::string Key(const std::string& owner, const std::string& digest);
+  // Read, and when it expires (Unix ms).
+  absl::StatusOr<std::string> Read(const std::string& owner, const std::string& digest,
+                                   int64_t* expires_ms);
   absl::StatusOr<int64_t> Write(const std::string& owner, const std::string& digest,
                                 const std::string& archive, int64_t expires_ms);
 
@@ -72,7 +75,11 @@ class ContextStore {
   const ContextStoreOptions options_;
   // Held while a shared copy is read, so that callers that come meanwhile wait for it.
   absl::Mutex shared_mu_;
-  std::map<std::string, std::weak_ptr<const std::string>> shared_ ABSL_GUARDED_BY(shared_mu_);
+  struct Shared {
+    std::weak_ptr<const std::string> archive;
+    int64_t expires_ms = 0;
+  };
+  std::map<std::string, Shared> shared_ ABSL_GUARDED_BY(shared_mu_);
 };
 
 }  // namespace trainyard::coordinator

@@ -224,8 +224,8 @@ std::vector<std::string> ChooseVictims(const ClusterSnapshot& snapshot, const Pe
     int account;
   };
   // Devices each account may still lose to other accounts' heads without going below its quota:
-  // of what it holds, what its jobs already stopping give back anyway (they make the head's room
-  // below, so they are no slack for another of its jobs to be taken).
+  // of what it holds, not what its jobs already stopping give back anyway, wherever they are (the
+  // account holds that much less once they have exited).
   std::vector<int64_t> leaving(account_used.size(), 0);
   for (size_t i = 0; i < snapshot.running.size(); ++i) {
     const int a = shares[i].account;
