@@ -169,6 +169,26 @@ class CoordinatorServiceTest : public testing::CoordinatorFixture {
     return testing::NodeSession::Connect(channel_, tokens_->Node(node_id), node_id, devices);
   }
 
+  // A worker of 4 slots that counts its CPUs and memory: 4 CPUs and 16 GiB for ranks, 1 CPU and
+  // 4 GiB a rank that asks for none.
+  static v1::RegisterNodeRequest CountingNode(const std::string& node_id) {
+    const int64_t gib = int64_t{1} << 30;
+    v1::RegisterNodeRequest r;
+    r.set_node_id(node_id);
+    r.set_hostname("localhost");
+    r.set_memory_bytes(20 * gib);
+    for (int i = 0; i < 4; ++i) {
+      v1::Device* d = r.add_devices();
+      d->set_index(i);
+      d->set_kind(v1::CPU_SLOT);
+    }
+    r.mutable_host()->set_cpus(4);
+    r.mutable_host()->set_memory_bytes(16 * gib);
+    r.mutable_host()->set_cpus_per_device(1);
+    r.mutable_host()->set_memory_per_device(4 * gib);
+    return r;
+  }
+
   // A one-slot worker's registration that says its stop graces (--stop-grace, --max-stop-grace;
   // 0: not said).
   static v1::RegisterNodeRequest WithGraces(const std::string& node_id, absl::Duration grace,
@@ -467,19 +487,7 @@ TEST_F(CoordinatorServiceTest, ASubmitRetriedWithItsRequestIdReturnsTheFirstJobO
 // per device); the node lists what it offers and what is held.
 TEST_F(CoordinatorServiceTest, JobsArePlacedByTheirRanksCpusAndMemoryAndRefusedWhenNoNodeHolds) {
   const int64_t gib = int64_t{1} << 30;
-  v1::RegisterNodeRequest r;
-  r.set_node_id("n1");
-  r.set_hostname("localhost");
-  r.set_memory_bytes(20 * gib);
-  for (int i = 0; i < 4; ++i) {
-    v1::Device* d = r.add_devices();
-    d->set_index(i);
-    d->set_kind(v1::CPU_SLOT);
-  }
-  r.mutable_host()->set_cpus(4);
-  r.mutable_host()->set_memory_bytes(16 * gib);
-  r.mutable_host()->set_cpus_per_device(1);
-  r.mutable_host()->set_memory_per_device(4 * gib);
+  v1::RegisterNodeRequest r = CountingNode("n1");
   r.mutable_host()->set_cgroups("cgroup v1 (memory, cpu, pids, freezer)");
   auto n1 = testing::NodeSession::ConnectWith(channel_, tokens_->Node("n1"), r);
 
@@ -528,20 +536,7 @@ TEST_F(CoordinatorServiceTest, JobsArePlacedByTheirRanksCpusAndMemoryAndRefusedW
 // a job that needs them waits (and the node lists them as held), though devices are free.
 TEST_F(CoordinatorServiceTest, AStoppingRanksCpusAndMemoryStayHeldUntilItExits) {
   const int64_t gib = int64_t{1} << 30;
-  v1::RegisterNodeRequest r;
-  r.set_node_id("n1");
-  r.set_hostname("localhost");
-  r.set_memory_bytes(20 * gib);
-  for (int i = 0; i < 4; ++i) {
-    v1::Device* d = r.add_devices();
-    d->set_index(i);
-    d->set_kind(v1::CPU_SLOT);
-  }
-  r.mutable_host()->set_cpus(4);
-  r.mutable_host()->set_memory_bytes(16 * gib);
-  r.mutable_host()->set_cpus_per_device(1);
-  r.mutable_host()->set_memory_per_device(4 * gib);
-  auto n1 = testing::NodeSession::ConnectWith(channel_, tokens_->Node("n1"), r);
+  auto n1 = testing::NodeSession::ConnectWith(channel_, tokens_->Node("n1"), CountingNode("n1"));
   // a: 2 ranks of 2 CPUs and 6 GiB each, all the CPUs and 12 of the 16 GiB.
   v1::JobSpec big = Spec(2, "a");
   big.mutable_resources()->set_cpus(2);
