@@ -78,6 +78,7 @@ plain-linear|autocast's linear|--fused-linear off
 erf-gelu|exact GELU (activation: gelu; no epilogue)|
 big-chunks|1 GiB loss chunks|--loss-chunk-mib 1024
 torch-adamw|LibTorch's fused AdamW|--adamw-kernel torch
+no-tune|the heuristic's first cuBLASLt algorithms|--gemm-tune off
 VARIANTS
 
 # NAME: trainyard's trace of 3 steps after the untimed ones (run_case's spec; eager's and

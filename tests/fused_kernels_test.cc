@@ -1226,6 +1226,59 @@ TEST(GpuLinearTest, CudaWeightAndBiasGradientsFromOneProduct) {
   EXPECT_STREQ(GpuLinearBackwardPath(), "cublaslt");
 }
 
+#if TRAINYARD_CUDA_KERNELS
+struct GemmTuningOff {
+  GemmTuningOff() { SetGemmTuning(false); }
+  ~GemmTuningOff() { SetGemmTuning(true); }
+};
+
+// The tuned products (--gemm-tune, on by default): a problem met for the first time times the
+// heuristic's candidates on its own operands, and the call's result is still the one product's,
+// within fp32 accumulation of the rounded operands: the weight gradient added in place (beta 1)
+// added once, not once a timed launch (those go to a scratch output), and with its bias gradient.
+// Off, a new problem is not timed. (Shapes of their own: a problem met before is not tuned again.)
+TEST(GpuLinearTest, CudaTunedProductsGiveTheOneProductsResult) {
+  SKIP_WITHOUT_CUDA();
+  ASSERT_TRUE(GemmTuning());
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA, 0);
+  torch::manual_seed(71);
+  const int64_t rows = 4000, in = 640, out = 1536;
+  const torch::Tensor dy = torch::randn({rows, out}, cuda).to(torch::kBFloat16);
+  const torch::Tensor x = torch::randn({rows, in}, cuda).to(torch::kBFloat16);
+  const torch::Tensor dw0 = torch::randn({out, in}, cuda);
+  const torch::Tensor dy64 = dy.to(torch::kCPU, torch::kDouble),
+                      x64 = x.to(torch::kCPU, torch::kDouble);
+  const torch::Tensor product64 = dy64.t().mm(x64);
+
+  const GemmTuningStats before = GemmTuningStatsForTest();
+  torch::Tensor dw = dw0.clone();
+  ASSERT_TRUE(WeightGradientCublasLt(dy, x, dw, torch::Tensor(), /*add=*/true));
+  const GemmTuningStats added = GemmTuningStatsForTest();
+  EXPECT_EQ(added.tuned, before.tuned + 1)
+      << "the heuristic offered one algorithm: nothing to time";
+  EXPECT_LT(RelativeError(dw, dw0.to(torch::kCPU, torch::kDouble) + product64), 1e-4);
+  // Again (the choice cached: no timing), and again added once.
+  ASSERT_TRUE(WeightGradientCublasLt(dy, x, dw, torch::Tensor(), /*add=*/true));
+  EXPECT_EQ(GemmTuningStatsForTest().tuned, added.tuned);
+  EXPECT_LT(RelativeError(dw, dw0.to(torch::kCPU, torch::kDouble) + 2 * product64), 1e-4);
+
+  torch::Tensor dw1 = torch::empty({out, in}, cuda), db = torch::empty({out}, cuda);
+  ASSERT_TRUE(WeightGradientCublasLt(dy, x, dw1, db));
+  EXPECT_EQ(GemmTuningStatsForTest().tuned, added.tuned + 1);
+  EXPECT_LT(RelativeError(dw1, product64), 1e-4);
+  EXPECT_LT(RelativeError(db, dy64.sum(0)), 1e-4);
+
+  // Off: a new problem (another row count) takes the heuristic's first, untimed.
+  GemmTuningOff off;
+  const int64_t other = 3000;
+  torch::Tensor dw2 = torch::empty({out, in}, cuda);
+  ASSERT_TRUE(WeightGradientCublasLt(dy.narrow(0, 0, other).contiguous(),
+                                     x.narrow(0, 0, other).contiguous(), dw2, torch::Tensor()));
+  EXPECT_EQ(GemmTuningStatsForTest().tuned, added.tuned + 1);
+  EXPECT_LT(RelativeError(dw2, dy64.narrow(0, 0, other).t().mm(x64.narrow(0, 0, other))), 1e-4);
+}
+#endif
+
 // A GPT (its MLP with the exact GELU, and with tanh's: GeluMlp's epilogues), an mlp model and a
 // Llama in bf16 give the same loss and gradients with the fused dense layers as with autocast's
 // linear.

@@ -286,6 +286,11 @@ void AddRankFlags(CLI::App& app, TrainerOptions& o, std::string& spec_path,
             "auto: on a GPU under autocast a dense layer's weight and bias gradients come from "
             "one cuBLASLt product in fp32; off: autocast's linear (benchmarks)",
             CLI::IsMember({"auto", "off"}), "TRAINYARD_FUSED_LINEAR");
+  AddHidden(app, "--gemm-tune", o.gemm_tune,
+            "auto: on a GPU each cuBLASLt product of the dense layers and the fused head takes "
+            "the fastest of the heuristic's first algorithms, timed at its first call; off: the "
+            "heuristic's first, the same in every run",
+            CLI::IsMember({"auto", "off"}), "TRAINYARD_GEMM_TUNE");
   AddHidden(app, "--adamw-kernel", o.adamw_kernel,
             "auto: on a GPU AdamW's update is trainyard's multi-tensor kernel (CUDA build); "
             "torch: LibTorch's fused AdamW (benchmarks)",

@@ -213,6 +213,7 @@ absl::Status Trainer::MakeModel() {
   SetGpuLinearEnabled(o_.fused_linear != "off");
   SetFusedLossChunkBytes(o_.loss_chunk_mib << 20);
   SetOwnAdamWKernel(o_.adamw_kernel != "torch");
+  SetGemmTuning(o_.gemm_tune != "off");
   model_options.lora = t_.lora;
   model_options.materialize = !dims_.from_rank0 || rank0_;
   model_ = BuildModel(m_, model_options, t_.seed);

@@ -63,6 +63,10 @@ struct TrainerOptions {
   // "auto": AdamW's update of CUDA parameters is the project's multi-tensor kernel where the
   // build has it (kernels/adamw_cuda.h); "torch": LibTorch's _fused_adamw_ (benchmarks).
   std::string adamw_kernel = "auto";
+  // "auto": each cuBLASLt product takes the fastest of the heuristic's first algorithms, timed at
+  // its first call (kernels/dense.h, SetGemmTuning); "off": the heuristic's first, the same in
+  // every run.
+  std::string gemm_tune = "auto";
   // The fused head's chunk of logits in MiB (kernels/fused_loss.h; 0: its default, 256).
   int64_t loss_chunk_mib = 0;
   // "auto": on a GPU the step is captured as a CUDA graph and replayed where its layout allows

@@ -11,6 +11,7 @@ namespace trainyard::trainer {
 namespace {
 
 std::atomic<bool> g_enabled{true};
+std::atomic<bool> g_gemm_tuning{true};
 // 0: no fused backward yet; 1: cuBLASLt; 2: the composition.
 std::atomic<int> g_backward_path{0};
 // GeluMlp's GELU, and its residual: 0 none yet; 1 in the epilogues; 2 the composition.
@@ -289,6 +290,14 @@ const char* KernelPathName(int path) {
 void SetGpuLinearEnabled(bool enabled) { g_enabled.store(enabled); }
 
 bool GpuLinearEnabled() { return g_enabled.load(); }
+
+void SetGemmTuning(bool enabled) { g_gemm_tuning.store(enabled, std::memory_order_relaxed); }
+
+bool GemmTuning() { return g_gemm_tuning.load(std::memory_order_relaxed); }
+
+#if !TRAINYARD_CUDA_KERNELS
+GemmTuningStats GemmTuningStatsForTest() { return {}; }
+#endif
 
 const char* GpuLinearBackwardPath() {
   return KernelPathName(g_backward_path.load(std::memory_order_relaxed));

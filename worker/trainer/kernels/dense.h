@@ -54,6 +54,27 @@ torch::Tensor LinearThroughOneProductForTest(const torch::Tensor& x, const torch
 void SetGpuLinearEnabled(bool enabled);
 bool GpuLinearEnabled();
 
+// Whether the products this file runs through cuBLASLt (the weight and bias gradients, the GELU
+// and residual epilogues, the fused head's weight gradient) take the fastest of the heuristic's
+// first 8 algorithms for their problem, each timed on the problem's own operands at its first
+// call (a few launches each; the rank's log gives each tuned problem's choice), or the heuristic's
+// first (the trainer's --gemm-tune off). On by default: the trade PyTorch leaves off by default
+// (TunableOp, cuDNN's benchmark mode), made here because the trainer's products are its step's
+// largest cost; the choice, and so a product's last bits, may differ run to run, and off gives the
+// same algorithm in every run. A problem first met while its stream is captured (a CUDA
+// graph) takes the heuristic's first: waiting on the stream is not allowed there. Among the
+// others, a split-K algorithm that adds its parts up in a 16-bit output's own type is not a
+// candidate (eager's one product adds them in fp32). Set before training.
+void SetGemmTuning(bool enabled);
+bool GemmTuning();
+// Problems tuned so far in this process, and how many of them took another algorithm than the
+// heuristic's first. For tests (zero without the CUDA build).
+struct GemmTuningStats {
+  int64_t tuned = 0;
+  int64_t not_first = 0;
+};
+GemmTuningStats GemmTuningStatsForTest();
+
 // How the last fused backward computed the weight's gradient: "cublaslt" (the one GEMM with its
 // bias-gradient epilogue), "composition" (cuBLASLt offered no algorithm: ATen's product and
 // sum; the rank's log says so once, on stderr), or "none" before any. For tests.

@@ -21,8 +21,10 @@
 //   W2, column-major [hidden, out] (ld hidden), transposed: m = out, k = hidden; B = h,
 //   column-major [hidden, rows] (ld hidden): n = rows; C = the residual and D = y, fp32 [out,
 //   rows] (ld out), beta 1; the bias in D's type, fp32.
+#include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/Exceptions.h>
+#include <c10/cuda/CUDAException.h>
 #include <cublasLt.h>
 
 #include <algorithm>
@@ -33,6 +35,7 @@
 #include <mutex>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 #include "worker/trainer/kernels/dense.h"
 
@@ -107,13 +110,23 @@ const char* NameOf(Product p) {
   return "?";
 }
 
-// The heuristic's answer per problem: its query costs more host time than the product's launch.
+// The algorithm per problem: the heuristic's first, or, where tuning is on (SetGemmTuning), the
+// fastest of its first kCandidates timed on the problem itself (see dense.h); the query and the
+// timing cost more host time than the product's launch, so both are made once a problem.
 // (device, product, m, n, k, dtype, the alignments of A, B, C, D and the bias and auxiliary
 // matrix, workspace) -> the algorithm, or none. (Bounded: a run's shapes are few; an evaluation's
 // other batch sizes add a handful.)
 using Key = std::tuple<int, int, int64_t, int64_t, int64_t, int, uint32_t, uint32_t, uint32_t,
                        uint32_t, uint32_t, size_t>;
 constexpr size_t kMaxChoices = 4096;
+// Candidates timed a problem, and timed launches each (after one untimed): cuBLASLt's own
+// autotuning sample (LtSgemmSimpleAutoTuning) times its heuristic's first few the same way.
+constexpr int kCandidates = 8;
+constexpr int kTimedLaunches = 3;
+// A product that adds into its output in place is timed into a scratch output of its size: up to
+// this much (the one larger than it, Llama 3's head gradient at 1 GiB, keeps the heuristic's
+// first rather than raise the step's peak memory).
+constexpr size_t kMaxScratchBytes = size_t{256} << 20;
 struct Choice {
   bool found = false;
   cublasLtMatmulAlgo_t algo{};
@@ -121,13 +134,101 @@ struct Choice {
 std::mutex g_mu;
 std::map<Key, Choice> g_choices;
 bool g_said_none[6] = {};  // per Product (under g_mu)
+GemmTuningStats g_stats;   // under g_mu
+
+template <typename T>
+T LayoutAttribute(const MatrixLayout& layout, cublasLtMatrixLayoutAttribute_t attribute) {
+  T value{};
+  size_t written = 0;
+  TORCH_CUDABLAS_CHECK(
+      cublasLtMatrixLayoutGetAttribute(layout.get(), attribute, &value, sizeof(value), &written));
+  return value;
+}
+
+template <typename T>
+T AlgoAttribute(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attribute) {
+  T value{};
+  size_t written = 0;
+  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attribute, &value, sizeof(value), &written) !=
+      CUBLAS_STATUS_SUCCESS) {
+    return T{};
+  }
+  return value;
+}
+
+// Whether a candidate keeps the product's precision: a split-K algorithm that adds its parts up in
+// a 16-bit output's own type (in place, or in a workspace of that type) rounds each part; the
+// tuning takes only those that add them in fp32, as one GEMM does.
+bool KeepsPrecision(const cublasLtMatmulAlgo_t& algo, bool fp32_output) {
+  if (fp32_output || AlgoAttribute<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) <= 1)
+    return true;
+  const auto scheme = AlgoAttribute<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME);
+  return scheme == CUBLASLT_REDUCTION_SCHEME_NONE ||
+         scheme == CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+}
+
+// One product's launch with `algo`: the status, not thrown (a candidate that fails is skipped).
+struct Launch {
+  cublasLtHandle_t handle;
+  cublasLtMatmulDesc_t desc;
+  const MatrixLayout* a;
+  const MatrixLayout* b;
+  const MatrixLayout* d;
+  const void* pa;
+  const void* pb;
+  const void* pc;
+  void* pd;
+  float beta;
+  void* workspace;
+  size_t workspace_size;
+  cudaStream_t stream;
+
+  cublasStatus_t operator()(const cublasLtMatmulAlgo_t& algo) const {
+    const float alpha = 1.0f;
+    return cublasLtMatmul(handle, desc, &alpha, pa, a->get(), pb, b->get(), &beta, pc, d->get(), pd,
+                          d->get(), &algo, workspace, workspace_size, stream);
+  }
+};
+
+// The index of the fastest of `algos` for `launch` (kTimedLaunches each after one untimed, on
+// its stream, which this waits for), with each one's milliseconds a launch in `ms` (negative:
+// it failed); -1 when none ran.
+int Fastest(const Launch& launch, const std::vector<cublasLtMatmulAlgo_t>& algos,
+            std::vector<float>* ms) {
+  cudaEvent_t start = nullptr, stop = nullptr;
+  C10_CUDA_CHECK(cudaEventCreate(&start));
+  C10_CUDA_CHECK(cudaEventCreate(&stop));
+  int best = -1;
+  ms->assign(algos.size(), -1.0f);
+  for (size_t i = 0; i < algos.size(); ++i) {
+    if (launch(algos[i]) != CUBLAS_STATUS_SUCCESS) continue;
+    C10_CUDA_CHECK(cudaEventRecord(start, launch.stream));
+    bool ran = true;
+    for (int r = 0; r < kTimedLaunches && ran; ++r) ran = launch(algos[i]) == CUBLAS_STATUS_SUCCESS;
+    C10_CUDA_CHECK(cudaEventRecord(stop, launch.stream));
+    C10_CUDA_CHECK(cudaEventSynchronize(stop));
+    if (!ran) continue;
+    float elapsed = 0.0f;
+    C10_CUDA_CHECK(cudaEventElapsedTime(&elapsed, start, stop));
+    (*ms)[i] = elapsed / kTimedLaunches;
+    if (best < 0 || (*ms)[i] < (*ms)[best]) best = static_cast<int>(i);
+  }
+  C10_CUDA_CHECK(cudaEventDestroy(start));
+  C10_CUDA_CHECK(cudaEventDestroy(stop));
+  return best;
+}
 
 // One product D = op(A) op(B) (alpha 1, beta 0; C is D), or with `pc`, D = op(A) op(B) + C (beta
 // 1; C in D's layout), described by `desc` and the layouts of m x n D, on the current stream,
-// with the heuristic's algorithm (cached per problem). False, with nothing run, when the
-// heuristic offers none (said once per kind of product); an error of the product itself throws.
-// `extra`: the addresses of the bias and the auxiliary matrix, where the product has them (their
-// alignment is part of the problem: the heuristic's answer depends on it).
+// with the algorithm chosen for the problem (cached per problem). False, with nothing run, when
+// the heuristic offers none (said once per kind of product); an error of the product itself
+// throws. `extra`: the addresses of the bias and the auxiliary matrix, where the product has them
+// (their alignment is part of the problem: the heuristic's answer depends on it).
+// The tuning runs the candidates on the call's own operands and outputs (each overwrites what the
+// others wrote; the chosen one runs last): an output that is also C (an add in place) is timed
+// into a scratch copy's place instead, so that the sum is made once. It is skipped while the
+// stream is being captured (a CUDA graph: waiting on it is not allowed), taking the heuristic's
+// first for the problem.
 bool Run(Product product, cublasLtMatmulDesc_t desc, const MatrixLayout& a, const MatrixLayout& b,
          const MatrixLayout& d, const void* pa, const void* pb, void* pd,
          std::initializer_list<const void*> extra, int64_t m, int64_t n, int64_t k,
@@ -135,6 +236,7 @@ bool Run(Product product, cublasLtMatmulDesc_t desc, const MatrixLayout& a, cons
   const size_t workspace_size = at::cuda::getCUDABlasLtWorkspaceSize();
   void* workspace = at::cuda::getCUDABlasLtWorkspace();
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const uint32_t align_a = Alignment(pa), align_b = Alignment(pb), align_d = Alignment(pd);
   uint32_t align_extra = 0;
   for (const void* p : extra) {
@@ -148,6 +250,13 @@ bool Run(Product product, cublasLtMatmulDesc_t desc, const MatrixLayout& a, cons
                 align_a,     align_b,
                 align_c,     align_d,
                 align_extra, workspace_size};
+  Launch launch{handle,    desc,
+                &a,        &b,
+                &d,        pa,
+                pb,        pc != nullptr ? pc : pd,
+                pd,        pc != nullptr ? 1.0f : 0.0f,
+                workspace, workspace_size,
+                stream};
   Choice choice;
   {
     std::lock_guard<std::mutex> lock(g_mu);
@@ -163,17 +272,30 @@ bool Run(Product product, cublasLtMatmulDesc_t desc, const MatrixLayout& a, cons
       Set(raw_preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b);
       Set(raw_preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c);
       Set(raw_preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d);
-      cublasLtMatmulHeuristicResult_t result{};
+      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+      C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+      const bool tune = GemmTuning() && capture == cudaStreamCaptureStatusNone;
+      cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
       int returned = 0;
       const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
-          handle, desc, a.get(), b.get(), d.get(), d.get(), raw_preference, 1, &result, &returned);
+          handle, desc, a.get(), b.get(), d.get(), d.get(), raw_preference, tune ? kCandidates : 1,
+          results, &returned);
+      std::vector<cublasLtMatmulAlgo_t> algos;
+      const bool fp32_output =
+          LayoutAttribute<uint32_t>(d, CUBLASLT_MATRIX_LAYOUT_TYPE) == CUDA_R_32F;
+      for (int i = 0; status == CUBLAS_STATUS_SUCCESS && i < returned; ++i) {
+        if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
+        // (The first is kept as the heuristic gives it: the untuned choice.)
+        if (!algos.empty() && !KeepsPrecision(results[i].algo, fp32_output)) continue;
+        algos.push_back(results[i].algo);
+      }
       // No algorithm for this problem (or a description this cuBLASLt refuses: a status other
       // than NOT_SUPPORTED): the caller computes it otherwise, and the rank's log says why,
       // once per kind of product. A training run goes on at eager's speed; the GPU tests, which
       // check that the products took this path (GpuLinearBackwardPath, GeluMlpPath), fail.
-      choice.found = status == CUBLAS_STATUS_SUCCESS && returned > 0;
+      choice.found = !algos.empty();
       if (choice.found) {
-        choice.algo = result.algo;
+        choice.algo = algos[0];
       } else if (!g_said_none[static_cast<int>(product)]) {
         g_said_none[static_cast<int>(product)] = true;
         std::fprintf(
@@ -184,15 +306,38 @@ bool Run(Product product, cublasLtMatmulDesc_t desc, const MatrixLayout& a, cons
             static_cast<long long>(k),
             status == CUBLAS_STATUS_SUCCESS ? "none returned" : cublasLtGetStatusString(status));
       }
+      // An add in place is timed into a scratch output (C still the real one, read only).
+      const bool in_place = pc == pd;
+      const size_t d_bytes =
+          static_cast<size_t>(LayoutAttribute<int64_t>(d, CUBLASLT_MATRIX_LAYOUT_LD)) *
+          static_cast<size_t>(n) * (fp32_output ? 4 : 2);
+      if (tune && algos.size() > 1 && (!in_place || d_bytes <= kMaxScratchBytes)) {
+        at::Tensor scratch;
+        Launch timed = launch;
+        if (in_place) {
+          scratch = at::empty({static_cast<int64_t>(d_bytes)},
+                              at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
+          timed.pd = scratch.data_ptr();
+        }
+        std::vector<float> ms;
+        const int best = Fastest(timed, algos, &ms);
+        if (best >= 0) choice.algo = algos[best];
+        ++g_stats.tuned;
+        if (best > 0) ++g_stats.not_first;
+        if (best >= 0 && ms[0] > 0) {
+          std::fprintf(stderr,
+                       "dense: cuBLASLt tuned %s (m %lld, n %lld, k %lld): candidate %d of %zu, "
+                       "%.3f ms against the heuristic's first %.3f ms\n",
+                       NameOf(product), static_cast<long long>(m), static_cast<long long>(n),
+                       static_cast<long long>(k), best + 1, algos.size(), ms[best], ms[0]);
+        }
+      }
       if (g_choices.size() >= kMaxChoices) g_choices.clear();
       g_choices.emplace(key, choice);
     }
   }
   if (!choice.found) return false;
-  const float alpha = 1.0f, beta = pc != nullptr ? 1.0f : 0.0f;
-  TORCH_CUDABLAS_CHECK(cublasLtMatmul(handle, desc, &alpha, pa, a.get(), pb, b.get(), &beta,
-                                      pc != nullptr ? pc : pd, d.get(), pd, d.get(), &choice.algo,
-                                      workspace, workspace_size, at::cuda::getCurrentCUDAStream()));
+  TORCH_CUDABLAS_CHECK(launch(choice.algo));
   return true;
 }
 
@@ -218,6 +363,11 @@ MatmulDesc NewDesc(cublasOperation_t transa, cublasOperation_t transb) {
 }
 
 }  // namespace
+
+GemmTuningStats GemmTuningStatsForTest() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_stats;
+}
 
 bool WeightGradientCublasLt(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& dw,
                             const at::Tensor& db, bool add) {
