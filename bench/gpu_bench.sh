@@ -195,6 +195,16 @@ if variant == "auto":
         print(f"| {name} | {gpu} | PyTorch torch.compile | failed (see its stderr) | | | | |")
     print(f"{name}: " + "; ".join(l.strip() for l in open(log, errors="replace") if "cuda graphs:" in l), file=sys.stderr)
     print(f"losses {name}: " + " ".join(f"{r['loss']:.3f}" for r in rows[:3]) + " ... " + f"{rows[-1]['loss']:.3f}", file=sys.stderr)
+    # The products' tuning (kernels/dense.h): one line a problem, "candidate I of N, X ms against
+    # the heuristic's first Y ms"; summed once a problem, not weighted by its calls a step.
+    import re
+    tuned = [re.search(r"candidate (\d+) of \d+, ([\d.]+) ms against the heuristic's first ([\d.]+) ms", l)
+             for l in open(log, errors="replace") if "cuBLASLt tuned" in l]
+    tuned = [m for m in tuned if m]
+    if tuned:
+        print(f"tuning {name}: {len(tuned)} problems, {sum(m.group(1) != '1' for m in tuned)} took another "
+              f"algorithm than the heuristic's first; one launch of each: {sum(float(m.group(3)) for m in tuned):.3f} -> "
+              f"{sum(float(m.group(2)) for m in tuned):.3f} ms", file=sys.stderr)
 sys.stdout.flush()
 PY
 }
