@@ -62,9 +62,7 @@ bool DeviceLedger::AnyDraining(const std::string& job_id) const {
 
 std::set<std::string> DeviceLedger::DrainingJobs(absl::Time now) const {
   std::set<std::string> jobs;
-  for (const auto& [rank, draining] : draining_) {
-    if (draining.deadline > now) jobs.insert(std::get<0>(rank));
-  }
+  for (const auto& [rank, draining] : Draining(now)) jobs.insert(std::get<0>(rank));
   return jobs;
 }
 

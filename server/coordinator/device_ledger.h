@@ -49,11 +49,11 @@ class DeviceLedger {
   // there (nothing changes).
   bool EndDraining(const RankKey& rank, const std::string& node_id);
   bool AnyDraining(const std::string& job_id) const;
-  // The jobs with a rank draining (any attempt) within its deadline at `now`: one past it (on a
-  // node that is away, which Expire leaves to the node's hello) no longer counts.
-  std::set<std::string> DrainingJobs(absl::Time now) const;
-  // The draining ranks that count at `now` (as DrainingJobs counts them), in key order.
+  // The draining ranks that count at `now`, in key order: those within their deadline; one past
+  // it (on a node that is away, which Expire leaves to the node's hello) no longer counts.
   std::vector<std::pair<RankKey, DrainingRank>> Draining(absl::Time now) const;
+  // The jobs with a rank that counts at `now` (Draining's, any attempt).
+  std::set<std::string> DrainingJobs(absl::Time now) const;
   // A node said hello running `alive`: its draining ranks not among them are gone (their devices
   // freed); those among them were told to stop again and get the deadline `deadline_of` gives
   // each. True when any was freed.

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <set>
 #include <tuple>
 
@@ -104,7 +105,8 @@ absl::StatusOr<v1::Job> JobManager::Signal(const std::string& job_id, const std:
 }
 
 absl::Time JobManager::DrainDeadline(const std::string& node_id, const v1::Job* job) const {
-  const int64_t job_grace = job != nullptr ? job->spec().stop_grace_seconds() : -1;
+  const std::optional<int64_t> job_grace =
+      job != nullptr ? std::optional<int64_t>(job->spec().stop_grace_seconds()) : std::nullopt;
   return clock_.Now() +
          std::max(kDrainTimeout, nodes_.StopGraceOf(node_id, job_grace) + kDrainMargin);
 }

@@ -218,9 +218,12 @@ ClusterSnapshot JobManager::BuildSnapshot(const SharingPolicy& policy,
       const int index = static_cast<int>(on - nodes.data());
       r.grants.push_back({index, static_cast<int>(devices.size())});
       SchedNode& sn = snapshot.nodes[index];
-      if (sn.total_cpu_millis >= 0)
+      if (sn.total_cpu_millis >= 0) {
         sn.free_cpu_millis -= stopping.CpuMillisOn(node_id, asks, on->host);
-      if (sn.total_memory >= 0) sn.free_memory -= stopping.MemoryBytesOn(node_id, asks, on->host);
+      }
+      if (sn.total_memory >= 0) {
+        sn.free_memory -= stopping.MemoryBytesOn(node_id, asks, on->host);
+      }
     }
     r.expected_end = stopping.until;
     r.priority = job.spec().priority();

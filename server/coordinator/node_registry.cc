@@ -429,19 +429,20 @@ std::vector<v1::Node> NodeRegistry::List() const {
 }
 
 absl::Duration NodeRegistry::StopGraceOf(const std::string& node_id,
-                                         int64_t job_stop_grace_seconds) const {
+                                         std::optional<int64_t> job_stop_grace_seconds) const {
   absl::MutexLock lock(&mu_);
   auto it = nodes_.find(node_id);
   if (it == nodes_.end()) return absl::ZeroDuration();
   const v1::HostResources& h = it->second.node.host();
-  if (job_stop_grace_seconds < 0) {
+  if (!job_stop_grace_seconds.has_value()) {
     return absl::Milliseconds(std::max(h.stop_grace_ms(), h.max_stop_grace_ms()));
   }
   // (An older worker says no maximum: it gives every job its --stop-grace.)
-  if (job_stop_grace_seconds == 0 || h.max_stop_grace_ms() == 0) {
+  if (*job_stop_grace_seconds <= 0 || h.max_stop_grace_ms() == 0) {
     return absl::Milliseconds(h.stop_grace_ms());
   }
-  return std::min(absl::Seconds(job_stop_grace_seconds), absl::Milliseconds(h.max_stop_grace_ms()));
+  return std::min(absl::Seconds(*job_stop_grace_seconds),
+                  absl::Milliseconds(h.max_stop_grace_ms()));
 }
 
 std::string NodeRegistry::HostOf(const std::string& node_id) const {

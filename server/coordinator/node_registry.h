@@ -11,6 +11,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -136,9 +137,11 @@ class NodeRegistry {
   // hostname ("" for an unknown node).
   std::string HostOf(const std::string& node_id) const;
   // How long the node's worker gives a rank it stops before SIGKILL: the job's stop_grace_seconds
-  // (when > 0) up to the worker's --max-stop-grace, else its --stop-grace; negative `job_…`: the
-  // longest it may give any job. Zero for an unknown node or an older worker.
-  absl::Duration StopGraceOf(const std::string& node_id, int64_t job_stop_grace_seconds) const;
+  // (when > 0) up to the worker's --max-stop-grace, else its --stop-grace; without a job (one this
+  // coordinator does not know), the longest it may give any job. Zero for an unknown node or an
+  // older worker.
+  absl::Duration StopGraceOf(const std::string& node_id,
+                             std::optional<int64_t> job_stop_grace_seconds) const;
 
   absl::Duration node_timeout() const { return node_timeout_; }
 
