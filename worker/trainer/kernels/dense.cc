@@ -4,6 +4,7 @@
 #include <ATen/autocast_mode.h>
 
 #include <atomic>
+#include <vector>
 
 #include "worker/trainer/runtime/device.h"
 
@@ -45,7 +46,31 @@ bool ResidualForwardCublasLt(const at::Tensor&, const at::Tensor&, const at::Ten
                              const at::Tensor&, const at::Tensor&) {
   return false;
 }
+bool LinearCublasLt(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  return false;
+}
+bool DataGradientCublasLt(const at::Tensor&, const at::Tensor&, const at::Tensor&) { return false; }
 #endif
+
+// x [rows, in] W^T (+ b) in x's dtype, w [out, in] and b [out] (or undefined) in it too: the tuned
+// cuBLASLt product where TunedProduct, else torch::linear's, whose own cuBLAS call takes the
+// heuristic's first algorithm.
+torch::Tensor Product(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+  if (TakesTunedProduct(x, w) && (!b.defined() || b.is_contiguous())) {
+    torch::Tensor y = torch::empty({x.size(0), w.size(0)}, x.options());
+    if (LinearCublasLt(x, w, b, y)) return y;
+  }
+  return torch::linear(x, w, b);
+}
+
+// dy [rows, out] w for w [out, in], both in one dtype: as Product, else torch::mm.
+torch::Tensor InputGradient(const torch::Tensor& dy, const torch::Tensor& w) {
+  if (TakesTunedProduct(dy, w)) {
+    torch::Tensor dx = torch::empty({dy.size(0), w.size(1)}, dy.options());
+    if (DataGradientCublasLt(dy, w, dx)) return dx;
+  }
+  return torch::mm(dy, w);
+}
 
 // The gradients of a product's weight (dy^T x, fp32) and, with `want_b`, of its bias (dy's column
 // sums, fp32) for dy [rows, out] and x [rows, in] in one dtype, contiguous: one cuBLASLt GEMM on
@@ -93,7 +118,9 @@ class FusedDense : public torch::autograd::Function<FusedDense> {
     ctx->saved_data["bias"] = has_bias;
     // Below autocast: the operands are in its dtype already.
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    return torch::linear(xh, wh, bh);
+    std::vector<int64_t> sizes = xh.sizes().vec();
+    sizes.back() = wh.size(0);
+    return Product(xh.view({-1, wh.size(1)}), wh, bh).view(sizes);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad) {
@@ -108,7 +135,7 @@ class FusedDense : public torch::autograd::Function<FusedDense> {
     torch::Tensor dx, dw, db;
     if (ctx->needs_input_grad(0)) {
       // dy W in autocast's dtype, then x's own (autocast's cast backward).
-      dx = torch::mm(dy, wh).view(xh.sizes()).to(x_dtype);
+      dx = InputGradient(dy, wh).view(xh.sizes()).to(x_dtype);
     }
     // (No bias: no edge at index 2 to ask about.)
     WeightAndBiasGradients(dy, xh.view({-1, in}), ctx->needs_input_grad(1),
@@ -160,7 +187,7 @@ class FusedDenseResidual : public torch::autograd::Function<FusedDenseResidual> 
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const torch::Tensor dy = grad[0].to(xh.scalar_type()).contiguous().view({-1, out});
     torch::Tensor dx, dw, db;
-    if (ctx->needs_input_grad(0)) dx = torch::mm(dy, wh).view(xh.sizes()).to(x_dtype);
+    if (ctx->needs_input_grad(0)) dx = InputGradient(dy, wh).view(xh.sizes()).to(x_dtype);
     WeightAndBiasGradients(dy, xh.view({-1, in}), ctx->needs_input_grad(1), false, &dw, &db);
     const torch::Tensor dresidual =
         ctx->needs_input_grad(3) ? grad[0].to(r_dtype) : torch::Tensor();
@@ -215,7 +242,7 @@ class GeluMlpFunction : public torch::autograd::Function<GeluMlpFunction> {
     sizes.back() = out;
     const bool has_residual = residual_arg.has_value() && residual_arg->defined();
     ctx->saved_data["residual"] = has_residual;
-    if (!has_residual) return torch::linear(h, w2_cast, b2.to(dtype)).view(sizes);
+    if (!has_residual) return Product(h, w2_cast, b2.to(dtype)).view(sizes);
     const torch::Tensor& residual = *residual_arg;
     TORCH_CHECK(residual.sizes() == c10::IntArrayRef(sizes),
                 "GeluMlp: the residual must have the output's shape");
@@ -262,7 +289,7 @@ class GeluMlpFunction : public torch::autograd::Function<GeluMlpFunction> {
     if (ctx->needs_input_grad(0)) {
       std::vector<int64_t> sizes = grad[0].sizes().vec();
       sizes.back() = w1h.size(1);
-      dx = torch::mm(dpre, w1h).view(sizes).to(x_dtype);
+      dx = InputGradient(dpre, w1h).view(sizes).to(x_dtype);
     }
     // The residual's gradient is the output's (the stream's own, handed on).
     torch::Tensor dresidual;
@@ -294,6 +321,12 @@ bool GpuLinearEnabled() { return g_enabled.load(); }
 void SetGemmTuning(bool enabled) { g_gemm_tuning.store(enabled, std::memory_order_relaxed); }
 
 bool GemmTuning() { return g_gemm_tuning.load(std::memory_order_relaxed); }
+
+bool TakesTunedProduct(const torch::Tensor& x, const torch::Tensor& w) {
+  return TRAINYARD_CUDA_KERNELS && x.is_cuda() && GemmTuning() && x.dim() == 2 && w.dim() == 2 &&
+         x.size(0) > 0 && w.size(0) > 0 && w.size(1) > 0 && w.size(0) % 8 == 0 &&
+         w.size(1) % 8 == 0 && x.is_contiguous() && w.is_contiguous();
+}
 
 #if !TRAINYARD_CUDA_KERNELS
 GemmTuningStats GemmTuningStatsForTest() { return {}; }

@@ -3,8 +3,9 @@
 // dtype) and db = the column sums of dy in the same GEMM's epilogue (CUBLASLT_EPILOGUE_BGRADB),
 // where eager runs the weight product in bf16, a separate reduction over every row of dy for the
 // bias (48 of them in a GPT-2-small step: 1.8 ms on an H200, bench/RESULTS.md), and autocast's
-// casts of both gradients back to fp32. The forward and the input's gradient are eager's own
-// (the same cuBLAS products on the same bf16 operands). Apex's and Transformer Engine's fused
+// casts of both gradients back to fp32. The forward and the input's gradient are eager's products
+// on the same bf16 operands, through cuBLASLt with the tuned algorithm (SetGemmTuning; eager's own
+// calls with the tuning off). Apex's and Transformer Engine's fused
 // dense layers take the same epilogue. On the CPU, without autocast, and where cuBLASLt has no
 // algorithm for the product, the same function gives torch::linear's results. LibTorch side only.
 #ifndef TRAINYARD_WORKER_TRAINER_KERNELS_DENSE_H_
@@ -55,23 +56,35 @@ void SetGpuLinearEnabled(bool enabled);
 bool GpuLinearEnabled();
 
 // Whether the products this file runs through cuBLASLt (the weight and bias gradients, the GELU
-// and residual epilogues, the fused head's weight gradient) take the fastest of the heuristic's
-// first 8 algorithms for their problem, each timed on the problem's own operands at its first
-// call (a few launches each; the rank's log gives each tuned problem's choice), or the heuristic's
-// first (the trainer's --gemm-tune off). On by default: the trade PyTorch leaves off by default
-// (TunableOp, cuDNN's benchmark mode), made here because the trainer's products are its step's
-// largest cost; the choice, and so a product's last bits, may differ run to run, and off gives the
-// same algorithm in every run. A problem first met while its stream is captured (a CUDA
-// graph) takes the heuristic's first: waiting on the stream is not allowed there. Among the
-// others, a split-K algorithm that adds its parts up in a 16-bit output's own type is not a
-// candidate (eager's one product adds them in fp32). Set before training.
+// and residual epilogues, the fused head's products) and the dense layers' forward products and
+// input gradients take the fastest of the heuristic's first 8 algorithms for their problem, each
+// timed on the problem's own operands at its first call (a few launches each; the rank's log gives
+// each tuned problem's choice), or, with the trainer's --gemm-tune off, the heuristic's first (the
+// forward products and input gradients then ATen's own calls, as before the tuning). On by default:
+// the trade PyTorch leaves off by default (TunableOp, cuDNN's benchmark mode), made here because
+// the trainer's products are its step's largest cost; the choice, and so a product's last bits, may
+// differ run to run, and off gives the same algorithm in every run. A problem first met while its
+// stream is captured (a CUDA graph) takes the heuristic's first: waiting on the stream is not
+// allowed there. Among the others, a split-K algorithm that adds its parts up in a 16-bit output's
+// own type is not a candidate (eager's one product adds them in fp32). A product that adds into its
+// output in place (the fused head's weight gradient after its first chunk) is not timed: it takes
+// the first chunk's choice. Set before training.
 void SetGemmTuning(bool enabled);
 bool GemmTuning();
-// Problems tuned so far in this process, and how many of them took another algorithm than the
-// heuristic's first. For tests (zero without the CUDA build).
+// Whether a product of x [rows, k] with w [out, in] (k one of w's widths: x W^T or x W) takes the
+// tuned cuBLASLt call rather than ATen's: a CUDA build, CUDA tensors, the tuning on, rows to
+// multiply, contiguous operands, and both of w's widths multiples of 8 (16-byte rows, where
+// cuBLASLt's tensor-core algorithms apply; another width keeps ATen's call, as before the tuning).
+bool TakesTunedProduct(const torch::Tensor& x, const torch::Tensor& w);
+
+// Problems tuned so far in this process, how many of them took another algorithm than the
+// heuristic's first, how many were not timed because the heuristic offered one algorithm, and how
+// many adds in place took their twin's choice. For tests (zero without the CUDA build).
 struct GemmTuningStats {
   int64_t tuned = 0;
   int64_t not_first = 0;
+  int64_t single = 0;
+  int64_t twinned = 0;
 };
 GemmTuningStats GemmTuningStatsForTest();
 
@@ -138,6 +151,15 @@ bool GeluBackwardCublasLt(const at::Tensor& dy, const at::Tensor& w, const at::T
 // residual and y fp32 [rows, out] (y a tensor of its own), all contiguous. As above.
 bool ResidualForwardCublasLt(const at::Tensor& h, const at::Tensor& w, const at::Tensor& b,
                              const at::Tensor& residual, const at::Tensor& y);
+
+// dense_cuda.cc: y = x w^T (+ b) [rows, out] in one cuBLASLt GEMM (CUBLASLT_EPILOGUE_BIAS with
+// b): x [rows, in], w [out, in], b [out] or undefined, y, all contiguous in one dtype (bf16 or
+// fp16). torch::linear's product, tuned (SetGemmTuning). As above.
+bool LinearCublasLt(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                    const at::Tensor& y);
+// dx = dy w [rows, in] in one cuBLASLt GEMM: dy [rows, out], w [out, in], dx, all contiguous in
+// one dtype (bf16 or fp16). torch::mm's product, tuned. As above.
+bool DataGradientCublasLt(const at::Tensor& dy, const at::Tensor& w, const at::Tensor& dx);
 
 // dense_cuda.cc: dw = dy^T x (fp32 [out, in], contiguous) and, when db is defined, db = the sum of
 // dy's rows (fp32 [out]), in one cuBLASLt GEMM on the current stream; with `add` (and no db), dw

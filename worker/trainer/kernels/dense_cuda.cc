@@ -33,6 +33,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -90,7 +91,10 @@ enum class Product {
   kGeluForward,
   kGeluBackward,
   kResidualForward,
-  kWeightGradientAdded
+  kWeightGradientAdded,
+  kForward,
+  kDataGradient,
+  kCount
 };
 const char* NameOf(Product p) {
   switch (p) {
@@ -106,6 +110,12 @@ const char* NameOf(Product p) {
       return "the product with its bias and the residual added";
     case Product::kWeightGradientAdded:
       return "the weight gradient added to the one so far";
+    case Product::kForward:
+      return "the product";
+    case Product::kDataGradient:
+      return "the input gradient";
+    case Product::kCount:
+      break;
   }
   return "?";
 }
@@ -123,18 +133,14 @@ constexpr size_t kMaxChoices = 4096;
 // autotuning sample (LtSgemmSimpleAutoTuning) times its heuristic's first few the same way.
 constexpr int kCandidates = 8;
 constexpr int kTimedLaunches = 3;
-// A product that adds into its output in place is timed into a scratch output of its size: up to
-// this much (the one larger than it, Llama 3's head gradient at 1 GiB, keeps the heuristic's
-// first rather than raise the step's peak memory).
-constexpr size_t kMaxScratchBytes = size_t{256} << 20;
 struct Choice {
   bool found = false;
   cublasLtMatmulAlgo_t algo{};
 };
 std::mutex g_mu;
 std::map<Key, Choice> g_choices;
-bool g_said_none[6] = {};  // per Product (under g_mu)
-GemmTuningStats g_stats;   // under g_mu
+bool g_said_none[static_cast<int>(Product::kCount)] = {};  // per Product (under g_mu)
+GemmTuningStats g_stats;                                   // under g_mu
 
 template <typename T>
 T LayoutAttribute(const MatrixLayout& layout, cublasLtMatrixLayoutAttribute_t attribute) {
@@ -167,6 +173,18 @@ bool KeepsPrecision(const cublasLtMatmulAlgo_t& algo, bool fp32_output) {
          scheme == CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
 }
 
+struct EventDestroyer {
+  void operator()(std::remove_pointer_t<cudaEvent_t>* e) const {
+    if (e != nullptr) C10_CUDA_CHECK_WARN(cudaEventDestroy(e));
+  }
+};
+using Event = std::unique_ptr<std::remove_pointer_t<cudaEvent_t>, EventDestroyer>;
+Event NewEvent() {
+  cudaEvent_t e = nullptr;
+  C10_CUDA_CHECK(cudaEventCreate(&e));
+  return Event(e);
+}
+
 // One product's launch with `algo`: the status, not thrown (a candidate that fails is skipped).
 struct Launch {
   cublasLtHandle_t handle;
@@ -192,29 +210,27 @@ struct Launch {
 
 // The index of the fastest of `algos` for `launch` (kTimedLaunches each after one untimed, on
 // its stream, which this waits for), with each one's milliseconds a launch in `ms` (negative:
-// it failed); -1 when none ran.
+// it failed); -1 when none ran. Each candidate starts on an idle stream (the first, too: not
+// behind the step's queued work).
 int Fastest(const Launch& launch, const std::vector<cublasLtMatmulAlgo_t>& algos,
             std::vector<float>* ms) {
-  cudaEvent_t start = nullptr, stop = nullptr;
-  C10_CUDA_CHECK(cudaEventCreate(&start));
-  C10_CUDA_CHECK(cudaEventCreate(&stop));
+  const Event start = NewEvent(), stop = NewEvent();
   int best = -1;
   ms->assign(algos.size(), -1.0f);
   for (size_t i = 0; i < algos.size(); ++i) {
+    C10_CUDA_CHECK(cudaStreamSynchronize(launch.stream));
     if (launch(algos[i]) != CUBLAS_STATUS_SUCCESS) continue;
-    C10_CUDA_CHECK(cudaEventRecord(start, launch.stream));
+    C10_CUDA_CHECK(cudaEventRecord(start.get(), launch.stream));
     bool ran = true;
     for (int r = 0; r < kTimedLaunches && ran; ++r) ran = launch(algos[i]) == CUBLAS_STATUS_SUCCESS;
-    C10_CUDA_CHECK(cudaEventRecord(stop, launch.stream));
-    C10_CUDA_CHECK(cudaEventSynchronize(stop));
+    C10_CUDA_CHECK(cudaEventRecord(stop.get(), launch.stream));
+    C10_CUDA_CHECK(cudaEventSynchronize(stop.get()));
     if (!ran) continue;
     float elapsed = 0.0f;
-    C10_CUDA_CHECK(cudaEventElapsedTime(&elapsed, start, stop));
+    C10_CUDA_CHECK(cudaEventElapsedTime(&elapsed, start.get(), stop.get()));
     (*ms)[i] = elapsed / kTimedLaunches;
     if (best < 0 || (*ms)[i] < (*ms)[best]) best = static_cast<int>(i);
   }
-  C10_CUDA_CHECK(cudaEventDestroy(start));
-  C10_CUDA_CHECK(cudaEventDestroy(stop));
   return best;
 }
 
@@ -225,14 +241,16 @@ int Fastest(const Launch& launch, const std::vector<cublasLtMatmulAlgo_t>& algos
 // throws. `extra`: the addresses of the bias and the auxiliary matrix, where the product has them
 // (their alignment is part of the problem: the heuristic's answer depends on it).
 // The tuning runs the candidates on the call's own operands and outputs (each overwrites what the
-// others wrote; the chosen one runs last): an output that is also C (an add in place) is timed
-// into a scratch copy's place instead, so that the sum is made once. It is skipped while the
-// stream is being captured (a CUDA graph: waiting on it is not allowed), taking the heuristic's
-// first for the problem.
+// others wrote; the chosen one runs last). An add in place (C is D: the fused head's weight
+// gradient after its first chunk) is not timed, which would add the product once a launch: it
+// takes the choice of the same product without the add (the first chunk's, `twin`) where that
+// problem has been met, else the heuristic's first. The tuning is skipped while the stream is
+// being captured (a CUDA graph: waiting on it is not allowed), taking the heuristic's first.
 bool Run(Product product, cublasLtMatmulDesc_t desc, const MatrixLayout& a, const MatrixLayout& b,
          const MatrixLayout& d, const void* pa, const void* pb, void* pd,
          std::initializer_list<const void*> extra, int64_t m, int64_t n, int64_t k,
-         cudaDataType_t operand, int device, const void* pc = nullptr) {
+         cudaDataType_t operand, int device, const void* pc = nullptr,
+         std::optional<Product> twin = std::nullopt) {
   const size_t workspace_size = at::cuda::getCUDABlasLtWorkspaceSize();
   void* workspace = at::cuda::getCUDABlasLtWorkspace();
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
@@ -306,21 +324,20 @@ bool Run(Product product, cublasLtMatmulDesc_t desc, const MatrixLayout& a, cons
             static_cast<long long>(k),
             status == CUBLAS_STATUS_SUCCESS ? "none returned" : cublasLtGetStatusString(status));
       }
-      // An add in place is timed into a scratch output (C still the real one, read only).
       const bool in_place = pc == pd;
-      const size_t d_bytes =
-          static_cast<size_t>(LayoutAttribute<int64_t>(d, CUBLASLT_MATRIX_LAYOUT_LD)) *
-          static_cast<size_t>(n) * (fp32_output ? 4 : 2);
-      if (tune && algos.size() > 1 && (!in_place || d_bytes <= kMaxScratchBytes)) {
-        at::Tensor scratch;
-        Launch timed = launch;
-        if (in_place) {
-          scratch = at::empty({static_cast<int64_t>(d_bytes)},
-                              at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
-          timed.pd = scratch.data_ptr();
+      if (in_place && twin.has_value()) {
+        Key twin_key = key;
+        std::get<1>(twin_key) = static_cast<int>(*twin);
+        const auto twin_choice = g_choices.find(twin_key);
+        if (choice.found && twin_choice != g_choices.end() && twin_choice->second.found) {
+          choice.algo = twin_choice->second.algo;
+          ++g_stats.twinned;
         }
+      } else if (tune && algos.size() == 1) {
+        ++g_stats.single;
+      } else if (tune && algos.size() > 1 && !in_place) {
         std::vector<float> ms;
-        const int best = Fastest(timed, algos, &ms);
+        const int best = Fastest(launch, algos, &ms);
         if (best >= 0) choice.algo = algos[best];
         ++g_stats.tuned;
         if (best > 0) ++g_stats.not_first;
@@ -401,7 +418,8 @@ bool WeightGradientCublasLt(const at::Tensor& dy, const at::Tensor& x, const at:
   return Run(product, desc.get(), a, b, d, x.data_ptr(), dy.data_ptr(), dw.data_ptr(),
              db.defined() ? std::initializer_list<const void*>{db.data_ptr()}
                           : std::initializer_list<const void*>{},
-             in, out, rows, operand, dy.get_device(), add ? dw.data_ptr() : nullptr);
+             in, out, rows, operand, dy.get_device(), add ? dw.data_ptr() : nullptr,
+             add ? std::optional<Product>(Product::kWeightGradient) : std::nullopt);
 }
 
 bool GeluForwardCublasLt(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
@@ -492,6 +510,54 @@ bool ResidualForwardCublasLt(const at::Tensor& h, const at::Tensor& w, const at:
              b.defined() ? std::initializer_list<const void*>{b.data_ptr()}
                          : std::initializer_list<const void*>{},
              out, rows, hidden, operand, h.get_device(), residual.data_ptr());
+}
+
+bool LinearCublasLt(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                    const at::Tensor& y) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.is_contiguous() &&
+                  w.is_contiguous() && x.scalar_type() == w.scalar_type(),
+              "LinearCublasLt: x [rows, in] and w [out, in], contiguous, one dtype");
+  const int64_t rows = x.size(0), in = x.size(1), out = w.size(0);
+  TORCH_CHECK(!b.defined() || (b.dim() == 1 && b.size(0) == out && b.is_contiguous() &&
+                               b.scalar_type() == x.scalar_type()),
+              "LinearCublasLt: b [out] in x's dtype, contiguous, or undefined");
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == rows && y.size(1) == out && y.is_contiguous() &&
+                  y.scalar_type() == x.scalar_type(),
+              "LinearCublasLt: y [rows, out] in x's dtype, contiguous");
+  cudaDataType_t operand;
+  if (!OperandType(x.scalar_type(), &operand)) return false;
+  // (GeluForwardCublasLt's layout without the GELU: y^T [out, rows] = W x^T.)
+  const MatmulDesc desc = NewDesc(CUBLAS_OP_T, CUBLAS_OP_N);
+  if (b.defined()) {
+    Set(desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
+    Set(desc.get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, b.data_ptr());
+  }
+  const MatrixLayout a = Layout(operand, in, out, in);
+  const MatrixLayout bl = Layout(operand, in, rows, in);
+  const MatrixLayout d = Layout(operand, out, rows, out);
+  return Run(Product::kForward, desc.get(), a, bl, d, w.data_ptr(), x.data_ptr(), y.data_ptr(),
+             b.defined() ? std::initializer_list<const void*>{b.data_ptr()}
+                         : std::initializer_list<const void*>{},
+             out, rows, in, operand, x.get_device());
+}
+
+bool DataGradientCublasLt(const at::Tensor& dy, const at::Tensor& w, const at::Tensor& dx) {
+  TORCH_CHECK(dy.dim() == 2 && w.dim() == 2 && dy.size(1) == w.size(0) && dy.is_contiguous() &&
+                  w.is_contiguous() && dy.scalar_type() == w.scalar_type(),
+              "DataGradientCublasLt: dy [rows, out] and w [out, in], contiguous, one dtype");
+  const int64_t rows = dy.size(0), out = dy.size(1), in = w.size(1);
+  TORCH_CHECK(dx.dim() == 2 && dx.size(0) == rows && dx.size(1) == in && dx.is_contiguous() &&
+                  dx.scalar_type() == dy.scalar_type(),
+              "DataGradientCublasLt: dx [rows, in] in dy's dtype, contiguous");
+  cudaDataType_t operand;
+  if (!OperandType(dy.scalar_type(), &operand)) return false;
+  // (GeluBackwardCublasLt's layout without GELU's derivative: dx^T [in, rows] = W^T dy^T.)
+  const MatmulDesc desc = NewDesc(CUBLAS_OP_N, CUBLAS_OP_N);
+  const MatrixLayout a = Layout(operand, in, out, in);
+  const MatrixLayout b = Layout(operand, out, rows, out);
+  const MatrixLayout d = Layout(operand, in, rows, in);
+  return Run(Product::kDataGradient, desc.get(), a, b, d, w.data_ptr(), dy.data_ptr(),
+             dx.data_ptr(), {}, in, rows, out, operand, dy.get_device());
 }
 
 }  // namespace trainyard::trainer

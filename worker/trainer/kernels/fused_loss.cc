@@ -38,6 +38,27 @@ void AddWeightGradient(const torch::Tensor& dlogits, const torch::Tensor& xs,
   }
 }
 
+// A chunk's logits, xs wc^T, and its input gradient, dlogits wc into `out`: the tuned cuBLASLt
+// products on a GPU while the tuning is on (dense.h's SetGemmTuning), else ATen's.
+torch::Tensor ChunkLogits(const torch::Tensor& xs, const torch::Tensor& wc) {
+#if TRAINYARD_CUDA_KERNELS
+  if (TakesTunedProduct(xs, wc)) {
+    torch::Tensor logits = torch::empty({xs.size(0), wc.size(0)}, xs.options());
+    if (LinearCublasLt(xs, wc, torch::Tensor(), logits)) return logits;
+  }
+#endif
+  return torch::mm(xs, wc.t());
+}
+void ChunkInputGradient(const torch::Tensor& dlogits, const torch::Tensor& wc, torch::Tensor out) {
+#if TRAINYARD_CUDA_KERNELS
+  if (TakesTunedProduct(dlogits, wc) && out.is_contiguous() &&
+      DataGradientCublasLt(dlogits, wc, out)) {
+    return;
+  }
+#endif
+  torch::mm_out(out, dlogits, wc);
+}
+
 constexpr int64_t kDefaultChunkBytes = int64_t{256} << 20;
 std::atomic<int64_t> chunk_bytes{kDefaultChunkBytes};
 
@@ -85,15 +106,12 @@ class FusedLinearCrossEntropy : public torch::autograd::Function<FusedLinearCros
     for (int64_t r = 0; r < rows; r += chunk) {
       const int64_t n = std::min(chunk, rows - r);
       const torch::Tensor xs = xc.narrow(0, r, n);
-      torch::Tensor logits = torch::mm(xs, wc.t());
+      torch::Tensor logits = ChunkLogits(xs, wc);
       CrossEntropyRows(logits, targets.narrow(0, r, n),
                        weights.numel() > 0 ? weights.narrow(0, r, n) : torch::Tensor(),
                        loss.narrow(0, r, n), grad_x || grad_weight);
       // `logits` now holds the chunk's gradient of the loss.
-      if (grad_x) {
-        torch::Tensor out = gx.narrow(0, r, n);
-        torch::mm_out(out, logits, wc);
-      }
+      if (grad_x) ChunkInputGradient(logits, wc, gx.narrow(0, r, n));
       if (grad_weight) AddWeightGradient(logits, xs, gw, r == 0);
     }
     if (grad_weight && rows == 0) gw.zero_();  // (no chunk wrote it)
