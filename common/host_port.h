@@ -32,13 +32,15 @@ inline std::string HostOfAddress(absl::string_view address) {
 }
 
 // The client a peer's address stands for, the key its failed sign-ins are counted under: an IPv4
-// address ("ipv4:10.1.2.3"), or the /64 network of an IPv6 one ("ipv6:2001:db8:1:2::/64"), since
-// a host is given a /64 and may take any address in it (a guesser rotating its addresses would
-// start a fresh count with each). An IPv4-mapped (::ffff:0:0/96) or NAT64 (64:ff9b::/96) address
+// address ("ipv4:10.1.2.3"), or the network of an IPv6 one, its first `ipv6_prefix_bits` bits
+// (16 to 128; by default its /64, "ipv6:2001:db8:1:2::/64"), since a host is given a /64 and may
+// take any address in it (a guesser rotating its addresses would start a fresh count with each);
+// an operator whose hosts share a /64 counts each address (128), one whose users are given /56s
+// or /48s counts those. An IPv4-mapped (::ffff:0:0/96) or NAT64 (64:ff9b::/96) address
 // is the IPv4 address it holds; a link-local one (fe80::/10, every host's on a link) is itself.
 // Takes gRPC's peer ("ipv4:10.1.2.3:5000", "ipv6:[::1]:5000", "ipv6:%5B::1%5D:5000") and plain
 // addresses with or without a port; anything else (a Unix socket's peer) is returned as it is.
-inline std::string ClientOfAddress(absl::string_view peer) {
+inline std::string ClientOfAddress(absl::string_view peer, int ipv6_prefix_bits = 64) {
   const std::string decoded = absl::StrReplaceAll(
       absl::StripAsciiWhitespace(peer), {{"%5B", "["}, {"%5b", "["}, {"%5D", "]"}, {"%5d", "]"}});
   absl::string_view a = decoded;
@@ -63,9 +65,13 @@ inline std::string ClientOfAddress(absl::string_view peer) {
     inet_ntop(AF_INET6, &v6, text, sizeof(text));
     return std::string("ipv6:") + text;
   }
-  std::memset(&v6.s6_addr[8], 0, 8);
+  const int bits = std::clamp(ipv6_prefix_bits, 16, 128);
+  for (int byte = 0; byte < 16; ++byte) {
+    const int kept = std::clamp(bits - 8 * byte, 0, 8);  // of this byte's 8 bits, from the top
+    v6.s6_addr[byte] &= static_cast<unsigned char>(0xff00 >> kept);
+  }
   inet_ntop(AF_INET6, &v6, text, sizeof(text));
-  return std::string("ipv6:") + text + "/64";
+  return std::string("ipv6:") + text + "/" + std::to_string(bits);
 }
 
 }  // namespace trainyard

@@ -608,6 +608,28 @@ TEST_F(HardeningTest, AFloodOfBadCredentialsIsThrottledWhileValidOnesFromTheSame
   EXPECT_THAT(*metrics, HasSubstr("trainyard_auth_failures_total{reason=\"throttled\"} 5"));
 }
 
+// An IPv6 peer's failures count under its /64 by default, and under the address itself with
+// --auth-peer-ipv6-prefix 128 (the option reaches the peer key AuthenticateFrom is given).
+class HardeningPerAddressTest : public HardeningTest {
+ protected:
+  void Configure(CoordinatorOptions& options) override {
+    HardeningTest::Configure(options);
+    options.limits.auth_peer_ipv6_prefix = 128;
+  }
+};
+
+TEST_F(HardeningTest, AnIpv6PeersFailuresCountUnderItsSlash64) {
+  EXPECT_EQ(server_->identities().ClientOf("ipv6:[2001:db8:1:2::7]:5000"),
+            "ipv6:2001:db8:1:2::/64");
+}
+
+TEST_F(HardeningPerAddressTest, AnIpv6PeersFailuresCountUnderItsAddressWithPrefix128) {
+  EXPECT_EQ(server_->identities().ClientOf("ipv6:[2001:db8:1:2::7]:5000"),
+            "ipv6:2001:db8:1:2::7/128");
+  EXPECT_NE(server_->identities().ClientOf("2001:db8:1:2::7"),
+            server_->identities().ClientOf("2001:db8:1:2::8"));
+}
+
 // Only the web console may name the browser a call's failures count under (with the key the
 // coordinator gave it at start, here with its console on): a client that names other addresses
 // itself, without a key or with a guessed one, is throttled as its own peer all the same.

@@ -25,6 +25,24 @@ TEST(ClientOfAddressTest, AnIpv6AddressCountsAsItsSlash64) {
   EXPECT_EQ(ClientOfAddress("ipv6:[::1]:5000"), "ipv6:::/64");
 }
 
+// An operator whose hosts share a /64 counts each address (--auth-peer-ipv6-prefix 128); one
+// whose users are given /56s or /48s counts those; a prefix that ends inside a byte keeps that
+// byte's top bits; out of range, the nearest of 16 and 128.
+TEST(ClientOfAddressTest, AnotherIpv6PrefixCountsItsNetwork) {
+  EXPECT_EQ(ClientOfAddress("ipv6:[2001:db8:1:2::7]:5000", 128), "ipv6:2001:db8:1:2::7/128");
+  EXPECT_NE(ClientOfAddress("2001:db8:1:2::7", 128), ClientOfAddress("2001:db8:1:2::8", 128));
+  EXPECT_EQ(ClientOfAddress("2001:db8:1:2ff::7", 56), "ipv6:2001:db8:1:200::/56");
+  EXPECT_EQ(ClientOfAddress("2001:db8:1:2ff::7", 56), ClientOfAddress("2001:db8:1:2aa::1", 56));
+  EXPECT_EQ(ClientOfAddress("2001:db8:1:2ff::7", 48), "ipv6:2001:db8:1::/48");
+  EXPECT_EQ(ClientOfAddress("2001:db8:1:ffff::7", 60), "ipv6:2001:db8:1:fff0::/60");
+  EXPECT_EQ(ClientOfAddress("2001:db8:1:2::7", 64), ClientOfAddress("2001:db8:1:2::7"));
+  EXPECT_EQ(ClientOfAddress("2001:db8:1:2::7", 200), "ipv6:2001:db8:1:2::7/128");
+  EXPECT_EQ(ClientOfAddress("2001:db8:1:2::7", 0), "ipv6:2001::/16");
+  // (IPv4 and link-local addresses are themselves whatever the prefix.)
+  EXPECT_EQ(ClientOfAddress("ipv6:[::ffff:10.1.2.3]:5000", 48), "ipv4:10.1.2.3");
+  EXPECT_EQ(ClientOfAddress("fe80::1%eth0", 48), "ipv6:fe80::1");
+}
+
 // A dual-stack listener sees IPv4 clients as IPv4-mapped IPv6 addresses, and a NAT64 gateway
 // passes them on in 64:ff9b::/96: each is its IPv4 address, not one /64 that every IPv4 client
 // would share.

@@ -258,7 +258,8 @@ absl::Status CoordinatorServer::LoadIdentities() {
   ASSIGN_OR_RETURN(std::string job_key,
                    JobCredentialKey(options_.state_dir, options_.job_credential_key_file));
   identities_ = std::make_unique<IdentityRegistry>(*store_, clock_, std::move(job_key));
-  identities_->SetAuthThrottle(options_.limits.auth_per_token, options_.limits.auth_per_peer);
+  identities_->SetAuthThrottle(options_.limits.auth_per_token, options_.limits.auth_per_peer,
+                               options_.limits.auth_peer_ipv6_prefix);
   identities_->SetMaxTokensPerUser(options_.limits.max_tokens_per_user);
   if (!options_.web_address.empty()) {
     console_key_ = Base64Url(RandomBytes(32));

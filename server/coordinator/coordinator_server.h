@@ -60,6 +60,9 @@ struct CoordinatorLimits {
   // (malformed or unknown credentials, wrong secrets), refilling at per_second.
   AuthThrottleOptions auth_per_token{10, 1};
   AuthThrottleOptions auth_per_peer{30, 1};
+  // The bits of an IPv6 peer's address that name its client for auth_per_peer (16 to 128): its
+  // /64 by default, 128 where hosts share a /64.
+  int auth_peer_ipv6_prefix = 64;
 };
 
 struct CoordinatorOptions {

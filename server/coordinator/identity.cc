@@ -66,8 +66,9 @@ IdentityRegistry::IdentityRegistry(JobStore& store, const Clock& clock, std::str
   SetAuthThrottle(AuthThrottleOptions{10, 1}, AuthThrottleOptions{30, 1});
 }
 
-void IdentityRegistry::SetAuthThrottle(AuthThrottleOptions per_token,
-                                       AuthThrottleOptions per_peer) {
+void IdentityRegistry::SetAuthThrottle(AuthThrottleOptions per_token, AuthThrottleOptions per_peer,
+                                       int peer_ipv6_prefix) {
+  peer_ipv6_prefix_ = peer_ipv6_prefix;
   token_throttle_ = std::make_unique<AuthThrottle>(clock_, per_token);
   peer_throttle_ = std::make_unique<AuthThrottle>(clock_, per_peer);
 }

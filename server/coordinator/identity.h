@@ -23,6 +23,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/clock.h"
 #include "common/credentials.h"
+#include "common/host_port.h"
 #include "server/coordinator/auth_throttle.h"
 #include "server/coordinator/job_store.h"
 #include "server/coordinator/sharing_policy.h"
@@ -74,8 +75,15 @@ class IdentityRegistry {
   // set) hears of every refusal: "throttled", "guess" or "stale".
   absl::StatusOr<Principal> AuthenticateFrom(absl::string_view credential,
                                              const std::string& peer) const;
-  // Before serving. Burst <= 0 turns that throttle off.
-  void SetAuthThrottle(AuthThrottleOptions per_token, AuthThrottleOptions per_peer);
+  // Before serving. Burst <= 0 turns that throttle off. `peer_ipv6_prefix`: the bits of an IPv6
+  // peer's address that name its client (ClientOf).
+  void SetAuthThrottle(AuthThrottleOptions per_token, AuthThrottleOptions per_peer,
+                       int peer_ipv6_prefix = 64);
+  // The client an address stands for, the peer AuthenticateFrom counts its failures under: its
+  // IPv4 address, or its IPv6 network of SetAuthThrottle's prefix (common/host_port.h).
+  std::string ClientOf(absl::string_view address) const {
+    return ClientOfAddress(address, peer_ipv6_prefix_);
+  }
   // The web console's key (before serving; empty: no console): a call that shows it names the
   // browser it is made for, whose address AuthenticateFrom's peer is then.
   void SetConsoleKey(std::string key) { console_key_ = std::move(key); }
@@ -156,6 +164,7 @@ class IdentityRegistry {
   std::string console_key_;                                        // set before serving
   std::unique_ptr<AuthThrottle> token_throttle_;                   // set before serving
   std::unique_ptr<AuthThrottle> peer_throttle_;                    // set before serving
+  int peer_ipv6_prefix_ = 64;                                      // set before serving
   int64_t max_tokens_per_user_ = 100;
 
   absl::Mutex write_mu_;  // serializes mutations: check, write to the store, apply

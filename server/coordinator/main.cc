@@ -153,6 +153,12 @@ void AddSecurityFlags(CLI::App& app, CoordinatorOptions& options, Flags& f) {
                  "failures are answered RESOURCE_EXHAUSTED (valid credentials from it are always "
                  "taken; 0: no throttle)")
       ->capture_default_str();
+  app.add_option("--auth-peer-ipv6-prefix", limits.auth_peer_ipv6_prefix,
+                 "the bits of an IPv6 client's address that --auth-failures-per-peer counts as "
+                 "one client: 64 (a host's /64, in which it may take any address), 128 where "
+                 "hosts share a /64, 56 or 48 where users are given those")
+      ->capture_default_str()
+      ->check(CLI::Range(16, 128));
   app.add_option("--auth-failure-refill", f.refill_seconds,
                  "seconds after which one more failed authentication is forgiven")
       ->capture_default_str()

@@ -25,20 +25,20 @@ grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx, const absl::Sta
 namespace {
 
 // The key failed authentications of the call count under: its peer's client (an IPv4 address or
-// an IPv6 /64, common/host_port.h), or for the web console's in-process calls (which show the key
-// it was given) the browser's it names, so that one browser's wrong tokens do not throttle every
-// other's.
+// an IPv6 network, by default a /64: IdentityRegistry::ClientOf), or for the web console's
+// in-process calls (which show the key it was given) the browser's it names, so that one browser's
+// wrong tokens do not throttle every other's.
 std::string ThrottledPeer(grpc::CallbackServerContext* ctx, const IdentityRegistry& identities) {
   const auto& md = ctx->client_metadata();
   const auto key = md.find(kConsoleKeyMetadata), client = md.find(kConsoleClientMetadata);
   if (key != md.end() && client != md.end() &&
       identities.IsConsoleKey(absl::string_view(key->second.data(), key->second.size()))) {
     // (An address: at most 64 bytes are read.)
-    return absl::StrCat(
-        "web ", ClientOfAddress(absl::string_view(client->second.data(),
-                                                  std::min<size_t>(client->second.size(), 64))));
+    return absl::StrCat("web ",
+                        identities.ClientOf(absl::string_view(
+                            client->second.data(), std::min<size_t>(client->second.size(), 64))));
   }
-  return ClientOfAddress(ctx->peer());
+  return identities.ClientOf(ctx->peer());
 }
 
 }  // namespace
