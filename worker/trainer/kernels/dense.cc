@@ -52,13 +52,17 @@ bool LinearCublasLt(const at::Tensor&, const at::Tensor&, const at::Tensor&, con
 bool DataGradientCublasLt(const at::Tensor&, const at::Tensor&, const at::Tensor&) { return false; }
 #endif
 
-// x [rows, in] W^T (+ b) in x's dtype, w [out, in] and b [out] (or undefined) in it too: the tuned
-// cuBLASLt product where TunedProduct, else torch::linear's, whose own cuBLAS call takes the
-// heuristic's first algorithm.
+// x [..., in] W^T (+ b) in x's dtype (x contiguous), w [out, in] and b [out] (or undefined) in it
+// too: the tuned cuBLASLt product where TakesTunedProduct, else torch::linear's, whose own cuBLAS
+// call takes the heuristic's first algorithm. The output is a tensor of its own, not a view (a
+// Function's output that is a view refuses in-place operations).
 torch::Tensor Product(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-  if (TakesTunedProduct(x, w) && (!b.defined() || b.is_contiguous())) {
-    torch::Tensor y = torch::empty({x.size(0), w.size(0)}, x.options());
-    if (LinearCublasLt(x, w, b, y)) return y;
+  const torch::Tensor rows = x.view({-1, x.size(-1)});
+  if (TakesTunedProduct(rows, w) && (!b.defined() || b.is_contiguous())) {
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes.back() = w.size(0);
+    torch::Tensor y = torch::empty(sizes, x.options());
+    if (LinearCublasLt(rows, w, b, y.view({-1, w.size(0)}))) return y;
   }
   return torch::linear(x, w, b);
 }
@@ -118,9 +122,7 @@ class FusedDense : public torch::autograd::Function<FusedDense> {
     ctx->saved_data["bias"] = has_bias;
     // Below autocast: the operands are in its dtype already.
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    std::vector<int64_t> sizes = xh.sizes().vec();
-    sizes.back() = wh.size(0);
-    return Product(xh.view({-1, wh.size(1)}), wh, bh).view(sizes);
+    return Product(xh, wh, bh);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad) {
@@ -324,8 +326,9 @@ bool GemmTuning() { return g_gemm_tuning.load(std::memory_order_relaxed); }
 
 bool TakesTunedProduct(const torch::Tensor& x, const torch::Tensor& w) {
   return TRAINYARD_CUDA_KERNELS && x.is_cuda() && GemmTuning() && x.dim() == 2 && w.dim() == 2 &&
-         x.size(0) > 0 && w.size(0) > 0 && w.size(1) > 0 && w.size(0) % 8 == 0 &&
-         w.size(1) % 8 == 0 && x.is_contiguous() && w.is_contiguous();
+         (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kHalf) &&
+         w.scalar_type() == x.scalar_type() && x.size(0) > 0 && w.size(0) > 0 && w.size(1) > 0 &&
+         w.size(0) % 8 == 0 && w.size(1) % 8 == 0 && x.is_contiguous() && w.is_contiguous();
 }
 
 #if !TRAINYARD_CUDA_KERNELS

@@ -18,9 +18,9 @@
 namespace trainyard::trainer {
 
 // x W^T + b for x [..., in], weight [out, in], bias [out] or undefined, differentiable in all
-// three: GpuLinear's product where UsesGpuLinear, else torch::linear. (The fused path's output of a
-// 3-D input is a view made inside an autograd Function: autograd refuses in-place operations on
-// it, which no model makes.)
+// three: GpuLinear's product where UsesGpuLinear, else torch::linear. (With the tuning off, the
+// fused path's output of a 3-D input with a bias is torch::linear's view, made inside an autograd
+// Function: autograd refuses in-place operations on it, which no model makes.)
 torch::Tensor GpuLinear(const torch::Tensor& x, const torch::Tensor& weight,
                         const torch::Tensor& bias);
 
@@ -65,16 +65,18 @@ bool GpuLinearEnabled();
 // the trainer's products are its step's largest cost; the choice, and so a product's last bits, may
 // differ run to run, and off gives the same algorithm in every run. A problem first met while its
 // stream is captured (a CUDA graph) takes the heuristic's first: waiting on the stream is not
-// allowed there. Among the others, a split-K algorithm that adds its parts up in a 16-bit output's
-// own type is not a candidate (eager's one product adds them in fp32). A product that adds into its
-// output in place (the fused head's weight gradient after its first chunk) is not timed: it takes
-// the first chunk's choice. Set before training.
+// allowed there. No candidate, the heuristic's first included, is a split-K algorithm that adds
+// its parts up in a 16-bit output's own type (each part would be rounded). A product that adds into
+// its output in place (the fused head's weight gradient after its first chunk) is not timed: it
+// takes the first chunk's choice where its problem matches (else the heuristic's first). Set
+// before training.
 void SetGemmTuning(bool enabled);
 bool GemmTuning();
 // Whether a product of x [rows, k] with w [out, in] (k one of w's widths: x W^T or x W) takes the
-// tuned cuBLASLt call rather than ATen's: a CUDA build, CUDA tensors, the tuning on, rows to
-// multiply, contiguous operands, and both of w's widths multiples of 8 (16-byte rows, where
-// cuBLASLt's tensor-core algorithms apply; another width keeps ATen's call, as before the tuning).
+// tuned cuBLASLt call rather than ATen's: a CUDA build, CUDA tensors, the tuning on, both in bf16
+// or both in fp16, rows to multiply, contiguous operands, and both of w's widths multiples of 8
+// (16-byte rows, where cuBLASLt's tensor-core algorithms apply; another width keeps ATen's call, as
+// before the tuning).
 bool TakesTunedProduct(const torch::Tensor& x, const torch::Tensor& w);
 
 // Problems tuned so far in this process, how many of them took another algorithm than the

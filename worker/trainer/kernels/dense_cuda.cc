@@ -17,6 +17,10 @@
 //   [out, hidden] = column-major [hidden, out] (ld hidden), not transposed: m = hidden, k = out;
 //   B = dy, column-major [out, rows] (ld out), not transposed: n = rows; D = dpre^T (ld hidden),
 //   the auxiliary matrix the forward's pre-activation. (Transformer Engine's fc1 data gradient.)
+// - The forward product (LinearCublasLt): the GELU forward's layout without the GELU, the bias
+//   (where given) in D's type; m = out, n = rows, k = in.
+// - The input gradient (LinearCublasLt's backward, DataGradientCublasLt): dx^T [in, rows] = W^T
+//   dy^T, the GELU backward's layout without the derivative; m = in, n = rows, k = out.
 // - The second product with the residual added: y^T [out, rows] = W2 h^T + b2 + residual^T: A =
 //   W2, column-major [hidden, out] (ld hidden), transposed: m = out, k = hidden; B = h,
 //   column-major [hidden, rows] (ld hidden): n = rows; C = the residual and D = y, fp32 [out,
@@ -151,28 +155,6 @@ T LayoutAttribute(const MatrixLayout& layout, cublasLtMatrixLayoutAttribute_t at
   return value;
 }
 
-template <typename T>
-T AlgoAttribute(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attribute) {
-  T value{};
-  size_t written = 0;
-  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attribute, &value, sizeof(value), &written) !=
-      CUBLAS_STATUS_SUCCESS) {
-    return T{};
-  }
-  return value;
-}
-
-// Whether a candidate keeps the product's precision: a split-K algorithm that adds its parts up in
-// a 16-bit output's own type (in place, or in a workspace of that type) rounds each part; the
-// tuning takes only those that add them in fp32, as one GEMM does.
-bool KeepsPrecision(const cublasLtMatmulAlgo_t& algo, bool fp32_output) {
-  if (fp32_output || AlgoAttribute<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) <= 1)
-    return true;
-  const auto scheme = AlgoAttribute<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME);
-  return scheme == CUBLASLT_REDUCTION_SCHEME_NONE ||
-         scheme == CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
-}
-
 struct EventDestroyer {
   void operator()(std::remove_pointer_t<cudaEvent_t>* e) const {
     if (e != nullptr) C10_CUDA_CHECK_WARN(cudaEventDestroy(e));
@@ -290,6 +272,14 @@ bool Run(Product product, cublasLtMatmulDesc_t desc, const MatrixLayout& a, cons
       Set(raw_preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b);
       Set(raw_preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c);
       Set(raw_preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d);
+      // A split-K algorithm adds its parts up in fp32 (in a workspace of the compute type), never
+      // in a 16-bit output's own type (in place, or in a workspace of that type), which would
+      // round each part: the product keeps one GEMM's precision whichever algorithm it takes.
+      if (LayoutAttribute<uint32_t>(d, CUBLASLT_MATRIX_LAYOUT_TYPE) != CUDA_R_32F) {
+        Set(raw_preference, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+            static_cast<uint32_t>(CUBLASLT_REDUCTION_SCHEME_NONE |
+                                  CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE));
+      }
       cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
       C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
       const bool tune = GemmTuning() && capture == cudaStreamCaptureStatusNone;
@@ -299,13 +289,8 @@ bool Run(Product product, cublasLtMatmulDesc_t desc, const MatrixLayout& a, cons
           handle, desc, a.get(), b.get(), d.get(), d.get(), raw_preference, tune ? kCandidates : 1,
           results, &returned);
       std::vector<cublasLtMatmulAlgo_t> algos;
-      const bool fp32_output =
-          LayoutAttribute<uint32_t>(d, CUBLASLT_MATRIX_LAYOUT_TYPE) == CUDA_R_32F;
       for (int i = 0; status == CUBLAS_STATUS_SUCCESS && i < returned; ++i) {
-        if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
-        // (The first is kept as the heuristic gives it: the untuned choice.)
-        if (!algos.empty() && !KeepsPrecision(results[i].algo, fp32_output)) continue;
-        algos.push_back(results[i].algo);
+        if (results[i].state == CUBLAS_STATUS_SUCCESS) algos.push_back(results[i].algo);
       }
       // No algorithm for this problem (or a description this cuBLASLt refuses: a status other
       // than NOT_SUPPORTED): the caller computes it otherwise, and the rank's log says why,
