@@ -3,11 +3,14 @@
 // exit against a real gRPC TrainerService: every step while the coordinator answers, however
 // slowly; a bounded wait, and a count in the log, when it is gone.
 #include "worker/trainer/control/reporter.h"
+#include "worker/trainer/control/step_report.h"
 
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <fstream>
 #include <memory>
 #include <set>
 #include <string>
@@ -113,6 +116,42 @@ void ReportSteps(Reporter& reporter, int steps) {
 // A coordinator that answers, slowly, gets every step, though sending them takes longer than the
 // 5 s the drain waits for a coordinator that does not answer (the last steps were lost so on a
 // busy machine).
+// A step's line in the rank's log and --metrics-file: the backward's time where the host measured
+// it (the CPU), left out where it is not the backward's (a GPU, whose host only queues kernels).
+std::vector<std::string> g_step_lines;
+void KeepLine(const std::string& line) { g_step_lines.push_back(line); }
+
+TEST(StepReporterTest, TheBackwardsTimeOnlyWhereTheHostMeasuredIt) {
+  const std::string path = ::testing::TempDir() + "/step_report_test.jsonl";
+  std::remove(path.c_str());
+  g_step_lines.clear();
+  auto reporter = StepReporter::Open(path, nullptr, KeepLine);
+  ASSERT_TRUE(reporter.ok()) << reporter.status();
+  StepRecord cpu;
+  cpu.step = 1;
+  cpu.total_steps = 2;
+  cpu.step_seconds = 0.05;
+  cpu.backward_seconds = 0.012;
+  (*reporter)->Report(cpu);
+  StepRecord gpu = cpu;
+  gpu.step = 2;
+  gpu.backward_seconds.reset();
+  (*reporter)->Report(gpu);
+  reporter->reset();  // (closes the file)
+  ASSERT_EQ(g_step_lines.size(), 2u);
+  EXPECT_THAT(g_step_lines[0], ::testing::HasSubstr("step_ms 50 backward_ms 12 comm_wait_ms"));
+  EXPECT_THAT(g_step_lines[1], ::testing::HasSubstr("step_ms 50 comm_wait_ms"));
+  EXPECT_THAT(g_step_lines[1], ::testing::Not(::testing::HasSubstr("backward")));
+  std::ifstream in(path);
+  std::string first, second;
+  ASSERT_TRUE(std::getline(in, first));
+  ASSERT_TRUE(std::getline(in, second));
+  EXPECT_THAT(first, ::testing::HasSubstr("\"backward_seconds\":0.012"));
+  EXPECT_THAT(second, ::testing::HasSubstr("\"step\":2"));
+  EXPECT_THAT(second, ::testing::Not(::testing::HasSubstr("backward")));
+  std::remove(path.c_str());
+}
+
 TEST(ReporterTest, AtExitEveryStepIsSentWhileTheCoordinatorAnswers) {
   SlowTrainerService service(absl::Milliseconds(100));
   int port = 0;

@@ -610,7 +610,7 @@ void Trainer::Report(const StepStats& s, const Agreement& a) {
   if (peak_flops_ > 0) {
     r.mfu = Mfu(r.tokens_per_second, flops_per_token_, peak_flops_, o_.world_size);
   }
-  r.backward_seconds = s.r.backward_s;
+  if (!device_.is_cuda()) r.backward_seconds = s.r.backward_s;
   r.comm_wait_seconds = s.r.comm_wait_s;
   r.comm_bytes = s.comm_bytes;
   r.stage_idle = a.stage_idle;

@@ -63,11 +63,12 @@ void StepReporter::Report(const StepRecord& r) {
                 bubble, l.pipeline_bubble_theory, l.pipeline_in_flight_peak,
                 l.pipeline_activation_peak_bytes);
   log_(absl::StrFormat(
-      "step %d/%d loss %.4f lr %.2e grad_norm %.2f tok/s %.0f step_ms %.0f backward_ms %.0f "
+      "step %d/%d loss %.4f lr %.2e grad_norm %.2f tok/s %.0f step_ms %.0f%s "
       "comm_wait_ms %.1f allreduce_bytes %d comm_bytes %d model_state_peak_bytes %d%s%s%s%s%s",
       r.step, r.total_steps, r.loss, r.lr, r.grad_norm, r.tokens_per_second, r.step_seconds * 1e3,
-      r.backward_seconds * 1e3, r.comm_wait_seconds * 1e3, l.allreduce_bytes, r.comm_bytes,
-      l.model_state_peak_bytes, l.log_fields, pipeline_fields,
+      r.backward_seconds ? absl::StrFormat(" backward_ms %.0f", *r.backward_seconds * 1e3) : "",
+      r.comm_wait_seconds * 1e3, l.allreduce_bytes, r.comm_bytes, l.model_state_peak_bytes,
+      l.log_fields, pipeline_fields,
       r.loss_scale ? absl::StrFormat(" loss_scale %g skipped_steps %d", r.loss_scale->scale,
                                      r.loss_scale->skipped_steps)
                    : "",
@@ -84,7 +85,6 @@ void StepReporter::Report(const StepRecord& r) {
                            {"grad_norm", r.grad_norm},
                            {"tokens_per_second", r.tokens_per_second},
                            {"step_seconds", r.step_seconds},
-                           {"backward_seconds", r.backward_seconds},
                            {"comm_wait_seconds", r.comm_wait_seconds},
                            {"allreduce_bytes", l.allreduce_bytes},
                            {"comm_bytes", r.comm_bytes},
@@ -98,6 +98,7 @@ void StepReporter::Report(const StepRecord& r) {
       line["skipped"] = r.loss_scale->skipped;
       line["skipped_steps"] = r.loss_scale->skipped_steps;
     }
+    if (r.backward_seconds) line["backward_seconds"] = *r.backward_seconds;
     if (r.device_peak_bytes) line["device_peak_bytes"] = *r.device_peak_bytes;
     if (r.mfu) line["mfu"] = *r.mfu;
     if (r.eval_loss.has_value()) {

@@ -42,7 +42,10 @@ struct StepRecord {
   // Model FLOPs utilisation, 0 to 1 (common/mfu.h), on a GPU the peak table knows; else none.
   std::optional<double> mfu;
   double step_seconds = 0;  // of training, without an evaluation after it
-  double backward_seconds = 0;
+  // The host's time in backward: the backward's own on the CPU. None on a GPU, where the host only
+  // queues the backward's kernels (and a replayed CUDA graph queues none): the log and the metrics
+  // file leave it out rather than give that as the backward's time.
+  std::optional<double> backward_seconds;
   double comm_wait_seconds = 0;
   int64_t comm_bytes = 0;
   // Pipeline: each stage's idle share of the schedule (the measured bubble is their mean); empty
