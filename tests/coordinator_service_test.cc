@@ -1085,6 +1085,45 @@ TEST_F(CoordinatorServiceTest, ARankStillStoppingAtItsNodesHelloGetsItsJobsGrace
   EXPECT_EQ(again->NextCommand().assignment().job_id(), next.id());
 }
 
+// A worker restarted with a lower --max-stop-grace still runs a rank its shepherd gives the old,
+// longer grace: the hello says so (RankStatus.stop_grace_ms), and the device is held for that
+// grace and the margin from the hello, not for the node's new maximum.
+TEST_F(CoordinatorServiceTest, ARankStillStoppingKeepsTheGraceItsShepherdReportsAtTheHello) {
+  auto node = testing::NodeSession::ConnectWith(
+      channel_, tokens_->Node("n1"), WithGraces("n1", absl::Seconds(10), absl::Minutes(10)));
+  v1::JobSpec spec = Spec(1);
+  spec.set_stop_grace_seconds(600);
+  v1::Job job = MustSubmit(spec);
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  const v1::Assignment a = node->NextCommand().assignment();
+  ASSERT_TRUE(Cancel(job.id()).ok());
+  ASSERT_TRUE(node->NextCommand().has_cancel());
+  v1::Job next = MustSubmit(Spec(1, "next"));
+  node.reset();  // the worker restarts with --max-stop-grace 1m, its rank still stopping
+  for (absl::Time give_up = absl::Now() + absl::Seconds(10);
+       Node("n1").connected() && absl::Now() < give_up;) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  v1::RankStatus stopping;
+  stopping.set_job_id(job.id());
+  stopping.set_attempt(a.attempt());
+  stopping.set_rank(0);
+  stopping.set_device(0);
+  stopping.set_phase(v1::RANK_RUNNING);
+  stopping.set_stop_grace_ms(600'000);
+  auto again = testing::NodeSession::ConnectWith(
+      channel_, tokens_->Node("n1"), WithGraces("n1", absl::Seconds(10), absl::Minutes(1)),
+      {stopping});
+  ASSERT_TRUE(again->NextCommand().has_cancel());  // told to stop again
+  clock_.Advance(absl::Minutes(10) + absl::Seconds(29));
+  again->Heartbeat();
+  EXPECT_EQ(server_->jobs().SchedulePass(), 0) << "within the shepherd's grace from the hello";
+  clock_.Advance(absl::Seconds(2));
+  again->Heartbeat();
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  EXPECT_EQ(again->NextCommand().assignment().job_id(), next.id());
+}
+
 // A job array's %N counts a task once: a task restarting while its failed attempt's ranks still
 // stop holds its own place (it starts again on free devices, as any job does), and the array's
 // other tasks still wait for it.

@@ -120,7 +120,10 @@ TEST(ShepherdTest, TakesConnectionsFromItsOwnAccountOnly) {
   ASSERT_TRUE(worker.ok()) << worker.status();
   auto hello = ReceiveShepherdMessage(*worker, absl::Seconds(10));
   ASSERT_TRUE(hello.ok()) << hello.status();
-  EXPECT_TRUE(ParseShepherdHello(*hello).has_value()) << *hello;
+  // Its hello names its grace (a restarted worker reports it: the coordinator's hold counts on it).
+  const std::optional<ShepherdHello> parsed = ParseShepherdHello(*hello);
+  ASSERT_TRUE(parsed.has_value()) << *hello;
+  EXPECT_EQ(parsed->grace_ms, 5000) << *hello;
 
   EXPECT_EQ(ConnectAs(nobody, nobody, path), PeerOutcome::kNotPermitted);
   ASSERT_EQ(chmod(path.c_str(), 0666), 0);
@@ -239,6 +242,23 @@ TEST(RankEnvironmentTest, BaseThenTheNamedWorkerVariablesThenTheRanksOwn) {
 // The shepherd (trainyard-worker itself) finds its libraries where the worker did, and holds
 // nothing else of the worker's environment. (The GPU hosts' kit is under LD_LIBRARY_PATH: without
 // it, no shepherd started there and every rank failed "the rank's shepherd did not start".)
+// A shepherd's hello, and an older shepherd's without its grace (not known: 0); anything else
+// is not a hello.
+TEST(ShepherdTest, HelloGivesTheDeviceTheOffsetAndTheGrace) {
+  const std::optional<ShepherdHello> hello = ParseShepherdHello("rank 1234 3 4096 600000");
+  ASSERT_TRUE(hello.has_value());
+  EXPECT_EQ(hello->device, 3);
+  EXPECT_EQ(hello->offset, 4096);
+  EXPECT_EQ(hello->grace_ms, 600000);
+  const std::optional<ShepherdHello> old = ParseShepherdHello("rank 1234 3 4096");
+  ASSERT_TRUE(old.has_value());
+  EXPECT_EQ(old->grace_ms, 0);
+  EXPECT_FALSE(ParseShepherdHello("rank 1234 3 4096 -5").has_value());
+  EXPECT_FALSE(ParseShepherdHello("rank 1234 3 4096 5 6").has_value());
+  EXPECT_FALSE(ParseShepherdHello("rank 1234 3").has_value());
+  EXPECT_FALSE(ParseShepherdHello("rank 1234 3 -1 5").has_value());
+}
+
 TEST(ShepherdEnvironmentTest, AFixedPathAndTheWorkersLibraryPathOnly) {
   EXPECT_THAT(ShepherdEnvironment({"HOME=/root", "LD_LIBRARY_PATH=/opt/kit/lib:/opt/torch/lib",
                                    "LD_PRELOAD=/x.so", "PATH=/opt/bin", "SECRET=1"}),

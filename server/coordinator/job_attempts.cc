@@ -8,6 +8,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <map>
 #include <optional>
 #include <set>
 #include <tuple>
@@ -104,7 +105,9 @@ absl::StatusOr<v1::Job> JobManager::Signal(const std::string& job_id, const std:
   return *job;
 }
 
-absl::Time JobManager::DrainDeadline(const std::string& node_id, const v1::Job* job) const {
+absl::Time JobManager::DrainDeadline(const std::string& node_id, const v1::Job* job,
+                                     std::optional<absl::Duration> reported) const {
+  if (reported.has_value()) return clock_.Now() + std::max(kDrainTimeout, *reported + kDrainMargin);
   const std::optional<int64_t> job_grace =
       job != nullptr ? std::optional<int64_t>(job->spec().stop_grace_seconds()) : std::nullopt;
   return clock_.Now() +
@@ -372,10 +375,24 @@ void JobManager::OnNodeHello(const std::string& node_id,
   {
     absl::MutexLock lock(&mu_);
     std::set<DeviceLedger::RankKey> alive;
-    for (const v1::RankStatus& r : running) alive.insert({r.job_id(), r.attempt(), r.rank()});
-    // Those still running are told to stop (again) now: a new grace to report it, their job's.
+    // The grace each one's shepherd gives it, where the node says (a worker restarted with a lower
+    // --max-stop-grace still has ranks started with the old one).
+    std::map<DeviceLedger::RankKey, absl::Duration> reported;
+    for (const v1::RankStatus& r : running) {
+      alive.insert({r.job_id(), r.attempt(), r.rank()});
+      if (r.has_stop_grace_ms() && r.stop_grace_ms() > 0) {
+        reported[{r.job_id(), r.attempt(), r.rank()}] = absl::Milliseconds(r.stop_grace_ms());
+      }
+    }
+    auto reported_of = [&](const DeviceLedger::RankKey& key) -> std::optional<absl::Duration> {
+      const auto it = reported.find(key);
+      if (it == reported.end()) return std::nullopt;
+      return it->second;
+    };
+    // Those still running are told to stop (again) now: a new grace to report it, their
+    // shepherd's as the node reports it, else their job's on the node as it is now.
     auto deadline_of = [&](const DeviceLedger::RankKey& key) {
-      return DrainDeadline(node_id, Find(std::get<0>(key)));
+      return DrainDeadline(node_id, Find(std::get<0>(key)), reported_of(key));
     };
     if (devices_.SettleNode(node_id, alive, deadline_of)) WakeScheduler();
     // Ranks of attempts that are no longer current and that this coordinator does not know to
@@ -392,7 +409,7 @@ void JobManager::OnNodeHello(const std::string& node_id,
                      node_id, r.rank(), r.job_id(), r.attempt(), r.device());
         continue;
       }
-      devices_.Drain(key, node_id, r.device(), DrainDeadline(node_id, job));
+      devices_.Drain(key, node_id, r.device(), DrainDeadline(node_id, job, reported_of(key)));
     }
   }
   for (const v1::RankStatus& r : running) OnRankStatus(node_id, r);

@@ -271,8 +271,10 @@ class JobManager final : public JobLifecycle,
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Until when a rank of `job` (null: of any job) told now to stop on `node_id` keeps its device
   // while its exit is not reported: the stop grace the node gives it and a margin, at least
-  // kDrainTimeout.
-  absl::Time DrainDeadline(const std::string& node_id, const v1::Job* job) const
+  // kDrainTimeout. `reported`: the grace the rank's node said its shepherd gives it
+  // (RankStatus.stop_grace_ms, at a hello), which it keeps whatever the node's flags are now.
+  absl::Time DrainDeadline(const std::string& node_id, const v1::Job* job,
+                           std::optional<absl::Duration> reported = std::nullopt) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Records a checkpoint report as the job's last checkpoint and what retention kept.
   void RecordCheckpoint(v1::Job& job, const v1::CheckpointReport& report)

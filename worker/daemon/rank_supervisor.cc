@@ -668,6 +668,7 @@ std::vector<v1::RankStatus> RankSupervisor::Adopt() {
         started_.insert(key);
         Rank& r = ranks_[key];
         r.device = hello->device;
+        r.grace_ms = hello->grace_ms;
         r.conn = *conn;
         r.reader = std::thread(
             [this, key, conn = *conn, offset = hello->offset] { Follow(key, conn, 0, offset); });
@@ -677,6 +678,7 @@ std::vector<v1::RankStatus> RankSupervisor::Adopt() {
         s.set_rank(rank);
         s.set_device(hello->device);
         s.set_phase(v1::RANK_RUNNING);
+        if (hello->grace_ms > 0) s.set_stop_grace_ms(hello->grace_ms);
       }
     }
   }
@@ -687,16 +689,19 @@ std::vector<v1::RankStatus> RankSupervisor::Running() const {
   absl::MutexLock lock(&mu_);
   std::vector<v1::RankStatus> out;
   auto add = [&out](const std::string& job_id, int attempt, int rank, int device,
-                    v1::RankPhase phase) {
+                    v1::RankPhase phase) -> v1::RankStatus& {
     v1::RankStatus& s = out.emplace_back();
     s.set_job_id(job_id);
     s.set_attempt(attempt);
     s.set_rank(rank);
     s.set_device(device);
     s.set_phase(phase);
+    return s;
   };
   for (const auto& [key, rank] : ranks_) {
-    add(std::get<0>(key), std::get<1>(key), std::get<2>(key), rank.device, v1::RANK_RUNNING);
+    v1::RankStatus& s =
+        add(std::get<0>(key), std::get<1>(key), std::get<2>(key), rank.device, v1::RANK_RUNNING);
+    if (rank.grace_ms > 0) s.set_stop_grace_ms(rank.grace_ms);
   }
   for (const v1::Assignment& a : launches_) {  // not started yet
     for (int i = 0; i < RanksOf(a); ++i) {
@@ -1105,6 +1110,7 @@ void RankSupervisor::Exec(const v1::Assignment& a, const RankKey& key, int devic
   }
   Rank& r = ranks_[key];
   r.device = device;
+  r.grace_ms = absl::ToInt64Milliseconds(StopGrace(spec, options_));
   r.conn = *conn;
   r.reader = std::thread([this, key, conn = *conn, pid] { Follow(key, conn, pid, -1); });
 

@@ -204,7 +204,8 @@ class RankSupervisor {
   using RankKey = std::tuple<std::string, int, int>;  // job, attempt, rank
   struct Rank {
     int device = 0;
-    int conn = -1;  // to its shepherd
+    int64_t grace_ms = 0;  // its shepherd's SIGTERM-to-SIGKILL grace (0: not known, an old one)
+    int conn = -1;         // to its shepherd
     bool stop_sent = false;
     std::thread reader;
   };

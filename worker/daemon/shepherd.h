@@ -55,10 +55,12 @@ int RunShepherd(int argc, char** argv);
 absl::StatusOr<int> ListenShepherdSocket(const std::string& path);
 // A connection to the shepherd socket at `path`; NOT_FOUND when nothing listens there.
 absl::StatusOr<int> ConnectShepherdSocket(const std::string& path);
-// A shepherd's first message, "rank PID DEVICE OFFSET".
+// A shepherd's first message, "rank PID DEVICE OFFSET GRACE_MS" ("rank PID DEVICE OFFSET" from a
+// shepherd of an older worker: grace_ms 0, not known).
 struct ShepherdHello {
   int device = 0;
-  int64_t offset = 0;  // log bytes the last worker said it had sent on
+  int64_t offset = 0;    // log bytes the last worker said it had sent on
+  int64_t grace_ms = 0;  // SIGTERM to SIGKILL when it stops the rank (its grace_ms=)
 };
 std::optional<ShepherdHello> ParseShepherdHello(const std::string& message);
 // One message of at most 256 bytes sent on `fd`; false when the peer is gone.
