@@ -117,6 +117,25 @@ class CoordinatorServiceTest : public testing::CoordinatorFixture {
   }
 
   // The node as `yard nodes` lists it (an empty node when it is not listed).
+  // Until the coordinator has seen node `id`'s session end (at most 10 s).
+  void WaitUntilDisconnected(const std::string& id) {
+    for (absl::Time give_up = absl::Now() + absl::Seconds(10);
+         Node(id).connected() && absl::Now() < give_up;) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+  }
+
+  // A hello's status of rank `rank` of `a`'s attempt, running on device 0.
+  static v1::RankStatus RunningRank(const v1::Assignment& a, int rank) {
+    v1::RankStatus status;
+    status.set_job_id(a.job_id());
+    status.set_attempt(a.attempt());
+    status.set_rank(rank);
+    status.set_device(0);
+    status.set_phase(v1::RANK_RUNNING);
+    return status;
+  }
+
   v1::Node Node(const std::string& id) {
     grpc::ClientContext ctx;
     Prepare(ctx);
@@ -783,10 +802,7 @@ TEST_F(CoordinatorServiceTest, ANodeBackWithAStaleRankStopsItAndHoldsItsDeviceUn
   ASSERT_EQ(server_->jobs().SchedulePass(), 1);
   const v1::Assignment a = node->NextCommand().assignment();
   node.reset();  // cut off
-  for (absl::Time give_up = absl::Now() + absl::Seconds(10);
-       Node("n1").connected() && absl::Now() < give_up;) {
-    absl::SleepFor(absl::Milliseconds(10));
-  }
+  WaitUntilDisconnected("n1");
   clock_.Advance(absl::Seconds(11));
   server_->Tick();
   ASSERT_EQ(WaitForState(job.id(), v1::RESTARTING).state(), v1::RESTARTING);
@@ -822,14 +838,8 @@ TEST_F(CoordinatorServiceTest, AReconnectingNodeGetsAgainOnlyTheAssignmentsItDoe
   ASSERT_EQ(server_->jobs().SchedulePass(), 1);
   const v1::Assignment a = node->NextCommand().assignment();
   ASSERT_EQ(a.job_id(), job.id());
-  auto wait_disconnected = [&] {
-    for (absl::Time give_up = absl::Now() + absl::Seconds(10);
-         Node("n1").connected() && absl::Now() < give_up;) {
-      absl::SleepFor(absl::Milliseconds(10));
-    }
-  };
   node.reset();
-  wait_disconnected();
+  WaitUntilDisconnected("n1");
   std::vector<v1::RankStatus> running(2);
   for (int r = 0; r < 2; ++r) {
     running[r].set_job_id(job.id());
@@ -844,7 +854,7 @@ TEST_F(CoordinatorServiceTest, AReconnectingNodeGetsAgainOnlyTheAssignmentsItDoe
   EXPECT_EQ(again->pending(), 0u) << "the ranks the node runs were assigned again: "
                                   << again->NextCommand().DebugString();
   again.reset();
-  wait_disconnected();
+  WaitUntilDisconnected("n1");
 
   auto fresh = Connect("n1", 2);  // lists nothing: a worker started again from scratch
   fresh->Heartbeat();
@@ -1064,16 +1074,8 @@ TEST_F(CoordinatorServiceTest, ARankStillStoppingAtItsNodesHelloGetsItsJobsGrace
   v1::Job next = MustSubmit(Spec(1, "next"));
   clock_.Advance(absl::Minutes(1));
   node.reset();  // the worker reconnects, its rank still stopping
-  for (absl::Time give_up = absl::Now() + absl::Seconds(10);
-       Node("n1").connected() && absl::Now() < give_up;) {
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  v1::RankStatus stopping;
-  stopping.set_job_id(job.id());
-  stopping.set_attempt(a.attempt());
-  stopping.set_rank(0);
-  stopping.set_device(0);
-  stopping.set_phase(v1::RANK_RUNNING);
+  WaitUntilDisconnected("n1");
+  v1::RankStatus stopping = RunningRank(a, 0);
   auto again = testing::NodeSession::ConnectWith(channel_, tokens_->Node("n1"), n1, {stopping});
   ASSERT_TRUE(again->NextCommand().has_cancel());  // told to stop again
   clock_.Advance(absl::Minutes(3) + absl::Seconds(29));
@@ -1100,16 +1102,8 @@ TEST_F(CoordinatorServiceTest, ARankStillStoppingKeepsTheGraceItsShepherdReports
   ASSERT_TRUE(node->NextCommand().has_cancel());
   v1::Job next = MustSubmit(Spec(1, "next"));
   node.reset();  // the worker restarts with --max-stop-grace 1m, its rank still stopping
-  for (absl::Time give_up = absl::Now() + absl::Seconds(10);
-       Node("n1").connected() && absl::Now() < give_up;) {
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  v1::RankStatus stopping;
-  stopping.set_job_id(job.id());
-  stopping.set_attempt(a.attempt());
-  stopping.set_rank(0);
-  stopping.set_device(0);
-  stopping.set_phase(v1::RANK_RUNNING);
+  WaitUntilDisconnected("n1");
+  v1::RankStatus stopping = RunningRank(a, 0);
   stopping.set_stop_grace_ms(600'000);
   auto again = testing::NodeSession::ConnectWith(
       channel_, tokens_->Node("n1"), WithGraces("n1", absl::Seconds(10), absl::Minutes(1)),
@@ -1118,6 +1112,37 @@ TEST_F(CoordinatorServiceTest, ARankStillStoppingKeepsTheGraceItsShepherdReports
   clock_.Advance(absl::Minutes(10) + absl::Seconds(29));
   again->Heartbeat();
   EXPECT_EQ(server_->jobs().SchedulePass(), 0) << "within the shepherd's grace from the hello";
+  clock_.Advance(absl::Seconds(2));
+  again->Heartbeat();
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  EXPECT_EQ(again->NextCommand().assignment().job_id(), next.id());
+}
+
+// The same for a rank still running at the hello, its job's current attempt: stopped later (a
+// cancel), it keeps the grace its shepherd reported, not the node's new maximum.
+TEST_F(CoordinatorServiceTest, ARunningRankStoppedAfterTheHelloKeepsTheGraceItsShepherdReported) {
+  auto node = testing::NodeSession::ConnectWith(
+      channel_, tokens_->Node("n1"), WithGraces("n1", absl::Seconds(10), absl::Minutes(10)));
+  v1::JobSpec spec = Spec(1);
+  spec.set_stop_grace_seconds(600);
+  v1::Job job = MustSubmit(spec);
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  const v1::Assignment a = node->NextCommand().assignment();
+  node.reset();  // the worker restarts with --max-stop-grace 1m, its rank running on
+  WaitUntilDisconnected("n1");
+  v1::RankStatus running = RunningRank(a, 0);
+  running.set_stop_grace_ms(600'000);
+  auto again = testing::NodeSession::ConnectWith(
+      channel_, tokens_->Node("n1"), WithGraces("n1", absl::Seconds(10), absl::Minutes(1)),
+      {running});
+  again->Heartbeat();
+  ASSERT_EQ(WaitForState(job.id(), v1::RUNNING).state(), v1::RUNNING);
+  ASSERT_TRUE(Cancel(job.id()).ok());
+  ASSERT_TRUE(again->NextCommand().has_cancel());
+  v1::Job next = MustSubmit(Spec(1, "next"));
+  clock_.Advance(absl::Minutes(10) + absl::Seconds(29));
+  again->Heartbeat();
+  EXPECT_EQ(server_->jobs().SchedulePass(), 0) << "within the shepherd's grace from the cancel";
   clock_.Advance(absl::Seconds(2));
   again->Heartbeat();
   ASSERT_EQ(server_->jobs().SchedulePass(), 1);

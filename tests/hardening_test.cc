@@ -609,7 +609,10 @@ TEST_F(HardeningTest, AFloodOfBadCredentialsIsThrottledWhileValidOnesFromTheSame
 }
 
 // An IPv6 peer's failures count under its /64 by default, and under the address itself with
-// --auth-peer-ipv6-prefix 128 (the option reaches the peer key AuthenticateFrom is given).
+// --auth-peer-ipv6-prefix 128: the option reaches the registry's ClientOf, which makes both keys
+// the throttle counts a call's failures under (its peer's, or the browser's a console call
+// names). (The tests' clients reach the coordinator over IPv4 loopback: the key's use by a
+// call is HardeningTest.AFloodOfBadCredentials...'s.)
 class HardeningPerAddressTest : public HardeningTest {
  protected:
   void Configure(CoordinatorOptions& options) override {

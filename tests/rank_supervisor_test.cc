@@ -238,12 +238,8 @@ TEST(RankEnvironmentTest, BaseThenTheNamedWorkerVariablesThenTheRanksOwn) {
   EXPECT_EQ(named[0], "PATH=/opt/worker/bin");
 }
 
-// A failed rank's message leads with its cause, not with the first thing it printed.
-// The shepherd (trainyard-worker itself) finds its libraries where the worker did, and holds
-// nothing else of the worker's environment. (The GPU hosts' kit is under LD_LIBRARY_PATH: without
-// it, no shepherd started there and every rank failed "the rank's shepherd did not start".)
-// A shepherd's hello, and an older shepherd's without its grace (not known: 0); anything else
-// is not a hello.
+// A shepherd's hello, an older shepherd's without its grace (not known: 0), a newer one's with
+// more words; anything else is not a hello.
 TEST(ShepherdTest, HelloGivesTheDeviceTheOffsetAndTheGrace) {
   const std::optional<ShepherdHello> hello = ParseShepherdHello("rank 1234 3 4096 600000");
   ASSERT_TRUE(hello.has_value());
@@ -254,11 +250,17 @@ TEST(ShepherdTest, HelloGivesTheDeviceTheOffsetAndTheGrace) {
   ASSERT_TRUE(old.has_value());
   EXPECT_EQ(old->grace_ms, 0);
   EXPECT_FALSE(ParseShepherdHello("rank 1234 3 4096 -5").has_value());
-  EXPECT_FALSE(ParseShepherdHello("rank 1234 3 4096 5 6").has_value());
+  // (A newer shepherd's words after the grace are not this worker's to read.)
+  const std::optional<ShepherdHello> newer = ParseShepherdHello("rank 1234 3 4096 5 more");
+  ASSERT_TRUE(newer.has_value());
+  EXPECT_EQ(newer->grace_ms, 5);
   EXPECT_FALSE(ParseShepherdHello("rank 1234 3").has_value());
   EXPECT_FALSE(ParseShepherdHello("rank 1234 3 -1 5").has_value());
 }
 
+// The shepherd (trainyard-worker itself) finds its libraries where the worker did, and holds
+// nothing else of the worker's environment. (The GPU hosts' kit is under LD_LIBRARY_PATH: without
+// it, no shepherd started there and every rank failed "the rank's shepherd did not start".)
 TEST(ShepherdEnvironmentTest, AFixedPathAndTheWorkersLibraryPathOnly) {
   EXPECT_THAT(ShepherdEnvironment({"HOME=/root", "LD_LIBRARY_PATH=/opt/kit/lib:/opt/torch/lib",
                                    "LD_PRELOAD=/x.so", "PATH=/opt/bin", "SECRET=1"}),

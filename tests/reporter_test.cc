@@ -113,9 +113,6 @@ void ReportSteps(Reporter& reporter, int steps) {
   }
 }
 
-// A coordinator that answers, slowly, gets every step, though sending them takes longer than the
-// 5 s the drain waits for a coordinator that does not answer (the last steps were lost so on a
-// busy machine).
 // A step's line in the rank's log and --metrics-file: the backward's time where the host measured
 // it (the CPU), left out where it is not the backward's (a GPU, whose host only queues kernels).
 std::vector<std::string> g_step_lines;
@@ -152,6 +149,9 @@ TEST(StepReporterTest, TheBackwardsTimeOnlyWhereTheHostMeasuredIt) {
   std::remove(path.c_str());
 }
 
+// A coordinator that answers, slowly, gets every step, though sending them takes longer than the
+// 5 s the drain waits for a coordinator that does not answer (the last steps were lost so on a
+// busy machine).
 TEST(ReporterTest, AtExitEveryStepIsSentWhileTheCoordinatorAnswers) {
   SlowTrainerService service(absl::Milliseconds(100));
   int port = 0;

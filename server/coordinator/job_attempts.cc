@@ -220,9 +220,17 @@ void JobManager::ReleaseAttempt(v1::Job& job, const std::string& reason) {
     std::set<int> draining;
     for (int i = 0; i < RanksOf(p); ++i) {
       const int rank = p.first_rank() + i;
+      const DeviceLedger::RankKey key{job.id(), job.attempt(), rank};
+      const auto reported = reported_graces_.find(key);
+      std::optional<absl::Duration> grace;
+      if (reported != reported_graces_.end()) {
+        grace = reported->second;
+        reported_graces_.erase(reported);
+      }
       if (reason.empty() || exited.count(rank) > 0) continue;
       const int device = DeviceOfRank(p, i);
-      devices_.Drain({job.id(), job.attempt(), rank}, p.node_id(), device, drain_deadline);
+      devices_.Drain(key, p.node_id(), device,
+                     grace.has_value() ? DrainDeadline(p.node_id(), &job, grace) : drain_deadline);
       draining.insert(device);
     }
     for (const int device : p.device_indices()) {
@@ -370,6 +378,20 @@ void JobManager::OnNodesLost(const std::vector<std::string>& node_ids) {
   }
 }
 
+namespace {
+
+// Whether rank `rank` of `job`'s current placement runs on `node_id`.
+bool PlacedOn(const v1::Job& job, const std::string& node_id, int rank) {
+  for (const v1::RankPlacement& p : job.placement()) {
+    if (p.node_id() == node_id && rank >= p.first_rank() && rank < p.first_rank() + RanksOf(p)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
 void JobManager::OnNodeHello(const std::string& node_id,
                              const google::protobuf::RepeatedPtrField<v1::RankStatus>& running) {
   {
@@ -377,11 +399,18 @@ void JobManager::OnNodeHello(const std::string& node_id,
     std::set<DeviceLedger::RankKey> alive;
     // The grace each one's shepherd gives it, where the node says (a worker restarted with a lower
     // --max-stop-grace still has ranks started with the old one).
+    // (At most a day, as a node's own --stop-grace.)
     std::map<DeviceLedger::RankKey, absl::Duration> reported;
     for (const v1::RankStatus& r : running) {
-      alive.insert({r.job_id(), r.attempt(), r.rank()});
-      if (r.has_stop_grace_ms() && r.stop_grace_ms() > 0) {
-        reported[{r.job_id(), r.attempt(), r.rank()}] = absl::Milliseconds(r.stop_grace_ms());
+      const DeviceLedger::RankKey key{r.job_id(), r.attempt(), r.rank()};
+      alive.insert(key);
+      if (!r.has_stop_grace_ms() || r.stop_grace_ms() <= 0) continue;
+      reported[key] = std::min(absl::Milliseconds(r.stop_grace_ms()), kMaxReportedGrace);
+      // A rank of a current attempt keeps it for when the attempt is stopped (ReleaseAttempt).
+      const v1::Job* job = Find(r.job_id());
+      if (job != nullptr && IsActive(job->state()) && r.attempt() == job->attempt() &&
+          PlacedOn(*job, node_id, r.rank())) {
+        reported_graces_[key] = reported[key];
       }
     }
     auto reported_of = [&](const DeviceLedger::RankKey& key) -> std::optional<absl::Duration> {
@@ -414,20 +443,6 @@ void JobManager::OnNodeHello(const std::string& node_id,
   }
   for (const v1::RankStatus& r : running) OnRankStatus(node_id, r);
 }
-
-namespace {
-
-// Whether rank `rank` of `job`'s current placement runs on `node_id`.
-bool PlacedOn(const v1::Job& job, const std::string& node_id, int rank) {
-  for (const v1::RankPlacement& p : job.placement()) {
-    if (p.node_id() == node_id && rank >= p.first_rank() && rank < p.first_rank() + RanksOf(p)) {
-      return true;
-    }
-  }
-  return false;
-}
-
-}  // namespace
 
 bool JobManager::RankRunsOn(const std::string& node_id, const std::string& job_id, int attempt,
                             int rank) const {

@@ -389,6 +389,10 @@ class JobManager final : public JobLifecycle,
   std::set<std::string> preempt_stopped_ ABSL_GUARDED_BY(mu_);
   // Attempts and devices: held devices, draining ranks, exited ranks, master ports.
   DeviceLedger devices_ ABSL_GUARDED_BY(mu_);
+  // The grace a running rank of a current attempt gets when stopped, as its node's hello reported
+  // it (RankStatus.stop_grace_ms: a worker restarted with other flags keeps its shepherds' graces),
+  // for ReleaseAttempt's drains; an attempt's entries go when it is released.
+  std::map<DeviceLedger::RankKey, absl::Duration> reported_graces_ ABSL_GUARDED_BY(mu_);
   int64_t next_seq_ ABSL_GUARDED_BY(mu_) = 1;
   // Watches, and the version of each job known to be on disk. Reads (Get, List) may be a few ms
   // ahead of the disk; watch events never are.

@@ -46,6 +46,9 @@ inline std::string HumanDuration(absl::Duration d) {
 // by default) and kDrainMargin, at least kDrainTimeout (JobManager::DrainDeadline).
 inline constexpr absl::Duration kDrainTimeout = absl::Seconds(60);
 inline constexpr absl::Duration kDrainMargin = absl::Seconds(30);
+// The most a node's report of a rank's stop grace counts for (RankStatus.stop_grace_ms), as a
+// node's own --stop-grace at registration.
+inline constexpr absl::Duration kMaxReportedGrace = absl::Hours(24);
 // Placements one pass applies; the rest wait for the next pass, which follows at once. Bounds how
 // long a pass holds the job manager under a burst (rank reports and submits wait for it).
 inline constexpr int kMaxPlacementsPerPass = 128;

@@ -339,10 +339,11 @@ std::optional<ShepherdHello> ParseShepherdHello(const std::string& message) {
   const std::vector<std::string> words = absl::StrSplit(message, ' ');
   pid_t pid = 0;
   ShepherdHello hello;
-  if ((words.size() != 4 && words.size() != 5) || words[0] != "rank" ||
-      !absl::SimpleAtoi(words[1], &pid) || !absl::SimpleAtoi(words[2], &hello.device) ||
-      !absl::SimpleAtoi(words[3], &hello.offset) || hello.offset < 0 ||
-      (words.size() == 5 && (!absl::SimpleAtoi(words[4], &hello.grace_ms) || hello.grace_ms < 0))) {
+  // (Words after the grace, from a newer shepherd, are left for its own worker.)
+  if (words.size() < 4 || words[0] != "rank" || !absl::SimpleAtoi(words[1], &pid) ||
+      !absl::SimpleAtoi(words[2], &hello.device) || !absl::SimpleAtoi(words[3], &hello.offset) ||
+      hello.offset < 0 ||
+      (words.size() >= 5 && (!absl::SimpleAtoi(words[4], &hello.grace_ms) || hello.grace_ms < 0))) {
     return std::nullopt;
   }
   return hello;

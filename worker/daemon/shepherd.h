@@ -56,7 +56,7 @@ absl::StatusOr<int> ListenShepherdSocket(const std::string& path);
 // A connection to the shepherd socket at `path`; NOT_FOUND when nothing listens there.
 absl::StatusOr<int> ConnectShepherdSocket(const std::string& path);
 // A shepherd's first message, "rank PID DEVICE OFFSET GRACE_MS" ("rank PID DEVICE OFFSET" from a
-// shepherd of an older worker: grace_ms 0, not known).
+// shepherd of an older worker: grace_ms 0, not known; more words, from a newer one's, ignored).
 struct ShepherdHello {
   int device = 0;
   int64_t offset = 0;    // log bytes the last worker said it had sent on
