@@ -117,6 +117,37 @@ class CoordinatorServiceTest : public testing::CoordinatorFixture {
   }
 
   // The node as `yard nodes` lists it (an empty node when it is not listed).
+  // A stopping rank's device on `node` stays held for `hold` from now: a second before, `next`
+  // (waiting for it) is not placed; a second after, it is placed there (its assignment in
+  // `placed`, when given).
+  void ExpectHeldFor(testing::NodeSession& node, absl::Duration hold, const v1::Job& next,
+                     v1::Assignment* placed = nullptr) {
+    clock_.Advance(hold - absl::Seconds(1));
+    node.Heartbeat();
+    EXPECT_EQ(server_->jobs().SchedulePass(), 0) << "within " << absl::FormatDuration(hold);
+    clock_.Advance(absl::Seconds(2));
+    node.Heartbeat();
+    ASSERT_EQ(server_->jobs().SchedulePass(), 1) << "past " << absl::FormatDuration(hold);
+    const v1::Assignment a = node.NextCommand().assignment();
+    EXPECT_EQ(a.job_id(), next.id());
+    if (placed != nullptr) *placed = a;
+  }
+
+  // Node n1's worker restarting, with --stop-grace 10s and --max-stop-grace `max_stop_grace`,
+  // while rank 0 of `a` runs on under its shepherd (still stopping, or not told to yet), which
+  // reports `reported` as its grace (zero: not said, as an older worker). The new session.
+  std::unique_ptr<testing::NodeSession> RestartWithRankRunning(
+      std::unique_ptr<testing::NodeSession> node, const v1::Assignment& a,
+      absl::Duration max_stop_grace, absl::Duration reported = absl::ZeroDuration()) {
+    node.reset();
+    WaitUntilDisconnected("n1");
+    v1::RankStatus rank = RunningRank(a, 0);
+    if (reported > absl::ZeroDuration())
+      rank.set_stop_grace_ms(absl::ToInt64Milliseconds(reported));
+    return testing::NodeSession::ConnectWith(
+        channel_, tokens_->Node("n1"), WithGraces("n1", absl::Seconds(10), max_stop_grace), {rank});
+  }
+
   // Until the coordinator has seen node `id`'s session end (at most 10 s).
   void WaitUntilDisconnected(const std::string& id) {
     for (absl::Time give_up = absl::Now() + absl::Seconds(10);
@@ -1046,13 +1077,9 @@ TEST_F(CoordinatorServiceTest, AStoppedRanksDeviceIsHeldThroughItsJobsStopGraceU
     ASSERT_TRUE(Cancel(job.id()).ok());
     ASSERT_TRUE(node->NextCommand().has_cancel());
     v1::Job next = MustSubmit(Spec(1, "next"));
-    clock_.Advance(held + absl::Seconds(29));
-    node->Heartbeat();
-    EXPECT_EQ(server_->jobs().SchedulePass(), 0) << FormatDuration(asked);
-    clock_.Advance(absl::Seconds(2));
-    node->Heartbeat();
-    ASSERT_EQ(server_->jobs().SchedulePass(), 1) << FormatDuration(asked);
-    const v1::Assignment a = node->NextCommand().assignment();
+    SCOPED_TRACE(FormatDuration(asked));
+    v1::Assignment a;
+    ExpectHeldFor(*node, held + absl::Seconds(30), next, &a);
     ASSERT_EQ(a.job_id(), next.id());
     node->ReportExit(a, 0, 0);
     ASSERT_EQ(WaitForState(next.id(), v1::SUCCEEDED).state(), v1::SUCCEEDED);
@@ -1062,8 +1089,8 @@ TEST_F(CoordinatorServiceTest, AStoppedRanksDeviceIsHeldThroughItsJobsStopGraceU
 // A node that says hello while a cancelled rank still stops gives that rank a new grace: its
 // job's (3 minutes here, and the margin), not the node's longest (its 10-minute maximum).
 TEST_F(CoordinatorServiceTest, ARankStillStoppingAtItsNodesHelloGetsItsJobsGraceAgain) {
-  const v1::RegisterNodeRequest n1 = WithGraces("n1", absl::Seconds(10), absl::Minutes(10));
-  auto node = testing::NodeSession::ConnectWith(channel_, tokens_->Node("n1"), n1);
+  auto node = testing::NodeSession::ConnectWith(
+      channel_, tokens_->Node("n1"), WithGraces("n1", absl::Seconds(10), absl::Minutes(10)));
   v1::JobSpec spec = Spec(1);
   spec.set_stop_grace_seconds(180);
   v1::Job job = MustSubmit(spec);
@@ -1073,18 +1100,10 @@ TEST_F(CoordinatorServiceTest, ARankStillStoppingAtItsNodesHelloGetsItsJobsGrace
   ASSERT_TRUE(node->NextCommand().has_cancel());
   v1::Job next = MustSubmit(Spec(1, "next"));
   clock_.Advance(absl::Minutes(1));
-  node.reset();  // the worker reconnects, its rank still stopping
-  WaitUntilDisconnected("n1");
-  v1::RankStatus stopping = RunningRank(a, 0);
-  auto again = testing::NodeSession::ConnectWith(channel_, tokens_->Node("n1"), n1, {stopping});
-  ASSERT_TRUE(again->NextCommand().has_cancel());  // told to stop again
-  clock_.Advance(absl::Minutes(3) + absl::Seconds(29));
-  again->Heartbeat();
-  EXPECT_EQ(server_->jobs().SchedulePass(), 0) << "within the job's grace from the hello";
-  clock_.Advance(absl::Seconds(2));
-  again->Heartbeat();
-  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
-  EXPECT_EQ(again->NextCommand().assignment().job_id(), next.id());
+  // The worker reconnects, its rank still stopping.
+  auto again = RestartWithRankRunning(std::move(node), a, absl::Minutes(10));
+  ASSERT_TRUE(again->NextCommand().has_cancel());                     // told to stop again
+  ExpectHeldFor(*again, absl::Minutes(3) + absl::Seconds(30), next);  // the grace and the margin
 }
 
 // A worker restarted with a lower --max-stop-grace still runs a rank its shepherd gives the old,
@@ -1101,21 +1120,10 @@ TEST_F(CoordinatorServiceTest, ARankStillStoppingKeepsTheGraceItsShepherdReports
   ASSERT_TRUE(Cancel(job.id()).ok());
   ASSERT_TRUE(node->NextCommand().has_cancel());
   v1::Job next = MustSubmit(Spec(1, "next"));
-  node.reset();  // the worker restarts with --max-stop-grace 1m, its rank still stopping
-  WaitUntilDisconnected("n1");
-  v1::RankStatus stopping = RunningRank(a, 0);
-  stopping.set_stop_grace_ms(600'000);
-  auto again = testing::NodeSession::ConnectWith(
-      channel_, tokens_->Node("n1"), WithGraces("n1", absl::Seconds(10), absl::Minutes(1)),
-      {stopping});
-  ASSERT_TRUE(again->NextCommand().has_cancel());  // told to stop again
-  clock_.Advance(absl::Minutes(10) + absl::Seconds(29));
-  again->Heartbeat();
-  EXPECT_EQ(server_->jobs().SchedulePass(), 0) << "within the shepherd's grace from the hello";
-  clock_.Advance(absl::Seconds(2));
-  again->Heartbeat();
-  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
-  EXPECT_EQ(again->NextCommand().assignment().job_id(), next.id());
+  // The worker restarts with --max-stop-grace 1m, its rank still stopping.
+  auto again = RestartWithRankRunning(std::move(node), a, absl::Minutes(1), absl::Minutes(10));
+  ASSERT_TRUE(again->NextCommand().has_cancel());                      // told to stop again
+  ExpectHeldFor(*again, absl::Minutes(10) + absl::Seconds(30), next);  // the grace and the margin
 }
 
 // The same for a rank still running at the hello, its job's current attempt: stopped later (a
@@ -1128,25 +1136,14 @@ TEST_F(CoordinatorServiceTest, ARunningRankStoppedAfterTheHelloKeepsTheGraceItsS
   v1::Job job = MustSubmit(spec);
   ASSERT_EQ(server_->jobs().SchedulePass(), 1);
   const v1::Assignment a = node->NextCommand().assignment();
-  node.reset();  // the worker restarts with --max-stop-grace 1m, its rank running on
-  WaitUntilDisconnected("n1");
-  v1::RankStatus running = RunningRank(a, 0);
-  running.set_stop_grace_ms(600'000);
-  auto again = testing::NodeSession::ConnectWith(
-      channel_, tokens_->Node("n1"), WithGraces("n1", absl::Seconds(10), absl::Minutes(1)),
-      {running});
+  // The worker restarts with --max-stop-grace 1m, its rank running on.
+  auto again = RestartWithRankRunning(std::move(node), a, absl::Minutes(1), absl::Minutes(10));
   again->Heartbeat();
   ASSERT_EQ(WaitForState(job.id(), v1::RUNNING).state(), v1::RUNNING);
   ASSERT_TRUE(Cancel(job.id()).ok());
   ASSERT_TRUE(again->NextCommand().has_cancel());
   v1::Job next = MustSubmit(Spec(1, "next"));
-  clock_.Advance(absl::Minutes(10) + absl::Seconds(29));
-  again->Heartbeat();
-  EXPECT_EQ(server_->jobs().SchedulePass(), 0) << "within the shepherd's grace from the cancel";
-  clock_.Advance(absl::Seconds(2));
-  again->Heartbeat();
-  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
-  EXPECT_EQ(again->NextCommand().assignment().job_id(), next.id());
+  ExpectHeldFor(*again, absl::Minutes(10) + absl::Seconds(30), next);  // the grace and the margin
 }
 
 // A job array's %N counts a task once: a task restarting while its failed attempt's ranks still
