@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <deque>
 #include <filesystem>
 #include <fstream>
@@ -21,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -380,12 +382,23 @@ absl::StatusOr<std::string> SubmitFlagsYaml(const SubmitFlags& f, bool inline_jo
     out << YAML::Key << "env" << YAML::Value << YAML::BeginMap;
     for (const std::string& entry : f.env) {
       const size_t eq = entry.find('=');
-      if (eq == std::string::npos || eq == 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("--env: expected NAME=VALUE, got '", entry, "'"));
+      if (eq == 0 || entry.empty()) {
+        return absl::InvalidArgumentError(absl::StrCat("--env: expected NAME=VALUE or NAME, got '",
+                                                       absl::CHexEscape(entry), "'"));
       }
-      out << YAML::Key << entry.substr(0, eq) << YAML::Value << YAML::DoubleQuoted
-          << entry.substr(eq + 1);
+      if (eq != std::string::npos) {
+        out << YAML::Key << entry.substr(0, eq) << YAML::Value << YAML::DoubleQuoted
+            << entry.substr(eq + 1);
+        continue;
+      }
+      // NAME alone: docker run -e NAME, sbatch --export=NAME.
+      const char* value = std::getenv(entry.c_str());
+      if (value == nullptr) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--env ", absl::CHexEscape(entry), ": ", absl::CHexEscape(entry),
+                         " is not set in yard's environment (NAME=VALUE gives a value)"));
+      }
+      out << YAML::Key << entry << YAML::Value << YAML::DoubleQuoted << value;
     }
     out << YAML::EndMap;
   }
@@ -946,23 +959,6 @@ int Logs(const Globals& g, const std::string& id, bool follow, int tail, bool ra
   return s.ok() ? 0 : Fail(s);
 }
 
-// One status line: "step 120/300 [=======>       ] 40% ETA 1m12s loss 2.3100 tok/s 12.3K" (and
-// "mfu 35.7%" on GPUs).
-std::string ProgressLine(const v1::StepReport& r, double seconds_per_step) {
-  const int width = 24;
-  const double frac = r.total_steps() > 0 ? double(r.step()) / r.total_steps() : 0;
-  const int filled = static_cast<int>(frac * width);
-  std::string bar(width, ' ');
-  for (int i = 0; i < filled && i < width; ++i) bar[i] = '=';
-  if (filled < width) bar[filled] = '>';
-  const double eta_s = std::max<double>(0, (r.total_steps() - r.step()) * seconds_per_step);
-  return absl::StrFormat("step %d/%d [%s] %3.0f%% ETA %s loss %.4f tok/s %s%s", r.step(),
-                         r.total_steps(), bar, 100 * frac,
-                         absl::FormatDuration(absl::Seconds(static_cast<int64_t>(eta_s))), r.loss(),
-                         HumanCount(static_cast<int64_t>(r.tokens_per_second())),
-                         r.mfu() > 0 ? absl::StrFormat(" mfu %.1f%%", 100 * r.mfu()) : "");
-}
-
 // The mean of a step's per-stage idle shares: the measured pipeline bubble.
 double MeanIdle(const v1::StepReport& r) {
   double sum = 0;
@@ -1142,7 +1138,13 @@ void AddJobVerbs(CLI::App& app, Cli& c) {
       ->check(Positive());
   submit->add_option("--name", sf.name, "name (default: the script's or the program's)");
   submit->add_option("--description", sf.description, "description: free text");
-  submit->add_option("--env", sf.env, "env: NAME=VALUE for every rank (repeatable)");
+  // One value an --env or --after (CLI11 lets a list take every word after it, the spec file's
+  // path included: `yard submit --env A=1 job.yaml`, as sbatch users write it).
+  submit
+      ->add_option("--env", sf.env,
+                   "env: NAME=VALUE for every rank (repeatable); NAME alone: its value in yard's "
+                   "environment (for a secret, which argv would show to every local user)")
+      ->allow_extra_args(false);
   submit->add_option("--workdir", sf.workdir,
                      "workdir: the ranks' folder (default for a program after --: this one)");
   submit->add_option("--context", sf.context,
@@ -1156,7 +1158,8 @@ void AddJobVerbs(CLI::App& app, Cli& c) {
       ->add_option("--after", sf.after,
                    "after: start once these jobs (yours) have succeeded; fail at once if one "
                    "fails or is cancelled (JOB[,JOB]; sbatch --dependency=afterok)")
-      ->delimiter(',');
+      ->delimiter(',')
+      ->allow_extra_args(false);
   submit->add_option("--array", sf.array,
                      "a job array: one job per index, TRAINYARD_ARRAY_INDEX in its environment, "
                      "at most K running after %: 0-15%4, 1,3,5-7 (sbatch --array)");

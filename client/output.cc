@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
+#include "absl/time/time.h"
 
 namespace trainyard::client {
 
@@ -66,6 +67,24 @@ std::string Ago(int64_t unix_ms, int64_t now_ms) {
   if (s < 3600) return absl::StrCat(s / 60, "m ago");
   if (s < 86400) return absl::StrCat(s / 3600, "h ago");
   return absl::StrCat(s / 86400, "d ago");
+}
+
+std::string ProgressLine(const v1::StepReport& r, double seconds_per_step) {
+  const std::string tail = absl::StrFormat(
+      "loss %.4f tok/s %s%s", r.loss(), HumanCount(static_cast<int64_t>(r.tokens_per_second())),
+      r.mfu() > 0 ? absl::StrFormat(" mfu %.1f%%", 100 * r.mfu()) : "");
+  // A program's own report without a total (the SDK's report(step, loss=...)): no bar, no ETA.
+  if (r.total_steps() <= 0) return absl::StrFormat("step %d %s", r.step(), tail);
+  const int width = 24;
+  const double frac = std::clamp(double(r.step()) / r.total_steps(), 0.0, 1.0);
+  const int filled = static_cast<int>(frac * width);
+  std::string bar(width, ' ');
+  for (int i = 0; i < filled; ++i) bar[i] = '=';
+  if (filled < width) bar[filled] = '>';
+  const double eta_s = std::max<double>(0, (r.total_steps() - r.step()) * seconds_per_step);
+  return absl::StrFormat("step %d/%d [%s] %3.0f%% ETA %s %s", r.step(), r.total_steps(), bar,
+                         100 * frac,
+                         absl::FormatDuration(absl::Seconds(static_cast<int64_t>(eta_s))), tail);
 }
 
 std::string HumanCount(int64_t n) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/units.h"
+#include "trainyard/v1/trainer.pb.h"
 
 namespace trainyard::client {
 
@@ -28,6 +29,9 @@ using ::trainyard::HumanBytes;
 using ::trainyard::ParseBytes;
 // "1.2M", "110.0M", "7.0B".
 std::string HumanCount(int64_t n);
+// `yard metrics -f`'s status line: "step 120/300 [=======>       ]  40% ETA 1m12s loss 2.3100
+// tok/s 12.3K" (and "mfu 35.7%" on GPUs); "step 120 loss ..." where the report has no total.
+std::string ProgressLine(const v1::StepReport& r, double seconds_per_step);
 
 }  // namespace trainyard::client
 

@@ -69,7 +69,7 @@ struct SubmitFlags {
   double cpus = 0;                    // 0: not given
   std::string memory, name, workdir, description;
   std::string context;             // --context DIR: uploaded, unpacked on each node
-  std::vector<std::string> env;    // NAME=VALUE
+  std::vector<std::string> env;    // NAME=VALUE, or NAME: its value in yard's environment
   std::vector<std::string> after;  // job ids (7 or job-7)
   std::string array;               // "0-15%4", "1,3,5-7": one job per index
   int priority = 0, max_restarts = -1;

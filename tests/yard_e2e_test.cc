@@ -255,7 +255,7 @@ TEST_F(YardE2eTest, SubmitPrintsSequentialJobIdsWithFlagOrEnvironment) {
   CommandResult second = YardViaEnv({"submit", CharGptSpec()});
   EXPECT_EQ(second.exit_code, 0) << second.err;
   EXPECT_EQ(second.out, "job-2\n");
-  EXPECT_THAT(ListedIds(), ElementsAre("job-2", "job-1"));
+  EXPECT_THAT(ListedIds(), ElementsAre("job-3", "job-2", "job-1"));
 }
 
 TEST_F(YardE2eTest, CoordinatorFlagOverridesEnvironment) {
@@ -549,6 +549,47 @@ TEST_F(YardE2eTest, DescribeJsonIncludesTheSpec) {
   EXPECT_EQ(spec["resources"].value("slots", 0), 2);
   EXPECT_EQ(spec["model"].value("d_model", 0), 256);
   EXPECT_EQ(spec["data"].value("path", ""), "/usr/share/common-licenses/GPL-3");
+}
+
+// Flags before the spec file, as sbatch users write them: a list option takes one value a flag
+// (CLI11 let --env and --after take the spec's path too). `--env NAME` takes yard's own value.
+TEST_F(YardE2eTest, SubmitTakesFlagsBeforeTheSpecAndEnvNamesFromYardsEnvironment) {
+  SubmitCharGpt();
+  const std::string spec =
+      WriteSpec("cmd.yaml", "name: cmd\nresources: {slots: 1}\ncommand: [/bin/true]\n");
+  const std::vector<std::string> as_alice = {"--coordinator", address_, "--token-file",
+                                             TokenFile("alice"), "submit"};
+  auto submit = [&](const std::vector<std::string>& args) {
+    std::vector<std::string> argv = as_alice;
+    argv.insert(argv.end(), args.begin(), args.end());
+    return YardAlone(argv, {"HF_TOKEN=hf_s3cret"});
+  };
+  CommandResult r =
+      submit({"--name", "x", "--env", "A=1", "--env", "HF_TOKEN", "--after", "1", spec});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "job-2\n");
+  r = submit({"--env", "B=2", spec});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "job-3\n");
+  r = Yard({"-o", "json", "describe", "2"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const json stored = ParseJson(r.out)["spec"];
+  EXPECT_EQ(stored["env"].value("A", ""), "1");
+  EXPECT_EQ(stored["env"].value("HF_TOKEN", ""), "hf_s3cret");
+  EXPECT_EQ(stored["after"], json::array({"job-1"}));
+  EXPECT_EQ(stored.value("name", ""), "x");
+  r = Yard({"-o", "json", "describe", "3"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(ParseJson(r.out)["spec"]["env"].value("B", ""), "2");
+
+  // A name yard's environment does not have: refused, naming it; nothing stored.
+  r = submit({"--env", "WANDB_API_KEY", spec});
+  ExpectOneLineFailure(r);
+  EXPECT_THAT(r.err, HasSubstr("--env WANDB_API_KEY: WANDB_API_KEY is not set in yard's"));
+  r = submit({"--env", "=1", spec});
+  ExpectOneLineFailure(r);
+  EXPECT_THAT(r.err, HasSubstr("--env: expected NAME=VALUE or NAME, got '=1'"));
+  EXPECT_THAT(ListedIds(), ElementsAre("job-3", "job-2", "job-1"));
 }
 
 TEST_F(YardE2eTest, DescribeUnknownJobFailsWithNotFound) {
