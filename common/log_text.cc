@@ -91,4 +91,43 @@ void InstallEscapingLogger(const std::string& name) {
   spdlog::set_default_logger(std::move(logger));
 }
 
+std::string ValidUtf8(std::string text) {
+  auto byte = [&](size_t i) { return static_cast<unsigned char>(text[i]); };
+  std::string out;
+  size_t i = 0;
+  bool changed = false;
+  while (i < text.size()) {
+    const unsigned char c = byte(i);
+    size_t len = c < 0x80           ? 1
+                 : (c >> 5) == 0x6  ? 2
+                 : (c >> 4) == 0xe  ? 3
+                 : (c >> 3) == 0x1e ? 4
+                                    : 0;
+    bool ok = len > 0 && i + len <= text.size();
+    for (size_t k = 1; ok && k < len; ++k) ok = (byte(i + k) & 0xc0) == 0x80;
+    if (ok && len > 1) {  // no overlong forms, surrogates, or code points past U+10FFFF
+      uint32_t cp = c & (0x7f >> len);
+      for (size_t k = 1; k < len; ++k) cp = (cp << 6) | (byte(i + k) & 0x3f);
+      static constexpr uint32_t kMin[] = {0, 0, 0x80, 0x800, 0x10000};
+      ok = cp >= kMin[len] && cp <= 0x10ffff && !(cp >= 0xd800 && cp <= 0xdfff);
+    }
+    if (ok) {
+      out.append(text, i, len);
+      i += len;
+    } else {
+      out += "\xef\xbf\xbd";
+      ++i;
+      changed = true;
+    }
+  }
+  return changed ? out : text;
+}
+
+absl::string_view Utf8Prefix(absl::string_view text, size_t max_bytes) {
+  if (text.size() <= max_bytes) return text;
+  size_t n = max_bytes;
+  while (n > 0 && (static_cast<unsigned char>(text[n]) & 0xc0) == 0x80) --n;
+  return text.substr(0, n);
+}
+
 }  // namespace trainyard

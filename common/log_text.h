@@ -26,6 +26,15 @@ std::string EscapeControl(absl::string_view text);
 // field that reads as one token whatever it holds.
 std::string Quoted(absl::string_view text);
 
+// `text` with every byte that does not belong to a valid UTF-8 sequence replaced by U+FFFD (a
+// proto3 string must be valid UTF-8; a rank may print any bytes).
+std::string ValidUtf8(std::string text);
+
+// The longest prefix of `text` of at most `max_bytes` that does not end inside a UTF-8 character:
+// a cut that keeps valid UTF-8 valid (a character split at the cut would make a proto3 string,
+// and so its whole message, unreadable).
+absl::string_view Utf8Prefix(absl::string_view text, size_t max_bytes);
+
 // spdlog's default line layout, "[time] [logger] [level] message", with the message escaped by
 // EscapeControl: for any sink.
 std::unique_ptr<spdlog::formatter> EscapingFormatter();

@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <string>
@@ -424,9 +425,21 @@ using testing::TempDir;
 class Reports {
  public:
   void Add(const v1::NodeMessage& m) {
-    if (!m.has_rank_status()) return;
     absl::MutexLock lock(&mu_);
-    statuses_.push_back(m.rank_status());
+    if (m.has_logs()) {
+      largest_logs_ = std::max(largest_logs_, m.ByteSizeLong());
+      for (const std::string& line : m.logs().lines()) lines_.push_back(line);
+    }
+    if (m.has_rank_status()) statuses_.push_back(m.rank_status());
+  }
+  // The log lines sent, in order, and the largest log message's size.
+  std::vector<std::string> Lines() {
+    absl::MutexLock lock(&mu_);
+    return lines_;
+  }
+  size_t LargestLogs() {
+    absl::MutexLock lock(&mu_);
+    return largest_logs_;
   }
   // Waits until `job_id` rank `rank` has exited; false after 30 s.
   bool AwaitExit(const std::string& job_id, int rank) {
@@ -462,16 +475,19 @@ class Reports {
  private:
   absl::Mutex mu_;
   std::vector<v1::RankStatus> statuses_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> lines_ ABSL_GUARDED_BY(mu_);
+  size_t largest_logs_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-v1::Assignment AssignmentOf(const std::string& job_id, int ranks) {
+v1::Assignment AssignmentOf(const std::string& job_id, int ranks,
+                            const std::string& mode = "succeed") {
   v1::Assignment a;
   a.set_job_id(job_id);
   a.set_attempt(1);
   a.set_world_size(ranks);
   a.set_first_rank(0);
   for (int i = 0; i < ranks; ++i) a.add_device_indices(i);
-  a.set_spec(testing::TinySpec("succeed", ranks).SerializeAsString());
+  a.set_spec(testing::TinySpec(mode, ranks).SerializeAsString());
   a.set_owner("alice");
   return a;
 }
@@ -521,6 +537,36 @@ TEST_F(RankSupervisorTest, AnAssignmentStoppedBeforeItStartedIsNotStartedByARese
   ASSERT_TRUE(reports_.AwaitExit("job-2", 0));
   EXPECT_EQ(reports_.Count("job-1", 0, v1::RANK_EXITED), 1);
   EXPECT_LE(reports_.Count("job-1", 0, v1::RANK_RUNNING), 1);
+}
+
+// A rank's output reaches the coordinator in messages it takes (at most 4 MiB): a 6 MB line in
+// pieces cut between characters, many long lines in batches of about 1 MiB (512 lines of 9 KB
+// made one 4.6 MB message, and the coordinator ended the node's session on it).
+TEST_F(RankSupervisorTest, LongOutputIsSentInMessagesTheCoordinatorTakes) {
+  supervisor_->Launch(AssignmentOf("job-1", 1, "print-long-lines"));
+  ASSERT_TRUE(reports_.AwaitExit("job-1", 0));
+  EXPECT_EQ(reports_.ExitCode("job-1", 0), 0);
+  EXPECT_LE(reports_.LargestLogs(), size_t{5} << 19);  // 2.5 MiB
+  std::string long_line, expected = "<";
+  for (int i = 0; i < 3'000'000; ++i) expected += "\xc3\xa9";
+  int nines = 0, pieces = 0;
+  bool end = false;
+  for (const std::string& line : reports_.Lines()) {
+    if (line.size() == 9000) {
+      ++nines;
+    } else if (line == "end") {
+      end = true;
+    } else if (absl::StartsWith(line, "<") || absl::StrContains(line, "\xc3\xa9")) {
+      ++pieces;
+      long_line += line;
+    }
+  }
+  EXPECT_GE(pieces, 6);
+  // Every piece whole: a character cut in two would have come as two U+FFFD.
+  EXPECT_TRUE(long_line == expected)
+      << long_line.size() << " bytes, U+FFFD at " << long_line.find("\xef\xbf\xbd");
+  EXPECT_EQ(nines, 600);
+  EXPECT_TRUE(end);
 }
 
 }  // namespace

@@ -8,12 +8,13 @@
 // OMP_NUM_THREADS; exit 0), "print-credentials" (say whether the job credential of its attempt
 // and the worker's node token reached its environment, never their values; exit 0),
 // "print-identity" (print its uid, gid and USER), "print-binary" (print bytes that are not
-// UTF-8, exit 0), "read-data" (read data.path, exit 3 naming it
-// when it cannot), "until-data-exists" (print "waiting", poll every 20 ms until data.path exists,
-// print "released", exit 0: a job that runs until the test lets it end), "count-until-data-exists"
-// (until data.path exists, every 20 ms print "line N" and report step N through the trainer's
-// Reporter, N = 1, 2, ...; then print "released after N", exit 0: a running job whose logs and
-// metrics a test can count). Asked
+// UTF-8, exit 0), "print-long-lines" (a line of "<" and 3,000,000 two-byte characters, 600 lines of
+// 9000 bytes, "end"; exit 0), "read-data" (read data.path, exit 3 naming it when it cannot),
+// "until-data-exists" (print "waiting", poll every 20 ms until data.path exists, print "released",
+// exit 0: a job that runs until the test lets it end), "count-until-data-exists" (until data.path
+// exists, every 20 ms print "line N" and report step N through the trainer's Reporter, N = 1, 2,
+// ...; then print "released after N", exit 0: a running job whose logs and metrics a test can
+// count). Asked
 // `--supported-devices`, it answers TEST_RANK_SUPPORTED_DEVICES (default "cpu"). Each rank writes
 // its pid (and its grandchild's) to pids-rank-R in its working directory, so tests can check that
 // none survive.
@@ -108,6 +109,14 @@ int main(int argc, char** argv) {
   }
   if (mode == "print-binary") {  // output that is not UTF-8, as a byte-level model's sample
     std::printf("rank %d: bytes \xff\xfe and \xe2\x82 end\n", rank);
+    return 0;
+  }
+  if (mode == "print-long-lines") {  // more than a message holds, in one line and in many
+    std::string line = "<";          // (so that a cut at a power of two lands inside a character)
+    for (int i = 0; i < 3'000'000; ++i) line += "\xc3\xa9";
+    std::printf("%s\n", line.c_str());
+    for (int i = 0; i < 600; ++i) std::printf("%s\n", std::string(9000, 'a' + i % 26).c_str());
+    std::printf("end\n");
     return 0;
   }
   if (mode == "leave-shm") {  // dies holding a named all-reduce segment, as rank 0 might

@@ -255,7 +255,7 @@ TEST_F(YardE2eTest, SubmitPrintsSequentialJobIdsWithFlagOrEnvironment) {
   CommandResult second = YardViaEnv({"submit", CharGptSpec()});
   EXPECT_EQ(second.exit_code, 0) << second.err;
   EXPECT_EQ(second.out, "job-2\n");
-  EXPECT_THAT(ListedIds(), ElementsAre("job-3", "job-2", "job-1"));
+  EXPECT_THAT(ListedIds(), ElementsAre("job-2", "job-1"));
 }
 
 TEST_F(YardE2eTest, CoordinatorFlagOverridesEnvironment) {

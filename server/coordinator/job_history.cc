@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <utility>
 
+#include <spdlog/spdlog.h>
+
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
@@ -85,28 +87,32 @@ std::string EncodeSeries(const std::vector<T>& records, size_t max_bytes, bool t
 }
 
 template <typename T>
-absl::StatusOr<std::vector<T>> DecodeSeries(const std::string& payload) {
+absl::StatusOr<std::vector<T>> DecodeSeries(const std::string& payload, int* unreadable) {
   std::vector<T> records;
+  int skipped = 0;
   size_t pos = 0;
   while (pos < payload.size()) {
     uint64_t size = 0;
     if (!ReadVarint(payload, &pos, &size) || size > payload.size() - pos) {
-      return absl::DataLossError(absl::StrCat("record ", records.size(), " is cut short"));
+      return absl::DataLossError(
+          absl::StrCat("record ", records.size() + skipped, " is cut short"));
     }
     T record;
-    if (!record.ParseFromArray(payload.data() + pos, static_cast<int>(size))) {
-      return absl::DataLossError(absl::StrCat("record ", records.size(), " is unreadable"));
+    if (record.ParseFromArray(payload.data() + pos, static_cast<int>(size))) {
+      records.push_back(std::move(record));
+    } else {
+      ++skipped;
     }
-    records.push_back(std::move(record));
     pos += size;
   }
+  if (unreadable != nullptr) *unreadable = skipped;
   return records;
 }
 
 template std::string EncodeSeries(const std::vector<v1::LogLine>&, size_t, bool);
 template std::string EncodeSeries(const std::vector<v1::StepReport>&, size_t, bool);
-template absl::StatusOr<std::vector<v1::LogLine>> DecodeSeries(const std::string&);
-template absl::StatusOr<std::vector<v1::StepReport>> DecodeSeries(const std::string&);
+template absl::StatusOr<std::vector<v1::LogLine>> DecodeSeries(const std::string&, int*);
+template absl::StatusOr<std::vector<v1::StepReport>> DecodeSeries(const std::string&, int*);
 
 absl::StatusOr<int> JobHistory::EvictFinished(size_t max_jobs) {
   const std::vector<v1::Job> candidates = jobs_.TakeEvictionCandidates(max_jobs);
@@ -168,10 +174,15 @@ absl::StatusOr<std::vector<T>> ReadSeries(JobStore& store, const char* kind,
   absl::StatusOr<StoredRecord> record = store.GetRecord(kind, job_id);
   if (absl::IsNotFound(record.status())) return std::vector<T>{};
   if (!record.ok()) return record.status();
-  absl::StatusOr<std::vector<T>> records = DecodeSeries<T>(record->payload);
+  int unreadable = 0;
+  absl::StatusOr<std::vector<T>> records = DecodeSeries<T>(record->payload, &unreadable);
   if (!records.ok()) {
     return absl::DataLossError(
         absl::StrCat(kind, " of ", job_id, " in the store: ", records.status().message()));
+  }
+  if (unreadable > 0) {
+    spdlog::warn("{} of {} in the store: {} unreadable record(s) left out", kind, job_id,
+                 unreadable);
   }
   return records;
 }
@@ -221,9 +232,19 @@ absl::StatusOr<int> JobHistory::SaveUnfinished(bool changed_only) {
 
 absl::StatusOr<int> JobHistory::LoadUnfinished() {
   int jobs = 0;
+  // A job's history the store holds but cannot be read (a broken record) is left out, said: it
+  // must not keep the coordinator from starting. The store's own failures stop the start.
+  auto readable = [](auto series) -> decltype(series) {
+    if (absl::IsDataLoss(series.status())) {
+      spdlog::error("{}: the coordinator starts without it",
+                    std::string(series.status().message()));
+      return typename decltype(series)::value_type{};
+    }
+    return series;
+  };
   for (const auto& [id, end_ms] : jobs_.ResidentJobEnds()) {
-    ASSIGN_OR_RETURN(std::vector<v1::LogLine> lines, Logs(id));
-    ASSIGN_OR_RETURN(std::vector<v1::StepReport> steps, Metrics(id));
+    ASSIGN_OR_RETURN(std::vector<v1::LogLine> lines, readable(Logs(id)));
+    ASSIGN_OR_RETURN(std::vector<v1::StepReport> steps, readable(Metrics(id)));
     jobs += !lines.empty() || !steps.empty();
     if (!lines.empty()) logs_.Append(id, std::move(lines));
     if (!steps.empty()) metrics_.Append(id, std::move(steps));

@@ -109,8 +109,11 @@ std::vector<StoredRecord> SeriesRecords(const JobLogs& logs, const JobMetrics& m
 // tests. Logs keep their newest records within `max_bytes`; metrics (thin) keep every k-th.
 template <typename T>
 std::string EncodeSeries(const std::vector<T>& records, size_t max_bytes, bool thin);
+// DecodeSeries leaves out a record that does not parse (a log line cut inside a UTF-8 character
+// by a coordinator before 2026-11-30 is one: protobuf refuses it) and counts it in `*unreadable`;
+// DATA_LOSS where the framing is broken.
 template <typename T>
-absl::StatusOr<std::vector<T>> DecodeSeries(const std::string& payload);
+absl::StatusOr<std::vector<T>> DecodeSeries(const std::string& payload, int* unreadable = nullptr);
 
 }  // namespace trainyard::coordinator
 

@@ -192,9 +192,11 @@ class SessionReactor final
       l.set_rank(in.rank());
       if (sequenced) l.set_seq(std::max<int64_t>(0, in.seqs(i)));
       if (text.size() > kMaxLogLineBytes) {
-        // Kept, cut: a rank's line is its owner's data, but no line may be unbounded.
-        l.set_text(absl::StrCat(text.substr(0, kMaxLogLineBytes), " [truncated ",
-                                text.size() - kMaxLogLineBytes, " bytes]"));
+        // Kept, cut: a rank's line is its owner's data, but no line may be unbounded. Cut between
+        // characters: one cut inside a UTF-8 character made the line, and the stored logs holding
+        // it, unreadable (the coordinator could not start again).
+        const absl::string_view kept = Utf8Prefix(text, kMaxLogLineBytes);
+        l.set_text(absl::StrCat(kept, " [truncated ", text.size() - kept.size(), " bytes]"));
       } else {
         l.set_text(text);
       }

@@ -36,6 +36,7 @@
 #include "absl/time/clock.h"
 #include "common/credentials.h"
 #include "common/host_port.h"
+#include "common/log_text.h"
 #include "common/placement.h"
 #include "common/status_macros.h"
 #include "common/tls.h"
@@ -45,39 +46,6 @@ extern char** environ;
 
 namespace trainyard::worker {
 namespace {
-
-// `text` with every byte that does not belong to a valid UTF-8 sequence replaced by U+FFFD.
-std::string ValidUtf8(std::string text) {
-  auto byte = [&](size_t i) { return static_cast<unsigned char>(text[i]); };
-  std::string out;
-  size_t i = 0;
-  bool changed = false;
-  while (i < text.size()) {
-    const unsigned char c = byte(i);
-    size_t len = c < 0x80           ? 1
-                 : (c >> 5) == 0x6  ? 2
-                 : (c >> 4) == 0xe  ? 3
-                 : (c >> 3) == 0x1e ? 4
-                                    : 0;
-    bool ok = len > 0 && i + len <= text.size();
-    for (size_t k = 1; ok && k < len; ++k) ok = (byte(i + k) & 0xc0) == 0x80;
-    if (ok && len > 1) {  // no overlong forms, surrogates, or code points past U+10FFFF
-      uint32_t cp = c & (0x7f >> len);
-      for (size_t k = 1; k < len; ++k) cp = (cp << 6) | (byte(i + k) & 0x3f);
-      static constexpr uint32_t kMin[] = {0, 0, 0x80, 0x800, 0x10000};
-      ok = cp >= kMin[len] && cp <= 0x10ffff && !(cp >= 0xd800 && cp <= 0xdfff);
-    }
-    if (ok) {
-      out.append(text, i, len);
-      i += len;
-    } else {
-      out += "\xef\xbf\xbd";
-      ++i;
-      changed = true;
-    }
-  }
-  return changed ? out : text;
-}
 
 // Writes `content` to `path` (a file of the worker's folder) with mode 0600, refusing a symbolic
 // link, and gives it to `owner` (null: keeps it).
@@ -167,7 +135,7 @@ class RankLogFollower {
  public:
   using Batch = std::vector<std::pair<int64_t, std::string>>;  // (seq, line)
 
-  // `emit` takes each batch of lines (at most 512) as they are read.
+  // `emit` takes each batch of lines (at most 512, about 1 MiB at most) as they are read.
   RankLogFollower(const std::string& path, int64_t offset, int keep,
                   std::function<void(Batch&)> emit)
       : fd_(open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC)),
@@ -205,12 +173,17 @@ class RankLogFollower {
       }
       partial_.erase(0, start);
       partial_start_ += static_cast<int64_t>(start);
-      // A line longer than the coordinator keeps is sent in pieces rather than held forever.
-      if (partial_.size() > 1 << 20) {
-        Take(std::exchange(partial_, ""), partial_start_, batch);
-        partial_start_ = offset_;
+      // A line longer than the coordinator keeps is sent in pieces rather than held forever,
+      // cut between characters (a character cut in two would reach its owner as two U+FFFD).
+      while (partial_.size() > kPieceBytes) {
+        size_t cut = Utf8Prefix(partial_, kPieceBytes).size();
+        if (cut + 4 <= kPieceBytes) cut = kPieceBytes;  // not UTF-8 there: any cut will do
+        Take(partial_.substr(0, cut), partial_start_, batch);
+        partial_.erase(0, cut);
+        partial_start_ += static_cast<int64_t>(cut);
       }
-      if (batch.size() >= 512) Emit(batch);
+      // A message the coordinator takes (at most 4 MiB): at most 512 lines or about 1 MiB.
+      if (batch.size() >= 512 || batch_bytes_ >= kBatchBytes) Emit(batch);
     }
     Emit(batch);
   }
@@ -234,15 +207,21 @@ class RankLogFollower {
     line = ValidUtf8(std::move(line));
     last_.push_back(line);
     if (static_cast<int>(last_.size()) > keep_) last_.pop_front();
+    batch_bytes_ += line.size();
     batch.emplace_back(cut_bytes_ + start + 1, std::move(line));
   }
 
   void Emit(Batch& batch) {
     if (!batch.empty()) emit_(batch);
     batch.clear();
+    batch_bytes_ = 0;
   }
 
+  static constexpr size_t kPieceBytes = 1 << 20;
+  static constexpr size_t kBatchBytes = 1 << 20;
+
   const int fd_;
+  size_t batch_bytes_ = 0;  // of the batch being filled
   int64_t offset_;
   int64_t partial_start_;  // where partial_ begins in the log
   int64_t cut_bytes_ = 0;

@@ -20,7 +20,13 @@
 namespace trainyard::worker {
 namespace {
 
-constexpr int kMaxQueuedLogMessages = 2000;
+// What the outbox holds of log messages while the coordinator is away (bytes: one message may be
+// a megabyte or two of a rank's output); beyond it new lines are dropped.
+constexpr int64_t kMaxQueuedLogBytes = int64_t{64} << 20;
+
+int64_t LogBytes(const v1::NodeMessage& m) {
+  return m.has_logs() ? static_cast<int64_t>(m.ByteSizeLong()) : 0;
+}
 
 // XIDs that an application causes (NVIDIA's Kubernetes device plugin skips the same ones): the
 // GPU itself is fine. Every other critical XID marks it faulty.
@@ -331,9 +337,9 @@ void WorkerDaemon::Send(v1::NodeMessage message) {
     RecordRankExit(message.rank_status().exit_code());
   }
   absl::MutexLock lock(&mu_);
-  if (message.has_logs()) {
-    if (outbox_log_messages_ >= kMaxQueuedLogMessages) return;  // coordinator unreachable
-    ++outbox_log_messages_;
+  if (const int64_t bytes = LogBytes(message); bytes > 0) {
+    if (outbox_log_bytes_ + bytes > kMaxQueuedLogBytes) return;  // coordinator unreachable
+    outbox_log_bytes_ += bytes;
   }
   outbox_.push_back(std::move(message));
 }
@@ -478,8 +484,8 @@ void WorkerDaemon::RunSession() {
       absl::MutexLock lock(&mu_);
       session_open_ = true;
       for (auto it = again.rbegin(); it != again.rend(); ++it) {
+        outbox_log_bytes_ += LogBytes(*it);
         outbox_.push_front(std::move(*it));
-        ++outbox_log_messages_;
       }
     }
     connected_.Set(1);
@@ -574,7 +580,7 @@ void WorkerDaemon::WriterLoop(
     } else if (!outbox_.empty()) {
       m = std::move(outbox_.front());
       outbox_.pop_front();
-      if (m.has_logs()) --outbox_log_messages_;
+      outbox_log_bytes_ -= LogBytes(m);
     } else {
       continue;
     }
@@ -583,8 +589,8 @@ void WorkerDaemon::WriterLoop(
     mu_.Lock();
     if (!ok) {
       if (!m.has_heartbeat()) {
+        outbox_log_bytes_ += LogBytes(m);
         outbox_.push_front(std::move(m));  // resent after reconnecting
-        if (outbox_.front().has_logs()) ++outbox_log_messages_;
       }
       break;
     }

@@ -134,7 +134,7 @@ class WorkerDaemon {
 
   absl::Mutex mu_;
   std::deque<v1::NodeMessage> outbox_ ABSL_GUARDED_BY(mu_);
-  int outbox_log_messages_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t outbox_log_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of its log messages
   bool session_open_ ABSL_GUARDED_BY(mu_) = false;
   // The writer cut the session because its heartbeats went unanswered.
   bool unanswered_ ABSL_GUARDED_BY(mu_) = false;
