@@ -783,10 +783,22 @@ TEST_F(AuthorizationTest, ANodeSpeaksOnlyForTheRanksItRuns) {
   lines.mutable_logs()->set_rank(0);
   lines.mutable_logs()->add_lines("forged line");
   ASSERT_TRUE(n2->Write(lines));
-  n2->Heartbeat();  // processed in order: both are handled once the ack arrives
+  // Nor does it add usage to alice's job (the current attempt's rank, or an earlier attempt's).
+  for (int attempt : {1, 6}) {
+    v1::NodeMessage m;
+    v1::RankStatus* s = m.mutable_rank_status();
+    s->set_job_id(job_);
+    s->set_attempt(attempt);
+    s->set_rank(0);
+    s->set_phase(v1::RANK_EXITED);
+    s->mutable_usage()->set_cpu_seconds(1e300);
+    ASSERT_TRUE(n2->Write(m));
+  }
+  n2->Heartbeat();  // processed in order: all are handled once the ack arrives
   auto job = server_->jobs().Get(job_);
   ASSERT_TRUE(job.ok());
   EXPECT_EQ(job->state(), v1::RUNNING);
+  EXPECT_EQ(job->rank_usage_size(), 0);
   grpc::ClientContext ctx;
   Prepare(ctx, credentials_["owner"]);
   v1::StreamLogsRequest r;
@@ -801,6 +813,7 @@ TEST_F(AuthorizationTest, ANodeSpeaksOnlyForTheRanksItRuns) {
   job = server_->jobs().Get(job_);
   ASSERT_TRUE(job.ok());
   EXPECT_NE(job->state(), v1::RUNNING);
+  for (const v1::RankUsage& u : job->rank_usage()) EXPECT_NE(u.node_id(), "n2");
 }
 
 }  // namespace

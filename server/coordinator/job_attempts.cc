@@ -478,10 +478,15 @@ void JobManager::RecordRankUsage(v1::Job& job, const std::string& node_id,
 void JobManager::OnRankStatus(const std::string& node_id, const v1::RankStatus& status) {
   absl::MutexLock lock(&mu_);
   v1::Job* job = Find(status.job_id());
-  const bool used = job != nullptr && status.phase() == v1::RANK_EXITED && status.has_usage();
-  if (used) RecordRankUsage(*job, node_id, status);
   const bool current =
       job != nullptr && IsActive(job->state()) && status.attempt() == job->attempt();
+  // A node's usage counts for the ranks it runs: the current attempt's placed there, or another
+  // attempt's (or an ended job's) still stopping there.
+  const bool used =
+      job != nullptr && status.phase() == v1::RANK_EXITED && status.has_usage() &&
+      (current ? PlacedOn(*job, node_id, status.rank())
+               : devices_.DrainsOn({status.job_id(), status.attempt(), status.rank()}, node_id));
+  if (used) RecordRankUsage(*job, node_id, status);
   if (current && !PlacedOn(*job, node_id, status.rank())) {
     // A node speaks only for the ranks it runs.
     spdlog::warn("audit: node {} reported rank {} of {} attempt {}, which it does not run: ignored",
