@@ -797,15 +797,32 @@ TEST_F(HardeningTest, TheJsonAuditLogHasOneObjectPerEventWhateverTheFieldsHold) 
     v1::ListJobsResponse resp;
     ASSERT_FALSE(jobs_->ListJobs(&ctx, r, &resp).ok());
   }
+  {
+    // A refused upload's digest of a megabyte: audited by its first 80 bytes, not whole.
+    grpc::ClientContext ctx;
+    Prepare(ctx, tokens_->User("alice"));
+    v1::UploadContextResponse resp;
+    auto writer = jobs_->UploadContext(&ctx, &resp);
+    v1::ContextChunk chunk;
+    chunk.set_digest(std::string(1 << 20, 'd'));
+    chunk.set_size_bytes(1);
+    writer->Write(chunk);
+    writer->WritesDone();
+    EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
   struct stat st;
   ASSERT_EQ(::stat((dir_.path() + "/audit.jsonl").c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u);
   std::ifstream in(dir_.path() + "/audit.jsonl");
   std::string line;
-  bool created = false, refused = false;
+  bool created = false, refused = false, upload = false;
   while (std::getline(in, line)) {
     const nlohmann::json event = nlohmann::json::parse(line);  // throws on a broken line
     EXPECT_FALSE(event.contains("forged")) << line;
+    EXPECT_LT(line.size(), 4096u) << line.substr(0, 200);
+    upload =
+        upload || (event["method"] == "UploadContext" && event["target"] == std::string(80, 'd') &&
+                   event["result"] == "INVALID_ARGUMENT");
     created = created || (event["method"] == "CreateUser" && event["target"] == "carol" &&
                           event["result"] == "OK" && event["principal"] == "admin admin");
     refused = refused || (event["method"] == "ListJobs" && event["result"] == "PERMISSION_DENIED" &&
@@ -813,6 +830,7 @@ TEST_F(HardeningTest, TheJsonAuditLogHasOneObjectPerEventWhateverTheFieldsHold) 
   }
   EXPECT_TRUE(created);
   EXPECT_TRUE(refused);
+  EXPECT_TRUE(upload);
 }
 
 struct stat StatOf(const std::string& path) {

@@ -272,9 +272,10 @@ class UploadContextReactor final : public grpc::ServerReadReactor<v1::ContextChu
       digest_ = chunk_.digest();
       size_ = chunk_.size_bytes();
       if (!IsContextDigest(digest_)) {
+        digest_ = std::string(Utf8Prefix(digest_, 80));  // (the audit's target: not megabytes)
         return Refuse(absl::InvalidArgumentError(
             absl::StrCat("digest: expected sha256: and 64 lowercase hex digits, got '",
-                         EscapeControl(digest_.substr(0, 80)), "'")));
+                         EscapeControl(digest_), "'")));
       }
       if (size_ <= 0 || size_ > kMaxContextArchiveBytes) {
         return Refuse(absl::InvalidArgumentError(
