@@ -5,12 +5,14 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
 
+#include "absl/time/clock.h"
 #include "common/context_archive.h"
 #include "tests/testing/subprocess.h"
 
@@ -129,6 +131,26 @@ TEST(UnpackContextAsTest, UnpacksThroughTheWorkerBinaryAsTheOwner) {
                       .message()),
       HasSubstr("Permission denied"));
   EXPECT_FALSE(fs::exists(roots + "/hello.txt"));
+}
+
+// The unpacker runs as the job's owner, who may stop it: the worker's launch thread, which waits
+// for it, gives up within the timeout and kills it (it waited forever, and no later rank of any
+// user started on the node).
+TEST(UnpackContextAsTest, AnUnpackerThatStopsIsKilledAtTheTimeout) {
+  TempDir dir;
+  const std::string stub = dir.path() + "/stops";
+  std::ofstream(stub) << "#!/bin/sh\necho $$ > " << dir.path() << "/pid\nkill -STOP $$\n";
+  ASSERT_EQ(chmod(stub.c_str(), 0755), 0);
+  fs::create_directories(dir.path() + "/work");
+  const absl::Time start = absl::Now();
+  const absl::Status s = UnpackContextAs(stub, {"PATH=/usr/bin:/bin"}, OneFile("x").archive,
+                                         dir.path() + "/work", nullptr, absl::Seconds(3));
+  EXPECT_TRUE(absl::IsDeadlineExceeded(s)) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("did not finish within 3s"));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+  pid_t pid = 0;
+  std::ifstream(dir.path() + "/pid") >> pid;  // (none if it was killed before it wrote it)
+  if (pid > 0) EXPECT_NE(kill(pid, 0), 0) << "the unpacker still runs (or was not reaped)";
 }
 
 }  // namespace

@@ -2,12 +2,15 @@
 
 #include <fcntl.h>
 #include <grp.h>
+#include <poll.h>
+#include <signal.h>
 #include <spawn.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -159,7 +162,7 @@ void ContextCache::RemoveUnused() {
 
 absl::Status UnpackContextAs(const std::string& unpacker, const std::vector<std::string>& env,
                              const std::string& archive, const std::string& dest,
-                             const UnixAccount* account) {
+                             const UnixAccount* account, absl::Duration timeout) {
   // The archive reaches the unpacker as a memfd on its standard input: no file of the worker's
   // to open after it dropped the worker's rights, no pipe to stall on.
   const int in = memfd_create("trainyard-context", MFD_CLOEXEC);
@@ -200,10 +203,35 @@ absl::Status UnpackContextAs(const std::string& unpacker, const std::vector<std:
     close(err_pipe[0]);
     return absl::InternalError(absl::StrCat("cannot start ", unpacker, ": ", strerror(rc)));
   }
-  std::string error = ReadAllFd(err_pipe[0], 4096);
+  // Waited for within `timeout`: the unpacker runs as the owner, who may stop it (SIGSTOP), and
+  // the worker's one launch thread waits here.
+  const absl::Time deadline = absl::Now() + timeout;
+  std::string error;
+  for (bool open = true; open;) {
+    pollfd p = {err_pipe[0], POLLIN, 0};
+    const int64_t left_ms = absl::ToInt64Milliseconds(deadline - absl::Now());
+    if (left_ms <= 0) break;
+    const int ready = poll(&p, 1, static_cast<int>(std::min<int64_t>(left_ms, 1000)));
+    if (ready < 0 && errno != EINTR) break;
+    if (ready <= 0) continue;
+    char buf[4096];
+    const ssize_t n = read(err_pipe[0], buf, sizeof(buf));
+    if (n > 0 && error.size() < 4096) error.append(buf, static_cast<size_t>(n));
+    open = n > 0 || (n < 0 && errno == EINTR);
+  }
   close(err_pipe[0]);
   int status = 0;
-  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  pid_t waited = 0;
+  while ((waited = waitpid(pid, &status, WNOHANG)) == 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  if (waited == 0) {
+    kill(pid, SIGKILL);
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    return absl::DeadlineExceededError(
+        absl::StrCat("cannot unpack the job's context: the unpacker did not finish within ",
+                     absl::FormatDuration(timeout), " (stopped?), and was killed"));
   }
   if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return absl::OkStatus();
   while (!error.empty() && error.back() == '\n') error.pop_back();

@@ -57,10 +57,12 @@ class ContextCache {
 
 // Unpacks `archive` into the existing folder `dest` as `account` (null: this process's own) by
 // running `unpacker` (trainyard-worker) with kUnpackContextFlag, its environment `env`. The
-// unpacker's error (the archive's fault or the folder's) on failure.
+// unpacker's error (the archive's fault or the folder's) on failure; DEADLINE_EXCEEDED, the
+// unpacker killed, when it has not finished within `timeout` (the owner may stop it: it runs as
+// them).
 absl::Status UnpackContextAs(const std::string& unpacker, const std::vector<std::string>& env,
                              const std::string& archive, const std::string& dest,
-                             const UnixAccount* account);
+                             const UnixAccount* account, absl::Duration timeout = absl::Minutes(5));
 
 }  // namespace trainyard::worker
 
