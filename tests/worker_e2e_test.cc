@@ -21,6 +21,7 @@
 #include <sstream>
 
 #include "absl/algorithm/container.h"
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -1128,6 +1129,36 @@ TEST_F(WorkerE2eTest, ARankWhoseShepherdDiedWhileItsWorkerWasAwayRestartsItsJob)
   EXPECT_EQ(restarted.attempt(), 2);
   EXPECT_EQ(restarted.restarts(), 1);
   ASSERT_TRUE(client_->Cancel(job->id(), "done").ok());
+}
+
+// The same with cgroups: what the rank started (here a sleeping grandchild, which no death signal
+// reaches) is killed with the rank's cgroup by the next worker (it ran on, holding the device the
+// coordinator gave to the next job).
+TEST_F(WorkerE2eTest, ARankWhoseShepherdDiedLeavesNoChildBehind) {
+  if (!CgroupsUsable()) GTEST_SKIP() << "needs root and usable cgroups";
+  StopWorker();
+  StartWorker({"--gpus", "none", "--cgroups", "require"});
+  auto job = client_->Submit(testing::TinySpec("spawn-child", 1));
+  ASSERT_TRUE(job.ok());
+  WaitForReadyLines(job->id(), 1);
+  const std::vector<pid_t> pids = RankPids(job->id(), 1);
+  absl::Cleanup kill_left = [&pids] {  // (should the test fail)
+    for (pid_t pid : pids) kill(pid, SIGKILL);
+  };
+  ASSERT_EQ(pids.size(), 2u) << "the rank and its grandchild";
+  worker_->Signal(SIGUSR2);
+  ASSERT_TRUE(worker_->Wait(absl::Seconds(20)).has_value());
+  std::ifstream stat(absl::StrCat("/proc/", pids[0], "/stat"));
+  std::string line;
+  ASSERT_TRUE(std::getline(stat, line));
+  const std::vector<std::string> fields = absl::StrSplit(line.substr(line.rfind(')') + 2), ' ');
+  pid_t shepherd = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(fields.at(1), &shepherd));
+  ASSERT_GT(shepherd, 1);
+  ASSERT_EQ(kill(shepherd, SIGKILL), 0);
+  EXPECT_TRUE(AllGone({pids[0]}, absl::Seconds(10))) << "the rank outlived its shepherd";
+  StartWorker({"--gpus", "none", "--cgroups", "require"});
+  EXPECT_TRUE(AllGone(pids, absl::Seconds(20))) << "the grandchild outlived the adoption";
 }
 
 // A rank that ends while its worker is away (here crashed: SIGKILL): the next worker collects its

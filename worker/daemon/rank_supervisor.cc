@@ -26,6 +26,7 @@
 #include <utility>
 
 #include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -627,6 +628,7 @@ std::vector<v1::RankStatus> RankSupervisor::Adopt() {
           // checkpoint, rather than being started again into an attempt that has moved on.
           if (conn.ok()) close(*conn);
           unlink(entry.path().c_str());
+          KillWhatIsLeft(key);
           const std::string why =
               "its shepherd ended while no worker held it (the rank died with it)";
           {
@@ -960,6 +962,32 @@ void RankSupervisor::StartCommand(const v1::Assignment& a, const v1::JobSpec& sp
        spec.workdir().empty() ? work : spec.workdir(), spec);
 }
 
+std::string RankSupervisor::RankCgroupName(const RankKey& key) const {
+  return absl::StrCat(options_.cgroup_prefix, "/", std::get<0>(key), "/attempt-", std::get<1>(key),
+                      "/rank-", std::get<2>(key));
+}
+
+void RankSupervisor::KillWhatIsLeft(const RankKey& key) {
+  if (options_.cgroups == nullptr || options_.cgroups->version == 0) return;
+  std::vector<std::string> dirs;
+  for (const auto& [controller, parent] : options_.cgroups->parents) {
+    const std::string dir = absl::StrCat(parent, "/", RankCgroupName(key));
+    std::error_code ec;
+    if (std::find(dirs.begin(), dirs.end(), dir) == dirs.end() &&
+        std::filesystem::is_directory(dir, ec)) {
+      dirs.push_back(dir);
+    }
+  }
+  if (dirs.empty()) return;
+  SignalCgroups(dirs, SIGKILL);
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (!CgroupsEmpty(dirs) && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
+  if (!RemoveCgroups(dirs)) {
+    spdlog::warn("rank {} of {} attempt {}: its cgroup {} still holds processes", std::get<2>(key),
+                 std::get<0>(key), std::get<1>(key), dirs[0]);
+  }
+}
+
 CgroupLimits RankSupervisor::RankCgroupLimits(const v1::Resources& resources, int device) const {
   CgroupLimits limits = RankLimits(options_.rank_limits, resources);
   limits.denied_devices = DeniedDevices(options_.gpu_device_rules, device);
@@ -1007,11 +1035,8 @@ void RankSupervisor::Exec(const v1::Assignment& a, const RankKey& key, int devic
       absl::StrCat("orphan_ms=", absl::ToInt64Milliseconds(orphan_timeout_))};
   // Its cgroup, held to the rank's limits (cgroups.h).
   if (options_.cgroups != nullptr && options_.cgroups->version != 0) {
-    auto dirs =
-        CreateRankCgroup(*options_.cgroups,
-                         absl::StrCat(options_.cgroup_prefix, "/", std::get<0>(key), "/attempt-",
-                                      std::get<1>(key), "/rank-", std::get<2>(key)),
-                         RankCgroupLimits(spec.resources(), device));
+    auto dirs = CreateRankCgroup(*options_.cgroups, RankCgroupName(key),
+                                 RankCgroupLimits(spec.resources(), device));
     if (!dirs.ok()) {
       close(env_fd);
       ReportExit(key, 127, std::string(dirs.status().message()));

@@ -230,6 +230,11 @@ class RankSupervisor {
                     const std::string& checkpoint_dir) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A rank's cgroup limits: RankLimits, and the GPUs other than `device` denied.
   CgroupLimits RankCgroupLimits(const v1::Resources& resources, int device) const;
+  // Its cgroup's name under the host's parents: PREFIX/JOB/attempt-N/rank-R.
+  std::string RankCgroupName(const RankKey& key) const;
+  // What is left of a rank whose shepherd is gone: every process in its cgroup (the rank's
+  // children; PR_SET_PDEATHSIG ends only the rank's own process) killed, the cgroup removed.
+  void KillWhatIsLeft(const RankKey& key);
   // Forks and execs `argv` in `cwd` with `env` (then the worker's environment, without its token
   // and the names `env` sets), as `account` when set, in a process group of its own, held to
   // `resources` (the spec's: what it asks for overrides rank_limits).
