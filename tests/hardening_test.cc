@@ -780,6 +780,91 @@ TEST_F(HardeningTest, AnotherUsersJobAnswersExactlyAsAMissingOne) {
   EXPECT_EQ(revoke.error_message(), absl::StrCat("id: no token ", id));
 }
 
+// A follower that reads nothing: its stream ends once 16 MiB wait for it (the queue grew without
+// bound, holding the coordinator's memory for as long as the job ran).
+TEST_F(HardeningTest, AStreamWhoseReaderFallsFarBehindEnds) {
+  const v1::Job job = RunningJob();
+  ASSERT_EQ(job.state(), v1::RUNNING);
+  grpc::ClientContext ctx;
+  Prepare(ctx, tokens_->User("alice"));
+  v1::StreamLogsRequest r;
+  r.set_job_id(job.id());
+  r.set_follow(true);
+  auto reader = jobs_->StreamLogs(&ctx, r);
+  // 12 messages of 200 lines of 16 KiB: 38 MiB, more than the queue and gRPC's windows hold.
+  for (int m = 0; m < 12; ++m) {
+    v1::NodeMessage message;
+    auto* l = message.mutable_logs();
+    l->set_job_id(job.id());
+    l->set_attempt(job.attempt());
+    l->set_rank(0);
+    for (int i = 0; i < 200; ++i) l->add_lines(std::string(16 * 1024, 'a' + m));
+    ASSERT_TRUE(node_->Write(message));
+  }
+  node_->Heartbeat();  // processed in order: every line is in before the ack
+  v1::LogLine line;
+  int read = 0;
+  while (reader->Read(&line)) ++read;
+  const grpc::Status s = reader->Finish();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("fell more than 16 MiB behind"));
+  EXPECT_LT(read, 2400);
+}
+
+// A user's watches, logs and metrics streams open at once: 64 at most.
+TEST_F(HardeningTest, AUserHoldsAtMost64StreamsOpen) {
+  const v1::Job job = RunningJob();
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  std::vector<std::unique_ptr<grpc::ClientReader<v1::JobEvent>>> watches;
+  v1::JobEvent event;
+  for (int i = 0; i < 64; ++i) {
+    contexts.push_back(std::make_unique<grpc::ClientContext>());
+    Prepare(*contexts.back(), tokens_->User("alice"));
+    v1::WatchJobRequest r;
+    r.set_job_id(job.id());
+    watches.push_back(jobs_->WatchJob(contexts.back().get(), r));
+    ASSERT_TRUE(watches.back()->Read(&event)) << i;  // open: the job as it is
+  }
+  auto logs = [&] {
+    grpc::ClientContext ctx;
+    Prepare(ctx, tokens_->User("alice"));
+    v1::StreamLogsRequest r;
+    r.set_job_id(job.id());
+    auto reader = jobs_->StreamLogs(&ctx, r);
+    v1::LogLine line;
+    while (reader->Read(&line)) {
+    }
+    return reader->Finish();
+  };
+  const grpc::Status refused = logs();
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(refused.error_message(),
+            "StreamLogs: you have 64 streams open (watches, logs and metrics); close one first");
+  // Another user's are their own; one of alice's closed gives hers back.
+  grpc::ClientContext admin;
+  Prepare(admin, tokens_->User("root", v1::ADMIN));
+  v1::WatchJobRequest r;
+  r.set_job_id(job.id());
+  auto theirs = jobs_->WatchJob(&admin, r);
+  EXPECT_TRUE(theirs->Read(&event));
+  admin.TryCancel();
+  theirs->Finish().IgnoreError();
+  contexts.back()->TryCancel();
+  watches.back()->Finish().IgnoreError();
+  watches.pop_back();
+  grpc::Status again;
+  for (int tries = 0; tries < 100; ++tries) {  // (the server learns of the cancel on its own)
+    again = logs();
+    if (again.ok()) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_TRUE(again.ok()) << again.error_message();
+  for (size_t i = 0; i < watches.size(); ++i) {
+    contexts[i]->TryCancel();
+    watches[i]->Finish().IgnoreError();
+  }
+}
+
 TEST_F(HardeningTest, TheJsonAuditLogHasOneObjectPerEventWhateverTheFieldsHold) {
   {
     grpc::ClientContext ctx;

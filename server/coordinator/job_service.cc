@@ -22,13 +22,25 @@ namespace {
 
 // The largest cancel reason kept (it becomes the job's message).
 constexpr size_t kMaxReasonBytes = 1024;
+// How far a stream's reader may fall behind what follows (beyond what was kept when it opened)
+// before the stream ends, RESOURCE_EXHAUSTED: a reader that reads nothing held it all.
+constexpr size_t kMaxStreamBacklogBytes = size_t{16} << 20;
+
+// A user's streams are all open: the call's refusal.
+grpc::Status NoStreamSlot(const char* method, const StreamSlots& slots) {
+  return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                      absl::StrCat(method, ": you have ", slots.per_user(),
+                                   " streams open (watches, logs and metrics); close one first"));
+}
 // WatchJob: the job's state now, then each durable change, until a terminal state.
 class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
  public:
-  WatchReactor(JobLifecycle& jobs, const std::string& job_id)
+  WatchReactor(JobLifecycle& jobs, const std::string& job_id, std::shared_ptr<void> slot)
       : jobs_(jobs),
+        slot_(std::move(slot)),
         queue_(std::make_shared<Queue>(this)),
         last_version_(std::make_shared<State>()) {
+    queue_->LimitTo(kMaxStreamBacklogBytes);
     v1::Job current;
     bool durable = false;
     auto handle = jobs_.Watch(
@@ -74,6 +86,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
   }
 
   JobLifecycle& jobs_;
+  const std::shared_ptr<void> slot_;  // one of the caller's StreamSlots
   std::shared_ptr<Queue> queue_;
   std::shared_ptr<State> last_version_;
   int64_t handle_ = 0;
@@ -85,8 +98,12 @@ template <typename T>
 class SeriesReactor final : public grpc::ServerWriteReactor<T> {
  public:
   SeriesReactor(JobLifecycle& jobs, JobSeries<T>& series, const std::string& job_id, size_t tail,
-                bool follow, std::function<absl::StatusOr<std::vector<T>>()> persisted)
-      : jobs_(jobs), series_(series), queue_(std::make_shared<Queue>(this)) {
+                bool follow, std::function<absl::StatusOr<std::vector<T>>()> persisted,
+                std::shared_ptr<void> slot)
+      : jobs_(jobs),
+        series_(series),
+        slot_(std::move(slot)),
+        queue_(std::make_shared<Queue>(this)) {
     v1::Job current;
     bool durable = false;
     auto watch = jobs_.Watch(
@@ -118,6 +135,7 @@ class SeriesReactor final : public grpc::ServerWriteReactor<T> {
       const size_t skip = tail == 0 || tail >= records->size() ? 0 : records->size() - tail;
       for (size_t i = skip; i < records->size(); ++i) queue_->Push((*records)[i]);
     }
+    queue_->LimitTo(kMaxStreamBacklogBytes);  // (what was kept is queued whole)
     if (!follow || (durable && IsTerminal(current.state()))) {
       queue_->FinishWhenDrained(grpc::Status::OK);
     }
@@ -138,6 +156,7 @@ class SeriesReactor final : public grpc::ServerWriteReactor<T> {
   using Queue = WriteQueue<grpc::ServerWriteReactor<T>, T>;
   JobLifecycle& jobs_;
   JobSeries<T>& series_;
+  const std::shared_ptr<void> slot_;  // one of the caller's StreamSlots
   std::shared_ptr<Queue> queue_;
   int64_t watch_ = 0;
   int64_t subscription_ = 0;
@@ -453,7 +472,9 @@ grpc::ServerWriteReactor<v1::JobEvent>* JobServiceImpl::WatchJob(
   if (auto job = AccessibleJob(ctx, request->job_id(), "WatchJob", &caller); !job.ok()) {
     return RejectStream<v1::JobEvent>(ToGrpcStatus(job.status()));
   }
-  return new WatchReactor(jobs_, request->job_id());
+  std::shared_ptr<void> slot = streams_.Take(caller.user);
+  if (slot == nullptr) return RejectStream<v1::JobEvent>(NoStreamSlot("WatchJob", streams_));
+  return new WatchReactor(jobs_, request->job_id(), std::move(slot));
 }
 
 grpc::ServerWriteReactor<v1::LogLine>* JobServiceImpl::StreamLogs(
@@ -470,9 +491,11 @@ grpc::ServerWriteReactor<v1::LogLine>* JobServiceImpl::StreamLogs(
         grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                      absl::StrCat("tail: must be >= 0, got ", request->tail())));
   }
+  std::shared_ptr<void> slot = streams_.Take(caller.user);
+  if (slot == nullptr) return RejectStream<v1::LogLine>(NoStreamSlot("StreamLogs", streams_));
   return new SeriesReactor<v1::LogLine>(
       jobs_, logs_, request->job_id(), static_cast<size_t>(request->tail()), request->follow(),
-      [this, id = request->job_id()] { return history_.Logs(id); });
+      [this, id = request->job_id()] { return history_.Logs(id); }, std::move(slot));
 }
 
 grpc::ServerWriteReactor<v1::ExportChunk>* JobServiceImpl::FetchExport(
@@ -533,9 +556,13 @@ grpc::ServerWriteReactor<v1::StepReport>* JobServiceImpl::StreamMetrics(
   if (auto job = AccessibleJob(ctx, request->job_id(), "StreamMetrics", &caller); !job.ok()) {
     return RejectStream<v1::StepReport>(ToGrpcStatus(job.status()));
   }
+  std::shared_ptr<void> slot = streams_.Take(caller.user);
+  if (slot == nullptr) {
+    return RejectStream<v1::StepReport>(NoStreamSlot("StreamMetrics", streams_));
+  }
   return new SeriesReactor<v1::StepReport>(
       jobs_, metrics_, request->job_id(), 0, request->follow(),
-      [this, id = request->job_id()] { return history_.Metrics(id); });
+      [this, id = request->job_id()] { return history_.Metrics(id); }, std::move(slot));
 }
 
 grpc::ServerUnaryReactor* JobServiceImpl::CheckpointJob(grpc::CallbackServerContext* ctx,

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -13,6 +14,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "google/protobuf/message.h"
 #include "server/coordinator/identity.h"
 
@@ -64,10 +67,27 @@ class WriteQueue {
  public:
   explicit WriteQueue(Reactor* reactor) : reactor_(reactor) {}
 
-  // Queues `message`; false once the stream is finishing or closed.
+  // Queues `message`; false once the stream is finishing or closed. Past the limit (LimitTo) the
+  // stream ends instead, RESOURCE_EXHAUSTED: its reader is too slow (or reads nothing).
   bool Push(Message message) {
     absl::MutexLock lock(&mu_);
-    if (reactor_ == nullptr || finish_.has_value()) return false;
+    if (reactor_ == nullptr || finish_.has_value() || finished_) return false;
+    const size_t bytes = message.ByteSizeLong();
+    if (max_bytes_ > 0 && queued_bytes_ + bytes > max_bytes_) {
+      while (queue_.size() > (writing_ ? 1u : 0u)) {  // (the one in flight stays until it is done)
+        queued_bytes_ -= queue_.back().ByteSizeLong();
+        queue_.pop_back();
+      }
+      finish_ = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                             absl::StrCat("the stream's reader fell more than ", max_bytes_ >> 20,
+                                          " MiB behind; read it again from where it stopped"));
+      if (!writing_) {
+        finished_ = true;
+        reactor_->Finish(*finish_);
+      }
+      return false;
+    }
+    queued_bytes_ += bytes;
     queue_.push_back(std::move(message));
     if (!writing_) {
       writing_ = true;
@@ -76,9 +96,17 @@ class WriteQueue {
     return true;
   }
 
+  // At most `bytes` more queued than now (0: no limit, the default): for a stream that follows
+  // what comes, once what was kept is queued.
+  void LimitTo(size_t bytes) {
+    absl::MutexLock lock(&mu_);
+    max_bytes_ = queued_bytes_ + bytes;
+  }
+
   // From the reactor's OnWriteDone.
   void OnWriteDone(bool ok) {
     absl::MutexLock lock(&mu_);
+    queued_bytes_ -= queue_.front().ByteSizeLong();
     queue_.pop_front();
     writing_ = false;
     if (reactor_ == nullptr || finished_) return;
@@ -117,9 +145,39 @@ class WriteQueue {
   absl::Mutex mu_;
   Reactor* reactor_ ABSL_GUARDED_BY(mu_);
   std::deque<Message> queue_ ABSL_GUARDED_BY(mu_);  // front is in flight while writing_
+  size_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t max_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   std::optional<grpc::Status> finish_ ABSL_GUARDED_BY(mu_);
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// The streams a user holds open at once (logs, metrics, watches): each holds a reactor and its
+// queue, so a cap per user keeps one user from holding the coordinator's memory. Thread-safe.
+class StreamSlots {
+ public:
+  explicit StreamSlots(int per_user) : state_(std::make_shared<State>()), per_user_(per_user) {}
+  int per_user() const { return per_user_; }
+  // One of `user`'s slots, given back when the last copy of the handle goes; null when `user`
+  // holds all theirs.
+  std::shared_ptr<void> Take(const std::string& user) {
+    absl::MutexLock lock(&state_->mu);
+    int& open = state_->open[user];
+    if (open >= per_user_) return nullptr;
+    ++open;
+    return std::shared_ptr<void>(state_.get(), [state = state_, user](void*) {
+      absl::MutexLock lock(&state->mu);
+      if (--state->open[user] <= 0) state->open.erase(user);
+    });
+  }
+
+ private:
+  struct State {
+    absl::Mutex mu;
+    std::map<std::string, int> open ABSL_GUARDED_BY(mu);
+  };
+  const std::shared_ptr<State> state_;
+  const int per_user_;
 };
 
 // Reads `n` bytes at `offset` of `fd` into `out` (resized to n), retrying short reads and EINTR;

@@ -19,6 +19,7 @@
 #include "server/coordinator/node_registry.h"
 #include "server/coordinator/rendezvous.h"
 #include "server/coordinator/serial_executor.h"
+#include "server/coordinator/service_auth.h"
 #include "trainyard/v1/admin.grpc.pb.h"
 #include "trainyard/v1/identity.grpc.pb.h"
 #include "trainyard/v1/job.grpc.pb.h"
@@ -86,6 +87,9 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
   const JobHistory& history_;
   const IdentityRegistry& identities_;
   ContextStore& contexts_;
+  // WatchJob, StreamLogs and StreamMetrics: at most this many open a user (the console's are
+  // among them).
+  StreamSlots streams_{64};
 };
 
 class TrainerServiceImpl final : public v1::TrainerService::CallbackService {
