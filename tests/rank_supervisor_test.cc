@@ -2,6 +2,7 @@
 // that arrive more than once, as they do when a session opens while a placement is being sent.
 #include "worker/daemon/rank_supervisor.h"
 
+#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <grp.h>
 #include <gtest/gtest.h>
@@ -567,6 +568,33 @@ TEST_F(RankSupervisorTest, LongOutputIsSentInMessagesTheCoordinatorTakes) {
       << long_line.size() << " bytes, U+FFFD at " << long_line.find("\xef\xbf\xbd");
   EXPECT_EQ(nines, 600);
   EXPECT_TRUE(end);
+}
+
+// A job's spec.pb, written again at each of its ranks' starts, may be its owner's file: a read
+// lease on it (the owner's, here this test's) stalled the truncating open of the next rank's start
+// for the kernel's lease-break time (45 s), holding the worker's one launch thread. A new file
+// renamed over it breaks no lease.
+TEST_F(RankSupervisorTest, ALeaseOnTheSpecDoesNotStallTheNextRanksStart) {
+  v1::Assignment first = AssignmentOf("job-1", 2);
+  first.clear_device_indices();
+  first.add_device_indices(0);
+  supervisor_->Launch(first);
+  ASSERT_TRUE(reports_.AwaitExit("job-1", 0));
+  const std::string spec = dir_.path() + "/work/job-1/attempt-1/spec.pb";
+  signal(SIGIO, SIG_IGN);  // the lease's break notice
+  const int fd = open(spec.c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0) << strerror(errno);
+  absl::Cleanup closed = [fd] { close(fd); };
+  ASSERT_EQ(fcntl(fd, F_SETLEASE, F_RDLCK), 0) << strerror(errno);
+  v1::Assignment second = AssignmentOf("job-1", 2);
+  second.set_first_rank(1);
+  second.clear_device_indices();
+  second.add_device_indices(1);
+  const absl::Time start = absl::Now();
+  supervisor_->Launch(second);
+  ASSERT_TRUE(reports_.AwaitExit("job-1", 1));
+  EXPECT_EQ(reports_.ExitCode("job-1", 1), 0);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
 }
 
 }  // namespace

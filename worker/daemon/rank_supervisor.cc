@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -25,8 +26,8 @@
 #include <string_view>
 #include <utility>
 
-#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
+#include <nlohmann/json.hpp>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -48,18 +49,29 @@ extern char** environ;
 namespace trainyard::worker {
 namespace {
 
-// Writes `content` to `path` (a file of the worker's folder) with mode 0600, refusing a symbolic
-// link, and gives it to `owner` (null: keeps it).
+// Writes `content` to `path` (a file of the worker's folder) with mode 0600 and gives it to
+// `owner` (null: keeps it): a new file renamed over `path`. The file there may be the owner's
+// (an earlier rank's spec.pb), who could hold a lease on it that stalls an open for truncation
+// (the kernel's lease-break time, 45 s) while the worker's one launch thread waits.
 absl::Status WriteOwnedFile(const std::string& path, const std::string& content,
                             const UnixAccount* owner) {
-  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
+  static std::atomic<uint64_t> written{0};
+  const std::string fresh = absl::StrCat(path, ".new-", getpid(), "-", written++);
+  const int fd = open(fresh.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0)
     return absl::UnavailableError(absl::StrCat("cannot write ", path, ": ", strerror(errno)));
   bool ok = write(fd, content.data(), content.size()) == static_cast<ssize_t>(content.size());
   if (ok && owner != nullptr) ok = fchown(fd, owner->uid, owner->gid) == 0;
-  const int err = errno;
+  int err = errno;
   close(fd);
-  if (!ok) return absl::UnavailableError(absl::StrCat("cannot write ", path, ": ", strerror(err)));
+  if (ok) {
+    ok = rename(fresh.c_str(), path.c_str()) == 0;
+    err = errno;
+  }
+  if (!ok) {
+    unlink(fresh.c_str());
+    return absl::UnavailableError(absl::StrCat("cannot write ", path, ": ", strerror(err)));
+  }
   return absl::OkStatus();
 }
 
