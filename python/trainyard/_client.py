@@ -3,6 +3,8 @@ JobSubmissionClient. Every call is made as the token's user: users see their own
 everyone's."""
 import ipaddress
 import os
+import re
+import stat
 import time
 import uuid
 
@@ -39,22 +41,83 @@ class _Seen:
         return False
 
 
+def _read_secret_file(path):
+    """A token file's text, refused as yard refuses it (common/credentials.cc ReadSecretFile) when
+    it is not a regular file or others may read or change it."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise PermissionError(f"{path}: not a regular file")
+        if st.st_mode & 0o077:
+            raise PermissionError(f"{path}: mode {stat.S_IMODE(st.st_mode):04o} lets others read "
+                                  f"or change it; chmod 600 {path}")
+        with os.fdopen(fd, closefd=False) as f:
+            return f.read().strip()
+    finally:
+        os.close(fd)
+
+
 def _default_token():
     """--token-file's env TRAINYARD_TOKEN_FILE, else TRAINYARD_TOKEN, else the token `yard login`
     saved ($XDG_CONFIG_HOME/trainyard/token or ~/.config/trainyard/token), as yard looks."""
     path = os.environ.get("TRAINYARD_TOKEN_FILE")
     if path:
-        with open(path) as f:
-            return f.read().strip()
+        return _read_secret_file(path)
     if os.environ.get("TRAINYARD_TOKEN"):
         return os.environ["TRAINYARD_TOKEN"]
     config = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
     saved = os.path.join(config, "trainyard", "token")
     if os.path.exists(saved):
-        with open(saved) as f:
-            return f.read().strip()
+        return _read_secret_file(saved)
     raise ValueError("token: none given, no TRAINYARD_TOKEN_FILE or TRAINYARD_TOKEN, and no "
                      f"saved token in {saved} (yard login)")
+
+
+def _env_flag(name):
+    """A yes/no environment variable as yard (CLI11) reads it: unset or empty is no."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "0", "false", "no", "off", "disable", "disabled"):
+        return False
+    if value in ("1", "true", "yes", "on", "enable", "enabled"):
+        return True
+    raise ValueError(f"{name}: expected 1/true/yes/on or 0/false/no/off, got {value!r}")
+
+
+def normalize_job_id(job):
+    """`7` or "7" is job-7, as yard reads a job id; "job-7" (or anything else) as it is."""
+    text = str(job)
+    return f"job-{text}" if text.isdigit() else text
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+               "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+               "tib": 2**40}
+
+
+def parse_bytes(value):
+    """Bytes from an int or "16GiB", "512MiB", "1.5GB", as the spec's memory fields read them
+    (ValueError otherwise)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _BYTE_UNITS:
+        raise ValueError(f"memory: expected bytes such as 16GiB or 512MiB, got {value!r}")
+    return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
+
+
+def _name_of(command):
+    """A program's job name, as `yard submit -- PROGRAM` names it: its script's (a .py or .sh
+    argument) else the program's, with characters a name may not have left out."""
+    program = os.path.basename(command[0]) if command else ""
+    for arg in command:
+        if arg.endswith((".py", ".sh")):
+            program = os.path.splitext(os.path.basename(arg))[0]
+            break
+    name = "".join(c for c in program if c.isascii() and (c.isalnum() or c in "-_."))
+    if not name or name[0].isdigit():
+        name = "job-" + name
+    return name[:64]
 
 
 def _is_loopback(address):
@@ -78,7 +141,7 @@ class Client:
 
         self.address = address or os.environ.get("TRAINYARD_COORDINATOR") or "127.0.0.1:7070"
         if insecure is None:
-            insecure = os.environ.get("TRAINYARD_INSECURE", "") not in ("", "0")
+            insecure = _env_flag("TRAINYARD_INSECURE")
         ca = tls_ca if tls_ca is not None else os.environ.get("TRAINYARD_TLS_CA", "")
         remote = [a.strip() for a in self.address.split(",") if a.strip() and not _is_loopback(a)]
         if remote and not ca and not insecure:
@@ -102,9 +165,12 @@ class Client:
 
     def submit(self, spec=None, **fields):
         """Submits a job and returns it (QUEUED). `spec`: a trainyard.v1.JobSpec, or a dict in
-        the JobSpec's JSON form; or keyword fields: name, slots (or gpus, its old name), nodes and
-        ranks_per_node (torchrun's --nnodes and --nproc-per-node), command, workdir, context, env, after (job ids), priority, max_restarts, max_runtime_seconds,
-        preemptible, stop_grace_seconds. A context that is a folder (not an uploaded "sha256:..." digest) is packed
+        the JobSpec's JSON form; or keyword fields: name (default: the command's script's, as
+        yard names it), description, slots (or gpus, its old name), nodes and ranks_per_node
+        (torchrun's --nnodes and --nproc-per-node), cpus and memory (per rank: 1.5, "16GiB"),
+        command, workdir, context, env, after (job ids: 7 or "job-7"), priority, max_restarts,
+        max_runtime_seconds, preemptible, stop_grace_seconds. A context that is a folder (not an
+        uploaded "sha256:..." digest) is packed
         and uploaded first, as `yard submit --context DIR` does (ValueError naming "context" when
         it holds more than 64 MiB of files). The coordinator
         validates it: a bad one raises grpc.RpcError INVALID_ARGUMENT naming the field."""
@@ -122,7 +188,9 @@ class Client:
                 spec = dict(spec, resources=resources)
             message = json_format.ParseDict(spec, job_pb2.JobSpec())
         elif spec is None:
-            message = job_pb2.JobSpec(name=fields.pop("name", ""))
+            command = list(fields.pop("command", []))
+            message = job_pb2.JobSpec(name=fields.pop("name", "") or _name_of(command),
+                                      description=fields.pop("description", ""))
             if "slots" in fields and "gpus" in fields:
                 raise TypeError("submit: gpus is the old name of slots: give one")
             nodes = int(fields.pop("nodes", 0))
@@ -130,11 +198,13 @@ class Client:
             message.resources.ranks_per_node = int(fields.pop("ranks_per_node", 0))
             # With nodes (torchrun's --nnodes), slots default to one a node (the coordinator's).
             message.resources.slots = int(fields.pop("slots", fields.pop("gpus", 0 if nodes else 1)))
-            message.command.extend(fields.pop("command", []))
+            message.resources.cpus = float(fields.pop("cpus", 0))
+            message.resources.memory_bytes = parse_bytes(fields.pop("memory", 0))
+            message.command.extend(command)
             message.workdir = fields.pop("workdir", "")
             message.context = os.fspath(fields.pop("context", ""))
             message.env.update(fields.pop("env", {}))
-            message.after.extend(fields.pop("after", []))
+            message.after.extend(normalize_job_id(j) for j in fields.pop("after", []))
             for key in ("priority", "max_restarts", "max_runtime_seconds", "preemptible",
                         "stop_grace_seconds"):
                 if key in fields:
@@ -175,8 +245,8 @@ class Client:
     def describe(self, job_id):
         from trainyard.v1 import job_pb2
 
-        return self._jobs.GetJob(job_pb2.GetJobRequest(job_id=job_id), timeout=self._timeout,
-                                 metadata=self._metadata)
+        request = job_pb2.GetJobRequest(job_id=normalize_job_id(job_id))
+        return self._jobs.GetJob(request, timeout=self._timeout, metadata=self._metadata)
 
     def list(self, states=(), owner="", limit=None):
         """Jobs, newest first (every page), optionally only in `states` (names or values)."""
@@ -195,29 +265,30 @@ class Client:
     def cancel(self, job_id, reason=""):
         from trainyard.v1 import job_pb2
 
-        return self._jobs.CancelJob(job_pb2.CancelJobRequest(job_id=job_id, reason=reason),
-                                    timeout=self._timeout, metadata=self._metadata)
+        request = job_pb2.CancelJobRequest(job_id=normalize_job_id(job_id), reason=reason)
+        return self._jobs.CancelJob(request, timeout=self._timeout, metadata=self._metadata)
 
     def checkpoint(self, job_id):
         """Asks a running job for a checkpoint (its ranks see checkpoint_requested())."""
         from trainyard.v1 import job_pb2
 
-        return self._jobs.CheckpointJob(job_pb2.CheckpointJobRequest(job_id=job_id),
-                                        timeout=self._timeout, metadata=self._metadata)
+        request = job_pb2.CheckpointJobRequest(job_id=normalize_job_id(job_id))
+        return self._jobs.CheckpointJob(request, timeout=self._timeout, metadata=self._metadata)
 
     def signal(self, job_id, signal):
         """Sends `signal` ("USR1", "SIGUSR1", ...) to every rank of the running job, each rank's
         whole process tree, as `yard signal` does (the job's owner and admins)."""
         from trainyard.v1 import job_pb2
 
-        return self._jobs.SignalJob(job_pb2.SignalJobRequest(job_id=job_id, signal=str(signal)),
-                                    timeout=self._timeout, metadata=self._metadata)
+        request = job_pb2.SignalJobRequest(job_id=normalize_job_id(job_id), signal=str(signal))
+        return self._jobs.SignalJob(request, timeout=self._timeout, metadata=self._metadata)
 
     def wait(self, job_id, timeout=None):
         """Blocks until the job ends; returns it when SUCCEEDED, raises JobFailed otherwise and
         grpc.RpcError DEADLINE_EXCEEDED past `timeout` seconds."""
         from trainyard.v1 import job_pb2
 
+        job_id = normalize_job_id(job_id)
         terminal = (job_pb2.SUCCEEDED, job_pb2.FAILED, job_pb2.CANCELLED)
         # (Across a failover the watch starts again at the new leader, which sends the job first.)
         stream = self._jobs.stream("WatchJob", job_pb2.WatchJobRequest(job_id=job_id),
@@ -241,6 +312,7 @@ class Client:
         failover it goes on at the new leader, each line once."""
         from trainyard.v1 import job_pb2
 
+        job_id = normalize_job_id(job_id)
         request = job_pb2.StreamLogsRequest(job_id=job_id, follow=follow, tail=tail)
         yield from self._jobs.stream(
             "StreamLogs", request, seen=_Seen(),
@@ -253,7 +325,7 @@ class Client:
         new leader, each step once."""
         from trainyard.v1 import job_pb2
 
-        request = job_pb2.StreamMetricsRequest(job_id=job_id, follow=follow)
+        request = job_pb2.StreamMetricsRequest(job_id=normalize_job_id(job_id), follow=follow)
         yield from self._jobs.stream("StreamMetrics", request, seen=_Seen(),
                                      metadata=self._metadata,
                                      timeout=timeout if follow else self._timeout)
