@@ -811,6 +811,52 @@ TEST_F(HardeningTest, AStreamWhoseReaderFallsFarBehindEnds) {
   EXPECT_LT(read, 2400);
 }
 
+// A user's uploads under way at once: 2 at most (each holds up to 80 MiB until it ends; a client
+// could start fifty and stall them).
+TEST_F(HardeningTest, AUserHasAtMostTwoUploadsUnderWay) {
+  auto start = [&](grpc::ClientContext& ctx, v1::UploadContextResponse& resp) {
+    Prepare(ctx, tokens_->User("alice"));
+    auto writer = jobs_->UploadContext(&ctx, &resp);
+    v1::ContextChunk chunk;
+    chunk.set_digest("sha256:" + std::string(64, 'a'));
+    chunk.set_size_bytes(1 << 20);
+    chunk.set_data(std::string(1000, 'x'));
+    writer->Write(chunk);
+    return writer;
+  };
+  grpc::ClientContext c1, c2, c3;
+  v1::UploadContextResponse r1, r2, r3;
+  auto first = start(c1, r1);
+  auto second = start(c2, r2);
+  auto third = start(c3, r3);
+  third->WritesDone();
+  const grpc::Status refused = third->Finish();
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(refused.error_message(), HasSubstr("you have 2 uploads under way"));
+  // Another user's are their own; one of alice's ended gives hers back.
+  grpc::ClientContext c4;
+  v1::UploadContextResponse r4;
+  Prepare(c4, tokens_->User("bob"));
+  auto bobs = jobs_->UploadContext(&c4, &r4);
+  bobs->WritesDone();
+  EXPECT_EQ(bobs->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);  // (no chunk)
+  first->WritesDone();
+  EXPECT_EQ(first->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);  // (cut short)
+  grpc::Status again;
+  for (int tries = 0; tries < 100; ++tries) {  // (the slot is given back as the call ends there)
+    grpc::ClientContext c5;
+    v1::UploadContextResponse r5;
+    auto next = start(c5, r5);
+    next->WritesDone();
+    again = next->Finish();
+    if (again.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(again.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << again.error_message();
+  second->WritesDone();
+  second->Finish().IgnoreError();
+}
+
 // A user's watches, logs and metrics streams open at once: 64 at most.
 TEST_F(HardeningTest, AUserHoldsAtMost64StreamsOpen) {
   const v1::Job job = RunningJob();

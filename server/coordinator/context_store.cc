@@ -25,6 +25,8 @@ absl::StatusOr<int64_t> ContextStore::Write(const std::string& owner, const std:
 
 absl::StatusOr<int64_t> ContextStore::Put(const std::string& owner, const std::string& digest,
                                           const std::string& archive) {
+  // One at a time: two uploads' sums of what their owner keeps would each leave out the other.
+  absl::MutexLock lock(&put_mu_);
   const int64_t now_ms = absl::ToUnixMillis(clock_.Now());
   // The owner's other contexts, by their small info records.
   ASSIGN_OR_RETURN(const std::vector<StoredRecord> infos, store_.LoadRecords(kInfoKind));

@@ -73,6 +73,7 @@ class ContextStore {
   JobStore& store_;
   const Clock& clock_;
   const ContextStoreOptions options_;
+  absl::Mutex put_mu_;  // Put's sum and write, one upload at a time
   // Held while a shared copy is read, so that callers that come meanwhile wait for it.
   absl::Mutex shared_mu_;
   struct Shared {

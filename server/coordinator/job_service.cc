@@ -276,8 +276,11 @@ class UploadContextReactor final : public grpc::ServerReadReactor<v1::ContextChu
   static constexpr size_t kMaxChunkBytes = size_t{1} << 20;
 
   UploadContextReactor(ContextStore& contexts, Principal caller,
-                       v1::UploadContextResponse* response)
-      : contexts_(contexts), caller_(std::move(caller)), response_(response) {
+                       v1::UploadContextResponse* response, std::shared_ptr<void> slot)
+      : contexts_(contexts),
+        caller_(std::move(caller)),
+        response_(response),
+        slot_(std::move(slot)) {
     StartRead(&chunk_);
   }
 
@@ -343,6 +346,7 @@ class UploadContextReactor final : public grpc::ServerReadReactor<v1::ContextChu
   ContextStore& contexts_;
   const Principal caller_;
   v1::UploadContextResponse* response_;
+  const std::shared_ptr<void> slot_;  // one of the caller's upload slots
   v1::ContextChunk chunk_;
   bool first_ = true;
   std::string digest_;
@@ -534,17 +538,23 @@ grpc::ServerWriteReactor<v1::ExportChunk>* JobServiceImpl::FetchExport(
 
 grpc::ServerReadReactor<v1::ContextChunk>* JobServiceImpl::UploadContext(
     grpc::CallbackServerContext* ctx, v1::UploadContextResponse* response) {
+  // A reactor that refuses at once (nothing read).
+  class Refuse final : public grpc::ServerReadReactor<v1::ContextChunk> {
+   public:
+    explicit Refuse(grpc::Status s) { Finish(s); }
+    void OnDone() override { delete this; }
+  };
   auto caller = AuthenticateUser(ctx, identities_, "UploadContext");
-  if (!caller.ok()) {
-    // A reactor that refuses at once (nothing read).
-    class Refuse final : public grpc::ServerReadReactor<v1::ContextChunk> {
-     public:
-      explicit Refuse(grpc::Status s) { Finish(s); }
-      void OnDone() override { delete this; }
-    };
-    return new Refuse(ToGrpcStatus(caller.status()));
+  if (!caller.ok()) return new Refuse(ToGrpcStatus(caller.status()));
+  std::shared_ptr<void> slot = uploads_.Take(caller->user);
+  if (slot == nullptr) {
+    const absl::Status refused = absl::ResourceExhaustedError(
+        absl::StrCat("UploadContext: you have ", uploads_.per_user(),
+                     " uploads under way; send this one when one of them has ended"));
+    Audit(*caller, "UploadContext", "-", refused);
+    return new Refuse(ToGrpcStatus(refused));
   }
-  return new UploadContextReactor(contexts_, *std::move(caller), response);
+  return new UploadContextReactor(contexts_, *std::move(caller), response, std::move(slot));
 }
 
 grpc::ServerWriteReactor<v1::StepReport>* JobServiceImpl::StreamMetrics(

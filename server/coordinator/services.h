@@ -90,6 +90,8 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
   // WatchJob, StreamLogs and StreamMetrics: at most this many open a user (the console's are
   // among them).
   StreamSlots streams_{64};
+  // UploadContext: at most this many under way a user (each holds up to 80 MiB until it ends).
+  StreamSlots uploads_{2};
 };
 
 class TrainerServiceImpl final : public v1::TrainerService::CallbackService {
