@@ -761,10 +761,19 @@ struct WebConsole::Impl {
   // --- live streams (server-sent events) ---
 
   // A new live stream for `caller`, or nullptr with 503 written: at most options.max_streams
-  // at once, kStreamsPerCaller of them a caller's (a user's sessions, or one token).
+  // at once, kStreamsPerCaller of them a user's (their sessions' and their tokens': a user's
+  // tokens counted apart could take every stream; a token that does not authenticate counts as
+  // itself, and its stream's call is refused).
   std::shared_ptr<LiveStream> OpenStream(const Caller& caller, Response& res) {
-    const std::string key = caller.session.has_value() ? "user:" + caller.session->user
-                                                       : "token:" + Sha256(caller.token);
+    std::string key = caller.session.has_value() ? "user:" + caller.session->user
+                                                 : "token:" + Sha256(caller.token);
+    if (!caller.session.has_value()) {
+      v1::WhoAmIResponse me;
+      auto ctx = Context(caller);
+      if (identity->WhoAmI(ctx.get(), v1::WhoAmIRequest(), &me).ok() && !me.user().empty()) {
+        key = "user:" + me.user();
+      }
+    }
     {
       absl::MutexLock lock(&streams_mu);
       int& mine = streams_by_caller[key];

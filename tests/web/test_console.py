@@ -438,6 +438,34 @@ def test_yard_web_prints_a_link_that_signs_a_browser_in_once(browser, cluster):
     assert status == 401, body
 
 
+def test_a_users_live_streams_are_counted_together_whatever_their_tokens(cluster, tmp_path):
+    # bob's two tokens: 8 live streams between them (each token had 8 of its own, so a user with
+    # four tokens took the console's 32); alice still opens hers. (Last of the tests on this
+    # cluster: the streams closed here end on the server when it next writes to them.)
+    second = tmp_path / "bob2.token"
+    run([str(BIN / "yard"), "admin", "token", "create", "--user", "bob", "--out", str(second)],
+        cluster["env"])
+    tokens = [cluster["tokens"]["bob"], second.read_text().strip()]
+    opened = []
+
+    def open_stream(token):
+        req = urllib.request.Request(f"{cluster['url']}/api/v1/jobs/events",
+                                     headers={"Authorization": f"Bearer {token}"})
+        return urllib.request.urlopen(req, timeout=30)
+
+    try:
+        for i in range(8):
+            opened.append(open_stream(tokens[i % 2]))
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            opened.append(open_stream(tokens[1]))
+        assert refused.value.code == 503
+        assert "8 of them yours" in refused.value.read().decode()
+        opened.append(open_stream(cluster["tokens"]["alice"]))
+    finally:
+        for r in opened:
+            r.close()
+
+
 @pytest.fixture(scope="module")
 def tls_cluster(tmp_path_factory):
     """A local cluster (no workers) serving gRPC and the console over TLS, with certificates from
