@@ -12,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <sstream>
 #include <thread>
 
@@ -33,7 +34,8 @@ namespace fs = std::filesystem;
 std::string StateFile(const std::string& dir) { return dir + "/local.json"; }
 
 // Saves `token` at `path` for later yard calls, unless the token there already works with this
-// coordinator; another token there is kept as PATH.bak.
+// coordinator; another token there is kept as PATH.bak (PATH.bak.2, .3, ... when that is taken:
+// a second local cluster must not overwrite the real login the first one moved aside).
 absl::Status SaveTokenForYard(const std::string& coordinator, const std::string& token,
                               const std::string& path, const TlsClientOptions& tls) {
   auto existing = ReadSecretFile(path);
@@ -42,9 +44,19 @@ absl::Status SaveTokenForYard(const std::string& coordinator, const std::string&
       return absl::OkStatus();
     }
     std::error_code ec;
-    fs::rename(path, path + ".bak", ec);
-    if (ec)
-      return absl::UnavailableError(absl::StrCat(path, ": cannot keep as .bak: ", ec.message()));
+    std::string kept = path + ".bak";
+    for (int n = 2; fs::exists(fs::symlink_status(kept, ec)) && n < 1000; ++n) {
+      kept = absl::StrCat(path, ".bak.", n);
+    }
+    if (fs::exists(fs::symlink_status(kept, ec))) {
+      return absl::UnavailableError(absl::StrCat(path, ": cannot keep it: ", kept, " is taken"));
+    }
+    fs::rename(path, kept, ec);
+    if (ec) {
+      return absl::UnavailableError(
+          absl::StrCat(path, ": cannot keep it as ", kept, ": ", ec.message()));
+    }
+    std::cerr << "yard: the token that was in " << path << " is kept as " << kept << "\n";
   }
   return WriteSecretFile(path, token);
 }

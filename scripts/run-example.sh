@@ -10,6 +10,11 @@ bash scripts/setup.sh --programs  # only what the example runs: no tests, no Pyt
 yard=build/bin/yard
 state_dir="$(pwd)/build/example-cluster"
 export TRAINYARD_COORDINATOR=127.0.0.1:${TRAINYARD_EXAMPLE_PORT:-7071}
+# The example's own login, kept in its state folder: `yard local up` saves the local admin's
+# token where yard looks (moving a saved one aside), and a token or CA of a real cluster in this
+# shell would be sent to this one.
+export XDG_CONFIG_HOME="$state_dir/config"
+unset TRAINYARD_TOKEN TRAINYARD_TOKEN_FILE TRAINYARD_TLS_CA TRAINYARD_INSECURE
 $yard local --state-dir "$state_dir" down >/dev/null 2>&1 || true
 trap '$yard local --state-dir "$state_dir" down >/dev/null 2>&1 || true' EXIT
 

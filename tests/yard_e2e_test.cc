@@ -965,6 +965,41 @@ TEST(YardLocalTest, UpStatusDownLifecycle) {
   EXPECT_THAT(after.err, HasSubstr(state_dir));
 }
 
+// `yard local up` saves its admin's token where yard looks; a login already there that the
+// cluster does not take is kept aside, and a second cluster keeps it too (it overwrote token.bak
+// with the first cluster's token: the real login was gone).
+TEST(YardLocalTest, UpKeepsTheLoginItReplacesAndASecondClusterKeepsItToo) {
+  TempDir dir;
+  const std::string home = dir.path() + "/home";
+  const std::string saved = home + "/.config/trainyard/token";
+  ASSERT_TRUE(WriteSecretFile(saved, "tyu.the-real-login").ok());
+  auto yard = [&](const std::vector<std::string>& args) {
+    std::vector<std::string> argv = {BinPath("yard")};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return RunCommand(
+        argv, {"HOME=" + home, "XDG_CONFIG_HOME=", "TRAINYARD_TOKEN=", "TRAINYARD_TOKEN_FILE="},
+        kCommandTimeout);
+  };
+  for (const std::string state : {"a", "b"}) {
+    const std::string state_dir = dir.path() + "/" + state;
+    LocalClusterGuard guard(state_dir);
+    CommandResult up = yard({"local", "--state-dir", state_dir, "up", "--listen", "127.0.0.1:0"});
+    ASSERT_EQ(up.exit_code, 0) << up.err;
+    EXPECT_THAT(up.err, HasSubstr(state == "a" ? "kept as " + saved + ".bak"
+                                               : "kept as " + saved + ".bak.2"));
+    EXPECT_EQ(yard({"local", "--state-dir", state_dir, "down"}).exit_code, 0);
+  }
+  auto text = [](const std::string& path) {
+    std::ifstream in(path);
+    std::string t;
+    in >> t;
+    return t;
+  };
+  EXPECT_EQ(text(saved + ".bak"), "tyu.the-real-login");
+  EXPECT_THAT(text(saved + ".bak.2"), StartsWith("tyt."));  // the first cluster's admin's
+  EXPECT_NE(text(saved + ".bak.2"), "tyu.the-real-login");
+}
+
 TEST(YardLocalTest, StatusFailsWithOneLineReasonWhenTheCoordinatorDied) {
   TempDir dir;
   const std::string state_dir = dir.path() + "/local";
