@@ -7,7 +7,8 @@
 // Faults come from the file FAKE_NVML_FAULT_FILE names, read at every call, one per line:
 // "I xid N" (a critical XID event on GPU I, delivered once, in file order), "I ecc N" (N
 // uncorrected ECC errors), "I remap-failed", "I remap-pending", "I lost" (the GPU fell off the
-// bus: NVML_ERROR_GPU_IS_LOST).
+// bus: NVML_ERROR_GPU_IS_LOST). FAKE_NVML_MINORS: the GPUs' minor numbers ("1,0"; default their
+// indices).
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -124,6 +125,22 @@ int nvmlDeviceGetHandleByUUID(const char* uuid, void** device) {
   const int index = u.back() - '0';
   if (index < 0 || index >= EnvInt("FAKE_CUDA_DEVICES", 2)) return kNotFound;
   *device = reinterpret_cast<void*>(static_cast<intptr_t>(index + 1));
+  return kSuccess;
+}
+
+// FAKE_NVML_MINORS: each GPU's minor number, comma-separated (default: its index).
+int nvmlDeviceGetMinorNumber(void* device, unsigned int* minor) {
+  if (!initialized) return kUninitialized;
+  if (minor == nullptr) return kInvalidArgument;
+  const int index = IndexOf(device);
+  *minor = static_cast<unsigned int>(index);
+  if (const char* list = std::getenv("FAKE_NVML_MINORS"); list != nullptr) {
+    std::stringstream in(list);
+    std::string item;
+    for (int i = 0; std::getline(in, item, ','); ++i) {
+      if (i == index) *minor = static_cast<unsigned int>(std::atoi(item.c_str()));
+    }
+  }
   return kSuccess;
 }
 

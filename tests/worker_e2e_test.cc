@@ -1378,6 +1378,10 @@ class WorkerGpuE2eTest : public OwnWorkerE2eTest {
     return devices;
   }
 
+  void ExpectEachRankOpensOnlyItsGpusFile(const std::vector<int>& minor_of,
+                                          const std::vector<std::string>& args,
+                                          const std::vector<std::string>& env);
+
   // The lines the ranks of a print-devices job over `ranks` devices printed.
   std::vector<std::string> PrintedDevices(int ranks) {
     auto job = client_->Submit(testing::TinySpec("print-devices", ranks));
@@ -1433,7 +1437,10 @@ TEST_F(WorkerGpuE2eTest, OffersEachGpuAndGivesEachRankOnlyItsOwn) {
 // rank that ignores CUDA_VISIBLE_DEVICES still cannot open them. Stand-in device nodes with the
 // NVIDIA major (195) and minors 0 and 1, mode 0666, no driver behind them: a rank's own gets past
 // the cgroup to the missing driver (ENXIO or ENODEV), the other GPU's is refused (EPERM).
-TEST_F(WorkerGpuE2eTest, ARankCannotOpenTheDeviceFileOfAGpuItWasNotGiven) {
+// `minor_of`: each CUDA ordinal's device file; `args` and `env` added to the worker's.
+void WorkerGpuE2eTest::ExpectEachRankOpensOnlyItsGpusFile(const std::vector<int>& minor_of,
+                                                          const std::vector<std::string>& args,
+                                                          const std::vector<std::string>& env) {
   if (!CgroupsUsable()) GTEST_SKIP() << "needs root and usable cgroups";
   const trainyard::worker::CgroupHost host = trainyard::worker::DetectCgroups();
   if (host.version != 1 || host.parents.count("devices") == 0) {
@@ -1449,9 +1456,13 @@ TEST_F(WorkerGpuE2eTest, ARankCannotOpenTheDeviceFileOfAGpuItWasNotGiven) {
     ASSERT_EQ(chmod(node.c_str(), 0666), 0);
   }
   alice_account_ = "nobody";
-  StartWorker({"--gpus", "all", "--cuda-library", FakeDriver(), "--cgroups", "require",
-               "--gpu-device-files", dev + "/nvidia%d"},
-              {"FAKE_CUDA_DEVICES=2"});
+  std::vector<std::string> worker_args = {
+      "--gpus",    "all",     "--cuda-library",     FakeDriver(),
+      "--cgroups", "require", "--gpu-device-files", dev + "/nvidia%d"};
+  worker_args.insert(worker_args.end(), args.begin(), args.end());
+  std::vector<std::string> worker_env = {"FAKE_CUDA_DEVICES=2"};
+  worker_env.insert(worker_env.end(), env.begin(), env.end());
+  StartWorker(worker_args, worker_env);
   ASSERT_EQ(WaitForDevices(v1::CUDA_GPU, 2).size(), 2u);
   const v1::Job job = RunToEnd(
       *client_,
@@ -1472,12 +1483,12 @@ TEST_F(WorkerGpuE2eTest, ARankCannotOpenTheDeviceFileOfAGpuItWasNotGiven) {
   int checked = 0;
   for (const std::string& line : Logs(job.id())) {
     for (int own = 0; own < 2; ++own) {
-      for (int other = 0; other < 2; ++other) {
-        if (!absl::StrContains(line, absl::StrCat("device ", own, " opens ", other, " "))) {
+      for (int file = 0; file < 2; ++file) {
+        if (!absl::StrContains(line, absl::StrCat("device ", own, " opens ", file, " "))) {
           continue;
         }
         ++checked;
-        if (own == other) {
+        if (minor_of[own] == file) {
           EXPECT_THAT(line, Not(HasSubstr("EPERM"))) << "a rank could not open its own GPU";
         } else {
           EXPECT_THAT(line, HasSubstr("EPERM")) << "a rank opened another rank's GPU";
@@ -1486,6 +1497,17 @@ TEST_F(WorkerGpuE2eTest, ARankCannotOpenTheDeviceFileOfAGpuItWasNotGiven) {
     }
   }
   EXPECT_EQ(checked, 4);
+}
+
+TEST_F(WorkerGpuE2eTest, ARankCannotOpenTheDeviceFileOfAGpuItWasNotGiven) {
+  ExpectEachRankOpensOnlyItsGpusFile({0, 1}, {}, {});
+}
+
+// The device file is the GPU's minor number by NVML, not its CUDA ordinal (which
+// CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER renumber): here CUDA's GPU 0 is /dev/nvidia1.
+TEST_F(WorkerGpuE2eTest, AGpusDeviceFileIsItsMinorByNvml) {
+  ExpectEachRankOpensOnlyItsGpusFile({1, 0}, {"--nvml-library", TestBinPath("libfake_nvml.so")},
+                                     {"FAKE_NVML_MINORS=1,0"});
 }
 
 TEST_F(WorkerGpuE2eTest, AutoOffersGpusOnlyToATrainerThatTrainsOnThem) {

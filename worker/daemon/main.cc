@@ -198,9 +198,9 @@ void AddFlags(CLI::App& app, Flags& f, trainyard::worker::WorkerOptions& options
                  "default none")
       ->check(trainyard::NonNegative());
   app.add_option("--gpu-device-files", f.gpu_device_files,
-                 "each GPU's device file, by CUDA device number: a pattern with %d, or a comma "
-                 "list; on cgroup v1 a rank's devices cgroup denies those of the GPUs it was not "
-                 "given (the minors follow PCI order, as CUDA's on a host of one GPU model)")
+                 "each GPU's device file: a pattern with %d, the GPU's minor number by NVML (its "
+                 "CUDA device number without NVML), or a comma list by CUDA device number; on "
+                 "cgroup v1 a rank's devices cgroup denies those of the GPUs it was not given")
       ->capture_default_str();
   app.add_option("--cpus", f.host_cpus,
                  "CPUs the ranks may use together, as the scheduler counts them against jobs' "
@@ -309,11 +309,30 @@ void SettleGpuDeviceRules(const Flags& f, const trainyard::worker::CgroupHost& h
     return;
   }
   const std::vector<std::string> listed = absl::StrSplit(f.gpu_device_files, ',');
+  const bool pattern = absl::StrContains(f.gpu_device_files, "%d");
+  if (pattern && options.nvml == nullptr &&
+      (std::getenv("CUDA_VISIBLE_DEVICES") != nullptr ||
+       std::getenv("CUDA_DEVICE_ORDER") != nullptr)) {
+    spdlog::warn(
+        "without NVML, GPU device files are numbered by CUDA's ordinals, which "
+        "CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER renumber: a rank's devices cgroup may allow "
+        "another GPU's file (list them with --gpu-device-files)");
+  }
   for (size_t i = 0; i < options.gpus.size(); ++i) {
+    // The GPU's minor number by NVML, which names its device file whatever CUDA's numbering
+    // (the ordinal i where NVML cannot say).
+    int number = static_cast<int>(i);
+    if (pattern && options.nvml != nullptr) {
+      if (auto minor = options.nvml->MinorNumber(options.gpus[i].uuid); minor.ok()) {
+        number = *minor;
+      } else {
+        spdlog::warn("GPU {}: {}; its device file taken as number {}", i,
+                     std::string(minor.status().message()), i);
+      }
+    }
     const std::string file =
-        absl::StrContains(f.gpu_device_files, "%d")
-            ? absl::StrReplaceAll(f.gpu_device_files, {{"%d", absl::StrCat(i)}})
-            : (i < listed.size() ? listed[i] : "");
+        pattern ? absl::StrReplaceAll(f.gpu_device_files, {{"%d", absl::StrCat(number)}})
+                : (i < listed.size() ? listed[i] : "");
     struct stat st;
     if (file.empty() || stat(file.c_str(), &st) != 0 || !S_ISCHR(st.st_mode)) {
       spdlog::warn("GPU {}: no device file {}: its ranks are confined by CUDA_VISIBLE_DEVICES only",

@@ -53,6 +53,7 @@ struct Nvml::Api {
   int (*event_set_free)(void*);
   int (*register_events)(NvmlDevice, unsigned long long, void*);
   int (*event_set_wait)(void*, NvmlEventData*, unsigned int);
+  int (*minor_number)(NvmlDevice, unsigned int*);  // optional
 
   std::string Error(int code) const {
     const char* s = error_string != nullptr ? error_string(code) : nullptr;
@@ -85,6 +86,7 @@ absl::StatusOr<std::unique_ptr<Nvml>> Nvml::Open(const std::string& library) {
   load("nvmlEventSetFree", api->event_set_free);
   load("nvmlDeviceRegisterEvents", api->register_events);
   load("nvmlEventSetWait_v2", api->event_set_wait);
+  load("nvmlDeviceGetMinorNumber", api->minor_number);
   if (!ok) {
     dlclose(handle);
     return absl::FailedPreconditionError(
@@ -104,6 +106,22 @@ Nvml::~Nvml() {
   if (event_set_ != nullptr && api_->event_set_free != nullptr) api_->event_set_free(event_set_);
   api_->shutdown();
   dlclose(handle_);
+}
+
+absl::StatusOr<int> Nvml::MinorNumber(const std::string& uuid) const {
+  if (api_->minor_number == nullptr) {
+    return absl::UnimplementedError("NVML has no nvmlDeviceGetMinorNumber");
+  }
+  NvmlDevice device = nullptr;
+  if (const int rc = api_->by_uuid(uuid.c_str(), &device); rc != kNvmlSuccess) {
+    return absl::NotFoundError(absl::StrCat("NVML: ", uuid, ": ", api_->Error(rc)));
+  }
+  unsigned int minor = 0;
+  if (const int rc = api_->minor_number(device, &minor); rc != kNvmlSuccess) {
+    return absl::UnavailableError(
+        absl::StrCat("nvmlDeviceGetMinorNumber: ", uuid, ": ", api_->Error(rc)));
+  }
+  return static_cast<int>(minor);
 }
 
 absl::StatusOr<GpuSample> Nvml::Sample(const std::string& uuid) const {

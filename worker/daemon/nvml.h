@@ -52,6 +52,10 @@ class Nvml {
   // FAILED_PRECONDITION when NVML says the GPU is lost (fallen off the bus).
   absl::StatusOr<GpuSample> Sample(const std::string& uuid) const;
 
+  // The minor number of the GPU with this UUID: its device file is /dev/nvidiaMINOR (CUDA's
+  // ordinals follow CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER, the minors do not).
+  absl::StatusOr<int> MinorNumber(const std::string& uuid) const;
+
   // Starts collecting critical XID events of these GPUs. Where NVML cannot (no event API, a GPU
   // that does not support it), an error names it; the other samples go on.
   absl::Status WatchXids(const std::vector<std::string>& uuids);
