@@ -478,7 +478,7 @@ int Submit(const Globals& g, const std::string& path, const SubmitFlags& flags) 
   if (path.empty() && flags.command.empty()) {
     return Fail(absl::InvalidArgumentError(
         "give a spec file (yard submit job.yaml) or a program after -- (yard submit --gpus 2 -- "
-        "python train.py)"));
+        "python3 train.py)"));
   }
   auto overrides = SubmitFlagsYaml(flags, path.empty());
   if (!overrides.ok()) return Fail(overrides.status());
@@ -580,13 +580,20 @@ int PrintChangedJob(const Globals& g, const absl::StatusOr<v1::Job>& job) {
   return 0;
 }
 
-int Cancel(const Globals& g, const std::string& id, const std::string& reason,
+int Cancel(const Globals& g, const std::vector<std::string>& ids, const std::string& reason,
            const std::string& array) {
-  if (id.empty() == array.empty()) {
-    return Fail(absl::InvalidArgumentError("give a job, or --array NAME (not both)"));
+  if (ids.empty() == array.empty()) {
+    return Fail(absl::InvalidArgumentError("give jobs, or --array NAME (not both)"));
   }
   YardClient client(g.coordinator, g.Token(), g.tls);
-  if (array.empty()) return PrintChangedJob(g, client.Cancel(NormalizeJobId(id), reason));
+  if (array.empty()) {
+    // Each in turn, as scancel: one refused (ended, not yours) does not keep the others.
+    int rc = 0;
+    for (const std::string& id : ids) {
+      rc = std::max(rc, PrintChangedJob(g, client.Cancel(NormalizeJobId(id), reason)));
+    }
+    return rc;
+  }
   // Every task of the caller's array that has not ended (an admin's list holds everyone's: an
   // array is its owner's); the waiting ones first, so that none starts in a slot a cancelled
   // running one frees.
@@ -1116,7 +1123,7 @@ void AddJobVerbs(CLI::App& app, Cli& c) {
       "data:, train:, parallel:) or runs your own program on each rank (command: [python3, "
       "train.py], workdir: /abs/path, env: {NAME: value}) with torchrun's environment (RANK, "
       "WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...); or without one, a program after --: `yard "
-      "submit --gpus 2 -- python train.py --lr 3e-4` (one slot unless given, named after the "
+      "submit --gpus 2 -- python3 train.py --lr 3e-4` (one slot unless given, named after the "
       "script; this folder is uploaded when the program is a script here, else the ranks run in "
       "it, which every worker must then see). The flags below set "
       "those fields of a spec file too, over what it says");
@@ -1178,10 +1185,11 @@ void AddJobVerbs(CLI::App& app, Cli& c) {
 
   auto* cancel =
       app.add_subcommand("cancel", "cancel a waiting or running job, or an array's tasks");
-  cancel->add_option("job", job_id, "job id");
+  auto& job_ids = a.job_ids;
+  cancel->add_option("jobs", job_ids, "job ids (7 or job-7), each cancelled in turn");
   cancel->add_option("--array", a.array, "every task of this job array that has not ended");
   cancel->add_option("--reason", reason, "recorded with the job");
-  cancel->callback([&] { rc = Cancel(g, job_id, reason, a.array); });
+  cancel->callback([&] { rc = Cancel(g, job_ids, reason, a.array); });
 
   auto* wait = app.add_subcommand(
       "wait", "wait until a job ends; exit 0 succeeded, 1 failed, 2 cancelled, 3 timed out");

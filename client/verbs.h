@@ -77,6 +77,7 @@ struct SubmitFlags {
 
 struct VerbArgs {
   std::string spec_path, job_id, reason, timeout, owner;
+  std::vector<std::string> job_ids;  // yard cancel's
   SubmitFlags submit;
   std::string signal;
   std::string array;  // yard ls / cancel --array

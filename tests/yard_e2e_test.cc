@@ -797,6 +797,19 @@ TEST_F(YardE2eTest, CancelPrintsIdAndNewState) {
   EXPECT_THAT(ListedIds({"--state", "CANCELLED"}), ElementsAre("job-1"));
 }
 
+// Several at once, as scancel: each in turn, a refused one said and the rest cancelled.
+TEST_F(YardE2eTest, CancelTakesSeveralJobs) {
+  for (int i = 0; i < 3; ++i) SubmitCharGpt();
+  CommandResult r = Yard({"cancel", "1", "job-2"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "job-1 CANCELLED\njob-2 CANCELLED\n");
+  r = Yard({"cancel", "42", "3"});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_EQ(r.out, "job-3 CANCELLED\n");
+  EXPECT_THAT(r.err, AllOf(HasSubstr("job-42"), HasSubstr("NOT_FOUND")));
+  EXPECT_THAT(ListedIds({"--state", "CANCELLED"}), ElementsAre("job-3", "job-2", "job-1"));
+}
+
 TEST_F(YardE2eTest, CancellingAnEndedJobFailsWithFailedPrecondition) {
   SubmitCharGpt();
   ASSERT_EQ(Yard({"cancel", "1"}).exit_code, 0);
