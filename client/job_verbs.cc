@@ -587,11 +587,22 @@ int Cancel(const Globals& g, const std::vector<std::string>& ids, const std::str
   }
   YardClient client(g.coordinator, g.Token(), g.tls);
   if (array.empty()) {
-    // Each in turn, as scancel: one refused (ended, not yours) does not keep the others.
+    if (ids.size() == 1) return PrintChangedJob(g, client.Cancel(NormalizeJobId(ids[0]), reason));
+    // Each in turn, as scancel: one refused (ended, not yours) does not keep the others; with -o
+    // json, one array of the cancelled jobs.
     int rc = 0;
+    std::vector<std::string> cancelled;
     for (const std::string& id : ids) {
-      rc = std::max(rc, PrintChangedJob(g, client.Cancel(NormalizeJobId(id), reason)));
+      absl::StatusOr<v1::Job> job = client.Cancel(NormalizeJobId(id), reason);
+      if (!job.ok()) {
+        rc = std::max(rc, Fail(job.status()));
+      } else if (g.json()) {
+        cancelled.push_back(ToJson(*job));
+      } else {
+        std::cout << job->id() << " " << v1::JobState_Name(job->state()) << "\n";
+      }
     }
+    if (g.json()) std::cout << "[" << absl::StrJoin(cancelled, ",") << "]\n";
     return rc;
   }
   // Every task of the caller's array that has not ended (an admin's list holds everyone's: an

@@ -1436,8 +1436,9 @@ TEST_F(WorkerGpuE2eTest, OffersEachGpuAndGivesEachRankOnlyItsOwn) {
 // Devices (issue 52): on cgroup v1 a rank's devices cgroup denies the GPUs it was not given, so a
 // rank that ignores CUDA_VISIBLE_DEVICES still cannot open them. Stand-in device nodes with the
 // NVIDIA major (195) and minors 0 and 1, mode 0666, no driver behind them: a rank's own gets past
-// the cgroup to the missing driver (ENXIO or ENODEV), the other GPU's is refused (EPERM).
-// `minor_of`: each CUDA ordinal's device file; `args` and `env` added to the worker's.
+// the cgroup to the missing driver (ENXIO or ENODEV), the other GPU's is refused (EPERM), and so
+// is a third (minor 2) that this worker was not given, another worker's say. `minor_of`: each CUDA
+// ordinal's device file; `args` and `env` added to the worker's.
 void WorkerGpuE2eTest::ExpectEachRankOpensOnlyItsGpusFile(const std::vector<int>& minor_of,
                                                           const std::vector<std::string>& args,
                                                           const std::vector<std::string>& env) {
@@ -1450,7 +1451,7 @@ void WorkerGpuE2eTest::ExpectEachRankOpensOnlyItsGpusFile(const std::vector<int>
   const std::string dev = dir_.path() + "/dev";
   std::filesystem::create_directories(dev);
   ASSERT_EQ(chmod(dev.c_str(), 0755), 0);
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < 3; ++i) {  // nvidia2: a GPU of the host's that this worker does not have
     const std::string node = absl::StrCat(dev, "/nvidia", i);
     ASSERT_EQ(mknod(node.c_str(), S_IFCHR | 0666, makedev(195, i)), 0) << strerror(errno);
     ASSERT_EQ(chmod(node.c_str(), 0666), 0);
@@ -1469,7 +1470,7 @@ void WorkerGpuE2eTest::ExpectEachRankOpensOnlyItsGpusFile(const std::vector<int>
       CommandSpec("open-gpus", 2,
                   {"/usr/bin/python3", "-c",
                    absl::StrCat("import errno, os\n"
-                                "for i in (0, 1):\n"
+                                "for i in (0, 1, 2):\n"
                                 "    try:\n"
                                 "        os.close(os.open('",
                                 dev,
@@ -1483,7 +1484,7 @@ void WorkerGpuE2eTest::ExpectEachRankOpensOnlyItsGpusFile(const std::vector<int>
   int checked = 0;
   for (const std::string& line : Logs(job.id())) {
     for (int own = 0; own < 2; ++own) {
-      for (int file = 0; file < 2; ++file) {
+      for (int file = 0; file < 3; ++file) {
         if (!absl::StrContains(line, absl::StrCat("device ", own, " opens ", file, " "))) {
           continue;
         }
@@ -1496,7 +1497,7 @@ void WorkerGpuE2eTest::ExpectEachRankOpensOnlyItsGpusFile(const std::vector<int>
       }
     }
   }
-  EXPECT_EQ(checked, 4);
+  EXPECT_EQ(checked, 6);
 }
 
 TEST_F(WorkerGpuE2eTest, ARankCannotOpenTheDeviceFileOfAGpuItWasNotGiven) {

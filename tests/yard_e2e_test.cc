@@ -808,6 +808,15 @@ TEST_F(YardE2eTest, CancelTakesSeveralJobs) {
   EXPECT_EQ(r.out, "job-3 CANCELLED\n");
   EXPECT_THAT(r.err, AllOf(HasSubstr("job-42"), HasSubstr("NOT_FOUND")));
   EXPECT_THAT(ListedIds({"--state", "CANCELLED"}), ElementsAre("job-3", "job-2", "job-1"));
+  // -o json: one array of the cancelled jobs.
+  SubmitCharGpt();
+  SubmitCharGpt();
+  r = Yard({"-o", "json", "cancel", "4", "5"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const json cancelled = ParseJson(r.out);
+  ASSERT_TRUE(cancelled.is_array()) << r.out;
+  ASSERT_EQ(cancelled.size(), 2u);
+  EXPECT_EQ(cancelled[1].value("id", ""), "job-5");
 }
 
 TEST_F(YardE2eTest, CancellingAnEndedJobFailsWithFailedPrecondition) {

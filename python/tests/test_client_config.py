@@ -34,11 +34,11 @@ def test_trainyard_insecure_is_a_yes_or_no(monkeypatch):
     monkeypatch.setenv("TRAINYARD_TOKEN", "tyu.x")
     monkeypatch.delenv("TRAINYARD_TLS_CA", raising=False)
     # "false" was read as yes (anything but "" and "0"): the token sent in clear.
-    for no in ("false", "0", "no", "off", ""):
+    for no in ("false", "0", "no", "off", "", "n"):
         monkeypatch.setenv("TRAINYARD_INSECURE", no)
         with pytest.raises(ValueError, match="refusing to send your API token in clear"):
             trainyard.Client("10.1.2.3:7070")
-    for yes in ("1", "true", "YES", "on"):
+    for yes in ("1", "true", "YES", "on", "y", "2"):
         monkeypatch.setenv("TRAINYARD_INSECURE", yes)
         trainyard.Client("10.1.2.3:7070").close()
     monkeypatch.setenv("TRAINYARD_INSECURE", "maybe")
@@ -86,4 +86,5 @@ def test_submit_takes_yards_fields_and_ids_are_normalised(monkeypatch):
         assert spec.resources.memory_bytes == 16 * 2**30
         assert list(spec.after) == ["job-3", "job-4"]
         assert c.submit(name="mine", command=["true"]).name == "mine"
+        assert c.submit(slots=1).name == ""  # (no command: the coordinator says name is required)
         assert c.describe(7).job_id == "job-7"

@@ -44,7 +44,7 @@ class _Seen:
 def _read_secret_file(path):
     """A token file's text, refused as yard refuses it (common/credentials.cc ReadSecretFile) when
     it is not a regular file or others may read or change it."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # (a link is followed, as yard follows it)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -75,13 +75,17 @@ def _default_token():
 
 
 def _env_flag(name):
-    """A yes/no environment variable as yard (CLI11) reads it: unset or empty is no."""
+    """A yes/no environment variable as yard (CLI11's flag values) reads it: unset or empty is
+    no; true/t/yes/y/on/enable/+ and a non-zero integer yes; false/f/no/n/off/disable/- and 0 no."""
     value = os.environ.get(name, "").strip().lower()
-    if value in ("", "0", "false", "no", "off", "disable", "disabled"):
+    if value in ("", "false", "f", "no", "n", "off", "disable", "-"):
         return False
-    if value in ("1", "true", "yes", "on", "enable", "enabled"):
+    if value in ("true", "t", "yes", "y", "on", "enable", "+"):
         return True
-    raise ValueError(f"{name}: expected 1/true/yes/on or 0/false/no/off, got {value!r}")
+    try:
+        return int(value) != 0
+    except ValueError:
+        raise ValueError(f"{name}: expected 1/true/yes/on or 0/false/no/off, got {value!r}")
 
 
 def normalize_job_id(job):
@@ -189,7 +193,8 @@ class Client:
             message = json_format.ParseDict(spec, job_pb2.JobSpec())
         elif spec is None:
             command = list(fields.pop("command", []))
-            message = job_pb2.JobSpec(name=fields.pop("name", "") or _name_of(command),
+            name = fields.pop("name", "") or (_name_of(command) if command else "")
+            message = job_pb2.JobSpec(name=name,
                                       description=fields.pop("description", ""))
             if "slots" in fields and "gpus" in fields:
                 raise TypeError("submit: gpus is the old name of slots: give one")

@@ -168,15 +168,18 @@ absl::Status JobHistory::PurgeExpired() {
 
 namespace {
 
+// `broken` (when given) is set where the record itself cannot be decoded (its framing), as
+// against the store's own failures.
 template <typename T>
 absl::StatusOr<std::vector<T>> ReadSeries(JobStore& store, const char* kind,
-                                          const std::string& job_id) {
+                                          const std::string& job_id, bool* broken = nullptr) {
   absl::StatusOr<StoredRecord> record = store.GetRecord(kind, job_id);
   if (absl::IsNotFound(record.status())) return std::vector<T>{};
   if (!record.ok()) return record.status();
   int unreadable = 0;
   absl::StatusOr<std::vector<T>> records = DecodeSeries<T>(record->payload, &unreadable);
   if (!records.ok()) {
+    if (broken != nullptr) *broken = true;
     return absl::DataLossError(
         absl::StrCat(kind, " of ", job_id, " in the store: ", records.status().message()));
   }
@@ -232,19 +235,23 @@ absl::StatusOr<int> JobHistory::SaveUnfinished(bool changed_only) {
 
 absl::StatusOr<int> JobHistory::LoadUnfinished() {
   int jobs = 0;
-  // A job's history the store holds but cannot be read (a broken record) is left out, said: it
-  // must not keep the coordinator from starting. The store's own failures stop the start.
-  auto readable = [](auto series) -> decltype(series) {
-    if (absl::IsDataLoss(series.status())) {
+  // A job's history the store holds but cannot be decoded (a broken record) is left out, said:
+  // it must not keep the coordinator from starting. The store's own failures stop the start.
+  auto readable = [this](auto tag, const char* kind, const std::string& id) {
+    using T = decltype(tag);
+    bool broken = false;
+    absl::StatusOr<std::vector<T>> series = ReadSeries<T>(store_, kind, id, &broken);
+    if (broken) {
       spdlog::error("{}: the coordinator starts without it",
                     std::string(series.status().message()));
-      return typename decltype(series)::value_type{};
+      return absl::StatusOr<std::vector<T>>(std::vector<T>{});
     }
     return series;
   };
   for (const auto& [id, end_ms] : jobs_.ResidentJobEnds()) {
-    ASSIGN_OR_RETURN(std::vector<v1::LogLine> lines, readable(Logs(id)));
-    ASSIGN_OR_RETURN(std::vector<v1::StepReport> steps, readable(Metrics(id)));
+    ASSIGN_OR_RETURN(std::vector<v1::LogLine> lines, readable(v1::LogLine(), kJobLogsRecord, id));
+    ASSIGN_OR_RETURN(std::vector<v1::StepReport> steps,
+                     readable(v1::StepReport(), kJobMetricsRecord, id));
     jobs += !lines.empty() || !steps.empty();
     if (!lines.empty()) logs_.Append(id, std::move(lines));
     if (!steps.empty()) metrics_.Append(id, std::move(steps));

@@ -4,6 +4,7 @@
 // node_service.cc, rendezvous_service.cc, identity_service.cc) call these and the managers only.
 #pragma once
 
+#include <algorithm>
 #include <deque>
 #include <map>
 #include <memory>
@@ -98,9 +99,11 @@ class WriteQueue {
 
   // At most `bytes` more queued than now (0: no limit, the default): for a stream that follows
   // what comes, once what was kept is queued.
+  // The allowance shrinks back to `bytes` as what was queued before drains.
   void LimitTo(size_t bytes) {
     absl::MutexLock lock(&mu_);
     max_bytes_ = queued_bytes_ + bytes;
+    extra_bytes_ = bytes;
   }
 
   // From the reactor's OnWriteDone.
@@ -108,6 +111,7 @@ class WriteQueue {
     absl::MutexLock lock(&mu_);
     queued_bytes_ -= queue_.front().ByteSizeLong();
     queue_.pop_front();
+    if (extra_bytes_ > 0) max_bytes_ = std::min(max_bytes_, queued_bytes_ + extra_bytes_);
     writing_ = false;
     if (reactor_ == nullptr || finished_) return;
     if (!ok) {
@@ -147,6 +151,7 @@ class WriteQueue {
   std::deque<Message> queue_ ABSL_GUARDED_BY(mu_);  // front is in flight while writing_
   size_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   size_t max_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t extra_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // LimitTo's
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   std::optional<grpc::Status> finish_ ABSL_GUARDED_BY(mu_);
   bool finished_ ABSL_GUARDED_BY(mu_) = false;

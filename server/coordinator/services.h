@@ -88,8 +88,9 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
   const IdentityRegistry& identities_;
   ContextStore& contexts_;
   // WatchJob, StreamLogs and StreamMetrics: at most this many open a user (the console's are
-  // among them).
-  StreamSlots streams_{64};
+  // among them, 8 at most). Each holds what the job kept when it opened (up to 64 MiB of logs)
+  // plus 16 MiB of what followed: 16 of them, about 1.3 GiB at the very most.
+  StreamSlots streams_{16};
   // UploadContext: at most this many under way a user (each holds up to 80 MiB until it ends).
   StreamSlots uploads_{2};
 };

@@ -14,6 +14,7 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -318,20 +319,26 @@ void SettleGpuDeviceRules(const Flags& f, const trainyard::worker::CgroupHost& h
         "CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER renumber: a rank's devices cgroup may allow "
         "another GPU's file (list them with --gpu-device-files)");
   }
-  for (size_t i = 0; i < options.gpus.size(); ++i) {
-    // The GPU's minor number by NVML, which names its device file whatever CUDA's numbering
-    // (the ordinal i where NVML cannot say).
-    int number = static_cast<int>(i);
-    if (pattern && options.nvml != nullptr) {
-      if (auto minor = options.nvml->MinorNumber(options.gpus[i].uuid); minor.ok()) {
-        number = *minor;
-      } else {
-        spdlog::warn("GPU {}: {}; its device file taken as number {}", i,
-                     std::string(minor.status().message()), i);
+  // Each GPU's minor number by NVML, which names its device file whatever CUDA's numbering;
+  // CUDA's ordinals for all where NVML cannot say for one (never the two mixed).
+  std::vector<int> numbers;
+  for (size_t i = 0; i < options.gpus.size(); ++i) numbers.push_back(static_cast<int>(i));
+  if (pattern && options.nvml != nullptr) {
+    std::vector<int> minors;
+    for (size_t i = 0; i < options.gpus.size(); ++i) {
+      auto minor = options.nvml->MinorNumber(options.gpus[i].uuid);
+      if (!minor.ok()) {
+        spdlog::warn("GPU {}: {}; the GPUs' device files taken by CUDA device number", i,
+                     std::string(minor.status().message()));
+        break;
       }
+      minors.push_back(*minor);
     }
+    if (minors.size() == numbers.size()) numbers = minors;
+  }
+  for (size_t i = 0; i < options.gpus.size(); ++i) {
     const std::string file =
-        pattern ? absl::StrReplaceAll(f.gpu_device_files, {{"%d", absl::StrCat(number)}})
+        pattern ? absl::StrReplaceAll(f.gpu_device_files, {{"%d", absl::StrCat(numbers[i])}})
                 : (i < listed.size() ? listed[i] : "");
     struct stat st;
     if (file.empty() || stat(file.c_str(), &st) != 0 || !S_ISCHR(st.st_mode)) {
@@ -343,7 +350,22 @@ void SettleGpuDeviceRules(const Flags& f, const trainyard::worker::CgroupHost& h
     options.supervisor.gpu_device_rules.push_back(
         absl::StrCat("c ", major(st.st_rdev), ":", minor(st.st_rdev), " rwm"));
   }
-  spdlog::info("each rank may open only its own GPU's device file ({})", f.gpu_device_files);
+  // The host's other GPUs (another worker's, or none's): denied to every rank, after this
+  // worker's own rules (a rank's device is one of those).
+  int others = 0;
+  for (int n = 0; pattern && n < 256; ++n) {
+    if (std::find(numbers.begin(), numbers.end(), n) != numbers.end()) continue;
+    const std::string file = absl::StrReplaceAll(f.gpu_device_files, {{"%d", absl::StrCat(n)}});
+    struct stat st;
+    if (stat(file.c_str(), &st) != 0 || !S_ISCHR(st.st_mode)) continue;
+    options.supervisor.gpu_device_rules.push_back(
+        absl::StrCat("c ", major(st.st_rdev), ":", minor(st.st_rdev), " rwm"));
+    ++others;
+  }
+  spdlog::info(
+      "each rank may open only its own GPU's device file ({}; {} other GPU(s) of the host "
+      "denied to all)",
+      f.gpu_device_files, others);
 }
 
 // The ranks' cgroups and limits: detected, and this worker's folder made in each hierarchy.

@@ -195,8 +195,8 @@ class RankLogFollower {
         partial_.erase(0, cut);
         partial_start_ += static_cast<int64_t>(cut);
       }
-      // A message the coordinator takes (at most 4 MiB): at most 512 lines or about 1 MiB.
-      if (batch.size() >= 512 || batch_bytes_ >= kBatchBytes) Emit(batch);
+      // A message the coordinator takes (at most 4 MiB): at most 512 lines, 1 MiB (Take).
+      if (batch.size() >= 512) Emit(batch);
     }
     Emit(batch);
   }
@@ -217,9 +217,11 @@ class RankLogFollower {
   void Take(std::string line, int64_t start, Batch& batch) {
     // The coordinator's messages carry text: a rank may print any bytes (a byte-level model's
     // sample), and one invalid UTF-8 line would fail the whole session's stream.
-    line = ValidUtf8(std::move(line));
+    line = ValidUtf8(std::move(line));  // (up to 3 times as long: each bad byte is U+FFFD)
     last_.push_back(line);
     if (static_cast<int>(last_.size()) > keep_) last_.pop_front();
+    // A message holds at most kBatchBytes, or one line alone (a piece of at most 3 MiB).
+    if (!batch.empty() && batch_bytes_ + line.size() > kBatchBytes) Emit(batch);
     batch_bytes_ += line.size();
     batch.emplace_back(cut_bytes_ + start + 1, std::move(line));
   }

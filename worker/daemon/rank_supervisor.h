@@ -90,9 +90,9 @@ struct SupervisorOptions {
   // a GPU sees only its own (CUDA_VISIBLE_DEVICES) and gets `--device cuda`; one on a CPU slot
   // sees none.
   std::vector<std::string> gpu_uuids;
-  // The v1 devices-controller rule of each GPU's device file ("c 195:0 rwm"), by device index:
-  // a rank's cgroup denies those of the GPUs it was not given. Empty: not confined beyond
-  // CUDA_VISIBLE_DEVICES.
+  // The v1 devices-controller rule of each GPU's device file ("c 195:0 rwm"), by device index,
+  // then those of the host's GPUs this worker does not have: a rank's cgroup denies all but its
+  // own. Empty: not confined beyond CUDA_VISIBLE_DEVICES.
   std::vector<std::string> gpu_device_rules;
   // The program run as each rank's shepherd with kShepherdFlag: this worker's own binary.
   std::string shepherd_path = "/proc/self/exe";
