@@ -860,13 +860,13 @@ TEST_F(HardeningTest, AUserHasAtMostTwoUploadsUnderWay) {
   EXPECT_EQ(bobs->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);  // (no chunk)
 }
 
-// A user's watches, logs and metrics streams open at once: 16 at most.
-TEST_F(HardeningTest, AUserHoldsAtMost16StreamsOpen) {
+// A user's watches, logs and metrics streams open at once: 32 at most.
+TEST_F(HardeningTest, AUserHoldsAtMost32StreamsOpen) {
   const v1::Job job = RunningJob();
   std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
   std::vector<std::unique_ptr<grpc::ClientReader<v1::JobEvent>>> watches;
   v1::JobEvent event;
-  for (int i = 0; i < 16; ++i) {
+  for (int i = 0; i < 32; ++i) {
     contexts.push_back(std::make_unique<grpc::ClientContext>());
     Prepare(*contexts.back(), tokens_->User("alice"));
     v1::WatchJobRequest r;
@@ -888,7 +888,7 @@ TEST_F(HardeningTest, AUserHoldsAtMost16StreamsOpen) {
   const grpc::Status refused = logs();
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_EQ(refused.error_message(),
-            "StreamLogs: you have 16 streams open (watches, logs and metrics); close one first");
+            "StreamLogs: you have 32 streams open (watches, logs and metrics); close one first");
   // Another user's are their own; one of alice's closed gives hers back.
   grpc::ClientContext admin;
   Prepare(admin, tokens_->User("root", v1::ADMIN));

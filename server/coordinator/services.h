@@ -88,9 +88,9 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
   const IdentityRegistry& identities_;
   ContextStore& contexts_;
   // WatchJob, StreamLogs and StreamMetrics: at most this many open a user (the console's are
-  // among them, 8 at most). Each holds what the job kept when it opened (up to 64 MiB of logs)
-  // plus 16 MiB of what followed: 16 of them, about 1.3 GiB at the very most.
-  StreamSlots streams_{16};
+  // among them: a job's page holds three, and a user eight pages). Each holds what the job kept
+  // when it opened (up to 64 MiB of logs) plus 16 MiB of what followed: 2.5 GiB at the most.
+  StreamSlots streams_{32};
   // UploadContext: at most this many under way a user (each holds up to 80 MiB until it ends).
   StreamSlots uploads_{2};
 };
