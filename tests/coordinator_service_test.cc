@@ -148,6 +148,25 @@ class CoordinatorServiceTest : public testing::CoordinatorFixture {
         channel_, tokens_->Node("n1"), WithGraces("n1", absl::Seconds(10), max_stop_grace), {rank});
   }
 
+  // A job whose spec asks `grace` placed on n1 (its --stop-grace 10s, --max-stop-grace 10m): the
+  // node's session, the job and its assignment.
+  struct Placed {
+    std::unique_ptr<testing::NodeSession> node;
+    v1::Job job;
+    v1::Assignment assignment;
+  };
+  Placed PlacedWithStopGrace(absl::Duration grace) {
+    Placed p;
+    p.node = testing::NodeSession::ConnectWith(
+        channel_, tokens_->Node("n1"), WithGraces("n1", absl::Seconds(10), absl::Minutes(10)));
+    v1::JobSpec spec = Spec(1);
+    spec.set_stop_grace_seconds(absl::ToInt64Seconds(grace));
+    p.job = MustSubmit(spec);
+    EXPECT_EQ(server_->jobs().SchedulePass(), 1);
+    p.assignment = p.node->NextCommand().assignment();
+    return p;
+  }
+
   // Until the coordinator has seen node `id`'s session end (at most 10 s).
   void WaitUntilDisconnected(const std::string& id) {
     for (absl::Time give_up = absl::Now() + absl::Seconds(10);
@@ -1089,13 +1108,7 @@ TEST_F(CoordinatorServiceTest, AStoppedRanksDeviceIsHeldThroughItsJobsStopGraceU
 // A node that says hello while a cancelled rank still stops gives that rank a new grace: its
 // job's (3 minutes here, and the margin), not the node's longest (its 10-minute maximum).
 TEST_F(CoordinatorServiceTest, ARankStillStoppingAtItsNodesHelloGetsItsJobsGraceAgain) {
-  auto node = testing::NodeSession::ConnectWith(
-      channel_, tokens_->Node("n1"), WithGraces("n1", absl::Seconds(10), absl::Minutes(10)));
-  v1::JobSpec spec = Spec(1);
-  spec.set_stop_grace_seconds(180);
-  v1::Job job = MustSubmit(spec);
-  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
-  const v1::Assignment a = node->NextCommand().assignment();
+  auto [node, job, a] = PlacedWithStopGrace(absl::Seconds(180));
   ASSERT_TRUE(Cancel(job.id()).ok());
   ASSERT_TRUE(node->NextCommand().has_cancel());
   v1::Job next = MustSubmit(Spec(1, "next"));
@@ -1110,13 +1123,7 @@ TEST_F(CoordinatorServiceTest, ARankStillStoppingAtItsNodesHelloGetsItsJobsGrace
 // longer grace: the hello says so (RankStatus.stop_grace_ms), and the device is held for that
 // grace and the margin from the hello, not for the node's new maximum.
 TEST_F(CoordinatorServiceTest, ARankStillStoppingKeepsTheGraceItsShepherdReportsAtTheHello) {
-  auto node = testing::NodeSession::ConnectWith(
-      channel_, tokens_->Node("n1"), WithGraces("n1", absl::Seconds(10), absl::Minutes(10)));
-  v1::JobSpec spec = Spec(1);
-  spec.set_stop_grace_seconds(600);
-  v1::Job job = MustSubmit(spec);
-  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
-  const v1::Assignment a = node->NextCommand().assignment();
+  auto [node, job, a] = PlacedWithStopGrace(absl::Seconds(600));
   ASSERT_TRUE(Cancel(job.id()).ok());
   ASSERT_TRUE(node->NextCommand().has_cancel());
   v1::Job next = MustSubmit(Spec(1, "next"));
@@ -1129,13 +1136,7 @@ TEST_F(CoordinatorServiceTest, ARankStillStoppingKeepsTheGraceItsShepherdReports
 // The same for a rank still running at the hello, its job's current attempt: stopped later (a
 // cancel), it keeps the grace its shepherd reported, not the node's new maximum.
 TEST_F(CoordinatorServiceTest, ARunningRankStoppedAfterTheHelloKeepsTheGraceItsShepherdReported) {
-  auto node = testing::NodeSession::ConnectWith(
-      channel_, tokens_->Node("n1"), WithGraces("n1", absl::Seconds(10), absl::Minutes(10)));
-  v1::JobSpec spec = Spec(1);
-  spec.set_stop_grace_seconds(600);
-  v1::Job job = MustSubmit(spec);
-  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
-  const v1::Assignment a = node->NextCommand().assignment();
+  auto [node, job, a] = PlacedWithStopGrace(absl::Seconds(600));
   // The worker restarts with --max-stop-grace 1m, its rank running on.
   auto again = RestartWithRankRunning(std::move(node), a, absl::Minutes(1), absl::Minutes(10));
   again->Heartbeat();

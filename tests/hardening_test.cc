@@ -902,7 +902,7 @@ TEST_F(HardeningTest, AUserHoldsAtMost32StreamsOpen) {
   watches.back()->Finish().IgnoreError();
   watches.pop_back();
   grpc::Status again;
-  for (int tries = 0; tries < 100; ++tries) {  // (the server learns of the cancel on its own)
+  for (int tries = 0; tries < 500; ++tries) {  // (the server learns of the cancel on its own)
     again = logs();
     if (again.ok()) break;
     absl::SleepFor(absl::Milliseconds(20));

@@ -482,12 +482,13 @@ void JobManager::OnRankStatus(const std::string& node_id, const v1::RankStatus& 
       job != nullptr && IsActive(job->state()) && status.attempt() == job->attempt();
   // A node's usage counts for the ranks it runs: the current attempt's placed there, or another
   // attempt's (or an ended job's) still stopping there.
+  const bool placed = current && PlacedOn(*job, node_id, status.rank());
   const bool used =
       job != nullptr && status.phase() == v1::RANK_EXITED && status.has_usage() &&
-      (current ? PlacedOn(*job, node_id, status.rank())
+      (current ? placed
                : devices_.DrainsOn({status.job_id(), status.attempt(), status.rank()}, node_id));
   if (used) RecordRankUsage(*job, node_id, status);
-  if (current && !PlacedOn(*job, node_id, status.rank())) {
+  if (current && !placed) {
     // A node speaks only for the ranks it runs.
     spdlog::warn("audit: node {} reported rank {} of {} attempt {}, which it does not run: ignored",
                  node_id, status.rank(), status.job_id(), status.attempt());

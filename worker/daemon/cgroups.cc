@@ -211,21 +211,29 @@ std::string DescribeCgroups(const CgroupHost& host) {
   return absl::StrCat("cgroup v", host.version, " (", absl::StrJoin(parts, ", "), ")");
 }
 
+std::vector<std::string> RankCgroupDirs(const CgroupHost& host, const std::string& name) {
+  std::vector<std::string> dirs;
+  for (const auto& [controller, parent] : host.parents) {
+    const std::string dir = absl::StrCat(parent, "/", name);
+    if (std::find(dirs.begin(), dirs.end(), dir) == dirs.end()) dirs.push_back(dir);  // shared
+  }
+  return dirs;
+}
+
 namespace {
 
 absl::StatusOr<std::vector<std::string>> TryCreateRankCgroup(const CgroupHost& host,
                                                              const std::string& name,
                                                              const CgroupLimits& limits) {
-  std::vector<std::string> dirs;
-  std::map<std::string, std::string> by_controller;
-  for (const auto& [controller, parent] : host.parents) {
-    const std::string dir = absl::StrCat(parent, "/", name);
-    by_controller[controller] = dir;
-    if (std::find(dirs.begin(), dirs.end(), dir) != dirs.end()) continue;  // a shared mount
+  const std::vector<std::string> dirs = RankCgroupDirs(host, name);
+  for (const std::string& dir : dirs) {
     std::error_code ec;
     std::filesystem::create_directories(dir, ec);
     if (ec) return absl::InternalError(absl::StrCat("cgroup ", dir, ": ", ec.message()));
-    dirs.push_back(dir);
+  }
+  std::map<std::string, std::string> by_controller;
+  for (const auto& [controller, parent] : host.parents) {
+    by_controller[controller] = absl::StrCat(parent, "/", name);
   }
   auto set = [](const std::string& file, const std::string& value) -> absl::Status {
     if (WriteSmallFile(file, value)) return absl::OkStatus();
@@ -363,6 +371,16 @@ std::optional<double> ReadCpuSeconds(const std::vector<std::string>& dirs) {
     }
   }
   return std::nullopt;
+}
+
+bool KillAndRemoveCgroups(const std::vector<std::string>& dirs, absl::Duration timeout) {
+  // Again each round: a process may have forked past the last signal (v1 freezes around it).
+  const absl::Time deadline = absl::Now() + timeout;
+  while (!dirs.empty() && !CgroupsEmpty(dirs) && absl::Now() < deadline) {
+    SignalCgroups(dirs, SIGKILL);
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return RemoveCgroups(dirs);
 }
 
 bool RemoveCgroups(const std::vector<std::string>& dirs) {

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 
 namespace trainyard::worker {
 
@@ -95,6 +96,12 @@ std::optional<MemoryReport> ReadMemory(const std::vector<std::string>& dirs);
 std::optional<double> ReadCpuSeconds(const std::vector<std::string>& dirs);
 // Removes the (empty) folders; false if one stays.
 bool RemoveCgroups(const std::vector<std::string>& dirs);
+// Kills every process in the cgroups (SIGKILL, again until they are empty or `timeout` has
+// passed) and removes them; false if one stays.
+bool KillAndRemoveCgroups(const std::vector<std::string>& dirs, absl::Duration timeout);
+// The folders of the rank cgroup `name` under the host's parents, as CreateRankCgroup makes them
+// (a hierarchy mounted with several controllers once), whether or not they exist.
+std::vector<std::string> RankCgroupDirs(const CgroupHost& host, const std::string& name);
 // Removes every empty "trainyard-*" cgroup folder under the host's parents that is a minute old,
 // deepest first: what workers killed without their clean-up left (a tree with a process in it
 // stays; a live worker makes a removed folder again when it next starts a rank). Returns how many

@@ -299,6 +299,11 @@ absl::Status SettleIdentity(const Flags& f, trainyard::worker::WorkerOptions& op
   return absl::OkStatus();
 }
 
+// The devices controller's rule for a character device file: "c 195:0 rwm".
+std::string DeviceRule(const struct stat& st) {
+  return absl::StrCat("c ", major(st.st_rdev), ":", minor(st.st_rdev), " rwm");
+}
+
 // Each GPU's device file, for the devices controller (v1) to deny the others' to a rank.
 void SettleGpuDeviceRules(const Flags& f, const trainyard::worker::CgroupHost& host,
                           trainyard::worker::WorkerOptions& options) {
@@ -347,8 +352,7 @@ void SettleGpuDeviceRules(const Flags& f, const trainyard::worker::CgroupHost& h
       options.supervisor.gpu_device_rules.clear();
       return;
     }
-    options.supervisor.gpu_device_rules.push_back(
-        absl::StrCat("c ", major(st.st_rdev), ":", minor(st.st_rdev), " rwm"));
+    options.supervisor.gpu_device_rules.push_back(DeviceRule(st));
   }
   // The host's other GPUs (another worker's, or none's): denied to every rank, after this
   // worker's own rules (a rank's device is one of those).
@@ -358,8 +362,7 @@ void SettleGpuDeviceRules(const Flags& f, const trainyard::worker::CgroupHost& h
     const std::string file = absl::StrReplaceAll(f.gpu_device_files, {{"%d", absl::StrCat(n)}});
     struct stat st;
     if (stat(file.c_str(), &st) != 0 || !S_ISCHR(st.st_mode)) continue;
-    options.supervisor.gpu_device_rules.push_back(
-        absl::StrCat("c ", major(st.st_rdev), ":", minor(st.st_rdev), " rwm"));
+    options.supervisor.gpu_device_rules.push_back(DeviceRule(st));
     ++others;
   }
   spdlog::info(

@@ -984,19 +984,11 @@ std::string RankSupervisor::RankCgroupName(const RankKey& key) const {
 void RankSupervisor::KillWhatIsLeft(const RankKey& key) {
   if (options_.cgroups == nullptr || options_.cgroups->version == 0) return;
   std::vector<std::string> dirs;
-  for (const auto& [controller, parent] : options_.cgroups->parents) {
-    const std::string dir = absl::StrCat(parent, "/", RankCgroupName(key));
+  for (const std::string& dir : RankCgroupDirs(*options_.cgroups, RankCgroupName(key))) {
     std::error_code ec;
-    if (std::find(dirs.begin(), dirs.end(), dir) == dirs.end() &&
-        std::filesystem::is_directory(dir, ec)) {
-      dirs.push_back(dir);
-    }
+    if (std::filesystem::is_directory(dir, ec)) dirs.push_back(dir);
   }
-  if (dirs.empty()) return;
-  SignalCgroups(dirs, SIGKILL);
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (!CgroupsEmpty(dirs) && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
-  if (!RemoveCgroups(dirs)) {
+  if (!dirs.empty() && !KillAndRemoveCgroups(dirs, absl::Seconds(10))) {
     spdlog::warn("rank {} of {} attempt {}: its cgroup {} still holds processes", std::get<2>(key),
                  std::get<0>(key), std::get<1>(key), dirs[0]);
   }

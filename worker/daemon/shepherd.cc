@@ -410,11 +410,7 @@ class Shepherd {
       Stop(SIGKILL);
       waitpid(rank_, nullptr, 0);
     }
-    for (int i = 0; i < 50 && !s_.cgroups.empty() && !CgroupsEmpty(s_.cgroups); ++i) {
-      SignalCgroups(s_.cgroups, SIGKILL);
-      usleep(20000);
-    }
-    RemoveCgroups(s_.cgroups);
+    KillAndRemoveCgroups(s_.cgroups, absl::Seconds(1));
   }
 
  private:
