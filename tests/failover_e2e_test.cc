@@ -133,6 +133,12 @@ class FailoverE2eTest : public ::testing::Test {
     ASSERT_FALSE(a_.address.empty());
     // a is the first replica: it takes the lease and, as the first leader, makes the admin.
     ASSERT_TRUE(WaitForFile(dir_.path() + "/a/admin.token")) << "replica a never led";
+    // (The admin is made before the jobs are loaded: a serves once it answers but UNAVAILABLE.)
+    for (const absl::Time deadline = absl::Now() + absl::Seconds(30);
+         Probe(a_.address, "", nullptr).error_code() == grpc::StatusCode::UNAVAILABLE;) {
+      ASSERT_LT(absl::Now(), deadline) << "replica a never served";
+      absl::SleepFor(absl::Milliseconds(20));
+    }
     b_ = StartReplica("b");
     ASSERT_FALSE(b_.address.empty());
     list_ = absl::StrCat(b_.address, ",", a_.address);  // the standby first, on purpose
@@ -405,6 +411,31 @@ TEST_F(FailoverE2eTest, APausedLeaderThatResumesAfterTheTakeoverWritesNothing) {
 // step once. The old leader had stored none of them (it saves running jobs' series every 30 s);
 // the worker sends its ranks' recent lines again on its session with the new leader, and the rank
 // its recent step reports on meeting a new incarnation, and the new leader keeps each once.
+// A leader whose start takes longer than its lease (loading a large state) keeps the lease: its
+// renewals start when it takes the lease, not once it serves. (They started after the start: the
+// standby took the lease over during the load, and the loaded leader stepped down at once.)
+class FailoverSlowStartTest : public FailoverE2eTest {
+ protected:
+  void SetUp() override {
+    a_env_ = {"TRAINYARD_FAILPOINTS=load-jobs=sleep:7000"};  // over two leases of 3 s
+    FailoverE2eTest::SetUp();
+  }
+};
+
+TEST_F(FailoverSlowStartTest, ALeaderWhoseStartOutlastsItsLeaseKeepsIt) {
+  if (server_ == nullptr) return;
+  // b started while a was loading (a's admin token is made before the jobs are loaded).
+  WaitUntilLeads(a_.address, absl::Now());
+  WaitUntilStandsBy(b_.address, a_.address);
+  // Nobody else ever took the lease: a's is still the first epoch, b never led.
+  EXPECT_EQ(
+      server_->Query(database_, "SELECT holder || ' ' || epoch FROM trainyard_leader").value_or(""),
+      "a 1");
+  auto submitted = Client()->Submit(testing::TinySpec("succeed", 1));
+  ASSERT_TRUE(submitted.ok()) << submitted.status();
+  EXPECT_TRUE(Probe(a_.address, alice_token_, nullptr).ok());
+}
+
 TEST_F(FailoverE2eTest, ARunningJobsLogsAndMetricsKeepEveryLineAndStepAcrossAFailover) {
   StartWorker();
   auto client = Client();

@@ -19,6 +19,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/credentials.h"
+#include "common/failpoint.h"
 #include "common/grpc_server.h"
 #include "common/log_text.h"
 #include "common/status_macros.h"
@@ -320,6 +321,7 @@ JobManagerOptions CoordinatorServer::JobOptions() {
 }
 
 absl::Status CoordinatorServer::LoadJobs() {
+  Failpoint("load-jobs");  // (tests: a start as slow as a large state's)
   nodes_ = std::make_unique<NodeRegistry>(*store_, clock_, options_.node_timeout);
   rendezvous_ = std::make_unique<Rendezvous>(options_.limits.rendezvous);
   logs_ = std::make_unique<JobLogs>(/*max_records_per_job=*/50'000,

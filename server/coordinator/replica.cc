@@ -102,6 +102,65 @@ std::string DefaultReplicaId(const std::string& state_dir) {
 
 enum class LeaderEnd { kSignal, kSteppedDown };
 
+// Renews the lease of `epoch` every renew_interval on a thread of its own from its construction
+// (before the leader's start, which loads the whole state: a start longer than the lease must not
+// let it lapse) until Stop() or its destruction; a renewal stuck on a cut-off database never keeps
+// the caller from stepping down in time.
+class LeaseRenewer {
+ public:
+  LeaseRenewer(LeaderLease& lease, int64_t epoch, absl::Time acquired_at,
+               const ReplicaOptions& replica)
+      : renewed_(acquired_at) {
+    thread_ =
+        std::thread([this, &lease, epoch, ttl = replica.lease_ttl, every = replica.renew_interval] {
+          absl::MutexLock lock(&mu_);
+          while (!stop_) {
+            mu_.AwaitWithTimeout(absl::Condition(&stop_), every);
+            if (stop_) break;
+            const absl::Time start = absl::Now();  // (local clock, taken before the call)
+            mu_.Unlock();
+            const absl::Status status = lease.Renew(epoch, ttl);
+            mu_.Lock();
+            if (status.ok()) {
+              renewed_ = start;
+            } else if (absl::IsFailedPrecondition(status)) {
+              lost_ = true;
+            } else {
+              spdlog::warn("cannot renew the leader's lease: {}", std::string(status.message()));
+            }
+          }
+        });
+  }
+  ~LeaseRenewer() { Stop(); }
+
+  void Stop() {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    if (thread_.joinable()) thread_.join();
+  }
+
+  // Why the leader must step down now (empty: it need not): a renewal found the lease passed on,
+  // or none succeeded for longer than `limit`.
+  std::string WhyStepDown(absl::Duration limit) {
+    absl::MutexLock lock(&mu_);
+    if (lost_) return "the lease has passed to another replica";
+    if (absl::Now() - renewed_ > limit) {
+      return absl::StrCat("the lease was not renewed for ",
+                          absl::FormatDuration(absl::Now() - renewed_));
+    }
+    return "";
+  }
+
+ private:
+  absl::Mutex mu_;
+  absl::Time renewed_ ABSL_GUARDED_BY(mu_);
+  bool lost_ ABSL_GUARDED_BY(mu_) = false;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
 }  // namespace
 
 int RunReplica(CoordinatorOptions options, ReplicaOptions replica,
@@ -215,9 +274,11 @@ int RunReplica(CoordinatorOptions options, ReplicaOptions replica,
         std::max(replica.lease_ttl - replica.renew_interval, absl::Milliseconds(100));
     // (The console's port is given up first: unlike gRPC's, it cannot be bound twice.)
     redirect.reset();
+    LeaseRenewer renewer(**lease, epoch, acquired_at, replica);
     auto server = CoordinatorServer::Start(leading);
     if (!server.ok()) {
       spdlog::error("cannot serve as the leader: {}", std::string(server.status().message()));
+      renewer.Stop();
       (*lease)->Release(epoch).IgnoreError();
       standby.service->SetLeader("");
       if (WaitForTerminationSignalFor(replica.poll_interval) != 0) return 0;
@@ -226,29 +287,6 @@ int RunReplica(CoordinatorOptions options, ReplicaOptions replica,
     standby.server->Shutdown();
     standby = Standby();
     spdlog::info("serving as the leader on {}", (*server)->address());
-    // Renewals on a thread of their own, so that a renewal stuck on a cut-off database never
-    // keeps this loop from stepping down in time.
-    absl::Mutex mu;
-    absl::Time renewed = acquired_at;  // (local clock, taken before the call)
-    bool lost = false, stop_renewing = false;
-    std::thread renewer([&] {
-      absl::MutexLock lock(&mu);
-      while (!stop_renewing) {
-        mu.AwaitWithTimeout(absl::Condition(&stop_renewing), replica.renew_interval);
-        if (stop_renewing) break;
-        const absl::Time start = absl::Now();
-        mu.Unlock();
-        const absl::Status status = (*lease)->Renew(epoch, replica.lease_ttl);
-        mu.Lock();
-        if (status.ok()) {
-          renewed = start;
-        } else if (absl::IsFailedPrecondition(status)) {
-          lost = true;
-        } else {
-          spdlog::warn("cannot renew the leader's lease: {}", std::string(status.message()));
-        }
-      }
-    });
     LeaderEnd end = LeaderEnd::kSignal;
     std::string why;
     while (true) {
@@ -256,16 +294,9 @@ int RunReplica(CoordinatorOptions options, ReplicaOptions replica,
         spdlog::info("signal {}: shutting down", sig);
         break;
       }
-      absl::MutexLock lock(&mu);
-      if (lost) {
-        why = "the lease has passed to another replica";
-      } else if (fenced) {
-        why = "a write found the lease passed to another replica";
-      } else if (absl::Now() - renewed > replica.lease_ttl - replica.renew_interval) {
-        // Before the lease can have expired on the database: nobody else leads yet.
-        why = absl::StrCat("the lease was not renewed for ",
-                           absl::FormatDuration(absl::Now() - renewed));
-      }
+      // Before the lease can have expired on the database: nobody else leads yet.
+      why = renewer.WhyStepDown(replica.lease_ttl - replica.renew_interval);
+      if (why.empty() && fenced) why = "a write found the lease passed to another replica";
       if (!why.empty()) {
         end = LeaderEnd::kSteppedDown;
         break;
@@ -278,11 +309,7 @@ int RunReplica(CoordinatorOptions options, ReplicaOptions replica,
     }
     (*server)->Shutdown();
     server->reset();
-    {
-      absl::MutexLock lock(&mu);
-      stop_renewing = true;
-    }
-    renewer.join();
+    renewer.Stop();
     if (end == LeaderEnd::kSignal) {
       // A clean end: a standby takes over at its next poll instead of after the lease's expiry.
       if (absl::Status released = (*lease)->Release(epoch); !released.ok()) {

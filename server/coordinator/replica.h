@@ -6,11 +6,12 @@
 // (common/coordinator_endpoints.h), and NOT_SERVING to health checks; every poll_interval it tries
 // to take the lease. Once it has, it starts the full coordinator on the same address, its store
 // fenced by the lease's epoch, loads the state and the nodes' re-registrations rebuild the rest;
-// it renews the lease every renew_interval. It steps down (stops serving and stands by again)
-// when a renewal finds the lease passed on, when a write finds itself fenced, or when it has not
-// renewed for as long as a lease lasts (a leader cut off from the database stops before its lease
-// could have been taken over). On SIGTERM the leader shuts down and releases the lease, so that a
-// standby takes over at its next poll.
+// it renews the lease every renew_interval from the moment it takes it (through a start that
+// loads a large state for longer than the lease lasts). It steps down (stops serving and stands by
+// again) when a renewal finds the lease passed on, when a write finds itself fenced, or when it has
+// not renewed for as long as a lease lasts (a leader cut off from the database stops before its
+// lease could have been taken over). On SIGTERM the leader shuts down and releases the lease, so
+// that a standby takes over at its next poll.
 //
 // Called by main.cc for a PostgreSQL store.
 #ifndef TRAINYARD_SERVER_COORDINATOR_REPLICA_H_
