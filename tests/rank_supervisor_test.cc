@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -568,6 +569,41 @@ TEST_F(RankSupervisorTest, LongOutputIsSentInMessagesTheCoordinatorTakes) {
       << long_line.size() << " bytes, U+FFFD at " << long_line.find("\xef\xbf\xbd");
   EXPECT_EQ(nines, 600);
   EXPECT_TRUE(end);
+}
+
+// What a rank printed holds at most about --rank-log-keep of the worker's disk once sent on: the
+// log's older blocks are freed (its size and offsets unchanged), its last lines stay readable, and
+// every line reached the coordinator. (Without it a rank printing at GB/s filled the disk.)
+TEST(RankLogKeepTest, ASentLogKeepsItsLastBytesOnDiskOnly) {
+  TempDir dir;
+  Reports reports;
+  SupervisorOptions options;
+  options.trainer_path = testing::TestBinPath("test_rank");
+  options.work_dir = dir.path() + "/work";
+  options.shepherd_path = testing::BinPath("trainyard-worker");
+  options.log_keep_bytes = int64_t{2} << 20;
+  {
+    RankSupervisor supervisor(options, [&](v1::NodeMessage m) { reports.Add(m); });
+    supervisor.Launch(AssignmentOf("job-1", 1, "print-24-mib"));
+    ASSERT_TRUE(reports.AwaitExit("job-1", 0));
+    EXPECT_EQ(reports.ExitCode("job-1", 0), 0);
+  }  // (its end waits for the shepherd, which frees the log before it ends)
+  const std::vector<std::string> lines = reports.Lines();  // test_rank's hello, then 24 Mi
+  ASSERT_EQ(lines.size(), 24u * 1024 + 1);
+  for (size_t i = 0; i + 1 < lines.size(); ++i) {
+    ASSERT_TRUE(absl::StartsWith(lines[i + 1], absl::StrCat(i, " ")) && lines[i + 1].size() == 1023)
+        << "line " << i << ": " << lines[i + 1].substr(0, 20);
+  }
+  const std::string log = dir.path() + "/work/job-1/attempt-1/rank-0.log";
+  struct stat st {};
+  ASSERT_EQ(stat(log.c_str(), &st), 0);
+  EXPECT_EQ(st.st_size, (24 << 20) + lines[0].size() + 1);
+  EXPECT_LE(int64_t{st.st_blocks} * 512, (int64_t{2} << 20) + (256 << 10)) << "on disk";
+  std::ifstream in(log);
+  in.seekg(-1024, std::ios::end);
+  std::string last;
+  std::getline(in, last);
+  EXPECT_TRUE(absl::StartsWith(last, absl::StrCat(24 * 1024 - 1, " "))) << last.substr(0, 20);
 }
 
 // A job's spec.pb, written again at each of its ranks' starts, may be its owner's file: a read

@@ -9,7 +9,8 @@
 // and the worker's node token reached its environment, never their values; exit 0),
 // "print-identity" (print its uid, gid and USER), "print-binary" (print bytes that are not
 // UTF-8, exit 0), "print-long-lines" (a line of "<" and 3,000,000 two-byte characters, 600 lines of
-// 9000 bytes, "end"; exit 0), "read-data" (read data.path, exit 3 naming it when it cannot),
+// 9000 bytes, "end"; exit 0), "print-24-mib" (24,576 lines of 1 KiB, each starting with its number;
+// exit 0), "read-data" (read data.path, exit 3 naming it when it cannot),
 // "until-data-exists" (print "waiting", poll every 20 ms until data.path exists, print "released",
 // exit 0: a job that runs until the test lets it end), "count-until-data-exists" (until data.path
 // exists, every 20 ms print "line N" and report step N through the trainer's Reporter, N = 1, 2,
@@ -117,6 +118,15 @@ int main(int argc, char** argv) {
     std::printf("%s\n", line.c_str());
     for (int i = 0; i < 600; ++i) std::printf("%s\n", std::string(9000, 'a' + i % 26).c_str());
     std::printf("end\n");
+    return 0;
+  }
+  if (mode == "print-24-mib") {  // 24,576 lines of 1 KiB: "LINE-NUMBER xxx...", then exits
+    std::string line(1023, 'x');
+    for (int i = 0; i < 24 * 1024; ++i) {
+      const std::string number = std::to_string(i) + " ";
+      line.replace(0, number.size(), number);
+      std::printf("%s\n", line.c_str());
+    }
     return 0;
   }
   if (mode == "leave-shm") {  // dies holding a named all-reduce segment, as rank 0 might

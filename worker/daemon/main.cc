@@ -124,6 +124,7 @@ struct Flags {
   std::string gpu_device_files = "/dev/nvidia%d";
   double host_cpus = 0;
   std::string reserved_memory = "1GiB";
+  std::string rank_log_keep = "1GiB";
   std::string metrics_token_file, token_file;
   bool metrics_tls = false, metrics_insecure = false;
 };
@@ -191,6 +192,10 @@ void AddFlags(CLI::App& app, Flags& f, trainyard::worker::WorkerOptions& options
       ->check(CLI::IsMember({"auto", "require", "off"}))
       ->capture_default_str();
   app.add_flag("--require-cgroups", f.require_cgroups, "the same as --cgroups require");
+  app.add_option("--rank-log-keep", f.rank_log_keep,
+                 "what of each rank's log stays on this node's disk once sent on to the "
+                 "coordinator: its last so many bytes (1GiB, 256MiB; 0: all of it)")
+      ->capture_default_str();
   app.add_option("--memory-per-slot", f.memory_per_slot,
                  "each rank's memory limit (16GiB, 512MiB; as Slurm's DefMemPerGPU): a rank "
                  "past it is OOM-killed and its job fails saying so; default none");
@@ -549,6 +554,12 @@ absl::Status Settle(Flags& f, trainyard::worker::WorkerOptions& options) {
         absl::StrCat("--work-dir: cannot create ", f.work_dir, ": ", ec.message()));
   }
   options.supervisor.work_dir = f.work_dir;
+  const std::optional<int64_t> keep = trainyard::ParseBytes(f.rank_log_keep);
+  if (!keep.has_value() || *keep < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--rank-log-keep: '", f.rank_log_keep,
+                                                   "' is not a size (such as 1GiB, 256MiB, 0)"));
+  }
+  options.supervisor.log_keep_bytes = *keep;
   RETURN_IF_ERROR(SettleCgroups(f, options));
   return SettleHost(f, devices, options);
 }

@@ -1038,7 +1038,8 @@ void RankSupervisor::Exec(const v1::Assignment& a, const RankKey& key, int devic
       "env_fd=4",
       absl::StrCat("device=", device),
       absl::StrCat("grace_ms=", absl::ToInt64Milliseconds(StopGrace(spec, options_))),
-      absl::StrCat("orphan_ms=", absl::ToInt64Milliseconds(orphan_timeout_))};
+      absl::StrCat("orphan_ms=", absl::ToInt64Milliseconds(orphan_timeout_)),
+      absl::StrCat("log_keep=", options_.log_keep_bytes)};
   // Its cgroup, held to the rank's limits (cgroups.h).
   if (options_.cgroups != nullptr && options_.cgroups->version != 0) {
     auto dirs = CreateRankCgroup(*options_.cgroups, RankCgroupName(key),
@@ -1203,6 +1204,7 @@ void RankSupervisor::Follow(RankKey key, int conn, pid_t shepherd, int64_t offse
     if (!exit_code.has_value())
       message = message.empty() ? gone : absl::StrCat(gone, ": ", message);
     ReportExit(key, code, message, usage);
+    tell_offset();  // (the shepherd frees what was sent of the log beyond what it keeps)
     SendShepherdMessage(conn, "done");
   }
   {

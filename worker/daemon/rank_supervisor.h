@@ -71,6 +71,10 @@ std::string InterfaceWith(const std::string& address);
 struct SupervisorOptions {
   std::string trainer_path;  // the trainyard-trainer binary
   std::string work_dir;      // per-attempt folders with the spec and each rank's log
+  // What of each rank's log stays on this node's disk: its last log_keep_bytes once sent on to
+  // the coordinator (the older bytes' blocks freed, the file's size kept); 0: all of it. So a
+  // rank printing at GB/s holds about this much of the worker's disk, not what it printed.
+  int64_t log_keep_bytes = int64_t{1} << 30;
   // The worker's own coordinator list (--coordinator): ranks get the leader's list (its
   // --coordinators) and then these addresses it lacks, so that they follow a failover also where
   // the replicas were not given --coordinators.

@@ -22,6 +22,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <optional>
 #include <set>
 #include <string>
@@ -127,8 +128,9 @@ struct Settings {
   int device = 0;
   absl::Duration grace = absl::Seconds(10), orphan = absl::Seconds(10);
   bool switch_account = false;
-  std::string mark;  // the rank's TRAINYARD_RANK_MARK value
-  int env_fd = -1;   // the rank's environment (RankSupervisor's memfd); -1: an empty one
+  std::string mark;      // the rank's TRAINYARD_RANK_MARK value
+  int env_fd = -1;       // the rank's environment (RankSupervisor's memfd); -1: an empty one
+  int64_t log_keep = 0;  // the log's last bytes kept once sent (0: all; RankSupervisor's)
   std::vector<std::string> cgroups;  // the rank's cgroup folders (cgroups.h); none: not confined
   uid_t uid = 0;
   gid_t gid = 0;
@@ -162,6 +164,8 @@ absl::StatusOr<Settings> ParseSettings(int argc, char** argv) {
       s.grace = absl::Milliseconds(number);
     } else if (name == "orphan_ms" && numeric) {
       s.orphan = absl::Milliseconds(number);
+    } else if (name == "log_keep" && numeric) {
+      s.log_keep = number;
     } else if (name == "uid" && numeric) {
       s.uid = static_cast<uid_t>(number);
       s.switch_account = true;
@@ -510,6 +514,7 @@ class Shepherd {
     int64_t offset = 0;
     if (absl::StartsWith(message, "sent ") && absl::SimpleAtoi(message.substr(5), &offset)) {
       sent_offset_ = offset;
+      FreeSentLog();
     } else if (message == "stop" && !stopping_ && !exit_code_.has_value()) {
       BeginStop();
     } else if (message == "done" && exit_code_.has_value()) {
@@ -539,6 +544,27 @@ class Shepherd {
     SignalCgroups(s_.cgroups, sig, skip);
   }
 
+  // The log's blocks before both the worker's offset and its last s.log_keep bytes are freed
+  // (punched out: the file keeps its size and offsets, reads there give zeros), so that a rank's
+  // output holds at most about s.log_keep of the disk. A file system that cannot punch holes
+  // keeps everything, said once in the log.
+  void FreeSentLog() {
+    struct stat st {};
+    if (s_.log_keep <= 0 || fstat(log_fd_, &st) != 0) return;
+    if (st.st_size < freed_) freed_ = 0;  // the rank cut its log (its stdout is its to truncate)
+    constexpr int64_t kBlock = 1 << 16;
+    const int64_t end = std::min<int64_t>(sent_offset_, st.st_size - s_.log_keep) / kBlock * kBlock;
+    if (end <= freed_) return;
+    if (fallocate(log_fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, freed_, end - freed_) == 0) {
+      freed_ = end;
+    } else if (errno == EOPNOTSUPP || errno == ENOSYS) {
+      Note(log_fd_,
+           absl::StrCat("this file system cannot free the start of a log (", strerror(errno),
+                        "): all of this rank's output stays on the worker's disk"));
+      freed_ = std::numeric_limits<int64_t>::max();
+    }
+  }
+
   void SayExit() {
     if (conn_ >= 0 && exit_code_.has_value()) {
       SendShepherdMessage(conn_, absl::StrCat("exit ", *exit_code_, " ", peak_rss_bytes_, " ",
@@ -552,6 +578,7 @@ class Shepherd {
   const std::string mark_;
   int conn_ = -1;  // the worker's connection
   int64_t sent_offset_ = 0;
+  int64_t freed_ = 0;  // the log's bytes before this are punched out (FreeSentLog)
   std::optional<int> exit_code_;
   int64_t peak_rss_bytes_ = 0, cgroup_peak_bytes_ = 0, cpu_ms_ = 0;
   bool stopping_ = false, collected_ = false;

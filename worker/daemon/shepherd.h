@@ -42,12 +42,14 @@ inline constexpr char kShepherdFlag[] = "--shepherd";
 
 // Runs a shepherd with `argv` (what follows kShepherdFlag): NAME=VALUE settings, "--", then the
 // rank's program and arguments. Settings: prefix (the log is PREFIX.log, the socket PREFIX.sock),
-// cwd, device, grace_ms, orphan_ms, mark (the rank's TRAINYARD_RANK_MARK, by which its processes
-// are found), env_fd (the descriptor of the rank's environment, NUL-separated NAME=VALUE entries;
-// without it the rank's environment is empty), cgroup (repeated: the rank's cgroup folders, which
-// its process joins before it drops privileges, which stopping it signals whole, whose OOM kills
-// its log reports, and which the shepherd removes at its end; cgroups.h), and uid, gid, groups
-// (comma-separated) to run the rank as another account. Returns the process's exit code.
+// cwd, device, grace_ms, orphan_ms, log_keep (the log's last bytes kept on disk once the worker
+// says it sent them; the older blocks are punched out; 0: all), mark (the rank's
+// TRAINYARD_RANK_MARK, by which its processes are found), env_fd (the descriptor of the rank's
+// environment, NUL-separated NAME=VALUE entries; without it the rank's environment is empty),
+// cgroup (repeated: the rank's cgroup folders, which its process joins before it drops privileges,
+// which stopping it signals whole, whose OOM kills its log reports, and which the shepherd removes
+// at its end; cgroups.h), and uid, gid, groups (comma-separated) to run the rank as another
+// account. Returns the process's exit code.
 int RunShepherd(int argc, char** argv);
 
 // A listening SOCK_SEQPACKET socket at `path` (replacing a stale one), mode 0600. Paths of any
