@@ -348,8 +348,9 @@ TEST_F(ClusterE2eTest, TheLlamaLoraExampleFineTunesThroughYardAndExportsItsAdapt
 // Code upload (issue 55): `yard submit --gpus 2 -- sh run.sh` in a folder that exists nowhere
 // else (removed once submitted) uploads it (the script is here: --context . by default), and both
 // ranks, on two workers with work roots of their own, run in its unpacked copy; what .yardignore
-// and .git hold stays behind. A folder over the limit is refused before anything is sent; another
-// user cannot name the upload, nor read its copies on the workers.
+// and .git hold stays behind. Once the ranks have ended, each worker removes its copy (the cached
+// archive stays). A folder over the limit is refused before anything is sent; another user cannot
+// name the upload, nor read its copies on the workers.
 TEST_F(ClusterE2eTest, AFolderUploadedAsTheContextRunsOnTwoWorkersThatNeverSawIt) {
   namespace fs = std::filesystem;
   const fs::path project = fs::path(dir_.path()) / "project";
@@ -381,8 +382,13 @@ TEST_F(ClusterE2eTest, AFolderUploadedAsTheContextRunsOnTwoWorkersThatNeverSawIt
     EXPECT_THAT(logs, HasSubstr(absl::StrCat(
                           " in ", work, ": hello from the context [.yardignore data run.sh ]")))
         << logs;
-    // Its copy is its owner's alone, and so is the cached archive.
-    EXPECT_EQ(fs::status(work).permissions() & fs::perms::all, fs::perms::owner_all);
+    // Its copy goes once its rank has ended (within a few seconds of the job's end); the
+    // attempt's spec and the rank's log stay. The cached archive is its owner's alone.
+    for (const absl::Time deadline = absl::Now() + absl::Seconds(30); fs::exists(work);) {
+      ASSERT_LT(absl::Now(), deadline) << work << " stays";
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    EXPECT_TRUE(fs::exists(fs::path(work).parent_path() / "spec.pb"));
     const fs::path cache = absl::StrCat(state_, "/worker-", worker, "/.contexts");
     EXPECT_EQ(fs::status(cache).permissions() & fs::perms::all, fs::perms::owner_all);
     int archives = 0;

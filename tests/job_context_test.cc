@@ -133,6 +133,37 @@ TEST(UnpackContextAsTest, UnpacksThroughTheWorkerBinaryAsTheOwner) {
   EXPECT_FALSE(fs::exists(roots + "/hello.txt"));
 }
 
+// An ended attempt's work folder is emptied as its owner: everything in it goes, a link's target
+// outside it stays; as root for nobody, a file nobody cannot remove (in a folder of root's) stays
+// and the emptying says so.
+TEST(EmptyFolderAsTest, EmptiesAsTheOwnerWithoutFollowingLinks) {
+  TempDir dir;
+  const std::string work = dir.path() + "/work", outside = dir.path() + "/outside";
+  fs::create_directories(work + "/a/b");
+  fs::create_directories(outside);
+  std::ofstream(work + "/a/b/c.txt") << "c";
+  std::ofstream(outside + "/keep.txt") << "keep";
+  fs::create_directory_symlink(outside, work + "/link");
+  ASSERT_TRUE(EmptyFolderAs(BinPath("trainyard-worker"), {}, work, nullptr).ok());
+  EXPECT_TRUE(fs::is_empty(work));
+  EXPECT_TRUE(fs::exists(outside + "/keep.txt"));
+
+  if (geteuid() != 0) GTEST_SKIP() << "switching accounts needs root";
+  UnixAccount nobody;
+  nobody.uid = 65534;
+  nobody.gid = 65534;
+  ASSERT_EQ(chmod(dir.path().c_str(), 0755), 0);
+  fs::create_directories(work + "/roots");
+  std::ofstream(work + "/roots/file") << "root's";
+  std::ofstream(work + "/theirs") << "nobody's";
+  ASSERT_EQ(chown(work.c_str(), nobody.uid, nobody.gid), 0);
+  ASSERT_EQ(chown((work + "/theirs").c_str(), nobody.uid, nobody.gid), 0);
+  const absl::Status s = EmptyFolderAs(BinPath("trainyard-worker"), {}, work, &nobody);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("cannot empty " + work)) << s;
+  EXPECT_FALSE(fs::exists(work + "/theirs"));
+  EXPECT_TRUE(fs::exists(work + "/roots/file"));
+}
+
 // The unpacker runs as the job's owner, who may stop it: the worker's launch thread, which waits
 // for it, gives up within the timeout and kills it (it waited forever, and no later rank of any
 // user started on the node).

@@ -237,6 +237,7 @@ TEST_F(NetnsE2eTest, APartitionedWorkersJobRestartsElsewhereAndItsOldRankStopsWh
                                      TestBinPath("test_rank"),
                                      "--work-dir",
                                      dir_.path() + "/work-" + node,
+                                     "--keep-work-folders",  // (RankPids reads them)
                                      "--stop-grace",
                                      "1s",
                                      "--token-file",

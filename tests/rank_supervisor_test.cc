@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <tuple>
@@ -27,6 +28,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/host_port.h"
 #include "common/tls.h"
@@ -569,6 +571,47 @@ TEST_F(RankSupervisorTest, LongOutputIsSentInMessagesTheCoordinatorTakes) {
       << long_line.size() << " bytes, U+FFFD at " << long_line.find("\xef\xbf\xbd");
   EXPECT_EQ(nines, 600);
   EXPECT_TRUE(end);
+}
+
+// Once an attempt's ranks here have ended, its work folder (what they wrote there: test_rank's
+// pids files) goes, emptied as its owner; its spec and logs stay. (Each attempt's folder stayed
+// for good, with up to 64 MiB of unpacked context in it.)
+TEST_F(RankSupervisorTest, AnEndedAttemptsWorkFolderGoesItsSpecAndLogsStay) {
+  supervisor_->Launch(AssignmentOf("job-1", 2));
+  ASSERT_TRUE(reports_.AwaitExit("job-1", 0));
+  ASSERT_TRUE(reports_.AwaitExit("job-1", 1));
+  const std::string attempt = dir_.path() + "/work/job-1/attempt-1";
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(30);
+       std::filesystem::exists(attempt + "/work");) {
+    ASSERT_LT(absl::Now(), deadline) << "the work folder stays";
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  for (const char* kept : {"spec.pb", "rank-0.log", "rank-1.log"}) {
+    EXPECT_TRUE(std::filesystem::exists(absl::StrCat(attempt, "/", kept))) << kept;
+  }
+  EXPECT_EQ(reports_.ExitCode("job-1", 0), 0);
+}
+
+// A rank starts with the kernel's OOM score adjustment, 0, not the worker's: a worker protected
+// from the OOM killer (a unit's OOMScoreAdjust=-1000) made its ranks unkillable too, and a rank at
+// its memory limit hung its cgroup instead of being killed. (Here the worker's is +500: a negative
+// one needs CAP_SYS_RESOURCE, which root in this test's containers lacks; the rank's reset is the
+// same write either way.)
+TEST_F(RankSupervisorTest, ARankDoesNotInheritTheWorkersOomScoreAdjustment) {
+  std::string before;
+  std::ifstream("/proc/self/oom_score_adj") >> before;
+  ASSERT_FALSE(before.empty());
+  auto write_adj = [](const std::string& value) {
+    std::ofstream adj("/proc/self/oom_score_adj");
+    adj << value;
+    adj.flush();
+    return adj.good();
+  };
+  ASSERT_TRUE(write_adj("500"));
+  absl::Cleanup restore = [&] { write_adj(before); };
+  supervisor_->Launch(AssignmentOf("job-1", 1, "print-oom-score-adj"));
+  ASSERT_TRUE(reports_.AwaitExit("job-1", 0));
+  EXPECT_THAT(reports_.Lines(), ::testing::Contains("oom_score_adj 0"));
 }
 
 // What a rank printed holds at most about --rank-log-keep of the worker's disk once sent on: the

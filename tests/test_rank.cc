@@ -10,10 +10,11 @@
 // "print-identity" (print its uid, gid and USER), "print-binary" (print bytes that are not
 // UTF-8, exit 0), "print-long-lines" (a line of "<" and 3,000,000 two-byte characters, 600 lines of
 // 9000 bytes, "end"; exit 0), "print-24-mib" (24,576 lines of 1 KiB, each starting with its number;
-// exit 0), "read-data" (read data.path, exit 3 naming it when it cannot),
-// "until-data-exists" (print "waiting", poll every 20 ms until data.path exists, print "released",
-// exit 0: a job that runs until the test lets it end), "count-until-data-exists" (until data.path
-// exists, every 20 ms print "line N" and report step N through the trainer's Reporter, N = 1, 2,
+// exit 0), "print-oom-score-adj" (print "oom_score_adj N", its own; exit 0), "read-data" (read
+// data.path, exit 3 naming it when it cannot), "until-data-exists" (print "waiting", poll every 20
+// ms until data.path exists, print "released", exit 0: a job that runs until the test lets it end),
+// "count-until-data-exists" (until data.path exists, every 20 ms print "line N" and report step N
+// through the trainer's Reporter, N = 1, 2,
 // ...; then print "released after N", exit 0: a running job whose logs and metrics a test can
 // count). Asked
 // `--supported-devices`, it answers TEST_RANK_SUPPORTED_DEVICES (default "cpu"). Each rank writes
@@ -118,6 +119,13 @@ int main(int argc, char** argv) {
     std::printf("%s\n", line.c_str());
     for (int i = 0; i < 600; ++i) std::printf("%s\n", std::string(9000, 'a' + i % 26).c_str());
     std::printf("end\n");
+    return 0;
+  }
+  if (mode == "print-oom-score-adj") {  // what the kernel's OOM killer adds to its score
+    std::ifstream adj("/proc/self/oom_score_adj");
+    std::string value;
+    adj >> value;
+    std::printf("oom_score_adj %s\n", value.c_str());
     return 0;
   }
   if (mode == "print-24-mib") {  // 24,576 lines of 1 KiB: "LINE-NUMBER xxx...", then exits

@@ -157,23 +157,12 @@ class WorkerE2eTest : public ::testing::Test {
   void StartWorker(const std::vector<std::string>& args = {},
                    const std::vector<std::string>& env = {}, const std::string& stop_grace = "1s",
                    const std::vector<std::string>& prefix = {}) {
-    std::vector<std::string> argv = {BinPath("trainyard-worker"),
-                                     "--coordinator",
-                                     address_,
-                                     "--node-id",
-                                     "w1",
-                                     "--cpu-slots",
-                                     "2",
-                                     "--trainer",
-                                     TestBinPath("test_rank"),
-                                     "--work-dir",
-                                     work_dir(),
-                                     "--stop-grace",
-                                     stop_grace,
-                                     "--token-file",
-                                     node_token_file(),
-                                     "--user-map",
-                                     UserMap()};
+    std::vector<std::string> argv = {
+        BinPath("trainyard-worker"), "--coordinator", address_, "--node-id", "w1", "--cpu-slots",
+        "2", "--trainer", TestBinPath("test_rank"), "--work-dir", work_dir(), "--stop-grace",
+        stop_grace, "--token-file", node_token_file(), "--user-map", UserMap(),
+        // (what ranks leave in their work folder: pids, owners)
+        "--keep-work-folders"};
     argv.insert(argv.end(), args.begin(), args.end());
     argv.insert(argv.begin(), prefix.begin(), prefix.end());
     auto p = Subprocess::Start(argv, env);
@@ -611,6 +600,9 @@ TEST_F(WorkerE2eTest, RanksRunAsTheirOwnersAccountAndReadOnlyWhatItMay) {
   // The worker's own files stay where the rank cannot put a link in their place.
   ASSERT_EQ(stat(attempt_dir.c_str(), &st), 0);
   EXPECT_EQ(st.st_uid, 0u);
+  EXPECT_EQ(st.st_mode & 0777, 0711u);
+  // Nor can another user list a job's attempts.
+  ASSERT_EQ(stat((work_dir() + "/" + identity->id()).c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0711u);
   ASSERT_EQ(stat((attempt_dir + "/rank-0.log").c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u);

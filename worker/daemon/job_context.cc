@@ -61,6 +61,7 @@ int RunUnpackContext(int argc, char** argv) {
   uid_t uid = 0;
   gid_t gid = 0;
   std::vector<gid_t> groups;
+  bool empty_only = false;
   for (int i = 0; i < argc; ++i) {
     const std::string arg = argv[i];
     const size_t eq = arg.find('=');
@@ -69,6 +70,8 @@ int RunUnpackContext(int argc, char** argv) {
     unsigned number = 0;
     if (name == "dest") {
       dest = value;
+    } else if (name == "empty_only" && value == "1") {
+      empty_only = true;
     } else if (name == "uid" && absl::SimpleAtoi(value, &number)) {
       uid = number;
       switch_account = true;
@@ -98,6 +101,13 @@ int RunUnpackContext(int argc, char** argv) {
   for (fs::directory_iterator it(dest, ec), end; !ec && it != end; it.increment(ec)) {
     std::error_code e;
     fs::remove_all(it->path(), e);
+  }
+  if (empty_only) {
+    if (!fs::is_empty(dest, ec)) {
+      std::cerr << "cannot empty " << dest << (ec ? ": " + ec.message() : "") << "\n";
+      return 1;
+    }
+    return 0;
   }
   const std::string archive = ReadAllFd(STDIN_FILENO, static_cast<size_t>(kMaxContextArchiveBytes));
   if (absl::Status s = UnpackContext(archive, dest); !s.ok()) {
@@ -160,13 +170,18 @@ void ContextCache::RemoveUnused() {
   }
 }
 
-absl::Status UnpackContextAs(const std::string& unpacker, const std::vector<std::string>& env,
-                             const std::string& archive, const std::string& dest,
-                             const UnixAccount* account, absl::Duration timeout) {
+namespace {
+
+// Runs the unpacker on `dest` as `account` with `archive` on its standard input (nullptr: empty
+// the folder only); `what` names the task in errors ("unpack the job's context").
+absl::Status RunUnpacker(const std::string& unpacker, const std::vector<std::string>& env,
+                         const std::string* archive, const std::string& dest,
+                         const UnixAccount* account, absl::Duration timeout,
+                         const std::string& what) {
   // The archive reaches the unpacker as a memfd on its standard input: no file of the worker's
   // to open after it dropped the worker's rights, no pipe to stall on.
   const int in = memfd_create("trainyard-context", MFD_CLOEXEC);
-  if (in < 0 || !WriteAll(in, archive) || lseek(in, 0, SEEK_SET) != 0) {
+  if (in < 0 || (archive != nullptr && !WriteAll(in, *archive)) || lseek(in, 0, SEEK_SET) != 0) {
     const int err = errno;
     if (in >= 0) close(in);
     return absl::InternalError(absl::StrCat("the context's memfd: ", strerror(err)));
@@ -177,6 +192,7 @@ absl::Status UnpackContextAs(const std::string& unpacker, const std::vector<std:
     return absl::InternalError(absl::StrCat("pipe: ", strerror(errno)));
   }
   std::vector<std::string> args = {unpacker, kUnpackContextFlag, "dest=" + dest};
+  if (archive == nullptr) args.push_back("empty_only=1");
   if (account != nullptr) {
     args.push_back(absl::StrCat("uid=", account->uid));
     args.push_back(absl::StrCat("gid=", account->gid));
@@ -230,13 +246,27 @@ absl::Status UnpackContextAs(const std::string& unpacker, const std::vector<std:
     while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
     }
     return absl::DeadlineExceededError(
-        absl::StrCat("cannot unpack the job's context: the unpacker did not finish within ",
+        absl::StrCat("cannot ", what, ": the unpacker did not finish within ",
                      absl::FormatDuration(timeout), " (stopped?), and was killed"));
   }
   if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return absl::OkStatus();
   while (!error.empty() && error.back() == '\n') error.pop_back();
-  return absl::FailedPreconditionError(absl::StrCat("cannot unpack the job's context: ",
-                                                    error.empty() ? "the unpacker failed" : error));
+  return absl::FailedPreconditionError(
+      absl::StrCat("cannot ", what, ": ", error.empty() ? "the unpacker failed" : error));
+}
+
+}  // namespace
+
+absl::Status UnpackContextAs(const std::string& unpacker, const std::vector<std::string>& env,
+                             const std::string& archive, const std::string& dest,
+                             const UnixAccount* account, absl::Duration timeout) {
+  return RunUnpacker(unpacker, env, &archive, dest, account, timeout, "unpack the job's context");
+}
+
+absl::Status EmptyFolderAs(const std::string& unpacker, const std::vector<std::string>& env,
+                           const std::string& dest, const UnixAccount* account,
+                           absl::Duration timeout) {
+  return RunUnpacker(unpacker, env, nullptr, dest, account, timeout, "empty " + dest);
 }
 
 }  // namespace trainyard::worker

@@ -19,10 +19,10 @@
 namespace trainyard::worker {
 
 // The first argument that makes trainyard-worker a context unpacker:
-//   trainyard-worker --unpack-context dest=DIR [uid=U gid=G groups=G1,G2]
+//   trainyard-worker --unpack-context dest=DIR [uid=U gid=G groups=G1,G2] [empty_only=1]
 // with the archive on standard input. It switches to the account first (when given), empties DIR
-// (what an earlier unpack left), then unpacks into it; exit 0, or 1 with the reason on standard
-// error.
+// (what an earlier unpack left), then unpacks into it (with empty_only, reads and unpacks
+// nothing); exit 0, or 1 with the reason on standard error.
 inline constexpr char kUnpackContextFlag[] = "--unpack-context";
 int RunUnpackContext(int argc, char** argv);
 
@@ -63,6 +63,13 @@ class ContextCache {
 absl::Status UnpackContextAs(const std::string& unpacker, const std::vector<std::string>& env,
                              const std::string& archive, const std::string& dest,
                              const UnixAccount* account, absl::Duration timeout = absl::Minutes(5));
+
+// Empties the existing folder `dest` as `account` (null: this process's own) the same way (the
+// unpacker with empty_only): what a user's processes made there is removed with the user's rights
+// only, so that no link they plant leads a process of root's elsewhere.
+absl::Status EmptyFolderAs(const std::string& unpacker, const std::vector<std::string>& env,
+                           const std::string& dest, const UnixAccount* account,
+                           absl::Duration timeout = absl::Minutes(5));
 
 }  // namespace trainyard::worker
 

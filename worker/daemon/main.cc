@@ -192,6 +192,10 @@ void AddFlags(CLI::App& app, Flags& f, trainyard::worker::WorkerOptions& options
       ->check(CLI::IsMember({"auto", "require", "off"}))
       ->capture_default_str();
   app.add_flag("--require-cgroups", f.require_cgroups, "the same as --cgroups require");
+  app.add_flag("--keep-work-folders", options.supervisor.keep_work_folders,
+               "keep each attempt's work folder (its unpacked context, what its ranks wrote "
+               "there) once its ranks here have ended; by default it is emptied, as its owner, "
+               "and removed");
   app.add_option("--rank-log-keep", f.rank_log_keep,
                  "what of each rank's log stays on this node's disk once sent on to the "
                  "coordinator: its last so many bytes (1GiB, 256MiB; 0: all of it)")
@@ -548,7 +552,10 @@ absl::Status Settle(Flags& f, trainyard::worker::WorkerOptions& options) {
         std::string(home != nullptr ? home : ".") + "/.trainyard/worker-" + options.node_id;
   }
   std::error_code ec;
-  std::filesystem::create_directories(f.work_dir, ec);
+  // Made here: others may pass (to their ranks' folders), not list the jobs of this node.
+  if (std::filesystem::create_directories(f.work_dir, ec) && geteuid() == 0) {
+    chmod(f.work_dir.c_str(), 0711);
+  }
   if (ec) {
     return absl::FailedPreconditionError(
         absl::StrCat("--work-dir: cannot create ", f.work_dir, ": ", ec.message()));

@@ -745,6 +745,7 @@ void RankSupervisor::SupervisorLoop() {
         Start(a, a.first_rank() + i, DeviceOfRank(a, i),
               context == contexts_.end() ? absl::OkStatus() : context->second);
       }
+      ended_attempts_.insert(attempt);  // (perhaps: a rank that failed to start has ended)
     }
     std::vector<std::thread> done;
     done.swap(finished_readers_);
@@ -753,6 +754,7 @@ void RankSupervisor::SupervisorLoop() {
       for (auto& t : done) t.join();
       mu_.Lock();
     }
+    RemoveEndedWork();
     if (stopping_ && ranks_.empty() && launches_.empty()) break;
   }
 }
@@ -778,7 +780,10 @@ absl::Status RankSupervisor::PrepareContext(const v1::Assignment& a, const std::
   const std::string work = dir + "/work";
   std::error_code ec;
   std::filesystem::create_directories(work, ec);
-  if (owner != nullptr) chmod(dir.c_str(), 0711);
+  if (owner != nullptr) {
+    chmod(std::filesystem::path(dir).parent_path().c_str(), 0711);
+    chmod(dir.c_str(), 0711);
+  }
   RETURN_IF_ERROR(GiveFolder(work, owner));
   ASSIGN_OR_RETURN(const std::string archive, options_.contexts->Get(a.job_id(), digest));
   std::vector<std::string> worker_env;
@@ -793,6 +798,14 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device,
   // Assignments arrive at least once: the coordinator resends them when a session opens, which
   // can cross the first send. A rank of an attempt runs once, even when it has already ended.
   if (!started_.insert(key).second) return;
+  // The account that runs the rank: the owner's, when this worker runs as root.
+  absl::StatusOr<std::optional<UnixAccount>> found = AccountOf(a.owner());
+  if (!found.ok()) {
+    ReportExit(key, 126, std::string(found.status().message()));
+    return;
+  }
+  const std::optional<UnixAccount> account = *std::move(found);
+  attempt_accounts_.emplace(std::pair(a.job_id(), a.attempt()), account);
   if (!prepared.ok()) {
     ReportExit(key, 126, std::string(prepared.message()));
     return;
@@ -803,14 +816,6 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device,
     return;
   }
 
-  // The account that runs the rank: the owner's, when this worker runs as root.
-  absl::StatusOr<std::optional<UnixAccount>> found = AccountOf(a.owner());
-  if (!found.ok()) {
-    ReportExit(key, 126, std::string(found.status().message()));
-    return;
-  }
-  const std::optional<UnixAccount> account = *std::move(found);
-
   // The attempt's folder stays the worker's (the spec and the ranks' logs, which the worker
   // writes, live there, where a rank cannot plant a link); the rank works in its "work" folder
   // and writes checkpoints into the job's checkpoint folder, both its owner's (mode 0700).
@@ -820,7 +825,10 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device,
   const std::string work = dir + "/work";
   std::error_code ec;
   fs::create_directories(work, ec);
-  if (account.has_value()) chmod(dir.c_str(), 0711);  // others may pass, not list
+  if (account.has_value()) {  // others may pass, not list (the job's attempts, its checkpoints)
+    chmod(fs::path(dir).parent_path().c_str(), 0711);
+    chmod(dir.c_str(), 0711);
+  }
   const std::string spec_path = dir + "/spec.pb";
   const std::string checkpoint_dir =
       a.checkpoint_dir().empty() ? absl::StrCat(options_.work_dir, "/", a.job_id(), "/checkpoints")
@@ -1218,11 +1226,52 @@ void RankSupervisor::Follow(RankKey key, int conn, pid_t shepherd, int64_t offse
     }
   }
   absl::MutexLock lock(&mu_);
+  if (!detached) ended_attempts_.emplace(job_id, attempt);
   auto it = ranks_.find(key);
   if (it != ranks_.end()) {
     close(it->second.conn);
     finished_readers_.push_back(std::move(it->second.reader));
     ranks_.erase(it);
+  }
+}
+
+void RankSupervisor::RemoveEndedWork() {
+  for (auto it = ended_attempts_.begin(); it != ended_attempts_.end();) {
+    const auto& [job_id, attempt] = *it;
+    bool live = false;  // a rank of it running here, or queued
+    for (const auto& [key, rank] : ranks_) {
+      live = live || (std::get<0>(key) == job_id && std::get<1>(key) == attempt);
+    }
+    for (const v1::Assignment& a : launches_) {
+      live = live || (a.job_id() == job_id && a.attempt() == attempt);
+    }
+    auto account = attempt_accounts_.find(*it);
+    // (An attempt adopted from an earlier worker has no account known here: left as it is.)
+    if (live || account == attempt_accounts_.end() || options_.keep_work_folders) {
+      it = live ? std::next(it) : ended_attempts_.erase(it);
+      continue;
+    }
+    const std::optional<UnixAccount> owner = account->second;
+    const std::string dir = absl::StrCat(options_.work_dir, "/", job_id, "/attempt-", attempt);
+    attempt_accounts_.erase(account);
+    it = ended_attempts_.erase(it);
+    mu_.Unlock();
+    std::vector<std::string> worker_env;
+    for (char** e = environ; *e != nullptr; ++e) worker_env.emplace_back(*e);
+    for (const std::string& folder : {dir + "/work", dir + "/errors"}) {
+      struct stat st {};
+      if (lstat(folder.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) continue;
+      absl::Status emptied = EmptyFolderAs(options_.shepherd_path, ShepherdEnvironment(worker_env),
+                                           folder, owner.has_value() ? &*owner : nullptr);
+      if (emptied.ok() && rmdir(folder.c_str()) != 0) {
+        emptied = absl::InternalError(absl::StrCat("rmdir ", folder, ": ", strerror(errno)));
+      }
+      if (!emptied.ok()) {
+        spdlog::warn("an ended attempt's folder stays: {}", std::string(emptied.message()));
+      }
+    }
+    mu_.Lock();
+    it = ended_attempts_.begin();  // (changed meanwhile, perhaps)
   }
 }
 

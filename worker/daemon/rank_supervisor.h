@@ -75,6 +75,11 @@ struct SupervisorOptions {
   // the coordinator (the older bytes' blocks freed, the file's size kept); 0: all of it. So a
   // rank printing at GB/s holds about this much of the worker's disk, not what it printed.
   int64_t log_keep_bytes = int64_t{1} << 30;
+  // Once every rank of an attempt that this supervisor started has ended, the attempt's "work"
+  // and "errors" folders (the unpacked context, what the ranks wrote there) are emptied as their
+  // owner and removed; its spec and logs stay. True keeps them (debugging, tests that read what
+  // a rank left).
+  bool keep_work_folders = false;
   // The worker's own coordinator list (--coordinator): ranks get the leader's list (its
   // --coordinators) and then these addresses it lacks, so that they follow a failover also where
   // the replicas were not given --coordinators.
@@ -251,6 +256,9 @@ class RankSupervisor {
   // comes first) and reports its exit, unless the supervisor detaches first.
   void Follow(RankKey key, int conn, pid_t shepherd, int64_t offset);
   void AskToStop(Rank& rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The work and errors folders of each ended attempt none of whose ranks runs or waits here any
+  // more (SupervisorOptions.keep_work_folders), emptied as their owner (without the lock).
+  void RemoveEndedWork() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Keeps a line of a rank's for RecentLogs.
   void Remember(const RankKey& key, int64_t seq, const std::string& line);
   void ReportExit(const RankKey& key, int exit_code, const std::string& message,
@@ -270,6 +278,11 @@ class RankSupervisor {
   // Attempts whose context was prepared here, and how that went (one small entry each).
   std::map<std::pair<std::string, int>, absl::Status> contexts_ ABSL_GUARDED_BY(mu_);
   std::vector<std::thread> finished_readers_ ABSL_GUARDED_BY(mu_);
+  // The account that runs each attempt's ranks here (none: this process's), from their start, and
+  // the attempts a rank of which has ended since (RemoveEndedWork).
+  std::map<std::pair<std::string, int>, std::optional<UnixAccount>> attempt_accounts_
+      ABSL_GUARDED_BY(mu_);
+  std::set<std::pair<std::string, int>> ended_attempts_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool detaching_ ABSL_GUARDED_BY(mu_) = false;
   absl::Duration orphan_timeout_ ABSL_GUARDED_BY(mu_) = absl::Seconds(10);

@@ -272,6 +272,14 @@ pid_t StartRank(const Settings& s, int log_fd) {
   } else {
     close_range(3, ~0U, 0);
   }
+  // The OOM killer's view of the rank is the kernel's default, not the worker's: a daemon's unit
+  // often protects it (OOMScoreAdjust=-1000 leaves a process unkillable, and a rank at its memory
+  // limit would then hang its cgroup instead of being killed), as slurmstepd resets its tasks'.
+  // (Lowering a positive score needs privilege: the worker without it leaves it so.)
+  if (const int adj = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC); adj >= 0) {
+    (void)!write(adj, "0", 1);
+    close(adj);
+  }
   // Into the rank's cgroups while still root (the folders are root's); its children follow.
   if (!s.cgroups.empty() && !JoinCgroups(s.cgroups, getpid())) {
     ChildError("cannot join the rank's cgroup\n");
