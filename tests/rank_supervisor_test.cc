@@ -466,6 +466,16 @@ class Reports {
     }
     return -1;
   }
+  // The message of `job_id` rank `rank`'s first exit.
+  std::string ExitMessage(const std::string& job_id, int rank) {
+    absl::MutexLock lock(&mu_);
+    for (const v1::RankStatus& s : statuses_) {
+      if (s.job_id() == job_id && s.rank() == rank && s.phase() == v1::RANK_EXITED) {
+        return s.message();
+      }
+    }
+    return "";
+  }
   // How many times `job_id` rank `rank` was reported in `phase`.
   int Count(const std::string& job_id, int rank, v1::RankPhase phase) {
     absl::MutexLock lock(&mu_);
@@ -612,6 +622,42 @@ TEST_F(RankSupervisorTest, ARankDoesNotInheritTheWorkersOomScoreAdjustment) {
   supervisor_->Launch(AssignmentOf("job-1", 1, "print-oom-score-adj"));
   ASSERT_TRUE(reports_.AwaitExit("job-1", 0));
   EXPECT_THAT(reports_.Lines(), ::testing::Contains("oom_score_adj 0"));
+}
+
+// A job's checkpoint folder that another account made first (the checkpoint root may be writable
+// by all users) is refused, its contents never handed to the job: another user could plant a
+// checkpoint for it to resume from. One the owner made (an earlier attempt's) is theirs to keep.
+TEST(CheckpointFolderTest, AnotherAccountsFolderIsRefusedTheOwnersKept) {
+  if (geteuid() != 0) GTEST_SKIP() << "switching ranks to another account needs root";
+  TempDir dir;
+  ASSERT_EQ(chmod(dir.path().c_str(), 0755), 0);
+  std::ofstream(dir.path() + "/user-map") << "alice nobody\n";
+  auto run_as = RunAs::Create(dir.path() + "/user-map", /*as_root=*/true);
+  ASSERT_TRUE(run_as.ok()) << run_as.status();
+  Reports reports;
+  SupervisorOptions options;
+  options.trainer_path = testing::TestBinPath("test_rank");
+  options.work_dir = dir.path() + "/work";
+  options.shepherd_path = testing::BinPath("trainyard-worker");
+  options.run_as = std::make_shared<const RunAs>(*std::move(run_as));
+  RankSupervisor supervisor(options, [&](v1::NodeMessage m) { reports.Add(m); });
+  const std::string root = dir.path() + "/checkpoints";
+  for (const auto& [job, uid] : {std::pair<std::string, uid_t>{"job-1", 12345}, {"job-2", 65534}}) {
+    const std::string folder = root + "/" + job;
+    std::filesystem::create_directories(folder);
+    std::ofstream(folder + "/step-100.pt") << "planted";
+    ASSERT_EQ(chown(folder.c_str(), uid, uid), 0);
+    v1::Assignment a = AssignmentOf(job, 1);
+    a.set_checkpoint_dir(folder);
+    supervisor.Launch(a);
+    ASSERT_TRUE(reports.AwaitExit(job, 0));
+  }
+  EXPECT_EQ(reports.ExitCode("job-1", 0), 126);
+  EXPECT_THAT(reports.ExitMessage("job-1", 0), ::testing::HasSubstr("belongs to uid 12345"));
+  struct stat st {};
+  ASSERT_EQ(stat((root + "/job-1").c_str(), &st), 0);
+  EXPECT_EQ(st.st_uid, 12345u) << "left as it was";
+  EXPECT_EQ(reports.ExitCode("job-2", 0), 0) << reports.ExitMessage("job-2", 0);
 }
 
 // What a rank printed holds at most about --rank-log-keep of the worker's disk once sent on: the

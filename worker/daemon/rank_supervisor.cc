@@ -76,13 +76,21 @@ absl::Status WriteOwnedFile(const std::string& path, const std::string& content,
 }
 
 // Gives the folder `path` to `owner` with mode 0700 (null: leaves it), refusing a symbolic link
-// in its place (a job's checkpoint folder may sit where users can write).
+// in its place and a folder of a third account's (a job's checkpoint folder may sit where users
+// can write: another user could have made it first, with a checkpoint of theirs in it).
 absl::Status GiveFolder(const std::string& path, const UnixAccount* owner) {
   if (owner == nullptr) return absl::OkStatus();
   const int fd = open(path.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) {
     return absl::FailedPreconditionError(
         absl::StrCat("cannot give ", path, " to ", owner->name, ": ", strerror(errno)));
+  }
+  struct stat st {};
+  if (fstat(fd, &st) == 0 && st.st_uid != geteuid() && st.st_uid != owner->uid) {
+    close(fd);
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot give ", path, " to ", owner->name, ": it belongs to uid ", st.st_uid,
+                     ", made by another account before this job's ranks; remove it"));
   }
   const bool ok = fchown(fd, owner->uid, owner->gid) == 0 && fchmod(fd, 0700) == 0;
   const int err = errno;
