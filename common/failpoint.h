@@ -1,18 +1,21 @@
 // Failpoints for fault-injection tests (as etcd's gofail and TiKV's fail-rs): named places in the
 // code where a test makes the process die as a crash would, at the one instant that no signal sent
-// from outside can hit reliably (between a commit and its answer, say).
+// from outside can hit reliably (between a commit and its answer, say), stall, or fail.
 //
-// Armed only by the environment variable TRAINYARD_FAILPOINTS, read once:
+// Armed by the environment variable TRAINYARD_FAILPOINTS, read once:
 // "NAME=ACTION[,NAME=ACTION...]", an ACTION one of
 //   exit@N    the Nth time the process passes NAME it exits at once with status 137, as if
 //             SIGKILLed (no destructor, no flush, no answer);
 //   sleep:MS  every pass stalls MS milliseconds (at most an hour), as a slow disk or a large
-//             state would.
-// Unset, as in production, passing a failpoint costs one atomic load. A malformed value is
-// ignored, named on stderr.
+//             state would;
+//   fail@N    the Nth pass fails (FailpointFails is true), once: where the code can fail there
+//             (a store's transaction, say).
+// or, in a test's own process, by ArmFailpoint (N counted from then). Unarmed, as in production,
+// passing a failpoint costs one atomic load. A malformed value is ignored, named on stderr.
 //
 // The failpoints: "submit-after-commit" (a submitted job is durable, its answer not yet sent);
-// "load-jobs" (a starting coordinator is about to load its jobs from the store).
+// "load-jobs" (a starting coordinator is about to load its jobs from the store); "store-commit"
+// (a store's transaction, which fails with UNAVAILABLE).
 #ifndef TRAINYARD_COMMON_FAILPOINT_H_
 #define TRAINYARD_COMMON_FAILPOINT_H_
 
@@ -25,7 +28,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
-#include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -34,14 +38,36 @@ namespace failpoint_internal {
 
 struct Armed {
   int64_t exit_at = 0;   // the pass that exits (1 = the first); 0: none
+  int64_t fail_at = 0;   // the pass that fails
   int64_t sleep_ms = 0;  // what each pass stalls
-  std::atomic<int64_t> passes{0};
+  int64_t passes = 0;
 };
 
-// name -> its arming; empty when TRAINYARD_FAILPOINTS is unset or malformed.
-inline const std::map<std::string, std::unique_ptr<Armed>, std::less<>>& Table() {
-  static const auto* table = [] {
-    auto* t = new std::map<std::string, std::unique_ptr<Armed>, std::less<>>();
+// "exit@N", "sleep:MS" or "fail@N"; nullopt when malformed.
+inline std::optional<Armed> ParseAction(std::string_view action) {
+  const bool exits = action.substr(0, 5) == "exit@";
+  const bool fails = action.substr(0, 5) == "fail@";
+  const bool sleeps = action.substr(0, 6) == "sleep:";
+  if (!exits && !fails && !sleeps) return std::nullopt;
+  const std::string count(action.substr(sleeps ? 6 : 5));
+  char* end = nullptr;
+  const long long n = count.empty() ? 0 : std::strtoll(count.c_str(), &end, 10);
+  if (n <= 0 || end == nullptr || *end != '\0' || (sleeps && n > 3600 * 1000)) return std::nullopt;
+  Armed armed;
+  (exits ? armed.exit_at : fails ? armed.fail_at : armed.sleep_ms) = n;
+  return armed;
+}
+
+struct Table {
+  std::mutex mu;
+  std::map<std::string, Armed, std::less<>> armed;  // (guarded by mu)
+  std::atomic<bool> any{false};
+};
+
+// The process's table, first armed from TRAINYARD_FAILPOINTS (all or nothing).
+inline Table& TheTable() {
+  static Table* table = [] {
+    auto* t = new Table();
     const char* env = std::getenv("TRAINYARD_FAILPOINTS");
     if (env == nullptr) return t;
     std::string_view rest(env);
@@ -50,25 +76,19 @@ inline const std::map<std::string, std::unique_ptr<Armed>, std::less<>>& Table()
       const std::string_view item = rest.substr(0, comma);
       rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
       const size_t equals = item.find('=');
-      const std::string_view action =
-          equals == std::string_view::npos ? std::string_view() : item.substr(equals + 1);
-      const bool exits = action.substr(0, 5) == "exit@";
-      const bool sleeps = action.substr(0, 6) == "sleep:";
-      char* end = nullptr;
-      const std::string count(action.substr(exits ? 5 : sleeps ? 6 : action.size()));
-      const long long n = count.empty() ? 0 : std::strtoll(count.c_str(), &end, 10);
-      if (equals == 0 || equals == std::string_view::npos || n <= 0 || end == nullptr ||
-          *end != '\0' || (sleeps && n > 3600 * 1000)) {
+      const std::optional<Armed> armed = equals == 0 || equals == std::string_view::npos
+                                             ? std::nullopt
+                                             : ParseAction(item.substr(equals + 1));
+      if (!armed.has_value()) {
         std::fprintf(stderr,
-                     "TRAINYARD_FAILPOINTS: ignoring malformed failpoint (want NAME=exit@N or "
-                     "NAME=sleep:MS)\n");
-        t->clear();
+                     "TRAINYARD_FAILPOINTS: ignoring malformed failpoint (want NAME=exit@N, "
+                     "NAME=sleep:MS or NAME=fail@N)\n");
+        t->armed.clear();
         return t;
       }
-      auto armed = std::make_unique<Armed>();
-      (exits ? armed->exit_at : armed->sleep_ms) = n;
-      (*t)[std::string(item.substr(0, equals))] = std::move(armed);
+      t->armed[std::string(item.substr(0, equals))] = *armed;
     }
+    t->any = !t->armed.empty();
     return t;
   }();
   return *table;
@@ -76,19 +96,44 @@ inline const std::map<std::string, std::unique_ptr<Armed>, std::less<>>& Table()
 
 }  // namespace failpoint_internal
 
-// Passes the failpoint `name` (see above): returns, unless armed to exit at this pass.
-inline void Failpoint(std::string_view name) {
-  const auto& table = failpoint_internal::Table();
-  if (table.empty()) return;
-  auto it = table.find(name);
-  if (it == table.end()) return;
-  if (it->second->passes.fetch_add(1) + 1 == it->second->exit_at) ::_exit(137);
-  if (const int64_t ms = it->second->sleep_ms; ms > 0) {
-    struct timespec stall = {static_cast<time_t>(ms / 1000),
-                             static_cast<long>(ms % 1000) * 1000000};
+// Passes the failpoint `name` (see above): exits or stalls when so armed; true when this pass is
+// the one armed to fail.
+inline bool FailpointFails(std::string_view name) {
+  failpoint_internal::Table& table = failpoint_internal::TheTable();
+  if (!table.any.load(std::memory_order_relaxed)) return false;
+  int64_t sleep_ms = 0;
+  bool fails = false;
+  {
+    std::lock_guard<std::mutex> lock(table.mu);
+    auto it = table.armed.find(name);
+    if (it == table.armed.end()) return false;
+    failpoint_internal::Armed& a = it->second;
+    ++a.passes;
+    if (a.passes == a.exit_at) ::_exit(137);
+    fails = a.passes == a.fail_at;
+    sleep_ms = a.sleep_ms;
+  }
+  if (sleep_ms > 0) {
+    struct timespec stall = {static_cast<time_t>(sleep_ms / 1000),
+                             static_cast<long>(sleep_ms % 1000) * 1000000};
     while (::nanosleep(&stall, &stall) != 0 && errno == EINTR) {
     }
   }
+  return fails;
+}
+
+inline void Failpoint(std::string_view name) { (void)FailpointFails(name); }
+
+// Arms `name` in this process with `action` (as in TRAINYARD_FAILPOINTS, its passes counted from
+// now); false when the action is malformed. For tests that run the code in their own process.
+inline bool ArmFailpoint(const std::string& name, std::string_view action) {
+  const std::optional<failpoint_internal::Armed> armed = failpoint_internal::ParseAction(action);
+  if (!armed.has_value()) return false;
+  failpoint_internal::Table& table = failpoint_internal::TheTable();
+  std::lock_guard<std::mutex> lock(table.mu);
+  table.armed[name] = *armed;
+  table.any = true;
+  return true;
 }
 
 }  // namespace trainyard

@@ -18,6 +18,7 @@
 
 #include "absl/time/clock.h"
 #include "common/clock.h"
+#include "common/failpoint.h"
 #include "server/coordinator/coordinator_server.h"
 #include "server/coordinator/job_history.h"
 #include "server/coordinator/job_store.h"
@@ -508,6 +509,40 @@ TEST_F(CoordinatorServiceTest, PlacedGangReachesItsNodeAndSucceedsWhenAllRanksEx
 
   node->ReportExit(a, 0, 0);
   node->ReportExit(a, 1, 0);
+  EXPECT_EQ(WaitForState(job.id(), v1::SUCCEEDED).state(), v1::SUCCEEDED);
+}
+
+// A placement whose write failed (a full disk, a database gone for a moment) is written again by
+// the ticker, and its ranks are assigned once it is durable. (The job stayed RUNNING in memory,
+// its devices held, with no assignment sent until the node's next hello, and QUEUED in the store.)
+TEST_F(CoordinatorServiceTest, APlacementWhoseWriteFailedIsWrittenAgainThenAssigned) {
+  auto node = Connect("n1", 2);
+  v1::Job job = MustSubmit(Spec(2));
+  ASSERT_TRUE(ArmFailpoint("store-commit", "fail@1"));  // the placement's write, the next one
+  EXPECT_EQ(server_->jobs().SchedulePass(), 1);
+  // Once the failed write's callback has run, the ticker's retry finds the job (as Tick calls it).
+  int again = 0;
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(20);
+       (again = server_->jobs().RetryUnsaved()) == 0;) {
+    ASSERT_LT(absl::Now(), deadline) << "the failed write was never retried";
+    // (Before the retry the store is behind: the job is still QUEUED there.)
+    auto stored = server_->jobs().ReadFromStore(job.id());
+    ASSERT_TRUE(stored.ok()) << stored.status();
+    EXPECT_EQ(stored->state(), v1::QUEUED);
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_EQ(again, 1);
+  v1::CoordinatorMessage m = node->NextCommand();
+  ASSERT_TRUE(m.has_assignment());
+  EXPECT_EQ(m.assignment().job_id(), job.id());
+  EXPECT_EQ(m.assignment().attempt(), 1);
+  auto stored = server_->jobs().ReadFromStore(job.id());
+  ASSERT_TRUE(stored.ok()) << stored.status();
+  EXPECT_EQ(stored->state(), v1::RUNNING);
+  EXPECT_EQ(stored->attempt(), 1);
+  EXPECT_EQ(server_->jobs().RetryUnsaved(), 0) << "written once, nothing left";
+  node->ReportExit(m.assignment(), 0, 0);
+  node->ReportExit(m.assignment(), 1, 0);
   EXPECT_EQ(WaitForState(job.id(), v1::SUCCEEDED).state(), v1::SUCCEEDED);
 }
 

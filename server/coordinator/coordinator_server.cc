@@ -465,6 +465,9 @@ void CoordinatorServer::Tick() {
     spdlog::info("{} job(s) exceeded their max_runtime", ended);
   }
   jobs_->ChargeUsage();
+  if (const int again = jobs_->RetryUnsaved(); again > 0) {
+    spdlog::info("wrote {} job(s) again after a failed write", again);
+  }
   EvictFinishedJobs();
   metrics_prom_->Refresh(jobs_->CountByState(), jobs_->NodesWithAllocations(),
                          jobs_->RunningJobs());

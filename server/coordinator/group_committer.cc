@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/time/clock.h"
+#include "common/failpoint.h"
 
 namespace trainyard::coordinator {
 
@@ -89,6 +90,8 @@ std::vector<absl::Status> GroupCommitter::WriteGroup(const std::vector<Pending>&
 
 absl::Status GroupCommitter::Run(const std::vector<const WriteBatch*>& batches) {
   const absl::Time start = absl::Now();
+  // (Tests: a store that fails a write, as a full disk or a lost database connection would.)
+  if (FailpointFails("store-commit")) return absl::UnavailableError("failpoint store-commit");
   absl::Status status = transaction_(batches);
   if (!status.ok()) return status;
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);

@@ -163,15 +163,44 @@ void JobManager::Persist(const v1::Job& job, std::function<void(absl::Status)> a
   batch.put_jobs.push_back(ToStored(job));
   // The end's own write carries the job's logs and metrics; later writes of the ended job (its
   // other ranks' exits) do not encode them again.
-  if (ends_to_store_.erase(job.id()) > 0 && end_records_) batch.put_records = end_records_(job);
-  store_.Commit(std::move(batch), [this, job, after = std::move(after)](absl::Status s) {
+  const bool ends = ends_to_store_.erase(job.id()) > 0;
+  if (ends && end_records_) batch.put_records = end_records_(job);
+  store_.Commit(std::move(batch), [this, job, ends, after = std::move(after)](absl::Status s) {
     if (!s.ok()) {
-      spdlog::error("store: writing job {} failed: {}", job.id(), s.ToString());
+      spdlog::error("store: writing job {} failed (written again shortly): {}", job.id(),
+                    s.ToString());
+      absl::MutexLock lock(&mu_);
+      unsaved_.insert(job.id());
+      if (ends) ends_to_store_.insert(job.id());  // (its logs and metrics go with the retry)
     } else {
       NotifyWatchers(job);
     }
     if (after) after(s);
   });
+}
+
+int JobManager::RetryUnsaved() {
+  absl::MutexLock lock(&mu_);
+  std::set<std::string> ids;
+  ids.swap(unsaved_);
+  int written = 0;
+  for (const std::string& id : ids) {
+    auto it = jobs_.find(id);
+    if (it == jobs_.end()) continue;
+    const v1::Job& job = it->second;
+    std::vector<std::pair<std::string, v1::Assignment>> assignments;
+    if (IsActive(job.state())) assignments = AssignmentsOf(job);
+    Persist(job, [this, assignments = std::move(assignments)](absl::Status s) {
+      if (!s.ok()) return;
+      for (const auto& [node_id, a] : assignments) {
+        v1::CoordinatorMessage m;
+        *m.mutable_assignment() = a;
+        nodes_.Send(node_id, m);
+      }
+    });
+    ++written;
+  }
+  return written;
 }
 
 void JobManager::NotifyWatchers(const v1::Job& job) {

@@ -151,6 +151,12 @@ class JobManager final : public JobLifecycle,
   // Charges running jobs' devices since the last charge to their accounts' and owners' decayed
   // usage (at most 5 minutes' worth: a stalled coordinator does not bill its pause).
   void ChargeUsage();
+
+  // Writes again each job whose last write failed (a full disk, a database that went away), as it
+  // is now, so that the store catches up with memory: a placement that was not stored had sent no
+  // assignment, a cancel or an end was not durable. A running job's assignments go out again once
+  // written (workers start each rank once). Returns how many it wrote again. The ticker's.
+  int RetryUnsaved() ABSL_LOCKS_EXCLUDED(mu_);
   // Usage survives restarts: saved to the store as "usage" records (CommitSync: not on the
   // store's commit thread), loaded before serving (DATA_LOSS for an unreadable record).
   absl::Status SaveUsage();
@@ -181,11 +187,12 @@ class JobManager final : public JobLifecycle,
   std::map<v1::JobState, int> CountByState() const;
   std::vector<std::string> RunningJobs() const;
 
+  // The job as the store has it (which may be behind memory): NOT_FOUND, DATA_LOSS for an
+  // unreadable record, or the store's error. For jobs not in memory, and tests.
+  absl::StatusOr<v1::Job> ReadFromStore(const std::string& job_id) const ABSL_LOCKS_EXCLUDED(mu_);
+
  private:
   v1::Job* Find(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The job as the store has it: NOT_FOUND, DATA_LOSS for an unreadable record, or the store's
-  // error. For jobs not in memory.
-  absl::StatusOr<v1::Job> ReadFromStore(const std::string& job_id) const ABSL_LOCKS_EXCLUDED(mu_);
   // List's page: the jobs in memory merged with the store's rows once some job lives only there.
   absl::StatusOr<ListResult> ListPage(const v1::ListJobsRequest& r, int64_t before_seq,
                                       const std::set<int>& states, size_t limit) const
@@ -283,7 +290,8 @@ class JobManager final : public JobLifecycle,
   // Moves `job` to `to` (a broken transition is a bug: CHECK) and bumps its version.
   void Transition(v1::Job& job, v1::JobState to, std::string message)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Queues `job` for the store; once durable, notifies watchers, then runs `after`.
+  // Queues `job` for the store; once durable, notifies watchers, then runs `after`. A write that
+  // fails leaves the job to RetryUnsaved.
   void Persist(const v1::Job& job, std::function<void(absl::Status)> after = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Frees the devices of the job's current attempt, closes its rendezvous scope and tells its
@@ -403,6 +411,8 @@ class JobManager final : public JobLifecycle,
   SubmitRequests requests_ ABSL_GUARDED_BY(mu_);
   // Jobs that ended and whose end Persist has not written yet (with their logs and metrics).
   std::set<std::string> ends_to_store_ ABSL_GUARDED_BY(mu_);
+  // Jobs whose last write failed (Persist), for RetryUnsaved.
+  std::set<std::string> unsaved_ ABSL_GUARDED_BY(mu_);
   // QUEUED jobs by owner, kept by Transition (max_queued_jobs without a scan per submit).
   std::map<std::string, int64_t> queued_by_owner_ ABSL_GUARDED_BY(mu_);
   int64_t pending_submits_ ABSL_GUARDED_BY(mu_) = 0;
