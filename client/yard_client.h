@@ -119,8 +119,10 @@ class YardClient {
   // whose error cancels the stream (what is in flight is drained) and is returned. A stream that
   // fails before its first message follows the leader as Call does (a dead address first in the
   // list, a standby, a leader stepping down); one that fails later returns its error, unless
-  // `resume`: then it is opened again at the leader too (a failover under `yard logs -f`), and
-  // `on_message` gets the stream from its start again (it drops what it had, by sequence number).
+  // `resume`: then it is opened again at the leader too (a failover under `yard logs -f`), or at
+  // once where the coordinator ended it for falling behind (a reader slower than the job's
+  // output), and `on_message` gets the stream from its start again (it drops what it had, by
+  // sequence number).
   // `timeout`: the whole stream's (zero: none).
   template <typename Message>
   absl::Status Stream(
@@ -150,12 +152,20 @@ class YardClient {
       if (status.ok()) return absl::OkStatus();
       // The leader went away under the stream (not its deadline): follow it afresh.
       const bool resumed = any && resume && status.error_code() == grpc::StatusCode::UNAVAILABLE;
+      if (any && resume && FellBehind(status)) continue;  // (it read something: it moves on)
       if (resumed) {
         give_up = absl::Now() + kFollowFor;
         attempt = 0;
       }
       if ((any && !resumed) || !FollowLeader(status, ctx, attempt, give_up)) return Convert(status);
     }
+  }
+
+  // Whether the coordinator ended a stream because its reader fell behind (WriteQueue's
+  // RESOURCE_EXHAUSTED, service_auth.h), not for a limit that reading again would meet too.
+  static bool FellBehind(const grpc::Status& status) {
+    return status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED &&
+           status.error_message().rfind(kFellBehind, 0) == 0;
   }
 
   static constexpr absl::Duration kFollowFor = absl::Seconds(30);

@@ -27,6 +27,9 @@ namespace trainyard {
 
 // Trailing metadata of a standby's UNAVAILABLE: the leader's HOST:PORT (empty: none known yet).
 inline constexpr char kLeaderMetadata[] = "trainyard-leader";
+// How the message of a stream the coordinator ended for falling behind begins
+// (RESOURCE_EXHAUSTED): a follower reads it again from the start, dropping what it had by seq.
+inline constexpr char kFellBehind[] = "the stream's reader fell more than ";
 // Addresses in one list, at most.
 inline constexpr size_t kMaxCoordinatorAddresses = 16;
 

@@ -18,12 +18,15 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "client/yard_client.h"
 #include "common/credentials.h"
 #include "common/log_text.h"
 #include "server/coordinator/coordinator_server.h"
@@ -809,6 +812,59 @@ TEST_F(HardeningTest, AStreamWhoseReaderFallsFarBehindEnds) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
   EXPECT_THAT(s.error_message(), HasSubstr("fell more than 16 MiB behind"));
   EXPECT_LT(read, 2400);
+}
+
+// yard's follower of a job's logs that falls behind (its terminal is slower than the job prints)
+// reads the stream again from the start when the coordinator ends it, and prints every line once,
+// in order, until the job ends (`yard logs -f` ended with the error).
+TEST_F(HardeningTest, AFollowerThatFellBehindReadsAgainAndMissesNothing) {
+  const v1::Job job = RunningJob();
+  ASSERT_EQ(job.state(), v1::RUNNING);
+  // 12 messages of 200 lines of 16 KiB (38 MiB), each line with its seq, as a worker sends them.
+  auto send = [&](int m) {
+    v1::NodeMessage message;
+    auto* l = message.mutable_logs();
+    l->set_job_id(job.id());
+    l->set_attempt(job.attempt());
+    l->set_rank(0);
+    for (int i = 0; i < 200; ++i) {
+      l->add_seqs(int64_t{m * 200 + i} * (16 * 1024 + 1) + 1);
+      l->add_lines(absl::StrCat(m * 200 + i, " ", std::string(16 * 1024 - 6, 'a' + m)));
+    }
+    return node_->Write(message);
+  };
+  ASSERT_TRUE(send(0));
+  absl::Mutex mu;
+  std::vector<std::string> lines;
+  bool released = false;
+  absl::Status followed;
+  client::YardClient yard(server_->address(), tokens_->User("alice"));
+  std::thread follower([&] {
+    followed = yard.Logs(job.id(), /*follow=*/true, 0, [&](const v1::LogLine& line) {
+      absl::MutexLock lock(&mu);
+      lines.push_back(line.text().substr(0, line.text().find(' ')));
+      mu.Await(absl::Condition(&released));  // stalls at its first line until all is sent
+    });
+  });
+  {
+    absl::MutexLock lock(&mu);
+    auto first = [&] { return !lines.empty(); };
+    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&first), absl::Seconds(20)));
+  }
+  for (int m = 1; m < 12; ++m) ASSERT_TRUE(send(m));
+  node_->Heartbeat();  // processed in order: every line is in before the ack
+  {
+    absl::MutexLock lock(&mu);
+    released = true;
+    auto all = [&] { return lines.size() >= 2400; };
+    EXPECT_TRUE(mu.AwaitWithTimeout(absl::Condition(&all), absl::Seconds(60))) << lines.size();
+  }
+  const v1::Assignment a = node_->NextCommand().assignment();
+  node_->ReportExit(a, 0, 0);
+  follower.join();
+  EXPECT_TRUE(followed.ok()) << followed;
+  ASSERT_EQ(lines.size(), 2400u);
+  for (int i = 0; i < 2400; ++i) ASSERT_EQ(lines[i], absl::StrCat(i)) << "line " << i;
 }
 
 // A user's uploads under way at once: 2 at most (each holds up to 80 MiB until it ends; a client

@@ -9,12 +9,16 @@ from trainyard._channel import Endpoints
 
 
 class Error(grpc.RpcError):
-    def __init__(self, code, leader=None):
+    def __init__(self, code, leader=None, details=""):
         self._code = code
+        self._details = details
         self._trailers = (("trainyard-leader", leader),) if leader is not None else ()
 
     def code(self):
         return self._code
+
+    def details(self):
+        return self._details
 
     def trailing_metadata(self):
         return self._trailers
@@ -118,6 +122,27 @@ def test_a_stream_the_leader_dropped_goes_on_at_the_next_one_each_line_once():
     assert got == [(0, 1), (0, 2), (0, 3), (0, 4), (1, 1), (0, 0), (0, 5)]
     assert requests == ["first", "again"]
     assert stub._endpoints.current == "b:2"
+
+
+def test_a_stream_ended_for_falling_behind_is_read_again_each_line_once():
+    from trainyard._channel import FollowingStub
+    from trainyard._client import _Seen
+
+    behind = Error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                   details="the stream's reader fell more than 16 MiB behind; read it again")
+    calls = [_Call([_Line(1), _Line(2)], behind), _Call([_Line(1), _Line(2), _Line(3)])]
+    requests = []
+    stub = FollowingStub(Endpoints("a:1,b:2"), _stub_class(calls, requests))
+    got = [line.seq for line in stub.stream("StreamLogs", "first", seen=_Seen(),
+                                             resume_request="again")]
+    assert got == [1, 2, 3]
+    assert requests == ["first", "again"]
+    assert stub._endpoints.current == "a:1", "the same leader: nothing moved"
+    # Another RESOURCE_EXHAUSTED (a cap on streams) is the caller's: reading again would meet it.
+    capped = Error(grpc.StatusCode.RESOURCE_EXHAUSTED, details="StreamLogs: you have 32 streams")
+    stub = FollowingStub(Endpoints("a:1"), _stub_class([_Call([_Line(1)], capped)], []))
+    with pytest.raises(grpc.RpcError):
+        list(stub.stream("StreamLogs", "first", seen=_Seen()))
 
 
 def test_a_stream_without_a_way_to_drop_copies_fails_where_it_broke():

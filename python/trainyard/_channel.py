@@ -5,6 +5,9 @@ import time
 
 import grpc
 
+# How the message of a stream the coordinator ended for falling behind begins (RESOURCE_EXHAUSTED;
+# common/coordinator_endpoints.h's kFellBehind): read again from the start, dropping what was had.
+FELL_BEHIND = "the stream's reader fell more than "
 # Trailing metadata of a standby replica's UNAVAILABLE: the leader's HOST:PORT.
 LEADER_METADATA = "trainyard-leader"
 
@@ -105,9 +108,10 @@ class FollowingStub:
     def stream(self, name, request, seen=None, resume_request=None, **kwargs):
         """Server stream `name`, as a generator that follows the leader as unary calls do while it
         fails before its first message. With `seen` (True for a message already yielded), also
-        when the leader goes away under it (UNAVAILABLE: a failover under `logs(follow=True)`):
-        it is opened again at the leader with `resume_request` (default: `request`), from its
-        start, and `seen` drops what was yielded before."""
+        when the leader goes away under it (UNAVAILABLE: a failover under `logs(follow=True)`), or
+        ended it for falling behind (a consumer slower than the job's output): it is opened again
+        at the leader with `resume_request` (default: `request`), from its start, and `seen`
+        drops what was yielded before."""
         give_up = time.monotonic() + self._follow_for
         attempt = 0
         while True:
@@ -120,6 +124,11 @@ class FollowingStub:
                         yield message
                 return
             except grpc.RpcError as error:
+                if (got and seen is not None and
+                        error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and
+                        (error.details() or "").startswith(FELL_BEHIND)):
+                    request = resume_request if resume_request is not None else request
+                    continue  # (it read something: it moves on)
                 resumed = (got and seen is not None and
                            error.code() == grpc.StatusCode.UNAVAILABLE)
                 if got and not resumed:

@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/coordinator_endpoints.h"
 #include "google/protobuf/message.h"
 #include "server/coordinator/identity.h"
 
@@ -80,7 +81,7 @@ class WriteQueue {
         queue_.pop_back();
       }
       finish_ = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                             absl::StrCat("the stream's reader fell more than ", max_bytes_ >> 20,
+                             absl::StrCat(kFellBehind, max_bytes_ >> 20,
                                           " MiB behind; read it again from where it stopped"));
       if (!writing_) {
         finished_ = true;
