@@ -108,6 +108,7 @@ struct VerbArgs {
   std::string up_preemption_grace, up_min_run_time;
   std::vector<std::string> up_run_as;  // yard local up --run-as USER=ACCOUNT
   std::string web_url;                 // yard web --url
+  std::string web_state_dir;           // yard web --state-dir
 };
 
 struct Cli {

@@ -18,13 +18,15 @@
 namespace trainyard::client {
 namespace {
 
-// --url, else $TRAINYARD_WEB_URL, else the local cluster's when yard talks to its coordinator.
-absl::StatusOr<std::string> ConsoleUrl(const Globals& g, const std::string& flag) {
+// --url, else $TRAINYARD_WEB_URL, else the local cluster's (in `state_dir`, default yard local's)
+// when yard talks to its coordinator.
+absl::StatusOr<std::string> ConsoleUrl(const Globals& g, const std::string& flag,
+                                       const std::string& state_dir) {
   if (!flag.empty()) return flag;
   if (const char* env = std::getenv("TRAINYARD_WEB_URL"); env != nullptr && *env != '\0') {
     return std::string(env);
   }
-  auto local = LocalStatus(DefaultLocalStateDir());
+  auto local = LocalStatus(state_dir.empty() ? DefaultLocalStateDir() : state_dir);
   if (local.ok() && !local->web_url.empty() && local->coordinator_address == g.coordinator) {
     return local->web_url;
   }
@@ -33,8 +35,8 @@ absl::StatusOr<std::string> ConsoleUrl(const Globals& g, const std::string& flag
       "coordinator serves it with --web-address, yard local up with --web");
 }
 
-int Web(const Globals& g, const std::string& url_flag) {
-  auto url = ConsoleUrl(g, url_flag);
+int Web(const Globals& g, const std::string& url_flag, const std::string& state_dir) {
+  auto url = ConsoleUrl(g, url_flag, state_dir);
   if (!url.ok()) return Fail(url.status());
   const bool https = absl::StartsWith(*url, "https://");
   if (!https && !absl::StartsWith(*url, "http://")) {
@@ -119,7 +121,10 @@ void AddWebVerb(CLI::App& app, Cli& c) {
       "web", "print a link that signs a browser in to the web console (once, within a minute)");
   web->add_option("--url", c.args.web_url,
                   "the console's address (default: $TRAINYARD_WEB_URL, or the local cluster's)");
-  web->callback([&c] { c.rc = Web(c.g, c.args.web_url); });
+  web->add_option("--state-dir", c.args.web_state_dir,
+                  "the local cluster's state (yard local --state-dir) whose console to use "
+                  "without --url");
+  web->callback([&c] { c.rc = Web(c.g, c.args.web_url, c.args.web_state_dir); });
 }
 
 }  // namespace trainyard::client

@@ -63,7 +63,7 @@ def cluster(tmp_path_factory):
             run([str(BIN / "yard"), "admin", "token", "create", "--user", user, "--out", str(out)],
                 env)
             tokens[user] = out.read_text().strip()
-        yield {"url": url, "env": env, "tokens": tokens, "home": home}
+        yield {"url": url, "env": env, "tokens": tokens, "home": home, "state": state}
     finally:
         subprocess.run([str(BIN / "yard"), "local", "--state-dir", str(state), "down"], env=env,
                        capture_output=True, timeout=120)
@@ -411,6 +411,10 @@ def test_sign_out_and_a_revoked_token_end_the_session(browser, cluster):
 
 
 def test_yard_web_prints_a_link_that_signs_a_browser_in_once(browser, cluster):
+    # Without --url: the local cluster's console, found in the state directory it was started
+    # with (yard web looked in the default one only).
+    found = yard(cluster, "alice", "web", "--state-dir", str(cluster["state"])).stdout
+    assert re.search(r"(http://\S+)/#/signin\?code=", found).group(1) == cluster["url"], found
     out = yard(cluster, "alice", "web", "--url", cluster["url"]).stdout
     link = re.search(r"(http://\S+/#/signin\?code=\S+)", out).group(1)
     assert cluster["tokens"]["alice"] not in out
