@@ -671,6 +671,11 @@ int EstimateMemoryVerb(const Globals& g, const std::string& path, int world, int
   if (!parsed.ok()) return Fail(parsed.status());
   if (absl::Status s = FillFromCheckpoint(*parsed, path); !s.ok()) return Fail(s);
   const v1::JobSpec& spec = parsed->spec;
+  if (spec.command_size() > 0) {  // (its model is the program's: the estimate was an empty one)
+    return Fail(absl::InvalidArgumentError(
+        "command: a command job's model is its program's, which yard cannot see; estimate-memory "
+        "estimates the built-in trainer's (a spec with model: and no command:)"));
+  }
   if (world <= 0) world = spec.resources().slots();
   if (per_node <= 0) per_node = world;
   // The devices to judge against: --device-memory, else the largest device the coordinator's

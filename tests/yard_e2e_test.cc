@@ -900,6 +900,14 @@ TEST_F(YardE2eTest, EstimateMemoryTabulatesEveryStrategyAndSaysWhichFit) {
   CommandResult bad = Yard({"estimate-memory", CharGptSpec(), "--device-memory", "lots"});
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_THAT(bad.err, HasSubstr("--device-memory"));
+
+  // A command job's model is its program's: refused, naming the field (it estimated an empty
+  // model, "0 parameters", fitting everywhere).
+  const std::string command = dir_.path() + "/command.yaml";
+  std::ofstream(command) << "name: mine\nresources: {slots: 2}\ncommand: [python3, train.py]\n";
+  CommandResult theirs = Yard({"estimate-memory", command, "--device-memory", "80GiB"});
+  ExpectOneLineFailure(theirs);
+  EXPECT_THAT(theirs.err, HasSubstr("command: a command job's model is its program's"));
 }
 
 // A llama spec with model.from: yard fills the sizes it leaves out from config.json when it can
