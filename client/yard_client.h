@@ -11,6 +11,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/coordinator_endpoints.h"
 #include "common/tls.h"
@@ -152,7 +153,14 @@ class YardClient {
       if (status.ok()) return absl::OkStatus();
       // The leader went away under the stream (not its deadline): follow it afresh.
       const bool resumed = any && resume && status.error_code() == grpc::StatusCode::UNAVAILABLE;
-      if (any && resume && FellBehind(status)) continue;  // (it read something: it moves on)
+      if (any && resume && FellBehind(status)) {
+        // Read again (it read something: it moves on), after a second: a reader that stays
+        // slower than the job prints (a stalled pipe) costs the coordinator a replay a second.
+        absl::SleepFor(absl::Seconds(1));
+        give_up = absl::Now() + kFollowFor;
+        attempt = -1;
+        continue;
+      }
       if (resumed) {
         give_up = absl::Now() + kFollowFor;
         attempt = 0;

@@ -10,8 +10,9 @@
 //             state would;
 //   fail@N    the Nth pass fails (FailpointFails is true), once: where the code can fail there
 //             (a store's transaction, say).
-// or, in a test's own process, by ArmFailpoint (N counted from then). Unarmed, as in production,
-// passing a failpoint costs one atomic load. A malformed value is ignored, named on stderr.
+// or, in a test's own process, by ArmFailpoint (N counted from then; DisarmFailpoint ends it).
+// Unarmed, as in production, passing a failpoint costs one atomic load. A malformed value is
+// ignored, named on stderr.
 //
 // The failpoints: "submit-after-commit" (a submitted job is durable, its answer not yet sent);
 // "load-jobs" (a starting coordinator is about to load its jobs from the store); "store-commit"
@@ -134,6 +135,14 @@ inline bool ArmFailpoint(const std::string& name, std::string_view action) {
   table.armed[name] = *armed;
   table.any = true;
   return true;
+}
+
+// Disarms `name` in this process (a test's end, whether or not it was passed).
+inline void DisarmFailpoint(const std::string& name) {
+  failpoint_internal::Table& table = failpoint_internal::TheTable();
+  std::lock_guard<std::mutex> lock(table.mu);
+  table.armed.erase(name);
+  table.any = !table.armed.empty();
 }
 
 }  // namespace trainyard

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/time/clock.h"
 #include "common/clock.h"
 #include "common/failpoint.h"
@@ -519,6 +520,7 @@ TEST_F(CoordinatorServiceTest, APlacementWhoseWriteFailedIsWrittenAgainThenAssig
   auto node = Connect("n1", 2);
   v1::Job job = MustSubmit(Spec(2));
   ASSERT_TRUE(ArmFailpoint("store-commit", "fail@1"));  // the placement's write, the next one
+  absl::Cleanup disarm = [] { DisarmFailpoint("store-commit"); };  // (passed or not)
   EXPECT_EQ(server_->jobs().SchedulePass(), 1);
   // Once the failed write's callback has run, the ticker's retry finds the job (as Tick calls it).
   int again = 0;

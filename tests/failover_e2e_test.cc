@@ -133,14 +133,15 @@ class FailoverE2eTest : public ::testing::Test {
     ASSERT_FALSE(a_.address.empty());
     // a is the first replica: it takes the lease and, as the first leader, makes the admin.
     ASSERT_TRUE(WaitForFile(dir_.path() + "/a/admin.token")) << "replica a never led";
+    // b stands by from a's start on (while a loads its jobs, in FailoverSlowStartTest).
+    b_ = StartReplica("b");
+    ASSERT_FALSE(b_.address.empty());
     // (The admin is made before the jobs are loaded: a serves once it answers but UNAVAILABLE.)
     for (const absl::Time deadline = absl::Now() + absl::Seconds(30);
          Probe(a_.address, "", nullptr).error_code() == grpc::StatusCode::UNAVAILABLE;) {
       ASSERT_LT(absl::Now(), deadline) << "replica a never served";
       absl::SleepFor(absl::Milliseconds(20));
     }
-    b_ = StartReplica("b");
-    ASSERT_FALSE(b_.address.empty());
     list_ = absl::StrCat(b_.address, ",", a_.address);  // the standby first, on purpose
     const auto channel = grpc::CreateChannel(a_.address, grpc::InsecureChannelCredentials());
     const std::string admin = testing::AdminToken(dir_.path() + "/a");
@@ -407,10 +408,6 @@ TEST_F(FailoverE2eTest, APausedLeaderThatResumesAfterTheTakeoverWritesNothing) {
   EXPECT_THAT(backup.message(), HasSubstr("pg_dump"));
 }
 
-// Issue 54: the logs and step metrics of a job running across a failover have every line and
-// step once. The old leader had stored none of them (it saves running jobs' series every 30 s);
-// the worker sends its ranks' recent lines again on its session with the new leader, and the rank
-// its recent step reports on meeting a new incarnation, and the new leader keeps each once.
 // A leader whose start takes longer than its lease (loading a large state) keeps the lease: its
 // renewals start when it takes the lease, not once it serves. (They started after the start: the
 // standby took the lease over during the load, and the loaded leader stepped down at once.)
@@ -424,7 +421,8 @@ class FailoverSlowStartTest : public FailoverE2eTest {
 
 TEST_F(FailoverSlowStartTest, ALeaderWhoseStartOutlastsItsLeaseKeepsIt) {
   if (server_ == nullptr) return;
-  // b started while a was loading (a's admin token is made before the jobs are loaded).
+  // b started while a was loading (a's admin token is made before the jobs are loaded), and a
+  // served once loaded (SetUp).
   WaitUntilLeads(a_.address, absl::Now());
   WaitUntilStandsBy(b_.address, a_.address);
   // Nobody else ever took the lease: a's is still the first epoch, b never led.
@@ -436,6 +434,10 @@ TEST_F(FailoverSlowStartTest, ALeaderWhoseStartOutlastsItsLeaseKeepsIt) {
   EXPECT_TRUE(Probe(a_.address, alice_token_, nullptr).ok());
 }
 
+// Issue 54: the logs and step metrics of a job running across a failover have every line and
+// step once. The old leader had stored none of them (it saves running jobs' series every 30 s);
+// the worker sends its ranks' recent lines again on its session with the new leader, and the rank
+// its recent step reports on meeting a new incarnation, and the new leader keeps each once.
 TEST_F(FailoverE2eTest, ARunningJobsLogsAndMetricsKeepEveryLineAndStepAcrossAFailover) {
   StartWorker();
   auto client = Client();

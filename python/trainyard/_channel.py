@@ -127,8 +127,13 @@ class FollowingStub:
                 if (got and seen is not None and
                         error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and
                         (error.details() or "").startswith(FELL_BEHIND)):
+                    # Read again (it read something: it moves on), after a second: a consumer that
+                    # stays slower than the job prints costs the coordinator a replay a second.
                     request = resume_request if resume_request is not None else request
-                    continue  # (it read something: it moves on)
+                    give_up = time.monotonic() + self._follow_for
+                    attempt = 0
+                    time.sleep(1.0)
+                    continue
                 resumed = (got and seen is not None and
                            error.code() == grpc.StatusCode.UNAVAILABLE)
                 if got and not resumed:

@@ -1244,6 +1244,8 @@ void RankSupervisor::Follow(RankKey key, int conn, pid_t shepherd, int64_t offse
 }
 
 void RankSupervisor::RemoveEndedWork() {
+  // Detached ranks run on under their shepherds (an upgrade): their folders are theirs still.
+  if (detaching_) return;
   for (auto it = ended_attempts_.begin(); it != ended_attempts_.end();) {
     const auto& [job_id, attempt] = *it;
     bool live = false;  // a rank of it running here, or queued
@@ -1269,8 +1271,10 @@ void RankSupervisor::RemoveEndedWork() {
     for (const std::string& folder : {dir + "/work", dir + "/errors"}) {
       struct stat st {};
       if (lstat(folder.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) continue;
-      absl::Status emptied = EmptyFolderAs(options_.shepherd_path, ShepherdEnvironment(worker_env),
-                                           folder, owner.has_value() ? &*owner : nullptr);
+      // (A minute at most: the launches of every user wait meanwhile.)
+      absl::Status emptied =
+          EmptyFolderAs(options_.shepherd_path, ShepherdEnvironment(worker_env), folder,
+                        owner.has_value() ? &*owner : nullptr, absl::Minutes(1));
       if (emptied.ok() && rmdir(folder.c_str()) != 0) {
         emptied = absl::InternalError(absl::StrCat("rmdir ", folder, ": ", strerror(errno)));
       }

@@ -22,7 +22,6 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
-#include <limits>
 #include <optional>
 #include <set>
 #include <string>
@@ -558,8 +557,10 @@ class Shepherd {
   // keeps everything, said once in the log.
   void FreeSentLog() {
     struct stat st {};
-    if (s_.log_keep <= 0 || fstat(log_fd_, &st) != 0) return;
+    if (s_.log_keep <= 0 || cannot_free_ || fstat(log_fd_, &st) != 0) return;
     if (st.st_size < freed_) freed_ = 0;  // the rank cut its log (its stdout is its to truncate)
+    // An offset past the end is of the log before the rank cut it: nothing is known sent yet.
+    if (sent_offset_ > st.st_size) return;
     constexpr int64_t kBlock = 1 << 16;
     const int64_t end = std::min<int64_t>(sent_offset_, st.st_size - s_.log_keep) / kBlock * kBlock;
     if (end <= freed_) return;
@@ -569,7 +570,7 @@ class Shepherd {
       Note(log_fd_,
            absl::StrCat("this file system cannot free the start of a log (", strerror(errno),
                         "): all of this rank's output stays on the worker's disk"));
-      freed_ = std::numeric_limits<int64_t>::max();
+      cannot_free_ = true;
     }
   }
 
@@ -586,7 +587,8 @@ class Shepherd {
   const std::string mark_;
   int conn_ = -1;  // the worker's connection
   int64_t sent_offset_ = 0;
-  int64_t freed_ = 0;  // the log's bytes before this are punched out (FreeSentLog)
+  int64_t freed_ = 0;         // the log's bytes before this are punched out (FreeSentLog)
+  bool cannot_free_ = false;  // the file system cannot punch holes (said once)
   std::optional<int> exit_code_;
   int64_t peak_rss_bytes_ = 0, cgroup_peak_bytes_ = 0, cpu_ms_ = 0;
   bool stopping_ = false, collected_ = false;
