@@ -181,7 +181,9 @@ TEST(UnpackContextAsTest, AnUnpackerThatStopsIsKilledAtTheTimeout) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(20));
   pid_t pid = 0;
   std::ifstream(dir.path() + "/pid") >> pid;  // (none if it was killed before it wrote it)
-  if (pid > 0) EXPECT_NE(kill(pid, 0), 0) << "the unpacker still runs (or was not reaped)";
+  if (pid > 0) {
+    EXPECT_NE(kill(pid, 0), 0) << "the unpacker still runs (or was not reaped)";
+  }
 }
 
 }  // namespace

@@ -603,8 +603,9 @@ TEST_F(RankSupervisorTest, AnEndedAttemptsWorkFolderGoesItsSpecAndLogsStay) {
 }
 
 // A worker that detaches (an upgrade) leaves its running ranks' work folders as they are: the next
-// worker adopts the ranks, which still work there. (Detaching ends every follower, and the clean-up
-// of ended attempts emptied the running ranks' folders.)
+// worker adopts the ranks, which still work there, and removes the folder once they end.
+// (Detaching ends every follower, and the clean-up of ended attempts emptied the running ranks'
+// folders; an adopted attempt's folder stayed for good.)
 TEST_F(RankSupervisorTest, DetachingLeavesTheRunningRanksWorkFolders) {
   v1::Assignment a = AssignmentOf("job-1", 1, "until-data-exists");
   v1::JobSpec spec;
@@ -633,6 +634,12 @@ TEST_F(RankSupervisorTest, DetachingLeavesTheRunningRanksWorkFolders) {
   std::ofstream(release) << "go";
   ASSERT_TRUE(reports_.AwaitExit("job-1", 0));
   EXPECT_EQ(reports_.ExitCode("job-1", 0), 0);
+  // Once the adopted rank has ended, its folder goes too (emptied as the folder's owner).
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(30);
+       std::filesystem::exists(dir_.path() + "/work/job-1/attempt-1/work");) {
+    ASSERT_LT(absl::Now(), deadline) << "the adopted attempt's work folder stays";
+    absl::SleepFor(absl::Milliseconds(20));
+  }
 }
 
 // A rank starts with the kernel's OOM score adjustment, 0, not the worker's: a worker protected
@@ -706,8 +713,8 @@ TEST(RankLogKeepTest, ASentLogKeepsItsLastBytesOnDiskOnly) {
     ASSERT_GE(fd, 0);
     const std::string block(1 << 16, 'p');
     ASSERT_EQ(write(fd, block.data(), block.size()), static_cast<ssize_t>(block.size()));
-    const int punched =
-        fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, int64_t{block.size()});
+    const int punched = fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0,
+                                  static_cast<off_t>(block.size()));
     const int err = errno;
     close(fd);
     if (punched != 0) GTEST_SKIP() << "this file system cannot punch holes: " << strerror(err);

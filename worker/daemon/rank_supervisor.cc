@@ -1255,15 +1255,23 @@ void RankSupervisor::RemoveEndedWork() {
     for (const v1::Assignment& a : launches_) {
       live = live || (a.job_id() == job_id && a.attempt() == attempt);
     }
-    auto account = attempt_accounts_.find(*it);
-    // (An attempt adopted from an earlier worker has no account known here: left as it is.)
-    if (live || account == attempt_accounts_.end() || options_.keep_work_folders) {
+    if (live || options_.keep_work_folders) {
       it = live ? std::next(it) : ended_attempts_.erase(it);
       continue;
     }
-    const std::optional<UnixAccount> owner = account->second;
     const std::string dir = absl::StrCat(options_.work_dir, "/", job_id, "/attempt-", attempt);
-    attempt_accounts_.erase(account);
+    std::optional<UnixAccount> owner;
+    if (auto account = attempt_accounts_.find(*it); account != attempt_accounts_.end()) {
+      owner = account->second;
+      attempt_accounts_.erase(account);
+    } else if (struct stat st{}; lstat((dir + "/work").c_str(), &st) == 0 && S_ISDIR(st.st_mode) &&
+                                 st.st_uid != geteuid()) {
+      // An attempt adopted from an earlier worker: its folder's owner, whom it was given to.
+      owner.emplace();
+      owner->name = absl::StrCat("uid ", st.st_uid);
+      owner->uid = st.st_uid;
+      owner->gid = st.st_gid;
+    }
     it = ended_attempts_.erase(it);
     mu_.Unlock();
     std::vector<std::string> worker_env;

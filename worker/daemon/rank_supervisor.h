@@ -257,7 +257,9 @@ class RankSupervisor {
   void Follow(RankKey key, int conn, pid_t shepherd, int64_t offset);
   void AskToStop(Rank& rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The work and errors folders of each ended attempt none of whose ranks runs or waits here any
-  // more (SupervisorOptions.keep_work_folders), emptied as their owner (without the lock).
+  // more (SupervisorOptions.keep_work_folders), emptied as their owner (without the lock): the
+  // account that ran its ranks, or for an attempt adopted from an earlier worker, the work
+  // folder's owner.
   void RemoveEndedWork() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Keeps a line of a rank's for RecentLogs.
   void Remember(const RankKey& key, int64_t seq, const std::string& line);
