@@ -30,6 +30,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/context_archive.h"
 #include "common/host_port.h"
 #include "common/tls.h"
 #include "tests/testing/subprocess.h"
@@ -639,6 +640,86 @@ TEST_F(RankSupervisorTest, DetachingLeavesTheRunningRanksWorkFolders) {
        std::filesystem::exists(dir_.path() + "/work/job-1/attempt-1/work");) {
     ASSERT_LT(absl::Now(), deadline) << "the adopted attempt's work folder stays";
     absl::SleepFor(absl::Milliseconds(20));
+  }
+}
+
+// An ended attempt's whole folder (spec, logs) goes once unchanged for --keep-ended-attempts:
+// every attempt stayed on the worker's disk for good, each rank's log up to --rank-log-keep. The
+// job's folder stays while its checkpoints are there.
+TEST_F(RankSupervisorTest, AnEndedAttemptsFolderGoesOnceUnchangedForTheKeep) {
+  supervisor_.reset();
+  SupervisorOptions options;
+  options.trainer_path = testing::TestBinPath("test_rank");
+  options.work_dir = dir_.path() + "/work";
+  options.shepherd_path = testing::BinPath("trainyard-worker");
+  options.keep_ended_attempts = absl::Seconds(1);
+  supervisor_ =
+      std::make_unique<RankSupervisor>(options, [this](v1::NodeMessage m) { reports_.Add(m); });
+  supervisor_->Launch(AssignmentOf("job-1", 2));
+  ASSERT_TRUE(reports_.AwaitExit("job-1", 0));
+  ASSERT_TRUE(reports_.AwaitExit("job-1", 1));
+  EXPECT_EQ(reports_.ExitCode("job-1", 0), 0);
+  const std::string attempt = dir_.path() + "/work/job-1/attempt-1";
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(60);
+       std::filesystem::exists(attempt);) {
+    ASSERT_LT(absl::Now(), deadline) << "the ended attempt's folder stays";
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_TRUE(std::filesystem::exists(dir_.path() + "/work/job-1/checkpoints"));
+}
+
+// A launch stopped while its context was being fetched is dropped, and the copy unpacked for it
+// goes as an ended attempt's would (it stayed for good: no rank of it ever ended).
+TEST_F(RankSupervisorTest, ALaunchStoppedWhileItsContextCameLeavesNoCopy) {
+  supervisor_.reset();
+  testing::TempDir source;
+  std::ofstream(source.path() + "/train.py") << "print('hi')";
+  auto packed = PackContext(source.path());
+  ASSERT_TRUE(packed.ok()) << packed.status();
+  absl::Mutex mu;
+  bool fetching = false, release = false;
+  SupervisorOptions options;
+  options.trainer_path = testing::TestBinPath("test_rank");
+  options.work_dir = dir_.path() + "/work";
+  options.shepherd_path = testing::BinPath("trainyard-worker");
+  options.contexts = std::make_shared<ContextCache>(
+      dir_.path() + "/contexts", [&](const std::string&) -> absl::StatusOr<std::string> {
+        absl::MutexLock lock(&mu);
+        fetching = true;
+        mu.Await(absl::Condition(&release));
+        return packed->archive;
+      });
+  supervisor_ =
+      std::make_unique<RankSupervisor>(options, [this](v1::NodeMessage m) { reports_.Add(m); });
+  absl::Cleanup released = [&] {
+    absl::MutexLock lock(&mu);
+    release = true;
+  };
+  v1::Assignment a = AssignmentOf("job-1", 1);
+  v1::JobSpec spec;
+  ASSERT_TRUE(spec.ParseFromString(a.spec()));
+  spec.set_context(packed->digest);
+  a.set_spec(spec.SerializeAsString());
+  supervisor_->Launch(a);
+  {
+    absl::MutexLock lock(&mu);
+    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&fetching), absl::Seconds(30)));
+  }
+  supervisor_->Stop("job-1", 1);
+  ASSERT_TRUE(reports_.AwaitExit("job-1", 0));
+  EXPECT_EQ(reports_.ExitMessage("job-1", 0), "stopped before it started");
+  {
+    absl::MutexLock lock(&mu);
+    release = true;
+  }
+  // Launches are prepared and started in order: once job-2 has run, job-1's copy was unpacked.
+  supervisor_->Launch(AssignmentOf("job-2", 1));
+  ASSERT_TRUE(reports_.AwaitExit("job-2", 0));
+  const std::string work = dir_.path() + "/work/job-1/attempt-1/work";
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(60);
+       std::filesystem::exists(work);) {
+    ASSERT_LT(absl::Now(), deadline) << "the dropped launch's unpacked context stays";
+    absl::SleepFor(absl::Milliseconds(50));
   }
 }
 

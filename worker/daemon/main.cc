@@ -125,6 +125,7 @@ struct Flags {
   double host_cpus = 0;
   std::string reserved_memory = "1GiB";
   std::string rank_log_keep = "1GiB";
+  std::string keep_ended_attempts = "24h";
   std::string metrics_token_file, token_file;
   bool metrics_tls = false, metrics_insecure = false;
 };
@@ -193,9 +194,14 @@ void AddFlags(CLI::App& app, Flags& f, trainyard::worker::WorkerOptions& options
       ->capture_default_str();
   app.add_flag("--require-cgroups", f.require_cgroups, "the same as --cgroups require");
   app.add_flag("--keep-work-folders", options.supervisor.keep_work_folders,
-               "keep each attempt's work folder (its unpacked context, what its ranks wrote "
-               "there) once its ranks here have ended; by default it is emptied, as its owner, "
-               "and removed");
+               "keep each attempt's folders whole (its work folder: its unpacked context, what "
+               "its ranks wrote there) once its ranks here have ended; by default the work "
+               "folder is emptied, as its owner, and removed, and the rest goes after "
+               "--keep-ended-attempts");
+  app.add_option("--keep-ended-attempts", f.keep_ended_attempts,
+                 "how long an ended attempt's folder (its spec, its ranks' logs, which the "
+                 "coordinator holds) stays on this node once unchanged (24h, 30m; inf: for good)")
+      ->capture_default_str();
   app.add_option("--rank-log-keep", f.rank_log_keep,
                  "what of each rank's log stays on this node's disk once sent on to the "
                  "coordinator: its last so many bytes (1GiB, 256MiB; 0: all of it)")
@@ -567,6 +573,9 @@ absl::Status Settle(Flags& f, trainyard::worker::WorkerOptions& options) {
                                                    "' is not a size (such as 1GiB, 256MiB, 0)"));
   }
   options.supervisor.log_keep_bytes = *keep;
+  auto keep_ended = trainyard::ParseFlagDuration("--keep-ended-attempts", f.keep_ended_attempts);
+  if (!keep_ended.ok()) return keep_ended.status();
+  options.supervisor.keep_ended_attempts = *keep_ended;
   RETURN_IF_ERROR(SettleCgroups(f, options));
   return SettleHost(f, devices, options);
 }

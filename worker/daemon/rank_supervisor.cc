@@ -280,6 +280,12 @@ std::vector<std::string> ShepherdEnvironment(const std::vector<std::string>& wor
   return out;
 }
 
+std::vector<std::string> WorkerEnvironment() {
+  std::vector<std::string> out;
+  for (char** e = environ; *e != nullptr; ++e) out.emplace_back(*e);
+  return out;
+}
+
 std::vector<std::string> DefaultRankEnv() {
   return {"LD_LIBRARY_PATH", "NCCL_*",   "GLOO_*", "OMP_*",      "OPENBLAS_*",
           "MKL_*",           "ONEDNN_*", "DNNL_*", "TRAINYARD_*"};
@@ -525,13 +531,30 @@ std::string RankCoordinatorList(const std::string& leader_list, const std::strin
 RankSupervisor::RankSupervisor(SupervisorOptions options, std::function<void(v1::NodeMessage)> send)
     : options_(std::move(options)),
       send_(std::move(send)),
+      folders_(std::make_unique<AttemptFolders>(
+          AttemptFolderOptions{.work_dir = options_.work_dir,
+                               .unpacker = options_.shepherd_path,
+                               .unpacker_env = ShepherdEnvironment(WorkerEnvironment()),
+                               .keep = options_.keep_work_folders,
+                               .keep_ended_for = options_.keep_ended_attempts},
+          [this](const std::string& job_id, int attempt, const std::function<void()>& then) {
+            absl::MutexLock lock(&mu_);
+            if (Live(job_id, attempt)) return false;
+            if (then) then();
+            return true;
+          })),
       supervisor_([this] { SupervisorLoop(); }) {}
 
 RankSupervisor::~RankSupervisor() {
   StopAll();
   supervisor_.join();
-  absl::MutexLock lock(&mu_);
-  for (auto& t : finished_readers_) t.join();
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& t : finished_readers_) t.join();
+  }
+  // The last attempts' folders are emptied before the worker goes; a detached one leaves them.
+  folders_->Drain();
+  folders_->Stop();
 }
 
 void RankSupervisor::Launch(const v1::Assignment& assignment) {
@@ -558,6 +581,8 @@ void RankSupervisor::Stop(const std::string& job_id, int attempt) {
           const RankKey key{a.job_id(), a.attempt(), a.first_rank() + i};
           if (started_.insert(key).second) dropped.push_back(key);
         }
+        // Its context may have been unpacked already: that copy goes like an ended attempt's.
+        ended_attempts_.emplace(a.job_id(), a.attempt());
         it = launches_.erase(it);
       } else {
         ++it;
@@ -602,12 +627,15 @@ void RankSupervisor::StopAll() {
 }
 
 void RankSupervisor::Detach() {
-  absl::MutexLock lock(&mu_);
-  stopping_ = true;
-  detaching_ = true;
-  launches_.clear();
-  auto all_detached = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ranks_.empty(); };
-  mu_.Await(absl::Condition(&all_detached));
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    detaching_ = true;
+    launches_.clear();
+    auto all_detached = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return ranks_.empty(); };
+    mu_.Await(absl::Condition(&all_detached));
+  }
+  folders_->Stop();  // (without the lock: its thread may wait for it)
 }
 
 void RankSupervisor::set_orphan_timeout(absl::Duration timeout) {
@@ -794,10 +822,8 @@ absl::Status RankSupervisor::PrepareContext(const v1::Assignment& a, const std::
   }
   RETURN_IF_ERROR(GiveFolder(work, owner));
   ASSIGN_OR_RETURN(const std::string archive, options_.contexts->Get(a.job_id(), digest));
-  std::vector<std::string> worker_env;
-  for (char** e = environ; *e != nullptr; ++e) worker_env.emplace_back(*e);
-  return UnpackContextAs(options_.shepherd_path, ShepherdEnvironment(worker_env), archive, work,
-                         owner);
+  return UnpackContextAs(options_.shepherd_path, ShepherdEnvironment(WorkerEnvironment()), archive,
+                         work, owner);
 }
 
 void RankSupervisor::Start(const v1::Assignment& a, int rank, int device,
@@ -1025,8 +1051,7 @@ void RankSupervisor::Exec(const v1::Assignment& a, const RankKey& key, int devic
   const std::string mark = absl::StrCat(absl::Hex(mark_random_()), "/", std::get<0>(key), "/",
                                         std::get<1>(key), "/", std::get<2>(key));
   env.push_back("TRAINYARD_RANK_MARK=" + mark);
-  std::vector<std::string> worker_env;
-  for (char** e = environ; *e != nullptr; ++e) worker_env.emplace_back(*e);
+  const std::vector<std::string> worker_env = WorkerEnvironment();
   const UnixAccount identity = account.has_value() ? *account : OwnAccount();
   const std::vector<std::string> rank_env =
       RankEnvironment(identity, worker_env, options_.rank_env, env);
@@ -1243,20 +1268,23 @@ void RankSupervisor::Follow(RankKey key, int conn, pid_t shepherd, int64_t offse
   }
 }
 
+bool RankSupervisor::Live(const std::string& job_id, int attempt) const {
+  for (const auto& [key, rank] : ranks_) {
+    if (std::get<0>(key) == job_id && (attempt == 0 || std::get<1>(key) == attempt)) return true;
+  }
+  for (const v1::Assignment& a : launches_) {
+    if (a.job_id() == job_id && (attempt == 0 || a.attempt() == attempt)) return true;
+  }
+  return false;
+}
+
 void RankSupervisor::RemoveEndedWork() {
   // Detached ranks run on under their shepherds (an upgrade): their folders are theirs still.
   if (detaching_) return;
   for (auto it = ended_attempts_.begin(); it != ended_attempts_.end();) {
     const auto& [job_id, attempt] = *it;
-    bool live = false;  // a rank of it running here, or queued
-    for (const auto& [key, rank] : ranks_) {
-      live = live || (std::get<0>(key) == job_id && std::get<1>(key) == attempt);
-    }
-    for (const v1::Assignment& a : launches_) {
-      live = live || (a.job_id() == job_id && a.attempt() == attempt);
-    }
-    if (live || options_.keep_work_folders) {
-      it = live ? std::next(it) : ended_attempts_.erase(it);
+    if (Live(job_id, attempt)) {
+      ++it;
       continue;
     }
     const std::string dir = absl::StrCat(options_.work_dir, "/", job_id, "/attempt-", attempt);
@@ -1272,26 +1300,8 @@ void RankSupervisor::RemoveEndedWork() {
       owner->uid = st.st_uid;
       owner->gid = st.st_gid;
     }
+    folders_->Ended(job_id, attempt, std::move(owner));
     it = ended_attempts_.erase(it);
-    mu_.Unlock();
-    std::vector<std::string> worker_env;
-    for (char** e = environ; *e != nullptr; ++e) worker_env.emplace_back(*e);
-    for (const std::string& folder : {dir + "/work", dir + "/errors"}) {
-      struct stat st {};
-      if (lstat(folder.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) continue;
-      // (A minute at most: the launches of every user wait meanwhile.)
-      absl::Status emptied =
-          EmptyFolderAs(options_.shepherd_path, ShepherdEnvironment(worker_env), folder,
-                        owner.has_value() ? &*owner : nullptr, absl::Minutes(1));
-      if (emptied.ok() && rmdir(folder.c_str()) != 0) {
-        emptied = absl::InternalError(absl::StrCat("rmdir ", folder, ": ", strerror(errno)));
-      }
-      if (!emptied.ok()) {
-        spdlog::warn("an ended attempt's folder stays: {}", std::string(emptied.message()));
-      }
-    }
-    mu_.Lock();
-    it = ended_attempts_.begin();  // (changed meanwhile, perhaps)
   }
 }
 

@@ -30,6 +30,7 @@
 #include "absl/time/time.h"
 #include "trainyard/v1/job.pb.h"
 #include "trainyard/v1/node.pb.h"
+#include "worker/daemon/attempt_folders.h"
 #include "worker/daemon/cgroups.h"
 #include "worker/daemon/job_context.h"
 #include "worker/daemon/run_as.h"
@@ -47,6 +48,8 @@ std::vector<std::string> DefaultRankEnv();
 // as the worker did (a host whose gRPC or Abseil live outside the loader's default folders, as the
 // GPU hosts' kit under /opt/kit). The operator's setting, not a job's.
 std::vector<std::string> ShepherdEnvironment(const std::vector<std::string>& worker_env);
+// This process's environment (environ), as NAME=VALUE entries.
+std::vector<std::string> WorkerEnvironment();
 
 // The coordinators a rank is given (TRAINYARD_COORDINATOR, RankContext.coordinator_address): the
 // leader's list, then the addresses of `worker_list` it lacks. Both are comma-separated.
@@ -75,11 +78,13 @@ struct SupervisorOptions {
   // the coordinator (the older bytes' blocks freed, the file's size kept); 0: all of it. So a
   // rank printing at GB/s holds about this much of the worker's disk, not what it printed.
   int64_t log_keep_bytes = int64_t{1} << 30;
-  // Once every rank of an attempt that this supervisor started has ended, the attempt's "work"
-  // and "errors" folders (the unpacked context, what the ranks wrote there) are emptied as their
-  // owner and removed; its spec and logs stay. True keeps them (debugging, tests that read what
-  // a rank left).
+  // Once every rank of an attempt on this worker has ended, the attempt's "work" and "errors"
+  // folders (the unpacked context, what the ranks wrote there) are emptied as their owner and
+  // removed, and its whole folder (spec, logs) goes once unchanged for keep_ended_attempts
+  // (attempt_folders.h; InfiniteDuration: its spec and logs stay). keep_work_folders keeps all
+  // of it (debugging, tests that read what a rank left).
   bool keep_work_folders = false;
+  absl::Duration keep_ended_attempts = absl::Hours(24);
   // The worker's own coordinator list (--coordinator): ranks get the leader's list (its
   // --coordinators) and then these addresses it lacks, so that they follow a failover also where
   // the replicas were not given --coordinators.
@@ -256,10 +261,11 @@ class RankSupervisor {
   // comes first) and reports its exit, unless the supervisor detaches first.
   void Follow(RankKey key, int conn, pid_t shepherd, int64_t offset);
   void AskToStop(Rank& rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The work and errors folders of each ended attempt none of whose ranks runs or waits here any
-  // more (SupervisorOptions.keep_work_folders), emptied as their owner (without the lock): the
-  // account that ran its ranks, or for an attempt adopted from an earlier worker, the work
-  // folder's owner.
+  // Whether a rank of the attempt (0: of any attempt of the job) runs or waits to start here.
+  bool Live(const std::string& job_id, int attempt) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Hands each ended attempt none of whose ranks runs or waits here any more to folders_, which
+  // empties its work and errors folders as their owner: the account that ran its ranks, or for an
+  // attempt adopted from an earlier worker, the work folder's owner.
   void RemoveEndedWork() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Keeps a line of a rank's for RecentLogs.
   void Remember(const RankKey& key, int64_t seq, const std::string& line);
@@ -296,6 +302,8 @@ class RankSupervisor {
   };
   mutable absl::Mutex recent_mu_;  // never held while calling send_
   std::map<RankKey, RecentLines> recent_ ABSL_GUARDED_BY(recent_mu_);
+  // Made before supervisor_ starts; stopped once it has ended (its thread calls Live).
+  std::unique_ptr<AttemptFolders> folders_;
   std::thread supervisor_;
 };
 

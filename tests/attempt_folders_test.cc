@@ -1,0 +1,176 @@
+// What a worker's ended attempts leave on its disk (worker/daemon/attempt_folders.h): their work
+// and errors folders emptied as their owner off the launch thread, their whole folder gone once
+// unchanged for the keep, and what is live, recent, a shepherd's or not the worker's left alone.
+// Real folders; ages set with utimensat, never waited for.
+#include "worker/daemon/attempt_folders.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
+#include <utility>
+
+#include "absl/time/clock.h"
+#include "tests/testing/subprocess.h"
+
+namespace trainyard::worker {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::BinPath;
+using testing::TempDir;
+
+// Sets the modification time of `path` and of everything under it to `age` ago (links not
+// followed).
+void Age(const std::string& path, absl::Duration age) {
+  const timespec when = absl::ToTimespec(absl::Now() - age);
+  const timespec times[2] = {when, when};
+  std::vector<std::string> paths;
+  if (fs::is_directory(fs::symlink_status(path))) {
+    for (const auto& e : fs::recursive_directory_iterator(path)) paths.push_back(e.path());
+  }
+  paths.push_back(path);
+  for (const std::string& p : paths) {
+    ASSERT_EQ(utimensat(AT_FDCWD, p.c_str(), times, AT_SYMLINK_NOFOLLOW), 0) << p;
+  }
+}
+
+// An attempt's folder as a worker leaves it once its ranks have ended: spec, logs, a work folder
+// with what the ranks wrote (a nested folder), an errors folder.
+std::string MakeAttempt(const std::string& work_dir, const std::string& job, int attempt) {
+  const std::string dir = work_dir + "/" + job + "/attempt-" + std::to_string(attempt);
+  fs::create_directories(dir + "/work/out/deep");
+  fs::create_directories(dir + "/errors");
+  std::ofstream(dir + "/spec.pb") << "spec";
+  std::ofstream(dir + "/rank-0.log") << "line\n";
+  std::ofstream(dir + "/work/out/deep/weights.bin") << "weights";
+  std::ofstream(dir + "/errors/rank-0.json") << "{}";
+  return dir;
+}
+
+class AttemptFoldersTest : public ::testing::Test {
+ protected:
+  AttemptFolderOptions Options(absl::Duration keep) {
+    AttemptFolderOptions options;
+    options.work_dir = work_dir_;
+    options.unpacker = BinPath("trainyard-worker");
+    options.unpacker_env = {"PATH=/usr/bin:/bin"};
+    options.keep_ended_for = keep;
+    return options;
+  }
+  // The attempts (and jobs: attempt 0) the fake supervisor runs; what it was asked.
+  AttemptFolders::IfIdle IfIdle() {
+    return [this](const std::string& job, int attempt, const std::function<void()>& then) {
+      asked_.emplace(job, attempt);
+      if (live_.count({job, attempt}) > 0) return false;
+      for (const auto& [j, a] : live_) {
+        if (attempt == 0 && j == job) return false;
+      }
+      if (then) then();
+      return true;
+    };
+  }
+
+  TempDir dir_;
+  const std::string work_dir_ = dir_.path() + "/work";
+  std::set<std::pair<std::string, int>> live_, asked_;
+};
+
+// Unchanged for longer than the keep: the whole attempt's folder goes (its work folder emptied
+// first), and its job's folder once nothing is left in it; a job's checkpoints stay, and their
+// job's folder with them.
+TEST_F(AttemptFoldersTest, AnAttemptUnchangedForTheKeepGoesWholeWithItsEmptyJobFolder) {
+  const std::string one = MakeAttempt(work_dir_, "job-1", 1);
+  const std::string two = MakeAttempt(work_dir_, "job-2", 3);
+  fs::create_directories(work_dir_ + "/job-2/checkpoints/step-10");
+  std::ofstream(work_dir_ + "/job-2/checkpoints/step-10/model.pt") << "model";
+  if (geteuid() == 0) {  // a rank's folder is its owner's: emptied as them, not as root
+    ASSERT_EQ(chmod(dir_.path().c_str(), 0755), 0);
+    for (const auto& e : fs::recursive_directory_iterator(one + "/work")) {
+      ASSERT_EQ(lchown(e.path().c_str(), 65534, 65534), 0);
+    }
+    ASSERT_EQ(lchown((one + "/work").c_str(), 65534, 65534), 0);
+  }
+  Age(work_dir_, absl::Hours(2));
+  AttemptFolders folders(Options(absl::Hours(1)), IfIdle());
+  EXPECT_EQ(folders.RemoveExpired(), 2);
+  EXPECT_FALSE(fs::exists(work_dir_ + "/job-1"));
+  EXPECT_FALSE(fs::exists(two));
+  EXPECT_TRUE(fs::exists(work_dir_ + "/job-2/checkpoints/step-10/model.pt"));
+  EXPECT_TRUE(asked_.count({"job-1", 1}) && asked_.count({"job-1", 0}));
+  EXPECT_EQ(folders.RemoveExpired(), 0);
+}
+
+// A live attempt, one changed within the keep, one with a shepherd's socket (its rank runs, or
+// waits for a worker to collect its exit) and one holding a folder that is not the worker's all
+// stay; so does a job folder whose job has an attempt starting; nothing at all with keep.
+TEST_F(AttemptFoldersTest, WhatIsLiveRecentAShepherdsOrUnknownStays) {
+  const std::string live = MakeAttempt(work_dir_, "job-1", 1);
+  const std::string recent = MakeAttempt(work_dir_, "job-1", 2);
+  const std::string sock = MakeAttempt(work_dir_, "job-2", 1);
+  std::ofstream(sock + "/rank-0.sock") << "";
+  const std::string unknown = MakeAttempt(work_dir_, "job-3", 1);
+  fs::create_directories(unknown + "/other");
+  const std::string old = MakeAttempt(work_dir_, "job-4", 1);
+  fs::create_directories(work_dir_ + "/job-4/attempt-2");  // being prepared: its job stays
+  live_ = {{"job-1", 1}, {"job-4", 2}};
+  Age(work_dir_, absl::Hours(2));
+  std::ofstream(recent + "/rank-0.log", std::ios::app) << "more\n";
+  AttemptFolders folders(Options(absl::Hours(1)), IfIdle());
+  EXPECT_EQ(folders.RemoveExpired(), 1);
+  for (const std::string& stays : {live, recent, sock, unknown}) {
+    EXPECT_TRUE(fs::exists(stays + "/spec.pb")) << stays;
+    EXPECT_TRUE(fs::exists(stays + "/work/out/deep/weights.bin")) << stays;
+  }
+  EXPECT_FALSE(fs::exists(old));
+  EXPECT_TRUE(fs::exists(work_dir_ + "/job-4/attempt-2"));
+
+  live_.clear();
+  AttemptFolderOptions kept = Options(absl::Hours(1));
+  kept.keep = true;
+  AttemptFolders keep(kept, IfIdle());
+  EXPECT_EQ(keep.RemoveExpired(), 0);
+  keep.Ended("job-1", 1, std::nullopt);
+  keep.Drain();
+  EXPECT_TRUE(fs::exists(live + "/work/out/deep/weights.bin"));
+  EXPECT_TRUE(fs::exists(recent + "/spec.pb"));
+}
+
+// An ended attempt's work and errors folders are emptied and removed on the object's own thread
+// (a launch no longer waits on it); its spec and logs stay until the keep.
+TEST_F(AttemptFoldersTest, AnEndedAttemptsWorkAndErrorsGoSpecAndLogsStay) {
+  const std::string dir = MakeAttempt(work_dir_, "job-1", 1);
+  AttemptFolders folders(Options(absl::Hours(1)), IfIdle());
+  folders.Ended("job-1", 1, std::nullopt);
+  folders.Drain();
+  EXPECT_FALSE(fs::exists(dir + "/work"));
+  EXPECT_FALSE(fs::exists(dir + "/errors"));
+  EXPECT_TRUE(fs::exists(dir + "/spec.pb"));
+  EXPECT_TRUE(fs::exists(dir + "/rank-0.log"));
+  EXPECT_EQ(folders.RemoveExpired(), 0);  // (changed just now)
+  // Stopped (a worker that detaches), it removes nothing more.
+  const std::string next = MakeAttempt(work_dir_, "job-1", 2);
+  folders.Stop();
+  folders.Ended("job-1", 2, std::nullopt);
+  folders.Drain();
+  EXPECT_TRUE(fs::exists(next + "/work/out/deep/weights.bin"));
+}
+
+// The thread removes expired folders by itself, every quarter of the keep.
+TEST_F(AttemptFoldersTest, TheThreadRemovesExpiredFoldersByItself) {
+  const std::string dir = MakeAttempt(work_dir_, "job-1", 1);
+  Age(work_dir_, absl::Hours(2));
+  AttemptFolders folders(Options(absl::Seconds(4)), IfIdle());
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(60); fs::exists(dir);) {
+    ASSERT_LT(absl::Now(), deadline) << "the expired folder stays";
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+}
+
+}  // namespace
+}  // namespace trainyard::worker
