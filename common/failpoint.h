@@ -9,14 +9,18 @@
 //   sleep:MS  every pass stalls MS milliseconds (at most an hour), as a slow disk or a large
 //             state would;
 //   fail@N    the Nth pass fails (FailpointFails is true), once: where the code can fail there
-//             (a store's transaction, say).
+//             (a store's transaction, say);
+//   pause     every pass waits until the failpoint is disarmed or armed otherwise (a test's own
+//             process: a thread held at one place while the test does what it checks).
 // or, in a test's own process, by ArmFailpoint (N counted from then; DisarmFailpoint ends it).
 // Unarmed, as in production, passing a failpoint costs one atomic load. A malformed value is
 // ignored, named on stderr.
 //
 // The failpoints: "submit-after-commit" (a submitted job is durable, its answer not yet sent);
 // "load-jobs" (a starting coordinator is about to load its jobs from the store); "store-commit"
-// (a store's transaction, which fails with UNAVAILABLE).
+// (a store's transaction, which fails with UNAVAILABLE); "node-event" (the coordinator's
+// node-events thread is about to handle a node's message); "series-replay" (a StreamLogs or
+// StreamMetrics call watches its job and is about to queue the kept records).
 #ifndef TRAINYARD_COMMON_FAILPOINT_H_
 #define TRAINYARD_COMMON_FAILPOINT_H_
 
@@ -25,6 +29,8 @@
 
 #include <atomic>
 #include <cerrno>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -41,11 +47,17 @@ struct Armed {
   int64_t exit_at = 0;   // the pass that exits (1 = the first); 0: none
   int64_t fail_at = 0;   // the pass that fails
   int64_t sleep_ms = 0;  // what each pass stalls
+  bool pause = false;    // each pass waits until disarmed
   int64_t passes = 0;
 };
 
-// "exit@N", "sleep:MS" or "fail@N"; nullopt when malformed.
+// "exit@N", "sleep:MS", "fail@N" or "pause"; nullopt when malformed.
 inline std::optional<Armed> ParseAction(std::string_view action) {
+  if (action == "pause") {
+    Armed armed;
+    armed.pause = true;
+    return armed;
+  }
   const bool exits = action.substr(0, 5) == "exit@";
   const bool fails = action.substr(0, 5) == "fail@";
   const bool sleeps = action.substr(0, 6) == "sleep:";
@@ -61,6 +73,7 @@ inline std::optional<Armed> ParseAction(std::string_view action) {
 
 struct Table {
   std::mutex mu;
+  std::condition_variable changed;                  // a failpoint armed or disarmed
   std::map<std::string, Armed, std::less<>> armed;  // (guarded by mu)
   std::atomic<bool> any{false};
 };
@@ -83,7 +96,7 @@ inline Table& TheTable() {
       if (!armed.has_value()) {
         std::fprintf(stderr,
                      "TRAINYARD_FAILPOINTS: ignoring malformed failpoint (want NAME=exit@N, "
-                     "NAME=sleep:MS or NAME=fail@N)\n");
+                     "NAME=sleep:MS, NAME=fail@N or NAME=pause)\n");
         t->armed.clear();
         return t;
       }
@@ -105,7 +118,7 @@ inline bool FailpointFails(std::string_view name) {
   int64_t sleep_ms = 0;
   bool fails = false;
   {
-    std::lock_guard<std::mutex> lock(table.mu);
+    std::unique_lock<std::mutex> lock(table.mu);
     auto it = table.armed.find(name);
     if (it == table.armed.end()) return false;
     failpoint_internal::Armed& a = it->second;
@@ -113,6 +126,13 @@ inline bool FailpointFails(std::string_view name) {
     if (a.passes == a.exit_at) ::_exit(137);
     fails = a.passes == a.fail_at;
     sleep_ms = a.sleep_ms;
+    if (a.pause) {
+      table.changed.notify_all();  // (a pass: FailpointPasses' waiters)
+      table.changed.wait(lock, [&table, name] {
+        auto armed = table.armed.find(name);
+        return armed == table.armed.end() || !armed->second.pause;
+      });
+    }
   }
   if (sleep_ms > 0) {
     struct timespec stall = {static_cast<time_t>(sleep_ms / 1000),
@@ -134,7 +154,19 @@ inline bool ArmFailpoint(const std::string& name, std::string_view action) {
   std::lock_guard<std::mutex> lock(table.mu);
   table.armed[name] = *armed;
   table.any = true;
+  table.changed.notify_all();
   return true;
+}
+
+// Waits until `name` has been passed at least `passes` times since it was armed, or `timeout_ms`
+// went by; whether it was. For tests that wait for a thread to reach a paused failpoint.
+inline bool AwaitFailpointPasses(const std::string& name, int64_t passes, int64_t timeout_ms) {
+  failpoint_internal::Table& table = failpoint_internal::TheTable();
+  std::unique_lock<std::mutex> lock(table.mu);
+  return table.changed.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] {
+    auto it = table.armed.find(name);
+    return it != table.armed.end() && it->second.passes >= passes;
+  });
 }
 
 // Disarms `name` in this process (a test's end, whether or not it was passed).
@@ -143,6 +175,7 @@ inline void DisarmFailpoint(const std::string& name) {
   std::lock_guard<std::mutex> lock(table.mu);
   table.armed.erase(name);
   table.any = !table.armed.empty();
+  table.changed.notify_all();
 }
 
 }  // namespace trainyard

@@ -548,6 +548,57 @@ TEST_F(CoordinatorServiceTest, APlacementWhoseWriteFailedIsWrittenAgainThenAssig
   EXPECT_EQ(WaitForState(job.id(), v1::SUCCEEDED).state(), v1::SUCCEEDED);
 }
 
+// A job's logs read while its end is being written come whole. The end's durable notice, arriving
+// while the reader's kept lines were being queued, ended the stream at once: `yard logs` of a job
+// that had just ended printed part of it, or nothing, and succeeded. (Held here: the end's write
+// at "store-commit", the reader between its watch and its lines at "series-replay".)
+TEST_F(CoordinatorServiceTest, LogsReadWhileTheJobsEndIsWrittenComeWhole) {
+  auto node = Connect("n1", 1);
+  const v1::Job job = MustSubmit(Spec(1));
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  const v1::Assignment a = node->NextCommand().assignment();
+  v1::NodeMessage m;
+  m.mutable_logs()->set_job_id(job.id());
+  m.mutable_logs()->set_attempt(1);
+  m.mutable_logs()->set_rank(0);
+  for (const char* line : {"one", "two", "three"}) m.mutable_logs()->add_lines(line);
+  ASSERT_TRUE(node->Write(m));
+  node->Heartbeat();  // (handled in order: the lines are kept)
+  absl::Cleanup disarm = [] {
+    DisarmFailpoint("store-commit");
+    DisarmFailpoint("series-replay");
+  };
+  ASSERT_TRUE(ArmFailpoint("store-commit", "pause"));
+  node->ReportExit(a, 0, 0);
+  ASSERT_TRUE(AwaitFailpointPasses("store-commit", 1, 20'000));  // the end's write, held
+  ASSERT_TRUE(ArmFailpoint("series-replay", "pause"));
+  std::vector<std::string> lines;
+  grpc::Status read;
+  std::thread reader([&] {
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::StreamLogsRequest r;
+    r.set_job_id(job.id());
+    auto stream = jobs_->StreamLogs(&ctx, r);
+    for (v1::LogLine line; stream->Read(&line);) lines.push_back(line.text());
+    read = stream->Finish();
+  });
+  absl::Cleanup join = [&] {
+    DisarmFailpoint("series-replay");
+    DisarmFailpoint("store-commit");
+    reader.join();
+  };
+  ASSERT_TRUE(AwaitFailpointPasses("series-replay", 1, 20'000));  // watching, nothing queued
+  // The end is written and its watchers told, the reader's among them (the store's callbacks run
+  // in order: a later submit's answer comes after them).
+  DisarmFailpoint("store-commit");
+  MustSubmit(Spec(1, "later"));
+  DisarmFailpoint("series-replay");
+  std::move(join).Invoke();
+  EXPECT_TRUE(read.ok()) << read.error_message();
+  EXPECT_THAT(lines, ElementsAre("one", "two", "three"));
+}
+
 // Idempotent submits (issue 54): a submit sent again with its request id (a client retrying after
 // a lost answer) gets the first job, and the job is stored once, across a restart of the
 // coordinator too; another owner's same id is its own; after 24 h the id is forgotten; a

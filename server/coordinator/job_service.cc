@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/context_archive.h"
+#include "common/failpoint.h"
 #include "common/grpc_status.h"
 #include "common/log_text.h"
 #include "common/signal_names.h"
@@ -96,6 +97,24 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobEvent> {
 // job ends. A finished job no longer in memory has its records read from the store (`persisted`).
 template <typename T>
 class SeriesReactor final : public grpc::ServerWriteReactor<T> {
+  using Queue = WriteQueue<grpc::ServerWriteReactor<T>, T>;
+  // Whether the job has ended and the kept records are queued: the stream finishes once both.
+  class EndGate {
+   public:
+    void Ended(Queue& queue) { Set(&ended_, queue); }
+    void Queued(Queue& queue) { Set(&queued_, queue); }
+
+   private:
+    void Set(bool* flag, Queue& queue) {
+      absl::MutexLock lock(&mu_);
+      *flag = true;
+      if (ended_ && queued_) queue.FinishWhenDrained(grpc::Status::OK);
+    }
+    absl::Mutex mu_;
+    bool ended_ ABSL_GUARDED_BY(mu_) = false;
+    bool queued_ ABSL_GUARDED_BY(mu_) = false;
+  };
+
  public:
   SeriesReactor(JobLifecycle& jobs, JobSeries<T>& series, const std::string& job_id, size_t tail,
                 bool follow, std::function<absl::StatusOr<std::vector<T>>()> persisted,
@@ -106,10 +125,14 @@ class SeriesReactor final : public grpc::ServerWriteReactor<T> {
         queue_(std::make_shared<Queue>(this)) {
     v1::Job current;
     bool durable = false;
+    // The job's durable end ends the stream, once what was kept is queued: the end's notice can
+    // come while the kept records are being queued below (it ended the stream at once, and a
+    // reader of a job that had just ended got part of its records, or none, and OK).
+    auto end = std::make_shared<EndGate>();
     auto watch = jobs_.Watch(
         job_id,
-        [queue = queue_](const v1::Job& job) {
-          if (IsTerminal(job.state())) queue->FinishWhenDrained(grpc::Status::OK);
+        [queue = queue_, end](const v1::Job& job) {
+          if (IsTerminal(job.state())) end->Ended(*queue);
         },
         &current, &durable);
     if (!watch.ok()) {
@@ -117,6 +140,7 @@ class SeriesReactor final : public grpc::ServerWriteReactor<T> {
       return;
     }
     watch_ = *watch;
+    Failpoint("series-replay");  // (tests: the end's notice while the records are queued)
     // The kept records, then every later one, in order.
     size_t kept = 0;
     subscription_ = series_.Subscribe(
@@ -139,6 +163,7 @@ class SeriesReactor final : public grpc::ServerWriteReactor<T> {
     if (!follow || (durable && IsTerminal(current.state()))) {
       queue_->FinishWhenDrained(grpc::Status::OK);
     }
+    end->Queued(*queue_);
   }
 
   void OnWriteDone(bool ok) override { queue_->OnWriteDone(ok); }
@@ -153,7 +178,6 @@ class SeriesReactor final : public grpc::ServerWriteReactor<T> {
   }
 
  private:
-  using Queue = WriteQueue<grpc::ServerWriteReactor<T>, T>;
   JobLifecycle& jobs_;
   JobSeries<T>& series_;
   const std::shared_ptr<void> slot_;  // one of the caller's StreamSlots
