@@ -41,7 +41,7 @@ GAUGES = {
 COUNTERS = {
     "trainyard_placements_total", "trainyard_rpc_requests_total", "trainyard_preemptions_total",
     "trainyard_auth_refusals_total", "trainyard_auth_failures_total",
-    "trainyard_rank_cpu_seconds_total",
+    "trainyard_rank_cpu_seconds_total", "trainyard_node_log_lines_dropped_total",
     "trainyard_worker_rank_exits_total", "trainyard_worker_gpu_xid_events_total",
     "trainyard_ps_pushed_bytes_total", "trainyard_ps_pulled_bytes_total",
 }

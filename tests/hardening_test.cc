@@ -23,13 +23,18 @@
 
 #include <nlohmann/json.hpp>
 
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "client/yard_client.h"
 #include "common/credentials.h"
+#include "common/failpoint.h"
 #include "common/log_text.h"
 #include "server/coordinator/coordinator_server.h"
+#include "server/coordinator/services.h"
 #include "tests/testing/coordinator_fixture.h"
 #include "tests/testing/http_get.h"
 #include "tests/testing/node_session.h"
@@ -866,6 +871,131 @@ TEST_F(HardeningTest, AFollowerThatFellBehindReadsAgainAndMissesNothing) {
   EXPECT_TRUE(followed.ok()) << followed;
   ASSERT_EQ(lines.size(), 2400u);
   for (int i = 0; i < 2400; ++i) ASSERT_EQ(lines[i], absl::StrCat(i)) << "line " << i;
+}
+
+// A node's messages waiting on the coordinator's node-events thread hold at most
+// NodeBacklog::kMaxBytes of its memory: while the thread is held (a store stalled by a failover;
+// here the "node-event" failpoint), the node's log lines past the cap are dropped and counted
+// (trainyard_node_log_lines_dropped_total), and the rank's log says how many, before its next
+// kept lines or before its end. Its heartbeats and rank status are never dropped. (Every message
+// waited in memory: ranks printing fast during a stall grew the coordinator without bound.)
+TEST_F(HardeningTest, ANodesLogLinesPastItsBacklogAreDroppedAndTheRanksLogSaysHowMany) {
+  const v1::Job job = RunningJob();
+  ASSERT_EQ(job.state(), v1::RUNNING);
+  const v1::Assignment a = node_->NextCommand().assignment();
+  int64_t next = 0;  // the next line's number
+  auto message = [&](int lines) {
+    v1::NodeMessage m;
+    auto* l = m.mutable_logs();
+    l->set_job_id(job.id());
+    l->set_attempt(job.attempt());
+    l->set_rank(0);
+    for (int i = 0; i < lines; ++i, ++next) {
+      l->add_seqs(next + 1);
+      l->add_lines(absl::StrCat(next, " ", std::string(16 * 1024 - 8, 'x')));
+    }
+    return m;
+  };
+  auto dropped_metric = [&]() -> int64_t {
+    auto page = testing::HttpGet(server_->metrics_address(), "/metrics");
+    if (!page.ok()) return -1;
+    for (absl::string_view line : absl::StrSplit(*page, '\n')) {
+      int64_t n = 0;
+      if (absl::ConsumePrefix(&line, "trainyard_node_log_lines_dropped_total ") &&
+          absl::SimpleAtoi(line, &n)) {
+        return n;
+      }
+    }
+    return -1;
+  };
+  // Sends `count` messages of 64 lines (1 MiB) while the thread is held at the first; returns the
+  // numbers of the lines kept, as the backlog's cap decides (the held one counts until handled).
+  auto flood = [&](int count, int64_t dropped_before, std::vector<int64_t>* kept) {
+    EXPECT_TRUE(ArmFailpoint("node-event", "pause"));
+    int64_t held = 0, dropped = dropped_before;
+    for (int i = 0; i < count; ++i) {
+      const int64_t first = next;
+      const v1::NodeMessage m = message(64);
+      const int64_t bytes = static_cast<int64_t>(m.ByteSizeLong());
+      if (held + bytes > coordinator::NodeBacklog::kMaxBytes) {
+        dropped += 64;
+      } else {
+        held += bytes;
+        for (int64_t n = first; n < next; ++n) kept->push_back(n);
+      }
+      EXPECT_TRUE(node_->Write(m));
+      if (i == 0) {
+        EXPECT_TRUE(AwaitFailpointPasses("node-event", 1, 20'000));
+      }
+    }
+    // Every message read once the metric counts what was dropped.
+    for (const absl::Time deadline = absl::Now() + absl::Seconds(60);
+         dropped_metric() != dropped;) {
+      if (absl::Now() > deadline) {
+        ADD_FAILURE() << "dropped " << dropped_metric() << " lines, not " << dropped;
+        break;
+      }
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    return dropped;
+  };
+  absl::Cleanup disarm = [] { DisarmFailpoint("node-event"); };
+  std::vector<int64_t> kept;
+  const int64_t first_drop = flood(48, 0, &kept);
+  ASSERT_GT(first_drop, 0);
+  ASSERT_GT(kept.size(), 0u);
+  DisarmFailpoint("node-event");
+  node_->Heartbeat();  // handled in order: the backlog is empty again
+  v1::NodeMessage after;
+  after.mutable_logs()->set_job_id(job.id());
+  after.mutable_logs()->set_attempt(job.attempt());
+  after.mutable_logs()->set_rank(0);
+  const int64_t after_line = next++;
+  after.mutable_logs()->add_seqs(after_line + 1);
+  after.mutable_logs()->add_lines("after the stall");
+  ASSERT_TRUE(node_->Write(after));
+  node_->Heartbeat();
+  client::YardClient yard(server_->address(), tokens_->User("alice"));
+  auto read = [&] {
+    std::vector<std::string> lines;  // numbered lines by their number, the rest whole
+    EXPECT_TRUE(yard.Logs(job.id(), /*follow=*/false, 0,
+                          [&](const v1::LogLine& line) {
+                            const std::string first = line.text().substr(0, line.text().find(' '));
+                            int64_t n = 0;
+                            lines.push_back(absl::SimpleAtoi(first, &n) ? first : line.text());
+                          })
+                    .ok());
+    return lines;
+  };
+  const std::string said =
+      " lines of this rank's output were dropped here: the coordinator was "
+      "behind on node n1's messages";
+  // The kept lines, each once, in order; what was dropped said; the line after the stall.
+  std::vector<std::string> want;
+  for (int64_t n : kept) want.push_back(absl::StrCat(n));
+  EXPECT_EQ(static_cast<int64_t>(kept.size()) + first_drop, after_line);
+  want.push_back(absl::StrCat("[trainyard] ", first_drop, said));
+  want.push_back("after the stall");
+  std::vector<std::string> lines = read();
+  ASSERT_EQ(lines.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) ASSERT_EQ(lines[i], want[i]) << "line " << i;
+
+  // Again, then the rank ends before another line of it is kept.
+  const size_t kept_first = kept.size();
+  const int64_t second_drop = flood(40, first_drop, &kept) - first_drop;
+  ASSERT_GT(kept.size(), kept_first);
+  ASSERT_GT(second_drop, 0);
+  DisarmFailpoint("node-event");
+  node_->ReportExit(a, 0, 0);
+  node_->Heartbeat();  // handled in order: the exit, and all before it
+
+  // The ended job keeps its newest lines (its stored logs are capped): the second flood's last
+  // kept line, then what it dropped said.
+  EXPECT_EQ(static_cast<int64_t>(kept.size()) + first_drop + second_drop + 1, next);
+  lines = read();
+  ASSERT_GE(lines.size(), 2u);
+  EXPECT_EQ(lines[lines.size() - 2], absl::StrCat(kept.back()));
+  EXPECT_EQ(lines.back(), absl::StrCat("[trainyard] ", second_drop, said));
 }
 
 // A user's uploads under way at once: 2 at most (each holds up to 80 MiB until it ends; a client

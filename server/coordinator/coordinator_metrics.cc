@@ -89,6 +89,13 @@ CoordinatorMetrics::CoordinatorMetrics()
                                   "it was handled (hellos, rank status, logs, heartbeat acks)")
                             .Register(*registry_)
                             .Add({}, LatencyBuckets())),
+      dropped_log_lines_(prometheus::BuildCounter()
+                             .Name("trainyard_node_log_lines_dropped_total")
+                             .Help("Log lines of nodes' ranks dropped while a node's messages "
+                                   "waiting on the node-events thread were at their cap (each "
+                                   "rank's log says how many)")
+                             .Register(*registry_)
+                             .Add({})),
       placements_(prometheus::BuildCounter()
                       .Name("trainyard_placements_total")
                       .Help("Job attempts placed on nodes, by kind (normal or backfill)")
@@ -357,6 +364,10 @@ void CoordinatorMetrics::ObserveSchedulingPass(double seconds) {
 
 void CoordinatorMetrics::ObserveNodeEventDelay(double seconds) {
   node_event_delay_.Observe(seconds);
+}
+
+void CoordinatorMetrics::ObserveDroppedLogLines(int64_t lines) {
+  dropped_log_lines_.Increment(static_cast<double>(lines));
 }
 
 void CoordinatorMetrics::ObserveStoreCommit(double seconds) { store_commit_.Observe(seconds); }

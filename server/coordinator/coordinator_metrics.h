@@ -49,6 +49,9 @@ class CoordinatorMetrics {
   // node-events thread before it was handled: the coordinator's own share of a heartbeat's round
   // trip.
   void ObserveNodeEventDelay(double seconds);
+  // Log lines of a node's ranks dropped while its messages waiting on that thread were at their
+  // cap (NodeBacklog, services.h).
+  void ObserveDroppedLogLines(int64_t lines);
   void ObserveStoreCommit(double seconds);
   void ObserveRpc(const std::string& method, const std::string& code, double seconds);
   // A running job's step: its training series, and its program's own metrics by name
@@ -91,6 +94,7 @@ class CoordinatorMetrics {
   prometheus::Histogram& queue_wait_;
   prometheus::Histogram& scheduling_pass_;
   prometheus::Histogram& node_event_delay_;
+  prometheus::Counter& dropped_log_lines_;
   prometheus::Family<prometheus::Counter>& placements_;
   prometheus::Counter& preemptions_;
   prometheus::Family<prometheus::Gauge>& nodes_;

@@ -2,6 +2,7 @@
 #include "server/coordinator/services.h"
 
 #include <algorithm>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -14,6 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "common/credentials.h"
+#include "common/failpoint.h"
 #include "common/grpc_status.h"
 #include "common/log_text.h"
 #include "common/placement.h"
@@ -25,6 +27,10 @@ namespace {
 // The longest reason an admin may give a cordon or drain (shown by yard nodes).
 constexpr size_t kMaxCordonReasonBytes = 1024;
 
+// The most ranks of a session whose dropped lines are counted one by one (LogLines names them: a
+// node could name any number); past it, only the total and the metric count them.
+constexpr size_t kMaxDroppedRanks = 4096;
+
 // The longest log line kept from a rank; longer ones are cut, saying how much was cut.
 constexpr size_t kMaxLogLineBytes = 16 * 1024;
 
@@ -35,12 +41,13 @@ class SessionReactor final
   // `token_node`: the node the caller's node token is bound to; hello must name it.
   SessionReactor(NodeRegistry& nodes, AttemptTracker& jobs, JobLogs& logs,
                  const IdentityRegistry& identities, std::string token_node, SerialExecutor& events,
-                 CoordinatorMetrics* metrics)
+                 NodeBacklog& backlog, CoordinatorMetrics* metrics)
       : nodes_(nodes),
         jobs_(jobs),
         logs_(logs),
         identities_(identities),
         events_(events),
+        backlog_(backlog),
         metrics_(metrics),
         token_node_(std::move(token_node)),
         sink_(std::make_shared<Sink>(this)) {
@@ -119,13 +126,24 @@ class SessionReactor final
         sink->Send(ack);
       });
     } else if (incoming_.has_rank_status()) {
-      Defer([&jobs = jobs_, node = node_id_, status = incoming_.rank_status()] {
-        jobs.OnRankStatus(node, status);
-      });
+      const v1::RankStatus& status = incoming_.rank_status();
+      if (status.phase() == v1::RANK_EXITED) {
+        // What was dropped of its output since its last kept lines, said before its end (the
+        // rank is the node's until then).
+        const RankKey key{status.job_id(), status.attempt(), status.rank()};
+        if (auto it = dropped_.find(key); it != dropped_.end()) {
+          v1::LogLines none;
+          none.set_job_id(status.job_id());
+          none.set_attempt(status.attempt());
+          none.set_rank(status.rank());
+          Defer([&jobs = jobs_, &logs = logs_, node = node_id_, in = std::move(none),
+                 dropped = it->second] { HandleLogs(jobs, logs, node, in, dropped); });
+          dropped_.erase(it);
+        }
+      }
+      Defer([&jobs = jobs_, node = node_id_, status] { jobs.OnRankStatus(node, status); });
     } else if (incoming_.has_logs()) {
-      Defer([&jobs = jobs_, &logs = logs_, node = node_id_, in = incoming_.logs()] {
-        HandleLogs(jobs, logs, node, in);
-      });
+      OnLogs();
     }
     StartRead(&incoming_);
   }
@@ -162,18 +180,63 @@ class SessionReactor final
     std::set<std::tuple<std::string, int32_t, int32_t>> sent ABSL_GUARDED_BY(mu);
   };
 
-  // Runs `task` on the node-events thread after what the node sent before, timing its wait.
-  void Defer(std::function<void()> task) {
-    events_.Post([metrics = metrics_, arrived = absl::Now(), task = std::move(task)] {
+  using RankKey = std::tuple<std::string, int32_t, int32_t>;  // job, attempt, rank
+
+  // Runs `task` on the node-events thread after what the node sent before, timing its wait, the
+  // message read last counted in the node's backlog until then. `droppable` (log lines): false,
+  // and nothing runs, when the node's backlog is full.
+  bool Defer(std::function<void()> task, bool droppable = false) {
+    const int64_t bytes = static_cast<int64_t>(incoming_.ByteSizeLong());
+    if (!backlog_.Add(node_id_, bytes, droppable)) return false;
+    events_.Post([metrics = metrics_, arrived = absl::Now(), task = std::move(task),
+                  &backlog = backlog_, node = node_id_, bytes] {
+      Failpoint("node-event");
       if (metrics != nullptr) {
         metrics->ObserveNodeEventDelay(absl::ToDoubleSeconds(absl::Now() - arrived));
       }
       task();
+      backlog.Remove(node, bytes);
     });
+    return true;
   }
 
+  // A node's log lines: handled after what it sent before, or, while its backlog is full, dropped
+  // and counted, their rank's next kept lines (or its end) saying how many.
+  void OnLogs() {
+    const v1::LogLines& in = incoming_.logs();
+    const RankKey key{in.job_id(), in.attempt(), in.rank()};
+    auto it = dropped_.find(key);
+    const int64_t before = it == dropped_.end() ? 0 : it->second;
+    if (Defer([&jobs = jobs_, &logs = logs_, node = node_id_, in,
+               before] { HandleLogs(jobs, logs, node, in, before); },
+              /*droppable=*/true)) {
+      if (it != dropped_.end()) dropped_.erase(it);
+      if (dropping_ && dropped_.empty()) {
+        spdlog::info("node {}: the coordinator caught up on its messages ({} log lines dropped)",
+                     node_id_, dropped_lines_);
+        dropping_ = false;
+      }
+      return;
+    }
+    if (it != dropped_.end()) {
+      it->second += in.lines_size();
+    } else if (dropped_.size() < kMaxDroppedRanks) {
+      dropped_.emplace(key, in.lines_size());
+    }
+    dropped_lines_ += in.lines_size();
+    if (metrics_ != nullptr) metrics_->ObserveDroppedLogLines(in.lines_size());
+    if (!dropping_) {
+      spdlog::warn(
+          "node {}: the coordinator is {} MiB behind on its messages: its ranks' log lines are "
+          "dropped until it catches up (each rank's log says how many)",
+          node_id_, NodeBacklog::kMaxBytes >> 20);
+      dropping_ = true;
+    }
+  }
+
+  // `dropped`: how many lines of the rank were dropped before these (NodeBacklog), said first.
   static void HandleLogs(AttemptTracker& jobs, JobLogs& logs, const std::string& node,
-                         const v1::LogLines& in) {
+                         const v1::LogLines& in, int64_t dropped = 0) {
     if (!jobs.RankRunsOn(node, in.job_id(), in.attempt(), in.rank())) {
       if (in.again()) return;  // an ended rank's lines, sent again on a new session
       // A node speaks only for the ranks it runs.
@@ -182,7 +245,16 @@ class SessionReactor final
       return;
     }
     std::vector<v1::LogLine> lines;
-    lines.reserve(in.lines_size());
+    lines.reserve(in.lines_size() + 1);
+    if (dropped > 0) {  // (unsequenced: always kept)
+      v1::LogLine& l = lines.emplace_back();
+      l.set_attempt(in.attempt());
+      l.set_rank(in.rank());
+      l.set_text(absl::StrCat("[trainyard] ", dropped,
+                              " lines of this rank's output were dropped here: the coordinator "
+                              "was behind on node ",
+                              node, "'s messages"));
+    }
     // (Seqs are the worker's word for which lines it sends again; a malformed list is ignored.)
     const bool sequenced = in.seqs_size() == in.lines_size();
     for (int i = 0; i < in.lines_size(); ++i) {
@@ -215,11 +287,16 @@ class SessionReactor final
   JobLogs& logs_;
   const IdentityRegistry& identities_;
   SerialExecutor& events_;
+  NodeBacklog& backlog_;
   CoordinatorMetrics* const metrics_;
   const std::string token_node_;
   std::shared_ptr<Sink> sink_;
   v1::NodeMessage incoming_;
   std::string node_id_;  // set by hello; only the reactor's own callbacks touch it
+  // Lines dropped (NodeBacklog) and not yet said, by rank; the session's total; whether it drops.
+  std::map<RankKey, int64_t> dropped_;
+  int64_t dropped_lines_ = 0;
+  bool dropping_ = false;
 };
 
 }  // namespace
@@ -292,8 +369,35 @@ grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage>* NodeServiceImp
     };
     return new Rejected(ToGrpcStatus(caller.status()));
   }
-  return new SessionReactor(nodes_, jobs_, logs_, identities_, caller->node, node_events_,
+  return new SessionReactor(nodes_, jobs_, logs_, identities_, caller->node, node_events_, backlog_,
                             metrics_);
+}
+
+// ---- NodeBacklog ----
+
+bool NodeBacklog::Add(const std::string& node, int64_t bytes, bool droppable) {
+  absl::MutexLock lock(&mu_);
+  int64_t& held = bytes_[node];
+  if (droppable && held + bytes > kMaxBytes) {
+    if (held == 0) bytes_.erase(node);
+    return false;
+  }
+  held += bytes;
+  return true;
+}
+
+void NodeBacklog::Remove(const std::string& node, int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  auto it = bytes_.find(node);
+  if (it == bytes_.end()) return;
+  it->second -= bytes;
+  if (it->second <= 0) bytes_.erase(it);
+}
+
+int64_t NodeBacklog::Bytes(const std::string& node) const {
+  absl::MutexLock lock(&mu_);
+  auto it = bytes_.find(node);
+  return it == bytes_.end() ? 0 : it->second;
 }
 
 grpc::ServerUnaryReactor* NodeServiceImpl::ListNodes(grpc::CallbackServerContext* ctx,

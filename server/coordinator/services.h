@@ -9,6 +9,12 @@
 #ifndef TRAINYARD_SERVER_COORDINATOR_SERVICES_H_
 #define TRAINYARD_SERVER_COORDINATOR_SERVICES_H_
 
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "server/coordinator/context_store.h"
 #include "server/coordinator/coordinator_metrics.h"
 #include "server/coordinator/identity.h"
@@ -122,6 +128,26 @@ class TrainerServiceImpl final : public v1::TrainerService::CallbackService {
   const std::string incarnation_;
 };
 
+// What each node's messages hold of the node-events thread's queue, in bytes: a node whose
+// messages come faster than they are handled (a store stalled by a failover, ranks printing at
+// GB/s) holds at most kMaxBytes of the coordinator's memory with its log lines, across its
+// sessions (a worker that reconnects while its older messages wait). Thread-safe.
+class NodeBacklog {
+ public:
+  // Counts `bytes` more of `node`'s; false, counting nothing, when `droppable` (log lines) and
+  // that would pass kMaxBytes. The rest (hellos, heartbeats, rank status: a few hundred bytes
+  // each) always count.
+  bool Add(const std::string& node, int64_t bytes, bool droppable);
+  // `bytes` of `node`'s handled.
+  void Remove(const std::string& node, int64_t bytes);
+  int64_t Bytes(const std::string& node) const;
+  static constexpr int64_t kMaxBytes = int64_t{32} << 20;
+
+ private:
+  mutable absl::Mutex mu_;
+  std::map<std::string, int64_t> bytes_ ABSL_GUARDED_BY(mu_);  // (none at 0)
+};
+
 class NodeServiceImpl final : public v1::NodeService::CallbackService {
  public:
   // `node_certificates`: node calls authenticate with a verified client certificate whose common
@@ -169,6 +195,7 @@ class NodeServiceImpl final : public v1::NodeService::CallbackService {
   ContextStore& contexts_;
   const absl::Duration heartbeat_interval_;
   CoordinatorMetrics* metrics_ = nullptr;
+  NodeBacklog backlog_;  // (before node_events_: its tasks count down here as it drains)
   // The sessions' work that may wait on the job manager, in arrival order (serial_executor.h).
   SerialExecutor node_events_{"ty-node-events"};
   const IdentityRegistry& identities_;
