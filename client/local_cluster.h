@@ -1,4 +1,4 @@
-// `yard local up|down|status`: a coordinator (and, once workers exist, worker daemons) started
+// `yard local up|down|status`: a coordinator and worker daemons (one unless told otherwise) started
 // in the background on loopback with a state directory, recorded in STATE_DIR/local.json so
 // that later `yard local` calls find, check and stop them. Single-threaded.
 #ifndef TRAINYARD_CLIENT_LOCAL_CLUSTER_H_
@@ -37,8 +37,10 @@ struct LocalCluster {
 struct LocalUpOptions {
   std::string state_dir;
   std::string listen = "127.0.0.1:7070";
-  std::string bin_dir;          // where trainyard-coordinator and trainyard-worker live
-  int workers = 0;              // worker daemons, named local-1, local-2, ...
+  std::string bin_dir;  // where trainyard-coordinator and trainyard-worker live
+  // Worker daemons, named local-1, local-2, ...: one by default, so that a job submitted to a new
+  // local cluster runs (with none it waited for good, as the coordinator alone has no devices).
+  int workers = 1;
   int slots_per_worker = 1;     // CPU slots (ranks) of each worker
   int threads_per_slot = 0;     // 0: this machine's cores / (workers * slots)
   int parameter_servers = 0;    // trainyard-ps shards, named local-ps-1, ... (offload jobs)

@@ -954,6 +954,7 @@ TEST(YardLocalTest, UpStatusDownLifecycle) {
     return YardAlone(argv);
   };
 
+  // By default a coordinator and one worker: a job submitted to a new local cluster runs.
   CommandResult up = local({"up", "--listen", "127.0.0.1:0", "-o", "json"});
   ASSERT_EQ(up.exit_code, 0) << up.err;
   json cluster = ParseJson(up.out);
@@ -962,7 +963,7 @@ TEST(YardLocalTest, UpStatusDownLifecycle) {
   ASSERT_THAT(address, StartsWith("127.0.0.1:"));
   EXPECT_NE(address, "127.0.0.1:0");
   EXPECT_EQ(cluster.value("state_dir", ""), state_dir);
-  ASSERT_EQ(cluster["processes"].size(), 1u) << up.out;
+  ASSERT_EQ(cluster["processes"].size(), 2u) << up.out;
   const json& coordinator = cluster["processes"][0];
   EXPECT_EQ(coordinator.value("name", ""), "coordinator");
   EXPECT_EQ(coordinator.value("address", ""), address);
@@ -970,6 +971,12 @@ TEST(YardLocalTest, UpStatusDownLifecycle) {
   const pid_t pid = coordinator.value("pid", 0);
   ASSERT_GT(pid, 0);
   EXPECT_TRUE(IsTrainyardProcess(pid));
+  const json& worker = cluster["processes"][1];
+  EXPECT_EQ(worker.value("name", ""), "worker local-1");
+  EXPECT_TRUE(worker.value("alive", false));
+  const pid_t worker_pid = worker.value("pid", 0);
+  ASSERT_GT(worker_pid, 0);
+  EXPECT_TRUE(IsTrainyardProcess(worker_pid));
 
   CommandResult ls = YardAlone({"--coordinator", address, "ls"});
   EXPECT_EQ(ls.exit_code, 0) << ls.err;
@@ -989,6 +996,8 @@ TEST(YardLocalTest, UpStatusDownLifecycle) {
   EXPECT_EQ(down.exit_code, 0) << down.err;
   EXPECT_EQ(down.out, "stopped\n");
   EXPECT_TRUE(WaitUntilGone(pid, absl::Seconds(10))) << "coordinator pid " << pid << " survived";
+  EXPECT_TRUE(WaitUntilGone(worker_pid, absl::Seconds(10)))
+      << "worker pid " << worker_pid << " survived";
 
   CommandResult after = local({"status"});
   ExpectOneLineFailure(after);
@@ -1013,7 +1022,8 @@ TEST(YardLocalTest, UpKeepsTheLoginItReplacesAndASecondClusterKeepsItToo) {
   for (const std::string state : {"a", "b"}) {
     const std::string state_dir = dir.path() + "/" + state;
     LocalClusterGuard guard(state_dir);
-    CommandResult up = yard({"local", "--state-dir", state_dir, "up", "--listen", "127.0.0.1:0"});
+    CommandResult up = yard(
+        {"local", "--state-dir", state_dir, "up", "--listen", "127.0.0.1:0", "--workers", "0"});
     ASSERT_EQ(up.exit_code, 0) << up.err;
     EXPECT_THAT(up.err, HasSubstr(state == "a" ? "kept as " + saved + ".bak"
                                                : "kept as " + saved + ".bak.2"));
@@ -1034,8 +1044,8 @@ TEST(YardLocalTest, StatusFailsWithOneLineReasonWhenTheCoordinatorDied) {
   TempDir dir;
   const std::string state_dir = dir.path() + "/local";
   LocalClusterGuard guard(state_dir);
-  CommandResult up =
-      YardAlone({"-o", "json", "local", "--state-dir", state_dir, "up", "--listen", "127.0.0.1:0"});
+  CommandResult up = YardAlone({"-o", "json", "local", "--state-dir", state_dir, "up", "--listen",
+                                "127.0.0.1:0", "--workers", "0"});
   ASSERT_EQ(up.exit_code, 0) << up.err;
   const json cluster = ParseJson(up.out);
   ASSERT_TRUE(cluster.is_object() && cluster.contains("processes")) << up.out;
@@ -1053,8 +1063,8 @@ TEST(YardLocalTest, StatusFailsWithOneLineReasonWhenTheCoordinatorDied) {
   // A dead cluster can be restarted after `down`.
   CommandResult down = YardAlone({"local", "--state-dir", state_dir, "down"});
   EXPECT_EQ(down.exit_code, 0) << down.err;
-  CommandResult restarted =
-      YardAlone({"local", "--state-dir", state_dir, "up", "--listen", "127.0.0.1:0"});
+  CommandResult restarted = YardAlone(
+      {"local", "--state-dir", state_dir, "up", "--listen", "127.0.0.1:0", "--workers", "0"});
   EXPECT_EQ(restarted.exit_code, 0) << restarted.err;
   EXPECT_THAT(restarted.out, HasSubstr("export TRAINYARD_COORDINATOR=127.0.0.1:"));
 }
@@ -1075,8 +1085,8 @@ TEST(YardLocalTest, JsonOutputStaysValidForStateDirsWithQuotes) {
   TempDir dir;
   const std::string state_dir = dir.path() + "/odd \"name\" \\ dir";
   LocalClusterGuard guard(state_dir);
-  CommandResult up =
-      YardAlone({"local", "--state-dir", state_dir, "up", "--listen", "127.0.0.1:0", "-o", "json"});
+  CommandResult up = YardAlone({"local", "--state-dir", state_dir, "up", "--listen", "127.0.0.1:0",
+                                "--workers", "0", "-o", "json"});
   ASSERT_EQ(up.exit_code, 0) << up.err;
   const json cluster = ParseJson(up.out);
   ASSERT_TRUE(cluster.is_object()) << up.out;
