@@ -66,7 +66,8 @@ void AddLocalVerbs(CLI::App& app, Cli& c) {
   up_options.save_token_to = DefaultTokenFile();
   local->add_option("--state-dir", up_options.state_dir, "state and logs of the local cluster")
       ->capture_default_str();
-  auto* up = local->add_subcommand("up", "start a coordinator in the background");
+  auto* up = local->add_subcommand(
+      "up", "start a coordinator and its workers (--workers, default 1) in the background");
   up->add_option("--listen", up_options.listen, "coordinator HOST:PORT")->capture_default_str();
   up->add_option("--workers", up_options.workers, "worker daemons to start")
       ->check(CLI::Range(0, 64))

@@ -126,8 +126,8 @@ inline bool FailpointFails(std::string_view name) {
     if (a.passes == a.exit_at) ::_exit(137);
     fails = a.passes == a.fail_at;
     sleep_ms = a.sleep_ms;
+    table.changed.notify_all();  // (a pass: AwaitFailpointPasses' waiters)
     if (a.pause) {
-      table.changed.notify_all();  // (a pass: FailpointPasses' waiters)
       table.changed.wait(lock, [&table, name] {
         auto armed = table.armed.find(name);
         return armed == table.armed.end() || !armed->second.pause;

@@ -130,6 +130,26 @@ TEST_F(AttemptFoldersTest, WhatIsLiveRecentAShepherdsOrUnknownStays) {
   EXPECT_FALSE(fs::exists(old));
   EXPECT_TRUE(fs::exists(work_dir_ + "/job-4/attempt-2"));
 
+  // The times of what a rank's owner owns (the work folder, the spec) do not count: set to a
+  // future date, they kept the worker's folder for good.
+  if (geteuid() == 0) {
+    const std::string pinned = MakeAttempt(work_dir_, "job-5", 1);
+    for (const auto& e : fs::recursive_directory_iterator(pinned + "/work")) {
+      ASSERT_EQ(lchown(e.path().c_str(), 65534, 65534), 0);
+    }
+    ASSERT_EQ(lchown((pinned + "/work").c_str(), 65534, 65534), 0);
+    ASSERT_EQ(lchown((pinned + "/spec.pb").c_str(), 65534, 65534), 0);
+    Age(pinned, absl::Hours(2));
+    const timespec later = absl::ToTimespec(absl::Now() + absl::Hours(24 * 365));
+    const timespec times[2] = {later, later};
+    for (const char* theirs : {"/work", "/spec.pb"}) {
+      ASSERT_EQ(utimensat(AT_FDCWD, (pinned + theirs).c_str(), times, AT_SYMLINK_NOFOLLOW), 0);
+    }
+    ASSERT_EQ(chmod(dir_.path().c_str(), 0755), 0);  // (nobody empties its work folder)
+    EXPECT_EQ(folders.RemoveExpired(), 1);
+    EXPECT_FALSE(fs::exists(pinned));
+  }
+
   live_.clear();
   AttemptFolderOptions kept = Options(absl::Hours(1));
   kept.keep = true;
@@ -153,6 +173,21 @@ TEST_F(AttemptFoldersTest, AnEndedAttemptsWorkAndErrorsGoSpecAndLogsStay) {
   EXPECT_TRUE(fs::exists(dir + "/spec.pb"));
   EXPECT_TRUE(fs::exists(dir + "/rank-0.log"));
   EXPECT_EQ(folders.RemoveExpired(), 0);  // (changed just now)
+  // A rank of it here again (a shepherd's socket: one a restarted worker is adopting, or
+  // if_idle says so) keeps it; its own end queues it again.
+  const std::string adopting = MakeAttempt(work_dir_, "job-1", 3);
+  std::ofstream(adopting + "/rank-1.sock") << "";
+  folders.Ended("job-1", 3, std::nullopt);
+  const std::string starting = MakeAttempt(work_dir_, "job-1", 4);
+  live_ = {{"job-1", 4}};
+  folders.Ended("job-1", 4, std::nullopt);
+  folders.Drain();
+  EXPECT_TRUE(fs::exists(adopting + "/work/out/deep/weights.bin"));
+  EXPECT_TRUE(fs::exists(starting + "/work/out/deep/weights.bin"));
+  fs::remove(adopting + "/rank-1.sock");
+  folders.Ended("job-1", 3, std::nullopt);
+  folders.Drain();
+  EXPECT_FALSE(fs::exists(adopting + "/work"));
   // Stopped (a worker that detaches), it removes nothing more.
   const std::string next = MakeAttempt(work_dir_, "job-1", 2);
   folders.Stop();

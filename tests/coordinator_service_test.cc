@@ -17,12 +17,14 @@
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/clock.h"
 #include "common/failpoint.h"
 #include "server/coordinator/coordinator_server.h"
 #include "server/coordinator/job_history.h"
 #include "server/coordinator/job_store.h"
+#include "server/coordinator/services.h"
 #include "tests/testing/coordinator_fixture.h"
 #include "tests/testing/grpc_probe.h"
 #include "tests/testing/node_session.h"
@@ -546,6 +548,71 @@ TEST_F(CoordinatorServiceTest, APlacementWhoseWriteFailedIsWrittenAgainThenAssig
   node->ReportExit(m.assignment(), 0, 0);
   node->ReportExit(m.assignment(), 1, 0);
   EXPECT_EQ(WaitForState(job.id(), v1::SUCCEEDED).state(), v1::SUCCEEDED);
+}
+
+// A node's backlog on the node-events thread: its log lines past its cap, or past all nodes', are
+// refused, never its other messages; what was dropped of a rank is the node's (a session that
+// ends does not lose it: the next one's lines of the rank say it), said once.
+TEST(NodeBacklogTest, CapsANodeAndAllAndKeepsWhatWasDroppedUntilSaid) {
+  NodeBacklog backlog;
+  const int64_t half = NodeBacklog::kMaxBytes / 2;
+  EXPECT_TRUE(backlog.Add("n1", half, /*droppable=*/true));
+  EXPECT_TRUE(backlog.Add("n1", half, true));
+  EXPECT_FALSE(backlog.Add("n1", 1, true));
+  EXPECT_TRUE(backlog.Add("n1", 100, /*droppable=*/false));
+  EXPECT_EQ(backlog.Bytes("n1"), NodeBacklog::kMaxBytes + 100);
+  const NodeBacklog::RankKey rank{"job-1", 1, 0};
+  backlog.Dropped("n1", rank, 5);
+  backlog.Dropped("n1", rank, 3);
+  EXPECT_EQ(backlog.TakeDropped("n2", rank), 0);
+  backlog.Remove("n1", half);
+  backlog.Remove("n1", half);
+  backlog.Remove("n1", 100);
+  EXPECT_EQ(backlog.Bytes("n1"), 0);
+  EXPECT_EQ(backlog.TakeDropped("n1", rank), 8);
+  EXPECT_EQ(backlog.TakeDropped("n1", rank), 0);
+  for (int64_t i = 0; i < NodeBacklog::kMaxTotalBytes / NodeBacklog::kMaxBytes; ++i) {
+    EXPECT_TRUE(backlog.Add(absl::StrCat("node-", i), NodeBacklog::kMaxBytes, true)) << i;
+  }
+  EXPECT_FALSE(backlog.Add("another", 1, true)) << "past all nodes' cap";
+  EXPECT_TRUE(backlog.Add("another", 1, false));
+  // A message's charge: its bytes and each line's own string.
+  v1::NodeMessage m;
+  m.mutable_logs()->add_lines("x");
+  m.mutable_logs()->add_lines("y");
+  EXPECT_EQ(NodeBacklog::Charge(m),
+            static_cast<int64_t>(m.ByteSizeLong()) + 2 * NodeBacklog::kLineCharge);
+}
+
+// A cancel stops the job's ranks once it is durable. The stop went out first: a coordinator that
+// restarted before the cancel's write landed still had the job running while its ranks had been
+// stopped (their node's hello then failed the attempt, and a job with restarts left ran again).
+// Here the cancel's write fails: no stop until the retry has written it.
+TEST_F(CoordinatorServiceTest, ACancelStopsTheRanksOnceItIsDurable) {
+  auto node = Connect("n1", 1);
+  const v1::Job job = MustSubmit(Spec(1, "job", /*max_restarts=*/2));
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  const v1::Assignment a = node->NextCommand().assignment();
+  ASSERT_TRUE(ArmFailpoint("store-commit", "fail@1"));  // the cancel's write
+  absl::Cleanup disarm = [] { DisarmFailpoint("store-commit"); };
+  absl::Notification answered;
+  absl::Status cancelled;
+  server_->jobs().Cancel(job.id(), "", [&](absl::StatusOr<v1::Job> r) {
+    cancelled = r.status();
+    answered.Notify();
+  });
+  ASSERT_TRUE(answered.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  EXPECT_FALSE(cancelled.ok());
+  node->Heartbeat();  // (what was sent to the node before its ack is read)
+  EXPECT_EQ(node->pending(), 0u) << "the ranks were stopped before the cancel was durable";
+  EXPECT_EQ(server_->jobs().RetryUnsaved(), 1);  // (as the ticker does)
+  const v1::CoordinatorMessage m = node->NextCommand();
+  ASSERT_TRUE(m.has_cancel()) << m.ShortDebugString();
+  EXPECT_EQ(m.cancel().job_id(), job.id());
+  EXPECT_EQ(m.cancel().attempt(), a.attempt());
+  auto stored = server_->jobs().ReadFromStore(job.id());
+  ASSERT_TRUE(stored.ok()) << stored.status();
+  EXPECT_EQ(stored->state(), v1::CANCELLED);
 }
 
 // A job's logs read while its end is being written come whole. The end's durable notice, arriving

@@ -916,7 +916,7 @@ TEST_F(HardeningTest, ANodesLogLinesPastItsBacklogAreDroppedAndTheRanksLogSaysHo
     for (int i = 0; i < count; ++i) {
       const int64_t first = next;
       const v1::NodeMessage m = message(64);
-      const int64_t bytes = static_cast<int64_t>(m.ByteSizeLong());
+      const int64_t bytes = coordinator::NodeBacklog::Charge(m);
       if (held + bytes > coordinator::NodeBacklog::kMaxBytes) {
         dropped += 64;
       } else {

@@ -25,6 +25,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
@@ -639,6 +640,34 @@ TEST_F(RankSupervisorTest, DetachingLeavesTheRunningRanksWorkFolders) {
   for (const absl::Time deadline = absl::Now() + absl::Seconds(30);
        std::filesystem::exists(dir_.path() + "/work/job-1/attempt-1/work");) {
     ASSERT_LT(absl::Now(), deadline) << "the adopted attempt's work folder stays";
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+}
+
+// A shepherd killed under its worker leaves its socket: the worker removes it with the rank's end
+// (a socket in an attempt's folder keeps the folder, as a shepherd's whose rank runs).
+TEST_F(RankSupervisorTest, AKilledShepherdsSocketGoesWithItsRank) {
+  supervisor_->Launch(AssignmentOf("job-1", 1, "hang"));
+  const std::string attempt = dir_.path() + "/work/job-1/attempt-1";
+  pid_t rank = 0;
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(30);
+       !(std::ifstream(attempt + "/work/pids-rank-0") >> rank);) {
+    ASSERT_LT(absl::Now(), deadline) << "the rank never started";
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  std::string stat;
+  ASSERT_TRUE(std::getline(std::ifstream(absl::StrCat("/proc/", rank, "/stat")), stat));
+  const std::vector<std::string> fields = absl::StrSplit(stat.substr(stat.rfind(')') + 2), ' ');
+  pid_t shepherd = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(fields.at(1), &shepherd));  // (state, ppid, ...)
+  ASSERT_GT(shepherd, 1);
+  ASSERT_TRUE(std::filesystem::exists(attempt + "/rank-0.sock"));
+  ASSERT_EQ(kill(shepherd, SIGKILL), 0);
+  ASSERT_TRUE(reports_.AwaitExit("job-1", 0));
+  EXPECT_THAT(reports_.ExitMessage("job-1", 0), ::testing::HasSubstr("shepherd ended"));
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(30);
+       std::filesystem::exists(attempt + "/rank-0.sock");) {
+    ASSERT_LT(absl::Now(), deadline) << "the dead shepherd's socket stays";
     absl::SleepFor(absl::Milliseconds(20));
   }
 }

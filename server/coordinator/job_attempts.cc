@@ -236,10 +236,12 @@ void JobManager::ReleaseAttempt(v1::Job& job, const std::string& reason) {
     for (const int device : p.device_indices()) {
       if (draining.count(device) == 0) devices_.Free(p.node_id(), device);
     }
-    if (!reason.empty()) nodes_.Send(p.node_id(), cancel);
+    if (!reason.empty()) stops_after_write_[job.id()].emplace_back(p.node_id(), cancel);
   }
   // Parameter servers free the attempt's shards (their memory is free here at once).
-  for (const v1::PsRange& r : job.ps_placement()) nodes_.Send(r.node_id(), cancel);
+  for (const v1::PsRange& r : job.ps_placement()) {
+    stops_after_write_[job.id()].emplace_back(r.node_id(), cancel);
+  }
   job.clear_ps_placement();
   rendezvous_.CloseScope({job.id(), job.attempt()});
   devices_.ForgetExited(job.id());
@@ -261,8 +263,21 @@ void JobManager::Preempted(v1::Job& job) {
                               : std::string("; no checkpoint yet: starts over")));
 }
 
-void JobManager::FailAttempt(v1::Job& job, const std::string& reason) {
+void JobManager::FailAttempt(v1::Job& job, const std::string& reason,
+                             const std::set<std::string>& lost) {
   ReleaseAttempt(job, reason);
+  if (auto stops = stops_after_write_.find(job.id());
+      !lost.empty() && stops != stops_after_write_.end()) {
+    auto& pending = stops->second;
+    for (auto it = pending.begin(); it != pending.end();) {
+      if (lost.count(it->first) == 0) {
+        ++it;
+        continue;
+      }
+      nodes_.Send(it->first, it->second);
+      it = pending.erase(it);
+    }
+  }
   if (job.restarts() < job.spec().max_restarts()) {
     job.set_restarts(job.restarts() + 1);
     job.clear_placement();
@@ -373,8 +388,10 @@ void JobManager::OnNodesLost(const std::vector<std::string>& node_ids) {
         lost_names.empty() ? absl::StrCat("parameter server ", lost_ps)
                            : absl::StrCat("node ", lost_names,
                                           lost_ps.empty() ? "" : " and parameter server ", lost_ps);
-    FailAttempt(job, absl::StrCat(what, " lost (no heartbeat for ",
-                                  absl::FormatDuration(nodes_.node_timeout()), ")"));
+    FailAttempt(job,
+                absl::StrCat(what, " lost (no heartbeat for ",
+                             absl::FormatDuration(nodes_.node_timeout()), ")"),
+                lost);
   }
 }
 

@@ -165,14 +165,25 @@ void JobManager::Persist(const v1::Job& job, std::function<void(absl::Status)> a
   // other ranks' exits) do not encode them again.
   const bool ends = ends_to_store_.erase(job.id()) > 0;
   if (ends && end_records_) batch.put_records = end_records_(job);
-  store_.Commit(std::move(batch), [this, job, ends, after = std::move(after)](absl::Status s) {
+  std::vector<std::pair<std::string, v1::CoordinatorMessage>> stops;
+  if (auto it = stops_after_write_.find(job.id()); it != stops_after_write_.end()) {
+    stops = std::move(it->second);
+    stops_after_write_.erase(it);
+  }
+  store_.Commit(std::move(batch), [this, job, ends, stops = std::move(stops),
+                                   after = std::move(after)](absl::Status s) {
     if (!s.ok()) {
       spdlog::error("store: writing job {} failed (written again shortly): {}", job.id(),
                     s.ToString());
       absl::MutexLock lock(&mu_);
       unsaved_.insert(job.id());
       if (ends) ends_to_store_.insert(job.id());  // (its logs and metrics go with the retry)
+      // (Its stops go with the retry too, before any released after them.)
+      auto& later = stops_after_write_[job.id()];
+      later.insert(later.begin(), stops.begin(), stops.end());
     } else {
+      // Its ranks are stopped once the job's state that no longer runs them is durable.
+      for (const auto& [node_id, stop] : stops) nodes_.Send(node_id, stop);
       NotifyWatchers(job);
     }
     if (after) after(s);

@@ -294,8 +294,8 @@ class JobManager final : public JobLifecycle,
   // fails leaves the job to RetryUnsaved.
   void Persist(const v1::Job& job, std::function<void(absl::Status)> after = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Frees the devices of the job's current attempt, closes its rendezvous scope and tells its
-  // nodes to stop its ranks (with `reason`, unless empty).
+  // Frees the devices of the job's current attempt and closes its rendezvous scope; its nodes are
+  // told to stop its ranks (with `reason`, unless empty) once the job's next Persist is durable.
   void ReleaseAttempt(v1::Job& job, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // SchedulePass's parts (job_manager.cc).
   void ExpireDraining(const std::vector<SchedulingNode>& nodes, absl::Time now)
@@ -315,7 +315,11 @@ class JobManager final : public JobLifecycle,
   // The attempt of a preempted job has ended (its ranks released): PREEMPTED, to be placed
   // again (no restart counted).
   void Preempted(v1::Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FailAttempt(v1::Job& job, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The job's attempt failed: RESTARTING (within max_restarts) or FAILED. `lost`: nodes declared
+  // lost, whose stops go at once, before their sessions close (the attempt is gone with them
+  // whatever is durable); the others' once the failure is.
+  void FailAttempt(v1::Job& job, const std::string& reason, const std::set<std::string>& lost = {})
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // (node id, assignment) for each node of the job's current placement.
   std::vector<std::pair<std::string, v1::Assignment>> AssignmentsOf(const v1::Job& job) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -413,6 +417,12 @@ class JobManager final : public JobLifecycle,
   std::set<std::string> ends_to_store_ ABSL_GUARDED_BY(mu_);
   // Jobs whose last write failed (Persist), for RetryUnsaved.
   std::set<std::string> unsaved_ ABSL_GUARDED_BY(mu_);
+  // The stops (node, message) of each job's released attempt, sent once the write that released
+  // it is durable: a coordinator that restarted before then had the job running still while its
+  // ranks had been stopped (their node's hello failed the attempt: a cancelled job with restarts
+  // left ran again).
+  std::map<std::string, std::vector<std::pair<std::string, v1::CoordinatorMessage>>>
+      stops_after_write_ ABSL_GUARDED_BY(mu_);
   // QUEUED jobs by owner, kept by Transition (max_queued_jobs without a scan per submit).
   std::map<std::string, int64_t> queued_by_owner_ ABSL_GUARDED_BY(mu_);
   int64_t pending_submits_ ABSL_GUARDED_BY(mu_) = 0;

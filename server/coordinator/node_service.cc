@@ -27,10 +27,6 @@ namespace {
 // The longest reason an admin may give a cordon or drain (shown by yard nodes).
 constexpr size_t kMaxCordonReasonBytes = 1024;
 
-// The most ranks of a session whose dropped lines are counted one by one (LogLines names them: a
-// node could name any number); past it, only the total and the metric count them.
-constexpr size_t kMaxDroppedRanks = 4096;
-
 // The longest log line kept from a rank; longer ones are cut, saying how much was cut.
 constexpr size_t kMaxLogLineBytes = 16 * 1024;
 
@@ -130,15 +126,16 @@ class SessionReactor final
       if (status.phase() == v1::RANK_EXITED) {
         // What was dropped of its output since its last kept lines, said before its end (the
         // rank is the node's until then).
-        const RankKey key{status.job_id(), status.attempt(), status.rank()};
-        if (auto it = dropped_.find(key); it != dropped_.end()) {
+        if (const int64_t dropped =
+                backlog_.TakeDropped(node_id_, {status.job_id(), status.attempt(), status.rank()});
+            dropped > 0) {
           v1::LogLines none;
           none.set_job_id(status.job_id());
           none.set_attempt(status.attempt());
           none.set_rank(status.rank());
-          Defer([&jobs = jobs_, &logs = logs_, node = node_id_, in = std::move(none),
-                 dropped = it->second] { HandleLogs(jobs, logs, node, in, dropped); });
-          dropped_.erase(it);
+          Post([&jobs = jobs_, &logs = logs_, node = node_id_, in = std::move(none),
+                dropped] { HandleLogs(jobs, logs, node, in, dropped); },
+               0);
         }
       }
       Defer([&jobs = jobs_, node = node_id_, status] { jobs.OnRankStatus(node, status); });
@@ -180,65 +177,52 @@ class SessionReactor final
     std::set<std::tuple<std::string, int32_t, int32_t>> sent ABSL_GUARDED_BY(mu);
   };
 
-  using RankKey = std::tuple<std::string, int32_t, int32_t>;  // job, attempt, rank
+  // Runs `task` on the node-events thread after what the node sent before, the message read last
+  // counted in the node's backlog until then.
+  void Defer(std::function<void()> task) {
+    const int64_t charge = NodeBacklog::Charge(incoming_);
+    backlog_.Add(node_id_, charge, /*droppable=*/false);
+    Post(std::move(task), charge);
+  }
 
-  // Runs `task` on the node-events thread after what the node sent before, timing its wait, the
-  // message read last counted in the node's backlog until then. `droppable` (log lines): false,
-  // and nothing runs, when the node's backlog is full.
-  bool Defer(std::function<void()> task, bool droppable = false) {
-    const int64_t bytes = static_cast<int64_t>(incoming_.ByteSizeLong());
-    if (!backlog_.Add(node_id_, bytes, droppable)) return false;
+  // Runs `task` on the node-events thread, timing its wait; `charge` of the node's backlog is
+  // given back once it has run.
+  void Post(std::function<void()> task, int64_t charge) {
     events_.Post([metrics = metrics_, arrived = absl::Now(), task = std::move(task),
-                  &backlog = backlog_, node = node_id_, bytes] {
+                  &backlog = backlog_, node = node_id_, charge] {
       Failpoint("node-event");
       if (metrics != nullptr) {
         metrics->ObserveNodeEventDelay(absl::ToDoubleSeconds(absl::Now() - arrived));
       }
       task();
-      backlog.Remove(node, bytes);
+      backlog.Remove(node, charge);
     });
-    return true;
   }
 
-  // A node's log lines: handled after what it sent before, or, while its backlog is full, dropped
+  // A node's log lines: handled after what it sent before or, while its backlog is full, dropped
   // and counted, their rank's next kept lines (or its end) saying how many.
   void OnLogs() {
     const v1::LogLines& in = incoming_.logs();
-    const RankKey key{in.job_id(), in.attempt(), in.rank()};
-    auto it = dropped_.find(key);
-    const int64_t before = it == dropped_.end() ? 0 : it->second;
-    if (Defer([&jobs = jobs_, &logs = logs_, node = node_id_, in,
-               before] { HandleLogs(jobs, logs, node, in, before); },
-              /*droppable=*/true)) {
-      if (it != dropped_.end()) dropped_.erase(it);
-      if (dropping_ && dropped_.empty()) {
-        spdlog::info("node {}: the coordinator caught up on its messages ({} log lines dropped)",
-                     node_id_, dropped_lines_);
-        dropping_ = false;
-      }
+    const NodeBacklog::RankKey key{in.job_id(), in.attempt(), in.rank()};
+    const int64_t charge = NodeBacklog::Charge(incoming_);
+    if (!backlog_.Add(node_id_, charge, /*droppable=*/true)) {
+      backlog_.Dropped(node_id_, key, in.lines_size());
+      if (metrics_ != nullptr) metrics_->ObserveDroppedLogLines(in.lines_size());
       return;
     }
-    if (it != dropped_.end()) {
-      it->second += in.lines_size();
-    } else if (dropped_.size() < kMaxDroppedRanks) {
-      dropped_.emplace(key, in.lines_size());
-    }
-    dropped_lines_ += in.lines_size();
-    if (metrics_ != nullptr) metrics_->ObserveDroppedLogLines(in.lines_size());
-    if (!dropping_) {
-      spdlog::warn(
-          "node {}: the coordinator is {} MiB behind on its messages: its ranks' log lines are "
-          "dropped until it catches up (each rank's log says how many)",
-          node_id_, NodeBacklog::kMaxBytes >> 20);
-      dropping_ = true;
-    }
+    Post([&jobs = jobs_, &logs = logs_, node = node_id_, in = std::move(*incoming_.mutable_logs()),
+          before =
+              backlog_.TakeDropped(node_id_, key)] { HandleLogs(jobs, logs, node, in, before); },
+         charge);
   }
 
   // `dropped`: how many lines of the rank were dropped before these (NodeBacklog), said first.
   static void HandleLogs(AttemptTracker& jobs, JobLogs& logs, const std::string& node,
                          const v1::LogLines& in, int64_t dropped = 0) {
     if (!jobs.RankRunsOn(node, in.job_id(), in.attempt(), in.rank())) {
-      if (in.again()) return;  // an ended rank's lines, sent again on a new session
+      // An ended rank's lines, sent again on a new session; the coordinator's own note of what
+      // was dropped of a rank no longer the node's.
+      if (in.again() || in.lines_size() == 0) return;
       // A node speaks only for the ranks it runs.
       spdlog::warn("audit: node {} sent lines of rank {} of {}, which it does not run: dropped",
                    node, in.rank(), Quoted(in.job_id()));
@@ -293,10 +277,6 @@ class SessionReactor final
   std::shared_ptr<Sink> sink_;
   v1::NodeMessage incoming_;
   std::string node_id_;  // set by hello; only the reactor's own callbacks touch it
-  // Lines dropped (NodeBacklog) and not yet said, by rank; the session's total; whether it drops.
-  std::map<RankKey, int64_t> dropped_;
-  int64_t dropped_lines_ = 0;
-  bool dropping_ = false;
 };
 
 }  // namespace
@@ -375,29 +355,72 @@ grpc::ServerBidiReactor<v1::NodeMessage, v1::CoordinatorMessage>* NodeServiceImp
 
 // ---- NodeBacklog ----
 
-bool NodeBacklog::Add(const std::string& node, int64_t bytes, bool droppable) {
+int64_t NodeBacklog::Charge(const v1::NodeMessage& message) {
+  return static_cast<int64_t>(message.ByteSizeLong()) +
+         (message.has_logs() ? kLineCharge * message.logs().lines_size() : 0);
+}
+
+bool NodeBacklog::Add(const std::string& node, int64_t charge, bool droppable) {
   absl::MutexLock lock(&mu_);
-  int64_t& held = bytes_[node];
-  if (droppable && held + bytes > kMaxBytes) {
-    if (held == 0) bytes_.erase(node);
+  Node& n = nodes_[node];
+  if (droppable && (n.bytes + charge > kMaxBytes || total_ + charge > kMaxTotalBytes)) {
+    if (n.bytes == 0 && n.dropped.empty() && n.episode == 0) nodes_.erase(node);
     return false;
   }
-  held += bytes;
+  n.bytes += charge;
+  total_ += charge;
   return true;
 }
 
-void NodeBacklog::Remove(const std::string& node, int64_t bytes) {
+void NodeBacklog::Remove(const std::string& node, int64_t charge) {
   absl::MutexLock lock(&mu_);
-  auto it = bytes_.find(node);
-  if (it == bytes_.end()) return;
-  it->second -= bytes;
-  if (it->second <= 0) bytes_.erase(it);
+  auto it = nodes_.find(node);
+  if (it == nodes_.end()) return;
+  Node& n = it->second;
+  n.bytes -= charge;
+  total_ -= charge;
+  // Caught up once half the cap is free again (not at each message handled while at the cap).
+  if (n.episode > 0 && n.bytes <= kMaxBytes / 2) {
+    spdlog::info("node {}: the coordinator caught up on its messages ({} log lines dropped)", node,
+                 n.episode);
+    n.episode = 0;
+  }
+  if (n.bytes <= 0 && n.dropped.empty() && n.episode == 0) nodes_.erase(it);
 }
 
 int64_t NodeBacklog::Bytes(const std::string& node) const {
   absl::MutexLock lock(&mu_);
-  auto it = bytes_.find(node);
-  return it == bytes_.end() ? 0 : it->second;
+  auto it = nodes_.find(node);
+  return it == nodes_.end() ? 0 : it->second.bytes;
+}
+
+void NodeBacklog::Dropped(const std::string& node, const RankKey& rank, int64_t lines) {
+  absl::MutexLock lock(&mu_);
+  Node& n = nodes_[node];
+  if (n.episode == 0) {
+    spdlog::warn(
+        "node {}: the coordinator is behind on its messages ({} MiB waiting; {} MiB of all "
+        "nodes'): its ranks' log lines are dropped until it catches up (each rank's log says "
+        "how many)",
+        node, n.bytes >> 20, total_ >> 20);
+  }
+  n.episode += lines;
+  if (auto it = n.dropped.find(rank); it != n.dropped.end()) {
+    it->second += lines;
+  } else if (n.dropped.size() < kMaxDroppedRanks) {
+    n.dropped.emplace(rank, lines);
+  }
+}
+
+int64_t NodeBacklog::TakeDropped(const std::string& node, const RankKey& rank) {
+  absl::MutexLock lock(&mu_);
+  auto it = nodes_.find(node);
+  if (it == nodes_.end()) return 0;
+  auto r = it->second.dropped.find(rank);
+  if (r == it->second.dropped.end()) return 0;
+  const int64_t lines = r->second;
+  it->second.dropped.erase(r);
+  return lines;
 }
 
 grpc::ServerUnaryReactor* NodeServiceImpl::ListNodes(grpc::CallbackServerContext* ctx,

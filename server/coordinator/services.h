@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <tuple>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -128,24 +129,45 @@ class TrainerServiceImpl final : public v1::TrainerService::CallbackService {
   const std::string incarnation_;
 };
 
-// What each node's messages hold of the node-events thread's queue, in bytes: a node whose
-// messages come faster than they are handled (a store stalled by a failover, ranks printing at
-// GB/s) holds at most kMaxBytes of the coordinator's memory with its log lines, across its
-// sessions (a worker that reconnects while its older messages wait). Thread-safe.
+// What each node's messages hold of the node-events thread's queue: a node whose messages come
+// faster than they are handled (a store stalled by a failover, ranks printing at GB/s) holds at
+// most kMaxBytes of the coordinator's memory with its log lines, across its sessions (a worker
+// reconnects while its older messages wait), and all nodes kMaxTotalBytes. Log lines past either
+// are dropped, counted by rank until the rank's next kept lines or its end say how many.
+// Thread-safe.
 class NodeBacklog {
  public:
-  // Counts `bytes` more of `node`'s; false, counting nothing, when `droppable` (log lines) and
-  // that would pass kMaxBytes. The rest (hellos, heartbeats, rank status: a few hundred bytes
-  // each) always count.
-  bool Add(const std::string& node, int64_t bytes, bool droppable);
-  // `bytes` of `node`'s handled.
-  void Remove(const std::string& node, int64_t bytes);
+  using RankKey = std::tuple<std::string, int32_t, int32_t>;  // job, attempt, rank
+
+  // What a message holds while it waits: its bytes, and each line's own string.
+  static int64_t Charge(const v1::NodeMessage& message);
+  // Counts `charge` more of `node`'s; false, counting nothing, when `droppable` (log lines) and
+  // that would pass a cap. The rest (hellos, heartbeats, rank status: a few hundred bytes each)
+  // always count.
+  bool Add(const std::string& node, int64_t charge, bool droppable);
+  // `charge` of `node`'s handled.
+  void Remove(const std::string& node, int64_t charge);
   int64_t Bytes(const std::string& node) const;
+  // `lines` of `rank` of `node`'s dropped (the first kMaxDroppedRanks ranks of a node counted
+  // each).
+  void Dropped(const std::string& node, const RankKey& rank, int64_t lines);
+  // How many lines of `rank` were dropped since this was last asked (0: none).
+  int64_t TakeDropped(const std::string& node, const RankKey& rank);
+
   static constexpr int64_t kMaxBytes = int64_t{32} << 20;
+  static constexpr int64_t kMaxTotalBytes = int64_t{512} << 20;
+  static constexpr int64_t kLineCharge = 64;  // a std::string and its allocation
+  static constexpr size_t kMaxDroppedRanks = 4096;
 
  private:
+  struct Node {
+    int64_t bytes = 0;
+    std::map<RankKey, int64_t> dropped;  // not yet said
+    int64_t episode = 0;                 // lines dropped since it began dropping; 0: it is not
+  };
   mutable absl::Mutex mu_;
-  std::map<std::string, int64_t> bytes_ ABSL_GUARDED_BY(mu_);  // (none at 0)
+  std::map<std::string, Node> nodes_ ABSL_GUARDED_BY(mu_);  // (none with nothing to keep)
+  int64_t total_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 class NodeServiceImpl final : public v1::NodeService::CallbackService {

@@ -37,6 +37,15 @@ std::vector<std::string> Names(const std::string& dir) {
   return names;
 }
 
+// Whether folder `dir` holds a shepherd's socket (rank-R.sock): its rank runs, or its exit waits
+// for a worker to collect it.
+bool HoldsShepherdSocket(const std::string& dir) {
+  for (const std::string& name : Names(dir)) {
+    if (absl::StartsWith(name, "rank-") && absl::EndsWith(name, ".sock")) return true;
+  }
+  return false;
+}
+
 // The account a folder belongs to, to empty it as: none when it is this process's own.
 std::optional<UnixAccount> OwnerOf(const struct stat& st) {
   if (st.st_uid == geteuid()) return std::nullopt;
@@ -71,6 +80,7 @@ void AttemptFolders::Drain() {
 }
 
 void AttemptFolders::Stop() {
+  stopping_ = true;  // (a scan under way ends at its next folder)
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;
@@ -97,9 +107,14 @@ void AttemptFolders::Loop() {
       mu_.Unlock();
       const std::string dir =
           absl::StrCat(options_.work_dir, "/", p.job_id, "/attempt-", p.attempt);
+      // A rank of it still here (one a restarted worker is adopting) keeps it; its own end
+      // queues the attempt again.
+      const bool idle = !HoldsShepherdSocket(dir) && if_idle_(p.job_id, p.attempt, nullptr);
       for (const std::string& folder : {dir + "/work", dir + "/errors"}) {
         struct stat st {};
-        if (lstat(folder.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) continue;
+        if (!idle || stopping_ || lstat(folder.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+          continue;
+        }
         EmptyAndRemove(folder, p.owner.has_value() ? &*p.owner : nullptr);
       }
       mu_.Lock();
@@ -132,6 +147,7 @@ int AttemptFolders::RemoveExpired() {
   absl::MutexLock scan(&scan_mu_);
   int removed = 0;
   for (const std::string& job_id : Names(options_.work_dir)) {
+    if (stopping_) break;
     const std::string job_dir = absl::StrCat(options_.work_dir, "/", job_id);
     struct stat job_st {};
     if (lstat(job_dir.c_str(), &job_st) != 0 || !S_ISDIR(job_st.st_mode) ||
@@ -140,6 +156,7 @@ int AttemptFolders::RemoveExpired() {
     }
     bool removed_here = false;
     for (const std::string& name : Names(job_dir)) {
+      if (stopping_) break;
       int attempt = 0;
       if (!absl::StartsWith(name, "attempt-") || !absl::SimpleAtoi(name.substr(8), &attempt) ||
           attempt <= 0) {
@@ -149,7 +166,9 @@ int AttemptFolders::RemoveExpired() {
       struct stat st {};
       if (lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != geteuid()) continue;
       if (!if_idle_(job_id, attempt, nullptr)) continue;
-      // What changed last in it: a log written, the work folder removed (the folder's own time).
+      // What changed last in it: a log written, the work folder removed (the folder's own
+      // time). Only what the worker owns counts: a rank's owner may set the times of theirs (the
+      // work folder, the spec) to any date, and keep the folder for good.
       absl::Time newest = ModifiedAt(st);
       bool removable = true;
       std::vector<std::string> files;
@@ -157,7 +176,7 @@ int AttemptFolders::RemoveExpired() {
       for (const std::string& entry : Names(dir)) {
         struct stat est {};
         if (lstat(absl::StrCat(dir, "/", entry).c_str(), &est) != 0) continue;
-        newest = std::max(newest, ModifiedAt(est));
+        if (est.st_uid == geteuid()) newest = std::max(newest, ModifiedAt(est));
         if (absl::EndsWith(entry, ".sock")) {
           removable = false;  // a shepherd's: its rank runs, or its exit waits for a worker
         } else if (S_ISDIR(est.st_mode)) {

@@ -14,6 +14,7 @@
 #ifndef TRAINYARD_WORKER_DAEMON_ATTEMPT_FOLDERS_H_
 #define TRAINYARD_WORKER_DAEMON_ATTEMPT_FOLDERS_H_
 
+#include <atomic>
 #include <deque>
 #include <functional>
 #include <optional>
@@ -54,7 +55,9 @@ class AttemptFolders {
   ~AttemptFolders();  // Stop()
 
   // Every rank of the attempt on this worker has ended: its work and errors folders are emptied
-  // as `owner` (none: this process's own account) and removed, soon, on this object's thread.
+  // as `owner` (none: this process's own account) and removed, soon, on this object's thread,
+  // unless by then a rank of it is here again (a shepherd's socket in its folder, or if_idle says
+  // so: ranks a restarted worker is still adopting), whose own end queues it again.
   void Ended(const std::string& job_id, int attempt, std::optional<UnixAccount> owner);
   // Removes now the folders of ended attempts unchanged for keep_ended_for (the thread does so
   // every keep_ended_for / 4, between a second and ten minutes): those with no live rank and no
@@ -63,8 +66,9 @@ class AttemptFolders {
   int RemoveExpired();
   // Waits until what Ended queued has been done (tests).
   void Drain();
-  // Drops what is queued, and waits for the thread to end; nothing is removed afterwards (a
-  // worker that detaches leaves its ranks' folders to the next one). Idempotent.
+  // Drops what is queued, and waits for the thread to end (a folder being emptied is finished, a
+  // scan under way ends there); nothing is removed afterwards (a worker that detaches leaves its
+  // ranks' folders to the next one). Idempotent.
   void Stop();
 
  private:
@@ -84,6 +88,7 @@ class AttemptFolders {
   std::deque<Pending> pending_ ABSL_GUARDED_BY(mu_);
   bool busy_ ABSL_GUARDED_BY(mu_) = false;  // an entry taken from pending_ is being done
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::atomic<bool> stopping_{false};  // stop_, for a scan under way without the lock
   std::thread thread_;
 };
 

@@ -1149,6 +1149,7 @@ void RankSupervisor::Exec(const v1::Assignment& a, const RankKey& key, int devic
   close(*listener);
   close(env_fd);
   if (pid < 0) {
+    unlink((prefix + ".sock").c_str());  // (a socket left there keeps the attempt's folder)
     ReportExit(key, 127, absl::StrCat("fork: ", strerror(fork_errno)));
     return;
   }
@@ -1156,6 +1157,7 @@ void RankSupervisor::Exec(const v1::Assignment& a, const RankKey& key, int devic
   auto conn = ConnectShepherdSocket(prefix + ".sock");
   if (!conn.ok()) {
     waitpid(pid, nullptr, 0);
+    unlink((prefix + ".sock").c_str());
     ReportExit(key, 127,
                absl::StrCat("the rank's shepherd did not start: ", conn.status().message()));
     return;
@@ -1257,6 +1259,13 @@ void RankSupervisor::Follow(RankKey key, int conn, pid_t shepherd, int64_t offse
   if (shepherd > 0) {  // this worker's child: it ends once the exit is collected
     while (!detached && waitpid(shepherd, nullptr, 0) < 0 && errno == EINTR) {
     }
+  }
+  if (!detached) {
+    // Its shepherd removes its socket as it ends; one that was killed (or did not start) leaves
+    // it, and a socket keeps the attempt's folder (attempt_folders.h).
+    unlink(
+        absl::StrCat(options_.work_dir, "/", job_id, "/attempt-", attempt, "/rank-", rank, ".sock")
+            .c_str());
   }
   absl::MutexLock lock(&mu_);
   if (!detached) ended_attempts_.emplace(job_id, attempt);
