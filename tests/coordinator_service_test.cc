@@ -605,9 +605,24 @@ TEST_F(CoordinatorServiceTest, ACancelStopsTheRanksOnceItIsDurable) {
   EXPECT_FALSE(cancelled.ok());
   node->Heartbeat();  // (what was sent to the node before its ack is read)
   EXPECT_EQ(node->pending(), 0u) << "the ranks were stopped before the cancel was durable";
+  // Nor does a rank's report hear "stop" (the trainer and the SDK exit when told).
+  auto report = [&](v1::TrainerCommands* commands) {
+    grpc::ClientContext ctx;
+    PrepareToken(ctx, tokens_->Job(job.id(), a.attempt()));
+    v1::StepReport r;
+    r.set_job_id(job.id());
+    r.set_attempt(a.attempt());
+    r.set_step(3);
+    return trainer_->ReportStep(&ctx, r, commands);
+  };
+  v1::TrainerCommands commands;
+  ASSERT_TRUE(report(&commands).ok());
+  EXPECT_FALSE(commands.stop_requested()) << "told to stop before the cancel was durable";
   EXPECT_EQ(server_->jobs().RetryUnsaved(), 1);  // (as the ticker does)
   const v1::CoordinatorMessage m = node->NextCommand();
   ASSERT_TRUE(m.has_cancel()) << m.ShortDebugString();
+  ASSERT_TRUE(report(&commands).ok());
+  EXPECT_TRUE(commands.stop_requested());
   EXPECT_EQ(m.cancel().job_id(), job.id());
   EXPECT_EQ(m.cancel().attempt(), a.attempt());
   auto stored = server_->jobs().ReadFromStore(job.id());

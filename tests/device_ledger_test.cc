@@ -111,6 +111,23 @@ TEST(DeviceLedgerTest, RanksOnANodeThatIsNotReachableDoNotExpire) {
   EXPECT_EQ(ledger.HeldCount("a"), 0);
 }
 
+// A rank not yet told to stop (its release's write is not durable, a store stalled past the
+// drain timeout) keeps its device past its deadline; once told, it expires as any.
+TEST(DeviceLedgerTest, ARankNotYetToldToStopDoesNotExpire) {
+  DeviceLedger ledger;
+  ASSERT_TRUE(ledger.Hold("a", 0));
+  const DeviceLedger::RankKey rank{"job-1", 1, 0};
+  ledger.Drain(rank, "a", 0, kT0);
+  auto reachable = [](const std::string&) { return true; };
+  bool told = false;
+  auto held = [&](const DeviceLedger::RankKey& key) { return key == rank && !told; };
+  EXPECT_THAT(ledger.Expire(kT0 + absl::Hours(1), reachable, held), IsEmpty());
+  EXPECT_EQ(ledger.HeldCount("a"), 1);
+  told = true;
+  EXPECT_EQ(ledger.Expire(kT0 + absl::Hours(1), reachable, held).size(), 1u);
+  EXPECT_EQ(ledger.HeldCount("a"), 0);
+}
+
 TEST(DeviceLedgerTest, MasterPortsAreTorchrunsFromTheFirstFreeOnePerNodeUntilNoneIsLeft) {
   DeviceLedger ledger;
   EXPECT_EQ(ledger.ReservePort("a"), 29500);

@@ -96,10 +96,11 @@ bool DeviceLedger::SettleNode(const std::string& node_id, const std::set<RankKey
 }
 
 std::vector<std::pair<DeviceLedger::RankKey, DeviceLedger::DrainingRank>> DeviceLedger::Expire(
-    absl::Time now, const std::function<bool(const std::string& node_id)>& reachable) {
+    absl::Time now, const std::function<bool(const std::string& node_id)>& reachable,
+    const std::function<bool(const RankKey& rank)>& held) {
   std::vector<std::pair<RankKey, DrainingRank>> expired;
   for (auto it = draining_.begin(); it != draining_.end();) {
-    if (it->second.deadline > now || !reachable(it->second.node_id)) {
+    if (it->second.deadline > now || !reachable(it->second.node_id) || (held && held(it->first))) {
       ++it;
       continue;
     }

@@ -60,9 +60,11 @@ class DeviceLedger {
   bool SettleNode(const std::string& node_id, const std::set<RankKey>& alive,
                   const std::function<absl::Time(const RankKey& rank)>& deadline_of);
   // Draining ranks past their deadline on nodes that `reachable` says are there (a node cut off
-  // may still run them; its hello settles them): their devices freed, and they are returned.
+  // may still run them; its hello settles them), but those `held` names (ranks not yet told to
+  // stop): their devices freed, and they are returned.
   std::vector<std::pair<RankKey, DrainingRank>> Expire(
-      absl::Time now, const std::function<bool(const std::string& node_id)>& reachable);
+      absl::Time now, const std::function<bool(const std::string& node_id)>& reachable,
+      const std::function<bool(const RankKey& rank)>& held = nullptr);
 
   // The ranks of a job's current attempt that have exited (all successfully, until one fails and
   // ends the attempt).

@@ -137,6 +137,8 @@ absl::StatusOr<v1::TrainerCommands> JobManager::OnStepReport(const v1::StepRepor
     const v1::Job* job = Find(report.job_id());
     if (job != nullptr && InStopGrace(*job, report.attempt(), report.rank())) {
       record = false;
+      // Its release not yet durable: going on until it is (its stop comes then).
+      if (!watchers_.IsDurable(job->id(), job->version())) return v1::TrainerCommands();
       return StopCommands();
     }
     return running.status();
@@ -167,10 +169,12 @@ absl::StatusOr<v1::TrainerCommands> JobManager::OnCheckpointReport(
     // reports checkpoints), so that describe shows it and a next attempt resumes from it.
     v1::Job* job = Find(report.job_id());
     if (job == nullptr || !InStopGrace(*job, report.attempt(), 0)) return running.status();
+    const bool released = watchers_.IsDurable(job->id(), job->version());
     RecordCheckpoint(*job, report);
     job->set_version(job->version() + 1);
     Persist(*job);
-    return StopCommands();
+    // (Its release not yet durable: going on until it is; its stop comes then.)
+    return released ? StopCommands() : v1::TrainerCommands();
   }
   v1::Job* job = *running;
   RecordCheckpoint(*job, report);

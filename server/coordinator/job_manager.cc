@@ -169,21 +169,40 @@ void JobManager::Persist(const v1::Job& job, std::function<void(absl::Status)> a
   if (auto it = stops_after_write_.find(job.id()); it != stops_after_write_.end()) {
     stops = std::move(it->second);
     stops_after_write_.erase(it);
+    ++stops_in_flight_[job.id()];
   }
   store_.Commit(std::move(batch), [this, job, ends, stops = std::move(stops),
                                    after = std::move(after)](absl::Status s) {
-    if (!s.ok()) {
-      spdlog::error("store: writing job {} failed (written again shortly): {}", job.id(),
-                    s.ToString());
+    std::vector<std::pair<std::string, v1::CoordinatorMessage>> send;
+    {
       absl::MutexLock lock(&mu_);
-      unsaved_.insert(job.id());
-      if (ends) ends_to_store_.insert(job.id());  // (its logs and metrics go with the retry)
-      // (Its stops go with the retry too, before any released after them.)
-      auto& later = stops_after_write_[job.id()];
-      later.insert(later.begin(), stops.begin(), stops.end());
-    } else {
+      if (!stops.empty()) {
+        auto in_flight = stops_in_flight_.find(job.id());
+        if (in_flight != stops_in_flight_.end() && --in_flight->second <= 0) {
+          stops_in_flight_.erase(in_flight);
+        }
+      }
+      if (!s.ok()) {
+        spdlog::error("store: writing job {} failed (written again shortly): {}", job.id(),
+                      s.ToString());
+        unsaved_.insert(job.id());
+        if (ends) ends_to_store_.insert(job.id());  // (its logs and metrics go with the retry)
+        // (Its stops go with the retry too, before any released after them.)
+        auto& later = stops_after_write_[job.id()];
+        later.insert(later.begin(), stops.begin(), stops.end());
+      } else {
+        send = stops;
+        // Those an earlier write of the job left when it failed: this later one holds their
+        // release too (a job's writes are durable in order).
+        if (auto left = stops_after_write_.find(job.id()); left != stops_after_write_.end()) {
+          send.insert(send.begin(), left->second.begin(), left->second.end());
+          stops_after_write_.erase(left);
+        }
+      }
+    }
+    if (s.ok()) {
       // Its ranks are stopped once the job's state that no longer runs them is durable.
-      for (const auto& [node_id, stop] : stops) nodes_.Send(node_id, stop);
+      for (const auto& [node_id, stop] : send) nodes_.Send(node_id, stop);
       NotifyWatchers(job);
     }
     if (after) after(s);

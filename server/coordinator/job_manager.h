@@ -423,6 +423,9 @@ class JobManager final : public JobLifecycle,
   // left ran again).
   std::map<std::string, std::vector<std::pair<std::string, v1::CoordinatorMessage>>>
       stops_after_write_ ABSL_GUARDED_BY(mu_);
+  // Writes under way that carry stops, by job: their ranks' drains do not expire meanwhile (the
+  // ranks have not been told yet; a store stalled past the drain timeout freed their devices).
+  std::map<std::string, int> stops_in_flight_ ABSL_GUARDED_BY(mu_);
   // QUEUED jobs by owner, kept by Transition (max_queued_jobs without a scan per submit).
   std::map<std::string, int64_t> queued_by_owner_ ABSL_GUARDED_BY(mu_);
   int64_t pending_submits_ ABSL_GUARDED_BY(mu_) = 0;

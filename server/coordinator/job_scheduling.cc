@@ -81,7 +81,12 @@ void JobManager::ExpireDraining(const std::vector<SchedulingNode>& nodes, absl::
     const SchedulingNode* on = FindNode(nodes, node_id);
     return on != nullptr && on->connected;
   };
-  for (const auto& [key, rank] : devices_.Expire(now, reachable)) {
+  // (A rank whose stop waits for its release's write has not been told to stop yet.)
+  auto held = [this](const DeviceLedger::RankKey& key) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    const std::string& job_id = std::get<0>(key);
+    return stops_after_write_.count(job_id) > 0 || stops_in_flight_.count(job_id) > 0;
+  };
+  for (const auto& [key, rank] : devices_.Expire(now, reachable, held)) {
     spdlog::warn("rank {} of {} attempt {} on node {} never reported its exit; device {} freed",
                  std::get<2>(key), std::get<0>(key), std::get<1>(key), rank.node_id, rank.device);
   }

@@ -379,8 +379,8 @@ void NodeBacklog::Remove(const std::string& node, int64_t charge) {
   Node& n = it->second;
   n.bytes -= charge;
   total_ -= charge;
-  // Caught up once half the cap is free again (not at each message handled while at the cap).
-  if (n.episode > 0 && n.bytes <= kMaxBytes / 2) {
+  // Caught up once half of both caps is free again (not at each message handled at a cap).
+  if (n.episode > 0 && n.bytes <= kMaxBytes / 2 && total_ <= kMaxTotalBytes / 2) {
     spdlog::info("node {}: the coordinator caught up on its messages ({} log lines dropped)", node,
                  n.episode);
     n.episode = 0;

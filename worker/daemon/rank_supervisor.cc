@@ -1260,9 +1260,10 @@ void RankSupervisor::Follow(RankKey key, int conn, pid_t shepherd, int64_t offse
     while (!detached && waitpid(shepherd, nullptr, 0) < 0 && errno == EINTR) {
     }
   }
-  if (!detached) {
+  if (!detached && (exit_code.has_value() || shepherd > 0)) {
     // Its shepherd removes its socket as it ends; one that was killed (or did not start) leaves
-    // it, and a socket keeps the attempt's folder (attempt_folders.h).
+    // it, and a socket keeps the attempt's folder (attempt_folders.h). (Not one that is alive
+    // but was taken by another worker on this folder: that one may adopt it.)
     unlink(
         absl::StrCat(options_.work_dir, "/", job_id, "/attempt-", attempt, "/rank-", rank, ".sock")
             .c_str());
