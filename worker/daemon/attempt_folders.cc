@@ -46,8 +46,9 @@ bool HoldsShepherdSocket(const std::string& dir) {
   return false;
 }
 
-// The account a folder belongs to, to empty it as: none when it is this process's own.
-std::optional<UnixAccount> OwnerOf(const struct stat& st) {
+}  // namespace
+
+std::optional<UnixAccount> FolderOwner(const struct stat& st) {
   if (st.st_uid == geteuid()) return std::nullopt;
   UnixAccount owner;
   owner.name = absl::StrCat("uid ", st.st_uid);
@@ -55,8 +56,6 @@ std::optional<UnixAccount> OwnerOf(const struct stat& st) {
   owner.gid = st.st_gid;
   return owner;
 }
-
-}  // namespace
 
 AttemptFolders::AttemptFolders(AttemptFolderOptions options, IfIdle if_idle)
     : options_(std::move(options)), if_idle_(std::move(if_idle)), thread_([this] { Loop(); }) {}
@@ -191,7 +190,7 @@ int AttemptFolders::RemoveExpired() {
       }
       if (!removable || absl::Now() - newest < options_.keep_ended_for) continue;
       for (const auto& [entry, est] : folders) {
-        const std::optional<UnixAccount> owner = OwnerOf(est);
+        const std::optional<UnixAccount> owner = FolderOwner(est);
         removable =
             EmptyAndRemove(absl::StrCat(dir, "/", entry), owner ? &*owner : nullptr) && removable;
       }

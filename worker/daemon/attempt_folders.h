@@ -14,6 +14,8 @@
 #ifndef TRAINYARD_WORKER_DAEMON_ATTEMPT_FOLDERS_H_
 #define TRAINYARD_WORKER_DAEMON_ATTEMPT_FOLDERS_H_
 
+#include <sys/stat.h>
+
 #include <atomic>
 #include <deque>
 #include <functional>
@@ -28,6 +30,10 @@
 #include "worker/daemon/run_as.h"
 
 namespace trainyard::worker {
+
+// The account to empty a folder with status `st` as: its owner's (uid and group; no name, no
+// other groups), or none when it is this process's own.
+std::optional<UnixAccount> FolderOwner(const struct stat& st);
 
 struct AttemptFolderOptions {
   std::string work_dir;

@@ -1302,13 +1302,8 @@ void RankSupervisor::RemoveEndedWork() {
     if (auto account = attempt_accounts_.find(*it); account != attempt_accounts_.end()) {
       owner = account->second;
       attempt_accounts_.erase(account);
-    } else if (struct stat st{}; lstat((dir + "/work").c_str(), &st) == 0 && S_ISDIR(st.st_mode) &&
-                                 st.st_uid != geteuid()) {
-      // An attempt adopted from an earlier worker: its folder's owner, whom it was given to.
-      owner.emplace();
-      owner->name = absl::StrCat("uid ", st.st_uid);
-      owner->uid = st.st_uid;
-      owner->gid = st.st_gid;
+    } else if (struct stat st{}; lstat((dir + "/work").c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
+      owner = FolderOwner(st);  // adopted from an earlier worker: whom the folder was given to
     }
     folders_->Ended(job_id, attempt, std::move(owner));
     it = ended_attempts_.erase(it);
