@@ -249,18 +249,25 @@ absl::Status YardClient::Logs(const std::string& job_id, bool follow, int tail,
   request.set_job_id(job_id);
   request.set_follow(follow);
   request.set_tail(tail);
-  // Across a failover the stream starts again at the new leader, from the first line it has:
-  // what was printed already is dropped by seq (per attempt and rank).
+  request.set_positions(tail > 0);
+  // Across a failover, or after falling behind, the stream starts again from the first line kept:
+  // what was printed already is dropped by seq (per attempt and rank), and so is what a tail left
+  // out, by the positions that came after it (each rank's last line kept when it opened).
   SeqFilter printed;
-  bool opened = false;
+  bool got =
+      false;  // a message came: a stream opened again resumes (one that failed first does not)
   return Stream<v1::LogLine>(
       follow ? absl::ZeroDuration() : absl::Seconds(60),
       [&](grpc::ClientContext* ctx) {
-        if (std::exchange(opened, true)) request.set_tail(0);  // resumed: from the first line
+        if (got) {  // resumed: from the first line
+          request.set_tail(0);
+          request.set_positions(false);
+        }
         return jobs_->StreamLogs(ctx, request);
       },
       [&](const v1::LogLine& line) {
-        if (printed.Take(line)) on_line(line);
+        got = true;
+        if (printed.Take(line) && !line.position()) on_line(line);
         return absl::OkStatus();
       },
       /*resume=*/true);

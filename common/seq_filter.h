@@ -33,8 +33,12 @@ class SeqFilter {
     return true;
   }
 
+  // (attempt, rank) -> the last seq taken.
+  using Last = std::map<std::pair<int32_t, int32_t>, int64_t>;
+  const Last& last() const { return last_; }
+
  private:
-  std::map<std::pair<int32_t, int32_t>, int64_t> last_;  // (attempt, rank) -> last seq taken
+  Last last_;
 };
 
 }  // namespace trainyard

@@ -760,6 +760,21 @@ TEST_F(CoordinatorServiceTest, JobsArePlacedByTheirRanksCpusAndMemoryAndRefusedW
   ASSERT_TRUE(Get(b.id(), &got).ok());
   EXPECT_EQ(got.state(), v1::QUEUED);
   EXPECT_THAT(got.why_waiting(), HasSubstr("waiting for 2 free devices (with the CPUs and memory"));
+  // A list says why too when asked (the web console's sharing page), for waiting jobs only, and
+  // for a page of at most 200.
+  v1::ListJobsRequest list;
+  list.set_why_waiting(true);
+  const v1::ListJobsResponse listed = List(list);
+  ASSERT_EQ(listed.jobs_size(), 2);
+  EXPECT_EQ(listed.jobs(0).id(), b.id());
+  EXPECT_EQ(listed.jobs(0).why_waiting(), got.why_waiting());
+  EXPECT_EQ(listed.jobs(1).why_waiting(), "");
+  EXPECT_EQ(List(v1::ListJobsRequest()).jobs(0).why_waiting(), "") << "not asked";
+  list.set_page_size(201);
+  grpc::Status refused;
+  List(list, &refused);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(refused.error_message(), "page_size: at most 200 with why_waiting, got 201");
   const v1::Node node = Node("n1");
   EXPECT_EQ(node.host().memory_bytes(), 16 * gib);
   EXPECT_EQ(node.host().cgroups(), "cgroup v1 (memory, cpu, pids, freezer)");

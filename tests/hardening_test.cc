@@ -12,6 +12,7 @@
 #include <spdlog/spdlog.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -24,6 +25,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -871,6 +873,83 @@ TEST_F(HardeningTest, AFollowerThatFellBehindReadsAgainAndMissesNothing) {
   EXPECT_TRUE(followed.ok()) << followed;
   ASSERT_EQ(lines.size(), 2400u);
   for (int i = 0; i < 2400; ++i) ASSERT_EQ(lines[i], absl::StrCat(i)) << "line " << i;
+}
+
+// `yard logs -f --tail N` that falls behind reads the stream again from the first line kept, and
+// prints only what came after what it printed: none of the lines the tail left out. (A rank with
+// no line in the printed tail, here rank 1, printed its whole kept history again.)
+TEST_F(HardeningTest, AFollowerOfATailThatFellBehindPrintsNoLineTheTailLeftOut) {
+  node_ = testing::NodeSession::Connect(channel_, tokens_->Node("n1"), "n1", 2);
+  v1::Job job;
+  ASSERT_TRUE(Submit(tokens_->User("alice"), testing::TinySpec("tail", 2), &job).ok());
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  ASSERT_EQ(server_->jobs().Get(job.id())->state(), v1::RUNNING);
+  const int32_t attempt = server_->jobs().Get(job.id())->attempt();
+  int64_t next[2] = {0, 0};  // each rank's next line number
+  // `count` lines of `bytes` each for `rank`, with their seqs, as a worker sends them.
+  auto send = [&](int32_t rank, int count, size_t bytes) {
+    v1::NodeMessage message;
+    auto* l = message.mutable_logs();
+    l->set_job_id(job.id());
+    l->set_attempt(attempt);
+    l->set_rank(rank);
+    for (int i = 0; i < count; ++i, ++next[rank]) {
+      l->add_seqs(next[rank] * (16 * 1024 + 1) + 1);
+      std::string text = absl::StrCat(rank, ":", next[rank]);
+      if (text.size() < bytes) text += std::string(bytes - text.size(), ' ');
+      l->add_lines(std::move(text));
+    }
+    return node_->Write(message);
+  };
+  ASSERT_TRUE(send(1, 5, 8));   // rank 1's history, which the tail leaves out
+  ASSERT_TRUE(send(0, 20, 8));  // the tail is rank 0's last 10
+  node_->Heartbeat();           // processed in order: every line is in before the ack
+  absl::Mutex mu;
+  std::vector<std::string> lines;
+  bool released = false;
+  absl::Status followed;
+  client::YardClient yard(server_->address(), tokens_->User("alice"));
+  std::thread follower([&] {
+    followed = yard.Logs(job.id(), /*follow=*/true, /*tail=*/10, [&](const v1::LogLine& line) {
+      absl::MutexLock lock(&mu);
+      lines.emplace_back(absl::StripTrailingAsciiWhitespace(line.text()));
+      mu.Await(absl::Condition(&released));  // stalls at its first line until all is sent
+    });
+  });
+  {
+    absl::MutexLock lock(&mu);
+    auto first = [&] { return !lines.empty(); };
+    // (No ASSERT until the follower is joined: it ends once the job does.)
+    EXPECT_TRUE(mu.AwaitWithTimeout(absl::Condition(&first), absl::Seconds(20)));
+  }
+  // 38 MiB of rank 0's lines: more than the stream may hold for a reader that reads nothing.
+  for (int m = 0; m < 12; ++m) EXPECT_TRUE(send(0, 200, 16 * 1024));
+  EXPECT_TRUE(send(1, 3, 8));
+  node_->Heartbeat();
+  std::vector<std::string> expected;
+  for (int i = 10; i < 20 + 12 * 200; ++i) expected.push_back(absl::StrCat("0:", i));
+  for (int i = 5; i < 8; ++i) expected.push_back(absl::StrCat("1:", i));
+  {
+    absl::MutexLock lock(&mu);
+    released = true;
+    auto all = [&] { return lines.size() >= expected.size(); };
+    EXPECT_TRUE(mu.AwaitWithTimeout(absl::Condition(&all), absl::Seconds(60))) << lines.size();
+  }
+  const v1::Assignment a = node_->NextCommand().assignment();
+  node_->ReportExit(a, 0, 0);
+  node_->ReportExit(a, 1, 0);
+  follower.join();
+  EXPECT_TRUE(followed.ok()) << followed;
+  // Rank 0's lines in order, rank 1's after its last one printed: the same lines, each once.
+  std::vector<std::string> rank0;
+  for (const std::string& line : lines) {
+    if (absl::StartsWith(line, "0:")) rank0.push_back(line);
+  }
+  EXPECT_EQ(rank0, std::vector<std::string>(expected.begin(), expected.end() - 3));
+  std::vector<std::string> sorted = lines, want = expected;
+  std::sort(sorted.begin(), sorted.end());
+  std::sort(want.begin(), want.end());
+  EXPECT_EQ(sorted, want);
 }
 
 // A node's messages waiting on the coordinator's node-events thread hold at most

@@ -226,16 +226,21 @@ class JobHistoryTest : public testing::CoordinatorFixture {
     return out;
   }
 
-  std::vector<std::string> Logs(const std::string& id, int tail = 0) {
+  // "rank:text" for each line; "rank@seq" for each position (StreamLogsRequest.positions).
+  std::vector<std::string> Logs(const std::string& id, int tail = 0, bool positions = false) {
     grpc::ClientContext ctx;
     Prepare(ctx);
     v1::StreamLogsRequest r;
     r.set_job_id(id);
     r.set_tail(tail);
+    r.set_positions(positions);
     auto reader = jobs_->StreamLogs(&ctx, r);
     std::vector<std::string> out;
     v1::LogLine line;
-    while (reader->Read(&line)) out.push_back(absl::StrCat(line.rank(), ":", line.text()));
+    while (reader->Read(&line)) {
+      out.push_back(line.position() ? absl::StrCat(line.rank(), "@", line.seq())
+                                    : absl::StrCat(line.rank(), ":", line.text()));
+    }
     grpc::Status s = reader->Finish();
     EXPECT_TRUE(s.ok()) << s.error_message();
     return out;
@@ -255,7 +260,8 @@ class JobHistoryTest : public testing::CoordinatorFixture {
     return StepsOf(out);
   }
 
-  // Runs `job` (one rank) on `node` to success: two log lines and three step reports.
+  // Runs `job` (one rank) on `node` to success: two log lines (seqs 1 and 100) and three step
+  // reports.
   void RunToSuccess(testing::NodeSession& node, const v1::Job& job) {
     ASSERT_EQ(server_->jobs().SchedulePass(), 1);
     const v1::Assignment a = node.NextCommand().assignment();
@@ -264,7 +270,9 @@ class JobHistoryTest : public testing::CoordinatorFixture {
     m.mutable_logs()->set_job_id(job.id());
     m.mutable_logs()->set_attempt(1);
     m.mutable_logs()->add_lines("starting " + job.id());
+    m.mutable_logs()->add_seqs(1);
     m.mutable_logs()->add_lines("done " + job.id());
+    m.mutable_logs()->add_seqs(100);
     ASSERT_TRUE(node.Write(m));
     for (int64_t step = 1; step <= 3; ++step) {
       grpc::ClientContext ctx;
@@ -310,6 +318,11 @@ TEST_F(JobHistoryTest, AnEvictedJobIsStillListedDescribedWatchedAndItsLogsAndMet
   const v1::Job waiting = Submit("waiting", 2);  // never fits the node: stays QUEUED
   v1::Job before;
   ASSERT_TRUE(Get(done.id(), &before).ok());
+  // Each rank's position, then the tail: where a reader that reads again goes on from (the seq
+  // before the rank's first line in the tail).
+  EXPECT_THAT(Logs(done.id(), 1, /*positions=*/true), ElementsAre("0@99", "0:done job-1"));
+  EXPECT_THAT(Logs(done.id(), 0, /*positions=*/true),
+              ElementsAre("0:starting job-1", "0:done job-1"));
 
   // Within the retention nothing leaves.
   clock_.Advance(absl::Minutes(4));
@@ -345,6 +358,7 @@ TEST_F(JobHistoryTest, AnEvictedJobIsStillListedDescribedWatchedAndItsLogsAndMet
   // Its logs (all, and a tail) and metrics, from the store.
   EXPECT_THAT(Logs(done.id()), ElementsAre("0:starting job-1", "0:done job-1"));
   EXPECT_THAT(Logs(done.id(), 1), ElementsAre("0:done job-1"));
+  EXPECT_THAT(Logs(done.id(), 1, /*positions=*/true), ElementsAre("0@99", "0:done job-1"));
   EXPECT_THAT(Metrics(done.id()), ElementsAre(1, 2, 3));
   EXPECT_THAT(Logs(cancelled.id()), ElementsAre());
 

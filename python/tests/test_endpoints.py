@@ -78,8 +78,8 @@ def test_the_client_refuses_to_send_its_token_in_clear_to_another_host(monkeypat
 
 
 class _Line:
-    def __init__(self, seq, attempt=1, rank=0):
-        self.seq, self.attempt, self.rank = seq, attempt, rank
+    def __init__(self, seq, attempt=1, rank=0, position=False):
+        self.seq, self.attempt, self.rank, self.position = seq, attempt, rank, position
 
 
 class _Call:
@@ -143,6 +143,23 @@ def test_a_stream_ended_for_falling_behind_is_read_again_each_line_once():
     stub = FollowingStub(Endpoints("a:1"), _stub_class([_Call([_Line(1)], capped)], []))
     with pytest.raises(grpc.RpcError):
         list(stub.stream("StreamLogs", "first", seen=_Seen()))
+
+
+def test_a_tailed_stream_read_again_yields_no_line_the_tail_left_out():
+    from trainyard._channel import FollowingStub
+    from trainyard._client import _Seen
+
+    # Each rank's position (where what the tail left out ends: rank 0's first two lines, rank 1's
+    # two), then the tail (rank 0's last two lines). Read again from the first line after a
+    # failover, only what came since (rank 0's 5, rank 1's 3) is new.
+    first = [_Line(2, position=True), _Line(2, rank=1, position=True), _Line(3), _Line(4)]
+    again = [_Line(1, rank=1), _Line(1), _Line(2), _Line(2, rank=1), _Line(3), _Line(4),
+             _Line(5), _Line(3, rank=1)]
+    calls = [_Call(first, Error(grpc.StatusCode.UNAVAILABLE)), _Call(again)]
+    stub = FollowingStub(Endpoints("a:1,b:2"), _stub_class(calls, []))
+    got = [(line.rank, line.seq) for line in
+           stub.stream("StreamLogs", "first", seen=_Seen(), resume_request="again")]
+    assert got == [(0, 3), (0, 4), (0, 5), (1, 3)]
 
 
 def test_a_stream_without_a_way_to_drop_copies_fails_where_it_broke():

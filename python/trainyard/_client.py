@@ -26,7 +26,9 @@ class JobFailed(Exception):
 
 class _Seen:
     """Whether a log line or step report was yielded already, by its seq per attempt and rank
-    (the stream starts again from the first after a failover); unsequenced ones never were."""
+    (the stream starts again from the first after a failover); unsequenced ones never were. A
+    log position (after a tail: a rank's last line kept when the stream opened) is never yielded:
+    it marks the lines the tail left out as seen."""
 
     def __init__(self):
         self._last = {}
@@ -38,7 +40,7 @@ class _Seen:
         if message.seq <= self._last.get(key, 0):
             return True
         self._last[key] = message.seq
-        return False
+        return getattr(message, "position", False)
 
 
 def _read_secret_file(path):
@@ -314,11 +316,12 @@ class Client:
     def logs(self, job_id, follow=False, tail=0, timeout=None):
         """The job's log lines (LogLine: attempt, rank, text, seq), oldest first; with `follow`,
         until the job ends (or `timeout` seconds: grpc.RpcError DEADLINE_EXCEEDED). Across a
-        failover it goes on at the new leader, each line once."""
+        failover it goes on at the new leader, each line once (with a `tail`, none it left out)."""
         from trainyard.v1 import job_pb2
 
         job_id = normalize_job_id(job_id)
-        request = job_pb2.StreamLogsRequest(job_id=job_id, follow=follow, tail=tail)
+        request = job_pb2.StreamLogsRequest(job_id=job_id, follow=follow, tail=tail,
+                                            positions=tail > 0)
         yield from self._jobs.stream(
             "StreamLogs", request, seen=_Seen(),
             resume_request=job_pb2.StreamLogsRequest(job_id=job_id, follow=follow),

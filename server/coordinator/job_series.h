@@ -16,6 +16,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -25,6 +26,22 @@
 #include "common/seq_filter.h"
 
 namespace trainyard::coordinator {
+
+// Where the records a tail left out end, for each attempt and rank of `records` (oldest first)
+// whose first `skip` the tail leaves out: the seq before the rank's first record in the tail, or,
+// for a rank with none there, `last`'s (its last record kept). What StreamLogsRequest.positions
+// sends: a reader that takes these first, then the tail, then (read again) every record, takes
+// each record past the tail once and none the tail left out.
+template <typename Records>
+SeqFilter::Last TailPositions(const Records& records, size_t skip, SeqFilter::Last last) {
+  std::set<std::pair<int32_t, int32_t>> in_tail;
+  for (size_t i = skip; i < records.size(); ++i) {
+    const auto& r = records[i];
+    if (r.seq() <= 0 || !in_tail.insert({r.attempt(), r.rank()}).second) continue;
+    last[{r.attempt(), r.rank()}] = r.seq() - 1;  // (the first of its in the tail)
+  }
+  return last;
+}
 
 template <typename T>
 class JobSeries {
@@ -72,13 +89,16 @@ class JobSeries {
 
   // Returns a handle for Unsubscribe. `on_records` gets the kept records first (the last `tail`
   // of them, or all for tail 0; called here, under the lock, so that no append can be delivered
-  // before them), then every later append. `kept` (if not null) says how many were kept.
+  // before them), then every later append. `kept` (if not null) says how many were kept;
+  // `on_positions` (if given) gets their TailPositions before them.
   int64_t Subscribe(const std::string& job_id, size_t tail, Callback on_records,
-                    size_t* kept = nullptr) {
+                    size_t* kept = nullptr,
+                    const std::function<void(const SeqFilter::Last&)>& on_positions = nullptr) {
     absl::MutexLock lock(&mu_);
     Series& s = series_[job_id];
     const size_t skip = tail == 0 || tail >= s.records.size() ? 0 : s.records.size() - tail;
     if (kept != nullptr) *kept = s.records.size();
+    if (on_positions) on_positions(TailPositions(s.records, skip, s.seqs.last()));
     on_records(std::vector<T>(s.records.begin() + skip, s.records.end()));
     const int64_t handle = next_handle_++;
     s.subscribers[handle] = std::make_shared<Callback>(std::move(on_records));

@@ -8,12 +8,14 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "common/context_archive.h"
 #include "common/failpoint.h"
 #include "common/grpc_status.h"
 #include "common/log_text.h"
+#include "common/seq_filter.h"
 #include "common/signal_names.h"
 #include "common/status_macros.h"
 #include "server/coordinator/job_state.h"
@@ -23,6 +25,8 @@ namespace {
 
 // The largest cancel reason kept (it becomes the job's message).
 constexpr size_t kMaxReasonBytes = 1024;
+// The largest ListJobs page with why_waiting.
+constexpr int kMaxWhyWaitingPage = 200;
 // How far a stream's reader may fall behind what follows (beyond what was kept when it opened)
 // before the stream ends, RESOURCE_EXHAUSTED: a reader that reads nothing held it all.
 constexpr size_t kMaxStreamBacklogBytes = size_t{16} << 20;
@@ -117,7 +121,8 @@ class SeriesReactor final : public grpc::ServerWriteReactor<T> {
 
  public:
   SeriesReactor(JobLifecycle& jobs, JobSeries<T>& series, const std::string& job_id, size_t tail,
-                bool follow, std::function<absl::StatusOr<std::vector<T>>()> persisted,
+                bool follow, bool positions,
+                std::function<absl::StatusOr<std::vector<T>>()> persisted,
                 std::shared_ptr<void> slot)
       : jobs_(jobs),
         series_(series),
@@ -143,12 +148,31 @@ class SeriesReactor final : public grpc::ServerWriteReactor<T> {
     Failpoint("series-replay");  // (tests: the end's notice while the records are queued)
     // The kept records, then every later one, in order.
     size_t kept = 0;
+    // With a tail, where what it leaves out ends, before it (StreamLogsRequest.positions): so that
+    // they reach the reader before the tail does (a reader that falls behind loses what is still
+    // queued, and reads again from the first line).
+    std::function<void(const SeqFilter::Last&)> push_positions;
+    if constexpr (std::is_same_v<T, v1::LogLine>) {
+      if (positions && tail > 0) {
+        push_positions = [queue = queue_](const SeqFilter::Last& last) {
+          for (const auto& [key, seq] : last) {
+            if (seq <= 0) continue;  // (nothing before it)
+            v1::LogLine position;
+            position.set_attempt(key.first);
+            position.set_rank(key.second);
+            position.set_seq(seq);
+            position.set_position(true);
+            queue->Push(position);
+          }
+        };
+      }
+    }
     subscription_ = series_.Subscribe(
         job_id, tail,
         [queue = queue_](const std::vector<T>& records) {
           for (const T& r : records) queue->Push(r);
         },
-        &kept);
+        &kept, push_positions);
     // Memory forgets a job before its records: no records and no job means they are in the store.
     if (kept == 0 && IsTerminal(current.state()) && !jobs_.IsResident(job_id)) {
       absl::StatusOr<std::vector<T>> records = persisted();
@@ -157,6 +181,11 @@ class SeriesReactor final : public grpc::ServerWriteReactor<T> {
         return;
       }
       const size_t skip = tail == 0 || tail >= records->size() ? 0 : records->size() - tail;
+      if (push_positions) {
+        SeqFilter taken;
+        for (const T& r : *records) taken.Take(r);
+        push_positions(TailPositions(*records, skip, taken.last()));
+      }
       for (size_t i = skip; i < records->size(); ++i) queue_->Push((*records)[i]);
     }
     queue_->LimitTo(kMaxStreamBacklogBytes);  // (what was kept is queued whole)
@@ -459,9 +488,21 @@ grpc::ServerUnaryReactor* JobServiceImpl::ListJobs(grpc::CallbackServerContext* 
                       "owner: only admins may list another user's jobs (", scoped.owner(), ")"))));
     }
   }
+  // (Each job's reason looks at the whole queue: a page of them is bounded.)
+  if (request->why_waiting() && request->page_size() > kMaxWhyWaitingPage) {
+    return Done(ctx, absl::InvalidArgumentError(
+                         absl::StrCat("page_size: at most ", kMaxWhyWaitingPage,
+                                      " with why_waiting, got ", request->page_size())));
+  }
   auto result = jobs_.List(scoped);
   if (result.ok()) {
-    for (auto& job : result->jobs) *response->add_jobs() = std::move(job);
+    for (auto& job : result->jobs) {
+      v1::Job* out = response->add_jobs();
+      *out = std::move(job);
+      if (request->why_waiting() && IsPending(out->state())) {
+        out->set_why_waiting(usage_.WhyWaiting(out->id(), caller->user, caller->IsAdmin()));
+      }
+    }
     response->set_next_page_token(result->next_page_token);
   }
   return Done(ctx, result.status());
@@ -523,7 +564,8 @@ grpc::ServerWriteReactor<v1::LogLine>* JobServiceImpl::StreamLogs(
   if (slot == nullptr) return RejectStream<v1::LogLine>(NoStreamSlot("StreamLogs", streams_));
   return new SeriesReactor<v1::LogLine>(
       jobs_, logs_, request->job_id(), static_cast<size_t>(request->tail()), request->follow(),
-      [this, id = request->job_id()] { return history_.Logs(id); }, std::move(slot));
+      request->positions(), [this, id = request->job_id()] { return history_.Logs(id); },
+      std::move(slot));
 }
 
 grpc::ServerWriteReactor<v1::ExportChunk>* JobServiceImpl::FetchExport(
@@ -595,7 +637,7 @@ grpc::ServerWriteReactor<v1::StepReport>* JobServiceImpl::StreamMetrics(
     return RejectStream<v1::StepReport>(NoStreamSlot("StreamMetrics", streams_));
   }
   return new SeriesReactor<v1::StepReport>(
-      jobs_, metrics_, request->job_id(), 0, request->follow(),
+      jobs_, metrics_, request->job_id(), 0, request->follow(), /*positions=*/false,
       [this, id = request->job_id()] { return history_.Metrics(id); }, std::move(slot));
 }
 
