@@ -102,8 +102,8 @@ TEST_F(WebSessionsTest, AUserSigningInOverAndOverEndsOnlyTheirOwnOldestSessions)
 }
 
 TEST_F(WebSessionsTest, ASignInCodeIsGoodOnceWithinItsTime) {
-  const std::string code = sessions_.CreateCode("tok", absl::Minutes(1));
-  const std::string other = sessions_.CreateCode("tok2", absl::Minutes(1));
+  const std::string code = sessions_.CreateCode("tok", "alice", absl::Minutes(1));
+  const std::string other = sessions_.CreateCode("tok2", "bob", absl::Minutes(1));
   EXPECT_NE(code, other);
   EXPECT_EQ(sessions_.TakeCode(code), "tok");
   EXPECT_EQ(sessions_.TakeCode(code), std::nullopt);  // spent
@@ -111,10 +111,42 @@ TEST_F(WebSessionsTest, ASignInCodeIsGoodOnceWithinItsTime) {
   EXPECT_EQ(sessions_.TakeCode(other), std::nullopt);  // expired
   EXPECT_EQ(sessions_.TakeCode(""), std::nullopt);
   // At most max_sessions (3) wait at once: the oldest gives way.
-  const std::string first = sessions_.CreateCode("a", absl::Minutes(1));
+  const std::string first = sessions_.CreateCode("a", "alice", absl::Minutes(1));
   now_ += absl::Seconds(1);
-  for (const char* t : {"b", "c", "d"}) sessions_.CreateCode(t, absl::Minutes(1));
+  for (const char* t : {"b", "c", "d"}) sessions_.CreateCode(t, t, absl::Minutes(1));
   EXPECT_EQ(sessions_.TakeCode(first), std::nullopt);
+}
+
+// A user making links over and over ends only their own oldest (one user's requests pushed every
+// other user's pending link out of the table).
+TEST_F(WebSessionsTest, AUserMakingLinksOverAndOverEndsOnlyTheirOwnOldest) {
+  WebSessions sessions({absl::Hours(1), absl::Hours(8), 10, 2}, [this] { return now_; });
+  const std::string bob = sessions.CreateCode("tb", "bob", absl::Minutes(1));
+  std::string alice[20];
+  for (std::string& code : alice) {
+    now_ += absl::Milliseconds(100);
+    code = sessions.CreateCode("ta", "alice", absl::Minutes(1));
+  }
+  EXPECT_EQ(sessions.TakeCode(bob), "tb");
+  EXPECT_EQ(sessions.TakeCode(alice[17]), std::nullopt);
+  EXPECT_EQ(sessions.TakeCode(alice[18]), "ta");
+  EXPECT_EQ(sessions.TakeCode(alice[19]), "ta");
+}
+
+// A live stream asks whether its session is still on without keeping it on: a page left open
+// is not a use, and its session ends at sign-out or when it expires.
+TEST_F(WebSessionsTest, AliveSaysWhetherASessionIsOnWithoutRestartingItsIdleClock) {
+  const std::string id = sessions_.Create("t", "alice", false);
+  EXPECT_TRUE(sessions_.Alive(id));
+  EXPECT_FALSE(sessions_.Alive(id + "x"));
+  EXPECT_FALSE(sessions_.Alive(""));
+  now_ += absl::Minutes(59);
+  EXPECT_TRUE(sessions_.Alive(id));
+  now_ += absl::Minutes(1);  // an hour idle: Alive did not count as a use
+  EXPECT_FALSE(sessions_.Alive(id));
+  const std::string other = sessions_.Create("u", "bob", false);
+  sessions_.Remove(other);
+  EXPECT_FALSE(sessions_.Alive(other));
 }
 
 }  // namespace

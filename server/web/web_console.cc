@@ -28,6 +28,7 @@
 #include "common/credentials.h"
 #include "common/status_macros.h"
 #include "common/tls.h"
+#include "server/web/event_queue.h"
 #include "server/web/web_assets.h"
 #include "trainyard/v1/identity.grpc.pb.h"
 #include "trainyard/v1/job.grpc.pb.h"
@@ -49,12 +50,11 @@ constexpr char kTlsCookie[] = "__Host-ty_session";
 // Loopback and a LAN do not need it.
 constexpr char kJson[] = "application/json; charset=utf-8";
 constexpr char kCsrfHeader[] = "X-CSRF-Token";
-constexpr size_t kMaxBody = 64 << 10;       // a request's body: sign-in, cancel, cordon
-constexpr int kMaxLogLines = 100000;        // GET .../logs?tail=
-constexpr size_t kMaxSteps = 100000;        // GET .../metrics
-constexpr int kFilterScanJobs = 10000;      // name/account filters look at most this far a page
-constexpr int kStreamsPerCaller = 8;        // live streams of one user (or token) at once
-constexpr size_t kMaxQueuedEvents = 20000;  // a live stream this far ahead of its reader waits
+constexpr size_t kMaxBody = 64 << 10;   // a request's body: sign-in, cancel, cordon
+constexpr int kMaxLogLines = 100000;    // GET .../logs?tail=
+constexpr size_t kMaxSteps = 100000;    // GET .../metrics
+constexpr int kFilterScanJobs = 10000;  // name/account filters look at most this far a page
+constexpr int kStreamsPerCaller = 8;    // live streams of one user (or token) at once
 constexpr absl::Duration kLinkLifetime = absl::Minutes(1);  // yard web's link
 constexpr char kIdPattern[] = "([A-Za-z0-9][A-Za-z0-9._:-]{0,127})";
 
@@ -187,63 +187,6 @@ std::string CookieValue(const Request& req, absl::string_view name) {
 
 std::string Lower(absl::string_view s) { return absl::AsciiStrToLower(s); }
 
-// A live stream's events, from its producer threads to the HTTP thread writing them. Closed: the
-// reader is gone (producers stop); ended: the producers are done (the reader drains it, then
-// ends the response).
-class EventQueue {
- public:
-  // Queues one server-sent event, waiting while kMaxQueuedEvents wait (a reader slower than the
-  // cluster holds its producers back); false once closed.
-  bool Push(absl::string_view event, absl::string_view data) {
-    absl::MutexLock lock(&mu_);
-    auto room = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return closed_ || queue_.size() < kMaxQueuedEvents;
-    };
-    mu_.Await(absl::Condition(&room));
-    if (closed_) return false;
-    queue_.push_back(absl::StrCat("event: ", event, "\ndata: ", data, "\n\n"));
-    return true;
-  }
-  // Waits up to `timeout` for events; moves them to `out`. False once closed, or ended and
-  // drained: nothing more will come.
-  bool Take(std::string* out, absl::Duration timeout) {
-    absl::MutexLock lock(&mu_);
-    auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return !queue_.empty() || closed_ || ended_;
-    };
-    mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
-    while (!queue_.empty()) {
-      out->append(queue_.front());
-      queue_.pop_front();
-    }
-    return !closed_ && !ended_;
-  }
-  void Close() {
-    absl::MutexLock lock(&mu_);
-    closed_ = true;
-  }
-  void End() {
-    absl::MutexLock lock(&mu_);
-    ended_ = true;
-  }
-  bool closed() {
-    absl::MutexLock lock(&mu_);
-    return closed_;
-  }
-  // Sleeps up to `d`, less when closed.
-  void Sleep(absl::Duration d) {
-    absl::MutexLock lock(&mu_);
-    auto done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return closed_; };
-    mu_.AwaitWithTimeout(absl::Condition(&done), d);
-  }
-
- private:
-  absl::Mutex mu_;
-  std::deque<std::string> queue_ ABSL_GUARDED_BY(mu_);
-  bool closed_ ABSL_GUARDED_BY(mu_) = false;
-  bool ended_ ABSL_GUARDED_BY(mu_) = false;
-};
-
 // A live stream: its queue, the gRPC calls feeding it and their threads. When the last producer
 // returns, an "end" event ends it (the page closes its EventSource rather than reconnecting).
 // Closed (calls cancelled, threads joined, `on_close` run) by the HTTP side when the browser goes
@@ -275,6 +218,20 @@ class LiveStream {
   // Every producer is running: the stream ends when the last returns.
   void Started() { Returned(); }
 
+  // A thread that asks, while the stream is open, whether its caller may still read it, and
+  // ends it with Refuse when not (it returns then, or once the stream is closed). Not a
+  // producer: the stream ends without it. Joined at Close.
+  void Guard(std::function<void()> guard) { guard_ = std::thread(std::move(guard)); }
+
+  // Ends the stream with a "refused" event ({code, message}): nothing its producers push after it
+  // reaches the page, and its calls are cancelled.
+  void Refuse(const grpc::Status& s) {
+    queue_.Seal("refused",
+                Dump({{"code", CodeName(s.error_code())}, {"message", s.error_message()}}));
+    absl::MutexLock lock(&mu_);
+    for (auto& ctx : contexts_) ctx->TryCancel();
+  }
+
   void Close() {
     if (closed_.exchange(true)) return;
     queue_.Close();
@@ -285,6 +242,7 @@ class LiveStream {
     for (auto& t : threads_) {
       if (t.joinable()) t.join();
     }
+    if (guard_.joinable()) guard_.join();
     if (on_close_) on_close_();
   }
 
@@ -303,13 +261,15 @@ class LiveStream {
   absl::Mutex mu_;
   std::vector<std::unique_ptr<grpc::ClientContext>> contexts_ ABSL_GUARDED_BY(mu_);
   std::vector<std::thread> threads_;  // started and joined by the HTTP threads only
+  std::thread guard_;                 // (as threads_)
 };
 
 // Who is calling: a program's bearer token, or a browser's session.
 struct Caller {
   std::string token;
   std::optional<WebSession> session;
-  std::string client;  // the browser's address (its failed sign-ins count under it)
+  std::string session_id;  // the session's cookie value
+  std::string client;      // the browser's address (its failed sign-ins count under it)
 };
 
 }  // namespace
@@ -375,6 +335,7 @@ struct WebConsole::Impl {
     }
     caller->token = session->token;
     caller->session = std::move(session);
+    caller->session_id = id;
     return true;
   }
 
@@ -401,10 +362,11 @@ struct WebConsole::Impl {
     return out;
   }
 
-  std::unique_ptr<grpc::ClientContext> Context(const Caller& caller) {
+  std::unique_ptr<grpc::ClientContext> Context(const Caller& caller,
+                                               absl::Duration deadline = absl::Seconds(30)) {
     auto ctx = std::make_unique<grpc::ClientContext>();
     for (const auto& [key, value] : Metadata(caller)) ctx->AddMetadata(key, value);
-    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    ctx->set_deadline(absl::ToChronoTime(absl::Now() + deadline));
     return ctx;
   }
 
@@ -498,7 +460,7 @@ struct WebConsole::Impl {
            "token: only a user's API token signs in (this is a node's or a job's credential)");
       return;
     }
-    const std::string code = sessions.CreateCode(caller.token, kLinkLifetime);
+    const std::string code = sessions.CreateCode(caller.token, who.user(), kLinkLifetime);
     const std::string host = req.get_header_value("Host");
     const std::string base =
         host.empty() || host.size() > 256 || host.find_first_of("/#?@ \\") != std::string::npos
@@ -570,10 +532,17 @@ struct WebConsole::Impl {
       return false;
     }
     r->set_page_size(page_size);
+    r->set_why_waiting(req.get_param_value("why_waiting") == "true");
     *name = Lower(req.get_param_value("name"));
     *account = req.get_param_value("account");
     if (name->size() > 256 || account->size() > 256) {
       Fail(res, grpc::StatusCode::INVALID_ARGUMENT, "name, account: at most 256 bytes");
+      return false;
+    }
+    // (A filter reads up to kFilterScanJobs jobs; each one's reason looks at the whole queue.)
+    if (r->why_waiting() && (!name->empty() || !account->empty())) {
+      Fail(res, grpc::StatusCode::INVALID_ARGUMENT,
+           "why_waiting: not with a name or account filter");
       return false;
     }
     return true;
@@ -632,7 +601,10 @@ struct WebConsole::Impl {
     Answer(caller, jobs->GetJob(ctx.get(), r, &job), job, res);
   }
 
-  // GET /api/v1/jobs/ID/logs?tail=N: {"lines": [LogLine...]}, the last N kept (default 1000).
+  // GET /api/v1/jobs/ID/logs?tail=N: {"lines": [LogLine...]}, the last N kept (default 1000),
+  // written as they are read (a job keeps up to 64 MiB of log, up to six times that in JSON: the
+  // whole answer was built, then copied, in memory). The first line decides the status; a read
+  // that fails after it ends the answer with "error": {code, message}.
   void Logs(const Request& req, Response& res) {
     Caller caller;
     if (!Identify(req, res, false, &caller)) return;
@@ -646,23 +618,23 @@ struct WebConsole::Impl {
       return;
     }
     r.set_tail(tail);
-    auto ctx = Context(caller);
-    auto reader = jobs->StreamLogs(ctx.get(), r);
-    std::string body = "{\"lines\":[";
-    v1::LogLine line;
-    bool first = true;
-    while (reader->Read(&line)) {
-      if (!first) body += ",";
-      first = false;
-      body += ToJson(line);
+    auto lines = std::make_shared<LogLines>();
+    lines->ctx = Context(caller, absl::Minutes(5));  // (a slow reader takes its time)
+    lines->reader = jobs->StreamLogs(lines->ctx.get(), r);
+    v1::LogLine first;
+    if (!lines->reader->Read(&first)) {
+      const grpc::Status s = lines->reader->Finish();
+      lines->finished = true;
+      if (!s.ok()) return Refusal(caller, s, res);
+      res.set_content("{\"lines\":[]}", kJson);
+      return;
     }
-    grpc::Status s = reader->Finish();
-    if (!s.ok()) return Refusal(caller, s, res);
-    body += "]}";
-    res.set_content(body, kJson);
+    lines->pending = ToJson(first);
+    WriteArray(res, "lines", lines);
   }
 
-  // GET /api/v1/jobs/ID/metrics: {"steps": [StepReport...]}, every step kept.
+  // GET /api/v1/jobs/ID/metrics: {"steps": [StepReport...]}, the newest kMaxSteps kept, and
+  // "omitted": how many older ones were left out (if any).
   void Metrics(const Request& req, Response& res) {
     Caller caller;
     if (!Identify(req, res, false, &caller)) return;
@@ -670,21 +642,113 @@ struct WebConsole::Impl {
     r.set_job_id(req.matches[1]);
     auto ctx = Context(caller);
     auto reader = jobs->StreamMetrics(ctx.get(), r);
-    std::string body = "{\"steps\":[";
+    auto steps = std::make_shared<Steps>();
     v1::StepReport step;
-    size_t n = 0;
     while (reader->Read(&step)) {
-      if (n++ >= kMaxSteps) {
-        ctx->TryCancel();
-        break;
+      steps->json.push_back(ToJson(step));
+      if (steps->json.size() > kMaxSteps) {
+        steps->json.pop_front();
+        ++steps->omitted;
       }
-      if (n > 1) body += ",";
-      body += ToJson(step);
     }
     grpc::Status s = reader->Finish();
-    if (!s.ok() && n <= kMaxSteps) return Refusal(caller, s, res);
-    body += "]}";
-    res.set_content(body, kJson);
+    if (!s.ok()) return Refusal(caller, s, res);
+    WriteArray(res, "steps", steps);
+  }
+
+  // An answer's array, element by element (JSON), then what follows it in the object.
+  class ArraySource {
+   public:
+    virtual ~ArraySource() = default;
+    // The next element into `json`; false when there are no more.
+    virtual bool Next(std::string* json) = 0;
+    // What follows the array (",\"key\":value..."), once Next said there are no more.
+    virtual std::string After() { return ""; }
+    // The answer ended (written or not).
+    virtual void Release() {}
+  };
+
+  // A log stream's lines (Logs).
+  struct LogLines final : ArraySource {
+    std::unique_ptr<grpc::ClientContext> ctx;
+    std::unique_ptr<grpc::ClientReader<v1::LogLine>> reader;
+    std::string pending;  // the first line, read to decide the status
+    grpc::Status status;
+    bool finished = false;
+
+    bool Next(std::string* json) override {
+      if (!pending.empty()) {
+        *json = std::move(pending);
+        pending.clear();
+        return true;
+      }
+      if (finished) return false;
+      v1::LogLine line;
+      if (reader->Read(&line)) {
+        *json = ToJson(line);
+        return true;
+      }
+      status = reader->Finish();
+      finished = true;
+      return false;
+    }
+    std::string After() override {
+      if (status.ok()) return "";
+      return absl::StrCat(",\"error\":", Dump({{"code", CodeName(status.error_code())},
+                                               {"message", status.error_message()}}));
+    }
+    void Release() override {
+      if (finished) return;
+      ctx->TryCancel();  // the browser went: the stream ends with it
+      v1::LogLine line;
+      while (reader->Read(&line)) {
+      }
+      reader->Finish();
+      finished = true;
+    }
+  };
+
+  // Step reports read whole, the newest kMaxSteps (Metrics).
+  struct Steps final : ArraySource {
+    std::deque<std::string> json;
+    size_t omitted = 0;
+
+    bool Next(std::string* out) override {
+      if (json.empty()) return false;
+      *out = std::move(json.front());
+      json.pop_front();
+      return true;
+    }
+    std::string After() override {
+      return omitted == 0 ? "" : absl::StrCat(",\"omitted\":", omitted);
+    }
+  };
+
+  // Answers {"KEY": [elements of `source`]...}, written in chunks of about kWriteBytes as the
+  // elements come.
+  static void WriteArray(Response& res, const std::string& key,
+                         std::shared_ptr<ArraySource> source) {
+    constexpr size_t kWriteBytes = 256 << 10;
+    auto began = std::make_shared<bool>(false);
+    res.set_chunked_content_provider(
+        kJson,
+        [source, key, began](size_t, httplib::DataSink& sink) {
+          std::string out;
+          if (!*began) out = absl::StrCat("{\"", key, "\":[");
+          std::string element;
+          bool more = true;
+          while (out.size() < kWriteBytes && (more = source->Next(&element))) {
+            if (*began) out += ",";
+            *began = true;
+            out += element;
+          }
+          *began = true;
+          if (!more) absl::StrAppend(&out, "]", source->After(), "}");
+          if (!sink.write(out.data(), out.size())) return false;
+          if (!more) sink.done();
+          return true;
+        },
+        [source](bool) { source->Release(); });
   }
 
   void Cancel(const Request& req, Response& res) {
@@ -803,6 +867,41 @@ struct WebConsole::Impl {
         "refused", Dump({{"code", CodeName(s.error_code())}, {"message", s.error_message()}}));
   }
 
+  // Ends `stream` (Refuse) once its caller may no longer read it: at once when a browser's
+  // session ends (sign-out, expiry, or its token found revoked by another request), and, every
+  // options.stream_recheck, when `reread` (a call of the caller's that the stream's page made
+  // when it opened) is refused as unauthenticated, denied or not found (a revoked or expired
+  // token, a disabled user, an admin no longer one). Without it, a stream authorised once went on
+  // for as long as the job ran. Other failures (a failover) leave the stream to its calls.
+  void Guard(LiveStream* stream, const Caller& caller, std::function<grpc::Status()> reread) {
+    stream->Guard([this, stream, caller, reread = std::move(reread)] {
+      absl::Time next = absl::Now() + options.stream_recheck;
+      while (true) {
+        stream->queue().Sleep(absl::Seconds(1));
+        if (stream->queue().closed()) return;
+        if (caller.session.has_value() && !sessions.Alive(caller.session_id)) {
+          // (This session only: others signed in with the token are theirs.)
+          stream->Refuse(
+              grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                           "your session ended (signed out, or unused too long): sign in again"));
+          return;
+        }
+        if (!reread || absl::Now() < next) continue;
+        const grpc::Status s = reread();
+        next = absl::Now() + options.stream_recheck;
+        const grpc::StatusCode code = s.error_code();
+        if (code != grpc::StatusCode::UNAUTHENTICATED &&
+            code != grpc::StatusCode::PERMISSION_DENIED && code != grpc::StatusCode::NOT_FOUND) {
+          continue;
+        }
+        // The token no longer authenticates: every session signed in with it ends.
+        if (code == grpc::StatusCode::UNAUTHENTICATED) sessions.RemoveToken(caller.token);
+        stream->Refuse(s);
+        return;
+      }
+    });
+  }
+
   // Writes `stream`'s events to the browser until it goes, the stream ends or the console stops.
   void Serve(Response& res, std::shared_ptr<LiveStream> stream) {
     res.set_header("X-Accel-Buffering", "no");
@@ -887,6 +986,13 @@ struct WebConsole::Impl {
       Ended(caller, reader->Finish(), live);
     });
     live->Started();
+    Guard(live, caller, [this, caller, job_id] {
+      v1::GetJobRequest r;
+      r.set_job_id(job_id);
+      v1::Job job;
+      auto ctx = Context(caller, absl::Seconds(5));  // (Close waits for it)
+      return jobs->GetJob(ctx.get(), r, &job);
+    });
     Serve(res, std::move(stream));
   }
 
@@ -907,9 +1013,12 @@ struct WebConsole::Impl {
     LiveStream* live = stream.get();
     std::string last = ToJson(first);
     live->queue().Push("jobs", last);
-    live->Run([this, live, caller, r, name, account, last]() mutable {
+    // A filtered list reads up to kFilterScanJobs jobs a look: it looks five times less often.
+    const absl::Duration poll =
+        name.empty() && account.empty() ? options.list_poll : options.list_poll * 5;
+    live->Run([this, live, caller, r, name, account, last, poll]() mutable {
       while (!live->queue().closed()) {
-        live->queue().Sleep(options.list_poll);
+        live->queue().Sleep(poll);
         if (live->queue().closed()) break;
         v1::ListJobsResponse page;
         grpc::Status s = List(caller, r, name, account, &page, &live->queue());
@@ -925,6 +1034,7 @@ struct WebConsole::Impl {
       }
     });
     live->Started();
+    Guard(live, caller, nullptr);  // (its reads are its own rechecks)
     Serve(res, std::move(stream));
   }
 
@@ -937,6 +1047,9 @@ struct WebConsole::Impl {
     s.set_read_timeout(10, 0);
     s.set_write_timeout(10, 0);
     s.set_keep_alive_max_count(100);
+    // An idle kept-alive connection holds one of the pool's threads: not for long (the pages'
+    // 5-second polls then open a new one).
+    s.set_keep_alive_timeout(2);
     // Answers go out as written: a header and its body, or an event, are never held back for
     // the peer's delayed ACK (Nagle's 40 ms).
     s.set_tcp_nodelay(true);
@@ -980,6 +1093,7 @@ struct WebConsole::Impl {
       } else if (res.status == 413) {
         Fail(res, grpc::StatusCode::INVALID_ARGUMENT,
              absl::StrCat("body: larger than ", kMaxBody, " bytes"));
+        res.status = 413;  // (Fail set 400)
       } else if (res.status >= 400) {
         res.set_content(Dump({{"error", {{"code", res.status}}}}), kJson);
       }

@@ -39,10 +39,13 @@ struct WebConsoleOptions {
   // counts failed authentications per browser, not per console (empty: it does not).
   std::string console_key;
   WebSessionLimits sessions;
-  int threads = 48;      // requests served at once (live streams included)
+  int threads = 48;      // connections served at once (live streams and kept-alive ones included)
   int max_streams = 32;  // live streams (server-sent events) open at once; more get 503
   // How often a live job list looks for changes.
   absl::Duration list_poll = absl::Seconds(1);
+  // How often a job's live stream asks again whether its caller may read the job (a revoked
+  // token, a disabled user or a demoted admin ends it then; a signed-out session at once).
+  absl::Duration stream_recheck = absl::Seconds(10);
 };
 
 class WebConsole {

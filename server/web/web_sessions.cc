@@ -47,6 +47,16 @@ std::optional<WebSession> WebSessions::Find(absl::string_view id) {
   return s;
 }
 
+bool WebSessions::Alive(absl::string_view id) const {
+  if (id.empty() || id.size() > 128) return false;
+  const std::string key = Sha256(id);
+  const absl::Time now = now_();
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(key);
+  return it != sessions_.end() && now - it->second.last_used < limits_.idle &&
+         now - it->second.created < limits_.lifetime;
+}
+
 void WebSessions::Remove(absl::string_view id) {
   const std::string key = Sha256(id);
   absl::MutexLock lock(&mu_);
@@ -64,21 +74,33 @@ void WebSessions::RemoveToken(absl::string_view token) {
   }
 }
 
-std::string WebSessions::CreateCode(std::string token, absl::Duration ttl) {
+std::string WebSessions::CreateCode(std::string token, std::string user, absl::Duration ttl) {
   const std::string code = Base64Url(RandomBytes(32));
   const absl::Time now = now_();
   absl::MutexLock lock(&mu_);
+  size_t mine = 0;
   for (auto it = codes_.begin(); it != codes_.end();) {
-    it = it->second.expires <= now ? codes_.erase(it) : std::next(it);
-  }
-  while (limits_.max_sessions > 0 && codes_.size() >= limits_.max_sessions) {
-    auto oldest = codes_.begin();
-    for (auto it = codes_.begin(); it != codes_.end(); ++it) {
-      if (it->second.expires < oldest->second.expires) oldest = it;
+    if (it->second.expires <= now) {
+      it = codes_.erase(it);
+    } else {
+      mine += it->second.user == user ? 1 : 0;
+      ++it;
     }
-    codes_.erase(oldest);
   }
-  codes_.emplace(Sha256(code), Code{std::move(token), now + ttl});
+  // The oldest code (of `user` only, when not empty) gives way.
+  auto evict_oldest = [this](const std::string& of) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto oldest = codes_.end();
+    for (auto it = codes_.begin(); it != codes_.end(); ++it) {
+      if (!of.empty() && it->second.user != of) continue;
+      if (oldest == codes_.end() || it->second.expires < oldest->second.expires) oldest = it;
+    }
+    if (oldest != codes_.end()) codes_.erase(oldest);
+  };
+  for (; limits_.max_sessions_per_user > 0 && mine >= limits_.max_sessions_per_user; --mine) {
+    evict_oldest(user);
+  }
+  while (limits_.max_sessions > 0 && codes_.size() >= limits_.max_sessions) evict_oldest("");
+  codes_.emplace(Sha256(code), Code{std::move(token), std::move(user), now + ttl});
   return code;
 }
 

@@ -54,14 +54,20 @@ class WebSessions {
   // expired one.
   std::optional<WebSession> Find(absl::string_view id);
 
+  // Whether the session of cookie value `id` is still on (not ended or expired), without
+  // restarting its idle clock: a page left open is not a use (its live streams ask this).
+  bool Alive(absl::string_view id) const;
+
   // Ends the session `id` (sign-out); nothing if there is none.
   void Remove(absl::string_view id);
   // Ends every session signed in with `token` (it no longer authenticates).
   void RemoveToken(absl::string_view token);
 
-  // A one-time sign-in code standing for `token` (`yard web`'s link), good once within `ttl`.
-  // At most max_sessions codes wait at once: the oldest gives way.
-  std::string CreateCode(std::string token, absl::Duration ttl);
+  // A one-time sign-in code standing for `token` of `user` (`yard web`'s link), good once within
+  // `ttl`. At most max_sessions_per_user of a user's codes wait at once, and max_sessions in all:
+  // the oldest (of the user's, first) gives way, so that a user making links over and over
+  // never ends another user's.
+  std::string CreateCode(std::string token, std::string user, absl::Duration ttl);
   // The token of `code`, which is spent by this; nullopt for an unknown, spent or expired one.
   std::optional<std::string> TakeCode(absl::string_view code);
 
@@ -70,6 +76,7 @@ class WebSessions {
  private:
   struct Code {
     std::string token;
+    std::string user;
     absl::Time expires;
   };
 

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -265,6 +266,74 @@ def test_a_job_appears_live_and_its_chart_and_logs_follow(cluster, alice_page, a
     assert page.dialogs == []
 
 
+def read_events(response, until, seconds):
+    """A live stream's events, [(name, data)], until one named `until` (included), its end or
+    `seconds` (an idle stream sends a comment each second, so no read waits longer)."""
+    deadline = time.monotonic() + seconds
+    events, name = [], None
+    while time.monotonic() < deadline:
+        line = response.readline()
+        if not line:
+            break
+        line = line.decode().rstrip("\n")
+        if line.startswith("event: "):
+            name = line[len("event: "):]
+        elif line.startswith("data: ") and name is not None:
+            events.append((name, json.loads(line[len("data: "):])))
+            if name == until:
+                break
+            name = None
+    return events
+
+
+def test_a_jobs_logs_and_metrics_answer_whole_and_a_body_too_large_is_413(cluster, alice_job):
+    status, body, _ = call(cluster, "GET", f"/api/v1/jobs/{alice_job}/logs?tail=3",
+                           cluster["tokens"]["alice"])
+    assert status == 200, body
+    assert len(body["lines"]) == 3 and all("step " in l["text"] for l in body["lines"]), body
+    assert "error" not in body
+    status, body, _ = call(cluster, "GET", f"/api/v1/jobs/{alice_job}/metrics",
+                           cluster["tokens"]["alice"])
+    assert status == 200, body
+    steps = [int(s["step"]) for s in body["steps"]]
+    assert steps and steps == sorted(steps) and "omitted" not in body, body
+    status, body, _ = call(cluster, "POST", "/api/v1/session", body={"token": "x" * (70 << 10)})
+    assert status == 413 and "body: larger than" in body["error"]["message"], (status, body)
+
+
+def test_a_live_job_stream_ends_once_its_token_is_revoked_or_its_session_ends(browser, cluster,
+                                                                               alice_job):
+    # A program's stream, by token: revoked, it ends within the console's recheck (10 s); it went
+    # on for as long as the job ran.
+    out = cluster["home"] / "watch.token"
+    yard(cluster, "admin", "admin", "token", "create", "--user", "alice", "--out", str(out))
+    token = out.read_text().strip()
+    path = f"{cluster['url']}/api/v1/jobs/{alice_job}/events"
+    req = urllib.request.Request(path, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert read_events(r, "job", 60)[-1][0] == "job"
+        yard(cluster, "admin", "admin", "token", "revoke", token.split(".")[1])
+        revoked = time.monotonic()
+        events = read_events(r, "refused", 60)
+        assert events and events[-1][0] == "refused", events[-3:]
+        assert events[-1][1]["code"] == "UNAUTHENTICATED", events[-1]
+        assert time.monotonic() - revoked < 30
+        assert r.read().strip() == b"", "the stream ends with its refusal"
+    # A browser's stream, by its session's cookie: signed out, it ends at once.
+    page = signed_in(browser, cluster, "alice")
+    try:
+        req = urllib.request.Request(path, headers={"Cookie": f"ty_session={session_cookie(page)}"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert read_events(r, "job", 60)[-1][0] == "job"
+            page.click("#signout")
+            page.wait_for_url(re.compile(r"#/signin$"))
+            events = read_events(r, "refused", 20)
+            assert events and events[-1][0] == "refused", events[-3:]
+            assert "session ended" in events[-1][1]["message"], events[-1]
+    finally:
+        page.context.close()
+
+
 def test_another_user_sees_neither_the_job_nor_its_buttons(browser, cluster, alice_job):
     page = signed_in(browser, cluster, "bob")
     try:
@@ -317,6 +386,30 @@ def test_a_cross_site_post_is_refused(cluster, alice_page, alice_job, tmp_path):
     assert status == 403 and "X-CSRF-Token" in body["error"]["message"], body
     status, body, _ = call(cluster, "GET", f"/api/v1/jobs/{alice_job}", cluster["tokens"]["alice"])
     assert body["state"] == "RUNNING", body
+
+
+def test_why_a_job_waits_shows_on_its_page_and_on_the_sharing_page(browser, cluster, alice_job):
+    # Alice's job holds one of the cluster's two slots: bob's job of two waits. (The job page
+    # showed GetJob's reason until the stream's first event put "being placed" over it; the
+    # sharing page's list never had one.)
+    job = yard(cluster, "bob", "submit", "--name", "waits", "--gpus", "2", "--",
+               "/bin/true").stdout.strip()
+    page = signed_in(browser, cluster, "bob")
+    try:
+        page.goto(f"{cluster['url']}/#/jobs/{job}")
+        page.wait_for_function(
+            "() => Number(document.querySelector('#job-facts').dataset.shown) >= 2",
+            timeout=TIMEOUT_MS)
+        why = page.locator('#job-facts [data-fact="Why it waits"]')
+        expect(why).not_to_have_text(re.compile(r"^(being placed|—)$"))
+        page.goto(f"{cluster['url']}/#/sharing")
+        row = page.locator("#waiting-body tr", has_text=job)
+        expect(row).to_be_visible()
+        expect(row.locator("td").nth(3)).not_to_have_text(re.compile(r"^(being placed)?$"))
+        shot(page, "sharing-waiting")
+    finally:
+        yard(cluster, "bob", "cancel", job, check=False)
+        page.context.close()
 
 
 def test_the_owner_cancels_the_job_from_its_page(cluster, alice_page, alice_job):

@@ -5,6 +5,7 @@
 'use strict';
 
 const TERMINAL = new Set(['SUCCEEDED', 'FAILED', 'CANCELLED']);
+const WAITING = new Set(['QUEUED', 'PREEMPTED', 'RESTARTING']);
 const STATES = ['QUEUED', 'RUNNING', 'CHECKPOINTING', 'PREEMPTED', 'RESTARTING', 'SUCCEEDED',
   'FAILED', 'CANCELLED'];
 const MAX_LOG_LINES = 5000;
@@ -160,7 +161,7 @@ function viewSignIn(main, params) {
     placeholder: 'tyt.…' });
   const form = el('form', { class: 'signin', id: 'signin-form' },
     el('h1', {}, 'Sign in'),
-    el('p', { class: 'muted' }, 'Paste an API token (yard login prints one; yard token create makes another).'),
+    el('p', { class: 'muted' }, 'Paste an API token (yard admin token create makes one; yard web prints a link that signs you in).'),
     token, el('p', {}, el('button', { class: 'primary', type: 'submit', id: 'signin' }, 'Sign in')));
   const signIn = async (body) => {
     try {
@@ -303,12 +304,16 @@ function viewJob(main, id) {
     el('h2', {}, 'Spec'), spec);
 
   let job = null;
+  // Why it waits: GetJob says (the stream's changes do not), read again while it waits.
+  let why = '';
   const showJob = (j) => {
     job = j;
+    if (j.whyWaiting || !WAITING.has(j.state)) why = j.whyWaiting || '';
+    facts.dataset.shown = String(num(facts.dataset.shown) + 1);
     title.replaceChildren((j.spec && j.spec.name) || j.id, ' ', stateBadge(j.state));
     const rows = [
       ['Job', j.id], ['Description', (j.spec && j.spec.description) || '—'], ['Owner', j.owner], ['Account', j.account || '—'], ['State', stateBadge(j.state)],
-      ['Why it waits', j.whyWaiting || (j.state === 'QUEUED' ? 'being placed' : '—')],
+      ['Why it waits', why || (j.state === 'QUEUED' ? 'being placed' : '—')],
       ['Message', j.message || '—'],
       ['Attempt', `${num(j.attempt)} (restarts ${num(j.restarts)}, preemptions ${num(j.preemptions)})`],
       ['Step', `${num(j.step)}${j.spec && j.spec.train && j.spec.train.steps ? ` of ${j.spec.train.steps}` : ''}`],
@@ -415,6 +420,14 @@ function viewJob(main, id) {
     stream(`/api/v1/jobs/${encodeURIComponent(id)}/events`, {
       job: showJob, log: addLog, step: addStep,
     });
+    const again = setInterval(() => {
+      if (job && WAITING.has(job.state)) {
+        api('GET', `/api/v1/jobs/${encodeURIComponent(id)}`).then((k) => {
+          if (k.whyWaiting && job && WAITING.has(job.state)) showJob(Object.assign({}, job, { whyWaiting: k.whyWaiting }));
+        }, () => {});
+      }
+    }, 5000);
+    onLeave(() => clearInterval(again));
   }, (e) => {
     title.replaceChildren(id);
     flash(`${id}: ${e.message}`);
@@ -496,7 +509,7 @@ function viewSharing(main) {
         el('td', { class: 'num' }, num(a.queuedJobs)), el('td', { class: 'num' }, fmt(a.usageDeviceHours, 2)),
         el('td', { class: 'num' }, `${Math.round(100 * num(a.usageFraction))}%`))));
     }, (e) => flash(e.message));
-    api('GET', '/api/v1/jobs?state=QUEUED&state=PREEMPTED&state=RESTARTING&page_size=200').then((r) => {
+    api('GET', '/api/v1/jobs?state=QUEUED&state=PREEMPTED&state=RESTARTING&page_size=200&why_waiting=true').then((r) => {
       waiting.replaceChildren(...(r.jobs || []).map((j) => el('tr', {},
         el('td', {}, el('a', { href: `#/jobs/${encodeURIComponent(j.id)}` }, j.id)),
         el('td', {}, j.owner), el('td', {}, j.account || ''), el('td', {}, j.whyWaiting || 'being placed'))));
