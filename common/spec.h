@@ -75,6 +75,8 @@ int RankBlockOf(const v1::JobSpec& spec);
 // Ranks that share each of the job's devices: resources.ranks_per_node over the devices per node
 // (slots / nodes); 1 without them.
 int RanksPerDevice(const v1::JobSpec& spec);
+// The most ranks that share one device (resources.ranks_per_node / devices a node).
+inline constexpr int kMaxRanksPerDevice = 16;
 // The job's ranks: its devices times RanksPerDevice.
 int WorldSizeOf(const v1::JobSpec& spec);
 

@@ -202,6 +202,14 @@ absl::Status ValidateNodes(const JobSpec& spec) {
                                    " devices a node evenly: give a multiple of ", per_node,
                                    " (resources.slots / resources.nodes)"));
   }
+  // Each rank costs its node a root shepherd, descriptors and a thread in the worker, and its own
+  // cgroups: a one-device job of 65,536 ranks ran them all on one node.
+  if (r.ranks_per_node() > kMaxRanksPerDevice * per_node) {
+    return FieldError(
+        "resources.ranks_per_node",
+        absl::StrCat(r.ranks_per_node(), " ranks on ", per_node, " devices a node: at most ",
+                     kMaxRanksPerDevice, " ranks share a device"));
+  }
   if (static_cast<int64_t>(r.nodes()) * std::max(r.ranks_per_node(), per_node) > 65536) {
     return FieldError(field, "more than 65536 ranks in all");
   }

@@ -7,7 +7,9 @@
 #include <grp.h>
 #include <gtest/gtest.h>
 #include <poll.h>
+#include <pwd.h>
 #include <signal.h>
+#include <sys/shm.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -741,15 +743,69 @@ TEST_F(RankSupervisorTest, ALaunchStoppedWhileItsContextCameLeavesNoCopy) {
     absl::MutexLock lock(&mu);
     release = true;
   }
-  // Launches are prepared and started in order: once job-2 has run, job-1's copy was unpacked.
-  supervisor_->Launch(AssignmentOf("job-2", 1));
-  ASSERT_TRUE(reports_.AwaitExit("job-2", 0));
   const std::string work = dir_.path() + "/work/job-1/attempt-1/work";
   for (const absl::Time deadline = absl::Now() + absl::Seconds(60);
        std::filesystem::exists(work);) {
     ASSERT_LT(absl::Now(), deadline) << "the dropped launch's unpacked context stays";
     absl::SleepFor(absl::Milliseconds(50));
   }
+}
+
+// A context that is slow to come (a large one, a slow coordinator, an unpacker its owner stopped)
+// holds up its own launch only: another job's launch on the node, with a context of its own,
+// starts meanwhile (every launch waited behind it, up to the unpacker's 5-minute timeout).
+TEST_F(RankSupervisorTest, AContextSlowToComeHoldsUpNoOtherLaunch) {
+  supervisor_.reset();
+  testing::TempDir source, other_source;
+  std::ofstream(source.path() + "/train.py") << "print('hi')";
+  std::ofstream(other_source.path() + "/train.py") << "print('other')";
+  auto packed = PackContext(source.path());
+  ASSERT_TRUE(packed.ok()) << packed.status();
+  auto other = PackContext(other_source.path());
+  ASSERT_TRUE(other.ok()) << other.status();
+  absl::Mutex mu;
+  bool fetching = false, release = false;
+  SupervisorOptions options;
+  options.trainer_path = testing::TestBinPath("test_rank");
+  options.work_dir = dir_.path() + "/work";
+  options.shepherd_path = testing::BinPath("trainyard-worker");
+  options.contexts = std::make_shared<ContextCache>(
+      dir_.path() + "/contexts", [&](const std::string& job) -> absl::StatusOr<std::string> {
+        if (job == "job-2") return other->archive;
+        absl::MutexLock lock(&mu);
+        fetching = true;
+        mu.Await(absl::Condition(&release));
+        return packed->archive;
+      });
+  supervisor_ =
+      std::make_unique<RankSupervisor>(options, [this](v1::NodeMessage m) { reports_.Add(m); });
+  absl::Cleanup released = [&] {
+    absl::MutexLock lock(&mu);
+    release = true;
+  };
+  v1::Assignment slow = AssignmentOf("job-1", 1);
+  v1::JobSpec spec;
+  ASSERT_TRUE(spec.ParseFromString(slow.spec()));
+  spec.set_context(packed->digest);
+  slow.set_spec(spec.SerializeAsString());
+  supervisor_->Launch(slow);
+  {
+    absl::MutexLock lock(&mu);
+    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&fetching), absl::Seconds(30)));
+  }
+  v1::Assignment quick = AssignmentOf("job-2", 1);
+  spec.set_context(other->digest);
+  quick.set_spec(spec.SerializeAsString());
+  supervisor_->Launch(quick);
+  ASSERT_TRUE(reports_.AwaitExit("job-2", 0));
+  EXPECT_EQ(reports_.ExitCode("job-2", 0), 0) << reports_.ExitMessage("job-2", 0);
+  EXPECT_EQ(reports_.ExitCode("job-1", 0), -1) << "job-1's context has not come";
+  {
+    absl::MutexLock lock(&mu);
+    release = true;
+  }
+  ASSERT_TRUE(reports_.AwaitExit("job-1", 0));
+  EXPECT_EQ(reports_.ExitCode("job-1", 0), 0) << reports_.ExitMessage("job-1", 0);
 }
 
 // A rank starts with the kernel's OOM score adjustment, 0, not the worker's: a worker protected
@@ -810,6 +866,56 @@ TEST(CheckpointFolderTest, AnotherAccountsFolderIsRefusedTheOwnersKept) {
   ASSERT_EQ(stat((root + "/job-1").c_str(), &st), 0);
   EXPECT_EQ(st.st_uid, 12345u) << "left as it was";
   EXPECT_EQ(reports.ExitCode("job-2", 0), 0) << reports.ExitMessage("job-2", 0);
+}
+
+// What a user's ranks left in shared memory (a /dev/shm file, a SysV segment no process holds)
+// goes once none of that user's processes is left on the host: memory no cgroup holds any more,
+// which filled the host's /dev/shm (NCCL's segments of killed jobs). Another account's stays.
+// (As "games": an account no other test runs ranks as, whose processes would keep it.)
+TEST(SharedMemoryScrubTest, AUsersLeftoversGoOnceNoneOfTheirRanksRuns) {
+  if (geteuid() != 0) GTEST_SKIP() << "switching ranks to another account needs root";
+  if (getpwnam("games") == nullptr) GTEST_SKIP() << "no account 'games' here";
+  TempDir dir;
+  ASSERT_EQ(chmod(dir.path().c_str(), 0755), 0);
+  std::ofstream(dir.path() + "/user-map") << "alice games\n";
+  auto run_as = RunAs::Create(dir.path() + "/user-map", /*as_root=*/true);
+  ASSERT_TRUE(run_as.ok()) << run_as.status();
+  const std::string others = absl::StrCat("/dev/shm/trainyard-test-other-", getpid());
+  std::ofstream(others) << "not alice's";
+  ASSERT_EQ(chown(others.c_str(), 12345, 12345), 0);
+  absl::Cleanup remove_others = [&] { unlink(others.c_str()); };
+  Reports reports;
+  SupervisorOptions options;
+  options.trainer_path = testing::TestBinPath("test_rank");
+  options.work_dir = dir.path() + "/work";
+  options.shepherd_path = testing::BinPath("trainyard-worker");
+  options.run_as = std::make_shared<const RunAs>(*std::move(run_as));
+  RankSupervisor supervisor(options, [&](v1::NodeMessage m) { reports.Add(m); });
+  supervisor.Launch(AssignmentOf("job-1", 1, "leave-user-shm"));
+  ASSERT_TRUE(reports.AwaitExit("job-1", 0));
+  ASSERT_EQ(reports.ExitCode("job-1", 0), 0) << reports.ExitMessage("job-1", 0);
+  std::string left;
+  int segment = -1;
+  for (const std::string& line : reports.Lines()) {
+    std::vector<std::string> words = absl::StrSplit(line, ' ');
+    if (words.size() == 5 && words[0] == "left" && words[2] == "1") {
+      left = words[1];
+      ASSERT_TRUE(absl::SimpleAtoi(words[4], &segment)) << line;
+    }
+  }
+  ASSERT_FALSE(left.empty()) << "the rank made no file in /dev/shm";
+  ASSERT_GE(segment, 0) << "the rank made no SysV segment";
+  absl::Cleanup remove_left = [&] {
+    unlink(left.c_str());
+    shmctl(segment, IPC_RMID, nullptr);
+  };
+  struct shmid_ds ds {};
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(30);
+       std::filesystem::exists(left) || shmctl(segment, IPC_STAT, &ds) == 0;) {
+    ASSERT_LT(absl::Now(), deadline) << "what the rank left in shared memory stays";
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_TRUE(std::filesystem::exists(others)) << "another account's file went too";
 }
 
 // What a rank printed holds at most about --rank-log-keep of the worker's disk once sent on: the

@@ -672,6 +672,11 @@ TEST(SpecTest, NodesAndRanksPerNodeAreTorchrunsAndOnlyForCommandJobs) {
               StartsWith("resources.ranks_per_node: 3 ranks do not share 2 devices"));
   EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_resources()->set_nodes(0); }),
               StartsWith("resources.ranks_per_node: give resources.nodes too"));
+  // At most kMaxRanksPerDevice share a device: one device of 65,536 ranks ran them on one node.
+  EXPECT_THAT(error([](v1::JobSpec& s) { s.mutable_resources()->set_ranks_per_node(34); }),
+              StartsWith("resources.ranks_per_node: 34 ranks on 2 devices a node: at most 16 "
+                         "ranks share a device"));
+  EXPECT_EQ(error([](v1::JobSpec& s) { s.mutable_resources()->set_ranks_per_node(32); }), "");
   v1::JobSpec builtin = ValidSpec();
   builtin.mutable_resources()->set_nodes(1);
   EXPECT_THAT(std::string(ValidateJobSpec(builtin).message()),

@@ -3,7 +3,8 @@
 // acts out the job's name: "succeed" (print lines, exit 0), "fail-rank-1" (rank 1 prints to stderr
 // and exits 3), "hang" (print "ready", wait for SIGTERM, print "stopping on SIGTERM", exit 0),
 // "ignore-term" (ignore SIGTERM, wait to be killed), "spawn-child" (start a grandchild that sleeps,
-// then hang), "leave-shm" (create /dev/shm/trainyard-allreduce-PID-test, exit 9), "print-devices"
+// then hang), "leave-shm" (create /dev/shm/trainyard-allreduce-PID-test, exit 9),
+// "leave-user-shm" (create /dev/shm/trainyard-test-PID and a SysV segment, exit 0), "print-devices"
 // (print the device it was given: the context's device, TRAINYARD_DEVICE, CUDA_VISIBLE_DEVICES,
 // OMP_NUM_THREADS; exit 0), "print-credentials" (say whether the job credential of its attempt
 // and the worker's node token reached its environment, never their values; exit 0),
@@ -23,6 +24,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/shm.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -135,6 +137,13 @@ int main(int argc, char** argv) {
       line.replace(0, number.size(), number);
       std::printf("%s\n", line.c_str());
     }
+    return 0;
+  }
+  if (mode == "leave-user-shm") {  // leaves /dev/shm/trainyard-test-PID and a SysV segment
+    const std::string name = "/trainyard-test-" + std::to_string(getpid());
+    const int fd = shm_open(name.c_str(), O_CREAT | O_RDWR, 0600);
+    const int segment = shmget(IPC_PRIVATE, 4096, IPC_CREAT | 0600);
+    std::printf("left /dev/shm%s %d segment %d\n", name.c_str(), fd >= 0 ? 1 : 0, segment);
     return 0;
   }
   if (mode == "leave-shm") {  // dies holding a named all-reduce segment, as rank 0 might

@@ -753,6 +753,66 @@ TEST_F(WorkerE2eTest, NothingAJobsEnvNamesRunsAsRootAndTheWorkersEnvironmentStay
 // Whether this host's cgroups can hold ranks (root, and v1 or a delegated v2).
 bool CgroupsUsable() { return geteuid() == 0 && trainyard::worker::DetectCgroups().version != 0; }
 
+// A rank that makes its log 1 TiB long (a hole: bytes it never wrote) has its lines on both sides
+// of the hole read, and its job ends as soon as it exits: the worker skips the hole (it read the
+// zeros, for hours, and sent them on as lines).
+TEST_F(WorkerE2eTest, ARanksLogIsReadAcrossAHoleWithoutReadingIt) {
+  const v1::Job job = RunToEnd(*client_, CommandSpec("hole", 1,
+                                                     {"/usr/bin/python3", "-c",
+                                                      "import os\n"
+                                                      "os.write(1, b'before the hole\\n')\n"
+                                                      "os.ftruncate(1, 1 << 40)\n"
+                                                      "os.write(1, b'after the hole\\n')\n"}));
+  ASSERT_EQ(job.state(), v1::SUCCEEDED) << job.message();
+  const std::vector<std::string> lines = Logs(job.id());
+  EXPECT_THAT(lines, Contains(HasSubstr("before the hole")));
+  EXPECT_THAT(lines, Contains(HasSubstr("after the hole")));
+  size_t bytes = 0;
+  for (const std::string& line : lines) bytes += line.size();
+  EXPECT_LT(bytes, size_t{64} << 10) << "the hole was read";
+}
+
+// Without --memory-per-slot a rank is held to each device's share of the host's memory: what the
+// scheduler charges a job that asks for none. (It had no limit: one such job could take the
+// host's memory, and the kernel's OOM killer then chose among every user's ranks.)
+TEST_F(WorkerE2eTest, WithoutAPerSlotLimitARankIsHeldToItsDevicesShareOfTheMemory) {
+  if (!CgroupsUsable()) GTEST_SKIP() << "needs root and usable cgroups";
+  ASSERT_EQ(chmod(dir_.path().c_str(), 0755), 0);
+  StopWorker();
+  alice_account_ = "nobody";
+  StartWorker({"--gpus", "none", "--cgroups", "require"});
+  WaitForReadyNodes(1);
+  auto nodes = client_->ListNodes();
+  ASSERT_TRUE(nodes.ok()) << nodes.status();
+  ASSERT_EQ(nodes->nodes_size(), 1);
+  const v1::HostResources& host = nodes->nodes(0).host();
+  ASSERT_GT(host.memory_bytes(), 0);
+  EXPECT_EQ(host.memory_per_device(), host.memory_bytes() / 2);  // 2 slots
+  // The rank reads its own limit (v1: memory.limit_in_bytes, in whole pages; v2: memory.max).
+  const v1::Job job =
+      RunToEnd(*client_, CommandSpec("limit", 1,
+                                     {"/usr/bin/python3", "-c",
+                                      "for line in open('/proc/self/cgroup'):\n"
+                                      "    h, ctl, path = line.rstrip('\\n').split(':', 2)\n"
+                                      "    for f in ('/sys/fs/cgroup/memory' + path + "
+                                      "'/memory.limit_in_bytes', '/sys/fs/cgroup' + path + "
+                                      "'/memory.max'):\n"
+                                      "        if ('memory' in ctl.split(',') or h == '0'):\n"
+                                      "            try: print('limit', open(f).read().strip())\n"
+                                      "            except OSError: pass\n"}));
+  ASSERT_EQ(job.state(), v1::SUCCEEDED) << job.message();
+  std::vector<int64_t> limits;
+  for (const std::string& line : Logs(job.id())) {
+    const size_t at = line.find("limit ");
+    int64_t limit = 0;
+    if (at != std::string::npos && absl::SimpleAtoi(line.substr(at + 6), &limit)) {
+      limits.push_back(limit);
+    }
+  }
+  const int64_t page = sysconf(_SC_PAGESIZE);
+  EXPECT_THAT(limits, Contains(host.memory_per_device() / page * page)) << job.id();
+}
+
 // Containment (issue 52): each rank in a cgroup of its own, held to the worker's per-slot limits.
 // A rank that allocates past its memory is OOM-killed and its job FAILED naming the limit, while
 // a job beside it on the same worker finishes; four spinning processes under `cpus 1` get at most

@@ -125,12 +125,12 @@ absl::StatusOr<std::string> ContextCache::Get(const std::string& job_id,
   if (!IsContextDigest(digest)) {
     return absl::InvalidArgumentError(absl::StrCat("context: not a digest: ", digest));
   }
-  absl::MutexLock lock(&mu_);
   std::error_code ec;
-  fs::create_directories(dir_, ec);
-  chmod(dir_.c_str(), 0700);  // the worker's: others may not read users' code
   const std::string path = absl::StrCat(dir_, "/", digest.substr(7), ".tar.gz");
   {
+    absl::MutexLock lock(&mu_);
+    fs::create_directories(dir_, ec);
+    chmod(dir_.c_str(), 0700);  // the worker's: others may not read users' code
     std::ifstream in(path, std::ios::binary);
     if (in) {
       std::string cached(std::istreambuf_iterator<char>(in), {});
@@ -140,8 +140,10 @@ absl::StatusOr<std::string> ContextCache::Get(const std::string& job_id,
       }
       fs::remove(path, ec);  // damaged: fetched again
     }
+    RemoveUnused();
   }
-  RemoveUnused();
+  // Fetched without the lock: one job's context slow to come (a large one, a slow coordinator)
+  // holds up no other job's. (Two attempts of one context at once may both fetch it.)
   absl::StatusOr<std::string> archive = fetch_(job_id);
   if (!archive.ok()) return archive.status();
   if (ContextDigest(*archive) != digest) {
@@ -149,6 +151,7 @@ absl::StatusOr<std::string> ContextCache::Get(const std::string& job_id,
                                                       " is not ", digest, " (",
                                                       ContextDigest(*archive), ")"));
   }
+  absl::MutexLock lock(&mu_);
   const std::string temp = absl::StrCat(path, ".part");
   const int fd = open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
   const bool written = fd >= 0 && WriteAll(fd, *archive) && fsync(fd) == 0;

@@ -6,6 +6,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <sys/wait.h>
@@ -208,7 +209,8 @@ void AddFlags(CLI::App& app, Flags& f, trainyard::worker::WorkerOptions& options
       ->capture_default_str();
   app.add_option("--memory-per-slot", f.memory_per_slot,
                  "each rank's memory limit (16GiB, 512MiB; as Slurm's DefMemPerGPU): a rank "
-                 "past it is OOM-killed and its job fails saying so; default none");
+                 "past it is OOM-killed and its job fails saying so; default each device's share "
+                 "of the memory (with cgroups); none: no limit");
   app.add_option("--cpus-per-slot", f.cpus_per_slot,
                  "each rank's CPU quota, in CPUs (1.5: one and a half; as DefCpuPerGPU); "
                  "default none")
@@ -391,11 +393,12 @@ absl::Status SettleCgroups(const Flags& f, trainyard::worker::WorkerOptions& opt
   auto& supervisor = options.supervisor;
   supervisor.rank_limits.cpus = f.cpus_per_slot;
   supervisor.rank_limits.pids = f.pids_per_rank;
-  if (!f.memory_per_slot.empty()) {
+  if (!f.memory_per_slot.empty() && f.memory_per_slot != "none") {
     const std::optional<int64_t> bytes = trainyard::ParseBytes(f.memory_per_slot);
     if (!bytes.has_value() || *bytes <= 0) {
       return absl::InvalidArgumentError(absl::StrCat("--memory-per-slot: '", f.memory_per_slot,
-                                                     "' is not a size (such as 16GiB, 512MiB)"));
+                                                     "' is not a size (such as 16GiB, 512MiB) "
+                                                     "or none"));
     }
     supervisor.rank_limits.memory_bytes = *bytes;
   }
@@ -439,15 +442,8 @@ absl::Status SettleCgroups(const Flags& f, trainyard::worker::WorkerOptions& opt
   if (host.version == 0 && mode == "require") {
     return absl::FailedPreconditionError(absl::StrCat("--cgroups require: ", host.why));
   }
-  const auto& l = supervisor.rank_limits;
   if (host.version == 0) {
     spdlog::warn("ranks are not confined: {}", trainyard::worker::DescribeCgroups(host));
-  } else {
-    spdlog::info("each rank in a cgroup of its own: {}; per rank: memory {}, CPUs {}, pids {}",
-                 trainyard::worker::DescribeCgroups(host),
-                 l.memory_bytes > 0 ? trainyard::HumanBytes(l.memory_bytes) : "no limit",
-                 l.cpus > 0 ? absl::StrCat(l.cpus) : "no limit",
-                 l.pids > 0 ? absl::StrCat(l.pids) : "no limit");
   }
   SettleGpuDeviceRules(f, host, options);
   supervisor.cgroups = std::make_shared<const trainyard::worker::CgroupHost>(std::move(host));
@@ -468,10 +464,28 @@ absl::Status SettleHost(const Flags& f, int devices, trainyard::worker::WorkerOp
                      " leaves nothing of this host's ", trainyard::HumanBytes(physical)));
   }
   const auto& cgroups = options.supervisor.cgroups;
+  auto& l = options.supervisor.rank_limits;
+  const bool confined = cgroups != nullptr && cgroups->version != 0;
+  // A rank is held to the memory the scheduler charges it: without --memory-per-slot, each
+  // device's share (a job that asked for no memory had none: it could take the host's, and the
+  // kernel's OOM killer then chose among every user's ranks). CPUs need no such default: each
+  // rank's cgroup weighs the same, so a rank of many threads gets no more than one of few.
+  if (confined && f.memory_per_slot.empty()) {
+    l.memory_bytes = (physical - *reserved) / std::max(1, devices);
+  }
   options.host = trainyard::worker::HostResourcesOf(
       f.host_cpus > 0 ? f.host_cpus : trainyard::worker::AffinityCpus(), physical - *reserved,
-      devices, options.supervisor.rank_limits,
+      devices, l,
       cgroups != nullptr ? trainyard::worker::DescribeCgroups(*cgroups) : "none: --cgroups off");
+  if (confined) {
+    spdlog::info(
+        "each rank in a cgroup of its own: {}; per rank: memory {}{}, CPUs {}, pids {}",
+        trainyard::worker::DescribeCgroups(*cgroups),
+        l.memory_bytes > 0 ? trainyard::HumanBytes(l.memory_bytes) : "no limit",
+        f.memory_per_slot.empty() ? " (each device's share; --memory-per-slot to choose)" : "",
+        l.cpus > 0 ? absl::StrCat(l.cpus) : "an equal share",
+        l.pids > 0 ? absl::StrCat(l.pids) : "no limit");
+  }
   return absl::OkStatus();
 }
 
@@ -616,6 +630,20 @@ void RemoveCgroupFolders(const trainyard::worker::WorkerOptions& options) {
   }
 }
 
+// The worker holds a few descriptors for each rank (its log, its shepherd's socket): its soft
+// limit on open files goes up to the hard one (systemd's default soft 1024 ran out at about 500
+// ranks, and every launch on the node then failed). Ranks inherit the worker's limits
+// (deploy/systemd/trainyard-worker.service sets them).
+void RaiseOpenFileLimit() {
+  struct rlimit files {};
+  if (getrlimit(RLIMIT_NOFILE, &files) != 0 || files.rlim_cur >= files.rlim_max) return;
+  const rlim_t was = files.rlim_cur;
+  files.rlim_cur = files.rlim_max;
+  if (setrlimit(RLIMIT_NOFILE, &files) == 0) {
+    spdlog::info("open files: {} at most (was {})", files.rlim_cur, was);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -652,6 +680,7 @@ int main(int argc, char** argv) {
     std::cerr << "trainyard-worker: " << s.message() << "\n";
     return 2;
   }
+  RaiseOpenFileLimit();
   trainyard::worker::WorkerDaemon daemon(options);
   auto metrics = StartMetrics(flags, options, daemon);
   if (!metrics.ok()) {

@@ -1,6 +1,7 @@
 #include "worker/daemon/rank_supervisor.h"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <ifaddrs.h>
 #include <netdb.h>
@@ -8,6 +9,7 @@
 #include <pwd.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/shm.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -170,9 +172,15 @@ class RankLogFollower {
   RankLogFollower(const RankLogFollower&) = delete;
   RankLogFollower& operator=(const RankLogFollower&) = delete;
 
-  // The log's new bytes since the last read, as lines (a rank that cut its own log starts over).
-  void ReadNew() {
-    if (fd_ < 0) return;
+  static constexpr int64_t kReadBytes = 8 << 20;  // a ReadNew's share
+
+  // The log's new bytes since the last read, as lines (a rank that cut its own log starts over);
+  // returns how many were read. At most kReadBytes a call: a rank printing fast is read a share
+  // at a time (and again at once), and its thread hears a stop or a detach between. A hole (a rank
+  // that extended its log, or wrote past its end: bytes it never wrote) is skipped, not read: a
+  // rank that made its log 16 TiB long kept the worker reading zeros for hours.
+  int64_t ReadNew() {
+    if (fd_ < 0) return 0;
     struct stat st {};
     if (fstat(fd_, &st) == 0 && st.st_size < offset_) {
       cut_bytes_ += offset_;
@@ -182,8 +190,19 @@ class RankLogFollower {
     }
     char buf[65536];
     Batch batch;
-    ssize_t n;
-    while ((n = pread(fd_, buf, sizeof(buf), offset_)) > 0) {
+    ssize_t n = 0;
+    int64_t read = 0;
+    while (read < kReadBytes) {
+      // (The size first: no data from offset_ to the end then means none before that size.)
+      if (fstat(fd_, &st) != 0 || st.st_size <= offset_) break;
+      const off_t data = lseek(fd_, offset_, SEEK_DATA);
+      if (data < 0 && errno == ENXIO) {
+        SkipTo(st.st_size, batch);
+        break;
+      }
+      if (data > offset_) SkipTo(data, batch);
+      if ((n = pread(fd_, buf, sizeof(buf), offset_)) <= 0) break;
+      read += n;
       offset_ += n;
       partial_.append(buf, static_cast<size_t>(n));
       size_t start = 0, nl;
@@ -207,11 +226,13 @@ class RankLogFollower {
       if (batch.size() >= 512) Emit(batch);
     }
     Emit(batch);
+    return read;
   }
 
   // The rank has ended: what is new, and a last line without its newline.
   void ReadToEnd() {
-    ReadNew();
+    while (ReadNew() > 0) {
+    }
     Batch batch;
     if (!partial_.empty()) Take(std::exchange(partial_, ""), partial_start_, batch);
     Emit(batch);
@@ -232,6 +253,12 @@ class RankLogFollower {
     if (!batch.empty() && batch_bytes_ + line.size() > kBatchBytes) Emit(batch);
     batch_bytes_ += line.size();
     batch.emplace_back(cut_bytes_ + start + 1, std::move(line));
+  }
+
+  // Past a hole, from `to`: the line it cut goes as it is (lines keep their offsets as seqs).
+  void SkipTo(int64_t to, Batch& batch) {
+    if (!partial_.empty()) Take(std::exchange(partial_, ""), partial_start_, batch);
+    offset_ = partial_start_ = to;
   }
 
   void Emit(Batch& batch) {
@@ -268,6 +295,63 @@ int ParseShepherdExit(const std::string& fields, v1::RankUsage* usage) {
     usage->set_memory_peak_bytes(cgroup_peak);
   }
   return code;
+}
+
+// Whether a process of account `uid` runs on the host (another worker's rank, a login), by any
+// of its uids (ProcessHasUid).
+bool AccountHasProcesses(uid_t uid) {
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc", ec)) {
+    pid_t pid = 0;
+    if (absl::SimpleAtoi(entry.path().filename().string(), &pid) && pid > 0 &&
+        ProcessHasUid(pid, uid)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// What account `uid`'s ranks left in shared memory once no process of theirs is left on the
+// host: its entries in /dev/shm (named shared memory: NCCL's segments of a killed job, a
+// program's own; memory no live cgroup holds, and the host's /dev/shm fills) and its SysV
+// segments that no process has attached. Only what `uid` owns; a link is removed, never
+// followed; folders stay; at most kScrubEntries entries are looked at.
+void ScrubSharedMemory(uid_t uid) {
+  constexpr int kScrubEntries = 100000;
+  if (AccountHasProcesses(uid)) return;
+  int removed = 0, looked = 0;
+  if (DIR* dir = opendir("/dev/shm"); dir != nullptr) {
+    const int fd = dirfd(dir);
+    while (const dirent* entry = readdir(dir)) {
+      if (++looked > kScrubEntries) break;
+      struct stat st {};
+      if (fstatat(fd, entry->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || st.st_uid != uid ||
+          S_ISDIR(st.st_mode)) {
+        continue;
+      }
+      if (unlinkat(fd, entry->d_name, 0) == 0) ++removed;
+    }
+    closedir(dir);
+  }
+  // key shmid perms size cpid lpid nattch uid ... (/proc/sysvipc/shm, after its header)
+  std::ifstream segments("/proc/sysvipc/shm");
+  std::string line;
+  std::getline(segments, line);
+  while (std::getline(segments, line)) {
+    const std::vector<std::string> fields = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    int shmid = 0;
+    int64_t attached = 0, owner = 0;
+    if (fields.size() > 7 && absl::SimpleAtoi(fields[1], &shmid) &&
+        absl::SimpleAtoi(fields[6], &attached) && absl::SimpleAtoi(fields[7], &owner) &&
+        attached == 0 && owner == static_cast<int64_t>(uid) &&
+        shmctl(shmid, IPC_RMID, nullptr) == 0) {
+      ++removed;
+    }
+  }
+  if (removed > 0) {
+    spdlog::info("removed {} shared memory object(s) of uid {}, none of whose ranks runs here",
+                 removed, uid);
+  }
 }
 
 }  // namespace
@@ -561,6 +645,7 @@ void RankSupervisor::Launch(const v1::Assignment& assignment) {
   absl::MutexLock lock(&mu_);
   if (stopping_) return;
   launches_.push_back(assignment);
+  ++launch_events_;
 }
 
 void RankSupervisor::Stop(const std::string& job_id, int attempt) {
@@ -749,40 +834,15 @@ int RankSupervisor::running_count() const {
 
 void RankSupervisor::SupervisorLoop() {
   absl::MutexLock lock(&mu_);
+  uint64_t seen = 0;  // launch_events_ as StartLaunches last saw it
   while (true) {
-    auto has_work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return !launches_.empty() || !finished_readers_.empty() || (stopping_ && ranks_.empty());
+    auto has_work = [this, &seen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return launch_events_ != seen || !finished_readers_.empty() ||
+             (stopping_ && ranks_.empty() && preparing_.empty());
     };
     mu_.Await(absl::Condition(&has_work));
-    while (!launches_.empty()) {
-      const v1::Assignment a = launches_.front();
-      const std::pair<std::string, int> attempt{a.job_id(), a.attempt()};
-      // Prepared before the first rank here starts; never under ranks already running (ranks
-      // a restarted worker adopted: their folder is as it was).
-      bool none_started = true;
-      for (int i = 0; i < RanksOf(a); ++i) {
-        none_started =
-            none_started && started_.count({a.job_id(), a.attempt(), a.first_rank() + i}) == 0;
-      }
-      if (none_started && contexts_.count(attempt) == 0) {
-        v1::JobSpec spec;
-        if (spec.ParseFromString(a.spec()) && !spec.context().empty()) {
-          // Fetched and unpacked without the lock (a Stop meanwhile drops the launch as ever).
-          mu_.Unlock();
-          absl::Status prepared = PrepareContext(a, spec.context());
-          mu_.Lock();
-          contexts_[attempt] = std::move(prepared);
-          continue;
-        }
-      }
-      launches_.pop_front();
-      auto context = contexts_.find(attempt);
-      for (int i = 0; i < RanksOf(a); ++i) {
-        Start(a, a.first_rank() + i, DeviceOfRank(a, i),
-              context == contexts_.end() ? absl::OkStatus() : context->second);
-      }
-      ended_attempts_.insert(attempt);  // (perhaps: a rank that failed to start has ended)
-    }
+    seen = launch_events_;
+    StartLaunches();
     std::vector<std::thread> done;
     done.swap(finished_readers_);
     if (!done.empty()) {
@@ -791,8 +851,67 @@ void RankSupervisor::SupervisorLoop() {
       mu_.Lock();
     }
     RemoveEndedWork();
-    if (stopping_ && ranks_.empty() && launches_.empty()) break;
+    if (stopping_ && ranks_.empty() && launches_.empty() && preparing_.empty() &&
+        finished_readers_.empty()) {
+      break;
+    }
   }
+}
+
+void RankSupervisor::StartLaunches() {
+  for (auto it = launches_.begin(); it != launches_.end();) {
+    const v1::Assignment a = *it;
+    const std::pair<std::string, int> attempt{a.job_id(), a.attempt()};
+    if (preparing_.count(attempt) > 0) {
+      ++it;
+      continue;
+    }
+    // Prepared before the first rank here starts; never under ranks already running (ranks a
+    // restarted worker adopted: their folder is as it was).
+    bool none_started = true;
+    for (int i = 0; i < RanksOf(a); ++i) {
+      none_started =
+          none_started && started_.count({a.job_id(), a.attempt(), a.first_rank() + i}) == 0;
+    }
+    if (none_started && contexts_.count(attempt) == 0) {
+      v1::JobSpec spec;
+      if (spec.ParseFromString(a.spec()) && !spec.context().empty()) {
+        // (Each holds an archive, up to 80 MiB, and an unpacker: a few at once.)
+        if (preparing_.size() < kMaxPreparing) Prepare(a, spec.context());
+        ++it;
+        continue;
+      }
+    }
+    it = launches_.erase(it);
+    auto context = contexts_.find(attempt);
+    const absl::Status prepared = context == contexts_.end() ? absl::OkStatus() : context->second;
+    for (int i = 0; i < RanksOf(a); ++i) {
+      Start(a, a.first_rank() + i, DeviceOfRank(a, i), prepared);
+    }
+    ended_attempts_.insert(attempt);  // (perhaps: a rank that failed to start has ended)
+  }
+}
+
+void RankSupervisor::Prepare(const v1::Assignment& a, const std::string& digest) {
+  const std::pair<std::string, int> attempt{a.job_id(), a.attempt()};
+  // (Made under the lock: the thread's last step, which takes it, finds its entry.)
+  preparing_[attempt] = std::thread([this, a, digest, attempt] {
+    // Fetched and unpacked without the lock (a Stop meanwhile drops the launch as ever; the
+    // attempt is Live until this ends, so that its folder is not emptied under the unpacking).
+    absl::Status prepared = PrepareContext(a, digest);
+    absl::MutexLock lock(&mu_);
+    // (Kept for the launch; a launch dropped meanwhile has none to keep it for.)
+    for (const v1::Assignment& waiting : launches_) {
+      if (waiting.job_id() == a.job_id() && waiting.attempt() == a.attempt()) {
+        contexts_[attempt] = std::move(prepared);
+        break;
+      }
+    }
+    auto self = preparing_.find(attempt);
+    finished_readers_.push_back(std::move(self->second));
+    preparing_.erase(self);
+    ++launch_events_;
+  });
 }
 
 absl::StatusOr<std::optional<UnixAccount>> RankSupervisor::AccountOf(
@@ -1215,9 +1334,11 @@ void RankSupervisor::Follow(RankKey key, int conn, pid_t shepherd, int64_t offse
     }
   };
   bool detached = false;
+  bool behind = false;  // the last read took its whole share: read again at once
   while (gone.empty() && !exit_code.has_value()) {
-    auto message = ReceiveShepherdMessage(conn, absl::Milliseconds(200));
-    log.ReadNew();
+    auto message =
+        ReceiveShepherdMessage(conn, behind ? absl::ZeroDuration() : absl::Milliseconds(200));
+    behind = log.ReadNew() >= RankLogFollower::kReadBytes;
     if (!message.ok()) {
       gone = "the rank's shepherd ended without saying how the rank did";
     } else if (absl::StartsWith(*message, "exit ")) {
@@ -1282,6 +1403,9 @@ bool RankSupervisor::Live(const std::string& job_id, int attempt) const {
   for (const auto& [key, rank] : ranks_) {
     if (std::get<0>(key) == job_id && (attempt == 0 || std::get<1>(key) == attempt)) return true;
   }
+  for (const auto& [key, thread] : preparing_) {
+    if (key.first == job_id && (attempt == 0 || key.second == attempt)) return true;
+  }
   for (const v1::Assignment& a : launches_) {
     if (a.job_id() == job_id && (attempt == 0 || a.attempt() == attempt)) return true;
   }
@@ -1291,6 +1415,7 @@ bool RankSupervisor::Live(const std::string& job_id, int attempt) const {
 void RankSupervisor::RemoveEndedWork() {
   // Detached ranks run on under their shepherds (an upgrade): their folders are theirs still.
   if (detaching_) return;
+  std::set<uid_t> ended_accounts;  // whose ranks ran the attempts handed on here
   for (auto it = ended_attempts_.begin(); it != ended_attempts_.end();) {
     const auto& [job_id, attempt] = *it;
     if (Live(job_id, attempt)) {
@@ -1305,9 +1430,32 @@ void RankSupervisor::RemoveEndedWork() {
     } else if (struct stat st{}; lstat((dir + "/work").c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
       owner = FolderOwner(st);  // adopted from an earlier worker: whom the folder was given to
     }
+    if (owner.has_value()) ended_accounts.insert(owner->uid);
+    contexts_.erase(*it);  // (an assignment of it sent again starts no rank: started_)
     folders_->Ended(job_id, attempt, std::move(owner));
     it = ended_attempts_.erase(it);
   }
+  // (Under the lock: no launch of theirs starts meanwhile. Root's and this worker's own account
+  // are never scrubbed: their files are not a job's.)
+  for (uid_t uid : ended_accounts) {
+    if (uid != 0 && uid != geteuid() && !AccountLive(uid)) ScrubSharedMemory(uid);
+  }
+}
+
+bool RankSupervisor::AccountLive(uid_t uid) const {
+  if (!preparing_.empty()) return true;
+  for (const auto& [key, rank] : ranks_) {
+    auto account = attempt_accounts_.find({std::get<0>(key), std::get<1>(key)});
+    if (account == attempt_accounts_.end() || !account->second.has_value() ||
+        account->second->uid == uid) {
+      return true;
+    }
+  }
+  for (const v1::Assignment& a : launches_) {
+    absl::StatusOr<std::optional<UnixAccount>> account = AccountOf(a.owner());
+    if (!account.ok() || !account->has_value() || (*account)->uid == uid) return true;
+  }
+  return false;
 }
 
 void RankSupervisor::Remember(const RankKey& key, int64_t seq, const std::string& line) {

@@ -238,6 +238,14 @@ class RankSupervisor {
   // as the owner, into the attempt's "work" folder, before its first rank here starts. Without
   // the supervisor's lock: it may wait on the coordinator.
   absl::Status PrepareContext(const v1::Assignment& a, const std::string& digest);
+  // PrepareContext on a thread of its own (in preparing_), so that one attempt's context (a large
+  // one, a slow coordinator, an unpacker its owner stopped: up to its 5-minute timeout) holds up
+  // only that attempt's launch, not every user's on the node; its outcome goes to contexts_.
+  void Prepare(const v1::Assignment& a, const std::string& digest)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Starts what launches_ holds that can start: each launch whose context is ready or not
+  // needed, in order; a context not yet asked for is asked for (Prepare), and its launch waits.
+  void StartLaunches() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A command job's rank: the spec's program with torchrun's environment (Start's part for them).
   void StartCommand(const v1::Assignment& a, const v1::JobSpec& spec, const RankKey& key, int rank,
                     int device, const std::optional<UnixAccount>& account, const std::string& work,
@@ -267,6 +275,9 @@ class RankSupervisor {
   // empties its work and errors folders as their owner: the account that ran its ranks, or for an
   // attempt adopted from an earlier worker, the work folder's owner.
   void RemoveEndedWork() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether a rank of account `uid` runs, waits to start or might (a context being prepared, a
+  // rank whose account is not known: adopted) on this worker.
+  bool AccountLive(uid_t uid) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Keeps a line of a rank's for RecentLogs.
   void Remember(const RankKey& key, int64_t seq, const std::string& line);
   void ReportExit(const RankKey& key, int exit_code, const std::string& message,
@@ -283,8 +294,13 @@ class RankSupervisor {
   // Command jobs: the MASTER_PORT of each attempt with ranks here, the same for all of them.
   std::map<std::pair<std::string, int>, int> attempt_ports_ ABSL_GUARDED_BY(mu_);
   std::deque<v1::Assignment> launches_ ABSL_GUARDED_BY(mu_);
-  // Attempts whose context was prepared here, and how that went (one small entry each).
+  // Bumped by each change SupervisorLoop's launches wait on (a launch, a context prepared).
+  uint64_t launch_events_ ABSL_GUARDED_BY(mu_) = 0;
+  // Attempts whose context was prepared here, and how that went (until the attempt ends here);
+  // those whose context is being prepared, with the thread preparing it.
   std::map<std::pair<std::string, int>, absl::Status> contexts_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<std::string, int>, std::thread> preparing_ ABSL_GUARDED_BY(mu_);
+  static constexpr size_t kMaxPreparing = 4;  // contexts prepared at once
   std::vector<std::thread> finished_readers_ ABSL_GUARDED_BY(mu_);
   // The account that runs each attempt's ranks here (none: this process's), from their start, and
   // the attempts a rank of which has ended since (RemoveEndedWork).

@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <optional>
 #include <set>
@@ -88,10 +89,13 @@ void RemoveSharedMemoryOf(pid_t pid) {
   }
 }
 
-// Sends `sig` to every process but this one (and those `skip` is true for) whose environment
-// holds `mark` (a whole entry, as /proc shows it: to this account, or any with root). A process
-// that cleared its environment is not found.
-void SignalMarked(const std::string& mark, int sig, const std::function<bool(pid_t)>& skip) {
+// Sends `sig` to every process of account `uid` but this one (and those `skip` is true for)
+// whose environment holds `mark` (a whole entry, as /proc shows it). A process that cleared its
+// environment is not found. Only `uid`'s processes are read: reading another's environment can
+// block for good (a process whose memory is a FUSE file its owner never answers for), and it
+// would have stopped every user's ranks' stops on the node, not only that user's.
+void SignalMarked(const std::string& mark, uid_t uid, int sig,
+                  const std::function<bool(pid_t)>& skip) {
   if (mark.empty()) return;
   const pid_t self = getpid();
   const std::string nul(1, '\0');
@@ -100,6 +104,7 @@ void SignalMarked(const std::string& mark, int sig, const std::function<bool(pid
     const std::string name = entry.path().filename().string();
     pid_t pid = 0;
     if (!absl::SimpleAtoi(name, &pid) || pid <= 1 || pid == self) continue;
+    if (!ProcessHasUid(pid, uid)) continue;
     const int fd = open(absl::StrCat("/proc/", name, "/environ").c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) continue;
     std::string text;
@@ -365,6 +370,22 @@ bool SendShepherdMessage(int fd, const std::string& message) {
          static_cast<ssize_t>(std::min(message.size(), kMaxMessageBytes));
 }
 
+bool ProcessHasUid(pid_t pid, uid_t uid) {
+  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(status, line)) {
+    absl::string_view rest = line;
+    if (!absl::ConsumePrefix(&rest, "Uid:")) continue;
+    for (absl::string_view field :
+         absl::StrSplit(rest, absl::ByAnyChar(" \t"), absl::SkipEmpty())) {
+      uint32_t id = 0;
+      if (absl::SimpleAtoi(field, &id) && id == uid) return true;
+    }
+    return false;
+  }
+  return false;
+}
+
 absl::StatusOr<std::string> ReceiveShepherdMessage(int fd, absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   while (true) {
@@ -540,15 +561,19 @@ class Shepherd {
     Stop(SIGTERM);
   }
 
-  // `sig` to the rank's process group, then to what left the group: the processes with its mark,
-  // and those in its cgroups (also what cleared its environment). Each process gets it once: to
-  // many programs a second SIGTERM means "stop now, without saving" (the SDK's, torchrun's).
+  // `sig` to the rank's process group, then to what left the group: those in its cgroups, which
+  // no process of the rank can leave, or, unconfined, the rank's account's processes with its
+  // mark (not what cleared its environment). Each process gets it once: to many programs a
+  // second SIGTERM means "stop now, without saving" (the SDK's, torchrun's).
   void Stop(int sig) {
     kill(-rank_, sig);
     std::set<pid_t> sent;
     const auto skip = [&](pid_t pid) { return getpgid(pid) == rank_ || !sent.insert(pid).second; };
-    SignalMarked(mark_, sig, skip);
-    SignalCgroups(s_.cgroups, sig, skip);
+    if (s_.cgroups.empty()) {
+      SignalMarked(mark_, s_.switch_account ? s_.uid : geteuid(), sig, skip);
+    } else {
+      SignalCgroups(s_.cgroups, sig, skip);
+    }
   }
 
   // The log's blocks before both the worker's offset and its last s.log_keep bytes are freed

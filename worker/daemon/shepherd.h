@@ -28,6 +28,8 @@
 #ifndef TRAINYARD_WORKER_DAEMON_SHEPHERD_H_
 #define TRAINYARD_WORKER_DAEMON_SHEPHERD_H_
 
+#include <sys/types.h>
+
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -70,6 +72,11 @@ bool SendShepherdMessage(int fd, const std::string& message);
 // The next message on `fd`, waiting at most `timeout`: empty when none came in time;
 // UNAVAILABLE when the peer is gone.
 absl::StatusOr<std::string> ReceiveShepherdMessage(int fd, absl::Duration timeout);
+
+// Whether process `pid` has `uid` as any of its user ids (real, effective, saved, file system; from
+// /proc/PID/status: /proc/PID itself is root's for a process that is not dumpable). Reads nothing
+// of the process's memory (its environment could block for good).
+bool ProcessHasUid(pid_t pid, uid_t uid);
 
 }  // namespace trainyard::worker
 
