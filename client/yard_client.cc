@@ -254,8 +254,9 @@ absl::Status YardClient::Logs(const std::string& job_id, bool follow, int tail,
   // what was printed already is dropped by seq (per attempt and rank), and so is what a tail left
   // out, by the positions that came after it (each rank's last line kept when it opened).
   SeqFilter printed;
-  bool got =
-      false;  // a message came: a stream opened again resumes (one that failed first does not)
+  // A line came: a stream opened again resumes (one that failed first, or among the positions,
+  // is opened as it was).
+  bool got = false;
   return Stream<v1::LogLine>(
       follow ? absl::ZeroDuration() : absl::Seconds(60),
       [&](grpc::ClientContext* ctx) {
@@ -266,7 +267,8 @@ absl::Status YardClient::Logs(const std::string& job_id, bool follow, int tail,
         return jobs_->StreamLogs(ctx, request);
       },
       [&](const v1::LogLine& line) {
-        got = true;
+        // (Not a position: a stream that breaks among them is opened again with them.)
+        got = got || !line.position();
         if (printed.Take(line) && !line.position()) on_line(line);
         return absl::OkStatus();
       },

@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/blocking_counter.h"
 #include "absl/time/clock.h"
@@ -397,6 +399,64 @@ TEST_F(JobHistoryTest, AnEvictedJobIsStillListedDescribedWatchedAndItsLogsAndMet
   }
   // New jobs continue the ids.
   EXPECT_EQ(Submit("next").id(), "job-4");
+}
+
+// A reader of an evicted job's log with a tail gets the tail whole, though a stale reader (one that
+// reads nothing more, its stream full: the job's 9 MiB of log) keeps the job's series subscribed:
+// the positions come from the store's copy only (those of the emptied series said every line was
+// before them, and the new reader printed nothing).
+TEST_F(JobHistoryTest, AStaleReaderOfAnEvictedJobHidesNoLineOfANewReadersTail) {
+  auto node = testing::NodeSession::Connect(channel_, tokens_->Node("n1"), "n1", 1);
+  const v1::Job done = Submit("done");
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  const v1::Assignment a = node->NextCommand().assignment();
+  constexpr int kLines = 600;
+  for (int m = 0; m < kLines / 100; ++m) {
+    v1::NodeMessage message;
+    message.mutable_logs()->set_job_id(done.id());
+    message.mutable_logs()->set_attempt(1);
+    for (int i = m * 100; i < (m + 1) * 100; ++i) {
+      message.mutable_logs()->add_seqs(i + 1);
+      message.mutable_logs()->add_lines(absl::StrCat("line ", i, " ", std::string(16 << 10, 'x')));
+    }
+    ASSERT_TRUE(node->Write(message));
+  }
+  node->ReportExit(a, 0, 0);
+  grpc::ClientContext stale_ctx;
+  Prepare(stale_ctx);
+  v1::StreamLogsRequest stale_request;
+  stale_request.set_job_id(done.id());
+  stale_request.set_follow(true);
+  auto stale = jobs_->StreamLogs(&stale_ctx, stale_request);
+  v1::LogLine first;
+  ASSERT_TRUE(stale->Read(&first));  // subscribed; it reads no more
+  absl::Cleanup finish = [&] {
+    stale_ctx.TryCancel();
+    while (stale->Read(&first)) {
+    }
+    stale->Finish();
+  };
+  {  // (Its end durable: then it may be evicted.)
+    grpc::ClientContext ctx;
+    Prepare(ctx);
+    v1::WatchJobRequest r;
+    r.set_job_id(done.id());
+    auto reader = jobs_->WatchJob(&ctx, r);
+    v1::JobEvent e;
+    while (reader->Read(&e) && e.job().state() != v1::SUCCEEDED) {
+    }
+    ASSERT_EQ(e.job().state(), v1::SUCCEEDED);
+    ctx.TryCancel();
+    reader->Finish();
+  }
+  clock_.Advance(absl::Minutes(6));
+  ASSERT_EQ(server_->EvictFinishedJobs(), 1);
+  EXPECT_EQ(server_->logs().Jobs(), 1u) << "the stale reader keeps the series subscribed";
+  const std::vector<std::string> tail = Logs(done.id(), 1, /*positions=*/true);
+  ASSERT_EQ(tail.size(), 2u);
+  EXPECT_EQ(tail[0], absl::StrCat("0@", kLines - 1));
+  EXPECT_TRUE(absl::StartsWith(tail[1], absl::StrCat("0:line ", kLines - 1, " ")))
+      << tail[1].substr(0, 20);
 }
 
 TEST_F(JobHistoryTest, AfterARestartOldFinishedJobsStayInTheStoreWithTheirLogs) {

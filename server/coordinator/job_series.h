@@ -98,7 +98,11 @@ class JobSeries {
     Series& s = series_[job_id];
     const size_t skip = tail == 0 || tail >= s.records.size() ? 0 : s.records.size() - tail;
     if (kept != nullptr) *kept = s.records.size();
-    if (on_positions) on_positions(TailPositions(s.records, skip, s.seqs.last()));
+    // (None from an empty series: a job's records read from the store come with their own, and
+    // the seqs kept here for a stale reader would hide them.)
+    if (on_positions && !s.records.empty()) {
+      on_positions(TailPositions(s.records, skip, s.seqs.last()));
+    }
     on_records(std::vector<T>(s.records.begin() + skip, s.records.end()));
     const int64_t handle = next_handle_++;
     s.subscribers[handle] = std::make_shared<Callback>(std::move(on_records));
