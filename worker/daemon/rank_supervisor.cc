@@ -231,7 +231,11 @@ class RankLogFollower {
 
   // The rank has ended: what is new, and a last line without its newline.
   void ReadToEnd() {
-    while (ReadNew() > 0) {
+    // Up to the log's size now: a leftover process still writing to it (an unconfined rank's
+    // child) would keep this reading, and the rank's exit unreported, for good.
+    struct stat st {};
+    const int64_t end = fd_ >= 0 && fstat(fd_, &st) == 0 ? st.st_size : 0;
+    while (offset_ < end && ReadNew() > 0) {
     }
     Batch batch;
     if (!partial_.empty()) Take(std::exchange(partial_, ""), partial_start_, batch);
@@ -315,10 +319,11 @@ bool AccountHasProcesses(uid_t uid) {
 // host: its entries in /dev/shm (named shared memory: NCCL's segments of a killed job, a
 // program's own; memory no live cgroup holds, and the host's /dev/shm fills) and its SysV
 // segments that no process has attached. Only what `uid` owns; a link is removed, never
-// followed; folders stay; at most kScrubEntries entries are looked at.
-void ScrubSharedMemory(uid_t uid) {
+// followed; folders stay; at most kScrubEntries entries are looked at. False, with nothing done,
+// while a process of `uid` is left (one just killed may take seconds to go).
+bool ScrubSharedMemory(uid_t uid) {
   constexpr int kScrubEntries = 100000;
-  if (AccountHasProcesses(uid)) return;
+  if (AccountHasProcesses(uid)) return false;
   int removed = 0, looked = 0;
   if (DIR* dir = opendir("/dev/shm"); dir != nullptr) {
     const int fd = dirfd(dir);
@@ -352,6 +357,7 @@ void ScrubSharedMemory(uid_t uid) {
     spdlog::info("removed {} shared memory object(s) of uid {}, none of whose ranks runs here",
                  removed, uid);
   }
+  return true;
 }
 
 }  // namespace
@@ -840,7 +846,11 @@ void RankSupervisor::SupervisorLoop() {
       return launch_events_ != seen || !finished_readers_.empty() ||
              (stopping_ && ranks_.empty() && preparing_.empty());
     };
-    mu_.Await(absl::Condition(&has_work));
+    if (scrubs_.empty()) {
+      mu_.Await(absl::Condition(&has_work));
+    } else {
+      mu_.AwaitWithTimeout(absl::Condition(&has_work), absl::Seconds(2));  // (RemoveEndedWork)
+    }
     seen = launch_events_;
     StartLaunches();
     std::vector<std::thread> done;
@@ -1435,10 +1445,19 @@ void RankSupervisor::RemoveEndedWork() {
     folders_->Ended(job_id, attempt, std::move(owner));
     it = ended_attempts_.erase(it);
   }
-  // (Under the lock: no launch of theirs starts meanwhile. Root's and this worker's own account
-  // are never scrubbed: their files are not a job's.)
+  // Scrubbed once none of the account's processes is left, looked at again each pass (every few
+  // seconds while one waits) for up to kScrubFor. (Under the lock: no launch of theirs starts
+  // meanwhile. Root's and this worker's own account are never scrubbed: their files are not a
+  // job's.)
+  const absl::Time now = absl::Now();
   for (uid_t uid : ended_accounts) {
-    if (uid != 0 && uid != geteuid() && !AccountLive(uid)) ScrubSharedMemory(uid);
+    if (uid != 0 && uid != geteuid()) scrubs_.emplace(uid, now + kScrubFor);
+  }
+  for (auto it = scrubs_.begin(); it != scrubs_.end();) {
+    // (A rank of theirs runs or waits: its own end queues them again. A context being prepared,
+    // whoever's: wait for it.)
+    const bool done = AccountLive(it->first) ? preparing_.empty() : ScrubSharedMemory(it->first);
+    it = done || now >= it->second ? scrubs_.erase(it) : std::next(it);
   }
 }
 

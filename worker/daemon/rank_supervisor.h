@@ -307,6 +307,9 @@ class RankSupervisor {
   std::map<std::pair<std::string, int>, std::optional<UnixAccount>> attempt_accounts_
       ABSL_GUARDED_BY(mu_);
   std::set<std::pair<std::string, int>> ended_attempts_ ABSL_GUARDED_BY(mu_);
+  // Accounts whose shared memory is to be scrubbed (RemoveEndedWork), until when to try.
+  std::map<uid_t, absl::Time> scrubs_ ABSL_GUARDED_BY(mu_);
+  static constexpr absl::Duration kScrubFor = absl::Minutes(10);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool detaching_ ABSL_GUARDED_BY(mu_) = false;
   absl::Duration orphan_timeout_ ABSL_GUARDED_BY(mu_) = absl::Seconds(10);

@@ -172,7 +172,11 @@ WorkerDaemon::WorkerDaemon(WorkerOptions options)
                                                  [this](v1::NodeMessage m) { Send(std::move(m)); });
 }
 
-WorkerDaemon::~WorkerDaemon() { Shutdown(); }
+WorkerDaemon::~WorkerDaemon() {
+  Shutdown();
+  // Its threads (a context being fetched) use this object's channel: they end first.
+  supervisor_.reset();
+}
 
 void WorkerDaemon::Connect() {
   grpc::ChannelArguments args = CoordinatorChannelArguments();
