@@ -201,9 +201,11 @@ void JobManager::Persist(const v1::Job& job, std::function<void(absl::Status)> a
       }
     }
     if (s.ok()) {
+      // Durable now: said first, so that a rank that hears its stop and reports meanwhile is told
+      // to stop too (the report asks whether the release is durable; it raced the stop).
+      NotifyWatchers(job);
       // Its ranks are stopped once the job's state that no longer runs them is durable.
       for (const auto& [node_id, stop] : send) nodes_.Send(node_id, stop);
-      NotifyWatchers(job);
     }
     if (after) after(s);
   });
