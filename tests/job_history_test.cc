@@ -289,11 +289,16 @@ class JobHistoryTest : public testing::CoordinatorFixture {
       ASSERT_TRUE(trainer_->ReportStep(&ctx, r, &commands).ok());
     }
     node.ReportExit(a, 0, 0);
-    // Watch events are durable: once it is seen, the job's end is on disk.
+    AwaitSucceeded(job.id());
+  }
+
+  // Waits until `job_id` has SUCCEEDED durably (watch events are durable: once it is seen, the
+  // job's end is on disk).
+  void AwaitSucceeded(const std::string& job_id) {
     grpc::ClientContext ctx;
     Prepare(ctx);
     v1::WatchJobRequest r;
-    r.set_job_id(job.id());
+    r.set_job_id(job_id);
     auto reader = jobs_->WatchJob(&ctx, r);
     v1::JobEvent e;
     while (reader->Read(&e) && e.job().state() != v1::SUCCEEDED) {
@@ -436,19 +441,7 @@ TEST_F(JobHistoryTest, AStaleReaderOfAnEvictedJobHidesNoLineOfANewReadersTail) {
     }
     stale->Finish();
   };
-  {  // (Its end durable: then it may be evicted.)
-    grpc::ClientContext ctx;
-    Prepare(ctx);
-    v1::WatchJobRequest r;
-    r.set_job_id(done.id());
-    auto reader = jobs_->WatchJob(&ctx, r);
-    v1::JobEvent e;
-    while (reader->Read(&e) && e.job().state() != v1::SUCCEEDED) {
-    }
-    ASSERT_EQ(e.job().state(), v1::SUCCEEDED);
-    ctx.TryCancel();
-    reader->Finish();
-  }
+  AwaitSucceeded(done.id());  // (its end durable: then it may be evicted)
   clock_.Advance(absl::Minutes(6));
   ASSERT_EQ(server_->EvictFinishedJobs(), 1);
   EXPECT_EQ(server_->logs().Jobs(), 1u) << "the stale reader keeps the series subscribed";

@@ -512,13 +512,26 @@ v1::Assignment AssignmentOf(const std::string& job_id, int ranks,
 
 class RankSupervisorTest : public ::testing::Test {
  protected:
-  RankSupervisorTest() {
+  RankSupervisorTest() { Restart(Options()); }
+
+  SupervisorOptions Options() {
     SupervisorOptions options;
     options.trainer_path = testing::TestBinPath("test_rank");
     options.work_dir = dir_.path() + "/work";
     options.shepherd_path = testing::BinPath("trainyard-worker");  // not this test's binary
+    return options;
+  }
+  // A supervisor of `options` in place of the one running.
+  void Restart(const SupervisorOptions& options) {
+    supervisor_.reset();
     supervisor_ =
         std::make_unique<RankSupervisor>(options, [this](v1::NodeMessage m) { reports_.Add(m); });
+  }
+  // One whose jobs' contexts come from `fetch` (a ContextCache under the test's folder).
+  void RestartWithContexts(ContextCache::Fetch fetch) {
+    SupervisorOptions options = Options();
+    options.contexts = std::make_shared<ContextCache>(dir_.path() + "/contexts", std::move(fetch));
+    Restart(options);
   }
 
   TempDir dir_;
@@ -702,26 +715,18 @@ TEST_F(RankSupervisorTest, AnEndedAttemptsFolderGoesOnceUnchangedForTheKeep) {
 // A launch stopped while its context was being fetched is dropped, and the copy unpacked for it
 // goes as an ended attempt's would (it stayed for good: no rank of it ever ended).
 TEST_F(RankSupervisorTest, ALaunchStoppedWhileItsContextCameLeavesNoCopy) {
-  supervisor_.reset();
   testing::TempDir source;
   std::ofstream(source.path() + "/train.py") << "print('hi')";
   auto packed = PackContext(source.path());
   ASSERT_TRUE(packed.ok()) << packed.status();
   absl::Mutex mu;
   bool fetching = false, release = false;
-  SupervisorOptions options;
-  options.trainer_path = testing::TestBinPath("test_rank");
-  options.work_dir = dir_.path() + "/work";
-  options.shepherd_path = testing::BinPath("trainyard-worker");
-  options.contexts = std::make_shared<ContextCache>(
-      dir_.path() + "/contexts", [&](const std::string&) -> absl::StatusOr<std::string> {
-        absl::MutexLock lock(&mu);
-        fetching = true;
-        mu.Await(absl::Condition(&release));
-        return packed->archive;
-      });
-  supervisor_ =
-      std::make_unique<RankSupervisor>(options, [this](v1::NodeMessage m) { reports_.Add(m); });
+  RestartWithContexts([&](const std::string&) -> absl::StatusOr<std::string> {
+    absl::MutexLock lock(&mu);
+    fetching = true;
+    mu.Await(absl::Condition(&release));
+    return packed->archive;
+  });
   absl::Cleanup released = [&] {
     absl::MutexLock lock(&mu);
     release = true;
@@ -755,7 +760,6 @@ TEST_F(RankSupervisorTest, ALaunchStoppedWhileItsContextCameLeavesNoCopy) {
 // holds up its own launch only: another job's launch on the node, with a context of its own,
 // starts meanwhile (every launch waited behind it, up to the unpacker's 5-minute timeout).
 TEST_F(RankSupervisorTest, AContextSlowToComeHoldsUpNoOtherLaunch) {
-  supervisor_.reset();
   testing::TempDir source, other_source;
   std::ofstream(source.path() + "/train.py") << "print('hi')";
   std::ofstream(other_source.path() + "/train.py") << "print('other')";
@@ -765,20 +769,13 @@ TEST_F(RankSupervisorTest, AContextSlowToComeHoldsUpNoOtherLaunch) {
   ASSERT_TRUE(other.ok()) << other.status();
   absl::Mutex mu;
   bool fetching = false, release = false;
-  SupervisorOptions options;
-  options.trainer_path = testing::TestBinPath("test_rank");
-  options.work_dir = dir_.path() + "/work";
-  options.shepherd_path = testing::BinPath("trainyard-worker");
-  options.contexts = std::make_shared<ContextCache>(
-      dir_.path() + "/contexts", [&](const std::string& job) -> absl::StatusOr<std::string> {
-        if (job == "job-2") return other->archive;
-        absl::MutexLock lock(&mu);
-        fetching = true;
-        mu.Await(absl::Condition(&release));
-        return packed->archive;
-      });
-  supervisor_ =
-      std::make_unique<RankSupervisor>(options, [this](v1::NodeMessage m) { reports_.Add(m); });
+  RestartWithContexts([&](const std::string& job) -> absl::StatusOr<std::string> {
+    if (job == "job-2") return other->archive;
+    absl::MutexLock lock(&mu);
+    fetching = true;
+    mu.Await(absl::Condition(&release));
+    return packed->archive;
+  });
   absl::Cleanup released = [&] {
     absl::MutexLock lock(&mu);
     release = true;
