@@ -15,8 +15,10 @@
 #include <string>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/time/clock.h"
 #include "tests/testing/subprocess.h"
+#include "worker/daemon/private_tmp.h"
 
 namespace trainyard::worker {
 namespace {
@@ -194,6 +196,41 @@ TEST_F(AttemptFoldersTest, AnEndedAttemptsWorkAndErrorsGoSpecAndLogsStay) {
   folders.Ended("job-1", 2, std::nullopt);
   folders.Drain();
   EXPECT_TRUE(fs::exists(next + "/work/out/deep/weights.bin"));
+}
+
+// An attempt's /dev/shm under --private-tmp (private_tmp.h) is memory: a scan unmounts an idle
+// attempt's at once, not when its folder expires (an attempt that ended while no worker was
+// there), and leaves a live one's; the tmp folder is emptied as its owner with the rest.
+TEST_F(AttemptFoldersTest, AnIdleAttemptsShmIsUnmountedAtOnceAndALiveOnesStays) {
+  if (geteuid() != 0) GTEST_SKIP() << "mounting a tmpfs needs root";
+  const std::string idle = MakeAttempt(work_dir_, "job-1", 1);
+  const std::string live = MakeAttempt(work_dir_, "job-2", 1);
+  live_ = {{"job-2", 1}};
+  for (const std::string& dir : {idle, live}) {
+    ASSERT_TRUE(MountAttemptShm(dir + "/shm", 65534, 65534).ok());
+    std::ofstream(dir + "/shm/nccl-segment") << "left by a killed rank";
+    fs::create_directories(dir + "/tmp/out");
+    std::ofstream(dir + "/tmp/out/scratch") << "scratch";
+  }
+  absl::Cleanup unmount = [&] {
+    for (const std::string& dir : {idle, live}) UnmountAttemptShm(dir + "/shm");
+  };
+  AttemptFolders folders(Options(absl::Hours(1)), IfIdle());
+  EXPECT_EQ(folders.RemoveExpired(), 0);  // (changed just now)
+  EXPECT_FALSE(fs::exists(idle + "/shm"));
+  EXPECT_TRUE(fs::exists(idle + "/tmp/out/scratch"));
+  EXPECT_TRUE(fs::exists(live + "/shm/nccl-segment"));
+  // Once expired, the tmp folder goes with the attempt's folder.
+  Age(idle, absl::Hours(2));
+  EXPECT_EQ(folders.RemoveExpired(), 1);
+  EXPECT_FALSE(fs::exists(idle));
+  // An ended attempt: its tmp folder emptied and removed, its shm unmounted, at once.
+  live_.clear();
+  folders.Ended("job-2", 1, std::nullopt);
+  folders.Drain();
+  EXPECT_FALSE(fs::exists(live + "/shm"));
+  EXPECT_FALSE(fs::exists(live + "/tmp"));
+  EXPECT_TRUE(fs::exists(live + "/rank-0.log"));
 }
 
 // The thread removes expired folders by itself, every quarter of the keep.

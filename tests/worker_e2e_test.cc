@@ -8,6 +8,7 @@
 
 #include <pwd.h>
 #include <signal.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <sys/wait.h>
@@ -81,9 +82,17 @@ class WorkerE2eTest : public ::testing::Test {
   }
 
   void StartCoordinator(const std::string& listen) {
-    auto p = Subprocess::Start({BinPath("trainyard-coordinator"), "--listen", listen, "--state-dir",
-                                dir_.path() + "/state", "--heartbeat-interval", "0.2",
-                                "--node-timeout", "5s"});
+    std::vector<std::string> argv = {BinPath("trainyard-coordinator"),
+                                     "--listen",
+                                     listen,
+                                     "--state-dir",
+                                     dir_.path() + "/state",
+                                     "--heartbeat-interval",
+                                     "0.2",
+                                     "--node-timeout",
+                                     "5s"};
+    argv.insert(argv.end(), coordinator_args_.begin(), coordinator_args_.end());
+    auto p = Subprocess::Start(argv);
     ASSERT_TRUE(p.ok()) << p.status();
     coordinator_ = std::move(*p);
     address_ = coordinator_->ReadLine(absl::Seconds(30)).value_or("");
@@ -157,12 +166,25 @@ class WorkerE2eTest : public ::testing::Test {
   void StartWorker(const std::vector<std::string>& args = {},
                    const std::vector<std::string>& env = {}, const std::string& stop_grace = "1s",
                    const std::vector<std::string>& prefix = {}) {
-    std::vector<std::string> argv = {
-        BinPath("trainyard-worker"), "--coordinator", address_, "--node-id", "w1", "--cpu-slots",
-        "2", "--trainer", TestBinPath("test_rank"), "--work-dir", work_dir(), "--stop-grace",
-        stop_grace, "--token-file", node_token_file(), "--user-map", UserMap(),
-        // (what ranks leave in their work folder: pids, owners)
-        "--keep-work-folders"};
+    std::vector<std::string> argv = {BinPath("trainyard-worker"),
+                                     "--coordinator",
+                                     address_,
+                                     "--node-id",
+                                     "w1",
+                                     "--cpu-slots",
+                                     "2",
+                                     "--trainer",
+                                     TestBinPath("test_rank"),
+                                     "--work-dir",
+                                     work_dir(),
+                                     "--stop-grace",
+                                     stop_grace,
+                                     "--token-file",
+                                     node_token_file(),
+                                     "--user-map",
+                                     UserMap()};
+    // (what ranks leave in their work folder: pids, owners)
+    if (keep_work_folders_) argv.push_back("--keep-work-folders");
     argv.insert(argv.end(), args.begin(), args.end());
     argv.insert(argv.begin(), prefix.begin(), prefix.end());
     auto p = Subprocess::Start(argv, env);
@@ -170,7 +192,7 @@ class WorkerE2eTest : public ::testing::Test {
     worker_ = std::move(*p);
   }
 
-  std::string work_dir() const { return dir_.path() + "/work"; }
+  std::string work_dir() const { return work_dir_.empty() ? dir_.path() + "/work" : work_dir_; }
 
   // The devices node w1 registered.
   std::vector<v1::Device> Devices() {
@@ -256,8 +278,11 @@ class WorkerE2eTest : public ::testing::Test {
   std::unique_ptr<Subprocess> worker_;
   std::string address_;
   std::string alice_token_;
-  std::string alice_account_;   // empty: this test's own
-  std::string extra_user_map_;  // more "USER ACCOUNT" lines
+  std::string alice_account_;                  // empty: this test's own
+  std::string extra_user_map_;                 // more "USER ACCOUNT" lines
+  std::string work_dir_;                       // the worker's --work-dir; empty: work in dir_
+  std::vector<std::string> coordinator_args_;  // more flags of the coordinator
+  bool keep_work_folders_ = true;
   std::unique_ptr<client::YardClient> client_;
 };
 
@@ -1293,6 +1318,129 @@ TEST_F(WorkerE2eTest, ARunningJobKeepsItsAttemptWhenTheCoordinatorIsAwayEightSec
 }
 
 // Tests that start their own worker.
+// A folder under /var/tmp, where a worker with --private-tmp may work (its ranks get a /tmp of
+// their own), removed at the end with whatever is mounted in it.
+class FolderOutsideTmp {
+ public:
+  FolderOutsideTmp() {
+    char path[] = "/var/tmp/trainyard-test-XXXXXX";
+    if (mkdtemp(path) != nullptr && chmod(path, 0755) == 0) path_ = path;
+  }
+  ~FolderOutsideTmp() {
+    if (path_.empty()) return;
+    std::ifstream mounts("/proc/self/mountinfo");
+    std::vector<std::string> points;
+    for (std::string line; std::getline(mounts, line);) {
+      const std::vector<std::string> fields = absl::StrSplit(line, ' ');
+      if (fields.size() > 4 && absl::StartsWith(fields[4], path_ + "/"))
+        points.push_back(fields[4]);
+    }
+    for (const std::string& point : points) umount2(point.c_str(), MNT_DETACH);
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// Whether anything is mounted at `path` (this process's mount namespace: the host's).
+bool Mounted(const std::string& path) {
+  std::ifstream mounts("/proc/self/mountinfo");
+  for (std::string line; std::getline(mounts, line);) {
+    const std::vector<std::string> fields = absl::StrSplit(line, ' ');
+    if (fields.size() > 4 && fields[4] == path) return true;
+  }
+  return false;
+}
+
+// Containment (--private-tmp, as Slurm's job_container/tmpfs): the ranks of an attempt on a node
+// share a /tmp and a /dev/shm that no other job sees, that hide the host's, and that go when
+// they end; the tmpfs behind /dev/shm is unmounted, which frees what they left there. A job that
+// hands its ranks a path under /tmp fails to start, naming the field.
+class PrivateTmpE2eTest : public WorkerE2eTest {
+ protected:
+  void SetUp() override {
+    if (geteuid() != 0) GTEST_SKIP() << "private mounts and switching accounts need root";
+    ASSERT_FALSE(outside_.path().empty()) << "cannot make a folder in /var/tmp";
+    // What the worker hands its ranks is outside /tmp: its folders, the jobs' checkpoints.
+    coordinator_args_ = {"--checkpoint-root", outside_.path() + "/checkpoints"};
+    work_dir_ = outside_.path() + "/work";
+    alice_account_ = "nobody";
+    keep_work_folders_ = false;
+    StartCoordinator("127.0.0.1:0");
+    ASSERT_FALSE(address_.empty());
+    StartWorker({"--gpus", "none", "--private-tmp"});
+    WaitForReadyNodes(1);
+  }
+
+  FolderOutsideTmp outside_;
+};
+
+TEST_F(PrivateTmpE2eTest, AnAttemptsRanksShareATmpAndDevShmOfTheirOwnThatGoWhenTheyEnd) {
+  // What the host has in /tmp and /dev/shm, readable by every account.
+  const std::string marker = absl::StrCat("trainyard-host-marker-", getpid());
+  for (const std::string folder : {"/tmp/", "/dev/shm/"}) {
+    std::ofstream(folder + marker) << "host\n";
+    chmod((folder + marker).c_str(), 0644);
+  }
+  absl::Cleanup remove_markers = [&marker] {
+    for (const std::string folder : {"/tmp/", "/dev/shm/"}) unlink((folder + marker).c_str());
+  };
+  const std::string note = absl::StrCat("note-", getpid()), seg = absl::StrCat("seg-", getpid());
+  // Rank 0 writes a file into each; rank 1 waits for them (and reads them) there.
+  const std::string script = absl::StrCat(
+      "if [ \"$RANK\" = 0 ]; then echo from-rank-0 > /tmp/.n && mv /tmp/.n /tmp/", note,
+      " && echo seg > /dev/shm/.s && mv /dev/shm/.s /dev/shm/", seg,
+      "; fi; i=0; while [ ! -e /tmp/", note, " ] || [ ! -e /dev/shm/", seg,
+      " ]; do i=$((i+1)); [ $i -lt 1200 ] || exit 3; sleep 0.05; done; "
+      "echo \"tmp: $(cat /tmp/",
+      note, ") $(stat -c %U:%a /tmp) shm: $(cat /dev/shm/", seg,
+      ") $(stat -c %U:%a /dev/shm)\"; [ -e /tmp/", marker,
+      " ] && echo sees the host tmp; [ -e /dev/shm/", marker, " ] && echo sees the host shm; true");
+  const v1::Job shared =
+      RunToEnd(*client_, CommandSpec("private-tmp", 2, {"/bin/sh", "-c", script}));
+  ASSERT_EQ(shared.state(), v1::SUCCEEDED) << shared.message();
+  const std::vector<std::string> lines = Logs(shared.id());
+  for (int rank : {0, 1}) {
+    EXPECT_THAT(lines,
+                Contains(absl::StrCat(rank, ": tmp: from-rank-0 nobody:700 shm: seg nobody:700")))
+        << absl::StrJoin(lines, "\n");
+  }
+  EXPECT_THAT(lines, Not(Contains(HasSubstr("sees the host"))));
+  EXPECT_FALSE(std::filesystem::exists("/tmp/" + note));
+  EXPECT_FALSE(std::filesystem::exists("/dev/shm/" + seg));
+  // Both go once the attempt's ranks have ended: the folder emptied as its owner, the tmpfs
+  // unmounted (a file system's state has no event to wait on: bounded polling).
+  const std::string attempt = absl::StrCat(work_dir(), "/", shared.id(), "/attempt-1");
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (absl::Now() < deadline &&
+         (std::filesystem::exists(attempt + "/tmp") || std::filesystem::exists(attempt + "/shm") ||
+          Mounted(attempt + "/shm"))) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_FALSE(std::filesystem::exists(attempt + "/tmp"));
+  EXPECT_FALSE(std::filesystem::exists(attempt + "/shm"));
+  EXPECT_FALSE(Mounted(attempt + "/shm"));
+
+  // The owner's next job starts with both empty.
+  const v1::Job next = RunToEnd(
+      *client_, CommandSpec("private-tmp-next", 1,
+                            {"/bin/sh", "-c",
+                             "echo \"tmp holds $(ls -A /tmp | wc -l), shm holds $(ls -A /dev/shm | "
+                             "wc -l)\""}));
+  ASSERT_EQ(next.state(), v1::SUCCEEDED) << next.message();
+  EXPECT_THAT(Logs(next.id()), Contains("0: tmp holds 0, shm holds 0"));
+
+  // A workdir under /tmp would be out of its ranks' sight: refused, naming the field.
+  v1::JobSpec in_tmp = CommandSpec("workdir-in-tmp", 1, {"/bin/true"});
+  in_tmp.set_workdir("/tmp");
+  const v1::Job refused = RunToEnd(*client_, in_tmp);
+  EXPECT_EQ(refused.state(), v1::FAILED);
+  EXPECT_THAT(refused.message(), HasSubstr("workdir: \"/tmp\" is under /tmp"));
+}
+
 class OwnWorkerE2eTest : public WorkerE2eTest {
  protected:
   void SetUp() override {
@@ -1340,6 +1488,24 @@ TEST(WorkerFlagsTest, ABadStopGraceIsRefusedNamingTheFlag) {
     EXPECT_NE(r.exit_code, 0) << max;
     EXPECT_THAT(r.err, HasSubstr("--max-stop-grace: ")) << max;
   }
+}
+
+// --private-tmp refuses a worker whose ranks would not see what it hands them (its work
+// directory under /tmp), and one that cannot give them their own mounts (not root).
+TEST(WorkerFlagsTest, PrivateTmpIsRefusedWithAWorkDirUnderTmpOrWithoutRoot) {
+  const std::string dir = absl::StrCat("/tmp/trainyard-private-tmp-flag-", getpid());
+  absl::Cleanup remove = [&dir] {
+    std::error_code ec;
+    std::filesystem::remove_all(dir, ec);
+  };
+  testing::CommandResult r =
+      testing::RunCommand({BinPath("trainyard-worker"), "--coordinator", "127.0.0.1:1", "--gpus",
+                           "none", "--work-dir", dir + "/work", "--private-tmp"},
+                          {"TRAINYARD_TOKEN=not-a-real-token"}, absl::Seconds(30));
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.err, HasSubstr(geteuid() == 0
+                                   ? "--private-tmp: --work-dir " + dir + "/work is under /tmp"
+                                   : std::string("--private-tmp: takes a worker running as root")));
 }
 
 TEST_F(OwnWorkerE2eTest, RestartedCoordinatorKeepsTheDeviceOfARankStillStopping) {

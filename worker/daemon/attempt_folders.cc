@@ -18,6 +18,7 @@
 #include "absl/time/clock.h"
 #include "common/log_text.h"
 #include "worker/daemon/job_context.h"
+#include "worker/daemon/private_tmp.h"
 
 namespace trainyard::worker {
 namespace {
@@ -109,12 +110,17 @@ void AttemptFolders::Loop() {
       // A rank of it still here (one a restarted worker is adopting) keeps it; its own end
       // queues the attempt again.
       const bool idle = !HoldsShepherdSocket(dir) && if_idle_(p.job_id, p.attempt, nullptr);
-      for (const std::string& folder : {dir + "/work", dir + "/errors"}) {
+      for (const std::string& folder : {dir + "/work", dir + "/errors", dir + "/tmp"}) {
         struct stat st {};
         if (!idle || stopping_ || lstat(folder.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
           continue;
         }
         EmptyAndRemove(folder, p.owner.has_value() ? &*p.owner : nullptr);
+      }
+      // Its /dev/shm (private_tmp.h): unmounting frees what its ranks left there at once.
+      if (idle && !stopping_ && !UnmountAttemptShm(dir + "/shm")) {
+        spdlog::warn("the /dev/shm of attempt {} of job {} stays mounted at {}/shm: {}", p.attempt,
+                     Quoted(p.job_id), dir, strerror(errno));
       }
       mu_.Lock();
       busy_ = false;
@@ -165,6 +171,9 @@ int AttemptFolders::RemoveExpired() {
       struct stat st {};
       if (lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != geteuid()) continue;
       if (!if_idle_(job_id, attempt, nullptr)) continue;
+      // An idle attempt's /dev/shm goes at once, not when the folder expires: it is memory (an
+      // attempt that ended while no worker was here, or whose cleanup a crash cut short).
+      if (!HoldsShepherdSocket(dir)) UnmountAttemptShm(dir + "/shm");
       // What changed last in it: a log written, the work folder removed (the folder's own
       // time). Only what the worker owns counts: a rank's owner may set the times of theirs (the
       // work folder, the spec) to any date, and keep the folder for good.
@@ -179,7 +188,7 @@ int AttemptFolders::RemoveExpired() {
         if (absl::EndsWith(entry, ".sock")) {
           removable = false;  // a shepherd's: its rank runs, or its exit waits for a worker
         } else if (S_ISDIR(est.st_mode)) {
-          if (entry == "work" || entry == "errors") {
+          if (entry == "work" || entry == "errors" || entry == "tmp") {
             folders.emplace_back(entry, est);
           } else {
             removable = false;  // (nothing of ours: not the worker's to remove)

@@ -45,6 +45,7 @@
 #include "worker/daemon/cuda_devices.h"
 #include "worker/daemon/job_context.h"
 #include "worker/daemon/nvml.h"
+#include "worker/daemon/private_tmp.h"
 #include "worker/daemon/shepherd.h"
 #include "worker/daemon/worker_daemon.h"
 
@@ -119,7 +120,7 @@ struct Flags {
   int threads_per_slot = 0;
   std::string user_map, rank_env = absl::StrJoin(trainyard::worker::DefaultRankEnv(), ",");
   std::string cgroups_mode = "auto", memory_per_slot;
-  bool require_cgroups = false;
+  bool require_cgroups = false, private_tmp = false;
   double cpus_per_slot = 0;
   int64_t pids_per_rank = 8192;
   std::string gpu_device_files = "/dev/nvidia%d";
@@ -194,6 +195,11 @@ void AddFlags(CLI::App& app, Flags& f, trainyard::worker::WorkerOptions& options
       ->check(CLI::IsMember({"auto", "require", "off"}))
       ->capture_default_str();
   app.add_flag("--require-cgroups", f.require_cgroups, "the same as --cgroups require");
+  app.add_flag("--private-tmp", f.private_tmp,
+               "each attempt's ranks on this node get a /tmp and a /dev/shm of their own, in a "
+               "mount namespace per rank, shared by the attempt's ranks here and removed when "
+               "they end (Slurm's job_container/tmpfs); takes a worker running as root, and a "
+               "work directory, trainer and TLS CA outside /tmp and /dev/shm");
   app.add_flag("--keep-work-folders", options.supervisor.keep_work_folders,
                "keep each attempt's folders whole (its work folder: its unpacked context, what "
                "its ranks wrote there) once its ranks here have ended; by default the work "
@@ -489,6 +495,32 @@ absl::Status SettleHost(const Flags& f, int devices, trainyard::worker::WorkerOp
   return absl::OkStatus();
 }
 
+// --private-tmp: the worker can make mount namespaces, and nothing it hands its ranks is under
+// the folders they get private ones of.
+absl::Status SettlePrivateTmp(const trainyard::worker::WorkerOptions& options) {
+  if (!options.supervisor.run_as->switches()) {
+    return absl::FailedPreconditionError(
+        "--private-tmp: takes a worker running as root (it mounts each rank's /tmp and "
+        "/dev/shm, then runs the rank as its owner)");
+  }
+  const std::string& trainer = options.supervisor.trainer_path;
+  for (const auto& [flag, path] :
+       {std::pair<const char*, std::string>{"--work-dir", options.supervisor.work_dir},
+        {"--trainer", trainer.find('/') != std::string::npos ? trainer : ""},
+        {"--tls-ca", options.tls.ca_file}}) {
+    if (const std::string over = trainyard::worker::PrivateFolderOver(path); !over.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--private-tmp: ", flag, " ", path, " is under ", over,
+                       ", which ranks get a private one of and would not see it there"));
+    }
+  }
+  if (absl::Status s = trainyard::worker::CheckMountNamespaces(); !s.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat("--private-tmp: ", s.message()));
+  }
+  spdlog::info("each attempt's ranks get a /tmp and a /dev/shm of their own (--private-tmp)");
+  return absl::OkStatus();
+}
+
 // Where other nodes reach this one's ranks: --address, else its address toward the coordinator,
 // else its host name; and the interface holding it (command jobs' GLOO_SOCKET_IFNAME).
 void SettleAddress(trainyard::worker::WorkerOptions& options) {
@@ -590,6 +622,10 @@ absl::Status Settle(Flags& f, trainyard::worker::WorkerOptions& options) {
   auto keep_ended = trainyard::ParseFlagDuration("--keep-ended-attempts", f.keep_ended_attempts);
   if (!keep_ended.ok()) return keep_ended.status();
   options.supervisor.keep_ended_attempts = *keep_ended;
+  if (f.private_tmp) {
+    RETURN_IF_ERROR(SettlePrivateTmp(options));
+    options.supervisor.private_tmp = true;
+  }
   RETURN_IF_ERROR(SettleCgroups(f, options));
   return SettleHost(f, devices, options);
 }

@@ -44,6 +44,7 @@
 #include "common/placement.h"
 #include "common/status_macros.h"
 #include "common/tls.h"
+#include "worker/daemon/private_tmp.h"
 #include "worker/daemon/shepherd.h"
 
 extern char** environ;
@@ -1011,6 +1012,12 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device,
     ReportExit(key, 126, "the assignment's spec is unreadable");
     return;
   }
+  if (options_.private_tmp) {
+    if (absl::Status s = PrepareOwnTmp(spec, dir, checkpoint_dir, owner); !s.ok()) {
+      ReportExit(key, 126, std::string(s.message()));
+      return;
+    }
+  }
   if (spec.command_size() > 0) {
     StartCommand(a, spec, key, rank, device, account, work, checkpoint_dir);
     return;
@@ -1053,6 +1060,28 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device,
       absl::StrCat(kJobCredentialEnv, "=", a.job_credential()),
       absl::StrCat(kTlsCaEnv, "=", options_.tls_ca)};
   Exec(a, key, device, account, std::move(argv), std::move(env), work, spec);
+}
+
+absl::Status RankSupervisor::PrepareOwnTmp(const v1::JobSpec& spec, const std::string& dir,
+                                           const std::string& checkpoint_dir,
+                                           const UnixAccount* owner) {
+  // What the ranks are handed must stay in sight in their namespace.
+  for (const auto& [field, path] :
+       {std::pair<const char*, std::string>{"workdir", spec.workdir()},
+        {"the job's checkpoint folder (the coordinator's --checkpoint-root)", checkpoint_dir}}) {
+    if (const std::string over = PrivateFolderOver(path); !over.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": ", Quoted(path), " is under ", over,
+          ", which this node gives each job a private one of (its worker's --private-tmp): the "
+          "job's ranks would not see it; choose a folder elsewhere"));
+    }
+  }
+  const std::string tmp = dir + "/tmp";
+  std::error_code ec;
+  std::filesystem::create_directories(tmp, ec);
+  RETURN_IF_ERROR(GiveFolder(tmp, owner));
+  return MountAttemptShm(dir + "/shm", owner != nullptr ? owner->uid : geteuid(),
+                         owner != nullptr ? owner->gid : getegid());
 }
 
 void RankSupervisor::StartCommand(const v1::Assignment& a, const v1::JobSpec& spec,
@@ -1210,6 +1239,11 @@ void RankSupervisor::Exec(const v1::Assignment& a, const RankKey& key, int devic
       absl::StrCat("grace_ms=", absl::ToInt64Milliseconds(StopGrace(spec, options_))),
       absl::StrCat("orphan_ms=", absl::ToInt64Milliseconds(orphan_timeout_)),
       absl::StrCat("log_keep=", options_.log_keep_bytes)};
+  if (options_.private_tmp) {  // (made by Start: PrepareOwnTmp)
+    const std::string dir = std::filesystem::path(prefix).parent_path().string();
+    shepherd.push_back(absl::StrCat("tmp=", dir, "/tmp"));
+    shepherd.push_back(absl::StrCat("shm=", dir, "/shm"));
+  }
   // Its cgroup, held to the rank's limits (cgroups.h).
   if (options_.cgroups != nullptr && options_.cgroups->version != 0) {
     auto dirs = CreateRankCgroup(*options_.cgroups, RankCgroupName(key),

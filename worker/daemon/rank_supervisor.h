@@ -124,6 +124,9 @@ struct SupervisorOptions {
   // (RankLimits).
   CgroupLimits rank_limits;
   std::string cgroup_prefix = "trainyard";  // the ranks' folders: PREFIX/JOB/attempt-N/rank-R
+  // Each attempt's ranks get a private /tmp and /dev/shm (private_tmp.h; the worker's
+  // --private-tmp, which checks that it can).
+  bool private_tmp = false;
   // Where jobs' contexts come from (job_context.h); null: a job with one fails to start here. They
   // are unpacked by shepherd_path run with kUnpackContextFlag.
   std::shared_ptr<ContextCache> contexts;
@@ -246,6 +249,11 @@ class RankSupervisor {
   // Starts what launches_ holds that can start: each launch whose context is ready or not
   // needed, in order; a context not yet asked for is asked for (Prepare), and its launch waits.
   void StartLaunches() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // With private_tmp: the attempt's tmp folder, the owner's, and its shm tmpfs in its folder
+  // `dir` (both kept once made, for its other ranks here); an error naming the spec's field when
+  // the job hands its ranks a path they would not see (its workdir, its checkpoint folder).
+  absl::Status PrepareOwnTmp(const v1::JobSpec& spec, const std::string& dir,
+                             const std::string& checkpoint_dir, const UnixAccount* owner);
   // A command job's rank: the spec's program with torchrun's environment (Start's part for them).
   void StartCommand(const v1::Assignment& a, const v1::JobSpec& spec, const RankKey& key, int rank,
                     int device, const std::optional<UnixAccount>& account, const std::string& work,

@@ -36,6 +36,7 @@
 #include "common/signal_names.h"
 #include "common/units.h"
 #include "worker/daemon/cgroups.h"
+#include "worker/daemon/private_tmp.h"
 
 namespace trainyard::worker {
 namespace {
@@ -136,6 +137,7 @@ struct Settings {
   int env_fd = -1;       // the rank's environment (RankSupervisor's memfd); -1: an empty one
   int64_t log_keep = 0;  // the log's last bytes kept once sent (0: all; RankSupervisor's)
   std::vector<std::string> cgroups;  // the rank's cgroup folders (cgroups.h); none: not confined
+  std::string tmp, shm;  // its attempt's private /tmp and /dev/shm (private_tmp.h); "": the host's
   uid_t uid = 0;
   gid_t gid = 0;
   std::vector<gid_t> groups;
@@ -160,6 +162,10 @@ absl::StatusOr<Settings> ParseSettings(int argc, char** argv) {
       s.mark = value;
     } else if (name == "cgroup" && absl::StartsWith(value, "/")) {
       s.cgroups.push_back(value);
+    } else if (name == "tmp" && absl::StartsWith(value, "/")) {
+      s.tmp = value;
+    } else if (name == "shm" && absl::StartsWith(value, "/")) {
+      s.shm = value;
     } else if (name == "env_fd" && numeric && number > kListenFd && number < 1024) {
       s.env_fd = static_cast<int>(number);
     } else if (name == "device" && numeric) {
@@ -188,6 +194,9 @@ absl::StatusOr<Settings> ParseSettings(int argc, char** argv) {
   for (++i; i < argc; ++i) s.argv.emplace_back(argv[i]);
   if (s.prefix.empty() || s.cwd.empty() || s.argv.empty()) {
     return absl::InvalidArgumentError("prefix, cwd and a program are required");
+  }
+  if (s.tmp.empty() != s.shm.empty()) {
+    return absl::InvalidArgumentError("tmp and shm come together");
   }
   return s;
 }
@@ -288,6 +297,18 @@ pid_t StartRank(const Settings& s, int log_fd) {
   if (!s.cgroups.empty() && !JoinCgroups(s.cgroups, getpid())) {
     ChildError("cannot join the rank's cgroup\n");
     _exit(126);
+  }
+  // Its attempt's private /tmp and /dev/shm, mounted while still root (private_tmp.h).
+  if (!s.tmp.empty()) {
+    const char* step = "";
+    if (const int err = EnterPrivateTmp(s.tmp.c_str(), s.shm.c_str(), &step); err != 0) {
+      ChildError("trainyard-worker: cannot give the rank its private /tmp: ");
+      ChildError(step);
+      ChildError(": ");
+      ChildError(strerror(err));
+      ChildError("\n");
+      _exit(126);
+    }
   }
   if (s.switch_account && (setgroups(s.groups.size(), s.groups.data()) != 0 || setgid(s.gid) != 0 ||
                            setuid(s.uid) != 0)) {
