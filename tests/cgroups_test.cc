@@ -4,6 +4,7 @@
 // its limits written, a process joined, signalled whole, its OOM kill counted, the folder removed.
 #include "worker/daemon/cgroups.h"
 
+#include <errno.h>
 #include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -15,10 +16,14 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
 
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "worker/daemon/device_filter.h"
 
 namespace trainyard::worker {
 namespace {
@@ -234,6 +239,63 @@ TEST(RankCgroupTest, OnV1ADeniedDeviceCannotBeOpenedFromTheCgroup) {
   for (const auto& [controller, parent] : host.parents) {
     rmdir(absl::StrCat(parent, "/trainyard-test-", getpid()).c_str());
   }
+}
+
+// cgroup v2 has no devices controller: a BPF device program on the rank's folder (device_filter.h)
+// refuses the devices of its limits with EPERM and lets others be opened; set again (a reused
+// folder), it drops the earlier denials. Run on this host's unified tree (beside v1's controllers
+// here, where a v2 program applies as well; on a v2 host, CreateRankCgroup sets it).
+TEST(DeviceFilterTest, OnV2ADeniedDeviceCannotBeOpenedFromTheCgroupAndSetAgainItCan) {
+  if (geteuid() != 0) GTEST_SKIP() << "making cgroups and loading BPF programs needs root";
+  std::string unified;
+  {
+    std::ifstream mountinfo("/proc/self/mountinfo");
+    for (std::string line; std::getline(mountinfo, line);) {
+      const std::vector<std::string> f = absl::StrSplit(line, ' ');
+      if (f.size() > 8 && absl::StrContains(line, " - cgroup2 ")) unified = f[4];
+    }
+  }
+  std::string own;  // this process's v2 cgroup ("0::/PATH")
+  {
+    std::ifstream self("/proc/self/cgroup");
+    for (std::string line; std::getline(self, line);) {
+      if (line.rfind("0::", 0) == 0) own = line.substr(3);
+    }
+  }
+  if (unified.empty()) GTEST_SKIP() << "no cgroup v2 tree is mounted";
+  const std::string dir =
+      absl::StrCat(unified, own == "/" ? "" : own, "/trainyard-test-dev-", getpid());
+  if (mkdir(dir.c_str(), 0755) != 0)
+    GTEST_SKIP() << "cannot make " << dir << ": " << strerror(errno);
+  absl::Cleanup remove = [&dir] { rmdir(dir.c_str()); };
+  if (absl::Status s = CheckDeviceFilters(); !s.ok()) GTEST_SKIP() << s;
+  // Bit 0: /dev/full opened, bit 1: /dev/zero opened; 8: cannot join; 16: refused, not with EPERM.
+  auto try_open = [&dir] {
+    const pid_t child = fork();
+    if (child == 0) {
+      if (!JoinCgroups({dir}, getpid())) _exit(8);
+      int opened = 0;
+      for (const auto& [path, bit] : {std::pair{"/dev/full", 1}, std::pair{"/dev/zero", 2}}) {
+        const int fd = open(path, O_RDONLY);
+        if (fd >= 0) opened |= bit;
+        if (fd < 0 && errno != EPERM) opened |= 16;
+      }
+      _exit(opened);
+    }
+    int status = 0;
+    waitpid(child, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  };
+  ASSERT_EQ(try_open(), 3) << "nothing denied yet";
+  ASSERT_TRUE(SetDeviceFilter(dir, {"c 1:7 rwm"}).ok());  // /dev/full
+  EXPECT_EQ(try_open(), 2);
+  ASSERT_TRUE(SetDeviceFilter(dir, {"c 1:5 rwm", "c 1:7 rwm"}).ok());
+  EXPECT_EQ(try_open(), 0);
+  ASSERT_TRUE(SetDeviceFilter(dir, {}).ok());
+  EXPECT_EQ(try_open(), 3) << "the earlier denials stay";
+  const absl::Status bad = SetDeviceFilter(dir, {"c 195"});
+  EXPECT_TRUE(absl::IsInvalidArgument(bad)) << bad;
+  EXPECT_THAT(std::string(bad.message()), ::testing::HasSubstr("'c 195'"));
 }
 
 TEST(RankCgroupTest, TheSweepRemovesEmptyTreesAMinuteOldOnly) {

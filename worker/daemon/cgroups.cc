@@ -22,6 +22,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "worker/daemon/device_filter.h"
 
 namespace trainyard::worker {
 namespace {
@@ -257,6 +258,8 @@ absl::StatusOr<std::vector<std::string>> TryCreateRankCgroup(const CgroupHost& h
     if (s.ok()) {
       s = set(d + "/pids.max", limits.pids > 0 ? absl::StrCat(limits.pids) : std::string("max"));
     }
+    // Devices: no controller on v2, a BPF program on the folder (device_filter.h).
+    if (s.ok() && !limits.denied_devices.empty()) s = SetDeviceFilter(d, limits.denied_devices);
     if (!s.ok()) return s;
     return dirs;
   }

@@ -43,6 +43,7 @@
 #include "common/units.h"
 #include "common/version.h"
 #include "worker/daemon/cuda_devices.h"
+#include "worker/daemon/device_filter.h"
 #include "worker/daemon/job_context.h"
 #include "worker/daemon/nvml.h"
 #include "worker/daemon/private_tmp.h"
@@ -327,14 +328,19 @@ std::string DeviceRule(const struct stat& st) {
   return absl::StrCat("c ", major(st.st_rdev), ":", minor(st.st_rdev), " rwm");
 }
 
-// Each GPU's device file, for the devices controller (v1) to deny the others' to a rank.
+// Each GPU's device file, for the devices controller (v1) or a device program (v2) to deny the
+// others' to a rank.
 void SettleGpuDeviceRules(const Flags& f, const trainyard::worker::CgroupHost& host,
                           trainyard::worker::WorkerOptions& options) {
   if (options.gpus.empty()) return;
-  if (host.parents.count("devices") == 0) {
-    spdlog::warn("GPUs are confined by CUDA_VISIBLE_DEVICES only: {}",
-                 host.version == 2 ? "cgroup v2 needs a BPF device program (not done)"
-                                   : "no cgroup v1 devices controller");
+  if (host.version == 2) {
+    // No devices controller on v2: a BPF program on each rank's cgroup (device_filter.h).
+    if (absl::Status s = trainyard::worker::CheckDeviceFilters(); !s.ok()) {
+      spdlog::warn("GPUs are confined by CUDA_VISIBLE_DEVICES only: {}", std::string(s.message()));
+      return;
+    }
+  } else if (host.parents.count("devices") == 0) {
+    spdlog::warn("GPUs are confined by CUDA_VISIBLE_DEVICES only: no cgroup v1 devices controller");
     return;
   }
   const std::vector<std::string> listed = absl::StrSplit(f.gpu_device_files, ',');
