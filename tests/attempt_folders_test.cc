@@ -201,25 +201,31 @@ TEST_F(AttemptFoldersTest, AnEndedAttemptsWorkAndErrorsGoSpecAndLogsStay) {
 // An attempt's /dev/shm under --private-tmp (private_tmp.h) is memory: a scan unmounts an idle
 // attempt's at once, not when its folder expires (an attempt that ended while no worker was
 // there), and leaves a live one's; the tmp folder is emptied as its owner with the rest.
-TEST_F(AttemptFoldersTest, AnIdleAttemptsShmIsUnmountedAtOnceAndALiveOnesStays) {
+TEST_F(AttemptFoldersTest, AnIdleAttemptsShmAndIpcAreUnmountedAtOnceAndALiveOnesStay) {
   if (geteuid() != 0) GTEST_SKIP() << "mounting a tmpfs needs root";
   const std::string idle = MakeAttempt(work_dir_, "job-1", 1);
   const std::string live = MakeAttempt(work_dir_, "job-2", 1);
   live_ = {{"job-2", 1}};
   for (const std::string& dir : {idle, live}) {
     ASSERT_TRUE(MountAttemptShm(dir + "/shm", 65534, 65534).ok());
+    ASSERT_TRUE(MakeAttemptIpc(dir + "/ipc").ok());
     std::ofstream(dir + "/shm/nccl-segment") << "left by a killed rank";
     fs::create_directories(dir + "/tmp/out");
     std::ofstream(dir + "/tmp/out/scratch") << "scratch";
   }
   absl::Cleanup unmount = [&] {
-    for (const std::string& dir : {idle, live}) UnmountAttemptShm(dir + "/shm");
+    for (const std::string& dir : {idle, live}) {
+      UnmountAttemptShm(dir + "/shm");
+      UnmountAttemptIpc(dir + "/ipc");
+    }
   };
   AttemptFolders folders(Options(absl::Hours(1)), IfIdle());
   EXPECT_EQ(folders.RemoveExpired(), 0);  // (changed just now)
   EXPECT_FALSE(fs::exists(idle + "/shm"));
+  EXPECT_FALSE(fs::exists(idle + "/ipc"));
   EXPECT_TRUE(fs::exists(idle + "/tmp/out/scratch"));
   EXPECT_TRUE(fs::exists(live + "/shm/nccl-segment"));
+  EXPECT_TRUE(fs::exists(live + "/ipc"));
   // Once expired, the tmp folder goes with the attempt's folder.
   Age(idle, absl::Hours(2));
   EXPECT_EQ(folders.RemoveExpired(), 1);
@@ -229,6 +235,7 @@ TEST_F(AttemptFoldersTest, AnIdleAttemptsShmIsUnmountedAtOnceAndALiveOnesStays) 
   folders.Ended("job-2", 1, std::nullopt);
   folders.Drain();
   EXPECT_FALSE(fs::exists(live + "/shm"));
+  EXPECT_FALSE(fs::exists(live + "/ipc"));
   EXPECT_FALSE(fs::exists(live + "/tmp"));
   EXPECT_TRUE(fs::exists(live + "/rank-0.log"));
 }

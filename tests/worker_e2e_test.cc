@@ -1378,7 +1378,7 @@ class PrivateTmpE2eTest : public WorkerE2eTest {
   FolderOutsideTmp outside_;
 };
 
-TEST_F(PrivateTmpE2eTest, AnAttemptsRanksShareATmpAndDevShmOfTheirOwnThatGoWhenTheyEnd) {
+TEST_F(PrivateTmpE2eTest, AnAttemptsRanksShareATmpDevShmAndIpcOfTheirOwnThatGoWhenTheyEnd) {
   // What the host has in /tmp and /dev/shm, readable by every account.
   const std::string marker = absl::StrCat("trainyard-host-marker-", getpid());
   for (const std::string folder : {"/tmp/", "/dev/shm/"}) {
@@ -1389,49 +1389,66 @@ TEST_F(PrivateTmpE2eTest, AnAttemptsRanksShareATmpAndDevShmOfTheirOwnThatGoWhenT
     for (const std::string folder : {"/tmp/", "/dev/shm/"}) unlink((folder + marker).c_str());
   };
   const std::string note = absl::StrCat("note-", getpid()), seg = absl::StrCat("seg-", getpid());
-  // Rank 0 writes a file into each; rank 1 waits for them (and reads them) there.
+  // Rank 0 makes a SysV segment and writes a file into each folder; rank 1 waits for them there.
   const std::string script = absl::StrCat(
-      "if [ \"$RANK\" = 0 ]; then echo from-rank-0 > /tmp/.n && mv /tmp/.n /tmp/", note,
-      " && echo seg > /dev/shm/.s && mv /dev/shm/.s /dev/shm/", seg,
+      "if [ \"$RANK\" = 0 ]; then ipcmk -M 12305 > /dev/null && echo from-rank-0 > /tmp/.n && mv "
+      "/tmp/.n /tmp/",
+      note, " && echo seg > /dev/shm/.s && mv /dev/shm/.s /dev/shm/", seg,
       "; fi; i=0; while [ ! -e /tmp/", note, " ] || [ ! -e /dev/shm/", seg,
       " ]; do i=$((i+1)); [ $i -lt 1200 ] || exit 3; sleep 0.05; done; "
       "echo \"tmp: $(cat /tmp/",
       note, ") $(stat -c %U:%a /tmp) shm: $(cat /dev/shm/", seg,
-      ") $(stat -c %U:%a /dev/shm)\"; [ -e /tmp/", marker,
-      " ] && echo sees the host tmp; [ -e /dev/shm/", marker, " ] && echo sees the host shm; true");
+      ") $(stat -c %U:%a /dev/shm) sysv: $(awk '$4 == 12305' /proc/sysvipc/shm | wc -l) in "
+      "$(readlink /proc/self/ns/ipc)\"; [ -e /tmp/",
+      marker, " ] && echo sees the host tmp; [ -e /dev/shm/", marker,
+      " ] && echo sees the host shm; true");
   const v1::Job shared =
       RunToEnd(*client_, CommandSpec("private-tmp", 2, {"/bin/sh", "-c", script}));
   ASSERT_EQ(shared.state(), v1::SUCCEEDED) << shared.message();
   const std::vector<std::string> lines = Logs(shared.id());
+  // Both ranks in one IPC namespace, not the host's.
+  char host_ipc[64] = {0};
+  ASSERT_GT(readlink("/proc/self/ns/ipc", host_ipc, sizeof(host_ipc) - 1), 0);
+  std::set<std::string> namespaces;
+  const std::regex line(
+      R"(([01]): tmp: from-rank-0 nobody:700 shm: seg nobody:700 sysv: 1 in (.*))");
+  for (const std::string& l : lines) {
+    std::smatch m;
+    if (std::regex_match(l, m, line)) namespaces.insert(m[2]);
+  }
+  EXPECT_EQ(namespaces.size(), 1u) << absl::StrJoin(lines, "\n");
+  EXPECT_EQ(namespaces.count(host_ipc), 0u);
   for (int rank : {0, 1}) {
-    EXPECT_THAT(lines,
-                Contains(absl::StrCat(rank, ": tmp: from-rank-0 nobody:700 shm: seg nobody:700")))
+    EXPECT_THAT(lines, Contains(HasSubstr(absl::StrCat(
+                           rank, ": tmp: from-rank-0 nobody:700 shm: seg nobody:700 sysv: 1 in "))))
         << absl::StrJoin(lines, "\n");
   }
   EXPECT_THAT(lines, Not(Contains(HasSubstr("sees the host"))));
   EXPECT_FALSE(std::filesystem::exists("/tmp/" + note));
   EXPECT_FALSE(std::filesystem::exists("/dev/shm/" + seg));
-  // Both go once the attempt's ranks have ended: the folder emptied as its owner, the tmpfs
-  // unmounted (a file system's state has no event to wait on: bounded polling).
+  // All go once the attempt's ranks have ended: the folder emptied as its owner, the tmpfs and
+  // the IPC namespace unmounted (a file system's state has no event to wait on: bounded polling).
   const std::string attempt = absl::StrCat(work_dir(), "/", shared.id(), "/attempt-1");
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  while (absl::Now() < deadline &&
-         (std::filesystem::exists(attempt + "/tmp") || std::filesystem::exists(attempt + "/shm") ||
-          Mounted(attempt + "/shm"))) {
+  auto gone = [&attempt] {
+    for (const char* name : {"/tmp", "/shm", "/ipc"}) {
+      if (std::filesystem::exists(attempt + name) || Mounted(attempt + name)) return false;
+    }
+    return true;
+  };
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(30);
+       absl::Now() < deadline && !gone();) {
     absl::SleepFor(absl::Milliseconds(50));
   }
-  EXPECT_FALSE(std::filesystem::exists(attempt + "/tmp"));
-  EXPECT_FALSE(std::filesystem::exists(attempt + "/shm"));
-  EXPECT_FALSE(Mounted(attempt + "/shm"));
+  EXPECT_TRUE(gone()) << "the attempt's tmp, shm or ipc stays";
 
-  // The owner's next job starts with both empty.
+  // The owner's next job starts with all of them empty.
   const v1::Job next = RunToEnd(
       *client_, CommandSpec("private-tmp-next", 1,
                             {"/bin/sh", "-c",
                              "echo \"tmp holds $(ls -A /tmp | wc -l), shm holds $(ls -A /dev/shm | "
-                             "wc -l)\""}));
+                             "wc -l), sysv holds $(tail -n +2 /proc/sysvipc/shm | wc -l)\""}));
   ASSERT_EQ(next.state(), v1::SUCCEEDED) << next.message();
-  EXPECT_THAT(Logs(next.id()), Contains("0: tmp holds 0, shm holds 0"));
+  EXPECT_THAT(Logs(next.id()), Contains("0: tmp holds 0, shm holds 0, sysv holds 0"));
 
   // A workdir under /tmp would be out of its ranks' sight: refused, naming the field.
   v1::JobSpec in_tmp = CommandSpec("workdir-in-tmp", 1, {"/bin/true"});

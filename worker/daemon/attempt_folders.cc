@@ -122,6 +122,11 @@ void AttemptFolders::Loop() {
         spdlog::warn("the /dev/shm of attempt {} of job {} stays mounted at {}/shm: {}", p.attempt,
                      Quoted(p.job_id), dir, strerror(errno));
       }
+      // Its IPC namespace: gone with what is in it once the last of its processes has.
+      if (idle && !stopping_ && !UnmountAttemptIpc(dir + "/ipc")) {
+        spdlog::warn("the IPC namespace of attempt {} of job {} stays mounted at {}/ipc: {}",
+                     p.attempt, Quoted(p.job_id), dir, strerror(errno));
+      }
       mu_.Lock();
       busy_ = false;
       continue;
@@ -173,7 +178,10 @@ int AttemptFolders::RemoveExpired() {
       if (!if_idle_(job_id, attempt, nullptr)) continue;
       // An idle attempt's /dev/shm goes at once, not when the folder expires: it is memory (an
       // attempt that ended while no worker was here, or whose cleanup a crash cut short).
-      if (!HoldsShepherdSocket(dir)) UnmountAttemptShm(dir + "/shm");
+      if (!HoldsShepherdSocket(dir)) {
+        UnmountAttemptShm(dir + "/shm");
+        UnmountAttemptIpc(dir + "/ipc");
+      }
       // What changed last in it: a log written, the work folder removed (the folder's own
       // time). Only what the worker owns counts: a rank's owner may set the times of theirs (the
       // work folder, the spec) to any date, and keep the folder for good.

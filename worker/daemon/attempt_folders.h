@@ -2,11 +2,12 @@
 // of a job has a folder WORK_DIR/JOB/attempt-N (the worker's, mode 0711): its spec, each rank's
 // log (rank-R.log) and, while a rank runs, its shepherd's socket (rank-R.sock); the ranks' "work"
 // folder (the unpacked context, what they wrote) and "errors" folder (their error files) in it are
-// their owner's, and so is its "tmp" folder and "shm" tmpfs under --private-tmp (private_tmp.h).
+// their owner's, and so are its "tmp" folder and "shm" tmpfs under --private-tmp, beside its IPC
+// namespace's "ipc" (private_tmp.h).
 // Once the attempt's ranks on the node have ended:
 //  - its work, errors and tmp folders are emptied as their owner (the unpacker of job_context.h,
 //    never with root's rights) and removed, on this object's own thread: a job that left a
-//    million files delays no launch; its shm tmpfs is unmounted;
+//    million files delays no launch; its shm tmpfs and IPC namespace are unmounted;
 //  - the whole folder goes once nothing in it changed for `keep_ended_for` (its logs: the
 //    coordinator holds them; what stays is for the operator), and the job's folder with it when
 //    nothing else is left there (a job's checkpoints there stay).

@@ -197,10 +197,10 @@ void AddFlags(CLI::App& app, Flags& f, trainyard::worker::WorkerOptions& options
       ->capture_default_str();
   app.add_flag("--require-cgroups", f.require_cgroups, "the same as --cgroups require");
   app.add_flag("--private-tmp", f.private_tmp,
-               "each attempt's ranks on this node get a /tmp and a /dev/shm of their own, in a "
-               "mount namespace per rank, shared by the attempt's ranks here and removed when "
-               "they end (Slurm's job_container/tmpfs); takes a worker running as root, and a "
-               "work directory, trainer and TLS CA outside /tmp and /dev/shm");
+               "each attempt's ranks on this node get a /tmp, a /dev/shm and SysV IPC of their "
+               "own, in a mount namespace per rank, shared by the attempt's ranks here and "
+               "removed when they end (Slurm's job_container/tmpfs); takes a worker running as "
+               "root, and a work directory, trainer and TLS CA outside /tmp and /dev/shm");
   app.add_flag("--keep-work-folders", options.supervisor.keep_work_folders,
                "keep each attempt's folders whole (its work folder: its unpacked context, what "
                "its ranks wrote there) once its ranks here have ended; by default the work "
@@ -523,7 +523,8 @@ absl::Status SettlePrivateTmp(const trainyard::worker::WorkerOptions& options) {
   if (absl::Status s = trainyard::worker::CheckMountNamespaces(); !s.ok()) {
     return absl::FailedPreconditionError(absl::StrCat("--private-tmp: ", s.message()));
   }
-  spdlog::info("each attempt's ranks get a /tmp and a /dev/shm of their own (--private-tmp)");
+  spdlog::info(
+      "each attempt's ranks get a /tmp, a /dev/shm and SysV IPC of their own (--private-tmp)");
   return absl::OkStatus();
 }
 

@@ -1,5 +1,6 @@
 #include "worker/daemon/private_tmp.h"
 
+#include <fcntl.h>
 #include <sched.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
@@ -17,11 +18,12 @@
 namespace trainyard::worker {
 namespace {
 
-// Whether `path` is a mount point: a folder on another device than its parent's.
+// Whether `path` is a mount point: a folder, or a file (a namespace's), on another device than
+// its parent's.
 bool MountedAt(const std::string& path) {
-  struct stat st {
-  }, parent{};
-  return lstat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode) &&
+  struct stat st {};
+  struct stat parent {};
+  return stat(path.c_str(), &st) == 0 &&
          stat(std::filesystem::path(path).parent_path().c_str(), &parent) == 0 &&
          st.st_dev != parent.st_dev;
 }
@@ -82,7 +84,73 @@ bool UnmountAttemptShm(const std::string& path) {
   return !MountedAt(path) && (rmdir(path.c_str()) == 0 || errno == ENOENT);
 }
 
-int EnterPrivateTmp(const char* tmp, const char* shm, const char** step) {
+absl::Status MakeAttemptIpc(const std::string& path) {
+  if (MountedAt(path)) return absl::OkStatus();  // (the attempt's other ranks here)
+  const int file = open(path.c_str(), O_WRONLY | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (file < 0) {
+    return absl::FailedPreconditionError(absl::StrCat("cannot make ", path, ": ", strerror(errno)));
+  }
+  close(file);
+  // A child makes the namespace and waits while it is bound here; then the mount keeps it.
+  int made[2], done[2];
+  if (pipe2(made, O_CLOEXEC) != 0) return absl::InternalError(strerror(errno));
+  if (pipe2(done, O_CLOEXEC) != 0) {
+    close(made[0]);
+    close(made[1]);
+    return absl::InternalError(strerror(errno));
+  }
+  const pid_t pid = fork();
+  if (pid == 0) {
+    close(made[0]);
+    close(done[1]);
+    const int err = unshare(CLONE_NEWIPC) == 0 ? 0 : errno;
+    (void)!write(made[1], &err, sizeof(err));
+    char byte;
+    (void)!read(done[0], &byte, 1);  // the worker's byte, or its end closed
+    _exit(0);
+  }
+  close(made[1]);
+  close(done[0]);
+  int err = pid < 0 ? errno : 0;
+  if (pid > 0 && read(made[0], &err, sizeof(err)) != sizeof(err)) err = ECHILD;
+  std::string step = pid < 0 ? "fork" : "unshare";
+  if (err == 0) {
+    step = "mount";
+    const std::string ns = absl::StrCat("/proc/", pid, "/ns/ipc");
+    if (mount(ns.c_str(), path.c_str(), nullptr, MS_BIND, nullptr) != 0) err = errno;
+  }
+  (void)!write(done[1], "x", 1);
+  close(made[0]);
+  close(done[1]);
+  if (pid > 0) {
+    while (waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
+    }
+  }
+  if (err != 0) {
+    return absl::FailedPreconditionError(absl::StrCat("cannot make the attempt's IPC namespace at ",
+                                                      path, ": ", step, ": ", strerror(err)));
+  }
+  return absl::OkStatus();
+}
+
+bool UnmountAttemptIpc(const std::string& path) {
+  struct stat st {};
+  if (lstat(path.c_str(), &st) != 0) return errno == ENOENT;
+  for (int i = 0; i < 16 && MountedAt(path); ++i) {
+    if (umount2(path.c_str(), MNT_DETACH | UMOUNT_NOFOLLOW) != 0) return false;
+  }
+  return !MountedAt(path) && (unlink(path.c_str()) == 0 || errno == ENOENT);
+}
+
+int EnterPrivateTmp(const char* tmp, const char* shm, const char* ipc, const char** step) {
+  *step = "open the attempt's IPC namespace";
+  const int ns = open(ipc, O_RDONLY | O_CLOEXEC);
+  if (ns < 0) return errno;
+  *step = "join the attempt's IPC namespace";
+  const int joined = setns(ns, CLONE_NEWIPC);
+  const int err = errno;
+  close(ns);
+  if (joined != 0) return err;
   *step = "unshare";
   if (unshare(CLONE_NEWNS) != 0) return errno;
   // The host's mounts reach the rank (a file system mounted later, say); its own reach nobody.

@@ -7,12 +7,17 @@
 // when the attempt's ranks on the node have ended (attempt_folders.h): the tmp folder emptied as
 // its owner, the tmpfs unmounted, which frees what a killed rank left there at once.
 //
+// The attempt's ranks on a node also share an IPC namespace of their own (SysV shared memory,
+// semaphores and message queues, POSIX message queues), kept by a bind mount of it at
+// ATTEMPT/ipc that each rank's child joins (setns); unmounted when they end, it goes with
+// everything in it once their last process has.
+//
 // Every other mount is the host's, as it was (mounts made on the host later still reach the
 // rank: the namespace is the host's slave). What a rank cannot see: the host's /tmp and
 // /dev/shm, and so any path under them, which is why the worker refuses --private-tmp with a
 // work directory, trainer or TLS CA there, and a rank fails to start whose job's workdir or
-// checkpoint_dir is there, naming the field. SysV IPC and the network stay the host's (the ranks
-// of an attempt share them across its processes; docs/security.md).
+// checkpoint folder is there, naming the field. The network stays the host's
+// (docs/security.md).
 #ifndef TRAINYARD_WORKER_DAEMON_PRIVATE_TMP_H_
 #define TRAINYARD_WORKER_DAEMON_PRIVATE_TMP_H_
 
@@ -39,11 +44,18 @@ absl::Status MountAttemptShm(const std::string& path, uid_t uid, gid_t gid);
 // removes the folder. True when it is gone, or was never there.
 bool UnmountAttemptShm(const std::string& path);
 
-// In a rank's forked child, as root, before it switches to the owner's account: a mount
-// namespace of its own, the host's slave, with `tmp` bound over /tmp and `shm` over /dev/shm.
-// Allocates nothing (a forked child). 0, else the errno of the step that failed, and `step`
-// names it.
-int EnterPrivateTmp(const char* tmp, const char* shm, const char** step);
+// Makes an attempt's IPC namespace, kept by a bind mount of it on the file `path` (made here).
+// Already there: OK.
+absl::Status MakeAttemptIpc(const std::string& path);
+// Unmounts the IPC namespace kept at `path` and removes the file. True when it is gone, or was
+// never there.
+bool UnmountAttemptIpc(const std::string& path);
+
+// In a rank's forked child, as root, before it switches to the owner's account: the IPC
+// namespace kept at `ipc`, and a mount namespace of its own, the host's slave, with `tmp` bound
+// over /tmp and `shm` over /dev/shm. Allocates nothing (a forked child). 0, else the errno of
+// the step that failed, and `step` names it.
+int EnterPrivateTmp(const char* tmp, const char* shm, const char* ipc, const char** step);
 
 }  // namespace trainyard::worker
 

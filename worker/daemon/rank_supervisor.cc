@@ -1080,8 +1080,9 @@ absl::Status RankSupervisor::PrepareOwnTmp(const v1::JobSpec& spec, const std::s
   std::error_code ec;
   std::filesystem::create_directories(tmp, ec);
   RETURN_IF_ERROR(GiveFolder(tmp, owner));
-  return MountAttemptShm(dir + "/shm", owner != nullptr ? owner->uid : geteuid(),
-                         owner != nullptr ? owner->gid : getegid());
+  RETURN_IF_ERROR(MountAttemptShm(dir + "/shm", owner != nullptr ? owner->uid : geteuid(),
+                                  owner != nullptr ? owner->gid : getegid()));
+  return MakeAttemptIpc(dir + "/ipc");
 }
 
 void RankSupervisor::StartCommand(const v1::Assignment& a, const v1::JobSpec& spec,
@@ -1243,6 +1244,7 @@ void RankSupervisor::Exec(const v1::Assignment& a, const RankKey& key, int devic
     const std::string dir = std::filesystem::path(prefix).parent_path().string();
     shepherd.push_back(absl::StrCat("tmp=", dir, "/tmp"));
     shepherd.push_back(absl::StrCat("shm=", dir, "/shm"));
+    shepherd.push_back(absl::StrCat("ipc=", dir, "/ipc"));
   }
   // Its cgroup, held to the rank's limits (cgroups.h).
   if (options_.cgroups != nullptr && options_.cgroups->version != 0) {

@@ -124,7 +124,7 @@ struct SupervisorOptions {
   // (RankLimits).
   CgroupLimits rank_limits;
   std::string cgroup_prefix = "trainyard";  // the ranks' folders: PREFIX/JOB/attempt-N/rank-R
-  // Each attempt's ranks get a private /tmp and /dev/shm (private_tmp.h; the worker's
+  // Each attempt's ranks get a private /tmp, /dev/shm and IPC (private_tmp.h; the worker's
   // --private-tmp, which checks that it can).
   bool private_tmp = false;
   // Where jobs' contexts come from (job_context.h); null: a job with one fails to start here. They
@@ -249,8 +249,8 @@ class RankSupervisor {
   // Starts what launches_ holds that can start: each launch whose context is ready or not
   // needed, in order; a context not yet asked for is asked for (Prepare), and its launch waits.
   void StartLaunches() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // With private_tmp: the attempt's tmp folder, the owner's, and its shm tmpfs in its folder
-  // `dir` (both kept once made, for its other ranks here); an error naming the spec's field when
+  // With private_tmp: the attempt's tmp folder, the owner's, its shm tmpfs and its IPC namespace
+  // in its folder `dir` (kept once made, for its other ranks here); an error naming the field when
   // the job hands its ranks a path they would not see (its workdir, its checkpoint folder).
   absl::Status PrepareOwnTmp(const v1::JobSpec& spec, const std::string& dir,
                              const std::string& checkpoint_dir, const UnixAccount* owner);

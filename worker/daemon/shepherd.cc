@@ -137,7 +137,8 @@ struct Settings {
   int env_fd = -1;       // the rank's environment (RankSupervisor's memfd); -1: an empty one
   int64_t log_keep = 0;  // the log's last bytes kept once sent (0: all; RankSupervisor's)
   std::vector<std::string> cgroups;  // the rank's cgroup folders (cgroups.h); none: not confined
-  std::string tmp, shm;  // its attempt's private /tmp and /dev/shm (private_tmp.h); "": the host's
+  // Its attempt's private /tmp, /dev/shm and IPC namespace (private_tmp.h); "": the host's.
+  std::string tmp, shm, ipc;
   uid_t uid = 0;
   gid_t gid = 0;
   std::vector<gid_t> groups;
@@ -166,6 +167,8 @@ absl::StatusOr<Settings> ParseSettings(int argc, char** argv) {
       s.tmp = value;
     } else if (name == "shm" && absl::StartsWith(value, "/")) {
       s.shm = value;
+    } else if (name == "ipc" && absl::StartsWith(value, "/")) {
+      s.ipc = value;
     } else if (name == "env_fd" && numeric && number > kListenFd && number < 1024) {
       s.env_fd = static_cast<int>(number);
     } else if (name == "device" && numeric) {
@@ -195,8 +198,8 @@ absl::StatusOr<Settings> ParseSettings(int argc, char** argv) {
   if (s.prefix.empty() || s.cwd.empty() || s.argv.empty()) {
     return absl::InvalidArgumentError("prefix, cwd and a program are required");
   }
-  if (s.tmp.empty() != s.shm.empty()) {
-    return absl::InvalidArgumentError("tmp and shm come together");
+  if (s.tmp.empty() != s.shm.empty() || s.tmp.empty() != s.ipc.empty()) {
+    return absl::InvalidArgumentError("tmp, shm and ipc come together");
   }
   return s;
 }
@@ -298,10 +301,11 @@ pid_t StartRank(const Settings& s, int log_fd) {
     ChildError("cannot join the rank's cgroup\n");
     _exit(126);
   }
-  // Its attempt's private /tmp and /dev/shm, mounted while still root (private_tmp.h).
+  // Its attempt's IPC namespace, private /tmp and /dev/shm, while still root (private_tmp.h).
   if (!s.tmp.empty()) {
     const char* step = "";
-    if (const int err = EnterPrivateTmp(s.tmp.c_str(), s.shm.c_str(), &step); err != 0) {
+    if (const int err = EnterPrivateTmp(s.tmp.c_str(), s.shm.c_str(), s.ipc.c_str(), &step);
+        err != 0) {
       ChildError("trainyard-worker: cannot give the rank its private /tmp: ");
       ChildError(step);
       ChildError(": ");
