@@ -6,6 +6,7 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -60,6 +61,7 @@ class AttemptFoldersTest : public ::testing::Test {
   AttemptFolderOptions Options(absl::Duration keep) {
     AttemptFolderOptions options;
     options.work_dir = work_dir_;
+    options.namespaces = NamespaceFolder(work_dir_);
     options.unpacker = BinPath("trainyard-worker");
     options.unpacker_env = {"PATH=/usr/bin:/bin"};
     options.keep_ended_for = keep;
@@ -198,46 +200,64 @@ TEST_F(AttemptFoldersTest, AnEndedAttemptsWorkAndErrorsGoSpecAndLogsStay) {
   EXPECT_TRUE(fs::exists(next + "/work/out/deep/weights.bin"));
 }
 
-// An attempt's /dev/shm under --private-tmp (private_tmp.h) is memory: a scan unmounts an idle
-// attempt's at once, not when its folder expires (an attempt that ended while no worker was
-// there), and leaves a live one's; the tmp folder is emptied as its owner with the rest.
-TEST_F(AttemptFoldersTest, AnIdleAttemptsShmAndIpcAreUnmountedAtOnceAndALiveOnesStay) {
-  if (geteuid() != 0) GTEST_SKIP() << "mounting a tmpfs needs root";
+// An attempt's namespaces under --private-tmp (private_tmp.h) hold memory (its /dev/shm): a scan
+// removes an idle attempt's at once, not when its folder expires (an attempt that ended while no
+// worker was there), and leaves a live one's; an ended attempt's go with its tmp folder, and also
+// where folders are kept.
+TEST_F(AttemptFoldersTest, AnIdleAttemptsNamespacesGoAtOnceAndALiveOnesStay) {
+  if (geteuid() != 0) GTEST_SKIP() << "making namespaces needs root";
+  if (absl::Status s = CheckMountNamespaces(); !s.ok()) GTEST_SKIP() << s;
+  const std::string folder = NamespaceFolder(work_dir_);
+  fs::create_directories(work_dir_);
+  absl::Cleanup unmount = [&] {
+    for (const char* job : {"job-1", "job-2", "job-3"}) {
+      RemoveAttemptNamespaces(NamespacesOf(folder, job, 1));
+    }
+    umount2(folder.c_str(), MNT_DETACH);
+  };
+  ASSERT_TRUE(PrepareNamespaceFolder(folder).ok());
   const std::string idle = MakeAttempt(work_dir_, "job-1", 1);
   const std::string live = MakeAttempt(work_dir_, "job-2", 1);
+  const std::string kept = MakeAttempt(work_dir_, "job-3", 1);
   live_ = {{"job-2", 1}};
-  for (const std::string& dir : {idle, live}) {
-    ASSERT_TRUE(MountAttemptShm(dir + "/shm", 65534, 65534).ok());
-    ASSERT_TRUE(MakeAttemptIpc(dir + "/ipc").ok());
-    std::ofstream(dir + "/shm/nccl-segment") << "left by a killed rank";
+  for (const std::string& dir : {idle, live, kept}) {
     fs::create_directories(dir + "/tmp/out");
     std::ofstream(dir + "/tmp/out/scratch") << "scratch";
   }
-  absl::Cleanup unmount = [&] {
-    for (const std::string& dir : {idle, live}) {
-      UnmountAttemptShm(dir + "/shm");
-      UnmountAttemptIpc(dir + "/ipc");
-    }
+  for (const char* job : {"job-1", "job-2", "job-3"}) {
+    const absl::Status made = MakeAttemptNamespaces(
+        NamespacesOf(folder, job, 1), folder, absl::StrCat(work_dir_, "/", job, "/attempt-1/tmp"),
+        65534, 65534, int64_t{1} << 20);
+    ASSERT_TRUE(made.ok()) << made;
+  }
+  auto held = [&folder](const char* job) {
+    const AttemptNamespaces ns = NamespacesOf(folder, job, 1);
+    return fs::exists(ns.mnt) && fs::exists(ns.ipc);
   };
   AttemptFolders folders(Options(absl::Hours(1)), IfIdle());
   EXPECT_EQ(folders.RemoveExpired(), 0);  // (changed just now)
-  EXPECT_FALSE(fs::exists(idle + "/shm"));
-  EXPECT_FALSE(fs::exists(idle + "/ipc"));
+  EXPECT_FALSE(held("job-1"));
   EXPECT_TRUE(fs::exists(idle + "/tmp/out/scratch"));
-  EXPECT_TRUE(fs::exists(live + "/shm/nccl-segment"));
-  EXPECT_TRUE(fs::exists(live + "/ipc"));
+  EXPECT_TRUE(held("job-2"));
   // Once expired, the tmp folder goes with the attempt's folder.
   Age(idle, absl::Hours(2));
   EXPECT_EQ(folders.RemoveExpired(), 1);
   EXPECT_FALSE(fs::exists(idle));
-  // An ended attempt: its tmp folder emptied and removed, its shm unmounted, at once.
+  // An ended attempt: its tmp folder emptied and removed, its namespaces gone, at once.
   live_.clear();
   folders.Ended("job-2", 1, std::nullopt);
   folders.Drain();
-  EXPECT_FALSE(fs::exists(live + "/shm"));
-  EXPECT_FALSE(fs::exists(live + "/ipc"));
+  EXPECT_FALSE(held("job-2"));
   EXPECT_FALSE(fs::exists(live + "/tmp"));
   EXPECT_TRUE(fs::exists(live + "/rank-0.log"));
+  // Kept folders (--keep-work-folders) keep all but the namespaces.
+  AttemptFolderOptions keep_options = Options(absl::Hours(1));
+  keep_options.keep = true;
+  AttemptFolders keeping(keep_options, IfIdle());
+  keeping.Ended("job-3", 1, std::nullopt);
+  keeping.Drain();
+  EXPECT_FALSE(held("job-3"));
+  EXPECT_TRUE(fs::exists(kept + "/tmp/out/scratch"));
 }
 
 // The thread removes expired folders by itself, every quarter of the keep.

@@ -37,6 +37,7 @@
 #include "tests/testing/tiny_spec.h"
 #include "trainyard/v1/node.grpc.pb.h"
 #include "worker/daemon/cgroups.h"
+#include "worker/daemon/private_tmp.h"
 
 namespace trainyard {
 namespace {
@@ -174,7 +175,7 @@ class WorkerE2eTest : public ::testing::Test {
                                      "--cpu-slots",
                                      "2",
                                      "--trainer",
-                                     TestBinPath("test_rank"),
+                                     trainer_.empty() ? TestBinPath("test_rank") : trainer_,
                                      "--work-dir",
                                      work_dir(),
                                      "--stop-grace",
@@ -282,6 +283,7 @@ class WorkerE2eTest : public ::testing::Test {
   std::string extra_user_map_;                 // more "USER ACCOUNT" lines
   std::string work_dir_;                       // the worker's --work-dir; empty: work in dir_
   std::vector<std::string> coordinator_args_;  // more flags of the coordinator
+  std::string trainer_;                        // the worker's --trainer; empty: test_rank
   bool keep_work_folders_ = true;
   std::unique_ptr<client::YardClient> client_;
 };
@@ -1356,17 +1358,19 @@ bool Mounted(const std::string& path) {
 }
 
 // Containment (--private-tmp, as Slurm's job_container/tmpfs): the ranks of an attempt on a node
-// share a /tmp and a /dev/shm that no other job sees, that hide the host's, and that go when
-// they end; the tmpfs behind /dev/shm is unmounted, which frees what they left there. A job that
+// share a /tmp, a /dev/shm and an IPC namespace that no other job sees, that hide the host's, and
+// that go when they end (the namespaces' files unmounted, the tmp folder removed). A job that
 // hands its ranks a path under /tmp fails to start, naming the field.
 class PrivateTmpE2eTest : public WorkerE2eTest {
  protected:
   void SetUp() override {
     if (geteuid() != 0) GTEST_SKIP() << "private mounts and switching accounts need root";
+    if (absl::Status s = worker::CheckMountNamespaces(); !s.ok()) GTEST_SKIP() << s;
     ASSERT_FALSE(outside_.path().empty()) << "cannot make a folder in /var/tmp";
     // What the worker hands its ranks is outside /tmp: its folders, the jobs' checkpoints.
     coordinator_args_ = {"--checkpoint-root", outside_.path() + "/checkpoints"};
     work_dir_ = outside_.path() + "/work";
+    trainer_ = "/bin/true";  // (command jobs only: a build tree may be under /tmp)
     alice_account_ = "nobody";
     keep_work_folders_ = false;
     StartCoordinator("127.0.0.1:0");
@@ -1398,7 +1402,8 @@ TEST_F(PrivateTmpE2eTest, AnAttemptsRanksShareATmpDevShmAndIpcOfTheirOwnThatGoWh
       " ]; do i=$((i+1)); [ $i -lt 1200 ] || exit 3; sleep 0.05; done; "
       "echo \"tmp: $(cat /tmp/",
       note, ") $(stat -c %U:%a /tmp) shm: $(cat /dev/shm/", seg,
-      ") $(stat -c %U:%a /dev/shm) sysv: $(awk '$4 == 12305' /proc/sysvipc/shm | wc -l) in "
+      ") $(stat -c %U:%a /dev/shm) sysv: $(awk '$4 == 12305' /proc/sysvipc/shm | wc -l) "
+      "kept: $(grep -c /.namespaces /proc/self/mountinfo) in "
       "$(readlink /proc/self/ns/ipc)\"; [ -e /tmp/",
       marker, " ] && echo sees the host tmp; [ -e /dev/shm/", marker,
       " ] && echo sees the host shm; true");
@@ -1406,12 +1411,13 @@ TEST_F(PrivateTmpE2eTest, AnAttemptsRanksShareATmpDevShmAndIpcOfTheirOwnThatGoWh
       RunToEnd(*client_, CommandSpec("private-tmp", 2, {"/bin/sh", "-c", script}));
   ASSERT_EQ(shared.state(), v1::SUCCEEDED) << shared.message();
   const std::vector<std::string> lines = Logs(shared.id());
-  // Both ranks in one IPC namespace, not the host's.
+  // Both ranks in one IPC namespace, not the host's; no namespace's file mounted in theirs (a
+  // copy would keep another attempt's namespace, its /dev/shm, while theirs lives).
   char host_ipc[64] = {0};
   ASSERT_GT(readlink("/proc/self/ns/ipc", host_ipc, sizeof(host_ipc) - 1), 0);
   std::set<std::string> namespaces;
   const std::regex line(
-      R"(([01]): tmp: from-rank-0 nobody:700 shm: seg nobody:700 sysv: 1 in (.*))");
+      R"(([01]): tmp: from-rank-0 nobody:700 shm: seg nobody:700 sysv: 1 kept: 0 in (.*))");
   for (const std::string& l : lines) {
     std::smatch m;
     if (std::regex_match(l, m, line)) namespaces.insert(m[2]);
@@ -1419,8 +1425,9 @@ TEST_F(PrivateTmpE2eTest, AnAttemptsRanksShareATmpDevShmAndIpcOfTheirOwnThatGoWh
   EXPECT_EQ(namespaces.size(), 1u) << absl::StrJoin(lines, "\n");
   EXPECT_EQ(namespaces.count(host_ipc), 0u);
   for (int rank : {0, 1}) {
-    EXPECT_THAT(lines, Contains(HasSubstr(absl::StrCat(
-                           rank, ": tmp: from-rank-0 nobody:700 shm: seg nobody:700 sysv: 1 in "))))
+    EXPECT_THAT(
+        lines, Contains(HasSubstr(absl::StrCat(
+                   rank, ": tmp: from-rank-0 nobody:700 shm: seg nobody:700 sysv: 1 kept: 0 in "))))
         << absl::StrJoin(lines, "\n");
   }
   EXPECT_THAT(lines, Not(Contains(HasSubstr("sees the host"))));
@@ -1429,9 +1436,10 @@ TEST_F(PrivateTmpE2eTest, AnAttemptsRanksShareATmpDevShmAndIpcOfTheirOwnThatGoWh
   // All go once the attempt's ranks have ended: the folder emptied as its owner, the tmpfs and
   // the IPC namespace unmounted (a file system's state has no event to wait on: bounded polling).
   const std::string attempt = absl::StrCat(work_dir(), "/", shared.id(), "/attempt-1");
-  auto gone = [&attempt] {
-    for (const char* name : {"/tmp", "/shm", "/ipc"}) {
-      if (std::filesystem::exists(attempt + name) || Mounted(attempt + name)) return false;
+  const std::string kept_by = absl::StrCat(work_dir(), "/.namespaces/", shared.id(), "@1");
+  auto gone = [&] {
+    for (const std::string& path : {attempt + "/tmp", kept_by + ".mnt", kept_by + ".ipc"}) {
+      if (std::filesystem::exists(path) || Mounted(path)) return false;
     }
     return true;
   };

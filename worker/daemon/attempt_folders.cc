@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <set>
 #include <utility>
 
 #include <spdlog/spdlog.h>
@@ -65,10 +66,35 @@ AttemptFolders::~AttemptFolders() { Stop(); }
 
 void AttemptFolders::Ended(const std::string& job_id, int attempt,
                            std::optional<UnixAccount> owner) {
-  if (options_.keep) return;
+  // (Kept folders or not, an attempt's namespaces go: they hold memory.)
+  if (options_.keep && options_.namespaces.empty()) return;
   absl::MutexLock lock(&mu_);
   if (stop_) return;
-  pending_.push_back(Pending{job_id, attempt, std::move(owner)});
+  pending_.push_back(Pending{job_id, attempt, std::move(owner), options_.keep});
+}
+
+void AttemptFolders::RemoveNamespaces(const std::string& job_id, int attempt) {
+  if (options_.namespaces.empty()) return;
+  if (!RemoveAttemptNamespaces(NamespacesOf(options_.namespaces, job_id, attempt))) {
+    spdlog::warn("the namespaces of attempt {} of job {} stay mounted in {}: {}", attempt,
+                 Quoted(job_id), options_.namespaces, strerror(errno));
+  }
+}
+
+void AttemptFolders::RemoveIdleNamespaces() {
+  if (options_.namespaces.empty()) return;
+  std::set<std::pair<std::string, int>> attempts;
+  for (const std::string& name : Names(options_.namespaces)) {
+    std::string job_id;
+    int attempt = 0;
+    if (ParseNamespaceName(name, &job_id, &attempt)) attempts.emplace(job_id, attempt);
+  }
+  for (const auto& [job_id, attempt] : attempts) {
+    if (stopping_) return;
+    const std::string dir = absl::StrCat(options_.work_dir, "/", job_id, "/attempt-", attempt);
+    if (HoldsShepherdSocket(dir)) continue;
+    if_idle_(job_id, attempt, [&] { RemoveNamespaces(job_id, attempt); });
+  }
 }
 
 void AttemptFolders::Drain() {
@@ -90,10 +116,11 @@ void AttemptFolders::Stop() {
 }
 
 void AttemptFolders::Loop() {
+  // (Kept folders still have their idle namespaces removed, every ten minutes.)
   const bool scans = !options_.keep && options_.keep_ended_for != absl::InfiniteDuration();
   const absl::Duration period =
       scans ? std::clamp(options_.keep_ended_for / 4, absl::Seconds(1), absl::Minutes(10))
-            : absl::InfiniteDuration();
+            : (options_.namespaces.empty() ? absl::InfiniteDuration() : absl::Minutes(10));
   absl::Time next_scan = absl::Now() + period;
   absl::MutexLock lock(&mu_);
   while (true) {
@@ -108,24 +135,18 @@ void AttemptFolders::Loop() {
       const std::string dir =
           absl::StrCat(options_.work_dir, "/", p.job_id, "/attempt-", p.attempt);
       // A rank of it still here (one a restarted worker is adopting) keeps it; its own end
-      // queues the attempt again.
-      const bool idle = !HoldsShepherdSocket(dir) && if_idle_(p.job_id, p.attempt, nullptr);
+      // queues the attempt again. Its namespaces (private_tmp.h) go as the supervisor says it is
+      // idle, under its lock: no rank of it can start meanwhile and find them going.
+      const bool idle = !HoldsShepherdSocket(dir) && if_idle_(p.job_id, p.attempt, [&] {
+        RemoveNamespaces(p.job_id, p.attempt);
+      });
       for (const std::string& folder : {dir + "/work", dir + "/errors", dir + "/tmp"}) {
         struct stat st {};
-        if (!idle || stopping_ || lstat(folder.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+        if (!idle || p.namespaces_only || stopping_ || lstat(folder.c_str(), &st) != 0 ||
+            !S_ISDIR(st.st_mode)) {
           continue;
         }
         EmptyAndRemove(folder, p.owner.has_value() ? &*p.owner : nullptr);
-      }
-      // Its /dev/shm (private_tmp.h): unmounting frees what its ranks left there at once.
-      if (idle && !stopping_ && !UnmountAttemptShm(dir + "/shm")) {
-        spdlog::warn("the /dev/shm of attempt {} of job {} stays mounted at {}/shm: {}", p.attempt,
-                     Quoted(p.job_id), dir, strerror(errno));
-      }
-      // Its IPC namespace: gone with what is in it once the last of its processes has.
-      if (idle && !stopping_ && !UnmountAttemptIpc(dir + "/ipc")) {
-        spdlog::warn("the IPC namespace of attempt {} of job {} stays mounted at {}/ipc: {}",
-                     p.attempt, Quoted(p.job_id), dir, strerror(errno));
       }
       mu_.Lock();
       busy_ = false;
@@ -153,11 +174,16 @@ bool AttemptFolders::EmptyAndRemove(const std::string& folder, const UnixAccount
 }
 
 int AttemptFolders::RemoveExpired() {
-  if (options_.keep || options_.keep_ended_for == absl::InfiniteDuration()) return 0;
   absl::MutexLock scan(&scan_mu_);
+  // An idle attempt's namespaces go at once, not when its folder expires, and also where folders
+  // are kept: they are memory (an attempt that ended while no worker was here, or whose clean-up
+  // a crash cut short).
+  RemoveIdleNamespaces();
+  if (options_.keep || options_.keep_ended_for == absl::InfiniteDuration()) return 0;
   int removed = 0;
   for (const std::string& job_id : Names(options_.work_dir)) {
     if (stopping_) break;
+    if (absl::StartsWith(job_id, ".")) continue;  // (the namespace folder)
     const std::string job_dir = absl::StrCat(options_.work_dir, "/", job_id);
     struct stat job_st {};
     if (lstat(job_dir.c_str(), &job_st) != 0 || !S_ISDIR(job_st.st_mode) ||
@@ -176,12 +202,6 @@ int AttemptFolders::RemoveExpired() {
       struct stat st {};
       if (lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != geteuid()) continue;
       if (!if_idle_(job_id, attempt, nullptr)) continue;
-      // An idle attempt's /dev/shm goes at once, not when the folder expires: it is memory (an
-      // attempt that ended while no worker was here, or whose cleanup a crash cut short).
-      if (!HoldsShepherdSocket(dir)) {
-        UnmountAttemptShm(dir + "/shm");
-        UnmountAttemptIpc(dir + "/ipc");
-      }
       // What changed last in it: a log written, the work folder removed (the folder's own
       // time). Only what the worker owns counts: a rank's owner may set the times of theirs (the
       // work folder, the spec) to any date, and keep the folder for good.

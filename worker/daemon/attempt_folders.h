@@ -2,12 +2,13 @@
 // of a job has a folder WORK_DIR/JOB/attempt-N (the worker's, mode 0711): its spec, each rank's
 // log (rank-R.log) and, while a rank runs, its shepherd's socket (rank-R.sock); the ranks' "work"
 // folder (the unpacked context, what they wrote) and "errors" folder (their error files) in it are
-// their owner's, and so are its "tmp" folder and "shm" tmpfs under --private-tmp, beside its IPC
-// namespace's "ipc" (private_tmp.h).
+// their owner's, and so is its "tmp" folder under --private-tmp, whose namespaces are kept in
+// the namespace folder (private_tmp.h).
 // Once the attempt's ranks on the node have ended:
 //  - its work, errors and tmp folders are emptied as their owner (the unpacker of job_context.h,
 //    never with root's rights) and removed, on this object's own thread: a job that left a
-//    million files delays no launch; its shm tmpfs and IPC namespace are unmounted;
+//    million files delays no launch; its namespaces are unmounted (also with keep), which frees
+//    its /dev/shm once its last process has gone;
 //  - the whole folder goes once nothing in it changed for `keep_ended_for` (its logs: the
 //    coordinator holds them; what stays is for the operator), and the job's folder with it when
 //    nothing else is left there (a job's checkpoints there stay).
@@ -42,8 +43,11 @@ struct AttemptFolderOptions {
   // The unpacker (trainyard-worker) and its environment (ShepherdEnvironment): EmptyFolderAs.
   std::string unpacker = "/proc/self/exe";
   std::vector<std::string> unpacker_env;
-  // True: nothing is removed (debugging, tests that read what a rank left).
+  // True: nothing is removed (debugging, tests that read what a rank left) but the attempts'
+  // namespaces.
   bool keep = false;
+  // The worker's namespace folder (--private-tmp; private_tmp.h); empty: none.
+  std::string namespaces;
   // How long an ended attempt's folder stays once nothing in it has changed; InfiniteDuration:
   // for good.
   absl::Duration keep_ended_for = absl::Hours(24);
@@ -84,7 +88,12 @@ class AttemptFolders {
     std::string job_id;
     int attempt = 0;
     std::optional<UnixAccount> owner;
+    bool namespaces_only = false;  // (keep: the folders stay)
   };
+  // The attempt's namespaces (private_tmp.h), unmounted; a warning when they stay.
+  void RemoveNamespaces(const std::string& job_id, int attempt);
+  // Those of every attempt in the namespace folder that no rank here runs or waits to start.
+  void RemoveIdleNamespaces();
   void Loop();
   // Empties `folder` as `owner` and removes it; false, with a warning, when it stays.
   bool EmptyAndRemove(const std::string& folder, const UnixAccount* owner);

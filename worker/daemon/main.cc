@@ -198,8 +198,8 @@ void AddFlags(CLI::App& app, Flags& f, trainyard::worker::WorkerOptions& options
   app.add_flag("--require-cgroups", f.require_cgroups, "the same as --cgroups require");
   app.add_flag("--private-tmp", f.private_tmp,
                "each attempt's ranks on this node get a /tmp, a /dev/shm and SysV IPC of their "
-               "own, in a mount namespace per rank, shared by the attempt's ranks here and "
-               "removed when they end (Slurm's job_container/tmpfs); takes a worker running as "
+               "own, in mount and IPC namespaces of the attempt's, shared by its ranks here and "
+               "gone when they end (Slurm's job_container/tmpfs); takes a worker running as "
                "root, and a work directory, trainer and TLS CA outside /tmp and /dev/shm");
   app.add_flag("--keep-work-folders", options.supervisor.keep_work_folders,
                "keep each attempt's folders whole (its work folder: its unpacked context, what "
@@ -520,8 +520,10 @@ absl::Status SettlePrivateTmp(const trainyard::worker::WorkerOptions& options) {
                        ", which ranks get a private one of and would not see it there"));
     }
   }
-  if (absl::Status s = trainyard::worker::CheckMountNamespaces(); !s.ok()) {
-    return absl::FailedPreconditionError(absl::StrCat("--private-tmp: ", s.message()));
+  for (absl::Status s : {trainyard::worker::CheckMountNamespaces(),
+                         trainyard::worker::PrepareNamespaceFolder(
+                             trainyard::worker::NamespaceFolder(options.supervisor.work_dir))}) {
+    if (!s.ok()) return absl::FailedPreconditionError(absl::StrCat("--private-tmp: ", s.message()));
   }
   spdlog::info(
       "each attempt's ranks get a /tmp, a /dev/shm and SysV IPC of their own (--private-tmp)");

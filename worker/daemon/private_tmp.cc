@@ -4,28 +4,63 @@
 #include <sched.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <sys/sysmacros.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <string>
+#include <utility>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 
 namespace trainyard::worker {
 namespace {
 
-// Whether `path` is a mount point: a folder, or a file (a namespace's), on another device than
-// its parent's.
+// Whether `path` is the root of a mount (a folder bound on itself, a namespace's file).
 bool MountedAt(const std::string& path) {
+  struct statx stx {};
+  if (statx(AT_FDCWD, path.c_str(), AT_SYMLINK_NOFOLLOW, STATX_BASIC_STATS, &stx) != 0) {
+    return false;
+  }
+  if ((stx.stx_attributes_mask & STATX_ATTR_MOUNT_ROOT) != 0) {
+    return (stx.stx_attributes & STATX_ATTR_MOUNT_ROOT) != 0;
+  }
+  struct stat parent {};  // (a kernel before 5.8: another device than its folder's)
+  return stat(std::filesystem::path(path).parent_path().c_str(), &parent) == 0 &&
+         makedev(stx.stx_dev_major, stx.stx_dev_minor) != parent.st_dev;
+}
+
+// Unmounts what is mounted at `path` (stacked mounts one at a time) and removes the file.
+bool UnmountFile(const std::string& path) {
   struct stat st {};
-  struct stat parent {};
-  return stat(path.c_str(), &st) == 0 &&
-         stat(std::filesystem::path(path).parent_path().c_str(), &parent) == 0 &&
-         st.st_dev != parent.st_dev;
+  if (lstat(path.c_str(), &st) != 0) return errno == ENOENT;
+  for (int i = 0; i < 16 && MountedAt(path); ++i) {
+    if (umount2(path.c_str(), MNT_DETACH | UMOUNT_NOFOLLOW) != 0) return false;
+  }
+  return !MountedAt(path) && (unlink(path.c_str()) == 0 || errno == ENOENT);
+}
+
+// The per-mount flags of the mount holding `path`, as mount(2) takes them, with nosuid and nodev.
+unsigned long BindFlags(const std::string& path) {
+  unsigned long flags = MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV;
+  struct statvfs vfs {};
+  if (statvfs(path.c_str(), &vfs) != 0) return flags;
+  for (const auto& [st, ms] : {std::pair<unsigned long, unsigned long>{ST_RDONLY, MS_RDONLY},
+                               {ST_NOEXEC, MS_NOEXEC},
+                               {ST_NOATIME, MS_NOATIME},
+                               {ST_NODIRATIME, MS_NODIRATIME},
+                               {ST_RELATIME, MS_RELATIME}}) {
+    if ((vfs.f_flag & st) != 0) flags |= ms;
+  }
+  return flags;
 }
 
 }  // namespace
@@ -46,52 +81,76 @@ std::string PrivateFolderOver(const std::string& path) {
 absl::Status CheckMountNamespaces() {
   const pid_t pid = fork();
   if (pid < 0) return absl::InternalError(absl::StrCat("fork: ", strerror(errno)));
-  if (pid == 0) _exit(unshare(CLONE_NEWNS) == 0 ? 0 : errno);
+  if (pid == 0) _exit(unshare(CLONE_NEWNS | CLONE_NEWIPC) == 0 ? 0 : errno);
   int status = 0;
   while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
   }
   if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return absl::OkStatus();
   return absl::FailedPreconditionError(
-      absl::StrCat("cannot give a rank a mount namespace of its own: unshare: ",
+      absl::StrCat("cannot give ranks a mount and an IPC namespace of their own: unshare: ",
                    WIFEXITED(status) ? strerror(WEXITSTATUS(status)) : "the child was killed",
                    geteuid() != 0 ? " (it takes a worker running as root)" : ""));
 }
 
-absl::Status MountAttemptShm(const std::string& path, uid_t uid, gid_t gid) {
-  if (mkdir(path.c_str(), 0700) != 0 && errno != EEXIST) {
-    return absl::FailedPreconditionError(absl::StrCat("mkdir ", path, ": ", strerror(errno)));
+std::string NamespaceFolder(const std::string& work_dir) { return work_dir + "/.namespaces"; }
+
+absl::Status PrepareNamespaceFolder(const std::string& folder) {
+  if (mkdir(folder.c_str(), 0700) != 0 && errno != EEXIST) {
+    return absl::FailedPreconditionError(absl::StrCat("mkdir ", folder, ": ", strerror(errno)));
   }
   struct stat st {};
-  if (lstat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-    return absl::FailedPreconditionError(absl::StrCat(path, " is not a folder"));
-  }
-  if (MountedAt(path)) return absl::OkStatus();
-  const std::string options = absl::StrCat("mode=0700,uid=", uid, ",gid=", gid);
-  if (mount("tmpfs", path.c_str(), "tmpfs", MS_NOSUID | MS_NODEV, options.c_str()) != 0) {
+  if (lstat(folder.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != geteuid() ||
+      chmod(folder.c_str(), 0700) != 0) {
     return absl::FailedPreconditionError(
-        absl::StrCat("cannot mount the attempt's /dev/shm at ", path, ": ", strerror(errno)));
+        absl::StrCat(folder, " is not a folder of this worker's account"));
+  }
+  if (!MountedAt(folder) && mount(folder.c_str(), folder.c_str(), nullptr, MS_BIND, nullptr) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot bind ", folder, " on itself: ", strerror(errno)));
+  }
+  if (mount(nullptr, folder.c_str(), nullptr, MS_PRIVATE, nullptr) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot make ", folder, " a private mount: ", strerror(errno)));
   }
   return absl::OkStatus();
 }
 
-bool UnmountAttemptShm(const std::string& path) {
-  struct stat st {};
-  if (lstat(path.c_str(), &st) != 0) return errno == ENOENT;
-  // (Stacked mounts, from a worker that mounted again after a crash, go one at a time.)
-  for (int i = 0; i < 16 && MountedAt(path); ++i) {
-    if (umount2(path.c_str(), MNT_DETACH | UMOUNT_NOFOLLOW) != 0) return false;
-  }
-  return !MountedAt(path) && (rmdir(path.c_str()) == 0 || errno == ENOENT);
+AttemptNamespaces NamespacesOf(const std::string& folder, const std::string& job_id, int attempt) {
+  const std::string prefix = absl::StrCat(folder, "/", job_id, "@", attempt);
+  return AttemptNamespaces{prefix + ".mnt", prefix + ".ipc"};
 }
 
-absl::Status MakeAttemptIpc(const std::string& path) {
-  if (MountedAt(path)) return absl::OkStatus();  // (the attempt's other ranks here)
-  const int file = open(path.c_str(), O_WRONLY | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
-  if (file < 0) {
-    return absl::FailedPreconditionError(absl::StrCat("cannot make ", path, ": ", strerror(errno)));
+bool ParseNamespaceName(const std::string& name, std::string* job_id, int* attempt) {
+  absl::string_view rest = name;
+  if (!absl::ConsumeSuffix(&rest, ".mnt") && !absl::ConsumeSuffix(&rest, ".ipc")) return false;
+  const size_t at = rest.rfind('@');
+  if (at == absl::string_view::npos || at == 0 || !absl::SimpleAtoi(rest.substr(at + 1), attempt) ||
+      *attempt <= 0) {
+    return false;
   }
-  close(file);
-  // A child makes the namespace and waits while it is bound here; then the mount keeps it.
+  *job_id = std::string(rest.substr(0, at));
+  return true;
+}
+
+absl::Status MakeAttemptNamespaces(const AttemptNamespaces& ns, const std::string& namespace_folder,
+                                   const std::string& tmp, uid_t uid, gid_t gid,
+                                   int64_t shm_bytes) {
+  if (MountedAt(ns.mnt) && MountedAt(ns.ipc)) return absl::OkStatus();  // (its other ranks)
+  RemoveAttemptNamespaces(ns);  // (half made, by a worker that died meanwhile)
+  for (const std::string& file : {ns.mnt, ns.ipc}) {
+    const int fd = open(file.c_str(), O_WRONLY | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot make ", file, ": ", strerror(errno)));
+    }
+    close(fd);
+  }
+  // All the child needs, made before it is forked (it may not allocate).
+  const std::string shm_options =
+      absl::StrCat("mode=0700,uid=", uid, ",gid=", gid,
+                   shm_bytes > 0 ? absl::StrCat(",size=", shm_bytes) : std::string());
+  const unsigned long tmp_flags = BindFlags(tmp);
+  // A child makes the namespaces and waits while their files are bound; the mounts keep them.
   int made[2], done[2];
   if (pipe2(made, O_CLOEXEC) != 0) return absl::InternalError(strerror(errno));
   if (pipe2(done, O_CLOEXEC) != 0) {
@@ -103,21 +162,43 @@ absl::Status MakeAttemptIpc(const std::string& path) {
   if (pid == 0) {
     close(made[0]);
     close(done[1]);
-    const int err = unshare(CLONE_NEWIPC) == 0 ? 0 : errno;
-    (void)!write(made[1], &err, sizeof(err));
+    int result[2] = {0, 0};  // errno, step
+    auto step = [&result](int number, bool ok) {
+      if (result[0] == 0 && !ok) result[0] = errno, result[1] = number;
+      return result[0] == 0;
+    };
+    // The folder's copies are dropped here: a copy of another attempt's namespace's file would
+    // keep that namespace (its tmpfs) while this one lives.
+    step(1, unshare(CLONE_NEWNS | CLONE_NEWIPC) == 0) &&
+        step(2, mount("none", "/", nullptr, MS_REC | MS_SLAVE, nullptr) == 0) &&
+        step(3, umount2(namespace_folder.c_str(), MNT_DETACH) == 0) &&
+        step(4,
+             mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, shm_options.c_str()) == 0) &&
+        step(5, mount(tmp.c_str(), "/tmp", nullptr, MS_BIND, nullptr) == 0) &&
+        step(6, mount(nullptr, "/tmp", nullptr, tmp_flags, nullptr) == 0);
+    (void)!write(made[1], result, sizeof(result));
     char byte;
     (void)!read(done[0], &byte, 1);  // the worker's byte, or its end closed
     _exit(0);
   }
   close(made[1]);
   close(done[0]);
-  int err = pid < 0 ? errno : 0;
-  if (pid > 0 && read(made[0], &err, sizeof(err)) != sizeof(err)) err = ECHILD;
-  std::string step = pid < 0 ? "fork" : "unshare";
-  if (err == 0) {
-    step = "mount";
-    const std::string ns = absl::StrCat("/proc/", pid, "/ns/ipc");
-    if (mount(ns.c_str(), path.c_str(), nullptr, MS_BIND, nullptr) != 0) err = errno;
+  int result[2] = {pid < 0 ? errno : 0, 0};
+  if (pid > 0 && read(made[0], result, sizeof(result)) != sizeof(result)) result[0] = ECHILD;
+  static const char* const kSteps[] = {"fork",
+                                       "unshare",
+                                       "make the mounts the host's slaves",
+                                       "leave out the namespace folder",
+                                       "mount a tmpfs over /dev/shm",
+                                       "bind the attempt's tmp over /tmp",
+                                       "make /tmp nosuid and nodev"};
+  std::string failed = result[0] != 0 ? kSteps[std::clamp(result[1], 0, 6)] : "";
+  for (const auto& [file, kind] : {std::pair{ns.ipc, "ipc"}, std::pair{ns.mnt, "mnt"}}) {
+    const std::string source = absl::StrCat("/proc/", pid, "/ns/", kind);
+    if (result[0] == 0 && mount(source.c_str(), file.c_str(), nullptr, MS_BIND, nullptr) != 0) {
+      result[0] = errno;
+      failed = absl::StrCat("bind its ", kind, " namespace at ", file);
+    }
   }
   (void)!write(done[1], "x", 1);
   close(made[0]);
@@ -126,41 +207,36 @@ absl::Status MakeAttemptIpc(const std::string& path) {
     while (waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
     }
   }
-  if (err != 0) {
-    return absl::FailedPreconditionError(absl::StrCat("cannot make the attempt's IPC namespace at ",
-                                                      path, ": ", step, ": ", strerror(err)));
+  if (result[0] != 0) {
+    RemoveAttemptNamespaces(ns);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot make the attempt's private /tmp: ", failed, ": ", strerror(result[0])));
   }
   return absl::OkStatus();
 }
 
-bool UnmountAttemptIpc(const std::string& path) {
-  struct stat st {};
-  if (lstat(path.c_str(), &st) != 0) return errno == ENOENT;
-  for (int i = 0; i < 16 && MountedAt(path); ++i) {
-    if (umount2(path.c_str(), MNT_DETACH | UMOUNT_NOFOLLOW) != 0) return false;
-  }
-  return !MountedAt(path) && (unlink(path.c_str()) == 0 || errno == ENOENT);
+bool RemoveAttemptNamespaces(const AttemptNamespaces& ns) {
+  const bool mnt = UnmountFile(ns.mnt);
+  return UnmountFile(ns.ipc) && mnt;
 }
 
-int EnterPrivateTmp(const char* tmp, const char* shm, const char* ipc, const char** step) {
-  *step = "open the attempt's IPC namespace";
-  const int ns = open(ipc, O_RDONLY | O_CLOEXEC);
-  if (ns < 0) return errno;
-  *step = "join the attempt's IPC namespace";
-  const int joined = setns(ns, CLONE_NEWIPC);
-  const int err = errno;
-  close(ns);
-  if (joined != 0) return err;
-  *step = "unshare";
-  if (unshare(CLONE_NEWNS) != 0) return errno;
-  // The host's mounts reach the rank (a file system mounted later, say); its own reach nobody.
-  *step = "make the mounts the host's slaves";
-  if (mount("none", "/", nullptr, MS_REC | MS_SLAVE, nullptr) != 0) return errno;
-  *step = "bind the attempt's tmp over /tmp";
-  if (mount(tmp, "/tmp", nullptr, MS_BIND, nullptr) != 0) return errno;
-  *step = "bind the attempt's shm over /dev/shm";
-  if (mount(shm, "/dev/shm", nullptr, MS_BIND, nullptr) != 0) return errno;
-  return 0;
+int EnterAttemptNamespaces(const char* mnt, const char* ipc, const char** step) {
+  // Both opened first: the namespace folder is not in the attempt's mount namespace.
+  *step = "open the attempt's namespaces";
+  const int ipc_fd = open(ipc, O_RDONLY | O_CLOEXEC);
+  const int mnt_fd = open(mnt, O_RDONLY | O_CLOEXEC);
+  int err = ipc_fd < 0 || mnt_fd < 0 ? errno : 0;
+  if (err == 0) {
+    *step = "join the attempt's IPC namespace";
+    if (setns(ipc_fd, CLONE_NEWIPC) != 0) err = errno;
+  }
+  if (err == 0) {
+    *step = "join the attempt's mount namespace";
+    if (setns(mnt_fd, CLONE_NEWNS) != 0) err = errno;
+  }
+  if (ipc_fd >= 0) close(ipc_fd);
+  if (mnt_fd >= 0) close(mnt_fd);
+  return err;
 }
 
 }  // namespace trainyard::worker

@@ -627,6 +627,9 @@ RankSupervisor::RankSupervisor(SupervisorOptions options, std::function<void(v1:
                                .unpacker = options_.shepherd_path,
                                .unpacker_env = ShepherdEnvironment(WorkerEnvironment()),
                                .keep = options_.keep_work_folders,
+                               .namespaces = options_.private_tmp
+                                                 ? NamespaceFolder(options_.work_dir)
+                                                 : std::string(),
                                .keep_ended_for = options_.keep_ended_attempts},
           [this](const std::string& job_id, int attempt, const std::function<void()>& then) {
             absl::MutexLock lock(&mu_);
@@ -979,6 +982,29 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device,
     ReportExit(key, 127, absl::StrCat("no GPU with index ", device, " on this worker"));
     return;
   }
+  v1::JobSpec spec;
+  if (!spec.ParseFromString(a.spec())) {
+    ReportExit(key, 126, "the assignment's spec is unreadable");
+    return;
+  }
+  const std::string checkpoint_dir =
+      a.checkpoint_dir().empty() ? absl::StrCat(options_.work_dir, "/", a.job_id(), "/checkpoints")
+                                 : a.checkpoint_dir();
+  // Under --private-tmp, before anything is made there: what the ranks are handed must stay in
+  // sight in their namespace.
+  for (const auto& [field, path] :
+       {std::pair<const char*, std::string>{"workdir", spec.workdir()},
+        {"the job's checkpoint folder (the coordinator's --checkpoint-root)", checkpoint_dir}}) {
+    if (const std::string over = options_.private_tmp ? PrivateFolderOver(path) : "";
+        !over.empty()) {
+      ReportExit(key, 126,
+                 absl::StrCat(field, ": ", Quoted(path), " is under ", over,
+                              ", which this node gives each job a private one of (its worker's "
+                              "--private-tmp): the job's ranks would not see it; choose a folder "
+                              "elsewhere"));
+      return;
+    }
+  }
 
   // The attempt's folder stays the worker's (the spec and the ranks' logs, which the worker
   // writes, live there, where a rank cannot plant a link); the rank works in its "work" folder
@@ -994,9 +1020,6 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device,
     chmod(dir.c_str(), 0711);
   }
   const std::string spec_path = dir + "/spec.pb";
-  const std::string checkpoint_dir =
-      a.checkpoint_dir().empty() ? absl::StrCat(options_.work_dir, "/", a.job_id(), "/checkpoints")
-                                 : a.checkpoint_dir();
   fs::create_directories(checkpoint_dir, ec);
   const UnixAccount* owner = account.has_value() ? &*account : nullptr;
   for (absl::Status s : {WriteOwnedFile(spec_path, a.spec(), owner), GiveFolder(work, owner),
@@ -1007,13 +1030,8 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device,
     }
   }
 
-  v1::JobSpec spec;
-  if (!spec.ParseFromString(a.spec())) {
-    ReportExit(key, 126, "the assignment's spec is unreadable");
-    return;
-  }
   if (options_.private_tmp) {
-    if (absl::Status s = PrepareOwnTmp(spec, dir, checkpoint_dir, owner); !s.ok()) {
+    if (absl::Status s = PrepareOwnTmp(a, spec, dir, owner); !s.ok()) {
       ReportExit(key, 126, std::string(s.message()));
       return;
     }
@@ -1062,27 +1080,19 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device,
   Exec(a, key, device, account, std::move(argv), std::move(env), work, spec);
 }
 
-absl::Status RankSupervisor::PrepareOwnTmp(const v1::JobSpec& spec, const std::string& dir,
-                                           const std::string& checkpoint_dir,
-                                           const UnixAccount* owner) {
-  // What the ranks are handed must stay in sight in their namespace.
-  for (const auto& [field, path] :
-       {std::pair<const char*, std::string>{"workdir", spec.workdir()},
-        {"the job's checkpoint folder (the coordinator's --checkpoint-root)", checkpoint_dir}}) {
-    if (const std::string over = PrivateFolderOver(path); !over.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, ": ", Quoted(path), " is under ", over,
-          ", which this node gives each job a private one of (its worker's --private-tmp): the "
-          "job's ranks would not see it; choose a folder elsewhere"));
-    }
-  }
+absl::Status RankSupervisor::PrepareOwnTmp(const v1::Assignment& a, const v1::JobSpec& spec,
+                                           const std::string& dir, const UnixAccount* owner) {
   const std::string tmp = dir + "/tmp";
   std::error_code ec;
   std::filesystem::create_directories(tmp, ec);
   RETURN_IF_ERROR(GiveFolder(tmp, owner));
-  RETURN_IF_ERROR(MountAttemptShm(dir + "/shm", owner != nullptr ? owner->uid : geteuid(),
-                                  owner != nullptr ? owner->gid : getegid()));
-  return MakeAttemptIpc(dir + "/ipc");
+  // /dev/shm holds at most the memory of the attempt's ranks here (its pages count against the
+  // cgroup of the rank that writes them too).
+  const int64_t rank_bytes = RankLimits(options_.rank_limits, spec.resources()).memory_bytes;
+  return MakeAttemptNamespaces(
+      NamespacesOf(NamespaceFolder(options_.work_dir), a.job_id(), a.attempt()),
+      NamespaceFolder(options_.work_dir), tmp, owner != nullptr ? owner->uid : geteuid(),
+      owner != nullptr ? owner->gid : getegid(), rank_bytes > 0 ? rank_bytes * RanksOf(a) : 0);
 }
 
 void RankSupervisor::StartCommand(const v1::Assignment& a, const v1::JobSpec& spec,
@@ -1241,10 +1251,10 @@ void RankSupervisor::Exec(const v1::Assignment& a, const RankKey& key, int devic
       absl::StrCat("orphan_ms=", absl::ToInt64Milliseconds(orphan_timeout_)),
       absl::StrCat("log_keep=", options_.log_keep_bytes)};
   if (options_.private_tmp) {  // (made by Start: PrepareOwnTmp)
-    const std::string dir = std::filesystem::path(prefix).parent_path().string();
-    shepherd.push_back(absl::StrCat("tmp=", dir, "/tmp"));
-    shepherd.push_back(absl::StrCat("shm=", dir, "/shm"));
-    shepherd.push_back(absl::StrCat("ipc=", dir, "/ipc"));
+    const AttemptNamespaces ns =
+        NamespacesOf(NamespaceFolder(options_.work_dir), std::get<0>(key), std::get<1>(key));
+    shepherd.push_back("mnt=" + ns.mnt);
+    shepherd.push_back("ipc=" + ns.ipc);
   }
   // Its cgroup, held to the rank's limits (cgroups.h).
   if (options_.cgroups != nullptr && options_.cgroups->version != 0) {

@@ -249,11 +249,10 @@ class RankSupervisor {
   // Starts what launches_ holds that can start: each launch whose context is ready or not
   // needed, in order; a context not yet asked for is asked for (Prepare), and its launch waits.
   void StartLaunches() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // With private_tmp: the attempt's tmp folder, the owner's, its shm tmpfs and its IPC namespace
-  // in its folder `dir` (kept once made, for its other ranks here); an error naming the field when
-  // the job hands its ranks a path they would not see (its workdir, its checkpoint folder).
-  absl::Status PrepareOwnTmp(const v1::JobSpec& spec, const std::string& dir,
-                             const std::string& checkpoint_dir, const UnixAccount* owner);
+  // With private_tmp: the attempt's tmp folder in its folder `dir`, the owner's, and its
+  // namespaces (private_tmp.h; kept once made, for its other ranks here).
+  absl::Status PrepareOwnTmp(const v1::Assignment& a, const v1::JobSpec& spec,
+                             const std::string& dir, const UnixAccount* owner);
   // A command job's rank: the spec's program with torchrun's environment (Start's part for them).
   void StartCommand(const v1::Assignment& a, const v1::JobSpec& spec, const RankKey& key, int rank,
                     int device, const std::optional<UnixAccount>& account, const std::string& work,

@@ -138,7 +138,7 @@ struct Settings {
   int64_t log_keep = 0;  // the log's last bytes kept once sent (0: all; RankSupervisor's)
   std::vector<std::string> cgroups;  // the rank's cgroup folders (cgroups.h); none: not confined
   // Its attempt's private /tmp, /dev/shm and IPC namespace (private_tmp.h); "": the host's.
-  std::string tmp, shm, ipc;
+  std::string mnt, ipc;
   uid_t uid = 0;
   gid_t gid = 0;
   std::vector<gid_t> groups;
@@ -163,10 +163,8 @@ absl::StatusOr<Settings> ParseSettings(int argc, char** argv) {
       s.mark = value;
     } else if (name == "cgroup" && absl::StartsWith(value, "/")) {
       s.cgroups.push_back(value);
-    } else if (name == "tmp" && absl::StartsWith(value, "/")) {
-      s.tmp = value;
-    } else if (name == "shm" && absl::StartsWith(value, "/")) {
-      s.shm = value;
+    } else if (name == "mnt" && absl::StartsWith(value, "/")) {
+      s.mnt = value;
     } else if (name == "ipc" && absl::StartsWith(value, "/")) {
       s.ipc = value;
     } else if (name == "env_fd" && numeric && number > kListenFd && number < 1024) {
@@ -198,8 +196,8 @@ absl::StatusOr<Settings> ParseSettings(int argc, char** argv) {
   if (s.prefix.empty() || s.cwd.empty() || s.argv.empty()) {
     return absl::InvalidArgumentError("prefix, cwd and a program are required");
   }
-  if (s.tmp.empty() != s.shm.empty() || s.tmp.empty() != s.ipc.empty()) {
-    return absl::InvalidArgumentError("tmp, shm and ipc come together");
+  if (s.mnt.empty() != s.ipc.empty()) {
+    return absl::InvalidArgumentError("mnt and ipc come together");
   }
   return s;
 }
@@ -302,10 +300,9 @@ pid_t StartRank(const Settings& s, int log_fd) {
     _exit(126);
   }
   // Its attempt's IPC namespace, private /tmp and /dev/shm, while still root (private_tmp.h).
-  if (!s.tmp.empty()) {
+  if (!s.mnt.empty()) {
     const char* step = "";
-    if (const int err = EnterPrivateTmp(s.tmp.c_str(), s.shm.c_str(), s.ipc.c_str(), &step);
-        err != 0) {
+    if (const int err = EnterAttemptNamespaces(s.mnt.c_str(), s.ipc.c_str(), &step); err != 0) {
       ChildError("trainyard-worker: cannot give the rank its private /tmp: ");
       ChildError(step);
       ChildError(": ");
