@@ -219,7 +219,7 @@ TEST_F(AttemptFoldersTest, AnIdleAttemptsNamespacesGoAtOnceAndALiveOnesStay) {
   const std::string idle = MakeAttempt(work_dir_, "job-1", 1);
   const std::string live = MakeAttempt(work_dir_, "job-2", 1);
   const std::string kept = MakeAttempt(work_dir_, "job-3", 1);
-  live_ = {{"job-2", 1}};
+  live_ = {{"job-2", 1}, {"job-3", 1}};
   for (const std::string& dir : {idle, live, kept}) {
     fs::create_directories(dir + "/tmp/out");
     std::ofstream(dir + "/tmp/out/scratch") << "scratch";
@@ -244,7 +244,7 @@ TEST_F(AttemptFoldersTest, AnIdleAttemptsNamespacesGoAtOnceAndALiveOnesStay) {
   EXPECT_EQ(folders.RemoveExpired(), 1);
   EXPECT_FALSE(fs::exists(idle));
   // An ended attempt: its tmp folder emptied and removed, its namespaces gone, at once.
-  live_.clear();
+  live_ = {{"job-3", 1}};
   folders.Ended("job-2", 1, std::nullopt);
   folders.Drain();
   EXPECT_FALSE(held("job-2"));
@@ -254,6 +254,8 @@ TEST_F(AttemptFoldersTest, AnIdleAttemptsNamespacesGoAtOnceAndALiveOnesStay) {
   AttemptFolderOptions keep_options = Options(absl::Hours(1));
   keep_options.keep = true;
   AttemptFolders keeping(keep_options, IfIdle());
+  EXPECT_TRUE(held("job-3"));
+  live_.clear();
   keeping.Ended("job-3", 1, std::nullopt);
   keeping.Drain();
   EXPECT_FALSE(held("job-3"));

@@ -291,6 +291,13 @@ TEST(DeviceFilterTest, OnV2ADeniedDeviceCannotBeOpenedFromTheCgroupAndSetAgainIt
   EXPECT_EQ(try_open(), 2);
   ASSERT_TRUE(SetDeviceFilter(dir, {"c 1:5 rwm", "c 1:7 rwm"}).ok());
   EXPECT_EQ(try_open(), 0);
+  // A node of many GPUs: a rank is denied all the others (the verifier's log of a program this
+  // long would overflow a small buffer, which fails the load).
+  std::vector<std::string> many = {"c 1:7 rwm"};
+  for (int minor = 0; minor < 31; ++minor) many.push_back(absl::StrCat("c 195:", minor, " rwm"));
+  const absl::Status loaded = SetDeviceFilter(dir, many);
+  ASSERT_TRUE(loaded.ok()) << loaded;
+  EXPECT_EQ(try_open(), 2);
   ASSERT_TRUE(SetDeviceFilter(dir, {}).ok());
   EXPECT_EQ(try_open(), 3) << "the earlier denials stay";
   const absl::Status bad = SetDeviceFilter(dir, {"c 195"});

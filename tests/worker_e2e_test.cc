@@ -1366,6 +1366,7 @@ class PrivateTmpE2eTest : public WorkerE2eTest {
   void SetUp() override {
     if (geteuid() != 0) GTEST_SKIP() << "private mounts and switching accounts need root";
     if (absl::Status s = worker::CheckMountNamespaces(); !s.ok()) GTEST_SKIP() << s;
+    if (!std::filesystem::exists("/usr/bin/ipcmk")) GTEST_SKIP() << "no ipcmk (util-linux)";
     ASSERT_FALSE(outside_.path().empty()) << "cannot make a folder in /var/tmp";
     // What the worker hands its ranks is outside /tmp: its folders, the jobs' checkpoints.
     coordinator_args_ = {"--checkpoint-root", outside_.path() + "/checkpoints"};
@@ -1377,6 +1378,16 @@ class PrivateTmpE2eTest : public WorkerE2eTest {
     ASSERT_FALSE(address_.empty());
     StartWorker({"--gpus", "none", "--private-tmp"});
     WaitForReadyNodes(1);
+  }
+  // The worker and coordinator go before the folder they work in (a member of this class, which
+  // goes before the base's).
+  void TearDown() override {
+    if (worker_ != nullptr) {  // (stops its ranks, removes their namespaces)
+      worker_->Signal(SIGTERM);
+      worker_->Wait(absl::Seconds(30));
+    }
+    worker_.reset();
+    coordinator_.reset();
   }
 
   FolderOutsideTmp outside_;

@@ -410,6 +410,8 @@ absl::Status CoordinatorServer::Serve(std::shared_ptr<grpc::ServerCredentials> c
     web_options.tls_key_file = options_.tls.key_file;
     web_options.tls_reload = absl::Seconds(std::max(1, options_.tls.reload_seconds));
     web_options.console_key = console_key_;
+    web_options.public_url = options_.web_public_url;
+    web_options.trusted_proxies = options_.web_trusted_proxies;
     RETURN_IF_ERROR(CheckWebAddress(options_));
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(64 << 20);

@@ -13,6 +13,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -84,6 +85,10 @@ struct CoordinatorOptions {
   // HOST:PORT of the web console and its HTTP/JSON API (server/web/web_console.h), over TLS with
   // tls.cert_file / tls.key_file when the coordinator has them; empty: none.
   std::string web_address;
+  // Behind a proxy: the URL browsers reach the console at, and the proxies' addresses whose
+  // X-Forwarded-For is believed (web::WebConsoleOptions's public_url and trusted_proxies).
+  std::string web_public_url;
+  std::vector<std::string> web_trusted_proxies;
   std::string checkpoint_root;  // jobs' checkpoints (ROOT/JOB_ID); default STATE_DIR/checkpoints
   absl::Duration node_timeout = absl::Seconds(10);
   absl::Duration heartbeat_interval = absl::Seconds(2);

@@ -80,6 +80,14 @@ void AddServingFlags(CLI::App& app, CoordinatorOptions& options, Flags& f) {
   app.add_option("--web-address", options.web_address,
                  "HOST:PORT of the web console and its HTTP/JSON API, HTTPS with --tls-cert "
                  "(port 0: a free one; its URL printed as \"web URL\" after the address lines)");
+  app.add_option("--web-public-url", options.web_public_url,
+                 "behind a proxy (one that terminates TLS, say): https://HOST[:PORT] browsers "
+                 "reach the console at; sign-ins from that origin are taken, the session cookie "
+                 "is Secure, and yard web links use it");
+  app.add_option("--web-trusted-proxies", options.web_trusted_proxies,
+                 "comma-separated IP addresses of the proxies in front of the console: from "
+                 "them, X-Forwarded-For names the browser whose failed sign-ins are counted")
+      ->delimiter(',');
   app.add_option(
       "--checkpoint-root", options.checkpoint_root,
       "where jobs' checkpoints live, seen by every worker (default STATE_DIR/checkpoints)");

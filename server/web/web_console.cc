@@ -1,5 +1,6 @@
 #include "server/web/web_console.h"
 
+#include <arpa/inet.h>
 #include <httplib.h>
 
 #include <algorithm>
@@ -18,11 +19,14 @@
 #include <spdlog/spdlog.h>
 #include <nlohmann/json.hpp>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/credentials.h"
@@ -40,6 +44,57 @@ namespace {
 namespace v1 = ::trainyard::v1;
 using httplib::Request;
 using httplib::Response;
+
+// Whether `text` is an IPv4 or IPv6 address (as a peer's address reads).
+bool IsAddress(const std::string& text) {
+  in6_addr v6{};
+  in_addr v4{};
+  return inet_pton(AF_INET, text.c_str(), &v4) == 1 || inet_pton(AF_INET6, text.c_str(), &v6) == 1;
+}
+
+// --web-public-url as a browser's Origin header names it: scheme, host and port (a default one
+// left out), lower case; "" for none. INVALID_ARGUMENT naming the flag for anything else (a path,
+// a query, credentials).
+absl::StatusOr<std::string> PublicOrigin(const std::string& url) {
+  if (url.empty()) return std::string();
+  auto bad = [&url](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat("--web-public-url: '",
+                                                   absl::CHexEscape(url.substr(0, 256)), "' ", why,
+                                                   " (expected https://HOST[:PORT])"));
+  };
+  if (url.size() > 256) return bad("is longer than 256 bytes");
+  std::string rest = absl::AsciiStrToLower(url);
+  std::string scheme;
+  for (const char* s : {"https://", "http://"}) {
+    if (absl::StartsWith(rest, s)) scheme = s;
+  }
+  if (scheme.empty()) return bad("is not an http:// or https:// URL");
+  rest = rest.substr(scheme.size());
+  if (absl::EndsWith(rest, "/")) rest.pop_back();
+  if (rest.empty() || rest.find_first_of("/?#@\\ ") != std::string::npos) {
+    return bad("is not a scheme, host and port only (the console is served at the root)");
+  }
+  std::string host = rest, port;
+  if (const size_t colon = rest.rfind(':');
+      colon != std::string::npos && rest.find(']', colon) == std::string::npos) {
+    host = rest.substr(0, colon);
+    port = rest.substr(colon + 1);
+    int number = 0;
+    if (!absl::SimpleAtoi(port, &number) || number < 1 || number > 65535) {
+      return bad("has no port number after its ':'");
+    }
+  }
+  const bool bracketed = absl::StartsWith(host, "[") && absl::EndsWith(host, "]");
+  if (host.empty() || (!bracketed && !std::all_of(host.begin(), host.end(), [](char c) {
+        return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-';
+      }))) {
+    return bad("has no host name or address");
+  }
+  if ((scheme == "https://" && port == "443") || (scheme == "http://" && port == "80")) {
+    port.clear();
+  }
+  return absl::StrCat(scheme, host, port.empty() ? "" : ":", port);
+}
 
 // The session cookie: under TLS with the __Host- prefix (Secure, Path=/, this host only: no
 // subdomain can set one).
@@ -284,6 +339,7 @@ struct WebConsole::Impl {
   std::unique_ptr<httplib::Server> server;
   std::thread listener;
   std::string url;
+  std::string public_origin;  // public_url's scheme, host and port: an Origin header's form
   bool tls = false;
   WebSessions sessions{WebSessionLimits{}};
   absl::Mutex streams_mu;
@@ -293,14 +349,28 @@ struct WebConsole::Impl {
 
   explicit Impl(const WebConsoleOptions& o) : options(o), sessions(o.sessions) {}
 
-  const char* cookie() const { return tls ? kTlsCookie : kCookie; }
+  // Whether browsers reach the console over HTTPS: its own TLS, or a proxy's (public_url).
+  bool secure() const { return tls || absl::StartsWith(options.public_url, "https://"); }
+  const char* cookie() const { return secure() ? kTlsCookie : kCookie; }
+
+  // The browser's address: the peer's, or, from a trusted proxy, the last X-Forwarded-For entry
+  // (the address that proxy saw; what a browser wrote before it is not believed).
+  std::string ClientOf(const Request& req) const {
+    if (absl::c_linear_search(options.trusted_proxies, req.remote_addr)) {
+      const std::string forwarded = req.get_header_value("X-Forwarded-For");
+      std::vector<absl::string_view> hops = absl::StrSplit(forwarded, ',');
+      const std::string last(absl::StripAsciiWhitespace(hops.back()));
+      if (IsAddress(last)) return last;
+    }
+    return req.remote_addr;
+  }
 
   // --- who calls ---
 
   // The caller of `req`, or false with the refusal written. `action`: the request changes
   // something, so a browser's session must prove it came from this console's own page.
   bool Identify(const Request& req, Response& res, bool action, Caller* caller) {
-    caller->client = req.remote_addr;
+    caller->client = ClientOf(req);
     const std::string auth = req.get_header_value("Authorization");
     if (!auth.empty()) {
       absl::string_view v = auth;
@@ -346,6 +416,7 @@ struct WebConsole::Impl {
     if (!site.empty() && site != "same-origin" && site != "none") return false;
     const std::string origin = req.get_header_value("Origin");
     if (origin.empty()) return true;
+    if (!public_origin.empty() && origin == public_origin) return true;
     const std::string host = req.get_header_value("Host");
     return !host.empty() && origin == absl::StrCat(tls ? "https://" : "http://", host);
   }
@@ -397,7 +468,7 @@ struct WebConsole::Impl {
     }
     nlohmann::json body = nlohmann::json::parse(req.body, nullptr, /*allow_exceptions=*/false);
     Caller caller;
-    caller.client = req.remote_addr;
+    caller.client = ClientOf(req);
     if (body.is_object() && body.contains("code") && body["code"].is_string()) {
       std::optional<std::string> token = sessions.TakeCode(body["code"].get<std::string>());
       if (!token.has_value()) {
@@ -433,7 +504,7 @@ struct WebConsole::Impl {
     const std::string id = sessions.Create(caller.token, who.user(), admin);
     res.set_header("Set-Cookie",
                    absl::StrCat(cookie(), "=", id, "; Path=/; HttpOnly; SameSite=Strict",
-                                tls ? "; Secure" : ""));
+                                secure() ? "; Secure" : ""));
     std::optional<WebSession> session = sessions.Find(id);
     res.set_content(Dump({{"user", who.user()},
                           {"admin", admin},
@@ -462,10 +533,11 @@ struct WebConsole::Impl {
     }
     const std::string code = sessions.CreateCode(caller.token, who.user(), kLinkLifetime);
     const std::string host = req.get_header_value("Host");
-    const std::string base =
-        host.empty() || host.size() > 256 || host.find_first_of("/#?@ \\") != std::string::npos
-            ? url
-            : absl::StrCat(tls ? "https://" : "http://", host);
+    // (Behind a proxy, the URL browsers reach: the Host here may be the proxy's upstream.)
+    const std::string base = !public_origin.empty() || host.empty() || host.size() > 256 ||
+                                     host.find_first_of("/#?@ \\") != std::string::npos
+                                 ? url
+                                 : absl::StrCat(tls ? "https://" : "http://", host);
     res.set_content(Dump({{"url", absl::StrCat(base, "/#/signin?code=", code)},
                           {"user", who.user()},
                           {"expiresInSeconds", absl::ToInt64Seconds(kLinkLifetime)}}),
@@ -1182,6 +1254,14 @@ absl::StatusOr<std::string> Serve(httplib::Server& server, Listener& l, const st
 
 absl::StatusOr<std::unique_ptr<WebConsole>> WebConsole::Start(
     const WebConsoleOptions& options, std::shared_ptr<grpc::Channel> coordinator) {
+  ASSIGN_OR_RETURN(std::string public_origin, PublicOrigin(options.public_url));
+  for (const std::string& proxy : options.trusted_proxies) {
+    if (!IsAddress(proxy)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--web-trusted-proxies: '", absl::CHexEscape(proxy.substr(0, 64)),
+          "' is not an IP address (a proxy's address as the console sees it connect)"));
+    }
+  }
   ASSIGN_OR_RETURN(Listener l, NewListener(options));
   auto impl = std::make_unique<Impl>(options);
   impl->channel = std::move(coordinator);
@@ -1191,9 +1271,15 @@ absl::StatusOr<std::unique_ptr<WebConsole>> WebConsole::Start(
   impl->certificate = std::move(l.certificate);
   impl->server = std::move(l.server);
   impl->tls = l.tls;
+  impl->public_origin = public_origin;
   impl->Routes();
   ASSIGN_OR_RETURN(impl->url, Serve(*impl->server, l, options.address, &impl->listener));
-  spdlog::info("web console at {}", impl->url);
+  if (!public_origin.empty()) {
+    spdlog::info("web console at {}, reached at {}", impl->url, public_origin);
+    impl->url = public_origin;
+  } else {
+    spdlog::info("web console at {}", impl->url);
+  }
   return std::unique_ptr<WebConsole>(new WebConsole(std::move(impl)));
 }
 

@@ -35,6 +35,15 @@ struct WebConsoleOptions {
   // How often the files are looked at: a renewed pair serves new connections without a restart,
   // as the gRPC listener's does (--tls-reload).
   absl::Duration tls_reload = absl::Seconds(10);
+  // Behind a proxy (one that terminates TLS, say): the URL browsers reach the console at,
+  // "http(s)://HOST[:PORT]" (--web-public-url). Its origin is this console's own too (sign-in and
+  // actions check Origin against it), an https one makes the session cookie Secure, and it is
+  // the URL printed and handed to `yard web`. Empty: the console's own address.
+  std::string public_url;
+  // Peers whose X-Forwarded-For is believed (--web-trusted-proxies: the proxy's addresses): a
+  // request from one counts its failed sign-ins under the address the proxy saw (the header's
+  // last entry), not under the proxy's own for every browser. Anyone else's header is ignored.
+  std::vector<std::string> trusted_proxies;
   // Shown with each call it makes for a browser, beside the browser's address: the coordinator
   // counts failed authentications per browser, not per console (empty: it does not).
   std::string console_key;

@@ -671,3 +671,83 @@ def test_a_console_on_another_host_without_tls_is_refused(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     assert "--web-address: a non-loopback address" in r.stderr, r.stderr
+
+
+
+def test_behind_a_tls_proxy_its_origin_signs_in_and_forwarded_browsers_are_throttled_apart(
+        tmp_path):
+    """A proxy that terminates TLS in front of the console (--web-public-url): a page of that
+    origin signs in and gets a Secure __Host- cookie, yard web's link is that URL, and another
+    origin is refused. From the proxy (--web-trusted-proxies), failed sign-ins count under the
+    browser X-Forwarded-For names; anyone else's X-Forwarded-For is not believed."""
+    import http.client
+    public = "https://console.example:8443"
+    log = tmp_path / "coordinator.log"
+    with open(log, "w") as err:
+        coordinator = subprocess.Popen(
+            [str(BIN / "trainyard-coordinator"), "--state-dir", str(tmp_path / "s"), "--listen",
+             "127.0.0.1:0", "--web-address", "127.0.0.1:0", "--web-public-url", public + "/",
+             "--web-trusted-proxies", "127.0.0.1,::1"],
+            stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        lines = [coordinator.stdout.readline().strip() for _ in range(2)]
+        assert "web " + public in lines, lines
+        # The console itself, where the proxy reaches it.
+        port = int(re.search(r"web console at http://127\.0\.0\.1:(\d+), reached at "
+                             + re.escape(public), log.read_text()).group(1))
+        token = (tmp_path / "s" / "admin.token").read_text().strip()
+
+        def sign_in(body, source="127.0.0.1", headers=None):
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=30,
+                                           source_address=(source, 0))
+            try:
+                c.request("POST", "/api/v1/session", body=json.dumps(body),
+                          headers={"Content-Type": "application/json", **(headers or {})})
+                r = c.getresponse()
+                return r.status, json.loads(r.read() or b"{}"), r.getheader("Set-Cookie") or ""
+            finally:
+                c.close()
+
+        status, body, cookie = sign_in({"token": token}, headers={"Origin": public})
+        assert status == 200, body
+        assert cookie.startswith("__Host-ty_session=") and "; Secure" in cookie, cookie
+        status, body, _ = sign_in({"token": token}, headers={"Origin": "https://evil.example"})
+        assert status == 403 and "Origin" in body["error"]["message"], body
+        # yard web, through the console's own address, hands out a link to the public one.
+        env = dict(os.environ, TRAINYARD_COORDINATOR=lines[0], TRAINYARD_TOKEN=token,
+                   HOME=str(tmp_path))
+        out = run([str(BIN / "yard"), "web", "--url", f"http://127.0.0.1:{port}"], env).stdout
+        assert re.search(re.escape(public) + r"/#/signin\?code=\S+", out), out
+
+        def throttle(source, forwarded):
+            """Wrong tokens from `source` naming `forwarded` until told to back off."""
+            for i in range(600):
+                status, body, _ = sign_in({"token": f"tyt.guess{i}.wrong"}, source,
+                                          {"X-Forwarded-For": forwarded})
+                if status != 401:
+                    break
+            assert status == 429, body
+
+        # Through the proxy: one guessing browser is told to back off, another is not.
+        throttle("127.0.0.1", "198.51.100.9, 203.0.113.5")
+        status, body, _ = sign_in({"token": "tyt.other.wrong"}, "127.0.0.1",
+                                  {"X-Forwarded-For": "203.0.113.6"})
+        assert status == 401 and "too many" not in body["error"]["message"], body
+        # Not the proxy: its header names nobody, its own address is throttled.
+        throttle("127.0.0.2", "203.0.113.7")
+        status, body, _ = sign_in({"token": "tyt.other.wrong"}, "127.0.0.2",
+                                  {"X-Forwarded-For": "203.0.113.8"})
+        assert status == 429, body
+    finally:
+        coordinator.terminate()
+        coordinator.wait(timeout=60)
+
+
+def test_a_public_url_with_a_path_is_refused_naming_the_flag(tmp_path):
+    r = subprocess.run([str(BIN / "trainyard-coordinator"), "--state-dir", str(tmp_path / "s"),
+                        "--listen", "127.0.0.1:0", "--web-address", "127.0.0.1:0",
+                        "--web-public-url", "https://console.example/trainyard"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "--web-public-url: 'https://console.example/trainyard' is not a scheme" in r.stderr, \
+        r.stderr

@@ -258,8 +258,9 @@ absl::StatusOr<std::vector<std::string>> TryCreateRankCgroup(const CgroupHost& h
     if (s.ok()) {
       s = set(d + "/pids.max", limits.pids > 0 ? absl::StrCat(limits.pids) : std::string("max"));
     }
-    // Devices: no controller on v2, a BPF program on the folder (device_filter.h).
-    if (s.ok() && !limits.denied_devices.empty()) s = SetDeviceFilter(d, limits.denied_devices);
+    // Devices: no controller on v2, a BPF program on the folder (device_filter.h); set also
+    // with nothing to deny, so that a reused folder loses an earlier rank's denials.
+    if (s.ok()) s = SetDeviceFilter(d, limits.denied_devices);
     if (!s.ok()) return s;
     return dirs;
   }

@@ -77,26 +77,35 @@ std::vector<bpf_insn> Program(const std::vector<Device>& denied) {
 
 long Bpf(int command, bpf_attr* attr) { return syscall(__NR_bpf, command, attr, sizeof(*attr)); }
 
-// The loaded program's descriptor, or the kernel's reason.
+// The loaded program's descriptor, or the kernel's reason. Loaded without the verifier's log
+// (which, full, fails a load that passed: ENOSPC), and again with a large one to say why not.
 absl::StatusOr<int> Load(const std::vector<Device>& denied) {
   const std::vector<bpf_insn> program = Program(denied);
   static const char kLicense[] = "Apache-2.0";
-  char log[4096] = {0};
-  bpf_attr attr{};
-  attr.prog_type = BPF_PROG_TYPE_CGROUP_DEVICE;
-  attr.insns = reinterpret_cast<uintptr_t>(program.data());
-  attr.insn_cnt = static_cast<uint32_t>(program.size());
-  attr.license = reinterpret_cast<uintptr_t>(kLicense);
-  attr.log_buf = reinterpret_cast<uintptr_t>(log);
-  attr.log_size = sizeof(log);
-  attr.log_level = 1;
-  const long fd = Bpf(BPF_PROG_LOAD, &attr);
-  if (fd < 0) {
-    const int err = errno;
-    return absl::FailedPreconditionError(absl::StrCat(
-        "cannot load a cgroup device program: ", strerror(err), log[0] != 0 ? ": " : "", log));
+  auto load = [&program](char* log, uint32_t size) {
+    bpf_attr attr{};
+    attr.prog_type = BPF_PROG_TYPE_CGROUP_DEVICE;
+    attr.insns = reinterpret_cast<uintptr_t>(program.data());
+    attr.insn_cnt = static_cast<uint32_t>(program.size());
+    attr.license = reinterpret_cast<uintptr_t>(kLicense);
+    if (log != nullptr) {
+      attr.log_buf = reinterpret_cast<uintptr_t>(log);
+      attr.log_size = size;
+      attr.log_level = 1;
+    }
+    return Bpf(BPF_PROG_LOAD, &attr);
+  };
+  if (const long fd = load(nullptr, 0); fd >= 0) return static_cast<int>(fd);
+  const int err = errno;
+  std::vector<char> log(1 << 16, '\0');
+  if (const long fd = load(log.data(), static_cast<uint32_t>(log.size())); fd >= 0) {
+    return static_cast<int>(fd);  // (passed this time)
   }
-  return static_cast<int>(fd);
+  log.back() = '\0';
+  std::string why(log.data());
+  if (why.size() > 512) why = "..." + why.substr(why.size() - 512);  // (its verdict is last)
+  return absl::FailedPreconditionError(absl::StrCat(
+      "cannot load a cgroup device program: ", strerror(err), why.empty() ? "" : ": ", why));
 }
 
 }  // namespace
@@ -119,8 +128,12 @@ absl::Status SetDeviceFilter(const std::string& dir, const std::vector<std::stri
   query.query.prog_cnt = 64;
   absl::Status status;
   if (Bpf(BPF_PROG_QUERY, &query) != 0) {
-    status = absl::FailedPreconditionError(
-        absl::StrCat("cannot list the device programs of cgroup ", dir, ": ", strerror(errno)));
+    const int err = errno;
+    close(cgroup);
+    // (Nothing to deny, and no program could be listed: none of ours can be there either.)
+    if (devices.empty()) return absl::OkStatus();
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot list the device programs of cgroup ", dir, ": ", strerror(err)));
   }
   for (uint32_t i = 0; status.ok() && i < std::min<uint32_t>(query.query.prog_cnt, 64); ++i) {
     bpf_attr get{};

@@ -18,7 +18,8 @@ namespace trainyard::worker {
 // Sets the device program of the v2 cgroup folder `dir`: its own device programs (a reused
 // folder's, an earlier rank's denials) are detached first; then, when `denied` names devices
 // ("c MAJOR:MINOR rwm" or "b ..."), one that denies them is attached. INVALID_ARGUMENT for a rule
-// of another shape; the kernel's reason when it refuses.
+// of another shape; the kernel's reason when it refuses. With nothing to deny, a kernel or
+// process that cannot list the folder's programs is not an error (none of ours is there).
 absl::Status SetDeviceFilter(const std::string& dir, const std::vector<std::string>& denied);
 
 // Whether this process can load a device program (root or CAP_BPF and CAP_SYS_ADMIN, a kernel

@@ -514,7 +514,8 @@ absl::Status SettlePrivateTmp(const trainyard::worker::WorkerOptions& options) {
        {std::pair<const char*, std::string>{"--work-dir", options.supervisor.work_dir},
         {"--trainer", trainer.find('/') != std::string::npos ? trainer : ""},
         {"--tls-ca", options.tls.ca_file}}) {
-    if (const std::string over = trainyard::worker::PrivateFolderOver(path); !over.empty()) {
+    if (const std::string over = trainyard::worker::PrivateFolderOver(path, /*resolve_links=*/true);
+        !over.empty()) {
       return absl::InvalidArgumentError(
           absl::StrCat("--private-tmp: ", flag, " ", path, " is under ", over,
                        ", which ranks get a private one of and would not see it there"));

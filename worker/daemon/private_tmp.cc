@@ -13,12 +13,15 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 
 namespace trainyard::worker {
@@ -33,9 +36,22 @@ bool MountedAt(const std::string& path) {
   if ((stx.stx_attributes_mask & STATX_ATTR_MOUNT_ROOT) != 0) {
     return (stx.stx_attributes & STATX_ATTR_MOUNT_ROOT) != 0;
   }
-  struct stat parent {};  // (a kernel before 5.8: another device than its folder's)
-  return stat(std::filesystem::path(path).parent_path().c_str(), &parent) == 0 &&
-         makedev(stx.stx_dev_major, stx.stx_dev_minor) != parent.st_dev;
+  // A kernel before 5.8: a mount point in /proc/self/mountinfo (its fifth field, with space,
+  // tab, newline and backslash written in octal).
+  std::string escaped;
+  for (char c : path) {
+    if (c == ' ' || c == '\t' || c == '\n' || c == '\\') {
+      absl::StrAppend(&escaped, "\\", absl::Dec(c >> 6), absl::Dec((c >> 3) & 7), absl::Dec(c & 7));
+    } else {
+      escaped.push_back(c);
+    }
+  }
+  std::ifstream mountinfo("/proc/self/mountinfo");
+  for (std::string line; std::getline(mountinfo, line);) {
+    const std::vector<absl::string_view> fields = absl::StrSplit(line, ' ');
+    if (fields.size() > 4 && fields[4] == escaped) return true;
+  }
+  return false;
 }
 
 // Unmounts what is mounted at `path` (stacked mounts one at a time) and removes the file.
@@ -65,14 +81,15 @@ unsigned long BindFlags(const std::string& path) {
 
 }  // namespace
 
-std::string PrivateFolderOver(const std::string& path) {
+std::string PrivateFolderOver(const std::string& path, bool resolve_links) {
   if (path.empty()) return "";
   std::error_code ec;
-  std::string resolved = std::filesystem::weakly_canonical(path, ec).string();
-  if (ec) resolved = std::filesystem::path(path).lexically_normal().string();
+  std::string resolved = resolve_links ? std::filesystem::weakly_canonical(path, ec).string() : "";
+  if (!resolve_links || ec) resolved = std::filesystem::path(path).lexically_normal().string();
+  if (resolved.size() > 1 && resolved.back() == '/') resolved.pop_back();
   for (const char* folder : {"/tmp", "/dev/shm"}) {
-    std::string base = std::filesystem::weakly_canonical(folder, ec).string();
-    if (ec || base.empty()) base = folder;
+    std::string base = resolve_links ? std::filesystem::weakly_canonical(folder, ec).string() : "";
+    if (!resolve_links || ec || base.empty()) base = folder;
     if (resolved == base || absl::StartsWith(resolved, base + "/")) return folder;
   }
   return "";
@@ -150,6 +167,8 @@ absl::Status MakeAttemptNamespaces(const AttemptNamespaces& ns, const std::strin
       absl::StrCat("mode=0700,uid=", uid, ",gid=", gid,
                    shm_bytes > 0 ? absl::StrCat(",size=", shm_bytes) : std::string());
   const unsigned long tmp_flags = BindFlags(tmp);
+  struct stat mqueue {};
+  const bool has_mqueue = stat("/dev/mqueue", &mqueue) == 0 && S_ISDIR(mqueue.st_mode);
   // A child makes the namespaces and waits while their files are bound; the mounts keep them.
   int made[2], done[2];
   if (pipe2(made, O_CLOEXEC) != 0) return absl::InternalError(strerror(errno));
@@ -175,10 +194,13 @@ absl::Status MakeAttemptNamespaces(const AttemptNamespaces& ns, const std::strin
         step(4,
              mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, shm_options.c_str()) == 0) &&
         step(5, mount(tmp.c_str(), "/tmp", nullptr, MS_BIND, nullptr) == 0) &&
-        step(6, mount(nullptr, "/tmp", nullptr, tmp_flags, nullptr) == 0);
+        step(6, mount(nullptr, "/tmp", nullptr, tmp_flags, nullptr) == 0) &&
+        // (POSIX message queues by name: those of the new IPC namespace.)
+        step(7, !has_mqueue || mount("mqueue", "/dev/mqueue", "mqueue",
+                                     MS_NOSUID | MS_NODEV | MS_NOEXEC, nullptr) == 0);
     (void)!write(made[1], result, sizeof(result));
     char byte;
-    (void)!read(done[0], &byte, 1);  // the worker's byte, or its end closed
+    (void)!read(done[0], &byte, 1);  // until the worker closes its end
     _exit(0);
   }
   close(made[1]);
@@ -191,8 +213,9 @@ absl::Status MakeAttemptNamespaces(const AttemptNamespaces& ns, const std::strin
                                        "leave out the namespace folder",
                                        "mount a tmpfs over /dev/shm",
                                        "bind the attempt's tmp over /tmp",
-                                       "make /tmp nosuid and nodev"};
-  std::string failed = result[0] != 0 ? kSteps[std::clamp(result[1], 0, 6)] : "";
+                                       "make /tmp nosuid and nodev",
+                                       "mount the IPC namespace's /dev/mqueue"};
+  std::string failed = result[0] != 0 ? kSteps[std::clamp(result[1], 0, 7)] : "";
   for (const auto& [file, kind] : {std::pair{ns.ipc, "ipc"}, std::pair{ns.mnt, "mnt"}}) {
     const std::string source = absl::StrCat("/proc/", pid, "/ns/", kind);
     if (result[0] == 0 && mount(source.c_str(), file.c_str(), nullptr, MS_BIND, nullptr) != 0) {
@@ -200,9 +223,8 @@ absl::Status MakeAttemptNamespaces(const AttemptNamespaces& ns, const std::strin
       failed = absl::StrCat("bind its ", kind, " namespace at ", file);
     }
   }
-  (void)!write(done[1], "x", 1);
   close(made[0]);
-  close(done[1]);
+  close(done[1]);  // (the child's read ends: written to, a child already gone would SIGPIPE us)
   if (pid > 0) {
     while (waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
     }

@@ -35,9 +35,11 @@
 
 namespace trainyard::worker {
 
-// The host folder `path` is (or is under, after resolving links) that a rank of a worker with
-// --private-tmp sees a private one of instead: "/tmp" or "/dev/shm"; "" for any other path.
-std::string PrivateFolderOver(const std::string& path);
+// The host folder `path` is (or is under) that a rank of a worker with --private-tmp sees a
+// private one of instead: "/tmp" or "/dev/shm"; "" for any other path. `resolve_links`: links
+// resolved first (the operator's paths; never a job's, which a root process must not follow: a
+// job's link into /tmp fails in the rank's child, where it leads into the private one).
+std::string PrivateFolderOver(const std::string& path, bool resolve_links);
 
 // Whether this process may give ranks namespaces of their own (root, CAP_SYS_ADMIN, a kernel that
 // allows it): tried in a child that ends at once. The reason when not.

@@ -995,7 +995,8 @@ void RankSupervisor::Start(const v1::Assignment& a, int rank, int device,
   for (const auto& [field, path] :
        {std::pair<const char*, std::string>{"workdir", spec.workdir()},
         {"the job's checkpoint folder (the coordinator's --checkpoint-root)", checkpoint_dir}}) {
-    if (const std::string over = options_.private_tmp ? PrivateFolderOver(path) : "";
+    if (const std::string over =
+            options_.private_tmp ? PrivateFolderOver(path, /*resolve_links=*/false) : "";
         !over.empty()) {
       ReportExit(key, 126,
                  absl::StrCat(field, ": ", Quoted(path), " is under ", over,

@@ -50,9 +50,8 @@ inline constexpr char kShepherdFlag[] = "--shepherd";
 // environment, NUL-separated NAME=VALUE entries; without it the rank's environment is empty),
 // cgroup (repeated: the rank's cgroup folders, which its process joins before it drops privileges,
 // which stopping it signals whole, whose OOM kills its log reports, and which the shepherd removes
-// at its end; cgroups.h), tmp, shm and ipc (together: the attempt's folders the rank's own mount
-// namespace binds over /tmp and /dev/shm, and its IPC namespace the rank joins, before it drops
-// privileges; private_tmp.h), and uid,
+// at its end; cgroups.h), mnt and ipc (together: the files of the attempt's mount and IPC
+// namespaces, which the rank joins before it drops privileges; private_tmp.h), and uid,
 // gid, groups (comma-separated) to run the rank as another account. Returns the process's exit
 // code.
 int RunShepherd(int argc, char** argv);
