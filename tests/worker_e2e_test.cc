@@ -6,7 +6,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
 #include <pwd.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
@@ -1417,9 +1419,25 @@ TEST_F(PrivateTmpE2eTest, AnAttemptsRanksShareATmpDevShmAndIpcOfTheirOwnThatGoWh
       "kept: $(grep -c /.namespaces /proc/self/mountinfo) in "
       "$(readlink /proc/self/ns/ipc)\"; [ -e /tmp/",
       marker, " ] && echo sees the host tmp; [ -e /dev/shm/", marker,
-      " ] && echo sees the host shm; true");
-  const v1::Job shared =
-      RunToEnd(*client_, CommandSpec("private-tmp", 2, {"/bin/sh", "-c", script}));
+      " ] && echo sees the host shm; echo waiting; i=0; while [ ! -e /tmp/go ]; do i=$((i+1)); "
+      "[ $i -lt 1200 ] || exit 4; sleep 0.05; done");
+  auto submitted = client_->Submit(CommandSpec("private-tmp", 2, {"/bin/sh", "-c", script}));
+  ASSERT_TRUE(submitted.ok()) << submitted.status();
+  WaitForLines(submitted->id(), "waiting", 2);
+  // While the ranks run, something holds their namespaces (as a process of the owner's that
+  // opened a rank's /proc/PID/ns files could): here this test, by their files.
+  const std::string attempt = absl::StrCat(work_dir(), "/", submitted->id(), "/attempt-1");
+  const std::string kept_by = absl::StrCat(work_dir(), "/.namespaces/", submitted->id(), "@1");
+  const int held_ipc = open((kept_by + ".ipc").c_str(), O_RDONLY | O_CLOEXEC);
+  const int held_mnt = open((kept_by + ".mnt").c_str(), O_RDONLY | O_CLOEXEC);
+  absl::Cleanup close_held = [&] {
+    close(held_ipc);
+    close(held_mnt);
+  };
+  ASSERT_GE(held_ipc, 0);
+  ASSERT_GE(held_mnt, 0);
+  std::ofstream(attempt + "/tmp/go") << "go";  // (the ranks' /tmp/go)
+  const v1::Job shared = WaitFor(submitted->id(), [](const v1::Job&) { return false; });
   ASSERT_EQ(shared.state(), v1::SUCCEEDED) << shared.message();
   const std::vector<std::string> lines = Logs(shared.id());
   // Both ranks in one IPC namespace, not the host's; no namespace's file mounted in theirs (a
@@ -1446,8 +1464,6 @@ TEST_F(PrivateTmpE2eTest, AnAttemptsRanksShareATmpDevShmAndIpcOfTheirOwnThatGoWh
   EXPECT_FALSE(std::filesystem::exists("/dev/shm/" + seg));
   // All go once the attempt's ranks have ended: the folder emptied as its owner, the tmpfs and
   // the IPC namespace unmounted (a file system's state has no event to wait on: bounded polling).
-  const std::string attempt = absl::StrCat(work_dir(), "/", shared.id(), "/attempt-1");
-  const std::string kept_by = absl::StrCat(work_dir(), "/.namespaces/", shared.id(), "@1");
   auto gone = [&] {
     for (const std::string& path : {attempt + "/tmp", kept_by + ".mnt", kept_by + ".ipc"}) {
       if (std::filesystem::exists(path) || Mounted(path)) return false;
@@ -1459,6 +1475,24 @@ TEST_F(PrivateTmpE2eTest, AnAttemptsRanksShareATmpDevShmAndIpcOfTheirOwnThatGoWh
     absl::SleepFor(absl::Milliseconds(50));
   }
   EXPECT_TRUE(gone()) << "the attempt's tmp, shm or ipc stays";
+  // What was held was emptied first: no segment in the IPC namespace, no tmpfs at its /dev/shm.
+  // (Bit 0: the segment is there, bit 1: rank 0's file; 8: cannot join.)
+  const std::string seg_path = "/dev/shm/" + seg;
+  const pid_t child = fork();
+  if (child == 0) {
+    if (setns(held_ipc, CLONE_NEWIPC) != 0) _exit(8);
+    const int sysv = open("/proc/sysvipc/shm", O_RDONLY);
+    char text[4096];
+    const ssize_t n = sysv < 0 ? -1 : read(sysv, text, sizeof(text));
+    int lines = 0;
+    for (ssize_t i = 0; i < n; ++i) lines += text[i] == '\n';
+    if (setns(held_mnt, CLONE_NEWNS) != 0) _exit(8);
+    _exit((lines > 1 ? 1 : 0) | (access(seg_path.c_str(), F_OK) == 0 ? 2 : 0));
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+      << "what the held namespaces keep: " << (WIFEXITED(status) ? WEXITSTATUS(status) : -1);
 
   // The owner's next job starts with all of them empty.
   const v1::Job next = RunToEnd(

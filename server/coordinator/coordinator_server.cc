@@ -14,6 +14,7 @@
 #include <filesystem>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -382,6 +383,18 @@ absl::Status CheckWebAddress(const CoordinatorOptions& options) {
         "--web-address: a non-loopback address sends tokens and session cookies: serve it "
         "with --tls-cert/--tls-key (or say --insecure)");
   }
+  if (options.web_address.empty() &&
+      (!options.web_public_url.empty() || !options.web_trusted_proxies.empty())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(options.web_public_url.empty() ? "--web-trusted-proxies" : "--web-public-url",
+                     ": there is no web console without --web-address"));
+  }
+  ASSIGN_OR_RETURN(const std::string origin, web::WebPublicOrigin(options.web_public_url));
+  if (absl::StartsWith(origin, "http://") && !options.tls.insecure) {
+    return absl::InvalidArgumentError(
+        "--web-public-url: an http:// URL sends tokens and session cookies in clear: use the "
+        "proxy's https:// one (or say --insecure)");
+  }
   return absl::OkStatus();
 }
 
@@ -403,6 +416,7 @@ absl::Status CoordinatorServer::Serve(std::shared_ptr<grpc::ServerCredentials> c
     absl::MutexLock lock(&address_mu_);
     rank_coordinators_ = RankCoordinators(options_.rank_coordinator_addresses, address_);
   }
+  RETURN_IF_ERROR(CheckWebAddress(options_));
   if (!options_.web_address.empty()) {
     web::WebConsoleOptions web_options;
     web_options.address = options_.web_address;
@@ -412,7 +426,6 @@ absl::Status CoordinatorServer::Serve(std::shared_ptr<grpc::ServerCredentials> c
     web_options.console_key = console_key_;
     web_options.public_url = options_.web_public_url;
     web_options.trusted_proxies = options_.web_trusted_proxies;
-    RETURN_IF_ERROR(CheckWebAddress(options_));
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(64 << 20);
     ASSIGN_OR_RETURN(web_, web::WebConsole::Start(web_options, server_->InProcessChannel(args)));

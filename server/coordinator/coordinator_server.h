@@ -124,7 +124,8 @@ struct CoordinatorOptions {
 };
 
 // INVALID_ARGUMENT for a web console on a non-loopback address without TLS (tokens and cookies
-// in clear) unless tls.insecure.
+// in clear) unless tls.insecure; for a bad web_public_url, an http:// one unless tls.insecure,
+// and either web_public_url or web_trusted_proxies without a web_address.
 absl::Status CheckWebAddress(const CoordinatorOptions& options);
 
 class CoordinatorServer {

@@ -195,7 +195,8 @@ int RunReplica(CoordinatorOptions options, ReplicaOptions replica,
   web_options.tls_cert_file = options.tls.cert_file;
   web_options.tls_key_file = options.tls.key_file;
   web_options.tls_reload = absl::Seconds(std::max(1, options.tls.reload_seconds));
-  if (!options.web_address.empty()) {
+  web_options.public_url = options.web_public_url;  // (a standby then answers 503)
+  if (!options.web_address.empty() || !options.web_public_url.empty()) {
     if (absl::Status s = CheckWebAddress(options); !s.ok()) {
       std::cerr << "trainyard-coordinator: " << s.message() << "\n";
       return 1;

@@ -7,9 +7,11 @@
 #include <atomic>
 #include <cctype>
 #include <chrono>
+#include <cstring>
 #include <deque>
 #include <functional>
 #include <map>
+#include <optional>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -45,17 +47,26 @@ namespace v1 = ::trainyard::v1;
 using httplib::Request;
 using httplib::Response;
 
-// Whether `text` is an IPv4 or IPv6 address (as a peer's address reads).
-bool IsAddress(const std::string& text) {
+// An IPv4 or IPv6 address in one form (inet_ntop's; an IPv4-mapped IPv6 one as IPv4); none for
+// anything else.
+std::optional<std::string> CanonicalAddress(const std::string& text) {
   in6_addr v6{};
   in_addr v4{};
-  return inet_pton(AF_INET, text.c_str(), &v4) == 1 || inet_pton(AF_INET6, text.c_str(), &v6) == 1;
+  char out[INET6_ADDRSTRLEN] = {0};
+  if (inet_pton(AF_INET, text.c_str(), &v4) == 1) {
+    return std::string(inet_ntop(AF_INET, &v4, out, sizeof(out)));
+  }
+  if (inet_pton(AF_INET6, text.c_str(), &v6) != 1) return std::nullopt;
+  if (IN6_IS_ADDR_V4MAPPED(&v6)) {
+    std::memcpy(&v4, &v6.s6_addr[12], 4);
+    return std::string(inet_ntop(AF_INET, &v4, out, sizeof(out)));
+  }
+  return std::string(inet_ntop(AF_INET6, &v6, out, sizeof(out)));
 }
 
-// --web-public-url as a browser's Origin header names it: scheme, host and port (a default one
-// left out), lower case; "" for none. INVALID_ARGUMENT naming the flag for anything else (a path,
-// a query, credentials).
-absl::StatusOr<std::string> PublicOrigin(const std::string& url) {
+}  // namespace
+
+absl::StatusOr<std::string> WebPublicOrigin(const std::string& url) {
   if (url.empty()) return std::string();
   auto bad = [&url](const std::string& why) {
     return absl::InvalidArgumentError(absl::StrCat("--web-public-url: '",
@@ -71,7 +82,7 @@ absl::StatusOr<std::string> PublicOrigin(const std::string& url) {
   if (scheme.empty()) return bad("is not an http:// or https:// URL");
   rest = rest.substr(scheme.size());
   if (absl::EndsWith(rest, "/")) rest.pop_back();
-  if (rest.empty() || rest.find_first_of("/?#@\\ ") != std::string::npos) {
+  if (rest.empty() || rest.find_first_of("/?#@\\ \t\r\n") != std::string::npos) {
     return bad("is not a scheme, host and port only (the console is served at the root)");
   }
   std::string host = rest, port;
@@ -80,14 +91,21 @@ absl::StatusOr<std::string> PublicOrigin(const std::string& url) {
     host = rest.substr(0, colon);
     port = rest.substr(colon + 1);
     int number = 0;
-    if (!absl::SimpleAtoi(port, &number) || number < 1 || number > 65535) {
+    if (port.empty() || port.size() > 5 || !absl::c_all_of(port, absl::ascii_isdigit) ||
+        !absl::SimpleAtoi(port, &number) || number < 1 || number > 65535) {
       return bad("has no port number after its ':'");
     }
+    port = absl::StrCat(number);  // (no leading zeros: as a browser writes it)
   }
-  const bool bracketed = absl::StartsWith(host, "[") && absl::EndsWith(host, "]");
-  if (host.empty() || (!bracketed && !std::all_of(host.begin(), host.end(), [](char c) {
-        return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-';
-      }))) {
+  if (absl::StartsWith(host, "[") && absl::EndsWith(host, "]")) {
+    in6_addr v6{};
+    char out[INET6_ADDRSTRLEN] = {0};
+    const std::string inside = host.substr(1, host.size() - 2);
+    if (inet_pton(AF_INET6, inside.c_str(), &v6) != 1) return bad("has no host name or address");
+    host = absl::StrCat("[", inet_ntop(AF_INET6, &v6, out, sizeof(out)), "]");
+  } else if (host.empty() || !absl::c_all_of(host, [](char c) {
+               return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-';
+             })) {
     return bad("has no host name or address");
   }
   if ((scheme == "https://" && port == "443") || (scheme == "http://" && port == "80")) {
@@ -95,6 +113,8 @@ absl::StatusOr<std::string> PublicOrigin(const std::string& url) {
   }
   return absl::StrCat(scheme, host, port.empty() ? "" : ":", port);
 }
+
+namespace {
 
 // The session cookie: under TLS with the __Host- prefix (Secure, Path=/, this host only: no
 // subdomain can set one).
@@ -340,6 +360,8 @@ struct WebConsole::Impl {
   std::thread listener;
   std::string url;
   std::string public_origin;  // public_url's scheme, host and port: an Origin header's form
+  std::string bound_url;      // the console's own address, "http(s)://HOST:PORT"
+  std::vector<std::string> trusted_proxies;  // in CanonicalAddress's form
   bool tls = false;
   WebSessions sessions{WebSessionLimits{}};
   absl::Mutex streams_mu;
@@ -350,17 +372,25 @@ struct WebConsole::Impl {
   explicit Impl(const WebConsoleOptions& o) : options(o), sessions(o.sessions) {}
 
   // Whether browsers reach the console over HTTPS: its own TLS, or a proxy's (public_url).
-  bool secure() const { return tls || absl::StartsWith(options.public_url, "https://"); }
+  bool secure() const { return tls || absl::StartsWith(public_origin, "https://"); }
   const char* cookie() const { return secure() ? kTlsCookie : kCookie; }
 
-  // The browser's address: the peer's, or, from a trusted proxy, the last X-Forwarded-For entry
-  // (the address that proxy saw; what a browser wrote before it is not believed).
+  // The browser's address: the peer's, or, from a trusted proxy, the last entry of the last
+  // X-Forwarded-For line (the address that proxy saw, whether it appended to the browser's line
+  // or added one of its own; what a browser wrote before it is not believed). Addresses compared
+  // in one form (an IPv4 peer of a dual-stack socket reads ::ffff:A.B.C.D).
   std::string ClientOf(const Request& req) const {
-    if (absl::c_linear_search(options.trusted_proxies, req.remote_addr)) {
-      const std::string forwarded = req.get_header_value("X-Forwarded-For");
+    const std::optional<std::string> peer = CanonicalAddress(req.remote_addr);
+    if (peer.has_value() && absl::c_linear_search(trusted_proxies, *peer)) {
+      const size_t lines = req.get_header_value_count("X-Forwarded-For");
+      const std::string forwarded =
+          lines == 0 ? "" : req.get_header_value("X-Forwarded-For", lines - 1);
       std::vector<absl::string_view> hops = absl::StrSplit(forwarded, ',');
-      const std::string last(absl::StripAsciiWhitespace(hops.back()));
-      if (IsAddress(last)) return last;
+      if (std::optional<std::string> last =
+              CanonicalAddress(std::string(absl::StripAsciiWhitespace(hops.back())));
+          last.has_value()) {
+        return *last;
+      }
     }
     return req.remote_addr;
   }
@@ -416,7 +446,9 @@ struct WebConsole::Impl {
     if (!site.empty() && site != "same-origin" && site != "none") return false;
     const std::string origin = req.get_header_value("Origin");
     if (origin.empty()) return true;
-    if (!public_origin.empty() && origin == public_origin) return true;
+    // Behind a proxy: its origin, or the console's own bound address (direct use); never one
+    // made of the Host the proxy passed on.
+    if (!public_origin.empty()) return origin == public_origin || origin == bound_url;
     const std::string host = req.get_header_value("Host");
     return !host.empty() && origin == absl::StrCat(tls ? "https://" : "http://", host);
   }
@@ -563,7 +595,7 @@ struct WebConsole::Impl {
     res.set_header("Set-Cookie", absl::StrCat(cookie(),
                                               "=; Path=/; Max-Age=0; HttpOnly; "
                                               "SameSite=Strict",
-                                              tls ? "; Secure" : ""));
+                                              secure() ? "; Secure" : ""));
     res.set_content("{}", kJson);
   }
 
@@ -1254,13 +1286,16 @@ absl::StatusOr<std::string> Serve(httplib::Server& server, Listener& l, const st
 
 absl::StatusOr<std::unique_ptr<WebConsole>> WebConsole::Start(
     const WebConsoleOptions& options, std::shared_ptr<grpc::Channel> coordinator) {
-  ASSIGN_OR_RETURN(std::string public_origin, PublicOrigin(options.public_url));
+  ASSIGN_OR_RETURN(std::string public_origin, WebPublicOrigin(options.public_url));
+  std::vector<std::string> trusted_proxies;
   for (const std::string& proxy : options.trusted_proxies) {
-    if (!IsAddress(proxy)) {
+    std::optional<std::string> address = CanonicalAddress(proxy);
+    if (!address.has_value()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--web-trusted-proxies: '", absl::CHexEscape(proxy.substr(0, 64)),
-          "' is not an IP address (a proxy's address as the console sees it connect)"));
+          "' is not an IP address (a proxy's address as the console sees it connect, no port)"));
     }
+    trusted_proxies.push_back(*std::move(address));
   }
   ASSIGN_OR_RETURN(Listener l, NewListener(options));
   auto impl = std::make_unique<Impl>(options);
@@ -1272,8 +1307,10 @@ absl::StatusOr<std::unique_ptr<WebConsole>> WebConsole::Start(
   impl->server = std::move(l.server);
   impl->tls = l.tls;
   impl->public_origin = public_origin;
+  impl->trusted_proxies = std::move(trusted_proxies);
   impl->Routes();
   ASSIGN_OR_RETURN(impl->url, Serve(*impl->server, l, options.address, &impl->listener));
+  impl->bound_url = impl->url;
   if (!public_origin.empty()) {
     spdlog::info("web console at {}, reached at {}", impl->url, public_origin);
     impl->url = public_origin;
@@ -1309,16 +1346,21 @@ absl::StatusOr<std::unique_ptr<WebRedirect>> WebRedirect::Start(const WebConsole
   s.set_read_timeout(10, 0);
   s.set_tcp_nodelay(true);
   Impl* raw = impl.get();
-  auto answer = [raw](const Request& req, Response& res) {
+  const bool behind_proxy = !options.public_url.empty();
+  auto answer = [raw, behind_proxy](const Request& req, Response& res) {
     std::string leader;
     {
       absl::MutexLock lock(&raw->mu);
       leader = raw->leader;
     }
-    if (leader.empty()) {
+    if (leader.empty() || behind_proxy) {
+      // (Behind a proxy, browsers are the proxy's to send to the leader: a redirect past it
+      // would go to an address they may not reach, in clear. A 503 takes this one out of its
+      // rotation.)
       Fail(res, grpc::StatusCode::UNAVAILABLE,
-           "this coordinator stands by and no replica leads now (or the leader serves no web "
-           "console); try again shortly");
+           behind_proxy ? "this coordinator stands by: another replica leads"
+                        : "this coordinator stands by and no replica leads now (or the leader "
+                          "serves no web console); try again shortly");
       res.set_header("Retry-After", "1");
       return;
     }

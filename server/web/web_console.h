@@ -57,6 +57,11 @@ struct WebConsoleOptions {
   absl::Duration stream_recheck = absl::Seconds(10);
 };
 
+// --web-public-url as a browser's Origin header names it: scheme, host and port (a default one
+// left out, no leading zeros, an IPv6 address in one form), lower case; "" for none.
+// INVALID_ARGUMENT naming the flag for anything else (a path, a query, credentials).
+absl::StatusOr<std::string> WebPublicOrigin(const std::string& url);
+
 class WebConsole {
  public:
   // Serves on options.address, calling the coordinator through `coordinator` (an in-process

@@ -679,40 +679,54 @@ def test_behind_a_tls_proxy_its_origin_signs_in_and_forwarded_browsers_are_throt
     """A proxy that terminates TLS in front of the console (--web-public-url): a page of that
     origin signs in and gets a Secure __Host- cookie, yard web's link is that URL, and another
     origin is refused. From the proxy (--web-trusted-proxies), failed sign-ins count under the
-    browser X-Forwarded-For names; anyone else's X-Forwarded-For is not believed."""
+    browser the last X-Forwarded-For line names; anyone else's X-Forwarded-For is not believed."""
     import http.client
     public = "https://console.example:8443"
     log = tmp_path / "coordinator.log"
     with open(log, "w") as err:
         coordinator = subprocess.Popen(
             [str(BIN / "trainyard-coordinator"), "--state-dir", str(tmp_path / "s"), "--listen",
-             "127.0.0.1:0", "--web-address", "127.0.0.1:0", "--web-public-url", public + "/",
-             "--web-trusted-proxies", "127.0.0.1,::1"],
+             "127.0.0.1:0", "--web-address", "127.0.0.1:0", "--web-public-url",
+             "HTTPS://Console.Example:08443/", "--web-trusted-proxies", "::ffff:127.0.0.1,::1"],
             stdout=subprocess.PIPE, stderr=err, text=True)
     try:
-        lines = [coordinator.stdout.readline().strip() for _ in range(2)]
-        assert "web " + public in lines, lines
+        import queue
+        printed = queue.Queue()
+        threading.Thread(target=lambda: [printed.put(l.strip()) for l in coordinator.stdout],
+                         daemon=True).start()
+        lines = []
+        while len(lines) < 2:  # its address, then its web URL
+            try:
+                lines.append(printed.get(timeout=60))
+            except queue.Empty:
+                pytest.fail(f"the coordinator printed only {lines}: {log.read_text()}")
+        assert lines[1] == "web " + public, (lines, log.read_text())
         # The console itself, where the proxy reaches it.
         port = int(re.search(r"web console at http://127\.0\.0\.1:(\d+), reached at "
                              + re.escape(public), log.read_text()).group(1))
         token = (tmp_path / "s" / "admin.token").read_text().strip()
 
-        def sign_in(body, source="127.0.0.1", headers=None):
+        def sign_in(body, source="127.0.0.1", headers=()):
             c = http.client.HTTPConnection("127.0.0.1", port, timeout=30,
                                            source_address=(source, 0))
             try:
-                c.request("POST", "/api/v1/session", body=json.dumps(body),
-                          headers={"Content-Type": "application/json", **(headers or {})})
+                data = json.dumps(body).encode()
+                c.putrequest("POST", "/api/v1/session")
+                for k, v in [("Content-Type", "application/json"),
+                             ("Content-Length", str(len(data))), *headers]:
+                    c.putheader(k, v)
+                c.endheaders(data)
                 r = c.getresponse()
                 return r.status, json.loads(r.read() or b"{}"), r.getheader("Set-Cookie") or ""
             finally:
                 c.close()
 
-        status, body, cookie = sign_in({"token": token}, headers={"Origin": public})
+        status, body, cookie = sign_in({"token": token}, headers=[("Origin", public)])
         assert status == 200, body
         assert cookie.startswith("__Host-ty_session=") and "; Secure" in cookie, cookie
-        status, body, _ = sign_in({"token": token}, headers={"Origin": "https://evil.example"})
-        assert status == 403 and "Origin" in body["error"]["message"], body
+        for origin in ("https://evil.example", "http://console.example:8443"):
+            status, body, _ = sign_in({"token": token}, headers=[("Origin", origin)])
+            assert status == 403 and "Origin" in body["error"]["message"], (origin, body)
         # yard web, through the console's own address, hands out a link to the public one.
         env = dict(os.environ, TRAINYARD_COORDINATOR=lines[0], TRAINYARD_TOKEN=token,
                    HOME=str(tmp_path))
@@ -720,34 +734,46 @@ def test_behind_a_tls_proxy_its_origin_signs_in_and_forwarded_browsers_are_throt
         assert re.search(re.escape(public) + r"/#/signin\?code=\S+", out), out
 
         def throttle(source, forwarded):
-            """Wrong tokens from `source` naming `forwarded` until told to back off."""
+            """Wrong tokens from `source` with X-Forwarded-For lines `forwarded` until told to
+            back off."""
             for i in range(600):
                 status, body, _ = sign_in({"token": f"tyt.guess{i}.wrong"}, source,
-                                          {"X-Forwarded-For": forwarded})
+                                          [("X-Forwarded-For", f) for f in forwarded])
                 if status != 401:
                     break
             assert status == 429, body
 
-        # Through the proxy: one guessing browser is told to back off, another is not.
-        throttle("127.0.0.1", "198.51.100.9, 203.0.113.5")
-        status, body, _ = sign_in({"token": "tyt.other.wrong"}, "127.0.0.1",
-                                  {"X-Forwarded-For": "203.0.113.6"})
+        def wrong_once(source, forwarded):
+            return sign_in({"token": "tyt.other.wrong"}, source,
+                           [("X-Forwarded-For", f) for f in forwarded])
+
+        # Through the proxy: the browser the proxy names last is told to back off (also where
+        # the proxy adds a line of its own after the browser's), another is not.
+        throttle("127.0.0.1", ["198.51.100.9", "10.0.0.1, 203.0.113.5"])
+        status, body, _ = wrong_once("127.0.0.1", ["203.0.113.5, 198.51.100.9"])
         assert status == 401 and "too many" not in body["error"]["message"], body
+        status, body, _ = wrong_once("127.0.0.1", ["203.0.113.5"])
+        assert status == 429, body
         # Not the proxy: its header names nobody, its own address is throttled.
-        throttle("127.0.0.2", "203.0.113.7")
-        status, body, _ = sign_in({"token": "tyt.other.wrong"}, "127.0.0.2",
-                                  {"X-Forwarded-For": "203.0.113.8"})
+        throttle("127.0.0.2", ["203.0.113.7"])
+        status, body, _ = wrong_once("127.0.0.2", ["203.0.113.8"])
         assert status == 429, body
     finally:
         coordinator.terminate()
         coordinator.wait(timeout=60)
 
 
-def test_a_public_url_with_a_path_is_refused_naming_the_flag(tmp_path):
-    r = subprocess.run([str(BIN / "trainyard-coordinator"), "--state-dir", str(tmp_path / "s"),
-                        "--listen", "127.0.0.1:0", "--web-address", "127.0.0.1:0",
-                        "--web-public-url", "https://console.example/trainyard"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode != 0
-    assert "--web-public-url: 'https://console.example/trainyard' is not a scheme" in r.stderr, \
-        r.stderr
+def test_a_public_url_is_refused_with_a_path_in_clear_or_without_a_console(tmp_path):
+    base = [str(BIN / "trainyard-coordinator"), "--state-dir", str(tmp_path / "s"), "--listen",
+            "127.0.0.1:0"]
+    for extra, expected in [
+            (["--web-address", "127.0.0.1:0", "--web-public-url",
+              "https://console.example/trainyard"],
+             "--web-public-url: 'https://console.example/trainyard' is not a scheme"),
+            (["--web-address", "127.0.0.1:0", "--web-public-url", "http://console.example"],
+             "--web-public-url: an http:// URL sends tokens and session cookies in clear"),
+            (["--web-public-url", "https://console.example"],
+             "--web-public-url: there is no web console without --web-address")]:
+        r = subprocess.run(base + extra, capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0, extra
+        assert expected in r.stderr, (extra, r.stderr)

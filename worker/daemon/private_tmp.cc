@@ -1,10 +1,15 @@
 #include "worker/daemon/private_tmp.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sched.h>
 #include <sys/mount.h>
+#include <sys/msg.h>
+#include <sys/sem.h>
+#include <sys/shm.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <sys/syscall.h>
 #include <sys/sysmacros.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -237,7 +242,81 @@ absl::Status MakeAttemptNamespaces(const AttemptNamespaces& ns, const std::strin
   return absl::OkStatus();
 }
 
+namespace {
+
+union SemArgument {  // semctl's fourth argument (the caller defines it: semctl(2))
+  int value;
+  semid_ds* ds;
+  unsigned short* array;
+  seminfo* info;
+};
+
+// In a forked child (nothing allocated): joins the attempt's namespaces and empties them: every
+// SysV segment, semaphore set and message queue removed, every POSIX queue unlinked, /dev/shm
+// unmounted.
+void EmptyFromInside(const char* mnt, const char* ipc) {
+  const int ipc_fd = open(ipc, O_RDONLY | O_CLOEXEC);
+  const int mnt_fd = open(mnt, O_RDONLY | O_CLOEXEC);
+  if (ipc_fd < 0 || mnt_fd < 0 || setns(ipc_fd, CLONE_NEWIPC) != 0 ||
+      setns(mnt_fd, CLONE_NEWNS) != 0) {
+    _exit(1);
+  }
+  shm_info shm{};
+  const int shm_max = shmctl(0, SHM_INFO, reinterpret_cast<shmid_ds*>(&shm));
+  for (int i = 0; i <= shm_max; ++i) {
+    shmid_ds ds{};
+    if (const int id = shmctl(i, SHM_STAT, &ds); id >= 0) shmctl(id, IPC_RMID, nullptr);
+  }
+  seminfo sem{};
+  SemArgument info{};
+  info.info = &sem;
+  const int sem_max = semctl(0, 0, SEM_INFO, info);
+  for (int i = 0; i <= sem_max; ++i) {
+    semid_ds ds{};
+    SemArgument stat{};
+    stat.ds = &ds;
+    if (const int id = semctl(i, 0, SEM_STAT, stat); id >= 0) semctl(id, 0, IPC_RMID);
+  }
+  msginfo msg{};
+  const int msg_max = msgctl(0, MSG_INFO, reinterpret_cast<msqid_ds*>(&msg));
+  for (int i = 0; i <= msg_max; ++i) {
+    msqid_ds ds{};
+    if (const int id = msgctl(i, MSG_STAT, &ds); id >= 0) msgctl(id, IPC_RMID, nullptr);
+  }
+  // POSIX queues: the names in the namespace's own /dev/mqueue (MakeAttemptNamespaces).
+  if (const int queues = open("/dev/mqueue", O_RDONLY | O_DIRECTORY | O_CLOEXEC); queues >= 0) {
+    alignas(8) char buf[4096];
+    long n;
+    while ((n = syscall(SYS_getdents64, queues, buf, sizeof(buf))) > 0) {
+      for (long at = 0; at < n;) {
+        const auto* entry = reinterpret_cast<const dirent64*>(buf + at);
+        if (std::strcmp(entry->d_name, ".") != 0 && std::strcmp(entry->d_name, "..") != 0) {
+          unlinkat(queues, entry->d_name, 0);
+        }
+        at += entry->d_reclen;
+      }
+    }
+    close(queues);
+  }
+  umount2("/dev/shm", MNT_DETACH);
+  _exit(0);
+}
+
+// The attempt's namespaces emptied from inside (EmptyFromInside), in a child: what a process
+// that still holds them (one that opened a rank's /proc/PID/ns files, a copy in a mount
+// namespace made later) keeps is then only its own open files.
+void EmptyAttemptNamespaces(const AttemptNamespaces& ns) {
+  const pid_t pid = fork();
+  if (pid == 0) EmptyFromInside(ns.mnt.c_str(), ns.ipc.c_str());
+  if (pid < 0) return;
+  while (waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
+  }
+}
+
+}  // namespace
+
 bool RemoveAttemptNamespaces(const AttemptNamespaces& ns) {
+  if (MountedAt(ns.mnt) && MountedAt(ns.ipc)) EmptyAttemptNamespaces(ns);
   const bool mnt = UnmountFile(ns.mnt);
   return UnmountFile(ns.ipc) && mnt;
 }

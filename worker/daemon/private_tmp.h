@@ -66,8 +66,10 @@ bool ParseNamespaceName(const std::string& name, std::string* job_id, int* attem
 // `gid` alone is mounted over /dev/shm, and the IPC namespace.
 absl::Status MakeAttemptNamespaces(const AttemptNamespaces& ns, const std::string& namespace_folder,
                                    const std::string& tmp, uid_t uid, gid_t gid, int64_t shm_bytes);
-// Unmounts the attempt's namespaces' files and removes them. True when they are gone, or were
-// never there.
+// Empties the attempt's namespaces from inside (every SysV object and POSIX queue removed, the
+// /dev/shm tmpfs unmounted: what anything that still holds them keeps is only its own open
+// files), then unmounts their files and removes them. True when they are gone, or were never
+// there.
 bool RemoveAttemptNamespaces(const AttemptNamespaces& ns);
 
 // In a rank's forked child, as root, before it switches to the owner's account: joins the IPC
