@@ -296,6 +296,18 @@ absl::Status RecvAll(int fd, char* out, size_t n, IoLimit limit, size_t* receive
   return absl::OkStatus();
 }
 
+absl::StatusOr<size_t> RecvSome(int fd, char* out, size_t n, IoLimit limit) {
+  const absl::Time start = absl::Now();
+  while (true) {
+    const ssize_t r = recv(fd, out, n, 0);
+    if (r > 0) return static_cast<size_t>(r);
+    if (r == 0) return absl::UnavailableError("recv: the peer closed the connection");
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) return ErrnoStatus("recv", errno);
+    RETURN_IF_ERROR(WaitReady(fd, POLLIN, limit, start, "recv"));
+  }
+}
+
 absl::Status Discard(int fd, size_t n, IoLimit limit) {
   std::vector<char> scratch(std::min<size_t>(n, size_t{1} << 20));
   for (size_t left = n; left > 0;) {

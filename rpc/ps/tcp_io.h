@@ -98,6 +98,10 @@ inline absl::Status SendAll(int fd, absl::string_view bytes, IoLimit limit) {
 // closed in the middle.
 absl::Status RecvAll(int fd, char* out, size_t n, IoLimit limit, size_t* received = nullptr);
 
+// Receives what has arrived, at least one byte and at most `n` (waiting within `limit` for the
+// first): the count. UNAVAILABLE when the peer closed the connection first.
+absl::StatusOr<size_t> RecvSome(int fd, char* out, size_t n, IoLimit limit);
+
 // Receives and drops `n` bytes (a request whose payload is not wanted).
 absl::Status Discard(int fd, size_t n, IoLimit limit);
 

@@ -289,6 +289,21 @@ absl::Status RecvAll(Conn& conn, char* out, size_t n, IoLimit limit, size_t* rec
   return absl::OkStatus();
 }
 
+absl::StatusOr<size_t> RecvSome(Conn& conn, char* out, size_t n, IoLimit limit) {
+  if (!conn.tls()) return RecvSome(conn.fd(), out, n, limit);
+  absl::Time start = absl::Now();
+  const int want = static_cast<int>(std::min<size_t>(n, size_t{1} << 30));
+  ASSIGN_OR_RETURN(const int got,
+                   Drive(
+                       conn.ssl(), conn.fd(), [&] { return SSL_read(conn.ssl(), out, want); },
+                       limit, &start, "recv"));
+  return static_cast<size_t>(got);
+}
+
+size_t Pending(const Conn& conn) {
+  return conn.tls() ? static_cast<size_t>(std::max(SSL_pending(conn.ssl()), 0)) : 0;
+}
+
 absl::Status Discard(Conn& conn, size_t n, IoLimit limit) {
   if (!conn.tls()) return Discard(conn.fd(), n, limit);
   std::vector<char> scratch(std::min<size_t>(n, size_t{1} << 20));

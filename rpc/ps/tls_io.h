@@ -99,6 +99,11 @@ inline absl::Status SendAll(Conn& conn, absl::string_view bytes, IoLimit limit) 
   return SendAll(conn, absl::MakeConstSpan(&piece, 1), limit);
 }
 absl::Status RecvAll(Conn& conn, char* out, size_t n, IoLimit limit, size_t* received = nullptr);
+// tcp_io.h's RecvSome on a Conn. (A TLS record's bytes arrive whole or not at all: a record that
+// trickles in a byte at a time still ends at `limit`.)
+absl::StatusOr<size_t> RecvSome(Conn& conn, char* out, size_t n, IoLimit limit);
+// Bytes received and decrypted that no call has read yet (0 without TLS).
+size_t Pending(const Conn& conn);
 absl::Status Discard(Conn& conn, size_t n, IoLimit limit);
 void DiscardUntilClosed(Conn& conn, size_t max_bytes, IoLimit limit);
 // Ends the sending side: a TLS close_notify (without waiting for the peer's), then shutdown(2).

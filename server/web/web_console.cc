@@ -34,7 +34,9 @@
 #include "common/credentials.h"
 #include "common/status_macros.h"
 #include "common/tls.h"
+#include "rpc/ps/tls_io.h"
 #include "server/web/event_queue.h"
+#include "server/web/guarded_http_server.h"
 #include "server/web/web_assets.h"
 #include "trainyard/v1/identity.grpc.pb.h"
 #include "trainyard/v1/job.grpc.pb.h"
@@ -46,23 +48,6 @@ namespace {
 namespace v1 = ::trainyard::v1;
 using httplib::Request;
 using httplib::Response;
-
-// An IPv4 or IPv6 address in one form (inet_ntop's; an IPv4-mapped IPv6 one as IPv4); none for
-// anything else.
-std::optional<std::string> CanonicalAddress(const std::string& text) {
-  in6_addr v6{};
-  in_addr v4{};
-  char out[INET6_ADDRSTRLEN] = {0};
-  if (inet_pton(AF_INET, text.c_str(), &v4) == 1) {
-    return std::string(inet_ntop(AF_INET, &v4, out, sizeof(out)));
-  }
-  if (inet_pton(AF_INET6, text.c_str(), &v6) != 1) return std::nullopt;
-  if (IN6_IS_ADDR_V4MAPPED(&v6)) {
-    std::memcpy(&v4, &v6.s6_addr[12], 4);
-    return std::string(inet_ntop(AF_INET, &v4, out, sizeof(out)));
-  }
-  return std::string(inet_ntop(AF_INET6, &v6, out, sizeof(out)));
-}
 
 }  // namespace
 
@@ -355,8 +340,7 @@ struct WebConsole::Impl {
   std::unique_ptr<v1::JobService::Stub> jobs;
   std::unique_ptr<v1::NodeService::Stub> nodes;
   std::unique_ptr<v1::IdentityService::Stub> identity;
-  std::unique_ptr<CertificateFollower> certificate;  // HTTPS: (destroyed after the server)
-  std::unique_ptr<httplib::Server> server;
+  std::unique_ptr<GuardedHttpServer> server;
   std::thread listener;
   std::string url;
   std::string public_origin;  // public_url's scheme, host and port: an Origin header's form
@@ -1214,10 +1198,7 @@ namespace {
 
 // A server for options.address, HTTPS with options' certificate when it has one; not yet bound.
 struct Listener {
-  // (Before the server: destroyed after it, as its handshakes call it.)
-  std::unique_ptr<CertificateFollower> certificate;
-  std::unique_ptr<httplib::Server> server;
-  bool tls = false;
+  std::unique_ptr<GuardedHttpServer> server;
   std::string host;  // without brackets
   int port = 0;      // 0: any
 };
@@ -1238,29 +1219,28 @@ absl::StatusOr<Listener> NewListener(const WebConsoleOptions& options) {
   if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
     return absl::InvalidArgumentError("--tls-cert, --tls-key: give both or neither");
   }
+  std::shared_ptr<const ps::TlsConfig> tls;
   if (!options.tls_cert_file.empty()) {
-    auto ssl = std::make_unique<httplib::SSLServer>(options.tls_cert_file.c_str(),
-                                                    options.tls_key_file.c_str());
-    if (!ssl->is_valid()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--tls-cert: the web console cannot serve with ", options.tls_cert_file,
-                       " and ", options.tls_key_file));
-    }
     // A renewed certificate serves new connections without a restart, as gRPC's listener's does.
-    l.certificate = CertificateFollower::Install(ssl->ssl_context(), options.tls_cert_file,
-                                                 options.tls_key_file, options.tls_reload);
-    l.server = std::move(ssl);
-    l.tls = true;
-  } else {
-    l.server = std::make_unique<httplib::Server>();
+    ASSIGN_OR_RETURN(tls, ps::TlsConfig::Server(options.tls_cert_file, options.tls_key_file,
+                                                options.tls_reload));
   }
+  ConnectionLimits limits;
+  limits.request_time = options.request_time;
+  limits.per_peer = options.max_connections_per_peer;
+  for (const std::string& proxy : options.trusted_proxies) {
+    if (std::optional<std::string> address = CanonicalAddress(proxy); address.has_value()) {
+      limits.exempt.push_back(*std::move(address));
+    }
+  }
+  l.server = std::make_unique<GuardedHttpServer>(std::move(limits), std::move(tls));
   return l;
 }
 
 // Binds `server` (l's, or where it went) to l's address and serves on a thread of its own
 // (`thread`): the URL, with the bound port (also set in l.port).
-absl::StatusOr<std::string> Serve(httplib::Server& server, Listener& l, const std::string& address,
-                                  std::thread* thread) {
+absl::StatusOr<std::string> Serve(GuardedHttpServer& server, Listener& l,
+                                  const std::string& address, std::thread* thread) {
   int bound = l.port;
   if (l.port == 0) {
     bound = server.bind_to_any_port(l.host);
@@ -1279,7 +1259,7 @@ absl::StatusOr<std::string> Serve(httplib::Server& server, Listener& l, const st
   // it listens. (Polled: the library tells nothing.)
   for (int i = 0; i < 10000 && !server.is_running(); ++i) absl::SleepFor(absl::Milliseconds(1));
   const std::string shown = l.host.find(':') != std::string::npos ? "[" + l.host + "]" : l.host;
-  return absl::StrCat(l.tls ? "https://" : "http://", shown, ":", bound);
+  return absl::StrCat(server.tls() ? "https://" : "http://", shown, ":", bound);
 }
 
 }  // namespace
@@ -1303,9 +1283,8 @@ absl::StatusOr<std::unique_ptr<WebConsole>> WebConsole::Start(
   impl->jobs = v1::JobService::NewStub(impl->channel);
   impl->nodes = v1::NodeService::NewStub(impl->channel);
   impl->identity = v1::IdentityService::NewStub(impl->channel);
-  impl->certificate = std::move(l.certificate);
   impl->server = std::move(l.server);
-  impl->tls = l.tls;
+  impl->tls = impl->server->tls();
   impl->public_origin = public_origin;
   impl->trusted_proxies = std::move(trusted_proxies);
   impl->Routes();
@@ -1340,7 +1319,7 @@ WebRedirect::WebRedirect(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 absl::StatusOr<std::unique_ptr<WebRedirect>> WebRedirect::Start(const WebConsoleOptions& options) {
   auto impl = std::make_unique<Impl>();
   ASSIGN_OR_RETURN(impl->listener, NewListener(options));
-  httplib::Server& s = *impl->listener.server;
+  GuardedHttpServer& s = *impl->listener.server;
   s.set_default_headers(SecurityHeaders());
   s.set_payload_max_length(kMaxBody);
   s.set_read_timeout(10, 0);

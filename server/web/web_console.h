@@ -48,7 +48,13 @@ struct WebConsoleOptions {
   // counts failed authentications per browser, not per console (empty: it does not).
   std::string console_key;
   WebSessionLimits sessions;
-  int threads = 48;      // connections served at once (live streams and kept-alive ones included)
+  int threads = 48;  // connections served at once (live streams and kept-alive ones included)
+  // Connections one address may hold at once (a browser opens 6 at most; trusted proxies have no
+  // limit): one more is answered 503, so that one client cannot take every thread.
+  int max_connections_per_peer = 24;
+  // A request's line, headers and body must arrive within this of its first byte (a connection's
+  // TLS handshake within this of its start), however steadily they trickle in.
+  absl::Duration request_time = absl::Seconds(10);
   int max_streams = 32;  // live streams (server-sent events) open at once; more get 503
   // How often a live job list looks for changes.
   absl::Duration list_poll = absl::Seconds(1);

@@ -535,6 +535,62 @@ def test_yard_web_prints_a_link_that_signs_a_browser_in_once(browser, cluster):
     assert status == 401, body
 
 
+def test_one_address_past_its_connections_gets_503_and_a_trickled_request_is_cut(cluster):
+    """A client that opens many connections and trickles its headers a byte at a time (slowloris)
+    held one of the console's 48 threads with each for as long as it liked, before any sign-in:
+    now one address holds 24 at most (one more is answered 503 at once, while other addresses are
+    served), and each request must arrive whole within 10 s of its first byte."""
+    import socket
+    host, port = cluster["url"][len("http://"):].rsplit(":", 1)
+
+    def connect():
+        return socket.create_connection((host, int(port)), timeout=30,
+                                        source_address=("127.0.0.5", 0))
+
+    held = []
+    try:
+        for _ in range(24):
+            s = connect()
+            s.sendall(b"GET /api/v1/whoami HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            held.append(s)
+        started = time.monotonic()
+        # (Until the console has counted all 24: a retry while one is still unseen.)
+        answer = b""
+        while not answer.startswith(b"HTTP/1.1 503") and time.monotonic() - started < 8:
+            with connect() as s:
+                s.sendall(b"GET /api/v1/whoami HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                answer = b""
+                while chunk := s.recv(4096):
+                    answer += chunk
+        assert answer.startswith(b"HTTP/1.1 503"), answer
+        assert b"too many connections from this address (at most 24 at once)" in answer, answer
+        # Meanwhile another address is answered.
+        status, body, _ = call(cluster, "GET", "/api/v1/whoami", token=cluster["tokens"]["bob"])
+        assert status == 200, body
+        # The trickled requests are cut at their time however steadily they go on.
+        open_ = set(range(len(held)))
+        while open_ and time.monotonic() - started < 30:
+            for i in list(open_):
+                try:
+                    held[i].sendall(b"a")
+                    held[i].setblocking(False)
+                    try:
+                        if held[i].recv(4096) is not None:
+                            open_.discard(i)  # an answer or its end: cut
+                    except BlockingIOError:
+                        pass
+                    finally:
+                        held[i].setblocking(True)
+                except OSError:
+                    open_.discard(i)
+            time.sleep(0.5)
+        assert not open_, f"{len(open_)} trickled requests still open after 30 s"
+        assert time.monotonic() - started >= 9  # not before their time: they kept sending
+    finally:
+        for s in held:
+            s.close()
+
+
 def test_a_users_live_streams_are_counted_together_whatever_their_tokens(cluster, tmp_path):
     # bob's two tokens: 8 live streams between them (each token had 8 of its own, so a user with
     # four tokens took the console's 32); alice still opens hers. (Last of the tests on this
