@@ -12,6 +12,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <set>
 #include <string>
 #include <utility>
@@ -271,6 +272,19 @@ TEST_F(AttemptFoldersTest, TheThreadRemovesExpiredFoldersByItself) {
     ASSERT_LT(absl::Now(), deadline) << "the expired folder stays";
     absl::SleepFor(absl::Milliseconds(50));
   }
+}
+
+TEST(AttemptShmBytesTest, TheRanksMemoryAtMostHalfTheHostsAndNoneWithoutALimit) {
+  constexpr int64_t kGiB = int64_t{1} << 30;
+  // Two ranks of 4 GiB on a 64 GiB host: 8 GiB.
+  EXPECT_EQ(AttemptShmBytes(4 * kGiB, 2, 64 * kGiB), 8 * kGiB);
+  // Ten ranks of 3 GiB on a 24 GiB host (30 GiB between them): the host's half, 12.
+  EXPECT_EQ(AttemptShmBytes(3 * kGiB, 10, 24 * kGiB), 12 * kGiB);
+  // No memory limit: the kernel's default (half the memory).
+  EXPECT_EQ(AttemptShmBytes(0, 4, 24 * kGiB), 0);
+  // No overflow; an unknown host size leaves the ranks' memory alone.
+  EXPECT_EQ(AttemptShmBytes(std::numeric_limits<int64_t>::max() / 2, 3, 24 * kGiB), 12 * kGiB);
+  EXPECT_EQ(AttemptShmBytes(kGiB, 3, 0), 3 * kGiB);
 }
 
 }  // namespace

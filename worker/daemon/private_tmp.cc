@@ -19,6 +19,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -152,6 +153,14 @@ bool ParseNamespaceName(const std::string& name, std::string* job_id, int* attem
   }
   *job_id = std::string(rest.substr(0, at));
   return true;
+}
+
+int64_t AttemptShmBytes(int64_t rank_bytes, int ranks, int64_t host_bytes) {
+  if (rank_bytes <= 0 || ranks <= 0) return 0;
+  const int64_t ranks_bytes = rank_bytes > std::numeric_limits<int64_t>::max() / ranks
+                                  ? std::numeric_limits<int64_t>::max()
+                                  : rank_bytes * ranks;
+  return host_bytes > 0 ? std::min(ranks_bytes, host_bytes / 2) : ranks_bytes;
 }
 
 absl::Status MakeAttemptNamespaces(const AttemptNamespaces& ns, const std::string& namespace_folder,

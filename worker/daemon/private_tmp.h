@@ -60,6 +60,11 @@ AttemptNamespaces NamespacesOf(const std::string& folder, const std::string& job
 // any other name.
 bool ParseNamespaceName(const std::string& name, std::string* job_id, int* attempt);
 
+// The size of an attempt's /dev/shm on a node: its ranks' memory there (`rank_bytes` each, 0: no
+// limit), but no more than the kernel's default for a tmpfs, half of `host_bytes`; 0 (that
+// default) without a limit.
+int64_t AttemptShmBytes(int64_t rank_bytes, int ranks, int64_t host_bytes);
+
 // Makes an attempt's namespaces, unless they are there already (its other ranks here): the
 // mount namespace, the host's slave without the namespace folder, where `tmp` is bound over /tmp
 // and a tmpfs of at most `shm_bytes` (0: the kernel's default, half the memory) held by `uid`:

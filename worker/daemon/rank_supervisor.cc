@@ -1087,13 +1087,16 @@ absl::Status RankSupervisor::PrepareOwnTmp(const v1::Assignment& a, const v1::Jo
   std::error_code ec;
   std::filesystem::create_directories(tmp, ec);
   RETURN_IF_ERROR(GiveFolder(tmp, owner));
-  // /dev/shm holds at most the memory of the attempt's ranks here (its pages count against the
-  // cgroup of the rank that writes them too).
+  // /dev/shm holds at most the memory of the attempt's ranks here, and never more than the
+  // host's own /dev/shm would (its pages count against the cgroup of the rank that writes them
+  // too).
   const int64_t rank_bytes = RankLimits(options_.rank_limits, spec.resources()).memory_bytes;
+  const int64_t host_bytes = int64_t{sysconf(_SC_PHYS_PAGES)} * sysconf(_SC_PAGESIZE);
   return MakeAttemptNamespaces(
       NamespacesOf(NamespaceFolder(options_.work_dir), a.job_id(), a.attempt()),
       NamespaceFolder(options_.work_dir), tmp, owner != nullptr ? owner->uid : geteuid(),
-      owner != nullptr ? owner->gid : getegid(), rank_bytes > 0 ? rank_bytes * RanksOf(a) : 0);
+      owner != nullptr ? owner->gid : getegid(),
+      AttemptShmBytes(rank_bytes, RanksOf(a), host_bytes));
 }
 
 void RankSupervisor::StartCommand(const v1::Assignment& a, const v1::JobSpec& spec,
