@@ -263,6 +263,32 @@ TEST_F(AttemptFoldersTest, AnIdleAttemptsNamespacesGoAtOnceAndALiveOnesStay) {
   EXPECT_TRUE(fs::exists(kept + "/tmp/out/scratch"));
 }
 
+// The worker's start under --private-tmp makes a trial attempt's namespaces, joins them as a rank
+// would and removes them: nothing is left of the trial, and an earlier trial's leftovers (a
+// worker killed during one) do not stop it.
+TEST_F(AttemptFoldersTest, TheStartsTrialAttemptMakesJoinsAndRemovesItsNamespaces) {
+  if (geteuid() != 0) GTEST_SKIP() << "making namespaces needs root";
+  if (absl::Status s = CheckMountNamespaces(); !s.ok()) GTEST_SKIP() << s;
+  const std::string folder = NamespaceFolder(work_dir_);
+  fs::create_directories(work_dir_);
+  absl::Cleanup unmount = [&] {
+    RemoveAttemptNamespaces(NamespacesOf(folder, "start-check", 0));
+    umount2(folder.c_str(), MNT_DETACH);
+  };
+  ASSERT_TRUE(PrepareNamespaceFolder(folder).ok());
+  // Leftovers: the trial's tmp folder with a file in it, its namespace files made and mounted.
+  fs::create_directories(work_dir_ + "/.private-tmp-check/old");
+  ASSERT_TRUE(MakeAttemptNamespaces(NamespacesOf(folder, "start-check", 0), folder,
+                                    work_dir_ + "/.private-tmp-check", 0, 0, 1 << 20)
+                  .ok());
+  for (int i = 0; i < 2; ++i) {
+    const absl::Status tried = TryAttemptNamespaces(work_dir_);
+    ASSERT_TRUE(tried.ok()) << tried;
+    EXPECT_FALSE(fs::exists(work_dir_ + "/.private-tmp-check"));
+    EXPECT_TRUE(fs::is_empty(folder)) << "a trial's namespace file is left in " << folder;
+  }
+}
+
 // The thread removes expired folders by itself, every quarter of the keep.
 TEST_F(AttemptFoldersTest, TheThreadRemovesExpiredFoldersByItself) {
   const std::string dir = MakeAttempt(work_dir_, "job-1", 1);

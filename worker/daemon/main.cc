@@ -21,6 +21,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
+#include <initializer_list>
 #include <iostream>
 #include <thread>
 
@@ -521,10 +523,16 @@ absl::Status SettlePrivateTmp(const trainyard::worker::WorkerOptions& options) {
                        ", which ranks get a private one of and would not see it there"));
     }
   }
-  for (absl::Status s : {trainyard::worker::CheckMountNamespaces(),
-                         trainyard::worker::PrepareNamespaceFolder(
-                             trainyard::worker::NamespaceFolder(options.supervisor.work_dir))}) {
-    if (!s.ok()) return absl::FailedPreconditionError(absl::StrCat("--private-tmp: ", s.message()));
+  for (auto check : std::initializer_list<std::function<absl::Status()>>{
+           trainyard::worker::CheckMountNamespaces,
+           [&] {
+             return trainyard::worker::PrepareNamespaceFolder(
+                 trainyard::worker::NamespaceFolder(options.supervisor.work_dir));
+           },
+           [&] { return trainyard::worker::TryAttemptNamespaces(options.supervisor.work_dir); }}) {
+    if (absl::Status s = check(); !s.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat("--private-tmp: ", s.message()));
+    }
   }
   spdlog::info(
       "each attempt's ranks get a /tmp, a /dev/shm and SysV IPC of their own (--private-tmp)");

@@ -330,6 +330,50 @@ bool RemoveAttemptNamespaces(const AttemptNamespaces& ns) {
   return UnmountFile(ns.ipc) && mnt;
 }
 
+absl::Status TryAttemptNamespaces(const std::string& work_dir) {
+  const std::string folder = NamespaceFolder(work_dir);
+  // (Attempt 0, a name no scan takes for an attempt's; what a trial of a killed worker left
+  // goes first.)
+  const AttemptNamespaces ns = NamespacesOf(folder, "start-check", 0);
+  const std::string tmp = work_dir + "/.private-tmp-check";
+  RemoveAttemptNamespaces(ns);
+  std::error_code ec;
+  std::filesystem::remove_all(tmp, ec);
+  if (mkdir(tmp.c_str(), 0700) != 0) {
+    return absl::FailedPreconditionError(absl::StrCat("mkdir ", tmp, ": ", strerror(errno)));
+  }
+  struct stat want {};
+  stat(tmp.c_str(), &want);
+  absl::Status made = MakeAttemptNamespaces(ns, folder, tmp, geteuid(), getegid(), 1 << 20);
+  if (made.ok()) {
+    const std::string mnt = ns.mnt, ipc = ns.ipc;
+    const pid_t pid = fork();
+    if (pid == 0) {
+      const char* step = "";
+      if (EnterAttemptNamespaces(mnt.c_str(), ipc.c_str(), &step) != 0) _exit(1);
+      struct stat got {};
+      _exit(stat("/tmp", &got) == 0 && got.st_dev == want.st_dev && got.st_ino == want.st_ino ? 0
+                                                                                              : 2);
+    }
+    int status = 0;
+    while (pid > 0 && waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    if (pid < 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      made = absl::FailedPreconditionError(
+          pid < 0 ? absl::StrCat("fork: ", strerror(errno))
+          : WIFEXITED(status) && WEXITSTATUS(status) == 2
+              ? "a rank that joined its attempt's namespaces did not see the attempt's /tmp"
+              : "a rank could not join its attempt's namespaces (setns)");
+    }
+  }
+  if (!RemoveAttemptNamespaces(ns) && made.ok()) {
+    made = absl::FailedPreconditionError(
+        absl::StrCat("cannot unmount a trial attempt's namespaces in ", folder));
+  }
+  std::filesystem::remove_all(tmp, ec);
+  return made;
+}
+
 int EnterAttemptNamespaces(const char* mnt, const char* ipc, const char** step) {
   // Both opened first: the namespace folder is not in the attempt's mount namespace.
   *step = "open the attempt's namespaces";

@@ -47,6 +47,11 @@ absl::Status CheckMountNamespaces();
 
 // The worker's namespace folder in `work_dir`.
 std::string NamespaceFolder(const std::string& work_dir);
+// Makes a trial attempt's namespaces in `work_dir` (PrepareNamespaceFolder first), joins them as
+// a rank would, checks that /tmp there is the trial's folder, and removes them: every mount and
+// setns an attempt needs, so that a host that refuses one (an AppArmor or SELinux policy, a
+// read-only /dev) is told at the worker's start, not by each rank failing. The failed step.
+absl::Status TryAttemptNamespaces(const std::string& work_dir);
 // Makes the namespace folder (root's, mode 0700) and a private mount of it (a mount namespace's
 // file may not be bound where the bind would propagate); one there already is kept.
 absl::Status PrepareNamespaceFolder(const std::string& folder);
