@@ -605,6 +605,16 @@ TEST_F(CoordinatorServiceTest, ACancelStopsTheRanksOnceItIsDurable) {
   EXPECT_FALSE(cancelled.ok());
   node->Heartbeat();  // (what was sent to the node before its ack is read)
   EXPECT_EQ(node->pending(), 0u) << "the ranks were stopped before the cancel was durable";
+  // Nor is a rank that reports running meanwhile (a no longer current attempt's is told to stop).
+  v1::NodeMessage running;
+  running.mutable_rank_status()->set_job_id(job.id());
+  running.mutable_rank_status()->set_attempt(a.attempt());
+  running.mutable_rank_status()->set_rank(0);
+  running.mutable_rank_status()->set_phase(v1::RANK_RUNNING);
+  ASSERT_TRUE(node->Write(running));
+  node->Heartbeat();
+  EXPECT_EQ(node->pending(), 0u)
+      << "a rank that reported was stopped before the cancel was durable";
   // Nor does a rank's report hear "stop" (the trainer and the SDK exit when told).
   auto report = [&](v1::TrainerCommands* commands) {
     grpc::ClientContext ctx;
@@ -628,6 +638,46 @@ TEST_F(CoordinatorServiceTest, ACancelStopsTheRanksOnceItIsDurable) {
   auto stored = server_->jobs().ReadFromStore(job.id());
   ASSERT_TRUE(stored.ok()) << stored.status();
   EXPECT_EQ(stored->state(), v1::CANCELLED);
+}
+
+// A drain (as a preemption) asks the job's ranks to checkpoint and stop once the ask is durable.
+// Asked before, a coordinator that restarted without it had the job running when its ranks exited
+// 0 after their checkpoint: SUCCEEDED, its steps unfinished. Here the drain's write fails.
+TEST_F(CoordinatorServiceTest, ADrainAsksTheRanksToStopOnceItIsDurable) {
+  auto node = Connect("n1", 1);
+  const v1::Job job = MustSubmit(Spec(1, "job", /*max_restarts=*/2));
+  ASSERT_EQ(server_->jobs().SchedulePass(), 1);
+  const v1::Assignment a = node->NextCommand().assignment();
+  auto report = [&](v1::TrainerCommands* commands) {
+    grpc::ClientContext ctx;
+    PrepareToken(ctx, tokens_->Job(job.id(), a.attempt()));
+    v1::StepReport r;
+    r.set_job_id(job.id());
+    r.set_attempt(a.attempt());
+    r.set_step(3);
+    return trainer_->ReportStep(&ctx, r, commands);
+  };
+  ASSERT_TRUE(ArmFailpoint("store-commit", "fail@1"));  // the drain's write
+  absl::Cleanup disarm = [] { DisarmFailpoint("store-commit"); };
+  EXPECT_THAT(server_->jobs().DrainNode("n1", "admin"), ::testing::ElementsAre(job.id()));
+  v1::TrainerCommands commands;
+  ASSERT_TRUE(report(&commands).ok());
+  EXPECT_FALSE(commands.stop_requested()) << "asked to stop before the drain was durable";
+  // Once the failed write's callback has run, the ticker's retry writes it; then the ask comes.
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(20);
+       server_->jobs().RetryUnsaved() == 0;) {
+    ASSERT_LT(absl::Now(), deadline) << "the failed write was never retried";
+    ASSERT_TRUE(report(&commands).ok());
+    EXPECT_FALSE(commands.stop_requested()) << "asked to stop before the drain was durable";
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(20); !commands.stop_requested();) {
+    ASSERT_LT(absl::Now(), deadline) << "never asked to stop once the drain was durable";
+    ASSERT_TRUE(report(&commands).ok());
+  }
+  auto stored = server_->jobs().ReadFromStore(job.id());
+  ASSERT_TRUE(stored.ok()) << stored.status();
+  EXPECT_NE(stored->preempt_deadline_ms(), 0);
 }
 
 // A job's logs read while its end is being written come whole. The end's durable notice, arriving

@@ -126,8 +126,13 @@ TEST_F(PreemptionTest, TheVictimCheckpointsStopsAndResumesAfterTheHigherPriority
   std::string low, high;
   v1::Assignment low_ranks;
   LowRunningHighWaiting(&low, &high, &low_ranks);
-  // Its ranks hear "stop" (after a checkpoint) with their next report.
-  EXPECT_TRUE(Report(low, 1, 4).stop_requested());
+  // Its ranks hear "stop" (after a checkpoint) with their next report once the ask is durable
+  // (CoordinatorServiceTest.ADrainAsksTheRanksToStopOnceItIsDurable: not before).
+  bool stop = false;
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(20); !stop;) {
+    ASSERT_LT(absl::Now(), deadline) << "never asked to stop";
+    stop = Report(low, 1, 4).stop_requested();
+  }
   ReportCheckpoint(low, 1, 4);
   // Another pass while they stop does not pick more victims (there are none) or place high.
   EXPECT_EQ(server_->jobs().SchedulePass(), 0);

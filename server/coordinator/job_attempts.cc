@@ -41,8 +41,13 @@ absl::StatusOr<v1::Job*> JobManager::FindRunningAttempt(const std::string& job_i
 v1::TrainerCommands JobManager::CommandsFor(const v1::Job& job) const {
   v1::TrainerCommands commands;
   commands.set_checkpoint_requested(job.state() == v1::CHECKPOINTING);
-  // Preempted: checkpoint, then stop (the trainer exits 0 after the checkpoint).
-  commands.set_stop_requested(job.preempt_deadline_ms() != 0);
+  // Preempted (or its node drained): checkpoint, then stop (the trainer exits 0 after the
+  // checkpoint), once the ask is durable. Asked before, a coordinator that restarted without it
+  // found the job running and its ranks exited 0: SUCCEEDED, its steps unfinished.
+  const auto asked = stop_asked_at_.find(job.id());
+  commands.set_stop_requested(
+      job.preempt_deadline_ms() != 0 &&
+      (asked == stop_asked_at_.end() || watchers_.IsDurable(job.id(), asked->second)));
   return commands;
 }
 
@@ -252,6 +257,7 @@ void JobManager::ReleaseAttempt(v1::Job& job, const std::string& reason) {
   // A preemption asked of this attempt ends with it (the next attempt is not asked to stop).
   job.set_preempt_deadline_ms(0);
   preempt_stopped_.erase(job.id());
+  stop_asked_at_.erase(job.id());
 }
 
 void JobManager::Preempted(v1::Job& job) {
@@ -327,6 +333,11 @@ int JobManager::EnforceRuntimeLimits() {
         absl::FromUnixMillis(job.preempt_deadline_ms()) > now || preempt_stopped_.count(id) > 0) {
       continue;
     }
+    // (Its ask not yet durable, nor is this: looked at again at the next pass.)
+    if (const auto asked = stop_asked_at_.find(id);
+        asked != stop_asked_at_.end() && !watchers_.IsDurable(id, asked->second)) {
+      continue;
+    }
     preempt_stopped_.insert(id);
     spdlog::warn("{} did not stop within its preemption grace: stopping its ranks", id);
     v1::CoordinatorMessage cancel;
@@ -356,6 +367,7 @@ std::vector<std::string> JobManager::DrainNode(const std::string& node_id, const
     job.set_message(absl::StrCat("node ", node_id, " is drained by ", by,
                                  ": asked to checkpoint, stop and move"));
     job.set_version(job.version() + 1);
+    stop_asked_at_[id] = job.version();
     Persist(job);
     asked.push_back(id);
     spdlog::info("draining node {} (by {}): {} asked to checkpoint and move; grace {}",
@@ -496,6 +508,15 @@ void JobManager::RecordRankUsage(v1::Job& job, const std::string& node_id,
   if (metrics_ != nullptr) metrics_->ObserveRankUsage(AccountOf(job), usage);
 }
 
+bool JobManager::StopWaitsForWrite(const v1::Job* job, const std::string& node_id,
+                                   const v1::RankStatus& status) const {
+  // The release of the job's current attempt is not durable yet: its stops, this node's among
+  // them, go once it is (Persist).
+  return job != nullptr && status.attempt() == job->attempt() &&
+         (stops_after_write_.count(job->id()) > 0 || stops_in_flight_.count(job->id()) > 0) &&
+         PlacedOn(*job, node_id, status.rank());
+}
+
 void JobManager::OnRankStatus(const std::string& node_id, const v1::RankStatus& status) {
   absl::MutexLock lock(&mu_);
   v1::Job* job = Find(status.job_id());
@@ -526,7 +547,7 @@ void JobManager::OnRankStatus(const std::string& node_id, const v1::RankStatus& 
       if (devices_.EndDraining({status.job_id(), status.attempt(), status.rank()}, node_id)) {
         WakeScheduler();
       }
-    } else {
+    } else if (!StopWaitsForWrite(job, node_id, status)) {
       v1::CoordinatorMessage cancel;
       cancel.mutable_cancel()->set_job_id(status.job_id());
       cancel.mutable_cancel()->set_attempt(status.attempt());

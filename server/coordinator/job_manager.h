@@ -320,6 +320,10 @@ class JobManager final : public JobLifecycle,
   // whatever is durable); the others' once the failure is.
   void FailAttempt(v1::Job& job, const std::string& reason, const std::set<std::string>& lost = {})
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether a rank's report of `job`'s released attempt on `node_id` waits for the release's
+  // write, which stops it: then it is not told to stop before.
+  bool StopWaitsForWrite(const v1::Job* job, const std::string& node_id,
+                         const v1::RankStatus& status) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // (node id, assignment) for each node of the job's current placement.
   std::vector<std::pair<std::string, v1::Assignment>> AssignmentsOf(const v1::Job& job) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -399,6 +403,10 @@ class JobManager final : public JobLifecycle,
   bool jobs_in_store_only_ ABSL_GUARDED_BY(mu_) = false;
   // Preempting jobs whose grace ran out and whose ranks were told to stop.
   std::set<std::string> preempt_stopped_ ABSL_GUARDED_BY(mu_);
+  // Preempting (or drained) jobs: the version whose write asks their ranks to stop. They are not
+  // asked (CommandsFor), nor stopped when the grace runs out, before it is durable. (None for a
+  // job loaded with its ask: durable.)
+  std::map<std::string, int64_t> stop_asked_at_ ABSL_GUARDED_BY(mu_);
   // Attempts and devices: held devices, draining ranks, exited ranks, master ports.
   DeviceLedger devices_ ABSL_GUARDED_BY(mu_);
   // The grace a running rank of a current attempt gets when stopped, as its node's hello reported

@@ -403,6 +403,7 @@ void JobManager::StartPreemption(const ScheduleResult::Preemption& preemption, a
                                     head.spec().priority(), ", account ", head.account(),
                                     "): asked to checkpoint and stop"));
     victim.set_version(victim.version() + 1);
+    stop_asked_at_[id] = victim.version();
     Persist(victim);
     if (metrics_ != nullptr) metrics_->ObservePreemption();
     spdlog::info(
