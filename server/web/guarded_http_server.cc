@@ -34,8 +34,13 @@ class ConnStream final : public httplib::Stream {
         read_idle_(read_idle),
         write_idle_(write_idle) {}
 
-  // The reads of the request that starts now must be over by `deadline`.
-  void StartRequest(absl::Time deadline) { deadline_ = deadline; }
+  // The reads of the request that starts now must be over by `deadline` and take at most
+  // `max_bytes` (its head and body: httplib's own limit is on a Content-Length body only, not on
+  // its header lines nor a chunked body).
+  void StartRequest(absl::Time deadline, size_t max_bytes) {
+    deadline_ = deadline;
+    budget_ = max_bytes;
+  }
   // Whether bytes were received that no read took yet (a request sent before the last answer).
   bool HasBuffered() const { return begin_ < end_ || ps::Pending(conn_) > 0; }
   // Whether a read or a write failed: its request's time ran out, the peer went quiet or closed.
@@ -63,13 +68,21 @@ class ConnStream final : public httplib::Stream {
   ssize_t read(char* ptr, size_t size) override {
     if (size == 0) return 0;
     if (begin_ == end_) {
-      const bool direct = size >= sizeof(buffer_);
-      absl::StatusOr<size_t> got =
-          ps::RecvSome(conn_, direct ? ptr : buffer_, direct ? size : sizeof(buffer_), ReadLimit());
-      if (!got.ok()) {
+      // (Checked before each receive too: bytes that keep coming never wait, so never time out.)
+      if (absl::Now() >= deadline_ || budget_ == 0) {
         failed_ = true;
         return -1;
       }
+      const bool direct = size >= sizeof(buffer_);
+      const size_t want = std::min(direct ? size : sizeof(buffer_), budget_);
+      absl::StatusOr<size_t> got = ps::RecvSome(conn_, direct ? ptr : buffer_, want, ReadLimit());
+      if (!got.ok()) {
+        // The peer closed (its end of file ends a body sent without a length) or went quiet.
+        if (absl::IsUnavailable(got.status())) return 0;
+        failed_ = true;
+        return -1;
+      }
+      budget_ -= *got;
       if (direct) return static_cast<ssize_t>(*got);
       begin_ = 0;
       end_ = *got;
@@ -80,9 +93,13 @@ class ConnStream final : public httplib::Stream {
     return static_cast<ssize_t>(n);
   }
 
+  // Within the write timeout of silence, and at no less than kMinSendRate overall: a client that
+  // reads an answer a segment every few seconds holds its thread no longer than that.
   ssize_t write(const char* ptr, size_t size) override {
-    if (failed_ ||
-        !ps::SendAll(conn_, absl::string_view(ptr, size), ps::IoLimit::Idle(write_idle_)).ok()) {
+    const ps::IoLimit limit{
+        absl::Now() + write_idle_ + absl::Seconds(static_cast<double>(size) / kMinSendRate),
+        write_idle_};
+    if (failed_ || !ps::SendAll(conn_, absl::string_view(ptr, size), limit).ok()) {
       failed_ = true;
       return -1;
     }
@@ -125,7 +142,10 @@ class ConnStream final : public httplib::Stream {
   const int peer_port_;
   const absl::Duration read_idle_;
   const absl::Duration write_idle_;
+  static constexpr double kMinSendRate = 16 << 10;  // bytes a second
+
   absl::Time deadline_ = absl::InfiniteFuture();
+  size_t budget_ = 0;
   char buffer_[4096];
   size_t begin_ = 0, end_ = 0;
   bool failed_ = false;
@@ -145,10 +165,24 @@ void Refuse(int fd, bool tls, int per_peer) {
     (void)send(fd, answer.data(), answer.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
     shutdown(fd, SHUT_WR);
   }
-  // What arrived is read, so that the close sends no reset ahead of the answer.
+  // The request, if it comes at once, is read, so that the close sends no reset ahead of the
+  // answer (some clients then drop the answer).
+  pollfd p{fd, POLLIN, 0};
   char scratch[4096];
-  for (int i = 0; i < 16 && recv(fd, scratch, sizeof(scratch), MSG_DONTWAIT) > 0; ++i) {
+  for (int i = 0; i < 16 && poll(&p, 1, i == 0 ? 50 : 0) > 0 &&
+                  recv(fd, scratch, sizeof(scratch), MSG_DONTWAIT) > 0;
+       ++i) {
   }
+}
+
+// What a peer's connections are counted under: its address, an IPv6 one's /64 (a host has a
+// whole /64 to pick addresses from).
+std::string PeerKey(const std::string& address) {
+  in6_addr v6{};
+  if (inet_pton(AF_INET6, address.c_str(), &v6) != 1) return address;
+  std::memset(&v6.s6_addr[8], 0, 8);
+  char out[INET6_ADDRSTRLEN] = {0};
+  return absl::StrCat(inet_ntop(AF_INET6, &v6, out, sizeof(out)), "/64");
 }
 
 }  // namespace
@@ -174,16 +208,32 @@ GuardedHttpServer::GuardedHttpServer(ConnectionLimits limits,
 
 GuardedHttpServer::~GuardedHttpServer() = default;
 
-bool GuardedHttpServer::Admit(const std::string& peer) {
+void GuardedHttpServer::WidenBacklog() {
+  // (listen(2) again on a listening socket sets its backlog.)
+  if (const socket_t sock = svr_sock_; sock != INVALID_SOCKET) ::listen(sock, SOMAXCONN);
+}
+
+bool GuardedHttpServer::Admit(const std::string& peer, bool counted, int* limit) {
   absl::MutexLock lock(&mu_);
-  int& open = open_by_peer_[peer];
-  if (open >= limits_.per_peer) return false;
-  ++open;
+  if (counted) {
+    int& open = open_by_peer_[peer];
+    // While many threads are taken, a peer gets fewer: a few addresses cannot take them all.
+    *limit = open_ >= limits_.busy_at ? std::min(limits_.per_peer, limits_.per_peer_busy)
+                                      : limits_.per_peer;
+    if (open >= *limit) {
+      if (open == 0) open_by_peer_.erase(peer);
+      return false;
+    }
+    ++open;
+  }
+  ++open_;
   return true;
 }
 
-void GuardedHttpServer::Leave(const std::string& peer) {
+void GuardedHttpServer::Leave(const std::string& peer, bool counted) {
   absl::MutexLock lock(&mu_);
+  --open_;
+  if (!counted) return;
   if (auto it = open_by_peer_.find(peer); it != open_by_peer_.end() && --it->second <= 0) {
     open_by_peer_.erase(it);
   }
@@ -192,6 +242,7 @@ void GuardedHttpServer::Leave(const std::string& peer) {
 bool GuardedHttpServer::process_and_close_socket(socket_t sock) {
   const absl::Time start = absl::Now();
   ps::UniqueFd fd(sock);
+  if (svr_sock_ == INVALID_SOCKET) return false;  // stopping: what waited in the queue goes
   // (The listener made it blocking, with a receive timeout: tls_io's calls poll instead.)
   const int flags = fcntl(sock, F_GETFL);
   if (flags < 0 || fcntl(sock, F_SETFL, flags | O_NONBLOCK) < 0) return false;
@@ -204,15 +255,14 @@ bool GuardedHttpServer::process_and_close_socket(socket_t sock) {
   int port = 0;
   if (getpeername(sock, reinterpret_cast<sockaddr*>(&addr), &len) != 0) return false;
   ConnStream::AddressOf(addr, len, &ip, &port);
-  const std::string peer = CanonicalAddress(ip).value_or(ip);
-  const bool counted = !absl::c_linear_search(limits_.exempt, peer);
-  if (counted && !Admit(peer)) {
-    Refuse(sock, tls(), limits_.per_peer);
+  const std::string address = CanonicalAddress(ip).value_or(ip);
+  const bool counted = !absl::c_linear_search(limits_.exempt, address);
+  const std::string peer = PeerKey(address);
+  if (int limit = 0; !Admit(peer, counted, &limit)) {
+    Refuse(sock, tls(), limit);
     return false;
   }
-  absl::Cleanup leave = [this, counted, &peer] {
-    if (counted) Leave(peer);
-  };
+  absl::Cleanup leave = [this, counted, &peer] { Leave(peer, counted); };
 
   const absl::Duration read_idle =
       absl::Seconds(read_timeout_sec_) + absl::Microseconds(read_timeout_usec_);
@@ -243,13 +293,13 @@ bool GuardedHttpServer::process_and_close_socket(socket_t sock) {
       waiting = r <= 0;
     }
     if (waiting) break;
-    stream.StartRequest(absl::Now() + limits_.request_time);
+    stream.StartRequest(absl::Now() + limits_.request_time, kMaxHeadBytes + payload_max_length_);
     bool closed = false;
     ok = process_request(stream, left == 1, closed, nullptr);
     if (!ok || closed || stream.failed()) break;
   }
   ps::ShutdownWrite(conn);
-  if (!stream.failed()) {
+  if (!stream.failed() && svr_sock_ != INVALID_SOCKET) {
     // A short lingering close: a reset would take an answer the peer has not read yet with it.
     ps::DiscardUntilClosed(conn, 64 << 10, ps::IoLimit::Until(absl::Now() + absl::Seconds(1)));
   }

@@ -38,8 +38,11 @@ struct ConnectionLimits {
   // From a request's first byte (a connection's first: from its start, TLS handshake included)
   // until the last byte of its body.
   absl::Duration request_time = absl::Seconds(10);
-  // Connections of one peer address open at once (a browser opens 6 at most per host).
+  // Connections of one peer open at once (a browser opens 6 at most per host); an IPv6 peer is
+  // its /64. While `busy_at` connections are open (half the threads, say), `per_peer_busy`.
   int per_peer = 24;
+  int per_peer_busy = 8;
+  int busy_at = 24;
   // Addresses (CanonicalAddress's form) with no per-peer limit: trusted proxies.
   std::vector<std::string> exempt;
 };
@@ -53,16 +56,26 @@ class GuardedHttpServer : public httplib::Server {
 
   bool tls() const { return tls_ != nullptr; }
 
+  // After bind_to_port: a backlog of SOMAXCONN, not httplib's 5 (a page's burst of connections,
+  // or a handful of clients at once, overflowed it: their SYNs were dropped and retried 1 and 3 s
+  // later).
+  void WidenBacklog();
+
  private:
   bool process_and_close_socket(socket_t sock) override;
-  // Counts a connection of `peer`: false when the peer has as many as it may.
-  bool Admit(const std::string& peer);
-  void Leave(const std::string& peer);
+  // Counts a connection (of `peer`, when `counted`): false when the peer has as many as it may
+  // (`*limit`, as many as that).
+  bool Admit(const std::string& peer, bool counted, int* limit);
+  void Leave(const std::string& peer, bool counted);
+
+  // A request's line and headers (its body: payload_max_length).
+  static constexpr size_t kMaxHeadBytes = 64 << 10;
 
   const ConnectionLimits limits_;
   const std::shared_ptr<const ps::TlsConfig> tls_;
   absl::Mutex mu_;
   std::map<std::string, int> open_by_peer_ ABSL_GUARDED_BY(mu_);
+  int open_ ABSL_GUARDED_BY(mu_) = 0;  // every connection served now, exempt ones included
 };
 
 }  // namespace trainyard::web

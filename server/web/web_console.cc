@@ -1228,6 +1228,8 @@ absl::StatusOr<Listener> NewListener(const WebConsoleOptions& options) {
   ConnectionLimits limits;
   limits.request_time = options.request_time;
   limits.per_peer = options.max_connections_per_peer;
+  limits.per_peer_busy = std::min(options.max_connections_per_peer, 8);
+  limits.busy_at = std::max(1, options.threads / 2);
   for (const std::string& proxy : options.trusted_proxies) {
     if (std::optional<std::string> address = CanonicalAddress(proxy); address.has_value()) {
       limits.exempt.push_back(*std::move(address));
@@ -1251,6 +1253,7 @@ absl::StatusOr<std::string> Serve(GuardedHttpServer& server, Listener& l,
     return absl::UnavailableError(absl::StrCat("--web-address: cannot listen on ", address));
   }
   l.port = bound;
+  server.WidenBacklog();
   *thread = std::thread([&server] {
     pthread_setname_np(pthread_self(), "ty-web");
     server.listen_after_bind();
@@ -1324,6 +1327,8 @@ absl::StatusOr<std::unique_ptr<WebRedirect>> WebRedirect::Start(const WebConsole
   s.set_payload_max_length(kMaxBody);
   s.set_read_timeout(10, 0);
   s.set_tcp_nodelay(true);
+  const int threads = options.threads;  // (httplib's default is 8: one peer's limit is more)
+  s.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
   Impl* raw = impl.get();
   const bool behind_proxy = !options.public_url.empty();
   auto answer = [raw, behind_proxy](const Request& req, Response& res) {
