@@ -165,7 +165,7 @@ TEST(ShepherdTest, TakesConnectionsFromItsOwnAccountOnly) {
 // What a job asks for (resources.cpus, resources.memory) replaces the worker's per-slot limits;
 // what it leaves unset keeps them, and the pids limit is the worker's alone.
 TEST(RankLimitsTest, AJobsCpusAndMemoryReplaceTheSlotsDefaults) {
-  const CgroupLimits slot{96 << 20, 0.5, 48};
+  const CgroupLimits slot{96 << 20, 0.5, 48, {}};
   v1::Resources asked;
   CgroupLimits limits = RankLimits(slot, asked);
   EXPECT_EQ(limits.memory_bytes, 96 << 20);
@@ -568,6 +568,31 @@ TEST_F(RankSupervisorTest, AnAssignmentStoppedBeforeItStartedIsNotStartedByARese
   ASSERT_TRUE(reports_.AwaitExit("job-2", 0));
   EXPECT_EQ(reports_.Count("job-1", 0, v1::RANK_EXITED), 1);
   EXPECT_LE(reports_.Count("job-1", 0, v1::RANK_RUNNING), 1);
+}
+
+// An ended attempt's ranks are remembered as started for forget_started_after (24 h), then
+// forgotten (one entry per rank stayed for the worker's lifetime): here at once, so that the same
+// assignment sent again once its work folder is gone starts its rank again.
+TEST_F(RankSupervisorTest, AnEndedAttemptsRanksAreForgottenAfterTheirTime) {
+  SupervisorOptions options = Options();
+  options.forget_started_after = absl::ZeroDuration();
+  Restart(options);
+  const v1::Assignment a = AssignmentOf("job-1", 1);
+  supervisor_->Launch(a);
+  ASSERT_TRUE(reports_.AwaitExit("job-1", 0));
+  const std::string work = dir_.path() + "/work/job-1/attempt-1/work";
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(30);
+       std::filesystem::exists(work);) {
+    ASSERT_LT(absl::Now(), deadline) << "the attempt never ended here";
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  supervisor_->Launch(a);
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(30);
+       reports_.Count("job-1", 0, v1::RANK_EXITED) < 2;) {
+    ASSERT_LT(absl::Now(), deadline) << "the forgotten rank did not start again";
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(reports_.Count("job-1", 0, v1::RANK_RUNNING), 2);
 }
 
 // A rank's output reaches the coordinator in messages it takes (at most 4 MiB): a 6 MB line in

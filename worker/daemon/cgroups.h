@@ -40,7 +40,7 @@ struct CgroupLimits {
   double cpus = 0;           // CPU time per wall-clock second
   int64_t pids = 0;          // processes and threads
   // Devices the rank may not open, as the v1 devices controller writes them ("c 195:1 rwm"):
-  // the GPUs it was not given. v1 only (on v2 that takes a BPF device program: not done).
+  // the GPUs it was not given. On v2, a BPF device program denies them (device_filter.h).
   std::vector<std::string> denied_devices;
 };
 

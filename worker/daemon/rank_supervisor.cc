@@ -24,6 +24,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <optional>
 #include <string_view>
 #include <utility>
@@ -1492,8 +1493,17 @@ void RankSupervisor::RemoveEndedWork() {
     }
     if (owner.has_value()) ended_accounts.insert(owner->uid);
     contexts_.erase(*it);  // (an assignment of it sent again starts no rank: started_)
+    attempt_ports_.erase(*it);
+    started_expiry_.emplace_back(absl::Now() + options_.forget_started_after, *it);
     folders_->Ended(job_id, attempt, std::move(owner));
     it = ended_attempts_.erase(it);
+  }
+  // An attempt ended long ago: its ranks' records go.
+  while (!started_expiry_.empty() && started_expiry_.front().first <= absl::Now()) {
+    const auto& [job_id, attempt] = started_expiry_.front().second;
+    started_.erase(started_.lower_bound({job_id, attempt, std::numeric_limits<int>::min()}),
+                   started_.upper_bound({job_id, attempt, std::numeric_limits<int>::max()}));
+    started_expiry_.pop_front();
   }
   // Scrubbed once none of the account's processes is left, looked at again each pass (every few
   // seconds while one waits) for up to kScrubFor. (Under the lock: no launch of theirs starts

@@ -85,6 +85,10 @@ struct SupervisorOptions {
   // of it (debugging, tests that read what a rank left).
   bool keep_work_folders = false;
   absl::Duration keep_ended_attempts = absl::Hours(24);
+  // How long after an attempt ended here its ranks are remembered as started (an assignment of it
+  // sent again starts none of them). A coordinator sends an ended attempt's assignment again only
+  // while it has not heard of the end: within the node's lost timeout, minutes at most.
+  absl::Duration forget_started_after = absl::Hours(24);
   // The worker's own coordinator list (--coordinator): ranks get the leader's list (its
   // --coordinators) and then these addresses it lacks, so that they follow a failover also where
   // the replicas were not given --coordinators.
@@ -296,8 +300,10 @@ class RankSupervisor {
   mutable absl::Mutex mu_;
   std::map<RankKey, Rank> ranks_ ABSL_GUARDED_BY(mu_);
   // Every rank this supervisor has started (or failed to start): a resent assignment starts none
-  // of them again. One small entry per rank for the worker's lifetime.
+  // of them again. An ended attempt's go forget_started_after its end (started_expiry_).
   std::set<RankKey> started_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::pair<absl::Time, std::pair<std::string, int>>> started_expiry_
+      ABSL_GUARDED_BY(mu_);
   // Command jobs: the MASTER_PORT of each attempt with ranks here, the same for all of them.
   std::map<std::pair<std::string, int>, int> attempt_ports_ ABSL_GUARDED_BY(mu_);
   std::deque<v1::Assignment> launches_ ABSL_GUARDED_BY(mu_);
