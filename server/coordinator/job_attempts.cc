@@ -13,6 +13,7 @@
 #include <set>
 #include <tuple>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -333,11 +334,6 @@ int JobManager::EnforceRuntimeLimits() {
         absl::FromUnixMillis(job.preempt_deadline_ms()) > now || preempt_stopped_.count(id) > 0) {
       continue;
     }
-    // (Its ask not yet durable, nor is this: looked at again at the next pass.)
-    if (const auto asked = stop_asked_at_.find(id);
-        asked != stop_asked_at_.end() && !watchers_.IsDurable(id, asked->second)) {
-      continue;
-    }
     preempt_stopped_.insert(id);
     spdlog::warn("{} did not stop within its preemption grace: stopping its ranks", id);
     v1::CoordinatorMessage cancel;
@@ -510,11 +506,19 @@ void JobManager::RecordRankUsage(v1::Job& job, const std::string& node_id,
 
 bool JobManager::StopWaitsForWrite(const v1::Job* job, const std::string& node_id,
                                    const v1::RankStatus& status) const {
-  // The release of the job's current attempt is not durable yet: its stops, this node's among
-  // them, go once it is (Persist).
-  return job != nullptr && status.attempt() == job->attempt() &&
-         (stops_after_write_.count(job->id()) > 0 || stops_in_flight_.count(job->id()) > 0) &&
-         PlacedOn(*job, node_id, status.rank());
+  // The release of the rank's attempt is not durable yet, and a stop of that attempt for this
+  // node goes once it is (Persist).
+  if (job == nullptr) return false;
+  if (auto in_flight = stops_in_flight_.find(job->id());
+      in_flight != stops_in_flight_.end() &&
+      in_flight->second.count({node_id, status.attempt()}) > 0) {
+    return true;
+  }
+  const auto pending = stops_after_write_.find(job->id());
+  return pending != stops_after_write_.end() &&
+         absl::c_any_of(pending->second, [&](const auto& stop) {
+           return stop.first == node_id && stop.second.cancel().attempt() == status.attempt();
+         });
 }
 
 void JobManager::OnRankStatus(const std::string& node_id, const v1::RankStatus& status) {

@@ -169,7 +169,8 @@ void JobManager::Persist(const v1::Job& job, std::function<void(absl::Status)> a
   if (auto it = stops_after_write_.find(job.id()); it != stops_after_write_.end()) {
     stops = std::move(it->second);
     stops_after_write_.erase(it);
-    ++stops_in_flight_[job.id()];
+    auto& in_flight = stops_in_flight_[job.id()];
+    for (const auto& [node_id, stop] : stops) in_flight.emplace(node_id, stop.cancel().attempt());
   }
   store_.Commit(std::move(batch), [this, job, ends, stops = std::move(stops),
                                    after = std::move(after)](absl::Status s) {
@@ -177,9 +178,12 @@ void JobManager::Persist(const v1::Job& job, std::function<void(absl::Status)> a
     {
       absl::MutexLock lock(&mu_);
       if (!stops.empty()) {
-        auto in_flight = stops_in_flight_.find(job.id());
-        if (in_flight != stops_in_flight_.end() && --in_flight->second <= 0) {
-          stops_in_flight_.erase(in_flight);
+        if (auto in_flight = stops_in_flight_.find(job.id()); in_flight != stops_in_flight_.end()) {
+          for (const auto& [node_id, stop] : stops) {
+            auto one = in_flight->second.find({node_id, stop.cancel().attempt()});
+            if (one != in_flight->second.end()) in_flight->second.erase(one);
+          }
+          if (in_flight->second.empty()) stops_in_flight_.erase(in_flight);
         }
       }
       if (!s.ok()) {

@@ -321,7 +321,8 @@ class JobManager final : public JobLifecycle,
   void FailAttempt(v1::Job& job, const std::string& reason, const std::set<std::string>& lost = {})
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether a rank's report of `job`'s released attempt on `node_id` waits for the release's
-  // write, which stops it: then it is not told to stop before.
+  // write, which carries a stop of that attempt for that node: then it is not told to stop
+  // before.
   bool StopWaitsForWrite(const v1::Job* job, const std::string& node_id,
                          const v1::RankStatus& status) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // (node id, assignment) for each node of the job's current placement.
@@ -404,8 +405,9 @@ class JobManager final : public JobLifecycle,
   // Preempting jobs whose grace ran out and whose ranks were told to stop.
   std::set<std::string> preempt_stopped_ ABSL_GUARDED_BY(mu_);
   // Preempting (or drained) jobs: the version whose write asks their ranks to stop. They are not
-  // asked (CommandsFor), nor stopped when the grace runs out, before it is durable. (None for a
-  // job loaded with its ask: durable.)
+  // asked (CommandsFor) before it is durable. (None for a job loaded with its ask: durable.
+  // Their ranks are stopped when the grace runs out all the same: a write not durable by then is
+  // rare, and a killed rank fails its attempt, where one that exited 0 ended its job.)
   std::map<std::string, int64_t> stop_asked_at_ ABSL_GUARDED_BY(mu_);
   // Attempts and devices: held devices, draining ranks, exited ranks, master ports.
   DeviceLedger devices_ ABSL_GUARDED_BY(mu_);
@@ -433,7 +435,9 @@ class JobManager final : public JobLifecycle,
       stops_after_write_ ABSL_GUARDED_BY(mu_);
   // Writes under way that carry stops, by job: their ranks' drains do not expire meanwhile (the
   // ranks have not been told yet; a store stalled past the drain timeout freed their devices).
-  std::map<std::string, int> stops_in_flight_ ABSL_GUARDED_BY(mu_);
+  // (Each with the node and attempt of each stop it carries.)
+  std::map<std::string, std::multiset<std::pair<std::string, int>>> stops_in_flight_
+      ABSL_GUARDED_BY(mu_);
   // QUEUED jobs by owner, kept by Transition (max_queued_jobs without a scan per submit).
   std::map<std::string, int64_t> queued_by_owner_ ABSL_GUARDED_BY(mu_);
   int64_t pending_submits_ ABSL_GUARDED_BY(mu_) = 0;

@@ -343,7 +343,9 @@ absl::Status TryAttemptNamespaces(const std::string& work_dir) {
     return absl::FailedPreconditionError(absl::StrCat("mkdir ", tmp, ": ", strerror(errno)));
   }
   struct stat want {};
-  stat(tmp.c_str(), &want);
+  if (stat(tmp.c_str(), &want) != 0) {
+    return absl::FailedPreconditionError(absl::StrCat("stat ", tmp, ": ", strerror(errno)));
+  }
   absl::Status made = MakeAttemptNamespaces(ns, folder, tmp, geteuid(), getegid(), 1 << 20);
   if (made.ok()) {
     const std::string mnt = ns.mnt, ipc = ns.ipc;
