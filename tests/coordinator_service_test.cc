@@ -68,6 +68,16 @@ class CoordinatorServiceTest : public testing::CoordinatorFixture {
   void Prepare(grpc::ClientContext& ctx, const std::string& user = "alice") {
     PrepareToken(ctx, user.empty() ? std::string() : tokens_->User(user));
   }
+  // A step report of the assignment's attempt, with its job credential: the trainer's commands.
+  grpc::Status ReportStep(const v1::Assignment& a, int64_t step, v1::TrainerCommands* commands) {
+    grpc::ClientContext ctx;
+    PrepareToken(ctx, tokens_->Job(a.job_id(), a.attempt()));
+    v1::StepReport r;
+    r.set_job_id(a.job_id());
+    r.set_attempt(a.attempt());
+    r.set_step(step);
+    return trainer_->ReportStep(&ctx, r, commands);
+  }
   void PrepareToken(grpc::ClientContext& ctx, const std::string& token) {
     testing::Authorize(ctx, token);
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
@@ -616,15 +626,7 @@ TEST_F(CoordinatorServiceTest, ACancelStopsTheRanksOnceItIsDurable) {
   EXPECT_EQ(node->pending(), 0u)
       << "a rank that reported was stopped before the cancel was durable";
   // Nor does a rank's report hear "stop" (the trainer and the SDK exit when told).
-  auto report = [&](v1::TrainerCommands* commands) {
-    grpc::ClientContext ctx;
-    PrepareToken(ctx, tokens_->Job(job.id(), a.attempt()));
-    v1::StepReport r;
-    r.set_job_id(job.id());
-    r.set_attempt(a.attempt());
-    r.set_step(3);
-    return trainer_->ReportStep(&ctx, r, commands);
-  };
+  auto report = [&](v1::TrainerCommands* commands) { return ReportStep(a, 3, commands); };
   v1::TrainerCommands commands;
   ASSERT_TRUE(report(&commands).ok());
   EXPECT_FALSE(commands.stop_requested()) << "told to stop before the cancel was durable";
@@ -648,15 +650,7 @@ TEST_F(CoordinatorServiceTest, ADrainAsksTheRanksToStopOnceItIsDurable) {
   const v1::Job job = MustSubmit(Spec(1, "job", /*max_restarts=*/2));
   ASSERT_EQ(server_->jobs().SchedulePass(), 1);
   const v1::Assignment a = node->NextCommand().assignment();
-  auto report = [&](v1::TrainerCommands* commands) {
-    grpc::ClientContext ctx;
-    PrepareToken(ctx, tokens_->Job(job.id(), a.attempt()));
-    v1::StepReport r;
-    r.set_job_id(job.id());
-    r.set_attempt(a.attempt());
-    r.set_step(3);
-    return trainer_->ReportStep(&ctx, r, commands);
-  };
+  auto report = [&](v1::TrainerCommands* commands) { return ReportStep(a, 3, commands); };
   ASSERT_TRUE(ArmFailpoint("store-commit", "fail@1"));  // the drain's write
   absl::Cleanup disarm = [] { DisarmFailpoint("store-commit"); };
   EXPECT_THAT(server_->jobs().DrainNode("n1", "admin"), ::testing::ElementsAre(job.id()));
