@@ -1,7 +1,9 @@
 // The web console's HTTP server (server/web/guarded_http_server.h) on real sockets: a request
 // that trickles in is cut at its time however steadily it comes (plain and TLS), so that
 // tricklers cannot hold every thread; one address past its connections is answered 503 at once
-// while others are served; keep-alive and TLS serve as httplib's own server did.
+// while others are served, and so is a connection past the queue; a body is refused before it is
+// read when it is compressed, framed twice or longer than the limit; an answer read too slowly is
+// cut; a stopping server closes what waits; keep-alive and TLS serve as httplib's own server did.
 #include "server/web/guarded_http_server.h"
 
 #include <arpa/inet.h>
@@ -34,40 +36,70 @@ using ::testing::StartsWith;
 
 // A server with one route (GET /hello: "hi"), on 127.0.0.1 on a thread of its own, with
 // `threads` threads; stopped and joined by the destructor.
+// (POST /echo: the body's size; DELETE /count: counts its calls in `deleted`; GET /big: 16 MiB.)
 class Served {
  public:
-  Served(ConnectionLimits limits, int threads, std::shared_ptr<const ps::TlsConfig> tls = nullptr)
-      : server_(std::move(limits), std::move(tls)) {
+  Served(ConnectionLimits limits, int threads, std::shared_ptr<const ps::TlsConfig> tls = nullptr,
+         absl::Duration write_timeout = absl::Seconds(5))
+      : server_(WithThreads(std::move(limits), threads), std::move(tls)) {
     server_.set_read_timeout(30, 0);     // (so that only the request's time cuts a trickle)
     server_.set_keep_alive_timeout(30);  // (so that only a close frees a connection)
     server_.set_payload_max_length(64 << 10);
-    server_.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+    server_.set_write_timeout(absl::ToInt64Seconds(write_timeout), 0);
     server_.Get("/hello", [](const httplib::Request&, httplib::Response& res) {
       res.set_content("hi", "text/plain");
     });
     server_.Post("/echo", [](const httplib::Request& req, httplib::Response& res) {
       res.set_content(absl::StrCat(req.body.size()), "text/plain");
     });
+    server_.Delete("/count", [this](const httplib::Request&, httplib::Response& res) {
+      ++deleted;
+      res.set_content("counted", "text/plain");
+    });
+    server_.Get("/big", [](const httplib::Request&, httplib::Response& res) {
+      res.set_content(std::string(16 << 20, 'x'), "text/plain");
+    });
     port_ = server_.bind_to_any_port("127.0.0.1");
     EXPECT_GT(port_, 0);
     thread_ = std::thread([this] { server_.listen_after_bind(); });
     for (int i = 0; i < 10000 && !server_.is_running(); ++i) absl::SleepFor(absl::Milliseconds(1));
   }
-  ~Served() {
+  ~Served() { Stop(); }
+  void Stop() {
     server_.stop();
-    thread_.join();
+    if (thread_.joinable()) thread_.join();
   }
   int port() const { return port_; }
+  GuardedHttpServer& server() { return server_; }
+  // Until `n` connections are served at once (false: not within 30 s).
+  bool AwaitOpen(int n) {
+    for (const absl::Time until = absl::Now() + absl::Seconds(30); absl::Now() < until;) {
+      if (server_.open_connections() == n) return true;
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    return false;
+  }
+
+  std::atomic<int> deleted{0};
 
  private:
+  static ConnectionLimits WithThreads(ConnectionLimits limits, int threads) {
+    limits.threads = threads;
+    return limits;
+  }
+
   GuardedHttpServer server_;
   int port_ = 0;
   std::thread thread_;
 };
 
-// A non-blocking TCP connection from `source` (a loopback address) to 127.0.0.1:port.
-ps::UniqueFd ConnectFrom(const std::string& source, int port) {
+// A non-blocking TCP connection from `source` (a loopback address) to 127.0.0.1:port; with a
+// receive buffer of `receive_buffer` bytes where not 0.
+ps::UniqueFd ConnectFrom(const std::string& source, int port, int receive_buffer = 0) {
   ps::UniqueFd fd(socket(AF_INET, SOCK_STREAM, 0));
+  if (receive_buffer > 0) {
+    setsockopt(fd.get(), SOL_SOCKET, SO_RCVBUF, &receive_buffer, sizeof(receive_buffer));
+  }
   sockaddr_in from{};
   from.sin_family = AF_INET;
   inet_pton(AF_INET, source.c_str(), &from.sin_addr);
@@ -157,8 +189,7 @@ TEST(GuardedHttpServerTest, ATricklingRequestIsCutAtItsTimeSoThatTricklersCannot
   // Meanwhile another client is answered, once a thread is free again.
   std::string answer;
   std::thread other([&] {
-    absl::SleepFor(absl::Milliseconds(200));  // (after the tricklers took the threads)
-    answer = Hello("127.0.0.2", served.port());
+    if (served.AwaitOpen(3)) answer = Hello("127.0.0.2", served.port());  // (threads all taken)
   });
   const std::vector<absl::Duration> held = Trickle(tricklers, absl::Seconds(20));
   other.join();
@@ -271,12 +302,14 @@ TEST(GuardedHttpServerTest, OverTlsRequestsAreKeptAliveAndASlowHandshakeIsCut) {
   limits.per_peer = 1;
   Served served(limits, /*threads=*/3, *server_tls);
 
-  // Two requests on one connection, verified against the CA.
+  // Two requests on one connection, verified against the CA: the second after more than the
+  // request time of quiet (a request's time counts from its own first byte).
   absl::StatusOr<ps::Conn> conn =
       ps::TlsConnect(ConnectFrom("127.0.0.2", served.port()), **client_tls, "127.0.0.1",
                      ps::IoLimit::Idle(absl::Seconds(30)));
   ASSERT_TRUE(conn.ok()) << conn.status();
   for (int i = 0; i < 2; ++i) {
+    if (i == 1) absl::SleepFor(absl::Milliseconds(1500));  // (the quiet under test)
     ASSERT_TRUE(ps::SendAll(*conn, "GET /hello HTTP/1.1\r\nHost: x\r\n\r\n",
                             ps::IoLimit::Idle(absl::Seconds(30)))
                     .ok());
@@ -307,6 +340,131 @@ TEST(GuardedHttpServerTest, OverTlsRequestsAreKeptAliveAndASlowHandshakeIsCut) {
     EXPECT_GE(d, absl::Milliseconds(500));
     EXPECT_LT(d, absl::Seconds(8));
   }
+}
+
+// `request`'s bytes from 127.0.0.2: what is answered until the server closes (at most 30 s).
+std::string Send(int port, const std::string& request) {
+  ps::Conn conn(ConnectFrom("127.0.0.2", port));
+  EXPECT_TRUE(ps::SendAll(conn, request, ps::IoLimit::Idle(absl::Seconds(30))).ok());
+  return ReadAll(conn, absl::Seconds(30));
+}
+
+// httplib inflated a compressed body without a limit (a 64 KiB gzip bomb is 64 MiB, brotli's far
+// more), read a POST without a length until the peer's end of file, and read a body past the
+// limit to skip it: each is answered before its body is read, saying why, and runs no handler.
+TEST(GuardedHttpServerTest, ABodyIsRefusedBeforeItIsReadWhenCompressedFramedTwiceOrTooLong) {
+  Served served(ConnectionLimits{}, /*threads=*/4);
+  const int port = served.port();
+  const std::string post = "POST /echo HTTP/1.1\r\nHost: x\r\n";
+  std::string answer = Send(port, post + "Content-Encoding: gzip\r\nContent-Length: 4\r\n\r\nabcd");
+  EXPECT_THAT(answer, StartsWith("HTTP/1.1 415"));
+  EXPECT_THAT(answer, HasSubstr("Content-Encoding: a request's body is taken as it is"));
+  answer = Send(port, "DELETE /count HTTP/1.1\r\nHost: x\r\nContent-Encoding: br\r\n\r\n");
+  EXPECT_THAT(answer, StartsWith("HTTP/1.1 415"));
+  EXPECT_EQ(served.deleted.load(), 0);
+  // A length past the limit: none of it is sent here, and the answer comes at once.
+  answer = Send(port, post + "Content-Length: 70000\r\n\r\n");
+  EXPECT_THAT(answer, StartsWith("HTTP/1.1 413"));
+  EXPECT_THAT(answer, HasSubstr("body: larger than 65536 bytes (Content-Length: 70000)"));
+  // Sent whole anyway: the answer is read before the close (the body is read past, not reset).
+  answer = Send(port, post + "Content-Length: 70000\r\n\r\n" + std::string(70000, 'a'));
+  EXPECT_THAT(answer, StartsWith("HTTP/1.1 413"));
+  answer = Send(port, post + "Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\nabcd");
+  EXPECT_THAT(answer, StartsWith("HTTP/1.1 400"));
+  EXPECT_THAT(answer, HasSubstr("Transfer-Encoding and Content-Length"));
+  answer = Send(port, post + "Transfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n");
+  EXPECT_THAT(answer, StartsWith("HTTP/1.1 501"));
+  for (const char* length : {"4x", "-4", "+4", "99999999999999999999999"}) {
+    answer = Send(port, absl::StrCat(post, "Content-Length: ", length, "\r\n\r\nabcd"));
+    EXPECT_THAT(answer, StartsWith("HTTP/1.1 400")) << length;
+    EXPECT_THAT(answer, HasSubstr("Content-Length: not one decimal count of bytes")) << length;
+  }
+  // A POST with neither a length nor chunks has no body: answered at once, the connection kept.
+  const absl::Time start = absl::Now();
+  answer = Send(port, post + "Connection: close\r\n\r\n");
+  EXPECT_THAT(answer, StartsWith("HTTP/1.1 200"));
+  EXPECT_THAT(answer, HasSubstr("\r\n\r\n0"));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(8));  // (not at the request's time, 10 s)
+  // (And a plain DELETE is counted: the 0 above is no handler's.)
+  EXPECT_THAT(Send(port, "DELETE /count HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"),
+              StartsWith("HTTP/1.1 200"));
+  EXPECT_EQ(served.deleted.load(), 1);
+}
+
+// A client that reads a long answer slowly, but never so slowly that the write timeout (1 s of
+// no progress) cuts it, is cut at the answer's least rate; one that reads it at once gets all.
+TEST(GuardedHttpServerTest, AnAnswerReadTooSlowlyIsCutAtItsLeastRate) {
+  ConnectionLimits limits;
+  limits.min_send_rate = 4 << 20;  // bytes a second: 16 MiB within 1 + 4 s
+  Served served(limits, /*threads=*/2, nullptr, /*write_timeout=*/absl::Seconds(1));
+  const std::string get = "GET /big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+  EXPECT_GT(Send(served.port(), get).size(), size_t{16} << 20);
+
+  ps::Conn conn(ConnectFrom("127.0.0.3", served.port(), /*receive_buffer=*/64 << 10));
+  ASSERT_TRUE(ps::SendAll(conn, get, ps::IoLimit::Idle(absl::Seconds(30))).ok());
+  const absl::Time start = absl::Now();
+  size_t received = 0;
+  char buffer[32 << 10];
+  while (absl::Now() - start < absl::Seconds(60)) {
+    // 32 KiB each 50 ms: 640 KiB a second, a tenth of the least rate.
+    absl::StatusOr<size_t> got =
+        ps::RecvSome(conn, buffer, sizeof(buffer), ps::IoLimit::Idle(absl::Seconds(30)));
+    if (!got.ok()) break;
+    received += *got;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  const absl::Duration held = absl::Now() - start;
+  EXPECT_LT(received, size_t{16} << 20);
+  EXPECT_GE(held, absl::Seconds(3));  // (not the write timeout: each 50 ms moved bytes)
+  EXPECT_LT(held, absl::Seconds(20));
+}
+
+// A connection past the queue is answered 503 by the listener at once, while every thread is
+// taken; a stopping server closes those that wait without serving them.
+TEST(GuardedHttpServerTest, PastTheQueueAConnectionIsAnswered503AndAStopClosesTheQueue) {
+  ConnectionLimits limits;
+  limits.request_time = absl::Seconds(5);
+  limits.max_queued = 2;
+  Served served(limits, /*threads=*/1);
+  std::vector<ps::Conn> trickler;
+  trickler.emplace_back(ConnectFrom("127.0.0.3", served.port()));
+  ASSERT_TRUE(ps::SendAll(trickler[0],
+                          "GET /hello HTTP/1.1\r\nX-Slow: ", ps::IoLimit::Idle(absl::Seconds(30)))
+                  .ok());
+  ASSERT_TRUE(served.AwaitOpen(1));
+  // Two wait for the thread, each with its request sent; the third (after them: the listener
+  // accepts in order) is turned away.
+  std::vector<ps::Conn> queued;
+  for (int i = 0; i < 2; ++i) {
+    queued.emplace_back(ConnectFrom("127.0.0.4", served.port()));
+    ASSERT_TRUE(ps::SendAll(queued.back(), "GET /hello HTTP/1.1\r\nHost: x\r\n\r\n",
+                            ps::IoLimit::Idle(absl::Seconds(30)))
+                    .ok());
+  }
+  const absl::Time start = absl::Now();
+  {
+    ps::Conn third(ConnectFrom("127.0.0.5", served.port()));
+    const std::string answer = ReadAll(third, absl::Seconds(30));
+    EXPECT_THAT(answer, StartsWith("HTTP/1.1 503"));
+    EXPECT_THAT(answer, HasSubstr("the console is busy"));
+  }
+  EXPECT_LT(absl::Now() - start, absl::Seconds(4));  // (before the trickler's time frees it)
+  // Stopped: the trickler is cut at its time, and the two that waited are closed unanswered.
+  std::thread stop([&] { served.Stop(); });
+  for (ps::Conn& c : queued) EXPECT_EQ(ReadAll(c, absl::Seconds(30)), "");
+  stop.join();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+}
+
+TEST(GuardedHttpServerTest, AnIPv6PeerIsCountedByItsSlash64AndAZoneIsNoPartOfItsAddress) {
+  EXPECT_EQ(PeerKey("2001:db8:1:2:aaaa::1"), "2001:db8:1:2::/64");
+  EXPECT_EQ(PeerKey("2001:db8:1:2:bbbb:cccc:dddd:2"), "2001:db8:1:2::/64");
+  EXPECT_NE(PeerKey("2001:db8:1:3::1"), PeerKey("2001:db8:1:2::1"));
+  EXPECT_EQ(PeerKey("10.0.0.1"), "10.0.0.1");
+  EXPECT_EQ(CanonicalAddress("fe80::1%eth0"), "fe80::1");
+  EXPECT_EQ(CanonicalAddress("::ffff:10.0.0.1"), "10.0.0.1");
+  EXPECT_EQ(CanonicalAddress("2001:DB8:0::0:1"), "2001:db8::1");
+  EXPECT_EQ(CanonicalAddress("example.com"), std::nullopt);
 }
 
 }  // namespace

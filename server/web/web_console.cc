@@ -1140,9 +1140,7 @@ struct WebConsole::Impl {
     s.set_keep_alive_timeout(2);
     // Answers go out as written: a header and its body, or an event, are never held back for
     // the peer's delayed ACK (Nagle's 40 ms).
-    s.set_tcp_nodelay(true);
-    const int threads = options.threads;
-    s.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+    s.set_tcp_nodelay(true);  // (the pool of options.threads: NewListener's)
     auto bind = [this](void (Impl::*f)(const Request&, Response&)) {
       return [this, f](const Request& req, Response& res) { (this->*f)(req, res); };
     };
@@ -1226,10 +1224,13 @@ absl::StatusOr<Listener> NewListener(const WebConsoleOptions& options) {
                                                 options.tls_reload));
   }
   ConnectionLimits limits;
+  // (httplib's default is 8 threads: one peer's limit is more.)
+  limits.threads = options.threads;
+  limits.max_queued = 4 * options.threads;
   limits.request_time = options.request_time;
   limits.per_peer = options.max_connections_per_peer;
   limits.per_peer_busy = std::min(options.max_connections_per_peer, 8);
-  limits.busy_at = std::max(1, options.threads / 2);
+  limits.busy_at = std::max(1, options.threads * 3 / 4);
   for (const std::string& proxy : options.trusted_proxies) {
     if (std::optional<std::string> address = CanonicalAddress(proxy); address.has_value()) {
       limits.exempt.push_back(*std::move(address));
@@ -1327,8 +1328,6 @@ absl::StatusOr<std::unique_ptr<WebRedirect>> WebRedirect::Start(const WebConsole
   s.set_payload_max_length(kMaxBody);
   s.set_read_timeout(10, 0);
   s.set_tcp_nodelay(true);
-  const int threads = options.threads;  // (httplib's default is 8: one peer's limit is more)
-  s.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
   Impl* raw = impl.get();
   const bool behind_proxy = !options.public_url.empty();
   auto answer = [raw, behind_proxy](const Request& req, Response& res) {

@@ -49,9 +49,9 @@ struct WebConsoleOptions {
   std::string console_key;
   WebSessionLimits sessions;
   int threads = 48;  // connections served at once (live streams and kept-alive ones included)
-  // Connections one address (an IPv6 one's /64) may hold at once, 8 while half the threads are
-  // taken (a browser opens 6 at most; trusted proxies have no limit): one more is answered 503,
-  // so that a few clients cannot take every thread.
+  // Connections one address (an IPv6 one's /64) may hold at once, 8 while three quarters of the
+  // threads are taken (a browser opens 6 at most; trusted proxies have no limit): one more is
+  // answered 503, so that a few clients cannot take every thread.
   int max_connections_per_peer = 24;
   // A request's line, headers and body must arrive within this of its first byte (a connection's
   // TLS handshake within this of its start), however steadily they trickle in.

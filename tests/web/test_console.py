@@ -538,7 +538,7 @@ def test_yard_web_prints_a_link_that_signs_a_browser_in_once(browser, cluster):
 def test_one_address_past_its_connections_gets_503_and_a_trickled_request_is_cut(cluster):
     """A client that opens many connections and trickles its headers a byte at a time (slowloris)
     held one of the console's 48 threads with each for as long as it liked, before any sign-in:
-    now one address holds 24 at most (8 while half the threads are taken; one more is answered
+    now one address holds 24 at most (8 while 36 threads are taken; one more is answered
     503 at once, while other addresses are served), and each request must arrive whole within
     10 s of its first byte."""
     import select
@@ -579,7 +579,9 @@ def test_one_address_past_its_connections_gets_503_and_a_trickled_request_is_cut
         refused = [a for _, a in closed.values() if a.startswith(b"HTTP/1.1 503")]
         cut = [t for t, a in closed.values() if not a.startswith(b"HTTP/1.1 503")]
         assert refused and all(b"too many connections from this address" in a for a in refused)
-        assert 8 <= len(cut) <= 24, f"{len(cut)} connections held by one address"
+        # (24 while the console is not busy: more than the 8 it allows then, which tells the two
+        # limits apart; fewer than 24 only if 12 others were open besides, as browser tests' are.)
+        assert 8 < len(cut) <= 24, f"{len(cut)} connections held by one address"
         assert min(cut) >= 9, f"a trickled request was cut after {min(cut):.1f} s, before its time"
     finally:
         for s in held:
