@@ -48,7 +48,9 @@ using ::testing::AllOf;
 using testing::BinPath;
 using ::testing::Contains;
 using ::testing::ContainsRegex;
+using ::testing::Each;
 using ::testing::ElementsAre;
+using ::testing::EndsWith;
 using ::testing::HasSubstr;
 using ::testing::Not;
 using testing::Subprocess;
@@ -784,18 +786,25 @@ bool CgroupsUsable() { return geteuid() == 0 && trainyard::worker::DetectCgroups
 
 // A rank that makes its log 1 TiB long (a hole: bytes it never wrote) has its lines on both sides
 // of the hole read, and its job ends as soon as it exits: the worker skips the hole (it read the
-// zeros, for hours, and sent them on as lines).
+// zeros, for hours, and sent them on as lines). The hole starts and ends inside blocks: the
+// NULs there (the rest of the first line's block, the start of the last's) are the hole's too
+// (they went on as lines of NULs), and so are those of a log extended past its last line.
 TEST_F(WorkerE2eTest, ARanksLogIsReadAcrossAHoleWithoutReadingIt) {
-  const v1::Job job = RunToEnd(*client_, CommandSpec("hole", 1,
-                                                     {"/usr/bin/python3", "-c",
-                                                      "import os\n"
-                                                      "os.write(1, b'before the hole\\n')\n"
-                                                      "os.ftruncate(1, 1 << 40)\n"
-                                                      "os.write(1, b'after the hole\\n')\n"}));
+  const v1::Job job =
+      RunToEnd(*client_, CommandSpec("hole", 1,
+                                     {"/usr/bin/python3", "-c",
+                                      "import os\n"
+                                      "os.write(1, b'before the hole\\n')\n"
+                                      "os.ftruncate(1, (1 << 40) + 100)\n"
+                                      "os.write(1, b'after the hole\\n')\n"
+                                      "os.write(1, b'no newline')\n"
+                                      "os.ftruncate(1, os.fstat(1).st_size + 9)\n"}));
   ASSERT_EQ(job.state(), v1::SUCCEEDED) << job.message();
   const std::vector<std::string> lines = Logs(job.id());
   EXPECT_THAT(lines, Contains(HasSubstr("before the hole")));
-  EXPECT_THAT(lines, Contains(HasSubstr("after the hole")));
+  EXPECT_THAT(lines, Contains(EndsWith("after the hole")));
+  EXPECT_THAT(lines, Contains(EndsWith("no newline")));
+  EXPECT_THAT(lines, Each(Not(HasSubstr(std::string(1, '\0')))));
   size_t bytes = 0;
   for (const std::string& line : lines) bytes += line.size();
   EXPECT_LT(bytes, size_t{64} << 10) << "the hole was read";

@@ -180,7 +180,8 @@ class RankLogFollower {
   // returns how many were read. At most kReadBytes a call: a rank printing fast is read a share
   // at a time (and again at once), and its thread hears a stop or a detach between. A hole (a rank
   // that extended its log, or wrote past its end: bytes it never wrote) is skipped, not read: a
-  // rank that made its log 16 TiB long kept the worker reading zeros for hours.
+  // rank that made its log 16 TiB long kept the worker reading zeros for hours. The NULs on either
+  // side of a hole, in the blocks it ends and starts in, are taken as the hole's.
   int64_t ReadNew() {
     if (fd_ < 0) return 0;
     struct stat st {};
@@ -206,7 +207,15 @@ class RankLogFollower {
       if ((n = pread(fd_, buf, sizeof(buf), offset_)) <= 0) break;
       read += n;
       offset_ += n;
-      partial_.append(buf, static_cast<size_t>(n));
+      size_t skip = 0;
+      if (after_hole_) {
+        // The NULs that begin the first block past a hole: bytes never written, as the hole's
+        // (SEEK_DATA finds a block's start; the hole may end anywhere in it).
+        while (skip < static_cast<size_t>(n) && buf[skip] == '\0') ++skip;
+        after_hole_ = skip == static_cast<size_t>(n);
+        partial_start_ += static_cast<int64_t>(skip);  // (partial_ is empty past a hole)
+      }
+      partial_.append(buf + skip, static_cast<size_t>(n) - skip);
       size_t start = 0, nl;
       while ((nl = partial_.find('\n', start)) != std::string::npos) {
         Take(partial_.substr(start, nl - start), partial_start_ + static_cast<int64_t>(start),
@@ -240,6 +249,7 @@ class RankLogFollower {
     while (offset_ < end && ReadNew() > 0) {
     }
     Batch batch;
+    TrimNuls();  // (a log extended past its last line, and not written after)
     if (!partial_.empty()) Take(std::exchange(partial_, ""), partial_start_, batch);
     Emit(batch);
   }
@@ -261,10 +271,19 @@ class RankLogFollower {
     batch.emplace_back(cut_bytes_ + start + 1, std::move(line));
   }
 
-  // Past a hole, from `to`: the line it cut goes as it is (lines keep their offsets as seqs).
+  // Past a hole, from `to`: the line it cut goes as it is (lines keep their offsets as seqs), less
+  // the NULs before the hole (the rest of the last block before it: bytes never written, as the
+  // hole's; they went on as a line of up to a block of NULs).
   void SkipTo(int64_t to, Batch& batch) {
+    TrimNuls();
     if (!partial_.empty()) Take(std::exchange(partial_, ""), partial_start_, batch);
     offset_ = partial_start_ = to;
+    after_hole_ = true;
+  }
+
+  void TrimNuls() {
+    const size_t last = partial_.find_last_not_of('\0');
+    partial_.resize(last == std::string::npos ? 0 : last + 1);
   }
 
   void Emit(Batch& batch) {
@@ -281,7 +300,8 @@ class RankLogFollower {
   int64_t offset_;
   int64_t partial_start_;  // where partial_ begins in the log
   int64_t cut_bytes_ = 0;
-  std::string partial_;  // the last line, until its newline comes
+  std::string partial_;      // the last line, until its newline comes
+  bool after_hole_ = false;  // nothing but NULs read since the last hole
   std::deque<std::string> last_;
   const int keep_;
   const std::function<void(Batch&)> emit_;
