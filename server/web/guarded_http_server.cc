@@ -29,8 +29,6 @@
 namespace trainyard::web {
 namespace {
 
-// What one connection's requests are read from and answered on: the Conn's bytes, buffered
-// (httplib reads a request's line and headers a byte at a time).
 // Whether this thread runs a connection that the pool's queue had no room for (Pool::enqueue).
 thread_local bool t_shed = false;
 
@@ -206,9 +204,11 @@ class ConnStream final : public httplib::Stream {
 
 // Once a request's head is read, before httplib reads its body: a body that would be read
 // without a limit (a compressed one), or ambiguously (both a length and chunks: a proxy may
-// have framed it otherwise), or whose length is past `payload_max`, is answered here and nothing
-// of it is read; otherwise its bytes are bounded by its length (chunked: by payload_max), and a
-// request with neither has none.
+// have framed it otherwise), or not at all (httplib reads one for POST, PUT, PATCH and a DELETE
+// with a length only: the bytes of any other were taken for the next request on the connection,
+// and a proxy's next client's), or whose length is past `payload_max`, is answered here and
+// nothing of it is read; otherwise its bytes are bounded by its length (chunked: by
+// payload_max), and a request with neither has none.
 void CheckHead(httplib::Request& req, ConnStream& stream, size_t payload_max) {
   auto refuse = [&](int status, absl::string_view reason, absl::string_view message) {
     stream.Answer(CloseWith(status, reason, "INVALID_ARGUMENT", message, false));
@@ -227,10 +227,17 @@ void CheckHead(httplib::Request& req, ConnStream& stream, size_t payload_max) {
     return refuse(400, "Bad Request",
                   "Transfer-Encoding and Content-Length: a request has one or the other");
   }
+  const bool reads_body = req.method == "POST" || req.method == "PUT" || req.method == "PATCH" ||
+                          (req.method == "DELETE" && lengths > 0);
   if (transfers > 0) {
     if (transfers > 1 ||
         !absl::EqualsIgnoreCase(req.get_header_value("Transfer-Encoding"), "chunked")) {
       return refuse(501, "Not Implemented", "Transfer-Encoding: only chunked is taken");
+    }
+    if (!reads_body) {
+      return refuse(
+          400, "Bad Request",
+          absl::StrCat("Transfer-Encoding: a ", req.method, " here takes no chunked body"));
     }
     return stream.StartBody(payload_max);
   }
@@ -240,6 +247,10 @@ void CheckHead(httplib::Request& req, ConnStream& stream, size_t payload_max) {
   if (lengths > 1 || text.empty() || text.size() > 19 ||
       !absl::c_all_of(text, absl::ascii_isdigit) || !absl::SimpleAtoi(text, &length)) {
     return refuse(400, "Bad Request", "Content-Length: not one decimal count of bytes");
+  }
+  if (length > 0 && !reads_body) {
+    return refuse(400, "Bad Request",
+                  absl::StrCat("Content-Length: a ", req.method, " here has no body"));
   }
   if (length > payload_max) {
     return refuse(
@@ -284,8 +295,8 @@ class Pool final : public httplib::TaskQueue {
       }
     }
     t_shed = true;
+    absl::Cleanup unshed = [] { t_shed = false; };
     fn();
-    t_shed = false;
   }
 
   // As httplib's: the queue's connections are taken up (and, the server stopping, closed), then
@@ -353,7 +364,7 @@ GuardedHttpServer::GuardedHttpServer(ConnectionLimits limits,
                                      std::shared_ptr<const ps::TlsConfig> tls)
     : limits_(std::move(limits)), tls_(std::move(tls)) {
   new_task_queue = [threads = limits_.threads, queued = limits_.max_queued] {
-    return new Pool(threads, static_cast<size_t>(std::max(queued, 0)));
+    return new Pool(threads, static_cast<size_t>(std::max(queued, 1)));
   };
 }
 
@@ -463,10 +474,13 @@ bool GuardedHttpServer::process_and_close_socket(socket_t sock) {
     if (waiting) break;
     stream.StartRequest(absl::Now() + limits_.request_time, kMaxHeadBytes);
     bool closed = false;
+    bool checked = false;
     ok = process_request(stream, left == 1, closed, [&](httplib::Request& req) {
+      checked = true;
       CheckHead(req, stream, payload_max_length_);
     });
-    if (!ok || closed || stream.failed() || stream.answered()) break;
+    // (Not checked: httplib answered the head itself, a 400, 414 or 416, with its body unread.)
+    if (!ok || closed || !checked || stream.failed() || stream.answered()) break;
   }
   ps::ShutdownWrite(conn);
   if (!stream.failed() && svr_sock_ != INVALID_SOCKET) {

@@ -6,14 +6,15 @@
 //   limit is per read: a client that trickles its headers a byte every 9 s (slowloris) held a
 //   thread for ever, and some dozens of them every thread, before any sign-in was asked;
 // - a request's head and its body each have a size limit, checked as they arrive; a body is
-//   taken as sent (a compressed one, which httplib inflated without a limit, is refused), and its
-//   length is checked against the limit before any of it is read;
+//   taken as sent (a compressed one, which httplib inflated without a limit, is refused), only
+//   where httplib reads one (else its bytes were the connection's next request), and its length
+//   is checked against the limit before any of it is read;
 // - an answer goes out at a least rate: a client that reads it a segment at a time is cut;
 // - one peer address (an IPv6 one's /64) holds at most a few connections at once: one more is
 //   answered 503 at once (in clear; closed under TLS, with no handshake spent on it). Trusted
 //   proxies are exempt: they carry every browser's connections;
 // - connections waiting for a thread are bounded too: past that, one more is answered 503 by the
-//   listener itself.
+//   listener itself (closed under TLS), without waiting for its request.
 // Keep-alive, its count and its timeout are httplib's settings, as its read and write timeouts
 // (the longest wait for one byte to move).
 #ifndef TRAINYARD_SERVER_WEB_GUARDED_HTTP_SERVER_H_
@@ -47,7 +48,7 @@ std::string PeerKey(const std::string& address);
 
 struct ConnectionLimits {
   // Connections served at once (kept-alive ones and live streams included), and accepted ones
-  // that wait for a thread.
+  // that wait for a thread (at least 1).
   int threads = 48;
   int max_queued = 192;
   // From a request's first byte until the last byte of its body; a TLS handshake's, from the
