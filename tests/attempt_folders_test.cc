@@ -10,14 +10,21 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "tests/testing/subprocess.h"
 #include "worker/daemon/private_tmp.h"
@@ -297,6 +304,60 @@ TEST_F(AttemptFoldersTest, TheThreadRemovesExpiredFoldersByItself) {
   for (const absl::Time deadline = absl::Now() + absl::Seconds(60); fs::exists(dir);) {
     ASSERT_LT(absl::Now(), deadline) << "the expired folder stays";
     absl::SleepFor(absl::Milliseconds(50));
+  }
+}
+
+// The thread's scan that has many folders to empty (the first after an upgrade may expire every
+// old attempt, each up to a minute) lets an attempt that ends meanwhile go first: its folders and
+// namespaces waited for the whole scan.
+TEST_F(AttemptFoldersTest, TheThreadsScanLetsAnAttemptThatEndsMeanwhileGoFirst) {
+  for (int job = 1; job <= 3; ++job) MakeAttempt(work_dir_, "job-" + std::to_string(job), 1);
+  Age(work_dir_, absl::Hours(2));
+  const std::string ended = MakeAttempt(work_dir_, "job-9", 1);  // recent: not the scan's
+  absl::Mutex mu;
+  std::vector<std::string> asked;  // "JOB ATTEMPT" (" then": an ended attempt's, or a job's)
+  bool triggered = false;
+  AttemptFolders* folders_ptr = nullptr;
+  AttemptFolders::IfIdle if_idle = [&](const std::string& job, int attempt,
+                                       const std::function<void()>& then) {
+    bool first = false;
+    {
+      absl::MutexLock lock(&mu);
+      first = !triggered && job != "job-9" && attempt == 1;
+      triggered = triggered || first;
+      asked.push_back(absl::StrCat(job, " ", attempt, then ? " then" : ""));
+    }
+    // The scan's first expired attempt: job-9's ends now, while the scan has two more to empty.
+    if (first) folders_ptr->Ended("job-9", 1, std::nullopt);
+    if (then) then();
+    return true;
+  };
+  AttemptFolders folders(Options(absl::Seconds(4)), if_idle);  // (a scan each second)
+  folders_ptr = &folders;
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(60);
+       fs::exists(work_dir_ + "/job-1") || fs::exists(work_dir_ + "/job-2") ||
+       fs::exists(work_dir_ + "/job-3") || fs::exists(ended + "/work");) {
+    ASSERT_LT(absl::Now(), deadline) << "the expired folders or the ended attempt's stay";
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  folders.Stop();
+  absl::MutexLock lock(&mu);
+  const auto at = [&](const std::string& what) {
+    return std::find(asked.begin(), asked.end(), what) - asked.begin();
+  };
+  const auto first = std::find_if(asked.begin(), asked.end(), [](const std::string& a) {
+    return !absl::StartsWith(a, "job-9") && absl::EndsWith(a, " 1");
+  });
+  ASSERT_NE(first, asked.end()) << absl::StrJoin(asked, ", ");
+  const std::string first_job = first->substr(0, first->find(' '));
+  const auto i = first - asked.begin();
+  // The first expired attempt, its job's folder, then the ended attempt, then the other two.
+  EXPECT_EQ(at(first_job + " 0 then"), i + 1) << absl::StrJoin(asked, ", ");
+  EXPECT_EQ(at("job-9 1 then"), i + 2) << absl::StrJoin(asked, ", ");
+  for (const std::string job : {"job-1", "job-2", "job-3"}) {
+    if (job != first_job) {
+      EXPECT_GT(at(job + " 1"), i + 2) << absl::StrJoin(asked, ", ");
+    }
   }
 }
 

@@ -154,9 +154,11 @@ void AttemptFolders::Loop() {
     }
     if (absl::Now() >= next_scan) {
       mu_.Unlock();
-      RemoveExpired();
+      bool cut = false;
+      Scan(/*yield=*/true, &cut);
       mu_.Lock();
-      next_scan = absl::Now() + period;
+      // (A scan that yielded to an ended attempt goes on once it is done.)
+      next_scan = cut ? absl::Now() : absl::Now() + period;
     }
   }
 }
@@ -173,7 +175,9 @@ bool AttemptFolders::EmptyAndRemove(const std::string& folder, const UnixAccount
   return emptied.ok();
 }
 
-int AttemptFolders::RemoveExpired() {
+int AttemptFolders::RemoveExpired() { return Scan(/*yield=*/false, nullptr); }
+
+int AttemptFolders::Scan(bool yield, bool* cut) {
   absl::MutexLock scan(&scan_mu_);
   // An idle attempt's namespaces go at once, not when its folder expires, and also where folders
   // are kept: they are memory (an attempt that ended while no worker was here, or whose clean-up
@@ -181,8 +185,17 @@ int AttemptFolders::RemoveExpired() {
   RemoveIdleNamespaces();
   if (options_.keep || options_.keep_ended_for == absl::InfiniteDuration()) return 0;
   int removed = 0;
+  // Whether an ended attempt waits for this thread: a scan that empties many folders (the first
+  // after an upgrade may expire every old attempt, each up to a minute) lets it go first.
+  auto yielding = [&] {
+    if (!yield) return false;
+    absl::MutexLock lock(&mu_);
+    return !pending_.empty();
+  };
+  bool yielded = false;
+  bool emptied = false;  // a folder emptied (or tried) by this scan
   for (const std::string& job_id : Names(options_.work_dir)) {
-    if (stopping_) break;
+    if (stopping_ || yielded) break;
     if (absl::StartsWith(job_id, ".")) continue;  // (the namespace folder)
     const std::string job_dir = absl::StrCat(options_.work_dir, "/", job_id);
     struct stat job_st {};
@@ -192,7 +205,7 @@ int AttemptFolders::RemoveExpired() {
     }
     bool removed_here = false;
     for (const std::string& name : Names(job_dir)) {
-      if (stopping_) break;
+      if (stopping_ || (emptied && (yielded = yielding()))) break;
       int attempt = 0;
       if (!absl::StartsWith(name, "attempt-") || !absl::SimpleAtoi(name.substr(8), &attempt) ||
           attempt <= 0) {
@@ -226,6 +239,7 @@ int AttemptFolders::RemoveExpired() {
         }
       }
       if (!removable || absl::Now() - newest < options_.keep_ended_for) continue;
+      emptied = true;
       for (const auto& [entry, est] : folders) {
         const std::optional<UnixAccount> owner = FolderOwner(est);
         removable =
@@ -252,6 +266,7 @@ int AttemptFolders::RemoveExpired() {
       if_idle_(job_id, 0, [&job_dir] { rmdir(job_dir.c_str()); });
     }
   }
+  if (cut != nullptr) *cut = yielded;
   return removed;
 }
 

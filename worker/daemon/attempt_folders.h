@@ -74,7 +74,8 @@ class AttemptFolders {
   // Removes now the folders of ended attempts unchanged for keep_ended_for (the thread does so
   // every keep_ended_for / 4, between a second and ten minutes): those with no live rank and no
   // shepherd's socket, whose entries are files, and work and errors folders, which are emptied
-  // as their owner first. Returns how many attempts' folders went.
+  // as their owner first. Returns how many attempts' folders went. (The thread's scan lets an
+  // attempt that ends meanwhile go first, between two folders, and goes on after it.)
   int RemoveExpired();
   // Waits until what Ended queued has been done (tests).
   void Drain();
@@ -95,6 +96,10 @@ class AttemptFolders {
   // Those of every attempt in the namespace folder that no rank here runs or waits to start.
   void RemoveIdleNamespaces();
   void Loop();
+  // RemoveExpired's scan. `yield` (the thread's): stops after a folder removed while an ended
+  // attempt waits (`*cut`: it did), so that a scan that empties many does not hold up the
+  // clean-up of the attempts that end meanwhile, their namespaces' memory included.
+  int Scan(bool yield, bool* cut);
   // Empties `folder` as `owner` and removes it; false, with a warning, when it stays.
   bool EmptyAndRemove(const std::string& folder, const UnixAccount* owner);
 
