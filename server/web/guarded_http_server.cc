@@ -410,6 +410,13 @@ bool GuardedHttpServer::process_and_close_socket(socket_t sock) {
   const absl::Time start = absl::Now();
   ps::UniqueFd fd(sock);
   if (svr_sock_ == INVALID_SOCKET) return false;  // stopping: what waited in the queue goes
+  if (t_shed) {
+    // (On the listener's thread: never waits, and looks up nothing.)
+    Refuse(sock, tls(),
+           "the console is busy: every thread is taken and too many wait; try again shortly",
+           false);
+    return false;
+  }
   // (The listener made it blocking, with a receive timeout: tls_io's calls poll instead.)
   const int flags = fcntl(sock, F_GETFL);
   if (flags < 0 || fcntl(sock, F_SETFL, flags | O_NONBLOCK) < 0) return false;
@@ -425,13 +432,6 @@ bool GuardedHttpServer::process_and_close_socket(socket_t sock) {
   const std::string address = CanonicalAddress(ip).value_or(ip);
   const bool counted = !absl::c_linear_search(limits_.exempt, address);
   const std::string peer = PeerKey(address);
-  if (t_shed) {
-    // (On the listener's thread: never waits.)
-    Refuse(sock, tls(),
-           "the console is busy: every thread is taken and too many wait; try again shortly",
-           false);
-    return false;
-  }
   if (int limit = 0; !Admit(peer, counted, &limit)) {
     const bool linger = lingering_refusals_.fetch_add(1) < kMaxLingeringRefusals;
     Refuse(sock, tls(),

@@ -96,7 +96,7 @@ class AttemptFolders {
   // Those of every attempt in the namespace folder that no rank here runs or waits to start.
   void RemoveIdleNamespaces();
   void Loop();
-  // RemoveExpired's scan. `yield` (the thread's): stops after a folder removed while an ended
+  // RemoveExpired's scan. `yield` (the thread's): stops after a folder emptied while an ended
   // attempt waits (`*cut`: it did), so that a scan that empties many does not hold up the
   // clean-up of the attempts that end meanwhile, their namespaces' memory included.
   int Scan(bool yield, bool* cut);
